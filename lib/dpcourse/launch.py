@@ -1,0 +1,460 @@
+"""Start N ranks from a notebook (or a script) and get their results back, safely.
+
+Lessons 03, 04 and 06 run every distributed example through :func:`spawn`::
+
+    from dpcourse import launch
+
+    def hello(rank, world_size):
+        import torch.distributed as dist
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t)
+        return t.item()
+
+    launch.spawn(hello, 2)            # -> [3.0, 3.0]
+
+Why not ``torch.multiprocessing.spawn`` straight from a notebook cell? Because of what goes
+wrong there, each measured on the course's machines (see DESIGN.md § Environment notes):
+
+* a function defined in a cell cannot be pickled by reference, so the child dies with
+  "Can't get attribute ... on <module '__main__'>". We ship the function by value with
+  cloudpickle, so a worker written in a cell just works;
+* every rank prints into the cell at once and the lines interleave; we capture each rank's
+  output and print it afterwards, rank by rank, each line prefixed with ``[rank k]``;
+* a rank that raises leaves the others waiting forever inside a collective; we stop all
+  ranks as soon as one fails and raise one :class:`RankFailedError` that names the rank and
+  carries its traceback;
+* a collective that not every rank calls hangs forever; ``timeout`` ends it with a
+  :class:`LaunchTimeoutError` that names the ranks that never finished;
+* the notebook's stop button (KeyboardInterrupt) used to leave workers running and their
+  port bound; every exit path here kills each rank's whole process group;
+* gloo + DDP workers abort with SIGABRT in about 3% of exits, *after* their work is done;
+  workers hand their result back, flush, and leave with ``os._exit`` — and a rank whose
+  result already arrived counts as finished, whatever its exit code.
+
+Each launch gets its own free TCP port on 127.0.0.1, so many learners (or tests) can launch at
+once on one machine. For scripts, :func:`torchrun` runs ``python -m torch.distributed.run``
+with a time limit, rank-prefixed output and the same clean-up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import cloudpickle
+
+__all__ = [
+    "spawn",
+    "torchrun",
+    "free_port",
+    "LaunchError",
+    "RankFailedError",
+    "LaunchTimeoutError",
+    "TorchrunResult",
+]
+
+# After the first rank fails, give the others this long to report their own error (so the
+# message can name every rank that really failed) before they are killed.
+_GRACE_AFTER_FAILURE_S = 1.5
+
+
+class LaunchError(RuntimeError):
+    """Base class for everything :func:`spawn` and :func:`torchrun` raise about the ranks."""
+
+
+class RankFailedError(LaunchError):
+    """A rank raised (or died). ``rank`` is the first to fail, ``failures`` maps every failed
+    rank to its formatted traceback, in the order the failures arrived."""
+
+    def __init__(self, failed: list[tuple[int, str, str]], world_size: int,
+                 stopped: Sequence[int] = ()):
+        self.rank = failed[0][0]
+        self.summary = failed[0][1]
+        self.failures = {r: tb for r, _, tb in failed}
+        self.world_size = world_size
+        lines = [f"rank {self.rank} of {world_size} failed: {self.summary}"]
+        if len(failed) > 1:
+            others = ", ".join(str(r) for r, _, _ in failed[1:])
+            lines.append(f"(then rank(s) {others} failed too, most likely because of it)")
+        if stopped:
+            lines.append(f"(rank(s) {', '.join(map(str, stopped))} were still running and were "
+                         f"stopped)")
+        for r, _, tb in failed:
+            lines.append(f"\n--- traceback of rank {r} ---\n{tb.rstrip()}")
+        super().__init__("\n".join(lines))
+
+
+class LaunchTimeoutError(LaunchError, TimeoutError):
+    """Some ranks did not finish within ``timeout`` seconds; they were killed.
+
+    ``pending`` lists the ranks that never finished (empty when torchrun timed out as a whole).
+    """
+
+    def __init__(self, message: str, pending: Sequence[int] = (), timeout: float | None = None):
+        self.pending = list(pending)
+        self.timeout = timeout
+        super().__init__(message)
+
+    @classmethod
+    def for_ranks(cls, pending: list[int], finished: list[int], timeout: float, world_size: int):
+        who = ", ".join(map(str, pending))
+        done = ", ".join(map(str, finished)) if finished else "none"
+        return cls(
+            f"rank(s) {who} of {world_size} never finished within {timeout:g} s and were stopped "
+            f"(finished: {done}). A rank waiting in a collective that another rank never calls "
+            f"hangs like this.",
+            pending, timeout,
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now (the OS picks it, so launches don't clash)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------
+# The worker side. Everything below runs in the child process.
+# --------------------------------------------------------------------------------------------
+
+
+def _worker_entry(rank: int, world_size: int, port: int, payload: bytes, env: dict,
+                  log_path: str, result_conn, release_conn) -> None:
+    # Own process group: the parent can then kill this rank *and* anything it started
+    # (DataLoader workers, a subprocess) with one killpg.
+    os.setsid()
+    # Everything the rank prints goes to its own file; the parent prints it in rank order.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+    os.environ.update(env)  # the parent's environment *now*, not when the fork server started
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        fn, args, kwargs, backend = cloudpickle.loads(payload)
+        if backend is not None:
+            import torch.distributed as dist
+
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        outcome = ("ok", fn(rank, world_size, *args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
+        outcome = ("error", f"{type(exc).__name__}: {exc}".strip(), traceback.format_exc())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        message = cloudpickle.dumps(outcome)
+    except Exception as exc:  # the return value itself cannot be pickled
+        message = cloudpickle.dumps((
+            "error",
+            f"{type(exc).__name__}: the return value of rank {rank} could not be sent back "
+            f"({exc}); return plain numbers, lists, dicts, arrays or CPU tensors.",
+            traceback.format_exc()))
+    try:
+        result_conn.send_bytes(message)
+        result_conn.close()
+        # Stay alive, sockets open, until the parent says every rank is done (or dies). A rank
+        # that returned early must not tear down the group under a rank still inside a
+        # collective: on a real cluster that rank would simply wait, and so it waits here, until
+        # the parent's timeout names it. This is also why we never need destroy_process_group.
+        release_conn.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    finally:
+        # os._exit skips the interpreter's shutdown, where gloo's threads (kept alive by DDP)
+        # sometimes abort the process after all the work is done.
+        os._exit(0)
+
+
+# --------------------------------------------------------------------------------------------
+# The parent side.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: Any
+    conn: Any  # results come back on it
+    release: Any  # closing it lets the rank exit
+    log_path: str
+    outcome: tuple | None = None  # ("ok", value) or ("error", summary, traceback)
+    arrived: float = 0.0
+
+
+def _kill_group(pid: int) -> None:
+    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+
+
+def _context(start_method: str):
+    ctx = get_context(start_method)
+    if start_method == "forkserver":
+        # The fork server imports torch once; each rank is then a cheap fork of it instead of
+        # a fresh interpreter importing torch again (about 3 s per rank on a 2-core machine).
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "dpcourse.launch"])
+    return ctx
+
+
+def spawn(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str | None = None,
+    show_output: bool = True,
+    start_method: str = "forkserver",
+    **kwargs: Any,
+) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` processes.
+
+    Returns the ranks' return values as a list indexed by rank. ``fn`` may be defined in a
+    notebook cell. Each rank sees RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
+    its environment (a fresh free port per launch), so ``dist.init_process_group(backend)``
+    with the default ``env://`` works. With ``backend="gloo"`` (or "nccl"), the group is set up
+    before ``fn`` runs and torn down after it.
+
+    Raises :class:`RankFailedError` if a rank raises, :class:`LaunchTimeoutError` if some rank
+    is not done after ``timeout`` seconds, and re-raises KeyboardInterrupt; in every case all
+    ranks (and their children) are killed before this returns.
+    """
+    if not callable(fn):
+        raise TypeError(f"spawn() needs a function to run on every rank, got {type(fn).__name__}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if timeout is None or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
+    try:
+        payload = cloudpickle.dumps((fn, args, kwargs, backend))
+    except Exception as exc:
+        raise TypeError(
+            f"spawn() could not send {getattr(fn, '__name__', fn)!r} or its arguments to the "
+            f"ranks ({type(exc).__name__}: {exc}). Pass plain data (numbers, arrays, CPU "
+            f"tensors, dataclasses), not open files, locks or live process groups."
+        ) from None
+
+    ctx = _context(start_method)
+    port = free_port()
+    env = dict(os.environ)
+    logdir = tempfile.mkdtemp(prefix="dpcourse-spawn-")
+    ranks: list[_Rank] = []
+    try:
+        for r in range(world_size):
+            result_r, result_w = ctx.Pipe(duplex=False)
+            release_r, release_w = ctx.Pipe(duplex=False)
+            log_path = os.path.join(logdir, f"rank{r}.log")
+            p = ctx.Process(
+                target=_worker_entry,
+                args=(r, world_size, port, payload, env, log_path, result_w, release_r),
+                name=f"dpcourse-rank{r}",
+                daemon=True,
+            )
+            p.start()
+            # Close the child's ends here, so that a dead child shows up as EOF.
+            result_w.close()
+            release_r.close()
+            ranks.append(_Rank(r, p, result_r, release_w, log_path))
+        _wait(ranks, timeout, world_size)
+    finally:
+        for rk in ranks:
+            rk.release.close()  # finished ranks exit on their own now
+        deadline = time.monotonic() + 2.0
+        for rk in ranks:
+            if rk.outcome is not None and rk.outcome[0] == "ok":
+                rk.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        # Then kill every rank's process group, finished or not: a stuck rank must go, and a
+        # finished one may have left children behind (a DataLoader worker, a subprocess).
+        for rk in ranks:
+            _kill_group(rk.process.pid)
+        for rk in ranks:
+            rk.process.join(timeout=5)
+            rk.conn.close()
+        if show_output:
+            _print_outputs(ranks)
+        for rk in ranks:
+            try:
+                os.unlink(rk.log_path)
+            except OSError:
+                pass
+        try:
+            os.rmdir(logdir)
+        except OSError:
+            pass
+    return [rk.outcome[1] for rk in ranks]
+
+
+def _wait(ranks: list[_Rank], timeout: float, world_size: int) -> None:
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    while True:
+        pending = [rk for rk in ranks if rk.outcome is None]
+        if not pending:
+            break
+        now = time.monotonic()
+        if failed_at is not None and now - failed_at > _GRACE_AFTER_FAILURE_S:
+            break
+        if now >= deadline:
+            break
+        limit = deadline - now
+        if failed_at is not None:
+            limit = min(limit, _GRACE_AFTER_FAILURE_S - (now - failed_at))
+        ready = wait([rk.conn for rk in pending], timeout=max(0.0, min(limit, 0.5)))
+        for rk in pending:
+            if rk.conn in ready:
+                try:
+                    rk.outcome = cloudpickle.loads(rk.conn.recv_bytes())
+                except (EOFError, OSError):
+                    # The pipe closed without a result: the rank died (segfault, SIGKILL, OOM).
+                    rk.process.join(timeout=2)
+                    code = rk.process.exitcode
+                    how = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
+                           else f"exit code {code}")
+                    rk.outcome = ("error", f"the process died without a result ({how})",
+                                  "(no Python traceback: the process ended abruptly)")
+                rk.arrived = time.monotonic()
+                if rk.outcome[0] == "error" and failed_at is None:
+                    failed_at = rk.arrived
+    failed = sorted((rk for rk in ranks if rk.outcome and rk.outcome[0] == "error"),
+                    key=lambda rk: rk.arrived)
+    if failed:
+        # Arrival order: the first rank to fail is usually the cause, the rest its echoes.
+        still_running = [rk.rank for rk in ranks if rk.outcome is None]
+        raise RankFailedError([(rk.rank, rk.outcome[1], rk.outcome[2]) for rk in failed],
+                              world_size, still_running)
+    pending = [rk.rank for rk in ranks if rk.outcome is None]
+    if pending:
+        finished = [rk.rank for rk in ranks if rk.outcome is not None]
+        raise LaunchTimeoutError.for_ranks(pending, finished, timeout, world_size)
+
+
+def _print_outputs(ranks: list[_Rank]) -> None:
+    for rk in ranks:
+        try:
+            text = Path(rk.log_path).read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            print(f"[rank {rk.rank}] {line}")
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun, for scripts
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TorchrunResult:
+    """What a torchrun launch left behind: its exit code and its (rank-prefixed) output."""
+
+    returncode: int
+    output: str
+    command: list[str]
+
+    def check(self) -> "TorchrunResult":
+        if self.returncode != 0:
+            tail = "\n".join(self.output.splitlines()[-40:])
+            raise LaunchError(f"torchrun exited with code {self.returncode}:\n{tail}")
+        return self
+
+
+def torchrun(
+    script: str | os.PathLike,
+    *script_args: str,
+    nproc_per_node: int = 2,
+    nnodes: int | str = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "dpcourse",
+    max_restarts: int = 0,
+    timeout: float = 300.0,
+    extra_args: Sequence[str] = (),
+    env: dict | None = None,
+    cwd: str | os.PathLike | None = None,
+    echo: bool = True,
+    check: bool = True,
+) -> TorchrunResult:
+    """Run ``torchrun ... script script_args`` with a time limit and clean-up.
+
+    Output of every worker is prefixed with its rank (torchrun's ``--tee 3`` with
+    ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``), collected, and returned (``echo`` also prints
+    it when the run ends, so it never interleaves with other cells). The whole process tree
+    runs in its own session; on timeout, error or KeyboardInterrupt it is killed, leaving no
+    worker and no bound port. A single-node run gets a free port on 127.0.0.1 for its
+    rendezvous; pass ``rdzv_endpoint`` (and ``nnodes``) to join several "nodes".
+    """
+    script = Path(script)
+    if not script.exists():
+        raise FileNotFoundError(f"torchrun: no such script {script}")
+    if rdzv_endpoint is None:
+        rdzv_endpoint = f"127.0.0.1:{free_port()}"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        f"--max-restarts={max_restarts}",
+        "--tee=3",
+        *extra_args,
+        str(script),
+        *map(str, script_args),
+    ]
+    run_env = dict(os.environ)
+    run_env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank ${rank}] ")
+    run_env.setdefault("PYTHONUNBUFFERED", "1")
+    run_env.setdefault("OMP_NUM_THREADS", "1")
+    if env:
+        run_env.update(env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env,
+        cwd=cwd, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        out, _ = proc.communicate()
+        if echo:
+            print(out.rstrip())
+        raise LaunchTimeoutError(
+            f"torchrun did not finish within {timeout:g} s; it and all its workers were stopped.",
+            timeout=timeout) from None
+    except BaseException:
+        _kill_group(proc.pid)
+        proc.communicate()
+        raise
+    finally:
+        # torchrun's agent may leave workers behind if it is itself killed; sweep the session.
+        _kill_group(proc.pid)
+    result = TorchrunResult(proc.returncode, out, cmd)
+    if echo:
+        print(out.rstrip())
+    return result.check() if check else result
