@@ -110,7 +110,7 @@ def _class_masks(label: int, yy, xx, size, phase):
     raise ValueError(label)
 
 
-def make_shapes10(n: int, seed: int = 0, noise: float = 0.25) -> tuple[np.ndarray, np.ndarray]:
+def make_shapes10(n: int, seed: int = 0, noise: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """``n`` images of the shapes10 set and their labels, fully determined by ``seed``.
 
     Classes are balanced (``n // 10`` each, the remainder spread over the first classes) and

@@ -216,7 +216,10 @@ def _context(start_method: str):
     if start_method == "forkserver":
         # The fork server imports torch once; each rank is then a cheap fork of it instead of
         # a fresh interpreter importing torch again (about 3 s per rank on a 2-core machine).
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "dpcourse.launch"])
+        # torch._dynamo too: wrapping a model in DDP imports it (and ~900 modules with it),
+        # which cost 4-5 s in *every* launch until it was preloaded here.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                    "torch.nn.parallel", "cloudpickle", "dpcourse.launch"])
     return ctx
 
 
