@@ -39,6 +39,7 @@ __all__ = [
 class TrainConfig:
     epochs: int = 2
     batch_size: int = 64
+    optimizer: str = "sgd"  # "sgd" (with momentum) or "adam"
     lr: float = 0.05
     momentum: float = 0.9
     seed: int = 0
@@ -54,6 +55,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
 
 
 def autocast_for(device: torch.device | str, enabled: bool):
@@ -165,7 +168,10 @@ def fit(model: nn.Module, ds, cfg: TrainConfig) -> list[dict]:
     device = torch.device(cfg.device)
     model.to(device)
     train_loader, test_loader = make_loaders(ds, cfg.batch_size, cfg.seed, cfg.num_workers)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     loss_fn = nn.CrossEntropyLoss()
     scaler = torch.amp.GradScaler("cuda") if cfg.amp and device.type == "cuda" else None
     history = []
