@@ -77,7 +77,8 @@ except LabCheckError as err:
 # compared by the course's tests.
 
 # %%
-# NBVAL_IGNORE_OUTPUT — versions, CPU count and GPUs differ from machine to machine.
+# NBVAL_IGNORE_OUTPUT
+# Why: versions, CPU count and GPUs differ from machine to machine.
 from dpcourse.__main__ import doctor
 
 doctor();  # the semicolon hides its return code

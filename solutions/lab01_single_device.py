@@ -21,11 +21,11 @@
 
 # %% tags=["parameters"]
 dataset = "shapes10"
-n_train = 2000
+n_train = 3000
 n_test = 500
 epochs = 2
-batch_size = 64
-lr = 0.05
+batch_size = 32
+lr = 2e-3
 seed = 0
 device = None
 
@@ -104,7 +104,7 @@ devices.seed_everything(seed)
 ds = data.load(dataset, n_train=n_train, n_test=n_test, seed=seed)
 train_loader, test_loader = train.make_loaders(ds, batch_size, seed=seed)
 model = models.SmallCNN().to(device)
-optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 loss_fn = nn.CrossEntropyLoss()
 losses, accs = [], []
 for epoch in range(epochs):

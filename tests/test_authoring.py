@@ -103,3 +103,16 @@ def test_every_lesson_has_a_parameters_cell():
         nb = authoring.read_source(src)
         tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(tagged) == 1 or src.stem.startswith("00"), f"{src.name}: no parameters cell"
+
+
+def test_ignored_outputs_are_marked_properly_and_say_why():
+    """nbval honours NBVAL_IGNORE_OUTPUT only alone on its line; the next line says why."""
+    for src in authoring.sources():
+        for i, cell in enumerate(authoring.read_source(src).cells):
+            lines = cell.source.splitlines()
+            for j, line in enumerate(lines):
+                if "NBVAL_IGNORE_OUTPUT" in line and cell.cell_type == "code":
+                    assert line.strip() == "# NBVAL_IGNORE_OUTPUT", \
+                        f"{src.name} cell {i}: put the marker alone on its line"
+                    assert j + 1 < len(lines) and lines[j + 1].strip().startswith("#") and \
+                        len(lines[j + 1].strip()) > 12, f"{src.name} cell {i}: say why on the next line"
