@@ -437,7 +437,7 @@ def gil_threads_demo(n: int = 300_000, threads: int = 2) -> dict:
         for t in ts:
             t.join()
 
-    t_seq = _best_of(sequential, 3)
-    t_thr = _best_of(threaded, 3)
+    t_seq = _best_of(sequential, 5)
+    t_thr = _best_of(threaded, 5)
     return {"sequential_s": t_seq, "threaded_s": t_thr, "speedup": t_seq / t_thr,
             "threads": threads}
