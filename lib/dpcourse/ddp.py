@@ -78,12 +78,12 @@ class StepConfig:
     data_seed: int = 0
 
     def per_rank_batch(self, world_size: int) -> int:
-        if self.global_batch % world_size:
-            raise ValueError(f"global_batch {self.global_batch} does not split over {world_size} "
-                             f"ranks; use a multiple of {world_size}")
         if self.global_batch < world_size:
             raise ValueError(f"global_batch {self.global_batch} is smaller than world_size "
                              f"{world_size}: some rank would get no sample")
+        if self.global_batch % world_size:
+            raise ValueError(f"global_batch {self.global_batch} does not split over {world_size} "
+                             f"ranks; use a multiple of {world_size}")
         return self.global_batch // world_size
 
 
@@ -93,6 +93,9 @@ def validate_world_size(world_size: int, backend: str) -> None:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            raise ValueError("nccl needs one GPU per rank and this machine has no GPU; use "
+                             "backend='gloo'")
         if world_size > gpus:
             raise ValueError(f"world_size {world_size} is larger than the {gpus} GPU(s) here: nccl "
                              f"needs one GPU per rank; use backend='gloo' or world_size <= {gpus}")
