@@ -217,11 +217,16 @@ assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0
 g = dp.gil_threads_demo()
 print(f"2 units of Python work: one after another {g['sequential_s'] * 1e3:.0f} ms, "
       f"in 2 threads {g['threaded_s'] * 1e3:.0f} ms, speed-up {g['speedup']:.2f}x")
+print(f"CPU seconds used per second while the 2 threads ran: {g['cpu_per_wall']:.2f}")
+
+# %% [markdown]
+# The speed-up above is at the mercy of whatever else the machine is doing. The CPU time is not:
+# two truly parallel threads would burn about 2 CPU-seconds per second; under the GIL the process
+# never burns more than one core's worth, however many cores are idle.
 
 # %%
-# Without a GIL two threads on two cores would approach 2x; with it they cannot get far past 1x.
-assert g["speedup"] < 1.6, g
-print("threads give no speed-up on Python code: True")
+assert g["cpu_per_wall"] < 1.3, g
+print("the threads used one core at a time: True")
 
 # %% [markdown]
 # **Device 0 does extra work.** It holds the gathered outputs, computes the loss alone, and

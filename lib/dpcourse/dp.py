@@ -421,7 +421,8 @@ def _python_work(n: int) -> int:
 def gil_threads_demo(n: int = 300_000, threads: int = 2) -> dict:
     """Time ``threads`` units of pure-Python work done one after another vs in ``threads``
     threads. With the GIL the threaded run is no faster (often slower): ``speedup`` ≈ 1 or less,
-    however many cores the machine has."""
+    however many cores the machine has, and ``cpu_per_wall`` (CPU seconds the process used per
+    second of the threaded run) stays at or below 1: one core at a time."""
     if threads < 2:
         raise ValueError("the demo needs at least 2 threads")
     _python_work(n // 10)  # warm-up
@@ -439,5 +440,11 @@ def gil_threads_demo(n: int = 300_000, threads: int = 2) -> dict:
 
     t_seq = _best_of(sequential, 5)
     t_thr = _best_of(threaded, 5)
+    # The load-proof sign of the GIL: while the threads run, the process uses at most one core's
+    # worth of CPU time per second of wall time (two truly parallel threads would use two). A
+    # busy machine slows both timings above, but cannot push this ratio above 1.
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    threaded()
+    cpu_per_wall = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     return {"sequential_s": t_seq, "threaded_s": t_thr, "speedup": t_seq / t_thr,
-            "threads": threads}
+            "cpu_per_wall": cpu_per_wall, "threads": threads}
