@@ -146,7 +146,8 @@ print("dp.data_parallel == plain model: True")
 # counts how often the wrapper replicates it, and compares with the module's own output.
 
 # %%
-# NBVAL_IGNORE_OUTPUT: what the wrapper does depends on how many GPUs this machine has.
+# NBVAL_IGNORE_OUTPUT
+# (why: what the wrapper does depends on how many GPUs this machine has.)
 report = dp.real_data_parallel(model, X)
 print(report.explain())
 print(report)
@@ -200,7 +201,8 @@ assert tc.replicate_calls == 3
 # cross PCIe/NVLink; here they are memory copies plus building N module objects in Python.
 
 # %%
-# NBVAL_IGNORE_OUTPUT: timings depend on the machine and its load.
+# NBVAL_IGNORE_OUTPUT
+# (why: timings depend on the machine and its load.)
 t = dp.time_replicate_vs_forward(model, X, devs)
 print(f"replicate onto {n_devices} devices: {t['replicate_s'] * 1e3:.2f} ms; "
       f"forward of one chunk: {t['forward_chunk_s'] * 1e3:.2f} ms; ratio {t['ratio']:.2f}")
@@ -213,7 +215,8 @@ assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0
 # in a row, however many cores you have.
 
 # %%
-# NBVAL_IGNORE_OUTPUT: timings depend on the machine and its load.
+# NBVAL_IGNORE_OUTPUT
+# (why: timings depend on the machine and its load.)
 g = dp.gil_threads_demo()
 print(f"2 units of Python work: one after another {g['sequential_s'] * 1e3:.0f} ms, "
       f"in 2 threads {g['threaded_s'] * 1e3:.0f} ms, speed-up {g['speedup']:.2f}x")

@@ -18,7 +18,7 @@
 
 # %% tags=["parameters"]
 world_size = None    # None: from the hardware profile (2 on the cpu profile)
-steps = 30           # steps of the "many steps" comparison
+steps = 20           # steps of the "many steps" comparison
 global_batch = 32
 width = 8            # SmallCNN width
 lr = 0.05
@@ -40,7 +40,8 @@ backend = devices.backend_for(world_size)
 ddp.validate_world_size(world_size, backend)
 
 # %%
-# NBVAL_IGNORE_OUTPUT: the profile depends on this machine's GPUs.
+# NBVAL_IGNORE_OUTPUT
+# (why: the profile depends on this machine's GPUs.)
 print(profile.describe())
 print(f"this lesson: {world_size} ranks over {backend}")
 
@@ -150,7 +151,8 @@ for bad in (lambda: ddp.StepConfig(global_batch=5).per_rank_batch(2),
         print("ValueError:", e)
 
 # %%
-# NBVAL_IGNORE_OUTPUT: the message names how many GPUs this machine has.
+# NBVAL_IGNORE_OUTPUT
+# (why: the message names how many GPUs this machine has.)
 too_many = (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1
 try:
     ddp.validate_world_size(too_many, "nccl")
