@@ -55,6 +55,7 @@ def test_reference_answers_pass():
     (lambda X, n: list(torch.chunk(X, n))[:-1], r"chunk\(s\) for 2 devices"),
     (lambda X, n: list(torch.chunk(X, n))[::-1], "not the original batch"),
     (lambda X, n: X, "list of tensors"),
+    (lambda X, n: [c.reshape(-1) for c in torch.chunk(X, n)], "changed the number of dimensions"),
 ])
 def test_wrong_scatter(wrong, phrase):
     with pytest.raises(LabCheckError, match=phrase):

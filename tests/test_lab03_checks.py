@@ -135,3 +135,25 @@ def test_reference_step_passes():
 def test_wrong_step(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
         lab03.check_data_parallel_step(fn)
+
+
+def todo_average(model):
+    # TODO: all_reduce each p.grad with SUM, then divide it in place by the world size
+    raise NotImplementedError("TODO: all_reduce each p.grad")
+
+
+def todo_inside(model):
+    for p in model.parameters():
+        raise NotImplementedError("not yet")
+
+
+def test_unfinished_lab_raises_not_implemented_without_launching():
+    t0 = time.monotonic()
+    with pytest.raises(NotImplementedError, match="replace the TODO"):
+        lab03.check_average_gradients(todo_average)
+    assert time.monotonic() - t0 < 2
+
+
+def test_not_implemented_raised_in_a_rank_stays_not_implemented():
+    with pytest.raises(NotImplementedError, match="on rank"):
+        lab03.check_average_gradients(todo_inside)

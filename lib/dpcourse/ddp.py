@@ -116,6 +116,11 @@ def rank_device() -> torch.device:
     if dev.type == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    else:
+        # TF32 convolutions/matmuls (on by default for cuDNN) round to ~1e-3, which would hide
+        # the float-tolerance equality lesson 03 proves against the CPU reference.
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     return dev
 
 
