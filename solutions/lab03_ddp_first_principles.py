@@ -13,7 +13,7 @@
 # your functions to the ranks, so define them right here in the notebook) and compare with one
 # process on the global batch. They recognise the classic mistakes — summing without dividing,
 # dividing into a new tensor instead of `p.grad`, calling `all_reduce` on one rank only (a
-# deadlock: the check stops it after 15 s), averaging the loss instead of the gradients — and
+# deadlock: the check stops it after 20 s), averaging the loss instead of the gradients — and
 # tell you which one you made.
 
 # %%

@@ -118,9 +118,11 @@ def test_wrong_average_gradients(fn, phrase):
 def test_all_reduce_on_rank0_only_is_a_deadlock_ended_by_timeout():
     assert lab03.DEFAULT_TIMEOUT <= 20
     t0 = time.monotonic()
-    with pytest.raises(LabCheckError, match=r"rank\(s\) 0 never finished .* deadlock"):
-        lab03.check_average_gradients(rank0_only, timeout=4)
-    assert time.monotonic() - t0 < 15
+    # A short timeout keeps the test quick; rank 0 must be named (rank 1 too, on a machine so
+    # busy that it had not even finished starting).
+    with pytest.raises(LabCheckError, match=r"rank\(s\) 0(, 1)? never finished .* deadlock"):
+        lab03.check_average_gradients(rank0_only, timeout=6)
+    assert time.monotonic() - t0 < 30
 
 
 def test_reference_step_passes():
