@@ -81,7 +81,7 @@ except LabCheckError as err:
 # Why: versions, CPU count and GPUs differ from machine to machine.
 from dpcourse.__main__ import doctor
 
-doctor();  # the semicolon hides its return code
+_ = doctor()  # (keep its return code out of the output)
 
 # %% [markdown]
 # What the lessons rely on is not the exact report but a few rules, checked here on this

@@ -1,7 +1,14 @@
 """Shared fixtures: every test that launches processes must leave none behind."""
 
+import importlib.util
+
 import psutil
 import pytest
+
+if importlib.util.find_spec("triton"):
+    # Some tests load TensorFlow into this process; torch's triton segfaults if it is loaded
+    # after TF (measured), so load it first.
+    import triton  # noqa: F401
 
 
 def stray_processes():
