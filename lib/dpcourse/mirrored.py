@@ -325,10 +325,17 @@ def make_train_step(strategy, model, optimizer, global_batch: int, loss_scaling:
     return step
 
 
-def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global") -> list[np.ndarray]:
+def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global",
+                       grad_reduce: str = "sum") -> list[np.ndarray]:
     """The gradient a MirroredStrategy step applies for the global batch (``x``, ``y``): each
     replica's gradient on its slice, summed over replicas exactly as the optimizer's all-reduce
-    does. Weights are not changed."""
+    does. Weights are not changed.
+
+    ``grad_reduce="mean"`` averages the replicas' gradients instead — what DDP does, and what
+    TF does *not* do; with it, ``loss_scaling="reduce_mean"`` is the right pairing."""
+    if grad_reduce not in ("sum", "mean"):
+        raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
+    op = tf.distribute.ReduceOp.SUM if grad_reduce == "sum" else tf.distribute.ReduceOp.MEAN
     global_batch = len(y)
     n = strategy.num_replicas_in_sync
     if global_batch % n:
@@ -343,7 +350,7 @@ def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global") -> l
                 loss = per_replica_loss(yb, model(xb, training=True), global_batch, loss_scaling)
             return tape.gradient(loss, model.trainable_variables)
         per_replica = strategy.run(step_fn, args=batch)
-        return [strategy.reduce(tf.distribute.ReduceOp.SUM, g, axis=None) for g in per_replica]
+        return [strategy.reduce(op, g, axis=None) for g in per_replica]
 
     return [g.numpy() for g in grads_of(dist_batch)]
 
@@ -394,7 +401,9 @@ def fit(strategy, train_ds, epochs: int = 1, lr: float = 0.05, model: keras.Mode
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
-    model.fit(train_ds, epochs=epochs, verbose=0)
+    # shuffle=False: a tf.data pipeline shuffles itself (make_dataset(shuffle=True)); Keras
+    # would only warn that it ignores its own shuffle flag, into the notebook's output.
+    model.fit(train_ds, epochs=epochs, verbose=0, shuffle=False)
     return model
 
 
