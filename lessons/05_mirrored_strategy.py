@@ -113,19 +113,20 @@ assert sum(local_sizes) == global_batch
 
 # %%
 # NBVAL_IGNORE_OUTPUT: a timing ratio; it depends on this machine's cores and load.
-def seconds_for_epochs(pipeline, epochs=3):
+def seconds_for_epochs(pipeline, epochs=2):
     t0 = time.perf_counter()
     for _ in range(epochs):
         for _batch in pipeline:
             pass
     return time.perf_counter() - t0
 
-plain = mirrored.make_dataset(ds.x_train, ds.y_train, global_batch, decode_png=True,
+some_x, some_y = ds.x_train[:1024], ds.y_train[:1024]
+plain = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
                               cache=False, prefetch=False)
-tuned = mirrored.make_dataset(ds.x_train, ds.y_train, global_batch, decode_png=True,
+tuned = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
                               cache=True, prefetch=True)
 t_plain, t_tuned = seconds_for_epochs(plain), seconds_for_epochs(tuned)
-print(f"3 epochs: decode every time {t_plain:.2f} s, cache+prefetch {t_tuned:.2f} s "
+print(f"2 epochs: decode every time {t_plain:.2f} s, cache+prefetch {t_tuned:.2f} s "
       f"-> {t_plain / t_tuned:.1f}x faster")
 
 # %% [markdown]
@@ -248,8 +249,8 @@ assert same and np.allclose(loss_mirror, loss_single, atol=1e-5)
 #
 # `fit` does all of the above for you: build and compile inside `strategy.scope()`, pass a
 # dataset batched with the global batch, and Keras splits batches, scales the loss by the global
-# batch and all-reduces the gradients. Proof: the same `steps` batches through `fit` with and
-# without the strategy end with the same weights.
+# batch and all-reduces the gradients. Proof: the same `steps` batches through `fit` under the
+# strategy end with the weights one device reached in section 4.
 
 # %%
 def optimizer_in(strat):
@@ -265,12 +266,9 @@ def fit_from_init(strat):
 
 
 fit_mirror = fit_from_init(strategy)
-fit_single = fit_from_init(tf.distribute.get_strategy())   # the default: one device
 same_fit = all(np.allclose(a, b, atol=1e-5) for a, b in zip(
-    mirrored.keras_weights_as_torch(fit_mirror), mirrored.keras_weights_as_torch(fit_single)))
-print("fit under MirroredStrategy == fit on one device:", same_fit)
-print("fit == our custom loop:", all(np.allclose(a, b, atol=1e-5) for a, b in zip(
-    mirrored.keras_weights_as_torch(fit_mirror), w_mirror)))
+    mirrored.keras_weights_as_torch(fit_mirror), w_single))
+print("fit under MirroredStrategy == one device on the global batch:", same_fit)
 assert same_fit
 
 # %% [markdown]
@@ -280,14 +278,17 @@ assert same_fit
 # `mixed_bfloat16` on CPUs (and TPUs), `mixed_float16` on GPUs — where `fit` wraps the optimizer
 # in a `LossScaleOptimizer`, because float16 gradients underflow without loss scaling
 # (bfloat16 has float32's range and needs none). The output layer returns float32 logits. Same
-# weights, same data: the accuracy and the training steps match float32's within tolerance.
+# weights, same data: the accuracy and the training steps match float32's within tolerance. (The
+# weights here are barely trained, so the accuracy itself is near chance; what is tested is
+# that 16-bit arithmetic does not change the answers. Lesson 01 shows the same with torch AMP.)
 
 # %%
 policy = "mixed_float16" if profile.tf_device_type == "GPU" else "mixed_bfloat16"
 with strategy.scope():
     low = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn(dtype=policy))
     full = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn())
-acc_low, acc_full = (mirrored.evaluate(m, ds.x_test, ds.y_test) for m in (low, full))
+# 16-bit convolutions are slow on CPUs without oneDNN, so a few hundred test images suffice here
+acc_low, acc_full = (mirrored.evaluate(m, ds.x_test[:256], ds.y_test[:256]) for m in (low, full))
 print(f"{policy}: accuracy equals float32's within 0.02:", abs(acc_low - acc_full) <= 0.02)
 assert abs(acc_low - acc_full) <= 0.02
 
@@ -423,7 +424,7 @@ assert agree and np.allclose(loss_ddp, loss_mirror, atol=1e-5)
 import difflib
 
 tf_step = inspect.getsource(mirrored.train_step)
-tf_step = tf_step.split('"""')[0] + tf_step.split('"""')[2].lstrip("\n")   # without docstring
+tf_step = tf_step.split('"""')[0].rstrip(" ") + tf_step.split('"""')[2].lstrip("\n")   # without docstring
 torch_step = inspect.getsource(ddp_train_step)
 print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlines(True),
                                    "PyTorch DDP", "TF MirroredStrategy", n=1)))
