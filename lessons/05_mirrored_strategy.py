@@ -51,7 +51,8 @@ print("mirroring over", len(device_names), profile.tf_device_type, "device(s)")
 # fine, so re-running the cell above does no harm.)
 
 # %%
-# NBVAL_IGNORE_OUTPUT: the message names this machine's device kind (CPU or GPU) and count.
+# NBVAL_IGNORE_OUTPUT
+# (why: the message names this machine's device kind (CPU or GPU) and count.)
 try:
     devices.split_tf_devices(n_replicas + 1)
 except RuntimeError as err:
@@ -112,7 +113,8 @@ assert sum(local_sizes) == global_batch
 # decodes every time against one with cache and prefetch.
 
 # %%
-# NBVAL_IGNORE_OUTPUT: a timing ratio; it depends on this machine's cores and load.
+# NBVAL_IGNORE_OUTPUT
+# (why: a timing ratio; it depends on this machine's cores and load.)
 def seconds_for_epochs(pipeline, epochs=2):
     t0 = time.perf_counter()
     for _ in range(epochs):
@@ -198,7 +200,8 @@ assert max_diff < 1e-5
 # | `reduce_mean` (÷ local batch) | MEAN (DDP's all-reduce) | correct |
 
 # %%
-# NBVAL_IGNORE_OUTPUT: the factors are N, the number of replicas, which depends on the profile.
+# NBVAL_IGNORE_OUTPUT
+# (why: the factors are N, the number of replicas, which depends on the profile.)
 def norm(grads):
     return float(np.sqrt(sum(np.sum(g * g) for g in grads)))
 
@@ -353,7 +356,8 @@ print("== one device on the global batch:", equal_single)
 assert workers_agree and equal_single
 
 # %%
-# NBVAL_IGNORE_OUTPUT: wall-clock time on this machine.
+# NBVAL_IGNORE_OUTPUT
+# (why: wall-clock time on this machine.)
 print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF import included)")
 
 # %% [markdown]
