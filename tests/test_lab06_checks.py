@@ -113,11 +113,20 @@ def test_all_gather_mistakes(fn, phrase):
         lab06.check_all_gather(fn)
 
 
-def test_not_implemented_is_named():
+def test_an_unsolved_todo_stops_with_not_implemented():
     def todo(buffers):
-        raise NotImplementedError("TODO")
-    with pytest.raises(LabCheckError, match="not written yet"):
+        raise NotImplementedError("TODO: send chunk (i - s)")
+    with pytest.raises(NotImplementedError, match="TODO: send chunk"):
         lab06.check_scatter_reduce(todo)
+
+
+def ring_todo(tensor, op="sum"):
+    raise NotImplementedError("TODO: scatter-reduce")
+
+
+def test_an_unsolved_real_ring_stops_with_not_implemented():
+    with pytest.raises(NotImplementedError, match="ring_allreduce is not written yet"):
+        lab06.check_ring_allreduce(ring_todo, timeout=60)
 
 
 # --- the real ring ----------------------------------------------------------------------------
