@@ -36,7 +36,8 @@ import torch
 
 from dpcourse import bench, devices, launch, ring, viz
 
-# NBVAL_IGNORE_OUTPUT: the number of ranks depends on the hardware profile (2 on a CPU).
+# NBVAL_IGNORE_OUTPUT
+# Why: the number of ranks depends on the hardware profile (2 on a CPU).
 profile = devices.choose_profile(world_size=world_size)
 world_size = profile.world_size
 print("ranks for the training run:", world_size)
@@ -160,7 +161,8 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo))
 # `python -m dpcourse.bench allreduce`.
 
 # %%
-# NBVAL_IGNORE_OUTPUT: timings depend on the machine and its load; the claims about them are
+# NBVAL_IGNORE_OUTPUT
+# Why: timings depend on the machine and its load; the claims about them are
 # asserted in the next cell instead.
 fit_sizes = [k * 1024 for k in fit_sizes_kib]
 rows = []
@@ -213,7 +215,8 @@ for name, bw in links.items():
 # 2K/B — while the latency term 2(N−1)α grows linearly; at large N, latency is what rings pay.
 
 # %%
-# NBVAL_IGNORE_OUTPUT: uses the fitted (hardware-dependent) numbers of this machine.
+# NBVAL_IGNORE_OUTPUT
+# Why: uses the fitted (hardware-dependent) numbers of this machine.
 c_here = ring.cost("ring", 8, k_resnet50, fit.alpha, fit.beta)
 print(f"the same all-reduce predicted for 8 ranks on this machine: {c_here.seconds * 1e3:.0f} ms")
 
@@ -336,7 +339,8 @@ if world_size == 2:
 # (K / t)·2(N−1)/N — the rate each link must sustain — so numbers for different N compare.
 
 # %%
-# NBVAL_IGNORE_OUTPUT: timings depend on the machine and its load.
+# NBVAL_IGNORE_OUTPUT
+# Why: timings depend on the machine and its load.
 table = [bench.AllreduceRow(int(n), int(k), tr, tb, bench.bus_bandwidth(k, tr, int(n)),
                             bench.bus_bandwidth(k, tb, int(n)))
          for n, k, tb, tr in zip(ns, ks, t_builtin, t_ring)]

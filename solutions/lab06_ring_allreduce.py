@@ -45,7 +45,7 @@ def scatter_reduce(buffers):
         ### END SOLUTION
 
 # %%
-lab06.check_scatter_reduce(scatter_reduce)
+_ = lab06.check_scatter_reduce(scatter_reduce)
 
 # %% [markdown]
 # ## 2. All-gather
@@ -67,7 +67,7 @@ def all_gather(buffers):
         ### END SOLUTION
 
 # %%
-lab06.check_all_gather(all_gather)
+_ = lab06.check_all_gather(all_gather)
 
 # %% [markdown]
 # Together they are a ring all-reduce. Five workers, seven numbers each (7 is not divisible by 5):
@@ -127,7 +127,7 @@ def ring_allreduce(tensor, op="sum"):
     return tensor
 
 # %%
-lab06.check_ring_allreduce(ring_allreduce, world_size=world_size, timeout=check_timeout)
+_ = lab06.check_ring_allreduce(ring_allreduce, world_size=world_size, timeout=check_timeout)
 
 # %% [markdown]
 # ## 4. Why isend/irecv: the deadlock, made safe
