@@ -170,9 +170,9 @@ for n in fit_world_sizes:
     per_rank = launch.spawn(bench.measure_allreduce, n, fit_sizes, fit_reps, 1,
                             backend="gloo", timeout=300)
     for nbytes in fit_sizes:
-        t = {impl: float(np.median([max(r[impl][nbytes][i] for r in per_rank)
-                                    for i in range(fit_reps)]))
-             for impl in ("ring", "all_reduce")}
+        t = {impl: float(np.median([max(rep) for rep in zip(*(r[impl][nbytes]
+                                                              for r in per_rank))]))
+             for impl in ("ring", "all_reduce")}  # median over reps of the slowest rank
         rows.append((n, nbytes, t["all_reduce"], t["ring"]))
 ns, ks, t_builtin, t_ring = (np.array(col, dtype=float) for col in zip(*rows))
 fit = ring.fit_alpha_beta(ns, ks, t_builtin)

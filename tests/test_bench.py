@@ -60,3 +60,10 @@ def test_table_format():
     row = bench.AllreduceRow(2, 1024, 1e-3, 2e-3, 1e6, 5e5)
     text = bench.format_table([row])
     assert "1 KiB" in text and "2.00" in text
+
+
+def test_reps_grow_for_small_sizes_and_are_the_same_on_every_rank():
+    assert bench.reps_for(1024, 5) == 50
+    assert bench.reps_for(64 * 2**20, 5) == 5
+    assert bench.reps_for(2**20, 5) == 16
+    assert bench.reps_for(2**20, 20) == 20

@@ -34,6 +34,7 @@ __all__ = [
     "parse_size",
     "format_size",
     "bus_bandwidth",
+    "reps_for",
     "measure_allreduce",
     "AllreduceRow",
     "run_allreduce_bench",
@@ -72,15 +73,23 @@ def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> float:
     return nbytes / seconds * 2 * (world_size - 1) / world_size
 
 
+def reps_for(nbytes: int, reps: int, max_reps: int = 50) -> int:
+    """How many timed repetitions a size gets: at least ``reps``, more for small sizes (up to
+    ``max_reps``, about 16 MiB moved in all), whose times are short and noisy. Every rank
+    computes the same number from the size alone — ranks that disagreed would hang."""
+    return max(reps, min(max_reps, (16 * MiB) // max(nbytes, 1)))
+
+
 def measure_allreduce(rank: int, world_size: int, sizes: Sequence[int], reps: int = 5,
                       warmup: int = 1, impls: Sequence[str] = IMPLS) -> dict:
     """Worker (run it with ``launch.spawn(measure_allreduce, n, sizes, backend="gloo")``):
     seconds per all-reduce, ``{impl: {nbytes: [one time per rep]}}``, as this rank saw them.
 
     Each timed call starts after a barrier, so a rank's time includes waiting for the slowest
-    peer; the caller takes the maximum over ranks, rep by rep. One torch thread per rank: the
-    ranks share the cores, and gloo's own reduction is single-threaded too, so both sides of
-    the comparison get the same compute.
+    peer; the caller takes the maximum over ranks, rep by rep. The implementations take turns
+    rep by rep, so a burst of load from elsewhere on the machine hits both alike. Small sizes
+    get more reps (:func:`reps_for`). One torch thread per rank: the ranks share the cores,
+    and gloo's own reduction is single-threaded too, so both get the same compute.
     """
     import torch
     import torch.distributed as dist
@@ -95,22 +104,24 @@ def measure_allreduce(rank: int, world_size: int, sizes: Sequence[int], reps: in
     out: dict = {impl: {} for impl in impls}
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        for impl in impls:
-            fn = funcs[impl]
-            times = []
-            for i in range(warmup + reps):
+        n_reps = reps_for(nbytes, reps)
+        times: dict = {impl: [] for impl in impls}
+        for i in range(warmup + n_reps):
+            order = impls if i % 2 == 0 else list(reversed(impls))
+            for impl in order:
                 dist.barrier()
                 if device != "cpu":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                fn(x)
+                funcs[impl](x)
                 if device != "cpu":
                     torch.cuda.synchronize()
                 t = time.perf_counter() - t0
                 x.fill_(1.0)  # keep the values bounded (and never inf) rep after rep
                 if i >= warmup:
-                    times.append(t)
-            out[impl][nbytes] = times
+                    times[impl].append(t)
+        for impl in impls:
+            out[impl][nbytes] = times[impl]
     return out
 
 
@@ -151,7 +162,8 @@ def run_allreduce_bench(sizes: Sequence[int] = DEFAULT_SIZES, world_sizes: Seque
         for nbytes in sizes:
             med = {}
             for impl in IMPLS:
-                slowest = [max(r[impl][nbytes][i] for r in per_rank) for i in range(reps)]
+                count = len(per_rank[0][impl][nbytes])
+                slowest = [max(r[impl][nbytes][i] for r in per_rank) for i in range(count)]
                 med[impl] = statistics.median(slowest)
             rows.append(AllreduceRow(n, nbytes, med["ring"], med["all_reduce"],
                                      bus_bandwidth(nbytes, med["ring"], n),
@@ -179,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   for s in DEFAULT_SIZES],
                    help="tensor sizes in bytes (1K, 4M, 64MiB ...); default 1 KiB .. 64 MiB")
     a.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
-    a.add_argument("--reps", type=int, default=5, help="timed repetitions per size (median)")
+    a.add_argument("--reps", type=int, default=5,
+                   help="timed repetitions per size, at least (small sizes get up to 50); median")
     a.add_argument("--warmup", type=int, default=1)
     a.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     a.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
@@ -193,11 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.json:
         doc = {"benchmark": "allreduce", "dtype": "float32", "backend": args.backend,
-               "reps": args.reps, "busbw": "algbw * 2(n-1)/n (nccl-tests)",
+               "min_reps": args.reps, "busbw": "algbw * 2(n-1)/n (nccl-tests)",
                "rows": [dict(asdict(r), ratio=r.ratio) for r in rows]}
         print(json.dumps(doc, indent=1))
     else:
-        print(f"all-reduce of float32 tensors over {args.backend}, median of {args.reps} reps "
+        print(f"all-reduce of float32 tensors over {args.backend}, median of >= {args.reps} reps "
               f"(slowest rank); busbw = algbw * 2(n-1)/n")
         print(format_table(rows))
     return 0

@@ -313,7 +313,25 @@ def fit_alpha_beta(world_sizes, nbytes, seconds) -> AlphaBetaFit:
 # --------------------------------------------------------------------------------------------
 
 
-def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 1 << 20):
+# One receive buffer per (dtype, device), kept between calls and grown when needed. Measured
+# (2 ranks, 64 MiB, gloo on CPU): a fresh 32 MiB torch.empty per call made the scatter-reduce
+# 185 ms instead of 110 ms — the OS maps new pages on first touch, every call, because the CPU
+# allocator returns big blocks to the OS. Costs one chunk (K/N) of memory, kept until exit.
+_RECV_BUFFERS: dict = {}
+
+
+def _receive_buffer(numel: int, dtype, device):
+    import torch
+
+    key = (dtype, str(device))
+    buf = _RECV_BUFFERS.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _RECV_BUFFERS[key] = buf
+    return buf[:numel]
+
+
+def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 << 20):
     """All-reduce ``tensor`` in place with a hand-written ring; returns ``tensor``.
 
     Same contract as ``dist.all_reduce(tensor)`` (``op="sum"``) or averaging (``op="average"``,
@@ -353,7 +371,7 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 1 <
     # Work on a flat contiguous view; a non-contiguous tensor gets a copy, written back at the end.
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), n)]
-    incoming = torch.empty(max(c.numel() for c in chunks), dtype=flat.dtype, device=flat.device)
+    incoming = _receive_buffer(max(c.numel() for c in chunks), flat.dtype, flat.device)
 
     def exchange(send_chunk, recv_into):
         # Both posted before either is waited on. Empty chunks (length < N) are skipped on
