@@ -188,6 +188,12 @@ assert 1e6 < fit.bandwidth < 1e12  # between 1 MB/s and 1 TB/s: a sane bandwidth
 assert np.median(fit.relative_errors) < 1.0  # generous: the model is within 2x on most points
 
 # %% [markdown]
+# Read the figure with the machine in mind. Where the model misses, it is usually the 4-rank
+# points: with more ranks than cores, a rank often waits for a core before it can answer a
+# message, so the "latency" α is no longer a property of the link alone — the model, with one α
+# for all N, cannot know that. With a core (or a GPU) per rank the points should sit much closer
+# to the lines; rerun this cell on such a machine and compare.
+#
 # ### Using the model on machines we do not have here
 #
 # The same two numbers explain multi-GPU figures. Plug in **published link bandwidths** — and

@@ -114,13 +114,20 @@ def draw_ring_step(trace, step: int, ax=None, show_values: bool | None = None):
         ax.text(xy[w, 0], xy[w, 1] + cell * 0.9, f"worker {w}", ha="center", va="bottom",
                 fontsize=8)
     colour = _PHASE_COLOURS.get(s.phase, "black")
+    gap = 2 * np.pi / n
     for t in s.transfers:
-        p, q = xy[t.src] * 0.78, xy[t.dst] * 0.78
-        ax.add_patch(FancyArrowPatch(tuple(p), tuple(q), arrowstyle="-|>", mutation_scale=12,
-                                     connectionstyle="arc3,rad=-0.25", color=colour, lw=1.4))
-        mid = (p + q) / 2 * 0.72
-        ax.text(mid[0], mid[1], f"c{t.chunk}", ha="center", va="center", fontsize=8,
-                color=colour)
+        # From just past the sender to just before the receiver, inside the ring of workers,
+        # so arrows never cover the chunk cells or the names.
+        a0 = np.pi / 2 - gap * t.src - 0.22 * gap
+        a1 = np.pi / 2 - gap * t.src - 0.78 * gap
+        r = 0.62
+        p = (r * np.cos(a0), r * np.sin(a0))
+        q = (r * np.cos(a1), r * np.sin(a1))
+        ax.add_patch(FancyArrowPatch(p, q, arrowstyle="-|>", mutation_scale=12,
+                                     connectionstyle="arc3,rad=-0.2", color=colour, lw=1.4))
+        am = np.pi / 2 - gap * t.src - 0.5 * gap
+        ax.text(0.36 * np.cos(am), 0.36 * np.sin(am), f"c{t.chunk}", ha="center",
+                va="center", fontsize=8, color=colour)
     title = "start" if s.phase == "start" else f"step {step}: {s.phase}"
     ax.set_title(title, fontsize=9, color=colour)
     if len(ax.figure.axes) == 1:
@@ -137,10 +144,12 @@ def ring_steps_figure(trace, cols: int | None = None, steps: Sequence[int] | Non
     steps = list(range(len(trace.steps))) if steps is None else list(steps)
     cols = cols or min(len(steps), 4)
     rows = math.ceil(len(steps) / cols)
-    fig = new_figure(2.6 * cols, 2.6 * rows + 0.3)
+    fig = new_figure(2.6 * cols, 2.6 * rows + 0.3)  # height: see subplots_adjust below
     for i, st in enumerate(steps):
         draw_ring_step(trace, st, fig.add_subplot(rows, cols, i + 1))
-    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.9, wspace=0.02, hspace=0.12)
+    height = 2.6 * rows + 0.3
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1 - 0.5 / height, wspace=0.02,
+                        hspace=0.12)
     fig.suptitle(f"ring all-reduce, N={trace.n} workers, {trace.length} elements "
                  f"(colour: how many inputs a chunk sums)", fontsize=10)
     return fig
