@@ -28,7 +28,8 @@ lr = 0.05
 world_size = None
 fit_world_sizes = (2, 4)  # the alpha-beta measurement
 fit_sizes_kib = (1, 4, 16, 64, 256, 1024, 4096, 16384)  # 1 KiB .. 16 MiB (the bench goes to 64)
-fit_reps = 3
+fit_reps = 3  # timed repetitions per size, at least ...
+fit_max_reps = 10  # ... and at most (small sizes get more: they are quick and noisy)
 
 # %%
 import numpy as np
@@ -168,7 +169,7 @@ fit_sizes = [k * 1024 for k in fit_sizes_kib]
 rows = []
 for n in fit_world_sizes:
     per_rank = launch.spawn(bench.measure_allreduce, n, fit_sizes, fit_reps, 1,
-                            backend="gloo", timeout=300)
+                            max_reps=fit_max_reps, backend="gloo", timeout=300)
     for nbytes in fit_sizes:
         t = {impl: float(np.median([max(rep) for rep in zip(*(r[impl][nbytes]
                                                               for r in per_rank))]))

@@ -81,7 +81,8 @@ def reps_for(nbytes: int, reps: int, max_reps: int = 50) -> int:
 
 
 def measure_allreduce(rank: int, world_size: int, sizes: Sequence[int], reps: int = 5,
-                      warmup: int = 1, impls: Sequence[str] = IMPLS) -> dict:
+                      warmup: int = 1, impls: Sequence[str] = IMPLS,
+                      max_reps: int = 50) -> dict:
     """Worker (run it with ``launch.spawn(measure_allreduce, n, sizes, backend="gloo")``):
     seconds per all-reduce, ``{impl: {nbytes: [one time per rep]}}``, as this rank saw them.
 
@@ -104,7 +105,7 @@ def measure_allreduce(rank: int, world_size: int, sizes: Sequence[int], reps: in
     out: dict = {impl: {} for impl in impls}
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        n_reps = reps_for(nbytes, reps)
+        n_reps = reps_for(nbytes, reps, max_reps)
         times: dict = {impl: [] for impl in impls}
         for i in range(warmup + n_reps):
             order = impls if i % 2 == 0 else list(reversed(impls))
