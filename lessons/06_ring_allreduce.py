@@ -156,8 +156,9 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo))
 # Now measure. We time `dist.all_reduce` on float32 tensors from 1 KiB to 16 MiB with 2 and 4
 # ranks (gloo over loopback TCP on this machine) and fit the ring model
 # t = 2(N−1)α + 2(N−1)/N·Kβ by least squares on *relative* error (a 1 KiB point counts as much
-# as a 16 MiB one). gloo's built-in all-reduce is itself a ring-style algorithm, so the model
-# should fit — not perfectly: on a small shared CPU, 4 ranks compete for the cores, and memory
+# as a 16 MiB one). Whatever gloo does inside, a cost per message and a cost per byte are what
+# we want to estimate, and the ring's formula is the bandwidth-optimal shape they take. Expect a
+# rough fit, not a perfect one: on a small shared CPU, 4 ranks compete for the cores, and memory
 # copies are part of β. The benchmark command does the same up to 64 MiB, for both rings:
 # `python -m dpcourse.bench allreduce`.
 
@@ -339,10 +340,11 @@ if world_size == 2:
 # %% [markdown]
 # ### How fast is it?
 #
-# The measurement above timed our ring too (same sizes, same ranks). `dist.all_reduce` is C++
-# with its own pipelined ring; ours is Python issuing one message per chunk, so it pays more per
-# message (small sizes) and should get close for big ones, where the wire and the additions
-# dominate. The benchmark reports *bus bandwidth* as nccl-tests defines it, busbw =
+# The measurement above timed our ring too (same sizes, same ranks, taking turns rep by rep).
+# `dist.all_reduce` is gloo's C++; ours is Python issuing a few messages per step, so it pays
+# more per message (small sizes) and gets close for big ones, where copying bytes through the
+# loopback and adding them dominate — on this kind of machine we measured 0.85–1.3× of the
+# built-in's bus bandwidth at 16 and 64 MiB (the table below is this run's). The benchmark reports *bus bandwidth* as nccl-tests defines it, busbw =
 # (K / t)·2(N−1)/N — the rate each link must sustain — so numbers for different N compare.
 
 # %%

@@ -128,7 +128,7 @@ def _compare_with_all_reduce(rank, world_size):
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_real_ring_equals_all_reduce(world_size):
     per_rank = launch.spawn(_compare_with_all_reduce, world_size, backend="gloo", timeout=120)
     bad = [r for res in per_rank for r in res if not r[2]]
