@@ -125,6 +125,14 @@ def _compare_with_all_reduce(rank, world_size):
     ring.ring_allreduce(big, segment_bytes=4096)  # many segments per chunk
     dist.all_reduce(ref)
     results.append(("segmented", tuple(big.shape), torch.allclose(big, ref, rtol=1e-5)))
+    if world_size == 4:  # a sub-group of 3 ranks: peers are found through global ranks
+        group = dist.new_group([1, 2, 3])
+        if rank in (1, 2, 3):
+            x = torch.arange(10.0) * (rank + 1)
+            y = x.clone()
+            ring.ring_allreduce(x, group=group)
+            dist.all_reduce(y, group=group)
+            results.append(("group", (10,), torch.equal(x, y)))
     return results
 
 
