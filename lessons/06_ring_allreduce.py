@@ -343,7 +343,7 @@ if world_size == 2:
 # The measurement above timed our ring too (same sizes, same ranks, taking turns rep by rep).
 # `dist.all_reduce` is gloo's C++; ours is Python issuing a few messages per step, so it pays
 # more per message (small sizes) and gets close for big ones, where copying bytes through the
-# loopback and adding them dominate — on this kind of machine we measured 0.85–1.3× of the
+# loopback and adding them dominate — on this kind of machine we measured 0.81–1.3× of the
 # built-in's bus bandwidth at 16 and 64 MiB (the table below is this run's). The benchmark reports *bus bandwidth* as nccl-tests defines it, busbw =
 # (K / t)·2(N−1)/N — the rate each link must sustain — so numbers for different N compare.
 
