@@ -21,7 +21,7 @@
 
 # %% tags=["parameters"]
 dataset = "shapes10"  # "shapes10" (offline, made on the fly) or "cifar10" (if you have it)
-n_train = 4000
+n_train = 3000
 n_test = 1000
 epochs = 3
 batch_size = 32
@@ -172,7 +172,7 @@ for bs in (16, 64, 256):
     m = models.SmallCNN().to(device)
     opt = torch.optim.Adam(m.parameters(), lr=lr)
     meter = train.ThroughputMeter(device)
-    batches = [b for _, b in zip(range(max(2, 1024 // bs)), loader)]
+    batches = [b for _, b in zip(range(max(2, 512 // bs)), loader)]
     train.train_one_epoch(m, batches, loss_fn, opt, device, meter=meter)
     rates[bs] = meter.rate
     print(f"batch {bs:4d}: {meter.rate:8.0f} samples/s")
@@ -266,7 +266,7 @@ def predictions(model, amp):
 agree = (predictions(trained, False) == predictions(trained, True)).float().mean().item()
 print("autocast changes at most 2% of test predictions:", agree >= 0.98)
 
-subset = data.Dataset(ds.name, ds.x_train[:1024], ds.y_train[:1024], ds.x_test, ds.y_test,
+subset = data.Dataset(ds.name, ds.x_train[:512], ds.y_train[:512], ds.x_test, ds.y_test,
                       ds.classes)
 acc_after, rate = {}, {}
 for amp in (False, True):
@@ -306,7 +306,7 @@ print(f"AMP    : acc {acc_after[True]:.3f}, {rate[True]:7.0f} samples/s")
 def one_epoch_weights(run_seed):
     devices.seed_everything(run_seed, deterministic=True)
     m = models.SmallCNN().to(device)
-    small = data.Dataset(ds.name, ds.x_train[:1024], ds.y_train[:1024], ds.x_test[:10],
+    small = data.Dataset(ds.name, ds.x_train[:512], ds.y_train[:512], ds.x_test[:10],
                          ds.y_test[:10], ds.classes)
     loader, _ = train.make_loaders(small, batch_size, seed=run_seed)
     opt = torch.optim.Adam(m.parameters(), lr=lr)

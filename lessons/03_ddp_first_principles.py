@@ -18,7 +18,7 @@
 
 # %% tags=["parameters"]
 world_size = None    # None: from the hardware profile (2 on the cpu profile)
-steps = 20           # steps of the "many steps" comparison
+steps = 10           # steps of the "many steps" comparison
 global_batch = 32
 width = 8            # SmallCNN width
 lr = 0.05

@@ -16,7 +16,7 @@ __all__ = ["SmallCNN", "resnet18_cifar", "build_model", "count_parameters"]
 
 
 class SmallCNN(nn.Module):
-    """conv-relu-pool ×2, then a 2-layer classifier. About 0.3 M parameters at width 32."""
+    """conv-relu-pool ×3, then a 2-layer classifier: 188,810 parameters at width 32."""
 
     def __init__(self, num_classes: int = 10, width: int = 32, dropout: float = 0.0):
         super().__init__()
