@@ -12,8 +12,14 @@
 # mistake your weights correspond to.
 
 # %% tags=["parameters"]
-script_name = "train_lab.py"   # where the next cells write the scripts
-timeout = 120                   # seconds the check gives torchrun
+timeout = 120   # seconds the check gives torchrun
+
+# %%
+import tempfile
+from pathlib import Path
+
+# The scripts go to a scratch folder (print `work` to see where); %%writefile expands {work}.
+work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 
 # %% [markdown]
 # ## What you start from: the single-device script
@@ -22,7 +28,7 @@ timeout = 120                   # seconds the check gives torchrun
 # repeatable), one batch is `--global-batch` images, and the final weights are saved atomically.
 
 # %%
-# %%writefile train_lab_single.py
+# %%writefile {work}/train_lab_single.py
 """Lab 04, single device: python train_lab_single.py --out final.pt"""
 import argparse
 
@@ -74,7 +80,7 @@ save_checkpoint(args.out, {"model": model.state_dict()})
 # 5. One rank saves the final weights (unwrapped), then every rank ends cleanly.
 
 # %%
-# %%writefile train_lab.py
+# %%writefile {work}/train_lab.py
 """Lab 04, DDP: torchrun --nproc-per-node=2 train_lab.py --out final.pt"""
 import argparse
 import os
@@ -147,4 +153,4 @@ os._exit(0)  # skip interpreter shutdown, where gloo + DDP can abort a finished 
 # %%
 from dpcourse.checks import lab04
 
-lab04.check(script_name, timeout=timeout)
+lab04.check(work / "train_lab.py", timeout=timeout)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _solution_script() -> str:
     text = (ROOT / "solutions" / "lab04_ddp_in_practice.py").read_text()
-    m = re.search(r"^# %%writefile train_lab\.py\n(.*?)(?=^# %%)", text, re.S | re.M)
+    m = re.search(r"^# %%writefile \{work\}/train_lab\.py\n(.*?)(?=^# %%)", text, re.S | re.M)
     assert m, "solutions/lab04 has no %%writefile train_lab.py cell"
     return m.group(1)
 

@@ -154,14 +154,34 @@ def counting_allreduce_hook(state: CommCounter, bucket):
 # --------------------------------------------------------------------------------------------
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """all_reduce(SUM) with a gradient: y = sum over ranks of x, so dL/dx on each rank is the
+    sum over ranks of dL/dy (every rank's loss depends on every rank's x)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        import torch.distributed as dist
+
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
 class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm whose batch statistics are taken over the *global* batch (all ranks).
 
     The same maths as ``nn.SyncBatchNorm``, which only runs on GPUs: each rank sums its
     ``x`` and ``x²`` per channel and counts its samples, one all_reduce adds them up, and every
     rank normalises with the global mean and variance. The all_reduce is
-    ``torch.distributed.nn.functional.all_reduce``, which is differentiable (its backward is an
-    all_reduce of the gradients), so the gradients are those of one process on the global batch.
+    differentiable (its backward is an all_reduce of the gradients), so the gradients are those of one process on the global batch.
     Outside a process group (or in eval mode) it is ordinary BatchNorm.
     """
 
@@ -175,12 +195,10 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(x)
         if not (self.training and dist.is_available() and dist.is_initialized()):
             return super().forward(x)
-        from torch.distributed.nn.functional import all_reduce
-
         dims = [0] + list(range(2, x.dim()))
         count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
         stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-        stats = all_reduce(stats)  # sum over ranks, differentiable
+        stats = _AllReduceSum.apply(stats)  # sum over ranks, differentiable
         c = x.shape[1]
         n = stats[2 * c]
         mean = stats[:c] / n

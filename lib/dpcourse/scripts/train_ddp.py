@@ -117,6 +117,9 @@ def main(argv=None) -> None:
     scaler = torch.amp.GradScaler("cuda", enabled=use_scaler)
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
 
+    if is_main:
+        print(f"{world_size} ranks over {backend}, global batch "
+              f"{args.per_rank_batch * world_size * args.accum}", flush=True)
     step = 0
     state = load_checkpoint(args.ckpt, map_location=device) if args.ckpt else None
     if state is not None:
