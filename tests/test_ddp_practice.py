@@ -111,3 +111,8 @@ def test_build_model_names():
     with pytest.raises(ValueError, match="unknown model"):
         dp.build_model("resnet50")
     assert dp.script_path("train_ddp").exists() and dp.script_path("train_single").exists()
+
+
+def test_checksum_handles_buffers_of_any_shape():
+    state = dp.SmallBNNet(width=4).state_dict()  # has 0-dim num_batches_tracked buffers
+    assert len(dp.state_checksum(state)) == 16

@@ -113,7 +113,7 @@ def state_checksum(state: dict | nn.Module) -> str:
         t = value.detach().to("cpu").contiguous()
         h.update(key.encode())
         h.update(str(t.dtype).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
 
 

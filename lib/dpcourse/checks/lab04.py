@@ -286,8 +286,8 @@ def judge(weights, saves: dict, cfg: Lab04Config = Lab04Config(), tol: float = 1
              f"SmallCNN(width={cfg.width}): save model.module.state_dict().")
     d = _distance(weights, ref)
     if d <= tol:
-        return passed(f"your torchrun script ends with the reference weights (max difference "
-                      f"{d:.1e}): DDP on {cfg.world_size} ranks == one process on the global batch")
+        return passed(f"your torchrun script ends with the reference weights (to within "
+                      f"{tol:g}): DDP on {cfg.world_size} ranks == one process on the global batch")
     for name, sentence in MISTAKES.items():
         if _distance(weights, reference_weights(cfg, name)) <= tol:
             fail(sentence)
