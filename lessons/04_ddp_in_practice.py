@@ -45,7 +45,7 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # identity in environment variables: `RANK` (0..WORLD_SIZE-1 over all machines), `LOCAL_RANK`
 # (0..N-1 on this machine: it picks the GPU), `WORLD_SIZE`, and `MASTER_ADDR`/`MASTER_PORT`
 # where the ranks meet. `dist.init_process_group(backend)` reads them. (`python -m
-# torch.distributed.launch` is the old launcher: it passed `--local_rank` as an argument and is
+# torch.distributed.launch` is the old launcher: it passed `--local-rank` as an argument and is
 # deprecated; torchrun sets `LOCAL_RANK` instead and adds restarts and elastic rendezvous.)
 #
 # `train_ddp.py` is `train_single.py` plus the distributed parts (run `diff` on them to see
@@ -72,7 +72,8 @@ print("\n".join(line for line in diff if line.startswith("+") and not line.start
 # `dp.run_nodes` sets it and kills everything past `timeout`.
 
 # %%
-# NBVAL_IGNORE_OUTPUT: the loss values depend on this CPU's float kernels
+# NBVAL_IGNORE_OUTPUT
+# (the loss values depend on this CPU's float kernels)
 nodes = dp.run_nodes(train_ddp, *common, "--out", str(work / "two_nodes.pt"), nnodes=2,
                      nproc_per_node=1, timeout=timeout, join_timeout=60)
 print("\n".join(line for line in nodes.text().splitlines() if "[rank" in line))
@@ -108,7 +109,8 @@ print("both nodes exited 0; one job of", world_size, "ranks across 2 torchrun ag
 # resumes. Here rank 1 kills itself (SIGKILL) after step 11; the last checkpoint is step 8.
 
 # %%
-# NBVAL_IGNORE_OUTPUT: torchrun's own log lines carry times, pids and ports
+# NBVAL_IGNORE_OUTPUT
+# (torchrun's own log lines carry times, pids and ports)
 fault = launch.torchrun(train_ddp, *common, "--ckpt", str(work / "ckpt.pt"), "--ckpt-every", "4",
                         "--fail-at-step", "11", "--out", str(work / "restarted.pt"),
                         nproc_per_node=world_size, max_restarts=1, timeout=timeout, echo=False)
