@@ -40,7 +40,7 @@ from dpcourse import data, models
 from dpcourse.ddp_practice import save_checkpoint
 
 p = argparse.ArgumentParser()
-for name, kind, default in [("--n-train", int, 512), ("--epochs", int, 2),
+for name, kind, default in [("--n-train", int, 256), ("--epochs", int, 2),
                             ("--global-batch", int, 64), ("--lr", float, 0.05),
                             ("--seed", int, 0), ("--width", int, 8)]:
     p.add_argument(name, type=kind, default=default)
@@ -96,7 +96,7 @@ from dpcourse import data, devices, models
 from dpcourse.ddp_practice import save_checkpoint
 
 p = argparse.ArgumentParser()
-for name, kind, default in [("--n-train", int, 512), ("--epochs", int, 2),
+for name, kind, default in [("--n-train", int, 256), ("--epochs", int, 2),
                             ("--global-batch", int, 64), ("--lr", float, 0.05),
                             ("--seed", int, 0), ("--width", int, 8)]:
     p.add_argument(name, type=kind, default=default)
