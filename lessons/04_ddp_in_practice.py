@@ -19,6 +19,8 @@ world_size = None        # None: from the hardware profile (2 on a CPU)
 timeout = 120            # seconds any launch may take
 
 # %%
+# NBVAL_IGNORE_OUTPUT
+# (the number of ranks and the backend depend on the hardware profile)
 import difflib
 import os
 import tempfile
@@ -36,6 +38,10 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-l04-"))
 train_single, train_ddp = dp.script_path("train_single"), dp.script_path("train_ddp")
 common = ["--data", data_name, "--n-train", str(n_train), "--epochs", str(epochs),
           "--per-rank-batch", str(per_rank_batch)]
+# The scripts below run their ranks on the CPU even on a GPU machine: two "nodes" on one machine
+# would both put their rank on GPU 0, which NCCL refuses, and the fault-tolerance check compares
+# two runs bit for bit, so both must run on the same kind of device, with the same 2 ranks.
+script_env = {"CUDA_VISIBLE_DEVICES": ""}
 print("ranks:", world_size, "| backend:", profile.backend)
 
 # %% [markdown]
@@ -75,7 +81,7 @@ print("\n".join(line for line in diff if line.startswith("+") and not line.start
 # NBVAL_IGNORE_OUTPUT
 # (the loss values depend on this CPU's float kernels)
 nodes = dp.run_nodes(train_ddp, *common, "--out", str(work / "two_nodes.pt"), nnodes=2,
-                     nproc_per_node=1, timeout=timeout, join_timeout=60)
+                     nproc_per_node=1, timeout=timeout, join_timeout=60, env=script_env)
 print("\n".join(line for line in nodes.text().splitlines() if "[rank" in line))
 
 # %%
@@ -113,7 +119,8 @@ print("both nodes exited 0; one job of", world_size, "ranks across 2 torchrun ag
 # (torchrun's own log lines carry times, pids and ports)
 fault = launch.torchrun(train_ddp, *common, "--ckpt", str(work / "ckpt.pt"), "--ckpt-every", "4",
                         "--fail-at-step", "11", "--out", str(work / "restarted.pt"),
-                        nproc_per_node=world_size, max_restarts=1, timeout=timeout, echo=False)
+                        nproc_per_node=2, max_restarts=1, timeout=timeout, echo=False,
+                        env=script_env)
 print("\n".join(line for line in fault.output.splitlines()
                 if line.startswith("[rank") and "Traceback" not in line and "  " not in line))
 
