@@ -95,9 +95,8 @@ def make_lab(solution_nb: nbformat.NotebookNode, source_name: str) -> nbformat.N
         if "solution-only" in cell.metadata.get("tags", []):
             continue
         if cell.cell_type == "code":
-            stripped = _strip_solution(cell.source, f"{source_name} cell {i}")
-            n_todo += stripped != cell.source
-            cell.source = stripped
+            n_todo += sum(bool(_BEGIN.match(line)) for line in cell.source.splitlines())
+            cell.source = _strip_solution(cell.source, f"{source_name} cell {i}")
             cell.outputs = []
             cell.execution_count = None
         cell.metadata.pop("execution", None)

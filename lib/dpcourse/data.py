@@ -110,7 +110,7 @@ def _class_masks(label: int, yy, xx, size, phase):
     raise ValueError(label)
 
 
-def make_shapes10(n: int, seed: int = 0, noise: float = 0.25) -> tuple[np.ndarray, np.ndarray]:
+def make_shapes10(n: int, seed: int = 0, noise: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """``n`` images of the shapes10 set and their labels, fully determined by ``seed``.
 
     Classes are balanced (``n // 10`` each, the remainder spread over the first classes) and
@@ -122,18 +122,19 @@ def make_shapes10(n: int, seed: int = 0, noise: float = 0.25) -> tuple[np.ndarra
     labels = rng.permutation(np.arange(n) % 10).astype(np.int64)
     grid = np.arange(32, dtype=np.float32)
     images = np.empty((n, 32, 32, 3), dtype=np.float32)
-    # background: a random smooth colour gradient per image
-    bg0 = rng.uniform(0.0, 1.0, size=(n, 1, 1, 3)).astype(np.float32)
-    bg1 = rng.uniform(0.0, 1.0, size=(n, 1, 1, 3)).astype(np.float32)
+    # background: a random, muted colour gradient per image
+    bg0 = rng.uniform(0.25, 0.75, size=(n, 1, 1, 3)).astype(np.float32)
+    bg1 = rng.uniform(0.25, 0.75, size=(n, 1, 1, 3)).astype(np.float32)
     ramp = (grid[None, :, None, None] / 31.0) * np.ones((1, 1, 32, 1), np.float32)
     images[:] = bg0 * (1 - ramp) + bg1 * ramp
     cy = rng.uniform(10, 22, size=(n, 1, 1)).astype(np.float32)
     cx = rng.uniform(10, 22, size=(n, 1, 1)).astype(np.float32)
-    size = rng.uniform(6, 10, size=(n, 1, 1)).astype(np.float32)
+    size = rng.uniform(7, 11, size=(n, 1, 1)).astype(np.float32)
     phase = rng.uniform(0, 2 * np.pi, size=(n, 1, 1)).astype(np.float32)
-    colour = rng.uniform(0.0, 1.0, size=(n, 1, 1, 3)).astype(np.float32)
-    # keep the pattern visible: push its colour away from the background's mean
-    colour = np.where(np.abs(colour - bg0) < 0.35, (colour + 0.5) % 1.0, colour)
+    # the pattern's colour: each channel clearly brighter or darker than the background's
+    # average, so the shape always stands out (its colour carries no class information)
+    offset = rng.uniform(0.3, 0.5, size=(n, 1, 1, 3)) * rng.choice([-1.0, 1.0], size=(n, 1, 1, 3))
+    colour = np.clip((bg0 + bg1) / 2 + offset.astype(np.float32), 0.0, 1.0)
     yy = grid[None, :, None] - cy
     xx = grid[None, None, :] - cx
     for label in range(10):

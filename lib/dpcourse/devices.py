@@ -15,9 +15,11 @@ GPU box). Nothing here imports TensorFlow unless a TF function is called.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import random
+import sys
 from dataclasses import dataclass, field
 from importlib import metadata
 
@@ -185,6 +187,10 @@ def split_tf_devices(n: int = 2, device_type: str | None = None, gpu_memory_mb: 
         raise ValueError(f"n must be a positive number of devices, got {n!r}")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    if "tensorflow" not in sys.modules and importlib.util.find_spec("triton"):
+        # Measured here: with TF loaded first, torch's first optimizer.step() loads triton's
+        # native library and the process dies with a segfault. Loading triton first avoids it.
+        import triton  # noqa: F401
     import tensorflow as tf
 
     tf.get_logger().setLevel("ERROR")

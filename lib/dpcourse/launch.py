@@ -204,10 +204,28 @@ class _Rank:
 
 
 def _kill_group(pid: int) -> None:
+    """SIGKILL ``pid``, its process group, and every descendant, wherever they moved.
+
+    A process group alone is not enough: torchrun's agent starts its workers in sessions of
+    their own, so killing the agent's group left them running (and bound to their ports).
+    We list the whole tree first, because once a parent dies its children are re-parented
+    and can no longer be found from it.
+    """
+    import psutil
+
+    try:
+        tree = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
     for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
         try:
             kill()
         except (ProcessLookupError, PermissionError, OSError):
+            pass
+    for child in tree:
+        try:
+            child.kill()
+        except psutil.Error:
             pass
 
 
@@ -216,7 +234,10 @@ def _context(start_method: str):
     if start_method == "forkserver":
         # The fork server imports torch once; each rank is then a cheap fork of it instead of
         # a fresh interpreter importing torch again (about 3 s per rank on a 2-core machine).
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "dpcourse.launch"])
+        # torch._dynamo too: wrapping a model in DDP imports it (and ~900 modules with it),
+        # which cost 4-5 s in *every* launch until it was preloaded here.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                    "torch.nn.parallel", "cloudpickle", "dpcourse.launch"])
     return ctx
 
 
@@ -447,13 +468,10 @@ def torchrun(
         raise LaunchTimeoutError(
             f"torchrun did not finish within {timeout:g} s; it and all its workers were stopped.",
             timeout=timeout) from None
-    except BaseException:
+    except BaseException:  # KeyboardInterrupt included: the notebook's stop button
         _kill_group(proc.pid)
         proc.communicate()
         raise
-    finally:
-        # torchrun's agent may leave workers behind if it is itself killed; sweep the session.
-        _kill_group(proc.pid)
     result = TorchrunResult(proc.returncode, out, cmd)
     if echo:
         print(out.rstrip())

@@ -1,0 +1,446 @@
+# %% [markdown]
+# # 05 — TensorFlow's MirroredStrategy, side by side with DDP
+#
+# Lessons 03–04 built data parallelism in PyTorch: N processes, each with a copy of the model and
+# a slice of the global batch, gradients all-reduced after every backward pass. TensorFlow gives
+# the same idea a different shape: **one process** drives N *replicas* (GPUs, or logical devices
+# carved out of one CPU or GPU), and a `tf.distribute.Strategy` decides where variables live and
+# how gradients are combined. This lesson proves, with the same model and data as before, that a
+# mirrored step equals one device on the global batch, shows the classic loss-scaling bug, and
+# ends with a PyTorch DDP run and a TF run agreeing to float precision.
+#
+# Contents: devices and the must-happen-first rule · MirroredStrategy and mirrored variables ·
+# tf.data with the global batch (cache, prefetch) · the custom loop and its proof · the 1/N
+# scaling bugs · Keras `fit` · mixed precision · checkpoints · MultiWorkerMirroredStrategy on
+# localhost · PyTorch DDP vs TF, side by side.
+
+# %% tags=["parameters"]
+data_name = "shapes10"   # or "cifar10" if you have it
+n_train = 2048
+n_test = 500
+global_batch = 64        # split over the replicas
+lr = 0.1                 # plain SGD in the proofs
+steps = 3                # SGD steps compared between frameworks
+world_size = None        # replicas; None: from the hardware profile
+multiworker_timeout = 90
+
+# %% [markdown]
+# ## 1. Devices — and why this cell comes first
+#
+# `dpcourse.devices` picks the hardware profile. On a CPU-only machine TensorFlow sees one CPU,
+# so we **split it into 2 logical devices**; with one GPU it splits the GPU into logical GPUs; with
+# several GPUs it mirrors over the real ones.
+#
+# TensorFlow fixes its device list the first time anything *uses* a device: creating a tensor, a
+# variable, a strategy, a dataset. After that, the split cannot change. So the split is the first
+# thing a TF notebook does — before any other TF code, in every fresh kernel. (Importing TF is
+# harmless; `dpcourse.mirrored` also sets TF's log level and turns off its oneDNN notice first,
+# so no C++ log line lands in this notebook.)
+
+# %%
+from dpcourse import devices, mirrored
+
+profile = devices.choose_profile()
+n_replicas = world_size or profile.tf_devices
+device_names = devices.split_tf_devices(n_replicas)
+print("mirroring over", len(device_names), profile.tf_device_type, "device(s)")
+
+# %% [markdown]
+# Now TF has started. Asking for a different split is refused with a clear message — the only
+# fix is to restart the kernel and run the split first. (Asking for the *same* split again is
+# fine, so re-running the cell above does no harm.)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (why: the message names this machine's device kind (CPU or GPU) and count.)
+try:
+    devices.split_tf_devices(n_replicas + 1)
+except RuntimeError as err:
+    print("RuntimeError:", err)
+assert devices.split_tf_devices(n_replicas) == device_names   # same split again: fine
+
+# %% [markdown]
+# ## 2. MirroredStrategy and mirrored variables
+#
+# `MirroredStrategy(devices)` keeps one copy of every variable on each replica. Variables
+# created **inside `strategy.scope()`** become `MirroredVariable`s; the strategy keeps the copies
+# equal by applying the same (all-reduced) update to each. A variable created outside the scope
+# is an ordinary variable on one device: the strategy neither mirrors nor syncs it.
+
+# %%
+import time
+
+import numpy as np
+import tensorflow as tf
+import keras
+import torch
+
+from dpcourse import data, models
+
+strategy = mirrored.make_strategy(device_names)
+assert strategy.num_replicas_in_sync == n_replicas
+
+with strategy.scope():
+    v = tf.Variable(1.0)
+outside = tf.Variable(1.0)
+print("inside the scope: ", type(v).__name__, "with", len(v.values) == n_replicas and "one copy per replica")
+print("outside the scope:", type(outside).__name__, "| owned by the strategy:",
+      strategy.extended.variable_created_in_scope(outside))
+
+# %% [markdown]
+# ## 3. Input: tf.data with the global batch
+#
+# The data set is the same as in the PyTorch lessons (`dpcourse.data`, NumPy arrays): Keras takes
+# channels-last images (N, 32, 32, 3), PyTorch channels-first. The pipeline batches with the
+# **global** batch; the strategy hands each replica `global_batch / N` examples.
+
+# %%
+ds = data.load(data_name, n_train=n_train, n_test=n_test, seed=0)
+train = mirrored.make_dataset(ds.x_train, ds.y_train, global_batch)   # unshuffled: comparable runs
+x0, y0 = next(iter(train))
+dist_x, dist_y = next(iter(strategy.experimental_distribute_dataset(train)))
+local_sizes = [int(t.shape[0]) for t in strategy.experimental_local_results(dist_x)]
+print("global batch", tuple(x0.shape), "-> each replica gets global_batch / N:",
+      all(s == global_batch // n_replicas for s in local_sizes))
+assert sum(local_sizes) == global_batch
+
+# %% [markdown]
+# ### cache and prefetch
+#
+# A real image pipeline decodes files (JPEG/PNG) for every example in every epoch. `cache()`
+# keeps the decoded result after the first epoch; `prefetch()` prepares the next batch while the
+# current one is consumed. We store our images as PNG and compare two epochs of a pipeline that
+# decodes every time against one with cache and prefetch.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (why: a timing ratio; it depends on this machine's cores and load.)
+def seconds_for_epochs(pipeline, epochs=2):
+    t0 = time.perf_counter()
+    for _ in range(epochs):
+        for _batch in pipeline:
+            pass
+    return time.perf_counter() - t0
+
+some_x, some_y = ds.x_train[:1024], ds.y_train[:1024]
+plain = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
+                              cache=False, prefetch=False)
+tuned = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
+                              cache=True, prefetch=True)
+t_plain, t_tuned = seconds_for_epochs(plain), seconds_for_epochs(tuned)
+print(f"2 epochs: decode every time {t_plain:.2f} s, cache+prefetch {t_tuned:.2f} s "
+      f"-> {t_plain / t_tuned:.1f}x faster")
+
+# %% [markdown]
+# ## 4. The custom loop, and its proof
+#
+# `mirrored.train_step` is the loop's heart (printed below): `strategy.run(step_fn)` runs
+# forward and backward on every replica with its slice; `optimizer.apply_gradients` **sums** the
+# replicas' gradients (an all-reduce) and updates every copy; `strategy.reduce` turns the
+# per-replica losses into one number.
+#
+# Because the gradients are *summed*, each replica's loss must be its share of the global mean:
+# `tf.nn.compute_average_loss(per_example_losses, global_batch_size=global_batch)` — the sum
+# of its per-example losses divided by the **global** batch.
+
+# %%
+import inspect
+
+print(inspect.getsource(mirrored.train_step).split('"""')[2].strip("\n"))
+
+# %% [markdown]
+# The same starting weights everywhere: we build the PyTorch `SmallCNN` of lessons 01–04 and
+# copy its weights into the Keras twin. Convolution kernels are transposed, and the first dense
+# layer's rows are reordered — PyTorch flattens a (C, H, W) feature map, Keras an (H, W, C) one.
+# The two models then compute the same function.
+
+# %%
+torch.manual_seed(0)
+torch_model = models.SmallCNN()
+init = [p.detach().numpy().copy() for p in torch_model.parameters()]
+
+single = mirrored.build_keras_cnn()                # one device, no strategy
+mirrored.copy_torch_weights(torch_model, single)
+with strategy.scope():
+    replicated = mirrored.build_keras_cnn()        # mirrored variables
+mirrored.copy_torch_weights(torch_model, replicated)
+
+xb = data.normalize(ds.x_train[:global_batch])
+yb = ds.y_train[:global_batch]
+with torch.no_grad():
+    torch_logits = torch_model(torch.from_numpy(xb.transpose(0, 3, 1, 2).copy())).numpy()
+print("same logits in PyTorch and Keras:", np.allclose(torch_logits, single(xb).numpy(), atol=1e-5))
+assert np.allclose(torch_logits, single(xb).numpy(), atol=1e-5)
+
+# %% [markdown]
+# **Proof, one step:** the gradient the mirrored step applies equals one device's gradient of
+# the mean loss over the whole global batch.
+
+# %%
+g_single = mirrored.single_replica_gradients(single, xb, yb)
+g_mirror = mirrored.mirrored_gradients(strategy, replicated, xb, yb)
+max_diff = max(float(np.abs(a - b).max()) for a, b in zip(g_mirror, g_single))
+print("mirrored gradients == single device on the global batch:", max_diff < 1e-5)
+assert max_diff < 1e-5
+
+# %% [markdown]
+# ### The scaling bugs, in numbers
+#
+# The classic mistake is `tf.reduce_mean` per replica: each replica divides by *its own*
+# batch (global / N), and the strategy then **sums** N such gradients — the step is **N times too
+# big** (like multiplying the learning rate by N). The mirror image hits programmers coming from
+# DDP, which *averages* gradients: divide by the global batch *and* average over replicas, and
+# the step is **1/N too small**. Each framework is right only with its own pairing:
+#
+# | per-replica loss | replicas' gradients | result |
+# |---|---|---|
+# | `compute_average_loss` (÷ global batch) | SUM (TF's all-reduce) | correct |
+# | `reduce_mean` (÷ local batch) | SUM (TF's all-reduce) | N × too big |
+# | `compute_average_loss` (÷ global batch) | MEAN | 1/N too small |
+# | `reduce_mean` (÷ local batch) | MEAN (DDP's all-reduce) | correct |
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (why: the factors are N, the number of replicas, which depends on the profile.)
+def norm(grads):
+    return float(np.sqrt(sum(np.sum(g * g) for g in grads)))
+
+cases = {
+    ("compute_average_loss", "sum"): mirrored.mirrored_gradients(strategy, replicated, xb, yb),
+    ("reduce_mean", "sum"): mirrored.mirrored_gradients(strategy, replicated, xb, yb, "reduce_mean"),
+    ("compute_average_loss", "mean"): mirrored.mirrored_gradients(strategy, replicated, xb, yb,
+                                                                  grad_reduce="mean"),
+    ("reduce_mean", "mean"): mirrored.mirrored_gradients(strategy, replicated, xb, yb,
+                                                         "reduce_mean", grad_reduce="mean"),
+}
+print(f"N = {n_replicas} replicas; |gradient| on one device: {norm(g_single):.4f}")
+ratios = {}
+for (loss_kind, reduce_kind), grads in cases.items():
+    ratios[loss_kind, reduce_kind] = norm(grads) / norm(g_single)
+    print(f"  {loss_kind:21s} + {reduce_kind.upper():4s}: |gradient| = {norm(grads):.4f} "
+          f"= {ratios[loss_kind, reduce_kind]:.3f} x the right one")
+
+# %%
+n = n_replicas
+assert abs(ratios["compute_average_loss", "sum"] - 1) < 1e-4
+assert abs(ratios["reduce_mean", "sum"] - n) < 1e-4 * n        # N times too big
+assert abs(ratios["compute_average_loss", "mean"] - 1 / n) < 1e-4   # 1/N too small
+assert abs(ratios["reduce_mean", "mean"] - 1) < 1e-4
+print("reduce_mean + SUM is N x too big, compute_average_loss + MEAN is 1/N too small: True")
+
+# %% [markdown]
+# **Proof, several steps:** `steps` SGD steps of the mirrored loop end with the same weights as
+# one device on the same global batches. (These weights are also the reference for the
+# multi-worker run and for PyTorch below.)
+
+# %%
+sgd = lambda: keras.optimizers.SGD(learning_rate=lr)   # noqa: E731 - plain SGD, as in PyTorch
+with strategy.scope():
+    opt_mirror = sgd()
+loss_mirror = mirrored.train_steps(strategy, replicated, opt_mirror, train, steps, global_batch)
+opt_single = sgd()
+loss_single = mirrored.train_steps(None, single, opt_single, train, steps, global_batch)
+w_mirror = mirrored.keras_weights_as_torch(replicated)
+w_single = mirrored.keras_weights_as_torch(single)
+same = all(np.allclose(a, b, atol=1e-5) for a, b in zip(w_mirror, w_single))
+print(f"after {steps} steps, mirrored weights == single-device weights:", same)
+print("losses match:", np.allclose(loss_mirror, loss_single, atol=1e-5))
+assert same and np.allclose(loss_mirror, loss_single, atol=1e-5)
+
+# %% [markdown]
+# ## 5. Keras `fit` under the strategy
+#
+# `fit` does all of the above for you: build and compile inside `strategy.scope()`, pass a
+# dataset batched with the global batch, and Keras splits batches, scales the loss by the global
+# batch and all-reduces the gradients. Proof: the same `steps` batches through `fit` under the
+# strategy end with the weights one device reached in section 4.
+
+# %%
+def optimizer_in(strat):
+    with strat.scope():   # the optimizer's variables must be created under the strategy too
+        return sgd()
+
+
+def fit_from_init(strat):
+    with strat.scope():
+        model = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn())
+    return mirrored.fit(strat, train.take(steps), epochs=1, model=model,
+                        optimizer=optimizer_in(strat))
+
+
+fit_mirror = fit_from_init(strategy)
+same_fit = all(np.allclose(a, b, atol=1e-5) for a, b in zip(
+    mirrored.keras_weights_as_torch(fit_mirror), w_single))
+print("fit under MirroredStrategy == one device on the global batch:", same_fit)
+assert same_fit
+
+# %% [markdown]
+# ## 6. Mixed precision
+#
+# A Keras dtype policy makes layers compute in 16 bits while their variables stay float32:
+# `mixed_bfloat16` on CPUs (and TPUs), `mixed_float16` on GPUs — where `fit` wraps the optimizer
+# in a `LossScaleOptimizer`, because float16 gradients underflow without loss scaling
+# (bfloat16 has float32's range and needs none). The output layer returns float32 logits. Same
+# weights, same data: the accuracy and the training steps match float32's within tolerance. (The
+# weights here are barely trained, so the accuracy itself is near chance; what is tested is
+# that 16-bit arithmetic does not change the answers. Lesson 01 shows the same with torch AMP.)
+
+# %%
+policy = "mixed_float16" if profile.tf_device_type == "GPU" else "mixed_bfloat16"
+with strategy.scope():
+    low = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn(dtype=policy))
+    full = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn())
+# 16-bit convolutions are slow on CPUs without oneDNN, so a few hundred test images suffice here
+acc_low, acc_full = (mirrored.evaluate(m, ds.x_test[:256], ds.y_test[:256]) for m in (low, full))
+print(f"{policy}: accuracy equals float32's within 0.02:", abs(acc_low - acc_full) <= 0.02)
+assert abs(acc_low - acc_full) <= 0.02
+
+low = mirrored.fit(strategy, train.take(steps), model=low, optimizer=optimizer_in(strategy))
+gap = max(float(np.abs(a - b).max()) for a, b in zip(mirrored.keras_weights_as_torch(low), w_mirror))
+print(f"after {steps} steps, {policy} weights within 1e-2 of float32's:", gap < 1e-2)
+assert gap < 1e-2
+
+# %% [markdown]
+# ## 7. Checkpoints under a strategy
+#
+# `tf.train.Checkpoint` saves one copy of each mirrored variable (they are equal), so the file
+# does not depend on the number of replicas: it restores into a mirrored model or into a plain
+# one-device model alike. (In multi-worker training every worker must call `save`; only the
+# chief's directory should be kept — the others write to temporary directories.)
+
+# %%
+import tempfile
+
+with tempfile.TemporaryDirectory() as ckdir:
+    path = mirrored.save_checkpoint(ckdir, replicated, opt_mirror, step=steps)
+    plain_model = mirrored.build_keras_cnn(seed=99)                # different weights at first
+    restored_step = mirrored.restore_checkpoint(path, plain_model)
+    with strategy.scope():
+        mirror_model, mirror_opt = mirrored.build_keras_cnn(seed=99), sgd()
+    mirrored.restore_checkpoint(path, mirror_model, mirror_opt)
+ok = all(np.allclose(a, b) for m in (plain_model, mirror_model)
+         for a, b in zip(mirrored.keras_weights_as_torch(m), w_mirror))
+print("restored step:", restored_step, "| weights restored under 1 and", "N replicas:", ok)
+assert ok and restored_step == steps
+
+# %% [markdown]
+# ## 8. MultiWorkerMirroredStrategy: two processes on localhost
+#
+# The multi-node analogue of lesson 04's two torchrun "nodes": each worker is its own process
+# (on a cluster, its own machine) with a `TF_CONFIG` environment variable that lists every
+# worker's address and says which one it is:
+#
+# ```json
+# {"cluster": {"worker": ["127.0.0.1:PORT0", "127.0.0.1:PORT1"]}, "task": {"type": "worker", "index": 0}}
+# ```
+#
+# `mirrored.run_multiworker` starts two workers (`python -m dpcourse.tf_multiworker_worker`) on
+# free ports, bounded in time and killed afterwards whatever happens. Each worker feeds its own
+# half of each global batch; the strategy all-reduces gradients between the processes over gRPC.
+# Starting from the same weights, both workers end with exactly the weights that one device
+# reached in section 4.
+
+# %%
+import os
+
+with tempfile.TemporaryDirectory() as tmp:
+    init_path = os.path.join(tmp, "init.npz")
+    np.savez(init_path, **{f"w{k}": w for k, w in enumerate(init)})
+    cfg = mirrored.MultiWorkerConfig(steps=steps, global_batch=global_batch, lr=lr,
+                                     n_train=n_train, seed=0, init_weights=init_path)
+    mw = mirrored.run_multiworker(cfg, num_workers=2, timeout=multiworker_timeout)
+workers_agree = all(np.array_equal(a, b) for a, b in zip(*mw.weights))
+equal_single = all(np.allclose(a, b, atol=1e-5) for a, b in zip(mw.weights[0], w_single))
+print("both workers hold identical weights:", workers_agree)
+print("== one device on the global batch:", equal_single)
+assert workers_agree and equal_single
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (why: wall-clock time on this machine.)
+print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF import included)")
+
+# %% [markdown]
+# ## 9. Side by side: PyTorch DDP and TF MirroredStrategy
+#
+# | | PyTorch DDP (lessons 03–04) | TF MirroredStrategy (this lesson) |
+# |---|---|---|
+# | who runs the replicas | N processes, one per device (`spawn`/`torchrun`) | one process, N replicas (`strategy.run`); N processes with MultiWorkerMirroredStrategy |
+# | where the model is copied | each rank builds it; DDP broadcasts rank 0's weights | `MirroredVariable`s created under `strategy.scope()` |
+# | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split |
+# | batch size you set | per rank (`per_rank_batch`) | global (`global_batch`) |
+# | combining gradients | all-reduce **average**, in backward (buckets) | all-reduce **sum**, in `apply_gradients` |
+# | so the loss must be | the rank's mean (`reduce_mean` semantics) | its share of the global mean (`compute_average_loss`) |
+# | reporting the loss | `all_reduce` / rank 0 | `strategy.reduce(SUM, ...)` |
+# | checkpoints | rank 0 saves `state_dict` | `tf.train.Checkpoint` (every worker saves; keep the chief's) |
+#
+# And the proof that both compute the same training: the same initial weights, the same global
+# batches, `steps` steps of SGD — once with real DDP over 2 gloo processes, once with TF.
+
+# %%
+def ddp_train_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits, y)          # the rank's mean
+    loss.backward()                                               # DDP all-reduces (average) here
+    optimizer.step()
+    return loss.detach()
+
+
+def ddp_worker(rank, world_size, init, batches, lr, train_step):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from dpcourse.models import SmallCNN
+
+    model = SmallCNN()
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), init):
+            p.copy_(torch.from_numpy(w))
+    model = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    per_rank_batch = len(batches[0][1]) // world_size
+    lo, hi = rank * per_rank_batch, (rank + 1) * per_rank_batch
+    losses = []
+    for x, y in batches:
+        loss = train_step(model, optimizer, torch.from_numpy(x[lo:hi]), torch.from_numpy(y[lo:hi]))
+        torch.distributed.all_reduce(loss)                        # for reporting only
+        losses.append(loss.item() / world_size)
+    return [p.detach().numpy() for p in model.module.parameters()], losses
+
+
+from dpcourse import launch
+
+batches = [(x.numpy().transpose(0, 3, 1, 2).copy(), y.numpy()) for x, y in train.take(steps)]
+ddp_results = launch.spawn(ddp_worker, 2, init, batches, lr, ddp_train_step,
+                           backend="gloo", timeout=60)
+w_ddp, loss_ddp = ddp_results[0]
+agree = all(np.allclose(a, b, atol=1e-5) for a, b in zip(w_ddp, w_mirror))
+print(f"after {steps} steps, PyTorch DDP weights == TF MirroredStrategy weights:", agree)
+print("losses per step agree:", np.allclose(loss_ddp, loss_mirror, atol=1e-5))
+assert agree and np.allclose(loss_ddp, loss_mirror, atol=1e-5)
+
+# %% [markdown]
+# The two training steps, as code. The differences are the table above in miniature: TF runs
+# the step through `strategy.run` and scales the loss by the global batch, because its
+# all-reduce sums; DDP hides its all-reduce in `backward()` and averages.
+
+# %%
+import difflib
+
+tf_step = inspect.getsource(mirrored.train_step)
+tf_step = tf_step.split('"""')[0].rstrip(" ") + tf_step.split('"""')[2].lstrip("\n")   # without docstring
+torch_step = inspect.getsource(ddp_train_step)
+print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlines(True),
+                                   "PyTorch DDP", "TF MirroredStrategy", n=1)))
+
+# %% [markdown]
+# ## Summary
+#
+# * Split the devices **first**; TF fixes them on first use.
+# * Create variables under `strategy.scope()`; batch with the **global** batch.
+# * TF **sums** replicas' gradients: scale each replica's loss with `compute_average_loss`
+#   (÷ global batch). `reduce_mean` makes the step N× too big; averaging again makes it 1/N.
+# * Proven here: mirrored step == one device on the global batch == Keras `fit` == two
+#   multi-worker processes == PyTorch DDP, from the same weights on the same data.
+#
+# **Lab 05** (`labs/lab05_mirrored_strategy.ipynb`): write the custom loop yourself.

@@ -1,0 +1,88 @@
+"""``python -m dpcourse doctor``: what this machine has, which profile the lessons will use,
+and what to fix when something is missing. Lesson 00 runs it.
+
+    python -m dpcourse doctor          # the report
+    python -m dpcourse doctor --json   # the same, for scripts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+
+def diagnose(report) -> list[str]:
+    """Advice for what is missing or mismatched; empty when all is well."""
+    advice = []
+    if sys.version_info < (3, 10):
+        advice.append("Python 3.10 or newer is needed (3.11 is what the course is tested on).")
+    if not report.gloo:
+        advice.append("torch.distributed with gloo is missing: install the official torch wheel "
+                      "(pip install -r requirements.txt); lessons 03, 04 and 06 need it.")
+    if report.gpus and not report.nccl:
+        advice.append("GPUs are visible but NCCL is not: multi-GPU lessons will fall back to "
+                      "gloo. Install a CUDA build of torch (see README, GPU workstation).")
+    if report.torch_cuda_build and not report.gpus:
+        advice.append("note: this torch is a CUDA build but sees no GPU; that is fine, the "
+                      "lessons use the cpu profile (check CUDA_VISIBLE_DEVICES if you expected one).")
+    tf = report.packages.get("tensorflow") or report.packages.get("tensorflow-cpu")
+    if tf is None:
+        advice.append("TensorFlow is missing: lesson 05 needs it (tensorflow-cpu, or "
+                      "tensorflow[and-cuda] on a GPU machine).")
+    for name in ("nbval", "jupytext", "ipywidgets", "matplotlib"):
+        if report.packages.get(name) is None:
+            advice.append(f"{name} is missing: pip install -r requirements.txt")
+    return advice
+
+
+def doctor(as_json: bool = False) -> int:
+    from dpcourse import devices
+
+    report = devices.hardware_report()
+    try:
+        profile = devices.choose_profile(report)
+        profile_error = None
+    except ValueError as exc:
+        profile, profile_error = None, str(exc)
+    advice = diagnose(report)
+    if profile_error:
+        advice.insert(0, profile_error)
+    if as_json:
+        print(json.dumps({"report": asdict(report), "profile": asdict(profile) if profile else None,
+                          "advice": advice}, indent=1))
+        return 0 if profile else 1
+    tf = report.packages.get("tensorflow") or report.packages.get("tensorflow-cpu")
+    print("dpcourse doctor")
+    print(f"  python       {report.python} on {report.platform}, {report.cpu_count} CPU(s)")
+    print(f"  torch        {report.torch} (CUDA build: {report.torch_cuda_build or 'no'})")
+    print(f"  tensorflow   {tf or 'not installed'}")
+    print(f"  GPUs         {report.gpu_count}" + "".join(f"\n    cuda:{i} {n}" for i, n in
+                                                       enumerate(report.gpus)))
+    print(f"  backends     gloo {'yes' if report.gloo else 'NO'}, nccl {'yes' if report.nccl else 'no'}")
+    if profile:
+        print(f"  {profile.describe()}")
+        print("  lessons      01 on {0}; 02 {1}; 03-04 and 06 with {2} ranks over {3}; 05 over "
+              "{4} {5} device(s)".format(
+                  profile.device,
+                  "real nn.DataParallel" if profile.name == "multi-gpu"
+                  else "DataParallel from scratch (real DP needs 2+ GPUs)",
+                  profile.world_size, profile.backend, profile.tf_devices,
+                  profile.tf_device_type))
+    print("  advice       " + ("none: everything the course needs is here" if not advice
+                             else "\n    - ".join([""] + advice)))
+    return 0 if profile else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dpcourse")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("doctor", help="check this machine for the course")
+    d.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    return doctor(args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

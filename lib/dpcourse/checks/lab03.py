@@ -1,0 +1,249 @@
+"""Checks for lab03: ``average_gradients(model)`` and a DDP-free data-parallel step.
+
+Both run the learner's functions (defined in notebook cells; ``dpcourse.launch`` ships them to
+the ranks with cloudpickle) on 2 gloo ranks, and compare with ``dpcourse.ddp``'s reference.
+A wrong answer is matched against simulations of the plausible mistakes:
+
+* summing without dividing (gradients ``world_size`` times too big);
+* dividing into a new tensor bound to a name or a list slot (``g = g / world_size``): ``p.grad``
+  keeps the sum — numerically the same as never dividing, so the learner's source is read to
+  tell the two apart;
+* reducing a copy (``p.grad.clone()``): ``p.grad`` is still the rank's own gradient;
+* calling ``all_reduce`` on rank 0 only: rank 0 waits forever; the launch's timeout (20 s by
+  default) ends it and the message says it was a deadlock;
+* averaging the loss instead of the gradients: each rank steps with its own gradients and the
+  ranks' weights drift apart.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import torch
+import torch.nn.functional as F
+
+from . import fail, passed
+
+__all__ = ["check_average_gradients", "check_data_parallel_step", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = 20.0  # seconds; a correct answer takes 1-8 s, a deadlock is cut off here
+
+
+def _avg_worker(rank: int, world_size: int, fn) -> dict:
+    from .. import ddp
+    from ..models import SmallCNN
+
+    dev = ddp.rank_device()
+    torch.manual_seed(0)
+    model = SmallCNN(width=4).to(dev)
+    g = torch.Generator().manual_seed(1000 + rank)  # different data on each rank
+    X = torch.randn(4, 3, 32, 32, generator=g).to(dev)
+    y = torch.randint(0, 10, (4,), generator=g).to(dev)
+    F.cross_entropy(model(X), y).backward()
+    local = [p.grad.detach().cpu().clone() for p in model.parameters()]
+    fn(model)
+    after = [None if p.grad is None else p.grad.detach().cpu().clone()
+             for p in model.parameters()]
+    return {"local": local, "after": after}
+
+
+def _rebinds_division(fn) -> bool | None:
+    """Does ``fn`` assign a division (or multiplication) to a plain name or a list slot, like
+    ``g = g / world_size`` or ``grads[i] = grads[i] / n``? None if the source is unavailable."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.BinOp)
+                and isinstance(node.value.op, (ast.Div, ast.Mult, ast.FloorDiv))
+                and all(isinstance(t, (ast.Name, ast.Subscript)) for t in node.targets)):
+            return True
+    return False
+
+
+def _all_close(a: list, b: list) -> bool:
+    return all(torch.allclose(x, y, rtol=1e-4, atol=1e-7) for x, y in zip(a, b))
+
+
+def _unfinished(fn) -> bool:
+    """True if ``fn``'s body still raises NotImplementedError at its top level (a lab TODO)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    func = tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
+    for stmt in func.body if func else ():
+        if isinstance(stmt, ast.Raise) and stmt.exc is not None:
+            exc = stmt.exc.func if isinstance(stmt.exc, ast.Call) else stmt.exc
+            if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
+                return True
+    return False
+
+
+def _launch(worker, world_size: int, timeout: float, *args):
+    from .. import devices, launch
+
+    # An unfilled TODO stops here, like any other lab, without starting ranks.
+    for fn in args:
+        if callable(fn) and _unfinished(fn):
+            raise NotImplementedError(f"{getattr(fn, '__name__', 'your function')} still raises "
+                                      f"NotImplementedError: replace the TODO with your answer.")
+
+    backend = devices.backend_for(world_size)
+    try:
+        return launch.spawn(worker, world_size, *args, backend=backend, timeout=timeout,
+                            show_output=False)
+    except launch.LaunchTimeoutError as exc:
+        who = ", ".join(map(str, exc.pending)) or "some rank"
+        fail(f"rank(s) {who} never finished within {timeout:g} s — a deadlock: all_reduce is a "
+             f"collective that every rank must call, in the same order, so calling it on some "
+             f"ranks only (e.g. `if rank == 0:`) leaves them waiting forever for the others.")
+    except launch.RankFailedError as exc:
+        if exc.summary.startswith("NotImplementedError"):
+            raise NotImplementedError(f"{exc.summary} (on rank {exc.rank})") from None
+        fail(f"your code raised on rank {exc.rank}: {exc.summary}")
+
+
+def check_average_gradients(average_gradients, world_size: int = 2,
+                            timeout: float = DEFAULT_TIMEOUT) -> str:
+    """Run ``average_gradients(model)`` on ``world_size`` ranks after a backward on different
+    data; every rank's ``p.grad`` must then be the mean of the ranks' gradients."""
+    if not callable(average_gradients):
+        fail(f"check_average_gradients needs your function, got {type(average_gradients).__name__}.")
+    results = _launch(_avg_worker, world_size, timeout, average_gradients)
+    locals_ = [r["local"] for r in results]
+    n_params = len(locals_[0])
+    total = [sum(loc[i] for loc in locals_) for i in range(n_params)]
+    mean = [t / world_size for t in total]
+    for rank, r in enumerate(results):
+        after = r["after"]
+        if any(a is None for a in after):
+            fail(f"on rank {rank} some p.grad is None after your function: average the gradients "
+                 f"in place, do not delete them.")
+        for a, m in zip(after, mean):
+            if a.shape != m.shape:
+                fail(f"on rank {rank} a gradient has shape {tuple(a.shape)} instead of its "
+                     f"parameter's {tuple(m.shape)}: average element-wise, do not reduce or "
+                     f"reshape the tensor.")
+        if _all_close(after, mean):
+            continue
+        if _all_close(after, total):
+            if _rebinds_division(average_gradients):
+                fail(f"the gradients hold the sum over the ranks, {world_size} times the mean: "
+                     f"you divided into a new tensor bound to a name or list slot "
+                     f"(g = g / world_size), which leaves p.grad untouched — divide p.grad in "
+                     f"place (p.grad /= world_size or p.grad.div_(world_size)).")
+            fail(f"the gradients hold the sum over the ranks, {world_size} times the mean: after "
+                 f"all_reduce(SUM), divide p.grad by the world size (in place).")
+        if _all_close(after, r["local"]):
+            fail(f"on rank {rank} p.grad is still that rank's own gradient: nothing was reduced "
+                 f"into it — all_reduce p.grad itself, not a copy (p.grad.clone(), "
+                 f"p.grad / world_size, torch.tensor(...)), since it writes its result into the "
+                 f"tensor it is given.")
+        if _all_close(after, [loc / world_size for loc in r["local"]]):
+            fail(f"on rank {rank} p.grad is the rank's own gradient divided by {world_size}: the "
+                 f"division happened but the all_reduce did not reach p.grad.")
+        fail(f"on rank {rank} the gradients are not the mean over the ranks (nor their sum, nor "
+             f"the rank's own): all_reduce each p.grad with SUM, then divide it by the world "
+             f"size, in place.")
+    return passed(f"average_gradients: every p.grad is the mean over {world_size} ranks, in place")
+
+
+# --------------------------------------------------------------------------------------------
+# The data-parallel step
+# --------------------------------------------------------------------------------------------
+
+_STEPS = 3
+
+
+def _cfg():
+    from ..ddp import StepConfig
+
+    return StepConfig(global_batch=16, steps=_STEPS, lr=0.1, width=4, n_train=64)
+
+
+def _step_worker(rank: int, world_size: int, step_fn) -> dict:
+    from .. import ddp
+
+    cfg = _cfg()
+    dev = ddp.rank_device()
+    model = ddp.make_model(cfg).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    for step in range(cfg.steps):
+        X, y = ddp.shard_of(*ddp.global_batch_for_step(cfg, step), rank, world_size)
+        step_fn(model, opt, X.to(dev), y.to(dev))
+    return {"params": ddp.flat_params(model)}
+
+
+def _simulate(world_size: int, rank: int | None, scale: float = 1.0,
+              zero_grad: bool = True) -> torch.Tensor:
+    """Final weights of a single process that trains on rank ``rank``'s shard only (None: the
+    whole global batch), with gradients multiplied by ``scale``, with or without zero_grad."""
+    from .. import ddp
+
+    cfg = _cfg()
+    model = ddp.make_model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    for step in range(cfg.steps):
+        X, y = ddp.global_batch_for_step(cfg, step)
+        if rank is not None:
+            X, y = ddp.shard_of(X, y, rank, world_size)
+        if zero_grad:
+            opt.zero_grad(set_to_none=True)
+        (F.cross_entropy(model(X), y) * scale).backward()
+        opt.step()
+    return ddp.flat_params(model)
+
+
+def check_data_parallel_step(data_parallel_step, world_size: int = 2,
+                             timeout: float = DEFAULT_TIMEOUT) -> str:
+    """Run ``data_parallel_step(model, optimizer, X, y)`` for 3 steps on ``world_size`` ranks,
+    each on its shard of the global batch; the final weights must be equal on every rank and
+    equal to one process trained on the whole global batch."""
+    from .. import ddp
+
+    if not callable(data_parallel_step):
+        fail(f"check_data_parallel_step needs your function, got "
+             f"{type(data_parallel_step).__name__}.")
+    results = _launch(_step_worker, world_size, timeout, data_parallel_step)
+    params = [r["params"] for r in results]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the simulations are tiny: extra threads only add contention
+    try:
+        return _diagnose_step(params, world_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _diagnose_step(params: list, world_size: int) -> str:
+    from .. import ddp
+
+    reference = _simulate(world_size, None)
+    start = ddp.flat_params(ddp.make_model(_cfg()))
+
+    def close(a, b):
+        return torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+    if all(close(p, reference) for p in params):
+        return passed(f"data-parallel step on {world_size} ranks == one process on the global "
+                      f"batch, weights equal on every rank")
+    if all(torch.equal(p, start) for p in params):
+        fail("the weights never changed: call optimizer.step() after averaging the gradients.")
+    own = [[_simulate(world_size, r, scale) for r in range(world_size)]
+           for scale in (1.0, 1.0 / world_size)]
+    for sims in own:
+        if all(close(p, s) for p, s in zip(params, sims)):
+            fail("each rank stepped with its own gradients and the ranks' weights drifted apart: "
+                 "averaging the loss (or not averaging at all) does not average the gradients — "
+                 "call average_gradients(model) between loss.backward() and optimizer.step().")
+    if all(close(p, _simulate(world_size, None, zero_grad=False)) for p in params):
+        fail("the gradients piled up from step to step: call optimizer.zero_grad() before each "
+             "backward.")
+    if not all(close(p, params[0]) for p in params):
+        fail("after 3 steps the ranks hold different weights: every rank must apply the same "
+             "averaged gradients.")
+    fail("the weights are equal on every rank but differ from one process trained on the global "
+         "batch: use the mean loss on the rank's shard, backward, average_gradients, step.")

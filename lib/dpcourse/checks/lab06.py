@@ -1,0 +1,332 @@
+"""Checks for lab 06 (``solutions/lab06_ring_allreduce.py``): the ring, simulated then real.
+
+* :func:`check_scatter_reduce` and :func:`check_all_gather` run the learner's NumPy phases on a
+  few worker counts and lengths (uneven ones too) and compare with :mod:`dpcourse.ring`.
+* :func:`check_ring_allreduce` runs the learner's ``ring_allreduce(tensor, op)`` — defined in a
+  notebook cell — in 3 processes through :func:`dpcourse.launch.spawn` (cloudpickle ships it)
+  and compares every rank's tensor with the sum / average.
+
+Wrong answers are recognised by simulating each plausible mistake and matching the learner's
+numbers: a chunk index off by one, a wrong number of steps, a missing all-gather, an
+all-gather that adds, summing where the average is asked. A ring in which every rank calls a
+blocking ``dist.send`` before its ``dist.recv`` deadlocks: measured with gloo (torch 2.14, CPU),
+two ranks doing that hang at *every* size we tried, from 1 element to 16 Mi elements — gloo's
+send does not return before the peer has posted the matching receive. The check notices which
+call each rank is stuck in, stops the ranks after ``timeout`` seconds and says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from dpcourse.checks import LabCheckError, fail, passed
+from dpcourse.ring import chunk_bounds
+
+__all__ = ["LabCheckError", "check_scatter_reduce", "check_all_gather", "check_ring_allreduce",
+           "reference_scatter_reduce", "reference_all_gather"]
+
+_CASES = [(3, 9), (4, 10), (5, 7), (3, 2)]  # (workers, length): even, uneven, L < N
+
+
+def _inputs(n: int, length: int, seed: int = 6) -> list[np.ndarray]:
+    # Distinct integers (as float64): sums are exact, so every mistake gives different numbers.
+    rng = np.random.default_rng(seed + 31 * n + length)
+    return [rng.integers(1, 1000, length).astype(np.float64) * (w + 1) for w in range(n)]
+
+
+# --- the NumPy phases, the reference and its plausible mistakes -----------------------------
+
+
+def _scatter_reduce(buffers, send_shift=0, recv_shift=0, steps=None):
+    n = len(buffers)
+    b = chunk_bounds(len(buffers[0]), n)
+    for s in range(n - 1 if steps is None else steps):
+        out = [buffers[i][slice(*b[(i - s + send_shift) % n])].copy() for i in range(n)]
+        for i in range(n):
+            dst = (i + 1) % n
+            target = buffers[dst][slice(*b[(i - s + send_shift + recv_shift) % n])]
+            if target.shape == out[i].shape:
+                target += out[i]
+            else:  # sizes differ for uneven chunks: the mistake would crash; mark it garbage
+                target[...] = np.nan
+    return buffers
+
+
+def _all_gather(buffers, send_shift=0, recv_shift=0, steps=None, add=False):
+    n = len(buffers)
+    b = chunk_bounds(len(buffers[0]), n)
+    for s in range(n - 1 if steps is None else steps):
+        out = [buffers[i][slice(*b[(i + 1 - s + send_shift) % n])].copy() for i in range(n)]
+        for i in range(n):
+            dst = (i + 1) % n
+            target = buffers[dst][slice(*b[(i + 1 - s + send_shift + recv_shift) % n])]
+            if target.shape != out[i].shape:
+                target[...] = np.nan
+            elif add:
+                target += out[i]
+            else:
+                target[...] = out[i]
+    return buffers
+
+
+def reference_scatter_reduce(buffers):
+    """Scatter-reduce in place: afterwards worker i holds the full sum of chunk (i + 1) mod N."""
+    return _scatter_reduce(buffers)
+
+
+def reference_all_gather(buffers):
+    """All-gather in place, after :func:`reference_scatter_reduce`: every worker gets every sum."""
+    return _all_gather(buffers)
+
+
+def _run_learner(fn, buffers, what):
+    try:
+        out = fn(buffers)
+    except NotImplementedError:
+        raise  # an unsolved TODO: let the lab stop right there, with the TODO's own message
+    except Exception as exc:  # noqa: BLE001 - the learner's code; name the error in one line
+        fail(f"your {what} raised {type(exc).__name__}: {exc}")
+    if isinstance(out, (list, tuple)) and len(out) == len(buffers):
+        buffers = [np.asarray(o) for o in out]  # returning new arrays is fine too
+    return buffers
+
+
+def _same(a_list, b_list) -> bool:
+    return all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(a_list, b_list))
+
+
+def check_scatter_reduce(fn) -> str:
+    """``fn(buffers)``: N 1-D float arrays, changed in place; after it worker i must hold the
+    full sum of chunk (i + 1) mod N (chunks as in ``ring.chunk_bounds``)."""
+    for n, length in _CASES:
+        inputs = _inputs(n, length)
+        got = _run_learner(fn, [a.copy() for a in inputs], "scatter_reduce")
+        want = _scatter_reduce([a.copy() for a in inputs])
+        if _same(got, want):
+            continue
+        if _same(got, inputs):
+            fail(f"scatter_reduce left the buffers unchanged (N={n}): each step must add the "
+                 f"chunk received from the left neighbour into the worker's own copy.")
+        for steps in (n, n - 2, 1):
+            if steps != n - 1 and steps >= 0 and _same(got, _scatter_reduce(
+                    [a.copy() for a in inputs], steps=steps)):
+                fail(f"scatter_reduce ran {steps} steps for N={n} workers; it takes exactly "
+                     f"N-1 = {n - 1}.")
+        for ds, dr in itertools.product((-1, 0, 1, 2), (-1, 0, 1)):
+            if (ds, dr) != (0, 0) and _same(got, _scatter_reduce(
+                    [a.copy() for a in inputs], ds, dr)):
+                fail(f"off-by-one chunk index in scatter_reduce (N={n}): at step s worker i "
+                     f"must send chunk (i - s) mod N and its right neighbour must add it into "
+                     f"that same chunk, so that worker i ends with the full sum of chunk "
+                     f"(i + 1) mod N.")
+        bad = [w for w in range(n) if not np.array_equal(got[w], want[w])]
+        fail(f"scatter_reduce gives wrong numbers on worker(s) {bad} for N={n}, length "
+             f"{length}: after it worker i must hold the full sum of chunk (i + 1) mod N.")
+    return passed("scatter_reduce: every worker ends with the full sum of chunk (i + 1) mod N, "
+                  "for N = 3, 4, 5 and uneven lengths")
+
+
+def check_all_gather(fn) -> str:
+    """``fn(buffers)``: run on the state after the reference scatter-reduce; afterwards every
+    worker must hold the whole sum."""
+    for n, length in _CASES:
+        inputs = _inputs(n, length)
+        reduced = _scatter_reduce([a.copy() for a in inputs])
+        total = np.sum(inputs, axis=0)
+        got = _run_learner(fn, [a.copy() for a in reduced], "all_gather")
+        if all(np.array_equal(g, total) for g in got):
+            continue
+        if _same(got, reduced):
+            fail(f"all_gather left the buffers unchanged (missing all-gather, N={n}): after the "
+                 f"scatter-reduce each worker holds only one finished chunk; pass them on.")
+        if _same(got, _all_gather([a.copy() for a in reduced], add=True)):
+            fail("all_gather adds the incoming chunk to the worker's own; it must overwrite it "
+                 "(the chunk is already the complete sum).")
+        for steps in (n, n - 2, 1):
+            if steps != n - 1 and steps >= 0 and _same(got, _all_gather(
+                    [a.copy() for a in reduced], steps=steps)):
+                fail(f"all_gather ran {steps} steps for N={n} workers; it takes exactly "
+                     f"N-1 = {n - 1}.")
+        for ds, dr in itertools.product((-1, 0, 1, 2), (-1, 0, 1)):
+            if (ds, dr) != (0, 0) and _same(got, _all_gather([a.copy() for a in reduced], ds, dr)):
+                fail(f"off-by-one chunk index in all_gather (N={n}): at step s worker i must "
+                     f"send chunk (i + 1 - s) mod N, the one it finished last, and its right "
+                     f"neighbour must overwrite that same chunk.")
+        bad = [w for w in range(n) if not np.array_equal(got[w], total)]
+        fail(f"all_gather leaves wrong numbers on worker(s) {bad} for N={n}, length {length}: "
+             f"afterwards every worker must hold the whole sum.")
+    return passed("all_gather: every worker ends with the whole sum, for N = 3, 4, 5 and "
+                  "uneven lengths")
+
+
+# --- the real ring ----------------------------------------------------------------------------
+
+_REAL_CASES = [  # (shape, dtype name, op)
+    ((12,), "float64", "sum"),
+    ((10,), "float64", "sum"),
+    ((4, 5), "float32", "sum"),
+    ((2,), "float64", "sum"),
+    ((11,), "float64", "average"),
+]
+
+
+def _real_input(rank: int, shape, seed: int = 6) -> np.ndarray:
+    rng = np.random.default_rng(seed + 1000 * rank + int(np.prod(shape)))
+    return rng.integers(1, 1000, shape).astype(np.float64) * (rank + 1)
+
+
+def _mark(marker_dir: str, rank: int, text: str) -> None:
+    with open(os.path.join(marker_dir, f"rank{rank}"), "w") as f:
+        f.write(text)
+
+
+def _real_worker(rank, world_size, fn, cases, marker_dir):
+    import torch
+    import torch.distributed as dist
+
+    # Note which blocking call this rank is in, so a hang can be explained afterwards.
+    real_send, real_recv = dist.send, dist.recv
+
+    def send(*a, **k):
+        _mark(marker_dir, rank, "send")
+        try:
+            return real_send(*a, **k)
+        finally:
+            _mark(marker_dir, rank, "")
+
+    def recv(*a, **k):
+        _mark(marker_dir, rank, "recv")
+        try:
+            return real_recv(*a, **k)
+        finally:
+            _mark(marker_dir, rank, "")
+
+    dist.send, dist.recv = send, recv
+    try:
+        torch.set_num_threads(1)
+        results = []
+        for shape, dtype, op in cases:
+            x = torch.tensor(_real_input(rank, shape), dtype=getattr(torch, dtype))
+            ret = fn(x, op=op)
+            returned = ret.detach().cpu().numpy().astype(np.float64) if isinstance(
+                ret, torch.Tensor) else None
+            results.append((x.numpy().astype(np.float64), returned))
+        return results
+    finally:
+        dist.send, dist.recv = real_send, real_recv
+
+
+def _simulate_real(n, cases, sr=(0, 0), ag=(0, 0), gather=True, average=True):
+    """What a ring with these chunk-index shifts would leave on each rank, per case."""
+    out = []
+    for shape, _, op in cases:
+        bufs = [_real_input(r, shape).ravel() for r in range(n)]
+        _scatter_reduce(bufs, *sr)
+        if gather:
+            _all_gather(bufs, *ag)
+        if op == "average" and average:
+            bufs = [b / n for b in bufs]
+        out.append([b.reshape(shape) for b in bufs])
+    return out
+
+
+def _matches(results, sim) -> bool:
+    for case_results, case_sim in zip(results, sim):
+        for (got, _), want in zip(case_results, case_sim):
+            if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6, atol=0,
+                                                          equal_nan=False):
+                return False
+    return True
+
+
+def check_ring_allreduce(fn, world_size: int = 3, timeout: float = 20.0) -> str:
+    """Run ``fn(tensor, op="sum"|"average")`` on ``world_size`` gloo ranks, on several shapes
+    (lengths not divisible by N, and shorter than N), and compare with the sum / average.
+
+    ``timeout`` bounds the whole launch: a ring that deadlocks ends with a LabCheckError that
+    says so instead of hanging the notebook.
+    """
+    from dpcourse import launch
+
+    if not callable(fn):
+        fail(f"check_ring_allreduce needs your ring_allreduce function, got {type(fn).__name__}")
+    cases = _REAL_CASES
+    marker_dir = tempfile.mkdtemp(prefix="dpcourse-lab06-")
+    try:
+        try:
+            per_rank = launch.spawn(_real_worker, world_size, fn, cases, marker_dir,
+                                    backend="gloo", timeout=timeout, show_output=False)
+        except launch.LaunchTimeoutError:
+            where = {}
+            for r in range(world_size):
+                try:
+                    with open(os.path.join(marker_dir, f"rank{r}")) as f:
+                        where[r] = f.read()
+                except OSError:
+                    where[r] = ""
+            if all(v == "send" for v in where.values()):
+                fail(f"deadlock: every rank called a blocking dist.send before its dist.recv, "
+                     f"so all {world_size} waited for a receive nobody had posted (gloo's send "
+                     f"waits for the matching receive) and were stopped after {timeout:g} s; "
+                     f"post the send and the receive together with dist.isend / dist.irecv, "
+                     f"then wait on both.")
+            stuck = ", ".join(f"rank {r} in dist.{v}" for r, v in where.items() if v) or \
+                "no rank inside dist.send/recv"
+            fail(f"your ring_allreduce did not finish within {timeout:g} s and was stopped "
+                 f"({stuck}): some send or receive has no partner — check that every rank "
+                 f"does the same number of steps and sends to rank+1, receives from rank-1.")
+        except launch.RankFailedError as exc:
+            if exc.summary.startswith("NotImplementedError"):
+                raise NotImplementedError(f"ring_allreduce is not written yet ({exc.summary}): "
+                                          f"replace the `raise NotImplementedError` under the "
+                                          f"TODO.") from None
+            fail(f"your ring_allreduce raised on rank {exc.rank}: {exc.summary}")
+    finally:
+        shutil.rmtree(marker_dir, ignore_errors=True)
+
+    results = [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
+    correct = _simulate_real(world_size, cases)
+    if _matches(results, correct):
+        return passed(f"ring_allreduce equals the sum (and the average) on {world_size} ranks "
+                      f"for lengths 12, 10, 20, 2 and 11")
+    # Which mistake? In the order a learner most likely makes them.
+    for i, ((shape, _, op), res) in enumerate(zip(cases, results)):
+        got = [g for g, _ in res]
+        inputs = [_real_input(r, shape) for r in range(world_size)]
+        if all(np.array_equal(g, x) for g, x in zip(got, inputs)):
+            returned = [rv for _, rv in res]
+            if all(rv is not None and np.allclose(rv, w) for rv, w in zip(returned, correct[i])):
+                fail("ring_allreduce returns the right result but leaves the tensor it was "
+                     "given unchanged: it must work in place, like dist.all_reduce.")
+    if _matches(results, _simulate_real(world_size, cases, average=False)):
+        fail("summing without averaging: with op='average' the result must be divided by the "
+             "world size (the sum is right, N times too big).")
+    shifts = [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1)]
+    for sr in shifts:
+        for average in (True, False):
+            if _matches(results, _simulate_real(world_size, cases, sr, gather=False,
+                                                average=average)):
+                fail("missing all-gather: after the scatter-reduce each rank holds only its one "
+                     "finished chunk; N-1 more steps must pass the finished chunks around the "
+                     "ring.")
+    for sr in shifts:
+        for ag in shifts:
+            if (sr, ag) != ((0, 0), (0, 0)) and _matches(
+                    results, _simulate_real(world_size, cases, sr, ag)):
+                phase = "scatter-reduce" if sr != (0, 0) else "all-gather"
+                fail(f"off-by-one chunk index in the {phase}: at step s rank r sends chunk "
+                     f"(r - s) mod N and receives chunk (r - s - 1) mod N in the scatter-reduce, "
+                     f"then sends (r + 1 - s) and receives (r - s) in the all-gather.")
+    for i, ((shape, _, op), res) in enumerate(zip(cases, results)):
+        for r, (got, _) in enumerate(res):
+            want = correct[i][r]
+            if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6):
+                fail(f"wrong result on rank {r} for a tensor of shape {shape} with op='{op}': "
+                     f"it should equal the {'average' if op == 'average' else 'sum'} of all "
+                     f"ranks' tensors.")
+    fail("ring_allreduce gives wrong results.")  # unreachable in practice, but never pass

@@ -1,0 +1,450 @@
+"""``nn.DataParallel`` from scratch, on CPU "devices" (lesson 02, lab02).
+
+One step of ``nn.DataParallel(module)(X)`` is four moves, all inside one Python process:
+
+1. :func:`scatter`   split the batch along dim 0 into one contiguous chunk per device;
+2. :func:`replicate` copy the module onto every device — *every step*, because the weights
+                     changed since the last one;
+3. :func:`parallel_apply` run each replica on its chunk, one Python **thread** per device;
+4. :func:`gather`    concatenate the outputs on device 0, where the loss is computed.
+
+``loss.backward()`` then runs back through all four: the gradient of each replica's parameters
+is **summed** onto the original parameters on device 0 (the backward of a broadcast is a
+reduce-add). :func:`data_parallel` chains the four and is checked in tests/test_dp.py and in the
+lesson to give the plain module's outputs and gradients on the whole batch.
+
+Here a "device" is a ``torch.device``. On a machine without GPUs every device is the CPU and the
+copies are real copies in the same memory, which is enough to see every move and count every
+byte; with GPUs (``devices_for(n)``) the same code puts chunks and replicas on ``cuda:0..n-1``.
+
+Why it is slow, each point measurable with this module (lesson 02 measures them):
+
+* one process: the threads share the GIL, so the Python parts of N forwards take turns;
+* the weights travel from device 0 to N-1 devices every step, and N-1 gradient copies travel
+  back to device 0 — a parameter server on device 0 that moves T = 2(N-1)K numbers per step for
+  K parameters (:func:`parameter_server_traffic`, and :class:`TrafficCounter` counts the copies
+  this implementation really makes);
+* device 0 also holds the gathered outputs and computes the loss alone.
+
+:func:`real_data_parallel` says what the real ``nn.DataParallel`` does *on this machine*: with
+2 or more GPUs it runs for real; with 0 or 1 it quietly calls the wrapped module and nothing
+else (no scatter, no replicas, no threads).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "devices_for",
+    "scatter",
+    "replicate",
+    "parallel_apply",
+    "gather",
+    "data_parallel",
+    "TrafficCounter",
+    "parameter_server_traffic",
+    "RealDataParallelReport",
+    "real_data_parallel",
+    "time_replicate_vs_forward",
+    "gil_threads_demo",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Devices
+# --------------------------------------------------------------------------------------------
+
+
+def devices_for(n: int, kind: str | None = None) -> list[torch.device]:
+    """``n`` devices for the from-scratch DataParallel: ``cuda:0..n-1`` or ``n`` × cpu.
+
+    ``kind`` None picks CUDA when there are at least ``n`` GPUs, the CPU otherwise. Asking for
+    ``kind="cuda"`` with more devices than GPUs is an error (one sentence, not a CUDA trace).
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"the number of devices must be a positive int, got {n!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kind is None:
+        kind = "cuda" if gpus >= n else "cpu"
+    if kind == "cuda":
+        if n > gpus:
+            raise ValueError(f"asked for {n} CUDA devices but this machine has {gpus}; "
+                             f"use kind='cpu' (or None) to simulate them on the CPU")
+        return [torch.device("cuda", i) for i in range(n)]
+    if kind == "cpu":
+        return [torch.device("cpu")] * n
+    raise ValueError(f"kind must be None, 'cpu' or 'cuda', got {kind!r}")
+
+
+def _as_devices(devices) -> list[torch.device]:
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        return devices_for(devices)
+    devs = [torch.device(d) for d in devices]
+    if not devs:
+        raise ValueError("need at least one device")
+    return devs
+
+
+# --------------------------------------------------------------------------------------------
+# Traffic accounting: every number that crosses from one device to another
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrafficCounter:
+    """Counts the numbers (tensor elements) copied by :func:`replicate` (weights out of device 0)
+    and by its backward (gradients into device 0). Use as a context manager::
+
+        with TrafficCounter() as tc:
+            loss = F.cross_entropy(data_parallel(model, X, 4), y); loss.backward()
+        tc.params_out, tc.grads_in      # both (N-1)·K for K parameters
+    """
+
+    params_out: int = 0
+    grads_in: int = 0
+    replicate_calls: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def total(self) -> int:
+        return self.params_out + self.grads_in
+
+    def __enter__(self) -> "TrafficCounter":
+        _COUNTERS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _COUNTERS.remove(self)
+
+    def _add(self, what: str, n: int) -> None:
+        with self._lock:
+            setattr(self, what, getattr(self, what) + n)
+
+
+_COUNTERS: list[TrafficCounter] = []
+
+
+def _count(what: str, n: int) -> None:
+    for c in list(_COUNTERS):
+        c._add(what, n)
+
+
+def parameter_server_traffic(n_devices: int, n_params: int) -> int:
+    """Numbers moved through device 0 in one DataParallel step: T = 2(N-1)K.
+
+    N-1 copies of the K weights go out (replicate), N-1 gradients of K numbers come back
+    (the reduce onto device 0). Device 0's link carries all of it, whatever N is — the cost
+    grows linearly with N, which is why a ring all-reduce (lesson 06) beats it.
+    """
+    if n_devices < 1 or n_params < 0:
+        raise ValueError(f"need n_devices >= 1 and n_params >= 0, got {n_devices}, {n_params}")
+    return 2 * (n_devices - 1) * n_params
+
+
+# --------------------------------------------------------------------------------------------
+# 1. scatter
+# --------------------------------------------------------------------------------------------
+
+
+def scatter(X: torch.Tensor, devices) -> list[torch.Tensor]:
+    """Split ``X`` along dim 0 into contiguous chunks, chunk i on device i.
+
+    Same sizes as the real one (``torch.chunk``): ceil(B/N) per chunk, the last one smaller.
+    The real ``nn.DataParallel`` then quietly uses *fewer* devices when B is small (B=5 on 4
+    GPUs gives chunks 2, 2, 1 on 3 GPUs, and B=1 runs on one); here every device must get at
+    least one sample, so a batch that does not split raises instead of hiding it.
+    Differentiable: gradients flow back from the chunks to ``X``.
+    """
+    devs = _as_devices(devices)
+    if not isinstance(X, torch.Tensor):
+        raise TypeError(f"scatter needs a tensor, got {type(X).__name__}")
+    if X.dim() == 0:
+        raise ValueError("scatter needs a batch (a tensor with a dim 0), got a scalar")
+    n, b = len(devs), X.shape[0]
+    if b < n:
+        raise ValueError(f"a batch of {b} sample(s) cannot be split over {n} devices: each device "
+                         f"needs at least one sample (use a batch of at least {n})")
+    chunks = list(torch.chunk(X, n, dim=0))
+    if len(chunks) != n:
+        # torch.chunk makes fewer chunks when ceil(b/n) * (n-1) >= b, e.g. b=5, n=4 -> 2,2,1.
+        raise ValueError(f"a batch of {b} does not split into {n} non-empty contiguous chunks of "
+                         f"ceil({b}/{n}) samples; use a batch that is a multiple of {n}")
+    return [c.to(d) for c, d in zip(chunks, devs)]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. replicate
+# --------------------------------------------------------------------------------------------
+
+
+class _Broadcast(torch.autograd.Function):
+    """Copy tensors to every device; backward *sums* the copies' gradients onto the source.
+
+    This pair — broadcast forward, reduce-add backward — is what makes the gradients of all
+    replicas land, summed, on the original parameters.
+    """
+
+    @staticmethod
+    def forward(ctx, devices, *tensors):
+        ctx.n_dev = len(devices)
+        ctx.n_t = len(tensors)
+        ctx.src = [t.device for t in tensors]
+        out = []
+        for i, d in enumerate(devices):
+            for t in tensors:
+                # replica 0 lives on the source device but still gets its own tensor, so that
+                # autograd treats every replica the same way.
+                out.append(t.detach().to(d, copy=True))
+            if i > 0:
+                _count("params_out", sum(t.numel() for t in tensors))
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n_t = ctx.n_t
+        summed = []
+        for j in range(n_t):
+            g = grads[j].to(ctx.src[j])  # replica 0's gradient is already on device 0
+            for i in range(1, ctx.n_dev):
+                g = g + grads[i * n_t + j].to(ctx.src[j])
+            summed.append(g)
+        _count("grads_in", (ctx.n_dev - 1) * sum(g.numel() for g in summed))
+        return (None, *summed)
+
+
+def replicate(module: nn.Module, devices) -> list[nn.Module]:
+    """One copy of ``module`` per device, its parameters tied to the original by autograd.
+
+    Each replica's parameters are *outputs* of a broadcast (not leaf Parameters): a backward
+    through any replica adds into ``module``'s own ``.grad``. Buffers (e.g. BatchNorm's running
+    statistics) are copied without gradient — and updates made to a replica's buffers are lost,
+    one more way DataParallel differs from one device. Called every step, as the real one is.
+    """
+    devs = _as_devices(devices)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"replicate needs an nn.Module, got {type(module).__name__}")
+    for c in _COUNTERS:
+        c._add("replicate_calls", 1)
+    params = list(module.parameters())
+    buffers = list(module.buffers())
+    copies = _Broadcast.apply(devs, *params) if params else ()
+    # Share the original tensors with the deep copy (memo), so deepcopy only builds the module
+    # tree; every parameter and buffer slot is then pointed at its per-device copy below.
+    memo = {id(t): t for t in params + buffers}
+    replicas = []
+    for i, d in enumerate(devs):
+        replica = copy.deepcopy(module, memo)
+        p_copies = iter(copies[i * len(params):(i + 1) * len(params)])
+        for m in replica.modules():
+            for name, p in m._parameters.items():
+                if p is not None:
+                    m._parameters[name] = next(p_copies)
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = b.detach().to(d, copy=True)
+        replicas.append(replica)
+    return replicas
+
+
+# --------------------------------------------------------------------------------------------
+# 3. parallel_apply
+# --------------------------------------------------------------------------------------------
+
+
+def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> list:
+    """Run ``replicas[i](inputs[i])`` in one thread per replica, like the real one.
+
+    The threads share the GIL: the Python code of the forwards takes turns, and only the time
+    spent inside torch kernels (which release the GIL) can overlap. Grad mode is thread-local in
+    torch, so each thread switches it to the caller's setting — forget that and the replicas
+    would run without autograd. An exception in a thread is re-raised here, naming the replica.
+    """
+    if len(replicas) != len(inputs):
+        raise ValueError(f"{len(replicas)} replicas but {len(inputs)} inputs: need one input "
+                         f"chunk per replica")
+    grad_enabled = torch.is_grad_enabled()
+    results: list = [None] * len(replicas)
+    errors: list = [None] * len(replicas)
+
+    def work(i: int) -> None:
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                results[i] = replicas[i](inputs[i])
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            errors[i] = exc
+
+    if len(replicas) == 1:
+        work(0)
+    else:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i, exc in enumerate(errors):
+        if exc is not None:
+            raise RuntimeError(f"replica {i} failed: {type(exc).__name__}: {exc}") from exc
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# 4. gather
+# --------------------------------------------------------------------------------------------
+
+
+def gather(outputs: Sequence[torch.Tensor], target_device=None, dim: int = 0) -> torch.Tensor:
+    """Concatenate the replicas' outputs along ``dim`` (the batch) on ``target_device``
+    (device 0 by default). Differentiable: the backward sends each chunk's gradient home."""
+    if not outputs:
+        raise ValueError("gather needs at least one output")
+    for o in outputs:
+        if not isinstance(o, torch.Tensor):
+            raise TypeError(f"gather handles tensor outputs only, got {type(o).__name__}")
+    target = torch.device(target_device) if target_device is not None else outputs[0].device
+    return torch.cat([o.to(target) for o in outputs], dim=dim)
+
+
+def data_parallel(module: nn.Module, X: torch.Tensor, devices) -> torch.Tensor:
+    """``nn.DataParallel(module)(X)``, spelled out: scatter, replicate, parallel_apply, gather."""
+    devs = _as_devices(devices)
+    chunks = scatter(X, devs)
+    replicas = replicate(module, devs)
+    outputs = parallel_apply(replicas, chunks)
+    return gather(outputs, devs[0])
+
+
+# --------------------------------------------------------------------------------------------
+# The real nn.DataParallel on this machine
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RealDataParallelReport:
+    """What ``nn.DataParallel`` did here. ``mode`` is "parallel" (2+ GPUs: it scattered over
+    ``device_ids``) or "passthrough" (0 or 1 GPU: it called the module, nothing else)."""
+
+    gpu_count: int
+    device_ids: list
+    mode: str
+    replicate_calls: int
+    matches_module: bool
+    max_abs_diff: float
+
+    def explain(self) -> str:
+        if self.mode == "parallel":
+            return (f"nn.DataParallel ran for real: the batch was scattered over GPUs "
+                    f"{self.device_ids} and the module replicated {self.replicate_calls} time(s).")
+        if self.gpu_count == 1:
+            return ("With one GPU, nn.DataParallel moves the input to cuda:0 and calls the module: "
+                    "no scatter, no replicas, no threads.")
+        return ("Without a GPU, nn.DataParallel has no device_ids and silently calls the wrapped "
+                "module: no scatter, no replicas, no threads, no error.")
+
+
+def real_data_parallel(module: nn.Module, X: torch.Tensor) -> RealDataParallelReport:
+    """Wrap ``module`` in the real ``nn.DataParallel``, run ``X`` through it, and report.
+
+    Counts the calls of its ``replicate`` method (0 when it just passes through) and compares the
+    output with the module's own on the whole batch. With GPUs, ``module`` is moved to cuda:0
+    (a copy is made; the argument is left where it was).
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    model = copy.deepcopy(module)
+    if gpus:
+        model = model.to("cuda:0")
+        X = X.to("cuda:0")
+    wrapped = nn.DataParallel(model)
+    calls = 0
+    original = wrapped.replicate
+
+    def counting_replicate(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    wrapped.replicate = counting_replicate  # instance attribute shadows the method
+    with torch.no_grad():
+        out = wrapped(X)
+        ref = model(X)
+    diff = (out - ref).abs().max().item()
+    mode = "parallel" if gpus >= 2 else "passthrough"
+    return RealDataParallelReport(gpus, list(wrapped.device_ids), mode, calls,
+                                  bool(torch.allclose(out, ref, atol=1e-5, rtol=1e-4)), diff)
+
+
+# --------------------------------------------------------------------------------------------
+# Measurements for "why DataParallel is slow"
+# --------------------------------------------------------------------------------------------
+
+
+def _best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_replicate_vs_forward(module: nn.Module, X: torch.Tensor, devices,
+                              repeats: int = 5) -> dict:
+    """Seconds (best of ``repeats``) for one :func:`replicate` and for one forward of a chunk.
+
+    Replication is paid again every step; the lesson shows how it compares with the work it
+    serves. Timings depend on the machine, so show them but assert nothing about their size.
+    """
+    devs = _as_devices(devices)
+    chunk = scatter(X, devs)[0]
+    with torch.no_grad():
+        module(chunk)  # warm-up
+        t_fwd = _best_of(lambda: module(chunk), repeats)
+    t_rep = _best_of(lambda: replicate(module, devs), repeats)
+    return {"replicate_s": t_rep, "forward_chunk_s": t_fwd, "ratio": t_rep / t_fwd}
+
+
+def _python_work(n: int) -> int:
+    # Pure Python bytecode: holds the GIL the whole time.
+    s = 0
+    for i in range(n):
+        s += i * i % 7
+    return s
+
+
+def gil_threads_demo(n: int = 300_000, threads: int = 2) -> dict:
+    """Time ``threads`` units of pure-Python work done one after another vs in ``threads``
+    threads. With the GIL the threaded run is no faster (often slower): ``speedup`` ≈ 1 or less,
+    however many cores the machine has, and ``cpu_per_wall`` (CPU seconds the process used per
+    second of the threaded run) stays at or below 1: one core at a time."""
+    if threads < 2:
+        raise ValueError("the demo needs at least 2 threads")
+    _python_work(n // 10)  # warm-up
+
+    def sequential():
+        for _ in range(threads):
+            _python_work(n)
+
+    def threaded():
+        ts = [threading.Thread(target=_python_work, args=(n,)) for _ in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    t_seq = _best_of(sequential, 5)
+    t_thr = _best_of(threaded, 5)
+    # The load-proof sign of the GIL: while the threads run, the process uses at most one core's
+    # worth of CPU time per second of wall time (two truly parallel threads would use two). A
+    # busy machine slows both timings above, but cannot push this ratio above 1.
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    threaded()
+    cpu_per_wall = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    return {"sequential_s": t_seq, "threaded_s": t_thr, "speedup": t_seq / t_thr,
+            "cpu_per_wall": cpu_per_wall, "threads": threads}

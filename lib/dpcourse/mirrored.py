@@ -1,0 +1,564 @@
+"""TensorFlow's data parallelism: MirroredStrategy, Keras fit, a custom loop, multi-worker.
+
+Used by lesson 05 (``lessons/05_mirrored_strategy.py``) and lab 05. Torch-only learners never
+import this module: it is the course's TensorFlow side, kept apart from the torch modules.
+
+**The order matters.** TensorFlow fixes its devices the first time anything uses them, so a
+notebook must call ``dpcourse.devices.split_tf_devices(n)`` *before* it builds a model or a
+dataset here (importing this module is fine: importing TF does not fix the devices yet).
+
+What is here:
+
+* :func:`build_keras_cnn` — the Keras twin of ``dpcourse.models.SmallCNN`` (same layers, same
+  parameter count, channels-last), and :func:`copy_torch_weights` / :func:`keras_weights_as_torch`
+  to move weights between the two (NCHW vs NHWC flatten order included);
+* :func:`make_dataset` — a ``tf.data`` pipeline from ``dpcourse.data`` arrays, batched with the
+  *global* batch (the strategy splits it over the replicas), with optional cache/prefetch;
+* :func:`per_replica_loss`, :func:`train_step`, :func:`mirrored_gradients` — the custom loop with
+  ``strategy.run`` / ``strategy.reduce`` / ``tf.nn.compute_average_loss``, and the classic
+  ``reduce_mean`` scaling bug as an option (``loss_scaling="reduce_mean"``) so the lesson can
+  show its numbers;
+* :func:`fit` — Keras ``fit`` under a strategy, silent (``verbose=0``);
+* :func:`save_checkpoint` / :func:`restore_checkpoint` — ``tf.train.Checkpoint`` under a strategy;
+* :func:`run_multiworker` — ``MultiWorkerMirroredStrategy`` with N worker processes on
+  localhost (TF_CONFIG, free ports), bounded in time and killed on error or timeout; the worker
+  is ``python -m dpcourse.tf_multiworker_worker``.
+
+TensorFlow's chatter (C++ log lines, "INFO:tensorflow", progress bars) would break the
+notebooks' stored outputs, so this module sets ``TF_CPP_MIN_LOG_LEVEL=2`` and
+``TF_ENABLE_ONEDNN_OPTS=0`` (only if unset) before it imports TensorFlow, and lowers TF's Python
+logger to ERROR: the one side effect of importing it, and the reason it is here and not in each
+notebook cell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+
+def _preload_triton() -> None:
+    """Load triton's native library before TensorFlow's, if triton is installed.
+
+    Measured here (torch 2.14.1 + tensorflow-cpu 2.21): with TF loaded first, torch's first
+    ``optimizer.step()`` imports torch._dynamo, which imports triton, whose native library
+    then crashes the process (segmentation fault). Loaded before TF, it works. Importing
+    triton costs about half a second and does not import torch.
+    """
+    if "tensorflow" in sys.modules:
+        return  # too late to help; nothing to do
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is not None:
+            import triton  # noqa: F401
+    except Exception:  # a broken triton must not stop the TF side from working
+        pass
+
+
+_preload_triton()
+
+import keras  # noqa: E402 - the environment above must be set before TF is imported
+import tensorflow as tf  # noqa: E402
+
+from dpcourse import data as _data  # noqa: E402
+from dpcourse.launch import free_port  # noqa: E402
+
+tf.get_logger().setLevel("ERROR")
+
+__all__ = [
+    "build_keras_cnn",
+    "copy_torch_weights",
+    "keras_weights_as_torch",
+    "set_torch_layout_weights",
+    "make_dataset",
+    "make_strategy",
+    "per_example_loss",
+    "per_replica_loss",
+    "train_step",
+    "make_train_step",
+    "mirrored_gradients",
+    "single_replica_gradients",
+    "train_steps",
+    "fit",
+    "evaluate",
+    "save_checkpoint",
+    "restore_checkpoint",
+    "MultiWorkerConfig",
+    "MultiWorkerResult",
+    "MultiWorkerError",
+    "run_multiworker",
+    "LOSS_SCALINGS",
+]
+
+LOSS_SCALINGS = ("global", "reduce_mean")
+
+
+# --------------------------------------------------------------------------------------------
+# The model: SmallCNN's Keras twin
+# --------------------------------------------------------------------------------------------
+
+
+def build_keras_cnn(num_classes: int = 10, width: int = 32, dtype=None,
+                    seed: int | None = 0) -> keras.Model:
+    """Keras version of ``dpcourse.models.SmallCNN``: (conv 3×3 - ReLU - max-pool 2) ×3,
+    flatten, dense 128 - ReLU, dense ``num_classes`` (logits). Input (N, 32, 32, 3).
+
+    ``dtype`` is a Keras dtype policy, e.g. ``"mixed_bfloat16"``: the layers then compute in
+    bfloat16 while their variables stay float32; the logits are cast back to float32 so the
+    loss is computed at full precision. Build it inside ``strategy.scope()`` for mirrored
+    variables. ``seed`` makes the initial weights repeatable (None: random).
+    """
+    if width < 1 or num_classes < 1:
+        raise ValueError(f"width and num_classes must be positive, got {width}, {num_classes}")
+    init = (lambda k: keras.initializers.GlorotUniform(seed=None if seed is None else seed + k))
+    layers = [keras.Input((32, 32, 3))]
+    channels = (width, 2 * width, 2 * width)
+    for k, c in enumerate(channels):
+        layers += [
+            keras.layers.Conv2D(c, 3, padding="same", kernel_initializer=init(k), dtype=dtype),
+            keras.layers.ReLU(dtype=dtype),
+            keras.layers.MaxPooling2D(2, dtype=dtype),
+        ]
+    layers += [
+        keras.layers.Flatten(dtype=dtype),
+        keras.layers.Dense(128, activation="relu", kernel_initializer=init(3), dtype=dtype),
+        keras.layers.Dense(num_classes, kernel_initializer=init(4), dtype=dtype),
+        # Logits back in float32 whatever the compute dtype: softmax/cross-entropy in bfloat16
+        # loses the small differences between classes that the loss is made of.
+        keras.layers.Activation("linear", dtype="float32"),
+    ]
+    return keras.Sequential(layers, name="small_cnn")
+
+
+def _conv_and_dense(keras_model: keras.Model):
+    convs = [l for l in keras_model.layers if isinstance(l, keras.layers.Conv2D)]
+    denses = [l for l in keras_model.layers if isinstance(l, keras.layers.Dense)]
+    if len(convs) != 3 or len(denses) != 2:
+        raise ValueError("expected the model of build_keras_cnn (3 Conv2D and 2 Dense layers), got "
+                         f"{len(convs)} Conv2D and {len(denses)} Dense layers")
+    return convs, denses
+
+
+def copy_torch_weights(torch_model, keras_model: keras.Model) -> keras.Model:
+    """Give ``keras_model`` (from :func:`build_keras_cnn`) the weights of a torch ``SmallCNN``.
+
+    Convolution kernels go from torch's (out, in, kh, kw) to Keras' (kh, kw, in, out); dense
+    kernels are transposed. The first dense layer needs more: torch flattens a (C, H, W) feature
+    map, Keras a (H, W, C) one, so the same input neuron has a different index. Its rows are
+    reordered from C-major to channels-last, or the two models compute different functions.
+    Works under a strategy (assigning to a mirrored variable sets every replica's copy).
+    """
+    sd = {k: v.detach().cpu().numpy() for k, v in torch_model.state_dict().items()}
+    if [v.ndim for v in sd.values()] != [4, 1, 4, 1, 4, 1, 2, 1, 2, 1]:
+        raise ValueError("copy_torch_weights expects a dpcourse.models.SmallCNN (3 convolutions, "
+                         "2 linear layers, each with a bias)")
+    return set_torch_layout_weights(keras_model, list(sd.values()))
+
+
+def set_torch_layout_weights(keras_model: keras.Model, arrays) -> keras.Model:
+    """Assign weights given in torch's layout and order (conv1 weight, conv1 bias, ...,
+    fc2 bias: what ``SmallCNN.parameters()`` yields) to the Keras CNN."""
+    convs, denses = _conv_and_dense(keras_model)
+    arrays = [np.asarray(a, dtype=np.float32) for a in arrays]
+    if len(arrays) != 10:
+        raise ValueError(f"expected 10 arrays (5 weights, 5 biases), got {len(arrays)}")
+    for k, layer in enumerate(convs):
+        layer.kernel.assign(arrays[2 * k].transpose(2, 3, 1, 0))
+        layer.bias.assign(arrays[2 * k + 1])
+    w1 = arrays[6]                                     # (128, C*H*W), input index c*H*W + h*W + w
+    c = convs[-1].filters
+    hw = int(round((w1.shape[1] // c) ** 0.5))
+    w1 = w1.reshape(w1.shape[0], c, hw, hw).transpose(2, 3, 1, 0).reshape(hw * hw * c, -1)
+    denses[0].kernel.assign(w1)                        # (H*W*C, 128), index h*W*C + w*C + c
+    denses[0].bias.assign(arrays[7])
+    denses[1].kernel.assign(arrays[8].T)
+    denses[1].bias.assign(arrays[9])
+    return keras_model
+
+
+def keras_weights_as_torch(keras_model: keras.Model) -> list[np.ndarray]:
+    """The Keras model's weights in torch's layout and order (the inverse of
+    :func:`copy_torch_weights`), to compare with ``[p for p in torch_model.parameters()]``."""
+    convs, denses = _conv_and_dense(keras_model)
+    out = []
+    for layer in convs:
+        out += [layer.kernel.numpy().transpose(3, 2, 0, 1), layer.bias.numpy()]
+    w1 = denses[0].kernel.numpy()
+    c = convs[-1].filters
+    hw = int(round((w1.shape[0] // c) ** 0.5))
+    w1 = w1.reshape(hw, hw, c, -1).transpose(3, 2, 0, 1).reshape(w1.shape[1], -1)
+    out += [w1, denses[0].bias.numpy(), denses[1].kernel.numpy().T, denses[1].bias.numpy()]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Input: tf.data with the global batch
+# --------------------------------------------------------------------------------------------
+
+
+def make_dataset(x: np.ndarray, y: np.ndarray, global_batch: int, shuffle: bool = False,
+                 seed: int = 0, cache: bool = True, prefetch: bool = True,
+                 drop_remainder: bool = True, decode_png: bool = False) -> tf.data.Dataset:
+    """A ``tf.data.Dataset`` of (normalised float32 NHWC images, int64 labels) batches of
+    ``global_batch`` from ``dpcourse.data`` arrays (uint8 NHWC).
+
+    Under a strategy, batch with the *global* batch: ``fit`` and
+    ``strategy.experimental_distribute_dataset`` split every batch over the replicas
+    (``global_batch / num_replicas_in_sync`` each). ``drop_remainder`` keeps every step's batch
+    the same size, so every replica gets equal work.
+
+    ``decode_png=True`` stores each image PNG-encoded and decodes it in the pipeline, like a
+    real image folder; that per-image work is what ``cache`` (decode once, keep the result) and
+    ``prefetch`` (prepare the next batch while the model trains on this one) save.
+    """
+    if not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
+        raise ValueError(f"global_batch must be a positive int, got {global_batch!r}")
+    if len(x) != len(y):
+        raise ValueError(f"x and y differ in length: {len(x)} images, {len(y)} labels")
+    if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3:
+        raise TypeError(f"x must be uint8 images shaped (N, H, W, 3) as dpcourse.data gives, "
+                        f"got {x.dtype} {x.shape}")
+    mean = tf.constant(_data.MEAN)
+    std = tf.constant(_data.STD)
+
+    def norm(img):
+        return (tf.cast(img, tf.float32) / 255.0 - mean) / std
+
+    labels = tf.constant(np.asarray(y, dtype=np.int64))
+    if decode_png:
+        encoded = tf.map_fn(tf.io.encode_png, tf.constant(x), fn_output_signature=tf.string)
+        ds = tf.data.Dataset.from_tensor_slices((encoded, labels))
+        ds = ds.map(lambda s, l: (norm(tf.reshape(tf.io.decode_png(s, channels=3), x.shape[1:])), l))
+    else:
+        ds = tf.data.Dataset.from_tensor_slices((tf.constant(x), labels))
+        ds = ds.map(lambda img, l: (norm(img), l))
+    if cache:
+        ds = ds.cache()
+    if shuffle:
+        ds = ds.shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
+    ds = ds.batch(global_batch, drop_remainder=drop_remainder)
+    if prefetch:
+        ds = ds.prefetch(tf.data.AUTOTUNE)
+    return ds
+
+
+def make_strategy(devices: list[str] | None = None) -> tf.distribute.MirroredStrategy:
+    """A MirroredStrategy over ``devices`` (the names ``split_tf_devices`` returned).
+
+    On CPU "devices" the default all-reduce (NCCL) does not exist, so the replicas' gradients
+    are summed by copying them to one device and adding (ReductionToOneDevice); on GPUs
+    NCCL all-reduce is used.
+    """
+    devices = list(devices) if devices is not None else None
+    cpu_only = devices is not None and all("GPU" not in d.upper() for d in devices)
+    ops = tf.distribute.ReductionToOneDevice() if cpu_only else None
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+
+# --------------------------------------------------------------------------------------------
+# The custom loop
+# --------------------------------------------------------------------------------------------
+
+
+def per_example_loss(labels, logits):
+    """Cross-entropy of each example (no reduction), in float32."""
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=tf.cast(labels, tf.int64), logits=tf.cast(logits, tf.float32))
+
+
+def per_replica_loss(labels, logits, global_batch: int, loss_scaling: str = "global"):
+    """The loss one replica differentiates.
+
+    ``"global"`` (right): sum of this replica's per-example losses / ``global_batch``, i.e.
+    ``tf.nn.compute_average_loss``. The strategy *sums* the replicas' gradients, so the sum of
+    these is the gradient of the mean loss over the whole global batch.
+
+    ``"reduce_mean"`` (the classic bug): the mean over this replica's examples only. Summed over
+    N replicas, that gradient is N times the gradient of the global mean.
+    """
+    losses = per_example_loss(labels, logits)
+    if loss_scaling == "global":
+        return tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
+    if loss_scaling == "reduce_mean":
+        return tf.reduce_mean(losses)
+    raise ValueError(f"loss_scaling must be one of {LOSS_SCALINGS}, got {loss_scaling!r}")
+
+
+def train_step(strategy, model, optimizer, dist_batch, global_batch: int,
+               loss_scaling: str = "global"):
+    """One data-parallel SGD step: every replica runs forward and backward on its slice of the
+    global batch, the optimizer sums the gradients over replicas (an all-reduce) and applies
+    the same update to every copy of the weights. Returns the mean loss over the global batch.
+    """
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = per_replica_loss(y, logits, global_batch, loss_scaling)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))  # all-reduce (SUM) here
+        return loss
+
+    per_replica = strategy.run(step_fn, args=dist_batch)
+    # Each replica's loss is already divided by the global batch: their SUM is the global mean.
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+
+def make_train_step(strategy, model, optimizer, global_batch: int, loss_scaling: str = "global"):
+    """:func:`train_step` compiled with ``tf.function`` (one graph for the whole step)."""
+    @tf.function
+    def step(dist_batch):
+        return train_step(strategy, model, optimizer, dist_batch, global_batch, loss_scaling)
+    return step
+
+
+def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global",
+                       grad_reduce: str = "sum") -> list[np.ndarray]:
+    """The gradient a MirroredStrategy step applies for the global batch (``x``, ``y``): each
+    replica's gradient on its slice, summed over replicas exactly as the optimizer's all-reduce
+    does. Weights are not changed.
+
+    ``grad_reduce="mean"`` averages the replicas' gradients instead — what DDP does, and what
+    TF does *not* do; with it, ``loss_scaling="reduce_mean"`` is the right pairing."""
+    if grad_reduce not in ("sum", "mean"):
+        raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
+    op = tf.distribute.ReduceOp.SUM if grad_reduce == "sum" else tf.distribute.ReduceOp.MEAN
+    global_batch = len(y)
+    n = strategy.num_replicas_in_sync
+    if global_batch % n:
+        raise ValueError(f"the global batch ({global_batch}) must split evenly over {n} replicas")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    dist_batch = next(iter(strategy.experimental_distribute_dataset(ds)))
+
+    @tf.function
+    def grads_of(batch):
+        def step_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = per_replica_loss(yb, model(xb, training=True), global_batch, loss_scaling)
+            return tape.gradient(loss, model.trainable_variables)
+        per_replica = strategy.run(step_fn, args=batch)
+        return [strategy.reduce(op, g, axis=None) for g in per_replica]
+
+    return [g.numpy() for g in grads_of(dist_batch)]
+
+
+def single_replica_gradients(model, x, y) -> list[np.ndarray]:
+    """The gradient of the mean loss over (``x``, ``y``) on one device, no strategy."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(per_example_loss(y, model(x, training=True)))
+    return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+
+
+def train_steps(strategy, model, optimizer, dataset, steps: int, global_batch: int,
+                loss_scaling: str = "global") -> list[float]:
+    """Run ``steps`` steps of the custom loop over ``dataset`` (batched with ``global_batch``)
+    and return the loss of each step. Pass ``strategy=None`` for one device, no strategy."""
+    if strategy is None:
+        strategy = tf.distribute.get_strategy()  # the default: one device, a no-op strategy
+    step = make_train_step(strategy, model, optimizer, global_batch, loss_scaling)
+    losses = []
+    for batch in strategy.experimental_distribute_dataset(dataset.take(steps)):
+        losses.append(float(step(batch)))
+    if len(losses) < steps:
+        raise ValueError(f"the dataset ran out after {len(losses)} of {steps} steps")
+    return losses
+
+
+# --------------------------------------------------------------------------------------------
+# Keras fit, evaluation, checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def fit(strategy, train_ds, epochs: int = 1, lr: float = 0.05, model: keras.Model | None = None,
+        dtype=None, seed: int = 0, optimizer=None) -> keras.Model:
+    """Build (unless given), compile and fit the Keras CNN under ``strategy``. Silent.
+
+    Everything that creates variables — the model, the optimizer (in ``compile``) — happens
+    inside ``strategy.scope()``; ``fit`` itself then splits each global batch over the replicas
+    and all-reduces the gradients. With a ``mixed_float16`` policy the optimizer is wrapped in
+    a LossScaleOptimizer (float16 gradients underflow otherwise); bfloat16 needs no scaling.
+    """
+    with strategy.scope():
+        if model is None:
+            model = build_keras_cnn(dtype=dtype, seed=seed)
+        if optimizer is None:
+            optimizer = keras.optimizers.SGD(learning_rate=lr, momentum=0.9)
+            if dtype == "mixed_float16":
+                optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    # shuffle=False: a tf.data pipeline shuffles itself (make_dataset(shuffle=True)); Keras
+    # would only warn that it ignores its own shuffle flag, into the notebook's output.
+    model.fit(train_ds, epochs=epochs, verbose=0, shuffle=False)
+    return model
+
+
+def evaluate(model: keras.Model, x: np.ndarray, y: np.ndarray, batch: int = 500) -> float:
+    """Accuracy of ``model`` on uint8 images ``x`` with labels ``y``."""
+    correct = 0
+    xn = _data.normalize(x)
+    for i in range(0, len(y), batch):
+        logits = model(xn[i:i + batch], training=False)
+        correct += int(np.sum(np.argmax(np.asarray(logits), -1) == y[i:i + batch]))
+    return correct / len(y)
+
+
+def save_checkpoint(directory: str | Path, model: keras.Model, optimizer=None, step: int = 0) -> str:
+    """Save ``model`` (and ``optimizer``) with ``tf.train.Checkpoint``; returns the path.
+
+    Under a strategy this saves one copy of each mirrored variable (they are equal), so the
+    checkpoint restores under any strategy or none: the number of replicas is not in it.
+    """
+    ckpt = tf.train.Checkpoint(model=model, step=tf.Variable(step, dtype=tf.int64),
+                               **({"optimizer": optimizer} if optimizer is not None else {}))
+    return ckpt.save(str(Path(directory) / "ckpt"))
+
+
+def restore_checkpoint(path: str, model: keras.Model, optimizer=None) -> int:
+    """Restore what :func:`save_checkpoint` wrote into ``model`` (and ``optimizer``), which must
+    be built already (under the strategy that will train it, if any). Returns the saved step."""
+    step = tf.Variable(0, dtype=tf.int64)
+    ckpt = tf.train.Checkpoint(model=model, step=step,
+                               **({"optimizer": optimizer} if optimizer is not None else {}))
+    ckpt.restore(path).expect_partial()
+    return int(step.numpy())
+
+
+# --------------------------------------------------------------------------------------------
+# MultiWorkerMirroredStrategy: N worker processes on this machine
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MultiWorkerConfig:
+    """What each worker of :func:`run_multiworker` trains: the first ``steps`` global batches of
+    shapes10 (``n_train`` images, ``seed``), plain SGD, starting from the weights in
+    ``init_weights`` (an .npz in :func:`keras_weights_as_torch` order) or from ``seed``."""
+
+    steps: int = 3
+    global_batch: int = 64
+    lr: float = 0.1
+    n_train: int = 512
+    seed: int = 0
+    init_weights: str | None = None
+
+
+@dataclass
+class MultiWorkerResult:
+    """Per worker: its final weights (torch layout), its step losses, and timings (seconds)."""
+
+    weights: list[list[np.ndarray]]
+    losses: list[list[float]]
+    seconds: float
+    worker_seconds: list[float] = field(default_factory=list)
+
+
+class MultiWorkerError(RuntimeError):
+    """A worker failed or the run ran out of time; the message carries the workers' output."""
+
+
+def _tail(path: Path, n: int = 25) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no output)"
+    return "\n".join(lines[-n:]) or "(no output)"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_multiworker(config: MultiWorkerConfig | None = None, num_workers: int = 2,
+                    timeout: float = 60.0) -> MultiWorkerResult:
+    """Start ``num_workers`` processes of ``python -m dpcourse.tf_multiworker_worker``, each
+    with a ``TF_CONFIG`` naming all workers (127.0.0.1 on free ports) and its own index, wait
+    for all of them (at most ``timeout`` seconds), and return their results.
+
+    Every worker runs in its own process group and is killed — with anything it started — when
+    one fails, on timeout, on KeyboardInterrupt, and after success: nothing is left running and
+    no port stays bound. A failure raises :class:`MultiWorkerError` with the workers' last lines.
+    """
+    config = config or MultiWorkerConfig()
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+    if config.global_batch % num_workers:
+        raise ValueError(f"global_batch {config.global_batch} does not split over "
+                         f"{num_workers} workers")
+    workdir = Path(tempfile.mkdtemp(prefix="dpcourse-mwms-"))
+    ports = []
+    while len(ports) < num_workers:  # distinct free ports (the OS might repeat one)
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    (workdir / "config.json").write_text(json.dumps(asdict(config)))
+    env_base = dict(os.environ)
+    env_base.update(TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0",
+                    # each worker is one CPU device; keep them from fighting over the cores
+                    OMP_NUM_THREADS="1")
+    lib = str(Path(__file__).resolve().parents[1])
+    env_base["PYTHONPATH"] = lib + os.pathsep + env_base.get("PYTHONPATH", "")
+    procs: list[subprocess.Popen] = []
+    logs = [workdir / f"worker{i}.log" for i in range(num_workers)]
+    t0 = time.perf_counter()
+    try:
+        for i in range(num_workers):
+            env = dict(env_base)
+            env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
+            with open(logs[i], "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "dpcourse.tf_multiworker_worker", str(workdir)],
+                    env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True))  # own process group: killpg gets its children too
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                time.sleep(0.5)  # let a partner report its own error too, then stop everyone
+                raise MultiWorkerError(
+                    f"worker {bad[0]} exited with code {codes[bad[0]]}:\n" + "\n".join(
+                        f"--- worker {i} ---\n{_tail(logs[i])}" for i in range(num_workers)))
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                pending = [i for i, c in enumerate(codes) if c is None]
+                raise MultiWorkerError(
+                    f"workers {pending} were not done after {timeout:g} s (killed):\n" + "\n".join(
+                        f"--- worker {i} ---\n{_tail(logs[i])}" for i in range(num_workers)))
+            time.sleep(0.1)
+        seconds = time.perf_counter() - t0
+        weights, losses, wsec = [], [], []
+        for i in range(num_workers):
+            out = json.loads((workdir / f"result{i}.json").read_text())
+            with np.load(workdir / f"weights{i}.npz") as z:
+                weights.append([z[f"w{k}"] for k in range(len(z.files))])
+            losses.append(out["losses"])
+            wsec.append(out["seconds"])
+        return MultiWorkerResult(weights, losses, seconds, wsec)
+    finally:
+        for p in procs:
+            _kill_group(p)
+        shutil.rmtree(workdir, ignore_errors=True)

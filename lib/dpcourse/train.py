@@ -1,0 +1,220 @@
+"""The single-device training loop: forward, loss, backward, step — and how fast it goes.
+
+Lesson 01 builds this loop piece by piece (lab01 asks you to write ``train_one_epoch`` and
+``evaluate``); every later lesson changes only the parts that data parallelism changes.
+
+    from dpcourse import data, models, train
+    ds = data.load("shapes10")
+    cfg = train.TrainConfig(epochs=2)
+    history = train.fit(models.SmallCNN(), ds, cfg)
+
+Mixed precision (``amp=True``): on CUDA, float16 autocast plus a GradScaler (float16 gradients
+underflow without loss scaling); on CPU, bfloat16 autocast and no scaler (bfloat16 has float32's
+exponent range, so nothing underflows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+__all__ = [
+    "TrainConfig",
+    "train_one_epoch",
+    "evaluate",
+    "fit",
+    "make_loaders",
+    "ThroughputMeter",
+    "time_breakdown",
+    "autocast_for",
+]
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 2
+    batch_size: int = 64
+    optimizer: str = "sgd"  # "sgd" (with momentum) or "adam"
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 0
+    device: str = "cpu"
+    amp: bool = False
+    num_workers: int = 0
+    progress: bool = False
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr!r}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+
+
+def autocast_for(device: torch.device | str, enabled: bool):
+    """The autocast context for this device: float16 on CUDA, bfloat16 on CPU (or nothing)."""
+    device = torch.device(device)
+    if not enabled:
+        return contextlib.nullcontext()
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@dataclass
+class ThroughputMeter:
+    """Counts samples and wall-clock seconds; ``rate`` is samples per second.
+
+    On CUDA, kernels run asynchronously: we synchronize before reading the clock, or we would
+    time how fast Python *queues* work, not how fast the GPU does it.
+    """
+
+    device: torch.device | str = "cpu"
+    samples: int = 0
+    seconds: float = 0.0
+    _t0: float | None = field(default=None, repr=False)
+
+    def _sync(self):
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize()
+
+    def start(self):
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def stop(self, samples: int):
+        self._sync()
+        self.seconds += time.perf_counter() - self._t0
+        self.samples += samples
+        self._t0 = None
+
+    @property
+    def rate(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+
+def train_one_epoch(model: nn.Module, loader, loss_fn, optimizer, device="cpu", amp: bool = False,
+                    scaler: "torch.amp.GradScaler | None" = None, progress: bool = False,
+                    meter: ThroughputMeter | None = None) -> float:
+    """One pass over ``loader``; returns the mean loss per *sample* (not per batch)."""
+    model.train()  # dropout and batch norm behave differently in training
+    total_loss, total = 0.0, 0
+    batches = loader
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(loader, leave=False, desc="train")
+    for X, y in batches:
+        X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if meter is not None:
+            meter.start()
+        optimizer.zero_grad(set_to_none=True)  # gradients accumulate otherwise
+        with autocast_for(device, amp):
+            loss = loss_fn(model(X), y)  # the mean over the batch
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        if meter is not None:
+            meter.stop(len(y))
+        total_loss += loss.item() * len(y)  # weight by batch size: the last batch may be short
+        total += len(y)
+    return total_loss / total
+
+
+@torch.no_grad()  # no graph: less memory, faster, and nothing can leak into training
+def evaluate(model: nn.Module, loader, loss_fn, device="cpu", amp: bool = False) -> tuple[float, float]:
+    """Mean loss per sample and accuracy over ``loader``, in eval mode."""
+    model.eval()
+    total_loss, correct, total = 0.0, 0, 0
+    for X, y in loader:
+        X, y = X.to(device), y.to(device)
+        with autocast_for(device, amp):
+            logits = model(X)
+            loss = loss_fn(logits, y)
+        total_loss += loss.float().item() * len(y)
+        correct += (logits.argmax(dim=1) == y).sum().item()
+        total += len(y)
+    return total_loss / total, correct / total
+
+
+def make_loaders(ds, batch_size: int, seed: int = 0, num_workers: int = 0):
+    """Train loader (shuffled with its own seeded generator) and test loader for a Dataset."""
+    from dpcourse.data import to_torch
+
+    g = torch.Generator().manual_seed(seed)
+    train_loader = DataLoader(to_torch(ds.x_train, ds.y_train), batch_size=batch_size,
+                              shuffle=True, generator=g, num_workers=num_workers)
+    test_loader = DataLoader(to_torch(ds.x_test, ds.y_test), batch_size=512,
+                             num_workers=num_workers)
+    return train_loader, test_loader
+
+
+def fit(model: nn.Module, ds, cfg: TrainConfig) -> list[dict]:
+    """Train ``model`` on ``ds`` for ``cfg.epochs``; one dict of metrics per epoch."""
+    from dpcourse.devices import seed_everything
+
+    seed_everything(cfg.seed)
+    device = torch.device(cfg.device)
+    model.to(device)
+    train_loader, test_loader = make_loaders(ds, cfg.batch_size, cfg.seed, cfg.num_workers)
+    if cfg.optimizer == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    loss_fn = nn.CrossEntropyLoss()
+    scaler = torch.amp.GradScaler("cuda") if cfg.amp and device.type == "cuda" else None
+    history = []
+    for epoch in range(cfg.epochs):
+        meter = ThroughputMeter(device)
+        train_loss = train_one_epoch(model, train_loader, loss_fn, optimizer, device, cfg.amp,
+                                     scaler, cfg.progress, meter)
+        test_loss, test_acc = evaluate(model, test_loader, loss_fn, device, cfg.amp)
+        history.append(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss,
+                            test_acc=test_acc, samples_per_s=meter.rate))
+    return history
+
+
+def time_breakdown(model: nn.Module, loader, loss_fn, optimizer, device="cpu",
+                   max_batches: int = 20) -> dict:
+    """Where one training step's time goes: waiting for data vs forward vs backward+step.
+
+    Seconds summed over up to ``max_batches`` batches (the device is synchronized at each
+    boundary, so each phase is charged what it really cost).
+    """
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    parts = {"data": 0.0, "forward": 0.0, "backward+step": 0.0}
+    model.train()
+    it = iter(loader)
+    for _ in range(max_batches):
+        t0 = time.perf_counter()
+        try:
+            X, y = next(it)
+        except StopIteration:
+            break
+        X, y = X.to(device), y.to(device)
+        sync()
+        t1 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(X), y)
+        sync()
+        t2 = time.perf_counter()
+        loss.backward()
+        optimizer.step()
+        sync()
+        t3 = time.perf_counter()
+        parts["data"] += t1 - t0
+        parts["forward"] += t2 - t1
+        parts["backward+step"] += t3 - t2
+    return parts

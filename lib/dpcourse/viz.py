@@ -1,0 +1,260 @@
+"""Figures for the course: matplotlib drawings and ipywidgets steppers with a static fallback.
+
+Lesson 06 uses the ring figures (:func:`draw_ring_step`, :func:`ring_steps_figure`,
+:func:`ring_stepper`), the cost-model figure (:func:`cost_figure`) and the measured-vs-model
+figure (:func:`fit_figure`). Other lessons add their figures here.
+
+Two rules keep notebooks reproducible and nbval-safe (see DESIGN.md):
+
+* Figures are made with ``matplotlib.figure.Figure`` (not pyplot), so nothing is drawn twice or
+  left open, and shown with :func:`show`, which displays a **PNG** (nbval does not compare
+  images; SVG embeds a date and would fail).
+* A widget never writes into an ipywidgets ``Output`` (its stored stream breaks nbval). The
+  steppers here pre-render every frame to PNG bytes and swap them in an ``ipywidgets.Image``;
+  the cell also shows a static figure of all steps, so the notebook reads well without a live
+  kernel (rendered HTML, GitHub, nbval).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Sequence
+
+import numpy as np
+
+__all__ = [
+    "new_figure",
+    "figure_to_png",
+    "show",
+    "draw_ring_step",
+    "ring_steps_figure",
+    "ring_frames",
+    "ring_stepper",
+    "cost_figure",
+    "fit_figure",
+]
+
+_PHASE_COLOURS = {"start": "#555555", "scatter-reduce": "#1f77b4", "all-gather": "#2ca02c"}
+
+
+def new_figure(width: float = 6.0, height: float = 4.0, dpi: int = 80):
+    """A matplotlib Figure that no pyplot state knows about (so it is shown only by :func:`show`)."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=dpi)
+
+
+def figure_to_png(fig, dpi: int | None = None) -> bytes:
+    """The figure as PNG bytes (Agg, no backend needed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    # No bbox_inches="tight": it draws the figure twice; the layouts here leave no big margins.
+    fig.savefig(buf, format="png", dpi=dpi or fig.dpi, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def show(fig) -> None:
+    """Display ``fig`` as a PNG in a notebook (a no-op outside IPython)."""
+    try:
+        from IPython.display import Image, display
+    except ImportError:  # plain Python: nothing to show on
+        return
+    display(Image(figure_to_png(fig)))
+
+
+# --------------------------------------------------------------------------------------------
+# The ring
+# --------------------------------------------------------------------------------------------
+
+
+def _worker_xy(n: int, radius: float = 1.0) -> np.ndarray:
+    # Worker 0 at the top, then clockwise, so "to the right" reads as clockwise.
+    angles = np.pi / 2 - 2 * np.pi * np.arange(n) / n
+    return np.stack([radius * np.cos(angles), radius * np.sin(angles)], axis=1)
+
+
+def draw_ring_step(trace, step: int, ax=None, show_values: bool | None = None):
+    """Draw step ``step`` of a :class:`dpcourse.ring.RingTrace` on ``ax`` (a new figure if None).
+
+    Each worker is a row of N chunk cells; a cell's colour says how many workers' inputs it
+    sums (white-ish = only its own, dark = all N). Arrows are this step's transfers, labelled
+    with the chunk they carry. Values are written in the cells when the arrays are short.
+    """
+    from matplotlib import colormaps
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    if ax is None:
+        ax = new_figure(4.2, 4.2).add_subplot(1, 1, 1)
+    n = trace.n
+    if not 0 <= step < len(trace.steps):
+        raise ValueError(f"step must be in 0..{len(trace.steps) - 1}, got {step}")
+    s = trace.steps[step]
+    if show_values is None:
+        show_values = trace.length <= n and n <= 6
+    cmap = colormaps["Blues"]
+    xy = _worker_xy(n)
+    cell = min(0.22, 1.1 / n)
+    for w in range(n):
+        x0 = xy[w, 0] - n * cell / 2
+        y0 = xy[w, 1] - cell / 2
+        for c in range(n):
+            k = s.contributions[w, c]
+            colour = cmap(0.15 + 0.85 * (k - 1) / max(1, n - 1))
+            ax.add_patch(Rectangle((x0 + c * cell, y0), cell, cell, facecolor=colour,
+                                   edgecolor="black", linewidth=0.8))
+            if show_values:
+                a, b = trace.bounds[c]
+                if b > a:
+                    v = s.buffers[w][a]
+                    ax.text(x0 + (c + 0.5) * cell, y0 + cell / 2, f"{v:g}", ha="center",
+                            va="center", fontsize=7, color="white" if k > n / 2 else "black")
+        ax.text(xy[w, 0], xy[w, 1] + cell * 0.9, f"worker {w}", ha="center", va="bottom",
+                fontsize=8)
+    colour = _PHASE_COLOURS.get(s.phase, "black")
+    gap = 2 * np.pi / n
+    for t in s.transfers:
+        # From just past the sender to just before the receiver, inside the ring of workers,
+        # so arrows never cover the chunk cells or the names.
+        a0 = np.pi / 2 - gap * t.src - 0.22 * gap
+        a1 = np.pi / 2 - gap * t.src - 0.78 * gap
+        r = 0.62
+        p = (r * np.cos(a0), r * np.sin(a0))
+        q = (r * np.cos(a1), r * np.sin(a1))
+        ax.add_patch(FancyArrowPatch(p, q, arrowstyle="-|>", mutation_scale=12,
+                                     connectionstyle="arc3,rad=-0.2", color=colour, lw=1.4))
+        am = np.pi / 2 - gap * t.src - 0.5 * gap
+        ax.text(0.36 * np.cos(am), 0.36 * np.sin(am), f"c{t.chunk}", ha="center",
+                va="center", fontsize=8, color=colour)
+    title = "start" if s.phase == "start" else f"step {step}: {s.phase}"
+    ax.set_title(title, fontsize=9, color=colour)
+    if len(ax.figure.axes) == 1:
+        ax.figure.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.93)
+    ax.set_xlim(-1.55, 1.55)
+    ax.set_ylim(-1.45, 1.55)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    return ax
+
+
+def ring_steps_figure(trace, cols: int | None = None, steps: Sequence[int] | None = None):
+    """All steps (or ``steps``) of a ring trace side by side: the static version of the stepper."""
+    steps = list(range(len(trace.steps))) if steps is None else list(steps)
+    cols = cols or min(len(steps), 4)
+    rows = math.ceil(len(steps) / cols)
+    fig = new_figure(2.6 * cols, 2.6 * rows + 0.3)  # height: see subplots_adjust below
+    for i, st in enumerate(steps):
+        draw_ring_step(trace, st, fig.add_subplot(rows, cols, i + 1))
+    height = 2.6 * rows + 0.3
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1 - 0.5 / height, wspace=0.02,
+                        hspace=0.12)
+    fig.suptitle(f"ring all-reduce, N={trace.n} workers, {trace.length} elements "
+                 f"(colour: how many inputs a chunk sums)", fontsize=10)
+    return fig
+
+
+def ring_frames(trace, dpi: int = 70) -> list[bytes]:
+    """One PNG per step, for the stepper."""
+    frames = []
+    for st in range(len(trace.steps)):
+        ax = draw_ring_step(trace, st)
+        frames.append(figure_to_png(ax.figure, dpi=dpi))
+    return frames
+
+
+def ring_stepper(trace, static: bool = True):
+    """Show an interactive stepper (play button + slider) over the ring's steps, then — unless
+    ``static=False`` — a static figure of every step. Returns the widget (None without
+    ipywidgets).
+
+    The widget is displayed with a short plain-text fallback instead of the widget's repr
+    (which would print every frame's bytes), so stored notebooks stay small and stable.
+    """
+    try:
+        import ipywidgets as widgets
+        from IPython.display import display
+    except ImportError:
+        widgets = None
+    box = None
+    if widgets is not None:
+        frames = ring_frames(trace)
+        last = len(frames) - 1
+        image = widgets.Image(value=frames[0], format="png")
+        slider = widgets.IntSlider(value=0, min=0, max=last, description="step")
+        play = widgets.Play(value=0, min=0, max=last, interval=900, description="play")
+        widgets.jslink((play, "value"), (slider, "value"))
+        label = widgets.Label(value=trace.describe(0))
+
+        def on_change(change):
+            image.value = frames[change["new"]]
+            label.value = trace.describe(change["new"])
+
+        slider.observe(on_change, names="value")
+        box = widgets.VBox([widgets.HBox([play, slider]), label, image])
+        bundle = box._repr_mimebundle_() or {}
+        view = bundle.get("application/vnd.jupyter.widget-view+json")
+        if view is not None:
+            display({"application/vnd.jupyter.widget-view+json": view,
+                     "text/plain": f"[interactive stepper over {last + 1} ring states: run the "
+                                   f"notebook live to use it; all states are drawn below]"},
+                    raw=True)
+    if static:
+        show(ring_steps_figure(trace))
+    return box
+
+
+# --------------------------------------------------------------------------------------------
+# Cost models and measurements
+# --------------------------------------------------------------------------------------------
+
+
+def cost_figure(alpha: float, beta: float, n_fixed: int = 8, nbytes_fixed: float = 100e6,
+                ns: Sequence[int] = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+                sizes: Sequence[float] = tuple(np.logspace(3, 9, 13)),
+                algorithms: Sequence[str] | None = None):
+    """Two panels: all-reduce time against N (at ``nbytes_fixed``) and against K (at
+    ``n_fixed``), for each algorithm under the alpha-beta model."""
+    from dpcourse.ring import ALGORITHMS, cost
+
+    algorithms = algorithms or ALGORITHMS
+    fig = new_figure(10, 3.8)
+    ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for alg in algorithms:
+        ax1.plot(ns, [cost(alg, n, nbytes_fixed, alpha, beta).seconds for n in ns], label=alg)
+        ax2.loglog(sizes, [cost(alg, n_fixed, k, alpha, beta).seconds for k in sizes], label=alg)
+    ax1.set_xlabel("workers N")
+    ax1.set_ylabel("seconds per all-reduce")
+    ax1.set_title(f"K = {nbytes_fixed / 1e6:g} MB", fontsize=10)
+    ax2.set_xlabel("bytes K")
+    ax2.set_ylabel("seconds per all-reduce")
+    ax2.set_title(f"N = {n_fixed}", fontsize=10)
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"alpha-beta model: alpha = {alpha * 1e6:g} us, 1/beta = {1 / beta / 1e9:g} GB/s",
+                 fontsize=10)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.14, top=0.85, wspace=0.25)
+    return fig
+
+
+def fit_figure(fit):
+    """Measured all-reduce times (points) against the fitted alpha-beta model (lines)."""
+    fig = new_figure(6, 4)
+    ax = fig.add_subplot(1, 1, 1)
+    for n in sorted(set(fit.world_sizes.tolist())):
+        m = fit.world_sizes == n
+        k = fit.nbytes[m]
+        (line,) = ax.loglog(k, fit.seconds[m], "o", label=f"measured, N={int(n)}")
+        grid = np.logspace(np.log10(k.min()), np.log10(k.max()), 50)
+        ax.loglog(grid, fit.predict(n, grid), "-", color=line.get_color(),
+                  label=f"model, N={int(n)}")
+    ax.set_xlabel("bytes K")
+    ax.set_ylabel("seconds per all-reduce")
+    ax.set_title(f"fit: alpha = {fit.alpha * 1e6:.1f} us, 1/beta = {fit.bandwidth / 1e9:.2f} GB/s",
+                 fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.13, right=0.97, bottom=0.13, top=0.92)
+    return fig

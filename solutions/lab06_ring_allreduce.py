@@ -1,0 +1,159 @@
+# %% [markdown]
+# # Lab 06 — Build the ring: simulated, then real
+#
+# Lesson 06 showed a ring all-reduce step by step and a real one over `torch.distributed`. Now
+# you write both:
+#
+# 1. `scatter_reduce(buffers)` and `all_gather(buffers)` — the two phases, in NumPy, on a list
+#    of N arrays (one per simulated worker);
+# 2. `ring_allreduce(tensor, op)` — the same on real processes with `dist.isend` / `dist.irecv`.
+#
+# After each, run the check cell: it prints one ✔ line, or one sentence naming the mistake.
+# Chunks follow `ring.chunk_bounds(length, N)` (NumPy's `array_split` rule, the same as
+# `torch.tensor_split`): lengths need not be divisible by N.
+
+# %% tags=["parameters"]
+world_size = 3  # ranks the real-ring check starts (3: more than 2, so chunk indices matter)
+check_timeout = 20  # seconds before a hanging ring is stopped
+
+# %%
+import numpy as np
+
+from dpcourse import ring
+from dpcourse.checks import lab06
+
+# %% [markdown]
+# ## 1. Scatter-reduce
+#
+# At step s (s = 0 .. N−2), worker i sends chunk (i − s) mod N to worker (i + 1) mod N, which
+# **adds** it into its own copy of that chunk. All workers send at once, so take what is sent
+# before anyone adds (here a worker never receives the chunk it sends in the same step, but
+# copying first keeps the simulation honest). Afterwards worker i holds the full sum of chunk
+# (i + 1) mod N.
+
+# %%
+def scatter_reduce(buffers):
+    """Scatter-reduce in place over ``buffers``, a list of N equally long 1-D arrays."""
+    n = len(buffers)
+    bounds = ring.chunk_bounds(len(buffers[0]), n)
+    for s in range(n - 1):
+        ### BEGIN SOLUTION: send chunk (i - s) mod N from worker i to worker i+1, which adds it
+        outgoing = [buffers[i][slice(*bounds[(i - s) % n])].copy() for i in range(n)]
+        for i in range(n):
+            c = (i - s) % n
+            buffers[(i + 1) % n][slice(*bounds[c])] += outgoing[i]
+        ### END SOLUTION
+
+# %%
+_ = lab06.check_scatter_reduce(scatter_reduce)
+
+# %% [markdown]
+# ## 2. All-gather
+#
+# At step s, worker i sends chunk (i + 1 − s) mod N — the one it finished most recently — to
+# worker i + 1, which **overwrites** its copy. After N − 1 steps every worker has every sum.
+
+# %%
+def all_gather(buffers):
+    """All-gather in place, after scatter_reduce."""
+    n = len(buffers)
+    bounds = ring.chunk_bounds(len(buffers[0]), n)
+    for s in range(n - 1):
+        ### BEGIN SOLUTION: send chunk (i + 1 - s) mod N from worker i to worker i+1, which copies it
+        outgoing = [buffers[i][slice(*bounds[(i + 1 - s) % n])].copy() for i in range(n)]
+        for i in range(n):
+            c = (i + 1 - s) % n
+            buffers[(i + 1) % n][slice(*bounds[c])] = outgoing[i]
+        ### END SOLUTION
+
+# %%
+_ = lab06.check_all_gather(all_gather)
+
+# %% [markdown]
+# Together they are a ring all-reduce. Five workers, seven numbers each (7 is not divisible by 5):
+
+# %%
+buffers = [np.arange(7.0) * (w + 1) for w in range(5)]
+expected = np.sum(buffers, axis=0)
+scatter_reduce(buffers)
+all_gather(buffers)
+print("every worker holds the sum:", all(np.array_equal(b, expected) for b in buffers))
+assert all(np.array_equal(b, expected) for b in buffers)
+
+# %% [markdown]
+# ## 3. The real ring
+#
+# Same two phases, with real messages. Rank r sends to `right = (r + 1) % N` and receives from
+# `left = (r - 1) % N`. In each step, **post the send and the receive together** with
+# `dist.isend` / `dist.irecv` and only then `wait()` on both: if every rank first called a
+# blocking `dist.send`, all would wait for a receive that nobody has posted.
+#
+# * scatter-reduce step s: send chunk (r − s) mod N, receive into a temporary buffer, then add
+#   it to chunk (r − s − 1) mod N;
+# * all-gather step s: send chunk (r + 1 − s) mod N, receive straight into chunk (r − s) mod N;
+# * with `op="average"`, divide by N at the end.
+#
+# Work in place: `tensor.view(-1)` is a flat view of a contiguous tensor, and `tensor_split`
+# gives views into it, so writing into a chunk writes into `tensor`.
+
+# %%
+def ring_allreduce(tensor, op="sum"):
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    flat = tensor.view(-1)
+    chunks = flat.tensor_split(n)
+
+    def exchange(send_chunk, recv_into):
+        works = [dist.isend(send_chunk, right), dist.irecv(recv_into, left)]
+        for w in works:
+            w.wait()
+
+    ### BEGIN SOLUTION: scatter-reduce (N-1 steps) then all-gather (N-1 steps) with exchange()
+    for s in range(n - 1):
+        recv_chunk = chunks[(rank - s - 1) % n]
+        incoming = torch.empty_like(recv_chunk)
+        exchange(chunks[(rank - s) % n], incoming)
+        recv_chunk += incoming
+    for s in range(n - 1):
+        exchange(chunks[(rank + 1 - s) % n], chunks[(rank - s) % n])
+    ### END SOLUTION
+    if op == "average":
+        ### BEGIN SOLUTION: divide by the number of ranks, in place
+        flat /= n
+        ### END SOLUTION
+    return tensor
+
+# %%
+_ = lab06.check_ring_allreduce(ring_allreduce, world_size=world_size, timeout=check_timeout)
+
+# %% [markdown]
+# ## 4. Why isend/irecv: the deadlock, made safe
+#
+# Here is the tempting version: each rank *sends* with the blocking `dist.send`, then receives.
+# With gloo it hangs at every size (we measured from 1 element to 16 Mi elements): `dist.send`
+# does not return until the neighbour has posted the matching receive, and every neighbour is
+# itself stuck in its own send. The check runs it in separate processes, stops them after the
+# timeout and tells you what happened — the notebook does not hang.
+
+# %%
+def blocking_ring(tensor, op="sum"):
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = tensor.view(-1).tensor_split(n)
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(rank - s - 1) % n])
+        dist.send(chunks[(rank - s) % n], (rank + 1) % n)  # everyone blocks here ...
+        dist.recv(incoming, (rank - 1) % n)  # ... and nobody gets here
+        chunks[(rank - s - 1) % n] += incoming
+    return tensor
+
+
+try:
+    lab06.check_ring_allreduce(blocking_ring, world_size=world_size, timeout=10)
+except lab06.LabCheckError as err:
+    print(err)

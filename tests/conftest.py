@@ -1,0 +1,45 @@
+"""Shared fixtures: every test that launches processes must leave none behind."""
+
+import importlib.util
+
+import psutil
+import pytest
+
+if importlib.util.find_spec("triton"):
+    # Some tests load TensorFlow into this process; torch's triton segfaults if it is loaded
+    # after TF (measured), so load it first.
+    import triton  # noqa: F401
+
+
+def stray_processes():
+    """Descendants of this test process, except multiprocessing's own long-lived helpers (the
+    fork server and the resource tracker) and Jupyter kernels that nbval owns."""
+    strays = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if "multiprocessing" in cmd or "ipykernel" in cmd:
+            continue
+        strays.append((child.pid, cmd))
+    return strays
+
+
+def listening_ports():
+    return {c.laddr.port for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN}
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fails the test if it left a process running."""
+    yield
+    import time
+
+    deadline = time.monotonic() + 5
+    while stray_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stray_processes() == [], "processes left running"

@@ -1,0 +1,121 @@
+"""The build's promises: notebooks match their sources, labs match their solutions, and each
+lab runs up to its first TODO and stops there with a clear message."""
+
+import nbformat
+import pytest
+
+from dpcourse import authoring
+
+ROOT = authoring.ROOT
+LABS = sorted((ROOT / "labs").glob("*.ipynb"))
+
+
+def test_everything_is_in_sync():
+    assert authoring.check_sync() == []
+
+
+def test_there_is_a_lab_for_every_solution_and_a_source_for_every_lesson():
+    solutions = sorted((ROOT / "solutions").glob("lab*.py"))
+    assert solutions, "no solutions found"
+    assert {p.stem for p in solutions} == {p.stem for p in LABS}
+    assert sorted((ROOT / "lessons").glob("*.py"))
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
+def test_lab_is_generated_and_clean(lab):
+    nb = nbformat.read(lab, as_version=4)
+    header = nb.cells[0]
+    assert "generated-header" in header.metadata.get("tags", [])
+    assert f"solutions/{lab.stem}.py" in header.source and "Do not edit" in header.source
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.outputs == [] and c.execution_count is None for c in code)
+    text = "\n".join(c.source for c in code)
+    assert "### BEGIN SOLUTION" not in text and "### END SOLUTION" not in text
+    assert "raise NotImplementedError" in text
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
+def test_lab_stops_at_its_first_todo(lab):
+    """Run the lab as a learner would before writing anything: every cell before the first
+    TODO's check runs, and the run stops with the TODO's NotImplementedError."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.read(lab, as_version=4)
+    first_todo = next(i for i, c in enumerate(nb.cells)
+                      if c.cell_type == "code" and "raise NotImplementedError" in c.source)
+    client = NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(lab.parent)}})
+    with pytest.raises(CellExecutionError) as err:
+        client.execute()
+    assert err.value.ename == "NotImplementedError", err.value.evalue
+    assert "TODO" in err.value.evalue
+    failed = next(i for i, c in enumerate(nb.cells)
+                  if c.cell_type == "code" and any(o.get("output_type") == "error" for o in c.outputs))
+    assert failed >= first_todo
+    assert all(not any(o.get("output_type") == "error" for o in c.outputs)
+               for c in nb.cells[:failed] if c.cell_type == "code")
+
+
+def test_make_lab_replaces_regions_and_keeps_indentation():
+    src = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("def f(x):\n    ### BEGIN SOLUTION: add one\n    return x + 1\n"
+                                  "    ### END SOLUTION\n"),
+        nbformat.v4.new_code_cell("print('only in the solution')", metadata={"tags": ["solution-only"]}),
+    ])
+    lab = authoring.make_lab(src, "solutions/labXX.py")
+    assert lab.cells[1].source == ("def f(x):\n    # TODO: add one\n"
+                                   "    raise NotImplementedError('TODO: add one')")
+    assert len(lab.cells) == 2  # header + f; the solution-only cell is gone
+    ns = {}
+    exec(lab.cells[1].source, ns)
+    with pytest.raises(NotImplementedError, match="TODO: add one"):
+        ns["f"](1)
+
+
+@pytest.mark.parametrize("source, message", [
+    ("### BEGIN SOLUTION\nx = 1\n", "without END"),
+    ("x = 1\n### END SOLUTION\n", "without BEGIN"),
+    ("x = 1\n", "no ### BEGIN SOLUTION"),
+])
+def test_make_lab_rejects_broken_markers(source, message):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    with pytest.raises(ValueError, match=message):
+        authoring.make_lab(nb, "solutions/labXX.py")
+
+
+def test_check_sync_notices_drift(tmp_path):
+    (tmp_path / "lessons").mkdir()
+    (tmp_path / "solutions").mkdir()
+    (tmp_path / "labs").mkdir()
+    (tmp_path / "lessons" / "99_x.py").write_text("# %%\nprint(1)\n")
+    assert any("no 99_x.ipynb" in p for p in authoring.check_sync(tmp_path))
+    authoring.build(["99_x"], root=tmp_path)
+    assert authoring.check_sync(tmp_path) == []
+    (tmp_path / "lessons" / "99_x.py").write_text("# %%\nprint(2)\n")
+    assert any("does not match its source" in p for p in authoring.check_sync(tmp_path))
+    (tmp_path / "labs" / "lab77_orphan.ipynb").write_text(nbformat.writes(nbformat.v4.new_notebook()))
+    assert any("has no source" in p for p in authoring.check_sync(tmp_path))
+
+
+def test_every_lesson_has_a_parameters_cell():
+    """So an instructor can re-run any lesson at scale with papermill, without editing it."""
+    for src in authoring.sources():
+        if src.parent.name != "lessons" or src.stem.startswith("00"):
+            continue
+        nb = authoring.read_source(src)
+        tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1, f"{src.name}: no parameters cell"
+
+
+def test_ignored_outputs_are_marked_properly_and_say_why():
+    """nbval honours NBVAL_IGNORE_OUTPUT only alone on its line; the next line says why."""
+    for src in authoring.sources():
+        for i, cell in enumerate(authoring.read_source(src).cells):
+            lines = cell.source.splitlines()
+            for j, line in enumerate(lines):
+                if "NBVAL_IGNORE_OUTPUT" in line and cell.cell_type == "code":
+                    assert line.strip() == "# NBVAL_IGNORE_OUTPUT", \
+                        f"{src.name} cell {i}: put the marker alone on its line"
+                    assert j + 1 < len(lines) and lines[j + 1].strip().startswith("#") and \
+                        len(lines[j + 1].strip()) > 12, f"{src.name} cell {i}: say why on the next line"

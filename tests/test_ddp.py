@@ -1,0 +1,65 @@
+"""dpcourse.ddp: collectives, hand-averaged == DDP == one process, sampler shards (gloo, 2 ranks)."""
+
+import pytest
+import torch
+
+from dpcourse import ddp, launch
+
+
+def test_collectives_on_two_ranks():
+    res = launch.spawn(ddp.collectives_demo, 2, backend="gloo", timeout=60, show_output=False)
+    assert res[0]["broadcast"] == res[1]["broadcast"] == [10.0] * 3
+    assert res[0]["all_reduce"] == res[1]["all_reduce"] == [3.0, 30.0]
+    assert res[0]["all_gather"] == [0.0, 1.0]
+    assert res[0]["reduce_scatter"] == [10.0, 10.0] and res[1]["reduce_scatter"] == [12.0, 12.0]
+
+
+def test_hand_averaged_equals_ddp_equals_single_process():
+    cmp = ddp.compare_three(ddp.StepConfig(global_batch=16, steps=2, width=4, n_train=64),
+                            world_size=2, backend="gloo", timeout=90)
+    for key in ("grad_manual_vs_single", "grad_ddp_vs_single", "grad_manual_vs_ddp",
+                "params_manual_vs_single", "params_ddp_vs_single"):
+        assert cmp[key] < 1e-5, (key, cmp[key])
+    assert cmp["ranks_bitwise_equal_manual"] and cmp["ranks_bitwise_equal_ddp"]
+
+
+def test_without_averaging_the_ranks_drift_apart():
+    # The comparison can fail: with no averaging the ranks train on different shards.
+    res = launch.spawn(ddp.manual_dp_worker, 2,
+                       ddp.StepConfig(global_batch=16, steps=3, width=4, n_train=64),
+                       lambda model: None, backend="gloo", timeout=60, show_output=False)
+    assert not torch.allclose(res[0]["params"], res[1]["params"])
+
+
+def test_ddp_broadcasts_initial_weights_and_overlaps():
+    res = launch.spawn(ddp.ddp_internals_worker, 2, 0.1, backend="gloo", timeout=60,
+                       show_output=False)
+    assert not res[0]["changed_by_ddp"] and res[1]["changed_by_ddp"]
+    assert res[0]["equal_on_all_ranks"]
+    kinds = [k for k, _ in res[0]["iterations"][1]]
+    assert kinds.index("all_reduce") < kinds.index("first_layer_grad")
+
+
+def test_sampler_shards_and_set_epoch():
+    without = ddp.sampler_orders(12, 3, epochs=2, set_epoch=False)
+    with_ = ddp.sampler_orders(12, 3, epochs=2, set_epoch=True)
+    for orders in (without, with_):
+        for per_rank in orders:
+            assert ddp.shard_overlap(per_rank) == 0
+            assert sorted(sum(per_rank, [])) == list(range(12))
+    assert without[0] == without[1]
+    assert with_[0] != with_[1]
+    # padding when n does not split: one index is repeated
+    assert ddp.shard_overlap(ddp.sampler_orders(5, 2, epochs=1)[0]) == 1
+
+
+def test_bad_input_is_one_sentence():
+    with pytest.raises(ValueError, match="smaller than world_size"):
+        ddp.StepConfig(global_batch=1).per_rank_batch(2)
+    with pytest.raises(ValueError, match="does not split over 2 ranks"):
+        ddp.StepConfig(global_batch=5).per_rank_batch(2)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match="GPU"):
+        ddp.validate_world_size(gpus + 1, "nccl")
+    with pytest.raises(ValueError, match="backend"):
+        ddp.validate_world_size(2, "mpi")

@@ -1,0 +1,108 @@
+"""dpcourse.dp: DataParallel from scratch equals the plain module, and its costs are counted."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dpcourse import dp, models
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    model = models.SmallCNN(width=4)
+    X = torch.randn(12, 3, 32, 32)
+    y = torch.randint(0, 10, (12,))
+    return model, X, y
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_outputs_and_grads_equal_plain_module(setup, n):
+    model, X, y = setup
+    plain = copy.deepcopy(model)
+    out = dp.data_parallel(model, X, dp.devices_for(n, kind="cpu"))
+    F.cross_entropy(out, y).backward()
+    ref = plain(X)
+    F.cross_entropy(ref, y).backward()
+    assert torch.allclose(out, ref, atol=1e-5)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_replicas_are_tied_to_the_original(setup):
+    model, X, _ = setup
+    reps = dp.replicate(model, 3)
+    p0 = next(model.parameters())
+    for r in reps:
+        q = next(r.parameters())
+        assert not q.is_leaf and torch.equal(p0, q) and q.data_ptr() != p0.data_ptr()
+    # a backward through one replica only lands on the original parameters
+    reps[2](X[:2]).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_scatter_gather_roundtrip_and_bad_batches():
+    X = torch.arange(20.0).reshape(10, 2)
+    chunks = dp.scatter(X, 4)
+    assert [c.shape[0] for c in chunks] == [3, 3, 3, 1]
+    assert torch.equal(dp.gather(chunks), X)
+    with pytest.raises(ValueError, match="cannot be split over 4 devices"):
+        dp.scatter(X[:3], 4)
+    with pytest.raises(ValueError, match="does not split into 4"):
+        dp.scatter(X[:5], 4)
+
+
+def test_parallel_apply_keeps_grad_mode_and_reports_the_failing_replica(setup):
+    model, X, _ = setup
+    reps = dp.replicate(model, 2)
+    outs = dp.parallel_apply(reps, dp.scatter(X, 2))
+    assert all(o.requires_grad for o in outs)
+    with torch.no_grad():
+        outs = dp.parallel_apply(reps, dp.scatter(X, 2))
+    assert not any(o.requires_grad for o in outs)
+    with pytest.raises(RuntimeError, match="replica 1 failed"):
+        dp.parallel_apply(reps, [X[:2], torch.randn(2, 5)])
+    with pytest.raises(ValueError, match="one input chunk per replica"):
+        dp.parallel_apply(reps, [X])
+
+
+def test_traffic_is_2_n_minus_1_k(setup):
+    model, X, y = setup
+    K = models.count_parameters(model)
+    for n in (2, 4):
+        m = copy.deepcopy(model)
+        with dp.TrafficCounter() as tc:
+            F.cross_entropy(dp.data_parallel(m, X, n), y).backward()
+        assert tc.params_out == tc.grads_in == (n - 1) * K
+        assert tc.total == dp.parameter_server_traffic(n, K) == 2 * (n - 1) * K
+        assert tc.replicate_calls == 1
+
+
+def test_devices_for_refuses_more_gpus_than_present():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=f"this machine has {gpus}"):
+        dp.devices_for(gpus + 1, kind="cuda")
+    with pytest.raises(ValueError, match="positive int"):
+        dp.devices_for(0)
+
+
+def test_real_data_parallel_report(setup):
+    model, X, _ = setup
+    rep = dp.real_data_parallel(model, X)
+    assert rep.matches_module
+    if rep.gpu_count >= 2:
+        assert rep.mode == "parallel" and rep.replicate_calls == 1
+    else:
+        assert rep.mode == "passthrough" and rep.replicate_calls == 0
+        assert "calls" in rep.explain()
+
+
+def test_measurements_have_the_right_form(setup):
+    model, X, _ = setup
+    t = dp.time_replicate_vs_forward(model, X, 2, repeats=2)
+    assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0
+    g = dp.gil_threads_demo(n=50_000)
+    assert g["sequential_s"] > 0 and g["threaded_s"] > 0
+    assert g["cpu_per_wall"] < 1.3  # the GIL: one core at a time for pure Python

@@ -1,0 +1,235 @@
+"""Every named mistake of lab 06 is caught with a sentence naming it; the reference passes."""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+
+from dpcourse import ring
+from dpcourse.checks import LabCheckError, lab06
+
+# The wrong rings below run in spawned ranks; ship them by value, as a notebook cell would be.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+# --- the simulator phases ---------------------------------------------------------------------
+
+
+def sr_reference(buffers):
+    n = len(buffers)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for s in range(n - 1):
+        out = [buffers[i][slice(*b[(i - s) % n])].copy() for i in range(n)]
+        for i in range(n):
+            buffers[(i + 1) % n][slice(*b[(i - s) % n])] += out[i]
+
+
+def sr_off_by_one(buffers):  # sends chunk (i - s - 1): a shifted ring, ends on the wrong chunk
+    n = len(buffers)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for s in range(n - 1):
+        out = [buffers[i][slice(*b[(i - s - 1) % n])].copy() for i in range(n)]
+        for i in range(n):
+            buffers[(i + 1) % n][slice(*b[(i - s - 1) % n])] += out[i]
+
+
+def sr_too_many_steps(buffers):
+    n = len(buffers)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for s in range(n):
+        out = [buffers[i][slice(*b[(i - s) % n])].copy() for i in range(n)]
+        for i in range(n):
+            buffers[(i + 1) % n][slice(*b[(i - s) % n])] += out[i]
+
+
+def ag_reference(buffers):
+    n = len(buffers)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for s in range(n - 1):
+        out = [buffers[i][slice(*b[(i + 1 - s) % n])].copy() for i in range(n)]
+        for i in range(n):
+            buffers[(i + 1) % n][slice(*b[(i + 1 - s) % n])] = out[i]
+
+
+def ag_missing(buffers):
+    return None
+
+
+def ag_adds(buffers):
+    n = len(buffers)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for s in range(n - 1):
+        out = [buffers[i][slice(*b[(i + 1 - s) % n])].copy() for i in range(n)]
+        for i in range(n):
+            buffers[(i + 1) % n][slice(*b[(i + 1 - s) % n])] += out[i]
+
+
+def ag_off_by_one(buffers):
+    n = len(buffers)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for s in range(n - 1):
+        out = [buffers[i][slice(*b[(i - s) % n])].copy() for i in range(n)]
+        for i in range(n):
+            buffers[(i + 1) % n][slice(*b[(i - s) % n])] = out[i]
+
+
+def test_scatter_reduce_reference_passes(capsys):
+    lab06.check_scatter_reduce(sr_reference)
+    assert "scatter_reduce" in capsys.readouterr().out
+
+
+def test_scatter_reduce_returning_new_arrays_passes():
+    def functional(buffers):
+        buffers = [b.copy() for b in buffers]
+        sr_reference(buffers)
+        return buffers
+    lab06.check_scatter_reduce(functional)
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (sr_off_by_one, "off-by-one chunk index in scatter_reduce"),
+    (sr_too_many_steps, "it takes exactly N-1"),
+    (lambda bufs: None, "left the buffers unchanged"),
+])
+def test_scatter_reduce_mistakes(fn, phrase):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab06.check_scatter_reduce(fn)
+
+
+def test_all_gather_reference_passes():
+    lab06.check_all_gather(ag_reference)
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (ag_missing, "missing all-gather"),
+    (ag_adds, "must overwrite"),
+    (ag_off_by_one, "off-by-one chunk index in all_gather"),
+])
+def test_all_gather_mistakes(fn, phrase):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab06.check_all_gather(fn)
+
+
+def test_an_unsolved_todo_stops_with_not_implemented():
+    def todo(buffers):
+        raise NotImplementedError("TODO: send chunk (i - s)")
+    with pytest.raises(NotImplementedError, match="TODO: send chunk"):
+        lab06.check_scatter_reduce(todo)
+
+
+def ring_todo(tensor, op="sum"):
+    raise NotImplementedError("TODO: scatter-reduce")
+
+
+def test_an_unsolved_real_ring_stops_with_not_implemented():
+    with pytest.raises(NotImplementedError, match="ring_allreduce is not written yet"):
+        lab06.check_ring_allreduce(ring_todo, timeout=60)
+
+
+# --- the real ring ----------------------------------------------------------------------------
+
+
+def learner_ring(tensor, op="sum", off_by_one=False, gather=True, average=True, blocking=False):
+    """A learner's ring, with the lab's plausible mistakes as switches."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    flat = tensor.view(-1)
+    chunks = list(flat.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+
+    def exchange(send, recv):
+        if blocking:  # the deadlock: everybody sends first
+            dist.send(send, right)
+            dist.recv(recv, left)
+        else:
+            reqs = [dist.isend(send, right), dist.irecv(recv, left)]
+            for q in reqs:
+                q.wait()
+
+    shift = 1 if off_by_one else 0
+    for s in range(n - 1):
+        send = chunks[(rank - s) % n]
+        recv_chunk = chunks[(rank - s - 1 + shift) % n]
+        buf = torch.empty_like(chunks[(rank - s - 1) % n])
+        exchange(send, buf)
+        if buf.shape == recv_chunk.shape:
+            recv_chunk += buf
+        else:
+            recv_chunk += buf[: recv_chunk.numel()].sum() * 0  # keep going, wrongly
+    if gather:
+        for s in range(n - 1):
+            exchange(chunks[(rank + 1 - s) % n], chunks[(rank - s) % n])
+    if op == "average" and average:
+        flat /= n
+    return tensor
+
+
+def ring_ok(tensor, op="sum"):
+    return learner_ring(tensor, op)
+
+
+def ring_off_by_one(tensor, op="sum"):
+    return learner_ring(tensor, op, off_by_one=True)
+
+
+def ring_no_gather(tensor, op="sum"):
+    return learner_ring(tensor, op, gather=False)
+
+
+def ring_no_average(tensor, op="sum"):
+    return learner_ring(tensor, op, average=False)
+
+
+def ring_blocking(tensor, op="sum"):
+    return learner_ring(tensor, op, blocking=True)
+
+
+def ring_library(tensor, op="sum"):
+    return ring.ring_allreduce(tensor, op=op)
+
+
+def ring_raises(tensor, op="sum"):
+    raise ZeroDivisionError("oops")
+
+
+def ring_out_of_place(tensor, op="sum"):
+    return learner_ring(tensor.clone(), op)
+
+
+@pytest.mark.parametrize("fn", [ring_ok, ring_library])
+def test_ring_reference_passes(fn, capsys):
+    lab06.check_ring_allreduce(fn, timeout=60)
+    assert "ring_allreduce equals the sum" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (ring_off_by_one, "off-by-one chunk index in the scatter-reduce"),
+    (ring_no_gather, "missing all-gather"),
+    (ring_no_average, "summing without averaging"),
+    (ring_raises, "raised on rank .*ZeroDivisionError"),
+    (ring_out_of_place, "in place"),
+])
+def test_ring_mistakes(fn, phrase):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab06.check_ring_allreduce(fn, timeout=60)
+
+
+def test_blocking_sends_deadlock_and_the_check_says_so():
+    # Measured: with gloo, every rank blocking in dist.send before its dist.recv hangs at any
+    # size (1 element included), so the check must end at its timeout and name the deadlock.
+    with pytest.raises(LabCheckError, match="deadlock: every rank called a blocking dist.send"):
+        lab06.check_ring_allreduce(ring_blocking, timeout=8)
+
+
+def test_references_agree_with_simulator():
+    arrays = [np.arange(7.0) * (w + 1) for w in range(4)]
+    bufs = [a.copy() for a in arrays]
+    lab06.reference_scatter_reduce(bufs)
+    lab06.reference_all_gather(bufs)
+    trace = ring.simulate_ring(arrays)
+    assert all(np.array_equal(a, b) for a, b in zip(bufs, trace.result))

@@ -1,0 +1,174 @@
+"""dpcourse.ring: the simulator, the cost models, the fit and the real ring; dpcourse.viz figures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dpcourse import launch, ring, viz
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+@pytest.mark.parametrize("length", [0, 1, 2, 5, 7, 8, 9, 64, 101, 1000])
+def test_simulator_sums_and_counts_bytes(n, length):
+    rng = np.random.default_rng(10 * n + length)
+    arrays = [rng.integers(-50, 50, length).astype(np.int64) for _ in range(n)]
+    trace = ring.simulate_ring(arrays)
+    total = np.sum(arrays, axis=0) if length else np.zeros(0, np.int64)
+    assert all(np.array_equal(b, total) for b in trace.result)
+    assert len(trace.steps) == 1 + 2 * (n - 1)
+    # exact bytes (uneven chunks included) ...
+    assert trace.bytes_sent() == ring.ring_bytes_per_worker(length, n, itemsize=8)
+    # ... and the textbook 2(N-1)K/N, to within one element per step for uneven chunks
+    k = length * 8
+    for sent in trace.bytes_sent():
+        assert abs(sent - 2 * (n - 1) * k / n) <= 2 * (n - 1) * 8
+        if length % n == 0:
+            assert sent == 2 * (n - 1) * k // n
+    assert (trace.steps[-1].contributions == n).all()
+
+
+def test_simulator_leaves_inputs_and_intermediate_states_right():
+    arrays = [np.full(6, float(w + 1)) for w in range(3)]
+    trace = ring.simulate_ring(arrays)
+    assert all((a == w + 1).all() for w, a in enumerate(arrays))
+    after_sr = trace.steps[2]  # end of scatter-reduce: worker i owns chunk i+1 complete
+    for w in range(3):
+        c = (w + 1) % 3
+        assert after_sr.contributions[w, c] == 3
+        a, b = trace.bounds[c]
+        assert (after_sr.buffers[w][a:b] == 6).all()
+    assert trace.steps[1].transfers[0] == ring.Transfer(0, 1, 0, 2)
+    assert "w0->w1: chunk 0" in trace.describe(1)
+
+
+def test_chunk_bounds_is_array_split_and_tensor_split():
+    for length in range(0, 20):
+        for n in range(1, 7):
+            sizes = [b - a for a, b in ring.chunk_bounds(length, n)]
+            assert sizes == [len(c) for c in np.array_split(np.arange(length), n)]
+            assert sizes == [len(c) for c in torch.arange(length).tensor_split(n)]
+
+
+def test_bad_inputs_get_one_clear_error():
+    with pytest.raises(ValueError, match="same length"):
+        ring.simulate_ring([np.zeros(3), np.zeros(4)])
+    with pytest.raises(ValueError, match="1-D"):
+        ring.simulate_ring([np.zeros((2, 2))])
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        ring.cost("butterfly", 4, 1e6, 1e-6, 1e-9)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        ring.ring_allreduce([1.0, 2.0])
+
+
+def test_cost_models():
+    a, b = 5e-6, 1 / 10e9
+    k = 100e6
+    for n in (2, 4, 8, 64):
+        r = ring.cost("ring", n, k, a, b)
+        assert r.steps == 2 * (n - 1)
+        assert r.busiest_bytes == pytest.approx(2 * (n - 1) * k / n)
+        assert r.busiest_bytes < 2 * k  # flat in N
+        assert ring.cost("parameter-server", n, k, a, b).busiest_bytes == 2 * n * k
+        assert ring.cost("naive", n, k, a, b).seconds == pytest.approx(2 * (n - 1) * (a + k * b))
+    # big messages: ring beats everything; tiny messages: the tree's few steps win
+    big = {alg: ring.cost(alg, 16, k, a, b).seconds for alg in ring.ALGORITHMS}
+    assert min(big, key=big.get) == "ring"
+    small = {alg: ring.cost(alg, 64, 1e3, a, b).seconds for alg in ("ring", "tree", "naive")}
+    assert min(small, key=small.get) == "tree"
+
+
+def test_fit_recovers_known_alpha_beta():
+    rng = np.random.default_rng(0)
+    ns, ks = np.meshgrid([2, 4], 1024 * 4.0 ** np.arange(8))
+    ns, ks = ns.ravel(), ks.ravel()
+    t = 2 * (ns - 1) * 30e-6 + 2 * (ns - 1) / ns * ks * 2e-9
+    fit = ring.fit_alpha_beta(ns, ks, t * rng.uniform(0.97, 1.03, t.shape))
+    assert fit.alpha == pytest.approx(30e-6, rel=0.1)
+    assert fit.beta == pytest.approx(2e-9, rel=0.1)
+    assert fit.relative_errors.max() < 0.1
+    with pytest.raises(ValueError):
+        ring.fit_alpha_beta([2], [1024], [1e-3])
+
+
+def _compare_with_all_reduce(rank, world_size):
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(123)  # same shapes on every rank
+    results = []
+    for trial in range(12):
+        dims = torch.randint(1, 6, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g)
+        shape = tuple(int(d) for d in dims) if trial else (1,)
+        dtype = [torch.float32, torch.float64, torch.int64, torch.int32, torch.float16,
+                 torch.bfloat16][trial % 6]
+        x = (torch.randn(shape, generator=g) * 50 + rank).to(dtype) + rank
+        mine, theirs = x.clone(), x.clone()
+        ring.ring_allreduce(mine)
+        dist.all_reduce(theirs)
+        if dtype.is_floating_point:  # another order of N additions: a few roundings apart
+            tol = 4 * world_size * torch.finfo(dtype).eps * float(x.abs().max().double())
+            ok = torch.allclose(mine.double(), theirs.double(), rtol=0, atol=tol)
+        else:
+            ok = torch.equal(mine, theirs)
+        results.append((str(dtype), shape, ok))
+    # average, a non-contiguous tensor, and an empty one
+    x = torch.arange(12.0).reshape(3, 4).t() * (rank + 1)
+    y = x.clone()
+    ring.ring_allreduce(x, op="average")
+    dist.all_reduce(y)
+    results.append(("average, non-contiguous", tuple(x.shape), torch.allclose(x, y / world_size)))
+    e = torch.empty(0)
+    results.append(("empty", (0,), ring.ring_allreduce(e).numel() == 0))
+    big = torch.rand(3 * 2**18 + 5, generator=torch.Generator().manual_seed(rank))
+    ref = big.clone()
+    ring.ring_allreduce(big, segment_bytes=4096)  # many segments per chunk
+    dist.all_reduce(ref)
+    results.append(("segmented", tuple(big.shape), torch.allclose(big, ref, rtol=1e-5)))
+    if world_size == 4:  # a sub-group of 3 ranks: peers are found through global ranks
+        group = dist.new_group([1, 2, 3])
+        if rank in (1, 2, 3):
+            x = torch.arange(10.0) * (rank + 1)
+            y = x.clone()
+            ring.ring_allreduce(x, group=group)
+            dist.all_reduce(y, group=group)
+            results.append(("group", (10,), torch.equal(x, y)))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_real_ring_equals_all_reduce(world_size):
+    per_rank = launch.spawn(_compare_with_all_reduce, world_size, backend="gloo", timeout=120)
+    bad = [r for res in per_rank for r in res if not r[2]]
+    assert not bad, bad
+
+
+def test_average_on_integers_is_refused():
+    with pytest.raises(TypeError, match="floating-point"):
+        ring.ring_allreduce(torch.ones(3, dtype=torch.int64), op="average")
+    with pytest.raises(ValueError, match="op must be"):
+        ring.ring_allreduce(torch.ones(3), op="max")
+
+
+def test_figures_render_png():
+    trace = ring.simulate_ring([np.arange(3.0) + w for w in range(3)])
+    png = viz.figure_to_png(viz.ring_steps_figure(trace, steps=[0, 4]))
+    assert png.startswith(b"\x89PNG")
+    assert viz.figure_to_png(viz.cost_figure(5e-6, 1e-10)).startswith(b"\x89PNG")
+    ks = np.array([1024, 65536, 1 << 20] * 2, dtype=float)
+    ns = np.array([2] * 3 + [4] * 3)
+    fit = ring.fit_alpha_beta(ns, ks, ring.AlphaBetaFit(1e-5, 1e-9, ns, ks, ks).predict(ns, ks))
+    assert viz.figure_to_png(viz.fit_figure(fit)).startswith(b"\x89PNG")
+    with pytest.raises(ValueError, match="step must be"):
+        viz.draw_ring_step(trace, 99)
+
+
+def test_stepper_builds_a_widget_with_one_frame_per_state():
+    box = viz.ring_stepper(ring.simulate_ring([np.ones(2)] * 2), static=False)
+    assert box is not None
+    image = box.children[-1]
+    slider = box.children[0].children[1]
+    first = image.value
+    slider.value = 2
+    assert bytes(image.value).startswith(b"\x89PNG") and bytes(image.value) != bytes(first)
+    assert slider.max == 2
