@@ -303,11 +303,25 @@ class NodesResult:
                          for line in out.splitlines())
 
 
-def _kill_session(pid: int) -> None:
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a torchrun agent and everything under it. Its workers live in sessions of their
+    own, so killing the agent's process group alone would leave them running; we list the
+    whole tree first (once the agent dies, its children are re-parented and lost from view)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
     for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
         try:
             kill()
         except OSError:
+            pass
+    for child in tree:
+        try:
+            child.kill()
+        except psutil.Error:
             pass
 
 
@@ -379,7 +393,7 @@ def run_nodes(script: str | os.PathLike, *script_args: str, nnodes: int = 2,
                            time.monotonic() - t0)
     finally:
         for p in procs:
-            _kill_session(p.pid)
+            _kill_tree(p.pid)
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
