@@ -1,0 +1,402 @@
+"""Helpers for lesson 04 (DDP in practice) and the scripts in ``dpcourse.scripts``.
+
+* checkpoints: :func:`save_checkpoint` writes atomically (a temporary file in the same folder,
+  then ``os.replace``), :func:`load_checkpoint` reads with ``map_location`` and
+  ``weights_only=True``; :func:`state_checksum` fingerprints weights bit for bit;
+* counting communication: :class:`CommCounter` + :func:`counting_allreduce_hook`, a DDP comm
+  hook that does what DDP does by default (average each gradient bucket with one all_reduce)
+  and counts the calls and the bytes;
+* SyncBatchNorm on CPU: ``nn.SyncBatchNorm`` refuses CPU tensors ("expected input tensor to be
+  on GPU"), so :class:`CPUSyncBatchNorm` does the same maths with an autograd-aware all_reduce;
+  :func:`convert_sync_batchnorm` picks the real one on CUDA and this one on CPU;
+  :class:`SmallBNNet` is a tiny model with BatchNorm to show when it matters;
+* several torchrun "nodes" on one machine: :func:`run_nodes` starts them concurrently, joined by
+  a c10d rendezvous, and kills them all if they do not finish in time.
+
+Nothing here runs on import. Used in lessons/04_ddp_in_practice.py and by
+``python -m torch.distributed.run ... lib/dpcourse/scripts/train_ddp.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "state_checksum",
+    "CommCounter",
+    "counting_allreduce_hook",
+    "CPUSyncBatchNorm",
+    "convert_sync_batchnorm",
+    "SmallBNNet",
+    "build_model",
+    "NodesResult",
+    "run_nodes",
+    "script_path",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
+    """Write ``state`` to ``path`` so that a reader sees the old file or the new one, never half.
+
+    ``torch.save`` straight to ``path`` truncates the old checkpoint first and then writes for a
+    while: a crash (or a rank reading it) in between finds a broken file and no old one. We
+    write a temporary file in the *same folder* (``os.replace`` is only atomic within one file
+    system), flush it to disk, then rename it over ``path`` in one step. Call it on rank 0 only.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"a checkpoint must be a dict (model, optimizer, step ...), got "
+                        f"{type(state).__name__}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict | None:
+    """The checkpoint at ``path``, or None when there is none yet (a fresh start).
+
+    ``map_location`` puts every tensor where this rank wants it (a checkpoint saved from cuda:0
+    would otherwise land on cuda:0 in every rank); ``weights_only=True`` refuses to unpickle
+    arbitrary objects, so a checkpoint cannot run code when it is loaded.
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise RuntimeError(f"checkpoint {path} cannot be read ({type(exc).__name__}): it is "
+                           f"damaged or half-written; was it saved without save_checkpoint, or "
+                           f"by several ranks at once?") from None
+
+
+def state_checksum(state: dict | nn.Module) -> str:
+    """A short fingerprint of a model's weights (or any dict of tensors), exact to the bit."""
+    if isinstance(state, nn.Module):
+        state = state.state_dict()
+    h = hashlib.sha256()
+    for key in sorted(state):
+        value = state[key]
+        if not torch.is_tensor(value):
+            continue
+        t = value.detach().to("cpu").contiguous()
+        h.update(key.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Counting what DDP sends
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CommCounter:
+    """What :func:`counting_allreduce_hook` saw on this rank: all_reduce calls and bytes."""
+
+    calls: int = 0
+    bytes: int = 0
+    sizes: list = field(default_factory=list)
+
+
+def counting_allreduce_hook(state: CommCounter, bucket):
+    """A DDP comm hook equal to DDP's default (average the bucket with one all_reduce), counting.
+
+    Register with ``ddp_model.register_comm_hook(counter, counting_allreduce_hook)``. DDP calls
+    the hook once per gradient bucket whenever it synchronises, i.e. on every backward outside
+    ``no_sync()``; it returns a future holding the averaged bucket.
+    """
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    state.calls += 1
+    state.bytes += buffer.numel() * buffer.element_size()
+    state.sizes.append(buffer.numel())
+    buffer.div_(dist.get_world_size())
+    fut = dist.all_reduce(buffer, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+# --------------------------------------------------------------------------------------------
+# SyncBatchNorm that also runs on CPU
+# --------------------------------------------------------------------------------------------
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """all_reduce(SUM) with a gradient: y = sum over ranks of x, so dL/dx on each rank is the
+    sum over ranks of dL/dy (every rank's loss depends on every rank's x)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        import torch.distributed as dist
+
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm whose batch statistics are taken over the *global* batch (all ranks).
+
+    The same maths as ``nn.SyncBatchNorm``, which only runs on GPUs: each rank sums its
+    ``x`` and ``x²`` per channel and counts its samples, one all_reduce adds them up, and every
+    rank normalises with the global mean and variance. The all_reduce is
+    differentiable (its backward is an all_reduce of the gradients), so the gradients are those of one process on the global batch.
+    Outside a process group (or in eval mode) it is ordinary BatchNorm.
+    """
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2-D input (N, C, ...), got {input.dim()}-D")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        self._check_input_dim(x)
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return super().forward(x)
+        dims = [0] + list(range(2, x.dim()))
+        count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
+        stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
+        stats = _AllReduceSum.apply(stats)  # sum over ranks, differentiable
+        c = x.shape[1]
+        n = stats[2 * c]
+        mean = stats[:c] / n
+        var = stats[c:2 * c] / n - mean * mean  # biased, as BatchNorm normalises with
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                m = self.momentum if self.momentum is not None else 1.0 / float(
+                    self.num_batches_tracked)
+                unbiased = var.detach() * n / max(float(n) - 1.0, 1.0)
+                self.running_mean.mul_(1 - m).add_(m * mean.detach())
+                self.running_var.mul_(1 - m).add_(m * unbiased)
+        shape = [1, c] + [1] * (x.dim() - 2)
+        y = (x - mean.view(shape)) / torch.sqrt(var.view(shape) + self.eps)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+
+def convert_sync_batchnorm(module: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
+    """Every BatchNorm in ``module`` made global-batch: ``nn.SyncBatchNorm`` on CUDA, the
+    course's :class:`CPUSyncBatchNorm` on CPU (where the real one refuses to run)."""
+    if torch.device(device).type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
+            module, CPUSyncBatchNorm):
+        new = CPUSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                               module.track_running_stats)
+        if module.affine:
+            with torch.no_grad():
+                new.weight.copy_(module.weight)
+                new.bias.copy_(module.bias)
+        if module.track_running_stats:
+            new.running_mean.copy_(module.running_mean)
+            new.running_var.copy_(module.running_var)
+            new.num_batches_tracked.copy_(module.num_batches_tracked)
+        new.train(module.training)
+        return new
+    for name, child in module.named_children():
+        module.add_module(name, convert_sync_batchnorm(child, device))
+    return module
+
+
+class SmallBNNet(nn.Module):
+    """conv-BN-relu-pool ×2 and a linear layer: small enough for CPU, with BatchNorm in it."""
+
+    def __init__(self, num_classes: int = 10, width: int = 16):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.MaxPool2d(4),                                                       # 8×8
+            nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def build_model(name: str = "small_cnn", num_classes: int = 10, width: int = 16) -> nn.Module:
+    """``small_cnn`` (no BatchNorm), ``small_bn`` (:class:`SmallBNNet`) or ``resnet18``."""
+    from dpcourse import models
+
+    if name == "small_cnn":
+        return models.SmallCNN(num_classes, width=width)
+    if name == "small_bn":
+        return SmallBNNet(num_classes, width=width)
+    if name == "resnet18":
+        return models.resnet18_cifar(num_classes)
+    raise ValueError(f"unknown model {name!r}: choose 'small_cnn', 'small_bn' or 'resnet18'")
+
+
+def script_path(name: str) -> Path:
+    """The path of a course script, e.g. ``script_path("train_ddp")``."""
+    path = Path(__file__).resolve().parent / "scripts" / f"{name}.py"
+    if not path.exists():
+        raise FileNotFoundError(f"no course script named {name!r} (looked for {path})")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Several torchrun "nodes" on one machine
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NodesResult:
+    """Exit codes and outputs of the nodes started by :func:`run_nodes`, in start order."""
+
+    returncodes: list
+    outputs: list
+    commands: list
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(rc == 0 for rc in self.returncodes)
+
+    def text(self) -> str:
+        """Every node's output, each line prefixed ``[node k]``."""
+        return "\n".join(f"[node {k}] {line}" for k, out in enumerate(self.outputs)
+                         for line in out.splitlines())
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a torchrun agent and everything under it. Its workers live in sessions of their
+    own, so killing the agent's process group alone would leave them running; we list the
+    whole tree first (once the agent dies, its children are re-parented and lost from view)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            kill()
+        except OSError:
+            pass
+    for child in tree:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
+def run_nodes(script: str | os.PathLike, *script_args: str, nnodes: int = 2,
+              nproc_per_node: int = 1, timeout: float = 60.0, join_timeout: float = 30.0,
+              rdzv_id: str = "dpcourse-nodes", env: dict | None = None,
+              cwd: str | os.PathLike | None = None) -> NodesResult:
+    """Start ``nnodes`` torchrun agents at once, as if on ``nnodes`` machines, and wait.
+
+    Each is ``torchrun --nnodes=N --nproc-per-node=P --rdzv-backend=c10d
+    --rdzv-endpoint=127.0.0.1:PORT``: the same command you would type on every machine of a
+    cluster, with the first machine's address as the endpoint. With c10d the nodes get their
+    ranks in the order they join, whatever ``--node_rank`` says, so we pass none.
+    ``join_timeout`` bounds how long a node waits for the others (torchrun's default is 600 s);
+    ``timeout`` bounds the whole thing: past it every node and its workers are killed and a
+    ``dpcourse.launch.LaunchTimeoutError`` is raised. Worker output is prefixed ``[rank k]``
+    (global rank). Returns a :class:`NodesResult`; it does not raise on a non-zero exit code.
+    """
+    from dpcourse.launch import LaunchTimeoutError, free_port
+
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"nnodes must be a positive int, got {nnodes!r}")
+    if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be a positive int, got {nproc_per_node!r}")
+    if timeout <= 0 or join_timeout <= 0:
+        raise ValueError("timeout and join_timeout must be positive numbers of seconds")
+    script = Path(script)
+    if not script.exists():
+        raise FileNotFoundError(f"run_nodes: no such script {script}")
+    endpoint = f"127.0.0.1:{free_port()}"
+    run_env = dict(os.environ)
+    run_env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank ${rank}] ")
+    run_env.setdefault("PYTHONUNBUFFERED", "1")
+    run_env.setdefault("OMP_NUM_THREADS", "1")
+    if env:
+        run_env.update(env)
+    commands, procs, logs = [], [], []
+    t0 = time.monotonic()
+    try:
+        for node in range(nnodes):
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run",
+                f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
+                f"--rdzv-conf=join_timeout={join_timeout:g}", "--tee=3",
+                str(script), *map(str, script_args),
+            ]
+            # Output to a temporary file, not a pipe: nobody reads the pipes while we wait, and
+            # a full pipe would stall a node.
+            log = tempfile.TemporaryFile(mode="w+")
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                          env=run_env, cwd=cwd, start_new_session=True))
+            commands.append(cmd)
+            logs.append(log)
+        deadline = t0 + timeout
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.01, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise LaunchTimeoutError(
+                    f"the {nnodes} torchrun nodes did not finish within {timeout:g} s; all of "
+                    f"them and their workers were stopped (a node whose partners never join "
+                    f"waits join_timeout={join_timeout:g} s).", timeout=timeout) from None
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+        return NodesResult([p.returncode for p in procs], outputs, commands,
+                           time.monotonic() - t0)
+    finally:
+        for p in procs:
+            _kill_tree(p.pid)
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for log in logs:
+            log.close()
