@@ -135,8 +135,9 @@ assert abs(ratio - n_devices) < 1e-3
 # `forward` does.
 
 # %%
-assert torch.allclose(dp.data_parallel(model, X, devs), ref_out, atol=1e-5)
-print("dp.data_parallel == plain model: True")
+same = torch.allclose(dp.data_parallel(model, X, devs), ref_out, atol=1e-5)
+print("dp.data_parallel == plain model:", same)
+assert same
 
 # %% [markdown]
 # ## The real `nn.DataParallel` on this machine
@@ -228,8 +229,9 @@ print(f"CPU seconds used per second while the 2 threads ran: {g['cpu_per_wall']:
 # never burns more than one core's worth, however many cores are idle.
 
 # %%
-assert g["cpu_per_wall"] < 1.3, g
-print("the threads used one core at a time: True")
+one_core = g["cpu_per_wall"] < 1.3
+print("the threads used one core at a time:", one_core)
+assert one_core, g
 
 # %% [markdown]
 # **Device 0 does extra work.** It holds the gathered outputs, computes the loss alone, and

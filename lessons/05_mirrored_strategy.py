@@ -222,11 +222,14 @@ for (loss_kind, reduce_kind), grads in cases.items():
 
 # %%
 n = n_replicas
-assert abs(ratios["compute_average_loss", "sum"] - 1) < 1e-4
-assert abs(ratios["reduce_mean", "sum"] - n) < 1e-4 * n        # N times too big
-assert abs(ratios["compute_average_loss", "mean"] - 1 / n) < 1e-4   # 1/N too small
+right = abs(ratios["compute_average_loss", "sum"] - 1) < 1e-4
+n_too_big = abs(ratios["reduce_mean", "sum"] - n) < 1e-4 * n
+n_too_small = abs(ratios["compute_average_loss", "mean"] - 1 / n) < 1e-4
+print("compute_average_loss + SUM is right:", right)
+print("reduce_mean + SUM is N x too big:", n_too_big)
+print("compute_average_loss + MEAN is 1/N too small:", n_too_small)
+assert right and n_too_big and n_too_small
 assert abs(ratios["reduce_mean", "mean"] - 1) < 1e-4
-print("reduce_mean + SUM is N x too big, compute_average_loss + MEAN is 1/N too small: True")
 
 # %% [markdown]
 # **Proof, several steps:** `steps` SGD steps of the mirrored loop end with the same weights as
