@@ -92,12 +92,14 @@ for r, res in enumerate(results):
 
 # %%
 N = world_size
-for r, res in enumerate(results):
-    assert res["broadcast"] == [10.0] * 3                               # rank 0 had 1*10
-    assert res["all_reduce"] == [N * (N + 1) / 2, 10 * N * (N + 1) / 2]  # 1+2+...+N
-    assert res["all_gather"] == [float(k) for k in range(N)]
-    assert res["reduce_scatter"] == [float(sum(10 * k + r for k in range(N)))] * 2
-print("all four collectives gave the values in the table: True")
+as_in_table = all(
+    res["broadcast"] == [10.0] * 3                                      # rank 0 had 1*10
+    and res["all_reduce"] == [N * (N + 1) / 2, 10 * N * (N + 1) / 2]    # 1+2+...+N
+    and res["all_gather"] == [float(k) for k in range(N)]
+    and res["reduce_scatter"] == [float(sum(10 * k + r for k in range(N)))] * 2
+    for r, res in enumerate(results))
+print("all four collectives gave the values in the table:", as_in_table)
+assert as_in_table, results
 
 # %% [markdown]
 # ## Averaging gradients by hand
@@ -195,9 +197,11 @@ for it, events in enumerate(r0["iterations"]):
 assert not r0["changed_by_ddp"] and all(r["changed_by_ddp"] for r in internals[1:])
 assert all(r["equal_on_all_ranks"] for r in internals)
 second = [kind for kind, _ in r0["iterations"][1]]
-assert second.index("all_reduce") < second.index("first_layer_grad"), second
-assert "classifier.4.weight" in r0["iterations"][1][0][1]  # last layer's bucket goes first
-print("after the first iteration, all-reduce starts before the backward ends: True")
+overlaps = second.index("all_reduce") < second.index("first_layer_grad")
+last_layer_first = "classifier.4.weight" in r0["iterations"][1][0][1]  # its bucket goes first
+print("after the first iteration, all-reduce starts before the backward ends:", overlaps)
+print("the last layer's bucket is reduced first:", last_layer_first)
+assert overlaps and last_layer_first, second
 
 # %% [markdown]
 # In the first iteration everything fits in one bucket (the first bucket is capped at 1 MB and
@@ -232,13 +236,14 @@ for name, orders in (("without set_epoch", without), ("with set_epoch", with_)):
         print(f"  epoch {e}: " + "  ".join(f"rank {r}: {o}" for r, o in enumerate(per_rank)))
 
 # %%
-for orders in (without, with_):
-    for per_rank in orders:
-        assert ddp.shard_overlap(per_rank) == 0                      # disjoint shards
-        assert sorted(sum(per_rank, [])) == list(range(n))           # that cover the data
-assert without[0] == without[1] == without[2]                        # the same order every epoch
-assert with_[0] != with_[1] and with_[1] != with_[2]                 # a new order every epoch
-print("disjoint shards covering the data: True; without set_epoch every epoch repeats: True")
+disjoint_cover = all(ddp.shard_overlap(per_rank) == 0                       # disjoint shards
+                     and sorted(sum(per_rank, [])) == list(range(n))       # that cover the data
+                     for orders in (without, with_) for per_rank in orders)
+repeats = without[0] == without[1] == without[2]                     # the same order every epoch
+reshuffles = with_[0] != with_[1] and with_[1] != with_[2]           # a new order every epoch
+print("disjoint shards covering the data:", disjoint_cover)
+print("without set_epoch every epoch repeats:", repeats, "| with set_epoch it changes:", reshuffles)
+assert disjoint_cover and repeats and reshuffles
 
 # %% [markdown]
 # (When `n` does not divide by `world_size`, the sampler pads by repeating a few indices — a few
