@@ -119,3 +119,19 @@ def test_ignored_outputs_are_marked_properly_and_say_why():
                         f"{src.name} cell {i}: put the marker alone on its line"
                     assert j + 1 < len(lines) and lines[j + 1].strip().startswith("#") and \
                         len(lines[j + 1].strip()) > 12, f"{src.name} cell {i}: say why on the next line"
+
+
+def test_papermill_reruns_a_lesson_with_other_parameters(tmp_path):
+    """What instructors do: re-run a lesson with other knobs, unedited. Lesson 02's claims
+    (DP from scratch == the plain module, ...) must hold for 3 devices as well as the stored 4."""
+    import papermill
+
+    out = tmp_path / "02_three_devices.ipynb"
+    papermill.execute_notebook(str(ROOT / "lessons" / "02_data_parallel.ipynb"), str(out),
+                               parameters={"n_devices": 3, "seed": 1}, kernel_name="python3",
+                               cwd=str(ROOT / "lessons"), progress_bar=False)
+    nb = nbformat.read(out, as_version=4)
+    injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert injected and "n_devices = 3" in injected[0].source
+    assert not any(o.get("output_type") == "error" for c in nb.cells if c.cell_type == "code"
+                   for o in c.outputs)
