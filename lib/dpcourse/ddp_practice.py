@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from typing import Sequence
 
 import torch
 from torch import nn
+
+from dpcourse.launch import kill_tree
 
 __all__ = [
     "save_checkpoint",
@@ -303,28 +304,6 @@ class NodesResult:
                          for line in out.splitlines())
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a torchrun agent and everything under it. Its workers live in sessions of their
-    own, so killing the agent's process group alone would leave them running; we list the
-    whole tree first (once the agent dies, its children are re-parented and lost from view)."""
-    import psutil
-
-    try:
-        tree = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        tree = []
-    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-        try:
-            kill()
-        except OSError:
-            pass
-    for child in tree:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-
-
 def run_nodes(script: str | os.PathLike, *script_args: str, nnodes: int = 2,
               nproc_per_node: int = 1, timeout: float = 60.0, join_timeout: float = 30.0,
               rdzv_id: str = "dpcourse-nodes", env: dict | None = None,
@@ -393,7 +372,7 @@ def run_nodes(script: str | os.PathLike, *script_args: str, nnodes: int = 2,
                            time.monotonic() - t0)
     finally:
         for p in procs:
-            _kill_tree(p.pid)
+            kill_tree(p.pid)  # torchrun's workers live in sessions of their own
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -58,6 +58,7 @@ __all__ = [
     "spawn",
     "torchrun",
     "free_port",
+    "kill_tree",
     "LaunchError",
     "RankFailedError",
     "LaunchTimeoutError",
@@ -203,7 +204,7 @@ class _Rank:
     arrived: float = 0.0
 
 
-def _kill_group(pid: int) -> None:
+def kill_tree(pid: int) -> None:
     """SIGKILL ``pid``, its process group, and every descendant, wherever they moved.
 
     A process group alone is not enough: torchrun's agent starts its workers in sessions of
@@ -312,7 +313,7 @@ def spawn(
         # Then kill every rank's process group, finished or not: a stuck rank must go, and a
         # finished one may have left children behind (a DataLoader worker, a subprocess).
         for rk in ranks:
-            _kill_group(rk.process.pid)
+            kill_tree(rk.process.pid)
         for rk in ranks:
             rk.process.join(timeout=5)
             rk.conn.close()
@@ -461,7 +462,7 @@ def torchrun(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         if echo:
             print(out.rstrip())
@@ -469,7 +470,7 @@ def torchrun(
             f"torchrun did not finish within {timeout:g} s; it and all its workers were stopped.",
             timeout=timeout) from None
     except BaseException:  # KeyboardInterrupt included: the notebook's stop button
-        _kill_group(proc.pid)
+        kill_tree(proc.pid)
         proc.communicate()
         raise
     result = TorchrunResult(proc.returncode, out, cmd)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -480,10 +479,9 @@ def _tail(path: Path, n: int = 25) -> str:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
+    from dpcourse.launch import kill_tree
+
+    kill_tree(proc.pid)  # the worker's group and anything that left it
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
