@@ -269,7 +269,11 @@ def check_ring_allreduce(fn, world_size: int = 3, timeout: float = 20.0) -> str:
                         where[r] = f.read()
                 except OSError:
                     where[r] = ""
-            if all(v == "send" for v in where.values()):
+            # A blocked rank sits in dist.send with nobody in dist.recv; a rank whose small send
+            # the OS buffered may be between calls (marker empty) when it is stopped, so "every
+            # marked rank in send, none in recv" is the deadlock's signature.
+            in_send = [r for r, v in where.items() if v == "send"]
+            if in_send and not any(v == "recv" for v in where.values()):
                 fail(f"deadlock: every rank called a blocking dist.send before its dist.recv, "
                      f"so all {world_size} waited for a receive nobody had posted (gloo's send "
                      f"waits for the matching receive) and were stopped after {timeout:g} s; "
