@@ -27,6 +27,8 @@ __all__ = [
     "new_figure",
     "figure_to_png",
     "show",
+    "show_code",
+    "quiz",
     "draw_ring_step",
     "ring_steps_figure",
     "ring_frames",
@@ -56,13 +58,98 @@ def figure_to_png(fig, dpi: int | None = None) -> bytes:
     return buf.getvalue()
 
 
-def show(fig) -> None:
-    """Display ``fig`` as a PNG in a notebook (a no-op outside IPython)."""
+def show(fig, caption: str | None = None) -> None:
+    """Display ``fig`` as a PNG in a notebook, then its one-line caption (what to see in it).
+
+    Every figure in a lesson has a caption (tests/test_notebooks.py checks): pass it here. Works
+    for pyplot figures too (``plt.gcf()``), which are then closed so they are not drawn twice.
+    """
     try:
-        from IPython.display import Image, display
+        from IPython.display import Image, Markdown, display
     except ImportError:  # plain Python: nothing to show on
         return
     display(Image(figure_to_png(fig)))
+    if caption:
+        display(Markdown(f"*Figure — {caption}*"))
+    if getattr(fig, "number", None) is not None:  # a pyplot figure: forget it
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def show_code(*objects, title: str | None = None) -> None:
+    """Display the source of functions or classes, syntax-highlighted, right where a lesson uses
+    them: the code a lesson's claims depend on is read in the notebook, not hidden in the library.
+
+    Strings are shown as they are (a snippet); anything else through ``inspect.getsource``.
+    """
+    import inspect
+
+    from IPython.display import Code, Markdown, display
+
+    if title:
+        display(Markdown(f"**{title}**"))
+    parts = [obj if isinstance(obj, str) else inspect.getsource(obj) for obj in objects]
+    display(Code("\n\n".join(p.rstrip("\n") for p in parts) + "\n", language="python"))
+
+
+# --------------------------------------------------------------------------------------------
+# Check-yourself questions
+# --------------------------------------------------------------------------------------------
+
+
+def quiz(questions: Sequence[dict], interactive: bool = True) -> None:
+    """The check-yourself questions at the end of a lesson.
+
+    ``questions`` is a list of dicts: ``q`` (the question), ``options`` (a list of answers),
+    ``answer`` (the index of the right one), ``why`` (a list, one sentence per option saying why
+    it is right or wrong). In a live kernel each question is a set of radio buttons with a
+    *Check* button that says why the chosen answer is right or wrong. Below them, for readers
+    without a kernel (GitHub, rendered HTML, where widgets do not render), the questions as
+    text with their answers folded in a ``<details>`` block. No ipywidgets ``Output`` is used (it breaks nbval).
+    """
+    from IPython.display import Markdown, display
+
+    for i, item in enumerate(questions):
+        opts, why = list(item["options"]), list(item["why"])
+        if not 0 <= item["answer"] < len(opts) or len(why) != len(opts):
+            raise ValueError(f"question {i + 1}: answer must index options, one 'why' per option")
+    if interactive:
+        try:
+            import ipywidgets as widgets
+        except ImportError:
+            interactive = False
+    if interactive:
+        boxes = []
+        for i, item in enumerate(questions):
+            radio = widgets.RadioButtons(options=list(item["options"]), value=None,
+                                         layout=widgets.Layout(width="auto"))
+            verdict = widgets.HTML("")
+            button = widgets.Button(description="Check", layout=widgets.Layout(width="90px"))
+
+            def on_click(_, radio=radio, verdict=verdict, item=item):
+                if radio.value is None:
+                    verdict.value = "<i>Pick an answer first.</i>"
+                    return
+                k = list(item["options"]).index(radio.value)
+                mark = "✔ right" if k == item["answer"] else "✘ not quite"
+                verdict.value = f"<b>{mark}</b>: {item['why'][k]}"
+
+            button.on_click(on_click)
+            boxes.append(widgets.VBox([widgets.HTML(f"<b>{i + 1}. {item['q']}</b>"), radio,
+                                       widgets.HBox([button, verdict])]))
+        display(widgets.VBox(boxes))
+    # The static copy: questions and options in plain sight, the answers folded away.
+    lines = []
+    for i, item in enumerate(questions):
+        lines.append(f"{i + 1}. {item['q']}")
+        lines.extend(f"   - {opt}" for opt in item["options"])
+    lines += ["", "<details><summary><b>Answers</b></summary>", ""]
+    for i, item in enumerate(questions):
+        right = item["options"][item["answer"]]
+        lines.append(f"{i + 1}. **{right}** — {item['why'][item['answer']]}")
+    lines += ["", "</details>"]
+    display(Markdown("\n".join(lines)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ mistake is caught.
 
 from __future__ import annotations
 
-__all__ = ["LabCheckError", "passed", "fail"]
+__all__ = ["LabCheckError", "ClaimError", "passed", "fail", "claim"]
 
 
 class LabCheckError(AssertionError):
@@ -21,14 +21,50 @@ class LabCheckError(AssertionError):
         self.message = message
 
 
-def passed(what: str) -> str:
-    """Print and return the one-line success message."""
-    line = f"✔ {what}"
-    print(line)
-    return line
+def passed(what: str) -> None:
+    """Print the one-line success message.
+
+    Returns None on purpose: a check is usually the last line of a lab cell, and a returned
+    string would be echoed there as a second copy of the line.
+    """
+    print(f"✔ {what}")
 
 
 def fail(message: str):
     """Raise LabCheckError without our own frames cluttering the learner's traceback."""
     __tracebackhide__ = True  # pytest and IPython hide this frame
     raise LabCheckError(message)
+
+
+class ClaimError(AssertionError):
+    """A lesson's claim did not hold on this run; the message names the claim and its values."""
+
+
+def claim(statement: str, condition, **values) -> None:
+    """State a lesson's claim and prove it: print ``✔ statement`` if ``condition`` is true,
+    otherwise raise :class:`ClaimError` naming the claim and the values it was judged on.
+
+    Every fact a lesson prints goes through here (DESIGN.md § Conventions, "Claims"); a test
+    (tests/test_notebooks.py) fails on a notebook that prints a bare boolean instead. Pass the
+    numbers behind the claim as keyword arguments: they are shown only when the claim fails, so
+    the stored output stays stable while a failure says exactly what was measured::
+
+        claim("the loss fell", last < first, first=first, last=last)
+    """
+    __tracebackhide__ = True
+    try:
+        ok = bool(condition)
+    except Exception as err:  # e.g. the truth value of a multi-element tensor
+        raise TypeError(f"claim {statement!r}: the condition must be a single true/false value, "
+                        f"got {type(condition).__name__} ({err})") from None
+    if not ok:
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in values.items())
+        raise ClaimError(f"claim failed: {statement}" + (f" ({shown})" if shown else ""))
+    # Returns None on purpose: a returned string would be echoed a second time when the call
+    # ends a notebook cell.
+    print(f"✔ {statement}")
+
+
+def _short(value, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
