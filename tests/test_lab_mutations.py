@@ -1,0 +1,78 @@
+"""Mutation tests: break each lab solution one line at a time; its check must notice.
+
+The suite runs a fixed, evenly spread sample of each lab's mutants (the whole set takes several
+minutes on 2 cores); `DPCOURSE_MUTANTS=all python -m pytest tests/test_lab_mutations.py` or
+`python -m dpcourse.mutate` runs every one. Mutants that do not change behaviour are listed in
+EQUIVALENT with the reason; every other survivor is a hole in a check.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+from dpcourse import authoring, mutate
+
+ROOT = authoring.ROOT
+SOLUTIONS = sorted((ROOT / "solutions").glob("lab*.py"))
+SAMPLE = 3
+
+# mutant key -> why it behaves exactly like the solution
+EQUIVALENT = {
+    "lab03:swap 'True' -> 'False': optimizer.zero_grad(set_to_none=True)":
+        "for plain SGD, gradients zeroed in place and gradients set to None give the same step",
+}
+
+
+def _sample(found, k=SAMPLE):
+    if os.environ.get("DPCOURSE_MUTANTS") == "all" or len(found) <= k:
+        return found
+    stride = len(found) / k
+    return [found[int(i * stride)] for i in range(k)]
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
+def test_the_check_catches_broken_answers(solution):
+    found = [m for m in mutate.mutants(solution) if m.key not in EQUIVALENT]
+    assert len(found) >= 3, f"{solution.name}: too few mutants to say anything"
+    chosen = _sample(found)
+    result = mutate.run(solution, chosen, timeout=90)
+    assert result["baseline"] is None, f"the unmutated solution fails: {result['baseline']}"
+    survived = [r["what"] for r in result["results"] if not r["caught"]]
+    assert not survived, f"{solution.name}: the checks let these broken answers through: {survived}"
+
+
+def test_equivalent_mutants_still_exist():
+    """An accepted survivor whose line is gone from the solution is stale: remove it."""
+    keys = {m.key for s in SOLUTIONS for m in mutate.mutants(s)}
+    assert set(EQUIVALENT) <= keys, set(EQUIVALENT) - keys
+
+
+def test_mutants_come_only_from_solution_regions(tmp_path):
+    src = tmp_path / "lab99_demo.py"
+    src.write_text(textwrap.dedent("""\
+        # %%
+        x = 1 + 2
+
+        # %%
+        def f(a, b):
+            ### BEGIN SOLUTION: add them
+            # a comment is not mutated
+            total = a + b
+            return total / 2
+            ### END SOLUTION
+
+
+        assert f(2, 4) == 3
+        """))
+    found = mutate.mutants(src)
+    whats = [m.what for m in found]
+    assert "delete: total = a + b" in whats
+    assert "swap '+' -> '-': total = a + b" in whats
+    assert "swap '/' -> '*': return total / 2" in whats
+    assert not any("x = 1" in w or "comment" in w or "assert" in w for w in whats)
+    result = mutate.run(src, found, timeout=20)
+    assert result["baseline"] is None
+    assert all(r["caught"] for r in result["results"]), result
