@@ -7,6 +7,18 @@
 # %% [markdown]
 # # 00 · Start here
 #
+# **Prerequisites:** Python, and a PyTorch training loop you have written or read once.
+#
+# **You will be able to:**
+# - find your way through the course: lessons, labs, solutions, and the library behind them;
+# - run a lab check and read what it tells you when your code is wrong;
+# - say which hardware profile your machine gets, and what that changes in later lessons;
+# - start two cooperating processes from a notebook and get their results back.
+#
+# **Time:** about 10 minutes to read and run.
+#
+# **Lab:** none — lab 01 follows lesson 01.
+#
 # This course takes you from a single-device PyTorch training loop to data-parallel training
 # on many devices — `nn.DataParallel`, DistributedDataParallel (DDP), TensorFlow's
 # `MirroredStrategy` — and down to the ring AllReduce that moves the gradients. Every lesson
@@ -36,10 +48,14 @@
 # earlier batches leaked into each step", not just "wrong". The labs are generated from the
 # published solutions in `solutions/`, so the two never drift apart.
 #
+# The lessons state their facts the same way: each claim prints one line starting with ✔,
+# computed on this run, or stops the notebook with a `ClaimError` that names the claim and the
+# numbers it was judged on. You will never see a bare `True` printed as proof.
+#
 # Here is the mechanism on a toy: a check that wants the mean of a list.
 
 # %%
-from dpcourse.checks import LabCheckError, fail, passed
+from dpcourse.checks import LabCheckError, claim, fail, passed
 
 
 def check_mean(mean_fn):
@@ -96,14 +112,15 @@ from dpcourse import devices
 report = devices.hardware_report()
 profile = devices.choose_profile(report)
 expected = {0: "cpu", 1: "one-gpu"}.get(report.gpu_count, "multi-gpu")
-print("profile follows the GPU count:", profile.name == expected or "DPCOURSE_PROFILE" in os.environ)
-print("gloo available:", report.gloo)
-print("nccl only with a GPU per rank:",
+claim("the profile follows the GPU count (or DPCOURSE_PROFILE)",
+      profile.name == expected or "DPCOURSE_PROFILE" in os.environ,
+      profile=profile.name, gpus=report.gpu_count)
+claim("gloo is available, so the CPU path of every lesson can run", report.gloo)
+claim("NCCL is chosen only when every rank can own a GPU",
       devices.backend_for(2, gpu_count=0, nccl=True) == "gloo"
       and devices.backend_for(2, gpu_count=1, nccl=True) == "gloo"
       and devices.backend_for(2, gpu_count=2, nccl=True) == "nccl"
       and devices.backend_for(2, gpu_count=4, nccl=False) == "gloo")
-assert report.gloo
 
 # %% [markdown]
 # ## Running many processes from a notebook
@@ -131,13 +148,52 @@ def hello(rank, world_size):
 
 
 results = launch.spawn(hello, 2, backend="gloo", timeout=60)
-print(results)
-assert results == [30.0, 30.0]
+print("results, in rank order:", results)
+claim("both ranks received the sum 10 + 20", results == [30.0, 30.0], results=results)
 
 # %% [markdown]
-# ## Next
+# ## Summary
 #
-# Open `01_single_device.ipynb`. If you want to run a lesson at a bigger scale (CIFAR-10,
-# more epochs), every lesson starts with a *parameters* cell that
-# [papermill](https://papermill.readthedocs.io) can override, e.g.
-# `papermill lessons/01_single_device.ipynb out.ipynb -p dataset cifar10 -p epochs 10`.
+# - Lessons prove what they say: every ✔ line is a claim computed on this run; labs check your
+#   code and name your mistake in one sentence.
+# - `dpcourse.devices` picks one of three profiles (`cpu`, `one-gpu`, `multi-gpu`); the lessons
+#   give the same checked results on each, and NCCL is used only when every rank owns a GPU.
+# - `dpcourse.launch.spawn` runs ranks from a notebook: results come back in rank order, a
+#   crash or a hang becomes one clear error, and nothing is left running.
+# - Every lesson has a *parameters* cell, so it can be re-run at a bigger scale with
+#   [papermill](https://papermill.readthedocs.io) without editing it, e.g.
+#   `papermill lessons/01_single_device.ipynb out.ipynb -p dataset cifar10 -p epochs 10`.
+#
+# Next: open `01_single_device.ipynb`.
+#
+# ## Check yourself
+
+# %%
+from dpcourse import viz
+
+viz.quiz([
+    {"q": "Your machine has one GPU. Which backend do the two-rank lessons (03, 04, 06) use?",
+     "options": ["nccl, with both ranks on the GPU", "gloo", "nccl on the GPU for rank 0, gloo for rank 1"],
+     "answer": 1,
+     "why": ["NCCL refuses two ranks on one GPU: each rank must own its device.",
+             "Right: with fewer GPUs than ranks the profile falls back to gloo, which runs anywhere.",
+             "All ranks of a process group use one backend; mixing them is not possible."]},
+    {"q": "A lab check stops with a LabCheckError. What should you read?",
+     "options": ["The whole traceback, from the bottom up",
+                 "The one-sentence message: it names the mistake",
+                 "Nothing: re-run the cell until it passes"],
+     "answer": 1,
+     "why": ["The traceback is mostly the check's own machinery; the message is written for you.",
+             "Right: each check recognises the usual mistakes and says which one you made.",
+             "The checks are deterministic: the same code gives the same verdict."]},
+    {"q": "Why can `dpcourse.launch.spawn` run a function you defined in a notebook cell, when "
+          "`torch.multiprocessing.spawn` cannot?",
+     "options": ["It runs the function in threads, not processes",
+                 "It sends the function's code itself (cloudpickle) instead of its import path",
+                 "It copies the whole notebook into each process"],
+     "answer": 1,
+     "why": ["The ranks are real processes, as on a cluster.",
+             "Right: plain pickle stores a function by name, and a cell's `__main__` cannot be "
+             "imported by another process; cloudpickle ships the code by value.",
+             "Only the function (and what it refers to) travels."]},
+])

@@ -143,7 +143,7 @@ def _exec_cells(cells: list[str], ns: dict, timeout: float) -> str | None:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def _worker(solution: Path, chosen: list[dict], timeout: float) -> None:
+def _worker(solution: Path, chosen: list[dict], timeout: float, baseline: bool = True) -> None:
     """Subprocess body: print one JSON line per mutant (and one for the unmutated baseline)."""
     import os
 
@@ -160,7 +160,7 @@ def _worker(solution: Path, chosen: list[dict], timeout: float) -> None:
         return
     rest = code[first:]
     t0 = time.perf_counter()
-    failure = _exec_cells([s for _, s in rest], dict(prefix), timeout=300)
+    failure = _exec_cells([s for _, s in rest], dict(prefix), timeout=300) if baseline else None
     print(json.dumps({"baseline": failure, "seconds": round(time.perf_counter() - t0, 2)}),
           flush=True)
     if failure:
@@ -174,14 +174,18 @@ def _worker(solution: Path, chosen: list[dict], timeout: float) -> None:
 
 
 def run(solution: Path, chosen: list[Mutant] | None = None, timeout: float = 60,
-        total_timeout: float = 1800) -> dict:
+        total_timeout: float = 1800, baseline: bool = True) -> dict:
     """Run the mutants of one solution in a fresh subprocess.
+
+    With ``baseline`` (the default) the unmutated solution runs first and must pass, or no
+    mutant runs: a check that fails everything would otherwise "catch" every mutant. The suite
+    turns it off where nbval has just run that very solution.
 
     Returns ``{"baseline": None or why the unmutated solution failed, "results": [{"what",
     "caught" (None if it survived), "seconds"}, ...]}``.
     """
     chosen = mutants(solution) if chosen is None else chosen
-    payload = json.dumps({"solution": str(solution), "timeout": timeout,
+    payload = json.dumps({"solution": str(solution), "timeout": timeout, "baseline": baseline,
                           "mutants": [asdict(m) for m in chosen]})
     proc = subprocess.run([sys.executable, "-m", "dpcourse.mutate", "--worker"], input=payload,
                           capture_output=True, text=True, timeout=total_timeout)
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         job = json.loads(sys.stdin.read())
-        _worker(Path(job["solution"]), job["mutants"], job["timeout"])
+        _worker(Path(job["solution"]), job["mutants"], job["timeout"], job.get("baseline", True))
         return 0
     solutions = [p for p in authoring.sources(names=args.labs or ["lab"])
                  if p.parent.name == "solutions"]
