@@ -110,6 +110,7 @@ losses, accs = [], []
 for epoch in range(epochs):
     losses.append(train_one_epoch(model, train_loader, loss_fn, optimizer, device))
     accs.append(evaluate(model, test_loader, loss_fn, device)[1])
-print("loss fell:", losses[-1] < losses[0])
-print("accuracy above 30% (chance is 10%):", accs[-1] > 0.3)
-assert losses[-1] < losses[0] and accs[-1] > 0.3
+from dpcourse.checks import claim
+
+claim("your loop trains: the loss fell", losses[-1] < losses[0], losses=losses)
+claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)

@@ -40,6 +40,8 @@ def _text(out) -> str:
     data = out.get("data", {})
     if "application/vnd.jupyter.widget-view+json" in data or "image/png" in data:
         return ""
+    if 'class="highlight' in str(data.get("text/html", "")):
+        return ""  # source code shown with viz.show_code: code, not a claim
     if "text/markdown" in data:
         return data["text/markdown"]
     return data.get("text/plain", "")
