@@ -7,6 +7,20 @@
 # %% [markdown]
 # # 01 · One device: the training loop, its speed, and its randomness
 #
+# **Prerequisites:** lesson 00; PyTorch tensors and modules; what a gradient is.
+#
+# **You will be able to:**
+# - name the four moves of a training step and the one people forget (`zero_grad`);
+# - train a small CNN on the course's offline data set and read its loss and accuracy curves;
+# - measure throughput and say where a step's time goes (data, forward, backward + step);
+# - use mixed precision (AMP) and check that it keeps the accuracy;
+# - get bit-identical runs from a seed, and say when you cannot.
+#
+# **Time:** about 25 minutes to read and run.
+#
+# **Lab:** [lab01_single_device](../labs/lab01_single_device.ipynb) — write `train_one_epoch`
+# and `evaluate`.
+#
 # Data parallelism changes *one* thing about training: where the gradient of each step comes
 # from. To see that change clearly later, we first take the single-device loop apart:
 #
@@ -30,14 +44,13 @@ seed = 0
 device = None  # None: from the hardware profile (cuda if there is a GPU, else cpu)
 
 # %%
-import inspect
-
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from torch import nn
 
-from dpcourse import data, devices, models, train
+from dpcourse import data, devices, models, train, viz
+from dpcourse.checks import claim
 
 device = torch.device(device or devices.choose_profile().device)
 devices.seed_everything(seed)
@@ -65,7 +78,8 @@ for c in range(10):
         axes[row, c].axis("off")
     axes[0, c].set_title(ds.classes[c], fontsize=8)
 plt.tight_layout()
-plt.show()
+viz.show(fig, "two training images of each class: random place, size and colour on a noisy "
+              "background, so the model must learn the pattern, not a pixel.")
 
 # %% [markdown]
 # The same seed gives the same images on every machine, and a different seed different ones —
@@ -74,8 +88,9 @@ plt.show()
 # %%
 x_again, _ = data.make_shapes10(8, seed=seed)
 x_other, _ = data.make_shapes10(8, seed=seed + 1)
-print("same seed, same images:", np.array_equal(x_again, data.make_shapes10(8, seed=seed)[0]))
-print("other seed, other images:", not np.array_equal(x_again, x_other))
+claim("the same seed gives the same images",
+      np.array_equal(x_again, data.make_shapes10(8, seed=seed)[0]))
+claim("another seed gives other images", not np.array_equal(x_again, x_other))
 
 # %% [markdown]
 # ## One step, taken apart
@@ -98,8 +113,9 @@ logits = model(X)                      # forward
 loss = loss_fn(logits, y)              # loss: the mean over the batch
 loss.backward()                        # backward: fills p.grad
 print("X", tuple(X.shape), "-> logits", tuple(logits.shape))
-print("loss is a scalar:", loss.dim() == 0)
-print("every parameter has a gradient:", all(p.grad is not None for p in model.parameters()))
+claim("the loss is a scalar (one number for the whole batch)", loss.dim() == 0)
+claim("after backward every parameter has a gradient",
+      all(p.grad is not None for p in model.parameters()))
 
 # %% [markdown]
 # The move people forget: **`.grad` accumulates**. `backward()` *adds* to whatever is already
@@ -111,19 +127,10 @@ first = [p.grad.clone() for p in model.parameters()]
 loss_fn(model(X), y).backward()  # no zero_grad in between
 doubled = all(torch.allclose(p.grad, 2 * g, rtol=1e-4, atol=1e-6)
               for p, g in zip(model.parameters(), first))
-print("without zero_grad the gradient doubled:", doubled)
-assert doubled
+claim("without zero_grad, a second backward on the same batch doubled the gradient", doubled)
 optimizer.zero_grad(set_to_none=True)
-print("after zero_grad:", all(p.grad is None for p in model.parameters()))
-
-# %% [markdown]
-# The library's loop, which every later lesson reuses. Note the two details that lab01 checks:
-# the epoch's loss is weighted by batch size (the last batch is shorter), and `evaluate` runs in
-# `eval()` mode under `torch.no_grad()`.
-
-# %%
-print(inspect.getsource(train.train_one_epoch))
-print(inspect.getsource(train.evaluate))
+claim("after zero_grad(set_to_none=True) every .grad is None",
+      all(p.grad is None for p in model.parameters()))
 
 # %% [markdown]
 # ## Training for real
@@ -142,10 +149,28 @@ history = train.fit(trained, ds, cfg)
 first_loss, last_loss = history[0]["train_loss"], history[-1]["train_loss"]
 final_acc = history[-1]["test_acc"]
 print(f"epochs: {len(history)}")
-print("training loss fell every epoch:",
-      all(b["train_loss"] < a["train_loss"] for a, b in zip(history, history[1:])))
-print("test accuracy above 50% (chance is 10%):", final_acc > 0.5)
-assert last_loss < first_loss and final_acc > 0.5
+claim("the training loss fell every epoch",
+      all(b["train_loss"] < a["train_loss"] for a, b in zip(history, history[1:])),
+      losses=[h["train_loss"] for h in history])
+claim("test accuracy ended above 50% (chance is 10%)", final_acc > 0.5, final_acc=final_acc)
+
+fig = viz.new_figure(9, 3.2)
+ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+epochs_axis = [h["epoch"] + 1 for h in history]
+ax1.plot(epochs_axis, [h["train_loss"] for h in history], "o-", label="train loss")
+ax1.plot(epochs_axis, [h["test_loss"] for h in history], "s-", label="test loss")
+ax1.axhline(np.log(10), color="grey", ls=":", label="ln 10 (guessing)")
+ax2.plot(epochs_axis, [h["test_acc"] for h in history], "o-", color="#2ca02c", label="test accuracy")
+ax2.axhline(0.1, color="grey", ls=":", label="chance")
+ax2.set_ylim(0, 1)
+for ax in (ax1, ax2):
+    ax.set_xlabel("epoch")
+    ax.set_xticks(epochs_axis)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+fig.subplots_adjust(left=0.07, right=0.98, bottom=0.16, top=0.95, wspace=0.25)
+viz.show(fig, "the loss leaves the ln 10 line of a model that guesses, and test accuracy climbs far "
+              "above chance (10%).")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -153,37 +178,69 @@ assert last_loss < first_loss and final_acc > 0.5
 for h in history:
     print(f"epoch {h['epoch']}: train loss {h['train_loss']:.3f}  test loss {h['test_loss']:.3f}  "
           f"test acc {h['test_acc']:.3f}  {h['samples_per_s']:.0f} samples/s")
+rates_per_epoch = [h["samples_per_s"] for h in history]
+spread = max(rates_per_epoch) / min(rates_per_epoch)
+print(f"Throughput from epoch to epoch varied by {spread:.2f}x. The work per epoch is the same, "
+      "so on an idle machine this stays close to 1.00x; a larger spread means something else "
+      "was using the CPU while this ran.")
 
 # %% [markdown]
 # ## Throughput, and where the time goes
 #
 # *Samples per second* is the number data parallelism is meant to multiply. It depends on the
-# batch size: a bigger batch gives the hardware bigger matrices to chew on per step (and fewer
-# Python round trips per sample), until it is saturated. `ThroughputMeter` synchronizes a GPU
-# before reading the clock: CUDA runs asynchronously, and without the sync you would time how
-# fast Python *queues* work.
+# batch size: a bigger batch gives the hardware bigger matrices per step and fewer Python round
+# trips per sample — which pays off until the hardware is saturated. A GPU needs large batches
+# to be saturated; a CPU with a couple of cores can be saturated by small ones. We measure it
+# honestly: the same 512 samples per setting, the three batch sizes interleaved, three rounds,
+# the median of each. `ThroughputMeter` synchronizes a GPU before reading the clock: CUDA runs
+# asynchronously, and without the sync you would time how fast Python *queues* work.
+
+# %%
+batch_sizes = (16, 64, 256)
+m = models.SmallCNN().to(device)
+opt = torch.optim.Adam(m.parameters(), lr=lr)
+sample_batches = {bs: [b for _, b in zip(range(512 // bs), train.make_loaders(ds, bs, seed=seed)[0])]
+                  for bs in batch_sizes}
+train.train_one_epoch(m, sample_batches[64][:2], loss_fn, opt, device)  # warm-up
+measured = {bs: [] for bs in batch_sizes}
+for _ in range(3):                       # rounds, interleaved so that a slow moment hits all
+    for bs in batch_sizes:
+        meter = train.ThroughputMeter(device)
+        train.train_one_epoch(m, sample_batches[bs], loss_fn, opt, device, meter=meter)
+        measured[bs].append(meter.rate)
+rates = {bs: float(np.median(r)) for bs, r in measured.items()}
+claim("every batch size was measured three times", all(len(r) == 3 for r in measured.values()))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: timings depend on the machine and what else it is doing.
-rates = {}
-for bs in (16, 64, 256):
-    loader, _ = train.make_loaders(ds, bs, seed=seed)
-    m = models.SmallCNN().to(device)
-    opt = torch.optim.Adam(m.parameters(), lr=lr)
-    meter = train.ThroughputMeter(device)
-    batches = [b for _, b in zip(range(max(2, 512 // bs)), loader)]
-    train.train_one_epoch(m, batches, loss_fn, opt, device, meter=meter)
-    rates[bs] = meter.rate
-    print(f"batch {bs:4d}: {meter.rate:8.0f} samples/s")
+for bs in batch_sizes:
+    print(f"batch {bs:4d}: median {rates[bs]:7.0f} samples/s  (runs: "
+          + ", ".join(f"{r:.0f}" for r in measured[bs]) + ")")
+best = max(rates, key=rates.get)
+print(f"On this {device.type} the fastest batch size was {best}; batch {batch_sizes[-1]} ran at "
+      f"{rates[batch_sizes[-1]] / rates[batch_sizes[0]]:.2f}x the speed of batch {batch_sizes[0]}.")
+fig = viz.new_figure(5.5, 3.2)
+ax = fig.add_subplot(1, 1, 1)
+ax.errorbar([str(bs) for bs in batch_sizes], [rates[bs] for bs in batch_sizes],
+            yerr=[[rates[bs] - min(measured[bs]) for bs in batch_sizes],
+                  [max(measured[bs]) - rates[bs] for bs in batch_sizes]], fmt="o-", capsize=4)
+ax.set_xlabel("batch size")
+ax.set_ylabel("samples / s (median, min-max)")
+ax.set_ylim(0, None)
+ax.grid(True, alpha=0.3)
+fig.subplots_adjust(left=0.18, right=0.97, bottom=0.17, top=0.95)
+viz.show(fig, "training throughput per batch size on this machine; the bars span three "
+              "interleaved runs, so a gap smaller than the bars is noise.")
 
 # %% [markdown]
 # Where does one step's time go? `time_breakdown` charges each phase — waiting for the next
 # batch, forward, backward + step — separately. Our data sits in memory as one tensor, so
-# slicing batches out of it is nearly free; give the loader a per-sample transform (an augmentation done in
-# Python, as image pipelines often are) and the same model suddenly spends much of its time
-# waiting for data. More devices would not help that; more loader workers (`num_workers`)
-# or a faster pipeline would.
+# slicing batches out of it is nearly free. Give the loader a per-sample transform written in
+# Python — here a flip, noise, and small random shifts of every row of every channel, one tensor
+# operation per row, the kind of augmentation image pipelines often do sample by sample — and the
+# same model spends most of its step waiting for data. More devices would not help that; more
+# loader workers (`num_workers`) or a vectorised pipeline would.
 
 # %%
 class SlowAugment(torch.utils.data.Dataset):
@@ -200,7 +257,12 @@ class SlowAugment(torch.utils.data.Dataset):
         if torch.rand(()) < 0.5:
             x = x.flip(-1)
         x = x + 0.05 * torch.randn_like(x)
-        x = torch.stack([c.roll(int(torch.randint(-2, 3, ())), dims=0) for c in x])
+        # jitter every row of every channel by its own shift, four times over: 384 small
+        # tensor operations per image, each cheap, together slow — Python's per-call overhead
+        for _ in range(4):
+            shifts = torch.randint(-1, 2, (x.shape[0], x.shape[1])).tolist()
+            x = torch.stack([torch.stack([row.roll(k) for row, k in zip(c, ks)])
+                             for c, ks in zip(x, shifts)])
         return x, label
 
 
@@ -211,9 +273,10 @@ fast = [(X_all[i:i + batch_size], y_all[i:i + batch_size]) for i in range(0, 10 
 slow = torch.utils.data.DataLoader(SlowAugment(base), batch_size=batch_size, shuffle=True)
 m = models.SmallCNN().to(device)
 opt = torch.optim.Adam(m.parameters(), lr=lr)
-share = {}
+share, breakdown = {}, {}
 for name, loader in (("in-memory tensors", fast), ("per-sample Python transform", slow)):
     parts = train.time_breakdown(m, loader, loss_fn, opt, device, max_batches=10)
+    breakdown[name] = parts
     share[name] = parts["data"] / sum(parts.values())
 
 # %%
@@ -221,11 +284,30 @@ for name, loader in (("in-memory tensors", fast), ("per-sample Python transform"
 # Why: the shares depend on the machine's speed.
 for name, s in share.items():
     print(f"{name:28s}: {100 * s:5.1f}% of the step waiting for data")
+fig = viz.new_figure(7, 2.6)
+ax = fig.add_subplot(1, 1, 1)
+colours = {"data": "#d62728", "forward": "#1f77b4", "backward+step": "#2ca02c"}
+for row, (name, parts) in enumerate(breakdown.items()):
+    left, total = 0.0, sum(parts.values())
+    for phase, seconds in parts.items():
+        ax.barh(row, 100 * seconds / total, left=left, color=colours[phase],
+                label=phase if row == 0 else None)
+        left += 100 * seconds / total
+ax.set_yticks(range(len(breakdown)))
+ax.set_yticklabels(list(breakdown), fontsize=8)
+ax.set_xlabel("% of the step's time")
+ax.set_xlim(0, 100)
+ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, 1.3))
+fig.subplots_adjust(left=0.3, right=0.97, bottom=0.2, top=0.8)
+viz.show(fig, "with batches sliced from memory the step is all compute; with a per-sample Python "
+              "transform, most of it is spent waiting for the next batch.")
 
 # %%
-print("the Python transform makes data loading a bigger share of the step:",
-      share["per-sample Python transform"] > share["in-memory tensors"])
-assert share["per-sample Python transform"] > share["in-memory tensors"]
+claim("batches sliced from memory: under 20% of the step waits for data",
+      share["in-memory tensors"] < 0.2, share=share)
+claim("the per-sample Python transform: over half of the step waits for data",
+      share["per-sample Python transform"] > 0.5, share=share)
+
 
 # %% [markdown]
 # ## Mixed precision (AMP)
@@ -236,12 +318,21 @@ assert share["per-sample Python transform"] > share["in-memory tensors"]
 # zero — hence a `GradScaler` that multiplies the loss up before backward and the gradients back
 # down before the step. On a CPU the type is bfloat16, which has float32's range: no scaler
 # needed. `train.fit(..., amp=True)` picks the right pair for the device.
+#
+# Autocast does not make *everything* 16-bit: it keeps a list of operations that are safer in
+# float32, and `cross_entropy` is on it — but only *inside* the `autocast` block. Compute the
+# loss after the block, from 16-bit logits, and it is 16-bit too. So put the loss inside:
 
 # %%
 with train.autocast_for(device, enabled=True):
     out = models.SmallCNN().to(device)(X)
-print("under autocast the logits are 16-bit:", out.dtype in (torch.float16, torch.bfloat16))
-print("the loss computed from them is float32:", loss_fn(out, y).dtype == torch.float32)
+    loss_inside = loss_fn(out, y)
+loss_outside = loss_fn(out, y)
+claim("under autocast the logits are 16-bit", out.dtype in (torch.float16, torch.bfloat16))
+claim("the loss computed inside the autocast block is float32",
+      loss_inside.dtype == torch.float32)
+claim("computed after the block, from the same 16-bit logits, it is 16-bit",
+      loss_outside.dtype == out.dtype)
 
 # %% [markdown]
 # Does the cheaper arithmetic cost accuracy? Two tests on the model we just trained. First,
@@ -264,7 +355,7 @@ def predictions(model, amp):
 
 
 agree = (predictions(trained, False) == predictions(trained, True)).float().mean().item()
-print("autocast changes at most 2% of test predictions:", agree >= 0.98)
+claim("autocast changes at most 2% of the test predictions", agree >= 0.98, agree=agree)
 
 subset = data.Dataset(ds.name, ds.x_train[:512], ds.y_train[:512], ds.x_test, ds.y_test,
                       ds.classes)
@@ -279,10 +370,10 @@ for amp in (False, True):
     train.train_one_epoch(m, loader, loss_fn, opt, device, amp=amp, scaler=scaler, meter=meter)
     acc_after[amp] = train.evaluate(m, test_loader, loss_fn, device, amp=amp)[1]
     rate[amp] = meter.rate
-print("after one more epoch, both above 80%:", min(acc_after.values()) > 0.8)
-print("AMP within 3 points of float32:", abs(acc_after[True] - acc_after[False]) < 0.03)
-assert agree >= 0.98 and min(acc_after.values()) > 0.8
-assert abs(acc_after[True] - acc_after[False]) < 0.03
+claim("after one more epoch, both runs are above 80% test accuracy",
+      min(acc_after.values()) > 0.8, acc_after=acc_after)
+claim("AMP ends within 3 points of float32", abs(acc_after[True] - acc_after[False]) < 0.03,
+      acc_after=acc_after)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -315,15 +406,70 @@ def one_epoch_weights(run_seed):
 
 
 a, b, c = one_epoch_weights(1), one_epoch_weights(1), one_epoch_weights(2)
-print("same seed -> identical weights:", torch.equal(a, b))
-print("other seed -> different weights:", not torch.equal(a, c))
-assert torch.equal(a, b) and not torch.equal(a, c)
+claim("same seed: bit-identical weights after an epoch", torch.equal(a, b))
+claim("another seed: different weights", not torch.equal(a, c))
 
 # %% [markdown]
 # ## What carries over
 #
 # Everything in this loop survives into data parallelism unchanged except one line of thought:
 # *the gradient of a step*. With N devices, each computes the gradient on its own slice of the
-# batch, and the slices' gradients are averaged before the step — lesson 02 does it inside one
-# process (`nn.DataParallel`), lesson 03 across processes (DDP). Now do **lab01**: write
-# `train_one_epoch` and `evaluate` yourself.
+# batch, and the slices' gradients are combined before the step — lesson 02 does it inside one
+# process (`nn.DataParallel`), lesson 03 across processes (DDP).
+#
+# ## Lab 01: write the loop yourself
+#
+# Open [lab01_single_device](../labs/lab01_single_device.ipynb) and write `train_one_epoch` and
+# `evaluate`; its checks compare them with the library's and name your mistake. Do it before
+# reading on: here is the library's version, which every later lesson reuses. Note the two
+# details the lab checks: the epoch's loss is weighted by batch size (the last batch is shorter),
+# and `evaluate` runs in `eval()` mode under `torch.no_grad()`.
+
+# %%
+viz.show_code(train.train_one_epoch, train.evaluate)
+
+# %% [markdown]
+# ## Summary
+#
+# - A step is forward, loss (a mean over the batch), backward, step — after `zero_grad`, because
+#   `.grad` accumulates.
+# - Throughput is what data parallelism multiplies; measure it with repeats and medians, and
+#   look at where the step's time goes before buying more devices: a data-bound step needs a
+#   faster pipeline, not more GPUs.
+# - AMP runs matmuls and convolutions in 16 bits and keeps sensitive operations, like the loss
+#   computed inside the autocast block, in float32; here it kept the accuracy.
+# - The same seed, code, hardware and threads give bit-identical weights.
+#
+# ## Check yourself
+
+# %%
+viz.quiz([
+    {"q": "You call loss.backward() twice on the same batch without zero_grad. The gradient is:",
+     "options": ["the same as after one call", "twice as large", "zero"],
+     "answer": 1,
+     "why": ["backward adds into .grad; it does not overwrite it.",
+             "Right: .grad accumulates, which is also how gradient accumulation works.",
+             "Nothing subtracts the first gradient."]},
+    {"q": "A profile shows 70% of each step waiting for data. What helps most?",
+     "options": ["A second GPU", "More DataLoader workers or a vectorised pipeline",
+                 "A larger learning rate"],
+     "answer": 1,
+     "why": ["Both GPUs would wait for the same slow pipeline.",
+             "Right: the bottleneck is the input pipeline, so speed that up.",
+             "The learning rate changes how far each step goes, not how long it takes."]},
+    {"q": "Under torch.autocast you compute the loss after leaving the `with` block, from "
+          "bfloat16 logits. Its dtype is:",
+     "options": ["float32, always", "bfloat16", "float64"],
+     "answer": 1,
+     "why": ["Only inside the block does autocast run cross_entropy in float32.",
+             "Right: outside the block the op runs in its inputs' dtype — this lesson printed it.",
+             "Nothing here produces float64."]},
+    {"q": "Two runs with the same seed on the same machine give bit-identical weights. On a "
+          "different GPU model, the same seed gives:",
+     "options": ["bit-identical weights too", "weights that may differ in the last bits",
+                 "an error"],
+     "answer": 1,
+     "why": ["Different hardware sums in different orders; bit-identity is not promised.",
+             "Right: floating-point addition is not associative, and kernels differ.",
+             "Seeds work everywhere; only the results may differ slightly."]},
+])
