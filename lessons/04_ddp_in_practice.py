@@ -1,19 +1,33 @@
 # %% [markdown]
 # # 04 — DDP in practice
 #
+# **Prerequisites:** lesson 03 (ranks, collectives, DDP == one process on the global batch).
+#
+# **You will be able to:**
+# - turn a single-device script into a torchrun DDP script, and run it on one or two "nodes";
+# - save checkpoints that survive a crash, and resume a killed run to the very same weights;
+# - accumulate gradients with `no_sync`, and use AMP and SyncBatchNorm under DDP correctly;
+# - turn a hang into a clear error (`TORCH_DISTRIBUTED_DEBUG=DETAIL`, timeouts) and test the
+#   common myths yourself.
+#
+# **Time:** about 40 minutes to read and run.
+#
+# **Lab:** [lab04_ddp_in_practice](../labs/lab04_ddp_in_practice.ipynb) — turn a single-device
+# script into a torchrun DDP script.
+#
 # Lesson 03 proved that DDP computes what one process computes on the global batch. This lesson
 # is about running it for real: a **torchrun script**, **two nodes** joined by a rendezvous,
 # **checkpoints** that survive a crash, **restarts** after a fault, **gradient accumulation**
 # with `no_sync`, **mixed precision**, **SyncBatchNorm**, **debugging** hangs — and the myths
 # that the usual tutorials repeat, each tested by a cell.
 #
-# Every claim below is checked by an `assert`. The scripts live in `lib/dpcourse/scripts/`; the
+# Every claim below is printed with ✔ by a check that ran. The scripts live in `lib/dpcourse/scripts/`; the
 # helpers in `dpcourse.ddp_practice`.
 
 # %% tags=["parameters"]
 data_name = "shapes10"   # or "cifar10" if you have it
-n_train = 512            # images the scripts train on
-epochs = 2
+n_train = 1024           # images the scripts train on
+epochs = 6               # enough for the model to leave the ln 10 plateau of guessing
 per_rank_batch = 32
 world_size = None        # None: from the hardware profile (2 on a CPU)
 timeout = 120            # seconds any launch may take
@@ -30,14 +44,17 @@ from pathlib import Path
 import torch
 
 from dpcourse import ddp_practice as dp
-from dpcourse import devices, launch
+from dpcourse import devices, launch, viz
+from dpcourse.checks import claim
 
 profile = devices.choose_profile(world_size=world_size)
 world_size = profile.world_size
 work = Path(tempfile.mkdtemp(prefix="dpcourse-l04-"))
 train_single, train_ddp = dp.script_path("train_single"), dp.script_path("train_ddp")
+# A small CNN with BatchNorm and SGD at lr 0.1: within a few epochs it learns, which the plain
+# small CNN with SGD does not (it sits near ln 10 for many epochs on this budget).
 common = ["--data", data_name, "--n-train", str(n_train), "--epochs", str(epochs),
-          "--per-rank-batch", str(per_rank_batch)]
+          "--per-rank-batch", str(per_rank_batch), "--model", "small_bn", "--lr", "0.1"]
 # The scripts below run their ranks on the CPU even on a GPU machine: two "nodes" on one machine
 # would both put their rank on GPU 0, which NCCL refuses, and the fault-tolerance check compares
 # two runs bit for bit, so both must run on the same kind of device, with the same 2 ranks.
@@ -85,9 +102,20 @@ nodes = dp.run_nodes(train_ddp, *common, "--out", str(work / "two_nodes.pt"), nn
 print("\n".join(line for line in nodes.text().splitlines() if "[rank" in line))
 
 # %%
-assert nodes.ok, nodes.text()[-3000:]
-assert "2 ranks over" in nodes.text()
-print("both nodes exited 0; one job of", world_size, "ranks across 2 torchrun agents:", nodes.ok)
+import math
+import re
+
+
+def epoch_losses(text):
+    """The 'epoch k: mean loss x' lines that rank 0 of the script prints, as floats."""
+    return [float(v) for v in re.findall(r"epoch \d+: mean loss ([0-9.]+)", text)]
+
+
+claim("both nodes exited 0", nodes.ok, output=nodes.text()[-2000:])
+claim("they formed one job of 2 ranks across the 2 torchrun agents", "2 ranks over" in nodes.text())
+node_losses = epoch_losses(nodes.text())
+claim(f"the model learns: the last epoch's mean loss is under 60% of ln 10 = {math.log(10):.2f}",
+      bool(node_losses) and node_losses[-1] < 0.6 * math.log(10), losses=node_losses)
 
 # %% [markdown]
 # ### The SLURM recipe (not run here)
@@ -124,14 +152,23 @@ fault = launch.torchrun(train_ddp, *common, "--ckpt", str(work / "ckpt.pt"), "--
 print("\n".join(line for line in fault.output.splitlines()
                 if line.startswith("[rank") and "Traceback" not in line and "  " not in line))
 
+# %% [markdown]
+# (The restarted run's "epoch 0" loss differs from the uninterrupted one: the resumed attempt
+# averages only the steps of that epoch it ran itself, 9 to 16. From epoch 1 on they print the
+# same numbers, because they compute the same steps.)
+
 # %%
 restarted = dp.load_checkpoint(work / "restarted.pt")["model"]
 uninterrupted = dp.load_checkpoint(work / "two_nodes.pt")["model"]
-assert "simulated fault at step 11" in fault.output and "resumed from step 8" in fault.output
-same = all(torch.equal(restarted[k], uninterrupted[k]) for k in uninterrupted)
-assert same
-print("killed at step 11, resumed from step 8, final weights identical to the uninterrupted run:",
-      same)
+claim("rank 1 was killed after step 11", "simulated fault at step 11" in fault.output)
+claim("torchrun restarted both ranks, which resumed from the step-8 checkpoint",
+      "resumed from step 8" in fault.output)
+claim("the restarted run ends with weights bit-identical to the uninterrupted run",
+      all(torch.equal(restarted[k], uninterrupted[k]) for k in uninterrupted))
+total_steps = int(re.findall(r"after (\d+) steps", fault.output)[-1])
+viz.show(dp.restart_timeline_figure(total_steps=total_steps, ckpt_every=4, fail_at=11, resumed=8),
+         "attempt 0 saves at steps 4 and 8 and dies after step 11; attempt 1 reloads step 8, "
+         "redoes steps 9-11 and ends with the same weights as the run that never failed.")
 
 # %% [markdown]
 # **Myth: "every rank can save, it's the same file."** It races. Below, rank 0 is halfway
@@ -188,7 +225,9 @@ seen = launch.spawn(read_while_writing, 2, str(work), backend="gloo", timeout=ti
 plain, atomic = seen[False], seen[True]
 print("plain torch.save, rank 1 read:", plain)
 print("atomic save,      rank 1 read:", atomic)
-assert "cannot be read" in str(plain[0]) and atomic == [1, 2]
+claim("with a plain torch.save the reader found a broken file", "cannot be read" in str(plain[0]))
+claim("with the atomic save it found the previous complete checkpoint, then the new one",
+      atomic == [1, 2])
 
 # %% [markdown]
 # ## 4. Gradient accumulation with `no_sync`
@@ -244,9 +283,9 @@ result = launch.spawn(accumulate, world_size, accum, 8, backend="gloo", timeout=
 with_no_sync, without = result[True], result[False]
 print("all_reduce calls per optimizer step: without no_sync", without["calls"],
       "| with no_sync", with_no_sync["calls"])
-print("gradients == one process on the global batch:", with_no_sync["max_grad_diff"] < 1e-6)
-assert without["calls"] == accum * with_no_sync["calls"]
-assert with_no_sync["max_grad_diff"] < 1e-6 and without["max_grad_diff"] < 1e-6
+claim(f"no_sync all-reduces {accum} times less", without["calls"] == accum * with_no_sync["calls"])
+claim("with or without no_sync, the gradients equal one process on the global batch (to 1e-6)",
+      with_no_sync["max_grad_diff"] < 1e-6 and without["max_grad_diff"] < 1e-6)
 
 # %% [markdown]
 # **Myth: "the global batch is the per-rank batch divided by the number of GPUs."** No: each
@@ -255,9 +294,10 @@ assert with_no_sync["max_grad_diff"] < 1e-6 and without["max_grad_diff"] < 1e-6
 # exactly that many.
 
 # %%
-assert with_no_sync["global_batch"] == 8 * world_size * accum
 print("per_rank_batch 8 ×", world_size, "ranks ×", accum, "micro-batches = global batch",
       with_no_sync["global_batch"])
+claim("the global batch is per_rank_batch × world_size × accum",
+      with_no_sync["global_batch"] == 8 * world_size * accum)
 
 # %% [markdown]
 # ## 5. Mixed precision under DDP
@@ -301,17 +341,29 @@ def _amp_run(rank, use_amp):
 
 runs = launch.spawn(amp_run, 2, backend="gloo", timeout=timeout)[0]
 fp32, bf16 = runs[False], runs[True]
-print("bf16 forward output:", bf16["out_dtype"], "| gradients all-reduced in", bf16["grad_dtype"])
-print("bf16 loss within 0.05 of fp32 after 10 steps:", abs(bf16["last"] - fp32["last"]) < 0.05)
-assert bf16["out_dtype"] == "torch.bfloat16" and bf16["grad_dtype"] == "torch.float32"
-assert abs(bf16["last"] - fp32["last"]) < 0.05
+claim("under bf16 autocast the forward's output is bfloat16", bf16["out_dtype"] == "torch.bfloat16")
+claim("the gradients DDP all-reduces are float32 (they belong to float32 parameters)",
+      bf16["grad_dtype"] == "torch.float32")
+claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
+      abs(bf16["last"] - fp32["last"]) < 0.05, bf16=bf16["last"], fp32=fp32["last"])
 
 # %% [markdown]
 # ## 6. SyncBatchNorm, and when it matters
 #
 # BatchNorm normalises with the statistics of *the batch it sees* — under DDP, the per-rank
 # batch. So DDP with BatchNorm is **not** one process on the global batch; SyncBatchNorm
-# all-reduces the statistics so it is. `nn.SyncBatchNorm` runs on GPUs only:
+# combines the statistics of all ranks so it is. What it sends, per BatchNorm layer with C
+# channels, in training mode (read `torch/nn/modules/_functions.py`):
+#
+# - **forward:** each rank computes its per-channel mean and inverse standard deviation and its
+#   sample count, and an **all_gather** gives every rank everyone's `[mean, invstd, count]`
+#   (2C + 1 numbers per rank). All-gather rather than all-reduce, because the per-rank counts
+#   may differ; each rank then combines them, weighting by the counts.
+# - **backward:** each rank sums `dy` and `dy·(x − mean)` per channel, and one **all_reduce**
+#   adds them up (2C numbers); every rank then finishes the gradient with the global sums.
+#
+# In `eval()` mode it uses the running statistics and sends nothing. `nn.SyncBatchNorm` runs on
+# GPUs only:
 
 # %%
 try:
@@ -320,7 +372,8 @@ except ValueError as e:
     print("nn.SyncBatchNorm on CPU:", e)
 
 # %% [markdown]
-# so on CPU we use `dp.CPUSyncBatchNorm` (the same maths with a differentiable all_reduce;
+# so on CPU we use `dp.CPUSyncBatchNorm` (the same maths with one differentiable all_reduce of
+# per-channel sums of x and x² and the count in the forward, whose backward is an all_reduce too;
 # `dp.convert_sync_batchnorm` picks the real one on CUDA). Compare each against one process on
 # the global batch, for a small and a large per-rank batch:
 
@@ -357,13 +410,32 @@ gaps = launch.spawn(bn_gap, 2, [(b, s) for b in (2, 8, 64) for s in (False, True
 for (b, s), gap in gaps.items():
     print(f"per-rank batch {b:2d}, {'SyncBatchNorm' if s else 'BatchNorm    '}: gradient error vs "
           f"one process on the global batch {'< 1e-5' if gap < 1e-5 else f'{gap:.0%}'}")
-assert all(gap < 1e-5 for (b, s), gap in gaps.items() if s)
-assert gaps[(2, False)] > gaps[(8, False)] > gaps[(64, False)] > 1e-3
+claim("with SyncBatchNorm the gradients equal one process on the global batch (to 1e-5)",
+      all(gap < 1e-5 for (b, s), gap in gaps.items() if s), gaps=gaps)
+claim("with plain BatchNorm the error shrinks as the per-rank batch grows, but never vanishes",
+      gaps[(2, False)] > gaps[(8, False)] > gaps[(64, False)] > 1e-3, gaps=gaps)
+fig = viz.new_figure(5.5, 3.2)
+ax = fig.add_subplot(1, 1, 1)
+batches = sorted({b for b, _ in gaps})
+ax.plot(batches, [100 * gaps[(b, False)] for b in batches], "o-", label="BatchNorm under DDP")
+ax.plot(batches, [max(100 * gaps[(b, True)], 1e-5) for b in batches], "s-",
+        label="SyncBatchNorm under DDP")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("per-rank batch")
+ax.set_ylabel("gradient error vs one process (%)")
+ax.grid(True, alpha=0.3)
+ax.legend(fontsize=8)
+fig.subplots_adjust(left=0.17, right=0.97, bottom=0.16, top=0.95)
+viz.show(fig, "plain BatchNorm's gradient error falls as the per-rank batch grows; SyncBatchNorm's "
+              "sits at rounding level at every size.")
 
 # %% [markdown]
 # SyncBatchNorm makes DDP exact. Without it the error is large when per-rank batches are tiny
-# (detection, segmentation, big 3-D inputs: 1-4 images per GPU) and shrinks as they grow. It costs one extra all_reduce per BatchNorm layer per forward, so use it when per-rank
-# batches are small.
+# (detection, segmentation, big 3-D inputs: 1-4 images per GPU) and shrinks as they grow. It
+# costs two extra collectives per BatchNorm layer per training step — an all_gather in the
+# forward, an all_reduce in the backward, each blocking in the middle of the computation — so use
+# it when per-rank batches are small.
 #
 # ## 7. Debugging: mismatches, hangs, timeouts
 #
@@ -396,8 +468,9 @@ except launch.RankFailedError as e:
     detail_error = e.summary
 # (which rank reports it first varies from run to run, so we print the stable parts)
 print(detail_error.split(". Rank")[0] + ".")
-print("the message names the difference, tensor shapes:", "Tensor shapes" in detail_error)
-assert "Detected mismatch between collectives" in detail_error and "Tensor shapes" in detail_error
+claim("DETAIL mode reports a mismatch between collectives",
+      "Detected mismatch between collectives" in detail_error)
+claim("and names the difference: the tensor shapes", "Tensor shapes" in detail_error)
 
 # %% [markdown]
 # Without DETAIL the same bug here makes rank 1 wait for data that never comes. The process
@@ -409,7 +482,7 @@ try:
 except launch.RankFailedError as e:
     plain_error = e
 print(f"rank {plain_error.rank} failed:", plain_error.summary.split("] ")[-1])
-assert "Timed out" in plain_error.summary
+claim("without DETAIL, the process group's timeout ends the hang", "Timed out" in plain_error.summary)
 
 # %% [markdown]
 # **What `find_unused_parameters` is really for.** DDP waits for a gradient of *every*
@@ -449,7 +522,9 @@ def _unused_branch(find_unused):
 unused = launch.spawn(unused_branch, 2, backend="gloo", timeout=timeout)[0]
 print("default:                    ", unused[False])
 print("find_unused_parameters=True:", unused[True])
-assert unused[True] == "ok" and "Expected to have finished reduction" in unused[False]
+claim("by default, an unused branch makes the next iteration fail",
+      "Expected to have finished reduction" in unused[False])
+claim("with find_unused_parameters=True it runs", unused[True] == "ok")
 
 # %% [markdown]
 # ## 8. More myths, tested
@@ -495,15 +570,15 @@ def _no_barrier(rank, bucket_view):
 ranks = launch.spawn(no_barrier, 2, backend="gloo", timeout=timeout)
 plain_view = [r[False] for r in ranks]
 bucket_view = [r[True] for r in ranks]
-print("different seeds, no barrier: weights identical on both ranks:",
-      plain_view[0]["checksum"] == plain_view[1]["checksum"])
 print("separate gradient tensors:", plain_view[0]["grad_storages"],
       "| with gradient_as_bucket_view:", bucket_view[0]["grad_storages"], "(views into the buckets)")
-print("bytes all-reduced in 5 steps are the same:", plain_view[0]["bytes"] == bucket_view[0]["bytes"])
-assert plain_view[0]["checksum"] == plain_view[1]["checksum"]
-assert bucket_view[0]["checksum"] == bucket_view[1]["checksum"]
-assert bucket_view[0]["grad_storages"] < plain_view[0]["grad_storages"]
-assert plain_view[0]["bytes"] == bucket_view[0]["bytes"]
+claim("different seeds, no barrier: the weights are identical on both ranks",
+      plain_view[0]["checksum"] == plain_view[1]["checksum"]
+      and bucket_view[0]["checksum"] == bucket_view[1]["checksum"])
+claim("gradient_as_bucket_view leaves fewer separate gradient tensors",
+      bucket_view[0]["grad_storages"] < plain_view[0]["grad_storages"])
+claim("and all-reduces the same number of bytes in 5 steps",
+      plain_view[0]["bytes"] == bucket_view[0]["bytes"])
 
 # %% [markdown]
 # **"`resnet50(pretrained=True)`"** and **"`nn.ResNet50`"**, from many DDP tutorials:
@@ -517,12 +592,11 @@ import torchvision
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     torchvision.models.resnet18(pretrained=False)
-print("pretrained= warns:", any("'pretrained' is deprecated" in str(w.message) for w in caught))
-print("torch.nn.ResNet50 exists:", hasattr(torch.nn, "ResNet50"))
-print("torchvision.models.resnet50 exists:", callable(torchvision.models.resnet50))
 print("the weights= way:", torchvision.models.ResNet50_Weights.DEFAULT)
-assert any("'pretrained' is deprecated" in str(w.message) for w in caught)
-assert not hasattr(torch.nn, "ResNet50") and callable(torchvision.models.resnet50)
+claim("pretrained= warns that it is deprecated",
+      any("'pretrained' is deprecated" in str(w.message) for w in caught))
+claim("torch.nn has no ResNet50", not hasattr(torch.nn, "ResNet50"))
+claim("torchvision.models.resnet50 is where it lives", callable(torchvision.models.resnet50))
 
 # %% [markdown]
 # ## Summary
@@ -536,10 +610,56 @@ assert not hasattr(torch.nn, "ResNet50") and callable(torchvision.models.resnet5
 #   matters when per-rank batches are small.
 # * `TORCH_DISTRIBUTED_DEBUG=DETAIL` turns a mismatched collective into a clear error; a
 #   process-group timeout ends a hang; `find_unused_parameters` is for unused parameters only.
-#
-# Next: the lab turns a single-device script into a torchrun DDP script.
 
 # %%
 import shutil
 
 shutil.rmtree(work, ignore_errors=True)
+
+# %% [markdown]
+# ## Lab 04: your own torchrun script
+#
+# Open [lab04_ddp_in_practice](../labs/lab04_ddp_in_practice.ipynb): you turn a single-device
+# training script into a torchrun DDP script; the check runs it under torchrun and compares the
+# final weights with the reference.
+#
+# ## Check yourself
+
+# %%
+viz.quiz([
+    {"q": "torchrun restarts your job after rank 1 dies at step 11; the last checkpoint is from "
+          "step 8. What must the restarted ranks do to end with the uninterrupted run's weights?",
+     "options": ["Continue from step 11 with fresh weights",
+                 "Load the step-8 checkpoint (model, optimizer, step) and redo steps 9-11",
+                 "Only rank 1 reloads; rank 0 keeps its weights in memory"],
+     "answer": 1,
+     "why": ["Fresh weights throw away all the training so far.",
+             "Right: with the optimizer state and the data order restored, steps 9-11 are "
+             "recomputed exactly.",
+             "torchrun restarts ALL ranks: every rank's memory is gone."]},
+    {"q": "Why does rank 0 alone save the checkpoint, to a temporary file and then os.replace?",
+     "options": ["Other ranks hold different weights",
+                 "All ranks hold the same weights; one writer avoids a race, and the rename means "
+                 "a reader never sees half a file",
+                 "torch.save only works on rank 0"],
+     "answer": 1,
+     "why": ["Under DDP every rank holds the same weights.",
+             "Right: this lesson showed a plain save being read half-written.",
+             "torch.save works anywhere; the problem is several writers and partial files."]},
+    {"q": "With per_rank_batch 32, 4 ranks and accum 2, how many samples does one optimizer step "
+          "see?",
+     "options": ["32", "128", "256"],
+     "answer": 2,
+     "why": ["That is one rank's micro-batch.",
+             "That is one micro-batch over all ranks; accumulation doubles it.",
+             "Right: 32 × 4 × 2."]},
+    {"q": "What does SyncBatchNorm send per BatchNorm layer in a training step?",
+     "options": ["Nothing: it only changes the maths",
+                 "An all_gather of each rank's mean, invstd and count in the forward, and an "
+                 "all_reduce of two per-channel sums in the backward",
+                 "The whole activation tensor to rank 0"],
+     "answer": 1,
+     "why": ["It must combine statistics across ranks, so it communicates.",
+             "Right: 2C + 1 numbers per rank gathered forward, 2C summed backward.",
+             "Only per-channel statistics travel, never activations."]},
+])

@@ -379,3 +379,41 @@ def run_nodes(script: str | os.PathLike, *script_args: str, nnodes: int = 2,
                 pass
         for log in logs:
             log.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The restart, as a picture (lesson 04)
+# --------------------------------------------------------------------------------------------
+
+
+def restart_timeline_figure(total_steps: int, ckpt_every: int, fail_at: int, resumed: int):
+    """Two attempts of one torchrun job against the optimizer step: checkpoints saved, the
+    kill, the restart from the last checkpoint, and the uninterrupted run for comparison.
+    The numbers are the run's own (parsed from its output by the lesson)."""
+    from dpcourse import viz
+
+    fig = viz.new_figure(8, 2.8)
+    ax = fig.add_subplot(1, 1, 1)
+    rows = {"uninterrupted run": 2, "attempt 0": 1, "attempt 1 (restart)": 0}
+    ax.barh(rows["uninterrupted run"], total_steps, left=0, height=0.35, color="#999999")
+    ax.barh(rows["attempt 0"], fail_at, left=0, height=0.35, color="#1f77b4")
+    ax.barh(rows["attempt 1 (restart)"], total_steps - resumed, left=resumed, height=0.35,
+            color="#2ca02c")
+    saved = [s for s in range(ckpt_every, fail_at + 1, ckpt_every)]
+    ax.plot(saved, [rows["attempt 0"]] * len(saved), "v", color="black", ms=8,
+            label="checkpoint saved (rank 0)")
+    ax.plot([fail_at], [rows["attempt 0"]], "X", color="#d62728", ms=11, label="rank 1 killed")
+    ax.annotate("", (resumed, rows["attempt 1 (restart)"] + 0.2), (resumed, rows["attempt 0"] - 0.2),
+                arrowprops=dict(arrowstyle="-|>", color="black", lw=1))
+    ax.text(resumed + 0.3, 0.5, f"reload step {resumed}", fontsize=8)
+    ax.plot([total_steps], [0], "*", color="#ff7f0e", ms=13, label="same final weights")
+    ax.plot([total_steps], [2], "*", color="#ff7f0e", ms=13)
+    ax.set_yticks(list(rows.values()))
+    ax.set_yticklabels(list(rows), fontsize=8)
+    ax.set_xlabel("optimizer step")
+    ax.set_xlim(0, total_steps * 1.03)
+    ax.set_ylim(-0.6, 2.6)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=7.5, loc="upper center", ncol=3, bbox_to_anchor=(0.55, 1.25))
+    fig.subplots_adjust(left=0.2, right=0.98, bottom=0.18, top=0.82)
+    return fig
