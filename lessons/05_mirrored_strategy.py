@@ -1,6 +1,21 @@
 # %% [markdown]
 # # 05 — TensorFlow's MirroredStrategy, side by side with DDP
 #
+# **Prerequisites:** lessons 03–04 (DDP); Keras models and `tf.GradientTape` at a reading level.
+#
+# **You will be able to:**
+# - split a CPU or GPU into logical devices, and say why that must happen first;
+# - create mirrored variables and distribute a dataset with the global batch;
+# - write a custom mirrored training step with the right loss scaling, and recognise the
+#   `reduce_mean` bug (N× too big) and its mirror image (1/N too small);
+# - train with Keras `fit`, mixed precision, checkpoints and two multi-worker processes;
+# - map every piece of MirroredStrategy to its PyTorch DDP counterpart.
+#
+# **Time:** about 35 minutes to read and run.
+#
+# **Lab:** [lab05_mirrored_strategy](../labs/lab05_mirrored_strategy.ipynb) — the custom loop
+# with correct loss scaling.
+#
 # Lessons 03–04 built data parallelism in PyTorch: N processes, each with a copy of the model and
 # a slice of the global batch, gradients all-reduced after every backward pass. TensorFlow gives
 # the same idea a different shape: **one process** drives N *replicas* (GPUs, or logical devices
@@ -38,7 +53,8 @@ multiworker_timeout = 90
 # so no C++ log line lands in this notebook.)
 
 # %%
-from dpcourse import devices, mirrored
+from dpcourse import devices, mirrored, viz
+from dpcourse.checks import claim
 
 profile = devices.choose_profile()
 n_replicas = world_size or profile.tf_devices
@@ -57,7 +73,10 @@ try:
     devices.split_tf_devices(n_replicas + 1)
 except RuntimeError as err:
     print("RuntimeError:", err)
-assert devices.split_tf_devices(n_replicas) == device_names   # same split again: fine
+
+# %%
+claim("asking for the same split again is fine",
+      devices.split_tf_devices(n_replicas) == device_names)
 
 # %% [markdown]
 # ## 2. MirroredStrategy and mirrored variables
@@ -78,14 +97,18 @@ import torch
 from dpcourse import data, models
 
 strategy = mirrored.make_strategy(device_names)
-assert strategy.num_replicas_in_sync == n_replicas
+claim("the strategy has one replica per device", strategy.num_replicas_in_sync == n_replicas)
 
 with strategy.scope():
     v = tf.Variable(1.0)
 outside = tf.Variable(1.0)
-print("inside the scope: ", type(v).__name__, "with", len(v.values) == n_replicas and "one copy per replica")
-print("outside the scope:", type(outside).__name__, "| owned by the strategy:",
-      strategy.extended.variable_created_in_scope(outside))
+print("inside the scope: ", type(v).__name__, "| outside the scope:", type(outside).__name__)
+claim("a variable made inside the scope has one copy per replica", len(v.values) == n_replicas)
+claim("a variable made outside the scope is not the strategy's",
+      not strategy.extended.variable_created_in_scope(outside))
+viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
+         "MirroredStrategy: one process, one Python program, N replicas it drives; DDP: N processes, "
+         "each with its own copy; both end each step with an all-reduce of the gradients.")
 
 # %% [markdown]
 # ## 3. Input: tf.data with the global batch
@@ -100,9 +123,10 @@ train = mirrored.make_dataset(ds.x_train, ds.y_train, global_batch)   # unshuffl
 x0, y0 = next(iter(train))
 dist_x, dist_y = next(iter(strategy.experimental_distribute_dataset(train)))
 local_sizes = [int(t.shape[0]) for t in strategy.experimental_local_results(dist_x)]
-print("global batch", tuple(x0.shape), "-> each replica gets global_batch / N:",
+print("global batch", tuple(x0.shape), "-> per replica", local_sizes)
+claim("each replica gets global_batch / N examples",
       all(s == global_batch // n_replicas for s in local_sizes))
-assert sum(local_sizes) == global_batch
+claim("together they hold the whole global batch", sum(local_sizes) == global_batch)
 
 # %% [markdown]
 # ### cache and prefetch
@@ -134,19 +158,18 @@ print(f"2 epochs: decode every time {t_plain:.2f} s, cache+prefetch {t_tuned:.2f
 # %% [markdown]
 # ## 4. The custom loop, and its proof
 #
-# `mirrored.train_step` is the loop's heart (printed below): `strategy.run(step_fn)` runs
-# forward and backward on every replica with its slice; `optimizer.apply_gradients` **sums** the
-# replicas' gradients (an all-reduce) and updates every copy; `strategy.reduce` turns the
-# per-replica losses into one number.
+# A mirrored step has three parts: `strategy.run(step_fn)` runs forward and backward on every
+# replica with its slice; `optimizer.apply_gradients` **sums** the replicas' gradients (an
+# all-reduce) and updates every copy; `strategy.reduce` turns the per-replica losses into one
+# number. (Writing that step is lab 05.)
 #
 # Because the gradients are *summed*, each replica's loss must be its share of the global mean:
 # `tf.nn.compute_average_loss(per_example_losses, global_batch_size=global_batch)` — the sum
-# of its per-example losses divided by the **global** batch.
+# of its per-example losses divided by the **global** batch. Here are the loss and the gradient
+# of one mirrored step as the library computes them — the code the proofs below run:
 
 # %%
-import inspect
-
-print(inspect.getsource(mirrored.train_step).split('"""')[2].strip("\n"))
+viz.show_code(mirrored.per_example_loss, mirrored.per_replica_loss, mirrored.mirrored_gradients)
 
 # %% [markdown]
 # The same starting weights everywhere: we build the PyTorch `SmallCNN` of lessons 01–04 and
@@ -169,8 +192,8 @@ xb = data.normalize(ds.x_train[:global_batch])
 yb = ds.y_train[:global_batch]
 with torch.no_grad():
     torch_logits = torch_model(torch.from_numpy(xb.transpose(0, 3, 1, 2).copy())).numpy()
-print("same logits in PyTorch and Keras:", np.allclose(torch_logits, single(xb).numpy(), atol=1e-5))
-assert np.allclose(torch_logits, single(xb).numpy(), atol=1e-5)
+claim("PyTorch and Keras give the same logits (to 1e-5)",
+      np.allclose(torch_logits, single(xb).numpy(), atol=1e-5))
 
 # %% [markdown]
 # **Proof, one step:** the gradient the mirrored step applies equals one device's gradient of
@@ -180,8 +203,8 @@ assert np.allclose(torch_logits, single(xb).numpy(), atol=1e-5)
 g_single = mirrored.single_replica_gradients(single, xb, yb)
 g_mirror = mirrored.mirrored_gradients(strategy, replicated, xb, yb)
 max_diff = max(float(np.abs(a - b).max()) for a, b in zip(g_mirror, g_single))
-print("mirrored gradients == single device on the global batch:", max_diff < 1e-5)
-assert max_diff < 1e-5
+claim("the mirrored gradients equal one device's on the global batch (to 1e-5)", max_diff < 1e-5,
+      max_diff=max_diff)
 
 # %% [markdown]
 # ### The scaling bugs, in numbers
@@ -225,11 +248,22 @@ n = n_replicas
 right = abs(ratios["compute_average_loss", "sum"] - 1) < 1e-4
 n_too_big = abs(ratios["reduce_mean", "sum"] - n) < 1e-4 * n
 n_too_small = abs(ratios["compute_average_loss", "mean"] - 1 / n) < 1e-4
-print("compute_average_loss + SUM is right:", right)
-print("reduce_mean + SUM is N x too big:", n_too_big)
-print("compute_average_loss + MEAN is 1/N too small:", n_too_small)
-assert right and n_too_big and n_too_small
-assert abs(ratios["reduce_mean", "mean"] - 1) < 1e-4
+claim("compute_average_loss + SUM is right", right, ratios=ratios)
+claim("reduce_mean + SUM is N times too big", n_too_big, ratios=ratios)
+claim("compute_average_loss + MEAN is 1/N too small", n_too_small, ratios=ratios)
+claim("reduce_mean + MEAN (DDP's pairing) is right too",
+      abs(ratios["reduce_mean", "mean"] - 1) < 1e-4, ratios=ratios)
+
+# %% [markdown]
+# ## Lab 05: the custom loop
+#
+# Now write the mirrored step yourself: open
+# [lab05_mirrored_strategy](../labs/lab05_mirrored_strategy.ipynb) — the per-replica loss, the
+# model and optimizer under the scope, and the step with its reductions. Do it before reading on:
+# the next cell shows the library's step, which the rest of this lesson runs.
+
+# %%
+viz.show_code(mirrored.train_step, mirrored.train_steps)
 
 # %% [markdown]
 # **Proof, several steps:** `steps` SGD steps of the mirrored loop end with the same weights as
@@ -245,10 +279,10 @@ opt_single = sgd()
 loss_single = mirrored.train_steps(None, single, opt_single, train, steps, global_batch)
 w_mirror = mirrored.keras_weights_as_torch(replicated)
 w_single = mirrored.keras_weights_as_torch(single)
-same = all(np.allclose(a, b, atol=1e-5) for a, b in zip(w_mirror, w_single))
-print(f"after {steps} steps, mirrored weights == single-device weights:", same)
-print("losses match:", np.allclose(loss_mirror, loss_single, atol=1e-5))
-assert same and np.allclose(loss_mirror, loss_single, atol=1e-5)
+claim(f"after {steps} steps the mirrored weights equal the one-device weights (to 1e-5)",
+      all(np.allclose(a, b, atol=1e-5) for a, b in zip(w_mirror, w_single)))
+claim("and so do the losses of every step (to 1e-5)",
+      np.allclose(loss_mirror, loss_single, atol=1e-5))
 
 # %% [markdown]
 # ## 5. Keras `fit` under the strategy
@@ -274,8 +308,7 @@ def fit_from_init(strat):
 fit_mirror = fit_from_init(strategy)
 same_fit = all(np.allclose(a, b, atol=1e-5) for a, b in zip(
     mirrored.keras_weights_as_torch(fit_mirror), w_single))
-print("fit under MirroredStrategy == one device on the global batch:", same_fit)
-assert same_fit
+claim("fit under MirroredStrategy ends with one device's weights (to 1e-5)", same_fit)
 
 # %% [markdown]
 # ## 6. Mixed precision
@@ -295,13 +328,13 @@ with strategy.scope():
     full = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn())
 # 16-bit convolutions are slow on CPUs without oneDNN, so a few hundred test images suffice here
 acc_low, acc_full = (mirrored.evaluate(m, ds.x_test[:256], ds.y_test[:256]) for m in (low, full))
-print(f"{policy}: accuracy equals float32's within 0.02:", abs(acc_low - acc_full) <= 0.02)
-assert abs(acc_low - acc_full) <= 0.02
+claim(f"{policy}: the accuracy equals float32's within 0.02", abs(acc_low - acc_full) <= 0.02,
+      acc_low=acc_low, acc_full=acc_full)
 
 low = mirrored.fit(strategy, train.take(steps), model=low, optimizer=optimizer_in(strategy))
 gap = max(float(np.abs(a - b).max()) for a, b in zip(mirrored.keras_weights_as_torch(low), w_mirror))
-print(f"after {steps} steps, {policy} weights within 1e-2 of float32's:", gap < 1e-2)
-assert gap < 1e-2
+claim(f"after {steps} steps the {policy} weights are within 1e-2 of float32's", gap < 1e-2,
+      gap=gap)
 
 # %% [markdown]
 # ## 7. Checkpoints under a strategy
@@ -323,8 +356,9 @@ with tempfile.TemporaryDirectory() as ckdir:
     mirrored.restore_checkpoint(path, mirror_model, mirror_opt)
 ok = all(np.allclose(a, b) for m in (plain_model, mirror_model)
          for a, b in zip(mirrored.keras_weights_as_torch(m), w_mirror))
-print("restored step:", restored_step, "| weights restored under 1 and", "N replicas:", ok)
-assert ok and restored_step == steps
+print("restored step:", restored_step)
+claim("the checkpoint restores into a one-device model and into a mirrored one", ok)
+claim("it restores the step counter too", restored_step == steps)
 
 # %% [markdown]
 # ## 8. MultiWorkerMirroredStrategy: two processes on localhost
@@ -340,8 +374,8 @@ assert ok and restored_step == steps
 # `mirrored.run_multiworker` starts two workers (`python -m dpcourse.tf_multiworker_worker`) on
 # free ports, bounded in time and killed afterwards whatever happens. Each worker feeds its own
 # half of each global batch; the strategy all-reduces gradients between the processes over gRPC.
-# Starting from the same weights, both workers end with exactly the weights that one device
-# reached in section 4.
+# Starting from the same weights, both workers end with the same weights as each other (bit
+# for bit) and as one device in section 4 (to 1e-5).
 
 # %%
 import os
@@ -354,9 +388,8 @@ with tempfile.TemporaryDirectory() as tmp:
     mw = mirrored.run_multiworker(cfg, num_workers=2, timeout=multiworker_timeout)
 workers_agree = all(np.array_equal(a, b) for a, b in zip(*mw.weights))
 equal_single = all(np.allclose(a, b, atol=1e-5) for a, b in zip(mw.weights[0], w_single))
-print("both workers hold identical weights:", workers_agree)
-print("== one device on the global batch:", equal_single)
-assert workers_agree and equal_single
+claim("both workers hold bit-identical weights", workers_agree)
+claim("and they equal one device on the global batch (to 1e-5)", equal_single)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -417,10 +450,23 @@ batches = [(x.numpy().transpose(0, 3, 1, 2).copy(), y.numpy()) for x, y in train
 ddp_results = launch.spawn(ddp_worker, 2, init, batches, lr, ddp_train_step,
                            backend="gloo", timeout=60)
 w_ddp, loss_ddp = ddp_results[0]
-agree = all(np.allclose(a, b, atol=1e-5) for a, b in zip(w_ddp, w_mirror))
-print(f"after {steps} steps, PyTorch DDP weights == TF MirroredStrategy weights:", agree)
-print("losses per step agree:", np.allclose(loss_ddp, loss_mirror, atol=1e-5))
-assert agree and np.allclose(loss_ddp, loss_mirror, atol=1e-5)
+claim(f"after {steps} steps PyTorch DDP and TF MirroredStrategy hold the same weights (to 1e-5)",
+      all(np.allclose(a, b, atol=1e-5) for a, b in zip(w_ddp, w_mirror)))
+claim("and every step's loss agrees (to 1e-5)", np.allclose(loss_ddp, loss_mirror, atol=1e-5))
+fig = viz.new_figure(5.5, 3.2)
+ax = fig.add_subplot(1, 1, 1)
+step_axis = list(range(1, steps + 1))
+ax.plot(step_axis, loss_ddp, "o-", ms=9, label="PyTorch DDP, 2 processes")
+ax.plot(step_axis, loss_mirror, "x--", ms=9, label=f"TF MirroredStrategy, {n_replicas} replicas")
+ax.plot(step_axis, loss_single, ".:", color="black", label="TF, one device")
+ax.set_xlabel("step")
+ax.set_xticks(step_axis)
+ax.set_ylabel("loss on the global batch")
+ax.grid(True, alpha=0.3)
+ax.legend(fontsize=8)
+fig.subplots_adjust(left=0.16, right=0.97, bottom=0.16, top=0.95)
+viz.show(fig, "from the same initial weights on the same batches, the two frameworks' losses lie on "
+              "top of each other (and on one device's), step after step.")
 
 # %% [markdown]
 # The two training steps, as code. The differences are the table above in miniature: TF runs
@@ -429,6 +475,7 @@ assert agree and np.allclose(loss_ddp, loss_mirror, atol=1e-5)
 
 # %%
 import difflib
+import inspect
 
 tf_step = inspect.getsource(mirrored.train_step)
 tf_step = tf_step.split('"""')[0].rstrip(" ") + tf_step.split('"""')[2].lstrip("\n")   # without docstring
@@ -446,4 +493,36 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Proven here: mirrored step == one device on the global batch == Keras `fit` == two
 #   multi-worker processes == PyTorch DDP, from the same weights on the same data.
 #
-# **Lab 05** (`labs/lab05_mirrored_strategy.ipynb`): write the custom loop yourself.
+# ## Check yourself
+
+# %%
+viz.quiz([
+    {"q": "You call devices.split_tf_devices(2) after creating a tf.Variable. What happens?",
+     "options": ["The split applies from now on", "A clear error: restart the kernel and split first",
+                 "TF silently ignores it"],
+     "answer": 1,
+     "why": ["TF fixes its devices on first use; they cannot change afterwards.",
+             "Right: the split must be the first thing a TF program does.",
+             "The course's helper refuses it with a message rather than ignoring it."]},
+    {"q": "Each of 4 replicas computes tf.reduce_mean of its per-example losses. With "
+          "MirroredStrategy's optimizer, the step is:",
+     "options": ["right", "4 times too big", "4 times too small"],
+     "answer": 1,
+     "why": ["It would be right under DDP, which averages; TF sums.",
+             "Right: the strategy SUMS the replicas' gradients of per-replica means.",
+             "That is compute_average_loss combined with averaging the gradients."]},
+    {"q": "Which batch size do you give a tf.data pipeline under MirroredStrategy?",
+     "options": ["the per-replica batch", "the global batch", "either; TF rescales it"],
+     "answer": 1,
+     "why": ["That is DDP's convention (per_rank_batch), not TF's.",
+             "Right: the strategy splits each global batch over the replicas.",
+             "TF does not guess: the number you give is the global batch."]},
+    {"q": "What is the main structural difference between MirroredStrategy and DDP?",
+     "options": ["MirroredStrategy does not all-reduce gradients",
+                 "One process drives all replicas in MirroredStrategy; DDP runs a process per device",
+                 "DDP cannot use more than one GPU per machine"],
+     "answer": 1,
+     "why": ["It does: apply_gradients sums them across replicas.",
+             "Right: this lesson's figure and side-by-side table show it.",
+             "DDP runs one process per GPU, as many GPUs as you have."]},
+])
