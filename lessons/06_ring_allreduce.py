@@ -1,6 +1,20 @@
 # %% [markdown]
 # # Lesson 06 — Ring AllReduce, from paper to wire
 #
+# **Prerequisites:** lesson 03 (collectives, all-reduce); lesson 02's traffic count.
+#
+# **You will be able to:**
+# - run a ring all-reduce step by step and say what each worker holds after each step;
+# - count its traffic, 2(N−1)K/N bytes per worker, and compare it with a parameter server and a
+#   tree under the α-β cost model;
+# - measure α and β on your own machine and predict all-reduce times elsewhere;
+# - build a ring from `isend`/`irecv`, and say when a naive send-then-receive ring deadlocks.
+#
+# **Time:** about 30 minutes to read and run.
+#
+# **Lab:** [lab06_ring_allreduce](../labs/lab06_ring_allreduce.ipynb) — the ring, simulated then
+# real.
+#
 # Every data-parallel step ends the same way: each of the N workers holds its own gradient, and
 # all of them need the **sum** (or the average). That operation is *all-reduce*. DDP calls it
 # once per gradient bucket; MirroredStrategy calls it once per step. How it is done decides
@@ -36,6 +50,7 @@ import numpy as np
 import torch
 
 from dpcourse import bench, devices, launch, ring, viz
+from dpcourse.checks import claim
 
 # NBVAL_IGNORE_OUTPUT
 # Why: the number of ranks depends on the hardware profile (2 on a CPU).
@@ -70,10 +85,11 @@ print("result on every worker:", trace.result[0])
 
 # %%
 total = np.sum(arrays, axis=0)
-assert all(np.array_equal(buf, total) for buf in trace.result)  # ring == elementwise sum
-assert len(trace.steps) - 1 == 2 * (N - 1)  # 2(N-1) steps
-# after the scatter-reduce, worker i owns the complete chunk (i + 1) mod N:
-assert all(trace.steps[N - 1].contributions[i, (i + 1) % N] == N for i in range(N))
+claim("every worker ends with the elementwise sum",
+      all(np.array_equal(buf, total) for buf in trace.result))
+claim("it took 2(N−1) steps", len(trace.steps) - 1 == 2 * (N - 1))
+claim("after the scatter-reduce, worker i owns the complete chunk (i + 1) mod N",
+      all(trace.steps[N - 1].contributions[i, (i + 1) % N] == N for i in range(N)))
 
 # %% [markdown]
 # Step through it. The colour of a chunk says how many workers' numbers it already sums (pale:
@@ -108,7 +124,7 @@ for n in range(2, 17):
         if length % n == 0:
             assert all(s == 2 * (n - 1) * k // n for s in sent)
         checked += 1
-print(f"bytes per worker == 2(N-1)K/N checked in {checked} cases (N = 2..16)")
+claim(f"bytes per worker == 2(N−1)K/N in all {checked} cases (N = 2..16)", checked > 0)
 
 # %% [markdown]
 # ### Four ways to all-reduce, under the α-β model
@@ -124,9 +140,14 @@ print(f"bytes per worker == 2(N-1)K/N checked in {checked} cases (N = 2..16)")
 # | ring | 2(N−1) | 2(N−1)K/N | 2(N−1)α + 2(N−1)/N·Kβ |
 # | binomial tree: reduce, then broadcast | 2⌈log₂N⌉ | 2⌈log₂N⌉K | 2⌈log₂N⌉(α + Kβ) |
 #
-# The ring's bandwidth term is flat in N; its latency term grows with N. The tree's latency
-# term grows only as log N, but it moves all K bytes in each round. So: a ring for big
-# gradients, a tree for small messages (NCCL has both and picks per size). The parameter server
+# The ring's bandwidth term is flat in N; its latency term grows with N. The tree in this table
+# is the simple one — a binomial tree that sends the *whole* message in each of its log N rounds
+# — so its latency term grows only as log N but its bandwidth term is K·log N. That is the
+# model drawn below, labelled "binomial tree (unpipelined)". NCCL's tree is not this one: it is a
+# *double binary tree* that cuts the message into small pieces and pipelines them, so its
+# bandwidth term stays close to the ring's while its latency grows as log N; NCCL chooses
+# between its ring and its tree per message size and topology. So, in the model: a ring for big
+# gradients, a tree for small messages. The parameter server
 # has the fewest steps — if its one link can take N messages at once — but needs an extra
 # machine whose link carries 2NK bytes, growing with every worker you add. With an illustrative
 # α = 10 µs and 10 GB/s links, 100 MB on 8 workers:
@@ -142,13 +163,18 @@ for alg in ring.ALGORITHMS:
 big = {alg: ring.cost(alg, 8, 100e6, alpha_demo, beta_demo).seconds for alg in ring.ALGORITHMS}
 small = {alg: ring.cost(alg, 64, 1e3, alpha_demo, beta_demo).seconds
          for alg in ("naive", "ring", "tree")}
-assert min(big, key=big.get) == "ring"  # big messages: the ring wins
-assert min(small, key=small.get) == "tree"  # tiny messages, many workers, no server: the tree
+claim("under the model, 100 MB on 8 workers: the ring is fastest", min(big, key=big.get) == "ring")
+claim("1 KB on 64 workers (no server): the binomial tree is fastest",
+      min(small, key=small.get) == "tree")
 ring_link = [ring.cost("ring", n, 100e6, 0, 1).busiest_bytes for n in (2, 8, 64, 1024)]
 ps_link = [ring.cost("parameter-server", n, 100e6, 0, 1).busiest_bytes for n in (2, 8, 64, 1024)]
-assert max(ring_link) < 2 * 100e6 <= min(ps_link)  # ring: < 2K at any N; server: >= 2K, growing
-assert ps_link[-1] == 1024 * ps_link[0] / 2  # ... linearly in N
-viz.show(viz.cost_figure(alpha_demo, beta_demo))
+claim("the ring's busiest link carries under 2K at any N; the server's at least 2K",
+      max(ring_link) < 2 * 100e6 <= min(ps_link))
+claim("and the server's grows linearly with N", ps_link[-1] == 1024 * ps_link[0] / 2)
+viz.show(viz.cost_figure(alpha_demo, beta_demo),
+         "under the α-β model with α = 10 µs and 10 GB/s links: the ring's time is flat in N for "
+         "big messages, while the naive way and the server grow; for tiny messages the tree's "
+         "log N rounds win.")
 
 # %% [markdown]
 # ## 3. α and β of this machine
@@ -181,13 +207,17 @@ fit = ring.fit_alpha_beta(ns, ks, t_builtin)
 print(f"alpha = {fit.alpha * 1e6:.1f} us per message, 1/beta = {fit.bandwidth / 1e9:.2f} GB/s")
 print(f"relative error of the model: median {np.median(fit.relative_errors):.0%}, "
       f"max {fit.relative_errors.max():.0%}")
-viz.show(viz.fit_figure(fit))
+viz.show(viz.fit_figure(fit), "the measured all-reduce times (points) against the fitted α-β "
+                              "model (lines), for 2 and 4 ranks on this machine.")
 
 # %%
-assert fit.alpha > 0 and fit.beta > 0
-assert 1e-7 < fit.alpha < 1e-1  # between 0.1 us and 100 ms per message: a sane latency
-assert 1e6 < fit.bandwidth < 1e12  # between 1 MB/s and 1 TB/s: a sane bandwidth
-assert np.median(fit.relative_errors) < 1.0  # generous: the model is within 2x on most points
+claim("the fit found a positive α and β", fit.alpha > 0 and fit.beta > 0)
+claim("α is a sane latency: between 0.1 µs and 100 ms per message", 1e-7 < fit.alpha < 1e-1,
+      alpha=fit.alpha)
+claim("1/β is a sane bandwidth: between 1 MB/s and 1 TB/s", 1e6 < fit.bandwidth < 1e12,
+      bandwidth=fit.bandwidth)
+claim("the model is within 2x of most measured points (median relative error < 100%)",
+      np.median(fit.relative_errors) < 1.0, errors=fit.relative_errors)
 
 # %% [markdown]
 # Read the figure with the machine in mind. Where the model misses, it is usually the 4-rank
@@ -231,9 +261,10 @@ print(f"the same all-reduce predicted for 8 ranks on this machine: {c_here.secon
 # %%
 p8 = ring.cost("ring", 8, k_resnet50, 10e-6, 1 / 450e9).seconds
 p1024 = ring.cost("ring", 1024, k_resnet50, 10e-6, 1 / 450e9)
-assert p8 < 1e-3  # under 1 ms on NVLink 4, as the prose says
-assert ring.cost("ring", 8, k_resnet50, 10e-6, 1 / 32e9).seconds > 5 * p8  # PCIe: several ms
-assert p1024.busiest_bytes < 2 * k_resnet50  # bandwidth term stays below 2K/B at any N
+claim("predicted: under 1 ms on NVLink 4", p8 < 1e-3, p8=p8)
+claim("predicted: PCIe takes several times longer",
+      ring.cost("ring", 8, k_resnet50, 10e-6, 1 / 32e9).seconds > 5 * p8)
+claim("at 1024 GPUs each link still carries under 2K", p1024.busiest_bytes < 2 * k_resnet50)
 
 # %% [markdown]
 # ## 4. A real ring over `torch.distributed`
@@ -242,8 +273,11 @@ assert p1024.busiest_bytes < 2 * k_resnet50  # bandwidth term stays below 2K/B a
 # two phases on real processes: it flattens the tensor, cuts it with `tensor_split` (the same
 # chunking), and in each step posts `dist.isend` to rank+1 **and** `dist.irecv` from rank−1
 # before waiting on either. Posting both first matters: if every rank first called a blocking
-# `dist.send`, all of them would wait for a receive nobody has posted yet — a deadlock (with
-# gloo this hangs at every size, even one element; the lab's check shows it).
+# `dist.send` and only then `dist.recv`, each send could wait for a receive nobody has posted
+# yet — a deadlock. Whether it really hangs depends on the transport: a blocking send returns
+# once the transport has taken the message, and a transport may buffer a small one, so such a
+# ring can happen to work on a tiny tensor and hang on a big one. Correct code never relies on
+# buffering. (The lab's check runs this mistake and stops it with a timeout.)
 #
 # Is it right? Compare it with `dist.all_reduce` on random shapes and dtypes, on 2 and 4 ranks:
 
@@ -277,7 +311,8 @@ for n in (2, 4):
     agree = launch.spawn(compare_with_all_reduce, n, 15, backend="gloo", timeout=120)
     print(f"{n} ranks: ring_allreduce == dist.all_reduce in "
           f"{sum(map(sum, agree))} of {n * 15} rank-tensors")
-    assert all(all(a) for a in agree)
+    claim(f"{n} ranks: the real ring equals dist.all_reduce on every tensor",
+          all(all(a) for a in agree))
 
 # %% [markdown]
 # ### Training with it: the same weights as DDP
@@ -330,12 +365,10 @@ def train_both_ways(rank, world_size, data_name, n_train, epochs, per_rank_batch
 
 diffs = launch.spawn(train_both_ways, world_size, data_name, n_train, epochs, per_rank_batch,
                      lr, backend="gloo", timeout=300)
-print(f"largest weight difference ring vs DDP, over all ranks: below 1e-5: {max(diffs) < 1e-5}")
-
-# %%
-assert max(diffs) < 1e-5  # the ring-averaged loop ends with DDP's weights (to float rounding)
+claim("training with the ring ends with DDP's weights (to 1e-5), on every rank", max(diffs) < 1e-5,
+      diffs=diffs)
 if world_size == 2:
-    assert max(diffs) == 0.0  # two ranks: bit for bit
+    claim("with two ranks, bit for bit", max(diffs) == 0.0, diffs=diffs)
 
 # %% [markdown]
 # ### How fast is it?
@@ -343,9 +376,10 @@ if world_size == 2:
 # The measurement above timed our ring too (same sizes, same ranks, taking turns rep by rep).
 # `dist.all_reduce` is gloo's C++; ours is Python issuing a few messages per step, so it pays
 # more per message (small sizes) and gets close for big ones, where copying bytes through the
-# loopback and adding them dominate — on this kind of machine we measured 0.81–1.3× of the
-# built-in's bus bandwidth at 16 and 64 MiB (the table below is this run's). The benchmark reports *bus bandwidth* as nccl-tests defines it, busbw =
-# (K / t)·2(N−1)/N — the rate each link must sustain — so numbers for different N compare.
+# loopback and adding them dominate. The table reports *bus bandwidth* as nccl-tests defines
+# it, busbw = (K / t)·2(N−1)/N — the rate each link must sustain — so numbers for different N
+# compare; its last column is the ring's bus bandwidth divided by the built-in's (higher is
+# better for the ring). The sentence under the table is computed from this run.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -354,6 +388,11 @@ table = [bench.AllreduceRow(int(n), int(k), tr, tb, bench.bus_bandwidth(k, tr, i
                             bench.bus_bandwidth(k, tb, int(n)))
          for n, k, tb, tr in zip(ns, ks, t_builtin, t_ring)]
 print(bench.format_table(table))
+big_rows = [r for r in table if r.nbytes >= 4 * 2**20]
+small_rows = [r for r in table if r.nbytes <= 16 * 2**10]
+print(f"This run: from 4 MiB up, the ring reached {min(r.ratio for r in big_rows):.2f}-"
+      f"{max(r.ratio for r in big_rows):.2f}x the built-in's bus bandwidth; at 16 KiB and below, "
+      f"{min(r.ratio for r in small_rows):.2f}-{max(r.ratio for r in small_rows):.2f}x.")
 
 # %% [markdown]
 # For the full sweep (up to 64 MiB), run in a terminal:
@@ -363,9 +402,56 @@ print(bench.format_table(table))
 # python -m dpcourse.bench allreduce --json > allreduce.json
 # ```
 #
-# **Summary.** A ring all-reduce sends 2(N−1)K/N bytes per worker in 2(N−1) steps — bandwidth
-# optimal, flat in N — at the price of a latency term that grows with N. The α-β model, fitted
-# to this machine in a few seconds, predicts it; published link bandwidths turn it into
-# predictions for GPU clusters. And a few dozen lines of `isend`/`irecv` are enough to build a
-# ring that equals `dist.all_reduce` and trains to DDP's weights. In the lab you write both the
-# simulated and the real ring yourself.
+# ## Lab 06: the ring, simulated then real
+#
+# Open [lab06_ring_allreduce](../labs/lab06_ring_allreduce.ipynb): you write the scatter-reduce and
+# the all-gather in the simulator, then the real ring over `isend`/`irecv`. Do it before reading
+# on: below is the library's real ring, the code this lesson's claims ran.
+
+# %%
+viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
+
+# %% [markdown]
+# ## Summary
+#
+# - A ring all-reduce sends 2(N−1)K/N bytes per worker in 2(N−1) steps — bandwidth optimal,
+#   flat in N — at the price of a latency term that grows with N.
+# - The α-β model, fitted to this machine in a few seconds, predicts it; published link
+#   bandwidths turn it into predictions for GPU clusters.
+# - A few dozen lines of `isend`/`irecv` give a ring that equals `dist.all_reduce` and trains to
+#   DDP's weights; posting the receive before waiting on the send is what keeps it from
+#   deadlocking.
+#
+# ## Check yourself
+
+# %%
+viz.quiz([
+    {"q": "How many bytes does each worker send in a ring all-reduce of K bytes over N workers?",
+     "options": ["K", "2(N−1)K/N", "2(N−1)K"],
+     "answer": 1,
+     "why": ["Close for large N, but the exact count is 2(N−1)K/N: N−1 chunks of K/N, twice.",
+             "Right: N−1 chunks in the scatter-reduce and N−1 in the all-gather, each K/N.",
+             "That is what device 0 moves in DataParallel (lesson 02), not a ring worker."]},
+    {"q": "Going from 8 to 1024 workers, what happens to the ring's bandwidth term?",
+     "options": ["It grows 128 times", "It barely changes: 2(N−1)/N tends to 2",
+                 "It shrinks to zero"],
+     "answer": 1,
+     "why": ["That is the parameter server's link.",
+             "Right: the latency term 2(N−1)α grows instead.",
+             "Every worker still sends almost 2K bytes."]},
+    {"q": "Every rank calls a blocking dist.send to its right neighbour, then dist.recv from its "
+          "left. What happens?",
+     "options": ["It always works", "It always deadlocks",
+                 "It may work for small tensors the transport buffers, and deadlock for big ones"],
+     "answer": 2,
+     "why": ["Only if every send is buffered; big ones are not.",
+             "Small messages are often buffered, so it can happen to work — which hides the bug.",
+             "Right: post isend and irecv first, then wait, and it never depends on buffering."]},
+    {"q": "Your fitted α is 50 µs and 1/β is 2 GB/s. For 1 KB messages, what dominates a ring "
+          "all-reduce over 8 ranks?",
+     "options": ["the latency term 2(N−1)α", "the bandwidth term", "neither: they are equal"],
+     "answer": 0,
+     "why": ["Right: 14 × 50 µs = 0.7 ms, against about 1 µs of transfer.",
+             "1.75 KB at 2 GB/s is under a microsecond.",
+             "They differ by almost three orders of magnitude."]},
+])

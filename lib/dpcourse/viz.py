@@ -257,7 +257,10 @@ def ring_frames(trace, dpi: int = 70) -> list[bytes]:
     return frames
 
 
-def ring_stepper(trace, static: bool = True):
+def ring_stepper(trace, static: bool = True,
+                 caption: str = "every state of the ring: after N−1 scatter-reduce steps each "
+                                "worker owns one complete chunk; N−1 all-gather steps later "
+                                "every worker holds every complete chunk."):
     """Show an interactive stepper (play button + slider) over the ring's steps, then — unless
     ``static=False`` — a static figure of every step. Returns the widget (None without
     ipywidgets).
@@ -294,7 +297,7 @@ def ring_stepper(trace, static: bool = True):
                                    f"notebook live to use it; all states are drawn below]"},
                     raw=True)
     if static:
-        show(ring_steps_figure(trace))
+        show(ring_steps_figure(trace), caption)
     return box
 
 
@@ -314,9 +317,13 @@ def cost_figure(alpha: float, beta: float, n_fixed: int = 8, nbytes_fixed: float
     algorithms = algorithms or ALGORITHMS
     fig = new_figure(10, 3.8)
     ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    # The model's tree is the simple one (binomial, whole message per round), not NCCL's
+    # pipelined double binary tree: say so on the figure.
+    labels = {"tree": "binomial tree (unpipelined)"}
     for alg in algorithms:
-        ax1.plot(ns, [cost(alg, n, nbytes_fixed, alpha, beta).seconds for n in ns], label=alg)
-        ax2.loglog(sizes, [cost(alg, n_fixed, k, alpha, beta).seconds for k in sizes], label=alg)
+        label = labels.get(alg, alg)
+        ax1.plot(ns, [cost(alg, n, nbytes_fixed, alpha, beta).seconds for n in ns], label=label)
+        ax2.loglog(sizes, [cost(alg, n_fixed, k, alpha, beta).seconds for k in sizes], label=label)
     ax1.set_xlabel("workers N")
     ax1.set_ylabel("seconds per all-reduce")
     ax1.set_title(f"K = {nbytes_fixed / 1e6:g} MB", fontsize=10)
