@@ -42,10 +42,13 @@ def make_step(combine="sum", loss_per_chunk=False):
     return step
 
 
-def test_reference_answers_pass():
-    assert "scatter" in lab02.check_scatter(good_scatter)
-    assert "gather" in lab02.check_gather(good_gather)
-    assert "DataParallel by hand" in lab02.check_dp_forward_backward(make_step())
+def test_reference_answers_pass(capsys):
+    lab02.check_scatter(good_scatter)
+    lab02.check_gather(good_gather)
+    lab02.check_dp_forward_backward(make_step())
+    out = capsys.readouterr().out.splitlines()
+    assert [line[:1] for line in out] == ["✔"] * 3, out  # one line each, printed once
+    assert "scatter" in out[0] and "gather" in out[1] and "DataParallel by hand" in out[2]
 
 
 @pytest.mark.parametrize("wrong, phrase", [

@@ -98,8 +98,10 @@ def no_step(model, optimizer, X, y):
     ddp.average_gradients(model)
 
 
-def test_reference_average_gradients_passes():
-    assert "mean over 2 ranks" in lab03.check_average_gradients(ddp.average_gradients)
+def test_reference_average_gradients_passes(capsys):
+    assert lab03.check_average_gradients(ddp.average_gradients) is None  # nothing to echo
+    out = capsys.readouterr().out
+    assert out.startswith("✔") and "mean over 2 ranks" in out and out.count("✔") == 1
 
 
 @pytest.mark.parametrize("fn, phrase", [
@@ -125,14 +127,41 @@ def test_all_reduce_on_rank0_only_is_a_deadlock_ended_by_timeout():
     assert time.monotonic() - t0 < 30
 
 
-def test_reference_step_passes():
-    assert "one process on the global batch" in lab03.check_data_parallel_step(good_step)
+def test_reference_step_passes(capsys):
+    lab03.check_data_parallel_step(good_step)
+    out = capsys.readouterr().out
+    assert "one process on the global batch" in out and out.count("✔") == 1
+
+
+def returns_nothing(model, optimizer, X, y):
+    good_step(model, optimizer, X, y)
+
+
+def returns_loss_after_step(model, optimizer, X, y):
+    good_step(model, optimizer, X, y)
+    return F.cross_entropy(model(X), y).item()  # the loss after the update: not this step's
+
+
+def returns_the_loss_tensor(model, optimizer, X, y):
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(X), y)
+    loss.backward()
+    ddp.average_gradients(model)
+    optimizer.step()
+    return loss  # a 0-dim tensor: float() of it is the loss, so this is accepted
+
+
+def test_returning_the_loss_tensor_is_accepted(capsys):
+    lab03.check_data_parallel_step(returns_the_loss_tensor)
+    assert capsys.readouterr().out.count("✔") == 1
 
 
 @pytest.mark.parametrize("fn, phrase", [
     (average_the_loss, "averaging the loss .* does not average the gradients"),
     (no_zero_grad, "zero_grad"),
     (no_step, "never changed"),
+    (returns_nothing, "returned nothing"),
+    (returns_loss_after_step, "return the loss computed on this rank's shard, before the step"),
 ])
 def test_wrong_step(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):

@@ -172,10 +172,18 @@ def _step_worker(rank: int, world_size: int, step_fn) -> dict:
     dev = ddp.rank_device()
     model = ddp.make_model(cfg).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    returned, expected = [], []
     for step in range(cfg.steps):
         X, y = ddp.shard_of(*ddp.global_batch_for_step(cfg, step), rank, world_size)
-        step_fn(model, opt, X.to(dev), y.to(dev))
-    return {"params": ddp.flat_params(model)}
+        X, y = X.to(dev), y.to(dev)
+        with torch.no_grad():  # this rank's loss before the step: what the step must return
+            expected.append(F.cross_entropy(model(X), y).item())
+        out = step_fn(model, opt, X, y)
+        try:
+            returned.append(None if out is None else float(out))
+        except (TypeError, ValueError, RuntimeError):
+            returned.append(f"a {type(out).__name__}")
+    return {"params": ddp.flat_params(model), "returned": returned, "expected": expected}
 
 
 def _simulate(world_size: int, rank: int | None, scale: float = 1.0,
@@ -213,12 +221,29 @@ def check_data_parallel_step(data_parallel_step, world_size: int = 2,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the simulations are tiny: extra threads only add contention
     try:
-        return _diagnose_step(params, world_size)
+        return _diagnose_step(params, world_size, _returned_loss_problem(results))
     finally:
         torch.set_num_threads(threads)
 
 
-def _diagnose_step(params: list, world_size: int) -> str:
+def _returned_loss_problem(results: list) -> str | None:
+    """None if every call returned its rank's loss as a number, else the sentence to say."""
+    for rank, r in enumerate(results):
+        for got, want in zip(r["returned"], r["expected"]):
+            if got is None:
+                return ("data_parallel_step returned nothing: return this rank's loss as a "
+                        "float (loss.item()), the caller logs it.")
+            if isinstance(got, str):
+                return (f"data_parallel_step returned {got}, not a number: return this rank's "
+                        f"loss as a float (loss.item()).")
+            if abs(got - want) > 1e-4 * max(1.0, abs(want)):
+                return (f"data_parallel_step returned {got:.4f} on rank {rank} where the loss "
+                        f"of its shard was {want:.4f}: return the loss computed on this rank's "
+                        f"shard, before the step.")
+    return None
+
+
+def _diagnose_step(params: list, world_size: int, loss_problem: str | None = None) -> None:
     from .. import ddp
 
     reference = _simulate(world_size, None)
@@ -228,6 +253,8 @@ def _diagnose_step(params: list, world_size: int) -> str:
         return torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
     if all(close(p, reference) for p in params):
+        if loss_problem:
+            fail(loss_problem)
         return passed(f"data-parallel step on {world_size} ranks == one process on the global "
                       f"batch, weights equal on every rank")
     if all(torch.equal(p, start) for p in params):
