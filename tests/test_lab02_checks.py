@@ -100,3 +100,14 @@ def test_unfinished_lab_propagates_not_implemented():
         raise NotImplementedError("TODO")
     with pytest.raises(NotImplementedError):
         lab02.check_scatter(todo)
+
+
+def scatter_refusing_one_per_device(X, n_devices):
+    if X.shape[0] <= n_devices:  # off by one: a batch of exactly n_devices is fine
+        raise ValueError("batch too small")
+    return list(torch.chunk(X, n_devices, dim=0))
+
+
+def test_scatter_that_refuses_one_sample_per_device_is_named():
+    with pytest.raises(LabCheckError, match=r"one sample per device is a valid split"):
+        lab02.check_scatter(scatter_refusing_one_per_device)

@@ -31,13 +31,18 @@ def _tensor_list(result, what: str) -> list[torch.Tensor]:
 def check_scatter(scatter) -> str:
     """``scatter(X, n_devices)`` must split X along dim 0 into n contiguous, non-empty chunks in
     order (torch.chunk's sizes, or any other contiguous split, are fine)."""
-    for b, n in ((8, 2), (10, 4), (6, 3)):
+    # Even and uneven splits, and a batch of exactly one sample per device (the boundary).
+    for b, n in ((8, 2), (10, 4), (6, 3), (7, 2), (3, 3)):
         X = torch.arange(b * 3, dtype=torch.float32).reshape(b, 3)
         try:
             chunks = scatter(X.clone(), n)
         except NotImplementedError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported as one sentence
+            if b == n:
+                fail(f"scatter refused a batch of {b} samples on {n} devices ({type(exc).__name__}: "
+                     f"{exc}), but one sample per device is a valid split: refuse only batches "
+                     f"smaller than the number of devices (check < against <=).")
             fail(f"scatter(X, {n}) raised {type(exc).__name__}: {exc}")
         chunks = _tensor_list(chunks, "scatter")
         if len(chunks) != n:
