@@ -132,6 +132,8 @@ def _exec_cells(cells: list[str], ns: dict, timeout: float) -> str | None:
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             for source in cells:
+                if _run_cell_magic(source, ns):
+                    continue
                 exec(compile(_strip_magics(source), "<cell>", "exec"), ns)
         return None
     except _Timeout:
@@ -143,6 +145,19 @@ def _exec_cells(cells: list[str], ns: dict, timeout: float) -> str | None:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def _run_cell_magic(source: str, ns: dict) -> bool:
+    """Do what IPython would for a cell magic; True if the cell was one. ``%%writefile PATH``
+    writes the rest of the cell to PATH ({name} expanded from the namespace, as IPython does);
+    any other cell magic is skipped."""
+    first, _, body = source.lstrip("\n").partition("\n")
+    if not first.startswith("%%"):
+        return False
+    if first.startswith("%%writefile"):
+        path = first.split(None, 1)[1].strip().format_map(ns)
+        Path(path).write_text(body + ("\n" if not body.endswith("\n") else ""))
+    return True
+
+
 def _worker(solution: Path, chosen: list[dict], timeout: float, baseline: bool = True) -> None:
     """Subprocess body: print one JSON line per mutant (and one for the unmutated baseline)."""
     import os
@@ -151,6 +166,9 @@ def _worker(solution: Path, chosen: list[dict], timeout: float, baseline: bool =
     nb = authoring.read_source(solution)
     code = [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"
             and "solution-only" not in c.metadata.get("tags", [])]
+    # Cells only the solution has (e.g. deleting its scratch folder) run once, at the end.
+    cleanup = [c.source for c in nb.cells if c.cell_type == "code"
+               and "solution-only" in c.metadata.get("tags", [])]
     first = next(k for k, (_, s) in enumerate(code) if "### BEGIN SOLUTION" in s)
     prefix = {"__name__": "__main__"}
     failure = _exec_cells([s for _, s in code[:first]], prefix, timeout=300)
@@ -171,6 +189,7 @@ def _worker(solution: Path, chosen: list[dict], timeout: float, baseline: bool =
         reason = _exec_cells(cells, dict(prefix), timeout)
         print(json.dumps({"what": m["what"], "caught": reason,
                           "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+    _exec_cells(cleanup, prefix, timeout=60)
 
 
 def run(solution: Path, chosen: list[Mutant] | None = None, timeout: float = 60,
