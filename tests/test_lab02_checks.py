@@ -111,3 +111,4 @@ def scatter_refusing_one_per_device(X, n_devices):
 def test_scatter_that_refuses_one_sample_per_device_is_named():
     with pytest.raises(LabCheckError, match=r"one sample per device is a valid split"):
         lab02.check_scatter(scatter_refusing_one_per_device)
+

@@ -100,10 +100,11 @@ def mutants(solution: Path) -> list[Mutant]:
                 continue
             indent = line[: len(line) - len(line.lstrip())]
             candidates = [(f"delete: {text}", indent + "pass")]
+            code, sep, comment = line.partition("  #")  # never mutate an inline comment
             for old, new in SWAPS:
-                if old in line:
+                if old in code:
                     candidates.append((f"swap {old.strip()!r} -> {new.strip()!r}: {text}",
-                                       line.replace(old, new, 1)))
+                                       code.replace(old, new, 1) + sep + comment))
             for what, replacement in candidates:
                 source = "\n".join(lines[:i] + [replacement] + lines[i + 1:])
                 if _compiles(source):
