@@ -201,7 +201,92 @@ def ring_out_of_place(tensor, op="sum"):
     return learner_ring(tensor.clone(), op)
 
 
-@pytest.mark.parametrize("fn", [ring_ok, ring_library])
+def ring_extra_gather_steps(tensor, op="sum"):
+    """Right values, but the all-gather runs N steps instead of N-1: one message too many."""
+    import torch.distributed as dist
+
+    learner_ring(tensor, "sum")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = list(tensor.view(-1).tensor_split(n))
+    s = n - 1  # one more all-gather step: it only re-sends a complete chunk
+    reqs = [dist.isend(chunks[(rank + 1 - s) % n].clone(), (rank + 1) % n),
+            dist.irecv(chunks[(rank - s) % n], (rank - 1) % n)]
+    for q in reqs:
+        q.wait()
+    if op == "average":
+        tensor.view(-1).div_(n)
+    return tensor
+
+
+def ring_built_in(tensor, op="sum"):
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor)
+    if op == "average":
+        tensor /= dist.get_world_size()
+    return tensor
+
+
+def ring_whole_tensors(tensor, op="sum"):
+    """Passes the whole tensor around the ring N-1 times: right sum, N times the traffic."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    total, travelling = tensor.clone(), tensor.clone()
+    for _ in range(n - 1):
+        incoming = torch.empty_like(travelling)
+        reqs = [dist.isend(travelling, (rank + 1) % n), dist.irecv(incoming, (rank - 1) % n)]
+        for q in reqs:
+            q.wait()
+        total += incoming
+        travelling = incoming
+    tensor.copy_(total / n if op == "average" else total)
+    for _ in range(n - 1):  # pad the message count to 2(N-1) so only the sizes give it away
+        reqs = [dist.isend(tensor.view(-1)[:1].clone(), (rank + 1) % n),
+                dist.irecv(torch.empty(1, dtype=tensor.dtype), (rank - 1) % n)]
+        for q in reqs:
+            q.wait()
+    return tensor
+
+
+def ring_batched(tensor, op="sum"):
+    """A right ring whose exchange uses dist.batch_isend_irecv with P2POp: must pass."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    flat = tensor.view(-1)
+    chunks = flat.tensor_split(n)
+
+    def exchange(send, recv):
+        ops = [dist.P2POp(dist.isend, send, (rank + 1) % n),
+               dist.P2POp(dist.irecv, recv, (rank - 1) % n)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(rank - s - 1) % n])
+        exchange(chunks[(rank - s) % n], incoming)
+        chunks[(rank - s - 1) % n].add_(incoming)
+    for s in range(n - 1):
+        exchange(chunks[(rank + 1 - s) % n], chunks[(rank - s) % n])
+    if op == "average":
+        flat.div_(n)
+    return tensor
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (ring_extra_gather_steps, r"sent 5 messages .* exactly 2\(N-1\) = 4"),
+    (ring_built_in, "called dist.all_reduce"),
+    (ring_whole_tensors, "not the whole tensor"),
+])
+def test_ring_that_skips_the_idea_is_named(fn, phrase):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab06.check_ring_allreduce(fn, timeout=60)
+
+
+@pytest.mark.parametrize("fn", [ring_ok, ring_library, ring_batched])
 def test_ring_reference_passes(fn, capsys):
     lab06.check_ring_allreduce(fn, timeout=60)
     assert "ring_allreduce equals the sum" in capsys.readouterr().out

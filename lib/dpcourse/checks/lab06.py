@@ -185,6 +185,10 @@ def _mark(marker_dir: str, rank: int, text: str) -> None:
         f.write(text)
 
 
+_SPIED = ("isend", "send", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+          "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all", "scatter", "gather")
+
+
 def _real_worker(rank, world_size, fn, cases, marker_dir):
     import torch
     import torch.distributed as dist
@@ -207,17 +211,55 @@ def _real_worker(rank, world_size, fn, cases, marker_dir):
             _mark(marker_dir, rank, "")
 
     dist.send, dist.recv = send, recv
+    # Spy on what the ring sends (messages and elements) and on built-in collectives, which the
+    # lab is about replacing.
+    traffic = {"messages": 0, "elements": 0, "builtins": []}
+    real = {name: getattr(dist, name) for name in _SPIED if hasattr(dist, name)}
+
+    def counting(name):
+        def wrapper(*a, **k):
+            if name in ("isend", "send"):
+                t = a[0] if a else k.get("tensor")
+                if t is not None and t.numel() > 0:
+                    traffic["messages"] += 1
+                    traffic["elements"] += t.numel()
+            else:
+                traffic["builtins"].append(name)
+            return (send if name == "send" else real[name])(*a, **k)
+        return wrapper
+
+    wrappers = {name: counting(name) for name in real}
+    for name, w in wrappers.items():
+        setattr(dist, name, w)
+    # dist.P2POp (for batch_isend_irecv) accepts only the real isend/irecv: give it the real one
+    # and count the message here instead.
+    real_p2pop = dist.P2POp
+
+    def p2pop(op, tensor, *a, **k):
+        if op is wrappers.get("isend"):
+            if tensor.numel() > 0:
+                traffic["messages"] += 1
+                traffic["elements"] += tensor.numel()
+            op = real["isend"]
+        return real_p2pop(op, tensor, *a, **k)
+
+    dist.P2POp = p2pop
     try:
         torch.set_num_threads(1)
-        results = []
+        results, per_case = [], []
         for shape, dtype, op in cases:
             x = torch.tensor(_real_input(rank, shape), dtype=getattr(torch, dtype))
+            traffic.update(messages=0, elements=0, builtins=[])
             ret = fn(x, op=op)
             returned = ret.detach().cpu().numpy().astype(np.float64) if isinstance(
                 ret, torch.Tensor) else None
             results.append((x.numpy().astype(np.float64), returned))
-        return results
+            per_case.append(dict(traffic, builtins=list(traffic["builtins"])))
+        return {"results": results, "traffic": per_case}
     finally:
+        for name, f in real.items():
+            setattr(dist, name, f)
+        dist.P2POp = real_p2pop
         dist.send, dist.recv = real_send, real_recv
 
 
@@ -293,9 +335,29 @@ def check_ring_allreduce(fn, world_size: int = 3, timeout: float = 20.0) -> str:
     finally:
         shutil.rmtree(marker_dir, ignore_errors=True)
 
+    traffic = [[per_rank[r]["traffic"][i] for r in range(world_size)] for i in range(len(cases))]
+    per_rank = [per_rank[r]["results"] for r in range(world_size)]
     results = [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
     correct = _simulate_real(world_size, cases)
+    used = sorted({b for case in traffic for t in case for b in t["builtins"]})
+    if used:
+        fail(f"your ring_allreduce called dist.{used[0]}: the lab is to build the all-reduce "
+             f"yourself, from point-to-point messages (dist.isend / dist.irecv) only.")
     if _matches(results, correct):
+        n = world_size
+        for (shape, _, _), case in zip(cases, traffic):
+            k = int(np.prod(shape))
+            if k < n:
+                continue  # some chunks are empty; a ring may skip sending them
+            for rank, t in enumerate(case):
+                if t["messages"] != 2 * (n - 1):
+                    fail(f"rank {rank} sent {t['messages']} messages for a tensor of {k} "
+                         f"elements on {n} ranks; a ring sends exactly 2(N-1) = {2 * (n - 1)}: "
+                         f"N-1 steps of scatter-reduce, then N-1 of all-gather.")
+                if t["elements"] > 2 * (n - 1) * -(-k // n):
+                    fail(f"rank {rank} sent {t['elements']} elements for a tensor of {k} on {n} "
+                         f"ranks; each message should be one chunk of about K/N = "
+                         f"{k / n:.1f} elements, not the whole tensor.")
         return passed(f"ring_allreduce equals the sum (and the average) on {world_size} ranks "
                       f"for lengths 12, 10, 20, 2 and 11")
     # Which mistake? In the order a learner most likely makes them.
