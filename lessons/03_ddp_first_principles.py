@@ -40,7 +40,6 @@ lr = 0.05
 seed = 0
 
 # %%
-import inspect
 import os
 
 import torch

@@ -65,13 +65,17 @@ def raises(model):
     raise KeyError("oops")
 
 
-def good_step(model, optimizer, X, y):
+def _step_returning_tensor(model, optimizer, X, y):
     optimizer.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(X), y)
     loss.backward()
     ddp.average_gradients(model)
     optimizer.step()
-    return loss.item()
+    return loss
+
+
+def good_step(model, optimizer, X, y):
+    return _step_returning_tensor(model, optimizer, X, y).item()
 
 
 def average_the_loss(model, optimizer, X, y):
@@ -143,12 +147,8 @@ def returns_loss_after_step(model, optimizer, X, y):
 
 
 def returns_the_loss_tensor(model, optimizer, X, y):
-    optimizer.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(X), y)
-    loss.backward()
-    ddp.average_gradients(model)
-    optimizer.step()
-    return loss  # a 0-dim tensor: float() of it is the loss, so this is accepted
+    # a 0-dim tensor: float() of it is the loss, so this is accepted
+    return _step_returning_tensor(model, optimizer, X, y)
 
 
 def test_returning_the_loss_tensor_is_accepted(capsys):

@@ -214,18 +214,21 @@ def _real_worker(rank, world_size, fn, cases, marker_dir):
     # Spy on what the ring sends (messages and elements) and on built-in collectives, which the
     # lab is about replacing.
     traffic = {"messages": 0, "elements": 0, "builtins": []}
+    # Taken after dist.send was replaced above, so real["send"] is the marking wrapper.
     real = {name: getattr(dist, name) for name in _SPIED if hasattr(dist, name)}
+
+    def count_message(t):
+        if t is not None and t.numel() > 0:
+            traffic["messages"] += 1
+            traffic["elements"] += t.numel()
 
     def counting(name):
         def wrapper(*a, **k):
             if name in ("isend", "send"):
-                t = a[0] if a else k.get("tensor")
-                if t is not None and t.numel() > 0:
-                    traffic["messages"] += 1
-                    traffic["elements"] += t.numel()
+                count_message(a[0] if a else k.get("tensor"))
             else:
                 traffic["builtins"].append(name)
-            return (send if name == "send" else real[name])(*a, **k)
+            return real[name](*a, **k)
         return wrapper
 
     wrappers = {name: counting(name) for name in real}
@@ -237,9 +240,7 @@ def _real_worker(rank, world_size, fn, cases, marker_dir):
 
     def p2pop(op, tensor, *a, **k):
         if op is wrappers.get("isend"):
-            if tensor.numel() > 0:
-                traffic["messages"] += 1
-                traffic["elements"] += tensor.numel()
+            count_message(tensor)
             op = real["isend"]
         return real_p2pop(op, tensor, *a, **k)
 
