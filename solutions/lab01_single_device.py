@@ -114,3 +114,38 @@ from dpcourse.checks import claim
 
 claim("your loop trains: the loss fell", losses[-1] < losses[0], losses=losses)
 claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
+
+# %% [markdown]
+# ## Stretch (optional): gradient accumulation
+#
+# A workshop can stop here. For self-study: what if the batch you want does not fit in memory?
+# Run it as **k micro-batches** and add up their gradients before one step. Gradients add in
+# `p.grad` by themselves (that is why you zero them); the only care is the scale — the loss of
+# each micro-batch is a mean over *its* samples, so divide it by `k` and the k gradients sum to
+# the gradient of the mean over all `k × micro-batch` samples.
+#
+# Write `train_accumulated(model, loader, loss_fn, optimizer, k, device)`: one forward and
+# backward per micro-batch, one `optimizer.step()` (and zeroing) per k micro-batches. The check
+# trains a small model both ways — your accumulation with micro-batches of `b`, and plain
+# training with batches of `k × b` — and asks for the same weights. The model may arrive with
+# gradients already in `p.grad`: start from zero. (Its loaders always hold a
+# whole number of groups of k; the model has no dropout, whose masks would differ.) This is the
+# same sum that DDP computes across ranks in lesson 03, done across time instead of devices.
+
+# %%
+def train_accumulated(model, loader, loss_fn, optimizer, k, device):
+    ### BEGIN SOLUTION: forward/backward each micro-batch on loss / k; step and zero every k micro-batches
+    model.train()
+    optimizer.zero_grad()
+    for i, (X, y) in enumerate(loader):
+        X, y = X.to(device), y.to(device)
+        loss = loss_fn(model(X), y) / k
+        loss.backward()
+        if (i + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    ### END SOLUTION
+
+
+# %%
+lab01.check_train_accumulated(train_accumulated)

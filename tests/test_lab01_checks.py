@@ -149,3 +149,177 @@ def test_evaluate_mistakes_are_named(fn, phrase):
     with pytest.raises(LabCheckError) as err:
         lab01.check_evaluate(fn)
     assert phrase in str(err.value), str(err.value)
+
+
+# --- answers only right for one data set, and right answers written differently -----------
+
+def _train(denominator="count", backward="mean", zero="before", loss_out=float):
+    """train_one_epoch written in several ways, right and wrong."""
+    def fn(model, loader, loss_fn, optimizer, device):
+        model.train()
+        total, n = 0.0, 0
+        for X, y in loader:
+            if zero == "before":
+                optimizer.zero_grad()
+            out = model(X)
+            if backward == "mean":
+                loss = loss_fn(out, y)
+                loss.backward()
+                batch_total = loss.item() * len(y)
+            else:  # reduction="sum" with the matching division: the same gradient
+                summed = torch.nn.functional.cross_entropy(out, y, reduction="sum")
+                (summed / len(y)).backward()
+                batch_total = summed.item()
+            optimizer.step()
+            if zero == "after":
+                optimizer.zero_grad(set_to_none=True)
+            total += batch_total
+            n += len(y)
+        if denominator == "count":
+            return loss_out(total / n)
+        if denominator == "dataset":
+            return total / len(loader.dataset)
+        if denominator == "fifty":  # hard-coded for the first set-up
+            return total / 50
+        if denominator == "batches_x_size":
+            return total / (len(loader) * loader.batch_size)
+        raise ValueError(denominator)
+    return fn
+
+
+@pytest.mark.parametrize("fn", [
+    _train(),
+    _train(backward="sum"),
+    _train(zero="after"),
+    _train(denominator="dataset"),
+    _train(loss_out=torch.tensor),
+], ids=["plain", "sum-reduction-divided", "zero-after-step", "len-dataset", "0-dim-tensor"])
+def test_right_train_variants_pass(fn, capsys):
+    lab01.check_train_one_epoch(fn)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (_train(denominator="fifty"), "fixed sample count"),
+    (_train(denominator="batches_x_size"), "number of batches × batch size"),
+])
+def test_answers_fitting_one_data_set_fail(fn, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab01.check_train_one_epoch(fn)
+    assert phrase in str(err.value), str(err.value)
+
+
+def eval_inference_mode(model, loader, loss_fn, device):
+    model.eval()
+    loss_sum, hits = torch.zeros(()), torch.zeros((), dtype=torch.long)
+    with torch.inference_mode():
+        for X, y in loader:
+            out = model(X)
+            loss_sum += torch.nn.functional.cross_entropy(out, y, reduction="sum")
+            hits += (out.argmax(-1) == y).sum()
+    n = len(loader.dataset)
+    return loss_sum / n, hits / n  # 0-dim tensors: accepted as numbers
+
+
+@torch.no_grad()
+def eval_decorated_one_pass(model, loader, loss_fn, device):
+    model.eval()
+    outs = [(model(X), y) for X, y in loader]
+    logits = torch.cat([o for o, _ in outs])
+    y = torch.cat([t for _, t in outs])
+    return loss_fn(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
+
+
+def eval_hard_coded(model, loader, loss_fn, device):
+    model.eval()
+    with torch.no_grad():
+        total, hits = 0.0, 0
+        for X, y in loader:
+            out = model(X)
+            total += loss_fn(out, y).item() * len(y)
+            hits += (out.argmax(1) == y).sum().item()
+    return total / 50, hits / 50
+
+
+@pytest.mark.parametrize("fn", [eval_inference_mode, eval_decorated_one_pass])
+def test_right_evaluate_variants_pass(fn, capsys):
+    lab01.check_evaluate(fn)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_evaluate_fitting_one_data_set_fails():
+    with pytest.raises(LabCheckError, match="on 37 samples"):
+        lab01.check_evaluate(eval_hard_coded)
+
+
+# --- stretch: gradient accumulation ----------------------------------------------------------
+
+def _accum(divide=True, step_every=False, zero_every=False, zero_after=True, zero_first=True,
+           big_forward=False, style="modulo"):
+    def fn(model, loader, loss_fn, optimizer, k, device):
+        model.train()
+        if zero_first:
+            optimizer.zero_grad()
+        if big_forward:  # runs the whole group at once: no memory saved
+            batches = list(loader)
+            for g in range(0, len(batches), k):
+                X = torch.cat([b[0] for b in batches[g:g + k]])
+                y = torch.cat([b[1] for b in batches[g:g + k]])
+                loss_fn(model(X), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            return
+        if style == "counter":  # a right answer written with a countdown
+            left = k
+            for X, y in loader:
+                (loss_fn(model(X), y) * (1.0 / k)).backward()
+                left -= 1
+                if left == 0:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    left = k
+            return
+        for i, (X, y) in enumerate(loader):
+            if zero_every:
+                optimizer.zero_grad()
+            loss = loss_fn(model(X), y)
+            (loss / k if divide else loss).backward()
+            if step_every or (i + 1) % k == 0:
+                optimizer.step()
+                if zero_after:
+                    optimizer.zero_grad()
+    return fn
+
+
+def accum_sum_reduction(model, loader, loss_fn, optimizer, k, device):
+    # a right answer: summed losses divided by the group's sample count
+    model.train()
+    for p in model.parameters():
+        p.grad = None
+    for i, (X, y) in enumerate(loader):
+        loss = torch.nn.functional.cross_entropy(model(X), y, reduction="sum")
+        (loss / (k * len(y))).backward()
+        if i % k == k - 1:
+            optimizer.step()
+            model.zero_grad()
+
+
+@pytest.mark.parametrize("fn", [_accum(), _accum(style="counter"), accum_sum_reduction],
+                         ids=["modulo", "countdown", "sum-reduction"])
+def test_right_accumulation_passes(fn, capsys):
+    lab01.check_train_accumulated(fn)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (_accum(divide=False), "times too big"),
+    (_accum(step_every=True), "stepped after every micro-batch"),
+    (_accum(zero_every=True), "zeroed the gradients before every micro-batch"),
+    (_accum(zero_after=False), "never zeroed after a step"),
+    (_accum(zero_first=False), "before the loop"),
+    (_accum(big_forward=True), "one forward (and backward) per micro-batch"),
+])
+def test_accumulation_mistakes_are_named(fn, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab01.check_train_accumulated(fn)
+    assert phrase in str(err.value), str(err.value)
