@@ -93,3 +93,85 @@ for _ in range(5):
 from dpcourse.checks import claim
 
 claim("your DataParallel step trains: the loss fell", losses[-1] < losses[0], losses=losses)
+
+# %% [markdown]
+# ## Stretch (optional): the copies in real threads
+#
+# A workshop can stop here. `dp.parallel_apply` ran your copies for you; now write it.
+# `threaded_apply(replicas, inputs)` must run `replicas[i](inputs[i])` in one thread per
+# replica, **all at the same time**, and return the outputs in replica order. Three details
+# make it right, and the check tries each:
+#
+# * threads finish in any order — store each output at its replica's index;
+# * grad mode is *per thread* in torch: a new thread starts with autograd on even if the caller
+#   is inside `torch.no_grad()`, so read `torch.is_grad_enabled()` in the caller and set it in
+#   each thread with `torch.set_grad_enabled(...)`;
+# * an exception in a thread does not reach the caller by itself: keep it and raise it after
+#   `join`.
+#
+# The check uses stand-in replicas that sleep (as a torch kernel does, they release the GIL),
+# the slowest first, so it can tell the order the threads finished in from replica order.
+
+# %%
+import threading
+
+
+def threaded_apply(replicas, inputs):
+    ### BEGIN SOLUTION: one thread per replica, started together, joined; results in replica order; caller's grad mode; re-raise errors
+    grad_enabled = torch.is_grad_enabled()
+    results = [None] * len(replicas)
+    errors = [None] * len(replicas)
+
+    def work(i):
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                results[i] = replicas[i](inputs[i])
+        except Exception as exc:
+            errors[i] = exc
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results
+    ### END SOLUTION
+
+
+# %%
+lab02.check_threaded_apply(threaded_apply)
+
+# %% [markdown]
+# How much do real threads buy for the lesson's CNN? Only the time spent inside torch kernels
+# can overlap (they release the GIL); the Python between them takes turns. The cell below times
+# four copies run one after another against your threads, with one torch thread per operation
+# so that the threads, not torch's own pool, share the cores.
+
+# %%
+# NBVAL_IGNORE_OUTPUT: timings depend on the machine and its load.
+import os
+import time
+
+torch.manual_seed(0)
+net = models.SmallCNN(width=16)
+copies = [copy.deepcopy(net) for _ in range(4)]
+chunks = list(torch.chunk(torch.randn(256, 3, 32, 32), 4))
+
+
+def best_of(fn, repeats=5):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+with torch.no_grad():
+    one_by_one = best_of(lambda: [c(x) for c, x in zip(copies, chunks)])
+    threaded = best_of(lambda: threaded_apply(copies, chunks))
+print(f"4 copies one after another: {one_by_one * 1e3:.1f} ms; in threads: {threaded * 1e3:.1f} ms "
+      f"({one_by_one / threaded:.2f}x, on {os.cpu_count()} cores)")

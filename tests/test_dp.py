@@ -106,3 +106,14 @@ def test_measurements_have_the_right_form(setup):
     g = dp.gil_threads_demo(n=50_000)
     assert g["sequential_s"] > 0 and g["threaded_s"] > 0
     assert g["cpu_per_wall"] < 1.3  # the GIL: one core at a time for pure Python
+
+
+def test_replicate_makes_one_distinct_module_per_device():
+    # A memo shared between the deep copies once made every "replica" the same object, whose
+    # parameters pointed at the last device's copy.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    reps = dp.replicate(model, dp.devices_for(3, "cpu"))
+    assert len({id(r) for r in reps}) == 3
+    firsts = [r[0].weight for r in reps]
+    assert len({id(w) for w in firsts}) == 3
+    assert all(torch.equal(w, model[0].weight) for w in firsts)

@@ -112,3 +112,204 @@ def test_scatter_that_refuses_one_sample_per_device_is_named():
     with pytest.raises(LabCheckError, match=r"one sample per device is a valid split"):
         lab02.check_scatter(scatter_refusing_one_per_device)
 
+
+
+# --- skipping the idea, answers tied to one set-up, and right answers written differently ---
+
+def no_scatter(model, X, y, n):
+    loss = F.cross_entropy(model(X), y)  # right gradients, but no data parallelism at all
+    loss.backward()
+    return loss.item()
+
+
+def one_model_for_all_chunks(model, X, y, n):
+    outs = [model(c) for c in torch.chunk(X, n)]  # no copies: one "device" does all the work
+    loss = F.cross_entropy(torch.cat(outs), y)
+    loss.backward()
+    return loss.item()
+
+
+def four_devices_always(model, X, y, n):
+    return make_step()(model, X, y, 4)  # ignores n_devices
+
+
+def mean_of_chunk_losses(model, X, y, n):
+    chunks, ys = torch.chunk(X, n), torch.chunk(y, n)
+    reps = [copy.deepcopy(model) for _ in range(n)]
+    outs = dp.parallel_apply(reps, list(chunks))
+    loss = sum(F.cross_entropy(o, t) for o, t in zip(outs, ys)) / n  # equal only for even chunks
+    loss.backward()
+    for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
+        p.grad = sum(c.grad for c in cs)
+    return loss.item()
+
+
+def sequential_copies_accumulating(model, X, y, n):
+    # right: no threads (the copies run one after another) and gradients added in a loop
+    chunks = torch.tensor_split(X, n)
+    reps = [copy.deepcopy(model) for _ in chunks]
+    loss = F.cross_entropy(torch.concat([r(c) for r, c in zip(reps, chunks)]), y)
+    loss.backward()
+    for r in reps:
+        for p, c in zip(model.parameters(), r.parameters()):
+            p.grad = c.grad.clone() if p.grad is None else p.grad + c.grad
+    return loss
+
+
+def original_as_replica_zero(model, X, y, n):
+    # right: device 0 uses the original model, the others copies; p.grad then already holds
+    # replica 0's share and the copies' are added to it
+    reps = [model] + [copy.deepcopy(model) for _ in range(n - 1)]
+    outs = dp.parallel_apply(reps, list(torch.chunk(X, n)))
+    loss = F.cross_entropy(torch.vstack(outs), y)
+    loss.backward()
+    for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps[1:])):
+        p.grad += sum(c.grad for c in cs)
+    return loss.item()
+
+
+def with_course_replicate(model, X, y, n):
+    # right: dp.replicate ties the copies to the original by autograd, so backward fills p.grad
+    reps = dp.replicate(model, dp.devices_for(n, "cpu"))
+    outs = dp.parallel_apply(reps, dp.scatter(X, dp.devices_for(n, "cpu")))
+    loss = F.cross_entropy(dp.gather(outs), y)
+    loss.backward()
+    return loss.item()
+
+
+@pytest.mark.parametrize("step", [
+    make_step(), sequential_copies_accumulating, original_as_replica_zero, with_course_replicate,
+], ids=["reference", "sequential-accumulating", "original-as-replica-0", "dp.replicate"])
+def test_right_dp_steps_pass(step, capsys):
+    lab02.check_dp_forward_backward(step)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+@pytest.mark.parametrize("step, phrase", [
+    (no_scatter, "ran on the whole batch of 16"),
+    (one_model_for_all_chunks, "through 1 model object"),
+    (four_devices_always, "4 forward pass(es) for 3 devices"),
+    (mean_of_chunk_losses, "chunks are uneven ([4, 4, 2])"),
+])
+def test_dp_steps_that_skip_the_idea_or_fit_one_setup_fail(step, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_forward_backward(step)
+    assert phrase in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda X, n: list(torch.tensor_split(X, n)),
+    lambda X, n: list(torch.split(X, -(-X.shape[0] // n))),
+    lambda X, n: [X[i * len(X) // n:(i + 1) * len(X) // n] for i in range(n)],
+], ids=["tensor_split", "split-ceil", "slices"])
+def test_right_scatters_pass(wrong, capsys):
+    lab02.check_scatter(wrong)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+@pytest.mark.parametrize("right", [
+    lambda o: torch.concat(o), lambda o: torch.vstack(o), lambda o: torch.cat(list(o), dim=-2),
+], ids=["concat", "vstack", "dim=-2"])
+def test_right_gathers_pass(right, capsys):
+    lab02.check_gather(right)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+# --- stretch: threaded_apply ------------------------------------------------------------------
+
+import threading  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
+
+def _threads(order="index", join="after", grad="caller", errors="raise", n_threads=None):
+    def apply(replicas, inputs):
+        mode = torch.is_grad_enabled()
+        results, errs, done = [None] * len(replicas), [], []
+
+        def work(i):
+            try:
+                ctx = torch.set_grad_enabled(mode) if grad == "caller" else torch.enable_grad()
+                with ctx:
+                    out = replicas[i](inputs[i])
+                results[i] = out
+                done.append(out)
+            except Exception as exc:  # noqa: BLE001
+                errs.append(exc)
+
+        if n_threads == 1:
+            for i in range(len(replicas)):
+                work(i)
+        else:
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+            for t in threads:
+                t.start()
+                if join == "each":
+                    t.join()
+            if join == "after":
+                for t in threads:
+                    t.join()
+        if errs and errors == "raise":
+            raise errs[0]
+        return done if order == "finished" else results
+    return apply
+
+
+def pool_apply(replicas, inputs):
+    mode = torch.is_grad_enabled()
+
+    def run(pair):
+        with torch.set_grad_enabled(mode):
+            return pair[0](pair[1])
+
+    with ThreadPoolExecutor(max_workers=len(replicas)) as pool:
+        return list(pool.map(run, zip(replicas, inputs)))  # re-raises a worker's error
+
+
+def pool_of_two(replicas, inputs):
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the third replica waits for a free thread
+        return list(pool.map(lambda pair: pair[0](pair[1]), zip(replicas, inputs)))
+
+
+def caller_runs_replica_zero(replicas, inputs):
+    mode = torch.is_grad_enabled()
+    results, errors = [None] * len(replicas), [None] * len(replicas)
+
+    def work(i):
+        try:
+            with torch.set_grad_enabled(mode):
+                results[i] = replicas[i](inputs[i])
+        except Exception as exc:  # noqa: BLE001
+            errors[i] = exc
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(1, len(replicas))]
+    for t in threads:
+        t.start()
+    work(0)  # the caller's thread takes replica 0 while the others run
+    for t in threads:
+        t.join()
+    for exc in errors:
+        if exc is not None:
+            raise RuntimeError("a replica failed") from exc
+    return results
+
+
+@pytest.mark.parametrize("fn", [_threads(), pool_apply, caller_runs_replica_zero, dp.parallel_apply],
+                         ids=["threads", "pool", "caller-takes-0", "course-parallel_apply"])
+def test_right_threaded_apply_passes(fn, capsys):
+    lab02.check_threaded_apply(fn)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (_threads(order="finished"), "order the threads finished"),
+    (_threads(join="never"), "before its threads finished"),
+    (_threads(join="each"), "never ran at the same time"),
+    (_threads(n_threads=1), "one after another in the caller's thread"),
+    (_threads(grad="on"), "under torch.no_grad()"),
+    (_threads(errors="swallow"), "as if nothing happened"),
+    (pool_of_two, "ran in 2 thread(s)"),
+])
+def test_threaded_apply_mistakes_are_named(fn, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_threaded_apply(fn)
+    assert phrase in str(err.value), str(err.value)

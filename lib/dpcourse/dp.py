@@ -236,11 +236,13 @@ def replicate(module: nn.Module, devices) -> list[nn.Module]:
     params = list(module.parameters())
     buffers = list(module.buffers())
     copies = _Broadcast.apply(devs, *params) if params else ()
-    # Share the original tensors with the deep copy (memo), so deepcopy only builds the module
-    # tree; every parameter and buffer slot is then pointed at its per-device copy below.
-    memo = {id(t): t for t in params + buffers}
     replicas = []
     for i, d in enumerate(devs):
+        # Share the original tensors with the deep copy (memo), so deepcopy only builds the
+        # module tree; every parameter and buffer slot is then pointed at its per-device copy
+        # below. A fresh memo per replica: deepcopy records the copies it made in the memo, and
+        # a memo reused for the next replica would hand back this same module object.
+        memo = {id(t): t for t in params + buffers}
         replica = copy.deepcopy(module, memo)
         p_copies = iter(copies[i * len(params):(i + 1) * len(params)])
         for m in replica.modules():

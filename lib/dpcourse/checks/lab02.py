@@ -9,13 +9,16 @@ numbers match a known wrong answer, names it. tests/test_lab02_checks.py proves 
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import torch
 import torch.nn.functional as F
 
 from . import fail, passed
 
-__all__ = ["check_scatter", "check_gather", "check_dp_forward_backward"]
+__all__ = ["check_scatter", "check_gather", "check_dp_forward_backward",
+           "check_threaded_apply"]
 
 
 def _tensor_list(result, what: str) -> list[torch.Tensor]:
@@ -28,7 +31,7 @@ def _tensor_list(result, what: str) -> list[torch.Tensor]:
     return list(result)
 
 
-def check_scatter(scatter) -> str:
+def check_scatter(scatter) -> None:
     """``scatter(X, n_devices)`` must split X along dim 0 into n contiguous, non-empty chunks in
     order (torch.chunk's sizes, or any other contiguous split, are fine)."""
     # Even and uneven splits, and a batch of exactly one sample per device (the boundary).
@@ -80,7 +83,7 @@ def check_scatter(scatter) -> str:
     return passed("scatter splits the batch along dim 0 into contiguous chunks, one per device")
 
 
-def check_gather(gather) -> str:
+def check_gather(gather) -> None:
     """``gather(outputs)`` must concatenate the per-device outputs along dim 0, in order."""
     torch.manual_seed(0)
     outputs = [torch.randn(3, 10) for _ in range(3)]  # equal sizes: a wrong dim still runs
@@ -120,16 +123,46 @@ def _close(a: list, b: list, rtol=1e-4, atol=1e-6) -> bool:
                and torch.allclose(x, y, rtol=rtol, atol=atol) for x, y in zip(a, b))
 
 
-def check_dp_forward_backward(dp_forward_backward, n_devices: int = 4) -> str:
+def _forward_spy(model) -> list:
+    """Record (module id, batch size) at every forward of ``model`` and of its deep copies.
+
+    A plain function (not a bound method) as the hook: ``copy.deepcopy`` copies a module's hook
+    table but keeps functions as they are, so every replica reports into this one list.
+    """
+    calls: list = []
+
+    def hook(module, args):
+        x = args[0] if args else None
+        calls.append((id(module), x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else None))
+
+    model.register_forward_pre_hook(hook)
+    return calls
+
+
+def check_dp_forward_backward(dp_forward_backward) -> None:
     """After ``dp_forward_backward(model, X, y, n_devices)`` the original model's gradients must
-    equal the plain model's on the whole batch (mean cross-entropy), and the returned loss its
-    loss."""
+    equal the plain model's on the whole batch (mean cross-entropy), the returned loss must be
+    its loss, and the forward must have run on ``n_devices`` copies, each on its own chunk.
+
+    Tried with 16 samples on 4 devices and with 10 samples on 3 (chunks of 4, 4 and 2), so an
+    answer tied to one device count or to equal chunks fails.
+    """
+    __tracebackhide__ = True
+    for n_devices, batch in ((4, 16), (3, 10)):
+        _check_dp_once(dp_forward_backward, n_devices, batch)
+    passed("DataParallel by hand on 4 and 3 devices (even and uneven chunks): each copy ran on "
+           "its chunk, and the gradients and loss equal the plain model's on the whole batch")
+
+
+def _check_dp_once(dp_forward_backward, n: int, batch: int) -> None:
+    __tracebackhide__ = True
     from ..models import SmallCNN
 
-    torch.manual_seed(0)
+    torch.manual_seed(n)
     model = SmallCNN(width=4)
-    X = torch.randn(4 * n_devices, 3, 32, 32)
-    y = torch.randint(0, 10, (4 * n_devices,))
+    X = torch.randn(batch, 3, 32, 32)
+    y = torch.randint(0, 10, (batch,))
+    sizes = [c.shape[0] for c in torch.chunk(X, n)]
 
     ref_model = copy.deepcopy(model)
     ref_loss = F.cross_entropy(ref_model(X), y)
@@ -137,12 +170,27 @@ def check_dp_forward_backward(dp_forward_backward, n_devices: int = 4) -> str:
     ref = _grads(ref_model)
 
     learner = copy.deepcopy(model)
+    calls = _forward_spy(learner)
     try:
-        loss = dp_forward_backward(learner, X.clone(), y.clone(), n_devices)
+        loss = dp_forward_backward(learner, X.clone(), y.clone(), n)
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001
         fail(f"dp_forward_backward raised {type(exc).__name__}: {exc}")
+
+    # Did it do data parallelism at all: n forwards, on n different copies, on chunks?
+    seen = [b for _, b in calls]
+    if batch in seen:
+        fail(f"the model ran on the whole batch of {batch} (forward batch sizes {seen}): "
+             f"scatter X first and run each copy on its own chunk.")
+    if len(calls) != n:
+        fail(f"{len(calls)} forward pass(es) for {n} devices (batch sizes {seen}): run each of "
+             f"the {n} copies once, on its chunk.")
+    if len({m for m, _ in calls}) != n:
+        fail(f"the {n} chunks ran through {len({m for m, _ in calls})} model object(s): make one "
+             f"copy per device (copy.deepcopy) and run copy i on chunk i — each device holds "
+             f"its own replica, which is what DataParallel is.")
+
     got = _grads(learner)
     if all(g is None for g in got):
         fail("the original model has no gradients: the replicas' gradients must be summed onto "
@@ -156,25 +204,35 @@ def check_dp_forward_backward(dp_forward_backward, n_devices: int = 4) -> str:
                  f"{tuple(r.shape)}: sum the replicas' gradients element-wise, parameter by "
                  f"parameter.")
     if not _close(got, ref):
-        n = n_devices
         if _close(got, [r / n for r in ref]):
             fail(f"the gradients are {n} times too small: you averaged the replicas' gradients, "
                  f"but with one mean loss over the gathered batch each replica's gradient is "
                  f"already its share, so they must be summed.")
-        if _close(got, [r * n for r in ref]):
-            fail(f"the gradients are {n} times too big: a mean loss per chunk, summed over the "
-                 f"replicas, counts the batch {n} times — compute one loss on the gathered "
+
+        def per_chunk(combine):
+            m = copy.deepcopy(model)
+            losses = [F.cross_entropy(m(xc), yc) for xc, yc in zip(torch.chunk(X, n),
+                                                                   torch.chunk(y, n))]
+            combine(losses).backward()
+            return _grads(m)
+
+        if _close(got, per_chunk(sum)):
+            fail(f"the gradients are about {n} times too big: a mean loss per chunk, summed over "
+                 f"the replicas, counts the batch {n} times — compute one loss on the gathered "
                  f"outputs.")
+        if _close(got, per_chunk(lambda ls: sum(ls) / len(ls))):
+            fail(f"you averaged the chunks' mean losses, but the chunks are uneven ({sizes}): "
+                 f"the samples of the short chunk weigh more. Compute one mean loss on the "
+                 f"gathered outputs.")
         # Only replica 0's share: the gradient of chunk 0's part of the global mean loss.
         only0 = copy.deepcopy(model)
-        b0 = X.shape[0] // n
-        (F.cross_entropy(only0(X[:b0]), y[:b0], reduction="sum") / X.shape[0]).backward()
+        (F.cross_entropy(only0(X[:sizes[0]]), y[:sizes[0]], reduction="sum") / batch).backward()
         if _close(got, _grads(only0)):
             fail("the gradients are replica 0's alone: the gradients of all replicas must be "
                  "summed onto the original parameters, not just the first one's copied.")
-        fail("the original model's gradients differ from the plain model's on the whole batch; "
-             "check that scatter and gather keep the order of the samples and that every "
-             "replica's gradient is added.")
+        fail(f"the original model's gradients differ from the plain model's on the whole batch "
+             f"({batch} samples, {n} devices); check that scatter and gather keep the order of "
+             f"the samples and that every replica's gradient is added.")
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
             fail(f"dp_forward_backward must return the loss as a number, got a tensor of shape "
@@ -185,5 +243,93 @@ def check_dp_forward_backward(dp_forward_backward, n_devices: int = 4) -> str:
     if abs(loss - ref_loss.item()) > 1e-4 * max(1.0, abs(ref_loss.item())):
         fail(f"the returned loss {loss:.5f} is not the mean loss on the whole batch "
              f"({ref_loss.item():.5f}): compute it on the gathered outputs.")
-    return passed(f"DataParallel by hand on {n_devices} devices: gradients and loss equal the "
-                  f"plain model's on the whole batch")
+
+
+# --- stretch: the copies' forwards in real threads -----------------------------------------
+
+class _Timed(torch.nn.Module):
+    """A stand-in replica: sleeps (releasing the GIL, as torch kernels do), records when it
+    ran and in which thread, and returns its input times a factor that identifies it."""
+
+    def __init__(self, factor: float, delay: float, log: list, fail_with: str | None = None):
+        super().__init__()
+        self.factor, self.delay, self.log, self.fail_with = factor, delay, log, fail_with
+        self.w = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        t0 = time.perf_counter()
+        time.sleep(self.delay)
+        if self.fail_with:
+            raise ValueError(self.fail_with)
+        self.log.append((self.factor, threading.get_ident(), t0, time.perf_counter()))
+        return x * self.factor * self.w
+
+
+def check_threaded_apply(threaded_apply) -> None:
+    """Stretch: ``threaded_apply(replicas, inputs)`` runs ``replicas[i](inputs[i])`` in one
+    thread per replica, at the same time, and returns the outputs in replica order, with
+    autograd on or off as the caller had it, and any replica's error raised to the caller."""
+    __tracebackhide__ = True
+    n = 3
+    log: list = []
+    # Replica 0 is the slowest, so the order the threads finish in is the reverse of the order
+    # of the replicas.
+    reps = [_Timed(i + 1, 0.15 * (n - i), log) for i in range(n)]
+    inputs = [torch.full((2,), 10.0 ** i) for i in range(n)]
+    try:
+        out = threaded_apply(reps, inputs)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        fail(f"threaded_apply raised {type(exc).__name__}: {exc}")
+    if not isinstance(out, (list, tuple)) or len(out) != n:
+        fail(f"threaded_apply must return a list with one output per replica, got "
+             f"{type(out).__name__}" + (f" of length {len(out)}" if hasattr(out, "__len__") else "")
+             + ".")
+    if any(o is None for o in out):
+        fail("some outputs are still None: threaded_apply returned before its threads finished "
+             "— join every thread before reading the results.")
+    want = [reps[i].factor * inputs[i] for i in range(n)]
+    if not all(isinstance(o, torch.Tensor) and torch.equal(o.detach(), w) for o, w in zip(out, want)):
+        if all(isinstance(o, torch.Tensor) and torch.equal(o.detach(), w)
+               for o, w in zip(out, want[::-1])):
+            fail("the outputs are in the order the threads finished, not in replica order: "
+                 "store each result at its replica's index (results[i] = ...).")
+        fail("output i is not replicas[i](inputs[i]): give each thread its own index and keep "
+             "the pairs together.")
+    threads = {tid for _, tid, _, _ in log}
+    if threads == {threading.get_ident()}:
+        fail("the replicas ran one after another in the caller's thread: start one thread per "
+             "replica (threading.Thread(target=..., args=(i,)), or a ThreadPoolExecutor).")
+    # Checked before the thread count: a finished thread's id can be reused by the next one.
+    spans = sorted((t0, t1) for _, _, t0, t1 in log)
+    if not any(spans[i + 1][0] < spans[i][1] for i in range(len(spans) - 1)):
+        fail("the replicas never ran at the same time: start every thread (or submit every "
+             "task) before waiting for any of them, then join them all.")
+    if len(threads) < n:
+        fail(f"the {n} replicas ran in {len(threads)} thread(s), so some waited for others: give "
+             f"each replica a thread of its own.")
+    if not all(o.requires_grad for o in out):
+        fail("the outputs carry no autograd graph: grad mode is per thread in torch, so a thread "
+             "must switch it to the caller's setting (torch.set_grad_enabled(...)).")
+    with torch.no_grad():
+        quiet = threaded_apply([_Timed(1, 0.0, []) for _ in range(2)],
+                               [torch.ones(2), torch.ones(2)])
+    if any(o.requires_grad for o in quiet):
+        fail("called under torch.no_grad(), the threads still recorded a graph: grad mode is "
+             "per thread in torch — read torch.is_grad_enabled() in the caller and set it in "
+             "each thread with torch.set_grad_enabled(...).")
+    broken = [_Timed(1, 0.0, []), _Timed(2, 0.0, [], fail_with="replica 1 broke")]
+    try:
+        threaded_apply(broken, [torch.ones(2), torch.ones(2)])
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        if "replica 1 broke" not in str(exc) and "replica 1 broke" not in str(exc.__cause__):
+            fail(f"when a replica fails, the caller should see its error; got "
+                 f"{type(exc).__name__}: {exc}")
+    else:
+        fail("a replica raised an error in its thread and threaded_apply returned as if "
+             "nothing happened: keep the exception and raise it in the caller after join.")
+    passed(f"threaded_apply ran {n} replicas at the same time in {n} threads, kept their order, "
+           f"the caller's grad mode, and their errors")
