@@ -151,7 +151,8 @@ lab02.check_threaded_apply(threaded_apply)
 # so that the threads, not torch's own pool, share the cores.
 
 # %%
-# NBVAL_IGNORE_OUTPUT: timings depend on the machine and its load.
+# NBVAL_IGNORE_OUTPUT
+# Why: timings depend on the machine and its load.
 import os
 import time
 
