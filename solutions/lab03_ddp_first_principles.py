@@ -9,10 +9,11 @@
 # 2. `data_parallel_step(model, optimizer, X, y)`: one training step of a rank on its shard
 #    `X, y`: zero the gradients, mean cross-entropy, backward, `average_gradients`, step.
 #
-# The checks run your functions on 2 ranks (gloo, through `dpcourse.launch.spawn`; they ship
-# your functions to the ranks, so define them right here in the notebook) and compare with one
-# process on the global batch. They recognise the classic mistakes — summing without dividing,
-# dividing into a new tensor instead of `p.grad`, calling `all_reduce` on one rank only (a
+# The checks run your functions on 2 and then 3 ranks (gloo, through `dpcourse.launch.spawn`;
+# they ship your functions to the ranks, so define them right here in the notebook) and compare
+# with one process on the global batch. They recognise the classic mistakes — summing without
+# dividing, dividing by a fixed 2 instead of the world size, dividing into a new tensor instead
+# of `p.grad`, calling `all_reduce` on one rank only (a
 # deadlock: the check stops it after 20 s), averaging the loss instead of the gradients — and
 # tell you which one you made.
 
@@ -55,3 +56,33 @@ def data_parallel_step(model, optimizer, X, y):
 
 
 lab03.check_data_parallel_step(data_parallel_step)
+
+# %% [markdown]
+# ## Stretch (optional): one all_reduce for the whole model
+#
+# A workshop can stop here. Your `average_gradients` makes one collective call per parameter
+# tensor — 10 for this small CNN, hundreds for a real network — and every call pays the fixed
+# start-up cost α of lesson 06's cost model. Fewer, bigger messages pay it once. DDP's answer is
+# *buckets* of about 25 MB (lesson 07); the extreme is a single bucket.
+#
+# Write `average_gradients_flat(model)`: concatenate every gradient, flattened, into one 1-D
+# tensor; `all_reduce` it **once**; divide; and copy each slice back into its `p.grad` in the
+# parameter's shape. The check counts your `dist.all_reduce` calls on 2 and 3 ranks.
+
+# %%
+def average_gradients_flat(model):
+    """Like average_gradients, with a single all_reduce on one flat buffer."""
+    ### BEGIN SOLUTION: torch.cat the flattened grads, one all_reduce, divide, copy each slice back into p.grad
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    ### END SOLUTION
+
+
+# %%
+lab03.check_average_gradients_flat(average_gradients_flat)

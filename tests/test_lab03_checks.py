@@ -6,6 +6,7 @@ import time
 
 import cloudpickle
 import pytest
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -105,11 +106,11 @@ def no_step(model, optimizer, X, y):
 def test_reference_average_gradients_passes(capsys):
     assert lab03.check_average_gradients(ddp.average_gradients) is None  # nothing to echo
     out = capsys.readouterr().out
-    assert out.startswith("✔") and "mean over 2 ranks" in out and out.count("✔") == 1
+    assert out.startswith("✔") and "on 2 and 3 ranks" in out and out.count("✔") == 1
 
 
 @pytest.mark.parametrize("fn, phrase", [
-    (sum_only, "divide p.grad by the world size"),
+    (sum_only, r"all_reduce\(SUM\), divide by the world size"),
     (rebind_in_list, "divided into a new tensor bound to a name or list slot"),
     (rebind_local_name, "divided into a new tensor bound to a name or list slot"),
     (reduce_a_copy, "not a copy"),
@@ -188,3 +189,140 @@ def test_unfinished_lab_raises_not_implemented_without_launching():
 def test_not_implemented_raised_in_a_rank_stays_not_implemented():
     with pytest.raises(NotImplementedError, match="on rank"):
         lab03.check_average_gradients(todo_inside)
+
+
+
+# --- answers tied to 2 ranks, right answers written differently, and the flat stretch ---------
+
+def divide_by_two(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= 2  # right on 2 ranks only
+
+
+def rebind_attribute(model):
+    n = dist.get_world_size()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad = p.grad / n  # a new tensor, but bound to p.grad itself: right
+
+
+def div_underscore_then_reduce(model):
+    n = dist.get_world_size()
+    for p in model.parameters():
+        p.grad.div_(n)  # dividing first is just as right
+        dist.all_reduce(p.grad)
+
+
+def flat_with_torch_helpers(model):
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    grads = [p.grad for p in model.parameters()]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat.mul_(1.0 / dist.get_world_size())
+    for g, avg in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(avg)
+
+
+@pytest.mark.parametrize("fn", [rebind_attribute, div_underscore_then_reduce,
+                                flat_with_torch_helpers])
+def test_right_average_gradients_variants_pass(fn, capsys):
+    lab03.check_average_gradients(fn)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_dividing_by_a_fixed_two_fails_on_three_ranks():
+    with pytest.raises(LabCheckError, match="not by a fixed 2"):
+        lab03.check_average_gradients(divide_by_two)
+
+
+def step_dividing_by_two(model, optimizer, X, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(X), y)
+    loss.backward()
+    divide_by_two(model)
+    optimizer.step()
+    return loss.item()
+
+
+def step_with_sum_reduction(model, optimizer, X, y):
+    # right: a summed loss divided by the shard size is the mean loss
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(X), y, reduction="sum") / len(y)
+    loss.backward()
+    rebind_attribute(model)
+    optimizer.step()
+    return loss.detach()
+
+
+def test_step_dividing_by_two_fails_on_three_ranks():
+    with pytest.raises(LabCheckError, match="divided by 2, not by the world size"):
+        lab03.check_data_parallel_step(step_dividing_by_two)
+
+
+def test_step_with_a_summed_loss_divided_is_accepted(capsys):
+    lab03.check_data_parallel_step(step_with_sum_reduction)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def flat_reference(model):
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+def flat_assigning_views(model):
+    # right: p.grad rebound to views of the averaged buffer
+    params = list(model.parameters())
+    flat = torch.cat([p.grad.reshape(-1) for p in params]) / dist.get_world_size()
+    dist.all_reduce(flat)
+    i = 0
+    for p in params:
+        p.grad = flat[i:i + p.numel()].view_as(p)
+        i += p.numel()
+
+
+def flat_never_copied_back(model):
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+
+
+def flat_two_buffers(model):
+    for group in ([p for p in model.parameters() if p.dim() > 1],
+                  [p for p in model.parameters() if p.dim() == 1]):
+        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for p, piece in zip(group, flat.split([p.numel() for p in group])):
+            p.grad.copy_(piece.view_as(p))
+
+
+def flat_without_division(model):
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+@pytest.mark.parametrize("fn", [flat_reference, flat_assigning_views, flat_with_torch_helpers])
+def test_right_flat_averages_pass(fn, capsys):
+    lab03.check_average_gradients_flat(fn)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "one all_reduce" in out
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (ddp.average_gradients, "all_reduce 10 times, once per parameter"),
+    (flat_two_buffers, "all_reduce 2 times"),
+    (flat_never_copied_back, "copy each slice back"),
+    (flat_without_division, "divide by the world size"),
+])
+def test_flat_mistakes_are_named(fn, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients_flat(fn)
+    assert phrase in str(err.value), str(err.value)

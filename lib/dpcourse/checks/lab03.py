@@ -1,10 +1,12 @@
-"""Checks for lab03: ``average_gradients(model)`` and a DDP-free data-parallel step.
+"""Checks for lab03: ``average_gradients(model)``, a DDP-free data-parallel step, and the
+stretch ``average_gradients_flat(model)`` (one all_reduce for the whole model).
 
-Both run the learner's functions (defined in notebook cells; ``dpcourse.launch`` ships them to
-the ranks with cloudpickle) on 2 gloo ranks, and compare with ``dpcourse.ddp``'s reference.
-A wrong answer is matched against simulations of the plausible mistakes:
+They run the learner's functions (defined in notebook cells; ``dpcourse.launch`` ships them to
+the ranks with cloudpickle) on 2 and then 3 gloo ranks, and compare with ``dpcourse.ddp``'s
+reference. A wrong answer is matched against simulations of the plausible mistakes:
 
 * summing without dividing (gradients ``world_size`` times too big);
+* dividing by a fixed 2 instead of the world size (right on 2 ranks only: hence 3 ranks too);
 * dividing into a new tensor bound to a name or a list slot (``g = g / world_size``): ``p.grad``
   keeps the sum — numerically the same as never dividing, so the learner's source is read to
   tell the two apart;
@@ -26,7 +28,8 @@ import torch.nn.functional as F
 
 from . import fail, passed
 
-__all__ = ["check_average_gradients", "check_data_parallel_step", "DEFAULT_TIMEOUT"]
+__all__ = ["check_average_gradients", "check_average_gradients_flat",
+           "check_data_parallel_step", "DEFAULT_TIMEOUT", "WORLD_SIZES"]
 
 DEFAULT_TIMEOUT = 20.0  # seconds; a correct answer takes 1-8 s, a deadlock is cut off here
 
@@ -43,10 +46,23 @@ def _avg_worker(rank: int, world_size: int, fn) -> dict:
     y = torch.randint(0, 10, (4,), generator=g).to(dev)
     F.cross_entropy(model(X), y).backward()
     local = [p.grad.detach().cpu().clone() for p in model.parameters()]
-    fn(model)
+    # Count the all_reduce calls (the stretch asks for exactly one).
+    import torch.distributed as dist
+
+    real, calls = dist.all_reduce, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        fn(model)
+    finally:
+        dist.all_reduce = real
     after = [None if p.grad is None else p.grad.detach().cpu().clone()
              for p in model.parameters()]
-    return {"local": local, "after": after}
+    return {"local": local, "after": after, "all_reduce_calls": len(calls)}
 
 
 def _rebinds_division(fn) -> bool | None:
@@ -107,13 +123,37 @@ def _launch(worker, world_size: int, timeout: float, *args):
         fail(f"your code raised on rank {exc.rank}: {exc.summary}")
 
 
-def check_average_gradients(average_gradients, world_size: int = 2,
-                            timeout: float = DEFAULT_TIMEOUT) -> str:
-    """Run ``average_gradients(model)`` on ``world_size`` ranks after a backward on different
+WORLD_SIZES = (2, 3)  # two sizes: an answer that divides by 2 instead of the world size fails
+
+
+def check_average_gradients(average_gradients, world_sizes=WORLD_SIZES,
+                            timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Run ``average_gradients(model)`` on 2 and on 3 ranks after a backward on different
     data; every rank's ``p.grad`` must then be the mean of the ranks' gradients."""
-    if not callable(average_gradients):
-        fail(f"check_average_gradients needs your function, got {type(average_gradients).__name__}.")
-    results = _launch(_avg_worker, world_size, timeout, average_gradients)
+    __tracebackhide__ = True
+    for world_size in world_sizes:
+        _check_average(average_gradients, world_size, timeout, "average_gradients")
+    passed(f"average_gradients: every p.grad is the mean over the ranks, in place "
+           f"(on {' and '.join(map(str, world_sizes))} ranks)")
+
+
+def check_average_gradients_flat(average_gradients_flat, world_sizes=WORLD_SIZES,
+                                 timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Stretch: the same average, with exactly one ``dist.all_reduce`` call for the whole model
+    (one flat buffer holding every gradient)."""
+    __tracebackhide__ = True
+    for world_size in world_sizes:
+        _check_average(average_gradients_flat, world_size, timeout, "average_gradients_flat",
+                       flat=True)
+    passed(f"average_gradients_flat: one all_reduce for the whole model, every p.grad the mean "
+           f"over the ranks (on {' and '.join(map(str, world_sizes))} ranks)")
+
+
+def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = False) -> None:
+    __tracebackhide__ = True
+    if not callable(fn):
+        fail(f"the check needs your function, got {type(fn).__name__}.")
+    results = _launch(_avg_worker, world_size, timeout, fn)
     locals_ = [r["local"] for r in results]
     n_params = len(locals_[0])
     total = [sum(loc[i] for loc in locals_) for i in range(n_params)]
@@ -121,24 +161,34 @@ def check_average_gradients(average_gradients, world_size: int = 2,
     for rank, r in enumerate(results):
         after = r["after"]
         if any(a is None for a in after):
-            fail(f"on rank {rank} some p.grad is None after your function: average the gradients "
+            fail(f"on rank {rank} some p.grad is None after {name}: average the gradients "
                  f"in place, do not delete them.")
         for a, m in zip(after, mean):
             if a.shape != m.shape:
                 fail(f"on rank {rank} a gradient has shape {tuple(a.shape)} instead of its "
-                     f"parameter's {tuple(m.shape)}: average element-wise, do not reduce or "
-                     f"reshape the tensor.")
+                     f"parameter's {tuple(m.shape)}: average element-wise"
+                     + (" and copy each slice of the flat buffer back in its parameter's shape "
+                        "(.view_as(p.grad))." if flat else ", do not reduce or reshape the "
+                        "tensor."))
         if _all_close(after, mean):
             continue
         if _all_close(after, total):
-            if _rebinds_division(average_gradients):
+            if _rebinds_division(fn):
                 fail(f"the gradients hold the sum over the ranks, {world_size} times the mean: "
                      f"you divided into a new tensor bound to a name or list slot "
                      f"(g = g / world_size), which leaves p.grad untouched — divide p.grad in "
                      f"place (p.grad /= world_size or p.grad.div_(world_size)).")
             fail(f"the gradients hold the sum over the ranks, {world_size} times the mean: after "
-                 f"all_reduce(SUM), divide p.grad by the world size (in place).")
+                 f"all_reduce(SUM), divide by the world size.")
+        for k in sorted({2, 3, 4} - {world_size}):
+            if _all_close(after, [t / k for t in total]):
+                fail(f"on {world_size} ranks the gradients are the sum divided by {k}: divide by "
+                     f"the world size (dist.get_world_size()), not by a fixed {k}.")
         if _all_close(after, r["local"]):
+            if flat:
+                fail(f"on rank {rank} p.grad is still that rank's own gradient: the flat buffer "
+                     f"is a copy (torch.cat copies), so after reducing and dividing it, copy "
+                     f"each slice back into its p.grad (p.grad.copy_(...)).")
             fail(f"on rank {rank} p.grad is still that rank's own gradient: nothing was reduced "
                  f"into it — all_reduce p.grad itself, not a copy (p.grad.clone(), "
                  f"p.grad / world_size, torch.tensor(...)), since it writes its result into the "
@@ -149,7 +199,17 @@ def check_average_gradients(average_gradients, world_size: int = 2,
         fail(f"on rank {rank} the gradients are not the mean over the ranks (nor their sum, nor "
              f"the rank's own): all_reduce each p.grad with SUM, then divide it by the world "
              f"size, in place.")
-    return passed(f"average_gradients: every p.grad is the mean over {world_size} ranks, in place")
+    if flat:
+        calls = results[0]["all_reduce_calls"]
+        if calls == 0:
+            fail("the averages are right but the check saw no dist.all_reduce call: call it as "
+                 "dist.all_reduce(flat) (the check counts calls made through "
+                 "torch.distributed).")
+        if calls > 1:
+            fail(f"{name} called all_reduce {calls} times"
+                 + (f", once per parameter ({n_params})" if calls == n_params else "")
+                 + ": put every gradient into one flat tensor (torch.cat of the flattened "
+                   "grads), reduce it once, and copy the slices back.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,7 +222,8 @@ _STEPS = 3
 def _cfg():
     from ..ddp import StepConfig
 
-    return StepConfig(global_batch=16, steps=_STEPS, lr=0.1, width=4, n_train=64)
+    # 24 samples split evenly over both world sizes tried (2 and 3 ranks)
+    return StepConfig(global_batch=24, steps=_STEPS, lr=0.1, width=4, n_train=96)
 
 
 def _step_worker(rank: int, world_size: int, step_fn) -> dict:
@@ -189,7 +250,8 @@ def _step_worker(rank: int, world_size: int, step_fn) -> dict:
 def _simulate(world_size: int, rank: int | None, scale: float = 1.0,
               zero_grad: bool = True) -> torch.Tensor:
     """Final weights of a single process that trains on rank ``rank``'s shard only (None: the
-    whole global batch), with gradients multiplied by ``scale``, with or without zero_grad."""
+    whole global batch), with gradients multiplied by ``scale``, with or without zero_grad.
+    (Its ``world_size`` only picks the shard.)"""
     from .. import ddp
 
     cfg = _cfg()
@@ -206,24 +268,26 @@ def _simulate(world_size: int, rank: int | None, scale: float = 1.0,
     return ddp.flat_params(model)
 
 
-def check_data_parallel_step(data_parallel_step, world_size: int = 2,
-                             timeout: float = DEFAULT_TIMEOUT) -> str:
-    """Run ``data_parallel_step(model, optimizer, X, y)`` for 3 steps on ``world_size`` ranks,
-    each on its shard of the global batch; the final weights must be equal on every rank and
-    equal to one process trained on the whole global batch."""
-    from .. import ddp
-
+def check_data_parallel_step(data_parallel_step, world_sizes=WORLD_SIZES,
+                             timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Run ``data_parallel_step(model, optimizer, X, y)`` for 3 steps on 2 and on 3 ranks, each
+    on its shard of the global batch; the final weights must be equal on every rank and equal
+    to one process trained on the whole global batch."""
+    __tracebackhide__ = True
     if not callable(data_parallel_step):
         fail(f"check_data_parallel_step needs your function, got "
              f"{type(data_parallel_step).__name__}.")
-    results = _launch(_step_worker, world_size, timeout, data_parallel_step)
-    params = [r["params"] for r in results]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the simulations are tiny: extra threads only add contention
-    try:
-        return _diagnose_step(params, world_size, _returned_loss_problem(results))
-    finally:
-        torch.set_num_threads(threads)
+    for world_size in world_sizes:
+        results = _launch(_step_worker, world_size, timeout, data_parallel_step)
+        params = [r["params"] for r in results]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the simulations are tiny: extra threads only add contention
+        try:
+            _diagnose_step(params, world_size, _returned_loss_problem(results))
+        finally:
+            torch.set_num_threads(threads)
+    passed(f"data-parallel step on {' and '.join(map(str, world_sizes))} ranks == one process "
+           f"on the global batch, weights equal on every rank")
 
 
 def _returned_loss_problem(results: list) -> str | None:
@@ -244,6 +308,7 @@ def _returned_loss_problem(results: list) -> str | None:
 
 
 def _diagnose_step(params: list, world_size: int, loss_problem: str | None = None) -> None:
+    __tracebackhide__ = True
     from .. import ddp
 
     reference = _simulate(world_size, None)
@@ -255,8 +320,7 @@ def _diagnose_step(params: list, world_size: int, loss_problem: str | None = Non
     if all(close(p, reference) for p in params):
         if loss_problem:
             fail(loss_problem)
-        return passed(f"data-parallel step on {world_size} ranks == one process on the global "
-                      f"batch, weights equal on every rank")
+        return
     if all(torch.equal(p, start) for p in params):
         fail("the weights never changed: call optimizer.step() after averaging the gradients.")
     own = [[_simulate(world_size, r, scale) for r in range(world_size)]
@@ -269,6 +333,10 @@ def _diagnose_step(params: list, world_size: int, loss_problem: str | None = Non
     if all(close(p, _simulate(world_size, None, zero_grad=False)) for p in params):
         fail("the gradients piled up from step to step: call optimizer.zero_grad() before each "
              "backward.")
+    for k in sorted({2, 3, 4} - {world_size}):
+        if all(close(p, _simulate(world_size, None, scale=world_size / k)) for p in params):
+            fail(f"on {world_size} ranks the steps are {world_size}/{k} of the right size: the "
+                 f"gradients were divided by {k}, not by the world size (dist.get_world_size()).")
     if not all(close(p, params[0]) for p in params):
         fail("after 3 steps the ranks hold different weights: every rank must apply the same "
              "averaged gradients.")
