@@ -7,9 +7,10 @@
 # **torchrun with 2 processes and DDP**, so that it ends with **the same weights** as one process
 # trained on the global batch.
 #
-# The check runs your script with `torchrun --nproc-per-node=2`, loads the weights it writes to
-# `--out`, and compares them with the reference. If they differ, it tells you which classic
-# mistake your weights correspond to.
+# The check runs your script with `torchrun --nproc-per-node=2`, then again with 3 processes,
+# another `--seed` and another `--global-batch` (so nothing in it may be tied to 2 ranks or to
+# the defaults), loads the weights it writes to `--out`, and compares them with the reference.
+# If they differ, it tells you which classic mistake your weights correspond to.
 
 # %% tags=["parameters"]
 timeout = 120   # seconds the check gives torchrun
@@ -147,13 +148,57 @@ os._exit(0)  # skip interpreter shutdown, where gloo + DDP can abort a finished 
 # %% [markdown]
 # ## Check
 #
-# This runs `torchrun --nproc-per-node=2 train_lab.py ...` (about 10 s) and compares the
-# weights. One line with ✔ means your script is right.
+# This runs `torchrun --nproc-per-node=2 train_lab.py ...` and then the 3-process run (about
+# 10 s each) and compares the weights. One line with ✔ means your script is right.
 
 # %%
 from dpcourse.checks import lab04
 
 result = lab04.check(work / "train_lab.py", timeout=timeout)
+
+# %% [markdown]
+# ## Stretch (optional): resume after a crash
+#
+# A workshop can stop here. Lesson 04 restarted a job with `torchrun --max-restarts`; a restart
+# only helps if the script can pick up where it stopped. Write the two functions a training
+# script calls for that:
+#
+# * `save_training_state(path, model, optimizer, epoch, is_main)` — at the end of every epoch:
+#   on the main rank only, save what the next run needs to continue *exactly* (the unwrapped
+#   weights, the optimizer's state — SGD's momentum lives there — and the epoch just finished).
+#   `save_checkpoint` from `dpcourse.ddp_practice` writes atomically.
+# * `resume_training_state(path, model, optimizer)` — at the start, on every rank: if the file
+#   exists, load it back into the (DDP-wrapped) model and the optimizer and **return the first
+#   epoch still to do**; if not, return 0. `load_checkpoint` returns None for a missing file.
+#
+# The check trains the lab's model for 3 epochs on 2 ranks, stops the job after epoch 1 as a
+# crash would, starts it again, and compares the final weights with an uninterrupted run.
+
+# %%
+from dpcourse.ddp_practice import load_checkpoint, save_checkpoint
+
+
+def save_training_state(path, model, optimizer, epoch, is_main):
+    ### BEGIN SOLUTION: on the main rank only: save the unwrapped weights, the optimizer state and the epoch
+    if is_main:
+        save_checkpoint(path, {"model": model.module.state_dict(),
+                               "optimizer": optimizer.state_dict(), "epoch": epoch})
+    ### END SOLUTION
+
+
+def resume_training_state(path, model, optimizer):
+    ### BEGIN SOLUTION: load weights and optimizer state if the file exists; return the first epoch still to do (0 if none)
+    state = load_checkpoint(path)
+    if state is None:
+        return 0
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["epoch"] + 1
+    ### END SOLUTION
+
+
+# %%
+lab04.check_resume(save_training_state, resume_training_state)
 
 # %% tags=["solution-only"]
 import shutil

@@ -1,18 +1,24 @@
 """Check for lab 04: a single-device training script turned into a torchrun DDP script.
 
-``check(path)`` runs the learner's script with 2 processes through torchrun, with the lab's
-arguments (see :class:`Lab04Config`), and compares the weights it writes to ``--out`` with those
-of one process trained on the global batch. DDP changes nothing in the maths, so they must be
-equal to float tolerance. When they are not, we replay the plausible wrong answers in one
-process and name the one whose weights the script reproduced:
+``check(path)`` runs the learner's script through torchrun twice — 2 processes with the lab's
+arguments, then 3 processes with another seed and global batch (see :data:`CONFIGS`), so an
+answer tied to 2 ranks or to the default seed fails — and compares the weights it writes to
+``--out`` with those of one process trained on the global batch. DDP changes nothing in the
+maths, so they must be equal to float tolerance. When they are not, we replay the plausible
+wrong answers in one process and name the one whose weights the script reproduced:
 
 * no DistributedSampler: every rank reads the same batches, so the global batch is halved;
-* the per-rank batch left at the global batch: the global batch is doubled;
+* the per-rank batch left at the global batch: the global batch is multiplied by N;
+* the per-rank batch written as ``global_batch // 2`` (right on 2 ranks only);
 * the learning rate multiplied by the world size (the global batch did not change);
 * ``sampler.set_epoch`` forgotten: every epoch repeats epoch 0's order;
+* the sampler's seed left at its default: the data order ignores ``--seed``;
+* ``drop_last`` removed: a short last batch the single-device script never takes (3 ranks);
 * no DDP wrapper: rank 0 trained alone on its half of the data.
 
-Saving on every rank is caught directly: the check records every ``torch.save`` per rank.
+Saving on every rank is caught directly: the check records every ``torch.save`` per rank; a
+checkpoint saved from the DDP wrapper (``module.`` keys) is refused, since the plain model that
+evaluation and resuming build cannot load it.
 Used in solutions/lab04_ddp_in_practice.py; tests in tests/test_lab04_checks.py.
 """
 
@@ -28,7 +34,8 @@ from pathlib import Path
 
 from dpcourse.checks import fail, passed
 
-__all__ = ["Lab04Config", "reference_weights", "run_script", "judge", "check", "MISTAKES"]
+__all__ = ["Lab04Config", "CONFIGS", "reference_weights", "run_script", "judge", "check",
+           "MISTAKES"]
 
 
 @dataclass(frozen=True)
@@ -48,17 +55,34 @@ class Lab04Config:
                 "--global-batch", str(self.global_batch), "--lr", str(self.lr),
                 "--seed", str(self.seed), "--width", str(self.width), "--out", out]
 
+    def describe(self) -> str:
+        return (f"{self.world_size} ranks, --seed {self.seed}, --global-batch "
+                f"{self.global_batch}")
+
+
+# The lab's run, then one that changes what a hard-coded answer would freeze: the world size
+# (3: 48 // 3 = 16 per rank; 256 samples do not split evenly, so drop_last matters), the seed
+# and the global batch.
+CONFIGS = (Lab04Config(), Lab04Config(world_size=3, seed=1, global_batch=48))
+
 
 # name -> the sentence the learner reads when their weights match that wrong answer
 MISTAKES = {
     "same_data": "Every rank trained on the same batches: use a DistributedSampler (with "
                  "num_replicas=world_size and rank=rank) so each rank reads its own shard.",
-    "batch_not_divided": "Each rank used the global batch, so the global batch doubled: give "
-                         "the DataLoader per_rank_batch = global_batch // world_size.",
+    "batch_not_divided": "Each rank used the global batch, so the global batch grew world_size "
+                         "times: give the DataLoader per_rank_batch = global_batch // "
+                         "world_size.",
+    "batch_fixed_two": "The per-rank batch is global_batch // 2, right on 2 ranks only: divide "
+                       "by world_size.",
     "lr_scaled": "The learning rate was multiplied by the world size, but the global batch did "
                  "not change (DDP averages the gradients): keep lr as it is.",
     "no_set_epoch": "Every epoch repeated the first epoch's order: call "
                     "sampler.set_epoch(epoch) at the start of each epoch.",
+    "sampler_seed_ignored": "The data order ignores --seed: DistributedSampler shuffles with "
+                            "its own seed (0 by default), so pass seed=args.seed.",
+    "no_drop_last": "Each rank took a short last batch that the single-device script drops: "
+                    "keep drop_last=True in the DataLoader.",
     "no_ddp": "Rank 0 trained alone on its half of the data, its gradients never averaged "
               "with the other rank's: wrap the model in DistributedDataParallel.",
 }
@@ -85,42 +109,64 @@ def _reference_weights(cfg: Lab04Config, variant: str) -> dict:
     contiguous slice of the epoch's permutation (seeded with seed + epoch).
     """
     import torch
-    import torch.nn.functional as F
-
-    from dpcourse import models
 
     if variant != "correct" and variant not in MISTAKES:
         raise ValueError(f"unknown variant {variant!r}: 'correct' or one of {sorted(MISTAKES)}")
-    X, y = _load_lab_data(cfg)
-    n, ws = len(y), cfg.world_size
-    batch, lr = cfg.global_batch, cfg.lr
-    if variant == "same_data" or variant == "no_ddp":
-        batch = cfg.global_batch // ws
-    elif variant == "batch_not_divided":
-        batch = cfg.global_batch * ws
-    elif variant == "lr_scaled":
-        lr = cfg.lr * ws
-    torch.manual_seed(cfg.seed)
-    model = models.SmallCNN(width=cfg.width)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    model, opt = _fresh(cfg, lr=cfg.lr * cfg.world_size if variant == "lr_scaled" else cfg.lr)
     prev = torch.get_num_threads()
     torch.set_num_threads(1)  # the same kernels as one torchrun worker (OMP_NUM_THREADS=1)
     try:
         for epoch in range(cfg.epochs):
-            g = torch.Generator()
-            g.manual_seed(cfg.seed + (0 if variant == "no_set_epoch" else epoch))
-            order = torch.randperm(n, generator=g)
-            if variant == "no_ddp":
-                order = order[0::ws]  # rank 0's shard
-            for start in range(0, len(order) - batch + 1, batch):
-                idx = order[start:start + batch]
-                loss = F.cross_entropy(model(X[idx]), y[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+            _train_epoch(model, opt, cfg, epoch, variant)
     finally:
         torch.set_num_threads(prev)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _fresh(cfg: Lab04Config, lr: float | None = None):
+    import torch
+
+    from dpcourse import models
+
+    torch.manual_seed(cfg.seed)
+    model = models.SmallCNN(width=cfg.width)
+    return model, torch.optim.SGD(model.parameters(), lr=cfg.lr if lr is None else lr,
+                                  momentum=0.9)
+
+
+def _train_epoch(model, opt, cfg: Lab04Config, epoch: int, variant: str = "correct") -> None:
+    """One epoch of the N-rank DDP run, in one process (or of a mistake's run)."""
+    import torch
+    import torch.nn.functional as F
+
+    X, y = _load_lab_data(cfg)
+    n, ws = len(y), cfg.world_size
+    per_rank = {"batch_not_divided": cfg.global_batch,
+                "batch_fixed_two": cfg.global_batch // 2}.get(variant, cfg.global_batch // ws)
+    order_seed = 0 if variant == "sampler_seed_ignored" else cfg.seed
+    g = torch.Generator()
+    g.manual_seed(order_seed + (0 if variant == "no_set_epoch" else epoch))
+    order = torch.randperm(n, generator=g)
+    if variant == "same_data":  # one replica's sampler: all of it, on every rank
+        steps = [order[i:i + per_rank] for i in range(0, n - per_rank + 1, per_rank)]
+    else:
+        # DistributedSampler pads the order to a multiple of N with its first indices; rank r
+        # reads positions r, r + N, ...; so at step s the ranks together read the contiguous
+        # positions [s * N * per_rank, (s + 1) * N * per_rank).
+        per_rank_samples = -(-n // ws)
+        order = torch.cat([order, order[:per_rank_samples * ws - n]])
+        if variant == "no_ddp":  # rank 0 alone, on its shard
+            order, width = order[0::ws], per_rank
+        else:
+            width = per_rank * ws
+        full = per_rank_samples // per_rank
+        count = full + (variant == "no_drop_last" and per_rank_samples % per_rank > 0)
+        steps = [order[s * width:(s + 1) * width] for s in range(count)]
+    for idx in steps:
+        loss = F.cross_entropy(model(X[idx]), y[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
 
 
 _RUNNER = '''\
@@ -138,6 +184,12 @@ def _logged_save(obj, f, *args, **kwargs):
 torch.save = _logged_save
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
+# The script finished: leave without interpreter shutdown, where gloo + DDP now and then abort
+# a process that has done all its work. A script that ends with dist.destroy_process_group(),
+# or with nothing at all, is then judged on its weights alone.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 '''
 
 
@@ -259,8 +311,11 @@ def _model_weights(state) -> dict:
     if not isinstance(state, dict):
         fail(f"--out should hold the model's state_dict (or {{'model': state_dict}}), got a "
              f"{type(state).__name__}.")
-    # A DDP-wrapped model's state_dict prefixes every key with "module."; accept it.
-    return {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
+    if any(isinstance(k, str) and k.startswith("module.") for k in state):
+        fail("The saved weights come from the DDP wrapper: their keys start with 'module.', so "
+             "the plain model that evaluation and resuming build cannot load them "
+             "(load_state_dict fails on every key). Save model.module.state_dict().")
+    return state
 
 
 def _distance(a: dict, b: dict) -> float:
@@ -270,9 +325,11 @@ def _distance(a: dict, b: dict) -> float:
                else float("inf") for k in a)
 
 
-def judge(weights, saves: dict, cfg: Lab04Config = Lab04Config(), tol: float = 1e-4) -> str:
-    """Pass, or fail with the sentence that names the mistake."""
+def judge(weights, saves: dict, cfg: Lab04Config = Lab04Config(), tol: float = 1e-4) -> None:
+    """Nothing if the weights are the reference's; else fail with the sentence that names the
+    mistake."""
     __tracebackhide__ = True
+    where = "" if cfg == CONFIGS[0] else f"On {cfg.describe()}: "
     others = sorted(r for r, paths in saves.items() if r != 0 and paths)
     if others:
         fail(f"Rank {others[0]} called torch.save too: save only where is_main is true (rank 0) - "
@@ -286,22 +343,194 @@ def judge(weights, saves: dict, cfg: Lab04Config = Lab04Config(), tol: float = 1
              f"SmallCNN(width={cfg.width}): save model.module.state_dict().")
     d = _distance(weights, ref)
     if d <= tol:
-        return passed(f"your torchrun script ends with the reference weights (to within "
-                      f"{tol:g}): DDP on {cfg.world_size} ranks == one process on the global batch")
+        return
     for name, sentence in MISTAKES.items():
         if _distance(weights, reference_weights(cfg, name)) <= tol:
-            fail(sentence)
-    fail(f"Your final weights differ from the reference by up to {d:.3g}, and match none of the "
-         f"usual mistakes: compare your script with the single-device one line by line.")
+            fail(where + sentence)
+    fail(f"{where}your final weights differ from the reference by up to {d:.3g}, and match none "
+         f"of the usual mistakes: compare your script with the single-device one line by line "
+         f"(does it use a number that holds only on 2 ranks or for the default arguments?).")
 
 
-def check(path="train_lab.py", cfg: Lab04Config = Lab04Config(), launcher: str = "torchrun",
-          timeout: float = 120.0) -> str:
-    """Run the learner's DDP script with torchrun on 2 ranks and compare its final weights."""
+def check(path="train_lab.py", cfgs=CONFIGS, launcher: str = "torchrun",
+          timeout: float = 120.0) -> None:
+    """Run the learner's DDP script with torchrun on 2 ranks, then on 3 ranks with another seed
+    and global batch, and compare its final weights each time."""
     __tracebackhide__ = True
-    weights, saves, _ = run_script(path, cfg, launcher=launcher, timeout=timeout)
-    return judge(weights, saves, cfg)
+    if isinstance(cfgs, Lab04Config):
+        cfgs = (cfgs,)
+    for cfg in cfgs:
+        weights, saves, _ = run_script(path, cfg, launcher=launcher, timeout=timeout)
+        judge(weights, saves, cfg)
+    passed(f"your torchrun script ends with the reference weights on "
+           f"{' and '.join(str(c.world_size) for c in cfgs)} ranks: DDP == one process on the "
+           f"global batch")
 
 
 def config_dict(cfg: Lab04Config = Lab04Config()) -> dict:
     return asdict(cfg)
+
+
+# --- stretch: resume after a crash ---------------------------------------------------------
+
+RESUME_CFG = Lab04Config(epochs=3)
+_CRASH_AFTER = 1  # the first run stops after epoch 1 of 0, 1, 2 (as if killed right then)
+
+RESUME_MISTAKES = {
+    "no_optimizer": "The optimizer's state was not restored: SGD's momentum restarted from zero "
+                    "after the crash. Save optimizer.state_dict() and load it back.",
+    "repeat_epoch": "The resumed run repeated the epoch it had already finished: return the "
+                    "saved epoch + 1, the first epoch still to do.",
+    "from_zero": "The resumed run started again at epoch 0 (with the saved weights): return the "
+                 "first epoch still to do, saved epoch + 1.",
+    "no_weights": "The resumed run continued from fresh weights: load the saved model weights "
+                  "(model.module.load_state_dict(...)).",
+}
+
+
+def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
+    """One rank of the lab's DDP training, with the learner's save and resume around it."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from dpcourse import data, models
+
+    torch.set_num_threads(1)
+    saves = []
+    real_save = torch.save
+
+    def logged_save(*a, **k):
+        saves.append(1)
+        return real_save(*a, **k)
+
+    ds = data.load("shapes10", n_train=cfg.n_train, n_test=10, seed=cfg.seed)
+    train_set = data.to_torch(ds.x_train, ds.y_train)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=cfg.seed)
+    loader = DataLoader(train_set, batch_size=cfg.global_batch // world_size, sampler=sampler,
+                        drop_last=True)
+    torch.manual_seed(cfg.seed)
+    model = DDP(models.SmallCNN(width=cfg.width))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    start = resume_fn(ckpt, model, opt)
+    if isinstance(start, torch.Tensor) and start.numel() == 1:
+        start = int(start.item())
+    if not isinstance(start, int) or isinstance(start, bool):
+        return {"error": f"resume_training_state returned {type(start).__name__}, not the epoch "
+                         f"to start at (an int)"}
+    epochs_run = []
+    torch.save = logged_save
+    try:
+        for epoch in range(start, cfg.epochs):
+            sampler.set_epoch(epoch)
+            for X, y in loader:
+                loss = torch.nn.functional.cross_entropy(model(X), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            epochs_run.append(epoch)
+            save_fn(ckpt, model, opt, epoch, rank == 0)
+            dist.barrier()  # rank 0's file is complete before anyone "crashes"
+            if epoch == stop_after:
+                break
+    finally:
+        torch.save = real_save
+    return {"start": start, "epochs": epochs_run, "saves": len(saves),
+            "weights": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+
+
+def _resumed_variant(cfg: Lab04Config, variant: str) -> dict:
+    """One-process weights of a crash after epoch _CRASH_AFTER and a resume done right or
+    with one mistake."""
+    import copy
+
+    import torch
+
+    model, opt = _fresh(cfg)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for epoch in range(_CRASH_AFTER + 1):
+            _train_epoch(model, opt, cfg, epoch)
+        first = _CRASH_AFTER + 1
+        if variant == "no_optimizer":
+            opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+        elif variant == "repeat_epoch":
+            first = _CRASH_AFTER
+        elif variant == "from_zero":
+            first = 0
+        elif variant == "no_weights":
+            saved_opt = copy.deepcopy(opt.state_dict())
+            model, opt = _fresh(cfg)
+            opt.load_state_dict(saved_opt)
+        for epoch in range(first, cfg.epochs):
+            _train_epoch(model, opt, cfg, epoch)
+    finally:
+        torch.set_num_threads(prev)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def check_resume(save_training_state, resume_training_state, timeout: float = 90.0) -> None:
+    """Stretch: train 3 epochs on 2 ranks, "crash" after epoch 1, run again: with your
+    ``save_training_state`` and ``resume_training_state`` the second run must do only epoch 2
+    and end with the weights of an uninterrupted run."""
+    __tracebackhide__ = True
+    from dpcourse import launch
+
+    cfg = RESUME_CFG
+    for fn, name in ((save_training_state, "save_training_state"),
+                     (resume_training_state, "resume_training_state")):
+        if not callable(fn):
+            fail(f"{name} must be a function, got {type(fn).__name__}.")
+    with tempfile.TemporaryDirectory(prefix="dpcourse-lab04-resume-") as tmp:
+        ckpt = os.path.join(tmp, "ckpt.pt")
+        runs = []
+        for stop_after in (_CRASH_AFTER, None):
+            try:
+                runs.append(launch.spawn(_resume_worker, cfg.world_size, save_training_state,
+                                         resume_training_state, ckpt, stop_after, cfg,
+                                         backend="gloo", timeout=timeout, show_output=False))
+            except launch.LaunchTimeoutError:
+                fail(f"a run did not finish within {timeout:g} s: does a function call a "
+                     f"collective (e.g. dist.barrier) on some ranks only?")
+            except launch.RankFailedError as exc:
+                if exc.summary.startswith("NotImplementedError"):
+                    raise NotImplementedError(f"{exc.summary} (on rank {exc.rank})") from None
+                when = "first run" if stop_after is not None else "run after the crash"
+                fail(f"your code raised on rank {exc.rank} in the {when}: {exc.summary}")
+            for r in runs[-1]:
+                if "error" in r:
+                    fail(r["error"] + ".")
+        first, second = runs
+        if first[0]["start"] != 0:
+            fail(f"with no checkpoint yet, resume_training_state returned {first[0]['start']}: "
+                 f"return 0 when the file does not exist (a fresh start).")
+        if any(r["saves"] for r in first[1:]):
+            fail("a rank other than rank 0 saved the checkpoint: save only when is_main is "
+                 "true — ranks writing one file at once race.")
+        if not first[0]["saves"]:
+            fail("rank 0 saved nothing: save the checkpoint at the end of each epoch when "
+                 "is_main is true.")
+        if not os.path.exists(ckpt):
+            fail(f"no file at the path save_training_state was given ({os.path.basename(ckpt)}): "
+                 f"save the checkpoint there.")
+        starts = {r["start"] for r in second}
+        if len(starts) != 1:
+            fail(f"after the crash the ranks would resume at different epochs {sorted(starts)}: "
+                 f"every rank must read the same checkpoint.")
+    want = reference_weights(cfg)
+    got = second[0]["weights"]
+    if _distance(got, want) <= 1e-4:
+        if second[0]["epochs"] != [cfg.epochs - 1]:
+            fail(f"the weights are right, but the resumed run trained epochs "
+                 f"{second[0]['epochs']}: it should have done only epoch {cfg.epochs - 1}.")
+        passed("resume after a crash: the second run trained only the last epoch and ended with "
+               "the weights of an uninterrupted run")
+        return
+    for name, sentence in RESUME_MISTAKES.items():
+        if _distance(got, _resumed_variant(cfg, name)) <= 1e-4:
+            fail(sentence)
+    fail(f"after resuming, the final weights differ from an uninterrupted run (by up to "
+         f"{_distance(got, want):.3g}): save the model weights, the optimizer state and the "
+         f"epoch; load all three; continue at the next epoch.")
