@@ -22,8 +22,11 @@ from dpcourse import devices, mirrored   # importing TF is fine: nothing has tou
 
 profile = devices.choose_profile()
 n_replicas = world_size or profile.tf_devices
-device_names = devices.split_tf_devices(n_replicas)   # must come before any other TF code
-strategy = mirrored.make_strategy(device_names)
+# On the CPU, one logical device more than the strategy uses: the checks also try your code on
+# n_replicas + 1 replicas, so that nothing in it can be tied to one replica count.
+spare = 1 if profile.tf_device_type == "CPU" else 0
+device_names = devices.split_tf_devices(n_replicas + spare)  # before any other TF code
+strategy = mirrored.make_strategy(device_names[:n_replicas])
 print("replicas in sync:", strategy.num_replicas_in_sync)
 
 # %%
@@ -49,7 +52,7 @@ def per_replica_loss(labels, logits, global_batch):
     ### END SOLUTION
 
 
-lab05.check_per_replica_loss(per_replica_loss, num_replicas=strategy.num_replicas_in_sync)
+lab05.check_per_replica_loss(per_replica_loss, strategy)
 
 # %% [markdown]
 # ## 2. Model and optimizer under the strategy
@@ -117,3 +120,56 @@ for batch in strategy.experimental_distribute_dataset(train.take(6)):
     losses.append(float(loss))
 print("steps run:", len(losses))
 assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
+
+# %% [markdown]
+# ## Stretch (optional): your own input pipeline, and a partial last batch
+#
+# A workshop can stop here. `experimental_distribute_dataset` split one global batch for you.
+# With `strategy.distribute_datasets_from_function(dataset_fn)` you build each input pipeline
+# yourself: `dataset_fn(input_context)` shards the data by `input_context.input_pipeline_id`
+# (one pipeline per worker machine; here there is one) and batches by the **per-replica**
+# batch, `input_context.get_per_replica_batch_size(global_batch)`. The replicas then take
+# consecutive batches of that pipeline.
+#
+# Then the detail every tutorial skips: 100 samples in global batches of 32 leave a last step
+# of 4 — on 2 replicas, 4 samples on one and **none** on the other. Dividing by `global_batch`
+# makes that step 8 times too small; `compute_average_loss` without `global_batch_size` guesses
+# 4 × 2 = 8; `reduce_mean` of no samples is NaN. The right divisor is the number of samples the
+# step really has: the replicas' sizes summed with the replica context's `all_reduce`.
+#
+# Write `make_dist_dataset(strategy, x, y, global_batch)` (in order, no shuffling, the partial
+# batch kept) and `train_epoch(strategy, model, optimizer, dist_dataset)`.
+
+# %%
+def make_dist_dataset(strategy, x, y, global_batch):
+    ### BEGIN SOLUTION: dataset_fn(ctx): shard by ctx, batch by ctx.get_per_replica_batch_size(global_batch); distribute_datasets_from_function
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return ds.batch(ctx.get_per_replica_batch_size(global_batch))
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+    ### END SOLUTION
+
+
+lab05.check_dataset_fn(make_dist_dataset, strategy)
+
+
+# %%
+def train_epoch(strategy, model, optimizer, dist_dataset):
+    def step_fn(x, y):
+        ### BEGIN SOLUTION: the step's real global sample count (all_reduce the local sizes); loss = summed per-example losses / that count; apply the gradients
+        ctx = tf.distribute.get_replica_context()
+        n_global = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.shape(y)[0])
+        with tf.GradientTape() as tape:
+            losses = mirrored.per_example_loss(y, model(x, training=True))
+            loss = tf.reduce_sum(losses) / tf.cast(n_global, tf.float32)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        ### END SOLUTION
+
+    for batch in dist_dataset:
+        strategy.run(step_fn, args=batch)
+
+
+lab05.check_partial_batch_epoch(train_epoch, strategy)

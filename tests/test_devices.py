@@ -89,6 +89,7 @@ from dpcourse import devices
 names = devices.split_tf_devices(2, "CPU")
 assert len(names) == 2, names
 assert devices.split_tf_devices(2, "CPU") == names  # re-running the cell is fine
+assert devices.split_tf_devices(1, "CPU") == names[:1]  # fewer: the first ones
 try:
     devices.split_tf_devices(3, "CPU")
 except RuntimeError as e:

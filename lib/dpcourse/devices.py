@@ -180,8 +180,9 @@ def split_tf_devices(n: int = 2, device_type: str | None = None, gpu_memory_mb: 
     else split the CPU. Returns the names of the devices to mirror over.
 
     This must run before anything else touches TensorFlow: TF fixes its devices the first time
-    it uses them. Calling it again with the same ``n`` is fine (re-running a cell); asking for
-    a different split after TF has started raises a RuntimeError that says to restart.
+    it uses them. Calling it again with the same or a smaller ``n`` is fine (re-running a cell:
+    the first ``n`` devices); asking for more devices after TF has started raises a
+    RuntimeError that says to restart.
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive number of devices, got {n!r}")
@@ -211,8 +212,8 @@ def split_tf_devices(n: int = 2, device_type: str | None = None, gpu_memory_mb: 
         tf.config.set_logical_device_configuration(physical, config)
     except RuntimeError as exc:
         have = tf.config.list_logical_devices(device_type)
-        if len(have) == n:
-            return [d.name for d in have]
+        if len(have) >= n:  # already split (re-running a cell, or a split into more devices)
+            return [d.name for d in have[:n]]
         raise RuntimeError(
             f"TensorFlow has already started with {len(have)} {device_type} device(s), so it "
             f"cannot be split into {n} now. Restart the kernel and run this cell before any "
