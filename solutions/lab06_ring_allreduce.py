@@ -13,7 +13,6 @@
 # `torch.tensor_split`): lengths need not be divisible by N.
 
 # %% tags=["parameters"]
-world_size = 3  # ranks the real-ring check starts (3: more than 2, so chunk indices matter)
 check_timeout = 20  # seconds before a hanging ring is stopped
 
 # %%
@@ -96,6 +95,10 @@ claim("every worker holds the sum", all(np.array_equal(b, expected) for b in buf
 #
 # Work in place: `tensor.view(-1)` is a flat view of a contiguous tensor, and `tensor_split`
 # gives views into it, so writing into a chunk writes into `tensor`.
+#
+# The check runs your ring on 3 ranks and then on 2, and watches what it sends: no built-in
+# collective (`dist.all_reduce` would be cheating), and per rank 2(N − 1) messages of one chunk
+# each.
 
 # %%
 def ring_allreduce(tensor, op="sum"):
@@ -128,7 +131,7 @@ def ring_allreduce(tensor, op="sum"):
     return tensor
 
 # %%
-_ = lab06.check_ring_allreduce(ring_allreduce, world_size=world_size, timeout=check_timeout)
+lab06.check_ring_allreduce(ring_allreduce, timeout=check_timeout)
 
 # %% [markdown]
 # ## 4. Why isend/irecv: the deadlock, made safe
@@ -155,6 +158,100 @@ def blocking_ring(tensor, op="sum"):
 
 
 try:
-    lab06.check_ring_allreduce(blocking_ring, world_size=world_size, timeout=10)
+    lab06.check_ring_allreduce(blocking_ring, world_size=3, timeout=10)
 except lab06.LabCheckError as err:
     print(err)
+
+# %% [markdown]
+# ## Stretch (optional): the scatter-reduce in segments
+#
+# A workshop can stop here. In your ring, a rank receives a whole chunk, *then* adds it, *then*
+# sends it on: the network waits for the addition and the addition waits for the network. Cut
+# each chunk into `segments` pieces and pipeline them: post the transfer of piece j + 1 before
+# adding piece j, so that the next piece travels while this one is added. NCCL does the same
+# with its own "slices" (the idea behind the bandwidth term of lesson 06's cost model).
+#
+# Write `ring_allreduce_segmented(tensor, op="sum", segments=4)`: the segmented scatter-reduce,
+# then the all-gather (whole chunks are fine there: nothing is added) and the average. The
+# check runs it on 3 and 2 ranks with 4 and 3 segments and counts the messages: at least
+# (N − 1) × segments pieces of about K / (N × segments) elements.
+
+# %%
+def ring_allreduce_segmented(tensor, op="sum", segments=4):
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    flat = tensor.view(-1)
+    chunks = flat.tensor_split(n)
+    ### BEGIN SOLUTION: per step: split the send and receive chunks into segments; post piece j+1 before adding piece j; then the all-gather and the average
+    for s in range(n - 1):
+        outgoing = chunks[(rank - s) % n].tensor_split(segments)
+        target = chunks[(rank - s - 1) % n].tensor_split(segments)
+        incoming = [torch.empty_like(t) for t in target]
+
+        def post(j):
+            return [dist.isend(outgoing[j], right), dist.irecv(incoming[j], left)]
+
+        pending = post(0)
+        for j in range(segments):
+            following = post(j + 1) if j + 1 < segments else []
+            for w in pending:
+                w.wait()
+            target[j].add_(incoming[j])  # piece j + 1 is on its way meanwhile
+            pending = following
+    for s in range(n - 1):
+        works = [dist.isend(chunks[(rank + 1 - s) % n], right),
+                 dist.irecv(chunks[(rank - s) % n], left)]
+        for w in works:
+            w.wait()
+    if op == "average":
+        flat /= n
+    ### END SOLUTION
+    return tensor
+
+
+# %%
+lab06.check_segmented_ring(ring_allreduce_segmented)
+
+# %% [markdown]
+# Does pipelining pay on this machine? The cell below times both rings on 2 ranks, 64 MiB of
+# float32 each (best of 3), with 8 segments. On a 2-core laptop the "network" is a memory copy
+# through the loopback, done by the same cores that add, so there may be little to overlap; on
+# real links between machines the pipelined version hides the additions behind the transfers.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: timings depend on the machine and its load.
+import time
+
+from dpcourse import launch
+
+
+def time_rings(rank, world_size, rings, numel, repeats=3):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    x = torch.ones(numel)
+    best = {}
+    for name, (fn, kwargs) in rings.items():
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn(x, "sum", **kwargs)
+            times.append(time.perf_counter() - t0)
+        best[name] = min(times)
+    return best
+
+
+rings = {"whole chunks": (ring_allreduce, {}),
+         "8 segments": (ring_allreduce_segmented, {"segments": 8})}
+timed = launch.spawn(time_rings, 2, rings, 16 * 2**20, backend="gloo", timeout=300,
+                     show_output=False)[0]
+whole, segmented = timed["whole chunks"], timed["8 segments"]
+print(f"64 MiB on 2 ranks: whole chunks {whole * 1e3:.0f} ms, 8 segments {segmented * 1e3:.0f} ms "
+      f"-> segmenting was {'faster' if segmented < whole else 'not faster'} here "
+      f"({whole / segmented:.2f}x)")

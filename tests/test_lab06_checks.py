@@ -318,3 +318,183 @@ def test_references_agree_with_simulator():
     lab06.reference_all_gather(bufs)
     trace = ring.simulate_ring(arrays)
     assert all(np.array_equal(a, b) for a, b in zip(bufs, trace.result))
+
+
+
+# --- 2 and 3 ranks, the in-place division, right variants, and the segmented stretch ----------
+
+
+def ring_rebinding_division(tensor, op="sum"):
+    import torch.distributed as dist
+
+    learner_ring(tensor, "sum")
+    flat = tensor.view(-1)
+    if op == "average":
+        flat = flat / dist.get_world_size()  # a new tensor: the caller's keeps the sum
+    return tensor
+
+
+def ring_divides_by_three(tensor, op="sum"):
+    learner_ring(tensor, "sum")
+    if op == "average":
+        tensor /= 3  # right on 3 ranks only
+    return tensor
+
+
+def ring_hard_coded_three(tensor, op="sum"):
+    """Right on 3 ranks: every index computed with n = 3."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = 3, dist.get_rank()
+    chunks = tensor.view(-1).tensor_split(n)
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(rank - s - 1) % n])
+        reqs = [dist.isend(chunks[(rank - s) % n], (rank + 1) % n),
+                dist.irecv(incoming, (rank - 1) % n)]
+        for q in reqs:
+            q.wait()
+        chunks[(rank - s - 1) % n].add_(incoming)
+    for s in range(n - 1):
+        reqs = [dist.isend(chunks[(rank + 1 - s) % n], (rank + 1) % n),
+                dist.irecv(chunks[(rank - s) % n], (rank - 1) % n)]
+        for q in reqs:
+            q.wait()
+    if op == "average":
+        tensor.div_(n)
+    return tensor
+
+
+def ring_with_chunk_bounds(tensor, op="sum"):
+    """Right: chunk boundaries from dpcourse.ring, a new-tensor average copied back."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    flat = tensor.view(-1)
+    bounds = ring.chunk_bounds(flat.numel(), n)
+
+    def chunk(i):
+        lo, hi = bounds[i % n]
+        return flat[lo:hi]
+
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunk(rank - s - 1))
+        for q in [dist.irecv(incoming, (rank - 1) % n), dist.isend(chunk(rank - s), (rank + 1) % n)]:
+            q.wait()
+        chunk(rank - s - 1).add_(incoming)
+    for s in range(n - 1):
+        for q in [dist.irecv(chunk(rank - s), (rank - 1) % n),
+                  dist.isend(chunk(rank + 1 - s), (rank + 1) % n)]:
+            q.wait()
+    if op == "average":
+        tensor.copy_(tensor / n)
+    return tensor
+
+
+def test_more_right_rings_pass(capsys):
+    lab06.check_ring_allreduce(ring_with_chunk_bounds, timeout=60)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "on 3 and 2 ranks" in out
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (ring_rebinding_division, "the division made a new tensor"),
+    (ring_divides_by_three, "on 2 ranks you divided by 3"),
+    (ring_hard_coded_three, "but there are only 2 ranks"),
+])
+def test_rings_tied_to_one_setup_fail(fn, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab06.check_ring_allreduce(fn, timeout=60)
+    assert phrase in str(err.value), str(err.value)
+
+
+def segmented_ring(tensor, op="sum", segments=4, overlap=True, whole=False, gather_segments=False,
+                   wrong_piece=False):
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    flat = tensor.view(-1)
+    chunks = flat.tensor_split(n)
+    S = 1 if whole else segments
+
+    def swap(send, recv):
+        return [dist.isend(send, right), dist.irecv(recv, left)]
+
+    for s in range(n - 1):
+        out = chunks[(rank - s) % n].tensor_split(S)
+        tgt = chunks[(rank - s - 1) % n].tensor_split(S)
+        inc = [torch.empty_like(t) for t in tgt]
+        if overlap:
+            pending = swap(out[0], inc[0])
+            for j in range(S):
+                nxt = swap(out[j + 1], inc[j + 1]) if j + 1 < S else []
+                for w in pending:
+                    w.wait()
+                k = (j + 1) % S if wrong_piece and tgt[(j + 1) % S].shape == inc[j].shape else j
+                tgt[k].add_(inc[j])
+                pending = nxt
+        else:  # right too, just not pipelined: one piece at a time
+            for j in range(S):
+                for w in swap(out[j], inc[j]):
+                    w.wait()
+                tgt[j].add_(inc[j])
+    for s in range(n - 1):
+        send, recv = chunks[(rank + 1 - s) % n], chunks[(rank - s) % n]
+        pairs = zip(send.tensor_split(S), recv.tensor_split(S)) if gather_segments else [(send, recv)]
+        for a, b in pairs:
+            for w in swap(a, b):
+                w.wait()
+    if op == "average":
+        flat /= n
+    return tensor
+
+
+def seg_ok(tensor, op="sum", segments=4):
+    return segmented_ring(tensor, op, segments)
+
+
+def seg_no_overlap(tensor, op="sum", segments=4):
+    return segmented_ring(tensor, op, segments, overlap=False)
+
+
+def seg_gather_too(tensor, op="sum", segments=4):
+    return segmented_ring(tensor, op, segments, gather_segments=True)
+
+
+def seg_whole(tensor, op="sum", segments=4):
+    return segmented_ring(tensor, op, segments, whole=True)
+
+
+def seg_wrong_piece(tensor, op="sum", segments=4):
+    return segmented_ring(tensor, op, segments, wrong_piece=True)
+
+
+def seg_built_in(tensor, op="sum", segments=4):
+    import torch.distributed as dist
+
+    for piece in tensor.view(-1).tensor_split(segments):
+        dist.all_reduce(piece)
+    if op == "average":
+        tensor /= dist.get_world_size()
+    return tensor
+
+
+@pytest.mark.parametrize("fn", [seg_ok, seg_no_overlap, seg_gather_too])
+def test_right_segmented_rings_pass(fn, capsys):
+    lab06.check_segmented_ring(fn, timeout=60)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (seg_whole, "split the chunk with tensor_split(segments)"),
+    (seg_wrong_piece, "wrong result on rank"),
+    (seg_built_in, "called dist.all_reduce"),
+    (ring_ok, "unexpected keyword argument 'segments'"),
+])
+def test_segmented_mistakes_are_named(fn, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab06.check_segmented_ring(fn, timeout=60)
+    assert phrase in str(err.value), str(err.value)

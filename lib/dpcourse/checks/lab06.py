@@ -3,8 +3,11 @@
 * :func:`check_scatter_reduce` and :func:`check_all_gather` run the learner's NumPy phases on a
   few worker counts and lengths (uneven ones too) and compare with :mod:`dpcourse.ring`.
 * :func:`check_ring_allreduce` runs the learner's ``ring_allreduce(tensor, op)`` — defined in a
-  notebook cell — in 3 processes through :func:`dpcourse.launch.spawn` (cloudpickle ships it)
-  and compares every rank's tensor with the sum / average.
+  notebook cell — in 3 and then 2 processes through :func:`dpcourse.launch.spawn` (cloudpickle
+  ships it), compares every rank's tensor with the sum / average, and spies on what it sends
+  (no built-in collective; 2(N-1) messages of about K/N elements per rank);
+* :func:`check_segmented_ring` (the stretch) does the same for a ring whose scatter-reduce sends
+  each chunk in segments.
 
 Wrong answers are recognised by simulating each plausible mistake and matching the learner's
 numbers: a chunk index off by one, a wrong number of steps, a missing all-gather, an
@@ -28,7 +31,8 @@ from dpcourse.checks import LabCheckError, fail, passed
 from dpcourse.ring import chunk_bounds
 
 __all__ = ["LabCheckError", "check_scatter_reduce", "check_all_gather", "check_ring_allreduce",
-           "reference_scatter_reduce", "reference_all_gather"]
+           "check_segmented_ring", "reference_scatter_reduce", "reference_all_gather",
+           "WORLD_SIZES"]
 
 _CASES = [(3, 9), (4, 10), (5, 7), (3, 2)]  # (workers, length): even, uneven, L < N
 
@@ -100,7 +104,7 @@ def _same(a_list, b_list) -> bool:
     return all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(a_list, b_list))
 
 
-def check_scatter_reduce(fn) -> str:
+def check_scatter_reduce(fn) -> None:
     """``fn(buffers)``: N 1-D float arrays, changed in place; after it worker i must hold the
     full sum of chunk (i + 1) mod N (chunks as in ``ring.chunk_bounds``)."""
     for n, length in _CASES:
@@ -131,7 +135,7 @@ def check_scatter_reduce(fn) -> str:
                   "for N = 3, 4, 5 and uneven lengths")
 
 
-def check_all_gather(fn) -> str:
+def check_all_gather(fn) -> None:
     """``fn(buffers)``: run on the state after the reference scatter-reduce; afterwards every
     worker must hold the whole sum."""
     for n, length in _CASES:
@@ -189,7 +193,7 @@ _SPIED = ("isend", "send", "all_reduce", "all_gather", "all_gather_into_tensor",
           "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all", "scatter", "gather")
 
 
-def _real_worker(rank, world_size, fn, cases, marker_dir):
+def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
     import torch
     import torch.distributed as dist
 
@@ -213,7 +217,7 @@ def _real_worker(rank, world_size, fn, cases, marker_dir):
     dist.send, dist.recv = send, recv
     # Spy on what the ring sends (messages and elements) and on built-in collectives, which the
     # lab is about replacing.
-    traffic = {"messages": 0, "elements": 0, "builtins": []}
+    traffic = {"messages": 0, "elements": 0, "sizes": [], "builtins": []}
     # Taken after dist.send was replaced above, so real["send"] is the marking wrapper.
     real = {name: getattr(dist, name) for name in _SPIED if hasattr(dist, name)}
 
@@ -221,10 +225,18 @@ def _real_worker(rank, world_size, fn, cases, marker_dir):
         if t is not None and t.numel() > 0:
             traffic["messages"] += 1
             traffic["elements"] += t.numel()
+            traffic["sizes"].append(t.numel())
 
     def counting(name):
         def wrapper(*a, **k):
             if name in ("isend", "send"):
+                peer = a[1] if len(a) > 1 else k.get("dst")
+                if isinstance(peer, int) and not 0 <= peer < world_size:
+                    # gloo would wait forever for a rank that does not exist
+                    raise ValueError(f"dist.{name} to rank {peer}, but there are only "
+                                     f"{world_size} ranks (0..{world_size - 1}): compute the "
+                                     f"neighbours from dist.get_world_size(), not a fixed "
+                                     f"number")
                 count_message(a[0] if a else k.get("tensor"))
             else:
                 traffic["builtins"].append(name)
@@ -250,12 +262,13 @@ def _real_worker(rank, world_size, fn, cases, marker_dir):
         results, per_case = [], []
         for shape, dtype, op in cases:
             x = torch.tensor(_real_input(rank, shape), dtype=getattr(torch, dtype))
-            traffic.update(messages=0, elements=0, builtins=[])
-            ret = fn(x, op=op)
+            traffic.update(messages=0, elements=0, sizes=[], builtins=[])
+            ret = fn(x, op=op, **(kwargs or {}))
             returned = ret.detach().cpu().numpy().astype(np.float64) if isinstance(
                 ret, torch.Tensor) else None
             results.append((x.numpy().astype(np.float64), returned))
-            per_case.append(dict(traffic, builtins=list(traffic["builtins"])))
+            per_case.append(dict(traffic, builtins=list(traffic["builtins"]),
+                                 sizes=list(traffic["sizes"])))
         return {"results": results, "traffic": per_case}
     finally:
         for name, f in real.items():
@@ -264,8 +277,9 @@ def _real_worker(rank, world_size, fn, cases, marker_dir):
         dist.send, dist.recv = real_send, real_recv
 
 
-def _simulate_real(n, cases, sr=(0, 0), ag=(0, 0), gather=True, average=True):
-    """What a ring with these chunk-index shifts would leave on each rank, per case."""
+def _simulate_real(n, cases, sr=(0, 0), ag=(0, 0), gather=True, average=True, divisor=None):
+    """What a ring with these chunk-index shifts would leave on each rank, per case (averages
+    divided by ``divisor`` instead of N if given)."""
     out = []
     for shape, _, op in cases:
         bufs = [_real_input(r, shape).ravel() for r in range(n)]
@@ -273,7 +287,7 @@ def _simulate_real(n, cases, sr=(0, 0), ag=(0, 0), gather=True, average=True):
         if gather:
             _all_gather(bufs, *ag)
         if op == "average" and average:
-            bufs = [b / n for b in bufs]
+            bufs = [b / (divisor or n) for b in bufs]
         out.append([b.reshape(shape) for b in bufs])
     return out
 
@@ -287,23 +301,53 @@ def _matches(results, sim) -> bool:
     return True
 
 
-def check_ring_allreduce(fn, world_size: int = 3, timeout: float = 20.0) -> str:
-    """Run ``fn(tensor, op="sum"|"average")`` on ``world_size`` gloo ranks, on several shapes
-    (lengths not divisible by N, and shorter than N), and compare with the sum / average.
+WORLD_SIZES = (3, 2)  # 3 first: more chunks tell more mistakes apart; 2 catches what fits 3
 
-    ``timeout`` bounds the whole launch: a ring that deadlocks ends with a LabCheckError that
-    says so instead of hanging the notebook.
+
+def _rebinds_division(fn) -> bool:
+    """Does ``fn`` bind a true division to a plain name (``flat = flat / n``)?"""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(isinstance(node, ast.Assign) and isinstance(node.value, ast.BinOp)
+               and isinstance(node.value.op, ast.Div)
+               and all(isinstance(t, ast.Name) for t in node.targets)
+               for node in ast.walk(tree))
+
+
+def check_ring_allreduce(fn, world_size=None, timeout: float = 20.0,
+                         world_sizes=WORLD_SIZES) -> None:
+    """Run ``fn(tensor, op="sum"|"average")`` on 3 and then 2 gloo ranks (``world_size``: only
+    that many), on several shapes (lengths not divisible by N, and shorter than N), and compare
+    with the sum / average; spy on the messages it sends.
+
+    ``timeout`` bounds each launch: a ring that deadlocks ends with a LabCheckError that says
+    so instead of hanging the notebook.
     """
-    from dpcourse import launch
-
+    __tracebackhide__ = True
     if not callable(fn):
         fail(f"check_ring_allreduce needs your ring_allreduce function, got {type(fn).__name__}")
-    cases = _REAL_CASES
+    sizes = (world_size,) if world_size else tuple(world_sizes)
+    for n in sizes:
+        _check_ring_once(fn, n, timeout)
+    passed(f"ring_allreduce equals the sum (and the average) on {' and '.join(map(str, sizes))} "
+           f"ranks for lengths 12, 10, 20, 2 and 11, with 2(N-1) chunk-sized messages per rank")
+
+
+def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None) -> list:
+    __tracebackhide__ = True
+    from dpcourse import launch
+
     marker_dir = tempfile.mkdtemp(prefix="dpcourse-lab06-")
     try:
         try:
-            per_rank = launch.spawn(_real_worker, world_size, fn, cases, marker_dir,
-                                    backend="gloo", timeout=timeout, show_output=False)
+            return launch.spawn(_real_worker, world_size, fn, cases, marker_dir, kwargs,
+                                backend="gloo", timeout=timeout, show_output=False)
         except launch.LaunchTimeoutError:
             where = {}
             for r in range(world_size):
@@ -324,18 +368,24 @@ def check_ring_allreduce(fn, world_size: int = 3, timeout: float = 20.0) -> str:
                      f"then wait on both.")
             stuck = ", ".join(f"rank {r} in dist.{v}" for r, v in where.items() if v) or \
                 "no rank inside dist.send/recv"
-            fail(f"your ring_allreduce did not finish within {timeout:g} s and was stopped "
-                 f"({stuck}): some send or receive has no partner — check that every rank "
-                 f"does the same number of steps and sends to rank+1, receives from rank-1.")
+            fail(f"your ring did not finish within {timeout:g} s on {world_size} ranks and was "
+                 f"stopped ({stuck}): some send or receive has no partner — check that every "
+                 f"rank does the same number of steps and sends to rank+1, receives from "
+                 f"rank-1.")
         except launch.RankFailedError as exc:
             if exc.summary.startswith("NotImplementedError"):
                 raise NotImplementedError(f"ring_allreduce is not written yet ({exc.summary}): "
                                           f"replace the `raise NotImplementedError` under the "
                                           f"TODO.") from None
-            fail(f"your ring_allreduce raised on rank {exc.rank}: {exc.summary}")
+            fail(f"your ring raised on rank {exc.rank} of {world_size}: {exc.summary}")
     finally:
         shutil.rmtree(marker_dir, ignore_errors=True)
 
+
+def _check_ring_once(fn, world_size: int, timeout: float) -> None:
+    __tracebackhide__ = True
+    cases = _REAL_CASES
+    per_rank = _launch_ring(fn, world_size, timeout, cases)
     traffic = [[per_rank[r]["traffic"][i] for r in range(world_size)] for i in range(len(cases))]
     per_rank = [per_rank[r]["results"] for r in range(world_size)]
     results = [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
@@ -359,8 +409,7 @@ def check_ring_allreduce(fn, world_size: int = 3, timeout: float = 20.0) -> str:
                     fail(f"rank {rank} sent {t['elements']} elements for a tensor of {k} on {n} "
                          f"ranks; each message should be one chunk of about K/N = "
                          f"{k / n:.1f} elements, not the whole tensor.")
-        return passed(f"ring_allreduce equals the sum (and the average) on {world_size} ranks "
-                      f"for lengths 12, 10, 20, 2 and 11")
+        return
     # Which mistake? In the order a learner most likely makes them.
     for i, ((shape, _, op), res) in enumerate(zip(cases, results)):
         got = [g for g, _ in res]
@@ -371,8 +420,16 @@ def check_ring_allreduce(fn, world_size: int = 3, timeout: float = 20.0) -> str:
                 fail("ring_allreduce returns the right result but leaves the tensor it was "
                      "given unchanged: it must work in place, like dist.all_reduce.")
     if _matches(results, _simulate_real(world_size, cases, average=False)):
+        if _rebinds_division(fn):
+            fail("with op='average' the caller's tensor still holds the sum: the division made "
+                 "a new tensor (like flat = flat / n) and left the one you were given untouched. "
+                 "Divide in place: flat /= n or flat.div_(n).")
         fail("summing without averaging: with op='average' the result must be divided by the "
              "world size (the sum is right, N times too big).")
+    for k in (2, 3, 4):
+        if k != world_size and _matches(results, _simulate_real(world_size, cases, divisor=k)):
+            fail(f"with op='average' on {world_size} ranks you divided by {k}: divide by the "
+                 f"world size (dist.get_world_size()), not a fixed number.")
     shifts = [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1)]
     for sr in shifts:
         for average in (True, False):
@@ -393,7 +450,57 @@ def check_ring_allreduce(fn, world_size: int = 3, timeout: float = 20.0) -> str:
         for r, (got, _) in enumerate(res):
             want = correct[i][r]
             if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6):
-                fail(f"wrong result on rank {r} for a tensor of shape {shape} with op='{op}': "
+                fail(f"wrong result on rank {r} of {world_size} for a tensor of shape {shape} "
+                     f"with op='{op}': "
                      f"it should equal the {'average' if op == 'average' else 'sum'} of all "
                      f"ranks' tensors.")
     fail("ring_allreduce gives wrong results.")  # unreachable in practice, but never pass
+
+
+# --- stretch: the scatter-reduce in segments -------------------------------------------------
+
+_SEGMENT_CASES = [((48,), "float64", "sum"), ((50,), "float64", "sum"),
+                  ((4, 13), "float32", "average")]
+
+
+def check_segmented_ring(fn, segments: int = 4, timeout: float = 30.0,
+                         world_sizes=WORLD_SIZES) -> None:
+    """Stretch: ``fn(tensor, op, segments=S)`` must give the sum / average in place, sending
+    each scatter-reduce chunk as S segments: at least (N-1)·S messages of at most
+    ceil(ceil(K/N)/S) elements per rank, and no built-in collective. (The all-gather may send
+    whole chunks or segments.)"""
+    __tracebackhide__ = True
+    if not callable(fn):
+        fail(f"check_segmented_ring needs your function, got {type(fn).__name__}")
+    for n in world_sizes:
+        for S in (segments, segments - 1):  # two segment counts: none may be hard-coded
+            per_rank = _launch_ring(fn, n, timeout, _SEGMENT_CASES, {"segments": S})
+            correct = _simulate_real(n, _SEGMENT_CASES)
+            for i, (shape, _, op) in enumerate(_SEGMENT_CASES):
+                k = int(np.prod(shape))
+                chunk = -(-k // n)
+                piece = -(-chunk // S)
+                for r in range(n):
+                    got = per_rank[r]["results"][i][0]
+                    t = per_rank[r]["traffic"][i]
+                    if t["builtins"]:
+                        fail(f"the segmented ring called dist.{t['builtins'][0]}: build it from "
+                             f"dist.isend / dist.irecv only.")
+                    if not np.allclose(got, correct[i][r], rtol=1e-6):
+                        fail(f"wrong result on rank {r} of {n} for shape {shape}, op='{op}', "
+                             f"segments={S}: the tensor must end as the "
+                             f"{'average' if op == 'average' else 'sum'} of all ranks' tensors "
+                             f"(check that segment j of the chunk you receive is added to "
+                             f"segment j of the same chunk).")
+                    small = sum(1 for m in t["sizes"] if m <= piece)
+                    if small < (n - 1) * S:
+                        fail(f"rank {r} sent {small} message(s) of at most {piece} elements for "
+                             f"a tensor of {k} on {n} ranks with segments={S}; the segmented "
+                             f"scatter-reduce sends each chunk (about {chunk}) as {S} pieces, "
+                             f"(N-1)·S = {(n - 1) * S} in all: split the chunk with "
+                             f"tensor_split(segments) and send the pieces one by one.")
+                    if t["messages"] > 2 * (n - 1) * S:
+                        fail(f"rank {r} sent {t['messages']} messages on {n} ranks with "
+                             f"segments={S}; at most 2(N-1)·S = {2 * (n - 1) * S} are needed.")
+    passed(f"segmented ring: right sums and averages on {' and '.join(map(str, world_sizes))} "
+           f"ranks, each scatter-reduce chunk sent in {segments} (and {segments - 1}) segments")
