@@ -498,3 +498,23 @@ def test_segmented_mistakes_are_named(fn, phrase):
     with pytest.raises(LabCheckError) as err:
         lab06.check_segmented_ring(fn, timeout=60)
     assert phrase in str(err.value), str(err.value)
+
+
+def seg_extra_gather_step(tensor, op="sum", segments=4):
+    """Right values, but the all-gather runs N steps: it re-sends a finished chunk."""
+    import torch.distributed as dist
+
+    segmented_ring(tensor, "sum", segments)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = tensor.view(-1).tensor_split(n)
+    for w in [dist.isend(chunks[(rank + 2) % n].clone(), (rank + 1) % n),
+              dist.irecv(chunks[(rank + 1) % n], (rank - 1) % n)]:
+        w.wait()
+    if op == "average":
+        tensor /= n
+    return tensor
+
+
+def test_segmented_ring_with_an_extra_step_is_named():
+    with pytest.raises(LabCheckError, match="more or fewer than N-1 steps"):
+        lab06.check_segmented_ring(seg_extra_gather_step, timeout=60)
