@@ -1,0 +1,492 @@
+"""Checks for lab07: ``assign_buckets(params, bucket_cap_mb)`` and the learner's bucketed,
+hook-driven data-parallel wrapper (a class with ``finish_gradient_synchronization()``).
+
+``check_assign_buckets`` runs in this process on five sets of parameters (SmallCNN at two caps,
+parameters larger than the cap, float64 parameters, a cap that holds the whole model). It
+accepts both usual closing rules — close a bucket when the next parameter would take it over
+the cap, or (DDP's) once it has reached the cap — and names: forward order, a bucket per
+parameter, everything in one bucket, elements counted instead of bytes, 4 bytes assumed per
+element, parameters lost or repeated.
+
+``check_bucketed_ddp`` runs the class on 2 ranks (3 buckets) and then 3 ranks (another cap, 4
+buckets) for 3 steps, and real ``DistributedDataParallel`` after it on the same shards. While
+the learner's class runs, ``dist.all_reduce`` is replaced by a spy that records every call
+(size, ``async_op``, when it was launched and when it was waited on) and hands the reduced
+values over **only when the handle is waited on**: a wrapper that steps before waiting then
+steps with un-reduced gradients every time, not just when a race happens to be lost. A hook
+registered before the learner's own stores each local gradient as autograd produces it. From
+that record the check names: one all-reduce per parameter instead of per bucket, messages that
+are not a bucket's flat buffer, a blocking all-reduce in the hook, waiting inside the hook,
+launching only after the backward, not waiting before the step, no reset between steps,
+forgetting the division, dividing by a fixed 2, a slice copied back into the wrong parameter.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import fail, passed
+
+__all__ = ["check_assign_buckets", "check_bucketed_ddp", "CONFIGS", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = 30.0
+MiB = 2 ** 20
+
+# --------------------------------------------------------------------------------------------
+# assign_buckets
+# --------------------------------------------------------------------------------------------
+
+
+def _small_cnn(width: int = 8) -> nn.Module:
+    from ..models import SmallCNN
+
+    torch.manual_seed(0)
+    return SmallCNN(width=width)
+
+
+def _params_of(numels, dtype=torch.float32) -> list:
+    return [nn.Parameter(torch.zeros(n, dtype=dtype)) for n in numels]
+
+
+def _bucket_cases() -> list[tuple[str, list, float]]:
+    """(what, parameters in registration order, cap in MiB); no boundary within 10% of a cap,
+    so MB (1e6) and MiB (2**20) give the same buckets."""
+    cnn = list(_small_cnn().parameters())
+    return [
+        ("SmallCNN(width=8), cap 0.05 MiB", cnn, 0.05),
+        ("SmallCNN(width=8), cap 0.01 MiB", cnn, 0.01),
+        ("6 parameters, two larger than the cap", _params_of(
+            [300_000, 10, 100_000, 100_000, 100_000, 400_000]), 1.0),
+        ("4 float64 parameters of 0.38 MiB each", _params_of([50_000] * 4, torch.float64), 1.0),
+        ("SmallCNN(width=8), cap 100 MiB", cnn, 100.0),
+    ]
+
+
+def _greedy(sizes: list[float], cap: float, order: list[int]) -> list[list[int]]:
+    """Indices grouped by 'close when the next would exceed the cap'."""
+    buckets, current, total = [], [], 0.0
+    for i in order:
+        if current and total + sizes[i] > cap:
+            buckets.append(current)
+            current, total = [], 0.0
+        current.append(i)
+        total += sizes[i]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / MiB:.3g} MiB"
+
+
+def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> str | None:
+    """None if ``buckets`` is a right assignment of ``params`` for ``cap_mb``, else the
+    sentence naming the mistake. (Used by both checks.)"""
+    where = f" ({what})" if what else ""
+    if not isinstance(buckets, (list, tuple)) or not all(isinstance(b, (list, tuple))
+                                                         for b in buckets):
+        return (f"the buckets must be a list of lists of parameters, got "
+                f"{type(buckets).__name__}{where}.")
+    ids = {id(p): i for i, p in enumerate(params)}
+    flat = [p for b in buckets for p in b]
+    if any(id(p) not in ids for p in flat):
+        return (f"a bucket holds something that is not one of the parameters given{where}: put "
+                f"the parameter objects themselves in the buckets (not names, copies or grads).")
+    got = [ids[id(p)] for p in flat]
+    if len(got) != len(set(got)):
+        return f"a parameter is in more than one bucket{where}: each goes in exactly one."
+    if len(got) != len(params):
+        return (f"{len(params) - len(got)} of the {len(params)} parameters are in no bucket"
+                f"{where}: every parameter needs one, or its gradient is never averaged.")
+    if any(len(b) == 0 for b in buckets):
+        return f"there is an empty bucket{where}: it would launch an all-reduce of nothing."
+    n = len(params)
+    if got == list(range(n)) and n > 1:
+        return (f"the buckets are filled in forward (registration) order{where}: the backward "
+                f"produces the LAST layer's gradient first, so walk reversed(params) — then the "
+                f"first bucket is complete early and goes on the wire while the backward runs.")
+    if got != list(range(n - 1, -1, -1)):
+        return (f"the parameters are not in reverse registration order across the buckets"
+                f"{where}: walk reversed(params) and never reorder them.")
+    sizes = [p.numel() * p.element_size() for p in params]
+    cap = cap_mb * MiB
+    idx = [[ids[id(p)] for p in b] for b in buckets]
+    if all(len(b) == 1 for b in idx) and len(idx) > 1 and sizes[idx[0][0]] + sizes[idx[1][0]] <= cap:
+        return (f"every parameter has a bucket of its own{where}: fill a bucket until the next "
+                f"parameter would take it over {cap_mb} MiB — fewer, larger all-reduces.")
+    for k, b in enumerate(idx):
+        before_last = sum(sizes[i] for i in b[:-1])
+        if before_last >= cap:
+            return (f"bucket {k} holds {_mb(sum(sizes[i] for i in b))} in {len(b)} parameters, "
+                    f"more than the cap of {cap_mb} MiB already before its last one{where}: "
+                    f"start a new bucket when the next parameter would take it over the cap.")
+        if k + 1 < len(idx) and sum(sizes[i] for i in b) + sizes[idx[k + 1][0]] <= cap:
+            return (f"bucket {k} was closed at {_mb(sum(sizes[i] for i in b))} although the next "
+                    f"parameter ({_mb(sizes[idx[k + 1][0]])}) still fitted under the cap of "
+                    f"{cap_mb} MiB{where}: fill each bucket up to the cap.")
+    return None
+
+
+def check_assign_buckets(assign_buckets) -> None:
+    """Run ``assign_buckets(params, bucket_cap_mb)`` on five sets of parameters and caps."""
+    __tracebackhide__ = True
+    if not callable(assign_buckets):
+        fail(f"the check needs your function, got {type(assign_buckets).__name__}.")
+    if _has_todo(assign_buckets):
+        raise NotImplementedError("assign_buckets still raises NotImplementedError: replace the "
+                                  "TODO with your answer.")
+    counts, problems, got = [], [], []
+    cases = _bucket_cases()
+    for what, params, cap in cases:
+        try:
+            buckets = assign_buckets(list(params), cap)
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            fail(f"assign_buckets raised {type(exc).__name__}: {exc} ({what}).")
+        problem = bucket_problem(buckets, params, cap, what)
+        if problem:
+            problems.append(problem)
+        else:
+            counts.append(len(buckets))
+        ids = {id(p): i for i, p in enumerate(params)}
+        try:
+            got.append([[ids.get(id(p)) for p in b] for b in buckets])
+        except TypeError:
+            got.append(None)
+    if problems:
+        # Sizes measured in the wrong unit give buckets that are right for that unit in
+        # every case: name the unit rather than the first over-full bucket.
+        for variant, size_of in (("counted elements (p.numel()) as bytes", lambda p: p.numel()),
+                                 ("assumed 4 bytes per element", lambda p: 4 * p.numel())):
+            predicted = [_greedy([size_of(p) for p in params], cap * MiB,
+                                 list(range(len(params) - 1, -1, -1)))
+                         for _, params, cap in cases]
+            if got == predicted:
+                fail(f"the buckets are what you get if you {variant}: a parameter's size in "
+                     f"bytes is p.numel() * p.element_size().")
+        fail(problems[0])
+    passed(f"assign_buckets: reverse order, filled up to the cap, in bytes "
+           f"({'/'.join(map(str, counts))} buckets in the five cases)")
+
+
+# --------------------------------------------------------------------------------------------
+# The wrapper, on 2 and 3 ranks
+# --------------------------------------------------------------------------------------------
+
+CONFIGS = ((2, 0.05), (3, 0.01))   # (world size, bucket_cap_mb): 3 buckets, then 4
+_STEPS = 3
+_GLOBAL_BATCH = 24
+
+
+class _Deferred:
+    """What the spy returns for ``all_reduce(..., async_op=True)``: the real all-reduce runs on
+    a copy, and its result is written into the learner's tensor when the handle is waited on
+    (or its future completes)."""
+
+    def __init__(self, work, buf, target, rec):
+        self._work, self._buf, self._target, self._rec = work, buf, target, rec
+        self._delivered = False
+
+    def _deliver(self):
+        if not self._delivered:
+            self._target.copy_(self._buf)
+            self._delivered = True
+
+    def wait(self, *args, **kwargs):
+        self._work.wait(*args, **kwargs)
+        if self._rec["t_wait"] is None:
+            self._rec["t_wait"] = time.perf_counter()
+        self._deliver()
+        return True
+
+    def is_completed(self):
+        return self._work.is_completed() and self._delivered
+
+    def get_future(self):
+        self._rec["future"] = True
+
+        def delivered(fut):
+            self._deliver()
+            if self._rec["t_wait"] is None:
+                self._rec["t_wait"] = time.perf_counter()
+            return [self._target]
+
+        return self._work.get_future().then(delivered)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .. import ddp
+
+    dev = ddp.rank_device()
+    cfg = ddp.StepConfig(global_batch=_GLOBAL_BATCH, steps=_STEPS, lr=0.1, width=8, n_train=96)
+    batches = [ddp.shard_of(*ddp.global_batch_for_step(cfg, s), rank, world_size)
+               for s in range(_STEPS)]
+    module = _small_cnn().to(dev)
+    params = list(module.parameters())
+    names = [n for n, _ in module.named_parameters()]
+    index = {id(p): i for i, p in enumerate(params)}
+    local, ready = {}, {}
+
+    def spy_ready(p):  # registered before the learner's hooks, so it runs first
+        local[index[id(p)]] = p.grad.detach().clone()
+        ready[index[id(p)]] = time.perf_counter()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(spy_ready)
+
+    real = dist.all_reduce
+    calls: list[dict] = []
+    state = {"step": -1}
+
+    def spy_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        rec = {"step": state["step"], "numel": tensor.numel(), "async": bool(async_op),
+               "t_launch": time.perf_counter(), "t_wait": None, "future": False}
+        calls.append(rec)
+        if not async_op:
+            real(tensor, op=op, group=group)
+            rec["t_wait"] = time.perf_counter()
+            return None
+        buf = tensor.detach().clone()
+        return _Deferred(real(buf, op=op, group=group, async_op=True), buf, tensor, rec)
+
+    steps = []
+    dist.all_reduce = spy_all_reduce
+    try:
+        model = cls(module, bucket_cap_mb=cap_mb)
+        buckets = getattr(model, "buckets", None)
+        try:
+            bucket_idx = [[index.get(id(p), -1) for p in b] for b in buckets]
+        except TypeError:
+            bucket_idx = None
+        if not hasattr(model, "finish_gradient_synchronization"):
+            raise AttributeError("the class has no finish_gradient_synchronization() method")
+        opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
+        for step, (X, y) in enumerate(batches):
+            state["step"] = step
+            local.clear()
+            ready.clear()
+            opt.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            F.cross_entropy(model(X.to(dev)), y.to(dev)).backward()
+            t_backward = time.perf_counter()
+            model.finish_gradient_synchronization()
+            t_finish = time.perf_counter()
+            after = [None if p.grad is None else p.grad.detach().cpu().clone() for p in params]
+            own = [local.get(i) for i in range(len(params))]
+            if any(g is None for g in own):
+                raise RuntimeError("the check's own hook saw no gradient for some parameter")
+            mean = []
+            for g in own:              # the right answer, with the real collective
+                m = g.clone()
+                real(m)
+                mean.append((m / world_size).cpu())
+            ms = lambda t: None if t is None else (t - t0) * 1e3
+            steps.append({
+                "after": after, "own": [g.cpu() for g in own],
+                "mean": mean, "ready": {i: ms(t) for i, t in ready.items()},
+                "backward_end": ms(t_backward), "finish_end": ms(t_finish),
+                "calls": [dict(c, t_launch=ms(c["t_launch"]), t_wait=ms(c["t_wait"]))
+                          for c in calls if c["step"] == step],
+            })
+            opt.step()
+        learner = ddp.flat_params(module)
+    finally:
+        dist.all_reduce = real
+    # Real DDP from the same start on the same shards: the answer the wrapper must equal.
+    ref = _small_cnn().to(dev)
+    ddp_model = DDP(ref, device_ids=[dev.index] if dev.type == "cuda" else None)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=cfg.lr)
+    for X, y in batches:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp_model(X.to(dev)), y.to(dev)).backward()
+        opt.step()
+    return {"steps": steps, "params": learner, "ddp": ddp.flat_params(ref),
+            "buckets": bucket_idx, "names": names,
+            "numels": [p.numel() for p in params]}
+
+
+def _has_todo(obj) -> bool:
+    """True if a function, or any method of a class, still raises NotImplementedError at the
+    top level of its body (a lab TODO)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for stmt in node.body:
+                if isinstance(stmt, ast.Raise) and stmt.exc is not None:
+                    exc = stmt.exc.func if isinstance(stmt.exc, ast.Call) else stmt.exc
+                    if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
+                        return True
+    return False
+
+
+def _launch(cls, world_size: int, cap_mb: float, timeout: float) -> list:
+    from .. import devices, launch
+
+    backend = devices.backend_for(world_size)
+    try:
+        return launch.spawn(_bucketed_worker, world_size, cls, cap_mb, backend=backend,
+                            timeout=timeout, show_output=False)
+    except launch.LaunchTimeoutError as exc:
+        who = ", ".join(map(str, exc.pending)) or "some rank"
+        fail(f"rank(s) {who} never finished within {timeout:g} s — a deadlock: every rank must "
+             f"launch the same all-reduces in the same order (same buckets, no rank-dependent "
+             f"branches), and every launched all-reduce must be waited on.")
+    except launch.RankFailedError as exc:
+        if exc.summary.startswith("NotImplementedError"):
+            raise NotImplementedError(f"{exc.summary} (on rank {exc.rank})") from None
+        if "AVG" in exc.summary or "ReduceOp" in exc.summary:
+            fail(f"your code raised on rank {exc.rank}: {exc.summary} — gloo has no "
+                 f"ReduceOp.AVG: all-reduce with SUM and divide by the world size.")
+        fail(f"your code raised on rank {exc.rank}: {exc.summary}")
+
+
+def _close(a, b) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and \
+        torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def check_bucketed_ddp(cls, configs=CONFIGS, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Run the learner's wrapper class for 3 steps on 2 ranks (cap 0.05 MiB) and on 3 ranks
+    (cap 0.01 MiB); its collectives, its timeline and its gradients are checked at every step,
+    and its final weights against real DDP's."""
+    __tracebackhide__ = True
+    if not isinstance(cls, type):
+        fail(f"the check needs your class itself (BucketedDDP, not BucketedDDP(...)), got "
+             f"{type(cls).__name__}.")
+    if _has_todo(cls):
+        raise NotImplementedError(f"{cls.__name__} still raises NotImplementedError in a method: "
+                                  f"replace the TODOs with your answer.")
+    for world_size, cap_mb in configs:
+        results = _launch(cls, world_size, cap_mb, timeout)
+        _diagnose(results, world_size, cap_mb)
+    shown = " and ".join(f"{ws} ranks ({cap} MiB buckets)" for ws, cap in configs)
+    passed(f"{cls.__name__}: one async all-reduce per bucket, launched during the backward, "
+           f"waited before the step; weights == DDP's after {_STEPS} steps on {shown}")
+
+
+def _diagnose(results: list, world_size: int, cap_mb: float) -> None:
+    __tracebackhide__ = True
+    r0 = results[0]
+    names, numels = r0["names"], r0["numels"]
+    buckets = r0["buckets"]
+    if buckets is None:
+        fail("the wrapper has no self.buckets list of lists of parameters: keep the buckets "
+             "from assign_buckets in self.buckets.")
+    if any(i < 0 for b in buckets for i in b):
+        fail("self.buckets holds something that is not one of the model's parameters.")
+    params = _small_cnn().parameters()
+    params = list(params)
+    problem = bucket_problem([[params[i] for i in b] for b in buckets], params, cap_mb)
+    if problem:
+        fail(f"self.buckets is wrong at {cap_mb} MiB: {problem}")
+    bucket_numels = sorted(sum(numels[i] for i in b) for b in buckets)
+    for rank, r in enumerate(results):
+        for step, s in enumerate(r["steps"]):
+            _diagnose_step(s, step, rank, world_size, buckets, bucket_numels, names, numels)
+    for rank, r in enumerate(results):
+        if not torch.allclose(r["params"], r["ddp"], rtol=1e-4, atol=1e-6):
+            fail(f"every step's gradients were right, but after {_STEPS} steps rank {rank}'s "
+                 f"weights differ from DDP's: leave the optimizer step to the caller and do "
+                 f"not change the weights in the wrapper.")
+
+
+def _diagnose_step(s, step, rank, world_size, buckets, bucket_numels, names, numels) -> None:
+    __tracebackhide__ = True
+    calls = s["calls"]
+    n_params = len(names)
+    when = f"in step {step + 1}" + (f" on rank {rank}" if rank else "")
+    # 1. How many all-reduces, and how large.
+    if not calls:
+        if step > 0:
+            fail(f"no all-reduce was launched {when}, after a first step that had them: at the "
+                 f"end of finish_gradient_synchronization() reset each bucket's count of awaited "
+                 f"gradients (and the list of handles) for the next backward.")
+        fail("the check saw no dist.all_reduce call: launch it as dist.all_reduce(buffer, "
+             "async_op=True) from the hook (the check counts calls made through "
+             "torch.distributed).")
+    sync_in_backward = [c for c in calls if not c["async"] and c["t_launch"] < s["backward_end"]]
+    if sync_in_backward:
+        fail("the hook calls a blocking all_reduce (no async_op=True): the backward stops until "
+             "each bucket has crossed the wire, so nothing overlaps — launch it with "
+             "async_op=True, keep the handle, and wait in finish_gradient_synchronization().")
+    if len(calls) != len(buckets):
+        if len(calls) == n_params:
+            fail(f"{len(calls)} all-reduces {when}, one per parameter: copy the gradients into "
+                 f"their bucket's flat buffer and all-reduce each bucket once "
+                 f"({len(buckets)} calls).")
+        fail(f"{len(calls)} all-reduces {when} for {len(buckets)} buckets: launch exactly one "
+             f"per bucket, when its last gradient has arrived.")
+    if sorted(c["numel"] for c in calls) != bucket_numels:
+        fail(f"the all-reduces {when} carried {sorted(c['numel'] for c in calls)} elements; "
+             f"the buckets hold {bucket_numels}: all-reduce each bucket's whole flat buffer "
+             f"(the sum of its parameters' numel).")
+    # 2. When they were launched and waited on.
+    if all(c["t_launch"] >= s["backward_end"] for c in calls):
+        fail("every all-reduce was launched after the backward had finished (in "
+             "finish_gradient_synchronization): nothing overlaps the backward — launch each "
+             "bucket from the hook, as soon as its last gradient has arrived.")
+    waited_early = [c for c in calls if c["async"] and c["t_wait"] is not None
+                    and not c["future"] and c["t_wait"] < s["backward_end"]]
+    if waited_early:
+        fail("you waited on each all-reduce inside the hook (work.wait() before the backward "
+             "had finished): the backward stalls until each bucket has crossed the wire, so "
+             "nothing overlaps — keep the handles and wait in finish_gradient_synchronization().")
+    unwaited = [c for c in calls if c["async"] and c["t_wait"] is None and not c["future"]]
+    if unwaited:
+        fail(f"finish_gradient_synchronization() returned while {len(unwaited)} of "
+             f"{len(calls)} all-reduces had not been waited on: optimizer.step() would read "
+             f"gradients the all-reduce may still be writing (a race) — call wait() on every "
+             f"handle, then copy back.")
+    # 3. The gradients left for optimizer.step().
+    after, own, mean = s["after"], s["own"], s["mean"]
+    if any(a is None for a in after):
+        missing = [names[i] for i, a in enumerate(after) if a is None]
+        fail(f"p.grad is None for {missing[:3]} after finish_gradient_synchronization() {when}: "
+             f"copy the averages back into every p.grad.")
+    for i, (a, m) in enumerate(zip(after, mean)):
+        if a.shape != m.shape:
+            fail(f"{names[i]}.grad has shape {tuple(a.shape)} instead of {tuple(m.shape)}: copy "
+                 f"its slice back with .view_as(p.grad).")
+    if all(_close(a, m) for a, m in zip(after, mean)):
+        return
+    total = [m * world_size for m in mean]
+    if all(_close(a, t) for a, t in zip(after, total)):
+        fail(f"the gradients hold the sum over the ranks, {world_size} times the mean, {when}: "
+             f"divide each bucket by the world size (before the all-reduce or after the wait).")
+    for k in sorted({2, 3, 4} - {world_size}):
+        if all(_close(a, t / k) for a, t in zip(after, total)):
+            fail(f"on {world_size} ranks the gradients are the sum divided by {k}: divide by "
+                 f"dist.get_world_size(), not by a fixed {k}.")
+    if all(_close(a, o) for a, o in zip(after, own)):
+        fail(f"p.grad still holds this rank's own gradient after finish_gradient_"
+             f"synchronization() {when}: copy each bucket's averaged slices back into p.grad "
+             f"after waiting.")
+    wrong = [i for i, (a, m) in enumerate(zip(after, mean)) if not _close(a, m)]
+    for i in wrong:
+        others = [j for j in range(n_params) if j != i and numels[j] == numels[i]
+                  and _close(after[i].reshape(-1), mean[j].reshape(-1))]
+        if others:
+            fail(f"{names[i]}.grad holds the averaged gradient of {names[others[0]]}: a slice "
+                 f"was copied back into the wrong parameter — use the offset recorded for each "
+                 f"parameter when its gradient was copied in.")
+    fail(f"{names[wrong[0]]}.grad is not the mean over the ranks {when} (nor the sum, nor this "
+         f"rank's own gradient): it holds values from elsewhere in the bucket's buffer — copy in "
+         f"and copy back each parameter at the same offset, and all-reduce the whole buffer.")

@@ -1,0 +1,497 @@
+"""Inside DDP: gradient averaging that overlaps the backward, in three steps (lesson 07, lab07).
+
+Lesson 03 averaged the gradients *after* the backward, one all-reduce per parameter. DDP is
+faster because it does two more things, and this module adds them one at a time, each class a
+small change of the one before:
+
+1. :class:`AfterBackward` — lesson 03: after ``loss.backward()``, all-reduce every gradient, one
+   call per parameter, while nothing else runs.
+2. :class:`PerParameterHooks` — a hook on every parameter launches an *asynchronous* all-reduce
+   of its gradient the moment autograd has accumulated it, so communication runs while the
+   backward goes on computing earlier layers; ``finish_gradient_synchronization()`` waits for
+   the handles before the optimizer step.
+3. :class:`BucketedDataParallel` — the same hooks, but gradients are grouped into **buckets** of
+   about ``bucket_cap_mb`` (in reverse registration order, the order the backward produces
+   them): one flat buffer and one all-reduce per bucket, launched when its last gradient
+   arrives. Fewer, larger messages pay the per-message latency (lesson 06's alpha) less often.
+
+All three share the interface the training loop uses::
+
+    model = BucketedDataParallel(SmallCNN(), bucket_cap_mb=25)   # inside a rank
+    loss_fn(model(X), y).backward()
+    model.finish_gradient_synchronization()                      # before optimizer.step()
+    optimizer.step()
+
+and count their collectives (``collectives``) and record a timeline (``events``), which the
+lesson draws. :func:`equality_worker` proves each one equals real DDP; :func:`timing_worker`
+times them against DDP (``python -m dpcourse.bench ddp``); :func:`count_collectives` counts the
+bytes a DDP communication hook sends (fp16, bf16, PowerSGD), and :func:`powersgd_elements`
+predicts them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "AfterBackward",
+    "PerParameterHooks",
+    "BucketedDataParallel",
+    "assign_buckets",
+    "bucket_nbytes",
+    "KINDS",
+    "wrap",
+    "count_collectives",
+    "powersgd_elements",
+    "wide_mlp",
+    "OverlapConfig",
+    "equality_worker",
+    "timing_worker",
+    "comm_hook_worker",
+]
+
+MiB = 1024 * 1024  # DDP's bucket_cap_mb is in MiB too (bucket_cap_mb * 1024 * 1024 bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# Step 1: all-reduce after the backward (lesson 03)
+# --------------------------------------------------------------------------------------------
+
+
+class AfterBackward(nn.Module):
+    """Lesson 03's averaging as a wrapper: nothing happens during the backward; afterwards one
+    blocking all-reduce per parameter."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():       # start from rank 0's weights, as DDP does
+            dist.broadcast(p.data, src=0)
+        self.collectives = 0                # all-reduce calls so far
+        self.events = []                    # (what, which, time): the lesson's timeline
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        world_size = dist.get_world_size()
+        for i, p in enumerate(self.module.parameters()):
+            if p.grad is None:
+                continue
+            self.events.append(("launch", i, time.perf_counter()))
+            dist.all_reduce(p.grad)         # blocks until every rank has sent its part
+            p.grad /= world_size
+            self.events.append(("done", i, time.perf_counter()))
+            self.collectives += 1
+
+
+# --------------------------------------------------------------------------------------------
+# Step 2: one asynchronous all-reduce per parameter, launched from a hook
+# --------------------------------------------------------------------------------------------
+
+
+class PerParameterHooks(nn.Module):
+    """As soon as autograd has accumulated a parameter's gradient, its hook divides it by the
+    world size and launches ``all_reduce(..., async_op=True)``, which returns at once with a
+    handle; the backward carries on with earlier layers while the gradient is on the wire."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+        self.collectives = 0
+        self.events = []
+        self._handles = []                  # the in-flight all-reduces of this backward
+        for i, p in enumerate(module.parameters()):
+            if p.requires_grad:
+                # runs after p.grad has been written (accumulated) for this backward
+                p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _grad_ready(self, i, p):
+        p.grad /= dist.get_world_size()     # sum of (g / N) over the ranks = the mean
+        self.events.append(("launch", i, time.perf_counter()))
+        work = dist.all_reduce(p.grad, async_op=True)
+        self._handles.append(work)
+        self.collectives += 1
+
+    def finish_gradient_synchronization(self):
+        for work in self._handles:          # the optimizer must not read a half-reduced grad
+            work.wait()
+        self.events.append(("done", None, time.perf_counter()))
+        self._handles.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Step 3: buckets — one flat buffer and one all-reduce per group of gradients
+# --------------------------------------------------------------------------------------------
+
+
+def bucket_nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def assign_buckets(params, bucket_cap_mb: float) -> list[list[nn.Parameter]]:
+    """Group ``params`` into buckets of at most ``bucket_cap_mb`` MiB, in *reverse* order.
+
+    The backward produces gradients roughly from the last layer to the first, so the reverse of
+    registration order is the order the buckets fill up in; the first bucket can then be sent
+    while the backward is still busy with the early layers. A bucket is closed when the next
+    parameter would take it over the cap; a parameter larger than the cap gets a bucket of its
+    own. (DDP closes a bucket once it has *reached* the cap, and makes its first bucket 1 MiB;
+    both give the same overlap.)
+    """
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+    cap = bucket_cap_mb * MiB
+    buckets, current, size = [], [], 0
+    for p in reversed(list(params)):
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > cap:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class BucketedDataParallel(nn.Module):
+    """Gradients are copied into their bucket's flat buffer as they arrive; when a bucket's
+    last gradient has arrived, the whole buffer is all-reduced asynchronously in one call.
+    ``finish_gradient_synchronization()`` waits for every bucket and copies the averaged
+    values back into each ``p.grad``."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+        self.collectives = 0
+        self.events = []
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = assign_buckets(params, bucket_cap_mb)
+        self._flat = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype,
+                                  device=b[0].device) for b in self.buckets]
+        self._where = {}                    # parameter -> (bucket index, offset in its buffer)
+        for i, bucket in enumerate(self.buckets):
+            offset = 0
+            for p in bucket:
+                self._where[p] = (i, offset)
+                offset += p.numel()
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._missing = [len(b) for b in self.buckets]   # gradients each bucket still awaits
+        self._handles = {}                  # bucket index -> its in-flight all-reduce
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _grad_ready(self, p):
+        i, offset = self._where[p]
+        self._flat[i][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        self._missing[i] -= 1
+        if self._missing[i] == 0:           # the bucket is full: send it
+            self._flat[i].div_(dist.get_world_size())
+            self.events.append(("launch", i, time.perf_counter()))
+            work = dist.all_reduce(self._flat[i], async_op=True)
+            work.get_future().then(
+                lambda _, i=i: self.events.append(("done", i, time.perf_counter())))
+            self._handles[i] = work
+            self.collectives += 1
+
+    def finish_gradient_synchronization(self):
+        unfinished = [i for i, m in enumerate(self._missing) if m]
+        if unfinished:
+            names = {p: n for n, p in self.module.named_parameters()}
+            lost = [names[p] for i in unfinished for p in self.buckets[i] if p.grad is None]
+            raise RuntimeError(
+                f"bucket(s) {unfinished} never filled: parameter(s) {lost[:5]} got no gradient in "
+                f"this backward, so their bucket was never sent. Every parameter must take part "
+                f"in the loss; DDP handles unused ones with find_unused_parameters=True.")
+        for i, work in sorted(self._handles.items()):
+            work.wait()                     # the buffer now holds the mean over the ranks
+            for p in self.buckets[i]:
+                _, offset = self._where[p]
+                p.grad.copy_(self._flat[i][offset:offset + p.numel()].view_as(p.grad))
+        self._handles.clear()
+        self._missing = [len(b) for b in self.buckets]
+
+
+KINDS = ("after_backward", "per_parameter", "bucketed", "ddp")
+
+
+def wrap(kind: str, module: nn.Module, bucket_cap_mb: float = 25.0) -> nn.Module:
+    """One of the four ways, by name; ``"ddp"`` is torch's DistributedDataParallel, with its
+    all-reduce routed through a comm hook so that its collectives are counted too."""
+    if kind == "after_backward":
+        return AfterBackward(module)
+    if kind == "per_parameter":
+        return PerParameterHooks(module)
+    if kind == "bucketed":
+        return BucketedDataParallel(module, bucket_cap_mb)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dev = next(module.parameters()).device
+        model = DDP(module, device_ids=[dev.index] if dev.type == "cuda" else None,
+                    bucket_cap_mb=bucket_cap_mb)
+        model.collectives = 0
+
+        def counted_allreduce(state, bucket):
+            model.collectives += 1
+            return _allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counted_allreduce)
+        model.finish_gradient_synchronization = lambda: None   # DDP's backward already waited
+        return model
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def _allreduce_hook(state, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+# --------------------------------------------------------------------------------------------
+# Counting what is sent
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count every ``dist.all_reduce`` made through torch.distributed inside the block (DDP's
+    comm hooks, ours, torch's fp16/bf16/PowerSGD hooks): yields a list that receives one
+    ``(numel, dtype, nbytes)`` per call. DDP's built-in all-reduce (no comm hook) runs in C++
+    and is not seen: register a comm hook to count it."""
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append((tensor.numel(), tensor.dtype, tensor.numel() * tensor.element_size()))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = real
+
+
+def powersgd_elements(shapes, rank: int, min_compression_rate: float = 2.0) -> dict:
+    """How many numbers PowerSGD all-reduces per step, from the parameter shapes alone.
+
+    Each gradient is seen as a matrix n × m (n = its first dimension, m = the rest). It is
+    compressed to P (n × r) and Q (m × r), r = min(n, m, rank), when that is worth it:
+    (n + m) r · min_compression_rate < n m; otherwise (biases, tiny layers) it is all-reduced
+    whole, with the other uncompressed ones in one flat buffer. Returns the counts per part.
+    """
+    p_total = q_total = whole = 0
+    for shape in shapes:
+        n = shape[0] if len(shape) else 1
+        m = math.prod(shape[1:]) if len(shape) > 1 else 1
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            p_total += n * r
+            q_total += m * r
+        else:
+            whole += n * m
+    return {"P": p_total, "Q": q_total, "uncompressed": whole,
+            "total": p_total + q_total + whole,
+            "dense": sum(math.prod(s) if len(s) else 1 for s in shapes)}
+
+
+# --------------------------------------------------------------------------------------------
+# Workers (run on every rank through dpcourse.launch.spawn)
+# --------------------------------------------------------------------------------------------
+
+
+def wide_mlp(width: int = 1024, depth: int = 8, num_classes: int = 10) -> nn.Module:
+    """A model whose size is in its matrices (about 42 MB at the defaults): big enough that
+    the bucket size matters, and quick on a CPU, unlike convolutions of the same size."""
+    layers = [nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU()]
+    for _ in range(depth - 2):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+@dataclass
+class OverlapConfig:
+    """One experiment: the model, the data and the steps, the same on every rank."""
+
+    model: str = "small_cnn"       # "small_cnn" (lessons 01-04) or "wide_mlp" (for timing)
+    width: int = 8                 # SmallCNN's width, or the MLP's
+    depth: int = 8                 # the MLP's number of Linear layers
+    global_batch: int = 32
+    steps: int = 3
+    lr: float = 0.05
+    seed: int = 0
+    n_train: int = 256
+
+    def build(self) -> nn.Module:
+        from . import models
+
+        torch.manual_seed(self.seed)
+        if self.model == "small_cnn":
+            return models.SmallCNN(width=self.width)
+        if self.model == "wide_mlp":
+            return wide_mlp(self.width, self.depth)
+        raise ValueError(f"model must be 'small_cnn' or 'wide_mlp', got {self.model!r}")
+
+
+def _batches(cfg: OverlapConfig, rank: int, world_size: int):
+    """This rank's shard of each step's global batch (the shapes10 data of lesson 01)."""
+    from . import ddp
+
+    step_cfg = ddp.StepConfig(global_batch=cfg.global_batch, n_train=cfg.n_train)
+    step_cfg.per_rank_batch(world_size)   # a clear error for a batch that does not split
+    return [ddp.shard_of(*ddp.global_batch_for_step(step_cfg, s), rank, world_size)
+            for s in range(cfg.steps)]
+
+
+def _train(model, cfg: OverlapConfig, batches, dev) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    losses = []
+    for X, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(X.to(dev)), y.to(dev))
+        loss.backward()
+        model.finish_gradient_synchronization()   # (a no-op for DDP)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def equality_worker(rank: int, world_size: int, cfg: OverlapConfig,
+                    kinds=KINDS, bucket_cap_mb: float = 25.0) -> dict:
+    """Train ``cfg.steps`` steps with each way in ``kinds``, from the same start on the same
+    shards; return each one's final weights (flat, CPU), collective count and bucket sizes."""
+    from . import ddp
+
+    dev = ddp.rank_device()
+    batches = _batches(cfg, rank, world_size)
+    out = {}
+    for kind in kinds:
+        model = wrap(kind, cfg.build().to(dev), bucket_cap_mb)
+        _train(model, cfg, batches, dev)
+        inner = model.module
+        out[kind] = {"params": ddp.flat_params(inner), "collectives": model.collectives,
+                     "buckets": [len(b) for b in getattr(model, "buckets", [])]}
+    return out
+
+
+def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: int = 1) -> dict:
+    """Time the training step for each ``(kind, bucket_cap_mb)`` in ``runs``: the median over
+    ``cfg.steps`` steps after ``warmup`` untimed ones (DDP rebuilds its buckets in its first
+    step). Also returns, for each run, the last step's timeline on this rank: when each
+    gradient was ready and when each all-reduce was launched and done, in ms since the
+    backward began, and the backward's own end."""
+    from . import ddp
+
+    dev = ddp.rank_device()
+    cfg_all = OverlapConfig(**{**cfg.__dict__, "steps": cfg.steps + warmup})
+    batches = _batches(cfg_all, rank, world_size)
+    results = []
+    for kind, cap in runs:
+        model = wrap(kind, cfg.build().to(dev), cap)
+        inner = model.module
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+        ready = []
+        for p in inner.parameters():      # stamps when each gradient is ready
+            p.register_post_accumulate_grad_hook(lambda _: ready.append(time.perf_counter()))
+        times = []
+        for step, (X, y) in enumerate(batches):
+            X, y = X.to(dev), y.to(dev)
+            ready.clear()
+            if hasattr(model, "events"):
+                model.events.clear()
+            dist.barrier()                # every rank starts the step together
+            before = model.collectives
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(X), y)
+            tb = time.perf_counter()
+            loss.backward()
+            t_backward = time.perf_counter()
+            model.finish_gradient_synchronization()
+            opt.step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t1 = time.perf_counter()
+            if step >= warmup:
+                times.append(t1 - t0)
+        ms = lambda t: round((t - tb) * 1e3, 3)
+        events = [(what, which, ms(t)) for what, which, t in getattr(model, "events", [])]
+        results.append({
+            "kind": kind, "bucket_cap_mb": cap,
+            "step_s": sorted(times)[len(times) // 2],
+            "collectives_per_step": model.collectives - before,   # in the last step
+            "n_buckets": len(getattr(model, "buckets", [])) or None,
+            "timeline": {"ready": [ms(t) for t in ready], "events": events,
+                         "backward_end": ms(t_backward), "sync_end": ms(t1)},
+        })
+        del model, inner, opt
+    return {"runs": results, "model_bytes": bucket_nbytes(cfg.build().parameters())}
+
+
+def comm_hook_worker(rank: int, world_size: int, cfg: OverlapConfig, hooks,
+                     powersgd_rank: int = 1, start_powersgd_iter: int = 2) -> dict:
+    """Train real DDP ``cfg.steps`` steps once per name in ``hooks`` — "none" (plain
+    all-reduce), "fp16", "bf16", "powersgd" or "powersgd_no_ef" (without error feedback) —
+    and return each run's losses (this rank's shard), final weights, and the elements and
+    bytes all-reduced in each step, counted by :func:`count_collectives`."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from . import ddp
+
+    dev = ddp.rank_device()
+    batches = _batches(cfg, rank, world_size)
+    out = {}
+    for name in hooks:
+        model = DDP(cfg.build().to(dev), device_ids=[dev.index] if dev.type == "cuda" else None)
+        if name == "none":
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif name == "fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif name == "bf16":
+            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif name in ("powersgd", "powersgd_no_ef"):
+            state = psgd.PowerSGDState(
+                process_group=None, matrix_approximation_rank=powersgd_rank,
+                start_powerSGD_iter=start_powersgd_iter,
+                use_error_feedback=(name == "powersgd"), warm_start=(name == "powersgd"))
+            model.register_comm_hook(state, psgd.powerSGD_hook)
+        else:
+            raise ValueError(f"unknown comm hook {name!r}: none, fp16, bf16, powersgd, "
+                             f"powersgd_no_ef")
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+        losses, sent = [], []
+        for X, y in batches:
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(X.to(dev)), y.to(dev))
+            with count_collectives() as calls:
+                loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            sent.append({"calls": len(calls), "elements": sum(c[0] for c in calls),
+                         "bytes": sum(c[2] for c in calls),
+                         "dtypes": sorted({str(c[1]).replace("torch.", "") for c in calls})})
+        out[name] = {"losses": losses, "sent": sent, "params": ddp.flat_params(model.module)}
+    shapes = [tuple(p.shape) for p in cfg.build().parameters()]
+    return {"runs": out, "shapes": shapes}
