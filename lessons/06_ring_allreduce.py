@@ -422,6 +422,10 @@ viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
 #   DDP's weights; posting the receive before waiting on the send is what keeps it from
 #   deadlocking.
 #
+# **Next:** [lesson 07](07_inside_ddp.ipynb) opens DDP itself: the hooks that launch these
+# all-reduces while the backward runs, the buckets that make each message large enough to be
+# worth its α, and communication hooks that send fewer bytes.
+#
 # ## Check yourself
 
 # %%

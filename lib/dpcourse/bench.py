@@ -3,6 +3,8 @@
     python -m dpcourse.bench allreduce                       # 1 KiB .. 64 MiB, 2 and 4 ranks
     python -m dpcourse.bench allreduce --sizes 1M 16M 64M --world-sizes 2 4 --reps 5
     python -m dpcourse.bench allreduce --json                # one JSON document on stdout
+    python -m dpcourse.bench ddp                             # lesson 07: our DDPs vs torch's
+    python -m dpcourse.bench ddp --caps 0.1 1 4 25 inf --steps 10 --json
 
 ``allreduce`` times the hand-written ring of lesson 06 (:func:`dpcourse.ring.ring_allreduce`)
 and the built-in ``dist.all_reduce`` on float32 tensors, over gloo on CPU (or nccl when every
@@ -15,7 +17,14 @@ world size it prints the time of one all-reduce and its bandwidth in nccl-tests'
   own bandwidth;
 
 and the ratio ring busbw / all_reduce busbw. Lesson 06 uses :func:`measure_allreduce` for its
-(much shorter) alpha-beta measurement. Other lessons may add subcommands here.
+(much shorter) alpha-beta measurement.
+
+``ddp`` (lesson 07) times one training step of a model of many equal Linear layers
+(``overlap.wide_mlp``, 28 MiB at the defaults) synchronised four ways — all-reduce after the
+backward, one async all-reduce per parameter from hooks, the course's bucketed wrapper, and
+torch's DistributedDataParallel — and the bucketed wrapper at each cap of a sweep, all in one
+run with their steps interleaved. It prints a table (median step ms, all-reduces per step) and
+the ratio bucketed / DDP at the same cap.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ __all__ = [
     "AllreduceRow",
     "run_allreduce_bench",
     "format_table",
+    "run_ddp_bench",
+    "format_ddp_table",
     "main",
 ]
 
@@ -185,6 +196,43 @@ def format_table(rows: Sequence[AllreduceRow]) -> str:
     return "\n".join(lines)
 
 
+def run_ddp_bench(world_size: int = 2, caps: Sequence[float] = (0.1, 1, 4, 25, float("inf")),
+                  cap: float = 25.0, steps: int = 7, width: int = 320, depth: int = 64,
+                  global_batch: int = 64, backend: str = "gloo", timeout: float = 600.0) -> dict:
+    """Run :func:`dpcourse.overlap.timing_worker` on ``world_size`` ranks: the four ways at
+    ``cap`` MiB, then the bucketed wrapper at every cap in ``caps``. Returns rank 0's result
+    with ``ratio`` = bucketed / DDP at ``cap``."""
+    from . import ddp, launch, overlap
+
+    ddp.validate_world_size(world_size, backend)
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    cfg = overlap.OverlapConfig(model="wide_mlp", width=width, depth=depth,
+                                global_batch=global_batch, steps=steps)
+    cfg.build()  # a clear error for a bad model size, before any rank starts
+    runs = [(kind, cap) for kind in overlap.KINDS]
+    runs += [("bucketed", c) for c in caps if c != cap]
+    out = launch.spawn(overlap.timing_worker, world_size, cfg, runs, 1, backend=backend,
+                       timeout=timeout, show_output=False)[0]
+    by = {(r["kind"], r["bucket_cap_mb"]): r for r in out["runs"]}
+    out["ratio"] = by[("bucketed", cap)]["step_s"] / by[("ddp", cap)]["step_s"]
+    out.update(world_size=world_size, backend=backend, cap=cap, width=width, depth=depth,
+               global_batch=global_batch, steps=steps)
+    return out
+
+
+def format_ddp_table(result: dict) -> str:
+    lines = [f"{'way':<16}{'bucket cap':>12}{'step (ms)':>11}{'all-reduces':>13}"]
+    for r in result["runs"]:
+        cap = "one bucket" if r["bucket_cap_mb"] == float("inf") else f"{r['bucket_cap_mb']:g} MiB"
+        if r["kind"] in ("after_backward", "per_parameter"):
+            cap = "-"
+        lines.append(f"{r['kind']:<16}{cap:>12}{r['step_s'] * 1e3:>11.1f}"
+                     f"{r['collectives_per_step']:>13}")
+    lines.append(f"bucketed / DDP at {result['cap']:g} MiB: {result['ratio']:.2f}x")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dpcourse.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,7 +248,39 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     a.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
     a.add_argument("--json", action="store_true", help="print one JSON document instead")
+    d = sub.add_parser("ddp", help="all-reduce after backward, per-parameter hooks, buckets "
+                                   "and DDP: step time, with a bucket-size sweep")
+    d.add_argument("--world-size", type=int, default=2)
+    d.add_argument("--caps", nargs="+", type=float, default=[0.1, 1, 4, 25, float("inf")],
+                   help="bucket caps of the sweep, in MiB ('inf': one bucket)")
+    d.add_argument("--cap", type=float, default=25.0,
+                   help="the cap at which bucketed and DDP are compared (DDP's default: 25)")
+    d.add_argument("--steps", type=int, default=7, help="timed steps per way (median)")
+    d.add_argument("--width", type=int, default=320)
+    d.add_argument("--depth", type=int, default=64)
+    d.add_argument("--global-batch", type=int, default=64)
+    d.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    d.add_argument("--timeout", type=float, default=600.0)
+    d.add_argument("--json", action="store_true", help="print one JSON document instead")
     args = parser.parse_args(argv)
+    if args.cmd == "ddp":
+        try:
+            result = run_ddp_bench(args.world_size, args.caps, args.cap, args.steps, args.width,
+                                   args.depth, args.global_batch, args.backend, args.timeout)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if args.json:
+            for r in result["runs"]:
+                r.pop("timeline")
+                if r["bucket_cap_mb"] == float("inf"):
+                    r["bucket_cap_mb"] = "one bucket"   # JSON has no infinity
+            print(json.dumps(result, indent=1, default=str))
+        else:
+            print(f"one training step of wide_mlp({args.width}, {args.depth}) "
+                  f"({result['model_bytes'] / MiB:.1f} MiB) on {args.world_size} ranks over "
+                  f"{args.backend}, median of {args.steps} steps, runs interleaved")
+            print(format_ddp_table(result))
+        return 0
     try:
         sizes = [parse_size(s) for s in args.sizes]
         rows = run_allreduce_bench(sizes, args.world_sizes, args.reps, args.warmup,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -339,6 +340,7 @@ class OverlapConfig:
     global_batch: int = 32
     steps: int = 3
     lr: float = 0.05
+    momentum: float = 0.0
     seed: int = 0
     n_train: int = 256
 
@@ -364,7 +366,7 @@ def _batches(cfg: OverlapConfig, rank: int, world_size: int):
 
 
 def _train(model, cfg: OverlapConfig, batches, dev) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     losses = []
     for X, y in batches:
         opt.zero_grad(set_to_none=True)
@@ -395,31 +397,36 @@ def equality_worker(rank: int, world_size: int, cfg: OverlapConfig,
 
 
 def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: int = 1) -> dict:
-    """Time the training step for each ``(kind, bucket_cap_mb)`` in ``runs``: the median over
-    ``cfg.steps`` steps after ``warmup`` untimed ones (DDP rebuilds its buckets in its first
-    step). Also returns, for each run, the last step's timeline on this rank: when each
-    gradient was ready and when each all-reduce was launched and done, in ms since the
-    backward began, and the backward's own end."""
+    """Time the training step for each ``(kind, bucket_cap_mb)`` in ``runs``.
+
+    All the models are built first and then take their steps in turn (step 1 of every run,
+    then step 2 of every run, ...), so that a slow moment of the machine hits every run alike.
+    A step's time is the median over ``cfg.steps`` steps after ``warmup`` untimed ones (DDP
+    rebuilds its buckets in its first step). Each run also returns its last step's timeline
+    on this rank, in ms since the backward began: when each gradient was ready, when each
+    all-reduce was launched and done, and when the backward and the synchronisation ended.
+    """
     from . import ddp
 
     dev = ddp.rank_device()
     cfg_all = OverlapConfig(**{**cfg.__dict__, "steps": cfg.steps + warmup})
-    batches = _batches(cfg_all, rank, world_size)
-    results = []
+    batches = [(X.to(dev), y.to(dev)) for X, y in _batches(cfg_all, rank, world_size)]
+    setups = []
     for kind, cap in runs:
         model = wrap(kind, cfg.build().to(dev), cap)
-        inner = model.module
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
         ready = []
-        for p in inner.parameters():      # stamps when each gradient is ready
-            p.register_post_accumulate_grad_hook(lambda _: ready.append(time.perf_counter()))
-        times = []
-        for step, (X, y) in enumerate(batches):
-            X, y = X.to(dev), y.to(dev)
-            ready.clear()
+        for p in model.module.parameters():      # stamps when each gradient is ready
+            p.register_post_accumulate_grad_hook(lambda _, ready=ready: ready.append(
+                time.perf_counter()))
+        setups.append({"kind": kind, "cap": cap, "model": model, "ready": ready, "times": [],
+                       "opt": torch.optim.SGD(model.parameters(), lr=cfg.lr)})
+    for step, (X, y) in enumerate(batches):
+        for s in setups:
+            model, opt = s["model"], s["opt"]
+            s["ready"].clear()
             if hasattr(model, "events"):
                 model.events.clear()
-            dist.barrier()                # every rank starts the step together
+            dist.barrier()                       # every rank starts the step together
             before = model.collectives
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
@@ -433,18 +440,18 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
                 torch.cuda.synchronize(dev)
             t1 = time.perf_counter()
             if step >= warmup:
-                times.append(t1 - t0)
-        ms = lambda t: round((t - tb) * 1e3, 3)
-        events = [(what, which, ms(t)) for what, which, t in getattr(model, "events", [])]
-        results.append({
-            "kind": kind, "bucket_cap_mb": cap,
-            "step_s": sorted(times)[len(times) // 2],
-            "collectives_per_step": model.collectives - before,   # in the last step
-            "n_buckets": len(getattr(model, "buckets", [])) or None,
-            "timeline": {"ready": [ms(t) for t in ready], "events": events,
-                         "backward_end": ms(t_backward), "sync_end": ms(t1)},
-        })
-        del model, inner, opt
+                s["times"].append(t1 - t0)
+            ms = lambda t, tb=tb: round((t - tb) * 1e3, 3)
+            s["last"] = {"ready": [ms(t) for t in s["ready"]],
+                         "events": [(what, which, ms(t))
+                                    for what, which, t in getattr(model, "events", [])],
+                         "backward_end": ms(t_backward), "sync_end": ms(t1),
+                         "collectives": model.collectives - before}
+    results = [{"kind": s["kind"], "bucket_cap_mb": s["cap"],
+                "step_s": statistics.median(s["times"]),
+                "collectives_per_step": s["last"].pop("collectives"),
+                "n_buckets": len(getattr(s["model"], "buckets", [])) or None,
+                "timeline": s["last"]} for s in setups]
     return {"runs": results, "model_bytes": bucket_nbytes(cfg.build().parameters())}
 
 
@@ -480,7 +487,7 @@ def comm_hook_worker(rank: int, world_size: int, cfg: OverlapConfig, hooks,
         else:
             raise ValueError(f"unknown comm hook {name!r}: none, fp16, bf16, powersgd, "
                              f"powersgd_no_ef")
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         losses, sent = [], []
         for X, y in batches:
             opt.zero_grad(set_to_none=True)

@@ -41,6 +41,10 @@ __all__ = [
     "ddp_timeline_figure",
     "sampler_grid_figure",
     "mirrored_vs_ddp_figure",
+    "overlap_timeline_figure",
+    "bucket_sweep_figure",
+    "step_time_bars_figure",
+    "comm_hooks_figure",
 ]
 
 _PHASE_COLOURS = {"start": "#555555", "scatter-reduce": "#1f77b4", "all-gather": "#2ca02c"}
@@ -608,4 +612,117 @@ def mirrored_vs_ddp_figure(n: int = 2):
         ax.text(5, 0.6, "all-reduce of gradients: SUM in apply_gradients" if one_process
                 else "all-reduce of gradients: AVERAGE inside backward()", ha="center",
                 va="center", fontsize=8)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Lesson 07: inside DDP
+# --------------------------------------------------------------------------------------------
+
+
+def overlap_timeline_figure(timeline: dict, title: str = ""):
+    """One training step of a bucketed wrapper on one rank, from ``overlap.timing_worker``'s
+    recorded timeline (ms since the backward began): a tick per gradient as it became ready,
+    a bar per bucket from its all-reduce's launch to its end, the backward's end and the end
+    of the synchronisation (wait + copy back + optimizer step)."""
+    launches = {which: t for what, which, t in timeline["events"] if what == "launch"}
+    dones = {which: t for what, which, t in timeline["events"] if what == "done"}
+    order = sorted(launches, key=launches.get)
+    n = len(order)
+    fig = new_figure(8.5, 1.6 + 0.32 * (n + 1))
+    ax = fig.add_subplot(1, 1, 1)
+    end = timeline["backward_end"]
+    ax.axvspan(0, end, color="#eeeeee", zorder=0, label="backward")
+    for t in timeline["ready"]:
+        ax.plot([t, t], [n - 0.35, n + 0.35], color="#444444", lw=0.8)
+    for row, i in enumerate(order):
+        y = n - 1 - row
+        stop = dones.get(i, timeline["sync_end"])
+        ax.barh(y, stop - launches[i], left=launches[i], height=0.6, color="#1f77b4")
+    ax.axvline(end, color="#d62728", lw=1.2, ls="--", label="backward() returns")
+    ax.axvline(timeline["sync_end"], color="#2ca02c", lw=1.2, ls=":",
+               label="synchronised and stepped")
+    ax.set_yticks([n] + ([n - 1, 0] if n > 1 else [0]))
+    ax.set_yticklabels(["gradients ready"] + (["first bucket", f"bucket {n - 1}"] if n > 1
+                                              else ["the bucket"]), fontsize=7.5)
+    ax.set_xlabel("ms since backward() was called")
+    ax.set_ylim(-0.8, n + 0.8)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(True, axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=9.5)
+    fig.subplots_adjust(left=0.14, right=0.98, bottom=0.18, top=0.9)
+    return fig
+
+
+def _cap_label(cap) -> str:
+    return "one bucket" if cap == float("inf") else f"{cap:g} MiB"
+
+
+def bucket_sweep_figure(rows: Sequence[dict]):
+    """Step time (ms) for each bucket cap, each bar labelled with its all-reduces per step."""
+    fig = new_figure(7.0, 3.4)
+    ax = fig.add_subplot(1, 1, 1)
+    labels = [_cap_label(r["bucket_cap_mb"]) for r in rows]
+    ms = [r["step_s"] * 1e3 for r in rows]
+    bars = ax.bar(range(len(rows)), ms, color="#1f77b4")
+    for bar, r in zip(bars, rows):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(),
+                f"{r['collectives_per_step']} all-reduces", ha="center", va="bottom", fontsize=7.5)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_xlabel("bucket_cap_mb")
+    ax.set_ylabel("step time (ms, median)")
+    ax.set_ylim(0, max(ms) * 1.2)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.subplots_adjust(left=0.12, right=0.98, bottom=0.16, top=0.95)
+    return fig
+
+
+def step_time_bars_figure(names: Sequence[str], seconds: Sequence[float], title: str = ""):
+    """Horizontal bars: one step time (ms) per way of synchronising the gradients."""
+    fig = new_figure(7.0, 0.9 + 0.45 * len(names))
+    ax = fig.add_subplot(1, 1, 1)
+    ms = [s * 1e3 for s in seconds]
+    ax.barh(range(len(names)), ms, color=["#7f7f7f", "#ff7f0e", "#1f77b4", "#2ca02c"][
+        :len(names)] if len(names) <= 4 else "#1f77b4")
+    for i, v in enumerate(ms):
+        ax.text(v, i, f" {v:.0f} ms", va="center", fontsize=8)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(ms) * 1.25)
+    ax.set_xlabel("step time (ms, median)")
+    if title:
+        ax.set_title(title, fontsize=9.5)
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.subplots_adjust(left=0.3, right=0.97, bottom=0.2, top=0.88)
+    return fig
+
+
+def comm_hooks_figure(runs: dict, bytes_per_step: dict, window: int = 10):
+    """Left: each comm hook's loss curve (a moving mean over ``window`` steps). Right: the bytes
+    each one all-reduced per step, on a log scale."""
+    fig = new_figure(9.0, 3.4)
+    ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for name, losses in runs.items():
+        x = np.asarray(losses, dtype=float)
+        smooth = np.convolve(x, np.ones(window) / window, mode="valid")
+        ax.plot(np.arange(window - 1, len(x)), smooth, label=name, lw=1.3)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss (mean of {window} steps)")
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    names = list(bytes_per_step)
+    vals = [bytes_per_step[n] for n in names]
+    bx.barh(range(len(names)), vals, color="#1f77b4")
+    for i, v in enumerate(vals):
+        bx.text(v, i, f" {v / 1024:.1f} KiB", va="center", fontsize=7.5)
+    bx.set_xscale("log")
+    bx.set_yticks(range(len(names)))
+    bx.set_yticklabels(names, fontsize=8)
+    bx.invert_yaxis()
+    bx.set_xlim(min(vals) / 2, max(vals) * 8)
+    bx.set_xlabel("bytes all-reduced per step (log)")
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.95, wspace=0.45)
     return fig

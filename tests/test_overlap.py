@@ -1,0 +1,92 @@
+"""dpcourse.overlap: bucket assignment, the PowerSGD formula, counting, and the three wrappers
+equal to DDP on 3 gloo ranks (the lesson proves 2); `python -m dpcourse.bench ddp`."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dpcourse import bench, launch, overlap
+
+
+def _params(*numels):
+    return [nn.Parameter(torch.zeros(n)) for n in numels]
+
+
+def test_assign_buckets_reverse_order_and_cap():
+    ps = _params(100_000, 10, 100_000, 300_000)   # 0.38, 0, 0.38, 1.14 MiB
+    buckets = overlap.assign_buckets(ps, 1.0)
+    index = {id(p): i for i, p in enumerate(ps)}
+    assert [[index[id(p)] for p in b] for b in buckets] == [[3], [2, 1, 0]]
+    one = overlap.assign_buckets(ps, math.inf)
+    assert len(one) == 1 and [id(p) for p in one[0]] == [id(p) for p in reversed(ps)]
+    assert len(overlap.assign_buckets(ps, 1e-6)) == 4        # each alone, none dropped
+
+
+@pytest.mark.parametrize("cap", [0, -1, float("nan")])
+def test_assign_buckets_refuses_a_bad_cap(cap):
+    with pytest.raises(ValueError, match="positive number of MiB"):
+        overlap.assign_buckets(_params(3), cap)
+
+
+def test_powersgd_formula():
+    got = overlap.powersgd_elements([(1024, 1024), (1024,), (8, 3, 3, 3)], rank=2)
+    # 1024x1024 -> P 1024x2 + Q 1024x2; the 8x27 conv -> P 8x2 + Q 27x2 ((8+27)*2*2 < 216);
+    # the bias (1024 x 1) would not gain 2x: sent whole
+    assert got["P"] == 2048 + 16 and got["Q"] == 2048 + 54
+    assert got["uncompressed"] == 1024
+    assert got["total"] == 2064 + 2102 + 1024 and got["dense"] == 1024 ** 2 + 1024 + 216
+    assert overlap.powersgd_elements([(8, 27)], rank=4)["uncompressed"] == 216  # 35*4*2 > 216
+
+
+def test_count_collectives_restores_all_reduce():
+    real = dist.all_reduce
+    with overlap.count_collectives() as calls:
+        assert dist.all_reduce is not real
+    assert dist.all_reduce is real and calls == []
+
+
+def test_wrap_refuses_an_unknown_kind():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        overlap.wrap("zero", nn.Linear(2, 2))
+
+
+def test_all_three_equal_ddp_on_three_ranks():
+    cfg = overlap.OverlapConfig(global_batch=24, steps=3, lr=0.1)
+    out = launch.spawn(overlap.equality_worker, 3, cfg, overlap.KINDS, 0.01, backend="gloo",
+                       timeout=120)
+    for r in out:
+        for kind in ("after_backward", "per_parameter", "bucketed"):
+            assert torch.allclose(r[kind]["params"], r["ddp"]["params"], atol=1e-5), kind
+    assert out[0]["after_backward"]["collectives"] == 10 * 3
+    assert out[0]["bucketed"]["collectives"] == 4 * 3       # 4 buckets at 0.01 MiB
+    assert all(torch.equal(out[0]["bucketed"]["params"], r["bucketed"]["params"]) for r in out)
+
+
+def test_a_batch_that_does_not_split_is_refused_in_the_rank():
+    cfg = overlap.OverlapConfig(global_batch=25, steps=1)
+    with pytest.raises(launch.RankFailedError, match="does not split over 2 ranks"):
+        launch.spawn(overlap.equality_worker, 2, cfg, ("bucketed",), backend="gloo",
+                     timeout=60, show_output=False)
+
+
+def test_bench_ddp_json(capsys):
+    assert bench.main(["ddp", "--steps", "1", "--width", "64", "--depth", "4",
+                       "--caps", "0.01", "inf", "--cap", "0.05", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    kinds = [(r["kind"], r["bucket_cap_mb"]) for r in doc["runs"]]
+    assert kinds[:4] == [(k, 0.05) for k in overlap.KINDS]
+    assert ("bucketed", "one bucket") in kinds and ("bucketed", 0.01) in kinds
+    assert doc["ratio"] > 0 and all(r["step_s"] > 0 for r in doc["runs"])
+    by = {(r["kind"], r["bucket_cap_mb"]): r for r in doc["runs"]}
+    assert by[("per_parameter", 0.05)]["collectives_per_step"] == 8   # 4 Linear layers
+    assert by[("bucketed", "one bucket")]["collectives_per_step"] == 1
+
+
+def test_bench_ddp_refuses_bad_input(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["ddp", "--steps", "0"])
+    assert "steps must be at least 1" in capsys.readouterr().err
