@@ -395,6 +395,14 @@ class NoReset(Good):
         self.handles = []
 
 
+class HandlesNeverCleared(Good):
+    def finish_gradient_synchronization(self):
+        for i, work in self.handles:
+            work.wait()
+            self.copy_back(i)
+        self.missing = [len(b) for b in self.buckets]
+
+
 class ForwardBuckets(Good):
     def assign(self, params, cap_mb):
         return forward_order(params, cap_mb)
@@ -442,6 +450,7 @@ class CopyOnlyFirst(Good):
     (PerParameter, "one per parameter"),
     (NoReset, "no all-reduce was launched in step 2.*reset"),
     (ForwardBuckets, "self.buckets is wrong .* forward"),
+    (HandlesNeverCleared, "in step 2.*waited again on 3 handle\\(s\\) from step 1"),
     (NoBucketsAttribute, "no self.buckets"),
     (CopyOnlyFirst, "still holds this rank's own gradient"),
 ])

@@ -18,6 +18,7 @@ registered before the learner's own stores each local gradient as autograd produ
 that record the check names: one all-reduce per parameter instead of per bucket, messages that
 are not a bucket's flat buffer, a blocking all-reduce in the hook, waiting inside the hook,
 launching only after the backward, not waiting before the step, no reset between steps,
+old handles waited on again (the list never emptied),
 forgetting the division, dividing by a fixed 2, a slice copied back into the wrong parameter.
 """
 
@@ -192,8 +193,9 @@ class _Deferred:
     a copy, and its result is written into the learner's tensor when the handle is waited on
     (or its future completes)."""
 
-    def __init__(self, work, buf, target, rec):
+    def __init__(self, work, buf, target, rec, state):
         self._work, self._buf, self._target, self._rec = work, buf, target, rec
+        self._state = state          # the check's current step, to notice stale handles
         self._delivered = False
 
     def _deliver(self):
@@ -202,6 +204,8 @@ class _Deferred:
             self._delivered = True
 
     def wait(self, *args, **kwargs):
+        if self._state["step"] != self._rec["step"]:
+            self._state["stale_waits"].append((self._state["step"], self._rec["step"]))
         self._work.wait(*args, **kwargs)
         if self._rec["t_wait"] is None:
             self._rec["t_wait"] = time.perf_counter()
@@ -251,7 +255,7 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
 
     real = dist.all_reduce
     calls: list[dict] = []
-    state = {"step": -1}
+    state = {"step": -1, "stale_waits": []}
 
     def spy_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         rec = {"step": state["step"], "numel": tensor.numel(), "async": bool(async_op),
@@ -262,7 +266,7 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
             rec["t_wait"] = time.perf_counter()
             return None
         buf = tensor.detach().clone()
-        return _Deferred(real(buf, op=op, group=group, async_op=True), buf, tensor, rec)
+        return _Deferred(real(buf, op=op, group=group, async_op=True), buf, tensor, rec, state)
 
     steps = []
     dist.all_reduce = spy_all_reduce
@@ -302,6 +306,7 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
                 "backward_end": ms(t_backward), "finish_end": ms(t_finish),
                 "calls": [dict(c, t_launch=ms(c["t_launch"]), t_wait=ms(c["t_wait"]))
                           for c in calls if c["step"] == step],
+                "stale_waits": [old for now, old in state["stale_waits"] if now == step],
             })
             opt.step()
         learner = ddp.flat_params(module)
@@ -455,6 +460,11 @@ def _diagnose_step(s, step, rank, world_size, buckets, bucket_numels, names, num
              f"{len(calls)} all-reduces had not been waited on: optimizer.step() would read "
              f"gradients the all-reduce may still be writing (a race) — call wait() on every "
              f"handle, then copy back.")
+    if s["stale_waits"]:
+        fail(f"{when}, finish_gradient_synchronization() waited again on "
+             f"{len(s['stale_waits'])} handle(s) from step {s['stale_waits'][0] + 1}: empty the "
+             f"list of handles after waiting, or it grows by one per bucket every step (and "
+             f"old buffers are copied back again each time).")
     # 3. The gradients left for optimizer.step().
     after, own, mean = s["after"], s["own"], s["mean"]
     if any(a is None for a in after):
