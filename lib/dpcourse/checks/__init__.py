@@ -10,7 +10,11 @@ mistake is caught.
 
 from __future__ import annotations
 
-__all__ = ["LabCheckError", "ClaimError", "passed", "fail", "claim"]
+import ast
+import inspect
+import textwrap
+
+__all__ = ["LabCheckError", "ClaimError", "passed", "fail", "claim", "has_todo"]
 
 
 class LabCheckError(AssertionError):
@@ -34,6 +38,25 @@ def fail(message: str):
     """Raise LabCheckError without our own frames cluttering the learner's traceback."""
     __tracebackhide__ = True  # pytest and IPython hide this frame
     raise LabCheckError(message)
+
+
+def has_todo(obj) -> bool:
+    """True if a function, or any method of a class, still raises NotImplementedError at the
+    top level of its body: a lab TODO left as generated. Checks call it before starting ranks,
+    so an unfilled lab stops at once with NotImplementedError. False if the source is not
+    available."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for stmt in node.body:
+                if isinstance(stmt, ast.Raise) and stmt.exc is not None:
+                    exc = stmt.exc.func if isinstance(stmt.exc, ast.Call) else stmt.exc
+                    if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
+                        return True
+    return False
 
 
 class ClaimError(AssertionError):

@@ -26,7 +26,7 @@ import textwrap
 import torch
 import torch.nn.functional as F
 
-from . import fail, passed
+from . import fail, has_todo, passed
 
 __all__ = ["check_average_gradients", "check_average_gradients_flat",
            "check_data_parallel_step", "DEFAULT_TIMEOUT", "WORLD_SIZES"]
@@ -84,27 +84,12 @@ def _all_close(a: list, b: list) -> bool:
     return all(torch.allclose(x, y, rtol=1e-4, atol=1e-7) for x, y in zip(a, b))
 
 
-def _unfinished(fn) -> bool:
-    """True if ``fn``'s body still raises NotImplementedError at its top level (a lab TODO)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    func = tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
-    for stmt in func.body if func else ():
-        if isinstance(stmt, ast.Raise) and stmt.exc is not None:
-            exc = stmt.exc.func if isinstance(stmt.exc, ast.Call) else stmt.exc
-            if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
-                return True
-    return False
-
-
 def _launch(worker, world_size: int, timeout: float, *args):
     from .. import devices, launch
 
     # An unfilled TODO stops here, like any other lab, without starting ranks.
     for fn in args:
-        if callable(fn) and _unfinished(fn):
+        if callable(fn) and has_todo(fn):
             raise NotImplementedError(f"{getattr(fn, '__name__', 'your function')} still raises "
                                       f"NotImplementedError: replace the TODO with your answer.")
 

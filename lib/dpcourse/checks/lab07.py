@@ -24,16 +24,13 @@ forgetting the division, dividing by a fixed 2, a slice copied back into the wro
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fail, passed
+from . import fail, has_todo, passed
 
 __all__ = ["check_assign_buckets", "check_bucketed_ddp", "CONFIGS", "DEFAULT_TIMEOUT"]
 
@@ -141,7 +138,7 @@ def check_assign_buckets(assign_buckets) -> None:
     __tracebackhide__ = True
     if not callable(assign_buckets):
         fail(f"the check needs your function, got {type(assign_buckets).__name__}.")
-    if _has_todo(assign_buckets):
+    if has_todo(assign_buckets):
         raise NotImplementedError("assign_buckets still raises NotImplementedError: replace the "
                                   "TODO with your answer.")
     counts, problems, got = [], [], []
@@ -325,23 +322,6 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
             "numels": [p.numel() for p in params]}
 
 
-def _has_todo(obj) -> bool:
-    """True if a function, or any method of a class, still raises NotImplementedError at the
-    top level of its body (a lab TODO)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for stmt in node.body:
-                if isinstance(stmt, ast.Raise) and stmt.exc is not None:
-                    exc = stmt.exc.func if isinstance(stmt.exc, ast.Call) else stmt.exc
-                    if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
-                        return True
-    return False
-
-
 def _launch(cls, world_size: int, cap_mb: float, timeout: float) -> list:
     from .. import devices, launch
 
@@ -376,7 +356,7 @@ def check_bucketed_ddp(cls, configs=CONFIGS, timeout: float = DEFAULT_TIMEOUT) -
     if not isinstance(cls, type):
         fail(f"the check needs your class itself (BucketedDDP, not BucketedDDP(...)), got "
              f"{type(cls).__name__}.")
-    if _has_todo(cls):
+    if has_todo(cls):
         raise NotImplementedError(f"{cls.__name__} still raises NotImplementedError in a method: "
                                   f"replace the TODOs with your answer.")
     for world_size, cap_mb in configs:
@@ -397,8 +377,7 @@ def _diagnose(results: list, world_size: int, cap_mb: float) -> None:
              "from assign_buckets in self.buckets.")
     if any(i < 0 for b in buckets for i in b):
         fail("self.buckets holds something that is not one of the model's parameters.")
-    params = _small_cnn().parameters()
-    params = list(params)
+    params = list(_small_cnn().parameters())
     problem = bucket_problem([[params[i] for i in b] for b in buckets], params, cap_mb)
     if problem:
         fail(f"self.buckets is wrong at {cap_mb} MiB: {problem}")
