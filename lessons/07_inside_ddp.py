@@ -338,8 +338,9 @@ for name in hooks:
 # Compression trades bytes for accuracy and for compute (PowerSGD's matrix products). It pays
 # when the network is the bottleneck — many nodes over Ethernet — and rarely inside one NVLink
 # machine. A hook is an ordinary function: it gets `bucket.buffer()` (and the bucket's
-parameters) and returns a `torch.futures.Future` of the averaged buffer — a sign or top-k
-compression with error feedback of your own fits in a dozen lines.
+# parameters) and returns a `torch.futures.Future` of the averaged buffer — a top-k
+# compression with error feedback of your own fits in a dozen lines: lab07's stretch has you
+# write it, and its check replays the algorithm to prove each of your hook's results.
 #
 # ## 6. What DDP adds that we skipped
 # - **The first-iteration rebuild.** Our buckets follow registration order reversed. DDP

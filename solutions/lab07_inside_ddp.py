@@ -130,3 +130,75 @@ class BucketedDDP(nn.Module):
 
 # %%
 lab07.check_bucketed_ddp(BucketedDDP, timeout=check_timeout)
+
+# %% [markdown]
+# ## Stretch (optional): your own communication hook — top-k with error feedback
+#
+# A workshop can stop here. Lesson 07 §5 plugged torch's hooks into DDP; now write one. DDP
+# calls `hook(state, bucket)` once per bucket, as soon as the bucket's gradients are ready:
+# `bucket.buffer()` is the bucket's flat gradient, `bucket.index()` its number. The hook
+# returns a `torch.futures.Future` whose value is the **averaged** gradient, a tensor shaped
+# like the buffer; DDP waits on it and writes it into the parameters' `.grad`.
+#
+# Top-k compression sends only the k entries of largest magnitude (here 5 %) and their
+# indices. What is not sent is not thrown away: it stays in a **residual** and is added to the
+# next step's gradient — *error feedback* — so every entry is sent eventually, once it has
+# grown large enough. Without it the small entries are never sent at all. Per rank:
+#
+# 1. `corrected = gradient + residual` (the residual from `state.residual_for(bucket)`);
+# 2. the indices of the `state.k(numel)` largest `|corrected|` and their values;
+# 3. the residual becomes `corrected` with the sent entries set to zero;
+# 4. the ranks picked *different* indices, so an all-reduce does not fit: all-gather every
+#    rank's indices and values, add them into a zero tensor, divide by the world size.
+#
+# Why a given `residual_for`: DDP rebuilds its buckets after the first step (lesson 07 §6), so
+# bucket 0 of the first step is not bucket 0 of the second; a residual whose size no longer
+# matches starts again from zeros. The check runs your hook in real DDP on 2 and 3 ranks for
+# 12 steps, replays top-k with error feedback on the same buckets and compares every result,
+# and weighs what each rank sends (k values and k indices, not the whole tensor).
+
+# %%
+class TopKState:
+    """What the hook keeps between steps: the fraction of entries to send, one residual per
+    bucket."""
+
+    def __init__(self, fraction=0.05):
+        self.fraction = fraction
+        self.residuals = {}
+
+    def k(self, numel):
+        return max(1, int(self.fraction * numel))
+
+    def residual_for(self, bucket):
+        buf = bucket.buffer()
+        residual = self.residuals.get(bucket.index())
+        if residual is None or residual.shape != buf.shape:   # new, or DDP rebuilt its buckets
+            residual = self.residuals[bucket.index()] = torch.zeros_like(buf)
+        return residual
+
+
+def topk_hook(state, bucket):
+    ### BEGIN SOLUTION: corrected = grad + residual; top-k by magnitude; residual keeps the rest; all_gather indices and values; add, divide, return a Future
+    grad = bucket.buffer()
+    residual = state.residual_for(bucket)
+    corrected = grad + residual
+    idx = corrected.abs().topk(state.k(grad.numel())).indices
+    values = corrected[idx]
+    residual.copy_(corrected)
+    residual[idx] = 0
+    world_size = dist.get_world_size()
+    all_idx = [torch.empty_like(idx) for _ in range(world_size)]
+    all_values = [torch.empty_like(values) for _ in range(world_size)]
+    dist.all_gather(all_idx, idx)
+    dist.all_gather(all_values, values)
+    out = torch.zeros_like(grad)
+    for i, v in zip(all_idx, all_values):
+        out.index_add_(0, i, v)
+    fut = torch.futures.Future()
+    fut.set_result(out / world_size)
+    return fut
+    ### END SOLUTION
+
+
+# %%
+lab07.check_topk_hook(topk_hook, TopKState, timeout=check_timeout)

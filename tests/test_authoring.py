@@ -135,3 +135,16 @@ def test_papermill_reruns_a_lesson_with_other_parameters(tmp_path):
     assert injected and "n_devices = 3" in injected[0].source
     assert not any(o.get("output_type") == "error" for c in nb.cells if c.cell_type == "code"
                    for o in c.outputs)
+
+
+def test_every_markdown_line_in_a_source_is_commented():
+    """In a percent-format source a markdown line must start with '#': jupytext keeps a bare
+    line as text, so the mistake would pass the build and show as stray prose only in the
+    .py file a reader diffs (this happened once in lesson 07)."""
+    for src in authoring.sources():
+        in_markdown = False
+        for number, line in enumerate(src.read_text().splitlines(), 1):
+            if line.startswith("# %%"):
+                in_markdown = "[markdown]" in line
+            elif in_markdown and line.strip():
+                assert line.startswith("#"), f"{src.name}:{number}: markdown line without '#'"

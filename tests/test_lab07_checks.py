@@ -474,3 +474,310 @@ def test_unfinished_wrapper_is_not_implemented_without_launching():
 def test_an_instance_instead_of_the_class_is_named():
     with pytest.raises(LabCheckError, match="your class itself"):
         lab07.check_bucketed_ddp(object())
+
+
+# --------------------------------------------------------------------------------------------
+# Stretch: the top-k comm hook with error feedback
+# --------------------------------------------------------------------------------------------
+# Each hook below is one answer a learner could write. The right ones differ in how they talk
+# (sync or async, all_gather or all_gather_into_tensor, int32 or int64 indices, one packed
+# message) and in how they keep the residual; the wrong ones each make one mistake. To keep
+# the suite fast, most run together in one launch per world size (run_hooks below) and go
+# through the check's own diagnosis; check_topk_hook itself runs end to end on a few.
+
+
+class TopKState:
+    # the state class the lab gives the learner, as written there
+    def __init__(self, fraction=0.05):
+        self.fraction = fraction
+        self.residuals = {}
+
+    def k(self, numel):
+        return max(1, int(self.fraction * numel))
+
+    def residual_for(self, bucket):
+        buf = bucket.buffer()
+        r = self.residuals.get(bucket.index())
+        if r is None or r.shape != buf.shape:
+            r = self.residuals[bucket.index()] = torch.zeros_like(buf)
+        return r
+
+
+def _done(t):
+    fut = torch.futures.Future()
+    fut.set_result(t)
+    return fut
+
+
+def _gather(t):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    return parts
+
+
+def topk_variant(state, bucket, *, feedback=True, magnitude=True, clear=True,
+                 select_corrected=True, add=True, divide=None, k_shift=0, dtype=None):
+    grad = bucket.buffer()
+    residual = state.residual_for(bucket)
+    corrected = grad + residual if feedback else grad.clone()
+    key = corrected if select_corrected else grad
+    key = key.abs() if magnitude else key
+    idx = key.topk(state.k(grad.numel()) + k_shift).indices
+    values = corrected[idx]
+    residual.copy_(corrected)
+    if clear:
+        residual[idx] = 0
+    out = torch.zeros_like(grad, dtype=dtype)
+    for i, v in zip(_gather(idx), _gather(values)):
+        if add:
+            out.index_add_(0, i, v.to(out.dtype))
+        else:
+            out[i] = v.to(out.dtype)
+    world_size = dist.get_world_size()
+    return _done(out / (world_size if divide is None else divide))
+
+
+def right_sync(state, bucket):
+    return topk_variant(state, bucket)
+
+
+def right_async_chain(state, bucket):
+    grad = bucket.buffer()
+    residual = state.residual_for(bucket)
+    corrected = grad + residual
+    idx = corrected.abs().topk(state.k(grad.numel())).indices
+    values = corrected[idx]
+    residual[:] = corrected
+    residual[idx] = 0
+    n = dist.get_world_size()
+    all_idx = torch.empty(n * idx.numel(), dtype=idx.dtype)
+    all_values = torch.empty(n * values.numel(), dtype=values.dtype)
+    w1 = dist.all_gather_into_tensor(all_idx, idx, async_op=True)
+    w2 = dist.all_gather_into_tensor(all_values, values, async_op=True)
+
+    def combine(_):
+        w1.wait()
+        return torch.zeros_like(grad).index_add_(0, all_idx, all_values).div_(n)
+
+    return w2.get_future().then(combine)
+
+
+def right_packed_int32(state, bucket):
+    # one message: values and int32 indices side by side in float64 (exact below 2**53)
+    grad = bucket.buffer()
+    corrected = grad + state.residual_for(bucket)
+    idx = torch.topk(corrected.abs(), state.k(grad.numel()), sorted=False).indices
+    packed = torch.cat([corrected[idx].double(), idx.to(torch.int32).double()])
+    state.residuals[bucket.index()] = corrected.index_fill(0, idx, 0.0)
+    out = torch.zeros_like(grad)
+    k = idx.numel()
+    for p in _gather(packed):
+        out.scatter_add_(0, p[k:].long(), p[:k].float())
+    return _done(out / dist.get_world_size())
+
+
+def right_in_place(state, bucket):
+    # the averaged result written back into the bucket's own buffer
+    grad = bucket.buffer()
+    residual = state.residual_for(bucket)
+    residual.add_(grad)
+    idx = residual.abs().topk(state.k(grad.numel())).indices
+    values = residual[idx].clone()
+    residual[idx] = 0
+    grad.zero_()
+    for i, v in zip(_gather(idx), _gather(values)):
+        grad.index_add_(0, i, v)
+    grad.div_(dist.get_world_size())
+    return _done(grad)
+
+
+def right_threshold(state, bucket):
+    # the k-th largest magnitude as a threshold, a mask instead of topk
+    grad = bucket.buffer()
+    corrected = grad + state.residual_for(bucket)
+    mags = corrected.abs()
+    k = state.k(grad.numel())
+    threshold = mags.kthvalue(grad.numel() - k + 1).values
+    idx = (mags >= threshold).nonzero().flatten()
+    sent = torch.zeros_like(grad)
+    sent[idx] = corrected[idx]
+    state.residuals[bucket.index()] = corrected - sent
+    out = torch.zeros_like(grad)
+    for i, v in zip(_gather(idx), _gather(corrected[idx])):
+        out.index_add_(0, i, v)
+    return _done(out / dist.get_world_size())
+
+
+RIGHT_HOOKS = [right_sync, right_async_chain, right_packed_int32, right_in_place,
+               right_threshold]
+
+
+def no_feedback(state, bucket):
+    return topk_variant(state, bucket, feedback=False)
+
+
+def by_value(state, bucket):
+    return topk_variant(state, bucket, magnitude=False)
+
+
+def residual_not_cleared(state, bucket):
+    return topk_variant(state, bucket, clear=False)
+
+
+def select_on_gradient(state, bucket):
+    return topk_variant(state, bucket, select_corrected=False)
+
+
+def overwrite(state, bucket):
+    return topk_variant(state, bucket, add=False)
+
+
+def no_average(state, bucket):
+    return topk_variant(state, bucket, divide=1)
+
+
+def divide_by_two(state, bucket):
+    return topk_variant(state, bucket, divide=2)
+
+
+def divide_twice(state, bucket):
+    return topk_variant(state, bucket, divide=dist.get_world_size() ** 2)
+
+
+def one_too_many(state, bucket):
+    return topk_variant(state, bucket, k_shift=1)
+
+
+def float64_result(state, bucket):
+    return topk_variant(state, bucket, dtype=torch.float64)
+
+
+def returns_tensor(state, bucket):
+    return topk_variant(state, bucket).value()
+
+
+def own_gradient(state, bucket):
+    # compresses, but never talks to the other ranks
+    return _done(bucket.buffer())
+
+
+def dense_all_reduce(state, bucket):
+    # zeros everywhere but the top k — and then all-reduces the whole dense tensor
+    grad = bucket.buffer()
+    corrected = grad + state.residual_for(bucket)
+    idx = corrected.abs().topk(state.k(grad.numel())).indices
+    sparse = torch.zeros_like(grad)
+    sparse[idx] = corrected[idx]
+    state.residuals[bucket.index()] = corrected - sparse
+    dist.all_reduce(sparse)
+    return _done(sparse / dist.get_world_size())
+
+
+def future_of_list(state, bucket):
+    grad = bucket.buffer()
+    return dist.all_reduce(grad.div_(dist.get_world_size()), async_op=True).get_future()
+
+
+def wrong_mix(state, bucket):
+    # no error feedback AND summed: matches no single mistake; the general sentence answers
+    return topk_variant(state, bucket, feedback=False, divide=1)
+
+
+WRONG_HOOKS = [
+    (no_feedback, "without\\*\\* error feedback"),
+    (by_value, "largest values, not the k largest magnitudes"),
+    (residual_not_cleared, "still holds the values that were sent"),
+    (select_on_gradient, "top k of this step's gradient alone"),
+    (overwrite, "overwrote the other"),
+    (no_average, "summed the ranks' values without averaging"),
+    (divide_by_two, "divided by 2, not by the world size"),
+    (divide_twice, "divided by the world size twice"),
+    (one_too_many, "k \\+ 1 entries"),
+    (float64_result, "torch.float64, but the bucket is"),
+    (returns_tensor, "returned a Tensor"),
+    (own_gradient, "each returned its own gradient unchanged"),
+    (dense_all_reduce, "the whole tensor"),
+    (future_of_list, "delivered a list of 1"),
+    (wrong_mix, "differs from top-k with error feedback"),
+]
+
+
+def run_hooks(rank, world_size, hooks):
+    return [lab07._topk_worker(rank, world_size, h, TopKState, lab07.HOOK_FRACTION)
+            for h in hooks]
+
+
+@pytest.fixture(scope="module", params=lab07.HOOK_WORLD_SIZES)
+def hook_results(request):
+    from dpcourse import launch
+
+    world_size = request.param
+    hooks = RIGHT_HOOKS + [h for h, _ in WRONG_HOOKS]
+    per_rank = launch.spawn(run_hooks, world_size, hooks, backend="gloo", timeout=60,
+                            show_output=False)
+    return world_size, {h.__name__: [r[i] for r in per_rank] for i, h in enumerate(hooks)}
+
+
+def _diagnose(hook_results, hook):
+    world_size, results = hook_results
+    lab07._diagnose_hook(results[hook.__name__], world_size, TopKState(lab07.HOOK_FRACTION).k)
+
+
+@pytest.mark.parametrize("hook", RIGHT_HOOKS)
+def test_right_hooks_pass(hook_results, hook):
+    _diagnose(hook_results, hook)
+
+
+@pytest.mark.parametrize("hook, phrase", WRONG_HOOKS)
+def test_wrong_hooks_are_named(hook_results, hook, phrase):
+    world_size, _ = hook_results
+    if hook is divide_by_two and world_size == 2:
+        _diagnose(hook_results, hook)      # at 2 ranks dividing by 2 *is* right
+        return
+    with pytest.raises(LabCheckError, match=phrase):
+        _diagnose(hook_results, hook)
+
+
+def test_check_topk_hook_end_to_end(capsys):
+    lab07.check_topk_hook(right_async_chain, TopKState)
+    assert "✔ right_async_chain: top-k with error feedback" in capsys.readouterr().out
+    with pytest.raises(LabCheckError, match="without\\*\\* error feedback"):
+        lab07.check_topk_hook(no_feedback, TopKState, world_sizes=(3,))
+
+
+def residual_without_reset(state, bucket):
+    # its own dict, by bucket index only: DDP's rebuild after step 1 changes bucket 0's size
+    grad = bucket.buffer()
+    residual = state.residuals.setdefault(bucket.index(), torch.zeros_like(grad))
+    corrected = grad + residual
+    idx = corrected.abs().topk(state.k(grad.numel())).indices
+    state.residuals[bucket.index()] = corrected.index_fill(0, idx, 0.0)
+    out = torch.zeros_like(grad)
+    for i, v in zip(_gather(idx), _gather(corrected[idx])):
+        out.index_add_(0, i, v)
+    return _done(out / dist.get_world_size())
+
+
+def rank_dependent_k(state, bucket):
+    # rank 1 sends one entry more: the gathers no longer match
+    return topk_variant(state, bucket, k_shift=dist.get_rank())
+
+
+def test_a_hook_that_raises_is_named_with_the_rebuild_hint():
+    with pytest.raises(LabCheckError, match="rank 0 raised in your hook: .*rebuilds its buckets"):
+        lab07.check_topk_hook(residual_without_reset, TopKState, world_sizes=(2,))
+
+
+def test_mismatched_gathers_fail_fast_with_a_rank_named():
+    t0 = time.monotonic()
+    with pytest.raises(LabCheckError, match="rank .*(differ in size|deadlock)"):
+        lab07.check_topk_hook(rank_dependent_k, TopKState, world_sizes=(2,), timeout=15)
+    assert time.monotonic() - t0 < 25
+
+
+def test_unfinished_hook_is_not_implemented_without_launching():
+    def topk_hook(state, bucket):
+        raise NotImplementedError("TODO")
+
+    with pytest.raises(NotImplementedError, match="replace the TODO"):
+        lab07.check_topk_hook(topk_hook, TopKState)

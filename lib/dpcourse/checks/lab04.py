@@ -374,6 +374,10 @@ def config_dict(cfg: Lab04Config = Lab04Config()) -> dict:
 # --- stretch: resume after a crash ---------------------------------------------------------
 
 RESUME_CFG = Lab04Config(epochs=3)
+# Two-rank DDP and the one-process reference add the same numbers in another order; over three
+# epochs of SGD with momentum that drifts apart by 0.5e-4 to 2.6e-4 depending on the machine's
+# CPU kernels (both measured), while every resume mistake lands 1e-2 or more away.
+RESUME_TOL = 2e-3
 _CRASH_AFTER = 1  # the first run stops after epoch 1 of 0, 1, 2 (as if killed right then)
 
 RESUME_MISTAKES = {
@@ -521,7 +525,7 @@ def check_resume(save_training_state, resume_training_state, timeout: float = 90
                  f"every rank must read the same checkpoint.")
     want = reference_weights(cfg)
     got = second[0]["weights"]
-    if _distance(got, want) <= 1e-4:
+    if _distance(got, want) <= RESUME_TOL:
         if second[0]["epochs"] != [cfg.epochs - 1]:
             fail(f"the weights are right, but the resumed run trained epochs "
                  f"{second[0]['epochs']}: it should have done only epoch {cfg.epochs - 1}.")
@@ -529,7 +533,7 @@ def check_resume(save_training_state, resume_training_state, timeout: float = 90
                "the weights of an uninterrupted run")
         return
     for name, sentence in RESUME_MISTAKES.items():
-        if _distance(got, _resumed_variant(cfg, name)) <= 1e-4:
+        if _distance(got, _resumed_variant(cfg, name)) <= RESUME_TOL:
             fail(sentence)
     fail(f"after resuming, the final weights differ from an uninterrupted run (by up to "
          f"{_distance(got, want):.3g}): save the model weights, the optimizer state and the "

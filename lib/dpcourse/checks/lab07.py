@@ -20,6 +20,10 @@ are not a bucket's flat buffer, a blocking all-reduce in the hook, waiting insid
 launching only after the backward, not waiting before the step, no reset between steps,
 old handles waited on again (the list never emptied),
 forgetting the division, dividing by a fixed 2, a slice copied back into the wrong parameter.
+
+``check_topk_hook`` (the stretch) runs the learner's DDP communication hook — top-k with
+error feedback — in real DDP on 2 and 3 ranks and compares every call with a replay of the
+algorithm on the same buckets (see the section's comment below).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from torch import nn
 
 from . import fail, has_todo, passed
 
-__all__ = ["check_assign_buckets", "check_bucketed_ddp", "CONFIGS", "DEFAULT_TIMEOUT"]
+__all__ = ["check_assign_buckets", "check_bucketed_ddp", "check_topk_hook", "CONFIGS",
+           "DEFAULT_TIMEOUT", "HOOK_WORLD_SIZES", "HOOK_FRACTION"]
 
 DEFAULT_TIMEOUT = 30.0
 MiB = 2 ** 20
@@ -479,3 +484,317 @@ def _diagnose_step(s, step, rank, world_size, buckets, bucket_numels, names, num
     fail(f"{names[wrong[0]]}.grad is not the mean over the ranks {when} (nor the sum, nor this "
          f"rank's own gradient): it holds values from elsewhere in the bucket's buffer — copy in "
          f"and copy back each parameter at the same offset, and all-reduce the whole buffer.")
+
+
+# --------------------------------------------------------------------------------------------
+# Stretch: a top-k communication hook with error feedback
+# --------------------------------------------------------------------------------------------
+#
+# The learner's hook runs inside real DDP on a probe model whose gradients the check chooses:
+# the loss is sum(w * c), so each rank's gradient is exactly its c, a fixed pattern plus a
+# little noise that changes every step. Every hook call is recorded (the bucket DDP handed in,
+# the tensor the learner's future delivered) and every collective the hook launches is
+# weighed. The parent then replays top-k with error feedback on the recorded buckets, rank by
+# rank, and compares. When the learner's results differ it replays the plausible wrong hooks
+# too (no error feedback, top-k by value, residual never cleared, ...) and names the one that
+# matches: a diagnosis by reproduction, not by guessing from symptoms.
+
+HOOK_WORLD_SIZES = (2, 3)
+HOOK_FRACTION = 0.05
+_HOOK_SIZES = (700, 300, 130)     # three parameters: three buckets after DDP's rebuild
+_HOOK_CAP_MB = 0.0003   # DDP closes a bucket once it reaches the cap: 1 bucket, then 3
+_HOOK_STEPS = 12
+_INDEX_BYTES = 8                  # an int64 index per value sent; int32 is fine too
+_SENT_PER_ENTRY = 16              # the byte budget per selected entry: value + index, padded
+
+
+class _Probe(nn.Module):
+    def __init__(self, sizes=_HOOK_SIZES):
+        super().__init__()
+        self.ws = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in sizes])
+
+    def forward(self, cs):
+        return sum((w * c).sum() for w, c in zip(self.ws, cs))
+
+
+def _probe_gradients(rank: int, step: int, sizes=_HOOK_SIZES) -> list:
+    """A common pattern (magnitudes 0.2–1, random signs, so large *negative* entries exist),
+    a rank's own part (ranks agree on some large entries, not all) and fresh noise each step."""
+    out = []
+    for j, n in enumerate(sizes):
+        g0 = torch.Generator().manual_seed(1000 + j)
+        common = (0.2 + 0.8 * torch.rand(n, generator=g0)) * torch.where(
+            torch.rand(n, generator=g0) < 0.5, -1.0, 1.0)
+        own = 0.5 * torch.randn(n, generator=torch.Generator().manual_seed(2000 + 10 * rank + j))
+        noise = 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(
+            3000 + 1000 * step + 10 * rank + j))
+        out.append(common + own + noise)
+    return out
+
+
+def _payload_bytes(name, bound) -> int:
+    """What this rank hands to a collective: the tensor(s) it contributes."""
+    import pickle
+
+    args = bound.arguments
+    if name == "all_gather_object":
+        return len(pickle.dumps(args["obj"]))
+    for key in ("input_tensor", "input", "tensor"):
+        t = args.get(key)
+        if isinstance(t, torch.Tensor):
+            return t.numel() * t.element_size()
+    t = args.get("input_tensor_list") or args.get("tensor_list") or []
+    return sum(x.numel() * x.element_size() for x in t if isinstance(x, torch.Tensor))
+
+
+_SPIED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+          "broadcast", "reduce", "gather", "reduce_scatter", "reduce_scatter_tensor",
+          "all_to_all", "all_to_all_single", "send", "isend")
+
+
+class _HookRaised(RuntimeError):
+    """The learner's hook raised; the message carries what it raised."""
+
+
+def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
+                 cap_mb: float = _HOOK_CAP_MB, sizes=_HOOK_SIZES) -> dict:
+    import inspect
+    import traceback
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_Probe(sizes), bucket_cap_mb=cap_mb)
+    state = state_cls(fraction)
+    calls, sent, problems, step_now = [], [0] * _HOOK_STEPS, [], [0]
+    real = {name: getattr(dist, name) for name in _SPIED if hasattr(dist, name)}
+
+    def spy(name):
+        fn, sig = real[name], inspect.signature(real[name])
+
+        def spied(*args, **kwargs):
+            try:
+                sent[step_now[0]] += _payload_bytes(name, sig.bind(*args, **kwargs))
+            except TypeError:
+                pass          # a call torch itself will reject; let it say so
+            return fn(*args, **kwargs)
+        return spied
+
+    def spy_hook(hook_state, bucket):
+        buf = bucket.buffer()
+        rec = {"step": step_now[0], "index": bucket.index(), "input": buf.detach().clone(),
+               "output": None}
+        calls.append(rec)
+        try:
+            fut = hook(hook_state, bucket)
+        except Exception as exc:
+            problems.append(("raised", "".join(
+                traceback.format_exception_only(type(exc), exc)).strip()))
+            raise
+        done = torch.futures.Future()
+        if not isinstance(fut, torch._C.Future):
+            problems.append(("not_future", type(fut).__name__))
+            done.set_result(buf)
+            return done
+
+        def delivered(f):
+            value = f.value()
+            if isinstance(value, (list, tuple)):
+                problems.append(("list", f"{type(value).__name__} of {len(value)}"))
+            elif not isinstance(value, torch.Tensor):
+                problems.append(("not_tensor", type(value).__name__))
+            elif value.shape != buf.shape or value.dtype != buf.dtype:
+                problems.append(("shape", (tuple(value.shape), str(value.dtype),
+                                           tuple(buf.shape), str(buf.dtype))))
+            else:
+                rec["output"] = value.detach().clone()
+                return value
+            return buf
+
+        return fut.then(delivered)
+
+    model.register_comm_hook(state, spy_hook)
+    try:
+        for name in real:
+            setattr(dist, name, spy(name))
+        for step in range(_HOOK_STEPS):
+            step_now[0] = step
+            model.zero_grad(set_to_none=True)
+            try:
+                model(_probe_gradients(rank, step, sizes)).backward()
+            except Exception as exc:
+                if problems and problems[-1][0] == "raised":
+                    raise _HookRaised(problems[-1][1]) from None
+                raise
+            if problems:
+                break
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return {"calls": calls, "sent": sent, "problems": problems}
+
+
+def _topk_replay(inputs: list, world_size: int, k_of, *, feedback=True, magnitude=True,
+                 clear=True, select_corrected=True, add=True, scale=None, k_shift=0) -> list:
+    """Top-k with error feedback replayed on the recorded buckets: ``inputs[r]`` is rank r's
+    list of (index, gradient) hook calls. The keywords switch on one plausible mistake each.
+    Returns the averaged tensor each call should have produced."""
+    residuals = [{} for _ in range(world_size)]
+    outputs = []
+    for j in range(len(inputs[0])):
+        index, g0 = inputs[0][j]
+        out = torch.zeros_like(g0)
+        for r in range(world_size):
+            g = inputs[r][j][1]
+            res = residuals[r].get(index)
+            if res is None or res.shape != g.shape:      # DDP rebuilt its buckets
+                res = torch.zeros_like(g)
+            corrected = g + res if feedback else g.clone()
+            key = corrected if select_corrected else g
+            key = key.abs() if magnitude else key
+            k = max(1, min(g.numel(), k_of(g.numel()) + k_shift))
+            idx = key.topk(k).indices
+            if add:
+                out.index_add_(0, idx, corrected[idx])
+            else:
+                out[idx] = corrected[idx]
+            left = corrected.clone()
+            if clear:
+                left[idx] = 0
+            residuals[r][index] = left
+        outputs.append(out * (1.0 / world_size if scale is None else scale))
+    return outputs
+
+
+def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: float) -> list:
+    from .. import launch
+
+    try:
+        return launch.spawn(_topk_worker, world_size, hook, state_cls, fraction,
+                            backend="gloo", timeout=timeout, show_output=False)
+    except launch.LaunchTimeoutError as exc:
+        who = ", ".join(map(str, exc.pending)) or "some rank"
+        fail(f"rank(s) {who} never finished within {timeout:g} s — a deadlock: every rank must "
+             f"make the same collectives in the same order, whatever it selected (all_gather "
+             f"tensors of the same size on every rank: k values and k indices).")
+    except launch.RankFailedError as exc:
+        summary = exc.summary.removeprefix(f"{_HookRaised.__name__}: ")
+        hint = ""
+        if "size" in summary or "shape" in summary or "match" in summary:
+            hint = (" — if it is the residual: DDP rebuilds its buckets after the first step, "
+                    "so keep residuals through state.residual_for(bucket), which restarts one "
+                    "whose size changed")
+        elif "died" in summary:
+            hint = (" — gloo aborts a rank when the ranks' tensors in one collective differ in "
+                    "size: every rank must gather exactly state.k(numel) values and indices")
+        what = "died in your hook" if "died" in summary else "raised in your hook"
+        fail(f"rank {exc.rank} {what}: {summary}{hint}.")
+
+
+_PROBLEMS = {
+    "not_future": "your hook returned a {} — DDP needs a torch.futures.Future of the averaged "
+                  "buffer: fut = torch.futures.Future(); fut.set_result(out); return fut "
+                  "(or work.get_future().then(...)).",
+    "list": "your hook's future delivered a {} — DDP wants the tensor itself (an all_reduce "
+            "future holds [tensor]: add .then(lambda f: f.value()[0]).",
+    "not_tensor": "your hook's future delivered a {}, not a tensor the size of "
+                  "bucket.buffer().",
+    "shape": "your hook's future delivered a tensor of shape {0[0]} and {0[1]}, but the "
+             "bucket is {0[2]} of {0[3]}: return a dense tensor like bucket.buffer() (put the "
+             "gathered values back at their indices in torch.zeros_like(buffer)).",
+}
+
+
+def check_topk_hook(hook, state_cls, world_sizes=HOOK_WORLD_SIZES, fraction=HOOK_FRACTION,
+                    timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Run the learner's comm hook in real DDP (probe model, 12 steps, two buckets after DDP's
+    rebuild) on 2 and 3 ranks; compare every hook call with top-k + error feedback replayed on
+    the same buckets, weigh what each rank sends, and name the mistake when they differ."""
+    __tracebackhide__ = True
+    if not callable(hook) or isinstance(hook, type):
+        fail(f"the check needs your hook function itself (topk_hook), got "
+             f"{type(hook).__name__}.")
+    if has_todo(hook):
+        raise NotImplementedError("topk_hook still raises NotImplementedError: replace the "
+                                  "TODO with your answer.")
+    for world_size in world_sizes:
+        results = _launch_hook(hook, state_cls, world_size, fraction, timeout)
+        _diagnose_hook(results, world_size, state_cls(fraction).k)
+    shown = " and ".join(map(str, world_sizes))
+    passed(f"{getattr(hook, '__name__', 'hook')}: top-k with error feedback equals the replay "
+           f"on {shown} ranks for {_HOOK_STEPS} steps, sending ≤ {_SENT_PER_ENTRY} bytes per "
+           f"selected entry ({fraction:.0%} of the entries)")
+
+
+def _diagnose_hook(results: list, world_size: int, k_of) -> None:
+    __tracebackhide__ = True
+    for r in results:
+        for kind, detail in r["problems"]:
+            fail(_PROBLEMS[kind].format(detail))
+    calls = [r["calls"] for r in results]
+    outputs = [[c["output"] for c in rc] for rc in calls]
+    inputs = [[(c["index"], c["input"]) for c in rc] for rc in calls]
+    for j, out0 in enumerate(outputs[0]):
+        step, index = calls[0][j]["step"], calls[0][j]["index"]
+        for rank in range(1, world_size):
+            if not torch.allclose(outputs[rank][j], out0, rtol=1e-5, atol=1e-6):
+                own = all(torch.equal(outputs[r][j], inputs[r][j][1]) for r in range(world_size))
+                why = ("each returned its own gradient unchanged" if own else
+                       "the hook must gather every rank's selected values and return the same "
+                       "average on each")
+                fail(f"step {step}, bucket {index}: rank 0 and rank {rank} got different "
+                     f"gradients — {why}, or the replicas drift apart.")
+    for step in range(_HOOK_STEPS):
+        numels = [c["input"].numel() for c in calls[0] if c["step"] == step]
+        dense = sum(n * 4 for n in numels)
+        budget = sum(_SENT_PER_ENTRY * k_of(n) + 64 for n in numels)
+        sent = max(r["sent"][step] for r in results)
+        if sent >= dense:
+            fail(f"step {step}: a rank sent {sent} bytes for {dense} bytes of gradient — the "
+                 f"whole tensor (even one that is mostly zeros) saves nothing: send only the "
+                 f"k selected values and their indices (all_gather).")
+        if sent > budget:
+            fail(f"step {step}: a rank sent {sent} bytes, more than k values and k indices "
+                 f"({budget} bytes at {_SENT_PER_ENTRY} per entry): send only the top-k.")
+    right = _topk_replay(inputs, world_size, k_of)
+    if all(torch.allclose(o, e, rtol=1e-5, atol=1e-5) for o, e in zip(outputs[0], right)):
+        return
+    wrong = [
+        (dict(feedback=False),
+         "your results are top-k **without** error feedback: keep what was not sent in the "
+         "bucket's residual and add it to the next step's gradient before choosing — otherwise "
+         "small gradients are never sent at all."),
+        (dict(magnitude=False),
+         "you chose the k largest values, not the k largest magnitudes: large negative "
+         "gradients are never sent — rank the entries by .abs()."),
+        (dict(clear=False),
+         "the residual still holds the values that were sent: zero the sent entries (residual "
+         "= corrected - sent), or every step sends them again."),
+        (dict(select_corrected=False),
+         "you chose the top k of this step's gradient alone: choose them from gradient + "
+         "residual, so that what waited long enough gets its turn."),
+        (dict(add=False),
+         "where two ranks selected the same index one value overwrote the other: add the "
+         "gathered values (index_add_ / scatter_add_), do not assign them."),
+        (dict(scale=1.0),
+         "you summed the ranks' values without averaging: divide by the world size."),
+        (dict(scale=1.0 / world_size ** 2),
+         "you divided by the world size twice."),
+        (dict(scale=0.5),
+         "you divided by 2, not by the world size: use dist.get_world_size()."),
+        (dict(k_shift=1), "you sent k + 1 entries: send exactly state.k(numel)."),
+        (dict(k_shift=-1), "you sent k - 1 entries: send exactly state.k(numel)."),
+    ]
+    for kwargs, message in wrong:
+        if kwargs.get("scale") == 0.5 and world_size == 2:
+            continue
+        guess = _topk_replay(inputs, world_size, k_of, **kwargs)
+        if all(torch.allclose(o, e, rtol=1e-5, atol=1e-5) for o, e in zip(outputs[0], guess)):
+            fail(message)
+    j = next(i for i, (o, e) in enumerate(zip(outputs[0], right))
+             if not torch.allclose(o, e, rtol=1e-5, atol=1e-5))
+    diff = (outputs[0][j] - right[j]).abs().max().item()
+    fail(f"step {calls[0][j]['step']}, bucket {calls[0][j]['index']}: your averaged gradient "
+         f"differs from top-k with error feedback by up to {diff:.3g} — per rank: corrected = "
+         f"gradient + residual; send the k largest |corrected|; residual = corrected with the "
+         f"sent entries zeroed; return the sum of everyone's sent values / world size.")
