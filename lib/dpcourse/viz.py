@@ -45,6 +45,9 @@ __all__ = [
     "bucket_sweep_figure",
     "step_time_bars_figure",
     "comm_hooks_figure",
+    "zero_holdings_figure",
+    "zero_memory_figure",
+    "zero_tradeoff_figure",
 ]
 
 _PHASE_COLOURS = {"start": "#555555", "scatter-reduce": "#1f77b4", "all-gather": "#2ca02c"}
@@ -725,4 +728,114 @@ def comm_hooks_figure(runs: dict, bytes_per_step: dict, window: int = 10):
     bx.set_xlim(min(vals) / 2, max(vals) * 8)
     bx.set_xlabel("bytes all-reduced per step (log)")
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.95, wspace=0.45)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Lesson 08: who holds what under ZeRO, memory counted, the memory/traffic trade-off
+# --------------------------------------------------------------------------------------------
+
+_STATE_COLOURS = {"params": "#1f77b4", "grads": "#ff7f0e", "optimizer": "#2ca02c"}
+_STAGE_LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+
+
+def zero_holdings_figure(world_size: int = 4, bytes_per_kind=(2, 2, 12)):
+    """Who holds what, per stage: one column per rank, one band per kind of model state (its
+    height the bytes per parameter, mixed-precision Adam by default), the parameter vector
+    running left to right inside each band. A replicated band is filled across; a sharded one
+    only in the rank's own 1/N slice."""
+    from matplotlib.patches import Rectangle
+
+    sharded = {"ddp": (), "zero1": ("optimizer",), "zero2": ("grads", "optimizer"),
+               "zero3": ("params", "grads", "optimizer")}
+    kinds = ("params", "grads", "optimizer")
+    n = world_size
+    fig = new_figure(9.6, 3.3)
+    for s, (stage, cut) in enumerate(sharded.items()):
+        ax = fig.add_subplot(1, 4, s + 1)
+        for rank in range(n):
+            y = 0.0
+            for kind, height in zip(kinds, bytes_per_kind):
+                x0 = rank * 1.15
+                ax.add_patch(Rectangle((x0, y), 1, height, fill=False, lw=0.6, ec="#999999"))
+                if kind in cut:
+                    ax.add_patch(Rectangle((x0 + rank / n, y), 1 / n, height,
+                                           color=_STATE_COLOURS[kind]))
+                else:
+                    ax.add_patch(Rectangle((x0, y), 1, height, color=_STATE_COLOURS[kind]))
+                y += height
+            ax.text(rank * 1.15 + 0.5, -0.9, f"rank {rank}", ha="center", fontsize=7)
+        total = sum(h / n if k in cut else h for k, h in zip(kinds, bytes_per_kind))
+        ax.set_title(f"{_STAGE_LABELS[stage]}: {total:g} B/param", fontsize=9)
+        ax.set_xlim(-0.1, n * 1.15)
+        ax.set_ylim(-1.5, sum(bytes_per_kind) + 0.5)
+        ax.axis("off")
+    handles = [Rectangle((0, 0), 1, 1, color=_STATE_COLOURS[k]) for k in kinds]
+    fig.legend(handles, [f"weights ({bytes_per_kind[0]} B)", f"gradients ({bytes_per_kind[1]} B)",
+                         f"optimizer state ({bytes_per_kind[2]} B)"],
+               loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.12, top=0.9, wspace=0.08)
+    return fig
+
+
+def zero_memory_figure(counted: dict):
+    """Stacked bars of the bytes one rank holds, counted: ``counted[N][stage]`` is
+    ``{"params": b, "grads": b, "optimizer": b}``; one group of bars per N."""
+    ns = sorted(counted)
+    stages = [s for s in _STAGE_LABELS if s in counted[ns[0]]]
+    fig = new_figure(7.6, 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    width = 0.8 / len(stages)
+    for g, n in enumerate(ns):
+        for i, stage in enumerate(stages):
+            x = g + (i - (len(stages) - 1) / 2) * width
+            bottom = 0.0
+            for kind in ("params", "grads", "optimizer"):
+                value = counted[n][stage][kind] / 1024
+                ax.bar(x, value, width * 0.92, bottom=bottom, color=_STATE_COLOURS[kind],
+                       label=kind if (g, i) == (0, 0) else None)
+                bottom += value
+            ax.text(x, bottom, _STAGE_LABELS[stage], rotation=90, ha="center", va="bottom",
+                    fontsize=7)
+    ax.set_xticks(range(len(ns)))
+    ax.set_xticklabels([f"N = {n}" for n in ns])
+    ax.set_ylabel("KiB held by one rank (counted)")
+    top = max(sum(v[k] for k in ("params", "grads", "optimizer"))
+              for per in counted.values() for v in per.values()) / 1024
+    ax.set_ylim(0, top * 1.3)
+    ax.legend(["weights", "gradients", "optimizer state"], fontsize=8, loc="upper right")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.1, top=0.95)
+    return fig
+
+
+def zero_tradeoff_figure(ns_formula: Sequence[int], memory: dict, traffic: dict,
+                         measured_memory: dict, measured_traffic: dict):
+    """Left: bytes of model state per rank against N; right: bytes a rank sends per step
+    against N. Lines: the formulas (``memory[stage][i]``, ``traffic[stage][i]`` at
+    ``ns_formula[i]``); points: what this run counted (``measured_*[stage] = {N: bytes}``)."""
+    fig = new_figure(9.0, 3.5)
+    ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    colours = {"ddp": "#d62728", "zero1": "#9467bd", "zero2": "#8c564b", "zero3": "#17becf"}
+    # DDP, ZeRO-1 and ZeRO-2 send the same: distinct line styles keep coinciding lines visible
+    styles = {"ddp": ("-", 3.5, 0.45), "zero1": ("--", 1.6, 1.0), "zero2": (":", 1.8, 1.0),
+              "zero3": ("-", 1.4, 1.0)}
+    for axis, formula, measured, label in ((ax, memory, measured_memory, "model state per rank"),
+                                           (bx, traffic, measured_traffic,
+                                            "sent per rank per step")):
+        for stage in formula:
+            ls, lw, alpha = styles[stage]
+            axis.plot(ns_formula, [v / 1024 for v in formula[stage]], ls, lw=lw, alpha=alpha,
+                      color=colours[stage], label=_STAGE_LABELS[stage])
+            pts = measured.get(stage, {})
+            axis.plot(list(pts), [v / 1024 for v in pts.values()], "o", ms=4,
+                      color=colours[stage])
+        axis.set_xlabel("ranks N")
+        axis.set_ylabel(f"KiB {label}")
+        axis.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    bx.legend(fontsize=8)
+    bx.set_title("lines: formula · dots: counted (DDP = ZeRO-1 = ZeRO-2)", fontsize=8)
+    ax.set_title("lines: formula · dots: counted", fontsize=8)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.14, top=0.9, wspace=0.3)
     return fig

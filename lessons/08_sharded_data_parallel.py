@@ -1,0 +1,384 @@
+# %% [markdown]
+# # 08 · Sharded data parallelism: ZeRO stages 1–3, then FSDP2
+#
+# **Prerequisites:** lesson 03 (averaging gradients with all-reduce), lesson 06 (an all-reduce
+# is a reduce-scatter followed by an all-gather) and lesson 07 (hooks during the backward).
+#
+# **You will be able to:**
+# - say where a data-parallel rank's memory goes with mixed-precision Adam — 16 bytes per
+#   parameter — and count it on a real run;
+# - build ZeRO stages 1, 2 and 3 from collectives you know, and prove each one trains exactly
+#   like DDP;
+# - count what each stage sends per step, and explain why ZeRO-1 and ZeRO-2 cost what DDP
+#   costs while ZeRO-3 costs 1.5×;
+# - use PyTorch's FSDP2 (`fully_shard`): DTensor shards, mixed precision, a full checkpoint;
+# - pick the stage a model needs from its size, the GPU's memory and the number of GPUs.
+#
+# **Time:** about 35 minutes to read and run.
+#
+# **Lab:** [lab08_zero_one](../labs/lab08_zero_one.ipynb) — write ZeRO stage 1 yourself; the
+# check runs it on 2 and 3 ranks next to DDP and weighs its optimizer state.
+#
+# Data parallelism copies *everything* to every rank: weights, gradients, optimizer state. When
+# the model stops fitting, the answer that keeps it *data* parallel is to stop copying: each
+# rank keeps 1/N of the state and fetches the rest when it needs it. That is ZeRO (Rajbhandari
+# et al., SC 2020), in three stages; PyTorch's FSDP is stage 3. All of it lives in
+# `dpcourse.zero`, and every cell below shows the code it runs.
+
+# %% tags=["parameters"]
+world_size = None     # None: from the hardware profile (2 on the cpu profile)
+steps = 4             # training steps of every comparison
+sweep = (2, 3, 4)     # rank counts where memory and traffic are counted
+
+# %%
+import math
+
+import torch
+
+from dpcourse import devices, launch, viz, zero
+from dpcourse.checks import claim
+
+torch.set_num_threads(1)
+profile = devices.choose_profile(world_size=world_size)
+world_size = profile.world_size
+backend = devices.backend_for(world_size)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: the profile depends on this machine's GPUs.
+print(profile.describe())
+print(f"this lesson: {world_size} ranks over {backend}")
+
+# %% [markdown]
+# ## 1. Where the memory goes
+# Train in mixed precision with Adam and every parameter costs, on every rank:
+#
+# | what | bytes |
+# |---|---|
+# | the weights the model computes with (bf16) | 2 |
+# | their gradients (bf16) | 2 |
+# | fp32 master copy of the weights, which the optimizer steps | 4 |
+# | Adam's momentum (fp32) | 4 |
+# | Adam's variance (fp32) | 4 |
+#
+# 16 bytes, of which K = 12 are optimizer state. Activations come on top but they belong to
+# the batch, not the model. ZeRO removes the copies one kind at a time: stage 1 shards the
+# optimizer state, stage 2 the gradients too, stage 3 the weights too.
+
+# %%
+viz.show_code(zero.bytes_per_param)
+
+# %% [markdown]
+# The ZeRO paper's Figure 1 is this formula for a 7.5-billion-parameter model on 64 GPUs:
+
+# %%
+psi, n_gpus = 7.5e9, 64
+paper = {"ddp": 120, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}   # GB, as printed there
+for stage, gb in paper.items():
+    ours = psi * zero.bytes_per_param(stage, n_gpus) / 1e9
+    print(f"{stage:>6}: {ours:6.1f} GB per GPU")
+claim("the formula gives the paper's 120 / 31.4 / 16.6 / 1.9 GB",
+      all(round(psi * zero.bytes_per_param(s, n_gpus) / 1e9, 1) == gb for s, gb in paper.items()))
+
+# %%
+viz.show(viz.zero_holdings_figure(4),
+         "Four ranks. DDP fills every band on every rank; each stage keeps only the rank's own "
+         "slice of one more band.")
+
+# %% [markdown]
+# ## 2. ZeRO-1: shard the optimizer state
+# See all the parameters as one flat vector of Ψ numbers, padded with zeros to a multiple of N
+# (collectives want equal pieces) and cut into N slices. Rank r keeps the fp32 master copy
+# and Adam's state for slice r only, so the optimizer state costs 12Ψ/N instead of 12Ψ. A
+# step:
+#
+# 1. the backward, as always: every rank has the full gradient of its own micro-batch;
+# 2. **reduce-scatter** the gradients: rank r receives the sum over the ranks of slice r only
+#    (divide by N for the mean). That is the first half of lesson 06's ring all-reduce — and a
+#    rank needs nothing else, because it steps nothing else;
+# 3. step the optimizer on slice r;
+# 4. **all-gather** the updated slices: every rank has every new weight again — the second
+#    half of the all-reduce.
+#
+# Reduce-scatter + all-gather = one all-reduce: ZeRO-1 sends what DDP sends.
+#
+# ## Lab 08: write ZeRO-1
+# Before reading on, open [lab08_zero_one](../labs/lab08_zero_one.ipynb) and write it: the
+# shard boundaries, then a wrapper around any torch optimizer. The next cells show the
+# library's answer.
+
+# %%
+viz.show_code(zero.flatten_padded, zero.reduce_scatter_mean, zero.all_gather_flat,
+              zero.copy_flat_into)
+
+# %% [markdown]
+# Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
+# shares a small base class (start from rank 0's weights, say what it holds).
+# `Replicated` is lesson 03's DDP with an fp32 master copy: the baseline, stage 0.
+
+# %%
+viz.show_code(zero.Replicated, zero.Zero1)
+
+# %% [markdown]
+# Is it right? Every stage trains the same small MLP (Ψ = 2531 parameters, which divides by
+# neither 2 nor 3) from the same start, on the same shards of the same batches, next to
+# torch's `DistributedDataParallel` with the full Adam — in fp32, where the weights must agree
+# to float rounding. The same launch also runs FSDP2 and `ZeroRedundancyOptimizer`, met in
+# section 6.
+
+# %%
+viz.show_code(zero.train_run)
+
+# %%
+cfg = zero.ZeroConfig(steps=steps)
+model = cfg.build()
+n_params = sum(p.numel() for p in model.parameters())
+runs = launch.spawn(zero.equality_worker, world_size, cfg, backend=backend, timeout=120)
+
+
+def max_diff(run):
+    return max(float((r[run]["params"] - r["torch_ddp"]["params"]).abs().max()) for r in runs)
+
+
+claim(f"ZeRO-1: weights after {steps} Adam steps == torch DDP's, on every rank (to 1e-5)",
+      max_diff("zero1") < 1e-5, diff=max_diff("zero1"))
+claim("the losses fell", runs[0]["zero1"]["losses"][-1] < runs[0]["zero1"]["losses"][0])
+
+# %% [markdown]
+# ## 3. ZeRO-2: shard the gradients too
+# After the reduce-scatter a rank needs only the averaged gradient of its own slice. Stage 2
+# keeps that and drops the full gradients — one change:
+
+# %%
+viz.show_code(zero.Zero2)
+
+# %%
+claim(f"ZeRO-2: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff("zero2") < 1e-5,
+      diff=max_diff("zero2"))
+
+# %% [markdown]
+# ## 4. ZeRO-3: shard the weights too (what FSDP does)
+# Now a rank keeps 1/N of every layer's weights and nothing else. A layer's full weights are
+# rebuilt only while it computes: all-gathered before its forward and freed after it,
+# all-gathered again before its backward (when the gradient of its output arrives — a tensor
+# hook, lesson 07's tool), then its gradients are reduce-scattered and the weights freed. The
+# parameters are views into one flat buffer per layer; freeing resizes that buffer's storage to
+# zero bytes, so the memory really goes.
+
+# %%
+viz.show_code(zero.ShardedLayer, zero.Zero3)
+
+# %%
+claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff("zero3") < 1e-5,
+      diff=max_diff("zero3"))
+
+# %% [markdown]
+# ## 5. Counted: memory and traffic
+# Now in mixed precision — bf16 weights and gradients, fp32 master and Adam state, the
+# setting of the formula — at N = 2, 3 and 4. After the last step each rank counts the bytes
+# behind every tensor it holds, by *storage*: a view counts once, a freed buffer counts zero.
+# And every collective is recorded with the size of the buffer it acts on, so that a step's
+# traffic can be compared with a formula too.
+
+# %%
+viz.show_code(zero.count_bytes, zero.memory_per_rank)
+
+# %%
+mp = zero.ZeroConfig(steps=steps, mixed_precision=True)
+stages = zero.STAGES
+counted = {}
+for n in sweep:
+    counted[n] = launch.spawn(zero.equality_worker, n, mp, stages,
+                              backend=devices.backend_for(n), timeout=120)
+for n in sweep:
+    for stage in stages:
+        rows = [r[stage] for r in counted[n]]
+        print(f"N={n} {stage:>5}: " + ", ".join(
+            f"{k} {rows[0]['held'][k]:6d} B" for k in ("params", "grads", "optimizer")))
+
+# %%
+claim("every rank holds exactly the formula's bytes (padding included), for every stage and N",
+      all(r[stage]["held"][k] == zero.memory_per_rank(stage, r[stage]["units"], n)[k]
+          for n in sweep for r in counted[n] for stage in stages
+          for k in ("params", "grads", "optimizer")))
+claim("DDP holds 16 bytes per parameter on every rank",
+      all(r["ddp"]["held"]["total"] == 16 * n_params for n in sweep for r in counted[n]))
+claim("ZeRO-3 holds 16/N bytes per parameter, but for the padding (< 1 %)",
+      all(abs(r["zero3"]["held"]["total"] * n / (16 * n_params) - 1) < 0.01
+          for n in sweep for r in counted[n]))
+
+# %%
+memory = {n: {s: counted[n][0][s]["held"] for s in stages} for n in sweep}
+viz.show(viz.zero_memory_figure(memory),
+         "Counted, not computed: optimizer state shrinks first (ZeRO-1), then gradients "
+         "(ZeRO-2), then weights (ZeRO-3); DDP's bar does not move with N.")
+
+# %% [markdown]
+# Traffic, with the convention from `dpcourse.zero`: a collective weighs the buffer it acts
+# on, an all-reduce twice (it *is* a reduce-scatter plus an all-gather); on a ring a rank sends
+# (N−1)/N of that volume.
+
+# %%
+viz.show_code(zero.traffic_per_step)
+
+# %%
+volume = {n: {s: counted[n][0][s]["traffic"][-1]["volume"] for s in stages} for n in sweep}
+claim("each stage's recorded volume per step == the formula, at every N",
+      all(volume[n][s] == zero.traffic_per_step(s, counted[n][0][s]["units"], n, element_size=2)
+          for n in sweep for s in stages))
+claim("ZeRO-1 and ZeRO-2 send what DDP sends, but for padding (< 1 %)",
+      all(abs(volume[n][s] / volume[n]["ddp"] - 1) < 0.01
+          for n in sweep for s in ("zero1", "zero2")))
+claim("ZeRO-3 sends 1.5× DDP (two all-gathers and a reduce-scatter per layer), to 1 %",
+      all(abs(volume[n]["zero3"] / volume[n]["ddp"] - 1.5) < 0.015 for n in sweep))
+for n in sweep:
+    print(f"N={n}: ZeRO-3 / DDP = {volume[n]['zero3'] / volume[n]['ddp']:.3f}")
+
+# %%
+units = {s: counted[sweep[0]][0][s]["units"] for s in stages}
+line_ns = list(range(1, 9))
+viz.show(viz.zero_tradeoff_figure(
+    line_ns,
+    {s: [zero.memory_per_rank(s, units[s], n)["total"] for n in line_ns] for s in stages},
+    {s: [zero.traffic_per_step(s, units[s], n, element_size=2) * (n - 1) / n for n in line_ns]
+     for s in stages},
+    {s: {n: memory[n][s]["total"] for n in sweep} for s in stages},
+    {s: {n: volume[n][s] * (n - 1) / n for n in sweep} for s in stages}),
+    "The trade-off in one picture: each stage saves memory that grows with N; only ZeRO-3 pays "
+    "for it, with half as much traffic again.")
+
+# %% [markdown]
+# What traffic means in time depends on the network (lesson 06): inside one NVLink machine the
+# extra half of ZeRO-3 is often hidden behind compute, because the next layer's all-gather
+# runs while this one computes (FSDP *prefetches*); across slow links it shows.
+#
+# ## 6. FSDP2 for real
+# PyTorch's FSDP2 is ZeRO-3 with everything we skipped: prefetching, overlap, mixed-precision
+# policies, checkpoints. `fully_shard(module)` turns a module's parameters into **DTensors**
+# sharded along their first dimension; applied to each layer and then to the root, each layer
+# is gathered on its own, as in our `Zero3`. The worker below shards the MLP, trains it in
+# bf16 (`MixedPrecisionPolicy`), gathers a full state dict, saves it from rank 0 and loads it
+# back, into a plain model and into a fresh sharded one.
+
+# %%
+viz.show_code(zero.fsdp2_worker)
+
+# %%
+tour = launch.spawn(zero.fsdp2_worker, world_size, mp, backend=backend, timeout=120)
+for name, kind, full, local, placement in tour[0]["shards"]:
+    print(f"{name:>10}: {kind}, full {full}, rank 0 holds {local}, {placement}")
+
+# %%
+name, kind, full, local, placement = tour[0]["shards"][0]
+claim("FSDP2's parameters are DTensors", all(s[1] == "DTensor" for s in tour[0]["shards"]))
+claim(f"rank 0 holds ceil({full[0]}/{world_size}) rows of {name}",
+      local[0] == math.ceil(full[0] / world_size) and local[1:] == full[1:])
+claim("the shards stay fp32 while the layer computes in bf16 (the mixed-precision policy)",
+      tour[0]["sharded_dtype"] == "torch.float32" and tour[0]["compute_dtype"] == "torch.bfloat16"
+      and tour[0]["grad_dtype"] == "torch.float32")
+claim("the full state dict saved by rank 0 loads into a plain nn.Module with equal weights",
+      tour[0]["plain_model_equal"])
+claim("loaded back into a fresh sharded model, every rank's shards are equal",
+      all(r["reloaded_shards_equal"] for r in tour))
+
+# %% [markdown]
+# And in fp32, FSDP2 from the first launch against torch DDP, and its traffic against the
+# ZeRO-3 formula — with FSDP2's own padding, each parameter's first dimension rounded up to a
+# multiple of N:
+
+# %%
+claim(f"FSDP2: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff("fsdp2") < 1e-5,
+      diff=max_diff("fsdp2"))
+fsdp2 = runs[0]["fsdp2"]
+claim("FSDP2's volume per step == the ZeRO-3 formula with its padding",
+      fsdp2["traffic"][-1]["volume"] == zero.traffic_per_step("zero3", fsdp2["units"],
+                                                              world_size))
+
+# %% [markdown]
+# `torch.distributed.optim.ZeroRedundancyOptimizer` is torch's ready ZeRO-1 for DDP: wrap the
+# optimizer class, keep DDP. It assigns *whole parameters* to ranks, not equal slices, and
+# after its step each rank broadcasts the parameters it owns (so 3Ψ, not 2Ψ, in our
+# convention):
+
+# %%
+zro = [r["zero_redundancy"] for r in runs]
+full_state = runs[0]["torch_ddp"]["held"]["optimizer"]
+print("optimizer state per rank:", [r["held"]["optimizer"] for r in zro], "bytes; full:",
+      full_state)
+claim(f"ZeroRedundancyOptimizer: weights after {steps} steps == torch DDP's (to 1e-5)",
+      max_diff("zero_redundancy") < 1e-5)
+claim("its ranks' optimizer states add up to the full state: each parameter's on one rank",
+      sum(r["held"]["optimizer"] for r in zro) == full_state)
+claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts its part)",
+      zro[0]["traffic"][-1]["volume"] == zero.traffic_per_step("zero_redundancy", [n_params],
+                                                               world_size))
+
+# %% [markdown]
+# ## 7. When to use what
+# | | memory per parameter | traffic | use it when |
+# |---|---|---|---|
+# | DDP | 16 B | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
+# | ZeRO-1 / `ZeroRedundancyOptimizer` | 4 + 12/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
+# | ZeRO-2 | 2 + 14/N B | 2Ψ | more still; DeepSpeed's default |
+# | ZeRO-3 / FSDP | 16/N B | 3Ψ | the weights themselves do not fit: memory falls with every GPU added |
+# | + tensor / pipeline parallel | | | one layer's activations or weights exceed a GPU, or N is so large that 3Ψ per step dominates: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
+#
+# The calculator: a model size, a GPU's memory, N and what you keep for activations; which
+# stages fit?
+
+# %%
+viz.show_code(zero.fits)
+
+# %%
+gb = 1e9
+table = zero.fits(num_params=13e9, device_bytes=40 * gb, world_size=8, activation_bytes=6 * gb)
+for row in table:
+    print(f"{row['stage']:>6}: {row['bytes_per_rank'] / gb:6.1f} GB per GPU "
+          f"{'fits' if row['fits'] else 'does not fit'}; at most "
+          f"{row['max_params'] / 1e9:5.1f} B parameters")
+claim("a 13-B model on 8 × 40 GB GPUs (6 GB for activations) fits only with ZeRO-3",
+      [r["stage"] for r in table if r["fits"]] == ["zero3"])
+
+# %% [markdown]
+# ## Summary
+# - With mixed-precision Adam a parameter costs 16 bytes, 12 of them optimizer state; DDP
+#   keeps all of it on every rank.
+# - ZeRO-1 shards the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too; each
+#   trained exactly like DDP here, and each held exactly the bytes the formula says.
+# - ZeRO-1 and 2 replace DDP's all-reduce by its two halves, reduce-scatter and all-gather: the
+#   same traffic. ZeRO-3 gathers the weights twice (forward and backward): 1.5×.
+# - FSDP2's `fully_shard` is ZeRO-3 with DTensor parameters, mixed-precision policies and
+#   state-dict helpers; `ZeroRedundancyOptimizer` is a ready ZeRO-1 for DDP.
+#
+# ## Check yourself
+
+# %%
+viz.quiz([
+    {"q": "With mixed-precision Adam, which part of a parameter's 16 bytes is largest?",
+     "options": ["The bf16 weights", "The bf16 gradients",
+                 "The optimizer state: fp32 master weights, momentum and variance"],
+     "answer": 2,
+     "why": ["2 bytes.", "2 bytes.", "Right: 12 of the 16 bytes, which is why ZeRO shards it "
+             "first."]},
+    {"q": "Why does ZeRO-1 send no more than DDP?",
+     "options": ["It compresses the gradients",
+                 "DDP's all-reduce is a reduce-scatter plus an all-gather; ZeRO-1 does the same "
+                 "two halves, just with the optimizer step in between",
+                 "It skips the all-gather"],
+     "answer": 1,
+     "why": ["Nothing is compressed.", "Right: the same volume, for less memory.",
+             "Without the all-gather the ranks' weights would drift apart."]},
+    {"q": "Why does ZeRO-3 send 1.5× DDP's bytes?",
+     "options": ["It all-gathers each layer's weights twice — for the forward and again for "
+                 "the backward — and reduce-scatters the gradients: three halves",
+                 "It all-reduces twice", "Because of padding"],
+     "answer": 0,
+     "why": ["Right: 3Ψ against DDP's 2Ψ.", "There is no all-reduce in ZeRO-3.",
+             "Padding adds well under 1 % here."]},
+    {"q": "A 13-B model, 8 GPUs of 40 GB: DDP does not fit. What does?",
+     "options": ["ZeRO-1", "ZeRO-2", "ZeRO-3"],
+     "answer": 2,
+     "why": ["4 + 12/8 = 5.5 bytes per parameter: 71.5 GB before any activation.",
+             "2 + 14/8 = 3.75 bytes per parameter: 48.75 GB before any activation.",
+             "Right: 16/8 = 2 bytes per parameter, 26 GB, which leaves room for activations."]},
+])

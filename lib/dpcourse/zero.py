@@ -1,0 +1,871 @@
+"""Sharded data parallelism: ZeRO stages 1-3 from scratch, then FSDP2 (lesson 08, lab08).
+
+DDP keeps a full copy of everything on every rank: the weights, the gradients and the optimizer
+state. With mixed-precision Adam that is 16 bytes per parameter (ZeRO paper, Rajbhandari et al.
+2020: 2 for the bf16 weights, 2 for the bf16 gradients, and K = 12 for the optimizer: an fp32
+master copy of the weights, Adam's momentum and its variance), so N ranks hold N identical
+copies. ZeRO removes the copies one kind at a time:
+
+* stage 1 shards the optimizer state: each rank steps only its 1/N slice of the parameters;
+* stage 2 shards the gradients too: a rank keeps only the gradient of its own slice;
+* stage 3 shards the weights: a layer's full weights exist only while it computes.
+
+This module holds the pieces the lesson shows, in this order:
+
+1. memory: the paper's formula (:func:`bytes_per_param`), the same with padding
+   (:func:`memory_per_rank`), what fits where (:func:`fits`), and :func:`count_bytes`, which
+   counts the bytes a rank *really* holds, so the lesson can check counted == formula;
+2. flat shards: :func:`flatten_padded`, :func:`reduce_scatter_mean`, :func:`all_gather_flat`;
+3. the stages, one small class each, all used the same way inside a rank::
+
+       opt = Zero2(model, make_optimizer)      # or Replicated, Zero1, Zero3
+       for X, y in batches:
+           opt.zero_grad()
+           F.cross_entropy(model(X), y).backward()
+           opt.step()                          # synchronises, steps its slice, restores weights
+
+4. traffic: :func:`record_collectives` records every collective, :func:`traffic_per_step`
+   predicts the bytes;
+5. workers: :func:`equality_worker` trains every stage, plus torch's own DDP, FSDP2
+   (``fully_shard``) and ``ZeroRedundancyOptimizer``, from the same start on the same batches;
+   :func:`fsdp2_worker` tours FSDP2 (DTensor shards, mixed precision, a full state dict).
+
+Memory is counted with mixed precision, the setting of the formula; equality with DDP is
+proven in fp32, where it holds to float rounding (in bf16 every stage rounds differently).
+
+What runs on CPU with gloo (torch 2.14.1, checked by tests/test_zero.py): all of it.
+``dist.reduce_scatter_single`` and ``dist.all_gather_single`` work on gloo (their older names
+``reduce_scatter_tensor`` and ``all_gather_into_tensor`` still work but warn that they are
+deprecated), in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "STAGES",
+    "bytes_per_param",
+    "memory_per_rank",
+    "fits",
+    "count_bytes",
+    "optimizer_tensors",
+    "shard_numel",
+    "flatten_padded",
+    "copy_flat_into",
+    "reduce_scatter_mean",
+    "all_gather_flat",
+    "Replicated",
+    "Zero1",
+    "Zero2",
+    "ShardedLayer",
+    "Zero3",
+    "WRAPPERS",
+    "Collective",
+    "record_collectives",
+    "summarize_traffic",
+    "traffic_per_step",
+    "RING_WEIGHT",
+    "fsdp2_padded_numel",
+    "ZeroConfig",
+    "RUNS",
+    "train_run",
+    "equality_worker",
+    "fsdp2_worker",
+]
+
+STAGES = ("ddp", "zero1", "zero2", "zero3")   # "ddp" is stage 0: nothing sharded
+
+
+def _check(stage: str, world_size: int, stages=STAGES) -> None:
+    if stage not in stages:
+        raise ValueError(f"stage must be one of {stages}, got {stage!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Memory: the formula, and counting what is really held
+# --------------------------------------------------------------------------------------------
+
+
+def bytes_per_param(stage: str, world_size: int, param_bytes: float = 2,
+                    grad_bytes: float = 2, optimizer_bytes: float = 12) -> float:
+    """Bytes of model state per parameter on one rank (the ZeRO paper's Figure 1).
+
+    The defaults are mixed-precision Adam: bf16 weights (2), bf16 gradients (2), and K = 12
+    for the optimizer (fp32 master weights 4 + momentum 4 + variance 4). Activations, buffers
+    and temporaries are not model state and are not counted.
+    """
+    _check(stage, world_size)
+    n = world_size
+    p, g, k = param_bytes, grad_bytes, optimizer_bytes
+    return {"ddp": p + g + k,                 # everything replicated
+            "zero1": p + g + k / n,           # optimizer state sharded
+            "zero2": p + (g + k) / n,         # ... and the gradients
+            "zero3": (p + g + k) / n}[stage]  # ... and the weights
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements per rank when ``numel`` is cut in ``world_size`` equal pieces: we pad the flat
+    buffer with zeros up to a multiple of N, so the last pieces may hold some padding."""
+    return -(-numel // world_size)
+
+
+def memory_per_rank(stage: str, units, world_size: int, param_bytes: int = 2,
+                    grad_bytes: int = 2, optimizer_bytes: int = 12) -> dict:
+    """Exact bytes of model state on one rank, padding included, by category.
+
+    ``units`` are the sizes of the flat buffers that get sharded, each padded to a multiple of
+    N on its own: our ZeRO-1 and ZeRO-2 shard the whole model as one buffer (``[Ψ]``), our
+    ZeRO-3 shards each layer separately (one size per layer). What is replicated is not padded.
+    When every unit divides by N this is Ψ × :func:`bytes_per_param`, exactly.
+    """
+    _check(stage, world_size)
+    units = [units] if isinstance(units, int) else list(units)
+    full = sum(units)                                          # Ψ
+    shard = sum(shard_numel(u, world_size) for u in units)     # ⌈Ψ/N⌉, per unit
+    params = full if stage in ("ddp", "zero1", "zero2") else shard
+    grads = full if stage in ("ddp", "zero1") else shard
+    optim = full if stage == "ddp" else shard
+    out = {"params": params * param_bytes, "grads": grads * grad_bytes,
+           "optimizer": optim * optimizer_bytes}
+    out["total"] = sum(out.values())
+    return out
+
+
+def fits(num_params: int, device_bytes: float, world_size: int, activation_bytes: float = 0,
+         param_bytes: float = 2, grad_bytes: float = 2, optimizer_bytes: float = 12) -> list[dict]:
+    """Which stages fit a model of ``num_params`` parameters into ``device_bytes`` per rank.
+
+    One row per stage: the bytes a rank needs (model state + the ``activation_bytes`` you
+    allow for activations and temporaries), whether that fits, and the largest model that
+    would fit at this world size. Activations are the part this ignores by default: they do
+    not shrink with N (each rank still runs its whole micro-batch), so leave room for them.
+    """
+    if num_params < 0 or device_bytes <= 0 or activation_bytes < 0:
+        raise ValueError("num_params and activation_bytes must be >= 0 and device_bytes > 0, got "
+                         f"{num_params}, {activation_bytes} and {device_bytes}")
+    rows = []
+    for stage in STAGES:
+        per = bytes_per_param(stage, world_size, param_bytes, grad_bytes, optimizer_bytes)
+        need = num_params * per + activation_bytes
+        rows.append({"stage": stage, "bytes_per_param": per, "bytes_per_rank": need,
+                     "fits": need <= device_bytes,
+                     "max_params": max(0, int((device_bytes - activation_bytes) // per))})
+    return rows
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors an optimizer holds: the ones it steps (for our stages the fp32 master copy;
+    for a plain optimizer the model's own weights) and its state (Adam's exp_avg and
+    exp_avg_sq, SGD's momentum_buffer). Adam's 0-d ``step`` counters are left out: 4 bytes
+    per tensor, whatever its size, which the formula ignores too."""
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    for state in optimizer.state.values():
+        tensors += [t for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+    return tensors
+
+
+def count_bytes(held: dict) -> dict:
+    """Count the memory behind the tensors in ``held`` ({category: tensors}), by category.
+
+    We count *storages*, not tensor sizes, because that is what memory is: views of one buffer
+    count once (and the whole buffer, padding included), a tensor whose storage was freed
+    (``untyped_storage().resize_(0)``, as ZeRO-3 does) counts 0, and a storage named under two
+    categories counts under the first (a plain optimizer's parameters are the model's weights,
+    already counted). A DTensor (FSDP2) counts its local shard.
+    """
+    seen, out = set(), {}
+    for category, tensors in held.items():
+        total = 0
+        for t in tensors:
+            if hasattr(t, "to_local"):
+                t = t.to_local()
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        out[category] = total
+    out["total"] = sum(out.values())
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Flat shards
+# --------------------------------------------------------------------------------------------
+
+
+def flatten_padded(tensors, world_size: int) -> torch.Tensor:
+    """The tensors as one new flat vector, zero-padded to a multiple of ``world_size`` so it
+    cuts into N equal shards (collectives want equal pieces on every rank)."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    pad = shard_numel(flat.numel(), world_size) * world_size - flat.numel()
+    return F.pad(flat, (0, pad))
+
+
+def copy_flat_into(flat: torch.Tensor, tensors) -> None:
+    """Copy consecutive pieces of ``flat`` into ``tensors`` (casting, e.g. fp32 -> bf16); the
+    padding at the end of ``flat`` is ignored."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def reduce_scatter_mean(flat: torch.Tensor) -> torch.Tensor:
+    """Rank r gets shard r of the mean over the ranks of ``flat`` (length a multiple of N).
+
+    Half of an all-reduce: a ring all-reduce *is* a reduce-scatter followed by an all-gather
+    (lesson 06), and ZeRO stops after the first half because a rank only needs its own slice.
+    gloo has ReduceOp.SUM everywhere, so we sum and divide, as lesson 03 did.
+    """
+    n = dist.get_world_size()
+    shard = torch.empty(flat.numel() // n, dtype=flat.dtype, device=flat.device)
+    dist.reduce_scatter_single(shard, flat, op=dist.ReduceOp.SUM)
+    return shard.div_(n)
+
+
+def all_gather_flat(shard: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's ``shard``, concatenated in rank order (into ``out`` if given)."""
+    if out is None:
+        out = torch.empty(shard.numel() * dist.get_world_size(), dtype=shard.dtype,
+                          device=shard.device)
+    dist.all_gather_single(out, shard)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# 3. The stages
+# --------------------------------------------------------------------------------------------
+
+
+class _Stage:
+    """What every stage shares: start from rank 0's weights, forget gradients, say what it
+    holds. Each stage keeps an fp32 master copy for the optimizer (K = 12 with Adam), as ZeRO
+    does. With ``param_dtype=torch.float32`` that copy duplicates the weights (a plain fp32
+    run would step the weights in place); we keep it so that fp32 — where the equality with
+    DDP is tight — runs exactly the code that mixed precision runs."""
+
+    stage = ""
+
+    def __init__(self, model: nn.Module, param_dtype: torch.dtype):
+        self.model = model
+        self.params = list(model.parameters())
+        self.param_dtype = param_dtype
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.grad_slice = None
+        for p in self.params:                 # start from rank 0's weights, as DDP does
+            dist.broadcast(p.data, src=0)
+        self.units = [sum(p.numel() for p in self.params)]   # what is sharded, as one buffer
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.grad_slice = None
+
+    def held_tensors(self) -> dict:
+        """The tensors this rank keeps between steps, by category, for :func:`count_bytes`."""
+        grads = [p.grad for p in self.params] + [self.grad_slice]
+        return {"params": list(self.params), "grads": [g for g in grads if g is not None],
+                "optimizer": optimizer_tensors(self.optimizer)}
+
+    def full_weights(self) -> torch.Tensor:
+        """All the weights as one flat fp32 CPU vector (what ``ddp.flat_params`` gives)."""
+        return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+
+
+class Replicated(_Stage):
+    """Stage 0, the baseline: DDP with fp32 master weights, everything on every rank.
+
+    Lesson 03's loop (all-reduce the gradients, divide by N, step) with mixed precision: the
+    model computes in ``param_dtype``; the optimizer steps an fp32 copy of all the weights,
+    which is then cast back into the model. 2 + 2 + 12 = 16 bytes per parameter.
+    """
+
+    stage = "ddp"
+
+    def __init__(self, model, make_optimizer, param_dtype=torch.float32):
+        super().__init__(model, param_dtype)
+        self.master = flatten_padded(self.params, 1).float()   # fp32, all Ψ (N=1: no padding)
+        model.to(param_dtype)
+        self.optimizer = make_optimizer([self.master])
+
+    def step(self) -> None:
+        grad = flatten_padded([p.grad for p in self.params], 1)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)          # every rank: the whole sum
+        self.master.grad = grad.div_(self.world_size).float()
+        self.optimizer.step()
+        self.master.grad = None                              # a temporary, as in the paper
+        copy_flat_into(self.master, self.params)
+
+
+class Zero1(_Stage):
+    """Stage 1: the optimizer state is sharded.
+
+    See the model's parameters as one flat vector of Ψ numbers, padded to a multiple of N and
+    cut into N slices. Rank r keeps the fp32 master copy and the Adam state of slice r only,
+    and steps only that slice. Three changes from :class:`Replicated`:
+
+    * the master is a slice, so the optimizer state is a slice: K·Ψ/N bytes instead of K·Ψ;
+    * the gradients are reduce-scattered, not all-reduced: a rank needs the averaged gradient
+      of its own slice only — and a reduce-scatter is half an all-reduce;
+    * after the step an all-gather brings every rank everyone's new slices: the other half.
+      Reduce-scatter + all-gather = all-reduce, so ZeRO-1 sends what DDP sends.
+
+    The full (local) gradients still exist, as in DDP: 2 + 2 + 12/N bytes per parameter.
+    """
+
+    stage = "zero1"
+
+    def __init__(self, model, make_optimizer, param_dtype=torch.float32):
+        super().__init__(model, param_dtype)
+        flat = flatten_padded(self.params, self.world_size).float()
+        self.shard = flat.numel() // self.world_size
+        start = self.rank * self.shard
+        self.master = flat[start:start + self.shard].clone()   # my slice; the rest is dropped
+        model.to(param_dtype)
+        self.optimizer = make_optimizer([self.master])         # state for my slice only
+
+    def gradient_slice(self) -> torch.Tensor:
+        grad = flatten_padded([p.grad for p in self.params], self.world_size)
+        return reduce_scatter_mean(grad)                       # the mean, my slice only
+
+    def step(self) -> None:
+        self.master.grad = self.gradient_slice().float()
+        self.optimizer.step()
+        self.master.grad = None
+        full = all_gather_flat(self.master.to(self.param_dtype))   # everyone's new slices
+        copy_flat_into(full, self.params)
+
+
+class Zero2(Zero1):
+    """Stage 2: the gradients are sharded too. One change from :class:`Zero1`: once the
+    gradients are reduce-scattered, a rank drops the full ones and keeps its slice only
+    (2 + 14/N bytes per parameter at rest).
+
+    A caveat of this short version: the full gradient still exists for a moment, between the
+    backward and the reduce-scatter, so its peak is no lower than ZeRO-1's. DeepSpeed avoids
+    that by reduce-scattering bucket by bucket *during* the backward (lesson 07's hooks);
+    :class:`Zero3` below shows that mechanism, per layer.
+    """
+
+    stage = "zero2"
+
+    def gradient_slice(self) -> torch.Tensor:
+        self.grad_slice = super().gradient_slice()
+        for p in self.params:
+            p.grad = None               # never needed again: the rest belongs to other ranks
+        return self.grad_slice
+
+
+class ShardedLayer:
+    """One layer of :class:`Zero3`: its weights live as a 1/N shard; the full weights exist
+    only between a gather and the next free.
+
+    The module's parameters become views into one flat buffer, ``self.full``. Freeing resizes
+    that buffer's storage to 0 bytes, gathering gives it its bytes back and all-gathers the
+    shards into it. The parameters — and the views of them that autograd saved in the forward
+    — all point into that one storage, so a re-gather before the backward is seen by them all.
+    """
+
+    def __init__(self, module: nn.Module, param_dtype: torch.dtype, rank: int, world_size: int):
+        self.params = list(module.parameters(recurse=False))
+        for p in self.params:
+            dist.broadcast(p.data, src=0)
+        self.numel = sum(p.numel() for p in self.params)
+        self.world_size = world_size
+        flat = flatten_padded(self.params, world_size).float()
+        n = flat.numel() // world_size
+        self.master = flat[rank * n:(rank + 1) * n].clone()     # fp32, stepped by the optimizer
+        self.shard = self.master.to(param_dtype)   # what is all-gathered (in fp32: the master)
+        self.grad_slice = None
+        self.full = torch.empty(flat.numel(), dtype=param_dtype, device=flat.device)
+        offset = 0
+        for p in self.params:
+            p.data = self.full[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.free()
+        self._waiting = len(self.params)          # gradients still to come in this backward
+        module.register_forward_pre_hook(lambda mod, args: self.gather())
+        module.register_forward_hook(self._after_forward)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def gather(self) -> None:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.full.numel() * self.full.element_size())
+            all_gather_flat(self.shard, out=self.full)
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def _after_forward(self, module, args, output):
+        self.free()
+        if output.requires_grad:
+            # The backward of this layer needs its weights again: this hook runs when the
+            # gradient of the layer's output is ready, just before the layer's backward.
+            output.register_hook(lambda grad: self.gather())
+
+    def _grad_ready(self, p) -> None:
+        self._waiting -= 1
+        if self._waiting:
+            return
+        self._waiting = len(self.params)          # all of this layer's gradients are in
+        grad = flatten_padded([q.grad for q in self.params], self.world_size)
+        self.grad_slice = reduce_scatter_mean(grad)
+        for q in self.params:
+            q.grad = None
+        self.free()
+
+
+class Zero3(_Stage):
+    """Stage 3 (what FSDP does): the weights are sharded too, layer by layer.
+
+    Each module that owns parameters (here each ``nn.Linear``) becomes a :class:`ShardedLayer`;
+    every rank keeps 1/N of each layer: bf16 weights, bf16 gradient, fp32 master and Adam
+    state, 16/N bytes per parameter. A layer's full weights exist only while it computes:
+
+    * forward: all-gather before the layer (a forward pre-hook), free after it (a forward
+      hook);
+    * backward: all-gather again when the gradient of its output arrives (a hook on the output
+      tensor), and when its last parameter's gradient has been accumulated (a
+      post-accumulate-grad hook) reduce-scatter the gradients and free the weights again.
+
+    Three collectives over every weight per step — all-gather, all-gather, reduce-scatter —
+    against DDP's all-reduce (= two): 1.5x DDP's traffic. There is no all-gather after the
+    step: the next forward gathers. Assumes each parameter is used once per forward and one
+    backward per step (no gradient accumulation).
+    """
+
+    stage = "zero3"
+
+    def __init__(self, model, make_optimizer, param_dtype=torch.float32):
+        self.model = model
+        self.params = list(model.parameters())
+        self.param_dtype = param_dtype
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.layers = [ShardedLayer(module, param_dtype, self.rank, self.world_size)
+                       for module in model.modules()
+                       if next(module.parameters(recurse=False), None) is not None]
+        self.units = [layer.numel for layer in self.layers]   # sharded one by one
+        self.optimizer = make_optimizer([layer.master for layer in self.layers])
+
+    def step(self) -> None:
+        for layer in self.layers:
+            layer.master.grad = layer.grad_slice.float()
+        self.optimizer.step()
+        for layer in self.layers:
+            layer.master.grad = None
+            with torch.no_grad():
+                layer.shard.copy_(layer.master)     # cast the new fp32 slice to bf16
+
+    def zero_grad(self) -> None:
+        for layer in self.layers:
+            layer.grad_slice = None
+
+    def held_tensors(self) -> dict:
+        # The model's own parameters are listed to show they hold nothing between uses.
+        return {"params": [layer.shard for layer in self.layers] + self.params,
+                "grads": [layer.grad_slice for layer in self.layers
+                          if layer.grad_slice is not None],
+                "optimizer": optimizer_tensors(self.optimizer)}
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """All layers' full weights, for the block (to save or compare them); a collective."""
+        for layer in self.layers:
+            layer.gather()
+        try:
+            yield self.model
+        finally:
+            for layer in self.layers:
+                layer.free()
+
+    def full_weights(self) -> torch.Tensor:
+        with self.gathered():
+            return super().full_weights()
+
+
+WRAPPERS = {"ddp": Replicated, "zero1": Zero1, "zero2": Zero2, "zero3": Zero3}
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Traffic: what each rank sends per step
+# --------------------------------------------------------------------------------------------
+#
+# The convention, used by both the counting and the formula, so that they agree exactly:
+# a collective is recorded with the size M of the *whole* buffer it acts on (the tensor that
+# is all-reduced or broadcast, the input of a reduce-scatter, the output of an all-gather),
+# not a rank's shard. On a ring (lesson 06) each rank sends (N-1)/N · M for a reduce-scatter,
+# an all-gather or a pipelined broadcast, and twice that for an all-reduce, which *is* a
+# reduce-scatter followed by an all-gather. So a step's "volume" is Σ weight · M, with weight
+# 2 for an all-reduce and 1 for the others, and a rank sends (N-1)/N of the volume. gloo's own
+# algorithms may differ in detail; the model is the one the ZeRO paper uses.
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One recorded call: its kind and the whole buffer's size (see the convention above)."""
+
+    op: str          # "all_reduce", "reduce_scatter", "all_gather" or "broadcast"
+    numel: int
+    nbytes: int
+
+
+RING_WEIGHT = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+
+# Each function we watch: (its kind, the argument holding the whole buffer). The deprecated
+# names are watched too; they call the new ones inside torch, past our patch, so nothing is
+# counted twice.
+_WATCHED = {
+    "all_reduce": ("all_reduce", "tensor"),
+    "broadcast": ("broadcast", "tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "all_gather": ("all_gather", "tensor_list"),
+}
+
+
+def _recording(real, op: str, arg: str, calls: list):
+    signature = inspect.signature(real)
+
+    def recording(*args, **kwargs):
+        buffer = signature.bind_partial(*args, **kwargs).arguments[arg]
+        tensors = buffer if isinstance(buffer, (list, tuple)) else [buffer]
+        calls.append(Collective(op, sum(t.numel() for t in tensors),
+                                sum(t.numel() * t.element_size() for t in tensors)))
+        return real(*args, **kwargs)
+
+    return recording
+
+
+@contextlib.contextmanager
+def record_collectives():
+    """Record every collective called through ``torch.distributed`` inside the block — ours,
+    DDP's comm hooks, FSDP2's, ZeroRedundancyOptimizer's — as a list of :class:`Collective`.
+    (DDP's built-in all-reduce runs in C++ and is not seen: register a comm hook, as
+    :func:`equality_worker` does.)"""
+    calls: list[Collective] = []
+    originals = {name: getattr(dist, name) for name in _WATCHED if hasattr(dist, name)}
+    for name, real in originals.items():
+        op, arg = _WATCHED[name]
+        setattr(dist, name, _recording(real, op, arg, calls))
+    try:
+        yield calls
+    finally:
+        for name, real in originals.items():
+            setattr(dist, name, real)
+
+
+def summarize_traffic(calls, world_size: int) -> dict:
+    """One step's calls: how many, the bytes per kind, the volume and the bytes a rank sends
+    on a ring ((N-1)/N of the volume)."""
+    by_op: dict[str, int] = {}
+    for c in calls:
+        by_op[c.op] = by_op.get(c.op, 0) + c.nbytes
+    volume = sum(RING_WEIGHT[op] * nbytes for op, nbytes in by_op.items())
+    return {"calls": len(calls), "by_op": by_op, "volume": volume,
+            "ring_bytes_per_rank": volume * (world_size - 1) / world_size}
+
+
+def traffic_per_step(stage: str, units, world_size: int, element_size: int = 4) -> int:
+    """The volume a step should record (bytes; see the convention above).
+
+    * ``ddp``: one all-reduce of the Ψ gradients: 2Ψ;
+    * ``zero1``, ``zero2``: reduce-scatter the gradients, all-gather the weights, each over the
+      padded buffer: 2·N⌈Ψ/N⌉ — the same as DDP, but for padding;
+    * ``zero3``: per layer, all-gather (forward), all-gather (backward), reduce-scatter:
+      3·Σ N⌈Ψ_l/N⌉, so 1.5x DDP. FSDP2 pads each parameter's first dimension instead: give it
+      the sizes from :func:`fsdp2_padded_numel` and it is the same formula;
+    * ``zero_redundancy``: torch's ZeroRedundancyOptimizer under DDP: DDP's all-reduce, then
+      each rank broadcasts the parameters it stepped: 2Ψ + Ψ = 3Ψ.
+    """
+    _check(stage, world_size, STAGES + ("zero_redundancy",))
+    units = [units] if isinstance(units, int) else list(units)
+    psi = sum(units)
+    padded = sum(world_size * shard_numel(u, world_size) for u in units)
+    elements = {"ddp": 2 * psi, "zero1": 2 * padded, "zero2": 2 * padded,
+                "zero3": 3 * padded, "zero_redundancy": 3 * psi}[stage]
+    return elements * element_size
+
+
+def fsdp2_padded_numel(shape, world_size: int) -> int:
+    """FSDP2 shards each parameter along its first dimension, padded to a multiple of N: the
+    number of elements it all-gathers and reduce-scatters for that parameter."""
+    shape = tuple(shape)
+    rows = shape[0] if shape else 1
+    return world_size * shard_numel(rows, world_size) * math.prod(shape[1:])
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Experiments (workers run on every rank through dpcourse.launch.spawn)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ZeroConfig:
+    """One experiment, the same on every rank.
+
+    The MLP's widths are deliberately odd: Ψ = 31·43 + 44·22 + 23·10 = 1333 + 968 + 230 = 2531
+    divides by neither 2 nor 3, nor does any layer by 3, so the padding is exercised. The data
+    are synthetic: inputs from a seeded generator, labels given by a fixed random linear
+    "teacher", so the loss can fall. ``mixed_precision``: bf16 weights and gradients with
+    fp32 master weights and Adam state (the setting of ZeRO's memory formula); fp32 otherwise
+    (the setting in which every stage must equal DDP to float tolerance).
+    """
+
+    widths: tuple = (30, 43, 22, 10)
+    global_batch: int = 24
+    steps: int = 4
+    optimizer: str = "adam"        # "adam", "adamw" or "sgd" (with momentum 0.9)
+    lr: float = 0.01
+    mixed_precision: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.optimizer not in ("adam", "adamw", "sgd"):
+            raise ValueError(f"optimizer must be 'adam', 'adamw' or 'sgd', got {self.optimizer!r}")
+        if len(self.widths) < 2 or self.steps < 1 or self.global_batch < 1:
+            raise ValueError("need at least two widths, one step and one sample per batch")
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.mixed_precision else torch.float32
+
+    def build(self) -> nn.Module:
+        torch.manual_seed(self.seed)
+        layers = []
+        for fan_in, fan_out in zip(self.widths[:-1], self.widths[1:]):
+            layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+        return nn.Sequential(*layers[:-1])
+
+    def optimizer_class(self):
+        """(class, keyword arguments), also what ZeroRedundancyOptimizer needs."""
+        if self.optimizer == "adam":
+            return torch.optim.Adam, {"lr": self.lr}
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW, {"lr": self.lr, "weight_decay": 0.01}
+        return torch.optim.SGD, {"lr": self.lr, "momentum": 0.9}
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        cls, kwargs = self.optimizer_class()
+        return cls(params, **kwargs)
+
+    def global_batch_for_step(self, step: int):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + step)
+        X = torch.randn(self.global_batch, self.widths[0], generator=g)
+        teacher = torch.randn(self.widths[0], self.widths[-1],
+                              generator=torch.Generator().manual_seed(self.seed + 7))
+        return X, (X @ teacher).argmax(dim=1)
+
+    def batches(self, rank: int, world_size: int):
+        """This rank's contiguous share of each step's global batch."""
+        if self.global_batch % world_size:
+            raise ValueError(f"global_batch {self.global_batch} does not split over {world_size} "
+                             f"ranks; use a multiple of {world_size}")
+        n = self.global_batch // world_size
+        return [(X[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+                for X, y in (self.global_batch_for_step(s) for s in range(self.steps))]
+
+
+def _fsdp2_policy(cfg: ZeroConfig):
+    """bf16 compute with fp32 gradient reduction, or FSDP2's default (no casting) in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if cfg.mixed_precision:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+class _TorchRun:
+    """torch's own ways (DDP, FSDP2, ZeroRedundancyOptimizer) behind the stages' interface."""
+
+    def __init__(self, model, optimizer, params, units, state_optimizer=None):
+        self.model, self.optimizer, self.params, self.units = model, optimizer, params, units
+        self.state_optimizer = state_optimizer or optimizer   # the one that holds the state
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def held_tensors(self) -> dict:
+        return {"params": list(self.params),
+                "grads": [p.grad for p in self.params if p.grad is not None],
+                "optimizer": optimizer_tensors(self.state_optimizer)}
+
+    def full_weights(self) -> torch.Tensor:
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.params]
+        return torch.cat([p.detach().reshape(-1).float().cpu() for p in full])
+
+
+RUNS = ("torch_ddp", "ddp", "zero1", "zero2", "zero3", "fsdp2", "zero_redundancy")
+
+
+def _prepare(run: str, cfg: ZeroConfig, dev: torch.device):
+    """(the model to call, the optimizer-like object, the dtype of the inputs) for one run."""
+    model = cfg.build().to(dev)
+    psi = sum(p.numel() for p in model.parameters())
+    if run in WRAPPERS:
+        return model, WRAPPERS[run](model, cfg.make_optimizer, cfg.param_dtype), cfg.param_dtype
+    if run in ("torch_ddp", "zero_redundancy"):       # always fp32: torch keeps no master copy
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp_model = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        ddp_model.register_comm_hook(None, default_hooks.allreduce_hook)  # so it is recorded
+        if run == "torch_ddp":
+            opt = _TorchRun(ddp_model, cfg.make_optimizer(model.parameters()),
+                            list(model.parameters()), [psi])
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            cls, kwargs = cfg.optimizer_class()
+            zro = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
+            opt = _TorchRun(ddp_model, zro, list(model.parameters()), [psi],
+                            state_optimizer=zro.optim)
+        return ddp_model, opt, torch.float32
+    if run == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        policy = _fsdp2_policy(cfg)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        n = dist.get_world_size()
+        units = [fsdp2_padded_numel(p.shape, n) for p in model.parameters()]
+        return model, _TorchRun(model, cfg.make_optimizer(model.parameters()),
+                                list(model.parameters()), units), torch.float32
+    raise ValueError(f"run must be one of {RUNS}, got {run!r}")
+
+
+def train_run(run: str, cfg: ZeroConfig, rank: int, world_size: int) -> dict:
+    """Train ``cfg.steps`` steps one way; return the final weights (flat fp32), this rank's
+    losses, the bytes it holds after the last step (before zero_grad) by category, each
+    step's traffic (:func:`summarize_traffic`), and the sizes it shards (``units``).
+
+    Not counted, because they are not model state: activations and temporaries, and torch
+    DDP's gradient buckets (a second copy of the gradients unless
+    ``gradient_as_bucket_view=True``).
+    """
+    from . import ddp
+
+    dev = ddp.rank_device()
+    model, opt, x_dtype = _prepare(run, cfg, dev)
+    losses, traffic = [], []
+    for X, y in cfg.batches(rank, world_size):
+        with record_collectives() as calls:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(X.to(dev, x_dtype)).float(), y.to(dev))
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+        traffic.append(summarize_traffic(calls, world_size))
+    held = count_bytes(opt.held_tensors())
+    return {"params": opt.full_weights(), "losses": losses, "held": held, "traffic": traffic,
+            "units": list(opt.units)}
+
+
+def equality_worker(rank: int, world_size: int, cfg: ZeroConfig, runs=RUNS) -> dict:
+    """Each of ``runs`` trained from the same start on the same batches, in one launch (a
+    launch costs seconds; a run of this model, milliseconds): {run: :func:`train_run`'s
+    dict}. ``torch_ddp`` (the reference) and ``zero_redundancy`` always run in fp32: torch's
+    optimizers keep no master copy."""
+    return {run: train_run(run, cfg, rank, world_size) for run in runs}
+
+
+def fsdp2_worker(rank: int, world_size: int, cfg: ZeroConfig, path: str | None = None) -> dict:
+    """A tour of FSDP2 (``fully_shard``): what the parameters become, a mixed-precision
+    training run, and a full state dict gathered, saved by rank 0, and loaded back both into
+    a plain model and into a fresh sharded one.
+
+    ``path``: where rank 0 saves the state dict (a temporary file, removed, if None).
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    from . import ddp
+
+    dev = ddp.rank_device()
+
+    def sharded_model():
+        model = cfg.build().to(dev)
+        policy = _fsdp2_policy(cfg)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mp_policy=policy)   # one unit per layer: gathered alone
+        fully_shard(model, mp_policy=policy)          # the root: its own (none) + schedule
+        return model
+
+    model = sharded_model()
+    out = {"shards": [(name, type(p).__name__, tuple(p.shape), tuple(p.to_local().shape),
+                       str(p.placements)) for name, p in model.named_parameters()]}
+    seen_in_forward = []
+
+    def look(module, args):                            # the weights the layer computes with
+        seen_in_forward.append(str(module.weight.dtype))
+
+    model[0].register_forward_pre_hook(look)
+    opt = cfg.make_optimizer(model.parameters())
+    losses, traffic = [], []
+    for X, y in cfg.batches(rank, world_size):
+        with record_collectives() as calls:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(X.to(dev)).float(), y.to(dev))
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+        traffic.append(summarize_traffic(calls, world_size))
+    params = list(model.parameters())
+    out.update(losses=losses, traffic=traffic, sharded_dtype=str(params[0].dtype),
+               grad_dtype=str(params[0].grad.dtype), compute_dtype=seen_in_forward[0],
+               held=count_bytes({"params": params, "grads": [p.grad for p in params],
+                                 "optimizer": optimizer_tensors(opt)}))
+
+    # The full state dict: gathered from the shards; with cpu_offload only rank 0 keeps it.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    out["state_dict_keys"] = list(full)
+    weights = torch.cat([p.full_tensor().detach().reshape(-1).float().cpu()
+                         for p in model.parameters()])
+    if rank == 0:
+        if path is None:
+            fd, target = tempfile.mkstemp(suffix=".pt")
+            os.close(fd)
+        else:
+            target = path
+        torch.save(full, target)
+        plain = cfg.build()
+        plain.load_state_dict(torch.load(target, weights_only=True))
+        out["file_bytes"] = os.path.getsize(target)
+        out["plain_model_equal"] = torch.equal(ddp.flat_params(plain), weights)
+        if path is None:
+            os.unlink(target)
+    # ... and back into a fresh sharded model: rank 0 has the weights, the others receive them.
+    fresh = sharded_model()
+    set_model_state_dict(fresh, full, options=StateDictOptions(full_state_dict=True,
+                                                               broadcast_from_rank0=True))
+    out["reloaded_shards_equal"] = all(
+        torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(model.parameters(), fresh.parameters()))
+    return out

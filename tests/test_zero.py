@@ -1,0 +1,246 @@
+"""dpcourse.zero: the memory and traffic formulas by hand, then on 2 and 3 gloo ranks every
+stage equal to torch's DDP, its bytes held and sent equal to the formulas, and FSDP2's tour.
+
+Launches are the slow part (seconds each; a training run here takes milliseconds), so each
+world size is launched once and the tests read that launch's results."""
+
+import sys
+import warnings
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from dpcourse import launch, zero
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])   # ships _everything to the ranks
+
+GB = 1e9
+PSI = 2531                         # ZeroConfig's MLP: 1333 + 968 + 230
+LAYERS = [1333, 968, 230]
+
+
+# --------------------------------------------------------------------------------------------
+# Formulas, by hand
+# --------------------------------------------------------------------------------------------
+
+
+def test_paper_figure_1():
+    # ZeRO paper, Figure 1: Ψ = 7.5B, N = 64, K = 12 -> 120 GB, 31.4 GB, 16.6 GB, 1.9 GB
+    got = {s: 7.5e9 * zero.bytes_per_param(s, 64) / GB for s in zero.STAGES}
+    assert got == {"ddp": 120.0, "zero1": 31.40625, "zero2": 16.640625, "zero3": 1.875}
+    assert [round(v, 1) for v in got.values()] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_memory_per_rank_pads_each_unit():
+    # 2531 over 3 ranks: 844 per rank (one padding element); per layer 445 + 323 + 77 = 845
+    assert zero.memory_per_rank("zero1", [PSI], 3) == {
+        "params": 2 * PSI, "grads": 2 * PSI, "optimizer": 12 * 844, "total": 4 * PSI + 12 * 844}
+    assert zero.memory_per_rank("zero2", PSI, 3)["grads"] == 2 * 844
+    assert zero.memory_per_rank("zero3", LAYERS, 3)["total"] == 16 * 845
+    assert zero.memory_per_rank("ddp", LAYERS, 3)["total"] == 16 * PSI
+    # no padding when every unit divides: exactly Ψ × bytes_per_param
+    for stage in zero.STAGES:
+        assert zero.memory_per_rank(stage, [600, 6], 3)["total"] == \
+            606 * zero.bytes_per_param(stage, 3)
+
+
+def test_fits():
+    rows = {r["stage"]: r for r in zero.fits(7.5e9, 32 * GB, 64)}   # a 32 GB V100, N = 64
+    assert [rows[s]["fits"] for s in zero.STAGES] == [False, True, True, True]
+    assert rows["zero3"]["bytes_per_rank"] == 1.875 * GB
+    assert rows["ddp"]["max_params"] == 2 * 10**9                  # 32 GB / 16 B
+    tight = {r["stage"]: r["fits"] for r in zero.fits(7.5e9, 32 * GB, 64, activation_bytes=GB)}
+    assert tight == {"ddp": False, "zero1": False, "zero2": True, "zero3": True}
+
+
+def test_traffic_formula():
+    assert zero.traffic_per_step("ddp", PSI, 2) == 2 * PSI * 4
+    assert zero.traffic_per_step("zero1", PSI, 3, element_size=2) == 2 * 2532 * 2
+    assert zero.traffic_per_step("zero3", LAYERS, 3) == 3 * (1335 + 969 + 231) * 4
+    assert zero.traffic_per_step("zero_redundancy", PSI, 2) == 3 * PSI * 4
+    # 1.5x DDP exactly when nothing is padded; a little more otherwise
+    assert zero.traffic_per_step("zero3", [600, 6], 3) / zero.traffic_per_step("ddp", 606, 3) \
+        == 1.5
+    assert zero.fsdp2_padded_numel((43, 30), 3) == 45 * 30
+    assert zero.fsdp2_padded_numel((10,), 3) == 12
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: zero.bytes_per_param("zero4", 2), "stage must be one of"),
+    (lambda: zero.memory_per_rank("fsdp", PSI, 2), "stage must be one of"),
+    (lambda: zero.traffic_per_step("zero9", PSI, 2), "stage must be one of"),
+    (lambda: zero.bytes_per_param("zero1", 0), "world_size must be an int >= 1"),
+    (lambda: zero.bytes_per_param("zero1", 2.0), "world_size must be an int >= 1"),
+    (lambda: zero.fits(10, 32 * GB, -1), "world_size must be an int >= 1"),
+    (lambda: zero.fits(-1, 32 * GB, 2), "must be >= 0"),
+    (lambda: zero.ZeroConfig(optimizer="lamb"), "optimizer must be"),
+    (lambda: zero.ZeroConfig().batches(0, 5), "does not split over 5 ranks"),
+])
+def test_bad_input_is_refused(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_count_bytes_counts_storages():
+    flat = torch.zeros(10)
+    a, b = flat[:4], flat[4:]                      # two views of one buffer: 40 bytes, once
+    freed = torch.zeros(8)
+    freed.untyped_storage().resize_(0)             # ZeRO-3's freed weights: 0 bytes
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))])
+    opt.param_groups[0]["params"][0].grad = torch.ones(3)
+    opt.step()
+    p = opt.param_groups[0]["params"][0]
+    got = zero.count_bytes({"params": [a, b, freed, p], "grads": [p.grad],
+                            "optimizer": zero.optimizer_tensors(opt)})
+    # p counted under params only; Adam: exp_avg + exp_avg_sq, the 0-d step left out
+    assert got == {"params": 40 + 12, "grads": 12, "optimizer": 24, "total": 88}
+
+
+def test_record_collectives_restores_torch_distributed():
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single")}
+    with zero.record_collectives() as calls:
+        assert dist.all_reduce is not real["all_reduce"]
+    assert all(getattr(dist, name) is fn for name, fn in real.items()) and calls == []
+    summary = zero.summarize_traffic([zero.Collective("all_reduce", 10, 40),
+                                      zero.Collective("all_gather", 12, 48)], 4)
+    assert summary == {"calls": 2, "by_op": {"all_reduce": 40, "all_gather": 48},
+                       "volume": 128, "ring_bytes_per_rank": 96.0}
+
+
+# --------------------------------------------------------------------------------------------
+# On 2 and 3 ranks: one launch each
+# --------------------------------------------------------------------------------------------
+
+
+def _helpers_on_uneven_sizes(rank, world_size):
+    """flatten_padded + reduce_scatter_mean + all_gather_flat on 11 numbers (padded to 12)."""
+    tensors = [torch.arange(5.0) + 100 * rank, torch.arange(6.0).reshape(2, 3) - rank]
+    flat = zero.flatten_padded(tensors, world_size)
+    with zero.record_collectives() as calls:
+        shard = zero.reduce_scatter_mean(flat)
+        full = zero.all_gather_flat(shard)
+        with warnings.catch_warnings():           # the deprecated name: recorded once
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.reduce_scatter_tensor(torch.empty_like(shard), flat)
+    back = [torch.empty(5), torch.empty(2, 3)]
+    zero.copy_flat_into(full, back)
+    return {"flat": flat, "shard": shard, "full": full, "back": back,
+            "calls": [(c.op, c.numel) for c in calls]}
+
+
+def _everything(rank, world_size):
+    fp32 = zero.ZeroConfig()
+    return {
+        "fp32": zero.equality_worker(rank, world_size, fp32),
+        "bf16": zero.equality_worker(rank, world_size, zero.ZeroConfig(mixed_precision=True),
+                                     zero.STAGES),
+        "other_optimizers": {
+            name: zero.equality_worker(rank, world_size, zero.ZeroConfig(optimizer=name),
+                                       ("torch_ddp", "zero1", "zero3"))
+            for name in ("adamw", "sgd")},
+        "fsdp2": zero.fsdp2_worker(rank, world_size, zero.ZeroConfig(mixed_precision=True)),
+        "helpers": _helpers_on_uneven_sizes(rank, world_size),
+    }
+
+
+_RESULTS = {}
+
+
+@pytest.fixture(params=[2, 3], ids=["2ranks", "3ranks"])
+def ranks(request):
+    n = request.param
+    if n not in _RESULTS:
+        _RESULTS[n] = launch.spawn(_everything, n, backend="gloo", timeout=180,
+                                   show_output=False)
+    return n, _RESULTS[n]
+
+
+def test_every_stage_equals_torch_ddp(ranks):
+    n, out = ranks
+    for r in out:
+        ref = r["fp32"]["torch_ddp"]
+        for run, got in r["fp32"].items():
+            assert torch.allclose(got["params"], ref["params"], rtol=1e-5, atol=1e-6), run
+            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), run
+        for name, runs in r["other_optimizers"].items():
+            for run in ("zero1", "zero3"):
+                assert torch.allclose(runs[run]["params"], runs["torch_ddp"]["params"],
+                                      rtol=1e-5, atol=1e-6), (name, run)
+    for run in zero.RUNS:                           # and every rank holds the same weights
+        assert all(torch.equal(r["fp32"][run]["params"], out[0]["fp32"][run]["params"])
+                   for r in out), run
+    # the loss falls on the global batch (mean over ranks), it is learning something
+    losses = torch.tensor([r["fp32"]["zero3"]["losses"] for r in out]).mean(0)
+    assert losses[-1] < losses[0]
+
+
+def test_bytes_held_equal_the_formula(ranks):
+    n, out = ranks
+    for r in out:
+        for stage in zero.STAGES:                   # mixed precision: 2 + 2 + 12
+            got = r["bf16"][stage]
+            assert got["held"] == zero.memory_per_rank(stage, got["units"], n), stage
+        ddp = r["fp32"]["torch_ddp"]                # torch's fp32 Adam: 4 + 4 + 8, no master
+        assert ddp["held"] == zero.memory_per_rank("ddp", PSI, n, 4, 4, 8)
+        fsdp = r["fp32"]["fsdp2"]                   # FSDP2 stores padded shards
+        assert fsdp["held"]["params"] == fsdp["held"]["grads"] == 4 * sum(fsdp["units"]) // n
+    assert out[0]["bf16"]["zero3"]["units"] == LAYERS
+    # ZeroRedundancyOptimizer splits whole parameters among the ranks: the state adds up to
+    # one copy (8 bytes of Adam state per parameter), each rank holding only part of it
+    zro = [r["fp32"]["zero_redundancy"]["held"]["optimizer"] for r in out]
+    assert sum(zro) == 8 * PSI and max(zro) < 8 * PSI
+
+
+def test_traffic_equals_the_formula(ranks):
+    n, out = ranks
+    for r in out:
+        for precision, size in (("fp32", 4), ("bf16", 2)):
+            for stage in zero.STAGES:
+                got = r[precision][stage]
+                expected = zero.traffic_per_step(stage, got["units"], n, size)
+                assert [t["volume"] for t in got["traffic"]] == [expected] * 4, (precision, stage)
+        fp32 = r["fp32"]
+        assert fp32["torch_ddp"]["traffic"][0]["volume"] == zero.traffic_per_step("ddp", PSI, n)
+        assert fp32["zero_redundancy"]["traffic"][0]["by_op"] == {"all_reduce": 4 * PSI,
+                                                                 "broadcast": 4 * PSI}
+        assert fp32["fsdp2"]["traffic"][0]["volume"] == \
+            zero.traffic_per_step("zero3", fp32["fsdp2"]["units"], n)
+        z3, ddp = fp32["zero3"]["traffic"][0], fp32["ddp"]["traffic"][0]
+        assert z3["calls"] == 9 and ddp["calls"] == 1
+        padded = sum(n * zero.shard_numel(u, n) for u in LAYERS)
+        assert z3["volume"] / ddp["volume"] == 3 * padded / (2 * PSI) == pytest.approx(1.5, 2e-3)
+
+
+def test_fsdp2_tour(ranks):
+    n, out = ranks
+    widths = zero.ZeroConfig().widths
+    for rank, r in enumerate(out):
+        f = r["fsdp2"]
+        assert (f["compute_dtype"], f["sharded_dtype"], f["grad_dtype"]) == \
+            ("torch.bfloat16", "torch.float32", "torch.float32")
+        rows = widths[1]                             # first layer's weight: 43 rows, dim 0
+        assert f["shards"][0][:3] == ("0.weight", "DTensor", (rows, widths[0]))
+        assert f["shards"][0][3][0] == min(-(-rows // n), rows - rank * -(-rows // n))
+        assert f["reloaded_shards_equal"]
+        units = r["fp32"]["fsdp2"]["units"]          # bf16 all-gathers, fp32 reduce-scatter
+        assert f["traffic"][0]["by_op"] == {"all_gather": 2 * 2 * sum(units),
+                                            "reduce_scatter": 4 * sum(units)}
+    assert out[0]["fsdp2"]["plain_model_equal"] and out[0]["fsdp2"]["file_bytes"] > 4 * PSI
+    assert len(out[0]["fsdp2"]["state_dict_keys"]) == 6
+    assert all(r["fsdp2"]["state_dict_keys"] == [] for r in out[1:])   # cpu_offload: rank 0
+
+
+def test_reduce_scatter_and_all_gather_on_uneven_sizes(ranks):
+    n, out = ranks
+    flats = torch.stack([r["helpers"]["flat"] for r in out])
+    assert flats.shape == (n, 12) and torch.all(flats[:, 11:] == 0)      # 11 numbers + pad
+    mean = flats.mean(0)
+    s = 12 // n
+    for rank, r in enumerate(out):
+        h = r["helpers"]
+        assert torch.allclose(h["shard"], mean[rank * s:(rank + 1) * s])
+        assert torch.allclose(h["full"], mean)
+        assert torch.allclose(h["back"][1].reshape(-1), mean[5:11])
+        assert h["calls"] == [("reduce_scatter", 12), ("all_gather", 12), ("reduce_scatter", 12)]
