@@ -399,6 +399,10 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 # - Communication hooks change what is sent: 16-bit halves the bytes with almost no effect on
 #   the loss; PowerSGD sends a few percent and needs error feedback to keep learning.
 #
+# **Next:** [lesson 08](08_sharded_data_parallel.ipynb) stops copying: ZeRO and FSDP shard the
+# optimizer state, the gradients and the weights over the ranks, with the memory counted and
+# the traffic proven.
+#
 # ## Check yourself
 
 # %%

@@ -764,7 +764,8 @@ def rank_dependent_k(state, bucket):
 
 
 def test_a_hook_that_raises_is_named_with_the_rebuild_hint():
-    with pytest.raises(LabCheckError, match="rank 0 raised in your hook: .*rebuilds its buckets"):
+    # whichever rank fails first is named
+    with pytest.raises(LabCheckError, match="rank [0-9] raised in your hook: .*rebuilds its"):
         lab07.check_topk_hook(residual_without_reset, TopKState, world_sizes=(2,))
 
 

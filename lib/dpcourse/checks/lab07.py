@@ -343,8 +343,8 @@ def _launch(cls, world_size: int, cap_mb: float, timeout: float) -> list:
         if exc.summary.startswith("NotImplementedError"):
             raise NotImplementedError(f"{exc.summary} (on rank {exc.rank})") from None
         if "AVG" in exc.summary or "ReduceOp" in exc.summary:
-            fail(f"your code raised on rank {exc.rank}: {exc.summary} — gloo has no "
-                 f"ReduceOp.AVG: all-reduce with SUM and divide by the world size.")
+            fail(f"your code raised on rank {exc.rank}: {exc.summary} — this backend refuses "
+                 f"that reduce op: all-reduce with SUM and divide by the world size.")
         fail(f"your code raised on rank {exc.rank}: {exc.summary}")
 
 
