@@ -240,8 +240,9 @@ viz.show(fig, "training throughput per batch size on this machine; the bars span
 # slicing batches out of it is nearly free. Give the loader a per-sample transform written in
 # Python — here a flip, noise, and small random shifts of every row of every channel, one tensor
 # operation per row, the kind of augmentation image pipelines often do sample by sample — and the
-# same model spends most of its step waiting for data. More devices would not help that; more
-# loader workers (`num_workers`) or a vectorised pipeline would.
+# same model spends a large part of its step waiting for data (how large depends on how fast
+# this machine computes; the cell prints it). More devices would not help that; more loader
+# workers (`num_workers`) or a vectorised pipeline would.
 
 # %%
 class SlowAugment(torch.utils.data.Dataset):
@@ -301,13 +302,18 @@ ax.set_xlim(0, 100)
 ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, 1.3))
 fig.subplots_adjust(left=0.3, right=0.97, bottom=0.2, top=0.8)
 viz.show(fig, "with batches sliced from memory the step is all compute; with a per-sample Python "
-              "transform, most of it is spent waiting for the next batch.")
+              f"transform, {100 * share['per-sample Python transform']:.0f}% of it is spent "
+              "waiting for the next batch.")
 
 # %%
 claim("batches sliced from memory: under 20% of the step waits for data",
       share["in-memory tensors"] < 0.2, share=share)
-claim("the per-sample Python transform: over half of the step waits for data",
-      share["per-sample Python transform"] > 0.5, share=share)
+# Why not "over half": on a busy machine the compute slows down more than this single-threaded
+# transform does (measured: 33% with a second test run beside it), so the claim is relative.
+claim("the per-sample Python transform: over 20% of the step waits for data, more than 10x "
+      "the share with in-memory batches",
+      share["per-sample Python transform"] > 0.2
+      and share["per-sample Python transform"] > 10 * share["in-memory tensors"], share=share)
 
 
 # %% [markdown]
