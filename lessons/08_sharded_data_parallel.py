@@ -248,9 +248,10 @@ viz.show(viz.zero_tradeoff_figure(
     "for it, with half as much traffic again.")
 
 # %% [markdown]
-# What traffic means in time depends on the network (lesson 06): inside one NVLink machine the
-# extra half of ZeRO-3 is often hidden behind compute, because the next layer's all-gather
-# runs while this one computes (FSDP *prefetches*); across slow links it shows.
+# What traffic means in time depends on the network (lesson 06's α-β model): FSDP launches
+# the next layer's all-gather while this one computes (it *prefetches*), so on a fast link the
+# extra half can hide behind compute; on a slow one it shows. This lesson counts bytes, not
+# seconds: on this CPU machine the timings would say little about a GPU cluster.
 #
 # ## 6. FSDP2 for real
 # PyTorch's FSDP2 is ZeRO-3 with everything we skipped: prefetching, overlap, mixed-precision
@@ -319,7 +320,7 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # |---|---|---|---|
 # | DDP | 16 B | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 / `ZeroRedundancyOptimizer` | 4 + 12/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
-# | ZeRO-2 | 2 + 14/N B | 2Ψ | more still; DeepSpeed's default |
+# | ZeRO-2 | 2 + 14/N B | 2Ψ | more memory freed, still no extra traffic (if gradients are reduced during the backward: lab 08's stretch) |
 # | ZeRO-3 / FSDP | 16/N B | 3Ψ | the weights themselves do not fit: memory falls with every GPU added |
 # | + tensor / pipeline parallel | | | one layer's activations or weights exceed a GPU, or N is so large that 3Ψ per step dominates: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
 #
