@@ -351,6 +351,9 @@ claim("a 13-B model on 8 × 40 GB GPUs (6 GB for activations) fits only with ZeR
 # - FSDP2's `fully_shard` is ZeRO-3 with DTensor parameters, mixed-precision policies and
 #   state-dict helpers; `ZeroRedundancyOptimizer` is a ready ZeRO-1 for DDP.
 #
+# **Next:** [lesson 09](09_beyond_lockstep.ipynb) leaves lockstep: parameter servers, stale
+# gradients, local SGD and large batches.
+#
 # ## Check yourself
 
 # %%

@@ -3,6 +3,7 @@ and what to fix when something is missing. Lesson 00 runs it.
 
     python -m dpcourse doctor          # the report
     python -m dpcourse doctor --json   # the same, for scripts
+    python -m dpcourse diagnose [--nproc 2] [--timeout 10] [--detail] script.py [script args]
 """
 
 from __future__ import annotations
@@ -75,12 +76,48 @@ def doctor(as_json: bool = False) -> int:
     return 0 if profile else 1
 
 
+def diagnose_script(script: str, script_args: list[str], nproc: int = 2, timeout: float = 10.0,
+                    detail: bool = False) -> int:
+    """``python -m dpcourse diagnose [options] script.py [args]`` (options before the script):
+    run a torchrun-style script on ``nproc`` local ranks (gloo) for at most ``timeout`` s and
+    print what went wrong: finished, hung (which ranks, in which collective, at which line) or failed (which rank, why), and the
+    first collective where the ranks disagree. Exit code 0 only for a clean, consistent run."""
+    import os
+
+    from dpcourse import detectors
+
+    fixed_port = os.environ.get("MASTER_PORT")
+    if fixed_port and fixed_port.isdigit():
+        owner = detectors.port_owner(int(fixed_port))
+        if owner is not None:
+            print(f"port {fixed_port} (MASTER_PORT) is already in use"
+                  + (f" by pid {owner['pid']} ({owner['name']})" if owner["pid"] else "")
+                  + ": unset MASTER_PORT (diagnose picks a free one) or stop that process")
+            return 2
+        os.environ.pop("MASTER_PORT")
+    result = detectors.diagnose(script, nproc, *script_args, timeout=timeout,
+                                debug_detail=detail)
+    print(f"dpcourse diagnose {script} on {nproc} ranks")
+    print(result.report())
+    return 0 if result.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dpcourse")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="check this machine for the course")
     d.add_argument("--json", action="store_true")
+    g = sub.add_parser("diagnose", help="run a torchrun-style script on N local ranks, bounded, "
+                       "and report hangs, failures and mismatched collectives")
+    g.add_argument("script")
+    g.add_argument("script_args", nargs=argparse.REMAINDER)
+    g.add_argument("--nproc", type=int, default=2)
+    g.add_argument("--timeout", type=float, default=10.0)
+    g.add_argument("--detail", action="store_true", help="TORCH_DISTRIBUTED_DEBUG=DETAIL")
     args = parser.parse_args(argv)
+    if args.cmd == "diagnose":
+        return diagnose_script(args.script, args.script_args, args.nproc, args.timeout,
+                               args.detail)
     return doctor(args.json)
 
 

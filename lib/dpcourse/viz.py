@@ -48,6 +48,15 @@ __all__ = [
     "zero_holdings_figure",
     "zero_memory_figure",
     "zero_tradeoff_figure",
+    # Lesson 09
+    "ps_traffic_figure",
+    "staleness_figure",
+    "local_sgd_figure",
+    "large_batch_figure",
+    "collective_trace_figure",
+    "collective_traces_figure",
+    "replica_checksums_figure",
+    "nan_spread_figure",
 ]
 
 _PHASE_COLOURS = {"start": "#555555", "scatter-reduce": "#1f77b4", "all-gather": "#2ca02c"}
@@ -838,4 +847,228 @@ def zero_tradeoff_figure(ns_formula: Sequence[int], memory: dict, traffic: dict,
     bx.set_title("lines: formula · dots: counted (DDP = ZeRO-1 = ZeRO-2)", fontsize=8)
     ax.set_title("lines: formula · dots: counted", fontsize=8)
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.14, top=0.9, wspace=0.3)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Lesson 09: beyond lockstep
+# --------------------------------------------------------------------------------------------
+
+
+def ps_traffic_figure(numel: int, measured: dict, ns: Sequence[int] = range(2, 17)):
+    """Elements a parameter server moves per step (2NK, all through one node) against what one
+    rank of a ring all-reduce sends (2(N-1)K/N); ``measured = {N: elements at the server}``."""
+    fig = new_figure(6.0, 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    ns = list(ns)
+    ax.plot(ns, [2 * n * numel / 1e3 for n in ns], "-", color="#d62728",
+            label="parameter server: at the server, 2NK")
+    ax.plot(ns, [2 * (n - 1) * numel / n / 1e3 for n in ns], "-", color="#1f77b4",
+            label="ring all-reduce: per rank, 2(N-1)K/N")
+    ax.plot(list(measured), [v / 1e3 for v in measured.values()], "o", color="#d62728",
+            label="counted at our server")
+    ax.set_xlabel("workers N")
+    ax.set_ylabel("elements per step (thousands)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.15, right=0.97, bottom=0.14, top=0.95)
+    return fig
+
+
+def staleness_figure(taus: Sequence[int], losses: dict, aware: dict | None = None,
+                     start_loss: float | None = None, cap: float = 3.0):
+    """Test loss after a fixed budget against the staleness τ, one line per learning rate
+    (``losses[lr] = [loss at each τ]``); a diverged run (loss above ``cap`` or inf) is drawn
+    as an ✕ at the cap. ``aware[lr]``: the same with staleness-aware steps, dashed."""
+    fig = new_figure(6.5, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    colours = ["#2ca02c", "#1f77b4", "#d62728", "#9467bd", "#8c564b"]
+
+    def draw(values, colour, style, label):
+        shown = [min(v, cap) for v in values]
+        ax.plot(taus, shown, style, color=colour, label=label)
+        bad = [(t, cap) for t, v in zip(taus, values) if not v <= cap]
+        if bad:
+            ax.plot(*zip(*bad), "x", color=colour, ms=9, mew=2)
+
+    for i, (lr, values) in enumerate(losses.items()):
+        draw(values, colours[i % len(colours)], "o-", f"lr {lr:g}")
+    for i, (lr, values) in enumerate((aware or {}).items()):
+        j = list(losses).index(lr) if lr in losses else i
+        draw(values, colours[j % len(colours)], "s--", f"lr {lr:g}, staleness-aware (lr/τ)")
+    if start_loss is not None:
+        ax.axhline(start_loss, color="grey", ls=":", lw=1)
+        ax.text(taus[0], start_loss, " loss at the start", fontsize=7, va="bottom", color="grey")
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xticks(list(taus))
+    ax.set_xticklabels([str(t) for t in taus])
+    ax.set_xlabel("staleness τ (updates between a gradient's pull and its push)")
+    ax.set_ylabel(f"test loss after the budget\n(✕: diverged, drawn at {cap:g})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.subplots_adjust(left=0.14, right=0.97, bottom=0.13, top=0.96)
+    return fig
+
+
+def local_sgd_figure(hs: Sequence[int], losses: Sequence[float], averages: Sequence[int],
+                     ddp_loss: float | None = None):
+    """Left: test loss after the budget against H; right: the averages (all-reduces) that
+    took, against H, on log axes."""
+    fig = new_figure(9.0, 3.4)
+    ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    ax.plot(hs, losses, "o-", color="#1f77b4")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("local steps H between averages")
+    ax.set_ylabel("test loss after the budget")
+    ax.grid(True, alpha=0.3)
+    bx.plot(hs, averages, "o-", color="#d62728")
+    bx.set_xscale("log", base=2)
+    bx.set_yscale("log", base=2)
+    bx.set_xlabel("local steps H between averages")
+    bx.set_ylabel("all-reduces in the budget")
+    bx.grid(True, alpha=0.3)
+    for axis in (ax, bx):
+        axis.set_xticks(list(hs))
+        axis.set_xticklabels([str(h) for h in hs])
+    bx.set_yticks(list(averages))
+    bx.set_yticklabels([str(a) for a in averages])
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.15, top=0.95, wspace=0.35)
+    return fig
+
+
+def large_batch_figure(curves: dict):
+    """Test loss after each epoch, one line per run (``curves[label] = [loss per epoch]``)."""
+    fig = new_figure(6.5, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    for label, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, "o-", label=label)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.13, top=0.96)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Lesson 10: the bug zoo
+# --------------------------------------------------------------------------------------------
+
+_OP_COLOURS = {"all_reduce": "#1f77b4", "broadcast": "#ff7f0e", "barrier": "#7f7f7f",
+               "all_gather": "#2ca02c", "reduce_scatter": "#9467bd"}
+
+
+def collective_trace_figure(traces: dict, title: str = "", ax=None):
+    """One row per rank, one box per collective it called, in order (``traces`` from
+    ``detectors.read_traces``). A box with a thick red edge is a call the rank never returned
+    from; the first call where the ranks disagree is shaded."""
+    from matplotlib.patches import FancyBboxPatch
+
+    from dpcourse.detectors import compare_traces
+
+    own = ax is None
+    if own:
+        fig = new_figure(6.0, 0.7 + 0.6 * len(traces))
+        ax = fig.add_subplot(1, 1, 1)
+    report = compare_traces(traces)
+    longest = max((len(t) for t in traces.values()), default=0)
+    if report.index is not None:
+        ax.axvspan(report.index - 0.5, report.index + 0.5, color="#ffdddd", zorder=0)
+    for r, calls in traces.items():
+        for c in calls:
+            colour = _OP_COLOURS.get(c["op"], "#8c564b")
+            ax.add_patch(FancyBboxPatch(
+                (c["i"] - 0.42, r - 0.3), 0.84, 0.6, boxstyle="round,pad=0.02",
+                facecolor=colour, alpha=0.85, edgecolor="#d62728" if not c["done"] else "white",
+                linewidth=3 if not c["done"] else 1))
+            ax.text(c["i"], r, c["op"].replace("_", "\n", 1), ha="center", va="center",
+                    fontsize=7, color="white")
+        if not calls or calls[-1]["done"]:
+            ax.text(len(calls) - 0.4, r, "returned", va="center", fontsize=7, color="#444444")
+    ax.set_xlim(-0.6, max(longest, 1) + 0.6)
+    ax.set_ylim(len(traces) - 0.4, -0.6)
+    ax.set_yticks(list(traces))
+    ax.set_yticklabels([f"rank {r}" for r in traces])
+    ax.set_xticks(range(max(longest, 1)))
+    ax.set_xlabel("collective call #")
+    ax.set_title(title, fontsize=9)
+    if own:
+        fig.subplots_adjust(left=0.14, right=0.97, bottom=0.3 if len(traces) < 3 else 0.2,
+                            top=0.85)
+        return fig
+    return ax
+
+
+def collective_traces_figure(panels: dict):
+    """:func:`collective_trace_figure` for several programs, one panel each
+    (``panels[title] = traces``)."""
+    n = len(panels)
+    fig = new_figure(6.5, 1.25 * n + 0.4)
+    for k, (title, traces) in enumerate(panels.items()):
+        collective_trace_figure(traces, title, ax=fig.add_subplot(n, 1, k + 1))
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.1, top=0.94, hspace=1.0)
+    return fig
+
+
+def replica_checksums_figure(panels: dict):
+    """``panels[title][variant]`` = per-rank lists of one number per step (a weight checksum).
+    Broken runs drawn solid, fixed runs dashed; ranks that agree draw one line."""
+    fig = new_figure(9.0, 3.3)
+    colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+    for k, (title, variants) in enumerate(panels.items()):
+        ax = fig.add_subplot(1, len(panels), k + 1)
+        for variant, per_rank in variants.items():
+            style = "-" if variant == "broken" else "--"
+            for r, values in enumerate(per_rank):
+                ax.plot(range(len(values)), values, style, marker="o", ms=3,
+                        color=colours[r % 4] if variant == "broken" else "#555555",
+                        lw=1.5 if variant == "broken" else 2.5, alpha=0.9,
+                        label=f"rank {r} ({variant})")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("weight checksum")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.15, top=0.9, wspace=0.3)
+    return fig
+
+
+def nan_spread_figure(local: Sequence[Sequence[float]], evaluated: dict, bad: tuple | None,
+                      what: str = "local gradient norm"):
+    """Left: each rank's local value per step (``what``; a cross where it is NaN); right: the
+    loss of the
+    model after each step, broken and fixed (``evaluated[variant]`` per step). ``bad``: the
+    (step, ranks) where the first NaN appeared."""
+    fig = new_figure(9.0, 3.3)
+    ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+    finite_max = max((v for vals in local for v in vals if math.isfinite(v)), default=1.0)
+    for r, vals in enumerate(local):
+        steps = range(len(vals))
+        ax.plot(steps, [v if math.isfinite(v) else np.nan for v in vals], "-o", ms=3,
+                color=colours[r % 4], label=f"rank {r}")
+        nan_steps = [s for s in steps if not math.isfinite(vals[s])]
+        ax.plot(nan_steps, [finite_max * 1.1] * len(nan_steps), "x", ms=8, mew=2,
+                color=colours[r % 4])
+    if bad is not None:
+        ax.axvline(bad[0], color="#d62728", ls=":", lw=1)
+        ax.text(bad[0], finite_max * 0.5, f" first NaN:\n rank {bad[1][0]}", fontsize=8,
+                color="#d62728")
+    ax.set_title(f"{what} per rank, before all-reduce (x = NaN)", fontsize=9)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+    for variant, vals in evaluated.items():
+        steps = range(len(vals))
+        bx.plot(steps, [v if math.isfinite(v) else np.nan for v in vals],
+                "-o" if variant == "broken" else "--s", ms=3, label=variant)
+        nan_steps = [s for s in steps if not math.isfinite(vals[s])]
+        bx.plot(nan_steps, [0.04] * len(nan_steps), "x", ms=8, mew=2, color="#d62728",
+                transform=bx.get_xaxis_transform())  # along the bottom edge
+    bx.set_title("held-out loss after each step (x = NaN)", fontsize=9)
+    bx.set_xlabel("step")
+    bx.legend(fontsize=7)
+    for a in (ax, bx):
+        a.grid(True, alpha=0.3)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.15, top=0.9, wspace=0.25)
     return fig

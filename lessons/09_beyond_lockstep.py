@@ -1,0 +1,397 @@
+# %% [markdown]
+# # 09 · Beyond lockstep: parameter servers, stale gradients, local SGD, large batches
+#
+# **Prerequisites:** lesson 03 (averaging gradients; DDP), lesson 06 (the ring all-reduce and
+# what it sends: 2(N−1)K/N per rank) and lesson 02 (a parameter server in disguise).
+#
+# **You will be able to:**
+# - build a parameter server from `dist.send` / `dist.recv`, show that its synchronous mode
+#   trains exactly like DDP, and count the traffic it concentrates on one node;
+# - explain what asynchronous training buys (no waiting for stragglers) and what it costs
+#   (stale gradients), and measure when staleness makes training diverge and how a smaller
+#   or staleness-aware step rescues it;
+# - use local SGD to divide communication by H, and say what it cost here;
+# - apply the linear scaling rule and warmup to a larger global batch, and read the result
+#   honestly.
+#
+# **Time:** about 35 minutes to read and run.
+#
+# **Lab:** [lab09_async_worker](../labs/lab09_async_worker.ipynb) — write the asynchronous
+# worker's pull–compute–push loop for the staleness simulator; the check replays it for
+# several τ and names the classic mistakes. Stretch: the staleness-aware step.
+#
+# DDP is a lockstep: every rank computes a gradient, every rank waits in the all-reduce, every
+# rank steps. The slowest rank sets the pace, and every step pays for communication. This
+# lesson tries four ways out. The code lives in `dpcourse.async_sgd`, and every cell shows
+# what it runs. The problem is small on purpose, so that sweeps take seconds: the course's
+# shapes10 images averaged down to 8×8 pixels (192 numbers) and a two-layer MLP.
+
+# %% tags=["parameters"]
+world_size = None          # None: from the hardware profile (2 on the cpu profile)
+seed = 0                   # the seed of the weights and batch order in sections 2-4
+ps_workers = (2, 3)        # parameter-server runs: this many workers, plus the server
+sim_steps = 400            # section 2: gradients in the budget
+taus = (0, 1, 2, 4, 8, 16)
+lrs = (0.1, 0.3, 1.0)
+local_hs = (1, 2, 4, 8, 16, 32)
+local_steps = 128          # section 3: steps per rank in the budget
+epochs = 5                 # section 4: epochs of every large-batch run
+k = 8                      # section 4: the global batch grows k-fold
+
+# %%
+import math
+
+import torch
+
+from dpcourse import async_sgd, devices, launch, viz
+from dpcourse.checks import claim
+
+torch.set_num_threads(1)
+profile = devices.choose_profile(world_size=world_size)
+world_size = profile.world_size
+backend = devices.backend_for(world_size)
+problem = async_sgd.make_problem(seed=seed)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: the profile depends on this machine's GPUs.
+print(profile.describe())
+print(f"this lesson: {world_size} ranks over {backend}")
+
+# %% [markdown]
+# ## 1. A parameter server, for real
+# Before all-reduce, data parallelism used a **parameter server** (DistBelief, Dean et al.
+# 2012; Li et al., OSDI 2014): one process holds the weights; each worker **pulls** them,
+# computes a gradient on its part of the batch and **pushes** it back; the server steps.
+# Lesson 02's `nn.DataParallel` is one, with device 0 as the server.
+#
+# We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers.
+# `torch.distributed.rpc` also runs on the pinned torch (with TensorPipe, on CPU; the tests
+# start it), and a production server would use it or a framework on top. We use
+# `dist.send` / `dist.recv` because each message is one flat tensor between two known ranks,
+# which they say in one line, and a thin wrapper counts every byte where it is sent; rpc's
+# futures and serialisation would hide exactly what we want to count.
+
+# %%
+viz.show_code(async_sgd.CountingLink, async_sgd._sync_server, async_sgd._sync_worker)
+
+# %% [markdown]
+# **Synchronous mode** waits for every worker's gradient and steps once with their mean: that
+# is DDP's update, computed at one place instead of everywhere. The same launch trains torch's
+# DDP on the workers alone (a process group of ranks 1..N), from the same start, on the same
+# shards of the same batches.
+
+# %%
+viz.show_code(async_sgd.parameter_server_worker)
+
+# %%
+cfg = async_sgd.PSConfig()
+ps = {n: launch.spawn(async_sgd.parameter_server_worker, n + 1, cfg, backend="gloo",
+                      timeout=120) for n in ps_workers}
+K = ps[ps_workers[0]][0]["numel"]
+diff = max(float((r[0]["sync"] - w["ddp"]).abs().max()) for r in ps.values() for w in r[1:])
+claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on every worker "
+      f"(to 1e-6), with {', '.join(map(str, ps_workers))} workers", diff < 1e-6, diff=diff)
+
+# %% [markdown]
+# Traffic. Every step the server sends the K weights to each worker and receives K gradient
+# numbers from each: 2K per worker, **2NK through the server**. A ring all-reduce (lesson 06)
+# sends 2(N−1)K/N per rank, and every rank carries the same share. Over the whole cluster the
+# two are about equal (2NK against 2(N−1)K); the difference is *where*: the parameter server
+# funnels it all through one network card, which becomes the bottleneck as N grows (or you
+# shard the server, as Li et al. do; at the limit, every rank serves a 1/N shard — that is a
+# reduce-scatter plus an all-gather, the ring again).
+
+# %%
+viz.show_code(async_sgd.ring_elements_per_rank)
+for n, r in ps.items():
+    sent, received = r[0]["sync_bytes"]
+    print(f"N={n}: the server sent {sent // 4:,} and received {received // 4:,} elements in "
+          f"{cfg.steps} steps; a ring rank would send "
+          f"{async_sgd.ring_elements_per_rank(K, n) * cfg.steps:,}")
+claim("the server moves 2NK elements per step (fp32: 4 bytes each), at every N",
+      all(sum(r[0]["sync_bytes"]) == 2 * n * K * 4 * cfg.steps for n, r in ps.items()))
+claim("each worker moves 2K per step",
+      all(sum(w["sync_bytes"]) == 2 * K * 4 * cfg.steps for r in ps.values() for w in r[1:]))
+claim("the server's load / a ring rank's == N²/(N−1), from the counts",
+      all(math.isclose(sum(r[0]["sync_bytes"]) / 4 / cfg.steps
+                       / async_sgd.ring_elements_per_rank(K, n), n * n / (n - 1), rel_tol=1e-3)
+          for n, r in ps.items()))
+
+# %%
+viz.show(viz.ps_traffic_figure(K, {n: sum(r[0]["sync_bytes"]) // 4 // cfg.steps
+                                   for n, r in ps.items()}),
+         "The server's load grows with N (log scale); a ring rank's stays under 2K whatever N.")
+
+# %% [markdown]
+# **Asynchronous mode** drops the wait: the server applies each gradient the moment it
+# arrives and sends the new weights back to that worker alone. Nobody waits for the slowest
+# worker (here the last one sleeps a little per gradient, a straggler). The price: while a
+# worker computed, others pushed, so its gradient was computed on weights that are now
+# several updates old — it is **stale**. Each message carries the version of the weights
+# (the number of updates so far), so the server can count the staleness of every update.
+
+# %%
+viz.show_code(async_sgd._async_server, async_sgd._async_worker)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: the order in which the workers' gradients arrive depends on the OS's scheduling.
+for n, r in ps.items():
+    stale = r[0]["staleness"]
+    print(f"N={n}: staleness of the {len(stale)} updates: {stale} (mean {sum(stale) / len(stale):.2f})")
+
+# %%
+claim("the asynchronous server applied every worker's every gradient",
+      all(len(r[0]["staleness"]) == n * cfg.steps for n, r in ps.items()))
+claim("asynchronous traffic is 2K per gradient too, plus one version number per message",
+      all(sum(r[0]["async_bytes"]) == 2 * n * cfg.steps * (K + 1) * 4 for n, r in ps.items()))
+claim("and it trained: the test loss fell",
+      all(r[0]["loss_after"] < r[0]["loss_before"] for r in ps.values()))
+
+# %% [markdown]
+# The staleness printed above changes from run to run: it is decided by which process the
+# operating system runs first. To study its effect we need it under control.
+#
+# ## 2. Staleness, controlled
+# A simulator in one process, without threads: a server with `pull()` and `push(grad,
+# version)`, and workers whose gradients each arrive **τ updates late**. Update k then uses
+# the gradient at the weights of k−τ updates ago:
+#
+# w<sub>k+1</sub> = w<sub>k</sub> − lr · g(w<sub>k−τ</sub>).
+#
+# With N workers taking turns, τ ≈ N−1: staleness grows with the cluster. Hogwild! (Niu et
+# al., 2011) showed that lock-free updates converge when they rarely collide; DistBelief's
+# Downpour SGD (Dean et al., 2012) trained with many stale replicas; the analyses since say
+# that a stale gradient is safe only with a step small enough for its delay (roughly, lr must
+# shrink like 1/τ), and the staleness-aware step of Zhang et al. (2016) does exactly that:
+# lr/τ for a gradient τ updates stale.
+
+# %%
+viz.show_code(async_sgd.SimulatedServer)
+
+# %% [markdown]
+# ## Lab 09: the asynchronous worker loop
+# Before reading on, open [lab09_async_worker](../labs/lab09_async_worker.ipynb) and write the
+# loop that drives this server: pull, compute, and push each gradient τ pulls later. The
+# next cells show the library's answer.
+
+# %%
+viz.show_code(async_sgd.async_worker_loop, async_sgd.StalenessAwareServer, async_sgd.run_stale,
+              async_sgd.plain_sgd)
+
+# %%
+batches = async_sgd.batch_schedule(len(problem.x_train), 32, sim_steps, seed=seed)
+sgd = async_sgd.plain_sgd(async_sgd.make_model(seed=seed), problem, lrs[0], batches)
+fresh = async_sgd.run_stale(problem, 0, lrs[0], batches, seed=seed)
+claim(f"τ = 0 is synchronous SGD exactly: the same weights after {sim_steps} steps, bit for bit",
+      torch.equal(fresh["w"], sgd), diff=float((fresh["w"] - sgd).abs().max()))
+stale = async_sgd.run_stale(problem, 4, lrs[0], batches, seed=seed)
+claim("with τ = 4 every update after the first 4 is exactly 4 updates stale",
+      stale["staleness"] == [min(i, 4) for i in range(sim_steps)])
+
+# %% [markdown]
+# Now the sweep: every τ at every learning rate, the same batches, the same budget of
+# gradients; then the largest learning rate again with the staleness-aware step.
+
+# %%
+start_loss = async_sgd.evaluate(async_sgd.make_model(seed=seed),
+                                async_sgd.flat_params(async_sgd.make_model(seed=seed)),
+                                problem.x_test, problem.y_test)[0]
+sweep = {lr: [async_sgd.run_stale(problem, tau, lr, batches, seed=seed)["loss"] for tau in taus]
+         for lr in lrs}
+aware = {lrs[-1]: [async_sgd.run_stale(problem, tau, lrs[-1], batches, seed=seed,
+                                       server_cls=async_sgd.StalenessAwareServer)["loss"]
+                   for tau in taus]}
+print("test loss after the budget (inf: diverged); start", f"{start_loss:.3f}")
+print("        " + "".join(f"τ={t:<7}" for t in taus))
+for lr, row in sweep.items():
+    print(f"lr {lr:<4g}" + "".join(f"{v:<9.3f}" if v < 1e3 else f"{'diverged':<9}" for v in row))
+print(f"aware  " + "".join(f"{v:<9.3f}" for v in aware[lrs[-1]]))
+
+# %%
+viz.show(viz.staleness_figure(taus, sweep, aware, start_loss=start_loss),
+         "At a small step staleness costs little; at a large one a few updates of delay "
+         "diverge, and the staleness-aware step (lr/τ) brings them back.")
+
+# %%
+big, small = lrs[-1], lrs[0]
+claim(f"at lr {big:g}, τ = {taus[-1]} ends worse than τ = 0", sweep[big][-1] > sweep[big][0])
+diverged = [t for t, v in zip(taus, sweep[big]) if not v < start_loss]
+claim(f"at lr {big:g} some τ diverges (ends above the starting loss): τ = {diverged}",
+      len(diverged) > 0)
+claim(f"at lr {small:g} every τ up to {taus[-1]} still lowers the loss",
+      all(v < start_loss for v in sweep[small]))
+claim(f"at lr {big:g} the staleness-aware step lowers the loss for every τ",
+      all(v < start_loss for v in aware[big]))
+claim(f"... but at τ = {taus[-1]} it ends worse than τ = 0: every stale step is shrunk",
+      aware[big][-1] > aware[big][0])
+first_bad = {lr: min([t for t, v in zip(taus, row) if not v < start_loss], default=math.inf)
+             for lr, row in sweep.items()}
+claim("the smallest τ that diverges shrinks (or stays) as the step grows: "
+      + ", ".join(f"lr {lr:g}: {'none' if t == math.inf else f'τ = {t}'}"
+                  for lr, t in first_bad.items()),
+      all(first_bad[a] >= first_bad[b] for a, b in zip(lrs, lrs[1:])))
+
+# %% [markdown]
+# Read the table along a row and down a column: staleness and step size trade off. The
+# smallest τ that diverges shrinks as the step grows, which is why asynchronous systems
+# lower the learning rate as they add workers (more workers, more staleness) — and why
+# lockstep DDP, whose τ is always 0, took over once all-reduce made lockstep cheap. The
+# staleness-aware step is safe but slow at large τ: it shrinks every stale step, good ones
+# too.
+#
+# ## 3. Local SGD: average the weights every H steps
+# The opposite trade: keep the lockstep, but talk less. Each rank takes H SGD steps on its
+# own shards, then the ranks average their **weights** with one all-reduce (Stich 2019;
+# Lin et al. 2020, "Don't use large mini-batches, use local SGD"; DiLoCo, Douillard et al.
+# 2023, at the scale of data centres). With plain SGD and H = 1, the mean of the ranks'
+# w − lr·g<sub>r</sub> is w − lr·mean(g<sub>r</sub>): DDP's step. Communication per step is
+# divided by H. The equality is checked after 8 steps: averaging weights and averaging
+# gradients round differently, and at this large step the rounding differences grow over
+# a long run (a ReLU flips), as every float comparison in this course does eventually.
+
+# %%
+viz.show_code(async_sgd.local_sgd_worker)
+
+# %%
+local = launch.spawn(async_sgd.local_sgd_worker, world_size, local_hs, local_steps,
+                     backend=backend, timeout=120)
+early = max(float((r[1]["early"] - r["ddp_early"]).abs().max()) for r in local)
+claim("H = 1 == torch DDP, on every rank (to 1e-6 after 8 steps)", early < 1e-6, diff=early)
+claim("after the last average every rank holds the same weights, for every H",
+      all(torch.equal(r[h]["w"], local[0][h]["w"]) for r in local for h in local_hs))
+claim(f"an H-step run averages {local_steps}/H times: communication divided by H",
+      all(local[0][h]["averages"] == local_steps // h for h in local_hs))
+for h in local_hs:
+    print(f"H={h:>2}: {local[0][h]['averages']:>3} all-reduces, "
+          f"{local[0][h]['sent']:>9,} elements sent per rank, test loss {local[0][h]['loss']:.3f}")
+
+# %%
+losses = [local[0][h]["loss"] for h in local_hs]
+viz.show(viz.local_sgd_figure(local_hs, losses, [local[0][h]["averages"] for h in local_hs]),
+         "Left: what the budget reached at each H; right: what it cost in all-reduces "
+         "(halved at each doubling of H).")
+
+# %%
+best = min(local_hs, key=lambda h: local[0][h]["loss"])
+worst = max(local_hs, key=lambda h: local[0][h]["loss"])
+change = losses[-1] / losses[0] - 1
+print(f"This run: with {local_hs[-1] // local_hs[0]}× fewer all-reduces, H = {local_hs[-1]} "
+      f"ended at a test loss {abs(change):.1%} {'above' if change > 0 else 'below'} H = 1's; "
+      f"the best H was {best}, the worst {worst}.")
+claim(f"H = {local_hs[-1]} ended within 10 % of H = 1's loss, with {local_hs[-1]}× less "
+      "communication", abs(change) < 0.10, change=change)
+
+# %% [markdown]
+# The shards here are drawn from one distribution (IID), where local SGD is at its best:
+# the ranks' weights hardly drift apart between averages. With non-IID shards (federated
+# learning) or a large H at a large step they drift, and the average is worse than any of
+# them: H is a knob, like τ above.
+#
+# ## 4. Large batches: the linear scaling rule and warmup
+# The last way to talk less per example: make the global batch k times larger (k times the
+# ranks, or k times the batch per rank) and take k times fewer steps per epoch. Goyal et al.
+# (2017, "Accurate, large minibatch SGD: training ImageNet in 1 hour") made this work with
+# two rules: **scale the learning rate by k** (k small steps ≈ one step with the sum of their
+# gradients), and **warm up**: start from the small lr and climb linearly to k × lr over the
+# first epochs, because early on the weights change fast and the k-step approximation fails.
+# We try it on this problem: SGD with momentum 0.9, batch 32 and lr 0.05, against batch
+# 32·k with the lr unchanged, scaled by k, and scaled with one epoch of warmup — the same
+# number of epochs for each.
+
+# %%
+viz.show_code(async_sgd.warmup_lr, async_sgd.train_large_batch)
+
+# %%
+base_lr, base_batch = 0.05, 32
+per_epoch = len(problem.x_train) // (base_batch * k)
+runs = {
+    f"batch {base_batch}, lr {base_lr:g}": (base_batch, lambda t: base_lr),
+    f"batch {base_batch * k}, lr {base_lr:g} (not scaled)": (base_batch * k, lambda t: base_lr),
+    f"batch {base_batch * k}, lr {k * base_lr:g} (×{k})": (base_batch * k, lambda t: k * base_lr),
+    f"batch {base_batch * k}, lr ×{k} after 1 epoch of warmup":
+        (base_batch * k, lambda t: async_sgd.warmup_lr(t, base_lr, k, per_epoch)),
+}
+curves = {name: async_sgd.train_large_batch(problem, b, lr_at, epochs, seed=seed)
+          for name, (b, lr_at) in runs.items()}
+for name, c in curves.items():
+    print(f"{name:<42} test loss per epoch: " + " ".join(f"{v:.3f}" for v in c))
+
+# %%
+viz.show(viz.large_batch_figure(curves),
+         f"Batch ×{k}: without scaling the lr it barely learns in the same epochs; scaled, it "
+         "comes close to the small batch.")
+
+# %%
+small_b, unscaled, scaled, warm = (c[-1] for c in curves.values())
+claim(f"batch ×{k} with the lr unchanged ends worse than batch ×{k} with lr ×{k}",
+      unscaled > scaled)
+claim(f"the linear scaling rule closes most of the gap: lr ×{k} ends nearer the small batch "
+      "than the unscaled run", abs(scaled - small_b) < abs(unscaled - small_b))
+gap = scaled / small_b - 1
+helped = warm < scaled
+print(f"This run: batch ×{k} with lr ×{k} ended at {scaled:.3f}, {gap:.1%} "
+      f"{'above' if gap > 0 else 'below'} the small batch ({small_b:.3f}), with {k}× fewer "
+      f"steps; warmup {'helped' if helped else 'did not help'} here ({warm:.3f}).")
+
+# %% [markdown]
+# The honest reading is the sentence above, computed from this run. Warmup matters when the
+# scaled lr is large enough to blow up in the first steps (Goyal et al. needed it at k = 32
+# on ImageNet with a ResNet-50, and trained to the small batch's accuracy up to a batch of
+# 8192); when the scaled lr is not in that regime, warmup only costs the progress of a slower
+# first epoch. Past some
+# batch size (the *critical batch size*, McCandlish et al. 2018) no lr recovers the small
+# batch's progress per epoch: more data per step stops helping.
+#
+# ## Summary
+# - A parameter server pulls and pushes over point-to-point messages; synchronous, it is DDP
+#   (equal weights here) but it moves 2NK per step through one node, N²/(N−1) times a ring
+#   rank's share.
+# - Asynchronous, it never waits, and its gradients are stale. In the simulator τ = 0 is SGD
+#   exactly; staleness is harmless at a small step and diverges at a large one; lr/τ rescues.
+# - Local SGD keeps the lockstep and averages weights every H steps: H = 1 is DDP,
+#   communication falls as 1/H, and on IID shards the loss hardly moved here.
+# - A k× larger batch needs a k× larger lr (the linear scaling rule); warmup protects the first
+#   steps when that lr is large.
+#
+# **Next:** [lesson 10](10_bug_zoo.ipynb) breaks distributed programs on purpose — hangs,
+# silent divergence, "DDP gives different results" — and gives each failure its detector.
+#
+# ## Check yourself
+
+# %%
+viz.quiz([
+    {"q": "A synchronous parameter server and a ring all-reduce train the same weights. Why "
+          "did all-reduce win?",
+     "options": ["It sends fewer bytes in total",
+                 "It spreads the bytes evenly: 2(N−1)K/N per rank instead of 2NK through one "
+                 "server",
+                 "It needs no synchronisation"],
+     "answer": 1,
+     "why": ["In total the two are about equal (2(N−1)K against 2NK).",
+             "Right: no node is a hot spot, so the time per step stays flat as N grows.",
+             "It is the very definition of lockstep."]},
+    {"q": "In the simulator, what does τ = 0 reduce to?",
+     "options": ["Plain SGD, bit for bit", "Local SGD with H = 1", "Hogwild!"],
+     "answer": 0,
+     "why": ["Right: each gradient is pushed right after it is computed.",
+             "That has the same update, but it is a different program.",
+             "Hogwild! is lock-free and stale by nature."]},
+    {"q": "Stale gradients made training diverge. What fixes it?",
+     "options": ["A larger learning rate, to catch up",
+                 "A smaller step, or the staleness-aware lr/τ",
+                 "More workers"],
+     "answer": 1,
+     "why": ["The opposite: divergence comes from large steps on stale information.",
+             "Right: the delay a step tolerates shrinks as the step grows.",
+             "More workers make the gradients staler."]},
+    {"q": "Local SGD with H = 8 compared with DDP:",
+     "options": ["Sends 8× fewer all-reduces, and is exactly DDP",
+                 "Sends 8× fewer all-reduces, and its ranks drift apart between averages",
+                 "Sends the same bytes, later"],
+     "answer": 1,
+     "why": ["Only H = 1 is exactly DDP.",
+             "Right: how much that costs depends on the data (IID or not) and the step.",
+             "It averages once every 8 steps: 8× less."]},
+])

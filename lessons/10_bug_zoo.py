@@ -1,0 +1,521 @@
+# %% [markdown]
+# # 10 · The bug zoo: broken distributed programs, their detectors and their fixes
+#
+# **Prerequisites:** lesson 03 (ranks, collectives, averaging gradients by hand) and lesson 04
+# (torchrun scripts, DDP in practice, its section on hangs and `TORCH_DISTRIBUTED_DEBUG`).
+#
+# **You will be able to:**
+# - recognise the classic distributed bugs by their symptoms: a hang, replicas that drift
+#   apart, a NaN everywhere, an epoch that repeats, a crash at the second step, a port taken;
+# - diagnose each one from the outside with a detector from `dpcourse.detectors` — a
+#   collective trace per rank, a timeout report naming the stuck ranks and their call, weight
+#   checksums across ranks, the first non-finite value — on the zoo and on your own scripts
+#   (`python -m dpcourse diagnose script.py`);
+# - use the tools PyTorch has: `TORCH_DISTRIBUTED_DEBUG=DETAIL`, the `timeout` of
+#   `init_process_group`, the flight recorder, `NCCL_DEBUG=INFO`, a stack dump of a hung rank;
+# - fix each bug, and prove the fix with the same detector staying quiet.
+#
+# **Time:** about 30 minutes to read and run.
+#
+# **Lab:** [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb) — five broken scripts: name each bug
+# and fix it.
+#
+# Every program below really runs, on 2 gloo ranks, under a short time limit: a hang costs a
+# few seconds and leaves nothing running. The broken programs live in `dpcourse.bugzoo`, one
+# small function each, with the bug marked `# BUG` and its fix behind `fixed=True`.
+
+# %% tags=["parameters"]
+world_size = 2        # ranks of every run (the zoo's bugs need 2 or more)
+hang_timeout = 4.0    # seconds a program may run before it counts as hung
+
+# %%
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dpcourse import bugzoo, detectors, launch, viz
+from dpcourse.checks import claim
+
+torch.set_num_threads(1)
+
+# %% [markdown]
+# ## 1. The tools, and what the course adds
+# What PyTorch gives you, and where each works:
+#
+# | tool | what it does | here (CPU, gloo) |
+# |---|---|---|
+# | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before `init_process_group`) | before every collective, the ranks compare what they are about to call (op, shapes, dtypes); a mismatch becomes an error naming both calls | works: section 2 |
+# | `init_process_group(..., timeout=timedelta(seconds=...))` | a rank blocked in a collective longer than this raises instead of waiting (defaults: 30 min for gloo, 10 min for NCCL) | works: section 2 |
+# | the flight recorder (`TORCH_FR_BUFFER_SIZE=N`) | a ring buffer of each rank's last N collectives (op, sequence number, state); on NCCL it can be dumped automatically on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT=1`, files `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) and merged with `torchfrtrace` | records on gloo too in torch 2.14 (section 2); the automatic dump on timeout is NCCL-only |
+# | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=ALL` for more) | NCCL prints its set-up: interfaces, rings, transports, and its errors — the first thing to read when NCCL hangs at start-up on a cluster | GPU only: nothing to show here |
+# | `py-spy dump --pid PID` | the Python stack of a running process, from outside, without stopping it: the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (below) |
+#
+# What the course adds, in `dpcourse.detectors`, is the view *across* ranks. A rank's own
+# error says little when the bug is that the ranks disagree. **The collective trace** records,
+# on every rank, each `dist.<collective>` call as it starts and when it returns — written to a
+# file at once, so it survives a rank that hangs and gets killed — and compares the ranks:
+
+# %%
+viz.show_code(detectors.record_collectives, detectors.compare_traces)
+
+# %% [markdown]
+# `detectors.diagnose(fn, world_size, *args, timeout=...)` runs a worker (or a script) on N
+# ranks under that trace, with `faulthandler.dump_traceback_later` armed to write each rank's
+# Python stack just before the time limit, and reports: finished, hung (which ranks, in which
+# call, at which line) or failed.
+
+# %%
+viz.show_code(detectors._diagnose_worker)
+
+# %% [markdown]
+# ## 2. Bugs that hang
+# ### Bug 1: a collective that only some ranks call
+# The classic: log the global loss on rank 0 only — and put the all-reduce inside the `if`.
+
+# %%
+viz.show_code(bugzoo.partial_collective)
+
+# %%
+partial = detectors.diagnose(bugzoo.partial_collective, world_size, False, timeout=hang_timeout)
+print(partial.report())
+claim("the broken program hangs and rank 0 is named as the stuck rank",
+      partial.status == "hang" and partial.pending == [0])
+claim("the trace says where: rank 0 is stuck in all_reduce, which rank 1 never called",
+      partial.trace.stuck[0]["op"] == "all_reduce" and partial.trace.calls[1] is None)
+partial_fixed = detectors.diagnose(bugzoo.partial_collective, world_size, True,
+                                   timeout=hang_timeout)
+print(partial_fixed.report())
+claim("fixed (every rank calls it): it finishes, and the detector stays quiet", partial_fixed.ok)
+
+# %% [markdown]
+# The process group's own `timeout` turns the same hang into an error on the stuck rank —
+# here after 2 s instead of gloo's default 30 minutes:
+
+
+# %%
+def with_group_timeout(rank, world_size, seconds):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
+    return bugzoo.partial_collective(rank, world_size)
+
+
+try:
+    launch.spawn(with_group_timeout, world_size, 2, timeout=30, show_output=False)
+except launch.RankFailedError as e:
+    group_timeout = e
+print(f"rank {group_timeout.rank} failed:",
+      group_timeout.summary.split("] ")[-1].split(" for ")[0])
+claim("with timeout=2 s, rank 0 raises 'Timed out' itself",
+      group_timeout.rank == 0 and "Timed out" in group_timeout.summary)
+
+# %% [markdown]
+# ### Bug 2: collectives in different orders
+# Rank 0 all-reduces then broadcasts; rank 1 broadcasts then all-reduces. Each waits for a
+# partner in a call the other is not making: with gloo, both ranks hang (with other shapes or
+# backends it can also "succeed" with garbage).
+
+# %%
+viz.show_code(bugzoo.collective_order)
+
+# %%
+order = detectors.diagnose(bugzoo.collective_order, world_size, False, timeout=hang_timeout)
+print(order.report())
+claim("every rank hangs, rank 0 and the others in different collectives at call #0",
+      order.pending == list(range(world_size)) and order.trace.index == 0
+      and {c["op"] for c in order.trace.stuck.values()} == {"all_reduce", "broadcast"})
+order_fixed = detectors.diagnose(bugzoo.collective_order, world_size, True, timeout=hang_timeout)
+claim("fixed (one order everywhere): no hang, no mismatch", order_fixed.ok)
+
+# %% [markdown]
+# `TORCH_DISTRIBUTED_DEBUG=DETAIL` catches this one *before* it hangs: each collective is first
+# checked across the ranks, and the mismatch is an error at once.
+
+# %%
+detail = detectors.diagnose(bugzoo.collective_order, world_size, False, timeout=hang_timeout,
+                            debug_detail=True)
+# (which rank reports first varies from run to run: print the stable part)
+print(detail.status + ":", detail.error.split(". Rank")[0].split(": ", 1)[1] + ".")
+ops = sorted(op for op in ("ALLREDUCE", "BROADCAST") if op in detail.error)
+print("the fingerprints it compared name:", ops)
+claim("with DETAIL the mismatch is an error, not a hang",
+      detail.status == "failed" and "Detected mismatch between collectives" in detail.error)
+claim("and it names the two operations", ops == ["ALLREDUCE", "BROADCAST"])
+
+# %% [markdown]
+# **The flight recorder.** With `TORCH_FR_BUFFER_SIZE` set before the group starts, each rank
+# keeps its last collectives in a ring buffer, which `_dump_fr_trace` returns (a private API:
+# `torchfrtrace` reads the files NCCL dumps). On gloo in this torch it records every call but
+# never marks one completed: the states say "scheduled", so it tells you *what* was called,
+# not *where* a rank stopped — for that, the course's trace or a stack dump.
+
+
+# %%
+def flight_recorder(rank, world_size):
+    import pickle
+
+    import torch._C._distributed_c10d as c10d
+
+    bugzoo.collective_order(rank, world_size, fixed=True)
+    dump = pickle.loads(c10d._dump_fr_trace(True, True, False))
+    return [(e["profiling_name"], e["collective_seq_id"], e["state"]) for e in dump["entries"]]
+
+
+os.environ["TORCH_FR_BUFFER_SIZE"] = "64"   # ranks copy the environment when they start
+try:
+    recorded = launch.spawn(flight_recorder, world_size, backend="gloo", timeout=30)
+finally:
+    del os.environ["TORCH_FR_BUFFER_SIZE"]
+for rank, entries in enumerate(recorded):
+    print(f"rank {rank}:", entries)
+claim("on gloo the flight recorder holds both collectives, in order, on every rank",
+      all([e[0] for e in entries] == ["gloo:all_reduce", "gloo:broadcast"] for entries in recorded))
+claim("but marks none of them completed", {e[2] for r in recorded for e in r} == {"scheduled"})
+
+# %% [markdown]
+# ### Bug 3: rank-dependent control flow
+# Early stopping decided by each rank on *its own* loss: rank 0 leaves the loop at step 2, rank 1
+# goes on and waits, forever, for rank 0 in the next all-reduce. The same happens with a
+# `break` on a rank's own data, a rank that has fewer batches (uneven shards), or an
+# `if loss.item() > x: continue` before a collective.
+
+# %%
+viz.show_code(bugzoo.early_stop)
+
+# %%
+early = detectors.diagnose(bugzoo.early_stop, world_size, False, timeout=hang_timeout)
+print(early.report())
+claim("rank 1 is stuck in its 4th all_reduce, which rank 0 never made (it had returned)",
+      early.pending == list(range(1, world_size)) and early.trace.index == 3
+      and early.trace.calls[0] is None and early.trace.stuck[1]["op"] == "all_reduce")
+early_fixed = detectors.diagnose(bugzoo.early_stop, world_size, True, timeout=hang_timeout)
+claim("fixed (the decision is all-reduced): both ranks stop at the same step",
+      early_fixed.ok and len(set(early_fixed.results)) == 1, results=early_fixed.results)
+
+# %%
+viz.show(viz.collective_traces_figure({"bug 1: a collective on rank 0 only": partial.traces,
+                                       "bug 2: two orders": order.traces,
+                                       "bug 3: rank-dependent early stop": early.traces}),
+         "Each box is a collective a rank called; a red edge, one it never returned from. The "
+         "shaded column is the first call where the ranks disagree: the bug is there.")
+
+# %% [markdown]
+# ## 3. Bugs that finish — with the wrong answer
+# These are worse: nothing hangs, nothing crashes, the loss may even look fine. They need a
+# detector that compares the ranks. All seven run, broken and fixed, in **one** launch
+# (`bugzoo.zoo_worker`); each returns what its detector needs.
+
+# %%
+workdir = Path(tempfile.mkdtemp(prefix="bugzoo-"))
+zoo = launch.spawn(bugzoo.zoo_worker, world_size, str(workdir), backend="gloo", timeout=60)
+print("ran 7 programs × (broken, fixed) on", len(zoo), "ranks")
+
+# %% [markdown]
+# The detector for replicas: a **checksum** of every parameter and buffer, sent back by each
+# rank, compared across ranks. Weighted by position, so two tensors with the same sum but
+# values in other places still differ.
+
+# %%
+viz.show_code(detectors.state_checksums, detectors.compare_checksums, bugzoo.average_gradients)
+
+# %% [markdown]
+# ### Bug 4: different seeds per rank, and no initial broadcast
+# `torch.manual_seed(rank)` "so that each rank augments differently" — placed before the model
+# is built. The replicas start different; averaging the gradients applies the *same* update to
+# *different* weights, so they stay different forever. (DDP hides this bug: its constructor
+# broadcasts rank 0's weights. Hand-written loops, Horovod without `broadcast_parameters`, or
+# a model re-created after wrapping, do not.)
+
+# %%
+viz.show_code(bugzoo.seeds_without_broadcast)
+
+# %%
+seeds = {f: [r["seeds"][f] for r in zoo] for f in (False, True)}
+differ = [detectors.compare_checksums(step) for step in zip(*seeds[False])]
+print("broken: tensors that differ across ranks at step 0:", differ[0])
+claim("broken: the replicas differ from the start and at every step", all(differ))
+claim("fixed (broadcast from rank 0): the checksums agree at every step",
+      not any(detectors.compare_checksums(step) for step in zip(*seeds[True])))
+
+# %% [markdown]
+# ### Bug 5: the loss averaged instead of the gradients
+# All-reduce the loss, divide by N, backward: the *logged* loss is the global mean, so the
+# curve looks right. But `all_reduce` has no autograd rule (torch only warns "an autograd
+# kernel was not registered"): each rank's gradient is its own gradient divided by N. Nothing
+# is averaged; the replicas drift apart.
+
+# %%
+viz.show_code(bugzoo.averaged_loss)
+
+# %%
+avg = {f: [r["averaged_loss"][f] for r in zoo] for f in (False, True)}
+logged = [r["logged_loss"] for r in avg[False]]
+grad_differ = detectors.compare_checksums([r["grads"][0] for r in avg[False]])
+print("broken: gradients that differ across ranks at step 0:", grad_differ)
+claim("broken: every rank logs the same loss, so the log looks healthy",
+      max(max(step) - min(step) for step in zip(*logged)) < 1e-6)
+claim("but the gradients differ across ranks, and so do the weights after the first step",
+      grad_differ and detectors.compare_checksums([r["weights"][1] for r in avg[False]]))
+claim("fixed (average the gradients): gradients and weights agree at every step",
+      not any(detectors.compare_checksums(s) for s in zip(*[r["weights"] for r in avg[True]]))
+      and not any(detectors.compare_checksums(s) for s in zip(*[r["grads"] for r in avg[True]])))
+
+
+# %%
+def totals(runs):
+    """One number per rank per step: the sum of a rank's checksums."""
+    return [[sum(c.values()) for c in run] for run in runs]
+
+
+viz.show(viz.replica_checksums_figure({
+    "bug 4: per-rank seed, no broadcast": {"broken": totals(seeds[False]),
+                                           "fixed": totals(seeds[True])},
+    "bug 5: loss averaged, not gradients": {"broken": totals([r["weights"] for r in avg[False]]),
+                                            "fixed": totals([r["weights"] for r in avg[True]])},
+}), "Weight checksums per rank and step. Broken: one line per rank, apart from the start (bug "
+    "4) or from step 1 (bug 5). Fixed (grey, dashed): the ranks draw one line.")
+
+# %% [markdown]
+# ### Bug 6: BatchNorm statistics that differ per rank
+# The gradients are averaged, so the weights agree; but BatchNorm's running mean and variance
+# are *buffers*, updated from each rank's own batches. They differ per rank, and so do the
+# rank's evaluations and checkpoints. The detector names exactly which tensors differ.
+# `nn.SyncBatchNorm` computes the statistics over the global batch (GPU only: it refuses CPU
+# tensors); on CPU the fix here averages the running statistics after each step. (DDP's
+# `broadcast_buffers=True`, the default, copies rank 0's buffers to all at each forward: the
+# ranks agree, but on rank 0's statistics only.)
+
+# %%
+viz.show_code(bugzoo.batchnorm_stats)
+
+# %%
+bn_broken = detectors.compare_checksums([r["batchnorm"][False] for r in zoo])
+print("broken: tensors that differ across ranks:", bn_broken)
+claim("broken: only the running statistics differ — every weight agrees",
+      bn_broken == ["1.running_mean", "1.running_var"])
+claim("fixed: nothing differs", detectors.compare_checksums([r["batchnorm"][True] for r in zoo])
+      == [])
+
+# %% [markdown]
+# ### Bug 7: a NaN on one rank spreads to all
+# One corrupted sample (an `inf`) reaches rank 1 at step 3. Its loss can even look finite
+# (tanh turns the inf into 1), but its gradient is NaN; the all-reduce sums it into every
+# rank's gradient, and from then on every rank's weights are NaN. Looking at any single rank
+# after the fact, you cannot tell where it started. The detector looks at each rank's *local*
+# values — here the gradient norm, before the reduction — and names the first.
+
+# %%
+viz.show_code(bugzoo.nan_on_one_rank, detectors.first_nonfinite)
+
+# %%
+local = [r["nan"][False]["local_grad_norm"] for r in zoo]
+origin = detectors.first_nonfinite(local)
+print(f"first non-finite local gradient: step {origin[0]}, rank(s) {origin[1]}")
+claim("the detector names rank 1, step 3 — where the inf was injected", origin == (3, [1]))
+claim("broken: after that step every rank's local gradient is NaN",
+      all(math.isnan(v) for r in local for v in r[origin[0] + 1:]))
+fixed_local = [r["nan"][True]["local_grad_norm"] for r in zoo]
+claim("fixed (all ranks skip a step when any rank's gradient is non-finite): only the bad "
+      "batch's own gradient is non-finite, and the weights stay finite",
+      detectors.first_nonfinite(fixed_local) == (3, [1])
+      and detectors.first_nonfinite([r[4:] for r in fixed_local]) is None
+      and all(math.isfinite(v) for v in zoo[0]["nan"][True]["eval_loss"]))
+
+# %%
+viz.show(viz.nan_spread_figure(local, {"broken": zoo[0]["nan"][False]["eval_loss"],
+                                       "fixed": zoo[0]["nan"][True]["eval_loss"]}, origin),
+         "Left: rank 1's local gradient is the first NaN (step 3); from step 4 every rank's is. "
+         "Right: the broken model is NaN from step 3 on; the fixed one skips that step and "
+         "trains on.")
+
+# %% [markdown]
+# ### Bug 8: a forgotten `set_epoch`
+# `DistributedSampler` shuffles with the seed *plus the epoch*, and learns the epoch only from
+# `sampler.set_epoch(epoch)`. Forget it and every epoch deals the same order: training runs,
+# a bit worse, and nothing warns.
+
+# %%
+viz.show_code(bugzoo.forgotten_set_epoch, detectors.repeated_epoch_orders)
+
+# %%
+for rank, r in enumerate(zoo):
+    print(f"rank {rank}, broken, epochs 0-2:", r["set_epoch"][False])
+claim("broken: on every rank, epochs 1 and 2 repeat epoch 0's order",
+      all(detectors.repeated_epoch_orders(r["set_epoch"][False]) == [1, 2] for r in zoo))
+claim("fixed: no epoch repeats", all(detectors.repeated_epoch_orders(r["set_epoch"][True]) == []
+                                     for r in zoo))
+claim("and in every epoch the ranks together still see every sample",
+      all(set().union(*(r["set_epoch"][True][e] for r in zoo)) == set(range(16))
+          for e in range(3)))
+
+# %% [markdown]
+# ### Bug 9: an unused parameter
+# A parameter that no forward touches (a head not used this step, a leftover layer) never gets a
+# gradient; DDP waits for it before its last all-reduce and fails at the *next* iteration. The
+# detector runs one forward/backward in one process, no DDP needed, and lists the culprits.
+# Fix: remove the parameter, or `find_unused_parameters=True` (a graph walk every step).
+
+# %%
+viz.show_code(bugzoo.TwoHeads, bugzoo.unused_parameter, detectors.unused_parameters)
+
+# %%
+print("broken:", zoo[0]["unused"][False])
+print("fixed: ", zoo[0]["unused"][True])
+claim("broken: DDP fails at the second iteration on every rank",
+      all("Expected to have finished reduction" in r["unused"][False] for r in zoo))
+claim("fixed with find_unused_parameters=True: it runs", all(r["unused"][True] == "ok" for r in zoo))
+unused = detectors.unused_parameters(bugzoo.TwoHeads(), torch.randn(3, 4))
+print("unused parameters:", unused)
+claim("the detector names head_b's weight and bias", unused == ["head_b.weight", "head_b.bias"])
+claim("and finds none in a model that uses all its parameters",
+      detectors.unused_parameters(torch.nn.Linear(4, 2), torch.randn(3, 4)) == [])
+
+# %% [markdown]
+# ### Bug 10: every rank writes the same checkpoint
+# `torch.save(model.state_dict(), "checkpoint.pt")` on every rank: N writers race on one file.
+# On a local disk the last writer wins; on a shared file system a reader can meet a torn file.
+# The detector wraps `torch.save` on each rank and reports paths written by more than one
+# rank. Fix: rank 0 writes (atomically: lesson 04), the others wait at a barrier.
+
+# %%
+viz.show_code(bugzoo.same_checkpoint, detectors.record_saves, detectors.duplicate_writers)
+
+# %%
+clash = detectors.duplicate_writers([r["checkpoint"][False] for r in zoo])
+print("broken:", {Path(p).relative_to(workdir).as_posix(): ranks for p, ranks in clash.items()})
+claim("broken: one path, written by every rank",
+      list(clash.values()) == [list(range(world_size))])
+claim("fixed: no path has two writers",
+      detectors.duplicate_writers([r["checkpoint"][True] for r in zoo]) == {})
+
+# %% [markdown]
+# ## 4. A port already in use
+# `MASTER_PORT=29500` hard-coded, and a previous run (or another user) still holds it: rank 0
+# cannot start the rendezvous store. The detector `port_owner` says whether a port is free and,
+# where the OS allows, which process listens on it. Fix: a free port per launch (what
+# `launch.spawn` does; on one machine `torchrun --standalone` picks one too), or stop the
+# squatter.
+
+# %%
+squatter = socket.socket()
+squatter.bind(("127.0.0.1", 0))
+squatter.listen()
+port = squatter.getsockname()[1]
+owner = detectors.port_owner(port)
+claim("the detector sees the port taken, by this notebook's own process",
+      owner is not None and owner["pid"] in (os.getpid(), None))
+try:
+    launch.spawn(bugzoo.port_in_use, world_size, port, timeout=20, show_output=False)
+except launch.RankFailedError as e:
+    port_error = e
+print(f"rank {port_error.rank} failed:", port_error.summary.split(", ")[-2:])
+claim("rank 0 fails at once with EADDRINUSE", port_error.rank == 0
+      and "EADDRINUSE" in port_error.summary)
+squatter.close()
+claim("once the squatter is gone, the port is free", detectors.port_owner(port) is None)
+
+# %% [markdown]
+# ## 5. On your own scripts: `python -m dpcourse diagnose`
+# Everything in section 2 works on a torchrun-style script, unchanged: `diagnose` starts it on N
+# local ranks with RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT set, traces its
+# collectives, bounds it with `--timeout`, and dumps the stuck ranks' stacks. Options go before
+# the script; `--detail` adds `TORCH_DISTRIBUTED_DEBUG=DETAIL`. The exit code is 0 only for a
+# clean, consistent run, so it fits in a CI job.
+
+# %%
+script = Path(tempfile.mkdtemp(prefix="diagnose-")) / "train_hang.py"
+script.write_text('''import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for step in range(3):
+    grad = torch.ones(4)
+    dist.all_reduce(grad)
+    if rank == 0 and step == 1:
+        break          # rank 0 stops early: rank 1's next all_reduce waits forever
+print("done", rank)
+''')
+cli = subprocess.run([sys.executable, "-m", "dpcourse", "diagnose", "--timeout",
+                      str(hang_timeout), str(script)], capture_output=True, text=True, timeout=120)
+print(cli.stdout.replace(str(script), "train_hang.py"))
+claim("the command exits with 1 and reports the hang", cli.returncode == 1 and "HANG" in cli.stdout)
+claim("naming rank 1, its all_reduce and the script's line 8",
+      "rank 1 is stuck in all_reduce (call #2) at train_hang.py:8" in cli.stdout)
+
+# %% [markdown]
+# ## Lab 10
+# Open [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb): five broken scripts, run safely. Name
+# each bug, fix it, and let the check run your fix with the detectors from this lesson.
+#
+# ## Summary
+# | bug | symptom | detector | fix |
+# |---|---|---|---|
+# | a collective on some ranks only | hang | `diagnose`: stuck rank, its call and line | every rank calls every collective |
+# | collectives in different orders | hang (or garbage) | trace mismatch; `TORCH_DISTRIBUTED_DEBUG=DETAIL` | one order on every rank |
+# | rank-dependent control flow | hang after some steps | trace: one rank made more calls | decide together (all-reduce the decision) |
+# | per-rank seed, no broadcast | replicas never agree | weight checksums across ranks | broadcast rank 0's weights (DDP does) |
+# | loss averaged, not gradients | log looks fine, replicas drift | gradient / weight checksums | average the gradients |
+# | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (GPU), or average the buffers |
+# | NaN on one rank | NaN everywhere | first non-finite *local* value | check finiteness together, skip together |
+# | forgotten `set_epoch` | same order every epoch | repeated epoch orders | `sampler.set_epoch(epoch)` |
+# | unused parameter | DDP fails at step 2 | `unused_parameters` | remove it, or `find_unused_parameters=True` |
+# | every rank saves the checkpoint | racing writers | `record_saves` + `duplicate_writers` | rank 0 saves, barrier |
+# | port already in use | EADDRINUSE at start | `port_owner` | a free port per launch |
+#
+# - A hang is a disagreement between ranks: find the first collective where their traces
+#   differ, and the rank still inside a call. Bound every run with a timeout while you look.
+# - The silent bugs need a comparison across ranks: checksums of weights, gradients and
+#   buffers, or each rank's local values before a reduction.
+# - Each detector fired on its bug above and stayed quiet on the fix.
+#
+# ## Check yourself
+
+# %%
+viz.quiz([
+    {"q": "A 2-rank job hangs. Rank 0's stack shows it inside `dist.all_reduce`; rank 1 has "
+          "returned from its training function. Which bug is the most likely?",
+     "options": ["A NaN in rank 1's gradients",
+                 "A collective that rank 1 never calls (a rank-0-only branch, or rank 1 left "
+                 "the loop earlier)",
+                 "A forgotten set_epoch"],
+     "answer": 1,
+     "why": ["A NaN does not block a collective: it travels through it.",
+             "Right: rank 0 waits for a partner that will never come.",
+             "That changes the data order, not which collectives run."]},
+    {"q": "Every rank logs exactly the same loss, yet the weights checksums differ across "
+          "ranks after step 1. What happened?",
+     "options": ["The loss was all-reduced and backpropagated; the gradients were never "
+                 "averaged",
+                 "The sampler gave the ranks overlapping samples",
+                 "The collective order differs"],
+     "answer": 0,
+     "why": ["Right: all_reduce has no autograd rule; each rank steps its own gradient / N.",
+             "Overlapping samples change what is learned, not whether the replicas agree.",
+             "That would hang or fail, not run on quietly."]},
+    {"q": "All ranks' losses are NaN. How do you find where it started?",
+     "options": ["Look at rank 0's weights",
+                 "Record each rank's local loss or gradient norm *before* the all-reduce and "
+                 "find the first non-finite one",
+                 "Set NCCL_DEBUG=INFO"],
+     "answer": 1,
+     "why": ["After the all-reduce every rank is NaN alike.",
+             "Right: that names the rank and the step (and then the batch).",
+             "NCCL_DEBUG shows the transport, not the values."]},
+    {"q": "Which of these does TORCH_DISTRIBUTED_DEBUG=DETAIL catch?",
+     "options": ["Ranks calling different collectives, or with different shapes",
+                 "Replicas with different initial weights",
+                 "Two ranks writing the same file"],
+     "answer": 0,
+     "why": ["Right: it compares each collective's fingerprint across ranks first.",
+             "The collectives match; only the values differ: a checksum finds it.",
+             "File writes are not collectives."]},
+])

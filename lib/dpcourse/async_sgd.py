@@ -1,0 +1,456 @@
+"""Beyond lockstep: a parameter server, stale gradients, local SGD, large batches (lesson 09).
+
+Every data-parallel method so far kept the ranks in lockstep: one all-reduce per step, and the
+slowest rank sets the pace. This module holds the four ways out that the lesson shows, each
+small enough to read top to bottom:
+
+1. a **parameter server** over ``torch.distributed`` point-to-point messages: rank 0 holds the
+   weights, ranks 1..N pull them, compute a gradient and push it (:func:`parameter_server_worker`),
+   in lockstep first (it equals DDP) and then asynchronously (the server applies each gradient
+   as it arrives, whatever the weights it was computed on); :class:`CountingLink` counts the
+   bytes on the wire;
+2. **staleness, simulated**: a deterministic simulator in one process in which every gradient
+   arrives τ updates late (:class:`SimulatedServer`, :func:`async_worker_loop`), and the
+   staleness-aware step of Zhang et al. (2016) (:class:`StalenessAwareServer`);
+3. **local SGD**: H local steps between two averages of the weights (:func:`local_sgd_worker`);
+4. **large batches**: the linear scaling rule with and without warmup (Goyal et al., 2017)
+   (:func:`train_large_batch`).
+
+The problem is small on purpose, so that the sweeps run in seconds on a laptop: the course's
+shapes10 images averaged down to 8×8 pixels (192 numbers) and a two-layer MLP over them
+(:func:`make_problem`, :func:`make_model`). Weights travel as one flat vector
+(:func:`flat_params`, :func:`set_flat_params`), as they would in a real parameter server.
+
+Why point-to-point and not ``torch.distributed.rpc``: rpc (TensorPipe) runs on the pinned
+torch 2.14.1 on CPU (tests/test_async_sgd.py starts it), and a real parameter server would use
+it or a framework on top. But every message here is one flat tensor between two known ranks,
+which ``dist.send`` / ``dist.recv`` say in one line each, with the bytes counted where they are
+sent, on the same gloo groups as lessons 03-08; rpc's futures, remote references and
+serialisation would hide the one thing this lesson counts.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "Problem",
+    "make_problem",
+    "make_model",
+    "flat_params",
+    "set_flat_params",
+    "loss_and_gradient",
+    "evaluate",
+    "batch_schedule",
+    "shard_of",
+    "CountingLink",
+    "PSConfig",
+    "parameter_server_worker",
+    "ring_elements_per_rank",
+    "SimulatedServer",
+    "StalenessAwareServer",
+    "async_worker_loop",
+    "plain_sgd",
+    "run_stale",
+    "local_sgd_worker",
+    "train_large_batch",
+    "warmup_lr",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# The problem: shapes10 at 8×8, a two-layer MLP, flat weights
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Problem:
+    """Training and test tensors: ``x`` float32 (n, 192), ``y`` int64 (n,)."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+def make_problem(n_train: int = 2048, n_test: int = 1024, seed: int = 0,
+                 dataset: str = "shapes10") -> Problem:
+    """The course's images, averaged over 4×4 blocks (32×32×3 -> 8×8×3 = 192 features)."""
+    from dpcourse import data
+
+    ds = data.load(dataset, n_train=n_train, n_test=n_test, seed=seed)
+
+    def features(images, labels):
+        x, y = data.to_torch(images, labels).tensors
+        return F.avg_pool2d(x, 4).flatten(1).contiguous(), y
+
+    x_train, y_train = features(ds.x_train, ds.y_train)
+    x_test, y_test = features(ds.x_test, ds.y_test)
+    return Problem(x_train, y_train, x_test, y_test)
+
+
+def make_model(in_features: int = 192, hidden: int = 64, classes: int = 10,
+               seed: int = 0) -> nn.Module:
+    """A two-layer MLP, the same weights for the same seed on every rank."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """All the weights as one new flat vector (what a parameter server stores and sends)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def set_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
+    """Copy consecutive pieces of ``flat`` into the model's weights."""
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def loss_and_gradient(model: nn.Module, flat: torch.Tensor, x, y) -> tuple[float, torch.Tensor]:
+    """The loss of weights ``flat`` on a batch, and its gradient as one flat vector."""
+    set_flat_params(model, flat)
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.item(), torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def evaluate(model: nn.Module, flat: torch.Tensor, x, y) -> tuple[float, float]:
+    """(loss, accuracy) of weights ``flat``; a diverged run has loss ``inf``."""
+    set_flat_params(model, flat)
+    with torch.no_grad():
+        logits = model(x)
+        loss = F.cross_entropy(logits, y).item()
+        acc = (logits.argmax(1) == y).float().mean().item()
+    return (loss if math.isfinite(loss) else math.inf), acc
+
+
+def batch_schedule(n: int, batch: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
+    """The indices of ``steps`` batches of ``batch`` examples: epoch after epoch of a seeded
+    shuffle, the same on every rank (each rank then takes its :func:`shard_of` it)."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.cat([torch.randperm(n, generator=g)
+                       for _ in range(math.ceil(steps * batch / n))])
+    return [order[t * batch:(t + 1) * batch] for t in range(steps)]
+
+
+def shard_of(indices: torch.Tensor, worker: int, workers: int) -> torch.Tensor:
+    """Worker ``worker``'s equal part of a global batch (the batch divides by ``workers``)."""
+    size = len(indices) // workers
+    return indices[worker * size:(worker + 1) * size]
+
+
+# --------------------------------------------------------------------------------------------
+# 1. A parameter server over point-to-point messages
+# --------------------------------------------------------------------------------------------
+
+
+class CountingLink:
+    """``dist.send`` / ``dist.recv`` that count the bytes this rank sends and receives."""
+
+    def __init__(self):
+        self.sent = 0
+        self.received = 0
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        dist.send(tensor, dst)
+        self.sent += tensor.numel() * tensor.element_size()
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None) -> int:
+        """Receive into ``tensor`` from ``src`` (from whichever rank sends first if None);
+        returns the sender's rank."""
+        sender = dist.recv(tensor, src)
+        self.received += tensor.numel() * tensor.element_size()
+        return sender
+
+
+@dataclass
+class PSConfig:
+    steps: int = 6            # updates per worker (async) or in all (sync)
+    batch: int = 64           # global batch of the synchronous mode (divides by the workers)
+    lr: float = 0.1
+    n_train: int = 1024
+    seed: int = 0
+    slow_worker_delay: float = 0.002   # async: the last worker sleeps this long per gradient
+
+
+def _sync_server(link: CountingLink, w: torch.Tensor, workers: int, cfg: PSConfig):
+    for _ in range(cfg.steps):
+        for worker in range(1, workers + 1):
+            link.send(w, worker)                              # pull: the weights go out
+        total = torch.zeros_like(w)
+        for worker in range(1, workers + 1):                  # push: gradients come back
+            g = torch.empty_like(w)
+            link.recv(g, worker)
+            total += g
+        w -= cfg.lr * total / workers                         # one step with the mean gradient
+    return w
+
+
+def _sync_worker(link, model, problem, batches, rank, workers):
+    w = torch.empty_like(flat_params(model))
+    for indices in batches:
+        link.recv(w, 0)                                       # pull
+        mine = shard_of(indices, rank - 1, workers)
+        _, g = loss_and_gradient(model, w, problem.x_train[mine], problem.y_train[mine])
+        link.send(g, 0)                                       # push
+
+
+def _async_server(link: CountingLink, w: torch.Tensor, workers: int, cfg: PSConfig):
+    """Apply each gradient the moment it arrives; answer its sender with the new weights.
+    A message is the flat vector plus one number: the version of the weights (pulls) or the
+    version the gradient was computed on (pushes)."""
+    version, staleness = 0, []
+    message = torch.cat([w, torch.zeros(1)])
+    for worker in range(1, workers + 1):
+        link.send(message, worker)                            # everyone's first pull
+    left = {worker: cfg.steps for worker in range(1, workers + 1)}
+    for _ in range(workers * cfg.steps):
+        pushed = torch.empty_like(message)
+        sender = link.recv(pushed)                            # whoever is done first
+        staleness.append(version - int(pushed[-1]))           # updates since its pull
+        w -= cfg.lr * pushed[:-1]
+        version += 1
+        left[sender] -= 1
+        if left[sender]:
+            link.send(torch.cat([w, torch.tensor([float(version)])]), sender)
+    return w, staleness
+
+
+def _async_worker(link, model, problem, rank, workers, cfg: PSConfig):
+    n = len(flat_params(model))
+    per_worker = cfg.batch // workers
+    batches = batch_schedule(cfg.n_train, per_worker, cfg.steps, seed=cfg.seed + rank)
+    message = torch.empty(n + 1)
+    for indices in batches:
+        link.recv(message, 0)                                 # pull weights + their version
+        _, g = loss_and_gradient(model, message[:-1], problem.x_train[indices],
+                                 problem.y_train[indices])
+        if rank == workers:
+            time.sleep(cfg.slow_worker_delay)                 # a straggler
+        link.send(torch.cat([g, message[-1:]]), 0)            # push gradient + its version
+
+
+def parameter_server_worker(rank: int, world_size: int, cfg: PSConfig) -> dict:
+    """Rank 0 is the server, ranks 1..N the workers (N = world_size - 1). Runs, from the same
+    start: the synchronous parameter server, torch DDP among the workers on the same shards of
+    the same batches, then the asynchronous parameter server. Returns each rank's weights and
+    the bytes it sent and received in each mode."""
+    torch.set_num_threads(1)
+    workers = world_size - 1
+    problem = make_problem(cfg.n_train, 256, seed=cfg.seed)
+    model = make_model()
+    w0 = flat_params(model)
+    batches = batch_schedule(cfg.n_train, cfg.batch, cfg.steps, seed=cfg.seed)
+    worker_group = dist.new_group(list(range(1, world_size)))   # every rank must call this
+    out = {"numel": len(w0)}
+
+    link = CountingLink()
+    if rank == 0:
+        out["sync"] = _sync_server(link, w0.clone(), workers, cfg)
+    else:
+        _sync_worker(link, model, problem, batches, rank, workers)
+    out["sync_bytes"] = (link.sent, link.received)
+
+    if rank > 0:                                             # the reference: DDP on 1..N
+        ddp_model = make_model()
+        ddp = nn.parallel.DistributedDataParallel(ddp_model, process_group=worker_group)
+        opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr)
+        for indices in batches:
+            mine = shard_of(indices, rank - 1, workers)
+            opt.zero_grad()
+            F.cross_entropy(ddp(problem.x_train[mine]), problem.y_train[mine]).backward()
+            opt.step()
+        out["ddp"] = flat_params(ddp_model)
+    dist.barrier()
+
+    link = CountingLink()
+    if rank == 0:
+        out["async"], out["staleness"] = _async_server(link, w0.clone(), workers, cfg)
+        out["loss_before"] = evaluate(model, w0, problem.x_test, problem.y_test)[0]
+        out["loss_after"] = evaluate(model, out["async"], problem.x_test, problem.y_test)[0]
+    else:
+        _async_worker(link, model, problem, rank, workers, cfg)
+    out["async_bytes"] = (link.sent, link.received)
+    return out
+
+
+def ring_elements_per_rank(numel: int, n: int) -> int:
+    """Elements one rank sends in a ring all-reduce (lesson 06): 2(N-1)K/N, exactly."""
+    from dpcourse import ring
+
+    return ring.ring_bytes_per_worker(numel, n, itemsize=1)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Staleness, simulated: every gradient arrives τ updates late
+# --------------------------------------------------------------------------------------------
+
+
+class SimulatedServer:
+    """A parameter server in one process: ``pull()`` hands out a copy of the weights and their
+    version (the number of updates so far); ``push(grad, version)`` applies a gradient that was
+    computed on weights of that version, and records how stale it was."""
+
+    def __init__(self, w: torch.Tensor, lr: float):
+        self.w = w.clone()
+        self.lr = lr
+        self.version = 0
+        self.staleness = []
+
+    def pull(self) -> tuple[torch.Tensor, int]:
+        return self.w.clone(), self.version
+
+    def push(self, grad: torch.Tensor, version: int) -> None:
+        self.staleness.append(self.version - version)
+        self.w.add_(grad, alpha=-self.lr)
+        self.version += 1
+
+
+class StalenessAwareServer(SimulatedServer):
+    """Zhang et al. (2016), "Staleness-aware async-SGD": a gradient s updates stale takes a
+    step lr / s (lr when it is fresh), so the stale ones move the weights less."""
+
+    def push(self, grad: torch.Tensor, version: int) -> None:
+        staleness = self.version - version
+        self.staleness.append(staleness)
+        self.w.add_(grad, alpha=-self.lr / max(1, staleness))
+        self.version += 1
+
+
+def async_worker_loop(server, compute_gradient, batches, tau: int) -> None:
+    """Asynchronous workers, simulated without a thread: each batch, a worker pulls the
+    weights and starts its gradient; a gradient lands on the server τ pulls later, when
+    τ newer ones are in flight behind it; at the end the ones still in flight land in order.
+    Gradient k is computed on weights of version max(0, k - τ) and applied as update k:
+    w_{k+1} = w_k - lr · g(w_{k-τ}). With τ = 0 this is plain SGD."""
+    in_flight = collections.deque()
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
+def plain_sgd(model: nn.Module, problem: Problem, lr: float, batches) -> torch.Tensor:
+    """The reference: torch's SGD on the model, batch after batch. Returns the flat weights."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for indices in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(problem.x_train[indices]), problem.y_train[indices]).backward()
+        opt.step()
+    return flat_params(model)
+
+
+def run_stale(problem: Problem, tau: int, lr: float, batches, seed: int = 0,
+              server_cls=SimulatedServer, loop=async_worker_loop) -> dict:
+    """Train the MLP from ``seed`` with every gradient τ updates late; the test loss and
+    accuracy after the budget, the final weights, the staleness of every update."""
+    model = make_model(seed=seed)
+    server = server_cls(flat_params(model), lr)
+
+    def compute_gradient(w, indices):
+        return loss_and_gradient(model, w, problem.x_train[indices], problem.y_train[indices])[1]
+
+    loop(server, compute_gradient, batches, tau)
+    loss, acc = evaluate(model, server.w, problem.x_test, problem.y_test)
+    return {"w": server.w, "loss": loss, "acc": acc, "staleness": server.staleness}
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Local SGD: H steps alone, then average the weights
+# --------------------------------------------------------------------------------------------
+
+
+def local_sgd_worker(rank: int, world_size: int, hs, steps: int = 128, batch: int = 64,
+                     lr: float = 0.5, n_train: int = 2048, seed: int = 0,
+                     compare_after: int = 8) -> dict:
+    """Each rank steps SGD on its shard of every global batch and averages the weights with
+    an all-reduce every H steps, for each H in ``hs``; then torch DDP on the same batches.
+    Returns per H the final weights, the weights after ``compare_after`` steps, the test
+    loss, the number of averages and the elements each rank sent (2(N-1)K/N per average)."""
+    torch.set_num_threads(1)
+    problem = make_problem(n_train, 1024, seed=seed)
+    batches = batch_schedule(n_train, batch, steps, seed=seed)
+    out = {}
+    for h in hs:
+        model = make_model(seed=seed)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        averages = 0
+        for t, indices in enumerate(batches):
+            mine = shard_of(indices, rank, world_size)
+            opt.zero_grad()
+            F.cross_entropy(model(problem.x_train[mine]), problem.y_train[mine]).backward()
+            opt.step()
+            if (t + 1) % h == 0:                         # every H steps: average the weights
+                for p in model.parameters():
+                    dist.all_reduce(p.data)
+                    p.data /= world_size
+                averages += 1
+            if t + 1 == compare_after:
+                early = flat_params(model)
+        w = flat_params(model)
+        out[h] = {"w": w, "early": early,
+                  "loss": evaluate(model, w, problem.x_test, problem.y_test)[0],
+                  "averages": averages,
+                  "sent": averages * ring_elements_per_rank(len(w), world_size)}
+    model = make_model(seed=seed)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    for indices in batches[:compare_after]:
+        mine = shard_of(indices, rank, world_size)
+        opt.zero_grad()
+        F.cross_entropy(ddp(problem.x_train[mine]), problem.y_train[mine]).backward()
+        opt.step()
+    out["ddp_early"] = flat_params(model)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Large batches: the linear scaling rule and warmup
+# --------------------------------------------------------------------------------------------
+
+
+def warmup_lr(step: int, base_lr: float, k: int, warmup_steps: int) -> float:
+    """Goyal et al. (2017): the target is k × base_lr (k times the batch, k times the step);
+    with warmup the lr climbs linearly from base_lr to the target over ``warmup_steps``."""
+    target = k * base_lr
+    if step >= warmup_steps:
+        return target
+    return base_lr + (target - base_lr) * step / warmup_steps
+
+
+def train_large_batch(problem: Problem, batch: int, lr_at, epochs: int, seed: int = 0,
+                      momentum: float = 0.9) -> list[float]:
+    """SGD with momentum for ``epochs`` epochs of ``batch`` examples, the lr of step t being
+    ``lr_at(t)``. Returns the test loss after each epoch (``inf`` once diverged)."""
+    model = make_model(seed=seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr_at(0), momentum=momentum)
+    n = len(problem.x_train)
+    per_epoch = n // batch
+    batches = batch_schedule(n, batch, per_epoch * epochs, seed=seed)
+    losses = []
+    for t, indices in enumerate(batches):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(t)
+        opt.zero_grad()
+        F.cross_entropy(model(problem.x_train[indices]), problem.y_train[indices]).backward()
+        opt.step()
+        if (t + 1) % per_epoch == 0:
+            w = flat_params(model)
+            losses.append(evaluate(model, w, problem.x_test, problem.y_test)[0])
+    return losses

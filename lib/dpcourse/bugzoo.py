@@ -1,0 +1,262 @@
+"""The bug zoo of lesson 10: small distributed programs, each broken in one classic way, each
+with its fix (``fixed=True``). Every worker runs under ``launch.spawn`` (gloo, CPU) and keeps
+its bug to a line or two, marked ``# BUG`` and ``# FIX``.
+
+The programs that hang (:func:`partial_collective`, :func:`collective_order`,
+:func:`early_stop`) are run by ``detectors.diagnose`` with a short time limit. The others
+finish, so :func:`zoo_worker` runs all of them, broken and fixed, in one launch and returns
+what their detectors need.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dpcourse import detectors
+
+__all__ = [
+    "partial_collective", "collective_order", "early_stop", "seeds_without_broadcast",
+    "averaged_loss", "batchnorm_stats", "nan_on_one_rank", "forgotten_set_epoch",
+    "same_checkpoint", "unused_parameter", "port_in_use", "zoo_worker", "TwoHeads",
+    "average_gradients", "small_batches",
+]
+
+
+def average_gradients(model) -> None:
+    """Lesson 03's hand-made DDP: the mean of every gradient over the ranks."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
+def small_batches(rank: int, steps: int, n: int = 8, d: int = 4):
+    """Each rank's own batches (different per rank, the same on every run)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    xs = [torch.randn(n, d, generator=g) for _ in range(steps)]
+    return [(x, x.sum(1, keepdim=True).sin() + 0.1 * torch.randn(n, 1, generator=g)) for x in xs]
+
+
+# ---- programs that hang ---------------------------------------------------------------------
+
+
+def partial_collective(rank, world_size, fixed=False):
+    """Rank 0 all-reduces the loss to log it; the other ranks never call that all_reduce."""
+    loss = torch.tensor([float(rank + 1)])
+    if fixed or rank == 0:  # BUG: `if rank == 0:` around a collective. FIX: every rank calls it
+        dist.all_reduce(loss)
+    if rank == 0:
+        return loss.item() / world_size
+    return None
+
+
+def collective_order(rank, world_size, fixed=False):
+    """Two collectives, issued in a different order on rank 0 than on the others."""
+    grads, stats = torch.ones(4), torch.full((2,), float(rank))
+    if rank == 0 or fixed:
+        dist.all_reduce(grads)
+        dist.broadcast(stats, src=0)
+    else:  # BUG: the other ranks broadcast first. FIX: the same order everywhere
+        dist.broadcast(stats, src=0)
+        dist.all_reduce(grads)
+    return grads.tolist()
+
+
+def early_stop(rank, world_size, fixed=False, patience_loss=0.5, steps=5):
+    """Each rank stops when *its own* loss is low enough: the ranks leave the loop at different
+    steps, and the one still training waits for the others in its next all_reduce."""
+    for step in range(steps):
+        local_loss = torch.tensor([1.0 / (step + 1) * (1 + rank)])  # rank 1's loss falls later
+        grad = torch.ones(3)
+        dist.all_reduce(grad)
+        if fixed:  # FIX: decide together, on the all-reduced loss
+            dist.all_reduce(local_loss)
+            local_loss /= world_size
+        if local_loss.item() < patience_loss:  # BUG (without FIX): a per-rank decision
+            return step
+    return steps
+
+
+# ---- programs that finish but are wrong -----------------------------------------------------
+
+
+def _mlp(seed=None):
+    if seed is not None:
+        torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def seeds_without_broadcast(rank, world_size, fixed=False, steps=6):
+    """Each rank seeds with its rank "for different augmentations", then builds the model:
+    the replicas start different, and averaging gradients keeps them different forever."""
+    torch.manual_seed(rank)  # per-rank seed (fine for data augmentation...)
+    model = _mlp()  # ... BUG: but the model is built after it
+    if fixed:  # FIX: start every replica from rank 0's weights (DDP does this in its __init__)
+        for t in model.state_dict().values():
+            dist.broadcast(t, src=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sums = [detectors.state_checksums(model)]
+    for x, y in small_batches(rank, steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        average_gradients(model)
+        opt.step()
+        sums.append(detectors.state_checksums(model))
+    return sums
+
+
+def averaged_loss(rank, world_size, fixed=False, steps=6):
+    """All-reduces the *loss* and backpropagates it, believing that averages the gradients. The
+    all_reduce has no autograd rule: each rank's gradient is just its own, divided by N."""
+    import warnings
+
+    model = _mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sums, grads, logged = [detectors.state_checksums(model)], [], []
+    for x, y in small_batches(rank, steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        if fixed:
+            loss.backward()
+            average_gradients(model)  # FIX: average the gradients
+            logged.append(loss.item())
+        else:
+            with warnings.catch_warnings():  # torch warns "no autograd kernel" at backward
+                warnings.simplefilter("ignore")
+                dist.all_reduce(loss)  # BUG: the loss is averaged, not the gradients
+                loss = loss / world_size
+                loss.backward()
+            logged.append(loss.item())
+        grads.append(detectors.state_checksums(model, grads=True))
+        opt.step()
+        sums.append(detectors.state_checksums(model))
+    return {"weights": sums, "grads": grads, "logged_loss": logged}
+
+
+def batchnorm_stats(rank, world_size, fixed=False, steps=6):
+    """A BatchNorm layer: gradients are averaged, but each rank's running mean and variance come
+    from its own batches only. Checkpoints and evaluation then depend on the rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in small_batches(rank, steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        average_gradients(model)
+        opt.step()
+        if fixed:  # FIX: average the running statistics too (SyncBatchNorm on GPUs does more:
+            # it normalizes with the global batch's statistics)
+            for name, buf in model.named_buffers():
+                if buf.is_floating_point():
+                    dist.all_reduce(buf)
+                    buf /= world_size
+    return detectors.state_checksums(model)
+
+
+def nan_on_one_rank(rank, world_size, fixed=False, steps=8, bad_step=3, bad_rank=1):
+    """One corrupted sample (an inf) reaches rank ``bad_rank`` at step ``bad_step``; its
+    gradient is NaN (its loss need not be: tanh turns inf into 1), and the all-reduce hands the
+    NaN to every rank."""
+    model = _mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    local, after = [], []
+    held_out = small_batches(99, 1, n=64)[0]
+    for step, (x, y) in enumerate(small_batches(rank, steps)):
+        if rank == bad_rank and step == bad_step:
+            x[0, 0] = math.inf  # the corrupted sample
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        # what this rank computed, before any all_reduce: its gradient norm
+        local.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item())
+        finite = torch.tensor([float(math.isfinite(local[-1]))])
+        if fixed:  # FIX: agree on whether every rank's gradients are finite; if not, all skip
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        average_gradients(model)  # BUG (without FIX): a NaN on one rank spreads to all
+        if not fixed or finite.item() == 1.0:
+            opt.step()
+        with torch.no_grad():  # the loss on a held-out batch
+            after.append(nn.functional.mse_loss(model(held_out[0]), held_out[1]).item())
+    return {"local_grad_norm": local, "eval_loss": after}
+
+
+def forgotten_set_epoch(rank, world_size, fixed=False, epochs=3, n=16):
+    """A shuffling DistributedSampler that is never told the epoch: every epoch deals the same
+    order, so the "shuffle" shuffles once."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=0)
+    orders = []
+    for epoch in range(epochs):
+        if fixed:
+            sampler.set_epoch(epoch)  # FIX (BUG: this line missing)
+        orders.append(list(sampler))
+    return orders
+
+
+def same_checkpoint(rank, world_size, fixed=False, directory="."):
+    """Every rank saves "the" checkpoint to the same path: N writers race on one file, and
+    whichever finishes last wins (on a shared file system, a torn file is possible)."""
+    records: list = []
+    model = _mlp(seed=0)
+    with detectors.record_saves(rank, records):
+        if not fixed or rank == 0:  # BUG: every rank saves. FIX: rank 0 saves ...
+            torch.save(model.state_dict(), os.path.join(directory, "checkpoint.pt"))
+        dist.barrier()  # ... and the others wait until the file is complete
+    return records
+
+
+class TwoHeads(nn.Module):
+    """A body and two heads, of which forward uses only ``head_a``."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head_a, self.head_b = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head_a(self.body(x))
+
+
+def unused_parameter(rank, world_size, fixed=False):
+    """DDP around a model with a parameter that no forward uses: the second iteration fails."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(TwoHeads(), find_unused_parameters=fixed)  # FIX: find_unused_parameters=True
+    try:
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+        return "ok"
+    except RuntimeError as e:
+        return str(e).split(".")[0]
+
+
+def port_in_use(rank, world_size, port, seconds=3):
+    """Sets up the process group on a port that something else already listens on."""
+    import datetime
+
+    os.environ["MASTER_PORT"] = str(port)  # BUG: a fixed port someone else holds
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
+    return "connected"
+
+
+def zoo_worker(rank, world_size, directory):
+    """Every bug that does not hang, broken and fixed, in one launch."""
+    out = {}
+    for name, fn in [("seeds", seeds_without_broadcast), ("averaged_loss", averaged_loss),
+                     ("batchnorm", batchnorm_stats), ("nan", nan_on_one_rank),
+                     ("set_epoch", forgotten_set_epoch), ("unused", unused_parameter)]:
+        out[name] = {fixed: fn(rank, world_size, fixed=fixed) for fixed in (False, True)}
+    out["checkpoint"] = {}
+    for fixed in (False, True):
+        d = Path(directory) / ("fixed" if fixed else "broken")
+        d.mkdir(parents=True, exist_ok=True)
+        out["checkpoint"][fixed] = same_checkpoint(rank, world_size, fixed, str(d))
+    return out

@@ -1,0 +1,114 @@
+"""dpcourse.bugzoo: every broken program shows its symptom, and its fix removes it — all bounded
+by short timeouts, nothing left running."""
+
+import math
+import socket
+
+import pytest
+import torch
+
+from dpcourse import bugzoo, launch
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("zoo")
+    return workdir, launch.spawn(bugzoo.zoo_worker, 2, str(workdir), backend="gloo",
+                                 timeout=60, show_output=False)
+
+
+@pytest.mark.parametrize("bug, pending, fixed_result", [
+    (bugzoo.partial_collective, [0], [1.5, None]),
+    (bugzoo.collective_order, [0, 1], [[2.0] * 4, [2.0] * 4]),
+    (bugzoo.early_stop, [1], [3, 3]),
+])
+def test_the_hanging_programs_hang_and_their_fixes_finish(bug, pending, fixed_result):
+    with pytest.raises(launch.LaunchTimeoutError) as err:
+        launch.spawn(bug, 2, False, backend="gloo", timeout=2, show_output=False)
+    assert err.value.pending == pending
+    assert launch.spawn(bug, 2, True, backend="gloo", timeout=30,
+                        show_output=False) == fixed_result
+
+
+def test_three_ranks_fixed_programs_still_agree():
+    assert launch.spawn(bugzoo.early_stop, 3, True, backend="gloo", timeout=30,
+                        show_output=False) == [4, 4, 4]
+
+
+def _flat(checksums):
+    return [sum(c.values()) for c in checksums]
+
+
+def test_seeds_without_broadcast(zoo):
+    _, runs = zoo
+    broken = [_flat(r["seeds"][False]) for r in runs]
+    assert all(a != b for a, b in zip(*broken))
+    fixed = [_flat(r["seeds"][True]) for r in runs]
+    assert fixed[0] == fixed[1]
+
+
+def test_averaged_loss_logs_well_but_drifts(zoo):
+    _, runs = zoo
+    broken = [r["averaged_loss"][False] for r in runs]
+    assert broken[0]["logged_loss"] == pytest.approx(broken[1]["logged_loss"], abs=1e-6)
+    assert _flat(broken[0]["weights"])[-1] != _flat(broken[1]["weights"])[-1]
+    fixed = [r["averaged_loss"][True] for r in runs]
+    assert _flat(fixed[0]["weights"]) == _flat(fixed[1]["weights"])
+
+
+def test_batchnorm_buffers_differ_only_in_the_broken_program(zoo):
+    _, runs = zoo
+    b0, b1 = (r["batchnorm"][False] for r in runs)
+    assert b0["1.running_mean"] != b1["1.running_mean"] and b0["0.weight"] == b1["0.weight"]
+    f0, f1 = (r["batchnorm"][True] for r in runs)
+    assert f0 == f1
+
+
+def test_nan_spreads_from_one_rank_unless_the_step_is_skipped(zoo):
+    _, runs = zoo
+    for r in runs:
+        assert all(math.isnan(v) for v in r["nan"][False]["eval_loss"][3:])
+        assert all(math.isfinite(v) for v in r["nan"][True]["eval_loss"])
+    assert math.isfinite(runs[0]["nan"][False]["local_grad_norm"][3])  # rank 0 was healthy
+    assert math.isnan(runs[1]["nan"][False]["local_grad_norm"][3])
+
+
+def test_set_epoch(zoo):
+    _, runs = zoo
+    for r in runs:
+        broken, fixed = r["set_epoch"][False], r["set_epoch"][True]
+        assert broken[0] == broken[1] == broken[2]
+        assert len({tuple(o) for o in fixed}) == 3
+    for e in range(3):
+        assert sorted(runs[0]["set_epoch"][True][e] + runs[1]["set_epoch"][True][e]) == \
+            list(range(16))
+
+
+def test_unused_parameter_fails_without_find_unused(zoo):
+    _, runs = zoo
+    for r in runs:
+        assert "Expected to have finished reduction" in r["unused"][False]
+        assert r["unused"][True] == "ok"
+
+
+def test_checkpoint_writers(zoo):
+    workdir, runs = zoo
+    assert [len(r["checkpoint"][False]) for r in runs] == [1, 1]
+    assert [len(r["checkpoint"][True]) for r in runs] == [1, 0]
+    for variant in ("broken", "fixed"):
+        state = torch.load(workdir / variant / "checkpoint.pt")
+        assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_port_in_use_fails_fast_and_a_free_port_works():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(launch.RankFailedError) as err:
+            launch.spawn(bugzoo.port_in_use, 2, s.getsockname()[1], timeout=20,
+                         show_output=False)
+    assert err.value.rank == 0 and "EADDRINUSE" in err.value.summary
+    assert launch.spawn(bugzoo.port_in_use, 2, launch.free_port(), timeout=20,
+                        show_output=False) == ["connected", "connected"]

@@ -1,0 +1,341 @@
+"""lab09's checks: every plausible wrong answer is named in one sentence, every right variant
+passes. Both checks run in this process, so each answer costs milliseconds."""
+
+import collections
+import time
+
+import pytest
+import torch
+
+from dpcourse import async_sgd
+from dpcourse.checks import LabCheckError, lab09
+
+# --------------------------------------------------------------------------------------------
+# The worker loop
+# --------------------------------------------------------------------------------------------
+
+
+def good(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
+def with_a_list(server, compute_gradient, batches, tau):
+    pending = []
+    for batch in batches:
+        w, version = server.pull()
+        pending.append((compute_gradient(w, batch), version))
+        if len(pending) == tau + 1:
+            grad, v = pending.pop(0)
+            server.push(grad, v)
+    for grad, v in pending:
+        server.push(grad, v)
+
+
+def computed_at_push(server, compute_gradient, batches, tau):
+    # keeps the pulled weights, computes the gradient when it lands: the same numbers
+    pending = collections.deque()
+    for batch in batches:
+        pending.append((batch, *server.pull()))
+        if len(pending) > tau:
+            batch_, w, v = pending.popleft()
+            server.push(compute_gradient(w, batch_), v)
+    for batch_, w, v in pending:
+        server.push(compute_gradient(w, batch_), v)
+
+
+def by_index(server, compute_gradient, batches, tau):
+    grads = []
+    batches = list(batches)
+    for k, batch in enumerate(batches):
+        w, version = server.pull()
+        grads.append((compute_gradient(w, batch), version))
+        if k >= tau:
+            server.push(*grads[k - tau])
+    for k in range(max(0, len(batches) - tau), len(batches)):
+        server.push(*grads[k])
+
+
+RIGHT = [good, with_a_list, computed_at_push, by_index]
+
+
+def no_drain(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+
+
+def off_by_one(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) >= tau:
+            server.push(*in_flight.popleft())
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
+def newest_first(server, compute_gradient, batches, tau):
+    in_flight = []
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.pop())
+    while in_flight:
+        server.push(*in_flight.pop(0))
+
+
+def drained_backwards(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+    while in_flight:
+        server.push(*in_flight.pop())
+
+
+def pulls_once(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    w, version = server.pull()
+    for batch in batches:
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
+def current_version(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for batch in batches:
+        w, _ = server.pull()
+        in_flight.append(compute_gradient(w, batch))
+        if len(in_flight) > tau:
+            server.push(in_flight.popleft(), server.version)
+    while in_flight:
+        server.push(in_flight.popleft(), server.version)
+
+
+def ignores_tau(server, compute_gradient, batches, tau):
+    for batch in batches:
+        w, version = server.pull()
+        server.push(compute_gradient(w, batch), version)
+
+
+def computes_when_it_lands(server, compute_gradient, batches, tau):
+    # the gradient is computed on the weights of the push, not of the pull: never stale
+    in_flight = collections.deque()
+    for batch in batches:
+        _, version = server.pull()
+        in_flight.append((batch, version))
+        if len(in_flight) > tau:
+            batch_, v = in_flight.popleft()
+            server.push(compute_gradient(server.pull()[0], batch_), v)
+    while in_flight:
+        batch_, v = in_flight.popleft()
+        server.push(compute_gradient(server.pull()[0], batch_), v)
+
+
+def pushed_twice(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight[0])
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
+def scaled(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch) / (tau + 1), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
+def pops_empty(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for k, batch in enumerate(batches):
+        w, version = server.pull()
+        if k >= tau:
+            server.push(*in_flight.popleft())
+        in_flight.append((compute_gradient(w, batch), version))
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
+def endless(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version))
+    while in_flight:
+        server.push(*in_flight[0])
+
+
+def skips_the_last_batch(server, compute_gradient, batches, tau):
+    good(server, compute_gradient, list(batches)[:-1], tau)
+
+
+WRONG = [
+    (no_drain, "the last 3 gradients were never pushed with τ = 3: after the loop"),
+    (off_by_one, "one update too early with τ = 3"),
+    (newest_first, "pushed the newest gradient in flight, not the oldest"),
+    (drained_backwards, "pushed the newest gradient in flight, not the oldest"),
+    (pulls_once, "you pulled the weights only once with τ = 0"),
+    (current_version, "you pushed the server's version at push time"),
+    (ignores_tau, "never late with τ = 3"),
+    (computes_when_it_lands, "never late with τ = 3: .* not at its push"),
+    (pushed_twice, "a gradient was pushed twice"),
+    (scaled, "you pushed something that compute_gradient did not return"),
+    (pops_empty, "IndexError.*took a gradient out of an empty queue"),
+    (endless, "an endless loop"),
+    (skips_the_last_batch, "compute exactly one gradient per batch: you computed 9 for 10"),
+]
+
+
+@pytest.mark.parametrize("loop", RIGHT, ids=lambda f: f.__name__)
+def test_right_loops_pass(loop, capsys):
+    lab09.check_async_worker(loop)
+    assert capsys.readouterr().out.startswith("✔ every gradient pushed once")
+
+
+@pytest.mark.parametrize("loop, phrase", WRONG, ids=[f.__name__ for f, _ in WRONG])
+def test_wrong_loops_are_named(loop, phrase):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab09.check_async_worker(loop)
+
+
+def test_the_library_loop_is_the_reference():
+    lab09.check_async_worker(async_sgd.async_worker_loop)
+
+
+def test_trace_of_the_reference_has_staleness_tau():
+    trace = lab09.trace_loop(good, 3)
+    assert [at - trace["computed"][k][1] for k, _, at in trace["pushes"]] == \
+        [min(k, 3) for k in range(lab09.STEPS)]
+
+
+def todo_loop(server, compute_gradient, batches, tau):
+    raise NotImplementedError("TODO: pull, compute, push")
+
+
+def test_unfinished_loop_is_not_implemented():
+    with pytest.raises(NotImplementedError, match="replace the TODOs"):
+        lab09.check_async_worker(todo_loop)
+
+
+def test_not_a_function_is_named():
+    with pytest.raises(LabCheckError, match="your function itself"):
+        lab09.check_async_worker("async_worker_loop")
+
+
+# --------------------------------------------------------------------------------------------
+# Stretch: the staleness-aware server
+# --------------------------------------------------------------------------------------------
+
+Base = async_sgd.SimulatedServer
+
+
+class GoodAware(Base):
+    def push(self, grad, version):
+        staleness = self.version - version
+        self.staleness.append(staleness)
+        self.w.add_(grad, alpha=-self.lr / max(1, staleness))
+        self.version += 1
+
+
+class BranchAware(Base):
+    def push(self, grad, version):
+        s = self.version - version
+        self.staleness.append(s)
+        step = self.lr / s if s > 1 else self.lr
+        self.w = self.w - step * grad
+        self.version += 1
+
+
+class SuperAware(Base):
+    # scale the gradient, then let the plain server step and do the bookkeeping
+    def push(self, grad, version):
+        super().push(grad / max(1, self.version - version), version)
+
+
+RIGHT_SERVERS = [GoodAware, BranchAware, SuperAware, async_sgd.StalenessAwareServer]
+
+
+def _server(step_rule, before=False, record=True, bump=True, sign=1):
+    class Server(Base):
+        def push(self, grad, version):
+            if before and bump:
+                self.version += 1
+            s = sign * (self.version - version)
+            if record:
+                self.staleness.append(s)
+            self.w.add_(grad, alpha=-step_rule(self.lr, s))
+            if bump and not before:
+                self.version += 1
+    return Server
+
+
+WRONG_SERVERS = [
+    (_server(lambda lr, s: lr), "you did not scale the step"),
+    (_server(lambda lr, s: lr / (s + 1)), "you divided by staleness \\+ 1"),
+    (_server(lambda lr, s: lr * s), "you multiplied the lr by the staleness"),
+    (_server(lambda lr, s: lr / s), "a fresh gradient has staleness 0 with τ = 0, and you "
+                                    "divided by it"),
+    (_server(lambda lr, s: lr / max(1, s), sign=-1), "your staleness is negative"),
+    (_server(lambda lr, s: lr / max(1, s), before=True), "counted the staleness after "
+                                                         "increasing the version"),
+    (_server(lambda lr, s: lr / max(1, s), record=False), "record each update's staleness"),
+    (_server(lambda lr, s: lr / max(1, s), bump=False), "the server's version is 0 after 10"),
+    (_server(lambda lr, s: lr / max(1, s) ** 2), "differ from the staleness-aware step"),
+]
+
+
+@pytest.mark.parametrize("cls", RIGHT_SERVERS, ids=lambda c: c.__name__)
+def test_right_servers_pass(cls, capsys):
+    lab09.check_staleness_aware(cls)
+    assert "the last update took lr / 5 = 0.02" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cls, phrase", WRONG_SERVERS, ids=[p[:30] for _, p in WRONG_SERVERS])
+def test_wrong_servers_are_named(cls, phrase):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab09.check_staleness_aware(cls)
+
+
+class TodoServer(Base):
+    def push(self, grad, version):
+        raise NotImplementedError("TODO: the staleness-aware step")
+
+
+def test_unfinished_server_and_an_instance_are_named():
+    with pytest.raises(NotImplementedError, match="replace the TODOs"):
+        lab09.check_staleness_aware(TodoServer)
+    with pytest.raises(LabCheckError, match="your class itself"):
+        lab09.check_staleness_aware(GoodAware(torch.zeros(1), 0.1))
+
+
+def test_the_checks_are_fast():
+    t0 = time.monotonic()
+    lab09.check_async_worker(good)
+    lab09.check_staleness_aware(GoodAware)
+    assert time.monotonic() - t0 < 2
