@@ -195,6 +195,8 @@ claim("with τ = 4 every update after the first 4 is exactly 4 updates stale",
 # gradients; then the largest learning rate again with the staleness-aware step.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
+# Why: near divergence (large lr, stale steps) the last digits differ between CPUs and torch builds (measured: an H100 host); the claims below hold on both.
 start_loss = async_sgd.evaluate(async_sgd.make_model(seed=seed),
                                 async_sgd.flat_params(async_sgd.make_model(seed=seed)),
                                 problem.x_test, problem.y_test)[0]

@@ -468,6 +468,12 @@ def comm_hook_worker(rank: int, world_size: int, cfg: OverlapConfig, hooks,
     from . import ddp
 
     dev = ddp.rank_device()
+    if dev.type == "cpu" and torch.cuda.is_available():
+        # torch's PowerSGD hook calls torch.cuda.synchronize(device) whenever CUDA exists,
+        # even for CPU tensors (powerSGD_hook.py in torch 2.14), which raises "Expected a cuda
+        # device" on a GPU machine whose ranks run on the CPU. Nothing here runs on a GPU, so
+        # this rank process can safely make that call a no-op.
+        torch.cuda.synchronize = lambda device=None: None
     batches = _batches(cfg, rank, world_size)
     out = {}
     for name in hooks:

@@ -233,7 +233,9 @@ def reduce_scatter_mean(flat: torch.Tensor) -> torch.Tensor:
     """
     n = dist.get_world_size()
     shard = torch.empty(flat.numel() // n, dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter_single(shard, flat, op=dist.ReduceOp.SUM)
+    # torch 2.14 calls it reduce_scatter_single; torch before 2.14, reduce_scatter_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(shard, flat, op=dist.ReduceOp.SUM)
     return shard.div_(n)
 
 
@@ -242,7 +244,9 @@ def all_gather_flat(shard: torch.Tensor, out: torch.Tensor | None = None) -> tor
     if out is None:
         out = torch.empty(shard.numel() * dist.get_world_size(), dtype=shard.dtype,
                           device=shard.device)
-    dist.all_gather_single(out, shard)
+    # torch 2.14 calls it all_gather_single; torch before 2.14, all_gather_into_tensor
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(out, shard)
     return out
 
 
@@ -694,6 +698,15 @@ def _fsdp2_policy(cfg: ZeroConfig):
     return MixedPrecisionPolicy()
 
 
+def _mesh(dev: torch.device):
+    """The ranks as a 1-D device mesh on the ranks' own device type. Without it fully_shard
+    picks CUDA whenever a GPU exists — and on a one-GPU machine whose ranks run on the CPU
+    over gloo, rank 1 then asks for cuda:1 (measured on an H100: "invalid device ordinal")."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(dev.type, (dist.get_world_size(),))
+
+
 class _TorchRun:
     """torch's own ways (DDP, FSDP2, ZeroRedundancyOptimizer) behind the stages' interface."""
 
@@ -746,11 +759,11 @@ def _prepare(run: str, cfg: ZeroConfig, dev: torch.device):
     if run == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        policy = _fsdp2_policy(cfg)
+        policy, mesh = _fsdp2_policy(cfg), _mesh(dev)
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         n = dist.get_world_size()
         units = [fsdp2_padded_numel(p.shape, n) for p in model.parameters()]
         return model, _TorchRun(model, cfg.make_optimizer(model.parameters()),
@@ -810,11 +823,11 @@ def fsdp2_worker(rank: int, world_size: int, cfg: ZeroConfig, path: str | None =
 
     def sharded_model():
         model = cfg.build().to(dev)
-        policy = _fsdp2_policy(cfg)
+        policy, mesh = _fsdp2_policy(cfg), _mesh(dev)
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mp_policy=policy)   # one unit per layer: gathered alone
-        fully_shard(model, mp_policy=policy)          # the root: its own (none) + schedule
+                fully_shard(layer, mesh=mesh, mp_policy=policy)   # one unit per layer
+        fully_shard(model, mesh=mesh, mp_policy=policy)   # the root: its own (none) + schedule
         return model
 
     model = sharded_model()
