@@ -322,19 +322,27 @@ claim("fp16 and bf16 end within 0.15 of no compression (mean loss of the last 20
       tail=tail)
 claim("PowerSGD with error feedback learns: its loss falls by more than 0.1",
       tail["powersgd"] < head - 0.1, tail=tail, head=head)
-claim("error feedback ends lower than PowerSGD without it", tail["powersgd"] < tail["powersgd_no_ef"],
-      tail=tail)
 viz.show(viz.comm_hooks_figure(losses, {n: last[n]["bytes"] for n in hooks}),
          "16-bit hooks halve the bytes and follow the uncompressed curve; PowerSGD sends a few "
-         "percent of the bytes and, with error feedback, keeps learning, more slowly.")
+         "percent of the bytes and keeps learning, more slowly.")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: the losses' last digits depend on the machine's floating-point kernels.
 for name in hooks:
     print(f"{name:>15}: last-20 mean loss {tail[name]:.3f}, {last[name]['bytes']:7d} bytes/step")
+gap = tail["powersgd_no_ef"] - tail["powersgd"]
+print(f"This run: error feedback ended {'lower' if gap > 0 else 'higher'} than PowerSGD without "
+      f"it, by {abs(gap):.3f}.")
 
 # %% [markdown]
+# Which PowerSGD run ends lower after 120 steps is not settled by this small experiment: on
+# an H100 host's CPU, with another torch build, the order flipped (2.185 with error feedback,
+# 2.161 without). What error feedback guarantees is that nothing the low-rank approximation
+# drops is lost — it is added to the next step's gradient — and that pays over long runs, where
+# the dropped part would otherwise add up (Vogels et al., 2019). lab07's stretch has you build
+# error feedback and check that every dropped number is eventually sent.
+#
 # Compression trades bytes for accuracy and for compute (PowerSGD's matrix products). It pays
 # when the network is the bottleneck — many nodes over Ethernet — and rarely inside one NVLink
 # machine. A hook is an ordinary function: it gets `bucket.buffer()` (and the bucket's
@@ -397,7 +405,8 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 #   small ones; the cap trades per-message cost against overlap, and the best cap depends on
 #   the machine (measured above).
 # - Communication hooks change what is sent: 16-bit halves the bytes with almost no effect on
-#   the loss; PowerSGD sends a few percent and needs error feedback to keep learning.
+#   the loss; PowerSGD sends a few percent and still learns, its error feedback carrying
+#   what the approximation drops into the next steps.
 #
 # **Next:** [lesson 08](08_sharded_data_parallel.ipynb) stops copying: ZeRO and FSDP shard the
 # optimizer state, the gradients and the weights over the ranks, with the memory counted and

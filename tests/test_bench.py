@@ -67,3 +67,14 @@ def test_reps_grow_for_small_sizes_and_are_the_same_on_every_rank():
     assert bench.reps_for(64 * 2**20, 5) == 5
     assert bench.reps_for(2**20, 5) == 16
     assert bench.reps_for(2**20, 20) == 20
+
+
+def test_nccl_without_a_gpu_per_rank_is_refused_before_any_rank_starts(monkeypatch):
+    # measured on a one-GPU H100 host: two nccl ranks on one GPU crashed deep inside NCCL
+    # ("Duplicate GPU detected"); now the bench says so in one sentence
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="larger than the 1 GPU"):
+        bench.run_allreduce_bench(sizes=("1K",), world_sizes=(2,), backend="nccl")

@@ -167,6 +167,10 @@ def run_allreduce_bench(sizes: Sequence[int] = DEFAULT_SIZES, world_sizes: Seque
             raise ValueError(f"world sizes must be ints >= 2, got {n!r}")
     if reps < 1:
         raise ValueError(f"reps must be at least 1, got {reps!r}")
+    from dpcourse import ddp
+
+    for n in world_sizes:   # nccl needs a GPU per rank: say so before any rank starts
+        ddp.validate_world_size(n, backend)
     rows = []
     for n in world_sizes:
         per_rank = launch.spawn(measure_allreduce, n, sizes, reps, warmup, backend=backend,
