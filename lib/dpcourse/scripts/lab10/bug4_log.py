@@ -1,0 +1,42 @@
+"""Lab 10, bug 4: torchrun --nproc-per-node=2 bug4_log.py --out final.pt"""
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+p = argparse.ArgumentParser()
+p.add_argument("--seed", type=int, default=0)
+p.add_argument("--out", default="final.pt")
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+
+g = torch.Generator().manual_seed(1234)  # the data: the same on every rank
+X = torch.randn(48, 6, generator=g)
+y = torch.tanh(X @ torch.randn(6, 1, generator=g))
+sampler = DistributedSampler(TensorDataset(X, y), seed=args.seed)
+loader = DataLoader(TensorDataset(X, y), batch_size=4, sampler=sampler)
+
+torch.manual_seed(args.seed)
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+for epoch in range(3):
+    sampler.set_epoch(epoch)
+    for xb, yb in loader:
+        loss = F.mse_loss(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():  # average the gradients over the ranks
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        opt.step()
+    if rank == 0:  # only the main rank logs
+        logged = loss.detach().clone()
+        dist.all_reduce(logged)
+        print(f"epoch {epoch}: loss {logged.item() / world_size:.4f}")
+if rank == 0:
+    torch.save(model.state_dict(), args.out)
+dist.destroy_process_group()
