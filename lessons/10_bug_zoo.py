@@ -454,7 +454,8 @@ claim("naming rank 1, its all_reduce and the script's line 8",
 # %% [markdown]
 # ## Lab 10
 # Open [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb): five broken scripts, run safely. Name
-# each bug, fix it, and let the check run your fix with the detectors from this lesson.
+# each bug, fix it, and let the check run your fix under torchrun; the stretch has you write a
+# detector of your own, like this lesson's checksum.
 #
 # ## Summary
 # | bug | symptom | detector | fix |

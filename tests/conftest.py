@@ -44,13 +44,3 @@ def no_leftovers():
         time.sleep(0.1)
     assert stray_processes() == [], "processes left running"
 
-
-def pytest_collection_modifyitems(config, items):
-    """Group tests for pytest-xdist's `--dist loadgroup` (README's test command): a test file —
-    and so a notebook, whose cells must run in order in one kernel — stays whole on one worker,
-    except the mutation tests, one per lab and each a minute or so, which spread over the
-    workers (together they were the longest file)."""
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        group = item.nodeid if path.endswith("test_lab_mutations.py") else path
-        item.add_marker(pytest.mark.xdist_group(group))
