@@ -504,8 +504,7 @@ HOOK_FRACTION = 0.05
 _HOOK_SIZES = (700, 300, 130)     # three parameters: three buckets after DDP's rebuild
 _HOOK_CAP_MB = 0.0003   # DDP closes a bucket once it reaches the cap: 1 bucket, then 3
 _HOOK_STEPS = 12
-_INDEX_BYTES = 8                  # an int64 index per value sent; int32 is fine too
-_SENT_PER_ENTRY = 16              # the byte budget per selected entry: value + index, padded
+_SENT_PER_ENTRY = 16              # budget per selected entry: a value and its int64 index, padded
 
 
 class _Probe(nn.Module):

@@ -26,7 +26,6 @@ the version never increased.
 
 from __future__ import annotations
 
-import math
 
 import torch
 

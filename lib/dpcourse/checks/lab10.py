@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
