@@ -782,3 +782,19 @@ def test_unfinished_hook_is_not_implemented_without_launching():
 
     with pytest.raises(NotImplementedError, match="replace the TODO"):
         lab07.check_topk_hook(topk_hook, TopKState)
+
+
+def test_a_peer_reporting_a_reset_connection_gets_the_size_hint(monkeypatch):
+    # Which rank's failure arrives first is a race: when gloo aborts rank 0 over a size
+    # mismatch, rank 1 may report "Connection reset by peer" first (seen in CI). Both must
+    # lead the learner to the same mistake.
+    from dpcourse import launch
+
+    def reset_by_peer(*args, **kwargs):
+        raise launch.RankFailedError(
+            [(1, "RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error "
+                 "[127.0.0.1]:11648: Connection reset by peer.", "tb")], world_size=2)
+
+    monkeypatch.setattr(launch, "spawn", reset_by_peer)
+    with pytest.raises(LabCheckError, match="rank 1 .*differ in size"):
+        lab07.check_topk_hook(rank_dependent_k, TopKState, world_sizes=(2,))

@@ -28,6 +28,7 @@ algorithm on the same buckets (see the section's comment below).
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -665,6 +666,10 @@ def _topk_replay(inputs: list, world_size: int, k_of, *, feedback=True, magnitud
     return outputs
 
 
+# What a gloo rank reports when its peer has gone away (aborted or died) mid-collective.
+_PEER_LOST = re.compile(r"Connection (reset|closed)|Read error|Socket closed|pair\.cc")
+
+
 def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: float) -> list:
     from .. import launch
 
@@ -683,9 +688,12 @@ def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: flo
             hint = (" — if it is the residual: DDP rebuilds its buckets after the first step, "
                     "so keep residuals through state.residual_for(bucket), which restarts one "
                     "whose size changed")
-        elif "died" in summary:
+        elif "died" in summary or _PEER_LOST.search(summary):
+            # gloo aborts the rank that sees a size mismatch; its peer then reports a reset
+            # connection, and whichever report arrives first is the one we see.
             hint = (" — gloo aborts a rank when the ranks' tensors in one collective differ in "
-                    "size: every rank must gather exactly state.k(numel) values and indices")
+                    "size (its peer then sees the connection drop): every rank must gather "
+                    "exactly state.k(numel) values and indices")
         what = "died in your hook" if "died" in summary else "raised in your hook"
         fail(f"rank {exc.rank} {what}: {summary}{hint}.")
 
