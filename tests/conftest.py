@@ -44,3 +44,15 @@ def no_leftovers():
         time.sleep(0.1)
     assert stray_processes() == [], "processes left running"
 
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/browser (JupyterLab in headless Chromium, about a minute) runs as its own command,
+    README's "Browser tests", which .ci/run also runs: the main suite keeps its 10 minutes.
+    Naming the folder (python -m pytest tests/browser) runs it."""
+    browser = config.rootpath / "tests" / "browser"
+    if collection_path == browser:
+        named = any(str(arg).split("::")[0].rstrip("/").endswith("tests/browser")
+                    or "tests/browser/" in str(arg) for arg in config.args)
+        return None if named else True
+    return None

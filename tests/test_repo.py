@@ -34,6 +34,9 @@ def test_ci_runs_the_readme_commands():
     # CI takes both commands out of README rather than keeping copies that could drift
     assert "readme_block install" in ci and "readme_block test" in ci
     assert test.strip().startswith("python -m pytest")
+    # the real-browser tests are their own README command, which CI runs after the suite
+    browser = re.search(r"<!-- browser -->\s*```bash\n(.*?)\n```", readme, re.S).group(1)
+    assert "readme_block browser" in ci and "python -m pytest tests/browser" in browser
 
 
 def test_importing_the_library_has_no_side_effects():

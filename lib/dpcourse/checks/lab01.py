@@ -60,6 +60,7 @@ def _same(a, b, tol=1e-6):
 
 
 def _as_number(value, what: str) -> float:
+    __tracebackhide__ = True
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             fail(f"{what} returned a tensor of shape {tuple(value.shape)}; return one number.")
@@ -75,6 +76,7 @@ def _as_number(value, what: str) -> float:
 # --- the usual mistakes, replayed with the reference --------------------------------------
 
 def _train_variant(model, loader, loss_fn, optimizer, zero_grad=True, reduction="mean"):
+    __tracebackhide__ = True
     model.train()
     batch_losses, sizes = [], []
     for X, y in loader:
@@ -91,6 +93,7 @@ def _train_variant(model, loader, loss_fn, optimizer, zero_grad=True, reduction=
 
 
 def _run(fn_variant, setup, **kw):
+    __tracebackhide__ = True
     model, loader = _setup(*setup)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(1)
@@ -249,6 +252,7 @@ def _check_evaluate_once(evaluate, setup) -> None:
 def _accumulate_variant(model, loader, optimizer, k, divide=True, step_every=False,
                         zero_every=False, zero_after_step=True, zero_first=True):
     """Accumulation as written right (the defaults) or with one of the usual mistakes."""
+    __tracebackhide__ = True
     model.train()
     if zero_first:
         optimizer.zero_grad()

@@ -22,6 +22,7 @@ __all__ = ["check_scatter", "check_gather", "check_dp_forward_backward",
 
 
 def _tensor_list(result, what: str) -> list[torch.Tensor]:
+    __tracebackhide__ = True
     if isinstance(result, torch.Tensor) or not isinstance(result, (list, tuple)):
         fail(f"{what} must return a list of tensors (one per device), got "
              f"{type(result).__name__}.")
@@ -34,6 +35,7 @@ def _tensor_list(result, what: str) -> list[torch.Tensor]:
 def check_scatter(scatter) -> None:
     """``scatter(X, n_devices)`` must split X along dim 0 into n contiguous, non-empty chunks in
     order (torch.chunk's sizes, or any other contiguous split, are fine)."""
+    __tracebackhide__ = True
     # Even and uneven splits, and a batch of exactly one sample per device (the boundary).
     for b, n in ((8, 2), (10, 4), (6, 3), (7, 2), (3, 3)):
         X = torch.arange(b * 3, dtype=torch.float32).reshape(b, 3)
@@ -85,6 +87,7 @@ def check_scatter(scatter) -> None:
 
 def check_gather(gather) -> None:
     """``gather(outputs)`` must concatenate the per-device outputs along dim 0, in order."""
+    __tracebackhide__ = True
     torch.manual_seed(0)
     outputs = [torch.randn(3, 10) for _ in range(3)]  # equal sizes: a wrong dim still runs
     expected = torch.cat(outputs, dim=0)

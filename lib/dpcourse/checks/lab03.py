@@ -35,6 +35,7 @@ DEFAULT_TIMEOUT = 20.0  # seconds; a correct answer takes 1-8 s, a deadlock is c
 
 
 def _avg_worker(rank: int, world_size: int, fn) -> dict:
+    __tracebackhide__ = True
     from .. import ddp
     from ..models import SmallCNN
 
@@ -85,6 +86,7 @@ def _all_close(a: list, b: list) -> bool:
 
 
 def _launch(worker, world_size: int, timeout: float, *args):
+    __tracebackhide__ = True
     from .. import devices, launch
 
     # An unfilled TODO stops here, like any other lab, without starting ranks.
@@ -212,6 +214,7 @@ def _cfg():
 
 
 def _step_worker(rank: int, world_size: int, step_fn) -> dict:
+    __tracebackhide__ = True
     from .. import ddp
 
     cfg = _cfg()

@@ -99,6 +99,7 @@ def _load_lab_data(cfg: Lab04Config):
 def reference_weights(cfg: Lab04Config = Lab04Config(), variant: str = "correct") -> dict:
     """The weights one process gets for the right answer (``"correct"``) or for a mistake
     (a fresh copy; computed once per config and variant)."""
+    __tracebackhide__ = True
     return {k: v.clone() for k, v in _reference_weights(cfg, variant).items()}
 
 
@@ -108,6 +109,7 @@ def _reference_weights(cfg: Lab04Config, variant: str) -> dict:
     DistributedSampler reads, at each step, the union of the ranks' batches, which is a
     contiguous slice of the epoch's permutation (seeded with seed + epoch).
     """
+    __tracebackhide__ = True
     import torch
 
     if variant != "correct" and variant not in MISTAKES:
@@ -136,6 +138,7 @@ def _fresh(cfg: Lab04Config, lr: float | None = None):
 
 def _train_epoch(model, opt, cfg: Lab04Config, epoch: int, variant: str = "correct") -> None:
     """One epoch of the N-rank DDP run, in one process (or of a mistake's run)."""
+    __tracebackhide__ = True
     import torch
     import torch.nn.functional as F
 
@@ -247,6 +250,7 @@ def run_script(path, cfg: Lab04Config = Lab04Config(), launcher: str = "torchrun
     or hung. ``launcher="spawn"`` runs the same script in ``dpcourse.launch.spawn`` ranks (same
     environment variables, no torchrun), which the tests use because it starts in a second.
     """
+    __tracebackhide__ = True
     import torch
 
     from dpcourse import launch
@@ -306,6 +310,7 @@ def run_script(path, cfg: Lab04Config = Lab04Config(), launcher: str = "torchrun
 
 
 def _model_weights(state) -> dict:
+    __tracebackhide__ = True
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
         state = state["model"]
     if not isinstance(state, dict):
@@ -394,6 +399,7 @@ RESUME_MISTAKES = {
 
 def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
     """One rank of the lab's DDP training, with the learner's save and resume around it."""
+    __tracebackhide__ = True
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -447,6 +453,7 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
 def _resumed_variant(cfg: Lab04Config, variant: str) -> dict:
     """One-process weights of a crash after epoch _CRASH_AFTER and a resume done right or
     with one mistake."""
+    __tracebackhide__ = True
     import copy
 
     import torch

@@ -147,6 +147,7 @@ def _outside_scope(strategy, model, optimizer) -> str | None:
 
 def check_model_and_optimizer(make_model_and_optimizer, strategy, lr: float = 0.1):
     """The model and optimizer must both be created under ``strategy.scope()``. Returns them."""
+    __tracebackhide__ = True
     try:
         model, optimizer = make_model_and_optimizer(strategy, lr)
     except NotImplementedError:

@@ -89,6 +89,7 @@ def reference_all_gather(buffers):
 
 
 def _run_learner(fn, buffers, what):
+    __tracebackhide__ = True
     try:
         out = fn(buffers)
     except NotImplementedError:
@@ -107,6 +108,7 @@ def _same(a_list, b_list) -> bool:
 def check_scatter_reduce(fn) -> None:
     """``fn(buffers)``: N 1-D float arrays, changed in place; after it worker i must hold the
     full sum of chunk (i + 1) mod N (chunks as in ``ring.chunk_bounds``)."""
+    __tracebackhide__ = True
     for n, length in _CASES:
         inputs = _inputs(n, length)
         got = _run_learner(fn, [a.copy() for a in inputs], "scatter_reduce")
@@ -138,6 +140,7 @@ def check_scatter_reduce(fn) -> None:
 def check_all_gather(fn) -> None:
     """``fn(buffers)``: run on the state after the reference scatter-reduce; afterwards every
     worker must hold the whole sum."""
+    __tracebackhide__ = True
     for n, length in _CASES:
         inputs = _inputs(n, length)
         reduced = _scatter_reduce([a.copy() for a in inputs])
@@ -194,6 +197,7 @@ _SPIED = ("isend", "send", "all_reduce", "all_gather", "all_gather_into_tensor",
 
 
 def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
+    __tracebackhide__ = True
     import torch
     import torch.distributed as dist
 

@@ -234,6 +234,7 @@ class _Deferred:
 
 
 def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
+    __tracebackhide__ = True
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -329,6 +330,7 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
 
 
 def _launch(cls, world_size: int, cap_mb: float, timeout: float) -> list:
+    __tracebackhide__ = True
     from .. import devices, launch
 
     backend = devices.backend_for(world_size)
@@ -558,6 +560,7 @@ class _HookRaised(RuntimeError):
 
 def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
                  cap_mb: float = _HOOK_CAP_MB, sizes=_HOOK_SIZES) -> dict:
+    __tracebackhide__ = True
     import inspect
     import traceback
 
@@ -639,6 +642,7 @@ def _topk_replay(inputs: list, world_size: int, k_of, *, feedback=True, magnitud
     """Top-k with error feedback replayed on the recorded buckets: ``inputs[r]`` is rank r's
     list of (index, gradient) hook calls. The keywords switch on one plausible mistake each.
     Returns the averaged tensor each call should have produced."""
+    __tracebackhide__ = True
     residuals = [{} for _ in range(world_size)]
     outputs = []
     for j in range(len(inputs[0])):
@@ -671,6 +675,7 @@ _PEER_LOST = re.compile(r"Connection (reset|closed)|Read error|Socket closed|pai
 
 
 def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: float) -> list:
+    __tracebackhide__ = True
     from .. import launch
 
     try:

@@ -178,6 +178,7 @@ _REFERENCES = ("ddp", "summed", "twice", "accumulated")
 
 
 def _reference_step(kind: str, m, wrapped, ref_opt, kept: dict, X, y, world_size: int) -> None:
+    __tracebackhide__ = True
     ref_opt.zero_grad()
     F.cross_entropy(wrapped(X), y).backward()
     for name, p in m.named_parameters():
@@ -196,6 +197,7 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str, stage: int = 1)
     """One rank: the learner's wrapper for ``_STEPS`` steps, and after each step the same step
     of every reference. Returns the weights after every step, the collectives made in the
     backward and in ``step()``, the gradient numbers alive at once, the optimizer's state."""
+    __tracebackhide__ = True
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -277,6 +279,7 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str, stage: int = 1)
 
 def _shard_sizes(opt, all_gather, world_size: int) -> list[int]:
     """Every rank's ``self.shard.numel()`` (-1 where it is not a tensor), on every rank."""
+    __tracebackhide__ = True
     shard = getattr(opt, "shard", None)
     mine = torch.tensor([shard.numel() if isinstance(shard, torch.Tensor) else -1])
     out = [torch.zeros_like(mine) for _ in range(world_size)]
@@ -288,6 +291,7 @@ _GLOO_PREFIX = re.compile(r"\[rank\d+\]:\[\w+ [\d:.]+ [\w.]+:\d+\]\s*")
 
 
 def _launch(cls, world_size: int, opt_name: str, timeout: float, stage: int = 1) -> list:
+    __tracebackhide__ = True
     from .. import launch
 
     try:

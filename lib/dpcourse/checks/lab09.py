@@ -89,6 +89,7 @@ class _SpyServer:
 
 def trace_loop(loop, tau: int) -> dict:
     """Run ``loop`` for one τ on the spy server; what happened, as plain data."""
+    __tracebackhide__ = True
     a, b, w0, batches = _problem()
     server = _SpyServer(w0, LR)
     computed = []              # (batch index, version of the weights or -1, gradient)
@@ -217,6 +218,7 @@ def check_async_worker(loop, taus=TAUS) -> None:
 
 
 def _rule_server(rule):
+    __tracebackhide__ = True
     from dpcourse import async_sgd
 
     class RuleServer(async_sgd.SimulatedServer):
@@ -251,6 +253,7 @@ _RULE_MISTAKES = {
 
 def run_server(server_cls, tau: int) -> dict:
     """The reference loop on the learner's server class, for one τ."""
+    __tracebackhide__ = True
     from dpcourse import async_sgd
 
     a, b, w0, batches = _problem()

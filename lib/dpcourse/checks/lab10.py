@@ -353,6 +353,7 @@ _CASES = ("same", "off_keeping_sum", "last_param_off")
 
 
 def _detector_worker(rank, world_size, fn):
+    __tracebackhide__ = True
     import torch
 
     results = {}
