@@ -39,6 +39,10 @@
 # | 04 DDP in practice | torchrun, multi-node, checkpoints, faults, accumulation, AMP, debugging | a killed-and-restarted run ends with the same weights | script → torchrun DDP |
 # | 05 MirroredStrategy | TensorFlow's data parallelism, Keras `fit`, a custom loop, multi-worker | mirrored step == one replica on the global batch | loss scaling in a custom loop |
 # | 06 ring AllReduce | the algorithm, its cost model fitted to your machine, a real ring | ring == sum; bytes per rank == 2(N−1)K/N | the ring, simulated then real |
+# | 07 inside DDP | hooks that all-reduce as gradients are ready, buckets, the overlap timeline, comm hooks (fp16, bf16, PowerSGD) | hooked and bucketed == DDP; one all-reduce per bucket | the bucketed, hook-driven wrapper |
+# | 08 sharded data parallel | where the memory goes, ZeRO-1/2/3 from scratch, FSDP2, which stage fits | every stage and FSDP2 == DDP; bytes held == the formula | ZeRO-1 |
+# | 09 beyond lockstep | a parameter server, staleness, local SGD, large batches | sync PS == DDP; τ = 0 == SGD; H = 1 == DDP | the asynchronous worker loop |
+# | 10 bug zoo | eleven broken distributed programs, each run safely with its detector and fix | every detector fires on its bug and stays quiet on the fix | name and fix five bugs |
 #
 # ## How the labs work
 #

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -87,8 +88,9 @@ def _wait_until_up(url: str, proc: subprocess.Popen, log: Path, limit: float = 9
 
 
 class LabServer:
-    def __init__(self, root: Path, port: int, token: str):
+    def __init__(self, root: Path, port: int, token: str, first_url: str):
         self.root, self.port, self.token = root, port, token
+        self.first_url = first_url  # what `jupyter lab ... lessons/00_start_here.ipynb` opens
 
     def url(self, path: str) -> str:
         """A JupyterLab URL for ``path`` (relative to the course copy), in a fresh workspace so
@@ -118,7 +120,9 @@ def lab_server(tmp_path_factory):
     log = base / "server.log"
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser",
            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={course}",
+           f"--IdentityProvider.token={token}",
+           # exactly README's start: the course as the root, lesson 00 as the page to open
+           f"--notebook-dir={course}", "lessons/00_start_here.ipynb",
            # no extension catalogue look-ups (there is no network to look them up on)
            "--LabApp.extension_manager=readonly"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -128,7 +132,9 @@ def lab_server(tmp_path_factory):
                                 cwd=course, start_new_session=True)
     try:
         _wait_until_up(f"http://127.0.0.1:{port}/api/status?token={token}", proc, log)
-        yield LabServer(course, port, token)
+        opener = next((base / "runtime").glob("jpserver-file-to-run-*-open.html"))
+        first = re.search(r'href="([^"]+)"', opener.read_text()).group(1)
+        yield LabServer(course, port, token, first)
     finally:
         launch.kill_tree(proc.pid)  # the server and every kernel it started
         try:

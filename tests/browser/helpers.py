@@ -12,8 +12,8 @@ ARTIFACTS = ROOT / "tests" / "artifacts"  # git-ignored: screenshots for a perso
 NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook"
 
 
-def open_notebook(page, server, path: str, limit_ms: int = 90_000) -> None:
-    page.goto(server.url(path), timeout=limit_ms)
+def open_notebook(page, server, path: str, limit_ms: int = 90_000, url: str | None = None) -> None:
+    page.goto(url or server.url(path), timeout=limit_ms)
     page.wait_for_selector(f"{NOTEBOOK} .jp-Cell", timeout=limit_ms)
     wait_for_kernel(page, limit_s=limit_ms / 1000)
 

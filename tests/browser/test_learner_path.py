@@ -22,9 +22,23 @@ def shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
 
 
-def test_lesson_00_runs_from_the_menu_without_an_error(lab_server, page):
+def test_readme_start_opens_lesson_00_which_runs_from_the_menu_without_an_error(lab_server,
+                                                                                  page):
+    # README's `jupyter lab --notebook-dir=. lessons/00_start_here.ipynb` opens this page:
+    # lesson 00 in front, the file browser at the course's root.
     path = "lessons/00_start_here.ipynb"
-    open_notebook(page, lab_server, path)
+    assert "/lab/tree/lessons/00_start_here.ipynb" in lab_server.first_url
+    open_notebook(page, lab_server, path, url=lab_server.first_url)
+    tab = page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel").first
+    assert tab.inner_text() == "00_start_here.ipynb"
+    # the file browser shows lesson 00's folder, and the course is its root: labs are one up
+    crumbs = page.locator(".jp-BreadCrumbs").first.inner_text()
+    assert "lessons" in crumbs, crumbs
+    page.locator(".jp-BreadCrumbs-home").first.click()
+    page.locator(".jp-DirListing-itemText", has_text="labs").first.wait_for(timeout=15_000)
+    listing = {t.strip() for t in page.locator(".jp-DirListing-itemText").all_inner_texts()}
+    assert {"lessons", "labs", "solutions"} <= listing, listing
+    shot(page, "lesson00-opened")
     run_all(page, limit_s=180)
     numbers = prompts(page)
     assert numbers and all(p not in ("[ ]:", "[*]:", "") for p in numbers), numbers
@@ -71,6 +85,20 @@ def test_lesson_06_stepper_and_cost_model_explorer_respond(lab_server, page):
         page.keyboard.press("ArrowRight")
     assert _wait_for_change(lambda: _image_src(explorer), before_img) != before_img
     shot(page, "lesson06-explorer-after-slider")
+
+
+def test_a_lessons_py_source_opens_as_a_notebook_with_jupytext(lab_server, page):
+    # what an instructor does to edit a lesson: right-click the .py, Open With > Jupytext Notebook
+    page.goto(lab_server.url("lessons"))
+    page.locator(".jp-DirListing-item", has_text="00_start_here.py").first.click(button="right")
+    page.locator(".lm-Menu-itemLabel", has_text="Open With").first.hover()
+    page.locator(".lm-Menu-itemLabel", has_text="Jupytext Notebook").first.click()
+    page.wait_for_selector(f"{NOTEBOOK} .jp-MarkdownCell", timeout=30_000)
+    tab = page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel").first
+    assert tab.inner_text() == "00_start_here.py"
+    heading = page.locator(f"{NOTEBOOK} .jp-MarkdownCell h1").first.inner_text()
+    assert "Start here" in heading, heading
+    shot(page, "lesson00-py-as-notebook")
 
 
 def _solution_source(lab: str, starts_with: str) -> str:
