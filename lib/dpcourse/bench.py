@@ -5,6 +5,10 @@
     python -m dpcourse.bench allreduce --json                # one JSON document on stdout
     python -m dpcourse.bench ddp                             # lesson 07: our DDPs vs torch's
     python -m dpcourse.bench ddp --caps 0.1 1 4 25 inf --steps 10 --json
+    python -m dpcourse.bench scaling                         # single vs DataParallel vs DDP
+    python -m dpcourse.bench single                          # fp32 vs TF32/AMP/channels_last
+
+``scaling`` and ``single`` live in :mod:`dpcourse.bench_scaling` and :mod:`dpcourse.bench_single`.
 
 ``allreduce`` times the hand-written ring of lesson 06 (:func:`dpcourse.ring.ring_allreduce`)
 and the built-in ``dist.all_reduce`` on float32 tensors, over gloo on CPU (or nccl when every
@@ -266,7 +270,20 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     d.add_argument("--timeout", type=float, default=600.0)
     d.add_argument("--json", action="store_true", help="print one JSON document instead")
+    from dpcourse import bench_scaling, bench_single
+
+    bench_scaling.add_arguments(sub.add_parser(
+        "scaling", help="single device vs DataParallel vs DDP on 1..N devices, with the "
+                        "alpha-beta prediction and published results"))
+    bench_single.add_arguments(sub.add_parser(
+        "single", help="one device: fp32 vs TF32, AMP bf16/fp16, channels_last, compile"))
     args = parser.parse_args(argv)
+    if args.cmd in ("scaling", "single"):
+        module = bench_scaling if args.cmd == "scaling" else bench_single
+        try:
+            return module.main(args)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.cmd == "ddp":
         try:
             result = run_ddp_bench(args.world_size, args.caps, args.cap, args.steps, args.width,
