@@ -78,3 +78,85 @@ def test_nccl_without_a_gpu_per_rank_is_refused_before_any_rank_starts(monkeypat
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="larger than the 1 GPU"):
         bench.run_allreduce_bench(sizes=("1K",), world_sizes=(2,), backend="nccl")
+
+
+# --- scaling and single (bench_scaling, bench_single) ---------------------------------------
+
+from dpcourse import bench_scaling, bench_single  # noqa: E402
+
+
+def test_efficiency_arithmetic():
+    assert bench_scaling.efficiency(1800.0, 2, 1000.0) == pytest.approx(0.9)
+    assert bench_scaling.efficiency(1000.0, 1, 1000.0) == pytest.approx(1.0)
+
+
+def test_alpha_beta_prediction_by_hand():
+    # ring: 2(N-1) messages of alpha + 2(N-1)/N * K bytes * beta, added to the compute time
+    compute, n, k, alpha, beta = 0.010, 4, 8e6, 1e-5, 1e-9
+    by_hand = compute + 2 * 3 * alpha + 2 * 3 / 4 * k * beta
+    assert bench_scaling.predict_step_s(compute, n, k, alpha, beta) == pytest.approx(by_hand)
+    assert bench_scaling.predict_step_s(compute, 1, k, alpha, beta) == pytest.approx(compute)
+
+
+def test_published_results_are_reproduced_within_tolerance():
+    rows = bench_scaling.published_table()
+    assert len(rows) == 2
+    for r in rows:
+        assert abs(r["difference_points"]) <= bench_scaling.PUBLISHED_TOLERANCE_POINTS, r
+        assert r["difference_points"] == pytest.approx(
+            100 * (r["predicted_efficiency"] - r["published_efficiency"]))
+    v100, a100 = rows
+    assert v100["grad_bytes"] == pytest.approx(25.6e6 * 4)     # fp32 gradients
+    assert a100["grad_bytes"] == pytest.approx(25.6e6 * 2)     # fp16 (AMP)
+    assert a100["published_efficiency"] * 8 == pytest.approx(7.72)
+
+
+def test_scaling_command_json(capsys, no_leftovers):
+    assert bench.main(["scaling", "--max-ranks", "2", "--per-device-batch", "4", "--steps", "1",
+                       "--repeats", "1", "--model", "small", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["benchmark"] == "scaling" and doc["overlap_assumed"] is False
+    kinds = [(r["kind"], r["world_size"]) for r in doc["rows"]]
+    assert kinds == [("single", 1), ("ddp", 1), ("ddp", 2), ("dp", 2)]
+    single = doc["single_images_per_s"]
+    for r in doc["rows"]:
+        if r["kind"] == "dp":       # no GPU here: said, not measured
+            assert r["images_per_s"] is None and "DataParallel just calls" in r["note"]
+            continue
+        assert r["efficiency"] == pytest.approx(r["images_per_s"] / (r["world_size"] * single))
+        lo, hi = r["spread"]
+        assert lo <= r["images_per_s"] <= hi
+        compute = 4 / single
+        assert r["predicted_step_ms"] == pytest.approx(1e3 * bench_scaling.predict_step_s(
+            compute, r["world_size"], doc["grad_bytes"], doc["alpha"], doc["beta"]))
+    assert len(doc["published"]) == 2
+
+
+def test_single_command_json(capsys):
+    assert bench.main(["single", "--batch", "4", "--steps", "1", "--repeats", "1",
+                       "--model", "small", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert list(rows) == list(bench_single.VARIANTS)
+    assert rows["naive"]["ratio"] == pytest.approx(1.0)
+    assert rows["compile"]["images_per_s"] is None      # only with --compile
+    if doc["device"] == "cpu":
+        assert rows["tf32"]["note"] == "n/a on cpu" and rows["fp16"]["note"] == "n/a on cpu"
+    for r in rows.values():
+        if r["images_per_s"] is not None:
+            assert r["ratio"] == pytest.approx(r["images_per_s"] / rows["naive"]["images_per_s"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["scaling", "--max-ranks", "0"], "--max-ranks must be at least 1"),
+    (["scaling", "--model", "vgg"], "unknown model 'vgg'"),
+    (["single", "--model", "vgg"], "unknown model 'vgg'"),
+])
+def test_scaling_and_single_bad_input_is_one_line(args, message, no_leftovers):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "lib"))
+    proc = subprocess.run([sys.executable, "-m", "dpcourse.bench", *args], capture_output=True,
+                          text=True, env=env, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("python -m dpcourse.bench: error:")

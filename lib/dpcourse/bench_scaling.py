@@ -210,6 +210,16 @@ def _one_run(kind: str, n: int, cfg: ScalingConfig, backend: str) -> float:
     return n * cfg.per_rank_batch / step_s
 
 
+def _note(n: int, gpus: int) -> str:
+    """Said next to a row whose ranks share cores: the model assumes a device per rank."""
+    import os
+
+    cores = os.cpu_count() or 1
+    if not gpus and n > cores:
+        return f"{n} ranks share {cores} cores: slower than the model, which assumes one each"
+    return ""
+
+
 def run_scaling(cfg: ScalingConfig) -> dict:
     """Measure every configuration ``cfg.repeats`` times, interleaved; add the prediction."""
     import torch
@@ -241,7 +251,8 @@ def run_scaling(cfg: ScalingConfig) -> dict:
         rows.append(dict(kind=kind, world_size=n, images_per_s=img_s, spread=[min(vals), max(vals)],
                          efficiency=efficiency(img_s, n, single), step_ms=n * cfg.per_rank_batch
                          / img_s * 1e3, predicted_step_ms=pred_step * 1e3,
-                         predicted_images_per_s=n * cfg.per_rank_batch / pred_step, note=""))
+                         predicted_images_per_s=n * cfg.per_rank_batch / pred_step,
+                         note=_note(n, cfg.gpus)))
     if not cfg.gpus:
         for n in range(2, max_ranks + 1):
             rows.append(dict(kind="dp", world_size=n, images_per_s=None, spread=None,
@@ -265,7 +276,8 @@ def format_scaling(result: dict) -> str:
         lo, hi = r["spread"]
         lines.append(f"{r['kind']:<7}{r['world_size']:>3}{r['images_per_s']:>10.0f}"
                      f"{f'({lo:.0f}-{hi:.0f})':>16}{100 * r['efficiency']:>6.0f}%"
-                     f"{r['step_ms']:>9.1f}{r['predicted_step_ms']:>13.1f}")
+                     f"{r['step_ms']:>9.1f}{r['predicted_step_ms']:>13.1f}"
+                     + (f"  {r['note']}" if r["note"] else ""))
     lines.append(f"predicted = one device's measured step + ring all-reduce of "
                  f"{result['grad_bytes'] / 1e6:.2f} MB (alpha {result['alpha']:g} s, beta "
                  f"{result['beta']:g} s/B), no overlap assumed")
