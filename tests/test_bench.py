@@ -46,6 +46,8 @@ def test_allreduce_command_json(capsys):
         assert r["ring_s"] > 0 and r["all_reduce_s"] > 0
         assert r["ring_busbw"] == pytest.approx(bench.bus_bandwidth(r["nbytes"], r["ring_s"], 2))
         assert r["ratio"] == pytest.approx(r["ring_busbw"] / r["all_reduce_busbw"])
+        # per-rep ratios of the interleaved pairs: median inside its spread
+        assert 0 < r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"]
 
 
 def test_bad_arguments_are_one_line():

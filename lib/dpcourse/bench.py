@@ -151,10 +151,15 @@ class AllreduceRow:
     all_reduce_s: float
     ring_busbw: float
     all_reduce_busbw: float
+    # The ratio rep by rep (the two took turns, so each rep's pair saw the same machine):
+    # its median and (min, max). None when built by hand without per-rep times.
+    ratio_median: float | None = None
+    ratio_min: float | None = None
+    ratio_max: float | None = None
 
     @property
     def ratio(self) -> float:
-        """ring busbw / all_reduce busbw (1.0 = as fast as the built-in)."""
+        """ring busbw / all_reduce busbw of the medians (1.0 = as fast as the built-in)."""
         return self.ring_busbw / self.all_reduce_busbw
 
 
@@ -180,27 +185,34 @@ def run_allreduce_bench(sizes: Sequence[int] = DEFAULT_SIZES, world_sizes: Seque
         per_rank = launch.spawn(measure_allreduce, n, sizes, reps, warmup, backend=backend,
                                 timeout=timeout, show_output=False)
         for nbytes in sizes:
-            med = {}
+            med, slowest = {}, {}
             for impl in IMPLS:
                 count = len(per_rank[0][impl][nbytes])
-                slowest = [max(r[impl][nbytes][i] for r in per_rank) for i in range(count)]
-                med[impl] = statistics.median(slowest)
+                slowest[impl] = [max(r[impl][nbytes][i] for r in per_rank) for i in range(count)]
+                med[impl] = statistics.median(slowest[impl])
+            # busbw ring / busbw built-in of one rep = built-in time / ring time
+            ratios = [b / a for a, b in zip(slowest["ring"], slowest["all_reduce"])]
             rows.append(AllreduceRow(n, nbytes, med["ring"], med["all_reduce"],
                                      bus_bandwidth(nbytes, med["ring"], n),
-                                     bus_bandwidth(nbytes, med["all_reduce"], n)))
+                                     bus_bandwidth(nbytes, med["all_reduce"], n),
+                                     statistics.median(ratios), min(ratios), max(ratios)))
     return rows
 
 
 def format_table(rows: Sequence[AllreduceRow]) -> str:
     head = (f"{'ranks':>5} {'size':>9} | {'ring ms':>9} {'busbw GB/s':>10} | "
-            f"{'all_reduce ms':>13} {'busbw GB/s':>10} | {'busbw ring÷built-in':>19}")
+            f"{'all_reduce ms':>13} {'busbw GB/s':>10} | {'busbw ring÷built-in':>19} "
+            f"{'per rep: median (min-max)':>26}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.world_size:>5} {format_size(r.nbytes):>9} | {r.ring_s * 1e3:>9.3f} "
                      f"{r.ring_busbw / 1e9:>10.3f} | {r.all_reduce_s * 1e3:>13.3f} "
-                     f"{r.all_reduce_busbw / 1e9:>10.3f} | {r.ratio:>19.2f}")
+                     f"{r.all_reduce_busbw / 1e9:>10.3f} | {r.ratio:>19.2f} "
+                     + (f"{f'{r.ratio_median:.2f} ({r.ratio_min:.2f}-{r.ratio_max:.2f})':>26}"
+                        if r.ratio_median is not None else ""))
     lines.append("(busbw ring÷built-in: the ring's bus bandwidth as a fraction of dist.all_reduce's; "
-                 "higher is better, 1.00 = as fast)")
+                 "higher is better, 1.00 = as fast; per rep: the same ratio of each interleaved "
+                 "pair, its median and spread)")
     return "\n".join(lines)
 
 
