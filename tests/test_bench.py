@@ -113,9 +113,12 @@ def test_published_results_are_reproduced_within_tolerance():
     assert a100["published_efficiency"] * 8 == pytest.approx(7.72)
 
 
-def test_scaling_command_json(capsys, no_leftovers):
+def test_scaling_command_json(capsys, tmp_path, no_leftovers):
+    figure = tmp_path / "scaling.png"
     assert bench.main(["scaling", "--max-ranks", "2", "--per-device-batch", "4", "--steps", "1",
-                       "--repeats", "1", "--model", "small", "--json"]) == 0
+                       "--repeats", "1", "--model", "small", "--json", "--figure",
+                       str(figure)]) == 0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads(capsys.readouterr().out)
     assert doc["benchmark"] == "scaling" and doc["overlap_assumed"] is False
     kinds = [(r["kind"], r["world_size"]) for r in doc["rows"]]

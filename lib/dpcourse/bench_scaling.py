@@ -307,6 +307,7 @@ def save_figure(result: dict, path: str) -> None:
     ns = [r["world_size"] for r in ddp]
     ax.plot(ns, [r["predicted_images_per_s"] for r in ddp], "s--", label="alpha-beta predicted")
     ax.plot(ns, [n * single for n in ns], ":", color="gray", label="linear")
+    ax.set_xticks(ns)
     ax.set_xlabel("devices N")
     ax.set_ylabel("images/s")
     ax.set_title(f"{result['model']}, {result['per_rank_batch']} images per device")
