@@ -352,6 +352,11 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # than they save — on a CPU (bfloat16) and, for this model at this batch size, even on a large
 # GPU. The last cell measures it on your machine; try it on a ResNet (`models.resnet18_cifar`)
 # with a big batch to see AMP win.
+#
+# To measure the whole ladder on your device — naive float32, TF32, bf16/fp16 autocast,
+# channels_last, `torch.compile` and all of them together, on ResNet-18 — run
+# `python -m dpcourse.bench single` in a terminal (on one H100 this project saw 18.2k
+# images/s in float32 and 25.9k with bf16 + channels_last).
 
 # %%
 import copy
