@@ -165,3 +165,24 @@ def test_scaling_and_single_bad_input_is_one_line(args, message, no_leftovers):
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("python -m dpcourse.bench: error:")
+
+
+def test_scaling_tf_rows_come_from_a_bounded_child(no_leftovers):
+    # TensorFlow only in the child (about 8 s here); the parent never imports it.
+    from dpcourse import bench_tf
+
+    rows = bench_tf.run_tf_scaling(max_ranks=2, per_rank_batch=4, steps=1, repeats=1,
+                                   model="small", timeout=120)
+    assert [(r["kind"], r["world_size"]) for r in rows] == [("mirrored", 1), ("mirrored", 2)]
+    assert rows[0]["efficiency"] == pytest.approx(1.0)
+    assert rows[1]["efficiency"] == pytest.approx(rows[1]["images_per_s"]
+                                                  / (2 * rows[0]["images_per_s"]))
+    assert "tensorflow" not in sys.modules
+
+
+def test_bench_tf_bad_input_is_one_line():
+    from dpcourse import bench_tf
+
+    with pytest.raises(SystemExit) as err:
+        bench_tf.main(["--max-ranks", "0"])
+    assert err.value.code == 2

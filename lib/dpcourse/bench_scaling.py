@@ -5,6 +5,10 @@ alpha-beta prediction, and the same model checked against two published results.
     python -m dpcourse.bench scaling --max-ranks 2 --steps 3 --json
     python -m dpcourse.bench scaling --model resnet18 --per-device-batch 128 --figure scaling.png
     python -m dpcourse.bench scaling --alpha 10e-6 --beta 5e-12   # an NVLink-like link
+    python -m dpcourse.bench scaling --tf --max-ranks 2           # + TF MirroredStrategy rows
+
+``--tf`` adds MirroredStrategy rows measured by :mod:`dpcourse.bench_tf` in a child process
+(TensorFlow is imported there only). The published table is always printed, after the measured one.
 
 With GPUs every DDP rank owns one GPU (nccl) and DataParallel runs in one process over the first
 N GPUs. Without GPUs the same comparison runs on 1-4 gloo processes (one torch thread each: a
@@ -52,6 +56,7 @@ class ScalingConfig:
     beta: float | None = None
     lr: float = 0.01
     timeout: float = 300.0              # seconds per launch
+    tf: bool = False                    # also MirroredStrategy (dpcourse.bench_tf)
     gpus: int = field(default=-1)       # filled in by run_scaling
 
     def validate(self) -> None:
@@ -237,7 +242,10 @@ def run_scaling(cfg: ScalingConfig) -> dict:
     max_ranks = cfg.max_ranks or (cfg.gpus if cfg.gpus else 4)
     if cfg.gpus and max_ranks > cfg.gpus:
         raise ValueError(f"--max-ranks {max_ranks} is larger than the {cfg.gpus} GPU(s) here")
-    backend = "nccl" if cfg.gpus else "gloo"
+    from dpcourse import ddp, devices
+
+    backend = devices.backend_for(max_ranks, cfg.gpus)   # nccl only with a GPU per rank
+    ddp.validate_world_size(max_ranks, backend)
     alpha = CPU_ALPHA if cfg.alpha is None else cfg.alpha
     beta = CPU_BETA if cfg.beta is None else cfg.beta
     runs = [("single", 1)] + [("ddp", n) for n in range(1, max_ranks + 1)]
@@ -265,6 +273,16 @@ def run_scaling(cfg: ScalingConfig) -> dict:
                              efficiency=None, step_ms=None, predicted_step_ms=None,
                              predicted_images_per_s=None,
                              note="no GPUs: DataParallel just calls the module, nothing to measure"))
+    if cfg.tf:
+        from dpcourse import bench_tf
+
+        tf_rows = bench_tf.run_tf_scaling(max_ranks, cfg.per_rank_batch, cfg.steps,
+                                          cfg.repeats, cfg.model, timeout=cfg.timeout * max_ranks)
+        tf_compute_s = cfg.per_rank_batch / tf_rows[0]["images_per_s"]   # TF's own one device
+        for r in tf_rows:
+            pred_step = predict_step_s(tf_compute_s, r["world_size"], nbytes, alpha, beta)
+            rows.append(dict(r, predicted_step_ms=pred_step * 1e3, predicted_images_per_s=
+                             r["world_size"] * cfg.per_rank_batch / pred_step))
     return dict(benchmark="scaling", backend=backend, gpus=cfg.gpus, model=cfg.model,
                 grad_bytes=nbytes, alpha=alpha, beta=beta, per_rank_batch=cfg.per_rank_batch,
                 steps=cfg.steps, repeats=cfg.repeats, single_images_per_s=single,
@@ -272,15 +290,15 @@ def run_scaling(cfg: ScalingConfig) -> dict:
 
 
 def format_scaling(result: dict) -> str:
-    head = (f"{'way':<7}{'N':>3}{'images/s':>10}{'(min-max)':>16}{'eff.':>7}{'step ms':>9}"
+    head = (f"{'way':<9}{'N':>3}{'images/s':>10}{'(min-max)':>16}{'eff.':>7}{'step ms':>9}"
             f"{'predicted ms':>13}")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         if r["images_per_s"] is None:
-            lines.append(f"{r['kind']:<7}{r['world_size']:>3}  {r['note']}")
+            lines.append(f"{r['kind']:<9}{r['world_size']:>3}  {r['note']}")
             continue
         lo, hi = r["spread"]
-        lines.append(f"{r['kind']:<7}{r['world_size']:>3}{r['images_per_s']:>10.0f}"
+        lines.append(f"{r['kind']:<9}{r['world_size']:>3}{r['images_per_s']:>10.0f}"
                      f"{f'({lo:.0f}-{hi:.0f})':>16}{100 * r['efficiency']:>6.0f}%"
                      f"{r['step_ms']:>9.1f}{r['predicted_step_ms']:>13.1f}"
                      + (f"  {r['note']}" if r["note"] else ""))
@@ -298,7 +316,7 @@ def save_figure(result: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     single = result["single_images_per_s"]
-    for kind in ("ddp", "dp"):
+    for kind in ("ddp", "dp", "mirrored"):
         pts = [(r["world_size"], r["images_per_s"]) for r in result["rows"]
                if r["kind"] == kind and r["images_per_s"] is not None]
         if pts:
@@ -335,6 +353,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"A100 ~4.3e-12 (230 GB/s), PCIe 4.0 ~5e-11 (20 GB/s))")
     p.add_argument("--figure", default=None, help="write a PNG of images/s vs N here")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    p.add_argument("--tf", action="store_true",
+                   help="also TensorFlow MirroredStrategy on 1..N devices (child process)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
 
 
@@ -351,7 +371,7 @@ def main(args: argparse.Namespace) -> int:
                         per_rank_batch=_given(args.per_device_batch, 128 if gpu else 32),
                         steps=_given(args.steps, 20 if gpu else 5), repeats=args.repeats,
                         model=args.model,
-                        alpha=args.alpha, beta=args.beta, timeout=args.timeout)
+                        alpha=args.alpha, beta=args.beta, timeout=args.timeout, tf=args.tf)
     result = run_scaling(cfg)          # ValueError -> one line, in bench.main
     if args.figure:
         save_figure(result, args.figure)
