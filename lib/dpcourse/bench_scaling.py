@@ -277,7 +277,8 @@ def run_scaling(cfg: ScalingConfig) -> dict:
         from dpcourse import bench_tf
 
         tf_rows = bench_tf.run_tf_scaling(max_ranks, cfg.per_rank_batch, cfg.steps,
-                                          cfg.repeats, cfg.model, timeout=cfg.timeout * max_ranks)
+                                          cfg.repeats, cfg.model, timeout=cfg.timeout * max_ranks,
+                                          gpus=cfg.gpus)
         tf_compute_s = cfg.per_rank_batch / tf_rows[0]["images_per_s"]   # TF's own one device
         for r in tf_rows:
             pred_step = predict_step_s(tf_compute_s, r["world_size"], nbytes, alpha, beta)

@@ -9,7 +9,8 @@ synthetic data:
 
 * naive    — fp32, NCHW (the baseline, ratio 1.00);
 * tf32     — fp32 tensors, TF32 tensor-core matmuls/convolutions (CUDA only; "n/a on cpu");
-* bf16     — ``torch.autocast(dtype=torch.bfloat16)`` (CPU too, where it is often *slower*);
+* bf16     — ``torch.autocast(dtype=torch.bfloat16)`` (CPU too: slower on CPUs without bf16
+  units; on this project's 2-core Xeon with AMX (amx_bf16) the small CNN ran 1.4-1.5x naive);
 * fp16     — autocast fp16 + ``GradScaler`` (CUDA only);
 * channels_last — fp32 with NHWC memory format;
 * compile  — ``torch.compile`` (only with ``--compile``). Bounded by its mode, not a timer:

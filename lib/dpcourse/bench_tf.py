@@ -35,7 +35,7 @@ __all__ = ["run_tf_scaling", "measure", "keras_resnet18"]
 
 
 def run_tf_scaling(max_ranks: int, per_rank_batch: int, steps: int, repeats: int,
-                   model: str, timeout: float = 600.0) -> list[dict]:
+                   model: str, timeout: float = 600.0, gpus: int = 0) -> list[dict]:
     """Rows like bench_scaling's (kind "mirrored"), measured in a bounded child process."""
     cmd = [sys.executable, "-m", "dpcourse.bench_tf", "--max-ranks", str(max_ranks),
            "--per-device-batch", str(per_rank_batch), "--steps", str(steps),
@@ -56,7 +56,8 @@ def run_tf_scaling(max_ranks: int, per_rank_batch: int, steps: int, repeats: int
         rows.append(dict(kind="mirrored", world_size=n, images_per_s=img_s,
                          spread=[min(vals), max(vals)], efficiency=img_s / (n * single),
                          step_ms=n * per_rank_batch / img_s * 1e3,
-                         note="efficiency vs MirroredStrategy on 1 device"))
+                         note="eff. vs Mirrored on 1 device" + (
+                             "" if gpus else "; logical CPU devices share one thread pool")))
     return rows
 
 
