@@ -186,3 +186,29 @@ def test_bench_tf_bad_input_is_one_line():
     with pytest.raises(SystemExit) as err:
         bench_tf.main(["--max-ranks", "0"])
     assert err.value.code == 2
+
+
+def test_scaling_runs_take_turns(monkeypatch):
+    # Interleaved: every configuration once per repeat, never all repeats of one first.
+    calls = []
+
+    def fake_run(kind, n, cfg, backend):
+        calls.append((kind, n))
+        return 100.0 * n
+
+    monkeypatch.setattr(bench_scaling, "_one_run", fake_run)
+    result = bench_scaling.run_scaling(bench_scaling.ScalingConfig(max_ranks=2, repeats=2,
+                                                                   model="small"))
+    one_round = [("single", 1), ("ddp", 1), ("ddp", 2)]
+    assert calls == one_round * 2
+    ddp2 = next(r for r in result["rows"] if (r["kind"], r["world_size"]) == ("ddp", 2))
+    assert ddp2["efficiency"] == pytest.approx(1.0) and ddp2["spread"] == [200.0, 200.0]
+
+
+def test_ddp_table_shows_median_and_spread():
+    result = {"cap": 25.0, "ratio": 1.05, "ratio_spread": [0.98, 1.10],
+              "runs": [{"kind": "ddp", "bucket_cap_mb": 25.0, "step_s": 0.060,
+                        "spread": [0.059, 0.066], "collectives_per_step": 1}]}
+    table = bench.format_ddp_table(result)
+    assert "60.0" in table and "(59.0-66.0)" in table
+    assert "1.05x (per launch 0.98-1.10)" in table
