@@ -298,13 +298,25 @@ def ring_stepper(trace, static: bool = True,
         play = widgets.Play(value=0, min=0, max=last, interval=900, description="play")
         widgets.jslink((play, "value"), (slider, "value"))
         label = widgets.Label(value=trace.describe(0))
+        # A plain "next" button and a counter: the slider alone is fiddly to move by exactly
+        # one step, and a browser test clicks this button by its name.
+        counter = widgets.Label(value=f"step 1 / {last + 1}")
+        counter.add_class("dpcourse-step-counter")
+        next_button = widgets.Button(description="next", layout=widgets.Layout(width="70px"))
 
         def on_change(change):
-            image.value = frames[change["new"]]
-            label.value = trace.describe(change["new"])
+            i = change["new"]
+            image.value = frames[i]
+            label.value = trace.describe(i)
+            counter.value = f"step {i + 1} / {last + 1}"
+
+        def on_next(_button):
+            slider.value = min(slider.value + 1, last)  # stops at the last step
 
         slider.observe(on_change, names="value")
-        box = widgets.VBox([widgets.HBox([play, slider]), label, image])
+        next_button.on_click(on_next)
+        box = widgets.VBox([widgets.HBox([play, slider, next_button, counter]), label, image])
+        box.add_class("dpcourse-stepper")
         bundle = box._repr_mimebundle_() or {}
         view = bundle.get("application/vnd.jupyter.widget-view+json")
         if view is not None:
@@ -317,9 +329,101 @@ def ring_stepper(trace, static: bool = True,
     return box
 
 
+def explorer(draw, controls: dict, caption: str, description: str = "interactive explorer"):
+    """Sliders that redraw ``draw(**values)`` (a function returning a matplotlib figure), then
+    the static figure for the default values, for readers without a kernel. Returns the widget
+    (None without ipywidgets: then only the static figure is shown).
+
+    ``controls`` maps each keyword of ``draw`` to an ipywidgets control (a slider), or to a
+    tuple ``(value, min, max)`` / ``(value, min, max, step)``, made an IntSlider when all are
+    ints, a FloatSlider otherwise. Like :func:`ring_stepper`, the figure is PNG bytes in an
+    ``ipywidgets.Image`` (an ``Output`` widget would break nbval), and the widget is displayed
+    with a one-line plain-text fallback so stored notebooks stay stable. The figure always
+    comes from the library's own drawing functions: the widget only chooses their arguments.
+    """
+    try:
+        import ipywidgets as widgets
+        from IPython.display import display
+    except ImportError:
+        widgets = None
+    box = None
+    if widgets is not None:
+        sliders = {name: _make_control(widgets, name, spec) for name, spec in controls.items()}
+
+        def render() -> bytes:
+            return figure_to_png(draw(**{name: w.value for name, w in sliders.items()}))
+
+        image = widgets.Image(value=render(), format="png")
+
+        def redraw(_change):
+            image.value = render()
+
+        for w in sliders.values():
+            w.observe(redraw, names="value")
+        box = widgets.VBox([*sliders.values(), image])
+        box.add_class("dpcourse-explorer")
+        view = (box._repr_mimebundle_() or {}).get("application/vnd.jupyter.widget-view+json")
+        if view is not None:
+            display({"application/vnd.jupyter.widget-view+json": view,
+                     "text/plain": f"[{description}: run the notebook live to use the "
+                                   f"sliders; the figure for the default values is below]"},
+                    raw=True)
+        defaults = {name: w.value for name, w in sliders.items()}
+    else:
+        defaults = {name: (spec[0] if isinstance(spec, tuple) else spec.value)
+                    for name, spec in controls.items()}
+    show(draw(**defaults), caption)
+    return box
+
+
+def _make_control(widgets, name, spec):
+    """A control from a ready widget or a ``(value, min, max[, step])`` tuple."""
+    if not isinstance(spec, tuple):
+        return spec
+    kind = widgets.IntSlider if all(isinstance(v, int) for v in spec) else widgets.FloatSlider
+    keys = ("value", "min", "max", "step")
+    return kind(description=name, continuous_update=False, **dict(zip(keys, spec)))
+
+
 # --------------------------------------------------------------------------------------------
 # Cost models and measurements
 # --------------------------------------------------------------------------------------------
+
+
+def cost_vs_n_figure(alpha: float, beta: float, nbytes: float, n_max: int = 64):
+    """Lesson 06's explorer: all-reduce time of every algorithm in ``ring.cost`` against N
+    (2..n_max) at K = ``nbytes``, with the smallest N from which the ring is the cheapest."""
+    from dpcourse.ring import ALGORITHMS, cost
+
+    ns = list(range(2, max(int(n_max), 3) + 1))
+    times = {alg: [cost(alg, n, nbytes, alpha, beta).seconds for n in ns] for alg in ALGORITHMS}
+    fig = new_figure(6.5, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    labels = {"tree": "binomial tree (unpipelined)"}
+    for alg in ALGORITHMS:
+        ax.plot(ns, times[alg], label=labels.get(alg, alg))
+    # The crossover: the first N from which the ring stays the cheapest up to n_max (ties
+    # with another algorithm count as cheapest).
+    ring_best = [times["ring"][i] <= min(t[i] for t in times.values()) for i in range(len(ns))]
+    crossover = None
+    for i in range(len(ns) - 1, -1, -1):
+        if not ring_best[i]:
+            break
+        crossover = ns[i]
+    if crossover is not None:
+        ax.axvline(crossover, color="k", ls="--", lw=1)
+        where = f"ring cheapest from N = {crossover}"
+    else:
+        where = "ring cheapest: none in range"
+    ax.set_yscale("log")
+    ax.set_xlabel("workers N")
+    ax.set_ylabel("seconds per all-reduce")
+    ax.set_title(f"K = {nbytes / 1e6:.3g} MB, alpha = {alpha * 1e6:.3g} us, "
+                 f"1/beta = {1 / beta / 1e9:.3g} GB/s — {where}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.13, top=0.9)
+    return fig
 
 
 def cost_figure(alpha: float, beta: float, n_fixed: int = 8, nbytes_fixed: float = 100e6,
