@@ -267,6 +267,28 @@ claim("predicted: PCIe takes several times longer",
 claim("at 1024 GPUs each link still carries under 2K", p1024.busiest_bytes < 2 * k_resnet50)
 
 # %% [markdown]
+# Try it yourself: drag K down to a few kilobytes and raise α, and watch the crossover where
+# the ring becomes the cheapest move to larger N (or leave the range); then raise K again.
+
+# %%
+# The sliders start at this machine's fitted α and β; the curves come from ring.cost itself.
+import ipywidgets as widgets
+
+cost_explorer = viz.explorer(
+    viz.cost_vs_n_figure,
+    {"n_max": widgets.IntSlider(value=16, min=4, max=128, description="N up to",
+                                continuous_update=False),
+     "nbytes": widgets.FloatLogSlider(value=k_resnet50, base=10, min=3, max=10,
+                                      description="K (bytes)", continuous_update=False),
+     "alpha": widgets.FloatLogSlider(value=fit.alpha, base=10, min=-7, max=-1,
+                                     description="α (s)", continuous_update=False),
+     "beta": widgets.FloatLogSlider(value=fit.beta, base=10, min=-13, max=-6,
+                                    description="β (s/B)", continuous_update=False)},
+    caption="all-reduce time against N at the chosen K under this machine's α-β model; the "
+            "dashed line marks the N from which the ring is the cheapest.",
+    description="cost-model explorer (N, K, α, β)")
+
+# %% [markdown]
 # ## 4. A real ring over `torch.distributed`
 #
 # `dpcourse.ring.ring_allreduce(tensor, op="sum" | "average")` does exactly the simulator's

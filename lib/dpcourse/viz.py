@@ -382,7 +382,9 @@ def _make_control(widgets, name, spec):
         return spec
     kind = widgets.IntSlider if all(isinstance(v, int) for v in spec) else widgets.FloatSlider
     keys = ("value", "min", "max", "step")
-    return kind(description=name, continuous_update=False, **dict(zip(keys, spec)))
+    # continuous_update=False: redraw once the handle is let go, not for every pixel dragged.
+    return kind(description=name.replace("_", " "), continuous_update=False,
+                style={"description_width": "initial"}, **dict(zip(keys, spec)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -551,8 +553,9 @@ def traffic_figure(n_params: int, counted: dict[int, int], ns: Sequence[int] = r
             label="DataParallel: through device 0, 2(N−1)K")
     ax.plot(ns, [2 * (n - 1) * k / n for n in ns], "-", color="#2ca02c",
             label="ring all-reduce: per rank, 2(N−1)K/N")
-    ax.plot(list(counted), list(counted.values()), "o", color="#cc0000",
-            label="counted in this run (device 0)")
+    if counted:  # lesson 02's explorer draws the formulas alone
+        ax.plot(list(counted), list(counted.values()), "o", color="#cc0000",
+                label="counted in this run (device 0)")
     ax.axhline(2 * k, color="#2ca02c", ls=":", lw=0.8)
     ax.text(ns[-1], 2 * k, "  2K", va="center", fontsize=8, color="#2ca02c")
     ax.set_xlabel("devices N")
