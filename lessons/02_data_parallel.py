@@ -238,6 +238,22 @@ viz.show(viz.traffic_figure(K, counted),
          "keeps every rank's traffic under 2K.")
 
 # %% [markdown]
+# Try it yourself: raise N and watch device 0's line climb while the ring's stays under 2K;
+# change the model size and see that it only rescales both lines.
+
+# %%
+def traffic_up_to(n_max, millions_of_params):
+    """The two formulas above, for N = 2..n_max and K = millions_of_params × 10⁶."""
+    return viz.traffic_figure(int(millions_of_params * 1e6), {}, range(2, n_max + 1))
+
+
+traffic_explorer = viz.explorer(
+    traffic_up_to, {"n_max": (16, 3, 64), "millions_of_params": (25.0, 1.0, 1000.0, 1.0)},
+    caption="numbers moved per step: device 0 in DataParallel, 2(N−1)K, grows with N; "
+            "a ring’s rank, 2(N−1)K/N, stays under 2K.",
+    description="traffic explorer (N, model size)")
+
+# %% [markdown]
 #
 # **Replicate every step.** The weights change at every optimizer step, so the replicas are built
 # again every step — three steps, three replications:
