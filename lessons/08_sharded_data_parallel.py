@@ -86,6 +86,18 @@ viz.show(viz.zero_holdings_figure(4),
          "slice of one more band.")
 
 # %% [markdown]
+# Try it yourself: set your own GPU's memory and a model size, and find the smallest number
+# of GPUs at which each stage fits (activations come on top of these bars).
+
+# %%
+zero_calculator = viz.explorer(
+    viz.zero_calculator_figure,
+    {"billions": (7.5, 0.5, 200.0, 0.5), "gpu_gb": (80.0, 8.0, 192.0, 8.0), "n_gpus": (64, 1, 1024)},
+    caption="model state per GPU for each stage (zero.bytes_per_param) against the GPU's memory; "
+            "green bars fit.",
+    description="ZeRO memory calculator (model size, GPU memory, N)")
+
+# %% [markdown]
 # ## 2. ZeRO-1: shard the optimizer state
 # See all the parameters as one flat vector of Ψ numbers, padded with zeros to a multiple of N
 # (collectives want equal pieces) and cut into N slices. Rank r keeps the fp32 master copy

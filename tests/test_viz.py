@@ -106,3 +106,13 @@ def test_without_ipywidgets_only_the_static_figure(monkeypatch):
                        caption="static only")
     assert box is None
     assert shown == ["static only"]
+
+
+def test_zero_calculator_redraws():
+    box = viz.explorer(viz.zero_calculator_figure,
+                       {"billions": (7.5, 0.5, 200.0, 0.5), "gpu_gb": (80.0, 8.0, 192.0, 8.0),
+                        "n_gpus": (64, 1, 1024)}, caption="test")
+    (image,) = _images(box)
+    before = image.value
+    box.children[2].value = 8  # fewer GPUs: every sharded bar grows
+    assert image.value != before

@@ -894,6 +894,31 @@ def zero_holdings_figure(world_size: int = 4, bytes_per_kind=(2, 2, 12)):
     return fig
 
 
+def zero_calculator_figure(billions: float, gpu_gb: float, n_gpus: int):
+    """Lesson 08's calculator: model-state GB per GPU for each stage, from
+    ``zero.bytes_per_param`` (mixed-precision Adam), against the GPU's memory; bars that fit
+    are green. Activations are not counted, so "fits" is a lower bound on what is needed."""
+    from dpcourse import zero
+
+    gbs = [billions * 1e9 * zero.bytes_per_param(s, n_gpus) / 1e9 for s in zero.STAGES]
+    fig = new_figure(6.4, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    colours = ["#2ca02c" if gb <= gpu_gb else "#cc0000" for gb in gbs]
+    bars = ax.bar(list(zero.STAGES), gbs, color=colours)
+    for bar, gb in zip(bars, gbs):
+        ax.text(bar.get_x() + bar.get_width() / 2, gb, f"{gb:.1f} GB\n"
+                f"{'fits' if gb <= gpu_gb else 'too big'}", ha="center", va="bottom", fontsize=8)
+    ax.axhline(gpu_gb, color="k", ls="--", lw=1)
+    ax.text(3.45, gpu_gb, f" {gpu_gb:g} GB GPU", va="bottom", ha="right", fontsize=8)
+    ax.set_ylim(0, max(max(gbs), gpu_gb) * 1.25)
+    ax.set_ylabel("model state per GPU (GB)")
+    ax.set_title(f"{billions:g} B parameters on {n_gpus} GPUs (mixed-precision Adam, "
+                 f"activations not counted)", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.1, top=0.9)
+    return fig
+
+
 def zero_memory_figure(counted: dict):
     """Stacked bars of the bytes one rank holds, counted: ``counted[N][stage]`` is
     ``{"params": b, "grads": b, "optimizer": b}``; one group of bars per N."""
