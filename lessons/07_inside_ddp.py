@@ -141,6 +141,44 @@ names = {p: n for n, p in model.named_parameters()}
 for i, b in enumerate(buckets):
     print(f"bucket {i}: {overlap.bucket_nbytes(b) / 1024:6.1f} KiB  {[names[p] for p in b]}")
 
+# %% [markdown]
+# Try it yourself: slide the bucket cap and watch how many collectives one step needs for
+# this model, from nearly one per parameter tensor (tiny cap: small tensors still share a
+# bucket) down to a single one (a cap above the model's size).
+
+# %%
+import ipywidgets as widgets
+import numpy as np
+
+
+def collectives_at(cap_kib):
+    """Buckets (= all-reduces per step) that overlap.assign_buckets makes for this model."""
+    params = list(model.parameters())
+    caps = sorted({cap_kib, *np.geomspace(1, 4096, 25)})
+    counts = [len(overlap.assign_buckets(params, c / 1024)) for c in caps]
+    fig = viz.new_figure(6, 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.step(caps, counts, where="post")
+    here = len(overlap.assign_buckets(params, cap_kib / 1024))
+    ax.plot([cap_kib], [here], "o", color="#cc0000", label=f"cap {cap_kib:g} KiB: {here} buckets")
+    ax.set_xscale("log")
+    ax.set_xlabel("bucket cap (KiB)")
+    ax.set_ylabel("all-reduces per step")
+    ax.set_title(f"{len(params)} parameter tensors, {overlap.bucket_nbytes(params) / 1024:.0f} KiB",
+                 fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.9)
+    return fig
+
+
+bucket_explorer = viz.explorer(
+    collectives_at, {"cap_kib": widgets.FloatLogSlider(value=cap_mb * 1024, base=2, min=0, max=12,
+                                                       description="cap (KiB)",
+                                                       continuous_update=False)},
+    caption="all-reduces per step against the bucket cap, from overlap.assign_buckets.",
+    description="bucket-size explorer")
+
 # %%
 bucketed = launch.spawn(overlap.equality_worker, world_size, cfg, ("bucketed", "ddp"), cap_mb,
                         backend=backend, timeout=120)
