@@ -168,16 +168,26 @@ def test_scaling_and_single_bad_input_is_one_line(args, message, no_leftovers):
 
 
 def test_scaling_tf_rows_come_from_a_bounded_child(no_leftovers):
-    # TensorFlow only in the child (about 8 s here); the parent never imports it.
-    from dpcourse import bench_tf
-
-    rows = bench_tf.run_tf_scaling(max_ranks=2, per_rank_batch=4, steps=1, repeats=1,
-                                   model="small", timeout=120)
+    # TensorFlow only in the child (about 8 s here); the parent never imports it. The parent is
+    # a fresh interpreter: this pytest worker may have imported TF already for another test file.
+    script = (
+        "import json, sys\n"
+        "from dpcourse import bench_tf\n"
+        "rows = bench_tf.run_tf_scaling(max_ranks=2, per_rank_batch=4, steps=1, repeats=1,\n"
+        "                               model='small', timeout=120)\n"
+        "print(json.dumps({'rows': rows, 'tf_in_parent': 'tensorflow' in sys.modules}))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "lib"))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = result["rows"]
     assert [(r["kind"], r["world_size"]) for r in rows] == [("mirrored", 1), ("mirrored", 2)]
     assert rows[0]["efficiency"] == pytest.approx(1.0)
     assert rows[1]["efficiency"] == pytest.approx(rows[1]["images_per_s"]
                                                   / (2 * rows[0]["images_per_s"]))
-    assert "tensorflow" not in sys.modules
+    assert result["tf_in_parent"] is False
 
 
 def test_bench_tf_bad_input_is_one_line():
