@@ -4,6 +4,7 @@ and what to fix when something is missing. Lesson 00 runs it.
     python -m dpcourse doctor          # the report
     python -m dpcourse doctor --json   # the same, for scripts
     python -m dpcourse diagnose [--nproc 2] [--timeout 10] [--detail] script.py [script args]
+    python -m dpcourse workshop-check --learners 4 [--plan] [--json]   # see dpcourse.workshop
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ def diagnose_script(script: str, script_args: list[str], nproc: int = 2, timeout
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["workshop-check"]:  # its own parser, in dpcourse.workshop
+        from dpcourse import workshop
+
+        return workshop.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m dpcourse")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="check this machine for the course")
@@ -114,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--nproc", type=int, default=2)
     g.add_argument("--timeout", type=float, default=10.0)
     g.add_argument("--detail", action="store_true", help="TORCH_DISTRIBUTED_DEBUG=DETAIL")
+    sub.add_parser("workshop-check", add_help=False,
+                   help="rehearse N learners launching at once: ports, orphans, times, and "
+                   "the per-learner settings (--learners N, --plan, --json)")
     args = parser.parse_args(argv)
     if args.cmd == "diagnose":
         return diagnose_script(args.script, args.script_args, args.nproc, args.timeout,
