@@ -3,6 +3,7 @@ and what to fix when something is missing. Lesson 00 runs it.
 
     python -m dpcourse doctor          # the report
     python -m dpcourse doctor --json   # the same, for scripts
+    python -m dpcourse doctor --run    # run every lesson and solution here (dpcourse.doctor_run)
     python -m dpcourse diagnose [--nproc 2] [--timeout 10] [--detail] script.py [script args]
     python -m dpcourse workshop-check --learners 4 [--plan] [--json]   # see dpcourse.workshop
 """
@@ -113,6 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="check this machine for the course")
     d.add_argument("--json", action="store_true")
+    d.add_argument("--run", action="store_true", help="execute every lesson and lab solution "
+                   "under strict nbval on this machine's profile and report per notebook")
+    d.add_argument("--only", action="append", metavar="TEXT",
+                   help="with --run: only notebooks whose name contains TEXT (repeatable)")
+    d.add_argument("--profile", choices=("cpu", "one-gpu", "multi-gpu"),
+                   help="with --run: force a profile (as DPCOURSE_PROFILE does)")
+    d.add_argument("--timeout", type=float, default=900.0,
+                   help="with --run: seconds per notebook (default 900)")
+    d.add_argument("--list", action="store_true", help="with --run: list what would run")
     g = sub.add_parser("diagnose", help="run a torchrun-style script on N local ranks, bounded, "
                        "and report hangs, failures and mismatched collectives")
     g.add_argument("script")
@@ -127,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "diagnose":
         return diagnose_script(args.script, args.script_args, args.nproc, args.timeout,
                                args.detail)
+    if args.cmd == "doctor" and not args.run and (args.only or args.profile or args.list):
+        parser.error("--only, --profile and --list go with --run")
+    if args.cmd == "doctor" and args.run:
+        if args.timeout <= 0:
+            parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+        from dpcourse import doctor_run
+
+        return doctor_run.main(args.only, args.profile, args.timeout, args.json, args.list)
     return doctor(args.json)
 
 
