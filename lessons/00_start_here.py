@@ -89,7 +89,10 @@ except LabCheckError as err:
 # |---|---|---|---|---|
 # | `cpu` | no GPU (laptop, Binder, CI) | CPU | 2 processes over **gloo** on the CPU | CPU split into 2 logical devices |
 # | `one-gpu` | one GPU | CUDA | ranks over gloo (NCCL refuses two ranks on one GPU) | GPU split into 2 logical GPUs |
-# | `multi-gpu` | 2+ GPUs | CUDA | **NCCL**, one GPU per rank | the real GPUs |
+# | `multi-gpu` | 2+ GPUs | CUDA | **NCCL**, one GPU per rank | 2 of the real GPUs |
+#
+# Every profile starts **2 ranks**, even with 8 GPUs, so that what a lesson prints and proves
+# is the same on every machine; a lesson's parameters cell (`world_size = 4`) asks for more.
 #
 # Instructors can force a profile with the environment variable `DPCOURSE_PROFILE` (for
 # example to rehearse the CPU path on a GPU server). `python -m dpcourse doctor` prints the

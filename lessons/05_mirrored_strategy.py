@@ -53,6 +53,8 @@ multiworker_timeout = 90
 # so no C++ log line lands in this notebook.)
 
 # %%
+# NBVAL_IGNORE_OUTPUT
+# (why: the device kind is the machine's: CPU here, GPU on a GPU machine.)
 from dpcourse import devices, mirrored, viz
 from dpcourse.checks import claim
 

@@ -22,12 +22,26 @@ def fake_report(gpus=0, nccl=None):
 @pytest.mark.parametrize("gpus, name, backend, ws, rank_device", [
     (0, "cpu", "gloo", 2, "cpu"),
     (1, "one-gpu", "gloo", 2, "cpu"),
-    (4, "multi-gpu", "nccl", 4, "cuda"),
+    # 2 ranks by default on every profile (the stored outputs hold everywhere) ...
+    (4, "multi-gpu", "nccl", 2, "cuda"),
 ])
 def test_profile_follows_the_hardware(monkeypatch, gpus, name, backend, ws, rank_device):
     monkeypatch.delenv("DPCOURSE_PROFILE", raising=False)
     p = devices.choose_profile(fake_report(gpus))
     assert (p.name, p.backend, p.world_size, p.rank_device) == (name, backend, ws, rank_device)
+    assert p.tf_devices == 2
+
+
+@pytest.mark.parametrize("ws, backend, rank_device, tf_devices", [
+    (4, "nccl", "cuda", 4),   # ... and every GPU when the parameters cell asks
+    (5, "gloo", "cpu", 4),    # more ranks than GPUs: NCCL would put two ranks on one GPU
+])
+def test_multi_gpu_world_size_from_the_parameters_cell(monkeypatch, ws, backend, rank_device,
+                                                      tf_devices):
+    monkeypatch.delenv("DPCOURSE_PROFILE", raising=False)
+    p = devices.choose_profile(fake_report(4), world_size=ws)
+    assert (p.world_size, p.backend, p.rank_device, p.tf_devices) == (ws, backend, rank_device,
+                                                                     tf_devices)
 
 
 def test_profile_can_be_forced_but_not_beyond_the_hardware(monkeypatch):

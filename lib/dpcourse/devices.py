@@ -8,6 +8,13 @@ The three profiles (lesson 00 shows yours, ``python -m dpcourse doctor`` prints 
   (NCCL refuses two ranks on one GPU); TensorFlow can split the GPU into logical GPUs.
 * ``multi-gpu`` — NCCL, one GPU per rank; real ``nn.DataParallel``; MirroredStrategy on real GPUs.
 
+Every profile starts the multi-rank lessons with **2 ranks** (TensorFlow: 2 replicas), even on
+an 8-GPU box: the lessons' global batches, printed numbers and claims are then the same on
+every machine, so the notebooks stored from a CPU build pass strict nbval on GPUs too (a run
+at world size 3 broke lessons 03, 05 and 07: 32 and 64 do not split over 3 ranks). Set
+``world_size`` in a lesson's parameters cell to use more GPUs; ``python -m dpcourse.bench
+scaling`` measures all of them.
+
 Lessons ask this module; nobody edits a notebook to change hardware. An instructor can force a
 profile with the environment variable ``DPCOURSE_PROFILE`` (e.g. to rehearse the CPU path on a
 GPU box). Nothing here imports TensorFlow unless a TF function is called.
@@ -127,9 +134,10 @@ def choose_profile(report: HardwareReport | None = None, world_size: int | None 
     if name == "multi-gpu" and n < 2:
         raise ValueError(f"DPCOURSE_PROFILE=multi-gpu needs 2 or more GPUs, torch sees {n}")
     if name == "multi-gpu":
-        ws = world_size or n
-        return Profile(name, "cuda", ws, backend_for(ws, n, report.nccl),
-                       "cuda" if ws <= n else "cpu", "GPU", n)
+        ws = world_size or 2
+        nccl = backend_for(ws, n, report.nccl) == "nccl"
+        return Profile(name, "cuda", ws, "nccl" if nccl else "gloo", "cuda" if nccl else "cpu",
+                       "GPU", min(ws, n))
     ws = world_size or 2
     if name == "one-gpu":
         return Profile(name, "cuda", ws, "gloo", "cpu", "GPU", 2)
