@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
                 ("4,5", "multi-gpu", "8"), ("6,7", "multi-gpu", "8")]),
     # as many GPUs as learners: one each
     (2, 2, 8, [("0", "one-gpu", "2"), ("1", "one-gpu", "2")]),
-    # fewer GPUs than learners: shared round-robin
-    (3, 2, 2, [("0", "one-gpu", "1"), ("1", "one-gpu", "1"), ("0", "one-gpu", "1")]),
+    # fewer GPUs than learners: everyone on the CPU, the same course for all
+    (3, 2, 2, [("", "cpu", "1")] * 3),
 ])
 def test_learner_settings(learners, gpus, cpus, expected):
     settings = workshop.learner_settings(learners, gpus, cpus)
@@ -34,9 +34,8 @@ def test_learner_settings(learners, gpus, cpus, expected):
            for s in settings]
     assert got == expected
     assert [s.learner for s in settings] == list(range(learners))
-    # TensorFlow must not grab a whole GPU that other learners share
-    shared = gpus and gpus < learners
-    assert all(("TF_FORCE_GPU_ALLOW_GROWTH" in s.env) == bool(shared) for s in settings)
+    assert all(set(s.env) == {"CUDA_VISIBLE_DEVICES", "DPCOURSE_PROFILE", "OMP_NUM_THREADS"}
+               for s in settings)
 
 
 def test_leftover_gpus_are_named_and_settings_paste_as_exports():

@@ -210,6 +210,13 @@ def split_tf_devices(n: int = 2, device_type: str | None = None, gpu_memory_mb: 
     if device_type == "GPU" and not gpus:
         raise ValueError("device_type='GPU' but TensorFlow sees no GPU; use 'CPU'")
     if device_type == "GPU" and len(gpus) >= n:
+        # Real GPUs: TF would otherwise reserve nearly all of each GPU's memory when it
+        # starts, and torch in the same kernel (or a rank it spawns) would find none left.
+        for gpu in gpus:
+            try:
+                tf.config.experimental.set_memory_growth(gpu, True)
+            except RuntimeError:
+                pass  # TF has started already: too late to change, and not ours to undo
         return [f"/gpu:{i}" for i in range(n)]
     physical = gpus[0] if device_type == "GPU" else tf.config.list_physical_devices("CPU")[0]
     if device_type == "GPU":

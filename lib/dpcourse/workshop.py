@@ -59,11 +59,10 @@ def learner_settings(learners: int, gpu_count: int, cpu_count: int,
     ``cpu_count`` cores, each running up to ``ranks`` processes at once.
 
     GPUs: with at least one per learner, each learner gets a contiguous slice of
-    ``gpu_count // learners`` (2 or more: the multi-gpu profile, NCCL; exactly 1: one-gpu);
-    with fewer GPUs than learners, learner i shares GPU ``i % gpu_count`` with others (one-gpu
-    profile; TensorFlow is told to grow its memory instead of taking the whole GPU). Without
-    GPUs everyone gets the cpu profile and ``CUDA_VISIBLE_DEVICES`` is empty, so a CUDA build
-    of torch does not go looking.
+    ``gpu_count // learners`` (2 or more: the multi-gpu profile, NCCL; exactly 1: one-gpu).
+    With fewer GPUs than learners, or none, everyone gets the cpu profile and an empty
+    ``CUDA_VISIBLE_DEVICES`` (so a CUDA build of torch does not go looking): the same course
+    for every learner, rather than some on GPUs and several kernels sharing one GPU's memory.
 
     Threads: every rank's PyTorch would start one thread per core; N learners × ``ranks``
     ranks would then fight over the cores, so each rank gets ``cpu_count // (N × ranks)``
@@ -90,11 +89,12 @@ def learner_settings(learners: int, gpu_count: int, cpu_count: int,
             if i == learners - 1 and gpu_count % learners:
                 note += f" ({gpu_count % learners} GPU(s) left for the instructor)"
         else:
-            gpu = i % gpu_count
-            sharing = len(range(gpu, learners, gpu_count))
-            env.update(CUDA_VISIBLE_DEVICES=str(gpu), DPCOURSE_PROFILE="one-gpu",
-                       TF_FORCE_GPU_ALLOW_GROWTH="true")
-            note = f"shares GPU {gpu} with {sharing - 1} other(s): memory is shared"
+            # Fewer GPUs than learners: everyone on the CPU profile rather than some learners
+            # on GPUs and some not, or several kernels fighting over one GPU's memory; the
+            # lessons give the same checked results on the CPU.
+            env.update(CUDA_VISIBLE_DEVICES="", DPCOURSE_PROFILE="cpu")
+            note = (f"{gpu_count} GPU(s) for {learners} learners: everyone on the cpu profile "
+                    f"(GPUs need one per learner)")
         out.append(LearnerSettings(i, env, note))
     return out
 
