@@ -34,7 +34,7 @@
 # %% tags=["parameters"]
 world_size = None     # None: from the hardware profile (2 on the cpu profile)
 steps = 3             # steps of the equality runs
-cap_mb = 0.05         # bucket cap for the small CNN (0.15 MiB): gives 3 buckets
+cap_mb = 0.05         # bucket cap in MiB; the small CNN holds 0.15 MiB: gives 3 buckets
 sweep_caps = (0.1, 1, 4, 25, float("inf"))   # MiB; inf = one bucket
 timed_steps = 5       # timed steps per version (median), after one warm-up step
 hook_steps = 120      # training steps of the comm-hook comparison
@@ -193,7 +193,8 @@ claim("the first bucket holds the last layer; the last bucket holds the first la
 # %% [markdown]
 # ## 4. Measuring the overlap
 # The small CNN is too small for buckets to matter, so for timing we take a model whose size
-# is in many equal matrices — 64 `Linear` layers of width 320, 28 MiB of float32, quick on a
+# is in many matrices — 64 `Linear` layers of width 320 (the first, 3072 × 320, is the
+# largest at 3.75 MiB), 28 MiB of float32, quick on a
 # CPU — and train it with all four versions, their steps interleaved so that a busy moment of
 # the machine hits all of them alike, plus the bucketed version at each cap of `sweep_caps`.
 # `timing_worker` also records, for the last step, when each gradient was ready and when each
@@ -249,8 +250,11 @@ viz.show(viz.overlap_timeline_figure(tl, "bucketed, 4 MiB buckets: rank 0, last 
 busy = sum(e - s for (_, i, s), (_, j, e) in zip(
     sorted((e for e in tl["events"] if e[0] == "launch"), key=lambda e: e[1]),
     sorted((e for e in tl["events"] if e[0] == "done"), key=lambda e: e[1])))
-print(f"backward {tl['backward_end']:.1f} ms; all-reduces in flight {busy:.1f} ms in all; "
-      f"the step ended {tl['sync_end'] - tl['backward_end']:.1f} ms after backward() returned")
+print(f"backward {tl['backward_end']:.1f} ms; the step ended "
+      f"{tl['sync_end'] - tl['backward_end']:.1f} ms after backward() returned")
+# The bars overlap the backward and can queue behind one another, so their summed length is
+# not what communication added to the step (that is the second number above):
+print(f"the all-reduce bars' lengths add up to {busy:.1f} ms")
 
 # %% [markdown]
 # ### The bucket-size sweep
@@ -270,18 +274,22 @@ worst = max(sweep, key=lambda r: r["step_s"])
 one = sweep[-1]
 print(f"On this run the fastest cap was {cap_label(best['bucket_cap_mb'])} "
       f"({best['step_s'] * 1e3:.0f} ms), {worst['step_s'] / best['step_s']:.1f}x faster than the "
-      f"slowest, {cap_label(worst['bucket_cap_mb'])}; one bucket (no overlap) took "
-      f"{one['step_s'] / best['step_s']:.2f}x the fastest.")
+      f"slowest, {cap_label(worst['bucket_cap_mb'])}; " +
+      ("overlap did not pay here: one bucket, which overlaps nothing, was the fastest."
+       if one is best else
+       f"one bucket (no overlap) took {one['step_s'] / best['step_s']:.2f}x the fastest."))
 viz.show(viz.bucket_sweep_figure(sweep),
          "step time against the bucket cap on this machine: tiny buckets pay the per-message "
-         "cost hundreds of times; one bucket cannot start before the backward ends.")
+         "cost over a hundred times; one bucket cannot start before the backward ends.")
 
 # %% [markdown]
 # Two forces meet here. Small buckets start early, but each all-reduce pays α (lesson 06), so
 # 126 of them cost more than their bytes; one bucket pays α once but cannot leave before the
 # backward has finished, so nothing overlaps. The printed sentence says which cap won *on your
-# run*. On a 2-core CPU with gloo, communication and the backward compete for the same two
-# cores, so the overlap buys little and the message count dominates; on GPUs with NCCL the
+# run*. On a CPU with gloo, communication and the backward compete for the same few cores,
+# so how much overlap buys depends on the machine: compare "one bucket" (no overlap) with the
+# fastest cap above, and, in the next table, the after-backward version with the per-parameter
+# hooks (the same 128 messages; overlap is the only difference). On GPUs with NCCL the
 # transfer runs beside the compute and the middle caps win (DDP's paper measured that overlap
 # saved up to 38% of ResNet-50's step; its default cap, 25 MiB, came from such sweeps).
 #
@@ -305,13 +313,16 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 # %% [markdown]
 # At a 25 MiB cap this 28 MiB model makes **2** buckets with our rule but **1** in DDP:
 # DDP closes a bucket once it has *reached* the cap, we close it before it would go over.
-# Either way the last bucket leaves when the backward ends. `python -m dpcourse.bench ddp`
+# Either way the last bucket leaves when the backward ends — and DDP's only bucket overlaps
+# nothing, while its all-reduce here goes through a small Python comm hook that counts it.
+# That is why our Python version can keep up with DDP's C++ reducer on this model; at other
+# caps, or with many small layers, the C++ reducer's lower cost per gradient shows. `python -m dpcourse.bench ddp`
 # runs this comparison on its own (more steps, `--json`, `--backend nccl` on GPUs).
 #
 # ## 5. Communication hooks: send fewer bytes
 # DDP lets you replace what it does with each bucket: `ddp_model.register_comm_hook(state,
 # hook)`, where `hook(state, bucket)` returns a future of the averaged buffer. torch ships
-# three that compress:
+# several that compress; we measure three:
 #
 # - `fp16_compress_hook` / `bf16_compress_hook`: cast the bucket to 16 bits, all-reduce,
 #   cast back — **half the bytes**;
@@ -377,9 +388,9 @@ print(f"This run: error feedback ended {'lower' if gap > 0 else 'higher'} than P
       f"it, by {abs(gap):.3f}.")
 
 # %% [markdown]
-# Which PowerSGD run ends lower after 120 steps is not settled by this small experiment: on
-# an H100 host's CPU, with another torch build, the order flipped (2.185 with error feedback,
-# 2.161 without). What error feedback guarantees is that nothing the low-rank approximation
+# Which PowerSGD run ends lower after 120 steps is not settled by a run this short: the
+# sentence above gives this run's order, and the order has differed between machines and
+# torch builds (on an H100 host's CPU: 2.185 with error feedback, 2.161 without). What error feedback guarantees is that nothing the low-rank approximation
 # drops is lost — it is added to the next step's gradient — and that pays over long runs, where
 # the dropped part would otherwise add up (Vogels et al., 2019). lab07's stretch has you build
 # error feedback and check that every dropped number is eventually sent.
@@ -393,8 +404,8 @@ print(f"This run: error feedback ended {'lower' if gap > 0 else 'higher'} than P
 #
 # ## 6. What DDP adds that we skipped
 # - **The first-iteration rebuild.** Our buckets follow registration order reversed. DDP
-#   starts with one bucket, records the order gradients *really* arrive in during the first
-#   backward, and rebuilds its buckets in that order (lesson 03 drew both).
+#   (with `find_unused_parameters=False`, the default) starts with one bucket, records the
+#   order gradients *really* arrive in during the first backward, and rebuilds its buckets in that order (lesson 03 drew both).
 # - **Unused parameters.** A bucket with a parameter that gets no gradient is never complete.
 #   Ours says so instead of hanging; DDP needs `find_unused_parameters=True`, which walks the
 #   autograd graph after every forward to mark such parameters ready:
@@ -433,8 +444,8 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 #   so it can skip the per-iteration graph walk and rebuild once for good.
 # - **`no_sync()`** (lesson 04) skips the hooks' all-reduces for gradient accumulation; in our
 #   wrapper that would be a flag the hook checks before copying into the bucket.
-# - **A C++ reducer**, gradients as bucket views, a first bucket of 1 MiB so the first message
-#   leaves early, and NCCL streams that run transfers beside the compute.
+# - **A C++ reducer**, gradients as bucket views, a first bucket of 1 MiB when
+#   `bucket_cap_mb` is left at its default (so the first message leaves early), and NCCL streams that run transfers beside the compute.
 #
 # ## Summary
 #
@@ -445,8 +456,8 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 # - Buckets, filled in reverse registration order, send a few large messages instead of many
 #   small ones; the cap trades per-message cost against overlap, and the best cap depends on
 #   the machine (measured above).
-# - Communication hooks change what is sent: 16-bit halves the bytes with almost no effect on
-#   the loss; PowerSGD sends a few percent and still learns, its error feedback carrying
+# - Communication hooks change what is sent: 16-bit halves the bytes and, in these short runs,
+#   ends within 0.15 of the uncompressed loss; PowerSGD sends a few percent and still learns, its error feedback carrying
 #   what the approximation drops into the next steps.
 #
 # **Next:** [lesson 08](08_sharded_data_parallel.ipynb) stops copying: ZeRO and FSDP shard the

@@ -22,7 +22,8 @@
 # Data parallelism copies *everything* to every rank: weights, gradients, optimizer state. When
 # the model stops fitting, the answer that keeps it *data* parallel is to stop copying: each
 # rank keeps 1/N of the state and fetches the rest when it needs it. That is ZeRO (Rajbhandari
-# et al., SC 2020), in three stages; PyTorch's FSDP is stage 3. All of it lives in
+# et al., SC 2020), in three stages; PyTorch's FSDP is stage 3 by default (it can also keep
+# the weights gathered between forward and backward, close to stage 2). All of it lives in
 # `dpcourse.zero`, and every cell below shows the code it runs.
 
 # %% tags=["parameters"]
@@ -172,8 +173,8 @@ claim(f"ZeRO-2: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
 # ## 4. ZeRO-3: shard the weights too (what FSDP does)
 # Now a rank keeps 1/N of every layer's weights and nothing else. A layer's full weights are
 # rebuilt only while it computes: all-gathered before its forward and freed after it,
-# all-gathered again before its backward (when the gradient of its output arrives — a tensor
-# hook, lesson 07's tool), then its gradients are reduce-scattered and the weights freed. The
+# all-gathered again before its backward (when the gradient of its output arrives — a hook
+# on the output tensor, `Tensor.register_hook`, a cousin of lesson 07's hooks), then its gradients are reduce-scattered and the weights freed. The
 # parameters are views into one flat buffer per layer; freeing resizes that buffer's storage to
 # zero bytes, so the memory really goes.
 
@@ -311,7 +312,8 @@ claim("FSDP2's volume per step == the ZeRO-3 formula with its padding",
 # `torch.distributed.optim.ZeroRedundancyOptimizer` is torch's ready ZeRO-1 for DDP: wrap the
 # optimizer class, keep DDP. It assigns *whole parameters* to ranks, not equal slices, and
 # after its step each rank broadcasts the parameters it owns (so 3Ψ, not 2Ψ, in our
-# convention):
+# convention). This run is in fp32 with no master copy, so the full state is Adam's 8 bytes
+# per parameter, not section 1's 12:
 
 # %%
 zro = [r["zero_redundancy"] for r in runs]
@@ -331,7 +333,8 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # | | memory per parameter | traffic | use it when |
 # |---|---|---|---|
 # | DDP | 16 B | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
-# | ZeRO-1 / `ZeroRedundancyOptimizer` | 4 + 12/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
+# | ZeRO-1 | 4 + 12/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
+# | `ZeroRedundancyOptimizer` | 4 + 12/N B (whole parameters per rank, so only roughly) | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
 # | ZeRO-2 | 2 + 14/N B | 2Ψ | more memory freed, still no extra traffic (if gradients are reduced during the backward: lab 08's stretch) |
 # | ZeRO-3 / FSDP | 16/N B | 3Ψ | the weights themselves do not fit: memory falls with every GPU added |
 # | + tensor / pipeline parallel | | | one layer's activations or weights exceed a GPU, or N is so large that 3Ψ per step dominates: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |

@@ -151,8 +151,9 @@ def assign_buckets(params, bucket_cap_mb: float) -> list[list[nn.Parameter]]:
     registration order is the order the buckets fill up in; the first bucket can then be sent
     while the backward is still busy with the early layers. A bucket is closed when the next
     parameter would take it over the cap; a parameter larger than the cap gets a bucket of its
-    own. (DDP closes a bucket once it has *reached* the cap, and makes its first bucket 1 MiB;
-    both give the same overlap.)
+    own. (DDP closes a bucket once it has *reached* the cap, so at one cap it can make one
+    bucket fewer than this rule; and when ``bucket_cap_mb`` is left at its default it makes
+    its first bucket 1 MiB, so that the last layers' gradients leave early.)
     """
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
@@ -321,7 +322,7 @@ def powersgd_elements(shapes, rank: int, min_compression_rate: float = 2.0) -> d
 
 
 def wide_mlp(width: int = 1024, depth: int = 8, num_classes: int = 10) -> nn.Module:
-    """A model whose size is in its matrices (about 42 MB at the defaults): big enough that
+    """A model whose size is in its matrices (about 38 MB of float32 at the defaults): big enough that
     the bucket size matters, and quick on a CPU, unlike convolutions of the same size."""
     layers = [nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU()]
     for _ in range(depth - 2):
@@ -488,7 +489,9 @@ def comm_hook_worker(rank: int, world_size: int, cfg: OverlapConfig, hooks,
             state = psgd.PowerSGDState(
                 process_group=None, matrix_approximation_rank=powersgd_rank,
                 start_powerSGD_iter=start_powersgd_iter,
-                use_error_feedback=(name == "powersgd"), warm_start=(name == "powersgd"))
+                # Only error feedback differs between the two PowerSGD runs; both warm-start
+                # (reuse last step's Q as the power iteration's starting point).
+                use_error_feedback=(name == "powersgd"), warm_start=True)
             model.register_comm_hook(state, psgd.powerSGD_hook)
         else:
             raise ValueError(f"unknown comm hook {name!r}: none, fp16, bf16, powersgd, "
