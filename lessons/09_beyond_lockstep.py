@@ -205,11 +205,19 @@ sweep = {lr: [async_sgd.run_stale(problem, tau, lr, batches, seed=seed)["loss"] 
 aware = {lrs[-1]: [async_sgd.run_stale(problem, tau, lrs[-1], batches, seed=seed,
                                        server_cls=async_sgd.StalenessAwareServer)["loss"]
                    for tau in taus]}
-print("test loss after the budget (inf: diverged); start", f"{start_loss:.3f}")
+# "Diverged" below means what the claims mean: the run ended above the loss it started from
+# (marked *); "blew up" means the loss overflowed to inf or NaN.
+print(f"test loss after the budget; start {start_loss:.3f}; * = above the start (diverged)")
 print("        " + "".join(f"τ={t:<7}" for t in taus))
+
+
+def cell(v):
+    return f"{'blew up':<9}" if not v < 1e3 else f"{f'{v:.3f}' + ('*' if not v < start_loss else ''):<9}"
+
+
 for lr, row in sweep.items():
-    print(f"lr {lr:<4g}" + "".join(f"{v:<9.3f}" if v < 1e3 else f"{'diverged':<9}" for v in row))
-print(f"aware  " + "".join(f"{v:<9.3f}" for v in aware[lrs[-1]]))
+    print(f"lr {lr:<4g}" + "".join(cell(v) for v in row))
+print(f"aware  " + "".join(cell(v) for v in aware[lrs[-1]]))
 
 # %%
 viz.show(viz.staleness_figure(taus, sweep, aware, start_loss=start_loss),
