@@ -250,6 +250,15 @@ def _precheck(n: int, text) -> None:
         fail(f"The fix for bug {n} is not valid Python (line {err.lineno}: {err.msg}).")
 
 
+# How a collective that only some ranks call shows itself. Which one a learner sees depends on
+# timing: the rank left waiting is aborted (SIGABRT, "died"), or its gloo socket is closed
+# under it when the other rank exits ("Connection reset/closed by peer", gloo's own advice
+# about "a remote worker hanging"). Seen in CI on a loaded 2-core machine: the second form.
+_MISMATCHED = re.compile(r"signal|SIGABRT|died|Connection (reset|closed) by peer|"
+                         r"remote worker hanging", re.I)
+_MISMATCH_HINT = " - every rank must call the same collectives in the same order"
+
+
 def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"):
     """Run fixed script ``n`` under torchrun; return rank 0's weights, or the sentence that
     says why there are none (a crash, a hang, no file). ``launcher="spawn"`` runs the same
@@ -275,8 +284,7 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
                 return (f"it did not finish within {timeout:g} s: a rank is waiting in a "
                         f"collective that another rank never calls.")
             except launch.RankFailedError as exc:
-                hint = (" - every rank must call the same collectives in the same order"
-                        if re.search(r"signal|SIGABRT|died", exc.summary, re.I) else "")
+                hint = _MISMATCH_HINT if _MISMATCHED.search(exc.summary) else ""
                 return f"it failed on rank {exc.rank} ({exc.summary}){hint}."
         elif launcher != "torchrun":
             raise ValueError(f"launcher must be 'torchrun' or 'spawn', got {launcher!r}")
@@ -289,8 +297,8 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
                 return (f"it did not finish within {timeout:g} s: a rank is waiting in a "
                         f"collective that another rank never calls.")
             if result.returncode != 0:
-                hint = (" - every rank must call the same collectives in the same order"
-                        if "SIGABRT" in _last_error_line(result.output) else "")
+                hint = (_MISMATCH_HINT if _MISMATCHED.search(_last_error_line(result.output))
+                        else "")
                 return f"it failed under torchrun ({_last_error_line(result.output)}){hint}."
         if not os.path.exists(out):
             return "it wrote no weights to --out: keep rank 0's torch.save."
