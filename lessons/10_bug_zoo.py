@@ -492,7 +492,7 @@ viz.quiz([
      "why": ["A NaN does not block a collective: it travels through it.",
              "Right: rank 0 waits for a partner that will never come.",
              "That changes the data order, not which collectives run."]},
-    {"q": "Every rank logs exactly the same loss, yet the weights checksums differ across "
+    {"q": "Every rank logs exactly the same loss, yet the weight checksums differ across "
           "ranks after step 1. What happened?",
      "options": ["The loss was all-reduced and backpropagated; the gradients were never "
                  "averaged",

@@ -95,6 +95,26 @@ def test_a_failing_rank_gives_one_error_naming_it():
     assert "failing_rank" in e.failures[1]  # the traceback points into the user's code
 
 
+def cause_and_echo(rank, world_size):
+    import time
+
+    if rank == 1:  # an echo, first to arrive: what gloo raises when the peer went away
+        raise RuntimeError("[pair.cc:545] Read error [127.0.0.1]:21697: Connection reset by "
+                           "peer. This is typically caused by a remote worker hanging")
+    time.sleep(0.3)
+    raise ValueError("the real cause")
+
+
+def test_the_cause_is_named_before_a_rank_that_only_lost_its_peer():
+    with pytest.raises(launch.RankFailedError) as err:
+        launch.spawn(cause_and_echo, 2, timeout=60, show_output=False)
+    e = err.value
+    assert (e.rank, e.summary) == (0, "ValueError: the real cause")
+    assert str(e).startswith("rank 0 of 2 failed: ValueError: the real cause\n"
+                             "(then rank(s) 1 failed too")
+    assert set(e.failures) == {0, 1}
+
+
 def hanging_rank(rank, world_size):
     import torch
     import torch.distributed as dist

@@ -40,6 +40,7 @@ with a time limit, rank-prefixed output and the same clean-up.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -63,11 +64,17 @@ __all__ = [
     "RankFailedError",
     "LaunchTimeoutError",
     "TorchrunResult",
+    "PEER_LOST",
 ]
 
 # After the first rank fails, give the others this long to report their own error (so the
 # message can name every rank that really failed) before they are killed.
 _GRACE_AFTER_FAILURE_S = 1.5
+
+# What a rank raises when it was not the cause: its peer went away mid-collective (aborted,
+# raised and was stopped, died). gloo's words; NCCL ranks time out instead.
+PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote worker hanging|"
+                        r"Socket closed|Read error")
 
 
 class LaunchError(RuntimeError):
@@ -364,10 +371,12 @@ def _wait(ranks: list[_Rank], timeout: float, world_size: int) -> None:
                 rk.arrived = time.monotonic()
                 if rk.outcome[0] == "error" and failed_at is None:
                     failed_at = rk.arrived
+    # Arrival order: the first rank to fail is usually the cause, the rest its echoes. Not
+    # always: when one rank aborts inside a collective, its peer's "Connection reset by peer"
+    # can reach us first (seen in CI). A rank that only lost its peer is named after the others.
     failed = sorted((rk for rk in ranks if rk.outcome and rk.outcome[0] == "error"),
-                    key=lambda rk: rk.arrived)
+                    key=lambda rk: (bool(PEER_LOST.search(rk.outcome[1])), rk.arrived))
     if failed:
-        # Arrival order: the first rank to fail is usually the cause, the rest its echoes.
         still_running = [rk.rank for rk in ranks if rk.outcome is None]
         raise RankFailedError([(rk.rank, rk.outcome[1], rk.outcome[2]) for rk in failed],
                               world_size, still_running)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import launch
 from . import fail, has_todo, passed
 
 __all__ = ["check_assign_buckets", "check_bucketed_ddp", "check_topk_hook", "CONFIGS",
@@ -671,7 +672,7 @@ def _topk_replay(inputs: list, world_size: int, k_of, *, feedback=True, magnitud
 
 
 # What a gloo rank reports when its peer has gone away (aborted or died) mid-collective.
-_PEER_LOST = re.compile(r"Connection (reset|closed)|Read error|Socket closed|pair\.cc")
+_PEER_LOST = re.compile(launch.PEER_LOST.pattern + r"|Connection (reset|closed)|pair\.cc")
 
 
 def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: float) -> list:

@@ -31,6 +31,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dpcourse import launch
 from dpcourse.checks import fail, passed
 
 __all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "script", "show", "check_answer",
@@ -252,10 +253,9 @@ def _precheck(n: int, text) -> None:
 
 # How a collective that only some ranks call shows itself. Which one a learner sees depends on
 # timing: the rank left waiting is aborted (SIGABRT, "died"), or its gloo socket is closed
-# under it when the other rank exits ("Connection reset/closed by peer", gloo's own advice
-# about "a remote worker hanging"). Seen in CI on a loaded 2-core machine: the second form.
-_MISMATCHED = re.compile(r"signal|SIGABRT|died|Connection (reset|closed) by peer|"
-                         r"remote worker hanging", re.I)
+# under it when the other rank exits (launch.PEER_LOST: "Connection reset by peer" ... "a
+# remote worker hanging"). Seen in CI on a loaded 2-core machine: the second form.
+_MISMATCHED = re.compile(r"signal|SIGABRT|died|" + launch.PEER_LOST.pattern, re.I)
 _MISMATCH_HINT = " - every rank must call the same collectives in the same order"
 
 
