@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from helpers import (ARTIFACTS, NOTEBOOK, ROOT, open_notebook, prompts, run_all, save,
+from helpers import (ARTIFACTS, NOTEBOOK, ROOT, error_outputs, open_notebook, prompts, run_all, save,
                      saved_errors, wait_until_done)
 
 
@@ -64,6 +64,9 @@ def _wait_for_change(read, before, limit_s: float = 15):
 def test_lesson_06_stepper_and_cost_model_explorer_respond(lab_server, page):
     open_notebook(page, lab_server, "lessons/06_ring_allreduce.ipynb")
     run_all(page, limit_s=240)
+    numbers = prompts(page)  # every cell ran, none failed: the widgets below are this run's
+    assert numbers and all(p not in ("[ ]:", "[*]:", "") for p in numbers), numbers
+    assert error_outputs(page) == []
 
     stepper = page.locator(f"{NOTEBOOK} .dpcourse-stepper").first
     stepper.scroll_into_view_if_needed()
