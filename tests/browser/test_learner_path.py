@@ -136,9 +136,10 @@ def test_a_lab_stops_at_its_todo_in_one_line_then_passes_once_solved(lab_server,
     editor.click()
     page.keyboard.press("Control+a")
     page.keyboard.insert_text(_solution_source(lab, "def scatter_reduce("))
+    before = prompts(page)
     page.keyboard.press("Shift+Enter")  # run the answer, move to its check cell
     page.keyboard.press("Shift+Enter")  # run the check
-    wait_until_done(page, limit_s=60)
+    wait_until_done(page, limit_s=60, before=before)
     check = cell.locator("xpath=following-sibling::div[contains(@class,'jp-CodeCell')][1]")
     check.scroll_into_view_if_needed()
     output = check.locator(".jp-OutputArea-output").first.inner_text()
