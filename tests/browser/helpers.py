@@ -40,15 +40,13 @@ def server_kernel_state(server, path: str) -> str:
     return ""
 
 
-def accept_kernel_dialog(page) -> bool:
+def accept_kernel_dialog(page) -> None:
     """Click 'Select' if JupyterLab asks which kernel to start (what a learner does). It asks
     when the notebook opens before the server's list of kernels has arrived; the notebook's own
     kernel (Python 3) is the one already selected."""
     dialog = page.locator(".jp-Dialog", has_text="Select Kernel")
-    if dialog.count() == 0:
-        return False
-    dialog.locator(".jp-Dialog-button.jp-mod-accept").first.click()
-    return True
+    if dialog.count():
+        dialog.locator(".jp-Dialog-button.jp-mod-accept").first.click()
 
 
 def wait_for_kernel(page, server, path: str, limit_s: float = 90) -> None:
@@ -68,6 +66,12 @@ def wait_for_kernel(page, server, path: str, limit_s: float = 90) -> None:
 def prompts(page) -> list[str]:
     return page.eval_on_selector_all(f"{NOTEBOOK} .jp-CodeCell .jp-InputPrompt",
                                      "els => els.map(e => e.textContent.trim())")
+
+
+def assert_every_cell_ran(page) -> None:
+    """Every code cell shows an execution count: none is still queued ([*]) or was skipped."""
+    numbers = prompts(page)
+    assert numbers and all(p not in ("[ ]:", "[*]:", "") for p in numbers), numbers
 
 
 def run_menu(page, item: str) -> None:

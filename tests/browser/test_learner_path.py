@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import time
 
-from helpers import (ARTIFACTS, NOTEBOOK, ROOT, error_outputs, open_notebook, prompts, run_all, save,
-                     saved_errors, wait_until_done)
+from helpers import (ARTIFACTS, NOTEBOOK, ROOT, assert_every_cell_ran, error_outputs,
+                     open_notebook, prompts, run_all, save, saved_errors, wait_until_done)
 
 
 def shot(page, name: str) -> None:
@@ -40,8 +40,7 @@ def test_readme_start_opens_lesson_00_which_runs_from_the_menu_without_an_error(
     assert {"lessons", "labs", "solutions"} <= listing, listing
     shot(page, "lesson00-opened")
     run_all(page, limit_s=180)
-    numbers = prompts(page)
-    assert numbers and all(p not in ("[ ]:", "[*]:", "") for p in numbers), numbers
+    assert_every_cell_ran(page)
     save(page)
     assert saved_errors(lab_server.root / path) == []
     shot(page, "lesson00-ran")
@@ -64,8 +63,7 @@ def _wait_for_change(read, before, limit_s: float = 15):
 def test_lesson_06_stepper_and_cost_model_explorer_respond(lab_server, page):
     open_notebook(page, lab_server, "lessons/06_ring_allreduce.ipynb")
     run_all(page, limit_s=240)
-    numbers = prompts(page)  # every cell ran, none failed: the widgets below are this run's
-    assert numbers and all(p not in ("[ ]:", "[*]:", "") for p in numbers), numbers
+    assert_every_cell_ran(page)  # and none failed: the widgets below are this run's
     assert error_outputs(page) == []
 
     stepper = page.locator(f"{NOTEBOOK} .dpcourse-stepper").first
