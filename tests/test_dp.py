@@ -35,9 +35,11 @@ def test_replicas_are_tied_to_the_original(setup):
     model, X, _ = setup
     reps = dp.replicate(model, 3)
     p0 = next(model.parameters())
-    for r in reps:
+    for i, r in enumerate(reps):
         q = next(r.parameters())
-        assert not q.is_leaf and torch.equal(p0, q) and q.data_ptr() != p0.data_ptr()
+        assert not q.is_leaf and torch.equal(p0, q)
+        # replica 0 shares the module's storage (as torch's replicate does); the others copy
+        assert (q.data_ptr() == p0.data_ptr()) == (i == 0)
     # a backward through one replica only lands on the original parameters
     reps[2](X[:2]).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -117,3 +119,30 @@ def test_replicate_makes_one_distinct_module_per_device():
     firsts = [r[0].weight for r in reps]
     assert len({id(w) for w in firsts}) == 3
     assert all(torch.equal(w, model[0].weight) for w in firsts)
+
+
+def _bn_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                               torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                               torch.nn.Flatten(), torch.nn.Linear(8, 10))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_replica_zero_shares_buffers_so_batchnorm_keeps_device_0s_statistics(n):
+    # torch's DataParallel guarantees that the replica on device_ids[0] shares parameters and
+    # buffers with the module: BatchNorm's running statistics then come from chunk 0 alone.
+    net = _bn_net()
+    X = torch.randn(16, 3, 32, 32)
+    devs = dp.devices_for(n, "cpu")
+    reps = dp.replicate(net, devs)
+    assert reps[0][1].running_mean is net[1].running_mean
+    assert all(r[1].running_mean is not net[1].running_mean for r in reps[1:])
+    first, whole = copy.deepcopy(net), copy.deepcopy(net)
+    dp.data_parallel(net, X, devs)
+    first(dp.scatter(X, devs)[0])
+    whole(X)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(net[1], name), getattr(first[1], name)), name
+    if n > 1:
+        assert not torch.allclose(net[1].running_mean, whole[1].running_mean)

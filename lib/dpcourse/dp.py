@@ -200,9 +200,13 @@ class _Broadcast(torch.autograd.Function):
         out = []
         for i, d in enumerate(devices):
             for t in tensors:
-                # replica 0 lives on the source device but still gets its own tensor, so that
-                # autograd treats every replica the same way.
-                out.append(t.detach().to(d, copy=True))
+                if i == 0 and d == t.device:
+                    # Replica 0 shares the original's storage, as in torch's
+                    # comm.broadcast_coalesced (the first device's outputs are the inputs):
+                    # autograd hands it a view with this Function as its grad_fn.
+                    out.append(t)
+                else:
+                    out.append(t.detach().to(d, copy=True))
             if i > 0:
                 _count("params_out", sum(t.numel() for t in tensors))
         return tuple(out)
@@ -224,9 +228,12 @@ def replicate(module: nn.Module, devices) -> list[nn.Module]:
     """One copy of ``module`` per device, its parameters tied to the original by autograd.
 
     Each replica's parameters are *outputs* of a broadcast (not leaf Parameters): a backward
-    through any replica adds into ``module``'s own ``.grad``. Buffers (e.g. BatchNorm's running
-    statistics) are copied without gradient — and updates made to a replica's buffers are lost,
-    one more way DataParallel differs from one device. Called every step, as the real one is.
+    through any replica adds into ``module``'s own ``.grad``. As in torch's own ``replicate``,
+    replica 0 (on the module's device) **shares** the module's storage: its parameters are views
+    of the originals and its buffers *are* the module's buffers, so in-place updates on replica 0
+    (BatchNorm's running statistics) reach ``module``; the other replicas get copies of the
+    buffers, and their updates are lost when the replicas are dropped. Called every step, as the
+    real one is.
     """
     devs = _as_devices(devices)
     if not isinstance(module, nn.Module):
@@ -250,8 +257,10 @@ def replicate(module: nn.Module, devices) -> list[nn.Module]:
                 if p is not None:
                     m._parameters[name] = next(p_copies)
             for name, b in m._buffers.items():
-                if b is not None:
+                if b is not None and not (i == 0 and b.device == d):
                     m._buffers[name] = b.detach().to(d, copy=True)
+                # (replica 0 on the module's device keeps the module's own buffer: the memo
+                # above made the deep copy share it)
         replicas.append(replica)
     return replicas
 
