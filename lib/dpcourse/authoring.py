@@ -5,6 +5,7 @@ Run from the repository root::
     python -m dpcourse.authoring build            # everything (what CI's outputs come from)
     python -m dpcourse.authoring build 01 lab01   # only sources whose name contains these
     python -m dpcourse.authoring check            # sync check, executes nothing
+    python -m dpcourse.authoring times            # each lesson's honest time against its header
 
 Sources are ``lessons/NN_name.py`` and ``solutions/labNN_name.py`` in jupytext's py:percent
 format. ``build`` executes each in a fresh kernel, top to bottom, in its own folder, and writes
@@ -32,7 +33,8 @@ from pathlib import Path
 import jupytext
 import nbformat
 
-__all__ = ["build", "make_lab", "check_sync", "sources", "main", "ROOT"]
+__all__ = ["build", "make_lab", "check_sync", "sources", "main", "ROOT", "TimeEstimate",
+           "estimate_time", "header_minutes"]
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("lessons", "solutions")
@@ -200,6 +202,76 @@ def check_sync(root: Path = ROOT) -> list[str]:
     return problems
 
 
+# --------------------------------------------------------------------------------------------
+# Honest lesson times (DESIGN.md § Honest times)
+# --------------------------------------------------------------------------------------------
+
+WORDS_PER_MINUTE = 200   # technical prose, read with care
+CODE_LINES_PER_MINUTE = 20   # about 3 s a line: code is read, not skimmed
+_TIME = re.compile(r"\*\*Time:\*\*\s*about\s+(\d+)\s+minutes", re.I)
+
+
+@dataclass
+class TimeEstimate:
+    """What a learner reads and waits for in one executed lesson, and the minutes it adds to."""
+
+    words: int          # prose: markdown cells, the Sources list left out
+    code_lines: int     # non-blank lines of unfolded code cells and of unfolded displayed source
+    run_seconds: float  # the stored run: each cell's execute_input -> execute_reply, summed
+
+    @property
+    def minutes(self) -> int:
+        import math
+
+        return math.ceil(self.words / WORDS_PER_MINUTE + self.code_lines / CODE_LINES_PER_MINUTE
+                         + self.run_seconds / 60)
+
+
+def _folded(cell, what: str) -> bool:
+    return bool(cell.get("metadata", {}).get("jupyter", {}).get(what, False))
+
+
+def _cell_seconds(cell) -> float:
+    from datetime import datetime
+
+    ex = cell.get("metadata", {}).get("execution", {})
+    try:
+        start = datetime.fromisoformat(ex["iopub.execute_input"].replace("Z", "+00:00"))
+        end = datetime.fromisoformat(ex["shell.execute_reply"].replace("Z", "+00:00"))
+    except (KeyError, ValueError):
+        return 0.0
+    return max(0.0, (end - start).total_seconds())
+
+
+def estimate_time(nb: nbformat.NotebookNode) -> TimeEstimate:
+    """The estimate the header's minutes must not fall below (tests/test_lesson_rules.py)."""
+    words = lines = 0
+    seconds = 0.0
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            if re.match(r"#+\s*Sources\b", cell.source.strip()):
+                continue
+            words += len(cell.source.split())
+        elif cell.cell_type == "code":
+            seconds += _cell_seconds(cell)
+            if not _folded(cell, "source_hidden"):
+                lines += sum(1 for line in cell.source.splitlines() if line.strip())
+            if _folded(cell, "outputs_hidden"):
+                continue
+            for out in cell.get("outputs", []):
+                data = out.get("data", {})
+                if 'class="highlight' in str(data.get("text/html", "")):  # viz.show_code
+                    lines += sum(1 for line in data.get("text/plain", "").splitlines()
+                                 if line.strip())
+    return TimeEstimate(words, lines, seconds)
+
+
+def header_minutes(nb: nbformat.NotebookNode) -> int | None:
+    """The minutes the lesson's first cell promises ("**Time:** about N minutes")."""
+    m = _TIME.search(nb.cells[0].source) if nb.cells else None
+    return int(m.group(1)) if m else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dpcourse.authoring", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -208,7 +280,21 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("names", nargs="*", help="only sources whose file name contains one of these")
     b.add_argument("--times", type=Path, help="also write the timings as JSON to this file")
     sub.add_parser("check", help="report notebooks out of sync with their sources")
+    t = sub.add_parser("times", help="each executed lesson's time estimate against its header")
+    t.add_argument("paths", nargs="*", type=Path, help="notebooks (default: every lesson)")
     args = parser.parse_args(argv)
+    if args.cmd == "times":
+        paths = args.paths or sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
+        worst = 0
+        print(f"{'lesson':34} {'words':>6} {'lines':>6} {'run s':>6} {'estimate':>8} {'header':>6}")
+        for path in paths:
+            nb = nbformat.read(path, as_version=4)
+            est, head = estimate_time(nb), header_minutes(nb)
+            flag = "" if head is not None and head >= est.minutes else "  <- header too low"
+            worst |= bool(flag)
+            print(f"{path.name:34} {est.words:6d} {est.code_lines:6d} {est.run_seconds:6.0f} "
+                  f"{est.minutes:8d} {head if head is not None else '-':>6}{flag}")
+        return int(worst)
     if args.cmd == "build":
         results = build(args.names or None)
         total = sum(r.seconds for r in results)

@@ -1,0 +1,221 @@
+"""The rules DESIGN.md § Conventions sets for every lesson, checked on the executed notebooks.
+
+* **Labs make the learner think.** No new line of a lab's answer (a ``### BEGIN SOLUTION`` region of
+  ``solutions/labNN_*.py``) is readable without a click in its own lesson or any earlier one: the
+  unfolded cell sources and the unfolded outputs (``viz.show_code`` included) are searched. A
+  folded cell (``metadata.jupyter.source_hidden``) has a visible one-line label right before it.
+* **Sources.** Every lesson ends with a ``## Sources`` list naming, for each statement about a
+  framework's internals, the installed file it was checked in; every file named exists in the
+  installed torch / tensorflow / keras.
+* **Honest times.** The header's "about N minutes" is not below the estimate from the lesson's
+  prose, displayed code and stored run time (``dpcourse.authoring.estimate_time``).
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.util
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from dpcourse import authoring
+
+ROOT = authoring.ROOT
+LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
+SOLUTION_SOURCES = sorted((ROOT / "solutions").glob("lab[0-9][0-9]_*.py"))
+LABEL = "▶"
+
+
+# --------------------------------------------------------------------------------------------
+# Lab answers
+# --------------------------------------------------------------------------------------------
+
+
+def _significant(line: str) -> str:
+    """A code line as compared: comments dropped, all whitespace removed."""
+    if not line.lstrip().startswith(("'", '"')):
+        line = line.split("#", 1)[0]
+    return re.sub(r"\s+", "", line)
+
+
+def solution_regions(source: str) -> list[list[str]]:
+    """Each BEGIN/END SOLUTION region's significant lines (12 characters or more)."""
+    regions, current = [], None
+    for line in source.splitlines():
+        if line.strip().startswith("### BEGIN SOLUTION"):
+            current = []
+        elif line.strip().startswith("### END SOLUTION"):
+            if current:
+                regions.append(current)
+            current = None
+        elif current is not None:
+            text = _significant(line)
+            if len(text) >= 12:
+                current.append(text)
+    return regions
+
+
+def _folded(cell, what: str) -> bool:
+    return bool(cell.get("metadata", {}).get("jupyter", {}).get(what, False))
+
+
+def readable_lines(nb) -> set[str]:
+    """Every significant line a learner reads without opening a folded cell."""
+    texts = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            texts.append(cell.source)  # markdown code blocks are readable too
+            continue
+        if not _folded(cell, "source_hidden"):
+            texts.append(cell.source)
+        if _folded(cell, "outputs_hidden"):
+            continue
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                texts.append(out.get("text", ""))
+            for key, value in out.get("data", {}).items():
+                if key.startswith("text/"):
+                    value = "".join(value) if isinstance(value, list) else value
+                    if key == "text/html":
+                        value = html.unescape(re.sub(r"<[^>]+>", "", value))
+                    texts.append(value)
+    return {_significant(line) for text in texts for line in text.splitlines()}
+
+
+def find_leaks(lessons: list[Path], solutions: list[Path]) -> list[str]:
+    """'labNN region k: m/n lines readable in LESSON' for each region half (or more) readable in
+    its own lesson or an earlier one. Lines of an earlier lab's answer (a training loop the
+    learner wrote in lab01, met again in lab03) are not counted: they are not new to the lab."""
+    readable = {p.stem[:2]: readable_lines(nbformat.read(p, as_version=4)) for p in lessons}
+    names = {p.stem[:2]: p.name for p in lessons}
+    leaks = []
+    earlier: set[str] = set()  # lines of earlier labs' answers: the learner wrote them already
+    for sol in sorted(solutions, key=lambda p: p.stem):
+        number = sol.stem[3:5]
+        regions = solution_regions(sol.read_text())
+        for k, whole in enumerate(regions):
+            region = [line for line in whole if line not in earlier]
+            for lesson, seen in readable.items():
+                if lesson > number:
+                    continue
+                shown = [line for line in region if line in seen]
+                if shown and len(shown) * 2 >= len(region):
+                    leaks.append(f"lab{number} region {k}: {len(shown)}/{len(region)} lines "
+                                 f"readable in {names[lesson]}, e.g. {shown[0][:60]!r}")
+        earlier.update(line for region in regions for line in region)
+    return leaks
+
+
+def test_no_lab_answer_readable_without_a_click():
+    leaks = find_leaks(LESSONS, SOLUTION_SOURCES)
+    assert not leaks, ("a lab's answer is readable in a lesson: fold the cell after the lab "
+                       "pointer (DESIGN.md § Labs make the learner think)\n" + "\n".join(leaks))
+
+
+def test_the_leak_finder_finds_a_leak(tmp_path):
+    """The test above can fail: a region shown in a lesson, unfolded, is found; folded, it is not;
+    a later lab's answer in an earlier lesson is found; an earlier lab's in a later one is not."""
+    sol = tmp_path / "lab03_x.py"
+    sol.write_text("# %%\n### BEGIN SOLUTION\nfor p in model.parameters():\n"
+                   "    dist.all_reduce(p.grad)   # sum\n    p.grad /= world_size\n"
+                   "### END SOLUTION\n")
+    code = "for p in model.parameters():\n    dist.all_reduce(p.grad)\n"
+
+    def lesson(name, folded):
+        cell = nbformat.v4.new_code_cell(code)
+        if folded:
+            cell.metadata["jupyter"] = {"source_hidden": True}
+        path = tmp_path / f"{name}.ipynb"
+        nbformat.write(nbformat.v4.new_notebook(cells=[cell]), path)
+        return path
+
+    assert find_leaks([lesson("03_x", folded=False)], [sol])
+    assert find_leaks([lesson("02_x", folded=False)], [sol])
+    assert not find_leaks([lesson("03_x", folded=True)], [sol])
+    assert not find_leaks([lesson("04_x", folded=False)], [sol])
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_every_folded_cell_has_a_visible_label(path):
+    """A folded cell shows only '…' in JupyterLab: the markdown cell right before it says what it
+    holds and when to open it ("▶ The reference answer — open after your lab passes")."""
+    nb = nbformat.read(path, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and _folded(cell, "source_hidden"):
+            before = nb.cells[i - 1] if i else None
+            assert before is not None and before.cell_type == "markdown" \
+                and LABEL in before.source, \
+                f"{path.name} cell {i}: a folded cell without a '{LABEL}' label right before it"
+
+
+# --------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------
+
+CITED = re.compile(r"\b((?:torch|tensorflow|keras)/[\w/.-]+\.(?:py|pyi|hpp|h|cpp))\b")
+
+
+def site_packages() -> Path:
+    return Path(importlib.util.find_spec("torch").origin).parents[1]
+
+
+def sources_problems(path: Path, site: Path) -> tuple[list[str], int]:
+    nb = nbformat.read(path, as_version=4)
+    md = [c.source for c in nb.cells if c.cell_type == "markdown"]
+    at = [i for i, text in enumerate(md) if re.search(r"^#+\s*Sources\b", text, re.M)]
+    if not at:
+        return [f"{path.name}: no '## Sources' section"], 0
+    cited = sorted(set(CITED.findall("\n".join(md[at[-1]:]))))
+    if not cited:
+        return [f"{path.name}: its Sources name no installed torch/tensorflow/keras file"], 0
+    return [f"{path.name}: {rel} is not in the installed packages ({site})"
+            for rel in cited if not (site / rel).exists()], len(cited)
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_sources_name_installed_files(path):
+    problems, _ = sources_problems(path, site_packages())
+    assert not problems, "\n".join(problems)
+
+
+def test_a_missing_source_file_is_reported(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(
+        "## Sources\n- `torch/nn/parallel/distributed.py` — DDP\n"
+        "- `torch/no/such_file.py` — gone\n")])
+    path = tmp_path / "99_x.ipynb"
+    nbformat.write(nb, path)
+    problems, cited = sources_problems(path, site_packages())
+    assert cited == 2 and len(problems) == 1 and "torch/no/such_file.py" in problems[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Honest times
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_header_minutes_are_not_below_the_estimate(path):
+    nb = nbformat.read(path, as_version=4)
+    est, head = authoring.estimate_time(nb), authoring.header_minutes(nb)
+    assert head is not None, f"{path.name}: no '**Time:** about N minutes' in its first cell"
+    assert head >= est.minutes, (
+        f"{path.name} says about {head} minutes, but {est.words} words of prose, "
+        f"{est.code_lines} lines of code on the page and {est.run_seconds:.0f} s of running "
+        f"take about {est.minutes} (`python -m dpcourse.authoring times`)")
+
+
+def test_the_estimate_counts_prose_code_and_run_time():
+    md = nbformat.v4.new_markdown_cell("**Time:** about 1 minutes\n" + "word " * 396)
+    code = nbformat.v4.new_code_cell("\n".join(f"x{i} = {i}" for i in range(20)))
+    code.metadata["execution"] = {"iopub.execute_input": "2026-01-01T00:00:00.000Z",
+                                  "shell.execute_reply": "2026-01-01T00:01:00.000Z"}
+    folded = nbformat.v4.new_code_cell("\n".join(f"y{i} = {i}" for i in range(40)))
+    folded.metadata["jupyter"] = {"source_hidden": True}
+    sources = nbformat.v4.new_markdown_cell("## Sources\n" + "word " * 1000)
+    nb = nbformat.v4.new_notebook(cells=[md, code, folded, sources])
+    est = authoring.estimate_time(nb)
+    assert (est.words, est.code_lines, round(est.run_seconds)) == (400, 20, 60)
+    assert est.minutes == 2 + 1 + 1 and authoring.header_minutes(nb) == 1
