@@ -542,7 +542,8 @@ def dp_step_figure(chunk_sizes: Sequence[int], n_params: int):
 
 
 def traffic_figure(n_params: int, counted: dict[int, int], ns: Sequence[int] = range(2, 17)):
-    """Numbers moved per step through the busiest link: device 0 in DataParallel, 2(N−1)K,
+    """Numbers moved per step through the busiest link: device 0 of a naive parameter server
+    (lesson 02's copy-one-by-one DataParallel), 2(N−1)K,
     against one rank in a ring all-reduce, 2(N−1)K/N. ``counted`` maps N to the total that the
     lesson's own counter measured (drawn as points on the formula's line)."""
     ns = list(ns)
@@ -550,7 +551,7 @@ def traffic_figure(n_params: int, counted: dict[int, int], ns: Sequence[int] = r
     fig = new_figure(6.4, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     ax.plot(ns, [2 * (n - 1) * k for n in ns], "-", color="#cc0000",
-            label="DataParallel: through device 0, 2(N−1)K")
+            label="naive parameter server (lesson 02's DP): device 0, 2(N−1)K")
     ax.plot(ns, [2 * (n - 1) * k / n for n in ns], "-", color="#2ca02c",
             label="ring all-reduce: per rank, 2(N−1)K/N")
     if counted:  # lesson 02's explorer draws the formulas alone
