@@ -144,30 +144,36 @@ def bucket_nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def assign_buckets(params, bucket_cap_mb: float) -> list[list[nn.Parameter]]:
-    """Group ``params`` into buckets of at most ``bucket_cap_mb`` MiB, in *reverse* order.
+def assign_buckets(params, bucket_cap_mb: float,
+                   first_bucket_mb: float | None = None) -> list[list[nn.Parameter]]:
+    """Group ``params`` into buckets by DDP's rule, in *reverse* order.
 
     The backward produces gradients roughly from the last layer to the first, so the reverse of
     registration order is the order the buckets fill up in; the first bucket can then be sent
-    while the backward is still busy with the early layers. A bucket is closed when the next
-    parameter would take it over the cap; a parameter larger than the cap gets a bucket of its
-    own. (DDP closes a bucket once it has *reached* the cap, so at one cap it can make one
-    bucket fewer than this rule; and when ``bucket_cap_mb`` is left at its default it makes
-    its first bucket 1 MiB, so that the last layers' gradients leave early.)
+    while the backward is still busy with the early layers. The rule is the one of DDP's
+    reducer (``compute_bucket_assignment_by_size``): a parameter is added to the open bucket of
+    its dtype and device, and the bucket is closed once it has **reached** the cap (so a bucket
+    can end above the cap by its last parameter; one larger than the cap is alone). Each
+    (dtype, device) pair fills buckets of its own. The caps are a list walked per pair:
+    ``first_bucket_mb`` for the first bucket when given (DDP uses 1 MiB when ``bucket_cap_mb``
+    is left at its default), then ``bucket_cap_mb`` for every later one. Buckets still open at
+    the end are added last, in the order their pairs first appeared.
     """
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
-    cap = bucket_cap_mb * MiB
-    buckets, current, size = [], [], 0
+    caps = [bucket_cap_mb] if first_bucket_mb is None else [first_bucket_mb, bucket_cap_mb]
+    for c in caps:
+        if not c > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {c!r}")
+    limits = [c * MiB for c in caps]
+    buckets = []
+    open_ = {}                          # (dtype, device) -> [params, bytes, index into limits]
     for p in reversed(list(params)):
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > cap:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(current)
+        b = open_.setdefault((p.dtype, p.device), [[], 0, 0])
+        b[0].append(p)
+        b[1] += p.numel() * p.element_size()
+        if b[1] >= limits[b[2]]:        # reached the cap: close it, move to the next cap
+            buckets.append(b[0])
+            b[:] = [[], 0, min(b[2] + 1, len(limits) - 1)]
+    buckets += [b[0] for b in open_.values() if b[0]]
     return buckets
 
 
