@@ -130,6 +130,57 @@ def _helpers_on_uneven_sizes(rank, world_size):
             "calls": [(c.op, c.numel) for c in calls]}
 
 
+def _awkward_model(kind):
+    """An MLP with a frozen weight (fine-tuning), a tied weight (one Parameter in two layers),
+    or both; the check of every stage beside torch DDP."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.Tanh(), torch.nn.Linear(9, 9),
+                                torch.nn.Tanh(), torch.nn.Linear(9, 9), torch.nn.Tanh(),
+                                torch.nn.Linear(9, 4))
+    if kind in ("frozen", "both"):
+        model[0].weight.requires_grad_(False)
+        model[6].bias.requires_grad_(False)
+    if kind in ("tied", "both"):
+        model[4].weight = model[2].weight
+    return model
+
+
+def _frozen_and_tied(rank, world_size, steps=4):
+    """Every stage and torch DDP, Adam, on models with frozen and tied parameters: the final
+    weights (all of them, frozen included) and the frozen ones' initial values."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    for kind in ("frozen", "tied", "both"):
+        got = {}
+        for run in ("torch_ddp",) + zero.STAGES:
+            model = _awkward_model(kind)
+            if run == "torch_ddp":
+                opt = zero._TorchRun(DDP(model), torch.optim.Adam(model.parameters(), lr=0.05),
+                                     list(model.parameters()), [])
+                call = opt.model
+            else:
+                opt = zero.WRAPPERS[run](model, lambda ps: torch.optim.Adam(ps, lr=0.05),
+                                         torch.float32)
+                call = model
+            for step in range(steps):
+                g = torch.Generator().manual_seed(step)
+                X = torch.randn(6 * world_size, 7, generator=g)[rank * 6:(rank + 1) * 6]
+                y = torch.randint(0, 4, (6 * world_size,), generator=g)[rank * 6:(rank + 1) * 6]
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(call(X), y).backward()
+                opt.step()
+            got[run] = opt.full_weights()
+        got["start"] = torch.cat([p.detach().reshape(-1) for p in _awkward_model(kind)
+                                  .parameters()])
+        got["frozen_start"] = [p.detach().clone().reshape(-1) for p in _awkward_model(kind)
+                               .parameters() if not p.requires_grad]
+        got["frozen_end"] = [p.detach().clone().reshape(-1) for p in model.parameters()
+                             if not p.requires_grad]
+        out[kind] = got
+    return out
+
+
 def _everything(rank, world_size):
     fp32 = zero.ZeroConfig()
     return {
@@ -142,6 +193,7 @@ def _everything(rank, world_size):
             for name in ("adamw", "sgd")},
         "fsdp2": zero.fsdp2_worker(rank, world_size, zero.ZeroConfig(mixed_precision=True)),
         "helpers": _helpers_on_uneven_sizes(rank, world_size),
+        "awkward": _frozen_and_tied(rank, world_size),
     }
 
 
@@ -174,6 +226,19 @@ def test_every_stage_equals_torch_ddp(ranks):
     # the loss falls on the global batch (mean over ranks), it is learning something
     losses = torch.tensor([r["fp32"]["zero3"]["losses"] for r in out]).mean(0)
     assert losses[-1] < losses[0]
+
+
+def test_frozen_and_tied_parameters_train_like_torch_ddp(ranks):
+    # frozen: Replicated, Zero1 and Zero2 used to crash (p.grad is None in flatten_padded)
+    n, out = ranks
+    for r in out:
+        for kind, got in r["awkward"].items():
+            for stage in zero.STAGES:
+                assert torch.allclose(got[stage], got["torch_ddp"], rtol=1e-5, atol=1e-6), \
+                    (kind, stage, float((got[stage] - got["torch_ddp"]).abs().max()))
+            assert not torch.allclose(got["torch_ddp"], got["start"]), kind   # it trained
+            for start, end in zip(got["frozen_start"], got["frozen_end"]):
+                assert torch.equal(start, end), kind      # a frozen weight never moves
 
 
 def test_bytes_held_equal_the_formula(ranks):

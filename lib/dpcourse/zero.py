@@ -62,6 +62,7 @@ __all__ = [
     "optimizer_tensors",
     "shard_numel",
     "flatten_padded",
+    "grads_of",
     "copy_flat_into",
     "reduce_scatter_mean",
     "all_gather_flat",
@@ -214,6 +215,12 @@ def flatten_padded(tensors, world_size: int) -> torch.Tensor:
     return F.pad(flat, (0, pad))
 
 
+def grads_of(params) -> list[torch.Tensor]:
+    """Each parameter's gradient, zeros where it has none (a parameter this backward did not
+    reach), so that every rank flattens the same sizes into its collectives."""
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
 def copy_flat_into(flat: torch.Tensor, tensors) -> None:
     """Copy consecutive pieces of ``flat`` into ``tensors`` (casting, e.g. fp32 -> bf16); the
     padding at the end of ``flat`` is ignored."""
@@ -266,12 +273,15 @@ class _Stage:
 
     def __init__(self, model: nn.Module, param_dtype: torch.dtype):
         self.model = model
-        self.params = list(model.parameters())
+        # The parameters the optimizer steps: frozen ones (requires_grad=False) get no
+        # gradient and stay out of the flat buffers, as DDP and torch's optimizers leave them.
+        # model.parameters() lists a tied (shared) parameter once.
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.param_dtype = param_dtype
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.grad_slice = None
-        for p in self.params:                 # start from rank 0's weights, as DDP does
+        for p in model.parameters():          # start from rank 0's weights, as DDP does
             dist.broadcast(p.data, src=0)
         self.units = [sum(p.numel() for p in self.params)]   # what is sharded, as one buffer
 
@@ -283,12 +293,13 @@ class _Stage:
     def held_tensors(self) -> dict:
         """The tensors this rank keeps between steps, by category, for :func:`count_bytes`."""
         grads = [p.grad for p in self.params] + [self.grad_slice]
-        return {"params": list(self.params), "grads": [g for g in grads if g is not None],
+        return {"params": list(self.model.parameters()),
+                "grads": [g for g in grads if g is not None],
                 "optimizer": optimizer_tensors(self.optimizer)}
 
     def full_weights(self) -> torch.Tensor:
         """All the weights as one flat fp32 CPU vector (what ``ddp.flat_params`` gives)."""
-        return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+        return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])
 
 
 class Replicated(_Stage):
@@ -308,7 +319,7 @@ class Replicated(_Stage):
         self.optimizer = make_optimizer([self.master])
 
     def step(self) -> None:
-        grad = flatten_padded([p.grad for p in self.params], 1)
+        grad = flatten_padded(grads_of(self.params), 1)
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)          # every rank: the whole sum
         self.master.grad = grad.div_(self.world_size).float()
         self.optimizer.step()
@@ -344,7 +355,7 @@ class Zero1(_Stage):
         self.optimizer = make_optimizer([self.master])         # state for my slice only
 
     def gradient_slice(self) -> torch.Tensor:
-        grad = flatten_padded([p.grad for p in self.params], self.world_size)
+        grad = flatten_padded(grads_of(self.params), self.world_size)
         return reduce_scatter_mean(grad)                       # the mean, my slice only
 
     def step(self) -> None:
@@ -379,16 +390,16 @@ class ShardedLayer:
     """One layer of :class:`Zero3`: its weights live as a 1/N shard; the full weights exist
     only between a gather and the next free.
 
-    The module's parameters become views into one flat buffer, ``self.full``. Freeing resizes
+    The layer's parameters become views into one flat buffer, ``self.full``. Freeing resizes
     that buffer's storage to 0 bytes, gathering gives it its bytes back and all-gathers the
     shards into it. The parameters — and the views of them that autograd saved in the forward
     — all point into that one storage, so a re-gather before the backward is seen by them all.
+    ``modules``: every module that computes with these parameters (two, for a tied weight);
+    each gathers before its forward and frees after it.
     """
 
-    def __init__(self, module: nn.Module, param_dtype: torch.dtype, rank: int, world_size: int):
-        self.params = list(module.parameters(recurse=False))
-        for p in self.params:
-            dist.broadcast(p.data, src=0)
+    def __init__(self, params, modules, param_dtype: torch.dtype, rank: int, world_size: int):
+        self.params = list(params)
         self.numel = sum(p.numel() for p in self.params)
         self.world_size = world_size
         flat = flatten_padded(self.params, world_size).float()
@@ -403,8 +414,9 @@ class ShardedLayer:
             offset += p.numel()
         self.free()
         self._waiting = len(self.params)          # gradients still to come in this backward
-        module.register_forward_pre_hook(lambda mod, args: self.gather())
-        module.register_forward_hook(self._after_forward)
+        for module in modules:
+            module.register_forward_pre_hook(lambda mod, args: self.gather())
+            module.register_forward_hook(self._after_forward)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -419,7 +431,7 @@ class ShardedLayer:
 
     def _after_forward(self, module, args, output):
         self.free()
-        if output.requires_grad:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
             # The backward of this layer needs its weights again: this hook runs when the
             # gradient of the layer's output is ready, just before the layer's backward.
             output.register_hook(lambda grad: self.gather())
@@ -429,7 +441,7 @@ class ShardedLayer:
         if self._waiting:
             return
         self._waiting = len(self.params)          # all of this layer's gradients are in
-        grad = flatten_padded([q.grad for q in self.params], self.world_size)
+        grad = flatten_padded(grads_of(self.params), self.world_size)
         self.grad_slice = reduce_scatter_mean(grad)
         for q in self.params:
             q.grad = None
@@ -452,25 +464,45 @@ class Zero3(_Stage):
     Three collectives over every weight per step — all-gather, all-gather, reduce-scatter —
     against DDP's all-reduce (= two): 1.5x DDP's traffic. There is no all-gather after the
     step: the next forward gathers. Assumes each parameter is used once per forward and one
-    backward per step (no gradient accumulation).
+    backward per step (no gradient accumulation). A tied parameter belongs to the first
+    module that owns it; every module using it gathers that layer (one more all-gather).
+    Frozen parameters (requires_grad=False) are not sharded here: they stay whole on every
+    rank, as in DDP (FSDP2 shards them too, and never reduces their gradients).
     """
 
     stage = "zero3"
 
     def __init__(self, model, make_optimizer, param_dtype=torch.float32):
         self.model = model
-        self.params = list(model.parameters())
         self.param_dtype = param_dtype
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        self.layers = [ShardedLayer(module, param_dtype, self.rank, self.world_size)
-                       for module in model.modules()
-                       if next(module.parameters(recurse=False), None) is not None]
+        for p in model.parameters():          # start from rank 0's weights, as DDP does
+            dist.broadcast(p.data, src=0)
+        owner: dict = {}                      # parameter -> the module that shards it
+        users: dict = {}                      # that module -> every module computing with it
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                if p.requires_grad:
+                    first = owner.setdefault(p, module)
+                    users.setdefault(first, [])
+                    if module not in users[first]:
+                        users[first].append(module)
+        self.layers = []
+        for module, modules in users.items():
+            mine = [p for p in module.parameters(recurse=False) if owner.get(p) is module]
+            self.layers.append(ShardedLayer(mine, modules, param_dtype, self.rank,
+                                            self.world_size))
+        self.params = [p for layer in self.layers for p in layer.params]
+        for p in model.parameters():
+            if not p.requires_grad:           # frozen: whole on every rank, in param_dtype
+                p.data = p.data.to(param_dtype)
         self.units = [layer.numel for layer in self.layers]   # sharded one by one
         self.optimizer = make_optimizer([layer.master for layer in self.layers])
 
     def step(self) -> None:
         for layer in self.layers:
-            layer.master.grad = layer.grad_slice.float()
+            layer.master.grad = (layer.grad_slice.float() if layer.grad_slice is not None
+                                 else torch.zeros_like(layer.master))
         self.optimizer.step()
         for layer in self.layers:
             layer.master.grad = None
@@ -483,7 +515,7 @@ class Zero3(_Stage):
 
     def held_tensors(self) -> dict:
         # The model's own parameters are listed to show they hold nothing between uses.
-        return {"params": [layer.shard for layer in self.layers] + self.params,
+        return {"params": [layer.shard for layer in self.layers] + list(self.model.parameters()),
                 "grads": [layer.grad_slice for layer in self.layers
                           if layer.grad_slice is not None],
                 "optimizer": optimizer_tensors(self.optimizer)}
