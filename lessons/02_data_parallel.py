@@ -9,7 +9,11 @@
 #   and why the replicas' gradients are *summed* onto the original parameters;
 # - read a from-scratch implementation of each move and check it against the plain model;
 # - predict what the real `nn.DataParallel` does on a machine with 0, 1 or several GPUs;
-# - count the traffic through device 0 (2(N−1)K per step) and name the costs DDP removes.
+# - say why replica 0 is special (it shares the module's weights and buffers, so BatchNorm's
+#   running statistics come from device 0's chunk alone);
+# - count the traffic through device 0 when the copies are made one by one — a naive parameter
+#   server, 2(N−1)K per step — say what the real class does instead, and name the costs DDP
+#   removes.
 #
 # **Time:** about 20 minutes to read and run.
 #
@@ -18,11 +22,14 @@
 #
 # `nn.DataParallel(model)` is the one-line way to use several GPUs in PyTorch, and the slowest.
 # In this lesson we build it from scratch in `dpcourse.dp`, in four moves, and prove that it
-# computes exactly what the plain model computes on the whole batch:
+# computes what the plain model computes on the whole batch — the same outputs and gradients
+# to within 1e-5 (not bit for bit: the chunks' sums are added in another order):
 #
 # 1. **scatter** the batch along dim 0, one contiguous chunk per device;
 # 2. **replicate** the model onto every device (every step!);
-# 3. **parallel_apply**: run each replica on its chunk, one Python *thread* per device;
+# 3. **parallel_apply**: run each replica on its chunk, one Python *thread* per device (the
+#    threads of one process share its GIL, Python's *global interpreter lock*: only one of them
+#    runs Python code at a time);
 # 4. **gather** the outputs on device 0, compute the loss there, and `backward()`: the replicas'
 #    gradients are **summed** onto the original parameters on device 0.
 #
@@ -42,12 +49,14 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dpcourse import devices, dp, models, viz
 from dpcourse.checks import claim
 
-# One intra-op thread: the model is tiny, and extra threads only add noise to the timings below
-# (and would blur the GIL measurement, which is about *Python* threads).
+# One intra-op thread (the threads torch uses *inside* one operation, e.g. to split a
+# convolution over the cores): the model is tiny, and extra threads only add noise to the
+# timings below (and would blur the GIL measurement, which is about *Python* threads).
 torch.set_num_threads(1)
 devices.seed_everything(seed)
 model = models.SmallCNN(width=width)
@@ -61,11 +70,9 @@ print(f"{n_devices} devices, batch {batch}, model with K = {K} parameters")
 # ## 1. Scatter
 # The batch is cut along dim 0 into contiguous chunks (`torch.chunk`'s sizes: `ceil(B/N)` each,
 # the last one smaller). Contiguous matters: gathering the outputs in device order must put the
-# rows back in the order of `y`. Here is the library's `scatter`; it checks its input more than
-# you will need to in the lab, but the heart of it is one `torch.chunk`:
-
-# %%
-viz.show_code(dp.scatter)
+# rows back in the order of `y`. Writing `scatter` is part of lab 02, so the library's code for
+# it waits, folded, below the lab's pointer at the end of this lesson; here we check what it
+# returns:
 
 # %%
 chunks = dp.scatter(X, devs)
@@ -105,12 +112,45 @@ claim("the original weight is a leaf; the replica's copy is not (autograd links 
 claim("the replica's copy holds the same numbers as the original", torch.equal(w0, w_rep))
 
 # %% [markdown]
-# ## 3. Parallel apply — threads
-# One thread per replica, as in the real one. Grad mode is thread-local in PyTorch, so each thread
-# switches it to the caller's setting (forget it and the replicas run without autograd).
+# **Replica 0 is not a copy.** It lives on the module's own device, and there it *shares* the
+# module's storage: its weights are views of the original tensors (still with the broadcast as
+# their `grad_fn`) and its buffers *are* the module's buffers. Torch's `replicate` does the same,
+# and `nn.DataParallel`'s documentation promises it: in-place updates made during the forward on
+# replica 0 are recorded in the module, those on the other replicas are lost with them. The
+# in-place update that matters is BatchNorm's: its *running* mean and variance (buffers, updated
+# by every training-mode forward) end up computed from **device 0's chunk alone**. A small
+# BatchNorm model shows it:
 
 # %%
-viz.show_code(dp.parallel_apply)
+w_rep0 = next(replicas[0].parameters())
+claim("replica 0's weight shares the original's memory; replica 1's is a copy",
+      w_rep0.data_ptr() == w0.data_ptr() and w_rep.data_ptr() != w0.data_ptr())
+
+bn_net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+only_chunk0, whole = copy.deepcopy(bn_net), copy.deepcopy(bn_net)
+dp.data_parallel(bn_net, X, devs)   # one DataParallel forward, in training mode
+only_chunk0(chunks[0])              # a plain copy that sees device 0's chunk only
+whole(X)                            # a plain copy that sees the whole batch
+bn, bn_chunk0, bn_whole = bn_net[1], only_chunk0[1], whole[1]
+claim("after one DataParallel forward, the module's BatchNorm running mean and variance are "
+      "bit-identical (torch.equal) to those of a copy that saw chunk 0 alone",
+      torch.equal(bn.running_mean, bn_chunk0.running_mean)
+      and torch.equal(bn.running_var, bn_chunk0.running_var))
+gap = (bn.running_mean - bn_whole.running_mean).abs().max().item()
+print(f"largest difference from the whole batch's running mean: {gap:.4f}")
+claim("they differ from the statistics of the whole batch", gap > 1e-4, gap=gap)
+claim("the module counted one BatchNorm update, not one per replica",
+      bn.num_batches_tracked.item() == 1)
+
+# %% [markdown]
+# ## 3. Parallel apply — threads
+# One thread per replica, as in the real one. Grad mode is thread-local in PyTorch, so each thread
+# switches it to the caller's setting (forget it and the replicas run without autograd); an error
+# in a thread must be kept and raised again in the caller, or it would vanish with the thread.
+# Writing this function is lab 02's stretch, so its code too waits, folded, below the lab's
+# pointer; the real one (`torch/nn/parallel/parallel_apply.py`) also carries the caller's
+# autocast setting into each thread and sets each thread's current GPU.
 
 # %%
 outputs = dp.parallel_apply(replicas, chunks)
@@ -120,11 +160,13 @@ claim("every replica's output is part of the autograd graph",
 
 # %% [markdown]
 # ## 4. Gather, loss, backward — and the proof
-# Concatenate along dim 0 on device 0, compute the mean loss over the whole batch, and backward.
-# Compare with the plain model on the whole batch: same outputs, same gradients.
+# `gather` concatenates the outputs along dim 0 on device 0 (lab 02 asks for it too, so it is
+# folded below the lab's pointer). Then: the mean loss over the whole batch, and backward.
+# Compare with the plain model on the whole batch: the same outputs and gradients, to within
+# 1e-5. Here is the whole step in one function, the four moves in order:
 
 # %%
-viz.show_code(dp.gather, dp.data_parallel)
+viz.show_code(dp.data_parallel)
 
 # %%
 out = dp.gather(outputs, devs[0])
@@ -182,9 +224,15 @@ viz.show(viz.dp_step_figure([c.shape[0] for c in chunks], K),
 
 # %% [markdown]
 # ## The real `nn.DataParallel` on this machine
-# With 2 or more GPUs it scatters over them for real. With **one** GPU it moves the input to
-# `cuda:0` and calls the module. With **no** GPU it has no `device_ids` and *silently calls the
-# module*: no error, no warning, no parallelism. `dp.real_data_parallel` wraps a copy of our model,
+# With 2 or more GPUs it scatters over them for real, with the same four moves; what differs is
+# how the tensors travel. Its `replicate` sends all the weights at once through
+# `comm.broadcast_coalesced` (small tensors packed into 10 MiB buffers, copied GPU to GPU in
+# C++), and the backward of that broadcast is `comm.reduce_add_coalesced`, whose `reduce_add`
+# runs **an NCCL reduce** when NCCL is available (NVIDIA's collective library, which pipelines
+# the sum over the links between GPUs) and only otherwise copies every GPU's gradient to device
+# 0 and adds. With **one** GPU it moves the input to `cuda:0` and calls the module. With **no**
+# GPU it has no `device_ids` and *silently calls the module*: no error, no warning, no
+# parallelism. `dp.real_data_parallel` wraps a copy of our model,
 # counts how often the wrapper replicates it, and compares with the module's own output.
 
 # %%
@@ -210,9 +258,14 @@ claim("the real nn.DataParallel behaves as described for this machine", as_descr
 # %% [markdown]
 # ## Why it is slow
 #
-# **A parameter server on device 0.** Every step, device 0 sends the K weights to each of the other
-# N−1 devices (replicate) and receives N−1 gradients of K numbers back (the reduce-add of the
-# backward). That is **T = 2(N−1)K** numbers through device 0's link per step — linear in N. Our
+# **A naive parameter server on device 0.** Our `dp` copies one device at a time: every step,
+# device 0 sends the K weights to each of the other N−1 devices (replicate) and receives N−1
+# gradients of K numbers back (the reduce-add of the backward). A *parameter server* is one
+# place that holds the weights, hands them out and collects the gradients (lesson 09 builds a
+# real one); done copy by copy, it puts **T = 2(N−1)K** numbers through device 0's link per step
+# — linear in N. (The real class on NCCL need not: its broadcast and reduce are collectives that
+# spread the bytes over the links. We have no GPUs here to measure it; what stays true of it is
+# everything else below — a replication every step, one process, device 0's extra work.) Our
 # implementation counts what it copies:
 
 # %%
@@ -316,7 +369,7 @@ claim("the two Python threads used at most about one core at a time (GIL)",
 #
 # | DataParallel's cost (this lesson) | DDP's answer |
 # |---|---|
-# | traffic through device 0: 2(N−1)K per step | an all-reduce among equals: about 2K per rank (lesson 06) |
+# | traffic through device 0: 2(N−1)K per step done copy by copy (the real class eases it with NCCL's reduce, but still sends every weight out every step) | an all-reduce among equals: about 2K per rank (lesson 06) |
 # | replicate every step | the weights are broadcast **once**, then stay equal because every rank applies the same averaged gradient |
 # | one process, one GIL | one **process** per device |
 # | device 0 computes the loss and holds all outputs | every rank computes the loss on its own chunk |
@@ -328,8 +381,17 @@ claim("the two Python threads used at most about one core at a time (GIL)",
 #
 # Open [lab02_data_parallel](../labs/lab02_data_parallel.ipynb): you write `scatter`, `gather`,
 # and a forward/backward with plain copies of the model (`copy.deepcopy`, not the broadcast
-# above) whose gradients you then sum onto the original yourself.
-#
+# above) whose gradients you then sum onto the original yourself; its stretch asks for the
+# threads of `parallel_apply`.
+
+# %% [markdown]
+# **▶ The reference answer — open after your lab passes** (click the folded cell below): the
+# library's `scatter`, `gather` and `parallel_apply`, which sections 1, 3 and 4 ran.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(dp.scatter, dp.gather, dp.parallel_apply)
+
+# %% [markdown]
 # ## Summary
 #
 # - `nn.DataParallel` = scatter the batch, replicate the model, run the replicas in threads,
@@ -337,8 +399,12 @@ claim("the two Python threads used at most about one core at a time (GIL)",
 # - Summing is right because the loss is one mean over the whole gathered batch; averaging would
 #   make the gradient N times too small.
 # - Without GPUs the real `nn.DataParallel` silently just calls the module.
-# - Its costs: 2(N−1)K numbers through device 0 every step, a replication every step, threads
-#   sharing one GIL, and device 0 doing the loss alone.
+# - Replica 0 shares the module's weights and buffers (as in torch's `replicate`), so BatchNorm's
+#   running statistics are device 0's chunk's alone; the other replicas' updates are lost.
+# - Its costs: a replication every step, threads sharing one GIL, device 0 doing the loss alone,
+#   and, when the copies go one by one (a naive parameter server, as in our `dp`), 2(N−1)K
+#   numbers through device 0 every step; the real class reduces the gradients with NCCL when it
+#   can.
 #
 # ## Check yourself
 
@@ -360,8 +426,9 @@ viz.quiz([
      "why": ["Right: each chunk's term is already divided by the whole batch size B.",
              "Speed has nothing to do with it: the result would differ by a factor N.",
              "Averaging would make the gradient N times too small — this lesson measured it."]},
-    {"q": "With 8 devices and a model of K parameters, how many numbers cross device 0's link "
-          "per step?",
+    {"q": "In this lesson's DataParallel, which copies one device at a time (a naive parameter "
+          "server), with 8 devices and a model of K parameters, how many numbers cross device "
+          "0's link per step?",
      "options": ["2K", "14K", "8K"],
      "answer": 1,
      "why": ["That is (about) what one rank moves in a ring all-reduce, not DataParallel.",
@@ -375,3 +442,37 @@ viz.quiz([
              "It has no CPU devices to scatter to.",
              "Right: with no device_ids it just calls model(X)."]},
 ])
+
+# %% [markdown]
+# ## Sources
+#
+# Every statement this lesson makes about PyTorch's own `nn.DataParallel` was checked in the
+# installed torch 2.14.1 (paths relative to `site-packages`):
+#
+# - `torch/nn/parallel/data_parallel.py` — `DataParallel.__init__`: with no CUDA device,
+#   `device_ids = []`; with one, the module is moved to it. `DataParallel.forward`: no
+#   `device_ids` → `self.module(*inputs)`; one device → the module on it; otherwise scatter,
+#   `replicate(self.module, self.device_ids[:len(inputs)])` (fewer devices when the batch gives
+#   fewer chunks), `parallel_apply`, `gather` on `output_device` (device 0 by default). The class
+#   docstring's warning: the replica on `device[0]` shares parameters and buffers with the module,
+#   so in-place updates there (BatchNorm's) are recorded and the others' are lost.
+# - `torch/nn/parallel/replicate.py` — `replicate`: parameters go through `Broadcast.apply`
+#   (differentiable), buffers that need no gradient through `comm.broadcast_coalesced`
+#   (detached); each replica module is made by `Module._replicate_for_data_parallel`
+#   (`torch/nn/modules/module.py`), and its parameters are set as plain attributes, not leaves.
+# - `torch/nn/parallel/_functions.py` — `Broadcast.forward` calls `comm.broadcast_coalesced`;
+#   `Broadcast.backward` is `ReduceAddCoalesced`, which calls `comm.reduce_add_coalesced`
+#   (the gradients are summed onto the source device). `Scatter.forward` calls `comm.scatter`.
+# - `torch/nn/parallel/comm.py` — `broadcast_coalesced` (`buffer_size=10485760`, done in C++ by
+#   `torch._C._broadcast_coalesced`); `reduce_add`: `nccl.reduce(...)` when
+#   `nccl.is_available(inputs)`, otherwise each non-root tensor copied to the destination and
+#   added; `reduce_add_coalesced` flattens small tensors and calls `reduce_add`.
+# - `torch/nn/parallel/scatter_gather.py` — `scatter`, `scatter_kwargs` (tensors split along
+#   `dim` by `Scatter.apply`), `gather`.
+# - `torch/nn/parallel/parallel_apply.py` — `parallel_apply`: one `threading.Thread` per
+#   replica; each thread sets the caller's grad mode (`torch.set_grad_enabled`) and autocast
+#   state and the replica's device; an exception is wrapped (`ExceptionWrapper`) and re-raised
+#   in the caller.
+# - `torch/cuda/nccl.py` — `is_available`, `reduce`: the NCCL calls `comm.reduce_add` uses.
+# - `torch/nn/modules/batchnorm.py` — `_BatchNorm.forward`: in training mode the running mean
+#   and variance (buffers) are updated in place and `num_batches_tracked` is incremented.

@@ -21,9 +21,12 @@ Why it is slow, each point measurable with this module (lesson 02 measures them)
 
 * one process: the threads share the GIL, so the Python parts of N forwards take turns;
 * the weights travel from device 0 to N-1 devices every step, and N-1 gradient copies travel
-  back to device 0 — a parameter server on device 0 that moves T = 2(N-1)K numbers per step for
-  K parameters (:func:`parameter_server_traffic`, and :class:`TrafficCounter` counts the copies
-  this implementation really makes);
+  back to device 0. Done as this module does it, one plain copy per device, that is *a naive
+  parameter server* on device 0 moving T = 2(N-1)K numbers per step for K parameters
+  (:func:`parameter_server_traffic`; :class:`TrafficCounter` counts the copies this
+  implementation really makes). The real class moves the same tensors with torch's collective
+  helpers instead (``comm.broadcast_coalesced`` out, ``comm.reduce_add_coalesced`` back, whose
+  ``reduce_add`` runs an NCCL reduce when it can), so device 0's link need not carry all of it;
 * device 0 also holds the gathered outputs and computes the loss alone.
 
 :func:`real_data_parallel` says what the real ``nn.DataParallel`` does *on this machine*: with
@@ -138,11 +141,13 @@ def _count(what: str, n: int) -> None:
 
 
 def parameter_server_traffic(n_devices: int, n_params: int) -> int:
-    """Numbers moved through device 0 in one DataParallel step: T = 2(N-1)K.
+    """Numbers through device 0 in one step of a naive parameter server: T = 2(N-1)K.
 
     N-1 copies of the K weights go out (replicate), N-1 gradients of K numbers come back
-    (the reduce onto device 0). Device 0's link carries all of it, whatever N is — the cost
-    grows linearly with N, which is why a ring all-reduce (lesson 06) beats it.
+    (the reduce onto device 0), each copied directly to or from device 0 as this module does.
+    The cost grows linearly with N, which is why a ring all-reduce (lesson 06) beats it. (The
+    real ``nn.DataParallel`` reduces with ``comm.reduce_add``, an NCCL reduce when available,
+    which need not route every gradient through device 0's link.)
     """
     if n_devices < 1 or n_params < 0:
         raise ValueError(f"need n_devices >= 1 and n_params >= 0, got {n_devices}, {n_params}")
