@@ -47,3 +47,17 @@ def test_importing_the_library_has_no_side_effects():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd="/")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_repository_address_is_written_once():
+    """README's clone command and Binder link use pyproject's [project.urls] Repository, and no
+    placeholder such as <owner> is left for a learner to fill in."""
+    import tomllib
+
+    url = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+    owner_repo = url.removeprefix("https://github.com/")
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("<!-- install -->", 1)[0]
+    assert f"git clone {url}.git" in quick and "\ncd " + owner_repo.split("/")[1] in quick
+    assert f"mybinder.org/v2/gh/{owner_repo}/main" in readme
+    assert "<owner>" not in readme
