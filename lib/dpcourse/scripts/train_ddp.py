@@ -1,25 +1,23 @@
-"""Train a small CNN with DistributedDataParallel: the torchrun script of lesson 04.
+r"""Train a small CNN: lesson 04's script. train_single.py runs it on one device, train_ddp.py
+with DistributedDataParallel (DDP) on many. Every line that differs between the two files is a
+line that data parallelism needs: lesson 04 prints that diff whole.
 
-Every rank runs this whole file; torchrun tells each which one it is through environment
-variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). It is train_single.py
-with the distributed parts added - compare the two with ``diff``; nothing else differs.
+Run it from the repository root (with the course installed: pip install -e .):
 
-Run it (from the repository root, with ``lib`` on PYTHONPATH or the course installed):
-
-    # one machine, 2 processes
     torchrun --nproc-per-node=2 lib/dpcourse/scripts/train_ddp.py --epochs 3 --out final.pt
-    # restart up to 3 times after a failure, resuming from the last checkpoint
-    torchrun --nproc-per-node=2 --max-restarts=3 lib/dpcourse/scripts/train_ddp.py \\
+    # survive a crash: restart all ranks (up to 3 times), each resuming from the last checkpoint
+    torchrun --nproc-per-node=2 --max-restarts=3 lib/dpcourse/scripts/train_ddp.py \
         --ckpt ckpt.pt --ckpt-every 8 --out final.pt
-    # two machines (run on both; HOST is the first machine's address)
-    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+    # two machines: the same command on both; HOST is the first machine's address
+    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
         --rdzv-id=job1 lib/dpcourse/scripts/train_ddp.py --out final.pt
-    # without torchrun it runs as a single process (world size 1)
-    python lib/dpcourse/scripts/train_ddp.py --out final.pt
 
-The global batch is ``--per-rank-batch`` × WORLD_SIZE × ``--accum``; DDP averages gradients
-over ranks, so the learning rate is that of one process on the global batch. ``--fail-at-step``
-is a test hook: one rank kills itself there (only on the first attempt) to simulate a fault.
+One optimizer step sees --per-rank-batch x WORLD_SIZE x --accum images (the global batch). DDP
+averages the ranks' gradients, so with the same --lr this run equals train_single.py with --batch
+set to the global batch (to float rounding). Every rank runs this whole file. torchrun's agent
+(one per machine: it starts the workers, watches them, restarts them all when one dies) tells
+each worker who it is in environment variables. A GPU machine gives each rank its own GPU (nccl);
+else the ranks share the CPU (gloo). --fail-at-step plays a crash: a rank kills itself there.
 """
 
 from __future__ import annotations
@@ -28,16 +26,15 @@ import argparse
 import os
 import signal
 import sys
-import traceback
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from dpcourse import data, devices
+from dpcourse import data
 from dpcourse.ddp_practice import (build_model, convert_sync_batchnorm, load_checkpoint,
                                    save_checkpoint, state_checksum)
 
@@ -46,10 +43,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="shapes10")
     p.add_argument("--n-train", type=int, default=1024)
+    p.add_argument("--n-test", type=int, default=201, help="images to evaluate on")
     p.add_argument("--model", default="small_cnn", help="small_cnn, small_bn or resnet18")
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--per-rank-batch", type=int, default=32)
+    p.add_argument("--per-rank-batch", type=int, default=32, help="images per rank per micro-batch")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
@@ -57,64 +55,82 @@ def parse_args(argv=None):
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over the global batch")
     p.add_argument("--ckpt", default=None, help="checkpoint file: resume from it, save to it")
     p.add_argument("--ckpt-every", type=int, default=0, help="optimizer steps (0: each epoch)")
-    p.add_argument("--out", default=None, help="where rank 0 writes the final weights")
+    p.add_argument("--out", default=None, help="where to write the final weights")
     p.add_argument("--fail-at-step", type=int, default=-1, help="test hook: die after this step")
     p.add_argument("--fail-rank", type=int, default=1)
     return p.parse_args(argv)
 
 
-def _store_for_attempt(attempt: int):
-    """The rendezvous store, with keys private to this attempt (None: the default env://).
+def evaluate(model, test_set, device, rank, world_size):
+    """Summed loss, number correct and number of images over the WHOLE test set, on every rank."""
+    # Rank r takes images r, r + world_size, ...: each image exactly once, shards of unequal
+    # length. Not DistributedSampler: it pads the shards to equal length with repeated images.
+    loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=256)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    model.eval()
+    with torch.no_grad():
+        for X, y in loader:
+            X, y = X.to(device), y.to(device)
+            out = model(X)
+            sums[0] += F.cross_entropy(out.float(), y, reduction="sum").item()
+            sums[1] += (out.argmax(1) == y).sum().item()
+            sums[2] += len(y)
+    model.train()
+    dist.all_reduce(sums)  # add the ranks' sums and counts (a mean of means would be wrong)
+    return sums
 
-    After a restart, torchrun's workers meet again in the agent's store, which still holds the
-    previous attempt's addresses; with torch 2.14 a restarted rank can read a dead peer's
-    address there and fail with "Gloo connectFullMesh failed ... Connection refused". A prefix
-    per attempt keeps the attempts apart (see pytorch/pytorch#167288).
+
+def store_for_this_attempt():
+    """The c10d store (the key-value server ranks meet in), with keys private to this attempt.
+
+    After a crash torchrun restarts every worker, and they meet again in the agent's store, which
+    still holds the dead attempt's keys (peers' addresses); with gloo on torch 2.14 a restarted
+    rank can read one and fail with "Connection refused". A prefix per attempt keeps them apart.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False)
-    return dist.PrefixStore(f"dpcourse/attempt_{attempt}", store)
+        return None  # not under torchrun's agent: init_process_group makes its own store
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                is_master=False)
+    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent_store)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    # --- distributed: who am I? (torchrun sets these; without torchrun we are alone) ---
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    is_main = rank == 0  # the one rank that logs and writes files
-    backend = devices.backend_for(local_world_size)  # nccl only if every local rank owns a GPU
-    if "MASTER_ADDR" not in os.environ:  # plain `python train_ddp.py`
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # > 0 after a restart
+    if "RANK" not in os.environ:
+        sys.exit("train_ddp.py reads its rank from torchrun: torchrun --nproc-per-node=2 " + sys.argv[0])
+    rank = int(os.environ["RANK"])  # 0 .. WORLD_SIZE-1 over all machines
+    local_rank = int(os.environ["LOCAL_RANK"])  # 0 .. LOCAL_WORLD_SIZE-1 on this machine
+    world_size = int(os.environ["WORLD_SIZE"])
+    is_main = rank == 0  # the one rank that prints and writes files
+    if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+        backend, device = "nccl", torch.device("cuda", local_rank)  # one GPU per rank
+        torch.cuda.set_device(device)  # else every rank's NCCL and .cuda() would use GPU 0
+    else:
+        backend, device = "gloo", torch.device("cpu")
     dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            store=_store_for_attempt(attempt))
-    device = devices.device_for_rank(local_rank, backend)
-    # --- end distributed setup ---
+                            store=store_for_this_attempt())
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # > 0 after a restart
 
-    devices.seed_everything(args.seed)
-    ds = data.load(args.data, n_train=args.n_train, n_test=10, seed=args.seed)
+    ds = data.load(args.data, n_train=args.n_train, n_test=args.n_test, seed=args.seed)
     train_set = data.to_torch(ds.x_train, ds.y_train)
-    # Each rank reads its own shard of every epoch's permutation (seeded by seed + epoch).
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=args.seed, drop_last=True)
+    test_set = data.to_torch(ds.x_test, ds.y_test)
+    # Each rank reads its own shard of each epoch's permutation (seeded with seed + epoch).
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed,
+                                 drop_last=True)
     loader = DataLoader(train_set, batch_size=args.per_rank_batch, sampler=sampler, drop_last=True)
     steps_per_epoch = len(loader) // args.accum
     if steps_per_epoch == 0:
-        raise ValueError(f"{args.n_train} images cannot make one global batch of "
+        raise ValueError(f"{args.n_train} images cannot make one batch of "
                          f"{args.per_rank_batch * world_size * args.accum}")
 
-    torch.manual_seed(args.seed)  # same initial weights everywhere (DDP broadcasts rank 0's anyway)
+    torch.manual_seed(args.seed)  # the initial weights (DDP copies rank 0's to all ranks anyway)
     model = build_model(args.model, ds.num_classes, width=args.width).to(device)
     if args.sync_bn:
         model = convert_sync_batchnorm(model, device)
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    model = DDP(model, device_ids=[local_rank] if backend == "nccl" else None)
+    raw_model = model.module  # the plain model inside: what we save, load and evaluate
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    use_scaler = args.amp and device.type == "cuda"
-    scaler = torch.amp.GradScaler("cuda", enabled=use_scaler)
+    scaler = torch.amp.GradScaler("cuda", enabled=args.amp and device.type == "cuda")
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
 
     if is_main:
@@ -123,7 +139,7 @@ def main(argv=None) -> None:
     step = 0
     state = load_checkpoint(args.ckpt, map_location=device) if args.ckpt else None
     if state is not None:
-        model.module.load_state_dict(state["model"])
+        raw_model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         step = state["step"]
@@ -134,7 +150,7 @@ def main(argv=None) -> None:
     for epoch in range(step // steps_per_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
         done_in_epoch = step - epoch * steps_per_epoch  # > 0 only right after a resume
-        total, count = 0.0, 0
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, micro-batches
         for i, (X, y) in enumerate(loader):
             if i // args.accum < done_in_epoch:
                 continue  # already trained on before the checkpoint
@@ -142,53 +158,54 @@ def main(argv=None) -> None:
                 break
             X, y = X.to(device), y.to(device)
             last_micro = (i + 1) % args.accum == 0
-            # no_sync: no all_reduce on the first accum-1 micro-batches; the gradients add up
-            # locally and the last backward all-reduces their sum.
+            # no_sync: no all-reduce on the first accum-1 micro-batches, their gradients add up
+            # here, and the last backward all-reduces the sum.
             with model.no_sync() if not last_micro else nullcontext():
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
                     loss = F.cross_entropy(model(X), y) / args.accum
                 scaler.scale(loss).backward()
-            total += loss.item() * args.accum
-            count += 1
+            sums[0] += loss.item() * args.accum
+            sums[1] += 1
             if not last_micro:
                 continue
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
             step += 1
-            if args.ckpt and is_main and (
-                    (args.ckpt_every and step % args.ckpt_every == 0)
-                    or (not args.ckpt_every and step % steps_per_epoch == 0)):
-                save_checkpoint(args.ckpt, {"model": model.module.state_dict(),
+            if args.ckpt and is_main and step % (args.ckpt_every or steps_per_epoch) == 0:
+                save_checkpoint(args.ckpt, {"model": raw_model.state_dict(),
                                             "optimizer": opt.state_dict(),
                                             "scaler": scaler.state_dict(), "step": step})
             if step == args.fail_at_step and rank == args.fail_rank and attempt == 0:
                 print(f"rank {rank}: simulated fault at step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(sums)  # the loss of every rank's batches, not rank 0's alone
+        test = evaluate(raw_model, test_set, device, rank, world_size)
         if is_main:
-            print(f"epoch {epoch}: mean loss {total / max(count, 1):.4f}", flush=True)
+            print(f"epoch {epoch}: mean loss {sums[0] / max(sums[1], 1):.4f}, test accuracy "
+                  f"{int(test[1])}/{int(test[2])}, test loss {test[0] / test[2]:.4f}", flush=True)
 
     if is_main and args.out:
-        weights = model.module.state_dict()
-        save_checkpoint(args.out, {"model": weights, "step": step})
+        weights = raw_model.state_dict()
+        save_checkpoint(args.out, {"model": weights, "step": step, "test": test.tolist()})
         print(f"final weights {state_checksum(weights)} after {step} steps", flush=True)
-    # --- distributed: end cleanly ---
-    dist.barrier()  # nobody leaves while another rank still needs it
+    dist.barrier()  # nobody leaves while another rank may still need it
+    dist.destroy_process_group()
     sys.stdout.flush()
-    sys.stderr.flush()
-    # os._exit skips interpreter shutdown, where gloo threads kept alive by DDP sometimes abort
-    # an already finished process (SIGABRT) - which torchrun would count as a failure.
+    # os._exit skips the interpreter's shutdown, where gloo threads kept alive by DDP now and
+    # then abort a finished process (SIGABRT), which torchrun would count as a failure.
     os._exit(0)
 
 
 if __name__ == "__main__":
     try:
         main()
-    except BaseException:
-        # A rank whose peer died gets an error here ("Connection reset by peer"). Leave at once:
-        # a normal exit can hang in gloo's threads, and torchrun would wait 30 s for it before
-        # it restarts the group.
+    except BaseException as exc:
+        # A rank whose peer died gets an error ("Connection reset by peer"). Leave at once: a
+        # normal exit can hang in gloo's threads, and torchrun would wait 30 s before a restart.
+        import traceback
+
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1)

@@ -1,17 +1,14 @@
-"""Train a small CNN on one device: the script that lesson 04 turns into train_ddp.py.
+r"""Train a small CNN: lesson 04's script. train_single.py runs it on one device, train_ddp.py
+with DistributedDataParallel (DDP) on many. Every line that differs between the two files is a
+line that data parallelism needs: lesson 04 prints that diff whole.
 
-It is the single-device twin of train_ddp.py: the same data, model, optimizer, checkpoints,
-gradient accumulation and mixed precision; ``diff train_single.py train_ddp.py`` shows exactly
-what data parallelism adds. Run it (from the repository root, with ``lib`` on PYTHONPATH or the
-course installed):
+Run it from the repository root (with the course installed: pip install -e .):
 
-    python lib/dpcourse/scripts/train_single.py --epochs 3 --batch 64 --out final.pt
+    python lib/dpcourse/scripts/train_single.py --epochs 3 --out final.pt
     # resume from (and save to) a checkpoint
     python lib/dpcourse/scripts/train_single.py --ckpt ckpt.pt --ckpt-every 8 --out final.pt
 
-``--batch`` is the batch of one optimizer step; with ``--accum k`` it is made of k
-micro-batches of ``--batch / k``. With the same seed, ``train_ddp.py`` on N ranks with
-``--per-rank-batch B/N`` ends with the same weights as this script with ``--batch B``.
+One optimizer step sees --batch images, in --accum micro-batches, on the GPU if there is one.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler
 
-from dpcourse import data, devices
+from dpcourse import data
 from dpcourse.ddp_practice import build_model, load_checkpoint, save_checkpoint, state_checksum
 
 
@@ -32,6 +29,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="shapes10")
     p.add_argument("--n-train", type=int, default=1024)
+    p.add_argument("--n-test", type=int, default=201, help="images to evaluate on")
     p.add_argument("--model", default="small_cnn", help="small_cnn, small_bn or resnet18")
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--epochs", type=int, default=3)
@@ -46,45 +44,61 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def evaluate(model, test_set, device):
+    """Summed loss, number correct and number of images over the whole test set."""
+    loader = DataLoader(test_set, batch_size=256)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    model.eval()
+    with torch.no_grad():
+        for X, y in loader:
+            X, y = X.to(device), y.to(device)
+            out = model(X)
+            sums[0] += F.cross_entropy(out.float(), y, reduction="sum").item()
+            sums[1] += (out.argmax(1) == y).sum().item()
+            sums[2] += len(y)
+    model.train()
+    return sums
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    device = torch.device(devices.choose_profile().device)
-    if args.batch % args.accum:
-        raise ValueError(f"--batch {args.batch} does not split into {args.accum} micro-batches")
+    is_main = True  # (in train_ddp.py: rank 0 only)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    devices.seed_everything(args.seed)
-    ds = data.load(args.data, n_train=args.n_train, n_test=10, seed=args.seed)
+    ds = data.load(args.data, n_train=args.n_train, n_test=args.n_test, seed=args.seed)
     train_set = data.to_torch(ds.x_train, ds.y_train)
-    # Shuffle with a generator re-seeded with seed + epoch: every run sees the same orders.
+    test_set = data.to_torch(ds.x_test, ds.y_test)
+    # Each epoch's permutation comes from a generator seeded with seed + epoch.
     generator = torch.Generator()
     sampler = RandomSampler(train_set, generator=generator)
-    loader = DataLoader(train_set, batch_size=args.batch // args.accum, sampler=sampler,
-                        drop_last=True)
+    loader = DataLoader(train_set, batch_size=args.batch // args.accum, sampler=sampler, drop_last=True)
     steps_per_epoch = len(loader) // args.accum
     if steps_per_epoch == 0:
-        raise ValueError(f"{args.n_train} images cannot make one batch of {args.batch}")
+        raise ValueError(f"{args.n_train} images cannot make one batch of "
+                         f"{args.batch}")
 
     torch.manual_seed(args.seed)  # the initial weights
     model = build_model(args.model, ds.num_classes, width=args.width).to(device)
+    raw_model = model  # (in train_ddp.py: the plain model inside DDP)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    use_scaler = args.amp and device.type == "cuda"
-    scaler = torch.amp.GradScaler("cuda", enabled=use_scaler)
+    scaler = torch.amp.GradScaler("cuda", enabled=args.amp and device.type == "cuda")
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
 
     step = 0
     state = load_checkpoint(args.ckpt, map_location=device) if args.ckpt else None
     if state is not None:
-        model.load_state_dict(state["model"])
+        raw_model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         step = state["step"]
-        print(f"resumed from step {step}", flush=True)
+        if is_main:
+            print(f"resumed from step {step}", flush=True)
 
     model.train()
     for epoch in range(step // steps_per_epoch, args.epochs):
-        generator.manual_seed(args.seed + epoch)
+        generator.manual_seed(args.seed + epoch)  # a new permutation each epoch
         done_in_epoch = step - epoch * steps_per_epoch  # > 0 only right after a resume
-        total, count = 0.0, 0
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, micro-batches
         for i, (X, y) in enumerate(loader):
             if i // args.accum < done_in_epoch:
                 continue  # already trained on before the checkpoint
@@ -95,27 +109,27 @@ def main(argv=None) -> None:
             with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
                 loss = F.cross_entropy(model(X), y) / args.accum
             scaler.scale(loss).backward()
-            total += loss.item() * args.accum
-            count += 1
+            sums[0] += loss.item() * args.accum
+            sums[1] += 1
             if not last_micro:
                 continue
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
             step += 1
-            if args.ckpt and (
-                    (args.ckpt_every and step % args.ckpt_every == 0)
-                    or (not args.ckpt_every and step % steps_per_epoch == 0)):
-                save_checkpoint(args.ckpt, {"model": model.state_dict(),
+            if args.ckpt and is_main and step % (args.ckpt_every or steps_per_epoch) == 0:
+                save_checkpoint(args.ckpt, {"model": raw_model.state_dict(),
                                             "optimizer": opt.state_dict(),
                                             "scaler": scaler.state_dict(), "step": step})
-        print(f"epoch {epoch}: mean loss {total / max(count, 1):.4f}", flush=True)
+        test = evaluate(raw_model, test_set, device)
+        if is_main:
+            print(f"epoch {epoch}: mean loss {sums[0] / max(sums[1], 1):.4f}, test accuracy "
+                  f"{int(test[1])}/{int(test[2])}, test loss {test[0] / test[2]:.4f}", flush=True)
 
-    if args.out:
-        weights = model.state_dict()
-        save_checkpoint(args.out, {"model": weights, "step": step})
+    if is_main and args.out:
+        weights = raw_model.state_dict()
+        save_checkpoint(args.out, {"model": weights, "step": step, "test": test.tolist()})
         print(f"final weights {state_checksum(weights)} after {step} steps", flush=True)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":
