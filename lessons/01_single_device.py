@@ -188,12 +188,15 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x. The work per epo
 # %% [markdown]
 # ## Throughput, and where the time goes
 #
-# *Samples per second* is the number data parallelism is meant to multiply. It depends on the
-# batch size: a bigger batch gives the hardware bigger matrices per step and fewer Python round
-# trips per sample — which pays off until the hardware is saturated. A GPU needs large batches
-# to be saturated; a CPU with a couple of cores can be saturated by small ones. We measure it
-# honestly: the same 512 samples per setting, the three batch sizes interleaved, three rounds,
-# the median of each. `ThroughputMeter` synchronizes a GPU before reading the clock: CUDA runs
+# *Samples per second* is the number data parallelism is meant to multiply. It can depend on
+# the batch size: a bigger batch gives the hardware bigger matrices per step and fewer Python
+# round trips per sample, which pays off until the hardware is saturated. A GPU usually needs
+# large batches to be saturated; a CPU with a couple of cores may be saturated by small ones, so
+# here the difference can be small or lost in the noise of a busy machine. We measure it
+# honestly — the same 512 samples per setting, the three batch sizes interleaved, three rounds,
+# the median of each — and the sentence under the figure is computed from these runs:
+# `train.compare_rates` says "faster in every run" only when the two sets of runs do not
+# overlap, and "no clear difference" otherwise. `ThroughputMeter` synchronizes a GPU before reading the clock: CUDA runs
 # asynchronously, and without the sync you would time how fast Python *queues* work.
 
 # %%
@@ -218,9 +221,9 @@ claim("every batch size was measured three times", all(len(r) == 3 for r in meas
 for bs in batch_sizes:
     print(f"batch {bs:4d}: median {rates[bs]:7.0f} samples/s  (runs: "
           + ", ".join(f"{r:.0f}" for r in measured[bs]) + ")")
-best = max(rates, key=rates.get)
-print(f"On this {device.type} the fastest batch size was {best}; batch {batch_sizes[-1]} ran at "
-      f"{rates[batch_sizes[-1]] / rates[batch_sizes[0]]:.2f}x the speed of batch {batch_sizes[0]}.")
+small, large = batch_sizes[0], batch_sizes[-1]
+print(f"On this {device.type}, this run: "
+      + train.compare_rates(f"batch {small}", measured[small], f"batch {large}", measured[large]))
 fig = viz.new_figure(5.5, 3.2)
 ax = fig.add_subplot(1, 1, 1)
 ax.errorbar([str(bs) for bs in batch_sizes], [rates[bs] for bs in batch_sizes],
@@ -234,6 +237,9 @@ fig.subplots_adjust(left=0.18, right=0.97, bottom=0.17, top=0.95)
 viz.show(fig, "training throughput per batch size on this machine; the bars span three "
               "interleaved runs, so a gap smaller than the bars is noise.")
 
+# %%
+viz.show_code(train.compare_rates)
+
 # %% [markdown]
 # Where does one step's time go? `time_breakdown` charges each phase — waiting for the next
 # batch, forward, backward + step — separately. Our data sits in memory as one tensor, so
@@ -243,6 +249,10 @@ viz.show(fig, "training throughput per batch size on this machine; the bars span
 # same model spends a large part of its step waiting for data (how large depends on how fast
 # this machine computes; the cell prints it). More devices would not help that; more loader
 # workers (`num_workers`) or a vectorised pipeline would.
+#
+# We measure with one *intra-op* thread: the threads torch starts to split **one** operation
+# (a convolution, a matrix multiply) over the cores, one per core by default
+# (`torch.get_num_threads()`), as opposed to the Python threads *you* start.
 
 # %%
 class SlowAugment(torch.utils.data.Dataset):
@@ -330,8 +340,8 @@ claim("the per-sample Python transform: over 20% of the step waits for data, mor
 # ## Mixed precision (AMP)
 #
 # Most of a network's arithmetic does not need 32-bit floats. Under `torch.autocast`, matrix
-# multiplications and convolutions run in a 16-bit type while reductions and the loss stay in
-# float32. On a GPU the type is float16, whose small range makes tiny gradients underflow to
+# multiplications and convolutions run in a 16-bit type, while operations that autocast lists as
+# safer in float32 (the loss among them, as the cell below checks) stay in float32. On a GPU the type is float16, whose small range makes tiny gradients underflow to
 # zero — hence a `GradScaler` that multiplies the loss up before backward and the gradients back
 # down before the step. On a CPU the type is bfloat16, which has float32's range: no scaler
 # needed. `train.fit(..., amp=True)` picks the right pair for the device.
@@ -355,18 +365,26 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # Does the cheaper arithmetic cost accuracy? Two tests on the model we just trained. First,
 # its predictions on the test set with and without autocast. Second, one more (short) epoch of
 # training from the *same* weights, once in float32 and once in AMP: both must end as accurate.
+# (Continuing from trained weights, rather than training from scratch twice, keeps the run
+# short.)
 #
-# Why not train from scratch in AMP? AMP pays off when big matrix multiplications and
-# convolutions dominate the step: then the GPU's tensor cores run float16 much faster. This
-# model is tiny: its layers are too small for that, and the casts autocast inserts cost more
-# than they save — on a CPU (bfloat16) and, for this model at this batch size, even on a large
-# GPU. The last cell measures it on your machine; try it on a ResNet (`models.resnet18_cifar`)
-# with a big batch to see AMP win.
+# Is it faster? That depends on the hardware and the model. AMP pays off when big matrix
+# multiplications and convolutions dominate the step *and* the hardware has fast 16-bit units
+# (a GPU's tensor cores; some CPUs have bfloat16 units too). This model's layers are tiny, and
+# the casts autocast inserts cost time of their own, so it can go either way. The last cells
+# time both, interleaved, five rounds each, and say which was faster on this run, or that
+# there was no clear difference; try a ResNet (`models.resnet18_cifar`) with a big batch on a
+# GPU to see AMP win.
 #
 # To measure the whole ladder on your device — naive float32, TF32, bf16/fp16 autocast,
 # channels_last, `torch.compile` and all of them together, on ResNet-18 — run
-# `python -m dpcourse.bench single` in a terminal (on one H100 this project saw 18.2k
-# images/s in float32 and 25.9k with bf16 + channels_last).
+# `python -m dpcourse.bench single` in a terminal. *TF32* (TensorFloat-32) is a mode of NVIDIA
+# GPUs since Ampere in which float32 matrix multiplies and convolutions run on tensor cores with
+# a 10-bit mantissa (float32's range, less precision); torch turns it on with
+# `torch.backends.cuda.matmul.allow_tf32` and `torch.backends.cudnn.allow_tf32`. *channels_last*
+# is a memory layout (`model.to(memory_format=torch.channels_last)`) that stores each pixel's
+# channels next to each other (NHWC instead of NCHW), the layout fast GPU convolution kernels
+# prefer. No GPU numbers are stored in this course: run the command there to get yours.
 
 # %%
 import copy
@@ -383,28 +401,44 @@ claim("autocast changes at most 2% of the test predictions", agree >= 0.98, agre
 
 subset = data.Dataset(ds.name, ds.x_train[:512], ds.y_train[:512], ds.x_test, ds.y_test,
                       ds.classes)
-acc_after, rate = {}, {}
+acc_after = {}
 for amp in (False, True):
     devices.seed_everything(seed)
     m = copy.deepcopy(trained)
     opt = torch.optim.Adam(m.parameters(), lr=lr / 4)
     loader, _ = train.make_loaders(subset, batch_size, seed=seed)
     scaler = torch.amp.GradScaler("cuda") if amp and device.type == "cuda" else None
-    meter = train.ThroughputMeter(device)
-    train.train_one_epoch(m, loader, loss_fn, opt, device, amp=amp, scaler=scaler, meter=meter)
+    train.train_one_epoch(m, loader, loss_fn, opt, device, amp=amp, scaler=scaler)
     acc_after[amp] = train.evaluate(m, test_loader, loss_fn, device, amp=amp)[1]
-    rate[amp] = meter.rate
 claim("after one more epoch, both runs are above 80% test accuracy",
       min(acc_after.values()) > 0.8, acc_after=acc_after)
 claim("AMP ends within 3 points of float32", abs(acc_after[True] - acc_after[False]) < 0.03,
       acc_after=acc_after)
 
 # %%
+# Speed: the same 10 in-memory batches, float32 and AMP taking turns, five rounds each.
+m = copy.deepcopy(trained)
+opt = torch.optim.Adam(m.parameters(), lr=lr / 4)
+amp_runs = {False: [], True: []}
+for amp in (False, True):  # warm-up, one batch each
+    train.train_one_epoch(m, fast[:1], loss_fn, opt, device, amp=amp, scaler=None)
+for _ in range(5):
+    for amp in (False, True):
+        scaler = torch.amp.GradScaler("cuda") if amp and device.type == "cuda" else None
+        meter = train.ThroughputMeter(device)
+        train.train_one_epoch(m, fast, loss_fn, opt, device, amp=amp, scaler=scaler, meter=meter)
+        amp_runs[amp].append(meter.rate)
+claim("float32 and AMP were each timed five times", all(len(r) == 5 for r in amp_runs.values()))
+
+# %%
 # NBVAL_IGNORE_OUTPUT
-# Why: speed and exact accuracies depend on the hardware, and whether AMP is faster depends
-# on it and on the size of the model's layers.
-print(f"float32: acc {acc_after[False]:.3f}, {rate[False]:7.0f} samples/s")
-print(f"AMP    : acc {acc_after[True]:.3f}, {rate[True]:7.0f} samples/s")
+# Why: speed and exact accuracies depend on the hardware and its load; whether AMP is faster
+# depends on them and on the size of the model's layers.
+for amp, name in ((False, "float32"), (True, "AMP    ")):
+    print(f"{name}: acc {acc_after[amp]:.3f}, median {np.median(amp_runs[amp]):6.0f} samples/s "
+          "(runs: " + ", ".join(f"{r:.0f}" for r in amp_runs[amp]) + ")")
+print(f"On this {device.type}, this run: "
+      + train.compare_rates("float32", amp_runs[False], "AMP", amp_runs[True]))
 
 # %% [markdown]
 # ## Seeds and reproducibility
@@ -444,12 +478,15 @@ claim("another seed: different weights", not torch.equal(a, c))
 # ## Lab 01: write the loop yourself
 #
 # Open [lab01_single_device](../labs/lab01_single_device.ipynb) and write `train_one_epoch` and
-# `evaluate`; its checks compare them with the library's and name your mistake. Do it before
-# reading on: here is the library's version, which every later lesson reuses. Note the two
-# details the lab checks: the epoch's loss is weighted by batch size (the last batch is shorter),
-# and `evaluate` runs in `eval()` mode under `torch.no_grad()`.
+# `evaluate`; its checks compare them with the library's and name your mistake. The library's
+# version, which every later lesson reuses, is folded below: open it once your lab passes, and
+# compare the two details the lab checks — the epoch's loss weighted by batch size (the last
+# batch is shorter), and `evaluate` in `eval()` mode under `torch.no_grad()`.
 
-# %%
+# %% [markdown]
+# **▶ The reference answer — open after your lab passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(train.train_one_epoch, train.evaluate)
 
 # %% [markdown]
@@ -497,3 +534,33 @@ viz.quiz([
              "Right: floating-point addition is not associative, and kernels differ.",
              "Seeds work everywhere; only the results may differ slightly."]},
 ])
+
+# %% [markdown]
+# ## Sources
+#
+# Statements about PyTorch in this lesson, checked in the installed torch 2.14.1 (paths
+# relative to `site-packages`):
+#
+# - `torch/_tensor.py` — `Tensor.backward`: "This function accumulates gradients in the leaves"
+#   (hence `zero_grad`).
+# - `torch/optim/optimizer.py` — `Optimizer.zero_grad(set_to_none=True)`: the gradients become
+#   `None` (`set_to_none` defaults to `True`).
+# - `torch/amp/autocast_mode.py` — `autocast`: "ops run in an op-specific dtype chosen by
+#   autocast" (default `torch.float16` on CUDA, `torch.bfloat16` on CPU); "The autocast state is
+#   thread-local". Which ops run in which dtype is autocast's op list (the Autocast Op Reference
+#   in PyTorch's documentation); this lesson checks the one it relies on, cross-entropy, on this
+#   machine.
+# - `torch/amp/grad_scaler.py` — `GradScaler`: `scale(loss)` multiplies the loss before
+#   backward, `step(optimizer)` unscales the gradients (and skips the step on inf/NaN),
+#   `update()` adjusts the scale.
+# - `torch/cuda/__init__.py` — `synchronize`: waits for the GPU's queued kernels, which is what
+#   `ThroughputMeter` calls before reading the clock on CUDA.
+# - `torch/backends/cuda/__init__.py` — `cuBLASModule`: `torch.backends.cuda.matmul.allow_tf32`;
+#   `torch/backends/cudnn/__init__.py` — `allow_tf32` for convolutions.
+# - `torch/nn/modules/module.py` — `Module.to(memory_format=torch.channels_last)`.
+# - `torch/utils/data/dataloader.py` — `DataLoader(num_workers=...)`: "how many subprocesses to
+#   use for data loading".
+# - `torch/__init__.py` — `use_deterministic_algorithms`, which `seed_everything(...,
+#   deterministic=True)` turns on.
+# - PyTorch's documentation, "CPU threading and TorchScript inference": intra-op parallelism
+#   (`torch.set_num_threads`) against the threads a program starts itself.

@@ -15,7 +15,7 @@
 #   server, 2(N−1)K per step — say what the real class does instead, and name the costs DDP
 #   removes.
 #
-# **Time:** about 20 minutes to read and run.
+# **Time:** about 25 minutes to read and run.
 #
 # **Lab:** [lab02_data_parallel](../labs/lab02_data_parallel.ipynb) — write scatter, gather
 # and a DataParallel forward/backward with plain copies of the model.

@@ -16,6 +16,7 @@ exponent range, so nothing underflows).
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ __all__ = [
     "ThroughputMeter",
     "time_breakdown",
     "autocast_for",
+    "compare_rates",
 ]
 
 
@@ -218,3 +220,21 @@ def time_breakdown(model: nn.Module, loader, loss_fn, optimizer, device="cpu",
         parts["forward"] += t2 - t1
         parts["backward+step"] += t3 - t2
     return parts
+
+
+def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
+    """One sentence comparing two sets of repeated throughputs (higher is faster), computed
+    from the runs: "faster in every run" only when every run of one beats every run of the
+    other (their ranges do not overlap); otherwise "no clear difference"."""
+    runs_a, runs_b = list(runs_a), list(runs_b)
+    if not runs_a or not runs_b:
+        raise ValueError("compare_rates needs at least one run on each side")
+    ratio = statistics.median(runs_b) / statistics.median(runs_a)
+    if min(runs_b) > max(runs_a):
+        return (f"{name_b} was faster than {name_a} in every run "
+                f"(medians: {ratio:.2f}x {name_a}'s speed).")
+    if max(runs_b) < min(runs_a):
+        return (f"{name_b} was slower than {name_a} in every run "
+                f"(medians: {ratio:.2f}x {name_a}'s speed).")
+    return (f"no clear difference between {name_a} and {name_b}: their runs overlap "
+            f"(medians: {name_b} at {ratio:.2f}x {name_a}'s speed, within the spread).")
