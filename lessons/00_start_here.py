@@ -15,18 +15,22 @@
 # - say which hardware profile your machine gets, and what that changes in later lessons;
 # - start two cooperating processes from a notebook and get their results back.
 #
-# **Time:** about 10 minutes to read and run.
+# **Time:** about 15 minutes to read and run.
 #
 # **Lab:** none — lab 01 follows lesson 01.
 #
 # This course takes you from a single-device PyTorch training loop to data-parallel training
 # on many devices — `nn.DataParallel`, DistributedDataParallel (DDP), TensorFlow's
 # `MirroredStrategy` — and down to the ring AllReduce that moves the gradients. Every lesson
-# runs on a laptop without a GPU, and runs unchanged on a multi-GPU workstation.
+# runs on a CPU-only machine: that is where its stored outputs were made and where the tests run
+# them. The same code picks GPUs and NCCL when it finds them; that path is written and has its
+# own tests (`python -m dpcourse doctor --run`), but has not yet been run end to end on a GPU
+# machine.
 #
 # **Every claim is checked.** When a lesson says "the two gradients are equal", a cell below
-# it asserts exactly that, and the continuous integration re-runs every notebook and compares
-# every output. If a claim stopped being true, the course would fail to build.
+# it asserts that statement (and says "to within 1e-5" when floating-point sums in another
+# order make the numbers differ in their last bits), and the continuous integration re-runs
+# every notebook and compares every output. If a claim stopped being true, the course would fail to build.
 #
 # ## The course map
 #
@@ -138,7 +142,11 @@ claim("NCCL is chosen only when every rank can own a GPU",
 # waiting forever. `dpcourse.launch.spawn` deals with all of them: it returns each rank's
 # result, prints each rank's output after the run with a `[rank k]` prefix, turns a crash in
 # any rank into one error naming it, and stops a hang at a timeout. A first taste — two
-# processes each contribute a number and both receive the sum:
+# processes each contribute a number and both receive the sum. The ranks talk through a
+# *process group*: the set of processes that take part in collective operations (such as this
+# `all_reduce`) together, created by `torch.distributed.init_process_group` (here `spawn` calls
+# it for us) with a *backend*, the library that moves the tensors: **gloo** (CPU tensors, and
+# GPU tensors slowly) or **NCCL** (NVIDIA's, GPU tensors only).
 
 # %%
 from dpcourse import launch
@@ -157,6 +165,35 @@ def hello(rank, world_size):
 results = launch.spawn(hello, 2, backend="gloo", timeout=60)
 print("results, in rank order:", results)
 claim("both ranks received the sum 10 + 20", results == [30.0, 30.0], results=results)
+
+# %% [markdown]
+# A group has one backend **per device type**, not necessarily one backend: torch's
+# `init_process_group` accepts `"cpu:gloo,cuda:nccl"`, and then collectives on CPU tensors go
+# through gloo and those on GPU tensors through NCCL, in the same group. What every rank must
+# agree on is that choice: rank 0 on gloo and rank 1 on NCCL cannot form a group. (NCCL refuses
+# to start on a machine without GPUs, so here we run the same `device:backend` form with the
+# CPU's entry alone.) This is c10d at work — torch.distributed's C++ core ("c10" is torch's
+# core library, "d" for distributed), whose process groups the lessons use from lesson 03 on.
+
+# %%
+def backend_per_device(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("cpu:gloo", rank=rank, world_size=world_size)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)  # a CPU tensor: this goes through the group's backend for "cpu"
+    cpu_backend = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+    seen = (str(dist.get_backend()), cpu_backend, t.item())
+    dist.destroy_process_group()
+    return seen
+
+
+per_device = launch.spawn(backend_per_device, 2, timeout=60)
+print("each rank's (group backend, backend for cpu tensors, sum):", per_device)
+claim("a group made with the device:backend string 'cpu:gloo' sends CPU tensors through gloo "
+      "(ProcessGroupGloo) on both ranks, and all_reduce gave 1 + 2",
+      per_device == [("cpu:gloo", "ProcessGroupGloo", 3.0)] * 2, per_device=per_device)
 
 # %% [markdown]
 # ## Summary
@@ -184,7 +221,9 @@ viz.quiz([
      "answer": 1,
      "why": ["NCCL refuses two ranks on one GPU: each rank must own its device.",
              "Right: with fewer GPUs than ranks the profile falls back to gloo, which runs anywhere.",
-             "All ranks of a process group use one backend; mixing them is not possible."]},
+             "Every rank of a group must make the same choice: rank 0 on nccl and rank 1 on "
+             "gloo cannot form a group. (One group may use one backend per device type, e.g. "
+             "\"cpu:gloo,cuda:nccl\"; that is not what this option says.)"]},
     {"q": "A lab check stops with a LabCheckError. What should you read?",
      "options": ["The whole traceback, from the bottom up",
                  "The one-sentence message: it names the mistake",
@@ -204,3 +243,23 @@ viz.quiz([
              "imported by another process; cloudpickle ships the code by value.",
              "Only the function (and what it refers to) travels."]},
 ])
+# %% [markdown]
+# ## Sources
+#
+# Statements about PyTorch in this lesson, checked in the installed torch 2.14.1 (paths
+# relative to `site-packages`):
+#
+# - `torch/distributed/distributed_c10d.py` — `init_process_group`: the backend argument, and
+#   `BackendConfig`, which parses a single name (`"gloo"`: every device type it supports) or
+#   `"<device_type>:<backend>,..."` pairs (`"cpu:gloo,cuda:nccl"`) into one backend per device
+#   type; `Backend.default_device_backend_map` (`"cpu": gloo`, `"cuda": nccl`) and
+#   `Backend.backend_capability` (gloo: cpu and cuda; nccl: cuda only); `_create_nccl_process_group`
+#   builds `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only supported with
+#   GPUs, no GPUs found!" on a machine without GPUs (tried here with `"cpu:gloo,cuda:nccl"`).
+#   `ProcessGroup._get_backend(device)` (used there, e.g. in `_get_process_group_uid`): the
+#   backend serving one device type in a group.
+# - `torch/multiprocessing/spawn.py` — `spawn`: its `fn` "must be defined at the top level of a
+#   module so it can be pickled and spawned", which a function in a notebook cell is not; hence
+#   `dpcourse.launch.spawn` ships it with cloudpickle.
+# - NCCL refuses two ranks on one GPU: a check inside the NCCL library itself (its error reads
+#   "Duplicate GPU detected"), not in torch's Python; see NCCL's documentation.

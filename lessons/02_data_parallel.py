@@ -36,7 +36,8 @@
 # Then we see what the real `nn.DataParallel` does on *your* machine, and measure why it is slow.
 #
 # Without GPUs, our "devices" are all the CPU: the copies are real copies, the threads are real
-# threads, and every number that would cross a PCIe link can be counted.
+# threads, and every number that would cross a PCIe link (the bus between a GPU and the rest of
+# the machine; NVLink is NVIDIA's faster direct link between GPUs) can be counted.
 
 # %% tags=["parameters"]
 n_devices = 4        # simulated devices for the from-scratch version
@@ -324,7 +325,7 @@ claim("three steps replicated the model three times", tc.replicate_calls == 3)
 
 # %% [markdown]
 # How long does a replication take compared with the forward it serves? On a GPU box the copies
-# cross PCIe/NVLink; here they are memory copies plus building N module objects in Python.
+# cross PCIe or NVLink; here they are memory copies plus building N module objects in Python.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
