@@ -110,7 +110,47 @@ claim("a variable made outside the scope is not the strategy's",
       not strategy.extended.variable_created_in_scope(outside))
 viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
          "MirroredStrategy: one process, one Python program, N replicas it drives; DDP: N processes, "
-         "each with its own copy; both end each step with an all-reduce of the gradients.")
+         "each with its own copy; both end each step by combining the gradients of all copies — "
+         "TF sums them (by default with a collective all-reduce, next cell), DDP averages them.")
+
+# %% [markdown]
+# ### How the replicas' gradients are summed, on each profile
+#
+# A strategy sums across replicas with a *cross-device ops* object (`tf.distribute.CrossDeviceOps`).
+# When you pass none, as here, the installed TensorFlow picks one in
+# `MirroredExtended._make_collective_ops_with_fallbacks`:
+#
+# | the strategy's devices | cross-device ops | what travels |
+# |---|---|---|
+# | CPUs (the course's CPU profile) | `CollectiveAllReduce`, implementation `RING` | TF's own ring all-reduce among the replicas (lesson 06 takes a ring apart) |
+# | logical GPUs carved out of fewer physical ones (one-GPU profile) | `CollectiveAllReduce`, `RING` | the same ring |
+# | one physical GPU per replica (multi-GPU profile) | `CollectiveAllReduce`, `NCCL` | NCCL's all-reduce |
+# | CPUs and GPUs mixed | `ReductionToOneDevice` | every replica's value copied to one device, added there, the sum sent back — the naive parameter-server pattern of lesson 02 |
+#
+# You can also choose: `MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())`
+# or `tf.distribute.NcclAllReduce()` (GPUs only). One reduction takes another road on every
+# profile: `strategy.reduce(...)` returns its result on the host CPU, and for a CPU destination
+# `MirroredExtended._reduce_to` always uses `ReductionToOneDevice` — a copy of one number per
+# replica, for the reported loss. TF has no public getter for the choice, so
+# `mirrored.cross_device_ops_in_use` reads the strategy's private `extended._cross_device_ops`:
+
+# %%
+viz.show_code(mirrored.cross_device_ops_in_use)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (why: the implementation is the profile's: RING on CPUs and logical GPUs, NCCL on real GPUs.)
+ops_name, ops_impl = mirrored.cross_device_ops_in_use(strategy)
+print(f"this strategy sums gradients with {ops_name}, implementation {ops_impl}")
+
+# %%
+n_physical_gpus = len(tf.config.list_physical_devices("GPU"))
+n_logical_gpus = len(tf.config.list_logical_devices("GPU"))
+ring_expected = profile.tf_device_type == "CPU" or n_physical_gpus < n_logical_gpus
+expected_ops = ("CollectiveAllReduce", "RING" if ring_expected else "NCCL")
+claim("by default the strategy sums gradients with a collective all-reduce: RING on CPUs and "
+      "logical GPUs, NCCL on one physical GPU per replica", (ops_name, ops_impl) == expected_ops,
+      in_use=(ops_name, ops_impl), expected=expected_ops)
 
 # %% [markdown]
 # ## 3. Input: tf.data with the global batch
@@ -161,17 +201,20 @@ print(f"2 epochs: decode every time {t_plain:.2f} s, cache+prefetch {t_tuned:.2f
 # ## 4. The custom loop, and its proof
 #
 # A mirrored step has three parts: `strategy.run(step_fn)` runs forward and backward on every
-# replica with its slice; `optimizer.apply_gradients` **sums** the replicas' gradients (an
-# all-reduce) and updates every copy; `strategy.reduce` turns the per-replica losses into one
-# number. (Writing that step is lab 05.)
+# replica with its slice; `optimizer.apply_gradients` **sums** the replicas' gradients (Keras'
+# optimizer calls the replica context's `all_reduce(SUM, grads)`, which goes through the
+# cross-device ops above) and updates every copy; `strategy.reduce` turns the per-replica
+# losses into one number. (Writing that step is lab 05.)
 #
 # Because the gradients are *summed*, each replica's loss must be its share of the global mean:
-# `tf.nn.compute_average_loss(per_example_losses, global_batch_size=global_batch)` — the sum
-# of its per-example losses divided by the **global** batch. Here are the loss and the gradient
-# of one mirrored step as the library computes them — the code the proofs below run:
+# the sum of its per-example losses divided by the **global** batch, not by its own slice.
+# TensorFlow has a function for it, `tf.nn.compute_average_loss`, which divides by the batch
+# size you pass as `global_batch_size` (lab 05 asks you to write that line). Here are the
+# per-example loss and the gradient of one mirrored step as the library computes them — the
+# code the proofs below run:
 
 # %%
-viz.show_code(mirrored.per_example_loss, mirrored.per_replica_loss, mirrored.mirrored_gradients)
+viz.show_code(mirrored.per_example_loss, mirrored.mirrored_gradients)
 
 # %% [markdown]
 # The same starting weights everywhere: we build the PyTorch `SmallCNN` of lessons 01–04 and
@@ -207,6 +250,20 @@ g_mirror = mirrored.mirrored_gradients(strategy, replicated, xb, yb)
 max_diff = max(float(np.abs(a - b).max()) for a, b in zip(g_mirror, g_single))
 claim("the mirrored gradients equal one device's on the global batch (to 1e-5)", max_diff < 1e-5,
       max_diff=max_diff)
+
+# %% [markdown]
+# The same step with `ReductionToOneDevice` — the gradients copied to the first replica's
+# device, added there and sent back — gives the same gradients: the two differ in what travels
+# where, not in the sum (up to the order of the additions: to 1e-6 here).
+
+# %%
+to_one = mirrored.make_strategy(device_names, cross_device_ops=tf.distribute.ReductionToOneDevice())
+with to_one.scope():
+    replicated_to_one = mirrored.build_keras_cnn()
+mirrored.copy_torch_weights(torch_model, replicated_to_one)
+g_to_one = mirrored.mirrored_gradients(to_one, replicated_to_one, xb, yb)
+claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradients (to 1e-6)",
+      max(float(np.abs(a - b).max()) for a, b in zip(g_to_one, g_mirror)) < 1e-6)
 
 # %% [markdown]
 # ### The scaling bugs, in numbers
@@ -250,10 +307,10 @@ n = n_replicas
 right = abs(ratios["compute_average_loss", "sum"] - 1) < 1e-4
 n_too_big = abs(ratios["reduce_mean", "sum"] - n) < 1e-4 * n
 n_too_small = abs(ratios["compute_average_loss", "mean"] - 1 / n) < 1e-4
-claim("compute_average_loss + SUM is right", right, ratios=ratios)
-claim("reduce_mean + SUM is N times too big", n_too_big, ratios=ratios)
-claim("compute_average_loss + MEAN is 1/N too small", n_too_small, ratios=ratios)
-claim("reduce_mean + MEAN (DDP's pairing) is right too",
+claim("compute_average_loss + SUM is right (ratio 1, to 1e-4)", right, ratios=ratios)
+claim("reduce_mean + SUM is N times too big (to 1e-4 relative)", n_too_big, ratios=ratios)
+claim("compute_average_loss + MEAN is 1/N too small (to 1e-4)", n_too_small, ratios=ratios)
+claim("reduce_mean + MEAN (DDP's pairing) is right too (to 1e-4)",
       abs(ratios["reduce_mean", "mean"] - 1) < 1e-4, ratios=ratios)
 
 # %% [markdown]
@@ -261,22 +318,37 @@ claim("reduce_mean + MEAN (DDP's pairing) is right too",
 #
 # Now write the mirrored step yourself: open
 # [lab05_mirrored_strategy](../labs/lab05_mirrored_strategy.ipynb) — the per-replica loss, the
-# model and optimizer under the scope, and the step with its reductions. Do it before reading on:
-# the next cell shows the library's step, which the rest of this lesson runs.
+# model and optimizer under the scope, and the step with its reductions; its stretch handles a
+# partial last batch, which this lesson does not show. Do it before reading on.
 
-# %%
-viz.show_code(mirrored.train_step, mirrored.train_steps)
+# %% [markdown]
+# **▶ The reference answer — open after your lab passes** (click the folded cell below: the
+# library's per-replica loss and step, which the rest of this lesson runs).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(mirrored.per_replica_loss, mirrored.train_step, mirrored.train_steps)
 
 # %% [markdown]
 # **Proof, several steps:** `steps` SGD steps of the mirrored loop end with the same weights as
 # one device on the same global batches. (These weights are also the reference for the
-# multi-worker run and for PyTorch below.)
+# multi-worker run and for PyTorch below.) While TF traces the step, `mirrored.count_cross_device_calls`
+# counts what reaches the two cross-device ops, so we also see which one carried the gradients
+# and which one the reported loss.
 
 # %%
 sgd = lambda: keras.optimizers.SGD(learning_rate=lr)   # noqa: E731 - plain SGD, as in PyTorch
 with strategy.scope():
     opt_mirror = sgd()
-loss_mirror = mirrored.train_steps(strategy, replicated, opt_mirror, train, steps, global_batch)
+with mirrored.count_cross_device_calls() as calls:   # the first call traces the step
+    loss_mirror = mirrored.train_steps(strategy, replicated, opt_mirror, train, steps,
+                                       global_batch)
+n_grads = len(replicated.trainable_variables)
+print("calls while the step was traced:", {f"{c}.{m}": k for (c, m), k in calls.counts.items()})
+claim(f"apply_gradients summed all {n_grads} gradients in one CollectiveAllReduce.batch_reduce",
+      calls.counts.get(("CollectiveAllReduce", "batch_reduce")) == 1
+      and calls.tensors[("CollectiveAllReduce", "batch_reduce")] == n_grads, counts=calls.counts)
+claim("strategy.reduce of the loss went to the host through ReductionToOneDevice",
+      calls.counts.get(("ReductionToOneDevice", "reduce")) == 1, counts=calls.counts)
 opt_single = sgd()
 loss_single = mirrored.train_steps(None, single, opt_single, train, steps, global_batch)
 w_mirror = mirrored.keras_weights_as_torch(replicated)
@@ -316,12 +388,34 @@ claim("fit under MirroredStrategy ends with one device's weights (to 1e-5)", sam
 # ## 6. Mixed precision
 #
 # A Keras dtype policy makes layers compute in 16 bits while their variables stay float32:
-# `mixed_bfloat16` on CPUs (and TPUs), `mixed_float16` on GPUs — where `fit` wraps the optimizer
-# in a `LossScaleOptimizer`, because float16 gradients underflow without loss scaling
-# (bfloat16 has float32's range and needs none). The output layer returns float32 logits. Same
-# weights, same data: the accuracy and the training steps match float32's within tolerance. (The
-# weights here are barely trained, so the accuracy itself is near chance; what is tested is
-# that 16-bit arithmetic does not change the answers. Lesson 01 shows the same with torch AMP.)
+# `mixed_bfloat16` on CPUs (and TPUs), `mixed_float16` on GPUs. float16 gradients underflow
+# (small values round to zero) without *loss scaling* — multiply the loss by a large factor,
+# divide the gradients by it — and bfloat16, with float32's range, needs none. It is
+# `model.compile`, not `fit`, that adds the scaling: when the **model's** policy is
+# `mixed_float16`, `Trainer.compile` wraps the optimizer in a `LossScaleOptimizer` (unless you
+# pass `auto_scale_loss=False`). A custom loop never calls `compile`, so there you wrap the
+# optimizer yourself. Compiling is enough to see it — nothing is trained in the next cell:
+
+# %%
+for policy_name in ("mixed_float16", "mixed_bfloat16"):
+    with strategy.scope():
+        probe = mirrored.build_keras_cnn(dtype=policy_name)
+        given = keras.optimizers.SGD(learning_rate=lr)
+        probe.compile(optimizer=given, loss="sparse_categorical_crossentropy")
+    print(f"{policy_name}: compile was given {type(given).__name__}, "
+          f"the model now holds {type(probe.optimizer).__name__}")
+    wrapped = isinstance(probe.optimizer, keras.optimizers.LossScaleOptimizer)
+    if policy_name == "mixed_float16":
+        claim("with mixed_float16, compile wrapped the optimizer in a LossScaleOptimizer "
+              "(before any fit)", wrapped and probe.optimizer.inner_optimizer is given)
+    else:
+        claim("with mixed_bfloat16, compile left it alone", probe.optimizer is given)
+
+# %% [markdown]
+# The output layer returns float32 logits. Same weights, same data: the accuracy and the
+# training steps match float32's within tolerance. (The weights here are barely trained, so the
+# accuracy itself is near chance; what is tested is that 16-bit arithmetic does not change the
+# answers. Lesson 01 shows the same with torch AMP.)
 
 # %%
 policy = "mixed_float16" if profile.tf_device_type == "GPU" else "mixed_bfloat16"
@@ -343,8 +437,11 @@ claim(f"after {steps} steps the {policy} weights are within 1e-2 of float32's", 
 #
 # `tf.train.Checkpoint` saves one copy of each mirrored variable (they are equal), so the file
 # does not depend on the number of replicas: it restores into a mirrored model or into a plain
-# one-device model alike. (In multi-worker training every worker must call `save`; only the
-# chief's directory should be kept — the others write to temporary directories.)
+# one-device model alike. (In multi-worker training, section 8, every worker must call `save`,
+# because saving takes part in collective operations; only the *chief*'s directory should be
+# kept — the chief is the one worker that also does the bookkeeping for the cluster, worker 0
+# unless `TF_CONFIG` names a separate "chief" task — and the others write to temporary
+# directories.)
 
 # %%
 import tempfile
@@ -375,9 +472,13 @@ claim("it restores the step counter too", restored_step == steps)
 #
 # `mirrored.run_multiworker` starts two workers (`python -m dpcourse.tf_multiworker_worker`) on
 # free ports, bounded in time and killed afterwards whatever happens. Each worker feeds its own
-# half of each global batch; the strategy all-reduces gradients between the processes over gRPC.
-# Starting from the same weights, both workers end with the same weights as each other (bit
-# for bit) and as one device in section 4 (to 1e-5).
+# half of each global batch; the strategy all-reduces gradients between the processes with
+# `CollectiveAllReduce` (RING on CPUs) over gRPC — Google's remote-procedure-call library, the
+# TCP transport TensorFlow's workers talk through (`ServerDef(protocol="grpc")` in
+# `CollectiveAllReduceExtended._initialize_multi_worker`). No `"chief"` task is listed, so
+# worker 0 is the chief (`multi_worker_util.is_chief`). Starting from the same weights, both
+# workers end with the same weights as each other (bit for bit: `np.array_equal`) and as one
+# device in section 4 (to 1e-5).
 
 # %%
 import os
@@ -407,7 +508,7 @@ print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF imp
 # | where the model is copied | each rank builds it; DDP broadcasts rank 0's weights | `MirroredVariable`s created under `strategy.scope()` |
 # | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split |
 # | batch size you set | per rank (`per_rank_batch`) | global (`global_batch`) |
-# | combining gradients | all-reduce **average**, in backward (buckets) | all-reduce **sum**, in `apply_gradients` |
+# | combining gradients | all-reduce **average**, in backward (buckets) | **sum** in `apply_gradients`: a collective all-reduce by default (`ReductionToOneDevice` if you ask) |
 # | so the loss must be | the rank's mean (`reduce_mean` semantics) | its share of the global mean (`compute_average_loss`) |
 # | reporting the loss | `all_reduce` / rank 0 | `strategy.reduce(SUM, ...)` |
 # | checkpoints | rank 0 saves `state_dict` | `tf.train.Checkpoint` (every worker saves; keep the chief's) |
@@ -492,6 +593,11 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Create variables under `strategy.scope()`; batch with the **global** batch.
 # * TF **sums** replicas' gradients: scale each replica's loss with `compute_average_loss`
 #   (÷ global batch). `reduce_mean` makes the step N× too big; averaging again makes it 1/N.
+# * By default the sum is a collective all-reduce (`CollectiveAllReduce`: RING on CPUs and
+#   logical GPUs, NCCL on real GPUs); `ReductionToOneDevice` — copy to one device, add, send
+#   back — is what you get with mixed devices or ask for, and what `strategy.reduce` uses to
+#   bring a result to the host.
+# * `compile`, not `fit`, wraps the optimizer in a `LossScaleOptimizer` under `mixed_float16`.
 # * Proven here: mirrored step == one device on the global batch == Keras `fit` == two
 #   multi-worker processes == PyTorch DDP, from the same weights on the same data.
 #
@@ -528,3 +634,21 @@ viz.quiz([
              "Right: this lesson's figure and side-by-side table show it.",
              "DDP runs one process per GPU, as many GPUs as you have."]},
 ])
+
+# %% [markdown]
+# ## Sources
+#
+# Checked in the installed packages (paths relative to `site-packages`):
+#
+# - `tensorflow/python/eager/context.py` — `Context.set_logical_device_configuration`: "Virtual devices cannot be modified after being initialized" once TF has used its devices.
+# - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._make_collective_ops_with_fallbacks`: with no `cross_device_ops`, `CollectiveAllReduce` with `RING` on CPUs and on logical GPUs, `NCCL` on physical GPUs, `ReductionToOneDevice` for mixed CPU/GPU devices.
+# - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._reduce_to`: a reduction to a CPU destination (`strategy.reduce`) goes through `ReductionToOneDevice`; `MirroredExtended._batch_reduce_to`: the replica context's `all_reduce` goes through the strategy's cross-device ops.
+# - `tensorflow/python/distribute/cross_device_ops.py` — `ReductionToOneDevice.reduce_implementation` (copy to one device, `add_n`, broadcast back), `CollectiveAllReduce`, `NcclAllReduce`.
+# - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
+# - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
+# - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses divided by `global_batch_size`.
+# - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy.
+# - `keras/src/trainers/trainer.py` — `Trainer.compile`: with the model's dtype policy `mixed_float16` and `auto_scale_loss=True`, the optimizer is wrapped in a `LossScaleOptimizer`.
+# - `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer`: dynamic loss scaling, `inner_optimizer`.
+# - `tensorflow/python/distribute/collective_all_reduce_strategy.py` — `CollectiveAllReduceExtended._initialize_multi_worker`: `TF_CONFIG`'s cluster, a gRPC server per worker (`protocol="grpc"`).
+# - `tensorflow/python/distribute/multi_worker_util.py` — `is_chief`: without a "chief" task, worker 0 is the chief.

@@ -70,6 +70,56 @@ def test_mirrored_gradient_equals_single_device_and_reduce_mean_is_n_times(strat
         np.testing.assert_allclose(a, b / 2, atol=1e-6)
 
 
+def test_default_cross_device_ops_on_cpu_is_a_ring_all_reduce(strategy):
+    # TF 2.21's MirroredExtended._make_collective_ops_with_fallbacks: all-CPU devices -> RING.
+    assert mirrored.cross_device_ops_in_use(strategy) == ("CollectiveAllReduce", "RING")
+    import tensorflow as tf
+
+    to_one = mirrored.make_strategy(["/cpu:0", "/cpu:1"], tf.distribute.ReductionToOneDevice())
+    assert mirrored.cross_device_ops_in_use(to_one) == ("ReductionToOneDevice", None)
+
+
+def test_strategies_of_two_sizes_coexist(batch):
+    # Without a key range per strategy, a 1-replica and a 2-replica CollectiveAllReduce would
+    # both number their groups from 1 and TF aborts the second.
+    x, y = batch
+    for names in (["/cpu:0", "/cpu:1"], ["/cpu:0"], ["/cpu:0", "/cpu:1"]):
+        strat = mirrored.make_strategy(names)
+        with strat.scope():
+            rep = mirrored.build_keras_cnn(seed=4)
+        g = mirrored.mirrored_gradients(strat, rep, x[:8], y[:8])
+        assert all(np.isfinite(a).all() for a in g)
+
+
+def test_counting_shows_which_ops_carried_the_gradients(strategy, batch):
+    import keras
+    import tensorflow as tf
+
+    x, y = batch
+    with strategy.scope():
+        rep = mirrored.build_keras_cnn(seed=4)
+        opt = keras.optimizers.SGD(0.1)
+    ds = tf.data.Dataset.from_tensor_slices(((x * 0).astype(np.uint8), y)).batch(8)
+    with mirrored.count_cross_device_calls() as calls:
+        mirrored.train_steps(strategy, rep, opt, ds, 1, 8)
+    assert calls.counts[("CollectiveAllReduce", "batch_reduce")] == 1
+    assert calls.tensors[("CollectiveAllReduce", "batch_reduce")] == len(rep.trainable_variables)
+    assert calls.counts[("ReductionToOneDevice", "reduce")] == 1
+    from tensorflow.python.distribute import cross_device_ops as cdo
+
+    assert "wrapper" not in cdo.CollectiveAllReduce.batch_reduce_implementation.__name__
+
+
+def test_compile_wraps_only_mixed_float16_in_loss_scaling():
+    import keras
+
+    for policy, wrapped in (("mixed_float16", True), ("mixed_bfloat16", False), (None, False)):
+        m = mirrored.build_keras_cnn(dtype=policy)
+        opt = keras.optimizers.SGD(0.1)
+        m.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+        assert isinstance(m.optimizer, keras.optimizers.LossScaleOptimizer) == wrapped, policy
+
+
 def test_bad_input_is_one_sentence(batch):
     x, y = batch
     with pytest.raises(ValueError, match="global_batch must be a positive int"):

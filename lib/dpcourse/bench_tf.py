@@ -12,10 +12,11 @@ repeat, like the torch rows. The child prints one JSON line; the parent bounds i
 never imports TensorFlow (importing this module does not import it either).
 
 Frankly: on CPU, TF's logical CPU devices share one process and one thread pool, so N "devices"
-are not N cores the way N gloo processes are; and the cross-device reduction on CPU is
-ReductionToOneDevice (copy and add), not a ring. Efficiency here is relative to MirroredStrategy
+are not N cores the way N gloo processes are; the cross-device reduction is TF's default for
+CPU devices, a CollectiveAllReduce with the RING implementation (``mirrored.make_strategy``),
+run among the logical devices of one process. Efficiency here is relative to MirroredStrategy
 on one device (TF's own single), not to the torch single-device row. With GPUs the devices are
-real GPUs and the all-reduce is NCCL.
+real GPUs and the default all-reduce is CollectiveAllReduce with NCCL.
 
 Models: "small" is ``mirrored.build_keras_cnn`` (SmallCNN's Keras twin); "resnet18" is the
 CIFAR ResNet-18 written below in Keras (3x3 stem, no max-pool, [2, 2, 2, 2] basic blocks),

@@ -85,6 +85,8 @@ __all__ = [
     "set_torch_layout_weights",
     "make_dataset",
     "make_strategy",
+    "cross_device_ops_in_use",
+    "count_cross_device_calls",
     "per_example_loss",
     "per_replica_loss",
     "train_step",
@@ -140,7 +142,12 @@ def build_keras_cnn(num_classes: int = 10, width: int = 32, dtype=None,
         # loses the small differences between classes that the loss is made of.
         keras.layers.Activation("linear", dtype="float32"),
     ]
-    return keras.Sequential(layers, name="small_cnn")
+    model = keras.Sequential(layers, name="small_cnn")
+    if dtype is not None:
+        # The model's own policy is what ``compile`` reads: with "mixed_float16" it wraps the
+        # optimizer in a LossScaleOptimizer (keras/src/trainers/trainer.py, Trainer.compile).
+        model.dtype_policy = dtype
+    return model
 
 
 def _conv_and_dense(keras_model: keras.Model):
@@ -255,17 +262,91 @@ def make_dataset(x: np.ndarray, y: np.ndarray, global_batch: int, shuffle: bool 
     return ds
 
 
-def make_strategy(devices: list[str] | None = None) -> tf.distribute.MirroredStrategy:
+def make_strategy(devices: list[str] | None = None,
+                  cross_device_ops=None) -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy over ``devices`` (the names ``split_tf_devices`` returned).
 
-    On CPU "devices" the default all-reduce (NCCL) does not exist, so the replicas' gradients
-    are summed by copying them to one device and adding (ReductionToOneDevice); on GPUs
-    NCCL all-reduce is used.
+    ``cross_device_ops=None`` keeps TensorFlow's own choice of how the replicas' gradients are
+    summed. In the pinned TF (``tensorflow/python/distribute/mirrored_strategy.py``,
+    ``MirroredExtended._make_collective_ops_with_fallbacks``) that is a ``CollectiveAllReduce``
+    — an all-reduce among the replicas — with the ``RING`` implementation when every device is
+    a CPU or a logical GPU carved out of a smaller number of physical ones, ``NCCL`` when they
+    are physical GPUs, and ``ReductionToOneDevice`` only when CPUs and GPUs are mixed. Pass
+    ``tf.distribute.ReductionToOneDevice()`` to copy the gradients to one device, add them
+    there and send the sum back (DataParallel's pattern, lesson 02) instead.
     """
+    global _strategies_made
     devices = list(devices) if devices is not None else None
-    cpu_only = devices is not None and all("GPU" not in d.upper() for d in devices)
-    ops = tf.distribute.ReductionToOneDevice() if cpu_only else None
-    return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    # Two CollectiveAllReduce strategies of different sizes in one process would both number
+    # their collective groups from 1, and TF aborts ("is joining a group with size 3, but that
+    # group has size 2"). TF's own tests give each strategy its own range through the class
+    # attribute _collective_key_base ("Only set this in tests"); we do the same, one range each.
+    _strategies_made += 1
+    cls = tf.distribute.MirroredStrategy
+    saved = cls._collective_key_base
+    cls._collective_key_base = _strategies_made * 100_000
+    try:
+        return cls(devices, cross_device_ops=cross_device_ops)
+    finally:
+        cls._collective_key_base = saved
+
+
+_strategies_made = 0
+
+
+def cross_device_ops_in_use(strategy) -> tuple[str, str | None]:
+    """``(class name, implementation)`` of the cross-device ops ``strategy`` sums gradients with,
+    e.g. ``("CollectiveAllReduce", "RING")`` or ``("ReductionToOneDevice", None)``.
+
+    TF has no public getter: this reads the private ``strategy.extended._cross_device_ops``
+    and, for a ``CollectiveAllReduce``, its ``_options.implementation`` (as in TF 2.21; a later
+    TF may rename them, and then this raises AttributeError)."""
+    ops = strategy.extended._cross_device_ops  # noqa: SLF001 - TF has no public getter
+    options = getattr(ops, "_options", None)
+    impl = options.implementation.value if options is not None else None
+    return type(ops).__name__, impl
+
+
+class count_cross_device_calls:  # noqa: N801 - a context manager, named for what it does
+    """While the ``with`` block runs, count the calls that reach TF's two ways of summing
+    across devices: ``counts[(class name, "reduce" | "batch_reduce")]`` calls, and
+    ``tensors[...]`` tensors handed over in them.
+
+    It wraps ``reduce_implementation`` and ``batch_reduce_implementation`` of
+    ``CollectiveAllReduce`` and ``ReductionToOneDevice`` (``tensorflow/python/distribute/
+    cross_device_ops.py``: ``CrossDeviceOps.reduce`` and ``.batch_reduce`` end there) and puts
+    them back on exit. A ``tf.function`` runs these Python methods while it is traced, so count
+    over a step's first call (its trace)."""
+
+    def __init__(self):
+        self.counts: dict = {}
+        self.tensors: dict = {}
+        self._saved: list = []
+
+    def __enter__(self):
+        from tensorflow.python.distribute import cross_device_ops as cdo
+
+        for cls in (cdo.CollectiveAllReduce, cdo.ReductionToOneDevice):
+            for method, kind in (("reduce_implementation", "reduce"),
+                                 ("batch_reduce_implementation", "batch_reduce")):
+                original = cls.__dict__[method]
+                self._saved.append((cls, method, original))
+
+                def wrapper(obj, reduce_op, value, *args, _orig=original,
+                            _key=(cls.__name__, kind), **kwargs):
+                    self.counts[_key] = self.counts.get(_key, 0) + 1
+                    n = len(value) if _key[1] == "batch_reduce" else 1
+                    self.tensors[_key] = self.tensors.get(_key, 0) + n
+                    return _orig(obj, reduce_op, value, *args, **kwargs)
+
+                setattr(cls, method, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for cls, method, original in reversed(self._saved):
+            setattr(cls, method, original)
+        self._saved.clear()
+        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,8 +408,10 @@ def make_train_step(strategy, model, optimizer, global_batch: int, loss_scaling:
 def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global",
                        grad_reduce: str = "sum") -> list[np.ndarray]:
     """The gradient a MirroredStrategy step applies for the global batch (``x``, ``y``): each
-    replica's gradient on its slice, summed over replicas exactly as the optimizer's all-reduce
-    does. Weights are not changed.
+    replica's gradient on its slice, summed over the replicas by the same call Keras' optimizer
+    makes in ``apply_gradients`` (``keras/src/backend/tensorflow/optimizer.py``,
+    ``TFOptimizer._all_reduce_sum_gradients``: the replica context's ``all_reduce(SUM, grads)``,
+    which goes through the strategy's cross-device ops). Weights are not changed.
 
     ``grad_reduce="mean"`` averages the replicas' gradients instead — what DDP does, and what
     TF does *not* do; with it, ``loss_scaling="reduce_mean"`` is the right pairing."""
@@ -347,9 +430,10 @@ def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global",
         def step_fn(xb, yb):
             with tf.GradientTape() as tape:
                 loss = per_replica_loss(yb, model(xb, training=True), global_batch, loss_scaling)
-            return tape.gradient(loss, model.trainable_variables)
+            grads = tape.gradient(loss, model.trainable_variables)
+            return tf.distribute.get_replica_context().all_reduce(op, grads)  # as the optimizer
         per_replica = strategy.run(step_fn, args=batch)
-        return [strategy.reduce(op, g, axis=None) for g in per_replica]
+        return [strategy.experimental_local_results(g)[0] for g in per_replica]  # all equal
 
     return [g.numpy() for g in grads_of(dist_batch)]
 
@@ -387,16 +471,16 @@ def fit(strategy, train_ds, epochs: int = 1, lr: float = 0.05, model: keras.Mode
 
     Everything that creates variables — the model, the optimizer (in ``compile``) — happens
     inside ``strategy.scope()``; ``fit`` itself then splits each global batch over the replicas
-    and all-reduces the gradients. With a ``mixed_float16`` policy the optimizer is wrapped in
-    a LossScaleOptimizer (float16 gradients underflow otherwise); bfloat16 needs no scaling.
+    and sums the gradients across them. With a ``mixed_float16`` policy it is ``compile``
+    (``keras/src/trainers/trainer.py``, ``Trainer.compile``, ``auto_scale_loss=True``) that wraps
+    the optimizer in a ``LossScaleOptimizer`` (float16 gradients underflow otherwise); bfloat16
+    needs no scaling.
     """
     with strategy.scope():
         if model is None:
             model = build_keras_cnn(dtype=dtype, seed=seed)
         if optimizer is None:
             optimizer = keras.optimizers.SGD(learning_rate=lr, momentum=0.9)
-            if dtype == "mixed_float16":
-                optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
