@@ -191,16 +191,12 @@ def main(argv=None) -> None:
         print(f"final weights {state_checksum(weights)} after {step} steps", flush=True)
     dist.barrier()  # nobody leaves while another rank may still need it
     dist.destroy_process_group()
-    sys.stdout.flush()
-    # os._exit skips the interpreter's shutdown, where gloo threads kept alive by DDP now and
-    # then abort a finished process (SIGABRT), which torchrun would count as a failure.
-    os._exit(0)
 
 
 if __name__ == "__main__":
     try:
         main()
-    except BaseException as exc:
+    except BaseException:
         # A rank whose peer died gets an error ("Connection reset by peer"). Leave at once: a
         # normal exit can hang in gloo's threads, and torchrun would wait 30 s before a restart.
         import traceback
@@ -208,4 +204,8 @@ if __name__ == "__main__":
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1)
+        os._exit(1)
+    # os._exit skips the interpreter's shutdown, where gloo threads kept alive by DDP now and
+    # then abort a finished process (SIGABRT), which torchrun would count as a failure.
+    sys.stdout.flush()
+    os._exit(0)
