@@ -109,6 +109,29 @@ def test_local_sgd_h1_is_ddp_and_averages_every_h_steps():
     assert [out[0][h]["averages"] for h in (1, 4)] == [16, 4]
     assert torch.equal(out[0][4]["w"], out[1][4]["w"])
     assert out[0][4]["sent"] == 4 * async_sgd.ring_elements_per_rank(len(out[0][4]["w"]), 2)
+    # one drift per average, the same on both ranks (2 ranks sit symmetric about the mean)
+    assert [len(out[0][h]["drift"]) for h in (1, 4)] == [16, 4]
+    assert all(d > 0 for d in out[0][4]["drift"])
+    assert out[0][4]["drift"] == pytest.approx(out[1][4]["drift"], rel=1e-5)
+
+
+def test_straggler_race_async_applies_more_and_the_fast_worker_waits_less():
+    cfg = async_sgd.RaceConfig(budget=0.5, straggler_delay=0.05)
+    out = launch.spawn(async_sgd.straggler_race, 3, cfg, backend="gloo", timeout=90,
+                       show_output=False)
+    server = out[0]
+    assert server["sync"]["applied"] % 2 == 0 and server["sync"]["staleness"] == []
+    assert len(server["async"]["staleness"]) == server["async"]["applied"]
+    assert server["async"]["applied"] > server["sync"]["applied"]
+    for mode in ("sync", "async"):
+        spans = out[1][mode]["spans"]
+        assert [k for k, _, _ in spans][-1] == "wait" and all(b >= a for _, a, b in spans)
+
+    def waited(mode):
+        spans = out[1][mode]["spans"]
+        return sum(b - a for k, a, b in spans if k == "wait") / spans[-1][2]
+
+    assert waited("sync") > 0.5 and waited("async") < waited("sync")
 
 
 def _rpc_worker(rank, world_size):
@@ -130,5 +153,10 @@ def test_lesson_09_figures_render():
             viz.staleness_figure((0, 1, 4), {0.1: [2.0, 2.1, math.inf]}, {0.1: [2.0, 2.0, 2.1]},
                                  start_loss=2.3),
             viz.local_sgd_figure((1, 2, 4), [2.0, 2.0, 2.1], [8, 4, 2]),
-            viz.large_batch_figure({"a": [2.0, 1.9], "b": [2.1, 2.0]})]
+            viz.large_batch_figure({"a": [2.0, 1.9], "b": [2.1, 2.0]}),
+            viz.straggler_gantt_figure({"sync": {1: [("wait", 0, 0.1), ("compute", 0.1, 0.2)],
+                                                 2: [("compute", 0, 0.2)]},
+                                        "async": {1: [("compute", 0, 0.2)],
+                                                  2: [("compute", 0, 0.2)]}},
+                                       {"sync": 2, "async": 3}, 0.2)]
     assert all(viz.figure_to_png(f).startswith(b"\x89PNG") for f in figs)

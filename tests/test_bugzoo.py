@@ -22,7 +22,7 @@ def zoo(tmp_path_factory):
 @pytest.mark.parametrize("bug, pending, fixed_result", [
     (bugzoo.partial_collective, [0], [1.5, None]),
     (bugzoo.collective_order, [0, 1], [[2.0] * 4, [2.0] * 4]),
-    (bugzoo.early_stop, [1], [3, 3]),
+    (bugzoo.early_stop, [0], [3, 3]),
 ])
 def test_the_hanging_programs_hang_and_their_fixes_finish(bug, pending, fixed_result):
     with pytest.raises(launch.LaunchTimeoutError) as err:

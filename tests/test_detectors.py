@@ -28,7 +28,7 @@ def zoo(tmp_path_factory):
 @pytest.mark.parametrize("bug, pending, index, stuck_op", [
     (bugzoo.partial_collective, [0], 0, "all_reduce"),
     (bugzoo.collective_order, [0, 1], 0, None),
-    (bugzoo.early_stop, [1], 3, "all_reduce"),
+    (bugzoo.early_stop, [0], 3, "all_reduce"),
 ])
 def test_diagnose_names_the_stuck_ranks_and_their_call(bug, pending, index, stuck_op):
     broken = detectors.diagnose(bug, 2, False, timeout=HANG_S)
@@ -55,6 +55,19 @@ def test_detail_turns_the_order_bug_into_a_named_error():
     quiet = detectors.diagnose(bugzoo.collective_order, 2, True, timeout=HANG_S,
                                debug_detail=True)
     assert quiet.ok
+
+
+@pytest.mark.parametrize("bug", [bugzoo.partial_collective, bugzoo.early_stop])
+def test_a_monitored_barrier_names_the_rank_that_never_came(bug):
+    d = detectors.diagnose(bug, 2, False, timeout=4 * HANG_S, monitor=1.5)
+    assert d.status == "failed" and "Ranks 1 failed to pass monitoredBarrier in 1500 ms" in d.error
+    assert detectors.diagnose(bug, 2, True, timeout=4 * HANG_S, monitor=1.5).ok
+
+
+def test_detail_names_the_missing_rank_of_bug_1_within_the_group_timeout():
+    d = detectors.diagnose(bugzoo.partial_collective, 2, False, timeout=4 * HANG_S,
+                           debug_detail=True, group_timeout=1.5)
+    assert d.status == "failed" and "Ranks 1 failed to pass monitoredBarrier" in d.error
 
 
 def test_diagnose_a_script_from_the_command_line(tmp_path, capsys):
@@ -201,3 +214,12 @@ def test_diagnose_refuses_a_fixed_port_already_taken(tmp_path, monkeypatch, caps
         monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
         assert cli.main(["diagnose", str(script)]) == 2
     assert "already in use" in capsys.readouterr().out
+
+
+def test_lesson_10_figures_render():
+    from dpcourse import viz
+
+    figs = [viz.timeout_behaviour_figure(),
+            viz.nan_spread_figure([[1.0, math.nan], [2.0, math.nan]],
+                                  {"broken": [2.0, math.nan], "fixed": [2.0, 1.9]}, (1, [0, 1]))]
+    assert all(viz.figure_to_png(f).startswith(b"\x89PNG") for f in figs)

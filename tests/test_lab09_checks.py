@@ -278,7 +278,27 @@ class SuperAware(Base):
         super().push(grad / max(1, self.version - version), version)
 
 
-RIGHT_SERVERS = [GoodAware, BranchAware, SuperAware, async_sgd.StalenessAwareServer]
+class Float32Aware(Base):
+    # the step computed through a float32 tensor: ~1e-8 from the float64 rule, and right
+    def push(self, grad, version):
+        s = self.version - version
+        self.staleness.append(s)
+        step = torch.tensor(self.lr, dtype=torch.float32) / max(1, s)
+        self.w.add_(grad, alpha=-step.item())
+        self.version += 1
+
+
+class Float32Weights(Base):
+    # weights and update kept in float32 throughout: right too
+    def push(self, grad, version):
+        s = self.version - version
+        self.staleness.append(s)
+        self.w = self.w.float() - (self.lr / max(1, s)) * grad.float()
+        self.version += 1
+
+
+RIGHT_SERVERS = [GoodAware, BranchAware, SuperAware, async_sgd.StalenessAwareServer,
+                 Float32Aware, Float32Weights]
 
 
 def _server(step_rule, before=False, record=True, bump=True, sign=1):

@@ -57,71 +57,61 @@ def edit(n, *pairs):
     return text
 
 
-AVERAGE = ("        for p in model.parameters():  # average the gradients over the ranks\n"
-           "            dist.all_reduce(p.grad)\n"
-           "            p.grad /= world_size\n")
-LOG_ALL = ("    if rank == 0:  # only the main rank logs\n        logged = loss.detach().clone()\n"
-           "        dist.all_reduce(logged)\n",
-           "    logged = loss.detach().clone()\n    dist.all_reduce(logged)\n    if rank == 0:\n")
+CLIP = ("        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.2)  # tame the "
+        "steps\n")
+AVERAGE_LOOP = ("        for p in model.parameters():  # average the gradients over the ranks\n"
+                "            dist.all_reduce(p.grad)\n"
+                "            p.grad /= world_size\n")
+BROADCAST = ("for p in model.parameters():  # make sure every replica starts from the same "
+             "weights\n    dist.broadcast(p.data, src=rank)\n")
 
 RIGHT = {
-    "1-same-seed": (1, [("args.seed + rank", "args.seed")]),
-    "1-broadcast": (1, [("opt = torch.optim", "for p in model.parameters():\n"
-                         "    dist.broadcast(p.data, src=0)\nopt = torch.optim")]),
-    "2-average-grads": (2, [("        loss.backward()\n", "        loss.backward()\n" + AVERAGE)]),
-    "2-reduce-avg": (2, [("        opt.step()\n        logged",
-                          "        for p in model.parameters():\n"
-                          "            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)\n"
-                          "        opt.step()\n        logged")]),
-    "3-set-epoch": (3, [("    for xb, yb in loader:",
-                         "    sampler.set_epoch(epoch)\n    for xb, yb in loader:")]),
-    "4-log-on-all": (4, [LOG_ALL]),
-    "4-no-log": (4, [(LOG_ALL[0] + '        print(f"epoch {epoch}: loss {logged.item() / '
-                      'world_size:.4f}")\n', "")]),
-    "5-divide": (5, [("dist.all_reduce(p.grad)\n",
-                      "dist.all_reduce(p.grad)\n            p.grad /= world_size\n")]),
-    "5-reduce-avg": (5, [("dist.all_reduce(p.grad)",
-                          "dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)")]),
-    "5-divide-by-get-world-size": (5, [("dist.all_reduce(p.grad)\n", "dist.all_reduce(p.grad)\n"
-                                        "            p.grad.div_(dist.get_world_size())\n")]),
+    "1-same-seed": (1, [("seed=args.seed + rank", "seed=args.seed")]),
+    "1-default-seed-from-args": (1, [("DistributedSampler(dataset, seed=args.seed + rank)",
+                                      "DistributedSampler(dataset, shuffle=True, "
+                                      "seed=args.seed)")]),
+    "2-sampler": (2, [("batch_size=4, shuffle=True)", "batch_size=4, sampler=sampler)")]),
+    "3-clip-after": (3, [(CLIP, ""), ("        opt.step()\n", CLIP + "        opt.step()\n")]),
+    "3-clip-after-loop": (3, [(CLIP + AVERAGE_LOOP, AVERAGE_LOOP + CLIP)]),
+    "4-src-0": (4, [("src=rank", "src=0")]),
+    "4-src-1": (4, [("src=rank", "src=1")]),       # any one sender: the seeds are equal
+    "4-no-broadcast": (4, [(BROADCAST, "")]),      # redundant here: one seed on every rank
+    "5-loss-undivided": (5, [("F.mse_loss(model(xb), yb) / world_size",
+                              "F.mse_loss(model(xb), yb)")]),
+    "5-grads-undivided": (5, [("            p.grad /= world_size\n", "")]),
 }
 
 WRONG = {
     # each broken script, changed only in a comment: the bug is still there
-    "1-still-broken": (1, [("# a different random stream", "# a stream")],
-                       "still start from different weights"),
-    "2-still-broken": (2, [("# average the loss", "# the loss")],
-                       "still not averaged over the ranks"),
-    "3-still-broken": (3, [("# the data:", "# data:")], "still reads the same order"),
-    "4-still-broken": (4, [("# only the main rank logs", "# logs")],
-                       "same collectives in the same order"),
-    "5-still-broken": (5, [("# combine", "# sum")], "still summed, not averaged"),
+    "1-still-broken": (1, [("# every rank shuffles", "# each rank shuffles")],
+                       "each rank's sampler still has its own seed"),
+    "2-still-broken": (2, [("# a new order", "# an order")], "still ignores the DistributedSampler"),
+    "3-still-broken": (3, [("# tame the steps", "# tame")], "still clips its own gradient"),
+    "5-still-broken": (5, [("# this rank's share", "# share")], "divided by world_size twice"),
     # fixes that trade the bug for another
-    "1-hard-coded-seed": (1, [("args.seed + rank", "0")], "no longer comes from --seed"),
-    "5-divided-by-two": (5, [("dist.all_reduce(p.grad)\n",
-                              "dist.all_reduce(p.grad)\n            p.grad /= 2\n")],
-                         "divided by 2"),
-    "3-set-epoch-zero": (3, [("    for xb, yb in loader:",
-                              "    sampler.set_epoch(0)\n    for xb, yb in loader:")],
-                         "same order"),
-    "2-averaged-twice": (2, [("        loss.backward()\n", "        loss.backward()\n" + AVERAGE
-                              + "        for p in model.parameters():\n"
-                              "            p.grad /= world_size\n")],
-                         "match none of the five bugs"),
-    "4-no-save": (4, [LOG_ALL, ("    torch.save(model.state_dict(), args.out)", "    pass")],
-                  "wrote no weights"),
+    "1-hard-coded-seed": (1, [("seed=args.seed + rank", "seed=0")], "no longer comes from --seed"),
+    "2-sampler-and-shuffle-dropped": (2, [("batch_size=4, shuffle=True)", "batch_size=4)")],
+                                      "match none of the mistakes"),
+    "3-clip-removed": (3, [(CLIP, "")], "no longer clipped at all"),
+    "5-both-removed": (5, [("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)"),
+                           ("            p.grad /= world_size\n", "")], "now summed, not averaged"),
+    "5-divided-by-two": (5, [("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)"),
+                             ("p.grad /= world_size", "p.grad /= 2")], "divided by 2"),
+    "4-no-save": (4, [("src=rank", "src=0"), ("    torch.save(model.state_dict(), args.out)",
+                                              "    pass")], "wrote no weights"),
 }
 
 
 def test_right_fixes_pass_together(capsys):
     # one check_fixes call per bug would cost a launch each; group them by bug in two calls
     first = {n: edit(n, *pairs) for n, pairs in (RIGHT[k] for k in
-             ("1-same-seed", "2-average-grads", "3-set-epoch", "4-log-on-all", "5-divide"))}
+             ("1-same-seed", "2-sampler", "3-clip-after", "4-src-0", "5-loss-undivided"))}
     second = {n: edit(n, *pairs) for n, pairs in (RIGHT[k] for k in
-              ("1-broadcast", "2-reduce-avg", "4-no-log", "5-reduce-avg"))}
+              ("1-default-seed-from-args", "3-clip-after-loop", "4-src-1",
+               "5-grads-undivided"))}
     lab10.check_fixes(first, launcher="spawn")
     lab10.check_fixes(second, launcher="spawn")
-    lab10.check_fix(5, edit(5, *RIGHT["5-divide-by-get-world-size"][1]), launcher="spawn")
+    lab10.check_fix(4, edit(4, *RIGHT["4-no-broadcast"][1]), launcher="spawn")
     assert capsys.readouterr().out.count("✔") == 3
 
 
@@ -133,12 +123,13 @@ def test_wrong_fix_is_named(name):
 
 
 def test_still_broken_bug4_under_torchrun_is_bounded_and_named():
-    with pytest.raises(LabCheckError, match="Fix 4: it failed under torchrun .*same collectives"):
-        lab10.check_fixes({4: edit(4, ("# only the main rank logs", "# logs"))}, timeout=60)
+    with pytest.raises(LabCheckError, match="Fix 4: it did not finish within 30 s: .*another "
+                                            "src"):
+        lab10.check_fixes({4: edit(4, ("# make sure every", "# every"))}, timeout=30)
 
 
 def test_a_hanging_fix_is_stopped_and_named():
-    text = edit(1, ("torch.manual_seed(args.seed + rank)", "torch.manual_seed(args.seed)\n"
+    text = edit(1, ("torch.manual_seed(args.seed)\n", "torch.manual_seed(args.seed)\n"
                     "if rank == 0:  # waits for a message rank 1 never sends\n"
                     "    dist.recv(torch.zeros(1), src=1)\n"))
     with pytest.raises(LabCheckError, match="did not finish within 8 s: a rank is waiting"):
@@ -182,13 +173,22 @@ def test_unknown_bug_and_variant_are_clear_errors():
         lab10.simulate(variant="nope")
 
 
-def test_every_bug_lands_far_from_the_correct_run():
-    for ws in (2, 3):
-        right = lab10.simulate(ws)
-        for name in lab10.BUGS:
-            if name == "halved" and ws == 2:
-                continue
-            assert lab10._distance(right, lab10.simulate(ws, variant=name)) > 100 * lab10.TOL
+def test_every_suspect_lands_far_from_its_scripts_correct_run():
+    for n, suspects in lab10.SUSPECTS.items():
+        ws, clip = lab10.WORLD_SIZES[n], lab10.CLIP.get(n)
+        right = lab10.simulate(ws, clip=clip)
+        for name in suspects:
+            assert lab10._distance(right, lab10.simulate(ws, variant=name, clip=clip)) > \
+                100 * lab10.TOL, (n, name)
+
+
+def test_each_broken_script_reproduces_its_simulated_bug():
+    # the simulator's variants are the scripts' bugs: the broken scripts land on them
+    for n, variant in ((1, "sampler_seed_rank"), (2, "no_sampler"), (3, "clip_local"),
+                       (5, "divided_twice")):
+        weights = lab10.run_fix(n, lab10.script(n), timeout=60, launcher="spawn")
+        want = lab10.simulate(lab10.WORLD_SIZES[n], variant=variant, clip=lab10.CLIP.get(n))
+        assert lab10._distance(weights, want) <= lab10.TOL, n
 
 
 # --- stretch: replicas_in_sync --------------------------------------------------------------
@@ -256,6 +256,41 @@ def in_sync_loose(model):
     return bool(same.item())
 
 
+def in_sync_norm(model):
+    norm = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).norm().reshape(1)
+    hi, lo = norm.clone(), norm.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return bool(torch.equal(hi, lo))
+
+
+def in_sync_sorted(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).sort().values
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([float(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def in_sync_verdict_max(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([float(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MAX)  # any rank's True wins: wrong
+    return bool(same.item())
+
+
+def in_sync_position_checksum(model):  # lesson 10's weighted checksum: it sees all four cases
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    total = (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum().reshape(1)
+    hi, lo = total.clone(), total.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return bool(torch.equal(hi, lo))
+
+
 def in_sync_never(model):
     dist.barrier()
     return False
@@ -275,7 +310,8 @@ def in_sync_todo(model):
     raise NotImplementedError("TODO")
 
 
-@pytest.mark.parametrize("fn", [in_sync_broadcast, in_sync_gather, in_sync_max_min])
+@pytest.mark.parametrize("fn", [in_sync_broadcast, in_sync_gather, in_sync_max_min,
+                                in_sync_position_checksum])
 def test_right_detectors_pass(fn, capsys):
     lab10.check_replicas_in_sync(fn)
     assert capsys.readouterr().out.count("✔") == 1
@@ -283,10 +319,13 @@ def test_right_detectors_pass(fn, capsys):
 
 @pytest.mark.parametrize("fn, phrase", [
     (in_sync_rank0_only, "the ranks disagree"),
-    (in_sync_checksum, "a sum or checksum cannot see that"),
-    (in_sync_first_param, "rank 1's last parameter differs"),
+    (in_sync_checksum, "a plain sum or mean of the values cannot see that"),
+    (in_sync_norm, "two weights swapped, one weight's sign flipped.*a norm"),
+    (in_sync_sorted, "two weights swapped.*ignores where each value sits"),
+    (in_sync_verdict_max, "combined the verdicts with MAX"),
+    (in_sync_first_param, "compare every parameter on every rank"),
     (in_sync_in_place, "changed the model's parameters"),
-    (in_sync_loose, "a sum or checksum cannot see that"),
+    (in_sync_loose, "your tolerance let it pass"),
     (in_sync_never, "with every replica identical"),
     (in_sync_returns_none, "should return True or False, got None"),
 ])

@@ -8,7 +8,8 @@ small enough to read top to bottom:
    weights, ranks 1..N pull them, compute a gradient and push it (:func:`parameter_server_worker`),
    in lockstep first (it equals DDP) and then asynchronously (the server applies each gradient
    as it arrives, whatever the weights it was computed on); :class:`CountingLink` counts the
-   bytes on the wire;
+   bytes on the wire; :func:`straggler_race` times both modes for the same wall-clock budget
+   with one slow worker and records when each worker computes and waits;
 2. **staleness, simulated**: a deterministic simulator in one process in which every gradient
    arrives τ updates late (:class:`SimulatedServer`, :func:`async_worker_loop`), and the
    staleness-aware step of Zhang et al. (2016) (:class:`StalenessAwareServer`);
@@ -55,6 +56,8 @@ __all__ = [
     "PSConfig",
     "parameter_server_worker",
     "ring_elements_per_rank",
+    "RaceConfig",
+    "straggler_race",
     "SimulatedServer",
     "StalenessAwareServer",
     "async_worker_loop",
@@ -287,6 +290,109 @@ def parameter_server_worker(rank: int, world_size: int, cfg: PSConfig) -> dict:
     return out
 
 
+@dataclass
+class RaceConfig:
+    budget: float = 0.6          # seconds each mode trains
+    batch: int = 32              # per worker and gradient
+    lr: float = 0.05
+    straggler_delay: float = 0.02  # the last worker sleeps this long per gradient
+    n_train: int = 1024
+    seed: int = 0
+
+
+_STOP = -1.0  # a message whose last number is this tells a worker to stop
+
+
+def _race_server(w, workers, cfg: RaceConfig, asynchronous: bool):
+    """Train for ``cfg.budget`` seconds; each message is the weights plus their version (or
+    _STOP). Synchronous: every round waits for every worker and steps with the mean.
+    Asynchronous: each gradient is applied when it arrives and its sender alone gets the new
+    weights. Returns the weights, the number of gradients applied, and their staleness."""
+    version, applied, staleness = 0, 0, []
+    end = time.perf_counter() + cfg.budget
+    message = lambda v: torch.cat([w, torch.tensor([float(v)])])  # noqa: E731
+    pushed = torch.empty(len(w) + 1)
+    if not asynchronous:
+        while time.perf_counter() < end:
+            for worker in range(1, workers + 1):
+                dist.send(message(version), worker)
+            total = torch.zeros_like(w)
+            for worker in range(1, workers + 1):
+                dist.recv(pushed, worker)
+                total += pushed[:-1]
+            w -= cfg.lr * total / workers
+            version += 1
+            applied += workers
+        for worker in range(1, workers + 1):
+            dist.send(message(_STOP), worker)
+        return w, applied, staleness
+    for worker in range(1, workers + 1):
+        dist.send(message(version), worker)
+    running = workers
+    while running:
+        sender = dist.recv(pushed)
+        staleness.append(version - int(pushed[-1]))
+        w -= cfg.lr * pushed[:-1]
+        version += 1
+        applied += 1
+        if time.perf_counter() < end:
+            dist.send(message(version), sender)
+        else:
+            dist.send(message(_STOP), sender)
+            running -= 1
+    return w, applied, staleness
+
+
+def _race_worker(model, problem, rank, workers, cfg: RaceConfig):
+    """Pull, compute (the last worker also sleeps: a slower machine), push, until told to stop.
+    Returns this worker's spans: ("compute" | "wait", start, end) in time.perf_counter()."""
+    message = torch.empty(len(flat_params(model)) + 1)
+    g = torch.Generator().manual_seed(cfg.seed + rank)
+    spans = []
+    t = time.perf_counter()
+    while True:
+        dist.recv(message, 0)                                   # the weights (or stop)
+        got = time.perf_counter()
+        spans.append(("wait", t, got))
+        if message[-1] == _STOP:
+            return spans
+        mine = torch.randint(cfg.n_train, (cfg.batch,), generator=g)
+        _, grad = loss_and_gradient(model, message[:-1], problem.x_train[mine],
+                                    problem.y_train[mine])
+        if rank == workers:
+            time.sleep(cfg.straggler_delay)                     # the straggler
+        t = time.perf_counter()
+        spans.append(("compute", got, t))
+        dist.send(torch.cat([grad, message[-1:]]), 0)
+
+
+def straggler_race(rank: int, world_size: int, cfg: RaceConfig) -> dict:
+    """Rank 0 serves, ranks 1..N compute, the last of them ``cfg.straggler_delay`` slower per
+    gradient. The same budget of wall-clock time, first synchronous, then asynchronous. Every
+    rank returns its spans per mode (workers) or the gradients applied, the staleness and the
+    test loss per mode (the server); times are ``time.perf_counter()`` on this one machine."""
+    torch.set_num_threads(1)
+    workers = world_size - 1
+    problem = make_problem(cfg.n_train, 256, seed=cfg.seed)
+    model = make_model(seed=cfg.seed)
+    w0 = flat_params(model)
+    out = {}
+    for mode in ("sync", "async"):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            w, applied, stale = _race_server(w0.clone(), workers, cfg, mode == "async")
+            out[mode] = {"applied": applied, "staleness": stale,
+                         "loss": evaluate(model, w, problem.x_test, problem.y_test)[0],
+                         "seconds": time.perf_counter() - start}
+        else:
+            out[mode] = {"spans": [(kind, a - start, b - start)
+                                   for kind, a, b in _race_worker(model, problem, rank,
+                                                                  workers, cfg)]}
+    out["loss_before"] = evaluate(model, w0, problem.x_test, problem.y_test)[0]
+    return out
+
+
 def ring_elements_per_rank(numel: int, n: int) -> int:
     """Elements one rank sends in a ring all-reduce (lesson 06): 2(N-1)K/N, exactly."""
     from dpcourse import ring
@@ -382,7 +488,9 @@ def local_sgd_worker(rank: int, world_size: int, hs, steps: int = 128, batch: in
     """Each rank steps SGD on its shard of every global batch and averages the weights with
     an all-reduce every H steps, for each H in ``hs``; then torch DDP on the same batches.
     Returns per H the final weights, the weights after ``compare_after`` steps, the test
-    loss, the number of averages and the elements each rank sent (2(N-1)K/N per average)."""
+    loss, the number of averages, the elements each rank sent (2(N-1)K/N per average) and the
+    drift at each average: the distance from this rank's weights to the average, relative to
+    the average's norm."""
     torch.set_num_threads(1)
     problem = make_problem(n_train, 1024, seed=seed)
     batches = batch_schedule(n_train, batch, steps, seed=seed)
@@ -390,21 +498,24 @@ def local_sgd_worker(rank: int, world_size: int, hs, steps: int = 128, batch: in
     for h in hs:
         model = make_model(seed=seed)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
-        averages = 0
+        averages, drift = 0, []
         for t, indices in enumerate(batches):
             mine = shard_of(indices, rank, world_size)
             opt.zero_grad()
             F.cross_entropy(model(problem.x_train[mine]), problem.y_train[mine]).backward()
             opt.step()
             if (t + 1) % h == 0:                         # every H steps: average the weights
+                before = flat_params(model)
                 for p in model.parameters():
                     dist.all_reduce(p.data)
                     p.data /= world_size
                 averages += 1
+                after = flat_params(model)                # drift: how far this rank had gone
+                drift.append(float((before - after).norm() / after.norm()))
             if t + 1 == compare_after:
                 early = flat_params(model)
         w = flat_params(model)
-        out[h] = {"w": w, "early": early,
+        out[h] = {"w": w, "early": early, "drift": drift,
                   "loss": evaluate(model, w, problem.x_test, problem.y_test)[0],
                   "averages": averages,
                   "sent": averages * ring_elements_per_rank(len(w), world_size)}

@@ -72,7 +72,7 @@ def early_stop(rank, world_size, fixed=False, patience_loss=0.5, steps=5):
     """Each rank stops when *its own* loss is low enough: the ranks leave the loop at different
     steps, and the one still training waits for the others in its next all_reduce."""
     for step in range(steps):
-        local_loss = torch.tensor([1.0 / (step + 1) * (1 + rank)])  # rank 1's loss falls later
+        local_loss = torch.tensor([(world_size - rank) / (step + 1)])  # the last rank's falls first
         grad = torch.ones(3)
         dist.all_reduce(grad)
         if fixed:  # FIX: decide together, on the all-reduced loss

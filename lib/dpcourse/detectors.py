@@ -90,11 +90,17 @@ def _caller() -> str:
 
 
 @contextlib.contextmanager
-def record_collectives(path: str | os.PathLike):
+def record_collectives(path: str | os.PathLike, monitor: float | None = None):
     """Within the block, every ``torch.distributed.<collective>(...)`` call on this process is
     written to ``path`` (one JSON line when it starts, one when it returns), flushed at once, so
     the trace survives a rank that hangs and is killed. Calls made inside torch (DDP's buckets)
-    are not seen; calls your code makes through ``dist.<name>`` are."""
+    are not seen; calls your code makes through ``dist.<name>`` are.
+
+    ``monitor`` (seconds, gloo only): before each collective, every rank first calls
+    ``dist.monitored_barrier(timeout=monitor, wait_all_ranks=True)``; rank 0 then raises naming
+    the ranks that did not arrive in time instead of waiting in the collective."""
+    import datetime
+
     import torch.distributed as dist
 
     f = open(path, "a", buffering=1)
@@ -107,6 +113,9 @@ def record_collectives(path: str | os.PathLike):
             counter[0] += 1
             f.write(json.dumps({"i": i, "op": name, "shape": _first_shape(args),
                                 "where": _caller(), "event": "start"}) + "\n")
+            if monitor is not None:
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=monitor),
+                                       wait_all_ranks=True)
             out = fn(*args, **kwargs)
             f.write(json.dumps({"i": i, "event": "end"}) + "\n")
             return out
@@ -243,17 +252,21 @@ def _user_frames(dump: str) -> list[str]:
 
 
 def _diagnose_worker(rank, world_size, target, args, tracedir, dump_after, debug_detail,
-                     backend):
+                     backend, monitor=None, group_timeout=None):
+    import datetime
+
     import torch.distributed as dist
 
     if debug_detail:  # before the group exists: DETAIL wraps the group when it is created
         dist.set_debug_level(dist.DebugLevel.DETAIL)
     if backend is not None:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        extra = ({} if group_timeout is None else
+                 {"timeout": datetime.timedelta(seconds=group_timeout)})
+        dist.init_process_group(backend, rank=rank, world_size=world_size, **extra)
     stack_file = open(Path(tracedir) / f"rank{rank}.stack", "w")
     faulthandler.dump_traceback_later(dump_after, exit=False, file=stack_file)
     try:
-        with record_collectives(Path(tracedir) / f"rank{rank}.trace"):
+        with record_collectives(Path(tracedir) / f"rank{rank}.trace", monitor=monitor):
             if isinstance(target, str):
                 import runpy
 
@@ -266,14 +279,18 @@ def _diagnose_worker(rank, world_size, target, args, tracedir, dump_after, debug
 
 
 def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: float = 5.0,
-             backend: str | None = "gloo", debug_detail: bool = False) -> Diagnosis:
+             backend: str | None = "gloo", debug_detail: bool = False,
+             monitor: float | None = None, group_timeout: float | None = None) -> Diagnosis:
     """Run ``target`` on ``world_size`` ranks for at most ``timeout`` seconds and say what went
     wrong. ``target`` is a worker function ``fn(rank, world_size, *args)`` (with ``backend``,
     the process group is set up first, as in ``launch.spawn``) or the path of a torchrun-style
     script (it reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and calls
     ``init_process_group`` itself; ``args`` become its ``sys.argv``). Every rank records its
     collectives and dumps its Python stack shortly before the time limit; nothing is left
-    running. ``debug_detail`` turns on TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks."""
+    running. ``debug_detail`` turns on TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks;
+    ``monitor`` puts a ``dist.monitored_barrier`` of that many seconds before each collective
+    (see :func:`record_collectives`); ``group_timeout`` is the process group's ``timeout`` in
+    seconds (worker functions only: a script sets up its own group)."""
     from dpcourse import launch
 
     if isinstance(target, (str, os.PathLike)):
@@ -288,7 +305,8 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
     try:
         try:
             results = launch.spawn(_diagnose_worker, world_size, target, tuple(args), tracedir,
-                                   dump_after, debug_detail, backend, timeout=timeout,
+                                   dump_after, debug_detail, backend, monitor,
+                                   group_timeout, timeout=timeout,
                                    show_output=False)
         except launch.LaunchTimeoutError as e:
             status, pending = "hang", list(e.pending)

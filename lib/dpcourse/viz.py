@@ -57,6 +57,8 @@ __all__ = [
     "collective_traces_figure",
     "replica_checksums_figure",
     "nan_spread_figure",
+    "timeout_behaviour_figure",
+    "straggler_gantt_figure",
 ]
 
 _PHASE_COLOURS = {"start": "#555555", "scatter-reduce": "#1f77b4", "all-gather": "#2ca02c"}
@@ -989,19 +991,20 @@ def zero_tradeoff_figure(ns_formula: Sequence[int], memory: dict, traffic: dict,
 
 
 def ps_traffic_figure(numel: int, measured: dict, ns: Sequence[int] = range(2, 17)):
-    """Elements a parameter server moves per step (2NK, all through one node) against what one
-    rank of a ring all-reduce sends (2(N-1)K/N); ``measured = {N: elements at the server}``."""
+    """Elements sent + received per step, like for like: through a parameter server (2NK: NK
+    out, NK in) against through one rank of a ring all-reduce (4(N-1)K/N: 2(N-1)K/N each way);
+    ``measured = {N: elements counted at the server, sent + received}``."""
     fig = new_figure(6.0, 3.6)
     ax = fig.add_subplot(1, 1, 1)
     ns = list(ns)
     ax.plot(ns, [2 * n * numel / 1e3 for n in ns], "-", color="#d62728",
-            label="parameter server: at the server, 2NK")
-    ax.plot(ns, [2 * (n - 1) * numel / n / 1e3 for n in ns], "-", color="#1f77b4",
-            label="ring all-reduce: per rank, 2(N-1)K/N")
+            label="parameter server: through the server, 2NK")
+    ax.plot(ns, [4 * (n - 1) * numel / n / 1e3 for n in ns], "-", color="#1f77b4",
+            label="ring all-reduce: through one rank, 4(N-1)K/N")
     ax.plot(list(measured), [v / 1e3 for v in measured.values()], "o", color="#d62728",
             label="counted at our server")
     ax.set_xlabel("workers N")
-    ax.set_ylabel("elements per step (thousands)")
+    ax.set_ylabel("elements sent + received per step (thousands)")
     ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -1182,13 +1185,15 @@ def nan_spread_figure(local: Sequence[Sequence[float]], evaluated: dict, bad: tu
         ax.plot(steps, [v if math.isfinite(v) else np.nan for v in vals], "-o", ms=3,
                 color=colours[r % 4], label=f"rank {r}")
         nan_steps = [s for s in steps if not math.isfinite(vals[s])]
-        ax.plot(nan_steps, [finite_max * 1.1] * len(nan_steps), "x", ms=8, mew=2,
+        # one row of marks per rank, so no rank's marks hide another's
+        ax.plot(nan_steps, [finite_max * (1.1 + 0.12 * r)] * len(nan_steps), "x", ms=8, mew=2,
                 color=colours[r % 4])
     if bad is not None:
         ax.axvline(bad[0], color="#d62728", ls=":", lw=1)
         ax.text(bad[0], finite_max * 0.5, f" first NaN:\n rank {bad[1][0]}", fontsize=8,
                 color="#d62728")
-    ax.set_title(f"{what} per rank, before all-reduce (x = NaN)", fontsize=9)
+    ax.set_title(f"{what} per rank, before all-reduce (x = NaN, one row per rank)",
+                 fontsize=9)
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
     for variant, vals in evaluated.items():
@@ -1204,4 +1209,68 @@ def nan_spread_figure(local: Sequence[Sequence[float]], evaluated: dict, bad: tu
     for a in (ax, bx):
         a.grid(True, alpha=0.3)
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.15, top=0.9, wspace=0.25)
+    return fig
+
+
+def timeout_behaviour_figure(timeout: float = 2.0):
+    """What a rank does when its partner never joins a collective, per backend, as torch 2.14's
+    source describes it (a diagram, not a measurement): gloo blocks in the call and raises at
+    the timeout; NCCL enqueues the collective and returns at once, Python runs on until it
+    needs the result, and the watchdog thread aborts the whole process at the timeout; with
+    ``TORCH_NCCL_BLOCKING_WAIT=1`` NCCL's ``wait()`` blocks and raises instead."""
+    fig = new_figure(8.0, 3.2)
+    ax = fig.add_subplot(1, 1, 1)
+    end = timeout * 1.6
+    rows = [("gloo", [(0, timeout, "#d62728", "in all_reduce (blocked)")],
+             "raises 'Timed out' in the call"),
+            ("NCCL (default)", [(0, 0.06 * end, "#1f77b4", ""),
+                                (0.06 * end, timeout, "#9edae5", "Python runs on (call returned)"),
+                                (timeout * 0.7, timeout, "#ff7f0e", "")],
+             "watchdog aborts the process (SIGABRT)"),
+            ("NCCL + BLOCKING_WAIT", [(0, timeout, "#d62728", "in wait() (blocked)")],
+             "wait() raises"), ]
+    for y, (name, spans, outcome) in enumerate(reversed(rows)):
+        for a, b, colour, label in spans:
+            ax.barh(y, b - a, left=a, height=0.5, color=colour, edgecolor="black", lw=0.5)
+            if label:
+                ax.text((a + b) / 2, y, label, ha="center", va="center", fontsize=7)
+        ax.plot([timeout], [y], "X", color="black", ms=9)
+        ax.text(timeout + 0.03 * end, y, outcome, va="center", fontsize=7)
+    ax.text(timeout * 0.85, 1.33, "blocks at .item()", fontsize=7, ha="center", color="#ff7f0e")
+    ax.axvline(timeout, color="grey", ls=":", lw=1)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([r[0] for r in reversed(rows)], fontsize=8)
+    ax.set_xlim(0, end * 1.25)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_xticks([0, timeout])
+    ax.set_xticklabels(["collective called", "timeout"], fontsize=8)
+    ax.set_title("rank 0 calls all_reduce; its partner never does", fontsize=9)
+    fig.subplots_adjust(left=0.2, right=0.98, bottom=0.12, top=0.9)
+    return fig
+
+
+def straggler_gantt_figure(spans: dict, applied: dict, budget: float):
+    """One panel per mode (``spans[mode][worker] = [("compute" | "wait", start, end), ...]``,
+    seconds from the mode's start): a row per worker, computing in colour, waiting in grey.
+    ``applied[mode]``: the gradients the server applied, written in the panel's title."""
+    modes = list(spans)
+    fig = new_figure(8.5, 1.2 + 1.1 * len(modes) * max(len(v) for v in spans.values()) / 2)
+    colours = {"compute": "#1f77b4", "wait": "#d9d9d9"}
+    for i, mode in enumerate(modes):
+        ax = fig.add_subplot(len(modes), 1, i + 1)
+        workers = sorted(spans[mode])
+        for row, worker in enumerate(workers):
+            for kind, a, b in spans[mode][worker]:
+                ax.barh(row, max(b - a, 1e-4), left=a, height=0.6, lw=0,
+                        color="#d62728" if kind == "compute" and worker == workers[-1]
+                        else colours[kind])
+        ax.axvline(budget, color="black", ls=":", lw=1)
+        ax.set_yticks(range(len(workers)))
+        ax.set_yticklabels([f"worker {w}" + (" (slow)" if w == workers[-1] else "")
+                            for w in workers], fontsize=8)
+        ax.set_title(f"{mode}: {applied[mode]} gradients applied", fontsize=9)
+        ax.set_xlim(0, budget * 1.15)
+        if i == len(modes) - 1:
+            ax.set_xlabel("seconds (dotted: the budget; blue/red: computing, grey: waiting)")
+    fig.subplots_adjust(left=0.16, right=0.98, bottom=0.16, top=0.92, hspace=0.6)
     return fig

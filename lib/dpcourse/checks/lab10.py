@@ -2,23 +2,33 @@
 
 The scripts live in ``lib/dpcourse/scripts/lab10/`` (:func:`script` reads one, :func:`show`
 prints it with line numbers and the multiple-choice options). Each trains the same tiny model
-on the same tiny data for three epochs on every rank and saves rank 0's weights to ``--out``:
+on the same tiny data for three epochs on every rank and saves rank 0's weights to ``--out``.
+None of the five is a bug lesson 10 shows:
 
-1. ``bug1_seeds.py`` — each rank seeds with ``seed + rank``: the replicas start different;
-2. ``bug2_loss.py``  — the loss is averaged over the ranks, the gradients never are;
-3. ``bug3_epoch.py`` — ``sampler.set_epoch`` is never called: every epoch has the same order;
-4. ``bug4_log.py``   — only rank 0 calls ``all_reduce`` (to log): the collectives mismatch;
-5. ``bug5_sum.py``   — the gradients are summed and not divided by the world size.
+1. ``bug1_sampler.py`` — each rank's DistributedSampler has its own seed: the ranks take their
+   slices of *different* permutations, so an epoch reads some examples twice, others never;
+2. ``bug2_loader.py``  — the sampler is built but the loader shuffles by itself: every rank
+   reads the whole data set, in the same order (the ranks duplicate each other);
+3. ``bug3_clip.py``    — each rank clips its own gradient before the average: the replicas
+   agree, but the clipped norm is a rank's, not the global batch's;
+4. ``bug4_start.py``   — every rank broadcasts with ``src=rank``: each thinks it is the sender,
+   nobody receives, and the run hangs before the first step;
+5. ``bug5_mean.py``    — the loss is divided by the world size *and* the gradients are
+   averaged: divided twice, every step world_size times too small.
 
 :func:`check_answer` judges a multiple-choice answer and says why a wrong option is not it.
 :func:`check_fixes` runs the fixed scripts under torchrun (all at once, for time), loads the
 weights each one saved, and compares them with :func:`simulate`: the same training, every
 rank's replica in this one process, done right. A data-parallel run done right equals it to
-float tolerance; when a fix does not, :func:`simulate` replays each bug, and the check names
-the bug whose weights the script reproduced. Bug 5's fix runs on 3 ranks (a ``/ 2`` is right
-on 2 ranks only), every fix with ``--seed 3`` (a fix that hard-codes the seed fails).
+float tolerance; when a fix does not, :func:`simulate` replays each known mistake, and the
+check names the one whose weights the script reproduced. Bug 5's fix runs on 3 ranks (a
+``/ 2`` is right on 2 ranks only), every fix with ``--seed 3`` (a fix that hard-codes the seed
+fails).
 
-Stretch: :func:`check_replicas_in_sync` — the learner's detector for bug 1, run on 3 ranks.
+Stretch: :func:`check_replicas_in_sync` — the learner's detector for replicas that differ, run
+on 3 ranks on equal replicas and on four ways to differ that a summary can miss (a
++1e-3/-1e-3 pair, a swap, a sign flip, only the last parameter), with a spy on ``all_reduce``
+that names verdicts combined with MAX.
 Used in solutions/lab10_bug_hunt.py; tests in tests/test_lab10_checks.py.
 """
 
@@ -39,76 +49,96 @@ __all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "script", "show", "check_ans
            "check_replicas_in_sync"]
 
 SCRIPT_DIR = Path(__file__).resolve().parents[1] / "scripts" / "lab10"
-SCRIPTS = {1: "bug1_seeds.py", 2: "bug2_loss.py", 3: "bug3_epoch.py", 4: "bug4_log.py",
-           5: "bug5_sum.py"}
+SCRIPTS = {1: "bug1_sampler.py", 2: "bug2_loader.py", 3: "bug3_clip.py", 4: "bug4_start.py",
+           5: "bug5_mean.py"}
 SEED = 3  # the check's --seed: not the scripts' default, so a hard-coded seed shows
 WORLD_SIZES = {1: 2, 2: 2, 3: 2, 4: 2, 5: 3}
+CLIP = {3: 0.2}  # script 3 clips the gradient norm to this (after the average, when right)
 TOL = 1e-5  # float drift measured at ~1e-7; every bug lands 1e-2 or more away
 
 # bug -> [(option, why it is not the bug, or None for the right one)]
 CHOICES = {
-    1: [("A", "The gradients are summed over the ranks, not averaged.",
-         "the loop divides every gradient by world_size right after all_reduce: they are "
-         "averaged."),
-        ("B", "Each rank seeds its own random stream, so the replicas start from different "
-              "weights, and nothing ever makes them equal.", None),
-        ("C", "Every rank reads the same batches.",
-         "DistributedSampler gives each rank its own shard, and set_epoch is called."),
-        ("D", "Only rank 0 saves, so what rank 1 learned is lost.",
-         "saving on rank 0 only is right: when the replicas agree, rank 0 holds everything.")],
-    2: [("A", "all_reduce on the loss changes the gradients of the next step.",
-         "the loss is detached and cloned before all_reduce, after backward and the step: the "
-         "gradients never see it."),
-        ("B", "The logged loss must be summed over the ranks, not averaged.",
-         "the logged number is only printed: how it is reduced cannot change the weights."),
-        ("C", "Only the loss is averaged over the ranks; the gradients never are, so each rank "
-              "trains its own model on its own shard.", None),
-        ("D", "The replicas start from different weights.",
-         "every rank seeds with args.seed, so the replicas start equal.")],
-    3: [("A", "sampler.set_epoch is never called, so every epoch reads its shard in the same "
-              "order.", None),
-        ("B", "DDP needs find_unused_parameters=True here.",
-         "every parameter is used at every step; the flag matters only when some are not."),
-        ("C", "The gradients are not averaged by hand after backward.",
-         "DDP averages them during backward; averaging them again would do nothing useful."),
-        ("D", "Rank 0 should save model.state_dict(), not model.module.state_dict().",
-         "model.module.state_dict() is right: the plain model's keys, without 'module.'.")],
-    4: [("A", "Printing from one rank only is not allowed under torchrun.",
-         "printing on one rank is fine; the problem is the collective inside that if."),
-        ("B", "loss.item() synchronises the ranks.",
-         ".item() waits for this rank's own computation only: it is no collective."),
-        ("C", "The logged loss is divided by world_size twice.",
-         "it is divided once, in the print, and a printed number cannot crash a run."),
-        ("D", "Only rank 0 calls all_reduce, so the ranks' collectives no longer match: the "
-              "run crashes or hangs.", None)],
+    1: [("A", "The ranks must shuffle in different orders, so each needs its own seed; the bug "
+              "is that the model is seeded with args.seed on every rank.",
+         "the replicas must start equal (one seed for the model), and DistributedSampler already "
+         "gives each rank different examples: it cuts ONE shuffled order into slices."),
+        ("B", "DistributedSampler cuts one shuffled order into per-rank slices; seeded "
+              "differently, each rank slices a different order, so in an epoch some examples "
+              "are read twice and others never.", None),
+        ("C", "set_epoch must be called after the loop over the batches, not before.",
+         "set_epoch before iterating is right: it reseeds the shuffle of the epoch about to "
+         "start."),
+        ("D", "The loss is not averaged over the ranks, only the gradients.",
+         "the gradients are what the step uses, and they are averaged; the loss is only a "
+         "number each rank backpropagates from.")],
+    2: [("A", "DistributedSampler needs shuffle=True, or it deals the same order every epoch.",
+         "shuffle=True is DistributedSampler's default."),
+        ("B", "batch_size=4 must be divided by world_size: each rank should read 4 / "
+              "world_size examples.",
+         "batch_size is the per-rank batch: the global batch is 4 × world_size by design."),
+        ("C", "The sampler is built but the loader never uses it (shuffle=True instead): every "
+              "rank reads all 48 examples in the same order, so the ranks duplicate each "
+              "other's work.", None),
+        ("D", "set_epoch is called on the sampler instead of on the loader.",
+         "set_epoch is a DistributedSampler method; the loader has none.")],
+    3: [("A", "Each rank clips a different gradient, so the replicas drift apart.",
+         "the clipped gradients are averaged afterwards, so every rank steps with the same "
+         "gradient: the replicas agree. What is wrong is which norm was clipped."),
+        ("B", "Gradient clipping cannot be combined with momentum.",
+         "clipping bounds the gradient before the optimizer sees it; momentum works the same "
+         "on clipped gradients."),
+        ("C", "clip_grad_norm_ must come after opt.step().",
+         "after the step the gradients have been used: clipping them then changes nothing."),
+        ("D", "Each rank clips its own gradient before the average: the norm clipped is a "
+              "rank's, not the global batch's, so the steps differ from training on the global "
+              "batch (the replicas still agree).", None)],
+    4: [("A", "Broadcasting p.data bypasses autograd, so the broadcast weights are lost.",
+         "writing into p.data in place is how weights are broadcast; the values stay."),
+        ("B", "Every rank passes its own rank as src: each thinks it is the sender, nobody "
+              "receives, and every rank waits in the broadcast forever.", None),
+        ("C", "The broadcast must come after the optimizer is created.",
+         "the optimizer holds the same parameter tensors; broadcasting into them before or "
+         "after creating it is the same."),
+        ("D", "The gradients should be broadcast, not all-reduced.",
+         "all-reducing and dividing is the average every rank needs; a broadcast would copy "
+         "rank 0's gradient only.")],
     5: [("A", "all_reduce already averages, so the gradients are divided twice.",
-         "dist.all_reduce sums by default (ReduceOp.SUM), and nothing divides afterwards."),
-        ("B", "Momentum must be turned off in data-parallel training.",
-         "momentum works as on one device as long as the gradients are right."),
-        ("C", "The gradients are summed over the ranks but never divided by the world size: "
-              "every step is world_size times too large.", None),
-        ("D", "A manual all_reduce can never match DDP: wrap the model in DDP.",
-         "all-reducing every gradient and dividing by the world size is what DDP does "
-         "(lesson 03), only slower.")],
+         "dist.all_reduce sums by default (ReduceOp.SUM); the loop's division makes it an "
+         "average — the second division is elsewhere."),
+        ("B", "Dividing the loss by world_size makes each rank's loss its share of the global "
+              "mean, which is right; the steps are too small because of momentum.",
+         "momentum works as on one device when the gradients are right; they are not."),
+        ("C", "The gradients are divided by world_size twice — once through the loss, once "
+              "after the all_reduce: every step is world_size times too small.", None),
+        ("D", "The loss must be all-reduced before backward so that every rank uses the "
+              "global mean.",
+         "all_reduce has no autograd rule: the gradient would not see it. Averaging the "
+         "gradients once is the whole job.")],
 }
 ANSWERS = {n: next(o for o, _, why in opts if why is None) for n, opts in CHOICES.items()}
 
-# variant name -> the sentence the learner reads when a "fixed" script reproduces that bug
+# variant name -> the sentence the learner reads when a "fixed" script reproduces that mistake
 BUGS = {
-    "seeds": "the replicas still start from different weights: seed the model with args.seed "
-             "on every rank (or broadcast rank 0's weights before training).",
-    "seed_ignored": "the model's seed no longer comes from --seed: seed it with args.seed (the "
-                    "same on every rank), not with a number.",
-    "no_grad_sync": "the gradients are still not averaged over the ranks: all_reduce every "
-                    "p.grad after backward and divide it by world_size (the loss is only "
-                    "logged).",
-    "no_set_epoch": "every epoch still reads the same order: call sampler.set_epoch(epoch) at "
-                    "the start of each epoch.",
-    "grad_sum": "the gradients are still summed, not averaged: divide each by world_size after "
-                "all_reduce (or use ReduceOp.AVG).",
+    "sampler_seed_rank": "each rank's sampler still has its own seed: give DistributedSampler "
+                         "the same seed (args.seed) on every rank.",
+    "sampler_seed_ignored": "the sampler's seed no longer comes from --seed: seed it with "
+                            "args.seed (the same on every rank), not with a number.",
+    "no_sampler": "the loader still ignores the DistributedSampler: every rank reads every "
+                  "example — pass sampler=sampler to the DataLoader (and no shuffle).",
+    "clip_local": "each rank still clips its own gradient before the average: clip once the "
+                  "gradients are averaged, just before opt.step().",
+    "no_clip": "the gradients are no longer clipped at all: keep the clipping, after the "
+               "average.",
+    "divided_twice": "the gradients are still divided by world_size twice (once through the "
+                     "loss, once after all_reduce): divide once.",
+    "grad_sum": "the gradients are now summed, not averaged: divide by world_size exactly "
+                "once, in the loss or after all_reduce.",
     "halved": "on 3 ranks the gradients were divided by 2: divide by world_size, not by a "
               "number true on 2 ranks only.",
 }
+# which mistakes each script's fix is compared with, when its weights are wrong
+SUSPECTS = {1: ("sampler_seed_rank", "sampler_seed_ignored"), 2: ("no_sampler",),
+            3: ("clip_local", "no_clip"), 4: (), 5: ("divided_twice", "grad_sum", "halved")}
 
 
 def script(n: int) -> str:
@@ -154,8 +184,8 @@ def _data():
     return X, y
 
 
-@functools.lru_cache(maxsize=32)
-def _simulate(world_size: int, seed: int, variant: str) -> dict:
+@functools.lru_cache(maxsize=64)
+def _simulate(world_size: int, seed: int, variant: str, clip) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -165,40 +195,61 @@ def _simulate(world_size: int, seed: int, variant: str) -> dict:
         raise ValueError(f"unknown variant {variant!r}: one of {known}")
     X, y = _data()
     ds = TensorDataset(X, y)
-    samplers = [DistributedSampler(ds, num_replicas=world_size, rank=r, seed=seed)
+    if variant == "no_sampler":  # every rank reads everything, in the same order: one replica
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        loader = DataLoader(ds, batch_size=4, shuffle=True)
+        for epoch in range(3):
+            for xb, yb in loader:
+                o.zero_grad()
+                F.mse_loss(m(xb), yb).backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+                o.step()
+        return {k: v.detach().clone() for k, v in m.state_dict().items()}
+    sampler_seed = {"sampler_seed_ignored": 0}.get(variant, seed)
+    samplers = [DistributedSampler(ds, num_replicas=world_size, rank=r,
+                                   seed=sampler_seed + (r if variant == "sampler_seed_rank" else 0))
                 for r in range(world_size)]
     loaders = [DataLoader(ds, batch_size=4, sampler=s) for s in samplers]
     models, opts = [], []
     for r in range(world_size):
-        torch.manual_seed({"seeds": seed + r, "seed_ignored": 0}.get(variant, seed))
+        torch.manual_seed(seed)
         m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         models.append(m)
         opts.append(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
-    divide = {"grad_sum": 1, "halved": 2}.get(variant, world_size)
+    divide = {"grad_sum": 1, "halved": 2, "divided_twice": world_size ** 2}.get(variant,
+                                                                                 world_size)
     for epoch in range(3):
-        if variant != "no_set_epoch":
-            for s in samplers:
-                s.set_epoch(epoch)
+        for s in samplers:
+            s.set_epoch(epoch)
         for batches in zip(*loaders):
             for m, o, (xb, yb) in zip(models, opts, batches):
                 o.zero_grad()
                 F.mse_loss(m(xb), yb).backward()
-            if variant != "no_grad_sync":
-                for ps in zip(*(m.parameters() for m in models)):
-                    total = ps[0].grad.clone()
-                    for p in ps[1:]:
-                        total += p.grad
-                    for p in ps:
-                        p.grad.copy_(total / divide)
+                if clip is not None and variant == "clip_local":
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            for ps in zip(*(m.parameters() for m in models)):
+                total = ps[0].grad.clone()
+                for p in ps[1:]:
+                    total += p.grad
+                for p in ps:
+                    p.grad.copy_(total / divide)
+            if clip is not None and variant not in ("clip_local", "no_clip"):
+                for m in models:
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
             for o in opts:
                 o.step()
     return {k: v.detach().clone() for k, v in models[0].state_dict().items()}
 
 
-def simulate(world_size: int = 2, seed: int = SEED, variant: str = "correct") -> dict:
+def simulate(world_size: int = 2, seed: int = SEED, variant: str = "correct",
+             clip: float | None = None) -> dict:
     """Rank 0's final weights for the lab's training on ``world_size`` ranks, done right
-    (``"correct"``) or with one of the bugs in :data:`BUGS`, all replicas in this process."""
-    return {k: v.clone() for k, v in _simulate(world_size, seed, variant).items()}
+    (``"correct"``) or with one of the mistakes in :data:`BUGS`, all replicas in this process;
+    ``clip``: the gradient-norm clipping of script 3 (after the average when done right)."""
+    return {k: v.clone() for k, v in _simulate(world_size, seed, variant, clip).items()}
 
 
 def _distance(a: dict, b: dict) -> float:
@@ -282,7 +333,8 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
                              show_output=False)
             except launch.LaunchTimeoutError:
                 return (f"it did not finish within {timeout:g} s: a rank is waiting in a "
-                        f"collective that another rank never calls.")
+                        f"collective that the others never call, or call differently (another "
+                        f"src, order or shape).")
             except launch.RankFailedError as exc:
                 hint = _MISMATCH_HINT if _MISMATCHED.search(exc.summary) else ""
                 return f"it failed on rank {exc.rank} ({exc.summary}){hint}."
@@ -295,7 +347,8 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
                                          echo=False, check=False)
             except launch.LaunchTimeoutError:
                 return (f"it did not finish within {timeout:g} s: a rank is waiting in a "
-                        f"collective that another rank never calls.")
+                        f"collective that the others never call, or call differently (another "
+                        f"src, order or shape).")
             if result.returncode != 0:
                 hint = (_MISMATCH_HINT if _MISMATCHED.search(_last_error_line(result.output))
                         else "")
@@ -318,16 +371,16 @@ def judge_fix(n: int, weights) -> None:
     __tracebackhide__ = True
     if isinstance(weights, str):
         fail(f"Fix {n}: {weights}")
-    ws = WORLD_SIZES[n]
-    want = simulate(ws)
+    ws, clip = WORLD_SIZES[n], CLIP.get(n)
+    want = simulate(ws, clip=clip)
     d = _distance(weights, want)
     if d <= TOL:
         return
-    for name, sentence in BUGS.items():
-        if _distance(weights, simulate(ws, variant=name)) <= TOL:
-            fail(f"Fix {n}: {sentence}")
+    for name in SUSPECTS[n]:
+        if _distance(weights, simulate(ws, variant=name, clip=clip)) <= TOL:
+            fail(f"Fix {n}: {BUGS[name]}")
     fail(f"Fix {n}: the final weights differ from a correct run on {ws} ranks by up to {d:.3g} "
-         f"and match none of the five bugs: change only what the bug needs.")
+         f"and match none of the mistakes the check knows: change only what the bug needs.")
 
 
 def check_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun") -> None:
@@ -357,31 +410,60 @@ def check_fixes(fixes: dict, timeout: float = 60.0, launcher: str = "torchrun") 
 
 # --- stretch: a detector for bug 1 ---------------------------------------------------------
 
-_CASES = ("same", "off_keeping_sum", "last_param_off")
+_CASES = ("same", "off_keeping_sum", "swapped", "sign_flipped", "last_param_off")
+# what the learner reads when a detector calls differing replicas "in sync" in that case only
+_BLIND = {
+    "off_keeping_sum": "one weight +1e-3 and the next -1e-3",
+    "swapped": "two weights swapped",
+    "sign_flipped": "one weight's sign flipped",
+    "last_param_off": "only the last parameter off by 1e-3",
+}
 
 
 def _detector_worker(rank, world_size, fn):
     __tracebackhide__ = True
     import torch
+    import torch.distributed as dist
 
     results = {}
+    real_all_reduce = dist.all_reduce
+
+    def spy_all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+        # a MAX over one 0/1 number is a MAX over verdicts: "any rank says yes" wins
+        if (op == dist.ReduceOp.MAX and isinstance(tensor, torch.Tensor) and tensor.numel() == 1
+                and float(tensor.reshape(-1)[0]) in (0.0, 1.0)):
+            max_of_verdicts[0] = True
+        return real_all_reduce(tensor, op, *args, **kwargs)
+
     for case in _CASES:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
                                     torch.nn.Linear(8, 1))
         params = list(model.parameters())
         with torch.no_grad():
-            if case == "off_keeping_sum" and rank == world_size - 1:
-                params[0].view(-1)[0] += 1e-3  # the sum of everything stays the same
-                params[0].view(-1)[1] -= 1e-3
+            first = params[0].view(-1)
+            if rank == world_size - 1:
+                if case == "off_keeping_sum":  # the sum of everything stays the same
+                    first[0] += 1e-3
+                    first[1] -= 1e-3
+                if case == "swapped":          # sum, norm and sorted values stay the same
+                    first[0], first[1] = first[1].clone(), first[0].clone()
+                if case == "sign_flipped":     # the norm and the absolute values stay the same
+                    first[2] = -first[2]
             if case == "last_param_off" and rank == 1:
                 params[-1].view(-1)[0] += 1e-3
         before = [p.detach().clone() for p in params]
-        verdict = fn(model)
+        max_of_verdicts = [False]
+        dist.all_reduce = spy_all_reduce
+        try:
+            verdict = fn(model)
+        finally:
+            dist.all_reduce = real_all_reduce
         if isinstance(verdict, torch.Tensor) and verdict.numel() == 1:
             verdict = bool(verdict.item())
         changed = any(not torch.equal(b, p) for b, p in zip(before, params))
-        results[case] = (verdict if isinstance(verdict, bool) else repr(verdict), changed)
+        results[case] = (verdict if isinstance(verdict, bool) else repr(verdict), changed,
+                         max_of_verdicts[0])
     return results
 
 
@@ -405,6 +487,7 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3, timeout: float
              f"it call a collective on some ranks only?")
     except launch.RankFailedError as exc:
         fail(f"replicas_in_sync raised on rank {exc.rank} of {world_size}: {exc.summary}")
+    blind = []
     for case in _CASES:
         verdicts = [r[case][0] for r in ranks]
         if any(r[case][1] for r in ranks):
@@ -424,11 +507,31 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3, timeout: float
         if want:
             fail(f"with every replica identical, replicas_in_sync returned False on rank "
                  f"{wrong[0]}: compare the values exactly (or to a tiny tolerance).")
-        if case == "off_keeping_sum":
-            fail(f"rank {world_size - 1}'s replica differs (one weight +1e-3, another -1e-3) "
-                 f"but replicas_in_sync returned True: a sum or checksum cannot see that; "
-                 f"compare every value.")
-        fail("rank 1's last parameter differs by 1e-3 but replicas_in_sync returned True: "
-             "compare every parameter on every rank, not just some.")
+        if any(r[case][2] for r in ranks):
+            fail(f"with {_BLIND[case]} on one rank, every rank returned True: you combined the "
+                 f"verdicts with MAX, so one rank saying 'in sync' outvotes the rank that "
+                 f"differs - combine them with MIN (any False must win).")
+        blind.append(case)
+    if blind:
+        where = ", ".join(_BLIND[c] for c in blind)
+        small = {"off_keeping_sum", "last_param_off"}
+        if small <= set(blind) and not set(blind) & {"swapped", "sign_flipped"}:
+            why = ("each of those is a 1e-3 change and your tolerance let it pass; compare "
+                   "exactly (torch.equal) or to a tiny tolerance")
+        elif "off_keeping_sum" in blind:
+            why = ("a plain sum or mean of the values cannot see that (lesson 10's checksum "
+                   "weights each value by its position, and so can); compare every value")
+        elif {"swapped", "sign_flipped"} <= set(blind):
+            why = ("a norm (or another quantity that a swap and a sign flip keep) cannot see "
+                   "that; compare every value, in place")
+        elif "swapped" in blind:
+            why = ("what you compare ignores where each value sits (sorted values, a histogram, "
+                   "a sum of squares?); compare every value, in place")
+        elif "sign_flipped" in blind:
+            why = "what you compare ignores signs (absolute values?); compare every value"
+        else:
+            why = "compare every parameter on every rank, not just some"
+        fail(f"the replicas differ ({where}) but replicas_in_sync returned True on every "
+             f"rank: {why}.")
     passed(f"replicas_in_sync: True on all {world_size} ranks for equal replicas, False on all "
            f"of them when one replica differs")

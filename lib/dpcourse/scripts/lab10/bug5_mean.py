@@ -1,10 +1,9 @@
-"""Lab 10, bug 3: torchrun --nproc-per-node=2 bug3_epoch.py --out final.pt"""
+"""Lab 10, bug 5: torchrun --nproc-per-node=3 bug5_mean.py --out final.pt"""
 import argparse
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 p = argparse.ArgumentParser()
@@ -18,19 +17,23 @@ rank, world_size = dist.get_rank(), dist.get_world_size()
 g = torch.Generator().manual_seed(1234)  # the data: the same on every rank
 X = torch.randn(48, 6, generator=g)
 y = torch.tanh(X @ torch.randn(6, 1, generator=g))
-sampler = DistributedSampler(TensorDataset(X, y), seed=args.seed)
-loader = DataLoader(TensorDataset(X, y), batch_size=4, sampler=sampler)
+dataset = TensorDataset(X, y)
+sampler = DistributedSampler(dataset, seed=args.seed)
+loader = DataLoader(dataset, batch_size=4, sampler=sampler)
 
 torch.manual_seed(args.seed)
 model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-model = DDP(model)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 for epoch in range(3):
+    sampler.set_epoch(epoch)
     for xb, yb in loader:
-        loss = F.mse_loss(model(xb), yb)
+        loss = F.mse_loss(model(xb), yb) / world_size  # this rank's share of the global mean
         opt.zero_grad()
         loss.backward()
+        for p in model.parameters():  # average the gradients over the ranks
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
         opt.step()
 if rank == 0:
-    torch.save(model.module.state_dict(), args.out)
+    torch.save(model.state_dict(), args.out)
 dist.destroy_process_group()

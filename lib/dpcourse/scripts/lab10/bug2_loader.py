@@ -1,4 +1,4 @@
-"""Lab 10, bug 1: torchrun --nproc-per-node=2 bug1_seeds.py --out final.pt"""
+"""Lab 10, bug 2: torchrun --nproc-per-node=2 bug2_loader.py --out final.pt"""
 import argparse
 
 import torch
@@ -17,10 +17,11 @@ rank, world_size = dist.get_rank(), dist.get_world_size()
 g = torch.Generator().manual_seed(1234)  # the data: the same on every rank
 X = torch.randn(48, 6, generator=g)
 y = torch.tanh(X @ torch.randn(6, 1, generator=g))
-sampler = DistributedSampler(TensorDataset(X, y), seed=args.seed)
-loader = DataLoader(TensorDataset(X, y), batch_size=4, sampler=sampler)
+dataset = TensorDataset(X, y)
+sampler = DistributedSampler(dataset, seed=args.seed)
+loader = DataLoader(dataset, batch_size=4, shuffle=True)  # a new order every epoch
 
-torch.manual_seed(args.seed + rank)  # a different random stream on each rank
+torch.manual_seed(args.seed)
 model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 for epoch in range(3):

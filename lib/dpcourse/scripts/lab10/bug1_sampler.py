@@ -1,4 +1,4 @@
-"""Lab 10, bug 2: torchrun --nproc-per-node=2 bug2_loss.py --out final.pt"""
+"""Lab 10, bug 1: torchrun --nproc-per-node=2 bug1_sampler.py --out final.pt"""
 import argparse
 
 import torch
@@ -17,8 +17,10 @@ rank, world_size = dist.get_rank(), dist.get_world_size()
 g = torch.Generator().manual_seed(1234)  # the data: the same on every rank
 X = torch.randn(48, 6, generator=g)
 y = torch.tanh(X @ torch.randn(6, 1, generator=g))
-sampler = DistributedSampler(TensorDataset(X, y), seed=args.seed)
-loader = DataLoader(TensorDataset(X, y), batch_size=4, sampler=sampler)
+dataset = TensorDataset(X, y)
+# every rank shuffles with its own seed, so the ranks see the data in different orders
+sampler = DistributedSampler(dataset, seed=args.seed + rank)
+loader = DataLoader(dataset, batch_size=4, sampler=sampler)
 
 torch.manual_seed(args.seed)
 model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -29,12 +31,10 @@ for epoch in range(3):
         loss = F.mse_loss(model(xb), yb)
         opt.zero_grad()
         loss.backward()
+        for p in model.parameters():  # average the gradients over the ranks
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
         opt.step()
-        logged = loss.detach().clone()  # average the loss over the ranks
-        dist.all_reduce(logged)
-        logged /= world_size
-    if rank == 0:
-        print(f"epoch {epoch}: loss {logged.item():.4f}")
 if rank == 0:
     torch.save(model.state_dict(), args.out)
 dist.destroy_process_group()
