@@ -2,21 +2,27 @@
 # # Lab 07 · Write your own bucketed, overlapped DDP
 #
 # Lesson 07 took DDP apart: hooks that launch an all-reduce the moment a gradient is ready,
-# and buckets that group gradients into a few large messages. Now you build it:
+# and buckets that group gradients into a few large messages. Its `BucketedDataParallel`
+# launches a bucket as soon as it is full and copies gradients in and out. Now you build what
+# DDP's reducer really does:
 #
 # 1. `assign_buckets(params, bucket_cap_mb)` — group the parameters into buckets, in the order
-#    the backward produces their gradients;
-# 2. `BucketedDDP`, a wrapper with one flat buffer per bucket: a hook copies each gradient in as
-#    it arrives and launches an **asynchronous** all-reduce when its bucket is full;
-#    `finish_gradient_synchronization()` waits for the handles and copies the averages back.
+#    the backward produces their gradients, closing a bucket once it has reached the cap;
+# 2. `BucketedDDP`, a wrapper with one flat buffer per bucket whose slices **are** the
+#    gradients (`p.grad` is a view into the bucket: no copy in, no copy out), and which
+#    launches each bucket's **asynchronous** all-reduce from the hook **strictly in bucket
+#    order**, as DDP's reducer does, even when buckets fill out of order.
 #
 # The checks run your wrapper on 2 and then 3 ranks (gloo, through `dpcourse.launch.spawn`:
-# define everything right here in the notebook), against real `DistributedDataParallel`. They
-# spy on the collectives: how many, how large, when each was launched and when waited on. They
-# name the classic mistakes: buckets filled in forward order, one all-reduce per parameter
-# instead of per bucket, waiting on each handle inside the hook (no overlap), launching
-# everything only after the backward, forgetting to divide by the world size, stepping before
-# the all-reduces have finished (a race), copying a slice back into the wrong parameter.
+# define everything right here in the notebook) on a model that has a frozen parameter and
+# whose buckets fill out of order, against real `DistributedDataParallel`. They spy on the
+# collectives — how many, how large, which buffer, when each was launched and when waited on —
+# and compare every launch with the moment each gradient arrived. They name the mistakes:
+# buckets filled in forward order or closed before the cap, a hook on a frozen parameter, one
+# all-reduce per parameter, buckets launched out of order, launched late (only at the end of
+# the backward), waited on inside the hook, not waited on, an all-reduce of a temporary,
+# gradients that are not views of the bucket, `add_` where `copy_` belongs, views that
+# overlap, a wrong division.
 
 # %% tags=["parameters"]
 check_timeout = 30  # seconds before a hanging rank is stopped
@@ -31,31 +37,31 @@ from dpcourse.checks import lab07
 torch.set_num_threads(1)
 
 # %% [markdown]
-# ## 1. Buckets
+# ## 1. Buckets, by DDP's rule
 #
 # The backward computes gradients from the last layer to the first, so walk the parameters in
-# **reverse** registration order and fill a bucket until the next parameter would take it over
-# `bucket_cap_mb` MiB (1 MiB = 2**20 bytes; a parameter's size is `p.numel() *
-# p.element_size()`); then start a new one. A parameter larger than the cap gets a bucket of
-# its own. Return a list of buckets, each a list of parameters.
+# **reverse** registration order. Add each parameter to the open bucket, and close the bucket
+# once its size has **reached** `bucket_cap_mb` MiB (1 MiB = 2**20 bytes; a parameter's size is
+# `p.numel() * p.element_size()`): that is the rule of DDP's reducer
+# (`compute_bucket_assignment_by_size`), so a bucket may end above the cap by its last
+# parameter, and a parameter larger than the cap closes the bucket it joins. Return a list of
+# buckets, each a list of parameters. (All the parameters the check gives you share one dtype
+# and device; DDP fills one set of buckets per dtype and device.)
 
 # %%
 def assign_buckets(params, bucket_cap_mb):
-    """Group ``params`` (in registration order) into buckets of at most ``bucket_cap_mb`` MiB,
-    filled in reverse order."""
-    ### BEGIN SOLUTION: walk reversed(params); close the bucket when the next one would exceed the cap
+    """Group ``params`` (in registration order) into buckets by DDP's rule, filled in reverse
+    order."""
+    ### BEGIN SOLUTION: walk reversed(params); add the parameter, then close the bucket once it has reached the cap
     cap = bucket_cap_mb * 2**20
-    buckets, current, size = [], [], 0
+    buckets, size = [[]], 0
     for p in reversed(list(params)):
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > cap:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]
     ### END SOLUTION
 
 
@@ -63,22 +69,41 @@ def assign_buckets(params, bucket_cap_mb):
 lab07.check_assign_buckets(assign_buckets)
 
 # %% [markdown]
-# ## 2. The wrapper
+# ## 2. The wrapper, as DDP's reducer really runs it
 #
-# `__init__` (the first lines are given): make each rank start from rank 0's weights, assign
-# the buckets, then set up what the hooks need — one flat buffer per bucket (`torch.zeros` of
-# the bucket's total `numel`), where each parameter's gradient lives in its buffer (bucket
-# index and offset), how many gradients each bucket still awaits — and register
-# `p.register_post_accumulate_grad_hook(self._grad_ready)` on every parameter. The hook is
-# called with the parameter once `p.grad` holds this backward's gradient.
+# Lesson 07's `BucketedDataParallel` copies each gradient into its bucket, launches a bucket's
+# all-reduce the moment the bucket is full, and copies the averages back after waiting. DDP's
+# reducer differs in two ways, and your wrapper does both:
 #
-# `_grad_ready(p)`: copy `p.grad` into its slice of the bucket's buffer. When the bucket's last
-# gradient has arrived, divide the buffer by the world size and launch
-# `dist.all_reduce(buffer, async_op=True)`; keep the handle it returns. Do **not** wait here.
+# - **Buckets are launched strictly in bucket order.** The reducer keeps `next_bucket_`: when a
+#   bucket becomes ready it launches it only if it is the next one, and then every following
+#   bucket that is already ready. Buckets can fill out of order — here the model registers its
+#   output layer *before* its hidden layer but runs it after, so the output layer's bucket is
+#   complete first. A rank that launched buckets as they filled would then issue its
+#   all-reduces in an order that depends on its backward; with the same order on every rank,
+#   the i-th all-reduce of each rank is always the same bucket, and they match.
+# - **Gradients are views into the bucket** (`gradient_as_bucket_view=True`): each `p.grad` is
+#   its slice of the bucket's flat buffer, shaped like `p`, so autograd accumulates straight
+#   into the bucket (no copy in) and the all-reduced buffer *is* the averaged gradient (no copy
+#   back). When `p.grad` is not the view — the first backward, or after
+#   `optimizer.zero_grad(set_to_none=True)` autograd hands in a fresh tensor — the hook copies
+#   it into the view (`copy_`, not `add_`) and sets `p.grad = view`, as the reducer does.
 #
-# `finish_gradient_synchronization()` (called after `loss.backward()`, before
-# `optimizer.step()`): wait on every handle, copy each parameter's slice back into `p.grad`
-# (`.view_as(p.grad)`), and reset what you counted, ready for the next backward.
+# `__init__` (the first lines are given): one flat buffer per bucket (`torch.zeros` of the
+# bucket's total `numel`), each trainable parameter's view into it (`buffer[offset:offset +
+# p.numel()].view_as(p)`), and `p.register_post_accumulate_grad_hook(self._grad_ready)` on each
+# parameter in a bucket — the model has a **frozen** parameter (`requires_grad=False`), which
+# gets no gradient, so no view and no hook.
+#
+# `_grad_ready(p)`: make sure `p.grad` is its view, count the bucket down, and when it is
+# complete, launch every bucket that is now launchable **in order**: divide its buffer by the
+# world size and `dist.all_reduce(buffer, async_op=True)`; keep the handle. Do not wait here.
+#
+# `finish_gradient_synchronization()`: wait on every handle (nothing to copy back), then reset
+# what you counted, ready for the next backward.
+#
+# The check runs 3 steps (the first with no `p.grad`, the second after `zero_grad()` in place,
+# the third after `zero_grad(set_to_none=True)`) on 2 and 3 ranks and names what it sees.
 
 # %%
 class BucketedDDP(nn.Module):
@@ -89,42 +114,47 @@ class BucketedDDP(nn.Module):
             dist.broadcast(p.data, src=0)
         self.buckets = assign_buckets([p for p in module.parameters() if p.requires_grad],
                                       bucket_cap_mb)
-        ### BEGIN SOLUTION: flat buffers, where each parameter lives, counts, handles, a hook on each parameter
-        self.flat = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
-                     for b in self.buckets]
-        self.where = {}
+        ### BEGIN SOLUTION: a flat buffer per bucket, each parameter's view into it and its bucket, counts, the next bucket to launch, a hook on each bucketed parameter
+        self.buffers, self.view_of, self.bucket_of = [], {}, {}
         for i, bucket in enumerate(self.buckets):
-            offset = 0
+            buffer = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
+                                 device=bucket[0].device)
+            start = 0
             for p in bucket:
-                self.where[p] = (i, offset)
-                offset += p.numel()
+                self.view_of[p] = buffer[start:start + p.numel()].view_as(p)
+                self.bucket_of[p] = i
+                start += p.numel()
                 p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.missing = [len(b) for b in self.buckets]
-        self.handles = []
+            self.buffers.append(buffer)
+        self.pending = [len(b) for b in self.buckets]
+        self.next_bucket = 0
+        self.works = []
         ### END SOLUTION
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def _grad_ready(self, p):
-        ### BEGIN SOLUTION: copy p.grad into its slice; if the bucket is complete, divide it and launch an async all_reduce
-        i, offset = self.where[p]
-        self.flat[i][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-        self.missing[i] -= 1
-        if self.missing[i] == 0:
-            self.flat[i].div_(dist.get_world_size())
-            self.handles.append((i, dist.all_reduce(self.flat[i], async_op=True)))
+        ### BEGIN SOLUTION: p.grad becomes its view (copy_ a fresh gradient in); count down; launch every ready bucket from next_bucket on, in order
+        view = self.view_of[p]
+        if p.grad.data_ptr() != view.data_ptr():    # a fresh tensor from autograd
+            view.copy_(p.grad)
+            p.grad = view
+        self.pending[self.bucket_of[p]] -= 1
+        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
+            buffer = self.buffers[self.next_bucket]
+            buffer.div_(dist.get_world_size())
+            self.works.append(dist.all_reduce(buffer, async_op=True))
+            self.next_bucket += 1
         ### END SOLUTION
 
     def finish_gradient_synchronization(self):
-        ### BEGIN SOLUTION: wait on every handle, copy each slice back into p.grad, reset the counts and handles
-        for i, work in self.handles:
+        ### BEGIN SOLUTION: wait on every handle; nothing to copy back; reset the counts, the next bucket and the handles
+        for work in self.works:
             work.wait()
-            for p in self.buckets[i]:
-                _, offset = self.where[p]
-                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p.grad))
-        self.handles = []
-        self.missing = [len(b) for b in self.buckets]
+        self.works = []
+        self.pending = [len(b) for b in self.buckets]
+        self.next_bucket = 0
         ### END SOLUTION
 
 
@@ -150,6 +180,11 @@ lab07.check_bucketed_ddp(BucketedDDP, timeout=check_timeout)
 # 3. the residual becomes `corrected` with the sent entries set to zero;
 # 4. the ranks picked *different* indices, so an all-reduce does not fit: all-gather every
 #    rank's indices and values, add them into a zero tensor, divide by the world size.
+#
+# Launch the gathers with `async_op=True` and return a future chained on them
+# (`work.get_future()`, `torch.futures.collect_all([...]).then(fn)`): a blocking
+# `all_gather` followed by an already-finished future would stop the backward at every
+# bucket, and the overlap DDP's hooks exist for would be gone.
 #
 # Why a given `residual_for`: DDP rebuilds its buckets after the first step (lesson 07 §6), so
 # bucket 0 of the first step is not bucket 0 of the second; a residual whose size no longer
@@ -178,7 +213,7 @@ class TopKState:
 
 
 def topk_hook(state, bucket):
-    ### BEGIN SOLUTION: corrected = grad + residual; top-k by magnitude; residual keeps the rest; all_gather indices and values; add, divide, return a Future
+    ### BEGIN SOLUTION: corrected = grad + residual; top-k by magnitude; residual keeps the rest; all_gather indices and values asynchronously; chain their futures into the average
     grad = bucket.buffer()
     residual = state.residual_for(bucket)
     corrected = grad + residual
@@ -189,14 +224,17 @@ def topk_hook(state, bucket):
     world_size = dist.get_world_size()
     all_idx = [torch.empty_like(idx) for _ in range(world_size)]
     all_values = [torch.empty_like(values) for _ in range(world_size)]
-    dist.all_gather(all_idx, idx)
-    dist.all_gather(all_values, values)
-    out = torch.zeros_like(grad)
-    for i, v in zip(all_idx, all_values):
-        out.index_add_(0, i, v)
-    fut = torch.futures.Future()
-    fut.set_result(out / world_size)
-    return fut
+    # asynchronous: the backward goes on while the gathers travel; DDP waits on the future
+    got_idx = dist.all_gather(all_idx, idx, async_op=True).get_future()
+    got_values = dist.all_gather(all_values, values, async_op=True).get_future()
+
+    def average(_):
+        out = torch.zeros_like(grad)
+        for i, v in zip(all_idx, all_values):
+            out.index_add_(0, i, v)
+        return out / world_size
+
+    return torch.futures.collect_all([got_idx, got_values]).then(average)
     ### END SOLUTION
 
 

@@ -1,8 +1,8 @@
 """lab07's checks: assign_buckets (in process) and the bucketed wrapper (2 and 3 gloo ranks).
 
 Every wrong answer must fail with the sentence that names its mistake; every right variant
-(another closing rule, MB for MiB, dividing after the wait, gradients as views of the bucket,
-a tensor hook instead of a post-accumulate hook, futures, torch's flatten helpers) must pass.
+(MB for MiB, index arithmetic, dividing after the wait, views set in __init__ or in the hook,
+views laid out from the end of the buffer, futures, ReduceOp.AVG) must pass.
 """
 
 import sys
@@ -29,7 +29,7 @@ def _nbytes(p):
 
 
 def ddp_rule(params, cap_mb):
-    # close a bucket once it has reached the cap (what DDP's reducer does): also right
+    # close a bucket once it has reached the cap, written out by hand
     buckets, current, size = [], [], 0
     for p in reversed(params):
         current.append(p)
@@ -44,24 +44,36 @@ def megabytes(params, cap_mb):
     # 1 MB = 10**6 bytes instead of 2**20: close enough, and right on the check's cases
     out = [[]]
     for p in params[::-1]:
-        if out[-1] and sum(map(_nbytes, out[-1])) + _nbytes(p) > cap_mb * 1e6:
-            out.append([])
         out[-1].append(p)
-    return out
+        if sum(map(_nbytes, out[-1])) >= cap_mb * 1e6:
+            out.append([])
+    return [b for b in out if b]
 
 
 def by_indices(params, cap_mb):
+    # index arithmetic and a running total; the same rule
     order = list(range(len(params)))[::-1]
-    groups, start = [], 0
-    while start < len(order):
-        end, size = start, 0
-        while end < len(order) and (end == start or size + _nbytes(params[order[end]])
-                                    <= cap_mb * 2**20):
-            size += _nbytes(params[order[end]])
-            end += 1
-        groups.append([params[i] for i in order[start:end]])
-        start = end
-    return groups
+    total, cuts = 0, [0]
+    for k, i in enumerate(order):
+        total += _nbytes(params[i])
+        if total >= cap_mb * 2**20:
+            cuts.append(k + 1)
+            total = 0
+    if cuts[-1] != len(order):
+        cuts.append(len(order))
+    return [[params[i] for i in order[a:b]] for a, b in zip(cuts, cuts[1:])]
+
+
+def old_rule(params, cap_mb):
+    # close a bucket before the next parameter would take it over the cap: not DDP's rule
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        if current and size + _nbytes(p) > cap_mb * 2**20:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += _nbytes(p)
+    return buckets + ([current] if current else [])
 
 
 @pytest.mark.parametrize("fn", [overlap.assign_buckets, ddp_rule, megabytes, by_indices])
@@ -85,23 +97,23 @@ def all_in_one(params, cap_mb):
 def elements_as_bytes(params, cap_mb):
     out, cur, size = [], [], 0
     for p in reversed(params):
-        if cur and size + p.numel() > cap_mb * 2**20:
-            out.append(cur)
-            cur, size = [], 0
         cur.append(p)
         size += p.numel()
-    return out + [cur]
+        if size >= cap_mb * 2**20:
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
 
 
 def four_bytes_each(params, cap_mb):
     out, cur, size = [], [], 0
     for p in reversed(params):
-        if cur and size + 4 * p.numel() > cap_mb * 2**20:
-            out.append(cur)
-            cur, size = [], 0
         cur.append(p)
         size += 4 * p.numel()
-    return out + [cur]
+        if size >= cap_mb * 2**20:
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
 
 
 def drops_the_last(params, cap_mb):
@@ -139,14 +151,15 @@ def never_closes_small(params, cap_mb):
 @pytest.mark.parametrize("fn, phrase", [
     (forward_order, "forward \\(registration\\) order"),
     (one_per_parameter, "every parameter has a bucket of its own"),
-    (all_in_one, "more than the cap .* already before its last one"),
+    (all_in_one, "reached the cap .* already before its last one"),
+    (old_rule, "closed at .* below the cap .* DDP's rule"),
     (elements_as_bytes, "counted elements \\(p.numel\\(\\)\\) as bytes"),
     (four_bytes_each, "assumed 4 bytes per element"),
     (drops_the_last, "are in no bucket"),
     (repeats_one, "in more than one bucket"),
     (names_not_params, "not one of the parameters given"),
     (sorted_by_size, "not in reverse registration order"),
-    (never_closes_small, "more than the cap"),
+    (never_closes_small, "reached the cap"),
 ])
 def test_wrong_assign_buckets_are_named(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
@@ -168,7 +181,8 @@ def test_unfinished_assign_buckets_is_not_implemented():
 
 
 class Good(nn.Module):
-    """The solution's wrapper, written once here; the wrong answers change one method."""
+    """DDP's reducer, written once here: gradients as views of the buckets, buckets launched
+    strictly in order. The wrong answers change one method."""
 
     def __init__(self, module, bucket_cap_mb=25.0):
         super().__init__()
@@ -182,47 +196,57 @@ class Good(nn.Module):
         for i, bucket in enumerate(self.buckets):
             offset = 0
             for p in bucket:
-                self.where[p] = (i, offset)
-                offset += p.numel()
-                self.register(p)
-        self.missing = [len(b) for b in self.buckets]
-        self.handles = []
+                self.where[p] = (i, self.make_view(i, offset, p))
+                offset += self.advance(p)
+        self.register_all()
+        self.reset()
 
     def assign(self, params, cap_mb):
         return overlap.assign_buckets(params, cap_mb)
 
-    def register(self, p):
-        p.register_post_accumulate_grad_hook(self._grad_ready)
+    def make_view(self, i, offset, p):
+        return self.flat[i][offset:offset + p.numel()].view_as(p)
+
+    def advance(self, p):
+        return p.numel()
+
+    def register_all(self):
+        for bucket in self.buckets:
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def copy_in(self, p, grad):
-        i, offset = self.where[p]
-        self.flat[i][offset:offset + p.numel()].copy_(grad.reshape(-1))
+    def to_view(self, p, view):
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def _grad_ready(self, p):
+        i, view = self.where[p]
+        self.to_view(p, view)
         self.missing[i] -= 1
-        return i
+        self.launch_ready()
+
+    def launch_ready(self):
+        while self.next < len(self.buckets) and self.missing[self.next] == 0:
+            self.launch(self.next)
+            self.next += 1
 
     def launch(self, i):
         self.flat[i].div_(dist.get_world_size())
         self.handles.append((i, dist.all_reduce(self.flat[i], async_op=True)))
 
-    def _grad_ready(self, p):
-        i = self.copy_in(p, p.grad)
-        if self.missing[i] == 0:
-            self.launch(i)
-
-    def copy_back(self, i):
-        for p in self.buckets[i]:
-            _, offset = self.where[p]
-            p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p.grad))
-
     def finish_gradient_synchronization(self):
-        for i, work in self.handles:
+        for _, work in self.handles:
             work.wait()
-            self.copy_back(i)
+        self.reset()
+
+    def reset(self):
         self.handles = []
         self.missing = [len(b) for b in self.buckets]
+        self.next = 0
 
 
 # --- right variants ---
@@ -236,58 +260,26 @@ class DivideAfterWait(Good):
         for i, work in self.handles:
             work.wait()
             self.flat[i] /= dist.get_world_size()
-            self.copy_back(i)
-        self.handles = []
-        self.missing = [len(b) for b in self.buckets]
+        self.reset()
 
 
-class GradientsAsViews(Good):
-    # like DDP's gradient_as_bucket_view: p.grad becomes a view of the bucket, nothing to copy back
-    def _grad_ready(self, p):
-        i, offset = self.where[p]
-        view = self.flat[i][offset:offset + p.numel()].view_as(p)
-        view.copy_(p.grad)
-        p.grad = view
-        self.missing[i] -= 1
-        if self.missing[i] == 0:
-            self.launch(i)
-
-    def finish_gradient_synchronization(self):
-        for _, work in self.handles:
-            work.wait()
-        self.handles = []
-        self.missing = [len(b) for b in self.buckets]
+class ViewsFromTheStart(Good):
+    # p.grad = view already in __init__ (the hook still copies a fresh gradient in)
+    def register_all(self):
+        super().register_all()
+        for p, (_, view) in self.where.items():
+            p.grad = view
 
 
-class TensorHook(Good):
-    # a hook on the gradient itself (before accumulation): with fresh grads every step, the
-    # gradient handed to the hook is what p.grad will hold
-    def register(self, p):
-        p.register_hook(lambda grad, p=p: self._on_grad(p, grad))
+class FuturesAndReversedTiling(Good):
+    # futures instead of handles, and the views laid out from the end of the buffer
+    def make_view(self, i, offset, p):
+        end = self.flat[i].numel() - offset
+        return self.flat[i][end - p.numel():end].view_as(p)
 
-    def _on_grad(self, p, grad):
-        i = self.copy_in(p, grad)
-        if self.missing[i] == 0:
-            self.launch(i)
-        return grad
-
-
-class FuturesAndFlattenHelpers(Good):
     def launch(self, i):
         self.flat[i].div_(dist.get_world_size())
-        fut = dist.all_reduce(self.flat[i], async_op=True).get_future()
-        self.handles.append((i, fut))
-
-    def finish_gradient_synchronization(self):
-        from torch._utils import _unflatten_dense_tensors
-
-        for i, fut in self.handles:
-            fut.wait()
-            grads = [p.grad for p in self.buckets[i]]
-            for g, avg in zip(grads, _unflatten_dense_tensors(self.flat[i], grads)):
-                g.copy_(avg)
-        self.handles = []
-        self.missing = [len(b) for b in self.buckets]
+        self.handles.append((i, dist.all_reduce(self.flat[i], async_op=True).get_future()))
 
 
 class AverageOp(Good):
@@ -297,8 +289,15 @@ class AverageOp(Good):
                                                 async_op=True)))
 
 
-@pytest.mark.parametrize("cls", [Good, DivideAfterWait, GradientsAsViews, TensorHook,
-                                 FuturesAndFlattenHelpers, AverageOp])
+class SetEveryTime(Good):
+    # copies even when p.grad is the view already (a copy onto itself changes nothing)
+    def to_view(self, p, view):
+        view.copy_(p.grad)
+        p.grad = view
+
+
+@pytest.mark.parametrize("cls", [Good, DivideAfterWait, ViewsFromTheStart,
+                                 FuturesAndReversedTiling, AverageOp, SetEveryTime])
 def test_right_wrappers_pass(cls, capsys):
     lab07.check_bucketed_ddp(cls)
     out = capsys.readouterr().out
@@ -308,23 +307,78 @@ def test_right_wrappers_pass(cls, capsys):
 # --- wrong answers ---
 
 
+class HookOnFrozen(Good):
+    def register_all(self):
+        for p in self.module.parameters():
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+
+class FrozenInBuckets(Good):
+    # the frozen parameter bucketed (its hook skipped): its bucket can never be complete
+    def assign(self, params, cap_mb):
+        return overlap.assign_buckets(list(self.module.parameters()), cap_mb)
+
+    def register_all(self):
+        for bucket in self.buckets:
+            for p in bucket:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
+
+
+class LaunchWhenFull(Good):
+    # lesson 07's BucketedDataParallel: each bucket as soon as it is full, in any order
+    def _grad_ready(self, p):
+        i, view = self.where[p]
+        self.to_view(p, view)
+        self.missing[i] -= 1
+        if self.missing[i] == 0:
+            self.launch(i)
+
+
+class LaunchAtTheLastGradient(Good):
+    def launch_ready(self):
+        if not any(self.missing):
+            for i in range(len(self.buckets)):
+                self.launch(i)
+
+
+class LaunchOneGradientLate(Good):
+    def _grad_ready(self, p):
+        self.launch_ready()                # looks before counting this gradient
+        i, view = self.where[p]
+        self.to_view(p, view)
+        self.missing[i] -= 1
+
+    def finish_gradient_synchronization(self):
+        self.launch_ready()
+        super().finish_gradient_synchronization()
+
+
+class LaunchInFinish(Good):
+    def launch_ready(self):
+        pass
+
+    def finish_gradient_synchronization(self):
+        for i in range(len(self.buckets)):
+            self.launch(i)
+        super().finish_gradient_synchronization()
+
+
 class BlockingInHook(Good):
     def launch(self, i):
         self.flat[i].div_(dist.get_world_size())
         dist.all_reduce(self.flat[i])
-        self.handles.append((i, None))
-
-    def finish_gradient_synchronization(self):
-        for i, _ in self.handles:
-            self.copy_back(i)
-        self.handles = []
-        self.missing = [len(b) for b in self.buckets]
 
 
 class WaitInHook(Good):
     def launch(self, i):
         super().launch(i)
         self.handles[-1][1].wait()
+
+
+class NoWait(Good):
+    def finish_gradient_synchronization(self):
+        self.reset()
 
 
 class NoDivision(Good):
@@ -338,42 +392,85 @@ class DivideByTwo(Good):
         self.handles.append((i, dist.all_reduce(self.flat[i], async_op=True)))
 
 
-class NoWait(Good):
-    def finish_gradient_synchronization(self):
-        for i, _ in self.handles:
-            self.copy_back(i)
-        self.handles = []
-        self.missing = [len(b) for b in self.buckets]
+class Temporary(Good):
+    # buffer / world_size is a new tensor: the all-reduce's result goes nowhere
+    def launch(self, i):
+        self.handles.append((i, dist.all_reduce(self.flat[i] / dist.get_world_size(),
+                                                async_op=True)))
 
 
-class WrongParameter(Good):
-    def copy_back(self, i):
-        bucket = self.buckets[i]
-        for p, q in zip(bucket, [bucket[-1]] + bucket[:-1]):   # shifted by one
-            _, offset = self.where[q]
-            if q.numel() == p.numel():
-                p.grad.copy_(self.flat[i][offset:offset + q.numel()].view_as(p.grad))
-            else:
-                _, own = self.where[p]
-                p.grad.copy_(self.flat[i][own:own + p.numel()].view_as(p.grad))
+class TemporaryCat(Good):
+    def launch(self, i):
+        self.flat[i].div_(dist.get_world_size())
+        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+        self.handles.append((i, dist.all_reduce(flat, async_op=True)))
 
 
-class WrongOffsets(Good):
-    def copy_back(self, i):
-        offset = 0
-        for p in reversed(self.buckets[i]):     # offsets counted in the other order
-            p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
-
-
-class LaunchInFinish(Good):
-    def _grad_ready(self, p):
-        self.copy_in(p, p.grad)
+class CopyDesign(Good):
+    # lesson 07's copies (in order, waited): right values, but p.grad is not the bucket's view
+    def to_view(self, p, view):
+        view.copy_(p.grad)
 
     def finish_gradient_synchronization(self):
-        for i in range(len(self.buckets)):
-            self.launch(i)
-        super().finish_gradient_synchronization()
+        for i, work in self.handles:
+            work.wait()
+            for p in self.buckets[i]:
+                p.grad.copy_(self.where[p][1])
+        self.reset()
+
+
+class CopyBackBeforeWait(CopyDesign):
+    def finish_gradient_synchronization(self):
+        for i, work in self.handles:
+            for p in self.buckets[i]:
+                p.grad.copy_(self.where[p][1])
+            work.wait()
+        self.reset()
+
+
+class CopyBackWithAdd(CopyDesign):
+    def finish_gradient_synchronization(self):
+        for i, work in self.handles:
+            work.wait()
+            for p in self.buckets[i]:
+                p.grad.add_(self.where[p][1])
+        self.reset()
+
+
+class NeverRebound(CopyDesign):
+    def finish_gradient_synchronization(self):
+        Good.finish_gradient_synchronization(self)
+
+
+class AddIntoTheBucket(Good):
+    # a fresh gradient added to what the bucket still holds from the last step
+    def to_view(self, p, view):
+        if p.grad.data_ptr() != view.data_ptr():
+            view.add_(p.grad)
+            p.grad = view
+
+
+class AddOntoItself(Good):
+    def to_view(self, p, view):
+        view.add_(p.grad)
+        p.grad = view
+
+
+class OverlappingViews(Good):
+    def advance(self, p):
+        return 0                            # forgot to move the offset on
+
+
+class CopyWithSwappedOffsets(CopyDesign):
+    # copies in at one offset and back from another (the offsets counted from the other end)
+    def finish_gradient_synchronization(self):
+        for i, work in self.handles:
+            work.wait()
+            offset = 0
+            for p in reversed(self.buckets[i]):
+                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        self.reset()
 
 
 class PerParameter(Good):
@@ -381,26 +478,20 @@ class PerParameter(Good):
         p.grad /= dist.get_world_size()
         self.handles.append((None, dist.all_reduce(p.grad, async_op=True)))
 
+
+class NoReset(Good):
     def finish_gradient_synchronization(self):
         for _, work in self.handles:
             work.wait()
         self.handles = []
 
 
-class NoReset(Good):
-    def finish_gradient_synchronization(self):
-        for i, work in self.handles:
-            work.wait()
-            self.copy_back(i)
-        self.handles = []
-
-
 class HandlesNeverCleared(Good):
     def finish_gradient_synchronization(self):
-        for i, work in self.handles:
+        for _, work in self.handles:
             work.wait()
-            self.copy_back(i)
         self.missing = [len(b) for b in self.buckets]
+        self.next = 0
 
 
 class ForwardBuckets(Good):
@@ -414,45 +505,44 @@ class NoBucketsAttribute(Good):
         self.groups = self.buckets
         del self.buckets
 
-    def copy_back(self, i):
-        for p in self.groups[i]:
-            _, offset = self.where[p]
-            p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p.grad))
+    def launch_ready(self):
+        while self.next < len(self.groups) and self.missing[self.next] == 0:
+            self.launch(self.next)
+            self.next += 1
 
-    def finish_gradient_synchronization(self):
-        for i, work in self.handles:
-            work.wait()
-            self.copy_back(i)
+    def reset(self):
         self.handles = []
-        self.missing = [len(b) for b in self.groups]
-
-
-class CopyOnlyFirst(Good):
-    def copy_in(self, p, grad):
-        i, offset = self.where[p]
-        self.flat[i][offset:offset + p.numel()].copy_(grad.reshape(-1))
-        self.missing[i] -= 1
-        return i
-
-    def copy_back(self, i):
-        pass
+        self.missing = [len(b) for b in getattr(self, "groups", getattr(self, "buckets", []))]
+        self.next = 0
 
 
 @pytest.mark.parametrize("cls, phrase", [
+    (HookOnFrozen, "hook on a frozen parameter"),
+    (FrozenInBuckets, "holds the frozen parameter scale"),
+    (LaunchWhenFull, "bucket 1 was launched before bucket 0 .*strictly in bucket order"),
+    (LaunchAtTheLastGradient, "only when the backward's last gradient had arrived"),
+    (LaunchOneGradientLate, "bucket 0 could go at .* after 1 more gradient"),
+    (LaunchInFinish, "launched after the backward had finished"),
     (BlockingInHook, "blocking all_reduce"),
     (WaitInHook, "waited on each all-reduce inside the hook"),
+    (NoWait, "had not been waited on.*a race"),
     (NoDivision, "sum over the ranks, 2 times the mean"),
     (DivideByTwo, "not by a fixed 2"),
-    (NoWait, "had not been waited on.*a race"),
-    (WrongParameter, "copied back into the wrong parameter"),
-    (WrongOffsets, "elsewhere in the bucket's buffer|wrong parameter"),
-    (LaunchInFinish, "launched after the backward had finished"),
+    (Temporary, "of a temporary tensor"),
+    (TemporaryCat, "of a temporary tensor"),
+    (CopyDesign, "not a view of its bucket's buffer"),
+    (CopyBackBeforeWait, "read from its bucket before wait\\(\\)"),
+    (CopyBackWithAdd, "mean plus its own gradient .*add_"),
+    (NeverRebound, "still holds this rank's own gradient .*set p.grad = view"),
+    (AddIntoTheBucket, "this step's mean plus the last step's.*copy_ it in"),
+    (AddOntoItself, "twice the mean .*add_"),
+    (OverlappingViews, "views of .* overlap"),
+    (CopyWithSwappedOffsets, "right averages .* in the wrong parameters.*offset"),
     (PerParameter, "one per parameter"),
     (NoReset, "no all-reduce was launched in step 2.*reset"),
     (ForwardBuckets, "self.buckets is wrong .* forward"),
-    (HandlesNeverCleared, "in step 2.*waited again on 3 handle\\(s\\) from step 1"),
+    (HandlesNeverCleared, "in step 2.*waited again on 4 handle\\(s\\) from step 1"),
     (NoBucketsAttribute, "no self.buckets"),
-    (CopyOnlyFirst, "still holds this rank's own gradient"),
 ])
 def test_wrong_wrappers_are_named(cls, phrase):
     with pytest.raises(LabCheckError, match=phrase):
@@ -474,6 +564,7 @@ def test_unfinished_wrapper_is_not_implemented_without_launching():
 def test_an_instance_instead_of_the_class_is_named():
     with pytest.raises(LabCheckError, match="your class itself"):
         lab07.check_bucketed_ddp(object())
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -798,3 +889,20 @@ def test_a_peer_reporting_a_reset_connection_gets_the_size_hint(monkeypatch):
     monkeypatch.setattr(launch, "spawn", reset_by_peer)
     with pytest.raises(LabCheckError, match="rank 1 .*differ in size"):
         lab07.check_topk_hook(rank_dependent_k, TopKState, world_sizes=(2,))
+
+
+def strictly_over(params, cap_mb):
+    # closes only once the bucket is strictly over the cap: wrong where a bucket lands on it
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        current.append(p)
+        size += _nbytes(p)
+        if size > cap_mb * 2**20:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def test_strictly_over_the_cap_is_named():
+    with pytest.raises(LabCheckError, match="exactly 1 MiB.*|reached the cap"):
+        lab07.check_assign_buckets(strictly_over)

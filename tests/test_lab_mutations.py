@@ -40,9 +40,6 @@ EQUIVALENT = {
     "lab05:swap 'True' -> 'False': losses = mirrored.per_example_loss(y, model(x, training=True))":
         "the stretch's model is one Dense layer, which behaves the same in training and "
         "inference mode (the main step's training=True is checked through the CNN)",
-    "lab07:swap '>' -> '>=': if current and size + nbytes > cap:":
-        "closing a bucket that would reach the cap exactly, instead of only one that would go "
-        "over it: another right rule (the check accepts both; no case lands exactly on a cap)",
     "lab04:delete: dist.barrier()":
         "the ranks' final weights are equal, so rank 0 saves the same file whether or not "
         "rank 1 waits for it",

@@ -179,3 +179,36 @@ def test_bench_ddp_refuses_bad_input(capsys):
     with pytest.raises(SystemExit):
         bench.main(["ddp", "--steps", "0"])
     assert "steps must be at least 1" in capsys.readouterr().err
+
+
+def test_predict_step_is_the_overlap_formula():
+    cost = lambda nbytes: 1.0 + nbytes / 1000          # alpha = 1 ms, 1 byte per us
+    ready = [1, 2, 3, 10]                                # 4 gradients, backward ends at 10
+    # two buckets: 3 gradients (2000 B, ready at 3), 1 gradient (1000 B, ready at 10)
+    got = overlap.predict_step(ready, [(3, 2000), (1, 1000)], cost, 5, 10, 1)
+    # first bucket 3..6 hidden by the backward; last 10..12 after it
+    assert got["step_ms"] == 5 + 10 + 2 + 1 and got["exposed_comm_ms"] == 2
+    assert got["spans"] == [(3, 6), (10, 12)] and got["comm_ms"] == 5
+    late = overlap.predict_step(ready, [(3, 2000), (1, 1000)], cost, 5, 10, 1, overlap=False)
+    assert late["step_ms"] == 5 + 10 + 5 + 1             # nothing hidden: all after 10
+    slow = overlap.predict_step(ready, [(3, 20000), (1, 1000)], cost, 5, 10, 1)
+    assert slow["spans"][1] == (24, 26)                  # queued behind the first bucket
+    with pytest.raises(ValueError, match="hold 3 gradients"):
+        overlap.predict_step(ready, [(3, 1)], cost, 0, 10, 0)
+
+
+def test_controls_launch_only_after_the_backward():
+    cfg = overlap.OverlapConfig(model="wide_mlp", width=64, depth=4, global_batch=8, steps=1)
+    out = launch.spawn(overlap.timing_worker, 2, cfg,
+                       [("bucketed_after", 0.01), ("per_parameter_after", 25), ("local", None),
+                        ("ddp", 0.01)], 1, backend="gloo", timeout=120, show_output=False)[0]
+    by = {r["kind"]: r for r in out["runs"]}
+    for kind in ("bucketed_after", "per_parameter_after"):
+        tl = by[kind]["timeline"]
+        launches = [t for what, _, t in tl["events"] if what == "launch"]
+        assert launches and min(launches) >= tl["backward_end"], kind
+    assert by["per_parameter_after"]["collectives_per_step"] == 8
+    assert by["local"]["collectives_per_step"] == 0
+    ddp = by["ddp"]["ddp"]
+    assert ddp["profiled_all_reduces"] == ddp["num_buckets_reduced"] == len(ddp["rebuilt_buckets"])
+    assert by["ddp"]["collectives_per_step"] == ddp["profiled_all_reduces"] >= 2

@@ -50,7 +50,11 @@ __all__ = [
     "assign_buckets",
     "bucket_nbytes",
     "KINDS",
+    "CONTROLS",
+    "LocalOnly",
     "wrap",
+    "count_ddp_collectives",
+    "predict_step",
     "count_collectives",
     "powersgd_elements",
     "wide_mlp",
@@ -103,11 +107,17 @@ class AfterBackward(nn.Module):
 class PerParameterHooks(nn.Module):
     """As soon as autograd has accumulated a parameter's gradient, its hook divides it by the
     world size and launches ``all_reduce(..., async_op=True)``, which returns at once with a
-    handle; the backward carries on with earlier layers while the gradient is on the wire."""
+    handle; the backward carries on with earlier layers while the gradient is on the wire.
 
-    def __init__(self, module: nn.Module):
+    ``overlap=False`` is the control experiment: the same asynchronous all-reduces of the same
+    tensors, but all launched only once the backward has returned (from
+    ``finish_gradient_synchronization``), so that overlap is the only difference."""
+
+    def __init__(self, module: nn.Module, overlap: bool = True):
         super().__init__()
         self.module = module
+        self.overlap = overlap
+        self._later = []                    # overlap=False: the launches held back
         for p in module.parameters():
             dist.broadcast(p.data, src=0)
         self.collectives = 0
@@ -123,12 +133,21 @@ class PerParameterHooks(nn.Module):
 
     def _grad_ready(self, i, p):
         p.grad /= dist.get_world_size()     # sum of (g / N) over the ranks = the mean
+        if self.overlap:
+            self._launch(i, p.grad)
+        else:
+            self._later.append((i, p.grad))
+
+    def _launch(self, i, grad):
         self.events.append(("launch", i, time.perf_counter()))
-        work = dist.all_reduce(p.grad, async_op=True)
+        work = dist.all_reduce(grad, async_op=True)
         self._handles.append(work)
         self.collectives += 1
 
     def finish_gradient_synchronization(self):
+        for i, grad in self._later:         # overlap=False: launch them all only now
+            self._launch(i, grad)
+        self._later.clear()
         for work in self._handles:          # the optimizer must not read a half-reduced grad
             work.wait()
         self.events.append(("done", None, time.perf_counter()))
@@ -181,11 +200,15 @@ class BucketedDataParallel(nn.Module):
     """Gradients are copied into their bucket's flat buffer as they arrive; when a bucket's
     last gradient has arrived, the whole buffer is all-reduced asynchronously in one call.
     ``finish_gradient_synchronization()`` waits for every bucket and copies the averaged
-    values back into each ``p.grad``."""
+    values back into each ``p.grad``. (DDP's reducer does two things more, which lab07 asks
+    of you: it launches buckets strictly in bucket order, and it can make each ``p.grad`` a
+    view into its bucket.) ``overlap=False`` is the control experiment: the same buckets and
+    asynchronous all-reduces, all launched only after the backward has returned."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, overlap: bool = True):
         super().__init__()
         self.module = module
+        self.overlap = overlap
         for p in module.parameters():
             dist.broadcast(p.data, src=0)
         self.collectives = 0
@@ -211,14 +234,17 @@ class BucketedDataParallel(nn.Module):
         i, offset = self._where[p]
         self._flat[i][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
         self._missing[i] -= 1
-        if self._missing[i] == 0:           # the bucket is full: send it
-            self._flat[i].div_(dist.get_world_size())
-            self.events.append(("launch", i, time.perf_counter()))
-            work = dist.all_reduce(self._flat[i], async_op=True)
-            work.get_future().then(
-                lambda _, i=i: self.events.append(("done", i, time.perf_counter())))
-            self._handles[i] = work
-            self.collectives += 1
+        if self._missing[i] == 0 and self.overlap:   # the bucket is full: send it
+            self._launch(i)
+
+    def _launch(self, i):
+        self._flat[i].div_(dist.get_world_size())
+        self.events.append(("launch", i, time.perf_counter()))
+        work = dist.all_reduce(self._flat[i], async_op=True)
+        work.get_future().then(
+            lambda _, i=i: self.events.append(("done", i, time.perf_counter())))
+        self._handles[i] = work
+        self.collectives += 1
 
     def finish_gradient_synchronization(self):
         unfinished = [i for i, m in enumerate(self._missing) if m]
@@ -229,6 +255,9 @@ class BucketedDataParallel(nn.Module):
                 f"bucket(s) {unfinished} never filled: parameter(s) {lost[:5]} got no gradient in "
                 f"this backward, so their bucket was never sent. Every parameter must take part "
                 f"in the loss; DDP handles unused ones with find_unused_parameters=True.")
+        if not self.overlap:                # the control: launch every bucket only now
+            for i in range(len(self.buckets)):
+                self._launch(i)
         for i, work in sorted(self._handles.items()):
             work.wait()                     # the buffer now holds the mean over the ranks
             for p in self.buckets[i]:
@@ -239,39 +268,105 @@ class BucketedDataParallel(nn.Module):
 
 
 KINDS = ("after_backward", "per_parameter", "bucketed", "ddp")
+CONTROLS = ("local", "per_parameter_after", "bucketed_after")
+
+
+class LocalOnly(nn.Module):
+    """No synchronisation at all (each rank keeps its own gradient): the compute alone, which
+    the overlap model of lesson 07 starts from. Not data parallel; for timing only."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.collectives = 0
+        self.events = []
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        pass
 
 
 def wrap(kind: str, module: nn.Module, bucket_cap_mb: float = 25.0) -> nn.Module:
-    """One of the four ways, by name; ``"ddp"`` is torch's DistributedDataParallel, with its
-    all-reduce routed through a comm hook so that its collectives are counted too."""
+    """One of the ways, by name: the four of :data:`KINDS` (``"ddp"`` is torch's
+    DistributedDataParallel itself, with its C++ reducer and no comm hook) or a control of
+    :data:`CONTROLS` (``"local"``: no synchronisation; ``"..._after"``: the same asynchronous
+    all-reduces launched only after the backward)."""
     if kind == "after_backward":
         return AfterBackward(module)
     if kind == "per_parameter":
         return PerParameterHooks(module)
     if kind == "bucketed":
         return BucketedDataParallel(module, bucket_cap_mb)
+    if kind == "local":
+        return LocalOnly(module)
+    if kind == "per_parameter_after":
+        return PerParameterHooks(module, overlap=False)
+    if kind == "bucketed_after":
+        return BucketedDataParallel(module, bucket_cap_mb, overlap=False)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         dev = next(module.parameters()).device
         model = DDP(module, device_ids=[dev.index] if dev.type == "cuda" else None,
                     bucket_cap_mb=bucket_cap_mb)
-        model.collectives = 0
-
-        def counted_allreduce(state, bucket):
-            model.collectives += 1
-            return _allreduce_hook(state, bucket)
-
-        model.register_comm_hook(None, counted_allreduce)
+        model.collectives = None            # runs in C++: counted by count_ddp_collectives
         model.finish_gradient_synchronization = lambda: None   # DDP's backward already waited
         return model
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    raise ValueError(f"kind must be one of {KINDS + CONTROLS}, got {kind!r}")
 
 
-def _allreduce_hook(state, bucket):
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+def count_ddp_collectives(model, step) -> dict:
+    """Run ``step()`` (one training step of the DDP ``model``) under torch's profiler and
+    count the all-reduces its C++ reducer issued: the process group's own ``gloo:all_reduce``
+    / ``nccl:all_reduce`` records, no Python hook in DDP's path. Also returns what DDP's
+    logger says it reduced (``num_buckets_reduced``) and its rebuilt buckets (parameter
+    indices in gradient-ready order)."""
+    import torch.profiler as tp
 
-    return default_hooks.allreduce_hook(state, bucket)
+    with tp.profile(activities=[tp.ProfilerActivity.CPU]) as prof:
+        step()
+    calls = sum(1 for e in prof.events()
+                if e.name in ("gloo:all_reduce", "nccl:all_reduce"))
+    data = model._get_ddp_logging_data()
+    buckets = [[int(i) for i in b.split()] for b in
+               str(data.get("rebuilt_per_bucket_param_indices", "")).split(",") if b.strip()]
+    return {"profiled_all_reduces": calls, "num_buckets_reduced": data.get("num_buckets_reduced"),
+            "rebuilt_buckets": buckets}
+
+
+def predict_step(ready_ms, bucket_sizes, comm_ms, forward_ms: float, backward_ms: float,
+                 opt_ms: float, overlap: bool = True) -> dict:
+    """Lesson 07's overlap model of one training step, in ms.
+
+    ``ready_ms``: when each gradient was ready (ms after the backward began, measured without
+    communication), in the order they arrive; ``bucket_sizes``: each bucket's (number of
+    gradients, bytes), in launch order, buckets taking the gradients in arrival order;
+    ``comm_ms(nbytes)``: the time of one all-reduce (lesson 06's α-β model). One all-reduce
+    runs at a time: bucket k starts when its last gradient is ready (``overlap``) or when the
+    backward ends (not), and not before bucket k-1 has finished. The step is then
+
+        forward + max(backward, end of the last all-reduce) + optimizer step,
+
+    which is forward + max(backward, the early buckets' communication) + the last bucket's
+    α + βK whenever the last bucket is ready only when the backward ends.
+    """
+    ready = sorted(ready_ms)
+    if sum(n for n, _ in bucket_sizes) != len(ready):
+        raise ValueError(f"the buckets hold {sum(n for n, _ in bucket_sizes)} gradients but "
+                         f"{len(ready)} ready times were given")
+    free, seen, comm, spans = 0.0, 0, 0.0, []
+    for n, nbytes in bucket_sizes:
+        seen += n
+        start = max(ready[seen - 1] if overlap else backward_ms, free)
+        cost = comm_ms(nbytes)
+        free = start + cost
+        comm += cost
+        spans.append((start, free))
+    sync_end = max(backward_ms, free)
+    return {"step_ms": forward_ms + sync_end + opt_ms, "comm_ms": comm,
+            "exposed_comm_ms": sync_end - backward_ms, "spans": spans}
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,9 +504,13 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
     All the models are built first and then take their steps in turn (step 1 of every run,
     then step 2 of every run, ...), so that a slow moment of the machine hits every run alike.
     A step's time is the median over ``cfg.steps`` steps after ``warmup`` untimed ones (DDP
-    rebuilds its buckets in its first step). Each run also returns its last step's timeline
-    on this rank, in ms since the backward began: when each gradient was ready, when each
-    all-reduce was launched and done, and when the backward and the synchronisation ended.
+    rebuilds its buckets in its first step), and so are its parts: the forward, the backward
+    (until ``backward()`` returns), the synchronisation after it and the optimizer step. Each
+    run also returns its last step's timeline on this rank, in ms since the backward began:
+    when each gradient was ready, when each all-reduce was launched and done, and when the
+    backward and the step ended. Real DDP (``"ddp"``) runs with nothing of ours in its path
+    (no comm hook, no gradient stamps); its all-reduces are counted afterwards, in one more
+    step under the profiler (:func:`count_ddp_collectives`).
     """
     from . import ddp
 
@@ -422,42 +521,62 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
     for kind, cap in runs:
         model = wrap(kind, cfg.build().to(dev), cap)
         ready = []
-        for p in model.module.parameters():      # stamps when each gradient is ready
-            p.register_post_accumulate_grad_hook(lambda _, ready=ready: ready.append(
-                time.perf_counter()))
-        setups.append({"kind": kind, "cap": cap, "model": model, "ready": ready, "times": [],
+        if kind != "ddp":
+            for p in model.module.parameters():      # stamps when each gradient is ready
+                p.register_post_accumulate_grad_hook(lambda _, ready=ready: ready.append(
+                    time.perf_counter()))
+        setups.append({"kind": kind, "cap": cap, "model": model, "ready": ready,
+                       "parts": {k: [] for k in ("step", "forward", "backward", "sync", "opt")},
                        "opt": torch.optim.SGD(model.parameters(), lr=cfg.lr)})
+
+    def one_step(s, X, y):
+        model, opt = s["model"], s["opt"]
+        s["ready"].clear()
+        if hasattr(model, "events"):
+            model.events.clear()
+        dist.barrier()                           # every rank starts the step together
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(X), y)
+        tb = time.perf_counter()
+        loss.backward()
+        t_backward = time.perf_counter()
+        model.finish_gradient_synchronization()
+        t_sync = time.perf_counter()
+        opt.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t1 = time.perf_counter()
+        return t0, tb, t_backward, t_sync, t1
+
     for step, (X, y) in enumerate(batches):
         for s in setups:
-            model, opt = s["model"], s["opt"]
-            s["ready"].clear()
-            if hasattr(model, "events"):
-                model.events.clear()
-            dist.barrier()                       # every rank starts the step together
-            before = model.collectives
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(X), y)
-            tb = time.perf_counter()
-            loss.backward()
-            t_backward = time.perf_counter()
-            model.finish_gradient_synchronization()
-            opt.step()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t1 = time.perf_counter()
+            before = s["model"].collectives
+            t0, tb, t_backward, t_sync, t1 = one_step(s, X, y)
             if step >= warmup:
-                s["times"].append(t1 - t0)
+                for key, dt in (("step", t1 - t0), ("forward", tb - t0),
+                                ("backward", t_backward - tb), ("sync", t_sync - t_backward),
+                                ("opt", t1 - t_sync)):
+                    s["parts"][key].append(dt)
             ms = lambda t, tb=tb: round((t - tb) * 1e3, 3)
             s["last"] = {"ready": [ms(t) for t in s["ready"]],
                          "events": [(what, which, ms(t))
-                                    for what, which, t in getattr(model, "events", [])],
+                                    for what, which, t in getattr(s["model"], "events", [])],
                          "backward_end": ms(t_backward), "sync_end": ms(t1),
-                         "collectives": model.collectives - before}
+                         "collectives": None if before is None
+                         else s["model"].collectives - before}
+    for s in setups:
+        if s["kind"] == "ddp":
+            X, y = batches[-1]
+            counted = count_ddp_collectives(s["model"], lambda s=s: one_step(s, X, y))
+            s["last"]["collectives"] = counted["profiled_all_reduces"]
+            s["ddp"] = counted
     results = [{"kind": s["kind"], "bucket_cap_mb": s["cap"],
-                "step_s": statistics.median(s["times"]),
+                "step_s": statistics.median(s["parts"]["step"]),
+                "parts_s": {k: statistics.median(v) for k, v in s["parts"].items()},
                 "collectives_per_step": s["last"].pop("collectives"),
                 "n_buckets": len(getattr(s["model"], "buckets", [])) or None,
+                "ddp": s.get("ddp"),
                 "timeline": s["last"]} for s in setups]
     return {"runs": results, "model_bytes": bucket_nbytes(cfg.build().parameters())}
 

@@ -1,25 +1,30 @@
 """Checks for lab07: ``assign_buckets(params, bucket_cap_mb)`` and the learner's bucketed,
 hook-driven data-parallel wrapper (a class with ``finish_gradient_synchronization()``).
 
-``check_assign_buckets`` runs in this process on five sets of parameters (SmallCNN at two caps,
-parameters larger than the cap, float64 parameters, a cap that holds the whole model). It
-accepts both usual closing rules — close a bucket when the next parameter would take it over
-the cap, or (DDP's) once it has reached the cap — and names: forward order, a bucket per
-parameter, everything in one bucket, elements counted instead of bytes, 4 bytes assumed per
-element, parameters lost or repeated.
+``check_assign_buckets`` runs in this process on six sets of parameters (SmallCNN at two caps,
+parameters larger than the cap, float64 parameters, parameters exactly the size of the cap, a
+cap that holds the whole model). It
+asks for DDP's rule — add the parameter, close the bucket once it has reached the cap — and
+names: forward order, a bucket closed before the next parameter would exceed the cap (the
+other usual rule, not DDP's), a bucket per parameter, everything in one bucket, elements
+counted instead of bytes, 4 bytes assumed per element, parameters lost or repeated.
 
-``check_bucketed_ddp`` runs the class on 2 ranks (3 buckets) and then 3 ranks (another cap, 4
-buckets) for 3 steps, and real ``DistributedDataParallel`` after it on the same shards. While
-the learner's class runs, ``dist.all_reduce`` is replaced by a spy that records every call
-(size, ``async_op``, when it was launched and when it was waited on) and hands the reduced
-values over **only when the handle is waited on**: a wrapper that steps before waiting then
-steps with un-reduced gradients every time, not just when a race happens to be lost. A hook
-registered before the learner's own stores each local gradient as autograd produces it. From
-that record the check names: one all-reduce per parameter instead of per bucket, messages that
-are not a bucket's flat buffer, a blocking all-reduce in the hook, waiting inside the hook,
-launching only after the backward, not waiting before the step, no reset between steps,
-old handles waited on again (the list never emptied),
-forgetting the division, dividing by a fixed 2, a slice copied back into the wrong parameter.
+``check_bucketed_ddp`` runs the class for 3 steps on 2 ranks (4 buckets that fill out of
+order) and then 3 ranks (another cap, 3 buckets), on a model with a frozen parameter whose
+output layer is registered before the hidden layer it follows; then real
+``DistributedDataParallel`` on the same shards. While the learner's class runs,
+``dist.all_reduce`` is replaced by a spy that records every call (size, the buffer's storage,
+``async_op``, when it was launched and when it was waited on), fills the learner's buffer with
+NaN while the all-reduce is in flight, and hands the reduced values over **only when the
+handle is waited on**. A hook registered before the learner's own stores each local gradient
+and the moment it arrived. From that record the check names: a hook on the frozen parameter,
+one all-reduce per parameter, messages that are not a bucket's flat buffer, a blocking
+all-reduce, buckets launched out of bucket order, a bucket launched later than it could have
+been (every one only at the end of the backward, or after the backward), waiting inside the
+hook, not waiting, no reset between steps, old handles waited on again, values read before
+wait(), an all-reduce of a temporary, gradients that are not views of their bucket, views that
+overlap or point into another bucket, add_ where copy_ belongs (three ways), a missing or
+fixed division.
 
 ``check_topk_hook`` (the stretch) runs the learner's DDP communication hook — top-k with
 error feedback — in real DDP on 2 and 3 ranks and compares every call with a replay of the
@@ -61,8 +66,9 @@ def _params_of(numels, dtype=torch.float32) -> list:
 
 
 def _bucket_cases() -> list[tuple[str, list, float]]:
-    """(what, parameters in registration order, cap in MiB); no boundary within 10% of a cap,
-    so MB (1e6) and MiB (2**20) give the same buckets."""
+    """(what, parameters in registration order, cap in MiB); no boundary within 10% of a cap
+    but one exactly on it (DDP closes a bucket that has reached the cap: >=, not >), so MB
+    (1e6) and MiB (2**20) give the same buckets."""
     cnn = list(_small_cnn().parameters())
     return [
         ("SmallCNN(width=8), cap 0.05 MiB", cnn, 0.05),
@@ -70,19 +76,20 @@ def _bucket_cases() -> list[tuple[str, list, float]]:
         ("6 parameters, two larger than the cap", _params_of(
             [300_000, 10, 100_000, 100_000, 100_000, 400_000]), 1.0),
         ("4 float64 parameters of 0.38 MiB each", _params_of([50_000] * 4, torch.float64), 1.0),
+        ("4 parameters of exactly 1 MiB, cap 1 MiB", _params_of([2**18] * 4), 1.0),
         ("SmallCNN(width=8), cap 100 MiB", cnn, 100.0),
     ]
 
 
 def _greedy(sizes: list[float], cap: float, order: list[int]) -> list[list[int]]:
-    """Indices grouped by 'close when the next would exceed the cap'."""
+    """Indices grouped by DDP's rule: add, then close the bucket once it has reached the cap."""
     buckets, current, total = [], [], 0.0
     for i in order:
-        if current and total + sizes[i] > cap:
-            buckets.append(current)
-            current, total = [], 0.0
         current.append(i)
         total += sizes[i]
+        if total >= cap:
+            buckets.append(current)
+            current, total = [], 0.0
     if current:
         buckets.append(current)
     return buckets
@@ -130,18 +137,20 @@ def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> str 
     for k, b in enumerate(idx):
         before_last = sum(sizes[i] for i in b[:-1])
         if before_last >= cap:
-            return (f"bucket {k} holds {_mb(sum(sizes[i] for i in b))} in {len(b)} parameters, "
-                    f"more than the cap of {cap_mb} MiB already before its last one{where}: "
-                    f"start a new bucket when the next parameter would take it over the cap.")
-        if k + 1 < len(idx) and sum(sizes[i] for i in b) + sizes[idx[k + 1][0]] <= cap:
-            return (f"bucket {k} was closed at {_mb(sum(sizes[i] for i in b))} although the next "
-                    f"parameter ({_mb(sizes[idx[k + 1][0]])}) still fitted under the cap of "
-                    f"{cap_mb} MiB{where}: fill each bucket up to the cap.")
+            return (f"bucket {k} holds {_mb(sum(sizes[i] for i in b))} in {len(b)} parameters: "
+                    f"it had reached the cap of {cap_mb} MiB already before its last one"
+                    f"{where} — close a bucket as soon as it has reached the cap.")
+        if k + 1 < len(idx) and sum(sizes[i] for i in b) < cap:
+            return (f"bucket {k} was closed at {_mb(sum(sizes[i] for i in b))}, below the cap of "
+                    f"{cap_mb} MiB{where}: that is closing a bucket before the next parameter "
+                    f"would take it over the cap. DDP's rule (reducer.cpp, "
+                    f"compute_bucket_assignment_by_size) adds the parameter first and closes "
+                    f"the bucket once it has reached the cap, so a bucket may end above it.")
     return None
 
 
 def check_assign_buckets(assign_buckets) -> None:
-    """Run ``assign_buckets(params, bucket_cap_mb)`` on five sets of parameters and caps."""
+    """Run ``assign_buckets(params, bucket_cap_mb)`` on six sets of parameters and caps."""
     __tracebackhide__ = True
     if not callable(assign_buckets):
         fail(f"the check needs your function, got {type(assign_buckets).__name__}.")
@@ -179,23 +188,51 @@ def check_assign_buckets(assign_buckets) -> None:
                 fail(f"the buckets are what you get if you {variant}: a parameter's size in "
                      f"bytes is p.numel() * p.element_size().")
         fail(problems[0])
-    passed(f"assign_buckets: reverse order, filled up to the cap, in bytes "
-           f"({'/'.join(map(str, counts))} buckets in the five cases)")
+    passed(f"assign_buckets: reverse order, each bucket closed once it reached the cap, in bytes "
+           f"({'/'.join(map(str, counts))} buckets in the six cases)")
 
 
 # --------------------------------------------------------------------------------------------
 # The wrapper, on 2 and 3 ranks
 # --------------------------------------------------------------------------------------------
 
-CONFIGS = ((2, 0.05), (3, 0.01))   # (world size, bucket_cap_mb): 3 buckets, then 4
+# The check's model: registered in one order, run in another, with a frozen parameter.
+# Registration: conv (3 -> w -> 2w), out (64 -> 10), hidden (64 -> 64), a frozen scale.
+# Forward: conv -> hidden -> scale -> out, so the backward produces out's gradients first: in
+# reverse registration order out comes *after* hidden, and at 0.002 MiB its bucket (bucket 1)
+# is complete before bucket 0 (hidden) — buckets fill out of order.
+CONFIGS = ((2, 0.002), (3, 0.004))   # (world size, bucket_cap_mb): 4 buckets, then 3
 _STEPS = 3
 _GLOBAL_BATCH = 24
+# how each step starts: p.grad None (nothing yet), zeroed in place, set to None again
+_ZERO_GRAD = (True, False, True)
+
+
+class _CheckNet(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(4),            # 8x8
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(4))    # 2x2
+        self.out = nn.Linear(64, 10)          # registered before `hidden`, runs after it
+        self.hidden = nn.Linear(8 * width, 64)
+        self.scale = nn.Parameter(torch.full((64,), 0.5), requires_grad=False)   # frozen
+
+    def forward(self, x):
+        h = torch.relu(self.hidden(self.conv(x).flatten(1))) * self.scale
+        return self.out(h)
+
+
+def _check_net() -> nn.Module:
+    torch.manual_seed(0)
+    return _CheckNet()
 
 
 class _Deferred:
     """What the spy returns for ``all_reduce(..., async_op=True)``: the real all-reduce runs on
     a copy, and its result is written into the learner's tensor when the handle is waited on
-    (or its future completes)."""
+    (or its future completes). Until then the learner's tensor holds NaN, as a buffer a GPU
+    collective is still writing holds no defined value."""
 
     def __init__(self, work, buf, target, rec, state):
         self._work, self._buf, self._target, self._rec = work, buf, target, rec
@@ -234,6 +271,31 @@ class _Deferred:
         return getattr(self._work, name)
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _held_storages(obj, depth: int = 0, seen=None) -> set:
+    """The storages of every tensor the learner's object keeps (attributes, lists, dicts)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 4:
+        return set()
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return {_storage(obj)}
+    items = []
+    if isinstance(obj, dict):
+        items = list(obj.keys()) + list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        items = list(obj)
+    elif isinstance(obj, nn.Module):
+        items = [v for k, v in vars(obj).items() if k not in ("_modules", "_parameters")]
+    out = set()
+    for x in items:
+        out |= _held_storages(x, depth + 1, seen)
+    return out
+
+
 def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
     __tracebackhide__ = True
     import torch.distributed as dist
@@ -245,9 +307,11 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
     cfg = ddp.StepConfig(global_batch=_GLOBAL_BATCH, steps=_STEPS, lr=0.1, width=8, n_train=96)
     batches = [ddp.shard_of(*ddp.global_batch_for_step(cfg, s), rank, world_size)
                for s in range(_STEPS)]
-    module = _small_cnn().to(dev)
-    params = list(module.parameters())
-    names = [n for n, _ in module.named_parameters()]
+    module = _check_net().to(dev)
+    everything = list(module.parameters())
+    params = [p for p in everything if p.requires_grad]
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    frozen = {id(p): n for n, p in module.named_parameters() if not p.requires_grad}
     index = {id(p): i for i, p in enumerate(params)}
     local, ready = {}, {}
 
@@ -264,14 +328,17 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
 
     def spy_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         rec = {"step": state["step"], "numel": tensor.numel(), "async": bool(async_op),
-               "t_launch": time.perf_counter(), "t_wait": None, "future": False}
+               "t_launch": time.perf_counter(), "t_wait": None, "future": False,
+               "storage": _storage(tensor), "offset": tensor.storage_offset()}
         calls.append(rec)
         if not async_op:
             real(tensor, op=op, group=group)
             rec["t_wait"] = time.perf_counter()
             return None
         buf = tensor.detach().clone()
-        return _Deferred(real(buf, op=op, group=group, async_op=True), buf, tensor, rec, state)
+        work = real(buf, op=op, group=group, async_op=True)
+        tensor.detach().fill_(float("nan"))     # in flight: no defined value until wait()
+        return _Deferred(work, buf, tensor, rec, state)
 
     steps = []
     dist.all_reduce = spy_all_reduce
@@ -279,9 +346,12 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
         model = cls(module, bucket_cap_mb=cap_mb)
         buckets = getattr(model, "buckets", None)
         try:
-            bucket_idx = [[index.get(id(p), -1) for p in b] for b in buckets]
+            bucket_idx = [[index.get(id(p), -2 if id(p) in frozen else -1) for p in b]
+                          for b in buckets]
         except TypeError:
             bucket_idx = None
+        if bucket_idx is not None and any(i < 0 for b in bucket_idx for i in b):
+            return {"buckets": bucket_idx, "names": names, "frozen": list(frozen.values())}
         if not hasattr(model, "finish_gradient_synchronization"):
             raise AttributeError("the class has no finish_gradient_synchronization() method")
         opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
@@ -289,13 +359,16 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
             state["step"] = step
             local.clear()
             ready.clear()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=_ZERO_GRAD[step])
             t0 = time.perf_counter()
             F.cross_entropy(model(X.to(dev)), y.to(dev)).backward()
             t_backward = time.perf_counter()
             model.finish_gradient_synchronization()
             t_finish = time.perf_counter()
             after = [None if p.grad is None else p.grad.detach().cpu().clone() for p in params]
+            views = [None if p.grad is None else
+                     (_storage(p.grad), p.grad.storage_offset(), p.grad.numel()) for p in params]
+            held = _held_storages(model) | {v[0] for v in views if v}
             own = [local.get(i) for i in range(len(params))]
             if any(g is None for g in own):
                 raise RuntimeError("the check's own hook saw no gradient for some parameter")
@@ -306,10 +379,11 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
                 mean.append((m / world_size).cpu())
             ms = lambda t: None if t is None else (t - t0) * 1e3
             steps.append({
-                "after": after, "own": [g.cpu() for g in own],
+                "after": after, "own": [g.cpu() for g in own], "views": views,
                 "mean": mean, "ready": {i: ms(t) for i, t in ready.items()},
                 "backward_end": ms(t_backward), "finish_end": ms(t_finish),
-                "calls": [dict(c, t_launch=ms(c["t_launch"]), t_wait=ms(c["t_wait"]))
+                "calls": [dict(c, t_launch=ms(c["t_launch"]), t_wait=ms(c["t_wait"]),
+                               kept=c["storage"] in held)
                           for c in calls if c["step"] == step],
                 "stale_waits": [old for now, old in state["stale_waits"] if now == step],
             })
@@ -318,7 +392,7 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
     finally:
         dist.all_reduce = real
     # Real DDP from the same start on the same shards: the answer the wrapper must equal.
-    ref = _small_cnn().to(dev)
+    ref = _check_net().to(dev)
     ddp_model = DDP(ref, device_ids=[dev.index] if dev.type == "cuda" else None)
     opt = torch.optim.SGD(ddp_model.parameters(), lr=cfg.lr)
     for X, y in batches:
@@ -326,7 +400,7 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
         F.cross_entropy(ddp_model(X.to(dev)), y.to(dev)).backward()
         opt.step()
     return {"steps": steps, "params": learner, "ddp": ddp.flat_params(ref),
-            "buckets": bucket_idx, "names": names,
+            "buckets": bucket_idx, "names": names, "frozen": list(frozen.values()),
             "numels": [p.numel() for p in params]}
 
 
@@ -346,6 +420,10 @@ def _launch(cls, world_size: int, cap_mb: float, timeout: float) -> list:
     except launch.RankFailedError as exc:
         if exc.summary.startswith("NotImplementedError"):
             raise NotImplementedError(f"{exc.summary} (on rank {exc.rank})") from None
+        if "doesn't require gradient" in exc.summary or "does not require grad" in exc.summary:
+            fail("you registered a hook on a frozen parameter (requires_grad=False; the check's "
+                 "model has one, `scale`): torch refuses it, and it never gets a gradient — "
+                 "give views and hooks only to the parameters in self.buckets.")
         if "AVG" in exc.summary or "ReduceOp" in exc.summary:
             fail(f"your code raised on rank {exc.rank}: {exc.summary} — this backend refuses "
                  f"that reduce op: all-reduce with SUM and divide by the world size.")
@@ -357,10 +435,16 @@ def _close(a, b) -> bool:
         torch.allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
+def _all_close(xs, ys) -> bool:
+    return all(_close(x, y) for x, y in zip(xs, ys))
+
+
 def check_bucketed_ddp(cls, configs=CONFIGS, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Run the learner's wrapper class for 3 steps on 2 ranks (cap 0.05 MiB) and on 3 ranks
-    (cap 0.01 MiB); its collectives, its timeline and its gradients are checked at every step,
-    and its final weights against real DDP's."""
+    """Run the learner's wrapper class for 3 steps on 2 ranks (0.002 MiB buckets, which fill
+    out of order) and on 3 ranks (0.004 MiB), on a model with a frozen parameter; its
+    collectives, their order, their timing against each gradient's arrival, the gradients it
+    leaves (values, and views of the bucket) are checked at every step, and its final weights
+    against real DDP's."""
     __tracebackhide__ = True
     if not isinstance(cls, type):
         fail(f"the check needs your class itself (BucketedDDP, not BucketedDDP(...)), got "
@@ -372,28 +456,34 @@ def check_bucketed_ddp(cls, configs=CONFIGS, timeout: float = DEFAULT_TIMEOUT) -
         results = _launch(cls, world_size, cap_mb, timeout)
         _diagnose(results, world_size, cap_mb)
     shown = " and ".join(f"{ws} ranks ({cap} MiB buckets)" for ws, cap in configs)
-    passed(f"{cls.__name__}: one async all-reduce per bucket, launched during the backward, "
-           f"waited before the step; weights == DDP's after {_STEPS} steps on {shown}")
+    passed(f"{cls.__name__}: one async all-reduce per bucket, launched in bucket order as soon "
+           f"as it could be, waited before the step; gradients are views of the buckets; "
+           f"weights == DDP's after {_STEPS} steps on {shown}")
 
 
 def _diagnose(results: list, world_size: int, cap_mb: float) -> None:
     __tracebackhide__ = True
     r0 = results[0]
-    names, numels = r0["names"], r0["numels"]
+    names = r0["names"]
     buckets = r0["buckets"]
     if buckets is None:
         fail("the wrapper has no self.buckets list of lists of parameters: keep the buckets "
              "from assign_buckets in self.buckets.")
+    if any(i == -2 for b in buckets for i in b):
+        fail(f"self.buckets holds the frozen parameter {r0['frozen'][0]} (requires_grad=False): "
+             f"it never gets a gradient, so its bucket would never be complete — bucket only "
+             f"the parameters that require a gradient.")
     if any(i < 0 for b in buckets for i in b):
         fail("self.buckets holds something that is not one of the model's parameters.")
-    params = list(_small_cnn().parameters())
+    params = [p for p in _check_net().parameters() if p.requires_grad]
     problem = bucket_problem([[params[i] for i in b] for b in buckets], params, cap_mb)
     if problem:
         fail(f"self.buckets is wrong at {cap_mb} MiB: {problem}")
-    bucket_numels = sorted(sum(numels[i] for i in b) for b in buckets)
+    numels = r0["numels"]
     for rank, r in enumerate(results):
         for step, s in enumerate(r["steps"]):
-            _diagnose_step(s, step, rank, world_size, buckets, bucket_numels, names, numels)
+            prev = r["steps"][step - 1] if step else None
+            _diagnose_step(s, prev, step, rank, world_size, buckets, names, numels)
     for rank, r in enumerate(results):
         if not torch.allclose(r["params"], r["ddp"], rtol=1e-4, atol=1e-6):
             fail(f"every step's gradients were right, but after {_STEPS} steps rank {rank}'s "
@@ -401,17 +491,24 @@ def _diagnose(results: list, world_size: int, cap_mb: float) -> None:
                  f"not change the weights in the wrapper.")
 
 
-def _diagnose_step(s, step, rank, world_size, buckets, bucket_numels, names, numels) -> None:
+def _bucket_of_call(calls, buckets, numels) -> list:
+    """The bucket each call carried: by its size (the check's buckets all differ in size)."""
+    by_size = {sum(numels[i] for i in b): k for k, b in enumerate(buckets)}
+    return [by_size.get(c["numel"]) for c in calls]
+
+
+def _diagnose_step(s, prev, step, rank, world_size, buckets, names, numels) -> None:
     __tracebackhide__ = True
     calls = s["calls"]
     n_params = len(names)
     when = f"in step {step + 1}" + (f" on rank {rank}" if rank else "")
+    bucket_numels = sorted(sum(numels[i] for i in b) for b in buckets)
     # 1. How many all-reduces, and how large.
     if not calls:
         if step > 0:
             fail(f"no all-reduce was launched {when}, after a first step that had them: at the "
                  f"end of finish_gradient_synchronization() reset each bucket's count of awaited "
-                 f"gradients (and the list of handles) for the next backward.")
+                 f"gradients, the next bucket to launch and the list of handles.")
         fail("the check saw no dist.all_reduce call: launch it as dist.all_reduce(buffer, "
              "async_op=True) from the hook (the check counts calls made through "
              "torch.distributed).")
@@ -422,20 +519,48 @@ def _diagnose_step(s, step, rank, world_size, buckets, bucket_numels, names, num
              "async_op=True, keep the handle, and wait in finish_gradient_synchronization().")
     if len(calls) != len(buckets):
         if len(calls) == n_params:
-            fail(f"{len(calls)} all-reduces {when}, one per parameter: copy the gradients into "
-                 f"their bucket's flat buffer and all-reduce each bucket once "
-                 f"({len(buckets)} calls).")
+            fail(f"{len(calls)} all-reduces {when}, one per parameter: all-reduce each bucket's "
+                 f"flat buffer once ({len(buckets)} calls).")
         fail(f"{len(calls)} all-reduces {when} for {len(buckets)} buckets: launch exactly one "
-             f"per bucket, when its last gradient has arrived.")
+             f"per bucket, when it is complete and every bucket before it has been launched.")
     if sorted(c["numel"] for c in calls) != bucket_numels:
         fail(f"the all-reduces {when} carried {sorted(c['numel'] for c in calls)} elements; "
              f"the buckets hold {bucket_numels}: all-reduce each bucket's whole flat buffer "
              f"(the sum of its parameters' numel).")
-    # 2. When they were launched and waited on.
+    # 2. In which order, and when, they were launched; when they were waited on.
+    order = _bucket_of_call(calls, buckets, numels)
+    if order != sorted(order):
+        k = next(j for j in range(len(order)) if order[j] != sorted(order)[j])
+        fail(f"bucket {order[k]} was launched before bucket {sorted(order)[k]} {when}: buckets "
+             f"filled out of order (this model registers its output layer before the hidden "
+             f"layer it follows) and you launched each as it filled. DDP launches strictly in bucket order (its "
+             f"reducer's next_bucket_): when a bucket is complete, launch it only if every "
+             f"earlier bucket has been launched, then every later one already complete — so "
+             f"the i-th all-reduce is the same bucket on every rank.")
+    arrivals = sorted(s["ready"].values())
     if all(c["t_launch"] >= s["backward_end"] for c in calls):
         fail("every all-reduce was launched after the backward had finished (in "
              "finish_gradient_synchronization): nothing overlaps the backward — launch each "
-             "bucket from the hook, as soon as its last gradient has arrived.")
+             "bucket from the hook, as soon as it is complete and its turn has come.")
+    launchable = 0.0
+    late = []
+    for k, b in enumerate(buckets):
+        launchable = max(launchable, max(s["ready"][i] for i in b))
+        launch_k = calls[order.index(k)]["t_launch"]
+        missed = [t for t in arrivals if launchable < t < launch_k]
+        if missed:
+            late.append((k, launchable, launch_k, len(missed)))
+    if late:
+        if all(c["t_launch"] >= arrivals[-1] for c in calls):
+            fail(f"every bucket was launched only when the backward's last gradient had arrived "
+                 f"({arrivals[-1]:.2f} ms into the step) {when}: nothing overlapped the "
+                 f"backward — launch each bucket from the hook call that completes it (or its "
+                 f"predecessor), not all of them at the end.")
+        k, ready_at, launched, missed = late[0]
+        fail(f"bucket {k} could go at {ready_at:.2f} ms {when} (its last gradient had arrived "
+             f"and every earlier bucket had been launched) but was launched at {launched:.2f} "
+             f"ms, after {missed} more gradient(s) had arrived: launch it from the hook call "
+             f"that makes it launchable.")
     waited_early = [c for c in calls if c["async"] and c["t_wait"] is not None
                     and not c["future"] and c["t_wait"] < s["backward_end"]]
     if waited_early:
@@ -447,47 +572,139 @@ def _diagnose_step(s, step, rank, world_size, buckets, bucket_numels, names, num
         fail(f"finish_gradient_synchronization() returned while {len(unwaited)} of "
              f"{len(calls)} all-reduces had not been waited on: optimizer.step() would read "
              f"gradients the all-reduce may still be writing (a race) — call wait() on every "
-             f"handle, then copy back.")
+             f"handle.")
     if s["stale_waits"]:
         fail(f"{when}, finish_gradient_synchronization() waited again on "
              f"{len(s['stale_waits'])} handle(s) from step {s['stale_waits'][0] + 1}: empty the "
-             f"list of handles after waiting, or it grows by one per bucket every step (and "
-             f"old buffers are copied back again each time).")
-    # 3. The gradients left for optimizer.step().
+             f"list of handles after waiting, or it grows by one per bucket every step.")
+    # 3. The gradients left for optimizer.step(): their values, then where they live.
     after, own, mean = s["after"], s["own"], s["mean"]
     if any(a is None for a in after):
         missing = [names[i] for i, a in enumerate(after) if a is None]
         fail(f"p.grad is None for {missing[:3]} after finish_gradient_synchronization() {when}: "
-             f"copy the averages back into every p.grad.")
+             f"every parameter's p.grad must be its view of the bucket.")
     for i, (a, m) in enumerate(zip(after, mean)):
         if a.shape != m.shape:
-            fail(f"{names[i]}.grad has shape {tuple(a.shape)} instead of {tuple(m.shape)}: copy "
-                 f"its slice back with .view_as(p.grad).")
-    if all(_close(a, m) for a, m in zip(after, mean)):
+            fail(f"{names[i]}.grad has shape {tuple(a.shape)} instead of {tuple(m.shape)}: make "
+                 f"its view with .view_as(p).")
+    if _all_close(after, mean):
+        _diagnose_views(s, when, buckets, names, order, calls)
         return
+    _diagnose_values(s, prev, step, when, world_size, buckets, names, numels)
+
+
+def _diagnose_views(s, when, buckets, names, order, calls) -> None:
+    """The values are right: are the gradients views of the buffers that were all-reduced?"""
+    __tracebackhide__ = True
+    for k, b in enumerate(buckets):
+        c = calls[order.index(k)]
+        for i in b:
+            storage, offset, numel = s["views"][i]
+            if storage != c["storage"]:
+                fail(f"{names[i]}.grad holds the right average {when} but is not a view of its "
+                     f"bucket's buffer: it was copied back (or copied in and never pointed at "
+                     f"the bucket). Make p.grad the view buffer[offset:offset + p.numel()]"
+                     f".view_as(p), as DDP's gradient_as_bucket_view does: autograd then "
+                     f"writes into the bucket and the all-reduced buffer is the gradient — no "
+                     f"copy back.")
+
+
+def _overlapping_views(s, buckets, names):
+    spans = {}
+    for b in buckets:
+        for i in b:
+            storage, offset, numel = s["views"][i]
+            spans.setdefault(storage, []).append((offset, offset + numel, i))
+    for group in spans.values():
+        group.sort()
+        for (a0, a1, i), (b0, b1, j) in zip(group, group[1:]):
+            if b0 < a1:
+                return names[i], names[j], a0, b0
+    return None
+
+
+def _diagnose_values(s, prev, step, when, world_size, buckets, names, numels) -> None:
+    __tracebackhide__ = True
+    after, own, mean, calls = s["after"], s["own"], s["mean"], s["calls"]
+    if any(torch.isnan(a).any() for a in after):
+        bad = next(names[i] for i, a in enumerate(after) if torch.isnan(a).any())
+        fail(f"{bad}.grad was read from its bucket before wait() {when}: the check leaves a "
+             f"buffer whose all-reduce is in flight without a defined value (NaN), as a GPU "
+             f"collective still writing it would — copying back before wait() copies garbage. "
+             f"With p.grad a view of the bucket, wait() is all it takes.")
+    temporary = [c for c in calls if c["async"] and not c["kept"]]
+    if temporary:
+        fail(f"{len(temporary)} of the {len(calls)} all-reduces {when} were of a temporary "
+             f"tensor that neither your wrapper nor any p.grad keeps (torch.cat, .clone(), "
+             f"buffer / world_size, ... make a new tensor): its result is thrown away. "
+             f"Divide the bucket's own buffer in place (div_) and all-reduce that buffer, the "
+             f"one the gradients are views of.")
+    clash = _overlapping_views(s, buckets, names)
+    if clash:
+        a, b, oa, ob = clash
+        fail(f"the views of {a} (offset {oa}) and {b} (offset {ob}) overlap in their bucket's "
+             f"buffer {when}: both gradients are written into the same numbers. Each "
+             f"parameter's view starts where the previous one ended (offset += p.numel()).")
+    for i, b in enumerate(buckets):
+        for j in b:
+            storage = s["views"][j][0]
+            home = [c["storage"] for c in calls if c["numel"] == sum(numels[x] for x in b)]
+            others = [c["storage"] for c in calls if c["storage"] != (home[0] if home else None)]
+            if home and storage != home[0] and storage in others:
+                fail(f"{names[j]}.grad is a view of another bucket's buffer {when}: make each "
+                     f"parameter's view from the buffer of the bucket it is in.")
     total = [m * world_size for m in mean]
-    if all(_close(a, t) for a, t in zip(after, total)):
+    if _all_close(after, total) and (step == 0 or prev is None or world_size != 2
+                                     or not _all_close(prev["after"], prev["mean"])):
         fail(f"the gradients hold the sum over the ranks, {world_size} times the mean, {when}: "
              f"divide each bucket by the world size (before the all-reduce or after the wait).")
+    if _all_close(after, [2 * m for m in mean]):
+        fail(f"the gradients are twice the mean {when}, after a right step 1: p.grad was "
+             f"already the bucket's view, and adding it onto itself (view.add_(p.grad)) "
+             f"doubled it — copy_ a fresh gradient into the view, and do nothing when p.grad "
+             f"is the view already.")
+    if prev is not None and _all_close(after, [m + q for m, q in zip(mean, prev["mean"])]):
+        fail(f"the gradients {when} are this step's mean plus the last step's: a fresh p.grad "
+             f"(after zero_grad(set_to_none=True)) was added (add_) to the bucket, which still "
+             f"held the last average — copy_ it in.")
     for k in sorted({2, 3, 4} - {world_size}):
-        if all(_close(a, t / k) for a, t in zip(after, total)):
+        if _all_close(after, [t / k for t in total]):
             fail(f"on {world_size} ranks the gradients are the sum divided by {k}: divide by "
                  f"dist.get_world_size(), not by a fixed {k}.")
-    if all(_close(a, o) for a, o in zip(after, own)):
+    for extra, what in ((own, "its own gradient"), ([o / world_size for o in own],
+                                                    "its own gradient divided by the world size")):
+        if _all_close(after, [m + e for m, e in zip(mean, extra)]):
+            fail(f"p.grad holds the mean plus {what} {when}: the average was added (add_) to "
+                 f"the gradient instead of replacing it (copy_) — with p.grad a view of the "
+                 f"bucket there is nothing to copy back at all.")
+    if _all_close(after, own) or _all_close(after, [o / world_size for o in own]):
         fail(f"p.grad still holds this rank's own gradient after finish_gradient_"
-             f"synchronization() {when}: copy each bucket's averaged slices back into p.grad "
-             f"after waiting.")
+             f"synchronization() {when}, while the bucket holds the average: p.grad is not "
+             f"the bucket's view (autograd's fresh gradient was copied in but p.grad never "
+             f"pointed at the view) — set p.grad = view in the hook.")
     wrong = [i for i, (a, m) in enumerate(zip(after, mean)) if not _close(a, m)]
     for i in wrong:
-        others = [j for j in range(n_params) if j != i and numels[j] == numels[i]
+        others = [j for j in range(len(names)) if j != i and numels[j] == numels[i]
                   and _close(after[i].reshape(-1), mean[j].reshape(-1))]
         if others:
-            fail(f"{names[i]}.grad holds the averaged gradient of {names[others[0]]}: a slice "
-                 f"was copied back into the wrong parameter — use the offset recorded for each "
-                 f"parameter when its gradient was copied in.")
+            fail(f"{names[i]}.grad holds the averaged gradient of {names[others[0]]} {when}: it "
+                 f"was given the wrong slice of the bucket — use the offset recorded for each "
+                 f"parameter.")
+    for b in buckets:
+        got = torch.cat([after[i].reshape(-1) for i in b])
+        right = torch.cat([mean[i].reshape(-1) for i in b])
+        if any(i in wrong for i in b) and torch.allclose(got.sort().values, right.sort().values,
+                                                         rtol=1e-4, atol=1e-7):
+            fail(f"bucket {buckets.index(b)} holds the right averages {when}, but in the wrong "
+                 f"parameters: {names[next(i for i in b if i in wrong)]}.grad was given another "
+                 f"offset of the buffer than the one its gradient went in at — give each "
+                 f"parameter one offset (the numel of those before it in the bucket) and use "
+                 f"it both ways, or better, make p.grad the view at that offset.")
     fail(f"{names[wrong[0]]}.grad is not the mean over the ranks {when} (nor the sum, nor this "
-         f"rank's own gradient): it holds values from elsewhere in the bucket's buffer — copy in "
-         f"and copy back each parameter at the same offset, and all-reduce the whole buffer.")
+         f"rank's own gradient, nor any single mistake the check knows): its view must be "
+         f"buffer[offset:offset + p.numel()] at offsets that add up p.numel() in bucket order, "
+         f"and the whole buffer must be all-reduced once.")
+
 
 
 # --------------------------------------------------------------------------------------------
