@@ -7,11 +7,12 @@
 # - start ranks from a notebook and say what each of the four collectives leaves on every rank;
 # - write a DDP training worker: process group, `DistributedDataParallel`, sharded data, the loop;
 # - prove that averaging gradients by hand, DDP, and one process on the global batch agree;
-# - explain DDP's buckets — why the first iteration has one, and how later ones overlap the
-#   backward — from a timeline you record yourself;
+# - explain DDP's buckets — why the first iteration has one (two with `static_graph=True`),
+#   where a bucket closes, and how later ones overlap the backward — from what you record;
+# - say which BatchNorm statistics each rank uses and rank 0 saves, and why;
 # - shard data with `DistributedSampler` and say what forgetting `set_epoch` does.
 #
-# **Time:** about 30 minutes to read and run.
+# **Time:** about 45 minutes to read and run.
 #
 # **Lab:** [lab03_ddp_first_principles](../labs/lab03_ddp_first_principles.ipynb) — write
 # `average_gradients` and a DDP-free data-parallel step.
@@ -22,9 +23,11 @@
 # lesson we:
 #
 # 1. start processes (ranks) from the notebook and try the four collectives;
-# 2. train with DDP and prove: DDP == one process on the global batch, and the weights stay
-#    equal on every rank for many steps; then (after lab 03) the same by hand;
-# 3. look inside DDP: the initial broadcast, the gradient buckets, the all-reduce during backward;
+# 2. train with DDP and prove: DDP == one process on the global batch (to 1e-5), and the
+#    weights stay bit-for-bit equal on every rank for many steps; then (after lab 03) the same
+#    by hand;
+# 3. look inside DDP: the initial broadcast, the gradient buckets and the rule that sizes them,
+#    the all-reduce during backward, the buffers broadcast before every forward;
 # 4. shard the data with `DistributedSampler`, and see what forgetting `set_epoch` does.
 #
 # Every multi-process cell goes through `dpcourse.launch.spawn`, with the backend that
@@ -63,7 +66,8 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # %% [markdown]
 # ## Processes, ranks, rendezvous
 # Each process is a **rank** `0 … world_size−1`. To talk, they first meet at a **rendezvous**:
-# here a TCP store at `MASTER_ADDR:MASTER_PORT` that rank 0 hosts; `init_process_group(backend)`
+# here a TCP **store** (a small key-value server through which the ranks swap the addresses
+# they need to connect) at `MASTER_ADDR:MASTER_PORT` that rank 0 hosts; `init_process_group(backend)`
 # reads the address, `RANK` and `WORLD_SIZE` from the environment. The **backend** moves the
 # bytes: **gloo** (CPU tensors, any machine) or **nccl** (GPU tensors, one GPU per rank, much
 # faster). `spawn` sets the variables, starts the ranks, initialises the group, and hands back
@@ -171,12 +175,21 @@ claim("weights after every rank's last step are bit-for-bit equal across the ran
 #
 # Before reading on, open [lab03_ddp_first_principles](../labs/lab03_ddp_first_principles.ipynb)
 # and write what DDP just did for you: `average_gradients(model)` and a DDP-free training step.
-# The rest of this section shows the library's answer, so do the lab first.
-#
-# The library's `average_gradients`, and the worker that uses it in place of DDP:
+# The library's own `average_gradients` is in the folded cell below: open it once your lab
+# passes.
+
+# %% [markdown]
+# **▶ The reference answer — open after your lab passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ddp.average_gradients)
+
+# %% [markdown]
+# The worker that uses it (its `average_fn`, by default the library's `average_gradients`) in
+# place of DDP, with the same model, data and steps as `ddp_worker`:
 
 # %%
-viz.show_code(ddp.average_gradients, ddp.manual_dp_worker)
+viz.show_code(ddp.manual_dp_worker)
 
 # %%
 manual = launch.spawn(ddp.manual_dp_worker, world_size, cfg, backend=backend, timeout=120)
@@ -190,7 +203,7 @@ claim("hand-averaged weights are bit-for-bit equal across the ranks",
       all(torch.equal(manual[0]["params"], r["params"]) for r in manual))
 
 # %% [markdown]
-# Equal to float tolerance, not bit for bit, against the single process: summing the gradient
+# Equal to 1e-5, not bit for bit, against the single process: summing the gradient
 # in two halves and then adding rounds differently from summing it in one go. *Between ranks*,
 # though, the weights are identical to the last bit after every step: every rank receives the
 # very same all-reduced numbers and applies the same update. Nobody ever sends weights after the
@@ -219,18 +232,27 @@ else:
 
 # %% [markdown]
 # ## How DDP does it
-# `DistributedDataParallel(model)` adds three things to what we did by hand:
+# Inside `DistributedDataParallel` the work is done by its **reducer**: a C++ object that owns
+# the gradient buckets and launches their all-reduces. It belongs to **c10d**, torch's C++
+# library for distributed communication (process groups, the store, the reducer), whose Python
+# face is `torch.distributed`. `DDP(model)` adds four things to what we did by hand:
 #
-# 1. **Broadcast at construction.** It copies rank 0's weights to every rank, so the ranks start
-#    equal even if they were initialised differently.
-# 2. **Autograd hooks and buckets.** It registers a hook on every parameter's gradient and groups
-#    the gradients into **buckets** of about `bucket_cap_mb` (25 MB by default). When every
-#    gradient of a bucket is ready, the whole bucket is all-reduced in one call.
-# 3. **Overlap.** Those all-reduces start *while the backward is still computing* the gradients of
-#    earlier layers, so communication hides behind computation.
+# 1. **Broadcast at construction.** It copies rank 0's weights and buffers to every rank, so
+#    the ranks start equal even if they were initialised differently.
+# 2. **Buffers broadcast before every forward.** Buffers are a module's state that is not a
+#    parameter, such as BatchNorm's running statistics: no gradient reaches them, so no
+#    all-reduce averages them. By default (`forward_sync_buffers=True`, called
+#    `broadcast_buffers` before torch 2.13) DDP copies rank 0's buffers to every rank at the
+#    start of every forward.
+# 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
+#    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (25 MiB by default; the
+#    argument's name says MB, but DDP multiplies it by 1024 × 1024). When every gradient in a
+#    bucket is ready, the whole bucket is all-reduced in one call.
+# 4. **Overlap.** Those all-reduces start *while the backward is still computing* the gradients
+#    of earlier layers, so communication can hide behind computation.
 #
-# First the broadcast: every rank builds its model from a *different* seed, and after `DDP(model)`
-# they are equal.
+# First the broadcast: every rank builds its model from a *different* seed, and after
+# `DDP(model)` they are equal.
 
 # %%
 viz.show_code(ddp.ddp_internals_worker)
@@ -240,23 +262,23 @@ internals = launch.spawn(ddp.ddp_internals_worker, world_size, 0.1, backend=back
 claim("DDP(model) left rank 0's weights unchanged", not internals[0]["changed_by_ddp"])
 claim("DDP(model) overwrote every other rank's weights",
       all(r["changed_by_ddp"] for r in internals[1:]))
-claim("after DDP(model) the weights are equal on all ranks",
+claim("after DDP(model) the weights are bit-for-bit equal on all ranks (torch.equal)",
       all(r["equal_on_all_ranks"] for r in internals))
 
 # %% [markdown]
 # ### Buckets, and why the first iteration has only one
-# To see the buckets we replace DDP's all-reduce with our own **comm hook**: DDP calls it once per
-# bucket, when the bucket is full, and our hook stamps the time, launches the same asynchronous
-# all-reduce DDP would, and stamps the time again when it has finished. A tensor hook on every
-# parameter stamps when its gradient is computed. The model is 0.72 MB of float32, and we ask
-# for buckets of 0.1 MB — so it cannot fit in one bucket.
+# To see the buckets we replace DDP's all-reduce with our own **comm hook**: DDP calls it once
+# per bucket, when every gradient in the bucket is ready, and our hook stamps the time, launches
+# the same asynchronous all-reduce DDP would, and stamps the time again when it has finished. A
+# tensor hook on every parameter stamps when its gradient is computed. The model is 0.72 MiB of
+# float32, and we ask for buckets of 0.1 MiB (102.4 KiB), so it cannot fit in one bucket.
 #
 # (This worker always runs on the CPU with gloo: what we look at is DDP's bookkeeping, which is
 # the same with NCCL.)
 
 # %%
 def bucket_worker(rank, world_size, bucket_cap_mb, model_fn, find_unused_parameters=False,
-                  iterations=3, batch=32):
+                  iterations=3, batch=32, static_graph=False):
     import time
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -265,11 +287,11 @@ def bucket_worker(rank, world_size, bucket_cap_mb, model_fn, find_unused_paramet
     torch.manual_seed(0)
     model = model_fn()
     ddp_model = DDP(model, bucket_cap_mb=bucket_cap_mb,
-                    find_unused_parameters=find_unused_parameters)
+                    find_unused_parameters=find_unused_parameters, static_graph=static_graph)
     names = {p: n for n, p in model.named_parameters()}
     log = {"grads": [], "buckets": []}
 
-    def timed_allreduce(state, bucket):          # DDP calls this once per full bucket
+    def timed_allreduce(state, bucket):          # DDP calls this once per ready bucket
         start = time.perf_counter()
         params = [names[p] for p in bucket.parameters()]
         nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
@@ -319,7 +341,7 @@ for it, seen in enumerate(runs[0]):
 
 # %%
 first, second, third = runs[0]
-claim(f"the model ({model_bytes / 2**20:.2f} MiB) is larger than the bucket cap ({cap_mb} MB)",
+claim(f"the model ({model_bytes / 2**20:.2f} MiB) is larger than the bucket cap ({cap_mb} MiB)",
       model_bytes > cap_mb * 2**20)
 claim("iteration 0: ONE bucket holding all 10 parameters, whatever the cap",
       len(first["buckets"]) == 1 and len(first["buckets"][0][0]) == 10)
@@ -331,18 +353,37 @@ claim("the first bucket reduced holds the last layer (its gradient is computed f
 
 # %% [markdown]
 # Why one bucket first? Not because of a size limit: the model is seven times the cap. In its
-# constructor DDP does not yet know in which order the backward will produce the gradients —
+# constructor DDP does not yet know in which order the backward will produce the gradients:
 # registration order is only a guess, and a wrong guess could make ranks launch all-reduces in
-# different orders (a deadlock or a silent mix-up). So, unless you pass `find_unused_parameters=True`
-# or `static_graph=True`, DDP **disables bucketing for the first iteration**: one bucket, all-reduced
-# once every gradient is ready. During that iteration the reducer records the order in which the
-# gradients really arrived, and before the second forward it **rebuilds the buckets** in that order,
-# capped at `bucket_cap_mb` (you can read this in `torch/nn/parallel/distributed.py`, where the
-# initial size limit is `sys.maxsize`, and `_rebuild_buckets` in `reducer.cpp`).
+# different orders (a deadlock or a silent mix-up). So DDP builds its initial buckets with a
+# size limit of `sys.maxsize` (one bucket) in every case but one: `find_unused_parameters=True`
+# *without* `static_graph=True`. During the first iteration the reducer records the order in
+# which the gradients really became ready, and before the second forward it **rebuilds the
+# buckets** in that order, once and for all (`_pre_forward` calls the reducer's
+# `_rebuild_buckets`).
 #
-# With `find_unused_parameters=True` DDP must walk the graph every iteration anyway, and it does
-# bucket by size from the start (in reverse registration order). We give that model a head it never
-# uses, which is exactly the case that flag exists for:
+# `static_graph=True` is your promise that every iteration uses the same parameters in the same
+# way. It waits one iteration longer: in its first iteration the reducer only notes which
+# parameters received a gradient, and all-reduces everything at the end of the backward
+# (`_DDPSink.backward` queues the reducer's `_delay_all_reduce`); it records the order in the
+# second iteration and rebuilds before the third. The same model and cap, with
+# `static_graph=True`:
+
+# %%
+static_runs = launch.spawn(bucket_worker, world_size, cap_mb, small_cnn, static_graph=True,
+                           backend="gloo", timeout=60)
+per_iteration = [len(seen["buckets"]) for seen in static_runs[0]]
+print(f"static_graph=True: buckets per iteration {per_iteration}")
+claim("static_graph=True: one bucket in iterations 0 AND 1",
+      per_iteration[0] == per_iteration[1] == 1)
+claim("static_graph=True, iteration 2: the same buckets the default got in iteration 1",
+      [b[0] for b in static_runs[0][2]["buckets"]] == [b[0] for b in second["buckets"]])
+
+# %% [markdown]
+# With `find_unused_parameters=True` (and no `static_graph`) DDP must walk the graph every
+# iteration anyway, and it buckets by size from the start, in reverse registration order, and
+# never rebuilds. We give that model a head it never uses, which is the case that flag exists
+# for:
 
 # %%
 def cnn_with_unused_head():
@@ -369,6 +410,82 @@ print(f"find_unused_parameters=True, iteration 0: {n_first} buckets")
 claim("with find_unused_parameters=True the first iteration is already bucketed", n_first > 1)
 
 # %% [markdown]
+# ### The cap is where a bucket closes, not a ceiling
+# Look at the sizes printed for iterations 1 and 2: under a cap of 0.1 MiB (102.4 KiB) the
+# first rebuilt bucket holds 518 KiB. The reducer walks the gradients in the order they became
+# ready, adds each to the open bucket, and closes the bucket as soon as its size **reaches** the
+# cap (`bucket.size >= bucket_size_limit` in the C++ function
+# `compute_bucket_assignment_by_size`). The classifier's first weight, 512 KiB, is five times the
+# cap by itself, so the bucket it lands in closes right after it. A bucket can therefore
+# overshoot the cap by up to one tensor; without its last tensor it is always under the cap.
+#
+# torch exposes that very C++ function to Python as
+# `torch.distributed._compute_bucket_assignment_by_size`. `ddp_bucket_rule` hands it the order
+# in which the gradients became ready in iteration 0 and the limits DDP derives from
+# `bucket_cap_mb` (`bucket_limits` asks DDP's own `_BucketCapacityConfig`: left at its default,
+# the cap is 25 MiB and the first bucket's limit only 1 MiB, so the last layers' gradients
+# leave early). `rebuilt_buckets_worker` records the buckets DDP really handed its comm hook in
+# iteration 1, for four caps on the small CNN and three on ResNet-18 (`None` is DDP's default).
+# The same order also goes to lesson 07's `overlap.assign_buckets`, which you write in lab 07
+# (it walks its input backwards, so it gets the reverse of the ready order).
+
+# %%
+viz.show_code(ddp.bucket_limits, ddp.ddp_bucket_rule, ddp.rebuilt_buckets_worker)
+
+# %%
+from dpcourse import models, overlap
+
+caps_tried = {"small_cnn": [0.05, 0.1, 0.25, 1.0], "resnet18": [None, 1.0, 5.0]}
+rule_holds, same_as_ours, in_mib, closes_on_reaching, overshoot = [], [], [], [], []
+for model_name, caps in caps_tried.items():
+    image_size = 16 if model_name == "resnet18" else 32   # same tensors, quicker
+    rebuilt = launch.spawn(ddp.rebuilt_buckets_worker, world_size, model_name, caps, 2,
+                           image_size, backend="gloo", timeout=120)
+    torch.manual_seed(0)
+    params = list(models.build_model(model_name).parameters())
+    nbytes = [p.numel() * p.element_size() for p in params]
+    print(f"{model_name}: {len(params)} parameter tensors, {sum(nbytes) / 2**20:.2f} MiB")
+    for k, cap_mb_k in enumerate(caps):
+        first_limit, limit = ddp.bucket_limits(cap_mb_k)
+        expected = ddp.ddp_bucket_rule(params, rebuilt[0][k]["ready_order"], cap_mb_k)
+        rule_holds.append(all(r[k]["buckets"] == expected for r in rebuilt))
+        ready = rebuilt[0][k]["ready_order"]     # lesson 07's assign_buckets walks its input
+        ours = overlap.assign_buckets([params[i] for i in reversed(ready)], limit / 2**20,
+                                      first_limit / 2**20 if first_limit != limit else None)
+        index = {p: i for i, p in enumerate(params)}
+        same_as_ours.append([[index[p] for p in b] for b in ours] == rebuilt[0][k]["buckets"])
+        in_mib.append(rebuilt[0][k]["cap_bytes"] == int((cap_mb_k or 25) * 1024 * 1024))
+        sizes = [sum(nbytes[i] for i in b) for b in rebuilt[0][k]["buckets"]]
+        limits = [first_limit] + [limit] * (len(sizes) - 1)
+        closes_on_reaching.append(
+            all(size >= lim for size, lim in zip(sizes[:-1], limits))
+            and all(size - nbytes[b[-1]] < lim
+                    for size, lim, b in zip(sizes, limits, rebuilt[0][k]["buckets"])))
+        overshoot.append(max(size / lim for size, lim in zip(sizes, limits)))
+        print(f"  bucket_cap_mb={cap_mb_k}: limit {limit / 1024:.1f} KiB"
+              + (f" (first bucket {first_limit / 1024:.1f} KiB)" if first_limit != limit else "")
+              + f"; {len(sizes)} bucket(s) of {[round(s / 1024) for s in sizes]} KiB")
+
+# %%
+n_pairs = len(rule_holds)
+claim(f"bucket_cap_mb is in MiB: for all {n_pairs} caps DDP logs int(bucket_cap_mb * 1024 * 1024) "
+      f"bytes", all(in_mib))
+claim(f"for all {n_pairs} (model, cap) pairs, on every rank, the buckets DDP launched are the "
+      f"same lists of parameters, in the same order, as dist._compute_bucket_assignment_by_size "
+      f"gives for the gradient-ready order", all(rule_holds))
+claim(f"lesson 07's overlap.assign_buckets (lab 07's answer), fed the parameters in reverse "
+      f"gradient-ready order, makes the same buckets for all {n_pairs} pairs", all(same_as_ours))
+claim("every bucket but the last reached its limit, and none would have without its last tensor",
+      all(closes_on_reaching))
+claim(f"so a bucket can be several times its limit: the largest here is {max(overshoot):.1f}x",
+      max(overshoot) > 1)
+
+# %% [markdown]
+# Even DDP's default 1 MiB first bucket ends at 9 MiB on ResNet-18: after the 20 KiB classifier
+# and two BatchNorm vectors comes the last block's 9 MiB convolution weight, and the bucket
+# closes only after it. A smaller cap makes more buckets of small layers, never a split tensor.
+
+# %% [markdown]
 # ### The overlap, on a timeline
 # Here is iteration 2 on rank 0, drawn from the time stamps the hooks recorded. Each tick on the
 # top row is a gradient being computed; each bar is one bucket's all-reduce, from launch to finish.
@@ -376,7 +493,7 @@ claim("with find_unused_parameters=True the first iteration is already bucketed"
 # %%
 claim("iteration 2: the first bucket's all-reduce started before the last gradient was computed",
       third["buckets"][0][2] < max(t for _, t in third["grads"]))
-viz.show(viz.ddp_timeline_figure(third, f"rank 0, iteration 2, bucket_cap_mb={cap_mb}"),
+viz.show(viz.ddp_timeline_figure(third, f"rank 0, iteration 2, bucket_cap_mb={cap_mb} (MiB)"),
          "the first bucket (the classifier) goes on the wire while the convolutions' gradients "
          "are still being computed; backward() returns only when the last bucket is done.")
 
@@ -393,14 +510,63 @@ print(f"iteration 2 on rank 0: backward took {third['backward_end']:.1f} ms; its
 # expect the overlap to save time here; on GPUs with NCCL the communication runs on its own
 # hardware path, and lesson 07 measures what overlap buys.
 #
+# ### Buffers: rank 0's BatchNorm statistics, before every forward
+# A BatchNorm layer keeps a running mean and variance: every forward in training mode updates
+# them from the batch it sees, and eval mode normalises with them instead of the batch's. They
+# are buffers, so each rank updates its own from its own shard and no all-reduce touches them.
+# Before every forward, DDP's `_pre_forward` calls `_sync_buffers`, which broadcasts rank 0's
+# buffers to the other ranks (rank 0 is the "authoritative" copy). `buffer_sync_worker` trains a
+# small BatchNorm network for three steps with `forward_sync_buffers=True` and then `False`,
+# each rank on its own data; a forward pre-hook on the BatchNorm layer records the running mean
+# each forward starts from, after DDP's own pre-forward work.
+
+# %%
+viz.show_code(ddp.buffer_sync_worker)
+
+# %%
+buffers = launch.spawn(ddp.buffer_sync_worker, world_size, backend="gloo", timeout=60)
+on, off = [r[True] for r in buffers], [r[False] for r in buffers]
+forwards = len(on[0]["seen"])      # 3 training forwards, then 1 in eval mode
+claim(f"forward_sync_buffers=True: each of the {forwards} forwards (the eval one too) started "
+      f"from rank 0's running mean on every rank (torch.equal)",
+      all(torch.equal(r["seen"][k], on[0]["seen"][k]) for r in on for k in range(forwards)))
+claim("forward_sync_buffers=True: yet after the last training step the ranks' running means "
+      "differ (that forward updated each from its own shard)",
+      all(not torch.equal(r["final_running_mean"], on[0]["final_running_mean"]) for r in on[1:]))
+claim("forward_sync_buffers=True: in eval mode every rank gives the same output for the same "
+      "input (torch.equal)", all(torch.equal(r["eval_out"], on[0]["eval_out"]) for r in on))
+claim("forward_sync_buffers=False: from the second forward on, the other ranks start from "
+      "their own running means, not rank 0's",
+      all(not torch.equal(r["seen"][k], off[0]["seen"][k])
+          for r in off[1:] for k in range(1, forwards)))
+claim("forward_sync_buffers=False: in eval mode the ranks give different outputs for the same "
+      "input", all(not torch.equal(r["eval_out"], off[0]["eval_out"]) for r in off[1:]))
+claim("either way the weights are bit-for-bit the same (training-mode BatchNorm normalises with "
+      "the batch's statistics, not the running ones)",
+      all(torch.equal(a["params"], b["params"]) for a, b in zip(on, off)))
+claim("either way rank 0's running mean is bit-for-bit the same: the broadcast never changes "
+      "rank 0's buffers", torch.equal(on[0]["final_running_mean"], off[0]["final_running_mean"]))
+
+# %% [markdown]
+# So the statistics rank 0 saves in a checkpoint (lesson 04 saves from rank 0) come from rank
+# 0's shards only, 1/N of each global batch, whatever the setting. What the broadcast decides is
+# what the *other* ranks use: with it on, every rank evaluates with rank 0's statistics, the
+# model you checkpoint, and gets the same outputs; with it off, each rank evaluates with its own
+# and N ranks report N different accuracies for the same weights. Statistics over the whole
+# global batch need `nn.SyncBatchNorm` (lesson 04), which all-reduces the batch's statistics
+# inside every forward.
+#
 # | | DataParallel | DDP |
 # |---|---|---|
 # | processes | 1 (threads, one GIL) | 1 per device |
 # | weights sent | every step, from device 0 | once, at the start |
 # | gradients | summed onto device 0 | all-reduced, averaged on every rank |
-# | per-step traffic at the busiest device | 2(N−1)K | 2(N−1)K/N with ring all-reduce |
+# | per-step traffic at the busiest device | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 2(N−1)K/N with ring all-reduce |
 # | overlap with backward | no | yes (buckets) |
 # | multi-machine | no | yes |
+#
+# (The real `nn.DataParallel` moves its copies with `torch.nn.parallel.comm`, whose
+# `reduce_add` uses an NCCL reduce when it can; lesson 02's count is for the naive pattern.)
 
 # %% [markdown]
 # ## DistributedSampler and `set_epoch`
@@ -441,11 +607,17 @@ viz.show(viz.sampler_grid_figure({"without set_epoch": without, "with set_epoch"
 # - DDP runs one process per device; the processes meet at a rendezvous and talk through
 #   collectives (broadcast, all_reduce, all_gather, reduce_scatter) that every rank must call.
 # - Averaging the gradients (all-reduce SUM, divide by `world_size`) makes each rank's step the
-#   step of one process on the global batch — equal to float tolerance, and bit-for-bit equal
+#   step of one process on the global batch — equal to 1e-5 here, and bit-for-bit equal
 #   across the ranks.
-# - `DDP(model)` broadcasts rank 0's weights once, then all-reduces gradients in buckets from
-#   inside `backward()`. The first iteration uses one bucket (the gradient order is not known
-#   yet); afterwards the buckets follow the order gradients arrived, and they overlap the backward.
+# - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
+#   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
+#   not known yet; with `static_graph=True` the first two do), unless `find_unused_parameters=True`
+#   without `static_graph`; afterwards the buckets follow the order the gradients arrived, and
+#   they overlap the backward.
+# - A bucket closes once it *reaches* `bucket_cap_mb` MiB, so it can overshoot by its last
+#   tensor; DDP's buckets are those of `dist._compute_bucket_assignment_by_size`.
+# - Before every forward DDP broadcasts rank 0's buffers (`forward_sync_buffers=True`): every
+#   rank evaluates with rank 0's BatchNorm statistics, which come from rank 0's shards only.
 # - `DistributedSampler` gives each rank a disjoint shard; call `set_epoch` every epoch or every
 #   epoch repeats the same order.
 #
@@ -463,7 +635,7 @@ viz.quiz([
              "Right: the average of equal-sized shard means is the global mean.",
              "Then every rank would step with rank 0's shard only."]},
     {"q": "Why does the first backward under DDP all-reduce one bucket holding every gradient?",
-     "options": ["The first bucket is capped at 1 MB and the model is small",
+     "options": ["The first bucket is capped at 1 MiB and the model is small",
                  "DDP does not know the gradients' order yet, so it disables bucketing for the "
                  "first iteration and rebuilds buckets from the order it observed",
                  "gloo cannot all-reduce several buckets at once"],
@@ -474,8 +646,8 @@ viz.quiz([
              "From the second iteration on, gloo all-reduced several buckets."]},
     {"q": "After 10 steps, are DDP's weights bit-for-bit equal to one process on the global "
           "batch?",
-     "options": ["Yes, always", "No, but they are equal to float tolerance; and across the "
-                 "ranks they ARE bit-for-bit equal", "No, they drift apart by design"],
+     "options": ["Yes, always", "No, but they agree to 1e-5; and across the ranks they ARE "
+                 "bit-for-bit equal", "No, they drift apart by design"],
      "answer": 1,
      "why": ["Summing in two halves rounds differently from summing in one go.",
              "Right: every rank applies the very same all-reduced numbers.",
@@ -487,4 +659,71 @@ viz.quiz([
      "why": ["The shards stay disjoint: each rank still takes every world_size-th index.",
              "Right: the shuffle is seeded with seed + epoch, and the epoch stays 0.",
              "Nothing is communicated by the sampler, so nothing can hang."]},
+    {"q": "bucket_cap_mb=1, and a 4 MiB gradient arrives while a bucket holds 0.5 MiB. What does "
+          "the reducer do?",
+     "options": ["Splits the gradient over four 1 MiB buckets",
+                 "Adds it: the bucket reaches the cap, closes at 4.5 MiB, and the next gradient "
+                 "opens a new one",
+                 "Closes the 0.5 MiB bucket first and puts the gradient in a bucket of its own"],
+     "answer": 1,
+     "why": ["A gradient is never split: a bucket holds whole tensors.",
+             "Right: a bucket closes once it reaches the cap, so it overshoots by its last "
+             "tensor (lesson 03 saw 518 KiB under a 0.1 MiB cap).",
+             "That is 'close before going over the cap', which is not DDP's rule."]},
+    {"q": "You train a model with BatchNorm under DDP with its defaults on 4 ranks and save rank "
+          "0's state_dict. Its running statistics are...",
+     "options": ["averaged over the 4 ranks by DDP's all-reduce",
+                 "rank 0's own, from rank 0's shards; the other ranks copied them before each "
+                 "forward",
+                 "those of the last rank to finish its forward"],
+     "answer": 1,
+     "why": ["Buffers get no gradient, so the all-reduce never touches them.",
+             "Right: forward_sync_buffers broadcasts from rank 0; rank 0's are never "
+             "overwritten. SyncBatchNorm (lesson 04) gives whole-batch statistics.",
+             "The broadcast always comes from rank 0 (outside Join)."]},
 ])
+
+# %% [markdown]
+# ## Sources
+#
+# Checked against the installed torch 2.14.1 (paths relative to `site-packages`):
+#
+# - `torch/distributed/rendezvous.py` — `_env_rendezvous_handler`, `_create_c10d_store`: the
+#   `env://` rendezvous reads `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`; rank 0 hosts
+#   the TCP store (`start_daemon = rank == 0`).
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`:
+#   `forward_sync_buffers` defaults to `True`; `broadcast_buffers` is deprecated (since 2.13)
+#   in its favour; construction calls `_sync_module_states(..., src=0, ...)`, defined in
+#   `torch/distributed/utils.py`, which broadcasts rank 0's parameters and buffers.
+# - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`: `bucket_cap_mb` is in
+#   MiB (`_MB_TO_BYTES = 1024 * 1024`), 25 MiB by default; the first bucket's limit is
+#   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when the cap is left at its default.
+# - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.compute_bucket_size_limits`:
+#   the initial limit is `[sys.maxsize]` (one bucket) when `static_graph or not
+#   find_unused_parameters`; `DistributedDataParallel._ddp_init_helper` passes it to
+#   `dist._compute_bucket_assignment_by_size` and hands the reversed buckets to `dist.Reducer`.
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._pre_forward`: calls
+#   `self.reducer._rebuild_buckets()` before the forward, then `_sync_buffers()` when
+#   `_check_sync_bufs_pre_fwd()`; `_sync_buffers` uses rank 0 as the authoritative copy unless
+#   `Join` is active.
+# - `torch/nn/parallel/distributed.py` — `_DDPSink.backward`: with `static_graph`, the first
+#   backward queues `reducer._delay_all_reduce` (every bucket all-reduced after the backward).
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.register_comm_hook`: the hook
+#   is called once per bucket when it is ready, with a `GradBucket` not yet divided by the world
+#   size; `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`
+#   divides and all-reduces, as DDP does without a hook.
+# - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::should_rebuild_buckets`
+#   (rebuild once, never with `find_unused_parameters` unless `static_graph`) and the declaration
+#   of `compute_bucket_assignment_by_size`, which Python sees as
+#   `dist._compute_bucket_assignment_by_size`. Its body, with the rule "close the bucket once
+#   `bucket.size >= bucket_size_limit`", and `Reducer::rebuild_buckets` and
+#   `Reducer::autograd_hook` (no order recorded in a static graph's first iteration) are in
+#   c10d's `reducer.cpp` in the PyTorch repository (not installed); the claims above check the
+#   behaviour on the installed build.
+# - `torch/nn/parallel/comm.py` — `reduce_add`: uses `nccl.reduce` when NCCL is available (the
+#   real `nn.DataParallel`'s gradient path, through `ReduceAddCoalesced` in
+#   `torch/nn/parallel/_functions.py`).
+# - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__`: shuffles with
+#   `seed + epoch`, pads to a multiple of `num_replicas`, takes `indices[rank::num_replicas]`;
+#   `set_epoch` sets the epoch.
+

@@ -18,6 +18,11 @@ What lesson 03 proves with these workers:
   steps the weights are equal on every rank (:func:`manual_dp_worker` with many steps);
 * how DDP works: the rank-0 weights broadcast at construction, gradient buckets reduced by a
   comm hook during the backward (:func:`ddp_internals_worker`);
+* the buckets DDP rebuilds after the first iteration are those of its own rule,
+  ``torch.distributed._compute_bucket_assignment_by_size`` (:func:`ddp_bucket_rule`,
+  :func:`rebuilt_buckets_worker`): a bucket closes once it *reaches* the cap;
+* DDP broadcasts rank 0's buffers (BatchNorm statistics) before every forward
+  (:func:`buffer_sync_worker`);
 * DistributedSampler gives each rank a disjoint shard, and without ``set_epoch`` every epoch
   repeats the same order (:func:`sampler_orders`).
 """
@@ -50,6 +55,11 @@ __all__ = [
     "single_process",
     "compare_three",
     "ddp_internals_worker",
+    "bucket_limits",
+    "ddp_bucket_rule",
+    "rebuilt_buckets_worker",
+    "BNNet",
+    "buffer_sync_worker",
     "sampler_orders",
     "flat_params",
     "shard_overlap",
@@ -368,6 +378,143 @@ def ddp_internals_worker(rank: int, world_size: int, bucket_cap_mb: float = 25.0
         "equal_on_all_ranks": all(torch.equal(gathered[0].cpu(), g.cpu()) for g in gathered),
         "iterations": per_iteration,
     }
+
+
+# --------------------------------------------------------------------------------------------
+# Inside DDP: how the cap is applied when the buckets are rebuilt
+# --------------------------------------------------------------------------------------------
+
+
+def bucket_limits(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """``(first_bucket_bytes, bucket_bytes)`` as DDP computes them from ``bucket_cap_mb``.
+
+    Asks DDP's own ``_BucketCapacityConfig`` (torch/nn/parallel/distributed.py): the cap is in
+    MiB (``int(bucket_cap_mb * 1024 * 1024)`` bytes); left at ``None`` it is 25 MiB and the
+    first bucket's limit is ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB), otherwise the first
+    bucket has the same limit as the others.
+    """
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+    cfg = _BucketCapacityConfig.create(bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=None,
+                                       use_python_reducer=False)
+    return cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap
+
+
+def ddp_bucket_rule(params: list, ready_order: list[int], bucket_cap_mb: float | None
+                    ) -> list[list[int]]:
+    """The buckets DDP's reducer builds before the second forward, by its own C++ function.
+
+    ``ready_order`` lists parameter indices in the order their gradients became ready in the
+    first backward. The reducer walks them in that order and calls
+    ``compute_bucket_assignment_by_size`` (reducer.cpp), which torch exposes to Python as
+    ``dist._compute_bucket_assignment_by_size``: a bucket is closed as soon as its size *reaches*
+    its limit (first bucket: the first limit; later ones: the second), so a bucket can overshoot
+    the cap by up to one tensor.
+    """
+    first, cap = bucket_limits(bucket_cap_mb)
+    buckets, _limits = dist._compute_bucket_assignment_by_size(
+        [params[i] for i in ready_order], [first, cap], [], list(ready_order))
+    return [list(b) for b in buckets]
+
+
+def rebuilt_buckets_worker(rank: int, world_size: int, model_name: str, caps: list,
+                           batch: int = 2, size: int = 32, seed: int = 0) -> list[dict]:
+    """For each cap (MiB, or None for DDP's default) wrap a fresh model in DDP and run two
+    iterations; return the order in which the gradients became ready in iteration 0 and the
+    buckets, as parameter indices, that DDP handed our comm hook in iteration 1 (after the
+    rebuild), plus the cap in bytes DDP reports in its logging data."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(seed + rank)
+    X = torch.randn(batch, 3, size, size)
+    results = []
+    for cap in caps:
+        torch.manual_seed(seed)
+        model = _models.build_model(model_name)
+        ddp_model = DDP(model, bucket_cap_mb=cap)
+        index = {p: i for i, p in enumerate(model.parameters())}
+        ready, launched = [], []
+
+        def hook(state, bucket, launched=launched):   # DDP calls it once per bucket
+            launched.append((bucket.index(), [index[p] for p in bucket.parameters()]))
+            return default_hooks.allreduce_hook(None, bucket)
+
+        ddp_model.register_comm_hook(None, hook)
+        handles = [p.register_hook(lambda g, i=i, ready=ready: ready.append(i))
+                   for p, i in index.items()]
+        ddp_model(X).square().mean().backward()        # iteration 0: one bucket, order recorded
+        for h in handles:
+            h.remove()
+        launched.clear()
+        ddp_model(X).square().mean().backward()        # iteration 1: the rebuilt buckets
+        results.append({
+            "cap_mb": cap,
+            "ready_order": ready,
+            "buckets": [params for _, params in sorted(launched)],
+            "cap_bytes": int(ddp_model._get_ddp_logging_data()["bucket_cap_bytes"]),
+        })
+        del ddp_model
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# Inside DDP: rank 0's buffers are broadcast before every forward
+# --------------------------------------------------------------------------------------------
+
+
+class BNNet(nn.Module):
+    """A tiny CNN with one BatchNorm layer: its running statistics are *buffers* (state that is
+    not a parameter, so no gradient is averaged for it)."""
+
+    def __init__(self, width: int = 8, num_classes: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.conv(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def buffer_sync_worker(rank: int, world_size: int, steps: int = 3, batch: int = 8,
+                       seed: int = 0) -> dict:
+    """Train :class:`BNNet` under DDP for ``steps`` steps, once with ``forward_sync_buffers=True``
+    (the default) and once with ``False``; each rank reads its own data.
+
+    Returns, per setting: the BatchNorm ``running_mean`` each forward *started* with (recorded
+    by a forward pre-hook on the BatchNorm layer, which runs after DDP's own pre-forward work),
+    the one this rank holds after training, its final weights, and the eval-mode output for one
+    input that is the same on every rank.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    for sync in (True, False):
+        torch.manual_seed(seed)
+        model = BNNet()
+        ddp_model = DDP(model, forward_sync_buffers=sync)
+        opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+        seen = []
+        model.bn.register_forward_pre_hook(
+            lambda mod, inp: seen.append(mod.running_mean.detach().clone()))
+        g = torch.Generator().manual_seed(1000 * (seed + 1) + rank)   # each rank its own data
+        for _ in range(steps):
+            X = torch.randn(batch, 3, 16, 16, generator=g) * (1 + rank)
+            y = torch.randint(0, 10, (batch,), generator=g)
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp_model(X), y).backward()
+            opt.step()
+        final_mean = model.bn.running_mean.detach().clone()
+        ddp_model.eval()
+        with torch.no_grad():
+            same_input = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+            eval_out = ddp_model(same_input)
+        out[sync] = {"seen": seen, "final_running_mean": final_mean,
+                     "params": flat_params(model), "eval_out": eval_out}
+        del ddp_model
+    return out
 
 
 # --------------------------------------------------------------------------------------------
