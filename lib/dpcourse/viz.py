@@ -42,6 +42,8 @@ __all__ = [
     "sampler_grid_figure",
     "mirrored_vs_ddp_figure",
     "overlap_timeline_figure",
+    "reducer_figure",
+    "overlap_model_figure",
     "bucket_sweep_figure",
     "step_time_bars_figure",
     "comm_hooks_figure",
@@ -769,11 +771,78 @@ def overlap_timeline_figure(timeline: dict, title: str = ""):
                                               else ["the bucket"]), fontsize=7.5)
     ax.set_xlabel("ms since backward() was called")
     ax.set_ylim(-0.8, n + 0.8)
-    ax.legend(fontsize=7, loc="lower right")
+    # outside the axes, so that it hides no bucket's bar
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.grid(True, axis="x", alpha=0.3)
     if title:
         ax.set_title(title, fontsize=9.5)
-    fig.subplots_adjust(left=0.14, right=0.98, bottom=0.18, top=0.9)
+    fig.subplots_adjust(left=0.14, right=0.77, bottom=0.18, top=0.9)
+    return fig
+
+
+def reducer_figure():
+    """Lesson 07: what DDP's reducer does with one gradient, left to right — the autograd hook,
+    the gradient's place in its bucket (a copy, or the gradient *is* a view of it), the launch
+    in bucket order, the wait and the copy back (none with views)."""
+    from matplotlib.patches import FancyBboxPatch
+
+    fig = new_figure(9.0, 3.3)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_xlim(0, 10)
+    ax.set_ylim(0, 4.2)
+    ax.axis("off")
+    steps = [
+        ("1. hook", "autograd has accumulated\np.grad: the reducer's\nhook on p runs"),
+        ("2. into the bucket", "copy p.grad into its slice\n(÷N on the way), or\np.grad IS the slice (view)"),
+        ("3. launch in order", "bucket complete? launch it\nonly if it is next_bucket_,\nthen every ready one after"),
+        ("4. wait", "end of backward: wait on\nevery bucket's all-reduce"),
+        ("5. copy back", "slice → p.grad;\nskipped with\ngradient_as_bucket_view"),
+    ]
+    w, gap = 1.72, 0.3
+    for k, (head, body) in enumerate(steps):
+        x = 0.1 + k * (w + gap)
+        ax.add_patch(FancyBboxPatch((x, 1.6), w, 1.9, boxstyle="round,pad=0.05",
+                                    fc="#e8f0fa" if k != 2 else "#fde9d9", ec="#1f4e79"))
+        ax.text(x + w / 2, 3.2, head, ha="center", va="center", fontsize=8.5, weight="bold")
+        ax.text(x + w / 2, 2.35, body, ha="center", va="center", fontsize=7)
+        if k:
+            ax.annotate("", xy=(x - 0.02, 2.55), xytext=(x - gap + 0.02, 2.55),
+                        arrowprops={"arrowstyle": "->", "lw": 1.2})
+    # the buckets below: filled out of order, launched in order
+    for b, (filled, sent) in enumerate([("2nd", "1st"), ("1st", "2nd, right after 0"),
+                                        ("3rd", "3rd")]):
+        x = 2.3 + b * 1.9
+        ax.add_patch(FancyBboxPatch((x, 0.35), 1.7, 0.6, boxstyle="round,pad=0.03",
+                                    fc="#ffffff", ec="#555555"))
+        ax.text(x + 0.85, 0.65, f"bucket {b}: complete {filled},\nlaunched {sent}",
+                ha="center", va="center", fontsize=6.8)
+    ax.text(0.1, 0.65, "buckets fill out of\norder, go in order:", fontsize=7, va="center")
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.02, top=0.98)
+    return fig
+
+
+def overlap_model_figure(rows: Sequence[dict]):
+    """Lesson 07: for each bucket cap, the step time the overlap model predicts (with overlap,
+    and with every all-reduce after the backward) beside the measured ones."""
+    import numpy as np
+
+    fig = new_figure(7.6, 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    x = np.arange(len(rows))
+    series = [("measured, overlapped", "measured_ms", "#1f77b4"),
+              ("predicted, overlapped", "predicted_ms", "#9ecae1"),
+              ("measured, launched after backward", "measured_after_ms", "#ff7f0e"),
+              ("predicted, after backward", "predicted_after_ms", "#fdd0a2")]
+    width = 0.2
+    for k, (label, key, color) in enumerate(series):
+        ax.bar(x + (k - 1.5) * width, [r[key] for r in rows], width, label=label, color=color)
+    ax.set_xticks(x)
+    ax.set_xticklabels([_cap_label(r["bucket_cap_mb"]) for r in rows], fontsize=8)
+    ax.set_xlabel("bucket_cap_mb")
+    ax.set_ylabel("step time (ms)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.subplots_adjust(left=0.1, right=0.68, bottom=0.15, top=0.96)
     return fig
 
 
