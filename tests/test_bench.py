@@ -62,6 +62,32 @@ def test_table_format():
     row = bench.AllreduceRow(2, 1024, 1e-3, 2e-3, 1e6, 5e5)
     text = bench.format_table([row])
     assert "1 KiB" in text and "2.00" in text
+    # a row without per-rep times: the per-pair column is not announced (never left blank)
+    assert "per pair" not in text
+
+
+def _per_rank(ring_times, builtin_times, nbytes=1024):
+    return [{"ring": {nbytes: list(ring_times)}, "all_reduce": {nbytes: list(builtin_times)}}]
+
+
+def test_summary_fills_the_per_pair_column_and_the_table_prints_it():
+    rows = bench.summarize_allreduce(_per_rank([1.0, 2.0, 4.0], [2.0, 2.0, 2.0]), 2, [1024])
+    r = rows[0]
+    assert r.ratios == [2.0, 1.0, 0.5] and r.ratio_median == 1.0
+    assert (r.ratio_min, r.ratio_max) == (0.5, 2.0) and r.ring_min_s == 1.0
+    text = bench.format_table(rows)
+    assert "per pair" in text and "1.00 [0.75-1.50] (0.50-2.00)" in text
+
+
+def test_compare_says_no_clear_difference_unless_the_quartiles_agree():
+    even = bench.summarize_allreduce(_per_rank([1.0, 2.0, 4.0], [2.0] * 3), 2, [1024])
+    assert bench.compare(even).startswith("no clear difference")
+    faster = bench.summarize_allreduce(_per_rank([1.0, 1.0, 1.9, 1.5], [2.0] * 4), 2, [1024])
+    assert bench.compare(faster).startswith("the ring was faster")
+    slower = bench.summarize_allreduce(_per_rank([3.0, 2.5, 2.1, 4.0], [2.0] * 4), 2, [1024])
+    assert bench.compare(slower).startswith("the built-in was faster")
+    with pytest.raises(ValueError, match="per-rep ratios"):
+        bench.compare([bench.AllreduceRow(2, 1024, 1e-3, 2e-3, 1e6, 5e5)])
 
 
 def test_reps_grow_for_small_sizes_and_are_the_same_on_every_rank():

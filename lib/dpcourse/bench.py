@@ -57,6 +57,9 @@ __all__ = [
     "AllreduceRow",
     "run_allreduce_bench",
     "format_table",
+    "summarize_allreduce",
+    "compare",
+    "quartiles",
     "run_ddp_bench",
     "format_ddp_table",
     "main",
@@ -157,15 +160,71 @@ class AllreduceRow:
     ring_busbw: float
     all_reduce_busbw: float
     # The ratio rep by rep (the two took turns, so each rep's pair saw the same machine):
-    # its median and (min, max). None when built by hand without per-rep times.
+    # its median, quartiles (q1, q3) and (min, max); and each side's fastest rep. None when
+    # built by hand without per-rep times.
     ratio_median: float | None = None
     ratio_min: float | None = None
     ratio_max: float | None = None
+    ratio_q1: float | None = None
+    ratio_q3: float | None = None
+    ring_min_s: float | None = None
+    all_reduce_min_s: float | None = None
+    ratios: list | None = None
 
     @property
     def ratio(self) -> float:
         """ring busbw / all_reduce busbw of the medians (1.0 = as fast as the built-in)."""
         return self.ring_busbw / self.all_reduce_busbw
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """(q1, q3) of ``values`` (inclusive method: with 3 values they are the 2nd's neighbours)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def summarize_allreduce(per_rank: Sequence[dict], world_size: int,
+                        sizes: Sequence[int]) -> list[AllreduceRow]:
+    """Rows from :func:`measure_allreduce`'s per-rank results: each rep's time is the slowest
+    rank's; medians and fastest reps of both, and the ring÷built-in busbw ratio pair by pair
+    (a pair = the two calls of one rep, which took turns and saw the same machine)."""
+    rows = []
+    for nbytes in sizes:
+        med, slowest = {}, {}
+        for impl in IMPLS:
+            count = len(per_rank[0][impl][nbytes])
+            slowest[impl] = [max(r[impl][nbytes][i] for r in per_rank) for i in range(count)]
+            med[impl] = statistics.median(slowest[impl])
+        # busbw ring / busbw built-in of one rep = built-in time / ring time
+        ratios = [b / a for a, b in zip(slowest["ring"], slowest["all_reduce"])]
+        q1, q3 = quartiles(ratios)
+        rows.append(AllreduceRow(world_size, nbytes, med["ring"], med["all_reduce"],
+                                 bus_bandwidth(nbytes, med["ring"], world_size),
+                                 bus_bandwidth(nbytes, med["all_reduce"], world_size),
+                                 statistics.median(ratios), min(ratios), max(ratios), q1, q3,
+                                 min(slowest["ring"]), min(slowest["all_reduce"]), ratios))
+    return rows
+
+
+def compare(rows: Sequence[AllreduceRow]) -> str:
+    """One honest phrase for the ring against the built-in over ``rows``, from their per-pair
+    ratios pooled: "the ring was faster" only when three quarters of the pairs say so (q1 > 1),
+    "the built-in was faster" when q3 < 1, otherwise "no clear difference"; with the median
+    ratio and its quartiles."""
+    pooled = [r for row in rows for r in (row.ratios or [])]
+    if not pooled:
+        raise ValueError("compare needs rows with per-rep ratios (from summarize_allreduce)")
+    q1, q3 = quartiles(pooled)
+    med = statistics.median(pooled)
+    if q1 > 1:
+        verdict = "the ring was faster"
+    elif q3 < 1:
+        verdict = "the built-in was faster"
+    else:
+        verdict = "no clear difference"
+    return f"{verdict} (ring÷built-in busbw per pair: median {med:.2f}, quartiles {q1:.2f}-{q3:.2f})"
 
 
 def run_allreduce_bench(sizes: Sequence[int] = DEFAULT_SIZES, world_sizes: Sequence[int] = (2, 4),
@@ -189,35 +248,35 @@ def run_allreduce_bench(sizes: Sequence[int] = DEFAULT_SIZES, world_sizes: Seque
     for n in world_sizes:
         per_rank = launch.spawn(measure_allreduce, n, sizes, reps, warmup, backend=backend,
                                 timeout=timeout, show_output=False)
-        for nbytes in sizes:
-            med, slowest = {}, {}
-            for impl in IMPLS:
-                count = len(per_rank[0][impl][nbytes])
-                slowest[impl] = [max(r[impl][nbytes][i] for r in per_rank) for i in range(count)]
-                med[impl] = statistics.median(slowest[impl])
-            # busbw ring / busbw built-in of one rep = built-in time / ring time
-            ratios = [b / a for a, b in zip(slowest["ring"], slowest["all_reduce"])]
-            rows.append(AllreduceRow(n, nbytes, med["ring"], med["all_reduce"],
-                                     bus_bandwidth(nbytes, med["ring"], n),
-                                     bus_bandwidth(nbytes, med["all_reduce"], n),
-                                     statistics.median(ratios), min(ratios), max(ratios)))
+        rows += summarize_allreduce(per_rank, n, sizes)
     return rows
 
 
 def format_table(rows: Sequence[AllreduceRow]) -> str:
+    """The table; the per-pair column is printed only when every row has per-rep ratios (rows
+    from :func:`summarize_allreduce`), so it is never announced and left blank."""
+    per_pair = all(r.ratio_median is not None for r in rows)
     head = (f"{'ranks':>5} {'size':>9} | {'ring ms':>9} {'busbw GB/s':>10} | "
-            f"{'all_reduce ms':>13} {'busbw GB/s':>10} | {'busbw ring÷built-in':>19} "
-            f"{'per rep: median (min-max)':>26}")
+            f"{'all_reduce ms':>13} {'busbw GB/s':>10} | {'busbw ring÷built-in':>19}"
+            + (f" {'per pair: median [q1-q3] (min-max)':>36}" if per_pair else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.world_size:>5} {format_size(r.nbytes):>9} | {r.ring_s * 1e3:>9.3f} "
-                     f"{r.ring_busbw / 1e9:>10.3f} | {r.all_reduce_s * 1e3:>13.3f} "
-                     f"{r.all_reduce_busbw / 1e9:>10.3f} | {r.ratio:>19.2f} "
-                     + (f"{f'{r.ratio_median:.2f} ({r.ratio_min:.2f}-{r.ratio_max:.2f})':>26}"
-                        if r.ratio_median is not None else ""))
-    lines.append("(busbw ring÷built-in: the ring's bus bandwidth as a fraction of dist.all_reduce's; "
-                 "higher is better, 1.00 = as fast; per rep: the same ratio of each interleaved "
-                 "pair, its median and spread)")
+        line = (f"{r.world_size:>5} {format_size(r.nbytes):>9} | {r.ring_s * 1e3:>9.3f} "
+                f"{r.ring_busbw / 1e9:>10.3f} | {r.all_reduce_s * 1e3:>13.3f} "
+                f"{r.all_reduce_busbw / 1e9:>10.3f} | {r.ratio:>19.2f}")
+        if per_pair:
+            q1 = r.ratio_q1 if r.ratio_q1 is not None else r.ratio_min
+            q3 = r.ratio_q3 if r.ratio_q3 is not None else r.ratio_max
+            cell = (f"{r.ratio_median:.2f} [{q1:.2f}-{q3:.2f}] "
+                    f"({r.ratio_min:.2f}-{r.ratio_max:.2f})")
+            line += f" {cell:>36}"
+        lines.append(line)
+    note = ("(busbw ring÷built-in: the ring's bus bandwidth as a fraction of dist.all_reduce's, "
+            "from the medians; higher is better, 1.00 = as fast")
+    if per_pair:
+        note += ("; per pair: the same ratio for each rep's interleaved pair, its median, "
+                 "quartiles and range")
+    lines.append(note + ")")
     return "\n".join(lines)
 
 
@@ -356,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"all-reduce of float32 tensors over {args.backend}, median of >= {args.reps} reps "
               f"(slowest rank); busbw = algbw * 2(n-1)/n")
         print(format_table(rows))
+        for n in sorted({r.world_size for r in rows}):
+            for label, pick in (("up to 64 KiB", lambda r: r.nbytes <= 64 * KiB),
+                                ("16 MiB and up", lambda r: r.nbytes >= 16 * MiB)):
+                group = [r for r in rows if r.world_size == n and pick(r)]
+                if group:
+                    print(f"{n} ranks, {label}: {compare(group)}")
     return 0
 
 

@@ -398,7 +398,16 @@ def train_step(strategy, model, optimizer, dist_batch, global_batch: int,
 
 
 def make_train_step(strategy, model, optimizer, global_batch: int, loss_scaling: str = "global"):
-    """:func:`train_step` compiled with ``tf.function`` (one graph for the whole step)."""
+    """:func:`train_step` compiled with ``tf.function`` (one graph for the whole step).
+
+    The optimizer's own variables (momentum, Adam's moments) are created here, under the
+    strategy, before the step is traced: Keras would otherwise create them lazily inside the
+    traced function, and with the default ``CollectiveAllReduce`` on 2 CPU devices that failed
+    here (TF 2.21: "You must feed a value for placeholder tensor 'cond/.../Placeholder'")."""
+    if not optimizer.built:
+        with strategy.scope():
+            optimizer.build(model.trainable_variables)
+
     @tf.function
     def step(dist_batch):
         return train_step(strategy, model, optimizer, dist_batch, global_batch, loss_scaling)

@@ -45,6 +45,7 @@ __all__ = [
     "cost",
     "AlphaBetaFit",
     "fit_alpha_beta",
+    "fit_alpha_beta_per_n",
     "ring_allreduce",
 ]
 
@@ -260,23 +261,33 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
 
 @dataclass
 class AlphaBetaFit:
-    """alpha (s per message) and beta (s per byte) fitted to measured ring all-reduce times."""
+    """alpha (s per message) and beta (s per byte) fitted to measured ring all-reduce times.
+
+    ``cores``: None for the plain model; a number C for the model with a *contention* term —
+    with more ranks than cores, ranks take turns on them, so every term is slowed by
+    max(1, N / C) (see :func:`fit_alpha_beta`)."""
 
     alpha: float
     beta: float
     world_sizes: np.ndarray
     nbytes: np.ndarray
     seconds: np.ndarray
+    cores: float | None = None
 
     @property
     def bandwidth(self) -> float:
         """1/beta in bytes per second."""
         return 1.0 / self.beta if self.beta > 0 else math.inf
 
+    def slowdown(self, world_size) -> np.ndarray:
+        """max(1, N / cores): how much sharing the cores stretches every term (1 without)."""
+        n = np.asarray(world_size, dtype=float)
+        return np.ones_like(n) if self.cores is None else np.maximum(1.0, n / self.cores)
+
     def predict(self, world_size, nbytes) -> np.ndarray:
         n = np.asarray(world_size, dtype=float)
         k = np.asarray(nbytes, dtype=float)
-        return 2 * (n - 1) * self.alpha + 2 * (n - 1) / n * k * self.beta
+        return self.slowdown(n) * (2 * (n - 1) * self.alpha + 2 * (n - 1) / n * k * self.beta)
 
     @property
     def relative_errors(self) -> np.ndarray:
@@ -284,8 +295,10 @@ class AlphaBetaFit:
         return np.abs(pred - self.seconds) / self.seconds
 
 
-def fit_alpha_beta(world_sizes, nbytes, seconds) -> AlphaBetaFit:
-    """Least-squares fit of t = 2(N-1) alpha + 2(N-1)/N K beta to measurements.
+def fit_alpha_beta(world_sizes, nbytes, seconds, cores: float | None = None) -> AlphaBetaFit:
+    """Least-squares fit of t = s(N) [2(N-1) alpha + 2(N-1)/N K beta] to measurements, where
+    s(N) = 1 (``cores=None``: the plain ring model) or max(1, N / ``cores``) (the contention
+    term: N ranks on fewer cores run at cores/N speed, latency and copies alike).
 
     Each row is weighted by 1/t, so a 1 KiB point (microseconds) counts as much as a 64 MiB
     one (tenths of a second): we minimise relative, not absolute, error. Raises ValueError if
@@ -299,13 +312,25 @@ def fit_alpha_beta(world_sizes, nbytes, seconds) -> AlphaBetaFit:
                          "of equal length")
     if np.any(n < 2) or np.any(t <= 0) or np.any(k < 0):
         raise ValueError("world sizes must be >= 2, times positive and sizes non-negative")
-    a = np.stack([2 * (n - 1), 2 * (n - 1) / n * k], axis=1) / t[:, None]
+    if cores is not None and not cores > 0:
+        raise ValueError(f"cores must be a positive number (or None), got {cores!r}")
+    slow = np.ones_like(n) if cores is None else np.maximum(1.0, n / cores)
+    a = np.stack([2 * (n - 1), 2 * (n - 1) / n * k], axis=1) * slow[:, None] / t[:, None]
     coef, *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
     alpha, beta = float(coef[0]), float(coef[1])
     if alpha <= 0 or beta <= 0:
         raise ValueError(f"the fit gave alpha={alpha:.3g}, beta={beta:.3g}: measure more sizes, "
                          f"from about 1 KiB (latency) to several MiB (bandwidth)")
-    return AlphaBetaFit(alpha, beta, n, k, t)
+    return AlphaBetaFit(alpha, beta, n, k, t, cores)
+
+
+def fit_alpha_beta_per_n(world_sizes, nbytes, seconds) -> dict:
+    """One plain :func:`fit_alpha_beta` per world size: ``{N: AlphaBetaFit}``. It describes the
+    measured N best, but predicts nothing for an N it has not seen."""
+    n = np.asarray(world_sizes, dtype=float).ravel()
+    k = np.asarray(nbytes, dtype=float).ravel()
+    t = np.asarray(seconds, dtype=float).ravel()
+    return {int(w): fit_alpha_beta(n[n == w], k[n == w], t[n == w]) for w in sorted(set(n))}
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,10 +338,10 @@ def fit_alpha_beta(world_sizes, nbytes, seconds) -> AlphaBetaFit:
 # --------------------------------------------------------------------------------------------
 
 
-# One receive buffer per (dtype, device), kept between calls and grown when needed. Measured
+# Receive buffers per (dtype, device), kept between calls and grown when needed. Measured
 # (2 ranks, 64 MiB, gloo on CPU): a fresh 32 MiB torch.empty per call made the scatter-reduce
 # 185 ms instead of 110 ms — the OS maps new pages on first touch, every call, because the CPU
-# allocator returns big blocks to the OS. Costs one chunk (K/N) of memory, kept until exit.
+# allocator returns big blocks to the OS. Costs two chunks (2K/N) of memory, kept until exit.
 _RECV_BUFFERS: dict = {}
 
 
@@ -332,19 +357,24 @@ def _receive_buffer(numel: int, dtype, device):
 
 
 def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 << 20):
-    """All-reduce ``tensor`` in place with a hand-written ring; returns ``tensor``.
+    """All-reduce ``tensor`` in place with a hand-written, pipelined ring; returns ``tensor``.
 
     Same contract as ``dist.all_reduce(tensor)`` (``op="sum"``) or averaging (``op="average"``,
     floating-point tensors only): call it on every rank of the group with tensors of the same
     shape and dtype. Works for any world size and any number of elements (chunks may be
-    uneven or even empty). Uses only ``isend``/``irecv``: at each step a rank posts its send
-    to the right and its receive from the left *together*, so no rank ever waits for a send to
-    complete before receiving — the deadlock of two blocking sends facing each other.
+    uneven or even empty). Uses only ``isend``/``irecv``, every receive posted before anything
+    is waited on, so no rank ever blocks in a send that waits for a receive nobody has posted
+    — the deadlock of two blocking sends facing each other.
 
-    ``segment_bytes``: in the scatter-reduce each step's chunk travels as segments of about
-    this size, all posted at once, and each segment is added as soon as it has arrived, so
-    adding one segment can overlap with receiving the next (gloo's own ring pipelines the same
-    way). ``python -m dpcourse.bench allreduce`` measures what this buys on your machine.
+    The 2(N-1) steps are those of :func:`simulate_ring` (scatter-reduce, then all-gather), and
+    the chunk a rank sends at step s+1 is always the chunk it received at step s. So each chunk
+    travels as segments of about ``segment_bytes``, and a segment moves on as soon as it is
+    ready: received, added (scatter-reduce) — and forwarded to the right at once, while the
+    next segments are still arriving. Adding segment j overlaps with receiving segment j+1, and
+    the next step starts before this one has ended (gloo's and NCCL's rings pipeline the same
+    way). Scatter-reduce segments arrive in two temporary buffers used in turn, step by step
+    (double buffering: the receives of step s+1 are posted while step s is still being
+    added); all-gather segments arrive straight in place.
     """
     import torch
     import torch.distributed as dist
@@ -371,39 +401,62 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 <
     # Work on a flat contiguous view; a non-contiguous tensor gets a copy, written back at the end.
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), n)]
-    incoming = _receive_buffer(max(c.numel() for c in chunks), flat.dtype, flat.device)
+    longest = max(c.numel() for c in chunks)
+    n_seg = max(1, -(-longest * flat.element_size() // max(1, int(segment_bytes))))
+    # Every rank cuts chunk c the same way (same length, same n_seg), and gloo matches the
+    # messages between two ranks in the order they were posted: sends and receives below are
+    # posted in (step, segment) order on both sides.
+    segs = [[chunk[a:b] for a, b in chunk_bounds(chunk.numel(), n_seg)] for chunk in chunks]
+    spare = _receive_buffer(2 * longest, flat.dtype, flat.device)
+    temp = [[spare[k * longest:][a:b] for a, b in chunk_bounds(longest, n_seg)]
+            for k in (0, 1)]
+    steps = 2 * (n - 1)
+    reducing = [s < n - 1 for s in range(steps)]
+    # Step s: scatter-reduce sends chunk (rank - s), receives chunk (rank - s - 1); all-gather
+    # step t = s - (n - 1) sends chunk (rank + 1 - t), receives chunk (rank - t). Either way
+    # the chunk received at step s is the chunk sent at step s + 1.
+    recv_chunk = [(rank - s - 1) % n if reducing[s] else (rank - (s - n + 1)) % n
+                  for s in range(steps)]
+    sends_from: dict = {}   # (chunk, segment) -> the send works reading it
 
-    def exchange(send_chunk, recv_into):
-        # Both posted before either is waited on. Empty chunks (length < N) are skipped on
-        # both sides: sender and receiver compute the same chunk index, so they agree.
-        works = []
-        if send_chunk.numel():
-            works.append(dist.isend(send_chunk, right, group=group))
-        if recv_into.numel():
-            works.append(dist.irecv(recv_into, left, group=group))
-        for w in works:
-            w.wait()
+    def post_recv(s: int, j: int):
+        c = recv_chunk[s]
+        target = segs[c][j]
+        if not target.numel():
+            return None
+        if reducing[s]:
+            into = temp[s % 2][j][:target.numel()]
+        else:
+            into = target
+            for earlier in sends_from.pop((c, j), ()):   # they read this segment: finish them
+                earlier.wait()
+        return dist.irecv(into, left, group=group), into
 
-    seg = max(1, int(segment_bytes) // flat.element_size())
-    # Scatter-reduce: at step s, send chunk (rank - s), receive chunk (rank - s - 1) and add it.
-    for s in range(n - 1):
-        send_c, recv_c = chunks[(rank - s) % n], chunks[(rank - s - 1) % n]
-        # Segments: both sides cut the chunk the same way (same length, same seg), and gloo
-        # matches messages between a pair of ranks in the order they were posted.
-        sends = [dist.isend(send_c[a:a + seg], right, group=group)
-                 for a in range(0, send_c.numel(), seg)]
-        m = recv_c.numel()
-        recvs = [(a, dist.irecv(incoming[a:min(a + seg, m)], left, group=group))
-                 for a in range(0, m, seg)]
-        for a, work in recvs:
+    def post_send(c: int, j: int):
+        if segs[c][j].numel():
+            sends_from.setdefault((c, j), []).append(dist.isend(segs[c][j], right, group=group))
+
+    pending = [post_recv(0, j) for j in range(n_seg)]
+    for j in range(n_seg):
+        post_send(rank, j)                        # step 0: this rank's own chunk
+    for s in range(steps):
+        following = []
+        for j in range(n_seg):
+            got = pending[j]
+            c = recv_chunk[s]
+            if got is not None:
+                work, into = got
+                work.wait()
+                if reducing[s]:
+                    segs[c][j].add_(into)
+                if s + 1 < steps:
+                    post_send(c, j)                # forward it at once: step s + 1's send
+            if s + 1 < steps:
+                following.append(post_recv(s + 1, j))
+        pending = following
+    for works in sends_from.values():
+        for work in works:
             work.wait()
-            recv_c[a:a + seg].add_(incoming[a:min(a + seg, m)])
-        for work in sends:
-            work.wait()
-    # Now this rank holds the full sum of chunk (rank + 1). All-gather: pass the finished
-    # chunks on; at step s send chunk (rank + 1 - s), receive chunk (rank - s) straight into place.
-    for s in range(n - 1):
-        exchange(chunks[(rank + 1 - s) % n], chunks[(rank - s) % n])
     if op == "average":
         flat.div_(n)
     if not tensor.is_contiguous():
