@@ -225,8 +225,12 @@ def measured_page(lessons: list[Path]) -> str:
             if MEASURED.search(out) and not out.startswith("dpcourse doctor"):
                 found.append(out)
         if found:
-            link = os.path.relpath(path.as_posix(), ".")
-            parts += [f"## [{_title(nb, path.stem)}]({link})", ""]
+            stamps = [c.get("metadata", {}).get("execution", {}).get("iopub.execute_input", "")
+                      for c in nb["cells"] if c["cell_type"] == "code"]
+            stamps = sorted(s[:16].replace("T", " ") for s in stamps if s)
+            parts += [f"## [{_title(nb, path.stem)}]({path.as_posix()})", ""]
+            if stamps:
+                parts += [f"Run from {stamps[0]} to {stamps[-1]} UTC.", ""]
             for out in found:
                 parts += [_fence(out), ""]
     return "\n".join(parts)
@@ -307,11 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     # the stored notebooks' cells have no "id" (nbformat 4.4); nbformat says so once per cell
     warnings.filterwarnings("ignore", message="Cell is missing an id field")
     from sphinx.cmd.build import build_main
+    # Sphinx writes into the work folder, then the pages move to ``out``: myst-nb keeps a copy
+    # of every notebook in "jupyter_execute/" beside its output folder, which must not land in
+    # the repository's root.
+    html = work / "html"
+    if html.exists():
+        shutil.rmtree(html)
     rc = build_main(["-b", "html", "-q", "-c", str(HERE), "-d", str(doctrees),
-                     str(work / "src"), str(out)])
+                     str(work / "src"), str(html)])
     if rc:
         print(f"sphinx-build failed with exit code {rc}", file=sys.stderr)
         return rc
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(html), str(out))
     (out / ".nojekyll").write_text("")  # GitHub Pages: serve _static/ and _images/ as they are
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"site: {totals['notebooks']} notebooks ({totals['folded']} folded cells, "

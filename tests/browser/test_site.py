@@ -208,6 +208,8 @@ def test_the_site_builds_with_the_network_cut_off(built_site):
         pytest.skip("cannot cut the network here (neither `unshare -n` nor `unshare -rn` "
                     "works): the site was built with the network on")
     assert (built_site.out / "index.html").exists()
+    # nothing is written beside the output folder (in README's build: the repository's root)
+    assert sorted(p.name for p in built_site.out.parent.iterdir()) == ["_site", "work"]
     assert "site:" in built_site.log, built_site.log[-2000:]
     html = "\n".join(p.read_text() for p in built_site.out.rglob("*.html")
                      if not p.relative_to(built_site.out).parts[0].startswith("_"))
