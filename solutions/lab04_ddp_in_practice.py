@@ -1,16 +1,20 @@
 # %% [markdown]
-# # Lab 04 — turn a single-device script into a torchrun DDP script
+# # Lab 04 — a metric that is not a mean, in your torchrun DDP script
 #
-# In lesson 04 you saw `train_single.py` become `train_ddp.py`. Now you do it yourself, on a
-# shorter script. Below is the single-device script (it trains the course's `SmallCNN` on
-# shapes10 with a fixed seed). Your job: fill in the TODOs of `train_lab.py`, the same script for
-# **torchrun with 2 processes and DDP**, so that it ends with **the same weights** as one process
-# trained on the global batch.
+# Lesson 04 turned `train_single.py` into `train_ddp.py` line by line, and made its evaluation
+# equal one process: each test image on exactly one rank, a **sum** of right answers and a
+# **count** of images on every rank, one `all_reduce`, the division last. That works because
+# accuracy is a mean over images. Many metrics are not: precision, recall, F1, AUC, a BLEU
+# score. Here you evaluate the **macro-F1** of the model the script trained — the mean over the
+# 10 classes of each class's F1 = 2·precision·recall / (precision + recall) — on a test set
+# split over the ranks, and the number must be **the one process's**, on every rank.
 #
-# The check runs your script with `torchrun --nproc-per-node=2`, then again with 3 processes,
-# another `--seed` and another `--global-batch` (so nothing in it may be tied to 2 ranks or to
-# the defaults), loads the weights it writes to `--out`, and compares them with the reference.
-# If they differ, it tells you which classic mistake your weights correspond to.
+# Below is a torchrun DDP script built the way the lesson built `train_ddp.py` (read it: nothing
+# in it is new). One function in it is yours: `evaluate_f1`. The check first calls your
+# function on 2 and on 3 ranks, with test sets that do not split evenly, and compares it with
+# one process; if it differs it names the mistake (duplicates, a rank's own number, a mean of
+# the ranks' F1 scores ...). Then it runs the whole script with
+# `torchrun --nproc-per-node=2` and compares the weights and the F1 it saved.
 
 # %% tags=["parameters"]
 timeout = 120   # seconds the check gives torchrun
@@ -19,66 +23,24 @@ timeout = 120   # seconds the check gives torchrun
 import tempfile
 from pathlib import Path
 
-# The scripts go to a scratch folder (print `work` to see where); %%writefile expands {work}.
+# The script goes to a scratch folder (print `work` to see where); %%writefile expands {work}.
 work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 
 # %% [markdown]
-# ## What you start from: the single-device script
+# ## Your task: `evaluate_f1`
 #
-# Read it: the data order comes from a generator re-seeded with `seed + epoch` (so runs are
-# repeatable), one batch is `--global-batch` images, and the final weights are saved atomically.
-
-# %%
-# %%writefile {work}/train_lab_single.py
-"""Lab 04, single device: python train_lab_single.py --out final.pt"""
-import argparse
-
-import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, RandomSampler
-
-from dpcourse import data, models
-from dpcourse.ddp_practice import save_checkpoint
-
-p = argparse.ArgumentParser()
-for name, kind, default in [("--n-train", int, 256), ("--epochs", int, 2),
-                            ("--global-batch", int, 64), ("--lr", float, 0.05),
-                            ("--seed", int, 0), ("--width", int, 8)]:
-    p.add_argument(name, type=kind, default=default)
-p.add_argument("--out", default="final.pt")
-args = p.parse_args()
-
-device = torch.device("cpu")
-ds = data.load("shapes10", n_train=args.n_train, n_test=10, seed=args.seed)
-train_set = data.to_torch(ds.x_train, ds.y_train)
-generator = torch.Generator()
-sampler = RandomSampler(train_set, generator=generator)
-loader = DataLoader(train_set, batch_size=args.global_batch, sampler=sampler, drop_last=True)
-
-torch.manual_seed(args.seed)
-model = models.SmallCNN(width=args.width).to(device)
-opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-for epoch in range(args.epochs):
-    generator.manual_seed(args.seed + epoch)
-    for X, y in loader:
-        loss = F.cross_entropy(model(X.to(device)), y.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-save_checkpoint(args.out, {"model": model.state_dict()})
-
-# %% [markdown]
-# ## Your task: the torchrun DDP version
+# `macro_f1(confusion)` is given: from a 10 × 10 matrix whose entry `[t, p]` counts the test
+# images of true class `t` that the model predicted as `p`, it returns the macro-F1. Write
+# `evaluate_f1(model, test_set, rank, world_size, device)` so that **every rank returns the
+# macro-F1 of the whole test set**, exactly what one process gets — and each rank does only its
+# share of the work. Hints:
+# 1. Which images does this rank evaluate? Every image must be counted exactly once over all
+#    ranks (what does `DistributedSampler` do when 101 images meet 2 ranks?).
+# 2. F1 is not a sum over images, so neither summing nor averaging the ranks' F1 scores gives
+#    the F1 of the whole set. What *is* a sum over images, from which F1 follows?
+# 3. Evaluate with the model in evaluation mode and without gradients.
 #
-# Fill in each TODO in the cell below (it writes `train_lab.py`; re-run it after each edit).
-# Hints, in the order you meet them:
-# 1. torchrun gives every process `RANK`, `LOCAL_RANK` and `WORLD_SIZE` in its environment; start
-#    the process group (backend from `devices.backend_for`), pick the device with
-#    `devices.device_for_rank`, and set `is_main`.
-# 2. Each rank must read its own shard, and the **global** batch must stay `--global-batch`.
-# 3. The model must average its gradients over the ranks.
-# 4. The shard's order must change every epoch, the same way on every rank.
-# 5. One rank saves the final weights (unwrapped), then every rank ends cleanly.
+# Re-run the cell after each edit: it rewrites `train_lab.py`.
 
 # %%
 # %%writefile {work}/train_lab.py
@@ -91,70 +53,98 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from dpcourse import data, devices, models
 from dpcourse.ddp_practice import save_checkpoint
 
-p = argparse.ArgumentParser()
-for name, kind, default in [("--n-train", int, 256), ("--epochs", int, 2),
-                            ("--global-batch", int, 64), ("--lr", float, 0.05),
-                            ("--seed", int, 0), ("--width", int, 8)]:
-    p.add_argument(name, type=kind, default=default)
-p.add_argument("--out", default="final.pt")
-args = p.parse_args()
+NUM_CLASSES = 10
 
-### BEGIN SOLUTION: read rank, local_rank and world_size; init the process group; device; is_main
-rank = int(os.environ["RANK"])
-local_rank = int(os.environ["LOCAL_RANK"])
-world_size = int(os.environ["WORLD_SIZE"])
-backend = devices.backend_for(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-dist.init_process_group(backend)
-device = devices.device_for_rank(local_rank, backend)
-is_main = rank == 0
-### END SOLUTION
-ds = data.load("shapes10", n_train=args.n_train, n_test=10, seed=args.seed)
-train_set = data.to_torch(ds.x_train, ds.y_train)
-### BEGIN SOLUTION: a sampler that gives each rank its shard, and a loader with the per-rank batch
-sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                             seed=args.seed)
-per_rank_batch = args.global_batch // world_size
-loader = DataLoader(train_set, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
-### END SOLUTION
 
-torch.manual_seed(args.seed)
-model = models.SmallCNN(width=args.width).to(device)
-### BEGIN SOLUTION: make the model average its gradients over the ranks
-model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-### END SOLUTION
-opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-for epoch in range(args.epochs):
-    ### BEGIN SOLUTION: what must happen at the start of every epoch?
-    sampler.set_epoch(epoch)
+def macro_f1(confusion):
+    """Mean over classes of F1 = 2 TP / (2 TP + FP + FN); confusion[t, p] counts true t, predicted p."""
+    confusion = confusion.double()
+    tp = confusion.diagonal()
+    fp = confusion.sum(0) - tp  # predicted p, but another true class
+    fn = confusion.sum(1) - tp  # true t, predicted as another class
+    denominator = 2 * tp + fp + fn
+    f1 = torch.where(denominator > 0, 2 * tp / denominator.clamp(min=1), torch.zeros_like(tp))
+    return float(f1.mean())
+
+
+def evaluate_f1(model, test_set, rank, world_size, device):
+    """The macro-F1 of ``model`` over the WHOLE ``test_set``: the same number on every rank."""
+    ### BEGIN SOLUTION: count this rank's images (each exactly once over all ranks) into a confusion matrix, add the ranks' matrices, then call macro_f1
+    mine = Subset(test_set, range(rank, len(test_set), world_size))
+    confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.int64, device=device)
+    model.eval()
+    with torch.no_grad():
+        for X, y in DataLoader(mine, batch_size=64):
+            predicted = model(X.to(device)).argmax(1)
+            pairs = y.to(device) * NUM_CLASSES + predicted  # (true, predicted) as one index
+            confusion += torch.bincount(pairs, minlength=NUM_CLASSES ** 2).view_as(confusion)
+    dist.all_reduce(confusion)  # the whole test set's matrix, on every rank
+    return macro_f1(confusion)
     ### END SOLUTION
-    for X, y in loader:
-        loss = F.cross_entropy(model(X.to(device)), y.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-### BEGIN SOLUTION: save once (unwrapped weights), then end every rank cleanly
-if is_main:
-    save_checkpoint(args.out, {"model": model.module.state_dict()})
-dist.barrier()
-sys.stdout.flush()
-os._exit(0)  # skip interpreter shutdown, where gloo + DDP can abort a finished process
-### END SOLUTION
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    for name, kind, default in [("--n-train", int, 256), ("--n-test", int, 101),
+                                ("--epochs", int, 2), ("--global-batch", int, 64),
+                                ("--lr", float, 0.05), ("--seed", int, 0), ("--width", int, 8)]:
+        p.add_argument(name, type=kind, default=default)
+    p.add_argument("--out", default="final.pt")
+    args = p.parse_args()
+
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    backend = devices.backend_for(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    dist.init_process_group(backend)
+    device = devices.device_for_rank(local_rank, backend)  # set_device(local_rank) on a GPU
+    is_main = rank == 0
+
+    ds = data.load("shapes10", n_train=args.n_train, n_test=args.n_test, seed=args.seed)
+    train_set = data.to_torch(ds.x_train, ds.y_train)
+    test_set = data.to_torch(ds.x_test, ds.y_test)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=args.seed)
+    per_rank_batch = args.global_batch // world_size
+    loader = DataLoader(train_set, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
+
+    torch.manual_seed(args.seed)
+    model = models.SmallCNN(width=args.width).to(device)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for X, y in loader:
+            loss = F.cross_entropy(model(X.to(device)), y.to(device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+    f1 = evaluate_f1(model.module, test_set, rank, world_size, device)
+    if is_main:
+        print(f"macro-F1 on {len(test_set)} test images: {f1:.4f}")
+        save_checkpoint(args.out, {"model": model.module.state_dict(), "f1": f1})
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter shutdown, where gloo + DDP can abort a finished process
 
 # %% [markdown]
 # ## Check
 #
-# This runs `torchrun --nproc-per-node=2 train_lab.py ...` and then the 3-process run (about
-# 10 s each) and compares the weights. One line with ✔ means your script is right.
+# This calls your `evaluate_f1` on 2 and 3 ranks (a few seconds), then runs
+# `torchrun --nproc-per-node=2 train_lab.py ...` (about 10 s). One line with ✔ means your
+# script is right.
 
 # %%
 from dpcourse.checks import lab04
 
-result = lab04.check(work / "train_lab.py", timeout=timeout)
+lab04.check(work / "train_lab.py", timeout=timeout)
 
 # %% [markdown]
 # ## Stretch (optional): resume after a crash

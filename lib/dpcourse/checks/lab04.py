@@ -1,11 +1,21 @@
-"""Check for lab 04: a single-device training script turned into a torchrun DDP script.
+"""Check for lab 04: a metric that is not a mean (macro-F1), evaluated inside a torchrun DDP
+script so that it equals one process.
 
-``check(path)`` runs the learner's script through torchrun twice — 2 processes with the lab's
-arguments, then 3 processes with another seed and global batch (see :data:`CONFIGS`), so an
-answer tied to 2 ranks or to the default seed fails — and compares the weights it writes to
-``--out`` with those of one process trained on the global batch. DDP changes nothing in the
-maths, so they must be equal to float tolerance. When they are not, we replay the plausible
-wrong answers in one process and name the one whose weights the script reproduced:
+``check(path)`` does two things:
+
+1. It takes ``evaluate_f1`` (and the given ``macro_f1``) out of the learner's script and calls
+   it on 2 ranks with 101 test images and on 3 ranks with 100 (neither splits evenly), with a
+   model whose forward counts the images each rank evaluates. Every rank must return one
+   process's macro-F1 of the whole test set, each image evaluated exactly once over all ranks,
+   with the model in eval mode. When it does not, the sentence names the mistake: ranks that
+   return their own shard's number, images counted twice (DistributedSampler's padding) or
+   skipped, every rank evaluating everything, the ranks' F1 scores averaged or summed, the
+   accuracy instead of F1.
+2. It runs the whole script under torchrun (2 processes) and compares the weights it writes to
+   ``--out`` with one process trained on the global batch, and the F1 it saved with one
+   process's F1 of those weights. The training part of the script is given; if a learner breaks
+   it, we replay the plausible wrong conversions in one process and name the one whose weights
+   the script reproduced:
 
 * no DistributedSampler: every rank reads the same batches, so the global batch is halved;
 * the per-rank batch left at the global batch: the global batch is multiplied by N;
@@ -34,8 +44,8 @@ from pathlib import Path
 
 from dpcourse.checks import fail, passed
 
-__all__ = ["Lab04Config", "CONFIGS", "reference_weights", "run_script", "judge", "check",
-           "MISTAKES"]
+__all__ = ["Lab04Config", "CONFIGS", "F1_RUNS", "reference_weights", "run_script", "judge",
+           "check_f1", "check", "check_resume", "MISTAKES"]
 
 
 @dataclass(frozen=True)
@@ -246,7 +256,8 @@ def run_script(path, cfg: Lab04Config = Lab04Config(), launcher: str = "torchrun
                timeout: float = 120.0):
     """Run the learner's script on ``cfg.world_size`` ranks.
 
-    Returns ``(weights or None, {rank: [paths saved]}, output)``; calls ``fail`` if it crashed
+    Returns ``(weights or None, {rank: [paths saved]}, output, saved f1 or None)``; calls
+    ``fail`` if it crashed
     or hung. ``launcher="spawn"`` runs the same script in ``dpcourse.launch.spawn`` ranks (same
     environment variables, no torchrun), which the tests use because it starts in a second.
     """
@@ -298,7 +309,7 @@ def run_script(path, cfg: Lab04Config = Lab04Config(), launcher: str = "torchrun
         for r in range(cfg.world_size):
             p = Path(f"{log}.{r}")
             saves[r] = p.read_text().split() if p.exists() else []
-        weights = None
+        weights, f1 = None, None
         if os.path.exists(out):
             try:
                 state = torch.load(out, map_location="cpu", weights_only=True)
@@ -306,7 +317,9 @@ def run_script(path, cfg: Lab04Config = Lab04Config(), launcher: str = "torchrun
                 fail(f"The file your script wrote to --out cannot be loaded ({type(exc).__name__}"
                      f"): save a dict of tensors with save_checkpoint or torch.save.")
             weights = _model_weights(state)
-    return weights, saves, output
+            if isinstance(state, dict):
+                f1 = state.get("f1")
+    return weights, saves, output, f1
 
 
 def _model_weights(state) -> dict:
@@ -357,19 +370,264 @@ def judge(weights, saves: dict, cfg: Lab04Config = Lab04Config(), tol: float = 1
          f"(does it use a number that holds only on 2 ranks or for the default arguments?).")
 
 
-def check(path="train_lab.py", cfgs=CONFIGS, launcher: str = "torchrun",
-          timeout: float = 120.0) -> None:
-    """Run the learner's DDP script with torchrun on 2 ranks, then on 3 ranks with another seed
-    and global batch, and compare its final weights each time."""
+# --- the lab: macro-F1 over a test set split across the ranks --------------------------------
+
+# (world size, test images): 101 on 2 ranks and 100 on 3 ranks split unevenly, so
+# DistributedSampler pads both with a repeated image.
+F1_RUNS = ((2, 101), (3, 100))
+_F1_TOL = 1e-6  # float32 arithmetic in an answer is fine; every mistake is 1e-3 or more away
+
+F1_MISTAKES = {
+    "mean_of_f1": "The ranks' F1 scores were averaged: F1 is not a mean over images, so the mean "
+                  "of the shards' F1 is not the F1 of the whole set. Count every rank's "
+                  "(true, predicted) pairs into a confusion matrix, add the matrices with "
+                  "dist.all_reduce, then call macro_f1 once.",
+    "sum_of_f1": "The ranks' F1 scores were added up (all_reduce of the F1 itself): that is "
+                 "world_size times a mean of the shards' F1, not the F1 of the whole set. "
+                 "all_reduce the confusion matrix instead, then call macro_f1 once.",
+    "accuracy": "That number is the accuracy, not the macro-F1: build the 10 x 10 confusion "
+                "matrix (true class, predicted class), sum it over the ranks, and return "
+                "macro_f1(confusion).",
+}
+
+
+def _f1_of(confusion) -> float:
+    """macro-F1 of a confusion matrix, as the lab's given macro_f1 computes it."""
+    import torch
+
+    confusion = confusion.double()
+    tp = confusion.diagonal()
+    den = 2 * tp + (confusion.sum(0) - tp) + (confusion.sum(1) - tp)
+    f1 = torch.where(den > 0, 2 * tp / den.clamp(min=1), torch.zeros_like(tp))
+    return float(f1.mean())
+
+
+def _f1_model(seed: int = 0):
+    """A small fixed CNN whose predictions spread over the 10 classes (all F1 variants differ)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 5, stride=4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * 7 * 7, 10))
+
+
+@functools.lru_cache(maxsize=4)
+def _f1_data(n_test: int):
+    from dpcourse import data
+
+    ds = data.load("shapes10", n_train=10, n_test=n_test, seed=7)
+    return data.to_torch(ds.x_test, ds.y_test).tensors
+
+
+def _namespace(source: str, filename: str = "train_lab.py") -> dict:
+    """The imports, constants and functions of the learner's script, without running its main
+    part (everything under ``if __name__ == "__main__":`` and other statements are left out)."""
+    import ast
+
+    tree = ast.parse(source, filename)
+    keep = [node for node in tree.body
+            if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef,
+                                 ast.Assign, ast.AnnAssign))]
+    ns: dict = {"__name__": "train_lab"}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), filename, "exec"), ns)
+    return ns
+
+
+def _f1_worker(rank, world_size, source, n_test):
+    """One rank: the learner's evaluate_f1 on its share, with a model that counts its inputs."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    torch.set_num_threads(1)
+    ns = _namespace(source)
+    model = _f1_model()
+    seen = {"images": 0, "training": False}
+
+    def count(module, inputs, output):
+        seen["images"] += int(inputs[0].shape[0])
+        seen["training"] |= module.training
+
+    model.register_forward_hook(count)
+    X, y = _f1_data(n_test)
+    value = ns["evaluate_f1"](model, TensorDataset(X, y), rank, world_size, torch.device("cpu"))
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return {"error": f"evaluate_f1 returned {type(value).__name__}, not a number (a float)"}
+    return {"value": float(value), **seen}
+
+
+def _f1_variants(n_test: int, world_size: int) -> dict:
+    """One process's macro-F1 of the lab's test set, and the numbers each mistake gives."""
+    import torch
+    from torch.utils.data import DistributedSampler, TensorDataset
+
+    X, y = _f1_data(n_test)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _f1_model().eval()
+        with torch.no_grad():
+            pred = model(X).argmax(1)
+    finally:
+        torch.set_num_threads(prev)
+
+    def confusion(idx):
+        idx = torch.as_tensor(list(idx), dtype=torch.long)
+        return torch.bincount(y[idx] * 10 + pred[idx], minlength=100).view(10, 10)
+
+    n, N = n_test, world_size
+    shardings = {
+        "strided": [range(r, n, N) for r in range(N)],
+        "contiguous": [range(r * n // N, (r + 1) * n // N) for r in range(N)],
+        "chunks": [range(r * -(-n // N), min(n, (r + 1) * -(-n // N))) for r in range(N)],
+    }
+    ds = TensorDataset(X, y)
+    for shuffle in (True, False):
+        shardings[f"sampler_{shuffle}"] = [
+            list(DistributedSampler(ds, num_replicas=N, rank=r, shuffle=shuffle)) for r in range(N)]
+    out = {"correct": _f1_of(confusion(range(n))),
+           "accuracy": float((pred == y).double().mean()),
+           "mean_of_f1": [], "sum_of_f1": []}
+    for shards in shardings.values():
+        f1s = [_f1_of(confusion(s)) for s in shards]
+        out["mean_of_f1"].append(sum(f1s) / N)
+        out["sum_of_f1"].append(sum(f1s))
+    return out
+
+
+def judge_f1(results: list, n_test: int) -> None:
+    """Nothing if every rank returned one process's macro-F1, each image evaluated once in eval
+    mode; else fail with the sentence that names the mistake."""
+    __tracebackhide__ = True
+    N = len(results)
+    where = f"On {N} ranks with {n_test} test images: "
+    for r in results:
+        if "error" in r:
+            fail(where + r["error"] + ".")
+    if any(r["training"] for r in results):
+        fail(where + "the model ran in training mode: call model.eval() before evaluating "
+                     "(dropout and BatchNorm behave differently in training), and evaluate "
+                     "under torch.no_grad().")
+    values = [r["value"] for r in results]
+    if max(values) - min(values) > _F1_TOL:
+        fail(where + f"the ranks returned different numbers ({', '.join(f'{v:.4f}' for v in values)}"
+                     f"): each returned its own share's result. Sum the confusion matrices over "
+                     f"the ranks (dist.all_reduce) before computing the F1, so that every rank "
+                     f"returns the whole test set's.")
+    images = [r["images"] for r in results]
+    total = sum(images)
+    if all(i == n_test for i in images) and N > 1:
+        fail(where + f"every rank evaluated all {n_test} images: the work was not split. Give "
+                     f"rank r only its share (e.g. images r, r + world_size, ...) and add the "
+                     f"ranks' confusion matrices.")
+    if total > n_test:
+        fail(where + f"the ranks evaluated {total} images for {n_test}, so some were counted "
+                     f"twice: DistributedSampler pads every rank's share to equal length with "
+                     f"repeated images. Take images rank, rank + world_size, ... instead (each "
+                     f"exactly once).")
+    if total < n_test:
+        fail(where + f"the ranks evaluated only {total} of the {n_test} images: every image must "
+                     f"be counted once (no drop_last, and the last rank takes the remainder).")
+    want = _f1_variants(n_test, N)
+    got = values[0]
+    if abs(got - want["correct"]) <= _F1_TOL:
+        return
+    for name in ("mean_of_f1", "sum_of_f1"):
+        if any(abs(got - v) <= _F1_TOL for v in want[name]):
+            fail(where + F1_MISTAKES[name])
+    if abs(got - want["accuracy"]) <= _F1_TOL:
+        fail(where + F1_MISTAKES["accuracy"])
+    fail(where + f"your macro-F1 {got:.6f} differs from one process's {want['correct']:.6f}: "
+                 f"count this rank's (true, predicted) pairs into a 10 x 10 confusion matrix, "
+                 f"all_reduce it (a sum), then return macro_f1(confusion).")
+
+
+def check_f1(path="train_lab.py", runs=F1_RUNS, timeout: float = 90.0) -> None:
+    """Call the script's ``evaluate_f1`` on each (world size, test images) of ``runs`` and judge
+    it (see :func:`judge_f1`); silent when right."""
+    __tracebackhide__ = True
+    from dpcourse import launch
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no script at {path}: run the cell that writes it first")
+    source = path.read_text()
+    try:
+        ns = _namespace(source, path.name)
+    except SyntaxError as exc:
+        fail(f"{path.name} does not parse: line {exc.lineno}: {exc.msg}.")
+    if not callable(ns.get("evaluate_f1")):
+        fail(f"{path.name} defines no function evaluate_f1(model, test_set, rank, world_size, "
+             f"device).")
+    for world_size, n_test in runs:
+        try:
+            results = launch.spawn(_f1_worker, world_size, source, n_test, backend="gloo",
+                                   timeout=timeout, show_output=False)
+        except launch.LaunchTimeoutError:
+            fail(f"evaluate_f1 did not finish within {timeout:g} s on {world_size} ranks: does "
+                 f"one rank call a collective (all_reduce) that another never calls, e.g. "
+                 f"inside its loop over batches, when the ranks have different numbers of "
+                 f"batches?")
+        except launch.RankFailedError as exc:
+            if exc.summary.startswith("NotImplementedError"):
+                raise NotImplementedError(
+                    f"{path.name} still has a TODO in evaluate_f1: replace the `raise "
+                    f"NotImplementedError` with your code, re-run that cell, then this check."
+                ) from None
+            fail(f"evaluate_f1 raised on rank {exc.rank} of {world_size}: {exc.summary}")
+        judge_f1(results, n_test)
+
+
+def _saved_f1_reference(weights: dict, cfg: "Lab04Config", n_test: int = 101) -> float:
+    """One process's macro-F1 of the saved weights on the lab script's test set."""
+    import torch
+
+    from dpcourse import data, models
+
+    model = models.SmallCNN(width=cfg.width)
+    model.load_state_dict(weights)
+    ds = data.load("shapes10", n_train=cfg.n_train, n_test=n_test, seed=cfg.seed)
+    X, y = data.to_torch(ds.x_test, ds.y_test).tensors
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            pred = model.eval()(X).argmax(1)
+    finally:
+        torch.set_num_threads(prev)
+    return _f1_of(torch.bincount(y * 10 + pred, minlength=100).view(10, 10))
+
+
+def check(path="train_lab.py", cfgs=CONFIGS[:1], launcher: str = "torchrun",
+          timeout: float = 120.0, f1_runs=F1_RUNS) -> None:
+    """The lab's check: ``evaluate_f1`` on 2 and 3 ranks (:func:`check_f1`), then the whole
+    script under torchrun (2 ranks; pass ``cfgs=CONFIGS`` for 3 ranks with another seed and
+    global batch too), comparing its weights and the F1 it saved with one process."""
     __tracebackhide__ = True
     if isinstance(cfgs, Lab04Config):
         cfgs = (cfgs,)
+    if f1_runs:
+        check_f1(path, f1_runs, timeout=min(timeout, 90.0))
     for cfg in cfgs:
-        weights, saves, _ = run_script(path, cfg, launcher=launcher, timeout=timeout)
+        weights, saves, _, f1 = run_script(path, cfg, launcher=launcher, timeout=timeout)
         judge(weights, saves, cfg)
-    passed(f"your torchrun script ends with the reference weights on "
-           f"{' and '.join(str(c.world_size) for c in cfgs)} ranks: DDP == one process on the "
-           f"global batch")
+        if f1_runs:
+            where = "" if cfg == CONFIGS[0] else f"On {cfg.describe()}: "
+            if not isinstance(f1, (int, float)) or isinstance(f1, bool):
+                fail(f"{where}the checkpoint your script wrote to --out holds no number under "
+                     f"'f1': save {{'model': ..., 'f1': f1}} on rank 0.")
+            want = _saved_f1_reference(weights, cfg)
+            if abs(f1 - want) > 1e-6:
+                fail(f"{where}the F1 your script saved ({f1:.6f}) is not one process's F1 of the "
+                     f"weights it saved ({want:.6f}): save the value evaluate_f1 returned after "
+                     f"training, computed with model.module.")
+    runs = " and ".join(str(w) for w, _ in f1_runs)
+    ranks = " and ".join(str(c.world_size) for c in cfgs)
+    passed((f"evaluate_f1 equals one process's macro-F1 on {runs} ranks, each image once; "
+            if f1_runs else "") + f"your torchrun script ends with the reference weights on "
+           f"{ranks} ranks (DDP == one process on the global batch)")
 
 
 def config_dict(cfg: Lab04Config = Lab04Config()) -> dict:
