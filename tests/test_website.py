@@ -3,7 +3,7 @@
 The site itself is built (with the network cut off) and read in Chromium by
 tests/browser/test_site.py; here: the staged pages the build makes from the stored notebooks,
 the one setting the run links come from, and that README, requirements and the Pages workflow
-agree on one command.
+agree on one command. (Not named test_site.py: two test modules may not share a basename.)
 """
 
 from __future__ import annotations
