@@ -11,14 +11,16 @@
 #   collective trace per rank, a timeout report naming the stuck ranks and their call, weight
 #   checksums across ranks, the first non-finite value — on the zoo and on your own scripts
 #   (`python -m dpcourse diagnose script.py`);
-# - use the tools PyTorch has: `TORCH_DISTRIBUTED_DEBUG=DETAIL`, the `timeout` of
-#   `init_process_group`, the flight recorder, `NCCL_DEBUG=INFO`, a stack dump of a hung rank;
+# - use the tools PyTorch has, knowing what each does on gloo and on NCCL:
+#   `dist.monitored_barrier`, `TORCH_DISTRIBUTED_DEBUG=DETAIL` (and what it costs), the
+#   `timeout` of `init_process_group`, the flight recorder, `NCCL_DEBUG=INFO`, a stack dump
+#   of a hung rank;
 # - fix each bug, and prove the fix with the same detector staying quiet.
 #
-# **Time:** about 30 minutes to read and run.
+# **Time:** about 45 minutes to read and run.
 #
-# **Lab:** [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb) — five broken scripts: name each bug
-# and fix it.
+# **Lab:** [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb) — five broken scripts with bugs this
+# lesson does not show: name each bug and fix it.
 #
 # Every program below really runs, on 2 gloo ranks, under a short time limit: a hang costs a
 # few seconds and leaves nothing running. The broken programs live in `dpcourse.bugzoo`, one
@@ -50,9 +52,10 @@ torch.set_num_threads(1)
 #
 # | tool | what it does | here (CPU, gloo) |
 # |---|---|---|
-# | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before `init_process_group`) | before every collective, the ranks compare what they are about to call (op, shapes, dtypes); a mismatch becomes an error naming both calls | works: section 2 |
-# | `init_process_group(..., timeout=timedelta(seconds=...))` | a rank blocked in a collective longer than this raises instead of waiting (defaults: 30 min for gloo, 10 min for NCCL) | works: section 2 |
-# | the flight recorder (`TORCH_FR_BUFFER_SIZE=N`) | a ring buffer of each rank's last N collectives (op, sequence number, state); on NCCL it can be dumped automatically on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT=1`, files `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) and merged with `torchfrtrace` | records on gloo too in torch 2.14 (section 2); the automatic dump on timeout is NCCL-only |
+# | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; the other ranks wait for rank 0's answer | gloo only: section 2, bugs 1 and 3 |
+# | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before the group is created) | wraps each process group in a `ProcessGroupWrapper` with a gloo helper group: before **every** collective the ranks pass a monitored barrier and compare the call's fingerprint (op, shapes, dtypes); a missing rank or a mismatch becomes an error naming them. It costs time on every call | works: section 2, with its cost measured |
+# | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**: the call returned at once (it only queued the work on the GPU); the watchdog thread notices the timeout and tears the whole process down; only `TORCH_NCCL_BLOCKING_WAIT=1` makes `wait()` block and raise | gloo: section 2; NCCL: the figure there |
+# | the flight recorder | **on by default**: a ring buffer of each process's last 2000 collectives (op, sequence number, state); `TORCH_FR_BUFFER_SIZE` (or `TORCH_NCCL_TRACE_BUFFER_SIZE`) sets the size, 0 turns it off. On NCCL it can be dumped automatically on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT=1`, files `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) and merged with `torchfrtrace` | records on gloo too (section 2); the automatic dump on timeout is NCCL-only |
 # | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=ALL` for more) | NCCL prints its set-up: interfaces, rings, transports, and its errors — the first thing to read when NCCL hangs at start-up on a cluster | GPU only: nothing to show here |
 # | `py-spy dump --pid PID` | the Python stack of a running process, from outside, without stopping it: the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (below) |
 #
@@ -94,8 +97,88 @@ print(partial_fixed.report())
 claim("fixed (every rank calls it): it finishes, and the detector stays quiet", partial_fixed.ok)
 
 # %% [markdown]
+# **`dist.monitored_barrier` names the rank that never came.** Put one before the collective
+# you suspect: rank 0 waits there for every other rank and, at the barrier's timeout, raises
+# with the list of ranks that did not arrive (with `wait_all_ranks=True`, all of them, not
+# just the first). `diagnose(..., monitor=2)` puts a 2-second one before every collective
+# (`record_collectives` above shows the two lines). It is gloo's: it needs a CPU group.
+
+# %%
+partial_mon = detectors.diagnose(bugzoo.partial_collective, world_size, False,
+                                 timeout=3 * hang_timeout, monitor=2)
+print(partial_mon.error.split(": ", 1)[1])
+claim("with a monitored barrier, rank 0 raises after 2 s naming rank 1, which never came",
+      partial_mon.status == "failed" and "Ranks 1 failed to pass monitoredBarrier in 2000 ms"
+      in partial_mon.error)
+
+# %% [markdown]
+# **`TORCH_DISTRIBUTED_DEBUG=DETAIL` does that before every collective, for you.** With the
+# debug level DETAIL, `init_process_group` wraps the group in a `ProcessGroupWrapper`
+# (`_create_process_group_wrapper` in `torch.distributed.distributed_c10d`), which owns a second, gloo, group. Before
+# each collective it runs a monitored barrier on that helper group (with the process group's
+# `timeout`) and then compares the collective's fingerprint — its op, the shapes and dtypes of
+# its tensors — across the ranks. On bug 1 (group timeout 2 s) the missing rank is named:
+
+# %%
+partial_detail = detectors.diagnose(bugzoo.partial_collective, world_size, False,
+                                    timeout=3 * hang_timeout, debug_detail=True, group_timeout=2)
+print(partial_detail.error.split(": ", 1)[1])
+claim("with DETAIL, bug 1's all_reduce raises on rank 0, naming rank 1",
+      partial_detail.status == "failed" and "Ranks 1 failed to pass monitoredBarrier"
+      in partial_detail.error)
+
+# %% [markdown]
+# Those checks are collectives themselves, on every call. How much do they cost? The same
+# all-reduces on two groups of the same ranks, one created at the default debug level and one
+# under DETAIL, timed in turn (the median of 5 rounds of 100 calls), for a one-element tensor
+# (the cost is all latency) and for 64 Ki elements.
+
+
+# %%
+def detail_cost(rank, world_size, calls=100, rounds=5, sizes=(1, 1 << 16)):
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    plain = dist.new_group(list(range(world_size)))
+    dist.set_debug_level(dist.DebugLevel.DETAIL)       # groups created now are wrapped
+    checked = dist.new_group(list(range(world_size)))
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    out = {}
+    for numel in sizes:
+        x = torch.ones(numel)
+        times = {"plain": [], "DETAIL": []}
+        for _ in range(rounds):
+            for name, group in (("plain", plain), ("DETAIL", checked)):
+                dist.barrier()
+                t = time.perf_counter()
+                for _ in range(calls):
+                    dist.all_reduce(x, group=group)
+                times[name].append((time.perf_counter() - t) / calls)
+        out[numel] = {k: statistics.median(v) for k, v in times.items()}
+    return out
+
+
+cost = launch.spawn(detail_cost, world_size, backend="gloo", timeout=120)[0]
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: times depend on this machine and its load.
+for numel, t in cost.items():
+    print(f"all_reduce of {numel:>6,} float32: plain {t['plain'] * 1e6:7.0f} µs, with DETAIL "
+          f"{t['DETAIL'] * 1e6:7.0f} µs ({t['DETAIL'] / t['plain']:.1f}×)")
+
+# %%
+slow = cost[1]["DETAIL"] / cost[1]["plain"]
+claim("DETAIL makes a one-element all_reduce at least 2× slower here (a barrier and a "
+      "fingerprint exchange before each call): a debugging setting, not a production one",
+      slow >= 2, ratio=slow)
+
+# %% [markdown]
 # The process group's own `timeout` turns the same hang into an error on the stuck rank —
-# here after 2 s instead of gloo's default 30 minutes:
+# on **gloo**, which is what runs here: the blocked call raises after 2 s instead of gloo's
+# default 30 minutes.
 
 
 # %%
@@ -114,8 +197,24 @@ except launch.RankFailedError as e:
     group_timeout = e
 print(f"rank {group_timeout.rank} failed:",
       group_timeout.summary.split("] ")[-1].split(" for ")[0])
-claim("with timeout=2 s, rank 0 raises 'Timed out' itself",
+claim("on gloo, with timeout=2 s, rank 0 raises 'Timed out' itself, in the call",
       group_timeout.rank == 0 and "Timed out" in group_timeout.summary)
+
+# %% [markdown]
+# **On NCCL the same hang looks different.** An NCCL collective only queues work on the GPU's
+# stream and returns at once: Python goes on until something needs the result (a `.item()`,
+# a copy to the CPU) and blocks there, not in the collective. A watchdog thread in each
+# process checks the queued work; when it passes the timeout, the watchdog logs "Watchdog
+# caught collective operation timeout" and, by default, takes the whole process down
+# (`TORCH_NCCL_ASYNC_ERROR_HANDLING`: tear down). Only with `TORCH_NCCL_BLOCKING_WAIT=1` does
+# `work.wait()` block and raise in your code, as gloo does. This machine has no GPU, so this
+# is drawn from torch's source (`ProcessGroupNCCL.hpp`), not measured:
+
+# %%
+viz.show(viz.timeout_behaviour_figure(),
+         "Where the error surfaces when a partner never joins: gloo raises inside the call; "
+         "NCCL returns at once and the watchdog aborts the process at the timeout, wherever "
+         "Python then is; with TORCH_NCCL_BLOCKING_WAIT=1, wait() raises.")
 
 # %% [markdown]
 # ### Bug 2: collectives in different orders
@@ -151,11 +250,13 @@ claim("with DETAIL the mismatch is an error, not a hang",
 claim("and it names the two operations", ops == ["ALLREDUCE", "BROADCAST"])
 
 # %% [markdown]
-# **The flight recorder.** With `TORCH_FR_BUFFER_SIZE` set before the group starts, each rank
-# keeps its last collectives in a ring buffer, which `_dump_fr_trace` returns (a private API:
-# `torchfrtrace` reads the files NCCL dumps). On gloo in this torch it records every call but
-# never marks one completed: the states say "scheduled", so it tells you *what* was called,
-# not *where* a rank stopped — for that, the course's trace or a stack dump.
+# **The flight recorder** is on by default in this torch: every process keeps its last 2000
+# collectives (`TORCH_FR_BUFFER_SIZE` changes the size, 0 turns it off) in a ring buffer,
+# which `_dump_fr_trace` returns (a private API: `torchfrtrace` reads the files NCCL dumps).
+# Below, nothing is set in the environment. On gloo it records every call but never marks one
+# completed: the states say "scheduled", so it tells you *what* was called, not *where* a rank
+# stopped — for that, the course's trace or a stack dump. (On NCCL, the watchdog marks each
+# entry started and completed.)
 
 
 # %%
@@ -169,21 +270,20 @@ def flight_recorder(rank, world_size):
     return [(e["profiling_name"], e["collective_seq_id"], e["state"]) for e in dump["entries"]]
 
 
-os.environ["TORCH_FR_BUFFER_SIZE"] = "64"   # ranks copy the environment when they start
-try:
-    recorded = launch.spawn(flight_recorder, world_size, backend="gloo", timeout=30)
-finally:
-    del os.environ["TORCH_FR_BUFFER_SIZE"]
+claim("no flight-recorder variable is set here: what follows is the default",
+      not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")))
+recorded = launch.spawn(flight_recorder, world_size, backend="gloo", timeout=30)
 for rank, entries in enumerate(recorded):
     print(f"rank {rank}:", entries)
-claim("on gloo the flight recorder holds both collectives, in order, on every rank",
+claim("by default, on gloo, the flight recorder holds both collectives, in order, on every "
+      "rank",
       all([e[0] for e in entries] == ["gloo:all_reduce", "gloo:broadcast"] for entries in recorded))
 claim("but marks none of them completed", {e[2] for r in recorded for e in r} == {"scheduled"})
 
 # %% [markdown]
 # ### Bug 3: rank-dependent control flow
-# Early stopping decided by each rank on *its own* loss: rank 0 leaves the loop at step 2, rank 1
-# goes on and waits, forever, for rank 0 in the next all-reduce. The same happens with a
+# Early stopping decided by each rank on *its own* loss: rank 1 leaves the loop at step 2, rank 0
+# goes on and waits, forever, for rank 1 in the next all-reduce. The same happens with a
 # `break` on a rank's own data, a rank that has fewer batches (uneven shards), or an
 # `if loss.item() > x: continue` before a collective.
 
@@ -193,11 +293,17 @@ viz.show_code(bugzoo.early_stop)
 # %%
 early = detectors.diagnose(bugzoo.early_stop, world_size, False, timeout=hang_timeout)
 print(early.report())
-claim("rank 1 is stuck in its 4th all_reduce, which rank 0 never made (it had returned)",
-      early.pending == list(range(1, world_size)) and early.trace.index == 3
-      and early.trace.calls[0] is None and early.trace.stuck[1]["op"] == "all_reduce")
+claim(f"rank 0 is stuck in its 4th all_reduce, which rank {world_size - 1} never made (it had "
+      "returned)",
+      early.pending == list(range(world_size - 1)) and early.trace.index == 3
+      and early.trace.calls[world_size - 1] is None and early.trace.stuck[0]["op"] == "all_reduce")
+early_mon = detectors.diagnose(bugzoo.early_stop, world_size, False, timeout=3 * hang_timeout,
+                               monitor=2)
+print("with a monitored barrier:", early_mon.error.split(": ", 1)[1])
+claim(f"a monitored barrier before each collective names rank {world_size - 1}, the rank that left",
+      f"Ranks {world_size - 1} failed to pass monitoredBarrier" in (early_mon.error or ""))
 early_fixed = detectors.diagnose(bugzoo.early_stop, world_size, True, timeout=hang_timeout)
-claim("fixed (the decision is all-reduced): both ranks stop at the same step",
+claim("fixed (the decision is all-reduced): all ranks stop at the same step",
       early_fixed.ok and len(set(early_fixed.results)) == 1, results=early_fixed.results)
 
 # %%
@@ -208,6 +314,11 @@ viz.show(viz.collective_traces_figure({"bug 1: a collective on rank 0 only": par
          "shaded column is the first call where the ranks disagree: the bug is there.")
 
 # %% [markdown]
+# Rank 0 is the one that reports in a monitored barrier: the others only wait for its answer.
+# Had rank 0 been the rank that left, the others would wait in the barrier itself (its
+# docstring: non-zero ranks "block until a send/recv is processed from rank 0") — the
+# course's trace and stack dump still name it then.
+#
 # ## 3. Bugs that finish — with the wrong answer
 # These are worse: nothing hangs, nothing crashes, the loss may even look fine. They need a
 # detector that compares the ranks. All seven run, broken and fixed, in **one** launch
@@ -453,16 +564,18 @@ claim("naming rank 1, its all_reduce and the script's line 8",
 
 # %% [markdown]
 # ## Lab 10
-# Open [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb): five broken scripts, run safely. Name
-# each bug, fix it, and let the check run your fix under torchrun; the stretch has you write a
-# detector of your own, like this lesson's checksum.
+# Open [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb): five broken torchrun scripts with five
+# bugs this lesson did not show — three silent, one that hangs, one that trains too slowly.
+# Name each bug among believable options, fix it, and let the check run your fix under
+# torchrun; the stretch has you write an exact replicas-in-sync detector with one verdict on
+# every rank.
 #
 # ## Summary
 # | bug | symptom | detector | fix |
 # |---|---|---|---|
-# | a collective on some ranks only | hang | `diagnose`: stuck rank, its call and line | every rank calls every collective |
+# | a collective on some ranks only | hang | `diagnose`: stuck rank, its call and line; `monitored_barrier` or DETAIL: the rank that never came | every rank calls every collective |
 # | collectives in different orders | hang (or garbage) | trace mismatch; `TORCH_DISTRIBUTED_DEBUG=DETAIL` | one order on every rank |
-# | rank-dependent control flow | hang after some steps | trace: one rank made more calls | decide together (all-reduce the decision) |
+# | rank-dependent control flow | hang after some steps | trace: one rank made more calls; `monitored_barrier`: the rank that left | decide together (all-reduce the decision) |
 # | per-rank seed, no broadcast | replicas never agree | weight checksums across ranks | broadcast rank 0's weights (DDP does) |
 # | loss averaged, not gradients | log looks fine, replicas drift | gradient / weight checksums | average the gradients |
 # | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (GPU), or average the buffers |
@@ -511,12 +624,55 @@ viz.quiz([
      "why": ["After the all-reduce every rank is NaN alike.",
              "Right: that names the rank and the step (and then the batch).",
              "NCCL_DEBUG shows the transport, not the values."]},
+    {"q": "On NCCL (default settings), rank 1 never joins rank 0's all_reduce. Where does "
+          "rank 0's program stop?",
+     "options": ["Inside dist.all_reduce, which raises at the timeout",
+                 "Nowhere in particular: all_reduce returned at once; Python runs on until it "
+                 "needs the result, and at the timeout the watchdog aborts the whole process",
+                 "It never stops: NCCL has no timeout"],
+     "answer": 1,
+     "why": ["That is gloo's behaviour (and NCCL's with TORCH_NCCL_BLOCKING_WAIT=1).",
+             "Right: NCCL only queues the work; the watchdog thread tears the process down.",
+             "NCCL's default timeout is 10 minutes; the watchdog enforces it."]},
     {"q": "Which of these does TORCH_DISTRIBUTED_DEBUG=DETAIL catch?",
-     "options": ["Ranks calling different collectives, or with different shapes",
+     "options": ["Ranks calling different collectives, or with different shapes, or a rank "
+                 "that never calls one",
                  "Replicas with different initial weights",
                  "Two ranks writing the same file"],
      "answer": 0,
-     "why": ["Right: it compares each collective's fingerprint across ranks first.",
+     "why": ["Right: before each collective it runs a monitored barrier and compares the "
+             "call's fingerprint across the ranks — on every call, so it costs time.",
              "The collectives match; only the values differ: a checksum finds it.",
              "File writes are not collectives."]},
 ])
+
+# %% [markdown]
+# ## Sources
+# Every statement above about torch's internals was checked in the installed torch 2.14.1:
+#
+# - `torch/distributed/distributed_c10d.py` — `monitored_barrier`: gloo (a CPU group) only;
+#   rank 0 reports the ranks that did not arrive, the others block until rank 0 answers;
+#   `wait_all_ranks` collects every missing rank.
+# - `torch/distributed/distributed_c10d.py` — `_new_process_group_helper` and
+#   `_create_process_group_wrapper`: with the debug level DETAIL, a gloo, NCCL, XCCL or UCC
+#   group is wrapped in `_ProcessGroupWrapper` with a helper `ProcessGroupGloo` that has the
+#   group's timeout.
+# - `torch/include/torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp` — `ProcessGroupWrapper`,
+#   `runCollectiveChecks`: the helper group does the monitored barrier and the fingerprint
+#   comparison before the collective is dispatched to the wrapped backend.
+# - `torch/include/torch/csrc/distributed/c10d/FlightRecorder.hpp` — `FlightRecorder`'s
+#   constructor: `max_entries_` from `TORCH_FR_BUFFER_SIZE` or `TORCH_NCCL_TRACE_BUFFER_SIZE`,
+#   2000 by default; enabled when above 0; an entry's states `scheduled`, `started` and
+#   `completed`, the last two set when a CPU thread discovers the GPU work started or ended.
+# - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — `TORCH_NCCL_BLOCKING_WAIT`
+#   (whether `wait()` blocks), `ErrorHandlingMode` and `TORCH_NCCL_ASYNC_ERROR_HANDLING` (tear
+#   the process down on an error), the `Watchdog` class, `TORCH_NCCL_DUMP_ON_TIMEOUT`,
+#   `kProcessGroupNCCLDefaultTimeout` (10 minutes).
+# - `torch/distributed/constants.py` — `default_pg_timeout` (30 minutes for gloo) and
+#   `default_pg_nccl_timeout`.
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__` broadcasts rank
+#   0's parameters and buffers (`_sync_module_states`); `broadcast_buffers` copies rank 0's
+#   buffers before each forward; `find_unused_parameters`.
+# - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__` seeds its shuffle with
+#   `seed + epoch`; `set_epoch`.
+# - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward` raises for CPU input.
