@@ -67,10 +67,12 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # ## Processes, ranks, rendezvous
 # Each process is a **rank** `0 … world_size−1`. To talk, they first meet at a **rendezvous**:
 # here a TCP **store** (a small key-value server through which the ranks swap the addresses
-# they need to connect) at `MASTER_ADDR:MASTER_PORT` that rank 0 hosts; `init_process_group(backend)`
-# reads the address, `RANK` and `WORLD_SIZE` from the environment. The **backend** moves the
-# bytes: **gloo** (CPU tensors, any machine) or **nccl** (GPU tensors, one GPU per rank, much
-# faster). `spawn` sets the variables, starts the ranks, initialises the group, and hands back
+# they need to connect) at `MASTER_ADDR:MASTER_PORT` that rank 0 hosts;
+# `init_process_group(backend)` reads the address, `RANK` and `WORLD_SIZE` from the
+# environment. The **backend** is the library that moves the bytes: **gloo** (a collective
+# communication library from Meta, for CPU tensors on any machine) or **nccl** (NVIDIA's
+# Collective Communications Library: GPU tensors, one GPU per rank, much faster). `spawn` sets
+# the variables, starts the ranks, initialises the group, and hands back
 # what each rank returns. A worker is any function `f(rank, world_size, ...)` — even one defined
 # in a cell like this:
 
@@ -356,8 +358,9 @@ claim("the first bucket reduced holds the last layer (its gradient is computed f
 # constructor DDP does not yet know in which order the backward will produce the gradients:
 # registration order is only a guess, and a wrong guess could make ranks launch all-reduces in
 # different orders (a deadlock or a silent mix-up). So DDP builds its initial buckets with a
-# size limit of `sys.maxsize` (one bucket) in every case but one: `find_unused_parameters=True`
-# *without* `static_graph=True`. During the first iteration the reducer records the order in
+# size limit of `sys.maxsize` (one bucket) unless you pass `find_unused_parameters=True`
+# *without* `static_graph=True` (or a list of per-bucket caps, `bucket_cap_mb_list`). During
+# the first iteration the reducer records the order in
 # which the gradients really became ready, and before the second forward it **rebuilds the
 # buckets** in that order, once and for all (`_pre_forward` calls the reducer's
 # `_rebuild_buckets`).
@@ -381,9 +384,10 @@ claim("static_graph=True, iteration 2: the same buckets the default got in itera
 
 # %% [markdown]
 # With `find_unused_parameters=True` (and no `static_graph`) DDP must walk the graph every
-# iteration anyway, and it buckets by size from the start, in reverse registration order, and
-# never rebuilds. We give that model a head it never uses, which is the case that flag exists
-# for:
+# iteration anyway. It buckets by size from the start, and never rebuilds: it groups the
+# parameters in registration order with `dist._compute_bucket_assignment_by_size` (the rule of
+# the next section), then reduces the groups last first. We give that model a head it never
+# uses, which is the case that flag exists for:
 
 # %%
 def cnn_with_unused_head():
@@ -403,11 +407,20 @@ def cnn_with_unused_head():
     return WithUnusedHead()
 
 
-unused_runs = launch.spawn(bucket_worker, world_size, cap_mb, cnn_with_unused_head, True, 1,
+unused_runs = launch.spawn(bucket_worker, world_size, cap_mb, cnn_with_unused_head, True, 2,
                            backend="gloo", timeout=60)
-n_first = len(unused_runs[0][0]["buckets"])
-print(f"find_unused_parameters=True, iteration 0: {n_first} buckets")
-claim("with find_unused_parameters=True the first iteration is already bucketed", n_first > 1)
+unused_buckets = [[b[0] for b in seen["buckets"]] for seen in unused_runs[0]]
+print(f"find_unused_parameters=True: parameters per bucket "
+      f"{[[len(names) for names in it] for it in unused_buckets]} in iterations 0 and 1")
+named = list(cnn_with_unused_head().named_parameters())
+groups, _ = dist._compute_bucket_assignment_by_size([p for _, p in named],
+                                                     [ddp.bucket_limits(cap_mb)[1]])
+claim("with find_unused_parameters=True the first iteration is already bucketed",
+      len(unused_buckets[0]) > 1)
+claim("its buckets are the registration-order groups, reduced last group first, and iteration 1 "
+      "keeps them (no rebuild)",
+      unused_buckets[0] == unused_buckets[1]
+      == [[named[i][0] for i in g] for g in reversed(groups)])
 
 # %% [markdown]
 # ### The cap is where a bucket closes, not a ceiling
@@ -515,7 +528,9 @@ print(f"iteration 2 on rank 0: backward took {third['backward_end']:.1f} ms; its
 # them from the batch it sees, and eval mode normalises with them instead of the batch's. They
 # are buffers, so each rank updates its own from its own shard and no all-reduce touches them.
 # Before every forward, DDP's `_pre_forward` calls `_sync_buffers`, which broadcasts rank 0's
-# buffers to the other ranks (rank 0 is the "authoritative" copy). `buffer_sync_worker` trains a
+# buffers to the other ranks (rank 0 is the "authoritative" copy). Only a forward through the
+# wrapper does so, and not one that follows a forward run under `torch.no_grad()` or inside
+# `no_sync()` (DDP's `require_forward_param_sync` is then off). `buffer_sync_worker` trains a
 # small BatchNorm network for three steps with `forward_sync_buffers=True` and then `False`,
 # each rank on its own data; a forward pre-hook on the BatchNorm layer records the running mean
 # each forward starts from, after DDP's own pre-forward work.
@@ -550,8 +565,9 @@ claim("either way rank 0's running mean is bit-for-bit the same: the broadcast n
 # %% [markdown]
 # So the statistics rank 0 saves in a checkpoint (lesson 04 saves from rank 0) come from rank
 # 0's shards only, 1/N of each global batch, whatever the setting. What the broadcast decides is
-# what the *other* ranks use: with it on, every rank evaluates with rank 0's statistics, the
-# model you checkpoint, and gets the same outputs; with it off, each rank evaluates with its own
+# what the *other* ranks use: with it on, every rank evaluates through the wrapper with rank 0's
+# statistics, the model you checkpoint, and gets the same outputs (`ddp_model.module` skips the
+# broadcast); with it off, each rank evaluates with its own
 # and N ranks report N different accuracies for the same weights. Statistics over the whole
 # global batch need `nn.SyncBatchNorm` (lesson 04), which all-reduces the batch's statistics
 # inside every forward.
@@ -704,8 +720,9 @@ viz.quiz([
 #   `dist._compute_bucket_assignment_by_size` and hands the reversed buckets to `dist.Reducer`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._pre_forward`: calls
 #   `self.reducer._rebuild_buckets()` before the forward, then `_sync_buffers()` when
-#   `_check_sync_bufs_pre_fwd()`; `_sync_buffers` uses rank 0 as the authoritative copy unless
-#   `Join` is active.
+#   `_check_sync_bufs_pre_fwd()` (`will_sync_module_buffers`: `require_forward_param_sync`,
+#   which `_post_forward` turns off after a forward without gradient sync); `_sync_buffers` uses
+#   rank 0 as the authoritative copy unless `Join` is active.
 # - `torch/nn/parallel/distributed.py` — `_DDPSink.backward`: with `static_graph`, the first
 #   backward queues `reducer._delay_all_reduce` (every bucket all-reduced after the backward).
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.register_comm_hook`: the hook

@@ -528,7 +528,7 @@ def sampler_orders(n: int, world_size: int, epochs: int = 2, set_epoch: bool = T
 
     No process group is needed: the sampler takes ``num_replicas`` and ``rank`` explicitly, and
     each rank computes its shard by itself from (seed, epoch) — the ranks agree without talking,
-    which is exactly why they must all call ``set_epoch`` with the same epoch.
+    which is why they must all call ``set_epoch`` with the same epoch.
     """
     from torch.utils.data import DistributedSampler
 
