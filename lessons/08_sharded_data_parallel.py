@@ -6,18 +6,23 @@
 #
 # **You will be able to:**
 # - say where a data-parallel rank's memory goes with mixed-precision Adam — 16 bytes per
-#   parameter — and count it on a real run;
-# - build ZeRO stages 1, 2 and 3 from collectives you know, and prove each one trains exactly
-#   like DDP;
+#   parameter, split 2 + 2 + 12 in the ZeRO paper and 4 + 4 + 8 in FSDP2 — and count it on a
+#   real run;
+# - build ZeRO stages 1, 2 and 3 from collectives you know, and prove each one trains like
+#   DDP (to float rounding), frozen and tied parameters included;
 # - count what each stage sends per step, and explain why ZeRO-1 and ZeRO-2 cost what DDP
 #   costs while ZeRO-3 costs 1.5×;
-# - use PyTorch's FSDP2 (`fully_shard`): DTensor shards, mixed precision, a full checkpoint;
+# - draw ZeRO-3's step layer by layer from its recorded calls;
+# - use PyTorch's FSDP2 (`fully_shard`): DTensor shards, mixed precision, a full checkpoint,
+#   and reconcile what it holds and sends with the formula;
 # - pick the stage a model needs from its size, the GPU's memory and the number of GPUs.
 #
-# **Time:** about 35 minutes to read and run.
+# **Time:** about 50 minutes to read and run.
 #
-# **Lab:** [lab08_zero_one](../labs/lab08_zero_one.ipynb) — write ZeRO stage 1 yourself; the
-# check runs it on 2 and 3 ranks next to DDP and weighs its optimizer state.
+# **Lab:** [lab08_zero_one](../labs/lab08_zero_one.ipynb) — write ZeRO stage 2 the way it
+# saves memory: buckets reduce-scattered asynchronously *during* the backward; the check runs
+# it on 2 and 3 ranks next to DDP, on a model with a frozen and a tied parameter, and weighs
+# the gradient memory alive at once.
 #
 # Data parallelism copies *everything* to every rank: weights, gradients, optimizer state. When
 # the model stops fitting, the answer that keeps it *data* parallel is to stop copying: each
@@ -65,9 +70,27 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # 16 bytes, of which K = 12 are optimizer state. Activations come on top but they belong to
 # the batch, not the model. ZeRO removes the copies one kind at a time: stage 1 shards the
 # optimizer state, stage 2 the gradients too, stage 3 the weights too.
+#
+# That split is the ZeRO paper's: weights *stored* in bf16 beside an fp32 master copy. Two
+# common ways of training keep fp32 weights instead, with no master copy: `torch.autocast`
+# (the weights stay fp32; only the operations run in bf16) and FSDP2 as section 6 runs it
+# (fp32 shards, computed in bf16). Then a parameter costs 4 (weights) + 4 (gradients, fp32) +
+# 8 (momentum and variance): still 16, but split differently, so each stage saves a different
+# amount — ZeRO-2 keeps 4 + 12/N, not 2 + 14/N:
 
 # %%
 viz.show_code(zero.bytes_per_param)
+
+# %%
+n_table = 8
+print(f"bytes per parameter at N = {n_table}:   paper (2 + 2 + 12)   fp32 weights (4 + 4 + 8)")
+for stage in zero.STAGES:
+    paper_bytes = zero.bytes_per_param(stage, n_table)
+    fp32_bytes = zero.bytes_per_param(stage, n_table, param_bytes=4, grad_bytes=4,
+                                      optimizer_bytes=8)
+    print(f"{stage:>6}: {paper_bytes:24.2f} {fp32_bytes:24.2f}")
+claim("with fp32 weights ZeRO-2 keeps 4 + 12/N bytes per parameter (5.5 at N = 8), not 2 + 14/N",
+      zero.bytes_per_param("zero2", 8, 4, 4, 8) == 4 + 12 / 8 == 5.5)
 
 # %% [markdown]
 # The ZeRO paper's Figure 1 is this formula for a 7.5-billion-parameter model on 64 GPUs:
@@ -113,12 +136,8 @@ zero_calculator = viz.explorer(
 # 4. **all-gather** the updated slices: every rank has every new weight again — the second
 #    half of the all-reduce.
 #
-# Reduce-scatter + all-gather = one all-reduce: ZeRO-1 sends what DDP sends.
-#
-# ## Lab 08: write ZeRO-1
-# Before reading on, open [lab08_zero_one](../labs/lab08_zero_one.ipynb) and write it: the
-# shard boundaries, then a wrapper around any torch optimizer. The next cells show the
-# library's answer.
+# Reduce-scatter + all-gather = one all-reduce: ZeRO-1 sends what DDP sends. The library's
+# version, piece by piece:
 
 # %%
 viz.show_code(zero.flatten_padded, zero.reduce_scatter_mean, zero.all_gather_flat,
@@ -170,6 +189,17 @@ claim(f"ZeRO-2: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
       diff=max_diff("zero2"))
 
 # %% [markdown]
+# ## Lab 08: ZeRO-2 that earns its memory
+# This `Zero2` saves memory *at rest* only: its reduce-scatter runs in `step()`, so when the
+# backward ends every full gradient exists at once and the peak is ZeRO-1's. Open
+# [lab08_zero_one](../labs/lab08_zero_one.ipynb) and write the version that lowers the peak:
+# gradients grouped in buckets (lesson 07), each bucket reduce-scattered *asynchronously*
+# from a hook as soon as its last gradient arrives, its full gradients dropped at once, one
+# bucket in flight at a time. The check weighs the gradient memory alive at every arrival. The
+# lesson does not show that code; ZeRO-3 below uses the same hook per layer, without the
+# buckets or the asynchrony.
+
+# %% [markdown]
 # ## 4. ZeRO-3: shard the weights too (what FSDP does)
 # Now a rank keeps 1/N of every layer's weights and nothing else. A layer's full weights are
 # rebuilt only while it computes: all-gathered before its forward and freed after it,
@@ -184,6 +214,39 @@ viz.show_code(zero.ShardedLayer, zero.Zero3)
 # %%
 claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff("zero3") < 1e-5,
       diff=max_diff("zero3"))
+
+# %% [markdown]
+# What that looks like in time: one step of `Zero3`, timed from the calls themselves. A
+# worker replaces each layer's `gather` and `free` and the module's `reduce_scatter_mean` by
+# versions that note the time before and after (the second of two steps, so nothing is
+# measured for the first time).
+
+# %%
+viz.show_code(zero.zero3_timeline_worker)
+
+# %%
+events = launch.spawn(zero.zero3_timeline_worker, world_size, cfg, backend=backend,
+                      timeout=120)[0]
+layer_names = [f"layer {i} ({n} params)" for i, n in
+               enumerate(runs[0]["zero3"]["units"])]
+order = {i: [kind for layer, kind, _, _ in events if layer == i]
+         for i in range(len(layer_names))}
+claim("every layer: all-gather (forward), free, all-gather (backward), reduce-scatter, free",
+      all(kinds == ["all-gather (forward)", "free", "all-gather (backward)", "reduce-scatter",
+                    "free"] for kinds in order.values()))
+first_bwd = [next(t for layer, kind, t, _ in events if layer == i and kind.endswith("(backward)"))
+             for i in range(len(layer_names))]
+claim("the backward gathers the layers in reverse: last layer first",
+      first_bwd == sorted(first_bwd, reverse=True))
+
+# %%
+viz.show(viz.zero3_timeline_figure(events, layer_names),
+         "One ZeRO-3 step on rank 0, from the recorded calls: each layer's full weights exist "
+         "only in its green band — gathered before its forward, freed after it, gathered "
+         "again in the backward (last layer first), then its gradients reduce-scattered and "
+         "the weights freed. On this CPU the collectives take milliseconds and the compute "
+         "microseconds, so the green bands are thin; FSDP overlaps them by prefetching the "
+         "next layer's all-gather.")
 
 # %% [markdown]
 # ## 5. Counted: memory and traffic
@@ -261,6 +324,29 @@ viz.show(viz.zero_tradeoff_figure(
     "for it, with half as much traffic again.")
 
 # %% [markdown]
+# 3Ψ is an upper bound. Our `Zero3` frees every layer after its forward; FSDP2 keeps the
+# parameters of the *root* module (the outermost one `fully_shard` was applied to) gathered
+# after the forward, because the backward needs them at once: when `reshard_after_forward` is
+# left at its default, the root's first forward sets it to False for the root. Above, the root
+# owned no parameters of its own (every `Linear` was its own unit). Leave the last layer to
+# the root and its parameters are all-gathered once per step, not twice:
+
+# %%
+viz.show_code(zero.fsdp2_root_worker)
+
+# %%
+rooted = launch.spawn(zero.fsdp2_root_worker, world_size, cfg, backend=backend, timeout=120)[0]
+root_units, other_units = sum(rooted["root_units"]), sum(rooted["other_units"])
+by_op = rooted["traffic"][-1]["by_op"]
+print(f"root's parameters {root_units}, the other units' {other_units} (padded); "
+      f"all-gathered {by_op['all_gather'] // 4}, reduce-scattered {by_op['reduce_scatter'] // 4}")
+claim("FSDP2 all-gathers the root's parameters once and the others twice: "
+      "volume == 3 × others + 2 × root, below 3Ψ",
+      by_op == {"all_gather": 4 * (2 * other_units + root_units),
+                "reduce_scatter": 4 * (other_units + root_units)}
+      and rooted["traffic"][-1]["volume"] < 3 * 4 * (other_units + root_units))
+
+# %% [markdown]
 # What traffic means in time depends on the network (lesson 06's α-β model): FSDP launches
 # the next layer's all-gather while this one computes (it *prefetches*), so on a fast link the
 # extra half can hide behind compute; on a slow one it shows. This lesson counts bytes, not
@@ -281,6 +367,37 @@ viz.show_code(zero.fsdp2_worker)
 tour = launch.spawn(zero.fsdp2_worker, world_size, mp, backend=backend, timeout=120)
 for name, kind, full, local, placement in tour[0]["shards"]:
     print(f"{name:>10}: {kind}, full {full}, rank 0 holds {local}, {placement}")
+
+# %% [markdown]
+# What FSDP2 holds and sends here, against section 1's formula. It keeps the **fp32** shard
+# itself as what the optimizer steps (no separate master copy), gets **fp32** gradients
+# (sharded), and Adam's two fp32 states for its shard: (4 + 4 + 8)/N, where the paper has
+# (2 + 2 + 12)/N. It all-gathers the weights in bf16 (the policy's `param_dtype`, 2 bytes,
+# twice per step) and reduce-scatters the gradients in fp32 (`reduce_dtype=torch.float32`,
+# which `zero._fsdp2_policy` sets; left at None it would follow `param_dtype`): 2 + 2 + 4 = 8
+# bytes sent per parameter per step where the paper's bf16 ZeRO-3 sends 3 × 2 = 6. Measured
+# on rank 0 after the tour's last step (FSDP2 pads each parameter's first dimension):
+
+# %%
+units = [zero.fsdp2_padded_numel(p.shape, world_size) for p in cfg.build().parameters()]
+padded = sum(units)
+held, sent = tour[0]["held"], tour[0]["traffic"][-1]["by_op"]
+n = world_size
+rows = [("weights kept (shard)", 2 / n, 4 / n, held["params"]),
+        ("gradients kept (shard)", 2 / n, 4 / n, held["grads"]),
+        ("optimizer state", 12 / n, 8 / n, held["optimizer"]),
+        ("sent: all-gathers (forward, backward)", 2 + 2, 2 + 2, sent["all_gather"]),
+        ("sent: reduce-scatter", 2, 4, sent["reduce_scatter"])]
+print(f"bytes per parameter, N = {n}            paper ZeRO-3  FSDP2 formula  FSDP2 measured")
+for what, paper_b, fsdp_b, measured in rows:
+    print(f"{what:<38} {paper_b:10.2f} {fsdp_b:14.2f} {measured / padded:15.2f}")
+claim("FSDP2 holds (4 + 4 + 8)/N bytes per padded parameter on rank 0: fp32 shard, fp32 "
+      "gradient, Adam's two fp32 states",
+      held == zero.memory_per_rank("zero3", units, world_size, 4, 4, 8))
+claim("the other ranks hold no more (Adam's state covers their unpadded rows only)",
+      all(r["held"]["total"] <= held["total"] for r in tour))
+claim("it sends 2 + 2 bytes of bf16 all-gathers and 4 bytes of fp32 reduce-scatter per padded "
+      "parameter", sent == {"all_gather": 2 * 2 * padded, "reduce_scatter": 4 * padded})
 
 # %%
 name, kind, full, local, placement = tour[0]["shards"][0]
@@ -330,14 +447,14 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 
 # %% [markdown]
 # ## 7. When to use what
-# | | memory per parameter | traffic | use it when |
-# |---|---|---|---|
-# | DDP | 16 B | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
-# | ZeRO-1 | 4 + 12/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
-# | `ZeroRedundancyOptimizer` | 4 + 12/N B (whole parameters per rank, so only roughly) | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
-# | ZeRO-2 | 2 + 14/N B | 2Ψ | more memory freed, still no extra traffic (if gradients are reduced during the backward: lab 08's stretch) |
-# | ZeRO-3 / FSDP | 16/N B | 3Ψ | the weights themselves do not fit: memory falls with every GPU added |
-# | + tensor / pipeline parallel | | | one layer's activations or weights exceed a GPU, or N is so large that 3Ψ per step dominates: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
+# | | memory per parameter: paper (bf16 + fp32 master) | fp32 weights (autocast, FSDP2 here) | traffic | use it when |
+# |---|---|---|---|---|
+# | DDP | 16 B | 16 B | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
+# | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
+# | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 8 + 8/N B (whole parameters per rank, so only roughly) | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
+# | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ | more memory freed, still no extra traffic — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
+# | ZeRO-3 / FSDP | 16/N B | 16/N B | 3Ψ at most (FSDP2's root is gathered once) | the weights themselves do not fit: memory falls with every GPU added |
+# | + tensor / pipeline parallel | | | | one layer's activations or weights exceed a GPU, or N is so large that 3Ψ per step dominates: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
 #
 # The calculator: a model size, a GPU's memory, N and what you keep for activations; which
 # stages fit?
@@ -357,14 +474,20 @@ claim("a 13-B model on 8 × 40 GB GPUs (6 GB for activations) fits only with ZeR
 
 # %% [markdown]
 # ## Summary
-# - With mixed-precision Adam a parameter costs 16 bytes, 12 of them optimizer state; DDP
-#   keeps all of it on every rank.
+# - With mixed-precision Adam a parameter costs 16 bytes: 2 + 2 + 12 in the ZeRO paper (bf16
+#   weights and gradients, fp32 master and Adam state), 4 + 4 + 8 with fp32 weights (autocast,
+#   FSDP2 as run here). DDP keeps all of it on every rank.
 # - ZeRO-1 shards the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too; each
-#   trained exactly like DDP here, and each held exactly the bytes the formula says.
+#   trained like DDP here (weights equal to 1e-5), and each held exactly the bytes the formula
+#   says.
 # - ZeRO-1 and 2 replace DDP's all-reduce by its two halves, reduce-scatter and all-gather: the
-#   same traffic. ZeRO-3 gathers the weights twice (forward and backward): 1.5×.
+#   same traffic. ZeRO-3 gathers the weights twice (forward and backward): 1.5×, at most —
+#   FSDP2 gathers its root's parameters once.
+# - A ZeRO-2 that reduce-scatters in `step()` saves memory at rest, not at its peak: the lab
+#   reduce-scatters during the backward.
 # - FSDP2's `fully_shard` is ZeRO-3 with DTensor parameters, mixed-precision policies and
-#   state-dict helpers; `ZeroRedundancyOptimizer` is a ready ZeRO-1 for DDP.
+#   state-dict helpers; here it held (4 + 4 + 8)/N per parameter and sent bf16 all-gathers and
+#   an fp32 reduce-scatter. `ZeroRedundancyOptimizer` is a ready ZeRO-1 for DDP.
 #
 # **Next:** [lesson 09](09_beyond_lockstep.ipynb) leaves lockstep: parameter servers, stale
 # gradients, local SGD and large batches.
@@ -401,3 +524,37 @@ viz.quiz([
              "2 + 14/8 = 3.75 bytes per parameter: 48.75 GB before any activation.",
              "Right: 16/8 = 2 bytes per parameter, 26 GB, which leaves room for activations."]},
 ])
+
+# %% [markdown]
+# ## Sources
+# Every statement above about what torch does was checked in the installed torch 2.14.1
+# (paths relative to `site-packages`):
+#
+# - `torch/distributed/distributed_c10d.py` — `reduce_scatter_single`, `all_gather_single`
+#   (equal pieces on every rank; `async_op` returns a `Work`); `reduce_scatter_tensor` and
+#   `all_gather_into_tensor` are deprecated aliases that warn and call them.
+# - `torch/_tensor.py` — `Tensor.register_post_accumulate_grad_hook`: the hook runs once the
+#   gradient has been accumulated into `p.grad` (ZeRO-3's reduce-scatter, the lab's buckets).
+# - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`: the comm
+#   hook registered on torch DDP so that its all-reduce goes through `torch.distributed` and is
+#   recorded.
+# - `torch/distributed/fsdp/_fully_shard/_fully_shard.py` — `fully_shard`: parameters become
+#   DTensors; `reshard_after_forward` left at None is True, and set to False for the root.
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` — `FSDPState._lazy_init`: the first
+#   module to run forward is the root, and its groups are not resharded after the forward.
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` — `FSDPParam._init_sharded_param`
+#   (each parameter chunked along dim 0, the chunks padded to equal size) and
+#   `FSDPParam.init_dtype_attrs` (`reduce_dtype` equal to `param_dtype` means no cast).
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_api.py` — `MixedPrecisionPolicy`: `param_dtype`
+#   for compute and the all-gather, the sharded parameter (what the optimizer steps) keeps its
+#   original dtype; `reduce_dtype` None follows `param_dtype`.
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` — `foreach_all_gather`,
+#   `foreach_reduce`: one all-gather and one reduce-scatter of the padded flat buffer per group.
+# - `torch/distributed/checkpoint/state_dict.py` — `get_model_state_dict`,
+#   `set_model_state_dict` (`full_state_dict`, `cpu_offload`, `broadcast_from_rank0`).
+# - `torch/distributed/optim/zero_redundancy_optimizer.py` — `ZeroRedundancyOptimizer`
+#   (`_partition_parameters`: whole parameters assigned to ranks; `_sync_params`: each rank
+#   broadcasts the parameters it stepped).
+#
+# Papers: Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training Trillion Parameter
+# Models*, SC 2020 (Figure 1, the 2 + 2 + 12 split); Zhao et al., *PyTorch FSDP*, VLDB 2023.

@@ -1,26 +1,34 @@
 # %% [markdown]
-# # Lab 08 · Write ZeRO stage 1
+# # Lab 08 · ZeRO-2, overlapped with the backward
 #
-# Lesson 08 counted where a data-parallel rank's memory goes: with Adam, the optimizer's state
-# (momentum and variance, plus fp32 master weights in mixed precision) is most of it, and
-# every rank keeps an identical copy. ZeRO stage 1 keeps each rank's copy of that state for
-# **its own shard** of the parameters only. You write it in two parts:
+# Lesson 08 built ZeRO stages 1–3. Its `Zero2` is short on purpose: it reduce-scatters every
+# gradient in `step()`, after the backward, so every full gradient has existed at once by
+# then and the rank's memory at its fullest — its **peak** — is ZeRO-1's, whatever it keeps at
+# rest. Here you write ZeRO stage 2 the way it earns its memory: the gradients are grouped into
+# **buckets** (lesson 07), and each bucket is reduce-scattered **during the backward**, as
+# soon as its last gradient arrives, *asynchronously*, so that the communication overlaps the
+# backward of the earlier layers; its full gradients are dropped at once. You write it in two
+# parts:
 #
-# 1. `shard_bounds(numel, rank, world_size)` — which slice of the flattened parameters a rank
-#    owns;
-# 2. `ZeroOne`, a wrapper around any torch optimizer: it keeps a flat copy of this rank's
-#    shard, gives the inner optimizer only that, and in `step()` averages the gradients,
-#    steps the shard and all-gathers the parameters so that every rank holds the whole model.
+# 1. `shard_bounds(numel, rank, world_size)` — which slice of a flat vector a rank owns;
+# 2. `ZeroTwo`, a wrapper around any torch optimizer, used like lesson 08's stages:
+#    `zero_grad()`, your backward, `step()`.
 #
-# The checks run your wrapper on 2 ranks with Adam and on 3 ranks with SGD + momentum — the
-# parameter count (53) does not divide by either — next to DDP with the full optimizer, for 3
-# steps, and weigh each rank's optimizer state. They name the classic mistakes: stepping the
-# whole model on every rank (no memory saved), forgetting the all-gather (the ranks drift
-# apart), an off-by-one shard boundary, summing the gradients instead of averaging them.
+# The check runs your wrapper on 2 ranks with Adam and on 3 ranks with SGD + momentum, next
+# to DDP with the full optimizer, for 3 steps, on a seven-layer MLP that has a **frozen**
+# bias (`requires_grad=False`: it never gets a gradient) and a weight **tied** between two
+# layers (one `Parameter` used twice: autograd sums both uses before its hook runs). From
+# inside each rank it watches every gradient arrive, every reduce-scatter launched and every
+# `wait()`, and it weighs the gradient memory alive at each arrival by *storage* — a view
+# weighs the whole buffer it keeps alive. It names the mistakes: a shard that is a view of the
+# whole padded vector, the reduce-scatters done in `step()` or all launched at the end of the
+# backward, a blocking reduce-scatter, one never waited for, buffers kept too long, a frozen
+# parameter bucketed or stepped, gradients summed instead of averaged.
 #
-# Stretch: ZeRO stage 2 done right — each gradient reduce-scattered *during* the backward, from
-# a hook, and dropped at once, so that the full gradients never all exist together; the check
-# counts the gradient numbers alive at once.
+# **Collective names.** `dist.reduce_scatter_single` and `dist.all_gather_single` are the
+# names in torch 2.14, the version this course pins. Older torch calls them
+# `dist.reduce_scatter_tensor` and `dist.all_gather_into_tensor`; torch 2.14 keeps those as
+# deprecated aliases (they warn, then call the new ones), and the check accepts either.
 
 # %% tags=["parameters"]
 check_timeout = 30  # seconds before a hanging rank is stopped
@@ -30,6 +38,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from dpcourse.checks import lab08
 
@@ -38,12 +47,12 @@ torch.set_num_threads(1)
 # %% [markdown]
 # ## 1. Shard boundaries
 #
-# Flatten all parameters into one vector of `numel` numbers. `all_gather_single` needs
-# every rank's piece to be the **same size**, so give every rank `ceil(numel / world_size)`
-# numbers and think of the vector as padded with zeros up to `world_size` times that. Return
-# the `[start, end)` of rank `rank`'s shard in the padded vector (the last shard may run past
-# `numel` into the padding; a rank can even own nothing but padding when there are more ranks
-# than numbers).
+# Flatten a bucket's gradients into one vector of `numel` numbers. `reduce_scatter_single`
+# needs every rank's piece to be the **same size**, so give every rank `ceil(numel /
+# world_size)` numbers and think of the vector as padded with zeros up to `world_size` times
+# that. Return the `[start, end)` of rank `rank`'s shard in the padded vector (the last shard
+# may run past `numel` into the padding; a rank can even own nothing but padding when there
+# are more ranks than numbers).
 
 # %%
 def shard_bounds(numel, rank, world_size):
@@ -59,157 +68,145 @@ def shard_bounds(numel, rank, world_size):
 lab08.check_shard_bounds(shard_bounds)
 
 # %% [markdown]
-# ## 2. The wrapper
+# ## 2. Buckets
 #
-# `__init__` (the first lines are given): keep `self.shard`, this rank's slice of the
-# flattened, padded parameters, as an `nn.Parameter` of its own: a copy (`.clone()`), not a
-# view, which would keep the whole padded vector alive. Then make
-# `self.optimizer = optimizer_cls([self.shard], **kwargs)`: the inner optimizer creates its
-# state (Adam's `exp_avg`, `exp_avg_sq`) for the shard alone.
-#
-# `step()`: flatten the parameters' gradients into one vector and pad it like the
-# parameters. Each rank needs the **average** gradient of its own slice only, so
-# `dist.reduce_scatter_single(out, flat)` is enough — half an all-reduce (lesson 06's ring
-# does it first): rank r receives the sum over the ranks of slice r; divide by the world size.
-# Give that to `self.shard.grad`, step the inner optimizer, then
-# `dist.all_gather_single(full, self.shard.detach())` brings every rank's new slice into a
-# full padded vector; copy each parameter's part back into `p.data`. (An all-reduce followed by
-# slicing gives the same weights, and the check accepts it, but it sends half as much again.)
-#
-# `zero_grad()` is given.
+# Given: the backward produces gradients roughly from the last layer to the first, so the
+# buckets are filled in reverse registration order, and a bucket is closed once it holds
+# `cap` bytes or more (DDP's rule, lesson 07).
 
 # %%
-class ZeroOne:
-    def __init__(self, params, optimizer_cls, **kwargs):
-        self.params = [p for p in params if p.requires_grad]
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.numel = sum(p.numel() for p in self.params)
-        ### BEGIN SOLUTION: this rank's bounds; the flat parameters padded with zeros; self.shard = an nn.Parameter holding a copy of this rank's slice; the inner optimizer over [self.shard]
-        self.start, self.end = shard_bounds(self.numel, self.rank, self.world_size)
-        self.padded = (self.end - self.start) * self.world_size
-        flat = torch.zeros(self.padded)              # the flat parameters, then zeros
-        flat[:self.numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
-        self.shard = torch.nn.Parameter(flat[self.start:self.end].clone())
-        self.optimizer = optimizer_cls([self.shard], **kwargs)
-        ### END SOLUTION
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    def step(self):
-        ### BEGIN SOLUTION: flat padded grads; reduce_scatter_single into this rank's slice, divide; step; all_gather_single the shards; copy back into p.data
-        grads = torch.cat([p.grad.reshape(-1) for p in self.params])
-        grads = torch.nn.functional.pad(grads, (0, self.padded - self.numel))
-        mine = torch.empty(self.end - self.start, dtype=grads.dtype)
-        dist.reduce_scatter_single(mine, grads)      # the sum over the ranks, my slice only
-        self.shard.grad = mine / self.world_size
-        self.optimizer.step()
-        full = torch.empty(self.padded, dtype=self.shard.dtype)
-        dist.all_gather_single(full, self.shard.detach())
-        offset = 0
-        for p in self.params:
-            p.data.copy_(full[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        ### END SOLUTION
-
-
-# %%
-lab08.check_zero_one(ZeroOne, timeout=check_timeout)
+def make_buckets(params, cap):
+    """``params`` grouped in reverse order; a bucket closes once it reaches ``cap`` bytes."""
+    buckets, current, size = [], [], 0
+    for p in reversed(list(params)):
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 # %% [markdown]
-# ## Stretch (optional): ZeRO stage 2, reduce-scattering during the backward
+# ## 3. The wrapper
 #
-# A workshop can stop here. `ZeroOne` shards the optimizer state, but every rank still holds
-# the full gradient of every parameter, from the moment the backward produces it until
-# `step()` reduce-scatters it. ZeRO stage 2 shards the gradients too: a rank keeps only the
-# averaged gradient of its own slice. What that buys is a lower **peak**. Reduce-scatter the
-# gradients in `step()`, as lesson 08's short `Zero2` does, and the full gradients have all
-# existed at once by the end of the backward: the rank's memory at its fullest is ZeRO-1's,
-# whatever it holds at rest. DeepSpeed's stage 2 reduces the gradients bucket by bucket
-# *during* the backward, from hooks, like lesson 07's DDP, and frees each bucket's full
-# gradients as soon as they are reduced, so at most a bucket of them is alive at a time
-# (lesson 08's `Zero3` does the same per layer, its weights sharded as well).
+# **`__init__`.** Leave out the frozen parameters (`requires_grad=False`): they get no
+# gradient, so a bucket waiting for one would never be sent. Group the others with
+# `make_buckets(..., bucket_cap)`. Shard **each bucket** on its own: this rank owns
+# `shard_bounds(numel_of_the_bucket, rank, world_size)` of the bucket's flat values, padded to
+# `world_size` times the shard size. `self.shard` is this rank's slices of all the buckets,
+# one after the other, as an `nn.Parameter` that owns its memory (`torch.cat` copies; a slice
+# of the padded vector is a *view* that keeps the whole vector alive); `self.shard.grad` a zero
+# tensor of the same size, filled bucket by bucket during the backward; `self.optimizer` over
+# `[self.shard]`, so the inner optimizer's state covers the shard alone. Then register
+# `p.register_post_accumulate_grad_hook(self._grad_ready)` on every trainable parameter:
+# autograd calls `self._grad_ready(p)` as soon as `p.grad` holds this backward's gradient.
 #
-# Write `ZeroTwo`, used like `ZeroOne`, with one group per parameter (FSDP2, too, shards each
-# parameter on its own):
+# **`_grad_ready(p)`.** Count the bucket's arrivals; when its last gradient is in:
+# 1. wait for the bucket still in flight, if any (`_finish`): one bucket in flight at a time
+#    keeps at most two buckets of full gradients alive — the one in flight and the one
+#    filling;
+# 2. copy the bucket's gradients into one padded flat buffer and set their `p.grad = None`;
+# 3. launch `work = dist.reduce_scatter_single(out, buffer, async_op=True)`, where `out` is
+#    the bucket's slice of `self.shard.grad` (a slice of a 1-d tensor is contiguous: a view
+#    will do as the output). `async_op=True` returns at once with a `Work`; the backward goes
+#    on computing earlier layers while the bucket travels. Keep `(work, buffer, out)` until it
+#    is waited for: the buffer must stay alive while the collective reads it.
 #
-# - `__init__` (the first lines are given): shard **each parameter** on its own — this rank
-#   owns `shard_bounds(p.numel(), rank, world_size)` of that parameter's flat values, padded
-#   to `world_size` times the shard size. `self.shard` is this rank's slices of all the
-#   parameters, one after the other in registration order (an `nn.Parameter` again);
-#   `self.shard.grad` a zero tensor of the same size, filled slice by slice during the
-#   backward; `self.optimizer` over `[self.shard]`. Then register
-#   `p.register_post_accumulate_grad_hook(self._grad_ready)` on every parameter: autograd
-#   calls `self._grad_ready(p)` as soon as `p.grad` holds this backward's gradient, the last
-#   layer's first.
-# - `_grad_ready(p)`: pad `p.grad`, flattened, to `world_size` times its shard size;
-#   `dist.reduce_scatter_single` it straight into this parameter's place in `self.shard.grad`
-#   (a slice of a 1-d tensor is contiguous, so a view will do as the output), divide by the
-#   world size, and set `p.grad = None`: the full gradient is gone before the next one is
-#   computed.
-# - `step()`: the shard's gradient is ready: step the inner optimizer, then for every
-#   parameter `all_gather_single` its slices into a padded vector and copy the first
-#   `p.numel()` numbers into `p.data`.
+# **`_finish()`.** If a bucket is in flight: `work.wait()`, divide its `out` by the world size
+# (a reduce-scatter sums), and drop the tuple, and with it the buffer.
 #
-# The check runs your class like `ZeroOne`'s, against DDP, on 2 and 3 ranks. A hook of its
-# own, registered on every parameter before yours, counts the gradient numbers alive each time
-# a gradient arrives (holding only weak references, it keeps none alive). If all 53 were ever
-# alive at once — `ZeroOne` does exactly that — it says you kept all full gradients until
-# `step()`. One collective per parameter means many small messages; DeepSpeed fills buckets
-# (its `reduce_bucket_size`) as lesson 07's `assign_buckets` does, trading a larger peak for
-# fewer messages, and the check accepts any grouping that never holds every gradient at once.
-# (One thing this version gives up: a second backward before `step()` would overwrite the
-# shard's gradient instead of adding to it, so gradient accumulation needs `+=` there.)
+# **`step()`.** `_finish()` the last bucket, step the inner optimizer, then for every bucket
+# `all_gather_single` its slices into a padded vector and copy each parameter's numbers back
+# into `p.data`.
+#
+# `zero_grad()` is given. (One thing this version gives up: a second backward before `step()`
+# would overwrite the shard's gradient instead of adding to it, so gradient accumulation needs
+# `+=` there.)
 
 # %%
 class ZeroTwo:
-    def __init__(self, params, optimizer_cls, **kwargs):
-        self.params = [p for p in params if p.requires_grad]
+    def __init__(self, params, optimizer_cls, bucket_cap=128, **kwargs):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        ### BEGIN SOLUTION: per parameter: shard_bounds(p.numel(), ...) and where its slice sits in self.shard; self.shard and a zero self.shard.grad; the inner optimizer; a post-accumulate-grad hook on every parameter
-        self.where = {}               # parameter -> (its shard size, its offset in self.shard)
-        pieces, offset = [], 0
-        for p in self.params:
-            start, end = shard_bounds(p.numel(), self.rank, self.world_size)
-            size = end - start
-            flat = torch.zeros(size * self.world_size)  # p's values, padded with zeros
-            flat[:p.numel()] = p.detach().reshape(-1)
+        ### BEGIN SOLUTION: trainable parameters only; buckets; per bucket its shard size and offset in self.shard; self.shard (a copy) and a zero self.shard.grad; the inner optimizer; a hook on every trainable parameter
+        trainable = [p for p in params if p.requires_grad]    # frozen ones never get a gradient
+        self.buckets = make_buckets(trainable, bucket_cap)
+        self.bucket_of, self.layout, pieces, offset = {}, [], [], 0
+        for i, bucket in enumerate(self.buckets):
+            numel = sum(p.numel() for p in bucket)
+            start, end = shard_bounds(numel, self.rank, self.world_size)
+            flat = F.pad(torch.cat([p.detach().reshape(-1) for p in bucket]),
+                         (0, (end - start) * self.world_size - numel))
             pieces.append(flat[start:end])
-            self.where[p] = (size, offset)
-            offset += size
-        self.shard = torch.nn.Parameter(torch.cat(pieces))     # cat copies: no views kept
+            self.layout.append((end - start, offset))      # shard size, offset in self.shard
+            offset += end - start
+            for p in bucket:
+                self.bucket_of[p] = i
+        self.shard = torch.nn.Parameter(torch.cat(pieces))  # cat copies: no view kept
         self.shard.grad = torch.zeros_like(self.shard)
         self.optimizer = optimizer_cls([self.shard], **kwargs)
-        for p in self.params:
+        self.arrived = [0] * len(self.buckets)
+        self.in_flight = None                      # (work, buffer, out) of the bucket in flight
+        for p in trainable:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         ### END SOLUTION
 
     def zero_grad(self):
-        for p in self.params:
-            p.grad = None
+        for bucket in self.buckets:
+            for p in bucket:
+                p.grad = None
 
     def _grad_ready(self, p):
-        ### BEGIN SOLUTION: pad the flat p.grad; reduce_scatter_single into this parameter's slice of self.shard.grad; divide; p.grad = None
-        size, offset = self.where[p]
-        flat = torch.nn.functional.pad(p.grad.reshape(-1), (0, size * self.world_size - p.numel()))
-        mine = self.shard.grad[offset:offset + size]
-        dist.reduce_scatter_single(mine, flat)       # my slice of the sum, in place
-        mine /= self.world_size
-        p.grad = None                                # the full gradient is not needed again
+        ### BEGIN SOLUTION: count the bucket's arrivals; when it is full: finish the one in flight, pad its gradients into one buffer, drop them, launch an async reduce_scatter_single (torch >= 2.14; reduce_scatter_tensor before) into its slice of self.shard.grad, keep (work, buffer, out)
+        i = self.bucket_of[p]
+        self.arrived[i] += 1
+        if self.arrived[i] < len(self.buckets[i]):
+            return                                 # the bucket is not full yet
+        self.arrived[i] = 0
+        self._finish()                             # one bucket in flight at a time
+        size, offset = self.layout[i]
+        numel = sum(q.numel() for q in self.buckets[i])
+        buffer = F.pad(torch.cat([q.grad.reshape(-1) for q in self.buckets[i]]),
+                       (0, size * self.world_size - numel))
+        for q in self.buckets[i]:
+            q.grad = None                          # the full gradients are not needed again
+        out = self.shard.grad[offset:offset + size]
+        work = dist.reduce_scatter_single(out, buffer, async_op=True)
+        self.in_flight = (work, buffer, out)
+        ### END SOLUTION
+
+    def _finish(self):
+        ### BEGIN SOLUTION: if a bucket is in flight: wait, divide its slice by the world size, drop it
+        if self.in_flight is not None:
+            work, buffer, out = self.in_flight
+            work.wait()
+            out /= self.world_size                 # the sum over the ranks -> the mean
+            self.in_flight = None                  # and with it the padded buffer
         ### END SOLUTION
 
     def step(self):
-        ### BEGIN SOLUTION: step the shard; for every parameter all_gather_single its slices and copy them into p.data
+        ### BEGIN SOLUTION: finish the last bucket; step; per bucket all_gather_single (torch >= 2.14; all_gather_into_tensor before) its slices and copy them back into p.data
+        self._finish()
         self.optimizer.step()
-        for p in self.params:
-            size, offset = self.where[p]
+        for bucket, (size, offset) in zip(self.buckets, self.layout):
             full = torch.empty(size * self.world_size, dtype=self.shard.dtype)
             dist.all_gather_single(full, self.shard.detach()[offset:offset + size])
-            p.data.copy_(full[:p.numel()].view_as(p))
+            start = 0
+            for p in bucket:
+                p.data.copy_(full[start:start + p.numel()].view_as(p))
+                start += p.numel()
         ### END SOLUTION
 
 
 # %%
 lab08.check_zero_two(ZeroTwo, timeout=check_timeout)
+
+# %% [markdown]
+# What the check printed is the point of stage 2: the gradient bytes alive at once stayed at
+# about two buckets, not the whole model's, and every reduce-scatter left during the backward.
+# On a GPU with NCCL the asynchronous reduce-scatter runs on a communication stream beside the
+# backward's kernels; on this CPU gloo runs it on a thread of its own. One collective per small
+# bucket means many small messages (lesson 06's α per message): a larger `bucket_cap` sends
+# fewer, larger messages at the price of a higher peak.

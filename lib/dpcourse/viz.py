@@ -50,6 +50,7 @@ __all__ = [
     "zero_holdings_figure",
     "zero_memory_figure",
     "zero_tradeoff_figure",
+    "zero3_timeline_figure",
     # Lesson 09
     "ps_traffic_figure",
     "staleness_figure",
@@ -1019,6 +1020,52 @@ def zero_memory_figure(counted: dict):
     ax.legend(["weights", "gradients", "optimizer state"], fontsize=8, loc="upper right")
     ax.grid(True, axis="y", alpha=0.3)
     fig.subplots_adjust(left=0.1, right=0.98, bottom=0.1, top=0.95)
+    return fig
+
+
+def zero3_timeline_figure(events, layer_names: Sequence[str] | None = None):
+    """ZeRO-3's step, one row per layer, from recorded calls: ``events`` is
+    [(layer, kind, start_ms, end_ms)] with kind "all-gather (forward)", "all-gather
+    (backward)", "reduce-scatter" or "free" (:func:`dpcourse.zero.zero3_timeline_worker`).
+    Bars for the collectives; a pale band where the layer's full weights exist (from a gather's
+    end to the layer's next reduce-scatter or free), in which it computes; a black tick where
+    they are freed."""
+    colours = {"all-gather (forward)": "#4c72b0", "all-gather (backward)": "#8172b2",
+               "reduce-scatter": "#dd8452"}
+    layers = sorted({e[0] for e in events if e[0] >= 0})
+    names = list(layer_names) if layer_names else [f"layer {i}" for i in layers]
+    fig = new_figure(8.0, 0.7 + 0.75 * len(layers))
+    ax = fig.add_subplot(1, 1, 1)
+    labelled = set()
+    for layer in layers:
+        y = len(layers) - 1 - layers.index(layer)
+        mine = [e for e in events if e[0] == layer]
+        held_from = None
+        for _, kind, start, end in mine:
+            if held_from is not None and kind in ("free", "reduce-scatter"):
+                label = "full weights held (it computes)" if "held" not in labelled else None
+                labelled.add("held")
+                ax.barh(y, start - held_from, left=held_from, height=0.5, color="#55a868",
+                        alpha=0.45, label=label)
+                held_from = None
+            if kind in colours:
+                label = kind if kind not in labelled else None
+                labelled.add(kind)
+                ax.barh(y, end - start, left=start, height=0.5, color=colours[kind], label=label)
+                if kind.startswith("all-gather"):
+                    held_from = end
+            elif kind == "free":
+                ax.plot([start, start], [y - 0.3, y + 0.3], color="black", lw=1.2,
+                        label="freed" if "free" not in labelled else None)
+                labelled.add("free")
+    ax.set_yticks(range(len(layers)))
+    ax.set_yticklabels(list(reversed(names)))
+    ax.set_xlabel("milliseconds into the step (rank 0)")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=5,
+              frameon=False)
+    fig.subplots_adjust(left=0.12, right=0.98, bottom=0.38 if len(layers) < 4 else 0.28,
+                        top=0.95)
     return fig
 
 

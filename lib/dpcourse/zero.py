@@ -46,6 +46,7 @@ import inspect
 import math
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,8 @@ __all__ = [
     "train_run",
     "equality_worker",
     "fsdp2_worker",
+    "fsdp2_root_worker",
+    "zero3_timeline_worker",
 ]
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")   # "ddp" is stage 0: nothing sharded
@@ -372,9 +375,9 @@ class Zero2(Zero1):
     (2 + 14/N bytes per parameter at rest).
 
     A caveat of this short version: the full gradient still exists for a moment, between the
-    backward and the reduce-scatter, so its peak is no lower than ZeRO-1's. DeepSpeed avoids
-    that by reduce-scattering bucket by bucket *during* the backward (lesson 07's hooks);
-    :class:`Zero3` below shows that mechanism, per layer.
+    backward and the reduce-scatter, so its peak is no lower than ZeRO-1's. Reduce-scattering
+    bucket by bucket *during* the backward (lesson 07's hooks) avoids that: lab 08 asks for
+    it; :class:`Zero3` below uses the same hook, per layer.
     """
 
     stage = "zero2"
@@ -914,3 +917,88 @@ def fsdp2_worker(rank: int, world_size: int, cfg: ZeroConfig, path: str | None =
         torch.equal(a.to_local(), b.to_local())
         for a, b in zip(model.parameters(), fresh.parameters()))
     return out
+
+
+def fsdp2_root_worker(rank: int, world_size: int, cfg: ZeroConfig) -> dict:
+    """FSDP2 with the last layer left to the root's own group (every other ``nn.Linear`` is its
+    own unit): the root's parameters are *not* resharded after the forward (``fully_shard``
+    sets ``reshard_after_forward`` to False for the root when it is left at None), so they are
+    all-gathered once per step, not twice. One step's traffic and the padded sizes of the
+    root's and the other units' parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    from . import ddp
+
+    dev = ddp.rank_device()
+    model = cfg.build().to(dev)
+    mesh = _mesh(dev)
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    for layer in linears[:-1]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)                      # the root: owns the last layer's params
+    opt = cfg.make_optimizer(model.parameters())
+    traffic = []
+    for X, y in cfg.batches(rank, world_size):
+        with record_collectives() as calls:
+            opt.zero_grad()
+            F.cross_entropy(model(X.to(dev)), y.to(dev)).backward()
+            opt.step()
+        traffic.append(summarize_traffic(calls, world_size))
+    root = [fsdp2_padded_numel(p.shape, world_size) for p in linears[-1].parameters()]
+    others = [fsdp2_padded_numel(p.shape, world_size) for m in linears[:-1]
+              for p in m.parameters()]
+    return {"traffic": traffic, "root_units": root, "other_units": others}
+
+
+def zero3_timeline_worker(rank: int, world_size: int, cfg: ZeroConfig) -> list:
+    """One :class:`Zero3` step after a warm-up step, timed from the calls themselves: for each
+    layer, when its weights were all-gathered (forward, then backward), freed, and its
+    gradients reduce-scattered. Returns [(layer, kind, start_ms, end_ms)] in the order the
+    calls happened; the span from a gather's end to the layer's next free or reduce-scatter is
+    the time the full weights existed (the layer computed in it)."""
+    from . import ddp
+
+    dev = ddp.rank_device()
+    model = cfg.build().to(dev)
+    opt = Zero3(model, cfg.make_optimizer, cfg.param_dtype)
+    events: list = []
+    phase = {"now": "forward", "t0": 0.0}
+
+    def clock() -> float:
+        return (time.perf_counter() - phase["t0"]) * 1e3
+
+    by_numel = {layer.full.numel(): i for i, layer in enumerate(opt.layers)}
+    for i, layer in enumerate(opt.layers):
+        def gather(layer=layer, i=i, real=layer.gather):
+            if layer.full.untyped_storage().nbytes() == 0:
+                start = clock()
+                real()
+                events.append((i, f"all-gather ({phase['now']})", start, clock()))
+
+        def free(i=i, real=layer.free):
+            real()
+            events.append((i, "free", clock(), clock()))
+
+        layer.gather, layer.free = gather, free
+    real_reduce_scatter = globals()["reduce_scatter_mean"]
+
+    def reduce_scatter(flat):
+        start = clock()
+        out = real_reduce_scatter(flat)
+        events.append((by_numel.get(flat.numel(), -1), "reduce-scatter", start, clock()))
+        return out
+
+    globals()["reduce_scatter_mean"] = reduce_scatter      # _grad_ready looks it up by name
+    try:
+        for step, (X, y) in enumerate(cfg.batches(rank, world_size)[:2]):
+            events.clear()
+            dist.barrier()
+            phase.update(now="forward", t0=time.perf_counter())
+            opt.zero_grad()
+            loss = F.cross_entropy(model(X.to(dev, cfg.param_dtype)).float(), y.to(dev))
+            phase["now"] = "backward"
+            loss.backward()
+            opt.step()
+    finally:
+        globals()["reduce_scatter_mean"] = real_reduce_scatter
+    return events

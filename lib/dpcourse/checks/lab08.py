@@ -1,7 +1,7 @@
-"""Checks for lab08: ``shard_bounds(numel, rank, world_size)``, the learner's ZeRO stage 1
-wrapper (a class ``ZeroOne(params, optimizer_cls, **kwargs)`` with ``step()``, ``zero_grad()``,
-its flat shard in ``self.shard`` and its inner optimizer in ``self.optimizer``) and, for the
-stretch, a stage 2 wrapper with the same interface that reduce-scatters during the backward.
+"""Checks for lab08: ``shard_bounds(numel, rank, world_size)`` and the learner's ZeRO stage 2
+wrapper, ``ZeroTwo(params, optimizer_cls, bucket_cap=..., **kwargs)`` with ``step()``,
+``zero_grad()``, its flat shard in ``self.shard`` and its inner optimizer in
+``self.optimizer``, which reduce-scatters the gradients bucket by bucket *during* the backward.
 
 ``check_shard_bounds`` runs in this process on seven (numel, world size) pairs, from an even
 split to more ranks than numbers. Every rank's shard must be ``ceil(numel / world_size)``
@@ -11,29 +11,30 @@ exclusive end taken as inclusive (gaps), overlapping shards, a last shard clippe
 ``numel``, (start, length) returned instead of (start, end), shards out of rank order, a
 first shard that does not start at 0, a return value that is not two integers.
 
-``check_zero_one`` runs the wrapper for 3 steps on 2 ranks with Adam and on 3 ranks with SGD +
-momentum (53 parameters: neither divides them), next to ``DistributedDataParallel`` with the
-full optimizer on the same shards of the same batches, and next to DDP runs that make one
-mistake on purpose (gradients summed, divided twice, earlier steps' gradients kept), so that
-weights equal to one of those name it. Before the first step it compares every rank's
-``self.shard`` with ``ceil(53 / world_size)``; it weighs the inner optimizer's state on each
-rank and compares the weights after every step. It names: a shard one number too long or too
-short, a last shard cut at numel, the whole model given to the inner optimizer (no memory
-saved), no all-gather (each rank updates only its own shard and the ranks drift apart),
-gradients summed instead of averaged (caught with SGD: Adam hardly notices a scale), divided
-twice, gradients of earlier steps added to this one's (``zero_grad`` that does not clear), the
-gathered weights never copied back, every parameter copied from offset 0, a shard boundary off
-by one, gradients never averaged, a shard that is not a leaf, a gradient slice of the wrong
-size, an unpadded vector handed to a collective, a deadlock (with the ranks that hung).
+``check_zero_two`` runs the wrapper for 3 steps on 2 ranks with Adam and on 3 ranks with SGD +
+momentum, on an MLP of seven layers with a frozen bias and a weight tied between two layers,
+next to ``DistributedDataParallel`` with the full optimizer on the same shards of the same
+batches, and next to DDP runs that make one mistake on purpose (gradients summed, divided
+twice, earlier steps' gradients kept), so that weights equal to one of those name it.
 
-``check_zero_two`` (the stretch) runs the stage 2 wrapper the same way, against the same
-references. A hook the check registers on every parameter *before* the learner's own sees
-each gradient as autograd produces it and counts the gradient numbers still alive at that
-moment (through weak references: a gradient is alive while anything holds it); a spy on the
-collectives notes which ran during the backward. Stage 2's point is the peak: the full
-gradients must never all exist at once. It names: all gradients kept until ``step()``,
-reduce-scattered during the backward but never dropped (``p.grad = None``), every gradient
-kept until the last one arrived.
+What it watches, from inside the rank: a hook registered on every parameter *before* the
+learner's sees each gradient arrive; spies on the collectives log each reduce-scatter's
+launch (its size, whether ``async_op=True``) and each ``wait()`` on its Work; and at every
+arrival the check weighs the gradient memory alive — by *storage* (``untyped_storage()``'s
+bytes, each data pointer once), not by tensor: every ``p.grad``, every full gradient still
+referenced anywhere, and every tensor reachable from the wrapper's attributes that is not a
+weight, the optimizer's state or the gradient shard itself. A view keeps its whole buffer
+alive, so it weighs the whole buffer.
+
+It names: a shard (or shard gradient) that is a view of the whole padded vector, the whole
+model given to the inner optimizer, a frozen parameter hooked, bucketed or stepped, the
+reduce-scatters done in ``step()``, all launched at the end of the backward, a bucket
+launched later than when it was full, a blocking reduce-scatter in the backward, a wait right
+after each launch, a reduce-scatter not waited for before the inner step, full gradients
+left in ``p.grad`` or referenced elsewhere, every bucket's padded buffer kept until
+``step()``, buffers kept after their reduce-scatter, gradients summed or divided twice or
+accumulated over steps, no all-gather (the ranks drift apart), a shard boundary off by one,
+a deadlock (with the ranks that hung).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from torch import nn
 
 from . import fail, has_todo, passed
 
-__all__ = ["check_shard_bounds", "check_zero_one", "check_zero_two", "CONFIGS",
+__all__ = ["check_shard_bounds", "check_zero_two", "CONFIGS", "BUCKET_CAP",
            "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 30.0
@@ -121,22 +122,39 @@ def _bounds_problem(got, numel, world_size, size) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# ZeroOne and ZeroTwo, on 2 and 3 ranks
+# ZeroTwo, on 2 and 3 ranks
 # --------------------------------------------------------------------------------------------
 
 CONFIGS = ((2, "adam"), (3, "sgd"))
+BUCKET_CAP = 128                      # bytes: 32 fp32 numbers, about one small layer
 _STEPS = 3
 _GLOBAL_BATCH = 12
-_FEATURES, _HIDDEN, _CLASSES = 6, 5, 3        # 6*5 + 5 + 5*3 + 3 = 53 parameters
+_WIDTHS = (6, 8, 8, 8, 8, 8, 8, 3)   # seven Linear layers, Tanh between them
+_FROZEN = "4.bias"                    # requires_grad=False: it never gets a gradient
+_TIED = ("8.weight", "4.weight")      # layer 8 computes with layer 4's weight
 
 
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(_FEATURES, _HIDDEN), nn.Tanh(), nn.Linear(_HIDDEN, _CLASSES))
+    layers = []
+    for fan_in, fan_out in zip(_WIDTHS[:-1], _WIDTHS[1:]):
+        layers += [nn.Linear(fan_in, fan_out), nn.Tanh()]
+    model = nn.Sequential(*layers[:-1])
+    model[4].bias.requires_grad_(False)
+    model[8].weight = model[4].weight
+    return model
 
 
-def _numels() -> list[int]:
-    return [p.numel() for p in _mlp().parameters()]
+def _trainable_numels() -> list[int]:
+    return [p.numel() for p in _mlp().parameters() if p.requires_grad]
+
+
+def _live_limit(world_size: int) -> int:
+    """Gradient numbers a rank may hold at once besides its gradient shard: the bucket being
+    filled and the one in flight, each at most a cap plus the largest parameter (a bucket
+    closes once it reaches the cap), plus padding."""
+    biggest = max(_trainable_numels())
+    return 2 * (BUCKET_CAP // 4 + biggest + world_size)
 
 
 def _optimizer(name: str):
@@ -147,8 +165,8 @@ def _optimizer(name: str):
 
 def _batch(step: int, rank: int, world_size: int):
     g = torch.Generator().manual_seed(100 + step)
-    X = torch.randn(_GLOBAL_BATCH, _FEATURES, generator=g)
-    y = torch.randint(0, _CLASSES, (_GLOBAL_BATCH,), generator=g)
+    X = torch.randn(_GLOBAL_BATCH, _WIDTHS[0], generator=g)
+    y = torch.randint(0, _WIDTHS[-1], (_GLOBAL_BATCH,), generator=g)
     n = _GLOBAL_BATCH // world_size
     return X[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
@@ -168,9 +186,9 @@ def _state_of(inner) -> dict:
     return {"missing": False, "numel": numel, "bytes": nbytes}
 
 
+_REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
 _COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
-                "all_gather_single", "broadcast", "reduce_scatter", "reduce_scatter_tensor",
-                "reduce_scatter_single")
+                "all_gather_single", "broadcast") + _REDUCE_SCATTERS
 
 # The references: DDP + the full optimizer, and DDP runs that make one mistake on purpose, so
 # that a learner's weights equal to one of them name that mistake.
@@ -182,7 +200,9 @@ def _reference_step(kind: str, m, wrapped, ref_opt, kept: dict, X, y, world_size
     ref_opt.zero_grad()
     F.cross_entropy(wrapped(X), y).backward()
     for name, p in m.named_parameters():
-        if kind == "summed":                      # all_reduce's sum, never divided
+        if p.grad is None:
+            continue
+        if kind == "summed":                      # the reduction's sum, never divided
             p.grad.mul_(world_size)
         elif kind == "twice":                     # divided before and after the reduction
             p.grad.div_(world_size)
@@ -193,17 +213,69 @@ def _reference_step(kind: str, m, wrapped, ref_opt, kept: dict, X, y, world_size
     ref_opt.step()
 
 
-def _zero_worker(rank: int, world_size: int, cls, opt_name: str, stage: int = 1) -> dict:
+def _storages(obj, skip: set, path: str, out: dict, depth: int = 0, seen=None) -> None:
+    """Every tensor storage reachable from ``obj`` through attributes and containers, as
+    {data_ptr: (bytes, first path)}; storages in ``skip`` (the model's weights, the optimizer's
+    state) are left out. Storage, not tensor: a view keeps its whole buffer alive."""
+    seen = set() if seen is None else seen
+    if depth > 6 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        for t in (obj, obj.grad if obj.is_leaf and obj.requires_grad else None):
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if st.nbytes() and ptr not in skip and ptr not in out:
+                out[ptr] = (st.nbytes(), path if t is obj else path + ".grad")
+        return
+    if isinstance(obj, (torch.optim.Optimizer, nn.Module, type)) or callable(obj) and \
+            not hasattr(obj, "__dict__"):
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _storages(k, skip, path, out, depth + 1, seen)
+            _storages(v, skip, f"{path}[…]", out, depth + 1, seen)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            _storages(v, skip, f"{path}[…]", out, depth + 1, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (str, bytes, int, float)):
+        for k, v in vars(obj).items():
+            _storages(v, skip, f"{path}.{k}", out, depth + 1, seen)
+
+
+class _Watched:
+    """A collective's Work with its wait() recorded; everything else passes through."""
+
+    def __init__(self, work, number: int, log: list):
+        self._work, self._number, self._log = work, number, log
+
+    def wait(self, *args, **kwargs):
+        self._log.append(("wait", self._number))
+        return self._work.wait(*args, **kwargs)
+
+    def get_future(self):
+        self._log.append(("wait", self._number))
+        return self._work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
     """One rank: the learner's wrapper for ``_STEPS`` steps, and after each step the same step
-    of every reference. Returns the weights after every step, the collectives made in the
-    backward and in ``step()``, the gradient numbers alive at once, the optimizer's state."""
+    of every reference. Returns the weights after every step, what happened in order during
+    each backward (gradients arriving, reduce-scatters launched and waited), the gradient
+    memory alive at each arrival, the optimizer's state."""
     __tracebackhide__ = True
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = _mlp()
-    params = list(model.parameters())
-    total = sum(p.numel() for p in params)
+    named = dict(model.named_parameters())            # a tied weight appears once
+    params = list(named.values())
+    trainable = [p for p in params if p.requires_grad]
     initial = _flat(model)
     references = {}
     for name in _REFERENCES:
@@ -211,96 +283,153 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str, stage: int = 1)
         opt_cls, kw = _optimizer(opt_name)
         references[name] = (m, DDP(m), opt_cls(m.parameters(), **kw), {})
     opt_cls, kw = _optimizer(opt_name)
-    names = [n for n, p in model.named_parameters() for _ in range(p.numel())]
+    names = [n for n, p in named.items() for _ in range(p.numel())]
 
-    # The check's hook, registered before the learner's: it runs first as each gradient is
-    # accumulated, and counts the gradient numbers alive at that moment. A weak reference does
-    # not keep a tensor alive: it is dead once nothing else holds the gradient.
-    tracked: list = []
-    memory = {"peak": 0}
+    log: list = []                                      # what happened, in order
+    tracked: list = []                                  # weak references to each full gradient
+    state = {"phase": "init", "learner": None, "skip": set(), "grad_ptr": None}
+    memory = {"peak": 0, "where": {}}
 
-    def alive() -> int:
-        return sum(n for ref, n in tracked if ref() is not None)
+    def live():
+        """Gradient bytes alive now, besides the gradient shard: every p.grad, any full gradient
+        still referenced, and whatever the wrapper holds that is not weights or optimizer
+        state; {path: bytes} too."""
+        found: dict = {}
+        for p in trainable:
+            if p.grad is not None:
+                st = p.grad.untyped_storage()
+                found.setdefault(st.data_ptr(), (st.nbytes(), "p.grad"))
+        for ref in tracked:
+            t = ref()
+            if t is not None:
+                st = t.untyped_storage()
+                found.setdefault(st.data_ptr(), (st.nbytes(), "a full gradient kept elsewhere"))
+        if state["learner"] is not None:
+            _storages(state["learner"], state["skip"] | {state["grad_ptr"]}, "self", found)
+        found.pop(state["grad_ptr"], None)
+        where: dict = {}
+        for nbytes, path in found.values():
+            where[path] = where.get(path, 0) + nbytes
+        return sum(where.values()), where
 
-    def seen(p):
-        tracked.append((weakref.ref(p.grad), p.numel()))
-        memory["peak"] = max(memory["peak"], alive())
+    def weigh():
+        total, where = live()
+        if total > memory["peak"]:
+            launched = {e[1] for e in log if e[0] == "launch" and e[3]}
+            waited = {e[1] for e in log if e[0] == "wait"}
+            memory["peak"], memory["where"] = total, where
+            memory["in_flight"] = len(launched - waited)
 
-    for p in params:
+    def seen(p):                                       # the check's hook: runs before yours
+        log.append(("grad", p.numel()))
+        tracked.append(weakref.ref(p.grad))
+        weigh()
+
+    for p in trainable:
         p.register_post_accumulate_grad_hook(seen)
 
-    phase = {"now": "init"}
-    calls: list[tuple[str, str]] = []
     real = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
 
     def spy(name):
         def spied(*args, **kwargs):
-            calls.append((phase["now"], name))
+            if (name in _REDUCE_SCATTERS or name == "all_reduce") and \
+                    state["phase"] in ("backward", "step"):
+                if name == "all_reduce":               # accepted: all-reduce, then slice
+                    big = args[0] if args else kwargs.get("tensor")
+                else:
+                    big = args[1] if len(args) > 1 else kwargs.get("input",
+                                                                   kwargs.get("input_list"))
+                numel = (sum(t.numel() for t in big) if isinstance(big, (list, tuple))
+                         else big.numel())
+                number = sum(1 for e in log if e[0] == "launch")
+                asynchronous = bool(kwargs.get("async_op", False))
+                log.append(("launch", number, numel, asynchronous, state["phase"]))
+                work = real[name](*args, **kwargs)
+                return _Watched(work, number, log) if work is not None else None
             return real[name](*args, **kwargs)
         return spied
 
     for name in real:
         setattr(dist, name, spy(name))
     try:
-        opt = cls(model.parameters(), opt_cls, **kw)
-        phase["now"] = "check"
-        sizes = _shard_sizes(opt, real["all_gather"], world_size)
-        if stage == 1 and any(n not in (-1, math.ceil(total / world_size)) for n in sizes):
-            return {"shard_sizes": sizes, "total": total}
+        opt = cls(model.parameters(), opt_cls, bucket_cap=BUCKET_CAP, **kw)
+        inner = getattr(opt, "optimizer", None)
+        shard = getattr(opt, "shard", None)
+        views = {}
+        for what, t in (("self.shard", shard),
+                        ("self.shard.grad", getattr(shard, "grad", None))):
+            if isinstance(t, torch.Tensor) and \
+                    t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                views[what] = (t.numel() * t.element_size(), t.untyped_storage().nbytes())
+        if views:
+            return {"views": views}
+        if inner is not None and hasattr(inner, "step"):
+            real_step = inner.step
+
+            def inner_step(*args, **kwargs):           # the optimizer steps: all waited?
+                log.append(("inner_step",))
+                return real_step(*args, **kwargs)
+            inner.step = inner_step
+        skip = {p.untyped_storage().data_ptr() for p in params}
+        if inner is not None and hasattr(inner, "state"):
+            skip |= {t.untyped_storage().data_ptr() for t in _inner_tensors(inner)}
+        state.update(learner=opt, skip=skip)
         steps = []
         for step in range(_STEPS):
             X, y = _batch(step, rank, world_size)
             opt.zero_grad()
             tracked.clear()
-            memory["peak"] = 0
-            calls.clear()
-            phase["now"] = "backward"
+            log.clear()
+            memory.update(peak=0, where={}, in_flight=0)
+            g = getattr(getattr(opt, "shard", None), "grad", None)
+            state["grad_ptr"] = g.untyped_storage().data_ptr() if isinstance(g, torch.Tensor) \
+                else None
+            state["phase"] = "backward"
             F.cross_entropy(model(X), y).backward()
-            after_backward = alive()
-            phase["now"] = "step"
+            weigh()
+            end_total, end_where = live()
+            log.append(("backward_done",))
+            state["phase"] = "step"
             opt.step()
-            phase["now"] = "references"
-            rec = {"learner": _flat(model),
-                   "backward": [n for ph, n in calls if ph == "backward"],
-                   "step": [n for ph, n in calls if ph == "step"],
-                   "peak": max(memory["peak"], after_backward),
-                   "after_backward": after_backward}
+            state["phase"] = "references"
+            rec = {"learner": _flat(model), "log": list(log), "peak": memory["peak"],
+                   "in_flight": memory.get("in_flight", 0),
+                   "where": memory["where"], "end": end_total, "end_where": end_where}
             for name, (m, wrapped, ref_opt, kept) in references.items():
                 _reference_step(name, m, wrapped, ref_opt, kept, X, y, world_size)
                 rec[name] = _flat(m)
             steps.append(rec)
-        state_after = _state_of(getattr(opt, "optimizer", None))
+        state_after = _state_of(inner)
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
     return {"initial": initial, "steps": steps, "state_after": state_after, "names": names,
-            "total": total, "shard_sizes": None}
+            "views": None, "frozen": [(n, p.numel()) for n, p in named.items()
+                                      if not p.requires_grad]}
 
 
-def _shard_sizes(opt, all_gather, world_size: int) -> list[int]:
-    """Every rank's ``self.shard.numel()`` (-1 where it is not a tensor), on every rank."""
-    __tracebackhide__ = True
-    shard = getattr(opt, "shard", None)
-    mine = torch.tensor([shard.numel() if isinstance(shard, torch.Tensor) else -1])
-    out = [torch.zeros_like(mine) for _ in range(world_size)]
-    all_gather(out, mine)
-    return [int(t) for t in out]
+def _inner_tensors(inner) -> list:
+    tensors = [p for g in inner.param_groups for p in g["params"]]
+    for st in inner.state.values():
+        tensors += [t for t in st.values() if isinstance(t, torch.Tensor)]
+    return tensors
 
 
 _GLOO_PREFIX = re.compile(r"\[rank\d+\]:\[\w+ [\d:.]+ [\w.]+:\d+\]\s*")
 
 
-def _launch(cls, world_size: int, opt_name: str, timeout: float, stage: int = 1) -> list:
+def _launch(cls, world_size: int, opt_name: str, timeout: float) -> list:
     __tracebackhide__ = True
     from .. import launch
 
     try:
-        return launch.spawn(_zero_worker, world_size, cls, opt_name, stage, backend="gloo",
+        return launch.spawn(_zero_worker, world_size, cls, opt_name, backend="gloo",
                             timeout=timeout, show_output=False)
     except launch.LaunchTimeoutError as exc:
         who = ", ".join(map(str, exc.pending)) or "some rank"
         fail(f"rank(s) {who} never finished within {timeout:g} s — a deadlock: every rank must "
-             f"make the same collectives, in the same order, with tensors of the same size.")
+             f"make the same collectives, in the same order, with tensors of the same size "
+             f"(and wait() for each one it launched).")
     except launch.RankFailedError as exc:
         if exc.summary.startswith("NotImplementedError"):
             raise NotImplementedError(f"{exc.summary} (on rank {exc.rank})") from None
@@ -313,128 +442,122 @@ def _raised(rank: int, summary: str) -> None:
     __tracebackhide__ = True
     summary = _GLOO_PREFIX.sub("", summary.strip().splitlines()[0]).rstrip(".")
     hint = ""
-    if "non-leaf" in summary:
-        hint = (" — build self.shard from detached values (p.detach()), then .clone() it: "
-                "a new leaf tensor, not a result of the model's autograd graph")
+    if "doesn't require gradient" in summary or "does not require grad" in summary:
+        hint = (" — the model has a frozen parameter (requires_grad=False): it never gets a "
+                "gradient, so give it no hook and no place in a bucket")
+    elif "non-leaf" in summary:
+        hint = (" — build self.shard from detached values (p.detach()), then copy it: a new "
+                "leaf tensor, not a result of the model's autograd graph")
     elif "assign a gradient" in summary:
-        hint = (" — self.shard.grad must be this rank's slice [start:end) of the averaged "
-                "gradient, exactly the size of self.shard")
+        hint = (" — self.shard.grad must be exactly the size of self.shard: this rank's slice "
+                "of every bucket, one after the other")
+    elif "'NoneType' object has no attribute" in summary:
+        hint = (" — a p.grad was None where you read it: a frozen parameter "
+                "(requires_grad=False) never gets a gradient, so leave it out of the buckets, "
+                "and a gradient you already dropped is gone")
     elif "size" in summary.lower() or "shape" in summary.lower():
-        hint = (" — every rank's shard must be the same size: pad the flat vector to a "
-                "multiple of the world size before a collective, and make the output of "
+        hint = (" — every rank's piece must be the same size: pad each bucket's flat vector to "
+                "a multiple of the world size before a collective, and make the output of "
                 "all_gather_single world_size times a shard")
     fail(f"your code raised on rank {rank}: {summary}{hint}.")
 
 
-def _run_check(cls, configs, timeout: float, stage: int) -> list[str]:
+def check_zero_two(cls, configs=CONFIGS, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Run the learner's ZeroTwo for 3 steps on 2 ranks (Adam) and 3 ranks (SGD + momentum)
+    next to DDP with the full optimizer, on a model with a frozen and a tied parameter;
+    compare the weights, weigh the optimizer state and the gradient memory alive at once, and
+    check that each bucket's reduce-scatter was launched, asynchronously, as soon as its
+    gradients were in."""
     __tracebackhide__ = True
-    name = "ZeroOne" if stage == 1 else "ZeroTwo"
     if not isinstance(cls, type):
-        fail(f"the check needs your class itself ({name}, not {name}(...)), got "
+        fail(f"the check needs your class itself (ZeroTwo, not ZeroTwo(...)), got "
              f"{type(cls).__name__}.")
     if has_todo(cls):
         raise NotImplementedError(f"{cls.__name__} still raises NotImplementedError in a method: "
                                   f"replace the TODOs with your answer.")
     shown = []
     for world_size, opt_name in configs:
-        results = _launch(cls, world_size, opt_name, timeout, stage)
-        shown.append(_diagnose(results, world_size, opt_name, stage))
-    return shown
-
-
-def check_zero_one(cls, configs=CONFIGS, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Run the learner's ZeroOne for 3 steps on 2 ranks (Adam) and 3 ranks (SGD + momentum)
-    next to DDP with the full optimizer; weigh the optimizer state, compare the weights."""
-    __tracebackhide__ = True
-    shown = _run_check(cls, configs, timeout, stage=1)
-    passed(f"{cls.__name__}: weights == DDP + the full optimizer after {_STEPS} steps; "
-           f"optimizer state per rank {'; '.join(shown)}")
-
-
-def check_zero_two(cls, configs=CONFIGS, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Run the learner's stage 2 wrapper like ``check_zero_one``, and count the gradient
-    numbers alive at once during the backward: fewer than the model's."""
-    __tracebackhide__ = True
-    shown = _run_check(cls, configs, timeout, stage=2)
-    passed(f"{cls.__name__}: weights == DDP + the full optimizer after {_STEPS} steps; "
-           f"gradient numbers alive at once during the backward, at most: {'; '.join(shown)}")
+        results = _launch(cls, world_size, opt_name, timeout)
+        shown.append(_diagnose(results, world_size, opt_name))
+    passed(f"{cls.__name__}: weights == DDP + the full optimizer after {_STEPS} steps; every "
+           f"bucket reduce-scattered asynchronously as soon as it was full; gradient bytes "
+           f"alive at once, at most: {'; '.join(shown)}")
 
 
 def _close(a, b) -> bool:
     return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _edges(world_size: int, stage: int) -> set[int]:
-    """Indices next to a shard boundary: of the whole flat vector (stage 1), or of each
-    parameter (a stage 2 answer may shard each parameter on its own)."""
-    numels = _numels()
-    total = sum(numels)
-    spans = [(0, total)]
-    if stage == 2:
-        starts = [sum(numels[:i]) for i in range(len(numels))]
-        spans += list(zip(starts, numels))
+def _edges(world_size: int) -> set[int]:
+    """Indices next to a shard boundary of any parameter or of any run of parameters."""
+    numels = [p.numel() for p in _mlp().parameters()]
+    starts = [sum(numels[:i]) for i in range(len(numels))]
     edges = set()
-    for offset, n in spans:
-        size = math.ceil(n / world_size)
-        edges |= {offset + r * size + d for r in range(1, world_size) for d in (-1, 0)}
-        edges |= {offset, offset + n - 1}
-    return {e for e in edges if 0 <= e < total}
+    for i in range(len(numels)):
+        for j in range(i + 1, len(numels) + 1):          # every contiguous run: any bucket
+            offset, n = starts[i], sum(numels[i:j])
+            size = math.ceil(n / world_size)
+            edges |= {offset + r * size + d for r in range(1, world_size) for d in (-1, 0)}
+            edges |= {offset, offset + n - 1}
+    return {e for e in edges if 0 <= e < sum(numels)}
 
 
-def _diagnose(results: list, world_size: int, opt_name: str, stage: int = 1) -> str:
+def _diagnose(results: list, world_size: int, opt_name: str) -> str:
     __tracebackhide__ = True
-    total = results[0]["total"]
-    size = math.ceil(total / world_size)
-    if results[0]["shard_sizes"]:
-        _diagnose_shard_sizes(results[0]["shard_sizes"], total, world_size)
+    if results[0].get("views"):
+        what, (numbers, kept) = next(iter(results[0]["views"].items()))
+        fail(f"{what} is a view of a larger tensor: it uses {numbers} bytes but keeps {kept} "
+             f"alive (the whole padded vector) — make it a copy of this rank's slice "
+             f"(.clone(), or torch.cat, which copies).")
+    trainable = _trainable_numels()
+    total = sum(trainable)
     per_number = 2 if opt_name == "adam" else 1       # exp_avg + exp_avg_sq, or momentum
-    full_bytes = total * per_number * 4
-    # stage 2 may shard each parameter on its own: each pads up to a multiple of world_size
-    most = size if stage == 1 else sum(math.ceil(n / world_size) for n in _numels())
+    most = sum(math.ceil(n / world_size) for n in trainable) + world_size * len(trainable)
     for rank, r in enumerate(results):
         st = r["state_after"]
         if st["missing"]:
             fail("the wrapper has no self.optimizer (a torch optimizer): keep the inner "
                  "optimizer there, built over [self.shard].")
         if st["numel"] >= total:
-            fail(f"rank {rank}'s inner optimizer steps all {st['numel']} numbers of the model, "
-                 f"so every rank keeps the whole optimizer state ({st['bytes']} bytes) — "
-                 f"no memory saved: give it only this rank's shard, [self.shard].")
+            fail(f"rank {rank}'s inner optimizer steps {st['numel']} numbers, the whole model's "
+                 f"{total} or more, so every rank keeps the whole optimizer state — no memory "
+                 f"saved: give it only this rank's shard, [self.shard].")
         if st["bytes"] > most * per_number * 4:
             fail(f"rank {rank}'s optimizer state is {st['bytes']} bytes, more than one shard's "
                  f"({most} numbers × {per_number} × 4 bytes).")
+    _diagnose_frozen(results)
+    _diagnose_schedule(results, world_size)
     for step in range(_STEPS):
         learner = [r["steps"][step]["learner"] for r in results]
         if not all(_close(w, learner[0]) for w in learner[1:]):
             _diagnose_drift(results, step)
-        _diagnose_weights(results, step, world_size, opt_name, stage)
-    if stage == 2:
-        return _diagnose_memory(results, world_size, opt_name)
-    st = results[0]["state_after"]
-    return f"{st['bytes']} B of {full_bytes} B on {world_size} ranks ({opt_name})"
+        _diagnose_weights(results, step, world_size, opt_name)
+    return _diagnose_memory(results, world_size, opt_name)
 
 
-def _diagnose_shard_sizes(sizes: list[int], total: int, world_size: int) -> None:
+def _diagnose_frozen(results: list) -> None:
     __tracebackhide__ = True
-    size = math.ceil(total / world_size)
-    got = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
-    # flat[start:end + 1] on the padded vector: one more, but the last rank runs out of it
-    longer = all(n == size + 1 for n in sizes[:-1]) and sizes[-1] in (size, size + 1)
-    if longer or all(n == size - 1 for n in sizes):
-        fail(f"self.shard holds {got} numbers, not ceil({total} / {world_size}) = {size}: one "
-             f"{'more' if longer else 'fewer'} — an off-by-one; the end of a slice is "
-             f"exclusive, take flat[start:end].")
-    last = sizes[-1]
-    if sizes[:-1] == [size] * (world_size - 1) and last == total - size * (world_size - 1):
-        fail(f"self.shard holds {got} numbers: the last shard was cut at numel = {total} — pad "
-             f"the flat vector to {world_size} × {size} first, so that every rank's shard has "
-             f"the same size.")
-    fail(f"self.shard holds {got} numbers: every rank's shard must be ceil({total} / "
-         f"{world_size}) = {size} numbers of the padded flat vector.")
+    r0 = results[0]
+    names = r0["names"]
+    frozen = {n for n, _ in r0["frozen"]}
+    last = r0["steps"][-1]["learner"]
+    moved = [i for i, n in enumerate(names) if n in frozen and last[i] != r0["initial"][i]]
+    if moved:
+        fail(f"the frozen parameter {names[moved[0]]} (requires_grad=False) changed: it has no "
+             f"gradient and must not be stepped — leave frozen parameters out of the buckets "
+             f"and the shard.")
+    total = sum(_trainable_numels())
+    for s in r0["steps"]:
+        launched = sum(e[2] for e in s["log"] if e[0] == "launch")
+        backward_launches = [e for e in s["log"] if e[0] == "launch" and e[4] == "backward"]
+        if backward_launches and launched < total:
+            fail(f"only {launched} of the {total} trainable gradient numbers were "
+                 f"reduce-scattered: a bucket waited for a gradient that never came — the "
+                 f"frozen parameter {r0['frozen'][0][0]} (requires_grad=False) gets none; "
+                 f"leave it out of the buckets.")
 
 
-def _diagnose_weights(results: list, step: int, world_size: int, opt_name: str,
-                      stage: int) -> None:
+def _diagnose_weights(results: list, step: int, world_size: int, opt_name: str) -> None:
     __tracebackhide__ = True
     r0 = results[0]
     s = r0["steps"][step]
@@ -445,34 +568,30 @@ def _diagnose_weights(results: list, step: int, world_size: int, opt_name: str,
     if _close(w, s["summed"]):
         fail(f"{after} the weights equal those of DDP with gradients {world_size}× too large: "
              f"you summed the gradients over the ranks — divide by the world size "
-             f"(reduce-scatter and all-reduce sum).")
+             f"(a reduce-scatter sums).")
     if _close(w, s["twice"]):
         fail(f"{after} the weights equal those of DDP with gradients {world_size}× too small: "
              f"you divided by the world size twice — once, before or after the reduction.")
     if step > 0 and _close(w, s["accumulated"]):
         fail(f"{after} the weights are what you get when the gradients of the earlier steps are "
-             f"added to this one's: zero_grad() must clear every p.grad (set it to None) — and "
-             f"anything you add gradients into.")
+             f"added to this one's: the shard's gradient must hold this step's gradient only "
+             f"(overwrite it, or zero it in zero_grad()).")
     if _close(w, r0["initial"]) and step == 0:
-        fail("after step 1 the weights have not changed: copy the gathered shards back "
-             "into p.data (or step the inner optimizer).")
-    total = w.numel()
-    numels = _numels()
-    if _close(w, torch.cat([ref[:n] for n in numels])):
-        fail(f"{after} every parameter holds the first numbers of the gathered vector: advance "
-             f"the offset by p.numel() after copying each parameter back.")
+        fail("after step 1 the weights have not changed: step the inner optimizer, then copy "
+             "the gathered shards back into p.data.")
     bad = (~torch.isclose(w, ref, rtol=1e-5, atol=1e-6)).nonzero().flatten().tolist()
-    if bad and set(bad) <= _edges(world_size, stage):
+    if bad and set(bad) <= _edges(world_size):
         fail(f"{after} only the numbers at the shard edges {bad} are wrong: a shard boundary "
              f"is off by one — slice [start:end), end exclusive.")
-    if not any("reduce" in c for c in s["backward"] + s["step"]):
+    if not any(e[0] == "launch" for e in s["log"]):
         fail(f"{after} every rank holds the same weights, but they differ from DDP's: the "
-             f"gradients were never averaged over the ranks — reduce-scatter (or all-reduce) "
-             f"them, then divide, before stepping the shard.")
+             f"gradients were never averaged over the ranks — reduce-scatter each bucket, then "
+             f"divide, before stepping the shard.")
     name = r0["names"][bad[0]]
-    fail(f"{after} the weights differ from DDP + {opt_name} at {len(bad)} of {total} numbers "
-         f"(first: index {bad[0]}, in {name}): the shard must be stepped with this rank's "
-         f"slice of the averaged gradient, then all-gathered.")
+    fail(f"{after} the weights differ from DDP + {opt_name} at {len(bad)} of {w.numel()} numbers "
+         f"(first: index {bad[0]}, in {name}): each bucket's slice of the shard must be "
+         f"stepped with this rank's slice of that bucket's averaged gradient, then all-gathered "
+         f"and copied back into the bucket's parameters in order.")
 
 
 def _diagnose_drift(results: list, step: int) -> None:
@@ -484,29 +603,99 @@ def _diagnose_drift(results: list, step: int) -> None:
                     for a in range(len(changed)) for b in range(a + 1, len(changed)))
         if apart:
             fail("after step 1 each rank changed only its own shard and the ranks now hold "
-                 "different weights: all-gather the shards (all_gather_single) and copy the "
-                 "full vector back into every parameter.")
+                 "different weights: all-gather every bucket's shards (all_gather_single) and "
+                 "copy them back into the parameters.")
     fail(f"after step {step + 1} the ranks hold different weights: every rank must end the "
          f"step with every shard — all-gather them and copy them back into the parameters.")
 
 
-def _diagnose_memory(results: list, world_size: int, opt_name: str) -> str:
-    """Stage 2: the weights are right; were the full gradients ever all alive at once?"""
+def _diagnose_schedule(results: list, world_size: int) -> None:
+    """Were the reduce-scatters launched during the backward, each as soon as its bucket was
+    full, asynchronously, and waited for before the optimizer stepped?"""
     __tracebackhide__ = True
-    total = results[0]["total"]
-    steps = [s for r in results for s in r["steps"]]
-    peak = max(s["peak"] for s in steps)
-    if peak >= total:
-        if not any("reduce" in c for s in steps for c in s["backward"]):
-            fail(f"you kept all full gradients until step(): all {total} gradient numbers were "
-                 f"alive at once when the backward ended — reduce-scatter each parameter's "
-                 f"gradient from a post-accumulate-grad hook as soon as it is ready, and drop "
-                 f"it there (p.grad = None).")
-        if max(s["after_backward"] for s in steps) >= total:
-            fail(f"the gradients were reduce-scattered during the backward, but all {total} "
-                 f"full gradient numbers were still alive when it ended: set p.grad = None in "
-                 f"the hook once this rank's slice is taken (and keep no other reference).")
-        fail(f"all {total} gradient numbers were alive at once during the backward: you waited "
-             f"for the whole model before reduce-scattering — reduce-scatter each parameter "
-             f"(or group) as soon as its own gradients are ready, and drop them at once.")
-    return f"{peak} of {total} on {world_size} ranks ({opt_name})"
+    slack = BUCKET_CAP // 4           # a bucket closes once it reaches the cap: before its
+    for s in (s for r in results for s in r["steps"]):   # last gradient it holds less
+        log = s["log"]
+        launches = [e for e in log if e[0] == "launch"]
+        if not launches:
+            return                     # never averaged: the weights will say so
+        if not any(e[4] == "backward" for e in launches):
+            fail("you reduce-scattered the gradients in step(), after the backward: every full "
+                 "gradient was alive at once — launch each bucket's reduce-scatter from a "
+                 "post-accumulate-grad hook as soon as its last gradient arrives.")
+        grads = [i for i, e in enumerate(log) if e[0] == "grad"]
+        if all(log.index(e) > grads[-1] for e in launches):
+            fail("every reduce-scatter was launched at the end of the backward, after the last "
+                 "gradient arrived: nothing overlapped — launch each bucket as soon as its own "
+                 "last gradient arrives.")
+        arrived = launched = 0
+        for e in log:
+            if e[0] == "grad":
+                if arrived - launched > slack:
+                    fail(f"{arrived - launched} gradient numbers had arrived and were not yet "
+                         f"reduce-scattered when the next gradient came (a bucket still filling "
+                         f"holds fewer than {slack}): a bucket was launched later than when it "
+                         f"was full — launch it in the hook of its last gradient.")
+                arrived += e[1]
+            elif e[0] == "launch":
+                launched += e[2]
+        blocking = [e for e in launches if e[4] == "backward" and not e[3]]
+        if blocking:
+            fail("a reduce-scatter inside the backward was blocking (no async_op=True): the "
+                 "backward stops until it ends, so nothing overlaps — launch it with "
+                 "async_op=True and wait() for it later (before the next bucket's launch or in "
+                 "step()).")
+        waited_at = {e[1]: i for i, e in enumerate(log) if e[0] == "wait"}
+        for i, e in enumerate(log):
+            if e[0] != "launch" or e[4] != "backward":
+                continue
+            later = [j for j in grads if j > i]
+            if later and e[1] in waited_at and waited_at[e[1]] < later[0]:
+                fail("you wait() for each reduce-scatter right after launching it: that blocks "
+                     "the backward like a synchronous call — wait for it only when the next "
+                     "bucket is ready, or in step().")
+        steps_at = [i for i, e in enumerate(log) if e[0] == "inner_step"]
+        if steps_at:
+            unwaited = [e[1] for e in launches if e[3] and
+                        (e[1] not in waited_at or waited_at[e[1]] > steps_at[0])]
+            if unwaited:
+                fail(f"{len(unwaited)} asynchronous reduce-scatter(s) had not been waited for "
+                     f"when the inner optimizer stepped: wait() for every one before "
+                     f"self.optimizer.step(), or the shard's gradient may not have arrived yet.")
+
+
+def _diagnose_memory(results: list, world_size: int, opt_name: str) -> str:
+    """The weights and the schedule are right; how much gradient memory was alive at once?"""
+    __tracebackhide__ = True
+    limit = 4 * _live_limit(world_size)
+    total = 4 * sum(_trainable_numels())
+    worst = max((s for r in results for s in r["steps"]), key=lambda s: s["peak"])
+    if worst["peak"] > limit:
+        where = worst["where"]
+        path = max(where, key=where.get)
+        ends = worst["end_where"]
+        if ends.get("p.grad"):
+            fail(f"{ends['p.grad']} bytes of full gradients were still in p.grad when the "
+                 f"backward ended: set p.grad = None for a bucket's parameters as soon as "
+                 f"their gradients are copied into its buffer.")
+        if path == "a full gradient kept elsewhere":
+            fail(f"{where[path]} bytes of full gradients were kept alive by a reference outside "
+                 f"p.grad and outside your object: keep no reference to a gradient once its "
+                 f"bucket is copied.")
+        log = worst["log"]
+        waits_in_backward = [e for e in log[:log.index(("backward_done",))] if e[0] == "wait"]
+        if not waits_in_backward:
+            fail(f"every bucket's padded gradient buffer stayed alive until step() "
+                 f"({where[path]} bytes in {path} at the peak, limit {limit}): wait() for a "
+                 f"bucket's reduce-scatter when the next bucket is ready and drop its buffer, "
+                 f"so that one bucket is in flight at a time.")
+        if worst["in_flight"] > 1:
+            fail(f"{worst['in_flight']} bucket reduce-scatters were in flight at once at the "
+                 f"peak ({worst['peak']} bytes of gradients alive, limit {limit}): wait() for "
+                 f"the bucket in flight before launching the next one, so that one is in flight "
+                 f"at a time.")
+        fail(f"{path} still held {where[path]} bytes of gradients at the peak (limit {limit}: "
+             f"the bucket being filled and the one in flight): drop each padded buffer once "
+             f"its reduce-scatter has been waited for, and keep no copy per parameter.")
+    return (f"{worst['peak']} of {total} B on {world_size} ranks ({opt_name}, buckets of "
+            f"{BUCKET_CAP} B)")
