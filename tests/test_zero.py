@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpcourse import launch, zero
+from dpcourse import launch, viz, zero
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # ships _everything to the ranks
 
@@ -194,6 +194,8 @@ def _everything(rank, world_size):
         "fsdp2": zero.fsdp2_worker(rank, world_size, zero.ZeroConfig(mixed_precision=True)),
         "helpers": _helpers_on_uneven_sizes(rank, world_size),
         "awkward": _frozen_and_tied(rank, world_size),
+        "timeline": zero.zero3_timeline_worker(rank, world_size, zero.ZeroConfig(steps=2)),
+        "rooted": zero.fsdp2_root_worker(rank, world_size, zero.ZeroConfig(steps=2)),
     }
 
 
@@ -309,3 +311,29 @@ def test_reduce_scatter_and_all_gather_on_uneven_sizes(ranks):
         assert torch.allclose(h["full"], mean)
         assert torch.allclose(h["back"][1].reshape(-1), mean[5:11])
         assert h["calls"] == [("reduce_scatter", 12), ("all_gather", 12), ("reduce_scatter", 12)]
+
+
+def test_zero3_timeline_is_gather_free_gather_reduce_scatter_free_per_layer(ranks):
+    n, out = ranks
+    for r in out:
+        events = r["timeline"]
+        for layer in range(3):
+            kinds = [kind for i, kind, _, _ in events if i == layer]
+            assert kinds == ["all-gather (forward)", "free", "all-gather (backward)",
+                             "reduce-scatter", "free"], (layer, kinds)
+        assert all(end >= start for _, _, start, end in events)
+        starts = [start for _, _, start, _ in events]
+        assert starts == sorted(starts)                 # recorded in the order they happened
+    fig = viz.zero3_timeline_figure(out[0]["timeline"], ["a", "b", "c"])
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["c", "b", "a"]
+
+
+def test_fsdp2_gathers_its_root_once(ranks):
+    n, out = ranks
+    for r in out:
+        root, others = sum(r["rooted"]["root_units"]), sum(r["rooted"]["other_units"])
+        for step in r["rooted"]["traffic"]:
+            assert step["by_op"] == {"all_gather": 4 * (2 * others + root),
+                                     "reduce_scatter": 4 * (others + root)}
+    assert out[0]["rooted"]["root_units"] == [zero.fsdp2_padded_numel((10, 22), n),
+                                             zero.fsdp2_padded_numel((10,), n)]
