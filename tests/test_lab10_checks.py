@@ -291,6 +291,24 @@ def in_sync_position_checksum(model):  # lesson 10's weighted checksum: it sees 
     return bool(torch.equal(hi, lo))
 
 
+def in_sync_gather_any(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, torch.equal(flat, ref))
+    return any(verdicts)  # one True is enough: wrong
+
+
+def in_sync_rank0_verdict(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([float(torch.equal(flat, ref))])
+    dist.broadcast(same, src=0)  # rank 0's verdict for all: it compared with itself
+    return bool(same.item())
+
+
 def in_sync_never(model):
     dist.barrier()
     return False
@@ -323,6 +341,8 @@ def test_right_detectors_pass(fn, capsys):
     (in_sync_norm, "two weights swapped, one weight's sign flipped.*a norm"),
     (in_sync_sorted, "two weights swapped.*ignores where each value sits"),
     (in_sync_verdict_max, "combined the verdicts with MAX"),
+    (in_sync_gather_any, "verdicts combined with any\\(\\) or MAX"),
+    (in_sync_rank0_verdict, "rank 0's own verdict sent to all"),
     (in_sync_first_param, "compare every parameter on every rank"),
     (in_sync_in_place, "changed the model's parameters"),
     (in_sync_loose, "your tolerance let it pass"),

@@ -515,6 +515,11 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3, timeout: float
     if blind:
         where = ", ".join(_BLIND[c] for c in blind)
         small = {"off_keeping_sum", "last_param_off"}
+        if set(blind) == set(_BLIND):
+            fail("whenever one replica differed, every rank returned True: the 'in sync' "
+                 "verdict won — verdicts combined with any() or MAX, or rank 0's own verdict "
+                 "sent to all (rank 0 compares with itself). Any rank's False must win: "
+                 "all() of the gathered verdicts, or ReduceOp.MIN.")
         if small <= set(blind) and not set(blind) & {"swapped", "sign_flipped"}:
             why = ("each of those is a 1e-3 change and your tolerance let it pass; compare "
                    "exactly (torch.equal) or to a tiny tolerance")
