@@ -237,10 +237,11 @@ else:
 # Inside `DistributedDataParallel` the work is done by its **reducer**: a C++ object that owns
 # the gradient buckets and launches their all-reduces. It belongs to **c10d**, torch's C++
 # library for distributed communication (process groups, the store, the reducer), whose Python
-# face is `torch.distributed`. `DDP(model)` adds four things to what we did by hand:
+# face is `torch.distributed`. `DDP(model)` does four things:
 #
 # 1. **Broadcast at construction.** It copies rank 0's weights and buffers to every rank, so
-#    the ranks start equal even if they were initialised differently.
+#    the ranks start equal even if they were initialised differently (`manual_dp_worker` did
+#    the same for the weights by hand).
 # 2. **Buffers broadcast before every forward.** Buffers are a module's state that is not a
 #    parameter, such as BatchNorm's running statistics: no gradient reaches them, so no
 #    all-reduce averages them. By default (`forward_sync_buffers=True`, called
@@ -482,7 +483,7 @@ for model_name, caps in caps_tried.items():
 # %%
 n_pairs = len(rule_holds)
 claim(f"bucket_cap_mb is in MiB: for all {n_pairs} caps DDP logs int(bucket_cap_mb * 1024 * 1024) "
-      f"bytes", all(in_mib))
+      f"bytes (None: 25 MiB)", all(in_mib))
 claim(f"for all {n_pairs} (model, cap) pairs, on every rank, the buckets DDP launched are the "
       f"same lists of parameters, in the same order, as dist._compute_bucket_assignment_by_size "
       f"gives for the gradient-ready order", all(rule_holds))
@@ -575,7 +576,7 @@ claim("either way rank 0's running mean is bit-for-bit the same: the broadcast n
 # | | DataParallel | DDP |
 # |---|---|---|
 # | processes | 1 (threads, one GIL) | 1 per device |
-# | weights sent | every step, from device 0 | once, at the start |
+# | weights sent | every step, from device 0 | once, at the start (buffers: before every forward) |
 # | gradients | summed onto device 0 | all-reduced, averaged on every rank |
 # | per-step traffic at the busiest device | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 2(N−1)K/N with ring all-reduce |
 # | overlap with backward | no | yes (buckets) |
