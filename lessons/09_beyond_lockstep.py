@@ -181,6 +181,7 @@ for m in ("sync", "async"):
     print(f"{m:>5}: {applied[m]:>4} gradients applied in {race_cfg.budget:g} s; test loss "
           f"{race[0][m]['loss']:.3f} (from {race[0]['loss_before']:.3f}); the fast worker "
           f"waited {waited[m][1]:.0%} of its time, the straggler {waited[m][2]:.0%}")
+print(f"asynchronous / synchronous gradients applied: {applied['async'] / applied['sync']:.1f}×")
 stale = race[0]["async"]["staleness"]
 print(f"async staleness: mean {sum(stale) / len(stale):.1f}, largest {max(stale)}")
 
@@ -193,12 +194,13 @@ viz.show(viz.straggler_gantt_figure(
     "gradient, and the server applies them all.")
 
 # %%
-claim("synchronous, the fast worker spends most of its time waiting for the straggler "
-      f"(more than half; here {waited['sync'][1]:.0%})", waited["sync"][1] > 0.5)
+# (this run's shares and counts are printed above; the claims keep margins a loaded 2-core
+# machine holds)
+claim("synchronous, the fast worker spends most of its time (more than half) waiting for the "
+      "straggler", waited["sync"][1] > 0.5, waited=waited)
 claim("asynchronous, it waits less", waited["async"][1] < waited["sync"][1],
       waited=waited)
-claim("so in the same budget the asynchronous server applies more gradients (at least 1.3×; "
-      f"here {applied['async'] / applied['sync']:.1f}×)",
+claim("so in the same budget the asynchronous server applies more gradients (at least 1.3×)",
       applied["async"] >= 1.3 * applied["sync"], applied=applied)
 
 # %% [markdown]
