@@ -137,11 +137,11 @@ class ZeroTwo:
         for i, bucket in enumerate(self.buckets):
             numel = sum(p.numel() for p in bucket)
             start, end = shard_bounds(numel, self.rank, self.world_size)
-            flat = F.pad(torch.cat([p.detach().reshape(-1) for p in bucket]),
-                         (0, (end - start) * self.world_size - numel))
-            pieces.append(flat[start:end])
-            self.layout.append((end - start, offset))      # shard size, offset in self.shard
-            offset += end - start
+            size = end - start
+            mine = torch.cat([p.detach().reshape(-1) for p in bucket])[start:end]
+            pieces.append(F.pad(mine, (0, size - mine.numel())))   # past numel: zeros
+            self.layout.append((size, offset))            # shard size, offset in self.shard
+            offset += size
             for p in bucket:
                 self.bucket_of[p] = i
         self.shard = torch.nn.Parameter(torch.cat(pieces))  # cat copies: no view kept

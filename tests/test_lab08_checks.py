@@ -428,6 +428,21 @@ class KeepsViewsOfBuffers(GoodTwo):
         self.views = getattr(self, "views", []) + [buffer[:q.numel()] for q in self.buckets[i]]
 
 
+class KeepsLastBufferIntoNextStep(GoodTwo):
+    # the mutant that deletes `self.in_flight = None`: the last bucket's buffer outlives step()
+    def finish(self, keep=0):
+        if len(self.in_flight) > keep:
+            work, buffer, out = self.in_flight[-1]
+            work.wait()
+            if not getattr(self, "done", None) is work:
+                out /= self.world_size
+            self.done = work                      # waited, divided, but never dropped
+
+    def launch(self, i):
+        super().launch(i)
+        self.in_flight = self.in_flight[-1:]
+
+
 class HooksFrozen(GoodTwo):
     def hooked(self, params, trainable):
         return list(self.all_params)
@@ -508,6 +523,8 @@ WRONG_TWOS = [
     (KeepsPaddedPerParameter, "self.kept.* still held .* bytes of gradients"),
     (KeepsGradientsInAList, "self.old.* still held .* bytes of gradients"),
     (KeepsViewsOfBuffers, "self.views.* still held .* bytes of gradients"),
+    (KeepsLastBufferIntoNextStep, "after step\\(\\) self.in_flight.* still held .* bytes of "
+                                  "gradient buffers, kept into the next step"),
     (HooksFrozen, "frozen parameter \\(requires_grad=False\\)"),
     (BucketsFrozen, "frozen parameter \\(requires_grad=False\\) never gets a gradient"),
     (SummedTwo, "gradients [23]× too large: you summed"),

@@ -32,7 +32,7 @@ reduce-scatters done in ``step()``, all launched at the end of the backward, a b
 launched later than when it was full, a blocking reduce-scatter in the backward, a wait right
 after each launch, a reduce-scatter not waited for before the inner step, full gradients
 left in ``p.grad`` or referenced elsewhere, every bucket's padded buffer kept until
-``step()``, buffers kept after their reduce-scatter, gradients summed or divided twice or
+``step()``, buffers kept after their reduce-scatter or into the next step, gradients summed or divided twice or
 accumulated over steps, no all-gather (the ranks drift apart), a shard boundary off by one,
 a deadlock (with the ranks that hung).
 """
@@ -391,10 +391,12 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
             log.append(("backward_done",))
             state["phase"] = "step"
             opt.step()
+            after_step, after_where = live()            # between steps: nothing but the shard
             state["phase"] = "references"
             rec = {"learner": _flat(model), "log": list(log), "peak": memory["peak"],
                    "in_flight": memory.get("in_flight", 0),
-                   "where": memory["where"], "end": end_total, "end_where": end_where}
+                   "where": memory["where"], "end": end_total, "end_where": end_where,
+                   "after_step": after_step, "after_where": after_where}
             for name, (m, wrapped, ref_opt, kept) in references.items():
                 _reference_step(name, m, wrapped, ref_opt, kept, X, y, world_size)
                 rec[name] = _flat(m)
@@ -697,5 +699,12 @@ def _diagnose_memory(results: list, world_size: int, opt_name: str) -> str:
         fail(f"{path} still held {where[path]} bytes of gradients at the peak (limit {limit}: "
              f"the bucket being filled and the one in flight): drop each padded buffer once "
              f"its reduce-scatter has been waited for, and keep no copy per parameter.")
+    kept = max((s for r in results for s in r["steps"]), key=lambda s: s["after_step"])
+    if kept["after_step"]:
+        path = max(kept["after_where"], key=kept["after_where"].get)
+        fail(f"after step() {path} still held {kept['after_where'][path]} bytes of gradient "
+             f"buffers, kept into the next step: drop the last bucket's buffer once its "
+             f"reduce-scatter is waited for (between steps a rank needs only its shard's "
+             f"gradient).")
     return (f"{worst['peak']} of {total} B on {world_size} ranks ({opt_name}, buckets of "
             f"{BUCKET_CAP} B)")
