@@ -9,19 +9,22 @@
 #   all-reduce the moment each gradient is ready, and prove it equals DDP;
 # - group gradients into buckets, one flat buffer and one all-reduce each, and say why they
 #   are filled in reverse order;
-# - record and read a timeline of communication overlapping the backward, and sweep the
-#   bucket size on your own machine;
+# - record and read a timeline of communication overlapping the backward, predict the step
+#   time from a model of overlap (forward, backward per layer, lesson 06's α-β cost) and check
+#   the prediction against a run with and without overlap, at every bucket size;
 # - count the bytes DDP's communication hooks send (fp16, bf16, PowerSGD) and what they cost
 #   in accuracy.
 #
-# **Time:** about 35 minutes to read and run.
+# **Time:** about 55 minutes to read and run.
 #
-# **Lab:** [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) — write the bucketed,
-# hook-driven wrapper yourself; the check compares it with real DDP on 2 and 3 ranks.
+# **Lab:** [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) — write the wrapper as DDP's
+# reducer really runs it (buckets launched strictly in order, gradients as views of the
+# buckets); the check compares it with real DDP on 2 and 3 ranks.
 #
 # Lesson 03 proved *that* DDP equals one process on the global batch. This lesson shows *how it
 # gets fast*, in three versions that each change one thing (the PyTorch DDP paper, Li et al.,
-# VLDB 2020, tells the same story at the scale of 256 GPUs):
+# "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020, tells
+# the same story — bucketing, overlap, skipping synchronisation — measured on up to 256 GPUs):
 #
 # 1. **after the backward**: one blocking all-reduce per parameter, once `backward()` returns;
 # 2. **hooks**: an asynchronous all-reduce per parameter, launched as soon as its gradient is
@@ -34,7 +37,7 @@
 # %% tags=["parameters"]
 world_size = None     # None: from the hardware profile (2 on the cpu profile)
 steps = 3             # steps of the equality runs
-cap_mb = 0.05         # bucket cap in MiB; the small CNN holds 0.15 MiB: gives 3 buckets
+cap_mb = 0.05         # bucket cap in MiB; the small CNN holds 0.15 MiB: gives 2 buckets
 sweep_caps = (0.1, 1, 4, 25, float("inf"))   # MiB; inf = one bucket
 timed_steps = 5       # timed steps per version (median), after one warm-up step
 hook_steps = 120      # training steps of the comm-hook comparison
@@ -82,10 +85,11 @@ viz.show_code(overlap.PerParameterHooks)
 # %% [markdown]
 # Both against real `DistributedDataParallel`, from the same start on the same shards for
 # `steps` steps (one process per rank, each version in turn; `equality_worker` is the loop
-# you have seen since lesson 01):
+# you have seen since lesson 01, and `wrap` picks a version by name — `"ddp"` is torch's own
+# class, untouched):
 
 # %%
-viz.show_code(overlap.equality_worker, overlap._train)
+viz.show_code(overlap.equality_worker, overlap._train, overlap.wrap)
 
 # %%
 cfg = overlap.OverlapConfig(model="small_cnn", width=8, global_batch=24, steps=steps, lr=0.1)
@@ -110,26 +114,70 @@ for kind in ("after_backward", "per_parameter"):
 # tensors, many of them tiny (biases, norms), and every all-reduce pays a fixed start-up cost
 # whatever its size. DDP's answer is buckets.
 #
-# ## Lab 07: build the bucketed wrapper
-# Before reading on, open [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) and write it
-# yourself: `assign_buckets`, then the wrapper. The next section shows the library's answer.
+# ## Lab 07: build what DDP's reducer does
+# Before reading on, open [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb): `assign_buckets`
+# by DDP's rule, then a wrapper that launches its buckets strictly in bucket order and makes
+# every gradient a view of its bucket. This lesson's `BucketedDataParallel` below does
+# neither — it launches each bucket as soon as it is full and copies gradients in and out —
+# and section 3 ends with the picture of what DDP does instead.
 #
 # ## 3. Buckets: one flat buffer, one all-reduce per group of gradients
 # Buckets are filled in **reverse registration order**: the backward produces the last layer's
 # gradients first, so the first bucket is complete early and goes on the wire while the
-# backward is still busy. A bucket is closed when the next parameter would take it over
-# `bucket_cap_mb` MiB.
+# backward is still busy. DDP's rule (its reducer's `compute_bucket_assignment_by_size`): add
+# the next parameter to the open bucket of its dtype and device, and close the bucket once it
+# has **reached** `bucket_cap_mb` MiB — so a bucket can end above the cap by its last
+# parameter. When `bucket_cap_mb` is left at its default (25), DDP makes the first bucket
+# 1 MiB, so that the last layers' gradients leave early. Our `overlap.assign_buckets` follows
+# the same rule; it is lab07's first answer, so it is folded here.
+
+# %% [markdown]
+# **▶ The reference answer — open after your lab passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(overlap.assign_buckets)
+
+# %% [markdown]
+# Same rule, same buckets: torch exposes the reducer's C++ function as
+# `torch.distributed._compute_bucket_assignment_by_size(tensors, limits_in_bytes, ...)`.
+# Given our order (the parameters reversed) it must group them exactly as we do, for both
+# models of this lesson and every cap below, and with a 1 MiB first bucket too:
 
 # %%
-viz.show_code(overlap.assign_buckets)
+import sys
+
+import torch.distributed as dist
+
+
+def torch_buckets(params, caps_mb):
+    """The reducer's own assignment of reversed(params), as lists of indices into params."""
+    n = len(params)
+    limits = [sys.maxsize if c == math.inf else int(c * 2**20) for c in caps_mb]
+    got, _ = dist._compute_bucket_assignment_by_size(
+        list(reversed(params)), limits, [False] * n, list(range(n - 1, -1, -1)))
+    return [list(b) for b in got]
+
+
+def our_buckets(params, caps_mb):
+    index = {id(p): i for i, p in enumerate(params)}
+    buckets = overlap.assign_buckets(params, caps_mb[-1], *caps_mb[:-1])
+    return [[index[id(p)] for p in b] for b in buckets]
+
+
+cap_lists = [(c,) for c in (0.001, 0.01, 0.05, 0.1, 1, 4, 25, math.inf)] + [(1, 25)]
+same = {name: all(our_buckets(ps, c) == torch_buckets(ps, c) for c in cap_lists)
+        for name, ps in [("SmallCNN", list(cfg.build().parameters())),
+                         ("64-layer MLP", list(overlap.wide_mlp(320, 64).parameters()))]}
+claim(f"overlap.assign_buckets == DDP's compute_bucket_assignment_by_size, bucket for bucket, "
+      f"for {' and '.join(same)} at {len(cap_lists)} caps (one with a 1 MiB first bucket)",
+      all(same.values()))
 
 # %% [markdown]
 # Each bucket owns one flat buffer. The hook copies each gradient into its slice; when the
 # bucket's last gradient has arrived, the buffer is divided by the world size and all-reduced
 # asynchronously, in one call. `finish_gradient_synchronization()` waits and copies the
-# averaged slices back into every `p.grad`. (The `events` list is the timeline section 4 draws;
-# DDP can also make the gradients *views* of the bucket, `gradient_as_bucket_view=True`, which
-# saves the two copies.)
+# averaged slices back into every `p.grad`. (The `events` list is the timeline section 4
+# draws; `overlap=False` is section 4's control experiment.)
 
 # %%
 viz.show_code(overlap.BucketedDataParallel)
@@ -172,11 +220,16 @@ def collectives_at(cap_kib):
     return fig
 
 
+small = min(len(overlap.assign_buckets(list(model.parameters()), c / 1024)) for c in (1, 2))
 bucket_explorer = viz.explorer(
     collectives_at, {"cap_kib": widgets.FloatLogSlider(value=cap_mb * 1024, base=2, min=0, max=12,
                                                        description="cap (KiB)",
                                                        continuous_update=False)},
-    caption="all-reduces per step against the bucket cap, from overlap.assign_buckets.",
+    caption=f"each step down is a cap at which two neighbouring buckets merge into one message: "
+            f"at 1 KiB the biases still share buckets with their layers ({small} all-reduces for "
+            f"{len(list(model.parameters()))} tensors), and from the model's "
+            f"{overlap.bucket_nbytes(list(model.parameters())) / 1024:.0f} KiB on a single "
+            f"all-reduce is left.",
     description="bucket-size explorer")
 
 # %%
@@ -191,24 +244,63 @@ claim("the first bucket holds the last layer; the last bucket holds the first la
       names[buckets[0][0]] == "classifier.4.bias" and names[buckets[-1][-1]] == "features.0.weight")
 
 # %% [markdown]
-# ## 4. Measuring the overlap
-# The small CNN is too small for buckets to matter, so for timing we take a model whose size
-# is in many matrices — 64 `Linear` layers of width 320 (the first, 3072 × 320, is the
-# largest at 3.75 MiB), 28 MiB of float32, quick on a
-# CPU — and train it with all four versions, their steps interleaved so that a busy moment of
-# the machine hits all of them alike, plus the bucketed version at each cap of `sweep_caps`.
-# `timing_worker` also records, for the last step, when each gradient was ready and when each
-# bucket's all-reduce was launched and finished.
+# ### What DDP's reducer does that this class does not
+# DDP registers a hook on every parameter's gradient accumulator, as we do, and from there its
+# C++ reducer takes each gradient through five steps:
 
 # %%
-viz.show_code(overlap.timing_worker)
+viz.show(viz.reducer_figure(),
+         "one gradient's way through DDP's reducer: the hook puts it into its bucket (a copy "
+         "divided by N, or nothing to do when p.grad is a view of the bucket); a complete "
+         "bucket is launched only when it is next in bucket order (below: bucket 1 fills "
+         "first but waits for bucket 0); at the end of the backward the reducer waits and "
+         "copies back, which views make unnecessary.")
+
+# %% [markdown]
+# - **In-order launch.** The reducer keeps `next_bucket_`, the next bucket to launch. When a
+#   bucket becomes complete it is launched only if it is that one, and then every following
+#   bucket that is already complete. Buckets fill out of order whenever the backward's order
+#   differs from the reversed registration order (a layer registered before one it follows;
+#   lesson 03 showed that DDP rebuilds its buckets after the first step for that reason, and
+#   the order can still differ later). Launching in bucket order makes the i-th all-reduce
+#   of every rank the same bucket; our class launches as buckets fill, which is safe here only
+#   because every rank runs the same backward in the same order.
+# - **Gradients as views** (`gradient_as_bucket_view=True`): each `p.grad` is a view of its
+#   slice of the bucket, so autograd accumulates straight into the bucket and the all-reduced
+#   buffer *is* the averaged gradient: no copy in, no copy back, and one gradient's memory
+#   less. Without it (the default), the reducer copies each gradient into the bucket,
+#   dividing by N on the way, and copies the average back after the wait.
+#
+# Lab07 asks you for both. Its check runs a model whose buckets fill out of order and one
+# of whose parameters is frozen (`requires_grad=False`, no gradient: it belongs in no bucket).
+#
+# ## 4. Measuring the overlap — and predicting it
+# The small CNN is too small for buckets to matter, so for timing we take a model whose size
+# is in many matrices — 64 `Linear` layers of width 320 (the first, 3072 × 320, is the
+# largest at 3.75 MiB), 28 MiB of float32, quick on a CPU — and train it with all four
+# versions and at each cap of `sweep_caps`, their steps interleaved so that a busy moment of
+# the machine hits all of them alike. Three **controls** run beside them: `local` (no
+# communication at all: the compute alone), and the per-parameter and bucketed versions with
+# `overlap=False` — the same asynchronous all-reduces of the same buffers, launched only once
+# `backward()` has returned. A version and its control differ in one thing only: overlap.
+# `timing_worker` also records, for the last step, when each gradient was ready and when each
+# bucket's all-reduce was launched and finished. Real DDP runs with nothing of ours in its
+# path (no comm hook, no gradient stamps); its all-reduces are counted afterwards, in one more
+# step under torch's profiler, from the process group's own records.
+
+# %%
+viz.show_code(overlap.timing_worker, overlap.count_ddp_collectives)
 
 # %%
 tcfg = overlap.OverlapConfig(model="wide_mlp", width=320, depth=64, global_batch=64,
                              steps=timed_steps)
-runs = [(kind, 25) for kind in overlap.KINDS] + [("bucketed", c) for c in sweep_caps if c != 25]
+runs = ([(kind, 25) for kind in overlap.KINDS]
+        + [("bucketed", c) for c in sweep_caps if c != 25]
+        + [("local", 25), ("per_parameter_after", 25)]
+        + [("bucketed_after", c) for c in sweep_caps])
+# show_output=False: the profiler's start/stop lines on the ranks' stderr are not lesson output
 timing = launch.spawn(overlap.timing_worker, world_size, tcfg, runs, 1, backend=backend,
-                      timeout=300)[0]
+                      timeout=300, show_output=False)[0]
 by = {(r["kind"], r["bucket_cap_mb"]): r for r in timing["runs"]}
 mlp_params = list(tcfg.build().parameters())
 print(f"model: {len(mlp_params)} parameter tensors, {timing['model_bytes'] / 2**20:.1f} MiB")
@@ -218,18 +310,34 @@ claim(f"after the backward and per-parameter hooks: {len(mlp_params)} all-reduce
       by[("after_backward", 25)]["collectives_per_step"] == len(mlp_params)
       and by[("per_parameter", 25)]["collectives_per_step"] == len(mlp_params))
 sweep = [by[("bucketed", c)] for c in sweep_caps]
-claim("bucketed: all-reduces per step == the number of buckets assign_buckets makes, at "
-      "every cap", all(r["collectives_per_step"] == len(overlap.assign_buckets(
-          mlp_params, r["bucket_cap_mb"])) for r in sweep))
+after = [by[("bucketed_after", c)] for c in sweep_caps]
+claim("bucketed, overlapped or not: all-reduces per step == the number of buckets "
+      "assign_buckets makes, at every cap", all(
+          r["collectives_per_step"] == a["collectives_per_step"]
+          == len(overlap.assign_buckets(mlp_params, r["bucket_cap_mb"]))
+          for r, a in zip(sweep, after)))
 claim("fewer, larger buckets as the cap grows (one at 'one bucket')",
       [r["collectives_per_step"] for r in sweep] == sorted(
           (r["collectives_per_step"] for r in sweep), reverse=True)
       and sweep[-1]["collectives_per_step"] == 1)
+claim("the controls launched every all-reduce only after backward() had returned",
+      all(min(t for what, _, t in r["timeline"]["events"] if what == "launch")
+          >= r["timeline"]["backward_end"]
+          for r in after + [by[("per_parameter_after", 25)]]))
+ddp_run = by[("ddp", 25)]
+ddp_buckets = ddp_run["ddp"]["rebuilt_buckets"]
+position = {id(p): i for i, p in enumerate(mlp_params)}     # DDP numbers them this way
+ours_25 = [[position[id(p)] for p in b] for b in overlap.assign_buckets(mlp_params, 25)]
+claim(f"real DDP (no hook): the profiler saw {ddp_run['collectives_per_step']} all-reduce(s) "
+      f"per step == DDP's own count == its number of buckets, which hold the same parameters "
+      f"in the same order as assign_buckets' at 25 MiB",
+      ddp_run["collectives_per_step"] == ddp_run["ddp"]["num_buckets_reduced"]
+      == len(ddp_buckets) and ddp_buckets == ours_25)
 
 # %% [markdown]
 # ### The timeline
-# The 4 MiB run's last step on rank 0: a tick per gradient as it became ready, a bar per
-# bucket from the launch of its all-reduce to its end.
+# The 4 MiB run's last step on rank 0: a tick per gradient as it became ready (top row), and
+# one row per bucket, a bar from the launch of its all-reduce to its end.
 
 # %%
 tl = by[("bucketed", 4)]["timeline"]
@@ -240,9 +348,10 @@ claim("4 MiB buckets: every bucket was launched (none waited for finish_gradient
       "synchronization)", len(launch_times) == by[("bucketed", 4)]["n_buckets"]
       and max(launch_times) <= tl["backward_end"])
 viz.show(viz.overlap_timeline_figure(tl, "bucketed, 4 MiB buckets: rank 0, last step"),
-         "each bucket goes on the wire as soon as its last gradient is ready, while the "
-         "backward (grey) is still computing earlier layers; only what is left after "
-         "backward() returns adds to the step.")
+         "read the bucket rows against the grey backward: each bar starts at the tick of its "
+         "bucket's last gradient, while the backward is still computing earlier layers; the "
+         "last bucket can only start when the backward ends, and whatever of the bars is "
+         "still running after the red line is what communication adds to the step.")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -257,15 +366,127 @@ print(f"backward {tl['backward_end']:.1f} ms; the step ended "
 print(f"the all-reduce bars' lengths add up to {busy:.1f} ms")
 
 # %% [markdown]
+# ### A model of overlap, and the test of it
+# What should overlap buy? A model with three parts, each measured here:
+#
+# - the **compute**: the `local` control's forward, backward and optimizer step, and the
+#   moment each gradient was ready during its backward (no communication to disturb them);
+# - the **cost of one all-reduce** of K bytes: lesson 06's α-β model of a ring,
+#   2(N−1)α + 2(N−1)/N · Kβ, with α and β fitted just now with `bench.measure_allreduce` and
+#   `ring.fit_alpha_beta` (lesson 06's functions) on the sizes our buckets have;
+# - **one all-reduce at a time**: bucket k starts when its last gradient is ready (or, in the
+#   control, when the backward ends) and not before bucket k−1 has finished.
+#
+# The step is then forward + max(backward, end of the last all-reduce) + optimizer step: when
+# the early buckets keep up with the backward, that is forward + max(backward, the early
+# buckets' communication) + the last bucket's α + βK.
+
+# %%
+viz.show_code(overlap.predict_step)
+
+# %%
+from dpcourse import bench, ring
+
+fit_sizes = [2**k for k in range(12, 26, 2)]          # 4 KiB .. 16 MiB
+per_rank = launch.spawn(bench.measure_allreduce, world_size, fit_sizes, 3, 1,
+                        impls=("all_reduce",), backend=backend, timeout=300)
+fit_t = [float(np.median([max(rep) for rep in zip(*(r["all_reduce"][k] for r in per_rank))]))
+         for k in fit_sizes]
+fit = ring.fit_alpha_beta([world_size] * len(fit_sizes), fit_sizes, fit_t)
+claim("the α-β fit found a positive α and β", fit.alpha > 0 and fit.beta > 0)
+
+
+def comm_ms(nbytes):
+    return ring.cost("ring", world_size, nbytes, fit.alpha, fit.beta).seconds * 1e3
+
+
+def cap_label(cap):
+    return "one bucket" if cap == math.inf else f"{cap:g} MiB"
+
+
+local = by[("local", 25)]
+parts = {k: v * 1e3 for k, v in local["parts_s"].items()}   # medians over the timed steps
+ready = local["timeline"]["ready"]                            # the last step's arrivals ...
+parts["backward"] = local["timeline"]["backward_end"]         # ... and the same step's backward
+model_rows = []
+for c in sweep_caps:
+    sizes = [(len(b), overlap.bucket_nbytes(b)) for b in overlap.assign_buckets(mlp_params, c)]
+    args = (ready, sizes, comm_ms, parts["forward"], parts["backward"], parts["opt"])
+    model_rows.append({
+        "bucket_cap_mb": c, "sizes": sizes,
+        "predicted_ms": overlap.predict_step(*args)["step_ms"],
+        "predicted_after_ms": overlap.predict_step(*args, overlap=False)["step_ms"],
+        "measured_ms": by[("bucketed", c)]["step_s"] * 1e3,
+        "measured_after_ms": by[("bucketed_after", c)]["step_s"] * 1e3})
+claim("the model predicts that overlap never makes a step slower (at every cap)",
+      all(r["predicted_ms"] <= r["predicted_after_ms"] + 1e-9 for r in model_rows))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: every number here is a measurement of this machine under its current load.
+print(f"alpha = {fit.alpha * 1e6:.0f} us, 1/beta = {fit.bandwidth / 1e9:.2f} GB/s; compute alone: "
+      f"forward {parts['forward']:.1f} ms, backward {parts['backward']:.1f} ms, "
+      f"optimizer {parts['opt']:.1f} ms")
+print(f"{'cap':>10} {'buckets':>7} | {'overlapped: predicted':>21} {'measured':>8} | "
+      f"{'after backward: predicted':>25} {'measured':>8}")
+for r in model_rows:
+    print(f"{cap_label(r['bucket_cap_mb']):>10} "
+          f"{len(r['sizes']):>7} | {r['predicted_ms']:>18.1f} ms {r['measured_ms']:>5.1f} ms | "
+          f"{r['predicted_after_ms']:>22.1f} ms {r['measured_after_ms']:>5.1f} ms")
+err = [r["measured_ms"] / r["predicted_ms"] - 1 for r in model_rows]
+err_after = [r["measured_after_ms"] / r["predicted_after_ms"] - 1 for r in model_rows]
+gain_pred = [r["predicted_after_ms"] - r["predicted_ms"] for r in model_rows]
+gain_meas = [r["measured_after_ms"] - r["measured_ms"] for r in model_rows]
+print(f"Measured against predicted: {min(err):+.0%} to {max(err):+.0%} with overlap, "
+      f"{min(err_after):+.0%} to {max(err_after):+.0%} with every all-reduce after the "
+      f"backward. Overlap was predicted to save {min(gain_pred):.1f} to {max(gain_pred):.1f} ms "
+      f"per step; the control shows it saved {min(gain_meas):.1f} to {max(gain_meas):.1f} ms.")
+slowed = by[("bucketed", 4)]["parts_s"]["backward"] * 1e3
+print(f"The backward alone took {local['parts_s']['backward'] * 1e3:.1f} ms (median); with the "
+      f"4 MiB buckets' all-reduces in flight beside it, {slowed:.1f} ms — the model assumes "
+      f"overlap leaves it unchanged.")
+sizes_4 = model_rows[sweep_caps.index(4)]["sizes"]
+comm_4 = sum(comm_ms(b) for _, b in sizes_4)
+ratio = parts["backward"] / comm_4
+print(f"Compute-to-communication ratio here: backward {parts['backward']:.1f} ms / all-reduces "
+      f"of the 4 MiB buckets {comm_4:.1f} ms = {ratio:.2f}, so overlap could hide at most "
+      f"{min(parts['backward'], comm_4 - comm_ms(sizes_4[-1][1])):.1f} ms of them.")
+viz.show(viz.overlap_model_figure(model_rows),
+         "for each cap, the model's step (light) beside the measured one (dark), overlapped "
+         "(blue) and with the same all-reduces launched after the backward (orange): where "
+         "the blue pair sits below the orange pair, overlap paid; the gap between light and "
+         "dark is what the model leaves out.")
+
+# %% [markdown]
+# Where the model fails, and why. It treats compute and communication as independent: the
+# backward takes as long with all-reduces in flight as without, and an all-reduce as long
+# during the backward as alone. On this 2-core CPU neither holds: gloo's all-reduce is work
+# done *by the CPU* (copying, summing, the loopback TCP stack), on the same two cores the
+# ranks' backward runs on, so overlapping them mostly interleaves two jobs on the same cores
+# — the printed sentence says what overlap bought on this run, and how far the measured steps
+# landed from the model. The model also leaves out work that even the control pays: copying
+# every gradient into its bucket and back (two passes over the 28 MiB, in our class and in
+# DDP without `gradient_as_bucket_view`), and each all-reduce waiting for the slower rank. That
+# is why the measured steps sit above the predicted ones with or without overlap; the
+# difference between a run and its control is the part of the model to hold against the
+# measurement. On a GPU with NCCL the transfer runs on the interconnect and the
+# reduction on a few of the GPU's many cores beside the backward's kernels, which is what the
+# model assumes.
+#
+# The model also says **when** overlap can pay. Overlap hides at most the communication that
+# fits under the backward, and never the last bucket's (it is complete only when the backward
+# ends): with C the total time of the all-reduces and B the backward's, the saving is at most
+# min(B, C − C_last). It hides all but the last bucket once the **compute-to-communication
+# ratio B / C is about 1 or more**; far below 1 (a slow network) the step is communication
+# plus a little, far above 1 communication is nearly free, and in between the bucket cap
+# decides how much of it the backward covers. The ratio printed above is this machine's; the
+# DDP paper measured the same trade-off on GPUs with NCCL and gloo (Li et al., 2020, §5).
+#
 # ### The bucket-size sweep
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: step times depend on this machine and its load.
-def cap_label(cap):
-    return "one bucket" if cap == math.inf else f"{cap:g} MiB"
-
-
 for r in sweep:
     print(f"{cap_label(r['bucket_cap_mb']):>10}: "
           f"{r['step_s'] * 1e3:6.1f} ms  {r['collectives_per_step']:4d} all-reduces")
@@ -275,62 +496,89 @@ one = sweep[-1]
 print(f"On this run the fastest cap was {cap_label(best['bucket_cap_mb'])} "
       f"({best['step_s'] * 1e3:.0f} ms), {worst['step_s'] / best['step_s']:.1f}x faster than the "
       f"slowest, {cap_label(worst['bucket_cap_mb'])}; " +
-      ("overlap did not pay here: one bucket, which overlaps nothing, was the fastest."
+      ("one bucket, which overlaps nothing, was the fastest."
        if one is best else
        f"one bucket (no overlap) took {one['step_s'] / best['step_s']:.2f}x the fastest."))
 viz.show(viz.bucket_sweep_figure(sweep),
-         "step time against the bucket cap on this machine: tiny buckets pay the per-message "
-         "cost over a hundred times; one bucket cannot start before the backward ends.")
+         "step time against the bucket cap on this machine, each bar labelled with its "
+         "all-reduces per step: on the left every message pays α, on the right one bucket "
+         "cannot leave before the backward ends; the sentence above names this run's winner.")
 
 # %% [markdown]
 # Two forces meet here. Small buckets start early, but each all-reduce pays α (lesson 06), so
-# 126 of them cost more than their bytes; one bucket pays α once but cannot leave before the
-# backward has finished, so nothing overlaps. The printed sentence says which cap won *on your
-# run*. On a CPU with gloo, communication and the backward compete for the same few cores,
-# so how much overlap buys depends on the machine: compare "one bucket" (no overlap) with the
-# fastest cap above, and, in the next table, the after-backward version with the per-parameter
-# hooks (the same 128 messages; overlap is the only difference). On GPUs with NCCL the
-# transfer runs beside the compute and the middle caps win (DDP's paper measured that overlap
-# saved up to 38% of ResNet-50's step; its default cap, 25 MiB, came from such sweeps).
+# a hundred of them cost more than their bytes; one bucket pays α once but cannot leave before
+# the backward has finished, so nothing overlaps. The printed sentence says which cap won *on
+# your run*, and the model above says why: on this machine the backward and gloo share the
+# same cores, so what overlap can buy is small. On GPUs with NCCL the transfer runs beside the
+# compute and the middle caps win; DDP's default cap, 25 MiB, is such a middle value.
 #
 # ### The four versions and real DDP
+# The same 128 messages go after the backward, blocking one at a time ("after backward"), or
+# from hooks as the gradients arrive ("per-parameter hooks") — and the control launches those
+# same asynchronous messages after the backward, so that the comparison isolates overlap from
+# the mere fact of having many messages in flight at once.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: step times depend on this machine and its load.
-four = [by[(k, 25)] for k in overlap.KINDS]
-labels = ["after backward", "per-parameter hooks", "bucketed, 25 MiB", "DDP, 25 MiB"]
+four = [by[(k, 25)] for k in overlap.KINDS] + [by[("per_parameter_after", 25)]]
+labels = ["after backward", "per-parameter hooks", "bucketed, 25 MiB", "DDP, 25 MiB",
+          "per-parameter, after bw"]
 for label, r in zip(labels, four):
-    print(f"{label:>20}: {r['step_s'] * 1e3:6.1f} ms  {r['collectives_per_step']:4d} all-reduces")
-ratio = by[("bucketed", 25)]["step_s"] / by[("ddp", 25)]["step_s"]
-print(f"bucketed / DDP: {ratio:.2f}x in this run")
+    print(f"{label:>23}: {r['step_s'] * 1e3:6.1f} ms  {r['collectives_per_step']:4d} all-reduces")
+pp, pp_after, ab = (by[(k, 25)]["step_s"] for k in ("per_parameter", "per_parameter_after",
+                                                     "after_backward"))
+print(f"Overlap alone: the per-parameter hooks took {pp / pp_after:.2f}x the time of the same "
+      f"asynchronous messages launched after the backward (their control). Asynchrony alone: "
+      f"blocking one at a time after the backward took {ab / pp_after:.2f}x the control. Our "
+      f"bucketed class took {by[('bucketed', 25)]['step_s'] / by[('ddp', 25)]['step_s']:.2f}x "
+      f"DDP's time.")
 viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
                                    f"one training step, {world_size} ranks, {backend}"),
-         "the same gradients synchronised four ways, timed in one run on this machine (the "
-         "numbers are printed above); DDP's reducer does in C++ what the bucketed version "
-         "does in Python.")
+         "the same gradients synchronised five ways, timed in one run: compare the per-"
+         "parameter hooks with their control below (same messages, overlap the only "
+         "difference), and our bucketed class with DDP's C++ reducer (same single bucket).")
 
 # %% [markdown]
-# At a 25 MiB cap this 28 MiB model makes **2** buckets with our rule but **1** in DDP:
-# DDP closes a bucket once it has *reached* the cap, we close it before it would go over.
-# Either way the last bucket leaves when the backward ends — and DDP's only bucket overlaps
-# nothing, while its all-reduce here goes through a small Python comm hook that counts it.
-# That is why our Python version can keep up with DDP's C++ reducer on this model; at other
-# caps, or with many small layers, the C++ reducer's lower cost per gradient shows. `python -m dpcourse.bench ddp`
-# runs this comparison on its own (more steps, `--json`, `--backend nccl` on GPUs).
+# At a 25 MiB cap this 28 MiB model makes **one** bucket, with our rule and in DDP alike (the
+# claim above compared them parameter by parameter): the only all-reduce leaves when the
+# backward ends, so neither overlaps anything, and what separates them is the per-gradient
+# work around it — our Python hooks and copies against DDP's C++ reducer. `python -m
+# dpcourse.bench ddp` runs this comparison on its own (more steps, `--json`, `--backend nccl`
+# on GPUs).
 #
 # ## 5. Communication hooks: send fewer bytes
 # DDP lets you replace what it does with each bucket: `ddp_model.register_comm_hook(state,
 # hook)`, where `hook(state, bucket)` returns a future of the averaged buffer. torch ships
-# several that compress; we measure three:
+# several that compress; we measure three, as torch 2.14 runs them:
 #
-# - `fp16_compress_hook` / `bf16_compress_hook`: cast the bucket to 16 bits, all-reduce,
-#   cast back — **half the bytes**;
-# - `powerSGD_hook` (Vogels et al., 2019): see each gradient as a matrix n × m and send a rank-r
-#   approximation, P (n × r) and Q (m × r), computed by one step of power iteration; tensors
-#   too small to gain (biases) go uncompressed. **Error feedback** adds what compression lost
-#   last step to this step's gradient, so nothing is lost for good.
+# - `fp16_compress_hook` / `bf16_compress_hook`: cast the bucket to 16 bits **and divide it by
+#   N there, before the all-reduce** (`buffer.to(dtype).div_(world_size)`), all-reduce, then
+#   copy the result back into the 32-bit bucket — **half the bytes**. Dividing first keeps the
+#   sum of N ranks' values inside fp16's range (its largest value is 65504), at the price of
+#   small values losing digits sooner.
+# - `powerSGD_hook` (Vogels et al., 2019): see each gradient as a matrix M (n × m) and send a
+#   rank-r approximation instead. Per bucket, torch runs **three all-reduces, one after the
+#   other**, each paying α: (1) the tensors too small to gain (biases; those with
+#   (n + m) r · `min_compression_rate` ≥ n m), uncompressed, in one flat buffer; (2) every
+#   P = M Q (n × r); then each rank **orthogonalises the summed P** (Gram-Schmidt up to rank
+#   2, QR above; the same on every rank) and computes Q = Mᵀ P (m × r); (3) the Q's. The gradient becomes P Qᵀ / N.
+#   With `warm_start=True` Q starts from last step's Q instead of fresh random numbers (one
+#   power-iteration step per training step refines it); **error feedback** adds what the
+#   approximation lost last step to this step's gradient, so nothing is lost for good.
 #
+# Why may P and Q be all-reduced at all? Because P = M Q is **linear** in M: with every rank
+# using the same Q, the sum of the ranks' P's is (Σ M_rank) Q, the P of the summed gradient —
+# and after the same orthogonalisation everywhere, the same holds for Q. Top-k (lab07's
+# stretch) is not linear: each rank keeps *its own* k largest entries, at different indices,
+# and the top-k of a sum is not the sum of top-k's, so its values have to be all-gathered.
+#
+# `comm_hook_worker` trains real DDP once per hook, with these `PowerSGDState` arguments:
+
+# %%
+viz.show_code(overlap.comm_hook_worker)
+
+# %% [markdown]
 # We count the bytes by wrapping `dist.all_reduce` while the backward runs (`count_collectives`)
 # and predict PowerSGD's from the shapes alone:
 
@@ -360,6 +608,10 @@ claim("PowerSGD (rank 1): the elements sent == the P + Q + uncompressed formula"
       last["powersgd"]["elements"] == predicted["total"])
 claim("PowerSGD's first 2 steps are plain all-reduces (start_powerSGD_iter=2)",
       all(s["elements"] == dense for s in hooked["runs"]["powersgd"]["sent"][:2]))
+claim("one bucket here (the whole CNN): 1 all-reduce per step without a hook and with the "
+      "16-bit hooks, 3 sequential ones with PowerSGD (uncompressed, P, Q)",
+      last["none"]["calls"] == last["fp16"]["calls"] == last["bf16"]["calls"] == 1
+      and last["powersgd"]["calls"] == 3)
 print(f"PowerSGD sends {dense / predicted['total']:.0f}x fewer bytes than no compression")
 
 # %%
@@ -444,8 +696,9 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 #   so it can skip the per-iteration graph walk and rebuild once for good.
 # - **`no_sync()`** (lesson 04) skips the hooks' all-reduces for gradient accumulation; in our
 #   wrapper that would be a flag the hook checks before copying into the bucket.
-# - **A C++ reducer**, gradients as bucket views, a first bucket of 1 MiB when
-#   `bucket_cap_mb` is left at its default (so the first message leaves early), and NCCL streams that run transfers beside the compute.
+# - **A C++ reducer** that launches buckets in bucket order and can make gradients views of
+#   the buckets (section 3's picture; lab07 has you build both), and on GPUs NCCL streams that
+#   run the transfers beside the compute.
 #
 # ## Summary
 #
@@ -453,9 +706,14 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 #   then pays one message per parameter.
 # - A post-accumulate-grad hook can launch an asynchronous all-reduce the moment a gradient is
 #   ready; waiting on the handles before `optimizer.step()` keeps it correct — equal to DDP.
-# - Buckets, filled in reverse registration order, send a few large messages instead of many
-#   small ones; the cap trades per-message cost against overlap, and the best cap depends on
-#   the machine (measured above).
+# - Buckets, filled in reverse registration order and closed once they reach the cap (DDP's
+#   rule, proven equal to its own function), send a few large messages instead of many small
+#   ones. DDP launches them strictly in bucket order, and can make the gradients views of the
+#   buckets.
+# - Overlap is a prediction you can check: step ≈ forward + max(backward, the early buckets'
+#   all-reduces) + the last bucket's α + βK. It can hide communication when the backward lasts
+#   about as long as the all-reduces or longer; on a 2-core CPU, where gloo and the backward
+#   share the cores, the control run shows how little it buys, and the model says why.
 # - Communication hooks change what is sent: 16-bit halves the bytes and, in these short runs,
 #   ends within 0.15 of the uncompressed loss; PowerSGD sends a few percent and still learns, its error feedback carrying
 #   what the approximation drops into the next steps.
@@ -486,6 +744,26 @@ viz.quiz([
      "why": ["Every rank still sums the same buffers.",
              "Right: lab07's check detects it from when each wait happened.",
              "Every rank waits at the same bucket, which every rank has launched."]},
+    {"q": "Buckets 0 and 1 exist; on this step bucket 1 is complete first. What does DDP's "
+          "reducer do?",
+     "options": ["Launches bucket 1 at once, then bucket 0",
+                 "Waits: it launches bucket 0 as soon as it is complete, then bucket 1 right "
+                 "after, so every rank's i-th all-reduce is the same bucket",
+                 "Merges the two buckets into one all-reduce"],
+     "answer": 1,
+     "why": ["Then a rank whose backward ran in another order would pair a different bucket "
+             "with this one: that is what next_bucket_ prevents.",
+             "Right: buckets are launched strictly in bucket order.",
+             "Buckets are fixed once assigned (or rebuilt after the first step)."]},
+    {"q": "The backward takes 10 ms and the all-reduces of all buckets 40 ms. About how much "
+          "can overlap save at best?",
+     "options": ["40 ms", "At most the 10 ms of the backward, minus nothing else",
+                 "Up to 10 ms: only what fits under the backward, and never the last "
+                 "bucket's all-reduce"],
+     "answer": 2,
+     "why": ["Communication cannot hide under compute that is not there.",
+             "Close, but the last bucket is ready only when the backward ends.",
+             "Right: the saving is at most min(backward, all-reduces but the last)."]},
     {"q": "What goes wrong if finish_gradient_synchronization() returns without waiting?",
      "options": ["Nothing, gloo is synchronous", "optimizer.step() may read gradients the "
                  "all-reduce has not finished writing: a race, different on every run",
@@ -502,3 +780,49 @@ viz.quiz([
              "Right: (n + m) r numbers, 512x fewer than the 1024² of the gradient.",
              "Rank 1 keeps one column in P and one in Q, not a single number."]},
 ])
+
+# %% [markdown]
+# ## Sources
+# Installed files (relative to `site-packages`), torch 2.14.1:
+#
+# - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`: the first bucket is
+#   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when `bucket_cap_mb` is left at its
+#   default; `_BucketCapacityConfig.compute_bucket_size_limits`: one bucket before the first
+#   rebuild unless `find_unused_parameters`; `DistributedDataParallel._ddp_init_helper`: buckets
+#   from `dist._compute_bucket_assignment_by_size`, reversed; `DistributedDataParallel.__init__`:
+#   `gradient_as_bucket_view`, `static_graph`, `find_unused_parameters`;
+#   `DistributedDataParallel._get_ddp_logging_data`: `num_buckets_reduced`,
+#   `rebuilt_per_bucket_param_indices`.
+# - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer`: `next_bucket_`,
+#   `gradient_as_bucket_view_`, `mark_bucket_ready`, `finalize_backward`,
+#   `copy_bucket_to_grad` (the copy back when gradients are not views), `kDefaultFirstBucketBytes`;
+#   `compute_bucket_assignment_by_size` (buckets per dtype and device, a list of size limits).
+# - `torch/distributed/__init__.py` — `_compute_bucket_assignment_by_size`,
+#   `_DEFAULT_FIRST_BUCKET_BYTES`: the reducer's C++ functions as torch exposes them.
+# - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`,
+#   `_compress_hook` (`fp16_compress_hook`, `bf16_compress_hook`): the buffer is cast and
+#   divided by the world size before the all-reduce, then copied back into the bucket.
+# - `torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py` — `PowerSGDState`
+#   (`matrix_approximation_rank`, `start_powerSGD_iter`, `min_compression_rate`,
+#   `use_error_feedback`, `warm_start`), `powerSGD_hook`: plain all-reduce before
+#   `start_powerSGD_iter`; then the uncompressed tensors' all-reduce, the P all-reduce,
+#   `_orthogonalize` of P (Gram-Schmidt up to rank 2, QR above), the Q all-reduce, one after
+#   the other.
+# - `torch/distributed/distributed_c10d.py` — `all_reduce`, `all_gather` (`async_op=True`
+#   returns a `Work` whose `get_future()` the hooks chain).
+# - `torch/_tensor.py` — `Tensor.register_post_accumulate_grad_hook`:
+#   the hook runs once `p.grad` holds this backward's gradient.
+# - `torch/profiler/profiler.py` — `profile`: the process group's `gloo:all_reduce` records
+#   counted for real DDP.
+#
+# Public sources:
+#
+# - `reducer.cpp`, the reducer's C++ source (c10d, in github.com/pytorch/pytorch; not installed) —
+#   `compute_bucket_assignment_by_size` (a bucket is closed once `bucket.size >= limit`),
+#   `Reducer::mark_variable_ready_dense` (copy into the bucket view dividing by N, or none when
+#   the gradient is the view), `Reducer::mark_bucket_ready` (launch from `next_bucket_` on,
+#   while buckets are ready), `Reducer::rebuild_buckets`.
+# - S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
+#   PVLDB 13(12), 2020 (arXiv:2006.15704).
+# - T. Vogels, S. P. Karimireddy, M. Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression
+#   for Distributed Optimization", NeurIPS 2019.
