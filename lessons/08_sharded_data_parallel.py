@@ -361,7 +361,7 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
 # back, into a plain model and into a fresh sharded one.
 
 # %%
-viz.show_code(zero.fsdp2_worker)
+viz.show_code(zero.fsdp2_worker, zero._fsdp2_policy)
 
 # %%
 tour = launch.spawn(zero.fsdp2_worker, world_size, mp, backend=backend, timeout=120)
@@ -517,6 +517,18 @@ viz.quiz([
      "answer": 0,
      "why": ["Right: 3Ψ against DDP's 2Ψ.", "There is no all-reduce in ZeRO-3.",
              "Padding adds well under 1 % here."]},
+    {"q": "Your ZeRO-2 reduce-scatters every gradient in step(), after the backward. What "
+          "did it save?",
+     "options": ["Memory at rest between steps, but not the peak: at the end of the backward "
+                 "every full gradient existed at once, as in ZeRO-1",
+                 "The peak: the gradients are sharded",
+                 "Traffic: a reduce-scatter sends half of an all-reduce"],
+     "answer": 0,
+     "why": ["Right: the peak falls only when buckets are reduce-scattered and dropped during "
+             "the backward (lab 08).",
+             "They are sharded only once the reduce-scatter has run; before it every rank holds "
+             "all of them.",
+             "The all-gather after the step sends the other half: the same traffic as DDP."]},
     {"q": "A 13-B model, 8 GPUs of 40 GB: DDP does not fit. What does?",
      "options": ["ZeRO-1", "ZeRO-2", "ZeRO-3"],
      "answer": 2,
@@ -550,6 +562,8 @@ viz.quiz([
 #   original dtype; `reduce_dtype` None follows `param_dtype`.
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` — `foreach_all_gather`,
 #   `foreach_reduce`: one all-gather and one reduce-scatter of the padded flat buffer per group.
+# - `torch/amp/autocast_mode.py` — `autocast`: operations run in the lower precision on casts
+#   of their inputs; the module's parameters stay in their own dtype (fp32).
 # - `torch/distributed/checkpoint/state_dict.py` — `get_model_state_dict`,
 #   `set_model_state_dict` (`full_state_dict`, `cpu_offload`, `broadcast_from_rank0`).
 # - `torch/distributed/optim/zero_redundancy_optimizer.py` — `ZeroRedundancyOptimizer`
