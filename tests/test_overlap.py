@@ -212,3 +212,19 @@ def test_controls_launch_only_after_the_backward():
     ddp = by["ddp"]["ddp"]
     assert ddp["profiled_all_reduces"] == ddp["num_buckets_reduced"] == len(ddp["rebuilt_buckets"])
     assert by["ddp"]["collectives_per_step"] == ddp["profiled_all_reduces"] >= 2
+
+
+def test_lesson_07_figures_draw():
+    from dpcourse import viz
+
+    assert viz.reducer_figure().axes
+    rows = [{"bucket_cap_mb": c, "measured_ms": 3, "predicted_ms": 2, "measured_after_ms": 4,
+             "predicted_after_ms": 3} for c in (0.1, math.inf)]
+    fig = viz.overlap_model_figure(rows)
+    assert len(fig.axes[0].patches) == 4 * len(rows)
+    tl = {"ready": [1.0, 2.0], "events": [("launch", 0, 2.0), ("done", 0, 3.0)],
+          "backward_end": 2.5, "sync_end": 4.0}
+    ax = viz.overlap_timeline_figure(tl).axes[0]
+    legend = ax.get_legend()
+    # the legend sits outside the axes, where it cannot hide a bucket's bar
+    assert legend.get_bbox_to_anchor().x0 >= ax.get_window_extent().x1
