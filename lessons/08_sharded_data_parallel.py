@@ -324,29 +324,6 @@ viz.show(viz.zero_tradeoff_figure(
     "for it, with half as much traffic again.")
 
 # %% [markdown]
-# 3Ψ is an upper bound. Our `Zero3` frees every layer after its forward; FSDP2 keeps the
-# parameters of the *root* module (the outermost one `fully_shard` was applied to) gathered
-# after the forward, because the backward needs them at once: when `reshard_after_forward` is
-# left at its default, the root's first forward sets it to False for the root. Above, the root
-# owned no parameters of its own (every `Linear` was its own unit). Leave the last layer to
-# the root and its parameters are all-gathered once per step, not twice:
-
-# %%
-viz.show_code(zero.fsdp2_root_worker)
-
-# %%
-rooted = launch.spawn(zero.fsdp2_root_worker, world_size, cfg, backend=backend, timeout=120)[0]
-root_units, other_units = sum(rooted["root_units"]), sum(rooted["other_units"])
-by_op = rooted["traffic"][-1]["by_op"]
-print(f"root's parameters {root_units}, the other units' {other_units} (padded); "
-      f"all-gathered {by_op['all_gather'] // 4}, reduce-scattered {by_op['reduce_scatter'] // 4}")
-claim("FSDP2 all-gathers the root's parameters once and the others twice: "
-      "volume == 3 × others + 2 × root, below 3Ψ",
-      by_op == {"all_gather": 4 * (2 * other_units + root_units),
-                "reduce_scatter": 4 * (other_units + root_units)}
-      and rooted["traffic"][-1]["volume"] < 3 * 4 * (other_units + root_units))
-
-# %% [markdown]
 # What traffic means in time depends on the network (lesson 06's α-β model): FSDP launches
 # the next layer's all-gather while this one computes (it *prefetches*), so on a fast link the
 # extra half can hide behind compute; on a slow one it shows. This lesson counts bytes, not
@@ -424,6 +401,30 @@ fsdp2 = runs[0]["fsdp2"]
 claim("FSDP2's volume per step == the ZeRO-3 formula with its padding",
       fsdp2["traffic"][-1]["volume"] == zero.traffic_per_step("zero3", fsdp2["units"],
                                                               world_size))
+
+# %% [markdown]
+# That is 3Ψ because the root owned no parameters of its own here, and 3Ψ is an upper bound.
+# Our `Zero3` frees every layer after its forward; FSDP2 keeps the
+# parameters of the *root* module (the outermost one `fully_shard` was applied to) gathered
+# after the forward, because the backward needs them at once: when `reshard_after_forward` is
+# left at its default, the root's first forward sets it to False for the root. Above, every
+# `Linear` was its own unit. Leave the last layer to the root and its parameters are
+# all-gathered once per step, not twice:
+
+# %%
+viz.show_code(zero.fsdp2_root_worker)
+
+# %%
+rooted = launch.spawn(zero.fsdp2_root_worker, world_size, cfg, backend=backend, timeout=120)[0]
+root_units, other_units = sum(rooted["root_units"]), sum(rooted["other_units"])
+by_op = rooted["traffic"][-1]["by_op"]
+print(f"root's parameters {root_units}, the other units' {other_units} (padded); "
+      f"all-gathered {by_op['all_gather'] // 4}, reduce-scattered {by_op['reduce_scatter'] // 4}")
+claim("FSDP2 all-gathers the root's parameters once and the others twice: "
+      "volume == 3 × others + 2 × root, below 3Ψ",
+      by_op == {"all_gather": 4 * (2 * other_units + root_units),
+                "reduce_scatter": 4 * (other_units + root_units)}
+      and rooted["traffic"][-1]["volume"] < 3 * 4 * (other_units + root_units))
 
 # %% [markdown]
 # `torch.distributed.optim.ZeroRedundancyOptimizer` is torch's ready ZeRO-1 for DDP: wrap the
