@@ -228,3 +228,18 @@ def test_lesson_07_figures_draw():
     legend = ax.get_legend()
     # the legend sits outside the axes, where it cannot hide a bucket's bar
     assert legend.get_bbox_to_anchor().x0 >= ax.get_window_extent().x1
+
+
+def test_predict_step_with_copies():
+    cost = lambda nbytes: 1.0 + nbytes / 1000
+    copy = lambda nbytes: nbytes / 2000                  # 1000 B -> 0.5 ms
+    ready = [1, 2, 3, 10]
+    got = overlap.predict_step(ready, [(3, 2000), (1, 1000)], cost, 5, 10, 1,
+                               copy_in_ms=copy, copy_back_ms=copy)
+    # copies in: 1 ms then 0.5 ms -> backward ends at 11.5; bucket 0 at 3 + 1 = 4 .. 7;
+    # bucket 1 at 10 + 1.5 = 11.5 .. 13.5; copies back 1.5 ms
+    assert got["spans"] == [(4, 7), (11.5, 13.5)]
+    assert got["step_ms"] == 5 + 13.5 + 1.5 + 1 and got["exposed_comm_ms"] == 2
+    late = overlap.predict_step(ready, [(3, 2000), (1, 1000)], cost, 5, 10, 1, overlap=False,
+                                copy_in_ms=copy, copy_back_ms=copy)
+    assert late["step_ms"] == 5 + 10 + 1.5 + 5 + 1.5 + 1

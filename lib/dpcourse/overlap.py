@@ -337,7 +337,7 @@ def count_ddp_collectives(model, step) -> dict:
 
 
 def predict_step(ready_ms, bucket_sizes, comm_ms, forward_ms: float, backward_ms: float,
-                 opt_ms: float, overlap: bool = True) -> dict:
+                 opt_ms: float, overlap: bool = True, copy_in_ms=None, copy_back_ms=None) -> dict:
     """Lesson 07's overlap model of one training step, in ms.
 
     ``ready_ms``: when each gradient was ready (ms after the backward began, measured without
@@ -350,23 +350,31 @@ def predict_step(ready_ms, bucket_sizes, comm_ms, forward_ms: float, backward_ms
         forward + max(backward, end of the last all-reduce) + optimizer step,
 
     which is forward + max(backward, the early buckets' communication) + the last bucket's
-    α + βK whenever the last bucket is ready only when the backward ends.
+    α + βK whenever the last bucket is ready only when the backward ends. Optionally
+    ``copy_in_ms(nbytes)``, the work the hooks do on the compute thread to put a bucket's
+    gradients into its buffer (it delays the rest of the backward), and
+    ``copy_back_ms(nbytes)``, the copy back after the wait.
     """
     ready = sorted(ready_ms)
     if sum(n for n, _ in bucket_sizes) != len(ready):
         raise ValueError(f"the buckets hold {sum(n for n, _ in bucket_sizes)} gradients but "
                          f"{len(ready)} ready times were given")
-    free, seen, comm, spans = 0.0, 0, 0.0, []
+    copy_in = copy_in_ms or (lambda nbytes: 0.0)
+    copy_back = copy_back_ms or (lambda nbytes: 0.0)
+    delay = sum(copy_in(nbytes) for _, nbytes in bucket_sizes)
+    backward_end = backward_ms + delay       # the hooks' copies lengthen the backward
+    free, seen, comm, spans, copied = 0.0, 0, 0.0, [], 0.0
     for n, nbytes in bucket_sizes:
         seen += n
-        start = max(ready[seen - 1] if overlap else backward_ms, free)
+        copied += copy_in(nbytes)
+        start = max(ready[seen - 1] + copied if overlap else backward_end, free)
         cost = comm_ms(nbytes)
         free = start + cost
         comm += cost
         spans.append((start, free))
-    sync_end = max(backward_ms, free)
+    sync_end = max(backward_end, free) + sum(copy_back(nbytes) for _, nbytes in bucket_sizes)
     return {"step_ms": forward_ms + sync_end + opt_ms, "comm_ms": comm,
-            "exposed_comm_ms": sync_end - backward_ms, "spans": spans}
+            "exposed_comm_ms": max(backward_end, free) - backward_end, "spans": spans}
 
 
 # --------------------------------------------------------------------------------------------
