@@ -92,6 +92,23 @@ def test_fit_recovers_known_alpha_beta():
         ring.fit_alpha_beta([2], [1024], [1e-3])
 
 
+def test_contention_fit_recovers_a_machine_with_fewer_cores_than_ranks():
+    # 4 ranks on 2 cores: every term twice as long as the plain ring model says.
+    ns, ks = np.meshgrid([2, 4], 1024 * 4.0 ** np.arange(8))
+    ns, ks = ns.ravel(), ks.ravel()
+    t = np.maximum(1, ns / 2) * (2 * (ns - 1) * 30e-6 + 2 * (ns - 1) / ns * ks * 2e-9)
+    plain = ring.fit_alpha_beta(ns, ks, t)
+    shared = ring.fit_alpha_beta(ns, ks, t, cores=2)
+    assert shared.alpha == pytest.approx(30e-6, rel=1e-6)
+    assert shared.beta == pytest.approx(2e-9, rel=1e-6)
+    assert shared.relative_errors.max() < 1e-6 < np.median(plain.relative_errors)
+    assert shared.slowdown([2, 4, 8]).tolist() == [1.0, 2.0, 4.0]
+    per_n = ring.fit_alpha_beta_per_n(ns, ks, t)
+    assert sorted(per_n) == [2, 4] and per_n[4].alpha == pytest.approx(60e-6, rel=1e-6)
+    with pytest.raises(ValueError, match="cores must be"):
+        ring.fit_alpha_beta(ns, ks, t, cores=0)
+
+
 def _compare_with_all_reduce(rank, world_size):
     import torch.distributed as dist
 
