@@ -109,3 +109,14 @@ def test_rank_zero_buffers_are_broadcast_before_every_forward():
     assert not torch.equal(off[0]["seen"][1], off[1]["seen"][1])
     assert not torch.equal(off[0]["eval_out"], off[1]["eval_out"])
     assert torch.equal(on[0]["final_running_mean"], off[0]["final_running_mean"])
+
+
+def test_cpu_threads_respect_omp_num_threads():
+    """A per-learner OMP_NUM_THREADS is a ceiling: 64 cores and 2 ranks give 32 threads each
+    only when nothing is set (issue: rank_device overrode the instructor's setting)."""
+    from dpcourse.ddp import cpu_threads_per_rank
+
+    assert cpu_threads_per_rank(2, environ={}, cpu_count=64) == 32
+    assert cpu_threads_per_rank(2, environ={"OMP_NUM_THREADS": "2"}, cpu_count=64) == 2
+    assert cpu_threads_per_rank(2, environ={"OMP_NUM_THREADS": "8"}, cpu_count=4) == 2
+    assert cpu_threads_per_rank(3, environ={"OMP_NUM_THREADS": "junk"}, cpu_count=2) == 1

@@ -45,6 +45,7 @@ __all__ = [
     "StepConfig",
     "validate_world_size",
     "rank_device",
+    "cpu_threads_per_rank",
     "collectives_demo",
     "average_gradients",
     "make_model",
@@ -113,19 +114,35 @@ def validate_world_size(world_size: int, backend: str) -> None:
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
+def cpu_threads_per_rank(local_world_size: int, environ=None, cpu_count: int | None = None) -> int:
+    """Intra-op threads for one of ``local_world_size`` CPU ranks on this machine: its share of
+    the cores, never more than ``OMP_NUM_THREADS`` when that is set to a positive number."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    share = max(1, (cpu_count or os.cpu_count() or 1) // max(1, local_world_size))
+    try:
+        ceiling = int(environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        ceiling = 0
+    return min(share, ceiling) if ceiling > 0 else share
+
+
 def rank_device() -> torch.device:
     """This rank's device: cuda:local_rank under nccl, the CPU under gloo.
 
     On the CPU each rank also takes only its share of the cores (torchrun does the same with
     OMP_NUM_THREADS=1): two ranks each running two intra-op threads on two cores fight over
-    them, and measured here that made a step about ten times slower.
+    them, and measured here that made a step about ten times slower. A thread count the
+    environment sets (``OMP_NUM_THREADS``, as an instructor does per learner on a shared
+    server) is a ceiling this never raises.
     """
     import os
 
     dev = _devices.device_for_rank(int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())
     if dev.type == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+        torch.set_num_threads(cpu_threads_per_rank(local))
     else:
         # TF32 convolutions/matmuls (on by default for cuDNN) round to ~1e-3, which would hide
         # the float-tolerance equality lesson 03 proves against the CPU reference.
