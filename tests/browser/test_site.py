@@ -414,4 +414,6 @@ def test_home_page_screenshots_and_the_run_links(reader, built_site):
     assert any(h == f"https://colab.research.google.com/github/{owner_repo}/blob/main/{notebook}"
                for h in hrefs), hrefs
     shot(reader.page, "site-lesson03")
+    box.scroll_into_view_if_needed()
+    shot(reader.page, "site-lesson03-run-box")
     assert not reader.problems, "\n".join(reader.problems)
