@@ -221,9 +221,9 @@ claim("every batch size was measured three times", all(len(r) == 3 for r in meas
 for bs in batch_sizes:
     print(f"batch {bs:4d}: median {rates[bs]:7.0f} samples/s  (runs: "
           + ", ".join(f"{r:.0f}" for r in measured[bs]) + ")")
-small, large = batch_sizes[0], batch_sizes[-1]
-print(f"On this {device.type}, this run: "
-      + train.compare_rates(f"batch {small}", measured[small], f"batch {large}", measured[large]))
+slowest, fastest = min(rates, key=rates.get), max(rates, key=rates.get)  # by median
+print(f"On this {device.type}, this run: " + train.compare_rates(
+    f"batch {slowest}", measured[slowest], f"batch {fastest}", measured[fastest]))
 fig = viz.new_figure(5.5, 3.2)
 ax = fig.add_subplot(1, 1, 1)
 ax.errorbar([str(bs) for bs in batch_sizes], [rates[bs] for bs in batch_sizes],
