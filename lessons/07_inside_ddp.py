@@ -15,7 +15,7 @@
 # - count the bytes DDP's communication hooks send (fp16, bf16, PowerSGD) and what they cost
 #   in accuracy.
 #
-# **Time:** about 55 minutes to read and run.
+# **Time:** about 60 minutes to read and run.
 #
 # **Lab:** [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) — write the wrapper as DDP's
 # reducer really runs it (buckets launched strictly in order, gradients as views of the
@@ -374,6 +374,9 @@ print(f"the all-reduce bars' lengths add up to {busy:.1f} ms")
 # - the **cost of one all-reduce** of K bytes: lesson 06's α-β model of a ring,
 #   2(N−1)α + 2(N−1)/N · Kβ, with α and β fitted just now with `bench.measure_allreduce` and
 #   `ring.fit_alpha_beta` (lesson 06's functions) on the sizes our buckets have;
+# - **the copies** our class makes: each gradient copied into its bucket and the bucket
+#   divided by N (two passes over its bytes, in the hooks, so they lengthen the backward), and
+#   the average copied back after the wait (one pass); one pass over 28 MiB is timed here;
 # - **one all-reduce at a time**: bucket k starts when its last gradient is ready (or, in the
 #   control, when the backward ends) and not before bucket k−1 has finished.
 #
@@ -404,6 +407,30 @@ def cap_label(cap):
     return "one bucket" if cap == math.inf else f"{cap:g} MiB"
 
 
+import statistics
+import time
+
+grads, bucket_buffer = torch.randn(timing["model_bytes"] // 4), torch.empty(timing["model_bytes"] // 4)
+
+
+def one_pass():
+    t0 = time.perf_counter()
+    bucket_buffer.copy_(grads)
+    return time.perf_counter() - t0
+
+
+one_pass()
+ms_per_byte = statistics.median(one_pass() for _ in range(7)) * 1e3 / timing["model_bytes"]
+
+
+def copy_in_ms(nbytes):          # copy into the bucket, then divide it by N there
+    return 2 * nbytes * ms_per_byte
+
+
+def copy_back_ms(nbytes):
+    return nbytes * ms_per_byte
+
+
 local = by[("local", 25)]
 parts = {k: v * 1e3 for k, v in local["parts_s"].items()}   # medians over the timed steps
 ready = local["timeline"]["ready"]                            # the last step's arrivals ...
@@ -412,16 +439,19 @@ model_rows = []
 for c in sweep_caps:
     sizes = [(len(b), overlap.bucket_nbytes(b)) for b in overlap.assign_buckets(mlp_params, c)]
     args = (ready, sizes, comm_ms, parts["forward"], parts["backward"], parts["opt"])
+    copies = {"copy_in_ms": copy_in_ms, "copy_back_ms": copy_back_ms}
     model_rows.append({
         "bucket_cap_mb": c, "sizes": sizes,
-        "predicted_ms": overlap.predict_step(*args)["step_ms"],
-        "predicted_after_ms": overlap.predict_step(*args, overlap=False)["step_ms"],
+        "predicted_ms": overlap.predict_step(*args, **copies)["step_ms"],
+        "predicted_after_ms": overlap.predict_step(*args, overlap=False, **copies)["step_ms"],
         "measured_ms": by[("bucketed", c)]["step_s"] * 1e3,
         "measured_after_ms": by[("bucketed_after", c)]["step_s"] * 1e3})
-claim("without overlap the model is the plain sum, forward + backward + every bucket's "
-      "α-β all-reduce + optimizer step, at every cap (to 1e-9 ms); with overlap it is never more",
+claim("without overlap the model is the plain sum, forward + backward + copies + every "
+      "bucket's α-β all-reduce + optimizer step, at every cap (to 1e-9 ms); with overlap it is "
+      "never more",
       all(abs(r["predicted_after_ms"] - (parts["forward"] + parts["backward"] + parts["opt"]
-                                         + sum(comm_ms(b) for _, b in r["sizes"]))) < 1e-9
+                                         + sum(copy_in_ms(b) + comm_ms(b) + copy_back_ms(b)
+                                               for _, b in r["sizes"]))) < 1e-9
           and r["predicted_ms"] <= r["predicted_after_ms"] + 1e-9 for r in model_rows))
 
 # %%
@@ -429,7 +459,8 @@ claim("without overlap the model is the plain sum, forward + backward + every bu
 # Why: every number here is a measurement of this machine under its current load.
 print(f"alpha = {fit.alpha * 1e6:.0f} us, 1/beta = {fit.bandwidth / 1e9:.2f} GB/s; compute alone: "
       f"forward {parts['forward']:.1f} ms, backward {parts['backward']:.1f} ms, "
-      f"optimizer {parts['opt']:.1f} ms")
+      f"optimizer {parts['opt']:.1f} ms; one copy of the 28 MiB: "
+      f"{copy_back_ms(timing['model_bytes']):.1f} ms")
 print(f"{'cap':>10} {'buckets':>7} | {'overlapped: predicted':>21} {'measured':>8} | "
       f"{'after backward: predicted':>25} {'measured':>8}")
 for r in model_rows:
@@ -444,6 +475,13 @@ print(f"Measured against predicted: {min(err):+.0%} to {max(err):+.0%} with over
       f"{min(err_after):+.0%} to {max(err_after):+.0%} with every all-reduce after the "
       f"backward. Overlap was predicted to save {min(gain_pred):.1f} to {max(gain_pred):.1f} ms "
       f"per step; the control shows it saved {min(gain_meas):.1f} to {max(gain_meas):.1f} ms.")
+same = [r for r in model_rows if len(r["sizes"]) == 1]    # e.g. 25 MiB and 'one bucket'
+if len(same) >= 2:
+    noise = max(abs(same[0][k] - same[1][k]) for k in ("measured_ms", "measured_after_ms"))
+    print(f"Yardstick: {cap_label(same[0]['bucket_cap_mb'])} and "
+          f"{cap_label(same[1]['bucket_cap_mb'])} make the same single bucket, so the "
+          f"{noise:.1f} ms between their measured steps is this run's noise; differences "
+          f"smaller than that say nothing.")
 slowed = by[("bucketed", 4)]["parts_s"]["backward"] * 1e3
 print(f"The backward alone took {local['parts_s']['backward'] * 1e3:.1f} ms (median); with the "
       f"4 MiB buckets' all-reduces in flight beside it, {slowed:.1f} ms — the model assumes "
@@ -467,12 +505,11 @@ viz.show(viz.overlap_model_figure(model_rows),
 # done *by the CPU* (copying, summing, the loopback TCP stack), on the same two cores the
 # ranks' backward runs on, so overlapping them mostly interleaves two jobs on the same cores
 # — the printed sentence says what overlap bought on this run, and how far the measured steps
-# landed from the model. The model also leaves out work that even the control pays: copying
-# every gradient into its bucket and back (two passes over the 28 MiB, in our class and in
-# DDP without `gradient_as_bucket_view`), and each all-reduce waiting for the slower rank. That
-# is why the measured steps sit above the predicted ones with or without overlap; the
-# difference between a run and its control is the part of the model to hold against the
-# measurement. On a GPU with NCCL the transfer runs on the interconnect and the
+# landed from the model. The model also leaves out that each all-reduce waits for the slower
+# of the ranks, and that the ranks copy and compute at the same time on two cores sharing one
+# memory bus (the copy was timed in this process alone). So the measured steps can sit above
+# the predicted ones even in the control; the difference between a run and its control is
+# the part of the model to hold against the measurement. On a GPU with NCCL the transfer runs on the interconnect and the
 # reduction on a few of the GPU's many cores beside the backward's kernels, which is what the
 # model assumes.
 #
