@@ -15,7 +15,7 @@
 # - recognise the first failures a GPU user meets by their messages, and turn a hang into a clear
 #   error.
 #
-# **Time:** about 55 minutes to read and run (the diff, the lab aside, is a long read).
+# **Time:** about 55 minutes to read and run (the lab aside).
 #
 # **Lab:** [lab04_ddp_in_practice](../labs/lab04_ddp_in_practice.ipynb) — inside a torchrun DDP
 # script, evaluate a metric that is not a mean (macro-F1) so that it equals one process.
