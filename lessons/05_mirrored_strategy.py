@@ -49,8 +49,9 @@ multiworker_timeout = 90
 # TensorFlow fixes its device list the first time anything *uses* a device: creating a tensor, a
 # variable, a strategy, a dataset. After that, the split cannot change. So the split is the first
 # thing a TF notebook does — before any other TF code, in every fresh kernel. (Importing TF is
-# harmless; `dpcourse.mirrored` also sets TF's log level and turns off its oneDNN notice first,
-# so no C++ log line lands in this notebook.)
+# harmless; `dpcourse.mirrored` also sets TF's log level and turns off its oneDNN notice first
+# — oneDNN is Intel's library of fast CPU kernels, which TF uses by default and announces — so
+# no C++ log line lands in this notebook.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -331,9 +332,11 @@ viz.show_code(mirrored.per_replica_loss, mirrored.train_step, mirrored.train_ste
 # %% [markdown]
 # **Proof, several steps:** `steps` SGD steps of the mirrored loop end with the same weights as
 # one device on the same global batches. (These weights are also the reference for the
-# multi-worker run and for PyTorch below.) While TF traces the step, `mirrored.count_cross_device_calls`
-# counts what reaches the two cross-device ops, so we also see which one carried the gradients
-# and which one the reported loss.
+# multi-worker run and for PyTorch below.) The step is a `tf.function`: its first call *traces*
+# it — runs the Python code once, recording the TensorFlow operations into a graph that later
+# calls reuse. While TF traces the step, `mirrored.count_cross_device_calls` counts what reaches
+# the two cross-device ops, so we also see which one carried the gradients and which one the
+# reported loss.
 
 # %%
 sgd = lambda: keras.optimizers.SGD(learning_rate=lr)   # noqa: E731 - plain SGD, as in PyTorch
