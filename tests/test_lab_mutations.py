@@ -29,20 +29,12 @@ EQUIVALENT = {
         "count gives fewer chunks, which is what the real nn.DataParallel does (lesson 02)",
     "lab03:swap 'True' -> 'False': optimizer.zero_grad(set_to_none=True)":
         "for plain SGD, gradients zeroed in place and gradients set to None give the same step",
-    "lab04:delete: sys.stdout.flush()":
-        "only makes sure the last log line is out before os._exit; the weights are unchanged",
-    "lab04:delete: os._exit(0)  # skip interpreter shutdown, where gloo + DDP can abort a finished process":
-        "only avoids an occasional abort at interpreter exit (about 3% of gloo+DDP runs); "
-        "the weights written are the same",
     "lab05:delete: ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)":
         "on one machine there is one input pipeline, and shard(1, 0) keeps everything; the "
         "line matters with several workers (lesson 05's multi-worker part)",
     "lab05:swap 'True' -> 'False': losses = mirrored.per_example_loss(y, model(x, training=True))":
         "the stretch's model is one Dense layer, which behaves the same in training and "
         "inference mode (the main step's training=True is checked through the CNN)",
-    "lab04:delete: dist.barrier()":
-        "the ranks' final weights are equal, so rank 0 saves the same file whether or not "
-        "rank 1 waits for it",
 }
 
 
