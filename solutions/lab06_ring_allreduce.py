@@ -252,6 +252,10 @@ rings = {"whole chunks": (ring_allreduce, {}),
 timed = launch.spawn(time_rings, 2, rings, 16 * 2**20, backend="gloo", timeout=300,
                      show_output=False)[0]
 whole, segmented = timed["whole chunks"], timed["8 segments"]
+# Best of 3 on a shared machine moves by several per cent from run to run: call a difference
+# only beyond 10 %.
+speedup = whole / segmented
+verdict = ("segmenting was faster" if speedup > 1.1 else
+           "segmenting was slower" if speedup < 1 / 1.1 else "no clear difference (within 10 %)")
 print(f"64 MiB on 2 ranks: whole chunks {whole * 1e3:.0f} ms, 8 segments {segmented * 1e3:.0f} ms "
-      f"-> segmenting was {'faster' if segmented < whole else 'not faster'} here "
-      f"({whole / segmented:.2f}x)")
+      f"-> {verdict} here ({speedup:.2f}x)")
