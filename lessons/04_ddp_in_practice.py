@@ -47,6 +47,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from IPython.display import Code, display
+
 import torch
 
 from dpcourse import ddp_practice as dp
@@ -112,7 +114,7 @@ print("ranks:", world_size, "| backend:", profile.backend)
 diff = list(difflib.unified_diff(train_single.read_text().splitlines(),
                                  train_ddp.read_text().splitlines(),
                                  "train_single.py", "train_ddp.py", lineterm="", n=1))
-print("\n".join(diff))
+display(Code("\n".join(diff), language="diff"))  # highlighted: + lines added for DDP
 
 # %%
 removed = [line for line in diff[2:] if line.startswith("-")]
