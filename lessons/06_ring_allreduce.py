@@ -483,10 +483,10 @@ for n in fit_world_sizes:
 # a segmented, pipelined scatter-reduce. Do it before reading on.
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below: the
+# **▶ The reference answer — open after your lab passes** (click the folded output below: the
 # library's real, pipelined ring, the code this lesson's claims ran).
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"outputs_hidden": true}
 viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
 
 # %% [markdown]
