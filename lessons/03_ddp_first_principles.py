@@ -5,14 +5,16 @@
 #
 # **You will be able to:**
 # - start ranks from a notebook and say what each of the four collectives leaves on every rank;
-# - write a DDP training worker: process group, `DistributedDataParallel`, sharded data, the loop;
+# - read a complete DDP training worker (process group, `DistributedDataParallel`, sharded
+#   data, the loop) and write its averaging step yourself;
 # - prove that averaging gradients by hand, DDP, and one process on the global batch agree;
-# - explain DDP's buckets — why the first iteration has one (two with `static_graph=True`),
-#   where a bucket closes, and how later ones overlap the backward — from what you record;
+# - explain DDP's buckets — why the first iteration reduces a single bucket (with
+#   `static_graph=True`, the first two iterations do), where a bucket closes, and how later
+#   buckets overlap the backward — from what you record;
 # - say which BatchNorm statistics each rank uses and rank 0 saves, and why;
 # - shard data with `DistributedSampler` and say what forgetting `set_epoch` does.
 #
-# **Time:** about 45 minutes to read and run.
+# **Time:** about 60 minutes to read and run, and about 25 more for the lab.
 #
 # **Lab:** [lab03_ddp_first_principles](../labs/lab03_ddp_first_principles.ipynb) — write
 # `average_gradients` and a DDP-free data-parallel step.
@@ -23,8 +25,8 @@
 # lesson we:
 #
 # 1. start processes (ranks) from the notebook and try the four collectives;
-# 2. train with DDP and prove: DDP == one process on the global batch (to 1e-5), and the
-#    weights stay bit-for-bit equal on every rank for many steps; then (after lab 03) the same
+# 2. train with DDP and prove: DDP == one process on the global batch (to 1e-5), and after
+#    10 steps the weights are bit-for-bit equal on every rank; then (after lab 03) the same
 #    by hand;
 # 3. look inside DDP: the initial broadcast, the gradient buckets and the rule that sizes them,
 #    the all-reduce during backward, the buffers broadcast before every forward;
@@ -67,14 +69,22 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # ## Processes, ranks, rendezvous
 # Each process is a **rank** `0 … world_size−1`. To talk, they first meet at a **rendezvous**:
 # here a TCP **store** (a small key-value server through which the ranks swap the addresses
-# they need to connect) at `MASTER_ADDR:MASTER_PORT` that rank 0 hosts;
-# `init_process_group(backend)` reads the address, `RANK` and `WORLD_SIZE` from the
-# environment. The **backend** is the library that moves the bytes: **gloo** (a collective
-# communication library from Meta, for CPU tensors on any machine) or **nccl** (NVIDIA's
-# Collective Communications Library: GPU tensors, one GPU per rank, much faster). `spawn` sets
-# the variables, starts the ranks, initialises the group, and hands back
-# what each rank returns. A worker is any function `f(rank, world_size, ...)` — even one defined
-# in a cell like this:
+# they need to connect) at `MASTER_ADDR:MASTER_PORT` that rank 0 hosts. The **backend** is the
+# library that moves the bytes: **gloo** (a collective communication library from Meta; it
+# takes CPU tensors, and CUDA ones too) or **nccl** (NVIDIA's Collective Communications
+# Library: GPU tensors only, one GPU per rank, much faster on GPUs). In every rank `spawn` sets
+# `MASTER_ADDR`, `MASTER_PORT`, `RANK` and `WORLD_SIZE` in the environment, then runs
+#
+# ```python
+# dist.init_process_group(backend, rank=rank, world_size=world_size)
+# result = fn(rank, world_size, *args)      # your worker; spawn hands `result` back
+# ```
+#
+# The default `env://` rendezvous takes the store's address from the environment, and rank and
+# world size from the arguments when they are given (from `RANK` and `WORLD_SIZE` otherwise,
+# which is how a script that `torchrun` starts calls `init_process_group(backend)` with no
+# more). A worker is any function `f(rank, world_size, ...)` — even one defined in a cell like
+# this:
 
 # %%
 def hello(rank, world_size):
@@ -95,7 +105,10 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 
 # %% [markdown]
 # ## The four collectives
-# A **collective** is called by *every* rank; it returns when all have taken part.
+# A **collective** is an operation that *every* rank of the group calls, in the same order as the
+# others; the table says what it leaves on each rank. With gloo on the CPU the call returns
+# once the result is in the tensor. With nccl it only queues the work on a separate CUDA stream
+# and returns to Python at once; later GPU work on the tensor waits for it.
 #
 # | collective | every rank gives | every rank gets |
 # |---|---|---|
@@ -139,10 +152,55 @@ viz.show(viz.collectives_figure(before, after),
 # %% [markdown]
 # ## Averaging gradients — and DDP, which does it for you
 # Each rank computes the gradient of the **mean loss over its own shard**. The gradient of the
-# mean loss over the whole global batch is the *average* of those (the shards are equal in size).
-# So after `backward()`, every gradient must be all-reduced with SUM and divided by `world_size`
-# — on every rank, before the optimizer step. That is the whole idea of data parallelism; you will
-# write it yourself in lab 03. `DistributedDataParallel` does it for you, hidden in `backward()`.
+# mean loss over the whole global batch is the *average* of those, when the shards are equal in
+# size and each sample's loss depends on that sample alone. (Training-mode BatchNorm breaks the
+# second condition: it normalises each sample with the statistics of the batch it is in, so a
+# rank's shard gives a different gradient than the global batch. The next cell shows it.)
+# So after `backward()`, every gradient must be divided by `world_size` and all-reduced with
+# SUM — on every rank, before the optimizer step. That is the whole idea of data parallelism;
+# you will write it yourself in lab 03. `DistributedDataParallel` does it for you, hidden in
+# `backward()`. It **divides first, then sums**: the torch source says this avoids overflow,
+# especially in float16.
+#
+# The identity in one process, no ranks needed: the average of the gradients of two halves of
+# a batch, against the gradient of the whole batch, for the course's small CNN (no BatchNorm)
+# and for a small network with a BatchNorm layer in training mode.
+
+# %%
+from torch import nn
+from torch.nn import functional as F
+
+from dpcourse import models
+
+
+def flat_grad(model, X, y):
+    model.zero_grad()
+    F.cross_entropy(model(X), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def halves_vs_whole(model, X, y):
+    halves = [flat_grad(model, Xh, yh) for Xh, yh in zip(X.chunk(2), y.chunk(2))]
+    return max_diff((halves[0] + halves[1]) / 2, flat_grad(model, X, y))
+
+
+def max_diff(a, b):
+    return float((a - b).abs().max())
+
+
+torch.manual_seed(seed)
+X16, y16 = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+no_bn = models.SmallCNN(width=8)
+with_bn = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.Flatten(), nn.Linear(8 * 32 * 32, 10))
+claim("no BatchNorm: the average of the two halves' gradients == the whole batch's (to 1e-5)",
+      halves_vs_whole(no_bn, X16, y16) < 1e-5)
+claim("training-mode BatchNorm: they differ by more than 1e-3",
+      halves_vs_whole(with_bn.train(), X16, y16) > 1e-3)
+
+# %% [markdown]
+# So DDP on a BatchNorm network takes the step of N *smaller* batches averaged, not of the
+# global batch; `nn.SyncBatchNorm` (lesson 04) restores the identity.
 #
 # Here is a complete DDP training worker. Every rank builds the same model (same seed), wraps it
 # in `DDP`, and trains on its own contiguous shard of each global batch; after `loss.backward()`
@@ -157,19 +215,13 @@ cfg = ddp.StepConfig(global_batch=global_batch, steps=steps, lr=lr, width=width,
 per_rank_batch = cfg.per_rank_batch(world_size)
 wrapped = launch.spawn(ddp.ddp_worker, world_size, cfg, backend=backend, timeout=120)
 single = ddp.single_process(cfg)
-
-
-def max_diff(a, b):
-    return float((a - b).abs().max())
-
-
 tol = 1e-5
 print(f"per-rank batch {per_rank_batch} x {world_size} ranks = global batch {global_batch}")
 claim("first-step gradients: DDP == one process on the global batch (to 1e-5)",
       max(max_diff(r["grads"], single["grads"]) for r in wrapped) < tol)
 claim(f"weights after {steps} steps: DDP == one process (to 1e-5)",
       max(max_diff(r["params"], single["params"]) for r in wrapped) < tol)
-claim("weights after every rank's last step are bit-for-bit equal across the ranks",
+claim(f"weights after the {steps} steps are bit-for-bit equal across the ranks (torch.equal)",
       all(torch.equal(wrapped[0]["params"], r["params"]) for r in wrapped))
 
 # %% [markdown]
@@ -188,17 +240,27 @@ viz.show_code(ddp.average_gradients)
 
 # %% [markdown]
 # The worker that uses it (its `average_fn`, by default the library's `average_gradients`) in
-# place of DDP, with the same model, data and steps as `ddp_worker`:
+# place of DDP, with the same model, data and steps as `ddp_worker`: it broadcasts rank 0's
+# weights once, then every step runs forward, backward, `average_fn(model)` and the optimizer
+# step on its shard — your `data_parallel_step`.
+#
+# **▶ The reference answer — open after your lab passes** (click the folded cell below).
 
-# %%
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(ddp.manual_dp_worker)
 
 # %%
 manual = launch.spawn(ddp.manual_dp_worker, world_size, cfg, backend=backend, timeout=120)
 claim("first-step gradients: hand-averaged == one process (to 1e-5)",
       max(max_diff(r["grads"], single["grads"]) for r in manual) < tol)
-claim("first-step gradients: hand-averaged == DDP (to 1e-5)",
-      max(max_diff(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)) < tol)
+if world_size == 2:   # dividing by 2 only changes the exponent: exact, before or after the sum
+    claim("2 ranks: first-step gradients, hand-averaged (sum, then divide) == DDP (divide, then "
+          "sum) bit for bit (torch.equal)",
+          all(torch.equal(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)))
+else:                 # dividing by 3 rounds, so the order of dividing and summing shows
+    claim(f"{world_size} ranks: first-step gradients, hand-averaged (sum, then divide) == DDP "
+          f"(divide, then sum) to 1e-5, not bit for bit: dividing by {world_size} rounds",
+          max(max_diff(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)) < tol)
 claim(f"weights after {steps} steps: hand-averaged == one process (to 1e-5)",
       max(max_diff(r["params"], single["params"]) for r in manual) < tol)
 claim("hand-averaged weights are bit-for-bit equal across the ranks",
@@ -207,8 +269,8 @@ claim("hand-averaged weights are bit-for-bit equal across the ranks",
 # %% [markdown]
 # Equal to 1e-5, not bit for bit, against the single process: summing the gradient
 # in two halves and then adding rounds differently from summing it in one go. *Between ranks*,
-# though, the weights are identical to the last bit after every step: every rank receives the
-# very same all-reduced numbers and applies the same update. Nobody ever sends weights after the
+# though, the weights after the last step are identical to the last bit: every rank receives
+# the very same all-reduced numbers and applies the same update. Nobody sends weights after the
 # start — equal gradients keep them equal.
 #
 # Bad input gets one sentence, not a hang deep in a rank:
@@ -244,13 +306,16 @@ else:
 #    the same for the weights by hand).
 # 2. **Buffers broadcast before every forward.** Buffers are a module's state that is not a
 #    parameter, such as BatchNorm's running statistics: no gradient reaches them, so no
-#    all-reduce averages them. By default (`forward_sync_buffers=True`, called
-#    `broadcast_buffers` before torch 2.13) DDP copies rank 0's buffers to every rank at the
-#    start of every forward.
+#    all-reduce averages them. By default (`forward_sync_buffers=True`) DDP copies rank 0's
+#    buffers to every rank at the start of every forward. Before torch 2.13 the switch was
+#    `broadcast_buffers`, and it is not a plain rename: `broadcast_buffers=False` also skips the
+#    buffers' broadcast at construction, `forward_sync_buffers=False` only the one before each
+#    forward.
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (25 MiB by default; the
 #    argument's name says MB, but DDP multiplies it by 1024 × 1024). When every gradient in a
-#    bucket is ready, the whole bucket is all-reduced in one call.
+#    bucket is ready, the whole bucket is divided by the world size and all-reduced in one call.
+#    The buckets are launched strictly in order: bucket 0, then 1, … on every rank.
 # 4. **Overlap.** Those all-reduces start *while the backward is still computing* the gradients
 #    of earlier layers, so communication can hide behind computation.
 #
@@ -287,6 +352,7 @@ def bucket_worker(rank, world_size, bucket_cap_mb, model_fn, find_unused_paramet
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    ddp.rank_device()                            # this rank's share of the cores (gloo: CPU)
     torch.manual_seed(0)
     model = model_fn()
     ddp_model = DDP(model, bucket_cap_mb=bucket_cap_mb,
@@ -353,18 +419,25 @@ claim("from iteration 1 on: several buckets, the same on every later iteration",
       == [b[0] for b in third["buckets"]])
 claim("the first bucket reduced holds the last layer (its gradient is computed first)",
       "classifier.4.weight" in second["buckets"][0][0])
+tensor_kib = {n: p.numel() * p.element_size() / 1024 for n, p in small_cnn().named_parameters()}
+print("iteration 1, first bucket: "
+      + ", ".join(f"{n} ({tensor_kib[n]:.2f} KiB)" for n in second["buckets"][0][0]))
 
 # %% [markdown]
 # Why one bucket first? Not because of a size limit: the model is seven times the cap. In its
-# constructor DDP does not yet know in which order the backward will produce the gradients:
-# registration order is only a guess, and a wrong guess could make ranks launch all-reduces in
-# different orders (a deadlock or a silent mix-up). So DDP builds its initial buckets with a
-# size limit of `sys.maxsize` (one bucket) unless you pass `find_unused_parameters=True`
-# *without* `static_graph=True` (or a list of per-bucket caps, `bucket_cap_mb_list`). During
-# the first iteration the reducer records the order in
-# which the gradients really became ready, and before the second forward it **rebuilds the
-# buckets** in that order, once and for all (`_pre_forward` calls the reducer's
-# `_rebuild_buckets`).
+# constructor DDP does not yet know in which order the backward will produce the gradients;
+# registration order is only a guess. The ranks cannot disagree about the buckets (the reducer
+# launches them strictly in index order, and the rebuilt assignment is broadcast from rank 0 to
+# the others), but a wrong guess can still bite. The comment in `_ddp_init_helper` names the
+# case: if the backward also runs other collectives (say, a `SyncBatchNorm`'s), or a parameter
+# is unused on some ranks only, a bucket's all-reduce may be launched too early on one rank and
+# be matched with a *different* collective on another — a hang or garbage. So DDP builds its
+# initial buckets with a size limit of `sys.maxsize`: one all-reduce, after every gradient of
+# the graph is computed. That holds unless you pass `find_unused_parameters=True` *without*
+# `static_graph=True` (or a list of per-bucket caps, `bucket_cap_mb_list`). During the first
+# iteration the reducer records the order in which the gradients really became ready, and before
+# the second forward it **rebuilds the buckets** in that order, once and for all (`_pre_forward`
+# calls the reducer's `_rebuild_buckets`).
 #
 # `static_graph=True` is your promise that every iteration uses the same parameters in the same
 # way. It waits one iteration longer: in its first iteration the reducer only notes which
@@ -384,8 +457,8 @@ claim("static_graph=True, iteration 2: the same buckets the default got in itera
       [b[0] for b in static_runs[0][2]["buckets"]] == [b[0] for b in second["buckets"]])
 
 # %% [markdown]
-# With `find_unused_parameters=True` (and no `static_graph`) DDP must walk the graph every
-# iteration anyway. It buckets by size from the start, and never rebuilds: it groups the
+# With `find_unused_parameters=True` (and no `static_graph`) DDP buckets by size from the
+# start, and never rebuilds (the reducer's `should_rebuild_buckets` is false): it groups the
 # parameters in registration order with `dist._compute_bucket_assignment_by_size` (the rule of
 # the next section), then reduces the groups last first. We give that model a head it never
 # uses, which is the case that flag exists for:
@@ -426,12 +499,15 @@ claim("its buckets are the registration-order groups, reduced last group first, 
 # %% [markdown]
 # ### The cap is where a bucket closes, not a ceiling
 # Look at the sizes printed for iterations 1 and 2: under a cap of 0.1 MiB (102.4 KiB) the
-# first rebuilt bucket holds 518 KiB. The reducer walks the gradients in the order they became
+# first rebuilt bucket holds 518 KiB, and the line above lists its tensors. The reducer walks the gradients in the order they became
 # ready, adds each to the open bucket, and closes the bucket as soon as its size **reaches** the
 # cap (`bucket.size >= bucket_size_limit` in the C++ function
-# `compute_bucket_assignment_by_size`). The classifier's first weight, 512 KiB, is five times the
-# cap by itself, so the bucket it lands in closes right after it. A bucket can therefore
-# overshoot the cap by up to one tensor; without its last tensor it is always under the cap.
+# `compute_bucket_assignment_by_size`). The classifier's first weight, `classifier.1.weight`
+# (512 KiB), is five times the cap by itself, so the bucket it lands in closes right after it. A
+# bucket can therefore overshoot the cap by up to one tensor; without its last tensor it is
+# always under the cap. A bucket also holds tensors of one device and one dtype only: the
+# function keeps an open bucket per (dtype, device), so a float16 tensor among float32 ones
+# goes to a bucket of its own.
 #
 # torch exposes that very C++ function to Python as
 # `torch.distributed._compute_bucket_assignment_by_size`. `ddp_bucket_rule` hands it the order
@@ -491,25 +567,44 @@ claim(f"lesson 07's overlap.assign_buckets (lab 07's answer), fed the parameters
       f"gradient-ready order, makes the same buckets for all {n_pairs} pairs", all(same_as_ours))
 claim("every bucket but the last reached its limit, and none would have without its last tensor",
       all(closes_on_reaching))
-claim(f"so a bucket can be several times its limit: the largest here is {max(overshoot):.1f}x",
-      max(overshoot) > 1)
+claim(f"so a bucket can be several times its limit: the largest here is {max(overshoot):.1f}x "
+      f"(more than 5x)", max(overshoot) > 5)
+mixed = [torch.zeros(4), torch.zeros(4, dtype=torch.float16), torch.zeros(4),
+         torch.zeros(4, dtype=torch.float16)]
+mixed_groups, _ = dist._compute_bucket_assignment_by_size(mixed, [2**30])
+claim("dtypes never share a bucket: float32 tensors 0, 2 and float16 tensors 1, 3 make two "
+      "buckets even under a 1 GiB limit", sorted(mixed_groups) == [[0, 2], [1, 3]])
+resnet_names = [n for n, _ in models.build_model("resnet18").named_parameters()]
+# (the loop's last model was ResNet-18: `rebuilt` and `nbytes` are its; cap 0 is None)
+print("resnet18, bucket_cap_mb=None (DDP's default), first bucket: "
+      + ", ".join(f"{resnet_names[i]} ({nbytes[i] / 1024:.2f} KiB)"
+                  for i in rebuilt[0][0]["buckets"][0]))
 
 # %% [markdown]
-# Even DDP's default 1 MiB first bucket ends at 9 MiB on ResNet-18: after the 20 KiB classifier
-# and two BatchNorm vectors comes the last block's 9 MiB convolution weight, and the bucket
-# closes only after it. A smaller cap makes more buckets of small layers, never a split tensor.
+# Even DDP's default 1 MiB first bucket ends at 9 MiB on ResNet-18 (the last line printed):
+# after the 20 KiB classifier (`fc`) and two BatchNorm vectors comes the last block's 9 MiB
+# convolution weight (`layer4.1.conv2.weight`, 9216 KiB), and the bucket closes only after it. A smaller cap makes more buckets of small layers, never a split tensor.
 
 # %% [markdown]
 # ### The overlap, on a timeline
-# Here is iteration 2 on rank 0, drawn from the time stamps the hooks recorded. Each tick on the
-# top row is a gradient being computed; each bar is one bucket's all-reduce, from launch to finish.
+# Here are iterations 0 and 2 on rank 0, drawn from the time stamps the hooks recorded
+# (`ddp.bucket_timelines_figure` only draws them). Each tick on a "gradients computed" row is a
+# gradient being computed (ticks a fraction of a millisecond apart merge into one); each bar is
+# one bucket's all-reduce, from launch to finish, labelled with its size and tensors (`c.` =
+# `classifier.`, `f.` = `features.`, `.w`/`.b` = weight/bias). The axis ends when the slower
+# backward returned.
 
 # %%
+claim("iteration 0: its one bucket was launched only after the last gradient was computed",
+      first["buckets"][0][2] >= max(t for _, t in first["grads"]))
 claim("iteration 2: the first bucket's all-reduce started before the last gradient was computed",
       third["buckets"][0][2] < max(t for _, t in third["grads"]))
-viz.show(viz.ddp_timeline_figure(third, f"rank 0, iteration 2, bucket_cap_mb={cap_mb} (MiB)"),
-         "the first bucket (the classifier) goes on the wire while the convolutions' gradients "
-         "are still being computed; backward() returns only when the last bucket is done.")
+viz.show(ddp.bucket_timelines_figure({
+    f"iteration 0: one bucket (rank 0, bucket_cap_mb={cap_mb} MiB)": first,
+    "iteration 2: the rebuilt buckets": third}),
+    "in iteration 0 the single bucket waits for the last gradient: nothing overlaps. In "
+    "iteration 2 the first bucket (the classifier) is on the wire while the convolutions' "
+    "gradients are still being computed; backward() returns only when the last bucket is done.")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -521,8 +616,9 @@ print(f"iteration 2 on rank 0: backward took {third['backward_end']:.1f} ms; its
 
 # %% [markdown]
 # On a CPU with gloo, "on the wire" competes with the backward for the same two cores, so do not
-# expect the overlap to save time here; on GPUs with NCCL the communication runs on its own
-# hardware path, and lesson 07 measures what overlap buys.
+# expect the overlap to save time here. On GPUs, NCCL runs the all-reduce as kernels on a
+# separate CUDA stream, so they can run at the same time as the backward's kernels (on the same
+# GPU, sharing its cores and memory bandwidth); lesson 07 measures what overlap buys.
 #
 # ### Buffers: rank 0's BatchNorm statistics, before every forward
 # A BatchNorm layer keeps a running mean and variance: every forward in training mode updates
@@ -590,8 +686,11 @@ claim("either way rank 0's running mean is bit-for-bit the same: the broadcast n
 # Each rank must read a different shard of the data. `DistributedSampler(dataset, num_replicas,
 # rank)` shuffles the indices with `seed + epoch`, pads them to a multiple of `world_size`, and
 # gives rank *r* every `world_size`-th index starting at *r*. Each rank computes its shard **by
-# itself** — no communication — so all ranks must agree on the epoch: that is what
-# `sampler.set_epoch(epoch)` is for. Forget it and the epoch stays 0: the same order every epoch.
+# itself** — no communication — from `seed + epoch`, and `sampler.set_epoch(epoch)` sets that
+# epoch. Forget it on every rank and the epoch stays 0 everywhere: the shards stay disjoint,
+# but every epoch repeats the same order. Call it on some ranks only (say under
+# `if rank == 0:`) and the ranks shuffle with different epochs: their shards overlap, and some
+# samples are seen twice in an epoch while others are skipped.
 
 # %%
 n = 10
@@ -616,27 +715,58 @@ viz.show(viz.sampler_grid_figure({"without set_epoch": without, "with set_epoch"
          "is shuffled anew, and in each epoch the ranks share the indices between them.")
 
 # %% [markdown]
+# Now the real hazard: `set_epoch(1)` called on rank 0 only, so in epoch 1 rank 0 shuffles with
+# `seed + 1` and the other ranks still with `seed + 0`. Each rank builds its own sampler, as it
+# would in its own process:
+
+# %%
+from torch.utils.data import DistributedSampler
+
+dataset = list(range(n))
+mismatched = []
+for r in range(world_size):
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=r, shuffle=True,
+                                 seed=seed)
+    if r == 0:
+        sampler.set_epoch(1)          # the other ranks forgot: they stay at epoch 0
+    mismatched.append(list(sampler))
+print("epoch 1, set_epoch on rank 0 only: "
+      + "  ".join(f"rank {r}: {o}" for r, o in enumerate(mismatched)))
+seen = sum(mismatched, [])
+claim("ranks on different epochs: their shards overlap, so some samples are read twice this "
+      "epoch and others not at all",
+      ddp.shard_overlap(mismatched) > 0 and len(set(seen)) < n,
+      overlap=ddp.shard_overlap(mismatched))
+
+# %% [markdown]
 # (When `n` does not divide by `world_size`, the sampler pads by repeating a few indices — a few
 # samples count twice per epoch — unless `drop_last=True`.)
-#
+
+# %% [markdown]
 # ## Summary
 #
 # - DDP runs one process per device; the processes meet at a rendezvous and talk through
 #   collectives (broadcast, all_reduce, all_gather, reduce_scatter) that every rank must call.
-# - Averaging the gradients (all-reduce SUM, divide by `world_size`) makes each rank's step the
-#   step of one process on the global batch — equal to 1e-5 here, and bit-for-bit equal
-#   across the ranks.
+# - Averaging the gradients (divide by `world_size`, all-reduce SUM: DDP divides first, against
+#   overflow) makes each rank's step the step of one process on the global batch — equal to
+#   1e-5 here, and bit-for-bit equal across the ranks — as long as no layer couples the samples
+#   of a batch (training-mode BatchNorm does).
 # - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
 #   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
-#   not known yet; with `static_graph=True` the first two do), unless `find_unused_parameters=True`
-#   without `static_graph`; afterwards the buckets follow the order the gradients arrived, and
-#   they overlap the backward.
+#   known yet, and an early all-reduce could meet another collective on another rank; with
+#   `static_graph=True` the first two iterations do), unless `find_unused_parameters=True`
+#   without `static_graph`; afterwards the buckets follow the order the gradients arrived,
+#   rank 0's assignment on every rank, and they overlap the backward.
 # - A bucket closes once it *reaches* `bucket_cap_mb` MiB, so it can overshoot by its last
 #   tensor; DDP's buckets are those of `dist._compute_bucket_assignment_by_size`.
 # - Before every forward DDP broadcasts rank 0's buffers (`forward_sync_buffers=True`): every
 #   rank evaluates with rank 0's BatchNorm statistics, which come from rank 0's shards only.
-# - `DistributedSampler` gives each rank a disjoint shard; call `set_epoch` every epoch or every
-#   epoch repeats the same order.
+# - `DistributedSampler` gives each rank a disjoint shard; call `set_epoch` every epoch, on every
+#   rank: forgotten everywhere, every epoch repeats the same order; called on some ranks only,
+#   the shards overlap.
+#
+# Next, lesson 04 turns this into the script you would really run: `torchrun`, checkpoints
+# from rank 0, evaluation, `SyncBatchNorm`.
 #
 # ## Check yourself
 
@@ -645,21 +775,23 @@ viz.quiz([
     {"q": "Each rank's loss is the mean over its own shard of 16 samples, with 4 ranks. What "
           "must happen to the gradients after backward() so every rank takes the global-batch "
           "step?",
-     "options": ["all_reduce with SUM", "all_reduce with SUM, then divide by 4",
-                 "broadcast rank 0's gradients"],
-     "answer": 1,
+     "options": ["all_reduce with SUM", "broadcast rank 0's gradients",
+                 "divide by 4 and all_reduce with SUM (in either order)"],
+     "answer": 2,
      "why": ["The sum of four shard-means is 4 times the mean over the 64 samples.",
-             "Right: the average of equal-sized shard means is the global mean.",
-             "Then every rank would step with rank 0's shard only."]},
+             "Then every rank would step with rank 0's shard only.",
+             "Right: the average of equal-sized shard means is the global mean. DDP divides "
+             "first, to avoid overflow."]},
     {"q": "Why does the first backward under DDP all-reduce one bucket holding every gradient?",
-     "options": ["The first bucket is capped at 1 MiB and the model is small",
-                 "DDP does not know the gradients' order yet, so it disables bucketing for the "
-                 "first iteration and rebuilds buckets from the order it observed",
+     "options": ["DDP does not know the gradients' order yet: it reduces everything once, after "
+                 "the whole backward, and rebuilds buckets from the order it observed",
+                 "The first bucket is capped at 1 MiB and the model is small",
                  "gloo cannot all-reduce several buckets at once"],
-     "answer": 1,
-     "why": ["This lesson's model was seven times the cap and still went in one bucket.",
-             "Right: the initial size limit is sys.maxsize; the rebuild happens before the "
+     "answer": 0,
+     "why": ["Right: the initial size limit is sys.maxsize, so an all-reduce cannot start too "
+             "early and meet another rank's other collective; the rebuild happens before the "
              "second forward.",
+             "This lesson's model was seven times the cap and still went in one bucket.",
              "From the second iteration on, gloo all-reduced several buckets."]},
     {"q": "After 10 steps, are DDP's weights bit-for-bit equal to one process on the global "
           "batch?",
@@ -668,36 +800,37 @@ viz.quiz([
      "answer": 1,
      "why": ["Summing in two halves rounds differently from summing in one go.",
              "Right: every rank applies the very same all-reduced numbers.",
-             "They agree to about 1e-6 here; nothing drifts on purpose."]},
-    {"q": "You forget sampler.set_epoch(epoch). What happens?",
-     "options": ["Ranks read overlapping data", "Every epoch uses the same shuffled order",
-                 "The program hangs at the second epoch"],
-     "answer": 1,
-     "why": ["The shards stay disjoint: each rank still takes every world_size-th index.",
-             "Right: the shuffle is seeded with seed + epoch, and the epoch stays 0.",
-             "Nothing is communicated by the sampler, so nothing can hang."]},
+             "They agree to 1e-5 here; nothing drifts on purpose."]},
+    {"q": "Every rank forgets sampler.set_epoch(epoch). What happens?",
+     "options": ["Ranks read overlapping data", "The program hangs at the second epoch",
+                 "Every epoch uses the same shuffled order"],
+     "answer": 2,
+     "why": ["Not when all forget: every rank stays at epoch 0, so they agree and the shards "
+             "stay disjoint. Overlap comes from ranks on different epochs.",
+             "Nothing is communicated by the sampler, so nothing can hang.",
+             "Right: the shuffle is seeded with seed + epoch, and the epoch stays 0."]},
     {"q": "bucket_cap_mb=1, and a 4 MiB gradient arrives while a bucket holds 0.5 MiB. What does "
           "the reducer do?",
-     "options": ["Splits the gradient over four 1 MiB buckets",
-                 "Adds it: the bucket reaches the cap, closes at 4.5 MiB, and the next gradient "
+     "options": ["Adds it: the bucket reaches the cap, closes at 4.5 MiB, and the next gradient "
                  "opens a new one",
+                 "Splits the gradient over four 1 MiB buckets",
                  "Closes the 0.5 MiB bucket first and puts the gradient in a bucket of its own"],
-     "answer": 1,
-     "why": ["A gradient is never split: a bucket holds whole tensors.",
-             "Right: a bucket closes once it reaches the cap, so it overshoots by its last "
-             "tensor (lesson 03 saw 518 KiB under a 0.1 MiB cap).",
+     "answer": 0,
+     "why": ["Right: a bucket closes once it reaches the cap, so it overshoots by its last "
+             "tensor (this lesson saw 518 KiB under a 0.1 MiB cap).",
+             "A gradient is never split: a bucket holds whole tensors.",
              "That is 'close before going over the cap', which is not DDP's rule."]},
     {"q": "You train a model with BatchNorm under DDP with its defaults on 4 ranks and save rank "
           "0's state_dict. Its running statistics are...",
      "options": ["averaged over the 4 ranks by DDP's all-reduce",
+                 "those of the last rank to finish its forward",
                  "rank 0's own, from rank 0's shards; the other ranks copied them before each "
-                 "forward",
-                 "those of the last rank to finish its forward"],
-     "answer": 1,
+                 "forward"],
+     "answer": 2,
      "why": ["Buffers get no gradient, so the all-reduce never touches them.",
+             "The broadcast always comes from rank 0 (outside Join).",
              "Right: forward_sync_buffers broadcasts from rank 0; rank 0's are never "
-             "overwritten. SyncBatchNorm (lesson 04) gives whole-batch statistics.",
-             "The broadcast always comes from rank 0 (outside Join)."]},
+             "overwritten. SyncBatchNorm (lesson 04) gives whole-batch statistics."]},
 ])
 
 # %% [markdown]
@@ -706,12 +839,26 @@ viz.quiz([
 # Checked against the installed torch 2.14.1 (paths relative to `site-packages`):
 #
 # - `torch/distributed/rendezvous.py` — `_env_rendezvous_handler`, `_create_c10d_store`: the
-#   `env://` rendezvous reads `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`; rank 0 hosts
-#   the TCP store (`start_daemon = rank == 0`).
+#   `env://` rendezvous reads `MASTER_ADDR` and `MASTER_PORT` from the environment, and `RANK`
+#   and `WORLD_SIZE` only when `init_process_group` was not given `rank`/`world_size`; rank 0
+#   hosts the TCP store (`start_daemon = rank == 0`).
+# - `torch/distributed/distributed_c10d.py` — `Backend.backend_capability`: gloo takes `cpu`
+#   and `cuda` tensors, nccl `cuda` only.
+# - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — the comment above
+#   `class ProcessGroupNCCL`: every NCCL call is asynchronous, scheduled on a separate CUDA
+#   stream "for the purpose of achieving potentially concurrency", and the caller's stream must
+#   wait for it; calls must come in the same order on all processes.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`:
 #   `forward_sync_buffers` defaults to `True`; `broadcast_buffers` is deprecated (since 2.13)
-#   in its favour; construction calls `_sync_module_states(..., src=0, ...)`, defined in
+#   in its favour, and its warning says that `broadcast_buffers=False` also skips the buffer
+#   sync at construction (`init_sync_buffers`) while `forward_sync_buffers=False` does not;
+#   construction calls `_sync_module_states(..., src=0, ...)`, defined in
 #   `torch/distributed/utils.py`, which broadcasts rank 0's parameters and buffers.
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._ddp_init_helper`, the
+#   comment before the bucket limits: parameters are not in execution order, and with other
+#   collectives in the backward or parameters unused on some ranks only, bucketing "could
+#   insert ALL-REDUCE comm op too early", matching another rank's other collective; so the
+#   first iteration is not bucketed.
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`: `bucket_cap_mb` is in
 #   MiB (`_MB_TO_BYTES = 1024 * 1024`), 25 MiB by default; the first bucket's limit is
 #   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when the cap is left at its default.
@@ -729,10 +876,15 @@ viz.quiz([
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.register_comm_hook`: the hook
 #   is called once per bucket when it is ready, with a `GradBucket` not yet divided by the world
 #   size; `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`
-#   divides and all-reduces, as DDP does without a hook.
-# - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::should_rebuild_buckets`
-#   (rebuild once, never with `find_unused_parameters` unless `static_graph`) and the declaration
-#   of `compute_bucket_assignment_by_size`, which Python sees as
+#   calls `_allreduce_fut`, which does `tensor.div_(group size)` and then `all_reduce` ("Apply
+#   the division first to avoid overflow, especially for FP16"), as DDP does without a hook.
+# - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::div_factor_` (the
+#   division factor for the gradients: the process group's size); `Reducer::next_bucket_` (the
+#   buckets are launched in index order); `Reducer::sync_bucket_indices` ("Broadcast rebuilt
+#   buckets from rank 0 to other ranks"); `Reducer::should_rebuild_buckets`
+#   (rebuild once, never with `find_unused_parameters` unless `static_graph`); and the declaration
+#   of `compute_bucket_assignment_by_size` ("aware of device placement and will not allow
+#   buckets to span devices"; the dtype split is shown by a claim above), which Python sees as
 #   `dist._compute_bucket_assignment_by_size`. Its body, with the rule "close the bucket once
 #   `bucket.size >= bucket_size_limit`", and `Reducer::rebuild_buckets` and
 #   `Reducer::autograd_hook` (no order recorded in a static graph's first iteration) are in

@@ -45,7 +45,7 @@ lab03.check_average_gradients(average_gradients)
 # %%
 def data_parallel_step(model, optimizer, X, y):
     """One step on this rank's shard (X, y); returns the rank's loss as a float."""
-    ### BEGIN SOLUTION: zero_grad, loss on the shard, backward, average_gradients(model), step
+    ### BEGIN SOLUTION: zero_grad, loss on the shard, backward, average_gradients(model), step, return loss.item()
     optimizer.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(X), y)
     loss.backward()
@@ -63,7 +63,7 @@ lab03.check_data_parallel_step(data_parallel_step)
 # A workshop can stop here. Your `average_gradients` makes one collective call per parameter
 # tensor — 10 for this small CNN, hundreds for a real network — and every call pays the fixed
 # start-up cost α of lesson 06's cost model. Fewer, bigger messages pay it once. DDP's answer is
-# *buckets* of about 25 MB (lesson 07); the extreme is a single bucket.
+# *buckets* of about 25 MiB (lesson 03; lesson 07 times them); the extreme is a single bucket.
 #
 # Write `average_gradients_flat(model)`: concatenate every gradient, flattened, into one 1-D
 # tensor; `all_reduce` it **once**; divide; and copy each slice back into its `p.grad` in the

@@ -120,3 +120,17 @@ def test_cpu_threads_respect_omp_num_threads():
     assert cpu_threads_per_rank(2, environ={"OMP_NUM_THREADS": "2"}, cpu_count=64) == 2
     assert cpu_threads_per_rank(2, environ={"OMP_NUM_THREADS": "8"}, cpu_count=4) == 2
     assert cpu_threads_per_rank(3, environ={"OMP_NUM_THREADS": "junk"}, cpu_count=2) == 1
+
+
+def test_bucket_timelines_figure_draws_one_panel_per_iteration_up_to_the_backward_end():
+    one = {"backward_end": 10.0, "grads": [("a", 1.0), ("b", 8.0)],
+           "buckets": [(["classifier.4.weight"] * 6, 2048, 8.5, 9.5)]}
+    two = {"backward_end": 12.0, "grads": [("a", 1.0), ("b", 8.0)],
+           "buckets": [(["classifier.4.weight"], 1024, 1.5, 3.0), (["f.0.w"], 1024, 8.5, 11.0)]}
+    fig = ddp.bucket_timelines_figure({"it 0": one, "it 2": two})
+    assert len(fig.axes) == 2
+    assert fig.axes[-1].get_xlim()[1] == pytest.approx(12.0 * 1.02)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert "+3 more" in labels[0] and "c.4.w" in labels[0]
+    with pytest.raises(ValueError):
+        ddp.bucket_timelines_figure({})
