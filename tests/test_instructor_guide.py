@@ -6,7 +6,8 @@ Checked here, without a network or a kernel (well under 2 s):
 * every table row that links a lesson and gives its minutes states that lesson's header time
   (``**Time:** about N minutes`` in the notebook's first cells);
 * each plan's rows add up to its stated total, start when the row before ends, the 3-hour plan
-  fits in 180 minutes, the day plan is 6-7 hours and covers every lesson;
+  fits in 180 minutes, each day of the 2-day plan is at most 7 hours and the two cover every
+  lesson;
 * every message quoted in “curly quotes” in the failures tables still occurs in a file its row
   links (raw text, or the file's string literals joined as Python joins adjacent ones; runs of
   white space count as one space);
@@ -155,17 +156,25 @@ def test_the_glance_table_lists_every_lesson():
 # --- the plans --------------------------------------------------------------------------------
 
 
-def plan(title: str) -> tuple[list[dict], int, int]:
+def subsection(title: str, sub: str) -> list[str]:
+    lines = section(title)
+    start = next(i for i, line in enumerate(lines) if line.startswith("### ") and sub in line)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("### ")),
+               len(lines))
+    return lines[start + 1:end]
+
+
+def plan(title: str, sub: str | None = None) -> tuple[list[dict], int, int]:
     """The plan's rows, its stated total (minutes) and its stated end (clock minutes)."""
-    rows = table_rows(section(title))
+    rows = table_rows(subsection(title, sub) if sub else section(title))
     totals = [r for r in rows if "total" in r["block"]]
     assert len(totals) == 1, f"{title}: expected one total row"
     body = [r for r in rows if r is not totals[0]]
     return body, int(totals[0]["min"].strip("*")), minutes(totals[0]["start"])
 
 
-def check_plan(title: str) -> tuple[list[dict], int]:
-    body, total, end = plan(title)
+def check_plan(title: str, sub: str | None = None) -> tuple[list[dict], int]:
+    body, total, end = plan(title, sub)
     counted = [int(r["min"]) for r in body if r["min"].isdigit()]
     assert sum(counted) == total, f"{title}: rows add up to {sum(counted)}, stated total {total}"
     clock = minutes(body[0]["start"])
@@ -186,12 +195,14 @@ def test_three_hour_plan_adds_up_and_fits():
     assert total <= 180, f"the 3-hour plan takes {total} minutes"
 
 
-def test_day_plan_adds_up_and_covers_every_lesson():
-    body, total = check_plan("A 1-day course")
-    assert 360 <= total <= 420, f"the day plan takes {total} minutes, not 6-7 hours"
-    h, m = divmod(total, 60)
-    assert f"{total} minutes ({h} h {m} min)" in guide_text(), "the day's stated length is stale"
-    covered = {Path(t).name for r in body for t in links(r["block"])}
+def test_two_day_plan_adds_up_and_covers_every_lesson():
+    covered = set()
+    for day in ("Day 1", "Day 2"):
+        body, total = check_plan("A 2-day course", day)
+        assert 240 <= total <= 420, f"{day} takes {total} minutes, not 4-7 hours"
+        h, m = divmod(total, 60)
+        assert f"{total} minutes ({h} h {m} min)" in guide_text(), f"{day}'s stated length is stale"
+        covered |= {Path(t).name for r in body for t in links(r["block"])}
     assert set(lesson_times()) <= covered, sorted(set(lesson_times()) - covered)
 
 
