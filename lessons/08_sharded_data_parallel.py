@@ -12,12 +12,12 @@
 #   DDP (to float rounding), frozen and tied parameters included;
 # - count what each stage sends per step, and explain why ZeRO-1 and ZeRO-2 cost what DDP
 #   costs while ZeRO-3 costs 1.5×;
-# - draw ZeRO-3's step layer by layer from its recorded calls;
+# - read ZeRO-3's step layer by layer from its recorded calls;
 # - use PyTorch's FSDP2 (`fully_shard`): DTensor shards, mixed precision, a full checkpoint,
 #   and reconcile what it holds and sends with the formula;
 # - pick the stage a model needs from its size, the GPU's memory and the number of GPUs.
 #
-# **Time:** about 50 minutes to read and run.
+# **Time:** about 60 minutes to read and run.
 #
 # **Lab:** [lab08_zero_one](../labs/lab08_zero_one.ipynb) — write ZeRO stage 2 the way it
 # saves memory: buckets reduce-scattered asynchronously *during* the backward; the check runs
@@ -61,8 +61,8 @@ print(f"this lesson: {world_size} ranks over {backend}")
 #
 # | what | bytes |
 # |---|---|
-# | the weights the model computes with (bf16) | 2 |
-# | their gradients (bf16) | 2 |
+# | the weights the model computes with (fp16 in the paper; bf16 today, also 2 bytes) | 2 |
+# | their gradients (fp16 / bf16) | 2 |
 # | fp32 master copy of the weights, which the optimizer steps | 4 |
 # | Adam's momentum (fp32) | 4 |
 # | Adam's variance (fp32) | 4 |
@@ -71,7 +71,7 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # the batch, not the model. ZeRO removes the copies one kind at a time: stage 1 shards the
 # optimizer state, stage 2 the gradients too, stage 3 the weights too.
 #
-# That split is the ZeRO paper's: weights *stored* in bf16 beside an fp32 master copy. Two
+# That split is the ZeRO paper's: weights *stored* in fp16 beside an fp32 master copy. Two
 # common ways of training keep fp32 weights instead, with no master copy: `torch.autocast`
 # (the weights stay fp32; only the operations run in bf16) and FSDP2 as section 6 runs it
 # (fp32 shards, computed in bf16). Then a parameter costs 4 (weights) + 4 (gradients, fp32) +
@@ -136,84 +136,136 @@ zero_calculator = viz.explorer(
 # 4. **all-gather** the updated slices: every rank has every new weight again — the second
 #    half of the all-reduce.
 #
-# Reduce-scatter + all-gather = one all-reduce: ZeRO-1 sends what DDP sends. The library's
-# version, piece by piece:
+# Reduce-scatter + all-gather = one all-reduce: ZeRO-1 sends what DDP sends.
+#
+# ## 3. ZeRO-2: shard the gradients too
+# After the reduce-scatter a rank needs only the averaged gradient of its own slice. Stage 2
+# keeps that and drops the full gradients. The short way to write it does the reduce-scatter
+# in `step()`, after the backward: between the end of the backward and that reduce-scatter
+# every full gradient still exists at once, as in ZeRO-1, so it saves memory *at rest* (between
+# steps), not at the rank's fullest moment, its **peak**.
+#
+# ## Lab 08: ZeRO-2 that earns its memory
+# Open [lab08_zero_one](../labs/lab08_zero_one.ipynb) and write stage 2 the way that lowers
+# the peak: gradients grouped in buckets (lesson 07), each bucket reduce-scattered
+# *asynchronously* from a hook as soon as its last gradient arrives, its full gradients
+# dropped at once, one bucket in flight at a time. The check weighs the gradient memory alive
+# at every arrival. Try it before you open the library's stages below: their code holds the
+# pieces the lab asks you to find (the shard's bounds, the reduce-scatter, the all-gather
+# after the step), so it is folded.
+#
+# ### The library's stages, checked
+# Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
+# shares a small base class, `_Stage`: it broadcasts rank 0's weights to every rank, keeps the
+# trainable parameters only (a frozen one, `requires_grad=False`, gets no gradient), and lists
+# the tensors it holds by category for the byte count of section 5. `Replicated` is lesson 03's
+# DDP with an fp32 master copy: the baseline, stage 0.
 
 # %%
+viz.show_code(zero._Stage, zero.Replicated, zero.grads_of, zero.optimizer_tensors)
+
+# %% [markdown]
+# **▶ The flat-shard helpers (`reduce_scatter_mean` and its neighbours) — open after your lab passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(zero.flatten_padded, zero.reduce_scatter_mean, zero.all_gather_flat,
               zero.copy_flat_into)
 
 # %% [markdown]
-# Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
-# shares a small base class (start from rank 0's weights, say what it holds).
-# `Replicated` is lesson 03's DDP with an fp32 master copy: the baseline, stage 0.
+# **▶ `Zero1` and `Zero2` — open after your lab passes** (click the folded cell below).
 
-# %%
-viz.show_code(zero.Replicated, zero.Zero1)
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(zero.Zero1, zero.Zero2)
 
 # %% [markdown]
-# Is it right? Every stage trains the same small MLP (Ψ = 2531 parameters, which divides by
-# neither 2 nor 3) from the same start, on the same shards of the same batches, next to
-# torch's `DistributedDataParallel` with the full Adam — in fp32, where the weights must agree
-# to float rounding. The same launch also runs FSDP2 and `ZeroRedundancyOptimizer`, met in
-# section 6.
+# Is it right? Every stage trains the same small MLP from the same start, on the same shards
+# of the same batches, next to torch's `DistributedDataParallel` with the full Adam — in fp32,
+# where the weights must agree to float rounding. The same launch also runs FSDP2 and
+# `ZeroRedundancyOptimizer`, met in section 6. `_prepare` builds each run; the "torch DDP"
+# reference is DDP with a *comm hook* (`allreduce_hook`), so that its all-reduce goes through
+# `torch.distributed` where section 5 can record it.
 
 # %%
-viz.show_code(zero.train_run)
+viz.show_code(zero.ZeroConfig, zero._prepare, zero.train_run)
 
 # %%
 cfg = zero.ZeroConfig(steps=steps)
 model = cfg.build()
 n_params = sum(p.numel() for p in model.parameters())
+claim(f"the MLP has Ψ = {n_params} parameters, which divides by neither 2 nor 3 (so the "
+      "padding is exercised)", n_params == 2531 and n_params % 2 != 0 and n_params % 3 != 0)
 runs = launch.spawn(zero.equality_worker, world_size, cfg, backend=backend, timeout=120)
 
 
-def max_diff(run):
-    return max(float((r[run]["params"] - r["torch_ddp"]["params"]).abs().max()) for r in runs)
+def max_diff(run, results=None):
+    return max(float((r[run]["params"] - r["torch_ddp"]["params"]).abs().max())
+               for r in (results or runs))
 
 
 claim(f"ZeRO-1: weights after {steps} Adam steps == torch DDP's, on every rank (to 1e-5)",
       max_diff("zero1") < 1e-5, diff=max_diff("zero1"))
-claim("the losses fell", runs[0]["zero1"]["losses"][-1] < runs[0]["zero1"]["losses"][0])
-
-# %% [markdown]
-# ## 3. ZeRO-2: shard the gradients too
-# After the reduce-scatter a rank needs only the averaged gradient of its own slice. Stage 2
-# keeps that and drops the full gradients — one change:
-
-# %%
-viz.show_code(zero.Zero2)
-
-# %%
 claim(f"ZeRO-2: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff("zero2") < 1e-5,
       diff=max_diff("zero2"))
-
-# %% [markdown]
-# ## Lab 08: ZeRO-2 that earns its memory
-# This `Zero2` saves memory *at rest* only: its reduce-scatter runs in `step()`, so when the
-# backward ends every full gradient exists at once and the peak is ZeRO-1's. Open
-# [lab08_zero_one](../labs/lab08_zero_one.ipynb) and write the version that lowers the peak:
-# gradients grouped in buckets (lesson 07), each bucket reduce-scattered *asynchronously*
-# from a hook as soon as its last gradient arrives, its full gradients dropped at once, one
-# bucket in flight at a time. The check weighs the gradient memory alive at every arrival. The
-# lesson does not show that code; ZeRO-3 below uses the same hook per layer, without the
-# buckets or the asynchrony.
+claim("the losses fell", runs[0]["zero1"]["losses"][-1] < runs[0]["zero1"]["losses"][0])
 
 # %% [markdown]
 # ## 4. ZeRO-3: shard the weights too (what FSDP does)
 # Now a rank keeps 1/N of every layer's weights and nothing else. A layer's full weights are
 # rebuilt only while it computes: all-gathered before its forward and freed after it,
 # all-gathered again before its backward (when the gradient of its output arrives — a hook
-# on the output tensor, `Tensor.register_hook`, a cousin of lesson 07's hooks), then its gradients are reduce-scattered and the weights freed. The
-# parameters are views into one flat buffer per layer; freeing resizes that buffer's storage to
-# zero bytes, so the memory really goes.
+# on the output tensor, `Tensor.register_hook`, a cousin of lesson 07's hooks), then, once
+# its last parameter's gradient is in (`Tensor.register_post_accumulate_grad_hook`), its
+# gradients are reduce-scattered and the weights freed. The parameters are views into one
+# flat buffer per layer; freeing resizes that buffer's storage to zero bytes
+# (`untyped_storage().resize_(0)`), so the memory really goes. FSDP2 gathers before the
+# backward the same way (a hook registered on the forward's output tensors); after the
+# backward it does not hook each parameter but wraps the module's *inputs* in an autograd
+# function whose backward runs when the whole module's backward is done.
+#
+# `Zero3` maps each parameter to the first module that owns it (a tied parameter, used by two
+# modules, makes both gather that layer), and leaves frozen parameters whole on every rank:
 
 # %%
-viz.show_code(zero.ShardedLayer, zero.Zero3)
+viz.show_code(zero.Zero3)
+
+# %% [markdown]
+# **▶ `ShardedLayer`, one layer's gather, free and gradient hook — open after your lab passes**
+# (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(zero.ShardedLayer)
 
 # %%
 claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff("zero3") < 1e-5,
       diff=max_diff("zero3"))
+
+# %% [markdown]
+# Real models have frozen parameters (fine-tuning) and tied ones (one `Parameter` used by two
+# layers, like an embedding shared with the output layer). `ZeroConfig(frozen_and_tied=True)`
+# adds both to the MLP: a frozen bias, and a square weight tied between two layers. FSDP2
+# refuses a tied parameter split across two groups, so `_prepare` puts the two layers in one
+# `fully_shard([a, b])` group.
+
+# %%
+awkward = zero.ZeroConfig(steps=steps, frozen_and_tied=True)
+tied_runs = launch.spawn(zero.equality_worker, world_size, awkward, backend=backend,
+                         timeout=120)
+claim(f"with a frozen and a tied parameter, every stage, FSDP2 and ZeroRedundancyOptimizer: "
+      f"weights after {steps} steps == torch DDP's, on every rank (to 1e-5)",
+      all(max_diff(run, tied_runs) < 1e-5 for run in zero.RUNS))
+frozen = [p for p in awkward.build().parameters() if not p.requires_grad]
+start = torch.cat([p.detach().reshape(-1) for p in awkward.build().parameters()])
+claim("the frozen bias never moved (bit for bit)",
+      all(torch.equal(r["zero3"]["params"][30 * 43:30 * 43 + 43], start[30 * 43:30 * 43 + 43])
+          for r in tied_runs) and len(frozen) == 1 and frozen[0].numel() == 43)
+tied_units = tied_runs[0]["zero3"]["units"]
+extra = tied_runs[0]["zero3"]["traffic"][-1]["volume"] - zero.traffic_per_step(
+    "zero3", tied_units, world_size)
+tied_layer = 43 * 43 + 43
+print(f"ZeRO-3 with the tied layer: {extra} bytes above the 3Ψ formula")
+claim("Zero3 sends more than 3Ψ here: the tied layer is all-gathered once more (for the second "
+      "layer's forward)",
+      extra == 4 * world_size * zero.shard_numel(tied_layer, world_size))
 
 # %% [markdown]
 # What that looks like in time: one step of `Zero3`, timed from the calls themselves. A
@@ -227,8 +279,7 @@ viz.show_code(zero.zero3_timeline_worker)
 # %%
 events = launch.spawn(zero.zero3_timeline_worker, world_size, cfg, backend=backend,
                       timeout=120)[0]
-layer_names = [f"layer {i} ({n} params)" for i, n in
-               enumerate(runs[0]["zero3"]["units"])]
+layer_names = [f"layer {i}\n{n} params" for i, n in enumerate(runs[0]["zero3"]["units"])]
 order = {i: [kind for layer, kind, _, _ in events if layer == i]
          for i in range(len(layer_names))}
 claim("every layer: all-gather (forward), free, all-gather (backward), reduce-scatter, free",
@@ -239,14 +290,43 @@ first_bwd = [next(t for layer, kind, t, _ in events if layer == i and kind.endsw
 claim("the backward gathers the layers in reverse: last layer first",
       first_bwd == sorted(first_bwd, reverse=True))
 
+# %% [markdown]
+# How long did the collectives take against the computing? From the same events: the time
+# inside all-gathers and reduce-scatters, and the time a layer held its full weights outside
+# any collective (where it computed).
+
 # %%
+# NBVAL_IGNORE_OUTPUT
+# Why: times measured on this machine, in this run; they vary from run to run.
+collective_ms = sum(end - begin for _, kind, begin, end in events if kind != "free")
+held_ms = 0.0
+for i in range(len(layer_names)):
+    since = None
+    for layer, kind, begin, end in events:
+        if layer != i:
+            continue
+        if kind.startswith("all-gather"):
+            since = end
+        elif kind == "reduce-scatter" and since is not None:
+            held_ms += begin - since       # computing, until the reduce-scatter starts
+            since = None
+        elif kind == "free" and since is not None:
+            held_ms += begin - since
+            since = None
+ratio = collective_ms / held_ms
+print(f"collectives {collective_ms:.2f} ms, weights held outside a collective {held_ms:.2f} ms: "
+      f"{ratio:.1f}×")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: the caption states this run's measured ratio.
 viz.show(viz.zero3_timeline_figure(events, layer_names),
          "One ZeRO-3 step on rank 0, from the recorded calls: each layer's full weights exist "
          "only in its green band — gathered before its forward, freed after it, gathered "
-         "again in the backward (last layer first), then its gradients reduce-scattered and "
-         "the weights freed. On this CPU the collectives take milliseconds and the compute "
-         "microseconds, so the green bands are thin; FSDP overlaps them by prefetching the "
-         "next layer's all-gather.")
+         "again in the backward (last layer first), kept through the reduce-scatter of its "
+         f"gradients and freed after it. In this run the collectives took {ratio:.1f}× the "
+         "time the layers held their weights outside one, and nothing overlaps: every "
+         "collective here is blocking, so the layer waits for it.")
 
 # %% [markdown]
 # ## 5. Counted: memory and traffic
@@ -292,10 +372,18 @@ viz.show(viz.zero_memory_figure(memory),
 # %% [markdown]
 # Traffic, with the convention from `dpcourse.zero`: a collective weighs the buffer it acts
 # on, an all-reduce twice (it *is* a reduce-scatter plus an all-gather); on a ring a rank sends
-# (N−1)/N of that volume.
+# (N−1)/N of that volume — a model of the ring, not what gloo's own algorithms send.
+# `record_collectives` swaps each watched function of `torch.distributed` (`zero._WATCHED`: its
+# kind, and the argument that holds the whole buffer) for a wrapper that notes the buffer's
+# size, and puts the real function back afterwards; `summarize_traffic` weighs one step's
+# calls with `zero.RING_WEIGHT`. DDP's own all-reduce runs in C++, past these wrappers: that
+# is why `_prepare` gives torch DDP a comm hook.
 
 # %%
-viz.show_code(zero.traffic_per_step)
+print("watched:", zero._WATCHED)
+print("weights:", zero.RING_WEIGHT)
+viz.show_code(zero._recording, zero.record_collectives, zero.summarize_traffic,
+              zero.traffic_per_step)
 
 # %%
 volume = {n: {s: counted[n][0][s]["traffic"][-1]["volume"] for s in stages} for n in sweep}
@@ -324,10 +412,20 @@ viz.show(viz.zero_tradeoff_figure(
     "for it, with half as much traffic again.")
 
 # %% [markdown]
-# What traffic means in time depends on the network (lesson 06's α-β model): FSDP launches
-# the next layer's all-gather while this one computes (it *prefetches*), so on a fast link the
-# extra half can hide behind compute; on a slow one it shows. This lesson counts bytes, not
-# seconds: on this CPU machine the timings would say little about a GPU cluster.
+# What traffic means in time depends on the network (lesson 06's α-β model) and on whether
+# the collectives overlap the compute. Ours never do. FSDP2 on a GPU can, in three ways. In the
+# forward it issues each group's all-gather on streams of its own, so the CPU runs ahead and
+# issues the next group's all-gather while this one's kernels run (*implicit* prefetching);
+# `set_modules_to_forward_prefetch` names which groups to all-gather early (*explicit*). In the
+# backward each group, by default, issues the all-gather of the group expected next before its
+# own gradients are computed. Its reduce-scatters run on a stream of their own. On a CPU,
+# `torch.cpu.Stream` is a placeholder that does nothing, so FSDP2 there runs one collective
+# after another, as ours does. This lesson counts bytes, not seconds.
+#
+# Note what does not shrink with N in ZeRO-3: a rank's *working set*, the full weights of the
+# layer computing (and, with prefetching, of the next one) and that layer's full gradient
+# before its reduce-scatter. For a transformer that is one or two blocks' weights and
+# gradients, and it comes on top of 16Ψ/N.
 #
 # ## 6. FSDP2 for real
 # PyTorch's FSDP2 is ZeRO-3 with everything we skipped: prefetching, overlap, mixed-precision
@@ -448,14 +546,14 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 
 # %% [markdown]
 # ## 7. When to use what
-# | | memory per parameter: paper (bf16 + fp32 master) | fp32 weights (autocast, FSDP2 here) | traffic | use it when |
+# | | memory per parameter: paper (fp16 + fp32 master) | fp32 weights (autocast, FSDP2 here) | traffic | use it when |
 # |---|---|---|---|---|
-# | DDP | 16 B | 16 B | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
+# | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
 # | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 8 + 8/N B (whole parameters per rank, so only roughly) | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
 # | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ | more memory freed, still no extra traffic — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
-# | ZeRO-3 / FSDP | 16/N B | 16/N B | 3Ψ at most (FSDP2's root is gathered once) | the weights themselves do not fit: memory falls with every GPU added |
-# | + tensor / pipeline parallel | | | | one layer's activations or weights exceed a GPU, or N is so large that 3Ψ per step dominates: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
+# | ZeRO-3 / FSDP | 16/N B + the working set | 16/N B + the working set | 3Ψ with one backward per step and nothing tied across units (less: FSDP2's root is gathered once; more: gradient accumulation, tied layers) | the weights themselves do not fit: model state falls with every GPU added, the working set (one or two units' full weights and gradient) does not |
+# | + tensor / pipeline parallel | | | | one layer's activations or weights exceed a GPU, or N is so large that communication dominates — a rank sends about 3Ψ per step whatever N, while its share of a fixed global batch, and so its compute, falls as 1/N: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
 #
 # The calculator: a model size, a GPU's memory, N and what you keep for activations; which
 # stages fit?
@@ -470,20 +568,23 @@ for row in table:
     print(f"{row['stage']:>6}: {row['bytes_per_rank'] / gb:6.1f} GB per GPU "
           f"{'fits' if row['fits'] else 'does not fit'}; at most "
           f"{row['max_params'] / 1e9:5.1f} B parameters")
-claim("a 13-B model on 8 × 40 GB GPUs (6 GB for activations) fits only with ZeRO-3",
+claim("a 13-B model on 8 × 40 GB GPUs (6 GB for activations and ZeRO-3's working set) "
+      "fits only with ZeRO-3",
       [r["stage"] for r in table if r["fits"]] == ["zero3"])
 
 # %% [markdown]
 # ## Summary
-# - With mixed-precision Adam a parameter costs 16 bytes: 2 + 2 + 12 in the ZeRO paper (bf16
+# - With mixed-precision Adam a parameter costs 16 bytes: 2 + 2 + 12 in the ZeRO paper (fp16
 #   weights and gradients, fp32 master and Adam state), 4 + 4 + 8 with fp32 weights (autocast,
 #   FSDP2 as run here). DDP keeps all of it on every rank.
 # - ZeRO-1 shards the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too; each
-#   trained like DDP here (weights equal to 1e-5), and each held exactly the bytes the formula
-#   says.
+#   trained like DDP here (weights equal to 1e-5), with a frozen and a tied parameter too, and
+#   each held exactly the bytes the formula says. ZeRO-3's working set (a unit's full weights
+#   and gradient) comes on top and does not shrink with N.
 # - ZeRO-1 and 2 replace DDP's all-reduce by its two halves, reduce-scatter and all-gather: the
-#   same traffic. ZeRO-3 gathers the weights twice (forward and backward): 1.5×, at most —
-#   FSDP2 gathers its root's parameters once.
+#   same traffic. ZeRO-3 gathers the weights twice (forward and backward): 1.5× with one
+#   backward per step and nothing tied across units — more with a tied layer (measured) or
+#   gradient accumulation, less where FSDP2 keeps its root gathered.
 # - A ZeRO-2 that reduce-scatters in `step()` saves memory at rest, not at its peak: the lab
 #   reduce-scatters during the backward.
 # - FSDP2's `fully_shard` is ZeRO-3 with DTensor parameters, mixed-precision policies and
@@ -554,7 +655,28 @@ viz.quiz([
 # - `torch/distributed/fsdp/_fully_shard/_fully_shard.py` — `fully_shard`: parameters become
 #   DTensors; `reshard_after_forward` left at None is True, and set to False for the root.
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` — `FSDPState._lazy_init`: the first
-#   module to run forward is the root, and its groups are not resharded after the forward.
+#   module to run forward is the root, and its groups are not resharded after the forward;
+#   `FSDPState._validate_no_duplicate_params`: a parameter in two groups is refused (tied
+#   layers go in one `fully_shard([a, b])` group); `FSDPState._register_pre_backward_hook`:
+#   `register_hook` on the forward's output tensors, which gathers before the backward.
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` —
+#   `FSDPParamGroup.get_all_gather_streams`: in the forward and pre-backward, separate
+#   all-gather streams "for implicit prefetching"; `FSDPParamGroup.pre_backward` and
+#   `_backward_prefetch`: the next group's all-gather issued by default in the backward; a
+#   `reduce_scatter_stream` of its own; `_register_post_backward_hook` and
+#   `RegisterPostBackwardFunction`: the post-backward is an autograd function applied to the
+#   module's inputs, whose backward runs `post_backward` (reduce-scatter, reshard).
+# - `torch/distributed/fsdp/_fully_shard/_fully_shard.py` —
+#   `FSDPModule.set_modules_to_forward_prefetch`: explicit forward prefetching.
+# - `torch/cpu/__init__.py` — `Stream`: exists "only to facilitate device-agnostic code"; its
+#   methods do nothing, so on a CPU FSDP2's streams do not overlap anything.
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` — `alloc_storage`, `free_storage`:
+#   the unsharded parameter's storage is resized up for a unit's gather and down to 0 at its
+#   reshard — the working set that does not shrink with N.
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel` (`gradient_as_bucket_view`):
+#   without it the all-reduce buckets are a second copy of the gradients.
+# - `torch/_tensor.py` — `Tensor.register_hook`: a hook on a tensor's gradient (ZeRO-3
+#   gathers a layer's weights again when its output's gradient arrives).
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` — `FSDPParam._init_sharded_param`
 #   (each parameter chunked along dim 0, the chunks padded to equal size) and
 #   `FSDPParam.init_dtype_attrs` (`reduce_dtype` equal to `param_dtype` means no cast).
@@ -572,4 +694,4 @@ viz.quiz([
 #   broadcasts the parameters it stepped).
 #
 # Papers: Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training Trillion Parameter
-# Models*, SC 2020 (Figure 1, the 2 + 2 + 12 split); Zhao et al., *PyTorch FSDP*, VLDB 2023.
+# Models*, SC 2020 (Figure 1, the 2 + 2 + 12 split, fp16 with fp32 master weights); Zhao et al., *PyTorch FSDP*, VLDB 2023.

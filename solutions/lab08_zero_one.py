@@ -48,17 +48,17 @@ torch.set_num_threads(1)
 # ## 1. Shard boundaries
 #
 # Flatten a bucket's gradients into one vector of `numel` numbers. `reduce_scatter_single`
-# needs every rank's piece to be the **same size**, so give every rank `ceil(numel /
-# world_size)` numbers and think of the vector as padded with zeros up to `world_size` times
-# that. Return the `[start, end)` of rank `rank`'s shard in the padded vector (the last shard
-# may run past `numel` into the padding; a rank can even own nothing but padding when there
-# are more ranks than numbers).
+# needs every rank's piece to be the **same size**, and the `world_size` pieces, in rank
+# order, must cover all `numel` numbers; think of the vector as padded with zeros up to
+# `world_size` pieces. Choose the smallest such piece size (what if `numel` is not a multiple
+# of `world_size`?) and return the `[start, end)` of rank `rank`'s piece in the padded vector.
+# The check tries sizes that divide and sizes that do not, and more ranks than numbers.
 
 # %%
 def shard_bounds(numel, rank, world_size):
     """[start, end) of rank ``rank``'s equal-size shard of a flat vector of ``numel`` numbers,
     padded up to a multiple of ``world_size``."""
-    ### BEGIN SOLUTION: shard size = ceil(numel / world_size); rank r owns [r * size, (r + 1) * size)
+    ### BEGIN SOLUTION: one piece size for every rank, the smallest that covers numel; then rank's [start, end)
     size = math.ceil(numel / world_size)
     return rank * size, (rank + 1) * size
     ### END SOLUTION
@@ -96,9 +96,12 @@ def make_buckets(params, cap):
 # gradient, so a bucket waiting for one would never be sent. Group the others with
 # `make_buckets(..., bucket_cap)`. Shard **each bucket** on its own: this rank owns
 # `shard_bounds(numel_of_the_bucket, rank, world_size)` of the bucket's flat values, padded to
-# `world_size` times the shard size. `self.shard` is this rank's slices of all the buckets,
-# one after the other, as an `nn.Parameter` that owns its memory (`torch.cat` copies; a slice
-# of the padded vector is a *view* that keeps the whole vector alive); `self.shard.grad` a zero
+# `world_size` times the shard size. Keep the buckets in `self.buckets` (the given
+# `zero_grad` reads it) and, per bucket, what `_grad_ready` and `step` will need (its shard
+# size and where its slice starts in `self.shard`). `self.shard` is a copy of this rank's
+# slices of the weights of all the buckets, one after the other, as an `nn.Parameter` that
+# owns its memory (`torch.cat` copies; a slice of the padded vector is a *view* that keeps the
+# whole vector alive); `self.shard.grad` a zero
 # tensor of the same size, filled bucket by bucket during the backward; `self.optimizer` over
 # `[self.shard]`, so the inner optimizer's state covers the shard alone. Then register
 # `p.register_post_accumulate_grad_hook(self._grad_ready)` on every trainable parameter:
@@ -119,8 +122,9 @@ def make_buckets(params, cap):
 # (a reduce-scatter sums), and drop the tuple, and with it the buffer.
 #
 # **`step()`.** `_finish()` the last bucket, step the inner optimizer, then for every bucket
-# `all_gather_single` its slices into a padded vector and copy each parameter's numbers back
-# into `p.data`.
+# `all_gather_single` its slices into a padded vector (allocate it on the shard's device,
+# `device=self.shard.device`: the same code then runs on a GPU) and copy each parameter's
+# numbers back into `p.data`.
 #
 # `zero_grad()` is given. (One thing this version gives up: a second backward before `step()`
 # would overwrite the shard's gradient instead of adding to it, so gradient accumulation needs
@@ -130,7 +134,7 @@ def make_buckets(params, cap):
 class ZeroTwo:
     def __init__(self, params, optimizer_cls, bucket_cap=128, **kwargs):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        ### BEGIN SOLUTION: trainable parameters only; buckets; per bucket its shard size and offset in self.shard; self.shard (a copy) and a zero self.shard.grad; the inner optimizer; a hook on every trainable parameter
+        ### BEGIN SOLUTION: trainable parameters only; self.buckets; per bucket its shard size and offset in self.shard; self.shard (a copy of this rank's slices of the weights) and a zero self.shard.grad; the inner optimizer; a hook on every trainable parameter
         trainable = [p for p in params if p.requires_grad]    # frozen ones never get a gradient
         self.buckets = make_buckets(trainable, bucket_cap)
         self.bucket_of, self.layout, pieces, offset = {}, [], [], 0
@@ -191,7 +195,8 @@ class ZeroTwo:
         self._finish()
         self.optimizer.step()
         for bucket, (size, offset) in zip(self.buckets, self.layout):
-            full = torch.empty(size * self.world_size, dtype=self.shard.dtype)
+            full = torch.empty(size * self.world_size, dtype=self.shard.dtype,
+                               device=self.shard.device)
             dist.all_gather_single(full, self.shard.detach()[offset:offset + size])
             start = 0
             for p in bucket:

@@ -337,3 +337,15 @@ def test_fsdp2_gathers_its_root_once(ranks):
                                      "reduce_scatter": 4 * (others + root)}
     assert out[0]["rooted"]["root_units"] == [zero.fsdp2_padded_numel((10, 22), n),
                                              zero.fsdp2_padded_numel((10,), n)]
+
+
+def test_frozen_and_tied_config_builds_both_cases():
+    model = zero.ZeroConfig(frozen_and_tied=True).build()
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    assert linears[1].weight is linears[2].weight                   # tied
+    assert linears[1].bias is not linears[2].bias
+    assert not linears[0].bias.requires_grad                       # frozen
+    assert sum(not p.requires_grad for p in model.parameters()) == 1
+    plain = zero.ZeroConfig().build()
+    assert sum(p.numel() for p in plain.parameters()) == 2531      # the default is unchanged
+    assert all(p.requires_grad for p in plain.parameters())

@@ -1028,8 +1028,8 @@ def zero3_timeline_figure(events, layer_names: Sequence[str] | None = None):
     [(layer, kind, start_ms, end_ms)] with kind "all-gather (forward)", "all-gather
     (backward)", "reduce-scatter" or "free" (:func:`dpcourse.zero.zero3_timeline_worker`).
     Bars for the collectives; a pale band where the layer's full weights exist (from a gather's
-    end to the layer's next reduce-scatter or free), in which it computes; a black tick where
-    they are freed."""
+    end to the layer's next free: the layer computes in it, and in the backward the
+    reduce-scatter runs in it too); a black tick where they are freed."""
     colours = {"all-gather (forward)": "#4c72b0", "all-gather (backward)": "#8172b2",
                "reduce-scatter": "#dd8452"}
     layers = sorted({e[0] for e in events if e[0] >= 0})
@@ -1042,11 +1042,11 @@ def zero3_timeline_figure(events, layer_names: Sequence[str] | None = None):
         mine = [e for e in events if e[0] == layer]
         held_from = None
         for _, kind, start, end in mine:
-            if held_from is not None and kind in ("free", "reduce-scatter"):
-                label = "full weights held (it computes)" if "held" not in labelled else None
+            if held_from is not None and kind == "free":
+                label = "full weights held" if "held" not in labelled else None
                 labelled.add("held")
                 ax.barh(y, start - held_from, left=held_from, height=0.5, color="#55a868",
-                        alpha=0.45, label=label)
+                        alpha=0.45, label=label, zorder=0.5)
                 held_from = None
             if kind in colours:
                 label = kind if kind not in labelled else None
@@ -1064,7 +1064,7 @@ def zero3_timeline_figure(events, layer_names: Sequence[str] | None = None):
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=5,
               frameon=False)
-    fig.subplots_adjust(left=0.12, right=0.98, bottom=0.38 if len(layers) < 4 else 0.28,
+    fig.subplots_adjust(left=0.16, right=0.98, bottom=0.38 if len(layers) < 4 else 0.28,
                         top=0.95)
     return fig
 
@@ -1095,7 +1095,8 @@ def zero_tradeoff_figure(ns_formula: Sequence[int], memory: dict, traffic: dict,
         axis.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     bx.legend(fontsize=8)
-    bx.set_title("lines: formula · dots: counted (DDP = ZeRO-1 = ZeRO-2)", fontsize=8)
+    bx.set_title("lines: formula · dots: recorded × (N−1)/N, a ring model\n"
+                 "(DDP = ZeRO-1 = ZeRO-2)", fontsize=8)
     ax.set_title("lines: formula · dots: counted", fontsize=8)
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.14, top=0.9, wspace=0.3)
     return fig

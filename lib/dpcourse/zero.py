@@ -156,6 +156,9 @@ def fits(num_params: int, device_bytes: float, world_size: int, activation_bytes
     allow for activations and temporaries), whether that fits, and the largest model that
     would fit at this world size. Activations are the part this ignores by default: they do
     not shrink with N (each rank still runs its whole micro-batch), so leave room for them.
+    With ZeRO-3 ``activation_bytes`` must also cover its working set, which does not shrink
+    with N either: the full (unsharded) weights of the unit computing, of the unit being
+    prefetched, and the computing unit's full gradient before its reduce-scatter.
     """
     if num_params < 0 or device_bytes <= 0 or activation_bytes < 0:
         raise ValueError("num_params and activation_bytes must be >= 0 and device_bytes > 0, got "
@@ -465,10 +468,12 @@ class Zero3(_Stage):
       post-accumulate-grad hook) reduce-scatter the gradients and free the weights again.
 
     Three collectives over every weight per step — all-gather, all-gather, reduce-scatter —
-    against DDP's all-reduce (= two): 1.5x DDP's traffic. There is no all-gather after the
-    step: the next forward gathers. Assumes each parameter is used once per forward and one
-    backward per step (no gradient accumulation). A tied parameter belongs to the first
-    module that owns it; every module using it gathers that layer (one more all-gather).
+    against DDP's all-reduce (= two): 1.5x DDP's traffic, counted in elements (bytes depend on
+    the dtypes of the gathers and of the reduce). That 3Ψ holds for one forward and one
+    backward per step with each layer used once: gradient accumulation gathers again for every
+    micro-batch, and a tied parameter belongs to the first module that owns it, so every
+    other module using it gathers that layer again (one more all-gather per extra use: above
+    3Ψ). There is no all-gather after the step: the next forward gathers.
     Frozen parameters (requires_grad=False) are not sharded here: they stay whole on every
     rank, as in DDP (FSDP2 shards them too, and never reduces their gradients).
     """
@@ -667,7 +672,10 @@ class ZeroConfig:
     are synthetic: inputs from a seeded generator, labels given by a fixed random linear
     "teacher", so the loss can fall. ``mixed_precision``: bf16 weights and gradients with
     fp32 master weights and Adam state (the setting of ZeRO's memory formula); fp32 otherwise
-    (the setting in which every stage must equal DDP to float tolerance).
+    (the setting in which every stage must equal DDP to float tolerance). ``frozen_and_tied``:
+    a square layer is added after the first, its weight tied (one ``Parameter``) with a second
+    square layer after it, and the first layer's bias is frozen (``requires_grad=False``), so
+    every stage meets both cases a real model has.
     """
 
     widths: tuple = (30, 43, 22, 10)
@@ -677,6 +685,7 @@ class ZeroConfig:
     lr: float = 0.01
     mixed_precision: bool = False
     seed: int = 0
+    frozen_and_tied: bool = False
 
     def __post_init__(self):
         if self.optimizer not in ("adam", "adamw", "sgd"):
@@ -693,6 +702,12 @@ class ZeroConfig:
         layers = []
         for fan_in, fan_out in zip(self.widths[:-1], self.widths[1:]):
             layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+        if self.frozen_and_tied:
+            width = self.widths[1]
+            first, second = nn.Linear(width, width), nn.Linear(width, width)
+            second.weight = first.weight                  # tied: one Parameter, two layers
+            layers[0].bias.requires_grad_(False)          # frozen
+            layers[2:2] = [first, nn.ReLU(), second, nn.ReLU()]
         return nn.Sequential(*layers[:-1])
 
     def optimizer_class(self):
@@ -795,9 +810,14 @@ def _prepare(run: str, cfg: ZeroConfig, dev: torch.device):
         from torch.distributed.fsdp import fully_shard
 
         policy, mesh = _fsdp2_policy(cfg), _mesh(dev)
+        groups: list = []           # layers sharing a (tied) parameter form one FSDP2 group
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh, mp_policy=policy)
+                tied = [g for g in groups if any(p is q for m in g for q in m.parameters()
+                                                 for p in layer.parameters())]
+                tied[0].append(layer) if tied else groups.append([layer])
+        for group in groups:
+            fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         n = dist.get_world_size()
         units = [fsdp2_padded_numel(p.shape, n) for p in model.parameters()]
