@@ -186,7 +186,7 @@ viz.show_code(zero.Zero1, zero.Zero2)
 # `torch.distributed` where section 5 can record it.
 
 # %%
-viz.show_code(zero.ZeroConfig, zero._prepare, zero.train_run)
+viz.show_code(zero.ZeroConfig, zero._prepare, zero._TorchRun, zero.train_run)
 
 # %%
 cfg = zero.ZeroConfig(steps=steps)
@@ -207,6 +207,11 @@ claim(f"ZeRO-1: weights after {steps} Adam steps == torch DDP's, on every rank (
 claim(f"ZeRO-2: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff("zero2") < 1e-5,
       diff=max_diff("zero2"))
 claim("the losses fell", runs[0]["zero1"]["losses"][-1] < runs[0]["zero1"]["losses"][0])
+after_backward = {s: runs[0][s]["grads_after_backward"] for s in ("ddp", "zero1", "zero2")}
+print("gradient bytes alive when the backward returns (rank 0, fp32):", after_backward)
+claim("when the backward returns, this ZeRO-2 holds every full gradient: the same bytes as "
+      "ZeRO-1 and DDP (4Ψ in fp32), so its peak is no lower",
+      set(after_backward.values()) == {4 * n_params})
 
 # %% [markdown]
 # ## 4. ZeRO-3: shard the weights too (what FSDP does)
@@ -631,6 +636,15 @@ viz.quiz([
              "They are sharded only once the reduce-scatter has run; before it every rank holds "
              "all of them.",
              "The all-gather after the step sends the other half: the same traffic as DDP."]},
+    {"q": "FSDP2 with param_dtype=bf16 and reduce_dtype=fp32: how many bytes does it send per "
+          "parameter per step (the root aside)?",
+     "options": ["6: three bf16 collectives, as in the ZeRO paper",
+                 "8: two bf16 all-gathers and an fp32 reduce-scatter",
+                 "12: everything in fp32"],
+     "answer": 1,
+     "why": ["The reduce-scatter runs in reduce_dtype, fp32: 4 bytes, not 2.",
+             "Right: 2 + 2 + 4, what section 6 measured.",
+             "The all-gathers run in param_dtype, bf16."]},
     {"q": "A 13-B model, 8 GPUs of 40 GB: DDP does not fit. What does?",
      "options": ["ZeRO-1", "ZeRO-2", "ZeRO-3"],
      "answer": 2,

@@ -829,7 +829,9 @@ def _prepare(run: str, cfg: ZeroConfig, dev: torch.device):
 def train_run(run: str, cfg: ZeroConfig, rank: int, world_size: int) -> dict:
     """Train ``cfg.steps`` steps one way; return the final weights (flat fp32), this rank's
     losses, the bytes it holds after the last step (before zero_grad) by category, each
-    step's traffic (:func:`summarize_traffic`), and the sizes it shards (``units``).
+    step's traffic (:func:`summarize_traffic`), the sizes it shards (``units``), and the bytes
+    of gradients alive when the first backward returns (``grads_after_backward``): for DDP,
+    ZeRO-1 and the short ZeRO-2 the gradients' peak, since step() only shrinks them.
 
     Not counted, because they are not model state: activations and temporaries, and torch
     DDP's gradient buckets (a second copy of the gradients unless
@@ -839,18 +841,21 @@ def train_run(run: str, cfg: ZeroConfig, rank: int, world_size: int) -> dict:
 
     dev = ddp.rank_device()
     model, opt, x_dtype = _prepare(run, cfg, dev)
-    losses, traffic = [], []
+    losses, traffic, grads_after_backward = [], [], None
     for X, y in cfg.batches(rank, world_size):
         with record_collectives() as calls:
             opt.zero_grad()
             loss = F.cross_entropy(model(X.to(dev, x_dtype)).float(), y.to(dev))
             loss.backward()
+            if grads_after_backward is None:   # when the first backward returns
+                grads_after_backward = count_bytes(
+                    {"grads": opt.held_tensors()["grads"]})["grads"]
             opt.step()
         losses.append(loss.item())
         traffic.append(summarize_traffic(calls, world_size))
     held = count_bytes(opt.held_tensors())
     return {"params": opt.full_weights(), "losses": losses, "held": held, "traffic": traffic,
-            "units": list(opt.units)}
+            "units": list(opt.units), "grads_after_backward": grads_after_backward}
 
 
 def equality_worker(rank: int, world_size: int, cfg: ZeroConfig, runs=RUNS) -> dict:
