@@ -17,7 +17,7 @@
 #   of a hung rank;
 # - fix each bug, and prove the fix with the same detector staying quiet.
 #
-# **Time:** about 45 minutes to read and run.
+# **Time:** about 65 minutes to read and run.
 #
 # **Lab:** [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb) — five broken scripts with bugs this
 # lesson does not show: name each bug and fix it.
@@ -52,10 +52,10 @@ torch.set_num_threads(1)
 #
 # | tool | what it does | here (CPU, gloo) |
 # |---|---|---|
-# | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; the other ranks wait for rank 0's answer | gloo only: section 2, bugs 1 and 3 |
+# | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; each other rank blocks until rank 0 answers, and fails in the barrier if rank 0 never does | gloo only: section 2, bugs 1 and 3 |
 # | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before the group is created) | wraps each process group in a `ProcessGroupWrapper` with a gloo helper group: before **every** collective the ranks pass a monitored barrier and compare the call's fingerprint (op, shapes, dtypes); a missing rank or a mismatch becomes an error naming them. It costs time on every call | works: section 2, with its cost measured |
-# | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**: the call returned at once (it only queued the work on the GPU); the watchdog thread notices the timeout and tears the whole process down; only `TORCH_NCCL_BLOCKING_WAIT=1` makes `wait()` block and raise | gloo: section 2; NCCL: the figure there |
-# | the flight recorder | **on by default**: a ring buffer of each process's last 2000 collectives (op, sequence number, state); `TORCH_FR_BUFFER_SIZE` (or `TORCH_NCCL_TRACE_BUFFER_SIZE`) sets the size, 0 turns it off. On NCCL it can be dumped automatically on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT=1`, files `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) and merged with `torchfrtrace` | records on gloo too (section 2); the automatic dump on timeout is NCCL-only |
+# | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**: the call returned at once (it only queued the work on the GPU); the watchdog thread notices the timeout and tears the whole process down (`TORCH_NCCL_ASYNC_ERROR_HANDLING`'s default, 3 = SkipCleanUp: tear down without first aborting the NCCL communicators); only `TORCH_NCCL_BLOCKING_WAIT=1` makes `wait()` block and raise | gloo: section 2; NCCL: the figure there |
+# | the flight recorder | **on by default**: a ring buffer of each process's last 2000 collectives (op, sequence number, state); `TORCH_FR_BUFFER_SIZE` (or `TORCH_NCCL_TRACE_BUFFER_SIZE`) sets the size, 0 turns it off. On NCCL it can be dumped automatically on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT=1`, which works only together with `TORCH_NCCL_ENABLE_MONITORING=1` and a buffer size above 0; files `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) and merged with `torchfrtrace` | records on gloo too (section 2); the automatic dump on timeout is NCCL-only |
 # | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=ALL` for more) | NCCL prints its set-up: interfaces, rings, transports, and its errors — the first thing to read when NCCL hangs at start-up on a cluster | GPU only: nothing to show here |
 # | `py-spy dump --pid PID` | the Python stack of a running process, from outside, without stopping it: the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (below) |
 #
@@ -206,7 +206,8 @@ claim("on gloo, with timeout=2 s, rank 0 raises 'Timed out' itself, in the call"
 # a copy to the CPU) and blocks there, not in the collective. A watchdog thread in each
 # process checks the queued work; when it passes the timeout, the watchdog logs "Watchdog
 # caught collective operation timeout" and, by default, takes the whole process down
-# (`TORCH_NCCL_ASYNC_ERROR_HANDLING`: tear down). Only with `TORCH_NCCL_BLOCKING_WAIT=1` does
+# (`TORCH_NCCL_ASYNC_ERROR_HANDLING` defaults to 3, SkipCleanUp: tear the process down without
+# first aborting the NCCL communicators; 1, TearDown, aborts them first). Only with `TORCH_NCCL_BLOCKING_WAIT=1` does
 # `work.wait()` block and raise in your code, as gloo does. This machine has no GPU, so this
 # is drawn from torch's source (`ProcessGroupNCCL.hpp`), not measured:
 
@@ -219,8 +220,7 @@ viz.show(viz.timeout_behaviour_figure(),
 # %% [markdown]
 # ### Bug 2: collectives in different orders
 # Rank 0 all-reduces then broadcasts; rank 1 broadcasts then all-reduces. Each waits for a
-# partner in a call the other is not making: with gloo, both ranks hang (with other shapes or
-# backends it can also "succeed" with garbage).
+# partner in a call the other is not making: with gloo, as run here, both ranks hang.
 
 # %%
 viz.show_code(bugzoo.collective_order)
@@ -314,10 +314,10 @@ viz.show(viz.collective_traces_figure({"bug 1: a collective on rank 0 only": par
          "shaded column is the first call where the ranks disagree: the bug is there.")
 
 # %% [markdown]
-# Rank 0 is the one that reports in a monitored barrier: the others only wait for its answer.
-# Had rank 0 been the rank that left, the others would wait in the barrier itself (its
-# docstring: non-zero ranks "block until a send/recv is processed from rank 0") — the
-# course's trace and stack dump still name it then.
+# Rank 0 is the one that reports in a monitored barrier: the others block until it answers.
+# Had rank 0 been the rank that left, the others would fail in the barrier at its timeout,
+# without a name (its docstring: if one rank does not reach it, "all other ranks would fail in
+# monitored_barrier") — the course's trace and stack dump still name the rank that left.
 #
 # ## 3. Bugs that finish — with the wrong answer
 # These are worse: nothing hangs, nothing crashes, the loss may even look fine. They need a
@@ -359,9 +359,10 @@ claim("fixed (broadcast from rank 0): the checksums agree at every step",
 # %% [markdown]
 # ### Bug 5: the loss averaged instead of the gradients
 # All-reduce the loss, divide by N, backward: the *logged* loss is the global mean, so the
-# curve looks right. But `all_reduce` has no autograd rule (torch only warns "an autograd
-# kernel was not registered"): each rank's gradient is its own gradient divided by N. Nothing
-# is averaged; the replicas drift apart.
+# curve looks right. But `all_reduce` has no autograd rule: backward passes straight through
+# it, each rank's gradient is its own gradient divided by N, nothing is averaged, and the
+# replicas drift apart. Torch does warn, once, at the backward (printed below); a warning in a
+# log of thousands of lines is easy to miss.
 
 # %%
 viz.show_code(bugzoo.averaged_loss)
@@ -371,6 +372,10 @@ avg = {f: [r["averaged_loss"][f] for r in zoo] for f in (False, True)}
 logged = [r["logged_loss"] for r in avg[False]]
 grad_differ = detectors.compare_checksums([r["grads"][0] for r in avg[False]])
 print("broken: gradients that differ across ranks at step 0:", grad_differ)
+print("torch's warning at the backward:", avg[False][0]["warnings"][0].split(". ")[0] + ".")
+own_gap = max(max(r["grad_minus_own_over_n"]) for r in avg[False])
+claim("broken: at every step, on every rank, the gradient is exactly the rank's own gradient / N "
+      "(computed before the all_reduce)", own_gap == 0.0, gap=own_gap)
 claim("broken: every rank logs the same loss, so the log looks healthy",
       max(max(step) - min(step) for step in zip(*logged)) < 1e-6)
 claim("but the gradients differ across ranks, and so do the weights after the first step",
@@ -386,23 +391,36 @@ def totals(runs):
     return [[sum(c.values()) for c in run] for run in runs]
 
 
+bug5 = totals([r["weights"] for r in avg[False]])
+gaps = [max(step) - min(step) for step in zip(*bug5)]
+first = min(i for i, g in enumerate(gaps) if g > 0)
+parts = (first, gaps[first], gaps[first + 1])
+claim(f"bug 5's replicas first differ after step {first}, by {gaps[first]:.2f} in the checksum "
+      f"sum, {gaps[first + 1] / gaps[first]:.0f}× more one step later",
+      first == 1 and gaps[first + 1] > 5 * gaps[first], gaps=gaps)
+
+
 viz.show(viz.replica_checksums_figure({
     "bug 4: per-rank seed, no broadcast": {"broken": totals(seeds[False]),
                                            "fixed": totals(seeds[True])},
     "bug 5: loss averaged, not gradients": {"broken": totals([r["weights"] for r in avg[False]]),
                                             "fixed": totals([r["weights"] for r in avg[True]])},
 }), "Weight checksums per rank and step. Broken: one line per rank, apart from the start (bug "
-    "4) or from step 1 (bug 5). Fixed (grey, dashed): the ranks draw one line.")
+    f"4) or, for bug 5, from step {parts[0]} (by {parts[1]:.2f}, barely visible) and clearly from "
+    f"step {parts[0] + 1} (by {parts[2]:.2f}). Fixed (grey, dashed): the ranks draw one line.")
 
 # %% [markdown]
 # ### Bug 6: BatchNorm statistics that differ per rank
 # The gradients are averaged, so the weights agree; but BatchNorm's running mean and variance
 # are *buffers*, updated from each rank's own batches. They differ per rank, and so do the
 # rank's evaluations and checkpoints. The detector names exactly which tensors differ.
-# `nn.SyncBatchNorm` computes the statistics over the global batch (GPU only: it refuses CPU
-# tensors); on CPU the fix here averages the running statistics after each step. (DDP's
-# `broadcast_buffers=True`, the default, copies rank 0's buffers to all at each forward: the
-# ranks agree, but on rank 0's statistics only.)
+# `nn.SyncBatchNorm` computes the statistics over the global batch; when it syncs (in
+# training mode, with an initialised process group) it accepts only CUDA, HPU, XPU or a
+# PrivateUse1 device and raises for CPU input. On CPU the fix here averages the running
+# statistics after each step. DDP's `forward_sync_buffers=True` (the default; it replaces
+# `broadcast_buffers`, deprecated since 2.13) copies rank 0's buffers to every rank at the
+# *start* of each forward — then BatchNorm updates them from each rank's own batch, so after the
+# last step, when the checkpoint is written, the ranks differ again (run below).
 
 # %%
 viz.show_code(bugzoo.batchnorm_stats)
@@ -414,11 +432,14 @@ claim("broken: only the running statistics differ — every weight agrees",
       bn_broken == ["1.running_mean", "1.running_var"])
 claim("fixed: nothing differs", detectors.compare_checksums([r["batchnorm"][True] for r in zoo])
       == [])
+bn_ddp = detectors.compare_checksums([r["batchnorm_ddp"] for r in zoo])
+claim("under DDP (forward_sync_buffers=True), after the last step the running statistics still "
+      f"differ across ranks: {bn_ddp}", bn_ddp == ["1.running_mean", "1.running_var"])
 
 # %% [markdown]
 # ### Bug 7: a NaN on one rank spreads to all
-# One corrupted sample (an `inf`) reaches rank 1 at step 3. Its loss can even look finite
-# (tanh turns the inf into 1), but its gradient is NaN; the all-reduce sums it into every
+# One corrupted sample (an `inf`) reaches rank 1 at step 3. Its loss stays finite (tanh turns
+# the inf into ±1; printed below), but its gradient is NaN; the all-reduce sums it into every
 # rank's gradient, and from then on every rank's weights are NaN. Looking at any single rank
 # after the fact, you cannot tell where it started. The detector looks at each rank's *local*
 # values — here the gradient norm, before the reduction — and names the first.
@@ -430,6 +451,9 @@ viz.show_code(bugzoo.nan_on_one_rank, detectors.first_nonfinite)
 local = [r["nan"][False]["local_grad_norm"] for r in zoo]
 origin = detectors.first_nonfinite(local)
 print(f"first non-finite local gradient: step {origin[0]}, rank(s) {origin[1]}")
+bad_loss = zoo[1]["nan"][False]["local_loss"][3]
+claim(f"rank 1's own loss at step 3 is finite ({bad_loss:.3f}): no inf or NaN in its loss",
+      math.isfinite(bad_loss))
 claim("the detector names rank 1, step 3 — where the inf was injected", origin == (3, [1]))
 claim("broken: after that step every rank's local gradient is NaN",
       all(math.isnan(v) for r in local for v in r[origin[0] + 1:]))
@@ -470,18 +494,35 @@ claim("and in every epoch the ranks together still see every sample",
 # %% [markdown]
 # ### Bug 9: an unused parameter
 # A parameter that no forward touches (a head not used this step, a leftover layer) never gets a
-# gradient; DDP waits for it before its last all-reduce and fails at the *next* iteration. The
-# detector runs one forward/backward in one process, no DDP needed, and lists the culprits.
-# Fix: remove the parameter, or `find_unused_parameters=True` (a graph walk every step).
+# gradient; DDP waits for it before its last all-reduce and fails at the *next* iteration.
+# Torch's error (printed whole below) lists the indices of the parameters that got no
+# gradient; with `TORCH_DISTRIBUTED_DEBUG=INFO` (or DETAIL) it also names them. The course's
+# detector runs one forward/backward in one process, no DDP needed, and lists the same names.
+# Fix: remove the parameter, or `find_unused_parameters=True` (a graph walk every step), or,
+# when the same parameters are unused at every step, `static_graph=True` (its docstring: DDP
+# then need not search the graph in every iteration).
 
 # %%
 viz.show_code(bugzoo.TwoHeads, bugzoo.unused_parameter, detectors.unused_parameters)
 
 # %%
-print("broken:", zoo[0]["unused"][False])
-print("fixed: ", zoo[0]["unused"][True])
+print("broken, DDP's whole message on rank 0:\n" + zoo[0]["unused"][False])
+print("\nwith TORCH_DISTRIBUTED_DEBUG=INFO, its last lines:\n"
+      + "\n".join(zoo[0]["unused_info"].splitlines()[-2:]))
+print("\nfixed:", zoo[0]["unused"][True])
 claim("broken: DDP fails at the second iteration on every rank",
       all("Expected to have finished reduction" in r["unused"][False] for r in zoo))
+
+
+def indices_line(message):
+    """The numbers on the line of DDP's message that lists the parameters without a gradient."""
+    return next((line.split(": ", 1)[1].split() for line in message.splitlines()
+                 if line.startswith("Parameter indices which did not receive grad")), None)
+
+
+claim("its message lists the indices of the parameters without a gradient (4 and 5: head_b's)",
+      all(indices_line(r["unused"][False]) == ["4", "5"] for r in zoo))
+claim("with INFO it names them", all("head_b.bias, head_b.weight" in r["unused_info"] for r in zoo))
 claim("fixed with find_unused_parameters=True: it runs", all(r["unused"][True] == "ok" for r in zoo))
 unused = detectors.unused_parameters(bugzoo.TwoHeads(), torch.randn(3, 4))
 print("unused parameters:", unused)
@@ -492,7 +533,10 @@ claim("and finds none in a model that uses all its parameters",
 # %% [markdown]
 # ### Bug 10: every rank writes the same checkpoint
 # `torch.save(model.state_dict(), "checkpoint.pt")` on every rank: N writers race on one file.
-# On a local disk the last writer wins; on a shared file system a reader can meet a torn file.
+# `torch.save` opens the path and writes the zip archive in place (no temporary file, no
+# rename), so the writers' bytes can interleave, on a local disk as on a shared file system,
+# and a reader can meet a torn file. Here the ranks save equal weights, so nothing looks
+# wrong: the detector sees the race, not its damage.
 # The detector wraps `torch.save` on each rank and reports paths written by more than one
 # rank. Fix: rank 0 writes (atomically: lesson 04), the others wait at a barrier.
 
@@ -574,11 +618,11 @@ claim("naming rank 1, its all_reduce and the script's line 8",
 # | bug | symptom | detector | fix |
 # |---|---|---|---|
 # | a collective on some ranks only | hang | `diagnose`: stuck rank, its call and line; `monitored_barrier` or DETAIL: the rank that never came | every rank calls every collective |
-# | collectives in different orders | hang (or garbage) | trace mismatch; `TORCH_DISTRIBUTED_DEBUG=DETAIL` | one order on every rank |
+# | collectives in different orders | hang (gloo, here) | trace mismatch; `TORCH_DISTRIBUTED_DEBUG=DETAIL` | one order on every rank |
 # | rank-dependent control flow | hang after some steps | trace: one rank made more calls; `monitored_barrier`: the rank that left | decide together (all-reduce the decision) |
 # | per-rank seed, no broadcast | replicas never agree | weight checksums across ranks | broadcast rank 0's weights (DDP does) |
 # | loss averaged, not gradients | log looks fine, replicas drift | gradient / weight checksums | average the gradients |
-# | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (GPU), or average the buffers |
+# | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (GPU/XPU/HPU in training), or average the buffers; DDP's buffer sync alone leaves them apart after the last step |
 # | NaN on one rank | NaN everywhere | first non-finite *local* value | check finiteness together, skip together |
 # | forgotten `set_epoch` | same order every epoch | repeated epoch orders | `sampler.set_epoch(epoch)` |
 # | unused parameter | DDP fails at step 2 | `unused_parameters` | remove it, or `find_unused_parameters=True` |
@@ -666,13 +710,32 @@ viz.quiz([
 #   `completed`, the last two set when a CPU thread discovers the GPU work started or ended.
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — `TORCH_NCCL_BLOCKING_WAIT`
 #   (whether `wait()` blocks), `ErrorHandlingMode` and `TORCH_NCCL_ASYNC_ERROR_HANDLING` (tear
-#   the process down on an error), the `Watchdog` class, `TORCH_NCCL_DUMP_ON_TIMEOUT`,
+#   the process down on an error; the default, 3, is SkipCleanUp: its comment and the
+#   `ErrorHandlingMode` enum), the `Watchdog` class, `TORCH_NCCL_DUMP_ON_TIMEOUT` (its comment:
+#   it must be set with `TORCH_NCCL_ENABLE_MONITORING=1` and a trace buffer above 0),
 #   `kProcessGroupNCCLDefaultTimeout` (10 minutes).
 # - `torch/distributed/constants.py` — `default_pg_timeout` (30 minutes for gloo) and
 #   `default_pg_nccl_timeout`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__` broadcasts rank
-#   0's parameters and buffers (`_sync_module_states`); `broadcast_buffers` copies rank 0's
-#   buffers before each forward; `find_unused_parameters`.
+#   0's parameters and buffers (`_sync_module_states`); `forward_sync_buffers` (default True)
+#   replaces `broadcast_buffers`, deprecated since 2.13 (docstring and the `FutureWarning` in
+#   `__init__`); `_check_sync_bufs_pre_fwd` and `_sync_buffers`: rank 0's buffers are broadcast
+#   at the start of `forward`, before the module (and its BatchNorm) runs;
+#   `find_unused_parameters`; `static_graph` (its docstring: the set of unused parameters is
+#   fixed, no per-iteration search).
+# - `torch/lib/libtorch_cpu.so` — the reducer's unused-parameter error ("Parameter indices
+#   which did not receive grad for rank", and with `TORCH_DISTRIBUTED_DEBUG` INFO or DETAIL
+#   "Parameters which did not receive grad"): read with `strings`, and printed above.
+# - `torch/distributed/distributed_c10d.py` — `monitored_barrier`'s docstring: non-zero ranks
+#   block until rank 0 answers, and if one rank never arrives "all other ranks would fail in
+#   monitored_barrier".
+# - `torch/serialization.py` — `_open_zipfile_writer_file`: `torch.save` to a path opens a
+#   `PyTorchFileWriter` on that path and writes in place.
+# - `torch/lib/libtorch_cpu.so` — the warning printed under bug 5 (from
+#   `autograd_not_implemented_fallback`): `c10d::allreduce_` has no autograd kernel; the
+#   gradient passing straight through it is measured above.
 # - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__` seeds its shuffle with
 #   `seed + epoch`; `set_epoch`.
-# - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward` raises for CPU input.
+# - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward`: it syncs only in training mode
+#   with an initialised process group (`need_sync`), and then raises unless the input is on
+#   CUDA, HPU, XPU or the PrivateUse1 backend.

@@ -8,9 +8,12 @@
 #
 # 1. read it and **name the bug**: set `answerN` to the letter of the right option (the check
 #    says why a wrong option is not it);
-# 2. **fix it**: build `fixedN`, the fixed script's text, from `brokenN` with `str.replace`
-#    (change as little as the bug needs; one line is enough for each, and any fix that
-#    trains right passes).
+# 2. **fix it**: build `fixedN`, the fixed script's text, from `brokenN`. Change as little as
+#    the bug needs; any fix that trains right passes. Two tools, neither needing exact
+#    indentation or line endings: `brokenN.replace("old piece", "new piece")` changes a
+#    piece of a line, and `lab10.move_line(brokenN, "piece of the line", before="piece of
+#    another line")` moves one whole line (re-indented to fit) — for a bug where a line is
+#    right but in the wrong place.
 #
 # At the end, one check runs your five fixed scripts under `torchrun` (all at once: a launch
 # costs seconds) with `--seed 3` — bug 5's on **3** ranks — and compares the weights each one
@@ -86,9 +89,8 @@ answer3 = "D"
 lab10.check_answer(3, answer3)
 
 # %%
-### BEGIN SOLUTION: fixed3 = broken3.replace(..., ...)
-clip = "        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.2)  # tame the steps\n"
-fixed3 = broken3.replace(clip, "").replace("        opt.step()\n", clip + "        opt.step()\n")
+### BEGIN SOLUTION: fixed3 = broken3.replace(..., ...) or lab10.move_line(broken3, ..., before=...)
+fixed3 = lab10.move_line(broken3, "clip_grad_norm_", before="opt.step()")
 ### END SOLUTION
 
 # %% [markdown]

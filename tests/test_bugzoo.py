@@ -112,3 +112,31 @@ def test_port_in_use_fails_fast_and_a_free_port_works():
     assert err.value.rank == 0 and "EADDRINUSE" in err.value.summary
     assert launch.spawn(bugzoo.port_in_use, 2, launch.free_port(), timeout=20,
                         show_output=False) == ["connected", "connected"]
+
+
+def test_unused_parameter_message_is_whole_and_info_names_the_parameters(zoo):
+    _, runs = zoo
+    for r in runs:
+        assert "Parameter indices which did not receive grad for rank" in r["unused"][False]
+        assert "TORCH_DISTRIBUTED_DEBUG" in r["unused"][False]
+        assert "head_b.bias, head_b.weight" in r["unused_info"]
+
+
+def test_averaged_loss_gradient_is_own_over_n_and_torch_warns(zoo):
+    _, runs = zoo
+    for r in runs:
+        broken = r["averaged_loss"][False]
+        assert broken["grad_minus_own_over_n"] == [0.0] * 6
+        assert "autograd kernel was not registered" in broken["warnings"][0]
+
+
+def test_ddp_buffer_sync_leaves_batchnorm_statistics_apart_after_the_last_step(zoo):
+    _, runs = zoo
+    a, b = (r["batchnorm_ddp"] for r in runs)
+    assert [k for k in a if a[k] != b[k]] == ["1.running_mean", "1.running_var"]
+
+
+def test_the_corrupted_rank_loss_stays_finite(zoo):
+    _, runs = zoo
+    assert math.isfinite(runs[1]["nan"][False]["local_loss"][3])
+    assert math.isnan(runs[1]["nan"][False]["local_grad_norm"][3])

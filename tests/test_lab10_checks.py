@@ -382,3 +382,27 @@ def test_mismatched_collective_symptoms_get_the_hint(summary):
                                      "RuntimeError: mat1 and mat2 shapes cannot be multiplied"])
 def test_other_crashes_get_no_collective_hint(summary):
     assert not lab10._MISMATCHED.search(summary)
+
+
+# --- move_line: bug 3's fix without exact indentation --------------------------------------
+
+def test_move_line_gives_the_same_text_as_the_exact_two_replaces():
+    moved = lab10.move_line(lab10.script(3), "clip_grad_norm_", before="opt.step()")
+    assert moved == edit(3, *RIGHT["3-clip-after"][1])
+
+
+def test_move_line_keeps_crlf_and_reindents():
+    text = "a\r\n    x = 1\r\n        y = 2\r\n"
+    assert lab10.move_line(text, "y =", before="x =") == "a\r\n    y = 2\r\n    x = 1\r\n"
+    assert lab10.move_line("    x\ny\n", "x", before="y") == "    x\ny\n".replace("    x\ny", "x\ny")
+
+
+@pytest.mark.parametrize("line, before, phrase", [
+    ("p.grad", "opt.step()", "matches 2"),
+    ("no such text", "opt.step()", "matches 0"),
+    ("clip_grad_norm_", "clip_grad_norm_", "same line"),
+    ("", "opt.step()", "non-empty"),
+])
+def test_move_line_says_what_did_not_match(line, before, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        lab10.move_line(lab10.script(3), line, before=before)

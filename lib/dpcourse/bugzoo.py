@@ -22,7 +22,7 @@ from dpcourse import detectors
 
 __all__ = [
     "partial_collective", "collective_order", "early_stop", "seeds_without_broadcast",
-    "averaged_loss", "batchnorm_stats", "nan_on_one_rank", "forgotten_set_epoch",
+    "averaged_loss", "batchnorm_stats", "batchnorm_ddp", "nan_on_one_rank", "forgotten_set_epoch",
     "same_checkpoint", "unused_parameter", "port_in_use", "zoo_worker", "TwoHeads",
     "average_gradients", "small_batches",
 ]
@@ -113,12 +113,15 @@ def seeds_without_broadcast(rank, world_size, fixed=False, steps=6):
 
 def averaged_loss(rank, world_size, fixed=False, steps=6):
     """All-reduces the *loss* and backpropagates it, believing that averages the gradients. The
-    all_reduce has no autograd rule: each rank's gradient is just its own, divided by N."""
+    all_reduce has no autograd rule: each rank's gradient is just its own, divided by N.
+    Broken, it also returns torch's warning and, per step, the largest difference between the
+    gradient backward produced and this rank's own gradient / N (computed beforehand)."""
     import warnings
 
     model = _mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sums, grads, logged = [detectors.state_checksums(model)], [], []
+    own_over_n, warned = [], []
     for x, y in small_batches(rank, steps):
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
@@ -127,16 +130,37 @@ def averaged_loss(rank, world_size, fixed=False, steps=6):
             average_gradients(model)  # FIX: average the gradients
             logged.append(loss.item())
         else:
-            with warnings.catch_warnings():  # torch warns "no autograd kernel" at backward
-                warnings.simplefilter("ignore")
+            own = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            with warnings.catch_warnings(record=True) as caught:  # kept for the lesson to print
+                warnings.simplefilter("always")
                 dist.all_reduce(loss)  # BUG: the loss is averaged, not the gradients
                 loss = loss / world_size
                 loss.backward()
+            warned += [str(w.message) for w in caught if "autograd kernel" in str(w.message)]
+            own_over_n.append(max(float((p.grad - o / world_size).abs().max())
+                                  for p, o in zip(model.parameters(), own)))
             logged.append(loss.item())
         grads.append(detectors.state_checksums(model, grads=True))
         opt.step()
         sums.append(detectors.state_checksums(model))
-    return {"weights": sums, "grads": grads, "logged_loss": logged}
+    return {"weights": sums, "grads": grads, "logged_loss": logged,
+            "grad_minus_own_over_n": own_over_n, "warnings": warned[:1]}
+
+
+def batchnorm_ddp(rank, world_size, steps=6):
+    """The BatchNorm model of :func:`batchnorm_stats` under DDP, whose ``forward_sync_buffers``
+    (default True) broadcasts rank 0's buffers at the *start* of every forward; BatchNorm then
+    updates them from this rank's batch. Returns the checksums after the last step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in small_batches(rank, steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return detectors.state_checksums(model.module)
 
 
 def batchnorm_stats(rank, world_size, fixed=False, steps=6):
@@ -165,13 +189,14 @@ def nan_on_one_rank(rank, world_size, fixed=False, steps=8, bad_step=3, bad_rank
     NaN to every rank."""
     model = _mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    local, after = [], []
+    local, after, losses = [], [], []
     held_out = small_batches(99, 1, n=64)[0]
     for step, (x, y) in enumerate(small_batches(rank, steps)):
         if rank == bad_rank and step == bad_step:
             x[0, 0] = math.inf  # the corrupted sample
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())  # this rank's own loss (finite even with the inf: tanh)
         loss.backward()
         # what this rank computed, before any all_reduce: its gradient norm
         local.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item())
@@ -183,7 +208,7 @@ def nan_on_one_rank(rank, world_size, fixed=False, steps=8, bad_step=3, bad_rank
             opt.step()
         with torch.no_grad():  # the loss on a held-out batch
             after.append(nn.functional.mse_loss(model(held_out[0]), held_out[1]).item())
-    return {"local_grad_norm": local, "eval_loss": after}
+    return {"local_grad_norm": local, "eval_loss": after, "local_loss": losses}
 
 
 def forgotten_set_epoch(rank, world_size, fixed=False, epochs=3, n=16):
@@ -202,8 +227,8 @@ def forgotten_set_epoch(rank, world_size, fixed=False, epochs=3, n=16):
 
 
 def same_checkpoint(rank, world_size, fixed=False, directory="."):
-    """Every rank saves "the" checkpoint to the same path: N writers race on one file, and
-    whichever finishes last wins (on a shared file system, a torn file is possible)."""
+    """Every rank saves "the" checkpoint to the same path: N writers on one file. ``torch.save``
+    writes the file in place (no temporary file, no rename), so the writes can interleave."""
     records: list = []
     model = _mlp(seed=0)
     with detectors.record_saves(rank, records):
@@ -224,18 +249,24 @@ class TwoHeads(nn.Module):
         return self.head_a(self.body(x))
 
 
-def unused_parameter(rank, world_size, fixed=False):
-    """DDP around a model with a parameter that no forward uses: the second iteration fails."""
+def unused_parameter(rank, world_size, fixed=False, debug="OFF"):
+    """DDP around a model with a parameter that no forward uses: the second iteration fails.
+    Returns "ok" or DDP's whole error message; ``debug`` is the TORCH_DISTRIBUTED_DEBUG level
+    in force while DDP is built and run ("OFF", "INFO" or "DETAIL")."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    model = DDP(TwoHeads(), find_unused_parameters=fixed)  # FIX: find_unused_parameters=True
+    before = dist.get_debug_level()
+    dist.set_debug_level(getattr(dist.DebugLevel, debug))
     try:
+        model = DDP(TwoHeads(), find_unused_parameters=fixed)  # FIX: find_unused_parameters=True
         for _ in range(2):
             model(torch.randn(3, 4)).sum().backward()
         return "ok"
     except RuntimeError as e:
-        return str(e).split(".")[0]
+        return str(e)
+    finally:
+        dist.set_debug_level(before)
 
 
 def port_in_use(rank, world_size, port, seconds=3):
@@ -254,6 +285,8 @@ def zoo_worker(rank, world_size, directory):
                      ("batchnorm", batchnorm_stats), ("nan", nan_on_one_rank),
                      ("set_epoch", forgotten_set_epoch), ("unused", unused_parameter)]:
         out[name] = {fixed: fn(rank, world_size, fixed=fixed) for fixed in (False, True)}
+    out["unused_info"] = unused_parameter(rank, world_size, debug="INFO")
+    out["batchnorm_ddp"] = batchnorm_ddp(rank, world_size)
     out["checkpoint"] = {}
     for fixed in (False, True):
         d = Path(directory) / ("fixed" if fixed else "broken")

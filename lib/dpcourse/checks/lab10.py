@@ -44,7 +44,7 @@ from pathlib import Path
 from dpcourse import launch
 from dpcourse.checks import fail, passed
 
-__all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "script", "show", "check_answer",
+__all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "script", "show", "move_line", "check_answer",
            "simulate", "run_fix", "judge_fix", "check_fix", "check_fixes",
            "check_replicas_in_sync"]
 
@@ -156,6 +156,34 @@ def show(n: int) -> None:
     print(f"\nWhat is the bug in {SCRIPTS[n]}?")
     for option, text, _ in CHOICES[n]:
         print(f"  {option}. {text}")
+
+
+def move_line(text: str, line: str, before: str) -> str:
+    """``text`` with the one line that contains ``line`` moved to just before the one line that
+    contains ``before``, re-indented like that line. Each must match exactly one line (a
+    ``ValueError`` says how many matched otherwise), so no exact indentation or line ending
+    needs typing: ``move_line(broken, "clip_grad_norm_", before="opt.step()")``."""
+    lines = text.splitlines(keepends=True)
+
+    def only(part, name):
+        if not isinstance(part, str) or not part.strip():
+            raise ValueError(f"{name} must be a non-empty piece of one line; got {part!r}")
+        hits = [i for i, ln in enumerate(lines) if part in ln]
+        if len(hits) != 1:
+            raise ValueError(f"{name}={part!r} must match exactly one line; it matches "
+                             f"{len(hits)}" + (f" (lines {[i + 1 for i in hits]})" if hits else ""))
+        return hits[0]
+
+    src, dst = only(line, "line"), only(before, "before")
+    if src == dst:
+        raise ValueError("line and before match the same line")
+    moved = lines.pop(src)
+    dst = dst - (src < dst)
+    indent = lines[dst][:len(lines[dst]) - len(lines[dst].lstrip())]
+    body = moved.strip("\r\n").lstrip()
+    ending = moved[len(moved.rstrip("\r\n")):] or "\n"
+    lines.insert(dst, indent + body + ending)
+    return "".join(lines)
 
 
 def check_answer(n: int, answer) -> None:
