@@ -3,12 +3,18 @@
 #
 # Lesson 02 took `nn.DataParallel` apart. Now you write its step yourself, on simulated devices:
 #
-# 1. `scatter(X, n_devices)`: split the batch along dim 0 into `n_devices` contiguous chunks;
+# 1. `scatter(X, n_devices)`: split the batch along dim 0 into contiguous chunks, one per device,
+#    as the real `nn.DataParallel` does — which means: no device gets more than `ceil(B/N)`
+#    samples, none gets an empty chunk, and when the batch runs out before the devices do (6
+#    samples on 4 devices, 2 on 3) it returns fewer chunks and the step uses fewer devices,
+#    rather than raising;
 # 2. `gather(outputs)`: put the replicas' outputs back together into one batch;
 # 3. `dp_forward_backward(model, X, y, n_devices)`: scatter, make plain copies of the model
 #    (`copy.deepcopy`), run each copy on its chunk (`dp.parallel_apply` gives you the threads),
 #    gather, compute the mean cross-entropy on the whole batch, backward — and then **put the
-#    gradients where the optimizer will find them**: on the original model's parameters.
+#    gradients where the optimizer will find them**: on the original model's parameters. The
+#    copies are plain copies, so nothing links their gradients to the original; think about how
+#    each copy's gradient relates to the gradient of the whole batch's mean loss.
 #
 # Each part has a check cell right after it that names your mistake, if there is one.
 
@@ -26,10 +32,8 @@ torch.set_num_threads(1)
 
 # %%
 def scatter(X, n_devices):
-    """A list of n_devices contiguous chunks of X along dim 0 (device 0 gets the first)."""
-    ### BEGIN SOLUTION: split X along dim 0 into n_devices contiguous chunks (torch.chunk)
-    if X.shape[0] < n_devices:
-        raise ValueError(f"a batch of {X.shape[0]} cannot be split over {n_devices} devices")
+    """A list of at most n_devices contiguous, non-empty chunks of X along dim 0, in order."""
+    ### BEGIN SOLUTION: split X along dim 0 into contiguous chunks, at most n_devices, none empty
     return list(torch.chunk(X, n_devices, dim=0))
     ### END SOLUTION
 
@@ -55,9 +59,9 @@ def dp_forward_backward(model, X, y, n_devices):
     Afterwards every parameter p of `model` must hold in p.grad the gradient of the mean loss on
     the whole batch.
     """
-    ### BEGIN SOLUTION: scatter X, deepcopy the model per device, parallel_apply, gather, loss, backward, sum the copies' grads onto model
+    ### BEGIN SOLUTION: scatter X, one deepcopy of the model per chunk, parallel_apply, gather, loss, backward, then the gradients onto model
     chunks = scatter(X, n_devices)
-    replicas = [copy.deepcopy(model) for _ in range(n_devices)]
+    replicas = [copy.deepcopy(model) for _ in chunks]  # fewer chunks than devices: fewer copies
     outputs = dp.parallel_apply(replicas, chunks)
     loss = F.cross_entropy(gather(outputs), y)
     loss.backward()
@@ -142,7 +146,10 @@ def threaded_apply(replicas, inputs):
 
 
 # %%
-lab02.check_threaded_apply(threaded_apply)
+try:
+    lab02.check_threaded_apply(threaded_apply)
+except NotImplementedError:
+    print("Stretch skipped: threaded_apply is not written yet (the cell below will say so too).")
 
 # %% [markdown]
 # How much do real threads buy for the lesson's CNN? Only the time spent inside torch kernels
@@ -171,8 +178,11 @@ def best_of(fn, repeats=5):
     return min(times)
 
 
-with torch.no_grad():
-    one_by_one = best_of(lambda: [c(x) for c, x in zip(copies, chunks)])
-    threaded = best_of(lambda: threaded_apply(copies, chunks))
-print(f"4 copies one after another: {one_by_one * 1e3:.1f} ms; in threads: {threaded * 1e3:.1f} ms "
-      f"({one_by_one / threaded:.2f}x, on {os.cpu_count()} cores)")
+try:
+    with torch.no_grad():
+        one_by_one = best_of(lambda: [c(x) for c, x in zip(copies, chunks)])
+        threaded = best_of(lambda: threaded_apply(copies, chunks))
+    print(f"4 copies one after another: {one_by_one * 1e3:.1f} ms; in threads: "
+          f"{threaded * 1e3:.1f} ms ({one_by_one / threaded:.2f}x, on {os.cpu_count()} cores)")
+except NotImplementedError:
+    print("Stretch skipped: write threaded_apply above to time it.")

@@ -50,10 +50,12 @@ def test_scatter_gather_roundtrip_and_bad_batches():
     chunks = dp.scatter(X, 4)
     assert [c.shape[0] for c in chunks] == [3, 3, 3, 1]
     assert torch.equal(dp.gather(chunks), X)
-    with pytest.raises(ValueError, match="cannot be split over 4 devices"):
-        dp.scatter(X[:3], 4)
-    with pytest.raises(ValueError, match="does not split into 4"):
-        dp.scatter(X[:5], 4)
+    # like nn.DataParallel: torch.chunk's sizes, fewer chunks when the batch runs out first
+    assert [c.shape[0] for c in dp.scatter(X[:3], 4)] == [1, 1, 1]
+    assert [c.shape[0] for c in dp.scatter(X[:5], 4)] == [2, 2, 1]
+    assert [c.shape[0] for c in dp.scatter(X[:6], 4)] == [2, 2, 2]
+    with pytest.raises(ValueError, match="empty batch"):
+        dp.scatter(X[:0], 4)
 
 
 def test_parallel_apply_keeps_grad_mode_and_reports_the_failing_replica(setup):
@@ -146,3 +148,28 @@ def test_replica_zero_shares_buffers_so_batchnorm_keeps_device_0s_statistics(n):
         assert torch.equal(getattr(net[1], name), getattr(first[1], name)), name
     if n > 1:
         assert not torch.allclose(net[1].running_mean, whole[1].running_mean)
+
+
+def test_new_thread_starts_with_grad_on_and_parallel_apply_passes_no_grad_on():
+    import threading
+    seen = []
+    with torch.no_grad():
+        t = threading.Thread(target=lambda: seen.append(torch.is_grad_enabled()))
+        t.start()
+        t.join()
+        outs = dp.parallel_apply([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)],
+                                 [torch.ones(1, 2), torch.ones(1, 2)])
+    assert seen == [True]  # the reason parallel_apply must carry the caller's mode over
+    assert not any(o.requires_grad for o in outs)
+
+
+def test_data_parallel_uses_fewer_devices_when_the_batch_runs_out():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    X = torch.randn(6, 3)
+    with dp.TrafficCounter() as tc:
+        out = dp.data_parallel(model, X, 4)  # torch.chunk: 3 chunks of 2 -> 3 replicas
+        out.sum().backward()
+    K = sum(p.numel() for p in model.parameters())
+    assert torch.allclose(out, model(X), atol=1e-6)
+    assert tc.params_out == 2 * K and tc.grads_in == 2 * K  # counted copies, 3 devices

@@ -18,10 +18,10 @@ def good_gather(outputs):
     return torch.cat(outputs)
 
 
-def make_step(combine="sum", loss_per_chunk=False):
+def make_step(combine="sum", loss_per_chunk=False, per_device=False):
     def step(model, X, y, n):
         chunks = good_scatter(X, n)
-        reps = [copy.deepcopy(model) for _ in range(n)]
+        reps = [copy.deepcopy(model) for _ in (range(n) if per_device else chunks)]
         outs = dp.parallel_apply(reps, chunks)
         if loss_per_chunk:
             loss = sum(F.cross_entropy(o, yc) for o, yc in zip(outs, good_scatter(y, n)))
@@ -33,7 +33,7 @@ def make_step(combine="sum", loss_per_chunk=False):
             if combine == "sum":
                 p.grad = sum(gs)
             elif combine == "mean":
-                p.grad = sum(gs) / n
+                p.grad = sum(gs) / len(gs)
             elif combine == "first":
                 p.grad = gs[0].clone()
             elif combine == "flat":
@@ -55,7 +55,7 @@ def test_reference_answers_pass(capsys):
     (lambda X, n: list(torch.chunk(X, n, dim=1)), "split along dim 1"),
     (lambda X, n: [X[i::n] for i in range(n)], "every n-th sample"),
     (lambda X, n: list(torch.split(X, X.shape[0] // n))[:n], "lost 2 of 10 samples"),
-    (lambda X, n: list(torch.chunk(X, n))[:-1], r"chunk\(s\) for 2 devices"),
+    (lambda X, n: list(torch.chunk(X, n))[:-1], "lost 4 of 8 samples"),
     (lambda X, n: list(torch.chunk(X, n))[::-1], "not the original batch"),
     (lambda X, n: X, "list of tensors"),
     (lambda X, n: [c.reshape(-1) for c in torch.chunk(X, n)], "changed the number of dimensions"),
@@ -81,6 +81,7 @@ def test_wrong_gather(wrong, phrase):
     (make_step("first"), "replica 0's alone"),
     (make_step("none"), "no gradients"),
     (make_step(loss_per_chunk=True), "counts the batch 4 times"),
+    (make_step(per_device=True), "make one copy per chunk, not one per device"),
 ])
 def test_wrong_dp_step(step, phrase):
     with pytest.raises(LabCheckError, match=phrase):
@@ -135,9 +136,9 @@ def four_devices_always(model, X, y, n):
 
 def mean_of_chunk_losses(model, X, y, n):
     chunks, ys = torch.chunk(X, n), torch.chunk(y, n)
-    reps = [copy.deepcopy(model) for _ in range(n)]
+    reps = [copy.deepcopy(model) for _ in chunks]
     outs = dp.parallel_apply(reps, list(chunks))
-    loss = sum(F.cross_entropy(o, t) for o, t in zip(outs, ys)) / n  # equal only for even chunks
+    loss = sum(F.cross_entropy(o, t) for o, t in zip(outs, ys)) / len(chunks)  # equal only for even chunks
     loss.backward()
     for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
         p.grad = sum(c.grad for c in cs)
@@ -159,8 +160,9 @@ def sequential_copies_accumulating(model, X, y, n):
 def original_as_replica_zero(model, X, y, n):
     # right: device 0 uses the original model, the others copies; p.grad then already holds
     # replica 0's share and the copies' are added to it
-    reps = [model] + [copy.deepcopy(model) for _ in range(n - 1)]
-    outs = dp.parallel_apply(reps, list(torch.chunk(X, n)))
+    chunks = list(torch.chunk(X, n))
+    reps = [model] + [copy.deepcopy(model) for _ in chunks[1:]]
+    outs = dp.parallel_apply(reps, chunks)
     loss = F.cross_entropy(torch.vstack(outs), y)
     loss.backward()
     for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps[1:])):
@@ -170,8 +172,9 @@ def original_as_replica_zero(model, X, y, n):
 
 def with_course_replicate(model, X, y, n):
     # right: dp.replicate ties the copies to the original by autograd, so backward fills p.grad
-    reps = dp.replicate(model, dp.devices_for(n, "cpu"))
-    outs = dp.parallel_apply(reps, dp.scatter(X, dp.devices_for(n, "cpu")))
+    chunks = dp.scatter(X, dp.devices_for(n, "cpu"))
+    reps = dp.replicate(model, dp.devices_for(n, "cpu")[:len(chunks)])
+    outs = dp.parallel_apply(reps, chunks)
     loss = F.cross_entropy(dp.gather(outs), y)
     loss.backward()
     return loss.item()
@@ -198,10 +201,10 @@ def test_dp_steps_that_skip_the_idea_or_fit_one_setup_fail(step, phrase):
 
 
 @pytest.mark.parametrize("wrong", [
-    lambda X, n: list(torch.tensor_split(X, n)),
+    lambda X, n: [c for c in torch.tensor_split(X, n) if len(c)],
     lambda X, n: list(torch.split(X, -(-X.shape[0] // n))),
-    lambda X, n: [X[i * len(X) // n:(i + 1) * len(X) // n] for i in range(n)],
-], ids=["tensor_split", "split-ceil", "slices"])
+    lambda X, n: [c for c in (X[i * len(X) // n:(i + 1) * len(X) // n] for i in range(n)) if len(c)],
+], ids=["tensor_split-nonempty", "split-ceil", "slices-nonempty"])
 def test_right_scatters_pass(wrong, capsys):
     lab02.check_scatter(wrong)
     assert capsys.readouterr().out.count("✔") == 1
@@ -313,3 +316,54 @@ def test_threaded_apply_mistakes_are_named(fn, phrase):
     with pytest.raises(LabCheckError) as err:
         lab02.check_threaded_apply(fn)
     assert phrase in str(err.value), str(err.value)
+
+
+# --- batches that run out before the devices do: (6, 4), (5, 4), (2, 3) ---------------------
+
+def ceil_slices_for_every_device(X, n):
+    s = -(-X.shape[0] // n)
+    return [X[i * s:(i + 1) * s] for i in range(n)]  # (6, 4) -> 2, 2, 2, 0
+
+
+def refuses_fewer_chunks(X, n):
+    chunks = list(torch.chunk(X, n))
+    if len(chunks) != n:  # the first reference's mistake: nn.DataParallel uses fewer devices
+        raise ValueError(f"a batch of {X.shape[0]} does not split into {n} chunks")
+    return chunks
+
+
+def refuses_small_batch(X, n):
+    if X.shape[0] < n:
+        raise ValueError("batch smaller than the device count")
+    return list(torch.chunk(X, n))
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (ceil_slices_for_every_device, "gave a device an empty chunk (sizes [2, 2, 2, 0])"),
+    (lambda X, n: list(torch.tensor_split(X, n)), "gave a device an empty chunk (sizes [1, 1, 0])"),
+    (refuses_fewer_chunks, "raised ValueError for a batch of 6 on 4 devices"),
+    (refuses_small_batch, "raised ValueError for a batch of 2 on 3 devices"),
+    (lambda X, n: [X], "left devices idle that nn.DataParallel would use (2 chunks)"),
+    (lambda X, n: [X[:len(X) - n + 1]] + [X[i:i + 1] for i in range(len(X) - n + 1, len(X))],
+     "unbalanced (sizes [7, 1]"),
+    (lambda X, n: list(torch.chunk(X, n)) + [X[:0]], "returned 3 chunk(s)"),
+], ids=["ceil-slices-empty", "tensor_split-empty", "refuses-fewer-chunks", "refuses-small-batch",
+        "one-chunk", "unbalanced", "extra-empty"])
+def test_scatter_when_the_batch_runs_out_before_the_devices(wrong, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_scatter(wrong)
+    assert phrase in str(err.value), str(err.value)
+
+
+def test_balanced_split_with_every_device_passes(capsys):
+    def balanced(X, n):  # (6, 4) -> 2, 2, 1, 1: all four devices busy, none over ceil(B/N)
+        return [c for c in torch.tensor_split(X, n) if len(c)]
+    lab02.check_scatter(balanced)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_torch_chunk_gives_fewer_chunks_than_devices():
+    # the fact the lab is built on, in the installed torch
+    assert [c.shape[0] for c in torch.chunk(torch.zeros(6), 4)] == [2, 2, 2]
+    assert [c.shape[0] for c in torch.chunk(torch.zeros(5), 4)] == [2, 2, 1]
+    assert [c.shape[0] for c in torch.chunk(torch.zeros(2), 3)] == [1, 1]

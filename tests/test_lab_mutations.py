@@ -24,9 +24,6 @@ EQUIVALENT = {
     "lab01:delete: X, y = X.to(device), y.to(device)":
         "on the CPU profile the data is already on the device; on a GPU the check fails "
         "with a device mismatch",
-    "lab02:delete: raise ValueError(f\"a batch of {X.shape[0]} cannot be split over {n_devices} devices\")":
-        "not equivalent, but also right: without the raise, a batch smaller than the device "
-        "count gives fewer chunks, which is what the real nn.DataParallel does (lesson 02)",
     "lab03:swap 'True' -> 'False': optimizer.zero_grad(set_to_none=True)":
         "for plain SGD, gradients zeroed in place and gradients set to None give the same step",
     "lab05:delete: ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)":

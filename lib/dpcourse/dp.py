@@ -2,7 +2,7 @@
 
 One step of ``nn.DataParallel(module)(X)`` is four moves, all inside one Python process:
 
-1. :func:`scatter`   split the batch along dim 0 into one contiguous chunk per device;
+1. :func:`scatter`   split the batch along dim 0 into contiguous chunks, at most one per device;
 2. :func:`replicate` copy the module onto every device — *every step*, because the weights
                      changed since the last one;
 3. :func:`parallel_apply` run each replica on its chunk, one Python **thread** per device;
@@ -162,10 +162,11 @@ def parameter_server_traffic(n_devices: int, n_params: int) -> int:
 def scatter(X: torch.Tensor, devices) -> list[torch.Tensor]:
     """Split ``X`` along dim 0 into contiguous chunks, chunk i on device i.
 
-    Same sizes as the real one (``torch.chunk``): ceil(B/N) per chunk, the last one smaller.
-    The real ``nn.DataParallel`` then quietly uses *fewer* devices when B is small (B=5 on 4
-    GPUs gives chunks 2, 2, 1 on 3 GPUs, and B=1 runs on one); here every device must get at
-    least one sample, so a batch that does not split raises instead of hiding it.
+    Same sizes as the real one (``torch.chunk``, which ``comm.scatter`` uses when no chunk sizes
+    are given): ceil(B/N) per chunk, the last one smaller. ``torch.chunk`` never makes an empty
+    chunk, so it can return *fewer* than N chunks (B=6 on 4 devices gives 2, 2, 2; B=2 on 3
+    gives 1, 1); like ``nn.DataParallel.forward``, which replicates onto
+    ``device_ids[:len(inputs)]``, the caller then uses only the first ``len(chunks)`` devices.
     Differentiable: gradients flow back from the chunks to ``X``.
     """
     devs = _as_devices(devices)
@@ -173,15 +174,9 @@ def scatter(X: torch.Tensor, devices) -> list[torch.Tensor]:
         raise TypeError(f"scatter needs a tensor, got {type(X).__name__}")
     if X.dim() == 0:
         raise ValueError("scatter needs a batch (a tensor with a dim 0), got a scalar")
-    n, b = len(devs), X.shape[0]
-    if b < n:
-        raise ValueError(f"a batch of {b} sample(s) cannot be split over {n} devices: each device "
-                         f"needs at least one sample (use a batch of at least {n})")
-    chunks = list(torch.chunk(X, n, dim=0))
-    if len(chunks) != n:
-        # torch.chunk makes fewer chunks when ceil(b/n) * (n-1) >= b, e.g. b=5, n=4 -> 2,2,1.
-        raise ValueError(f"a batch of {b} does not split into {n} non-empty contiguous chunks of "
-                         f"ceil({b}/{n}) samples; use a batch that is a multiple of {n}")
+    if X.shape[0] == 0:
+        raise ValueError("scatter needs at least one sample, got an empty batch")
+    chunks = list(torch.chunk(X, len(devs), dim=0))
     return [c.to(d) for c, d in zip(chunks, devs)]
 
 
@@ -212,8 +207,8 @@ class _Broadcast(torch.autograd.Function):
                     out.append(t)
                 else:
                     out.append(t.detach().to(d, copy=True))
-            if i > 0:
-                _count("params_out", sum(t.numel() for t in tensors))
+                    if i > 0:  # a copy sent out of device 0 (replica 0's own copy stays home)
+                        _count("params_out", out[-1].numel())
         return tuple(out)
 
     @staticmethod
@@ -223,9 +218,10 @@ class _Broadcast(torch.autograd.Function):
         for j in range(n_t):
             g = grads[j].to(ctx.src[j])  # replica 0's gradient is already on device 0
             for i in range(1, ctx.n_dev):
-                g = g + grads[i * n_t + j].to(ctx.src[j])
+                incoming = grads[i * n_t + j].to(ctx.src[j])  # a gradient sent to device 0
+                _count("grads_in", incoming.numel())
+                g = g + incoming
             summed.append(g)
-        _count("grads_in", (ctx.n_dev - 1) * sum(g.numel() for g in summed))
         return (None, *summed)
 
 
@@ -280,8 +276,9 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[torch.Tensor]
 
     The threads share the GIL: the Python code of the forwards takes turns, and only the time
     spent inside torch kernels (which release the GIL) can overlap. Grad mode is thread-local in
-    torch, so each thread switches it to the caller's setting — forget that and the replicas
-    would run without autograd. An exception in a thread is re-raised here, naming the replica.
+    torch and a new thread starts with it *on*, so each thread switches it to the caller's
+    setting — forget that and a caller inside ``torch.no_grad()`` would still get replicas that
+    record autograd graphs (memory held for a backward that never comes). An exception in a thread is re-raised here, naming the replica.
     """
     if len(replicas) != len(inputs):
         raise ValueError(f"{len(replicas)} replicas but {len(inputs)} inputs: need one input "
@@ -332,7 +329,7 @@ def data_parallel(module: nn.Module, X: torch.Tensor, devices) -> torch.Tensor:
     """``nn.DataParallel(module)(X)``, spelled out: scatter, replicate, parallel_apply, gather."""
     devs = _as_devices(devices)
     chunks = scatter(X, devs)
-    replicas = replicate(module, devs)
+    replicas = replicate(module, devs[:len(chunks)])  # fewer chunks than devices: fewer replicas
     outputs = parallel_apply(replicas, chunks)
     return gather(outputs, devs[0])
 

@@ -573,6 +573,34 @@ def traffic_figure(n_params: int, counted: dict[int, int], ns: Sequence[int] = r
     return fig
 
 
+def traffic_both_ways_figure(n_params: int, counted: dict[int, int],
+                             ns: Sequence[int] = range(2, 17)):
+    """Numbers sent plus received per step: device 0 of a copy-by-copy parameter server
+    (lesson 02's DataParallel), 2(N−1)K, against one rank of a ring all-reduce, which sends
+    2(N−1)K/N and receives as much, 4(N−1)K/N. ``counted`` maps N to the lesson's counted total
+    for device 0 (drawn as points)."""
+    ns = list(ns)
+    k = n_params
+    fig = new_figure(6.4, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(ns, [2 * (n - 1) * k for n in ns], "-", color="#cc0000",
+            label="copy-by-copy parameter server: device 0 sends+receives 2(N−1)K")
+    ax.plot(ns, [4 * (n - 1) * k / n for n in ns], "-", color="#2ca02c",
+            label="ring all-reduce: one rank sends+receives 4(N−1)K/N")
+    if counted:
+        ax.plot(list(counted), list(counted.values()), "o", color="#cc0000",
+                label="counted copies in this run (device 0)")
+    ax.axhline(4 * k, color="#2ca02c", ls=":", lw=0.8)
+    ax.text(ns[-1], 4 * k, "  4K", va="center", fontsize=8, color="#2ca02c")
+    ax.set_xlabel("devices N")
+    ax.set_ylabel("numbers sent + received per step")
+    ax.set_title(f"K = {k:,} parameters", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.15, right=0.92, bottom=0.13, top=0.92)
+    return fig
+
+
 # --------------------------------------------------------------------------------------------
 # Lesson 03: collectives, DDP's buckets on a timeline, DistributedSampler
 # --------------------------------------------------------------------------------------------

@@ -33,12 +33,19 @@ def _tensor_list(result, what: str) -> list[torch.Tensor]:
 
 
 def check_scatter(scatter) -> None:
-    """``scatter(X, n_devices)`` must split X along dim 0 into n contiguous, non-empty chunks in
-    order (torch.chunk's sizes, or any other contiguous split, are fine)."""
+    """``scatter(X, n_devices)`` must split X along dim 0 into contiguous, non-empty chunks in
+    order, as ``nn.DataParallel`` does: at most n chunks, none larger than ceil(B/n), and at
+    least as many as ``torch.chunk`` makes (which the real class uses: 6 samples on 4 devices
+    are 3 chunks of 2, and the step then runs on 3 devices). A balanced split with n chunks when
+    the batch allows it (2, 2, 1, 1) is accepted too; an empty chunk or an error is not."""
     __tracebackhide__ = True
-    # Even and uneven splits, and a batch of exactly one sample per device (the boundary).
-    for b, n in ((8, 2), (10, 4), (6, 3), (7, 2), (3, 3)):
+    # Even and uneven splits, one sample per device, and batches that run out before the
+    # devices do (torch.chunk gives fewer chunks than devices: (6, 4), (5, 4), (2, 3)).
+    for b, n in ((8, 2), (10, 4), (6, 3), (7, 2), (3, 3), (6, 4), (5, 4), (2, 3)):
         X = torch.arange(b * 3, dtype=torch.float32).reshape(b, 3)
+        fewest = len(torch.chunk(X, n))   # what nn.DataParallel uses
+        most = min(n, b)
+        biggest = -(-b // n)
         try:
             chunks = scatter(X.clone(), n)
         except NotImplementedError:
@@ -48,41 +55,59 @@ def check_scatter(scatter) -> None:
                 fail(f"scatter refused a batch of {b} samples on {n} devices ({type(exc).__name__}: "
                      f"{exc}), but one sample per device is a valid split: refuse only batches "
                      f"smaller than the number of devices (check < against <=).")
+            if fewest < n:
+                fail(f"scatter raised {type(exc).__name__} for a batch of {b} on {n} devices "
+                     f"({exc}), but nn.DataParallel does not refuse a batch that runs out before "
+                     f"the devices do: it returns fewer chunks and the step uses fewer devices.")
             fail(f"scatter(X, {n}) raised {type(exc).__name__}: {exc}")
         chunks = _tensor_list(chunks, "scatter")
-        if len(chunks) != n:
-            fail(f"scatter(X, {n}) returned {len(chunks)} chunk(s) for {n} devices: each device "
-                 f"needs exactly one chunk.")
         if any(c.dim() != 2 for c in chunks):
             fail(f"scatter changed the number of dimensions (got shapes "
                  f"{[tuple(c.shape) for c in chunks]} from {tuple(X.shape)}): split, do not reshape.")
-        if all(c.shape[0] == b for c in chunks) and sum(c.shape[1] for c in chunks) == 3:
+        if (len(chunks) > 1 and all(c.shape[0] == b for c in chunks)
+                and sum(c.shape[1] for c in chunks) == 3):
             fail("scatter split along dim 1 (the features) instead of dim 0 (the batch): each "
                  "device must get whole samples.")
         if any(c.shape[1] != 3 for c in chunks):
             fail(f"scatter returned chunks shaped {[tuple(c.shape) for c in chunks]}; each chunk "
                  f"must keep every feature of its samples (shape (k, 3) here).")
-        if any(c.shape[0] == 0 for c in chunks):
-            fail(f"scatter(X, {n}) left a device with an empty chunk for a batch of {b}: every "
-                 f"device needs at least one sample.")
-        total = sum(c.shape[0] for c in chunks)
+        sizes = [c.shape[0] for c in chunks]
+        if len(chunks) > n:
+            fail(f"scatter(X, {n}) returned {len(chunks)} chunk(s) (sizes {sizes}) for {n} "
+                 f"devices: at most one chunk per device.")
+        if any(s == 0 for s in sizes):
+            fail(f"scatter(X, {n}) gave a device an empty chunk (sizes {sizes}) for a batch of "
+                 f"{b}: a replica must not run on no samples, so return only non-empty chunks "
+                 f"(nn.DataParallel then uses fewer devices).")
+        total = sum(sizes)
         if total < b:
-            fail(f"scatter lost {b - total} of {b} samples (chunk sizes "
-                 f"{[c.shape[0] for c in chunks]}): the remainder must go to some device.")
+            fail(f"scatter lost {b - total} of {b} samples (chunk sizes {sizes}): the "
+                 f"remainder must go to some device.")
         if total > b:
             fail(f"scatter returned {total} samples from a batch of {b}: a sample was copied to "
                  f"two devices.")
+        if len(chunks) < fewest:
+            fail(f"scatter(X, {n}) returned {len(chunks)} chunk(s) (sizes {sizes}) for a batch of "
+                 f"{b}: it left devices idle that nn.DataParallel would use ({fewest} chunks), "
+                 f"so each device must get one chunk while the batch lasts.")
+        if max(sizes) > biggest:
+            fail(f"scatter's chunks are unbalanced (sizes {sizes} for {b} samples on {n} "
+                 f"devices): the slowest device sets the step's pace, so no chunk may hold more "
+                 f"than ceil({b}/{n}) = {biggest} samples.")
+        assert fewest <= len(chunks) <= most
         joined = torch.cat(chunks)
         if torch.equal(joined, X):
             continue
-        strided = torch.cat([X[i::n] for i in range(n)])
+        k = len(chunks)
+        strided = torch.cat([X[i::k] for i in range(k)])
         if torch.equal(joined, strided):
             fail("scatter took every n-th sample (X[i::n]) instead of contiguous slices: "
                  "DataParallel gives each device one contiguous slice, so that gathering the "
                  "outputs in device order puts them back in the order of y.")
         fail("scatter's chunks, concatenated in device order, are not the original batch: split "
              "X along dim 0 into contiguous pieces without reordering them.")
-    return passed("scatter splits the batch along dim 0 into contiguous chunks, one per device")
+    return passed("scatter splits the batch along dim 0 into contiguous chunks, at most one per "
+                  "device and none empty, also when the batch runs out before the devices do")
 
 
 def check_gather(gather) -> None:
@@ -147,14 +172,16 @@ def check_dp_forward_backward(dp_forward_backward) -> None:
     equal the plain model's on the whole batch (mean cross-entropy), the returned loss must be
     its loss, and the forward must have run on ``n_devices`` copies, each on its own chunk.
 
-    Tried with 16 samples on 4 devices and with 10 samples on 3 (chunks of 4, 4 and 2), so an
-    answer tied to one device count or to equal chunks fails.
+    Tried with 16 samples on 4 devices, 10 samples on 3 (chunks of 4, 4 and 2) and 6 samples on
+    4 (torch.chunk gives 3 chunks of 2: fewer chunks than devices), so an answer tied to one
+    device count, to equal chunks or to one copy per device fails.
     """
     __tracebackhide__ = True
-    for n_devices, batch in ((4, 16), (3, 10)):
+    for n_devices, batch in ((4, 16), (3, 10), (4, 6)):
         _check_dp_once(dp_forward_backward, n_devices, batch)
-    passed("DataParallel by hand on 4 and 3 devices (even and uneven chunks): each copy ran on "
-           "its chunk, and the gradients and loss equal the plain model's on the whole batch")
+    passed("DataParallel by hand on 4 and 3 devices (even and uneven chunks, and a batch of 6 "
+           "on 4): each copy ran on its chunk, and the gradients and loss equal the plain "
+           "model's on the whole batch")
 
 
 def _check_dp_once(dp_forward_backward, n: int, batch: int) -> None:
@@ -179,20 +206,24 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int) -> None:
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001
+        if len(sizes) < n:
+            fail(f"on a batch of {batch} over {n} devices, where scatter gives {len(sizes)} "
+                 f"chunks, dp_forward_backward raised {type(exc).__name__} ({exc}): make one "
+                 f"copy per chunk, not one per device.")
         fail(f"dp_forward_backward raised {type(exc).__name__}: {exc}")
 
-    # Did it do data parallelism at all: n forwards, on n different copies, on chunks?
+    # Did it do data parallelism at all: one forward per chunk, on different copies, on chunks?
     seen = [b for _, b in calls]
     if batch in seen:
         fail(f"the model ran on the whole batch of {batch} (forward batch sizes {seen}): "
              f"scatter X first and run each copy on its own chunk.")
-    if len(calls) != n:
-        fail(f"{len(calls)} forward pass(es) for {n} devices (batch sizes {seen}): run each of "
-             f"the {n} copies once, on its chunk.")
-    if len({m for m, _ in calls}) != n:
-        fail(f"the {n} chunks ran through {len({m for m, _ in calls})} model object(s): make one "
-             f"copy per device (copy.deepcopy) and run copy i on chunk i — each device holds "
-             f"its own replica, which is what DataParallel is.")
+    if len(calls) not in (len(sizes), min(n, batch)):
+        fail(f"{len(calls)} forward pass(es) for {n} devices (batch sizes {seen}): run each "
+             f"copy once, on its chunk.")
+    if len({m for m, _ in calls}) != len(calls):
+        fail(f"the {len(calls)} chunks ran through {len({m for m, _ in calls})} model object(s): "
+             f"make one copy per chunk (copy.deepcopy) and run copy i on chunk i — each device "
+             f"holds its own replica, which is what DataParallel is.")
 
     got = _grads(learner)
     if all(g is None for g in got):
