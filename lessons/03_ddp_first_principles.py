@@ -17,7 +17,8 @@
 # **Time:** about 60 minutes to read and run, and about 25 more for the lab.
 #
 # **Lab:** [lab03_ddp_first_principles](../labs/lab03_ddp_first_principles.ipynb) — write
-# `average_gradients` and a DDP-free data-parallel step.
+# `average_gradients`, a DDP-free data-parallel step, and the average over shards of unequal
+# sizes (which this lesson does not show).
 #
 # DataParallel ran N threads in one process. DDP runs **N processes**, one per device, each with
 # its own copy of the model and its own share of every batch. They agree on the weights because,
@@ -228,7 +229,8 @@ claim(f"weights after the {steps} steps are bit-for-bit equal across the ranks (
 # ## Lab 03: average the gradients yourself
 #
 # Before reading on, open [lab03_ddp_first_principles](../labs/lab03_ddp_first_principles.ipynb)
-# and write what DDP just did for you: `average_gradients(model)` and a DDP-free training step.
+# and write what DDP just did for you: `average_gradients(model)` and a DDP-free training step;
+# then the average when the ranks' shards differ in size, which no cell here shows.
 # The library's own `average_gradients` is in the folded cell below: open it once your lab
 # passes.
 

@@ -1,13 +1,15 @@
 # %% [markdown]
 # # Lab 03 · Averaging gradients by hand
 #
-# Write the two pieces of data parallelism that DDP hides:
+# Write three pieces of data parallelism that DDP hides:
 #
 # 1. `average_gradients(model)`: after `loss.backward()` on every rank, make every `p.grad` the
 #    **mean over the ranks** — `dist.all_reduce` it (SUM), then divide by the world size, both
 #    **in place** on `p.grad`;
 # 2. `data_parallel_step(model, optimizer, X, y)`: one training step of a rank on its shard
-#    `X, y`: zero the gradients, mean cross-entropy, backward, `average_gradients`, step.
+#    `X, y`: zero the gradients, mean cross-entropy, backward, `average_gradients`, step;
+# 3. `average_gradients_weighted(model, n_local)`: the same averaging when the ranks' shards
+#    have **different sizes** — something the lesson does not show; see its cell below.
 #
 # The checks run your functions on 2 and then 3 ranks (gloo, through `dpcourse.launch.spawn`;
 # they ship your functions to the ranks, so define them right here in the notebook) and compare
@@ -56,6 +58,33 @@ def data_parallel_step(model, optimizer, X, y):
 
 
 lab03.check_data_parallel_step(data_parallel_step)
+
+# %% [markdown]
+# ## Unequal shards
+#
+# Shards are not always equal: the last batch of an epoch without `drop_last`, or data split by
+# file. Here rank *r* holds `n_local` samples (3, 5 and 8 on ranks 0, 1, 2) and has run
+# `backward()` on the **mean** loss over its own `n_local` samples. Make every `p.grad`, on
+# every rank, the gradient of the mean loss over **all** the ranks' samples together — the step
+# one process would take on the concatenated batch. Why is `average_gradients` wrong here, and
+# what does no rank know yet? The check tells apart the plain mean, a missing or wrong divisor,
+# and a divisor only one rank knows.
+
+# %%
+def average_gradients_weighted(model, n_local):
+    """Make every p.grad the gradient of the mean loss over all ranks' samples (in place)."""
+    ### BEGIN SOLUTION: a rank's gradient is a mean over n_local samples; the global mean counts every sample once, and the total count must be all-reduced too
+    total = torch.tensor([float(n_local)], device=next(model.parameters()).device)
+    dist.all_reduce(total)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad *= n_local
+            dist.all_reduce(p.grad)
+            p.grad /= total
+    ### END SOLUTION
+
+
+lab03.check_average_gradients_weighted(average_gradients_weighted)
 
 # %% [markdown]
 # ## Stretch (optional): one all_reduce for the whole model

@@ -326,3 +326,91 @@ def test_flat_mistakes_are_named(fn, phrase):
     with pytest.raises(LabCheckError) as err:
         lab03.check_average_gradients_flat(fn)
     assert phrase in str(err.value), str(err.value)
+
+
+# --- unequal shards: average_gradients_weighted(model, n_local) ---
+
+def weighted_reference(model, n_local):
+    n = torch.tensor([float(n_local)])
+    dist.all_reduce(n)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(n_local)
+            dist.all_reduce(p.grad)
+            p.grad.div_(n)
+
+
+def weighted_via_weights(model, n_local):
+    # Equivalent: each rank's weight n_local / N, then one plain sum.
+    total = torch.tensor(float(n_local))
+    dist.all_reduce(total)
+    for p in model.parameters():
+        p.grad *= n_local / total.item()
+        dist.all_reduce(p.grad)
+
+
+def weighted_plain_mean(model, n_local):
+    ddp.average_gradients(model)
+
+
+def weighted_sum_only(model, n_local):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def weighted_not_divided(model, n_local):
+    for p in model.parameters():
+        p.grad *= n_local
+        dist.all_reduce(p.grad)
+
+
+def weighted_by_world_size(model, n_local):
+    for p in model.parameters():
+        p.grad *= n_local
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def weighted_assumes_equal_totals(model, n_local):
+    for p in model.parameters():
+        p.grad *= n_local
+        dist.all_reduce(p.grad)
+        p.grad /= n_local * dist.get_world_size()
+
+
+def weighted_by_own_count(model, n_local):
+    for p in model.parameters():
+        p.grad *= n_local
+        dist.all_reduce(p.grad)
+        p.grad /= n_local
+
+
+def weighted_on_a_copy(model, n_local):
+    for p in model.parameters():
+        g = p.grad * n_local
+        dist.all_reduce(g)
+
+
+@pytest.mark.parametrize("fn", [weighted_reference, weighted_via_weights])
+def test_right_weighted_averages_pass(fn, capsys):
+    lab03.check_average_gradients_weighted(fn)
+    out = capsys.readouterr().out
+    assert out.startswith("✔") and "on 2 and 3 ranks" in out and out.count("✔") == 1
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (weighted_plain_mean, "plain mean over the ranks"),
+    (weighted_sum_only, "plain sum over the ranks"),
+    (weighted_not_divided, "not yet divided"),
+    (weighted_by_world_size, "divided the weighted sum by the world size"),
+    (weighted_assumes_equal_totals, r"as if every rank had this rank's number of samples"),
+    (weighted_by_own_count, "this rank's own n_local"),
+    (weighted_on_a_copy, "still that rank's own gradient"),
+])
+def test_weighted_mistakes_are_named(fn, phrase):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab03.check_average_gradients_weighted(fn)
+
+
+def test_weighted_shard_sizes_are_unequal_and_cover_three_ranks():
+    assert len(set(lab03.SHARD_SIZES[:3])) == 3 and max(lab03.WORLD_SIZES) <= len(lab03.SHARD_SIZES)

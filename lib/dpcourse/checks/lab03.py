@@ -1,5 +1,6 @@
-"""Checks for lab03: ``average_gradients(model)``, a DDP-free data-parallel step, and the
-stretch ``average_gradients_flat(model)`` (one all_reduce for the whole model).
+"""Checks for lab03: ``average_gradients(model)``, a DDP-free data-parallel step,
+``average_gradients_weighted(model, n_local)`` (shards of unequal sizes), and the stretch
+``average_gradients_flat(model)`` (one all_reduce for the whole model).
 
 They run the learner's functions (defined in notebook cells; ``dpcourse.launch`` ships them to
 the ranks with cloudpickle) on 2 and then 3 gloo ranks, and compare with ``dpcourse.ddp``'s
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 from . import fail, has_todo, passed
 
 __all__ = ["check_average_gradients", "check_average_gradients_flat",
-           "check_data_parallel_step", "DEFAULT_TIMEOUT", "WORLD_SIZES"]
+           "check_average_gradients_weighted", "check_data_parallel_step", "DEFAULT_TIMEOUT",
+           "SHARD_SIZES", "WORLD_SIZES"]
 
 DEFAULT_TIMEOUT = 20.0  # seconds; a correct answer takes 1-8 s, a deadlock is cut off here
 
@@ -197,6 +199,102 @@ def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = 
                  + (f", once per parameter ({n_params})" if calls == n_params else "")
                  + ": put every gradient into one flat tensor (torch.cat of the flattened "
                    "grads), reduce it once, and copy the slices back.")
+
+
+# --------------------------------------------------------------------------------------------
+# Unequal shards: the gradient of the mean loss over every rank's samples
+# --------------------------------------------------------------------------------------------
+
+SHARD_SIZES = (3, 5, 8)  # rank r holds SHARD_SIZES[r] samples
+
+
+def _weighted_worker(rank: int, world_size: int, fn, sizes: tuple) -> dict:
+    __tracebackhide__ = True
+    from .. import ddp
+    from ..models import SmallCNN
+
+    dev = ddp.rank_device()
+    torch.manual_seed(0)
+    model = SmallCNN(width=4).to(dev)
+    g = torch.Generator().manual_seed(2000 + rank)  # different data on each rank
+    n_local = sizes[rank]
+    X = torch.randn(n_local, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (n_local,), generator=g)
+    F.cross_entropy(model(X.to(dev)), y.to(dev)).backward()   # the mean over this rank's shard
+    local = [p.grad.detach().cpu().clone() for p in model.parameters()]
+    fn(model, n_local)
+    after = [None if p.grad is None else p.grad.detach().cpu().clone()
+             for p in model.parameters()]
+    return {"local": local, "after": after, "n_local": n_local}
+
+
+def check_average_gradients_weighted(average_gradients_weighted, world_sizes=WORLD_SIZES,
+                                     timeout: float = DEFAULT_TIMEOUT,
+                                     sizes: tuple = SHARD_SIZES) -> None:
+    """Ranks hold shards of different sizes (3, 5 and 8 samples); after each rank's backward
+    on the mean loss over its own shard, ``average_gradients_weighted(model, n_local)`` must
+    leave in every ``p.grad`` the gradient of the mean loss over all the ranks' samples
+    together: sum over r of n_r * g_r, divided by the sum of the n_r."""
+    __tracebackhide__ = True
+    if not callable(average_gradients_weighted):
+        fail(f"the check needs your function, got {type(average_gradients_weighted).__name__}.")
+    for world_size in world_sizes:
+        results = _launch(_weighted_worker, world_size, timeout, average_gradients_weighted,
+                          tuple(sizes[:world_size]))
+        _diagnose_weighted(results, world_size)
+    passed(f"average_gradients_weighted: every p.grad is the gradient of the mean loss over all "
+           f"the ranks' samples, shards of {', '.join(map(str, sizes[:max(world_sizes)]))} "
+           f"(on {' and '.join(map(str, world_sizes))} ranks)")
+
+
+def _diagnose_weighted(results: list, world_size: int) -> None:
+    __tracebackhide__ = True
+    ns = [r["n_local"] for r in results]
+    total_n = sum(ns)
+    n_params = len(results[0]["local"])
+
+    def combine(weights, divisor):
+        return [sum(w * r["local"][i] for w, r in zip(weights, results)) / divisor
+                for i in range(n_params)]
+
+    want = combine(ns, total_n)
+    for rank, r in enumerate(results):
+        after = r["after"]
+        if any(a is None for a in after):
+            fail(f"on rank {rank} some p.grad is None after average_gradients_weighted: "
+                 f"average the gradients in place, do not delete them.")
+        if any(a.shape != w.shape for a, w in zip(after, want)):
+            fail(f"on rank {rank} a gradient changed shape: combine the gradients "
+                 f"element-wise, in p.grad's own shape.")
+        if _all_close(after, want):
+            continue
+        if _all_close(after, r["local"]):
+            fail(f"on rank {rank} p.grad is still that rank's own gradient: nothing was reduced "
+                 f"into it — all_reduce p.grad itself (or write the result back into it).")
+        if _all_close(after, combine([1] * world_size, world_size)):
+            fail(f"the gradients are the plain mean over the ranks, which weighs a rank with "
+                 f"{min(ns)} samples as much as one with {max(ns)}: weight each rank's gradient "
+                 f"by its number of samples before the sum.")
+        if _all_close(after, combine([1] * world_size, 1)):
+            fail("the gradients are the plain sum over the ranks: weight each rank's gradient "
+                 "by its number of samples, and divide by the total number of samples.")
+        if _all_close(after, combine(ns, 1)):
+            fail(f"the gradients are the sample-weighted sum, not yet divided: divide by the "
+                 f"total number of samples over all ranks ({total_n} here).")
+        if _all_close(after, combine(ns, world_size)):
+            fail("you divided the weighted sum by the world size: divide by the total number of "
+                 "samples over all ranks instead.")
+        if _all_close(after, combine(ns, r["n_local"] * world_size)):
+            fail(f"on rank {rank} the weighted sum was divided by n_local × world_size "
+                 f"({r['n_local']} × {world_size}), as if every rank had this rank's number "
+                 f"of samples: no rank knows the total — all_reduce the sample count too.")
+        if _all_close(after, combine(ns, r["n_local"])):
+            fail(f"on rank {rank} the weighted sum was divided by this rank's own n_local "
+                 f"({r['n_local']}): divide by the total over all ranks — all_reduce the "
+                 f"sample count too.")
+        fail(f"on rank {rank} the gradients are not the gradient of the mean loss over all "
+             f"{total_n} samples (nor a plain mean or sum): each rank's gradient is a mean over "
+             f"its own n_local samples; the global mean counts every sample once.")
 
 
 # --------------------------------------------------------------------------------------------
