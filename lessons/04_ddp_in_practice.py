@@ -15,7 +15,7 @@
 # - recognise the first failures a GPU user meets by their messages, and turn a hang into a clear
 #   error.
 #
-# **Time:** about 55 minutes to read and run (the lab aside).
+# **Time:** about 80 minutes to read and run (the lab aside).
 #
 # **Lab:** [lab04_ddp_in_practice](../labs/lab04_ddp_in_practice.ipynb) — inside a torchrun DDP
 # script, evaluate a metric that is not a mean (macro-F1) so that it equals one process.
@@ -94,21 +94,26 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # - **one GPU per rank:** `torch.cuda.set_device(local_rank)` *before* anything touches CUDA, or
 #   every process's `.cuda()` and NCCL use GPU 0; `DDP(..., device_ids=[local_rank])`;
 # - **the restart store:** after a crash torchrun restarts the workers, and they meet again in
-#   the agent's store, which still holds the dead attempt's keys. The comment in torch's
+#   the store of the rendezvous. With the c10d rendezvous that store is created once and *reused*
+#   in every later round (`DynamicRendezvousHandler.next_rendezvous` keeps its
+#   `_shared_tcp_store_server`), and the workers join it as clients
+#   (`TORCHELASTIC_USE_AGENT_STORE=True`), so the dead attempt's keys, such as the peers'
+#   addresses, are still there when the new attempt starts. (A comment in torch's
 #   `_create_c10d_store` says "We create a new TCPStore for every retry so no need to add prefix
-#   for each attempt", but under the agent's store (`TORCHELASTIC_USE_AGENT_STORE`) there is no
-#   new store: with gloo on torch 2.14 a restarted rank read a dead peer's address and failed
-#   with "Connection refused". A `PrefixStore` named after `TORCHELASTIC_RESTART_COUNT` keeps
-#   every attempt's keys apart (section 3 restarts a run with it);
+#   for each attempt"; under the shared store that is not so.) A `PrefixStore` named after
+#   `TORCHELASTIC_RESTART_COUNT` keeps every attempt's keys apart (section 3 restarts a run with
+#   it); exporting `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` before torchrun, which turns the sharing
+#   off, is the other way out;
 # - **the data:** `DistributedSampler` gives each rank its shard, `set_epoch` reshuffles it each
 #   epoch the same way on every rank; the evaluation takes each test image exactly once;
 # - **the model:** `DDP(...)`, and `raw_model = model.module`, the plain model, which is what we
 #   save, load and evaluate; `no_sync` for accumulation (section 7);
 # - **the numbers we print:** `dist.all_reduce` of sums and counts, so the logged loss and the
 #   test accuracy are the whole job's, not rank 0's (section 4);
-# - **the end:** rank 0 saves; a barrier; `destroy_process_group`; and `os._exit`, because DDP
-#   keeps gloo's threads alive and a normal interpreter exit now and then aborts a finished
-#   process (measured: about 3% of runs).
+# - **the end:** rank 0 saves; a barrier; `destroy_process_group`; and, once `main` has
+#   returned, `os._exit`, which skips the interpreter's shutdown (the script's comment says why:
+#   gloo threads that DDP keeps alive can abort a finished process there, and torchrun would
+#   count it as a failure; this lesson does not reproduce that).
 
 # %%
 diff = list(difflib.unified_diff(train_single.read_text().splitlines(),
@@ -133,7 +138,19 @@ claim("the diff holds every piece listed above, each on a '+' line",
 # %% [markdown]
 # Does the script keep its promise? Train the same small CNN with `train_single.py` (one
 # process, batch 64) and with `train_ddp.py` on 2 ranks × 32, same seed and learning rate, and
-# compare what they print and the weights they end with. Here both scripts' `main` runs in
+# compare the weights they end with. Why are the batches the same? `train_single.py`'s
+# `RandomSampler` and `train_ddp.py`'s `DistributedSampler` both draw `torch.randperm` from a
+# generator seeded with `seed + epoch`, so they shuffle the images the same way; rank r takes
+# positions r, r + 2, r + 4, ... of that order, so at step k the two ranks' batches of 32 are,
+# together, exactly the 64 images of the single process's batch k, and DDP's average of the two
+# ranks' mean gradients is the gradient of the mean over those 64. The model is `small_cnn`,
+# which has no BatchNorm: BatchNorm normalises each rank's 32 images with their own statistics,
+# which breaks this equality (section 9). Two epochs on 256 images are enough to compare; the
+# loss barely leaves ln 10 ≈ 2.30 (guessing), and learning is section 2's job. Each script ends
+# by printing `final weights <fingerprint>`: 16 hex digits of a SHA-256 of every weight's bytes
+# (`dp.state_checksum`), which changes if a single bit does. The two fingerprints below differ,
+# because the two runs add the same numbers in another order; the cell after prints the
+# largest weight difference. Here both scripts' `main` runs in
 # ranks started by `launch.spawn`, which sets the same environment variables torchrun sets
 # (it starts faster: no agent, torch already imported); sections 2 and 3 run the script under
 # torchrun itself.
@@ -170,6 +187,11 @@ claim("with the same test loss (to 1e-4 relative)",
       abs(one["test"][0] - many["test"][0]) <= 1e-4 * abs(one["test"][0]),
       single=one["test"][0], ddp=many["test"][0])
 
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (the exact gap depends on the order of float additions on this CPU; the claim above bounds it)
+print(f"largest difference between the two runs' weights: {gap:.1e}")
+
 # %% [markdown]
 # ## 2. Two nodes, for real
 #
@@ -178,9 +200,12 @@ claim("with the same test loss (to 1e-4 relative)",
 # others connect to it, and together they number the nodes and the workers. Here two torchrun
 # agents on this machine play two nodes of one process each (`--nnodes=2 --nproc-per-node=1
 # --rdzv-backend=c10d`). Two things the docs
-# don't stress: with c10d, nodes get their rank in the order they arrive (`--node_rank` is
-# ignored), and a node whose partner never comes waits `join_timeout` (600 s by default) — so
-# `dp.run_nodes` sets it and kills everything past `timeout`.
+# don't stress: with c10d, `--node_rank` is ignored and the nodes are numbered by *sorting* the
+# participants — each described by (address, process id, a counter), in `_NodeDesc` order — so
+# not in the order they arrive, and not in an order you choose (rank 0, whose node hosts the
+# workers' store, is the smallest description); and a node whose partner never comes waits
+# `join_timeout` (600 s by default) — so `dp.run_nodes` sets it and kills everything past
+# `timeout`.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -228,7 +253,9 @@ claim(f"the model learns: the last epoch's mean loss is under 60% of ln 10 = {ma
 # (every rank holds the same weights), **atomically** (`dp.save_checkpoint`: a temporary file,
 # then `os.replace`), and loads with `map_location` and `weights_only=True`. With
 # `--max-restarts`, torchrun restarts *all* ranks when one dies; each finds the checkpoint and
-# resumes. Here rank 1 kills itself (SIGKILL) after step 11; the last checkpoint is step 8.
+# resumes. Here rank 1 kills itself (SIGKILL) after step 11; the last checkpoint is step 8. The
+# run has the same arguments as the two-node run of section 2 (2 ranks, same seed), with the
+# checkpoint and the fault added, so that uninterrupted run is what it must end equal to.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -256,13 +283,34 @@ claim("the restarted run ends with weights bit-identical to the uninterrupted ru
 total_steps = int(re.findall(r"after (\d+) steps", fault.output)[-1])
 viz.show(dp.restart_timeline_figure(total_steps=total_steps, ckpt_every=4, fail_at=11, resumed=8),
          "attempt 0 saves at steps 4 and 8 and dies after step 11; attempt 1 reloads step 8, "
-         "redoes steps 9-11 and ends with the same weights as the run that never failed.")
+         "redoes steps 9-11 (shaded; the axis stops 5 steps after the kill) and ends with the same weights as the uninterrupted two-node run of "
+         "section 2.")
 
 # %% [markdown]
-# **Myth: "every rank can save, it's the same file."** It races. Below, rank 0 is halfway
-# through writing a checkpoint when rank 1 reads it (the barriers make the timing certain):
-# with a plain `torch.save` to the final path, the reader finds a broken file; with
-# `save_checkpoint`, it finds the previous complete one, then the new one.
+# What makes the restart bit-identical is in these lines of `train_ddp.py`: every rank loads
+# the model, the optimizer (its momentum) and the step; the epoch loop starts at the epoch of
+# that step, `set_epoch` gives the same permutation as before, and the batches already trained
+# on in that epoch are skipped (`done_in_epoch`); rank 0 saves every `--ckpt-every` steps.
+
+# %%
+script_lines = train_ddp.read_text().splitlines()
+first = next(i for i, line in enumerate(script_lines) if line.strip() == "step = 0")
+last = next(i for i, line in enumerate(script_lines) if "os.kill(os.getpid()" in line)
+viz.show_code("\n".join(script_lines[first:last + 1]), title="train_ddp.py: resume and save")
+
+# %% [markdown]
+# **Myth: "every rank can save, it's the same file."** It races: a `torch.save` to the final
+# path first truncates the file, then writes for a while, so a second writer, a reader, or a
+# restart after a crash can meet half a file. `dp.save_checkpoint` (below) writes a temporary
+# file in the same folder, flushes it to disk, and `os.replace`s it over the checkpoint in one
+# step. Below, one writer (rank 0) is halfway through when one reader (rank 1) loads the file;
+# the barriers make that timing certain. The "atomic" branch follows `save_checkpoint`'s
+# protocol by hand (a `.tmp` file, then `os.replace`), because it must stop halfway through the
+# write: with a plain `torch.save` the reader finds a broken file; with the protocol, it finds
+# the previous complete checkpoint, then the new one.
+
+# %%
+viz.show_code(dp.save_checkpoint, dp.load_checkpoint)
 
 
 # %%
@@ -328,8 +376,10 @@ claim("with the atomic save it found the previous complete checkpoint, then the 
 # 2. **a mean of means:** each rank computes its accuracy and the ranks average them; when the
 #    shards differ in size, a short shard weighs as much as a long one;
 # 3. **padded duplicates:** `DistributedSampler` (shuffle or not) makes every shard equally long
-#    by repeating the first images: with 201 test images on 2 ranks, rank 1 gets one image
-#    twice, and the job "evaluates" 202.
+#    by appending the first images of its order to the end of the list before it deals the list
+#    out (rank r takes positions r, r + N, ...): with 201 test images on 2 ranks the list is 202
+#    long, and its first image goes to rank 0 at position 0 and again to rank 1 at position 201.
+#    Each rank evaluates it once; the job evaluates it twice, 202 images for 201.
 #
 # The fix is what `train_ddp.py`'s `evaluate` does (it is in the diff above): each image exactly
 # once (rank r takes images r, r + N, ...), a **sum** of the loss and a **count** of right
@@ -406,12 +456,21 @@ for name, acc, count in rows:
     print(f"{name:52s} accuracy {acc:.4%}" + (f"  over {count} images" if count else ""))
 
 # %%
+from torch.utils.data import DistributedSampler
+
 claim("the script's evaluation equals one process exactly: the same count of right answers "
       "over the same number of images", ev["fixed"][1:] == ev["one"][1:], ev=ev)
 claim("and the same summed test loss (to 1e-6 relative)",
       abs(ev["fixed"][0] - ev["one"][0]) <= 1e-6 * ev["one"][0], ev=ev)
 claim(f"DistributedSampler's padding makes the job evaluate {ev['padded_count']} images for "
       f"{n_test}", ev["padded_count"] == -(-n_test // world_size) * world_size > n_test)
+shards = [list(DistributedSampler(range(n_test), num_replicas=world_size, rank=r, shuffle=False))
+          for r in range(world_size)]
+twice = sorted(i for i in range(n_test) if sum(s.count(i) for s in shards) > 1)
+print(f"images DistributedSampler(shuffle=False) deals out twice: {twice}, to ranks "
+      f"{[r for r in range(world_size) if twice and twice[0] in shards[r]]}")
+claim("each padded image is evaluated once by each of two ranks, not twice by one",
+      all(s.count(i) <= 1 for s in shards for i in twice) and len(twice) > 0, twice=twice)
 claim("every wrong way gives another accuracy than one process",
       all(abs(acc - one_acc) > 1e-9 for _, acc, _ in rows[1:5]), rows=rows)
 claim("the padding and the mean of means move it by less than one point: easy to miss",
@@ -445,10 +504,19 @@ claim("the padding and the mean of means move it by less than one point: easy to
 # torch's fix is the `Join` context manager (`torch.distributed.algorithms.join`), and DDP is
 # *joinable*: inside `with Join([model]):`, a rank that has run out of batches does not leave;
 # it keeps answering the others' all-reduces with zero gradients until every rank is done, and
-# at the end the last rank to finish broadcasts its weights so all ranks hold the same model.
-# The gradients are still divided by the *initial* world size (`divide_by_initial_world_size=True`
-# by default), so each sample weighs the same. The price: DDP's forward now runs one small extra
-# all-reduce per iteration (to learn whether some rank has joined).
+# at the end `_sync_final_model` broadcasts the module (parameters and buffers) of the last rank
+# to finish, so all ranks hold the same model. The module only: the **optimizer state is not
+# synchronised**. A rank that joined early skipped the last `opt.step()`s, so with momentum (or
+# Adam) its buffers differ from the others', and a second epoch after a `Join` makes the weights
+# drift apart again; checkpoint from the last rank to finish, or re-broadcast the optimizer
+# state. In the steps where a rank has joined, the gradients are still divided by the *initial*
+# world size (`divide_by_initial_world_size=True`, the default): the joined rank counts as a rank
+# with a zero gradient. What `Join` costs: in every iteration inside it, a rank that has not
+# joined runs extra collectives besides the gradients' all-reduce — `Join`'s own notification
+# all-reduce (`Join.notify_join_context`), DDP's all-reduce telling joined ranks whether to
+# synchronise in this backward (`_check_global_requires_backward_grad_sync`), and, when the model
+# has buffers to broadcast, an all-reduce that picks the rank to broadcast from
+# (`_find_common_rank`) before the broadcast.
 #
 # First the hang, bounded: `launch.spawn`'s `timeout` kills every rank after 8 s and raises.
 
@@ -466,7 +534,7 @@ def uneven_steps(rank, world_size, use_join, folder):
         f.write(str(os.getpid()))  # so the notebook can check that nothing is left running
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randn(4, 8, generator=g) for _ in range(3 + rank)]  # rank r: 3 + r batches
     with Join([model]) if use_join else nullcontext():
@@ -475,7 +543,8 @@ def uneven_steps(rank, world_size, use_join, folder):
             opt.zero_grad()
             loss.backward()
             opt.step()
-    return {"steps": len(batches), "weights": [p.detach().clone() for p in model.parameters()]}
+    return {"steps": len(batches), "weights": [p.detach().clone() for p in model.parameters()],
+            "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]}
 
 
 try:
@@ -511,11 +580,16 @@ claim("with Join every rank ran all its batches and the job ended",
       [r["steps"] for r in joined] == [3 + r for r in range(world_size)])
 claim("and every rank ends with the same weights, bit for bit",
       all(torch.equal(a, b) for r in joined[1:] for a, b in zip(r["weights"], joined[0]["weights"])))
+claim("but not with the same momentum buffers: Join synchronises the module, not the optimizer",
+      all(not torch.equal(a, b) for r in joined[1:]
+          for a, b in zip(r["momentum"], joined[0]["momentum"])))
 
 # %% [markdown]
 # `Join` keeps the extra batches. The other cure is to drop them: have every rank agree on the
-# smallest number of batches (`dist.all_reduce(n, op=dist.ReduceOp.MIN)`) and stop there, which
-# is what `DistributedSampler(drop_last=True)` does for you. And `Join(...,
+# smallest number of batches (`dist.all_reduce(n, op=dist.ReduceOp.MIN)`) and stop there.
+# `DistributedSampler(drop_last=True)` gets the same effect for a dataset every rank sees whole,
+# without communicating: every rank computes the same shard length from `len(dataset)` and
+# truncates the list to a multiple of the world size before dealing it out. And `Join(...,
 # throw_on_early_termination=True)` makes every rank raise as soon as one runs out, for loops
 # that must stop together.
 #
@@ -618,8 +692,12 @@ claim("Adam: summing is (almost) averaging at the same lr (to 1e-4), and lr × N
 # To reach a big global batch with little memory, run `accum` micro-batches per optimizer step.
 # Under DDP every `backward()` all-reduces — unless it runs inside `model.no_sync()`, where the
 # gradients just add up locally and the last backward all-reduces the sum. We count the
-# all_reduce calls with a comm hook (`dp.counting_allreduce_hook`, equal to DDP's default), and
+# all_reduce calls with a comm hook (`dp.counting_allreduce_hook`: like DDP's default, it divides
+# each bucket by the world size and all-reduces it, and it counts the calls and bytes), and
 # compare the gradients with one process on the whole global batch.
+
+# %%
+viz.show_code(dp.CommCounter, dp.counting_allreduce_hook)
 
 
 # %%
@@ -673,22 +751,25 @@ claim("with or without no_sync, the gradients equal one process on the global ba
 # %% [markdown]
 # **Myth: "the global batch is the per-rank batch divided by the number of GPUs."** No: each
 # rank loads `per_rank_batch` images, so one optimizer step sees
-# `per_rank_batch × world_size × accum` images — the gradient above equals one process on
-# exactly that many.
-
-# %%
-print("per_rank_batch 8 ×", world_size, "ranks ×", accum, "micro-batches = global batch",
-      with_no_sync["global_batch"])
-claim("the global batch is per_rank_batch × world_size × accum",
-      with_no_sync["global_batch"] == 8 * world_size * accum)
+# `per_rank_batch × world_size × accum` images — above, 8 per micro-batch on each rank, and the
+# single process that the gradients matched took all of them in one batch.
 
 # %% [markdown]
 # ## 8. Mixed precision under DDP
 #
-# Autocast changes the forward's dtype, not DDP: parameters and their gradients stay float32,
-# so the all_reduce is unchanged. On CUDA use float16 with a `GradScaler` (float16 gradients
-# underflow); on CPU use bfloat16 (float32's range, no scaler needed). `train_ddp.py --amp` does
-# both. Here: 10 steps with and without bf16 autocast on 2 ranks.
+# Autocast changes the dtype of the forward's operations, not the parameters: they and their
+# `.grad` stay float32, so with DDP's default hook the all_reduce still sends float32. (Two
+# knobs do change what DDP sends: a comm hook such as `fp16_compress_hook` or
+# `bf16_compress_hook` from `torch.distributed.algorithms.ddp_comm_hooks.default_hooks`, which
+# casts each bucket to 16 bits for the all-reduce and back, halving the bytes; and DDP's
+# experimental `mixed_precision=` argument (a private `_MixedPrecision` config), which runs
+# forward and backward on low-precision copies of the parameters and reduces the gradients in
+# its `reduce_dtype`.)
+# On CUDA use float16 with a `GradScaler`: in the float16 backward, small *activation*
+# gradients underflow to zero (float16's smallest normal number is about 6e-5), so the scaler
+# multiplies the loss before `backward` and divides the float32 parameter gradients after. On
+# CPU use bfloat16 (float32's range, no scaler needed). `train_ddp.py --amp` does both. Here:
+# 10 steps with and without bf16 autocast on 2 ranks.
 
 
 # %%
@@ -736,11 +817,17 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 # BatchNorm keeps two kinds of state. Its **running statistics** (`running_mean`,
 # `running_var`) are *buffers*: not parameters, so no gradient and no all-reduce. DDP keeps them
 # equal another way: with `forward_sync_buffers=True` (the default; the older name
-# `broadcast_buffers` is deprecated since torch 2.13), every training forward first
-# **broadcasts rank 0's buffers** to all ranks (`DistributedDataParallel._sync_buffers`, rank 0
-# being the authoritative copy). So the running statistics that rank 0 checkpoints are rank 0's:
-# an average over *rank 0's* batches only; the other ranks' updates are overwritten at the next
-# forward. (Lesson 03 shows it step by step.)
+# `broadcast_buffers` is deprecated since torch 2.13), a forward first **broadcasts rank 0's
+# buffers** to all ranks (`DistributedDataParallel._sync_buffers`, rank 0 being the
+# authoritative copy) when its flag `require_forward_param_sync` is on. The flag starts on, so
+# the first forward broadcasts; after that, each forward's `_post_forward` sets it for the
+# *next* forward:
+# on when this forward ran with gradients enabled and outside `no_sync`, off otherwise. So in
+# an ordinary training loop every forward broadcasts; the forward after a `no_sync` forward
+# does not; the first `torch.no_grad()` forward after training does, and the ones after it do
+# not; a forward in `eval()` mode with gradients enabled does. The running statistics that rank
+# 0 checkpoints are therefore rank 0's: an average over *rank 0's* batches only; the other
+# ranks' updates are overwritten at the next broadcast. (Lesson 03 shows it step by step.)
 #
 # And its **batch statistics**: in training, BatchNorm normalises with the mean and variance of
 # *the batch it sees* — under DDP, the per-rank batch. So DDP with BatchNorm is **not** one
@@ -750,8 +837,11 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 #
 # - **forward:** each rank computes its per-channel mean and inverse standard deviation and its
 #   sample count, and an **all_gather** gives every rank everyone's `[mean, invstd, count]`
-#   (2C + 1 numbers per rank). All-gather rather than all-reduce, because the per-rank counts
-#   may differ; each rank then combines them, weighting by the counts.
+#   (2C + 1 numbers per rank). All-gather rather than all-reduce, because what each rank sends
+#   is a mean and an inverse standard deviation, not sums: means and invstds of shards of
+#   different sizes cannot be added up, so every rank gets them all and combines them,
+#   weighting by the counts (`batch_norm_gather_stats_with_counts`), which is also numerically
+#   stabler than combining raw sums.
 # - **backward:** each rank sums `dy` and `dy·(x − mean)` per channel, and one **all_reduce**
 #   adds them up (2C numbers); every rank then finishes the gradient with the global sums.
 #
@@ -782,10 +872,19 @@ claim("outside a process group nn.SyncBatchNorm is plain BatchNorm, bit for bit"
 claim("inside one it refuses CPU tensors", "expected input tensor to be on GPU" in in_group)
 
 # %% [markdown]
-# So on CPU we use `dp.CPUSyncBatchNorm` (the same maths with one differentiable all_reduce of
-# per-channel sums of x and x² and the count in the forward, whose backward is an all_reduce too;
-# `dp.convert_sync_batchnorm` picks the real one on CUDA). Compare each against one process on
-# the global batch, for a small and a large per-rank batch:
+# So on CPU we use `dp.CPUSyncBatchNorm`, a stand-in (`dp.convert_sync_batchnorm` picks the real
+# one on CUDA). It aims at the same result by another route: one differentiable all_reduce of
+# the per-channel sums of x and x² and the count (sums *can* be added across ranks of any size),
+# the variance as E[x²] − mean² — simpler, but it loses precision when a channel's mean is
+# large against its spread — and an all_reduce of the gradients of those sums in the backward.
+# Everything measured below is this class, not `nn.SyncBatchNorm`, even on a GPU machine.
+
+# %%
+viz.show_code(dp.CPUSyncBatchNorm, dp._AllReduceSum)
+
+# %% [markdown]
+# Compare plain BatchNorm and the stand-in against one process on the global batch, for small
+# and large per-rank batches:
 
 
 # %%
@@ -818,9 +917,9 @@ def bn_gap(rank, world_size, cases):
 gaps = launch.spawn(bn_gap, 2, [(b, s) for b in (2, 8, 64) for s in (False, True)],
                     backend="gloo", timeout=timeout)[0]
 for (b, s), gap in gaps.items():
-    print(f"per-rank batch {b:2d}, {'SyncBatchNorm' if s else 'BatchNorm    '}: gradient error vs "
+    print(f"per-rank batch {b:2d}, {'CPUSyncBatchNorm' if s else 'BatchNorm       '}: gradient error vs "
           f"one process on the global batch {'< 1e-5' if gap < 1e-5 else f'{gap:.0%}'}")
-claim("with SyncBatchNorm the gradients equal one process on the global batch (to 1e-5)",
+claim("with CPUSyncBatchNorm the gradients equal one process on the global batch (to 1e-5)",
       all(gap < 1e-5 for (b, s), gap in gaps.items() if s), gaps=gaps)
 claim("with plain BatchNorm the error shrinks as the per-rank batch grows, but never vanishes",
       gaps[(2, False)] > gaps[(8, False)] > gaps[(64, False)] > 1e-3, gaps=gaps)
@@ -829,7 +928,7 @@ ax = fig.add_subplot(1, 1, 1)
 batches = sorted({b for b, _ in gaps})
 ax.plot(batches, [100 * gaps[(b, False)] for b in batches], "o-", label="BatchNorm under DDP")
 ax.plot(batches, [max(100 * gaps[(b, True)], 1e-5) for b in batches], "s-",
-        label="SyncBatchNorm under DDP")
+        label="CPUSyncBatchNorm (the stand-in) under DDP")
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_xlabel("per-rank batch")
@@ -837,12 +936,12 @@ ax.set_ylabel("gradient error vs one process (%)")
 ax.grid(True, alpha=0.3)
 ax.legend(fontsize=8)
 fig.subplots_adjust(left=0.17, right=0.97, bottom=0.16, top=0.95)
-viz.show(fig, "plain BatchNorm's gradient error falls as the per-rank batch grows; SyncBatchNorm's "
-              "sits at rounding level at every size.")
+viz.show(fig, "plain BatchNorm's gradient error falls as the per-rank batch grows but stays above "
+              "0.1%; the synchronised stand-in's stays below 1e-5 (relative) at every size.")
 
 # %% [markdown]
-# With SyncBatchNorm, DDP's gradients equal one process's on the global batch to 1e-5 (relative
-# norm; the sums are taken in another order, so not bit for bit). Without it the error is large
+# With synchronised batch statistics, DDP's gradients equal one process's on the global batch
+# to 1e-5 (relative norm; the sums are taken in another order, so not bit for bit). Without it the error is large
 # when per-rank batches are tiny (detection, segmentation, big 3-D inputs: 1-4 images per GPU)
 # and shrinks as they grow. It costs two extra collectives per BatchNorm layer per training
 # step — an all_gather in the forward, an all_reduce in the backward, each blocking in the
@@ -1008,13 +1107,21 @@ claim("with find_unused_parameters=True it runs", unused[True] == "ok")
 # ## 11. More myths, tested
 #
 # **"Call `dist.barrier()` after every step to keep ranks in sync"** and **"seed every rank the
-# same or the models diverge."** Neither: DDP broadcasts rank 0's weights when it wraps the
-# model, and every step's all_reduce already waits for all ranks. Below each rank starts from a
-# *different* seed, trains 5 steps with no barrier, and the weights are identical bit for bit.
+# same or the models diverge."** Neither, for the *model*: DDP broadcasts rank 0's weights when
+# it wraps the model, and every step's all_reduce already waits for all ranks. Below each rank
+# starts from a *different* seed, trains 5 steps with no barrier, and the weights are identical
+# bit for bit. But one seed *must* be the same on every rank: `DistributedSampler`'s `seed`
+# ("should be identical across all processes", says its docstring). Each rank shuffles the
+# whole dataset itself and keeps its slice; with different seeds the permutations differ and
+# the shards overlap, some images trained on twice per epoch and others never.
 #
 # **"`gradient_as_bucket_view=True` compresses the gradients."** It only makes each `.grad` a
 # view into DDP's communication buckets instead of a separate copy: it saves one copy of the
-# gradients' memory, and the bytes all-reduced are the same.
+# gradients' memory, and the bytes all-reduced are the same. The cell zeroes the gradients with
+# `zero_grad(set_to_none=False)`: with the default, `set_to_none=True`, the optimizer drops the
+# `.grad` tensors every step, and DDP's own documentation notes that then
+# "`gradient_as_bucket_view` alone cannot avoid copies because the bucket view alias is
+# destroyed every iteration".
 
 
 # %%
@@ -1091,14 +1198,16 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 #   process exactly. Rank 0's number, a mean of means and `DistributedSampler`'s padding each
 #   give another one.
 # * A rank with fewer batches hangs the others in their next all-reduce; `Join([model])` keeps
-#   it answering until all are done.
+#   it answering until all are done, then makes the modules equal (not the optimizer states).
 # * DDP averages: at a fixed per-rank batch the global batch grows with N (linear scaling rule:
 #   lr × k for a k× batch, with warm-up). Summed gradients equal averaged ones at lr × N for SGD
 #   (with or without momentum), not with weight decay, and not for Adam.
 # * `no_sync` accumulation equals the big batch and all-reduces `accum` times less. AMP leaves
-#   DDP's gradients in float32. DDP broadcasts rank 0's buffers every forward; SyncBatchNorm
-#   makes BatchNorm's gradients those of one process (to 1e-5) and matters when per-rank batches
-#   are small.
+#   DDP's gradients in float32 (a 16-bit compress hook or `mixed_precision=` changes that). DDP
+#   broadcasts rank 0's buffers before each forward that follows a synchronising training
+#   forward; synchronised batch statistics (SyncBatchNorm on GPUs, the stand-in here) make
+#   BatchNorm's gradients those of one process (to 1e-5) and matter when per-rank batches are
+#   small.
 # * `TORCH_DISTRIBUTED_DEBUG=DETAIL` turns a mismatched collective into a clear error; a
 #   process-group timeout ends a hang; NCCL needs one GPU per rank and `set_device`;
 #   `find_unused_parameters` is for unused parameters only.
@@ -1191,25 +1300,47 @@ viz.quiz([
 #   `LocalElasticAgent._start_workers`: the worker environment (`RANK`, `LOCAL_RANK`,
 #   `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`,
 #   `TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_USE_AGENT_STORE`).
+# - `torch/distributed/elastic/rendezvous/dynamic_rendezvous.py` — `_NodeDesc` (a dataclass with
+#   `order=True` on address, pid, local id) and
+#   `_DistributedRendezvousOpExecutor._mark_rendezvous_complete` (`for rank, node in enumerate(sorted(state.participants))`): node ranks come from
+#   sorting, not arrival; `DynamicRendezvousHandler.next_rendezvous`: the TCPStore server is
+#   created once (`_shared_tcp_store_server`) and reused in later rounds, unless
+#   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (also `use_agent_store`) — why the script needs a
+#   per-attempt `PrefixStore`.
 # - `torch/distributed/rendezvous.py` — `_create_c10d_store`, `_torchelastic_use_agent_store`:
-#   under the agent every rank is a client of the agent's store ("We create a new TCPStore for
-#   every retry so no need to add prefix for each attempt").
+#   under the agent every rank is a client of the agent's store (its comment "We create a new
+#   TCPStore for every retry so no need to add prefix for each attempt" does not hold for the
+#   shared store above).
 # - `torch/distributed/distributed_c10d.py` — `init_process_group` (`store=`, `device_id=`),
 #   `barrier` (the "using the device under current context" warning), `destroy_process_group`.
 # - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__`: pads the indices to a
-#   multiple of `num_replicas` by repeating the first ones unless `drop_last=True`; `set_epoch`
-#   seeds the shuffle with `seed + epoch`.
+#   multiple of `num_replicas` by appending the first ones (`indices += indices[:padding_size]`),
+#   or truncates them locally with `drop_last=True`, then deals them out
+#   (`indices[rank:total_size:num_replicas]`); `set_epoch` seeds the shuffle with
+#   `seed + epoch`; the class docstring: `seed` "should be identical across all processes".
+# - `torch/utils/data/sampler.py` — `RandomSampler.__iter__`: `torch.randperm(n,
+#   generator=generator)`, the same permutation as `DistributedSampler` for the same seed.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`
-#   (`forward_sync_buffers`, the deprecated `broadcast_buffers`), `_sync_buffers` (rank 0 is the
-#   authoritative copy), `no_sync` (`require_backward_grad_sync`), `join` and `_DDPJoinHook`
-#   (zero all-reduces for joined ranks, `divide_by_initial_world_size`, `_sync_final_model`),
-#   `register_comm_hook`.
-# - `torch/distributed/algorithms/join.py` — `Join`, `Join.notify_join_context` (one all-reduce
-#   per iteration), `throw_on_early_termination`.
+#   (`forward_sync_buffers`, the deprecated `broadcast_buffers`, `require_forward_param_sync`
+#   starting on, `mixed_precision` / `_MixedPrecision.reduce_dtype`, and the
+#   `batched_grad_copy` doc on `gradient_as_bucket_view` with `zero_grad(set_to_none=True)`),
+#   `_pre_forward` (`_check_sync_bufs_pre_fwd` → `_sync_buffers`; with `Join`,
+#   `_check_global_requires_backward_grad_sync`), `_post_forward` (sets
+#   `require_forward_param_sync` from `torch.is_grad_enabled() and
+#   require_backward_grad_sync`), `will_sync_module_buffers`, `_sync_buffers` (rank 0 is the
+#   authoritative copy; under `Join`, `_find_common_rank` picks it), `no_sync`
+#   (`require_backward_grad_sync`), `join` and `_DDPJoinHook` (zero all-reduces for joined
+#   ranks, `divide_by_initial_world_size`), `_sync_final_model` (broadcasts `self.module`
+#   only), `register_comm_hook`.
+# - `torch/distributed/algorithms/join.py` — `Join`, `Join.notify_join_context` (the
+#   notification all-reduce each iteration), `throw_on_early_termination`.
+# - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `fp16_compress_hook`,
+#   `bf16_compress_hook`: the bucket is cast to 16 bits for the all-reduce.
 # - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward`: synchronises only in training,
 #   inside a process group of more than one rank, and raises on CPU tensors; falls back to
 #   `F.batch_norm` otherwise. `torch/nn/modules/_functions.py` — `SyncBatchNorm.forward` /
-#   `backward`: all_gather of `[mean, invstd, count]`, all_reduce of two per-channel sums.
+#   `backward`: all_gather of `[mean, invstd, count]` combined by
+#   `batch_norm_gather_stats_with_counts`, all_reduce of two per-channel sums.
 # - `torch/optim/sgd.py`, `torch/optim/adam.py` — where weight decay is added to the gradient
 #   and Adam divides by the root of its second moment.
 # - `torch/distributed/__init__.py` — `set_debug_level`, `DebugLevel` (from the C++ core);

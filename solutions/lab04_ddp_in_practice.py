@@ -38,7 +38,14 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 #    ranks (what does `DistributedSampler` do when 101 images meet 2 ranks?).
 # 2. F1 is not a sum over images, so neither summing nor averaging the ranks' F1 scores gives
 #    the F1 of the whole set. What *is* a sum over images, from which F1 follows?
-# 3. Evaluate with the model in evaluation mode and without gradients.
+# 3. Evaluate with the model in evaluation mode and without gradients. `model` is the plain
+#    model (the script passes `model.module`, not the DDP wrapper), so its forward sends nothing.
+#
+# <details><summary>▶ More on hint 2 — open only if you are stuck</summary>
+#
+# The confusion matrix is a sum over images: each image adds 1 to one entry `[true, predicted]`.
+# Count this rank's images into a matrix, add the ranks' matrices, and compute F1 from the sum.
+# </details>
 #
 # Re-run the cell after each edit: it rewrites `train_lab.py`.
 
@@ -73,8 +80,9 @@ def macro_f1(confusion):
 
 
 def evaluate_f1(model, test_set, rank, world_size, device):
-    """The macro-F1 of ``model`` over the WHOLE ``test_set``: the same number on every rank."""
-    ### BEGIN SOLUTION: count this rank's images (each exactly once over all ranks) into a confusion matrix, add the ranks' matrices, then call macro_f1
+    """The macro-F1 of ``model`` (the plain model, ``model.module`` of the DDP wrapper) over the
+    WHOLE ``test_set``: the same number on every rank."""
+    ### BEGIN SOLUTION: evaluate this rank's share of the images (each exactly once over all ranks), combine across the ranks what macro_f1 is computed from, then call macro_f1
     mine = Subset(test_set, range(rank, len(test_set), world_size))
     confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.int64, device=device)
     model.eval()

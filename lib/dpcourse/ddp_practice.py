@@ -312,8 +312,11 @@ def run_nodes(script: str | os.PathLike, *script_args: str, nnodes: int = 2,
 
     Each is ``torchrun --nnodes=N --nproc-per-node=P --rdzv-backend=c10d
     --rdzv-endpoint=127.0.0.1:PORT``: the same command you would type on every machine of a
-    cluster, with the first machine's address as the endpoint. With c10d the nodes get their
-    ranks in the order they join, whatever ``--node_rank`` says, so we pass none.
+    cluster, with the first machine's address as the endpoint. With c10d, ``--node_rank`` is
+    ignored (so we pass none) and the nodes' ranks come from sorting the participants'
+    descriptions (address, process id, a counter; ``_NodeDesc`` in
+    ``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``), not from the order in which
+    they join.
     ``join_timeout`` bounds how long a node waits for the others (torchrun's default is 600 s);
     ``timeout`` bounds the whole thing: past it every node and its workers are killed and a
     ``dpcourse.launch.LaunchTimeoutError`` is raised. Worker output is prefixed ``[rank k]``
@@ -395,9 +398,10 @@ def restart_timeline_figure(total_steps: int, ckpt_every: int, fail_at: int, res
     fig = viz.new_figure(8, 2.8)
     ax = fig.add_subplot(1, 1, 1)
     rows = {"uninterrupted run": 2, "attempt 0": 1, "attempt 1 (restart)": 0}
-    ax.barh(rows["uninterrupted run"], total_steps, left=0, height=0.35, color="#999999")
+    end = min(total_steps, fail_at + 5)
+    ax.barh(rows["uninterrupted run"], end, left=0, height=0.35, color="#999999")
     ax.barh(rows["attempt 0"], fail_at, left=0, height=0.35, color="#1f77b4")
-    ax.barh(rows["attempt 1 (restart)"], total_steps - resumed, left=resumed, height=0.35,
+    ax.barh(rows["attempt 1 (restart)"], end - resumed, left=resumed, height=0.35,
             color="#2ca02c")
     saved = [s for s in range(ckpt_every, fail_at + 1, ckpt_every)]
     ax.plot(saved, [rows["attempt 0"]] * len(saved), "v", color="black", ms=8,
@@ -405,13 +409,20 @@ def restart_timeline_figure(total_steps: int, ckpt_every: int, fail_at: int, res
     ax.plot([fail_at], [rows["attempt 0"]], "X", color="#d62728", ms=11, label="rank 1 killed")
     ax.annotate("", (resumed, rows["attempt 1 (restart)"] + 0.2), (resumed, rows["attempt 0"] - 0.2),
                 arrowprops=dict(arrowstyle="-|>", color="black", lw=1))
-    ax.text(resumed + 0.3, 0.5, f"reload step {resumed}", fontsize=8)
-    ax.plot([total_steps], [0], "*", color="#ff7f0e", ms=13, label="same final weights")
-    ax.plot([total_steps], [2], "*", color="#ff7f0e", ms=13)
+    ax.text(resumed + 0.1, 0.5, f"reload step {resumed}", fontsize=8)
+    # zoom on the steps that matter: the axis ends a few steps after the kill, and the text at
+    # the right edge says where both runs end
+    right = min(total_steps, fail_at + 5)
+    ax.axvspan(resumed, fail_at, color="#d62728", alpha=0.12,
+               label=f"steps {resumed + 1}-{fail_at}: computed twice")
+    for row in (rows["uninterrupted run"], rows["attempt 1 (restart)"]):
+        ax.text(right + 0.1, row, f"… step {total_steps}: same weights", fontsize=7.5,
+                va="center")
     ax.set_yticks(list(rows.values()))
     ax.set_yticklabels(list(rows), fontsize=8)
     ax.set_xlabel("optimizer step")
-    ax.set_xlim(0, total_steps * 1.03)
+    ax.set_xticks(range(0, right + 1, 2 if right <= 24 else 4))
+    ax.set_xlim(0, right + 6)
     ax.set_ylim(-0.6, 2.6)
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7.5, loc="upper center", ncol=3, bbox_to_anchor=(0.55, 1.25))

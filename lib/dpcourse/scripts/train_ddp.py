@@ -83,9 +83,9 @@ def evaluate(model, test_set, device, rank, world_size):
 def store_for_this_attempt():
     """The c10d store (the key-value server ranks meet in), with keys private to this attempt.
 
-    After a crash torchrun restarts every worker, and they meet again in the agent's store, which
-    still holds the dead attempt's keys (peers' addresses); with gloo on torch 2.14 a restarted
-    rank can read one and fail with "Connection refused". A prefix per attempt keeps them apart.
+    After a crash torchrun restarts every worker, and they meet again in the rendezvous's store,
+    which c10d reuses across restarts (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): it still
+    holds the dead attempt's keys (peers' addresses). A prefix per attempt keeps them apart.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None  # not under torchrun's agent: init_process_group makes its own store
