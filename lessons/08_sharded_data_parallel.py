@@ -3,6 +3,9 @@
 #
 # **Prerequisites:** lesson 03 (averaging gradients with all-reduce), lesson 06 (an all-reduce
 # is a reduce-scatter followed by an all-gather) and lesson 07 (hooks during the backward).
+# New here, each explained where it first appears: mixed precision with an fp32 master copy
+# of the weights, Adam's two states per parameter, a hook on a tensor's gradient
+# (`Tensor.register_hook`), and freeing a tensor's memory by resizing its storage.
 #
 # **You will be able to:**
 # - say where a data-parallel rank's memory goes with mixed-precision Adam — 16 bytes per
@@ -57,7 +60,11 @@ print(f"this lesson: {world_size} ranks over {backend}")
 
 # %% [markdown]
 # ## 1. Where the memory goes
-# Train in mixed precision with Adam and every parameter costs, on every rank:
+# *Mixed precision*: the model computes in a 2-byte float format (fp16 or bf16) while the
+# optimizer updates a 4-byte fp32 *master copy* of the weights, so that small updates are not
+# lost to rounding. Adam keeps two numbers per parameter, a running mean of its gradients
+# (momentum) and of their squares (variance). Train in mixed precision with Adam and every
+# parameter costs, on every rank:
 #
 # | what | bytes |
 # |---|---|
