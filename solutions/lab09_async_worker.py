@@ -46,17 +46,17 @@ torch.set_num_threads(1)
 # %% [markdown]
 # ## 1. Pull, compute, push
 #
-# Keep the gradients in flight in a first-in, first-out queue
-# (`collections.deque`: `append` on the right, `popleft` on the left), each with the
-# version of the weights it was computed on. For each batch: pull, compute the gradient,
-# put it in the queue; if more than `tau` gradients are now in flight, the oldest one
-# arrives: push it with its version. After the last batch, push what is still in flight,
-# oldest first.
+# The behaviour to reach is the one above; the design is yours. Before you code, write down
+# the sequence of server calls your loop must make for τ = 2 and five batches (which pulls,
+# which pushes, each push with which version), and for τ = 0. Then two questions decide the
+# loop: between computing a gradient and pushing it, what must the loop remember about it?
+# And in which order do the remembered gradients leave? (`collections` is imported, if a
+# container from it fits your answer.)
 
 # %%
 def async_worker_loop(server, compute_gradient, batches, tau):
     """Every gradient computed on the weights pulled for its batch, and pushed τ pulls later."""
-    ### BEGIN SOLUTION: a FIFO queue of (gradient, version); per batch: pull, compute, append, and push the oldest once more than tau are in flight; then push the rest in order
+    ### BEGIN SOLUTION: make the server calls of your trace: every gradient pushed once, τ pulls after its own pull, with the version of the weights it was computed on
     in_flight = collections.deque()
     for batch in batches:
         w, version = server.pull()
@@ -88,20 +88,18 @@ for tau in (0, 8):
 #
 # A workshop can stop here. Lesson 09 found that stale gradients diverge at a step size
 # that fresh ones tolerate. Zhang et al. (2016, "Staleness-aware async-SGD for distributed
-# deep learning") scale each step by the gradient's staleness s: lr / s, and the full lr for
-# a fresh gradient (s = 0) — that is, lr / max(1, s).
+# deep learning") scale each step by the gradient's staleness s: a gradient s updates stale
+# takes the step lr / s; a fresh one (s = 0) takes the full lr.
 #
-# Write `push` for a server that does it. It is `SimulatedServer` (from the lesson: `self.w`,
-# `self.lr`, `self.version`, `self.staleness`) with one method changed: compute the staleness
-# s (the server's version minus the gradient's), record it in `self.staleness`, take the step
-# `self.w.add_(grad, alpha=-step)` with step = lr / max(1, s), and count the update in
-# `self.version`. The check runs it under the reference loop for τ = 0, 2 and 5 and compares
-# with the rules people get wrong: no scaling, lr / (s + 1), lr · s.
+# Write `push` for a server that does it: a `SimulatedServer` (its source is in lesson 09)
+# with only the size of the step changed. Everything else its `push` does — what it records,
+# what it counts — must still happen. The check runs it under the reference loop for τ = 0, 2
+# and 5 and names the scaling rules people get wrong.
 
 # %%
 class StalenessAware(async_sgd.SimulatedServer):
     def push(self, grad, version):
-        ### BEGIN SOLUTION: s = self.version - version; record it; step lr / max(1, s); self.version += 1
+        ### BEGIN SOLUTION: the staleness-aware step, and everything SimulatedServer.push does besides
         staleness = self.version - version
         self.staleness.append(staleness)
         self.w.add_(grad, alpha=-self.lr / max(1, staleness))

@@ -113,6 +113,9 @@ def test_local_sgd_h1_is_ddp_and_averages_every_h_steps():
     assert [len(out[0][h]["drift"]) for h in (1, 4)] == [16, 4]
     assert all(d > 0 for d in out[0][4]["drift"])
     assert out[0][4]["drift"] == pytest.approx(out[1][4]["drift"], rel=1e-5)
+    # the test loss and accuracy of the start, and after training
+    start_loss, start_acc = out[0]["start"]
+    assert out[0][1]["loss"] < start_loss and 0 <= out[0][1]["acc"] <= 1 and 0 <= start_acc <= 1
 
 
 def test_straggler_race_async_applies_more_and_the_fast_worker_waits_less():
@@ -160,3 +163,10 @@ def test_lesson_09_figures_render():
                                                   2: [("compute", 0, 0.2)]}},
                                        {"sync": 2, "async": 3}, 0.2)]
     assert all(viz.figure_to_png(f).startswith(b"\x89PNG") for f in figs)
+
+
+def test_local_sgd_drift_figure_draws_one_line_per_h():
+    from dpcourse import viz
+
+    fig = viz.local_sgd_drift_figure((1, 2), [2.0, 2.1], 2.3, {1: [0.1, 0.2, 0.1, 0.2], 2: [0.3, 0.3]})
+    assert len(fig.axes[1].lines) == 2 and viz.figure_to_png(fig)[:4] == b"\x89PNG"

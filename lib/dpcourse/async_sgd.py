@@ -257,7 +257,7 @@ def parameter_server_worker(rank: int, world_size: int, cfg: PSConfig) -> dict:
     model = make_model()
     w0 = flat_params(model)
     batches = batch_schedule(cfg.n_train, cfg.batch, cfg.steps, seed=cfg.seed)
-    worker_group = dist.new_group(list(range(1, world_size)))   # every rank must call this
+    worker_group = dist.new_group(list(range(1, world_size)))   # every rank calls this (the default)
     out = {"numel": len(w0)}
 
     link = CountingLink()
@@ -488,9 +488,10 @@ def local_sgd_worker(rank: int, world_size: int, hs, steps: int = 128, batch: in
     """Each rank steps SGD on its shard of every global batch and averages the weights with
     an all-reduce every H steps, for each H in ``hs``; then torch DDP on the same batches.
     Returns per H the final weights, the weights after ``compare_after`` steps, the test
-    loss, the number of averages, the elements each rank sent (2(N-1)K/N per average) and the
-    drift at each average: the distance from this rank's weights to the average, relative to
-    the average's norm."""
+    loss and accuracy, the number of averages, the elements each rank sent (the formula
+    2(N-1)K/N per average, not a count) and the drift at each average: the distance from this
+    rank's weights to the average, relative to the average's norm; and under "start" the test
+    (loss, accuracy) of the starting weights."""
     torch.set_num_threads(1)
     problem = make_problem(n_train, 1024, seed=seed)
     batches = batch_schedule(n_train, batch, steps, seed=seed)
@@ -515,11 +516,12 @@ def local_sgd_worker(rank: int, world_size: int, hs, steps: int = 128, batch: in
             if t + 1 == compare_after:
                 early = flat_params(model)
         w = flat_params(model)
-        out[h] = {"w": w, "early": early, "drift": drift,
-                  "loss": evaluate(model, w, problem.x_test, problem.y_test)[0],
+        loss, acc = evaluate(model, w, problem.x_test, problem.y_test)
+        out[h] = {"w": w, "early": early, "drift": drift, "loss": loss, "acc": acc,
                   "averages": averages,
                   "sent": averages * ring_elements_per_rank(len(w), world_size)}
     model = make_model(seed=seed)
+    out["start"] = evaluate(model, flat_params(model), problem.x_test, problem.y_test)
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr)
     for indices in batches[:compare_after]:

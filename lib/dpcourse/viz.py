@@ -1218,6 +1218,40 @@ def local_sgd_figure(hs: Sequence[int], losses: Sequence[float], averages: Seque
     return fig
 
 
+def local_sgd_drift_figure(hs: Sequence[int], losses: Sequence[float], start_loss: float,
+                           drift: dict):
+    """Left: the test loss after the budget against H, on an axis that includes the starting
+    loss (a dashed line), so the spread is read against the progress made. Right: the drift
+    measured at each average (``drift[h]``: one value per average, every H steps) against the
+    step at which it was measured, one line per H."""
+    fig = new_figure(9.0, 3.6)
+    ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    ax.plot(hs, losses, "o-", color="#1f77b4", label="after the budget")
+    ax.axhline(start_loss, color="grey", ls="--", lw=1, label="at the start")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(hs))
+    ax.set_xticklabels([str(h) for h in hs])
+    low = min(losses)
+    ax.set_ylim(low - 0.1 * (start_loss - low), start_loss + 0.1 * (start_loss - low))
+    ax.set_xlabel("local steps H between averages")
+    ax.set_ylabel("test loss")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    from matplotlib import colormaps
+
+    colours = colormaps["viridis"]
+    for i, h in enumerate(hs):
+        steps = [h * (j + 1) for j in range(len(drift[h]))]
+        bx.plot(steps, [100 * d for d in drift[h]], "o-" if len(steps) < 20 else "-", ms=3,
+                color=colours(i / max(1, len(hs) - 1)), label=f"H = {h}")
+    bx.set_xlabel("step at which the replicas are averaged")
+    bx.set_ylabel("drift before the average (%)")
+    bx.legend(fontsize=7, ncol=2)
+    bx.grid(True, alpha=0.3)
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.15, top=0.95, wspace=0.3)
+    return fig
+
+
 def large_batch_figure(curves: dict):
     """Test loss after each epoch, one line per run (``curves[label] = [loss per epoch]``)."""
     fig = new_figure(6.5, 3.8)
