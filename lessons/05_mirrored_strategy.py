@@ -11,7 +11,7 @@
 # - train with Keras `fit`, mixed precision, checkpoints and two multi-worker processes;
 # - map every piece of MirroredStrategy to its PyTorch DDP counterpart.
 #
-# **Time:** about 35 minutes to read and run.
+# **Time:** about 40 minutes to read and run.
 #
 # **Lab:** [lab05_mirrored_strategy](../labs/lab05_mirrored_strategy.ipynb) — the custom loop
 # with correct loss scaling.
@@ -49,9 +49,13 @@ multiworker_timeout = 90
 # TensorFlow fixes its device list the first time anything *uses* a device: creating a tensor, a
 # variable, a strategy, a dataset. After that, the split cannot change. So the split is the first
 # thing a TF notebook does — before any other TF code, in every fresh kernel. (Importing TF is
-# harmless; `dpcourse.mirrored` also sets TF's log level and turns off its oneDNN notice first
-# — oneDNN is Intel's library of fast CPU kernels, which TF uses by default and announces — so
-# no C++ log line lands in this notebook.)
+# harmless.) Before importing TF, `dpcourse.mirrored` sets two environment variables (unless
+# you set them): `TF_CPP_MIN_LOG_LEVEL=2`, which keeps TF's C++ info and warning lines out of
+# this notebook, and `TF_ENABLE_ONEDNN_OPTS=0`, which **turns off oneDNN's custom operations**
+# — oneDNN is Intel's library of fast CPU kernels, which TF uses by default and whose start-up
+# notice warns that it may give slightly different numbers because it computes in a different
+# order. So this course runs TF's own CPU kernels: slower (16-bit ones especially), and the same
+# kernels on every CPU it runs on.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -131,8 +135,9 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 # You can also choose: `MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())`
 # or `tf.distribute.NcclAllReduce()` (GPUs only). One reduction takes another road on every
 # profile: `strategy.reduce(...)` returns its result on the host CPU, and for a CPU destination
-# `MirroredExtended._reduce_to` always uses `ReductionToOneDevice` — a copy of one number per
-# replica, for the reported loss. TF has no public getter for the choice, so
+# `MirroredExtended._reduce_to` uses `ReductionToOneDevice` — a copy of one number per replica,
+# for the reported loss — whenever the strategy uses *merge calls*, which is always except when
+# the step is compiled with XLA on all-GPU devices (`MirroredExtended._use_merge_call`). TF has no public getter for the choice, so
 # `mirrored.cross_device_ops_in_use` reads the strategy's private `extended._cross_device_ops`:
 
 # %%
@@ -177,7 +182,11 @@ claim("together they hold the whole global batch", sum(local_sizes) == global_ba
 # A real image pipeline decodes files (JPEG/PNG) for every example in every epoch. `cache()`
 # keeps the decoded result after the first epoch; `prefetch()` prepares the next batch while the
 # current one is consumed. We store our images as PNG and compare two epochs of a pipeline that
-# decodes every time against one with cache and prefetch.
+# decodes every time against one with cache and prefetch. What to expect: over two epochs cache
+# can save at most the second epoch's decoding, so at most 2× (less, since batching and the
+# loop cost the same in both); and prefetch has nothing to overlap with here, because the loop
+# does no work with the batches — it pays off when a training step runs while the next batch is
+# prepared.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -195,8 +204,13 @@ plain = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
 tuned = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
                               cache=True, prefetch=True)
 t_plain, t_tuned = seconds_for_epochs(plain), seconds_for_epochs(tuned)
+speedup = t_plain / t_tuned
 print(f"2 epochs: decode every time {t_plain:.2f} s, cache+prefetch {t_tuned:.2f} s "
-      f"-> {t_plain / t_tuned:.1f}x faster")
+      f"-> {speedup:.1f}x faster")
+print("This run: " + ("within the 2x ceiling that caching one of two decoded epochs allows."
+                      if speedup <= 2.05 else
+                      "above the 2x ceiling of caching alone: this machine's load changed "
+                      "between the two timings (run the cell again)."))
 
 # %% [markdown]
 # ## 4. The custom loop, and its proof
@@ -209,10 +223,10 @@ print(f"2 epochs: decode every time {t_plain:.2f} s, cache+prefetch {t_tuned:.2f
 #
 # Because the gradients are *summed*, each replica's loss must be its share of the global mean:
 # the sum of its per-example losses divided by the **global** batch, not by its own slice.
-# TensorFlow has a function for it, `tf.nn.compute_average_loss`, which divides by the batch
-# size you pass as `global_batch_size` (lab 05 asks you to write that line). Here are the
-# per-example loss and the gradient of one mirrored step as the library computes them — the
-# code the proofs below run:
+# TensorFlow has a function for it, `tf.nn.compute_average_loss`, which divides the summed
+# losses by a batch size; calling it right is lab 05's first TODO. Here are the per-example
+# loss and the gradient of one mirrored step as the library computes them — the code the
+# proofs below run:
 
 # %%
 viz.show_code(mirrored.per_example_loss, mirrored.mirrored_gradients)
@@ -336,7 +350,12 @@ viz.show_code(mirrored.per_replica_loss, mirrored.train_step, mirrored.train_ste
 # it — runs the Python code once, recording the TensorFlow operations into a graph that later
 # calls reuse. While TF traces the step, `mirrored.count_cross_device_calls` counts what reaches
 # the two cross-device ops, so we also see which one carried the gradients and which one the
-# reported loss.
+# reported loss. It wraps the cross-device ops' `reduce_implementation` and
+# `batch_reduce_implementation` methods (the ones `reduce` and `batch_reduce` call) for as long
+# as the `with` block lasts:
+
+# %%
+viz.show_code(mirrored.count_cross_device_calls)
 
 # %%
 sgd = lambda: keras.optimizers.SGD(learning_rate=lr)   # noqa: E731 - plain SGD, as in PyTorch
@@ -365,8 +384,18 @@ claim("and so do the losses of every step (to 1e-5)",
 # ## 5. Keras `fit` under the strategy
 #
 # `fit` does all of the above for you: build and compile inside `strategy.scope()`, pass a
-# dataset batched with the global batch, and Keras splits batches, scales the loss by the global
-# batch and all-reduces the gradients. Proof: the same `steps` batches through `fit` under the
+# dataset batched with the global batch, and Keras splits batches, scales the loss and
+# all-reduces the gradients. Its scaling is not `compute_average_loss`: each replica's loss is
+# the mean over its **own** slice, multiplied by 1 / `num_replicas_in_sync`
+# (`scale_loss_for_distribution` in Keras' losses). That equals dividing by the global batch
+# when every slice has the same size, as here; on a partial last batch, where slices differ,
+# the two differ (lab 05's stretch works on that case).
+#
+# One more loss needs the same care in a custom loop: weight *regularisers* (e.g.
+# `kernel_regularizer=`) add terms to `model.losses` that are identical on every replica, so
+# summed over N replicas they count N times. Add them as
+# `tf.nn.scale_regularization_loss(tf.add_n(model.losses))`, which divides by the number of
+# replicas; `fit` scales them the same way for you. (Our CNN has no regulariser.) Proof: the same `steps` batches through `fit` under the
 # strategy end with the weights one device reached in section 4.
 
 # %%
@@ -415,17 +444,20 @@ for policy_name in ("mixed_float16", "mixed_bfloat16"):
         claim("with mixed_bfloat16, compile left it alone", probe.optimizer is given)
 
 # %% [markdown]
-# The output layer returns float32 logits. Same weights, same data: the accuracy and the
-# training steps match float32's within tolerance. (The weights here are barely trained, so the
-# accuracy itself is near chance; what is tested is that 16-bit arithmetic does not change the
-# answers. Lesson 01 shows the same with torch AMP.)
+# The output layer returns float32 logits. Same weights, same data: the accuracy, and the
+# weights after `steps` training steps, match float32's within the tolerances printed. What is
+# *trained* below is the profile's policy: `mixed_bfloat16` on a CPU, so on this course's CPU
+# profile the `mixed_float16` + `LossScaleOptimizer` path above is only compiled, never trained
+# (a GPU runs it here). The weights are barely trained, so the accuracy itself is near chance;
+# what is tested is that 16-bit arithmetic does not change the answers. Lesson 01 shows the
+# same with torch AMP.
 
 # %%
 policy = "mixed_float16" if profile.tf_device_type == "GPU" else "mixed_bfloat16"
 with strategy.scope():
     low = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn(dtype=policy))
     full = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn())
-# 16-bit convolutions are slow on CPUs without oneDNN, so a few hundred test images suffice here
+# 16-bit convolutions are slow with TF's own CPU kernels (oneDNN's are off, section 1): 256 images
 acc_low, acc_full = (mirrored.evaluate(m, ds.x_test[:256], ds.y_test[:256]) for m in (low, full))
 claim(f"{policy}: the accuracy equals float32's within 0.02", abs(acc_low - acc_full) <= 0.02,
       acc_low=acc_low, acc_full=acc_full)
@@ -434,6 +466,12 @@ low = mirrored.fit(strategy, train.take(steps), model=low, optimizer=optimizer_i
 gap = max(float(np.abs(a - b).max()) for a, b in zip(mirrored.keras_weights_as_torch(low), w_mirror))
 claim(f"after {steps} steps the {policy} weights are within 1e-2 of float32's", gap < 1e-2,
       gap=gap)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (why: 16-bit rounding errors depend on the kernels this machine's TF runs.)
+print(f"trained with {policy}: accuracy {acc_low:.3f} vs float32 {acc_full:.3f} (before training); "
+      f"largest weight difference after {steps} steps {gap:.1e}")
 
 # %% [markdown]
 # ## 7. Checkpoints under a strategy
@@ -476,12 +514,20 @@ claim("it restores the step counter too", restored_step == steps)
 # `mirrored.run_multiworker` starts two workers (`python -m dpcourse.tf_multiworker_worker`) on
 # free ports, bounded in time and killed afterwards whatever happens. Each worker feeds its own
 # half of each global batch; the strategy all-reduces gradients between the processes with
-# `CollectiveAllReduce` (RING on CPUs) over gRPC — Google's remote-procedure-call library, the
+# `CollectiveAllReduce`, implementation RING — **our worker asks for it**
+# (`CommunicationOptions(implementation=RING)`); MultiWorkerMirroredStrategy's default is
+# `AUTO`, which lets TF choose — over gRPC — Google's remote-procedure-call library, the
 # TCP transport TensorFlow's workers talk through (`ServerDef(protocol="grpc")` in
 # `CollectiveAllReduceExtended._initialize_multi_worker`). No `"chief"` task is listed, so
 # worker 0 is the chief (`multi_worker_util.is_chief`). Starting from the same weights, both
 # workers end with the same weights as each other (bit for bit: `np.array_equal`) and as one
-# device in section 4 (to 1e-5).
+# device in section 4 (to 1e-5). Here is the worker — reading `TF_CONFIG`, the forced RING,
+# each worker's slice of every global batch, and the step from section 4:
+
+# %%
+from dpcourse import tf_multiworker_worker
+
+viz.show_code(tf_multiworker_worker.main)
 
 # %%
 import os
@@ -572,14 +618,19 @@ ax.grid(True, alpha=0.3)
 ax.legend(fontsize=8)
 fig.subplots_adjust(left=0.16, right=0.97, bottom=0.16, top=0.95)
 viz.show(fig, "from the same initial weights on the same batches, the two frameworks' losses lie on "
-              "top of each other (and on one device's), step after step.")
+              "top of each other (and on one device's), step after step. Each step's loss is "
+              "on a new batch, so three steps need not go down: the point is the agreement.")
 
 # %% [markdown]
 # The two training steps, as code. The differences are the table above in miniature: TF runs
 # the step through `strategy.run` and scales the loss by the global batch, because its
-# all-reduce sums; DDP hides its all-reduce in `backward()` and averages.
+# all-reduce sums; DDP hides its all-reduce in `backward()` and averages. The diff shows the
+# whole TF step — lab 05's answer — so it is folded.
 
-# %%
+# %% [markdown]
+# **▶ The two steps as a diff (lab 05's answer) — open after your lab passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 import difflib
 import inspect
 
@@ -596,6 +647,7 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Create variables under `strategy.scope()`; batch with the **global** batch.
 # * TF **sums** replicas' gradients: scale each replica's loss with `compute_average_loss`
 #   (÷ global batch). `reduce_mean` makes the step N× too big; averaging again makes it 1/N.
+#   Regularisation losses, the same on every replica, go through `scale_regularization_loss`.
 # * By default the sum is a collective all-reduce (`CollectiveAllReduce`: RING on CPUs and
 #   logical GPUs, NCCL on real GPUs); `ReductionToOneDevice` — copy to one device, add, send
 #   back — is what you get with mixed devices or ask for, and what `strategy.reduce` uses to
@@ -646,12 +698,17 @@ viz.quiz([
 # - `tensorflow/python/eager/context.py` — `Context.set_logical_device_configuration`: "Virtual devices cannot be modified after being initialized" once TF has used its devices.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._make_collective_ops_with_fallbacks`: with no `cross_device_ops`, `CollectiveAllReduce` with `RING` on CPUs and on logical GPUs, `NCCL` on physical GPUs, `ReductionToOneDevice` for mixed CPU/GPU devices.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._reduce_to`: a reduction to a CPU destination (`strategy.reduce`) goes through `ReductionToOneDevice`; `MirroredExtended._batch_reduce_to`: the replica context's `all_reduce` goes through the strategy's cross-device ops.
+# - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._use_merge_call`: true unless the step runs under XLA on all-GPU devices; `_reduce_to` takes `ReductionToOneDevice` for a CPU destination only when it is true.
+# - `tensorflow/libtensorflow_framework.so.2` (compiled; its strings): the notice "oneDNN custom operations are on … To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`".
 # - `tensorflow/python/distribute/cross_device_ops.py` — `ReductionToOneDevice.reduce_implementation` (copy to one device, `add_n`, broadcast back), `CollectiveAllReduce`, `NcclAllReduce`.
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
-# - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses divided by `global_batch_size`.
+# - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses divided by `global_batch_size`; `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
+# - `keras/src/losses/loss.py` — `reduce_values` and `scale_loss_for_distribution`: a Keras loss is the mean over the replica's own slice, multiplied by 1 / `num_replicas_in_sync` under `tf.distribute`.
+# - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy.
 # - `keras/src/trainers/trainer.py` — `Trainer.compile`: with the model's dtype policy `mixed_float16` and `auto_scale_loss=True`, the optimizer is wrapped in a `LossScaleOptimizer`.
 # - `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer`: dynamic loss scaling, `inner_optimizer`.
 # - `tensorflow/python/distribute/collective_all_reduce_strategy.py` — `CollectiveAllReduceExtended._initialize_multi_worker`: `TF_CONFIG`'s cluster, a gRPC server per worker (`protocol="grpc"`).
+# - `tensorflow/python/distribute/collective_util.py` — `Options`: the communication implementation defaults to `AUTO`; `dpcourse/tf_multiworker_worker.py` asks for `RING`.
 # - `tensorflow/python/distribute/multi_worker_util.py` — `is_chief`: without a "chief" task, worker 0 is the chief.

@@ -138,7 +138,8 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # step really has: the replicas' sizes summed with the replica context's `all_reduce`.
 #
 # Write `make_dist_dataset(strategy, x, y, global_batch)` (in order, no shuffling, the partial
-# batch kept) and `train_epoch(strategy, model, optimizer, dist_dataset)`.
+# batch kept), then the two TODOs in `train_epoch`'s step: the step's real sample count, and the
+# loss divided by it (the gradient lines after them are given).
 
 # %%
 def make_dist_dataset(strategy, x, y, global_batch):
@@ -158,15 +159,17 @@ lab05.check_dataset_fn(make_dist_dataset, strategy)
 # %%
 def train_epoch(strategy, model, optimizer, dist_dataset):
     def step_fn(x, y):
-        ### BEGIN SOLUTION: the step's real global sample count (all_reduce the local sizes); loss = summed per-example losses / that count; apply the gradients
+        ### BEGIN SOLUTION: n_global, the step's real sample count: the replica context's all_reduce (SUM) of this replica's batch size
         ctx = tf.distribute.get_replica_context()
         n_global = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.shape(y)[0])
+        ### END SOLUTION
         with tf.GradientTape() as tape:
+            ### BEGIN SOLUTION: loss = the summed per-example losses / n_global, cast to float32 first (a size is an int32, and TF will not divide a float by an int)
             losses = mirrored.per_example_loss(y, model(x, training=True))
             loss = tf.reduce_sum(losses) / tf.cast(n_global, tf.float32)
+            ### END SOLUTION
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        ### END SOLUTION
 
     for batch in dist_dataset:
         strategy.run(step_fn, args=batch)
