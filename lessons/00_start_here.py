@@ -15,7 +15,7 @@
 # - say which hardware profile your machine gets, and what that changes in later lessons;
 # - start two cooperating processes from a notebook and get their results back.
 #
-# **Time:** about 15 minutes to read and run.
+# **Time:** about 20 minutes to read and run.
 #
 # **Lab:** none — lab 01 follows lesson 01.
 #
@@ -23,9 +23,10 @@
 # on many devices — `nn.DataParallel`, DistributedDataParallel (DDP), TensorFlow's
 # `MirroredStrategy` — and down to the ring AllReduce that moves the gradients. Every lesson
 # runs on a CPU-only machine: that is where its stored outputs were made and where the tests run
-# them. The same code picks GPUs and NCCL when it finds them; that path is written and has its
-# own tests (`python -m dpcourse doctor --run`), but has not yet been run end to end on a GPU
-# machine.
+# them. The same code picks GPUs and NCCL when it finds them. Lessons 01 and 07–09 have also run
+# on a one-GPU NVIDIA H100 machine during development; the multi-GPU path (NCCL, one GPU per
+# rank) is written and has its own tests (`tests/test_gpu.py`, `python -m dpcourse doctor
+# --run`), but they have not yet been run on a multi-GPU machine.
 #
 # **Every claim is checked.** When a lesson says "the two gradients are equal", a cell below
 # it asserts that statement (and says "to within 1e-5" when floating-point sums in another
@@ -169,11 +170,33 @@ claim("both ranks received the sum 10 + 20", results == [30.0, 30.0], results=re
 # %% [markdown]
 # A group has one backend **per device type**, not necessarily one backend: torch's
 # `init_process_group` accepts `"cpu:gloo,cuda:nccl"`, and then collectives on CPU tensors go
-# through gloo and those on GPU tensors through NCCL, in the same group. What every rank must
-# agree on is that choice: rank 0 on gloo and rank 1 on NCCL cannot form a group. (NCCL refuses
-# to start on a machine without GPUs, so here we run the same `device:backend` form with the
-# CPU's entry alone.) This is c10d at work — torch.distributed's C++ core ("c10" is torch's
+# through gloo and those on GPU tensors through NCCL, in the same group; every rank passes the
+# same string. NCCL refuses to start on a machine without GPUs — the first cell below asks for
+# it and shows the error — so the second runs the same `device:backend` form with the CPU's entry
+# alone. This is c10d at work — torch.distributed's C++ core ("c10" is torch's
 # core library, "d" for distributed), whose process groups the lessons use from lesson 03 on.
+
+# %%
+def ask_for_nccl(rank, world_size):
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world_size)
+    except ValueError as err:
+        return f"ValueError: {err}"
+    dist.destroy_process_group()
+    return "a group with NCCL for cuda tensors was formed"
+
+
+if report.gpu_count == 0:
+    nccl_here = launch.spawn(ask_for_nccl, 2, timeout=60)
+    print("rank 0:", nccl_here[0])
+    claim("on this machine without GPUs, init_process_group with NCCL for cuda tensors fails on "
+          "every rank with ProcessGroupNCCL's error",
+          all("only supported with GPUs" in r for r in nccl_here), nccl_here=nccl_here)
+else:
+    print("(this machine has GPUs: the refusal shows only on a machine without them)")
+
 
 # %%
 def backend_per_device(rank, world_size):
@@ -196,6 +219,52 @@ claim("a group made with the device:backend string 'cpu:gloo' sends CPU tensors 
       per_device == [("cpu:gloo", "ProcessGroupGloo", 3.0)] * 2, per_device=per_device)
 
 # %% [markdown]
+# **When a rank fails.** Here rank 1 raises while rank 0 is busy for 30 s. `spawn` stops rank 0,
+# and the notebook gets one `RankFailedError` whose first line names the failed rank and its
+# error (the rest of the message is that rank's traceback). A rank that never finishes — as when
+# it waits in a collective another rank never calls — is stopped at the timeout with a
+# `LaunchTimeoutError`.
+
+# %%
+import time
+
+
+def rank1_crashes(rank, world_size):
+    import time
+
+    if rank == 1:
+        raise ValueError("rank 1 found a bad batch")
+    time.sleep(30)  # rank 0 would be busy much longer than the crash takes to report
+
+
+def never_finishes(rank, world_size):
+    import time
+
+    time.sleep(600)
+
+
+t0 = time.perf_counter()
+try:
+    launch.spawn(rank1_crashes, 2, timeout=60)
+except launch.RankFailedError as err:
+    crash_lines = str(err).splitlines()
+crash_s = time.perf_counter() - t0
+print("\n".join(crash_lines[:2]))
+claim("rank 1's error came back as one RankFailedError naming rank 1 and its ValueError, well "
+      "before rank 0's 30 s were up", crash_lines[0].startswith("rank 1 of 2 failed: ValueError")
+      and crash_s < 25, crash_s=crash_s)
+
+t0 = time.perf_counter()
+try:
+    launch.spawn(never_finishes, 2, timeout=3)
+except launch.LaunchTimeoutError as err:
+    hang_message = str(err)
+hang_s = time.perf_counter() - t0
+print(hang_message.split(". ")[0] + ".")
+claim("two ranks that never finish were stopped at the 3 s timeout (well under their 600 s)",
+      "never finished within 3 s" in hang_message and hang_s < 30, hang_s=hang_s)
+
+# %% [markdown]
 # ## Summary
 #
 # - Lessons prove what they say: every ✔ line is a claim computed on this run; labs check your
@@ -204,7 +273,7 @@ claim("a group made with the device:backend string 'cpu:gloo' sends CPU tensors 
 #   give the same checked results on each, and NCCL is used only when every rank owns a GPU.
 # - `dpcourse.launch.spawn` runs ranks from a notebook: results come back in rank order, a
 #   crash or a hang becomes one clear error, and nothing is left running.
-# - Every lesson has a *parameters* cell, so it can be re-run at a bigger scale with
+# - Every lesson from 01 on has a *parameters* cell, so it can be re-run at a bigger scale with
 #   [papermill](https://papermill.readthedocs.io) without editing it, e.g.
 #   `papermill lessons/01_single_device.ipynb out.ipynb -p dataset cifar10 -p epochs 10`.
 #
@@ -217,30 +286,32 @@ from dpcourse import viz
 
 viz.quiz([
     {"q": "Your machine has one GPU. Which backend do the two-rank lessons (03, 04, 06) use?",
-     "options": ["nccl, with both ranks on the GPU", "gloo", "nccl on the GPU for rank 0, gloo for rank 1"],
-     "answer": 1,
-     "why": ["NCCL refuses two ranks on one GPU: each rank must own its device.",
-             "Right: with fewer GPUs than ranks the profile falls back to gloo, which runs anywhere.",
-             "Every rank of a group must make the same choice: rank 0 on nccl and rank 1 on "
-             "gloo cannot form a group. (One group may use one backend per device type, e.g. "
+     "options": ["gloo", "nccl, with both ranks on the GPU", "nccl on the GPU for rank 0, gloo for rank 1"],
+     "answer": 0,
+     "why": ["Right: with fewer GPUs than ranks the profile falls back to gloo, which runs anywhere.",
+             "NCCL refuses two ranks on one GPU: each rank must own its device.",
+             "Every rank of a group passes the same backend string to init_process_group, and "
+             "here there is one GPU for two ranks. (One group may use one backend per device type, e.g. "
              "\"cpu:gloo,cuda:nccl\"; that is not what this option says.)"]},
     {"q": "A lab check stops with a LabCheckError. What should you read?",
      "options": ["The whole traceback, from the bottom up",
-                 "The one-sentence message: it names the mistake",
-                 "Nothing: re-run the cell until it passes"],
-     "answer": 1,
+                 "Nothing: re-run the cell until it passes",
+                 "The one-sentence message: it names the mistake"],
+     "answer": 2,
      "why": ["The traceback is mostly the check's own machinery; the message is written for you.",
-             "Right: each check recognises the usual mistakes and says which one you made.",
-             "The checks are deterministic: the same code gives the same verdict."]},
+             "The checks are deterministic: the same code gives the same verdict.",
+             "Right: each check recognises the usual mistakes and says which one you made."]},
     {"q": "Why can `dpcourse.launch.spawn` run a function you defined in a notebook cell, when "
-          "`torch.multiprocessing.spawn` cannot?",
+          "`torch.multiprocessing.spawn` (which starts fresh interpreters) cannot?",
      "options": ["It runs the function in threads, not processes",
                  "It sends the function's code itself (cloudpickle) instead of its import path",
                  "It copies the whole notebook into each process"],
      "answer": 1,
      "why": ["The ranks are real processes, as on a cluster.",
              "Right: plain pickle stores a function by name, and a cell's `__main__` cannot be "
-             "imported by another process; cloudpickle ships the code by value.",
+             "imported by a fresh process; cloudpickle ships the code by value. (Forked "
+             "processes, torch's start_processes(..., start_method='fork'), inherit the cell's "
+             "functions instead, but fork is unsafe once CUDA or threads are running.)",
              "Only the function (and what it refers to) travels."]},
 ])
 # %% [markdown]
@@ -255,11 +326,12 @@ viz.quiz([
 #   type; `Backend.default_device_backend_map` (`"cpu": gloo`, `"cuda": nccl`) and
 #   `Backend.backend_capability` (gloo: cpu and cuda; nccl: cuda only); `_create_nccl_process_group`
 #   builds `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only supported with
-#   GPUs, no GPUs found!" on a machine without GPUs (tried here with `"cpu:gloo,cuda:nccl"`).
+#   GPUs, no GPUs found!" on a machine without GPUs (shown above with `"cpu:gloo,cuda:nccl"`).
 #   `ProcessGroup._get_backend(device)` (used there, e.g. in `_get_process_group_uid`): the
 #   backend serving one device type in a group.
 # - `torch/multiprocessing/spawn.py` — `spawn`: its `fn` "must be defined at the top level of a
 #   module so it can be pickled and spawned", which a function in a notebook cell is not; hence
-#   `dpcourse.launch.spawn` ships it with cloudpickle.
+#   `dpcourse.launch.spawn` ships it with cloudpickle. `start_processes` also offers
+#   `start_method="fork"`, whose children inherit the parent's functions.
 # - NCCL refuses two ranks on one GPU: a check inside the NCCL library itself (its error reads
 #   "Duplicate GPU detected"), not in torch's Python; see NCCL's documentation.
