@@ -443,8 +443,12 @@ viz.show_code(dp.scatter, dp.gather, dp.parallel_apply)
 #   running statistics are device 0's chunk's alone; the other replicas' updates are lost.
 # - Its costs: a replication every step, threads sharing one GIL, device 0 doing the loss alone,
 #   and, when the copies go one by one (a naive parameter server, as in our `dp`), 2(N−1)K
-#   numbers through device 0 every step; the real class reduces the gradients with NCCL when it
-#   can.
+#   numbers through device 0 every step; the real class broadcasts and reduces with NCCL when
+#   it can.
+# - DataParallel computes what the plain model computes only when no layer couples the samples
+#   of a batch: training-mode BatchNorm sees each replica's chunk alone.
+#
+# Next: open `03_ddp_first_principles.ipynb`, where each device gets a process of its own.
 #
 # ## Check yourself
 
