@@ -95,15 +95,18 @@ lab07.check_assign_buckets(assign_buckets)
 # parameter in a bucket — the model has a **frozen** parameter (`requires_grad=False`), which
 # gets no gradient, so no view and no hook.
 #
-# `_grad_ready(p)`: make sure `p.grad` is its view, count the bucket down, and when it is
-# complete, launch every bucket that is now launchable **in order**: divide its buffer by the
+# `_grad_ready(p)`: make sure `p.grad` is its view — it already is when it starts at the same
+# memory address as its view (`p.grad.data_ptr() == view.data_ptr()`; the reducer asks
+# `grad.is_alias_of(bucket_view)`); otherwise copy it in and make the view `p.grad`. Then
+# count the bucket down, and when it is complete, launch every bucket that is now launchable **in order**: divide its buffer by the
 # world size and `dist.all_reduce(buffer, async_op=True)`; keep the handle. Do not wait here.
 #
 # `finish_gradient_synchronization()`: wait on every handle (nothing to copy back), then reset
 # what you counted, ready for the next backward.
 #
-# The check runs 3 steps (the first with no `p.grad`, the second after `zero_grad()` in place,
-# the third after `zero_grad(set_to_none=True)`) on 2 and 3 ranks and names what it sees.
+# The check runs 3 steps (the first with no `p.grad`, the second after
+# `zero_grad(set_to_none=False)`, which zeroes the gradients in place, the third after
+# `zero_grad(set_to_none=True)`, the default) on 2 and 3 ranks and names what it sees.
 
 # %%
 class BucketedDDP(nn.Module):

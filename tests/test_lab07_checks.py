@@ -166,6 +166,33 @@ def test_wrong_assign_buckets_are_named(fn, phrase):
         lab07.check_assign_buckets(fn)
 
 
+def torch_assignment(params, cap_mb):
+    import sys
+
+    import torch.distributed as dist
+    n = len(params)
+    limit = sys.maxsize if cap_mb == float("inf") else int(cap_mb * 2**20)
+    got, _ = dist._compute_bucket_assignment_by_size(
+        list(reversed(params)), [limit], [False] * n, list(range(n - 1, -1, -1)))
+    return [[params[i] for i in b] for b in got]
+
+
+def torch_assignment_hidden(params, cap_mb):
+    # the same call reached through a name the code scan cannot see
+    import torch.distributed as dist
+    fn = getattr(dist, "_compute_bucket_" + "assignment_by_size")
+    n = len(params)
+    got, _ = fn(list(reversed(params)), [int(cap_mb * 2**20)], [False] * n,
+                list(range(n - 1, -1, -1)))
+    return [[params[i] for i in b] for b in got]
+
+
+@pytest.mark.parametrize("fn", [torch_assignment, torch_assignment_hidden])
+def test_calling_torchs_assignment_is_named(fn):
+    with pytest.raises(LabCheckError, match="_compute_bucket_assignment_by_size"):
+        lab07.check_assign_buckets(fn)
+
+
 def todo_buckets(params, cap_mb):
     raise NotImplementedError("TODO")
 

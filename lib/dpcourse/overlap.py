@@ -349,8 +349,9 @@ def predict_step(ready_ms, bucket_sizes, comm_ms, forward_ms: float, backward_ms
 
         forward + max(backward, end of the last all-reduce) + optimizer step,
 
-    which is forward + max(backward, the early buckets' communication) + the last bucket's
-    α + βK whenever the last bucket is ready only when the backward ends. Optionally
+    which is forward + backward + the last bucket's ring cost 2(N-1)α + 2(N-1)/N·Kβ +
+    optimizer step whenever the early buckets, each started at its ready time, have finished
+    by the end of the backward and the last bucket is ready only when it ends. Optionally
     ``copy_in_ms(nbytes)``, the work the hooks do on the compute thread to put a bucket's
     gradients into its buffer (it delays the rest of the backward), and
     ``copy_back_ms(nbytes)``, the copy back after the wait.

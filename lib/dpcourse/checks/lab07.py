@@ -33,6 +33,7 @@ algorithm on the same buckets (see the section's comment below).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
@@ -149,6 +150,52 @@ def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> str 
     return None
 
 
+_TORCH_ASSIGNMENT = (
+    "assign_buckets calls torch's own dist._compute_bucket_assignment_by_size (the reducer's C++ "
+    "function): part 1 asks you to write DDP's rule yourself, walking the parameters in reverse "
+    "and closing each bucket once it has reached the cap.")
+
+
+def _calls_torch_assignment(fn) -> bool:
+    """True if ``fn``'s code (or any function nested in it) names the reducer's C++ assignment."""
+    code = getattr(fn, "__code__", None)
+    stack = [code] if code is not None else []
+    while stack:
+        c = stack.pop()
+        if any("compute_bucket_assignment" in n for n in c.co_names):
+            return True
+        stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+    return False
+
+
+@contextlib.contextmanager
+def _no_torch_assignment():
+    """Within the block, a call of torch's ``_compute_bucket_assignment_by_size`` (through
+    ``torch.distributed`` or ``torch._C._distributed_c10d``) is recorded in the yielded list."""
+    import torch.distributed as dist
+
+    called = []
+    modules = [dist]
+    try:
+        from torch._C import _distributed_c10d
+        modules.append(_distributed_c10d)
+    except ImportError:
+        pass
+    saved = [(m, getattr(m, "_compute_bucket_assignment_by_size", None)) for m in modules]
+    for m, real in saved:
+        if real is not None:
+            def spy(*args, real=real, **kwargs):
+                called.append(True)
+                return real(*args, **kwargs)
+            setattr(m, "_compute_bucket_assignment_by_size", spy)
+    try:
+        yield called
+    finally:
+        for m, real in saved:
+            if real is not None:
+                setattr(m, "_compute_bucket_assignment_by_size", real)
+
+
 def check_assign_buckets(assign_buckets) -> None:
     """Run ``assign_buckets(params, bucket_cap_mb)`` on six sets of parameters and caps."""
     __tracebackhide__ = True
@@ -157,15 +204,20 @@ def check_assign_buckets(assign_buckets) -> None:
     if has_todo(assign_buckets):
         raise NotImplementedError("assign_buckets still raises NotImplementedError: replace the "
                                   "TODO with your answer.")
+    if _calls_torch_assignment(assign_buckets):
+        fail(_TORCH_ASSIGNMENT)
     counts, problems, got = [], [], []
     cases = _bucket_cases()
     for what, params, cap in cases:
         try:
-            buckets = assign_buckets(list(params), cap)
+            with _no_torch_assignment() as called:
+                buckets = assign_buckets(list(params), cap)
         except NotImplementedError:
             raise
         except Exception as exc:
             fail(f"assign_buckets raised {type(exc).__name__}: {exc} ({what}).")
+        if called:
+            fail(_TORCH_ASSIGNMENT)
         problem = bucket_problem(buckets, params, cap, what)
         if problem:
             problems.append(problem)
