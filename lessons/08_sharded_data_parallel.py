@@ -20,7 +20,7 @@
 #   and reconcile what it holds and sends with the formula;
 # - pick the stage a model needs from its size, the GPU's memory and the number of GPUs.
 #
-# **Time:** about 60 minutes to read and run.
+# **Time:** about 65 minutes to read and run.
 #
 # **Lab:** [lab08_zero_one](../labs/lab08_zero_one.ipynb) — write ZeRO stage 2 the way it
 # saves memory: buckets reduce-scattered asynchronously *during* the backward; the check runs
@@ -448,7 +448,7 @@ viz.show(viz.zero_tradeoff_figure(
 # back, into a plain model and into a fresh sharded one.
 
 # %%
-viz.show_code(zero.fsdp2_worker, zero._fsdp2_policy)
+viz.show_code(zero.fsdp2_worker, zero._fsdp2_policy, zero.fsdp2_padded_numel)
 
 # %%
 tour = launch.spawn(zero.fsdp2_worker, world_size, mp, backend=backend, timeout=120)
