@@ -10,7 +10,7 @@
 # - measure α and β on your own machine and predict all-reduce times elsewhere;
 # - build a ring from `isend`/`irecv`, and say when a naive send-then-receive ring deadlocks.
 #
-# **Time:** about 30 minutes to read and run.
+# **Time:** about 40 minutes to read and run (the cost-model explorer invites longer).
 #
 # **Lab:** [lab06_ring_allreduce](../labs/lab06_ring_allreduce.ipynb) — the ring, simulated then
 # real.
@@ -135,12 +135,18 @@ claim(f"bytes per worker == 2(N−1)K/N in all {checked} cases (N = 2..16)", che
 # synchronisation, the wire's latency), β the seconds per byte (1/bandwidth). Then for K bytes
 # on N workers (`ring.cost` has the details):
 #
-# | algorithm | steps (α terms) | bytes through the busiest link | time |
-# |---|---|---|---|
-# | naive: all to worker 0 and back, one by one | 2(N−1) | 2(N−1)K | 2(N−1)(α + Kβ) |
-# | parameter server (separate server) | 2 | 2NK | 2α + 2NKβ |
-# | ring | 2(N−1) | 2(N−1)K/N | 2(N−1)α + 2(N−1)/N·Kβ |
-# | binomial tree: reduce, then broadcast | 2⌈log₂N⌉ | 2⌈log₂N⌉K | 2⌈log₂N⌉(α + Kβ) |
+# | algorithm | steps (α terms) | bytes the time pays for (critical path) | busiest link, one direction | time |
+# |---|---|---|---|---|
+# | naive: all to worker 0 and back, one by one | 2(N−1) | 2(N−1)K | (N−1)K | 2(N−1)(α + Kβ) |
+# | parameter server (separate server) | 2 | 2NK | NK | 2α + 2NKβ |
+# | ring | 2(N−1) | 2(N−1)K/N | 2(N−1)K/N | 2(N−1)α + 2(N−1)/N·Kβ |
+# | binomial tree: reduce, then broadcast | 2⌈log₂N⌉ | 2⌈log₂N⌉K | ⌈log₂N⌉K | 2⌈log₂N⌉(α + Kβ) |
+#
+# Two ways of counting, on purpose: links are *full duplex* (each direction has its own
+# bandwidth). The naive way, the server and the tree receive everything and *then* send it, so
+# their time pays for both directions one after the other; in a ring every worker sends and
+# receives at the same time, so its time pays for one direction. Counted per direction, the
+# conclusion stands: the ring's link carries under 2K, the server's NK.
 #
 # The ring's bandwidth term is flat in N; its latency term grows with N. The tree in this table
 # is the simple one — a binomial tree that sends the *whole* message in each of its log N rounds
@@ -151,12 +157,12 @@ claim(f"bytes per worker == 2(N−1)K/N in all {checked} cases (N = 2..16)", che
 # between its ring and its tree per message size and topology. So, in the model: a ring for big
 # gradients, a tree for small messages. The parameter server
 # has the fewest steps — if its one link can take N messages at once — but needs an extra
-# machine whose link carries 2NK bytes, growing with every worker you add. With an illustrative
+# machine whose link carries NK bytes each way, growing with every worker you add. With an illustrative
 # α = 10 µs and 10 GB/s links, 100 MB on 8 workers:
 
 # %%
 alpha_demo, beta_demo = 10e-6, 1 / 10e9
-print(f"{'algorithm':>16} {'steps':>6} {'busiest link MB':>16} {'ms':>8}")
+print(f"{'algorithm':>16} {'steps':>6} {'critical-path MB':>16} {'ms':>8}")
 for alg in ring.ALGORITHMS:
     c = ring.cost(alg, 8, 100e6, alpha_demo, beta_demo)
     print(f"{alg:>16} {c.steps:>6} {c.busiest_bytes / 1e6:>16.1f} {c.seconds * 1e3:>8.2f}")
@@ -170,13 +176,19 @@ claim("1 KB on 64 workers (no server): the binomial tree is fastest",
       min(small, key=small.get) == "tree")
 ring_link = [ring.cost("ring", n, 100e6, 0, 1).busiest_bytes for n in (2, 8, 64, 1024)]
 ps_link = [ring.cost("parameter-server", n, 100e6, 0, 1).busiest_bytes for n in (2, 8, 64, 1024)]
-claim("the ring's busiest link carries under 2K at any N; the server's at least 2K",
+claim("on the critical path, the ring's busiest link carries under 2K at any N; the server's "
+      "at least 2K",
       max(ring_link) < 2 * 100e6 <= min(ps_link))
 claim("and the server's grows linearly with N", ps_link[-1] == 1024 * ps_link[0] / 2)
+tiny8 = {alg: ring.cost(alg, 8, 1e3, alpha_demo, beta_demo).seconds for alg in ring.ALGORITHMS}
+tiny8_serverless = {a: t for a, t in tiny8.items() if a != "parameter-server"}
+best8, best8_serverless = min(tiny8, key=tiny8.get), min(tiny8_serverless, key=tiny8_serverless.get)
 viz.show(viz.cost_figure(alpha_demo, beta_demo),
-         "under the α-β model with α = 10 µs and 10 GB/s links: the ring's time is flat in N for "
-         "big messages, while the naive way and the server grow; for tiny messages the tree's "
-         "log N rounds win.")
+         f"under the α-β model with α = 10 µs and 10 GB/s links: the ring's time is flat in N for "
+         f"big messages, while the naive way and the server grow. In the right panel, for 1 KB at N = 8 the "
+         f"{best8} is the cheapest ({ring.cost(best8, 8, 1e3, 0, 0).steps} steps, if its one link "
+         f"takes N messages at once); without a server, the {best8_serverless} "
+         f"({ring.cost(best8_serverless, 8, 1e3, 0, 0).steps} steps).")
 
 # %% [markdown]
 # ## 3. α and β of this machine
@@ -184,9 +196,12 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 # Now measure. We time `dist.all_reduce` on float32 tensors from 1 KiB to 16 MiB with 2 and 4
 # ranks (gloo over *loopback* TCP — the machine's internal network interface, 127.0.0.1 — on
 # this machine) and fit the ring model t = 2(N−1)α + 2(N−1)/N·Kβ by least squares on
-# *relative* error (a 1 KiB point counts as much as a 16 MiB one). Whatever gloo does inside, a
-# cost per message and a cost per byte are what we want to estimate, and the ring's formula is
-# the bandwidth-optimal shape they take.
+# *relative* error (a 1 KiB point counts as much as a 16 MiB one). The formula is a **model**
+# of gloo, not a description we checked: gloo's C++ is compiled into torch and not among the
+# installed Python files. Its public source (`gloo/allreduce.cc`) implements a segmented ring —
+# a reduce-scatter then an all-gather, two segments in flight — and a "bcube" algorithm a
+# caller can pick instead. A cost per message and a cost per byte are what we want to estimate,
+# and the ring's formula is the bandwidth-optimal shape they take.
 #
 # Two things on a small shared machine are not in that formula, and we handle both:
 #
@@ -260,9 +275,8 @@ else:
 
 # %% [markdown]
 # Read the figure with the machine in mind. The 50% bound is what this course can hold on every
-# run of a loaded 2-core machine (three runs of this cell there gave medians of 12% to 23%); with a core
-# (or a GPU) per rank and nothing else running, the points sit much closer to the lines. What
-# two parameters cannot capture is left: a few hundred KiB fit in the CPU's caches and megabytes
+# run of a loaded 2-core machine (three runs of this cell there gave medians of 12% to 23%).
+# What two parameters cannot capture is left: a few hundred KiB fit in the CPU's caches and megabytes
 # do not, so "seconds per byte" is not one number; and a busy neighbour can slow even the
 # fastest repetition.
 #
@@ -338,11 +352,13 @@ cost_explorer = viz.explorer(
 # step for step, on real processes: it flattens the tensor and cuts it with the same chunking.
 # Every message is a `dist.isend` to rank+1 or a `dist.irecv` from rank−1, and every receive is
 # posted before anything is waited on. That matters: if every rank first called a blocking
-# `dist.send` and only then `dist.recv`, each send could wait for a receive nobody has posted
-# yet — a deadlock. Whether it really hangs depends on the transport: a blocking send returns
-# once the transport has taken the message, and a transport may buffer a small one, so such a
-# ring can happen to work on a tiny tensor and hang on a big one. Correct code never relies on
-# buffering. (The lab's check runs this mistake and stops it with a timeout.)
+# `dist.send` and only then `dist.recv`, each send waits for a receive nobody has posted yet —
+# a deadlock. With gloo, this course's backend, it hangs at **every** size: lab 06's check runs
+# exactly this mistake (measured from 1 element to 16 Mi elements) and stops it with a timeout.
+# On other transports it can be worse hidden: MPI libraries send small messages *eagerly* (the
+# *eager protocol*: the message is copied into a buffer at the receiver, so the blocking send
+# returns before any receive is posted), so there such a ring works on tiny tensors and hangs
+# on big ones. Correct code relies on neither.
 #
 # The library's ring is also *pipelined*. Note that the chunk a rank sends at step s+1 is
 # always the one it received at step s. So each chunk travels in segments (4 MiB by default),
@@ -393,9 +409,11 @@ for n in (2, 4):
 # Data parallelism only needs the *average* of the gradients. So train a SmallCNN twice on the
 # same shards from the same initial weights: once with DDP, once with a plain loop that packs all
 # gradients into one flat buffer (like one DDP bucket), averages it with our ring and unpacks it.
-# Both must end with the same weights — up to float rounding, since the two sum the gradients
-# in a different order (with 2 ranks they come out bit for bit equal: a + b = b + a, and halving
-# is exact in binary floating point).
+# Both must end with the same weights — up to float rounding: the two add the gradients in a
+# different order, and they divide at different times. DDP divides each rank's gradient by N
+# *before* summing (`tensor.div_(group.size())` in its default `allreduce_hook`); our ring sums
+# first and divides the sum by N at the end. With 2 ranks they still come out bit for bit
+# equal: a + b = b + a, and halving is exact in binary floating point, before or after.
 
 # %%
 def train_both_ways(rank, world_size, data_name, n_train, epochs, per_rank_batch, lr):
@@ -447,8 +465,8 @@ if world_size == 2:
 # ### How fast is it?
 #
 # The measurement above timed our ring too (same sizes, same ranks, taking turns rep by rep).
-# `dist.all_reduce` is gloo's compiled C++; ours is Python issuing a few messages per step. The
-# table reports *bus bandwidth* as nccl-tests (NVIDIA's benchmark for collectives) defines it,
+# `dist.all_reduce` is gloo's compiled C++; ours is Python issuing 2(N−1) steps of messages.
+# Which is faster is measured here, not assumed. The table reports *bus bandwidth* as nccl-tests (NVIDIA's benchmark for collectives) defines it,
 # busbw = (K / t)·2(N−1)/N — the rate each link must sustain — so numbers for different N
 # compare; "ring÷built-in" is the ring's bus bandwidth divided by the built-in's (higher is
 # better for the ring). Because the two took turns, each repetition gives a *pair* that saw the
@@ -467,6 +485,16 @@ for n in fit_world_sizes:
     big_rows = [r for r in table if r.world_size == n and r.nbytes >= 4 * 2**20]
     print(f"This run, {n} ranks: at 16 KiB and below, {bench.compare(small_rows)};")
     print(f"    from 4 MiB up, {bench.compare(big_rows)}.")
+one_kib = {r.world_size: r for r in table if r.nbytes == 2**10}
+if cores < max(fit_world_sizes) and len(one_kib) > 1:
+    lo_n, hi_n = min(one_kib), max(one_kib)
+    print(f"With {hi_n} ranks on {cores} cores, ranks take turns on the cores. A 1 KiB all-reduce "
+          f"(median) took {one_kib[lo_n].all_reduce_s * 1e3:.2f} ms with {lo_n} ranks and "
+          f"{one_kib[hi_n].all_reduce_s * 1e3:.2f} ms with {hi_n} for the built-in, "
+          f"{one_kib[lo_n].ring_s * 1e3:.2f} ms and {one_kib[hi_n].ring_s * 1e3:.2f} ms for ours. "
+          f"A small message costs little to send, so waiting for a core is most of its time: the "
+          f"verdicts at {hi_n} ranks and small sizes say more about how the ranks were scheduled "
+          f"than about either algorithm.")
 
 # %% [markdown]
 # For the full sweep (up to 64 MiB), run in a terminal:
@@ -524,12 +552,15 @@ viz.quiz([
              "Every worker still sends almost 2K bytes."]},
     {"q": "Every rank calls a blocking dist.send to its right neighbour, then dist.recv from its "
           "left. What happens?",
-     "options": ["It always works", "It always deadlocks",
-                 "It may work for small tensors the transport buffers, and deadlock for big ones"],
-     "answer": 2,
-     "why": ["Only if every send is buffered; big ones are not.",
-             "Small messages are often buffered, so it can happen to work — which hides the bug.",
-             "Right: post isend and irecv first, then wait, and it never depends on buffering."]},
+     "options": ["It always works",
+                 "It depends on the transport: with gloo it hangs at every size; an MPI library "
+                 "that sends small messages eagerly lets it work on tiny tensors and hang on big ones",
+                 "It hangs only on big tensors, whatever the transport"],
+     "answer": 1,
+     "why": ["Only if every send were buffered; with gloo none is.",
+             "Right (lab 06 measured gloo); post isend and irecv first, then wait, and it never "
+             "depends on the transport.",
+             "With gloo it hangs on a single element too: lab 06's check measured it."]},
     {"q": "Your fitted α is 50 µs and 1/β is 2 GB/s. For 1 KB messages, what dominates a ring "
           "all-reduce over 8 ranks?",
      "options": ["the latency term 2(N−1)α", "the bandwidth term", "neither: they are equal"],
@@ -547,10 +578,12 @@ viz.quiz([
 # - `torch/distributed/distributed_c10d.py` — `isend`, `irecv`: non-blocking point-to-point messages that return a work object to `wait()` on; `send`: "Send a tensor synchronously"; `all_reduce` (sum by default), `barrier`, `get_global_rank` (a group rank to the global rank `isend`/`irecv` take).
 # - `torch/_torch_docs.py` — `tensor_split`: the first `size % sections` pieces are one element longer — the chunking of `ring.chunk_bounds` and NumPy's `array_split`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel`: gradients grouped in buckets (`bucket_cap_mb`), one all-reduce per bucket.
+# - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`: "Apply the division first", `tensor.div_(group_to_use.size())` before the all-reduce (DDP's default behaviour in Python form).
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._batch_reduce_to` and `_make_collective_ops_with_fallbacks`: a step's gradients go to the cross-device ops in one batched call; by default `CollectiveAllReduce` with `RING` on CPUs.
 #
 # Public documents (not in the installed files):
 #
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
+# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo, vendored in PyTorch's `third_party/gloo`): the segmented ring all-reduce, and the bcube alternative.
 # - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree and their α-β costs.
