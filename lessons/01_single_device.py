@@ -16,7 +16,7 @@
 # - use mixed precision (AMP) and check that it keeps the accuracy;
 # - get bit-identical runs from a seed, and say when you cannot.
 #
-# **Time:** about 30 minutes to read and run.
+# **Time:** about 30 minutes to read and run (plus about 25 for the lab).
 #
 # **Lab:** [lab01_single_device](../labs/lab01_single_device.ipynb) — write `train_one_epoch`
 # and `evaluate`.
@@ -137,9 +137,9 @@ claim("after zero_grad(set_to_none=True) every .grad is None",
 # ## Training for real
 #
 # Ten classes means a model that guesses is right 10% of the time, with a loss of
-# ln 10 ≈ 2.30. A few epochs on the CPU take us far past that. We use Adam here: on a budget
-# of a few hundred steps it leaves the initial plateau sooner than plain SGD (the later
-# lessons' equivalence proofs hold for any optimizer, because they compare gradients).
+# ln 10 ≈ 2.30. A few epochs on the CPU take us far past that. We use Adam here, whose
+# per-parameter step sizes need little tuning (the later lessons' equivalence proofs hold for
+# any optimizer, because they compare gradients).
 
 # %%
 devices.seed_everything(seed)
@@ -181,10 +181,10 @@ for h in history:
           f"test acc {h['test_acc']:.3f}  {h['samples_per_s']:.0f} samples/s")
 rates_per_epoch = [h["samples_per_s"] for h in history]
 spread = max(rates_per_epoch) / min(rates_per_epoch)
-print(f"Throughput from epoch to epoch varied by {spread:.2f}x. The work per epoch is the same, "
-      "so on an idle CPU this stays close to 1.00x; a larger spread means something else was "
-      "using the machine, or (on a GPU) that the first epoch paid for one-time warm-up: kernel "
-      "selection and memory allocation.")
+print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same work per epoch: "
+      + ("steady on this run." if spread < 1.25 else "something else was using the machine, "
+         "or (on a GPU) the first epoch paid for one-time warm-up (kernel selection, memory "
+         "allocation)."))
 
 # %% [markdown]
 # ## Throughput, and where the time goes
@@ -194,10 +194,12 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x. The work per epo
 # round trips per sample, which pays off until the hardware is saturated. A GPU usually needs
 # large batches to be saturated; a CPU with a couple of cores may be saturated by small ones, so
 # here the difference can be small or lost in the noise of a busy machine. We measure it
-# honestly — the same 512 samples per setting, the three batch sizes interleaved, three rounds,
+# honestly — the same 512 samples per setting, the three batch sizes interleaved, five rounds,
 # the median of each — and the sentence under the figure is computed from these runs:
-# `train.compare_rates` says "faster in every run" only when the two sets of runs do not
-# overlap, and "no clear difference" otherwise. `ThroughputMeter` synchronizes a GPU before reading the clock: CUDA runs
+# `train.compare_rates` compares the two batch sizes round by round (runs of one round were
+# measured back to back, so a slow moment of the machine hits both) and says "faster" only when
+# one won every round, or all but one of five (one outlier round does not decide), and "no clear
+# difference" otherwise. `ThroughputMeter` synchronizes a GPU before reading the clock: CUDA runs
 # asynchronously, and without the sync you would time how fast Python *queues* work.
 
 # %%
@@ -208,13 +210,13 @@ sample_batches = {bs: [b for _, b in zip(range(512 // bs), train.make_loaders(ds
                   for bs in batch_sizes}
 train.train_one_epoch(m, sample_batches[64][:2], loss_fn, opt, device)  # warm-up
 measured = {bs: [] for bs in batch_sizes}
-for _ in range(3):                       # rounds, interleaved so that a slow moment hits all
+for _ in range(5):                       # rounds, interleaved so that a slow moment hits all
     for bs in batch_sizes:
         meter = train.ThroughputMeter(device)
         train.train_one_epoch(m, sample_batches[bs], loss_fn, opt, device, meter=meter)
         measured[bs].append(meter.rate)
 rates = {bs: float(np.median(r)) for bs, r in measured.items()}
-claim("every batch size was measured three times", all(len(r) == 3 for r in measured.values()))
+claim("every batch size was measured five times", all(len(r) == 5 for r in measured.values()))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -225,18 +227,30 @@ for bs in batch_sizes:
 slowest, fastest = min(rates, key=rates.get), max(rates, key=rates.get)  # by median
 print(f"On this {device.type}, this run: " + train.compare_rates(
     f"batch {slowest}", measured[slowest], f"batch {fastest}", measured[fastest]))
+fit_rate = float(np.median(rates_per_epoch))
+cell_rate = float(np.median([r for v in measured.values() for r in v]))
+apart = max(fit_rate, cell_rate) / min(fit_rate, cell_rate)
+print(f"The epochs of `fit` above ran at a median {fit_rate:.0f} samples/s at batch {batch_size}, "
+      f"these runs at {cell_rate:.0f}: {apart:.1f}x apart. "
+      + ("Close, as they should be for the same model and loop." if apart < 2 else
+         "Far apart for the same model and loop: the machine was busier during one of them. "
+         "Both use torch's default of one intra-op thread per core, and an operation waits for "
+         "its slowest thread, so another program taking a core can cut the rate several-fold; "
+         "that is why the comparisons here interleave their runs."))
 fig = viz.new_figure(5.5, 3.2)
 ax = fig.add_subplot(1, 1, 1)
 ax.errorbar([str(bs) for bs in batch_sizes], [rates[bs] for bs in batch_sizes],
-            yerr=[[rates[bs] - min(measured[bs]) for bs in batch_sizes],
-                  [max(measured[bs]) - rates[bs] for bs in batch_sizes]], fmt="o-", capsize=4)
+            yerr=[[rates[bs] - np.percentile(measured[bs], 25) for bs in batch_sizes],
+                  [np.percentile(measured[bs], 75) - rates[bs] for bs in batch_sizes]],
+            fmt="o-", capsize=4)
 ax.set_xlabel("batch size")
-ax.set_ylabel("samples / s (median, min-max)")
+ax.set_ylabel("samples / s (median, quartiles)")
 ax.set_ylim(0, None)
 ax.grid(True, alpha=0.3)
 fig.subplots_adjust(left=0.18, right=0.97, bottom=0.17, top=0.95)
-viz.show(fig, "training throughput per batch size on this machine; the bars span three "
-              "interleaved runs, so a gap smaller than the bars is noise.")
+viz.show(fig, "training throughput per batch size on this machine; the bars span the middle "
+              "half of five interleaved runs (one outlier run does not stretch them), so a gap "
+              "smaller than the bars is noise.")
 
 # %%
 viz.show_code(train.compare_rates)
@@ -248,8 +262,11 @@ viz.show_code(train.compare_rates)
 # Python — here a flip, noise, and small random shifts of every row of every channel, one tensor
 # operation per row, the kind of augmentation image pipelines often do sample by sample — and the
 # same model spends a large part of its step waiting for data (how large depends on how fast
-# this machine computes; the cell prints it). More devices would not help that; more loader
-# workers (`num_workers`) or a vectorised pipeline would.
+# this machine computes; the cell prints it). More devices driven by one process
+# (`nn.DataParallel`, lesson 02) would not help that: they all wait for the same loader. The
+# usual remedies are loader workers (`DataLoader(num_workers=...)`: processes that prepare the
+# next batches while the step runs) or a vectorised pipeline; we do not time them here, because
+# on a two-core machine the workers would compete with the step for the same cores.
 #
 # We measure with one *intra-op* thread: the threads torch starts to split **one** operation
 # (a convolution, a matrix multiply) over the cores, one per core by default
@@ -381,11 +398,24 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # channels_last, `torch.compile` and all of them together, on ResNet-18 — run
 # `python -m dpcourse.bench single` in a terminal. *TF32* (TensorFloat-32) is a mode of NVIDIA
 # GPUs since Ampere in which float32 matrix multiplies and convolutions run on tensor cores with
-# a 10-bit mantissa (float32's range, less precision); torch turns it on with
-# `torch.backends.cuda.matmul.allow_tf32` and `torch.backends.cudnn.allow_tf32`. *channels_last*
+# a 10-bit mantissa (float32's range, less precision). Torch's defaults differ by kind: cuDNN
+# convolutions may use TF32 out of the box, float32 matmuls may not. The switches are
+# `torch.backends.cudnn.allow_tf32` and `torch.backends.cuda.matmul.allow_tf32`; torch 2.14 also
+# has the newer `fp32_precision` knobs ("tf32" or "ieee", per backend and operation), which
+# read the same defaults (the cell below prints them; they are flags, readable without a GPU).
+# *channels_last*
 # is a memory layout (`model.to(memory_format=torch.channels_last)`) that stores each pixel's
 # channels next to each other (NHWC instead of NCHW), the layout fast GPU convolution kernels
 # prefer. No GPU numbers are stored in this course: run the command there to get yours.
+
+# %%
+print("cudnn.allow_tf32:", torch.backends.cudnn.allow_tf32,
+      "| cuda.matmul.allow_tf32:", torch.backends.cuda.matmul.allow_tf32)
+print("cudnn.conv.fp32_precision:", torch.backends.cudnn.conv.fp32_precision,
+      "| cuda.matmul.fp32_precision:", torch.backends.cuda.matmul.fp32_precision)
+claim("by default cuDNN convolutions may use TF32 and float32 matmuls may not",
+      torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+      and torch.backends.cudnn.conv.fp32_precision == "tf32")
 
 # %%
 import copy
@@ -447,14 +477,21 @@ print(f"On this {device.type}, this run: "
 # Randomness enters training in the initial weights, the shuffling order, dropout and data
 # augmentation. `devices.seed_everything(seed)` seeds Python, NumPy and torch; our loaders draw
 # their order from their own seeded generator. With the same seed, the same code, the same
-# hardware and the same number of threads, two runs end with *bit-identical* weights. Change
-# the seed and they differ. (On a GPU some kernels are nondeterministic unless you also ask for
-# `deterministic=True`, at some cost in speed; across *different* hardware, bit-identity is not
-# promised at all — floating-point sums are done in different orders.)
+# hardware and the same number of threads, two runs on the CPU end with *bit-identical* weights
+# — the cell below proves it with deterministic mode **off**, the seed alone. Change the seed
+# and they differ. On a GPU some kernels (e.g. some convolution backwards, `index_add_`) are
+# nondeterministic; there the cell asks `seed_everything(..., deterministic=True)`, which calls
+# `torch.use_deterministic_algorithms(True, warn_only=True)`: deterministic kernels where torch
+# has them, and only a *warning* for an op that has none — so read the warnings. The flag is
+# global, so the cell switches it off again. Across *different* hardware bit-identity is not
+# promised at all: floating-point sums are done in different orders.
 
 # %%
+needs_deterministic = device.type != "cpu"  # CPU kernels of this model are deterministic
+
+
 def one_epoch_weights(run_seed):
-    devices.seed_everything(run_seed, deterministic=True)
+    devices.seed_everything(run_seed, deterministic=needs_deterministic)
     m = models.SmallCNN().to(device)
     small = data.Dataset(ds.name, ds.x_train[:512], ds.y_train[:512], ds.x_test[:10],
                          ds.y_test[:10], ds.classes)
@@ -464,8 +501,12 @@ def one_epoch_weights(run_seed):
     return torch.cat([p.detach().flatten().cpu() for p in m.parameters()])
 
 
-a, b, c = one_epoch_weights(1), one_epoch_weights(1), one_epoch_weights(2)
-claim("same seed: bit-identical weights after an epoch", torch.equal(a, b))
+try:
+    a, b, c = one_epoch_weights(1), one_epoch_weights(1), one_epoch_weights(2)
+finally:
+    torch.use_deterministic_algorithms(False)  # a global flag: leave it as we found it
+claim("same seed, same device: bit-identical weights after an epoch", torch.equal(a, b))
+claim("deterministic mode is off again", not torch.are_deterministic_algorithms_enabled())
 claim("another seed: different weights", not torch.equal(a, c))
 
 # %% [markdown]
@@ -500,24 +541,29 @@ viz.show_code(train.train_one_epoch, train.evaluate)
 #   faster pipeline, not more GPUs.
 # - AMP runs matmuls and convolutions in 16 bits and keeps sensitive operations, like the loss
 #   computed inside the autocast block, in float32; here it kept the accuracy.
-# - The same seed, code, hardware and threads give bit-identical weights.
+# - The same seed, code, hardware and threads give bit-identical weights on the CPU; on a GPU
+#   only with deterministic kernels.
+#
+# Next: open `02_data_parallel.ipynb`, where one process drives several devices.
 #
 # ## Check yourself
 
 # %%
 viz.quiz([
     {"q": "You call loss.backward() twice on the same batch without zero_grad. The gradient is:",
-     "options": ["the same as after one call", "twice as large", "zero"],
-     "answer": 1,
+     "options": ["the same as after one call", "zero", "twice as large"],
+     "answer": 2,
      "why": ["backward adds into .grad; it does not overwrite it.",
-             "Right: .grad accumulates, which is also how gradient accumulation works.",
-             "Nothing subtracts the first gradient."]},
-    {"q": "A profile shows 70% of each step waiting for data. What helps most?",
-     "options": ["A second GPU", "More DataLoader workers or a vectorised pipeline",
-                 "A larger learning rate"],
-     "answer": 1,
-     "why": ["Both GPUs would wait for the same slow pipeline.",
-             "Right: the bottleneck is the input pipeline, so speed that up.",
+             "Nothing subtracts the first gradient.",
+             "Right: .grad accumulates, which is also how gradient accumulation works."]},
+    {"q": "A one-process training script spends 70% of each step waiting for data. What "
+          "helps most?",
+     "options": ["More DataLoader workers or a vectorised pipeline",
+                 "A second GPU under nn.DataParallel", "A larger learning rate"],
+     "answer": 0,
+     "why": ["Right: the bottleneck is the input pipeline, so speed that up.",
+             "Both GPUs would wait for the one process's slow pipeline (DDP, lesson 03, gives "
+             "each GPU a process and a loader of its own).",
              "The learning rate changes how far each step goes, not how long it takes."]},
     {"q": "Under torch.autocast you compute the loss after leaving the `with` block, from "
           "bfloat16 logits. Its dtype is:",
@@ -528,12 +574,13 @@ viz.quiz([
              "Nothing here produces float64."]},
     {"q": "Two runs with the same seed on the same machine give bit-identical weights. On a "
           "different GPU model, the same seed gives:",
-     "options": ["bit-identical weights too", "weights that may differ in the last bits",
-                 "an error"],
-     "answer": 1,
-     "why": ["Different hardware sums in different orders; bit-identity is not promised.",
-             "Right: floating-point addition is not associative, and kernels differ.",
-             "Seeds work everywhere; only the results may differ slightly."]},
+     "options": ["weights that may differ: in the last bits after one step, and more as "
+                 "training goes on", "bit-identical weights too", "an error"],
+     "answer": 0,
+     "why": ["Right: floating-point addition is not associative and kernels differ; each step "
+             "feeds the next, so small differences grow.",
+             "Different hardware sums in different orders; bit-identity is not promised.",
+             "Seeds work everywhere; only the results differ."]},
 ])
 
 # %% [markdown]
@@ -556,12 +603,15 @@ viz.quiz([
 #   `update()` adjusts the scale.
 # - `torch/cuda/__init__.py` — `synchronize`: waits for the GPU's queued kernels, which is what
 #   `ThroughputMeter` calls before reading the clock on CUDA.
-# - `torch/backends/cuda/__init__.py` — `cuBLASModule`: `torch.backends.cuda.matmul.allow_tf32`;
-#   `torch/backends/cudnn/__init__.py` — `allow_tf32` for convolutions.
+# - `torch/backends/cuda/__init__.py` — `cuBLASModule`: `torch.backends.cuda.matmul.allow_tf32`
+#   (off by default) and `matmul.fp32_precision`; `torch/backends/cudnn/__init__.py` —
+#   `CudnnModule.allow_tf32` for convolutions (on by default) and `fp32_precision`, `conv`.
 # - `torch/nn/modules/module.py` — `Module.to(memory_format=torch.channels_last)`.
 # - `torch/utils/data/dataloader.py` — `DataLoader(num_workers=...)`: "how many subprocesses to
 #   use for data loading".
-# - `torch/__init__.py` — `use_deterministic_algorithms`, which `seed_everything(...,
-#   deterministic=True)` turns on.
+# - `torch/__init__.py` — `use_deterministic_algorithms(mode, warn_only=...)`: with
+#   `warn_only=True` (what `seed_everything(..., deterministic=True)` passes) an operation
+#   without a deterministic implementation warns instead of raising; the flag is global
+#   (`are_deterministic_algorithms_enabled`).
 # - PyTorch's documentation, "CPU threading and TorchScript inference": intra-op parallelism
 #   (`torch.set_num_threads`) against the threads a program starts itself.

@@ -14,6 +14,28 @@ def test_faster_slower_and_overlap():
     assert compare_rates("a", [1, 2], "b", [2, 3]).startswith("no clear difference")
 
 
+def test_one_outlier_round_does_not_hide_a_clear_difference():
+    # interleaved rounds: run i of a and run i of b were measured back to back
+    s = compare_rates("a", [10, 10, 10, 10, 10], "b", [12, 12, 1, 12, 12])
+    assert s.startswith("b was faster than a in all but one of 5 rounds"), s
+    s = compare_rates("a", [10, 10, 10, 10, 10], "b", [8, 8, 30, 8, 8])
+    assert s.startswith("b was slower than a in all but one of 5 rounds"), s
+    # with 3 rounds one lost round is too much; two lost rounds of 5 too
+    assert compare_rates("a", [10, 10, 10], "b", [12, 12, 1]).startswith("no clear difference")
+    assert compare_rates("a", [10] * 5, "b", [12, 12, 1, 1, 12]).startswith("no clear difference")
+
+
+def test_pairs_cancel_a_slow_moment_shared_by_both():
+    # round 2 was slow for both; b still won every round
+    s = compare_rates("a", [10, 3, 10], "b", [11, 4, 11])
+    assert s.startswith("b was faster than a in every run of 3 rounds"), s
+
+
+def test_unequal_counts_compare_ranges():
+    assert compare_rates("a", [1, 2], "b", [4, 5, 6]).startswith("b was faster than a in every run")
+    assert compare_rates("a", [1, 5], "b", [4, 5, 6]).startswith("no clear difference")
+
+
 def test_needs_runs():
     with pytest.raises(ValueError, match="at least one run"):
         compare_rates("a", [], "b", [1])

@@ -224,17 +224,33 @@ def time_breakdown(model: nn.Module, loader, loss_fn, optimizer, device="cpu",
 
 def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
     """One sentence comparing two sets of repeated throughputs (higher is faster), computed
-    from the runs: "faster in every run" only when every run of one beats every run of the
-    other (their ranges do not overlap); otherwise "no clear difference"."""
+    from the runs.
+
+    Runs of equal count are taken as *interleaved rounds*: run i of a and run i of b were
+    measured back to back, so a slow moment of the machine hits both, and they are compared as
+    a pair. "faster in every run" needs at least 3 rounds, all won; "in all but one" needs at
+    least 5 rounds and tolerates one outlier round. Unequal counts fall back to comparing the
+    ranges: "in every run" only when they do not overlap. Anything else is "no clear
+    difference". The ratio printed is median(b) / median(a).
+    """
     runs_a, runs_b = list(runs_a), list(runs_b)
     if not runs_a or not runs_b:
         raise ValueError("compare_rates needs at least one run on each side")
     ratio = statistics.median(runs_b) / statistics.median(runs_a)
-    if min(runs_b) > max(runs_a):
-        return (f"{name_b} was faster than {name_a} in every run "
-                f"(medians: {ratio:.2f}x {name_a}'s speed).")
-    if max(runs_b) < min(runs_a):
-        return (f"{name_b} was slower than {name_a} in every run "
-                f"(medians: {ratio:.2f}x {name_a}'s speed).")
+    medians = f"(medians: {ratio:.2f}x {name_a}'s speed)"
+    if len(runs_a) == len(runs_b):
+        n = len(runs_a)
+        wins = sum(b > a for a, b in zip(runs_a, runs_b))
+        losses = sum(b < a for a, b in zip(runs_a, runs_b))
+        for count, word in ((wins, "faster"), (losses, "slower")):
+            if n >= 3 and count == n:
+                return f"{name_b} was {word} than {name_a} in every run of {n} rounds {medians}."
+            if n >= 5 and count == n - 1:
+                return (f"{name_b} was {word} than {name_a} in all but one of {n} rounds "
+                        f"{medians}.")
+    elif min(runs_b) > max(runs_a):
+        return f"{name_b} was faster than {name_a} in every run {medians}."
+    elif max(runs_b) < min(runs_a):
+        return f"{name_b} was slower than {name_a} in every run {medians}."
     return (f"no clear difference between {name_a} and {name_b}: their runs overlap "
             f"(medians: {name_b} at {ratio:.2f}x {name_a}'s speed, within the spread).")
