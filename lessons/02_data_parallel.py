@@ -163,7 +163,7 @@ twin_dp, twin_plain = copy.deepcopy(bn_net), copy.deepcopy(bn_net)
 out_gap = (dp.data_parallel(twin_dp, X, devs) - twin_plain(X)).abs().max().item()
 print(f"largest output difference, DataParallel vs plain, training-mode BatchNorm: {out_gap:.3f}")
 claim("with training-mode BatchNorm the DataParallel output differs from the plain model's on "
-      "the whole batch by more than 1e-2 (per-chunk statistics)", out_gap > 1e-2, out_gap=out_gap)
+      "the whole batch by more than 1e-3 (per-chunk statistics)", out_gap > 1e-3, out_gap=out_gap)
 
 # %% [markdown]
 # ## 3. Parallel apply — threads
@@ -380,6 +380,46 @@ t = dp.time_replicate_vs_forward(model, X, devs)
 print(f"replicate onto {n_devices} devices: {t['replicate_s'] * 1e3:.2f} ms; "
       f"forward of one chunk: {t['forward_chunk_s'] * 1e3:.2f} ms; ratio {t['ratio']:.2f}")
 assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0
+
+# %% [markdown]
+# And the whole step? Below, one forward + backward of the plain model on the batch against
+# `dp.data_parallel` on 1, 2 and 4 simulated devices, interleaved over five rounds. Every
+# "device" here is the same CPU (with one intra-op thread), so DataParallel has nothing to gain:
+# what the numbers show is its overhead per step — replication, threads, scatter and gather.
+# On GPUs the forwards really run side by side, and that overhead is what eats into the gain.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: timings depend on the machine and its load.
+import statistics
+import time
+
+from dpcourse.train import compare_rates
+
+step_model = copy.deepcopy(model)
+
+
+def samples_per_s(n):
+    """One forward + backward: the plain model (n = 0) or DataParallel on n devices."""
+    step_model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    out = step_model(X) if n == 0 else dp.data_parallel(step_model, X,
+                                                        dp.devices_for(n, kind="cpu"))
+    F.cross_entropy(out, y).backward()
+    return batch / (time.perf_counter() - t0)
+
+
+samples_per_s(0), samples_per_s(2)  # warm-up
+step_rates = {n: [] for n in (0, 1, 2, 4)}
+for _ in range(5):                    # rounds, interleaved so that a slow moment hits all
+    for n in step_rates:
+        step_rates[n].append(samples_per_s(n))
+for n, runs in step_rates.items():
+    print(("plain model          " if n == 0 else f"DataParallel, N = {n}  ")
+          + f"median {statistics.median(runs):6.0f} samples/s")
+for n in (1, 2, 4):
+    print(f"N = {n}: " + compare_rates("the plain step", step_rates[0],
+                                       f"DataParallel on {n}", step_rates[n]))
 
 # %% [markdown]
 # **One process, one GIL.** The replicas run in threads of one Python process. Torch kernels
