@@ -135,7 +135,9 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # of 4 — on 2 replicas, 4 samples on one and **none** on the other. Dividing by `global_batch`
 # makes that step 8 times too small; `compute_average_loss` without `global_batch_size` guesses
 # 4 × 2 = 8; `reduce_mean` of no samples is NaN. The right divisor is the number of samples the
-# step really has: the replicas' sizes summed with the replica context's `all_reduce`.
+# step really has: the replicas' sizes summed with the replica context's `all_reduce`. (The
+# same goes for metrics: with unequal slices, the MEAN of the replicas' accuracies from part 3
+# is no longer the accuracy of the step; sum the correct predictions and divide by that count.)
 #
 # Write `make_dist_dataset(strategy, x, y, global_batch)` (in order, no shuffling, the partial
 # batch kept), then the two TODOs in `train_epoch`'s step: the step's real sample count, and the
