@@ -409,8 +409,9 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # prefer. No GPU numbers are stored in this course: run the command there to get yours.
 
 # %%
-print("cudnn.allow_tf32:", torch.backends.cudnn.allow_tf32,
-      "| cuda.matmul.allow_tf32:", torch.backends.cuda.matmul.allow_tf32)
+on_off = {True: "on", False: "off"}
+print("cudnn.allow_tf32:", on_off[torch.backends.cudnn.allow_tf32],
+      "| cuda.matmul.allow_tf32:", on_off[torch.backends.cuda.matmul.allow_tf32])
 print("cudnn.conv.fp32_precision:", torch.backends.cudnn.conv.fp32_precision,
       "| cuda.matmul.fp32_precision:", torch.backends.cuda.matmul.fp32_precision)
 claim("by default cuDNN convolutions may use TF32 and float32 matmuls may not",
