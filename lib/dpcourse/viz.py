@@ -36,7 +36,7 @@ __all__ = [
     "cost_figure",
     "fit_figure",
     "dp_step_figure",
-    "traffic_figure",
+    "traffic_both_ways_figure",
     "collectives_figure",
     "ddp_timeline_figure",
     "sampler_grid_figure",
@@ -543,33 +543,6 @@ def dp_step_figure(chunk_sizes: Sequence[int], n_params: int):
                                      mutation_scale=9, color="#cc0000", lw=0.9))
     fig.suptitle(f"One nn.DataParallel step on {n} devices, batch {batch}: everything "
                  "passes through device 0", fontsize=10)
-    return fig
-
-
-def traffic_figure(n_params: int, counted: dict[int, int], ns: Sequence[int] = range(2, 17)):
-    """Numbers moved per step through the busiest link: device 0 of a naive parameter server
-    (lesson 02's copy-one-by-one DataParallel), 2(N−1)K,
-    against one rank in a ring all-reduce, 2(N−1)K/N. ``counted`` maps N to the total that the
-    lesson's own counter measured (drawn as points on the formula's line)."""
-    ns = list(ns)
-    k = n_params
-    fig = new_figure(6.4, 3.8)
-    ax = fig.add_subplot(1, 1, 1)
-    ax.plot(ns, [2 * (n - 1) * k for n in ns], "-", color="#cc0000",
-            label="naive parameter server (lesson 02's DP): device 0, 2(N−1)K")
-    ax.plot(ns, [2 * (n - 1) * k / n for n in ns], "-", color="#2ca02c",
-            label="ring all-reduce: per rank, 2(N−1)K/N")
-    if counted:  # lesson 02's explorer draws the formulas alone
-        ax.plot(list(counted), list(counted.values()), "o", color="#cc0000",
-                label="counted in this run (device 0)")
-    ax.axhline(2 * k, color="#2ca02c", ls=":", lw=0.8)
-    ax.text(ns[-1], 2 * k, "  2K", va="center", fontsize=8, color="#2ca02c")
-    ax.set_xlabel("devices N")
-    ax.set_ylabel("numbers moved per step")
-    ax.set_title(f"K = {k:,} parameters", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.subplots_adjust(left=0.15, right=0.92, bottom=0.13, top=0.92)
     return fig
 
 
