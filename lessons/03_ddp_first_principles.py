@@ -206,9 +206,10 @@ claim("training-mode BatchNorm: they differ by more than 1e-3",
 # Here is a complete DDP training worker. Every rank builds the same model (same seed), wraps it
 # in `DDP`, and trains on its own contiguous shard of each global batch; after `loss.backward()`
 # the gradients are already averaged over the ranks. Next to it, the reference: one process on
-# the whole global batch. (`rank_device()` gives a rank its device — `cuda:<rank>` under nccl,
-# the CPU under gloo, where it also limits the rank to its share of the cores — and on a GPU
-# turns TF32 off, whose ~1e-3 rounding would hide the 1e-5 agreement checked below.)
+# the whole global batch. (`setup_rank()` prepares the process and returns the rank's device —
+# `cuda:<rank>` under nccl, the CPU under gloo, where it also limits the rank to its share of
+# the cores — and on a GPU turns TF32 off, whose ~1e-3 rounding would hide the 1e-5 agreement
+# checked below; `rank_device()` only names the device.)
 
 # %%
 viz.show_code(ddp.ddp_worker, ddp.shard_of, ddp.single_process)
@@ -356,7 +357,7 @@ def bucket_worker(rank, world_size, bucket_cap_mb, model_fn, find_unused_paramet
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp.rank_device()                            # this rank's share of the cores (gloo: CPU)
+    ddp.setup_rank()                             # this rank's share of the cores (gloo: CPU)
     torch.manual_seed(0)
     model = model_fn()
     ddp_model = DDP(model, bucket_cap_mb=bucket_cap_mb,

@@ -122,6 +122,51 @@ def test_cpu_threads_respect_omp_num_threads():
     assert cpu_threads_per_rank(3, environ={"OMP_NUM_THREADS": "junk"}, cpu_count=2) == 1
 
 
+def _threads_around_rank_device_and_setup_rank(rank, world_size):
+    torch.set_num_threads(7)
+    dev = ddp.rank_device()
+    after_getter = torch.get_num_threads()
+    same = ddp.setup_rank()
+    return {"device": str(dev), "same_device": same == dev, "after_getter": after_getter,
+            "after_setup": torch.get_num_threads()}
+
+
+def test_rank_device_only_reads_and_setup_rank_sets_the_threads():
+    """rank_device() names the device and changes nothing; setup_rank() returns the same device
+    and gives each of the 2 CPU ranks its share of the cores (capped by OMP_NUM_THREADS)."""
+    from dpcourse.ddp import cpu_threads_per_rank
+
+    res = launch.spawn(_threads_around_rank_device_and_setup_rank, 2, backend="gloo",
+                       timeout=60, show_output=False)
+    share = cpu_threads_per_rank(2)
+    for r in res:
+        assert r["device"] == "cpu" and r["same_device"]
+        assert r["after_getter"] == 7
+        assert r["after_setup"] == share
+
+
+def test_setup_rank_caps_threads_on_cpu_and_turns_tf32_off_on_a_gpu(monkeypatch):
+    """Both settings, without a process group: explicit device and local world size."""
+    threads = torch.get_num_threads()
+    tf32 = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    try:
+        monkeypatch.setattr("os.cpu_count", lambda: 64)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert ddp.setup_rank("cpu", local_world_size=2) == torch.device("cpu")
+        assert torch.get_num_threads() == 3                  # 32 by share, 3 by the ceiling
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        ddp.setup_rank("cpu", local_world_size=16)
+        assert torch.get_num_threads() == 4                  # 64 cores / 16 ranks
+        torch.set_num_threads(5)
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+        assert ddp.setup_rank("cuda:1", local_world_size=2) == torch.device("cuda", 1)
+        assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+        assert torch.get_num_threads() == 5                  # a GPU rank keeps its threads
+    finally:
+        torch.set_num_threads(threads)
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
 def test_bucket_timelines_figure_draws_one_panel_per_iteration_up_to_the_backward_end():
     one = {"backward_end": 10.0, "grads": [("a", 1.0), ("b", 8.0)],
            "buckets": [(["classifier.4.weight"] * 6, 2048, 8.5, 9.5)]}

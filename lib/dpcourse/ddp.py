@@ -45,6 +45,7 @@ __all__ = [
     "StepConfig",
     "validate_world_size",
     "rank_device",
+    "setup_rank",
     "cpu_threads_per_rank",
     "collectives_demo",
     "average_gradients",
@@ -129,23 +130,44 @@ def cpu_threads_per_rank(local_world_size: int, environ=None, cpu_count: int | N
 
 
 def rank_device() -> torch.device:
-    """This rank's device: cuda:local_rank under nccl, the CPU under gloo.
+    """This rank's device: cuda:LOCAL_RANK under nccl, the CPU under gloo.
 
-    On the CPU each rank also takes only its share of the cores (torchrun does the same with
-    OMP_NUM_THREADS=1): two ranks each running two intra-op threads on two cores fight over
-    them, and measured here that made a step about ten times slower. A thread count the
-    environment sets (``OMP_NUM_THREADS``, as an instructor does per learner on a shared
-    server) is a ceiling this never raises.
+    It only reads (``LOCAL_RANK`` and the process group's backend) and changes nothing: the
+    process-wide settings a rank needs are made by :func:`setup_rank`, which returns the same
+    device.
     """
     import os
 
-    dev = _devices.device_for_rank(int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())
+    return _devices.device_for_rank(int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())
+
+
+def setup_rank(device: torch.device | None = None,
+               local_world_size: int | None = None) -> torch.device:
+    """Prepare this process to compute as one rank, and return its device.
+
+    Call it once at the top of a worker, after the process group is up (``launch.spawn`` and
+    torchrun set it up before the worker runs). ``device`` defaults to :func:`rank_device`,
+    ``local_world_size`` to ``LOCAL_WORLD_SIZE`` or the group's size. It changes two
+    process-wide settings:
+
+    * on the CPU, the intra-op thread count becomes this rank's share of the cores
+      (:func:`cpu_threads_per_rank`; torchrun does the same with OMP_NUM_THREADS=1): two ranks
+      each running two intra-op threads on two cores fight over them, and measured here that
+      made a step about ten times slower. A thread count the environment sets
+      (``OMP_NUM_THREADS``, as an instructor does per learner on a shared server) is a ceiling
+      this never raises;
+    * on a GPU, TF32 is switched off for convolutions and matmuls: TF32 (on by default for
+      cuDNN) rounds to ~1e-3, which would hide the float-tolerance equality lesson 03 proves
+      against the CPU reference.
+    """
+    import os
+
+    dev = rank_device() if device is None else torch.device(device)
     if dev.type == "cpu":
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        torch.set_num_threads(cpu_threads_per_rank(local))
+        if local_world_size is None:
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        torch.set_num_threads(cpu_threads_per_rank(local_world_size))
     else:
-        # TF32 convolutions/matmuls (on by default for cuDNN) round to ~1e-3, which would hide
-        # the float-tolerance equality lesson 03 proves against the CPU reference.
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
     return dev
@@ -159,7 +181,7 @@ def rank_device() -> torch.device:
 def collectives_demo(rank: int, world_size: int) -> dict:
     """broadcast, all_reduce, all_gather and reduce_scatter on small tensors; returns what this
     rank held after each (as lists)."""
-    dev = rank_device()
+    dev = setup_rank()
     out = {}
     # broadcast: rank 0's tensor overwrites everyone's.
     t = torch.full((3,), float(rank + 1), device=dev) * (10 if rank == 0 else 1)
@@ -252,7 +274,7 @@ def manual_dp_worker(rank: int, world_size: int, cfg: StepConfig, average_fn=Non
     """
     average_fn = average_fn or average_gradients
     cfg.per_rank_batch(world_size)
-    dev = rank_device()
+    dev = setup_rank()
     model = make_model(cfg).to(dev)
     # Start from rank 0's weights, as DDP does (here they are equal anyway: same seed).
     for p in model.parameters():
@@ -276,7 +298,7 @@ def ddp_worker(rank: int, world_size: int, cfg: StepConfig) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     cfg.per_rank_batch(world_size)
-    dev = rank_device()
+    dev = setup_rank()
     model = make_model(cfg).to(dev)
     ddp_model = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     opt = torch.optim.SGD(ddp_model.parameters(), lr=cfg.lr)
@@ -364,7 +386,7 @@ def ddp_internals_worker(rank: int, world_size: int, bucket_cap_mb: float = 25.0
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dev = rank_device()
+    dev = setup_rank()
     torch.manual_seed(100 + rank)  # deliberately different weights on each rank
     model = _models.SmallCNN(width=width).to(dev)
     before = flat_params(model)

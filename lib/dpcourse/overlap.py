@@ -495,7 +495,7 @@ def equality_worker(rank: int, world_size: int, cfg: OverlapConfig,
     shards; return each one's final weights (flat, CPU), collective count and bucket sizes."""
     from . import ddp
 
-    dev = ddp.rank_device()
+    dev = ddp.setup_rank()
     batches = _batches(cfg, rank, world_size)
     out = {}
     for kind in kinds:
@@ -523,7 +523,7 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
     """
     from . import ddp
 
-    dev = ddp.rank_device()
+    dev = ddp.setup_rank()
     cfg_all = OverlapConfig(**{**cfg.__dict__, "steps": cfg.steps + warmup})
     batches = [(X.to(dev), y.to(dev)) for X, y in _batches(cfg_all, rank, world_size)]
     setups = []
@@ -602,7 +602,7 @@ def comm_hook_worker(rank: int, world_size: int, cfg: OverlapConfig, hooks,
 
     from . import ddp
 
-    dev = ddp.rank_device()
+    dev = ddp.setup_rank()
     if dev.type == "cpu" and torch.cuda.is_available():
         # torch's PowerSGD hook calls torch.cuda.synchronize(device) whenever CUDA exists,
         # even for CPU tensors (powerSGD_hook.py in torch 2.14), which raises "Expected a cuda

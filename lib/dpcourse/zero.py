@@ -839,7 +839,7 @@ def train_run(run: str, cfg: ZeroConfig, rank: int, world_size: int) -> dict:
     """
     from . import ddp
 
-    dev = ddp.rank_device()
+    dev = ddp.setup_rank()
     model, opt, x_dtype = _prepare(run, cfg, dev)
     losses, traffic, grads_after_backward = [], [], None
     for X, y in cfg.batches(rank, world_size):
@@ -879,7 +879,7 @@ def fsdp2_worker(rank: int, world_size: int, cfg: ZeroConfig, path: str | None =
 
     from . import ddp
 
-    dev = ddp.rank_device()
+    dev = ddp.setup_rank()
 
     def sharded_model():
         model = cfg.build().to(dev)
@@ -954,7 +954,7 @@ def fsdp2_root_worker(rank: int, world_size: int, cfg: ZeroConfig) -> dict:
 
     from . import ddp
 
-    dev = ddp.rank_device()
+    dev = ddp.setup_rank()
     model = cfg.build().to(dev)
     mesh = _mesh(dev)
     linears = [m for m in model if isinstance(m, nn.Linear)]
@@ -983,7 +983,7 @@ def zero3_timeline_worker(rank: int, world_size: int, cfg: ZeroConfig) -> list:
     the time the full weights existed (the layer computed in it)."""
     from . import ddp
 
-    dev = ddp.rank_device()
+    dev = ddp.setup_rank()
     model = cfg.build().to(dev)
     opt = Zero3(model, cfg.make_optimizer, cfg.param_dtype)
     events: list = []

@@ -41,7 +41,7 @@ def _avg_worker(rank: int, world_size: int, fn) -> dict:
     from .. import ddp
     from ..models import SmallCNN
 
-    dev = ddp.rank_device()
+    dev = ddp.setup_rank()
     torch.manual_seed(0)
     model = SmallCNN(width=4).to(dev)
     g = torch.Generator().manual_seed(1000 + rank)  # different data on each rank
@@ -213,7 +213,7 @@ def _weighted_worker(rank: int, world_size: int, fn, sizes: tuple) -> dict:
     from .. import ddp
     from ..models import SmallCNN
 
-    dev = ddp.rank_device()
+    dev = ddp.setup_rank()
     torch.manual_seed(0)
     model = SmallCNN(width=4).to(dev)
     g = torch.Generator().manual_seed(2000 + rank)  # different data on each rank
@@ -316,7 +316,7 @@ def _step_worker(rank: int, world_size: int, step_fn) -> dict:
     from .. import ddp
 
     cfg = _cfg()
-    dev = ddp.rank_device()
+    dev = ddp.setup_rank()
     model = ddp.make_model(cfg).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     returned, expected = [], []

@@ -355,7 +355,7 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
 
     from .. import ddp
 
-    dev = ddp.rank_device()
+    dev = ddp.setup_rank()
     cfg = ddp.StepConfig(global_batch=_GLOBAL_BATCH, steps=_STEPS, lr=0.1, width=8, n_train=96)
     batches = [ddp.shard_of(*ddp.global_batch_for_step(cfg, s), rank, world_size)
                for s in range(_STEPS)]
