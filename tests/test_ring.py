@@ -180,12 +180,23 @@ def test_figures_render_png():
         viz.draw_ring_step(trace, 99)
 
 
-def test_stepper_builds_a_widget_with_one_frame_per_state():
-    box = viz.ring_stepper(ring.simulate_ring([np.ones(2)] * 2), static=False)
-    assert box is not None
-    image = box.children[-1]
-    slider = box.children[0].children[1]
-    first = image.value
+def test_stepper_slider_shows_each_states_frame():
+    widgets = pytest.importorskip("ipywidgets")
+
+    def only(box, kind):  # the one widget of that type inside box, wherever the layout puts it
+        found, todo = [], [box]
+        while todo:
+            w = todo.pop(0)
+            found += [w] if isinstance(w, kind) else []
+            todo.extend(getattr(w, "children", ()))
+        (w,) = found
+        return w
+
+    trace = ring.simulate_ring([np.ones(2)] * 2)
+    frames = viz.ring_frames(trace)
+    box = viz.ring_stepper(trace, static=False)
+    image, slider = only(box, widgets.Image), only(box, widgets.IntSlider)
+    assert slider.max == len(frames) - 1 == 2  # one frame per state: start + 2(N-1) steps
+    assert image.value == frames[0]
     slider.value = 2
-    assert bytes(image.value).startswith(b"\x89PNG") and bytes(image.value) != bytes(first)
-    assert slider.max == 2
+    assert image.value == frames[2] and frames[2].startswith(b"\x89PNG") and frames[2] != frames[0]

@@ -1,5 +1,10 @@
-"""The interactive widgets of dpcourse.viz, driven headless (ipywidgets needs no frontend):
-the ring stepper's "next" button (lesson 06) and the slider explorers (lessons 06 and after)."""
+"""The interactive parts of dpcourse.viz, driven headless (ipywidgets needs no frontend): the
+ring stepper (lesson 06), the slider explorers (lessons 02 and 06-09) and the check-yourself
+quiz (every lesson). Each test moves a control and checks what the page would show; the
+fallbacks are checked with ipywidgets made unimportable.
+
+Widgets are found by type (and description), never by their position in a box, so a
+re-arranged layout does not break a test that is about behaviour."""
 
 import builtins
 
@@ -10,109 +15,239 @@ widgets = pytest.importorskip("ipywidgets")
 
 from dpcourse import ring, viz  # noqa: E402
 
-
-def _images(box):
-    """Every ipywidgets Image inside ``box``."""
-    found, todo = [], [box]
-    while todo:
-        w = todo.pop()
-        if isinstance(w, widgets.Image):
-            found.append(w)
-        todo.extend(getattr(w, "children", ()))
-    return found
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
-def _find(box, kind):
+def find(box, kind, **attrs):
+    """Every widget of type ``kind`` inside ``box`` (breadth first) whose attributes equal
+    ``attrs``; ``dom_class="x"`` matches a widget carrying that CSS class."""
     found, todo = [], [box]
     while todo:
         w = todo.pop(0)
-        if isinstance(w, kind):
+        if isinstance(w, kind) and all(
+                name in w._dom_classes if key == "dom_class" else getattr(w, key) == name
+                for key, name in attrs.items()):
             found.append(w)
         todo.extend(getattr(w, "children", ()))
     return found
 
 
-def test_stepper_next_button_advances_and_stops_at_the_end():
-    trace = ring.simulate_ring([np.arange(6.0) + r for r in range(3)])
+def one(box, kind, **attrs):
+    (w,) = find(box, kind, **attrs)
+    return w
+
+
+@pytest.fixture
+def page(monkeypatch):
+    """What ``IPython.display.display`` is handed, in order: ("widget", text/plain) for a
+    widget view, ("png", bytes) for an image, ("markdown", text) for a caption or text."""
+    from IPython import display as ipd
+
+    shown = []
+
+    def fake_display(*objs, raw=False, **_kwargs):
+        for obj in objs:
+            if raw and WIDGET_VIEW in obj:
+                shown.append(("widget", obj.get("text/plain")))
+            elif isinstance(obj, ipd.Image):
+                shown.append(("png", obj.data))
+            elif isinstance(obj, ipd.Markdown):
+                shown.append(("markdown", obj.data))
+            elif isinstance(obj, widgets.Widget):
+                shown.append(("widget", repr(obj)))
+            else:
+                shown.append(("other", obj))
+
+    monkeypatch.setattr(ipd, "display", fake_display)
+    return shown
+
+
+@pytest.fixture
+def no_ipywidgets(monkeypatch):
+    """``import ipywidgets`` raises ImportError, as on a machine without it."""
+    real_import = builtins.__import__
+
+    def guarded(name, *args, **kwargs):
+        if name == "ipywidgets" or name.startswith("ipywidgets."):
+            raise ImportError("no ipywidgets here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", guarded)
+
+
+def _trace():
+    return ring.simulate_ring([np.arange(6.0) + r for r in range(3)])
+
+
+# --- the ring stepper (lesson 06) ----------------------------------------------------------
+
+
+def test_stepper_next_button_moves_the_figure_and_stops_at_the_end():
+    trace = _trace()
+    frames = viz.ring_frames(trace)
     box = viz.ring_stepper(trace, static=False)
     assert "dpcourse-stepper" in box._dom_classes
-    (button,) = [b for b in _find(box, widgets.Button) if b.description == "next"]
-    (counter,) = [w for w in _find(box, widgets.Label) if "dpcourse-step-counter" in w._dom_classes]
-    (slider,) = _find(box, widgets.IntSlider)
-    (image,) = _images(box)
-    n = slider.max + 1
-    assert counter.value == f"step 1 / {n}"
-    before = image.value
+    button = one(box, widgets.Button, description="next")
+    counter = one(box, widgets.Label, dom_class="dpcourse-step-counter")
+    slider = one(box, widgets.IntSlider)
+    image = one(box, widgets.Image)
+    n = len(frames)
+    assert slider.max == n - 1
+    assert counter.value == f"step 1 / {n}" and image.value == frames[0]
     button.click()
     assert slider.value == 1 and counter.value == f"step 2 / {n}"
-    assert image.value != before
+    assert image.value == frames[1]  # the figure of the step the counter names
     for _ in range(n + 2):  # clicking past the end stays on the last step
         button.click()
     assert slider.value == n - 1 and counter.value == f"step {n} / {n}"
+    assert image.value == frames[-1]
 
 
-def _cost_explorer():
-    return viz.explorer(
-        viz.cost_vs_n_figure,
-        {"n_max": widgets.IntSlider(value=16, min=4, max=128),
-         "nbytes": widgets.FloatLogSlider(value=1e8, base=10, min=3, max=10),
-         "alpha": widgets.FloatLogSlider(value=1e-5, base=10, min=-7, max=-1),
-         "beta": widgets.FloatLogSlider(value=1e-9, base=10, min=-13, max=-6)},
-        caption="test", description="cost-model explorer")
+def test_stepper_label_describes_the_step_shown():
+    trace = _trace()
+    box = viz.ring_stepper(trace, static=False)
+    slider = one(box, widgets.IntSlider)
+    labels = [w for w in find(box, widgets.Label) if "dpcourse-step-counter" not in w._dom_classes]
+    slider.value = 3
+    assert [w.value for w in labels] == [trace.describe(3)]
 
 
-def test_cost_explorer_redraws_when_a_slider_moves():
-    box = _cost_explorer()
+def test_stepper_shows_a_placeholder_line_then_every_state(page):
+    trace = _trace()
+    viz.ring_stepper(trace, caption="all states")
+    kinds = [k for k, _ in page]
+    assert kinds == ["widget", "png", "markdown"]
+    # a one-line stand-in, not the widget's repr (which would hold every frame's bytes)
+    assert page[0][1].startswith(f"[interactive stepper over {len(trace.steps)} ring states")
+    assert page[1][1].startswith(b"\x89PNG")
+    assert page[1][1] == viz.figure_to_png(viz.ring_steps_figure(trace))
+    assert page[2][1] == "*Figure — all states*"
+
+
+def test_stepper_without_ipywidgets_draws_every_state(page, no_ipywidgets):
+    trace = _trace()
+    assert viz.ring_stepper(trace, caption="all states") is None
+    assert [k for k, _ in page] == ["png", "markdown"]
+    assert page[0][1] == viz.figure_to_png(viz.ring_steps_figure(trace))
+
+
+# --- the explorers -------------------------------------------------------------------------
+
+
+def _cost_controls():
+    return {"n_max": widgets.IntSlider(value=16, min=4, max=128, description="n_max"),
+            "nbytes": widgets.FloatLogSlider(value=1e8, base=10, min=3, max=10,
+                                             description="nbytes"),
+            "alpha": widgets.FloatLogSlider(value=1e-5, base=10, min=-7, max=-1,
+                                            description="alpha"),
+            "beta": widgets.FloatLogSlider(value=1e-9, base=10, min=-13, max=-6,
+                                           description="beta")}
+
+
+def test_cost_explorer_draws_the_figure_for_the_sliders_values():
+    box = viz.explorer(viz.cost_vs_n_figure, _cost_controls(), caption="test",
+                       description="cost-model explorer")
     assert "dpcourse-explorer" in box._dom_classes
-    (image,) = _images(box)
-    first_slider = box.children[0]
-    before = image.value
-    first_slider.value += 3  # what three ArrowRight presses do in the browser
-    assert image.value != before
-    before = image.value
-    box.children[1].value = 1e4
-    assert image.value != before
+    image = one(box, widgets.Image)
+    n_max = one(box, widgets.IntSlider, description="n_max")
+    nbytes = one(box, widgets.FloatLogSlider, description="nbytes")
+
+    def expected(**changed):
+        values = dict(n_max=16, nbytes=1e8, alpha=1e-5, beta=1e-9) | changed
+        return viz.figure_to_png(viz.cost_vs_n_figure(**values))
+
+    assert image.value == expected()
+    n_max.value += 3  # what three ArrowRight presses do in the browser
+    assert image.value == expected(n_max=19)
+    nbytes.value = 1e4
+    assert image.value == expected(n_max=19, nbytes=1e4)
 
 
-def test_tuple_controls_become_sliders():
+def test_tuple_controls_become_sliders_that_redraw():
     def draw(n, x):
         fig = viz.new_figure(2, 2)
         fig.add_subplot(1, 1, 1).plot([0, n], [0, x])
         return fig
 
     box = viz.explorer(draw, {"n": (2, 1, 8), "x": (0.5, 0.0, 1.0, 0.1)}, caption="test")
-    assert isinstance(box.children[0], widgets.IntSlider)
-    assert isinstance(box.children[1], widgets.FloatSlider)
-    (image,) = _images(box)
-    before = image.value
-    box.children[0].value = 5
-    assert image.value != before
+    n = one(box, widgets.IntSlider, description="n")
+    x = one(box, widgets.FloatSlider, description="x")
+    assert (n.value, n.min, n.max) == (2, 1, 8)
+    assert (x.value, x.min, x.max, x.step) == (0.5, 0.0, 1.0, 0.1)
+    image = one(box, widgets.Image)
+    n.value = 5
+    assert image.value == viz.figure_to_png(draw(5, 0.5))
 
 
-def test_without_ipywidgets_only_the_static_figure(monkeypatch):
-    shown = []
-    monkeypatch.setattr(viz, "show", lambda fig, caption=None: shown.append(caption))
-    real_import = builtins.__import__
+def test_explorer_shows_a_placeholder_line_then_the_default_figure(page):
+    box = viz.explorer(viz.cost_vs_n_figure, _cost_controls(), caption="cost",
+                       description="cost-model explorer")
+    assert [k for k, _ in page] == ["widget", "png", "markdown"]
+    assert page[0][1].startswith("[cost-model explorer: run the notebook live")
+    assert page[1][1] == viz.figure_to_png(viz.cost_vs_n_figure(1e-5, 1e-9, 1e8, 16))
+    assert page[2][1] == "*Figure — cost*"
 
-    def no_ipywidgets(name, *args, **kwargs):
-        if name == "ipywidgets" or name.startswith("ipywidgets."):
-            raise ImportError("no ipywidgets here")
-        return real_import(name, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "__import__", no_ipywidgets)
+def test_explorer_without_ipywidgets_renders_the_default_figure_as_png(page, no_ipywidgets):
     box = viz.explorer(viz.cost_vs_n_figure,
                        {"n_max": (16, 4, 128), "nbytes": (1e8, 1e3, 1e10),
                         "alpha": (1e-5, 1e-7, 1e-1), "beta": (1e-9, 1e-13, 1e-6)},
                        caption="static only")
     assert box is None
-    assert shown == ["static only"]
+    assert [k for k, _ in page] == ["png", "markdown"]
+    assert page[0][1] == viz.figure_to_png(viz.cost_vs_n_figure(1e-5, 1e-9, 1e8, 16))
+    assert page[1][1] == "*Figure — static only*"
 
 
-def test_zero_calculator_redraws():
+def test_zero_calculator_bars_grow_with_fewer_gpus():
     box = viz.explorer(viz.zero_calculator_figure,
                        {"billions": (7.5, 0.5, 200.0, 0.5), "gpu_gb": (80.0, 8.0, 192.0, 8.0),
                         "n_gpus": (64, 1, 1024)}, caption="test")
-    (image,) = _images(box)
-    before = image.value
-    box.children[2].value = 8  # fewer GPUs: every sharded bar grows
-    assert image.value != before
+    image = one(box, widgets.Image)
+    one(box, widgets.IntSlider, description="n gpus").value = 8
+    assert image.value == viz.figure_to_png(viz.zero_calculator_figure(7.5, 80.0, 8))
+
+
+# --- the quiz (every lesson) ---------------------------------------------------------------
+
+QUESTIONS = [{"q": "2 + 2?", "options": ["3", "4"], "answer": 1,
+              "why": ["one short", "four it is"]}]
+
+
+def test_quiz_shows_the_widget_then_the_questions_with_folded_answers(page):
+    viz.quiz(QUESTIONS)
+    ((kind, _), (text_kind, text)) = page
+    assert kind == "widget" and text_kind == "markdown"
+    assert "<details>" in text and "**4** — four it is" in text  # answers folded for static readers
+
+
+def test_quiz_check_button_says_why_the_choice_is_right_or_wrong(monkeypatch):
+    from IPython import display as ipd
+
+    boxes = []
+    monkeypatch.setattr(ipd, "display",
+                        lambda obj, **kw: boxes.append(obj) if isinstance(obj, widgets.Widget)
+                        else None)
+    viz.quiz(QUESTIONS)
+    (box,) = boxes
+    radio = one(box, widgets.RadioButtons)
+    check = one(box, widgets.Button, description="Check")
+    verdict = [w for w in find(box, widgets.HTML) if not w.value.startswith("<b>1.")][0]
+    check.click()
+    assert "Pick an answer first" in verdict.value
+    radio.value = "3"
+    check.click()
+    assert "not quite" in verdict.value and "one short" in verdict.value
+    radio.value = "4"
+    check.click()
+    assert "right" in verdict.value and "four it is" in verdict.value
+
+
+def test_quiz_without_ipywidgets_is_text_with_folded_answers(page, no_ipywidgets):
+    viz.quiz(QUESTIONS)
+    assert [k for k, _ in page] == ["markdown"]
+
+
+def test_quiz_refuses_an_answer_outside_the_options():
+    with pytest.raises(ValueError, match="answer must index options"):
+        viz.quiz([{**QUESTIONS[0], "answer": 2}])
