@@ -251,3 +251,38 @@ def test_quiz_without_ipywidgets_is_text_with_folded_answers(page, no_ipywidgets
 def test_quiz_refuses_an_answer_outside_the_options():
     with pytest.raises(ValueError, match="answer must index options"):
         viz.quiz([{**QUESTIONS[0], "answer": 2}])
+
+
+# --- the package: every name a lesson uses is exported -------------------------------------
+
+
+def test_every_viz_name_a_lesson_or_solution_calls_is_in_all():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [*root.glob("lessons/*.py"), *root.glob("solutions/*.py")]
+    assert sources
+    used = {(name, path.name) for path in sources
+            for name in re.findall(r"\bviz\.([A-Za-z_]\w*)", path.read_text())}
+    missing = sorted(f"viz.{name} ({where})" for name, where in used if name not in viz.__all__)
+    assert not missing, f"used by a lesson or solution but not in viz.__all__: {missing}"
+
+
+def test_each_figure_module_is_re_exported_whole():
+    import importlib
+    import inspect
+    import pkgutil
+
+    names = {m.name for m in pkgutil.iter_modules(viz.__path__)}
+    assert names == {m.__name__.rsplit(".", 1)[1] for m in viz._MODULES}, \
+        "a module of dpcourse.viz is missing from viz._MODULES (so from viz.__all__)"
+    for module in viz._MODULES:
+        public = {n for n, obj in vars(module).items()
+                  if not n.startswith("_") and inspect.isfunction(obj)
+                  and obj.__module__ == module.__name__}
+        assert public == set(module.__all__), f"{module.__name__}.__all__ != its public functions"
+        for name in module.__all__:
+            assert getattr(viz, name) is getattr(module, name)
+            assert getattr(importlib.import_module("dpcourse.viz"), name) is getattr(module, name)
+    assert len(viz.__all__) == len(set(viz.__all__)), "a name is defined in two viz modules"

@@ -1,0 +1,67 @@
+"""What every lesson uses to put things on the page: a figure, its PNG, its caption, and the
+source of the code a lesson's claims depend on.
+
+Figures are ``matplotlib.figure.Figure`` objects (not pyplot), so nothing is drawn twice or left
+open, and they reach the notebook through :func:`show` as a **PNG** with a one-line caption:
+nbval does not compare images, while an SVG embeds a date and would fail.
+"""
+
+from __future__ import annotations
+
+import io
+
+__all__ = ["new_figure", "figure_to_png", "show", "show_code"]
+
+
+def new_figure(width: float = 6.0, height: float = 4.0, dpi: int = 80):
+    """A matplotlib Figure that no pyplot state knows about (so it is shown only by :func:`show`)."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=dpi)
+
+
+def figure_to_png(fig, dpi: int | None = None) -> bytes:
+    """The figure as PNG bytes (Agg, no backend needed). The same figure gives the same bytes:
+    no date or software name is written into the file."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    # No bbox_inches="tight": it draws the figure twice; the layouts here leave no big margins.
+    fig.savefig(buf, format="png", dpi=dpi or fig.dpi, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def show(fig, caption: str | None = None) -> None:
+    """Display ``fig`` as a PNG in a notebook, then its one-line caption (what to see in it).
+
+    Every figure in a lesson has a caption (tests/test_notebooks.py checks): pass it here. Works
+    for pyplot figures too (``plt.gcf()``), which are then closed so they are not drawn twice.
+    """
+    try:
+        from IPython.display import Image, Markdown, display
+    except ImportError:  # plain Python: nothing to show on
+        return
+    display(Image(figure_to_png(fig)))
+    if caption:
+        display(Markdown(f"*Figure — {caption}*"))
+    if getattr(fig, "number", None) is not None:  # a pyplot figure: forget it
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def show_code(*objects, title: str | None = None) -> None:
+    """Display the source of functions or classes, syntax-highlighted, right where a lesson uses
+    them: the code a lesson's claims depend on is read in the notebook, not hidden in the library.
+
+    Strings are shown as they are (a snippet); anything else through ``inspect.getsource``.
+    """
+    import inspect
+
+    from IPython.display import Code, Markdown, display
+
+    if title:
+        display(Markdown(f"**{title}**"))
+    parts = [obj if isinstance(obj, str) else inspect.getsource(obj) for obj in objects]
+    display(Code("\n\n".join(p.rstrip("\n") for p in parts) + "\n", language="python"))

@@ -1,0 +1,94 @@
+"""Lesson 03 (DDP from first principles): the four collectives, what each rank holds before
+and after ("The four collectives"), and DistributedSampler's order per epoch and rank
+("DistributedSampler and set_epoch"). The lesson's bucket timelines are drawn by
+``dpcourse.ddp.bucket_timelines_figure``, beside the worker that records them.
+"""
+
+from __future__ import annotations
+
+from .common import new_figure
+
+__all__ = ["collectives_figure", "sampler_grid_figure"]
+
+
+def collectives_figure(before: dict, after: dict):
+    """One panel per collective: what each rank holds before (left) and after (right).
+    ``before[name][r]`` and ``after[name][r]`` are printable values of rank r."""
+    names = list(after)
+    n_ranks = len(next(iter(after.values())))
+    fig = new_figure(2.6 * len(names), 0.75 * n_ranks + 1.3)
+    for k, name in enumerate(names):
+        ax = fig.add_axes([k / len(names) + 0.005, 0.02, 1 / len(names) - 0.01, 0.82])
+        ax.set_xlim(-1.6, 3.0)
+        ax.set_ylim(-n_ranks + 0.4, 0.9)
+        ax.axis("off")
+        ax.set_title(name, fontsize=9.5)
+        ax.text(0.2, 0.55, "before", ha="center", fontsize=7.5, color="#555555")
+        ax.text(2.2, 0.55, "after", ha="center", fontsize=7.5, color="#555555")
+        for r in range(n_ranks):
+            ax.text(-1.55, -r, f"rank {r}", va="center", fontsize=7.5)
+            _value_box(ax, 0.2, -r, _fmt(before[name][r]), "#fce5cd")
+            _value_box(ax, 2.2, -r, _fmt(after[name][r]), "#d9ead3")
+            ax.annotate("", (1.42, -r), (0.98, -r), arrowprops=dict(arrowstyle="-|>", lw=0.8))
+    fig.suptitle("The four collectives: every rank calls them, every rank's tensor changes",
+                 fontsize=10)
+    return fig
+
+
+def _value_box(ax, x, y, text, colour, w=1.5, h=0.6):
+    from matplotlib.patches import FancyBboxPatch
+
+    ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.02",
+                                fc=colour, ec="#444444", lw=0.7))
+    ax.text(x, y, text, ha="center", va="center", fontsize=7.5)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple)):
+        return "\n".join(_fmt(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(f"{v:g}" for v in value) + "]"
+    return f"{value:g}"
+
+
+def sampler_grid_figure(orders: dict):
+    """DistributedSampler's index order per epoch and rank, one panel per setting.
+
+    ``orders[label][epoch][rank]`` is the list of indices that rank reads in that epoch. Each
+    cell shows an index, coloured by its value, so an order that repeats shows as a repeated
+    pattern of colours."""
+    labels = list(orders)
+    epochs = len(orders[labels[0]])
+    ranks = len(orders[labels[0]][0])
+    per = len(orders[labels[0]][0][0])
+    n_max = max(max(max(o) for o in per_rank) for v in orders.values() for per_rank in v) + 1
+    fig = new_figure(4.2 * len(labels), 0.42 * epochs * ranks + 1.2)
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    for k, label in enumerate(labels):
+        ax = fig.add_subplot(1, len(labels), k + 1)
+        row = 0
+        ticks = []
+        for e in range(epochs):
+            for r in range(ranks):
+                for j, idx in enumerate(orders[label][e][r]):
+                    ax.add_patch(matplotlib.patches.Rectangle((j, -row - 1), 1, 1,
+                                                              fc=cmap(idx % 20), ec="white"))
+                    ax.text(j + 0.5, -row - 0.5, str(idx), ha="center", va="center",
+                            fontsize=7)
+                ticks.append((-row - 0.5, f"epoch {e}, rank {r}"))
+                row += 1
+            row += 0.3
+        ax.set_xlim(0, per)
+        ax.set_ylim(-row, 0)
+        ax.set_yticks([t for t, _ in ticks])
+        ax.set_yticklabels([s for _, s in ticks], fontsize=7)
+        ax.set_xticks([])
+        ax.set_title(label, fontsize=9.5)
+        for side in ("top", "right", "bottom", "left"):
+            ax.spines[side].set_visible(False)
+    fig.subplots_adjust(left=0.13, right=0.98, bottom=0.04, top=0.88, wspace=0.45)
+    fig.suptitle(f"{n_max} samples over {ranks} ranks: which indices each rank reads, in order",
+                 fontsize=10)
+    return fig

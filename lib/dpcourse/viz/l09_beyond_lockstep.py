@@ -1,0 +1,172 @@
+"""Lesson 09 (beyond lockstep): traffic through a parameter server, a straggler under sync and
+async training, loss against staleness, local SGD's loss and drift against H, and the large-batch
+runs' test loss per epoch — in the lesson's order.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .common import new_figure
+
+__all__ = ["ps_traffic_figure", "straggler_gantt_figure", "staleness_figure",
+           "local_sgd_drift_figure", "local_sgd_figure", "large_batch_figure"]
+
+
+def ps_traffic_figure(numel: int, measured: dict, ns: Sequence[int] = range(2, 17)):
+    """Elements sent + received per step, like for like: through a parameter server (2NK: NK
+    out, NK in) against through one rank of a ring all-reduce (4(N-1)K/N: 2(N-1)K/N each way);
+    ``measured = {N: elements counted at the server, sent + received}``."""
+    fig = new_figure(6.0, 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    ns = list(ns)
+    ax.plot(ns, [2 * n * numel / 1e3 for n in ns], "-", color="#d62728",
+            label="parameter server: through the server, 2NK")
+    ax.plot(ns, [4 * (n - 1) * numel / n / 1e3 for n in ns], "-", color="#1f77b4",
+            label="ring all-reduce: through one rank, 4(N-1)K/N")
+    ax.plot(list(measured), [v / 1e3 for v in measured.values()], "o", color="#d62728",
+            label="counted at our server")
+    ax.set_xlabel("workers N")
+    ax.set_ylabel("elements sent + received per step (thousands)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.15, right=0.97, bottom=0.14, top=0.95)
+    return fig
+
+
+def straggler_gantt_figure(spans: dict, applied: dict, budget: float):
+    """One panel per mode (``spans[mode][worker] = [("compute" | "wait", start, end), ...]``,
+    seconds from the mode's start): a row per worker, computing in colour, waiting in grey.
+    ``applied[mode]``: the gradients the server applied, written in the panel's title."""
+    modes = list(spans)
+    fig = new_figure(8.5, 1.2 + 1.1 * len(modes) * max(len(v) for v in spans.values()) / 2)
+    colours = {"compute": "#1f77b4", "wait": "#d9d9d9"}
+    for i, mode in enumerate(modes):
+        ax = fig.add_subplot(len(modes), 1, i + 1)
+        workers = sorted(spans[mode])
+        for row, worker in enumerate(workers):
+            for kind, a, b in spans[mode][worker]:
+                ax.barh(row, max(b - a, 1e-4), left=a, height=0.6, lw=0,
+                        color="#d62728" if kind == "compute" and worker == workers[-1]
+                        else colours[kind])
+        ax.axvline(budget, color="black", ls=":", lw=1)
+        ax.set_yticks(range(len(workers)))
+        ax.set_yticklabels([f"worker {w}" + (" (slow)" if w == workers[-1] else "")
+                            for w in workers], fontsize=8)
+        ax.set_title(f"{mode}: {applied[mode]} gradients applied", fontsize=9)
+        ax.set_xlim(0, budget * 1.15)
+        if i == len(modes) - 1:
+            ax.set_xlabel("seconds (dotted: the budget; blue/red: computing, grey: waiting)")
+    fig.subplots_adjust(left=0.16, right=0.98, bottom=0.16, top=0.92, hspace=0.6)
+    return fig
+
+
+def staleness_figure(taus: Sequence[int], losses: dict, aware: dict | None = None,
+                     start_loss: float | None = None, cap: float = 3.0):
+    """Test loss after a fixed budget against the staleness τ, one line per learning rate
+    (``losses[lr] = [loss at each τ]``); a diverged run (loss above ``cap`` or inf) is drawn
+    as an ✕ at the cap. ``aware[lr]``: the same with staleness-aware steps, dashed."""
+    fig = new_figure(6.5, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    colours = ["#2ca02c", "#1f77b4", "#d62728", "#9467bd", "#8c564b"]
+
+    def draw(values, colour, style, label):
+        shown = [min(v, cap) for v in values]
+        ax.plot(taus, shown, style, color=colour, label=label)
+        bad = [(t, cap) for t, v in zip(taus, values) if not v <= cap]
+        if bad:
+            ax.plot(*zip(*bad), "x", color=colour, ms=9, mew=2)
+
+    for i, (lr, values) in enumerate(losses.items()):
+        draw(values, colours[i % len(colours)], "o-", f"lr {lr:g}")
+    for i, (lr, values) in enumerate((aware or {}).items()):
+        j = list(losses).index(lr) if lr in losses else i
+        draw(values, colours[j % len(colours)], "s--", f"lr {lr:g}, staleness-aware (lr/τ)")
+    if start_loss is not None:
+        ax.axhline(start_loss, color="grey", ls=":", lw=1)
+        ax.text(taus[0], start_loss, " loss at the start", fontsize=7, va="bottom", color="grey")
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xticks(list(taus))
+    ax.set_xticklabels([str(t) for t in taus])
+    ax.set_xlabel("staleness τ (updates between a gradient's pull and its push)")
+    ax.set_ylabel(f"test loss after the budget\n(✕: diverged, drawn at {cap:g})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.subplots_adjust(left=0.14, right=0.97, bottom=0.13, top=0.96)
+    return fig
+
+
+def local_sgd_drift_figure(hs: Sequence[int], losses: Sequence[float], start_loss: float,
+                           drift: dict):
+    """Left: the test loss after the budget against H, on an axis that includes the starting
+    loss (a dashed line), so the spread is read against the progress made. Right: the drift
+    measured at each average (``drift[h]``: one value per average, every H steps) against the
+    step at which it was measured, one line per H."""
+    fig = new_figure(9.0, 3.6)
+    ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    ax.plot(hs, losses, "o-", color="#1f77b4", label="after the budget")
+    ax.axhline(start_loss, color="grey", ls="--", lw=1, label="at the start")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(hs))
+    ax.set_xticklabels([str(h) for h in hs])
+    low = min(losses)
+    ax.set_ylim(low - 0.1 * (start_loss - low), start_loss + 0.1 * (start_loss - low))
+    ax.set_xlabel("local steps H between averages")
+    ax.set_ylabel("test loss")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    from matplotlib import colormaps
+
+    colours = colormaps["viridis"]
+    for i, h in enumerate(hs):
+        steps = [h * (j + 1) for j in range(len(drift[h]))]
+        bx.plot(steps, [100 * d for d in drift[h]], "o-" if len(steps) < 20 else "-", ms=3,
+                color=colours(i / max(1, len(hs) - 1)), label=f"H = {h}")
+    bx.set_xlabel("step at which the replicas are averaged")
+    bx.set_ylabel("drift before the average (%)")
+    bx.legend(fontsize=7, ncol=2)
+    bx.grid(True, alpha=0.3)
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.15, top=0.95, wspace=0.3)
+    return fig
+
+
+def local_sgd_figure(hs: Sequence[int], losses: Sequence[float], averages: Sequence[int],
+                     ddp_loss: float | None = None):
+    """Left: test loss after the budget against H; right: the averages (all-reduces) that
+    took, against H, on log axes. (The lesson now draws :func:`local_sgd_drift_figure`
+    instead; tests/test_async_sgd.py still draws this one.)"""
+    fig = new_figure(9.0, 3.4)
+    ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    ax.plot(hs, losses, "o-", color="#1f77b4")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("local steps H between averages")
+    ax.set_ylabel("test loss after the budget")
+    ax.grid(True, alpha=0.3)
+    bx.plot(hs, averages, "o-", color="#d62728")
+    bx.set_xscale("log", base=2)
+    bx.set_yscale("log", base=2)
+    bx.set_xlabel("local steps H between averages")
+    bx.set_ylabel("all-reduces in the budget")
+    bx.grid(True, alpha=0.3)
+    for axis in (ax, bx):
+        axis.set_xticks(list(hs))
+        axis.set_xticklabels([str(h) for h in hs])
+    bx.set_yticks(list(averages))
+    bx.set_yticklabels([str(a) for a in averages])
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.15, top=0.95, wspace=0.35)
+    return fig
+
+
+def large_batch_figure(curves: dict):
+    """Test loss after each epoch, one line per run (``curves[label] = [loss per epoch]``)."""
+    fig = new_figure(6.5, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    for label, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, "o-", label=label)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.13, top=0.96)
+    return fig
