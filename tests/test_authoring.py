@@ -4,7 +4,7 @@ lab runs up to its first TODO and stops there with a clear message."""
 import nbformat
 import pytest
 
-from dpcourse import authoring
+from dpcourse.tools import authoring
 
 ROOT = authoring.ROOT
 LABS = sorted((ROOT / "labs").glob("*.ipynb"))

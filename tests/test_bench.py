@@ -108,9 +108,9 @@ def test_nccl_without_a_gpu_per_rank_is_refused_before_any_rank_starts(monkeypat
         bench.run_allreduce_bench(sizes=("1K",), world_sizes=(2,), backend="nccl")
 
 
-# --- scaling and single (bench_scaling, bench_single) ---------------------------------------
+# --- scaling and single (bench/scaling.py, bench/single.py) ---------------------------------------
 
-from dpcourse import bench_scaling, bench_single  # noqa: E402
+from dpcourse.bench import scaling as bench_scaling, single as bench_single  # noqa: E402
 
 
 def test_efficiency_arithmetic():
@@ -198,8 +198,8 @@ def test_scaling_tf_rows_come_from_a_bounded_child(no_leftovers):
     # a fresh interpreter: this pytest worker may have imported TF already for another test file.
     script = (
         "import json, sys\n"
-        "from dpcourse import bench_tf\n"
-        "rows = bench_tf.run_tf_scaling(max_ranks=2, per_rank_batch=4, steps=1, repeats=1,\n"
+        "from dpcourse.bench import scaling_tf\n"
+        "rows = scaling_tf.run_tf_scaling(max_ranks=2, per_rank_batch=4, steps=1, repeats=1,\n"
         "                               model='small', timeout=120)\n"
         "print(json.dumps({'rows': rows, 'tf_in_parent': 'tensorflow' in sys.modules}))\n"
     )
@@ -217,7 +217,7 @@ def test_scaling_tf_rows_come_from_a_bounded_child(no_leftovers):
 
 
 def test_bench_tf_bad_input_is_one_line():
-    from dpcourse import bench_tf
+    from dpcourse.bench import scaling_tf as bench_tf
 
     with pytest.raises(SystemExit) as err:
         bench_tf.main(["--max-ranks", "0"])

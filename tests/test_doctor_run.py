@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from dpcourse import doctor_run
+from dpcourse.tools import doctor_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

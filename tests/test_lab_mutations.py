@@ -2,7 +2,7 @@
 
 The suite runs a fixed, evenly spread sample of each lab's mutants (the whole set takes several
 minutes on 2 cores); `DPCOURSE_MUTANTS=all python -m pytest tests/test_lab_mutations.py` or
-`python -m dpcourse.mutate` runs every one. Mutants that do not change behaviour are listed in
+`python -m dpcourse mutate` runs every one. Mutants that do not change behaviour are listed in
 EQUIVALENT with the reason; every other survivor is a hole in a check.
 """
 
@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from dpcourse import authoring, mutate
+from dpcourse.tools import authoring, mutate
 
 ROOT = authoring.ROOT
 SOLUTIONS = sorted((ROOT / "solutions").glob("lab*.py"))
@@ -48,7 +48,7 @@ def check_mutants(solution):
     assert len(found) >= 3, f"{solution.name}: too few mutants to say anything"
     chosen = _sample(found)
     # No baseline run here: nbval runs every solution notebook in this same suite (and the
-    # full `python -m dpcourse.mutate` run does check the baseline first).
+    # full `python -m dpcourse mutate` run does check the baseline first).
     result = mutate.run(solution, chosen, timeout=90, baseline=False)
     assert result["baseline"] is None, f"the cells before the first TODO fail: {result['baseline']}"
     survived = [r["what"] for r in result["results"] if not r["caught"]]

@@ -8,7 +8,7 @@
   framework's internals, the installed file it was checked in; every file named exists in the
   installed torch / tensorflow / keras.
 * **Honest times.** The header's "about N minutes" is not below the estimate from the lesson's
-  prose, displayed code and stored run time (``dpcourse.authoring.estimate_time``).
+  prose, displayed code and stored run time (``dpcourse.tools.authoring.estimate_time``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from dpcourse import authoring
+from dpcourse.tools import authoring
 
 ROOT = authoring.ROOT
 LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
@@ -204,7 +204,7 @@ def test_header_minutes_are_not_below_the_estimate(path):
     assert head >= est.minutes, (
         f"{path.name} says about {head} minutes, but {est.words} words of prose, "
         f"{est.code_lines} lines of code on the page and {est.run_seconds:.0f} s of running "
-        f"take about {est.minutes} (`python -m dpcourse.authoring times`)")
+        f"take about {est.minutes} (`python -m dpcourse times`)")
 
 
 def test_the_estimate_counts_prose_code_and_run_time():

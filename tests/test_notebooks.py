@@ -16,7 +16,7 @@ import re
 import nbformat
 import pytest
 
-from dpcourse import authoring
+from dpcourse.tools import authoring
 
 ROOT = authoring.ROOT
 LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))

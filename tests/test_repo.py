@@ -41,7 +41,7 @@ def test_ci_runs_the_readme_commands():
 
 def test_importing_the_library_has_no_side_effects():
     code = ("import sys, dpcourse, dpcourse.devices, dpcourse.launch, dpcourse.data, "
-            "dpcourse.models, dpcourse.train, dpcourse.checks, dpcourse.authoring; "
+            "dpcourse.models, dpcourse.train, dpcourse.checks, dpcourse.tools.authoring, dpcourse.bench; "
             "assert 'tensorflow' not in sys.modules, 'torch-only modules imported TensorFlow'; "
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -145,6 +145,8 @@ def test_the_generated_pages(staged):
     assert re.search(r"\d\s*(ms|samples/s|GB/s)", measured), "no measurement on the page"
     bench = (src / "benchmarks.md").read_text()
     assert "python -m dpcourse.bench allreduce" in bench
+    for command in ("ddp", "scaling", "single", "scaling --tf"):   # one section per benchmark
+        assert f"## `python -m dpcourse.bench {command}`" in bench
     index = (src / "index.md").read_text()
     assert index.startswith((ROOT / "README.md").read_text().splitlines()[0])
     assert ":caption: Solutions" in index and "lessons/INSTRUCTOR_GUIDE" in index

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dpcourse import workshop
+from dpcourse.tools import workshop
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -41,10 +41,11 @@ NUMBER = re.compile(r"^(?:lab)?(\d\d)_")
 WIDGET = "application/vnd.jupyter.widget-view+json"
 # a printed measurement: a number followed by a unit of time, rate or ratio
 MEASURED = re.compile(r"\d[\d.,]*\s*(?:ms|s|us|µs|GB/s|MB/s|samples/s|x|×|%)(?![A-Za-z])")
-BENCH_MODULES = [("bench", "python -m dpcourse.bench allreduce | ddp"),
-                 ("bench_scaling", "python -m dpcourse.bench scaling"),
-                 ("bench_single", "python -m dpcourse.bench single"),
-                 ("bench_tf", "python -m dpcourse.bench scaling --tf")]
+BENCH_MODULES = [("bench/allreduce", "python -m dpcourse.bench allreduce"),
+                 ("bench/ddp", "python -m dpcourse.bench ddp"),
+                 ("bench/scaling", "python -m dpcourse.bench scaling"),
+                 ("bench/single", "python -m dpcourse.bench single"),
+                 ("bench/scaling_tf", "python -m dpcourse.bench scaling --tf")]
 
 
 def repository() -> str:
@@ -243,8 +244,9 @@ def benchmarks_page() -> str:
              "What each does, from its own documentation:", ""]
     for module, command in BENCH_MODULES:
         source = ROOT / "lib" / "dpcourse" / f"{module}.py"
-        if not source.exists():
-            continue
+        if not source.exists():  # a moved benchmark must move here too, not vanish from the page
+            raise FileNotFoundError(f"benchmarks page: {source.relative_to(ROOT)} is gone; "
+                                    f"update BENCH_MODULES in website/build.py")
         doc = ast.get_docstring(ast.parse(source.read_text())) or ""
         parts += [f"## `{command}`", "", _fence(doc), ""]
     parts += ["Lesson 10's detectors on your own script: "

@@ -3,9 +3,15 @@ and what to fix when something is missing. Lesson 00 runs it.
 
     python -m dpcourse doctor          # the report
     python -m dpcourse doctor --json   # the same, for scripts
-    python -m dpcourse doctor --run    # run every lesson and solution here (dpcourse.doctor_run)
+    python -m dpcourse doctor --run    # every lesson and solution here (dpcourse.tools.doctor_run)
     python -m dpcourse diagnose [--nproc 2] [--timeout 10] [--detail] script.py [script args]
-    python -m dpcourse workshop-check --learners 4 [--plan] [--json]   # see dpcourse.workshop
+    python -m dpcourse workshop-check --learners 4 [--plan] [--json]   # dpcourse.tools.workshop
+    python -m dpcourse build [NN ...]  # execute sources into notebooks, generate the labs
+    python -m dpcourse check           # notebooks and labs in sync with their sources?
+    python -m dpcourse times           # each lesson's honest time against its header
+    python -m dpcourse mutate [labNN]  # how good are the lab checks? (dpcourse.tools.mutate)
+
+``build``, ``check`` and ``times`` are :mod:`dpcourse.tools.authoring`'s commands.
 """
 
 from __future__ import annotations
@@ -106,10 +112,18 @@ def diagnose_script(script: str, script_args: list[str], nproc: int = 2, timeout
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["workshop-check"]:  # its own parser, in dpcourse.workshop
-        from dpcourse import workshop
+    if argv[:1] == ["workshop-check"]:  # its own parser, in dpcourse.tools.workshop
+        from dpcourse.tools import workshop
 
         return workshop.main(argv[1:])
+    if argv[:1] in (["build"], ["check"], ["times"]):  # the course build's own parser
+        from dpcourse.tools import authoring
+
+        return authoring.main(argv, prog="python -m dpcourse")
+    if argv[:1] == ["mutate"]:  # its own parser, in dpcourse.tools.mutate
+        from dpcourse.tools import mutate
+
+        return mutate.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m dpcourse")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="check this machine for the course")
@@ -133,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("workshop-check", add_help=False,
                    help="rehearse N learners launching at once: ports, orphans, times, and "
                    "the per-learner settings (--learners N, --plan, --json)")
+    sub.add_parser("build", add_help=False, help="execute lesson and solution sources into "
+                   "their notebooks and generate the labs (build [NN ...])")
+    sub.add_parser("check", add_help=False, help="list notebooks and labs out of sync with "
+                   "their sources (executes nothing)")
+    sub.add_parser("times", add_help=False, help="each lesson's honest time against its header")
+    sub.add_parser("mutate", add_help=False, help="break each lab solution one line at a time "
+                   "and list the broken answers its check lets through (mutate [labNN ...])")
     args = parser.parse_args(argv)
     if args.cmd == "diagnose":
         return diagnose_script(args.script, args.script_args, args.nproc, args.timeout,
@@ -142,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "doctor" and args.run:
         if args.timeout <= 0:
             parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-        from dpcourse import doctor_run
+        from dpcourse.tools import doctor_run
 
         return doctor_run.main(args.only, args.profile, args.timeout, args.json, args.list)
     return doctor(args.json)

@@ -9,9 +9,9 @@ answer never meets); tests/test_lab_mutations.py lists the accepted ones with th
 
 Run from the repository root::
 
-    python -m dpcourse.mutate                 # every lab, every mutant (minutes)
-    python -m dpcourse.mutate lab03 lab06     # some labs
-    python -m dpcourse.mutate lab02 --list    # only list the mutants, run nothing
+    python -m dpcourse mutate                 # every lab, every mutant (minutes)
+    python -m dpcourse mutate lab03 lab06     # some labs
+    python -m dpcourse mutate lab02 --list    # only list the mutants, run nothing
 
 Each lab runs in a subprocess of its own (TensorFlow's logical devices, for lab05, can be set
 only once per process). In it, the cells before the first solution region run once; then, for
@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dpcourse import authoring
+from dpcourse.tools import authoring
 
 __all__ = ["Mutant", "mutants", "run", "main"]
 
@@ -207,8 +207,8 @@ def run(solution: Path, chosen: list[Mutant] | None = None, timeout: float = 60,
     chosen = mutants(solution) if chosen is None else chosen
     payload = json.dumps({"solution": str(solution), "timeout": timeout, "baseline": baseline,
                           "mutants": [asdict(m) for m in chosen]})
-    proc = subprocess.run([sys.executable, "-m", "dpcourse.mutate", "--worker"], input=payload,
-                          capture_output=True, text=True, timeout=total_timeout)
+    proc = subprocess.run([sys.executable, "-m", "dpcourse.tools.mutate", "--worker"],
+                          input=payload, capture_output=True, text=True, timeout=total_timeout)
     lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
     if not lines or "baseline" not in lines[0]:
         return {"baseline": f"the worker died (exit {proc.returncode}): {proc.stderr[-1500:]}",
@@ -222,8 +222,9 @@ def run(solution: Path, chosen: list[Mutant] | None = None, timeout: float = 60,
             "results": results}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpcourse.mutate", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m dpcourse mutate") -> int:
+    """``python -m dpcourse mutate [labNN ...]`` (or ``-m dpcourse.tools.mutate``) comes here."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("labs", nargs="*", help="lab names or prefixes (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")

@@ -1,20 +1,13 @@
-"""Benchmarks of the course, as a command line tool.
+"""``python -m dpcourse.bench allreduce``: lesson 06's ring against ``dist.all_reduce``.
 
     python -m dpcourse.bench allreduce                       # 1 KiB .. 64 MiB, 2 and 4 ranks
     python -m dpcourse.bench allreduce --sizes 1M 16M 64M --world-sizes 2 4 --reps 5
     python -m dpcourse.bench allreduce --json                # one JSON document on stdout
-    python -m dpcourse.bench ddp                             # lesson 07: our DDPs vs torch's
-    python -m dpcourse.bench ddp --caps 0.1 1 4 25 inf --steps 10 --json
-    python -m dpcourse.bench scaling                         # single vs DataParallel vs DDP
-    python -m dpcourse.bench scaling --tf --max-ranks 2      # + TF MirroredStrategy rows
-    python -m dpcourse.bench single                          # fp32 vs TF32/AMP/channels_last
 
-``scaling`` and ``single`` live in :mod:`dpcourse.bench_scaling` and :mod:`dpcourse.bench_single`.
-
-``allreduce`` times the hand-written ring of lesson 06 (:func:`dpcourse.ring.ring_allreduce`)
-and the built-in ``dist.all_reduce`` on float32 tensors, over gloo on CPU (or nccl when every
-rank owns a GPU), in processes started by :func:`dpcourse.launch.spawn`. For each size and
-world size it prints the time of one all-reduce and its bandwidth in nccl-tests' terms:
+It times :func:`dpcourse.ring.ring_allreduce` and the built-in ``dist.all_reduce`` on float32
+tensors, over gloo on CPU (or nccl when every rank owns a GPU), in processes started by
+:func:`dpcourse.launch.spawn`. For each size and world size it prints the time of one
+all-reduce and its bandwidth in nccl-tests' terms:
 
 * algbw = bytes / time (the size of the tensor over the time to all-reduce it);
 * busbw = algbw * 2(n-1)/n — what each link must carry for an optimal all-reduce (the ring's
@@ -23,28 +16,14 @@ world size it prints the time of one all-reduce and its bandwidth in nccl-tests'
 
 and the ratio ring busbw / all_reduce busbw. Lesson 06 uses :func:`measure_allreduce` for its
 (much shorter) alpha-beta measurement.
-
-``ddp`` (lesson 07) times one training step of a model of many equal Linear layers
-(``overlap.wide_mlp``, 28 MiB at the defaults) synchronised four ways — all-reduce after the
-backward, one async all-reduce per parameter from hooks, the course's bucketed wrapper, and
-torch's DistributedDataParallel — and the bucketed wrapper at each cap of a sweep, all in one
-run with their steps interleaved, repeated over ``--repeats`` launches (default 3). It prints a
-table (step ms: median over launches of each launch's median, with (min-max) over launches;
-all-reduces per step) and the ratio bucketed / DDP at the same cap with its per-launch spread.
-
-Every bench here interleaves its variants (round-robin per rep, step or run, never all reps of
-one then all of the next) and reports a median with its spread.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = [
@@ -60,9 +39,6 @@ __all__ = [
     "summarize_allreduce",
     "compare",
     "quartiles",
-    "run_ddp_bench",
-    "format_ddp_table",
-    "main",
 ]
 
 KiB, MiB = 1024, 1024 * 1024
@@ -278,151 +254,3 @@ def format_table(rows: Sequence[AllreduceRow]) -> str:
                  "quartiles and range")
     lines.append(note + ")")
     return "\n".join(lines)
-
-
-def run_ddp_bench(world_size: int = 2, caps: Sequence[float] = (0.1, 1, 4, 25, float("inf")),
-                  cap: float = 25.0, steps: int = 7, width: int = 320, depth: int = 64,
-                  global_batch: int = 64, backend: str = "gloo", timeout: float = 600.0,
-                  repeats: int = 3) -> dict:
-    """Run :func:`dpcourse.overlap.timing_worker` on ``world_size`` ranks: the four ways at
-    ``cap`` MiB, then the bucketed wrapper at every cap in ``caps``, ``repeats`` launches (each
-    interleaves the ways step by step). Returns rank 0's last result with each way's ``step_s``
-    the median over launches of its per-launch median, ``spread`` (min, max) over launches, and
-    ``ratio`` = bucketed / DDP at ``cap`` (median of the per-launch ratios, ``ratio_spread``)."""
-    from . import ddp, launch, overlap
-
-    ddp.validate_world_size(world_size, backend)
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    cfg = overlap.OverlapConfig(model="wide_mlp", width=width, depth=depth,
-                                global_batch=global_batch, steps=steps)
-    cfg.build()  # a clear error for a bad model size, before any rank starts
-    runs = [(kind, cap) for kind in overlap.KINDS]
-    runs += [("bucketed", c) for c in caps if c != cap]
-    reps: dict = {run: [] for run in runs}
-    ratios = []
-    for _ in range(repeats):
-        out = launch.spawn(overlap.timing_worker, world_size, cfg, runs, 1, backend=backend,
-                           timeout=timeout, show_output=False)[0]
-        by = {(r["kind"], r["bucket_cap_mb"]): r["step_s"] for r in out["runs"]}
-        for run in runs:
-            reps[run].append(by[run])
-        ratios.append(by[("bucketed", cap)] / by[("ddp", cap)])
-    for r in out["runs"]:
-        vals = reps[(r["kind"], r["bucket_cap_mb"])]
-        r.update(step_s=statistics.median(vals), spread=[min(vals), max(vals)])
-    out.update(ratio=statistics.median(ratios), ratio_spread=[min(ratios), max(ratios)],
-               repeats=repeats)
-    out.update(world_size=world_size, backend=backend, cap=cap, width=width, depth=depth,
-               global_batch=global_batch, steps=steps)
-    return out
-
-
-def format_ddp_table(result: dict) -> str:
-    lines = [f"{'way':<16}{'bucket cap':>12}{'step (ms)':>11}{'(min-max)':>15}{'all-reduces':>13}"]
-    for r in result["runs"]:
-        cap = "one bucket" if r["bucket_cap_mb"] == float("inf") else f"{r['bucket_cap_mb']:g} MiB"
-        if r["kind"] in ("after_backward", "per_parameter"):
-            cap = "-"
-        lo, hi = (1e3 * t for t in r.get("spread", (r["step_s"], r["step_s"])))
-        lines.append(f"{r['kind']:<16}{cap:>12}{r['step_s'] * 1e3:>11.1f}"
-                     f"{f'({lo:.1f}-{hi:.1f})':>15}{r['collectives_per_step']:>13}")
-    lo, hi = result.get("ratio_spread", (result["ratio"], result["ratio"]))
-    lines.append(f"bucketed / DDP at {result['cap']:g} MiB: {result['ratio']:.2f}x "
-                 f"(per launch {lo:.2f}-{hi:.2f})")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpcourse.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("allreduce", help="hand-written ring vs dist.all_reduce: time and busbw")
-    a.add_argument("--sizes", nargs="+", default=[format_size(s).replace(" ", "")
-                                                  for s in DEFAULT_SIZES],
-                   help="tensor sizes in bytes (1K, 4M, 64MiB ...); default 1 KiB .. 64 MiB")
-    a.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
-    a.add_argument("--reps", type=int, default=5,
-                   help="timed repetitions per size, at least (small sizes get up to 50); median")
-    a.add_argument("--warmup", type=int, default=1)
-    a.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    a.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
-    a.add_argument("--json", action="store_true", help="print one JSON document instead")
-    d = sub.add_parser("ddp", help="all-reduce after backward, per-parameter hooks, buckets "
-                                   "and DDP: step time, with a bucket-size sweep")
-    d.add_argument("--world-size", type=int, default=2)
-    d.add_argument("--caps", nargs="+", type=float, default=[0.1, 1, 4, 25, float("inf")],
-                   help="bucket caps of the sweep, in MiB ('inf': one bucket)")
-    d.add_argument("--cap", type=float, default=25.0,
-                   help="the cap at which bucketed and DDP are compared (DDP's default: 25)")
-    d.add_argument("--steps", type=int, default=7, help="timed steps per way (median)")
-    d.add_argument("--width", type=int, default=320)
-    d.add_argument("--depth", type=int, default=64)
-    d.add_argument("--global-batch", type=int, default=64)
-    d.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    d.add_argument("--timeout", type=float, default=600.0)
-    d.add_argument("--repeats", type=int, default=3,
-                   help="launches, each interleaving the ways step by step; median and (min-max)")
-    d.add_argument("--json", action="store_true", help="print one JSON document instead")
-    from dpcourse import bench_scaling, bench_single
-
-    bench_scaling.add_arguments(sub.add_parser(
-        "scaling", help="single device vs DataParallel vs DDP on 1..N devices, with the "
-                        "alpha-beta prediction and published results"))
-    bench_single.add_arguments(sub.add_parser(
-        "single", help="one device: fp32 vs TF32, AMP bf16/fp16, channels_last, compile"))
-    args = parser.parse_args(argv)
-    if args.cmd in ("scaling", "single"):
-        module = bench_scaling if args.cmd == "scaling" else bench_single
-        try:
-            return module.main(args)
-        except ValueError as exc:
-            parser.error(str(exc))
-    if args.cmd == "ddp":
-        try:
-            result = run_ddp_bench(args.world_size, args.caps, args.cap, args.steps, args.width,
-                                   args.depth, args.global_batch, args.backend, args.timeout,
-                                   args.repeats)
-        except ValueError as exc:
-            parser.error(str(exc))
-        if args.json:
-            for r in result["runs"]:
-                r.pop("timeline")
-                if r["bucket_cap_mb"] == float("inf"):
-                    r["bucket_cap_mb"] = "one bucket"   # JSON has no infinity
-            print(json.dumps(result, indent=1, default=str))
-        else:
-            print(f"one training step of wide_mlp({args.width}, {args.depth}) "
-                  f"({result['model_bytes'] / MiB:.1f} MiB) on {args.world_size} ranks over "
-                  f"{args.backend}, median of {args.steps} steps, ways interleaved; median "
-                  f"(min-max) over {args.repeats} launches")
-            print(format_ddp_table(result))
-        return 0
-    try:
-        sizes = [parse_size(s) for s in args.sizes]
-        rows = run_allreduce_bench(sizes, args.world_sizes, args.reps, args.warmup,
-                                   args.backend, args.timeout)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.json:
-        doc = {"benchmark": "allreduce", "dtype": "float32", "backend": args.backend,
-               "min_reps": args.reps, "busbw": "algbw * 2(n-1)/n (nccl-tests)",
-               "rows": [dict(asdict(r), ratio=r.ratio) for r in rows]}
-        print(json.dumps(doc, indent=1))
-    else:
-        print(f"all-reduce of float32 tensors over {args.backend}, median of >= {args.reps} reps "
-              f"(slowest rank); busbw = algbw * 2(n-1)/n")
-        print(format_table(rows))
-        for n in sorted({r.world_size for r in rows}):
-            for label, pick in (("up to 64 KiB", lambda r: r.nbytes <= 64 * KiB),
-                                ("16 MiB and up", lambda r: r.nbytes >= 16 * MiB)):
-                group = [r for r in rows if r.world_size == n and pick(r)]
-                if group:
-                    print(f"{n} ranks, {label}: {compare(group)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

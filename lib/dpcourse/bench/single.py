@@ -72,7 +72,7 @@ class Runner:
     def __init__(self, variant: str, cfg: SingleConfig, device):
         import torch
 
-        from dpcourse.bench_scaling import build
+        from dpcourse.bench.scaling import build
 
         torch.manual_seed(0)
         self.cuda = device.type == "cuda"

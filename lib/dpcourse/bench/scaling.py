@@ -7,8 +7,9 @@ alpha-beta prediction, and the same model checked against two published results.
     python -m dpcourse.bench scaling --alpha 10e-6 --beta 5e-12   # an NVLink-like link
     python -m dpcourse.bench scaling --tf --max-ranks 2           # + TF MirroredStrategy rows
 
-``--tf`` adds MirroredStrategy rows measured by :mod:`dpcourse.bench_tf` in a child process
-(TensorFlow is imported there only). The published table is always printed, after the measured one.
+``--tf`` adds MirroredStrategy rows measured by :mod:`dpcourse.bench.scaling_tf` in a child
+process (TensorFlow is imported there only). The published table is always printed, after the
+measured one.
 
 With GPUs every DDP rank owns one GPU (nccl) and DataParallel runs in one process over the first
 N GPUs. Without GPUs the same comparison runs on 1-4 gloo processes (one torch thread each: a
@@ -56,7 +57,7 @@ class ScalingConfig:
     beta: float | None = None
     lr: float = 0.01
     timeout: float = 300.0              # seconds per launch
-    tf: bool = False                    # also MirroredStrategy (dpcourse.bench_tf)
+    tf: bool = False                    # also MirroredStrategy (dpcourse.bench.scaling_tf)
     gpus: int = field(default=-1)       # filled in by run_scaling
 
     def validate(self) -> None:
@@ -274,9 +275,9 @@ def run_scaling(cfg: ScalingConfig) -> dict:
                              predicted_images_per_s=None,
                              note="no GPUs: DataParallel just calls the module, nothing to measure"))
     if cfg.tf:
-        from dpcourse import bench_tf
+        from dpcourse.bench import scaling_tf
 
-        tf_rows = bench_tf.run_tf_scaling(max_ranks, cfg.per_rank_batch, cfg.steps,
+        tf_rows = scaling_tf.run_tf_scaling(max_ranks, cfg.per_rank_batch, cfg.steps,
                                           cfg.repeats, cfg.model, timeout=cfg.timeout * max_ranks,
                                           gpus=cfg.gpus)
         tf_compute_s = cfg.per_rank_batch / tf_rows[0]["images_per_s"]   # TF's own one device

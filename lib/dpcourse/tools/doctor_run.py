@@ -53,8 +53,8 @@ class Result:
 
 
 def course_root(start: Path | None = None) -> Path:
-    """The clone this library sits in (lib/dpcourse -> the root), or a clear error."""
-    root = (start or Path(__file__).resolve().parents[2])
+    """The clone this library sits in (lib/dpcourse/tools -> the root), or a clear error."""
+    root = (start or Path(__file__).resolve().parents[3])
     if not all((root / d).is_dir() for d in ("lessons", "solutions", "tests")):
         raise FileNotFoundError(
             f"doctor --run needs a clone of the course (lessons/, solutions/, tests/); {root} "

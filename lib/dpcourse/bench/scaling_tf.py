@@ -2,14 +2,14 @@
 devices, same synthetic CIFAR-shaped data and per-device batch as the torch rows.
 
     python -m dpcourse.bench scaling --tf --max-ranks 2 --steps 3   # adds "mirrored" rows
-    python -m dpcourse.bench_tf --max-ranks 2 --per-device-batch 32 --steps 3 --model small
+    python -m dpcourse.bench.scaling_tf --max-ranks 2 --per-device-batch 32 --steps 3 --model small
 
 Why a child process: TensorFlow fixes its devices the first time it uses them, and splitting the
 CPU into N logical devices (``devices.split_tf_devices``) must happen before that, so the
-measurement runs in a fresh ``python -m dpcourse.bench_tf`` that splits into ``max_ranks``
-devices once, then takes strategies over the first 1, 2, ... of them — interleaved, repeat by
-repeat, like the torch rows. The child prints one JSON line; the parent bounds its time and
-never imports TensorFlow (importing this module does not import it either).
+measurement runs in a fresh ``python -m dpcourse.bench.scaling_tf`` that splits into
+``max_ranks`` devices once, then takes strategies over the first 1, 2, ... of them —
+interleaved, repeat by repeat, like the torch rows. The child prints one JSON line; the parent
+bounds its time and never imports TensorFlow (importing this module does not import it either).
 
 Frankly: on CPU, TF's logical CPU devices share one process and one thread pool, so N "devices"
 are not N cores the way N gloo processes are; the cross-device reduction is TF's default for
@@ -38,7 +38,7 @@ __all__ = ["run_tf_scaling", "measure", "keras_resnet18"]
 def run_tf_scaling(max_ranks: int, per_rank_batch: int, steps: int, repeats: int,
                    model: str, timeout: float = 600.0, gpus: int = 0) -> list[dict]:
     """Rows like bench_scaling's (kind "mirrored"), measured in a bounded child process."""
-    cmd = [sys.executable, "-m", "dpcourse.bench_tf", "--max-ranks", str(max_ranks),
+    cmd = [sys.executable, "-m", "dpcourse.bench.scaling_tf", "--max-ranks", str(max_ranks),
            "--per-device-batch", str(per_rank_batch), "--steps", str(steps),
            "--repeats", str(repeats), "--model", model]
     try:
@@ -128,7 +128,8 @@ def measure(max_ranks: int, per_rank_batch: int, steps: int, repeats: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dpcourse.bench_tf", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dpcourse.bench.scaling_tf",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--max-ranks", type=int, default=2)
     p.add_argument("--per-device-batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=5)

@@ -41,7 +41,7 @@ from pathlib import Path
 # Every process a pretend learner starts carries this variable (value: run id and learner),
 # so that its leftovers can be found wherever they were re-parented.
 TAG = "DPCOURSE_WORKSHOP_TAG"
-TRAIN_DDP = Path(__file__).resolve().parent / "scripts" / "train_ddp.py"
+TRAIN_DDP = Path(__file__).resolve().parents[1] / "scripts" / "train_ddp.py"
 
 
 @dataclass
@@ -216,7 +216,7 @@ def workshop_check(learners: int, ranks: int = 2, timeout: float = 180.0,
     settings = learner_settings(learners, gpu_count, os.cpu_count() or 1, ranks)
     report = WorkshopReport(learners, settings)
     run_id = uuid.uuid4().hex[:12]
-    lib = str(Path(__file__).resolve().parents[1])
+    lib = str(Path(__file__).resolve().parents[2])
     procs = []
     start = time.monotonic()
     try:
@@ -225,7 +225,7 @@ def workshop_check(learners: int, ranks: int = 2, timeout: float = 180.0,
             env[TAG] = f"{run_id}-{s.learner}"
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [lib, env.get("PYTHONPATH")]))
             env.pop("MASTER_PORT", None)  # a fixed port is exactly what would clash
-            cmd = [sys.executable, "-m", "dpcourse.workshop", "--as-learner", str(s.learner),
+            cmd = [sys.executable, "-m", "dpcourse.tools.workshop", "--as-learner", str(s.learner),
                    "--ranks", str(ranks), "--timeout", str(timeout)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True,
