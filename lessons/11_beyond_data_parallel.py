@@ -1,0 +1,703 @@
+# %% [markdown]
+# # 11 · Where data parallelism ends: tensor and pipeline parallelism, a 2-D mesh, a planner
+#
+# **Prerequisites:** lesson 03 (all-reduce, DDP), lesson 06 (point-to-point `send`/`recv`, the
+# ring's cost), lesson 07 (DDP's communication hooks) and lesson 08 (16 bytes per parameter,
+# ZeRO-3 and FSDP2's `fully_shard`). New here, each explained where it first appears: a
+# custom `torch.autograd.Function` (a forward and a backward you write yourself), DTensor
+# and `DeviceMesh`, and the gradient noise scale.
+#
+# **You will be able to:**
+# - say, with numbers, the two places where data parallelism stops helping: a model whose
+#   activations at batch 1 do not fit however far ZeRO-3 shards the rest, and a global batch
+#   grown past the **critical batch size** — measured here inside a DDP run;
+# - explain Megatron-LM's tensor-parallel MLP (a column-parallel then a row-parallel linear
+#   layer, two conjugate communication operations) and count its two all-reduces per step;
+#   check it against the plain MLP and against torch's `parallelize_module`;
+# - run a pipeline (GPipe, 1F1B) over send/recv, measure its bubble against (K−1)/(M+K−1) and
+#   count the activations 1F1B saves;
+# - compose tensor and data parallelism on a 2 × 2 `DeviceMesh`, prove it equal to one device
+#   and count each dimension's traffic;
+# - choose tensor × pipeline × data sizes for a model and a cluster, and check the choice
+#   against a published one (Megatron-LM's GPT-3 175B).
+#
+# **Time:** about 60 minutes to read and run (the lab is extra).
+#
+# **Lab:** [lab11_tensor_parallel](../labs/lab11_tensor_parallel.ipynb) — write the column-
+# and row-parallel layers and their two autograd operations; the check runs your MLP on 2 and
+# 3 ranks next to the plain one and names the classic mistakes. Stretch: the GPipe schedule,
+# with its bubble measured.
+#
+# Every lesson so far gave each rank a whole model, or (lesson 08) a slice of its state that
+# is gathered back whole before a layer computes. Either way a rank runs **whole layers on its
+# own examples**. This lesson is about what comes after: cutting the layers themselves
+# (tensor parallelism), cutting the model into consecutive stages (pipeline parallelism), and
+# combining them with data parallelism. The code lives in `dpcourse.tensor_parallel`,
+# `dpcourse.pipeline_parallel` and `dpcourse.planner`; every launch below is gloo on CPU
+# processes (on GPUs the same code takes NCCL and a `"cuda"` mesh).
+
+# %% tags=["parameters"]
+tp_ranks = 2                       # ranks of the tensor-parallel MLP (section 2)
+stages = 4                         # pipeline stages (section 3)
+micro = (1, 2, 4, 8)               # micro-batch counts of the pipeline runs
+delay_s = 0.004                    # "device time" of a pipeline forward (backward: twice)
+gns_ranks, gns_per_rank, gns_steps = 4, 16, 100   # the noise-scale run (section 1)
+
+# %%
+import math
+
+import numpy as np
+import torch
+
+from dpcourse import launch, pipeline_parallel, planner, tensor_parallel, viz, zero
+from dpcourse.checks import claim
+from dpcourse.viz import l11_beyond_data_parallel as viz11
+
+torch.set_num_threads(1)
+
+# %% [markdown]
+# ## 1. Where data parallelism ends
+# ### Memory: activations do not shard
+# Lesson 08's ZeRO-3 divides the model state — 16 bytes per parameter with mixed-precision
+# Adam — by the number of ranks N. It does not touch the **activations**: the tensors a layer
+# keeps from its forward for its backward. Each data-parallel rank runs every layer on its
+# own micro-batch, so its activations are those of a whole layer on a whole micro-batch,
+# whatever N is. For a transformer layer Korthikanti et al. (2022) count them, in 16-bit
+# floats, for a sequence of s tokens, a micro-batch of b sequences, width h and a heads:
+# `s·b·h·(34 + 5·a·s/h)` bytes. Tensor parallelism of size t divides most of it (the
+# matmuls' inputs); recomputing the layer in the backward (*activation checkpointing*) keeps
+# only its input, `2·s·b·h`:
+
+# %%
+viz.show_code(planner.Transformer, planner.activation_bytes_per_layer)
+
+# %% [markdown]
+# GPT-3 175B (96 layers, width 12288, 96 heads, sequences of 2048 tokens) at the smallest
+# possible batch, one sequence per GPU, with lesson 08's calculator `zero.fits` given those
+# activations:
+
+# %%
+gpt3 = planner.GPT3_175B
+gb = 1e9
+act_batch1 = gpt3.layers * planner.activation_bytes_per_layer(gpt3, micro_batch=1)
+print(f"{gpt3.name}: Ψ = {gpt3.num_params / 1e9:.1f} B parameters; activations at batch 1: "
+      f"{act_batch1 / gb:.0f} GB per GPU")
+ns = (8, 64, 512, 4096)
+for n in ns:
+    row = zero.fits(gpt3.num_params, 80 * gb, n, activation_bytes=act_batch1)[-1]
+    print(f"N = {n:5d}: ZeRO-3 model state {gpt3.num_params * row['bytes_per_param'] / gb:7.1f} GB"
+          f" + activations {act_batch1 / gb:.0f} GB = {row['bytes_per_rank'] / gb:7.1f} GB")
+claim("at batch 1 no ZeRO stage fits GPT-3 175B on 80-GB GPUs, at any of these N: the "
+      "activations alone exceed the GPU",
+      act_batch1 > 80 * gb and not any(r["fits"] for n in ns
+                                       for r in zero.fits(gpt3.num_params, 80 * gb, n,
+                                                          activation_bytes=act_batch1)))
+
+# %%
+viz.show(viz11.memory_wall_figure(
+    ns, [gpt3.num_params * zero.bytes_per_param("zero3", n) / gb for n in ns],
+    [act_batch1 / gb] * len(ns), 80, f"{gpt3.name} at batch 1: ZeRO-3 per GPU"),
+    "ZeRO-3's share of the model state falls with every GPU added; the activations of one "
+    "sequence stay where they are, above the GPU's 80 GB.")
+
+# %% [markdown]
+# Recomputation rescues the memory (section 5's planner counts it: about 20 GB per GPU on
+# 1536 GPUs), but not the traffic: a ZeRO-3 rank sends about 3Ψ per step *whatever N*
+# (lesson 08), while its share of the compute falls as 1/N. Section 5 puts numbers on that.
+#
+# ### Batch: the critical batch size
+# Data parallelism with a fixed batch per rank grows the **global** batch with N. A bigger
+# batch gives a less noisy gradient, so fewer steps reach a given loss — but only up to a
+# point. McCandlish et al. ("An Empirical Model of Large-Batch Training", 2018) model the
+# steps S needed at batch B as `S = S_min·(1 + B_noise/B)`: far below B_noise, doubling B
+# halves the steps (perfect scaling); far above it, doubling B saves almost nothing, and the
+# extra GPUs are wasted. B_noise is predicted by the **gradient noise scale**
+# `B_simple = tr(Σ)/|G|²`: the per-example gradient's variance (summed over parameters)
+# against the true gradient's squared norm.
+#
+# Their appendix A measures it for free inside a data-parallel run. The expected squared norm
+# of a gradient averaged over B examples is `|G|² + tr(Σ)/B`. A DDP step sees two batch
+# sizes: each rank's own gradient (b examples) *before* the all-reduce, and the averaged one
+# (N·b examples) *after* it. Two equations, two unknowns:
+
+# %%
+viz.show_code(tensor_parallel.noise_scale_from_norms)
+
+# %% [markdown]
+# The per-rank norm comes from a DDP communication hook (lesson 07), which sees each bucket
+# of this rank's gradient just before the all-reduce; the all-reduced one from `p.grad`
+# afterwards. The weights stay fixed (no optimizer step) so that every step samples the same
+# distribution, and we average numerator and denominator over the steps before dividing, as
+# the paper does:
+
+# %%
+viz.show_code(tensor_parallel.noise_scale_worker)
+
+# %%
+gns = launch.spawn(tensor_parallel.noise_scale_worker, gns_ranks, gns_per_rank, gns_steps,
+                   backend="gloo", timeout=120)[0]
+rows = np.array(gns["rows"])
+est = tensor_parallel.noise_scale_from_norms(rows[:, 0].mean(), rows[:, 1].mean(),
+                                             gns["b_small"], gns["b_big"])
+b_simple = est["trace"] / est["grad_sq"]
+print(f"{gns_steps} DDP steps on {gns_ranks} ranks, b = {gns['b_small']}, N·b = "
+      f"{gns['b_big']}: |G|² ≈ {est['grad_sq']:.4f}, tr(Σ) ≈ {est['trace']:.3f}, "
+      f"B_simple ≈ {b_simple:.1f}")
+
+# %% [markdown]
+# Is it right? With this small model we can also compute the same quantities directly, from
+# the gradient of every single example of the data set at the same weights
+# (`torch.func.vmap` over `torch.func.grad`): their mean is G, their spread around it gives
+# tr(Σ).
+
+# %%
+viz.show_code(tensor_parallel.per_example_noise_scale)
+
+# %%
+direct = tensor_parallel.per_example_noise_scale()
+print(f"direct, from {4096} per-example gradients: |G|² = {direct['grad_sq']:.4f}, "
+      f"tr(Σ) = {direct['trace']:.3f}, B_simple = {direct['b_simple']:.1f}")
+claim("the estimate from the DDP run's two norms is within 15 % of the direct B_simple",
+      abs(b_simple / direct["b_simple"] - 1) < 0.15, ddp=b_simple, direct=direct["b_simple"])
+
+# %%
+ranks = (1, 2, 4, 8, 16, 32)
+steps_rel = {n: 1 + b_simple / (n * gns_per_rank) for n in ranks}
+gain_4_to_32 = steps_rel[4] / steps_rel[32]
+print("steps / fewest steps, at b = 16 per rank: " + ", ".join(
+    f"N={n}: {steps_rel[n]:.2f}" for n in ranks))
+claim(f"from 4 to 32 ranks (8× the GPUs) the steps fall only {gain_4_to_32:.2f}×, not 8×",
+      gain_4_to_32 < 2.5)
+viz.show(viz11.noise_scale_figure(b_simple, gns_per_rank, ranks),
+         f"With B_noise ≈ {b_simple:.0f} measured above, going from 4 to 32 data-parallel ranks "
+         f"of 16 examples cuts the steps {gain_4_to_32:.2f}×, not 8×: past the critical batch, "
+         "more data parallelism buys little.")
+
+# %% [markdown]
+# For a large language model B_noise is large (and it grows as the loss falls, McCandlish et
+# al. find), but so are the clusters:
+# 16,384 GPUs at even one sequence of 8,192 tokens each is 134 M tokens per step. Beyond the
+# critical batch, the rest of the GPUs must go into splitting the model — which also cuts
+# the memory per GPU.
+#
+# ## 2. Tensor parallelism: Megatron-LM's MLP
+# A transformer's MLP is `Y = GeLU(X·A)·B`: X is tokens × d, A is d × h, B is h × d, with
+# h = 4d. Shoeybi et al. (*Megatron-LM*, 2019) cut it over t ranks so that the only
+# communication is one all-reduce in the forward and one in the backward:
+#
+# 1. **column-parallel** first layer: rank r keeps the r-th block of A's *columns*
+#    (d × h/t) and of the first bias, and computes `H_r = GeLU(X·A_r)`: its own h/t hidden
+#    features, from the full X. GeLU acts element by element, so it needs nothing from the
+#    other ranks;
+# 2. **row-parallel** second layer: rank r keeps the r-th block of B's *rows* (h/t × d) and
+#    computes `Y_r = H_r·B_r`, a d-wide *partial* output. The real output is the sum,
+#    `Y = Σ_r Y_r` — one all-reduce. The second bias is added once, to the sum (added on
+#    every rank before the sum, it would count t times).
+#
+# In torch's layout an `nn.Linear(d, h)` stores A transposed, as an h × d weight: A's columns
+# are the weight's **rows** (dimension 0), B's rows the second weight's **columns**
+# (dimension 1).
+
+# %%
+viz.show(viz11.tp_shards_figure(16, 64, tp_ranks),
+         f"The MLP of this section (d = 16, h = 64) on {tp_ranks} ranks: each rank holds one "
+         "colour — a block of A's columns, the same block of B's rows — and the second bias "
+         "whole.")
+
+# %% [markdown]
+# The backward mirrors it. The gradient of Y reaches every rank whole (the all-reduce's
+# backward is the identity: each Y_r contributed to Y with weight 1). But the gradient of X
+# is a *sum* of each rank's part, `∂L/∂X = Σ_r ∂L/∂H_r · A_rᵀ`: an all-reduce in the
+# backward. So there are two conjugate operations, Megatron's *f* and *g*:
+#
+# | | forward | backward | where |
+# |---|---|---|---|
+# | *f* | identity (every rank uses the same X) | all-reduce (sum) | before the column layer |
+# | *g* | all-reduce (sum) | identity | after the row layer, before its bias |
+#
+# Each is a `torch.autograd.Function`: a class with a static `forward(ctx, ...)` and a static
+# `backward(ctx, grad)` that autograd calls with the gradient of the output and that returns
+# the gradient of each input — so a collective can sit on either pass. The library's MLP is
+# used like this, on every rank (`group=None`: every rank is in the tensor-parallel group):
+#
+# ```python
+# plain = tensor_parallel.plain_mlp(d=16, h=64)           # the same weights on every rank
+# tp_mlp = tensor_parallel.TensorParallelMLP(plain)       # keeps this rank's slices
+# tp_mlp.up.weight.shape, tp_mlp.down.weight.shape        # (h/t, d), (d, h/t)
+# y = tp_mlp(x)                                           # == plain(x), on every rank
+# ```
+#
+# ## Lab 11: write the column and row layers
+# Open [lab11_tensor_parallel](../labs/lab11_tensor_parallel.ipynb) and write the two
+# autograd operations and the two layers, then the MLP, on 2 and 3 ranks. Decide for each
+# operation which pass communicates, along which dimension each weight is cut, and where the
+# second bias goes. The library's answer is folded below.
+
+# %% [markdown]
+# **▶ The reference answer — open after your lab passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTensorParallel,
+              tensor_parallel.copy_to_tensor_parallel, tensor_parallel.reduce_from_tensor_parallel,
+              tensor_parallel.shard_bounds, tensor_parallel.ColumnParallelLinear,
+              tensor_parallel.RowParallelLinear, tensor_parallel.TensorParallelMLP)
+
+# %% [markdown]
+# ### Checked, and counted
+# On every rank the worker builds the plain MLP and ours from the same weights, runs one
+# forward and backward on the same input, and compares. The input requires a gradient, as
+# it would with a layer before the MLP. Then the same with torch: `parallelize_module` with
+# `ColwiseParallel` for the first layer and `RowwiseParallel` for the second, on a one-
+# dimensional `DeviceMesh` (the ranks arranged as a named grid; here a line). Every
+# collective is recorded with `dpcourse.collectives.record_collectives`; torch's also by
+# its own counter, `CommDebugMode`.
+
+# %%
+viz.show_code(tensor_parallel.plain_mlp, tensor_parallel.TPConfig,
+              tensor_parallel.tensor_parallel_worker)
+
+# %%
+cfg = tensor_parallel.TPConfig()
+tp_runs = launch.spawn(tensor_parallel.tensor_parallel_worker, tp_ranks, cfg, backend="gloo",
+                       timeout=120)
+r0 = tp_runs[0]
+print("plain:", r0["plain_shapes"])
+print("ours, rank 0:", r0["ours_shapes"])
+claim(f"on {tp_ranks} ranks, our MLP's output == the plain MLP's (to 1e-6)",
+      max(r["out_diff"] for r in tp_runs) < 1e-6)
+claim("the gradient of the input == the plain MLP's (to 1e-6): f's backward all-reduce",
+      max(r["input_grad_diff"] for r in tp_runs) < 1e-6)
+claim("every rank's weight and bias gradients == the same slice of the plain MLP's (to 1e-6)",
+      max(r["grad_diff"] for r in tp_runs) < 1e-6)
+
+# %%
+act_bytes = cfg.tokens * cfg.d * 4
+print("forward:", r0["forward"], " backward:", r0["backward"], " (op, elements, bytes)")
+claim(f"one all-reduce in the forward and one in the backward, each of the activations' "
+      f"size: tokens × d = {cfg.tokens} × {cfg.d} floats ({act_bytes} bytes)",
+      all(r["forward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
+          and r["backward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
+          for r in tp_runs))
+
+# %% [markdown]
+# Against data parallelism: DDP all-reduces the MLP's *gradients*, Ψ = 2dh + h + d numbers,
+# once per step; tensor parallelism all-reduces *activations*, 2 × tokens × d. Which is
+# smaller depends on the batch, not on N:
+
+# %%
+dp_bytes = cfg.num_params * 4
+tp_bytes = 2 * act_bytes
+print(f"this MLP: DP all-reduces {dp_bytes} bytes per step, TP {tp_bytes} "
+      f"({tp_bytes / dp_bytes:.2f}×)")
+d_gpt, s_gpt = gpt3.hidden, gpt3.seq_len
+mlp_params = 8 * d_gpt * d_gpt
+tp_elems = 2 * s_gpt * d_gpt
+claim(f"GPT-3's MLP (d = {d_gpt}) at one sequence of {s_gpt} tokens: tensor parallelism "
+      f"all-reduces 2·s·d = {tp_elems / 1e6:.0f} M numbers per step, data parallelism the "
+      f"{mlp_params / 1e9:.2f} B weights' gradients — {mlp_params / tp_elems:.0f}× more",
+      mlp_params / tp_elems > 20)
+
+# %% [markdown]
+# So why not tensor-parallelise everything? Because of *when* the bytes travel. DDP's
+# all-reduce overlaps the backward (lesson 07); tensor parallelism's sit **on the critical
+# path of every layer**: the next layer cannot start before the sum arrives, forward and
+# backward, four times per transformer layer (attention and MLP each have an *f* and a *g*)
+# — and each rank's matmuls shrink by t. It pays only on very fast links: NVLink inside a
+# node, not the network between nodes. Megatron-LM keeps t ≤ the GPUs of one node.
+#
+# ### torch's version: `parallelize_module` and DTensor
+# torch writes the same plan as a dictionary from submodule names to *styles*; the
+# parameters become **DTensors**, tensors that know their *placement* on the mesh:
+# `Shard(dim)` (cut along dim), `Replicate()` (whole on every rank), or `Partial()` (a sum
+# still to be done):
+
+# %%
+viz.show_code("""\
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+mesh = init_device_mesh("cpu", (world_size,))
+model = parallelize_module(plain_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+""")
+
+# %%
+for name, kind, full, local, placement in r0["torch_params"]:
+    print(f"{name:>9}: {kind}, full {full}, rank 0 holds {local}, placement {placement}")
+claim("ColwiseParallel cuts the first weight and bias along dim 0 (Shard(0)); RowwiseParallel "
+      "the second weight along dim 1 (Shard(1)) and replicates its bias (R)",
+      [p[4] for p in r0["torch_params"]] == ["S(0)", "S(0)", "S(1)", "R"])
+claim("torch's output, input gradient and every shard's gradients == ours (to 1e-6)",
+      max(max(r["torch_out_diff"], r["torch_input_grad_diff"], r["torch_grad_diff"])
+          for r in tp_runs) < 1e-6)
+print("CommDebugMode, after the forward:", r0["torch_forward_counts"], "; after the backward:",
+      r0["torch_counts"])
+print("recorded:", r0["torch_recorded"])
+claim("torch sends what we send: one all-reduce of the activations in the forward, one in the "
+      "backward (CommDebugMode and our recorder agree)",
+      all(r["torch_forward_counts"] == {"all_reduce": 1} and r["torch_counts"] == {"all_reduce": 2}
+          and [c[1:] for c in r["torch_recorded"]] == [("all_reduce", cfg.tokens * cfg.d,
+                                                         act_bytes)] * 2 for r in tp_runs))
+
+# %% [markdown]
+# ## 3. Pipeline parallelism: stages, micro-batches, the bubble
+# Tensor parallelism cuts every layer; **pipeline parallelism** cuts the model into K
+# **stages** of consecutive layers, one per rank, and passes activations forward
+# (`send`/`recv`, lesson 06) and their gradients backward. With one batch only one stage
+# works at a time, so the batch is cut into M **micro-batches** that follow each other
+# through the stages (GPipe, Huang et al. 2019); each stage *accumulates* the M micro-batches'
+# gradients, which then equal the whole batch's. Stages still sit idle while the pipeline
+# fills and drains: with equal stage times a step lasts M + K − 1 slots of which each stage
+# works M, an idle share — the **bubble** — of (K − 1)/(M + K − 1).
+#
+# The schedules in `dpcourse.pipeline_parallel` list each stage's actions, F i
+# (forward of micro-batch i) and B i (backward). **GPipe** runs every forward, then every
+# backward. **1F1B** (PipeDream-Flush, Narayanan et al. 2021) starts the backwards as early
+# as possible: the same actions, the same bubble, but stage k holds at most K − k
+# micro-batches' activations instead of M.
+
+# %%
+viz.show_code(pipeline_parallel.gpipe_schedule, pipeline_parallel.one_f_one_b_schedule,
+              pipeline_parallel.ideal_bubble, pipeline_parallel.measured_bubble)
+
+# %% [markdown]
+# Try it: stages × micro-batches → the bubble, from the schedule played with fixed times
+# (forward 1, backward 2, no communication).
+
+# %%
+bubble_explorer = viz.explorer(
+    viz11.bubble_figure, {"stages": (stages, 2, 8), "micro_batches": (4, 1, 16)},
+    caption="the ideal GPipe step: the idle share (K−1)/(M+K−1) shrinks as micro-batches are "
+            "added, and grows with every stage.",
+    description="pipeline bubble explorer (stages, micro-batches)")
+
+# %% [markdown]
+# Now for real, on 4 ranks. Each stage runs its schedule with `run_stage` (folded below: the
+# lab's stretch asks for it): receive, compute, send, the loss divided by M so that the
+# accumulated gradients are the batch mean's. Our CPU ranks would fight over the machine's
+# cores, so each forward also sleeps `delay_s` (each backward twice that): a stand-in for an
+# accelerator, which computes without taking a CPU core. Every (schedule, M) runs in one
+# launch and is compared with the unsplit model on the whole batch.
+
+# %% [markdown]
+# **▶ One stage's loop and its launcher (the lab's stretch) — open after your lab passes**
+# (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(pipeline_parallel.run_stage, pipeline_parallel.pipeline_worker,
+              pipeline_parallel.run_pipeline)
+
+# %%
+pipe = pipeline_parallel.run_pipeline(stages, micro, ("gpipe", "1f1b"), delay_s=delay_s,
+                                      repeats=1, timeout=120)
+claim(f"every pipeline run ({stages} stages, GPipe and 1F1B, M in {micro}): loss and gradients "
+      f"== the unsplit model's on the whole batch (rtol {pipeline_parallel.RTOL}, atol "
+      f"{pipeline_parallel.ATOL})", all(r.equal for r in pipe))
+claim("each step sent 2·M·(K−1) messages: an activation forward and a gradient back per "
+      "micro-batch and boundary",
+      all(r.messages == pipeline_parallel.messages_per_step(stages, r.m) for r in pipe))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: measured idle shares, which vary from run to run.
+for r in pipe:
+    print(f"{r.schedule:>5} M={r.m}: measured bubble {r.bubble:.2f}, ideal {r.ideal:.2f}")
+
+# %%
+gpipe = {r.m: r for r in pipe if r.schedule == "gpipe"}
+claim("the measured bubble is never below the ideal (by more than 0.03), and falls as M grows "
+      f"from {micro[0]} to {micro[-1]}",
+      all(r.bubble > r.ideal - 0.03 for r in pipe)
+      and gpipe[micro[-1]].bubble < gpipe[micro[0]].bubble - 0.2)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: the top chart and the caption are this run's measured timeline.
+m_show = micro[-1]
+viz.show(viz11.pipeline_gantt_figure(
+    gpipe[m_show].events, pipeline_parallel.simulate_timeline(stages, m_show, "gpipe"), stages,
+    m_show, gpipe[m_show].bubble, gpipe[m_show].ideal),
+    f"GPipe, {stages} stages, {m_show} micro-batches: measured (top) and ideal (bottom). The "
+    f"fill and drain triangles are the bubble — {gpipe[m_show].bubble:.0%} measured against "
+    f"{gpipe[m_show].ideal:.0%} ideal; the rest is waiting for messages and Python.")
+
+# %% [markdown]
+# 1F1B's point is memory: counted while running, the most micro-batches whose activations
+# each stage held at once.
+
+# %%
+ofob = {r.m: r for r in pipe if r.schedule == "1f1b"}
+print(f"M = {m_show}: GPipe holds {gpipe[m_show].peak_in_flight}, "
+      f"1F1B {ofob[m_show].peak_in_flight} micro-batches per stage")
+claim(f"with M = {m_show}, GPipe holds all M micro-batches on every stage; 1F1B holds K − k on "
+      "stage k",
+      gpipe[m_show].peak_in_flight == [m_show] * stages
+      and ofob[m_show].peak_in_flight == [stages - k for k in range(stages)])
+
+# %% [markdown]
+# torch has the same thing, `torch.distributed.pipelining`: a `PipelineStage` around each
+# rank's module and a schedule (`ScheduleGPipe`, `Schedule1F1B`, and interleaved ones) that
+# runs it. On the same model, batch and schedule (one launch each):
+
+# %%
+versus = pipeline_parallel.compare_with_torch_pipelining(stages, m_show, "1f1b", timeout=120)
+claim(f"torch's Schedule1F1B ({stages} stages, M = {m_show}): gradients == ours and the "
+      "unsplit model's (to 1e-6)",
+      versus["torch_vs_ours"] < 1e-6 and versus["torch_vs_reference"] < 1e-6)
+
+# %% [markdown]
+# ## 4. Composing them: a 2-D mesh
+# Real training runs combine the two kinds of parallelism: tensor parallelism inside a
+# group of GPUs, data parallelism across the groups. A `DeviceMesh` names the ranks as a
+# grid: 4 ranks as 2 × 2, dimension `dp` down, `tp` across. Each row is one tensor-parallel
+# MLP; the two rows are data-parallel replicas (FSDP2's `fully_shard` over the `dp`
+# dimension: lesson 08's ZeRO-3), each fed its half of every batch. `mesh["tp"]` is the
+# one-dimensional mesh of this rank's row, `mesh["tp"].get_group()` its process group.
+#
+# The worker trains two versions for a few Adam steps next to one device on the whole
+# batch: ours (`TensorParallelMLP` on the row's group, then `fully_shard` on the column) and
+# torch's (`parallelize_module` on `mesh["tp"]`, then `fully_shard` on `mesh["dp"]`). A
+# `before` hook of the recorder notes which group each call uses.
+
+# %%
+viz.show_code(tensor_parallel.mesh_2d_worker)
+
+# %%
+mesh_runs = launch.spawn(tensor_parallel.mesh_2d_worker, 4, cfg, backend="gloo", timeout=120)
+viz.show(viz11.mesh_2d_figure(mesh_runs),
+         "Four ranks as a 2 × 2 mesh: each holds a tensor-parallel slice (h/2 rows of the first "
+         "weight, h/2 columns of the second), of which FSDP2 keeps half (dim 0) — a quarter "
+         "of the first weight.")
+claim(f"ours on the 2 × 2 mesh == one device on the whole batch after {cfg.steps} Adam steps, "
+      "every rank's shards (to 1e-6)", max(r["ours_diff"] for r in mesh_runs) < 1e-6)
+claim(f"torch's (parallelize_module + fully_shard) == one device after {cfg.steps} steps "
+      "(to 1e-6)", max(r["torch_diff"] for r in mesh_runs) < 1e-6)
+
+# %%
+local = cfg.num_params // 2 + cfg.d // 2          # one tp slice of Ψ: the bias b₂ is whole
+step = mesh_runs[0]["traffic"][-1]
+for dim, op, numel, nbytes, out_nbytes in step:
+    print(f"{dim}: {op:>14}, {numel:5d} elements in, {out_nbytes:5d} bytes out")
+claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2} tokens × "
+      f"{cfg.d}); along dp: one all-gather and one reduce-scatter of the row's {local} "
+      "parameters",
+      all(r["traffic"][-1] == [("dp", "all_gather", local // 2, local * 2, local * 4),
+                               ("tp", "all_reduce", cfg.tokens // 2 * cfg.d,
+                                cfg.tokens // 2 * cfg.d * 4, cfg.tokens // 2 * cfg.d * 4),
+                               ("dp", "reduce_scatter", local, local * 4, local * 2)]
+          for r in mesh_runs))
+
+# %% [markdown]
+# Two counts differ from sections 2 and lesson 08, and both are right. Only **one**
+# tensor-parallel all-reduce: the MLP is the first layer here, its input is data, and
+# nothing below wants its gradient, so autograd never calls *f*'s backward. Only **one**
+# all-gather: the MLP is FSDP2's *root*, which keeps its weights gathered between forward
+# and backward (lesson 08, section 6). torch's DTensors carry both dimensions at once:
+
+# %%
+for name, placement in mesh_runs[0]["torch_placements"].items():
+    print(f"{name:>9}: {placement}")
+
+# %% [markdown]
+# `Shard(dim=1)` on `tp` for the second weight, as in section 2; on `dp`, FSDP2 cuts dim 0
+# once more. For the first weight both dimensions cut dim 0: `_StridedShard(dim=0, sf=2)`
+# records that the `dp` cut applies to each `tp` slice (interleaved rows), not to the
+# whole.
+#
+# ## 5. A planner
+# Which sizes, then, for a real model on a real cluster? `dpcourse.planner` tries every
+# tensor size t (up to the GPUs of a node), pipeline size p (dividing the layers) and
+# data-parallel flavour, with d = GPUs / (t·p), and for each computes per GPU: model state
+# (lesson 08's bytes per parameter, over Ψ/(t·p) parameters), activations (section 1, 1F1B's
+# first stage holding min(p, M) micro-batches, the layers recomputed), the messages and
+# bytes per step of each dimension, and a step time — compute at half the GPU's peak,
+# stretched by the bubble, plus every byte at its link's speed with nothing overlapped (an
+# upper bound, good for ranking, not a prediction).
+
+# %%
+viz.show_code(planner.Cluster, planner.plan_row, planner.plan)
+
+# %% [markdown]
+# The check: Narayanan et al. (*Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM*, SC 2021) trained a GPT-3-sized model — 175 B parameters, 96
+# layers, width 12288, 96 heads — on 1536 A100 80-GB GPUs (DGX A100 nodes of 8) with
+# **tensor-parallel size 8 and pipeline-parallel size 16** (their Table 1), so data-parallel
+# size 12, batch 1536 sequences. Their takeaways: tensor parallelism up to the GPUs of a
+# node, pipeline across nodes, data parallelism over the rest.
+
+# %%
+cluster = planner.MEGATRON_A100_CLUSTER
+published = planner.MEGATRON_GPT3_PUBLISHED
+options = planner.plan(gpt3, cluster, published["global_batch"])
+best = options[0]
+pub = planner.plan_row(gpt3, cluster, published["tp"], published["pp"],
+                       published["global_batch"])
+print(f"{len(options)} configurations fit. Fastest estimates:")
+print("    t   p    d  DP flavour  GB/GPU  s/step  TP msgs  TP GB  PP msgs  PP GB  DP GB  bubble")
+for r in options[:6] + [pub]:
+    print(f"{r['tp']:5d} {r['pp']:3d} {r['dp']:4d}  {r['stage']:>10}  {r['total_bytes'] / gb:6.1f}"
+          f"  {r['time_s']:6.1f}  {r['tp_messages']:7d} {r['tp_bytes'] / gb:6.0f}"
+          f"  {r['pp_messages']:7d} {r['pp_bytes'] / gb:6.1f} {r['dp_bytes'] / gb:6.1f}"
+          f"  {r['bubble']:6.3f}")
+print("(last row: the published configuration)")
+best_per_t = {t: min((r for r in options if r["tp"] == t), key=lambda r: r["time_s"])
+              for t in sorted({r["tp"] for r in options})}
+print("best estimate per tensor size: " + ", ".join(
+    f"t={t}: {r['time_s']:.1f} s (p={r['pp']})" for t, r in best_per_t.items()))
+times = [r["time_s"] for r in best_per_t.values()]
+claim(f"the best estimate falls as t grows, up to t = {cluster.gpus_per_node}, the GPUs of one "
+      "node (Megatron-LM's takeaway); the planner's best has t = 8",
+      times == sorted(times, reverse=True) and max(best_per_t) == cluster.gpus_per_node
+      and best["tp"] == cluster.gpus_per_node)
+claim(f"the published t = 8 × p = 16 × d = 12 fits ({pub['total_bytes'] / gb:.0f} GB of 80) and "
+      f"its estimated step is within 2 % of the planner's best (t = {best['tp']}, "
+      f"p = {best['pp']}, {best['stage']})",
+      pub["fits"] and pub["time_s"] < 1.02 * best["time_s"])
+
+# %% [markdown]
+# Among the fastest, the estimates differ by fractions of a second: the compute is the same
+# for all, and more pipeline stages trade a slightly larger bubble for less data-parallel
+# traffic per GPU. This model cannot split hairs that fine (the paper chose by measuring,
+# and t = 8, p = 16 also leaves room for larger micro-batches). What it separates cleanly is
+# the tensor size — t = 1 is far slower, because without it the model fits only in many
+# pipeline stages, with a huge bubble — and where section 1 left off, data parallelism
+# alone:
+
+# %%
+for stage in zero.STAGES:
+    r = planner.plan_row(gpt3, cluster, 1, 1, published["global_batch"], stage=stage)
+    print(f"t = p = 1, {stage:>5}: {r['total_bytes'] / gb:7.0f} GB per GPU, "
+          f"{'fits' if r['fits'] else 'does not fit'}; data-parallel traffic "
+          f"{r['dp_bytes'] / gb:5.0f} GB per GPU per step")
+only_dp = planner.plan_row(gpt3, cluster, 1, 1, published["global_batch"], stage="zero3")
+comm_s = only_dp["dp_bytes"] / cluster.inter_bw
+claim(f"data parallelism alone fits only as ZeRO-3 (with recomputation), and then each GPU "
+      f"sends {only_dp['dp_bytes'] / 1e12:.1f} TB per step: {comm_s:.0f} s at 25 GB/s, more "
+      f"than the step's {only_dp['compute_s']:.0f} s of compute; its estimate is "
+      f"{only_dp['time_s'] / best['time_s']:.1f}× the best plan's",
+      [s for s in zero.STAGES
+       if planner.plan_row(gpt3, cluster, 1, 1, 1536, stage=s)["fits"]] == ["zero3"]
+      and comm_s > only_dp["compute_s"] and only_dp["time_s"] > 2 * best["time_s"])
+
+# %%
+viz.show(viz11.planner_figure(options, published, 80),
+         "Every configuration that fits GPT-3 175B on 1536 A100s: the fastest estimates all use "
+         "t = 8 (one node); the published t = 8, p = 16 (circled) sits among them.")
+
+# %% [markdown]
+# ## Summary
+# - Data parallelism ends in two places. **Memory**: ZeRO-3 divides the model state by N, but
+#   a rank's activations are those of whole layers on a whole micro-batch — GPT-3 at one
+#   sequence needs 275 GB of them. **Batch**: N ranks grow the global batch; past the
+#   critical batch size, near the gradient noise scale B_simple = tr(Σ)/|G|² (measured here
+#   inside DDP from two gradient norms, within 15 % of the direct value), more ranks barely
+#   cut the steps.
+# - **Tensor parallelism** (Megatron-LM): a column-parallel layer (A cut by columns, no
+#   communication) then a row-parallel one (B cut by rows, outputs summed, bias added once);
+#   *f* (identity forward, all-reduce backward) and *g* (the reverse). Two all-reduces of
+#   the activations per MLP per step, on the critical path: keep it inside a node. torch's
+#   `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
+#   sends the same.
+# - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated; idle share
+#   (K−1)/(M+K−1); 1F1B keeps K − k micro-batches in flight instead of M.
+# - **2-D**: tensor parallel along one mesh dimension, FSDP2 along the other, equal to one
+#   device; each dimension's traffic counted by the group it used.
+# - **Planning**: tensor parallelism up to a node, pipeline across nodes, data parallelism
+#   over the rest — the planner agrees with Megatron-LM's published GPT-3 175B setup.
+#
+# This is the course's last lesson. The references that go further: the Ultra-Scale
+# Playbook (Hugging Face, 2025), *How to Scale Your Model* (Google DeepMind, 2025), Stanford
+# CS336's systems lectures — sequence and context parallelism, expert parallelism,
+# interleaved and zero-bubble pipelines.
+#
+# ## Check yourself
+
+# %%
+viz.quiz([
+    {"q": "ZeRO-3 on 4096 GPUs holds 0.7 GB of GPT-3's model state per GPU. Why can it still "
+          "not train it at batch 1 without recomputation?",
+     "options": ["The all-gathers need the whole model at once",
+                 "Each GPU runs whole layers on a whole sequence: 275 GB of activations, which "
+                 "no number of data-parallel ranks divides",
+                 "Adam's state is not sharded by ZeRO-3"],
+     "answer": 1,
+     "why": ["Only one or two layers' weights at a time (its working set).",
+             "Right: activations belong to the micro-batch, not the model.",
+             "It is: ZeRO-3 shards all 16 bytes."]},
+    {"q": "In the column-parallel layer, which pass all-reduces?",
+     "options": ["The forward: the outputs must be summed",
+                 "The backward: the input's gradient is the sum of each rank's contribution",
+                 "Neither"],
+     "answer": 1,
+     "why": ["Each rank's outputs are its own hidden features: nothing to sum.",
+             "Right: that is f's backward; its forward is the identity.",
+             "The input's gradient needs every rank's slice of A."]},
+    {"q": "Every rank adds the row-parallel layer's bias before the all-reduce. What happens?",
+     "options": ["Nothing: the bias is replicated",
+                 "The output carries the bias t times",
+                 "The gradient of the bias is zero"],
+     "answer": 1,
+     "why": ["Replicated parameters are fine; adding them before a sum is not.",
+             "Right: add it once, after the sum.",
+             "It gets a gradient, but the output is wrong."]},
+    {"q": "A pipeline of 8 stages. How many micro-batches keep the bubble under 10 %?",
+     "options": ["8", "32", "64"],
+     "answer": 2,
+     "why": ["7/15 ≈ 47 %.", "7/39 ≈ 18 %.", "Right: 7/71 ≈ 9.9 %."]},
+    {"q": "Why does Megatron-LM keep tensor parallelism inside a node?",
+     "options": ["It needs more memory than pipeline parallelism",
+                 "Its all-reduces happen in every layer, on the critical path, so they need "
+                 "the node's fast links (NVLink), not the network",
+                 "DTensor cannot span nodes"],
+     "answer": 1,
+     "why": ["It saves memory.", "Right: four all-reduces per layer per micro-batch.",
+             "It can; it is just slow."]},
+    {"q": "Data parallelism on 32 ranks of 16 examples, B_noise ≈ 60. Doubling to 64 ranks "
+          "cuts the steps by about…",
+     "options": ["2×", "1.06×", "0.5×"],
+     "answer": 1,
+     "why": ["Only far below B_noise.",
+             "Right: (1 + 60/512)/(1 + 60/1024) ≈ 1.06.",
+             "More ranks never need more steps in this model."]},
+])
+
+# %% [markdown]
+# ## Sources
+# Every statement above about what torch does was checked in the installed torch 2.14.1
+# (paths relative to `site-packages`):
+#
+# - `torch/distributed/tensor/parallel/api.py` — `parallelize_module`: applies a style to each
+#   named submodule of the plan.
+# - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel` (input Replicate, weight
+#   and bias `Shard(0)`, output `Shard(-1)`); `RowwiseParallel` (input `Shard(-1)`, weight
+#   `Shard(1)`, bias `Replicate()`; `_prepare_output_fn`: the partial output redistributed to
+#   Replicate, "allreduce").
+# - `torch/distributed/device_mesh.py` — `init_device_mesh` (a mesh of a shape, with
+#   `mesh_dim_names`), `DeviceMesh.__getitem__` (a sub-mesh by name), `DeviceMesh.get_group`,
+#   `get_local_rank`.
+# - `torch/distributed/tensor/debug/_comm_mode.py` — `CommDebugMode`, `get_comm_counts`:
+#   torch's own count of DTensor's (functional) collectives.
+# - `torch/distributed/fsdp/_fully_shard/_fully_shard.py` — `fully_shard(module, mesh=...)`;
+#   `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` — `FSDPParam._init_sharded_param`: a
+#   parameter already sharded on the tensor-parallel mesh along the same dimension gets
+#   `_StridedShard` on the data-parallel one; `_fsdp_state.py` — the root is not resharded
+#   after its forward (one all-gather per step).
+# - `torch/distributed/pipelining/stage.py` — `PipelineStage`;
+#   `torch/distributed/pipelining/schedules.py` — `ScheduleGPipe`, `Schedule1F1B` (refuses
+#   fewer micro-batches than stages).
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.register_comm_hook`;
+#   `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`;
+#   `GradBucket.buffer()` (`torch/distributed/__init__.py` exports it from C++): the flat
+#   bucket of this rank's gradients, before the all-reduce.
+# - `torch/autograd/function.py` — `Function` (static `forward(ctx, ...)` and
+#   `backward(ctx, grad)`).
+# - `torch/_functorch/apis.py` — `vmap`, `grad`; `torch/_functorch/functional_call.py` —
+#   `functional_call` (per-example gradients).
+#
+# Papers: Shoeybi et al., *Megatron-LM: Training Multi-Billion Parameter Language Models Using
+# Model Parallelism*, 2019 (section 3, the MLP, f and g); Narayanan et al., *Efficient
+# Large-Scale Language Model Training on GPU Clusters Using Megatron-LM*, SC 2021 (Table 1:
+# 175 B, t = 8, p = 16, 1536 GPUs; the takeaways of section 3; 1F1B, PipeDream-Flush);
+# Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Models*, 2022
+# (activation bytes per layer); Huang et al., *GPipe*, NeurIPS 2019 (micro-batches, the
+# bubble); McCandlish et al., *An Empirical Model of Large-Batch Training*, 2018 (the noise
+# scale, appendix A); Rajbhandari et al., *ZeRO*, SC 2020.

@@ -1,0 +1,209 @@
+"""Which mix of data, tensor and pipeline parallelism fits a transformer on a cluster, and what
+each costs per step (lesson 11).
+
+A back-of-the-envelope planner in the spirit of Megatron-LM's takeaways (Narayanan et al.,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021,
+section 3): tensor parallelism inside a node, where the links are fast; pipeline parallelism
+across nodes; data parallelism over what is left. For every (tensor t, pipeline p, data d)
+with t·p·d GPUs it computes, per GPU:
+
+* **memory**: model state ``Ψ/(t·p)`` parameters × lesson 08's bytes per parameter
+  (:func:`dpcourse.zero.bytes_per_param`, for DDP or a ZeRO stage over the d data-parallel
+  ranks), plus activations (:func:`activation_bytes_per_layer`, Korthikanti et al. 2022),
+  which **do not shrink with d**: a data-parallel rank always runs whole layers on a whole
+  micro-batch; with 1F1B the first pipeline stage holds ``min(p, m)`` micro-batches of its L/p
+  layers. ZeRO-3 adds its working set: the full weights of two layers (one computing, one
+  prefetched) and one layer's full gradient;
+* **messages and bytes per step**, per dimension: tensor (all-reduces of the activations,
+  four per layer per micro-batch — two in the forward, two in the backward — and two more when
+  the forward is recomputed), pipeline (one activation forward and one gradient backward per
+  micro-batch and stage boundary), data (lesson 08's 2Ψ or 3Ψ of the GPU's parameters, once
+  per step);
+* **an estimated step time**: compute (``6Ψ`` flops per token, ``8Ψ`` with recomputation, at a
+  stated fraction of the GPU's peak) stretched by the pipeline bubble ``(p−1)/m``, plus every
+  byte sent at its link's bandwidth (ring all-reduces: 2(n−1)/n of the buffer), with nothing
+  overlapped — an upper bound, good for ranking, not a prediction.
+
+Everything here is arithmetic on the formulas; nothing runs on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import zero
+
+__all__ = [
+    "Transformer",
+    "Cluster",
+    "activation_bytes_per_layer",
+    "plan_row",
+    "plan",
+    "GPT3_175B",
+    "MEGATRON_A100_CLUSTER",
+    "MEGATRON_GPT3_PUBLISHED",
+]
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A GPT-style transformer: ``layers`` blocks of width ``hidden`` with ``heads`` attention
+    heads, trained on sequences of ``seq_len`` tokens over a vocabulary of ``vocab``.
+    Shown in lesson 11, §5.
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    vocab: int
+
+    @property
+    def num_params(self) -> float:
+        """Narayanan et al. 2021, section 5.1: 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
+        l, h = self.layers, self.hidden
+        return 12 * l * h * h * (1 + 13 / (12 * h) + (self.vocab + self.seq_len) / (12 * l * h))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` nodes of ``gpus_per_node`` GPUs with ``gpu_bytes`` of memory each. Bandwidths
+    are bytes per second one GPU sends: ``intra_bw`` inside a node (NVLink), ``inter_bw``
+    across nodes (the node's network cards shared by its GPUs). ``peak_flops`` is the GPU's
+    dense bf16 peak, ``efficiency`` the fraction of it a training step reaches.
+    Shown in lesson 11, §5.
+    """
+
+    gpu_bytes: float
+    gpus_per_node: int
+    nodes: int
+    peak_flops: float
+    intra_bw: float
+    inter_bw: float
+    efficiency: float = 0.5
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: bool = False) -> float:
+    """Bytes of activations one transformer layer keeps for its backward, on one GPU, in 16-bit
+    floats (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+    Models", 2022, section 4): ``s·b·h·(34 + 5·a·s/h)`` on one GPU; with tensor parallelism of
+    size t ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (the layer norms' and dropouts' inputs are
+    not split); with sequence parallelism too, everything divided by t. With full
+    recomputation only the layer's input is kept: ``2·s·b·h`` (divided by t with sequence
+    parallelism). Shown in lesson 11, §1.
+    """
+    if micro_batch < 1 or tp < 1:
+        raise ValueError(f"micro_batch and tp must be >= 1, got {micro_batch} and {tp}")
+    s, b, h, a = model.seq_len, micro_batch, model.hidden, model.heads
+    if recompute:
+        return 2 * s * b * h / (tp if sequence_parallel else 1)
+    if sequence_parallel:
+        return s * b * h * (34 + 5 * a * s / h) / tp
+    return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+
+
+def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batch: int,
+             micro_batch: int = 1, stage: str = "ddp", recompute: bool = True,
+             sequence_parallel: bool = False) -> dict:
+    """Memory, traffic and an estimated step time for one configuration (t = ``tp``,
+    p = ``pp``, d = GPUs / (t·p)), as described in the module's docstring. ``stage`` is the
+    data-parallel flavour over the d ranks: "ddp", "zero1", "zero2" or "zero3". Model state
+    uses lesson 08's mixed-precision Adam (2 + 2 + 12 bytes per parameter). Returns a dict
+    with every number the lesson prints, and ``fits``. Shown in lesson 11, §5.
+    """
+    n = cluster.gpus
+    if tp < 1 or pp < 1 or n % (tp * pp):
+        raise ValueError(f"t·p = {tp}·{pp} must divide the {n} GPUs")
+    dp = n // (tp * pp)
+    if model.layers % pp or model.heads % tp:
+        raise ValueError(f"p = {pp} must divide the {model.layers} layers and t = {tp} the "
+                         f"{model.heads} heads")
+    if global_batch % (dp * micro_batch):
+        raise ValueError(f"a global batch of {global_batch} does not split into {dp} "
+                         f"data-parallel ranks of micro-batches of {micro_batch}")
+    m = global_batch // (dp * micro_batch)           # micro-batches per step per pipeline
+    psi = model.num_params
+    per_gpu = psi / (tp * pp)
+    state = per_gpu * zero.bytes_per_param(stage, dp)
+    layers_here = model.layers // pp
+    in_flight = min(pp, m)                            # 1F1B, first stage
+    act_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, recompute)
+    activations = layers_here * in_flight * act_layer
+    if recompute:                                     # one layer recomputed in full at a time
+        activations += activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel)
+    layer_params = 12 * model.hidden ** 2 / tp
+    working = 3 * layer_params * 2 if stage == "zero3" else 0.0
+    total = state + activations + working
+
+    s, b, h = model.seq_len, micro_batch, model.hidden
+    act_msg = 2 * s * b * h                           # one activation, 16-bit
+    ring = (lambda k: 2 * (k - 1) / k)                # an all-reduce sends 2(k-1)/k of it
+    tp_msgs = layers_here * m * (6 if recompute else 4) if tp > 1 else 0
+    tp_bytes = tp_msgs * act_msg * ring(tp) if tp > 1 else 0.0
+    pp_msgs = 2 * m if pp > 1 else 0                  # a middle stage: one each way per micro-batch
+    pp_bytes = pp_msgs * act_msg
+    dp_volume = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3}[stage] * per_gpu * 2
+    dp_msgs = ({"ddp": 1, "zero1": 2, "zero2": 2, "zero3": 3 * layers_here}[stage]
+               if dp > 1 else 0)
+    dp_bytes = dp_volume * (dp - 1) / dp if dp > 1 else 0.0
+
+    tp_link = cluster.intra_bw if tp <= cluster.gpus_per_node else cluster.inter_bw
+    dp_link = cluster.intra_bw if tp * pp * dp <= cluster.gpus_per_node else cluster.inter_bw
+    pp_link = cluster.intra_bw if tp * pp <= cluster.gpus_per_node else cluster.inter_bw
+    flops = (8 if recompute else 6) * psi * global_batch * model.seq_len
+    compute_s = flops / (n * cluster.peak_flops * cluster.efficiency)
+    bubble = (pp - 1) / m
+    time_s = (compute_s * (1 + bubble) + tp_bytes / tp_link + pp_bytes / pp_link
+              + dp_bytes / dp_link)
+    return {"tp": tp, "pp": pp, "dp": dp, "stage": stage, "micro_batches": m,
+            "state_bytes": state, "activation_bytes": activations, "working_bytes": working,
+            "total_bytes": total, "fits": total <= cluster.gpu_bytes,
+            "tp_messages": tp_msgs, "tp_bytes": tp_bytes, "pp_messages": pp_msgs,
+            "pp_bytes": pp_bytes, "dp_messages": dp_msgs, "dp_bytes": dp_bytes,
+            "bubble": bubble, "compute_s": compute_s, "time_s": time_s}
+
+
+def plan(model: Transformer, cluster: Cluster, global_batch: int, micro_batch: int = 1,
+         stages=("ddp", "zero1", "zero3"), recompute: bool = True) -> list[dict]:
+    """Every configuration that fits, fastest estimate first: each tensor size t dividing the
+    heads, up to the GPUs of a node (tensor parallelism all-reduces in every layer: across
+    nodes it would crawl), each pipeline size p dividing the layers, each data-parallel flavour
+    in ``stages``, where the GPUs and the global batch split evenly. Shown in lesson 11, §5.
+    """
+    rows = []
+    n = cluster.gpus
+    for tp in range(1, cluster.gpus_per_node + 1):
+        if model.heads % tp or n % tp:
+            continue
+        for pp in range(1, model.layers + 1):
+            if model.layers % pp or n % (tp * pp):
+                continue
+            dp = n // (tp * pp)
+            if global_batch % (dp * micro_batch):
+                continue
+            for stage in stages:
+                row = plan_row(model, cluster, tp, pp, global_batch, micro_batch, stage,
+                               recompute)
+                if row["fits"]:
+                    rows.append(row)
+    return sorted(rows, key=lambda r: r["time_s"])
+
+
+# The published configuration the lesson checks the planner against: Narayanan et al. 2021,
+# Table 1, the GPT-3-sized row — 175 B parameters, 96 layers, hidden size 12288, 96 heads,
+# tensor-parallel size 8, pipeline-parallel size 16, 1536 GPUs, batch size 1536 (sequence
+# length 2048, vocabulary 51,200, section 5.1), on DGX A100 nodes: 8 A100 80-GB GPUs joined by
+# NVLink/NVSwitch, 8 × 200 Gb/s HDR InfiniBand per node (section 5).
+GPT3_175B = Transformer("GPT-3 175B", layers=96, hidden=12288, heads=96, seq_len=2048,
+                        vocab=51200)
+MEGATRON_A100_CLUSTER = Cluster(gpu_bytes=80e9, gpus_per_node=8, nodes=192,
+                                peak_flops=312e12,   # A100 dense bf16
+                                intra_bw=300e9,      # NVLink 3: 600 GB/s both ways
+                                inter_bw=25e9)       # 200 Gb/s per GPU
+MEGATRON_GPT3_PUBLISHED = {"tp": 8, "pp": 16, "dp": 12, "global_batch": 1536}

@@ -1,0 +1,509 @@
+"""Tensor parallelism from scratch (Megatron-LM's MLP), then torch's ``parallelize_module``, then
+a 2-D mesh — data parallel over one dimension, tensor parallel over the other (lesson 11).
+
+Data parallelism gives every rank the whole model. Tensor parallelism cuts each weight matrix
+across ranks instead, so that a layer too big for one device is computed by several, each on its
+slice (Shoeybi et al., *Megatron-LM*, 2019, section 3). For a two-layer MLP
+``Y = GeLU(X A) B`` (``A`` is ``d × h``, ``B`` is ``h × d``; torch stores ``A`` as the first
+``nn.Linear``'s weight, ``h × d``, its transpose):
+
+* the first layer is **column-parallel**: rank r keeps columns r of ``A`` (rows of the torch
+  weight) and its slice of the bias, and computes ``GeLU(X A_r)``: its own slice of the hidden
+  activations, with no communication (GeLU acts element by element, so it can run on a slice);
+* the second layer is **row-parallel**: rank r keeps rows r of ``B`` (columns of the torch
+  weight) and multiplies its hidden slice by them: ``Y_r = GeLU(X A_r) B_r``. The output is the
+  sum over ranks, ``Y = Σ_r Y_r``: one all-reduce. Its bias is added once, after the sum.
+
+Two conjugate autograd operations carry the communication (Megatron's ``f`` and ``g``):
+
+* :class:`CopyToTensorParallel` (``f``): the identity forward (every rank uses the same X);
+  the backward all-reduces the gradient of X, since each rank's slice contributed a part;
+* :class:`ReduceFromTensorParallel` (``g``): the all-reduce forward (the row layer's sum);
+  the backward is the identity (the sum's gradient reaches every term unchanged).
+
+So one MLP costs two all-reduces per step, one in the forward, one in the backward, each of
+the activations' size (batch × tokens × d), whatever the number of parameters. The ``f``
+backward is needed only when something below the MLP wants the gradient of X (a layer before
+it, as in every real model); with an input that does not require grad autograd skips it.
+
+This module also holds the lesson's workers (run on every rank through
+:func:`dpcourse.launch.spawn`): :func:`tensor_parallel_worker` (ours against the plain MLP and
+against torch's ``parallelize_module``, with the collectives recorded), :func:`mesh_2d_worker`
+(a 2 × 2 mesh: FSDP2 over one dimension, tensor parallel over the other, against one device) and
+:func:`noise_scale_worker` (the gradient noise scale measured inside a DDP run).
+
+What runs on CPU with gloo (torch 2.14.1, tests/test_tensor_parallel.py): all of it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .collectives import record_collectives
+
+__all__ = [
+    "CopyToTensorParallel",
+    "ReduceFromTensorParallel",
+    "copy_to_tensor_parallel",
+    "reduce_from_tensor_parallel",
+    "shard_bounds",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TensorParallelMLP",
+    "plain_mlp",
+    "TPConfig",
+    "tensor_parallel_worker",
+    "mesh_2d_worker",
+    "noise_scale_from_norms",
+    "noise_scale_worker",
+    "per_example_noise_scale",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# 1. The two conjugate operations
+# --------------------------------------------------------------------------------------------
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's ``f``: identity in the forward, all-reduce (sum) of the gradient in the
+    backward, over the tensor-parallel ``group`` (None: every rank).
+
+    Shown in lesson 11, §2.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce (sum) in the forward, identity in the backward.
+
+    Shown in lesson 11, §2.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``f``: see :class:`CopyToTensorParallel`. Shown in lesson 11, §2."""
+    return CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``g``: see :class:`ReduceFromTensorParallel`. Shown in lesson 11, §2."""
+    return ReduceFromTensorParallel.apply(x, group)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Column- and row-parallel linear layers
+# --------------------------------------------------------------------------------------------
+
+
+def shard_bounds(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, stop) of rank's equal slice of ``size``; refuses a size that does not divide.
+
+    Megatron cuts the hidden dimension into equal slices; uneven slices would be possible but
+    every rank's matmul would differ in shape. Shown in lesson 11, §2.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if size % world_size:
+        raise ValueError(f"a dimension of {size} does not split into {world_size} equal slices "
+                         f"(tensor parallelism needs it divisible by the number of ranks)")
+    per = size // world_size
+    return rank * per, (rank + 1) * per
+
+
+def _group_rank(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """The first linear layer of a tensor-parallel MLP: this rank's slice of the OUTPUT features.
+
+    Built from a full ``nn.Linear(d, h)``: keeps rows [start, stop) of its weight (``h × d`` in
+    torch's layout, so rows are output features — columns of Megatron's ``A``) and the same
+    slice of its bias. The forward passes the input through ``f`` (identity; all-reduce of the
+    input's gradient in the backward) and returns this rank's slice of the output, ``x W_r^T +
+    b_r``, with no communication. Shown in lesson 11, §2.
+    """
+
+    def __init__(self, full: nn.Linear, group=None):
+        super().__init__()
+        rank, n = _group_rank(group)
+        start, stop = shard_bounds(full.out_features, rank, n)
+        self.group = group
+        self.weight = nn.Parameter(full.weight.detach()[start:stop].clone())
+        self.bias = (nn.Parameter(full.bias.detach()[start:stop].clone())
+                     if full.bias is not None else None)
+
+    def forward(self, x):
+        return F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """The second linear layer: this rank's slice of the INPUT features, outputs summed.
+
+    Built from a full ``nn.Linear(h, d)``: keeps columns [start, stop) of its weight (input
+    features — rows of Megatron's ``B``) and the WHOLE bias, on every rank. The forward
+    multiplies this rank's hidden slice by its columns, sums the partial outputs over the ranks
+    with ``g`` (all-reduce forward, identity backward), and only then adds the bias: once, not
+    N times. Every rank's bias gets the same gradient, so the copies stay equal. Shown in
+    lesson 11, §2.
+    """
+
+    def __init__(self, full: nn.Linear, group=None):
+        super().__init__()
+        rank, n = _group_rank(group)
+        start, stop = shard_bounds(full.in_features, rank, n)
+        self.group = group
+        self.weight = nn.Parameter(full.weight.detach()[:, start:stop].clone())
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+
+    def forward(self, x_slice):
+        y = reduce_from_tensor_parallel(F.linear(x_slice, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class TensorParallelMLP(nn.Module):
+    """Megatron's MLP on the ranks of ``group``: column-parallel, GeLU, row-parallel. Built
+    from a plain ``Sequential(Linear(d, h), GELU(), Linear(h, d))`` (:func:`plain_mlp`), whose
+    weights it slices; equal to it in outputs and gradients. Shown in lesson 11, §2.
+    """
+
+    def __init__(self, plain: nn.Sequential, group=None):
+        super().__init__()
+        first, act, second = plain
+        self.up = ColumnParallelLinear(first, group)
+        self.act = act
+        self.down = RowParallelLinear(second, group)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+def plain_mlp(d: int = 16, h: int = 64, seed: int = 0) -> nn.Sequential:
+    """The plain MLP every version starts from: ``Linear(d, h)``, GeLU, ``Linear(h, d)``, with
+    weights from ``seed`` (every rank builds the same). Shown in lesson 11, §2."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Workers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TPConfig:
+    """The MLP and its data: width d, hidden h (4d as in a transformer), a batch of ``tokens``
+    input rows (batch × sequence, flattened), optimizer steps of the 2-D run."""
+
+    d: int = 16
+    h: int = 64
+    tokens: int = 8
+    steps: int = 3
+    lr: float = 0.01
+    seed: int = 0
+
+    @property
+    def num_params(self) -> int:
+        return 2 * self.d * self.h + self.h + self.d
+
+    def inputs(self, step: int = 0) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1009 + step + 1)
+        return torch.randn(self.tokens, self.d, generator=g)
+
+    @staticmethod
+    def loss(y: torch.Tensor) -> torch.Tensor:
+        return y.pow(2).mean()
+
+
+def _quiet():
+    """FSDP2 and DTensor warn about things that do not matter here (a view returned by the
+    root, two all-gathers to print a full tensor); the notebook should show the results."""
+    import logging
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
+
+def _shard_of(full: torch.Tensor, local: torch.Tensor, dim: int, rank: int, n: int):
+    start, stop = shard_bounds(full.shape[dim], rank, n)
+    return full.narrow(dim, start, stop - start), local
+
+
+def tensor_parallel_worker(rank: int, world_size: int, cfg: TPConfig) -> dict:
+    """On every rank: the plain MLP, ours (:class:`TensorParallelMLP`) and torch's
+    (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``), from the same
+    weights, one forward and backward on the same input (which requires grad, as it would if a
+    layer came before the MLP). Returns the largest differences (outputs, input gradients, each
+    shard's weight and bias gradients against the same slice of the plain MLP's), our
+    collectives as recorded (``zero.record_collectives``) in the forward and in the backward,
+    torch's as counted by its ``CommDebugMode``, and what each rank holds (shapes).
+    Shown in lesson 11, §2.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    _quiet()
+    torch.set_num_threads(1)
+    plain = plain_mlp(cfg.d, cfg.h, cfg.seed)
+    x_plain = cfg.inputs().requires_grad_(True)
+    y_plain = plain(x_plain)
+    cfg.loss(y_plain).backward()
+
+    ours = TensorParallelMLP(plain_mlp(cfg.d, cfg.h, cfg.seed))
+    x_ours = cfg.inputs().requires_grad_(True)
+    with record_collectives() as forward_calls:
+        y_ours = ours(x_ours)
+    with record_collectives() as backward_calls:
+        cfg.loss(y_ours).backward()
+
+    pairs = [  # (plain gradient slice, our local gradient)
+        _shard_of(plain[0].weight.grad, ours.up.weight.grad, 0, rank, world_size),
+        _shard_of(plain[0].bias.grad, ours.up.bias.grad, 0, rank, world_size),
+        _shard_of(plain[2].weight.grad, ours.down.weight.grad, 1, rank, world_size),
+        (plain[2].bias.grad, ours.down.bias.grad),
+    ]
+    grad_diff = max(float((a - b).abs().max()) for a, b in pairs)
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    theirs = parallelize_module(plain_mlp(cfg.d, cfg.h, cfg.seed), mesh,
+                                {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x_theirs = cfg.inputs().requires_grad_(True)
+    with CommDebugMode() as comm, record_collectives() as torch_calls:
+        y_theirs = theirs(x_theirs)
+        forward_counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+        cfg.loss(y_theirs).backward()
+        total_counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+    local = [(name, type(p).__name__, tuple(p.shape), tuple(p.to_local().shape),
+              str(p.placements[0])) for name, p in theirs.named_parameters()]
+    theirs_vs_ours = max(
+        float((theirs[0].weight.grad.to_local() - ours.up.weight.grad).abs().max()),
+        float((theirs[0].bias.grad.to_local() - ours.up.bias.grad).abs().max()),
+        float((theirs[2].weight.grad.to_local() - ours.down.weight.grad).abs().max()),
+        float((theirs[2].bias.grad.to_local() - ours.down.bias.grad).abs().max()))
+    return {
+        "out_diff": float((y_ours - y_plain).abs().max()),
+        "input_grad_diff": float((x_ours.grad - x_plain.grad).abs().max()),
+        "grad_diff": grad_diff,
+        "forward": [(c.op, c.numel, c.nbytes) for c in forward_calls],
+        "backward": [(c.op, c.numel, c.nbytes) for c in backward_calls],
+        "ours_shapes": {name: tuple(p.shape) for name, p in ours.named_parameters()},
+        "plain_shapes": {name: tuple(p.shape) for name, p in plain.named_parameters()},
+        "torch_out_diff": float((torch.as_tensor(y_theirs) - y_ours).abs().max()),
+        "torch_input_grad_diff": float((x_theirs.grad - x_ours.grad).abs().max()),
+        "torch_grad_diff": theirs_vs_ours,
+        "torch_forward_counts": forward_counts,
+        "torch_counts": total_counts,
+        "torch_recorded": [(c.function, c.op, c.numel, c.nbytes) for c in torch_calls],
+        "torch_params": local,
+    }
+
+
+def mesh_2d_worker(rank: int, world_size: int, cfg: TPConfig, dp: int = 2, tp: int = 2) -> dict:
+    """A ``dp × tp`` DeviceMesh (4 ranks as 2 × 2): tensor parallel inside each row of the
+    mesh, FSDP2 (``fully_shard``) across the rows — each row gets a different slice of every
+    step's batch, as in data parallelism. Two versions, each trained ``cfg.steps`` Adam steps
+    from the plain MLP's start, beside one device on the whole batch: ours
+    (:class:`TensorParallelMLP` on the mesh's ``tp`` group, then ``fully_shard`` on the ``dp``
+    one), with every collective recorded and sorted by dimension; and torch's
+    (``parallelize_module`` on ``mesh["tp"]``, ``fully_shard`` on ``mesh["dp"]``).
+    Shown in lesson 11, §4.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    _quiet()
+    torch.set_num_threads(1)
+    if dp * tp != world_size:
+        raise ValueError(f"a {dp} x {tp} mesh needs {dp * tp} ranks, got {world_size}")
+    if cfg.tokens % dp:
+        raise ValueError(f"{cfg.tokens} tokens do not split over {dp} data-parallel rows")
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    share = cfg.tokens // dp
+
+    one = plain_mlp(cfg.d, cfg.h, cfg.seed)                  # one device, whole batch
+    one_opt = torch.optim.Adam(one.parameters(), lr=cfg.lr)
+
+    ours = TensorParallelMLP(plain_mlp(cfg.d, cfg.h, cfg.seed), group=mesh["tp"].get_group())
+    fully_shard(ours, mesh=mesh["dp"])
+    ours_opt = torch.optim.Adam(ours.parameters(), lr=cfg.lr)
+
+    theirs = parallelize_module(plain_mlp(cfg.d, cfg.h, cfg.seed), mesh["tp"],
+                                {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(theirs, mesh=mesh["dp"])
+    theirs_opt = torch.optim.Adam(theirs.parameters(), lr=cfg.lr)
+
+    tp_group, dp_group = mesh["tp"].get_group(), mesh["dp"].get_group()
+    dims = []
+
+    def which_dimension(call):    # runs before each recorded call: which group is it on?
+        group = call.args.get("group")
+        dims.append("tp" if group is tp_group else "dp" if group is dp_group else "other")
+
+    traffic = []
+    for step in range(cfg.steps):
+        x = cfg.inputs(step)
+        mine = x[dp_rank * share:(dp_rank + 1) * share]
+        cfg.loss(one(x)).backward()
+        one_opt.step()
+        one_opt.zero_grad()
+        dims.clear()
+        with record_collectives(before=which_dimension) as calls:
+            cfg.loss(ours(mine)).backward()
+        ours_opt.step()
+        ours_opt.zero_grad()
+        traffic.append([(dim, c.op, c.numel, c.nbytes, c.out_nbytes)
+                        for dim, c in zip(dims, calls)])
+        cfg.loss(theirs(mine)).backward()
+        theirs_opt.step()
+        theirs_opt.zero_grad()
+
+    # our layers hold tp slices; FSDP2 shards each further along dim 0 over dp
+    ours_full = {name: p.full_tensor() for name, p in ours.named_parameters()}
+    n_tp = tp
+    diffs = []
+    plain_params = dict(one.named_parameters())
+    for (mine_name, plain_name, dim) in (("up.weight", "0.weight", 0), ("up.bias", "0.bias", 0),
+                                         ("down.weight", "2.weight", 1)):
+        ref, _ = _shard_of(plain_params[plain_name].detach(), None, dim, tp_rank, n_tp)
+        diffs.append(float((ours_full[mine_name] - ref).abs().max()))
+    diffs.append(float((ours_full["down.bias"] - plain_params["2.bias"].detach()).abs().max()))
+    torch_diff = max(float((p.full_tensor() - plain_params[name].detach()).abs().max())
+                     for name, p in theirs.named_parameters())
+    held = {name: (tuple(p.shape), tuple(p.to_local().shape)) for name, p in
+            ours.named_parameters()}
+    return {"coords": (dp_rank, tp_rank), "ours_diff": max(diffs), "torch_diff": torch_diff,
+            "traffic": traffic, "held": held,
+            "torch_placements": {name: str(p.placements) for name, p in
+                                 theirs.named_parameters()}}
+
+
+# --------------------------------------------------------------------------------------------
+# 4. The gradient noise scale, inside a DDP run (McCandlish et al. 2018, appendix A)
+# --------------------------------------------------------------------------------------------
+
+
+def noise_scale_from_norms(small_sq: float, big_sq: float, b_small: int, b_big: int) -> dict:
+    """McCandlish et al.'s unbiased estimates from two gradient norms of one step.
+
+    ``small_sq``: |G|² of a gradient averaged over ``b_small`` examples (one rank's, averaged
+    over the ranks); ``big_sq``: |G|² of the all-reduced gradient, over ``b_big`` examples.
+    Since E|G_B|² = |G|² + tr(Σ)/B, two batch sizes give both unknowns:
+
+    * |G|² ≈ (b_big·big_sq − b_small·small_sq) / (b_big − b_small)
+    * tr(Σ) ≈ (small_sq − big_sq) / (1/b_small − 1/b_big)
+
+    Average each over many steps before dividing: B_simple = tr(Σ) / |G|².
+    Shown in lesson 11, §1.
+    """
+    if not 0 < b_small < b_big:
+        raise ValueError(f"need 0 < b_small < b_big, got {b_small} and {b_big}")
+    g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+    trace = (small_sq - big_sq) / (1 / b_small - 1 / b_big)
+    return {"grad_sq": g2, "trace": trace}
+
+
+def _noise_task(seed: int = 0, n: int = 4096, d: int = 20, classes: int = 5, noise: float = 1.0):
+    """A fixed data set: a linear teacher's classes with noisy inputs (so gradients are noisy)."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(d, classes, generator=g)
+    X = torch.randn(n, d, generator=g)
+    y = (X @ teacher + noise * torch.randn(n, classes, generator=g)).argmax(dim=1)
+    return X, y
+
+
+def _noise_model(d: int = 20, classes: int = 5, seed: int = 1) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, 32), nn.Tanh(), nn.Linear(32, classes))
+
+
+def noise_scale_worker(rank: int, world_size: int, per_rank: int = 8, steps: int = 40,
+                       seed: int = 0, sample_seed: int = 0) -> dict:
+    """Measure the gradient noise scale inside a DDP run. A comm hook (``sq_norm_hook``) sees
+    each bucket of THIS rank's gradient before the all-reduce and adds its squared norm; after
+    the backward, ``p.grad`` holds the all-reduced mean. Per step: |G_small|² (b = per_rank:
+    the ranks' local squared norms, averaged with one more all-reduce) and |G_big|² (b =
+    per_rank × N). The weights stay fixed (lr 0) so every step samples the same
+    distribution (``seed`` picks the data set and the weights, ``sample_seed`` the batches).
+    Returns the per-step norms. Shown in lesson 11, §1.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    X, y = _noise_task(seed)
+    model = DDP(_noise_model())
+    local_sq = [0.0]
+
+    def sq_norm_hook(state, bucket):
+        local_sq[0] += float(bucket.buffer().pow(2).sum())      # this rank's, before averaging
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, sq_norm_hook)
+    g = torch.Generator().manual_seed(1000 * sample_seed + seed + 17)
+    rows = []
+    for _ in range(steps):
+        idx = torch.randperm(X.shape[0], generator=g)[:per_rank * world_size]
+        mine = idx[rank * per_rank:(rank + 1) * per_rank]
+        local_sq[0] = 0.0
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(X[mine]), y[mine]).backward()
+        big_sq = float(sum(p.grad.pow(2).sum() for p in model.parameters()))
+        small = torch.tensor([local_sq[0]])
+        dist.all_reduce(small)
+        rows.append((float(small) / world_size, big_sq))
+    return {"rows": rows, "b_small": per_rank, "b_big": per_rank * world_size}
+
+
+def per_example_noise_scale(seed: int = 0) -> dict:
+    """The same quantities computed directly, for reference: per-example gradients of the
+    whole data set at the same weights (``torch.func``), their mean G and the trace of their
+    covariance. Shown in lesson 11, §1.
+    """
+    from torch.func import functional_call, grad, vmap
+
+    X, y = _noise_task(seed)
+    model = _noise_model()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_one(p, x, t):
+        return F.cross_entropy(functional_call(model, p, (x[None],)), t[None])
+
+    per = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, X, y)
+    flat = torch.cat([v.reshape(X.shape[0], -1) for v in per.values()], dim=1).double()
+    mean = flat.mean(dim=0)
+    trace = float((flat - mean).pow(2).sum(dim=1).mean())
+    return {"grad_sq": float(mean.pow(2).sum()), "trace": trace,
+            "b_simple": trace / float(mean.pow(2).sum())}

@@ -1,0 +1,238 @@
+"""Lesson 11's figures: where data parallelism ends, who holds which shard of a tensor-parallel
+MLP, the pipeline's Gantt chart (measured beside the ideal), the bubble explorer, the 2-D mesh
+and the planner's configurations."""
+
+from __future__ import annotations
+
+from .common import new_figure
+
+__all__ = [
+    "memory_wall_figure",
+    "noise_scale_figure",
+    "tp_shards_figure",
+    "pipeline_gantt_figure",
+    "bubble_figure",
+    "mesh_2d_figure",
+    "planner_figure",
+]
+
+_RANK_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                 "#7f7f7f"]
+
+
+def memory_wall_figure(ns, state_gb, activation_gb, gpu_gb: float, title: str):
+    """Stacked bars per N: ZeRO-3's model state per GPU (falls as 1/N) under the activations of
+    one sequence (flat), against the GPU's memory. Shown in lesson 11, §1."""
+    fig = new_figure(6.8, 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    xs = range(len(ns))
+    ax.bar(xs, state_gb, color="#1f77b4", label="model state (ZeRO-3: 16Ψ/N)")
+    ax.bar(xs, activation_gb, bottom=state_gb, color="#ff7f0e",
+           label="activations at batch 1 (do not shard)")
+    ax.axhline(gpu_gb, color="k", ls="--", lw=1)
+    ax.text(len(ns) - 0.5, gpu_gb, f"{gpu_gb:g} GB GPU", ha="right", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([f"N={n}" for n in ns])
+    ax.set_ylabel("GB per GPU")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.1, top=0.9)
+    return fig
+
+
+def noise_scale_figure(b_noise: float, per_rank: int, ranks):
+    """Steps to a given loss, relative to the fewest possible, against the global batch B:
+    S/S_min = 1 + B_noise/B (McCandlish et al. 2018), with the global batches of ``ranks``
+    data-parallel ranks of ``per_rank`` examples marked. Shown in lesson 11, §1."""
+    import numpy as np
+
+    fig = new_figure(6.8, 3.4)
+    ax = fig.add_subplot(1, 1, 1)
+    bs = np.logspace(0, np.log10(max(ranks) * per_rank * 4), 200)
+    ax.plot(bs, 1 + b_noise / bs, color="#1f77b4", label="steps / fewest steps = 1 + B_noise/B")
+    ax.plot(bs, bs[0] * (1 + b_noise / bs[0]) / bs, color="#7f7f7f", ls=":",
+            label="perfect scaling (steps ∝ 1/B)")
+    for n in ranks:
+        b = n * per_rank
+        ax.plot([b], [1 + b_noise / b], "o", color="#d62728")
+        ax.annotate(f"N={n}", (b, 1 + b_noise / b), textcoords="offset points", xytext=(4, 6),
+                    fontsize=8)
+    ax.axvline(b_noise, color="#2ca02c", ls="--", lw=1)
+    ax.text(b_noise, ax.get_ylim()[1] if False else 1 + b_noise, f" B_noise ≈ {b_noise:.0f}",
+            color="#2ca02c", fontsize=8, va="top")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("global batch B (examples)")
+    ax.set_ylabel("steps / fewest steps")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.14, top=0.95)
+    return fig
+
+
+def tp_shards_figure(d: int, h: int, world_size: int):
+    """The MLP's two weight matrices in Megatron's layout (Y = GeLU(X·A)·B, A is d × h, B is
+    h × d) and each rank's slice: A cut by columns, B by rows, the second bias whole on every
+    rank, added once after the all-reduce. Shown in lesson 11, §2."""
+    from matplotlib.patches import Rectangle
+
+    fig = new_figure(8.0, 3.4)
+    ax = fig.add_subplot(1, 1, 1)
+    scale = 2.4 / max(d, h)
+    aw, ah = h * scale, d * scale            # A: d rows, h columns
+    bw, bh = d * scale, h * scale            # B: h rows, d columns
+    x0, y0 = 0.0, 0.0
+    ax.add_patch(Rectangle((x0 - 0.5, y0), 0.35, ah, fc="#dddddd", ec="k"))
+    ax.text(x0 - 0.33, y0 + ah + 0.1, "X\n(all ranks)", ha="center", fontsize=8)
+    ax.text(x0 - 0.07, y0 + ah / 2, "f →", ha="center", va="center", fontsize=9)
+    for r in range(world_size):
+        ax.add_patch(Rectangle((x0 + 0.1 + r * aw / world_size, y0), aw / world_size, ah,
+                               fc=_RANK_COLOURS[r % 8], ec="k", alpha=0.75))
+    ax.text(x0 + 0.1 + aw / 2, y0 + ah + 0.1,
+            f"A ({d} × {h}): column-parallel\nrank r keeps columns r (and b₁'s slice)",
+            ha="center", fontsize=8)
+    gx = x0 + 0.1 + aw + 0.35
+    ax.text(gx, y0 + ah / 2, "GeLU\non each\nslice", ha="center", va="center", fontsize=8)
+    bx = gx + 0.45
+    for r in range(world_size):
+        ax.add_patch(Rectangle((bx, y0 + ah - (r + 1) * bh / world_size), bw, bh / world_size,
+                               fc=_RANK_COLOURS[r % 8], ec="k", alpha=0.75))
+    ax.text(bx + bw / 2, y0 + ah + 0.1, f"B ({h} × {d}): row-parallel\nrank r keeps rows r",
+            ha="center", fontsize=8)
+    sx = bx + bw + 0.35
+    ax.text(sx, y0 + ah / 2, "g: all-reduce\n(sum of the\npartial Y_r)", ha="center",
+            va="center", fontsize=8)
+    ax.add_patch(Rectangle((sx + 0.5, y0 + ah / 2 - 0.1), bw, 0.2, fc="#bbbbbb", ec="k"))
+    ax.text(sx + 0.5 + bw / 2, y0 + ah / 2 + 0.2, "+ b₂ (whole,\nadded once)", ha="center",
+            fontsize=8)
+    for r in range(world_size):
+        ax.add_patch(Rectangle((x0 + r * 0.9, y0 - 0.55), 0.25, 0.2, fc=_RANK_COLOURS[r % 8],
+                               ec="k", alpha=0.75))
+        ax.text(x0 + r * 0.9 + 0.3, y0 - 0.45, f"rank {r}", va="center", fontsize=8)
+    ax.set_xlim(-0.7, sx + 0.6 + bw)
+    ax.set_ylim(y0 - 0.7, y0 + ah + 0.7 + (bh - ah if bh > ah else 0))
+    ax.set_aspect("equal")
+    ax.axis("off")
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.99)
+    return fig
+
+
+def _gantt(ax, events, stages: int, title: str):
+    for stage, kind, m, start, end in events:
+        colour = _RANK_COLOURS[m % 8]
+        ax.barh(stage, end - start, left=start, height=0.8, color=colour,
+                alpha=0.55 if kind == "F" else 0.95, edgecolor="k", lw=0.4)
+        if end - start > 0:
+            ax.text((start + end) / 2, stage, f"{kind}{m}", ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(stages))
+    ax.set_yticklabels([f"stage {k}" for k in range(stages)])
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9)
+
+
+def pipeline_gantt_figure(measured, ideal, stages: int, m: int, measured_bubble: float,
+                          ideal_bubble: float, schedule: str = "GPipe"):
+    """Two Gantt charts of one pipeline step, one row per stage, F = forward, B = backward
+    of micro-batch i (colour): on top as measured (milliseconds), below as played with fixed
+    times (forward 1, backward 2). Shown in lesson 11, §3."""
+    fig = new_figure(8.0, 4.6)
+    ax1 = fig.add_subplot(2, 1, 1)
+    _gantt(ax1, [(s, k, i, a * 1e3, b * 1e3) for s, k, i, a, b in measured], stages,
+           f"{schedule}, K={stages}, M={m}: measured — idle share {measured_bubble:.0%}")
+    ax1.set_xlabel("ms", fontsize=8)
+    ax2 = fig.add_subplot(2, 1, 2)
+    _gantt(ax2, ideal, stages,
+           f"ideal (forward 1, backward 2, no communication) — idle share {ideal_bubble:.0%}")
+    ax2.set_xlabel("time slots", fontsize=8)
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.09, top=0.94, hspace=0.55)
+    return fig
+
+
+def bubble_figure(stages: int = 4, micro_batches: int = 4, schedule: str = "gpipe"):
+    """The ideal Gantt chart of one step for K stages and M micro-batches
+    (``pipeline_parallel.simulate_timeline``), with the bubble (K−1)/(M+K−1) and the most
+    micro-batches a stage holds at once. Shown in lesson 11, §3."""
+    from dpcourse import pipeline_parallel as pp
+
+    events = pp.simulate_timeline(stages, micro_batches, schedule)
+    bubble = pp.measured_bubble(events)
+    peak = max(pp.peak_in_flight(pp.SCHEDULES[schedule](stages, micro_batches, k))
+               for k in range(stages))
+    fig = new_figure(8.0, 1.2 + 0.45 * stages)
+    ax = fig.add_subplot(1, 1, 1)
+    _gantt(ax, events, stages,
+           f"{schedule}, K={stages} stages, M={micro_batches} micro-batches: bubble "
+           f"{bubble:.0%} = (K−1)/(M+K−1) = {pp.ideal_bubble(stages, micro_batches):.0%}; "
+           f"stage 0 holds up to {peak} micro-batches")
+    ax.set_xlabel("time slots (forward 1, backward 2)", fontsize=8)
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.5 / (1.2 + 0.45 * stages) + 0.12,
+                        top=0.85)
+    return fig
+
+
+def mesh_2d_figure(results):
+    """The 2 × 2 mesh: one box per rank at its (dp, tp) coordinates with the shapes it holds
+    (its tensor-parallel slice, then FSDP2's half of it), the tensor-parallel all-reduce
+    along each row and FSDP2's all-gather / reduce-scatter along each column.
+    Shown in lesson 11, §4."""
+    from matplotlib.patches import FancyBboxPatch
+
+    fig = new_figure(7.6, 4.4)
+    ax = fig.add_subplot(1, 1, 1)
+    for rank, r in enumerate(results):
+        i, j = r["coords"]
+        x, y = j * 3.6, -i * 2.2
+        ax.add_patch(FancyBboxPatch((x, y), 3.0, 1.6, boxstyle="round,pad=0.05",
+                                    fc=_RANK_COLOURS[rank], alpha=0.25, ec="k"))
+        lines = [f"rank {rank}: dp {i}, tp {j}"] + [
+            f"{name}: {full} → {local}" for name, (full, local) in r["held"].items()]
+        ax.text(x + 0.1, y + 1.5, "\n".join(lines), va="top", fontsize=7, family="monospace")
+    for i in range(2):
+        ax.annotate("", xy=(3.6, -i * 2.2 + 0.8), xytext=(3.0, -i * 2.2 + 0.8),
+                    arrowprops=dict(arrowstyle="<->", color="#d62728", lw=2))
+        ax.text(3.3, -i * 2.2 + 1.0, "tp:\nall-reduce", ha="center", fontsize=7,
+                color="#d62728")
+    for j in range(2):
+        ax.annotate("", xy=(j * 3.6 + 1.5, -0.05), xytext=(j * 3.6 + 1.5, -0.55),
+                    arrowprops=dict(arrowstyle="<->", color="#1f77b4", lw=2))
+        ax.text(j * 3.6 + 1.65, -0.35, "dp: all-gather,\nreduce-scatter", va="center",
+                fontsize=7, color="#1f77b4")
+    ax.set_xlim(-0.2, 6.8)
+    ax.set_ylim(-2.4, 1.8)
+    ax.axis("off")
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.99)
+    return fig
+
+
+def planner_figure(rows, published: dict, gpu_gb: float):
+    """Every fitting configuration the planner found: estimated seconds per step against
+    memory per GPU, marked by its tensor × pipeline sizes; the published one circled.
+    Shown in lesson 11, §5."""
+    fig = new_figure(7.2, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    markers = {"ddp": "o", "zero1": "s", "zero2": "D", "zero3": "^"}
+    tps = sorted({r["tp"] for r in rows})
+    for r in rows:
+        colour = _RANK_COLOURS[tps.index(r["tp"]) % 8]
+        ax.scatter(r["total_bytes"] / 1e9, r["time_s"], marker=markers[r["stage"]], color=colour,
+                   s=18, alpha=0.8)
+    for tp in tps:
+        ax.scatter([], [], color=_RANK_COLOURS[tps.index(tp) % 8], label=f"t = {tp}", s=18)
+    for stage, mk in markers.items():
+        if any(r["stage"] == stage for r in rows):
+            ax.scatter([], [], marker=mk, color="k", label=stage, s=18)
+    pub = [r for r in rows if (r["tp"], r["pp"], r["stage"]) ==
+           (published["tp"], published["pp"], "ddp")]
+    for r in pub:
+        ax.scatter(r["total_bytes"] / 1e9, r["time_s"], s=160, facecolors="none",
+                   edgecolors="k", lw=1.5)
+        ax.annotate(f"published: t={r['tp']}, p={r['pp']}, d={r['dp']}",
+                    (r["total_bytes"] / 1e9, r["time_s"]), textcoords="offset points",
+                    xytext=(10, 12), fontsize=8)
+    ax.axvline(gpu_gb, color="k", ls="--", lw=1)
+    ax.set_xlabel("memory per GPU (GB)")
+    ax.set_ylabel("estimated seconds per step")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, ncol=2, loc="upper right")
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.13, top=0.96)
+    return fig
