@@ -106,7 +106,7 @@ for b, n in ((6, 4), (2, 3), (batch, n_devices)):
 # `replicate` points each copy of the module at its own copies of the weights:
 
 # %%
-viz.show_code(dp._Broadcast, dp.replicate)
+viz.show_code(dp.Broadcast, dp.replicate)
 
 # %%
 replicas = dp.replicate(model, devs)
@@ -306,7 +306,7 @@ claim("the real nn.DataParallel behaves as described for this machine", as_descr
 # its broadcast and its reduce are collectives that pipeline the bytes over the links between
 # GPUs, so device 0 no longer carries every copy. We have no GPUs here to measure that; what
 # stays true of the real class is everything after this figure — a replication every step, one
-# process, device 0's extra work. Our `_Broadcast` adds to a counter the size of each copy it
+# process, device 0's extra work. Our `Broadcast` adds to a counter the size of each copy it
 # actually makes (in `forward`) and of each gradient it actually adds on device 0 (in
 # `backward`); the claim checks that those counts are what the formula says:
 

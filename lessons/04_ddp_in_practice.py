@@ -880,7 +880,7 @@ claim("inside one it refuses CPU tensors", "expected input tensor to be on GPU" 
 # Everything measured below is this class, not `nn.SyncBatchNorm`, even on a GPU machine.
 
 # %%
-viz.show_code(dp.CPUSyncBatchNorm, dp._AllReduceSum)
+viz.show_code(dp.CPUSyncBatchNorm, dp.AllReduceSum)
 
 # %% [markdown]
 # Compare plain BatchNorm and the stand-in against one process on the global batch, for small

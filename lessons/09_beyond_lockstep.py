@@ -76,7 +76,7 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # futures and serialisation would hide exactly what we want to count.
 
 # %%
-viz.show_code(async_sgd.CountingLink, async_sgd._sync_server, async_sgd._sync_worker)
+viz.show_code(async_sgd.CountingLink, async_sgd.ps_sync_server, async_sgd.ps_sync_worker)
 
 # %% [markdown]
 # **Synchronous mode** waits for every worker's gradient and steps once with their mean: that
@@ -140,7 +140,7 @@ viz.show(viz.ps_traffic_figure(K, {n: sum(r[0]["sync_bytes"]) // 4 // cfg.steps
 # (the number of updates so far), so the server can count the staleness of every update.
 
 # %%
-viz.show_code(async_sgd._async_server, async_sgd._async_worker)
+viz.show_code(async_sgd.ps_async_server, async_sgd.ps_async_worker)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -165,7 +165,7 @@ claim("and it trained: the test loss fell",
 # worker records when it computes and when it waits (for the server's next message).
 
 # %%
-viz.show_code(async_sgd._race_server, async_sgd._race_worker)
+viz.show_code(async_sgd.race_server, async_sgd.race_worker)
 
 # %%
 race_cfg = async_sgd.RaceConfig(budget=1.0, straggler_delay=0.05)

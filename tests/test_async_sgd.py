@@ -32,7 +32,7 @@ def test_batches_are_seeded_epochs_and_shards_split_them():
     assert all(torch.equal(x, y) for x, y in zip(a, async_sgd.batch_schedule(10, 4, 5, seed=3)))
     assert sorted(torch.cat(a[:2]).tolist() + a[2][:2].tolist()) == list(range(10))  # epoch 1
     b = torch.arange(6)
-    assert [async_sgd.shard_of(b, r, 3).tolist() for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [async_sgd.worker_indices(b, r, 3).tolist() for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -100,6 +100,29 @@ def test_parameter_server_equals_ddp_and_counts_2nk():
     assert all(w["sync_bytes"] == (k * 4 * 3, k * 4 * 3) for w in out[1:])
     assert len(out[0]["staleness"]) == 6 and min(out[0]["staleness"]) >= 0
     assert sum(out[0]["async_bytes"]) == 2 * 6 * (k + 1) * 4
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"steps": 4, "compare_after": 8}, "compare_after must be a step of the run"),
+    ({"steps": 4, "compare_after": 0}, "compare_after must be a step of the run"),
+    ({"steps": 4, "compare_after": 2, "hs": (1, 0)}, "every H must be a positive int"),
+])
+def test_local_sgd_refuses_a_comparison_step_outside_the_run(kwargs, words):
+    """A run shorter than compare_after used to end in UnboundLocalError ('early'); now a
+    sentence, before any process group is needed."""
+    kwargs = {"hs": (1,), **kwargs}
+    with pytest.raises(ValueError, match=words):
+        async_sgd.local_sgd_worker(0, 2, **kwargs)
+
+
+def test_flat_params_is_defined_once_and_set_flat_params_checks_the_size():
+    from dpcourse import ddp, models
+
+    assert async_sgd.flat_params is ddp.flat_params is models.flat_params
+    assert async_sgd.set_flat_params is models.set_flat_params
+    model = async_sgd.make_model()
+    with pytest.raises(ValueError, match="flat has 3 numbers"):
+        async_sgd.set_flat_params(model, torch.zeros(3))
 
 
 def test_local_sgd_h1_is_ddp_and_averages_every_h_steps():

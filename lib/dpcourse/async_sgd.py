@@ -42,6 +42,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .models import flat_params, set_flat_params
+
 __all__ = [
     "Problem",
     "make_problem",
@@ -51,12 +53,18 @@ __all__ = [
     "loss_and_gradient",
     "evaluate",
     "batch_schedule",
-    "shard_of",
+    "worker_indices",
     "CountingLink",
     "PSConfig",
+    "ps_sync_server",
+    "ps_sync_worker",
+    "ps_async_server",
+    "ps_async_worker",
     "parameter_server_worker",
     "ring_elements_per_rank",
     "RaceConfig",
+    "race_server",
+    "race_worker",
     "straggler_race",
     "SimulatedServer",
     "StalenessAwareServer",
@@ -107,20 +115,6 @@ def make_model(in_features: int = 192, hidden: int = 64, classes: int = 10,
     return nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
 
-def flat_params(model: nn.Module) -> torch.Tensor:
-    """All the weights as one new flat vector (what a parameter server stores and sends)."""
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def set_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
-    """Copy consecutive pieces of ``flat`` into the model's weights."""
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-
 def loss_and_gradient(model: nn.Module, flat: torch.Tensor, x, y) -> tuple[float, torch.Tensor]:
     """The loss of weights ``flat`` on a batch, and its gradient as one flat vector."""
     set_flat_params(model, flat)
@@ -142,15 +136,17 @@ def evaluate(model: nn.Module, flat: torch.Tensor, x, y) -> tuple[float, float]:
 
 def batch_schedule(n: int, batch: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
     """The indices of ``steps`` batches of ``batch`` examples: epoch after epoch of a seeded
-    shuffle, the same on every rank (each rank then takes its :func:`shard_of` it)."""
+    shuffle, the same on every rank (each rank then takes its part: :func:`worker_indices`)."""
     g = torch.Generator().manual_seed(seed)
     order = torch.cat([torch.randperm(n, generator=g)
                        for _ in range(math.ceil(steps * batch / n))])
     return [order[t * batch:(t + 1) * batch] for t in range(steps)]
 
 
-def shard_of(indices: torch.Tensor, worker: int, workers: int) -> torch.Tensor:
-    """Worker ``worker``'s equal part of a global batch (the batch divides by ``workers``)."""
+def worker_indices(indices: torch.Tensor, worker: int, workers: int) -> torch.Tensor:
+    """The indices worker ``worker`` (0-based) of ``workers`` takes from a global batch's:
+    its equal, contiguous part (the batch divides by ``workers``). Lesson 03's
+    ``ddp.shard_of`` slices the tensors themselves."""
     size = len(indices) // workers
     return indices[worker * size:(worker + 1) * size]
 
@@ -161,7 +157,10 @@ def shard_of(indices: torch.Tensor, worker: int, workers: int) -> torch.Tensor:
 
 
 class CountingLink:
-    """``dist.send`` / ``dist.recv`` that count the bytes this rank sends and receives."""
+    """``dist.send`` / ``dist.recv`` that count the bytes this rank sends and receives.
+
+    Shown in lesson 09, §1.
+    """
 
     def __init__(self):
         self.sent = 0
@@ -189,7 +188,12 @@ class PSConfig:
     slow_worker_delay: float = 0.002   # async: the last worker sleeps this long per gradient
 
 
-def _sync_server(link: CountingLink, w: torch.Tensor, workers: int, cfg: PSConfig):
+def ps_sync_server(link: CountingLink, w: torch.Tensor, workers: int, cfg: PSConfig):
+    """The synchronous server (rank 0): each step, send the weights to every worker, wait for
+    every worker's gradient, and step once with their mean. Returns the final weights.
+
+    Shown in lesson 09, §1.
+    """
     for _ in range(cfg.steps):
         for worker in range(1, workers + 1):
             link.send(w, worker)                              # pull: the weights go out
@@ -202,19 +206,27 @@ def _sync_server(link: CountingLink, w: torch.Tensor, workers: int, cfg: PSConfi
     return w
 
 
-def _sync_worker(link, model, problem, batches, rank, workers):
+def ps_sync_worker(link, model, problem, batches, rank, workers):
+    """A synchronous worker (rank 1..N): per global batch, pull the weights, compute the
+    gradient on its part of the batch (:func:`worker_indices`), push it.
+
+    Shown in lesson 09, §1.
+    """
     w = torch.empty_like(flat_params(model))
     for indices in batches:
         link.recv(w, 0)                                       # pull
-        mine = shard_of(indices, rank - 1, workers)
+        mine = worker_indices(indices, rank - 1, workers)
         _, g = loss_and_gradient(model, w, problem.x_train[mine], problem.y_train[mine])
         link.send(g, 0)                                       # push
 
 
-def _async_server(link: CountingLink, w: torch.Tensor, workers: int, cfg: PSConfig):
+def ps_async_server(link: CountingLink, w: torch.Tensor, workers: int, cfg: PSConfig):
     """Apply each gradient the moment it arrives; answer its sender with the new weights.
     A message is the flat vector plus one number: the version of the weights (pulls) or the
-    version the gradient was computed on (pushes)."""
+    version the gradient was computed on (pushes).
+
+    Shown in lesson 09, §1.
+    """
     version, staleness = 0, []
     message = torch.cat([w, torch.zeros(1)])
     for worker in range(1, workers + 1):
@@ -232,7 +244,13 @@ def _async_server(link: CountingLink, w: torch.Tensor, workers: int, cfg: PSConf
     return w, staleness
 
 
-def _async_worker(link, model, problem, rank, workers, cfg: PSConfig):
+def ps_async_worker(link, model, problem, rank, workers, cfg: PSConfig):
+    """An asynchronous worker (rank 1..N): ``cfg.steps`` times pull the weights and their
+    version, compute a gradient on its own batch, push it with that version; the last worker
+    sleeps ``cfg.slow_worker_delay`` per gradient (a straggler).
+
+    Shown in lesson 09, §1.
+    """
     n = len(flat_params(model))
     per_worker = cfg.batch // workers
     batches = batch_schedule(cfg.n_train, per_worker, cfg.steps, seed=cfg.seed + rank)
@@ -250,7 +268,10 @@ def parameter_server_worker(rank: int, world_size: int, cfg: PSConfig) -> dict:
     """Rank 0 is the server, ranks 1..N the workers (N = world_size - 1). Runs, from the same
     start: the synchronous parameter server, torch DDP among the workers on the same shards of
     the same batches, then the asynchronous parameter server. Returns each rank's weights and
-    the bytes it sent and received in each mode."""
+    the bytes it sent and received in each mode.
+
+    Shown in lesson 09, §1.
+    """
     torch.set_num_threads(1)
     workers = world_size - 1
     problem = make_problem(cfg.n_train, 256, seed=cfg.seed)
@@ -262,9 +283,9 @@ def parameter_server_worker(rank: int, world_size: int, cfg: PSConfig) -> dict:
 
     link = CountingLink()
     if rank == 0:
-        out["sync"] = _sync_server(link, w0.clone(), workers, cfg)
+        out["sync"] = ps_sync_server(link, w0.clone(), workers, cfg)
     else:
-        _sync_worker(link, model, problem, batches, rank, workers)
+        ps_sync_worker(link, model, problem, batches, rank, workers)
     out["sync_bytes"] = (link.sent, link.received)
 
     if rank > 0:                                             # the reference: DDP on 1..N
@@ -272,7 +293,7 @@ def parameter_server_worker(rank: int, world_size: int, cfg: PSConfig) -> dict:
         ddp = nn.parallel.DistributedDataParallel(ddp_model, process_group=worker_group)
         opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr)
         for indices in batches:
-            mine = shard_of(indices, rank - 1, workers)
+            mine = worker_indices(indices, rank - 1, workers)
             opt.zero_grad()
             F.cross_entropy(ddp(problem.x_train[mine]), problem.y_train[mine]).backward()
             opt.step()
@@ -281,11 +302,11 @@ def parameter_server_worker(rank: int, world_size: int, cfg: PSConfig) -> dict:
 
     link = CountingLink()
     if rank == 0:
-        out["async"], out["staleness"] = _async_server(link, w0.clone(), workers, cfg)
+        out["async"], out["staleness"] = ps_async_server(link, w0.clone(), workers, cfg)
         out["loss_before"] = evaluate(model, w0, problem.x_test, problem.y_test)[0]
         out["loss_after"] = evaluate(model, out["async"], problem.x_test, problem.y_test)[0]
     else:
-        _async_worker(link, model, problem, rank, workers, cfg)
+        ps_async_worker(link, model, problem, rank, workers, cfg)
     out["async_bytes"] = (link.sent, link.received)
     return out
 
@@ -303,11 +324,14 @@ class RaceConfig:
 _STOP = -1.0  # a message whose last number is this tells a worker to stop
 
 
-def _race_server(w, workers, cfg: RaceConfig, asynchronous: bool):
+def race_server(w, workers, cfg: RaceConfig, asynchronous: bool):
     """Train for ``cfg.budget`` seconds; each message is the weights plus their version (or
     _STOP). Synchronous: every round waits for every worker and steps with the mean.
     Asynchronous: each gradient is applied when it arrives and its sender alone gets the new
-    weights. Returns the weights, the number of gradients applied, and their staleness."""
+    weights. Returns the weights, the number of gradients applied, and their staleness.
+
+    Shown in lesson 09, §1.
+    """
     version, applied, staleness = 0, 0, []
     end = time.perf_counter() + cfg.budget
     message = lambda v: torch.cat([w, torch.tensor([float(v)])])  # noqa: E731
@@ -343,9 +367,12 @@ def _race_server(w, workers, cfg: RaceConfig, asynchronous: bool):
     return w, applied, staleness
 
 
-def _race_worker(model, problem, rank, workers, cfg: RaceConfig):
+def race_worker(model, problem, rank, workers, cfg: RaceConfig):
     """Pull, compute (the last worker also sleeps: a slower machine), push, until told to stop.
-    Returns this worker's spans: ("compute" | "wait", start, end) in time.perf_counter()."""
+    Returns this worker's spans: ("compute" | "wait", start, end) in time.perf_counter().
+
+    Shown in lesson 09, §1.
+    """
     message = torch.empty(len(flat_params(model)) + 1)
     g = torch.Generator().manual_seed(cfg.seed + rank)
     spans = []
@@ -381,20 +408,23 @@ def straggler_race(rank: int, world_size: int, cfg: RaceConfig) -> dict:
         dist.barrier()
         start = time.perf_counter()
         if rank == 0:
-            w, applied, stale = _race_server(w0.clone(), workers, cfg, mode == "async")
+            w, applied, stale = race_server(w0.clone(), workers, cfg, mode == "async")
             out[mode] = {"applied": applied, "staleness": stale,
                          "loss": evaluate(model, w, problem.x_test, problem.y_test)[0],
                          "seconds": time.perf_counter() - start}
         else:
             out[mode] = {"spans": [(kind, a - start, b - start)
-                                   for kind, a, b in _race_worker(model, problem, rank,
+                                   for kind, a, b in race_worker(model, problem, rank,
                                                                   workers, cfg)]}
     out["loss_before"] = evaluate(model, w0, problem.x_test, problem.y_test)[0]
     return out
 
 
 def ring_elements_per_rank(numel: int, n: int) -> int:
-    """Elements one rank sends in a ring all-reduce (lesson 06): 2(N-1)K/N, exactly."""
+    """Elements one rank sends in a ring all-reduce (lesson 06): 2(N-1)K/N, exactly.
+
+    Shown in lesson 09, §1.
+    """
     from dpcourse import ring
 
     return ring.ring_bytes_per_worker(numel, n, itemsize=1)[0]
@@ -408,7 +438,10 @@ def ring_elements_per_rank(numel: int, n: int) -> int:
 class SimulatedServer:
     """A parameter server in one process: ``pull()`` hands out a copy of the weights and their
     version (the number of updates so far); ``push(grad, version)`` applies a gradient that was
-    computed on weights of that version, and records how stale it was."""
+    computed on weights of that version, and records how stale it was.
+
+    Shown in lesson 09, §2.
+    """
 
     def __init__(self, w: torch.Tensor, lr: float):
         self.w = w.clone()
@@ -427,7 +460,10 @@ class SimulatedServer:
 
 class StalenessAwareServer(SimulatedServer):
     """Zhang et al. (2016), "Staleness-aware async-SGD": a gradient s updates stale takes a
-    step lr / s (lr when it is fresh), so the stale ones move the weights less."""
+    step lr / s (lr when it is fresh), so the stale ones move the weights less.
+
+    Shown in lesson 09, §"Lab 09: the asynchronous worker loop".
+    """
 
     def push(self, grad: torch.Tensor, version: int) -> None:
         staleness = self.version - version
@@ -441,7 +477,10 @@ def async_worker_loop(server, compute_gradient, batches, tau: int) -> None:
     weights and starts its gradient; a gradient lands on the server τ pulls later, when
     τ newer ones are in flight behind it; at the end the ones still in flight land in order.
     Gradient k is computed on weights of version max(0, k - τ) and applied as update k:
-    w_{k+1} = w_k - lr · g(w_{k-τ}). With τ = 0 this is plain SGD."""
+    w_{k+1} = w_k - lr · g(w_{k-τ}). With τ = 0 this is plain SGD.
+
+    Shown in lesson 09, §"Lab 09: the asynchronous worker loop".
+    """
     in_flight = collections.deque()
     for batch in batches:
         w, version = server.pull()
@@ -453,7 +492,10 @@ def async_worker_loop(server, compute_gradient, batches, tau: int) -> None:
 
 
 def plain_sgd(model: nn.Module, problem: Problem, lr: float, batches) -> torch.Tensor:
-    """The reference: torch's SGD on the model, batch after batch. Returns the flat weights."""
+    """The reference: torch's SGD on the model, batch after batch. Returns the flat weights.
+
+    Shown in lesson 09, §"Lab 09: the asynchronous worker loop".
+    """
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for indices in batches:
         opt.zero_grad()
@@ -465,7 +507,10 @@ def plain_sgd(model: nn.Module, problem: Problem, lr: float, batches) -> torch.T
 def run_stale(problem: Problem, tau: int, lr: float, batches, seed: int = 0,
               server_cls=SimulatedServer, loop=async_worker_loop) -> dict:
     """Train the MLP from ``seed`` with every gradient τ updates late; the test loss and
-    accuracy after the budget, the final weights, the staleness of every update."""
+    accuracy after the budget, the final weights, the staleness of every update.
+
+    Shown in lesson 09, §"Lab 09: the asynchronous worker loop".
+    """
     model = make_model(seed=seed)
     server = server_cls(flat_params(model), lr)
 
@@ -491,7 +536,15 @@ def local_sgd_worker(rank: int, world_size: int, hs, steps: int = 128, batch: in
     loss and accuracy, the number of averages, the elements each rank sent (the formula
     2(N-1)K/N per average, not a count) and the drift at each average: the distance from this
     rank's weights to the average, relative to the average's norm; and under "start" the test
-    (loss, accuracy) of the starting weights."""
+    (loss, accuracy) of the starting weights.
+
+    Shown in lesson 09, §3.
+    """
+    if not 1 <= compare_after <= steps:
+        raise ValueError(f"compare_after must be a step of the run, 1..steps={steps}; got "
+                         f"{compare_after}")
+    if any(not isinstance(h, int) or h < 1 for h in hs):
+        raise ValueError(f"every H must be a positive int (steps between averages), got {hs!r}")
     torch.set_num_threads(1)
     problem = make_problem(n_train, 1024, seed=seed)
     batches = batch_schedule(n_train, batch, steps, seed=seed)
@@ -501,7 +554,7 @@ def local_sgd_worker(rank: int, world_size: int, hs, steps: int = 128, batch: in
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         averages, drift = 0, []
         for t, indices in enumerate(batches):
-            mine = shard_of(indices, rank, world_size)
+            mine = worker_indices(indices, rank, world_size)
             opt.zero_grad()
             F.cross_entropy(model(problem.x_train[mine]), problem.y_train[mine]).backward()
             opt.step()
@@ -525,7 +578,7 @@ def local_sgd_worker(rank: int, world_size: int, hs, steps: int = 128, batch: in
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr)
     for indices in batches[:compare_after]:
-        mine = shard_of(indices, rank, world_size)
+        mine = worker_indices(indices, rank, world_size)
         opt.zero_grad()
         F.cross_entropy(ddp(problem.x_train[mine]), problem.y_train[mine]).backward()
         opt.step()
@@ -540,7 +593,10 @@ def local_sgd_worker(rank: int, world_size: int, hs, steps: int = 128, batch: in
 
 def warmup_lr(step: int, base_lr: float, k: int, warmup_steps: int) -> float:
     """Goyal et al. (2017): the target is k × base_lr (k times the batch, k times the step);
-    with warmup the lr climbs linearly from base_lr to the target over ``warmup_steps``."""
+    with warmup the lr climbs linearly from base_lr to the target over ``warmup_steps``.
+
+    Shown in lesson 09, §4.
+    """
     target = k * base_lr
     if step >= warmup_steps:
         return target
@@ -550,7 +606,10 @@ def warmup_lr(step: int, base_lr: float, k: int, warmup_steps: int) -> float:
 def train_large_batch(problem: Problem, batch: int, lr_at, epochs: int, seed: int = 0,
                       momentum: float = 0.9) -> list[float]:
     """SGD with momentum for ``epochs`` epochs of ``batch`` examples, the lr of step t being
-    ``lr_at(t)``. Returns the test loss after each epoch (``inf`` once diverged)."""
+    ``lr_at(t)``. Returns the test loss after each epoch (``inf`` once diverged).
+
+    Shown in lesson 09, §4.
+    """
     model = make_model(seed=seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr_at(0), momentum=momentum)
     n = len(problem.x_train)

@@ -40,6 +40,7 @@ from torch import nn
 from . import data as _data
 from . import devices as _devices
 from . import models as _models
+from .models import flat_params
 
 __all__ = [
     "StepConfig",
@@ -180,7 +181,10 @@ def setup_rank(device: torch.device | None = None,
 
 def collectives_demo(rank: int, world_size: int) -> dict:
     """broadcast, all_reduce, all_gather and reduce_scatter on small tensors; returns what this
-    rank held after each (as lists)."""
+    rank held after each (as lists).
+
+    Shown in lesson 03, §"The four collectives".
+    """
     dev = setup_rank()
     out = {}
     # broadcast: rank 0's tensor overwrites everyone's.
@@ -215,6 +219,8 @@ def average_gradients(model: nn.Module) -> None:
     Both steps act on ``p.grad`` itself. ``all_reduce`` writes the sum into the tensor it is
     given; the division must also write into it (``/=``, ``div_``) — ``g = g / world_size``
     makes a new tensor and leaves ``p.grad`` holding the sum.
+
+    Shown in lesson 03, §"Lab 03: average the gradients yourself".
     """
     world_size = dist.get_world_size()
     for p in model.parameters():
@@ -253,13 +259,12 @@ def global_batch_for_step(cfg: StepConfig, step: int):
 
 
 def shard_of(X: torch.Tensor, y: torch.Tensor, rank: int, world_size: int):
-    """Rank ``rank``'s contiguous share of a global batch."""
+    """Rank ``rank``'s contiguous share of a global batch.
+
+    Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you".
+    """
     n = X.shape[0] // world_size
     return X[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-
-
-def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
 
 def _flat_grads(model: nn.Module) -> torch.Tensor:
@@ -271,6 +276,8 @@ def manual_dp_worker(rank: int, world_size: int, cfg: StepConfig, average_fn=Non
     backward, ``average_fn(model)`` (default :func:`average_gradients`), SGD step.
 
     Returns this rank's first-step averaged gradients and its final weights (flat CPU tensors).
+
+    Shown in lesson 03, §"Lab 03: average the gradients yourself".
     """
     average_fn = average_fn or average_gradients
     cfg.per_rank_batch(world_size)
@@ -294,7 +301,10 @@ def manual_dp_worker(rank: int, world_size: int, cfg: StepConfig, average_fn=Non
 
 
 def ddp_worker(rank: int, world_size: int, cfg: StepConfig) -> dict:
-    """The same experiment with ``DistributedDataParallel`` doing the averaging."""
+    """The same experiment with ``DistributedDataParallel`` doing the averaging.
+
+    Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you".
+    """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     cfg.per_rank_batch(world_size)
@@ -315,7 +325,10 @@ def ddp_worker(rank: int, world_size: int, cfg: StepConfig) -> dict:
 
 
 def single_process(cfg: StepConfig, device: str = "cpu") -> dict:
-    """The reference: one process, the whole global batch, no communication."""
+    """The reference: one process, the whole global batch, no communication.
+
+    Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you".
+    """
     model = make_model(cfg).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     first_grads = None
@@ -382,6 +395,8 @@ def ddp_internals_worker(rank: int, world_size: int, bucket_cap_mb: float = 25.0
       event was started while the backward was still running.
 
     Returns, per iteration, the list of events, plus the weight check.
+
+    Shown in lesson 03, §"How DDP does it".
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -431,6 +446,8 @@ def bucket_limits(bucket_cap_mb: float | None) -> tuple[int, int]:
     MiB (``int(bucket_cap_mb * 1024 * 1024)`` bytes); left at ``None`` it is 25 MiB and the
     first bucket's limit is ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB), otherwise the first
     bucket has the same limit as the others.
+
+    Shown in lesson 03, §"How DDP does it".
     """
     from torch.nn.parallel.distributed import _BucketCapacityConfig
 
@@ -449,6 +466,8 @@ def ddp_bucket_rule(params: list, ready_order: list[int], bucket_cap_mb: float |
     ``dist._compute_bucket_assignment_by_size``: a bucket is closed as soon as its size *reaches*
     its limit (first bucket: the first limit; later ones: the second), so a bucket can overshoot
     the cap by up to one tensor.
+
+    Shown in lesson 03, §"How DDP does it".
     """
     first, cap = bucket_limits(bucket_cap_mb)
     buckets, _limits = dist._compute_bucket_assignment_by_size(
@@ -461,7 +480,10 @@ def rebuilt_buckets_worker(rank: int, world_size: int, model_name: str, caps: li
     """For each cap (MiB, or None for DDP's default) wrap a fresh model in DDP and run two
     iterations; return the order in which the gradients became ready in iteration 0 and the
     buckets, as parameter indices, that DDP handed our comm hook in iteration 1 (after the
-    rebuild), plus the cap in bytes DDP reports in its logging data."""
+    rebuild), plus the cap in bytes DDP reports in its logging data.
+
+    Shown in lesson 03, §"How DDP does it".
+    """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -526,6 +548,8 @@ def buffer_sync_worker(rank: int, world_size: int, steps: int = 3, batch: int = 
     by a forward pre-hook on the BatchNorm layer, which runs after DDP's own pre-forward work),
     the one this rank holds after training, its final weights, and the eval-mode output for one
     input that is the same on every rank.
+
+    Shown in lesson 03, §"How DDP does it".
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 

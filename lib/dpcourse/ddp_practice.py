@@ -41,6 +41,7 @@ __all__ = [
     "CommCounter",
     "counting_allreduce_hook",
     "CPUSyncBatchNorm",
+    "AllReduceSum",
     "convert_sync_batchnorm",
     "SmallBNNet",
     "build_model",
@@ -62,6 +63,8 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
     while: a crash (or a rank reading it) in between finds a broken file and no old one. We
     write a temporary file in the *same folder* (``os.replace`` is only atomic within one file
     system), flush it to disk, then rename it over ``path`` in one step. Call it on rank 0 only.
+
+    Shown in lesson 04, §3.
     """
     if not isinstance(state, dict):
         raise TypeError(f"a checkpoint must be a dict (model, optimizer, step ...), got "
@@ -90,6 +93,8 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict | None:
     ``map_location`` puts every tensor where this rank wants it (a checkpoint saved from cuda:0
     would otherwise land on cuda:0 in every rank); ``weights_only=True`` refuses to unpickle
     arbitrary objects, so a checkpoint cannot run code when it is loaded.
+
+    Shown in lesson 04, §3.
     """
     path = Path(path)
     if not path.exists():
@@ -125,7 +130,10 @@ def state_checksum(state: dict | nn.Module) -> str:
 
 @dataclass
 class CommCounter:
-    """What :func:`counting_allreduce_hook` saw on this rank: all_reduce calls and bytes."""
+    """What :func:`counting_allreduce_hook` saw on this rank: all_reduce calls and bytes.
+
+    Shown in lesson 04, §7.
+    """
 
     calls: int = 0
     bytes: int = 0
@@ -138,6 +146,8 @@ def counting_allreduce_hook(state: CommCounter, bucket):
     Register with ``ddp_model.register_comm_hook(counter, counting_allreduce_hook)``. DDP calls
     the hook once per gradient bucket whenever it synchronises, i.e. on every backward outside
     ``no_sync()``; it returns a future holding the averaged bucket.
+
+    Shown in lesson 04, §7.
     """
     import torch.distributed as dist
 
@@ -155,9 +165,12 @@ def counting_allreduce_hook(state: CommCounter, bucket):
 # --------------------------------------------------------------------------------------------
 
 
-class _AllReduceSum(torch.autograd.Function):
+class AllReduceSum(torch.autograd.Function):
     """all_reduce(SUM) with a gradient: y = sum over ranks of x, so dL/dx on each rank is the
-    sum over ranks of dL/dy (every rank's loss depends on every rank's x)."""
+    sum over ranks of dL/dy (every rank's loss depends on every rank's x).
+
+    Shown in lesson 04, §9.
+    """
 
     @staticmethod
     def forward(ctx, x):
@@ -184,6 +197,8 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     rank normalises with the global mean and variance. The all_reduce is
     differentiable (its backward is an all_reduce of the gradients), so the gradients are those of one process on the global batch.
     Outside a process group (or in eval mode) it is ordinary BatchNorm.
+
+    Shown in lesson 04, §9.
     """
 
     def _check_input_dim(self, input):
@@ -199,7 +214,7 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         dims = [0] + list(range(2, x.dim()))
         count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
         stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-        stats = _AllReduceSum.apply(stats)  # sum over ranks, differentiable
+        stats = AllReduceSum.apply(stats)  # sum over ranks, differentiable
         c = x.shape[1]
         n = stats[2 * c]
         mean = stats[:c] / n

@@ -48,6 +48,7 @@ from torch import nn
 __all__ = [
     "devices_for",
     "scatter",
+    "Broadcast",
     "replicate",
     "parallel_apply",
     "gather",
@@ -168,6 +169,8 @@ def scatter(X: torch.Tensor, devices) -> list[torch.Tensor]:
     gives 1, 1); like ``nn.DataParallel.forward``, which replicates onto
     ``device_ids[:len(inputs)]``, the caller then uses only the first ``len(chunks)`` devices.
     Differentiable: gradients flow back from the chunks to ``X``.
+
+    Shown in lesson 02, §"Lab 02: DataParallel's step by hand".
     """
     devs = _as_devices(devices)
     if not isinstance(X, torch.Tensor):
@@ -185,11 +188,13 @@ def scatter(X: torch.Tensor, devices) -> list[torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 
 
-class _Broadcast(torch.autograd.Function):
+class Broadcast(torch.autograd.Function):
     """Copy tensors to every device; backward *sums* the copies' gradients onto the source.
 
     This pair — broadcast forward, reduce-add backward — is what makes the gradients of all
     replicas land, summed, on the original parameters.
+
+    Shown in lesson 02, §2.
     """
 
     @staticmethod
@@ -235,6 +240,8 @@ def replicate(module: nn.Module, devices) -> list[nn.Module]:
     (BatchNorm's running statistics) reach ``module``; the other replicas get copies of the
     buffers, and their updates are lost when the replicas are dropped. Called every step, as the
     real one is.
+
+    Shown in lesson 02, §2.
     """
     devs = _as_devices(devices)
     if not isinstance(module, nn.Module):
@@ -243,7 +250,7 @@ def replicate(module: nn.Module, devices) -> list[nn.Module]:
         c._add("replicate_calls", 1)
     params = list(module.parameters())
     buffers = list(module.buffers())
-    copies = _Broadcast.apply(devs, *params) if params else ()
+    copies = Broadcast.apply(devs, *params) if params else ()
     replicas = []
     for i, d in enumerate(devs):
         # Share the original tensors with the deep copy (memo), so deepcopy only builds the
@@ -279,6 +286,8 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[torch.Tensor]
     torch and a new thread starts with it *on*, so each thread switches it to the caller's
     setting — forget that and a caller inside ``torch.no_grad()`` would still get replicas that
     record autograd graphs (memory held for a backward that never comes). An exception in a thread is re-raised here, naming the replica.
+
+    Shown in lesson 02, §"Lab 02: DataParallel's step by hand".
     """
     if len(replicas) != len(inputs):
         raise ValueError(f"{len(replicas)} replicas but {len(inputs)} inputs: need one input "
@@ -315,7 +324,10 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[torch.Tensor]
 
 def gather(outputs: Sequence[torch.Tensor], target_device=None, dim: int = 0) -> torch.Tensor:
     """Concatenate the replicas' outputs along ``dim`` (the batch) on ``target_device``
-    (device 0 by default). Differentiable: the backward sends each chunk's gradient home."""
+    (device 0 by default). Differentiable: the backward sends each chunk's gradient home.
+
+    Shown in lesson 02, §"Lab 02: DataParallel's step by hand".
+    """
     if not outputs:
         raise ValueError("gather needs at least one output")
     for o in outputs:
@@ -326,7 +338,10 @@ def gather(outputs: Sequence[torch.Tensor], target_device=None, dim: int = 0) ->
 
 
 def data_parallel(module: nn.Module, X: torch.Tensor, devices) -> torch.Tensor:
-    """``nn.DataParallel(module)(X)``, spelled out: scatter, replicate, parallel_apply, gather."""
+    """``nn.DataParallel(module)(X)``, spelled out: scatter, replicate, parallel_apply, gather.
+
+    Shown in lesson 02, §4.
+    """
     devs = _as_devices(devices)
     chunks = scatter(X, devs)
     replicas = replicate(module, devs[:len(chunks)])  # fewer chunks than devices: fewer replicas

@@ -300,7 +300,10 @@ def cross_device_ops_in_use(strategy) -> tuple[str, str | None]:
 
     TF has no public getter: this reads the private ``strategy.extended._cross_device_ops``
     and, for a ``CollectiveAllReduce``, its ``_options.implementation`` (as in TF 2.21; a later
-    TF may rename them, and then this raises AttributeError)."""
+    TF may rename them, and then this raises AttributeError).
+
+    Shown in lesson 05, §2.
+    """
     ops = strategy.extended._cross_device_ops  # noqa: SLF001 - TF has no public getter
     options = getattr(ops, "_options", None)
     impl = options.implementation.value if options is not None else None
@@ -316,7 +319,10 @@ class count_cross_device_calls:  # noqa: N801 - a context manager, named for wha
     ``CollectiveAllReduce`` and ``ReductionToOneDevice`` (``tensorflow/python/distribute/
     cross_device_ops.py``: ``CrossDeviceOps.reduce`` and ``.batch_reduce`` end there) and puts
     them back on exit. A ``tf.function`` runs these Python methods while it is traced, so count
-    over a step's first call (its trace)."""
+    over a step's first call (its trace).
+
+    Shown in lesson 05, §"Lab 05: the custom loop".
+    """
 
     def __init__(self):
         self.counts: dict = {}
@@ -355,7 +361,10 @@ class count_cross_device_calls:  # noqa: N801 - a context manager, named for wha
 
 
 def per_example_loss(labels, logits):
-    """Cross-entropy of each example (no reduction), in float32."""
+    """Cross-entropy of each example (no reduction), in float32.
+
+    Shown in lesson 05, §4.
+    """
     return tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=tf.cast(labels, tf.int64), logits=tf.cast(logits, tf.float32))
 
@@ -369,6 +378,8 @@ def per_replica_loss(labels, logits, global_batch: int, loss_scaling: str = "glo
 
     ``"reduce_mean"`` (the classic bug): the mean over this replica's examples only. Summed over
     N replicas, that gradient is N times the gradient of the global mean.
+
+    Shown in lesson 05, §"Lab 05: the custom loop".
     """
     losses = per_example_loss(labels, logits)
     if loss_scaling == "global":
@@ -383,6 +394,8 @@ def train_step(strategy, model, optimizer, dist_batch, global_batch: int,
     """One data-parallel SGD step: every replica runs forward and backward on its slice of the
     global batch, the optimizer sums the gradients over replicas (an all-reduce) and applies
     the same update to every copy of the weights. Returns the mean loss over the global batch.
+
+    Shown in lesson 05, §"Lab 05: the custom loop".
     """
     def step_fn(x, y):
         with tf.GradientTape() as tape:
@@ -423,7 +436,10 @@ def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global",
     which goes through the strategy's cross-device ops). Weights are not changed.
 
     ``grad_reduce="mean"`` averages the replicas' gradients instead — what DDP does, and what
-    TF does *not* do; with it, ``loss_scaling="reduce_mean"`` is the right pairing."""
+    TF does *not* do; with it, ``loss_scaling="reduce_mean"`` is the right pairing.
+
+    Shown in lesson 05, §4.
+    """
     if grad_reduce not in ("sum", "mean"):
         raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
     op = tf.distribute.ReduceOp.SUM if grad_reduce == "sum" else tf.distribute.ReduceOp.MEAN
@@ -457,7 +473,10 @@ def single_replica_gradients(model, x, y) -> list[np.ndarray]:
 def train_steps(strategy, model, optimizer, dataset, steps: int, global_batch: int,
                 loss_scaling: str = "global") -> list[float]:
     """Run ``steps`` steps of the custom loop over ``dataset`` (batched with ``global_batch``)
-    and return the loss of each step. Pass ``strategy=None`` for one device, no strategy."""
+    and return the loss of each step. Pass ``strategy=None`` for one device, no strategy.
+
+    Shown in lesson 05, §"Lab 05: the custom loop".
+    """
     if strategy is None:
         strategy = tf.distribute.get_strategy()  # the default: one device, a no-op strategy
     step = make_train_step(strategy, model, optimizer, global_batch, loss_scaling)

@@ -4,7 +4,9 @@
 global batch" holds exactly (BatchNorm's statistics are per rank, which lesson 04 shows with
 SyncBatchNorm). ``resnet18_cifar`` is torchvision's ResNet-18 with the stem changed for 32×32
 inputs (3×3 first convolution, stride 1, no max-pool) — the model the classic DDP examples use.
-Used in lessons 01–04 and 06.
+Used in lessons 01–04 and 06. ``flat_params`` / ``set_flat_params`` read and write a model's
+weights as one flat vector (lessons 03, 07–09 compare runs with them; lesson 09's parameter
+server sends them).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["SmallCNN", "resnet18_cifar", "build_model", "count_parameters"]
+__all__ = ["SmallCNN", "resnet18_cifar", "build_model", "count_parameters", "flat_params",
+           "set_flat_params"]
 
 
 class SmallCNN(nn.Module):
@@ -59,3 +62,22 @@ def build_model(name: str = "small_cnn", num_classes: int = 10, **kwargs) -> nn.
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """All the weights as one new flat CPU vector, in ``model.parameters()`` order: what two runs
+    are compared by, and what a parameter server stores and sends."""
+    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+
+
+def set_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
+    """Copy consecutive pieces of ``flat`` into the model's weights (the inverse of
+    :func:`flat_params`); ``flat`` must hold exactly as many numbers as the model."""
+    total = sum(p.numel() for p in model.parameters())
+    if flat.numel() != total:
+        raise ValueError(f"flat has {flat.numel()} numbers, the model {total} weights")
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()

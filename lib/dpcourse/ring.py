@@ -57,7 +57,10 @@ __all__ = [
 
 def chunk_bounds(length: int, n: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of each of ``n`` chunks of ``length`` elements, ``array_split``'s rule
-    (``torch.tensor_split`` uses the same): the first ``length % n`` chunks are one longer."""
+    (``torch.tensor_split`` uses the same): the first ``length % n`` chunks are one longer.
+
+    Shown in lesson 06, §"Lab 06: the ring, simulated then real".
+    """
     if not isinstance(length, (int, np.integer)) or length < 0:
         raise ValueError(f"length must be a non-negative int, got {length!r}")
     if not isinstance(n, (int, np.integer)) or n < 1:
@@ -375,6 +378,8 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 <
     way). Scatter-reduce segments arrive in two temporary buffers used in turn, step by step
     (double buffering: the receives of step s+1 are posted while step s is still being
     added); all-gather segments arrive straight in place.
+
+    Shown in lesson 06, §"Lab 06: the ring, simulated then real".
     """
     import torch
     import torch.distributed as dist

@@ -30,6 +30,12 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
 def main(workdir: str) -> None:
+    """One worker: join the cluster that ``TF_CONFIG`` lists, train ``config.json``'s steps on
+    this worker's slice of every global batch, write its losses and final weights to
+    ``workdir``.
+
+    Shown in lesson 05, §8.
+    """
     t0 = time.perf_counter()
     import numpy as np
     import tensorflow as tf

@@ -105,7 +105,10 @@ class ThroughputMeter:
 def train_one_epoch(model: nn.Module, loader, loss_fn, optimizer, device="cpu", amp: bool = False,
                     scaler: "torch.amp.GradScaler | None" = None, progress: bool = False,
                     meter: ThroughputMeter | None = None) -> float:
-    """One pass over ``loader``; returns the mean loss per *sample* (not per batch)."""
+    """One pass over ``loader``; returns the mean loss per *sample* (not per batch).
+
+    Shown in lesson 01, §"Lab 01: write the loop yourself".
+    """
     model.train()  # dropout and batch norm behave differently in training
     total_loss, total = 0.0, 0
     batches = loader
@@ -136,7 +139,10 @@ def train_one_epoch(model: nn.Module, loader, loss_fn, optimizer, device="cpu", 
 
 @torch.no_grad()  # no graph: less memory, faster, and nothing can leak into training
 def evaluate(model: nn.Module, loader, loss_fn, device="cpu", amp: bool = False) -> tuple[float, float]:
-    """Mean loss per sample and accuracy over ``loader``, in eval mode."""
+    """Mean loss per sample and accuracy over ``loader``, in eval mode.
+
+    Shown in lesson 01, §"Lab 01: write the loop yourself".
+    """
     model.eval()
     total_loss, correct, total = 0.0, 0, 0
     for X, y in loader:
@@ -232,6 +238,8 @@ def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
     least 5 rounds and tolerates one outlier round. Unequal counts fall back to comparing the
     ranges: "in every run" only when they do not overlap. Anything else is "no clear
     difference". The ratio printed is median(b) / median(a).
+
+    Shown in lesson 01, §"Throughput, and where the time goes".
     """
     runs_a, runs_b = list(runs_a), list(runs_b)
     if not runs_a or not runs_b:
