@@ -6,15 +6,43 @@ on small inputs, compares it with the reference in the library, and — where a 
 answer leaves a recognisable trace (gradients N times too big, weights unchanged, a rank that
 never returns) — says which mistake it is. tests/test_lab*_checks.py prove that each named
 mistake is caught.
+
+What every check shares lives here, once:
+
+* :func:`recorded`, the decorator above every public check: when ``DPCOURSE_PROGRESS`` names a
+  file, each check appends one JSON line to it (learner, lab, check, passed or the mistake
+  named, time) for the instructor's table (``python -m dpcourse progress PATH``,
+  :mod:`dpcourse.tools.progress`). Writing it never fails the learner's cell.
+* :func:`check_timeout` and :func:`slowness`: a multi-process check takes ``timeout=`` (seconds);
+  ``DPCOURSE_CHECK_TIMEOUT`` raises every check's default for a whole class (a crowded server
+  makes a right answer slow), and a timeout's message says it may be slowness, not a deadlock.
+* :func:`run_ranks`: a launch of the learner's code on N ranks whose timeout, unfilled TODO or
+  exception becomes the one sentence a check says.
+
+ARCHITECTURE.md at the repository root says where this sits in the library.
 """
 
 from __future__ import annotations
 
 import ast
+import contextvars
+import datetime
+import functools
+import getpass
 import inspect
+import json
+import os
+import sys
 import textwrap
+import time
 
-__all__ = ["LabCheckError", "ClaimError", "passed", "fail", "claim", "has_todo"]
+__all__ = ["LabCheckError", "ClaimError", "passed", "fail", "claim", "has_todo", "recorded",
+           "check_timeout", "slowness", "run_ranks", "short_mistake", "PROGRESS_ENV",
+           "TIMEOUT_ENV", "LEARNER_ENV"]
+
+PROGRESS_ENV = "DPCOURSE_PROGRESS"  # a file: every check appends one JSON line to it
+LEARNER_ENV = "DPCOURSE_LEARNER"  # who the learner is (else JUPYTERHUB_USER, else the OS user)
+TIMEOUT_ENV = "DPCOURSE_CHECK_TIMEOUT"  # seconds: the least timeout any multi-process check uses
 
 
 class LabCheckError(AssertionError):
@@ -67,7 +95,7 @@ def claim(statement: str, condition, **values) -> None:
     """State a lesson's claim and prove it: print ``✔ statement`` if ``condition`` is true,
     otherwise raise :class:`ClaimError` naming the claim and the values it was judged on.
 
-    Every fact a lesson prints goes through here (DESIGN.md § Conventions, "Claims"); a test
+    Every fact a lesson prints goes through here (ARCHITECTURE.md, the course's conventions); a test
     (tests/test_notebooks.py) fails on a notebook that prints a bare boolean instead. Pass the
     numbers behind the claim as keyword arguments: they are shown only when the claim fails, so
     the stored output stays stable while a failure says exactly what was measured::
@@ -91,3 +119,202 @@ def claim(statement: str, condition, **values) -> None:
 def _short(value, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- the class's progress: one JSON line per check ---------------------------------------------
+
+_MESSAGE_LIMIT = 400  # characters of the mistake kept in a line: a line stays far below 4 KiB
+_SHORT_LIMIT = 60
+_inside_check = contextvars.ContextVar("dpcourse_inside_check", default=False)
+_write_problems: set = set()
+
+
+def learner() -> str:
+    """Who is running the check: ``DPCOURSE_LEARNER``, else ``JUPYTERHUB_USER`` (set in every
+    server a JupyterHub spawns), else the OS user."""
+    for name in (LEARNER_ENV, "JUPYTERHUB_USER"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name known to the OS (some containers)
+        return "unknown"
+
+
+def short_mistake(message: str, limit: int = _SHORT_LIMIT) -> str:
+    """The mistake a check named, cut to its first clause (up to the first ``:``, ``;``, `` — ``
+    or sentence end) and to ``limit`` characters: what fits in a cell of the class table."""
+    text = " ".join(str(message).split())
+    for sep in (": ", "; ", " — ", ". "):
+        head = text.split(sep, 1)[0]
+        if head:
+            text = head
+    text = text.rstrip(".")
+    if len(text) > limit:
+        text = text[: limit - 1].rsplit(" ", 1)[0].rstrip(",;:") + "…"
+    return text
+
+
+def _progress_line(lab: str, check: str, outcome: str, message: str, seconds: float) -> bytes:
+    entry = {
+        "learner": learner(),  # first key: a reader finds a record's start by it
+        "lab": lab,
+        "check": check,
+        "passed": outcome == "passed",
+        "outcome": outcome,  # passed, mistake, todo (an unfilled TODO), error, interrupted
+        "mistake": "" if outcome == "passed" else short_mistake(message),
+        "message": " ".join(str(message).split())[:_MESSAGE_LIMIT],
+        "seconds": round(seconds, 2),
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def write_progress(path: str, line: bytes) -> bool:
+    """Append one line to ``path`` with ONE ``write`` on a descriptor opened with ``O_APPEND``:
+    the kernel moves to the end and writes in one step, so lines from many learners' processes
+    never interleave (on a local file system; not over NFS). Returns False, after one note on
+    stderr per path and process, when the file cannot be written — a check's result never
+    depends on it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+        return True
+    except Exception as exc:  # an unwritable progress file must never fail a learner's cell
+        if path not in _write_problems:
+            _write_problems.add(path)
+            try:
+                print(f"(dpcourse: the check ran as usual, but its result could not be recorded "
+                      f"in {path}: {type(exc).__name__}; tell your instructor)", file=sys.stderr)
+            except Exception:
+                pass
+        return False
+
+
+def recorded(fn=None, *, name: str | None = None):
+    """Decorator for a public lab check: when ``DPCOURSE_PROGRESS`` names a file, append one line
+    per call — learner, lab (the check's module), check (``name``, formatted with the call's
+    arguments, e.g. ``"check_answer {n}"``, else the function's name), passed or the mistake its
+    :class:`LabCheckError` named, time. A check called by another check is not recorded twice.
+    The check itself runs, returns and raises exactly as without the decorator."""
+    if fn is None:
+        return functools.partial(recorded, name=name)
+    lab = fn.__module__.rsplit(".", 1)[-1]
+    signature = inspect.signature(fn) if name else None
+
+    @functools.wraps(fn)
+    def check(*args, **kwargs):
+        __tracebackhide__ = True
+        path = os.environ.get(PROGRESS_ENV, "").strip()
+        if not path or _inside_check.get():
+            return fn(*args, **kwargs)
+        token = _inside_check.set(True)
+        start = time.monotonic()
+        outcome, message = "interrupted", "stopped before it finished"
+        try:
+            result = fn(*args, **kwargs)
+            outcome, message = "passed", ""
+            return result
+        except LabCheckError as exc:
+            outcome, message = "mistake", exc.message
+            raise
+        except NotImplementedError as exc:
+            outcome, message = "todo", f"TODO not filled: {exc}"
+            raise
+        except Exception as exc:
+            outcome, message = "error", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            _inside_check.reset(token)
+            try:
+                label = fn.__name__
+                if signature is not None:
+                    bound = signature.bind_partial(*args, **kwargs)
+                    label = name.format(**bound.arguments)
+                write_progress(path, _progress_line(lab, label, outcome, message,
+                                                   time.monotonic() - start))
+            except Exception:  # recording never changes what the check did
+                pass
+
+    return check
+
+
+# --- timeouts and launches of the learner's code -----------------------------------------------
+
+
+def check_timeout(timeout: float | None, default: float) -> float:
+    """The seconds a multi-process check waits for its ranks: ``timeout`` when the learner
+    passes one (``check_x(fn, timeout=120)``); otherwise the check's ``default``, raised to
+    ``DPCOURSE_CHECK_TIMEOUT`` when the environment sets more (an instructor sets it for a whole
+    class on a crowded server)."""
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return float(timeout)
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return float(default)
+    try:
+        floor = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds: set it to e.g. 120, "
+                         f"or unset it") from None
+    if not floor > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: the timeout must be a positive number of "
+                         f"seconds")
+    return max(float(default), floor)
+
+
+def slowness(timeout: float) -> str:
+    """The clause every timeout message carries: on a crowded server a right answer can be slow,
+    and the learner is told which longer timeout to try."""
+    longer = 120 if timeout < 120 else 60 * round(2 * timeout / 60)
+    return (f"no answer within {timeout:g} s — on a crowded server this may be slowness: run "
+            f"again with timeout={longer}")
+
+
+def timed_out(sentence: str, timeout: float) -> str:
+    """A timeout's sentence (what the deadlock would be) joined with :func:`slowness`."""
+    return f"{sentence.rstrip().rstrip('.')}; but {slowness(timeout)}."
+
+
+def run_ranks(worker, world_size: int, *args, timeout: float, hang, backend: str | None = "gloo",
+              failed=None, todo: str | None = None) -> list:
+    """Run ``worker(rank, world_size, *args)`` on ``world_size`` ranks with
+    ``dpcourse.launch.spawn`` and return their results; what went wrong becomes the check's one
+    sentence, the same way in every lab:
+
+    * no answer within ``timeout`` s: ``hang`` is the deadlock's explanation (a string, said
+      after "rank(s) ... never finished within N s — a deadlock:"; or a function of the
+      ``LaunchTimeoutError`` returning the whole sentence), followed by :func:`slowness`;
+    * a rank raised ``NotImplementedError``: the lab's TODO is not filled — re-raised as such,
+      not as a mistake (``todo``, when given, is its message, with ``{summary}`` and ``{rank}``
+      filled in);
+    * a rank raised anything else: ``failed(exc)`` may name the mistake (by calling
+      :func:`fail`); otherwise "your code raised on rank r: ...".
+    """
+    __tracebackhide__ = True
+    from dpcourse import launch
+
+    try:
+        return launch.spawn(worker, world_size, *args, backend=backend, timeout=timeout,
+                            show_output=False)
+    except launch.LaunchTimeoutError as exc:
+        if callable(hang):
+            sentence = hang(exc)
+        else:
+            who = ", ".join(map(str, exc.pending)) or "some rank"
+            sentence = f"rank(s) {who} never finished within {timeout:g} s — a deadlock: {hang}"
+        fail(timed_out(sentence, timeout))
+    except launch.RankFailedError as exc:
+        if exc.summary.startswith("NotImplementedError"):
+            raise NotImplementedError(
+                todo.format(summary=exc.summary, rank=exc.rank) if todo
+                else f"{exc.summary} (on rank {exc.rank})") from None
+        if failed is not None:
+            failed(exc)
+        fail(f"your code raised on rank {exc.rank}: {exc.summary}")

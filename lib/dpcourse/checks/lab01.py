@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpcourse import train as reference
-from dpcourse.checks import fail, passed
+from dpcourse.checks import fail, passed, recorded
 
 __all__ = ["check_train_one_epoch", "check_evaluate", "check_train_accumulated"]
 
@@ -101,6 +101,7 @@ def _run(fn_variant, setup, **kw):
     return _params(model)
 
 
+@recorded
 def check_train_one_epoch(train_one_epoch) -> None:
     """Run your ``train_one_epoch(model, loader, loss_fn, optimizer, device)`` and compare."""
     __tracebackhide__ = True
@@ -172,6 +173,7 @@ def _check_train_once(train_one_epoch, setup) -> None:
          f"data set, such as a fixed sample count?)")
 
 
+@recorded
 def check_evaluate(evaluate) -> None:
     """Run your ``evaluate(model, loader, loss_fn, device) -> (loss, accuracy)`` and compare."""
     __tracebackhide__ = True
@@ -267,6 +269,7 @@ def _accumulate_variant(model, loader, optimizer, k, divide=True, step_every=Fal
                 optimizer.zero_grad()
 
 
+@recorded
 def check_train_accumulated(train_accumulated) -> None:
     """Stretch: ``train_accumulated(model, loader, loss_fn, optimizer, k, device)`` must take
     the same steps as plain training on batches k times larger (one step per k batches)."""

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import fail, passed
+from . import fail, passed, recorded
 
 __all__ = ["check_scatter", "check_gather", "check_dp_forward_backward",
            "check_threaded_apply"]
@@ -32,6 +32,7 @@ def _tensor_list(result, what: str) -> list[torch.Tensor]:
     return list(result)
 
 
+@recorded
 def check_scatter(scatter) -> None:
     """``scatter(X, n_devices)`` must split X along dim 0 into contiguous, non-empty chunks in
     order, as ``nn.DataParallel`` does: at most n chunks, none larger than ceil(B/n), and at
@@ -110,6 +111,7 @@ def check_scatter(scatter) -> None:
                   "device and none empty, also when the batch runs out before the devices do")
 
 
+@recorded
 def check_gather(gather) -> None:
     """``gather(outputs)`` must concatenate the per-device outputs along dim 0, in order."""
     __tracebackhide__ = True
@@ -167,6 +169,7 @@ def _forward_spy(model) -> list:
     return calls
 
 
+@recorded
 def check_dp_forward_backward(dp_forward_backward) -> None:
     """After ``dp_forward_backward(model, X, y, n_devices)`` the original model's gradients must
     equal the plain model's on the whole batch (mean cross-entropy), the returned loss must be
@@ -299,6 +302,7 @@ class _Timed(torch.nn.Module):
         return x * self.factor * self.w
 
 
+@recorded
 def check_threaded_apply(threaded_apply) -> None:
     """Stretch: ``threaded_apply(replicas, inputs)`` runs ``replicas[i](inputs[i])`` in one
     thread per replica, at the same time, and returns the outputs in replica order, with

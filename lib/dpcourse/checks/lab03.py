@@ -13,7 +13,8 @@ reference. A wrong answer is matched against simulations of the plausible mistak
   tell the two apart;
 * reducing a copy (``p.grad.clone()``): ``p.grad`` is still the rank's own gradient;
 * calling ``all_reduce`` on rank 0 only: rank 0 waits forever; the launch's timeout (20 s by
-  default) ends it and the message says it was a deadlock;
+  default, ``timeout=`` or ``DPCOURSE_CHECK_TIMEOUT`` for more) ends it and the message says it
+  is a deadlock, or slowness on a crowded server;
 * averaging the loss instead of the gradients: each rank steps with its own gradients and the
   ranks' weights drift apart.
 """
@@ -27,7 +28,7 @@ import textwrap
 import torch
 import torch.nn.functional as F
 
-from . import fail, has_todo, passed
+from . import check_timeout, fail, has_todo, passed, recorded, run_ranks
 
 __all__ = ["check_average_gradients", "check_average_gradients_flat",
            "check_average_gradients_weighted", "check_data_parallel_step", "DEFAULT_TIMEOUT",
@@ -89,7 +90,7 @@ def _all_close(a: list, b: list) -> bool:
 
 def _launch(worker, world_size: int, timeout: float, *args):
     __tracebackhide__ = True
-    from .. import devices, launch
+    from .. import devices
 
     # An unfilled TODO stops here, like any other lab, without starting ranks.
     for fn in args:
@@ -97,40 +98,36 @@ def _launch(worker, world_size: int, timeout: float, *args):
             raise NotImplementedError(f"{getattr(fn, '__name__', 'your function')} still raises "
                                       f"NotImplementedError: replace the TODO with your answer.")
 
-    backend = devices.backend_for(world_size)
-    try:
-        return launch.spawn(worker, world_size, *args, backend=backend, timeout=timeout,
-                            show_output=False)
-    except launch.LaunchTimeoutError as exc:
-        who = ", ".join(map(str, exc.pending)) or "some rank"
-        fail(f"rank(s) {who} never finished within {timeout:g} s — a deadlock: all_reduce is a "
-             f"collective that every rank must call, in the same order, so calling it on some "
-             f"ranks only (e.g. `if rank == 0:`) leaves them waiting forever for the others.")
-    except launch.RankFailedError as exc:
-        if exc.summary.startswith("NotImplementedError"):
-            raise NotImplementedError(f"{exc.summary} (on rank {exc.rank})") from None
-        fail(f"your code raised on rank {exc.rank}: {exc.summary}")
+    return run_ranks(worker, world_size, *args, backend=devices.backend_for(world_size),
+                     timeout=timeout,
+                     hang="all_reduce is a collective that every rank must call, in the same "
+                          "order, so calling it on some ranks only (e.g. `if rank == 0:`) "
+                          "leaves them waiting forever for the others.")
 
 
 WORLD_SIZES = (2, 3)  # two sizes: an answer that divides by 2 instead of the world size fails
 
 
+@recorded
 def check_average_gradients(average_gradients, world_sizes=WORLD_SIZES,
-                            timeout: float = DEFAULT_TIMEOUT) -> None:
+                            timeout: float | None = None) -> None:
     """Run ``average_gradients(model)`` on 2 and on 3 ranks after a backward on different
     data; every rank's ``p.grad`` must then be the mean of the ranks' gradients."""
     __tracebackhide__ = True
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     for world_size in world_sizes:
         _check_average(average_gradients, world_size, timeout, "average_gradients")
     passed(f"average_gradients: every p.grad is the mean over the ranks, in place "
            f"(on {' and '.join(map(str, world_sizes))} ranks)")
 
 
+@recorded
 def check_average_gradients_flat(average_gradients_flat, world_sizes=WORLD_SIZES,
-                                 timeout: float = DEFAULT_TIMEOUT) -> None:
+                                 timeout: float | None = None) -> None:
     """Stretch: the same average, with exactly one ``dist.all_reduce`` call for the whole model
     (one flat buffer holding every gradient)."""
     __tracebackhide__ = True
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     for world_size in world_sizes:
         _check_average(average_gradients_flat, world_size, timeout, "average_gradients_flat",
                        flat=True)
@@ -228,14 +225,16 @@ def _weighted_worker(rank: int, world_size: int, fn, sizes: tuple) -> dict:
     return {"local": local, "after": after, "n_local": n_local}
 
 
+@recorded
 def check_average_gradients_weighted(average_gradients_weighted, world_sizes=WORLD_SIZES,
-                                     timeout: float = DEFAULT_TIMEOUT,
+                                     timeout: float | None = None,
                                      sizes: tuple = SHARD_SIZES) -> None:
     """Ranks hold shards of different sizes (3, 5 and 8 samples); after each rank's backward
     on the mean loss over its own shard, ``average_gradients_weighted(model, n_local)`` must
     leave in every ``p.grad`` the gradient of the mean loss over all the ranks' samples
     together: sum over r of n_r * g_r, divided by the sum of the n_r."""
     __tracebackhide__ = True
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     if not callable(average_gradients_weighted):
         fail(f"the check needs your function, got {type(average_gradients_weighted).__name__}.")
     for world_size in world_sizes:
@@ -354,12 +353,14 @@ def _simulate(world_size: int, rank: int | None, scale: float = 1.0,
     return ddp.flat_params(model)
 
 
+@recorded
 def check_data_parallel_step(data_parallel_step, world_sizes=WORLD_SIZES,
-                             timeout: float = DEFAULT_TIMEOUT) -> None:
+                             timeout: float | None = None) -> None:
     """Run ``data_parallel_step(model, optimizer, X, y)`` for 3 steps on 2 and on 3 ranks, each
     on its shard of the global batch; the final weights must be equal on every rank and equal
     to one process trained on the whole global batch."""
     __tracebackhide__ = True
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     if not callable(data_parallel_step):
         fail(f"check_data_parallel_step needs your function, got "
              f"{type(data_parallel_step).__name__}.")

@@ -42,7 +42,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dpcourse.checks import fail, passed
+from dpcourse.checks import check_timeout, fail, passed, recorded, run_ranks, timed_out
 
 __all__ = ["Lab04Config", "CONFIGS", "F1_RUNS", "reference_weights", "run_script", "judge",
            "check_f1", "check", "check_resume", "MISTAKES"]
@@ -289,21 +289,21 @@ def run_script(path, cfg: Lab04Config = Lab04Config(), launcher: str = "torchrun
                                          nproc_per_node=cfg.world_size, timeout=timeout,
                                          env=env, echo=False, check=False)
             except launch.LaunchTimeoutError:
-                fail(f"Your script did not finish within {timeout:g} s under torchrun: a rank "
-                     f"is probably waiting in a collective the other rank never calls.")
+                fail(timed_out(f"Your script did not finish within {timeout:g} s under "
+                               f"torchrun: a rank is probably waiting in a collective the other "
+                               f"rank never calls", timeout))
             output = result.output
             if result.returncode != 0:
                 print("\n".join(output.splitlines()[-25:]))
                 fail(f"Your script failed under torchrun ({_last_error_line(output)}).")
         else:
-            try:
-                launch.spawn(_spawn_worker, cfg.world_size, str(path.resolve()), args, log,
-                             timeout=timeout, show_output=False)
-            except launch.LaunchTimeoutError:
-                fail(f"Your script did not finish within {timeout:g} s: a rank is probably "
-                     f"waiting in a collective the other rank never calls.")
-            except launch.RankFailedError as e:
-                fail(f"Your script failed on rank {e.rank} ({e.summary}).")
+            run_ranks(_spawn_worker, cfg.world_size, str(path.resolve()), args, log,
+                      backend=None, timeout=timeout,
+                      hang=lambda e: f"Your script did not finish within {timeout:g} s: a rank "
+                                     f"is probably waiting in a collective the other rank never "
+                                     f"calls",
+                      failed=lambda e: fail(f"Your script failed on rank {e.rank} "
+                                            f"({e.summary})."))
             output = ""
         saves = {}
         for r in range(cfg.world_size):
@@ -544,12 +544,13 @@ def judge_f1(results: list, n_test: int) -> None:
                  f"all_reduce it (a sum), then return macro_f1(confusion).")
 
 
-def check_f1(path="train_lab.py", runs=F1_RUNS, timeout: float = 90.0) -> None:
+@recorded
+def check_f1(path="train_lab.py", runs=F1_RUNS, timeout: float | None = None) -> None:
     """Call the script's ``evaluate_f1`` on each (world size, test images) of ``runs`` and judge
-    it (see :func:`judge_f1`); silent when right."""
+    it (see :func:`judge_f1`); silent when right. ``timeout``: 90 s per launch, or
+    ``DPCOURSE_CHECK_TIMEOUT`` if more."""
     __tracebackhide__ = True
-    from dpcourse import launch
-
+    timeout = check_timeout(timeout, 90.0)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no script at {path}: run the cell that writes it first")
@@ -562,21 +563,16 @@ def check_f1(path="train_lab.py", runs=F1_RUNS, timeout: float = 90.0) -> None:
         fail(f"{path.name} defines no function evaluate_f1(model, test_set, rank, world_size, "
              f"device).")
     for world_size, n_test in runs:
-        try:
-            results = launch.spawn(_f1_worker, world_size, source, n_test, backend="gloo",
-                                   timeout=timeout, show_output=False)
-        except launch.LaunchTimeoutError:
-            fail(f"evaluate_f1 did not finish within {timeout:g} s on {world_size} ranks: does "
-                 f"one rank call a collective (all_reduce) that another never calls, e.g. "
-                 f"inside its loop over batches, when the ranks have different numbers of "
-                 f"batches?")
-        except launch.RankFailedError as exc:
-            if exc.summary.startswith("NotImplementedError"):
-                raise NotImplementedError(
-                    f"{path.name} still has a TODO in evaluate_f1: replace the `raise "
-                    f"NotImplementedError` with your code, re-run that cell, then this check."
-                ) from None
-            fail(f"evaluate_f1 raised on rank {exc.rank} of {world_size}: {exc.summary}")
+        results = run_ranks(
+            _f1_worker, world_size, source, n_test, timeout=timeout,
+            hang=lambda exc: f"evaluate_f1 did not finish within {timeout:g} s on {world_size} "
+                             f"ranks: does one rank call a collective (all_reduce) that another "
+                             f"never calls, e.g. inside its loop over batches, when the ranks "
+                             f"have different numbers of batches?",
+            failed=lambda exc: fail(f"evaluate_f1 raised on rank {exc.rank} of {world_size}: "
+                                    f"{exc.summary}"),
+            todo=f"{path.name} still has a TODO in evaluate_f1: replace the `raise "
+                 f"NotImplementedError` with your code, re-run that cell, then this check.")
         judge_f1(results, n_test)
 
 
@@ -600,16 +596,20 @@ def _saved_f1_reference(weights: dict, cfg: "Lab04Config", n_test: int = 101) ->
     return _f1_of(torch.bincount(y * 10 + pred, minlength=100).view(10, 10))
 
 
+@recorded
 def check(path="train_lab.py", cfgs=CONFIGS[:1], launcher: str = "torchrun",
-          timeout: float = 120.0, f1_runs=F1_RUNS) -> None:
+          timeout: float | None = None, f1_runs=F1_RUNS) -> None:
     """The lab's check: ``evaluate_f1`` on 2 and 3 ranks (:func:`check_f1`), then the whole
     script under torchrun (2 ranks; pass ``cfgs=CONFIGS`` for 3 ranks with another seed and
-    global batch too), comparing its weights and the F1 it saved with one process."""
+    global batch too), comparing its weights and the F1 it saved with one process.
+    ``timeout``: 120 s per run (90 s for the F1 part), or ``DPCOURSE_CHECK_TIMEOUT`` if more."""
     __tracebackhide__ = True
+    f1_timeout = check_timeout(timeout, 90.0)
+    timeout = check_timeout(timeout, 120.0)
     if isinstance(cfgs, Lab04Config):
         cfgs = (cfgs,)
     if f1_runs:
-        check_f1(path, f1_runs, timeout=min(timeout, 90.0))
+        check_f1(path, f1_runs, timeout=f1_timeout)
     for cfg in cfgs:
         weights, saves, _, f1 = run_script(path, cfg, launcher=launcher, timeout=timeout)
         judge(weights, saves, cfg)
@@ -740,13 +740,15 @@ def _resumed_variant(cfg: Lab04Config, variant: str) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def check_resume(save_training_state, resume_training_state, timeout: float = 90.0) -> None:
+@recorded
+def check_resume(save_training_state, resume_training_state,
+                 timeout: float | None = None) -> None:
     """Stretch: train 3 epochs on 2 ranks, "crash" after epoch 1, run again: with your
     ``save_training_state`` and ``resume_training_state`` the second run must do only epoch 2
-    and end with the weights of an uninterrupted run."""
+    and end with the weights of an uninterrupted run (``timeout``: 90 s per run, or
+    ``DPCOURSE_CHECK_TIMEOUT`` if more)."""
     __tracebackhide__ = True
-    from dpcourse import launch
-
+    timeout = check_timeout(timeout, 90.0)
     cfg = RESUME_CFG
     for fn, name in ((save_training_state, "save_training_state"),
                      (resume_training_state, "resume_training_state")):
@@ -756,18 +758,14 @@ def check_resume(save_training_state, resume_training_state, timeout: float = 90
         ckpt = os.path.join(tmp, "ckpt.pt")
         runs = []
         for stop_after in (_CRASH_AFTER, None):
-            try:
-                runs.append(launch.spawn(_resume_worker, cfg.world_size, save_training_state,
-                                         resume_training_state, ckpt, stop_after, cfg,
-                                         backend="gloo", timeout=timeout, show_output=False))
-            except launch.LaunchTimeoutError:
-                fail(f"a run did not finish within {timeout:g} s: does a function call a "
-                     f"collective (e.g. dist.barrier) on some ranks only?")
-            except launch.RankFailedError as exc:
-                if exc.summary.startswith("NotImplementedError"):
-                    raise NotImplementedError(f"{exc.summary} (on rank {exc.rank})") from None
-                when = "first run" if stop_after is not None else "run after the crash"
-                fail(f"your code raised on rank {exc.rank} in the {when}: {exc.summary}")
+            when = "first run" if stop_after is not None else "run after the crash"
+            runs.append(run_ranks(
+                _resume_worker, cfg.world_size, save_training_state, resume_training_state,
+                ckpt, stop_after, cfg, timeout=timeout,
+                hang=lambda exc: f"a run did not finish within {timeout:g} s: does a function "
+                                 f"call a collective (e.g. dist.barrier) on some ranks only?",
+                failed=lambda exc: fail(f"your code raised on rank {exc.rank} in the {when}: "
+                                        f"{exc.summary}")))
             for r in runs[-1]:
                 if "error" in r:
                     fail(r["error"] + ".")

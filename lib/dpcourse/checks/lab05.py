@@ -26,7 +26,7 @@ import numpy as np
 
 from dpcourse import data as _data
 from dpcourse import mirrored
-from dpcourse.checks import fail, passed
+from dpcourse.checks import fail, passed, recorded
 
 tf = mirrored.tf
 keras = mirrored.keras
@@ -72,6 +72,7 @@ def _local(strategy, value) -> list:
     return [np.asarray(v) for v in strategy.experimental_local_results(value)]
 
 
+@recorded
 def check_per_replica_loss(per_replica_loss, strategy) -> None:
     """Inside ``strategy.run``, each replica's loss must be its per-example losses summed and
     divided by the *global* batch size (what ``tf.nn.compute_average_loss`` does)."""
@@ -145,6 +146,7 @@ def _outside_scope(strategy, model, optimizer) -> str | None:
     return None
 
 
+@recorded
 def check_model_and_optimizer(make_model_and_optimizer, strategy, lr: float = 0.1):
     """The model and optimizer must both be created under ``strategy.scope()``. Returns them."""
     __tracebackhide__ = True
@@ -164,6 +166,7 @@ def check_model_and_optimizer(make_model_and_optimizer, strategy, lr: float = 0.
     return model, optimizer
 
 
+@recorded
 def check_train_step(distributed_train_step, make_model_and_optimizer, strategy,
                      global_batch: int = 64, lr: float = 0.1) -> None:
     """One step of the learner's loop from fixed weights on a fixed global batch must give the
@@ -287,6 +290,7 @@ def _stretch_data():
     return x, y
 
 
+@recorded
 def check_dataset_fn(make_dist_dataset, strategy) -> None:
     """Stretch: ``make_dist_dataset(strategy, x, y, global_batch)`` built with
     ``strategy.distribute_datasets_from_function`` must give, at every step, the next
@@ -340,6 +344,7 @@ def _stretch_model():
     return model
 
 
+@recorded
 def check_partial_batch_epoch(train_epoch, strategy) -> None:
     """Stretch: ``train_epoch(strategy, model, optimizer, dist_dataset)`` over 100 samples in
     global batches of 32 must take the steps one device takes — including the last step, where

@@ -27,7 +27,7 @@ import tempfile
 
 import numpy as np
 
-from dpcourse.checks import LabCheckError, fail, passed
+from dpcourse.checks import LabCheckError, check_timeout, fail, passed, recorded, run_ranks
 from dpcourse.ring import chunk_bounds
 
 __all__ = ["LabCheckError", "check_scatter_reduce", "check_all_gather", "check_ring_allreduce",
@@ -105,6 +105,7 @@ def _same(a_list, b_list) -> bool:
     return all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(a_list, b_list))
 
 
+@recorded
 def check_scatter_reduce(fn) -> None:
     """``fn(buffers)``: N 1-D float arrays, changed in place; after it worker i must hold the
     full sum of chunk (i + 1) mod N (chunks as in ``ring.chunk_bounds``)."""
@@ -137,6 +138,7 @@ def check_scatter_reduce(fn) -> None:
                   "for N = 3, 4, 5 and uneven lengths")
 
 
+@recorded
 def check_all_gather(fn) -> None:
     """``fn(buffers)``: run on the state after the reference scatter-reduce; afterwards every
     worker must hold the whole sum."""
@@ -324,16 +326,18 @@ def _rebinds_division(fn) -> bool:
                for node in ast.walk(tree))
 
 
-def check_ring_allreduce(fn, world_size=None, timeout: float = 20.0,
+@recorded
+def check_ring_allreduce(fn, world_size=None, timeout: float | None = None,
                          world_sizes=WORLD_SIZES) -> None:
     """Run ``fn(tensor, op="sum"|"average")`` on 3 and then 2 gloo ranks (``world_size``: only
     that many), on several shapes (lengths not divisible by N, and shorter than N), and compare
     with the sum / average; spy on the messages it sends.
 
-    ``timeout`` bounds each launch: a ring that deadlocks ends with a LabCheckError that says
-    so instead of hanging the notebook.
+    ``timeout`` bounds each launch (20 s, or ``DPCOURSE_CHECK_TIMEOUT`` if more): a ring that
+    deadlocks ends with a LabCheckError that says so instead of hanging the notebook.
     """
     __tracebackhide__ = True
+    timeout = check_timeout(timeout, 20.0)
     if not callable(fn):
         fail(f"check_ring_allreduce needs your ring_allreduce function, got {type(fn).__name__}")
     sizes = (world_size,) if world_size else tuple(world_sizes)
@@ -345,43 +349,40 @@ def check_ring_allreduce(fn, world_size=None, timeout: float = 20.0,
 
 def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None) -> list:
     __tracebackhide__ = True
-    from dpcourse import launch
-
     marker_dir = tempfile.mkdtemp(prefix="dpcourse-lab06-")
+
+    def hang(exc) -> str:
+        where = {}
+        for r in range(world_size):
+            try:
+                with open(os.path.join(marker_dir, f"rank{r}")) as f:
+                    where[r] = f.read()
+            except OSError:
+                where[r] = ""
+        # A blocked rank sits in dist.send with nobody in dist.recv; a rank whose small send
+        # the OS buffered may be between calls (marker empty) when it is stopped, so "every
+        # marked rank in send, none in recv" is the deadlock's signature.
+        in_send = [r for r, v in where.items() if v == "send"]
+        if in_send and not any(v == "recv" for v in where.values()):
+            return (f"deadlock: every rank called a blocking dist.send before its dist.recv, "
+                    f"so all {world_size} waited for a receive nobody had posted (gloo's send "
+                    f"waits for the matching receive) and were stopped after {timeout:g} s; "
+                    f"post the send and the receive together with dist.isend / dist.irecv, "
+                    f"then wait on both")
+        stuck = ", ".join(f"rank {r} in dist.{v}" for r, v in where.items() if v) or \
+            "no rank inside dist.send/recv"
+        return (f"your ring did not finish within {timeout:g} s on {world_size} ranks and was "
+                f"stopped ({stuck}): some send or receive has no partner — check that every "
+                f"rank does the same number of steps and sends to rank+1, receives from rank-1")
+
+    def failed(exc) -> None:
+        fail(f"your ring raised on rank {exc.rank} of {world_size}: {exc.summary}")
+
     try:
-        try:
-            return launch.spawn(_real_worker, world_size, fn, cases, marker_dir, kwargs,
-                                backend="gloo", timeout=timeout, show_output=False)
-        except launch.LaunchTimeoutError:
-            where = {}
-            for r in range(world_size):
-                try:
-                    with open(os.path.join(marker_dir, f"rank{r}")) as f:
-                        where[r] = f.read()
-                except OSError:
-                    where[r] = ""
-            # A blocked rank sits in dist.send with nobody in dist.recv; a rank whose small send
-            # the OS buffered may be between calls (marker empty) when it is stopped, so "every
-            # marked rank in send, none in recv" is the deadlock's signature.
-            in_send = [r for r, v in where.items() if v == "send"]
-            if in_send and not any(v == "recv" for v in where.values()):
-                fail(f"deadlock: every rank called a blocking dist.send before its dist.recv, "
-                     f"so all {world_size} waited for a receive nobody had posted (gloo's send "
-                     f"waits for the matching receive) and were stopped after {timeout:g} s; "
-                     f"post the send and the receive together with dist.isend / dist.irecv, "
-                     f"then wait on both.")
-            stuck = ", ".join(f"rank {r} in dist.{v}" for r, v in where.items() if v) or \
-                "no rank inside dist.send/recv"
-            fail(f"your ring did not finish within {timeout:g} s on {world_size} ranks and was "
-                 f"stopped ({stuck}): some send or receive has no partner — check that every "
-                 f"rank does the same number of steps and sends to rank+1, receives from "
-                 f"rank-1.")
-        except launch.RankFailedError as exc:
-            if exc.summary.startswith("NotImplementedError"):
-                raise NotImplementedError(f"ring_allreduce is not written yet ({exc.summary}): "
-                                          f"replace the `raise NotImplementedError` under the "
-                                          f"TODO.") from None
-            fail(f"your ring raised on rank {exc.rank} of {world_size}: {exc.summary}")
+        return run_ranks(_real_worker, world_size, fn, cases, marker_dir, kwargs,
+                         timeout=timeout, hang=hang, failed=failed,
+                         todo="ring_allreduce is not written yet ({summary}): replace the "
+                              "`raise NotImplementedError` under the TODO.")
     finally:
         shutil.rmtree(marker_dir, ignore_errors=True)
 
@@ -467,13 +468,15 @@ _SEGMENT_CASES = [((48,), "float64", "sum"), ((50,), "float64", "sum"),
                   ((4, 13), "float32", "average")]
 
 
-def check_segmented_ring(fn, segments: int = 4, timeout: float = 30.0,
+@recorded
+def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                          world_sizes=WORLD_SIZES) -> None:
     """Stretch: ``fn(tensor, op, segments=S)`` must give the sum / average in place, sending
     each scatter-reduce chunk as S segments: at least (N-1)·S messages of at most
     ceil(ceil(K/N)/S) elements per rank, and no built-in collective. (The all-gather may send
     whole chunks or segments.)"""
     __tracebackhide__ = True
+    timeout = check_timeout(timeout, 30.0)
     if not callable(fn):
         fail(f"check_segmented_ring needs your function, got {type(fn).__name__}")
     for n in world_sizes:

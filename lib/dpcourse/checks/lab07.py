@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import launch
-from . import fail, has_todo, passed
+from . import check_timeout, fail, has_todo, passed, recorded, run_ranks
 
 __all__ = ["check_assign_buckets", "check_bucketed_ddp", "check_topk_hook", "CONFIGS",
            "DEFAULT_TIMEOUT", "HOOK_WORLD_SIZES", "HOOK_FRACTION"]
@@ -196,6 +196,7 @@ def _no_torch_assignment():
                 setattr(m, "_compute_bucket_assignment_by_size", real)
 
 
+@recorded
 def check_assign_buckets(assign_buckets) -> None:
     """Run ``assign_buckets(params, bucket_cap_mb)`` on six sets of parameters and caps."""
     __tracebackhide__ = True
@@ -458,20 +459,9 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
 
 def _launch(cls, world_size: int, cap_mb: float, timeout: float) -> list:
     __tracebackhide__ = True
-    from .. import devices, launch
+    from .. import devices
 
-    backend = devices.backend_for(world_size)
-    try:
-        return launch.spawn(_bucketed_worker, world_size, cls, cap_mb, backend=backend,
-                            timeout=timeout, show_output=False)
-    except launch.LaunchTimeoutError as exc:
-        who = ", ".join(map(str, exc.pending)) or "some rank"
-        fail(f"rank(s) {who} never finished within {timeout:g} s — a deadlock: every rank must "
-             f"launch the same all-reduces in the same order (same buckets, no rank-dependent "
-             f"branches), and every launched all-reduce must be waited on.")
-    except launch.RankFailedError as exc:
-        if exc.summary.startswith("NotImplementedError"):
-            raise NotImplementedError(f"{exc.summary} (on rank {exc.rank})") from None
+    def failed(exc) -> None:
         if "doesn't require gradient" in exc.summary or "does not require grad" in exc.summary:
             fail("you registered a hook on a frozen parameter (requires_grad=False; the check's "
                  "model has one, `scale`): torch refuses it, and it never gets a gradient — "
@@ -479,7 +469,12 @@ def _launch(cls, world_size: int, cap_mb: float, timeout: float) -> list:
         if "AVG" in exc.summary or "ReduceOp" in exc.summary:
             fail(f"your code raised on rank {exc.rank}: {exc.summary} — this backend refuses "
                  f"that reduce op: all-reduce with SUM and divide by the world size.")
-        fail(f"your code raised on rank {exc.rank}: {exc.summary}")
+
+    return run_ranks(_bucketed_worker, world_size, cls, cap_mb,
+                     backend=devices.backend_for(world_size), timeout=timeout, failed=failed,
+                     hang="every rank must launch the same all-reduces in the same order (same "
+                          "buckets, no rank-dependent branches), and every launched all-reduce "
+                          "must be waited on.")
 
 
 def _close(a, b) -> bool:
@@ -491,13 +486,15 @@ def _all_close(xs, ys) -> bool:
     return all(_close(x, y) for x, y in zip(xs, ys))
 
 
-def check_bucketed_ddp(cls, configs=CONFIGS, timeout: float = DEFAULT_TIMEOUT) -> None:
+@recorded
+def check_bucketed_ddp(cls, configs=CONFIGS, timeout: float | None = None) -> None:
     """Run the learner's wrapper class for 3 steps on 2 ranks (0.002 MiB buckets, which fill
     out of order) and on 3 ranks (0.004 MiB), on a model with a frozen parameter; its
     collectives, their order, their timing against each gradient's arrival, the gradients it
     leaves (values, and views of the bucket) are checked at every step, and its final weights
     against real DDP's."""
     __tracebackhide__ = True
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     if not isinstance(cls, type):
         fail(f"the check needs your class itself (BucketedDDP, not BucketedDDP(...)), got "
              f"{type(cls).__name__}.")
@@ -946,17 +943,7 @@ _PEER_LOST = re.compile(launch.PEER_LOST.pattern + r"|Connection (reset|closed)|
 
 def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: float) -> list:
     __tracebackhide__ = True
-    from .. import launch
-
-    try:
-        return launch.spawn(_topk_worker, world_size, hook, state_cls, fraction,
-                            backend="gloo", timeout=timeout, show_output=False)
-    except launch.LaunchTimeoutError as exc:
-        who = ", ".join(map(str, exc.pending)) or "some rank"
-        fail(f"rank(s) {who} never finished within {timeout:g} s — a deadlock: every rank must "
-             f"make the same collectives in the same order, whatever it selected (all_gather "
-             f"tensors of the same size on every rank: k values and k indices).")
-    except launch.RankFailedError as exc:
+    def failed(exc) -> None:
         summary = exc.summary.removeprefix(f"{_HookRaised.__name__}: ")
         hint = ""
         if "size" in summary or "shape" in summary or "match" in summary:
@@ -971,6 +958,12 @@ def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: flo
                     "exactly state.k(numel) values and indices")
         what = "died in your hook" if "died" in summary else "raised in your hook"
         fail(f"rank {exc.rank} {what}: {summary}{hint}.")
+
+    return run_ranks(_topk_worker, world_size, hook, state_cls, fraction, timeout=timeout,
+                     failed=failed,
+                     hang="every rank must make the same collectives in the same order, "
+                          "whatever it selected (all_gather tensors of the same size on every "
+                          "rank: k values and k indices).")
 
 
 _PROBLEMS = {
@@ -987,12 +980,14 @@ _PROBLEMS = {
 }
 
 
+@recorded
 def check_topk_hook(hook, state_cls, world_sizes=HOOK_WORLD_SIZES, fraction=HOOK_FRACTION,
-                    timeout: float = DEFAULT_TIMEOUT) -> None:
+                    timeout: float | None = None) -> None:
     """Run the learner's comm hook in real DDP (probe model, 12 steps, two buckets after DDP's
     rebuild) on 2 and 3 ranks; compare every hook call with top-k + error feedback replayed on
     the same buckets, weigh what each rank sends, and name the mistake when they differ."""
     __tracebackhide__ = True
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     if not callable(hook) or isinstance(hook, type):
         fail(f"the check needs your hook function itself (topk_hook), got "
              f"{type(hook).__name__}.")

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fail, has_todo, passed
+from . import check_timeout, fail, has_todo, passed, recorded, run_ranks
 
 __all__ = ["check_shard_bounds", "check_zero_two", "CONFIGS", "BUCKET_CAP",
            "DEFAULT_TIMEOUT"]
@@ -62,6 +62,7 @@ DEFAULT_TIMEOUT = 30.0
 _BOUNDS_CASES = ((53, 2), (53, 3), (12, 3), (10, 4), (3, 4), (1, 1), (1_000_003, 8))
 
 
+@recorded
 def check_shard_bounds(shard_bounds) -> None:
     """Every rank's [start, end) on seven (numel, world size) pairs."""
     __tracebackhide__ = True
@@ -422,20 +423,10 @@ _GLOO_PREFIX = re.compile(r"\[rank\d+\]:\[\w+ [\d:.]+ [\w.]+:\d+\]\s*")
 
 def _launch(cls, world_size: int, opt_name: str, timeout: float) -> list:
     __tracebackhide__ = True
-    from .. import launch
-
-    try:
-        return launch.spawn(_zero_worker, world_size, cls, opt_name, backend="gloo",
-                            timeout=timeout, show_output=False)
-    except launch.LaunchTimeoutError as exc:
-        who = ", ".join(map(str, exc.pending)) or "some rank"
-        fail(f"rank(s) {who} never finished within {timeout:g} s — a deadlock: every rank must "
-             f"make the same collectives, in the same order, with tensors of the same size "
-             f"(and wait() for each one it launched).")
-    except launch.RankFailedError as exc:
-        if exc.summary.startswith("NotImplementedError"):
-            raise NotImplementedError(f"{exc.summary} (on rank {exc.rank})") from None
-        _raised(exc.rank, exc.summary)
+    return run_ranks(_zero_worker, world_size, cls, opt_name, timeout=timeout,
+                     failed=lambda exc: _raised(exc.rank, exc.summary),
+                     hang="every rank must make the same collectives, in the same order, with "
+                          "tensors of the same size (and wait() for each one it launched).")
 
 
 def _raised(rank: int, summary: str) -> None:
@@ -464,13 +455,15 @@ def _raised(rank: int, summary: str) -> None:
     fail(f"your code raised on rank {rank}: {summary}{hint}.")
 
 
-def check_zero_two(cls, configs=CONFIGS, timeout: float = DEFAULT_TIMEOUT) -> None:
+@recorded
+def check_zero_two(cls, configs=CONFIGS, timeout: float | None = None) -> None:
     """Run the learner's ZeroTwo for 3 steps on 2 ranks (Adam) and 3 ranks (SGD + momentum)
     next to DDP with the full optimizer, on a model with a frozen and a tied parameter;
     compare the weights, weigh the optimizer state and the gradient memory alive at once, and
     check that each bucket's reduce-scatter was launched, asynchronously, as soon as its
     gradients were in."""
     __tracebackhide__ = True
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     if not isinstance(cls, type):
         fail(f"the check needs your class itself (ZeroTwo, not ZeroTwo(...)), got "
              f"{type(cls).__name__}.")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fail, has_todo, passed
+from . import fail, has_todo, passed, recorded
 
 __all__ = ["check_async_worker", "check_staleness_aware", "TAUS", "AWARE_TAUS", "STEPS",
            "trace_loop", "diagnose_loop", "run_server", "diagnose_server"]
@@ -192,6 +192,7 @@ def diagnose_loop(trace: dict) -> None:
              f"{at}: you pushed {tags}, expected {want}")
 
 
+@recorded
 def check_async_worker(loop, taus=TAUS) -> None:
     """The lab's check: run ``loop`` for each τ and compare with the reference."""
     __tracebackhide__ = True
@@ -314,6 +315,7 @@ def diagnose_server(run: dict) -> None:
          "(lr / max(1, staleness))")
 
 
+@recorded
 def check_staleness_aware(server_cls, taus=AWARE_TAUS) -> None:
     """The stretch's check: the reference loop on the learner's server, for each τ."""
     __tracebackhide__ = True

@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dpcourse import launch
-from dpcourse.checks import fail, passed
+from dpcourse.checks import check_timeout, fail, passed, recorded, run_ranks, timed_out
 
 __all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "script", "show", "move_line", "check_answer",
            "simulate", "run_fix", "judge_fix", "check_fix", "check_fixes",
@@ -186,6 +186,7 @@ def move_line(text: str, line: str, before: str) -> str:
     return "".join(lines)
 
 
+@recorded(name="check_answer {n}")
 def check_answer(n: int, answer) -> None:
     """Judge the multiple-choice answer for bug ``n``: say why a wrong option is not it."""
     __tracebackhide__ = True
@@ -347,6 +348,9 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
 
     from dpcourse import launch
 
+    hang = timed_out(f"it did not finish within {timeout:g} s: a rank is waiting in a collective "
+                     f"that the others never call, or call differently (another src, order or "
+                     f"shape)", timeout)
     with tempfile.TemporaryDirectory(prefix=f"dpcourse-lab10-bug{n}-") as tmp:
         path, runner = Path(tmp, SCRIPTS[n]), Path(tmp, "runner.py")
         path.write_text(text)
@@ -360,9 +364,7 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
                              "--out", out], os.path.join(tmp, "saves"), timeout=timeout,
                              show_output=False)
             except launch.LaunchTimeoutError:
-                return (f"it did not finish within {timeout:g} s: a rank is waiting in a "
-                        f"collective that the others never call, or call differently (another "
-                        f"src, order or shape).")
+                return hang
             except launch.RankFailedError as exc:
                 hint = _MISMATCH_HINT if _MISMATCHED.search(exc.summary) else ""
                 return f"it failed on rank {exc.rank} ({exc.summary}){hint}."
@@ -374,9 +376,7 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
                                          nproc_per_node=WORLD_SIZES[n], timeout=timeout,
                                          echo=False, check=False)
             except launch.LaunchTimeoutError:
-                return (f"it did not finish within {timeout:g} s: a rank is waiting in a "
-                        f"collective that the others never call, or call differently (another "
-                        f"src, order or shape).")
+                return hang
             if result.returncode != 0:
                 hint = (_MISMATCH_HINT if _MISMATCHED.search(_last_error_line(result.output))
                         else "")
@@ -411,18 +411,24 @@ def judge_fix(n: int, weights) -> None:
          f"and match none of the mistakes the check knows: change only what the bug needs.")
 
 
-def check_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun") -> None:
-    """Run one fixed script under torchrun and compare its weights with the reference."""
+@recorded(name="check_fix {n}")
+def check_fix(n: int, text: str, timeout: float | None = None,
+              launcher: str = "torchrun") -> None:
+    """Run one fixed script under torchrun (``timeout``: 60 s, or ``DPCOURSE_CHECK_TIMEOUT`` if
+    more) and compare its weights with the reference."""
     __tracebackhide__ = True
+    timeout = check_timeout(timeout, 60.0)
     _precheck(n, text)
     judge_fix(n, run_fix(n, text, timeout, launcher))
     passed(f"fix {n}: the weights equal a correct data-parallel run on {WORLD_SIZES[n]} ranks")
 
 
-def check_fixes(fixes: dict, timeout: float = 60.0, launcher: str = "torchrun") -> None:
+@recorded
+def check_fixes(fixes: dict, timeout: float | None = None, launcher: str = "torchrun") -> None:
     """Run every fixed script under torchrun at the same time (a launch costs seconds) and
-    judge each, in order."""
+    judge each, in order (``timeout`` per script: 60 s, or ``DPCOURSE_CHECK_TIMEOUT`` if more)."""
     __tracebackhide__ = True
+    timeout = check_timeout(timeout, 60.0)
     if not isinstance(fixes, dict) or not fixes:
         fail("Pass a dict {bug number: fixed script text}, e.g. {1: fixed1, 2: fixed2}.")
     for n in sorted(fixes):
@@ -495,26 +501,27 @@ def _detector_worker(rank, world_size, fn):
     return results
 
 
-def check_replicas_in_sync(replicas_in_sync, world_size: int = 3, timeout: float = 60.0):
+@recorded
+def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
+                           timeout: float | None = None):
     """Stretch: on ``world_size`` ranks, ``replicas_in_sync(model)`` must return True on every
     rank when all replicas hold the same parameters, and False on every rank when one differs."""
     __tracebackhide__ = True
-    from dpcourse import launch
     from dpcourse.checks import has_todo
+
+    timeout = check_timeout(timeout, 60.0)
 
     if not callable(replicas_in_sync):
         fail(f"replicas_in_sync must be a function, got {type(replicas_in_sync).__name__}.")
     if has_todo(replicas_in_sync):
         raise NotImplementedError("replicas_in_sync still has a TODO: write it, then run this "
                                   "check.")
-    try:
-        ranks = launch.spawn(_detector_worker, world_size, replicas_in_sync, backend="gloo",
-                             timeout=timeout, show_output=False)
-    except launch.LaunchTimeoutError:
-        fail(f"replicas_in_sync did not return within {timeout:g} s on {world_size} ranks: does "
-             f"it call a collective on some ranks only?")
-    except launch.RankFailedError as exc:
-        fail(f"replicas_in_sync raised on rank {exc.rank} of {world_size}: {exc.summary}")
+    ranks = run_ranks(
+        _detector_worker, world_size, replicas_in_sync, timeout=timeout,
+        hang=lambda exc: f"replicas_in_sync did not return within {timeout:g} s on {world_size} "
+                         f"ranks: does it call a collective on some ranks only?",
+        failed=lambda exc: fail(f"replicas_in_sync raised on rank {exc.rank} of {world_size}: "
+                                f"{exc.summary}"))
     blind = []
     for case in _CASES:
         verdicts = [r[case][0] for r in ranks]
