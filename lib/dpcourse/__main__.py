@@ -10,6 +10,7 @@ and what to fix when something is missing. Lesson 00 runs it.
     python -m dpcourse check           # notebooks and labs in sync with their sources?
     python -m dpcourse times           # each lesson's honest time against its header
     python -m dpcourse mutate [labNN]  # how good are the lab checks? (dpcourse.tools.mutate)
+    python -m dpcourse progress PATH   # the class table from DPCOURSE_PROGRESS (tools.progress)
 
 ``build``, ``check`` and ``times`` are :mod:`dpcourse.tools.authoring`'s commands.
 """
@@ -124,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         from dpcourse.tools import mutate
 
         return mutate.main(argv[1:])
+    if argv[:1] == ["progress"]:  # its own parser, in dpcourse.tools.progress
+        from dpcourse.tools import progress
+
+        return progress.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m dpcourse")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="check this machine for the course")
@@ -154,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("times", add_help=False, help="each lesson's honest time against its header")
     sub.add_parser("mutate", add_help=False, help="break each lab solution one line at a time "
                    "and list the broken answers its check lets through (mutate [labNN ...])")
+    sub.add_parser("progress", add_help=False, help="the class table from the file the lab "
+                   "checks append to (DPCOURSE_PROGRESS): who passed which check, and the most "
+                   "common mistake (progress PATH [--lab labNN] [--json])")
     args = parser.parse_args(argv)
     if args.cmd == "diagnose":
         return diagnose_script(args.script, args.script_args, args.nproc, args.timeout,

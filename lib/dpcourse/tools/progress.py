@@ -50,8 +50,8 @@ class Attempts:
         else:
             outcome = self.latest.get("outcome", "mistake")
             text = _OUTCOME_CELL.get(outcome) or self.latest.get("mistake") or outcome
-            if len(text) > width:
-                text = text[: width - 1].rstrip() + "…"
+            if len(text) > width:  # cut at a word, as checks.short_mistake does
+                text = text[: width - 1].rsplit(" ", 1)[0].rstrip(",;:") + "…"
         return f"{text} ({self.count})" if self.count > 1 else text
 
 
