@@ -41,7 +41,8 @@ def test_ci_runs_the_readme_commands():
 
 def test_importing_the_library_has_no_side_effects():
     code = ("import sys, dpcourse, dpcourse.devices, dpcourse.launch, dpcourse.data, "
-            "dpcourse.models, dpcourse.train, dpcourse.checks, dpcourse.tools.authoring, dpcourse.bench; "
+            "dpcourse.models, dpcourse.train, dpcourse.checks, dpcourse.tools.authoring, "
+            "dpcourse.bench; "
             "assert 'tensorflow' not in sys.modules, 'torch-only modules imported TensorFlow'; "
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -61,3 +62,165 @@ def test_the_repository_address_is_written_once():
     assert f"git clone {url}.git" in quick and "\ncd " + owner_repo.split("/")[1] in quick
     assert f"mybinder.org/v2/gh/{owner_repo}/main" in readme
     assert "<owner>" not in readme
+
+
+# --- the docs name only what exists ----------------------------------------------------------
+# README.md and ARCHITECTURE.md name modules (`dpcourse.tools.authoring`), attributes
+# (`dpcourse.launch.spawn`), files (`lib/dpcourse/zero.py`, `tests/test_labNN_checks.py`) and
+# commands (`python -m dpcourse.bench ddp --repeats 3`). A rename that forgets a page fails here.
+
+DOCS = ("README.md", "ARCHITECTURE.md")
+_CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)
+_NAME = re.compile(r"(?<![\w/.-])dpcourse(?:\.[A-Za-z_]\w*)+")
+_PATH = re.compile(r"^(?:lib|tests|lessons|solutions|labs|website|binder|\.ci|\.github)/"
+                   r"[\w./<>-]*$")
+_COMMAND = re.compile(r"python(?:3[.\d]*)? -m ([\w.]+)([^`\n#;&>]*)")
+_GENERATED = {"tests/artifacts/"}   # made by the browser tests, ignored by git
+
+
+def doc_code(text: str) -> list[str]:
+    """Every inline code span and fenced block of a Markdown text, without the backticks."""
+    return [span.strip("`") for span in _CODE.findall(text)]
+
+
+_SHORT = re.compile(r"(?<![\w/.-])([a-z_]\w*)\.([A-Za-z_]\w*)")
+_FILE_TYPES = {"py", "ipynb", "md", "txt", "cfg", "toml", "json", "png", "html", "git"}
+MODULES = {p.stem for p in (ROOT / "lib" / "dpcourse").iterdir()
+           if p.suffix == ".py" or (p / "__init__.py").exists()} - {"__init__", "__main__"}
+
+
+def doc_names(text: str) -> set[str]:
+    """`dpcourse.x.y` names, and `x.y` where x is a module of the package (`viz.show_code`,
+    `ddp.setup_rank`), as lessons write them after `from dpcourse import x`."""
+    names = set()
+    for span in doc_code(text):
+        names |= set(_NAME.findall(span))
+        names |= {f"dpcourse.{mod}.{attr}" for mod, attr in _SHORT.findall(span)
+                  if mod in MODULES and attr not in _FILE_TYPES}
+    return names
+
+
+def doc_paths(text: str) -> set[str]:
+    return {s for s in doc_code(text) if _PATH.match(s)}
+
+
+def doc_commands(text: str) -> set[tuple[str, str, tuple[str, ...]]]:
+    """(module, subcommand or "", --flags) for every `python -m ...`; `a|b` names alternatives."""
+    found = set()
+    for span in doc_code(text):
+        for module, rest in _COMMAND.findall(span):
+            words = rest.replace("[", " ").replace("]", " ").split()
+            flags = tuple(sorted({w.split("=")[0] for w in words if w.startswith("--")}))
+            first = words[0] if words and not words[0].startswith("-") else ""
+            for sub in first.split("|"):
+                found.add((module, sub, flags))
+    return found
+
+
+_RESOLVE = """
+import importlib, importlib.util, json, sys
+def resolves(name):
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+names, modules = json.load(sys.stdin)
+print(json.dumps([[n for n in names if not resolves(n)],
+                  [m for m in modules if importlib.util.find_spec(m) is None]]))
+"""
+
+
+def missing_names_and_modules(names, modules):
+    """The names that neither import nor are attributes of a module, and the `-m` modules that
+    cannot be found, resolved in a fresh interpreter (importing them here would load TF)."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", _RESOLVE], input=json.dumps(
+        [sorted(names), sorted(modules)]), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def command_problems(commands) -> list[str]:
+    """What is wrong with each `python -m dpcourse...` command: no such subcommand or option,
+    per the command's own --help (run as a learner would run it)."""
+    problems, helps = [], {}
+
+    def help_of(*argv):
+        if argv not in helps:
+            proc = subprocess.run([sys.executable, "-m", *argv, "--help"], capture_output=True,
+                                  text=True, timeout=120, cwd=ROOT)
+            helps[argv] = (proc.returncode, proc.stdout + proc.stderr)
+        return helps[argv]
+
+    for module, sub, flags in sorted(commands):
+        if not module.startswith("dpcourse"):
+            continue
+        rc, top = help_of(module)
+        if rc != 0 or not top.startswith("usage:"):
+            problems.append(f"`python -m {module}` has no command line: {top[-300:]}")
+            continue
+        choices = re.search(r"\{([\w,-]+)\}", top.split("\n\n")[0])
+        subs = set(choices.group(1).split(",")) if choices else set()
+        text = top
+        if subs and sub:
+            if sub not in subs:
+                problems.append(f"`python -m {module} {sub}`: no such subcommand ({sorted(subs)})")
+                continue
+            rc, text = help_of(module, sub)
+        for flag in flags:
+            if not re.search(rf"{re.escape(flag)}\b", text):
+                problems.append(f"`python -m {module} {sub} {flag}`: no such option")
+    return problems
+
+
+def path_exists(path: str) -> bool:
+    """A path, or a pattern: NN stands for two digits, NN_name for a lesson's file name and
+    <anything> for any name."""
+    pattern = path.replace("NN_name", "NN_*").replace("NN", "[0-9][0-9]")
+    pattern = re.sub(r"<[^>]+>", "*", pattern)
+    return path in _GENERATED or any(ROOT.glob(pattern.rstrip("/")))
+
+
+def test_every_name_path_and_command_in_the_docs_exists():
+    texts = {doc: (ROOT / doc).read_text() for doc in DOCS}
+    names = set().union(*(doc_names(t) for t in texts.values()))
+    commands = set().union(*(doc_commands(t) for t in texts.values()))
+    paths = set().union(*(doc_paths(t) for t in texts.values()))
+    # the docs do name the things this test is about (an empty scan would prove nothing)
+    assert {"dpcourse.tools.authoring", "dpcourse.launch.spawn"} <= names, names
+    assert ("dpcourse", "build", ()) in commands, commands
+    assert ("dpcourse.bench", "ddp", ("--json", "--repeats")) in commands, commands
+    assert "lib/dpcourse/scripts/train_ddp.py" in paths, paths
+    bad_names, bad_modules = missing_names_and_modules(names, {m for m, _, _ in commands})
+    assert not bad_names, f"the docs name what does not exist: {bad_names}"
+    assert not bad_modules, f"`python -m` of modules that do not exist: {bad_modules}"
+    bad_paths = sorted(p for p in paths if not path_exists(p))
+    assert not bad_paths, f"the docs name files that do not exist: {bad_paths}"
+    problems = command_problems(commands)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_docs_check_catches_a_stale_name_path_and_command():
+    stale = ("Run `python -m dpcourse.authoring build`, then `python -m dpcourse buld 03` and "
+             "`python -m dpcourse.bench ddp --no-such-flag`; see `dpcourse.launch.no_such_thing` "
+             "and `viz.no_such_figure()` in `lib/dpcourse/bench.py` (not `zero.py`) and "
+             "`tests/test_labNN_nothing.py`.")
+    names, commands, paths = doc_names(stale), doc_commands(stale), doc_paths(stale)
+    bad_names, bad_modules = missing_names_and_modules(names, {m for m, _, _ in commands})
+    assert bad_names == ["dpcourse.authoring", "dpcourse.launch.no_such_thing",
+                         "dpcourse.viz.no_such_figure"]
+    assert bad_modules == ["dpcourse.authoring"]
+    assert sorted(p for p in paths if not path_exists(p)) == [
+        "lib/dpcourse/bench.py", "tests/test_labNN_nothing.py"]
+    problems = command_problems(commands - {("dpcourse.authoring", "build", ())})
+    assert len(problems) == 2, problems
+    assert "buld" in problems[0] and "--no-such-flag" in problems[1], problems

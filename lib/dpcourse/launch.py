@@ -14,7 +14,7 @@ Lessons 03, 04 and 06 run every distributed example through :func:`spawn`::
     launch.spawn(hello, 2)            # -> [3.0, 3.0]
 
 Why not ``torch.multiprocessing.spawn`` straight from a notebook cell? Because of what goes
-wrong there, each measured on the course's machines (see DESIGN.md § Environment notes):
+wrong there, each measured on the course's machines (ARCHITECTURE.md § Design rules, launches):
 
 * a function defined in a cell cannot be pickled by reference, so the child dies with
   "Can't get attribute ... on <module '__main__'>". We ship the function by value with

@@ -203,7 +203,7 @@ def check_sync(root: Path = ROOT) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Honest lesson times (DESIGN.md § Honest times)
+# Honest lesson times (ARCHITECTURE.md § Design rules: honest times)
 # --------------------------------------------------------------------------------------------
 
 WORDS_PER_MINUTE = 200   # technical prose, read with care
@@ -272,7 +272,8 @@ def header_minutes(nb: nbformat.NotebookNode) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m dpcourse.tools.authoring") -> int:
+def main(argv: list[str] | None = None,
+         prog: str = "python -m dpcourse.tools.authoring") -> int:
     """``build``, ``check`` and ``times``; ``python -m dpcourse build|check|times`` comes here."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
