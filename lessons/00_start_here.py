@@ -21,9 +21,9 @@
 #
 # This course takes you from a single-device PyTorch training loop to data-parallel training
 # on many devices — `nn.DataParallel`, DistributedDataParallel (DDP), TensorFlow's
-# `MirroredStrategy` — and down to the ring AllReduce that moves the gradients. Every lesson
-# runs on a CPU-only machine: that is where its stored outputs were made and where the tests run
-# them. The same code picks GPUs and NCCL when it finds them. Lessons 01 and 07–09 have also run
+# `MirroredStrategy` — and down to the ring AllReduce that moves the gradients; the last lesson
+# shows where data parallelism ends and what comes after it. Every lesson runs on a CPU-only
+# machine: that is where its stored outputs were made and where the tests run them. The same code picks GPUs and NCCL when it finds them. Lessons 01 and 07–09 have also run
 # on a one-GPU NVIDIA H100 machine during development; the multi-GPU path (NCCL, one GPU per
 # rank) is written and has its own tests (`tests/test_gpu.py`, `python -m dpcourse doctor
 # --run`), but they have not yet been run on a multi-GPU machine.
@@ -37,17 +37,18 @@
 #
 # | lesson | what you learn | what it proves by running | lab |
 # |---|---|---|---|
-# | 00 start here | the map, labs, your hardware profile | which profile this machine uses | – |
-# | 01 single device | the loop: forward, loss, backward, step; throughput; AMP; seeds | loss falls, accuracy ≫ chance, AMP keeps accuracy | `train_one_epoch`, `evaluate` |
-# | 02 data parallel | `nn.DataParallel`: scatter, replicate, parallel_apply, gather — and why it is slow | DP from scratch == the plain module | DP step by hand |
-# | 03 DDP from first principles | processes, ranks, collectives, averaging gradients, DDP, `DistributedSampler` | hand-averaged == DDP == one process on the global batch | `average_gradients` |
-# | 04 DDP in practice | torchrun, multi-node, checkpoints, faults, accumulation, AMP, debugging | a killed-and-restarted run ends with the same weights | script → torchrun DDP |
-# | 05 MirroredStrategy | TensorFlow's data parallelism, Keras `fit`, a custom loop, multi-worker | mirrored step == one replica on the global batch | loss scaling in a custom loop |
-# | 06 ring AllReduce | the algorithm, its cost model fitted to your machine, a real ring | ring == sum; bytes per rank == 2(N−1)K/N | the ring, simulated then real |
-# | 07 inside DDP | hooks that all-reduce as gradients are ready, buckets, the overlap timeline, comm hooks (fp16, bf16, PowerSGD) | hooked and bucketed == DDP; one all-reduce per bucket | the bucketed, hook-driven wrapper |
-# | 08 sharded data parallel | where the memory goes, ZeRO-1/2/3 from scratch, FSDP2, which stage fits | every stage and FSDP2 == DDP; bytes held == the formula | ZeRO-1 |
-# | 09 beyond lockstep | a parameter server, staleness, local SGD, large batches | sync PS == DDP; τ = 0 == SGD; H = 1 == DDP | the asynchronous worker loop |
-# | 10 bug zoo | eleven broken distributed programs, each run safely with its detector and fix | every detector fires on its bug and stays quiet on the fix | name and fix five bugs |
+# | [00 start here](00_start_here.ipynb) | the map, labs, your hardware profile | which profile this machine uses | – |
+# | [01 single device](01_single_device.ipynb) | the loop: forward, loss, backward, step; throughput; AMP; seeds | loss falls, accuracy ≫ chance, AMP keeps accuracy | `train_one_epoch`, `evaluate` |
+# | [02 data parallel](02_data_parallel.ipynb) | `nn.DataParallel`: scatter, replicate, parallel_apply, gather — and why it is slow | DP from scratch == the plain module | DP step by hand |
+# | [03 DDP from first principles](03_ddp_first_principles.ipynb) | processes, ranks, collectives, averaging gradients, DDP, `DistributedSampler` | hand-averaged == DDP == one process on the global batch | `average_gradients` |
+# | [04 DDP in practice](04_ddp_in_practice.ipynb) | torchrun, multi-node, checkpoints, faults, accumulation, AMP, debugging | a killed-and-restarted run ends with the same weights | script → torchrun DDP |
+# | [05 MirroredStrategy](05_mirrored_strategy.ipynb) | TensorFlow's data parallelism, Keras `fit`, a custom loop, multi-worker | mirrored step == one replica on the global batch | loss scaling in a custom loop |
+# | [06 ring AllReduce](06_ring_allreduce.ipynb) | the algorithm, its cost model fitted to your machine, a real ring | ring == sum; bytes per rank == 2(N−1)K/N | the ring, simulated then real |
+# | [07 inside DDP](07_inside_ddp.ipynb) | hooks that all-reduce as gradients are ready, buckets, the overlap timeline, comm hooks (fp16, bf16, PowerSGD) | hooked and bucketed == DDP; one all-reduce per bucket | the bucketed, hook-driven wrapper |
+# | [08 sharded data parallel](08_sharded_data_parallel.ipynb) | where the memory goes, ZeRO-1/2/3 from scratch, FSDP2, which stage fits | every stage and FSDP2 == DDP; bytes held == the formula | ZeRO-1 |
+# | [09 beyond lockstep](09_beyond_lockstep.ipynb) | a parameter server, staleness, local SGD, large batches | sync PS == DDP; τ = 0 == SGD; H = 1 == DDP | the asynchronous worker loop |
+# | [10 bug zoo](10_bug_zoo.ipynb) | eleven broken distributed programs, each run safely with its detector and fix | every detector fires on its bug and stays quiet on the fix | name and fix five bugs |
+# | [11 beyond data parallel](11_beyond_data_parallel.ipynb) | why data parallelism ends (memory at batch 1, the critical batch size); tensor parallel (Megatron's MLP) from scratch and with `parallelize_module`; pipeline parallel (GPipe, the bubble, 1F1B); a 2-D mesh DP × TP; a planner | TP MLP == plain MLP; 2-D mesh == one device; the bubble measured against (K−1)/(M+K−1) | column/row-parallel layers |
 #
 # ## How the labs work
 #
