@@ -1,0 +1,855 @@
+"""Checks for lab11: tensor parallelism from scratch (Megatron-LM's MLP), and the stretch, a GPipe
+stage with its bubble measured.
+
+Every check runs the learner's code on 2 and then 3 gloo ranks (``dpcourse.launch.spawn``, so
+classes defined in notebook cells work), records every collective it makes with
+``dpcourse.collectives.record_collectives``, and compares values with the plain layer on one
+process. The values are chosen so that each classic mistake leaves its own trace:
+
+* ``check_block_of``: the slice rank r keeps of a size (in process): not offset by rank, one
+  feature short, the remainder dropped, a size that does not divide neither refused with a
+  sentence naming it nor handled;
+* ``check_conjugates``: ``f`` (copy to the tensor-parallel region: identity forward, all-reduce
+  backward) and ``g`` (reduce from it: all-reduce forward, identity backward). Rank-dependent
+  inputs and gradients tell apart: an all-reduce in f's forward, none in its backward, an
+  average where a sum belongs, an all-reduce in g's backward, none in its forward, f and g
+  swapped, a backward that returns nothing;
+* ``check_column_parallel`` / ``check_row_parallel``: shards cut along the wrong dimension, the
+  whole weight or bias kept, a block not offset by rank (or strided), an all-reduce in the
+  column layer's forward or none in its backward, none in the row layer's forward or one in its
+  backward, the row bias added on every rank before the sum, the bias scaled by 1/N, missing on
+  some rank, averaged partial sums;
+* ``check_tp_mlp``: the assembled MLP equals the plain one (outputs and the input's gradient)
+  with exactly one all-reduce in the forward and one in the backward; a hidden size that the
+  world size does not divide (16 on 3 ranks) is refused with a sentence naming both numbers,
+  or handled (then it must equal the plain MLP too);
+* ``check_gpipe`` (stretch): one GPipe step of the learner's stage on 2 and 3 stages, 4
+  micro-batches, against the unsplit model: gradients not accumulated over the micro-batches
+  (only the last one's left), each micro-batch's loss not divided by M, not GPipe's order, a
+  received activation that does not require grad; and the learner's ``bubble(events,
+  stages)`` against :func:`dpcourse.pipeline_parallel.measured_bubble` on timelines where the
+  formula and the measurement differ.
+
+Accepted: ``torch.chunk``, ``narrow``, ``tensor_split`` or index arithmetic; the row layer's
+bias added after the all-reduce on every rank, or before it on rank 0 only; ``x @ W.T`` or
+``F.linear``; in-place or cloned all-reduces; any world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import check_timeout, fail, has_todo, passed, recorded, run_ranks
+
+__all__ = ["check_block_of", "check_conjugates", "check_column_parallel", "check_row_parallel",
+           "check_tp_mlp", "check_gpipe", "measure_bubble", "WORLD_SIZES", "DEFAULT_TIMEOUT"]
+
+WORLD_SIZES = (2, 3)
+DEFAULT_TIMEOUT = 30.0
+D, H, ROWS = 6, 12, 5            # input width, hidden width (2 and 3 divide it), batch rows
+ODD_H = 16                       # a hidden size 3 does not divide
+_RTOL, _ATOL = 1e-5, 1e-6
+
+_HANG = ("every rank must make the same collectives in the same order — an all_reduce that "
+         "only some ranks reach (inside `if rank == 0:`, or in a backward that only some ranks "
+         "run) leaves the others waiting.")
+
+
+def _close(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and torch.allclose(a, b, rtol=_RTOL, atol=_ATOL))
+
+
+def _todo(*objs) -> None:
+    for obj in objs:
+        if has_todo(obj):
+            raise NotImplementedError(f"{getattr(obj, '__name__', 'your code')} still raises "
+                                      f"NotImplementedError: replace the TODO with your answer.")
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+def _communicating(log) -> int:
+    return sum(1 for c in log if c.op != "barrier")
+
+
+def _data(world_size: int, *shape, seed: int = 0) -> torch.Tensor:
+    """world_size different tensors of ``shape``, the same on every rank (a generator, so the
+    learner's code sees the global random state untouched)."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return torch.randn(world_size, *shape, generator=gen)
+
+
+# --------------------------------------------------------------------------------------------
+# block_of (in process)
+# --------------------------------------------------------------------------------------------
+
+
+@recorded
+def check_block_of(block_of) -> None:
+    """``block_of(size, rank, world_size)`` -> (start, stop): rank r's contiguous block, in rank
+    order, covering every feature once; a size the world size does not divide is refused with
+    a sentence naming both, or handled by uneven blocks."""
+    __tracebackhide__ = True
+    _todo(block_of)
+    for size, n in ((12, 2), (12, 3), (24, 4), (5, 1)):
+        got = []
+        for r in range(n):
+            try:
+                start, stop = (int(v) for v in block_of(size, r, n))
+            except Exception as exc:
+                fail(f"block_of({size}, {r}, {n}) raised {_error(exc)} — {n} divides {size}: "
+                     f"return (start, stop), two ints.")
+            got.append((start, stop))
+        per = size // n
+        right = [(r * per, (r + 1) * per) for r in range(n)]
+        if got == right:
+            continue
+        if all(g == got[0] for g in got) and n > 1:
+            fail(f"block_of({size}, r, {n}) gives {got[0]} to every rank: offset the block by "
+                 f"the rank (start = rank × {per}).")
+        if all(stop - start == per - 1 for start, stop in got):
+            fail(f"block_of({size}, r, {n}) gives blocks of {per - 1}, one feature short: "
+                 f"stop is start + size // world_size (the slice [start:stop) leaves stop out).")
+        fail(f"block_of({size}, r, {n}) gives {got}; rank r's block is [r × {per}, (r + 1) × "
+             f"{per}): {right}.")
+    n = 3
+    try:
+        got = [tuple(int(v) for v in block_of(ODD_H, r, n)) for r in range(n)]
+    except Exception as exc:
+        if str(ODD_H) in str(exc) and str(n) in str(exc):
+            passed(f"block_of: contiguous blocks in rank order, and {ODD_H} features on {n} "
+                   f"ranks refused with a sentence naming both")
+            return
+        fail(f"block_of({ODD_H}, r, {n}) raised {_error(exc)!r} — refuse a size the world "
+             f"size does not divide with a sentence that names both numbers, e.g. "
+             f"ValueError(f'a hidden size of {{size}} does not split over {{world_size}} "
+             f"ranks').")
+    covered = [i for start, stop in got for i in range(start, stop)]
+    if covered == list(range(ODD_H)) and all(stop > start for start, stop in got):
+        passed(f"block_of: contiguous blocks in rank order; {ODD_H} features on {n} ranks "
+               f"handled with uneven blocks {got}")
+        return
+    if len(covered) < ODD_H and covered == list(range(len(covered))):
+        fail(f"block_of({ODD_H}, r, {n}) gives {got}: feature(s) {len(covered)}..{ODD_H - 1} "
+             f"belong to no rank — {n} does not divide {ODD_H}: refuse it (raise a ValueError "
+             f"naming both) or give the remainder to some ranks.")
+    fail(f"block_of({ODD_H}, r, {n}) gives {got}, which does not cover the {ODD_H} features "
+         f"once each in rank order: refuse a size the world size does not divide, or give "
+         f"uneven blocks that cover it.")
+
+
+# --------------------------------------------------------------------------------------------
+# f and g
+# --------------------------------------------------------------------------------------------
+
+
+def _conjugates_worker(rank: int, world_size: int, copy_cls, reduce_cls) -> dict:
+    from ..collectives import record_collectives
+
+    torch.set_num_threads(1)
+    xs, gs = _data(world_size, ROWS, D, seed=1), _data(world_size, ROWS, D, seed=2)
+    out: dict = {}
+    # f: the same x on every rank (what every rank holds before a column layer)
+    x = xs[0].clone().requires_grad_(True)
+    try:
+        with record_collectives() as fwd:
+            y = copy_cls.apply(x)
+        out["f_y"] = y.detach().clone()
+        out["f_fwd"] = _communicating(fwd)
+        with record_collectives() as bwd:
+            y.backward(gs[rank])
+        out["f_bwd"] = _communicating(bwd)
+        out["f_grad"] = None if x.grad is None else x.grad.clone()
+    except Exception as exc:
+        out["f_error"] = _error(exc)
+    # g: a different partial result on every rank (what a row layer's matmul gives)
+    leaf = xs[rank].clone().requires_grad_(True)
+    try:
+        partial = leaf * 1.0
+        with record_collectives() as fwd:
+            z = reduce_cls.apply(partial)
+        out["g_z"] = z.detach().clone()
+        out["g_fwd"] = _communicating(fwd)
+        with record_collectives() as bwd:
+            z.backward(gs[rank])
+        out["g_bwd"] = _communicating(bwd)
+        out["g_grad"] = None if leaf.grad is None else leaf.grad.clone()
+    except Exception as exc:
+        out["g_error"] = _error(exc)
+    return out
+
+
+@recorded
+def check_conjugates(copy_cls, reduce_cls, world_sizes=WORLD_SIZES,
+                     timeout: float | None = None) -> None:
+    """Megatron's two operations, as ``torch.autograd.Function`` classes: ``copy_cls`` (f:
+    identity forward, all-reduce backward) and ``reduce_cls`` (g: all-reduce forward, identity
+    backward), applied with ``.apply(x)`` on 2 and 3 ranks."""
+    __tracebackhide__ = True
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    for cls in (copy_cls, reduce_cls):
+        if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+            fail(f"the check needs your classes themselves, subclasses of "
+                 f"torch.autograd.Function, got {cls!r}.")
+    _todo(copy_cls, reduce_cls)
+    for n in world_sizes:
+        outs = run_ranks(_conjugates_worker, n, copy_cls, reduce_cls, timeout=timeout,
+                         hang=_HANG)
+        _diagnose_conjugates(outs, n, copy_cls.__name__, reduce_cls.__name__)
+    shown = " and ".join(map(str, world_sizes))
+    passed(f"{copy_cls.__name__} (identity forward, all-reduce backward) and "
+           f"{reduce_cls.__name__} (all-reduce forward, identity backward) on {shown} ranks")
+
+
+def _diagnose_conjugates(outs: list, n: int, f_name: str, g_name: str) -> None:
+    __tracebackhide__ = True
+    xs, gs = _data(n, ROWS, D, seed=1), _data(n, ROWS, D, seed=2)
+    x, g_sum = xs[0], gs.sum(0)
+    for rank, o in enumerate(outs):
+        if "f_error" in o:
+            fail(f"{f_name} raised on rank {rank}: {o['f_error']} — forward(ctx, x) returns x, "
+                 f"backward(ctx, grad) returns the all-reduced grad.")
+        if "g_error" in o:
+            fail(f"{g_name} raised on rank {rank}: {o['g_error']} — forward(ctx, x) returns the "
+                 f"all-reduced x, backward(ctx, grad) returns grad.")
+    o = outs[n - 1]
+    rank = n - 1
+    f_like_g = _close(o["f_y"], n * x) and _close(o["f_grad"], gs[rank])
+    g_like_f = _close(o["g_z"], xs[rank]) and _close(o["g_grad"], g_sum)
+    if f_like_g and g_like_f:
+        fail(f"{f_name} and {g_name} are swapped: f (copy to the region) is the identity forward "
+             f"and all-reduce backward; g (reduce from it) is the all-reduce forward and "
+             f"identity backward.")
+    # f's forward
+    if _close(o["f_y"], n * x):
+        fail(f"{f_name}'s forward all-reduces x: every rank already holds the same x, so the "
+             f"sum is {n}·x — the forward of f is the identity (the all-reduce belongs in its "
+             f"backward).")
+    if not _close(o["f_y"], x):
+        fail(f"{f_name}'s forward changes x: it must return x itself (the identity).")
+    if o["f_fwd"]:
+        fail(f"{f_name}'s forward makes {o['f_fwd']} collective call(s) and still returns x "
+             f"(an all-reduce divided by the world size?): its forward is the identity, with "
+             f"no communication.")
+    # f's backward
+    if o["f_grad"] is None:
+        fail(f"x has no gradient after {f_name}'s backward: backward must return the "
+             f"(all-reduced) gradient, not None.")
+    if _close(o["f_grad"], gs[rank]) or o["f_bwd"] == 0:
+        fail(f"{f_name}'s backward returns the gradient unchanged: it must all-reduce (sum) "
+             f"it — each rank's shard of the next layer contributes only its part of dL/dx.")
+    if _close(o["f_grad"], g_sum / n):
+        fail(f"{f_name}'s backward averages the gradients (divided by the world size): dL/dx is "
+             f"the SUM of the ranks' parts — do not divide.")
+    if not _close(o["f_grad"], g_sum):
+        fail(f"{f_name}'s backward returns neither the sum of the ranks' gradients nor anything "
+             f"recognisable: all-reduce (sum) the incoming gradient and return it.")
+    # g's forward
+    x_sum = xs.sum(0)
+    if _close(o["g_z"], xs[rank]) or o["g_fwd"] == 0:
+        fail(f"{g_name}'s forward returns its input unchanged: it must all-reduce (sum) the "
+             f"ranks' partial results.")
+    if _close(o["g_z"], x_sum / n):
+        fail(f"{g_name}'s forward averages (divides by the world size): a row-parallel layer's "
+             f"partial products add up to the output — sum them.")
+    if not _close(o["g_z"], x_sum):
+        fail(f"{g_name}'s forward does not return the sum over the ranks of their inputs.")
+    # g's backward
+    if o["g_grad"] is None:
+        fail(f"the input has no gradient after {g_name}'s backward: backward must return the "
+             f"gradient, not None.")
+    if _close(o["g_grad"], g_sum) or o["g_bwd"]:
+        fail(f"{g_name}'s backward all-reduces: the gradient of a sum reaches each term "
+             f"unchanged, so g's backward is the identity (an all-reduce there adds the other "
+             f"ranks' gradients in).")
+    if not _close(o["g_grad"], gs[rank]):
+        fail(f"{g_name}'s backward changes the gradient: return it as it came (the identity).")
+
+
+# --------------------------------------------------------------------------------------------
+# The column- and row-parallel layers
+# --------------------------------------------------------------------------------------------
+
+
+def _full_linear(fan_in: int, fan_out: int, seed: int) -> nn.Linear:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Linear(fan_in, fan_out)
+
+
+def _shapes(module) -> list:
+    return [tuple(p.shape) for p in module.parameters()]
+
+
+def _layer_worker(rank: int, world_size: int, layer_cls, kind: str) -> dict:
+    from ..collectives import record_collectives
+
+    torch.set_num_threads(1)
+    out: dict = {}
+    if kind == "column":
+        full = _full_linear(D, H, seed=3)
+        x = _data(1, ROWS, D, seed=4)[0].clone().requires_grad_(True)
+        grad_full = _data(1, ROWS, H, seed=5)[0]
+    else:
+        full = _full_linear(H, D, seed=6)
+        per = H // world_size
+        x = _data(1, ROWS, H, seed=7)[0][:, rank * per:(rank + 1) * per].clone()
+        x.requires_grad_(True)
+        grad_full = _data(1, ROWS, D, seed=8)[0]
+    try:
+        layer = layer_cls(copy.deepcopy(full), rank, world_size)
+    except Exception as exc:
+        return {"build_error": _error(exc)}
+    out["shapes"] = _shapes(layer)
+    out["params"] = [p.detach().clone() for p in layer.parameters()]
+    try:
+        with record_collectives() as fwd:
+            y = layer(x)
+    except Exception as exc:
+        return {**out, "forward_error": _error(exc)}
+    out["y"] = y.detach().clone()
+    out["fwd"] = _communicating(fwd)
+    if kind == "column":
+        per = H // world_size
+        upstream = grad_full[:, rank * per:(rank + 1) * per]
+        if tuple(y.shape) != tuple(upstream.shape):
+            return out
+    else:
+        upstream = grad_full
+        if tuple(y.shape) != tuple(upstream.shape):
+            return out
+    try:
+        with record_collectives() as bwd:
+            y.backward(upstream)
+    except Exception as exc:
+        return {**out, "backward_error": _error(exc)}
+    out["bwd"] = _communicating(bwd)
+    out["x_grad"] = None if x.grad is None else x.grad.clone()
+    out["grads"] = [None if p.grad is None else p.grad.clone() for p in layer.parameters()]
+    return out
+
+
+def _launch_layer(layer_cls, kind: str, world_sizes, timeout) -> None:
+    __tracebackhide__ = True
+    if not isinstance(layer_cls, type):
+        fail(f"the check needs your class itself, got {type(layer_cls).__name__}.")
+    _todo(layer_cls)
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    for n in world_sizes:
+        outs = run_ranks(_layer_worker, n, layer_cls, kind, timeout=timeout, hang=_HANG)
+        (_diagnose_column if kind == "column" else _diagnose_row)(outs, n, layer_cls.__name__)
+
+
+@recorded
+def check_column_parallel(layer_cls, world_sizes=WORLD_SIZES,
+                          timeout: float | None = None) -> None:
+    """``layer_cls(linear, rank, world_size)`` built from a full ``nn.Linear(6, 12)`` on 2 and
+    3 ranks: each rank's output is its block of the full layer's output features, with no
+    communication in the forward and one all-reduce of dL/dx in the backward."""
+    __tracebackhide__ = True
+    _launch_layer(layer_cls, "column", world_sizes, timeout)
+    passed(f"{layer_cls.__name__}: each rank's block of the output features; no communication "
+           f"forward, dL/dx all-reduced backward (2 and 3 ranks)")
+
+
+@recorded
+def check_row_parallel(layer_cls, world_sizes=WORLD_SIZES, timeout: float | None = None) -> None:
+    """``layer_cls(linear, rank, world_size)`` built from a full ``nn.Linear(12, 6)`` on 2 and
+    3 ranks, fed each rank's block of the hidden features: every rank's output equals the full
+    layer's, with one all-reduce in the forward and none in the backward; the bias counted
+    once and given its whole gradient."""
+    __tracebackhide__ = True
+    _launch_layer(layer_cls, "row", world_sizes, timeout)
+    passed(f"{layer_cls.__name__}: partial products summed by one all-reduce, the bias added "
+           f"once; the backward needs no communication (2 and 3 ranks)")
+
+
+def _common_layer_failures(outs: list, n: int, name: str, full: nn.Linear, kind: str) -> None:
+    __tracebackhide__ = True
+    out_f, in_f = full.weight.shape
+    per_out, per_in = out_f // n, in_f // n
+    for rank, o in enumerate(outs):
+        if "build_error" in o:
+            fail(f"{name}(linear, {rank}, {n}) raised while being built: {o['build_error']}.")
+    shapes = outs[0]["shapes"]
+    right = (per_out, in_f) if kind == "column" else (out_f, per_in)
+    wrong = (out_f, per_in) if kind == "column" else (per_out, in_f)
+    if wrong in shapes and right not in shapes:
+        which = ("rows (output features, dim 0)" if kind == "column"
+                 else "columns (input features, dim 1)")
+        fail(f"{name} cut the weight along the wrong dimension: its shard is {wrong}, but torch "
+             f"stores Linear's weight as (out_features, in_features) = {(out_f, in_f)}, and a "
+             f"{kind}-parallel layer keeps a block of its {which}: {right}.")
+    if (out_f, in_f) in shapes:
+        fail(f"{name} keeps the whole weight {(out_f, in_f)} on every rank: keep only this "
+             f"rank's block, {right}.")
+    if right not in shapes:
+        fail(f"{name}'s parameters are {shapes}: the weight shard should be {right} "
+             f"(torch's Linear weight is (out_features, in_features)) — make it an "
+             f"nn.Parameter so that it gets a gradient.")
+    for rank, o in enumerate(outs):
+        if "forward_error" in o:
+            fail(f"{name}'s forward raised on rank {rank}: {o['forward_error']}.")
+
+
+def _which_block(weight: torch.Tensor, full_weight: torch.Tensor, dim: int, n: int):
+    """The rank whose contiguous block along ``dim`` this shard is, 'strided' or None."""
+    per = full_weight.shape[dim] // n
+    for s in range(n):
+        if torch.equal(weight, full_weight.narrow(dim, s * per, per)):
+            return s
+    strided = [full_weight.index_select(dim, torch.arange(s, full_weight.shape[dim], n))
+               for s in range(n)]
+    if any(torch.equal(weight, t) for t in strided):
+        return "strided"
+    return None
+
+
+def _block_failures(outs: list, n: int, name: str, full: nn.Linear, dim: int) -> None:
+    __tracebackhide__ = True
+    per = full.weight.shape[dim] // n
+    for rank, o in enumerate(outs):
+        shard = next((p for p in o["params"] if p.dim() == 2), None)
+        s = _which_block(shard, full.weight.detach(), dim, n)
+        what = "rows" if dim == 0 else "columns"
+        if s == "strided":
+            fail(f"rank {rank} of {name} took every {n}-th {what[:-1]} (a strided shard): keep "
+                 f"the contiguous block [rank × {per}, (rank + 1) × {per}), as Megatron does, "
+                 f"so that the next layer's block lines up with it.")
+        if isinstance(s, int) and s != rank:
+            fail(f"rank {rank} of {name} kept the {what} of rank {s} ([{s * per}, "
+                 f"{(s + 1) * per})): offset the block by the rank — rank r keeps [r × {per}, "
+                 f"(r + 1) × {per}).")
+        if s is None:
+            fail(f"rank {rank}'s weight shard of {name} is not a block of the full layer's "
+                 f"{what}: copy linear.weight's {what} [rank × {per}, (rank + 1) × {per}).")
+
+
+def _diagnose_column(outs: list, n: int, name: str) -> None:
+    __tracebackhide__ = True
+    full = _full_linear(D, H, seed=3)
+    _common_layer_failures(outs, n, name, full, "column")
+    _block_failures(outs, n, name, full, 0)
+    x = _data(1, ROWS, D, seed=4)[0].clone().requires_grad_(True)
+    grad_full = _data(1, ROWS, H, seed=5)[0]
+    y_full = full(x)
+    y_full.backward(grad_full)
+    per = H // n
+    for rank, o in enumerate(outs):
+        block = slice(rank * per, (rank + 1) * per)
+        if o["y"].shape == y_full.shape:
+            fail(f"{name} returns all {H} output features on rank {rank}: each rank returns "
+                 f"only its block of {per} (the next, row-parallel layer takes that block) — "
+                 f"no all-reduce or all-gather in the column layer's forward.")
+        if o["fwd"]:
+            fail(f"{name}'s forward makes {o['fwd']} collective call(s) on rank {rank}: the "
+                 f"column layer's forward needs none — every rank already holds the same x, "
+                 f"and its output stays split by rank (the all-reduce belongs in f's "
+                 f"backward).")
+        want = y_full.detach()[:, block]
+        if not _close(o["y"], want):
+            without_bias = want - full.bias.detach()[block]
+            if _close(o["y"], without_bias):
+                fail(f"{name}'s output on rank {rank} lacks the bias: add this rank's block of "
+                     f"the bias (the column layer's bias is split like its rows).")
+            fail(f"{name}'s output on rank {rank} is not features [{rank * per}, "
+                 f"{(rank + 1) * per}) of the full layer's output.")
+        if "backward_error" in o:
+            fail(f"the backward through {name} raised on rank {rank}: {o['backward_error']}.")
+        partial = grad_full[:, block] @ full.weight.detach()[block]
+        if o["x_grad"] is None:
+            fail(f"x has no gradient after the backward through {name}: pass x through your f "
+                 f"(CopyToTPRegion.apply) before the matmul.")
+        if _close(o["x_grad"], partial) or o["bwd"] == 0:
+            fail(f"no all-reduce in the backward of {name}: dL/dx on rank {rank} is only its "
+                 f"own block's part — pass x through f, whose backward sums the parts of every "
+                 f"rank.")
+        if _close(o["x_grad"], x.grad / n):
+            fail(f"{name}'s backward averages dL/dx over the ranks: it is the SUM of every "
+                 f"block's part — do not divide by the world size.")
+        if not _close(o["x_grad"], x.grad):
+            fail(f"dL/dx after {name}'s backward on rank {rank} is not the full layer's.")
+        weights = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 2]
+        biases = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 1]
+        if not weights or not _close(weights[0], full.weight.grad[block]):
+            fail(f"the weight gradient of {name} on rank {rank} is not the full layer's rows "
+                 f"[{rank * per}, {(rank + 1) * per}).")
+        if not biases or not _close(biases[0], full.bias.grad[block]):
+            fail(f"the bias gradient of {name} on rank {rank} is not the full bias's block: "
+                 f"keep the bias block as an nn.Parameter and add it in the forward.")
+
+
+def _diagnose_row(outs: list, n: int, name: str) -> None:
+    __tracebackhide__ = True
+    full = _full_linear(H, D, seed=6)
+    _common_layer_failures(outs, n, name, full, "row")
+    _block_failures(outs, n, name, full, 1)
+    h_full = _data(1, ROWS, H, seed=7)[0].clone().requires_grad_(True)
+    grad_full = _data(1, ROWS, D, seed=8)[0]
+    y_full = full(h_full)
+    y_full.backward(grad_full)
+    bias = full.bias.detach()
+    per = H // n
+    want = y_full.detach()
+    for rank, o in enumerate(outs):
+        if o["fwd"] == 0:
+            fail(f"no all-reduce in {name}'s forward: rank {rank}'s output is only its partial "
+                 f"product (its block of the hidden features times its columns) — sum the "
+                 f"ranks' partial products with g.")
+        if _close(o["y"], want + (n - 1) * bias):
+            fail(f"{name} adds the bias on every rank before the all-reduce, so the sum holds it "
+                 f"{n} times: add it once — after the all-reduce, or before it on rank 0 only.")
+        if _close(o["y"], (want - bias) / n + bias) or _close(o["y"], want / n):
+            fail(f"{name} averages the partial products (divides by the world size): they are "
+                 f"parts of one matrix product — sum them.")
+        if not _close(o["y"], want):
+            if _close(o["y"], want - bias):
+                fail(f"{name}'s output on rank {rank} lacks the bias: every rank's output is "
+                     f"the full layer's, bias included — add it after the all-reduce (or "
+                     f"before it on rank 0 only).")
+            fail(f"{name}'s output on rank {rank} is not the full layer's output.")
+        if "backward_error" in o:
+            fail(f"the backward through {name} raised on rank {rank}: {o['backward_error']}.")
+        want_x = h_full.grad[:, rank * per:(rank + 1) * per]
+        if o["x_grad"] is None:
+            fail(f"the hidden block has no gradient after the backward through {name}.")
+        if _close(o["x_grad"], n * want_x) or o["bwd"]:
+            fail(f"{name}'s backward all-reduces: every rank already has the same dL/dy (its "
+                 f"output is replicated), and the gradient of a sum reaches each partial "
+                 f"product unchanged — g's backward is the identity.")
+        if not _close(o["x_grad"], want_x):
+            fail(f"the gradient of the hidden block after {name}'s backward on rank {rank} is "
+                 f"not the full layer's.")
+        weights = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 2]
+        if not _close(weights[0], full.weight.grad[:, rank * per:(rank + 1) * per]):
+            fail(f"the weight gradient of {name} on rank {rank} is not the full layer's "
+                 f"columns [{rank * per}, {(rank + 1) * per}).")
+    # the bias: wherever it lives, its gradient is the whole bias's
+    holders = []
+    for rank, o in enumerate(outs):
+        for p, g in zip(o["params"], o["grads"]):
+            if p.dim() != 1:
+                continue
+            if not torch.equal(p, bias) and torch.allclose(p, bias / n):
+                fail(f"{name} keeps the bias divided by the world size on every rank: the "
+                     f"output adds up right, but each copy gets 1/{n} of its share — keep the "
+                     f"whole bias and add it once (after the all-reduce, or on rank 0 only).")
+            if g is None:
+                continue
+            if _close(g, full.bias.grad / n):
+                fail(f"{name}'s bias gets 1/{n} of its gradient on rank {rank}: do not scale "
+                     f"the bias by 1/N — add the whole bias once.")
+            if not _close(g, full.bias.grad):
+                fail(f"the bias gradient of {name} on rank {rank} is not the full layer's.")
+            holders.append(rank)
+    if not holders:
+        fail(f"no rank's bias of {name} got a gradient: keep the bias as an nn.Parameter and add "
+             f"it in the forward.")
+
+
+# --------------------------------------------------------------------------------------------
+# The MLP
+# --------------------------------------------------------------------------------------------
+
+
+def _plain_mlp(hidden: int) -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(9)
+        return nn.Sequential(nn.Linear(D, hidden), nn.GELU(), nn.Linear(hidden, D))
+
+
+def _mlp_worker(rank: int, world_size: int, mlp_cls, hidden: int) -> dict:
+    from ..collectives import record_collectives
+
+    torch.set_num_threads(1)
+    x = _data(1, ROWS, D, seed=10)[0].clone().requires_grad_(True)
+    upstream = _data(1, ROWS, D, seed=11)[0]
+    try:
+        mlp = mlp_cls(copy.deepcopy(_plain_mlp(hidden)), rank, world_size)
+    except Exception as exc:
+        return {"build_error": _error(exc)}
+    try:
+        with record_collectives() as fwd:
+            y = mlp(x)
+        with record_collectives() as bwd:
+            y.backward(upstream)
+    except Exception as exc:
+        return {"run_error": _error(exc)}
+    return {"y": y.detach().clone(), "x_grad": None if x.grad is None else x.grad.clone(),
+            "fwd": [c.op for c in fwd if c.op != "barrier"],
+            "bwd": [c.op for c in bwd if c.op != "barrier"]}
+
+
+@recorded
+def check_tp_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None) -> None:
+    """``mlp_cls(plain, rank, world_size)`` from a plain ``Sequential(Linear(6, 12), GELU(),
+    Linear(12, 6))`` on 2 and 3 ranks: the same output and dL/dx as the plain MLP, with one
+    all-reduce forward and one backward; then hidden size 16 on 3 ranks, refused with a
+    sentence naming both numbers, or handled."""
+    __tracebackhide__ = True
+    if not isinstance(mlp_cls, type):
+        fail(f"the check needs your class itself, got {type(mlp_cls).__name__}.")
+    _todo(mlp_cls)
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    for n in world_sizes:
+        outs = run_ranks(_mlp_worker, n, mlp_cls, H, timeout=timeout, hang=_HANG)
+        _diagnose_mlp(outs, n, H, mlp_cls.__name__)
+    outs = run_ranks(_mlp_worker, 3, mlp_cls, ODD_H, timeout=timeout, hang=_HANG)
+    errors = [o.get("build_error") for o in outs]
+    if all(errors):
+        if not all(str(ODD_H) in e and "3" in e.replace(str(ODD_H), "") for e in errors):
+            fail(f"hidden size {ODD_H} on 3 ranks: your {mlp_cls.__name__} raised "
+                 f"{errors[0]!r} — refuse it with a sentence that names the hidden size and "
+                 f"the world size, e.g. ValueError(f'a hidden size of {{h}} does not split "
+                 f"over {{world_size}} ranks').")
+        how = "refused with a sentence naming both"
+    else:
+        if any(errors):
+            fail(f"hidden size {ODD_H} on 3 ranks: some ranks refused it and some did not "
+                 f"({errors}) — refuse it on every rank, or handle it on every rank.")
+        _diagnose_mlp(outs, 3, ODD_H, mlp_cls.__name__,
+                      hint=f" — {ODD_H} does not split into 3 equal blocks: refuse it with a "
+                           f"ValueError naming both numbers, or give uneven blocks that cover "
+                           f"every feature")
+        how = "handled"
+    shown = " and ".join(map(str, world_sizes))
+    passed(f"{mlp_cls.__name__} equals the plain MLP (output and dL/dx) on {shown} ranks with "
+           f"one all-reduce forward and one backward; hidden size {ODD_H} on 3 ranks {how}")
+
+
+def _diagnose_mlp(outs: list, n: int, hidden: int, name: str, hint: str = "") -> None:
+    __tracebackhide__ = True
+    for rank, o in enumerate(outs):
+        if "build_error" in o:
+            fail(f"{name}(plain, {rank}, {n}) with hidden size {hidden} raised while being "
+                 f"built: {o['build_error']}{hint}.")
+        if "run_error" in o:
+            fail(f"{name} on {n} ranks, hidden size {hidden}, raised on rank {rank}: "
+                 f"{o['run_error']}{hint}.")
+    plain = _plain_mlp(hidden)
+    x = _data(1, ROWS, D, seed=10)[0].clone().requires_grad_(True)
+    y = plain(x)
+    y.backward(_data(1, ROWS, D, seed=11)[0])
+    layers = " — check_column_parallel and check_row_parallel test its layers one by one"
+    for rank, o in enumerate(outs):
+        if not _close(o["y"], y.detach()):
+            fail(f"{name}'s output on rank {rank} ({n} ranks, hidden size {hidden}) differs "
+                 f"from the plain MLP's{hint or layers}.")
+        if o["x_grad"] is None or not _close(o["x_grad"], x.grad):
+            fail(f"dL/dx on rank {rank} ({n} ranks, hidden size {hidden}) differs from the "
+                 f"plain MLP's{hint}.")
+        if o["fwd"] != ["all_reduce"] or o["bwd"] != ["all_reduce"]:
+            fail(f"{name} made {o['fwd'] or 'no collectives'} in the forward and "
+                 f"{o['bwd'] or 'no collectives'} in the backward on rank {rank}: Megatron's MLP "
+                 f"needs exactly one all-reduce in each (g's forward, f's backward).")
+
+
+# --------------------------------------------------------------------------------------------
+# Stretch: a GPipe stage and its bubble
+# --------------------------------------------------------------------------------------------
+
+_STAGES = (2, 3)
+_M = 4
+_WIDTH, _BATCH = 8, 8
+
+
+class _DeviceTime(torch.autograd.Function):
+    """Sleep ``s`` in the forward and 2·s in the backward: a stand-in for an accelerator."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        time.sleep(s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.s)
+        return grad, None
+
+
+class _Timed(nn.Module):
+    def __init__(self, inner: nn.Module, s: float):
+        super().__init__()
+        self.inner, self.s = inner, s
+
+    def forward(self, x):
+        return _DeviceTime.apply(self.inner(x), self.s)
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _gpipe_worker(rank: int, world_size: int, step_fn, m: int, delay_s: float) -> dict:
+    from .. import pipeline_parallel as pp
+
+    torch.set_num_threads(1)
+    stage = pp.split_stages(pp.make_mlp(_WIDTH, world_size, seed=12), world_size)[rank]
+    module = _Timed(stage, delay_s) if delay_s else stage
+    gen = torch.Generator().manual_seed(13)
+    x, y = torch.randn(_BATCH, _WIDTH, generator=gen), torch.randn(_BATCH, _WIDTH, generator=gen)
+    inputs = list(x.chunk(m)) if rank == 0 else None
+    targets = list(y.chunk(m)) if rank == world_size - 1 else None
+    stage.zero_grad(set_to_none=True)
+    try:
+        import torch.distributed as dist
+        dist.barrier()
+        loss, events = step_fn(module, rank, world_size, m, inputs, targets, _mse,
+                               (_BATCH // m, _WIDTH))
+    except Exception as exc:
+        return {"error": _error(exc)}
+    return {"loss": None if loss is None else float(loss),
+            "events": [(str(k), int(i), float(s), float(e)) for k, i, s, e in events],
+            "grads": [None if p.grad is None else p.grad.clone() for p in stage.parameters()]}
+
+
+def _micro_grads(world_size: int, m: int) -> tuple:
+    """The reference gradients (whole batch), and each micro-batch's own loss's gradients."""
+    from .. import pipeline_parallel as pp
+
+    model = pp.make_mlp(_WIDTH, world_size, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    x, y = torch.randn(_BATCH, _WIDTH, generator=gen), torch.randn(_BATCH, _WIDTH, generator=gen)
+    loss, ref = pp.reference_step(model, x, y, _mse)
+    each = [pp.reference_step(model, xm, ym, _mse)[1] for xm, ym in zip(x.chunk(m), y.chunk(m))]
+    return loss, ref, each
+
+
+@recorded
+def check_gpipe(step_fn, bubble_fn, stages=_STAGES, timeout: float | None = None) -> None:
+    """Stretch: ``step_fn(stage, rank, world_size, m, inputs, targets, loss_fn, shape)`` runs one
+    GPipe step of this rank's stage over send/recv and returns ``(loss, events)``; on 2 and 3
+    stages with 4 micro-batches its gradients must equal the unsplit model's on the whole
+    batch. ``bubble_fn(events, stages)`` must give the measured idle share of a timeline
+    ``[(stage, kind, micro-batch, start, end)]``."""
+    __tracebackhide__ = True
+    _todo(step_fn, bubble_fn)
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    _check_bubble_fn(bubble_fn)
+    for k in stages:
+        outs = run_ranks(_gpipe_worker, k, step_fn, _M, 0.0, timeout=timeout,
+                         hang="a stage waits for a message that never comes: every send needs "
+                              "its recv on the neighbour, in the same order (forwards go to "
+                              "rank + 1, gradients back to rank - 1).")
+        _diagnose_gpipe(outs, k, _M)
+    passed(f"GPipe stage: gradients accumulated over {_M} micro-batches equal the unsplit "
+           f"model's on {' and '.join(map(str, stages))} stages; bubble measured as the idle "
+           f"share of the timeline")
+
+
+def _check_bubble_fn(bubble_fn) -> None:
+    __tracebackhide__ = True
+    from .. import pipeline_parallel as pp
+
+    cases = [pp.simulate_timeline(2, 4, "gpipe", 1.0, 2.0),
+             pp.simulate_timeline(3, 2, "gpipe", 1.0, 3.0)]
+    # a measured-looking one: stage 1's forwards are slow, and there are gaps
+    slow = [(s, k, i, a * 1.3 + 0.1 * s, b * 1.3 + 0.1 * s + (0.4 if s == 1 else 0.0))
+            for s, k, i, a, b in pp.simulate_timeline(2, 3, "gpipe", 1.0, 2.0)]
+    cases.append(slow)
+    for events in cases:
+        k = len({e[0] for e in events})
+        m = sum(1 for e in events if e[0] == 0 and e[1] == "F")
+        want = pp.measured_bubble(events)
+        try:
+            got = float(bubble_fn(events, k))
+        except Exception as exc:
+            fail(f"bubble(events, {k}) raised {_error(exc)}.")
+        if abs(got - want) <= 1e-9:
+            continue
+        if abs(got - pp.ideal_bubble(k, m)) <= 1e-9:
+            fail(f"bubble() returns (K−1)/(M+K−1) = {got:.3f} whatever the timeline: measure "
+                 f"it — 1 − (time spent computing, all stages) / (stages × the step's span); on "
+                 f"this timeline that is {want:.3f}.")
+        busy = sum(e[4] - e[3] for e in events)
+        span = max(e[4] for e in events) - min(e[3] for e in events)
+        if abs(got - busy / (k * span)) <= 1e-9:
+            fail(f"bubble() returns the busy share {got:.3f}: the bubble is the idle share, "
+                 f"1 − that ({want:.3f}).")
+        own = sum(1 - sum(e[4] - e[3] for e in events if e[0] == s)
+                  / (max(e[4] for e in events if e[0] == s)
+                     - min(e[3] for e in events if e[0] == s)) for s in range(k)) / k
+        if abs(got - own) <= 1e-9:
+            fail(f"bubble() measures each stage against its own first and last action: a stage "
+                 f"idles from the step's start until its first input arrives, and after its "
+                 f"last backward until the step ends — use the step's span (earliest start to "
+                 f"latest end over all stages): {want:.3f}.")
+        fail(f"bubble() gives {got:.4f} on a timeline whose idle share is {want:.4f}: 1 − "
+             f"(time spent computing, summed over stages) / (stages × the step's span).")
+
+
+def _diagnose_gpipe(outs: list, k: int, m: int) -> None:
+    __tracebackhide__ = True
+    for rank, o in enumerate(outs):
+        if "error" in o:
+            err = o["error"]
+            if "NoneType" in err or "None" in err and "grad" in err:
+                fail(f"stage {rank} raised {err!r} — a tensor you received has no gradient: "
+                     f"call requires_grad_() on it after recv, so the backward computes the "
+                     f"gradient to send back.")
+            fail(f"stage {rank} of {k} raised: {err}.")
+    loss, ref, each = _micro_grads(k, m)
+    last = outs[-1]
+    for rank, o in enumerate(outs):
+        kinds = [e[0] for e in o["events"]]
+        if sorted(kinds) != ["B"] * m + ["F"] * m or len(o["events"]) != 2 * m:
+            fail(f"stage {rank} reported {len(o['events'])} events ({kinds}): one ('F', i, "
+                 f"start, end) and one ('B', i, start, end) per micro-batch.")
+        if kinds != ["F"] * m + ["B"] * m:
+            fail(f"stage {rank} ran {kinds}: GPipe runs every forward first, then every "
+                 f"backward (interleaving them is 1F1B — a fine schedule, but not this one).")
+        if any(s > e for _, _, s, e in o["events"]):
+            fail(f"stage {rank}'s events end before they start: (kind, micro-batch, start, end).")
+    grads = [g for o in outs for g in o["grads"]]
+    if any(g is None for g in grads):
+        fail("a stage's parameters have no gradient after the step: run the backward of every "
+             "micro-batch (the last stage from its loss, the others from the gradient they "
+             "receive).")
+    if all(_close(g, r) for g, r in zip(grads, ref)):
+        if last["loss"] is None or abs(last["loss"] - loss) > 1e-5 * max(1.0, abs(loss)):
+            fail(f"the last stage returned loss {last['loss']}, but the batch's loss is "
+                 f"{loss:.6f}: return the sum of the micro-batches' losses, each divided by M.")
+        return
+    if all(_close(g, m * r) for g, r in zip(grads, ref)):
+        fail(f"the gradients are {m} times too large: divide each micro-batch's loss by M = {m} "
+             f"(the batch's loss is the mean of the micro-batches' losses).")
+    for scale in (1.0 / m, 1.0):
+        for i in (m - 1, 0):
+            if all(_close(g, scale * r) for g, r in zip(grads, each[i])):
+                fail(f"only micro-batch {i}'s gradient is left: the gradients were not "
+                     f"accumulated over the micro-batches — do not zero them (or replace "
+                     f".grad) between micro-batches; autograd adds each backward into .grad.")
+    fail("the stages' gradients differ from the unsplit model's on the whole batch: each "
+         "micro-batch's loss divided by M, every backward adding into .grad.")
+
+
+def measure_bubble(step_fn, bubble_fn, stages: int = 2, micro=(1, 2, 4, 8),
+                   delay_s: float = 0.01, timeout: float | None = None) -> None:
+    """Run the learner's GPipe stage with each number of micro-batches in ``micro`` (each
+    forward sleeps ``delay_s`` and each backward twice it, as an accelerator would compute
+    without taking a CPU core), and print the bubble their ``bubble_fn`` measures beside
+    (K−1)/(M+K−1), one row per M."""
+    __tracebackhide__ = True
+    from .. import pipeline_parallel as pp
+
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    rows = []
+    for m in micro:
+        outs = run_ranks(_gpipe_worker, stages, step_fn, m, delay_s, timeout=timeout, hang=_HANG)
+        for rank, o in enumerate(outs):
+            if "error" in o:
+                fail(f"stage {rank} raised: {o['error']}.")
+        events = [(rank, k, i, s, e) for rank, o in enumerate(outs) for k, i, s, e in o["events"]]
+        rows.append((m, float(bubble_fn(events, stages)), pp.ideal_bubble(stages, m)))
+    print(f"{'M':>3}  {'measured':>8}  {'(K-1)/(M+K-1)':>13}")
+    for m, got, ideal in rows:
+        print(f"{m:>3}  {got:>8.3f}  {ideal:>13.3f}")
