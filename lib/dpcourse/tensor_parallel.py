@@ -343,12 +343,12 @@ def mesh_2d_worker(rank: int, world_size: int, cfg: TPConfig, dp: int = 2, tp: i
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    _quiet()
-    torch.set_num_threads(1)
     if dp * tp != world_size:
         raise ValueError(f"a {dp} x {tp} mesh needs {dp * tp} ranks, got {world_size}")
     if cfg.tokens % dp:
         raise ValueError(f"{cfg.tokens} tokens do not split over {dp} data-parallel rows")
+    _quiet()
+    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     share = cfg.tokens // dp

@@ -51,7 +51,9 @@ def noise_scale_figure(b_noise: float, per_rank: int, ranks):
     ax = fig.add_subplot(1, 1, 1)
     bs = np.logspace(0, np.log10(max(ranks) * per_rank * 4), 200)
     ax.plot(bs, 1 + b_noise / bs, color="#1f77b4", label="steps / fewest steps = 1 + B_noise/B")
-    ax.plot(bs, bs[0] * (1 + b_noise / bs[0]) / bs, color="#7f7f7f", ls=":",
+    perfect = bs[0] * (1 + b_noise / bs[0]) / bs
+    keep = perfect >= 0.9
+    ax.plot(bs[keep], perfect[keep], color="#7f7f7f", ls=":",
             label="perfect scaling (steps ∝ 1/B)")
     for n in ranks:
         b = n * per_rank
@@ -59,8 +61,8 @@ def noise_scale_figure(b_noise: float, per_rank: int, ranks):
         ax.annotate(f"N={n}", (b, 1 + b_noise / b), textcoords="offset points", xytext=(4, 6),
                     fontsize=8)
     ax.axvline(b_noise, color="#2ca02c", ls="--", lw=1)
-    ax.text(b_noise, ax.get_ylim()[1] if False else 1 + b_noise, f" B_noise ≈ {b_noise:.0f}",
-            color="#2ca02c", fontsize=8, va="top")
+    ax.text(b_noise, 1 + b_noise / 4, f" B_noise ≈ {b_noise:.0f}", color="#2ca02c",
+            fontsize=8, va="center")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("global batch B (examples)")
@@ -76,41 +78,46 @@ def tp_shards_figure(d: int, h: int, world_size: int):
     rank, added once after the all-reduce. Shown in lesson 11, §2."""
     from matplotlib.patches import Rectangle
 
-    fig = new_figure(8.0, 3.4)
+    fig = new_figure(8.0, 3.6)
     ax = fig.add_subplot(1, 1, 1)
-    scale = 2.4 / max(d, h)
-    aw, ah = h * scale, d * scale            # A: d rows, h columns
-    bw, bh = d * scale, h * scale            # B: h rows, d columns
-    x0, y0 = 0.0, 0.0
-    ax.add_patch(Rectangle((x0 - 0.5, y0), 0.35, ah, fc="#dddddd", ec="k"))
-    ax.text(x0 - 0.33, y0 + ah + 0.1, "X\n(all ranks)", ha="center", fontsize=8)
-    ax.text(x0 - 0.07, y0 + ah / 2, "f →", ha="center", va="center", fontsize=9)
-    for r in range(world_size):
-        ax.add_patch(Rectangle((x0 + 0.1 + r * aw / world_size, y0), aw / world_size, ah,
-                               fc=_RANK_COLOURS[r % 8], ec="k", alpha=0.75))
-    ax.text(x0 + 0.1 + aw / 2, y0 + ah + 0.1,
-            f"A ({d} × {h}): column-parallel\nrank r keeps columns r (and b₁'s slice)",
-            ha="center", fontsize=8)
-    gx = x0 + 0.1 + aw + 0.35
-    ax.text(gx, y0 + ah / 2, "GeLU\non each\nslice", ha="center", va="center", fontsize=8)
-    bx = gx + 0.45
-    for r in range(world_size):
-        ax.add_patch(Rectangle((bx, y0 + ah - (r + 1) * bh / world_size), bw, bh / world_size,
-                               fc=_RANK_COLOURS[r % 8], ec="k", alpha=0.75))
-    ax.text(bx + bw / 2, y0 + ah + 0.1, f"B ({h} × {d}): row-parallel\nrank r keeps rows r",
-            ha="center", fontsize=8)
-    sx = bx + bw + 0.35
-    ax.text(sx, y0 + ah / 2, "g: all-reduce\n(sum of the\npartial Y_r)", ha="center",
-            va="center", fontsize=8)
-    ax.add_patch(Rectangle((sx + 0.5, y0 + ah / 2 - 0.1), bw, 0.2, fc="#bbbbbb", ec="k"))
-    ax.text(sx + 0.5 + bw / 2, y0 + ah / 2 + 0.2, "+ b₂ (whole,\nadded once)", ha="center",
-            fontsize=8)
-    for r in range(world_size):
-        ax.add_patch(Rectangle((x0 + r * 0.9, y0 - 0.55), 0.25, 0.2, fc=_RANK_COLOURS[r % 8],
+    unit = 3.0 / max(d, h)
+    top = 3.0
+    x_w, a_x, b_x = 0.5, 1.6, 6.2
+    # X: tokens x d, the same on every rank
+    ax.add_patch(Rectangle((0.0, top - d * unit), x_w, d * unit, fc="#dddddd", ec="k"))
+    ax.text(x_w / 2, top + 0.15, "X\n(every rank)", ha="center", va="bottom", fontsize=8)
+    ax.annotate("", xy=(a_x - 0.1, top - d * unit / 2), xytext=(x_w + 0.1, top - d * unit / 2),
+                arrowprops=dict(arrowstyle="->"))
+    ax.text((x_w + a_x) / 2, top - d * unit / 2 + 0.1, "f", ha="center", va="bottom",
+            fontsize=10, style="italic")
+    for r in range(world_size):   # A: d x h, cut into column blocks
+        ax.add_patch(Rectangle((a_x + r * h * unit / world_size, top - d * unit),
+                               h * unit / world_size, d * unit, fc=_RANK_COLOURS[r % 8],
                                ec="k", alpha=0.75))
-        ax.text(x0 + r * 0.9 + 0.3, y0 - 0.45, f"rank {r}", va="center", fontsize=8)
-    ax.set_xlim(-0.7, sx + 0.6 + bw)
-    ax.set_ylim(y0 - 0.7, y0 + ah + 0.7 + (bh - ah if bh > ah else 0))
+    ax.text(a_x + h * unit / 2, top + 0.15, f"A ({d} × {h}): column-parallel\nrank r keeps "
+            f"{h // world_size} columns (+ that slice of b₁)", ha="center", va="bottom",
+            fontsize=8)
+    ax.text(a_x + h * unit / 2, top - d * unit - 0.15, "→ GeLU on each rank's slice (no "
+            "communication)", ha="center", va="top", fontsize=8)
+    for r in range(world_size):   # B: h x d, cut into row blocks
+        ax.add_patch(Rectangle((b_x, top - (r + 1) * h * unit / world_size), d * unit,
+                               h * unit / world_size, fc=_RANK_COLOURS[r % 8], ec="k",
+                               alpha=0.75))
+    ax.text(b_x + d * unit / 2, top + 0.15, f"B ({h} × {d}): row-parallel\nrank r keeps "
+            f"{h // world_size} rows", ha="center", va="bottom", fontsize=8)
+    g_x = b_x + d * unit + 0.2
+    ax.annotate("", xy=(g_x + 0.9, top - 1.2), xytext=(g_x, top - 1.2),
+                arrowprops=dict(arrowstyle="->"))
+    ax.text(g_x + 0.45, top - 1.1, "g", ha="center", va="bottom", fontsize=10, style="italic")
+    ax.text(g_x + 0.45, top - 1.35, "all-reduce:\nY = Σ Y_r", ha="center", va="top", fontsize=8)
+    ax.add_patch(Rectangle((g_x + 1.0, top - 1.45), 0.5, 0.5, fc="#bbbbbb", ec="k"))
+    ax.text(g_x + 1.25, top - 0.85, "+ b₂\n(whole, once)", ha="center", va="bottom", fontsize=8)
+    for r in range(world_size):
+        ax.add_patch(Rectangle((r * 1.3, -0.45), 0.25, 0.2, fc=_RANK_COLOURS[r % 8], ec="k",
+                               alpha=0.75))
+        ax.text(r * 1.3 + 0.32, -0.35, f"rank {r}", va="center", fontsize=8)
+    ax.set_xlim(-0.1, g_x + 1.7)
+    ax.set_ylim(-0.6, top + 0.75)
     ax.set_aspect("equal")
     ax.axis("off")
     fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.99)
@@ -161,9 +168,9 @@ def bubble_figure(stages: int = 4, micro_batches: int = 4, schedule: str = "gpip
     fig = new_figure(8.0, 1.2 + 0.45 * stages)
     ax = fig.add_subplot(1, 1, 1)
     _gantt(ax, events, stages,
-           f"{schedule}, K={stages} stages, M={micro_batches} micro-batches: bubble "
-           f"{bubble:.0%} = (K−1)/(M+K−1) = {pp.ideal_bubble(stages, micro_batches):.0%}; "
-           f"stage 0 holds up to {peak} micro-batches")
+           f"{schedule}, K={stages}, M={micro_batches}: bubble {bubble:.0%} = (K−1)/(M+K−1) = "
+           f"{pp.ideal_bubble(stages, micro_batches):.0%}; stage 0 holds up to {peak} "
+           "micro-batches")
     ax.set_xlabel("time slots (forward 1, backward 2)", fontsize=8)
     fig.subplots_adjust(left=0.1, right=0.98, bottom=0.5 / (1.2 + 0.45 * stages) + 0.12,
                         top=0.85)
@@ -184,7 +191,7 @@ def mesh_2d_figure(results):
         x, y = j * 3.6, -i * 2.2
         ax.add_patch(FancyBboxPatch((x, y), 3.0, 1.6, boxstyle="round,pad=0.05",
                                     fc=_RANK_COLOURS[rank], alpha=0.25, ec="k"))
-        lines = [f"rank {rank}: dp {i}, tp {j}"] + [
+        lines = [f"rank {rank}: dp {i}, tp {j}", "tensor-parallel slice → FSDP2 keeps"] + [
             f"{name}: {full} → {local}" for name, (full, local) in r["held"].items()]
         ax.text(x + 0.1, y + 1.5, "\n".join(lines), va="top", fontsize=7, family="monospace")
     for i in range(2):
@@ -232,7 +239,7 @@ def planner_figure(rows, published: dict, gpu_gb: float):
     ax.axvline(gpu_gb, color="k", ls="--", lw=1)
     ax.set_xlabel("memory per GPU (GB)")
     ax.set_ylabel("estimated seconds per step")
-    ax.set_yscale("log")
     ax.legend(fontsize=7, ncol=2, loc="upper right")
-    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.13, top=0.96)
+    ax.grid(True, alpha=0.3)
+    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.13, top=0.96)
     return fig

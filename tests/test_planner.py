@@ -1,0 +1,97 @@
+"""dpcourse.planner: the formulas by hand, the refusals, and the check lesson 11 makes against
+Megatron-LM's published GPT-3 175B configuration (Narayanan et al. 2021, Table 1)."""
+
+import math
+
+import pytest
+
+from dpcourse import planner, zero
+
+GPT3, A100 = planner.GPT3_175B, planner.MEGATRON_A100_CLUSTER
+PUB = planner.MEGATRON_GPT3_PUBLISHED
+
+
+def test_gpt3_has_175_billion_parameters():
+    assert 174e9 < GPT3.num_params < 176e9
+    l, h = GPT3.layers, GPT3.hidden
+    assert math.isclose(GPT3.num_params, 12 * l * h * h + 13 * l * h + (51200 + 2048) * h)
+
+
+def test_activation_bytes_by_hand():
+    s, h, a = 2048, 12288, 96
+    f = planner.activation_bytes_per_layer
+    assert f(GPT3, 1) == s * h * (34 + 5 * a * s / h)          # 2.87 GB
+    assert f(GPT3, 2) == 2 * f(GPT3, 1)
+    assert f(GPT3, 1, tp=8) == s * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert f(GPT3, 1, tp=8, sequence_parallel=True) == f(GPT3, 1) / 8
+    assert f(GPT3, 1, recompute=True) == 2 * s * h
+    assert f(GPT3, 1, tp=8, sequence_parallel=True, recompute=True) == 2 * s * h / 8
+    assert 275e9 < GPT3.layers * f(GPT3, 1) < 276e9
+
+
+def test_activation_bytes_refuses_nonsense():
+    with pytest.raises(ValueError, match="micro_batch and tp must be >= 1"):
+        planner.activation_bytes_per_layer(GPT3, 0)
+
+
+def test_published_row_by_hand():
+    row = planner.plan_row(GPT3, A100, 8, 16, 1536)
+    assert (row["dp"], row["micro_batches"]) == (12, 128)
+    assert row["state_bytes"] == GPT3.num_params / 128 * 16
+    assert row["bubble"] == 15 / 128
+    assert row["tp_messages"] == 6 * 128 * 6             # 6 layers, 128 micro-batches, 6 each
+    assert row["pp_messages"] == 2 * 128
+    assert row["dp_messages"] == 1
+    assert math.isclose(row["dp_bytes"], 2 * GPT3.num_params / 128 * 2 * 11 / 12)
+    assert row["fits"]
+
+
+def test_plan_row_refusals():
+    with pytest.raises(ValueError, match="must divide the 1536 GPUs"):
+        planner.plan_row(GPT3, A100, 7, 1, 1536)
+    with pytest.raises(ValueError, match="must divide the 96 layers"):
+        planner.plan_row(GPT3, A100, 8, 64, 1536)
+    with pytest.raises(ValueError, match="does not split into"):
+        planner.plan_row(GPT3, A100, 8, 16, 1000)
+
+
+def test_zero3_row_uses_lesson_08s_bytes_and_adds_its_working_set():
+    row = planner.plan_row(GPT3, A100, 1, 1, 1536, stage="zero3")
+    assert row["state_bytes"] == GPT3.num_params * zero.bytes_per_param("zero3", 1536)
+    assert row["working_bytes"] == 3 * 12 * GPT3.hidden ** 2 * 2
+    assert row["dp_messages"] == 3 * GPT3.layers
+
+
+def test_plan_is_sorted_and_every_row_fits():
+    rows = planner.plan(GPT3, A100, 1536)
+    assert rows and all(r["fits"] for r in rows)
+    assert [r["time_s"] for r in rows] == sorted(r["time_s"] for r in rows)
+    assert all(r["tp"] <= A100.gpus_per_node for r in rows)
+
+
+def test_planner_is_consistent_with_megatrons_published_configuration():
+    rows = planner.plan(GPT3, A100, PUB["global_batch"])
+    best = rows[0]
+    pub = planner.plan_row(GPT3, A100, PUB["tp"], PUB["pp"], PUB["global_batch"])
+    assert pub["dp"] == PUB["dp"] and pub["fits"]
+    assert best["tp"] == PUB["tp"] == A100.gpus_per_node
+    assert pub["time_s"] < 1.02 * best["time_s"]
+    per_t = {}
+    for r in rows:
+        per_t.setdefault(r["tp"], r["time_s"])           # rows are sorted: first is the best
+    assert [per_t[t] for t in sorted(per_t)] == sorted(per_t.values(), reverse=True)
+
+
+def test_data_parallelism_alone_fits_only_as_zero3_and_is_far_slower():
+    rows = {s: planner.plan_row(GPT3, A100, 1, 1, 1536, stage=s) for s in zero.STAGES}
+    assert [s for s, r in rows.items() if r["fits"]] == ["zero3"]
+    best = planner.plan(GPT3, A100, 1536)[0]
+    assert rows["zero3"]["time_s"] > 2 * best["time_s"]
+    assert rows["zero3"]["dp_bytes"] / A100.inter_bw > rows["zero3"]["compute_s"]
+
+
+def test_without_recomputation_no_data_parallel_stage_fits_at_batch_1():
+    for n in (8, 64, 512, 4096):
+        act = GPT3.layers * planner.activation_bytes_per_layer(GPT3, 1)
+        assert not any(r["fits"] for r in zero.fits(GPT3.num_params, 80e9, n,
+                                                     activation_bytes=act))
