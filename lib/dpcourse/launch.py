@@ -58,6 +58,8 @@ import cloudpickle
 __all__ = [
     "spawn",
     "torchrun",
+    "torchrun_command",
+    "torchrun_env",
     "free_port",
     "kill_tree",
     "LaunchError",
@@ -418,6 +420,41 @@ class TorchrunResult:
         return self
 
 
+def torchrun_command(script: str | os.PathLike, *script_args: str, nnodes: int | str,
+                     nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str,
+                     options: Sequence[str] = ()) -> list[str]:
+    """The ``torchrun`` command line of one node (``python -m torch.distributed.run``, so the
+    torchrun of this interpreter): c10d rendezvous at ``rdzv_endpoint``, every worker's output
+    teed (``--tee=3``) so that it reaches the caller, ``options`` before the script. Used by
+    :func:`torchrun` and by ``ddp_practice.run_nodes`` (several nodes on one machine)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        *options,
+        "--tee=3",
+        str(script),
+        *map(str, script_args),
+    ]
+
+
+def torchrun_env(env: dict | None = None) -> dict:
+    """The environment of a torchrun job: this process's, each worker line prefixed
+    ``[rank k]``, unbuffered output, one CPU thread per worker unless ``OMP_NUM_THREADS`` is set
+    (torchrun itself sets 1 for several workers, with a warning: ``torch/distributed/run.py``),
+    then ``env`` on top."""
+    run_env = dict(os.environ)
+    run_env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank ${rank}] ")
+    run_env.setdefault("PYTHONUNBUFFERED", "1")
+    run_env.setdefault("OMP_NUM_THREADS", "1")
+    if env:
+        run_env.update(env)
+    return run_env
+
+
 def torchrun(
     script: str | os.PathLike,
     *script_args: str,
@@ -447,28 +484,12 @@ def torchrun(
         raise FileNotFoundError(f"torchrun: no such script {script}")
     if rdzv_endpoint is None:
         rdzv_endpoint = f"127.0.0.1:{free_port()}"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={nnodes}",
-        f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={rdzv_endpoint}",
-        f"--rdzv-id={rdzv_id}",
-        f"--max-restarts={max_restarts}",
-        "--tee=3",
-        *extra_args,
-        str(script),
-        *map(str, script_args),
-    ]
-    run_env = dict(os.environ)
-    run_env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank ${rank}] ")
-    run_env.setdefault("PYTHONUNBUFFERED", "1")
-    run_env.setdefault("OMP_NUM_THREADS", "1")
-    if env:
-        run_env.update(env)
+    cmd = torchrun_command(script, *script_args, nnodes=nnodes, nproc_per_node=nproc_per_node,
+                           rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                           options=(f"--max-restarts={max_restarts}", *extra_args))
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env,
-        cwd=cwd, start_new_session=True,
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=torchrun_env(env), cwd=cwd, start_new_session=True,
     )
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -291,19 +291,28 @@ def run_scaling(cfg: ScalingConfig) -> dict:
                 overlap_assumed=False, rows=rows, published=published_table())
 
 
+def throughput_table(head: str, rows: list[dict], label, cells) -> list[str]:
+    """The lines of a throughput table (``scaling`` and ``single``): the header, a rule, then per
+    row ``label(row)`` followed by ``cells(row, lo, hi)`` (``lo``-``hi``: the row's spread), or
+    by the row's note when it has no measurement (a way this machine cannot run)."""
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r["images_per_s"] is None:
+            lines.append(f"{label(r)}  {r['note']}")
+        else:
+            lines.append(label(r) + cells(r, *r["spread"]))
+    return lines
+
+
 def format_scaling(result: dict) -> str:
     head = (f"{'way':<9}{'N':>3}{'images/s':>10}{'(min-max)':>16}{'eff.':>7}{'step ms':>9}"
             f"{'predicted ms':>13}")
-    lines = [head, "-" * len(head)]
-    for r in result["rows"]:
-        if r["images_per_s"] is None:
-            lines.append(f"{r['kind']:<9}{r['world_size']:>3}  {r['note']}")
-            continue
-        lo, hi = r["spread"]
-        lines.append(f"{r['kind']:<9}{r['world_size']:>3}{r['images_per_s']:>10.0f}"
-                     f"{f'({lo:.0f}-{hi:.0f})':>16}{100 * r['efficiency']:>6.0f}%"
-                     f"{r['step_ms']:>9.1f}{r['predicted_step_ms']:>13.1f}"
-                     + (f"  {r['note']}" if r["note"] else ""))
+    lines = throughput_table(
+        head, result["rows"], lambda r: f"{r['kind']:<9}{r['world_size']:>3}",
+        lambda r, lo, hi: (f"{r['images_per_s']:>10.0f}{f'({lo:.0f}-{hi:.0f})':>16}"
+                           f"{100 * r['efficiency']:>6.0f}%{r['step_ms']:>9.1f}"
+                           f"{r['predicted_step_ms']:>13.1f}"
+                           + (f"  {r['note']}" if r["note"] else "")))
     lines.append(f"predicted = one device's measured step + ring all-reduce of "
                  f"{result['grad_bytes'] / 1e6:.2f} MB (alpha {result['alpha']:g} s, beta "
                  f"{result['beta']:g} s/B), no overlap assumed")

@@ -35,6 +35,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from dpcourse.bench.scaling import throughput_table
+
 __all__ = ["SingleConfig", "VARIANTS", "run_single", "format_single", "add_arguments", "main"]
 
 VARIANTS = ("naive", "tf32", "bf16", "fp16", "channels_last", "compile", "tuned")
@@ -163,15 +165,10 @@ def run_single(cfg: SingleConfig) -> dict:
 
 def format_single(result: dict) -> str:
     head = f"{'variant':<14}{'images/s':>10}{'(min-max)':>18}{'x naive':>9}{'warm-up s':>11}"
-    lines = [head, "-" * len(head)]
-    for r in result["rows"]:
-        if r["images_per_s"] is None:
-            lines.append(f"{r['variant']:<14}  {r['note']}")
-            continue
-        lo, hi = r["spread"]
-        lines.append(f"{r['variant']:<14}{r['images_per_s']:>10.0f}{f'({lo:.0f}-{hi:.0f})':>18}"
-                     f"{r['ratio']:>9.2f}{r['warmup_s']:>11.1f}")
-    return "\n".join(lines)
+    return "\n".join(throughput_table(
+        head, result["rows"], lambda r: f"{r['variant']:<14}",
+        lambda r, lo, hi: (f"{r['images_per_s']:>10.0f}{f'({lo:.0f}-{hi:.0f})':>18}"
+                           f"{r['ratio']:>9.2f}{r['warmup_s']:>11.1f}")))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
