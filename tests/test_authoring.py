@@ -1,6 +1,9 @@
 """The build's promises: notebooks match their sources, labs match their solutions, and each
 lab runs up to its first TODO and stops there with a clear message."""
 
+import subprocess
+import sys
+
 import nbformat
 import pytest
 
@@ -27,6 +30,7 @@ def test_lab_is_generated_and_clean(lab):
     header = nb.cells[0]
     assert "generated-header" in header.metadata.get("tags", [])
     assert f"solutions/{lab.stem}.py" in header.source and "Do not edit" in header.source
+    assert "`python -m dpcourse build`" in header.source   # the command that exists (below)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.outputs == [] and c.execution_count is None for c in code)
     text = "\n".join(c.source for c in code)
@@ -148,3 +152,19 @@ def test_every_markdown_line_in_a_source_is_commented():
                 in_markdown = "[markdown]" in line
             elif in_markdown and line.strip():
                 assert line.startswith("#"), f"{src.name}:{number}: markdown line without '#'"
+
+
+def test_python_m_dpcourse_build_check_times_are_the_build_commands(tmp_path):
+    """`python -m dpcourse check` is authoring's sync check (same verdict, same lines), and
+    build, times and mutate answer under `python -m dpcourse` with their own options."""
+    proc = subprocess.run([sys.executable, "-m", "dpcourse", "check"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    problems = authoring.check_sync()
+    assert proc.returncode == (1 if problems else 0), proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == problems + [
+        "in sync" if not problems else f"{len(problems)} problem(s)"]
+    for sub, option in (("build", "--times"), ("times", "paths"), ("mutate", "--list")):
+        proc = subprocess.run([sys.executable, "-m", "dpcourse", sub, "--help"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.startswith(f"usage: python -m dpcourse {sub}") and option in proc.stdout
