@@ -165,7 +165,7 @@ def _conjugates_worker(rank: int, world_size: int, copy_cls, reduce_cls) -> dict
         out["f_y"] = y.detach().clone()
         out["f_fwd"] = _communicating(fwd)
         with record_collectives() as bwd:
-            y.backward(gs[rank])
+            y.backward(gs[rank].clone())   # a copy: an in-place all-reduce is fine
         out["f_bwd"] = _communicating(bwd)
         out["f_grad"] = None if x.grad is None else x.grad.clone()
     except Exception as exc:
@@ -179,7 +179,7 @@ def _conjugates_worker(rank: int, world_size: int, copy_cls, reduce_cls) -> dict
         out["g_z"] = z.detach().clone()
         out["g_fwd"] = _communicating(fwd)
         with record_collectives() as bwd:
-            z.backward(gs[rank])
+            z.backward(gs[rank].clone())
         out["g_bwd"] = _communicating(bwd)
         out["g_grad"] = None if leaf.grad is None else leaf.grad.clone()
     except Exception as exc:
@@ -328,7 +328,7 @@ def _layer_worker(rank: int, world_size: int, layer_cls, kind: str) -> dict:
             return out
     try:
         with record_collectives() as bwd:
-            y.backward(upstream)
+            y.backward(upstream.clone())
     except Exception as exc:
         return {**out, "backward_error": _error(exc)}
     out["bwd"] = _communicating(bwd)
@@ -391,6 +391,9 @@ def _common_layer_failures(outs: list, n: int, name: str, full: nn.Linear, kind:
     if (out_f, in_f) in shapes:
         fail(f"{name} keeps the whole weight {(out_f, in_f)} on every rank: keep only this "
              f"rank's block, {right}.")
+    if kind == "column" and (out_f,) in shapes and (per_out,) not in shapes:
+        fail(f"{name} keeps the whole bias ({out_f},) on every rank: slice it like the weight's "
+             f"rows — this rank's block of {per_out}.")
     if right not in shapes:
         fail(f"{name}'s parameters are {shapes}: the weight shard should be {right} "
              f"(torch's Linear weight is (out_features, in_features)) — make it an "
@@ -580,7 +583,7 @@ def _mlp_worker(rank: int, world_size: int, mlp_cls, hidden: int) -> dict:
         with record_collectives() as fwd:
             y = mlp(x)
         with record_collectives() as bwd:
-            y.backward(upstream)
+            y.backward(upstream.clone())
     except Exception as exc:
         return {"run_error": _error(exc)}
     return {"y": y.detach().clone(), "x_grad": None if x.grad is None else x.grad.clone(),
@@ -690,6 +693,8 @@ def _mse(out, target):
 
 
 def _gpipe_worker(rank: int, world_size: int, step_fn, m: int, delay_s: float) -> dict:
+    import torch.distributed as dist
+
     from .. import pipeline_parallel as pp
 
     torch.set_num_threads(1)
@@ -700,13 +705,11 @@ def _gpipe_worker(rank: int, world_size: int, step_fn, m: int, delay_s: float) -
     inputs = list(x.chunk(m)) if rank == 0 else None
     targets = list(y.chunk(m)) if rank == world_size - 1 else None
     stage.zero_grad(set_to_none=True)
-    try:
-        import torch.distributed as dist
-        dist.barrier()
-        loss, events = step_fn(module, rank, world_size, m, inputs, targets, _mse,
-                               (_BATCH // m, _WIDTH))
-    except Exception as exc:
-        return {"error": _error(exc)}
+    dist.barrier()
+    # a rank that raises is not caught here: the launch stops every rank at once (its neighbour
+    # would wait for its message forever) and _gpipe_failed names the mistake
+    loss, events = step_fn(module, rank, world_size, m, inputs, targets, _mse,
+                           (_BATCH // m, _WIDTH))
     return {"loss": None if loss is None else float(loss),
             "events": [(str(k), int(i), float(s), float(e)) for k, i, s, e in events],
             "grads": [None if p.grad is None else p.grad.clone() for p in stage.parameters()]}
@@ -737,6 +740,7 @@ def check_gpipe(step_fn, bubble_fn, stages=_STAGES, timeout: float | None = None
     _check_bubble_fn(bubble_fn)
     for k in stages:
         outs = run_ranks(_gpipe_worker, k, step_fn, _M, 0.0, timeout=timeout,
+                         failed=_gpipe_failed,
                          hang="a stage waits for a message that never comes: every send needs "
                               "its recv on the neighbour, in the same order (forwards go to "
                               "rank + 1, gradients back to rank - 1).")
@@ -787,16 +791,17 @@ def _check_bubble_fn(bubble_fn) -> None:
              f"(time spent computing, summed over stages) / (stages × the step's span).")
 
 
+def _gpipe_failed(exc) -> None:
+    __tracebackhide__ = True
+    if "NoneType" in exc.summary or "None" in exc.summary and "grad" in exc.summary:
+        fail(f"stage {exc.rank} raised {exc.summary!r} — the tensor it received has no "
+             f"gradient after the backward: call requires_grad_() on it after recv, so that "
+             f"the backward computes the gradient to send back.")
+    fail(f"stage {exc.rank} raised: {exc.summary}.")
+
+
 def _diagnose_gpipe(outs: list, k: int, m: int) -> None:
     __tracebackhide__ = True
-    for rank, o in enumerate(outs):
-        if "error" in o:
-            err = o["error"]
-            if "NoneType" in err or "None" in err and "grad" in err:
-                fail(f"stage {rank} raised {err!r} — a tensor you received has no gradient: "
-                     f"call requires_grad_() on it after recv, so the backward computes the "
-                     f"gradient to send back.")
-            fail(f"stage {rank} of {k} raised: {err}.")
     loss, ref, each = _micro_grads(k, m)
     last = outs[-1]
     for rank, o in enumerate(outs):
@@ -844,10 +849,8 @@ def measure_bubble(step_fn, bubble_fn, stages: int = 2, micro=(1, 2, 4, 8),
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     rows = []
     for m in micro:
-        outs = run_ranks(_gpipe_worker, stages, step_fn, m, delay_s, timeout=timeout, hang=_HANG)
-        for rank, o in enumerate(outs):
-            if "error" in o:
-                fail(f"stage {rank} raised: {o['error']}.")
+        outs = run_ranks(_gpipe_worker, stages, step_fn, m, delay_s, timeout=timeout,
+                         failed=_gpipe_failed, hang=_HANG)
         events = [(rank, k, i, s, e) for rank, o in enumerate(outs) for k, i, s, e in o["events"]]
         rows.append((m, float(bubble_fn(events, stages)), pp.ideal_bubble(stages, m)))
     print(f"{'M':>3}  {'measured':>8}  {'(K-1)/(M+K-1)':>13}")

@@ -1,0 +1,618 @@
+"""lab11's checks: every wrong answer fails with the sentence that names its mistake; every right
+variant passes (other world sizes, torch.chunk / narrow / tensor_split, F.linear or x @ W.T, the
+row bias after the all-reduce on every rank or before it on rank 0 only, in-place all-reduces,
+uneven blocks for a hidden size the world size does not divide).
+"""
+
+import sys
+import time
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dpcourse.checks import LabCheckError, lab11
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+T = 60  # generous: a loaded 2-core machine
+
+
+def fails(check, *args, match, **kwargs):
+    with pytest.raises(LabCheckError, match=match) as info:
+        check(*args, **kwargs)
+    assert "\n" not in info.value.message.strip()
+    return info.value.message
+
+
+# --------------------------------------------------------------------------------------------
+# block_of
+# --------------------------------------------------------------------------------------------
+
+
+def block_refuse(size, rank, world_size):
+    if size % world_size:
+        raise ValueError(f"{size} features do not split over {world_size} ranks")
+    per = size // world_size
+    return rank * per, (rank + 1) * per
+
+
+def block_tensor_split(size, rank, world_size):
+    # uneven blocks: the first size % world_size ranks get one more
+    parts = torch.arange(size).tensor_split(world_size)
+    return int(parts[rank][0]), int(parts[rank][-1]) + 1
+
+
+def block_chunk(size, rank, world_size):
+    parts = torch.arange(size).chunk(world_size)          # 16 on 3: 6, 6, 4
+    return int(parts[rank][0]), int(parts[rank][-1]) + 1
+
+
+@pytest.mark.parametrize("fn", [block_refuse, block_tensor_split, block_chunk])
+def test_right_block_of_pass(fn, capsys):
+    lab11.check_block_of(fn)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def block_no_offset(size, rank, world_size):
+    return 0, size // world_size
+
+
+def block_one_short(size, rank, world_size):
+    per = size // world_size
+    return rank * per, rank * per + per - 1
+
+
+def block_drops_remainder(size, rank, world_size):
+    per = size // world_size
+    return rank * per, (rank + 1) * per
+
+
+def block_vague(size, rank, world_size):
+    if size % world_size:
+        raise ValueError("uneven split")
+    per = size // world_size
+    return rank * per, (rank + 1) * per
+
+
+@pytest.mark.parametrize("fn,match", [
+    (block_no_offset, "offset the block by the rank"),
+    (block_one_short, "one feature short"),
+    (block_drops_remainder, "belong to no rank"),
+    (block_vague, "names both numbers"),
+])
+def test_wrong_block_of_named(fn, match):
+    fails(lab11.check_block_of, fn, match=match)
+
+
+# --------------------------------------------------------------------------------------------
+# f and g
+# --------------------------------------------------------------------------------------------
+
+
+def allsum(t):
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def conj(name, forward, backward):
+    """An autograd Function from two plain functions of a tensor."""
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(lambda ctx, x: forward(x)),
+        "backward": staticmethod(lambda ctx, g: backward(g)),
+    })
+
+
+def ident(t):
+    return t.clone()
+
+
+def allmean(t):
+    return allsum(t) / dist.get_world_size()
+
+
+def inplace_sum(t):           # Megatron's way: all-reduce the tensor it was given
+    dist.all_reduce(t)
+    return t
+
+
+Copy = conj("Copy", ident, allsum)
+Reduce = conj("Reduce", allsum, ident)
+
+
+class CopyViewAs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return inplace_sum(grad.contiguous())
+
+
+class ReduceInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return inplace_sum(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@pytest.mark.parametrize("f,g", [(Copy, Reduce), (CopyViewAs, ReduceInPlace)])
+def test_right_conjugates_pass(f, g, capsys):
+    lab11.check_conjugates(f, g, timeout=T)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_right_conjugates_pass_on_four_ranks(capsys):
+    lab11.check_conjugates(Copy, Reduce, world_sizes=(4,), timeout=T)
+    assert "✔" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("f,g,match", [
+    (conj("F", allsum, allsum), Reduce, "forward all-reduces x"),
+    (conj("F", allmean, allsum), Reduce, "forward makes 1 collective"),
+    (conj("F", ident, ident), Reduce, "backward returns the gradient unchanged"),
+    (conj("F", ident, allmean), Reduce, "backward averages"),
+    (conj("F", ident, lambda g: None), Reduce, "no gradient"),
+    (Copy, conj("G", ident, ident), "forward returns its input unchanged"),
+    (Copy, conj("G", allmean, ident), "forward averages"),
+    (Copy, conj("G", allsum, allsum), "backward all-reduces"),
+    (Reduce, Copy, "swapped"),
+])
+def test_wrong_conjugates_named(f, g, match):
+    fails(lab11.check_conjugates, f, g, match=match, timeout=T)
+
+
+# --------------------------------------------------------------------------------------------
+# The column-parallel layer
+# --------------------------------------------------------------------------------------------
+
+
+class Column(nn.Module):
+    """Right: rows [r·per, (r+1)·per) of the weight and of the bias; f, then F.linear."""
+
+    def __init__(self, linear, rank, world_size):
+        super().__init__()
+        self.rank, self.world_size = rank, world_size
+        w, b = self.shard(linear.weight.detach(), linear.bias.detach(), rank, world_size)
+        self.weight, self.bias = nn.Parameter(w.clone()), nn.Parameter(b.clone())
+
+    def shard(self, w, b, rank, n):
+        per = w.shape[0] // n
+        return w.narrow(0, rank * per, per), b.narrow(0, rank * per, per)
+
+    def forward(self, x):
+        return F.linear(Copy.apply(x), self.weight, self.bias)
+
+
+class ColumnChunk(Column):
+    def shard(self, w, b, rank, n):
+        return w.chunk(n, dim=0)[rank], b.chunk(n)[rank]
+
+
+class ColumnMatmul(Column):
+    def forward(self, x):
+        return Copy.apply(x) @ self.weight.t() + self.bias
+
+
+@pytest.mark.parametrize("cls", [Column, ColumnChunk, ColumnMatmul])
+def test_right_column_pass(cls, capsys):
+    lab11.check_column_parallel(cls, timeout=T)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+class ColumnAllReduceForward(Column):
+    def forward(self, x):
+        return allsum(F.linear(Copy.apply(x), self.weight, self.bias))
+
+
+class ColumnNoF(Column):
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnWrongDim(Column):
+    def shard(self, w, b, rank, n):
+        per = w.shape[1] // n
+        return w[:, rank * per:(rank + 1) * per], b
+
+
+class ColumnNoOffset(Column):
+    def shard(self, w, b, rank, n):
+        return super().shard(w, b, 0, n)
+
+
+class ColumnStrided(Column):
+    def shard(self, w, b, rank, n):
+        return w[rank::n], b[rank::n]
+
+
+class ColumnWholeWeight(Column):
+    def shard(self, w, b, rank, n):
+        return w, b
+
+    def forward(self, x):
+        per = self.weight.shape[0] // self.world_size
+        out = F.linear(Copy.apply(x), self.weight, self.bias)
+        return out[:, self.rank * per:(self.rank + 1) * per]
+
+
+class ColumnWholeBias(Column):
+    def shard(self, w, b, rank, n):
+        return super().shard(w, b, rank, n)[0], b
+
+
+class ColumnNoBias(Column):
+    def forward(self, x):
+        return F.linear(Copy.apply(x), self.weight)
+
+
+class ColumnAveragedBackward(Column):
+    def forward(self, x):
+        return F.linear(conj("F", ident, allmean).apply(x), self.weight, self.bias)
+
+
+@pytest.mark.parametrize("cls,match", [
+    (ColumnAllReduceForward, "forward makes 1 collective"),
+    (ColumnNoF, "no all-reduce in the backward"),
+    (ColumnWrongDim, "wrong dimension"),
+    (ColumnNoOffset, "kept the rows of rank 0"),
+    (ColumnStrided, "strided"),
+    (ColumnWholeWeight, "keeps the whole weight"),
+    (ColumnWholeBias, "whole bias"),
+    (ColumnNoBias, "lacks the bias"),
+    (ColumnAveragedBackward, "averages dL/dx"),
+])
+def test_wrong_column_named(cls, match):
+    fails(lab11.check_column_parallel, cls, match=match, timeout=T)
+
+
+# --------------------------------------------------------------------------------------------
+# The row-parallel layer
+# --------------------------------------------------------------------------------------------
+
+
+class Row(nn.Module):
+    """Right: columns [r·per, (r+1)·per) of the weight, the whole bias, added after g."""
+
+    def __init__(self, linear, rank, world_size):
+        super().__init__()
+        self.rank, self.world_size = rank, world_size
+        w = linear.weight.detach()
+        per = w.shape[1] // world_size
+        self.weight = nn.Parameter(self.shard(w, rank, world_size).clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+        self.per = per
+
+    def shard(self, w, rank, n):
+        per = w.shape[1] // n
+        return w.narrow(1, rank * per, per)
+
+    def forward(self, h):
+        return Reduce.apply(F.linear(h, self.weight)) + self.bias
+
+
+class RowBiasOnRankZero(Row):
+    def __init__(self, linear, rank, world_size):
+        super().__init__(linear, rank, world_size)
+        if rank != 0:
+            self.bias = None
+
+    def forward(self, h):
+        part = F.linear(h, self.weight, self.bias)
+        return Reduce.apply(part)
+
+
+class RowChunk(Row):
+    def shard(self, w, rank, n):
+        return w.chunk(n, dim=1)[rank]
+
+
+@pytest.mark.parametrize("cls", [Row, RowBiasOnRankZero, RowChunk])
+def test_right_row_pass(cls, capsys):
+    lab11.check_row_parallel(cls, timeout=T)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_right_row_pass_on_four_ranks(capsys):
+    lab11.check_row_parallel(Row, world_sizes=(4,), timeout=T)
+    assert "✔" in capsys.readouterr().out
+
+
+class RowNoReduce(Row):
+    def forward(self, h):
+        return F.linear(h, self.weight) + self.bias
+
+
+class RowBiasEveryRank(Row):
+    def forward(self, h):
+        return Reduce.apply(F.linear(h, self.weight, self.bias))
+
+
+class RowBiasScaled(Row):
+    def forward(self, h):
+        return Reduce.apply(F.linear(h, self.weight) + self.bias / self.world_size)
+
+
+class RowBiasStoredScaled(Row):
+    def __init__(self, linear, rank, world_size):
+        super().__init__(linear, rank, world_size)
+        self.bias = nn.Parameter(linear.bias.detach() / world_size)
+
+    def forward(self, h):
+        return Reduce.apply(F.linear(h, self.weight, self.bias))
+
+
+class RowBackwardAllReduce(Row):
+    def forward(self, h):
+        return conj("G", allsum, allsum).apply(F.linear(h, self.weight)) + self.bias
+
+
+class RowWrongDim(Row):
+    def shard(self, w, rank, n):
+        per = w.shape[0] // n
+        return w[rank * per:(rank + 1) * per]
+
+
+class RowNoOffset(Row):
+    def shard(self, w, rank, n):
+        return super().shard(w, 0, n)
+
+
+class RowAveraged(Row):
+    def forward(self, h):
+        return conj("G", allmean, ident).apply(F.linear(h, self.weight)) + self.bias
+
+
+class RowBiasAfterOnRankZeroOnly(Row):
+    def forward(self, h):
+        out = Reduce.apply(F.linear(h, self.weight))
+        return out + self.bias if self.rank == 0 else out
+
+
+@pytest.mark.parametrize("cls,match", [
+    (RowNoReduce, "no all-reduce in RowNoReduce's forward"),
+    (RowBiasEveryRank, "adds the bias on every rank before the all-reduce"),
+    (RowBiasScaled, "1/2 of its gradient"),
+    (RowBiasStoredScaled, "divided by the world size"),
+    (RowBackwardAllReduce, "backward all-reduces"),
+    (RowWrongDim, "wrong dimension"),
+    (RowNoOffset, "kept the columns of rank 0"),
+    (RowAveraged, "averages the partial products"),
+    (RowBiasAfterOnRankZeroOnly, "rank 1 lacks the bias"),
+])
+def test_wrong_row_named(cls, match):
+    fails(lab11.check_row_parallel, cls, match=match, timeout=T)
+
+
+# --------------------------------------------------------------------------------------------
+# The MLP
+# --------------------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self, plain, rank, world_size):
+        super().__init__()
+        if plain[0].out_features % world_size:
+            raise ValueError(f"hidden size {plain[0].out_features} is not divisible by "
+                             f"{world_size} ranks")
+        self.up = Column(plain[0], rank, world_size)
+        self.act = plain[1]
+        self.down = Row(plain[2], rank, world_size)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class UnevenColumn(Column):
+    def shard(self, w, b, rank, n):
+        return w.tensor_split(n, dim=0)[rank], b.tensor_split(n)[rank]
+
+
+class UnevenRow(Row):
+    def shard(self, w, rank, n):
+        return w.tensor_split(n, dim=1)[rank]
+
+
+class MLPUneven(nn.Module):
+    """Handles any hidden size: blocks of sizes that differ by one."""
+
+    def __init__(self, plain, rank, world_size):
+        super().__init__()
+        self.up = UnevenColumn(plain[0], rank, world_size)
+        self.act = plain[1]
+        self.down = UnevenRow(plain[2], rank, world_size)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+@pytest.mark.parametrize("cls", [MLP, MLPUneven])
+def test_right_mlp_pass(cls, capsys):
+    lab11.check_tp_mlp(cls, timeout=T)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1
+    assert ("refused" if cls is MLP else "handled") in out
+
+
+class MLPVagueRefusal(MLP):
+    def __init__(self, plain, rank, world_size):
+        if plain[0].out_features % world_size:
+            raise RuntimeError("bad hidden size")
+        super().__init__(plain, rank, world_size)
+
+
+class MLPDropsRemainder(nn.Module):
+    def __init__(self, plain, rank, world_size):
+        super().__init__()
+        self.up = Column(plain[0], rank, world_size)
+        self.act = plain[1]
+        self.down = Row(plain[2], rank, world_size)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class MLPGeluAfter(MLP):
+    def forward(self, x):
+        return self.act(self.down(self.up(x)))
+
+
+@pytest.mark.parametrize("cls,match", [
+    (MLPVagueRefusal, "names the hidden size and the world size"),
+    (MLPDropsRemainder, "does not split into 3 equal blocks"),
+    (MLPGeluAfter, "differs from the plain MLP"),
+])
+def test_wrong_mlp_named(cls, match):
+    fails(lab11.check_tp_mlp, cls, match=match, timeout=T)
+
+
+# --------------------------------------------------------------------------------------------
+# Stretch: the GPipe step and the bubble
+# --------------------------------------------------------------------------------------------
+
+
+def gpipe(stage, rank, world_size, m, inputs, targets, loss_fn, shape, *, divide=True,
+          zero_each=False, interleave=False, track_input=True, reverse=False):
+    """A right GPipe step with isend; each keyword switches on one mistake (or a variant)."""
+    last = rank == world_size - 1
+    saved, events, sends, loss = {}, [], [], 0.0
+
+    def forward(i):
+        if rank == 0:
+            x = inputs[i]
+        else:
+            x = torch.empty(shape)
+            dist.recv(x, src=rank - 1)
+            if track_input:
+                x.requires_grad_()
+        t0 = time.perf_counter()
+        y = stage(x)
+        if last:
+            y = loss_fn(y, targets[i]) / (m if divide else 1)
+        events.append(("F", i, t0, time.perf_counter()))
+        if not last:
+            out = y.detach()
+            sends.append((dist.isend(out, rank + 1), out))
+        saved[i] = (x, y)
+        return y.item() if last else 0.0
+
+    def backward(i):
+        x, y = saved.pop(i)
+        grad = None
+        if not last:
+            grad = torch.empty(shape)
+            dist.recv(grad, src=rank + 1)
+        if zero_each:
+            stage.zero_grad()
+        t0 = time.perf_counter()
+        y.backward(grad)
+        events.append(("B", i, t0, time.perf_counter()))
+        if rank > 0:
+            sends.append((dist.isend(x.grad, rank - 1), x.grad))
+
+    if interleave:   # 1F1B
+        warm = min(world_size - rank - 1, m)
+        for i in range(warm):
+            loss += forward(i)
+        for i in range(m - warm):
+            loss += forward(warm + i)
+            backward(i)
+        for i in range(m - warm, m):
+            backward(i)
+    else:
+        for i in range(m):
+            loss += forward(i)
+        for i in (reversed(range(m)) if reverse else range(m)):
+            backward(i)
+    for work, _ in sends:
+        work.wait()
+    return (loss if last else None), events
+
+
+def bubble(events, stages):
+    busy = sum(e[4] - e[3] for e in events)
+    start, end = min(e[3] for e in events), max(e[4] for e in events)
+    return 1.0 - busy / (stages * (end - start))
+
+
+def test_right_gpipe_passes(capsys):
+    lab11.check_gpipe(gpipe, bubble, timeout=T)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def gpipe_reversed(*args):
+    return gpipe(*args, reverse=True)
+
+
+def test_backwards_in_reverse_order_pass(capsys):
+    lab11.check_gpipe(gpipe_reversed, bubble, stages=(3,), timeout=T)
+    assert "✔" in capsys.readouterr().out
+
+
+def gpipe_not_accumulated(*args):
+    return gpipe(*args, zero_each=True)
+
+
+def gpipe_not_divided(*args):
+    return gpipe(*args, divide=False)
+
+
+def gpipe_1f1b(*args):
+    return gpipe(*args, interleave=True)
+
+
+def gpipe_no_requires_grad(*args):
+    return gpipe(*args, track_input=False)
+
+
+@pytest.mark.parametrize("fn,match", [
+    (gpipe_not_accumulated, "not accumulated"),
+    (gpipe_not_divided, "4 times too large"),
+    (gpipe_1f1b, "every forward first"),
+    (gpipe_no_requires_grad, "requires_grad_"),
+])
+def test_wrong_gpipe_named(fn, match):
+    fails(lab11.check_gpipe, fn, bubble, match=match, timeout=T)
+
+
+def bubble_formula(events, stages):
+    m = sum(1 for e in events if e[0] == 0 and e[1] == "F")
+    return (stages - 1) / (m + stages - 1)
+
+
+def bubble_busy(events, stages):
+    return 1.0 - bubble(events, stages)
+
+
+def bubble_own_span(events, stages):
+    shares = []
+    for s in range(stages):
+        mine = [e for e in events if e[0] == s]
+        span = max(e[4] for e in mine) - min(e[3] for e in mine)
+        shares.append(1 - sum(e[4] - e[3] for e in mine) / span)
+    return sum(shares) / stages
+
+
+@pytest.mark.parametrize("fn,match", [
+    (bubble_formula, "whatever the timeline"),
+    (bubble_busy, "busy share"),
+    (bubble_own_span, "its own first and last"),
+])
+def test_wrong_bubble_named(fn, match):
+    fails(lab11.check_gpipe, gpipe, fn, match=match, timeout=T)
+
+
+def test_an_unfilled_todo_stops_before_any_rank_starts():
+    def todo(size, rank, world_size):
+        raise NotImplementedError("TODO: write this part")
+
+    with pytest.raises(NotImplementedError):
+        lab11.check_block_of(todo)
