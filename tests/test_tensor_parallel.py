@@ -124,6 +124,17 @@ def test_noise_scale_inside_ddp_is_close_to_the_per_example_value():
     assert rows[:, 0].mean() > rows[:, 1].mean()       # the smaller batch's gradient is noisier
 
 
+def test_fsdp2_shards_parameters_but_not_activations():
+    held = {n: launch.spawn(tp.activation_memory_worker, n, backend="gloo", timeout=120)
+            for n in (2, 4)}
+    for n, runs in held.items():
+        for r in runs:
+            assert r["shard_bytes"] * n == r["full_bytes"]
+            assert r["activations"] == r["one_device_activations"] > 0
+    # 4 Linear + 4 GeLU inputs and the loss's input, each 8 x 48 floats
+    assert held[4][0]["activations"] == held[2][0]["activations"] == 9 * 8 * 48 * 4
+
+
 # --------------------------------------------------------------------------------------------
 # Figures
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ with t·p·d GPUs it computes, per GPU:
   micro-batch; with 1F1B the first pipeline stage holds ``min(p, m)`` micro-batches of its L/p
   layers. ZeRO-3 adds its working set: the full weights of two layers (one computing, one
   prefetched) and one layer's full gradient;
-* **messages and bytes per step**, per dimension: tensor (all-reduces of the activations,
+* **messages and bytes per step**, per GPU and dimension: tensor (all-reduces of the activations,
   four per layer per micro-batch — two in the forward, two in the backward — and two more when
   the forward is recomputed), pipeline (one activation forward and one gradient backward per
   micro-batch and stage boundary), data (lesson 08's 2Ψ or 3Ψ of the GPU's parameters, once
@@ -29,6 +29,7 @@ Everything here is arithmetic on the formulas; nothing runs on a GPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import zero
@@ -110,11 +111,14 @@ def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1
 
 def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batch: int,
              micro_batch: int = 1, stage: str = "ddp", recompute: bool = True,
-             sequence_parallel: bool = False) -> dict:
+             sequence_parallel: bool = False, bucket_bytes: float = 25 * 2**20) -> dict:
     """Memory, traffic and an estimated step time for one configuration (t = ``tp``,
     p = ``pp``, d = GPUs / (t·p)), as described in the module's docstring. ``stage`` is the
     data-parallel flavour over the d ranks: "ddp", "zero1", "zero2" or "zero3". Model state
-    uses lesson 08's mixed-precision Adam (2 + 2 + 12 bytes per parameter). Returns a dict
+    uses lesson 08's mixed-precision Adam (2 + 2 + 12 bytes per parameter). Data-parallel
+    messages: one all-reduce per ``bucket_bytes`` of 16-bit gradients (DDP's default bucket,
+    25 MiB), a reduce-scatter and an all-gather per bucket for ZeRO-1/2, three collectives
+    per layer for ZeRO-3 (all-gather twice, reduce-scatter). Returns a dict
     with every number the lesson prints, and ``fits``. Shown in lesson 11, §5.
     """
     n = cluster.gpus
@@ -149,8 +153,9 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     pp_msgs = 2 * m if pp > 1 else 0                  # a middle stage: one each way per micro-batch
     pp_bytes = pp_msgs * act_msg
     dp_volume = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3}[stage] * per_gpu * 2
-    dp_msgs = ({"ddp": 1, "zero1": 2, "zero2": 2, "zero3": 3 * layers_here}[stage]
-               if dp > 1 else 0)
+    buckets = math.ceil(per_gpu * 2 / bucket_bytes)   # DDP's gradient buckets (lesson 07)
+    dp_msgs = ({"ddp": buckets, "zero1": 2 * buckets, "zero2": 2 * buckets,
+                "zero3": 3 * layers_here}[stage] if dp > 1 else 0)
     dp_bytes = dp_volume * (dp - 1) / dp if dp > 1 else 0.0
 
     tp_link = cluster.intra_bw if tp <= cluster.gpus_per_node else cluster.inter_bw

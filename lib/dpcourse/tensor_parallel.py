@@ -64,6 +64,7 @@ __all__ = [
     "noise_scale_from_norms",
     "noise_scale_worker",
     "per_example_noise_scale",
+    "activation_memory_worker",
 ]
 
 
@@ -411,7 +412,63 @@ def mesh_2d_worker(rank: int, world_size: int, cfg: TPConfig, dp: int = 2, tp: i
 
 
 # --------------------------------------------------------------------------------------------
-# 4. The gradient noise scale, inside a DDP run (McCandlish et al. 2018, appendix A)
+# 4. Where data parallelism ends: activations do not shard
+# --------------------------------------------------------------------------------------------
+
+
+def activation_memory_worker(rank: int, world_size: int, micro_batch: int = 8, width: int = 48,
+                             depth: int = 4) -> dict:
+    """ZeRO-3 as FSDP2 runs it (``fully_shard`` on every layer, then the root) on a stack of
+    ``depth`` Linear(width, width) + GeLU layers, each rank with its own micro-batch. Counts,
+    on this rank, the bytes of its parameter shards and the bytes autograd saves for the
+    backward during one forward (``torch.autograd.graph.saved_tensors_hooks``), split into
+    activations (tensors whose first dimension is the micro-batch) and the rest (the
+    all-gathered weights a layer keeps for its backward). The same forward without any
+    sharding, in this process, gives the activations of one device.
+    Shown in lesson 11, §1.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _quiet()
+    torch.set_num_threads(1)
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width),
+                                                                    nn.GELU())])
+
+    def saved_bytes(model, x):
+        kinds = {"activations": 0, "other": 0}
+
+        def pack(t):
+            kind = "activations" if t.dim() and t.shape[0] == micro_batch else "other"
+            kinds[kind] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        return kinds
+
+    x = torch.randn(micro_batch, width, generator=torch.Generator().manual_seed(rank))
+    one_device = saved_bytes(build(), x)
+    model = build()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sharded = saved_bytes(model, x)
+    shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    full_bytes = sum(p.numel() * p.element_size() for p in build().parameters())
+    return {"shard_bytes": shard_bytes, "full_bytes": full_bytes,
+            "activations": sharded["activations"], "other_saved": sharded["other"],
+            "one_device_activations": one_device["activations"]}
+
+
+# --------------------------------------------------------------------------------------------
+# 5. The gradient noise scale, inside a DDP run (McCandlish et al. 2018, appendix A)
 # --------------------------------------------------------------------------------------------
 
 
