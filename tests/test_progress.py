@@ -259,6 +259,11 @@ def test_lab_filter_and_wider_cells(log, monkeypatch):
     text = _table(log, "--lab", "6", "--cell", "60")
     assert "lab10" not in text
     assert "scatter_reduce left the buffers unchanged (N=3) (3)" in text
+    assert _table(log, "--lab", "lab6", "--cell", "60") == text
+    assert _table(log, "--lab", "lab06", "--cell", "60") == text
+    assert "lab06" not in _table(log, "--lab", "10")
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        progress.main([str(log), "--lab", "ring"])
 
 
 def test_a_torn_file_is_read_what_can_be_read(log, monkeypatch):

@@ -214,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cell must be at least 8 characters, got {args.cell}")
     labs = None
     if args.lab:
-        labs = {lab if lab.startswith("lab") else f"lab{int(lab):02d}" for lab in args.lab
-                if lab.startswith("lab") or lab.isdigit()}
-        if len(labs) != len(args.lab):
-            parser.error(f"--lab takes a lab's name or number (lab03 or 3), got {args.lab}")
+        numbers = [lab.lower().removeprefix("lab") for lab in args.lab]
+        if not all(n.isdigit() for n in numbers):
+            parser.error(f"--lab takes a lab's name or number (lab03, lab3 or 3), got {args.lab}")
+        labs = {f"lab{int(n):02d}" for n in numbers}
     path = Path(args.path)
     if not path.is_file():
         print(f"no progress file at {path}: no check has run with DPCOURSE_PROGRESS={path} "
