@@ -281,7 +281,7 @@ claim("torchrun restarted both ranks, which resumed from the step-8 checkpoint",
 claim("the restarted run ends with weights bit-identical to the uninterrupted run",
       all(torch.equal(restarted[k], uninterrupted[k]) for k in uninterrupted))
 total_steps = int(re.findall(r"after (\d+) steps", fault.output)[-1])
-viz.show(dp.restart_timeline_figure(total_steps=total_steps, ckpt_every=4, fail_at=11, resumed=8),
+viz.show(viz.restart_timeline_figure(total_steps=total_steps, ckpt_every=4, fail_at=11, resumed=8),
          "attempt 0 saves at steps 4 and 8 and dies after step 11; attempt 1 reloads step 8, "
          "redoes steps 9-11 (shaded; the axis stops 5 steps after the kill) and ends with the same weights as the uninterrupted two-node run of "
          "section 2.")
