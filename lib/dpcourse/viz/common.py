@@ -14,7 +14,7 @@ __all__ = ["new_figure", "figure_to_png", "show", "show_code"]
 
 
 def new_figure(width: float = 6.0, height: float = 4.0, dpi: int = 80):
-    """A matplotlib Figure that no pyplot state knows about (so it is shown only by :func:`show`)."""
+    """A matplotlib Figure that no pyplot state knows about, so only :func:`show` shows it."""
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), dpi=dpi)

@@ -25,7 +25,8 @@ def restart_timeline_figure(total_steps: int, ckpt_every: int, fail_at: int, res
     ax.plot(saved, [rows["attempt 0"]] * len(saved), "v", color="black", ms=8,
             label="checkpoint saved (rank 0)")
     ax.plot([fail_at], [rows["attempt 0"]], "X", color="#d62728", ms=11, label="rank 1 killed")
-    ax.annotate("", (resumed, rows["attempt 1 (restart)"] + 0.2), (resumed, rows["attempt 0"] - 0.2),
+    ax.annotate("", (resumed, rows["attempt 1 (restart)"] + 0.2),
+                (resumed, rows["attempt 0"] - 0.2),
                 arrowprops=dict(arrowstyle="-|>", color="black", lw=1))
     ax.text(resumed + 0.1, 0.5, f"reload step {resumed}", fontsize=8)
     # zoom on the steps that matter: the axis ends a few steps after the kill, and the text at

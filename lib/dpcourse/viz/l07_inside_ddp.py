@@ -28,8 +28,10 @@ def reducer_figure():
     ax.axis("off")
     steps = [
         ("1. hook", "autograd has accumulated\np.grad: the reducer's\nhook on p runs"),
-        ("2. into the bucket", "copy p.grad into its slice\n(÷N on the way), or\np.grad IS the slice (view)"),
-        ("3. launch in order", "bucket complete? launch it\nonly if it is next_bucket_,\nthen every ready one after"),
+        ("2. into the bucket",
+         "copy p.grad into its slice\n(÷N on the way), or\np.grad IS the slice (view)"),
+        ("3. launch in order",
+         "bucket complete? launch it\nonly if it is next_bucket_,\nthen every ready one after"),
         ("4. wait", "end of backward: wait on\nevery bucket's all-reduce"),
         ("5. copy back", "slice → p.grad;\nskipped with\ngradient_as_bucket_view"),
     ]
