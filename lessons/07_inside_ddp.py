@@ -47,7 +47,7 @@ import math
 
 import torch
 
-from dpcourse import devices, launch, overlap, viz
+from dpcourse import collectives, devices, launch, overlap, viz
 from dpcourse.checks import claim
 
 torch.set_num_threads(1)
@@ -755,11 +755,18 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 viz.show_code(overlap.comm_hook_worker)
 
 # %% [markdown]
-# We count the bytes by wrapping `dist.all_reduce` while the backward runs (`count_collectives`)
-# and predict PowerSGD's from the shapes alone:
+# We count the bytes with the course's one recorder of collectives,
+# `collectives.record_collectives` (lessons 08, 10 and the lab checks use it too): inside the
+# block each function of `torch.distributed` is replaced by a wrapper that binds the call's
+# arguments, notes what it does and the bytes it passes in, and calls the real function; the
+# real functions are put back when the block ends, error or not. A comm hook calls
+# `dist.all_reduce`, so the recorder sees it; DDP's built-in all-reduce runs in C++ and is not
+# seen, which is why the "none" run registers torch's plain `allreduce_hook`. PowerSGD's count
+# is predicted from the shapes alone:
 
 # %%
-viz.show_code(overlap.count_collectives, overlap.powersgd_elements)
+viz.show_code(collectives.record_collectives, collectives.Recorder.wrap, collectives.describe,
+              overlap.powersgd_elements)
 
 # %%
 hcfg = overlap.OverlapConfig(model="small_cnn", width=8, global_batch=32, steps=hook_steps,

@@ -52,7 +52,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Call", "CollectiveLog", "record_collectives", "RECORDED"]
+__all__ = ["Call", "CollectiveLog", "record_collectives", "Recorder", "describe", "RECORDED",
+           "RECORDED_FUNCOL"]
 
 # Each recorded function: (the op it performs, the argument it reads, the argument it writes).
 RECORDED = {
@@ -163,7 +164,12 @@ def _size(value) -> tuple[int, int, torch.dtype | None]:
     return 0, len(pickle.dumps(value)), None
 
 
-def _describe(function: str, spec, arguments: dict) -> Call:
+def describe(function: str, spec, arguments: dict) -> Call:
+    """The :class:`Call` for ``function`` called with ``arguments``: ``spec`` (from
+    :data:`RECORDED`) names its op and the arguments it reads and writes.
+
+    Shown in lesson 07, §5.
+    """
     op, read, written = spec
     numel, nbytes, dtype = _size(arguments.get(read)) if read else (0, 0, None)
     out_numel, out_nbytes, out_dtype = _size(arguments.get(written)) if written else (0, 0, None)
@@ -183,8 +189,9 @@ def _real(fn):
     return fn
 
 
-class _Recorder:
-    """The state one ``record_collectives`` block shares between its wrappers."""
+class Recorder:
+    """What one :func:`record_collectives` block shares between its wrappers: the log, the
+    hooks, and a per-thread flag that passes calls made inside a recorded one through."""
 
     def __init__(self, before, after):
         self.log = CollectiveLog()
@@ -213,6 +220,10 @@ class _Recorder:
                 call.args = call.result = None
 
     def wrap(self, real, function: str, spec):
+        """``real`` (a torch.distributed function) as one that records each call, then calls it.
+
+        Shown in lesson 07, §5.
+        """
         signature = inspect.signature(real)
 
         @functools.wraps(real)
@@ -223,7 +234,7 @@ class _Recorder:
                 arguments = signature.bind(*args, **kwargs).arguments
             except TypeError:
                 return real(*args, **kwargs)          # torch says what is wrong
-            call = _describe(function, spec, arguments)
+            call = describe(function, spec, arguments)
             call.args = arguments
             return self.run([call], real, args, kwargs)
 
@@ -276,12 +287,12 @@ def record_collectives(before: Callable[[Call], None] | None = None,
     returned; ``after`` may return something else to hand back instead. The module's functions
     are restored on exit, error or not. Blocks nest: each records everything in it.
 
-    Shown in lesson 07, §4.
+    Shown in lesson 07, §5.
     """
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    recorder = _Recorder(before, after)
+    recorder = Recorder(before, after)
     replaced = []                                       # (module, name, original)
     for module, table, prefix in ((dist, RECORDED, ""), (funcol, RECORDED_FUNCOL, "funcol.")):
         for name, spec in table.items():

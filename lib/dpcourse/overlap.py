@@ -24,14 +24,13 @@ All three share the interface the training loop uses::
 
 and count their collectives (``collectives``) and record a timeline (``events``), which the
 lesson draws. :func:`equality_worker` proves each one equals real DDP; :func:`timing_worker`
-times them against DDP (``python -m dpcourse.bench ddp``); :func:`count_collectives` counts the
-bytes a DDP communication hook sends (fp16, bf16, PowerSGD), and :func:`powersgd_elements`
-predicts them.
+times them against DDP (``python -m dpcourse.bench ddp``); :func:`comm_hook_worker` counts the
+bytes a DDP communication hook sends (fp16, bf16, PowerSGD) with
+:func:`dpcourse.collectives.record_collectives`, and :func:`powersgd_elements` predicts them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import statistics
@@ -42,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from .collectives import record_collectives
 
 __all__ = [
     "AfterBackward",
@@ -55,7 +56,6 @@ __all__ = [
     "wrap",
     "count_ddp_collectives",
     "predict_step",
-    "count_collectives",
     "powersgd_elements",
     "wide_mlp",
     "OverlapConfig",
@@ -232,6 +232,12 @@ class BucketedDataParallel(nn.Module):
 
     def _grad_ready(self, p):
         i, offset = self._where[p]
+        if self._missing[i] == 0:           # its bucket is complete: a second backward
+            name = next(n for n, q in self.module.named_parameters() if q is p)
+            raise RuntimeError(
+                f"{name} got a second gradient before finish_gradient_synchronization(): its "
+                f"bucket was already complete (and sent), so call "
+                f"finish_gradient_synchronization() after every backward.")
         self._flat[i][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
         self._missing[i] -= 1
         if self._missing[i] == 0 and self.overlap:   # the bucket is full: send it
@@ -379,28 +385,8 @@ def predict_step(ready_ms, bucket_sizes, comm_ms, forward_ms: float, backward_ms
 
 
 # --------------------------------------------------------------------------------------------
-# Counting what is sent
+# What PowerSGD sends (counted by dpcourse.collectives.record_collectives in comm_hook_worker)
 # --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """Count every ``dist.all_reduce`` made through torch.distributed inside the block (DDP's
-    comm hooks, ours, torch's fp16/bf16/PowerSGD hooks): yields a list that receives one
-    ``(numel, dtype, nbytes)`` per call. DDP's built-in all-reduce (no comm hook) runs in C++
-    and is not seen: register a comm hook to count it."""
-    calls = []
-    real = dist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        calls.append((tensor.numel(), tensor.dtype, tensor.numel() * tensor.element_size()))
-        return real(tensor, *args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
-        yield calls
-    finally:
-        dist.all_reduce = real
 
 
 def powersgd_elements(shapes, rank: int, min_compression_rate: float = 2.0) -> dict:
@@ -595,7 +581,7 @@ def comm_hook_worker(rank: int, world_size: int, cfg: OverlapConfig, hooks,
     """Train real DDP ``cfg.steps`` steps once per name in ``hooks`` — "none" (plain
     all-reduce), "fp16", "bf16", "powersgd" or "powersgd_no_ef" (without error feedback) —
     and return each run's losses (this rank's shard), final weights, and the elements and
-    bytes all-reduced in each step, counted by :func:`count_collectives`."""
+    bytes all-reduced in each step, counted by :func:`dpcourse.collectives.record_collectives`."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -635,13 +621,14 @@ def comm_hook_worker(rank: int, world_size: int, cfg: OverlapConfig, hooks,
         for X, y in batches:
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(X.to(dev)), y.to(dev))
-            with count_collectives() as calls:
+            with record_collectives() as calls:
                 loss.backward()
             opt.step()
             losses.append(loss.item())
-            sent.append({"calls": len(calls), "elements": sum(c[0] for c in calls),
-                         "bytes": sum(c[2] for c in calls),
-                         "dtypes": sorted({str(c[1]).replace("torch.", "") for c in calls})})
+            reduced = calls.of("all_reduce")
+            sent.append({"calls": len(reduced), "elements": sum(c.numel for c in reduced),
+                         "bytes": sum(c.nbytes for c in reduced),
+                         "dtypes": sorted({str(c.dtype).replace("torch.", "") for c in reduced})})
         out[name] = {"losses": losses, "sent": sent, "params": ddp.flat_params(model.module)}
     shapes = [tuple(p.shape) for p in cfg.build().parameters()]
     return {"runs": out, "shapes": shapes}
