@@ -202,7 +202,36 @@ class ColumnMatmul(Column):
         return Copy.apply(x) @ self.weight.t() + self.bias
 
 
-@pytest.mark.parametrize("cls", [Column, ColumnChunk, ColumnMatmul])
+class ColumnTransposed(nn.Module):
+    """Right: the block stored as (in, out) for x @ W; the conjugates Megatron's way."""
+
+    def __init__(self, linear, rank, world_size):
+        super().__init__()
+        per = linear.out_features // world_size
+        self.w = nn.Parameter(linear.weight.detach().t()[:, rank * per:(rank + 1) * per].clone())
+        self.b = nn.Parameter(linear.bias.detach()[rank * per:(rank + 1) * per].clone())
+
+    def forward(self, x):
+        return CopyViewAs.apply(x) @ self.w + self.b
+
+
+class ColumnInnerLinear(nn.Module):
+    """Right: an nn.Linear of the block inside, its parameters copied in."""
+
+    def __init__(self, linear, rank, world_size):
+        super().__init__()
+        per = linear.out_features // world_size
+        self.inner = nn.Linear(linear.in_features, per)
+        with torch.no_grad():
+            self.inner.weight.copy_(linear.weight[rank * per:(rank + 1) * per])
+            self.inner.bias.copy_(linear.bias[rank * per:(rank + 1) * per])
+
+    def forward(self, x):
+        return self.inner(Copy.apply(x))
+
+
+@pytest.mark.parametrize("cls", [Column, ColumnChunk, ColumnMatmul, ColumnTransposed,
+                                 ColumnInnerLinear])
 def test_right_column_pass(cls, capsys):
     lab11.check_column_parallel(cls, timeout=T)
     assert capsys.readouterr().out.count("✔") == 1
@@ -315,7 +344,22 @@ class RowChunk(Row):
         return w.chunk(n, dim=1)[rank]
 
 
-@pytest.mark.parametrize("cls", [Row, RowBiasOnRankZero, RowChunk])
+class RowTransposedBiasOnRankZero(nn.Module):
+    """Right: the block stored as (in, out); the bias added before g, on rank 0 only."""
+
+    def __init__(self, linear, rank, world_size):
+        super().__init__()
+        per = linear.in_features // world_size
+        self.w = nn.Parameter(linear.weight.detach().t()[rank * per:(rank + 1) * per].clone())
+        self.b = nn.Parameter(linear.bias.detach().clone())
+        self.rank = rank
+
+    def forward(self, h):
+        part = h @ self.w
+        return ReduceInPlace.apply(part + self.b if self.rank == 0 else part)
+
+
+@pytest.mark.parametrize("cls", [Row, RowBiasOnRankZero, RowChunk, RowTransposedBiasOnRankZero])
 def test_right_row_pass(cls, capsys):
     lab11.check_row_parallel(cls, timeout=T)
     assert capsys.readouterr().out.count("✔") == 1

@@ -382,7 +382,7 @@ def _common_layer_failures(outs: list, n: int, name: str, full: nn.Linear, kind:
     shapes = outs[0]["shapes"]
     right = (per_out, in_f) if kind == "column" else (out_f, per_in)
     wrong = (out_f, per_in) if kind == "column" else (per_out, in_f)
-    if wrong in shapes and right not in shapes:
+    if wrong in shapes and right not in shapes and right[::-1] not in shapes:
         which = ("rows (output features, dim 0)" if kind == "column"
                  else "columns (input features, dim 1)")
         fail(f"{name} cut the weight along the wrong dimension: its shard is {wrong}, but torch "
@@ -394,7 +394,7 @@ def _common_layer_failures(outs: list, n: int, name: str, full: nn.Linear, kind:
     if kind == "column" and (out_f,) in shapes and (per_out,) not in shapes:
         fail(f"{name} keeps the whole bias ({out_f},) on every rank: slice it like the weight's "
              f"rows — this rank's block of {per_out}.")
-    if right not in shapes:
+    if right not in shapes and right[::-1] not in shapes:
         fail(f"{name}'s parameters are {shapes}: the weight shard should be {right} "
              f"(torch's Linear weight is (out_features, in_features)) — make it an "
              f"nn.Parameter so that it gets a gradient.")
@@ -422,6 +422,9 @@ def _block_failures(outs: list, n: int, name: str, full: nn.Linear, dim: int) ->
     for rank, o in enumerate(outs):
         shard = next((p for p in o["params"] if p.dim() == 2), None)
         s = _which_block(shard, full.weight.detach(), dim, n)
+        if s is None and _which_block(shard.T, full.weight.detach(), dim, n) is not None:
+            s = _which_block(shard.T, full.weight.detach(), dim, n)
+            o["transposed"] = True     # stored as (in, out) for x @ W: a right variant
         what = "rows" if dim == 0 else "columns"
         if s == "strided":
             fail(f"rank {rank} of {name} took every {n}-th {what[:-1]} (a strided shard): keep "
@@ -434,6 +437,12 @@ def _block_failures(outs: list, n: int, name: str, full: nn.Linear, dim: int) ->
         if s is None:
             fail(f"rank {rank}'s weight shard of {name} is not a block of the full layer's "
                  f"{what}: copy linear.weight's {what} [rank × {per}, (rank + 1) × {per}).")
+
+
+def _weight_grads(o: dict) -> list:
+    """The 2-D parameters' gradients, in torch's (out, in) layout."""
+    grads = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 2 and g is not None]
+    return [g.T for g in grads] if o.get("transposed") else grads
 
 
 def _diagnose_column(outs: list, n: int, name: str) -> None:
@@ -480,7 +489,7 @@ def _diagnose_column(outs: list, n: int, name: str) -> None:
                  f"block's part — do not divide by the world size.")
         if not _close(o["x_grad"], x.grad):
             fail(f"dL/dx after {name}'s backward on rank {rank} is not the full layer's.")
-        weights = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 2]
+        weights = _weight_grads(o)
         biases = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 1]
         if not weights or not _close(weights[0], full.weight.grad[block]):
             fail(f"the weight gradient of {name} on rank {rank} is not the full layer's rows "
@@ -525,14 +534,15 @@ def _diagnose_row(outs: list, n: int, name: str) -> None:
         if o["x_grad"] is None:
             fail(f"the hidden block has no gradient after the backward through {name}.")
         if _close(o["x_grad"], n * want_x) or o["bwd"]:
-            fail(f"{name}'s backward all-reduces: every rank already has the same dL/dy (its "
-                 f"output is replicated), and the gradient of a sum reaches each partial "
+            fail(f"{name}'s backward all-reduces (it makes {o['bwd']} collective call(s) and "
+                 f"dL/dh comes out {n} times too large): every rank already has the same dL/dy "
+                 f"(its output is replicated), and the gradient of a sum reaches each partial "
                  f"product unchanged — g's backward is the identity.")
         if not _close(o["x_grad"], want_x):
             fail(f"the gradient of the hidden block after {name}'s backward on rank {rank} is "
                  f"not the full layer's.")
-        weights = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 2]
-        if not _close(weights[0], full.weight.grad[:, rank * per:(rank + 1) * per]):
+        weights = _weight_grads(o)
+        if not weights or not _close(weights[0], full.weight.grad[:, rank * per:(rank + 1) * per]):
             fail(f"the weight gradient of {name} on rank {rank} is not the full layer's "
                  f"columns [{rank * per}, {(rank + 1) * per}).")
     # the bias: wherever it lives, its gradient is the whole bias's
