@@ -45,6 +45,7 @@ import math
 import torch
 
 from dpcourse import devices, launch, viz, zero
+from dpcourse import zero_experiments as experiments
 from dpcourse.checks import claim
 
 torch.set_num_threads(1)
@@ -163,13 +164,13 @@ zero_calculator = viz.explorer(
 #
 # ### The library's stages, checked
 # Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
-# shares a small base class, `_Stage`: it broadcasts rank 0's weights to every rank, keeps the
+# shares a small base class, `Stage`: it broadcasts rank 0's weights to every rank, keeps the
 # trainable parameters only (a frozen one, `requires_grad=False`, gets no gradient), and lists
 # the tensors it holds by category for the byte count of section 5. `Replicated` is lesson 03's
 # DDP with an fp32 master copy: the baseline, stage 0.
 
 # %%
-viz.show_code(zero._Stage, zero.Replicated, zero.grads_of, zero.optimizer_tensors)
+viz.show_code(zero.Stage, zero.Replicated, zero.grads_of, zero.optimizer_tensors)
 
 # %% [markdown]
 # **▶ The flat-shard helpers (`reduce_scatter_mean` and its neighbours) — open after your lab passes** (click the folded cell below).
@@ -188,20 +189,22 @@ viz.show_code(zero.Zero1, zero.Zero2)
 # Is it right? Every stage trains the same small MLP from the same start, on the same shards
 # of the same batches, next to torch's `DistributedDataParallel` with the full Adam — in fp32,
 # where the weights must agree to float rounding. The same launch also runs FSDP2 and
-# `ZeroRedundancyOptimizer`, met in section 6. `_prepare` builds each run; the "torch DDP"
+# `ZeroRedundancyOptimizer`, met in section 6. The experiments live in `dpcourse.zero_experiments`
+# (imported as `experiments`); `prepare_run` builds each run; the "torch DDP"
 # reference is DDP with a *comm hook* (`allreduce_hook`), so that its all-reduce goes through
 # `torch.distributed` where section 5 can record it.
 
 # %%
-viz.show_code(zero.ZeroConfig, zero._prepare, zero._TorchRun, zero.train_run)
+viz.show_code(experiments.ZeroConfig, experiments.prepare_run, experiments.TorchRun,
+              experiments.train_run)
 
 # %%
-cfg = zero.ZeroConfig(steps=steps)
+cfg = experiments.ZeroConfig(steps=steps)
 model = cfg.build()
 n_params = sum(p.numel() for p in model.parameters())
 claim(f"the MLP has Ψ = {n_params} parameters, which divides by neither 2 nor 3 (so the "
       "padding is exercised)", n_params == 2531 and n_params % 2 != 0 and n_params % 3 != 0)
-runs = launch.spawn(zero.equality_worker, world_size, cfg, backend=backend, timeout=120)
+runs = launch.spawn(experiments.equality_worker, world_size, cfg, backend=backend, timeout=120)
 
 
 def max_diff(run, results=None):
@@ -255,16 +258,16 @@ claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
 # Real models have frozen parameters (fine-tuning) and tied ones (one `Parameter` used by two
 # layers, like an embedding shared with the output layer). `ZeroConfig(frozen_and_tied=True)`
 # adds both to the MLP: a frozen bias, and a square weight tied between two layers. FSDP2
-# refuses a tied parameter split across two groups, so `_prepare` puts the two layers in one
-# `fully_shard([a, b])` group.
+# refuses a tied parameter split across two groups, so `fsdp2_shard` (section 6) puts the two
+# layers in one `fully_shard([a, b])` group.
 
 # %%
-awkward = zero.ZeroConfig(steps=steps, frozen_and_tied=True)
-tied_runs = launch.spawn(zero.equality_worker, world_size, awkward, backend=backend,
+awkward = experiments.ZeroConfig(steps=steps, frozen_and_tied=True)
+tied_runs = launch.spawn(experiments.equality_worker, world_size, awkward, backend=backend,
                          timeout=120)
 claim(f"with a frozen and a tied parameter, every stage, FSDP2 and ZeroRedundancyOptimizer: "
       f"weights after {steps} steps == torch DDP's, on every rank (to 1e-5)",
-      all(max_diff(run, tied_runs) < 1e-5 for run in zero.RUNS))
+      all(max_diff(run, tied_runs) < 1e-5 for run in experiments.RUNS))
 frozen = [p for p in awkward.build().parameters() if not p.requires_grad]
 start = torch.cat([p.detach().reshape(-1) for p in awkward.build().parameters()])
 claim("the frozen bias never moved (bit for bit)",
@@ -281,15 +284,16 @@ claim("Zero3 sends more than 3Ψ here: the tied layer is all-gathered once more 
 
 # %% [markdown]
 # What that looks like in time: one step of `Zero3`, timed from the calls themselves. A
-# worker replaces each layer's `gather` and `free` and the module's `reduce_scatter_mean` by
-# versions that note the time before and after (the second of two steps, so nothing is
-# measured for the first time).
+# worker replaces each layer's `gather` and `free` by versions that note the time before and
+# after, and times each reduce-scatter with the `before` and `after` hooks of lesson 07's
+# recorder, `collectives.record_collectives` (the second of two steps, so nothing is measured
+# for the first time).
 
 # %%
-viz.show_code(zero.zero3_timeline_worker)
+viz.show_code(experiments.zero3_timeline_worker)
 
 # %%
-events = launch.spawn(zero.zero3_timeline_worker, world_size, cfg, backend=backend,
+events = launch.spawn(experiments.zero3_timeline_worker, world_size, cfg, backend=backend,
                       timeout=120)[0]
 layer_names = [f"layer {i}\n{n} params" for i, n in enumerate(runs[0]["zero3"]["units"])]
 order = {i: [kind for layer, kind, _, _ in events if layer == i]
@@ -352,11 +356,11 @@ viz.show(viz.zero3_timeline_figure(events, layer_names),
 viz.show_code(zero.count_bytes, zero.memory_per_rank)
 
 # %%
-mp = zero.ZeroConfig(steps=steps, mixed_precision=True)
+mp = experiments.ZeroConfig(steps=steps, mixed_precision=True)
 stages = zero.STAGES
 counted = {}
 for n in sweep:
-    counted[n] = launch.spawn(zero.equality_worker, n, mp, stages,
+    counted[n] = launch.spawn(experiments.equality_worker, n, mp, stages,
                               backend=devices.backend_for(n), timeout=120)
 for n in sweep:
     for stage in stages:
@@ -385,17 +389,15 @@ viz.show(viz.zero_memory_figure(memory),
 # Traffic, with the convention from `dpcourse.zero`: a collective weighs the buffer it acts
 # on, an all-reduce twice (it *is* a reduce-scatter plus an all-gather); on a ring a rank sends
 # (N−1)/N of that volume — a model of the ring, not what gloo's own algorithms send.
-# `record_collectives` swaps each watched function of `torch.distributed` (`zero._WATCHED`: its
-# kind, and the argument that holds the whole buffer) for a wrapper that notes the buffer's
-# size, and puts the real function back afterwards; `summarize_traffic` weighs one step's
-# calls with `zero.RING_WEIGHT`. DDP's own all-reduce runs in C++, past these wrappers: that
-# is why `_prepare` gives torch DDP a comm hook.
+# Each step is recorded with lesson 07's `collectives.record_collectives`, which notes for
+# every call the bytes it passes in and the bytes it writes into; `summarize_traffic` takes
+# each call's whole buffer (an all-gather's output, the input of the others) and weighs one
+# step's calls with `zero.RING_WEIGHT`. DDP's own all-reduce runs in C++, past the recorder:
+# that is why `prepare_run` gives torch DDP a comm hook.
 
 # %%
-print("watched:", zero._WATCHED)
 print("weights:", zero.RING_WEIGHT)
-viz.show_code(zero._recording, zero.record_collectives, zero.summarize_traffic,
-              zero.traffic_per_step)
+viz.show_code(zero.summarize_traffic, zero.traffic_per_step)
 
 # %%
 volume = {n: {s: counted[n][0][s]["traffic"][-1]["volume"] for s in stages} for n in sweep}
@@ -448,10 +450,11 @@ viz.show(viz.zero_tradeoff_figure(
 # back, into a plain model and into a fresh sharded one.
 
 # %%
-viz.show_code(zero.fsdp2_worker, zero._fsdp2_policy, zero.fsdp2_padded_numel)
+viz.show_code(experiments.fsdp2_worker, experiments.fsdp2_shard, experiments.fsdp2_policy,
+              zero.fsdp2_padded_numel)
 
 # %%
-tour = launch.spawn(zero.fsdp2_worker, world_size, mp, backend=backend, timeout=120)
+tour = launch.spawn(experiments.fsdp2_worker, world_size, mp, backend=backend, timeout=120)
 for name, kind, full, local, placement in tour[0]["shards"]:
     print(f"{name:>10}: {kind}, full {full}, rank 0 holds {local}, {placement}")
 
@@ -461,7 +464,7 @@ for name, kind, full, local, placement in tour[0]["shards"]:
 # (sharded), and Adam's two fp32 states for its shard: (4 + 4 + 8)/N, where the paper has
 # (2 + 2 + 12)/N. It all-gathers the weights in bf16 (the policy's `param_dtype`, 2 bytes,
 # twice per step) and reduce-scatters the gradients in fp32 (`reduce_dtype=torch.float32`,
-# which `zero._fsdp2_policy` sets; left at None it would follow `param_dtype`): 2 + 2 + 4 = 8
+# which `experiments.fsdp2_policy` sets; left at None it would follow `param_dtype`): 2 + 2 + 4 = 8
 # bytes sent per parameter per step where the paper's bf16 ZeRO-3 sends 3 × 2 = 6. Measured
 # on rank 0 after the tour's last step (FSDP2 pads each parameter's first dimension):
 
@@ -522,10 +525,10 @@ claim("FSDP2's volume per step == the ZeRO-3 formula with its padding",
 # all-gathered once per step, not twice:
 
 # %%
-viz.show_code(zero.fsdp2_root_worker)
+viz.show_code(experiments.fsdp2_root_worker)
 
 # %%
-rooted = launch.spawn(zero.fsdp2_root_worker, world_size, cfg, backend=backend, timeout=120)[0]
+rooted = launch.spawn(experiments.fsdp2_root_worker, world_size, cfg, backend=backend, timeout=120)[0]
 root_units, other_units = sum(rooted["root_units"]), sum(rooted["other_units"])
 by_op = rooted["traffic"][-1]["by_op"]
 print(f"root's parameters {root_units}, the other units' {other_units} (padded); "

@@ -62,10 +62,12 @@ torch.set_num_threads(1)
 # What the course adds, in `dpcourse.detectors`, is the view *across* ranks. A rank's own
 # error says little when the bug is that the ranks disagree. **The collective trace** records,
 # on every rank, each `dist.<collective>` call as it starts and when it returns — written to a
-# file at once, so it survives a rank that hangs and gets killed — and compares the ranks:
+# file at once, so it survives a rank that hangs and gets killed — and compares the ranks. It
+# writes its lines from the `before` and `after` hooks of lesson 07's recorder,
+# `collectives.record_collectives`:
 
 # %%
-viz.show_code(detectors.record_collectives, detectors.compare_traces)
+viz.show_code(detectors.trace_collectives, detectors.compare_traces)
 
 # %% [markdown]
 # `detectors.diagnose(fn, world_size, *args, timeout=...)` runs a worker (or a script) on N
@@ -74,7 +76,7 @@ viz.show_code(detectors.record_collectives, detectors.compare_traces)
 # call, at which line) or failed.
 
 # %%
-viz.show_code(detectors._diagnose_worker)
+viz.show_code(detectors.diagnose_worker)
 
 # %% [markdown]
 # ## 2. Bugs that hang
@@ -101,7 +103,7 @@ claim("fixed (every rank calls it): it finishes, and the detector stays quiet", 
 # you suspect: rank 0 waits there for every other rank and, at the barrier's timeout, raises
 # with the list of ranks that did not arrive (with `wait_all_ranks=True`, all of them, not
 # just the first). `diagnose(..., monitor=2)` puts a 2-second one before every collective
-# (`record_collectives` above shows the two lines). It is gloo's: it needs a CPU group.
+# (`trace_collectives` above shows the two lines). It is gloo's: it needs a CPU group.
 
 # %%
 partial_mon = detectors.diagnose(bugzoo.partial_collective, world_size, False,

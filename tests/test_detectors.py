@@ -86,11 +86,11 @@ def test_diagnose_a_script_from_the_command_line(tmp_path, capsys):
     assert "finished" in capsys.readouterr().out
 
 
-def test_record_collectives_writes_each_call_before_it_returns(tmp_path):
+def test_trace_collectives_writes_each_call_before_it_returns(tmp_path):
     def worker(rank, world_size, path):
         import torch.distributed as dist
 
-        with detectors.record_collectives(f"{path}/rank{rank}.trace"):
+        with detectors.trace_collectives(f"{path}/rank{rank}.trace"):
             dist.all_reduce(torch.ones(3))
             dist.barrier()
         dist.all_reduce(torch.ones(1))  # after the block: not traced

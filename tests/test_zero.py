@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpcourse import launch, viz, zero
+from dpcourse import collectives, launch, viz, zero
+from dpcourse import zero_experiments as zx
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # ships _everything to the ranks
 
@@ -75,8 +76,8 @@ def test_traffic_formula():
     (lambda: zero.bytes_per_param("zero1", 2.0), "world_size must be an int >= 1"),
     (lambda: zero.fits(10, 32 * GB, -1), "world_size must be an int >= 1"),
     (lambda: zero.fits(-1, 32 * GB, 2), "must be >= 0"),
-    (lambda: zero.ZeroConfig(optimizer="lamb"), "optimizer must be"),
-    (lambda: zero.ZeroConfig().batches(0, 5), "does not split over 5 ranks"),
+    (lambda: zx.ZeroConfig(optimizer="lamb"), "optimizer must be"),
+    (lambda: zx.ZeroConfig().batches(0, 5), "does not split over 5 ranks"),
 ])
 def test_bad_input_is_refused(call, match):
     with pytest.raises(ValueError, match=match):
@@ -98,15 +99,20 @@ def test_count_bytes_counts_storages():
     assert got == {"params": 40 + 12, "grads": 12, "optimizer": 24, "total": 88}
 
 
-def test_record_collectives_restores_torch_distributed():
-    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single")}
-    with zero.record_collectives() as calls:
-        assert dist.all_reduce is not real["all_reduce"]
-    assert all(getattr(dist, name) is fn for name, fn in real.items()) and calls == []
-    summary = zero.summarize_traffic([zero.Collective("all_reduce", 10, 40),
-                                      zero.Collective("all_gather", 12, 48)], 4)
-    assert summary == {"calls": 2, "by_op": {"all_reduce": 40, "all_gather": 48},
-                       "volume": 128, "ring_bytes_per_rank": 96.0}
+def test_summarize_traffic_weighs_whole_buffers():
+    def call(op, numel, out_numel=0, function=None):
+        return collectives.Call(function or op, op, numel, 4 * numel, torch.float32,
+                                out_numel, 4 * out_numel)
+
+    # an all-reduce weighs twice its tensor; an all-gather its whole output (the shard × N),
+    # a reduce-scatter its whole input; a barrier carries nothing
+    calls = [call("all_reduce", 10, 10), call("all_gather", 3, 12), call("reduce_scatter", 12, 3),
+             call("barrier", 0)]
+    assert zero.summarize_traffic(calls, 4) == {
+        "calls": 3, "by_op": {"all_reduce": 40, "all_gather": 48, "reduce_scatter": 48},
+        "volume": 2 * 40 + 48 + 48, "ring_bytes_per_rank": 176 * 3 / 4}
+    with pytest.raises(ValueError, match="no ring weight for a send"):
+        zero.summarize_traffic([call("send", 5, function="isend")], 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,7 +124,7 @@ def _helpers_on_uneven_sizes(rank, world_size):
     """flatten_padded + reduce_scatter_mean + all_gather_flat on 11 numbers (padded to 12)."""
     tensors = [torch.arange(5.0) + 100 * rank, torch.arange(6.0).reshape(2, 3) - rank]
     flat = zero.flatten_padded(tensors, world_size)
-    with zero.record_collectives() as calls:
+    with collectives.record_collectives() as calls:
         shard = zero.reduce_scatter_mean(flat)
         full = zero.all_gather_flat(shard)
         with warnings.catch_warnings():           # the deprecated name: recorded once
@@ -127,7 +133,7 @@ def _helpers_on_uneven_sizes(rank, world_size):
     back = [torch.empty(5), torch.empty(2, 3)]
     zero.copy_flat_into(full, back)
     return {"flat": flat, "shard": shard, "full": full, "back": back,
-            "calls": [(c.op, c.numel) for c in calls]}
+            "calls": [(c.op, c.numel, c.out_numel) for c in calls]}
 
 
 def _awkward_model(kind):
@@ -156,7 +162,7 @@ def _frozen_and_tied(rank, world_size, steps=4):
         for run in ("torch_ddp",) + zero.STAGES:
             model = _awkward_model(kind)
             if run == "torch_ddp":
-                opt = zero._TorchRun(DDP(model), torch.optim.Adam(model.parameters(), lr=0.05),
+                opt = zx.TorchRun(DDP(model), torch.optim.Adam(model.parameters(), lr=0.05),
                                      list(model.parameters()), [])
                 call = opt.model
             else:
@@ -182,20 +188,20 @@ def _frozen_and_tied(rank, world_size, steps=4):
 
 
 def _everything(rank, world_size):
-    fp32 = zero.ZeroConfig()
+    fp32 = zx.ZeroConfig()
     return {
-        "fp32": zero.equality_worker(rank, world_size, fp32),
-        "bf16": zero.equality_worker(rank, world_size, zero.ZeroConfig(mixed_precision=True),
+        "fp32": zx.equality_worker(rank, world_size, fp32),
+        "bf16": zx.equality_worker(rank, world_size, zx.ZeroConfig(mixed_precision=True),
                                      zero.STAGES),
         "other_optimizers": {
-            name: zero.equality_worker(rank, world_size, zero.ZeroConfig(optimizer=name),
+            name: zx.equality_worker(rank, world_size, zx.ZeroConfig(optimizer=name),
                                        ("torch_ddp", "zero1", "zero3"))
             for name in ("adamw", "sgd")},
-        "fsdp2": zero.fsdp2_worker(rank, world_size, zero.ZeroConfig(mixed_precision=True)),
+        "fsdp2": zx.fsdp2_worker(rank, world_size, zx.ZeroConfig(mixed_precision=True)),
         "helpers": _helpers_on_uneven_sizes(rank, world_size),
         "awkward": _frozen_and_tied(rank, world_size),
-        "timeline": zero.zero3_timeline_worker(rank, world_size, zero.ZeroConfig(steps=2)),
-        "rooted": zero.fsdp2_root_worker(rank, world_size, zero.ZeroConfig(steps=2)),
+        "timeline": zx.zero3_timeline_worker(rank, world_size, zx.ZeroConfig(steps=2)),
+        "rooted": zx.fsdp2_root_worker(rank, world_size, zx.ZeroConfig(steps=2)),
     }
 
 
@@ -222,7 +228,7 @@ def test_every_stage_equals_torch_ddp(ranks):
             for run in ("zero1", "zero3"):
                 assert torch.allclose(runs[run]["params"], runs["torch_ddp"]["params"],
                                       rtol=1e-5, atol=1e-6), (name, run)
-    for run in zero.RUNS:                           # and every rank holds the same weights
+    for run in zx.RUNS:                           # and every rank holds the same weights
         assert all(torch.equal(r["fp32"][run]["params"], out[0]["fp32"][run]["params"])
                    for r in out), run
     # the loss falls on the global batch (mean over ranks), it is learning something
@@ -282,7 +288,7 @@ def test_traffic_equals_the_formula(ranks):
 
 def test_fsdp2_tour(ranks):
     n, out = ranks
-    widths = zero.ZeroConfig().widths
+    widths = zx.ZeroConfig().widths
     for rank, r in enumerate(out):
         f = r["fsdp2"]
         assert (f["compute_dtype"], f["sharded_dtype"], f["grad_dtype"]) == \
@@ -310,7 +316,8 @@ def test_reduce_scatter_and_all_gather_on_uneven_sizes(ranks):
         assert torch.allclose(h["shard"], mean[rank * s:(rank + 1) * s])
         assert torch.allclose(h["full"], mean)
         assert torch.allclose(h["back"][1].reshape(-1), mean[5:11])
-        assert h["calls"] == [("reduce_scatter", 12), ("all_gather", 12), ("reduce_scatter", 12)]
+        assert h["calls"] == [("reduce_scatter", 12, s), ("all_gather", s, 12),
+                              ("reduce_scatter", 12, s)]
 
 
 def test_zero3_timeline_is_gather_free_gather_reduce_scatter_free_per_layer(ranks):
@@ -340,12 +347,12 @@ def test_fsdp2_gathers_its_root_once(ranks):
 
 
 def test_frozen_and_tied_config_builds_both_cases():
-    model = zero.ZeroConfig(frozen_and_tied=True).build()
+    model = zx.ZeroConfig(frozen_and_tied=True).build()
     linears = [m for m in model if isinstance(m, torch.nn.Linear)]
     assert linears[1].weight is linears[2].weight                   # tied
     assert linears[1].bias is not linears[2].bias
     assert not linears[0].bias.requires_grad                       # frozen
     assert sum(not p.requires_grad for p in model.parameters()) == 1
-    plain = zero.ZeroConfig().build()
+    plain = zx.ZeroConfig().build()
     assert sum(p.numel() for p in plain.parameters()) == 2531      # the default is unchanged
     assert all(p.requires_grad for p in plain.parameters())

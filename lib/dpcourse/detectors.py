@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 __all__ = [
-    "COLLECTIVES",
-    "record_collectives",
+    "trace_collectives",
     "read_traces",
     "compare_traces",
     "TraceReport",
@@ -53,16 +52,8 @@ __all__ = [
     "port_owner",
 ]
 
-# The torch.distributed functions the collective trace wraps (those that exist in this torch).
-COLLECTIVES = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single",
-    "all_gather_into_tensor", "gather", "scatter", "reduce_scatter", "reduce_scatter_single",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "send", "recv",
-    "broadcast_object_list", "all_gather_object",
-)
-
 _SKIP_FRAMES = (f"{os.sep}torch{os.sep}", "detectors.py", "launch.py", f"{os.sep}runpy",
-                "<frozen", "c10d_logger")
+                "<frozen", "c10d_logger", f"dpcourse{os.sep}collectives.py")
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,10 +61,10 @@ _SKIP_FRAMES = (f"{os.sep}torch{os.sep}", "detectors.py", "launch.py", f"{os.sep
 # --------------------------------------------------------------------------------------------
 
 
-def _first_shape(args) -> list | None:
+def _first_shape(arguments: dict) -> list | None:
     import torch
 
-    for a in args:
+    for a in arguments.values():
         if isinstance(a, torch.Tensor):
             return list(a.shape)
         if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
@@ -90,11 +81,12 @@ def _caller() -> str:
 
 
 @contextlib.contextmanager
-def record_collectives(path: str | os.PathLike, monitor: float | None = None):
-    """Within the block, every ``torch.distributed.<collective>(...)`` call on this process is
-    written to ``path`` (one JSON line when it starts, one when it returns), flushed at once, so
-    the trace survives a rank that hangs and is killed. Calls made inside torch (DDP's buckets)
-    are not seen; calls your code makes through ``dist.<name>`` are.
+def trace_collectives(path: str | os.PathLike, monitor: float | None = None):
+    """Within the block, every ``torch.distributed`` call this process makes (every one
+    :func:`dpcourse.collectives.record_collectives` sees) is written to ``path``: one JSON line
+    when it starts, one when it returns, flushed at once, so the trace survives a rank that
+    hangs and is killed. Calls made inside torch (DDP's buckets) are not seen; calls your code
+    makes through ``dist.<name>`` are.
 
     ``monitor`` (seconds, gloo only): before each collective, every rank first calls
     ``dist.monitored_barrier(timeout=monitor, wait_all_ranks=True)``; rank 0 then raises naming
@@ -103,36 +95,22 @@ def record_collectives(path: str | os.PathLike, monitor: float | None = None):
 
     import torch.distributed as dist
 
-    f = open(path, "a", buffering=1)
-    saved = {}
-    counter = [0]
+    from .collectives import record_collectives
 
-    def wrap(name, fn):
-        def traced(*args, **kwargs):
-            i = counter[0]
-            counter[0] += 1
-            f.write(json.dumps({"i": i, "op": name, "shape": _first_shape(args),
-                                "where": _caller(), "event": "start"}) + "\n")
+    with open(path, "a", buffering=1) as f:
+        def start(call):
+            f.write(json.dumps({"i": call.index, "op": call.function,
+                                "shape": _first_shape(call.args), "where": _caller(),
+                                "event": "start"}) + "\n")
             if monitor is not None:
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=monitor),
                                        wait_all_ranks=True)
-            out = fn(*args, **kwargs)
-            f.write(json.dumps({"i": i, "event": "end"}) + "\n")
-            return out
 
-        traced.__wrapped__ = fn
-        return traced
+        def end(call):
+            f.write(json.dumps({"i": call.index, "event": "end"}) + "\n")
 
-    for name in COLLECTIVES:
-        if hasattr(dist, name):
-            saved[name] = getattr(dist, name)
-            setattr(dist, name, wrap(name, saved[name]))
-    try:
-        yield path
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-        f.close()
+        with record_collectives(before=start, after=end):
+            yield path
 
 
 def read_traces(directory: str | os.PathLike, world_size: int) -> dict[int, list[dict]]:
@@ -251,7 +229,7 @@ def _user_frames(dump: str) -> list[str]:
     return []
 
 
-def _diagnose_worker(rank, world_size, target, args, tracedir, dump_after, debug_detail,
+def diagnose_worker(rank, world_size, target, args, tracedir, dump_after, debug_detail,
                      backend, monitor=None, group_timeout=None):
     import datetime
 
@@ -266,7 +244,7 @@ def _diagnose_worker(rank, world_size, target, args, tracedir, dump_after, debug
     stack_file = open(Path(tracedir) / f"rank{rank}.stack", "w")
     faulthandler.dump_traceback_later(dump_after, exit=False, file=stack_file)
     try:
-        with record_collectives(Path(tracedir) / f"rank{rank}.trace", monitor=monitor):
+        with trace_collectives(Path(tracedir) / f"rank{rank}.trace", monitor=monitor):
             if isinstance(target, str):
                 import runpy
 
@@ -289,7 +267,7 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
     collectives and dumps its Python stack shortly before the time limit; nothing is left
     running. ``debug_detail`` turns on TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks;
     ``monitor`` puts a ``dist.monitored_barrier`` of that many seconds before each collective
-    (see :func:`record_collectives`); ``group_timeout`` is the process group's ``timeout`` in
+    (see :func:`trace_collectives`); ``group_timeout`` is the process group's ``timeout`` in
     seconds (worker functions only: a script sets up its own group)."""
     from dpcourse import launch
 
@@ -304,7 +282,7 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
     results, pending, error, status = None, [], None, "ok"
     try:
         try:
-            results = launch.spawn(_diagnose_worker, world_size, target, tuple(args), tracedir,
+            results = launch.spawn(diagnose_worker, world_size, target, tuple(args), tracedir,
                                    dump_after, debug_detail, backend, monitor,
                                    group_timeout, timeout=timeout,
                                    show_output=False)

@@ -24,11 +24,12 @@ This module holds the pieces the lesson shows, in this order:
            F.cross_entropy(model(X), y).backward()
            opt.step()                          # synchronises, steps its slice, restores weights
 
-4. traffic: :func:`record_collectives` records every collective, :func:`traffic_per_step`
-   predicts the bytes;
-5. workers: :func:`equality_worker` trains every stage, plus torch's own DDP, FSDP2
-   (``fully_shard``) and ``ZeroRedundancyOptimizer``, from the same start on the same batches;
-   :func:`fsdp2_worker` tours FSDP2 (DTensor shards, mixed precision, a full state dict).
+4. traffic: :func:`summarize_traffic` weighs one step's calls, recorded by
+   :func:`dpcourse.collectives.record_collectives`, and :func:`traffic_per_step` predicts them.
+
+The experiments that train every stage beside torch's own DDP, FSDP2 and
+``ZeroRedundancyOptimizer`` (the workers lesson 08 launches) live in
+:mod:`dpcourse.zero_experiments`.
 
 Memory is counted with mixed precision, the setting of the formula; equality with DDP is
 proven in fp32, where it holds to float rounding (in bf16 every stage rounds differently).
@@ -42,12 +43,7 @@ deprecated), in fp32 and bf16.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
-import os
-import tempfile
-import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -67,25 +63,17 @@ __all__ = [
     "copy_flat_into",
     "reduce_scatter_mean",
     "all_gather_flat",
+    "Stage",
     "Replicated",
     "Zero1",
     "Zero2",
     "ShardedLayer",
     "Zero3",
     "WRAPPERS",
-    "Collective",
-    "record_collectives",
     "summarize_traffic",
     "traffic_per_step",
     "RING_WEIGHT",
     "fsdp2_padded_numel",
-    "ZeroConfig",
-    "RUNS",
-    "train_run",
-    "equality_worker",
-    "fsdp2_worker",
-    "fsdp2_root_worker",
-    "zero3_timeline_worker",
 ]
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")   # "ddp" is stage 0: nothing sharded
@@ -268,7 +256,7 @@ def all_gather_flat(shard: torch.Tensor, out: torch.Tensor | None = None) -> tor
 # --------------------------------------------------------------------------------------------
 
 
-class _Stage:
+class Stage:
     """What every stage shares: start from rank 0's weights, forget gradients, say what it
     holds. Each stage keeps an fp32 master copy for the optimizer (K = 12 with Adam), as ZeRO
     does. With ``param_dtype=torch.float32`` that copy duplicates the weights (a plain fp32
@@ -308,7 +296,7 @@ class _Stage:
         return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])
 
 
-class Replicated(_Stage):
+class Replicated(Stage):
     """Stage 0, the baseline: DDP with fp32 master weights, everything on every rank.
 
     Lesson 03's loop (all-reduce the gradients, divide by N, step) with mixed precision: the
@@ -333,7 +321,7 @@ class Replicated(_Stage):
         copy_flat_into(self.master, self.params)
 
 
-class Zero1(_Stage):
+class Zero1(Stage):
     """Stage 1: the optimizer state is sharded.
 
     See the model's parameters as one flat vector of Ψ numbers, padded to a multiple of N and
@@ -454,7 +442,7 @@ class ShardedLayer:
         self.free()
 
 
-class Zero3(_Stage):
+class Zero3(Stage):
     """Stage 3 (what FSDP does): the weights are sharded too, layer by layer.
 
     Each module that owns parameters (here each ``nn.Linear``) becomes a :class:`ShardedLayer`;
@@ -481,11 +469,7 @@ class Zero3(_Stage):
     stage = "zero3"
 
     def __init__(self, model, make_optimizer, param_dtype=torch.float32):
-        self.model = model
-        self.param_dtype = param_dtype
-        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        for p in model.parameters():          # start from rank 0's weights, as DDP does
-            dist.broadcast(p.data, src=0)
+        super().__init__(model, param_dtype)
         owner: dict = {}                      # parameter -> the module that shards it
         users: dict = {}                      # that module -> every module computing with it
         for module in model.modules():
@@ -500,7 +484,7 @@ class Zero3(_Stage):
             mine = [p for p in module.parameters(recurse=False) if owner.get(p) is module]
             self.layers.append(ShardedLayer(mine, modules, param_dtype, self.rank,
                                             self.world_size))
-        self.params = [p for layer in self.layers for p in layer.params]
+        self.params = [p for layer in self.layers for p in layer.params]   # layer by layer
         for p in model.parameters():
             if not p.requires_grad:           # frozen: whole on every rank, in param_dtype
                 p.data = p.data.to(param_dtype)
@@ -552,7 +536,7 @@ WRAPPERS = {"ddp": Replicated, "zero1": Zero1, "zero2": Zero2, "zero3": Zero3}
 # --------------------------------------------------------------------------------------------
 #
 # The convention, used by both the counting and the formula, so that they agree exactly:
-# a collective is recorded with the size M of the *whole* buffer it acts on (the tensor that
+# a collective weighs the size M of the *whole* buffer it acts on (the tensor that
 # is all-reduced or broadcast, the input of a reduce-scatter, the output of an all-gather),
 # not a rank's shard. On a ring (lesson 06) each rank sends (N-1)/N · M for a reduce-scatter,
 # an all-gather or a pipelined broadcast, and twice that for an all-reduce, which *is* a
@@ -560,72 +544,24 @@ WRAPPERS = {"ddp": Replicated, "zero1": Zero1, "zero2": Zero2, "zero3": Zero3}
 # 2 for an all-reduce and 1 for the others, and a rank sends (N-1)/N of the volume. gloo's own
 # algorithms may differ in detail; the model is the one the ZeRO paper uses.
 
-
-@dataclass(frozen=True)
-class Collective:
-    """One recorded call: its kind and the whole buffer's size (see the convention above)."""
-
-    op: str          # "all_reduce", "reduce_scatter", "all_gather" or "broadcast"
-    numel: int
-    nbytes: int
-
-
 RING_WEIGHT = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
-
-# Each function we watch: (its kind, the argument holding the whole buffer). The deprecated
-# names are watched too; they call the new ones inside torch, past our patch, so nothing is
-# counted twice.
-_WATCHED = {
-    "all_reduce": ("all_reduce", "tensor"),
-    "broadcast": ("broadcast", "tensor"),
-    "reduce_scatter_single": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "reduce_scatter": ("reduce_scatter", "input_list"),
-    "all_gather_single": ("all_gather", "output_tensor"),
-    "all_gather_into_tensor": ("all_gather", "output_tensor"),
-    "all_gather": ("all_gather", "tensor_list"),
-}
-
-
-def _recording(real, op: str, arg: str, calls: list):
-    signature = inspect.signature(real)
-
-    def recording(*args, **kwargs):
-        buffer = signature.bind_partial(*args, **kwargs).arguments[arg]
-        tensors = buffer if isinstance(buffer, (list, tuple)) else [buffer]
-        calls.append(Collective(op, sum(t.numel() for t in tensors),
-                                sum(t.numel() * t.element_size() for t in tensors)))
-        return real(*args, **kwargs)
-
-    return recording
-
-
-@contextlib.contextmanager
-def record_collectives():
-    """Record every collective called through ``torch.distributed`` inside the block — ours,
-    DDP's comm hooks, FSDP2's, ZeroRedundancyOptimizer's — as a list of :class:`Collective`.
-    (DDP's built-in all-reduce runs in C++ and is not seen: register a comm hook, as
-    :func:`equality_worker` does.)"""
-    calls: list[Collective] = []
-    originals = {name: getattr(dist, name) for name in _WATCHED if hasattr(dist, name)}
-    for name, real in originals.items():
-        op, arg = _WATCHED[name]
-        setattr(dist, name, _recording(real, op, arg, calls))
-    try:
-        yield calls
-    finally:
-        for name, real in originals.items():
-            setattr(dist, name, real)
 
 
 def summarize_traffic(calls, world_size: int) -> dict:
-    """One step's calls: how many, the bytes per kind, the volume and the bytes a rank sends
-    on a ring ((N-1)/N of the volume)."""
+    """One step's calls (recorded by :func:`dpcourse.collectives.record_collectives`): how many,
+    the bytes of the whole buffers per kind (see the convention above), the volume and the
+    bytes a rank sends on a ring ((N-1)/N of the volume). Barriers carry no bytes and are left
+    out; any other kind of call has no ring weight here and is refused."""
     by_op: dict[str, int] = {}
-    for c in calls:
-        by_op[c.op] = by_op.get(c.op, 0) + c.nbytes
+    counted = [c for c in calls if c.op != "barrier"]
+    for c in counted:
+        if c.op not in RING_WEIGHT:
+            raise ValueError(f"no ring weight for a {c.op} ({c.function}): the traffic model "
+                             f"knows {sorted(RING_WEIGHT)}")
+        whole = c.out_nbytes if c.op == "all_gather" else c.nbytes   # the whole buffer
+        by_op[c.op] = by_op.get(c.op, 0) + whole
     volume = sum(RING_WEIGHT[op] * nbytes for op, nbytes in by_op.items())
-    return {"calls": len(calls), "by_op": by_op, "volume": volume,
+    return {"calls": len(counted), "by_op": by_op, "volume": volume,
             "ring_bytes_per_rank": volume * (world_size - 1) / world_size}
 
 
@@ -656,374 +592,3 @@ def fsdp2_padded_numel(shape, world_size: int) -> int:
     shape = tuple(shape)
     rows = shape[0] if shape else 1
     return world_size * shard_numel(rows, world_size) * math.prod(shape[1:])
-
-
-# --------------------------------------------------------------------------------------------
-# 5. Experiments (workers run on every rank through dpcourse.launch.spawn)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ZeroConfig:
-    """One experiment, the same on every rank.
-
-    The MLP's widths are deliberately odd: Ψ = 31·43 + 44·22 + 23·10 = 1333 + 968 + 230 = 2531
-    divides by neither 2 nor 3, nor does any layer by 3, so the padding is exercised. The data
-    are synthetic: inputs from a seeded generator, labels given by a fixed random linear
-    "teacher", so the loss can fall. ``mixed_precision``: bf16 weights and gradients with
-    fp32 master weights and Adam state (the setting of ZeRO's memory formula); fp32 otherwise
-    (the setting in which every stage must equal DDP to float tolerance). ``frozen_and_tied``:
-    a square layer is added after the first, its weight tied (one ``Parameter``) with a second
-    square layer after it, and the first layer's bias is frozen (``requires_grad=False``), so
-    every stage meets both cases a real model has.
-    """
-
-    widths: tuple = (30, 43, 22, 10)
-    global_batch: int = 24
-    steps: int = 4
-    optimizer: str = "adam"        # "adam", "adamw" or "sgd" (with momentum 0.9)
-    lr: float = 0.01
-    mixed_precision: bool = False
-    seed: int = 0
-    frozen_and_tied: bool = False
-
-    def __post_init__(self):
-        if self.optimizer not in ("adam", "adamw", "sgd"):
-            raise ValueError(f"optimizer must be 'adam', 'adamw' or 'sgd', got {self.optimizer!r}")
-        if len(self.widths) < 2 or self.steps < 1 or self.global_batch < 1:
-            raise ValueError("need at least two widths, one step and one sample per batch")
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.mixed_precision else torch.float32
-
-    def build(self) -> nn.Module:
-        torch.manual_seed(self.seed)
-        layers = []
-        for fan_in, fan_out in zip(self.widths[:-1], self.widths[1:]):
-            layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
-        if self.frozen_and_tied:
-            width = self.widths[1]
-            first, second = nn.Linear(width, width), nn.Linear(width, width)
-            second.weight = first.weight                  # tied: one Parameter, two layers
-            layers[0].bias.requires_grad_(False)          # frozen
-            layers[2:2] = [first, nn.ReLU(), second, nn.ReLU()]
-        return nn.Sequential(*layers[:-1])
-
-    def optimizer_class(self):
-        """(class, keyword arguments), also what ZeroRedundancyOptimizer needs."""
-        if self.optimizer == "adam":
-            return torch.optim.Adam, {"lr": self.lr}
-        if self.optimizer == "adamw":
-            return torch.optim.AdamW, {"lr": self.lr, "weight_decay": 0.01}
-        return torch.optim.SGD, {"lr": self.lr, "momentum": 0.9}
-
-    def make_optimizer(self, params) -> torch.optim.Optimizer:
-        cls, kwargs = self.optimizer_class()
-        return cls(params, **kwargs)
-
-    def global_batch_for_step(self, step: int):
-        g = torch.Generator().manual_seed(self.seed * 100_003 + step)
-        X = torch.randn(self.global_batch, self.widths[0], generator=g)
-        teacher = torch.randn(self.widths[0], self.widths[-1],
-                              generator=torch.Generator().manual_seed(self.seed + 7))
-        return X, (X @ teacher).argmax(dim=1)
-
-    def batches(self, rank: int, world_size: int):
-        """This rank's contiguous share of each step's global batch."""
-        if self.global_batch % world_size:
-            raise ValueError(f"global_batch {self.global_batch} does not split over {world_size} "
-                             f"ranks; use a multiple of {world_size}")
-        n = self.global_batch // world_size
-        return [(X[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
-                for X, y in (self.global_batch_for_step(s) for s in range(self.steps))]
-
-
-def _fsdp2_policy(cfg: ZeroConfig):
-    """bf16 compute with fp32 gradient reduction, or FSDP2's default (no casting) in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if cfg.mixed_precision:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
-
-
-def _mesh(dev: torch.device):
-    """The ranks as a 1-D device mesh on the ranks' own device type. Without it fully_shard
-    picks CUDA whenever a GPU exists — and on a one-GPU machine whose ranks run on the CPU
-    over gloo, rank 1 then asks for cuda:1 (measured on an H100: "invalid device ordinal")."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(dev.type, (dist.get_world_size(),))
-
-
-class _TorchRun:
-    """torch's own ways (DDP, FSDP2, ZeroRedundancyOptimizer) behind the stages' interface."""
-
-    def __init__(self, model, optimizer, params, units, state_optimizer=None):
-        self.model, self.optimizer, self.params, self.units = model, optimizer, params, units
-        self.state_optimizer = state_optimizer or optimizer   # the one that holds the state
-
-    def step(self):
-        self.optimizer.step()
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def held_tensors(self) -> dict:
-        return {"params": list(self.params),
-                "grads": [p.grad for p in self.params if p.grad is not None],
-                "optimizer": optimizer_tensors(self.state_optimizer)}
-
-    def full_weights(self) -> torch.Tensor:
-        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.params]
-        return torch.cat([p.detach().reshape(-1).float().cpu() for p in full])
-
-
-RUNS = ("torch_ddp", "ddp", "zero1", "zero2", "zero3", "fsdp2", "zero_redundancy")
-
-
-def _prepare(run: str, cfg: ZeroConfig, dev: torch.device):
-    """(the model to call, the optimizer-like object, the dtype of the inputs) for one run."""
-    model = cfg.build().to(dev)
-    psi = sum(p.numel() for p in model.parameters())
-    if run in WRAPPERS:
-        return model, WRAPPERS[run](model, cfg.make_optimizer, cfg.param_dtype), cfg.param_dtype
-    if run in ("torch_ddp", "zero_redundancy"):       # always fp32: torch keeps no master copy
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ddp_model = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-        ddp_model.register_comm_hook(None, default_hooks.allreduce_hook)  # so it is recorded
-        if run == "torch_ddp":
-            opt = _TorchRun(ddp_model, cfg.make_optimizer(model.parameters()),
-                            list(model.parameters()), [psi])
-        else:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            cls, kwargs = cfg.optimizer_class()
-            zro = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
-            opt = _TorchRun(ddp_model, zro, list(model.parameters()), [psi],
-                            state_optimizer=zro.optim)
-        return ddp_model, opt, torch.float32
-    if run == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        policy, mesh = _fsdp2_policy(cfg), _mesh(dev)
-        groups: list = []           # layers sharing a (tied) parameter form one FSDP2 group
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                tied = [g for g in groups if any(p is q for m in g for q in m.parameters()
-                                                 for p in layer.parameters())]
-                tied[0].append(layer) if tied else groups.append([layer])
-        for group in groups:
-            fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        n = dist.get_world_size()
-        units = [fsdp2_padded_numel(p.shape, n) for p in model.parameters()]
-        return model, _TorchRun(model, cfg.make_optimizer(model.parameters()),
-                                list(model.parameters()), units), torch.float32
-    raise ValueError(f"run must be one of {RUNS}, got {run!r}")
-
-
-def train_run(run: str, cfg: ZeroConfig, rank: int, world_size: int) -> dict:
-    """Train ``cfg.steps`` steps one way; return the final weights (flat fp32), this rank's
-    losses, the bytes it holds after the last step (before zero_grad) by category, each
-    step's traffic (:func:`summarize_traffic`), the sizes it shards (``units``), and the bytes
-    of gradients alive when the first backward returns (``grads_after_backward``): for DDP,
-    ZeRO-1 and the short ZeRO-2 the gradients' peak, since step() only shrinks them.
-
-    Not counted, because they are not model state: activations and temporaries, and torch
-    DDP's gradient buckets (a second copy of the gradients unless
-    ``gradient_as_bucket_view=True``).
-    """
-    from . import ddp
-
-    dev = ddp.setup_rank()
-    model, opt, x_dtype = _prepare(run, cfg, dev)
-    losses, traffic, grads_after_backward = [], [], None
-    for X, y in cfg.batches(rank, world_size):
-        with record_collectives() as calls:
-            opt.zero_grad()
-            loss = F.cross_entropy(model(X.to(dev, x_dtype)).float(), y.to(dev))
-            loss.backward()
-            if grads_after_backward is None:   # when the first backward returns
-                grads_after_backward = count_bytes(
-                    {"grads": opt.held_tensors()["grads"]})["grads"]
-            opt.step()
-        losses.append(loss.item())
-        traffic.append(summarize_traffic(calls, world_size))
-    held = count_bytes(opt.held_tensors())
-    return {"params": opt.full_weights(), "losses": losses, "held": held, "traffic": traffic,
-            "units": list(opt.units), "grads_after_backward": grads_after_backward}
-
-
-def equality_worker(rank: int, world_size: int, cfg: ZeroConfig, runs=RUNS) -> dict:
-    """Each of ``runs`` trained from the same start on the same batches, in one launch (a
-    launch costs seconds; a run of this model, milliseconds): {run: :func:`train_run`'s
-    dict}. ``torch_ddp`` (the reference) and ``zero_redundancy`` always run in fp32: torch's
-    optimizers keep no master copy."""
-    return {run: train_run(run, cfg, rank, world_size) for run in runs}
-
-
-def fsdp2_worker(rank: int, world_size: int, cfg: ZeroConfig, path: str | None = None) -> dict:
-    """A tour of FSDP2 (``fully_shard``): what the parameters become, a mixed-precision
-    training run, and a full state dict gathered, saved by rank 0, and loaded back both into
-    a plain model and into a fresh sharded one.
-
-    ``path``: where rank 0 saves the state dict (a temporary file, removed, if None).
-    """
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         set_model_state_dict)
-    from torch.distributed.fsdp import fully_shard
-
-    from . import ddp
-
-    dev = ddp.setup_rank()
-
-    def sharded_model():
-        model = cfg.build().to(dev)
-        policy, mesh = _fsdp2_policy(cfg), _mesh(dev)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh, mp_policy=policy)   # one unit per layer
-        fully_shard(model, mesh=mesh, mp_policy=policy)   # the root: its own (none) + schedule
-        return model
-
-    model = sharded_model()
-    out = {"shards": [(name, type(p).__name__, tuple(p.shape), tuple(p.to_local().shape),
-                       str(p.placements)) for name, p in model.named_parameters()]}
-    seen_in_forward = []
-
-    def look(module, args):                            # the weights the layer computes with
-        seen_in_forward.append(str(module.weight.dtype))
-
-    model[0].register_forward_pre_hook(look)
-    opt = cfg.make_optimizer(model.parameters())
-    losses, traffic = [], []
-    for X, y in cfg.batches(rank, world_size):
-        with record_collectives() as calls:
-            opt.zero_grad()
-            loss = F.cross_entropy(model(X.to(dev)).float(), y.to(dev))
-            loss.backward()
-            opt.step()
-        losses.append(loss.item())
-        traffic.append(summarize_traffic(calls, world_size))
-    params = list(model.parameters())
-    out.update(losses=losses, traffic=traffic, sharded_dtype=str(params[0].dtype),
-               grad_dtype=str(params[0].grad.dtype), compute_dtype=seen_in_forward[0],
-               held=count_bytes({"params": params, "grads": [p.grad for p in params],
-                                 "optimizer": optimizer_tensors(opt)}))
-
-    # The full state dict: gathered from the shards; with cpu_offload only rank 0 keeps it.
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
-    out["state_dict_keys"] = list(full)
-    weights = torch.cat([p.full_tensor().detach().reshape(-1).float().cpu()
-                         for p in model.parameters()])
-    if rank == 0:
-        if path is None:
-            fd, target = tempfile.mkstemp(suffix=".pt")
-            os.close(fd)
-        else:
-            target = path
-        torch.save(full, target)
-        plain = cfg.build()
-        plain.load_state_dict(torch.load(target, weights_only=True))
-        out["file_bytes"] = os.path.getsize(target)
-        out["plain_model_equal"] = torch.equal(ddp.flat_params(plain), weights)
-        if path is None:
-            os.unlink(target)
-    # ... and back into a fresh sharded model: rank 0 has the weights, the others receive them.
-    fresh = sharded_model()
-    set_model_state_dict(fresh, full, options=StateDictOptions(full_state_dict=True,
-                                                               broadcast_from_rank0=True))
-    out["reloaded_shards_equal"] = all(
-        torch.equal(a.to_local(), b.to_local())
-        for a, b in zip(model.parameters(), fresh.parameters()))
-    return out
-
-
-def fsdp2_root_worker(rank: int, world_size: int, cfg: ZeroConfig) -> dict:
-    """FSDP2 with the last layer left to the root's own group (every other ``nn.Linear`` is its
-    own unit): the root's parameters are *not* resharded after the forward (``fully_shard``
-    sets ``reshard_after_forward`` to False for the root when it is left at None), so they are
-    all-gathered once per step, not twice. One step's traffic and the padded sizes of the
-    root's and the other units' parameters."""
-    from torch.distributed.fsdp import fully_shard
-
-    from . import ddp
-
-    dev = ddp.setup_rank()
-    model = cfg.build().to(dev)
-    mesh = _mesh(dev)
-    linears = [m for m in model if isinstance(m, nn.Linear)]
-    for layer in linears[:-1]:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)                      # the root: owns the last layer's params
-    opt = cfg.make_optimizer(model.parameters())
-    traffic = []
-    for X, y in cfg.batches(rank, world_size):
-        with record_collectives() as calls:
-            opt.zero_grad()
-            F.cross_entropy(model(X.to(dev)), y.to(dev)).backward()
-            opt.step()
-        traffic.append(summarize_traffic(calls, world_size))
-    root = [fsdp2_padded_numel(p.shape, world_size) for p in linears[-1].parameters()]
-    others = [fsdp2_padded_numel(p.shape, world_size) for m in linears[:-1]
-              for p in m.parameters()]
-    return {"traffic": traffic, "root_units": root, "other_units": others}
-
-
-def zero3_timeline_worker(rank: int, world_size: int, cfg: ZeroConfig) -> list:
-    """One :class:`Zero3` step after a warm-up step, timed from the calls themselves: for each
-    layer, when its weights were all-gathered (forward, then backward), freed, and its
-    gradients reduce-scattered. Returns [(layer, kind, start_ms, end_ms)] in the order the
-    calls happened; the span from a gather's end to the layer's next free or reduce-scatter is
-    the time the full weights existed (the layer computed in it)."""
-    from . import ddp
-
-    dev = ddp.setup_rank()
-    model = cfg.build().to(dev)
-    opt = Zero3(model, cfg.make_optimizer, cfg.param_dtype)
-    events: list = []
-    phase = {"now": "forward", "t0": 0.0}
-
-    def clock() -> float:
-        return (time.perf_counter() - phase["t0"]) * 1e3
-
-    by_numel = {layer.full.numel(): i for i, layer in enumerate(opt.layers)}
-    for i, layer in enumerate(opt.layers):
-        def gather(layer=layer, i=i, real=layer.gather):
-            if layer.full.untyped_storage().nbytes() == 0:
-                start = clock()
-                real()
-                events.append((i, f"all-gather ({phase['now']})", start, clock()))
-
-        def free(i=i, real=layer.free):
-            real()
-            events.append((i, "free", clock(), clock()))
-
-        layer.gather, layer.free = gather, free
-    real_reduce_scatter = globals()["reduce_scatter_mean"]
-
-    def reduce_scatter(flat):
-        start = clock()
-        out = real_reduce_scatter(flat)
-        events.append((by_numel.get(flat.numel(), -1), "reduce-scatter", start, clock()))
-        return out
-
-    globals()["reduce_scatter_mean"] = reduce_scatter      # _grad_ready looks it up by name
-    try:
-        for step, (X, y) in enumerate(cfg.batches(rank, world_size)[:2]):
-            events.clear()
-            dist.barrier()
-            phase.update(now="forward", t0=time.perf_counter())
-            opt.zero_grad()
-            loss = F.cross_entropy(model(X.to(dev, cfg.param_dtype)).float(), y.to(dev))
-            phase["now"] = "backward"
-            loss.backward()
-            opt.step()
-    finally:
-        globals()["reduce_scatter_mean"] = real_reduce_scatter
-    return events
