@@ -51,7 +51,6 @@ import torch
 
 from dpcourse import launch, pipeline_parallel, planner, tensor_parallel, viz, zero
 from dpcourse.checks import claim
-from dpcourse.viz import l11_beyond_data_parallel as viz11
 
 torch.set_num_threads(1)
 
@@ -94,7 +93,7 @@ claim("at batch 1 no ZeRO stage fits GPT-3 175B on 80-GB GPUs, at any of these N
                                                           activation_bytes=act_batch1)))
 
 # %%
-viz.show(viz11.memory_wall_figure(
+viz.show(viz.memory_wall_figure(
     ns, [gpt3.num_params * zero.bytes_per_param("zero3", n) / gb for n in ns],
     [act_batch1 / gb] * len(ns), 80, f"{gpt3.name} at batch 1: ZeRO-3 per GPU"),
     "ZeRO-3's share of the model state falls with every GPU added; the activations of one "
@@ -190,7 +189,7 @@ print("steps / fewest steps, at b = 16 per rank: " + ", ".join(
     f"N={n}: {steps_rel[n]:.2f}" for n in ranks))
 claim(f"by this model, from 4 to 32 ranks (8× the GPUs) the steps fall only "
       f"{gain_4_to_32:.2f}×, not 8×", gain_4_to_32 < 2.5)
-viz.show(viz11.noise_scale_figure(b_simple, gns_per_rank, ranks),
+viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
          f"With B_noise ≈ {b_simple:.0f} measured above, going from 4 to 32 data-parallel ranks "
          f"of 16 examples cuts the steps {gain_4_to_32:.2f}×, not 8×: past the critical batch, "
          "more data parallelism buys little.")
@@ -221,7 +220,7 @@ viz.show(viz11.noise_scale_figure(b_simple, gns_per_rank, ranks),
 # (dimension 1).
 
 # %%
-viz.show(viz11.tp_shards_figure(16, 64, tp_ranks),
+viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
          f"The MLP of this section (d = 16, h = 64) on {tp_ranks} ranks: each rank holds one "
          "colour — a block of A's columns, the same block of B's rows — and the second bias "
          "whole.")
@@ -390,7 +389,7 @@ viz.show_code(pipeline_parallel.gpipe_schedule, pipeline_parallel.one_f_one_b_sc
 
 # %%
 bubble_explorer = viz.explorer(
-    viz11.bubble_figure, {"stages": (stages, 2, 8), "micro_batches": (4, 1, 16)},
+    viz.bubble_figure, {"stages": (stages, 2, 8), "micro_batches": (4, 1, 16)},
     caption="the ideal GPipe step: the idle share (K−1)/(M+K−1) shrinks as micro-batches are "
             "added, and grows with every stage.",
     description="pipeline bubble explorer (stages, micro-batches)")
@@ -438,7 +437,7 @@ claim("the measured bubble is never below the ideal (by more than 0.03), and fal
 # NBVAL_IGNORE_OUTPUT
 # Why: the top chart and the caption are this run's measured timeline.
 m_show = micro[-1]
-viz.show(viz11.pipeline_gantt_figure(
+viz.show(viz.pipeline_gantt_figure(
     gpipe[m_show].events, pipeline_parallel.simulate_timeline(stages, m_show, "gpipe"), stages,
     m_show, gpipe[m_show].bubble, gpipe[m_show].ideal),
     f"GPipe, {stages} stages, {m_show} micro-batches: measured (top) and ideal (bottom). The "
@@ -453,7 +452,7 @@ viz.show(viz11.pipeline_gantt_figure(
 # NBVAL_IGNORE_OUTPUT
 # Why: the top chart and the caption are this run's measured timeline.
 ofob = {r.m: r for r in pipe if r.schedule == "1f1b"}
-viz.show(viz11.pipeline_gantt_figure(
+viz.show(viz.pipeline_gantt_figure(
     ofob[m_show].events, pipeline_parallel.simulate_timeline(stages, m_show, "1f1b"), stages,
     m_show, ofob[m_show].bubble, ofob[m_show].ideal, schedule="1F1B"),
     f"1F1B, {stages} stages, {m_show} micro-batches: the same actions as GPipe in another "
@@ -502,7 +501,7 @@ viz.show_code(tensor_parallel.mesh_2d_worker)
 
 # %%
 mesh_runs = launch.spawn(tensor_parallel.mesh_2d_worker, 4, cfg, backend="gloo", timeout=120)
-viz.show(viz11.mesh_2d_figure(mesh_runs),
+viz.show(viz.mesh_2d_figure(mesh_runs),
          "Four ranks as a 2 × 2 mesh: each holds a tensor-parallel slice (h/2 rows of the first "
          "weight, h/2 columns of the second), of which FSDP2 keeps half (dim 0) — a quarter "
          "of the first weight.")
@@ -599,7 +598,7 @@ claim(f"the published t = 8 × p = 8 × d = 24 fits ({pub['total_bytes'] / gb:.0
       pub["fits"] and pub["dp"] == published["dp"] and pub["time_s"] < 1.01 * best["time_s"])
 
 # %%
-viz.show(viz11.planner_figure(options, published, 80),
+viz.show(viz.planner_figure(options, published, 80),
          "Every configuration that fits the 145.6-B model on 1536 A100s: the fastest estimates "
          "use t = 8 (one node); the published t = 8, p = 8 (circled) sits among them.")
 

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from dpcourse import launch, tensor_parallel as tp
-from dpcourse.viz import l11_beyond_data_parallel as viz11
+from dpcourse import launch, viz
+from dpcourse import tensor_parallel as tp
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,10 +143,10 @@ def test_fsdp2_shards_parameters_but_not_activations():
 def test_lesson_11_figures_draw():
     from dpcourse import pipeline_parallel as pp
 
-    figs = [viz11.memory_wall_figure((8, 64), [10.0, 2.0], [5.0, 5.0], 80, "t"),
-            viz11.noise_scale_figure(60.0, 16, (1, 2, 4)),
-            viz11.tp_shards_figure(16, 64, 3),
-            viz11.bubble_figure(3, 5, "1f1b"),
-            viz11.pipeline_gantt_figure(pp.simulate_timeline(2, 2), pp.simulate_timeline(2, 2),
+    figs = [viz.memory_wall_figure((8, 64), [10.0, 2.0], [5.0, 5.0], 80, "t"),
+            viz.noise_scale_figure(60.0, 16, (1, 2, 4)),
+            viz.tp_shards_figure(16, 64, 3),
+            viz.bubble_figure(3, 5, "1f1b"),
+            viz.pipeline_gantt_figure(pp.simulate_timeline(2, 2), pp.simulate_timeline(2, 2),
                                         2, 2, 0.3, 0.25)]
     assert all(f.axes for f in figs)
