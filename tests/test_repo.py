@@ -224,3 +224,17 @@ def test_the_docs_check_catches_a_stale_name_path_and_command():
     problems = command_problems(commands - {("dpcourse.authoring", "build", ())})
     assert len(problems) == 2, problems
     assert "buld" in problems[0] and "--no-such-flag" in problems[1], problems
+
+
+def test_the_architecture_map_places_every_module_once():
+    """ARCHITECTURE.md's map of lib/dpcourse (names, then what they are for) names each module
+    and package of the library exactly once, and nothing that is not there: a new module has
+    to be placed among the audiences."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    block = re.search(r"```\nlib/dpcourse/\n(.*?)```", text, re.S).group(1)
+    placed = [name.strip("/") for line in block.splitlines() if line.strip()
+              for name in re.split(r"\s{2,}", line.strip())[0].split()]
+    assert sorted(placed) == sorted(MODULES | {"__main__"}), (
+        f"not on the map: {sorted(MODULES - set(placed))}; on the map but not in the library: "
+        f"{sorted(set(placed) - MODULES - {'__main__'})}; twice: "
+        f"{sorted({n for n in placed if placed.count(n) > 1})}")
