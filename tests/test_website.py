@@ -150,6 +150,9 @@ def test_the_generated_pages(staged):
     index = (src / "index.md").read_text()
     assert index.startswith((ROOT / "README.md").read_text().splitlines()[0])
     assert ":caption: Solutions" in index and "lessons/INSTRUCTOR_GUIDE" in index
+    # the maintainers' page is a page of the site, and README's link to it stays on the site
+    assert (src / "ARCHITECTURE.md").read_text().startswith("# Architecture")
+    assert "\nARCHITECTURE\n" in index and "](ARCHITECTURE.md)" in index
 
 
 def test_readme_requirements_and_the_pages_workflow_agree_on_one_build():

@@ -41,6 +41,8 @@ NUMBER = re.compile(r"^(?:lab)?(\d\d)_")
 WIDGET = "application/vnd.jupyter.widget-view+json"
 # a printed measurement: a number followed by a unit of time, rate or ratio
 MEASURED = re.compile(r"\d[\d.,]*\s*(?:ms|s|us|µs|GB/s|MB/s|samples/s|x|×|%)(?![A-Za-z])")
+# Markdown pages of the repository that become pages of the site (under "Reference")
+DOC_PAGES = (Path("lessons/INSTRUCTOR_GUIDE.md"), Path("ARCHITECTURE.md"))
 BENCH_MODULES = [("bench/allreduce", "python -m dpcourse.bench allreduce"),
                  ("bench/ddp", "python -m dpcourse.bench ddp"),
                  ("bench/scaling", "python -m dpcourse.bench scaling"),
@@ -259,8 +261,8 @@ def home_page(pages: dict[str, list[Path]], repo: str, known: set[Path]) -> str:
     def toctree(caption, entries):
         names = "\n".join(p.with_suffix("").as_posix() for p in entries)
         return f"```{{toctree}}\n:hidden:\n:caption: {caption}\n\n{names}\n```\n"
-    reference = [p for p in (Path("lessons/INSTRUCTOR_GUIDE.md"), Path("benchmarks.md"),
-                             Path("measured.md")) if p in known]
+    reference = [p for p in (*DOC_PAGES, Path("benchmarks.md"), Path("measured.md"))
+                 if p in known]
     return "\n".join([readme.rstrip(), "",
                       toctree("Course: lessons and labs", pages["course"]),
                       toctree("Solutions", pages["solutions"]),
@@ -277,11 +279,11 @@ def stage(src: Path, repo: str) -> dict:
     lessons = [p for p in pages["course"] if p.parts[0] == "lessons"]
     known = set(pages["course"]) | set(pages["solutions"])
     known |= {Path("benchmarks.md"), Path("measured.md")}
-    guide = Path("lessons/INSTRUCTOR_GUIDE.md")
-    if (ROOT / guide).exists():
-        known.add(guide)
-        (src / guide).parent.mkdir(parents=True, exist_ok=True)
-        (src / guide).write_text(rewrite_links((ROOT / guide).read_text(), guide, known, repo))
+    docs = [doc for doc in DOC_PAGES if (ROOT / doc).exists()]
+    known |= set(docs)   # all of them first: the guide and README link to each other's pages
+    for doc in docs:
+        (src / doc).parent.mkdir(parents=True, exist_ok=True)
+        (src / doc).write_text(rewrite_links((ROOT / doc).read_text(), doc, known, repo))
     totals = {"folded": 0, "widgets": 0, "notebooks": 0}
     for path in pages["course"] + pages["solutions"]:
         counts = stage_notebook(path, src / path, known, repo)
