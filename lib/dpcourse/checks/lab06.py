@@ -194,76 +194,38 @@ def _mark(marker_dir: str, rank: int, text: str) -> None:
         f.write(text)
 
 
-_SPIED = ("isend", "send", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-          "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all", "scatter", "gather")
-
-
 def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
     __tracebackhide__ = True
     import torch
-    import torch.distributed as dist
 
-    # Note which blocking call this rank is in, so a hang can be explained afterwards.
-    real_send, real_recv = dist.send, dist.recv
+    from ..collectives import record_collectives
 
-    def send(*a, **k):
-        _mark(marker_dir, rank, "send")
-        try:
-            return real_send(*a, **k)
-        finally:
-            _mark(marker_dir, rank, "")
-
-    def recv(*a, **k):
-        _mark(marker_dir, rank, "recv")
-        try:
-            return real_recv(*a, **k)
-        finally:
-            _mark(marker_dir, rank, "")
-
-    dist.send, dist.recv = send, recv
     # Spy on what the ring sends (messages and elements) and on built-in collectives, which the
-    # lab is about replacing.
+    # lab is about replacing, and note which blocking call this rank is in, so a hang can be
+    # explained afterwards.
     traffic = {"messages": 0, "elements": 0, "sizes": [], "builtins": []}
-    # Taken after dist.send was replaced above, so real["send"] is the marking wrapper.
-    real = {name: getattr(dist, name) for name in _SPIED if hasattr(dist, name)}
 
-    def count_message(t):
-        if t is not None and t.numel() > 0:
-            traffic["messages"] += 1
-            traffic["elements"] += t.numel()
-            traffic["sizes"].append(t.numel())
+    def before(call):
+        if call.function in ("send", "recv"):
+            _mark(marker_dir, rank, call.function)
+        if call.op == "send":
+            if isinstance(call.peer, int) and not 0 <= call.peer < world_size:
+                # gloo would wait forever for a rank that does not exist
+                raise ValueError(f"dist.{call.function} to rank {call.peer}, but there are "
+                                 f"only {world_size} ranks (0..{world_size - 1}): compute the "
+                                 f"neighbours from dist.get_world_size(), not a fixed number")
+            if call.numel > 0:
+                traffic["messages"] += 1
+                traffic["elements"] += call.numel
+                traffic["sizes"].append(call.numel)
+        elif call.op not in ("recv", "barrier"):
+            traffic["builtins"].append(call.function)
 
-    def counting(name):
-        def wrapper(*a, **k):
-            if name in ("isend", "send"):
-                peer = a[1] if len(a) > 1 else k.get("dst")
-                if isinstance(peer, int) and not 0 <= peer < world_size:
-                    # gloo would wait forever for a rank that does not exist
-                    raise ValueError(f"dist.{name} to rank {peer}, but there are only "
-                                     f"{world_size} ranks (0..{world_size - 1}): compute the "
-                                     f"neighbours from dist.get_world_size(), not a fixed "
-                                     f"number")
-                count_message(a[0] if a else k.get("tensor"))
-            else:
-                traffic["builtins"].append(name)
-            return real[name](*a, **k)
-        return wrapper
+    def after(call):
+        if call.function in ("send", "recv"):
+            _mark(marker_dir, rank, "")
 
-    wrappers = {name: counting(name) for name in real}
-    for name, w in wrappers.items():
-        setattr(dist, name, w)
-    # dist.P2POp (for batch_isend_irecv) accepts only the real isend/irecv: give it the real one
-    # and count the message here instead.
-    real_p2pop = dist.P2POp
-
-    def p2pop(op, tensor, *a, **k):
-        if op is wrappers.get("isend"):
-            count_message(tensor)
-            op = real["isend"]
-        return real_p2pop(op, tensor, *a, **k)
-
-    dist.P2POp = p2pop
-    try:
+    with record_collectives(before=before, after=after):
         torch.set_num_threads(1)
         results, per_case = [], []
         for shape, dtype, op in cases:
@@ -276,11 +238,6 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
             per_case.append(dict(traffic, builtins=list(traffic["builtins"]),
                                  sizes=list(traffic["sizes"])))
         return {"results": results, "traffic": per_case}
-    finally:
-        for name, f in real.items():
-            setattr(dist, name, f)
-        dist.P2POp = real_p2pop
-        dist.send, dist.recv = real_send, real_recv
 
 
 def _simulate_real(n, cases, sr=(0, 0), ag=(0, 0), gather=True, average=True, divisor=None):
