@@ -157,6 +157,17 @@ def _nesting_and_hooks(rank, world):
             refused = str(exc)
     out.update(events=events, plain=plain, replaced=replaced, refused=refused,
                args_kept=[c.args for c in log] + [c.result for c in log])
+
+    # before may change the arguments: here the all-reduce runs on a copy
+    mine, copies = torch.ones(2), []
+
+    def on_a_copy(call):
+        call.args["tensor"] = call.args["tensor"].clone()
+        copies.append(call.args["tensor"])
+
+    with collectives.record_collectives(before=on_a_copy):
+        dist.all_reduce(mine)
+    out["copied"] = (mine.tolist(), copies[0].tolist())
     # funcol (DTensor's path)
     with collectives.record_collectives() as log:
         funcol.all_reduce(t, "sum", list(range(world))).wait()
@@ -274,6 +285,10 @@ def test_hooks_run_around_each_call(ranks):
                            ("before", "send", 4)]
     assert n["plain"] is None and n["replaced"] == "replaced" and n["refused"] == "refused"
     assert n["args_kept"] == [None] * 6                 # the log keeps no tensor alive
+
+
+def test_before_may_change_the_arguments(ranks):
+    assert ranks[0]["nesting"]["copied"] == ([1.0, 1.0], [2.0, 2.0])
 
 
 def test_functional_collectives_seen(ranks):

@@ -198,7 +198,9 @@ class Recorder:
         self.before, self.after = before, after
         self.busy = threading.local()     # inside one of our calls: record nothing more
 
-    def run(self, calls: list[Call], real, args, kwargs):
+    def run(self, calls: list[Call], invoke: Callable[[], Any]):
+        """Log ``calls``, run the ``before`` hooks, ``invoke()`` the real function, run the
+        ``after`` hooks; the calls made meanwhile on this thread pass through unrecorded."""
         self.busy.on = True
         try:
             for call in calls:
@@ -206,7 +208,7 @@ class Recorder:
                 self.log.append(call)
                 if self.before:
                     self.before(call)
-            result = real(*args, **kwargs)
+            result = invoke()
             for call in calls:
                 call.result = result
                 if self.after:
@@ -231,12 +233,12 @@ class Recorder:
             if getattr(self.busy, "on", False):
                 return real(*args, **kwargs)
             try:
-                arguments = signature.bind(*args, **kwargs).arguments
+                bound = signature.bind(*args, **kwargs)
             except TypeError:
                 return real(*args, **kwargs)          # torch says what is wrong
-            call = describe(function, spec, arguments)
-            call.args = arguments
-            return self.run([call], real, args, kwargs)
+            call = describe(function, spec, bound.arguments)
+            call.args = bound.arguments               # a hook may change what is passed on
+            return self.run([call], lambda: real(*bound.args, **bound.kwargs))
 
         recording._recording_of = real
         return recording
@@ -255,7 +257,7 @@ class Recorder:
                                   numel if sending else 0, nbytes if sending else 0, dtype,
                                   0 if sending else numel, 0 if sending else nbytes,
                                   getattr(p, "peer", None), True, args={"op": p}))
-            return self.run(calls, real, (p2p_op_list,), {})
+            return self.run(calls, lambda: real(p2p_op_list))
 
         batch_isend_irecv._recording_of = real
         return batch_isend_irecv
@@ -283,8 +285,9 @@ def record_collectives(before: Callable[[Call], None] | None = None,
     block; yields a :class:`CollectiveLog` of :class:`Call` (op, bytes, dtype, peer, async_op).
 
     ``before(call)`` runs just before each call (it may raise to refuse it), ``after(call)``
-    just after it returns; ``call.args`` holds the bound arguments and ``call.result`` what it
-    returned; ``after`` may return something else to hand back instead. The module's functions
+    just after it returns; ``call.args`` holds the bound arguments (``before`` may change them:
+    the real function receives what they hold then) and ``call.result`` what it returned;
+    ``after`` may return something else to hand back instead. The module's functions
     are restored on exit, error or not. Blocks nest: each records everything in it.
 
     Shown in lesson 07, §5.

@@ -355,6 +355,7 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from .. import ddp
+    from ..collectives import record_collectives
 
     dev = ddp.setup_rank()
     cfg = ddp.StepConfig(global_batch=_GLOBAL_BATCH, steps=_STEPS, lr=0.1, width=8, n_train=96)
@@ -375,27 +376,35 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
     for p in params:
         p.register_post_accumulate_grad_hook(spy_ready)
 
-    real = dist.all_reduce
+    real = dist.all_reduce                  # the check's own all-reduces bypass the spy
     calls: list[dict] = []
     state = {"step": -1, "stale_waits": []}
+    pending = {}                            # a recorded call's index -> (its record, tensors)
 
-    def spy_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        rec = {"step": state["step"], "numel": tensor.numel(), "async": bool(async_op),
+    def before(call):                       # the learner's all_reduce: note it; if async, run
+        if call.function != "all_reduce":   # the real one on a copy (see _Deferred)
+            return
+        tensor, asynchronous = call.args["tensor"], call.async_op
+        rec = {"step": state["step"], "numel": tensor.numel(), "async": asynchronous,
                "t_launch": time.perf_counter(), "t_wait": None, "future": False,
                "storage": _storage(tensor), "offset": tensor.storage_offset()}
         calls.append(rec)
-        if not async_op:
-            real(tensor, op=op, group=group)
+        if asynchronous:
+            call.args["tensor"] = tensor.detach().clone()
+        pending[call.index] = (rec, tensor, call.args["tensor"])
+
+    def after(call):
+        if call.index not in pending:
+            return None
+        rec, tensor, buf = pending.pop(call.index)
+        if not call.async_op:
             rec["t_wait"] = time.perf_counter()
             return None
-        buf = tensor.detach().clone()
-        work = real(buf, op=op, group=group, async_op=True)
         tensor.detach().fill_(float("nan"))     # in flight: no defined value until wait()
-        return _Deferred(work, buf, tensor, rec, state)
+        return _Deferred(call.result, buf, tensor, rec, state)
 
     steps = []
-    dist.all_reduce = spy_all_reduce
-    try:
+    with record_collectives(before=before, after=after):
         model = cls(module, bucket_cap_mb=cap_mb)
         buckets = getattr(model, "buckets", None)
         try:
@@ -442,8 +451,6 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
             })
             opt.step()
         learner = ddp.flat_params(module)
-    finally:
-        dist.all_reduce = real
     # Real DDP from the same start on the same shards: the answer the wrapper must equal.
     ref = _check_net().to(dev)
     ddp_model = DDP(ref, device_ids=[dev.index] if dev.type == "cuda" else None)
@@ -801,26 +808,6 @@ def _probe_gradients(rank: int, step: int, sizes=_HOOK_SIZES) -> list:
     return out
 
 
-def _payload_bytes(name, bound) -> int:
-    """What this rank hands to a collective: the tensor(s) it contributes."""
-    import pickle
-
-    args = bound.arguments
-    if name == "all_gather_object":
-        return len(pickle.dumps(args["obj"]))
-    for key in ("input_tensor", "input", "tensor"):
-        t = args.get(key)
-        if isinstance(t, torch.Tensor):
-            return t.numel() * t.element_size()
-    t = args.get("input_tensor_list") or args.get("tensor_list") or []
-    return sum(x.numel() * x.element_size() for x in t if isinstance(x, torch.Tensor))
-
-
-_SPIED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
-          "broadcast", "reduce", "gather", "reduce_scatter", "reduce_scatter_tensor",
-          "all_to_all", "all_to_all_single", "send", "isend")
-
-
 class _HookRaised(RuntimeError):
     """The learner's hook raised; the message carries what it raised."""
 
@@ -828,27 +815,18 @@ class _HookRaised(RuntimeError):
 def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
                  cap_mb: float = _HOOK_CAP_MB, sizes=_HOOK_SIZES) -> dict:
     __tracebackhide__ = True
-    import inspect
     import traceback
 
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..collectives import record_collectives
 
     model = DDP(_Probe(sizes), bucket_cap_mb=cap_mb)
     state = state_cls(fraction)
     calls, sent, problems, step_now = [], [0] * _HOOK_STEPS, [], [0]
-    real = {name: getattr(dist, name) for name in _SPIED if hasattr(dist, name)}
 
-    def spy(name):
-        fn, sig = real[name], inspect.signature(real[name])
-
-        def spied(*args, **kwargs):
-            try:
-                sent[step_now[0]] += _payload_bytes(name, sig.bind(*args, **kwargs))
-            except TypeError:
-                pass          # a call torch itself will reject; let it say so
-            return fn(*args, **kwargs)
-        return spied
+    def count(call):                    # what this rank hands to each collective
+        sent[step_now[0]] += call.nbytes
 
     def spy_hook(hook_state, bucket):
         buf = bucket.buffer()
@@ -884,9 +862,7 @@ def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
         return fut.then(delivered)
 
     model.register_comm_hook(state, spy_hook)
-    try:
-        for name in real:
-            setattr(dist, name, spy(name))
+    with record_collectives(before=count):
         for step in range(_HOOK_STEPS):
             step_now[0] = step
             model.zero_grad(set_to_none=True)
@@ -898,9 +874,6 @@ def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
                 raise
             if problems:
                 break
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
     return {"calls": calls, "sent": sent, "problems": problems}
 
 
