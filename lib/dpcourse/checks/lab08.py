@@ -187,10 +187,6 @@ def _state_of(inner) -> dict:
     return {"missing": False, "numel": numel, "bytes": nbytes}
 
 
-_REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
-_COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
-                "all_gather_single", "broadcast") + _REDUCE_SCATTERS
-
 # The references: DDP + the full optimizer, and DDP runs that make one mistake on purpose, so
 # that a learner's weights equal to one of them name that mistake.
 _REFERENCES = ("ddp", "summed", "twice", "accumulated")
@@ -270,8 +266,9 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
     each backward (gradients arriving, reduce-scatters launched and waited), the gradient
     memory alive at each arrival, the optimizer's state."""
     __tracebackhide__ = True
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..collectives import record_collectives
 
     model = _mlp()
     named = dict(model.named_parameters())            # a tied weight appears once
@@ -329,30 +326,22 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
     for p in trainable:
         p.register_post_accumulate_grad_hook(seen)
 
-    real = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+    launches = {}                                       # a recorded call's index -> its number
 
-    def spy(name):
-        def spied(*args, **kwargs):
-            if (name in _REDUCE_SCATTERS or name == "all_reduce") and \
-                    state["phase"] in ("backward", "step"):
-                if name == "all_reduce":               # accepted: all-reduce, then slice
-                    big = args[0] if args else kwargs.get("tensor")
-                else:
-                    big = args[1] if len(args) > 1 else kwargs.get("input",
-                                                                   kwargs.get("input_list"))
-                numel = (sum(t.numel() for t in big) if isinstance(big, (list, tuple))
-                         else big.numel())
-                number = sum(1 for e in log if e[0] == "launch")
-                asynchronous = bool(kwargs.get("async_op", False))
-                log.append(("launch", number, numel, asynchronous, state["phase"]))
-                work = real[name](*args, **kwargs)
-                return _Watched(work, number, log) if work is not None else None
-            return real[name](*args, **kwargs)
-        return spied
+    def launched(call):         # a reduce-scatter (or all-reduce, then slice: accepted) of yours
+        if (call.op == "reduce_scatter" or call.function == "all_reduce") and \
+                state["phase"] in ("backward", "step"):
+            number = sum(1 for e in log if e[0] == "launch")
+            log.append(("launch", number, call.numel, call.async_op, state["phase"]))
+            launches[call.index] = number
 
-    for name in real:
-        setattr(dist, name, spy(name))
-    try:
+    def watched(call):                                  # its Work, with wait() noted
+        number = launches.pop(call.index, None)
+        if number is not None and call.result is not None:
+            return _Watched(call.result, number, log)
+        return None
+
+    with record_collectives(before=launched, after=watched):
         opt = cls(model.parameters(), opt_cls, bucket_cap=BUCKET_CAP, **kw)
         inner = getattr(opt, "optimizer", None)
         shard = getattr(opt, "shard", None)
@@ -403,9 +392,6 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                 rec[name] = _flat(m)
             steps.append(rec)
         state_after = _state_of(inner)
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
     return {"initial": initial, "steps": steps, "state_after": state_after, "names": names,
             "views": None, "frozen": [(n, p.numel()) for n, p in named.items()
                                       if not p.requires_grad]}
