@@ -459,15 +459,18 @@ def _detector_worker(rank, world_size, fn):
     import torch
     import torch.distributed as dist
 
-    results = {}
-    real_all_reduce = dist.all_reduce
+    from ..collectives import record_collectives
 
-    def spy_all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+    results = {}
+
+    def spy_all_reduce(call):
         # a MAX over one 0/1 number is a MAX over verdicts: "any rank says yes" wins
-        if (op == dist.ReduceOp.MAX and isinstance(tensor, torch.Tensor) and tensor.numel() == 1
+        tensor = call.args.get("tensor")
+        if (call.function == "all_reduce"
+                and call.args.get("op", dist.ReduceOp.SUM) == dist.ReduceOp.MAX
+                and isinstance(tensor, torch.Tensor) and tensor.numel() == 1
                 and float(tensor.reshape(-1)[0]) in (0.0, 1.0)):
             max_of_verdicts[0] = True
-        return real_all_reduce(tensor, op, *args, **kwargs)
 
     for case in _CASES:
         torch.manual_seed(0)
@@ -488,11 +491,8 @@ def _detector_worker(rank, world_size, fn):
                 params[-1].view(-1)[0] += 1e-3
         before = [p.detach().clone() for p in params]
         max_of_verdicts = [False]
-        dist.all_reduce = spy_all_reduce
-        try:
+        with record_collectives(before=spy_all_reduce):
             verdict = fn(model)
-        finally:
-            dist.all_reduce = real_all_reduce
         if isinstance(verdict, torch.Tensor) and verdict.numel() == 1:
             verdict = bool(verdict.item())
         changed = any(not torch.equal(b, p) for b, p in zip(before, params))
