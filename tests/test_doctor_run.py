@@ -30,7 +30,12 @@ def test_it_runs_the_gpu_tests_then_every_lesson_and_solution():
     lessons = sorted(f"lessons/{p.name}" for p in (ROOT / "lessons").glob("*.ipynb"))
     solutions = sorted(f"solutions/{p.name}" for p in (ROOT / "solutions").glob("*.ipynb"))
     assert listed == ["tests/test_gpu.py"] + lessons + solutions
-    assert len(lessons) == 11 and len(solutions) == 10
+    # every lesson and lab source has its notebook listed (lesson 11 made it 12 and 11)
+    assert lessons == sorted(f"lessons/{p.stem}.ipynb"
+                             for p in (ROOT / "lessons").glob("[0-9][0-9]_*.py"))
+    assert solutions == sorted(f"solutions/{p.stem}.ipynb"
+                               for p in (ROOT / "solutions").glob("lab[0-9][0-9]_*.py"))
+    assert len(lessons) >= 12 and len(solutions) >= 11
     only = _run_cli("--run", "--list", "--only", "lab06", "--only", "00_start").stdout.split()
     assert only == ["lessons/00_start_here.ipynb", "solutions/lab06_ring_allreduce.ipynb"]
     # a name matches lessons and labs alike: "07_inside" is lesson 07 and lab07
