@@ -207,7 +207,7 @@ def ddp_rank(rank, world_size, steps):
 
 @pytest.mark.slow
 def test_fifty_ddp_launches_in_a_row_do_not_flake():
-    # gloo + DDP workers used to abort with SIGABRT at exit in about 3% of runs (DESIGN.md)
+    # gloo + DDP workers used to abort with SIGABRT at exit in about 3% of runs (ARCHITECTURE.md § Design rules, the exit crash)
     for i in range(50):
         out = launch.spawn(ddp_rank, 2, 3, backend="gloo", timeout=60, show_output=False)
         for a, b in zip(*out):  # DDP keeps the replicas identical

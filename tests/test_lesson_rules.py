@@ -1,4 +1,4 @@
-"""The rules DESIGN.md § Conventions sets for every lesson, checked on the executed notebooks.
+"""The rules ARCHITECTURE.md § Design rules sets for every lesson, checked on the executed notebooks.
 
 * **Labs make the learner think.** No new line of a lab's answer (a ``### BEGIN SOLUTION`` region of
   ``solutions/labNN_*.py``) is readable without a click in its own lesson or any earlier one: the
@@ -112,7 +112,7 @@ def find_leaks(lessons: list[Path], solutions: list[Path]) -> list[str]:
 def test_no_lab_answer_readable_without_a_click():
     leaks = find_leaks(LESSONS, SOLUTION_SOURCES)
     assert not leaks, ("a lab's answer is readable in a lesson: fold the cell after the lab "
-                       "pointer (DESIGN.md § Labs make the learner think)\n" + "\n".join(leaks))
+                       "pointer (ARCHITECTURE.md § Design rules)\n" + "\n".join(leaks))
 
 
 def test_the_leak_finder_finds_a_leak(tmp_path):
