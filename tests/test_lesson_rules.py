@@ -1,4 +1,5 @@
-"""The rules ARCHITECTURE.md § Design rules sets for every lesson, checked on the executed notebooks.
+"""The rules ARCHITECTURE.md § Design rules sets for every lesson, checked on the executed
+notebooks.
 
 * **Labs make the learner think.** No new line of a lab's answer (a ``### BEGIN SOLUTION`` region of
   ``solutions/labNN_*.py``) is readable without a click in its own lesson or any earlier one: the
