@@ -93,10 +93,7 @@ ATOL = 1e-6
 
 def make_mlp(width: int = 64, blocks: int = 4, seed: int = 0) -> nn.Sequential:
     """A stack of ``blocks`` Linear(width, width) + Tanh blocks, the same on every rank for one
-    ``seed``: each rank builds the whole model and keeps its own stage.
-
-    Shown in lesson 11, §3.
-    """
+    ``seed``: each rank builds the whole model and keeps its own stage."""
     if blocks < 1 or width < 1:
         raise ValueError(f"make_mlp needs blocks >= 1 and width >= 1, got blocks={blocks}, "
                          f"width={width}")
@@ -109,10 +106,7 @@ def make_mlp(width: int = 64, blocks: int = 4, seed: int = 0) -> nn.Sequential:
 def split_stages(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
     """Cut ``model`` into ``stages`` contiguous stages of (nearly) equal numbers of blocks; the
     first stages take one block more when they do not divide evenly. The stages share the
-    model's parameters (slices, not copies).
-
-    Shown in lesson 11, §3.
-    """
+    model's parameters (slices, not copies)."""
     n = len(model)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot cut a model of {n} blocks into {stages} stages: every stage "
@@ -125,10 +119,7 @@ def split_stages(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
 def micro_batches(batch: torch.Tensor, m: int) -> list[torch.Tensor]:
     """``batch`` cut into ``m`` equal micro-batches along dimension 0. Equal sizes matter: the
     mean of the micro-batches' mean losses is the batch's mean loss only when they are equal,
-    so a batch that ``m`` does not divide is refused.
-
-    Shown in lesson 11, §3.
-    """
+    so a batch that ``m`` does not divide is refused."""
     if m < 1 or batch.shape[0] % m:
         raise ValueError(f"a batch of {batch.shape[0]} cannot be cut into {m} equal "
                          f"micro-batches: choose a number of micro-batches that divides it.")
@@ -155,7 +146,7 @@ def one_f_one_b_schedule(stages: int, m: int, stage: int) -> list[tuple[str, int
     GPipe in another order, so the same gradients; a stage never holds more than K−k
     micro-batches' activations instead of M.
 
-    Shown in lesson 11, §4.
+    Shown in lesson 11, §3.
     """
     _check_stage(stages, m, stage)
     warmup = min(stages - stage - 1, m)
@@ -329,10 +320,7 @@ def simulate_timeline(stages: int, m: int, schedule: str = "gpipe", t_forward: f
     as its stage is free and its input exists (the forward of micro-batch i on stage k after
     the one on stage k−1; its backward after the one on stage k+1, or after its own forward on
     the last stage). Returns ``[(stage, kind, micro-batch, start, end)]``: the ideal Gantt
-    chart, whose bubble is (K−1)/(M+K−1) for both schedules.
-
-    Shown in lesson 11, §3.
-    """
+    chart, whose bubble is (K−1)/(M+K−1) for both schedules."""
     order = [list(_schedule(schedule)(stages, m, k)) for k in range(stages)]
     done: dict[tuple, float] = {}
     free = [0.0] * stages
@@ -379,10 +367,7 @@ def measured_bubble(events: list) -> float:
 def peak_in_flight(schedule: list) -> int:
     """The most micro-batches whose activations a stage holds at once under ``schedule``
     (forward done, backward not yet): M for GPipe on every stage, K−k for 1F1B on stage k.
-    :func:`run_stage` counts the same while it runs.
-
-    Shown in lesson 11, §4.
-    """
+    :func:`run_stage` counts the same while it runs."""
     held = peak = 0
     for kind, _ in schedule:
         held += 1 if kind == "F" else -1
@@ -537,7 +522,7 @@ def torch_pipelining_worker(rank: int, world_size: int, schedule: str, m: int, w
     gradients and points-to-point sends of the second step, the setup's extra sends, and the
     last stage's per-micro-batch losses.
 
-    Shown in lesson 11, §5.
+    Shown in lesson 11, §3.
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -576,7 +561,7 @@ def compare_with_torch_pipelining(stages: int = 2, m: int = 4, schedule: str = "
     the unsplit model, both losses, both step's messages and bytes (point-to-point sends, all
     ranks), and the sends torch's first step adds to set its stages up.
 
-    Shown in lesson 11, §5.
+    Shown in lesson 11, §3.
     """
     from . import launch
 
