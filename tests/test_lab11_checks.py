@@ -288,7 +288,13 @@ class ColumnAveragedBackward(Column):
         return F.linear(conj("F", ident, allmean).apply(x), self.weight, self.bias)
 
 
+class ColumnFOnOutput(Column):
+    def forward(self, x):
+        return Copy.apply(F.linear(x, self.weight, self.bias))
+
+
 @pytest.mark.parametrize("cls,match", [
+    (ColumnFOnOutput, "applies f to its output"),
     (ColumnAllReduceForward, "forward makes 1 collective"),
     (ColumnNoF, "no all-reduce in the backward"),
     (ColumnWrongDim, "wrong dimension"),
@@ -421,7 +427,13 @@ class RowBiasAfterOnRankZeroOnly(Row):
         return out + self.bias if self.rank == 0 else out
 
 
+class RowGOnInput(Row):
+    def forward(self, h):
+        return F.linear(Reduce.apply(h), self.weight) + self.bias
+
+
 @pytest.mark.parametrize("cls,match", [
+    (RowGOnInput, "applies g to its input"),
     (RowNoReduce, "no all-reduce in RowNoReduce's forward"),
     (RowBiasEveryRank, "adds the bias on every rank before the all-reduce"),
     (RowBiasScaled, "1/2 of its gradient"),

@@ -488,6 +488,10 @@ def _diagnose_column(outs: list, n: int, name: str) -> None:
             fail(f"{name}'s backward averages dL/dx over the ranks: it is the SUM of every "
                  f"block's part — do not divide by the world size.")
         if not _close(o["x_grad"], x.grad):
+            summed = sum(grad_full[:, s * per:(s + 1) * per] for s in range(n))
+            if _close(o["x_grad"], summed @ full.weight.detach()[block]):
+                fail(f"{name} applies f to its output, not to its input: f's backward must sum "
+                     f"dL/dx over the ranks, so f wraps x before the matmul.")
             fail(f"dL/dx after {name}'s backward on rank {rank} is not the full layer's.")
         weights = _weight_grads(o)
         biases = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 1]
@@ -527,6 +531,12 @@ def _diagnose_row(outs: list, n: int, name: str) -> None:
                 fail(f"{name}'s output on rank {rank} lacks the bias: every rank's output is "
                      f"the full layer's, bias included — add it after the all-reduce (or "
                      f"before it on rank 0 only).")
+            hs = h_full.detach()
+            summed = sum(hs[:, s * per:(s + 1) * per] for s in range(n))
+            w_r = full.weight.detach()[:, rank * per:(rank + 1) * per]
+            if _close(o["y"], summed @ w_r.T + bias) or _close(o["y"], summed @ w_r.T):
+                fail(f"{name} applies g to its input, before the matmul: g sums the ranks' "
+                     f"partial products, so it wraps the result of the matmul.")
             fail(f"{name}'s output on rank {rank} is not the full layer's output.")
         if "backward_error" in o:
             fail(f"the backward through {name} raised on rank {rank}: {o['backward_error']}.")
