@@ -89,7 +89,7 @@ viz.show_code(overlap.PerParameterHooks)
 # class, untouched):
 
 # %%
-viz.show_code(overlap.equality_worker, overlap._train, overlap.wrap)
+viz.show_code(overlap.equality_worker, overlap.train_steps, overlap.wrap)
 
 # %%
 cfg = overlap.OverlapConfig(model="small_cnn", width=8, global_batch=24, steps=steps, lr=0.1)

@@ -29,7 +29,10 @@ __all__ = [
 
 
 def average_gradients(model) -> None:
-    """Lesson 03's hand-made DDP: the mean of every gradient over the ranks."""
+    """Lesson 03's hand-made DDP: the mean of every gradient over the ranks.
+
+    Shown in lesson 10, §3.
+    """
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad)
@@ -47,7 +50,10 @@ def small_batches(rank: int, steps: int, n: int = 8, d: int = 4):
 
 
 def partial_collective(rank, world_size, fixed=False):
-    """Rank 0 all-reduces the loss to log it; the other ranks never call that all_reduce."""
+    """Rank 0 all-reduces the loss to log it; the other ranks never call that all_reduce.
+
+    Shown in lesson 10, §2.
+    """
     loss = torch.tensor([float(rank + 1)])
     if fixed or rank == 0:  # BUG: `if rank == 0:` around a collective. FIX: every rank calls it
         dist.all_reduce(loss)
@@ -57,7 +63,10 @@ def partial_collective(rank, world_size, fixed=False):
 
 
 def collective_order(rank, world_size, fixed=False):
-    """Two collectives, issued in a different order on rank 0 than on the others."""
+    """Two collectives, issued in a different order on rank 0 than on the others.
+
+    Shown in lesson 10, §2.
+    """
     grads, stats = torch.ones(4), torch.full((2,), float(rank))
     if rank == 0 or fixed:
         dist.all_reduce(grads)
@@ -70,7 +79,10 @@ def collective_order(rank, world_size, fixed=False):
 
 def early_stop(rank, world_size, fixed=False, patience_loss=0.5, steps=5):
     """Each rank stops when *its own* loss is low enough: the ranks leave the loop at different
-    steps, and the one still training waits for the others in its next all_reduce."""
+    steps, and the one still training waits for the others in its next all_reduce.
+
+    Shown in lesson 10, §2.
+    """
     for step in range(steps):
         local_loss = torch.tensor([(world_size - rank) / (step + 1)])  # the last rank's falls first
         grad = torch.ones(3)
@@ -94,7 +106,10 @@ def _mlp(seed=None):
 
 def seeds_without_broadcast(rank, world_size, fixed=False, steps=6):
     """Each rank seeds with its rank "for different augmentations", then builds the model:
-    the replicas start different, and averaging gradients keeps them different forever."""
+    the replicas start different, and averaging gradients keeps them different forever.
+
+    Shown in lesson 10, §3.
+    """
     torch.manual_seed(rank)  # per-rank seed (fine for data augmentation...)
     model = _mlp()  # ... BUG: but the model is built after it
     if fixed:  # FIX: start every replica from rank 0's weights (DDP does this in its __init__)
@@ -115,7 +130,10 @@ def averaged_loss(rank, world_size, fixed=False, steps=6):
     """All-reduces the *loss* and backpropagates it, believing that averages the gradients. The
     all_reduce has no autograd rule: each rank's gradient is just its own, divided by N.
     Broken, it also returns torch's warning and, per step, the largest difference between the
-    gradient backward produced and this rank's own gradient / N (computed beforehand)."""
+    gradient backward produced and this rank's own gradient / N (computed beforehand).
+
+    Shown in lesson 10, §3.
+    """
     import warnings
 
     model = _mlp(seed=0)
@@ -165,7 +183,10 @@ def batchnorm_ddp(rank, world_size, steps=6):
 
 def batchnorm_stats(rank, world_size, fixed=False, steps=6):
     """A BatchNorm layer: gradients are averaged, but each rank's running mean and variance come
-    from its own batches only. Checkpoints and evaluation then depend on the rank."""
+    from its own batches only. Checkpoints and evaluation then depend on the rank.
+
+    Shown in lesson 10, §3.
+    """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -186,7 +207,10 @@ def batchnorm_stats(rank, world_size, fixed=False, steps=6):
 def nan_on_one_rank(rank, world_size, fixed=False, steps=8, bad_step=3, bad_rank=1):
     """One corrupted sample (an inf) reaches rank ``bad_rank`` at step ``bad_step``; its
     gradient is NaN (its loss need not be: tanh turns inf into 1), and the all-reduce hands the
-    NaN to every rank."""
+    NaN to every rank.
+
+    Shown in lesson 10, §3.
+    """
     model = _mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     local, after, losses = [], [], []
@@ -213,7 +237,10 @@ def nan_on_one_rank(rank, world_size, fixed=False, steps=8, bad_step=3, bad_rank
 
 def forgotten_set_epoch(rank, world_size, fixed=False, epochs=3, n=16):
     """A shuffling DistributedSampler that is never told the epoch: every epoch deals the same
-    order, so the "shuffle" shuffles once."""
+    order, so the "shuffle" shuffles once.
+
+    Shown in lesson 10, §3.
+    """
     from torch.utils.data import DistributedSampler
 
     sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=True,
@@ -228,7 +255,10 @@ def forgotten_set_epoch(rank, world_size, fixed=False, epochs=3, n=16):
 
 def same_checkpoint(rank, world_size, fixed=False, directory="."):
     """Every rank saves "the" checkpoint to the same path: N writers on one file. ``torch.save``
-    writes the file in place (no temporary file, no rename), so the writes can interleave."""
+    writes the file in place (no temporary file, no rename), so the writes can interleave.
+
+    Shown in lesson 10, §3.
+    """
     records: list = []
     model = _mlp(seed=0)
     with detectors.record_saves(rank, records):
@@ -239,7 +269,10 @@ def same_checkpoint(rank, world_size, fixed=False, directory="."):
 
 
 class TwoHeads(nn.Module):
-    """A body and two heads, of which forward uses only ``head_a``."""
+    """A body and two heads, of which forward uses only ``head_a``.
+
+    Shown in lesson 10, §3.
+    """
 
     def __init__(self):
         super().__init__()
@@ -252,7 +285,10 @@ class TwoHeads(nn.Module):
 def unused_parameter(rank, world_size, fixed=False, debug="OFF"):
     """DDP around a model with a parameter that no forward uses: the second iteration fails.
     Returns "ok" or DDP's whole error message; ``debug`` is the TORCH_DISTRIBUTED_DEBUG level
-    in force while DDP is built and run ("OFF", "INFO" or "DETAIL")."""
+    in force while DDP is built and run ("OFF", "INFO" or "DETAIL").
+
+    Shown in lesson 10, §3.
+    """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)

@@ -90,7 +90,10 @@ def trace_collectives(path: str | os.PathLike, monitor: float | None = None):
 
     ``monitor`` (seconds, gloo only): before each collective, every rank first calls
     ``dist.monitored_barrier(timeout=monitor, wait_all_ranks=True)``; rank 0 then raises naming
-    the ranks that did not arrive in time instead of waiting in the collective."""
+    the ranks that did not arrive in time instead of waiting in the collective.
+
+    Shown in lesson 10, §1.
+    """
     import datetime
 
     import torch.distributed as dist
@@ -158,7 +161,10 @@ class TraceReport:
 
 
 def compare_traces(traces: dict[int, list[dict]]) -> TraceReport:
-    """The first call at which the ranks' collective traces disagree in kind or shape."""
+    """The first call at which the ranks' collective traces disagree in kind or shape.
+
+    Shown in lesson 10, §1.
+    """
     stuck = {r: t[-1] for r, t in traces.items() if t and not t[-1]["done"]}
     longest = max((len(t) for t in traces.values()), default=0)
     for i in range(longest):
@@ -230,7 +236,13 @@ def _user_frames(dump: str) -> list[str]:
 
 
 def diagnose_worker(rank, world_size, target, args, tracedir, dump_after, debug_detail,
-                     backend, monitor=None, group_timeout=None):
+                    backend, monitor=None, group_timeout=None):
+    """One rank of :func:`diagnose`: set up the group (with DETAIL debugging or a group timeout
+    if asked), arm a stack dump ``dump_after`` seconds ahead, and run ``target`` (a worker or a
+    script) under the collective trace, written to ``tracedir``.
+
+    Shown in lesson 10, §1.
+    """
     import datetime
 
     import torch.distributed as dist
@@ -311,7 +323,10 @@ def state_checksums(model, grads: bool = False) -> dict[str, float]:
     """{name: checksum} of every parameter and buffer (or, with ``grads``, every gradient).
     A checksum is the float64 sum of the tensor's values weighted by 1, 2, 3 ... so that two
     tensors with the same sum but values in other places differ too. Cheap enough for every
-    step; send the dict back from each rank and give the list to :func:`compare_checksums`."""
+    step; send the dict back from each rank and give the list to :func:`compare_checksums`.
+
+    Shown in lesson 10, §3.
+    """
     import torch
 
     out = {}
@@ -325,7 +340,10 @@ def state_checksums(model, grads: bool = False) -> dict[str, float]:
 
 def compare_checksums(per_rank: Sequence[dict[str, float]], rtol: float = 1e-6) -> list[str]:
     """Names of the tensors whose checksums differ between ranks (empty: the replicas agree).
-    A non-finite checksum on any rank counts as a difference."""
+    A non-finite checksum on any rank counts as a difference.
+
+    Shown in lesson 10, §3.
+    """
     differ = []
     for name in per_rank[0]:
         vals = [c.get(name, math.nan) for c in per_rank]
@@ -341,7 +359,10 @@ def compare_checksums(per_rank: Sequence[dict[str, float]], rtol: float = 1e-6) 
 def first_nonfinite(per_rank_values: Sequence[Sequence[float]]) -> tuple[int, list[int]] | None:
     """``per_rank_values[r][s]``: a value rank r computed *locally* at step s, before any
     all-reduce (its loss, its gradient norm). Returns (the first step where a value is NaN or
-    inf, the ranks where it is) — the origin, not the ranks it spread to — or None."""
+    inf, the ranks where it is) — the origin, not the ranks it spread to — or None.
+
+    Shown in lesson 10, §3.
+    """
     steps = max(len(v) for v in per_rank_values)
     for s in range(steps):
         bad = [r for r, v in enumerate(per_rank_values) if s < len(v) and not math.isfinite(v[s])]
@@ -353,14 +374,20 @@ def first_nonfinite(per_rank_values: Sequence[Sequence[float]]) -> tuple[int, li
 def repeated_epoch_orders(orders: Sequence[Sequence[int]]) -> list[int]:
     """``orders[e]``: the sample indices one rank saw in epoch e. The epochs (after the first)
     whose order equals epoch 0's: with shuffling on, a sign that ``sampler.set_epoch`` is
-    missing (DistributedSampler seeds its shuffle with seed + epoch)."""
+    missing (DistributedSampler seeds its shuffle with seed + epoch).
+
+    Shown in lesson 10, §3.
+    """
     return [e for e in range(1, len(orders)) if list(orders[e]) == list(orders[0])]
 
 
 def unused_parameters(model, *inputs) -> list[str]:
     """Names of the parameters that get no gradient from one forward/backward of ``model`` on
     ``inputs`` (summing the outputs): what makes DDP fail with "Expected to have finished
-    reduction". Runs in one process, no DDP needed; the gradients are cleared afterwards."""
+    reduction". Runs in one process, no DDP needed; the gradients are cleared afterwards.
+
+    Shown in lesson 10, §3.
+    """
     model.zero_grad(set_to_none=True)
     out = model(*inputs)
     outs = out if isinstance(out, (tuple, list)) else [out]
@@ -373,7 +400,10 @@ def unused_parameters(model, *inputs) -> list[str]:
 @contextlib.contextmanager
 def record_saves(rank: int, records: list):
     """Within the block, each ``torch.save(obj, path)`` appends ``(rank, path)`` to
-    ``records``. Send the list back from every rank and give them to :func:`duplicate_writers`."""
+    ``records``. Send the list back from every rank and give them to :func:`duplicate_writers`.
+
+    Shown in lesson 10, §3.
+    """
     import torch
 
     original = torch.save
@@ -391,7 +421,10 @@ def record_saves(rank: int, records: list):
 
 
 def duplicate_writers(per_rank_records: Sequence[Sequence[tuple[int, str]]]) -> dict[str, list[int]]:
-    """{path: ranks} for every file that more than one rank wrote (empty: no clash)."""
+    """{path: ranks} for every file that more than one rank wrote (empty: no clash).
+
+    Shown in lesson 10, §3.
+    """
     writers: dict[str, set] = {}
     for recs in per_rank_records:
         for rank, path in recs:

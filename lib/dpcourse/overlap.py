@@ -59,6 +59,7 @@ __all__ = [
     "powersgd_elements",
     "wide_mlp",
     "OverlapConfig",
+    "train_steps",
     "equality_worker",
     "timing_worker",
     "comm_hook_worker",
@@ -74,7 +75,10 @@ MiB = 1024 * 1024  # DDP's bucket_cap_mb is in MiB too (bucket_cap_mb * 1024 * 1
 
 class AfterBackward(nn.Module):
     """Lesson 03's averaging as a wrapper: nothing happens during the backward; afterwards one
-    blocking all-reduce per parameter."""
+    blocking all-reduce per parameter.
+
+    Shown in lesson 07, §1.
+    """
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -111,7 +115,10 @@ class PerParameterHooks(nn.Module):
 
     ``overlap=False`` is the control experiment: the same asynchronous all-reduces of the same
     tensors, but all launched only once the backward has returned (from
-    ``finish_gradient_synchronization``), so that overlap is the only difference."""
+    ``finish_gradient_synchronization``), so that overlap is the only difference.
+
+    Shown in lesson 07, §2.
+    """
 
     def __init__(self, module: nn.Module, overlap: bool = True):
         super().__init__()
@@ -177,6 +184,8 @@ def assign_buckets(params, bucket_cap_mb: float,
     ``first_bucket_mb`` for the first bucket when given (DDP uses 1 MiB when ``bucket_cap_mb``
     is left at its default), then ``bucket_cap_mb`` for every later one. Buckets still open at
     the end are added last, in the order their pairs first appeared.
+
+    Shown in lesson 07, §3.
     """
     caps = [bucket_cap_mb] if first_bucket_mb is None else [first_bucket_mb, bucket_cap_mb]
     for c in caps:
@@ -203,7 +212,10 @@ class BucketedDataParallel(nn.Module):
     values back into each ``p.grad``. (DDP's reducer does two things more, which lab07 asks
     of you: it launches buckets strictly in bucket order, and it can make each ``p.grad`` a
     view into its bucket.) ``overlap=False`` is the control experiment: the same buckets and
-    asynchronous all-reduces, all launched only after the backward has returned."""
+    asynchronous all-reduces, all launched only after the backward has returned.
+
+    Shown in lesson 07, §3.
+    """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, overlap: bool = True):
         super().__init__()
@@ -298,7 +310,10 @@ def wrap(kind: str, module: nn.Module, bucket_cap_mb: float = 25.0) -> nn.Module
     """One of the ways, by name: the four of :data:`KINDS` (``"ddp"`` is torch's
     DistributedDataParallel itself, with its C++ reducer and no comm hook) or a control of
     :data:`CONTROLS` (``"local"``: no synchronisation; ``"..._after"``: the same asynchronous
-    all-reduces launched only after the backward)."""
+    all-reduces launched only after the backward).
+
+    Shown in lesson 07, §2.
+    """
     if kind == "after_backward":
         return AfterBackward(module)
     if kind == "per_parameter":
@@ -328,7 +343,10 @@ def count_ddp_collectives(model, step) -> dict:
     count the all-reduces its C++ reducer issued: the process group's own ``gloo:all_reduce``
     / ``nccl:all_reduce`` records, no Python hook in DDP's path. Also returns what DDP's
     logger says it reduced (``num_buckets_reduced``) and its rebuilt buckets (parameter
-    indices in gradient-ready order)."""
+    indices in gradient-ready order).
+
+    Shown in lesson 07, §4.
+    """
     import torch.profiler as tp
 
     with tp.profile(activities=[tp.ProfilerActivity.CPU]) as prof:
@@ -361,6 +379,8 @@ def predict_step(ready_ms, bucket_sizes, comm_ms, forward_ms: float, backward_ms
     ``copy_in_ms(nbytes)``, the work the hooks do on the compute thread to put a bucket's
     gradients into its buffer (it delays the rest of the backward), and
     ``copy_back_ms(nbytes)``, the copy back after the wait.
+
+    Shown in lesson 07, §4.
     """
     ready = sorted(ready_ms)
     if sum(n for n, _ in bucket_sizes) != len(ready):
@@ -396,6 +416,8 @@ def powersgd_elements(shapes, rank: int, min_compression_rate: float = 2.0) -> d
     compressed to P (n × r) and Q (m × r), r = min(n, m, rank), when that is worth it:
     (n + m) r · min_compression_rate < n m; otherwise (biases, tiny layers) it is all-reduced
     whole, with the other uncompressed ones in one flat buffer. Returns the counts per part.
+
+    Shown in lesson 07, §5.
     """
     p_total = q_total = whole = 0
     for shape in shapes:
@@ -462,7 +484,12 @@ def _batches(cfg: OverlapConfig, rank: int, world_size: int):
             for s in range(cfg.steps)]
 
 
-def _train(model, cfg: OverlapConfig, batches, dev) -> list[float]:
+def train_steps(model, cfg: OverlapConfig, batches, dev) -> list[float]:
+    """SGD on ``batches`` with one of the wrappers (or DDP, which :func:`wrap` gives a no-op
+    ``finish_gradient_synchronization``); returns the losses.
+
+    Shown in lesson 07, §2.
+    """
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     losses = []
     for X, y in batches:
@@ -478,7 +505,10 @@ def _train(model, cfg: OverlapConfig, batches, dev) -> list[float]:
 def equality_worker(rank: int, world_size: int, cfg: OverlapConfig,
                     kinds=KINDS, bucket_cap_mb: float = 25.0) -> dict:
     """Train ``cfg.steps`` steps with each way in ``kinds``, from the same start on the same
-    shards; return each one's final weights (flat, CPU), collective count and bucket sizes."""
+    shards; return each one's final weights (flat, CPU), collective count and bucket sizes.
+
+    Shown in lesson 07, §2.
+    """
     from . import ddp
 
     dev = ddp.setup_rank()
@@ -486,7 +516,7 @@ def equality_worker(rank: int, world_size: int, cfg: OverlapConfig,
     out = {}
     for kind in kinds:
         model = wrap(kind, cfg.build().to(dev), bucket_cap_mb)
-        _train(model, cfg, batches, dev)
+        train_steps(model, cfg, batches, dev)
         inner = model.module
         out[kind] = {"params": ddp.flat_params(inner), "collectives": model.collectives,
                      "buckets": [len(b) for b in getattr(model, "buckets", [])]}
@@ -506,6 +536,8 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
     backward and the step ended. Real DDP (``"ddp"``) runs with nothing of ours in its path
     (no comm hook, no gradient stamps); its all-reduces are counted afterwards, in one more
     step under the profiler (:func:`count_ddp_collectives`).
+
+    Shown in lesson 07, §4.
     """
     from . import ddp
 
@@ -581,7 +613,10 @@ def comm_hook_worker(rank: int, world_size: int, cfg: OverlapConfig, hooks,
     """Train real DDP ``cfg.steps`` steps once per name in ``hooks`` — "none" (plain
     all-reduce), "fp16", "bf16", "powersgd" or "powersgd_no_ef" (without error feedback) —
     and return each run's losses (this rank's shard), final weights, and the elements and
-    bytes all-reduced in each step, counted by :func:`dpcourse.collectives.record_collectives`."""
+    bytes all-reduced in each step, counted by :func:`dpcourse.collectives.record_collectives`.
+
+    Shown in lesson 07, §5.
+    """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP

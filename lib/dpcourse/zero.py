@@ -98,6 +98,8 @@ def bytes_per_param(stage: str, world_size: int, param_bytes: float = 2,
     The defaults are mixed-precision Adam: bf16 weights (2), bf16 gradients (2), and K = 12
     for the optimizer (fp32 master weights 4 + momentum 4 + variance 4). Activations, buffers
     and temporaries are not model state and are not counted.
+
+    Shown in lesson 08, §1.
     """
     _check(stage, world_size)
     n = world_size
@@ -122,6 +124,8 @@ def memory_per_rank(stage: str, units, world_size: int, param_bytes: int = 2,
     N on its own: our ZeRO-1 and ZeRO-2 shard the whole model as one buffer (``[Ψ]``), our
     ZeRO-3 shards each layer separately (one size per layer). What is replicated is not padded.
     When every unit divides by N this is Ψ × :func:`bytes_per_param`, exactly.
+
+    Shown in lesson 08, §5.
     """
     _check(stage, world_size)
     units = [units] if isinstance(units, int) else list(units)
@@ -147,6 +151,8 @@ def fits(num_params: int, device_bytes: float, world_size: int, activation_bytes
     With ZeRO-3 ``activation_bytes`` must also cover its working set, which does not shrink
     with N either: the full (unsharded) weights of the unit computing, of the unit being
     prefetched, and the computing unit's full gradient before its reduce-scatter.
+
+    Shown in lesson 08, §7; lesson 11, §1.
     """
     if num_params < 0 or device_bytes <= 0 or activation_bytes < 0:
         raise ValueError("num_params and activation_bytes must be >= 0 and device_bytes > 0, got "
@@ -165,7 +171,10 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The tensors an optimizer holds: the ones it steps (for our stages the fp32 master copy;
     for a plain optimizer the model's own weights) and its state (Adam's exp_avg and
     exp_avg_sq, SGD's momentum_buffer). Adam's 0-d ``step`` counters are left out: 4 bytes
-    per tensor, whatever its size, which the formula ignores too."""
+    per tensor, whatever its size, which the formula ignores too.
+
+    Shown in lesson 08, §3.
+    """
     tensors = [p for group in optimizer.param_groups for p in group["params"]]
     for state in optimizer.state.values():
         tensors += [t for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
@@ -180,6 +189,8 @@ def count_bytes(held: dict) -> dict:
     (``untyped_storage().resize_(0)``, as ZeRO-3 does) counts 0, and a storage named under two
     categories counts under the first (a plain optimizer's parameters are the model's weights,
     already counted). A DTensor (FSDP2) counts its local shard.
+
+    Shown in lesson 08, §5.
     """
     seen, out = set(), {}
     for category, tensors in held.items():
@@ -203,7 +214,10 @@ def count_bytes(held: dict) -> dict:
 
 def flatten_padded(tensors, world_size: int) -> torch.Tensor:
     """The tensors as one new flat vector, zero-padded to a multiple of ``world_size`` so it
-    cuts into N equal shards (collectives want equal pieces on every rank)."""
+    cuts into N equal shards (collectives want equal pieces on every rank).
+
+    Shown in lesson 08, §3.
+    """
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     pad = shard_numel(flat.numel(), world_size) * world_size - flat.numel()
     return F.pad(flat, (0, pad))
@@ -211,13 +225,19 @@ def flatten_padded(tensors, world_size: int) -> torch.Tensor:
 
 def grads_of(params) -> list[torch.Tensor]:
     """Each parameter's gradient, zeros where it has none (a parameter this backward did not
-    reach), so that every rank flattens the same sizes into its collectives."""
+    reach), so that every rank flattens the same sizes into its collectives.
+
+    Shown in lesson 08, §3.
+    """
     return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
 
 def copy_flat_into(flat: torch.Tensor, tensors) -> None:
     """Copy consecutive pieces of ``flat`` into ``tensors`` (casting, e.g. fp32 -> bf16); the
-    padding at the end of ``flat`` is ignored."""
+    padding at the end of ``flat`` is ignored.
+
+    Shown in lesson 08, §3.
+    """
     offset = 0
     with torch.no_grad():
         for t in tensors:
@@ -231,6 +251,8 @@ def reduce_scatter_mean(flat: torch.Tensor) -> torch.Tensor:
     Half of an all-reduce: a ring all-reduce *is* a reduce-scatter followed by an all-gather
     (lesson 06), and ZeRO stops after the first half because a rank only needs its own slice.
     gloo has ReduceOp.SUM everywhere, so we sum and divide, as lesson 03 did.
+
+    Shown in lesson 08, §3.
     """
     n = dist.get_world_size()
     shard = torch.empty(flat.numel() // n, dtype=flat.dtype, device=flat.device)
@@ -241,7 +263,10 @@ def reduce_scatter_mean(flat: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather_flat(shard: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Every rank's ``shard``, concatenated in rank order (into ``out`` if given)."""
+    """Every rank's ``shard``, concatenated in rank order (into ``out`` if given).
+
+    Shown in lesson 08, §3.
+    """
     if out is None:
         out = torch.empty(shard.numel() * dist.get_world_size(), dtype=shard.dtype,
                           device=shard.device)
@@ -261,7 +286,10 @@ class Stage:
     holds. Each stage keeps an fp32 master copy for the optimizer (K = 12 with Adam), as ZeRO
     does. With ``param_dtype=torch.float32`` that copy duplicates the weights (a plain fp32
     run would step the weights in place); we keep it so that fp32 — where the equality with
-    DDP is tight — runs exactly the code that mixed precision runs."""
+    DDP is tight — runs exactly the code that mixed precision runs.
+
+    Shown in lesson 08, §3.
+    """
 
     stage = ""
 
@@ -302,6 +330,8 @@ class Replicated(Stage):
     Lesson 03's loop (all-reduce the gradients, divide by N, step) with mixed precision: the
     model computes in ``param_dtype``; the optimizer steps an fp32 copy of all the weights,
     which is then cast back into the model. 2 + 2 + 12 = 16 bytes per parameter.
+
+    Shown in lesson 08, §3.
     """
 
     stage = "ddp"
@@ -335,6 +365,8 @@ class Zero1(Stage):
       Reduce-scatter + all-gather = all-reduce, so ZeRO-1 sends what DDP sends.
 
     The full (local) gradients still exist, as in DDP: 2 + 2 + 12/N bytes per parameter.
+
+    Shown in lesson 08, §3.
     """
 
     stage = "zero1"
@@ -369,6 +401,8 @@ class Zero2(Zero1):
     backward and the reduce-scatter, so its peak is no lower than ZeRO-1's. Reduce-scattering
     bucket by bucket *during* the backward (lesson 07's hooks) avoids that: lab 08 asks for
     it; :class:`Zero3` below uses the same hook, per layer.
+
+    Shown in lesson 08, §3.
     """
 
     stage = "zero2"
@@ -390,6 +424,8 @@ class ShardedLayer:
     — all point into that one storage, so a re-gather before the backward is seen by them all.
     ``modules``: every module that computes with these parameters (two, for a tied weight);
     each gathers before its forward and frees after it.
+
+    Shown in lesson 08, §4.
     """
 
     def __init__(self, params, modules, param_dtype: torch.dtype, rank: int, world_size: int):
@@ -464,6 +500,8 @@ class Zero3(Stage):
     3Ψ). There is no all-gather after the step: the next forward gathers.
     Frozen parameters (requires_grad=False) are not sharded here: they stay whole on every
     rank, as in DDP (FSDP2 shards them too, and never reduces their gradients).
+
+    Shown in lesson 08, §4.
     """
 
     stage = "zero3"
@@ -551,7 +589,10 @@ def summarize_traffic(calls, world_size: int) -> dict:
     """One step's calls (recorded by :func:`dpcourse.collectives.record_collectives`): how many,
     the bytes of the whole buffers per kind (see the convention above), the volume and the
     bytes a rank sends on a ring ((N-1)/N of the volume). Barriers carry no bytes and are left
-    out; any other kind of call has no ring weight here and is refused."""
+    out; any other kind of call has no ring weight here and is refused.
+
+    Shown in lesson 08, §5.
+    """
     by_op: dict[str, int] = {}
     counted = [c for c in calls if c.op != "barrier"]
     for c in counted:
@@ -576,6 +617,8 @@ def traffic_per_step(stage: str, units, world_size: int, element_size: int = 4) 
       the sizes from :func:`fsdp2_padded_numel` and it is the same formula;
     * ``zero_redundancy``: torch's ZeroRedundancyOptimizer under DDP: DDP's all-reduce, then
       each rank broadcasts the parameters it stepped: 2Ψ + Ψ = 3Ψ.
+
+    Shown in lesson 08, §5.
     """
     _check(stage, world_size, STAGES + ("zero_redundancy",))
     units = [units] if isinstance(units, int) else list(units)
@@ -588,7 +631,10 @@ def traffic_per_step(stage: str, units, world_size: int, element_size: int = 4) 
 
 def fsdp2_padded_numel(shape, world_size: int) -> int:
     """FSDP2 shards each parameter along its first dimension, padded to a multiple of N: the
-    number of elements it all-gathers and reduce-scatters for that parameter."""
+    number of elements it all-gathers and reduce-scatters for that parameter.
+
+    Shown in lesson 08, §6.
+    """
     shape = tuple(shape)
     rows = shape[0] if shape else 1
     return world_size * shard_numel(rows, world_size) * math.prod(shape[1:])

@@ -59,6 +59,8 @@ class ZeroConfig:
     a square layer is added after the first, its weight tied (one ``Parameter``) with a second
     square layer after it, and the first layer's bias is frozen (``requires_grad=False``), so
     every stage meets both cases a real model has.
+
+    Shown in lesson 08, §3.
     """
 
     widths: tuple = (30, 43, 22, 10)
@@ -123,7 +125,10 @@ class ZeroConfig:
 
 
 def fsdp2_policy(cfg: ZeroConfig):
-    """bf16 compute with fp32 gradient reduction, or FSDP2's default (no casting) in fp32."""
+    """bf16 compute with fp32 gradient reduction, or FSDP2's default (no casting) in fp32.
+
+    Shown in lesson 08, §6.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if cfg.mixed_precision:
@@ -144,7 +149,10 @@ def fsdp2_shard(model: nn.Module, cfg: ZeroConfig, dev: torch.device,
                 root_keeps_last: bool = False) -> nn.Module:
     """FSDP2 on the MLP: each ``nn.Linear`` a unit of its own (layers that share a tied
     parameter form one unit: FSDP2 refuses a parameter split across two), then the root.
-    ``root_keeps_last``: leave the last layer to the root's own unit instead."""
+    ``root_keeps_last``: leave the last layer to the root's own unit instead.
+
+    Shown in lesson 08, §6.
+    """
     from torch.distributed.fsdp import fully_shard
 
     policy, mesh = fsdp2_policy(cfg), _mesh(dev)
@@ -161,7 +169,10 @@ def fsdp2_shard(model: nn.Module, cfg: ZeroConfig, dev: torch.device,
 
 
 class TorchRun:
-    """torch's own ways (DDP, FSDP2, ZeroRedundancyOptimizer) behind the stages' interface."""
+    """torch's own ways (DDP, FSDP2, ZeroRedundancyOptimizer) behind the stages' interface.
+
+    Shown in lesson 08, §3.
+    """
 
     def __init__(self, model, optimizer, params, units, state_optimizer=None):
         self.model, self.optimizer, self.params, self.units = model, optimizer, params, units
@@ -187,7 +198,10 @@ RUNS = ("torch_ddp", "ddp", "zero1", "zero2", "zero3", "fsdp2", "zero_redundancy
 
 
 def prepare_run(run: str, cfg: ZeroConfig, dev: torch.device):
-    """(the model to call, the optimizer-like object, the dtype of the inputs) for one run."""
+    """(the model to call, the optimizer-like object, the dtype of the inputs) for one run.
+
+    Shown in lesson 08, §3.
+    """
     model = cfg.build().to(dev)
     psi = sum(p.numel() for p in model.parameters())
     if run in WRAPPERS:
@@ -228,6 +242,8 @@ def train_run(run: str, cfg: ZeroConfig, rank: int, world_size: int) -> dict:
     Not counted, because they are not model state: activations and temporaries, and torch
     DDP's gradient buckets (a second copy of the gradients unless
     ``gradient_as_bucket_view=True``).
+
+    Shown in lesson 08, §3.
     """
     from . import ddp
 
@@ -264,6 +280,8 @@ def fsdp2_worker(rank: int, world_size: int, cfg: ZeroConfig, path: str | None =
     a plain model and into a fresh sharded one.
 
     ``path``: where rank 0 saves the state dict (a temporary file, removed, if None).
+
+    Shown in lesson 08, §6.
     """
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict)
@@ -334,7 +352,10 @@ def fsdp2_root_worker(rank: int, world_size: int, cfg: ZeroConfig) -> dict:
     own unit): the root's parameters are *not* resharded after the forward (``fully_shard``
     sets ``reshard_after_forward`` to False for the root when it is left at None), so they are
     all-gathered once per step, not twice. One step's traffic and the padded sizes of the
-    root's and the other units' parameters."""
+    root's and the other units' parameters.
+
+    Shown in lesson 08, §6.
+    """
     from . import ddp
 
     dev = ddp.setup_rank()
@@ -360,7 +381,10 @@ def zero3_timeline_worker(rank: int, world_size: int, cfg: ZeroConfig) -> list:
     and ``free`` are replaced by timed ones), freed, and its gradients reduce-scattered (timed
     by the ``before``/``after`` hooks of :func:`dpcourse.collectives.record_collectives`). Returns [(layer, kind, start_ms, end_ms)] in the order the
     calls happened; the span from a gather's end to the layer's next free or reduce-scatter is
-    the time the full weights existed (the layer computed in it)."""
+    the time the full weights existed (the layer computed in it).
+
+    Shown in lesson 08, §4.
+    """
     from . import ddp
 
     dev = ddp.setup_rank()
