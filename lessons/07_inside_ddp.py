@@ -1003,7 +1003,9 @@ viz.quiz([
 #   `_DEFAULT_FIRST_BUCKET_BYTES`: the reducer's C++ functions as torch exposes them.
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`,
 #   `_compress_hook` (`fp16_compress_hook`, `bf16_compress_hook`): the buffer is cast and
-#   divided by the world size before the all-reduce, then copied back into the bucket.
+#   divided by the world size before the all-reduce, then copied back into the bucket;
+#   `_allreduce_fut`: the hooks call `dist.all_reduce` through the module attribute, which is
+#   what `collectives.record_collectives` replaces (`powerSGD_hook.py` does the same).
 # - `torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py` — `PowerSGDState`
 #   (`matrix_approximation_rank`, `start_powerSGD_iter`, `min_compression_rate`,
 #   `use_error_feedback`, `warm_start`), `powerSGD_hook`: plain all-reduce before

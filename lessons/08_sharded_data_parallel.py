@@ -708,14 +708,17 @@ viz.quiz([
 #   for compute and the all-gather, the sharded parameter (what the optimizer steps) keeps its
 #   original dtype; `reduce_dtype` None follows `param_dtype`.
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` — `foreach_all_gather`,
-#   `foreach_reduce`: one all-gather and one reduce-scatter of the padded flat buffer per group.
+#   `foreach_reduce`: one all-gather and one reduce-scatter of the padded flat buffer per group,
+#   `DefaultAllGather.__call__` and `DefaultReduceScatter.__call__` call
+#   `dist.all_gather_single` and `dist.reduce_scatter_single` (module attributes, so
+#   `collectives.record_collectives` sees them).
 # - `torch/amp/autocast_mode.py` — `autocast`: operations run in the lower precision on casts
 #   of their inputs; the module's parameters stay in their own dtype (fp32).
 # - `torch/distributed/checkpoint/state_dict.py` — `get_model_state_dict`,
 #   `set_model_state_dict` (`full_state_dict`, `cpu_offload`, `broadcast_from_rank0`).
 # - `torch/distributed/optim/zero_redundancy_optimizer.py` — `ZeroRedundancyOptimizer`
 #   (`_partition_parameters`: whole parameters assigned to ranks; `_sync_params`: each rank
-#   broadcasts the parameters it stepped).
+#   broadcasts the parameters it stepped; `_broadcast_params_from_rank`: with `dist.broadcast`).
 #
 # Papers: Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training Trillion Parameter
 # Models*, SC 2020 (Figure 1, the 2 + 2 + 12 split, fp16 with fp32 master weights); Zhao et al., *PyTorch FSDP*, VLDB 2023.
