@@ -197,6 +197,7 @@ class Recorder:
         self.log = CollectiveLog()
         self.before, self.after = before, after
         self.busy = threading.local()     # inside one of our calls: record nothing more
+        self.lock = threading.Lock()      # callbacks of async work may record from gloo's threads
 
     def run(self, calls: list[Call], invoke: Callable[[], Any]):
         """Log ``calls``, run the ``before`` hooks, ``invoke()`` the real function, run the
@@ -204,8 +205,9 @@ class Recorder:
         self.busy.on = True
         try:
             for call in calls:
-                call.index = len(self.log)
-                self.log.append(call)
+                with self.lock:
+                    call.index = len(self.log)
+                    self.log.append(call)
                 if self.before:
                     self.before(call)
             result = invoke()
