@@ -252,9 +252,9 @@ def test_ddp_comm_hook_seen(ranks):
 def test_fsdp2_seen(ranks):
     rows = ranks[0]["torch"]["fsdp"]
     ops = [r[0] for r in rows]
-    # forward: one all-gather per fully_shard unit; backward: one reduce-scatter per unit
-    # (the root's all-gather is kept for backward, the inner one is gathered again)
-    assert ops.count("all_gather_single") >= 2 and ops.count("reduce_scatter_single") == 2
+    # forward: one all-gather per fully_shard unit (2); backward: the inner unit is gathered
+    # again (the root keeps its parameters gathered after the forward); one reduce-scatter each
+    assert ops.count("all_gather_single") == 3 and ops.count("reduce_scatter_single") == 2
     psi = 8 * 4 + 4 + 4 * 2 + 2                        # 46 parameters, no padding needed
     scattered = sum(r[2] for r in rows if r[0] == "reduce_scatter_single")
     assert scattered == psi
