@@ -1,80 +1,230 @@
-"""python -m dpcourse workshop-check: the per-learner settings, the rehearsal with 4 learners on
-this CPU, and each of its alarms (clash, orphan, bound port, failed launch) made to go off."""
+"""python -m dpcourse workshop-check: the plan (seats of GPUs, cores, threads and memory, for a
+server one is not on), its three printed forms (the JupyterHub one loaded as a hub config), the
+hub's side (seats kept across restarts, a learner's copy never overwritten), the rehearsal with
+3 learners running what lessons 03, 04, 06 and lab03 run, and each of its alarms (clash, orphan,
+bound port, failed launch, oversubscription) made to go off."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from traitlets.config.loader import PyFileConfigLoader
 
 from dpcourse.tools import workshop
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT / "lib"))
 
 
-@pytest.mark.parametrize("learners, gpus, cpus, expected", [
-    # no GPU: everyone on the cpu profile, CUDA hidden, cores split over 4 x 2 ranks
-    (4, 0, 16, [("", "cpu", "2")] * 4),
-    # 8 GPUs, 4 learners: two GPUs each, contiguous, NCCL profile
-    (4, 8, 64, [("0,1", "multi-gpu", "8"), ("2,3", "multi-gpu", "8"),
-                ("4,5", "multi-gpu", "8"), ("6,7", "multi-gpu", "8")]),
-    # as many GPUs as learners: one each
-    (2, 2, 8, [("0", "one-gpu", "2"), ("1", "one-gpu", "2")]),
-    # fewer GPUs than learners: everyone on the CPU, the same course for all
-    (3, 2, 2, [("", "cpu", "1")] * 3),
-])
-def test_learner_settings(learners, gpus, cpus, expected):
-    settings = workshop.learner_settings(learners, gpus, cpus)
-    got = [(s.env["CUDA_VISIBLE_DEVICES"], s.env["DPCOURSE_PROFILE"], s.env["OMP_NUM_THREADS"])
-           for s in settings]
-    assert got == expected
-    assert [s.learner for s in settings] == list(range(learners))
-    assert all(set(s.env) == {"CUDA_VISIBLE_DEVICES", "DPCOURSE_PROFILE", "OMP_NUM_THREADS"}
-               for s in settings)
+def _seats(settings):
+    return [(s.env["CUDA_VISIBLE_DEVICES"], s.env["DPCOURSE_PROFILE"], s.env["OMP_NUM_THREADS"],
+             s.cpus) for s in settings]
 
 
-def test_leftover_gpus_are_named_and_settings_paste_as_exports():
-    settings = workshop.learner_settings(4, 6, 24)
-    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in settings] == ["0", "1", "2", "3"]
-    assert "2 GPU(s) left" in settings[-1].note
+def test_plan_8_gpus_64_cores_20_learners():
+    settings = workshop.learner_settings(20, 8, 64, memory_gib=512)
+    seats = _seats(settings)
+    # the 8 GPUs in 4 seats of 2 (NCCL), the other 16 learners on the CPU profile
+    assert seats[:4] == [("0,1", "multi-gpu", "1", "0-2"), ("2,3", "multi-gpu", "1", "3-5"),
+                         ("4,5", "multi-gpu", "1", "6-8"), ("6,7", "multi-gpu", "1", "9-11")]
+    assert all(s[:3] == ("", "cpu", "1") for s in seats[4:])
+    # 3 cores each, pinned, disjoint; 4 left for the hub; 512 GiB x 0.9 / 20 = 23 GiB each
+    cores = [workshop.parse_cpus(s.cpus) for s in settings]
+    assert all(len(c) == 3 for c in cores) and len(set().union(*cores)) == 60
+    assert max(set().union(*cores)) == 59 and "4 core(s) left" in settings[-1].note
+    assert {s.mem_gib for s in settings} == {23.0} and {s.cores for s in settings} == {3}
+    text = "\n".join(workshop.summary(settings, 8, 64, 512))
+    assert "learners 0-3: 2 GPU(s) each, profile multi-gpu" in text
+    assert "learners 4-19: no GPU, profile cpu" in text
+    assert "3 core(s) of their own (pinned), OMP_NUM_THREADS=1, 23 GiB" in text
+    assert "lesson 06's fit starts 4 ranks: on 3 core(s) they take turns" in text
+
+
+def test_plan_without_gpus_and_with_many_per_learner():
+    # no GPU: everyone on the cpu profile, CUDA hidden; 16 cores / 4 learners = 4 each, and
+    # 4 / 4 ranks (lesson 06's fit) = 1 thread per rank
+    assert _seats(workshop.learner_settings(4, 0, 16)) == [
+        ("", "cpu", "1", "0-3"), ("", "cpu", "1", "4-7"), ("", "cpu", "1", "8-11"),
+        ("", "cpu", "1", "12-15")]
+    # 16 GPUs, 64 cores, 4 learners: 4 GPUs and 16 cores each, 16 / 4 = 4 threads per rank
+    assert _seats(workshop.learner_settings(4, 16, 64)) == [
+        ("0,1,2,3", "multi-gpu", "4", "0-15"), ("4,5,6,7", "multi-gpu", "4", "16-31"),
+        ("8,9,10,11", "multi-gpu", "4", "32-47"), ("12,13,14,15", "multi-gpu", "4", "48-63")]
+    # fewer cores than learners: they share all of them, one thread per rank
+    shared = workshop.learner_settings(3, 0, 2)
+    assert _seats(shared) == [("", "cpu", "1", "")] * 3
+    assert "shares the 2 cores with 2 other learner(s)" in shared[0].note
+
+
+def test_plan_3_gpus_5_learners():
+    settings = workshop.learner_settings(5, 3, 16, memory_gib=64)
+    assert _seats(settings) == [("0,1", "multi-gpu", "1", "0-2"), ("2", "one-gpu", "1", "3-5"),
+                                ("", "cpu", "1", "6-8"), ("", "cpu", "1", "9-11"),
+                                ("", "cpu", "1", "12-14")]
+    assert "1 core(s) left" in settings[-1].note and settings[0].mem_gib == 11.5
     text = workshop.format_settings(settings)
-    assert "learner 0: export CUDA_VISIBLE_DEVICES=0 DPCOURSE_PROFILE=one-gpu" in text
-    assert "MASTER_PORT stays unset" in text
-    cpu = workshop.format_settings(workshop.learner_settings(1, 0, 2))
-    assert "CUDA_VISIBLE_DEVICES='' " in cpu  # an empty value, quoted so the shell keeps it
+    assert ("learner 1: export CUDA_VISIBLE_DEVICES=2 DPCOURSE_PROFILE=one-gpu "
+            "OMP_NUM_THREADS=1   # 1 GPU") in text
+    assert "learner 2: export CUDA_VISIBLE_DEVICES='' " in text  # empty, quoted for the shell
+    assert "taskset -c 6-8" in text and "MASTER_PORT stays unset" in text
 
 
-@pytest.mark.parametrize("kwargs", [dict(learners=0, gpu_count=0, cpu_count=2),
-                                    dict(learners=2, gpu_count=0, cpu_count=2, ranks=0)])
-def test_bad_settings_input(kwargs):
-    with pytest.raises(ValueError, match="must be at least 1"):
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(learners=0, gpu_count=0, cpu_count=2), "--learners must be at least 1"),
+    (dict(learners=2, gpu_count=0, cpu_count=2, ranks=0), "--ranks must be at least 1"),
+    (dict(learners=2, gpu_count=-1, cpu_count=2), "--gpus must be 0 or more"),
+    (dict(learners=2, gpu_count=0, cpu_count=0), "--cores must be at least 1"),
+    (dict(learners=2, gpu_count=0, cpu_count=2, memory_gib=0), "--memory must be a positive"),
+])
+def test_bad_plan_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         workshop.learner_settings(**kwargs)
 
 
-def test_four_learners_at_once_on_this_cpu(no_leftovers):
-    # The rehearsal the issue asks for: N = 4 on the CPU (about 25-45 s on 2 cores).
-    report = workshop.workshop_check(4, ranks=2, timeout=150, gpu_count=0)
-    assert report.ok, workshop.format_report(report)
-    assert [r["learner"] for r in report.records] == [0, 1, 2, 3]
-    ports = [p for r in report.records for p in r["ports"]]
-    assert len(ports) == 8 and len(set(ports)) == 8  # a spawn and a torchrun per learner
-    assert report.orphans == [] and report.bound_ports == []
-    for r in report.records:
-        assert 0 < r["spawn_s"] < r["total_s"] and 0 < r["torchrun_s"] < r["total_s"]
+def _load_hub_config(path: Path):
+    return PyFileConfigLoader(path.name, path=str(path.parent)).load_config()
+
+
+class FakeSpawner(SimpleNamespace):
+    """What the pre-spawn hook touches on a JupyterHub spawner."""
+
+    def __init__(self, name: str, home: Path):
+        super().__init__(user=SimpleNamespace(name=name), environment={"KEEP": "1"},
+                         cmd=[sys.executable, "-m", "jupyterhub.singleuser"], home_dir=str(home),
+                         log=SimpleNamespace(info=lambda *a: None), notebook_dir="",
+                         cpu_limit=None, mem_limit=None)
+
+
+def test_the_jupyterhub_form_loads_in_a_hub_config(tmp_path, monkeypatch):
+    text = workshop.format_jupyterhub(8, 64, 20, 512)
+    assert "#   seat 0: CUDA_VISIBLE_DEVICES=0,1 DPCOURSE_PROFILE=multi-gpu" in text
+    path = tmp_path / "jupyterhub_config.py"
+    path.write_text(text)
+    monkeypatch.chdir(tmp_path)  # the form keeps seats.json where the hub starts
+    c = _load_hub_config(path)
+    assert c.Spawner.default_url == "/lab/tree/lessons/00_start_here.ipynb"
+    assert c.Spawner.cmd == [sys.executable, "-m", "jupyterhub.singleuser"]
+    assert c.Spawner.cpu_limit == 3.0 and c.Spawner.mem_limit == f"{23 * 1024}M"
+    hook = c.Spawner.pre_spawn_hook
+    alice, bob = FakeSpawner("alice", tmp_path / "alice"), FakeSpawner("bob", tmp_path / "bob")
+    hook(alice)
+    hook(bob)
+    assert alice.environment == {"KEEP": "1", "CUDA_VISIBLE_DEVICES": "0,1",
+                                 "DPCOURSE_PROFILE": "multi-gpu", "OMP_NUM_THREADS": "1",
+                                 "DPCOURSE_SEAT": "0",
+                                 "DPCOURSE_PROGRESS": str(tmp_path / "progress.jsonl")}
+    assert bob.environment["CUDA_VISIBLE_DEVICES"] == "2,3" and bob.environment["DPCOURSE_SEAT"] == "1"
+    if alice.cmd[0].endswith("taskset"):  # pinned to the seat's cores where taskset exists
+        assert alice.cmd[1:3] == ["-c", "0-2"] and bob.cmd[1:3] == ["-c", "3-5"]
+    assert alice.notebook_dir == str(tmp_path / "alice" / "dpcourse")
+    assert (tmp_path / "alice" / "dpcourse" / "lessons" / "00_start_here.ipynb").is_file()
+    assert json.loads((tmp_path / "seats.json").read_text()) == {"alice": 0, "bob": 1}
+
+
+def test_seats_are_kept_and_a_learners_copy_never_overwritten(tmp_path):
+    seats = workshop.learner_settings(3, 0, 6)
+    book = workshop.SeatBook(tmp_path / "seats.json", seats)
+    assert [book.seat_for(n).learner for n in ("carol", "dave", "carol")] == [0, 1, 0]
+    again = workshop.SeatBook(tmp_path / "seats.json", seats)  # the hub restarted
+    assert again.seat_for("dave").learner == 1 and again.seat_for("erin").learner == 2
+    with pytest.raises(RuntimeError, match="all 3 seats are taken"):
+        again.seat_for("frank")
+    # the copy: made once, the learner's edits kept, a deleted file restored
+    dest = tmp_path / "home" / "dpcourse"
+    first = workshop.copy_course(dest)
+    assert first > 50 and (dest / "labs" / "lab03_ddp_first_principles.ipynb").is_file()
+    lab = dest / "labs" / "lab03_ddp_first_principles.ipynb"
+    lab.write_text("my work")
+    (dest / "README.md").unlink()
+    assert workshop.copy_course(dest) == 1
+    assert lab.read_text() == "my work" and (dest / "README.md").is_file()
+    assert not list(dest.rglob("__pycache__")) and not list(dest.rglob(".ipynb_checkpoints"))
+
+
+def test_the_classroom_config_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPCOURSE_LEARNERS", "3")
+    monkeypatch.setenv("DPCOURSE_CLASSROOM_STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("DPCOURSE_HUB_SPAWNER", "simple")
+    c = _load_hub_config(ROOT / "classroom" / "jupyterhub_config.py")
+    assert c.Authenticator.allowed_users == {"learner01", "learner02", "learner03"}
+    assert c.JupyterHub.authenticator_class == "dummy" and c.JupyterHub.spawner_class == "simple"
+    assert c.JupyterHub.bind_url == "http://127.0.0.1:8000"  # this machine only, by default
+    assert c.SimpleLocalProcessSpawner.home_dir_template == str(tmp_path / "state" / "home"
+                                                                / "{username}")
+    assert callable(c.Spawner.pre_spawn_hook) and c.JupyterHub.cleanup_servers is True
+    monkeypatch.setenv("DPCOURSE_HUB_SPAWNER", "kubernetes")
+    with pytest.raises(ValueError, match="use simple, local or systemd"):
+        _load_hub_config(ROOT / "classroom" / "jupyterhub_config.py")
+
+
+def test_three_learners_at_once_on_this_cpu(no_leftovers):
+    # The rehearsal: 3 learners, each running lessons 03, lab03, 04 and 06 (about 50-70 s on
+    # 2 cores, lesson 04's torchrun job being most of it).
+    report = workshop.workshop_check(3, timeout=150, gpu_count=0)
     text = workshop.format_report(report)
-    assert "no port clash: 8 launches on 8 different ports" in text
+    assert report.ok, text
+    assert [r["learner"] for r in report.records] == [0, 1, 2]
+    ports = [p for r in report.records for p in r["ports"]]
+    assert len(ports) == 9 and len(set(ports)) == 9  # lessons 03, 04 and 06 per learner
+    for r in report.records:
+        assert [x["step"][:9] for x in r["launches"]] == ["lesson 03", "lab03's c", "lesson 04",
+                                                          "lesson 06"]
+        measured = [x for x in r["launches"] if "threads" in x]
+        assert [x["ranks"] for x in measured] == [2, 4] and all(x["threads"] == 1 for x in measured)
+        assert r["kernel_threads"] == 1
+    assert "no port clash: 9 launches on 9 different ports" in text
+    assert "no launch oversubscribed by threads" in text
+    assert "lesson 06's alpha-beta fit (4 ranks" in text  # the note: 4 ranks on fewer cores
     assert text.rstrip().endswith("workshop check passed")
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores: 1 for the seat, 1 more "
+                    "for torch to take")
+def test_an_oversubscribed_plan_is_refused(no_leftovers):
+    # A 1-core seat (the learner pinned to core 0) with OMP_NUM_THREADS=4: torch in the
+    # learner's kernel starts 2 threads (it caps the variable at the machine's 2 cores, not at
+    # the seat's 1), and the check says so and fails. Its ranks take one thread each (setup_rank).
+    report = workshop.workshop_check(1, timeout=120, gpu_count=0, cpu_count=1, threads=4,
+                                     steps=("03",))
+    text = workshop.format_report(report)
+    assert not report.ok and all(r["ok"] for r in report.records), text
+    threads = min(4, os.cpu_count())
+    assert report.oversubscribed == [f"learner 0 (1 core(s) of 1): the kernel runs {threads} "
+                                     "threads on 1 core(s) — OMP_NUM_THREADS=4 is more than the "
+                                     "learner's cores."]
+    assert report.records[0]["launches"][0]["threads"] == 1
+    assert "OVERSUBSCRIBED: learner 0" in text and text.rstrip().endswith("FAILED")
+
+
+def test_ranks_times_threads_above_the_cores_is_named():
+    # What the old rank_device did on a 64-core server (32 threads per rank for every learner),
+    # as the ranks would report it: refused, with the numbers; one thread per rank is a note.
+    seats = workshop.learner_settings(20, 8, 64)
+    step = "lesson 03's DDP launch (ddp.ddp_worker)"
+    records = [{"learner": i, "kernel_threads": 1, "launches": [
+        {"step": step, "ranks": 2, "threads": 32 if i == 5 else 1},
+        {"step": "lesson 06's fit", "ranks": 4, "threads": 1}]} for i in range(20)]
+    failures, notes = workshop.oversubscription(records, seats, 64)
+    assert failures == [f"learner 5 (3 core(s) of 64), {step}: 2 ranks × 32 threads = 64 threads "
+                        "on 3 core(s) — oversubscribed; each rank should run at most 1 "
+                        "(OMP_NUM_THREADS=1 in the plan)."]
+    assert notes[0].startswith("lesson 06's fit: 4 ranks take turns on a learner's 3 core(s)")
+    assert notes[-1] == ("at the peak, 20 learners × 64 busy threads = 1280 on 64 core(s) — if "
+                         "they all launch at the same moment")
 
 
 def test_a_launch_that_times_out_fails_the_check_and_leaves_nothing(no_leftovers):
     # 0.5 s is too short for two ranks to even import torch: every learner's launch times
     # out, the check says so per learner, and still nothing is left running.
-    report = workshop.workshop_check(2, ranks=2, timeout=0.5, gpu_count=0)
+    report = workshop.workshop_check(2, timeout=0.5, gpu_count=0, steps=("03",))
     assert not report.ok
     assert all(not r["ok"] and "LaunchTimeoutError" in r["error"] for r in report.records)
     assert report.orphans == []
@@ -113,18 +263,30 @@ def test_the_alarms_go_off():
     (["--learners", "0"], "--learners must be at least 1"),
     (["--learners", "2", "--ranks", "0"], "--ranks must be at least 1"),
     (["--learners", "2", "--timeout", "0"], "--timeout must be a positive number"),
+    (["--plan", "--gpus", "-1"], "--gpus must be 0 or more"),
+    (["--plan", "--cores", "0"], "--cores must be at least 1"),
+    (["--learners", "2", "--format", "jupyterhub"], "go with --plan"),
 ])
 def test_cli_bad_input_is_one_line(args, message):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "lib"))
     proc = subprocess.run([sys.executable, "-m", "dpcourse", "workshop-check", *args],
-                          capture_output=True, text=True, env=env, timeout=60)
+                          capture_output=True, text=True, env=ENV, timeout=60)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_cli_plan_prints_settings_and_runs_nothing():
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "lib"))
-    proc = subprocess.run([sys.executable, "-m", "dpcourse", "workshop-check", "--learners",
-                           "3", "--plan"], capture_output=True, text=True, env=env, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("export ") == 3 and "OMP_NUM_THREADS=" in proc.stdout
+def test_cli_plan_in_its_three_forms():
+    def plan(*extra):
+        proc = subprocess.run([sys.executable, "-m", "dpcourse", "workshop-check", "--plan",
+                               "--gpus", "8", "--cores", "64", "--learners", "20", *extra],
+                              capture_output=True, text=True, env=ENV, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    exports = plan()
+    assert exports.count("export ") == 20 and "memory unknown" in exports  # not this machine's
+    assert exports.startswith("20 learners on 8 GPU(s), 64 core(s)")
+    data = json.loads(plan("--format", "json", "--memory", "512"))
+    assert data["memory_gib"] == 512 and len(data["seats"]) == 20
+    assert data["seats"][3]["env"]["CUDA_VISIBLE_DEVICES"] == "6,7"
+    hub = plan("--format", "jupyterhub")
+    assert "workshop.configure_hub(c, learners=20, gpus=8, cores=64, memory_gib=None" in hub

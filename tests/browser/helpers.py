@@ -30,10 +30,14 @@ def kernel_status(page) -> str:
 
 def server_kernel_state(server, path: str) -> str:
     """The server's word on the notebook's kernel: 'idle', 'busy', 'starting', ... ('' when the
-    notebook has no session yet)."""
-    url = f"http://127.0.0.1:{server.port}/api/sessions?token={server.token}"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        sessions = json.load(reply)
+    notebook has no session yet). A server behind JupyterHub (tests/browser/test_hub.py) lists
+    its sessions itself (``server.sessions()``): its API takes the learner's login, not a token."""
+    if hasattr(server, "sessions"):
+        sessions = server.sessions()
+    else:
+        url = f"http://127.0.0.1:{server.port}/api/sessions?token={server.token}"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            sessions = json.load(reply)
     for session in sessions:
         if session.get("path") == path and session.get("kernel"):
             return session["kernel"].get("execution_state", "")
