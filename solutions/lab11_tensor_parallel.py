@@ -58,7 +58,7 @@ torch.set_num_threads(1)
 # %%
 def block_of(size, rank, world_size):
     """(start, stop) of the block of ``size`` features that ``rank`` keeps."""
-    ### BEGIN SOLUTION: refuse a size the world size does not divide (name both in the sentence); per = size // world_size; start at rank * per
+    ### BEGIN SOLUTION: a size the world size does not divide: refuse it (a sentence naming both) or handle it; otherwise rank's equal block
     if size % world_size != 0:
         raise ValueError(f"a hidden size of {size} does not split into {world_size} equal "
                          f"blocks: choose a size divisible by the number of ranks")
@@ -236,7 +236,7 @@ lab11.check_tp_mlp(TPMLP, timeout=check_timeout)
 
 # %%
 def gpipe_step(stage, rank, world_size, m, inputs, targets, loss_fn, shape):
-    ### BEGIN SOLUTION: every forward (recv, stage, send or loss / M), then every backward (recv the gradient, backward, send the input's gradient); time each computation
+    ### BEGIN SOLUTION: every forward, then every backward, as above; time the computations only
     kept, events, loss = [], [], None
     for i in range(m):
         if rank == 0:
@@ -271,7 +271,7 @@ def gpipe_step(stage, rank, world_size, m, inputs, targets, loss_fn, shape):
 
 
 def bubble(events, stages):
-    ### BEGIN SOLUTION: 1 - (sum of end - start) / (stages * (latest end - earliest start))
+    ### BEGIN SOLUTION: the idle share of the whole step, all stages together
     busy = sum(end - start for _, _, _, start, end in events)
     span = max(e[4] for e in events) - min(e[3] for e in events)
     return 1 - busy / (stages * span)
