@@ -299,17 +299,18 @@ def record_collectives(before: Callable[[Call], None] | None = None,
 
     recorder = Recorder(before, after)
     replaced = []                                       # (module, name, original)
-    for module, table, prefix in ((dist, RECORDED, ""), (funcol, RECORDED_FUNCOL, "funcol.")):
-        for name, spec in table.items():
-            if hasattr(module, name):
-                real = getattr(module, name)
-                replaced.append((module, name, real))
-                setattr(module, name, recorder.wrap(real, prefix + name, spec))
-    replaced.append((dist, "batch_isend_irecv", dist.batch_isend_irecv))
-    dist.batch_isend_irecv = recorder.wrap_batch(dist.batch_isend_irecv)
-    replaced.append((dist, "P2POp", dist.P2POp))
-    dist.P2POp = _p2pop_unwrapping(dist.P2POp)
+
+    def replace(module, name, recording):
+        replaced.append((module, name, getattr(module, name)))
+        setattr(module, name, recording)
+
     try:
+        for module, table, prefix in ((dist, RECORDED, ""), (funcol, RECORDED_FUNCOL, "funcol.")):
+            for name, spec in table.items():
+                if hasattr(module, name):
+                    replace(module, name, recorder.wrap(getattr(module, name), prefix + name, spec))
+        replace(dist, "batch_isend_irecv", recorder.wrap_batch(dist.batch_isend_irecv))
+        replace(dist, "P2POp", _p2pop_unwrapping(dist.P2POp))
         yield recorder.log
     finally:
         for module, name, real in reversed(replaced):
