@@ -76,6 +76,9 @@ viz.show_code(planner.Transformer, planner.activation_bytes_per_layer)
 # activations:
 
 # %%
+viz.show_code(zero.fits)
+
+# %%
 gpt3 = planner.GPT3_175B
 gb = 1e9
 act_batch1 = gpt3.layers * planner.activation_bytes_per_layer(gpt3, micro_batch=1)
@@ -274,7 +277,7 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
 # its own counter, `CommDebugMode`.
 
 # %%
-viz.show_code(tensor_parallel.plain_mlp, tensor_parallel.TPConfig,
+viz.show_code(tensor_parallel.plain_mlp, tensor_parallel.TPConfig, tensor_parallel.slice_of,
               tensor_parallel.tensor_parallel_worker)
 
 # %%
@@ -381,7 +384,8 @@ claim("torch sends what we send: one all-reduce of the activations in the forwar
 
 # %%
 viz.show_code(pipeline_parallel.gpipe_schedule, pipeline_parallel.one_f_one_b_schedule,
-              pipeline_parallel.ideal_bubble, pipeline_parallel.measured_bubble)
+              pipeline_parallel.ideal_bubble, pipeline_parallel.measured_bubble,
+              pipeline_parallel.messages_per_step)
 
 # %% [markdown]
 # Try it: stages × micro-batches → the bubble, from the schedule played with fixed times
@@ -400,7 +404,10 @@ bubble_explorer = viz.explorer(
 # accumulated gradients are the batch mean's. Our CPU ranks would fight over the machine's
 # cores, so each forward also sleeps `delay_s` (each backward twice that): a stand-in for an
 # accelerator, which computes without taking a CPU core. Every (schedule, M) runs in one
-# launch and is compared with the unsplit model on the whole batch.
+# launch and is compared with the unsplit model on the whole batch:
+
+# %%
+viz.show_code(pipeline_parallel.reference_step)
 
 # %% [markdown]
 # **▶ One stage's loop and its launcher (the lab's stretch) — open after your lab passes**
@@ -475,6 +482,10 @@ claim(f"with M = {m_show}, GPipe holds all M micro-batches on every stage; 1F1B 
 # torch has the same thing, `torch.distributed.pipelining`: a `PipelineStage` around each
 # rank's module and a schedule (`ScheduleGPipe`, `Schedule1F1B`, and interleaved ones) that
 # runs it. On the same model, batch and schedule (one launch each):
+
+# %%
+viz.show_code(pipeline_parallel.torch_pipelining_worker,
+              pipeline_parallel.compare_with_torch_pipelining)
 
 # %%
 versus = pipeline_parallel.compare_with_torch_pipelining(stages, m_show, "1f1b", timeout=120)
@@ -575,13 +586,14 @@ pub = planner.plan_row(model, cluster, published["tp"], published["pp"],
 claim(f"the paper's parameter count (its equation 2) gives {model.num_params / 1e9:.1f} B for "
       "this shape, as its Table 1 says", round(model.num_params / 1e9, 1) == 145.6)
 print(f"{len(options)} configurations fit on {cluster.gpus} GPUs. Fastest estimates:")
-print("    t   p    d  DP flavour  GB/GPU  s/step  TP msgs  TP GB  PP msgs  PP GB  DP msgs"
-      "  DP GB  bubble")
+print("    t   p    d    M  DP flavour  GB/GPU  s/step  TP msgs  TP GB  PP msgs  PP GB"
+      "  DP msgs  DP GB  bubble")
 for r in options[:6] + [pub]:
-    print(f"{r['tp']:5d} {r['pp']:3d} {r['dp']:4d}  {r['stage']:>10}  {r['total_bytes'] / gb:6.1f}"
-          f"  {r['time_s']:6.1f}  {r['tp_messages']:7d} {r['tp_bytes'] / gb:6.0f}"
-          f"  {r['pp_messages']:7d} {r['pp_bytes'] / gb:6.1f}  {r['dp_messages']:7d}"
-          f" {r['dp_bytes'] / gb:6.1f}  {r['bubble']:6.3f}")
+    print(f"{r['tp']:5d} {r['pp']:3d} {r['dp']:4d} {r['micro_batches']:4d}  {r['stage']:>10}"
+          f"  {r['total_bytes'] / gb:6.1f}  {r['time_s']:6.1f}  {r['tp_messages']:7d}"
+          f" {r['tp_bytes'] / gb:6.0f}  {r['pp_messages']:7d} {r['pp_bytes'] / gb:6.1f}"
+          f"  {r['dp_messages']:7d} {r['dp_bytes'] / gb:6.1f}  {r['bubble']:6.3f}")
+print("(M: micro-batches per step per pipeline; messages and GB per GPU per step)")
 print("(last row: the published configuration)")
 best_per_t = {t: min((r for r in options if r["tp"] == t), key=lambda r: r["time_s"])
               for t in sorted({r["tp"] for r in options})}

@@ -32,6 +32,14 @@ def test_shard_bounds_refuses_an_uneven_split_and_a_bad_rank():
         tp.shard_bounds(64, 2, 2)
 
 
+def test_slice_of_takes_ranks_block_along_a_dimension():
+    import torch
+
+    w = torch.arange(24.0).reshape(4, 6)
+    assert torch.equal(tp.slice_of(w, 0, 1, 2), w[2:4])
+    assert torch.equal(tp.slice_of(w, 1, 2, 3), w[:, 4:6])
+
+
 def test_noise_scale_from_exact_expectations_recovers_both_unknowns():
     g2, trace = 0.25, 12.0
     small, big = g2 + trace / 8, g2 + trace / 32          # E|G_B|^2 = |G|^2 + tr(Sigma)/B

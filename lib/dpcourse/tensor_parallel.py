@@ -54,6 +54,7 @@ __all__ = [
     "copy_to_tensor_parallel",
     "reduce_from_tensor_parallel",
     "shard_bounds",
+    "slice_of",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "TensorParallelMLP",
@@ -253,9 +254,11 @@ def _quiet():
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
 
 
-def _shard_of(full: torch.Tensor, local: torch.Tensor, dim: int, rank: int, n: int):
-    start, stop = shard_bounds(full.shape[dim], rank, n)
-    return full.narrow(dim, start, stop - start), local
+def slice_of(full: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    """Rank's equal slice of ``full`` along ``dim`` (:func:`shard_bounds`): what a
+    tensor-parallel rank should hold, or its gradient should equal. Shown in lesson 11, §2."""
+    start, stop = shard_bounds(full.shape[dim], rank, world_size)
+    return full.narrow(dim, start, stop - start)
 
 
 def tensor_parallel_worker(rank: int, world_size: int, cfg: TPConfig) -> dict:
@@ -287,10 +290,10 @@ def tensor_parallel_worker(rank: int, world_size: int, cfg: TPConfig) -> dict:
     with record_collectives() as backward_calls:
         cfg.loss(y_ours).backward()
 
-    pairs = [  # (plain gradient slice, our local gradient)
-        _shard_of(plain[0].weight.grad, ours.up.weight.grad, 0, rank, world_size),
-        _shard_of(plain[0].bias.grad, ours.up.bias.grad, 0, rank, world_size),
-        _shard_of(plain[2].weight.grad, ours.down.weight.grad, 1, rank, world_size),
+    pairs = [  # (the plain gradient's slice, our local gradient)
+        (slice_of(plain[0].weight.grad, 0, rank, world_size), ours.up.weight.grad),
+        (slice_of(plain[0].bias.grad, 0, rank, world_size), ours.up.bias.grad),
+        (slice_of(plain[2].weight.grad, 1, rank, world_size), ours.down.weight.grad),
         (plain[2].bias.grad, ours.down.bias.grad),
     ]
     grad_diff = max(float((a - b).abs().max()) for a, b in pairs)
@@ -398,7 +401,7 @@ def mesh_2d_worker(rank: int, world_size: int, cfg: TPConfig, dp: int = 2, tp: i
     plain_params = dict(one.named_parameters())
     for (mine_name, plain_name, dim) in (("up.weight", "0.weight", 0), ("up.bias", "0.bias", 0),
                                          ("down.weight", "2.weight", 1)):
-        ref, _ = _shard_of(plain_params[plain_name].detach(), None, dim, tp_rank, n_tp)
+        ref = slice_of(plain_params[plain_name].detach(), dim, tp_rank, n_tp)
         diffs.append(float((ours_full[mine_name] - ref).abs().max()))
     diffs.append(float((ours_full["down.bias"] - plain_params["2.bias"].detach()).abs().max()))
     torch_diff = max(float((p.full_tensor() - plain_params[name].detach()).abs().max())
