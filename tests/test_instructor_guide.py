@@ -404,10 +404,22 @@ def test_options_named_alone_exist():
     """An option the prose names on its own (`--only 03`, `--plan`) belongs to some command."""
     helps = "\n".join(help_text(m, w[:1] if w and not w[0].startswith("-") else [])
                       for m, w in commands())
-    alone = re.findall(r"`(--[\w-]+)[^`]*`", guide_text())
+    alone = re.findall(r"`(--[\w-]+)(?![\w.])[^`]*`", guide_text())  # not --JupyterHub.x
     assert alone, "no option named on its own: the pattern is stale"
     for flag in set(alone):
         assert re.search(rf"{re.escape(flag)}\b", helps), f"no command has the option {flag}"
+
+
+HUB_CONFIG = ROOT / "classroom" / "jupyterhub_config.py"
+
+
+def test_hub_settings_named_are_the_classroom_configs():
+    """`--JupyterHub.bind_url` and the like: a setting the classroom's configuration sets."""
+    named = set(re.findall(r"--((?:JupyterHub|Spawner|Authenticator)\.\w+)", guide_text()))
+    assert named, "the guide names no hub setting: the pattern is stale"
+    config = HUB_CONFIG.read_text()
+    for setting in named:
+        assert f"c.{setting}" in config, f"classroom's hub configuration never sets {setting}"
 
 
 def test_install_is_the_readme_install():
@@ -420,5 +432,6 @@ def test_install_is_the_readme_install():
 
 def test_named_environment_variables_are_read_by_the_library():
     lib = "\n".join(p.read_text() for p in (ROOT / "lib" / "dpcourse").rglob("*.py"))
+    lib += HUB_CONFIG.read_text()  # the classroom hub's own settings
     for name in set(re.findall(r"\bDPCOURSE_[A-Z_]+", guide_text())):
         assert name in lib, f"the guide names {name}, which the library never reads"
