@@ -629,11 +629,18 @@ def gpipe_no_requires_grad(*args):
     return gpipe(*args, track_input=False)
 
 
+def gpipe_stale_start(*args):
+    loss, events = gpipe(*args)
+    first = events[0][2]
+    return loss, [(k, i, first if k == "B" else s, e) for k, i, s, e in events]
+
+
 @pytest.mark.parametrize("fn,match", [
     (gpipe_not_accumulated, "not accumulated"),
     (gpipe_not_divided, "4 times too large"),
     (gpipe_1f1b, "every forward first"),
     (gpipe_no_requires_grad, "requires_grad_"),
+    (gpipe_stale_start, "overlap"),
 ])
 def test_wrong_gpipe_named(fn, match):
     fails(lab11.check_gpipe, fn, bubble, match=match, timeout=T)

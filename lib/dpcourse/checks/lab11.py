@@ -834,6 +834,10 @@ def _diagnose_gpipe(outs: list, k: int, m: int) -> None:
                  f"backward (interleaving them is 1F1B — a fine schedule, but not this one).")
         if any(s > e for _, _, s, e in o["events"]):
             fail(f"stage {rank}'s events end before they start: (kind, micro-batch, start, end).")
+        timed = sorted(o["events"], key=lambda ev: ev[2])
+        if any(b[2] < a[3] for a, b in zip(timed, timed[1:])):
+            fail(f"stage {rank}'s events overlap, but a stage computes one action at a time: "
+                 f"take start right before each computation and end right after it.")
     grads = [g for o in outs for g in o["grads"]]
     if any(g is None for g in grads):
         fail("a stage's parameters have no gradient after the step: run the backward of every "
