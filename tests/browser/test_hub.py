@@ -37,7 +37,8 @@ import pytest
 
 from dpcourse import launch
 from dpcourse.tools import workshop
-from helpers import ARTIFACTS, ROOT, run_menu, save, wait_for_kernel, wait_until_done
+from helpers import (ARTIFACTS, ROOT, run_menu, save, saved_errors, wait_for_kernel,
+                     wait_until_done)
 
 CONFIG = ROOT / "classroom" / "jupyterhub_config.py"
 LEARNERS = 3
@@ -255,13 +256,6 @@ def _stream(path: Path) -> str:
                    for out in cell.get("outputs", []) if out["output_type"] == "stream")
 
 
-def _errors(path: Path) -> list[str]:
-    nb = json.loads(path.read_text())
-    return [f"{out['ename']}: {out['evalue']}" for cell in nb["cells"]
-            if cell["cell_type"] == "code"
-            for out in cell.get("outputs", []) if out["output_type"] == "error"]
-
-
 def test_two_learners_on_the_classroom_hub(hub, browser):
     start = time.monotonic()
     names = workshop.learner_names(LEARNERS)[:2]
@@ -312,7 +306,7 @@ def test_two_learners_on_the_classroom_hub(hub, browser):
 
         outputs = [_stream(copy / NOTEBOOK) for copy in copies]
         for copy, out in zip(copies, outputs):
-            assert _errors(copy / NOTEBOOK) == [], out
+            assert saved_errors(copy / NOTEBOOK) == [], out
         for name, copy, out in zip(names, copies, outputs):
             env_line = next(line for line in out.splitlines() if line.startswith("ENV "))
             seen = json.loads(env_line[4:])
