@@ -150,7 +150,7 @@ def test_setup_rank_caps_threads_on_cpu_and_turns_tf32_off_on_a_gpu(monkeypatch)
     threads = torch.get_num_threads()
     tf32 = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
     try:
-        monkeypatch.setattr("os.cpu_count", lambda: 64)
+        monkeypatch.setattr("dpcourse.devices.usable_cores", lambda: 64)
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         assert ddp.setup_rank("cpu", local_world_size=2) == torch.device("cpu")
         assert torch.get_num_threads() == 3                  # 32 by share, 3 by the ceiling

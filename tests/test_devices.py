@@ -117,3 +117,15 @@ def test_tf_split_and_the_too_late_error():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ERR TensorFlow has already started with 2 CPU device(s)" in out.stdout
     assert "Restart the kernel" in out.stdout
+
+
+def test_usable_cores_follow_the_affinity_of_a_pinned_seat():
+    """A classroom seat pinned with taskset to one core must see one core, not the server's."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c",
+                          "from dpcourse import devices, ddp; "
+                          "print(devices.usable_cores(), ddp.cpu_threads_per_rank(1, environ={}))"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["1", "1"]

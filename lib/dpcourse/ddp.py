@@ -118,11 +118,12 @@ def validate_world_size(world_size: int, backend: str) -> None:
 
 def cpu_threads_per_rank(local_world_size: int, environ=None, cpu_count: int | None = None) -> int:
     """Intra-op threads for one of ``local_world_size`` CPU ranks on this machine: its share of
-    the cores, never more than ``OMP_NUM_THREADS`` when that is set to a positive number."""
+    the cores this process may use (its affinity: a pinned classroom seat's own cores), never
+    more than ``OMP_NUM_THREADS`` when that is set to a positive number."""
     import os
 
     environ = os.environ if environ is None else environ
-    share = max(1, (cpu_count or os.cpu_count() or 1) // max(1, local_world_size))
+    share = max(1, (cpu_count or _devices.usable_cores()) // max(1, local_world_size))
     try:
         ceiling = int(environ.get("OMP_NUM_THREADS", ""))
     except ValueError:

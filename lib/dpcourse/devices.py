@@ -75,6 +75,14 @@ class HardwareReport:
         return len(self.gpus)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a classroom seat pinned with taskset
+    sees its own 3 cores, not the server's 64), else ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def hardware_report() -> HardwareReport:
     cuda = torch.cuda.is_available()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
@@ -85,7 +93,7 @@ def hardware_report() -> HardwareReport:
     return HardwareReport(
         python=platform.python_version(),
         platform=f"{platform.system()} {platform.machine()}",
-        cpu_count=os.cpu_count() or 1,
+        cpu_count=usable_cores(),
         torch=torch.__version__,
         torch_cuda_build=torch.version.cuda,
         cuda_available=cuda,

@@ -380,7 +380,9 @@ def machine(gpus=None, cores=None, memory_gib=None):
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        from dpcourse import devices
+
+        cores = devices.usable_cores()
     if memory_gib is None:  # 0: unknown, leave it so
         import psutil
 
@@ -408,8 +410,10 @@ def measured(rank: int, world_size: int, worker, *args, **kwargs) -> dict:
     may run on, and its rendezvous port."""
     import torch
 
+    from dpcourse import devices
+
     result = worker(rank, world_size, *args, **kwargs)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = devices.usable_cores()
     return {"result": result, "threads": torch.get_num_threads(), "cores": cores,
             "port": int(os.environ["MASTER_PORT"])}
 
