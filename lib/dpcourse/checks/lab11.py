@@ -315,6 +315,8 @@ def _layer_worker(rank: int, world_size: int, layer_cls, kind: str) -> dict:
             y = layer(x)
     except Exception as exc:
         return {**out, "forward_error": _error(exc)}
+    if not isinstance(y, torch.Tensor):
+        return {**out, "forward_error": f"forward returned {type(y).__name__}, not a tensor"}
     out["y"] = y.detach().clone()
     out["fwd"] = _communicating(fwd)
     if kind == "column":
@@ -602,6 +604,8 @@ def _mlp_worker(rank: int, world_size: int, mlp_cls, hidden: int) -> dict:
     try:
         with record_collectives() as fwd:
             y = mlp(x)
+        if not isinstance(y, torch.Tensor):
+            return {"run_error": f"forward returned {type(y).__name__}, not a tensor"}
         with record_collectives() as bwd:
             y.backward(upstream.clone())
     except Exception as exc:
