@@ -5,7 +5,9 @@ and what to fix when something is missing. Lesson 00 runs it.
     python -m dpcourse doctor --json   # the same, for scripts
     python -m dpcourse doctor --run    # every lesson and solution here (dpcourse.tools.doctor_run)
     python -m dpcourse diagnose [--nproc 2] [--timeout 10] [--detail] script.py [script args]
-    python -m dpcourse workshop-check --learners 4 [--plan] [--json]   # dpcourse.tools.workshop
+    python -m dpcourse workshop-check --learners 4 [--json]   # rehearse 4 learners at once
+    python -m dpcourse workshop-check --plan --gpus 8 --cores 64 --learners 20 \
+        [--format exports|jupyterhub|json]   # the seats (dpcourse.tools.workshop)
     python -m dpcourse build [NN ...]  # execute sources into notebooks, generate the labs
     python -m dpcourse check           # notebooks and labs in sync with their sources?
     python -m dpcourse times           # each lesson's honest time against its header
