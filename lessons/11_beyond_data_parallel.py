@@ -21,7 +21,7 @@
 # - choose tensor × pipeline × data sizes for a model and a cluster, and check the choice
 #   against published ones (Megatron-LM's runs on 1536 A100 GPUs).
 #
-# **Time:** about 60 minutes to read and run (the lab is extra).
+# **Time:** about 65 minutes to read and run (the lab is extra).
 #
 # **Lab:** [lab11_tensor_parallel](../labs/lab11_tensor_parallel.ipynb) — write the column-
 # and row-parallel layers and their two autograd operations; the check runs your MLP on 2 and
@@ -33,8 +33,9 @@
 # own examples**. This lesson is about what comes after: cutting the layers themselves
 # (tensor parallelism), cutting the model into consecutive stages (pipeline parallelism), and
 # combining them with data parallelism. The code lives in `dpcourse.tensor_parallel`,
-# `dpcourse.pipeline_parallel` and `dpcourse.planner`; every launch below is gloo on CPU
-# processes (on GPUs the same calls take NCCL and a `"cuda"` mesh).
+# `dpcourse.pipeline_parallel` and `dpcourse.planner`. Every launch below runs gloo between
+# CPU processes, on any machine: the point here is equality and counted messages, not speed
+# (on GPUs the same calls take the NCCL backend and `init_device_mesh("cuda", ...)`).
 
 # %% tags=["parameters"]
 tp_ranks = 2                       # ranks of the tensor-parallel MLP (section 2): 2, 4 or 8
@@ -135,9 +136,11 @@ claim("from 2 to 4 ranks each rank's parameter shard halves, while the activatio
 # point. McCandlish et al. ("An Empirical Model of Large-Batch Training", 2018) model the
 # steps S needed at batch B as `S = S_min·(1 + B_noise/B)`: far below B_noise, doubling B
 # halves the steps (perfect scaling); far above it, doubling B saves almost nothing, and the
-# extra GPUs are wasted. B_noise is predicted by the **gradient noise scale**
-# `B_simple = tr(Σ)/|G|²`: the per-example gradient's variance (summed over parameters)
-# against the true gradient's squared norm.
+# extra GPUs are wasted. B_noise = tr(HΣ)/(GᵀHG) needs the Hessian H; its cheap stand-in,
+# which they measure and find predictive, is the **simple noise scale**
+# `B_simple = tr(Σ)/|G|²` (equal to B_noise when H is a multiple of the identity): the
+# per-example gradient's variance Σ, summed over parameters, against the true gradient G's
+# squared norm.
 #
 # Their appendix A measures it for free inside a data-parallel run. The expected squared norm
 # of a gradient averaged over B examples is `|G|² + tr(Σ)/B`. A DDP step sees two batch
@@ -193,9 +196,9 @@ print("steps / fewest steps, at b = 16 per rank: " + ", ".join(
 claim(f"by this model, from 4 to 32 ranks (8× the GPUs) the steps fall only "
       f"{gain_4_to_32:.2f}×, not 8×", gain_4_to_32 < 2.5)
 viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
-         f"With B_noise ≈ {b_simple:.0f} measured above, going from 4 to 32 data-parallel ranks "
-         f"of 16 examples cuts the steps {gain_4_to_32:.2f}×, not 8×: past the critical batch, "
-         "more data parallelism buys little.")
+         f"With B_simple ≈ {b_simple:.0f} (measured above) standing in for B_noise, going from 4 "
+         f"to 32 data-parallel ranks of 16 examples cuts the steps {gain_4_to_32:.2f}×, not 8×: "
+         "past the critical batch, more data parallelism buys little.")
 
 # %% [markdown]
 # For a large language model B_noise is large (and it grows as the loss falls, McCandlish et

@@ -29,8 +29,10 @@ it, as in every real model); with an input that does not require grad autograd s
 This module also holds the lesson's workers (run on every rank through
 :func:`dpcourse.launch.spawn`): :func:`tensor_parallel_worker` (ours against the plain MLP and
 against torch's ``parallelize_module``, with the collectives recorded), :func:`mesh_2d_worker`
-(a 2 × 2 mesh: FSDP2 over one dimension, tensor parallel over the other, against one device) and
-:func:`noise_scale_worker` (the gradient noise scale measured inside a DDP run).
+(a 2 × 2 mesh: FSDP2 over one dimension, tensor parallel over the other, against one device),
+and two that show where data parallelism ends: :func:`activation_memory_worker` (FSDP2 shards
+the parameters, not the activations) and :func:`noise_scale_worker` (the gradient noise scale
+measured inside a DDP run, McCandlish et al. 2018).
 
 What runs on CPU with gloo (torch 2.14.1, tests/test_tensor_parallel.py): all of it.
 """
