@@ -755,14 +755,12 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 viz.show_code(overlap.comm_hook_worker)
 
 # %% [markdown]
-# We count the bytes with the course's one recorder of collectives,
-# `collectives.record_collectives` (lessons 08, 10 and the lab checks use it too): inside the
-# block each function of `torch.distributed` is replaced by a wrapper that binds the call's
-# arguments, notes what it does and the bytes it passes in, and calls the real function; the
-# real functions are put back when the block ends, error or not. A comm hook calls
-# `dist.all_reduce`, so the recorder sees it; DDP's built-in all-reduce runs in C++ and is not
-# seen, which is why the "none" run registers torch's plain `allreduce_hook`. PowerSGD's count
-# is predicted from the shapes alone:
+# We count the bytes with the course's one recorder, `collectives.record_collectives` (lessons
+# 08, 10 and the lab checks use it too): inside the block each `torch.distributed` function is
+# a wrapper that notes the call and its bytes, then calls the real one, put back afterwards.
+# A comm hook calls `dist.all_reduce`, so it is seen; DDP's built-in all-reduce runs in C++ and
+# is not, hence torch's plain `allreduce_hook` in the "none" run. PowerSGD's count is
+# predicted from the shapes alone:
 
 # %%
 viz.show_code(collectives.record_collectives, collectives.Recorder.wrap, collectives.describe,

@@ -165,11 +165,9 @@ def _size(value) -> tuple[int, int, torch.dtype | None]:
 
 
 def describe(function: str, spec, arguments: dict) -> Call:
-    """The :class:`Call` for ``function`` called with ``arguments``: ``spec`` (from
-    :data:`RECORDED`) names its op and the arguments it reads and writes.
+    """The :class:`Call` for ``function`` called with ``arguments``, read as ``spec`` says.
 
-    Shown in lesson 07, §5.
-    """
+    Shown in lesson 07, §5."""
     op, read, written = spec
     numel, nbytes, dtype = _size(arguments.get(read)) if read else (0, 0, None)
     out_numel, out_nbytes, out_dtype = _size(arguments.get(written)) if written else (0, 0, None)
@@ -224,10 +222,7 @@ class Recorder:
                 call.args = call.result = None
 
     def wrap(self, real, function: str, spec):
-        """``real`` (a torch.distributed function) as one that records each call, then calls it.
-
-        Shown in lesson 07, §5.
-        """
+        """``real`` as a function that records each call, then makes it. Shown in lesson 07, §5."""
         signature = inspect.signature(real)
 
         @functools.wraps(real)
@@ -285,14 +280,10 @@ def record_collectives(before: Callable[[Call], None] | None = None,
                        after: Callable[[Call], Any] | None = None):
     """Record every ``torch.distributed`` collective and send/recv this process makes in the
     block; yields a :class:`CollectiveLog` of :class:`Call` (op, bytes, dtype, peer, async_op).
-
-    ``before(call)`` runs just before each call (it may raise to refuse it), ``after(call)``
-    just after it returns; ``call.args`` holds the bound arguments (``before`` may change them:
-    the real function receives what they hold then) and ``call.result`` what it returned;
-    ``after`` may return something else to hand back instead. The module's functions
-    are restored on exit, error or not. Blocks nest: each records everything in it.
-
-    Shown in lesson 07, §5.
+    ``before(call)`` runs just before each call (it may raise to refuse it, or change
+    ``call.args``, the bound arguments, to change what torch receives), ``after(call)`` just
+    after it returns (``call.result``; what it returns, if not None, is handed back instead).
+    Restored on exit, error or not; blocks nest. Shown in lesson 07, §5.
     """
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
