@@ -189,6 +189,34 @@ def test_bench_ddp_json(capsys):
     assert by[("bucketed", "one bucket")]["collectives_per_step"] == 1
 
 
+def test_bench_ddp_takes_medians_over_launches(monkeypatch):
+    """Three launches (DDP 10, 30, 10 ms; bucketed 10, 30, 30 ms): each way's time is the median
+    of its launches (bucketed 30, DDP 10), but the ratio is the median of the launches' own
+    ratios (1, 1, 3 -> 1), not the ratio of the medians (3): each launch's pair saw the same
+    machine. The table prints both with their spreads."""
+    from dpcourse import launch
+    from dpcourse.bench import ddp as bench_ddp
+
+    bucketed = iter([0.010, 0.030, 0.030])
+    ddp = iter([0.010, 0.030, 0.010])
+
+    def fake_spawn(fn, world_size, cfg, runs, warmup, **kwargs):
+        times = {"bucketed": next(bucketed), "ddp": next(ddp)}
+        return [{"runs": [{"kind": kind, "bucket_cap_mb": cap, "collectives_per_step": 1,
+                           "step_s": times.get(kind, 0.005)} for kind, cap in runs]}]
+
+    monkeypatch.setattr(launch, "spawn", fake_spawn)
+    out = bench_ddp.run_ddp_bench(caps=(), cap=1.0, width=8, depth=2, global_batch=4)
+    by = {r["kind"]: r for r in out["runs"]}
+    assert by["bucketed"]["step_s"] == 0.030 and by["bucketed"]["spread"] == [0.010, 0.030]
+    assert by["ddp"]["step_s"] == 0.010 and by["ddp"]["spread"] == [0.010, 0.030]
+    assert out["ratio"] == pytest.approx(1.0) and out["ratio_spread"] == pytest.approx([1, 3])
+    table = bench_ddp.format_ddp_table(out)
+    assert "bucketed / DDP at 1 MiB: 1.00x (per launch 1.00-3.00)" in table
+    rows = {line.split()[0]: line.split()[-3:-1] for line in table.splitlines()[1:-1]}
+    assert rows["bucketed"] == ["30.0", "(10.0-30.0)"] and rows["ddp"] == ["10.0", "(10.0-30.0)"]
+
+
 def test_bench_ddp_refuses_bad_input(capsys):
     with pytest.raises(SystemExit):
         bench.main(["ddp", "--steps", "0"])
