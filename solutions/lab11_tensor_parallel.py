@@ -284,7 +284,9 @@ lab11.check_gpipe(gpipe_step, bubble, timeout=check_timeout)
 # Now measure it. Each forward below sleeps 10 ms and each backward 20 ms beside the
 # computation — a stand-in for an accelerator, which computes without taking one of this
 # machine's CPU cores — and your `bubble` measures the step for M = 1, 2, 4, 8 on 2 stages.
-# The measured bubble sits a little above (K−1)/(M+K−1): waiting for messages counts as idle.
+# The formula (K−1)/(M+K−1) counts no time for messages; in your measurement, waiting for a
+# message is idle time. Read how far apart the two columns are, and whether the gap grows or
+# shrinks with M.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
