@@ -66,25 +66,6 @@ def shown_targets() -> list[tuple[str, str, str, tuple[str, ...], int]]:
 
 TARGETS = shown_targets()
 
-# Shown objects whose module belongs to another engineer who is renaming them / adding their
-# "Shown in" lines in the same change (issue 27); each id here is expected to fail until then.
-# Remove an entry once it passes (xfail is not strict, so a fixed one shows as XPASS).
-PENDING = {
-    # lesson 11: engineer "l11"
-    '11:planner.Transformer': 'l11',
-    '11:tensor_parallel.RowParallelLinear': 'l11',
-    '11:tensor_parallel.TPConfig': 'l11',
-}
-
-
-def _param(target):
-    lesson, module, name = target[:3]
-    key = f"{lesson}:{module.split('.')[-1]}.{name}"
-    marks = ([pytest.mark.xfail(reason=f"pending: engineer {PENDING[key]!r} owns {module} "
-                                       f"(issue 27)", strict=False)] if key in PENDING else [])
-    return pytest.param(*target, id=key, marks=marks)
-
-
 def test_the_lessons_show_library_code():
     """The scan finds what it looks for (a test that finds nothing passes for nothing)."""
     assert len(TARGETS) > 50
@@ -107,7 +88,8 @@ def section_named(shown: str, lesson: str, heading: str) -> bool:
     return any(heading.startswith(q) for q in quoted)
 
 
-@pytest.mark.parametrize("lesson, module, name, places, line", [_param(t) for t in TARGETS])
+@pytest.mark.parametrize("lesson, module, name, places, line", TARGETS,
+                         ids=[f"{t[0]}:{t[1].split('.')[-1]}.{t[2]}" for t in TARGETS])
 def test_what_a_lesson_shows_is_public_and_says_where(lesson, module, name, places, line):
     obj = getattr(importlib.import_module(module), name, None)
     assert obj is not None, f"lesson {lesson} line {line} shows {module}.{name}, which is gone"
