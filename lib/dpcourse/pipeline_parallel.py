@@ -31,8 +31,9 @@ This module holds what lesson 11 shows, in this order:
 What runs on CPU with gloo (torch 2.14.1, tests/test_pipeline_parallel.py): all of it,
 torch's ``torch.distributed.pipelining`` included: ``PipelineStage`` with ``ScheduleGPipe``
 and ``Schedule1F1B`` ran 60 times out of 60 on 2, 3 and 4 ranks (M = 4, a loaded 2-core
-machine), its gradients equal to ours bit for bit on this model, and its steps send the same
-2·M·(K−1) messages of the same bytes as ours. Its first step adds a few set-up sends
+machine), its gradients within 1e-9 of the unsplit model's every time and bit-identical to
+ours where we compared them (the test asserts 1e-6), and its steps send the same 2·M·(K−1)
+messages of the same bytes as ours. Its first step adds a few set-up sends
 (``_warmup_forward_vote`` and ``_send_meta`` in torch/distributed/pipelining/stage.py). Its
 ``Schedule1F1B`` refuses fewer micro-batches than stages (``ValueError`` in
 ``Schedule1F1B.__init__``, torch/distributed/pipelining/schedules.py); ours runs them (every
