@@ -10,18 +10,20 @@
 # **You will be able to:**
 # - say, with numbers, the two places where data parallelism stops helping: a model whose
 #   activations at batch 1 do not fit however far ZeRO-3 shards the rest, and a global batch
-#   grown past the **critical batch size** — measured here inside a DDP run;
+#   grown past the **critical batch size**, which the gradient noise scale predicts — the
+#   noise scale measured here inside a DDP run (at one point of training: fixed weights);
 # - explain Megatron-LM's tensor-parallel MLP (a column-parallel then a row-parallel linear
 #   layer, two conjugate communication operations) and count its two all-reduces per step;
 #   check it against the plain MLP and against torch's `parallelize_module`;
 # - run a pipeline (GPipe, 1F1B) over send/recv, measure its bubble against (K−1)/(M+K−1) and
-#   count the activations 1F1B saves;
+#   count the activations 1F1B saves (micro-batches held, and their bytes);
 # - compose tensor and data parallelism on a 2 × 2 `DeviceMesh`, prove it equal to one device
 #   and count each dimension's traffic;
 # - choose tensor × pipeline × data sizes for a model and a cluster, and check the choice
 #   against published ones (Megatron-LM's runs on 1536 A100 GPUs).
 #
-# **Time:** about 65 minutes to read and run (the lab is extra).
+# **Time:** about 100 minutes to read and run — most of it reading the code shown (the lab
+# is extra: about 60 minutes, its stretch 30 more).
 #
 # **Lab:** [lab11_tensor_parallel](../labs/lab11_tensor_parallel.ipynb) — write the column-
 # and row-parallel layers and their two autograd operations; the check runs your MLP on 2 and
@@ -64,9 +66,13 @@ torch.set_num_threads(1)
 # own micro-batch, so its activations are those of a whole layer on a whole micro-batch,
 # whatever N is. For a transformer layer Korthikanti et al. (2022) count them, in 16-bit
 # floats, for a sequence of s tokens, a micro-batch of b sequences, width h and a heads:
-# `s·b·h·(34 + 5·a·s/h)` bytes. Tensor parallelism of size t divides most of it (the
-# matmuls' inputs); recomputing the layer in the backward (*activation checkpointing*) keeps
-# only its input, `2·s·b·h`:
+# `s·b·h·(34 + 5·a·s/h)` bytes. Tensor parallelism of size t (section 2) divides all but
+# `10·s·b·h` of it: what every tensor-parallel rank holds whole — the two layer norms'
+# inputs, the two dropout masks after attention and MLP, and the inputs of the QKV matmul
+# and of the MLP's first matmul, the replicated X that enters a column-parallel layer
+# (their section 4.2.2; their *sequence parallelism* splits those too, along the sequence).
+# Recomputing the layer in the backward (*activation checkpointing*) keeps only its input,
+# `2·s·b·h`:
 
 # %%
 viz.show_code(planner.Transformer, planner.activation_bytes_per_layer)
@@ -100,8 +106,9 @@ claim("at batch 1 no ZeRO stage fits GPT-3 175B on 80-GB GPUs, at any of these N
 viz.show(viz.memory_wall_figure(
     ns, [gpt3.num_params * zero.bytes_per_param("zero3", n) / gb for n in ns],
     [act_batch1 / gb] * len(ns), 80, f"{gpt3.name} at batch 1: ZeRO-3 per GPU"),
-    "ZeRO-3's share of the model state falls with every GPU added; the activations of one "
-    "sequence stay where they are, above the GPU's 80 GB.")
+    "Linear axis, side by side: ZeRO-3's share of the model state falls with every GPU "
+    "added (349 GB → 0.7 GB); the activations of one sequence stay at 275 GB, far above the "
+    "GPU's 80 GB (dashed).")
 
 # %% [markdown]
 # Measured, on a small scale: FSDP2 (lesson 08's ZeRO-3) on a stack of four
@@ -151,6 +158,13 @@ claim("from 2 to 4 ranks each rank's parameter shard halves, while the activatio
 viz.show_code(tensor_parallel.noise_scale_from_norms)
 
 # %% [markdown]
+# The model and its data: a small classifier on a fixed synthetic task, so that the exact
+# answer can be computed below.
+
+# %%
+viz.show_code(tensor_parallel.noise_task, tensor_parallel.noise_model)
+
+# %% [markdown]
 # The per-rank norm comes from a DDP communication hook (lesson 07), which sees each bucket
 # of this rank's gradient just before the all-reduce; the all-reduced one from `p.grad`
 # afterwards. The weights stay fixed (no optimizer step) so that every step samples the same
@@ -196,9 +210,10 @@ print("steps / fewest steps, at b = 16 per rank: " + ", ".join(
 claim(f"by this model, from 4 to 32 ranks (8× the GPUs) the steps fall only "
       f"{gain_4_to_32:.2f}×, not 8×", gain_4_to_32 < 2.5)
 viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
-         f"With B_simple ≈ {b_simple:.0f} (measured above) standing in for B_noise, going from 4 "
-         f"to 32 data-parallel ranks of 16 examples cuts the steps {gain_4_to_32:.2f}×, not 8×: "
-         "past the critical batch, more data parallelism buys little.")
+         f"McCandlish et al.'s model S/S_min = 1 + B_noise/B evaluated (no training run), "
+         f"with B_simple ≈ {b_simple:.0f} (measured above) standing in for B_noise: going from "
+         f"4 to 32 data-parallel ranks of 16 examples cuts the steps {gain_4_to_32:.2f}×, not "
+         "8× — past the critical batch, more data parallelism buys little.")
 
 # %% [markdown]
 # For a large language model B_noise is large (and it grows as the loss falls, McCandlish et
@@ -218,29 +233,24 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 #    other ranks;
 # 2. **row-parallel** second layer: rank r keeps the r-th block of B's *rows* (h/t × d) and
 #    computes `Y_r = H_r·B_r`, a d-wide *partial* output. The real output is the sum,
-#    `Y = Σ_r Y_r` — one all-reduce. The second bias is added once, to the sum (added on
-#    every rank before the sum, it would count t times).
+#    `Y = Σ_r Y_r` — one all-reduce. (And the second bias, `+ b₂`? That is for you to decide
+#    in the lab.)
 #
-# In torch's layout an `nn.Linear(d, h)` stores A transposed, as an h × d weight: A's columns
-# are the weight's **rows** (dimension 0), B's rows the second weight's **columns**
-# (dimension 1).
+# In torch's layout an `nn.Linear(d, h)` stores A transposed, as an h × d weight (and the
+# second layer B as a d × h one): which dimension of each torch weight holds a rank's block
+# is the lab's first question.
 
 # %%
 viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
-         f"The MLP of this section (d = 16, h = 64) on {tp_ranks} ranks: each rank holds one "
-         "colour — a block of A's columns, the same block of B's rows — and the second bias "
-         "whole.")
+         f"The MLP of this section (d = 16, h = 64) on {tp_ranks} ranks, in Megatron's layout: "
+         "each rank holds one colour — a block of A's columns, the same block of B's rows.")
 
 # %% [markdown]
-# The backward mirrors it. The gradient of Y reaches every rank whole (the all-reduce's
-# backward is the identity: each Y_r contributed to Y with weight 1). But the gradient of X
-# is a *sum* of each rank's part: with `Z_r = X·A_r`, `∂L/∂X = Σ_r ∂L/∂Z_r · A_rᵀ` — an
-# all-reduce in the backward. So there are two conjugate operations, Megatron's *f* and *g*:
-#
-# | | forward | backward | where |
-# |---|---|---|---|
-# | *f* | identity (every rank uses the same X) | all-reduce (sum) | before the column layer |
-# | *g* | all-reduce (sum) | identity | after the row layer, before its bias |
+# Now the backward. Every rank holds all of X, but only its own block A_r, and X reached the
+# hidden features through every block: with `Z_r = X·A_r`, the gradient of X is
+# `∂L/∂X = Σ_r ∂L/∂Z_r · A_rᵀ` — each rank can compute only its own term. Megatron puts the
+# communication of both passes into two conjugate operations, *f* (at the column layer's
+# input) and *g* (at the row layer's output), each with a forward and a backward.
 #
 # Each is a `torch.autograd.Function`: a class with a static `forward(ctx, ...)` and a static
 # `backward(ctx, grad)` that autograd calls with the gradient of the output and that returns
@@ -261,15 +271,38 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 # second bias goes. The library's answer is folded below.
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below).
+# **▶ The reference answer — open after your lab passes** (click the folded cell below): f
+# and g pass by pass, where the biases go, one rank's forward and backward with every tensor
+# marked replicated, sliced or partial, and the library's code.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
+print("f, before the column layer: forward identity (every rank uses the same X); backward "
+      "all-reduce (∂L/∂X = Σ_r ∂L/∂Z_r·A_rᵀ)")
+print("g, after the row layer:     forward all-reduce (Y = Σ_r Y_r); backward identity (the "
+      "gradient of Y arrives replicated)")
+print("torch weights: the first cut along dim 0 (its rows are A's columns), with the same "
+      "slice of b₁; the second along dim 1 (its columns are B's rows)")
+print("b₂: whole on every rank, added once, after g (added before the sum it would count t "
+      "times)")
+viz.show(viz.tp_shards_figure(16, 64, tp_ranks, answer=True),
+         "Top: who holds what, biases included. Below: one rank's forward (left to right) and "
+         "backward (right to left); R = replicated, S = this rank's slice, P = partial. f and "
+         "g (red) each communicate on one pass only.")
 viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTensorParallel,
               tensor_parallel.copy_to_tensor_parallel, tensor_parallel.reduce_from_tensor_parallel,
               tensor_parallel.shard_bounds, tensor_parallel.ColumnParallelLinear,
               tensor_parallel.RowParallelLinear, tensor_parallel.TensorParallelMLP)
 
 # %% [markdown]
+# **Why *g*'s backward may be the identity.** In general, the backward of a sum all-reduce
+# is itself an all-reduce: if rank i's output Y feeds rank i's own loss term, the gradient
+# of each Y_r is the sum over the ranks of theirs. Here everything after *g* runs identically
+# on every rank — the same Y, the same bias, the same loss — so the gradient arriving at *g*
+# is already the same everywhere (*replicated*), and each Y_r, which entered Y with weight 1,
+# takes it as it is. Summing it once more would count it t times. torch's DTensor writes the
+# same rule: in `_redistribute_backward` (`torch/distributed/tensor/_redistribute.py`) a
+# gradient whose forward went from Partial to Replicate stays Replicate.
+#
 # ### Checked, and counted
 # On every rank the worker builds the plain MLP and ours from the same weights, runs one
 # forward and backward on the same input, and compares. The input requires a gradient, as
@@ -324,16 +357,28 @@ claim(f"GPT-3's MLP (d = {d_gpt}), one sequence of {s_gpt} tokens: tensor parall
       f"{mlp_params / 1e9:.2f} B weights' gradients once per step — "
       f"{mlp_params / tp_elems:.0f}× one sequence's", mlp_params / tp_elems > 20)
 
+# %%
+pub1 = planner.MEGATRON_TABLE1_145B
+m_pub = pub1["global_batch"] // pub1["dp"]
+print(f"section 5's published run: {pub1['global_batch']} sequences per step over "
+      f"d = {pub1['dp']} data-parallel pipelines = {m_pub} micro-batches of one sequence each, "
+      "per pipeline and step")
+
 # %% [markdown]
-# A step holds many sequences, though (section 5's published run: 96 micro-batches per step),
-# and tensor parallelism pays for each, while data parallelism's bytes do not grow with the
-# batch. And *when* the bytes travel matters more. DDP's all-reduce overlaps the backward
-# (lesson 07); tensor parallelism's sit **on the critical path of every layer**: the next
-# layer cannot start before the sum arrives — four times per transformer layer and
-# micro-batch (attention and MLP each have an *f* and a *g*: two all-reduces in the forward,
-# two in the backward) — and each rank's matmuls shrink by t. It pays only on very fast
-# links: NVLink inside a node, not the network between nodes. Megatron-LM keeps t ≤ the GPUs
-# of one node.
+# A step holds many sequences, though, and tensor parallelism pays for each, while data
+# parallelism's bytes do not grow with the batch. And *when* the bytes travel matters more.
+# DDP's all-reduce overlaps the backward (lesson 07); most of tensor parallelism's sit **on
+# the critical path**: the next layer cannot start before *g*'s sum arrives — four times per
+# transformer layer and micro-batch (attention and MLP each have an *f* and a *g*: two
+# all-reduces in the forward, two in the backward) — and each rank's matmuls shrink by t.
+# Not all of it, though: Megatron-LM overlaps *f*'s backward all-reduce of ∂L/∂X with the
+# matmul that computes the weight's gradient, which does not need it; torch's
+# `RowwiseParallel` issues its output redistribution with `async_op=True`; and torch's
+# *async tensor parallelism* (`torch._inductor.config._micro_pipeline_tp`, with compiled
+# models) cuts the collectives and their matmuls into pieces that overlap
+# (`fused_all_gather_matmul`). Even so, the forward's sums stay in the way, and it pays only
+# on very fast links: NVLink inside a node, not the network between nodes. Megatron-LM keeps
+# t ≤ the GPUs of one node.
 #
 # ### torch's version: `parallelize_module` and DTensor
 # torch writes the same plan as a dictionary from submodule names to *styles*; the
@@ -369,6 +414,22 @@ claim("torch sends what we send: one all-reduce of the activations in the forwar
                                                          act_bytes)] * 2 for r in tp_runs))
 
 # %% [markdown]
+# Where torch does it. Its *f* is `ColwiseParallel`'s input hook: the plain input becomes a
+# DTensor with `DTensor.from_local(..., Replicate())`, and `from_local`'s backward
+# (`_FromTorchTensor.backward`, `torch/distributed/tensor/_api.py`) redistributes the
+# gradient to the input's placement, Replicate — the gradient of X comes out of the sharded
+# matmul as Partial, so that redistribution is the all-reduce. Its *g* is `RowwiseParallel`'s
+# output hook, Partial → Replicate, in the forward:
+
+# %%
+import inspect
+
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
+              + inspect.getsource(RowwiseParallel._prepare_output_fn))
+
+# %% [markdown]
 # ## 3. Pipeline parallelism: stages, micro-batches, the bubble
 # Tensor parallelism cuts every layer; **pipeline parallelism** cuts the model into K
 # **stages** of consecutive layers, one per rank, and passes activations forward
@@ -381,14 +442,14 @@ claim("torch sends what we send: one all-reduce of the activations in the forwar
 #
 # The schedules in `dpcourse.pipeline_parallel` list each stage's actions, F i
 # (forward of micro-batch i) and B i (backward). **GPipe** runs every forward, then every
-# backward. **1F1B** (PipeDream-Flush, Narayanan et al. 2021) starts the backwards as early
-# as possible: the same actions, the same bubble, but stage k holds at most K − k
-# micro-batches' activations instead of M.
+# backward. **1F1B** (one forward, one backward: PipeDream, Narayanan et al., SOSP 2019; its
+# synchronous, flushed form, *PipeDream-Flush*, Narayanan et al., ICML 2021, is the schedule
+# Megatron-LM runs) starts the backwards as early as possible: the same actions, the same
+# bubble, but stage k holds at most K − k micro-batches' activations instead of M.
 
 # %%
 viz.show_code(pipeline_parallel.gpipe_schedule, pipeline_parallel.one_f_one_b_schedule,
-              pipeline_parallel.ideal_bubble, pipeline_parallel.measured_bubble,
-              pipeline_parallel.messages_per_step)
+              pipeline_parallel.ideal_bubble, pipeline_parallel.messages_per_step)
 
 # %% [markdown]
 # Try it: stages × micro-batches → the bubble, from the schedule played with fixed times
@@ -403,7 +464,8 @@ bubble_explorer = viz.explorer(
 
 # %% [markdown]
 # Now for real, on 4 ranks. Each stage runs its schedule with `run_stage` (folded below: the
-# lab's stretch asks for it): receive, compute, send, the loss divided by M so that the
+# lab's stretch asks for it, and for `measured_bubble`, the idle share of a measured
+# timeline): receive, compute, send, the loss divided by M so that the
 # accumulated gradients are the batch mean's. Our CPU ranks would fight over the machine's
 # cores, so each forward also sleeps `delay_s` (each backward twice that): a stand-in for an
 # accelerator, which computes without taking a CPU core. Every (schedule, M) runs in one
@@ -413,12 +475,12 @@ bubble_explorer = viz.explorer(
 viz.show_code(pipeline_parallel.reference_step)
 
 # %% [markdown]
-# **▶ One stage's loop and its launcher (the lab's stretch) — open after your lab passes**
-# (click the folded cell below).
+# **▶ One stage's loop, its launcher and the measured bubble (the lab's stretch) — open after
+# your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(pipeline_parallel.run_stage, pipeline_parallel.pipeline_worker,
-              pipeline_parallel.run_pipeline)
+              pipeline_parallel.run_pipeline, pipeline_parallel.measured_bubble)
 
 # %%
 pipe = pipeline_parallel.run_pipeline(stages, micro, ("gpipe", "1f1b"), delay_s=delay_s,
@@ -447,12 +509,18 @@ claim("the measured bubble is never below the ideal (by more than 0.03), and fal
 # NBVAL_IGNORE_OUTPUT
 # Why: the top chart and the caption are this run's measured timeline.
 m_show = micro[-1]
+run = gpipe[m_show]
+f0 = sorted((a, b) for k, kind, i, a, b in run.events if k == 0 and kind == "F")
+gaps_ms = 1e3 * sum(f0[i + 1][0] - f0[i][1] for i in range(len(f0) - 1))
+span_ms = 1e3 * (max(e[4] for e in run.events) - min(e[3] for e in run.events))
 viz.show(viz.pipeline_gantt_figure(
-    gpipe[m_show].events, pipeline_parallel.simulate_timeline(stages, m_show, "gpipe"), stages,
-    m_show, gpipe[m_show].bubble, gpipe[m_show].ideal),
+    run.events, pipeline_parallel.simulate_timeline(stages, m_show, "gpipe"), stages,
+    m_show, run.bubble, run.ideal),
     f"GPipe, {stages} stages, {m_show} micro-batches: measured (top) and ideal (bottom). The "
-    f"fill and drain triangles are the bubble — {gpipe[m_show].bubble:.0%} measured against "
-    f"{gpipe[m_show].ideal:.0%} ideal; the rest is waiting for messages and Python.")
+    f"fill and drain triangles are the bubble — {run.bubble:.0%} measured against "
+    f"{run.ideal:.0%} ideal. The excess is overhead and waiting: stage 0, which receives "
+    f"nothing in its forwards, still loses {gaps_ms:.1f} ms between them (Python and isend) "
+    f"of a {span_ms:.0f}-ms step; later stages also wait for their neighbour's message.")
 
 # %% [markdown]
 # 1F1B's point is memory. In its Gantt chart the backwards start as soon as the last stage
@@ -471,15 +539,25 @@ viz.show(viz.pipeline_gantt_figure(
     "and backward.")
 
 # %% [markdown]
-# Counted while running, the most micro-batches whose activations each stage held at once:
+# Counted while running, the most micro-batches whose activations each stage held at once,
+# and the bytes autograd saved for them at that moment (a `saved_tensors_hooks` counter, as
+# in section 1; the last stage also keeps its loss's inputs, so it holds more per
+# micro-batch):
 
 # %%
 print(f"M = {m_show}: GPipe holds {gpipe[m_show].peak_in_flight}, "
       f"1F1B {ofob[m_show].peak_in_flight} micro-batches per stage")
+print(f"bytes saved at the peak: GPipe {gpipe[m_show].peak_activation_bytes}, "
+      f"1F1B {ofob[m_show].peak_activation_bytes}")
 claim(f"with M = {m_show}, GPipe holds all M micro-batches on every stage; 1F1B holds K − k on "
       "stage k",
       gpipe[m_show].peak_in_flight == [m_show] * stages
       and ofob[m_show].peak_in_flight == [stages - k for k in range(stages)])
+claim(f"and the bytes follow: on stage k 1F1B saves (K − k)/M of GPipe's activation bytes "
+      f"(stage 0: {ofob[m_show].peak_activation_bytes[0]} against "
+      f"{gpipe[m_show].peak_activation_bytes[0]})",
+      all(ofob[m_show].peak_activation_bytes[k] * m_show
+          == gpipe[m_show].peak_activation_bytes[k] * (stages - k) for k in range(stages)))
 
 # %% [markdown]
 # torch has the same thing, `torch.distributed.pipelining`: a `PipelineStage` around each
@@ -495,6 +573,15 @@ versus = pipeline_parallel.compare_with_torch_pipelining(stages, m_show, "1f1b",
 claim(f"torch's Schedule1F1B ({stages} stages, M = {m_show}): gradients == ours and the "
       "unsplit model's (to 1e-6)",
       versus["torch_vs_ours"] < 1e-6 and versus["torch_vs_reference"] < 1e-6)
+print(f"point-to-point sends per step: torch {versus['torch_messages']} "
+      f"({versus['torch_message_bytes']} bytes), ours {versus['our_messages']} "
+      f"({versus['our_message_bytes']} bytes); torch's first step adds "
+      f"{versus['torch_setup_messages']} to set its stages up")
+claim("a step of torch's sends what ours sends; only its first step adds the setup "
+      "messages (a warm-up vote and the output metadata)",
+      versus["torch_messages"] == versus["our_messages"]
+      and versus["torch_message_bytes"] == versus["our_message_bytes"]
+      and versus["torch_setup_messages"] > 0)
 
 # %% [markdown]
 # ## 4. Composing them: a 2-D mesh
@@ -557,17 +644,19 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 #
 # ## 5. A planner
 # Which sizes, then, for a real model on a real cluster? `dpcourse.planner` tries every
-# tensor size t (up to the GPUs of a node), pipeline size p (dividing the layers) and
-# data-parallel flavour (DDP, ZeRO-1, ZeRO-3), with d = GPUs / (t·p), and for each computes
-# per GPU: model state (lesson 08's bytes per parameter, over Ψ/(t·p) parameters),
-# activations (section 1, 1F1B's first stage holding min(p, M) micro-batches, the layers
-# recomputed), the messages and bytes per step of each dimension (per GPU; data parallelism
-# in DDP's 25 MiB buckets), and a step time — compute at half the GPU's peak, stretched by
-# the bubble, plus every byte at its link's speed with nothing overlapped (an upper bound,
-# good for ranking, not a prediction).
+# tensor size t that divides the GPUs of a node (so that no tensor-parallel group straddles
+# two nodes), pipeline size p (dividing the layers) and data-parallel flavour (DDP, ZeRO-1,
+# ZeRO-3), with d = GPUs / (t·p), and for each computes per GPU: model state (lesson 08's
+# bytes per parameter, over Ψ/(t·p) parameters), activations (section 1, 1F1B's first stage
+# holding min(p, M) micro-batches, the layers recomputed), the messages and bytes per step of
+# each dimension (per GPU; data parallelism in DDP's 25 MiB buckets), and a step time —
+# compute at half the GPU's peak, stretched by the pipeline's fill and drain, plus every byte
+# at its link's speed with nothing overlapped (an upper bound, good for ranking, not a
+# prediction). A dimension whose groups cross a node boundary anywhere is priced at the
+# network's speed.
 
 # %%
-viz.show_code(planner.Cluster, planner.plan_row, planner.plan)
+viz.show_code(planner.Cluster, planner.within_nodes, planner.plan_row, planner.plan)
 
 # %% [markdown]
 # The check: Narayanan et al. (*Efficient Large-Scale Language Model Training on GPU
@@ -580,6 +669,11 @@ viz.show_code(planner.Cluster, planner.plan_row, planner.plan)
 
 # %%
 cluster = planner.MEGATRON_A100_CLUSTER
+print(f"the cluster: {cluster.nodes} nodes × {cluster.gpus_per_node} GPUs of "
+      f"{cluster.gpu_bytes / gb:.0f} GB; peak {cluster.peak_flops / 1e12:.0f} teraFLOP/s (A100, "
+      f"dense bf16) at {cluster.efficiency:.0%} efficiency; {cluster.intra_bw / gb:.0f} GB/s "
+      f"per GPU inside a node (NVLink 3), {cluster.inter_bw / gb:.0f} GB/s across nodes "
+      "(one 200 Gb/s InfiniBand card per GPU)")
 model = planner.GPT_145B
 published = planner.MEGATRON_TABLE1_145B
 options = planner.plan(model, cluster, published["global_batch"])
@@ -590,18 +684,29 @@ claim(f"the paper's parameter count (its equation 2) gives {model.num_params / 1
       "this shape, as its Table 1 says", round(model.num_params / 1e9, 1) == 145.6)
 print(f"{len(options)} configurations fit on {cluster.gpus} GPUs. Fastest estimates:")
 print("    t   p    d    M  DP flavour  GB/GPU  s/step  TP msgs  TP GB  PP msgs  PP GB"
-      "  DP msgs  DP GB  bubble")
+      "  DP msgs  DP GB  (p−1)/M")
 for r in options[:6] + [pub]:
     print(f"{r['tp']:5d} {r['pp']:3d} {r['dp']:4d} {r['micro_batches']:4d}  {r['stage']:>10}"
           f"  {r['total_bytes'] / gb:6.1f}  {r['time_s']:6.1f}  {r['tp_messages']:7d}"
           f" {r['tp_bytes'] / gb:6.0f}  {r['pp_messages']:7d} {r['pp_bytes'] / gb:6.1f}"
-          f"  {r['dp_messages']:7d} {r['dp_bytes'] / gb:6.1f}  {r['bubble']:6.3f}")
+          f"  {r['dp_messages']:7d} {r['dp_bytes'] / gb:6.1f}  {r['bubble']:7.3f}")
 print("(M: micro-batches per step per pipeline; messages and GB per GPU per step)")
 print("(last row: the published configuration)")
+claim(f"the last column is the pipeline's idle time over its working time, (p−1)/M: the step "
+      f"lasts M + p − 1 slots for M of work, so the compute is stretched by 1 + (p−1)/M. "
+      f"Section 3's bubble is the idle share of the step, (p−1)/(M+p−1): for the published "
+      f"row 7/{pub['micro_batches']} = {pub['bubble']:.3f} over work, "
+      f"7/{pub['micro_batches'] + 7} = {pub['idle_share']:.3f} of the step",
+      all(math.isclose(r["bubble"] / (1 + r["bubble"]), r["idle_share"])
+          and math.isclose(r["idle_share"], pipeline_parallel.ideal_bubble(r["pp"],
+                                                                           r["micro_batches"]))
+          for r in options))
 best_per_t = {t: min((r for r in options if r["tp"] == t), key=lambda r: r["time_s"])
               for t in sorted({r["tp"] for r in options})}
-print("best estimate per tensor size: " + ", ".join(
-    f"t={t}: {r['time_s']:.1f} s (p={r['pp']})" for t, r in best_per_t.items()))
+for t, r in best_per_t.items():
+    print(f"best for t = {t}: {r['time_s']:5.1f} s — p = {r['pp']:2d}, d = {r['dp']:4d}, "
+          f"{r['stage']:>5}, M = {r['micro_batches']:3d} micro-batches per pipeline, "
+          f"(p−1)/M = {r['bubble']:.2f}, {r['total_bytes'] / gb:.0f} GB")
 times = [r["time_s"] for r in best_per_t.values()]
 claim(f"the best estimate falls as t grows, up to t = {cluster.gpus_per_node}, the GPUs of one "
       "node (Megatron-LM's takeaway); the planner's best has t = 8, as the paper's row does",
@@ -609,8 +714,14 @@ claim(f"the best estimate falls as t grows, up to t = {cluster.gpus_per_node}, t
       and best["tp"] == published["tp"] == cluster.gpus_per_node)
 claim(f"the published t = 8 × p = 8 × d = 24 fits ({pub['total_bytes'] / gb:.0f} GB of 80) and "
       f"its estimated step is within 1 % of the planner's best (t = {best['tp']}, "
-      f"p = {best['pp']}, {best['stage']})",
+      f"p = {best['pp']}, {best['stage']}, {best['total_bytes'] / gb:.0f} GB)",
       pub["fits"] and pub["dp"] == published["dp"] and pub["time_s"] < 1.01 * best["time_s"])
+across = planner.plan_row(model, cluster, 6, 8, published["global_batch"])
+claim(f"a tensor size that does not divide the node's {cluster.gpus_per_node} GPUs puts some "
+      f"groups across two nodes: t = 6, p = 8 is priced at the network's "
+      f"{cluster.inter_bw / gb:.0f} GB/s, {across['time_s']:.0f} s a step against "
+      f"{pub['time_s']:.0f} s",
+      across["tp_link"] == cluster.inter_bw and across["time_s"] > 1.3 * pub["time_s"])
 
 # %%
 viz.show(viz.planner_figure(options, published, 80),
@@ -621,12 +732,32 @@ viz.show(viz.planner_figure(options, published, 80),
 # Among the fastest, the estimates differ by fractions of a second: the compute is the same
 # for all, and more pipeline stages trade a slightly larger bubble for less data-parallel
 # traffic and memory per GPU. This model cannot split hairs that fine (the paper chose by
-# measuring; the planner's favourite, p = 4, fills 77 of the 80 GB). What it separates
-# cleanly is the tensor size — t = 1 is far slower, because without it the model fits only
-# in many pipeline stages, with a large bubble — and where section 1 left off: data
-# parallelism alone. The paper's Table 2 measured exactly that, for GPT-3 175B on 1536 GPUs
-# with batch 1536: PTD parallelism (model-parallel size t·p = 96) reached **141**
-# teraFLOP/s per GPU, ZeRO-3 without model parallelism **44**.
+# measuring; the planner's favourite is the one that fills the most memory, printed above).
+# What it separates cleanly is the tensor size. Small t is slow not for want of memory (even
+# t = p = 1 fits GPT-3 as ZeRO-3, below) but because t·p·d = 1536: the GPUs that t does not
+# take go to pipeline stages or data-parallel ranks. More data-parallel ranks leave fewer
+# micro-batches per pipeline (M = 2304/d), so with p stages a larger (p−1)/M; fewer stages
+# leave more parameters per GPU, which fit only with ZeRO, and its traffic. The best row of
+# each t, printed above, shows the trade: the smaller t, the smaller M or the larger p.
+#
+# Is the estimate anywhere near a measurement? Table 1 reports, for the published row,
+# **148** teraFLOP/s per GPU, counting the flops of a step with their equation 3:
+
+# %%
+viz.show_code(planner.megatron_flops_per_step)
+
+# %%
+step_measured = (planner.megatron_flops_per_step(model, published["global_batch"])
+                 / (cluster.gpus * published["tflops"] * 1e12))
+claim(f"Table 1's 148 teraFLOP/s per GPU means a step of {step_measured:.1f} s; the "
+      f"planner's upper bound for that row, {pub['time_s']:.1f} s, is above it by "
+      f"{pub['time_s'] / step_measured - 1:.0%}",
+      step_measured < pub["time_s"] < 1.2 * step_measured)
+
+# %% [markdown]
+# Where section 1 left off: data parallelism alone. The paper's Table 2 measured exactly
+# that, for GPT-3 175B on 1536 GPUs with batch 1536: PTD parallelism (model-parallel size
+# t·p = 96) reached **141** teraFLOP/s per GPU, ZeRO-3 without model parallelism **44**.
 
 # %%
 table2 = planner.MEGATRON_TABLE2_175B
@@ -662,17 +793,22 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   cut the steps.
 # - **Tensor parallelism** (Megatron-LM): a column-parallel layer (A cut by columns, no
 #   communication) then a row-parallel one (B cut by rows, outputs summed, bias added once);
-#   *f* (identity forward, all-reduce backward) and *g* (the reverse). Two all-reduces of
-#   the activations per MLP per step, on the critical path: keep it inside a node. torch's
+#   *f* (identity forward, all-reduce backward) and *g* (the reverse; its backward is the
+#   identity because the gradient reaching it is replicated). Two all-reduces of the
+#   activations per MLP per step, mostly on the critical path (Megatron overlaps *f*'s
+#   backward one with the weight-gradient matmul; torch's async TP overlaps more): keep it
+#   inside a node. torch's
 #   `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
 #   sends the same.
 # - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated; idle share
-#   (K−1)/(M+K−1); 1F1B keeps K − k micro-batches in flight instead of M.
+#   (K−1)/(M+K−1); 1F1B keeps K − k micro-batches in flight instead of M, and (K − k)/M of
+#   GPipe's activation bytes.
 # - **2-D**: tensor parallel along one mesh dimension, FSDP2 along the other, equal to one
 #   device; each dimension's traffic counted by the group it used.
 # - **Planning**: tensor parallelism up to a node, pipeline across nodes, data parallelism
 #   over the rest. For Megatron-LM's 145.6-B model on 1536 A100s the planner's best estimate
-#   has t = 8 and the published t = 8, p = 8 is within 1 % of it; for GPT-3, data
+#   has t = 8 and the published t = 8, p = 8 is within 1 % of it (and about 9 % above the
+#   step time the paper measured); for GPT-3, data
 #   parallelism alone fits only as ZeRO-3, estimated 2.7× slower per step (measured in the
 #   paper: 3.2×).
 #
@@ -717,8 +853,8 @@ viz.quiz([
      "why": ["7/15 ≈ 47 %.", "7/39 ≈ 18 %.", "Right: 7/71 ≈ 9.9 %."]},
     {"q": "Why does Megatron-LM keep tensor parallelism inside a node?",
      "options": ["It needs more memory than pipeline parallelism",
-                 "Its all-reduces happen in every layer, on the critical path, so they need "
-                 "the node's fast links (NVLink), not the network",
+                 "Its all-reduces happen in every layer, mostly on the critical path, so they "
+                 "need the node's fast links (NVLink), not the network",
                  "DTensor cannot span nodes"],
      "answer": 1,
      "why": ["It saves memory.", "Right: four all-reduces per layer per micro-batch.",
@@ -740,9 +876,19 @@ viz.quiz([
 # - `torch/distributed/tensor/parallel/api.py` — `parallelize_module`: applies a style to each
 #   named submodule of the plan.
 # - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel` (input Replicate, weight
-#   and bias `Shard(0)`, output `Shard(-1)`); `RowwiseParallel` (input `Shard(-1)`, weight
-#   `Shard(1)`, bias `Replicate()`; `_prepare_output_fn`: the partial output redistributed to
-#   Replicate, "allreduce").
+#   and bias `Shard(0)`, output `Shard(-1)`; `_prepare_input_fn`: the input wrapped with
+#   `DTensor.from_local(..., Replicate())`, torch's *f*); `RowwiseParallel` (input
+#   `Shard(-1)`, weight `Shard(1)`, bias `Replicate()`; `_prepare_output_fn`: the partial
+#   output redistributed to Replicate, "allreduce", with `async_op=True` — torch's *g*).
+# - `torch/distributed/tensor/_api.py` — `_FromTorchTensor.backward` (the backward of
+#   `DTensor.from_local`): the gradient redistributed to the forward input's placement; a
+#   Partial gradient of a Replicate input becomes Replicate, an all-reduce (*f*'s backward).
+# - `torch/distributed/tensor/_redistribute.py` — `_redistribute_backward`: when the forward
+#   went Partial → Replicate, a Replicate gradient stays Replicate, not turned back into
+#   Partial (*g*'s identity backward, because the gradient is replicated).
+# - `torch/_inductor/config.py` — `_micro_pipeline_tp` (async tensor parallelism, off by
+#   default); `torch/distributed/_symmetric_memory/__init__.py` — `fused_all_gather_matmul`
+#   (a collective cut into pieces that overlap their matmul).
 # - `torch/distributed/device_mesh.py` — `init_device_mesh` (a mesh of a shape, with
 #   `mesh_dim_names`), `DeviceMesh.__getitem__` (a sub-mesh by name), `DeviceMesh.get_group`,
 #   `get_local_rank`.
@@ -771,11 +917,20 @@ viz.quiz([
 # - `torch/_functorch/apis.py` — `vmap`, `grad`; `torch/_functorch/functional_call.py` —
 #   `functional_call` (per-example gradients).
 #
+# Megatron-LM's own code (github.com/NVIDIA/Megatron-LM, not installed here):
+# `megatron/core/tensor_parallel/layers.py`, `LinearWithGradAccumulationAndAsyncCommunication`
+# — the column layer's backward starts the all-reduce of the input's gradient asynchronously
+# and computes the weight's gradient while it travels.
+#
 # Papers: Shoeybi et al., *Megatron-LM: Training Multi-Billion Parameter Language Models Using
 # Model Parallelism*, 2019 (section 3, the MLP, f and g); Narayanan et al., *Efficient
 # Large-Scale Language Model Training on GPU Clusters Using Megatron-LM*, SC 2021 (Table 1:
-# 175 B, t = 8, p = 16, 1536 GPUs; the takeaways of section 3; 1F1B, PipeDream-Flush);
-# Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Models*, 2022
-# (activation bytes per layer); Huang et al., *GPipe*, NeurIPS 2019 (micro-batches, the
+# the 145.6-B row, t = 8, p = 8, 1536 GPUs, batch 2304, 148 teraFLOP/s per GPU; equation 3,
+# the flops of a step; Table 2, GPT-3 with PTD against ZeRO-3; the takeaways of section 3;
+# their schedule is PipeDream-Flush); Narayanan et al., *PipeDream: Generalized Pipeline
+# Parallelism for DNN Training*, SOSP 2019 (1F1B); Narayanan et al., *Memory-Efficient
+# Pipeline-Parallel DNN Training*, ICML 2021 (PipeDream-Flush, PipeDream-2BW); Korthikanti
+# et al., *Reducing Activation Recomputation in Large Transformer Models*, 2022 (activation
+# bytes per layer, section 4: the 10·sbh that tensor parallelism does not divide); Huang et al., *GPipe*, NeurIPS 2019 (micro-batches, the
 # bubble); McCandlish et al., *An Empirical Model of Large-Batch Training*, 2018 (the noise
 # scale, appendix A); Rajbhandari et al., *ZeRO*, SC 2020.

@@ -110,3 +110,39 @@ def test_without_recomputation_no_data_parallel_stage_fits_at_batch_1():
         act = GPT3.layers * planner.activation_bytes_per_layer(GPT3, 1)
         assert not any(r["fits"] for r in zero.fits(GPT3.num_params, 80e9, n,
                                                      activation_bytes=act))
+
+
+def test_within_nodes_needs_a_divisor_of_the_node():
+    assert [t for t in range(1, 17) if planner.within_nodes(t, 8)] == [1, 2, 4, 8]
+
+
+def test_tensor_parallelism_across_a_node_boundary_is_priced_at_the_network():
+    model = planner.GPT_145B            # 96 heads: t = 3, 4, 6, 8 all divide them
+    inside = planner.plan_row(model, A100, 4, 8, PUB["global_batch"])
+    across = planner.plan_row(model, A100, 6, 8, PUB["global_batch"])
+    assert inside["tp_link"] == A100.intra_bw
+    assert across["tp_link"] == A100.inter_bw          # ranks 6, 7 | 8, 9, 10, 11 of a group
+    assert planner.plan_row(model, A100, 3, 8, PUB["global_batch"])["tp_link"] == A100.inter_bw
+    assert across["time_s"] > inside["time_s"] + across["tp_bytes"] / A100.inter_bw / 2
+
+
+def test_plan_keeps_tensor_groups_inside_a_node():
+    rows = planner.plan(planner.GPT_145B, A100, PUB["global_batch"])
+    assert {r["tp"] for r in rows} == {1, 2, 4, 8}
+
+
+def test_the_bubble_column_is_idle_over_work_and_its_idle_share_is_lesson_3s():
+    row = planner.plan_row(planner.GPT_145B, A100, 8, 8, PUB["global_batch"])
+    m, p = row["micro_batches"], 8
+    assert m == 96 and row["bubble"] == (p - 1) / m
+    assert math.isclose(row["idle_share"], (p - 1) / (m + p - 1))
+    assert math.isclose(row["bubble"] / (1 + row["bubble"]), row["idle_share"])
+
+
+def test_table_1s_measured_rate_is_below_the_planners_upper_bound():
+    model = planner.GPT_145B
+    measured_s = (planner.megatron_flops_per_step(model, PUB["global_batch"])
+                  / (A100.gpus * PUB["tflops"] * 1e12))
+    estimate = planner.plan_row(model, A100, 8, 8, PUB["global_batch"])["time_s"]
+    assert 24 < measured_s < 26
+    assert measured_s < estimate < 1.2 * measured_s

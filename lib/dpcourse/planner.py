@@ -20,9 +20,16 @@ with t·p·d GPUs it computes, per GPU:
   micro-batch and stage boundary), data (lesson 08's 2Ψ or 3Ψ of the GPU's parameters, once
   per step);
 * **an estimated step time**: compute (``6Ψ`` flops per token, ``8Ψ`` with recomputation, at a
-  stated fraction of the GPU's peak) stretched by the pipeline bubble ``(p−1)/m``, plus every
-  byte sent at its link's bandwidth (ring all-reduces: 2(n−1)/n of the buffer), with nothing
-  overlapped — an upper bound, good for ranking, not a prediction.
+  stated fraction of the GPU's peak) stretched by the pipeline's fill and drain: a step of m
+  micro-batches on p stages lasts ``m + p − 1`` slots of which each stage works m, so the
+  compute is multiplied by ``1 + (p−1)/m`` (the row's ``bubble``: idle time over working
+  time; the idle share of the step, ``(p−1)/(m+p−1)``, is lesson 11 §3's bubble and the row's
+  ``idle_share``), plus every byte sent at its link's bandwidth (ring all-reduces: 2(n−1)/n
+  of the buffer), with nothing overlapped — an upper bound, good for ranking, not a
+  prediction. A dimension whose groups stay inside a node (ranks are laid out tensor first,
+  then pipeline, then data) is priced at ``intra_bw``; one whose groups cross a node boundary
+  anywhere — a tensor size that does not divide the GPUs of a node, say t = 3 or 6 on 8-GPU
+  nodes — at ``inter_bw``: its slowest group sets the pace.
 
 Everything here is arithmetic on the formulas; nothing runs on a GPU.
 """
@@ -38,6 +45,7 @@ __all__ = [
     "Transformer",
     "Cluster",
     "activation_bytes_per_layer",
+    "within_nodes",
     "plan_row",
     "plan",
     "GPT3_175B",
@@ -45,6 +53,7 @@ __all__ = [
     "MEGATRON_A100_CLUSTER",
     "MEGATRON_TABLE1_145B",
     "MEGATRON_TABLE2_175B",
+    "megatron_flops_per_step",
 ]
 
 
@@ -52,7 +61,7 @@ __all__ = [
 class Transformer:
     """A GPT-style transformer: ``layers`` blocks of width ``hidden`` with ``heads`` attention
     heads, trained on sequences of ``seq_len`` tokens over a vocabulary of ``vocab``.
-    Shown in lesson 11, §5.
+    Shown in lesson 11, §1.
     """
 
     name: str
@@ -96,8 +105,11 @@ def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1
     """Bytes of activations one transformer layer keeps for its backward, on one GPU, in 16-bit
     floats (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
     Models", 2022, section 4): ``s·b·h·(34 + 5·a·s/h)`` on one GPU; with tensor parallelism of
-    size t ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (the layer norms' and dropouts' inputs are
-    not split); with sequence parallelism too, everything divided by t. With full
+    size t ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``: the 10·s·b·h that is not divided is what
+    every tensor-parallel rank holds whole — the two layer norms' inputs (4·sbh), the two
+    dropout masks after attention and MLP (2·sbh), and the inputs of the QKV matmul and of the
+    MLP's first matmul (2·sbh each), the replicated X that enters a column-parallel layer;
+    with sequence parallelism too, everything divided by t. With full
     recomputation only the layer's input is kept: ``2·s·b·h`` (divided by t with sequence
     parallelism). Shown in lesson 11, §1.
     """
@@ -109,6 +121,13 @@ def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1
     if sequence_parallel:
         return s * b * h * (34 + 5 * a * s / h) / tp
     return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+
+
+def within_nodes(span: int, gpus_per_node: int) -> bool:
+    """Whether every group of ``span`` consecutive ranks stays inside one node of
+    ``gpus_per_node`` GPUs: ``span`` must divide the GPUs of a node (t = 3 on 8-GPU nodes puts
+    ranks 6, 7, 8 in one group, across two nodes). Shown in lesson 11, §5."""
+    return span <= gpus_per_node and gpus_per_node % span == 0
 
 
 def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batch: int,
@@ -160,12 +179,13 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
                 "zero3": 3 * layers_here}[stage] if dp > 1 else 0)
     dp_bytes = dp_volume * (dp - 1) / dp if dp > 1 else 0.0
 
-    tp_link = cluster.intra_bw if tp <= cluster.gpus_per_node else cluster.inter_bw
-    dp_link = cluster.intra_bw if tp * pp * dp <= cluster.gpus_per_node else cluster.inter_bw
-    pp_link = cluster.intra_bw if tp * pp <= cluster.gpus_per_node else cluster.inter_bw
+    g = cluster.gpus_per_node
+    tp_link = cluster.intra_bw if within_nodes(tp, g) else cluster.inter_bw
+    pp_link = cluster.intra_bw if within_nodes(tp * pp, g) else cluster.inter_bw
+    dp_link = cluster.intra_bw if within_nodes(n, g) else cluster.inter_bw
     flops = (8 if recompute else 6) * psi * global_batch * model.seq_len
     compute_s = flops / (n * cluster.peak_flops * cluster.efficiency)
-    bubble = (pp - 1) / m
+    bubble = (pp - 1) / m                             # idle over working time
     time_s = (compute_s * (1 + bubble) + tp_bytes / tp_link + pp_bytes / pp_link
               + dp_bytes / dp_link)
     return {"tp": tp, "pp": pp, "dp": dp, "stage": stage, "micro_batches": m,
@@ -173,20 +193,22 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
             "total_bytes": total, "fits": total <= cluster.gpu_bytes,
             "tp_messages": tp_msgs, "tp_bytes": tp_bytes, "pp_messages": pp_msgs,
             "pp_bytes": pp_bytes, "dp_messages": dp_msgs, "dp_bytes": dp_bytes,
-            "bubble": bubble, "compute_s": compute_s, "time_s": time_s}
+            "bubble": bubble, "idle_share": (pp - 1) / (m + pp - 1), "tp_link": tp_link,
+            "compute_s": compute_s, "time_s": time_s}
 
 
 def plan(model: Transformer, cluster: Cluster, global_batch: int, micro_batch: int = 1,
          stages=("ddp", "zero1", "zero3"), recompute: bool = True) -> list[dict]:
     """Every configuration that fits, fastest estimate first: each tensor size t dividing the
-    heads, up to the GPUs of a node (tensor parallelism all-reduces in every layer: across
-    nodes it would crawl), each pipeline size p dividing the layers, each data-parallel flavour
+    heads and the GPUs of a node (:func:`within_nodes`: tensor parallelism all-reduces in every
+    layer, so its groups stay on the node's fast links), each pipeline size p dividing the
+    layers, each data-parallel flavour
     in ``stages``, where the GPUs and the global batch split evenly. Shown in lesson 11, §5.
     """
     rows = []
     n = cluster.gpus
     for tp in range(1, cluster.gpus_per_node + 1):
-        if model.heads % tp or n % tp:
+        if model.heads % tp or n % tp or not within_nodes(tp, cluster.gpus_per_node):
             continue
         for pp in range(1, model.layers + 1):
             if model.layers % pp or n % (tp * pp):
@@ -208,7 +230,8 @@ def plan(model: Transformer, cluster: Cluster, global_batch: int, micro_batch: i
 # A100 80-GB GPUs joined by NVLink/NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node, section 5):
 #
 # * Table 1, the 145.6-billion-parameter row: 96 heads, hidden size 12288, 80 layers,
-#   tensor-parallel size 8, pipeline-parallel size 8, 1536 GPUs, batch size 2304;
+#   tensor-parallel size 8, pipeline-parallel size 8, 1536 GPUs, batch size 2304, 148
+#   teraFLOP/s achieved per GPU (47 % of peak), counted with their equation 3;
 # * Table 2, GPT-3 (174.6 B: 96 layers, hidden size 12288, 96 heads) with batch size 1536 on
 #   1536 GPUs: PTD parallelism with model-parallel size t·p = 96 reached 141 teraFLOP/s per
 #   GPU, ZeRO-3 without model parallelism 44.
@@ -220,6 +243,14 @@ MEGATRON_A100_CLUSTER = Cluster(gpu_bytes=80e9, gpus_per_node=8, nodes=192,
                                 peak_flops=312e12,   # A100 dense bf16
                                 intra_bw=300e9,      # NVLink 3: 600 GB/s both ways
                                 inter_bw=25e9)       # 200 Gb/s per GPU
-MEGATRON_TABLE1_145B = {"tp": 8, "pp": 8, "dp": 24, "global_batch": 2304}
+MEGATRON_TABLE1_145B = {"tp": 8, "pp": 8, "dp": 24, "global_batch": 2304, "tflops": 148}
+
+
+def megatron_flops_per_step(model: Transformer, global_batch: int) -> float:
+    """Narayanan et al. 2021, equation 3: the flops of one step with activation recomputation,
+    ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))`` — how their Table 1 turns a step time into
+    teraFLOP/s per GPU. Shown in lesson 11, §5."""
+    s, l, h, v = model.seq_len, model.layers, model.hidden, model.vocab
+    return 96 * global_batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 MEGATRON_TABLE2_175B = {"model_parallel": 96, "global_batch": 1536, "gpus": 1536,
                         "ptd_tflops": 141, "zero3_tflops": 44}

@@ -19,7 +19,12 @@ Two conjugate autograd operations carry the communication (Megatron's ``f`` and 
 * :class:`CopyToTensorParallel` (``f``): the identity forward (every rank uses the same X);
   the backward all-reduces the gradient of X, since each rank's slice contributed a part;
 * :class:`ReduceFromTensorParallel` (``g``): the all-reduce forward (the row layer's sum);
-  the backward is the identity (the sum's gradient reaches every term unchanged).
+  the backward is the identity — because everything after ``g`` runs identically on every
+  rank, so the gradient arriving at its output is the same (replicated) on every rank, and
+  the sum's gradient reaches every term unchanged. (In general the backward of a sum
+  all-reduce is itself an all-reduce of the ranks' output gradients; with replicated ones that
+  sum would count the one gradient t times. torch's DTensor keeps such a gradient Replicate,
+  ``distributed/tensor/_redistribute.py``, ``_redistribute_backward``.)
 
 So one MLP costs two all-reduces per step, one in the forward, one in the backward, each of
 the activations' size (batch × tokens × d), whatever the number of parameters. The ``f``
@@ -65,6 +70,8 @@ __all__ = [
     "tensor_parallel_worker",
     "mesh_2d_worker",
     "noise_scale_from_norms",
+    "noise_task",
+    "noise_model",
     "noise_scale_worker",
     "per_example_noise_scale",
     "activation_memory_worker",
@@ -96,7 +103,9 @@ class CopyToTensorParallel(torch.autograd.Function):
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
-    """Megatron's ``g``: all-reduce (sum) in the forward, identity in the backward.
+    """Megatron's ``g``: all-reduce (sum) in the forward, identity in the backward — right
+    because the gradient reaching its output is replicated (every rank computes the same loss
+    from the same summed output), so each rank's partial output gets that gradient as is.
 
     Shown in lesson 11, §2.
     """
@@ -176,8 +185,8 @@ class RowParallelLinear(nn.Module):
     features — rows of Megatron's ``B``) and the WHOLE bias, on every rank. The forward
     multiplies this rank's hidden slice by its columns, sums the partial outputs over the ranks
     with ``g`` (all-reduce forward, identity backward), and only then adds the bias: once, not
-    N times. Every rank's bias gets the same gradient, so the copies stay equal. Shown in
-    lesson 11, §2.
+    N times. Every rank's bias gets the same gradient, so the copies stay equal.
+    Shown in lesson 11, §2.
     """
 
     def __init__(self, full: nn.Linear, group=None):
@@ -225,7 +234,8 @@ def plain_mlp(d: int = 16, h: int = 64, seed: int = 0) -> nn.Sequential:
 @dataclass
 class TPConfig:
     """The MLP and its data: width d, hidden h (4d as in a transformer), a batch of ``tokens``
-    input rows (batch × sequence, flattened), optimizer steps of the 2-D run."""
+    input rows (batch × sequence, flattened), optimizer steps of the 2-D run.
+    Shown in lesson 11, §2."""
 
     d: int = 16
     h: int = 64
@@ -269,7 +279,7 @@ def tensor_parallel_worker(rank: int, world_size: int, cfg: TPConfig) -> dict:
     weights, one forward and backward on the same input (which requires grad, as it would if a
     layer came before the MLP). Returns the largest differences (outputs, input gradients, each
     shard's weight and bias gradients against the same slice of the plain MLP's), our
-    collectives as recorded (``zero.record_collectives``) in the forward and in the backward,
+    collectives as recorded (``collectives.record_collectives``) in the forward and in the backward,
     torch's as counted by its ``CommDebugMode``, and what each rank holds (shapes).
     Shown in lesson 11, §2.
     """
@@ -497,8 +507,11 @@ def noise_scale_from_norms(small_sq: float, big_sq: float, b_small: int, b_big: 
     return {"grad_sq": g2, "trace": trace}
 
 
-def _noise_task(seed: int = 0, n: int = 4096, d: int = 20, classes: int = 5, noise: float = 1.0):
-    """A fixed data set: a linear teacher's classes with noisy inputs (so gradients are noisy)."""
+def noise_task(seed: int = 0, n: int = 4096, d: int = 20, classes: int = 5, noise: float = 1.0):
+    """The noise-scale run's fixed data set: ``n`` Gaussian inputs of ``d`` features, each
+    labelled with the class a random linear teacher scores highest after Gaussian noise is
+    added to its scores (so the labels, and the gradients, are noisy). Shown in lesson 11, §1.
+    """
     g = torch.Generator().manual_seed(seed)
     teacher = torch.randn(d, classes, generator=g)
     X = torch.randn(n, d, generator=g)
@@ -506,7 +519,9 @@ def _noise_task(seed: int = 0, n: int = 4096, d: int = 20, classes: int = 5, noi
     return X, y
 
 
-def _noise_model(d: int = 20, classes: int = 5, seed: int = 1) -> nn.Module:
+def noise_model(d: int = 20, classes: int = 5, seed: int = 1) -> nn.Module:
+    """The model whose noise scale lesson 11 measures: ``d → 32 → classes``, tanh between.
+    Shown in lesson 11, §1."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(d, 32), nn.Tanh(), nn.Linear(32, classes))
 
@@ -525,8 +540,8 @@ def noise_scale_worker(rank: int, world_size: int, per_rank: int = 8, steps: int
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    X, y = _noise_task(seed)
-    model = DDP(_noise_model())
+    X, y = noise_task(seed)
+    model = DDP(noise_model())
     local_sq = [0.0]
 
     def sq_norm_hook(state, bucket):
@@ -556,8 +571,8 @@ def per_example_noise_scale(seed: int = 0) -> dict:
     """
     from torch.func import functional_call, grad, vmap
 
-    X, y = _noise_task(seed)
-    model = _noise_model()
+    X, y = noise_task(seed)
+    model = noise_model()
     params = {k: v.detach() for k, v in model.named_parameters()}
 
     def loss_one(p, x, t):

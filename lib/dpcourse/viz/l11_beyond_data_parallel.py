@@ -21,20 +21,26 @@ _RANK_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b
 
 
 def memory_wall_figure(ns, state_gb, activation_gb, gpu_gb: float, title: str):
-    """Stacked bars per N: ZeRO-3's model state per GPU (falls as 1/N) under the activations of
-    one sequence (flat), against the GPU's memory. Shown in lesson 11, §1."""
+    """Side by side per N, on a linear axis: ZeRO-3's model state per GPU (falls as 1/N) and
+    the activations of one sequence (flat), against the GPU's memory, each bar labelled with
+    its GB. Shown in lesson 11, §1."""
     fig = new_figure(6.8, 3.6)
     ax = fig.add_subplot(1, 1, 1)
-    xs = range(len(ns))
-    ax.bar(xs, state_gb, color="#1f77b4", label="model state (ZeRO-3: 16Ψ/N)")
-    ax.bar(xs, activation_gb, bottom=state_gb, color="#ff7f0e",
-           label="activations at batch 1 (do not shard)")
+    width = 0.38
+    xs = list(range(len(ns)))
+    bars = [(-width / 2, state_gb, "#1f77b4", "model state (ZeRO-3: 16Ψ/N)"),
+            (width / 2, activation_gb, "#ff7f0e", "activations at batch 1 (do not shard)")]
+    for shift, values, colour, label in bars:
+        ax.bar([x + shift for x in xs], values, width, color=colour, label=label)
+        for x, v in zip(xs, values):
+            ax.text(x + shift, v, f"{v:.1f}" if v < 10 else f"{v:.0f}", ha="center",
+                    va="bottom", fontsize=7)
     ax.axhline(gpu_gb, color="k", ls="--", lw=1)
     ax.text(len(ns) - 0.5, gpu_gb, f"{gpu_gb:g} GB GPU", ha="right", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs))
+    ax.set_xticks(xs)
     ax.set_xticklabels([f"N={n}" for n in ns])
     ax.set_ylabel("GB per GPU")
-    ax.set_yscale("log")
+    ax.set_ylim(0, 1.15 * max(max(state_gb), max(activation_gb)))
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="upper right")
     fig.subplots_adjust(left=0.11, right=0.97, bottom=0.1, top=0.9)
@@ -72,14 +78,28 @@ def noise_scale_figure(b_noise: float, per_rank: int, ranks):
     return fig
 
 
-def tp_shards_figure(d: int, h: int, world_size: int):
+def tp_shards_figure(d: int, h: int, world_size: int, answer: bool = False):
     """The MLP's two weight matrices in Megatron's layout (Y = GeLU(X·A)·B, A is d × h, B is
-    h × d) and each rank's slice: A cut by columns, B by rows, the second bias whole on every
-    rank, added once after the all-reduce. Shown in lesson 11, §2."""
+    h × d) and each rank's slice: A cut by columns, B by rows. With ``answer`` (lab 11's
+    answer, drawn after its pointer), also where the biases go (the first one's slice with A's
+    columns, the second whole on every rank, added once after the all-reduce) and, below, one
+    rank's forward (left to right) and backward (right to left) with every tensor marked R
+    (replicated), S (this rank's slice) or P (partial: a term of a sum over the ranks), and
+    what f and g do on each pass. Shown in lesson 11, §2."""
+    if not answer:
+        fig = new_figure(8.0, 3.6)
+        _draw_shards(fig.add_subplot(1, 1, 1), d, h, world_size, biases=False)
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.99)
+        return fig
+    fig = new_figure(10.0, 7.0)
+    _draw_shards(fig.add_axes((0.1, 0.5, 0.8, 0.49)), d, h, world_size, biases=True)
+    _draw_placements(fig.add_axes((0.01, 0.01, 0.98, 0.45)))
+    return fig
+
+
+def _draw_shards(ax, d: int, h: int, world_size: int, biases: bool):
     from matplotlib.patches import Rectangle
 
-    fig = new_figure(8.0, 3.6)
-    ax = fig.add_subplot(1, 1, 1)
     unit = 3.0 / max(d, h)
     top = 3.0
     x_w, a_x, b_x = 0.5, 1.6, 6.2
@@ -95,8 +115,8 @@ def tp_shards_figure(d: int, h: int, world_size: int):
                                h * unit / world_size, d * unit, fc=_RANK_COLOURS[r % 8],
                                ec="k", alpha=0.75))
     ax.text(a_x + h * unit / 2, top + 0.15, f"A ({d} × {h}): column-parallel\nrank r keeps "
-            f"{h // world_size} columns (+ that slice of b₁)", ha="center", va="bottom",
-            fontsize=8)
+            f"{h // world_size} columns" + (" (+ that slice of b₁)" if biases else ""),
+            ha="center", va="bottom", fontsize=8)
     ax.text(a_x + h * unit / 2, top - d * unit - 0.15, "→ GeLU on each rank's slice (no "
             "communication)", ha="center", va="top", fontsize=8)
     for r in range(world_size):   # B: h x d, cut into row blocks
@@ -110,8 +130,10 @@ def tp_shards_figure(d: int, h: int, world_size: int):
                 arrowprops=dict(arrowstyle="->"))
     ax.text(g_x + 0.45, top - 1.1, "g", ha="center", va="bottom", fontsize=10, style="italic")
     ax.text(g_x + 0.45, top - 1.35, "all-reduce:\nY = Σ Y_r", ha="center", va="top", fontsize=8)
-    ax.add_patch(Rectangle((g_x + 1.0, top - 1.45), 0.5, 0.5, fc="#bbbbbb", ec="k"))
-    ax.text(g_x + 1.25, top - 0.85, "+ b₂\n(whole, once)", ha="center", va="bottom", fontsize=8)
+    if biases:
+        ax.add_patch(Rectangle((g_x + 1.0, top - 1.45), 0.5, 0.5, fc="#bbbbbb", ec="k"))
+        ax.text(g_x + 1.25, top - 0.85, "+ b₂\n(whole, once)", ha="center", va="bottom",
+                fontsize=8)
     for r in range(world_size):
         ax.add_patch(Rectangle((r * 1.3, -0.45), 0.25, 0.2, fc=_RANK_COLOURS[r % 8], ec="k",
                                alpha=0.75))
@@ -120,8 +142,49 @@ def tp_shards_figure(d: int, h: int, world_size: int):
     ax.set_ylim(-0.6, top + 0.75)
     ax.set_aspect("equal")
     ax.axis("off")
-    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.99)
-    return fig
+
+
+def _draw_placements(ax):
+    from matplotlib.patches import FancyBboxPatch, Patch
+
+    colours = {"R": "#dddddd", "S": "#9ecae1", "P": "#fdae6b"}
+    fwd = [("X", "R"), ("X", "R"), ("Z_r = X·A_r", "S"), ("H_r = GeLU(Z_r)", "S"),
+           ("Y_r = H_r·B_r", "P"), ("Y = Σ Y_r", "R"), ("Y + b₂", "R")]
+    fwd_ops = [("f: identity", True), ("·A_r", False), ("GeLU", False), ("·B_r", False),
+               ("g: all-reduce", True), ("+ b₂ (once)", False)]
+    bwd = [("∂L/∂X", "R"), ("Σ_r ∂L/∂Z_r·A_rᵀ", "P"), ("∂L/∂Z_r", "S"), ("∂L/∂H_r", "S"),
+           ("∂L/∂Y_r = ∂L/∂Y", "R"), ("∂L/∂Y", "R"), ("∂L/∂out", "R")]
+    bwd_ops = [("f: all-reduce", True), ("·A_rᵀ", False), ("GeLU′", False), ("·B_rᵀ", False),
+               ("g: identity", True), ("", False)]
+    step, w, hgt = 1.6, 1.25, 0.55
+    for row, (tensors, ops, y, arrow) in enumerate(((fwd, fwd_ops, 1.6, "->"),
+                                                    (bwd, bwd_ops, 0.0, "<-"))):
+        for i, (name, kind) in enumerate(tensors):
+            ax.add_patch(FancyBboxPatch((i * step, y), w, hgt, boxstyle="round,pad=0.02",
+                                        fc=colours[kind], ec="k", lw=0.8))
+            ax.text(i * step + w / 2, y + hgt / 2, f"{name}\n[{kind}]", ha="center",
+                    va="center", fontsize=7)
+        for i, (op, comm) in enumerate(ops):
+            x0, x1 = i * step + w, (i + 1) * step
+            ax.annotate("", xy=(x1, y + hgt / 2), xytext=(x0, y + hgt / 2),
+                        arrowprops=dict(arrowstyle=arrow, color="#d62728" if comm else "k",
+                                        lw=2 if comm else 1))
+            if op:
+                ax.text((x0 + x1) / 2, y + hgt + 0.08, op, ha="center", va="bottom",
+                        fontsize=7, color="#d62728" if comm else "k",
+                        fontweight="bold" if comm else "normal")
+    ax.text(-0.2, 1.6 + hgt / 2, "forward", ha="right", va="center", fontsize=8)
+    ax.text(-0.2, hgt / 2, "backward", ha="right", va="center", fontsize=8)
+    ax.text(2 * step + w / 2, -0.25, "weight gradients: ∂L/∂A_r = Xᵀ·∂L/∂Z_r [S], "
+            "∂L/∂B_r = H_rᵀ·∂L/∂Y [S], ∂L/∂b₂ [R] — no communication",
+            ha="left", va="top", fontsize=7)
+    ax.legend(handles=[Patch(fc=c, ec="k", label=lab) for lab, c in (
+        ("R: replicated", colours["R"]), ("S: this rank's slice", colours["S"]),
+        ("P: partial (a sum still to do)", colours["P"]))],
+        fontsize=7, loc="upper center", ncol=3, bbox_to_anchor=(0.5, 1.02), frameon=False)
+    ax.set_xlim(-1.3, 6 * step + w + 0.1)
+    ax.set_ylim(-0.6, 2.75)
+    ax.axis("off")
 
 
 def _gantt(ax, events, stages: int, title: str):
