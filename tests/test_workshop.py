@@ -226,7 +226,8 @@ def test_a_launch_that_times_out_fails_the_check_and_leaves_nothing(no_leftovers
     # out, the check says so per learner, and still nothing is left running.
     report = workshop.workshop_check(2, timeout=0.5, gpu_count=0, steps=("03",))
     assert not report.ok
-    assert all(not r["ok"] and "LaunchTimeoutError" in r["error"] for r in report.records)
+    assert all(not r["ok"] and "LaunchTimeoutError" in r["error"] for r in report.records), \
+        [r["error"] for r in report.records]
     assert report.orphans == []
     assert "FAILED: LaunchTimeoutError" in workshop.format_report(report)
     assert workshop.format_report(report).rstrip().endswith("workshop check FAILED")
