@@ -32,7 +32,8 @@
 # 3. **buckets**: the same, but gradients grouped into a few large flat buffers, because every
 #    message pays a fixed start-up cost (lesson 06's α).
 #
-# All three live in `dpcourse.overlap`, and every cell below shows the code it runs.
+# All three live in `dpcourse.overlap`, the runs that test them in
+# `dpcourse.overlap_experiments`; every cell below shows the code it runs.
 
 # %% tags=["parameters"]
 world_size = None     # None: from the hardware profile (2 on the cpu profile)
@@ -48,6 +49,7 @@ import math
 import torch
 
 from dpcourse import collectives, devices, launch, overlap, viz
+from dpcourse import overlap_experiments as experiments
 from dpcourse.checks import claim
 
 torch.set_num_threads(1)
@@ -89,12 +91,12 @@ viz.show_code(overlap.PerParameterHooks)
 # class, untouched):
 
 # %%
-viz.show_code(overlap.equality_worker, overlap.train_steps, overlap.wrap)
+viz.show_code(experiments.equality_worker, experiments.train_steps, experiments.wrap)
 
 # %%
-cfg = overlap.OverlapConfig(model="small_cnn", width=8, global_batch=24, steps=steps, lr=0.1)
+cfg = experiments.OverlapConfig(model="small_cnn", width=8, global_batch=24, steps=steps, lr=0.1)
 n_params = len(list(cfg.build().parameters()))
-first = launch.spawn(overlap.equality_worker, world_size, cfg,
+first = launch.spawn(experiments.equality_worker, world_size, cfg,
                      ("after_backward", "per_parameter", "ddp"), backend=backend, timeout=120)
 
 
@@ -180,7 +182,7 @@ def our_buckets(params, caps_mb):
 cap_lists = [(c,) for c in (0.001, 0.01, 0.05, 0.1, 1, 4, 25, math.inf)] + [(1, 25)]
 same = {name: all(our_buckets(ps, c) == torch_buckets(ps, c) for c in cap_lists)
         for name, ps in [("SmallCNN", list(cfg.build().parameters())),
-                         ("64-layer MLP", list(overlap.wide_mlp(320, 64).parameters()))]}
+                         ("64-layer MLP", list(experiments.wide_mlp(320, 64).parameters()))]}
 claim(f"overlap.assign_buckets == DDP's compute_bucket_assignment_by_size, bucket for bucket, "
       f"for {' and '.join(same)} at {len(cap_lists)} caps (one with a 1 MiB first bucket)",
       all(same.values()))
@@ -250,7 +252,7 @@ bucket_explorer = viz.explorer(
     description="bucket-size explorer")
 
 # %%
-bucketed = launch.spawn(overlap.equality_worker, world_size, cfg, ("bucketed", "ddp"), cap_mb,
+bucketed = launch.spawn(experiments.equality_worker, world_size, cfg, ("bucketed", "ddp"), cap_mb,
                         backend=backend, timeout=120)
 claim(f"bucketed: weights after {steps} steps == DDP's on every rank (to 1e-5)",
       all(max_diff(r["bucketed"]["params"], r["ddp"]["params"]) < 1e-5 for r in bucketed))
@@ -315,17 +317,17 @@ viz.show(viz.reducer_figure(),
 # step under torch's profiler, from the process group's own records.
 
 # %%
-viz.show_code(overlap.timing_worker, overlap.count_ddp_collectives)
+viz.show_code(experiments.timing_worker, experiments.count_ddp_collectives)
 
 # %%
-tcfg = overlap.OverlapConfig(model="wide_mlp", width=320, depth=64, global_batch=64,
+tcfg = experiments.OverlapConfig(model="wide_mlp", width=320, depth=64, global_batch=64,
                              steps=timed_steps)
-runs = ([(kind, 25) for kind in overlap.KINDS]
+runs = ([(kind, 25) for kind in experiments.KINDS]
         + [("bucketed", c) for c in sweep_caps if c != 25]
         + [("local", 25), ("per_parameter_after", 25)]
         + [("bucketed_after", c) for c in sweep_caps])
 # show_output=False: the profiler's start/stop lines on the ranks' stderr are not lesson output
-timing = launch.spawn(overlap.timing_worker, world_size, tcfg, runs, 1, backend=backend,
+timing = launch.spawn(experiments.timing_worker, world_size, tcfg, runs, 1, backend=backend,
                       timeout=300, show_output=False)[0]
 by = {(r["kind"], r["bucket_cap_mb"]): r for r in timing["runs"]}
 mlp_params = list(tcfg.build().parameters())
@@ -688,7 +690,7 @@ viz.show(viz.bucket_sweep_figure(sweep),
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: step times depend on this machine and its load.
-four = [by[(k, 25)] for k in overlap.KINDS] + [by[("per_parameter_after", 25)]]
+four = [by[(k, 25)] for k in experiments.KINDS] + [by[("per_parameter_after", 25)]]
 labels = ["after backward", "per-parameter hooks", "bucketed, 25 MiB", "DDP, 25 MiB",
           "per-parameter, after bw"]
 for label, r in zip(labels, four):
@@ -752,7 +754,7 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 # `comm_hook_worker` trains real DDP once per hook, with these `PowerSGDState` arguments:
 
 # %%
-viz.show_code(overlap.comm_hook_worker)
+viz.show_code(experiments.comm_hook_worker)
 
 # %% [markdown]
 # We count the bytes with the course's one recorder, `collectives.record_collectives` (lessons
@@ -767,10 +769,10 @@ viz.show_code(collectives.record_collectives, collectives.Recorder.wrap, collect
               overlap.powersgd_elements)
 
 # %%
-hcfg = overlap.OverlapConfig(model="small_cnn", width=8, global_batch=32, steps=hook_steps,
+hcfg = experiments.OverlapConfig(model="small_cnn", width=8, global_batch=32, steps=hook_steps,
                              lr=0.05, momentum=0.9, n_train=2048)
 hooks = ("none", "fp16", "bf16", "powersgd", "powersgd_no_ef")
-hooked = launch.spawn(overlap.comm_hook_worker, world_size, hcfg, hooks, 1, 2,
+hooked = launch.spawn(experiments.comm_hook_worker, world_size, hcfg, hooks, 1, 2,
                       backend=backend, timeout=300)[0]
 shapes = hooked["shapes"]
 dense = sum(math.prod(s) for s in shapes)

@@ -1,5 +1,6 @@
-"""dpcourse.overlap: bucket assignment, the PowerSGD formula, counting, and the three wrappers
-equal to DDP on 3 gloo ranks (the lesson proves 2); `python -m dpcourse.bench ddp`."""
+"""dpcourse.overlap and dpcourse.overlap_experiments: bucket assignment, the PowerSGD formula,
+counting, and the three wrappers equal to DDP on 3 gloo ranks (the lesson proves 2);
+`python -m dpcourse.bench ddp`."""
 
 import json
 import math
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcourse import bench, launch, overlap
+from dpcourse import overlap_experiments as ox
 
 
 def _params(*numels):
@@ -50,8 +52,8 @@ def _models():
              [(30_000, torch.float32), (70_000, torch.float64), (5, torch.float32),
               (200_000, torch.float16), (90_000, torch.float64), (1_000, torch.float32)]]
     return {"SmallCNN": list(models.SmallCNN(width=8).parameters()),
-            "wide_mlp 320x64": list(overlap.wide_mlp(320, 64).parameters()),
-            "wide_mlp 1024x8": list(overlap.wide_mlp(1024, 8).parameters()),
+            "wide_mlp 320x64": list(ox.wide_mlp(320, 64).parameters()),
+            "wide_mlp 1024x8": list(ox.wide_mlp(1024, 8).parameters()),
             "three dtypes": mixed}
 
 
@@ -81,9 +83,10 @@ def _ddp_buckets_worker(rank, world_size, which, cap):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dpcourse import models, overlap
+    from dpcourse import overlap_experiments as ox
 
     torch.manual_seed(0)
-    module = models.SmallCNN(width=8) if which == "cnn" else overlap.wide_mlp(64, 6)
+    module = models.SmallCNN(width=8) if which == "cnn" else ox.wide_mlp(64, 6)
     params = list(module.parameters())
     index = {id(p): i for i, p in enumerate(params)}
     ready = []
@@ -134,8 +137,8 @@ def test_powersgd_formula():
 def test_comm_hooks_send_what_the_formulas_say():
     """What DDP's comm hooks all-reduce, recorded per step: the whole model in fp32, half the
     bytes in fp16, and PowerSGD's P and Q (powersgd_elements) once it starts at step 2."""
-    cfg = overlap.OverlapConfig(global_batch=8, steps=3)
-    out = launch.spawn(overlap.comm_hook_worker, 2, cfg, ("none", "fp16", "powersgd"), 1, 2,
+    cfg = ox.OverlapConfig(global_batch=8, steps=3)
+    out = launch.spawn(ox.comm_hook_worker, 2, cfg, ("none", "fp16", "powersgd"), 1, 2,
                        backend="gloo", timeout=120)[0]
     psi = sum(math.prod(s) for s in out["shapes"])
     runs = out["runs"]
@@ -150,12 +153,12 @@ def test_comm_hooks_send_what_the_formulas_say():
 
 def test_wrap_refuses_an_unknown_kind():
     with pytest.raises(ValueError, match="kind must be one of"):
-        overlap.wrap("zero", nn.Linear(2, 2))
+        ox.wrap("zero", nn.Linear(2, 2))
 
 
 def test_all_three_equal_ddp_on_three_ranks():
-    cfg = overlap.OverlapConfig(global_batch=24, steps=3, lr=0.1)
-    out = launch.spawn(overlap.equality_worker, 3, cfg, overlap.KINDS, 0.01, backend="gloo",
+    cfg = ox.OverlapConfig(global_batch=24, steps=3, lr=0.1)
+    out = launch.spawn(ox.equality_worker, 3, cfg, ox.KINDS, 0.01, backend="gloo",
                        timeout=120)
     for r in out:
         for kind in ("after_backward", "per_parameter", "bucketed"):
@@ -166,9 +169,9 @@ def test_all_three_equal_ddp_on_three_ranks():
 
 
 def test_a_batch_that_does_not_split_is_refused_in_the_rank():
-    cfg = overlap.OverlapConfig(global_batch=25, steps=1)
+    cfg = ox.OverlapConfig(global_batch=25, steps=1)
     with pytest.raises(launch.RankFailedError, match="does not split over 2 ranks"):
-        launch.spawn(overlap.equality_worker, 2, cfg, ("bucketed",), backend="gloo",
+        launch.spawn(ox.equality_worker, 2, cfg, ("bucketed",), backend="gloo",
                      timeout=60, show_output=False)
 
 
@@ -177,7 +180,7 @@ def test_bench_ddp_json(capsys):
                        "--caps", "0.01", "inf", "--cap", "0.05", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     kinds = [(r["kind"], r["bucket_cap_mb"]) for r in doc["runs"]]
-    assert kinds[:4] == [(k, 0.05) for k in overlap.KINDS]
+    assert kinds[:4] == [(k, 0.05) for k in ox.KINDS]
     assert ("bucketed", "one bucket") in kinds and ("bucketed", 0.01) in kinds
     # each way's step time is the median of its launches, and the ratio bucketed / DDP the
     # median of the launches' ratios: both lie inside the spread the table prints
@@ -240,8 +243,8 @@ def test_predict_step_is_the_overlap_formula():
 
 
 def test_controls_launch_only_after_the_backward():
-    cfg = overlap.OverlapConfig(model="wide_mlp", width=64, depth=4, global_batch=8, steps=1)
-    out = launch.spawn(overlap.timing_worker, 2, cfg,
+    cfg = ox.OverlapConfig(model="wide_mlp", width=64, depth=4, global_batch=8, steps=1)
+    out = launch.spawn(ox.timing_worker, 2, cfg,
                        [("bucketed_after", 0.01), ("per_parameter_after", 25), ("local", None),
                         ("ddp", 0.01)], 1, backend="gloo", timeout=120, show_output=False)[0]
     by = {r["kind"]: r for r in out["runs"]}

@@ -59,10 +59,11 @@ def reducer_figure():
 
 
 def overlap_timeline_figure(timeline: dict, title: str = ""):
-    """One training step of a bucketed wrapper on one rank, from ``overlap.timing_worker``'s
-    recorded timeline (ms since the backward began): a tick per gradient as it became ready,
-    a bar per bucket from its all-reduce's launch to its end, the backward's end and the end
-    of the synchronisation (wait + copy back + optimizer step)."""
+    """One training step of a bucketed wrapper on one rank, from
+    ``overlap_experiments.timing_worker``'s recorded timeline (ms since the backward began): a
+    tick per gradient as it became ready, a bar per bucket from its all-reduce's launch to its
+    end, the backward's end and the end of the synchronisation (wait + copy back + optimizer
+    step)."""
     launches = {which: t for what, which, t in timeline["events"] if what == "launch"}
     dones = {which: t for what, which, t in timeline["events"] if what == "done"}
     order = sorted(launches, key=launches.get)
