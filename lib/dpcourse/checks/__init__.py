@@ -36,7 +36,8 @@ import sys
 import textwrap
 import time
 
-__all__ = ["LabCheckError", "ClaimError", "passed", "fail", "claim", "has_todo", "recorded",
+__all__ = ["LabCheckError", "ClaimError", "passed", "fail", "claim", "has_todo", "require_answer",
+           "recorded",
            "check_timeout", "slowness", "run_ranks", "short_mistake", "PROGRESS_ENV",
            "TIMEOUT_ENV", "LEARNER_ENV"]
 
@@ -85,6 +86,23 @@ def has_todo(obj) -> bool:
                     if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
                         return True
     return False
+
+
+def require_answer(answer, name: str, kind: str = "function") -> None:
+    """A check's first lines: ``answer`` must be the learner's ``kind`` ("function" or "class")
+    itself, not a call's result or an instance (a :func:`fail` naming ``name``), and its TODOs
+    must be replaced (``NotImplementedError``, before any rank starts)."""
+    __tracebackhide__ = True
+    if kind == "class":
+        if not isinstance(answer, type):
+            fail(f"the check needs your class itself ({name}, not {name}(...)), got "
+                 f"{type(answer).__name__}.")
+    elif not callable(answer) or isinstance(answer, type):
+        fail(f"the check needs your function itself ({name}), got {type(answer).__name__}.")
+    if has_todo(answer):
+        where = " in a method" if kind == "class" else ""
+        raise NotImplementedError(f"{name} still raises NotImplementedError{where}: replace the "
+                                  f"TODOs with your answer.")
 
 
 class ClaimError(AssertionError):

@@ -255,26 +255,28 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
              f"step (expected 1): compute each replica's loss on its slice, take its gradient "
              f"and apply it inside strategy.run.")
 
-    if not _close(loss, ref_loss, rtol=1e-3):
-        r = _ratio(loss, ref_loss)
+    # (what, reduced, its format, expected, what that is, why n times too big, too small)
+    for what, got, fmt, want, want_is, too_big, too_small in (
+            ("loss", loss, ".5f", ref_loss,
+             f"the mean loss over the global batch before the step is {ref_loss:.5f}",
+             "the per-replica losses were reduced with SUM where MEAN is meant (each was a mean "
+             "over its own examples).",
+             "the per-replica losses are shares of the global mean (already divided by the "
+             "global batch), so reduce them with SUM, not MEAN."),
+            ("accuracy", acc, ".4f", ref_acc,
+             f"the global batch's accuracy before the step is {ref_acc:.4f}",
+             "each replica's accuracy is a mean over its own examples, so reduce it with MEAN; "
+             "SUM is used where MEAN is meant.",
+             "it was reduced with MEAN although each replica's value was already divided by the "
+             "global batch; use SUM then.")):
+        if _close(got, want, rtol=1e-3):
+            continue
+        r = _ratio(got, want)
         if abs(r - n) < 0.01 * n:
-            fail(f"the loss is {n}x too big: the per-replica losses were reduced with SUM where "
-                 f"MEAN is meant (each was a mean over its own examples).")
+            fail(f"the {what} is {n}x too big: {too_big}")
         if abs(r - 1 / n) < 0.01 / n:
-            fail(f"the loss is {n}x too small: the per-replica losses are shares of the global "
-                 f"mean (already divided by the global batch), so reduce them with SUM, not MEAN.")
-        fail(f"the reduced loss is {loss:.5f}, but the mean loss over the global batch before "
-             f"the step is {ref_loss:.5f}.")
-    if not _close(acc, ref_acc, rtol=1e-3):
-        r = _ratio(acc, ref_acc)
-        if abs(r - n) < 0.01 * n:
-            fail(f"the accuracy is {n}x too big: each replica's accuracy is a mean over its own "
-                 f"examples, so reduce it with MEAN; SUM is used where MEAN is meant.")
-        if abs(r - 1 / n) < 0.01 / n:
-            fail(f"the accuracy is {n}x too small: it was reduced with MEAN although each "
-                 f"replica's value was already divided by the global batch; use SUM then.")
-        fail(f"the reduced accuracy is {acc:.4f}, but the global batch's accuracy before the "
-             f"step is {ref_acc:.4f}.")
+            fail(f"the {what} is {n}x too small: {too_small}")
+        fail(f"the reduced {what} is {got:{fmt}}, but {want_is}.")
     return ref_loss, ref_acc
 
 

@@ -105,6 +105,20 @@ def _same(a_list, b_list) -> bool:
     return all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(a_list, b_list))
 
 
+def _wrong_steps_or_chunk(got, phase, start, what: str, chunk_rule: str) -> None:
+    """Name the mistake if ``got`` is the reference ``phase`` run from ``start`` with a wrong
+    number of steps, or with the sent or received chunk index off by one or two."""
+    __tracebackhide__ = True
+    n = len(start)
+    for steps in (n, n - 2, 1):
+        if steps != n - 1 and steps >= 0 and _same(got, phase([a.copy() for a in start],
+                                                              steps=steps)):
+            fail(f"{what} ran {steps} steps for N={n} workers; it takes exactly N-1 = {n - 1}.")
+    for ds, dr in itertools.product((-1, 0, 1, 2), (-1, 0, 1)):
+        if (ds, dr) != (0, 0) and _same(got, phase([a.copy() for a in start], ds, dr)):
+            fail(f"off-by-one chunk index in {what} (N={n}): {chunk_rule}")
+
+
 @recorded
 def check_scatter_reduce(fn) -> None:
     """``fn(buffers)``: N 1-D float arrays, changed in place; after it worker i must hold the
@@ -119,18 +133,10 @@ def check_scatter_reduce(fn) -> None:
         if _same(got, inputs):
             fail(f"scatter_reduce left the buffers unchanged (N={n}): each step must add the "
                  f"chunk received from the left neighbour into the worker's own copy.")
-        for steps in (n, n - 2, 1):
-            if steps != n - 1 and steps >= 0 and _same(got, _scatter_reduce(
-                    [a.copy() for a in inputs], steps=steps)):
-                fail(f"scatter_reduce ran {steps} steps for N={n} workers; it takes exactly "
-                     f"N-1 = {n - 1}.")
-        for ds, dr in itertools.product((-1, 0, 1, 2), (-1, 0, 1)):
-            if (ds, dr) != (0, 0) and _same(got, _scatter_reduce(
-                    [a.copy() for a in inputs], ds, dr)):
-                fail(f"off-by-one chunk index in scatter_reduce (N={n}): at step s worker i "
-                     f"must send chunk (i - s) mod N and its right neighbour must add it into "
-                     f"that same chunk, so that worker i ends with the full sum of chunk "
-                     f"(i + 1) mod N.")
+        _wrong_steps_or_chunk(got, _scatter_reduce, inputs, "scatter_reduce",
+                              "at step s worker i must send chunk (i - s) mod N and its right "
+                              "neighbour must add it into that same chunk, so that worker i "
+                              "ends with the full sum of chunk (i + 1) mod N.")
         bad = [w for w in range(n) if not np.array_equal(got[w], want[w])]
         fail(f"scatter_reduce gives wrong numbers on worker(s) {bad} for N={n}, length "
              f"{length}: after it worker i must hold the full sum of chunk (i + 1) mod N.")
@@ -156,16 +162,10 @@ def check_all_gather(fn) -> None:
         if _same(got, _all_gather([a.copy() for a in reduced], add=True)):
             fail("all_gather adds the incoming chunk to the worker's own; it must overwrite it "
                  "(the chunk is already the complete sum).")
-        for steps in (n, n - 2, 1):
-            if steps != n - 1 and steps >= 0 and _same(got, _all_gather(
-                    [a.copy() for a in reduced], steps=steps)):
-                fail(f"all_gather ran {steps} steps for N={n} workers; it takes exactly "
-                     f"N-1 = {n - 1}.")
-        for ds, dr in itertools.product((-1, 0, 1, 2), (-1, 0, 1)):
-            if (ds, dr) != (0, 0) and _same(got, _all_gather([a.copy() for a in reduced], ds, dr)):
-                fail(f"off-by-one chunk index in all_gather (N={n}): at step s worker i must "
-                     f"send chunk (i + 1 - s) mod N, the one it finished last, and its right "
-                     f"neighbour must overwrite that same chunk.")
+        _wrong_steps_or_chunk(got, _all_gather, reduced, "all_gather",
+                              "at step s worker i must send chunk (i + 1 - s) mod N, the one it "
+                              "finished last, and its right neighbour must overwrite that same "
+                              "chunk.")
         bad = [w for w in range(n) if not np.array_equal(got[w], total)]
         fail(f"all_gather leaves wrong numbers on worker(s) {bad} for N={n}, length {length}: "
              f"afterwards every worker must hold the whole sum.")

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import launch
-from . import check_timeout, fail, has_todo, passed, recorded, run_ranks
+from . import check_timeout, fail, passed, recorded, require_answer, run_ranks
 
 __all__ = ["check_assign_buckets", "check_bucketed_ddp", "check_topk_hook", "CONFIGS",
            "DEFAULT_TIMEOUT", "HOOK_WORLD_SIZES", "HOOK_FRACTION"]
@@ -200,11 +200,7 @@ def _no_torch_assignment():
 def check_assign_buckets(assign_buckets) -> None:
     """Run ``assign_buckets(params, bucket_cap_mb)`` on six sets of parameters and caps."""
     __tracebackhide__ = True
-    if not callable(assign_buckets):
-        fail(f"the check needs your function, got {type(assign_buckets).__name__}.")
-    if has_todo(assign_buckets):
-        raise NotImplementedError("assign_buckets still raises NotImplementedError: replace the "
-                                  "TODO with your answer.")
+    require_answer(assign_buckets, "assign_buckets")
     if _calls_torch_assignment(assign_buckets):
         fail(_TORCH_ASSIGNMENT)
     counts, problems, got = [], [], []
@@ -502,12 +498,7 @@ def check_bucketed_ddp(cls, configs=CONFIGS, timeout: float | None = None) -> No
     against real DDP's."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    if not isinstance(cls, type):
-        fail(f"the check needs your class itself (BucketedDDP, not BucketedDDP(...)), got "
-             f"{type(cls).__name__}.")
-    if has_todo(cls):
-        raise NotImplementedError(f"{cls.__name__} still raises NotImplementedError in a method: "
-                                  f"replace the TODOs with your answer.")
+    require_answer(cls, getattr(cls, "__name__", "BucketedDDP"), "class")
     for world_size, cap_mb in configs:
         results = _launch(cls, world_size, cap_mb, timeout)
         _diagnose(results, world_size, cap_mb)
@@ -961,12 +952,7 @@ def check_topk_hook(hook, state_cls, world_sizes=HOOK_WORLD_SIZES, fraction=HOOK
     the same buckets, weigh what each rank sends, and name the mistake when they differ."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    if not callable(hook) or isinstance(hook, type):
-        fail(f"the check needs your hook function itself (topk_hook), got "
-             f"{type(hook).__name__}.")
-    if has_todo(hook):
-        raise NotImplementedError("topk_hook still raises NotImplementedError: replace the "
-                                  "TODO with your answer.")
+    require_answer(hook, "topk_hook")
     for world_size in world_sizes:
         results = _launch_hook(hook, state_cls, world_size, fraction, timeout)
         _diagnose_hook(results, world_size, state_cls(fraction).k)

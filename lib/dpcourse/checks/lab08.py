@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import check_timeout, fail, has_todo, passed, recorded, run_ranks
+from . import check_timeout, fail, passed, recorded, require_answer, run_ranks
 
 __all__ = ["check_shard_bounds", "check_zero_two", "CONFIGS", "BUCKET_CAP",
            "DEFAULT_TIMEOUT"]
@@ -66,11 +66,7 @@ _BOUNDS_CASES = ((53, 2), (53, 3), (12, 3), (10, 4), (3, 4), (1, 1), (1_000_003,
 def check_shard_bounds(shard_bounds) -> None:
     """Every rank's [start, end) on seven (numel, world size) pairs."""
     __tracebackhide__ = True
-    if not callable(shard_bounds):
-        fail(f"the check needs your function shard_bounds, got {type(shard_bounds).__name__}.")
-    if has_todo(shard_bounds):
-        raise NotImplementedError("shard_bounds still raises NotImplementedError: replace the "
-                                  "TODO with your answer.")
+    require_answer(shard_bounds, "shard_bounds")
     for numel, world_size in _BOUNDS_CASES:
         size = math.ceil(numel / world_size)
         got = []
@@ -450,12 +446,7 @@ def check_zero_two(cls, configs=CONFIGS, timeout: float | None = None) -> None:
     gradients were in."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    if not isinstance(cls, type):
-        fail(f"the check needs your class itself (ZeroTwo, not ZeroTwo(...)), got "
-             f"{type(cls).__name__}.")
-    if has_todo(cls):
-        raise NotImplementedError(f"{cls.__name__} still raises NotImplementedError in a method: "
-                                  f"replace the TODOs with your answer.")
+    require_answer(cls, getattr(cls, "__name__", "ZeroTwo"), "class")
     shown = []
     for world_size, opt_name in configs:
         results = _launch(cls, world_size, opt_name, timeout)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fail, has_todo, passed, recorded
+from . import fail, passed, recorded, require_answer
 
 __all__ = ["check_async_worker", "check_staleness_aware", "TAUS", "AWARE_TAUS", "STEPS",
            "trace_loop", "diagnose_loop", "run_server", "diagnose_server"]
@@ -196,11 +196,7 @@ def diagnose_loop(trace: dict) -> None:
 def check_async_worker(loop, taus=TAUS) -> None:
     """The lab's check: run ``loop`` for each τ and compare with the reference."""
     __tracebackhide__ = True
-    if not callable(loop):
-        fail(f"pass your function itself, async_worker_loop, not a {type(loop).__name__}")
-    if has_todo(loop):
-        raise NotImplementedError("async_worker_loop still raises NotImplementedError: "
-                                  "replace the TODOs with your loop first")
+    require_answer(loop, "async_worker_loop")
     from dpcourse import async_sgd
 
     for tau in taus:
@@ -319,11 +315,7 @@ def diagnose_server(run: dict) -> None:
 def check_staleness_aware(server_cls, taus=AWARE_TAUS) -> None:
     """The stretch's check: the reference loop on the learner's server, for each τ."""
     __tracebackhide__ = True
-    if not isinstance(server_cls, type):
-        fail(f"pass your class itself, not a {type(server_cls).__name__}")
-    if has_todo(server_cls):
-        raise NotImplementedError("push still raises NotImplementedError: replace the TODOs "
-                                  "with the staleness-aware step first")
+    require_answer(server_cls, getattr(server_cls, "__name__", "the server class"), "class")
     for tau in taus:
         diagnose_server(run_server(server_cls, tau))
     stale = run_server(server_cls, max(taus))["staleness"]

@@ -85,7 +85,8 @@ def zero_calculator_figure(billions: float, gpu_gb: float, n_gpus: int):
 def zero3_timeline_figure(events, layer_names: Sequence[str] | None = None):
     """ZeRO-3's step, one row per layer, from recorded calls: ``events`` is
     [(layer, kind, start_ms, end_ms)] with kind "all-gather (forward)", "all-gather
-    (backward)", "reduce-scatter" or "free" (:func:`dpcourse.zero.zero3_timeline_worker`).
+    (backward)", "reduce-scatter" or "free"
+    (:func:`dpcourse.zero_experiments.zero3_timeline_worker`).
     Bars for the collectives; a pale band where the layer's full weights exist (from a gather's
     end to the layer's next free: the layer computes in it, and in the backward the
     reduce-scatter runs in it too); a black tick where they are freed."""

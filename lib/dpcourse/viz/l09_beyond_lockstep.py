@@ -13,6 +13,16 @@ __all__ = ["ps_traffic_figure", "straggler_gantt_figure", "staleness_figure",
            "local_sgd_drift_figure", "local_sgd_figure", "large_batch_figure"]
 
 
+def _finish(fig, ax, xlabel: str, ylabel: str, margins: dict, legend_size: int = 8):
+    """The axes' labels, a light grid and the legend; the figure's margins."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.subplots_adjust(**margins)
+    return fig
+
+
 def ps_traffic_figure(numel: int, measured: dict, ns: Sequence[int] = range(2, 17)):
     """Elements sent + received per step, like for like: through a parameter server (2NK: NK
     out, NK in) against through one rank of a ring all-reduce (4(N-1)K/N: 2(N-1)K/N each way);
@@ -26,13 +36,9 @@ def ps_traffic_figure(numel: int, measured: dict, ns: Sequence[int] = range(2, 1
             label="ring all-reduce: through one rank, 4(N-1)K/N")
     ax.plot(list(measured), [v / 1e3 for v in measured.values()], "o", color="#d62728",
             label="counted at our server")
-    ax.set_xlabel("workers N")
-    ax.set_ylabel("elements sent + received per step (thousands)")
     ax.set_yscale("log")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.subplots_adjust(left=0.15, right=0.97, bottom=0.14, top=0.95)
-    return fig
+    return _finish(fig, ax, "workers N", "elements sent + received per step (thousands)",
+                   dict(left=0.15, right=0.97, bottom=0.14, top=0.95))
 
 
 def straggler_gantt_figure(spans: dict, applied: dict, budget: float):
@@ -89,12 +95,9 @@ def staleness_figure(taus: Sequence[int], losses: dict, aware: dict | None = Non
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xticks(list(taus))
     ax.set_xticklabels([str(t) for t in taus])
-    ax.set_xlabel("staleness τ (updates between a gradient's pull and its push)")
-    ax.set_ylabel(f"test loss after the budget\n(✕: diverged, drawn at {cap:g})")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.subplots_adjust(left=0.14, right=0.97, bottom=0.13, top=0.96)
-    return fig
+    return _finish(fig, ax, "staleness τ (updates between a gradient's pull and its push)",
+                   f"test loss after the budget\n(✕: diverged, drawn at {cap:g})",
+                   dict(left=0.14, right=0.97, bottom=0.13, top=0.96), legend_size=7)
 
 
 def local_sgd_drift_figure(hs: Sequence[int], losses: Sequence[float], start_loss: float,
@@ -164,9 +167,5 @@ def large_batch_figure(curves: dict):
     ax = fig.add_subplot(1, 1, 1)
     for label, losses in curves.items():
         ax.plot(range(1, len(losses) + 1), losses, "o-", label=label)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("test loss")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.13, top=0.96)
-    return fig
+    return _finish(fig, ax, "epoch", "test loss",
+                   dict(left=0.11, right=0.97, bottom=0.13, top=0.96))
