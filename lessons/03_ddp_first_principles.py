@@ -593,7 +593,7 @@ print("resnet18, bucket_cap_mb=None (DDP's default), first bucket: "
 # %% [markdown]
 # ### The overlap, on a timeline
 # Here are iterations 0 and 2 on rank 0, drawn from the time stamps the hooks recorded
-# (`ddp.bucket_timelines_figure` only draws them). Each tick on a "gradients computed" row is a
+# (`viz.bucket_timelines_figure` only draws them). Each tick on a "gradients computed" row is a
 # gradient being computed (ticks a fraction of a millisecond apart merge into one); each bar is
 # one bucket's all-reduce, from launch to finish, labelled with its size and tensors (`c.` =
 # `classifier.`, `f.` = `features.`, `.w`/`.b` = weight/bias). The axis ends when the slower
@@ -604,7 +604,7 @@ claim("iteration 0: its one bucket was launched only after the last gradient was
       first["buckets"][0][2] >= max(t for _, t in first["grads"]))
 claim("iteration 2: the first bucket's all-reduce started before the last gradient was computed",
       third["buckets"][0][2] < max(t for _, t in third["grads"]))
-viz.show(ddp.bucket_timelines_figure({
+viz.show(viz.bucket_timelines_figure({
     f"iteration 0: one bucket (rank 0, bucket_cap_mb={cap_mb} MiB)": first,
     "iteration 2: the rebuilt buckets": third}),
     "in iteration 0 the single bucket waits for the last gradient: nothing overlaps. In "

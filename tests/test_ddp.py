@@ -165,17 +165,3 @@ def test_setup_rank_caps_threads_on_cpu_and_turns_tf32_off_on_a_gpu(monkeypatch)
     finally:
         torch.set_num_threads(threads)
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-def test_bucket_timelines_figure_draws_one_panel_per_iteration_up_to_the_backward_end():
-    one = {"backward_end": 10.0, "grads": [("a", 1.0), ("b", 8.0)],
-           "buckets": [(["classifier.4.weight"] * 6, 2048, 8.5, 9.5)]}
-    two = {"backward_end": 12.0, "grads": [("a", 1.0), ("b", 8.0)],
-           "buckets": [(["classifier.4.weight"], 1024, 1.5, 3.0), (["f.0.w"], 1024, 8.5, 11.0)]}
-    fig = ddp.bucket_timelines_figure({"it 0": one, "it 2": two})
-    assert len(fig.axes) == 2
-    assert fig.axes[-1].get_xlim()[1] == pytest.approx(12.0 * 1.02)
-    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
-    assert "+3 more" in labels[0] and "c.4.w" in labels[0]
-    with pytest.raises(ValueError):
-        ddp.bucket_timelines_figure({})

@@ -286,3 +286,17 @@ def test_each_figure_module_is_re_exported_whole():
             assert getattr(viz, name) is getattr(module, name)
             assert getattr(importlib.import_module("dpcourse.viz"), name) is getattr(module, name)
     assert len(viz.__all__) == len(set(viz.__all__)), "a name is defined in two viz modules"
+
+
+def test_bucket_timelines_figure_draws_one_panel_per_iteration_up_to_the_backward_end():
+    one = {"backward_end": 10.0, "grads": [("a", 1.0), ("b", 8.0)],
+           "buckets": [(["classifier.4.weight"] * 6, 2048, 8.5, 9.5)]}
+    two = {"backward_end": 12.0, "grads": [("a", 1.0), ("b", 8.0)],
+           "buckets": [(["classifier.4.weight"], 1024, 1.5, 3.0), (["f.0.w"], 1024, 8.5, 11.0)]}
+    fig = viz.bucket_timelines_figure({"it 0": one, "it 2": two})
+    assert len(fig.axes) == 2
+    assert fig.axes[-1].get_xlim()[1] == pytest.approx(12.0 * 1.02)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert "+3 more" in labels[0] and "c.4.w" in labels[0]
+    with pytest.raises(ValueError):
+        viz.bucket_timelines_figure({})

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -337,7 +336,7 @@ def run_nodes(script: str | os.PathLike, *script_args: str, nnodes: int = 2,
     ``dpcourse.launch.LaunchTimeoutError`` is raised. Worker output is prefixed ``[rank k]``
     (global rank). Returns a :class:`NodesResult`; it does not raise on a non-zero exit code.
     """
-    from dpcourse.launch import LaunchTimeoutError, free_port
+    from dpcourse.launch import LaunchTimeoutError, free_port, torchrun_command, torchrun_env
 
     if not isinstance(nnodes, int) or nnodes < 1:
         raise ValueError(f"nnodes must be a positive int, got {nnodes!r}")
@@ -349,23 +348,15 @@ def run_nodes(script: str | os.PathLike, *script_args: str, nnodes: int = 2,
     if not script.exists():
         raise FileNotFoundError(f"run_nodes: no such script {script}")
     endpoint = f"127.0.0.1:{free_port()}"
-    run_env = dict(os.environ)
-    run_env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank ${rank}] ")
-    run_env.setdefault("PYTHONUNBUFFERED", "1")
-    run_env.setdefault("OMP_NUM_THREADS", "1")
-    if env:
-        run_env.update(env)
+    run_env = torchrun_env(env)
     commands, procs, logs = [], [], []
     t0 = time.monotonic()
     try:
         for node in range(nnodes):
-            cmd = [
-                sys.executable, "-m", "torch.distributed.run",
-                f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
-                f"--rdzv-conf=join_timeout={join_timeout:g}", "--tee=3",
-                str(script), *map(str, script_args),
-            ]
+            cmd = torchrun_command(script, *script_args, nnodes=nnodes,
+                                   nproc_per_node=nproc_per_node, rdzv_endpoint=endpoint,
+                                   rdzv_id=rdzv_id,
+                                   options=[f"--rdzv-conf=join_timeout={join_timeout:g}"])
             # Output to a temporary file, not a pipe: nobody reads the pipes while we wait, and
             # a full pipe would stall a node.
             log = tempfile.TemporaryFile(mode="w+")

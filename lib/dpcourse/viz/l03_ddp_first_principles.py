@@ -1,14 +1,14 @@
 """Lesson 03 (DDP from first principles): the four collectives, what each rank holds before
-and after ("The four collectives"), and DistributedSampler's order per epoch and rank
-("DistributedSampler and set_epoch"). The lesson's bucket timelines are drawn by
-``dpcourse.ddp.bucket_timelines_figure``, beside the worker that records them.
+and after ("The four collectives"), DDP's buckets on a timeline of the backward (recorded by
+the lesson's ``bucket_worker``), and DistributedSampler's order per epoch and rank
+("DistributedSampler and set_epoch").
 """
 
 from __future__ import annotations
 
 from .common import new_figure
 
-__all__ = ["collectives_figure", "sampler_grid_figure"]
+__all__ = ["collectives_figure", "bucket_timelines_figure", "sampler_grid_figure"]
 
 
 def collectives_figure(before: dict, after: dict):
@@ -91,4 +91,54 @@ def sampler_grid_figure(orders: dict):
     fig.subplots_adjust(left=0.13, right=0.98, bottom=0.04, top=0.88, wspace=0.45)
     fig.suptitle(f"{n_max} samples over {ranks} ranks: which indices each rank reads, in order",
                  fontsize=10)
+    return fig
+
+
+def _short_name(name: str) -> str:
+    return (name.replace("features.", "f.").replace("classifier.", "c.")
+            .replace(".weight", ".w").replace(".bias", ".b"))
+
+
+def bucket_timelines_figure(iterations: dict):
+    """Backward passes under DDP on one rank, one panel per iteration, on a shared time axis.
+
+    ``iterations`` maps a panel title to the record of one backward, as lesson 03's
+    ``bucket_worker`` returns it: ``{"backward_end": ms, "grads": [(name, ms)], "buckets":
+    [(names, bytes, start_ms, end_ms)]}``. Each panel has a row of ticks (one per gradient, when
+    it was computed) and one bar per bucket, from the launch of its all-reduce to its end; the
+    row's label gives the bucket's size and tensors. The x axis ends where the slowest backward
+    returned.
+    """
+    if not iterations:
+        raise ValueError("bucket_timelines_figure needs at least one iteration")
+    rows = [len(it["buckets"]) + 1 for it in iterations.values()]
+    fig = new_figure(8.5, 0.9 + 0.42 * sum(rows) + 0.35 * len(rows))
+    axes = fig.subplots(len(rows), 1, sharex=True, gridspec_kw={"height_ratios": rows})
+    axes = list(axes) if len(rows) > 1 else [axes]
+    end_all = max(it["backward_end"] for it in iterations.values())
+    for ax, (title, it) in zip(axes, iterations.items()):
+        buckets, n = it["buckets"], len(it["buckets"])
+        for _, t in it["grads"]:
+            ax.plot([t, t], [n - 0.3, n + 0.3], color="#444444", lw=1)
+        last = max(t for _, t in it["grads"])
+        ax.axvline(last, color="#d62728", ls="--", lw=1, label="last gradient computed")
+        ax.axvline(it["backward_end"], color="black", lw=1.2, label="backward() returns")
+        labels = []
+        for i, (names, nbytes, start, stop) in enumerate(buckets):
+            ax.barh(n - 1 - i, max(stop - start, end_all * 0.004), left=start, height=0.5,
+                    color="#1f77b4")
+            shown = [_short_name(x) for x in names]
+            if len(shown) > 4:
+                shown = shown[:3] + [f"+{len(shown) - 3} more"]
+            labels.append(f"bucket {i}, {nbytes / 1024:.0f} KiB: {', '.join(shown)}")
+        ax.set_yticks(range(n + 1))
+        ax.set_yticklabels(labels[::-1] + ["gradients computed"], fontsize=7)
+        ax.set_ylim(-0.6, n + 0.6)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.set_title(title, fontsize=9)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=7, loc="upper right", ncol=2, frameon=False)
+    axes[-1].set_xlim(0, end_all * 1.02)
+    axes[-1].set_xlabel("ms since backward() was called")
+    fig.subplots_adjust(left=0.31, right=0.97, top=0.88, bottom=0.12, hspace=0.6)
     return fig
