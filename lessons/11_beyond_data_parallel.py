@@ -3,7 +3,9 @@
 #
 # **Prerequisites:** lesson 03 (all-reduce, DDP), lesson 06 (point-to-point `send`/`recv`, the
 # ring's cost), lesson 07 (DDP's communication hooks) and lesson 08 (16 bytes per parameter,
-# ZeRO-3 and FSDP2's `fully_shard`). New here, each explained where it first appears: a
+# ZeRO-3 and FSDP2's `fully_shard`), and the shape of a transformer layer (attention, then
+# a two-layer MLP of width d with 4d hidden features, each behind a layer norm; sections 1
+# and 5 count its bytes and flops). New here, each explained where it first appears: a
 # custom `torch.autograd.Function` (a forward and a backward you write yourself), DTensor
 # and `DeviceMesh`, and the gradient noise scale.
 #
@@ -23,7 +25,7 @@
 #   against published ones (Megatron-LM's runs on 1536 A100 GPUs).
 #
 # **Time:** about 100 minutes to read and run — most of it reading the code shown (the lab
-# is extra: about 60 minutes, its stretch 30 more).
+# is extra).
 #
 # **Lab:** [lab11_tensor_parallel](../labs/lab11_tensor_parallel.ipynb) — write the column-
 # and row-parallel layers and their two autograd operations; the check runs your MLP on 2 and
@@ -553,7 +555,7 @@ claim(f"with M = {m_show}, GPipe holds all M micro-batches on every stage; 1F1B 
       "stage k",
       gpipe[m_show].peak_in_flight == [m_show] * stages
       and ofob[m_show].peak_in_flight == [stages - k for k in range(stages)])
-claim(f"and the bytes follow: on stage k 1F1B saves (K − k)/M of GPipe's activation bytes "
+claim(f"and the bytes follow: on stage k 1F1B keeps (K − k)/M of GPipe's activation bytes "
       f"(stage 0: {ofob[m_show].peak_activation_bytes[0]} against "
       f"{gpipe[m_show].peak_activation_bytes[0]})",
       all(ofob[m_show].peak_activation_bytes[k] * m_show

@@ -154,7 +154,16 @@ def test_lesson_11_figures_draw():
     figs = [viz.memory_wall_figure((8, 64), [10.0, 2.0], [5.0, 5.0], 80, "t"),
             viz.noise_scale_figure(60.0, 16, (1, 2, 4)),
             viz.tp_shards_figure(16, 64, 3),
+            viz.tp_shards_figure(16, 64, 2, answer=True),
             viz.bubble_figure(3, 5, "1f1b"),
             viz.pipeline_gantt_figure(pp.simulate_timeline(2, 2), pp.simulate_timeline(2, 2),
                                         2, 2, 0.3, 0.25)]
     assert all(f.axes for f in figs)
+
+
+def test_the_noise_task_and_model_are_the_ones_the_noise_scale_uses():
+    X, y = tp.noise_task()
+    assert X.shape == (4096, 20) and set(y.unique().tolist()) <= set(range(5))
+    model = tp.noise_model()
+    assert [tuple(p.shape) for p in model.parameters()] == [(32, 20), (32,), (5, 32), (5,)]
+    assert model(X[:3]).shape == (3, 5)
