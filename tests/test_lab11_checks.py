@@ -524,6 +524,69 @@ class MLPGeluAfter(MLP):
         return self.act(self.down(self.up(x)))
 
 
+def mlp_of(column_cls, row_cls):
+    """A TPMLP built from the given layers (refusing a hidden size the world size does not
+    divide)."""
+    class Built(MLP):
+        def __init__(self, plain, rank, world_size):
+            super().__init__(plain, rank, world_size)
+            self.up = column_cls(plain[0], rank, world_size)
+            self.down = row_cls(plain[2], rank, world_size)
+
+    Built.__name__ = Built.__qualname__ = f"MLP_{column_cls.__name__}_{row_cls.__name__}"
+    return Built
+
+
+def test_right_mlp_transposed_bias_on_rank_zero_pass(capsys):
+    # shards stored as (in, out); the row bias held on every rank but added on rank 0 only,
+    # so the other ranks' copies get no gradient (right)
+    lab11.check_tp_mlp(mlp_of(ColumnTransposed, RowTransposedBiasOnRankZero),
+                       world_sizes=(3,), timeout=T)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+class ColumnDetachedBias(Column):
+    def forward(self, x):
+        return F.linear(Copy.apply(x), self.weight, self.bias.detach())
+
+
+class ColumnBiasNotParameter(Column):
+    def __init__(self, linear, rank, world_size):
+        super().__init__(linear, rank, world_size)
+        bias = self.bias.detach().clone()
+        del self.bias
+        self.bias = bias
+
+
+class RowDetachedWeight(Row):
+    def forward(self, h):
+        return Reduce.apply(F.linear(h, self.weight.detach())) + self.bias
+
+
+# g's backward sums the (already replicated) gradient and divides by the world size: every
+# value comes out right, but the backward makes a second all-reduce
+RowGBackwardMean = type("RowGBackwardMean", (Row,), {
+    "forward": lambda self, h: conj("G", allsum, allmean).apply(F.linear(h, self.weight))
+    + self.bias})
+
+
+@pytest.mark.parametrize("layers,match", [
+    ((ColumnDetachedBias, Row), r"column layer's bias \(plain\[0\]\.bias\) on rank 0 gets no "
+                                r"gradient"),
+    ((ColumnBiasNotParameter, Row), r"no nn.Parameter that is a block of the column layer's "
+                                    r"bias"),
+    ((Column, RowDetachedWeight), r"row layer's weight \(plain\[2\]\.weight\) on rank 0 gets "
+                                  r"no gradient"),
+    ((Column, RowBiasScaled), r"row layer's bias \(plain\[2\]\.bias\) on rank 0 is 1/2 of"),
+    ((Column, RowBiasStoredScaled), "row layer's bias .* divided by the world size"),
+    ((Column, RowGBackwardMean), "exactly one all-reduce in each"),
+])
+def test_wrong_mlp_gradients_named(layers, match):
+    # each of these gives the plain MLP's output and dL/dx: only the parameters' gradients
+    # (or the collectives) show the mistake
+    fails(lab11.check_tp_mlp, mlp_of(*layers), match=match, timeout=T)
+
+
 @pytest.mark.parametrize("cls,match", [
     (MLPVagueRefusal, "names the hidden size and the world size"),
     (MLPDropsRemainder, "does not split into 3 equal blocks"),

@@ -19,8 +19,10 @@ process. The values are chosen so that each classic mistake leaves its own trace
   column layer's forward or none in its backward, none in the row layer's forward or one in its
   backward, the row bias added on every rank before the sum, the bias scaled by 1/N, missing on
   some rank, averaged partial sums;
-* ``check_tp_mlp``: the assembled MLP equals the plain one (outputs and the input's gradient)
-  with exactly one all-reduce in the forward and one in the backward; a hidden size that the
+* ``check_tp_mlp``: the assembled MLP equals the plain one (outputs, the input's gradient, and
+  each rank's weight and bias gradients against the matching slice of the plain MLP's: a
+  detached or divided parameter is named) with exactly one all-reduce in the forward and one in
+  the backward; a hidden size that the
   world size does not divide (16 on 3 ranks) is refused with a sentence naming both numbers,
   or handled (then it must equal the plain MLP too);
 * ``check_gpipe`` (stretch): one GPipe step of the learner's stage on 2 and 3 stages, 4
@@ -612,7 +614,9 @@ def _mlp_worker(rank: int, world_size: int, mlp_cls, hidden: int) -> dict:
         return {"run_error": _error(exc)}
     return {"y": y.detach().clone(), "x_grad": None if x.grad is None else x.grad.clone(),
             "fwd": [c.op for c in fwd if c.op != "barrier"],
-            "bwd": [c.op for c in bwd if c.op != "barrier"]}
+            "bwd": [c.op for c in bwd if c.op != "barrier"],
+            "params": [p.detach().clone() for p in mlp.parameters()],
+            "grads": [None if p.grad is None else p.grad.clone() for p in mlp.parameters()]}
 
 
 @recorded
@@ -648,7 +652,8 @@ def check_tp_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None)
                            f"every feature")
         how = "handled"
     shown = " and ".join(map(str, world_sizes))
-    passed(f"{mlp_cls.__name__} equals the plain MLP (output and dL/dx) on {shown} ranks with "
+    passed(f"{mlp_cls.__name__} equals the plain MLP (output, dL/dx and every shard's weight and "
+           f"bias gradient) on {shown} ranks with "
            f"one all-reduce forward and one backward; hidden size {ODD_H} on 3 ranks {how}")
 
 
@@ -677,6 +682,104 @@ def _diagnose_mlp(outs: list, n: int, hidden: int, name: str, hint: str = "") ->
             fail(f"{name} made {o['fwd'] or 'no collectives'} in the forward and "
                  f"{o['bwd'] or 'no collectives'} in the backward on rank {rank}: Megatron's MLP "
                  f"needs exactly one all-reduce in each (g's forward, f's backward).")
+    _mlp_param_grads(outs, n, hidden, name, plain)
+
+
+_MLP_PARTS = {"w1": "the column layer's weight (plain[0].weight)",
+              "b1": "the column layer's bias (plain[0].bias)",
+              "w2": "the row layer's weight (plain[2].weight)",
+              "b2": "the row layer's bias (plain[2].bias)"}
+
+
+def _find_slice(p: torch.Tensor, full: torch.Tensor, dim: int):
+    """The start of the contiguous block of ``full`` along ``dim`` equal to ``p``, or None."""
+    if p.dim() != full.dim() or any(a != b for d, (a, b) in enumerate(zip(p.shape, full.shape))
+                                    if d != dim):
+        return None
+    k = p.shape[dim]
+    for s in range(full.shape[dim] - k + 1):
+        if torch.equal(full.narrow(dim, s, k), p):
+            return s
+    return None
+
+
+def _match_param(p: torch.Tensor, plain: nn.Sequential):
+    """(part, dim, start, transposed) of the plain MLP's parameter this shard was cut from."""
+    w1, b1 = plain[0].weight.detach(), plain[0].bias.detach()
+    w2, b2 = plain[2].weight.detach(), plain[2].bias.detach()
+    if p.dim() == 1:
+        if torch.equal(p, b2):
+            return "b2", 0, 0, False
+        s = _find_slice(p, b1, 0)
+        return None if s is None else ("b1", 0, s, False)
+    if p.dim() != 2:
+        return None
+    for cand, transposed in ((p, False), (p.T, True)):
+        for part, full, dim in (("w1", w1, 0), ("w2", w2, 1)):
+            s = _find_slice(cand, full, dim)
+            if s is not None:
+                return part, dim, s, transposed
+    return None
+
+
+def _mlp_param_grads(outs: list, n: int, hidden: int, name: str, plain: nn.Sequential) -> None:
+    """Each rank's shard's gradient against the same slice of the plain MLP's gradient."""
+    __tracebackhide__ = True
+    full_grads = {"w1": plain[0].weight.grad, "b1": plain[0].bias.grad,
+                  "w2": plain[2].weight.grad, "b2": plain[2].bias.grad}
+    b2_holders = []
+    for rank, o in enumerate(outs):
+        found = set()
+        for p, g in zip(o["params"], o["grads"]):
+            b2 = plain[2].bias.detach()
+            if p.shape == b2.shape and not torch.equal(p, b2) and torch.allclose(p, b2 / n):
+                fail(f"{name} keeps {_MLP_PARTS['b2']} divided by the world size on rank "
+                     f"{rank}: the output adds up right, but each copy gets 1/{n} of its "
+                     f"gradient — keep the whole bias and add it once (after g, or before it "
+                     f"on rank 0 only).")
+            match = _match_param(p, plain)
+            if match is None:
+                continue
+            part, dim, start, transposed = match
+            found.add(part)
+            what = _MLP_PARTS[part]
+            if g is None and part == "b2":
+                continue           # the bias added on rank 0 only: the others' copy is unused
+            if g is None:
+                fail(f"{what} on rank {rank} gets no gradient ({n} ranks, hidden size "
+                     f"{hidden}): the forward uses it detached (or through .data) — use the "
+                     f"nn.Parameter itself, so that autograd reaches it.")
+            if transposed:
+                g = g.T
+            k = (p.T if transposed else p).shape[dim]
+            want = full_grads[part].narrow(dim, start, k)
+            if _close(g, want):
+                if part == "b2":
+                    b2_holders.append(rank)
+                continue
+            where = ("" if part == "b2" else
+                     f" {'rows' if dim == 0 else 'columns'} [{start}, {start + k})")
+            if _close(g, want / n):
+                fail(f"the gradient of {what} on rank {rank} is 1/{n} of the plain MLP's"
+                     f"{where} ({n} ranks, hidden size {hidden}): nothing may divide it by "
+                     f"the world size — keep the whole bias and add it once, and sum (never "
+                     f"average) in f and g.")
+            if _close(g, want * n):
+                fail(f"the gradient of {what} on rank {rank} is {n} times the plain MLP's"
+                     f"{where} ({n} ranks, hidden size {hidden}): a gradient is summed over "
+                     f"the ranks once too often — g's backward is the identity.")
+            fail(f"the gradient of {what} on rank {rank} differs from the plain MLP's{where} "
+                 f"({n} ranks, hidden size {hidden}) although the output and dL/dx are right.")
+        for part in ("w1", "b1", "w2"):
+            if part not in found:
+                fail(f"rank {rank} of {name} ({n} ranks, hidden size {hidden}) has no "
+                     f"nn.Parameter that is a block of {_MLP_PARTS[part]}: keep this rank's "
+                     f"block as an nn.Parameter (a plain tensor, or a detached copy, gets no "
+                     f"gradient and is never trained).")
+    if not b2_holders:
+        fail(f"no rank of {name} ({n} ranks, hidden size {hidden}) gives {_MLP_PARTS['b2']} a "
+             f"gradient: keep the whole bias as an nn.Parameter (on every rank, or on rank 0), "
+             f"use it undetached, and add it once.")
 
 
 # --------------------------------------------------------------------------------------------
