@@ -1,18 +1,29 @@
 # %% [markdown]
 # # Lab 11 · Tensor parallelism from scratch: Megatron-LM's MLP
 #
-# Lesson 11 split a model's *layers* across ranks. Now you split each *weight matrix*, as
-# Megatron-LM does for a transformer's MLP `Y = GeLU(X A) B` (Shoeybi et al. 2019, §3): the
-# first linear layer is **column-parallel** (rank r keeps a block of its output features and
-# computes its block of the hidden activations, with no communication), the second is
-# **row-parallel** (rank r multiplies its hidden block by its block of the weight's input
-# features, and the ranks' partial products are summed). Two autograd operations carry all the
-# communication:
+# Lesson 11 §2 showed how Megatron-LM cuts a transformer's MLP `Y = GeLU(X A) B` (Shoeybi
+# et al. 2019, §3) over t ranks, with the shapes and the pictures; here you write the layers.
+# The two definitions you build on:
 #
-# | operation | forward | backward |
-# |---|---|---|
-# | `f`: copy to the tensor-parallel region (before the column layer) | identity | all-reduce (sum) |
-# | `g`: reduce from the tensor-parallel region (after the row layer) | all-reduce (sum) | identity |
+# - the first linear layer is **column-parallel**: rank r keeps a block of its *output*
+#   features (A's columns) and computes its block of the hidden activations from the whole X;
+# - the second is **row-parallel**: rank r multiplies its block of the hidden features by its
+#   block of the weight's *input* features (B's rows), and the ranks' partial products add up
+#   to Y.
+#
+# All the communication sits in two autograd operations: `f`, wrapped around the column
+# layer's input, and `g`, wrapped around the row layer's output. Deciding what they do is the
+# lab:
+#
+# 1. Which pass of `f` communicates — forward, backward, or both — and with which collective?
+#    Which pass of `g`?
+# 2. Which dimension of torch's `nn.Linear.weight` does each layer cut?
+# 3. Where is the row layer's bias added, and on which ranks?
+#
+# Hint for 1: write down ∂L/∂X for the column layer. Every rank holds all of X but only its
+# block A_r; X reaches the hidden features through every block, so ∂L/∂X is a sum over the
+# ranks of terms `∂L/∂Z_r · A_rᵀ` (Z_r = X A_r), and each rank can compute only its own term.
+# Then write dL/dY_r for the sum Y = Σ_r Y_r at `g`, and ask which ranks already hold it.
 #
 # You write, in this order:
 #
@@ -24,11 +35,9 @@
 #
 # **How it is checked.** Each check runs your code on 2 and then 3 ranks (gloo, through
 # `dpcourse.launch.spawn`, which ships your classes to the ranks: define them right here),
-# records every collective your code makes, and compares outputs and gradients with the plain
-# layer on one process. It names the classic mistakes: an all-reduce in the column layer's
-# forward, none in its backward, the row layer's bias added on every rank, shards cut along the
-# wrong dimension, blocks not offset by the rank, an average where a sum belongs, micro-batch
-# gradients not accumulated.
+# records every collective your code makes, and compares outputs and gradients (of the input,
+# and of every weight and bias shard) with the plain layer on one process. A wrong answer stops
+# with one sentence naming its mistake.
 
 # %% tags=["parameters"]
 check_timeout = 30  # seconds before a hanging rank is stopped
@@ -77,25 +86,25 @@ lab11.check_block_of(block_of)
 # default op), which works **in place**: all-reduce a copy of the tensor you were given
 # (`.clone()`), not the tensor itself.
 #
-# - `f` sits before the column layer: every rank holds the **same** `x`, so the forward has
-#   nothing to do. In the backward, each rank's block of the layer contributes only part of
-#   dL/dx; the whole gradient is their **sum**.
-# - `g` sits after the row layer: each rank holds a **partial** product; the output is their
-#   **sum**. In the backward, the gradient of a sum reaches each term unchanged.
+# - `f` sits before the column layer, whose input `x` is the **same** on every rank.
+# - `g` sits after the row layer, where each rank holds a **partial** product.
+#
+# For each, decide from the questions above what its forward returns and what its backward
+# returns, and which of the four methods calls a collective.
 
 # %%
 class CopyToTPRegion(torch.autograd.Function):
-    """Megatron's f: identity forward, all-reduce (sum) backward."""
+    """Megatron's f: wraps the column-parallel layer's input."""
 
     @staticmethod
     def forward(ctx, x):
-        ### BEGIN SOLUTION: every rank already holds the same x: give it back unchanged
+        ### BEGIN SOLUTION: what x must become on its way into the column layer
         return x.clone()
         ### END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
-        ### BEGIN SOLUTION: sum a copy of the gradient over the ranks and return it
+        ### BEGIN SOLUTION: dL/dx from this rank's dL/d(output of f) — see the hint on ∂L/∂X
         summed = grad.clone()
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         return summed
@@ -103,11 +112,11 @@ class CopyToTPRegion(torch.autograd.Function):
 
 
 class ReduceFromTPRegion(torch.autograd.Function):
-    """Megatron's g: all-reduce (sum) forward, identity backward."""
+    """Megatron's g: wraps the row-parallel layer's output."""
 
     @staticmethod
     def forward(ctx, x):
-        ### BEGIN SOLUTION: sum a copy of the partial results over the ranks and return it
+        ### BEGIN SOLUTION: the layer's output from this rank's partial product
         summed = x.clone()
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         return summed
@@ -115,7 +124,7 @@ class ReduceFromTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ### BEGIN SOLUTION: the gradient of a sum reaches each term as it is
+        ### BEGIN SOLUTION: the gradient of this rank's partial product from dL/dY
         return grad
         ### END SOLUTION
 
@@ -130,27 +139,28 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, timeout=check_timeout
 # layout: `linear.weight` is **(out_features, in_features)**, and the layer computes
 # `x @ weight.T + bias`.
 #
-# - `ColumnParallel` keeps the block of **output** features: rows of the weight, and the same
-#   block of the bias. Its forward passes `x` through `f`, then computes its block of the
-#   output — no communication in the forward.
-# - `RowParallel` keeps the block of **input** features: columns of the weight. Its input is
-#   this rank's block of the hidden features; it computes its partial product, sums the
-#   partial products with `g`, and adds the bias **once**: the sum of N copies of the bias
-#   would be N times the bias. Keep the whole bias on every rank and add it after `g`, or add
-#   it before `g` on rank 0 only.
+# - `ColumnParallel` keeps this rank's block of the **output** features; its forward returns
+#   this rank's block of the layer's output.
+# - `RowParallel` takes this rank's block of the hidden features (the column layer's output
+#   after the GeLU) and keeps the matching block of the **input** features; its forward
+#   returns the whole layer's output, the same on every rank.
+#
+# Decide which dimension of `linear.weight` holds each block, what happens to each layer's
+# bias (sliced or whole; added before `g`, after it, on which ranks — the output must hold it
+# exactly once), and where `f` and `g` go.
 
 # %%
 class ColumnParallel(nn.Module):
     def __init__(self, linear, rank, world_size):
         super().__init__()
-        ### BEGIN SOLUTION: block_of(out_features); this rank's rows of the weight and its block of the bias, as new Parameters
+        ### BEGIN SOLUTION: this rank's block of the weight (which dimension?) and what it needs of the bias, as new nn.Parameters
         start, stop = block_of(linear.out_features, rank, world_size)
         self.weight = nn.Parameter(linear.weight.detach()[start:stop, :].clone())
         self.bias = nn.Parameter(linear.bias.detach()[start:stop].clone())
         ### END SOLUTION
 
     def forward(self, x):
-        ### BEGIN SOLUTION: f, then this rank's block of the output features
+        ### BEGIN SOLUTION: this rank's block of the output features, with f where its gradient is needed
         x = CopyToTPRegion.apply(x)
         return x @ self.weight.T + self.bias
         ### END SOLUTION
@@ -163,14 +173,14 @@ lab11.check_column_parallel(ColumnParallel, timeout=check_timeout)
 class RowParallel(nn.Module):
     def __init__(self, linear, rank, world_size):
         super().__init__()
-        ### BEGIN SOLUTION: block_of(in_features); this rank's columns of the weight; the whole bias
+        ### BEGIN SOLUTION: this rank's block of the weight (which dimension?) and what it needs of the bias, as new nn.Parameters
         start, stop = block_of(linear.in_features, rank, world_size)
         self.weight = nn.Parameter(linear.weight.detach()[:, start:stop].clone())
         self.bias = nn.Parameter(linear.bias.detach().clone())
         ### END SOLUTION
 
     def forward(self, hidden_block):
-        ### BEGIN SOLUTION: the partial product, g to sum it over the ranks, then the bias once
+        ### BEGIN SOLUTION: the whole layer's output on every rank, through g, the bias counted once
         partial = hidden_block @ self.weight.T
         return ReduceFromTPRegion.apply(partial) + self.bias
         ### END SOLUTION
@@ -184,8 +194,9 @@ lab11.check_row_parallel(RowParallel, timeout=check_timeout)
 # `plain` is `nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))`. Build the column
 # layer from its first layer and the row layer from its last, with the GeLU between them: it
 # acts on each hidden feature alone, so it runs on a block as well as on the whole. The check
-# compares your MLP with `plain` on 2 and 3 ranks (output and dL/dx), counts one all-reduce in
-# the forward and one in the backward, and then builds it with h = 16 on 3 ranks.
+# compares your MLP with `plain` on 2 and 3 ranks (output, dL/dx, and each rank's weight and
+# bias gradients against the matching slice of `plain`'s), counts the collectives of each
+# pass, and then builds it with h = 16 on 3 ranks.
 
 # %%
 class TPMLP(nn.Module):
@@ -208,14 +219,17 @@ lab11.check_tp_mlp(TPMLP, timeout=check_timeout)
 # %% [markdown]
 # ## Stretch (optional): one GPipe step, and its bubble
 #
-# A workshop can stop here. Lesson 11 cut a model into stages, one per rank; write the step of
-# one stage under the GPipe schedule. `gpipe_step(stage, rank, world_size, m, inputs, targets,
-# loss_fn, shape)`, with `m` micro-batches (`inputs` on the first stage, `targets` on the last,
-# `None` elsewhere; `shape` is one micro-batch's activation between stages):
+# A workshop can stop here. Lesson 11 §3 cut a model into stages: stage r (an index) runs on
+# rank r, and `module` is its part of the model (an `nn.Module`). Write one GPipe step of a
+# stage: `gpipe_step(module, rank, world_size, m, inputs, targets, loss_fn, shape)`, with `m`
+# micro-batches (`inputs`, a list of m tensors, on stage 0; `targets` on the last stage;
+# `None` elsewhere; `shape` is one micro-batch's activation between stages). Send and receive
+# with the blocking `dist.send` and `dist.recv` (with `dist.isend` instead, keep every request
+# and `wait()` on it before returning):
 #
 # - **forwards**, for each micro-batch i = 0 … m−1: stage 0 takes `inputs[i]`; every other
 #   stage receives its input (`torch.empty(shape)`, `dist.recv(..., src=rank - 1)`) and makes
-#   it require grad. Run `stage` on it; send the output to `rank + 1` — or, on the last stage,
+#   it require grad. Run `module` on it; send the output to `rank + 1` — or, on the last stage,
 #   compute `loss_fn(output, targets[i]) / m`. Keep each micro-batch's input and output for its
 #   backward.
 # - **backwards**, for each micro-batch: the last stage calls `backward()` on its loss; every
@@ -223,19 +237,20 @@ lab11.check_tp_mlp(TPMLP, timeout=check_timeout)
 #   `output.backward(gradient)`. Each stage but the first sends the gradient of its input to
 #   `rank - 1`. Do **not** zero the gradients between micro-batches: autograd adds each
 #   backward into `.grad`, and that sum is the batch's gradient.
-# - return `(loss, events)`: the batch's loss on the last stage (the sum of the divided
-#   micro-batch losses; `None` elsewhere) and one `(kind, i, start, end)` per action, `kind`
-#   `"F"` or `"B"`, the times from `time.perf_counter()` around the computation only (not the
-#   waiting for messages).
+# - return `(loss, events)`: `loss` is a Python float on the last stage, the batch's loss (the
+#   sum of the divided micro-batch losses' `.item()`), and `None` on the other stages;
+#   `events` has one `(kind, i, start, end)` per action, `kind` `"F"` or `"B"`, the times from
+#   `time.perf_counter()` around the computation only (not the waiting for messages).
 #
-# Then `bubble(events, stages)`: `events` holds every stage's actions as `(stage, kind, i,
-# start, end)`; return the share of the step the stages were idle: 1 − (time spent computing,
-# all stages together) / (stages × the step's span, from the earliest start to the latest end).
+# Then `bubble(events, stages)`: `stages` is the number of stages, and `events` holds every
+# stage's actions as `(stage, kind, i, start, end)`, `stage` its index; return the share of
+# the step the stages were idle: 1 − (time spent computing, all stages together) / (stages ×
+# the step's span, from the earliest start to the latest end).
 # The check runs your step on 2 and 3 stages with M = 4 and compares the gradients with the
 # unsplit model's on the whole batch.
 
 # %%
-def gpipe_step(stage, rank, world_size, m, inputs, targets, loss_fn, shape):
+def gpipe_step(module, rank, world_size, m, inputs, targets, loss_fn, shape):
     ### BEGIN SOLUTION: every forward, then every backward, as above; time the computations only
     kept, events, loss = [], [], None
     for i in range(m):
@@ -246,7 +261,7 @@ def gpipe_step(stage, rank, world_size, m, inputs, targets, loss_fn, shape):
             dist.recv(act, src=rank - 1)
             act.requires_grad_()
         t0 = time.perf_counter()
-        result = stage(act)
+        result = module(act)
         if rank == world_size - 1:
             result = loss_fn(result, targets[i]) / m
             loss = result.item() if loss is None else loss + result.item()

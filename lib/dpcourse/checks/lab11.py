@@ -856,10 +856,10 @@ def _micro_grads(world_size: int, m: int) -> tuple:
 
 @recorded
 def check_gpipe(step_fn, bubble_fn, stages=_STAGES, timeout: float | None = None) -> None:
-    """Stretch: ``step_fn(stage, rank, world_size, m, inputs, targets, loss_fn, shape)`` runs one
-    GPipe step of this rank's stage over send/recv and returns ``(loss, events)``; on 2 and 3
-    stages with 4 micro-batches its gradients must equal the unsplit model's on the whole
-    batch. ``bubble_fn(events, stages)`` must give the measured idle share of a timeline
+    """Stretch: ``step_fn(module, rank, world_size, m, inputs, targets, loss_fn, shape)`` runs one
+    GPipe step of this rank's stage (``module``, its part of the model) over send/recv and
+    returns ``(loss, events)``; on 2 and 3 stages with 4 micro-batches its gradients must equal
+    the unsplit model's on the whole batch. ``bubble_fn(events, stages)`` must give the measured idle share of a timeline
     ``[(stage, kind, micro-batch, start, end)]``."""
     __tracebackhide__ = True
     _todo(step_fn, bubble_fn)
