@@ -153,6 +153,8 @@ def test_the_generated_pages(staged):
     # the maintainers' page is a page of the site, and README's link to it stays on the site
     assert (src / "ARCHITECTURE.md").read_text().startswith("# Architecture")
     assert "\nARCHITECTURE\n" in index and "](ARCHITECTURE.md)" in index
+    # the learners' one-page handout is a page too (README and the guide link it)
+    assert "lessons/HANDOUT" in index and (src / "lessons" / "HANDOUT.md").exists()
 
 
 def test_readme_requirements_and_the_pages_workflow_agree_on_one_build():

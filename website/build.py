@@ -42,7 +42,8 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 # a printed measurement: a number followed by a unit of time, rate or ratio
 MEASURED = re.compile(r"\d[\d.,]*\s*(?:ms|s|us|µs|GB/s|MB/s|samples/s|x|×|%)(?![A-Za-z])")
 # Markdown pages of the repository that become pages of the site (under "Reference")
-DOC_PAGES = (Path("lessons/INSTRUCTOR_GUIDE.md"), Path("ARCHITECTURE.md"))
+DOC_PAGES = (Path("lessons/INSTRUCTOR_GUIDE.md"), Path("lessons/HANDOUT.md"),
+             Path("ARCHITECTURE.md"))
 BENCH_MODULES = [("bench/allreduce", "python -m dpcourse.bench allreduce"),
                  ("bench/ddp", "python -m dpcourse.bench ddp"),
                  ("bench/scaling", "python -m dpcourse.bench scaling"),
