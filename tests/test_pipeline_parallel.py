@@ -131,3 +131,18 @@ def test_torch_pipelining_equals_ours(name):
     assert out["torch_messages"] == out["our_messages"] == pp.messages_per_step(2, 4)
     assert out["torch_message_bytes"] == out["our_message_bytes"] == 8 * 16 * 4 * 2
     assert out["torch_setup_messages"] > 0
+
+
+def test_repeated_steps_keep_the_same_attempt_on_every_stage():
+    # With several measured steps, every rank must keep the same one: stage 1's forward of a
+    # micro-batch can only start once stage 0 has sent it (its forward ended). Ranks that kept
+    # different attempts each (their own shortest) broke this and inflated the bubble.
+    (run,) = pp.run_pipeline(2, (4,), ("gpipe",), width=16, blocks=2, batch=8,
+                             delay_s=0.02, repeats=3, timeout=60)
+    forward_end = {i: end for stage, kind, i, start, end in run.events
+                   if stage == 0 and kind == "F"}
+    later = [(i, start, forward_end[i]) for stage, kind, i, start, end in run.events
+             if stage == 1 and kind == "F"]
+    assert len(later) == 4
+    assert all(start >= end - 1e-4 for i, start, end in later), later
+    assert run.ideal - 0.05 <= run.bubble <= run.ideal + 0.25, (run.bubble, run.ideal)

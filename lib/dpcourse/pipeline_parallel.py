@@ -427,8 +427,9 @@ class PipelineRun:
 def pipeline_worker(rank: int, world_size: int, configs: list, width: int, blocks: int,
                     batch: int, seed: int = 0, delay_s: float = 0.0, repeats: int = 1) -> list:
     """One rank of :func:`run_pipeline`: for each ``(schedule, M)`` in ``configs``, one warm-up
-    step and then ``repeats`` measured steps of this rank's stage; the step with the shortest
-    span is kept (``repeats=0``: just one step, kept). Returns, per configuration, this
+    step and then ``repeats`` measured steps of this rank's stage; the step whose whole
+    pipeline (first start to last end over all ranks) was shortest is kept, the same step on
+    every rank (``repeats=0``: just one step, kept). Returns, per configuration, this
     stage's gradients, loss, timeline, peak activations and the point-to-point messages it
     sent (counted by ``dpcourse.collectives.record_collectives``).
 
@@ -444,17 +445,23 @@ def pipeline_worker(rank: int, world_size: int, configs: list, width: int, block
         schedule = _schedule(name)(world_size, m, rank)
         xs, ys = micro_batches(x, m), micro_batches(y, m)
         shape = (batch // m, width)
-        best = None
+        kept = []
         for attempt in range(1 + repeats):     # repeats=0: the one step is kept
             module.zero_grad(set_to_none=True)
             dist.barrier()
             with record_collectives() as calls:
                 rec = run_stage(module, schedule, rank, world_size, inputs=xs, targets=ys,
                                 shape=shape, loss_fn=_mse, delay_s=delay_s)
-            span = rec.events[-1][3] - rec.events[0][2]
-            if (attempt or not repeats) and (best is None or span < best[0]):
-                best = (span, rec, calls)
-        _, rec, calls = best
+            if attempt or not repeats:
+                kept.append((rec, calls))
+        # Every rank must keep the same attempt, or the Gantt chart mixes steps: the pipeline's
+        # span of an attempt is its earliest start to its latest end over all ranks (one
+        # monotonic clock on one machine).
+        starts = torch.tensor([r.events[0][2] for r, _ in kept], dtype=torch.float64)
+        ends = torch.tensor([r.events[-1][3] for r, _ in kept], dtype=torch.float64)
+        dist.all_reduce(starts, op=dist.ReduceOp.MIN)
+        dist.all_reduce(ends, op=dist.ReduceOp.MAX)
+        rec, calls = kept[int(torch.argmin(ends - starts))]
         results.append({
             "record": rec,
             "grads": [p.grad.clone() for p in module.parameters()],
