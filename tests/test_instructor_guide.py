@@ -89,17 +89,7 @@ def section(title: str) -> list[str]:
 
 def all_rows(lines: list[str]) -> list[dict[str, str]]:
     """Every table row in ``lines``, each table parsed with its own header."""
-    rows, i = [], 0
-    while i < len(lines):
-        if lines[i].startswith("|"):
-            j = i
-            while j < len(lines) and lines[j].startswith("|"):
-                j += 1
-            rows += table_rows(lines[i:j])
-            i = j
-        else:
-            i += 1
-    return rows
+    return [row for table in tables(lines) for row in table]
 
 
 def links(text: str) -> list[str]:
