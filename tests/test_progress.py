@@ -320,12 +320,90 @@ def _hang_on_rank0(rank, world_size):
         time.sleep(60)
 
 
+def _hang_on_both(rank, world_size):
+    time.sleep(60)
+
+
 def test_a_timeout_says_deadlock_and_slowness(log):
+    """Nobody returned: the check cannot tell a deadlock from a slow machine, so it says both and
+    shows where the longer timeout goes (the check's own call)."""
+    with pytest.raises(LabCheckError) as info:
+        checks.run_ranks(_hang_on_both, 2, timeout=3, backend=None,
+                         hang="every rank must call the same collectives.")
+    message = info.value.message
+    assert message.startswith("rank(s) 0, 1 never finished within 3 s — a deadlock: every rank")
+    assert ("no answer within 3 s — on a crowded server this may be slowness: run the check "
+            "again with a longer timeout, timeout=120") in message
+    assert checks.slowness(120).endswith("timeout=240")
+
+    check = _make_check("lab03", "check_hang", lambda: checks.run_ranks(
+        _hang_on_both, 2, timeout=2, backend=None, hang="x."))
+    with pytest.raises(LabCheckError, match=r"check_hang\(\.\.\., timeout=120\)"):
+        check()
+
+
+def test_a_diagnosed_deadlock_does_not_suggest_slowness(log):
+    """A rank still waiting after its peer returned waits for a collective the peer will never
+    call: no longer timeout helps, and the sentence does not send the learner to find one."""
     with pytest.raises(LabCheckError) as info:
         checks.run_ranks(_hang_on_rank0, 2, timeout=3, backend=None,
                          hang="every rank must call the same collectives.")
     message = info.value.message
     assert message.startswith("rank(s) 0 never finished within 3 s — a deadlock: every rank")
-    assert ("no answer within 3 s — on a crowded server this may be slowness: run again with "
-            "timeout=120") in message
-    assert checks.slowness(120).endswith("timeout=240")
+    assert "rank(s) 1 had already returned, so no longer timeout can help" in message
+    assert "slowness" not in message and "timeout=" not in message
+
+
+# --- predictions -----------------------------------------------------------------------------
+
+
+def test_a_prediction_is_validated_recorded_and_revealed(log, capsys):
+    guess = checks.predict("lab07", "all-reduces in one step", 3, unit="all-reduces")
+    assert guess == checks.Prediction("lab07", "all-reduces in one step", 3, "all-reduces")
+    assert capsys.readouterr().out == ("Prediction recorded — all-reduces in one step: 3 "
+                                       "all-reduces. Now run the measurement.\n")
+    checks.reveal(guess, 2, close=False, explanation="The first bucket holds two parameters.")
+    out = capsys.readouterr().out
+    assert out.startswith("Your prediction: 3 all-reduces; measured: 2 all-reduces — not what "
+                          "happened.\nThe first bucket")
+    first, second = [json.loads(line) for line in log.read_text().splitlines()]
+    assert (first["outcome"], first["predicted"], first["mistake"]) == ("predicted", 3, "")
+    assert (second["outcome"], second["measured"], second["close"]) == ("compared", 2, False)
+    assert first["check"] == second["check"] == "predict all-reduces in one step"
+
+
+@pytest.mark.parametrize("value, words", [
+    (None, "write your prediction"), (..., "write your prediction"),
+    ("3", "must be a number"), (True, "must be a number"), (float("nan"), "finite"),
+])
+def test_a_prediction_that_is_not_a_number_is_refused(log, value, words):
+    with pytest.raises((LabCheckError, NotImplementedError), match=words):
+        checks.predict("lab07", "q", value)
+    with pytest.raises(LabCheckError, match="not one of the choices"):
+        checks.predict("lab07", "q", "maybe", choices=["grows", "shrinks"])
+    assert checks.predict("lab07", "q", "grows", choices=["grows", "shrinks"]).value == "grows"
+    with pytest.raises(LabCheckError, match="the Prediction that predict"):
+        checks.reveal(3, 3, close=True, explanation="")
+
+
+def test_the_table_shows_what_the_room_predicted(log, monkeypatch):
+    for who, value in [("ana", 3), ("bo", 2), ("cy", 3)]:
+        _as(monkeypatch, who)
+        with contextlib.redirect_stdout(io.StringIO()):
+            guess = checks.predict("lab07", "all-reduces in one step", value)
+            if who != "cy":
+                checks.reveal(guess, 3, close=value == 3, explanation="")
+    table = _table(log)
+    assert "→ 3 ✔" in table and "→ 2 ✗ (3)" in table and "→ 3" in table
+    assert ("The room predicted, lab07 predict all-reduces in one step: 3 ×2, 2 ×1 (measured 3; "
+            "1 of 2 right).") in table
+    assert "Nobody is stuck on a mistake right now." in table  # predictions are not mistakes
+
+
+def test_the_library_answer_is_refused_as_the_learners():
+    from dpcourse import train
+
+    with pytest.raises(LabCheckError, match=r"library's own reference answer "
+                                            r"\(dpcourse\.train\.train_one_epoch\)"):
+        checks.refuse_reference(train.train_one_epoch, "train_one_epoch", train.train_one_epoch)
+    checks.refuse_reference(lambda: None, "train_one_epoch", train.train_one_epoch)

@@ -108,11 +108,15 @@ class RankFailedError(LaunchError):
 class LaunchTimeoutError(LaunchError, TimeoutError):
     """Some ranks did not finish within ``timeout`` seconds; they were killed.
 
-    ``pending`` lists the ranks that never finished (empty when torchrun timed out as a whole).
+    ``pending`` lists the ranks that never finished (empty when torchrun timed out as a whole),
+    ``finished`` those that returned: a rank still waiting after a peer has returned waits for a
+    collective that peer will never call — a deadlock, not slowness.
     """
 
-    def __init__(self, message: str, pending: Sequence[int] = (), timeout: float | None = None):
+    def __init__(self, message: str, pending: Sequence[int] = (), timeout: float | None = None,
+                 finished: Sequence[int] = ()):
         self.pending = list(pending)
+        self.finished = list(finished)
         self.timeout = timeout
         super().__init__(message)
 
@@ -124,7 +128,7 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
             f"rank(s) {who} of {world_size} never finished within {timeout:g} s and were stopped "
             f"(finished: {done}). A rank waiting in a collective that another rank never calls "
             f"hangs like this.",
-            pending, timeout,
+            pending, timeout, finished,
         )
 
 

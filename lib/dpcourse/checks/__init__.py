@@ -18,6 +18,10 @@ What every check shares lives here, once:
   makes a right answer slow), and a timeout's message says it may be slowness, not a deadlock.
 * :func:`run_ranks`: a launch of the learner's code on N ranks whose timeout, unfilled TODO or
   exception becomes the one sentence a check says.
+* :func:`predict` and :func:`reveal`: a prediction the learner writes before a measurement, and
+  the comparison a lab's check makes afterwards, both recorded for the instructor's table.
+* :func:`refuse_reference`: a check refuses the library's own reference answer passed as the
+  learner's (the lab asks for the learner's code, and the library's passes every check).
 
 ARCHITECTURE.md at the repository root says where this sits in the library.
 """
@@ -26,7 +30,9 @@ from __future__ import annotations
 
 import ast
 import contextvars
+import dataclasses
 import datetime
+import numbers
 import functools
 import getpass
 import inspect
@@ -37,7 +43,7 @@ import textwrap
 import time
 
 __all__ = ["LabCheckError", "ClaimError", "passed", "fail", "claim", "has_todo", "require_answer",
-           "recorded",
+           "refuse_reference", "recorded", "Prediction", "predict", "reveal",
            "check_timeout", "slowness", "run_ranks", "short_mistake", "PROGRESS_ENV",
            "TIMEOUT_ENV", "LEARNER_ENV"]
 
@@ -105,6 +111,20 @@ def require_answer(answer, name: str, kind: str = "function") -> None:
                                   f"TODOs with your answer.")
 
 
+def refuse_reference(answer, name: str, *references, why: str = "") -> None:
+    """Fail when ``answer`` is one of the library's ``references`` (the function or class a
+    lesson imports, e.g. ``dpcourse.train.train_one_epoch``): it passes the check by
+    construction, so passing it proves nothing. ``why`` may add what the lab wants instead."""
+    __tracebackhide__ = True
+    for ref in references:
+        if answer is ref or (getattr(answer, "__code__", None) is not None
+                             and getattr(answer, "__code__", None) is getattr(ref, "__code__", 0)):
+            where = f"{getattr(ref, '__module__', 'dpcourse')}.{getattr(ref, '__qualname__', name)}"
+            fail(f"{name} is the library's own reference answer ({where}), which this check "
+                 f"is built to accept: the lab asks for your own {name}"
+                 + (f" — {why.rstrip('.')}." if why else "."))
+
+
 class ClaimError(AssertionError):
     """A lesson's claim did not hold on this run; the message names the claim and its values."""
 
@@ -144,6 +164,7 @@ def _short(value, limit: int = 200) -> str:
 _MESSAGE_LIMIT = 400  # characters of the mistake kept in a line: a line stays far below 4 KiB
 _SHORT_LIMIT = 60
 _inside_check = contextvars.ContextVar("dpcourse_inside_check", default=False)
+_current_check = contextvars.ContextVar("dpcourse_current_check", default="")
 _write_problems: set = set()
 
 
@@ -227,6 +248,14 @@ def recorded(fn=None, *, name: str | None = None):
     @functools.wraps(fn)
     def check(*args, **kwargs):
         __tracebackhide__ = True
+        named = _current_check.set(_current_check.get() or fn.__name__)  # for slowness()
+        try:
+            return _run(*args, **kwargs)
+        finally:
+            _current_check.reset(named)
+
+    def _run(*args, **kwargs):
+        __tracebackhide__ = True
         path = os.environ.get(PROGRESS_ENV, "").strip()
         if not path or _inside_check.get():
             return fn(*args, **kwargs)
@@ -261,6 +290,100 @@ def recorded(fn=None, *, name: str | None = None):
     return check
 
 
+# --- predictions: written before a measurement, compared after it ------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """What a learner predicted before a measurement: returned by :func:`predict`, handed to the
+    lab's check that compares it with the measurement (through :func:`reveal`)."""
+
+    lab: str
+    question: str
+    value: object
+    unit: str = ""
+
+    def shown(self, value=None) -> str:
+        value = self.value if value is None else value
+        text = _number(value) if _is_number(value) else str(value)
+        return f"{text} {self.unit}".rstrip()
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _number(value) -> str:
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    return f"{float(value):.4g}"
+
+
+def predict(lab: str, question: str, value, *, unit: str = "", choices=None) -> Prediction:
+    """Record the learner's prediction for ``question`` before the measurement runs.
+
+    ``value`` is a number (int or float), or one of ``choices`` when the question is a choice.
+    Prints one line, appends the prediction to the progress file (when ``DPCOURSE_PROGRESS``
+    names one: the instructor sees what the room expected) and returns a :class:`Prediction`
+    for the lab's check to compare with the measurement."""
+    __tracebackhide__ = True
+    if value is None or value is Ellipsis:
+        raise NotImplementedError(f"write your prediction for {question!r} first (a "
+                                  f"{'choice' if choices else 'number'}), then run this cell")
+    if choices is not None:
+        choices = list(choices)
+        if value not in choices:
+            fail(f"your prediction for {question!r} is {value!r}, which is not one of the "
+                 f"choices: {', '.join(map(repr, choices))}.")
+    elif not _is_number(value):
+        fail(f"your prediction for {question!r} must be a number (an int or a float), got "
+             f"{type(value).__name__} {value!r}.")
+    elif value != value or value in (float("inf"), float("-inf")):
+        fail(f"your prediction for {question!r} must be a finite number, got {value!r}.")
+    guess = Prediction(lab, question, value, unit)
+    _record(lab, f"predict {question}", "predicted",
+            f"predicted {guess.shown()}", {"predicted": _jsonable(value)})
+    print(f"Prediction recorded — {question}: {guess.shown()}. Now run the measurement.")
+    return guess
+
+
+def reveal(prediction: Prediction, measured, *, close: bool, explanation: str) -> None:
+    """Compare a :class:`Prediction` with what was measured, for a lab's check: print whether it
+    was right and ``explanation`` (why the measured value is what it is, in a sentence or two)
+    and record both. A prediction is not graded: a wrong one never raises."""
+    __tracebackhide__ = True
+    if not isinstance(prediction, Prediction):
+        fail(f"the check needs the Prediction that predict(...) returned, got "
+             f"{type(prediction).__name__}: pass the value of the predict(...) cell.")
+    verdict = "right" if close else "not what happened"
+    print(f"Your prediction: {prediction.shown()}; measured: {prediction.shown(measured)} — "
+          f"{verdict}.")
+    if explanation:
+        print(textwrap.fill(" ".join(explanation.split()), width=100))
+    _record(prediction.lab, f"predict {prediction.question}", "compared",
+            f"predicted {prediction.shown()}, measured {prediction.shown(measured)}",
+            {"predicted": _jsonable(prediction.value), "measured": _jsonable(measured),
+             "close": bool(close)})
+
+
+def _jsonable(value):
+    if _is_number(value):
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
+    return value if isinstance(value, (str, bool, type(None))) else str(value)
+
+
+def _record(lab: str, check: str, outcome: str, message: str, extra: dict) -> None:
+    path = os.environ.get(PROGRESS_ENV, "").strip()
+    if not path:
+        return
+    try:
+        entry = json.loads(_progress_line(lab, check, outcome, message, 0.0))
+        entry.update(extra, mistake="")  # a prediction is not a mistake, right or wrong
+        write_progress(path, (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8"))
+    except Exception:  # recording never changes what the learner's cell does
+        pass
+
+
 # --- timeouts and launches of the learner's code -----------------------------------------------
 
 
@@ -288,16 +411,24 @@ def check_timeout(timeout: float | None, default: float) -> float:
 
 
 def slowness(timeout: float) -> str:
-    """The clause every timeout message carries: on a crowded server a right answer can be slow,
-    and the learner is told which longer timeout to try."""
+    """The clause a timeout message carries when the check cannot tell a deadlock from a slow
+    machine: on a crowded server a right answer can be slow, and the learner is told which
+    longer timeout to try and where it goes (the check cell's own call)."""
     longer = 120 if timeout < 120 else 60 * round(2 * timeout / 60)
+    check = _current_check.get()
+    where = f"{check}(..., timeout={longer})" if check else f"timeout={longer}"
     return (f"no answer within {timeout:g} s — on a crowded server this may be slowness: run "
-            f"again with timeout={longer}")
+            f"the check again with a longer timeout, {where}")
 
 
-def timed_out(sentence: str, timeout: float) -> str:
-    """A timeout's sentence (what the deadlock would be) joined with :func:`slowness`."""
-    return f"{sentence.rstrip().rstrip('.')}; but {slowness(timeout)}."
+def timed_out(sentence: str, timeout: float, diagnosed: bool = False) -> str:
+    """A timeout's sentence (what the deadlock would be) joined with :func:`slowness` — unless
+    the check ``diagnosed`` a deadlock (a rank waits for a peer that has already returned), when
+    a longer timeout cannot help and saying so would send the learner the wrong way."""
+    sentence = sentence.rstrip().rstrip(".")
+    if diagnosed:
+        return f"{sentence}."
+    return f"{sentence}; but {slowness(timeout)}."
 
 
 def run_ranks(worker, world_size: int, *args, timeout: float, hang, backend: str | None = "gloo",
@@ -322,12 +453,19 @@ def run_ranks(worker, world_size: int, *args, timeout: float, hang, backend: str
         return launch.spawn(worker, world_size, *args, backend=backend, timeout=timeout,
                             show_output=False)
     except launch.LaunchTimeoutError as exc:
+        # A rank still waiting after another has returned waits for a collective that peer will
+        # never call: a deadlock, whatever the machine's speed.
+        diagnosed = bool(getattr(exc, "finished", None)) and bool(exc.pending)
         if callable(hang):
             sentence = hang(exc)
         else:
             who = ", ".join(map(str, exc.pending)) or "some rank"
             sentence = f"rank(s) {who} never finished within {timeout:g} s — a deadlock: {hang}"
-        fail(timed_out(sentence, timeout))
+        if diagnosed:
+            done = ", ".join(map(str, exc.finished))
+            sentence = (f"{sentence.rstrip().rstrip('.')} (rank(s) {done} had already returned, "
+                        f"so no longer timeout can help)")
+        fail(timed_out(sentence, timeout, diagnosed=diagnosed))
     except launch.RankFailedError as exc:
         if exc.summary.startswith("NotImplementedError"):
             raise NotImplementedError(

@@ -8,7 +8,9 @@ This module reads that file and prints what an instructor needs during a lab:
 * the class table: one row per learner, one column per check that anyone has run, each cell
   the learner's LATEST attempt (``✔``, or the short mistake) and how many attempts they made;
 * the mistake most learners are stuck on right now, with the check's whole sentence: the thing
-  to say out loud to the room.
+  to say out loud to the room;
+* what the room predicted before each measurement (``dpcourse.checks.predict``): the values,
+  counted, beside the measured one — the misconception to talk about before the lab goes on.
 
     python -m dpcourse progress /srv/dpcourse/progress.jsonl            # the table
     python -m dpcourse progress PATH --lab lab03 --cell 40               # one lab, wider cells
@@ -27,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Attempts", "read_log", "summarize", "most_common", "render", "main"]
+__all__ = ["Attempts", "read_log", "summarize", "most_common", "predictions", "render", "main"]
 
 _RECORD_START = '{"learner":'  # every line the checks write starts with this key
 _OUTCOME_CELL = {"todo": "TODO not filled", "interrupted": "stopped"}
@@ -45,6 +47,12 @@ class Attempts:
         return bool(self.latest.get("passed"))
 
     def cell(self, width: int) -> str:
+        outcome = self.latest.get("outcome")
+        if outcome in ("predicted", "compared"):  # a prediction: its value, then right or not
+            text = f"→ {self.latest.get('predicted')}"
+            if outcome == "compared":
+                text += " ✔" if self.latest.get("close") else f" ✗ ({self.latest.get('measured')})"
+            return text[:width]
         if self.passed:
             text = "✔"
         else:
@@ -162,6 +170,7 @@ def render(records: list[dict], skipped: int = 0, labs=None, width: int = 30,
     out = [f"{len(learners)} learner(s), {len(records)} check run(s); each cell: the latest "
            f"attempt (✔ or the mistake), (n) attempts when more than one, · not tried yet.", "",
            line(header), rule, *map(line, rows), rule, line(passed), ""]
+    out.extend(prediction_lines(cells))
     common = most_common(cells)
     if common:
         label, short, n, sentence = common[0]
@@ -173,6 +182,35 @@ def render(records: list[dict], skipped: int = 0, labs=None, width: int = 30,
     else:
         out.append("Nobody is stuck on a mistake right now.")
     return "\n".join(out) + _skipped_note(skipped)
+
+
+def predictions(cells: dict) -> list[dict]:
+    """What the room predicted, per prediction question (``predict ...`` columns): each
+    learner's latest prediction counted by value, the measured value where a check compared it,
+    and how many were right."""
+    questions: dict[str, dict] = {}
+    for (_, label), attempts in cells.items():
+        record = attempts.latest
+        if record.get("outcome") not in ("predicted", "compared"):
+            continue
+        q = questions.setdefault(label, {"check": label, "values": Counter(), "measured": None,
+                                         "compared": 0, "close": 0})
+        q["values"][str(record.get("predicted"))] += 1
+        if record.get("outcome") == "compared":
+            q["compared"] += 1
+            q["close"] += bool(record.get("close"))
+            q["measured"] = record.get("measured")
+    return [questions[k] for k in sorted(questions)]
+
+
+def prediction_lines(cells: dict) -> list[str]:
+    lines = []
+    for q in predictions(cells):
+        values = ", ".join(f"{v} ×{n}" for v, n in q["values"].most_common())
+        measured = f" (measured {q['measured']}; {q['close']} of {q['compared']} right)" \
+            if q["compared"] else ""
+        lines.append(f"The room predicted, {q['check']}: {values}{measured}.")
+    return lines + ([""] if lines else [])
 
 
 def _skipped_note(skipped: int) -> str:
@@ -193,6 +231,7 @@ def as_json(records: list[dict], skipped: int, labs=None) -> dict:
                         for label in checks if (who, label) in cells} for who in learners},
         "most_common": [{"check": c, "mistake": m, "learners": n, "sentence": s}
                         for c, m, n, s in most_common(cells)],
+        "predictions": [dict(q, values=dict(q["values"])) for q in predictions(cells)],
         "skipped_lines": skipped,
     }
 
