@@ -22,7 +22,7 @@
 #
 # **Time:** about 65 minutes to read and run.
 #
-# **Lab:** [lab08_zero_one](../labs/lab08_zero_one.ipynb) — write ZeRO stage 2 the way it
+# **Lab:** [lab08_zero_two](../labs/lab08_zero_two.ipynb) — write ZeRO stage 2 the way it
 # saves memory: buckets reduce-scattered asynchronously *during* the backward; the check runs
 # it on 2 and 3 ranks next to DDP, on a model with a frozen and a tied parameter, and weighs
 # the gradient memory alive at once.
@@ -154,7 +154,7 @@ zero_calculator = viz.explorer(
 # steps), not at the rank's fullest moment, its **peak**.
 #
 # ## Lab 08: ZeRO-2 that earns its memory
-# Open [lab08_zero_one](../labs/lab08_zero_one.ipynb) and write stage 2 the way that lowers
+# Open [lab08_zero_two](../labs/lab08_zero_two.ipynb) and write stage 2 the way that lowers
 # the peak: gradients grouped in buckets (lesson 07), each bucket reduce-scattered
 # *asynchronously* from a hook as soon as its last gradient arrives, its full gradients
 # dropped at once, one bucket in flight at a time. The check weighs the gradient memory alive
