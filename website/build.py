@@ -9,7 +9,8 @@ What it does, in order, without executing any notebook (CI already executed and 
    benchmark commands, and the numbers the lessons measured with the machine they ran on);
 2. on the staged notebooks only: a folded cell (``metadata.jupyter.source_hidden`` /
    ``outputs_hidden``, what JupyterLab folds) gets myst-nb's ``hide-input`` / ``hide-output`` /
-   ``hide-cell`` tag, so it stays folded on the page as a click-to-open block; a widget's output
+   ``hide-cell`` tag, so it stays folded on the page as a click-to-open block (a folded text
+   cell, a lab's hint, becomes an HTML ``<details>`` block); a widget's output
    (it needs a live kernel) is replaced by its stored plain-text fallback, the static figure
    beside it stays; a "Run this page" box (local command, Binder, Colab) follows the title;
    a link to a file that is not a page goes to the file in the repository;
@@ -148,6 +149,12 @@ def stage_notebook(path: Path, dest: Path, pages: set[Path], repo: str) -> dict:
     for cell in nb["cells"]:
         if cell["cell_type"] == "markdown":
             cell["source"] = rewrite_links(_source(cell), path, pages, repo)
+            if cell.get("metadata", {}).get("jupyter", {}).get("source_hidden"):
+                # A folded text cell (a lab's hint): a click-to-open block on the page too. The
+                # visible label before it says what it holds.
+                counts["folded"] += 1
+                cell["source"] = (f'<details class="dpcourse-folded">\n<summary>open</summary>'
+                                  f'\n\n{cell["source"]}\n\n</details>')
             continue
         if cell["cell_type"] != "code":
             continue
