@@ -31,7 +31,8 @@ from dpcourse.checks import LabCheckError, check_timeout, fail, passed, recorded
 from dpcourse.ring import chunk_bounds
 
 __all__ = ["LabCheckError", "check_scatter_reduce", "check_all_gather", "check_ring_allreduce",
-           "check_segmented_ring", "reference_scatter_reduce", "reference_all_gather",
+           "check_segmented_ring", "measure_bytes_sent", "check_prediction",
+           "reference_scatter_reduce", "reference_all_gather",
            "WORLD_SIZES"]
 
 _CASES = [(3, 9), (4, 10), (5, 7), (3, 2)]  # (workers, length): even, uneven, L < N
@@ -46,9 +47,42 @@ def _inputs(n: int, length: int, seed: int = 6) -> list[np.ndarray]:
 # --- the NumPy phases, the reference and its plausible mistakes -----------------------------
 
 
-def _scatter_reduce(buffers, send_shift=0, recv_shift=0, steps=None):
+# Chunk rules a learner may use instead of ``chunk_bounds`` (NumPy's array_split rule): on a
+# length that N divides they all agree, on any other they do not.
+def _floor_bounds(length: int, n: int):      # length // n each: the remainder is in no chunk
+    q = length // n
+    return [(i * q, (i + 1) * q) for i in range(n)]
+
+
+def _floor_last_bounds(length: int, n: int):  # length // n each, the last takes the remainder
+    q = length // n
+    return [(i * q, (i + 1) * q if i < n - 1 else length) for i in range(n)]
+
+
+def _ceil_bounds(length: int, n: int):       # ceil(length / n) each (torch.chunk's size)
+    q = -(-length // n)
+    return [(min(i * q, length), min((i + 1) * q, length)) for i in range(n)]
+
+
+_OTHER_CHUNK_RULES = (_floor_bounds, _floor_last_bounds, _ceil_bounds)
+
+
+def _chunk_rule_sentence(what: str, n: int, length: int, rule) -> str:
+    sizes = [b - a for a, b in chunk_bounds(length, n)]
+    if rule is _floor_bounds:
+        return (f"{what} ignores ring.chunk_bounds on a length that N does not divide ({length} "
+                f"on N={n}): chunks of {length} // {n} = {length // n} leave the last "
+                f"{length % n} element(s) in no chunk, so they are never summed; "
+                f"ring.chunk_bounds gives chunks of {sizes} elements.")
+    return (f"{what} ignores ring.chunk_bounds on a length that N does not divide ({length} on "
+            f"N={n}): its chunks are not ring.chunk_bounds's {sizes} elements (the first "
+            f"length % N chunks one longer), so the chunk each worker ends with is not the one "
+            f"the contract names.")
+
+
+def _scatter_reduce(buffers, send_shift=0, recv_shift=0, steps=None, bounds=chunk_bounds):
     n = len(buffers)
-    b = chunk_bounds(len(buffers[0]), n)
+    b = bounds(len(buffers[0]), n)
     for s in range(n - 1 if steps is None else steps):
         out = [buffers[i][slice(*b[(i - s + send_shift) % n])].copy() for i in range(n)]
         for i in range(n):
@@ -61,9 +95,10 @@ def _scatter_reduce(buffers, send_shift=0, recv_shift=0, steps=None):
     return buffers
 
 
-def _all_gather(buffers, send_shift=0, recv_shift=0, steps=None, add=False):
+def _all_gather(buffers, send_shift=0, recv_shift=0, steps=None, add=False,
+                bounds=chunk_bounds):
     n = len(buffers)
-    b = chunk_bounds(len(buffers[0]), n)
+    b = bounds(len(buffers[0]), n)
     for s in range(n - 1 if steps is None else steps):
         out = [buffers[i][slice(*b[(i + 1 - s + send_shift) % n])].copy() for i in range(n)]
         for i in range(n):
@@ -133,10 +168,15 @@ def check_scatter_reduce(fn) -> None:
         if _same(got, inputs):
             fail(f"scatter_reduce left the buffers unchanged (N={n}): each step must add the "
                  f"chunk received from the left neighbour into the worker's own copy.")
+        if length % n:
+            for rule in _OTHER_CHUNK_RULES:
+                if _same(got, _scatter_reduce([a.copy() for a in inputs], bounds=rule)):
+                    fail(_chunk_rule_sentence("scatter_reduce", n, length, rule))
         _wrong_steps_or_chunk(got, _scatter_reduce, inputs, "scatter_reduce",
-                              "at step s worker i must send chunk (i - s) mod N and its right "
-                              "neighbour must add it into that same chunk, so that worker i "
-                              "ends with the full sum of chunk (i + 1) mod N.")
+                              "the chunk a worker adds into must be the chunk its left "
+                              "neighbour sent in that step, and the index must move by one "
+                              "each step so that worker i ends with the full sum of chunk "
+                              "(i + 1) mod N.")
         bad = [w for w in range(n) if not np.array_equal(got[w], want[w])]
         fail(f"scatter_reduce gives wrong numbers on worker(s) {bad} for N={n}, length "
              f"{length}: after it worker i must hold the full sum of chunk (i + 1) mod N.")
@@ -157,14 +197,20 @@ def check_all_gather(fn) -> None:
         if all(np.array_equal(g, total) for g in got):
             continue
         if _same(got, reduced):
-            fail(f"all_gather left the buffers unchanged (missing all-gather, N={n}): after the "
-                 f"scatter-reduce each worker holds only one finished chunk; pass them on.")
+            fail(f"all_gather left every worker's array as the scatter-reduce left it (N={n}): "
+                 f"nothing a worker received was written into its own array (a copy or a "
+                 f"rebound name does not change it), so each still holds only one finished "
+                 f"chunk.")
         if _same(got, _all_gather([a.copy() for a in reduced], add=True)):
             fail("all_gather adds the incoming chunk to the worker's own; it must overwrite it "
                  "(the chunk is already the complete sum).")
+        if length % n:
+            for rule in _OTHER_CHUNK_RULES:
+                if _same(got, _all_gather([a.copy() for a in reduced], bounds=rule)):
+                    fail(_chunk_rule_sentence("all_gather", n, length, rule))
         _wrong_steps_or_chunk(got, _all_gather, reduced, "all_gather",
-                              "at step s worker i must send chunk (i + 1 - s) mod N, the one it "
-                              "finished last, and its right neighbour must overwrite that same "
+                              "in each step a worker must pass on the chunk it completed most "
+                              "recently, and its right neighbour must overwrite that same "
                               "chunk.")
         bad = [w for w in range(n) if not np.array_equal(got[w], total)]
         fail(f"all_gather leaves wrong numbers on worker(s) {bad} for N={n}, length {length}: "
@@ -194,20 +240,58 @@ def _mark(marker_dir: str, rank: int, text: str) -> None:
         f.write(text)
 
 
+class _WatchedWork:
+    """A ``Work`` that notes in ``events`` when it is waited on (the segmented stretch is judged
+    by the order of posts and waits, not only by its messages)."""
+
+    def __init__(self, work, events, kind, index):
+        self._work, self._events, self._kind, self._index = work, events, kind, index
+        self._waited = False
+
+    def wait(self, *args, **kwargs):
+        if not self._waited:
+            self._waited = True
+            self._events.append(("wait", self._kind, self._index))
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class _LibraryRingUsed(RuntimeError):
+    pass
+
+
+def _refuse_library_ring(*args, **kwargs):
+    raise _LibraryRingUsed("dpcourse.ring.ring_allreduce")
+
+
 def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
     __tracebackhide__ = True
     import torch
 
+    from dpcourse import ring as ring_module
+
     from ..collectives import record_collectives
 
+    # The lab asks for the learner's own ring: the library's, called from inside theirs, is
+    # refused (the check in the parent refuses it when passed directly).
+    ring_module.ring_allreduce = _refuse_library_ring
     # Spy on what the ring sends (messages and elements) and on built-in collectives, which the
     # lab is about replacing, and note which blocking call this rank is in, so a hang can be
-    # explained afterwards.
-    traffic = {"messages": 0, "elements": 0, "sizes": [], "builtins": []}
+    # explained afterwards; log every send and receive with its peer and size, so a crash can be
+    # traced to the first message whose two ends disagree.
+    traffic = {"messages": 0, "elements": 0, "sizes": [], "builtins": [], "events": []}
+    counts = {"send": 0, "recv": 0}
+    batch_seen: dict = {}
+    p2p_log = open(os.path.join(marker_dir, f"p2p{rank}"), "a", buffering=1)
 
     def before(call):
         if call.function in ("send", "recv"):
             _mark(marker_dir, rank, call.function)
+        if call.op in ("send", "recv"):
+            numel = call.numel if call.op == "send" else call.out_numel
+            p2p_log.write(f"{call.op} {call.peer} {numel}\n")
         if call.op == "send":
             if isinstance(call.peer, int) and not 0 <= call.peer < world_size:
                 # gloo would wait forever for a rank that does not exist
@@ -224,31 +308,54 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
     def after(call):
         if call.function in ("send", "recv"):
             _mark(marker_dir, rank, "")
+        if call.op in ("send", "recv"):
+            index = counts[call.op]
+            counts[call.op] += 1
+            traffic["events"].append(("post", call.op, index))
+            result = call.result
+            if call.function in ("isend", "irecv") and result is not None:
+                return _WatchedWork(result, traffic["events"], call.op, index)
+            if isinstance(result, list) and call.function == "batch_isend_irecv":
+                # gloo returns one work per P2POp, in the ops' order: wrap this call's one
+                k = batch_seen.get(id(result), 0)
+                batch_seen[id(result)] = k + 1
+                if k < len(result) and not isinstance(result[k], _WatchedWork):
+                    result[k] = _WatchedWork(result[k], traffic["events"], call.op, index)
+                return None
+            if call.function in ("send", "recv"):  # blocking: waited as it returns
+                traffic["events"].append(("wait", call.op, index))
+        return None
 
     with record_collectives(before=before, after=after):
         torch.set_num_threads(1)
         results, per_case = [], []
         for shape, dtype, op in cases:
             x = torch.tensor(_real_input(rank, shape), dtype=getattr(torch, dtype))
-            traffic.update(messages=0, elements=0, sizes=[], builtins=[])
-            ret = fn(x, op=op, **(kwargs or {}))
+            traffic.update(messages=0, elements=0, sizes=[], builtins=[], events=[])
+            counts.update(send=0, recv=0)
+            try:
+                ret = fn(x, op=op, **(kwargs or {}))
+            except _LibraryRingUsed:
+                return {"library": True}
             returned = ret.detach().cpu().numpy().astype(np.float64) if isinstance(
                 ret, torch.Tensor) else None
             results.append((x.numpy().astype(np.float64), returned))
             per_case.append(dict(traffic, builtins=list(traffic["builtins"]),
-                                 sizes=list(traffic["sizes"])))
+                                 sizes=list(traffic["sizes"]), events=list(traffic["events"])))
+        p2p_log.close()
         return {"results": results, "traffic": per_case}
 
 
-def _simulate_real(n, cases, sr=(0, 0), ag=(0, 0), gather=True, average=True, divisor=None):
+def _simulate_real(n, cases, sr=(0, 0), ag=(0, 0), gather=True, average=True, divisor=None,
+                   bounds=chunk_bounds):
     """What a ring with these chunk-index shifts would leave on each rank, per case (averages
-    divided by ``divisor`` instead of N if given)."""
+    divided by ``divisor`` instead of N if given; chunks cut by ``bounds``)."""
     out = []
     for shape, _, op in cases:
         bufs = [_real_input(r, shape).ravel() for r in range(n)]
-        _scatter_reduce(bufs, *sr)
+        _scatter_reduce(bufs, *sr, bounds=bounds)
         if gather:
-            _all_gather(bufs, *ag)
+            _all_gather(bufs, *ag, bounds=bounds)
         if op == "average" and average:
             bufs = [b / (divisor or n) for b in bufs]
         out.append([b.reshape(shape) for b in bufs])
@@ -297,6 +404,7 @@ def check_ring_allreduce(fn, world_size=None, timeout: float | None = None,
     timeout = check_timeout(timeout, 20.0)
     if not callable(fn):
         fail(f"check_ring_allreduce needs your ring_allreduce function, got {type(fn).__name__}")
+    _refuse_reference(fn)
     sizes = (world_size,) if world_size else tuple(world_sizes)
     for n in sizes:
         _check_ring_once(fn, n, timeout)
@@ -321,11 +429,12 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None) -> lis
         # marked rank in send, none in recv" is the deadlock's signature.
         in_send = [r for r, v in where.items() if v == "send"]
         if in_send and not any(v == "recv" for v in where.values()):
-            return (f"deadlock: every rank called a blocking dist.send before its dist.recv, "
-                    f"so all {world_size} waited for a receive nobody had posted (gloo's send "
-                    f"waits for the matching receive) and were stopped after {timeout:g} s; "
-                    f"post the send and the receive together with dist.isend / dist.irecv, "
-                    f"then wait on both")
+            # Diagnosed: not slowness, so no "try a longer timeout" (fail here, not via return).
+            fail(f"deadlock: every rank called a blocking dist.send before its dist.recv, so "
+                 f"all {world_size} waited for a receive nobody had posted (gloo's send waits "
+                 f"for the matching receive); they were stopped after {timeout:g} s. A longer "
+                 f"timeout would not help: no rank may block in a send whose receive its "
+                 f"neighbour has not posted yet.")
         stuck = ", ".join(f"rank {r} in dist.{v}" for r, v in where.items() if v) or \
             "no rank inside dist.send/recv"
         return (f"your ring did not finish within {timeout:g} s on {world_size} ranks and was "
@@ -333,15 +442,64 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None) -> lis
                 f"rank does the same number of steps and sends to rank+1, receives from rank-1")
 
     def failed(exc) -> None:
+        mismatch = _size_mismatch(marker_dir, world_size)
+        if mismatch:
+            fail(mismatch)
         fail(f"your ring raised on rank {exc.rank} of {world_size}: {exc.summary}")
 
     try:
-        return run_ranks(_real_worker, world_size, fn, cases, marker_dir, kwargs,
-                         timeout=timeout, hang=hang, failed=failed,
-                         todo="ring_allreduce is not written yet ({summary}): replace the "
-                              "`raise NotImplementedError` under the TODO.")
+        per_rank = run_ranks(_real_worker, world_size, fn, cases, marker_dir, kwargs,
+                             timeout=timeout, hang=hang, failed=failed,
+                             todo="ring_allreduce is not written yet ({summary}): replace the "
+                                  "`raise NotImplementedError` under the TODO.")
+        if any(r.get("library") for r in per_rank):
+            fail(_LIBRARY)
+        return per_rank
     finally:
         shutil.rmtree(marker_dir, ignore_errors=True)
+
+
+_LIBRARY = ("your ring calls dpcourse.ring.ring_allreduce, the course's reference ring: the lab "
+            "asks for your own, built from point-to-point messages, so that you are the one who "
+            "works out which chunk goes where in each step.")
+
+
+def _refuse_reference(fn) -> None:
+    __tracebackhide__ = True
+    import functools
+
+    from dpcourse import ring as ring_module
+
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    if inner is ring_module.ring_allreduce or getattr(inner, "__module__", "") == "dpcourse.ring":
+        fail("that is dpcourse.ring.ring_allreduce itself, the course's reference ring: the lab "
+             "asks for your own function, built from point-to-point messages.")
+
+
+def _size_mismatch(marker_dir: str, world_size: int) -> str | None:
+    """After a crash: the first message whose two ends disagree on its size, as a sentence.
+    (gloo aborts the receiving process when a message is longer than the receive buffer:
+    "Received data size doesn't match expected size".)"""
+    logs = {}
+    for r in range(world_size):
+        try:
+            with open(os.path.join(marker_dir, f"p2p{r}")) as f:
+                logs[r] = [line.split() for line in f if line.strip()]
+        except OSError:
+            logs[r] = []
+    for src in range(world_size):
+        for dst in range(world_size):
+            sent = [int(n) for op, peer, n in logs[src] if op == "send" and peer == str(dst)]
+            got = [int(n) for op, peer, n in logs[dst] if op == "recv" and peer == str(src)]
+            for k, (a, b) in enumerate(zip(sent, got)):
+                if a != b:
+                    return (f"message {k + 1} from rank {src} to rank {dst} had {a} elements but "
+                            f"rank {dst} received it into a buffer of {b} (gloo then aborts the "
+                            f"process): in that step the chunk a rank receives into is not the "
+                            f"chunk its left neighbour sends — their chunk indices are off by "
+                            f"one (on a length N divides the sizes agree and only the numbers "
+                            f"come out wrong).")
+    return None
 
 
 def _check_ring_once(fn, world_size: int, timeout: float) -> None:
@@ -392,11 +550,23 @@ def _check_ring_once(fn, world_size: int, timeout: float) -> None:
         if k != world_size and _matches(results, _simulate_real(world_size, cases, divisor=k)):
             fail(f"with op='average' on {world_size} ranks you divided by {k}: divide by the "
                  f"world size (dist.get_world_size()), not a fixed number.")
+    for rule in _OTHER_CHUNK_RULES:
+        if _matches(results, _simulate_real(world_size, cases, bounds=rule)):
+            shape = next(sh for sh, _, _ in cases if int(np.prod(sh)) % world_size)
+            fail(_chunk_rule_sentence("your ring", world_size, int(np.prod(shape)), rule))
     shifts = [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1)]
+    n = world_size
+    gathered = all(t["messages"] >= 2 * (n - 1) for (shape, _, _), case in zip(cases, traffic)
+                   if int(np.prod(shape)) >= n for t in case)
     for sr in shifts:
         for average in (True, False):
             if _matches(results, _simulate_real(world_size, cases, sr, gather=False,
                                                 average=average)):
+                if gathered:
+                    fail("your all-gather sends and receives its N-1 messages, but what a rank "
+                         "receives never reaches its tensor: the receive lands in a buffer that "
+                         "is not a view of the tensor (or a copy of it) and is never written "
+                         "back, so each rank keeps only its one finished chunk.")
                 fail("missing all-gather: after the scatter-reduce each rank holds only its one "
                      "finished chunk; N-1 more steps must pass the finished chunks around the "
                      "ring.")
@@ -405,9 +575,9 @@ def _check_ring_once(fn, world_size: int, timeout: float) -> None:
             if (sr, ag) != ((0, 0), (0, 0)) and _matches(
                     results, _simulate_real(world_size, cases, sr, ag)):
                 phase = "scatter-reduce" if sr != (0, 0) else "all-gather"
-                fail(f"off-by-one chunk index in the {phase}: at step s rank r sends chunk "
-                     f"(r - s) mod N and receives chunk (r - s - 1) mod N in the scatter-reduce, "
-                     f"then sends (r + 1 - s) and receives (r - s) in the all-gather.")
+                fail(f"off-by-one chunk index in the {phase}: in every step the chunk a rank "
+                     f"receives into must be the one its left neighbour sends, and what a rank "
+                     f"sends next is the chunk it received (and completed) in the step before.")
     for i, ((shape, _, op), res) in enumerate(zip(cases, results)):
         for r, (got, _) in enumerate(res):
             want = correct[i][r]
@@ -419,10 +589,63 @@ def _check_ring_once(fn, world_size: int, timeout: float) -> None:
     fail("ring_allreduce gives wrong results.")  # unreachable in practice, but never pass
 
 
+# --- predict, then measure: the bytes one rank sends ----------------------------------------
+
+
+def measure_bytes_sent(fn, world_size: int = 4, numel: int = 1000,
+                       timeout: float | None = None) -> int:
+    """Run the learner's ``fn(tensor, op="sum")`` on ``world_size`` gloo ranks with a float32
+    tensor of ``numel`` elements and return the bytes rank 0 sent (point-to-point only)."""
+    __tracebackhide__ = True
+    timeout = check_timeout(timeout, 20.0)
+    if not callable(fn):
+        fail(f"measure_bytes_sent needs your ring_allreduce function, got {type(fn).__name__}")
+    _refuse_reference(fn)
+    per_rank = _launch_ring(fn, world_size, timeout, [((numel,), "float32", "sum")])
+    return int(per_rank[0]["traffic"][0]["elements"]) * 4
+
+
+def check_prediction(guess, measured: int, world_size: int = 4, numel: int = 1000) -> None:
+    """Compare the learner's prediction of the bytes rank 0 sends with :func:`measure_bytes_sent`
+    and say why the number is what it is (never raises for a wrong prediction)."""
+    from dpcourse.checks import reveal
+
+    n, k = world_size, numel
+    chunk = k / n
+    ring_bytes = 2 * (n - 1) * chunk * 4
+    close = abs(float(guess.value) - measured) <= 0.05 * max(measured, 1)
+    explanation = (
+        f"In each of the 2(N-1) = {2 * (n - 1)} steps (N-1 of scatter-reduce, N-1 of "
+        f"all-gather) a rank sends one chunk of K/N = {chunk:g} float32 values "
+        f"({chunk * 4:g} bytes): 2(N-1)K/N x 4 = {ring_bytes:g} bytes. That is below 2K x 4 = "
+        f"{2 * k * 4} bytes for any N, so the bytes per rank hardly grow with N; a rank that sent "
+        f"its whole tensor to each of the others would send (N-1)K x 4 = {(n - 1) * k * 4} bytes.")
+    if measured != round(ring_bytes):
+        explanation += (f" Your ring sent {measured} bytes, not {ring_bytes:g}: does it send "
+                        f"exactly one chunk per step?")
+    reveal(guess, measured, close=close, explanation=explanation)
+
+
 # --- stretch: the scatter-reduce in segments -------------------------------------------------
 
 _SEGMENT_CASES = [((48,), "float64", "sum"), ((50,), "float64", "sum"),
                   ((4, 13), "float32", "average")]
+
+
+def _first_unpipelined(events, n: int, segments: int):
+    """The index of the first scatter-reduce receive that was waited on before the next piece's
+    send and receive were both posted (None if every piece but a step's last had its successor
+    in flight). Receives and sends are numbered in the order they were posted; the first
+    (N-1)·S receives are the scatter-reduce's pieces. A receive never waited on (polled, or
+    through its future) is not judged."""
+    posted = {"send": 0, "recv": 0}
+    for kind, op, index in events:
+        if kind == "post":
+            posted[op] = max(posted[op], index + 1)
+        elif op == "recv" and index < (n - 1) * segments and (index + 1) % segments:
+            if posted["recv"] <= index + 1 or posted["send"] <= index + 1:
+                return index
+    return None
 
 
 @recorded
@@ -436,6 +659,7 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
     timeout = check_timeout(timeout, 30.0)
     if not callable(fn):
         fail(f"check_segmented_ring needs your function, got {type(fn).__name__}")
+    _refuse_reference(fn)
     for n in world_sizes:
         for S in (segments, segments - 1):  # two segment counts: none may be hard-coded
             per_rank = _launch_ring(fn, n, timeout, _SEGMENT_CASES, {"segments": S})
@@ -463,6 +687,13 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                              f"scatter-reduce sends each chunk (about {chunk}) as {S} pieces, "
                              f"(N-1)·S = {(n - 1) * S} in all: split the chunk with "
                              f"tensor_split(segments) and send the pieces one by one.")
+                    late = _first_unpipelined(t["events"], n, S)
+                    if late is not None:
+                        fail(f"rank {r} waited for piece {late % S} of a scatter-reduce chunk "
+                             f"before it had posted piece {late % S + 1} (N={n}, segments={S}):"
+                             f" the pieces travelled one at a time, so no piece was on its way "
+                             f"while another was added; the stretch asks that piece j + 1 is "
+                             f"posted (its send and its receive) before piece j is added.")
                     allowed = {(n - 1) * (S + 1), 2 * (n - 1) * S}
                     if t["messages"] not in allowed:
                         fail(f"rank {r} sent {t['messages']} messages on {n} ranks with "
