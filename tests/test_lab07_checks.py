@@ -76,7 +76,7 @@ def old_rule(params, cap_mb):
     return buckets + ([current] if current else [])
 
 
-@pytest.mark.parametrize("fn", [overlap.assign_buckets, ddp_rule, megabytes, by_indices])
+@pytest.mark.parametrize("fn", [ddp_rule, megabytes, by_indices])
 def test_right_assign_buckets_pass(fn, capsys):
     lab07.check_assign_buckets(fn)
     assert capsys.readouterr().out.count("✔") == 1
@@ -190,6 +190,18 @@ def torch_assignment_hidden(params, cap_mb):
 @pytest.mark.parametrize("fn", [torch_assignment, torch_assignment_hidden])
 def test_calling_torchs_assignment_is_named(fn):
     with pytest.raises(LabCheckError, match="_compute_bucket_assignment_by_size"):
+        lab07.check_assign_buckets(fn)
+
+
+def library_assignment_wrapped(params, cap_mb):
+    return overlap.assign_buckets(params, cap_mb)
+
+
+@pytest.mark.parametrize("fn", [overlap.assign_buckets, library_assignment_wrapped])
+def test_the_librarys_own_assignment_is_refused(fn):
+    # issue 37: the course library's reference answer passes every case, but the lab asks for
+    # the learner's own
+    with pytest.raises(LabCheckError, match="course library's dpcourse.overlap.assign_buckets"):
         lab07.check_assign_buckets(fn)
 
 
@@ -633,6 +645,16 @@ def _gather(t):
     return parts
 
 
+def _gather_async(t):
+    """Every rank's ``t``, gathered without waiting: (the output list, its future)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    return parts, dist.all_gather(parts, t, async_op=True).get_future()
+
+
+def _when_all(futures, fn):
+    return torch.futures.collect_all(futures).then(lambda _: fn())
+
+
 def topk_variant(state, bucket, *, feedback=True, magnitude=True, clear=True,
                  select_corrected=True, add=True, divide=None, k_shift=0, dtype=None):
     grad = bucket.buffer()
@@ -655,8 +677,29 @@ def topk_variant(state, bucket, *, feedback=True, magnitude=True, clear=True,
     return _done(out / (world_size if divide is None else divide))
 
 
-def right_sync(state, bucket):
+def blocking_gather(state, bucket):
+    # right values, but a blocking all_gather and an already completed future: the backward
+    # stops at every bucket (the lab says so; issue 31)
     return topk_variant(state, bucket)
+
+
+def waits_in_hook(state, bucket):
+    # asynchronous gathers, then waited on inside the hook: completed before it returns
+    grad = bucket.buffer()
+    residual = state.residual_for(bucket)
+    corrected = grad + residual
+    idx = corrected.abs().topk(state.k(grad.numel())).indices
+    values = corrected[idx]
+    residual.copy_(corrected)
+    residual[idx] = 0
+    all_idx, f1 = _gather_async(idx)
+    all_values, f2 = _gather_async(values)
+    f1.wait()
+    f2.wait()
+    out = torch.zeros_like(grad)
+    for i, v in zip(all_idx, all_values):
+        out.index_add_(0, i, v)
+    return _done(out / dist.get_world_size())
 
 
 def right_async_chain(state, bucket):
@@ -687,26 +730,37 @@ def right_packed_int32(state, bucket):
     idx = torch.topk(corrected.abs(), state.k(grad.numel()), sorted=False).indices
     packed = torch.cat([corrected[idx].double(), idx.to(torch.int32).double()])
     state.residuals[bucket.index()] = corrected.index_fill(0, idx, 0.0)
-    out = torch.zeros_like(grad)
     k = idx.numel()
-    for p in _gather(packed):
-        out.scatter_add_(0, p[k:].long(), p[:k].float())
-    return _done(out / dist.get_world_size())
+    parts, fut = _gather_async(packed)
+
+    def average(f):
+        out = torch.zeros_like(grad)
+        for p in parts:
+            out.scatter_add_(0, p[k:].long(), p[:k].float())
+        return out / dist.get_world_size()
+
+    return fut.then(average)
 
 
 def right_in_place(state, bucket):
-    # the averaged result written back into the bucket's own buffer
+    # the averaged result written back into the bucket's own buffer, in the callback
     grad = bucket.buffer()
     residual = state.residual_for(bucket)
     residual.add_(grad)
     idx = residual.abs().topk(state.k(grad.numel())).indices
     values = residual[idx].clone()
     residual[idx] = 0
-    grad.zero_()
-    for i, v in zip(_gather(idx), _gather(values)):
-        grad.index_add_(0, i, v)
-    grad.div_(dist.get_world_size())
-    return _done(grad)
+    all_idx, f1 = _gather_async(idx)
+    all_values, f2 = _gather_async(values)
+    n = dist.get_world_size()
+
+    def average():
+        grad.zero_()
+        for i, v in zip(all_idx, all_values):
+            grad.index_add_(0, i, v)
+        return grad.div_(n)
+
+    return _when_all([f1, f2], average)
 
 
 def right_threshold(state, bucket):
@@ -720,14 +774,19 @@ def right_threshold(state, bucket):
     sent = torch.zeros_like(grad)
     sent[idx] = corrected[idx]
     state.residuals[bucket.index()] = corrected - sent
-    out = torch.zeros_like(grad)
-    for i, v in zip(_gather(idx), _gather(corrected[idx])):
-        out.index_add_(0, i, v)
-    return _done(out / dist.get_world_size())
+    all_idx, f1 = _gather_async(idx)
+    all_values, f2 = _gather_async(corrected[idx])
+
+    def average():
+        out = torch.zeros_like(grad)
+        for i, v in zip(all_idx, all_values):
+            out.index_add_(0, i, v)
+        return out / dist.get_world_size()
+
+    return _when_all([f1, f2], average)
 
 
-RIGHT_HOOKS = [right_sync, right_async_chain, right_packed_int32, right_in_place,
-               right_threshold]
+RIGHT_HOOKS = [right_async_chain, right_packed_int32, right_in_place, right_threshold]
 
 
 def no_feedback(state, bucket):
@@ -817,6 +876,8 @@ WRONG_HOOKS = [
     (dense_all_reduce, "the whole tensor"),
     (future_of_list, "delivered a list of 1"),
     (wrong_mix, "differs from top-k with error feedback"),
+    (blocking_gather, "all_gather blocked \\(launched without async_op=True\\)"),
+    (waits_in_hook, "already complete when the hook returned"),
 ]
 
 
@@ -850,8 +911,8 @@ def test_right_hooks_pass(hook_results, hook):
 def test_wrong_hooks_are_named(hook_results, hook, phrase):
     world_size, _ = hook_results
     if hook is divide_by_two and world_size == 2:
-        _diagnose(hook_results, hook)      # at 2 ranks dividing by 2 *is* right
-        return
+        # at 2 ranks dividing by 2 *is* right: only its blocking gather is left to name
+        phrase = "all_gather blocked"
     with pytest.raises(LabCheckError, match=phrase):
         _diagnose(hook_results, hook)
 
@@ -933,3 +994,14 @@ def strictly_over(params, cap_mb):
 def test_strictly_over_the_cap_is_named():
     with pytest.raises(LabCheckError, match="exactly 1 MiB.*|reached the cap"):
         lab07.check_assign_buckets(strictly_over)
+
+
+def test_the_prediction_is_measured_and_explained(capsys):
+    from dpcourse.checks import predict
+
+    measured = lab07.measure_all_reduces(Good)
+    assert measured == 1      # the frozen layer is in no bucket; the last parameter reaches the cap
+    lab07.check_prediction(predict("lab07", lab07.PREDICTION_QUESTION, 2), measured)
+    out = capsys.readouterr().out
+    assert "measured: 1 — not what happened" in out and "frozen middle layer" in out
+    assert "only with the very last parameter" in out

@@ -28,7 +28,12 @@ fixed division.
 
 ``check_topk_hook`` (the stretch) runs the learner's DDP communication hook — top-k with
 error feedback — in real DDP on 2 and 3 ranks and compares every call with a replay of the
-algorithm on the same buckets (see the section's comment below).
+algorithm on the same buckets (see the section's comment below); right values are then held
+to the lab's asynchrony: no blocking collective in the hook, and a future still pending when
+the hook returns on a rank that arrived ahead of the others.
+
+``measure_all_reduces`` and ``check_prediction`` are the lab's predict-then-measure cell:
+all-reduces per step of the learner's wrapper on a small MLP with a frozen layer.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ from torch import nn
 from .. import launch
 from . import check_timeout, fail, passed, recorded, require_answer, run_ranks
 
-__all__ = ["check_assign_buckets", "check_bucketed_ddp", "check_topk_hook", "CONFIGS",
-           "DEFAULT_TIMEOUT", "HOOK_WORLD_SIZES", "HOOK_FRACTION"]
+__all__ = ["check_assign_buckets", "check_bucketed_ddp", "check_topk_hook", "check_prediction",
+           "measure_all_reduces", "show_prediction_model", "CONFIGS", "DEFAULT_TIMEOUT",
+           "HOOK_WORLD_SIZES", "HOOK_FRACTION", "PREDICTION_CAP_MB", "PREDICTION_QUESTION"]
 
 DEFAULT_TIMEOUT = 30.0
 MiB = 2 ** 20
@@ -196,23 +202,62 @@ def _no_torch_assignment():
                 setattr(m, "_compute_bucket_assignment_by_size", real)
 
 
+_LIBRARY_ASSIGNMENT = (
+    "assign_buckets is (or calls) the course library's dpcourse.overlap.assign_buckets, lesson "
+    "07's reference answer: part 1 asks for your own, so that you decide where each bucket "
+    "closes.")
+
+
+def _is_library_assignment(fn) -> bool:
+    """True if ``fn`` is the course's reference ``overlap.assign_buckets`` (or a bound alias)."""
+    from .. import overlap
+
+    ref = overlap.assign_buckets
+    return fn is ref or getattr(fn, "__code__", None) is ref.__code__ or (
+        getattr(fn, "__module__", None) == ref.__module__
+        and getattr(fn, "__name__", None) == ref.__name__)
+
+
+@contextlib.contextmanager
+def _no_library_assignment():
+    """Within the block, a call of ``dpcourse.overlap.assign_buckets`` through the module is
+    recorded in the yielded list."""
+    from .. import overlap
+
+    called, real = [], overlap.assign_buckets
+
+    def spy(*args, **kwargs):
+        called.append(True)
+        return real(*args, **kwargs)
+
+    overlap.assign_buckets = spy
+    try:
+        yield called
+    finally:
+        overlap.assign_buckets = real
+
+
 @recorded
 def check_assign_buckets(assign_buckets) -> None:
     """Run ``assign_buckets(params, bucket_cap_mb)`` on six sets of parameters and caps."""
     __tracebackhide__ = True
     require_answer(assign_buckets, "assign_buckets")
+    if _is_library_assignment(assign_buckets):
+        fail(_LIBRARY_ASSIGNMENT)
     if _calls_torch_assignment(assign_buckets):
         fail(_TORCH_ASSIGNMENT)
     counts, problems, got = [], [], []
+    used_library = False
     cases = _bucket_cases()
     for what, params, cap in cases:
         try:
-            with _no_torch_assignment() as called:
+            with _no_torch_assignment() as called, _no_library_assignment() as ours:
                 buckets = assign_buckets(list(params), cap)
         except NotImplementedError:
             raise
         except Exception as exc:
             fail(f"assign_buckets raised {type(exc).__name__}: {exc} ({what}).")
+        used_library = used_library or bool(ours)
         if called:
             fail(_TORCH_ASSIGNMENT)
         problem = bucket_problem(buckets, params, cap, what)
@@ -237,6 +282,8 @@ def check_assign_buckets(assign_buckets) -> None:
                 fail(f"the buckets are what you get if you {variant}: a parameter's size in "
                      f"bytes is p.numel() * p.element_size().")
         fail(problems[0])
+    if used_library:        # right, because it is the reference: refused only once right
+        fail(_LIBRARY_ASSIGNMENT)
     passed(f"assign_buckets: reverse order, each bucket closed once it reached the cap, in bytes "
            f"({'/'.join(map(str, counts))} buckets in the six cases)")
 
@@ -773,6 +820,11 @@ _HOOK_SIZES = (700, 300, 130)     # three parameters: three buckets after DDP's 
 _HOOK_CAP_MB = 0.0003   # DDP closes a bucket once it reaches the cap: 1 bucket, then 3
 _HOOK_STEPS = 12
 _SENT_PER_ENTRY = 16              # budget per selected entry: a value and its int64 index, padded
+# Asynchrony: on these steps every rank but 0 pauses between its forward and its backward, so
+# rank 0's collectives cannot complete before its hook returns — unless the hook waited for
+# them. A hook whose future was already complete on every call, on every rank, blocked.
+_STAGGER_STEPS = (1, 4, 7, 10)
+_STAGGER_S = 0.03
 
 
 class _Probe(nn.Module):
@@ -815,21 +867,28 @@ def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
     model = DDP(_Probe(sizes), bucket_cap_mb=cap_mb)
     state = state_cls(fraction)
     calls, sent, problems, step_now = [], [0] * _HOOK_STEPS, [], [0]
+    blocking, in_hook = [], [False]
 
     def count(call):                    # what this rank hands to each collective
         sent[step_now[0]] += call.nbytes
+        if in_hook[0] and not call.async_op and call.function not in blocking:
+            blocking.append(call.function)
 
     def spy_hook(hook_state, bucket):
         buf = bucket.buffer()
         rec = {"step": step_now[0], "index": bucket.index(), "input": buf.detach().clone(),
                "output": None}
         calls.append(rec)
+        in_hook[0] = True
         try:
             fut = hook(hook_state, bucket)
         except Exception as exc:
             problems.append(("raised", "".join(
                 traceback.format_exception_only(type(exc), exc)).strip()))
             raise
+        finally:
+            in_hook[0] = False
+        rec["done_at_return"] = isinstance(fut, torch._C.Future) and fut.done()
         done = torch.futures.Future()
         if not isinstance(fut, torch._C.Future):
             problems.append(("not_future", type(fut).__name__))
@@ -858,14 +917,17 @@ def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
             step_now[0] = step
             model.zero_grad(set_to_none=True)
             try:
-                model(_probe_gradients(rank, step, sizes)).backward()
+                loss = model(_probe_gradients(rank, step, sizes))
+                if rank > 0 and step in _STAGGER_STEPS:
+                    time.sleep(_STAGGER_S)
+                loss.backward()
             except Exception as exc:
                 if problems and problems[-1][0] == "raised":
                     raise _HookRaised(problems[-1][1]) from None
                 raise
             if problems:
                 break
-    return {"calls": calls, "sent": sent, "problems": problems}
+    return {"calls": calls, "sent": sent, "problems": problems, "blocking": blocking}
 
 
 def _topk_replay(inputs: list, world_size: int, k_of, *, feedback=True, magnitude=True,
@@ -959,7 +1021,8 @@ def check_topk_hook(hook, state_cls, world_sizes=HOOK_WORLD_SIZES, fraction=HOOK
     shown = " and ".join(map(str, world_sizes))
     passed(f"{getattr(hook, '__name__', 'hook')}: top-k with error feedback equals the replay "
            f"on {shown} ranks for {_HOOK_STEPS} steps, sending ≤ {_SENT_PER_ENTRY} bytes per "
-           f"selected entry ({fraction:.0%} of the entries)")
+           f"selected entry ({fraction:.0%} of the entries), still in flight when the hook "
+           f"returned")
 
 
 def _diagnose_hook(results: list, world_size: int, k_of) -> None:
@@ -994,6 +1057,7 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
                  f"({budget} bytes at {_SENT_PER_ENTRY} per entry): send only the top-k.")
     right = _topk_replay(inputs, world_size, k_of)
     if all(torch.allclose(o, e, rtol=1e-5, atol=1e-5) for o, e in zip(outputs[0], right)):
+        _diagnose_asynchrony(results)
         return
     wrong = [
         (dict(feedback=False),
@@ -1034,3 +1098,133 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
          f"differs from top-k with error feedback by up to {diff:.3g} — per rank: corrected = "
          f"gradient + residual; send the k largest |corrected|; residual = corrected with the "
          f"sent entries zeroed; return the sum of everyone's sent values / world size.")
+
+
+def _diagnose_asynchrony(results: list) -> None:
+    """Right values, but did the backward go on while they travelled? Refuse a collective the
+    hook launched without ``async_op=True``, and a future that was already complete on every
+    call when the hook returned (rank 0 reaches its hook ahead of the others on the staggered
+    steps, so only a hook that waited inside returns a completed future there)."""
+    __tracebackhide__ = True
+    blocking = sorted({f for r in results for f in r.get("blocking", [])})
+    if blocking:
+        fail(f"your hook's {' and '.join(blocking)} blocked (launched without async_op=True): "
+             f"the backward stood still at every bucket until every rank had sent its part, "
+             f"so nothing overlapped — launch the collectives asynchronously and return a "
+             f"future chained on their work.")
+    done = [c.get("done_at_return") for r in results for c in r["calls"]]
+    if done and all(done):
+        fail("the future your hook returned was already complete when the hook returned, on "
+             "every call of every rank, even when the other ranks arrived later: the hook "
+             "waited for its collectives inside (wait(), value()), so the backward stood still "
+             "at every bucket — return the future without waiting; DDP waits on it at the end "
+             "of the backward.")
+
+
+# --------------------------------------------------------------------------------------------
+# Predict, then measure: how many all-reduces does one step launch?
+# --------------------------------------------------------------------------------------------
+#
+# A three-layer MLP whose middle layer is frozen, at a cap that the trainable parameters
+# exceed only with the last one the backward reaches: reasoning from the lesson's rule (walk
+# backwards, close once the cap is *reached*, no frozen parameter in any bucket) gives one
+# bucket, and so one all-reduce per step; counting the frozen layer's bytes, or closing a
+# bucket *before* it would overflow, gives two.
+
+PREDICTION_CAP_MB = 0.01
+PREDICTION_QUESTION = f"all-reduces one step of BucketedDDP launches at {PREDICTION_CAP_MB} MiB"
+_PREDICTION_STEPS = 2
+
+
+class PredictionMLP(nn.Module):
+    """Linear(32→64) → Linear(64→64, frozen) → Linear(64→10), ReLU between."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(32, 64)
+        self.middle = nn.Linear(64, 64)
+        self.last = nn.Linear(64, 10)
+        self.middle.requires_grad_(False)
+
+    def forward(self, x):
+        return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
+
+
+def prediction_model() -> nn.Module:
+    torch.manual_seed(0)
+    return PredictionMLP()
+
+
+def show_prediction_model() -> None:
+    """Print the prediction model's parameters: name, shape, bytes, trainable or frozen."""
+    model = prediction_model()
+    print(f"bucket_cap_mb = {PREDICTION_CAP_MB} MiB = {PREDICTION_CAP_MB * MiB:,.0f} bytes")
+    print(f"{'parameter':<14} {'shape':<10} {'bytes':>7}  trainable")
+    for name, p in model.named_parameters():
+        shape = "×".join(map(str, p.shape))
+        print(f"{name:<14} {shape:<10} {p.numel() * p.element_size():>7,}  "
+              f"{'yes' if p.requires_grad else 'no (frozen)'}")
+
+
+def _count_worker(rank: int, world_size: int, cls, cap_mb: float) -> list:
+    __tracebackhide__ = True
+    import torch.distributed as dist  # noqa: F401  (the learner's class uses it)
+
+    from ..collectives import record_collectives
+
+    model = cls(prediction_model(), bucket_cap_mb=cap_mb)
+    g = torch.Generator().manual_seed(rank)
+    per_step = []
+    for _ in range(_PREDICTION_STEPS):
+        model.zero_grad(set_to_none=True)
+        with record_collectives() as log:
+            F.cross_entropy(model(torch.randn(8, 32, generator=g)),
+                            torch.randint(0, 10, (8,), generator=g)).backward()
+            model.finish_gradient_synchronization()
+        per_step.append(len(log.of("all_reduce")))
+    return per_step
+
+
+def measure_all_reduces(cls, cap_mb: float = PREDICTION_CAP_MB,
+                        timeout: float | None = None) -> int:
+    """Run ``cls`` (your BucketedDDP) on 2 ranks for 2 steps of the prediction model and
+    return how many all-reduces rank 0 launched per step."""
+    __tracebackhide__ = True
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    per_rank = run_ranks(_count_worker, 2, cls, cap_mb, timeout=timeout,
+                         hang="every rank must launch the same all-reduces in the same order, "
+                              "and every launched all-reduce must be waited on.")
+    counts = per_rank[0]
+    if len(set(counts)) != 1:
+        fail(f"your wrapper launched {counts} all-reduces in the two steps: the same model and "
+             f"buckets must give the same number every step (reset what you count after each "
+             f"step).")
+    return counts[0]
+
+
+def check_prediction(guess, measured: int, cap_mb: float = PREDICTION_CAP_MB) -> None:
+    """Compare the learner's prediction with the measured all-reduces per step, and say why the
+    number is what it is (computed from the model's parameters at this cap)."""
+    __tracebackhide__ = True
+    from . import reveal
+
+    model = prediction_model()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    total = sum(p.numel() * p.element_size() for p in trainable)
+    buckets = _greedy([p.numel() * p.element_size() for p in trainable], cap_mb * MiB,
+                      list(range(len(trainable) - 1, -1, -1)))
+    cap = cap_mb * MiB
+    if len(buckets) == 1:
+        how = (f"the trainable parameters hold {total:,} bytes, and walking back from the last "
+               f"layer the bucket reaches the {cap:,.0f}-byte cap only with the very last "
+               f"parameter, so that one closes it: a single bucket")
+    else:
+        how = f"the trainable parameters ({total:,} bytes) fill {len(buckets)} buckets"
+    reveal(guess, measured, close=guess.value == measured, explanation=(
+        f"One all-reduce per bucket per step. The frozen middle layer ({frozen:,} bytes) gets "
+        f"no gradient and no place in any bucket; {how}. "
+        + (f"Your wrapper launched {measured} per step, as its buckets call for."
+           if len(buckets) == measured else
+           f"Your wrapper launched {measured} per step, not the {len(buckets)} its buckets call "
+           f"for: look at when it launches and what it counts.")))
