@@ -253,6 +253,12 @@ def test_controls_launch_only_after_the_backward():
         launches = [t for what, _, t in tl["events"] if what == "launch"]
         assert launches and min(launches) >= tl["backward_end"], kind
     assert by["per_parameter_after"]["collectives_per_step"] == 8
+    # the copies are measured inside the ranks, per bucket; every timed step is kept
+    copies = by["bucketed_after"]["copy_ms"]
+    assert len(copies) == by["bucketed_after"]["n_buckets"] and all(
+        a > 0 and b > 0 for a, b in copies)
+    assert by["local"]["copy_ms"] is None
+    assert all(len(v) == cfg.steps for v in by["local"]["steps_s"].values())
     assert by["local"]["collectives_per_step"] == 0
     ddp = by["ddp"]["ddp"]
     assert ddp["profiled_all_reduces"] == ddp["num_buckets_reduced"] == len(ddp["rebuilt_buckets"])
@@ -288,6 +294,12 @@ def test_predict_step_with_copies():
     late = overlap.predict_step(ready, [(3, 2000), (1, 1000)], cost, 5, 10, 1, overlap=False,
                                 copy_in_ms=copy, copy_back_ms=copy)
     assert late["step_ms"] == 5 + 10 + 1.5 + 5 + 1.5 + 1
+    # the same copies as measured in a run: one time per bucket
+    listed = overlap.predict_step(ready, [(3, 2000), (1, 1000)], cost, 5, 10, 1,
+                                  copy_in_ms=[1.0, 0.5], copy_back_ms=[1.0, 0.5])
+    assert listed == got
+    with pytest.raises(ValueError, match="1 copy times given for 2 buckets"):
+        overlap.predict_step(ready, [(3, 2000), (1, 1000)], cost, 5, 10, 1, copy_in_ms=[1.0])
 
 
 def _two_backwards(rank, world_size):

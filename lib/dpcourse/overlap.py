@@ -198,6 +198,9 @@ class BucketedDataParallel(nn.Module):
     of you: it launches buckets strictly in bucket order, and it can make each ``p.grad`` a
     view into its bucket.) ``overlap=False`` is the control experiment: the same buckets and
     asynchronous all-reduces, all launched only after the backward has returned.
+    ``copy_seconds[i]`` adds up, per bucket, the time spent putting gradients into the bucket
+    and dividing it (in the hooks) and copying the averages back (after the wait): lesson 07's
+    overlap model takes its copy costs from these, measured inside the ranks during the run.
 
     Shown in lesson 07, §3.
     """
@@ -223,6 +226,7 @@ class BucketedDataParallel(nn.Module):
                 p.register_post_accumulate_grad_hook(self._grad_ready)
         self._missing = [len(b) for b in self.buckets]   # gradients each bucket still awaits
         self._handles = {}                  # bucket index -> its in-flight all-reduce
+        self.copy_seconds = [[0.0, 0.0] for _ in self.buckets]   # [in and divide, back]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -235,13 +239,17 @@ class BucketedDataParallel(nn.Module):
                 f"{name} got a second gradient before finish_gradient_synchronization(): its "
                 f"bucket was already complete (and sent), so call "
                 f"finish_gradient_synchronization() after every backward.")
+        t = time.perf_counter()
         self._flat[i][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        self.copy_seconds[i][0] += time.perf_counter() - t
         self._missing[i] -= 1
         if self._missing[i] == 0 and self.overlap:   # the bucket is full: send it
             self._launch(i)
 
     def _launch(self, i):
+        t = time.perf_counter()
         self._flat[i].div_(dist.get_world_size())
+        self.copy_seconds[i][0] += time.perf_counter() - t
         self.events.append(("launch", i, time.perf_counter()))
         work = dist.all_reduce(self._flat[i], async_op=True)
         work.get_future().then(
@@ -263,9 +271,11 @@ class BucketedDataParallel(nn.Module):
                 self._launch(i)
         for i, work in sorted(self._handles.items()):
             work.wait()                     # the buffer now holds the mean over the ranks
+            t = time.perf_counter()
             for p in self.buckets[i]:
                 _, offset = self._where[p]
                 p.grad.copy_(self._flat[i][offset:offset + p.numel()].view_as(p.grad))
+            self.copy_seconds[i][1] += time.perf_counter() - t
         self._handles.clear()
         self._missing = [len(b) for b in self.buckets]
 
@@ -291,9 +301,10 @@ def predict_step(ready_ms, bucket_sizes, comm_ms, forward_ms: float, backward_ms
     which is forward + backward + the last bucket's ring cost 2(N-1)α + 2(N-1)/N·Kβ +
     optimizer step whenever the early buckets, each started at its ready time, have finished
     by the end of the backward and the last bucket is ready only when it ends. Optionally
-    ``copy_in_ms(nbytes)``, the work the hooks do on the compute thread to put a bucket's
-    gradients into its buffer (it delays the rest of the backward), and
-    ``copy_back_ms(nbytes)``, the copy back after the wait.
+    ``copy_in_ms``, the work the hooks do on the compute thread to put a bucket's gradients
+    into its buffer (it delays the rest of the backward), and ``copy_back_ms``, the copy back
+    after the wait: each a function of a bucket's bytes, or a list with one time per bucket
+    (as measured in a run).
 
     Shown in lesson 07, §4.
     """
@@ -301,20 +312,27 @@ def predict_step(ready_ms, bucket_sizes, comm_ms, forward_ms: float, backward_ms
     if sum(n for n, _ in bucket_sizes) != len(ready):
         raise ValueError(f"the buckets hold {sum(n for n, _ in bucket_sizes)} gradients but "
                          f"{len(ready)} ready times were given")
-    copy_in = copy_in_ms or (lambda nbytes: 0.0)
-    copy_back = copy_back_ms or (lambda nbytes: 0.0)
-    delay = sum(copy_in(nbytes) for _, nbytes in bucket_sizes)
-    backward_end = backward_ms + delay       # the hooks' copies lengthen the backward
+    def per_bucket(cost):
+        if cost is None:
+            return [0.0] * len(bucket_sizes)
+        if callable(cost):
+            return [cost(nbytes) for _, nbytes in bucket_sizes]
+        if len(cost) != len(bucket_sizes):
+            raise ValueError(f"{len(cost)} copy times given for {len(bucket_sizes)} buckets")
+        return list(cost)
+
+    copy_in, copy_back = per_bucket(copy_in_ms), per_bucket(copy_back_ms)
+    backward_end = backward_ms + sum(copy_in)   # the hooks' copies lengthen the backward
     free, seen, comm, spans, copied = 0.0, 0, 0.0, [], 0.0
-    for n, nbytes in bucket_sizes:
+    for k, (n, nbytes) in enumerate(bucket_sizes):
         seen += n
-        copied += copy_in(nbytes)
+        copied += copy_in[k]
         start = max(ready[seen - 1] + copied if overlap else backward_end, free)
         cost = comm_ms(nbytes)
         free = start + cost
         comm += cost
         spans.append((start, free))
-    sync_end = max(backward_end, free) + sum(copy_back(nbytes) for _, nbytes in bucket_sizes)
+    sync_end = max(backward_end, free) + sum(copy_back)
     return {"step_ms": forward_ms + sync_end + opt_ms, "comm_ms": comm,
             "exposed_comm_ms": max(backward_end, free) - backward_end, "spans": spans}
 

@@ -218,7 +218,10 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
     (until ``backward()`` returns), the synchronisation after it and the optimizer step. Each
     run also returns its last step's timeline on this rank, in ms since the backward began:
     when each gradient was ready, when each all-reduce was launched and done, and when the
-    backward and the step ended. Real DDP (``"ddp"``) runs with nothing of ours in its path
+    backward and the step ended. ``steps_s`` keeps every timed step's parts, in order (step i
+    of every run was taken in the same round, so runs can be compared step by step), and
+    ``copy_ms`` the bucketed runs' copies, per bucket (into the bucket with the division, and
+    back), medians over the timed steps. Real DDP (``"ddp"``) runs with nothing of ours in its path
     (no comm hook, no gradient stamps); its all-reduces are counted afterwards, in one more
     step under the profiler (:func:`count_ddp_collectives`).
 
@@ -246,6 +249,8 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
         s["ready"].clear()
         if hasattr(model, "events"):
             model.events.clear()
+        if hasattr(model, "copy_seconds"):       # this step's copies, bucket by bucket
+            model.copy_seconds = [[0.0, 0.0] for _ in model.buckets]
         dist.barrier()                           # every rank starts the step together
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -270,6 +275,8 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
                                 ("backward", t_backward - tb), ("sync", t_sync - t_backward),
                                 ("opt", t1 - t_sync)):
                     s["parts"][key].append(dt)
+                if hasattr(s["model"], "copy_seconds"):
+                    s.setdefault("copies", []).append(s["model"].copy_seconds)
             ms = lambda t, tb=tb: round((t - tb) * 1e3, 3)
             s["last"] = {"ready": [ms(t) for t in s["ready"]],
                          "events": [(what, which, ms(t))
@@ -286,6 +293,10 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
     results = [{"kind": s["kind"], "bucket_cap_mb": s["cap"],
                 "step_s": statistics.median(s["parts"]["step"]),
                 "parts_s": {k: statistics.median(v) for k, v in s["parts"].items()},
+                "steps_s": s["parts"],
+                "copy_ms": [[statistics.median(c[i][j] for c in s["copies"]) * 1e3
+                             for j in (0, 1)] for i in range(len(s["copies"][0]))]
+                if s.get("copies") else None,
                 "collectives_per_step": s["last"].pop("collectives"),
                 "n_buckets": len(getattr(s["model"], "buckets", [])) or None,
                 "ddp": s.get("ddp"),
