@@ -57,6 +57,8 @@ def make_step(loss_fn, loss_op=SUM, acc_op=MEAN):
             acc = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
             return loss, acc
         loss, acc = strategy.run(step_fn, args=dist_batch)
+        if loss_op is None:
+            return loss, acc
         return strategy.reduce(loss_op, loss, axis=None), strategy.reduce(acc_op, acc, axis=None)
     return distributed_train_step
 
@@ -150,18 +152,26 @@ def loss_summed(labels, logits, global_batch):
     return tf.reduce_sum(mirrored.per_example_loss(labels, logits))
 
 
-@pytest.mark.parametrize("fn", [loss_implicit_global, loss_sum_over_global,
-                                loss_mean_over_replicas])
+def loss_sum_over_cast_global(labels, logits, global_batch):
+    losses = mirrored.per_example_loss(labels, logits)
+    return tf.reduce_sum(losses) * (1.0 / tf.cast(global_batch, losses.dtype))
+
+
+@pytest.mark.parametrize("fn", [loss_right, loss_sum_over_global, loss_sum_over_cast_global])
 def test_right_losses_pass(fn, strategy, capsys):
     lab05.check_per_replica_loss(fn, strategy)
     out = capsys.readouterr().out
-    assert out.count("✔") == 1 and "on 3 replicas" in out  # the spare device was used
+    # the spare device was used, and uneven slices were tried
+    assert out.count("✔") == 1 and "18 as 6+6+6" in out and "5 as 3+2" in out, out
 
 
 @pytest.mark.parametrize("fn, phrase", [
     (loss_fixed_64, "divided the summed loss by 64"),
     (loss_fixed_two_replicas, "on 3 replicas"),
     (loss_summed, "returns the sum"),
+    # right for equal slices only: a partial last batch breaks them (issue 37)
+    (loss_implicit_global, "slice size times the replica count"),
+    (loss_mean_over_replicas, "slice size times the replica count"),
 ])
 def test_losses_tied_to_one_setup_fail(fn, phrase, strategy):
     with pytest.raises(LabCheckError) as err:
@@ -193,6 +203,60 @@ def test_right_steps_pass(step, strategy, capsys):
     assert out.count("✔") == 1 and "48 on 2" in out and "63 on 3" in out
 
 
+def test_library_answers_are_refused(strategy):
+    with pytest.raises(LabCheckError, match="mirrored.per_replica_loss, the library's answer"):
+        lab05.check_per_replica_loss(mirrored.per_replica_loss, strategy)
+    with pytest.raises(LabCheckError, match="calls dpcourse.mirrored.per_replica_loss"):
+        lab05.check_per_replica_loss(lambda y, lg, gb: mirrored.per_replica_loss(y, lg, gb),
+                                     strategy)
+    with pytest.raises(LabCheckError, match="mirrored.train_step, the library's answer"):
+        lab05.check_train_step(mirrored.train_step, make_right, strategy)
+    with pytest.raises(LabCheckError, match="calls dpcourse.mirrored.per_replica_loss"):
+        lab05.check_train_step(make_step(lambda y, lg, gb: mirrored.per_replica_loss(y, lg, gb)),
+                               make_right, strategy)
+
+
+def make_fixed_lr(strategy, lr):
+    with strategy.scope():
+        return mirrored.build_keras_cnn(), keras.optimizers.SGD(learning_rate=0.1)
+
+
+def test_fixed_learning_rate_is_named(strategy):
+    # the lab's lr is 0.1 too: the check tries another one
+    with pytest.raises(LabCheckError, match=r"learning rate is 0.1, but .* lr=0.037"):
+        lab05.check_model_and_optimizer(make_fixed_lr, strategy, 0.1)
+    # in part 3 the learning rate is blamed, not part 1's divisor
+    with pytest.raises(LabCheckError, match=r"learning rate is 0.1, but .* lr=0.037"):
+        lab05.check_train_step(make_step(loss_right), make_fixed_lr, strategy, lr=0.1)
+
+
+def test_other_learning_rates_pass(strategy, capsys):
+    lab05.check_model_and_optimizer(make_right, strategy, 0.05)
+    lab05.check_train_step(make_step(loss_right), make_right, strategy, lr=0.05)
+    assert capsys.readouterr().out.count("✔") == 2
+
+
+def step_first_replica(strategy, model, optimizer, dist_batch, global_batch):
+    # no reduction: replica 0's values returned
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = loss_right(y, logits, global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss, tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
+    loss, acc = strategy.run(step_fn, args=dist_batch)
+    return (strategy.experimental_local_results(loss)[0],
+            strategy.experimental_local_results(acc)[0])
+
+
+def test_no_reduction_is_named(strategy):
+    with pytest.raises(LabCheckError, match="replica 0's value alone"):
+        lab05.check_train_step(step_first_replica, make_right, strategy)
+    with pytest.raises(LabCheckError, match="per-replica values"):
+        lab05.check_train_step(make_step(loss_right, None, None), make_right, strategy)
+
+
 @pytest.mark.parametrize("step, phrase", [
     (make_step(loss_fixed_64), "divided by a fixed 64"),
     (make_step(loss_fixed_two_replicas), "divided by a fixed 2 replicas"),
@@ -205,11 +269,15 @@ def test_steps_tied_to_one_setup_fail(step, phrase, strategy):
 
 # --- stretch: distribute_datasets_from_function and the partial last batch --------------------
 
-def _dataset_maker(per_replica=True, shard=True, drop=False):
+def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_replicas=False):
     def make(strategy, x, y, global_batch):
         def dataset_fn(ctx):
             ds = tf.data.Dataset.from_tensor_slices((x, y))
-            if shard:
+            if shuffle:
+                ds = ds.shuffle(100, seed=1)
+            if by_replicas:
+                ds = ds.shard(ctx.num_replicas_in_sync, ctx.input_pipeline_id)
+            elif shard:
                 ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
             size = ctx.get_per_replica_batch_size(global_batch) if per_replica else global_batch
             return ds.batch(size, drop_remainder=drop)
@@ -223,9 +291,18 @@ def test_right_datasets_pass(strategy, capsys):
     assert capsys.readouterr().out.count("✔") == 2
 
 
+def make_global_split(strategy, x, y, global_batch):
+    # the right samples in the right order, but a global batch split 2 + 2 at the end
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    return strategy.experimental_distribute_dataset(ds)
+
+
 @pytest.mark.parametrize("make, phrase", [
-    (_dataset_maker(per_replica=False), "get_per_replica_batch_size"),
-    (_dataset_maker(drop=True), "keep the partial last batch"),
+    (_dataset_maker(per_replica=False), "batch by its share"),
+    (_dataset_maker(drop=True), "partial last batch was dropped"),
+    (_dataset_maker(shuffle=True), "the order is the problem"),
+    (_dataset_maker(by_replicas=True), "sharded into 2 pieces (one per replica)"),
+    (make_global_split, "split 2+2"),
 ])
 def test_dataset_mistakes_are_named(make, phrase, strategy):
     with pytest.raises(LabCheckError) as err:
@@ -251,6 +328,9 @@ def _epoch(divisor="all_reduce"):
                     loss = tf.nn.compute_average_loss(losses)
                 elif divisor == "mean":
                     loss = tf.reduce_mean(losses) / 2
+                elif divisor == "static_shape":
+                    n = tf.distribute.get_replica_context().all_reduce(SUM, x.shape[0])
+                    loss = tf.reduce_sum(losses) / tf.cast(n, tf.float32)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
         for batch in dist_dataset:
@@ -278,8 +358,24 @@ def test_right_partial_epochs_pass(strategy, capsys):
     (_epoch("implicit"), "compute_average_loss without global_batch_size"),
     (_epoch("mean"), "local mean divided by the replica count"),
     (epoch_skipping_partial, "changed nothing"),
+    (_epoch("static_shape"), "x.shape[0] is a Python int"),
 ])
 def test_partial_batch_mistakes_are_named(fn, phrase, strategy):
     with pytest.raises(LabCheckError) as err:
         lab05.check_partial_batch_epoch(fn, strategy)
     assert phrase in str(err.value), str(err.value)
+
+
+# --- predictions: compared and explained, never refused ------------------------------------
+
+def test_predictions_are_revealed(strategy, capsys):
+    from dpcourse.checks import predict
+    x, y = lab05._stretch_data()
+    sizes = lab05.last_step_sizes(strategy, make_global_split(strategy, x, y, 32))
+    assert sizes == [2, 2]
+    lab05.check_split_prediction(predict("lab05", "q1", 2), sizes, 100, 32)
+    sizes = lab05.last_step_sizes(strategy, _dataset_maker()(strategy, x, y, 32))
+    assert sizes == [4, 0]
+    lab05.check_pipeline_prediction(predict("lab05", "q2", 2), sizes)
+    out = capsys.readouterr().out
+    assert "measured: 2 — right." in out and "measured: 4 — not what happened." in out, out

@@ -8,14 +8,18 @@ The learner writes three pieces:
   returning the global batch's mean loss and accuracy.
 
 Each check runs the learner's code on fixed global batches from fixed weights — two global batch
-sizes, and, when TensorFlow has a spare logical device, one replica more than the lab's strategy
-(so a number tied to one batch size or to 2 replicas fails) — computes the right answer on one
+sizes, one of which does not split evenly (slices of 3 and 2), two learning rates, and, when
+TensorFlow has a spare logical device, one replica more than the lab's strategy (so a number tied
+to one batch size, one learning rate or to 2 replicas fails) — computes the right answer on one
 device without any strategy, and compares. The loss is checked inside ``strategy.run``, where a
-training step calls it (so ``tf.nn.compute_average_loss`` without ``global_batch_size``, which
-reads the replica count from the replica context, is accepted). Wrong answers that leave a known trace
-are named: the per-replica ``reduce_mean`` (gradient and step N times too big), reducing a
-per-replica mean with SUM (N times too big) or a per-replica share of a sum with MEAN (N times
-too small), and variables created outside ``strategy.scope()``.
+training step calls it. Wrong answers that leave a known trace are named: the per-replica
+``reduce_mean`` (gradient and step N times too big), a divisor of slice size × replicas
+(``compute_average_loss`` without ``global_batch_size``, or ``reduce_mean`` / N: right only when
+every slice is the same size), reducing a per-replica mean with SUM (N times too big) or a
+per-replica share of a sum with MEAN (N times too small), one replica's value returned instead of
+a reduction, a fixed learning rate, variables created outside ``strategy.scope()``, and the
+library's own answers (``mirrored.per_replica_loss``, ``mirrored.train_step``) passed in place of
+the learner's.
 
 Importing this module imports TensorFlow: split the devices first (lab 05's first cell does).
 """
@@ -26,13 +30,14 @@ import numpy as np
 
 from dpcourse import data as _data
 from dpcourse import mirrored
-from dpcourse.checks import fail, passed, recorded
+from dpcourse.checks import fail, passed, recorded, reveal
 
 tf = mirrored.tf
 keras = mirrored.keras
 
 __all__ = ["check_per_replica_loss", "check_model_and_optimizer", "check_train_step",
-           "reference_batch", "strategies_for", "check_dataset_fn", "check_partial_batch_epoch"]
+           "reference_batch", "strategies_for", "check_dataset_fn", "check_partial_batch_epoch",
+           "last_step_sizes", "check_split_prediction", "check_pipeline_prediction"]
 
 _RTOL = 1e-3
 
@@ -72,22 +77,84 @@ def _local(strategy, value) -> list:
     return [np.asarray(v) for v in strategy.experimental_local_results(value)]
 
 
+# The library holds lesson 05's answers; the lab asks for the learner's own.
+_LIBRARY = {"per_replica_loss": "per_replica_loss", "distributed_train_step": "train_step"}
+
+
+def _refuse_library(fn, what: str) -> None:
+    __tracebackhide__ = True
+    lib = getattr(mirrored, _LIBRARY[what])
+    inner = getattr(fn, "func", fn)  # a functools.partial of it too
+    if inner is lib or getattr(inner, "__code__", None) is lib.__code__:
+        fail(f"{what} is dpcourse.mirrored.{_LIBRARY[what]}, the library's answer that lesson 05 "
+             f"runs: the lab asks for your own {what}, so that you decide how the loss is scaled "
+             f"(write the function in the lab's cell).")
+
+
+class _LibrarySpy:
+    """While active, a call of the library's answer from inside the learner's function is noted
+    (the learner's function may wrap ``mirrored.per_replica_loss`` instead of being it)."""
+
+    def __init__(self, what: str):
+        self.name, self.called = _LIBRARY[what], False
+        self.what = what
+
+    def __enter__(self):
+        self.original = getattr(mirrored, self.name)
+
+        def spy(*args, **kwargs):
+            self.called = True
+            return self.original(*args, **kwargs)
+        setattr(mirrored, self.name, spy)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(mirrored, self.name, self.original)
+        if self.called and exc[0] is None:
+            fail(f"your {self.what} calls dpcourse.mirrored.{self.name}, the library's answer "
+                 f"that lesson 05 runs: the lab asks for your own {self.what}, so that you decide "
+                 f"how the loss is scaled.")
+        return False
+
+
+def _lr_of(optimizer) -> float | None:
+    try:
+        return float(np.asarray(optimizer.learning_rate.numpy()))
+    except Exception:  # noqa: BLE001 - a schedule or something else: the step check decides
+        return None
+
+
+def _check_lr(optimizer, lr: float) -> None:
+    __tracebackhide__ = True
+    got = _lr_of(optimizer)
+    if got is not None and not np.isclose(got, lr, rtol=1e-5):
+        fail(f"the optimizer's learning rate is {got:.4g}, but make_model_and_optimizer was "
+             f"called with lr={lr:.4g}: build the optimizer with the lr argument, not a fixed "
+             f"number.")
+
+
 @recorded
 def check_per_replica_loss(per_replica_loss, strategy) -> None:
     """Inside ``strategy.run``, each replica's loss must be its per-example losses summed and
-    divided by the *global* batch size (what ``tf.nn.compute_average_loss`` does)."""
+    divided by the *global* batch size — the number of samples the whole step holds, given as
+    ``global_batch`` — also when the slices differ in size (a global batch that does not split
+    evenly, as a partial last batch does)."""
     __tracebackhide__ = True
+    _refuse_library(per_replica_loss, "per_replica_loss")
     tried = []
-    for strat in strategies_for(strategy):
-        n = strat.num_replicas_in_sync
-        for global_batch in (6 * n, 4 * n):
-            _check_loss_once(per_replica_loss, strat, global_batch)
-            tried.append(f"{global_batch} on {n}")
+    with _LibrarySpy("per_replica_loss"):
+        # even slices first on every replica count, then 3 + 2 (+ ...)
+        for even in (True, False):
+            for strat in strategies_for(strategy):
+                n = strat.num_replicas_in_sync
+                global_batch = 6 * n if even else 2 * n + 1
+                sizes = _check_loss_once(per_replica_loss, strat, global_batch)
+                tried.append(f"{global_batch} as {'+'.join(map(str, sizes))}")
     passed("per_replica_loss divides each replica's summed loss by the global batch (tried "
-           + ", ".join(tried) + " replicas)")
+           + ", ".join(tried) + ")")
 
 
-def _check_loss_once(per_replica_loss, strat, global_batch: int) -> None:
+def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
     __tracebackhide__ = True
     n = strat.num_replicas_in_sync
     _, y = reference_batch(global_batch, seed=global_batch)
@@ -103,24 +170,32 @@ def _check_loss_once(per_replica_loss, strat, global_batch: int) -> None:
         fail(f"per_replica_loss raised {type(exc).__name__}: {str(exc).splitlines()[0]}")
     got = _local(strat, out)
     labels, lgs = _local(strat, batch[0]), _local(strat, batch[1])
+    sizes = [len(lab) for lab in labels]
     for g, lab, lg in zip(got, labels, lgs):
         if g.shape != ():
             fail(f"per_replica_loss must return one number (a scalar tensor), got shape "
                  f"{g.shape}: reduce the per-example losses.")
+    for g, lab, lg in zip(got, labels, lgs):
         losses = mirrored.per_example_loss(lab, lg).numpy()
         right = losses.sum() / global_batch
         if _close(g, right):
             continue
         local = len(lab)
-        if _close(g, losses.mean()):
+        if len(set(sizes)) > 1 and local and _close(g, losses.sum() / (local * n)):
+            fail(f"per_replica_loss divided a replica's summed loss by its own slice size times "
+                 f"the replica count ({local} x {n} = {local * n}), but this step's "
+                 f"{global_batch} samples arrived in slices of {'+'.join(map(str, sizes))}: "
+                 f"slice size x replicas is the global batch only when every slice is the same "
+                 f"size, which a partial last batch breaks (compute_average_loss without "
+                 f"global_batch_size, and a local mean / N, both assume it). Divide by the "
+                 f"global_batch argument.")
+        if local and _close(g, losses.mean()):
             fail(f"per_replica_loss uses reduce_mean over the replica's own {local} examples; "
-                 f"divide the sum by the global batch ({global_batch}) with "
-                 f"tf.nn.compute_average_loss, because the strategy sums the replicas' "
-                 f"gradients.")
+                 f"divide the sum by the global batch ({global_batch}), because the strategy "
+                 f"sums the replicas' gradients.")
         if _close(g, losses.sum()):
             fail("per_replica_loss returns the sum of the per-example losses; divide it by the "
-                 "global batch size (tf.nn.compute_average_loss(..., "
-                 "global_batch_size=global_batch)).")
+                 "global batch size (the global_batch argument).")
         k = losses.sum() / float(g) if float(g) else 0.0
         if k > 0 and abs(k - round(k)) < 1e-3 and round(k) != global_batch:
             fail(f"per_replica_loss divided the summed loss by {round(k)}, but the global batch "
@@ -128,6 +203,12 @@ def _check_loss_once(per_replica_loss, strat, global_batch: int) -> None:
                  f"fixed number.")
         fail(f"per_replica_loss returned {float(g):.5f} where {right:.5f} (sum of the replica's "
              f"per-example cross-entropies / global batch {global_batch}) was expected.")
+    return sizes
+
+
+def _other_lr(lr: float) -> float:
+    """A second learning rate, far from the lab's, so that a fixed number shows."""
+    return 0.037 if not np.isclose(lr, 0.037) else 0.1
 
 
 def _outside_scope(strategy, model, optimizer) -> str | None:
@@ -148,9 +229,12 @@ def _outside_scope(strategy, model, optimizer) -> str | None:
 
 @recorded
 def check_model_and_optimizer(make_model_and_optimizer, strategy, lr: float = 0.1):
-    """The model and optimizer must both be created under ``strategy.scope()``. Returns them."""
+    """The model and optimizer must both be created under ``strategy.scope()``, the optimizer
+    with the learning rate asked for (tried with ``lr`` and with another one). Returns them."""
     __tracebackhide__ = True
+    other_lr = _other_lr(lr)
     try:
+        _, other_opt = make_model_and_optimizer(strategy, other_lr)
         model, optimizer = make_model_and_optimizer(strategy, lr)
     except NotImplementedError:
         raise
@@ -162,7 +246,10 @@ def check_model_and_optimizer(make_model_and_optimizer, strategy, lr: float = 0.
     problem = _outside_scope(strategy, model, optimizer)
     if problem:
         fail(problem)
-    passed("the model and the optimizer are created under strategy.scope()")
+    _check_lr(other_opt, other_lr)
+    _check_lr(optimizer, lr)
+    passed(f"the model and the optimizer are created under strategy.scope() (lr {other_lr:g} "
+           f"and {lr:g} tried)")
     return model, optimizer
 
 
@@ -172,18 +259,21 @@ def check_train_step(distributed_train_step, make_model_and_optimizer, strategy,
     """One step of the learner's loop from fixed weights on a fixed global batch must give the
     single-device result: the same updated weights, the mean loss and the accuracy of the batch.
     Tried with ``global_batch`` and three quarters of it, on the lab's strategy and (when TF has
-    a spare device) on one with a replica more."""
+    a spare device) on one with a replica more; the second batch with another learning rate."""
     __tracebackhide__ = True
+    _refuse_library(distributed_train_step, "distributed_train_step")
     tried = []
-    for strat in strategies_for(strategy):
-        n = strat.num_replicas_in_sync
-        # multiples of n: an even split, where every right answer agrees
-        for gb in (global_batch // n * n, (global_batch * 3 // 4) // n * n):
-            ref_loss, ref_acc = _check_step_once(distributed_train_step, make_model_and_optimizer,
-                                                 strat, gb, lr)
-            tried.append(f"{gb} on {n}")
+    with _LibrarySpy("per_replica_loss"):
+        for strat in strategies_for(strategy):
+            n = strat.num_replicas_in_sync
+            # multiples of n: an even split, where every right answer agrees
+            for gb, step_lr in ((global_batch // n * n, lr),
+                                ((global_batch * 3 // 4) // n * n, _other_lr(lr))):
+                _check_step_once(distributed_train_step, make_model_and_optimizer,
+                                 strat, gb, step_lr)
+                tried.append(f"{gb} on {n}")
     passed(f"one step == one device on the global batch (weights, loss, accuracy; tried "
-           + ", ".join(tried) + " replicas)")
+           + ", ".join(tried) + f" replicas, lr {lr:g} and {_other_lr(lr):g})")
 
 
 def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
@@ -206,6 +296,7 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
         fail(problem)
     if len(model.get_weights()) != len(start):
         fail("make_model_and_optimizer must build mirrored.build_keras_cnn() (the lesson's CNN).")
+    _check_lr(optimizer, lr)
     model.set_weights(start)
     dist_batch = next(iter(strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))))
@@ -221,8 +312,14 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
     try:
         loss, acc = (float(np.asarray(v)) for v in out)
     except (TypeError, ValueError):
-        fail("distributed_train_step returned per-replica values; reduce each to one number "
-             "with strategy.reduce(..., axis=None).")
+        fail("distributed_train_step returned per-replica values (one per replica), not one "
+             "number each: combine each over the replicas into the global batch's value.")
+    # What each replica held before the step: to tell one replica's value from a reduction.
+    slices = np.array_split(np.arange(global_batch), n)
+    per_ex = mirrored.per_example_loss(y, logits).numpy()
+    hit = np.argmax(logits, -1) == y
+    first_share, first_mean = per_ex[slices[0]].sum() / global_batch, per_ex[slices[0]].mean()
+    first_acc = float(hit[slices[0]].mean())
 
     delta = [w - s for w, s in zip(model.get_weights(), start)]
     size = sum(float(np.sum(d * d)) for d in delta) ** 0.5
@@ -271,6 +368,11 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
              "global batch; use SUM then.")):
         if _close(got, want, rtol=1e-3):
             continue
+        ones = (first_share, first_mean) if what == "loss" else (first_acc, first_acc / n)
+        if any(_close(got, o, rtol=1e-4) for o in ones) and not _close(want / n, got, rtol=1e-4):
+            fail(f"the {what} returned is replica 0's value alone ({got:{fmt}}), not a "
+                 f"reduction over the {n} replicas: {want_is}. Combine every replica's value "
+                 f"into one number.")
         r = _ratio(got, want)
         if abs(r - n) < 0.01 * n:
             fail(f"the {what} is {n}x too big: {too_big}")
@@ -292,36 +394,103 @@ def _stretch_data():
     return x, y
 
 
+def _expected_split(n: int) -> list:
+    """Per-replica sizes of each step when every replica takes whole per-replica batches of one
+    pipeline in turn (``distribute_datasets_from_function``): 32 samples as 16 + 16 on 2
+    replicas, and the last step's 4 samples as 4 + 0."""
+    per = _GLOBAL // n
+    steps = []
+    for start in range(0, _N_SAMPLES, _GLOBAL):
+        steps.append([max(0, min(per, _N_SAMPLES - start - r * per)) for r in range(n)])
+    return steps
+
+
 @recorded
 def check_dataset_fn(make_dist_dataset, strategy) -> None:
-    """Stretch: ``make_dist_dataset(strategy, x, y, global_batch)`` built with
-    ``strategy.distribute_datasets_from_function`` must give, at every step, the next
-    ``global_batch`` samples in order, split over the replicas — the short last step included."""
+    """Stretch: ``make_dist_dataset(strategy, x, y, global_batch)`` must give, at every step, the
+    next ``global_batch`` samples in order, each replica taking whole per-replica batches from its
+    input pipeline (``strategy.distribute_datasets_from_function``) — so the short last step's 4
+    samples all land on replica 0, not split 2 + 2 as ``experimental_distribute_dataset`` splits a
+    global batch."""
     __tracebackhide__ = True
     x, y = _stretch_data()
+    where = {float(v): i for i, v in enumerate(x[:, 0])}   # sample -> its index in the data
     try:
         dist = make_dist_dataset(strategy, x, y, _GLOBAL)
-        steps = [np.concatenate(_local(strategy, b[1])) for b in dist]
+        steps = [[np.asarray(v) for v in _local(strategy, b[0])] for b in dist]
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001
         fail(f"make_dist_dataset raised {type(exc).__name__}: {str(exc).splitlines()[0]}")
-    sizes = [len(s) for s in steps]
-    want = [min(_GLOBAL, _N_SAMPLES - i) for i in range(0, _N_SAMPLES, _GLOBAL)]
-    if sizes == want and all(np.array_equal(s, y[i * _GLOBAL:i * _GLOBAL + len(s)])
-                             for i, s in enumerate(steps)):
-        passed(f"make_dist_dataset: steps of {_GLOBAL} samples over "
-               f"{strategy.num_replicas_in_sync} replicas, the short last step kept")
-        return
     n = strategy.num_replicas_in_sync
+    split = [[len(v) for v in step] for step in steps]
+    sizes = [sum(s) for s in split]
+    order = [where.get(float(row[0]), -1) for step in steps for v in step for row in v]
+    want = [min(_GLOBAL, _N_SAMPLES - i) for i in range(0, _N_SAMPLES, _GLOBAL)]
     if sizes and sizes[0] == _GLOBAL * n:
-        fail(f"each replica got {_GLOBAL} samples per step, so a step holds {_GLOBAL * n}: batch "
-             f"each replica's dataset with input_context.get_per_replica_batch_size(global_batch).")
-    if sum(sizes) < _N_SAMPLES:
-        fail(f"an epoch gave {sum(sizes)} of {_N_SAMPLES} samples (steps of {sizes}): keep the "
-             f"partial last batch (no drop_remainder) — this exercise is about handling it.")
-    fail(f"the steps hold {sizes} samples (expected {want}, in the data's order): shard by "
-         f"input_context and batch by the per-replica batch size, without shuffling.")
+        fail(f"each replica got {_GLOBAL} samples per step, so a step holds {_GLOBAL * n}: "
+             f"global_batch is the whole step's size, and each replica's pipeline must batch "
+             f"by its share of it.")
+    if sorted(order) == list(range(_N_SAMPLES)) and order != list(range(_N_SAMPLES)):
+        fail(f"every sample arrives once, in steps of {sizes}, but not in the data's order "
+             f"(the first step starts with samples {order[:4]}): the order is the problem — "
+             f"the stretch wants the data unshuffled, so that each step is the next "
+             f"{_GLOBAL} samples.")
+    if len(set(order)) < _N_SAMPLES:
+        kept = sorted(set(order))
+        if n > 1 and len(kept) == len(range(0, _N_SAMPLES, n)) and all(
+                (i - kept[0]) % n == 0 for i in kept):
+            fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples, every {n}th one: the "
+                 f"data was sharded into {n} pieces (one per replica) and only one kept. Shards "
+                 f"are per input pipeline (one per worker; here {n} replicas share one pipeline), "
+                 f"and the replicas already take different batches from it.")
+        if kept == list(range(len(kept))) and len(kept) % _GLOBAL == 0:
+            fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples (steps of {sizes}): the "
+                 f"partial last batch was dropped — this exercise is about handling it.")
+        fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples (steps of {sizes}): every "
+             f"sample must arrive once.")
+    if sizes != want:
+        fail(f"the steps hold {sizes} samples (expected {want}, in the data's order).")
+    if split != _expected_split(n):
+        fail(f"the samples and their order are right, but the last step's {want[-1]} samples "
+             f"were split {'+'.join(map(str, split[-1]))} over the replicas (expected "
+             f"{'+'.join(map(str, _expected_split(n)[-1]))}): that is a global batch split by "
+             f"the strategy. The stretch asks for each replica's own input pipeline, batched by "
+             f"the per-replica batch size, from which the replicas take whole batches in turn.")
+    passed(f"make_dist_dataset: steps of {_GLOBAL} samples over {n} replicas in whole "
+           f"per-replica batches, the short last step kept "
+           f"({'+'.join(map(str, split[-1]))})")
+
+
+def last_step_sizes(strategy, dist_dataset) -> list:
+    """How many samples each replica holds in the last step of ``dist_dataset``."""
+    last = None
+    for batch in dist_dataset:
+        last = batch
+    return [int(np.shape(v)[0]) for v in strategy.experimental_local_results(last[1])]
+
+
+def check_split_prediction(guess, sizes, n_samples: int, global_batch: int) -> None:
+    """Compare the prediction of replica 0's share of the last step of an epoch distributed with
+    ``experimental_distribute_dataset`` with what it held."""
+    last = n_samples - (n_samples - 1) // global_batch * global_batch
+    reveal(guess, sizes[0], close=guess.value == sizes[0],
+           explanation=f"{n_samples} samples in global batches of {global_batch} leave a last "
+                       f"step of {last}, and experimental_distribute_dataset splits every "
+                       f"global batch over the {len(sizes)} replicas as evenly as it can "
+                       f"({'+'.join(map(str, sizes))}). That step holds {last} samples, not "
+                       f"{global_batch}: whoever divides its loss must know it (the stretch).")
+
+
+def check_pipeline_prediction(guess, sizes) -> None:
+    """Compare the prediction of replica 0's share of the stretch's last step (100 samples,
+    global batches of 32) with what ``make_dist_dataset`` gave it."""
+    per = _GLOBAL // len(sizes)
+    reveal(guess, sizes[0], close=guess.value == sizes[0],
+           explanation=f"Each replica takes whole batches of {per} from the pipeline in turn, so "
+                       f"the 4 samples left at the end form one short batch, and it goes to "
+                       f"replica 0: {'+'.join(map(str, sizes))}. A replica with no samples still "
+                       f"runs the step, and the mean of no losses is 0/0.")
 
 
 def _one_device(scale_full: float, scale_last: float) -> list:
@@ -367,7 +536,14 @@ def check_partial_batch_epoch(train_epoch, strategy) -> None:
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001
-        fail(f"train_epoch raised {type(exc).__name__}: {str(exc).splitlines()[0]}")
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        if isinstance(exc, (AttributeError, TypeError, ValueError)) and (
+                "'int' object" in first or "NoneType" in first):
+            fail(f"train_epoch raised {type(exc).__name__}: {first} — a Python number (or None) "
+                 f"reached a TensorFlow operation. A static shape such as x.shape[0] is a Python "
+                 f"int (None while the step is traced), not a tensor: the replica context "
+                 f"reduces tensors, so count the samples with a tensor operation.")
+        fail(f"train_epoch raised {type(exc).__name__}: {first}")
     got = model.get_weights()
     if not all(np.all(np.isfinite(w)) for w in got):
         fail("the weights became NaN: in the last step one replica has no samples, and the mean "
