@@ -20,10 +20,10 @@
 # 2. Which dimension of torch's `nn.Linear.weight` does each layer cut?
 # 3. Where is the row layer's bias added, and on which ranks?
 #
-# Hint for 1: write down ∂L/∂X for the column layer. Every rank holds all of X but only its
-# block A_r; X reaches the hidden features through every block, so ∂L/∂X is a sum over the
-# ranks of terms `∂L/∂Z_r · A_rᵀ` (Z_r = X A_r), and each rank can compute only its own term.
-# Then write dL/dY_r for the sum Y = Σ_r Y_r at `g`, and ask which ranks already hold it.
+# **The goal.** On t ranks, your `TPMLP` gives every rank the plain MLP's output; after one
+# backward, the gradient of the input is the plain MLP's, and every rank's weight and bias
+# gradients are the matching blocks of the plain MLP's — with one all-reduce in the forward and
+# one in the backward, and each rank holding only its block of each weight.
 #
 # You write, in this order:
 #
@@ -31,13 +31,15 @@
 # 2. `CopyToTPRegion` (`f`) and `ReduceFromTPRegion` (`g`) as `torch.autograd.Function`s;
 # 3. `ColumnParallel` and `RowParallel`, each built from a full `nn.Linear`;
 # 4. `TPMLP`, the two layers around a GeLU, equal to the plain MLP on 2 and 3 ranks;
-# 5. (stretch) one GPipe step of a pipeline stage, with its bubble measured.
+# 5. a prediction: how many all-reduces a step of two stacked `TPMLP`s makes — then counted;
+# 6. (stretch) one GPipe step of a pipeline stage, with its bubble measured.
 #
 # **How it is checked.** Each check runs your code on 2 and then 3 ranks (gloo, through
 # `dpcourse.launch.spawn`, which ships your classes to the ranks: define them right here),
 # records every collective your code makes, and compares outputs and gradients (of the input,
 # and of every weight and bias shard) with the plain layer on one process. A wrong answer stops
-# with one sentence naming its mistake.
+# with one sentence naming its mistake: when you are stuck, run the check and read it first;
+# the folded hints come after.
 
 # %% tags=["parameters"]
 check_timeout = 30  # seconds before a hanging rank is stopped
@@ -50,24 +52,51 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dpcourse.checks import lab11
+from dpcourse.checks import lab11, predict
 
 torch.set_num_threads(1)
 
 # %% [markdown]
 # ## 1. Which features a rank keeps
 #
-# Rank r keeps the contiguous block `[start, stop)` of a dimension of `size` features: with
-# `size // world_size` features per rank, `start = rank × per` and `stop = start + per`. When
-# the world size does not divide the size (a hidden size of 16 on 3 ranks), either **refuse**
-# it — raise a `ValueError` whose sentence names the size and the world size — or **handle**
-# it with uneven blocks that still cover every feature once, in rank order (your choice; the
-# check accepts both).
+# `block_of(size, rank, world_size)` returns `(start, stop)`, two ints: rank r keeps features
+# `start … stop − 1` of a dimension of `size` features. Afterwards the ranks' blocks, taken in
+# rank order, are contiguous, do not overlap and cover every feature exactly once; when the
+# world size divides the size, every block has the same length.
+#
+# **Your design decision:** what `block_of` does when the world size does not divide the size
+# (a hidden size of 16 on 3 ranks). Either refuse it — raise a `ValueError` whose sentence names
+# the size and the world size, so that the person who chose them knows what to change — or
+# handle it with blocks of unequal length that still keep the contract above. The check
+# accepts either; decide which a user of your layers is better served by, and why.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# With 12 features on 3 ranks, write down by hand the three ranges. What do rank 1's start and
+# rank 0's stop have in common?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Every block has the same length, `size // world_size`, and rank r's block begins where
+# rank r − 1's ends; the stop is excluded, as in a Python slice. Uneven blocks (if you handle
+# them) give the first `size % world_size` ranks one feature more.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# First your decision for the remainder (an `if` that raises, or a per-rank length that
+# depends on the remainder), then the length per rank, then start from the rank and stop from
+# start; return the pair.
 
 # %%
 def block_of(size, rank, world_size):
     """(start, stop) of the block of ``size`` features that ``rank`` keeps."""
-    ### BEGIN SOLUTION: a size the world size does not divide: refuse it (a sentence naming both) or handle it; otherwise rank's equal block
+    ### BEGIN SOLUTION: rank's block, and what happens when world_size does not divide size
     if size % world_size != 0:
         raise ValueError(f"a hidden size of {size} does not split into {world_size} equal "
                          f"blocks: choose a size divisible by the number of ranks")
@@ -82,15 +111,45 @@ lab11.check_block_of(block_of)
 # ## 2. The two conjugate operations
 #
 # Write each as a `torch.autograd.Function`: a `forward(ctx, x)` and a `backward(ctx, grad)`,
-# both static methods, used as `CopyToTPRegion.apply(x)`. Sum with `dist.all_reduce` (its
-# default op), which works **in place**: all-reduce a copy of the tensor you were given
-# (`.clone()`), not the tensor itself.
+# both static methods, used as `CopyToTPRegion.apply(x)`. `forward` returns a tensor of x's
+# shape; `backward` receives the gradient of that output and returns the gradient of x.
+# `dist.all_reduce(t)` sums `t` over the ranks and writes the sum into `t` itself (it returns
+# nothing useful); whether you hand it the tensor you were given or a copy is yours to judge
+# (the check accepts both).
 #
 # - `f` sits before the column layer, whose input `x` is the **same** on every rank.
 # - `g` sits after the row layer, where each rank holds a **partial** product.
 #
-# For each, decide from the questions above what its forward returns and what its backward
-# returns, and which of the four methods calls a collective.
+# What must hold afterwards: the column layer's input gets the gradient the plain layer would
+# give it, and the row layer's output is the plain layer's, on every rank. Decide from the
+# questions above what each forward and each backward returns, and which of the four methods
+# calls a collective.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Write ∂L/∂X for the column layer. Every rank holds all of X but only its block A_r, and X
+# reaches the hidden features through every block: how many terms does ∂L/∂X have, and which
+# of them can one rank compute? Then, for `g`: Y = Σ_r Y_r, so what is ∂L/∂Y_r — and does a
+# rank already hold it?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# ∂L/∂X = Σ_r ∂L/∂Z_r · A_rᵀ (Z_r = X A_r): each rank computes one term, so the sum needs the
+# ranks together — on the backward pass; the forward of `f` has nothing to add, since X is
+# already the same everywhere. `g` is the mirror image: the forward needs the sum of the
+# partial products; the gradient of a sum reaches each term as it is, and everything after
+# `g` runs identically on every rank, so each rank already holds it.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Of the four methods, two return what they were given (a fresh tensor or a view of it), and
+# two sum over the ranks before returning; each collective runs on every rank, unconditionally.
 
 # %%
 class CopyToTPRegion(torch.autograd.Function):
@@ -104,7 +163,7 @@ class CopyToTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ### BEGIN SOLUTION: dL/dx from this rank's dL/d(output of f) — see the hint on ∂L/∂X
+        ### BEGIN SOLUTION: dL/dx from this rank's gradient of f's output
         summed = grad.clone()
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         return summed
@@ -134,26 +193,57 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, timeout=check_timeout
 # %% [markdown]
 # ## 3. The column- and the row-parallel layer
 #
-# Both are built from a full `nn.Linear` and keep a block of its weight as a new
-# `nn.Parameter` (`.detach()[...].clone()`, so it gets its own gradient). Remember torch's
+# Both take `(linear, rank, world_size)`, a full `nn.Linear` the same on every rank, and keep
+# what the rank needs of it as **new** `nn.Parameter`s (the full layer is not kept), each
+# holding only this rank's block of the weight (`block_of` says which features). torch's
 # layout: `linear.weight` is **(out_features, in_features)**, and the layer computes
 # `x @ weight.T + bias`.
 #
-# - `ColumnParallel` keeps this rank's block of the **output** features; its forward returns
-#   this rank's block of the layer's output.
-# - `RowParallel` takes this rank's block of the hidden features (the column layer's output
-#   after the GeLU) and keeps the matching block of the **input** features; its forward
-#   returns the whole layer's output, the same on every rank.
+# - `ColumnParallel(linear, rank, world_size)(x)`, with x the whole input (the same on every
+#   rank), returns this rank's block of the full layer's output features, bias included.
+# - `RowParallel(linear, rank, world_size)(hidden_block)`, with this rank's block of the
+#   hidden features, returns the full layer's output, bias included, the same on every rank.
 #
-# Decide which dimension of `linear.weight` holds each block, what happens to each layer's
-# bias (sliced or whole; added before `g`, after it, on which ranks — the output must hold it
-# exactly once), and where `f` and `g` go.
+# After a backward, the gradient of each layer's input and of every parameter equals the
+# matching block of the full layer's. Decide which dimension of `linear.weight` holds each
+# block, and where `f` and `g` go.
+#
+# **Your design decision:** the row layer's bias. The lesson left it open: keep it whole or
+# in blocks, on every rank or on one, and add it before `g` or after it. More than one choice
+# satisfies the contract; pick one and be ready to say what each rank's bias gets as a
+# gradient with your choice.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Which torch dimension of the first layer's weight indexes its output features — and so its
+# hidden features? Which dimension of the second layer's weight does the hidden block
+# multiply? And if every rank added the whole row bias to its partial product, what would the
+# sum hold?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Both layers cut the hidden dimension and keep the model's width whole. A column block of
+# output features comes with the same block of the first bias. The row layer's partial
+# products are summed, so anything added to each of them before the sum is added t times;
+# after the sum, every rank holds the same output and may add the whole bias itself.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# In each `__init__`: the block's bounds from the right size, then a slice along one
+# dimension, copied into a new parameter. In each `forward`: `f` on the way in (column) or `g`
+# on the way out (row), around one matrix product, and the bias where your decision puts it.
 
 # %%
 class ColumnParallel(nn.Module):
     def __init__(self, linear, rank, world_size):
         super().__init__()
-        ### BEGIN SOLUTION: this rank's block of the weight (which dimension?) and what it needs of the bias, as new nn.Parameters
+        ### BEGIN SOLUTION: this rank's block of the weight, and what it needs of the bias
         start, stop = block_of(linear.out_features, rank, world_size)
         self.weight = nn.Parameter(linear.weight.detach()[start:stop, :].clone())
         self.bias = nn.Parameter(linear.bias.detach()[start:stop].clone())
@@ -173,14 +263,14 @@ lab11.check_column_parallel(ColumnParallel, timeout=check_timeout)
 class RowParallel(nn.Module):
     def __init__(self, linear, rank, world_size):
         super().__init__()
-        ### BEGIN SOLUTION: this rank's block of the weight (which dimension?) and what it needs of the bias, as new nn.Parameters
+        ### BEGIN SOLUTION: this rank's block of the weight, and what it needs of the bias
         start, stop = block_of(linear.in_features, rank, world_size)
         self.weight = nn.Parameter(linear.weight.detach()[:, start:stop].clone())
         self.bias = nn.Parameter(linear.bias.detach().clone())
         ### END SOLUTION
 
     def forward(self, hidden_block):
-        ### BEGIN SOLUTION: the whole layer's output on every rank, through g, the bias counted once
+        ### BEGIN SOLUTION: the full layer's output, bias included, the same on every rank
         partial = hidden_block @ self.weight.T
         return ReduceFromTPRegion.apply(partial) + self.bias
         ### END SOLUTION
@@ -191,25 +281,46 @@ lab11.check_row_parallel(RowParallel, timeout=check_timeout)
 # %% [markdown]
 # ## 4. The tensor-parallel MLP
 #
-# `plain` is `nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))`. Build the column
-# layer from its first layer and the row layer from its last, with the GeLU between them: it
-# acts on each hidden feature alone, so it runs on a block as well as on the whole. The check
-# compares your MLP with `plain` on 2 and 3 ranks (output, dL/dx, and each rank's weight and
-# bias gradients against the matching slice of `plain`'s), counts the collectives of each
-# pass, and then builds it with h = 16 on 3 ranks.
+# `TPMLP(plain, rank, world_size)`, with `plain = nn.Sequential(nn.Linear(d, h), nn.GELU(),
+# nn.Linear(h, d))` the same on every rank: `TPMLP(...)(x)` equals `plain(x)` on every rank,
+# and after a backward dL/dx and each rank's parameter gradients are `plain`'s (the matching
+# blocks), with one all-reduce in the forward and one in the backward. The check compares on
+# 2 and 3 ranks, counts the collectives of each pass, and then builds it with h = 16 on 3
+# ranks, where your `block_of` decision shows.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The GeLU sits between the two layers. Does it need the other ranks' hidden features to
+# compute its output on this rank's block?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# GeLU acts on each feature alone, so it runs on a block as well as on the whole: the column
+# layer's block of hidden features goes through it and straight into the row layer.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Three attributes built from the three entries of `plain` (yours, yours, and the activation
+# as it is); the forward chains them in the plain MLP's order.
 
 # %%
 class TPMLP(nn.Module):
     def __init__(self, plain, rank, world_size):
         super().__init__()
-        ### BEGIN SOLUTION: ColumnParallel from plain[0], plain[1] between, RowParallel from plain[2]
+        ### BEGIN SOLUTION: the two parallel layers and the activation, built from plain
         self.column = ColumnParallel(plain[0], rank, world_size)
         self.gelu = plain[1]
         self.row = RowParallel(plain[2], rank, world_size)
         ### END SOLUTION
 
     def forward(self, x):
-        ### BEGIN SOLUTION: column, GeLU, row
+        ### BEGIN SOLUTION: the MLP's output, equal to plain(x)
         return self.row(self.gelu(self.column(x)))
         ### END SOLUTION
 
@@ -217,41 +328,105 @@ class TPMLP(nn.Module):
 lab11.check_tp_mlp(TPMLP, timeout=check_timeout)
 
 # %% [markdown]
+# ## 5. Predict, then count
+#
+# A real model stacks many MLPs. Take two of your `TPMLP`s in an `nn.Sequential`, feed them a
+# batch of **data** (a tensor that does not require a gradient, as a model's input is), and
+# run one forward and one backward of a loss. How many all-reduces does each rank make in
+# that step, forward and backward together? Write your number below **before** you run the
+# cell after it, which counts them on 2 ranks and explains the count.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# When does autograd call a `Function`'s `backward` at all? Think of what it needs the result
+# for.
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A backward computes the gradients of a Function's inputs; when none of its inputs requires
+# a gradient, autograd records no backward for it. Where does each MLP's input come from?
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Count per MLP and per pass: one sum in each forward, and in the backward one for each `f`
+# whose input requires a gradient. Add them up.
+
+# %%
+### BEGIN SOLUTION: your prediction (a number)
+my_guess = 3
+### END SOLUTION
+guess = predict("lab11", "all-reduces in one step of two stacked TPMLPs fed data", my_guess,
+                unit="all-reduces")
+
+# %%
+measured = lab11.count_all_reduces(TPMLP, timeout=check_timeout)
+lab11.check_prediction(guess, measured)
+
+# %% [markdown]
 # ## Stretch (optional): one GPipe step, and its bubble
 #
 # A workshop can stop here. Lesson 11 §3 cut a model into stages: stage r (an index) runs on
-# rank r, and `module` is its part of the model (an `nn.Module`). Write one GPipe step of a
-# stage: `gpipe_step(module, rank, world_size, m, inputs, targets, loss_fn, shape)`, with `m`
-# micro-batches (`inputs`, a list of m tensors, on stage 0; `targets` on the last stage;
-# `None` elsewhere; `shape` is one micro-batch's activation between stages). Send and receive
-# with the blocking `dist.send` and `dist.recv` (with `dist.isend` instead, keep every request
-# and `wait()` on it before returning):
+# rank r, and `module` is its part of the model (an `nn.Module`). Write
+# `gpipe_step(module, rank, world_size, m, inputs, targets, loss_fn, shape)`, one GPipe step
+# of this stage with `m` micro-batches: every forward first, then every backward.
 #
-# - **forwards**, for each micro-batch i = 0 … m−1: stage 0 takes `inputs[i]`; every other
-#   stage receives its input (`torch.empty(shape)`, `dist.recv(..., src=rank - 1)`) and makes
-#   it require grad. Run `module` on it; send the output to `rank + 1` — or, on the last stage,
-#   compute `loss_fn(output, targets[i]) / m`. Keep each micro-batch's input and output for its
-#   backward.
-# - **backwards**, for each micro-batch: the last stage calls `backward()` on its loss; every
-#   other stage receives the gradient of its output from `rank + 1` and calls
-#   `output.backward(gradient)`. Each stage but the first sends the gradient of its input to
-#   `rank - 1`. Do **not** zero the gradients between micro-batches: autograd adds each
-#   backward into `.grad`, and that sum is the batch's gradient.
-# - return `(loss, events)`: `loss` is a Python float on the last stage, the batch's loss (the
-#   sum of the divided micro-batch losses' `.item()`), and `None` on the other stages;
-#   `events` has one `(kind, i, start, end)` per action, `kind` `"F"` or `"B"`, the times from
-#   `time.perf_counter()` around the computation only (not the waiting for messages).
+# - `inputs` (stage 0 only) and `targets` (the last stage only) are lists of m tensors; the
+#   other stages get `None`. `shape` is one micro-batch's activation between two stages (and
+#   so of its gradient). Messages go over `torch.distributed`'s point-to-point calls:
+#   activations to `rank + 1`, their gradients back to `rank − 1`; a non-blocking send must be
+#   complete before `gpipe_step` returns.
+# - Afterwards, every parameter's `.grad` of every stage equals the unsplit model's gradient
+#   of the batch's loss, which is `loss_fn` of each micro-batch averaged over the m
+#   micro-batches (the model's parameters start with no gradient).
+# - It returns `(loss, events)`: `loss` is a Python float on the last stage, the batch's loss,
+#   and `None` on the others; `events` has one `(kind, i, start, end)` per forward (`"F"`) and
+#   backward (`"B"`) of micro-batch i, `start` and `end` from `time.perf_counter()` (one
+#   clock for all the machine's processes), covering this stage's **computation only**.
 #
-# Then `bubble(events, stages)`: `stages` is the number of stages, and `events` holds every
-# stage's actions as `(stage, kind, i, start, end)`, `stage` its index; return the share of
-# the step the stages were idle: 1 − (time spent computing, all stages together) / (stages ×
-# the step's span, from the earliest start to the latest end).
-# The check runs your step on 2 and 3 stages with M = 4 and compares the gradients with the
-# unsplit model's on the whole batch.
+# Then `bubble(events, stages)`: `events` holds every stage's actions as `(stage, kind, i,
+# start, end)`, `stages` is their number; it returns the bubble, the share of the stages' time
+# during the step (from its earliest start to its latest end, over all stages) in which they
+# were not computing.
+#
+# The check runs your step on 2 and 3 stages with M = 4, each forward lasting a few
+# milliseconds more, and compares the gradients with the unsplit model's on the whole batch.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A middle stage's backward of micro-batch i needs two things: which, and where does each come
+# from? And what does autograd do to `.grad` when `backward` runs a second time?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Keep each micro-batch's input and output from its forward: the backward starts from the
+# output (with the gradient the next stage sends, or from the loss on the last stage) and ends
+# with the gradient of the input, which the previous stage needs — so a received input must
+# be a leaf that asks for a gradient. `.grad` adds up across backwards, which is how the m
+# micro-batches' gradients become the batch's, once each loss is scaled to the batch mean.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Two loops over the micro-batches. The first: get the input (from `inputs` or a receive),
+# time the module (and the loss on the last stage), pass the result on, keep the pair. The
+# second: get the output's gradient (a receive, or none on the last stage), time the
+# backward, pass the input's gradient back. For the bubble: the summed durations, the span,
+# and the number of stages.
 
 # %%
 def gpipe_step(module, rank, world_size, m, inputs, targets, loss_fn, shape):
-    ### BEGIN SOLUTION: every forward, then every backward, as above; time the computations only
+    ### BEGIN SOLUTION: one GPipe step of this stage, returning (loss, events)
     kept, events, loss = [], [], None
     for i in range(m):
         if rank == 0:
@@ -300,8 +475,9 @@ lab11.check_gpipe(gpipe_step, bubble, timeout=check_timeout)
 # computation — a stand-in for an accelerator, which computes without taking one of this
 # machine's CPU cores — and your `bubble` measures the step for M = 1, 2, 4, 8 on 2 stages.
 # The formula (K−1)/(M+K−1) counts no time for messages; in your measurement, waiting for a
-# message is idle time. Read how far apart the two columns are, and whether the gap grows or
-# shrinks with M.
+# message is idle time. One run is noisy, so read what it can show: does the measured bubble
+# fall as M grows, as the formula's does? Is any measured value *below* the formula's — and
+# why could a right measurement never be far below it? (The cell refuses one that is.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dpcourse.checks import LabCheckError, lab11
+from dpcourse import pipeline_parallel, tensor_parallel
+from dpcourse.checks import LabCheckError, lab11, predict
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -88,6 +89,25 @@ def test_wrong_block_of_named(fn, match):
     fails(lab11.check_block_of, fn, match=match)
 
 
+@pytest.mark.parametrize("check,answer", [
+    (lab11.check_block_of, tensor_parallel.shard_bounds),
+    (lab11.check_tp_mlp, tensor_parallel.TensorParallelMLP),
+    (lab11.check_column_parallel, tensor_parallel.ColumnParallelLinear),
+    (lab11.check_row_parallel, tensor_parallel.RowParallelLinear),
+])
+def test_the_librarys_own_answer_refused(check, answer):
+    # refused before any rank starts, with why: the lab asks for the learner's own
+    message = fails(check, answer, match="library's own reference answer")
+    assert "lab asks you to write it" in message
+
+
+def test_the_librarys_own_conjugates_and_bubble_refused():
+    fails(lab11.check_conjugates, tensor_parallel.CopyToTensorParallel,
+          tensor_parallel.ReduceFromTensorParallel, match="library's own reference answer")
+    fails(lab11.check_gpipe, gpipe, pipeline_parallel.measured_bubble,
+          match="library's own reference answer")
+
+
 # --------------------------------------------------------------------------------------------
 # f and g
 # --------------------------------------------------------------------------------------------
@@ -144,7 +164,22 @@ class ReduceInPlace(torch.autograd.Function):
         return grad
 
 
-@pytest.mark.parametrize("f,g", [(Copy, Reduce), (CopyViewAs, ReduceInPlace)])
+class ReduceInPlaceNoClone(torch.autograd.Function):
+    """Megatron's _reduce: the partial product itself all-reduced and returned (the lab leaves
+    the copy to the learner: nothing else holds the partial product)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@pytest.mark.parametrize("f,g", [(Copy, Reduce), (CopyViewAs, ReduceInPlace),
+                                 (CopyViewAs, ReduceInPlaceNoClone)])
 def test_right_conjugates_pass(f, g, capsys):
     lab11.check_conjugates(f, g, timeout=T)
     assert capsys.readouterr().out.count("✔") == 1
@@ -255,6 +290,14 @@ class ColumnWrongDim(Column):
         return w[:, rank * per:(rank + 1) * per], b
 
 
+class ColumnWrongDimBounds(Column):
+    # the bounds of the output features' block, on the input features' dimension: rank 0
+    # keeps (12, 6), the whole weight, and rank 1 (12, 0)
+    def shard(self, w, b, rank, n):
+        per = w.shape[0] // n
+        return w[:, rank * per:(rank + 1) * per], b[rank * per:(rank + 1) * per]
+
+
 class ColumnNoOffset(Column):
     def shard(self, w, b, rank, n):
         return super().shard(w, b, 0, n)
@@ -300,6 +343,7 @@ class ColumnFOnOutput(Column):
     (ColumnAllReduceForward, "forward makes 1 collective"),
     (ColumnNoF, "no all-reduce in the backward"),
     (ColumnWrongDim, "wrong dimension"),
+    (ColumnWrongDimBounds, "wrong dimension .* give some ranks all of it and others nothing"),
     (ColumnNoOffset, "kept the rows of rank 0"),
     (ColumnStrided, "strided"),
     (ColumnWholeWeight, "keeps the whole weight"),
@@ -367,7 +411,13 @@ class RowTransposedBiasOnRankZero(nn.Module):
         return ReduceInPlace.apply(part + self.b if self.rank == 0 else part)
 
 
-@pytest.mark.parametrize("cls", [Row, RowBiasOnRankZero, RowChunk, RowTransposedBiasOnRankZero])
+class RowInPlaceNoClone(Row):
+    def forward(self, h):
+        return ReduceInPlaceNoClone.apply(F.linear(h, self.weight)) + self.bias
+
+
+@pytest.mark.parametrize("cls", [Row, RowBiasOnRankZero, RowChunk, RowTransposedBiasOnRankZero,
+                                 RowInPlaceNoClone])
 def test_right_row_pass(cls, capsys):
     sizes = lab11.WORLD_SIZES if cls is Row else (3,)
     lab11.check_row_parallel(cls, world_sizes=sizes, timeout=T)
@@ -414,6 +464,13 @@ class RowWrongDim(Row):
         return w[rank * per:(rank + 1) * per]
 
 
+class RowWrongDimBounds(Row):
+    # the input features' block bounds on dim 0 (6 rows): rank 0 keeps all, rank 1 none
+    def shard(self, w, rank, n):
+        per = w.shape[1] // n
+        return w[rank * per:(rank + 1) * per]
+
+
 class RowNoOffset(Row):
     def shard(self, w, rank, n):
         return super().shard(w, 0, n)
@@ -443,6 +500,7 @@ class RowGOnInput(Row):
     (RowBiasStoredScaled, "divided by the world size"),
     (RowBackwardAllReduce, "backward all-reduces"),
     (RowWrongDim, "wrong dimension"),
+    (RowWrongDimBounds, "wrong dimension .* give some ranks all of it and others nothing"),
     (RowNoOffset, "kept the columns of rank 0"),
     (RowAveraged, "averages the partial products"),
     (RowBiasAfterOnRankZeroOnly, "rank 1 lacks the bias"),
@@ -499,6 +557,23 @@ def test_right_mlp_pass(cls, capsys):
     out = capsys.readouterr().out
     assert out.count("✔") == 1
     assert ("refused" if cls is MLP else "handled") in out
+
+
+def test_right_mlp_with_in_place_all_reduces_passes(capsys):
+    # f's backward and g's forward all-reduce the tensor they were given, as Megatron-LM does
+    lab11.check_tp_mlp(mlp_of(ColumnTransposed, RowInPlaceNoClone), world_sizes=(3,), timeout=T)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_prediction_stacked_mlps_make_three_all_reduces(capsys):
+    measured = lab11.count_all_reduces(MLP, timeout=T)
+    assert measured == 3
+    lab11.check_prediction(predict("lab11", "all-reduces", 4, unit="all-reduces"), measured)
+    out = capsys.readouterr().out
+    assert "measured: 3 all-reduces — not what happened." in out
+    assert "first MLP's f does not" in out
+    lab11.check_prediction(predict("lab11", "all-reduces", 3, unit="all-reduces"), measured)
+    assert "— right." in capsys.readouterr().out
 
 
 class MLPVagueRefusal(MLP):
@@ -602,12 +677,13 @@ def test_wrong_mlp_named(cls, match):
 
 
 def gpipe(stage, rank, world_size, m, inputs, targets, loss_fn, shape, *, divide=True,
-          zero_each=False, interleave=False, track_input=True, reverse=False):
+          zero_each=False, interleave=False, track_input=True, reverse=False, time_waits=False):
     """A right GPipe step with isend; each keyword switches on one mistake (or a variant)."""
     last = rank == world_size - 1
     saved, events, sends, loss = {}, [], [], 0.0
 
     def forward(i):
+        t_wait = time.perf_counter()
         if rank == 0:
             x = inputs[i]
         else:
@@ -615,7 +691,7 @@ def gpipe(stage, rank, world_size, m, inputs, targets, loss_fn, shape, *, divide
             dist.recv(x, src=rank - 1)
             if track_input:
                 x.requires_grad_()
-        t0 = time.perf_counter()
+        t0 = t_wait if time_waits else time.perf_counter()
         y = stage(x)
         if last:
             y = loss_fn(y, targets[i]) / (m if divide else 1)
@@ -628,13 +704,14 @@ def gpipe(stage, rank, world_size, m, inputs, targets, loss_fn, shape, *, divide
 
     def backward(i):
         x, y = saved.pop(i)
+        t_wait = time.perf_counter()
         grad = None
         if not last:
             grad = torch.empty(shape)
             dist.recv(grad, src=rank + 1)
         if zero_each:
             stage.zero_grad()
-        t0 = time.perf_counter()
+        t0 = t_wait if time_waits else time.perf_counter()
         y.backward(grad)
         events.append(("B", i, t0, time.perf_counter()))
         if rank > 0:
@@ -701,7 +778,12 @@ def gpipe_stale_start(*args):
     return loss, [(k, i, first if k == "B" else s, e) for k, i, s, e in events]
 
 
+def gpipe_times_waits(*args):
+    return gpipe(*args, time_waits=True)
+
+
 @pytest.mark.parametrize("fn,match", [
+    (gpipe_times_waits, "time waiting for .* a message, not only the computation"),
     (gpipe_not_accumulated, "not accumulated"),
     (gpipe_not_divided, "4 times too large"),
     (gpipe_1f1b, "every forward first"),
@@ -737,6 +819,22 @@ def bubble_own_span(events, stages):
 ])
 def test_wrong_bubble_named(fn, match):
     fails(lab11.check_gpipe, gpipe, fn, match=match, timeout=T)
+
+
+def test_measure_bubble_refuses_timed_waits():
+    fails(lab11.measure_bubble, gpipe_times_waits, bubble, micro=(2,), timeout=T,
+          match="waiting for")
+
+
+def test_measure_bubble_refuses_a_bubble_below_the_formula(capsys):
+    fails(lab11.measure_bubble, gpipe, lambda events, stages: 0.05, micro=(2,), timeout=T,
+          match=r"below \(K−1\)/\(M\+K−1\) = 0.333")
+
+
+def test_measure_bubble_of_a_right_step_prints_its_table(capsys):
+    lab11.measure_bubble(gpipe, bubble, micro=(1, 4), timeout=T)
+    out = capsys.readouterr().out
+    assert "measured ≥ formula" in out and "at M = 4" in out
 
 
 def test_an_unfilled_todo_stops_before_any_rank_starts():
