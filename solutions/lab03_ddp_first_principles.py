@@ -1,38 +1,73 @@
 # %% [markdown]
 # # Lab 03 · Averaging gradients by hand
 #
-# Write three pieces of data parallelism that DDP hides:
+# **Goal.** Every rank ends each step with the same weights as one process that took the step on
+# the whole global batch — without DDP, with the collectives of lesson 03 only. You write:
 #
-# 1. `average_gradients(model)`: after `loss.backward()` on every rank, make every `p.grad` the
-#    **mean over the ranks** — `dist.all_reduce` it (SUM), then divide by the world size, both
-#    **in place** on `p.grad`;
-# 2. `data_parallel_step(model, optimizer, X, y)`: one training step of a rank on its shard
-#    `X, y`: zero the gradients, mean cross-entropy, backward, `average_gradients`, step;
-# 3. `average_gradients_weighted(model, n_local)`: the same averaging when the ranks' shards
-#    have **different sizes** — something the lesson does not show; see its cell below.
+# 1. `average_gradients(model)`: the gradients of all ranks combined into their mean;
+# 2. how many collective calls that makes in one step — **predicted first**, then measured;
+# 3. `data_parallel_step(model, optimizer, X, y)`: one training step of a rank on its shard;
+# 4. `average_gradients_weighted(model, n_local)`: the same goal when the shards have
+#    **different sizes**, which the lesson does not show — the lab's design decision;
+# 5. (stretch) `average_gradients_flat(model)`: the mean with one collective for the whole model.
 #
-# The checks run your functions on 2 and then 3 ranks (gloo, through `dpcourse.launch.spawn`;
-# they ship your functions to the ranks, so define them right here in the notebook) and compare
-# with one process on the global batch. They recognise the classic mistakes — summing without
-# dividing, dividing by a fixed 2 instead of the world size, dividing into a new tensor instead
-# of `p.grad`, calling `all_reduce` on one rank only (a
-# deadlock: the check stops it after 20 s), averaging the loss instead of the gradients — and
-# tell you which one you made.
+# Each part states the contract its check holds you to: the signature, what the function
+# returns, and what must be true afterwards. How you get there is yours. The checks run your
+# functions on 2 and then 3 ranks (gloo, through `dpcourse.launch.spawn`; they ship your
+# functions to the ranks, so define them right here in the notebook) and compare with one
+# process on the global batch; when something is wrong, the check's sentence names the cause.
+# Stuck? Each part has up to three folded hints: a question, then the idea, then the shape of
+# the code. If a check reports that a crowded server may simply be slow, give it more time where
+# it says, e.g. `lab03.check_average_gradients(average_gradients, timeout=120)`.
 
 # %%
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dpcourse.checks import lab03
+from dpcourse.checks import lab03, predict
+from dpcourse.models import SmallCNN
 
 torch.set_num_threads(1)
 
+# %% [markdown]
+# ## 1. Average the gradients
+#
+# `average_gradients(model)` is called **on every rank**, right after that rank's
+# `loss.backward()` on its own data, with the process group already started. Contract:
+#
+# - afterwards, on every rank, each `p.grad` that is not `None` holds the **mean over the
+#   ranks** of that parameter's gradient — the same values on every rank, in the parameter's
+#   shape;
+# - it works for any number of ranks, and returns `None`.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Which collective of lesson 03 leaves the same combination of every rank's tensor on every
+# rank, and where does it put its result? Is that combination already the mean?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A sum-reduction across the ranks writes the sum into the very tensor each rank hands it. The
+# mean is that sum over the number of ranks — a number the process group knows, not your code.
+# Whatever you compute must end up in `p.grad`, since that is what the optimizer reads.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Ask the process group for the number of ranks once. Then loop over the model's parameters,
+# skip those without a gradient, and for each one: one collective on its gradient, then one
+# division whose result stays in that gradient.
 
 # %%
 def average_gradients(model):
-    """Make every p.grad the mean of that gradient over all ranks (in place)."""
-    ### BEGIN SOLUTION: all_reduce each p.grad with SUM, then divide it in place by the world size
+    """Make every p.grad the mean of that gradient over all ranks; returns None."""
+    ### BEGIN SOLUTION: every p.grad the mean of that gradient over all the ranks
     world_size = dist.get_world_size()
     for p in model.parameters():
         if p.grad is not None:
@@ -41,13 +76,78 @@ def average_gradients(model):
     ### END SOLUTION
 
 
+# on a crowded server: lab03.check_average_gradients(average_gradients, timeout=120)
 lab03.check_average_gradients(average_gradients)
 
+# %% [markdown]
+# ## 2. Predict, then measure: collective calls in one step
+#
+# Every collective call pays a fixed start-up cost (lesson 06's α) on top of its bytes, so the
+# **number** of calls a step makes matters as much as what they carry. The checks use the small
+# CNN printed below. **Before you run the measurement**, predict: how many `all_reduce` calls
+# does **one** call of *your* `average_gradients` make on this model, on each rank? Write a
+# whole number.
+
+# %%
+print(SmallCNN(width=4))
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# What does your function hand to each collective call: a layer, a parameter tensor, or a single
+# number? And how many parameter tensors does a `Conv2d` or a `Linear` layer own?
+
+# %%
+### BEGIN SOLUTION: your prediction (a whole number)
+my_guess = 10
+### END SOLUTION
+guess = predict("lab03", "all_reduce calls in one average_gradients", my_guess, unit="calls")
+
+# %%
+measured = lab03.count_all_reduces(average_gradients)   # runs it once on 2 ranks
+lab03.check_prediction(guess, measured)
+
+# %% [markdown]
+# ## 3. A data-parallel step without DDP
+#
+# `data_parallel_step(model, optimizer, X, y)` is one training step of **one rank**: every rank
+# calls it at the same time with the same model and optimizer settings and its own equal shard
+# `X, y` of the global batch. Contract:
+#
+# - the loss is the mean cross-entropy of the model's outputs on the shard;
+# - it returns **this rank's loss on its shard, before the update, as a Python float**;
+# - afterwards every rank's weights equal those of one process that took the same step (same
+#   optimizer) on the whole global batch — step after step, for as many steps as it is called.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# In an ordinary single-process step, between which two lines does the gradient become final?
+# What must the ranks agree on at that point — the loss, or something else?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Each rank's backward gives the gradient of its own shard's mean loss. The mean of those
+# gradients over equal shards is the gradient of the global batch's mean loss; once every rank
+# holds it, every rank applies the same update. Averaging the loss would not do that: each
+# rank's backward only ever sees its own data.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The four lines of lesson 01's step (clear the gradients, loss, backward, optimizer step), with
+# one call to part 1's function where the gradients must agree, and the loss turned into a
+# float for the return.
 
 # %%
 def data_parallel_step(model, optimizer, X, y):
     """One step on this rank's shard (X, y); returns the rank's loss as a float."""
-    ### BEGIN SOLUTION: zero_grad, loss on the shard, backward, average_gradients(model), step, return loss.item()
+    ### BEGIN SOLUTION: one data-parallel training step on this rank's shard
     optimizer.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(X), y)
     loss.backward()
@@ -60,20 +160,52 @@ def data_parallel_step(model, optimizer, X, y):
 lab03.check_data_parallel_step(data_parallel_step)
 
 # %% [markdown]
-# ## Unequal shards
+# ## 4. Unequal shards
 #
 # Shards are not always equal: the last batch of an epoch without `drop_last`, or data split by
 # file. Here rank *r* holds `n_local` samples (3, 5 and 8 on ranks 0, 1, 2) and has run
-# `backward()` on the **mean** loss over its own `n_local` samples. Make every `p.grad`, on
-# every rank, the gradient of the mean loss over **all** the ranks' samples together — the step
-# one process would take on the concatenated batch. Why is `average_gradients` wrong here, and
-# what does no rank know yet? The check tells apart the plain mean, a missing or wrong divisor,
-# and a divisor only one rank knows.
+# `backward()` on the **mean** loss over its own `n_local` samples. Write
+# `average_gradients_weighted(model, n_local)`. Contract:
+#
+# - `n_local` is this rank's number of samples; no rank is told the other ranks' counts;
+# - afterwards, on every rank, each `p.grad` holds the gradient of the **mean loss over every
+#   sample of every rank, each sample counted once** — what one process would compute on the
+#   concatenated batch;
+# - it works for any number of ranks and any positive counts, and returns `None`.
+#
+# **Your design decision:** the lesson only averaged equal shards. Decide what each rank must
+# contribute to the collectives, and in how many calls, so that every rank can form that global
+# mean — and be ready to say why part 1's `average_gradients` is not it here.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# With 3 samples on rank 0 and 5 on rank 1, how much does one of rank 0's samples weigh in the
+# global mean loss, and how much does it weigh in rank 0's own mean? What would rank 0 need to
+# know to turn one into the other?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A rank's gradient is a mean over its own samples; scaled by its count it becomes a sum over
+# them, and sums over disjoint samples add up across ranks. The global mean is that total sum
+# over the total number of samples — a number that no single rank has until the ranks share
+# their counts.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# First, every rank learns the total count (a collective on a one-element tensor). Then for each
+# parameter with a gradient: scale this rank's gradient by its own count, sum it across the
+# ranks, and divide by the total — with the result left in the gradient.
 
 # %%
 def average_gradients_weighted(model, n_local):
-    """Make every p.grad the gradient of the mean loss over all ranks' samples (in place)."""
-    ### BEGIN SOLUTION: a rank's gradient is a mean over n_local samples; the global mean counts every sample once, and the total count must be all-reduced too
+    """Make every p.grad the gradient of the mean loss over all ranks' samples; returns None."""
+    ### BEGIN SOLUTION: every p.grad the gradient of the mean loss over all ranks' samples
     total = torch.tensor([float(n_local)], device=next(model.parameters()).device)
     dist.all_reduce(total)
     for p in model.parameters():
@@ -87,21 +219,45 @@ def average_gradients_weighted(model, n_local):
 lab03.check_average_gradients_weighted(average_gradients_weighted)
 
 # %% [markdown]
-# ## Stretch (optional): one all_reduce for the whole model
+# ## Stretch (optional): one collective for the whole model
 #
-# A workshop can stop here. Your `average_gradients` makes one collective call per parameter
-# tensor — 10 for this small CNN, hundreds for a real network — and every call pays the fixed
-# start-up cost α of lesson 06's cost model. Fewer, bigger messages pay it once. DDP's answer is
-# *buckets* of about 25 MiB (lesson 03; lesson 07 times them); the extreme is a single bucket.
+# A workshop can stop here. Part 2 measured how many calls `average_gradients` makes: one per
+# parameter tensor — hundreds for a real network, each paying the start-up cost α again. DDP
+# pays it once per *bucket* of about 25 MiB (lesson 03; lesson 07 times them); the extreme is a
+# single bucket. Write `average_gradients_flat(model)`. Contract:
 #
-# Write `average_gradients_flat(model)`: concatenate every gradient, flattened, into one 1-D
-# tensor; `all_reduce` it **once**; divide; and copy each slice back into its `p.grad` in the
-# parameter's shape. The check counts your `dist.all_reduce` calls on 2 and 3 ranks.
+# - afterwards every `p.grad` holds the same mean over the ranks as part 1 demands, in its
+#   parameter's shape;
+# - it makes **exactly one** `dist.all_reduce` call per call, whatever the number of parameters
+#   (the check counts your calls on 2 and 3 ranks); returns `None`.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A collective takes one tensor. How can one tensor carry every gradient of the model, and how
+# will each parameter find its own part again afterwards?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Lay every gradient end to end in one 1-D buffer; the reduction is element-wise, so reducing
+# the buffer reduces every gradient at once. Joining tensors makes a copy, so the averaged
+# values must travel back into the gradients, each slice in its parameter's shape.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Collect the gradients; build the flat buffer from their flattened forms; one collective and
+# one division on the buffer; then walk the gradients with a running offset, copying each slice
+# back into its gradient.
 
 # %%
 def average_gradients_flat(model):
-    """Like average_gradients, with a single all_reduce on one flat buffer."""
-    ### BEGIN SOLUTION: torch.cat the flattened grads, one all_reduce, divide, copy each slice back into p.grad
+    """Like average_gradients, with a single all_reduce for the whole model; returns None."""
+    ### BEGIN SOLUTION: the mean of every gradient, with one collective call for the whole model
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)

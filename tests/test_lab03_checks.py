@@ -103,10 +103,28 @@ def no_step(model, optimizer, X, y):
     ddp.average_gradients(model)
 
 
+def reference_average(model):
+    # the lab's answer, written in the learner's cell (the library's own is refused)
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad /= world_size
+
+
 def test_reference_average_gradients_passes(capsys):
-    assert lab03.check_average_gradients(ddp.average_gradients) is None  # nothing to echo
+    assert lab03.check_average_gradients(reference_average) is None  # nothing to echo
     out = capsys.readouterr().out
     assert out.startswith("✔") and "on 2 and 3 ranks" in out and out.count("✔") == 1
+    assert "in place (each p.grad is still the tensor the backward filled)" in out
+
+
+def test_the_librarys_own_average_gradients_is_refused():
+    t0 = time.monotonic()
+    with pytest.raises(LabCheckError, match=r"library's own reference answer "
+                                            r"\(dpcourse\.ddp\.average_gradients\).*your own"):
+        lab03.check_average_gradients(ddp.average_gradients)
+    assert time.monotonic() - t0 < 2  # refused before any rank starts
 
 
 @pytest.mark.parametrize("fn, phrase", [
@@ -125,11 +143,37 @@ def test_wrong_average_gradients(fn, phrase):
 def test_all_reduce_on_rank0_only_is_a_deadlock_ended_by_timeout():
     assert lab03.DEFAULT_TIMEOUT <= 20
     t0 = time.monotonic()
-    # A short timeout keeps the test quick; rank 0 must be named (rank 1 too, on a machine so
-    # busy that it had not even finished starting).
-    with pytest.raises(LabCheckError, match=r"rank\(s\) 0(, 1)? never finished .* deadlock"):
-        lab03.check_average_gradients(rank0_only, timeout=6)
+    # A short timeout keeps the test quick. Rank 1 returns at once and rank 0 waits: the check
+    # says it is a deadlock, and nothing about slowness (a longer timeout would not help). On a
+    # machine so busy that rank 1 had not even finished starting, both are named as waiting and
+    # the slowness clause is honest.
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients(rank0_only, timeout=8)
+    message = str(err.value)
     assert time.monotonic() - t0 < 30
+    if "returned from" in message:
+        assert message.startswith("deadlock: rank(s) 1 returned from average_gradients while "
+                                  "rank(s) 0 still waited"), message
+        assert "slowness" not in message and "timeout=" not in message, message
+    else:
+        assert "rank(s) 0, 1 never finished" in message and "deadlock" in message, message
+
+
+class _FakeTimeout:
+    def __init__(self, pending, finished):
+        self.pending, self.finished = pending, finished
+
+
+def test_a_diagnosed_deadlock_never_suggests_slowness():
+    # what the check says when rank 1 has returned and rank 0 still waits (deterministic)
+    with pytest.raises(LabCheckError) as err:
+        lab03._hang("average_gradients", 20)(_FakeTimeout([0], [1]))
+    message = str(err.value)
+    assert message.startswith("deadlock: rank(s) 1 returned from average_gradients")
+    assert "A longer timeout would not end it" in message and "slowness" not in message
+    # no rank returned: it may be slowness, and run_ranks adds that clause after this sentence
+    sentence = lab03._hang("average_gradients", 20)(_FakeTimeout([0, 1], []))
+    assert sentence.startswith("rank(s) 0, 1 never finished within 20 s — a deadlock")
 
 
 def test_reference_step_passes(capsys):
@@ -229,6 +273,29 @@ def flat_with_torch_helpers(model):
 def test_right_average_gradients_variants_pass(fn, capsys):
     lab03.check_average_gradients(fn)
     assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_rebinding_p_grad_passes_and_the_line_does_not_say_in_place(capsys):
+    # lab03's contract is the values p.grad holds; p.grad = p.grad / n meets it, and the success
+    # line must not then claim the division was in place (issue 31)
+    lab03.check_average_gradients(rebind_attribute, world_sizes=(3,))
+    out = capsys.readouterr().out
+    assert "in new tensors bound to p.grad" in out and "in place (" not in out, out
+
+
+def test_prediction_of_the_all_reduce_calls(capsys):
+    from dpcourse.checks import predict
+
+    measured = lab03.count_all_reduces(reference_average)
+    assert measured == {"calls": 10, "bytes": 4 * 18794, "tensors": 10, "parameters": 18794}
+    lab03.check_prediction(predict("lab03", "all_reduce calls", 10, unit="calls"), measured)
+    out = capsys.readouterr().out
+    assert "measured: 10 calls — right." in out and "75,176 bytes" in out, out
+    lab03.check_prediction(predict("lab03", "all_reduce calls", 5, unit="calls"), measured)
+    out = capsys.readouterr().out
+    assert "measured: 10 calls — not what happened." in out and "a weight and a bias" in out
+    with pytest.raises(LabCheckError, match="what count_all_reduces"):
+        lab03.check_prediction(predict("lab03", "all_reduce calls", 10), 10)
 
 
 def test_dividing_by_a_fixed_two_fails_on_three_ranks():

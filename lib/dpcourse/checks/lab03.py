@@ -13,10 +13,21 @@ reference. A wrong answer is matched against simulations of the plausible mistak
   tell the two apart;
 * reducing a copy (``p.grad.clone()``): ``p.grad`` is still the rank's own gradient;
 * calling ``all_reduce`` on rank 0 only: rank 0 waits forever; the launch's timeout (20 s by
-  default, ``timeout=`` or ``DPCOURSE_CHECK_TIMEOUT`` for more) ends it and the message says it
-  is a deadlock, or slowness on a crowded server;
+  default, ``timeout=`` or ``DPCOURSE_CHECK_TIMEOUT`` for more) ends it. When another rank had
+  already returned, the wait can only be a deadlock and the message says so (and nothing about
+  slowness); when no rank returned, it may be slowness on a crowded server and says which
+  ``timeout=`` to pass;
 * averaging the loss instead of the gradients: each rank steps with its own gradients and the
-  ranks' weights drift apart.
+  ranks' weights drift apart;
+* the library's own ``dpcourse.ddp.average_gradients`` passed as the answer: refused (the lab
+  asks for the learner's).
+
+``p.grad = p.grad / world_size`` (a new tensor bound to ``p.grad`` itself) is right: the lab's
+contract is the values every ``p.grad`` holds afterwards, and the optimizer reads ``p.grad`` at
+each step. The success line says whether the gradients were averaged in place or rebound.
+
+:func:`count_all_reduces` and :func:`check_prediction` are the lab's predict-then-measure part:
+how many ``all_reduce`` calls one ``average_gradients`` makes on the lab's model.
 """
 
 from __future__ import annotations
@@ -28,11 +39,12 @@ import textwrap
 import torch
 import torch.nn.functional as F
 
-from . import check_timeout, fail, has_todo, passed, recorded, run_ranks
+from . import (check_timeout, fail, has_todo, passed, recorded, refuse_reference, reveal,
+               run_ranks)
 
 __all__ = ["check_average_gradients", "check_average_gradients_flat",
-           "check_average_gradients_weighted", "check_data_parallel_step", "DEFAULT_TIMEOUT",
-           "SHARD_SIZES", "WORLD_SIZES"]
+           "check_average_gradients_weighted", "check_data_parallel_step", "count_all_reduces",
+           "check_prediction", "DEFAULT_TIMEOUT", "SHARD_SIZES", "WORLD_SIZES"]
 
 DEFAULT_TIMEOUT = 20.0  # seconds; a correct answer takes 1-8 s, a deadlock is cut off here
 
@@ -50,7 +62,8 @@ def _avg_worker(rank: int, world_size: int, fn) -> dict:
     y = torch.randint(0, 10, (4,), generator=g).to(dev)
     F.cross_entropy(model(X), y).backward()
     local = [p.grad.detach().cpu().clone() for p in model.parameters()]
-    # Count the all_reduce calls (the stretch asks for exactly one).
+    before = [p.grad for p in model.parameters()]  # the tensors themselves: rebound or not?
+    # Count the all_reduce calls (the stretch asks for exactly one) and their bytes.
     from ..collectives import record_collectives
 
     with record_collectives() as calls:
@@ -58,7 +71,11 @@ def _avg_worker(rank: int, world_size: int, fn) -> dict:
     after = [None if p.grad is None else p.grad.detach().cpu().clone()
              for p in model.parameters()]
     return {"local": local, "after": after,
-            "all_reduce_calls": calls.count_by_op().get("all_reduce", 0)}
+            "in_place": all(p.grad is b for p, b in zip(model.parameters(), before)),
+            "all_reduce_calls": calls.count_by_op().get("all_reduce", 0),
+            "all_reduce_bytes": calls.bytes_by_op().get("all_reduce", 0),
+            "n_params": sum(p.numel() for p in model.parameters()),
+            "n_tensors": len(before)}
 
 
 def _rebinds_division(fn) -> bool | None:
@@ -80,7 +97,32 @@ def _all_close(a: list, b: list) -> bool:
     return all(torch.allclose(x, y, rtol=1e-4, atol=1e-7) for x, y in zip(a, b))
 
 
-def _launch(worker, world_size: int, timeout: float, *args):
+_HANG = ("all_reduce is a collective that every rank must call, in the same order, so calling "
+         "it on some ranks only (e.g. `if rank == 0:`) leaves them waiting forever for the "
+         "others.")
+
+
+def _hang(name: str, timeout: float):
+    """The timeout's sentence. When a rank had already returned from the learner's function
+    while another still waited, the wait is a deadlock for certain: say so and nothing else (a
+    longer timeout would not end it). Otherwise run_ranks adds that it may be slowness."""
+
+    def sentence(exc) -> str:
+        __tracebackhide__ = True
+        pending = list(getattr(exc, "pending", []))
+        finished = list(getattr(exc, "finished", []))
+        waiting = ", ".join(map(str, pending)) or "some rank"
+        if pending and finished:
+            fail(f"deadlock: rank(s) {', '.join(map(str, finished))} returned from {name} while "
+                 f"rank(s) {waiting} still waited in a collective after {timeout:g} s — a rank "
+                 f"that has returned will never join that call. {_HANG} A longer timeout would "
+                 f"not end it: make every rank make the same collective calls.")
+        return f"rank(s) {waiting} never finished within {timeout:g} s — a deadlock: {_HANG}"
+
+    return sentence
+
+
+def _launch(worker, world_size: int, timeout: float, *args, name: str = "your function"):
     __tracebackhide__ = True
     from .. import devices
 
@@ -91,10 +133,7 @@ def _launch(worker, world_size: int, timeout: float, *args):
                                       f"NotImplementedError: replace the TODO with your answer.")
 
     return run_ranks(worker, world_size, *args, backend=devices.backend_for(world_size),
-                     timeout=timeout,
-                     hang="all_reduce is a collective that every rank must call, in the same "
-                          "order, so calling it on some ranks only (e.g. `if rank == 0:`) "
-                          "leaves them waiting forever for the others.")
+                     timeout=timeout, hang=_hang(name, timeout))
 
 
 WORLD_SIZES = (2, 3)  # two sizes: an answer that divides by 2 instead of the world size fails
@@ -106,11 +145,21 @@ def check_average_gradients(average_gradients, world_sizes=WORLD_SIZES,
     """Run ``average_gradients(model)`` on 2 and on 3 ranks after a backward on different
     data; every rank's ``p.grad`` must then be the mean of the ranks' gradients."""
     __tracebackhide__ = True
+    from .. import ddp
+
+    refuse_reference(average_gradients, "average_gradients", ddp.average_gradients,
+                     why="define it in the cell above, under the same name, and pass that")
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    in_place = True
     for world_size in world_sizes:
-        _check_average(average_gradients, world_size, timeout, "average_gradients")
-    passed(f"average_gradients: every p.grad is the mean over the ranks, in place "
-           f"(on {' and '.join(map(str, world_sizes))} ranks)")
+        results = _check_average(average_gradients, world_size, timeout, "average_gradients")
+        in_place = in_place and all(r["in_place"] for r in results)
+    how = ("in place (each p.grad is still the tensor the backward filled)" if in_place else
+           "in new tensors bound to p.grad (right here: the optimizer reads p.grad at each "
+           "step; where gradients are views of a bucket, as in lesson 07, only writing into "
+           "them would do)")
+    passed(f"average_gradients on {' and '.join(map(str, world_sizes))} ranks: every p.grad is "
+           f"the mean over the ranks, {how}")
 
 
 @recorded
@@ -127,11 +176,11 @@ def check_average_gradients_flat(average_gradients_flat, world_sizes=WORLD_SIZES
            f"over the ranks (on {' and '.join(map(str, world_sizes))} ranks)")
 
 
-def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = False) -> None:
+def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = False) -> list:
     __tracebackhide__ = True
     if not callable(fn):
         fail(f"the check needs your function, got {type(fn).__name__}.")
-    results = _launch(_avg_worker, world_size, timeout, fn)
+    results = _launch(_avg_worker, world_size, timeout, fn, name=name)
     locals_ = [r["local"] for r in results]
     n_params = len(locals_[0])
     total = [sum(loc[i] for loc in locals_) for i in range(n_params)]
@@ -175,8 +224,8 @@ def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = 
             fail(f"on rank {rank} p.grad is the rank's own gradient divided by {world_size}: the "
                  f"division happened but the all_reduce did not reach p.grad.")
         fail(f"on rank {rank} the gradients are not the mean over the ranks (nor their sum, nor "
-             f"the rank's own): all_reduce each p.grad with SUM, then divide it by the world "
-             f"size, in place.")
+             f"the rank's own): every p.grad must end holding the sum over the ranks divided by "
+             f"the world size.")
     if flat:
         calls = results[0]["all_reduce_calls"]
         if calls == 0:
@@ -188,6 +237,52 @@ def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = 
                  + (f", once per parameter ({n_params})" if calls == n_params else "")
                  + ": put every gradient into one flat tensor (torch.cat of the flattened "
                    "grads), reduce it once, and copy the slices back.")
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# Predict, then measure: the all_reduce calls of one average_gradients
+# --------------------------------------------------------------------------------------------
+
+
+def count_all_reduces(average_gradients, world_size: int = 2,
+                      timeout: float | None = None) -> dict:
+    """Run ``average_gradients(model)`` once on ``world_size`` ranks, on the lab's model
+    (``SmallCNN(width=4)``) after one backward, and return what rank 0 handed to
+    ``dist.all_reduce``: ``{"calls": ..., "bytes": ..., "tensors": ..., "parameters": ...}``
+    (``tensors``: the model's parameter tensors, ``parameters``: their elements)."""
+    __tracebackhide__ = True
+    if not callable(average_gradients):
+        fail(f"count_all_reduces needs your function, got {type(average_gradients).__name__}.")
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    r = _launch(_avg_worker, world_size, timeout, average_gradients,
+                name=getattr(average_gradients, "__name__", "your function"))[0]
+    return {"calls": r["all_reduce_calls"], "bytes": r["all_reduce_bytes"],
+            "tensors": r["n_tensors"], "parameters": r["n_params"]}
+
+
+def check_prediction(guess, measured: dict) -> None:
+    """Compare the learner's prediction of the number of ``all_reduce`` calls one
+    ``average_gradients`` makes with :func:`count_all_reduces`'s measurement, and say why the
+    number is what it is. Never raises for a wrong prediction."""
+    __tracebackhide__ = True
+    if not isinstance(measured, dict) or "calls" not in measured:
+        fail("check_prediction needs what count_all_reduces(...) returned (a dict), got "
+             f"{type(measured).__name__}.")
+    calls, tensors = measured["calls"], measured["tensors"]
+    nbytes, params = measured["bytes"], measured["parameters"]
+    if calls == tensors:
+        why = (f"One all_reduce per parameter tensor: the model has {tensors} of them (a weight "
+               f"and a bias in each of its 5 layers), each a separate call that pays the "
+               f"collective's fixed start-up cost (lesson 06's α). Together they hand over "
+               f"{nbytes:,} bytes on each rank: {params:,} float32 gradients of 4 bytes. The "
+               f"stretch makes the same bytes travel in one call.")
+    else:
+        why = (f"The model has {tensors} parameter tensors ({params:,} float32 gradients, "
+               f"{4 * params:,} bytes); your function made {calls} all_reduce call(s) handing "
+               f"over {nbytes:,} bytes — one call per tensor is what a per-parameter loop makes.")
+    reveal(guess, calls, close=bool(guess.value == calls) if hasattr(guess, "value") else False,
+           explanation=why)
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,7 +326,7 @@ def check_average_gradients_weighted(average_gradients_weighted, world_sizes=WOR
         fail(f"the check needs your function, got {type(average_gradients_weighted).__name__}.")
     for world_size in world_sizes:
         results = _launch(_weighted_worker, world_size, timeout, average_gradients_weighted,
-                          tuple(sizes[:world_size]))
+                          tuple(sizes[:world_size]), name="average_gradients_weighted")
         _diagnose_weighted(results, world_size)
     passed(f"average_gradients_weighted: every p.grad is the gradient of the mean loss over all "
            f"the ranks' samples, shards of {', '.join(map(str, sizes[:max(world_sizes)]))} "
@@ -357,7 +452,8 @@ def check_data_parallel_step(data_parallel_step, world_sizes=WORLD_SIZES,
         fail(f"check_data_parallel_step needs your function, got "
              f"{type(data_parallel_step).__name__}.")
     for world_size in world_sizes:
-        results = _launch(_step_worker, world_size, timeout, data_parallel_step)
+        results = _launch(_step_worker, world_size, timeout, data_parallel_step,
+                          name="data_parallel_step")
         params = [r["params"] for r in results]
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the simulations are tiny: extra threads only add contention
