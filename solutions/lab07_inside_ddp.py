@@ -6,23 +6,17 @@
 # launches a bucket as soon as it is full and copies gradients in and out. Now you build what
 # DDP's reducer really does:
 #
-# 1. `assign_buckets(params, bucket_cap_mb)` — group the parameters into buckets, in the order
-#    the backward produces their gradients, closing a bucket once it has reached the cap;
-# 2. `BucketedDDP`, a wrapper with one flat buffer per bucket whose slices **are** the
-#    gradients (`p.grad` is a view into the bucket: no copy in, no copy out), and which
-#    launches each bucket's **asynchronous** all-reduce from the hook **strictly in bucket
-#    order**, as DDP's reducer does, even when buckets fill out of order.
+# 1. `assign_buckets(params, bucket_cap_mb)` — the buckets DDP's reducer makes;
+# 2. `BucketedDDP`, a wrapper that keeps DDP's two promises: every gradient **is** a slice of
+#    its bucket's flat buffer, and buckets go on the wire **strictly in bucket order**, each as
+#    early as that order allows, while the backward is still running;
+# 3. a prediction, then a measurement: how many all-reduces one step of your wrapper launches.
 #
-# The checks run your wrapper on 2 and then 3 ranks (gloo, through `dpcourse.launch.spawn`:
-# define everything right here in the notebook) on a model that has a frozen parameter and
-# whose buckets fill out of order, against real `DistributedDataParallel`. They spy on the
-# collectives — how many, how large, which buffer, when each was launched and when waited on —
-# and compare every launch with the moment each gradient arrived. They name the mistakes:
-# buckets filled in forward order or closed before the cap, a hook on a frozen parameter, one
-# all-reduce per parameter, buckets launched out of order, launched late (only at the end of
-# the backward), waited on inside the hook, not waited on, an all-reduce of a temporary,
-# gradients that are not views of the bucket, `add_` where `copy_` belongs, views that
-# overlap, a wrong division.
+# The checks run your code on 2 and then 3 ranks (gloo, through `dpcourse.launch.spawn`:
+# define everything right here in the notebook) against real `DistributedDataParallel`, and
+# spy on every collective — how many, how large, which buffer, when it was launched and when
+# it was waited on — against the moment each gradient arrived. When something is wrong, the
+# check's sentence names the cause: read it, it is the teacher. Hints wait in folded cells.
 
 # %% tags=["parameters"]
 check_timeout = 30  # seconds before a hanging rank is stopped
@@ -32,27 +26,55 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpcourse.checks import lab07
+from dpcourse.checks import lab07, predict
 
 torch.set_num_threads(1)
 
 # %% [markdown]
 # ## 1. Buckets, by DDP's rule
 #
-# The backward computes gradients from the last layer to the first, so walk the parameters in
-# **reverse** registration order. Add each parameter to the open bucket, and close the bucket
-# once its size has **reached** `bucket_cap_mb` MiB (1 MiB = 2**20 bytes; a parameter's size is
-# `p.numel() * p.element_size()`): that is the rule of DDP's reducer
-# (`compute_bucket_assignment_by_size`), so a bucket may end above the cap by its last
-# parameter, and a parameter larger than the cap closes the bucket it joins. Return a list of
-# buckets, each a list of parameters. (All the parameters the check gives you share one dtype
-# and device; DDP fills one set of buckets per dtype and device.)
+# **The contract.** `assign_buckets(params, bucket_cap_mb)` takes the trainable parameters in
+# **registration order** (a list; all of one dtype and device here — DDP fills one set of
+# buckets per dtype and device) and a cap in MiB (1 MiB = 2**20 bytes), and returns a list of
+# buckets, each a list of parameters, such that:
+#
+# - every parameter is in exactly one bucket;
+# - the buckets, and the parameters within each, are in the order the backward completes
+#   them: bucket 0 is the one that can go on the wire first;
+# - the grouping is the one DDP's reducer makes at this cap (`compute_bucket_assignment_by_size`,
+#   lesson 07 §3), bucket for bucket — write it yourself, do not call torch's or the course
+#   library's.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The backward produces gradients layer by layer. Which layer's gradients exist first — and so
+# which parameters must bucket 0 hold? And when DDP meets a parameter that takes the open bucket
+# past the cap, does that parameter go in before or after the bucket closes?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Walk the parameters from the last registered to the first. DDP puts a parameter into the
+# open bucket first and only then compares the bucket's bytes with the cap: a bucket closes
+# once it has *reached* the cap, so it may end above it, and a parameter bigger than the cap
+# closes the bucket it joins. Sizes are in bytes (elements times bytes per element).
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# One loop over the parameters in the backward's order; a running byte total and the bucket
+# being filled; after each parameter, a test against the cap in bytes that closes the bucket
+# and starts a fresh one; at the end, the last bucket only if it holds anything.
 
 # %%
 def assign_buckets(params, bucket_cap_mb):
-    """Group ``params`` (in registration order) into buckets by DDP's rule, filled in reverse
-    order."""
-    ### BEGIN SOLUTION: walk reversed(params); add the parameter, then close the bucket once it has reached the cap
+    """Group ``params`` (in registration order) into buckets by DDP's rule, bucket 0 the one
+    the backward completes first."""
+    ### BEGIN SOLUTION: assign_buckets: DDP's buckets for these parameters at this cap
     cap = bucket_cap_mb * 2**20
     buckets, size = [[]], 0
     for p in reversed(list(params)):
@@ -73,40 +95,70 @@ lab07.check_assign_buckets(assign_buckets)
 #
 # Lesson 07's `BucketedDataParallel` copies each gradient into its bucket, launches a bucket's
 # all-reduce the moment the bucket is full, and copies the averages back after waiting. DDP's
-# reducer differs in two ways, and your wrapper does both:
+# reducer keeps two promises that class does not, and your `BucketedDDP` keeps both.
 #
-# - **Buckets are launched strictly in bucket order.** The reducer keeps `next_bucket_`: when a
-#   bucket becomes ready it launches it only if it is the next one, and then every following
-#   bucket that is already ready. Buckets can fill out of order — here the model registers its
-#   output layer *before* its hidden layer but runs it after, so the output layer's bucket is
-#   complete first. A rank that launched buckets as they filled would then issue its
-#   all-reduces in an order that depends on its backward; with the same order on every rank,
-#   the i-th all-reduce of each rank is always the same bucket, and they match.
-# - **Gradients are views into the bucket** (`gradient_as_bucket_view=True`): each `p.grad` is
-#   its slice of the bucket's flat buffer, shaped like `p`, so autograd accumulates straight
-#   into the bucket (no copy in) and the all-reduced buffer *is* the averaged gradient (no copy
-#   back). When `p.grad` is not the view — the first backward, or after
-#   `optimizer.zero_grad(set_to_none=True)` autograd hands in a fresh tensor — the hook copies
-#   it into the view (`copy_`, not `add_`) and sets `p.grad = view`, as the reducer does.
+# **The contract.** `BucketedDDP(module, bucket_cap_mb=25.0)` is an `nn.Module` whose forward
+# is the module's (given), with `self.buckets` from your `assign_buckets` (given) and a method
+# `finish_gradient_synchronization()`. A training step is `loss.backward()`, then
+# `finish_gradient_synchronization()`, then the optimizer's step. Afterwards:
 #
-# `__init__` (the first lines are given): one flat buffer per bucket (`torch.zeros` of the
-# bucket's total `numel`), each trainable parameter's view into it (`buffer[offset:offset +
-# p.numel()].view_as(p)`), and `p.register_post_accumulate_grad_hook(self._grad_ready)` on each
-# parameter in a bucket — the model has a **frozen** parameter (`requires_grad=False`), which
-# gets no gradient, so no view and no hook.
+# - every trainable `p.grad` holds the **average over the ranks** of that parameter's gradient,
+#   and after any number of steps the weights equal real DDP's on the same shards;
+# - every trainable `p.grad` **is a view of its bucket** — a slice of one flat buffer per bucket,
+#   shaped like `p` (DDP's `gradient_as_bucket_view=True`): autograd accumulates straight into
+#   the bucket and the reduced buffer *is* the average, nothing is copied back. This holds in
+#   every step, whether the step began with `zero_grad(set_to_none=True)` (autograd then hands
+#   the hook a fresh tensor) or `set_to_none=False` (gradients zeroed in place);
+# - each bucket is reduced by **one asynchronous all-reduce of its flat buffer** per step,
+#   launched from the gradient hooks **during the backward**, never waited on inside a hook;
+# - buckets are launched **strictly in bucket order**, each **as soon as every gradient of
+#   that bucket and of all earlier buckets is ready**. Buckets can fill out of order — the
+#   check's model registers its output layer *before* the hidden layer it follows, so the
+#   output layer's bucket is complete first — and every rank must still issue bucket 0's
+#   all-reduce first, bucket 1's second, and so on: the i-th all-reduce of every rank is then
+#   the same bucket, whatever order each rank's backward took;
+# - `finish_gradient_synchronization()` returns once every bucket's average is in place, and
+#   leaves the wrapper ready for the next backward.
 #
-# `_grad_ready(p)`: make sure `p.grad` is its view — it already is when it starts at the same
-# memory address as its view (`p.grad.data_ptr() == view.data_ptr()`; the reducer asks
-# `grad.is_alias_of(bucket_view)`); otherwise copy it in and make the view `p.grad`. Then
-# count the bucket down, and when it is complete, launch every bucket that is now launchable **in order**: divide its buffer by the
-# world size and `dist.all_reduce(buffer, async_op=True)`; keep the handle. Do not wait here.
+# **Your design decision:** what the wrapper keeps between hook calls, so that a hook can tell
+# that its bucket is complete and whether the buckets before it have gone; how it recognises a
+# gradient that is not yet its view; and where the division by the world size happens — in the
+# bucket before the launch, or after the wait. The check accepts every choice that keeps the
+# contract; the lesson made none of these for you.
 #
-# `finish_gradient_synchronization()`: wait on every handle (nothing to copy back), then reset
-# what you counted, ready for the next backward.
-#
-# The check runs 3 steps (the first with no `p.grad`, the second after
-# `zero_grad(set_to_none=False)`, which zeroes the gradients in place, the third after
-# `zero_grad(set_to_none=True)`, the default) on 2 and 3 ranks and names what it sees.
+# The check runs 3 steps (the first with no `p.grad` yet, the second after
+# `zero_grad(set_to_none=False)`, the third after `zero_grad(set_to_none=True)`) on 2 and 3
+# ranks, on a model with a frozen parameter, and names what it sees.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Bucket 1 has just become complete, but bucket 0 is still waiting for a gradient. What must
+# the hook do now — and which later event lets bucket 1 go? And when autograd hands the hook a
+# gradient, how can the hook tell whether that tensor already lives in the bucket?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Keep, per bucket, how many gradients it still awaits, and the number of the next bucket to
+# launch. Whenever a count drops to zero, launch from the next bucket onwards for as long as
+# the buckets you reach are complete, and stop at the first one that is not. A gradient is its
+# view when both start at the same memory address (DDP asks whether the gradient is an alias of
+# the bucket view); otherwise put its values into the view and make the view the gradient. The
+# handles of the launched all-reduces are what the end of the step waits on.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# `__init__`: per bucket a zero flat buffer of its total element count; for each of its
+# parameters a view of its slice reshaped like it, its bucket's number, and a post-accumulate
+# gradient hook; then the counts, the next bucket's number (zero) and an empty list of handles.
+# The hook: make `p.grad` its view; one count down; a `while` loop that launches the next
+# bucket as long as its count is zero. The end of the step: wait on each handle, then put the
+# counts, the next bucket's number and the handles back as they were at the start.
 
 # %%
 class BucketedDDP(nn.Module):
@@ -117,7 +169,7 @@ class BucketedDDP(nn.Module):
             dist.broadcast(p.data, src=0)
         self.buckets = assign_buckets([p for p in module.parameters() if p.requires_grad],
                                       bucket_cap_mb)
-        ### BEGIN SOLUTION: a flat buffer per bucket, each parameter's view into it and its bucket, counts, the next bucket to launch, a hook on each bucketed parameter
+        ### BEGIN SOLUTION: the buckets' flat buffers, the gradients' views, the hooks' state
         self.buffers, self.view_of, self.bucket_of = [], {}, {}
         for i, bucket in enumerate(self.buckets):
             buffer = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
@@ -138,7 +190,7 @@ class BucketedDDP(nn.Module):
         return self.module(*args, **kwargs)
 
     def _grad_ready(self, p):
-        ### BEGIN SOLUTION: p.grad becomes its view (copy_ a fresh gradient in); count down; launch every ready bucket from next_bucket on, in order
+        ### BEGIN SOLUTION: the hook: p's gradient in its bucket; launch what may go now
         view = self.view_of[p]
         if p.grad.data_ptr() != view.data_ptr():    # a fresh tensor from autograd
             view.copy_(p.grad)
@@ -152,7 +204,7 @@ class BucketedDDP(nn.Module):
         ### END SOLUTION
 
     def finish_gradient_synchronization(self):
-        ### BEGIN SOLUTION: wait on every handle; nothing to copy back; reset the counts, the next bucket and the handles
+        ### BEGIN SOLUTION: the end of the step: every average in place, ready for the next
         for work in self.works:
             work.wait()
         self.works = []
@@ -165,35 +217,100 @@ class BucketedDDP(nn.Module):
 lab07.check_bucketed_ddp(BucketedDDP, timeout=check_timeout)
 
 # %% [markdown]
+# ### Predict, then measure: all-reduces per step
+#
+# Below is a small MLP whose middle layer is frozen. Before running anything, work out from
+# the table alone how many all-reduces **one training step** of your `BucketedDDP` launches on
+# this model at `bucket_cap_mb = 0.01`. Write your number in the cell, run it, then run the
+# measurement (2 ranks, 2 steps, every collective counted).
+
+# %%
+lab07.show_prediction_model()
+
+# %%
+### BEGIN SOLUTION: your prediction (a number)
+my_guess = 1
+### END SOLUTION
+guess = predict("lab07", lab07.PREDICTION_QUESTION, my_guess, unit="all-reduce(s)")
+
+# %%
+measured = lab07.measure_all_reduces(BucketedDDP, lab07.PREDICTION_CAP_MB,
+                                     timeout=check_timeout)
+lab07.check_prediction(guess, measured)
+
+# %% [markdown]
 # ## Stretch (optional): your own communication hook — top-k with error feedback
 #
 # A workshop can stop here. Lesson 07 §5 plugged torch's hooks into DDP; now write one. DDP
 # calls `hook(state, bucket)` once per bucket, as soon as the bucket's gradients are ready:
-# `bucket.buffer()` is the bucket's flat gradient, `bucket.index()` its number. The hook
-# returns a `torch.futures.Future` whose value is the **averaged** gradient, a tensor shaped
-# like the buffer; DDP waits on it and writes it into the parameters' `.grad`.
+# `bucket.buffer()` is the bucket's flat gradient (this rank's), `bucket.index()` its number.
+# The hook returns a `torch.futures.Future` whose value is the **averaged** gradient, a tensor
+# of the buffer's shape and dtype; DDP waits on it at the end of the backward and writes that
+# value into the parameters' `.grad`.
 #
-# Top-k compression sends only the k entries of largest magnitude (here 5 %) and their
-# indices. What is not sent is not thrown away: it stays in a **residual** and is added to the
-# next step's gradient — *error feedback* — so every entry is sent eventually, once it has
-# grown large enough. Without it the small entries are never sent at all. Per rank:
+# Top-k compression sends only the k entries of largest magnitude (here 5 %, `state.k(numel)`)
+# and where they are. What is not sent is not thrown away — *error feedback*: it waits in a
+# per-bucket **residual** and joins the next step's gradient, so every entry is sent once it has
+# grown large enough.
 #
-# 1. `corrected = gradient + residual` (the residual from `state.residual_for(bucket)`);
-# 2. the indices of the `state.k(numel)` largest `|corrected|` and their values;
-# 3. the residual becomes `corrected` with the sent entries set to zero;
-# 4. the ranks picked *different* indices, so an all-reduce does not fit: all-gather every
-#    rank's indices and values, add them into a zero tensor, divide by the world size.
+# **The contract**, per rank and per hook call:
 #
-# Launch the gathers with `async_op=True` and return a future chained on them
-# (`work.get_future()`, `torch.futures.collect_all([...]).then(fn)`): a blocking
-# `all_gather` followed by an already-finished future would stop the backward at every
-# bucket, and the overlap DDP's hooks exist for would be gone.
+# - `corrected` = this call's gradient + the residual this bucket's previous call left
+#   (`state.residual_for(bucket)`, zeros at first);
+# - the rank sends exactly the k entries of `corrected` of largest magnitude — their values and
+#   their indices — and nothing else (the check weighs what each rank hands to collectives);
+# - afterwards the residual holds `corrected` minus what this rank sent;
+# - the future's value is, at every index, the sum over the ranks of what each sent there,
+#   divided by the world size (the same tensor on every rank);
+# - the hook **returns while its communication is still in flight**: the backward goes on
+#   computing earlier layers as the entries travel, and DDP waits on the future only at the
+#   end. A hook that waits for its collectives before returning stops the backward at every
+#   bucket, and the overlap DDP's hooks exist for is gone.
+#
+# **Your design decision:** which collective(s) carry the selected entries, given that each rank
+# picked indices of its own, and how the averaged tensor is put together from what arrives.
+#
+# Chaining work on a future: `fut.then(fn)` returns a new future at once; when `fut` completes,
+# `fn` is called with **`fut` itself** (the completed future — read its value with
+# `fut.value()`), and the new future's value is whatever `fn` returns. A collective launched
+# with `async_op=True` returns a work object whose `get_future()` completes when the data has
+# arrived (the output tensors you passed then hold it); `torch.futures.collect_all(futures)`
+# is a future that completes when all of them have, and its value is the list of those
+# futures.
 #
 # Why a given `residual_for`: DDP rebuilds its buckets after the first step (lesson 07 §6), so
 # bucket 0 of the first step is not bucket 0 of the second; a residual whose size no longer
 # matches starts again from zeros. The check runs your hook in real DDP on 2 and 3 ranks for
 # 12 steps, replays top-k with error feedback on the same buckets and compares every result,
-# and weighs what each rank sends (k values and k indices, not the whole tensor).
+# weighs what each rank sends, and watches whether the backward could go on while it did.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Rank 0 picked indices {3, 17}, rank 1 picked {17, 40}. An all-reduce sums tensors position by
+# position: what would it need every rank to send? Which collective instead lets every rank
+# learn both short lists — and what must happen at index 17?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Gather every rank's indices and its values (every rank sends the same k, so the sizes match
+# on all ranks), then accumulate them into a zeroed tensor shaped like the buffer — add where
+# two ranks chose the same index, never overwrite — and divide by the world size. Launch the
+# gathers without waiting, and do the accumulating in a callback that runs once both have
+# arrived; return the future that callback's result will complete.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The residual from the state; the corrected gradient; the top k of its absolute values (their
+# indices) and the corrected values there; the residual set to the corrected gradient with
+# those entries zeroed; two lists of empty tensors, one per rank, for the indices and for the
+# values; two asynchronous gathers and their futures; a small function that builds the average
+# from the two lists; the future that joins both gathers, chained on that function, returned.
 
 # %%
 class TopKState:
@@ -216,7 +333,7 @@ class TopKState:
 
 
 def topk_hook(state, bucket):
-    ### BEGIN SOLUTION: corrected = grad + residual; top-k by magnitude; residual keeps the rest; all_gather indices and values asynchronously; chain their futures into the average
+    ### BEGIN SOLUTION: top-k with error feedback, its communication still in flight on return
     grad = bucket.buffer()
     residual = state.residual_for(bucket)
     corrected = grad + residual
