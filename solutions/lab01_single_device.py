@@ -8,16 +8,22 @@
 # # Lab 01 · Write the training loop
 #
 # In lesson 01 you took a training step apart. Now write the two functions every later lesson
-# builds on:
+# builds on. Their contract — what the checks hold them to:
 #
-# * `train_one_epoch(model, loader, loss_fn, optimizer, device)` — one pass over the loader,
-#   one optimizer step per batch; returns the **mean loss per sample** as a Python float.
-# * `evaluate(model, loader, loss_fn, device)` — returns `(mean_loss, accuracy)` over the
-#   loader, with accuracy a fraction in [0, 1], without changing the model.
+# * `train_one_epoch(model, loader, loss_fn, optimizer, device) -> float` — one pass over
+#   `loader` that trains `model` with one optimizer step per batch. Afterwards the weights are
+#   those that training on each batch in turn gives; it returns the **mean loss per sample**
+#   over the epoch, as a Python float.
+# * `evaluate(model, loader, loss_fn, device) -> (mean_loss, accuracy)` — the model measured as
+#   it predicts at test time: the mean loss per sample and the fraction of samples whose
+#   predicted class (the argmax of the logits) is the label, a float in [0, 1]. It leaves the
+#   weights as they were and keeps no autograd graph. Which mode the model is in when it
+#   returns is **your design decision** (§2).
 #
-# After each, run its check cell. The check runs your function on a tiny model with dropout
-# and a loader whose last batch is short, and compares with the reference; if something is off
-# it tells you which mistake it looks like.
+# Both must hold for any model, loader and optimizer, not only the lesson's: each check runs
+# your function on small models and loaders of its own, compares with the library's reference
+# (`dpcourse.train`, which you may not call), and, when the numbers differ, names the mistake
+# they look like. Each section has hints behind clicks; try without them first.
 
 # %% tags=["parameters"]
 dataset = "shapes10"
@@ -34,7 +40,7 @@ import torch
 from torch import nn
 
 from dpcourse import data, devices, models, train
-from dpcourse.checks import lab01
+from dpcourse.checks import lab01, predict
 
 device = torch.device(device or devices.choose_profile().device)
 
@@ -42,13 +48,39 @@ device = torch.device(device or devices.choose_profile().device)
 # %% [markdown]
 # ## 1. `train_one_epoch`
 #
-# For each batch: move `X` and `y` to `device`, clear the old gradients, forward, loss,
-# backward, step. Keep a running total so you can return the mean loss *per sample* — careful,
-# the last batch can be smaller than the others. And the model may arrive in eval mode.
+# One epoch of training, with the contract above: after the call the model has taken one
+# optimizer step per batch of `loader`, each on the gradient of that batch's loss alone, and
+# the function returns the mean loss per sample over every sample it saw.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# What does `p.grad` hold when `backward()` runs for the second batch, if nothing touched it
+# after the first? And is the epoch's mean loss per sample always the mean of the batches'
+# losses?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Per batch: clear what the last step left in the gradients, forward, the loss, backward, step.
+# For the return value, count samples, not batches: a batch's mean loss stands for as many
+# samples as the batch holds. And the model may come to you in any state: training is your
+# function's job from its first line.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Put the model in the mode training needs; two running totals (summed loss, samples seen);
+# a loop over `(X, y)` that moves both to `device` and does the five moves of a step, adding
+# the batch's loss times its size to one total and its size to the other; return their
+# quotient as a float (`.item()`).
 
 # %%
 def train_one_epoch(model, loader, loss_fn, optimizer, device):
-    ### BEGIN SOLUTION: loop over the batches: zero_grad, forward, loss, backward, step; return the mean loss per sample
+    ### BEGIN SOLUTION: one epoch of training; return the mean loss per sample (a float)
     model.train()
     total_loss, total = 0.0, 0
     for X, y in loader:
@@ -70,13 +102,51 @@ lab01.check_train_one_epoch(train_one_epoch)
 # %% [markdown]
 # ## 2. `evaluate`
 #
-# Switch the model to evaluation mode (dropout off, batch norm frozen), and don't let autograd
-# record anything. Return the mean loss per sample and the fraction of correct predictions
-# (the predicted class is the argmax of the logits).
+# The model as it predicts at test time, with the contract above: `(mean loss per sample,
+# accuracy in [0, 1])`, the weights unchanged, no autograd graph kept.
+#
+# **Your design decision:** in which mode does `evaluate` leave the model when it returns —
+# always in evaluation mode, or in the mode it arrived in? The library's reference and the
+# lesson do not settle it for you. Think of the code that will call `evaluate`: a training loop
+# that evaluates every few hundred steps, a script that only tests a saved model. Write your
+# choice in `evaluate_leaves_model_in`, `"eval"` or `"as found"`; the check hands your function
+# models in both modes and holds it to what you chose.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# What do dropout and batch norm do differently in training, and which of their behaviours is
+# the one a test set should see? What is autograd doing during a forward pass that nobody will
+# ever call `backward()` on?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Switch to the test-time behaviour before the first forward, and turn autograd's recording off
+# for the whole loop. Count correct predictions and summed loss over samples, and divide once
+# at the end. If you chose "as found", the mode the model arrived in is in `model.training`:
+# read it before you change it.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Remember the arriving mode (only for "as found"); set the test-time mode; inside a no-grad
+# block, loop over `(X, y)`: logits, the batch's loss times its size into one total, the number
+# of argmax hits into another, the batch size into a third; after the loop restore the mode if
+# that is your choice, and return the two quotients.
 
 # %%
+### BEGIN SOLUTION: your design decision: "eval" or "as found"
+evaluate_leaves_model_in = "as found"
+### END SOLUTION
+
+
 def evaluate(model, loader, loss_fn, device):
-    ### BEGIN SOLUTION: eval mode, no autograd; return (mean loss per sample, accuracy in [0, 1])
+    ### BEGIN SOLUTION: return (mean loss per sample, accuracy in [0, 1]); the mode you chose
+    was_training = model.training
     model.eval()
     total_loss, correct, total = 0.0, 0, 0
     with torch.no_grad():
@@ -86,18 +156,40 @@ def evaluate(model, loader, loss_fn, device):
             total_loss += loss_fn(logits, y).item() * len(y)
             correct += (logits.argmax(dim=1) == y).sum().item()
             total += len(y)
+    model.train(was_training)
     return total_loss / total, correct / total
     ### END SOLUTION
 
 
 # %%
-lab01.check_evaluate(evaluate)
+lab01.check_evaluate(evaluate, leaves=evaluate_leaves_model_in)
 
 # %% [markdown]
 # ## 3. Use them
 #
-# Your two functions now train the lesson's CNN. The loss should fall and the accuracy end far
-# above the 10% of guessing.
+# Your two functions now train the lesson's CNN. First a prediction: before any training, what
+# mean loss per sample will your `evaluate` measure for the freshly initialised CNN on the test
+# set (10 classes, cross-entropy in nats)? Write a number, run the cell, then the measurement.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Before training, does the network have any reason to prefer one class over another? What
+# probability does it then give the right label, and what is the cross-entropy of that?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Cross-entropy is minus the log of the probability given to the right class. A network that
+# knows nothing spreads its probability about evenly.
+
+# %%
+### BEGIN SOLUTION: your prediction (a number)
+my_guess = 2.3
+### END SOLUTION
+guess = predict("lab01", "mean test loss of the untrained CNN", my_guess, unit="nats")
 
 # %%
 devices.seed_everything(seed)
@@ -106,6 +198,13 @@ train_loader, test_loader = train.make_loaders(ds, batch_size, seed=seed)
 model = models.SmallCNN().to(device)
 optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 loss_fn = nn.CrossEntropyLoss()
+untrained_loss, untrained_acc = evaluate(model, test_loader, loss_fn, device)
+lab01.check_prediction(guess, untrained_loss)
+
+# %% [markdown]
+# Now train: the loss should fall and the accuracy end far above the 10% of guessing.
+
+# %%
 losses, accs = [], []
 for epoch in range(epochs):
     losses.append(train_one_epoch(model, train_loader, loss_fn, optimizer, device))
@@ -119,31 +218,60 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # ## Stretch (optional): gradient accumulation
 #
 # A workshop can stop here. For self-study: what if the batch you want does not fit in memory?
-# Run it as **k micro-batches** and add up their gradients before one step. Gradients add in
-# `p.grad` by themselves (that is why you zero them); the only care is the scale — the loss of
-# each micro-batch is a mean over *its* samples, so divide it by `k` and the k gradients sum to
-# the gradient of the mean over all `k × micro-batch` samples.
+# Run it as **k micro-batches** — one forward and one backward each, never the whole group at
+# once — and take one optimizer step per group of k. Write
+# `train_accumulated(model, loader, loss_fn, optimizer, k, device) -> float` with this contract:
 #
-# Write `train_accumulated(model, loader, loss_fn, optimizer, k, device)`: one forward and
-# backward per micro-batch, one `optimizer.step()` (and zeroing) per k micro-batches. The check
-# trains a small model both ways — your accumulation with micro-batches of `b`, and plain
-# training with batches of `k × b` — and asks for the same weights. The model may arrive with
-# gradients already in `p.grad`: start from zero. (Its loaders always hold a
-# whole number of groups of k; the model has no dropout, whose masks would differ.) This is the
-# same sum that DDP computes across ranks in lesson 03, done across time instead of devices.
+# * after the call, the weights are exactly those of plain training with batches of `k × b`
+#   (where `b` is the loader's micro-batch), one step per group of k micro-batches;
+# * it returns the **mean loss per sample** over the epoch, a float, as `train_one_epoch` does;
+# * the result does not depend on whatever `p.grad` held before the call.
+#
+# The check trains a small model both ways and compares the weights and the returned loss. Its
+# loaders always hold a whole number of groups of k, and its model has no dropout (whose masks
+# would differ between the two ways). This is the same sum that DDP computes across ranks in
+# lesson 03, done across time instead of devices.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# `backward()` adds into `p.grad`. After k backwards of k micro-batches' mean losses, what does
+# `p.grad` hold, compared with the gradient of one mean over all `k × b` samples?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The sum of k means is k times the mean of the group: scale what you backpropagate so that the
+# k gradients add up to the group's mean. Step and clear only at the end of a group, and clear
+# once before the first group too. The loss you report is the model's loss on the samples, not
+# the scaled number you backpropagated.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Training mode; clear the gradients; the two running totals of §1; a loop that numbers the
+# micro-batches; per micro-batch a forward, the scaled loss's backward, and the unscaled loss
+# into the totals; when a micro-batch closes a group, step and clear; return the mean.
 
 # %%
 def train_accumulated(model, loader, loss_fn, optimizer, k, device):
-    ### BEGIN SOLUTION: forward/backward each micro-batch on loss / k; step and zero every k micro-batches
+    ### BEGIN SOLUTION: one step per k micro-batches; return the mean loss per sample
     model.train()
     optimizer.zero_grad()
+    total_loss, total = 0.0, 0
     for i, (X, y) in enumerate(loader):
         X, y = X.to(device), y.to(device)
-        loss = loss_fn(model(X), y) / k
-        loss.backward()
+        loss = loss_fn(model(X), y)
+        (loss / k).backward()
         if (i + 1) % k == 0:
             optimizer.step()
             optimizer.zero_grad()
+        total_loss += loss.item() * len(y)
+        total += len(y)
+    return total_loss / total
     ### END SOLUTION
 
 

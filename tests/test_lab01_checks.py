@@ -8,7 +8,47 @@ from dpcourse.checks import LabCheckError, lab01
 
 
 def good_train(model, loader, loss_fn, optimizer, device):
+    model.train()
+    total, n = 0.0, 0
+    for X, y in loader:
+        optimizer.zero_grad()
+        loss = loss_fn(model(X), y)
+        loss.backward()
+        optimizer.step()
+        total += loss.item() * len(y)
+        n += len(y)
+    return total / n
+
+
+def wrapped_library_train(model, loader, loss_fn, optimizer, device):
     return train.train_one_epoch(model, loader, loss_fn, optimizer, device)
+
+
+def wrapped_library_evaluate(model, loader, loss_fn, device):
+    return train.evaluate(model, loader, loss_fn, device)
+
+
+def aliased_library_train():
+    from dpcourse.train import train_one_epoch as mine  # the reference under another name
+
+    def fn(model, loader, loss_fn, optimizer, device):
+        return mine(model, loader, loss_fn, optimizer, device)
+    return fn
+
+
+@pytest.mark.parametrize("fn", [train.train_one_epoch, wrapped_library_train,
+                                aliased_library_train()],
+                         ids=["itself", "wrapped", "aliased"])
+def test_the_library_train_one_epoch_is_refused(fn):
+    with pytest.raises(LabCheckError, match="library's own dpcourse.train.train_one_epoch"):
+        lab01.check_train_one_epoch(fn)
+
+
+@pytest.mark.parametrize("fn", [train.evaluate, wrapped_library_evaluate],
+                         ids=["itself", "wrapped"])
+def test_the_library_evaluate_is_refused(fn):
+    with pytest.raises(LabCheckError, match="library's own dpcourse.train.evaluate"):
+        lab01.check_evaluate(fn)
 
 
 def no_zero_grad(model, loader, loss_fn, optimizer, device):
@@ -104,12 +144,10 @@ def test_train_mistakes_are_named(fn, phrase):
     assert phrase in str(err.value), str(err.value)
 
 
-def good_eval(model, loader, loss_fn, device):
-    return train.evaluate(model, loader, loss_fn, device)
-
-
-def _eval(mode=True, no_grad=True, acc_kind="fraction", loss_kind="per_sample"):
+def _eval(mode=True, no_grad=True, acc_kind="fraction", loss_kind="per_sample",
+          restore=False, to_train=False, half=False):
     def fn(model, loader, loss_fn, device):
+        was_training = model.training
         if mode:
             model.eval()
         ctx = torch.no_grad() if no_grad else torch.enable_grad()
@@ -126,14 +164,42 @@ def _eval(mode=True, no_grad=True, acc_kind="fraction", loss_kind="per_sample"):
                 "sum": sum(losses), "mean_of_means": sum(losses) / len(losses)}[loss_kind]
         acc = {"fraction": hits / n, "count": hits, "percent": 100 * hits / n,
                "mean_of_means": sum(accs) / len(accs)}[acc_kind]
+        if restore:
+            model.train(was_training)
+        if to_train:  # "back to training" whatever the model arrived in
+            model.train()
+        if half:  # only the last layer put back
+            list(model.modules())[-1].train(was_training)
         return loss, acc
     return fn
 
 
 def test_reference_evaluate_passes(capsys):
-    lab01.check_evaluate(good_eval)
+    lab01.check_evaluate(_eval())
     assert capsys.readouterr().out.startswith("✔")
-    lab01.check_evaluate(_eval())  # the plain version is right too
+
+
+@pytest.mark.parametrize("fn, leaves", [(_eval(), "eval"), (_eval(restore=True), "as found"),
+                                        (_eval(restore=True), None)],
+                         ids=["eval-eval", "restore-as-found", "restore-undecided"])
+def test_evaluate_keeps_its_design_decision(fn, leaves, capsys):
+    lab01.check_evaluate(fn, leaves=leaves)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and (leaves is None or "as you decided" in out), out
+
+
+@pytest.mark.parametrize("fn, leaves, phrase", [
+    (_eval(), "as found", "came back in eval mode"),
+    (_eval(restore=True), "eval", "came back in training mode"),
+    (_eval(to_train=True), "as found", "came back in training mode"),
+    (_eval(to_train=True), "eval", "disagree"),
+    (_eval(half=True), "as found", "some layers in training mode"),
+    (_eval(), "train", "design decision must be one of"),
+])
+def test_evaluate_breaking_its_design_decision_is_refused(fn, leaves, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab01.check_evaluate(fn, leaves=leaves)
+    assert phrase in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("fn, phrase", [
@@ -255,8 +321,17 @@ def test_evaluate_fitting_one_data_set_fails():
 # --- stretch: gradient accumulation ----------------------------------------------------------
 
 def _accum(divide=True, step_every=False, zero_every=False, zero_after=True, zero_first=True,
-           big_forward=False, style="modulo"):
+           big_forward=False, style="modulo", report="mean"):
     def fn(model, loader, loss_fn, optimizer, k, device):
+        losses = []
+        _accum_body(model, loader, loss_fn, optimizer, k, losses)
+        if report == "none":
+            return None
+        total = sum(l * s for l, s in losses)
+        n = sum(s for _, s in losses)
+        return {"mean": total / n, "scaled": total / n / k, "total": total}[report]
+
+    def _accum_body(model, loader, loss_fn, optimizer, k, losses):
         model.train()
         if zero_first:
             optimizer.zero_grad()
@@ -265,14 +340,18 @@ def _accum(divide=True, step_every=False, zero_every=False, zero_after=True, zer
             for g in range(0, len(batches), k):
                 X = torch.cat([b[0] for b in batches[g:g + k]])
                 y = torch.cat([b[1] for b in batches[g:g + k]])
-                loss_fn(model(X), y).backward()
+                loss = loss_fn(model(X), y)
+                loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
+                losses.append((loss.item(), len(y)))
             return
         if style == "counter":  # a right answer written with a countdown
             left = k
             for X, y in loader:
-                (loss_fn(model(X), y) * (1.0 / k)).backward()
+                loss = loss_fn(model(X), y)
+                (loss * (1.0 / k)).backward()
+                losses.append((loss.item(), len(y)))
                 left -= 1
                 if left == 0:
                     optimizer.step()
@@ -284,6 +363,7 @@ def _accum(divide=True, step_every=False, zero_every=False, zero_after=True, zer
                 optimizer.zero_grad()
             loss = loss_fn(model(X), y)
             (loss / k if divide else loss).backward()
+            losses.append((loss.item(), len(y)))
             if step_every or (i + 1) % k == 0:
                 optimizer.step()
                 if zero_after:
@@ -296,12 +376,16 @@ def accum_sum_reduction(model, loader, loss_fn, optimizer, k, device):
     model.train()
     for p in model.parameters():
         p.grad = None
+    summed, count = torch.zeros(()), 0
     for i, (X, y) in enumerate(loader):
         loss = torch.nn.functional.cross_entropy(model(X), y, reduction="sum")
         (loss / (k * len(y))).backward()
+        summed += loss.detach()
+        count += len(y)
         if i % k == k - 1:
             optimizer.step()
             model.zero_grad()
+    return summed / count  # a 0-dim tensor: accepted as a number
 
 
 @pytest.mark.parametrize("fn", [_accum(), _accum(style="counter"), accum_sum_reduction],
@@ -318,8 +402,24 @@ def test_right_accumulation_passes(fn, capsys):
     (_accum(zero_after=False), "never zeroed after a step"),
     (_accum(zero_first=False), "before the loop"),
     (_accum(big_forward=True), "one forward (and backward) per micro-batch"),
+    (_accum(report="none"), "returned None"),
+    (_accum(report="scaled"), "scaled loss you backpropagated"),
+    (_accum(report="total"), "total loss over all samples"),
 ])
 def test_accumulation_mistakes_are_named(fn, phrase):
     with pytest.raises(LabCheckError) as err:
         lab01.check_train_accumulated(fn)
     assert phrase in str(err.value), str(err.value)
+
+
+# --- predict, then measure ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, verdict", [(2.3, "right"), (0.5, "not what happened")])
+def test_prediction_is_compared_and_explained(value, verdict, capsys):
+    from dpcourse.checks import predict
+
+    guess = predict("lab01", "mean test loss of the untrained CNN", value, unit="nats")
+    lab01.check_prediction(guess, 2.3049)
+    out = capsys.readouterr().out
+    assert f"measured: 2.3 nats — {verdict}." in out, out
+    assert "ln 10" in out, out

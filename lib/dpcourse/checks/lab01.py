@@ -11,7 +11,10 @@ one yours matches.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
+import sys
 
 import torch
 from torch import nn
@@ -20,7 +23,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from dpcourse import train as reference
 from dpcourse.checks import fail, passed, recorded
 
-__all__ = ["check_train_one_epoch", "check_evaluate", "check_train_accumulated"]
+__all__ = ["check_train_one_epoch", "check_evaluate", "check_train_accumulated",
+           "check_prediction", "LEAVES"]
+
+# The two answers to lab01's design decision: the mode evaluate leaves the model in.
+LEAVES = ("eval", "as found")
 
 # (samples, batch size, seed): 16+16+16+2 and 8+8+8+8+5 -- the last batch is short in both, and
 # the two differ in every number an answer could hard-code.
@@ -73,6 +80,58 @@ def _as_number(value, what: str) -> float:
     return float(value)
 
 
+# --- the library's own answer is not the learner's -----------------------------------------
+
+def _library(name: str, fn) -> str:
+    return (f"{name} is the library's own dpcourse.train.{name} (passed directly or called by "
+            f"your function): the lab asks for your own loop, so the check would only be "
+            f"comparing the reference with itself — write the body yourself.")
+
+
+def is_library_function(fn, ref) -> bool:
+    """True if ``fn`` is ``ref`` itself, or a decorated copy of it (same code object).
+
+    Shared with lab02's checks, which refuse ``dp.scatter`` and its neighbours the same way."""
+    target = inspect.unwrap(ref)
+    try:
+        unwrapped = inspect.unwrap(fn)
+    except ValueError:  # a cycle of __wrapped__
+        return False
+    return unwrapped is target or getattr(unwrapped, "__code__", None) is target.__code__
+
+
+def _refuse_library(fn, ref, name: str) -> None:
+    """Refuse ``ref`` itself (or a decorated copy of it) as the learner's answer."""
+    __tracebackhide__ = True
+    if not callable(fn) or isinstance(fn, type):
+        fail(f"the check needs your function itself ({name}), got {type(fn).__name__}.")
+    if is_library_function(fn, ref):
+        fail(_library(name, fn))
+
+
+@contextlib.contextmanager
+def library_calls(*refs):
+    """Within the block, the name of every call of one of ``refs`` (under any name it was
+    imported as, through any wrapper) is appended to the yielded list: the learner's code may
+    not hand the work to the library's own answer. A profile hook on this thread, so a
+    reference called from another thread (parallel_apply's) is not seen."""
+    codes = {inspect.unwrap(r).__code__: r.__name__ for r in refs}
+    called: list = []
+    previous = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            called.append(codes[frame.f_code])
+        if previous is not None:
+            previous(frame, event, arg)
+
+    sys.setprofile(profile)
+    try:
+        yield called
+    finally:
+        sys.setprofile(previous)
+
+
 # --- the usual mistakes, replayed with the reference --------------------------------------
 
 def _train_variant(model, loader, loss_fn, optimizer, zero_grad=True, reduction="mean"):
@@ -105,6 +164,7 @@ def _run(fn_variant, setup, **kw):
 def check_train_one_epoch(train_one_epoch) -> None:
     """Run your ``train_one_epoch(model, loader, loss_fn, optimizer, device)`` and compare."""
     __tracebackhide__ = True
+    _refuse_library(train_one_epoch, reference.train_one_epoch, "train_one_epoch")
     for setup in _SETUPS:
         _check_train_once(train_one_epoch, setup)
     passed("train_one_epoch matches the reference: same weights, same mean loss.")
@@ -119,13 +179,17 @@ def _check_train_once(train_one_epoch, setup) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.eval()  # a correct answer switches to training mode itself
     torch.manual_seed(1)  # the dropout masks
-    got = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, "cpu")
+    with library_calls(reference.train_one_epoch) as called:
+        got = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, "cpu")
+    if called:
+        fail(_library("train_one_epoch", train_one_epoch))
 
     if not spy.training:
         fail("train_one_epoch never called the model: loop over the loader and run model(X).")
     if not all(spy.training):
-        fail("train_one_epoch ran the model in eval mode: call model.train() first (the model "
-             "may come straight from evaluate, which switched to eval mode).")
+        fail("train_one_epoch ran the model in eval mode, so dropout was off while it trained: "
+             "the model arrived in eval mode (as it may straight after an evaluation), and "
+             "training must switch it to training mode itself (model.train()).")
     if len(spy.training) != math.ceil(n / batch):
         fail(f"train_one_epoch called the model {len(spy.training)} times for "
              f"{math.ceil(n / batch)} batches: one forward pass per batch.")
@@ -174,16 +238,34 @@ def _check_train_once(train_one_epoch, setup) -> None:
 
 
 @recorded
-def check_evaluate(evaluate) -> None:
-    """Run your ``evaluate(model, loader, loss_fn, device) -> (loss, accuracy)`` and compare."""
+def check_evaluate(evaluate, leaves: str | None = None) -> None:
+    """Run your ``evaluate(model, loader, loss_fn, device) -> (loss, accuracy)`` and compare.
+
+    ``leaves`` is the lab's design decision, the mode ``evaluate`` leaves the model in: "eval"
+    (evaluation mode, whatever it arrived in) or "as found" (the mode it arrived in). The check
+    hands the model over in training mode and in eval mode and holds your function to your
+    choice; None checks everything but the mode on return.
+    """
     __tracebackhide__ = True
+    if leaves is not None and leaves not in LEAVES:
+        fail(f"your design decision must be one of {LEAVES[0]!r} or {LEAVES[1]!r} (the mode "
+             f"evaluate leaves the model in), got {leaves!r}.")
+    _refuse_library(evaluate, reference.evaluate, "evaluate")
     for setup in _SETUPS:
-        _check_evaluate_once(evaluate, setup)
-    passed("evaluate matches the reference: eval mode, no graph, per-sample mean loss "
-           "and accuracy.")
+        for arrives_training in (True, False):
+            _check_evaluate_once(evaluate, setup, arrives_training, leaves)
+    said = {None: "", "eval": ", and it leaves the model in eval mode as you decided",
+            "as found": ", and it leaves the model in the mode it found, as you decided"}[leaves]
+    passed(f"evaluate matches the reference: eval mode, no graph, per-sample mean loss "
+           f"and accuracy{said}.")
 
 
-def _check_evaluate_once(evaluate, setup) -> None:
+def _modes(model) -> set:
+    return {m.training for m in model.modules()}
+
+
+def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
+                         leaves: str | None = None) -> None:
     __tracebackhide__ = True
     n, batch, _ = setup
     model, loader = _setup(*setup)
@@ -196,9 +278,13 @@ def _check_evaluate_once(evaluate, setup) -> None:
             opt.step()
     before = _params(model)
     spy = _Spy(model)
-    model.train()  # a correct answer switches to eval mode itself
+    model.train(arrives_training)  # a correct answer switches to eval mode itself
     torch.manual_seed(2)
-    result = evaluate(model, loader, nn.CrossEntropyLoss(), "cpu")
+    with library_calls(reference.evaluate) as called:
+        result = evaluate(model, loader, nn.CrossEntropyLoss(), "cpu")
+    if called:
+        fail(_library("evaluate", evaluate))
+    after = _modes(model)
 
     if not spy.training:
         fail("evaluate never called the model: loop over the loader and run model(X).")
@@ -210,6 +296,20 @@ def _check_evaluate_once(evaluate, setup) -> None:
              "torch.no_grad() (or decorate the function with @torch.no_grad()).")
     if not _same(_params(model), before):
         fail("evaluate changed the weights: evaluation must never step the optimizer.")
+    arrived = "training" if arrives_training else "eval"
+    if len(after) > 1:
+        fail("evaluate left the model with some layers in training mode and others in eval "
+             "mode: set the mode of the whole model (model.train(...) / model.eval() reach "
+             "every submodule).")
+    if leaves == "eval" and after != {False}:
+        fail(f"you decided that evaluate leaves the model in eval mode, but a model handed over "
+             f"in {arrived} mode came back in training mode: your function and your decision "
+             f"disagree — change one of them.")
+    if leaves == "as found" and after != {arrives_training}:
+        came = "training" if True in after else "eval"
+        fail(f"you decided that evaluate leaves the model in the mode it found, but a model "
+             f"handed over in {arrived} mode came back in {came} mode: remember the mode it "
+             f"arrived in and put it back before returning.")
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         fail(f"evaluate returned {type(result).__name__}; return a pair (mean_loss, accuracy).")
     loss = _as_number(result[0], "evaluate's loss")
@@ -258,6 +358,7 @@ def _accumulate_variant(model, loader, optimizer, k, divide=True, step_every=Fal
     model.train()
     if zero_first:
         optimizer.zero_grad()
+    total, count = 0.0, 0
     for i, (X, y) in enumerate(loader):
         if zero_every:
             optimizer.zero_grad()
@@ -267,13 +368,20 @@ def _accumulate_variant(model, loader, optimizer, k, divide=True, step_every=Fal
             optimizer.step()
             if zero_after_step:
                 optimizer.zero_grad()
+        total += loss.item() * len(y)
+        count += len(y)
+    return total / count
 
 
 @recorded
 def check_train_accumulated(train_accumulated) -> None:
     """Stretch: ``train_accumulated(model, loader, loss_fn, optimizer, k, device)`` must take
-    the same steps as plain training on batches k times larger (one step per k batches)."""
+    the same steps as plain training on batches k times larger (one step per k batches) and
+    return the mean loss per sample over the epoch, as ``train_one_epoch`` does."""
     __tracebackhide__ = True
+    if not callable(train_accumulated) or isinstance(train_accumulated, type):
+        fail(f"the check needs your function itself (train_accumulated), got "
+             f"{type(train_accumulated).__name__}.")
     # (samples, micro-batch, k, seed): every group of k micro-batches is full, so each group is
     # exactly one big batch of k * micro-batch samples.
     for n, micro, k, seed in ((48, 4, 3, 0), (64, 8, 2, 5), (40, 5, 4, 7)):
@@ -298,7 +406,7 @@ def check_train_accumulated(train_accumulated) -> None:
         start = _params(model)
         spy = _Spy(model)
         model.eval()
-        train_accumulated(model, micro_loader(), nn.CrossEntropyLoss(), opt, k, "cpu")
+        returned = train_accumulated(model, micro_loader(), nn.CrossEntropyLoss(), opt, k, "cpu")
         got = _params(model)
         if len(spy.training) != n // micro:
             fail(f"train_accumulated ran {len(spy.training)} forward passes for {n // micro} "
@@ -313,6 +421,9 @@ def check_train_accumulated(train_accumulated) -> None:
             nn.functional.cross_entropy(big(Xb), yb).backward()
             big_opt.step()
         if _same(got, _params(big), tol=1e-5):
+            m, o = fresh()
+            _check_accumulated_loss(returned, _accumulate_variant(m, micro_loader(), o, k), k,
+                                    n)
             continue
         if _same(got, start):
             fail("the weights did not change: call optimizer.step() once every k micro-batches.")
@@ -327,8 +438,8 @@ def check_train_accumulated(train_accumulated) -> None:
                  f"divide each micro-batch's loss by k (here {k}) before backward.")
         if _same(got, replay(step_every=True), tol=1e-5) or _same(
                 got, replay(step_every=True, divide=False), tol=1e-5):
-            fail("you stepped after every micro-batch: step (and zero) only when k micro-"
-                 "batches have been accumulated, e.g. when (i + 1) % k == 0.")
+            fail(f"you stepped after every micro-batch: one step must use the gradient of "
+                 f"k = {k} micro-batches together (step, and zero, once per group of {k}).")
         if _same(got, replay(zero_every=True), tol=1e-5) or _same(
                 got, replay(zero_every=True, divide=False), tol=1e-5):
             fail("you zeroed the gradients before every micro-batch, so each step saw only the "
@@ -341,6 +452,46 @@ def check_train_accumulated(train_accumulated) -> None:
             fail("the gradients were never zeroed after a step, so each group's gradient "
                  "carried all earlier groups': call optimizer.zero_grad() after each step.")
         fail(f"with micro-batches of {micro} and k={k} your weights differ from plain training "
-             f"with batches of {micro * k}: accumulate k gradients of loss / k, then step and "
-             f"zero.")
-    passed("train_accumulated takes the same steps as training on k-times larger batches.")
+             f"with batches of {micro * k}: each step must use the gradient of the mean loss "
+             f"over its group's {micro * k} samples.")
+    passed("train_accumulated takes the same steps as training on k-times larger batches and "
+           "returns the mean loss per sample.")
+
+
+def _check_accumulated_loss(returned, want: float, k: int, n: int) -> None:
+    """The stretch's return value: the mean loss per sample of the epoch, unscaled."""
+    __tracebackhide__ = True
+    if returned is None:
+        fail("train_accumulated returned None: return the mean loss per sample over the epoch "
+             "(a float), as train_one_epoch does.")
+    got = _as_number(returned, "train_accumulated")
+    if math.isclose(got, want, rel_tol=1e-5):
+        return
+    if math.isclose(got, want / k, rel_tol=1e-5):
+        fail(f"train_accumulated returned {got:.4f}, {k} times less than the mean loss per "
+             f"sample ({want:.4f}): you reported the scaled loss you backpropagated; the loss "
+             f"to report is the model's loss on its samples, before that scaling.")
+    if math.isclose(got, want * n, rel_tol=1e-5):
+        fail("train_accumulated returned the total loss over all samples: divide it by the "
+             "number of samples.")
+    fail(f"train_accumulated returned {got:.4f}; the mean loss per sample over the epoch's {n} "
+         f"samples is {want:.4f}.")
+
+
+# --- predict, then measure: the loss of an untrained network ------------------------------
+
+def check_prediction(guess, measured: float, classes: int = 10) -> None:
+    """Compare the learner's prediction of the untrained network's mean test loss with the
+    measured one, and say why it is near ln(classes). Never raises for a wrong prediction."""
+    __tracebackhide__ = True
+    from dpcourse.checks import reveal
+
+    measured = round(float(measured), 2)
+    uniform = math.log(classes)
+    close = abs(float(guess.value) - measured) <= 0.1 * measured
+    reveal(guess, measured, close=close, explanation=(
+        f"A freshly initialised network's logits are small and nearly equal, so its softmax "
+        f"gives each of the {classes} classes about 1/{classes}, and the cross-entropy of that "
+        f"guess is -ln(1/{classes}) = ln {classes} = {uniform:.2f} per sample, whatever the "
+        f"label. A loss well above it would mean a confident untrained model, one well below "
+        f"it a model that already knows something."))
