@@ -1,15 +1,16 @@
 # %% [markdown]
 # # Lab 06 — Build the ring: simulated, then real
 #
-# Lesson 06 showed a ring all-reduce step by step and a real one over `torch.distributed`. Now
-# you write both:
+# Lesson 06 ran a ring all-reduce step by step and a real one over `torch.distributed`. Now you
+# build both, from their contracts:
 #
 # 1. `scatter_reduce(buffers)` and `all_gather(buffers)` — the two phases, in NumPy, on a list
-#    of N arrays (one per simulated worker);
-# 2. `ring_allreduce(tensor, op)` — the same on real processes with `dist.isend` / `dist.irecv`.
+#    of N arrays (one per simulated worker), with a different finishing layout from the
+#    lesson's: here worker i must end the scatter-reduce holding the full sum of **chunk i**;
+# 2. `ring_allreduce(tensor, op)` — the same on real processes, with point-to-point messages.
 #
 # After each, run the check cell: it prints one ✔ line, or one sentence naming the mistake.
-# Chunks follow `ring.chunk_bounds(length, N)` (NumPy's `array_split` rule, the same as
+# Chunks are those of `ring.chunk_bounds(length, N)` (NumPy's `array_split` rule, the same as
 # `torch.tensor_split`): lengths need not be divisible by N.
 
 # %% tags=["parameters"]
@@ -19,27 +20,58 @@ check_timeout = 20  # seconds before a hanging ring is stopped
 import numpy as np
 
 from dpcourse import ring
-from dpcourse.checks import lab06
+from dpcourse.checks import lab06, predict
 
 # %% [markdown]
 # ## 1. Scatter-reduce
 #
-# At step s (s = 0 .. N−2), worker i sends chunk (i − s) mod N to worker (i + 1) mod N, which
-# **adds** it into its own copy of that chunk. All workers send at once, so take what is sent
-# before anyone adds (here a worker never receives the chunk it sends in the same step, but
-# copying first keeps the simulation honest). Afterwards worker i holds the full sum of chunk
-# (i + 1) mod N.
+# The contract of `scatter_reduce(buffers)`:
+#
+# * `buffers` is a list of N equally long 1-D float arrays, one per worker; change them in place;
+# * it runs N − 1 steps; in every step **each** worker sends exactly one chunk to its right
+#   neighbour, worker (i + 1) mod N, which adds it into its own copy of that same chunk; all
+#   workers send at once (what a worker sends in a step is what it held when the step began);
+# * afterwards worker i holds the full sum (over all workers) of **chunk i**. What its other
+#   chunks hold does not matter.
+#
+# Lesson 06's worker i finished chunk (i + 1) mod N; which chunk must each worker send at each
+# step so that it finishes chunk i instead? Work it out on paper for N = 3 before you write code.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# In the last step, worker i receives the last missing contribution to chunk i. Who sends it,
+# and which chunk is that sender sending at that step? Now walk one step back.
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A chunk being summed travels one hop to the right per step, collecting one contribution per
+# hop: chunk c must set off from the worker N − 1 hops to the left of the one that finishes it.
+# So the chunk a worker sends moves back by one index every step, and at step 0 each worker sends
+# a different chunk.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Per step: first a list of what each worker sends (copies, all taken before anyone adds), each
+# an index of the form (i − s + constant) mod N; then a loop over the workers adding each copy
+# into the right neighbour's slice of the same chunk. Check your constant with N = 3 on paper.
 
 # %%
 def scatter_reduce(buffers):
-    """Scatter-reduce in place over ``buffers``, a list of N equally long 1-D arrays."""
+    """Scatter-reduce in place over ``buffers``, a list of N equally long 1-D arrays:
+    afterwards worker i holds the full sum of chunk i."""
     n = len(buffers)
     bounds = ring.chunk_bounds(len(buffers[0]), n)
     for s in range(n - 1):
-        ### BEGIN SOLUTION: send chunk (i - s) mod N from worker i to worker i+1, which adds it
-        outgoing = [buffers[i][slice(*bounds[(i - s) % n])].copy() for i in range(n)]
+        ### BEGIN SOLUTION: one scatter-reduce step: each worker's chunk to its right neighbour
+        outgoing = [buffers[i][slice(*bounds[(i - s - 1) % n])].copy() for i in range(n)]
         for i in range(n):
-            c = (i - s) % n
+            c = (i - s - 1) % n
             buffers[(i + 1) % n][slice(*bounds[c])] += outgoing[i]
         ### END SOLUTION
 
@@ -49,19 +81,42 @@ _ = lab06.check_scatter_reduce(scatter_reduce)
 # %% [markdown]
 # ## 2. All-gather
 #
-# At step s, worker i sends chunk (i + 1 − s) mod N — the one it finished most recently — to
-# worker i + 1, which **overwrites** its copy. After N − 1 steps every worker has every sum.
+# The contract of `all_gather(buffers)`: it starts from what your `scatter_reduce` leaves (worker
+# i holds the complete chunk i), runs N − 1 steps in which each worker sends one chunk to its
+# right neighbour, which **overwrites** its copy of that chunk, and afterwards every worker holds
+# the whole sum.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# At step 0, which chunk is the only one worker i can usefully pass on? And at step 1, which
+# complete chunk has just arrived that its right neighbour still lacks?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Each worker passes on the complete chunk it got most recently (its own at step 0), so every
+# complete chunk travels once around the ring, N − 1 hops.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The same two-part step as the scatter-reduce (copies first, then one write per worker) with a
+# different constant in the index, and an assignment where the scatter-reduce added.
 
 # %%
 def all_gather(buffers):
-    """All-gather in place, after scatter_reduce."""
+    """All-gather in place, after scatter_reduce: every worker ends with the whole sum."""
     n = len(buffers)
     bounds = ring.chunk_bounds(len(buffers[0]), n)
     for s in range(n - 1):
-        ### BEGIN SOLUTION: send chunk (i + 1 - s) mod N from worker i to worker i+1, which copies it
-        outgoing = [buffers[i][slice(*bounds[(i + 1 - s) % n])].copy() for i in range(n)]
+        ### BEGIN SOLUTION: one all-gather step: each worker's newest complete chunk to its right
+        outgoing = [buffers[i][slice(*bounds[(i - s) % n])].copy() for i in range(n)]
         for i in range(n):
-            c = (i + 1 - s) % n
+            c = (i - s) % n
             buffers[(i + 1) % n][slice(*bounds[c])] = outgoing[i]
         ### END SOLUTION
 
@@ -83,28 +138,70 @@ claim("every worker holds the sum", all(np.array_equal(b, expected) for b in buf
 # %% [markdown]
 # ## 3. The real ring
 #
-# Same two phases, with real messages. Rank r sends to `right = (r + 1) % N` and receives from
-# `left = (r - 1) % N`. In each step, **post the send and the receive together** with
-# `dist.isend` / `dist.irecv` and only then `wait()` on both: if every rank first called a
-# blocking `dist.send`, all would wait for a receive that nobody has posted.
+# The contract of `ring_allreduce(tensor, op="sum")`, called on every rank of a gloo group with
+# tensors of one shape and dtype:
 #
-# * scatter-reduce step s: send chunk (r − s) mod N, receive into a temporary buffer, then add
-#   it to chunk (r − s − 1) mod N;
-# * all-gather step s: send chunk (r + 1 − s) mod N, receive straight into chunk (r − s) mod N;
-# * with `op="average"`, divide by N at the end.
+# * afterwards `tensor` itself (not a copy) holds the element-wise sum over all ranks, or with
+#   `op="average"` that sum divided by the number of ranks; return `tensor`;
+# * it uses point-to-point messages only (`torch.distributed`'s `isend`/`irecv`/`send`/`recv`
+#   or `batch_isend_irecv`), never a built-in collective;
+# * it is a ring: each rank talks to its right neighbour `(rank + 1) % N` (sends) and left
+#   neighbour `(rank - 1) % N` (receives), in 2(N − 1) steps of one chunk each;
+# * any N ≥ 2, any number of elements (chunks may be uneven, or empty when there are fewer
+#   elements than ranks).
 #
-# Work in place: `tensor.view(-1)` is a flat view of a contiguous tensor, and `tensor_split`
-# gives views into it, so writing into a chunk writes into `tensor`.
+# The chunk layout is yours: only the final tensor is compared.
 #
-# The check runs your ring on 3 ranks and then on 2, and watches what it sends: no built-in
-# collective (`dist.all_reduce` would be cheating), and per rank 2(N − 1) messages of one chunk
-# each.
+# **Your design decision:** how each step's send and receive are issued. With messages that
+# block until the other side is ready, some orders of calls leave every rank waiting for every
+# other; decide how your ring makes sure that never happens, and be ready to say why it cannot.
+#
+# The check runs your ring on 3 ranks and then on 2, and watches what it sends.
+#
+# First, a prediction. Once your ring works, the cell after the check will run it on N = 4 ranks
+# with a float32 tensor of K = 1000 elements (4000 bytes) and count the bytes rank 0 sends.
+# Before you write the ring: how many bytes will that be?
+
+# %%
+### BEGIN SOLUTION: your prediction: bytes rank 0 sends (N = 4, K = 1000 float32)
+my_guess = 6000
+### END SOLUTION
+guess = predict("lab06", "bytes rank 0 sends for N = 4, K = 1000 float32", my_guess,
+                unit="bytes")
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# In your NumPy version, what did a worker receive in each step, and what did it do with it
+# before the next step could send it on? Which of those steps need a buffer that is not part
+# of the tensor?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Flatten the tensor once and cut it into N chunks that are views of it, so that whatever lands
+# in a chunk lands in `tensor`. A rank plays one worker of your simulation: the same indices with
+# the rank as i. What it receives in the scatter-reduce must be added, so it needs a place to
+# land first; what it receives in the all-gather may land where it belongs. A blocking send
+# returns only once the neighbour's receive is posted.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A small helper that, for one step, starts this rank's send and its receive and only then waits
+# for both; a loop of N − 1 scatter-reduce steps (helper, then an in-place add); a loop of N − 1
+# all-gather steps (helper only); then the in-place division for the average.
 
 # %%
 def ring_allreduce(tensor, op="sum"):
+    """All-reduce ``tensor`` in place over the default group with a ring; return ``tensor``."""
     import torch
     import torch.distributed as dist
 
+    ### BEGIN SOLUTION: ring_allreduce's body: the two phases over point-to-point messages
     n, rank = dist.get_world_size(), dist.get_rank()
     right, left = (rank + 1) % n, (rank - 1) % n
     flat = tensor.view(-1)
@@ -115,7 +212,6 @@ def ring_allreduce(tensor, op="sum"):
         for w in works:
             w.wait()
 
-    ### BEGIN SOLUTION: scatter-reduce (N-1 steps) then all-gather (N-1 steps) with exchange()
     for s in range(n - 1):
         recv_chunk = chunks[(rank - s - 1) % n]
         incoming = torch.empty_like(recv_chunk)
@@ -123,24 +219,32 @@ def ring_allreduce(tensor, op="sum"):
         recv_chunk += incoming
     for s in range(n - 1):
         exchange(chunks[(rank + 1 - s) % n], chunks[(rank - s) % n])
-    ### END SOLUTION
     if op == "average":
-        ### BEGIN SOLUTION: divide by the number of ranks, in place
         flat /= n
-        ### END SOLUTION
+    ### END SOLUTION
     return tensor
 
 # %%
 lab06.check_ring_allreduce(ring_allreduce, timeout=check_timeout)
 
 # %% [markdown]
-# ## 4. Why isend/irecv: the deadlock, made safe
+# Now the measurement for your prediction: your ring on 4 ranks, K = 1000 float32, the bytes
+# rank 0 sends.
+
+# %%
+measured = lab06.measure_bytes_sent(ring_allreduce, world_size=4, numel=1000,
+                                    timeout=check_timeout)
+lab06.check_prediction(guess, measured)
+
+# %% [markdown]
+# ## 4. The deadlock, made safe
 #
 # Here is the tempting version: each rank *sends* with the blocking `dist.send`, then receives.
 # With gloo it hangs at every size (we measured from 1 element to 16 Mi elements): `dist.send`
 # does not return until the neighbour has posted the matching receive, and every neighbour is
 # itself stuck in its own send. The check runs it in separate processes, stops them after the
-# timeout and tells you what happened — the notebook does not hang.
+# timeout and tells you what happened — the notebook does not hang. Compare its sentence with
+# the reason you gave for your own design decision.
 
 # %%
 def blocking_ring(tensor, op="sum"):
@@ -166,15 +270,41 @@ except lab06.LabCheckError as err:
 # ## Stretch (optional): the scatter-reduce in segments
 #
 # A workshop can stop here. In your ring, a rank receives a whole chunk, *then* adds it, *then*
-# sends it on: the network waits for the addition and the addition waits for the network. Cut
-# each chunk into `segments` pieces and pipeline them: post the transfer of piece j + 1 before
-# adding piece j, so that the next piece travels while this one is added. NCCL does the same
-# with its own "slices" (the idea behind the bandwidth term of lesson 06's cost model).
+# sends it on: the network waits for the addition and the addition waits for the network. NCCL
+# cuts each chunk into "slices" and pipelines them (the idea behind the bandwidth term of lesson
+# 06's cost model). Write `ring_allreduce_segmented(tensor, op="sum", segments=4)`, with the
+# contract of your `ring_allreduce` and one more requirement:
 #
-# Write `ring_allreduce_segmented(tensor, op="sum", segments=4)`: the segmented scatter-reduce,
-# then the all-gather (whole chunks are fine there: nothing is added) and the average. The
-# check runs it on 3 and 2 ranks with 4 and 3 segments and counts the messages: at least
-# (N − 1) × segments pieces of about K / (N × segments) elements.
+# * in the scatter-reduce, each chunk travels as `segments` pieces (cut as `tensor_split` cuts),
+#   and piece j + 1 is already posted — its send and its receive — before piece j is added, so
+#   that the next piece travels while this one is added;
+# * the all-gather may send whole chunks or pieces (nothing is added there).
+#
+# The check runs it on 3 and 2 ranks with 4 and 3 segments, compares the results, counts the
+# messages and watches the order in which your ring posts and waits.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# When you wait for piece j and then add it, what is on its way at that moment? What must
+# already have happened for piece j + 1 to be on its way?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Keep one piece in flight ahead of the one you are adding: start piece 0, then for each piece
+# start the next one first, then finish and add the current one. (Starting all pieces of a step
+# at once also meets the requirement.)
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Per scatter-reduce step: the pieces of the chunk sent, the pieces of the chunk added into, a
+# receive buffer per piece, a helper that starts piece j's send and receive and returns the two
+# works, and a loop over j that keeps the next piece's works before waiting on the current ones.
 
 # %%
 def ring_allreduce_segmented(tensor, op="sum", segments=4):
@@ -185,7 +315,7 @@ def ring_allreduce_segmented(tensor, op="sum", segments=4):
     right, left = (rank + 1) % n, (rank - 1) % n
     flat = tensor.view(-1)
     chunks = flat.tensor_split(n)
-    ### BEGIN SOLUTION: per step: split the send and receive chunks into segments; post piece j+1 before adding piece j; then the all-gather and the average
+    ### BEGIN SOLUTION: ring_allreduce_segmented's body: a pipelined scatter-reduce, then the rest
     for s in range(n - 1):
         outgoing = chunks[(rank - s) % n].tensor_split(segments)
         target = chunks[(rank - s - 1) % n].tensor_split(segments)

@@ -22,36 +22,36 @@ def sr_reference(buffers):
     n = len(buffers)
     b = ring.chunk_bounds(len(buffers[0]), n)
     for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i - s) % n])].copy() for i in range(n)]
+        out = [buffers[i][slice(*b[(i - s - 1) % n])].copy() for i in range(n)]
         for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i - s) % n])] += out[i]
+            buffers[(i + 1) % n][slice(*b[(i - s - 1) % n])] += out[i]
 
 
 def sr_off_by_one(buffers):  # sends chunk (i - s - 1): a shifted ring, ends on the wrong chunk
     n = len(buffers)
     b = ring.chunk_bounds(len(buffers[0]), n)
     for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i - s - 1) % n])].copy() for i in range(n)]
+        out = [buffers[i][slice(*b[(i - s - 2) % n])].copy() for i in range(n)]
         for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i - s - 1) % n])] += out[i]
+            buffers[(i + 1) % n][slice(*b[(i - s - 2) % n])] += out[i]
 
 
 def sr_too_many_steps(buffers):
     n = len(buffers)
     b = ring.chunk_bounds(len(buffers[0]), n)
     for s in range(n):
-        out = [buffers[i][slice(*b[(i - s) % n])].copy() for i in range(n)]
+        out = [buffers[i][slice(*b[(i - s - 1) % n])].copy() for i in range(n)]
         for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i - s) % n])] += out[i]
+            buffers[(i + 1) % n][slice(*b[(i - s - 1) % n])] += out[i]
 
 
 def ag_reference(buffers):
     n = len(buffers)
     b = ring.chunk_bounds(len(buffers[0]), n)
     for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i + 1 - s) % n])].copy() for i in range(n)]
+        out = [buffers[i][slice(*b[(i + 1 - s - 1) % n])].copy() for i in range(n)]
         for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i + 1 - s) % n])] = out[i]
+            buffers[(i + 1) % n][slice(*b[(i + 1 - s - 1) % n])] = out[i]
 
 
 def ag_missing(buffers):
@@ -62,18 +62,26 @@ def ag_adds(buffers):
     n = len(buffers)
     b = ring.chunk_bounds(len(buffers[0]), n)
     for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i + 1 - s) % n])].copy() for i in range(n)]
+        out = [buffers[i][slice(*b[(i + 1 - s - 1) % n])].copy() for i in range(n)]
         for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i + 1 - s) % n])] += out[i]
+            buffers[(i + 1) % n][slice(*b[(i + 1 - s - 1) % n])] += out[i]
 
 
 def ag_off_by_one(buffers):
     n = len(buffers)
     b = ring.chunk_bounds(len(buffers[0]), n)
     for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i - s) % n])].copy() for i in range(n)]
+        out = [buffers[i][slice(*b[(i - s - 1) % n])].copy() for i in range(n)]
         for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i - s) % n])] = out[i]
+            buffers[(i + 1) % n][slice(*b[(i - s - 1) % n])] = out[i]
+
+
+def sr_lesson_layout(buffers):  # lesson 06's indices: worker i ends with chunk (i + 1) mod N
+    lab06._scatter_reduce(buffers, base=0)
+
+
+def ag_lesson_layout(buffers):
+    lab06._all_gather(buffers, base=0)
 
 
 def test_scatter_reduce_reference_passes(capsys):
@@ -92,6 +100,7 @@ def test_scatter_reduce_returning_new_arrays_passes():
 @pytest.mark.parametrize("fn, phrase", [
     (sr_off_by_one, "off-by-one chunk index in scatter_reduce"),
     (sr_too_many_steps, "it takes exactly N-1"),
+    (sr_lesson_layout, "lesson 06's layout"),
     (lambda bufs: None, "left the buffers unchanged"),
 ])
 def test_scatter_reduce_mistakes(fn, phrase):
@@ -107,6 +116,7 @@ def test_all_gather_reference_passes():
     (ag_missing, "nothing a worker received was written into its own array"),
     (ag_adds, "must overwrite"),
     (ag_off_by_one, "off-by-one chunk index in all_gather"),
+    (ag_lesson_layout, "lesson 06's layout"),
 ])
 def test_all_gather_mistakes(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
@@ -530,9 +540,9 @@ def sr_floor_chunks(buffers):  # length // N per chunk: the remainder belongs to
     n = len(buffers)
     q = len(buffers[0]) // n
     for s in range(n - 1):
-        out = [buffers[i][((i - s) % n) * q:((i - s) % n + 1) * q].copy() for i in range(n)]
+        out = [buffers[i][((i - s - 1) % n) * q:((i - s - 1) % n + 1) * q].copy() for i in range(n)]
         for i in range(n):
-            c = (i - s) % n
+            c = (i - s - 1) % n
             buffers[(i + 1) % n][c * q:(c + 1) * q] += out[i]
 
 
@@ -540,9 +550,9 @@ def ag_rebinds(buffers):  # the loop runs, but assigns to a name: nothing is wri
     n = len(buffers)
     b = ring.chunk_bounds(len(buffers[0]), n)
     for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i + 1 - s) % n])].copy() for i in range(n)]
+        out = [buffers[i][slice(*b[(i - s) % n])].copy() for i in range(n)]
         for i in range(n):
-            target = buffers[(i + 1) % n][slice(*b[(i + 1 - s) % n])].copy()
+            target = buffers[(i + 1) % n][slice(*b[(i - s) % n])].copy()
             target = out[i]  # noqa: F841
     return None
 

@@ -1,7 +1,8 @@
 """Checks for lab 06 (``solutions/lab06_ring_allreduce.py``): the ring, simulated then real.
 
 * :func:`check_scatter_reduce` and :func:`check_all_gather` run the learner's NumPy phases on a
-  few worker counts and lengths (uneven ones too) and compare with :mod:`dpcourse.ring`.
+  few worker counts and lengths (uneven ones too): afterwards worker i must hold the full sum of
+  chunk i (one chunk before lesson 06's simulator, so that the learner derives the indices).
 * :func:`check_ring_allreduce` runs the learner's ``ring_allreduce(tensor, op)`` — defined in a
   notebook cell — in 3 and then 2 processes through :func:`dpcourse.launch.spawn` (cloudpickle
   ships it), compares every rank's tensor with the sum / average, and spies on what it sends
@@ -80,14 +81,23 @@ def _chunk_rule_sentence(what: str, n: int, length: int, rule) -> str:
             f"the contract names.")
 
 
-def _scatter_reduce(buffers, send_shift=0, recv_shift=0, steps=None, bounds=chunk_bounds):
+# The lab's NumPy phases end with worker i holding the full sum of chunk i: one chunk before
+# lesson 06's simulator (which ends with chunk (i + 1) mod N), so the lesson's index formulas
+# do not answer the lab; the learner derives the lab's from the contract. ``base`` shifts the
+# chunk index: -1 is the lab's convention, 0 the lesson's (used for the real ring, where any
+# consistent convention gives the same sum).
+LAB_BASE = -1
+
+
+def _scatter_reduce(buffers, send_shift=0, recv_shift=0, steps=None, bounds=chunk_bounds,
+                    base=LAB_BASE):
     n = len(buffers)
     b = bounds(len(buffers[0]), n)
     for s in range(n - 1 if steps is None else steps):
-        out = [buffers[i][slice(*b[(i - s + send_shift) % n])].copy() for i in range(n)]
+        out = [buffers[i][slice(*b[(i - s + base + send_shift) % n])].copy() for i in range(n)]
         for i in range(n):
             dst = (i + 1) % n
-            target = buffers[dst][slice(*b[(i - s + send_shift + recv_shift) % n])]
+            target = buffers[dst][slice(*b[(i - s + base + send_shift + recv_shift) % n])]
             if target.shape == out[i].shape:
                 target += out[i]
             else:  # sizes differ for uneven chunks: the mistake would crash; mark it garbage
@@ -96,14 +106,15 @@ def _scatter_reduce(buffers, send_shift=0, recv_shift=0, steps=None, bounds=chun
 
 
 def _all_gather(buffers, send_shift=0, recv_shift=0, steps=None, add=False,
-                bounds=chunk_bounds):
+                bounds=chunk_bounds, base=LAB_BASE):
     n = len(buffers)
     b = bounds(len(buffers[0]), n)
     for s in range(n - 1 if steps is None else steps):
-        out = [buffers[i][slice(*b[(i + 1 - s + send_shift) % n])].copy() for i in range(n)]
+        out = [buffers[i][slice(*b[(i + 1 - s + base + send_shift) % n])].copy()
+               for i in range(n)]
         for i in range(n):
             dst = (i + 1) % n
-            target = buffers[dst][slice(*b[(i + 1 - s + send_shift + recv_shift) % n])]
+            target = buffers[dst][slice(*b[(i + 1 - s + base + send_shift + recv_shift) % n])]
             if target.shape != out[i].shape:
                 target[...] = np.nan
             elif add:
@@ -114,7 +125,7 @@ def _all_gather(buffers, send_shift=0, recv_shift=0, steps=None, add=False,
 
 
 def reference_scatter_reduce(buffers):
-    """Scatter-reduce in place: afterwards worker i holds the full sum of chunk (i + 1) mod N."""
+    """Scatter-reduce in place: afterwards worker i holds the full sum of chunk i."""
     return _scatter_reduce(buffers)
 
 
@@ -157,7 +168,7 @@ def _wrong_steps_or_chunk(got, phase, start, what: str, chunk_rule: str) -> None
 @recorded
 def check_scatter_reduce(fn) -> None:
     """``fn(buffers)``: N 1-D float arrays, changed in place; after it worker i must hold the
-    full sum of chunk (i + 1) mod N (chunks as in ``ring.chunk_bounds``)."""
+    full sum of chunk i (chunks as in ``ring.chunk_bounds``)."""
     __tracebackhide__ = True
     for n, length in _CASES:
         inputs = _inputs(n, length)
@@ -168,6 +179,10 @@ def check_scatter_reduce(fn) -> None:
         if _same(got, inputs):
             fail(f"scatter_reduce left the buffers unchanged (N={n}): each step must add the "
                  f"chunk received from the left neighbour into the worker's own copy.")
+        if _same(got, _scatter_reduce([a.copy() for a in inputs], base=0)):
+            fail(f"scatter_reduce ends with worker i holding the full sum of chunk (i + 1) mod N "
+                 f"(N={n}), lesson 06's layout; this lab's contract is chunk i: work out which "
+                 f"chunk each worker must send first so that it finishes there.")
         if length % n:
             for rule in _OTHER_CHUNK_RULES:
                 if _same(got, _scatter_reduce([a.copy() for a in inputs], bounds=rule)):
@@ -175,12 +190,12 @@ def check_scatter_reduce(fn) -> None:
         _wrong_steps_or_chunk(got, _scatter_reduce, inputs, "scatter_reduce",
                               "the chunk a worker adds into must be the chunk its left "
                               "neighbour sent in that step, and the index must move by one "
-                              "each step so that worker i ends with the full sum of chunk "
-                              "(i + 1) mod N.")
+                              "each step so that worker i ends with the full sum of chunk i "
+                              "(not lesson 06's (i + 1) mod N).")
         bad = [w for w in range(n) if not np.array_equal(got[w], want[w])]
         fail(f"scatter_reduce gives wrong numbers on worker(s) {bad} for N={n}, length "
-             f"{length}: after it worker i must hold the full sum of chunk (i + 1) mod N.")
-    return passed("scatter_reduce: every worker ends with the full sum of chunk (i + 1) mod N, "
+             f"{length}: after it worker i must hold the full sum of chunk i.")
+    return passed("scatter_reduce: every worker i ends with the full sum of chunk i, "
                   "for N = 3, 4, 5 and uneven lengths")
 
 
@@ -204,6 +219,10 @@ def check_all_gather(fn) -> None:
         if _same(got, _all_gather([a.copy() for a in reduced], add=True)):
             fail("all_gather adds the incoming chunk to the worker's own; it must overwrite it "
                  "(the chunk is already the complete sum).")
+        if _same(got, _all_gather([a.copy() for a in reduced], base=0)):
+            fail(f"all_gather passes the chunks on as if worker i had finished chunk (i + 1) mod "
+                 f"N (lesson 06's layout, N={n}); after this lab's scatter-reduce worker i holds "
+                 f"chunk i complete, so that is the first chunk it passes on.")
         if length % n:
             for rule in _OTHER_CHUNK_RULES:
                 if _same(got, _all_gather([a.copy() for a in reduced], bounds=rule)):
@@ -353,9 +372,9 @@ def _simulate_real(n, cases, sr=(0, 0), ag=(0, 0), gather=True, average=True, di
     out = []
     for shape, _, op in cases:
         bufs = [_real_input(r, shape).ravel() for r in range(n)]
-        _scatter_reduce(bufs, *sr, bounds=bounds)
+        _scatter_reduce(bufs, *sr, bounds=bounds, base=0)
         if gather:
-            _all_gather(bufs, *ag, bounds=bounds)
+            _all_gather(bufs, *ag, bounds=bounds, base=0)
         if op == "average" and average:
             bufs = [b / (divisor or n) for b in bufs]
         out.append([b.reshape(shape) for b in bufs])
