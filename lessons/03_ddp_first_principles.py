@@ -160,8 +160,10 @@ viz.show(viz.collectives_figure(before, after),
 # So after `backward()`, every gradient must be divided by `world_size` and all-reduced with
 # SUM — on every rank, before the optimizer step. That is the whole idea of data parallelism;
 # you will write it yourself in lab 03. `DistributedDataParallel` does it for you, hidden in
-# `backward()`. It **divides first, then sums**: the torch source says this avoids overflow,
-# especially in float16.
+# `backward()`, and **divides first, then sums**: without a comm hook its reducer divides each
+# gradient by the world size *as it copies it into its bucket*, and all-reduces the bucket with
+# SUM. (Why first? The reason torch writes down is in its Python `allreduce_hook`, which divides
+# a whole bucket before its all-reduce: "to avoid overflow, especially for FP16".)
 #
 # The identity in one process, no ranks needed: the average of the gradients of two halves of
 # a batch, against the gradient of the whole batch, for the course's small CNN (no BatchNorm)
@@ -318,12 +320,26 @@ else:
 #    forward.
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (25 MiB by default; the
-#    argument's name says MB, but DDP multiplies it by 1024 × 1024). When every gradient in a
-#    bucket is ready, the whole bucket is divided by the world size and all-reduced in one call.
-#    The buckets are launched strictly in order: bucket 0, then 1, … on every rank.
+#    argument's name says MB, but DDP multiplies it by 1024 × 1024). As each gradient becomes
+#    ready, the reducer copies it into its bucket, **dividing it by the world size as it
+#    copies** (with `gradient_as_bucket_view=True`, where `p.grad` already is its view of the
+#    bucket, it divides that view in place). Only with `batched_grad_copy=True` (default
+#    `False`) are the copies deferred and the whole bucket divided once. When every gradient in
+#    a bucket is there, the bucket is all-reduced with SUM in one call. The buckets are
+#    launched strictly in order: bucket 0, then 1, … on every rank.
 # 4. **Overlap.** Those all-reduces start *while the backward is still computing* the gradients
 #    of earlier layers, so communication can hide behind computation.
-#
+
+# %%
+import inspect
+
+from torch.nn.parallel import DistributedDataParallel
+
+ddp_defaults = inspect.signature(DistributedDataParallel.__init__).parameters
+claim("DDP's batched_grad_copy defaults to False: dividing a whole bucket at once is opt-in",
+      ddp_defaults["batched_grad_copy"].default is False)
+
+# %% [markdown]
 # First the broadcast: every rank builds its model from a *different* seed, and after
 # `DDP(model)` they are equal.
 
@@ -434,9 +450,10 @@ print("iteration 1, first bucket: "
 # registration order is only a guess. The ranks cannot disagree about the buckets (the reducer
 # launches them strictly in index order, and the rebuilt assignment is broadcast from rank 0 to
 # the others), but a wrong guess can still bite. The comment in `_ddp_init_helper` names the
-# case: if the backward also runs other collectives (say, a `SyncBatchNorm`'s), or a parameter
-# is unused on some ranks only, a bucket's all-reduce may be launched too early on one rank and
-# be matched with a *different* collective on another — a hang or garbage. So DDP builds its
+# case, and it takes **both** conditions: the backward also runs other collectives (say, a
+# `SyncBatchNorm`'s) **and** a parameter is unused on some ranks only. Then, on the rank with
+# the unused parameter, a bucket can fill and its all-reduce be launched too early, to be
+# matched with a *different* collective on another rank — a hang or garbage. So DDP builds its
 # initial buckets with a size limit of `sys.maxsize`: one all-reduce, after every gradient of
 # the graph is computed. That holds unless you pass `find_unused_parameters=True` *without*
 # `static_graph=True` (or a list of per-bucket caps, `bucket_cap_mb_list`). During the first
@@ -679,7 +696,7 @@ claim("either way rank 0's running mean is bit-for-bit the same: the broadcast n
 # | processes | 1 (threads, one GIL) | 1 per device |
 # | weights sent | every step, from device 0 | once, at the start (buffers: before every forward) |
 # | gradients | summed onto device 0 | all-reduced, averaged on every rank |
-# | per-step traffic at the busiest device | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 2(N−1)K/N with ring all-reduce |
+# | per-step traffic at the busiest device, bytes sent + received (K: the gradients' size) | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 4(N−1)K/N with ring all-reduce (2(N−1)K/N each way) |
 # | overlap with backward | no | yes (buckets) |
 # | multi-machine | no | yes |
 #
@@ -752,13 +769,15 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 #
 # - DDP runs one process per device; the processes meet at a rendezvous and talk through
 #   collectives (broadcast, all_reduce, all_gather, reduce_scatter) that every rank must call.
-# - Averaging the gradients (divide by `world_size`, all-reduce SUM: DDP divides first, against
-#   overflow) makes each rank's step the step of one process on the global batch — equal to
-#   1e-5 here, and bit-for-bit equal across the ranks — as long as no layer couples the samples
-#   of a batch (training-mode BatchNorm does).
+# - Averaging the gradients (divide by `world_size`, all-reduce SUM: DDP's reducer divides each
+#   gradient as it copies it into its bucket, before the all-reduce) makes each rank's step the
+#   step of one process on the global batch — equal to 1e-5 here, and bit-for-bit equal across
+#   the ranks — as long as no layer couples the samples of a batch (training-mode BatchNorm
+#   does).
 # - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
 #   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
-#   known yet, and an early all-reduce could meet another collective on another rank; with
+#   not known yet, and when the backward runs other collectives and a parameter is unused on
+#   some ranks only, an early all-reduce could meet another collective on another rank; with
 #   `static_graph=True` the first two iterations do), unless `find_unused_parameters=True`
 #   without `static_graph`; afterwards the buckets follow the order the gradients arrived,
 #   rank 0's assignment on every rank, and they overlap the backward.
@@ -786,7 +805,9 @@ viz.quiz([
      "why": ["The sum of four shard-means is 4 times the mean over the 64 samples.",
              "Then every rank would step with rank 0's shard only.",
              "Right: the average of equal-sized shard means is the global mean. DDP divides "
-             "first, to avoid overflow."]},
+             "first: its reducer divides each gradient as it copies it into the bucket (torch's "
+             "allreduce_hook, which divides the whole bucket first, gives the reason: overflow, "
+             "especially in float16)."]},
     {"q": "Why does the first backward under DDP all-reduce one bucket holding every gradient?",
      "options": ["DDP does not know the gradients' order yet: it reduces everything once, after "
                  "the whole backward, and rebuilds buckets from the order it observed",
@@ -794,8 +815,9 @@ viz.quiz([
                  "gloo cannot all-reduce several buckets at once"],
      "answer": 0,
      "why": ["Right: the initial size limit is sys.maxsize, so an all-reduce cannot start too "
-             "early and meet another rank's other collective; the rebuild happens before the "
-             "second forward.",
+             "early and meet another rank's other collective (the case torch names: other "
+             "collectives in the backward and a parameter unused on some ranks only); the "
+             "rebuild happens before the second forward.",
              "This lesson's model was seven times the cap and still went in one bucket.",
              "From the second iteration on, gloo all-reduced several buckets."]},
     {"q": "After 10 steps, are DDP's weights bit-for-bit equal to one process on the global "
@@ -860,10 +882,18 @@ viz.quiz([
 #   construction calls `_sync_module_states(..., src=0, ...)`, defined in
 #   `torch/distributed/utils.py`, which broadcasts rank 0's parameters and buffers.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._ddp_init_helper`, the
-#   comment before the bucket limits: parameters are not in execution order, and with other
-#   collectives in the backward or parameters unused on some ranks only, bucketing "could
-#   insert ALL-REDUCE comm op too early", matching another rank's other collective; so the
-#   first iteration is not bucketed.
+#   comment before the bucket limits: parameters are not in execution order, and when a model
+#   has both "other collectives comm ops in its backward graph" and an "unused parameter in
+#   subset ranks", bucketing "could insert ALL-REDUCE comm op too early on the rank with unused
+#   parameter", matching another rank's other collective; so the first iteration is not
+#   bucketed.
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`'s docstring for
+#   `batched_grad_copy` (default `False`): only when it is `True` are the "per-parameter
+#   gradient-to-bucket copy and division operations" deferred and flushed as one
+#   `_foreach_copy_` "plus one flat `div_` when a bucket becomes ready";
+#   `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::mark_variable_ready_dense`
+#   (declared), `Bucket::deferred_copy_indices` and `Reducer::flush_deferred_copies` (the
+#   batched path, "Only used when batched_grad_copy is enabled").
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`: `bucket_cap_mb` is in
 #   MiB (`_MB_TO_BYTES = 1024 * 1024`), 25 MiB by default; the first bucket's limit is
 #   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when the cap is left at its default.
@@ -882,7 +912,8 @@ viz.quiz([
 #   is called once per bucket when it is ready, with a `GradBucket` not yet divided by the world
 #   size; `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`
 #   calls `_allreduce_fut`, which does `tensor.div_(group size)` and then `all_reduce` ("Apply
-#   the division first to avoid overflow, especially for FP16"), as DDP does without a hook.
+#   the division first to avoid overflow, especially for FP16") on the whole bucket. Without a
+#   hook the reducer divides too, but per gradient, as it copies each into the bucket (below).
 # - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::div_factor_` (the
 #   division factor for the gradients: the process group's size); `Reducer::next_bucket_` (the
 #   buckets are launched in index order); `Reducer::sync_bucket_indices` ("Broadcast rebuilt
@@ -894,7 +925,10 @@ viz.quiz([
 #   `bucket.size >= bucket_size_limit`", and `Reducer::rebuild_buckets` and
 #   `Reducer::autograd_hook` (no order recorded in a static graph's first iteration) are in
 #   c10d's `reducer.cpp` in the PyTorch repository (not installed); the claims above check the
-#   behaviour on the installed build.
+#   behaviour on the installed build. So is the body of `Reducer::mark_variable_ready_dense`:
+#   without a comm hook it copies the gradient into its bucket view dividing by `div_factor_`
+#   ("Divides while copying"), or, when `p.grad` already is that view, divides the view in place
+#   (lesson 07's Sources say the same).
 # - `torch/nn/parallel/comm.py` — `reduce_add`: uses `nccl.reduce` when NCCL is available (the
 #   real `nn.DataParallel`'s gradient path, through `ReduceAddCoalesced` in
 #   `torch/nn/parallel/_functions.py`).
