@@ -203,7 +203,7 @@ WRONG = [
     (pulls_once, "you pulled the weights only once with τ = 0"),
     (current_version, "you pushed the server's version at push time"),
     (ignores_tau, "never late with τ = 3"),
-    (computes_when_it_lands, "never late with τ = 3: .* not at its push"),
+    (computes_when_it_lands, "you computed each gradient when it was pushed"),
     (pushed_twice, "a gradient was pushed twice"),
     (scaled, "you pushed something that compute_gradient did not return"),
     (pops_empty, "IndexError.*took a gradient out of an empty queue"),
@@ -224,8 +224,128 @@ def test_wrong_loops_are_named(loop, phrase):
         lab09.check_async_worker(loop)
 
 
+def test_the_library_loop_itself_is_refused():
+    with pytest.raises(LabCheckError, match="async_sgd.async_worker_loop itself"):
+        lab09.check_async_worker(async_sgd.async_worker_loop)
+
+
 def test_the_library_loop_is_the_reference():
-    lab09.check_async_worker(async_sgd.async_worker_loop)
+    lab09.check_async_worker(lambda *args: async_sgd.async_worker_loop(*args))
+
+
+def counts_own_pushes(server, compute_gradient, batches, tau):
+    in_flight, pushed = collections.deque(), 0
+    for batch in batches:
+        w, _ = server.pull()
+        in_flight.append((compute_gradient(w, batch), pushed))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+            pushed += 1
+    while in_flight:
+        server.push(*in_flight.popleft())
+        pushed += 1
+
+
+def pull_unpacked_backwards(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for batch in batches:
+        version, w = server.pull()
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
+def compute_swapped(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(batch, w), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
+def push_swapped(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) > tau:
+            grad, v = in_flight.popleft()
+            server.push(v, grad)
+    while in_flight:
+        grad, v = in_flight.popleft()
+        server.push(v, grad)
+
+
+def computes_on_newest_weights(server, compute_gradient, batches, tau):
+    # keeps the batches, computes each on the most recently pulled weights when it lands
+    in_flight = collections.deque()
+    w = None
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((batch, version))
+        if len(in_flight) > tau:
+            batch_, v = in_flight.popleft()
+            server.push(compute_gradient(w, batch_), v)
+    while in_flight:
+        batch_, v = in_flight.popleft()
+        server.push(compute_gradient(server.pull()[0], batch_), v)
+
+
+@pytest.mark.parametrize("loop, phrase", [
+    (counts_own_pushes, "your own count of pushes as the version"),
+    (pull_unpacked_backwards, "pull() returns the pair (weights, version)"),
+    (compute_swapped, "you called compute_gradient(batch, w)"),
+    (push_swapped, "you called push(version, grad)"),
+    (computes_on_newest_weights, "you computed each gradient when it was pushed"),
+], ids=lambda x: getattr(x, "__name__", "phrase"))
+def test_issue_37_mistakes_are_named_by_their_cause(loop, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab09.check_async_worker(loop)
+    assert phrase in str(err.value), str(err.value)
+
+
+def test_the_trace_is_compared_call_by_call(capsys):
+    right = [("pull", 0), ("pull", 0), ("pull", 0), ("push", 0, 0), ("pull", 1),
+             ("push", 1, 0), ("pull", 2), ("push", 2, 0), ("push", 3, 1), ("push", 4, 2)]
+    lab09.check_trace(right)
+    assert "trace is the loop's" in capsys.readouterr().out
+    lab09.check_trace([list(c) for c in right])  # lists are fine too
+    cases = [
+        # one too early: pushed after τ pulls instead of τ + 1
+        ([("pull", 0), ("pull", 0), ("push", 0, 0)] + right[2:3] + right[4:], "too early"),
+        # the last ones never pushed
+        (right[:-2], "exactly once"),
+        # newest first
+        (right[:-2] + [("push", 4, 2), ("push", 3, 1)], "in the order they were computed"),
+        # the version of the push, not of the pull
+        (right[:-1] + [("push", 4, 4)], "its own pull returned (2)"),
+        # a pull's version
+        (right[:4] + [("pull", 0)] + right[5:], "1 pushes came before"),
+        # held too long
+        (right[:3] + [("pull", 0)] + right[3:], "pulls 6 times"),
+        ([("pull",)], "write each call as"),
+    ]
+    for trace, phrase in cases:
+        with pytest.raises(LabCheckError) as err:
+            lab09.check_trace(trace)
+        assert phrase in str(err.value), (trace, str(err.value))
+    with pytest.raises(NotImplementedError):
+        lab09.check_trace(None)
+
+
+def test_prediction_compares_the_outcome(capsys):
+    from dpcourse.checks import predict
+
+    guess = predict("lab09", "test loss with τ = 8", "higher", choices=lab09.OUTCOMES)
+    lab09.check_prediction(guess, 0.5, 0.9, 8)
+    assert "— right" in capsys.readouterr().out
+    lab09.check_prediction(guess, 0.5, 0.51, 8)
+    assert "not what happened" in capsys.readouterr().out
 
 
 def test_trace_of_the_reference_has_staleness_tau():

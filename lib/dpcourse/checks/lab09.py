@@ -31,8 +31,9 @@ import torch
 
 from . import fail, passed, recorded, require_answer
 
-__all__ = ["check_async_worker", "check_staleness_aware", "TAUS", "AWARE_TAUS", "STEPS",
-           "trace_loop", "diagnose_loop", "run_server", "diagnose_server"]
+__all__ = ["check_async_worker", "check_staleness_aware", "check_trace", "reference_trace",
+           "check_prediction", "OUTCOMES", "TAUS", "AWARE_TAUS", "STEPS", "trace_loop",
+           "diagnose_loop", "run_server", "diagnose_server"]
 
 TAUS = (0, 3, 1, 12)   # 3 before 1: an ignored τ and an off-by-one look alike at τ = 1
 AWARE_TAUS = (0, 2, 5)
@@ -61,53 +62,82 @@ def _problem(steps: int = STEPS):
     return a, b, w0, batches
 
 
-class _SpyServer:
-    """The simulator's server, keeping every version of the weights and every push."""
+class _Misuse(Exception):
+    """A call to the spy server or the spy compute_gradient with its arguments mixed up."""
 
-    def __init__(self, w, lr):
+
+class _SpyServer:
+    """The simulator's server, keeping every version of the weights and every push. With
+    ``others`` > 0, that many other workers each push one (fresh) update before every pull of
+    the learner's loop, so the server's version is no longer the loop's own count of pushes."""
+
+    def __init__(self, w, lr, others: int = 0):
         self.w, self.lr, self.version = w.clone(), lr, 0
         self.history = [w.clone()]
         self.pushes = []       # (gradient, version pushed, server's version at the push)
         self.calls = 0
+        self.pulls = 0
+        self.others = others
 
     def _count(self):
         self.calls += 1
         if self.calls > _MAX_CALLS:
             raise RuntimeError(f"more than {_MAX_CALLS} pulls and pushes for {STEPS} batches")
 
-    def pull(self):
-        self._count()
-        return self.w.clone(), self.version
-
-    def push(self, grad, version):
-        self._count()
-        self.pushes.append((grad, version, self.version))
+    def _update(self, grad):
         self.w.add_(torch.as_tensor(grad, dtype=self.w.dtype), alpha=-self.lr)
         self.version += 1
         self.history.append(self.w.clone())
 
+    def pull(self):
+        self._count()
+        for _ in range(self.others):   # another worker's update lands first
+            self._update(0.01 * torch.ones_like(self.w) * (1 + self.version % 3))
+        self.pulls += 1
+        return self.w.clone(), self.version
 
-def trace_loop(loop, tau: int) -> dict:
-    """Run ``loop`` for one τ on the spy server; what happened, as plain data."""
+    def push(self, grad, version):
+        self._count()
+        if isinstance(version, torch.Tensor) and version.numel() > 1 and not (
+                isinstance(grad, torch.Tensor) and grad.numel() > 1):
+            raise _Misuse("you called push(version, grad): the server's signature is "
+                          "push(grad, version), the gradient first")
+        self.pushes.append((grad, version, self.version))
+        self._update(grad)
+
+
+def trace_loop(loop, tau: int, others: int = 0) -> dict:
+    """Run ``loop`` for one τ on the spy server (``others``: other workers' updates before each
+    pull); what happened, as plain data."""
     __tracebackhide__ = True
     a, b, w0, batches = _problem()
-    server = _SpyServer(w0, LR)
+    server = _SpyServer(w0, LR, others)
     computed = []              # (batch index, version of the weights or -1, gradient)
+    pulls_before = []          # the loop's pulls made before each gradient was computed
 
     def compute_gradient(w, batch):
-        w = torch.as_tensor(w)
+        if isinstance(w, Batch) or isinstance(batch, torch.Tensor) and batch.numel() > 1:
+            raise _Misuse("you called compute_gradient(batch, w): its signature is "
+                          "compute_gradient(w, batch), the weights first")
+        if not isinstance(w, torch.Tensor) or w.dim() == 0:
+            raise _Misuse(f"compute_gradient got {w!r} as the weights: pull() returns the pair "
+                          f"(weights, version), in that order")
         version = next((v for v in range(len(server.history) - 1, -1, -1)
                         if torch.equal(w, server.history[v])), -1)
         grad = a @ w - b + batch.noise
         computed.append((batch.index, version, grad.clone()))
+        pulls_before.append(server.pulls)
         return grad
 
     out = {"tau": tau, "computed": [(i, v) for i, v, _ in computed]}
     try:
         loop(server, compute_gradient, list(batches), tau)
+    except _Misuse as exc:
+        out["misuse"] = str(exc)
     except Exception as exc:
         out["raised"] = f"{type(exc).__name__}: {exc}"
     out["computed"] = [(i, v) for i, v, _ in computed]
+    out["pulls_before"] = list(pulls_before)
     out["pushes"] = []
     for grad, version, at in server.pushes:
         grad = torch.as_tensor(grad)
@@ -128,6 +158,8 @@ def diagnose_loop(trace: dict) -> None:
     __tracebackhide__ = True
     tau, computed, pushes = trace["tau"], trace["computed"], trace["pushes"]
     at = f"with τ = {tau}"
+    if "misuse" in trace:
+        fail(f"{trace['misuse']} ({at}).")
     if "raised" in trace:
         if trace["raised"].startswith("IndexError"):
             fail(f"your loop raised {trace['raised']!r} {at}: it took a gradient out of an empty "
@@ -171,9 +203,16 @@ def diagnose_loop(trace: dict) -> None:
                  "starting weights — pull before each gradient")
         late = [at_push - versions[k] for k, _, at_push in pushes]
         wanted = [min(k, tau) for k in range(STEPS)]
+        if all(d == 0 for d in late) and tau > 0 and any(
+                p > k + 1 for k, p in enumerate(trace.get("pulls_before", []))):
+            fail(f"you computed each gradient when it was pushed, on the weights the server "
+                 f"held then ({at}): a worker computes its gradient right after its own pull, "
+                 f"on the weights that pull returned — the updates that land while it is in "
+                 f"flight are what make it stale")
         if all(d == 0 for d in late):
-            fail(f"your gradients are never late {at}: each must stay in flight until τ newer "
-                 "ones are computed (and be computed when its batch is pulled, not at its push)")
+            fail(f"your gradients are never late {at}: each is pushed right after it is "
+                 "computed, so it lands on the weights it was computed on; gradient k must be "
+                 "computed on version max(0, k - τ) and still be applied as update k")
         if late == [min(k, tau - 1) for k in range(STEPS)] and tau > 0:
             fail(f"your gradients are one update too early {at}: each must wait until τ newer "
                  "ones are in flight (push when len(in_flight) > τ, not ≥ τ)")
@@ -192,11 +231,46 @@ def diagnose_loop(trace: dict) -> None:
              f"{at}: you pushed {tags}, expected {want}")
 
 
+def _refuse_reference(loop) -> None:
+    __tracebackhide__ = True
+    import functools
+
+    from dpcourse import async_sgd
+
+    inner = loop.func if isinstance(loop, functools.partial) else loop
+    if inner is async_sgd.async_worker_loop:
+        fail("that is dpcourse.async_sgd.async_worker_loop itself, the lesson's reference loop: "
+             "the lab asks for your own loop, so that you decide what it keeps about a "
+             "gradient between computing and pushing it.")
+
+
+def _check_versions_with_other_workers(loop, tau: int = 3) -> None:
+    """One worker among two: the other's updates land before each of this loop's pulls, so
+    the version pull() returns is no longer this loop's own count of pushes."""
+    __tracebackhide__ = True
+    trace = trace_loop(loop, tau, others=1)
+    at = f"with τ = {tau} and another worker pushing too"
+    if "misuse" in trace or "raised" in trace:
+        fail(f"your loop {trace.get('misuse') or 'raised ' + repr(trace['raised'])} ({at}).")
+    computed = trace["computed"]
+    tags = [version for _, version, _ in trace["pushes"]]
+    want = [computed[k][1] for k, _, _ in trace["pushes"]]
+    if tags != want:
+        if tags == _expected(tau):
+            fail(f"you pushed your own count of pushes as the version ({at}: {tags}), not the "
+                 f"version pull() returned ({want}): with one worker the two agree, but the "
+                 f"other workers' updates move the server's version too.")
+        fail(f"each gradient must be pushed with the version pull() returned for its weights "
+             f"({at}): you pushed {tags}, expected {want}")
+
+
 @recorded
 def check_async_worker(loop, taus=TAUS) -> None:
-    """The lab's check: run ``loop`` for each τ and compare with the reference."""
+    """The lab's check: run ``loop`` for each τ and compare with the reference; then once as
+    one of two workers (the versions must be the ones pull() returned)."""
     __tracebackhide__ = True
     require_answer(loop, "async_worker_loop")
+    _refuse_reference(loop)
     from dpcourse import async_sgd
 
     for tau in taus:
@@ -205,8 +279,134 @@ def check_async_worker(loop, taus=TAUS) -> None:
         reference = trace_loop(async_sgd.async_worker_loop, tau)
         if not torch.equal(trace["w"], reference["w"]):
             fail(f"the final weights differ from the reference's with τ = {tau}")
+    _check_versions_with_other_workers(loop)
     passed(f"every gradient pushed once, in order, τ updates late, with its own version: "
-           f"τ = {', '.join(map(str, taus))}, {STEPS} batches each")
+           f"τ = {', '.join(map(str, taus))}, {STEPS} batches each, and beside another worker")
+
+
+# --------------------------------------------------------------------------------------------
+# The learner's τ = 2 trace
+# --------------------------------------------------------------------------------------------
+
+TRACE_TAU, TRACE_BATCHES = 2, 5
+
+
+class _TraceServer:
+    def __init__(self):
+        self.version, self.calls = 0, []
+
+    def pull(self):
+        self.calls.append(("pull", self.version))
+        return torch.zeros(1), self.version
+
+    def push(self, grad, version):
+        self.calls.append(("push", int(grad), version))
+        self.version += 1
+
+
+def reference_trace(tau: int = TRACE_TAU, batches: int = TRACE_BATCHES) -> list[tuple]:
+    """The server calls of the reference loop, as the lab asks the learner to write them:
+    ``("pull", version returned)`` and ``("push", batch index of the gradient, version)``."""
+    from dpcourse import async_sgd
+
+    server = _TraceServer()
+    async_sgd.async_worker_loop(server, lambda w, batch: batch, range(batches), tau)
+    return server.calls
+
+
+def _as_call(item):
+    if isinstance(item, (tuple, list)) and item and item[0] in ("pull", "push") and \
+            len(item) == (2 if item[0] == "pull" else 3) and \
+            all(isinstance(x, int) and not isinstance(x, bool) for x in item[1:]):
+        return tuple(item)
+    return None
+
+
+@recorded
+def check_trace(trace) -> None:
+    """The lab's first deliverable: the server calls of the loop for τ = 2 and 5 batches, one
+    worker, written by hand; compared call by call with the reference loop's."""
+    __tracebackhide__ = True
+    if trace is None or trace is Ellipsis:
+        raise NotImplementedError("write your τ = 2 trace first (a list of server calls), then "
+                                  "run this cell")
+    if not isinstance(trace, (list, tuple)):
+        fail(f"the trace is a list of server calls, got {type(trace).__name__}.")
+    calls = []
+    for i, item in enumerate(trace):
+        call = _as_call(item)
+        if call is None:
+            fail(f"call {i + 1} of your trace is {item!r}: write each call as (\"pull\", v), "
+                 f"the version pull() returns, or (\"push\", k, v), the gradient of batch k "
+                 f"pushed with version v (integers, counted from 0).")
+        calls.append(call)
+    want = reference_trace()
+    tau, n = TRACE_TAU, TRACE_BATCHES
+    pulls = sum(c[0] == "pull" for c in calls)
+    pushes = [c[1] for c in calls if c[0] == "push"]
+    if pulls != n:
+        fail(f"your trace pulls {pulls} times for {n} batches: a worker pulls once per batch, "
+             f"just before computing that batch's gradient.")
+    if sorted(pushes) != list(range(n)):
+        fail(f"your trace pushes the gradients of batches {pushes}: each of the {n} gradients "
+             f"reaches the server exactly once, the ones still in flight when the batches run "
+             f"out included.")
+    for i, (got, exp) in enumerate(zip(calls, want)):
+        if got == exp:
+            continue
+        where = f"call {i + 1} of your trace is {got}, the loop's is {exp}"
+        updates = sum(c[0] == "push" for c in want[:i])
+        if exp[0] == "push" and got[0] == "pull":
+            fail(f"{where}: gradient {exp[1]} must land now; it was computed on version "
+                 f"{exp[2]} and is update {exp[1]} (gradient k is computed on version "
+                 f"max(0, k - τ) = max(0, k - {tau}) and applied as update k): held longer, "
+                 f"it would be more than τ updates stale.")
+        if exp[0] == "pull" and got[0] == "push":
+            fail(f"{where}: too early — gradient {got[1]} would be update {updates}, but the "
+                 f"contract makes gradient k update k computed on version max(0, k - {tau}); "
+                 f"another batch must be pulled (and its gradient set off) first.")
+        if exp[0] == "pull":
+            fail(f"{where}: pull() returns the server's version, the number of updates applied "
+                 f"so far — {updates} pushes came before this call.")
+        if got[1] != exp[1]:
+            fail(f"{where}: gradients reach the server in the order they were computed "
+                 f"(gradient k is update k), so gradient {exp[1]} comes next.")
+        fail(f"{where}: gradient {got[1]} is pushed with the version that its own pull "
+             f"returned ({exp[2]}), the version of the weights it was computed on.")
+    versions = [c[2] for c in want if c[0] == "push"]
+    stale = [k - v for k, v in enumerate(versions)]
+    passed(f"your τ = {tau} trace is the loop's: {n} pulls, {n} pushes with versions {versions}, "
+           f"so updates 0..{n - 1} were {stale} updates stale")
+
+
+# --------------------------------------------------------------------------------------------
+# Predict, then measure: τ = 8 against τ = 0
+# --------------------------------------------------------------------------------------------
+
+OUTCOMES = ("lower", "about the same", "higher")
+
+
+def check_prediction(guess, loss_fresh: float, loss_stale: float, tau: int) -> None:
+    """Compare the learner's choice (τ's test loss lower / about the same / higher than τ = 0's)
+    with the run's, and say why."""
+    from dpcourse.checks import reveal
+
+    ratio = loss_stale / loss_fresh
+    measured = "higher" if ratio > 1.05 else "lower" if ratio < 1 / 1.05 else "about the same"
+    why = {
+        "higher": f"with τ = {tau} every gradient points downhill from where the weights were "
+                  f"{tau} updates ago; at a step size chosen for fresh gradients, "
+                  f"{tau} stale steps in a row overshoot, so the same budget ends higher "
+                  f"({loss_stale:.3f} against {loss_fresh:.3f}).",
+        "about the same": f"with τ = {tau} the weights move little within {tau} updates at this "
+                          f"step size, so a gradient {tau} updates old still points nearly "
+                          f"where a fresh one would ({loss_stale:.3f} against "
+                          f"{loss_fresh:.3f}, within 5 %).",
+        "lower": f"here the stale run ended lower ({loss_stale:.3f} against {loss_fresh:.3f}): "
+                 f"the stale gradients acted like a smoother, averaged direction at this step "
+                 f"size — staleness costs most when the step is large.",
+    }[measured]
+    reveal(guess, measured, close=guess.value == measured, explanation=why)
 
 
 # --------------------------------------------------------------------------------------------
