@@ -11,11 +11,12 @@
 #
 # **You will be able to:**
 # - say, with numbers, the two places where data parallelism stops helping: a model whose
-#   activations at batch 1 do not fit however far ZeRO-3 shards the rest, and a global batch
+#   activations at batch 1, stored for the backward rather than recomputed, do not fit however
+#   far ZeRO-3 shards the rest, and a global batch
 #   grown past the **critical batch size**, which the gradient noise scale predicts — the
 #   noise scale measured here inside a DDP run (at one point of training: fixed weights);
 # - explain Megatron-LM's tensor-parallel MLP (a column-parallel then a row-parallel linear
-#   layer, two conjugate communication operations) and count its two all-reduces per step;
+#   layer, two conjugate communication operations) and count its all-reduces per step;
 #   check it against the plain MLP and against torch's `parallelize_module`;
 # - run a pipeline (GPipe, 1F1B) over send/recv, measure its bubble against (K−1)/(M+K−1) and
 #   count the activations 1F1B saves (micro-batches held, and their bytes);
@@ -67,14 +68,15 @@ torch.set_num_threads(1)
 # keeps from its forward for its backward. Each data-parallel rank runs every layer on its
 # own micro-batch, so its activations are those of a whole layer on a whole micro-batch,
 # whatever N is. For a transformer layer Korthikanti et al. (2022) count them, in 16-bit
-# floats, for a sequence of s tokens, a micro-batch of b sequences, width h and a heads:
-# `s·b·h·(34 + 5·a·s/h)` bytes. Tensor parallelism of size t (section 2) divides all but
-# `10·s·b·h` of it: what every tensor-parallel rank holds whole — the two layer norms'
+# floats, for a sequence of s tokens, a micro-batch of b sequences, width d (their h; in this
+# lesson h is the MLP's hidden size, section 2) and a heads: `s·b·d·(34 + 5·a·s/d)` bytes.
+# Tensor parallelism of size t (section 2) divides all but `10·s·b·d` of it: what every
+# tensor-parallel rank holds whole — the two layer norms'
 # inputs, the two dropout masks after attention and MLP, and the inputs of the QKV matmul
 # and of the MLP's first matmul, the replicated X that enters a column-parallel layer
 # (their section 4.2.2; their *sequence parallelism* splits those too, along the sequence).
 # Recomputing the layer in the backward (*activation checkpointing*) keeps only its input,
-# `2·s·b·h`:
+# `2·s·b·d`:
 
 # %%
 viz.show_code(planner.Transformer, planner.activation_bytes_per_layer)
@@ -98,8 +100,9 @@ for n in ns:
     row = zero.fits(gpt3.num_params, 80 * gb, n, activation_bytes=act_batch1)[-1]
     print(f"N = {n:5d}: ZeRO-3 model state {gpt3.num_params * row['bytes_per_param'] / gb:7.1f} GB"
           f" + activations {act_batch1 / gb:.0f} GB = {row['bytes_per_rank'] / gb:7.1f} GB")
-claim("at batch 1 no ZeRO stage fits GPT-3 175B on 80-GB GPUs, at any of these N: the "
-      "activations alone exceed the GPU",
+claim("at batch 1, with every layer's activations stored for the backward (no recomputation), "
+      "no ZeRO stage fits GPT-3 175B on 80-GB GPUs, at any of these N: the activations alone "
+      "exceed the GPU",
       act_batch1 > 80 * gb and not any(r["fits"] for n in ns
                                        for r in zero.fits(gpt3.num_params, 80 * gb, n,
                                                           activation_bytes=act_batch1)))
@@ -109,8 +112,8 @@ viz.show(viz.memory_wall_figure(
     ns, [gpt3.num_params * zero.bytes_per_param("zero3", n) / gb for n in ns],
     [act_batch1 / gb] * len(ns), 80, f"{gpt3.name} at batch 1: ZeRO-3 per GPU"),
     "Linear axis, side by side: ZeRO-3's share of the model state falls with every GPU "
-    "added (349 GB → 0.7 GB); the activations of one sequence stay at 275 GB, far above the "
-    "GPU's 80 GB (dashed).")
+    "added (349 GB → 0.7 GB); the activations of one sequence, stored without recomputation, "
+    "stay at 275 GB, far above the GPU's 80 GB (dashed).")
 
 # %% [markdown]
 # Measured, on a small scale: FSDP2 (lesson 08's ZeRO-3) on a stack of four
@@ -230,13 +233,13 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 # communication is one all-reduce in the forward and one in the backward:
 #
 # 1. **column-parallel** first layer: rank r keeps the r-th block of A's *columns*
-#    (d × h/t) and of the first bias, and computes `H_r = GeLU(X·A_r)`: its own h/t hidden
+#    (d × h/t), and computes `H_r = GeLU(X·A_r)`: its own h/t hidden
 #    features, from the full X. GeLU acts element by element, so it needs nothing from the
 #    other ranks;
 # 2. **row-parallel** second layer: rank r keeps the r-th block of B's *rows* (h/t × d) and
 #    computes `Y_r = H_r·B_r`, a d-wide *partial* output. The real output is the sum,
-#    `Y = Σ_r Y_r` — one all-reduce. (And the second bias, `+ b₂`? That is for you to decide
-#    in the lab.)
+#    `Y = Σ_r Y_r` — one all-reduce. (And the biases, `+ b₁` and `+ b₂`? That is for you to
+#    decide in the lab.)
 #
 # In torch's layout an `nn.Linear(d, h)` stores A transposed, as an h × d weight (and the
 # second layer B as a d × h one): which dimension of each torch weight holds a rank's block
@@ -248,11 +251,10 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
          "each rank holds one colour — a block of A's columns, the same block of B's rows.")
 
 # %% [markdown]
-# Now the backward. Every rank holds all of X, but only its own block A_r, and X reached the
-# hidden features through every block: with `Z_r = X·A_r`, the gradient of X is
-# `∂L/∂X = Σ_r ∂L/∂Z_r · A_rᵀ` — each rank can compute only its own term. Megatron puts the
-# communication of both passes into two conjugate operations, *f* (at the column layer's
-# input) and *g* (at the row layer's output), each with a forward and a backward.
+# Now the backward. Every rank holds all of X, but only its own block A_r. Megatron puts the
+# communication of both passes — which pass needs it is the lab's first question — into two
+# conjugate operations, *f* (at the column layer's input) and *g* (at the row layer's
+# output), each with a forward and a backward.
 #
 # Each is a `torch.autograd.Function`: a class with a static `forward(ctx, ...)` and a static
 # `backward(ctx, grad)` that autograd calls with the gradient of the output and that returns
@@ -262,7 +264,6 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 # ```python
 # plain = tensor_parallel.plain_mlp(d=16, h=64)           # the same weights on every rank
 # tp_mlp = tensor_parallel.TensorParallelMLP(plain)       # keeps this rank's slices
-# tp_mlp.up.weight.shape, tp_mlp.down.weight.shape        # (h/t, d), (d, h/t)
 # y = tp_mlp(x)                                           # == plain(x), on every rank
 # ```
 #
@@ -270,12 +271,15 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 # Open [lab11_tensor_parallel](../labs/lab11_tensor_parallel.ipynb) and write the two
 # autograd operations and the two layers, then the MLP, on 2 and 3 ranks. Decide for each
 # operation which pass communicates, along which dimension each weight is cut, and where the
-# second bias goes. The library's answer is folded below.
+# biases go. The library's answer is folded below, and so is everything in the rest of this
+# lesson that would give it away (how the check below compares the shards, torch's
+# placements, where torch puts f and g).
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below): f
+# **▶ The reference answer — open after your lab passes** (click the folded cells below): f
 # and g pass by pass, where the biases go, one rank's forward and backward with every tensor
-# marked replicated, sliced or partial, and the library's code.
+# marked replicated, sliced or partial, the library's code, and why *g*'s backward may be the
+# identity.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 print("f, before the column layer: forward identity (every rank uses the same X); backward "
@@ -295,16 +299,19 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
               tensor_parallel.shard_bounds, tensor_parallel.ColumnParallelLinear,
               tensor_parallel.RowParallelLinear, tensor_parallel.TensorParallelMLP)
 
-# %% [markdown]
+# %% [markdown] jupyter={"source_hidden": true}
 # **Why *g*'s backward may be the identity.** In general, the backward of a sum all-reduce
 # is itself an all-reduce: if rank i's output Y feeds rank i's own loss term, the gradient
 # of each Y_r is the sum over the ranks of theirs. Here everything after *g* runs identically
 # on every rank — the same Y, the same bias, the same loss — so the gradient arriving at *g*
 # is already the same everywhere (*replicated*), and each Y_r, which entered Y with weight 1,
-# takes it as it is. Summing it once more would count it t times. torch's DTensor writes the
-# same rule: in `_redistribute_backward` (`torch/distributed/tensor/_redistribute.py`) a
-# gradient whose forward went from Partial to Replicate stays Replicate.
-#
+# takes it as it is. Summing it once more would count it t times. torch's DTensor (below)
+# writes the same rule with its *placements* — `Partial()`, a sum still to be done over the
+# ranks, and `Replicate()`, the same whole tensor on every rank: in `_redistribute_backward`
+# (`torch/distributed/tensor/_redistribute.py`) a gradient whose forward went from Partial to
+# Replicate stays Replicate.
+
+# %% [markdown]
 # ### Checked, and counted
 # On every rank the worker builds the plain MLP and ours from the same weights, runs one
 # forward and backward on the same input, and compares. The input requires a gradient, as
@@ -312,22 +319,27 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
 # `ColwiseParallel` for the first layer and `RowwiseParallel` for the second, on a one-
 # dimensional `DeviceMesh` (the ranks arranged as a named grid; here a line). Every
 # collective is recorded with `dpcourse.collectives.record_collectives`; torch's also by
-# its own counter, `CommDebugMode`.
+# its own counter, `CommDebugMode`. The worker's code names the dimension of every slice it
+# compares — the lab's second question — so it is folded:
 
 # %%
-viz.show_code(tensor_parallel.plain_mlp, tensor_parallel.TPConfig, tensor_parallel.slice_of,
-              tensor_parallel.tensor_parallel_worker)
+viz.show_code(tensor_parallel.plain_mlp, tensor_parallel.TPConfig)
+
+# %% [markdown]
+# **▶ The worker that checks it, and what each rank holds — open after your lab passes**
+# (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(tensor_parallel.slice_of, tensor_parallel.tensor_parallel_worker)
 
 # %%
 cfg = tensor_parallel.TPConfig()
 tp_runs = launch.spawn(tensor_parallel.tensor_parallel_worker, tp_ranks, cfg, backend="gloo",
                        timeout=120)
 r0 = tp_runs[0]
-print("plain:", r0["plain_shapes"])
-print("ours, rank 0:", r0["ours_shapes"])
 claim(f"on {tp_ranks} ranks, our MLP's output == the plain MLP's (to 1e-6)",
       max(r["out_diff"] for r in tp_runs) < 1e-6)
-claim("the gradient of the input == the plain MLP's (to 1e-6): f's backward all-reduce",
+claim("the gradient of the input == the plain MLP's (to 1e-6)",
       max(r["input_grad_diff"] for r in tp_runs) < 1e-6)
 claim("every rank's weight and bias gradients == the same slice of the plain MLP's (to 1e-6)",
       max(r["grad_diff"] for r in tp_runs) < 1e-6)
@@ -373,14 +385,19 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # the critical path**: the next layer cannot start before *g*'s sum arrives — four times per
 # transformer layer and micro-batch (attention and MLP each have an *f* and a *g*: two
 # all-reduces in the forward, two in the backward) — and each rank's matmuls shrink by t.
-# Not all of it, though: Megatron-LM overlaps *f*'s backward all-reduce of ∂L/∂X with the
-# matmul that computes the weight's gradient, which does not need it; torch's
-# `RowwiseParallel` issues its output redistribution with `async_op=True`; and torch's
-# *async tensor parallelism* (`torch._inductor.config._micro_pipeline_tp`, with compiled
-# models) cuts the collectives and their matmuls into pieces that overlap
-# (`fused_all_gather_matmul`). Even so, the forward's sums stay in the way, and it pays only
-# on very fast links: NVLink inside a node, not the network between nodes. Megatron-LM keeps
-# t ≤ the GPUs of one node.
+# Not all of it, though: Megatron-LM overlaps the backward's all-reduce with the matmul that
+# computes the weight's gradient, which does not need it. torch's `RowwiseParallel` issues
+# its output redistribution with `async_op=True`, but in eager mode that returns an
+# `AsyncCollectiveTensor`, which waits for the collective before its first use — the very
+# next operation — so nothing overlaps there. torch's *async tensor parallelism*
+# (`torch._inductor.config._micro_pipeline_tp`, compiled models only) cuts a collective and
+# its matmul into pieces that overlap, but it matches only an all-gather feeding a matmul
+# and a matmul feeding a reduce-scatter (`fused_all_gather_matmul`,
+# `fused_matmul_reduce_scatter`): the layout of *sequence parallelism* (Korthikanti et al.),
+# where each of the all-reduces here becomes an all-gather and a reduce-scatter around the
+# layer norms and dropouts; the plain all-reduces of this MLP are not matched. Even so, the
+# forward's sums stay in the way, and they pay only on very fast links: NVLink inside a
+# node, not the network between nodes. Megatron-LM keeps t ≤ the GPUs of one node.
 #
 # ### torch's version: `parallelize_module` and DTensor
 # torch writes the same plan as a dictionary from submodule names to *styles*; the
@@ -398,11 +415,6 @@ model = parallelize_module(plain_mlp(), mesh, {"0": ColwiseParallel(), "2": Roww
 """)
 
 # %%
-for name, kind, full, local, placement in r0["torch_params"]:
-    print(f"{name:>9}: {kind}, full {full}, rank 0 holds {local}, placement {placement}")
-claim("ColwiseParallel cuts the first weight and bias along dim 0 (Shard(0)); RowwiseParallel "
-      "the second weight along dim 1 (Shard(1)) and replicates its bias (R)",
-      [p[4] for p in r0["torch_params"]] == ["S(0)", "S(0)", "S(1)", "R"])
 claim("torch's output, input gradient and every shard's gradients == ours (to 1e-6)",
       max(max(r["torch_out_diff"], r["torch_input_grad_diff"], r["torch_grad_diff"])
           for r in tp_runs) < 1e-6)
@@ -416,20 +428,61 @@ claim("torch sends what we send: one all-reduce of the activations in the forwar
                                                          act_bytes)] * 2 for r in tp_runs))
 
 # %% [markdown]
+# **▶ What each rank holds, torch's placements, and where torch puts *f* and *g* (the lab's
+# answer again) — open after your lab passes** (click the folded cells below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+import inspect
+
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+print("plain:", r0["plain_shapes"])
+print("ours, rank 0:", r0["ours_shapes"])
+for name, kind, full, local, placement in r0["torch_params"]:
+    print(f"{name:>9}: {kind}, full {full}, rank 0 holds {local}, placement {placement}")
+claim("ColwiseParallel cuts the first weight and bias along dim 0 (Shard(0)); RowwiseParallel "
+      "the second weight along dim 1 (Shard(1)) and replicates its bias (R)",
+      [p[4] for p in r0["torch_params"]] == ["S(0)", "S(0)", "S(1)", "R"])
+viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
+              + inspect.getsource(RowwiseParallel._prepare_output_fn))
+
+# %% [markdown] jupyter={"source_hidden": true}
 # Where torch does it. Its *f* is `ColwiseParallel`'s input hook: the plain input becomes a
 # DTensor with `DTensor.from_local(..., Replicate())`, and `from_local`'s backward
 # (`_FromTorchTensor.backward`, `torch/distributed/tensor/_api.py`) redistributes the
 # gradient to the input's placement, Replicate — the gradient of X comes out of the sharded
 # matmul as Partial, so that redistribution is the all-reduce. Its *g* is `RowwiseParallel`'s
-# output hook, Partial → Replicate, in the forward:
+# output hook, Partial → Replicate, in the forward (both hooks shown above).
+
+# %% [markdown]
+# ### Sequence parallelism: the same bytes, in the pieces async TP can fuse
+# Outside the MLP — the layer norms, the dropouts — the tokens × d activation sits whole on
+# every tensor-parallel rank (section 1's undivided 10·s·b·d). Korthikanti et al.'s
+# *sequence parallelism* gives each rank only its share of the tokens there: entering the
+# MLP the shares are all-gathered, and leaving it the partial outputs are reduce-scattered
+# back to the shares. torch writes it as the same plan with two layouts named, the input and
+# the output sharded along the tokens, `Shard(0)`. Each rank's loss is its tokens' share of
+# the plain MLP's, so that the ranks' losses add up to it:
 
 # %%
-import inspect
+viz.show_code(tensor_parallel.sequence_parallel_worker)
 
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
-              + inspect.getsource(RowwiseParallel._prepare_output_fn))
+# %%
+sp_runs = launch.spawn(tensor_parallel.sequence_parallel_worker, tp_ranks, cfg, backend="gloo",
+                       timeout=120)
+print("forward:", sp_runs[0]["forward"], " backward:", sp_runs[0]["backward"],
+      " (op, elements in, bytes in)")
+share = cfg.tokens // tp_ranks * cfg.d
+claim(f"sequence parallelism on {tp_ranks} ranks == the plain MLP on each rank's tokens: output, "
+      "dL/dx and every gradient (to 1e-6)",
+      max(max(r["out_diff"], r["input_grad_diff"], r["grad_diff"]) for r in sp_runs) < 1e-6)
+claim(f"each pass makes an all-gather of the token shares ({share} elements in) and a "
+      f"reduce-scatter of tokens × d = {cfg.tokens * cfg.d} elements where section 2 made one "
+      "all-reduce: the two halves of a ring all-reduce (lesson 06), so the same bytes sent, and "
+      "the two patterns async tensor parallelism fuses with their matmuls",
+      all(r["forward"] == r["backward"] == [("all_gather", share, share * 4),
+                                            ("reduce_scatter", cfg.tokens * cfg.d,
+                                             cfg.tokens * cfg.d * 4)] for r in sp_runs))
 
 # %% [markdown]
 # ## 3. Pipeline parallelism: stages, micro-batches, the bubble
@@ -542,9 +595,14 @@ viz.show(viz.pipeline_gantt_figure(
 
 # %% [markdown]
 # Counted while running, the most micro-batches whose activations each stage held at once,
-# and the bytes autograd saved for them at that moment (a `saved_tensors_hooks` counter, as
-# in section 1; the last stage also keeps its loss's inputs, so it holds more per
-# micro-batch):
+# and the bytes autograd saved for them at that moment. `run_stage` wraps each forward in
+# `saved_tensors_hooks` with this pack hook — not section 1's: this one counts each saved
+# storage once (a Linear saves its input, which is the activation before it saved too) and
+# leaves the weights out, so it counts a micro-batch's activations and nothing else. The last
+# stage also keeps its loss's inputs, so it holds more per micro-batch:
+
+# %%
+viz.show_code(pipeline_parallel.saved_bytes_counter)
 
 # %%
 print(f"M = {m_show}: GPipe holds {gpipe[m_show].peak_in_flight}, "
@@ -604,17 +662,22 @@ viz.show_code(tensor_parallel.mesh_2d_worker)
 
 # %%
 mesh_runs = launch.spawn(tensor_parallel.mesh_2d_worker, 4, cfg, backend="gloo", timeout=120)
-viz.show(viz.mesh_2d_figure(mesh_runs),
-         "Four ranks as a 2 × 2 mesh: each holds a tensor-parallel slice (h/2 rows of the first "
-         "weight, h/2 columns of the second), of which FSDP2 keeps half (dim 0) — a quarter "
-         "of the first weight.")
 claim(f"ours on the 2 × 2 mesh == one device on the whole batch after {cfg.steps} Adam steps, "
       "every rank's shards (to 1e-6)", max(r["ours_diff"] for r in mesh_runs) < 1e-6)
 claim(f"torch's (parallelize_module + fully_shard) == one device after {cfg.steps} steps "
       "(to 1e-6)", max(r["torch_diff"] for r in mesh_runs) < 1e-6)
 
+# %% [markdown]
+# **▶ What each rank holds on the mesh (its shapes show section 2's answer) — open after your
+# lab passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show(viz.mesh_2d_figure(mesh_runs),
+         "Four ranks as a 2 × 2 mesh: each holds its tensor-parallel slice of each weight "
+         "(section 2), of which FSDP2 keeps half, cut along dim 0.")
+
 # %%
-local = cfg.num_params // 2 + cfg.d // 2          # one tp slice of Ψ: the bias b₂ is whole
+local = cfg.num_params // 2 + cfg.d // 2          # what one tp rank of the library's MLP holds
 step = mesh_runs[0]["traffic"][-1]
 for dim, op, numel, nbytes, out_nbytes in step:
     print(f"{dim}: {op:>14}, {numel:5d} elements in, {out_nbytes:5d} bytes out")
@@ -629,16 +692,20 @@ claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2}
 
 # %% [markdown]
 # Two counts differ from section 2's and lesson 08's, and both are right. Only **one**
-# tensor-parallel all-reduce: the MLP is the first layer here, its input is data, and
-# nothing below wants its gradient, so autograd never calls *f*'s backward. Only **one**
-# all-gather: the MLP is FSDP2's *root*, which keeps its weights gathered between forward
-# and backward (lesson 08, section 6). torch's DTensors carry both dimensions at once:
+# tensor-parallel all-reduce: the MLP is the first layer here and its input is data — why
+# that removes one is lab 11's prediction (its part 5), explained when you run it. Only
+# **one** all-gather: the MLP is FSDP2's *root*, which keeps its weights gathered between
+# forward and backward (lesson 08, section 6). torch's DTensors carry both dimensions at once.
 
-# %%
+# %% [markdown]
+# **▶ torch's placements on the mesh (they show section 2's answer) — open after your lab
+# passes** (click the folded cells below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 for name, placement in mesh_runs[0]["torch_placements"].items():
     print(f"{name:>9}: {placement}")
 
-# %% [markdown]
+# %% [markdown] jupyter={"source_hidden": true}
 # `Shard(dim=1)` on `tp` for the second weight, as in section 2; on `dp`, FSDP2 cuts dim 0
 # once more. For the first weight both dimensions cut dim 0: `_StridedShard(dim=0, sf=2)`
 # records that the `dp` cut applies to each `tp` slice (interleaved rows), not to the
@@ -652,9 +719,11 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # bytes per parameter, over Ψ/(t·p) parameters), activations (section 1, 1F1B's first stage
 # holding min(p, M) micro-batches, the layers recomputed), the messages and bytes per step of
 # each dimension (per GPU; data parallelism in DDP's 25 MiB buckets), and a step time —
-# compute at half the GPU's peak, stretched by the pipeline's fill and drain, plus every byte
-# at its link's speed with nothing overlapped (an upper bound, good for ranking, not a
-# prediction). A dimension whose groups cross a node boundary anywhere is priced at the
+# compute at an assumed half of the GPU's peak, stretched by the pipeline's fill and drain,
+# plus every byte at its link's speed with nothing overlapped. That is an estimate at the
+# assumed efficiency, not a bound: a run that reaches more of the peak, or overlaps its
+# messages, is faster (the published row below ran at 47 % of peak). Good for ranking, not a
+# prediction. A dimension whose groups cross a node boundary anywhere is priced at the
 # network's speed.
 
 # %%
@@ -677,6 +746,9 @@ print(f"the cluster: {cluster.nodes} nodes × {cluster.gpus_per_node} GPUs of "
       f"per GPU inside a node (NVLink 3), {cluster.inter_bw / gb:.0f} GB/s across nodes "
       "(one 200 Gb/s InfiniBand card per GPU)")
 model = planner.GPT_145B
+print(f"the model: {model.layers} layers of width {model.hidden}, {model.heads} heads, "
+      f"sequences of {model.seq_len} tokens, a vocabulary of {model.vocab} (the paper's "
+      "section 5.1, for every row of its Table 1)")
 published = planner.MEGATRON_TABLE1_145B
 options = planner.plan(model, cluster, published["global_batch"])
 best = options[0]
@@ -751,9 +823,10 @@ viz.show_code(planner.megatron_flops_per_step)
 # %%
 step_measured = (planner.megatron_flops_per_step(model, published["global_batch"])
                  / (cluster.gpus * published["tflops"] * 1e12))
-claim(f"Table 1's 148 teraFLOP/s per GPU means a step of {step_measured:.1f} s; the "
-      f"planner's upper bound for that row, {pub['time_s']:.1f} s, is above it by "
-      f"{pub['time_s'] / step_measured - 1:.0%}",
+claim(f"Table 1's 148 teraFLOP/s per GPU means a step of {step_measured:.1f} s "
+      f"({published['tflops'] / (cluster.peak_flops / 1e12):.0%} of the peak); the planner's "
+      f"estimate for that row at {cluster.efficiency:.0%} of the peak, nothing overlapped, "
+      f"{pub['time_s']:.1f} s, is above it by {pub['time_s'] / step_measured - 1:.0%}",
       step_measured < pub["time_s"] < 1.2 * step_measured)
 
 # %% [markdown]
@@ -789,17 +862,17 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 # ## Summary
 # - Data parallelism ends in two places. **Memory**: ZeRO-3 divides the model state by N, but
 #   a rank's activations are those of whole layers on a whole micro-batch — GPT-3 at one
-#   sequence needs 275 GB of them. **Batch**: N ranks grow the global batch; past the
+#   sequence needs 275 GB of them, stored without recomputation (recomputing the layers
+#   brings ZeRO-3 back within 80 GB, at the price of its traffic). **Batch**: N ranks grow the global batch; past the
 #   critical batch size, near the gradient noise scale B_simple = tr(Σ)/|G|² (measured here
 #   inside DDP from two gradient norms, within 15 % of the direct value), more ranks barely
 #   cut the steps.
-# - **Tensor parallelism** (Megatron-LM): a column-parallel layer (A cut by columns, no
-#   communication) then a row-parallel one (B cut by rows, outputs summed, bias added once);
-#   *f* (identity forward, all-reduce backward) and *g* (the reverse; its backward is the
-#   identity because the gradient reaching it is replicated). Two all-reduces of the
-#   activations per MLP per step, mostly on the critical path (Megatron overlaps *f*'s
-#   backward one with the weight-gradient matmul; torch's async TP overlaps more): keep it
-#   inside a node. torch's
+# - **Tensor parallelism** (Megatron-LM): a column-parallel layer then a row-parallel one,
+#   with two conjugate operations *f* and *g* carrying the communication (which pass of
+#   each, and why, is lab 11). Two all-reduces of the activations per MLP per step, mostly
+#   on the critical path (Megatron overlaps the backward's with the weight-gradient matmul;
+#   torch's async TP overlaps only the all-gathers and reduce-scatters of sequence
+#   parallelism, in compiled models): keep it inside a node. torch's
 #   `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
 #   sends the same.
 # - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated; idle share
@@ -809,8 +882,8 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   device; each dimension's traffic counted by the group it used.
 # - **Planning**: tensor parallelism up to a node, pipeline across nodes, data parallelism
 #   over the rest. For Megatron-LM's 145.6-B model on 1536 A100s the planner's best estimate
-#   has t = 8 and the published t = 8, p = 8 is within 1 % of it (and about 9 % above the
-#   step time the paper measured); for GPT-3, data
+#   has t = 8 and the published t = 8, p = 8 is within 1 % of it (an estimate at 50 % of
+#   peak, about 9 % above the step time the paper measured at 47 %); for GPT-3, data
 #   parallelism alone fits only as ZeRO-3, estimated 2.7× slower per step (measured in the
 #   paper: 3.2×).
 #
@@ -833,22 +906,24 @@ viz.quiz([
      "why": ["Only one or two layers' weights at a time (its working set).",
              "Right: activations belong to the micro-batch, not the model.",
              "It is: ZeRO-3 shards all 16 bytes."]},
-    {"q": "In the column-parallel layer, which pass all-reduces?",
-     "options": ["The forward: the outputs must be summed",
-                 "The backward: the input's gradient is the sum of each rank's contribution",
-                 "Neither"],
+    {"q": "A tensor-parallel MLP's micro-batch doubles from 1 to 2 sequences. What happens to "
+          "the bytes its all-reduces carry, and to the bytes DDP all-reduces for the same MLP?",
+     "options": ["Both double",
+                 "Tensor parallelism's double; DDP's stay the same",
+                 "DDP's double; tensor parallelism's stay the same"],
      "answer": 1,
-     "why": ["Each rank's outputs are its own hidden features: nothing to sum.",
-             "Right: that is f's backward; its forward is the identity.",
-             "The input's gradient needs every rank's slice of A."]},
-    {"q": "Every rank adds the row-parallel layer's bias before the all-reduce. What happens?",
-     "options": ["Nothing: the bias is replicated",
-                 "The output carries the bias t times",
-                 "The gradient of the bias is zero"],
-     "answer": 1,
-     "why": ["Replicated parameters are fine; adding them before a sum is not.",
-             "Right: add it once, after the sum.",
-             "It gets a gradient, but the output is wrong."]},
+     "why": ["DDP all-reduces gradients, whose size is the model's.",
+             "Right: tensor parallelism sums activations (tokens × d), DDP gradients (Ψ).",
+             "It is the other way round."]},
+    {"q": "Why can the GeLU between the two layers run on a rank's block of hidden features, "
+          "with no communication?",
+     "options": ["It acts on each feature alone, so the block is all it needs",
+                 "torch gathers the hidden features before it",
+                 "It is linear, so it commutes with the sum"],
+     "answer": 0,
+     "why": ["Right: an element-wise function of a block is the block of the function.",
+             "Nothing is gathered between the two layers.",
+             "GeLU is not linear; that is why it must come before the sum, not after."]},
     {"q": "A pipeline of 8 stages. How many micro-batches keep the bubble under 10 %?",
      "options": ["8", "32", "64"],
      "answer": 2,
@@ -877,20 +952,31 @@ viz.quiz([
 #
 # - `torch/distributed/tensor/parallel/api.py` — `parallelize_module`: applies a style to each
 #   named submodule of the plan.
-# - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel` (input Replicate, weight
-#   and bias `Shard(0)`, output `Shard(-1)`; `_prepare_input_fn`: the input wrapped with
-#   `DTensor.from_local(..., Replicate())`, torch's *f*); `RowwiseParallel` (input
-#   `Shard(-1)`, weight `Shard(1)`, bias `Replicate()`; `_prepare_output_fn`: the partial
-#   output redistributed to Replicate, "allreduce", with `async_op=True` — torch's *g*).
+# - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel` (its placements of input,
+#   weight, bias and output, printed in section 2's folded cells; `_prepare_input_fn`, torch's
+#   *f*); `RowwiseParallel` (the same; `_prepare_output_fn`, torch's *g*, which redistributes
+#   with `async_op=True`).
+# - the same file — `ColwiseParallel(input_layouts=Shard(0))` redistributes its input to
+#   Replicate (an all-gather), `RowwiseParallel(output_layouts=Shard(0))` its partial output
+#   to `Shard(0)` (a reduce-scatter, the comment in `_prepare_output_fn`): sequence
+#   parallelism's layout.
 # - `torch/distributed/tensor/_api.py` — `_FromTorchTensor.backward` (the backward of
-#   `DTensor.from_local`): the gradient redistributed to the forward input's placement; a
-#   Partial gradient of a Replicate input becomes Replicate, an all-reduce (*f*'s backward).
+#   `DTensor.from_local`): the gradient redistributed to the forward input's placement (what
+#   that means for *f*: section 2's folded answer).
 # - `torch/distributed/tensor/_redistribute.py` — `_redistribute_backward`: when the forward
 #   went Partial → Replicate, a Replicate gradient stays Replicate, not turned back into
-#   Partial (*g*'s identity backward, because the gradient is replicated).
+#   Partial (what that means for *g*: section 2's folded answer).
 # - `torch/_inductor/config.py` — `_micro_pipeline_tp` (async tensor parallelism, off by
-#   default); `torch/distributed/_symmetric_memory/__init__.py` — `fused_all_gather_matmul`
-#   (a collective cut into pieces that overlap their matmul).
+#   default); `torch/_inductor/fx_passes/micro_pipeline_tp.py` — `micro_pipeline_tp_pass`:
+#   it looks for all-gathers and reduce-scatters only (`find_all_gather_patterns`,
+#   `find_reduce_scatter_patterns`), fused by `fuse_all_gather_matmul` and
+#   `fuse_matmul_reduce_scatter`; `torch/distributed/_symmetric_memory/__init__.py` — the ops
+#   `fused_all_gather_matmul`, `fused_matmul_reduce_scatter` (a collective cut into pieces
+#   that overlap their matmul).
+# - `torch/distributed/_functional_collectives.py` — `AsyncCollectiveTensor`: a functional
+#   collective's result that calls `wait` before its first use (`__torch_dispatch__` unwraps
+#   it with `trigger_wait` for any op but a view): `RowwiseParallel`'s `async_op=True`
+#   overlaps nothing in eager mode.
 # - `torch/distributed/device_mesh.py` — `init_device_mesh` (a mesh of a shape, with
 #   `mesh_dim_names`), `DeviceMesh.__getitem__` (a sub-mesh by name), `DeviceMesh.get_group`,
 #   `get_local_rank`.
@@ -911,7 +997,9 @@ viz.quiz([
 # - `torch/autograd/function.py` — `Function` (static `forward(ctx, ...)` and
 #   `backward(ctx, grad)`).
 # - `torch/autograd/graph.py` — `saved_tensors_hooks`: `pack` sees every tensor saved for the
-#   backward.
+#   backward, the weights included, a tensor saved twice seen twice (section 1 counts what
+#   `pack` sees; section 3's `saved_bytes_counter` dedups storages and leaves the weights
+#   out).
 # - `torch/distributed/tensor/placement_types.py` — `Partial._reduce_value`: a Partial DTensor
 #   becomes Replicate through `funcol.all_reduce`, a functional collective
 #   (`torch/distributed/_functional_collectives.py`), which our recorder sees as
@@ -933,6 +1021,7 @@ viz.quiz([
 # Parallelism for DNN Training*, SOSP 2019 (1F1B); Narayanan et al., *Memory-Efficient
 # Pipeline-Parallel DNN Training*, ICML 2021 (PipeDream-Flush, PipeDream-2BW); Korthikanti
 # et al., *Reducing Activation Recomputation in Large Transformer Models*, 2022 (activation
-# bytes per layer, section 4: the 10·sbh that tensor parallelism does not divide); Huang et al., *GPipe*, NeurIPS 2019 (micro-batches, the
+# bytes per layer, section 4: the 10·sbh — 10·sbd here — that tensor parallelism does not
+# divide; sequence parallelism, section 4.2.2); Huang et al., *GPipe*, NeurIPS 2019 (micro-batches, the
 # bubble); McCandlish et al., *An Empirical Model of Large-Batch Training*, 2018 (the noise
 # scale, appendix A); Rajbhandari et al., *ZeRO*, SC 2020.

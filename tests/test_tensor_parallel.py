@@ -101,6 +101,17 @@ def test_torch_parallelize_module_equals_ours_and_sends_the_same(tp_run):
         assert [p[4] for p in r["torch_params"]] == ["S(0)", "S(0)", "S(1)", "R"]
 
 
+def test_sequence_parallel_splits_each_all_reduce_into_gather_and_scatter():
+    cfg = tp.TPConfig()
+    runs = launch.spawn(tp.sequence_parallel_worker, 2, cfg, backend="gloo", timeout=120)
+    share, whole = cfg.tokens // 2 * cfg.d, cfg.tokens * cfg.d
+    for r in runs:
+        assert max(r["out_diff"], r["input_grad_diff"], r["grad_diff"]) < 1e-6
+        # each pass: the tokens' shares gathered, the partial output reduce-scattered
+        assert r["forward"] == r["backward"] == [("all_gather", share, share * 4),
+                                                 ("reduce_scatter", whole, whole * 4)]
+
+
 def test_a_hidden_size_that_does_not_split_is_refused_on_the_ranks():
     with pytest.raises(launch.RankFailedError, match="does not split into 3 equal slices"):
         launch.spawn(tp.tensor_parallel_worker, 3, tp.TPConfig(h=64), backend="gloo",

@@ -70,6 +70,7 @@ __all__ = [
     "SCHEDULES",
     "StageRecord",
     "run_stage",
+    "saved_bytes_counter",
     "reference_step",
     "ideal_bubble",
     "simulate_timeline",
@@ -228,7 +229,7 @@ def run_stage(module: nn.Module, schedule: list, stage: int, stages: int, *, inp
                 x.requires_grad_(True)
             start = time.perf_counter()
             saved: dict[int, int] = {}    # address -> bytes autograd keeps for the backward
-            with torch.autograd.graph.saved_tensors_hooks(_counter(saved, weights), _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(saved_bytes_counter(saved, weights), _unpack):
                 out = module(x)
                 if last:
                     out = loss_fn(out, targets[m]) / m_total
@@ -271,10 +272,18 @@ def _device_time(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def _counter(saved: dict, weights: set):
-    # autograd's pack hook: note each saved tensor once (a Linear saves its input,
-    # which is the Tanh's saved output: one storage, counted once), the weights left out (they
-    # are saved too, but held whatever the schedule).
+def saved_bytes_counter(saved: dict, weights: set):
+    """An autograd pack hook (for ``torch.autograd.graph.saved_tensors_hooks``) that notes in
+    ``saved`` the bytes of every tensor autograd keeps for the backward, by address: a tensor
+    saved twice (a Linear saves its input, which is the Tanh before it's saved output: one
+    storage) is counted once, and tensors in ``weights`` (the stage's parameters' storages) are
+    left out — they are saved too, but held whatever the schedule. So it counts a micro-batch's
+    activations, and only them: unlike ``tensor_parallel.activation_memory_worker`` (lesson 11,
+    §1), which adds up every saved tensor whose first dimension is the micro-batch, one saved
+    twice counted twice.
+
+    Shown in lesson 11, §3.
+    """
     def pack(t):
         if t.untyped_storage().data_ptr() not in weights:
             saved[t.data_ptr()] = t.numel() * t.element_size()

@@ -25,8 +25,9 @@ with t·p·d GPUs it computes, per GPU:
   compute is multiplied by ``1 + (p−1)/m`` (the row's ``bubble``: idle time over working
   time; the idle share of the step, ``(p−1)/(m+p−1)``, is lesson 11 §3's bubble and the row's
   ``idle_share``), plus every byte sent at its link's bandwidth (ring all-reduces: 2(n−1)/n
-  of the buffer), with nothing overlapped — an upper bound, good for ranking, not a
-  prediction. A dimension whose groups stay inside a node (ranks are laid out tensor first,
+  of the buffer), with nothing overlapped — an estimate at that assumed efficiency (not a
+  bound: a run that reaches more of the peak, or overlaps its messages, is faster), good for
+  ranking, not a prediction. A dimension whose groups stay inside a node (ranks are laid out tensor first,
   then pipeline, then data) is priced at ``intra_bw``; one whose groups cross a node boundary
   anywhere — a tensor size that does not divide the GPUs of a node, say t = 3 or 6 on 8-GPU
   nodes — at ``inter_bw``: its slowest group sets the pace.
@@ -73,9 +74,10 @@ class Transformer:
 
     @property
     def num_params(self) -> float:
-        """Narayanan et al. 2021, section 5.1: 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
-        l, h = self.layers, self.hidden
-        return 12 * l * h * h * (1 + 13 / (12 * h) + (self.vocab + self.seq_len) / (12 * l * h))
+        """Narayanan et al. 2021, section 5.1 (their h is the width, here d):
+        12·l·d²·(1 + 13/(12d) + (V + s)/(12·l·d)), with V the vocabulary."""
+        l, d = self.layers, self.hidden
+        return 12 * l * d * d * (1 + 13 / (12 * d) + (self.vocab + self.seq_len) / (12 * l * d))
 
 
 @dataclass(frozen=True)
@@ -104,23 +106,23 @@ def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1
                                sequence_parallel: bool = False, recompute: bool = False) -> float:
     """Bytes of activations one transformer layer keeps for its backward, on one GPU, in 16-bit
     floats (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-    Models", 2022, section 4): ``s·b·h·(34 + 5·a·s/h)`` on one GPU; with tensor parallelism of
-    size t ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``: the 10·s·b·h that is not divided is what
-    every tensor-parallel rank holds whole — the two layer norms' inputs (4·sbh), the two
-    dropout masks after attention and MLP (2·sbh), and the inputs of the QKV matmul and of the
-    MLP's first matmul (2·sbh each), the replicated X that enters a column-parallel layer;
-    with sequence parallelism too, everything divided by t. With full
-    recomputation only the layer's input is kept: ``2·s·b·h`` (divided by t with sequence
+    Models", 2022, section 4; their h is the width, here d): ``s·b·d·(34 + 5·a·s/d)`` on one
+    GPU; with tensor parallelism of size t ``s·b·d·(10 + 24/t + 5·a·s/(d·t))``: the 10·s·b·d
+    that is not divided is what every tensor-parallel rank holds whole — the two layer norms'
+    inputs (4·sbd), the two dropout masks after attention and MLP (2·sbd), and the inputs of
+    the QKV matmul and of the MLP's first matmul (2·sbd each), the replicated X that enters a
+    column-parallel layer; with sequence parallelism too, everything divided by t. With full
+    recomputation only the layer's input is kept: ``2·s·b·d`` (divided by t with sequence
     parallelism). Shown in lesson 11, §1.
     """
     if micro_batch < 1 or tp < 1:
         raise ValueError(f"micro_batch and tp must be >= 1, got {micro_batch} and {tp}")
-    s, b, h, a = model.seq_len, micro_batch, model.hidden, model.heads
+    s, b, d, a = model.seq_len, micro_batch, model.hidden, model.heads
     if recompute:
-        return 2 * s * b * h / (tp if sequence_parallel else 1)
+        return 2 * s * b * d / (tp if sequence_parallel else 1)
     if sequence_parallel:
-        return s * b * h * (34 + 5 * a * s / h) / tp
-    return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+        return s * b * d * (34 + 5 * a * s / d) / tp
+    return s * b * d * (10 + 24 / tp + 5 * a * s / (d * tp))
 
 
 def within_nodes(span: int, gpus_per_node: int) -> bool:
@@ -166,8 +168,8 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     working = 3 * layer_params * 2 if stage == "zero3" else 0.0
     total = state + activations + working
 
-    s, b, h = model.seq_len, micro_batch, model.hidden
-    act_msg = 2 * s * b * h                           # one activation, 16-bit
+    s, b, d = model.seq_len, micro_batch, model.hidden
+    act_msg = 2 * s * b * d                           # one activation, 16-bit
     ring = (lambda k: 2 * (k - 1) / k)                # an all-reduce sends 2(k-1)/k of it
     tp_msgs = layers_here * m * (6 if recompute else 4) if tp > 1 else 0
     tp_bytes = tp_msgs * act_msg * ring(tp) if tp > 1 else 0.0
@@ -248,9 +250,10 @@ MEGATRON_TABLE1_145B = {"tp": 8, "pp": 8, "dp": 24, "global_batch": 2304, "tflop
 
 def megatron_flops_per_step(model: Transformer, global_batch: int) -> float:
     """Narayanan et al. 2021, equation 3: the flops of one step with activation recomputation,
-    ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))`` — how their Table 1 turns a step time into
-    teraFLOP/s per GPU. Shown in lesson 11, §5."""
-    s, l, h, v = model.seq_len, model.layers, model.hidden, model.vocab
-    return 96 * global_batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    ``96·B·s·l·d²·(1 + s/(6d) + V/(16·l·d))`` (their h is the width, here d; V the
+    vocabulary) — how their Table 1 turns a step time into teraFLOP/s per GPU.
+    Shown in lesson 11, §5."""
+    s, l, d, v = model.seq_len, model.layers, model.hidden, model.vocab
+    return 96 * global_batch * s * l * d * d * (1 + s / (6 * d) + v / (16 * l * d))
 MEGATRON_TABLE2_175B = {"model_parallel": 96, "global_batch": 1536, "gpus": 1536,
                         "ptd_tflops": 141, "zero3_tflops": 44}

@@ -33,9 +33,11 @@ it, as in every real model); with an input that does not require grad autograd s
 
 This module also holds the lesson's workers (run on every rank through
 :func:`dpcourse.launch.spawn`): :func:`tensor_parallel_worker` (ours against the plain MLP and
-against torch's ``parallelize_module``, with the collectives recorded), :func:`mesh_2d_worker`
-(a 2 × 2 mesh: FSDP2 over one dimension, tensor parallel over the other, against one device),
-and two that show where data parallelism ends: :func:`activation_memory_worker` (FSDP2 shards
+against torch's ``parallelize_module``, with the collectives recorded),
+:func:`sequence_parallel_worker` (torch's sequence-parallel layout: each all-reduce split into
+an all-gather and a reduce-scatter), :func:`mesh_2d_worker` (a 2 × 2 mesh: FSDP2 over one
+dimension, tensor parallel over the other, against one device), and two that show where data
+parallelism ends: :func:`activation_memory_worker` (FSDP2 shards
 the parameters, not the activations) and :func:`noise_scale_worker` (the gradient noise scale
 measured inside a DDP run, McCandlish et al. 2018).
 
@@ -68,6 +70,7 @@ __all__ = [
     "plain_mlp",
     "TPConfig",
     "tensor_parallel_worker",
+    "sequence_parallel_worker",
     "mesh_2d_worker",
     "noise_scale_from_norms",
     "noise_task",
@@ -342,6 +345,53 @@ def tensor_parallel_worker(rank: int, world_size: int, cfg: TPConfig) -> dict:
         "torch_recorded": [(c.function, c.op, c.numel, c.nbytes) for c in torch_calls],
         "torch_params": local,
     }
+
+
+def sequence_parallel_worker(rank: int, world_size: int, cfg: TPConfig) -> dict:
+    """torch's *sequence-parallel* layout of the same MLP (Korthikanti et al. 2022): outside the
+    MLP each rank holds only its share of the tokens (``Shard(0)``), so the column layer's
+    input is all-gathered (``ColwiseParallel(input_layouts=Shard(0))``) and the row layer's
+    partial output reduce-scattered back to the token shards
+    (``RowwiseParallel(output_layouts=Shard(0))``) — the pairs that async tensor parallelism
+    can fuse with their matmuls. Each rank's loss is its tokens' share of the plain MLP's
+    (their squares summed, divided by all tokens × d), so the sum over ranks is the plain loss.
+    Returns the largest differences with the plain MLP (this rank's output rows, its rows of
+    dL/dx, the parameters' gradients gathered whole) and the collectives recorded in each
+    pass (the gathering afterwards is not recorded).
+    Shown in lesson 11, §2.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    if cfg.tokens % world_size:
+        raise ValueError(f"{cfg.tokens} tokens do not split over {world_size} ranks")
+    _quiet()
+    torch.set_num_threads(1)
+    plain = plain_mlp(cfg.d, cfg.h, cfg.seed)
+    x_plain = cfg.inputs().requires_grad_(True)
+    cfg.loss(plain(x_plain)).backward()
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    sp = parallelize_module(plain_mlp(cfg.d, cfg.h, cfg.seed), mesh,
+                            {"0": ColwiseParallel(input_layouts=Shard(0)),
+                             "2": RowwiseParallel(output_layouts=Shard(0))})
+    share = cfg.tokens // world_size
+    rows = slice(rank * share, (rank + 1) * share)
+    mine = cfg.inputs()[rows].clone().requires_grad_(True)
+    with record_collectives() as forward_calls:
+        y = sp(mine)
+    with record_collectives() as backward_calls:
+        (y.pow(2).sum() / (cfg.tokens * cfg.d)).backward()
+    y_plain = plain(cfg.inputs()).detach()
+    grads = max(float((p.grad.full_tensor() - q.grad).abs().max())
+                for p, q in zip(sp.parameters(), plain.parameters()))
+    return {"out_diff": float((y - y_plain[rows]).abs().max()),
+            "input_grad_diff": float((mine.grad - x_plain.grad[rows]).abs().max()),
+            "grad_diff": grads,
+            "forward": [(c.op, c.numel, c.nbytes) for c in forward_calls],
+            "backward": [(c.op, c.numel, c.nbytes) for c in backward_calls]}
 
 
 def mesh_2d_worker(rank: int, world_size: int, cfg: TPConfig, dp: int = 2, tp: int = 2) -> dict:
