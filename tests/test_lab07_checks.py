@@ -1005,3 +1005,14 @@ def test_the_prediction_is_measured_and_explained(capsys):
     out = capsys.readouterr().out
     assert "measured: 1 — not what happened" in out and "frozen middle layer" in out
     assert "only with the very last parameter" in out
+
+
+class ExtendsTheLessons(overlap.BucketedDataParallel):
+    pass
+
+
+@pytest.mark.parametrize("cls", [overlap.BucketedDataParallel, ExtendsTheLessons])
+def test_the_lessons_class_is_refused_as_the_answer(cls):
+    # issue 37: the library's class is not the learner's, and it keeps neither promise
+    with pytest.raises(LabCheckError, match="lesson 07's BucketedDataParallel from the course"):
+        lab07.check_bucketed_ddp(cls)

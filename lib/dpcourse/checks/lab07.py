@@ -546,6 +546,12 @@ def check_bucketed_ddp(cls, configs=CONFIGS, timeout: float | None = None) -> No
     __tracebackhide__ = True
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     require_answer(cls, getattr(cls, "__name__", "BucketedDDP"), "class")
+    from ..overlap import BucketedDataParallel
+
+    if isinstance(cls, type) and issubclass(cls, BucketedDataParallel):
+        fail(f"{cls.__name__} is (or extends) lesson 07's BucketedDataParallel from the course "
+             f"library: part 2 asks for your own wrapper, which keeps the two promises that "
+             f"class does not (gradients as views of the buckets, launches in bucket order).")
     for world_size, cap_mb in configs:
         results = _launch(cls, world_size, cap_mb, timeout)
         _diagnose(results, world_size, cap_mb)
