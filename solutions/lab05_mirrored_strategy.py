@@ -1,12 +1,23 @@
 # %% [markdown]
 # # Lab 05 — a MirroredStrategy custom training loop
 #
-# In lesson 05 you saw `strategy.run`, `strategy.reduce` and `tf.nn.compute_average_loss`. Here
-# you write the loop yourself, in three pieces, each with a check:
+# **Goal:** a custom training loop under `MirroredStrategy` whose every step changes the weights
+# exactly as one device would on the same global batch, and reports that batch's loss and
+# accuracy — whatever the number of replicas, the batch size or the learning rate. Lesson 05
+# showed the pieces (`strategy.run`, mirrored variables, how the strategy combines the replicas'
+# gradients); here you decide how they fit. Four parts, each with a check:
 #
-# 1. the loss one replica differentiates (the scaling that makes N replicas equal one device);
-# 2. the model and optimizer, created where the strategy can mirror them;
-# 3. one training step that returns the global batch's loss and accuracy, reduced correctly.
+# 1. the loss one replica differentiates;
+# 2. the model and optimizer, where the strategy can mirror them;
+# 3. one training step and what it reports (**your design decision** is here);
+# 4. a prediction about the last step of an epoch, then the measurement.
+#
+# The stretch builds each replica's input pipeline yourself and trains through an epoch whose
+# last step is short.
+#
+# Stuck? Run the check: its sentence names what is wrong. Each part also has hints, folded
+# (click a "▶ Hint" label to open the cell below it): a question first, then the idea, then the
+# shape of the code.
 #
 # **First, the devices.** TensorFlow fixes its devices the first time anything uses them, so
 # the very first code cell splits the CPU (or GPU) into logical devices — in every fresh kernel,
@@ -34,20 +45,48 @@ import numpy as np
 import tensorflow as tf
 import keras
 
-from dpcourse.checks import lab05
+from dpcourse.checks import lab05, predict
 
 # %% [markdown]
 # ## 1. The per-replica loss
 #
-# Each replica sees `global_batch / N` examples. The optimizer **sums** the replicas' gradients
-# (an all-reduce), so each replica's loss must be its share of the *global* mean: the sum of its
-# per-example losses divided by the global batch size. `mirrored.per_example_loss(labels, logits)`
-# gives the per-example cross-entropies.
+# **Contract.** `per_replica_loss(labels, logits, global_batch)` is called inside
+# `strategy.run`, once per replica, with that replica's slice of the step's samples.
+# `global_batch` is the number of samples the whole step holds, over all replicas — the slices
+# need not be the same size. It returns one number (a scalar tensor) per replica, such that
+# after the strategy combines the replicas' gradients, the result is the gradient of the
+# **mean** loss over all `global_batch` samples. `mirrored.per_example_loss(labels, logits)`
+# gives the per-example cross-entropies. Write your own: the library's answer is refused.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# After `strategy.run`, how does the optimizer combine the N replicas' gradients: does it add
+# them or average them? What must each replica's loss be so that this combination is the
+# gradient of one mean over the whole step?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The gradients are added. The mean over the step is (sum over every sample) / (samples in the
+# step), and a sum over samples splits into one sum per replica. So each replica contributes its
+# own sum, divided by the count of the *whole* step — never by a number computed from its own
+# slice, which differs between replicas when the step does not split evenly.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# One expression: the per-example losses, reduced to their sum, divided by the `global_batch`
+# argument. TensorFlow also has a function in `tf.nn` made for exactly this division — read what
+# it does when you leave out its batch-size argument before you use it.
 
 # %%
 def per_replica_loss(labels, logits, global_batch):
     losses = mirrored.per_example_loss(labels, logits)
-    ### BEGIN SOLUTION: divide the summed per-example losses by the *global* batch (one TF call)
+    ### BEGIN SOLUTION: this replica's share of the step's mean loss
     return tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
     ### END SOLUTION
 
@@ -57,12 +96,30 @@ lab05.check_per_replica_loss(per_replica_loss, strategy)
 # %% [markdown]
 # ## 2. Model and optimizer under the strategy
 #
-# Build `mirrored.build_keras_cnn()` and `keras.optimizers.SGD(learning_rate=lr)` so that their
-# variables are mirrored: one copy per replica, kept equal by the strategy.
+# **Contract.** `make_model_and_optimizer(strategy, lr)` returns `(model, optimizer)`: the
+# lesson's CNN, `mirrored.build_keras_cnn()`, and `keras.optimizers.SGD` with learning rate
+# `lr`, built so that every variable of either is mirrored — one copy per replica, kept equal by
+# the strategy. The check calls it with more than one learning rate.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Lesson 05 §2 made two `tf.Variable`s that looked the same and printed different types. What
+# decided which one became a `MirroredVariable`? Which of the model and the optimizer create
+# variables?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A variable is mirrored when it is *created* while the strategy is the current one. Both
+# objects create variables when they are built (the optimizer holds at least its step counter
+# and learning rate), so both must be built there.
 
 # %%
 def make_model_and_optimizer(strategy, lr):
-    ### BEGIN SOLUTION: create both inside the strategy's scope
+    ### BEGIN SOLUTION: a mirrored model and a mirrored SGD optimizer with this lr
     with strategy.scope():
         model = mirrored.build_keras_cnn()
         optimizer = keras.optimizers.SGD(learning_rate=lr)
@@ -73,12 +130,46 @@ def make_model_and_optimizer(strategy, lr):
 model, optimizer = lab05.check_model_and_optimizer(make_model_and_optimizer, strategy, lr)
 
 # %% [markdown]
-# ## 3. One step
+# ## 3. One step, and what it reports
 #
-# `step_fn` runs on every replica with its slice of the batch. It returns the replica's loss
-# (already a share of the global mean) and the replica's accuracy (a mean over its *own*
-# examples). Reduce each to one number with `strategy.reduce(op, value, axis=None)`: pick
-# `tf.distribute.ReduceOp.SUM` or `tf.distribute.ReduceOp.MEAN` for each, by what it is.
+# **Contract.** `distributed_train_step(strategy, model, optimizer, dist_batch, global_batch)`
+# takes one step of SGD on the global batch `dist_batch` (already split over the replicas) and
+# returns `(loss, accuracy)`: two plain numbers (scalar tensors on the host), the **global
+# batch's** mean loss and accuracy before the update — what one device would report for the
+# whole batch. Inside it, `step_fn` runs once per replica on the replica's slice; the gradient
+# part is given.
+#
+# **Your design decision:** what each replica's `step_fn` returns about its accuracy, and how
+# the replicas' values — the loss as well as the accuracy — become one number each. More than
+# one choice passes the check on evenly split batches; think about which of yours would still
+# be right when the slices differ in size (part 4 and the stretch).
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# `strategy.run` gives back one value per replica. What is each replica's loss a piece of — a
+# mean over its own samples, or a share of the mean over the whole batch? And its accuracy? To
+# get the whole batch's value, should the pieces be added or averaged?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The loss from part 1 is already divided by the whole batch: the shares add up to the mean. An
+# accuracy computed as a mean over the replica's own slice is a mean of means — equal to the
+# batch's accuracy only when every slice has the same size; a count of correct predictions adds
+# up without that condition, and is divided once at the end. The strategy has one call that
+# combines a per-replica value with a chosen operation into one value on the host.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# In `step_fn`: one line computing this replica's accuracy statistic from `logits` and `y`
+# (argmax, compare, cast, then a mean or a sum), and the `return` of the loss and that
+# statistic. After `strategy.run`: one reduction per returned value, each with the
+# `tf.distribute.ReduceOp` that fits what it is, and `axis=None`.
 
 # %%
 def distributed_train_step(strategy, model, optimizer, dist_batch, global_batch):
@@ -88,11 +179,13 @@ def distributed_train_step(strategy, model, optimizer, dist_batch, global_batch)
             loss = per_replica_loss(y, logits, global_batch)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        ### BEGIN SOLUTION: what this replica reports: its loss and an accuracy statistic
         accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
         return loss, accuracy
+        ### END SOLUTION
 
     loss, accuracy = strategy.run(step_fn, args=dist_batch)
-    ### BEGIN SOLUTION: reduce the loss and the accuracy over the replicas, each with the right op
+    ### BEGIN SOLUTION: the global batch's loss and accuracy, one number each
     loss = strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
     accuracy = strategy.reduce(tf.distribute.ReduceOp.MEAN, accuracy, axis=None)
     ### END SOLUTION
@@ -103,15 +196,48 @@ lab05.check_train_step(distributed_train_step, make_model_and_optimizer, strateg
                        global_batch=global_batch, lr=lr)
 
 # %% [markdown]
-# ## 4. Train a little
+# ## 4. Predict, then train
 #
-# With the pieces checked, run a few steps on the course's data set: the loss is the global
-# batch's mean, as printed by one device would.
+# An epoch of 1000 samples in global batches of `global_batch`, distributed as in part 3 with
+# `strategy.experimental_distribute_dataset`. Before running anything, **predict**: in the
+# epoch's *last* step, how many samples does replica 0 hold? Write a number, run the cell, then
+# run the measurement below it.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Does 1000 divide by `global_batch`? If not, what is left for the last step, and how does this
+# function share one global batch between the replicas?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The dataset is batched by the global batch before the strategy sees it, so the last batch is
+# what remains after the full ones; the strategy then splits each batch it receives over the
+# replicas.
+
+# %%
+### BEGIN SOLUTION: your prediction (a number of samples)
+my_guess = 20
+### END SOLUTION
+guess = predict("lab05", "samples on replica 0 in the last step (experimental_distribute_dataset)",
+                my_guess, unit="samples")
 
 # %%
 from dpcourse import data
 
-ds = data.load("shapes10", n_train=1024, n_test=10, seed=0)
+ds = data.load("shapes10", n_train=1000, n_test=10, seed=0)
+epoch = mirrored.make_dataset(ds.x_train, ds.y_train, global_batch, drop_remainder=False)
+sizes = lab05.last_step_sizes(strategy, strategy.experimental_distribute_dataset(epoch))
+lab05.check_split_prediction(guess, sizes, n_samples=1000, global_batch=global_batch)
+
+# %% [markdown]
+# With the pieces checked, run a few full steps on the course's data set: the loss printed is
+# the global batch's mean, as one device would print it.
+
+# %%
 train = mirrored.make_dataset(ds.x_train, ds.y_train, global_batch, shuffle=True, seed=0)
 step = tf.function(distributed_train_step)
 losses = []
@@ -122,30 +248,47 @@ print("steps run:", len(losses))
 assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 
 # %% [markdown]
-# ## Stretch (optional): your own input pipeline, and a partial last batch
+# ## Stretch A (optional): each replica's own input pipeline
 #
-# A workshop can stop here. `experimental_distribute_dataset` split one global batch for you.
-# With `strategy.distribute_datasets_from_function(dataset_fn)` you build each input pipeline
-# yourself: `dataset_fn(input_context)` shards the data by `input_context.input_pipeline_id`
-# (one pipeline per worker machine; here there is one) and batches by the **per-replica**
-# batch, `input_context.get_per_replica_batch_size(global_batch)`. The replicas then take
-# consecutive batches of that pipeline.
+# A workshop can stop here. `experimental_distribute_dataset` split global batches for you. With
+# `strategy.distribute_datasets_from_function(dataset_fn)` you write the input pipeline
+# yourself: TensorFlow calls `dataset_fn(input_context)` once per input pipeline (one per worker
+# machine; here there is one), and the replicas take whole batches from that pipeline, in turn.
+# `input_context` (a `tf.distribute.InputContext`) says which pipeline this is and how many there
+# are, and can convert a global batch size into a per-replica one.
 #
-# Then the detail every tutorial skips: 100 samples in global batches of 32 leave a last step
-# of 4 — on 2 replicas, 4 samples on one and **none** on the other. Dividing by `global_batch`
-# makes that step 8 times too small; `compute_average_loss` without `global_batch_size` guesses
-# 4 × 2 = 8; `reduce_mean` of no samples is NaN. The right divisor is the number of samples the
-# step really has: the replicas' sizes summed with the replica context's `all_reduce`. (The
-# same goes for metrics: with unequal slices, the MEAN of the replicas' accuracies from part 3
-# is no longer the accuracy of the step; sum the correct predictions and divide by that count.)
-#
-# Write `make_dist_dataset(strategy, x, y, global_batch)` (in order, no shuffling, the partial
-# batch kept), then the two TODOs in `train_epoch`'s step: the step's real sample count, and the
-# loss divided by it (the gradient lines after them are given).
+# **Contract.** `make_dist_dataset(strategy, x, y, global_batch)` returns such a distributed
+# dataset over the arrays `x`, `y` in which every step holds the next `global_batch` samples in
+# the data's order (a step takes one batch per replica), every sample arrives once, and nothing
+# is dropped. The check uses 100 samples in global batches of 32.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# If every replica takes one batch from the pipeline per step, how large must the pipeline's
+# batches be for a step to hold `global_batch` samples? And into how many pieces should the data
+# be cut — one per replica, or one per pipeline?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The pipeline batches by the per-replica size (the input context computes it from the global
+# one). Cutting the data is per pipeline: with one pipeline it keeps everything, and the
+# replicas still see different samples because they take different batches.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# An inner `dataset_fn(ctx)`: a dataset from the tensor slices of `(x, y)`, sharded by the
+# context's pipeline count and pipeline id, batched by the context's per-replica batch size.
+# Return the strategy's distributed dataset made from that function.
 
 # %%
 def make_dist_dataset(strategy, x, y, global_batch):
-    ### BEGIN SOLUTION: dataset_fn(ctx): shard by ctx, batch by ctx.get_per_replica_batch_size(global_batch); distribute_datasets_from_function
+    ### BEGIN SOLUTION: a distributed dataset built from your own per-pipeline function
     def dataset_fn(ctx):
         ds = tf.data.Dataset.from_tensor_slices((x, y))
         ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
@@ -157,16 +300,67 @@ def make_dist_dataset(strategy, x, y, global_batch):
 
 lab05.check_dataset_fn(make_dist_dataset, strategy)
 
+# %% [markdown]
+# **Predict again:** 100 samples in global batches of 32 leave 4 samples for the last step. With
+# *your* `make_dist_dataset`, how many of those 4 does replica 0 hold?
+
+# %%
+### BEGIN SOLUTION: your prediction (a number of samples)
+my_guess = 4
+### END SOLUTION
+guess = predict("lab05", "samples on replica 0 in the last step (your own pipeline)", my_guess,
+                unit="samples")
+
+# %%
+x_s, y_s = lab05.stretch_data()
+lab05.check_pipeline_prediction(
+    guess, lab05.last_step_sizes(strategy, make_dist_dataset(strategy, x_s, y_s, 32)))
+
+# %% [markdown]
+# ## Stretch B (optional): an epoch with a short last step
+#
+# **Contract.** `train_epoch(strategy, model, optimizer, dist_dataset)` runs one SGD step per
+# step of `dist_dataset` (made as in stretch A: 100 samples, global batches of 32) and leaves
+# the weights exactly where one device leaves them after the same four batches — the last,
+# short one included, whatever each replica holds in it. Write the two TODOs in `step_fn`: the
+# number the step's loss is divided by, and the loss (the gradient lines after them are given).
+# Part 1's `per_replica_loss` is a starting point, not the answer: ask yourself what its
+# `global_batch` would be here.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# In the last step, how many samples does each replica have, and how many does the whole step
+# have? Which of these numbers can one replica see on its own, and which only by asking the
+# others?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The divisor must be the step's real sample count, the same on every replica: each replica
+# counts its own samples and the replicas add their counts together (the replica context can
+# do that inside `strategy.run`). A count has to be a tensor for that, and a dimension read off a
+# static shape is not one.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# First TODO: get the replica context; sum this replica's sample count (a tensor) over the
+# replicas with it. Second TODO: the per-example losses of `model(x, training=True)`, their sum,
+# divided by that count cast to float32.
 
 # %%
 def train_epoch(strategy, model, optimizer, dist_dataset):
     def step_fn(x, y):
-        ### BEGIN SOLUTION: n_global, the step's real sample count: the replica context's all_reduce (SUM) of this replica's batch size
+        ### BEGIN SOLUTION: n_global, the number of samples in this whole step
         ctx = tf.distribute.get_replica_context()
         n_global = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.shape(y)[0])
         ### END SOLUTION
         with tf.GradientTape() as tape:
-            ### BEGIN SOLUTION: loss = the summed per-example losses / n_global, cast to float32 first (a size is an int32, and TF will not divide a float by an int)
+            ### BEGIN SOLUTION: loss, this replica's share of the step's mean loss
             losses = mirrored.per_example_loss(y, model(x, training=True))
             loss = tf.reduce_sum(losses) / tf.cast(n_global, tf.float32)
             ### END SOLUTION

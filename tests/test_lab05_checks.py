@@ -370,7 +370,7 @@ def test_partial_batch_mistakes_are_named(fn, phrase, strategy):
 
 def test_predictions_are_revealed(strategy, capsys):
     from dpcourse.checks import predict
-    x, y = lab05._stretch_data()
+    x, y = lab05.stretch_data()
     sizes = lab05.last_step_sizes(strategy, make_global_split(strategy, x, y, 32))
     assert sizes == [2, 2]
     lab05.check_split_prediction(predict("lab05", "q1", 2), sizes, 100, 32)

@@ -37,7 +37,8 @@ keras = mirrored.keras
 
 __all__ = ["check_per_replica_loss", "check_model_and_optimizer", "check_train_step",
            "reference_batch", "strategies_for", "check_dataset_fn", "check_partial_batch_epoch",
-           "last_step_sizes", "check_split_prediction", "check_pipeline_prediction"]
+           "last_step_sizes", "check_split_prediction", "check_pipeline_prediction",
+           "stretch_data"]
 
 _RTOL = 1e-3
 
@@ -387,7 +388,8 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
 _N_SAMPLES, _GLOBAL = 100, 32  # 32 + 32 + 32 + 4: on 2 replicas the last step is 4 and 0
 
 
-def _stretch_data():
+def stretch_data():
+    """The stretch's data: 100 samples of 8 features, labels 0-9 (fixed)."""
     rng = np.random.default_rng(11)
     x = rng.normal(size=(_N_SAMPLES, 8)).astype(np.float32)
     y = rng.integers(0, 10, size=_N_SAMPLES).astype(np.int64)
@@ -413,7 +415,7 @@ def check_dataset_fn(make_dist_dataset, strategy) -> None:
     samples all land on replica 0, not split 2 + 2 as ``experimental_distribute_dataset`` splits a
     global batch."""
     __tracebackhide__ = True
-    x, y = _stretch_data()
+    x, y = stretch_data()
     where = {float(v): i for i, v in enumerate(x[:, 0])}   # sample -> its index in the data
     try:
         dist = make_dist_dataset(strategy, x, y, _GLOBAL)
@@ -458,8 +460,7 @@ def check_dataset_fn(make_dist_dataset, strategy) -> None:
              f"the strategy. The stretch asks for each replica's own input pipeline, batched by "
              f"the per-replica batch size, from which the replicas take whole batches in turn.")
     passed(f"make_dist_dataset: steps of {_GLOBAL} samples over {n} replicas in whole "
-           f"per-replica batches, the short last step kept "
-           f"({'+'.join(map(str, split[-1]))})")
+           f"per-replica batches, in order, the short last step kept")
 
 
 def last_step_sizes(strategy, dist_dataset) -> list:
@@ -495,7 +496,7 @@ def check_pipeline_prediction(guess, sizes) -> None:
 
 def _one_device(scale_full: float, scale_last: float) -> list:
     """SGD on one device over batches of _GLOBAL, each step's gradient scaled (1, 1 is right)."""
-    x, y = _stretch_data()
+    x, y = stretch_data()
     model = _stretch_model()
     opt = keras.optimizers.SGD(learning_rate=0.5)
     for i in range(0, _N_SAMPLES, _GLOBAL):
@@ -521,7 +522,7 @@ def check_partial_batch_epoch(train_epoch, strategy) -> None:
     global batches of 32 must take the steps one device takes — including the last step, where
     one replica has 4 samples and the other none."""
     __tracebackhide__ = True
-    x, y = _stretch_data()
+    x, y = stretch_data()
 
     def dataset_fn(ctx):
         ds = tf.data.Dataset.from_tensor_slices((x, y))
