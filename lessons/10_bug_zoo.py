@@ -257,8 +257,11 @@ claim("and it names the two operations", ops == ["ALLREDUCE", "BROADCAST"])
 # which `_dump_fr_trace` returns (a private API: `torchfrtrace` reads the files NCCL dumps).
 # Below, nothing is set in the environment. On gloo it records every call but never marks one
 # completed: the states say "scheduled", so it tells you *what* was called, not *where* a rank
-# stopped — for that, the course's trace or a stack dump. (On NCCL, the watchdog marks each
-# entry started and completed.)
+# stopped — for that, the course's trace or a stack dump. (On NCCL, the watchdog marks an
+# entry completed when the GPU work's end event has fired. It can mark one started only where a
+# start event was recorded, and ProcessGroupNCCL records start events only with
+# `TORCH_NCCL_ENABLE_TIMING=1` (or `TORCH_NCCL_DESYNC_DEBUG`): by default an NCCL entry goes
+# from scheduled to completed, and a collective that never finishes stays "scheduled".)
 
 
 # %%
@@ -334,10 +337,26 @@ print("ran 7 programs × (broken, fixed) on", len(zoo), "ranks")
 # %% [markdown]
 # The detector for replicas: a **checksum** of every parameter and buffer, sent back by each
 # rank, compared across ranks. Weighted by position, so two tensors with the same sum but
-# values in other places still differ.
+# values in other places still differ. It is a cheap alarm, not a proof: one number per tensor
+# must map some different tensors to the same number (run below).
 
 # %%
 viz.show_code(detectors.state_checksums, detectors.compare_checksums, bugzoo.average_gradients)
+
+# %%
+# Two weight vectors that differ, with the same checksum: +2δ at position 1, −δ at position 2
+# (δ a power of two, so every sum below is exact in floating point).
+a = torch.nn.Linear(4, 1, bias=False)
+b = torch.nn.Linear(4, 1, bias=False)
+with torch.no_grad():
+    a.weight.copy_(torch.tensor([[0.25, 0.5, 0.75, 1.0]]))
+    b.weight.copy_(a.weight)
+    b.weight[0, 0] += 2 * 2.0 ** -9
+    b.weight[0, 1] -= 2.0 ** -9
+claim("the weights differ, yet the checksums are equal: a checksum can miss a difference",
+      not torch.equal(a.weight, b.weight)
+      and detectors.compare_checksums([detectors.state_checksums(a),
+                                       detectors.state_checksums(b)]) == [])
 
 # %% [markdown]
 # ### Bug 4: different seeds per rank, and no initial broadcast
@@ -434,6 +453,9 @@ claim("broken: only the running statistics differ — every weight agrees",
       bn_broken == ["1.running_mean", "1.running_var"])
 claim("fixed: nothing differs", detectors.compare_checksums([r["batchnorm"][True] for r in zoo])
       == [])
+viz.show_code(bugzoo.batchnorm_ddp)
+
+# %%
 bn_ddp = detectors.compare_checksums([r["batchnorm_ddp"] for r in zoo])
 claim("under DDP (forward_sync_buffers=True), after the last step the running statistics still "
       f"differ across ranks: {bn_ddp}", bn_ddp == ["1.running_mean", "1.running_var"])
@@ -612,9 +634,14 @@ claim("naming rank 1, its all_reduce and the script's line 8",
 # ## Lab 10
 # Open [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb): five broken torchrun scripts with five
 # bugs this lesson did not show — three silent, one that hangs, one that trains too slowly.
-# Name each bug among believable options, fix it, and let the check run your fix under
-# torchrun; the stretch has you write an exact replicas-in-sync detector with one verdict on
-# every rank.
+# For each, find the line and say what goes wrong there in your own words before any option
+# is shown, then name it, fix it, and let the check run your fix under torchrun; the stretch
+# has you write a replicas-in-sync detector with no blind spot and one verdict on every rank.
+#
+# One tool from single-device training that the lab meets: **gradient clipping**.
+# `torch.nn.utils.clip_grad_norm_(params, max_norm)` computes one 2-norm over all the
+# gradients it is given (as if they were one vector) and, when it is above `max_norm`, scales
+# every one of them by `max_norm / norm` in place; it returns the norm it measured.
 #
 # ## Summary
 # | bug | symptom | detector | fix |
@@ -738,6 +765,14 @@ viz.quiz([
 #   gradient passing straight through it is measured above.
 # - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__` seeds its shuffle with
 #   `seed + epoch`; `set_epoch`.
+# - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — the comments on
+#   `TORCH_NCCL_ENABLE_TIMING` ("Enable recording start-events … end-events are recorded by
+#   default") and on `enableTiming_` (start CUDA events only with timing, always with
+#   `desyncDebug_`); `FlightRecorder.hpp` — an entry's `start_`/`end_` events and
+#   `time_discovered_started_`.
+# - `torch/nn/utils/clip_grad.py` — `clip_grad_norm_`: the total norm of all the gradients
+#   "viewed as a single vector" (`_get_total_norm`), then `_clip_grads_with_norm_` multiplies
+#   each by `max_norm / (total_norm + 1e-6)`, clamped to at most 1.
 # - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward`: it syncs only in training mode
 #   with an initialised process group (`need_sync`), and then raises unless the input is on
 #   CUDA, HPU, XPU or the PrivateUse1 backend.

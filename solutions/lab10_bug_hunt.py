@@ -2,25 +2,29 @@
 # # Lab 10 · Bug hunt: five broken torchrun scripts
 #
 # Lesson 10 ran broken distributed programs safely and showed how each bug betrays itself.
-# Now you hunt — five bugs the lesson did not show. Below are five short torchrun scripts. Each trains the same tiny model
+# Now you hunt five bugs the lesson did not show. Each script below trains the same tiny model
 # (6 → 8 → 1) on the same 48 examples, 3 epochs on every rank, and saves rank 0's weights to
-# `--out`. Each has **one** classic data-parallel bug. For each script:
+# `--out`; each has **one** classic data-parallel bug. A correct script ends with the weights
+# of one process training on the global batch, whatever the number of ranks.
 #
-# 1. read it and **name the bug**: set `answerN` to the letter of the right option (the check
-#    says why a wrong option is not it);
-# 2. **fix it**: build `fixedN`, the fixed script's text, from `brokenN`. Change as little as
+# For each script, in this order:
+#
+# 1. **Find it yourself.** `lab10.show(n)` prints the script with line numbers. Set `lineN` to
+#    the number of the line where the bug is and `whyN` to a sentence saying what goes wrong
+#    there, then run `lab10.check_line(n, lineN, whyN)`. Only a right line shows the options.
+# 2. **Name it.** Set `answerN` to the letter of the option that says what is wrong.
+# 3. **Fix it.** Build `fixedN`, the fixed script's text, from `brokenN`. Change as little as
 #    the bug needs; any fix that trains right passes. Two tools, neither needing exact
-#    indentation or line endings: `brokenN.replace("old piece", "new piece")` changes a
-#    piece of a line, and `lab10.move_line(brokenN, "piece of the line", before="piece of
-#    another line")` moves one whole line (re-indented to fit) — for a bug where a line is
-#    right but in the wrong place.
+#    indentation or line endings: `brokenN.replace("old piece", "new piece")`, and
+#    `lab10.move_line(brokenN, "piece of the line", before="piece of another line")`, which
+#    moves one whole line (re-indented to fit).
 #
-# At the end, one check runs your five fixed scripts under `torchrun` (all at once: a launch
-# costs seconds) with `--seed 3` — bug 5's on **3** ranks — and compares the weights each one
-# saves with a correct data-parallel run. If a fix is still wrong, it names the bug your
-# weights reproduce.
+# At the end one check runs your five fixes under `torchrun` (all at once: a launch costs
+# seconds) with `--seed 3`, bug 5's on **3** ranks, and compares the weights each saves with a
+# correct data-parallel run. If a fix is still wrong, it names the mistake your weights (or
+# your text) reproduce.
 #
-# Stretch: write a detector for replicas that differ, `replicas_in_sync(model)`.
+# Stretch: a detector for replicas that differ, `replicas_in_sync(model)`.
 
 # %% tags=["parameters"]
 timeout = 90  # seconds the check gives each torchrun run
@@ -29,26 +33,61 @@ timeout = 90  # seconds the check gives each torchrun run
 import torch
 import torch.distributed as dist
 
-from dpcourse.checks import lab10
+from dpcourse.checks import lab10, predict
 
 # %% [markdown]
 # ## Bug 1
 #
-# The gradients are averaged by hand after `backward` (no DDP wrapper here). Read the sampler
-# line slowly.
+# The gradients are averaged by hand after `backward` (no DDP wrapper here).
 
 # %%
 broken1 = lab10.script(1)
 lab10.show(1)
 
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# In one epoch, which examples does rank 0 read, and which does rank 1 read? Do the two ranks
+# together read the data set exactly once?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A `DistributedSampler` does not pick examples for its rank alone: every rank builds the same
+# shuffled order of all 48 indices and keeps its own slice of it. What has to be the same on
+# every rank for the slices to fit together?
+
 # %%
-### BEGIN SOLUTION: answer1 = the letter of the right option, e.g. "A"
+### BEGIN SOLUTION: line1 (a line number) and why1 (a sentence)
+line1 = 21
+why1 = "each rank seeds its sampler differently, so the ranks slice different permutations"
+### END SOLUTION
+lab10.check_line(1, line1, why1)
+
+# %%
+### BEGIN SOLUTION: answer1, the letter of the option that says what is wrong
 answer1 = "B"
 ### END SOLUTION
 lab10.check_answer(1, answer1)
 
+# %% [markdown]
+# **Predict, then count.** With this script on 2 ranks, how many *different* examples of the
+# 48 does one epoch train on (both ranks together)? Reason it out before you run the count.
+
 # %%
-### BEGIN SOLUTION: fixed1 = broken1.replace(..., ...)
+### BEGIN SOLUTION: your prediction (a number of examples, 0 to 48)
+my_guess = 36
+### END SOLUTION
+guess = predict("lab10", "distinct examples script 1 reads in one epoch", my_guess,
+                unit="examples")
+
+# %%
+lab10.check_prediction(guess)
+
+# %%
+### BEGIN SOLUTION: fixed1, the fixed script's text
 fixed1 = broken1.replace("seed=args.seed + rank", "seed=args.seed")
 ### END SOLUTION
 
@@ -61,35 +100,86 @@ fixed1 = broken1.replace("seed=args.seed + rank", "seed=args.seed")
 broken2 = lab10.script(2)
 lab10.show(2)
 
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Which object decides which examples a rank reads, and in which order? Follow it from where
+# it is built to where the batches come from.
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# An object that is built, and even told which epoch starts, does nothing unless the loop reads
+# through it. Two ranks that read the same examples in the same order compute the same
+# gradient: averaging them is averaging one rank with itself.
+
 # %%
-### BEGIN SOLUTION: answer2 = the letter of the right option, e.g. "A"
+### BEGIN SOLUTION: line2 (a line number) and why2 (a sentence)
+line2 = 22
+why2 = "the loader shuffles by itself and never uses the sampler, so every rank reads everything"
+### END SOLUTION
+lab10.check_line(2, line2, why2)
+
+# %%
+### BEGIN SOLUTION: answer2, the letter of the option that says what is wrong
 answer2 = "C"
 ### END SOLUTION
 lab10.check_answer(2, answer2)
 
 # %%
-### BEGIN SOLUTION: fixed2 = broken2.replace(..., ...)
+### BEGIN SOLUTION: fixed2, the fixed script's text
 fixed2 = broken2.replace("batch_size=4, shuffle=True)", "batch_size=4, sampler=sampler)")
 ### END SOLUTION
 
 # %% [markdown]
 # ## Bug 3
 #
-# Gradient clipping, as on one device. The replicas agree at every step here — check that
-# claim against the options before you answer.
+# Gradient clipping, as on one device. `clip_grad_norm_(params, max_norm)` computes one 2-norm
+# over all the gradients it is given and, when that norm is above `max_norm`, scales every one
+# of them by `max_norm / norm`.
 
 # %%
 broken3 = lab10.script(3)
 lab10.show(3)
 
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# On one device, which gradient is clipped: the gradient of which batch? Here, which gradient
+# does each rank clip?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Averaging is linear; clipping is not. For a linear step the order of "average" and "apply"
+# does not matter; for a non-linear one it does: the average of clipped gradients is not the
+# clipped average.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the fix**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Nothing is added or removed: one line is in the wrong place, and `lab10.move_line` moves it.
+
 # %%
-### BEGIN SOLUTION: answer3 = the letter of the right option, e.g. "A"
+### BEGIN SOLUTION: line3 (a line number) and why3 (a sentence)
+line3 = 33
+why3 = "each rank clips its own gradient before the average instead of the averaged gradient"
+### END SOLUTION
+lab10.check_line(3, line3, why3)
+
+# %%
+### BEGIN SOLUTION: answer3, the letter of the option that says what is wrong
 answer3 = "D"
 ### END SOLUTION
 lab10.check_answer(3, answer3)
 
 # %%
-### BEGIN SOLUTION: fixed3 = broken3.replace(..., ...) or lab10.move_line(broken3, ..., before=...)
+### BEGIN SOLUTION: fixed3, the fixed script's text
 fixed3 = lab10.move_line(broken3, "clip_grad_norm_", before="opt.step()")
 ### END SOLUTION
 
@@ -97,21 +187,42 @@ fixed3 = lab10.move_line(broken3, "clip_grad_norm_", before="opt.step()")
 # ## Bug 4
 #
 # Under torchrun this one never gets to its first step. Run it yourself if you like, in a
-# terminal: `timeout 30 torchrun --nproc-per-node=2 bug4_start.py --out /tmp/final.pt` in
-# the folder `lab10.SCRIPT_DIR` (print it to see where).
+# terminal: `timeout 30 torchrun --nproc-per-node=2 bug4_start.py --out /tmp/final.pt` in the
+# folder `lab10.SCRIPT_DIR` (print it to see where), or `python -m dpcourse diagnose` on it.
 
 # %%
 broken4 = lab10.script(4)
 lab10.show(4)
 
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The run stops before the first step: which collective is the first one every rank calls, and
+# what does each rank expect the others to do in it?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A rooted collective (a broadcast, a reduce) needs every rank to name the same root: one
+# sender, everyone else a receiver. Which rank does each rank name here?
+
 # %%
-### BEGIN SOLUTION: answer4 = the letter of the right option, e.g. "A"
+### BEGIN SOLUTION: line4 (a line number) and why4 (a sentence)
+line4 = 28
+why4 = "every rank passes its own rank as src, so every rank sends and nobody receives"
+### END SOLUTION
+lab10.check_line(4, line4, why4)
+
+# %%
+### BEGIN SOLUTION: answer4, the letter of the option that says what is wrong
 answer4 = "B"
 ### END SOLUTION
 lab10.check_answer(4, answer4)
 
 # %%
-### BEGIN SOLUTION: fixed4 = broken4.replace(..., ...)
+### BEGIN SOLUTION: fixed4, the fixed script's text
 fixed4 = broken4.replace("src=rank", "src=0")
 ### END SOLUTION
 
@@ -119,19 +230,47 @@ fixed4 = broken4.replace("src=rank", "src=0")
 # ## Bug 5
 #
 # This one runs on 3 ranks in the check.
+#
+# **Your design decision:** once you have found what is wrong, the fix can take either of two
+# forms, and both train right on 3 ranks. Choose one, and say in a comment of your fix why:
+# what each form means for the number `loss` holds on a rank, and for someone who later moves
+# this loop to DDP (which averages the gradients itself).
 
 # %%
 broken5 = lab10.script(5)
 lab10.show(5)
 
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Follow one gradient from the loss to `opt.step()`. What is it multiplied or divided by on
+# the way, and what should it be divided by in the end?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A constant factor in the loss is a constant factor in every gradient (the backward is
+# linear in the loss). The average over ranks needs exactly one division by the world size.
+
 # %%
-### BEGIN SOLUTION: answer5 = the letter of the right option, e.g. "A"
+### BEGIN SOLUTION: line5 (a line number) and why5 (a sentence)
+line5 = 30
+why5 = "the loss is divided by world_size and the gradients again after the all-reduce"
+### END SOLUTION
+lab10.check_line(5, line5, why5)
+
+# %%
+### BEGIN SOLUTION: answer5, the letter of the option that says what is wrong
 answer5 = "C"
 ### END SOLUTION
 lab10.check_answer(5, answer5)
 
 # %%
-### BEGIN SOLUTION: fixed5 = broken5.replace(..., ...)
+### BEGIN SOLUTION: fixed5, the fixed script's text
+# keep the division after the all-reduce: each rank's loss stays the plain mean of its own
+# batch (what one process would print), and the average lives in one place, where DDP puts it
 fixed5 = broken5.replace("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)")
 ### END SOLUTION
 
@@ -150,22 +289,43 @@ lab10.check_fixes({1: fixed1, 2: fixed2, 3: fixed3, 4: fixed4, 5: fixed5}, timeo
 # ## Stretch (optional): a detector for replicas that differ
 #
 # A workshop can stop here. Lesson 10's bugs 4 and 5 were silent: the runs ended, the loss
-# even fell, but the replicas did not agree. Write the detector you would call after building the model (or every
-# few steps): `replicas_in_sync(model)` returns **True on every rank** when every rank's
-# parameters are exactly equal, and **False on every rank** when any replica differs anywhere.
-# It must not change the parameters. Hints: flatten the parameters into one tensor; compare
-# with rank 0's copy (`dist.broadcast` a clone); then the ranks must agree on one verdict
-# (`dist.all_reduce` with `dist.ReduceOp.MIN` on a 0/1 tensor).
+# even fell, but the replicas did not agree. Write the detector you would call after building
+# the model, or every few steps:
 #
-# The check runs it on 3 ranks: equal replicas, then replicas that differ in ways a summary
-# misses — rank 2's off by +1e-3 in one weight and −1e-3 in the next (a plain sum cannot see
-# that; lesson 10's position-weighted checksum can), two of rank 2's weights swapped, one of
-# its weights' sign flipped (a norm sees neither), rank 1's last parameter off — and it names
-# the ways to get the verdict wrong.
+# - `replicas_in_sync(model)` is called on every rank of a process group and returns a Python
+#   `bool`: **True on every rank** when every rank's parameters are exactly equal, and **False
+#   on every rank** when any replica differs anywhere, by any amount, in any parameter;
+# - it must not change the parameters.
+#
+# The check runs it on 3 ranks: equal replicas, then replicas that differ in ways a one-number
+# summary misses, and it names the way your verdict went wrong.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A rank can only compare what it holds. What does a rank need from the others to decide, and
+# once each rank has its own verdict, how do the ranks end up with one verdict?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Any single number that summarizes the weights (a sum, a norm, a weighted checksum) maps
+# different weights to the same number somewhere. Compare the values themselves with one
+# reference copy, then combine the verdicts so that one rank's "no" wins.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Three pieces: all parameters as one flat tensor; a copy of one rank's flat tensor on every
+# rank (a rooted collective into a clone, never into the parameters); a 0/1 number per rank,
+# reduced with the operation under which any 0 wins.
 
 # %%
 def replicas_in_sync(model):
-    ### BEGIN SOLUTION: compare every rank's parameters with rank 0's; one verdict on every rank
+    ### BEGIN SOLUTION: True on every rank when all replicas are equal, else False on every rank
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     reference = flat.clone()
     dist.broadcast(reference, src=0)

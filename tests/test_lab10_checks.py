@@ -74,8 +74,9 @@ RIGHT = {
     "3-clip-after": (3, [(CLIP, ""), ("        opt.step()\n", CLIP + "        opt.step()\n")]),
     "3-clip-after-loop": (3, [(CLIP + AVERAGE_LOOP, AVERAGE_LOOP + CLIP)]),
     "4-src-0": (4, [("src=rank", "src=0")]),
-    "4-src-1": (4, [("src=rank", "src=1")]),       # any one sender: the seeds are equal
-    "4-no-broadcast": (4, [(BROADCAST, "")]),      # redundant here: one seed on every rank
+    "4-src-1": (4, [("src=rank", "src=1")]),       # any one sender: every replica starts equal
+    # one seed for every rank makes the broadcast redundant: another right design
+    "4-one-seed-no-broadcast": (4, [("args.seed + rank", "args.seed"), (BROADCAST, "")]),
     "5-loss-undivided": (5, [("F.mse_loss(model(xb), yb) / world_size",
                               "F.mse_loss(model(xb), yb)")]),
     "5-grads-undivided": (5, [("            p.grad /= world_size\n", "")]),
@@ -83,7 +84,9 @@ RIGHT = {
 
 WRONG = {
     # each broken script, changed only in a comment: the bug is still there
-    "1-still-broken": (1, [("# every rank shuffles", "# each rank shuffles")],
+    "1-still-broken": (1, [("seed=args.seed + rank", "seed=rank + args.seed")],
+                       "each rank's sampler still has its own seed"),
+    "1-seed-is-rank": (1, [("seed=args.seed + rank", "seed=rank")],
                        "each rank's sampler still has its own seed"),
     "2-still-broken": (2, [("# a new order", "# an order")], "still ignores the DistributedSampler"),
     "3-still-broken": (3, [("# tame the steps", "# tame")], "still clips its own gradient"),
@@ -91,8 +94,17 @@ WRONG = {
     # fixes that trade the bug for another
     "1-hard-coded-seed": (1, [("seed=args.seed + rank", "seed=0")], "no longer comes from --seed"),
     "2-sampler-and-shuffle-dropped": (2, [("batch_size=4, shuffle=True)", "batch_size=4)")],
-                                      "match none of the mistakes"),
+                                      "still ignores the DistributedSampler \\(without shuffle"),
+    "2-sampler-beside-shuffle": (2, [("batch_size=4, shuffle=True)",
+                                      "batch_size=4, shuffle=True, sampler=sampler)")],
+                                 "mutually exclusive with shuffle.* a DataLoader takes a sampler "
+                                 "or shuffle=True, not both"),
     "3-clip-removed": (3, [(CLIP, "")], "no longer clipped at all"),
+    "3-clip-after-step": (3, [(CLIP, ""), ("        opt.step()\n", "        opt.step()\n" + CLIP)],
+                          "clip_grad_norm_ now runs after opt.step\\(\\): the step has already"),
+    "4-no-broadcast": (4, [(BROADCAST, "")], "no longer start from the same weights"),
+    "5-lr-times-world-size": (5, [("lr=0.1", "lr=0.1 * world_size")],
+                              "changed the learning rate to make up for the gradients"),
     "5-both-removed": (5, [("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)"),
                            ("            p.grad /= world_size\n", "")], "now summed, not averaged"),
     "5-divided-by-two": (5, [("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)"),
@@ -111,7 +123,7 @@ def test_right_fixes_pass_together(capsys):
                "5-grads-undivided"))}
     lab10.check_fixes(first, launcher="spawn")
     lab10.check_fixes(second, launcher="spawn")
-    lab10.check_fix(4, edit(4, *RIGHT["4-no-broadcast"][1]), launcher="spawn")
+    lab10.check_fix(4, edit(4, *RIGHT["4-one-seed-no-broadcast"][1]), launcher="spawn")
     assert capsys.readouterr().out.count("✔") == 3
 
 
@@ -129,7 +141,8 @@ def test_still_broken_bug4_under_torchrun_is_bounded_and_named():
 
 
 def test_a_hanging_fix_is_stopped_and_named():
-    text = edit(1, ("torch.manual_seed(args.seed)\n", "torch.manual_seed(args.seed)\n"
+    text = edit(1, ("seed=args.seed + rank", "seed=args.seed"),
+                ("torch.manual_seed(args.seed)\n", "torch.manual_seed(args.seed)\n"
                     "if rank == 0:  # waits for a message rank 1 never sends\n"
                     "    dist.recv(torch.zeros(1), src=1)\n"))
     with pytest.raises(LabCheckError, match="did not finish within 8 s: a rank is waiting"):
@@ -282,7 +295,7 @@ def in_sync_verdict_max(model):
     return bool(same.item())
 
 
-def in_sync_position_checksum(model):  # lesson 10's weighted checksum: it sees all four cases
+def in_sync_position_checksum(model):  # lesson 10's weighted checksum: +2δ at 1, −δ at 2 collide
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     total = (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum().reshape(1)
     hi, lo = total.clone(), total.clone()
@@ -328,8 +341,7 @@ def in_sync_todo(model):
     raise NotImplementedError("TODO")
 
 
-@pytest.mark.parametrize("fn", [in_sync_broadcast, in_sync_gather, in_sync_max_min,
-                                in_sync_position_checksum])
+@pytest.mark.parametrize("fn", [in_sync_broadcast, in_sync_gather, in_sync_max_min])
 def test_right_detectors_pass(fn, capsys):
     lab10.check_replicas_in_sync(fn)
     assert capsys.readouterr().out.count("✔") == 1
@@ -348,6 +360,8 @@ def test_right_detectors_pass(fn, capsys):
     (in_sync_loose, "your tolerance let it pass"),
     (in_sync_never, "with every replica identical"),
     (in_sync_returns_none, "should return True or False, got None"),
+    (in_sync_position_checksum, "one weight \\+2⁻⁹ and the next −2⁻¹⁰.*weights each value by "
+                                "its position"),
 ])
 def test_wrong_detectors_are_named(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
@@ -406,3 +420,73 @@ def test_move_line_keeps_crlf_and_reindents():
 def test_move_line_says_what_did_not_match(line, before, phrase):
     with pytest.raises(ValueError, match=phrase):
         lab10.move_line(lab10.script(3), line, before=before)
+
+
+# --- the learner's own diagnosis, before the options ------------------------------------------
+
+@pytest.mark.parametrize("n", sorted(lab10.SCRIPTS))
+def test_the_right_line_passes_and_only_then_shows_the_options(n, capsys):
+    lab10.show(n)
+    listing = capsys.readouterr().out
+    assert "A. " not in listing  # no options before the learner's own diagnosis
+    for line in lab10.bug_lines(n):
+        lab10.check_line(n, line, "a sentence of four words")
+        out = capsys.readouterr().out
+        assert out.startswith(f"✔ bug {n} is on line {line}") and "  A. " in out
+
+
+@pytest.mark.parametrize("n", sorted(lab10.SCRIPTS))
+def test_another_line_is_refused_with_a_question_not_the_answer(n):
+    right = lab10.bug_lines(n)
+    other = next(i for i in range(1, 40) if i not in right and lab10.script(n).splitlines()[i - 1]
+                 .strip().startswith(("torch.manual_seed", "opt = ", "sampler.set_epoch")))
+    with pytest.raises(LabCheckError) as err:
+        lab10.check_line(n, other, "this line looks wrong to me")
+    message = str(err.value)
+    assert message.startswith(f"Line {other} (`") and f"is not where bug {n} is" in message
+    assert lab10.LOOK_AGAIN[n] in message
+    assert not any(f"line {r}" in message.lower() for r in right)
+
+
+@pytest.mark.parametrize("line, why, phrase", [
+    (0, "four words right here", "one line number"), ("21", "four words right here",
+                                                        "one line number"),
+    (True, "four words right here", "one line number"), (999, "four words right here", "1 to"),
+    (21, "", "four words or more"), (21, "bad", "four words or more"), (21, 3, "a sentence"),
+])
+def test_a_diagnosis_that_is_not_a_line_and_a_sentence_is_refused(line, why, phrase):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab10.check_line(1, line, why)
+    with pytest.raises(NotImplementedError, match="write line1 and why1"):
+        lab10.check_line(1, None, "x")
+
+
+def test_the_options_are_alike():
+    """No option stands out by its length: the right one is never the longest by more than a
+    few words, and in at most two bugs the longest at all."""
+    longest = 0
+    for n, opts in lab10.CHOICES.items():
+        words = {o: len(text.split()) for o, text, _ in opts}
+        mean = sum(words.values()) / len(words)
+        assert all(abs(w - mean) <= 0.35 * mean for w in words.values()), (n, words)
+        right = lab10.ANSWERS[n]
+        longest += words[right] == max(words.values())
+    assert longest <= 2
+
+
+def test_a_wrong_options_sentence_does_not_say_the_right_one():
+    for n, opts in lab10.CHOICES.items():
+        for _, _, why in opts:
+            if why:
+                assert "elsewhere" not in why and "what is wrong is" not in why.lower(), why
+
+
+def test_the_prediction_is_compared_with_the_count(capsys):
+    from dpcourse.checks import predict
+
+    measured = lab10.examples_read()
+    assert 30 <= measured <= 42 and lab10.examples_read(seed=3, world_size=1) == 48
+    lab10.check_prediction(predict("lab10", "q", measured + 2))
+    assert "— right." in capsys.readouterr().out
+    lab10.check_prediction(predict("lab10", "q", 48))
+    assert "— not what happened." in capsys.readouterr().out

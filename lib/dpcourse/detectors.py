@@ -72,6 +72,20 @@ def _first_shape(arguments: dict) -> list | None:
     return None
 
 
+def _root(call) -> int | None:
+    """The sending or receiving rank a rooted collective names (broadcast's and scatter's src,
+    reduce's and gather's dst): ranks that name different roots disagree even when kind and
+    shape match. None for the others."""
+    if call.function not in ("broadcast", "broadcast_object_list", "reduce", "scatter",
+                             "gather", "scatter_object_list", "gather_object"):
+        return None
+    for name in ("src", "dst", "group_src", "group_dst"):
+        value = (call.args or {}).get(name)
+        if isinstance(value, int):
+            return value
+    return None
+
+
 def _caller() -> str:
     """file:line of the first frame outside torch and this module: the user's call."""
     for frame in reversed(traceback.extract_stack()[:-2]):
@@ -103,8 +117,8 @@ def trace_collectives(path: str | os.PathLike, monitor: float | None = None):
     with open(path, "a", buffering=1) as f:
         def start(call):
             f.write(json.dumps({"i": call.index, "op": call.function,
-                                "shape": _first_shape(call.args), "where": _caller(),
-                                "event": "start"}) + "\n")
+                                "shape": _first_shape(call.args), "root": _root(call),
+                                "where": _caller(), "event": "start"}) + "\n")
             if monitor is not None:
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=monitor),
                                        wait_all_ranks=True)
@@ -128,8 +142,8 @@ def read_traces(directory: str | os.PathLike, world_size: int) -> dict[int, list
             except json.JSONDecodeError:  # a line cut short by the kill
                 continue
             if rec["event"] == "start":
-                calls[rec["i"]] = {k: rec[k] for k in ("i", "op", "shape", "where")} | {
-                    "done": False}
+                calls[rec["i"]] = {k: rec.get(k) for k in ("i", "op", "shape", "root",
+                                                            "where")} | {"done": False}
             elif rec["i"] in calls:
                 calls[rec["i"]]["done"] = True
         traces[r] = [calls[i] for i in sorted(calls)]
@@ -152,8 +166,9 @@ class TraceReport:
             return "collective trace: every rank made the same calls, in the same order"
         lines = [f"collective trace: the ranks disagree at call #{self.index}:"]
         for r, c in self.calls.items():
+            root = "" if c is None or c.get("root") is None else f", root rank {c['root']}"
             what = ("made no such call" if c is None else
-                    f"{c['op']}(shape {c['shape']}) at {c['where']}")
+                    f"{c['op']}(shape {c['shape']}{root}) at {c['where']}")
             lines.append(f"  rank {r}: {what}")
         for r, c in self.stuck.items():
             lines.append(f"  rank {r} is stuck in {c['op']} (call #{c['i']}) at {c['where']}")
@@ -161,7 +176,8 @@ class TraceReport:
 
 
 def compare_traces(traces: dict[int, list[dict]]) -> TraceReport:
-    """The first call at which the ranks' collective traces disagree in kind or shape.
+    """The first call at which the ranks' collective traces disagree in kind, shape or root
+    (the src or dst rank a broadcast, reduce, scatter or gather names).
 
     Shown in lesson 10, §1.
     """
@@ -169,7 +185,8 @@ def compare_traces(traces: dict[int, list[dict]]) -> TraceReport:
     longest = max((len(t) for t in traces.values()), default=0)
     for i in range(longest):
         here = {r: (t[i] if i < len(t) else None) for r, t in traces.items()}
-        keys = {None if c is None else (c["op"], tuple(c["shape"] or ())) for c in here.values()}
+        keys = {None if c is None else (c["op"], tuple(c["shape"] or ()), c.get("root"))
+                for c in here.values()}
         if len(keys) > 1:
             return TraceReport(False, i, here, stuck)
     return TraceReport(not stuck, None if not stuck else min(c["i"] for c in stuck.values()),

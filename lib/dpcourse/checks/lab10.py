@@ -42,10 +42,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dpcourse import launch
-from dpcourse.checks import check_timeout, fail, passed, recorded, run_ranks, timed_out
+from dpcourse.checks import (check_timeout, fail, passed, recorded, reveal, run_ranks,
+                             timed_out)
 
-__all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "script", "show", "move_line", "check_answer",
-           "simulate", "run_fix", "judge_fix", "check_fix", "check_fixes",
+__all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "BUG_LINES", "script", "show", "options",
+           "bug_lines", "check_line", "move_line", "check_answer", "simulate", "run_fix",
+           "judge_fix", "check_fix", "check_fixes", "examples_read", "check_prediction",
            "check_replicas_in_sync"]
 
 SCRIPT_DIR = Path(__file__).resolve().parents[1] / "scripts" / "lab10"
@@ -56,64 +58,81 @@ WORLD_SIZES = {1: 2, 2: 2, 3: 2, 4: 2, 5: 3}
 CLIP = {3: 0.2}  # script 3 clips the gradient norm to this (after the average, when right)
 TOL = 1e-5  # float drift measured at ~1e-7; every bug lands 1e-2 or more away
 
-# bug -> [(option, why it is not the bug, or None for the right one)]
+# bug -> [(option, why it is not the bug, or None for the right one)]. The options are alike in
+# length and form (tests/test_lab10_checks.py holds them to it), and a wrong option's sentence
+# says why that option is wrong without naming the right one: the learner has already found the
+# line (check_line) and now says what is wrong with it.
 CHOICES = {
-    1: [("A", "The ranks must shuffle in different orders, so each needs its own seed; the bug "
-              "is that the model is seeded with args.seed on every rank.",
-         "the replicas must start equal (one seed for the model), and DistributedSampler already "
-         "gives each rank different examples: it cuts ONE shuffled order into slices."),
-        ("B", "DistributedSampler cuts one shuffled order into per-rank slices; seeded "
-              "differently, each rank slices a different order, so in an epoch some examples "
-              "are read twice and others never.", None),
-        ("C", "set_epoch must be called after the loop over the batches, not before.",
-         "set_epoch before iterating is right: it reseeds the shuffle of the epoch about to "
-         "start."),
-        ("D", "The loss is not averaged over the ranks, only the gradients.",
-         "the gradients are what the step uses, and they are averaged; the loss is only a "
-         "number each rank backpropagates from.")],
-    2: [("A", "DistributedSampler needs shuffle=True, or it deals the same order every epoch.",
-         "shuffle=True is DistributedSampler's default."),
-        ("B", "batch_size=4 must be divided by world_size: each rank should read 4 / "
-              "world_size examples.",
-         "batch_size is the per-rank batch: the global batch is 4 × world_size by design."),
-        ("C", "The sampler is built but the loader never uses it (shuffle=True instead): every "
-              "rank reads all 48 examples in the same order, so the ranks duplicate each "
-              "other's work.", None),
-        ("D", "set_epoch is called on the sampler instead of on the loader.",
-         "set_epoch is a DistributedSampler method; the loader has none.")],
-    3: [("A", "Each rank clips a different gradient, so the replicas drift apart.",
-         "the clipped gradients are averaged afterwards, so every rank steps with the same "
-         "gradient: the replicas agree. What is wrong is which norm was clipped."),
-        ("B", "Gradient clipping cannot be combined with momentum.",
-         "clipping bounds the gradient before the optimizer sees it; momentum works the same "
-         "on clipped gradients."),
-        ("C", "clip_grad_norm_ must come after opt.step().",
-         "after the step the gradients have been used: clipping them then changes nothing."),
-        ("D", "Each rank clips its own gradient before the average: the norm clipped is a "
-              "rank's, not the global batch's, so the steps differ from training on the global "
-              "batch (the replicas still agree).", None)],
-    4: [("A", "Broadcasting p.data bypasses autograd, so the broadcast weights are lost.",
-         "writing into p.data in place is how weights are broadcast; the values stay."),
-        ("B", "Every rank passes its own rank as src: each thinks it is the sender, nobody "
-              "receives, and every rank waits in the broadcast forever.", None),
-        ("C", "The broadcast must come after the optimizer is created.",
-         "the optimizer holds the same parameter tensors; broadcasting into them before or "
-         "after creating it is the same."),
-        ("D", "The gradients should be broadcast, not all-reduced.",
-         "all-reducing and dividing is the average every rank needs; a broadcast would copy "
-         "rank 0's gradient only.")],
-    5: [("A", "all_reduce already averages, so the gradients are divided twice.",
-         "dist.all_reduce sums by default (ReduceOp.SUM); the loop's division makes it an "
-         "average — the second division is elsewhere."),
-        ("B", "Dividing the loss by world_size makes each rank's loss its share of the global "
-              "mean, which is right; the steps are too small because of momentum.",
-         "momentum works as on one device when the gradients are right; they are not."),
-        ("C", "The gradients are divided by world_size twice — once through the loss, once "
-              "after the all_reduce: every step is world_size times too small.", None),
-        ("D", "The loss must be all-reduced before backward so that every rank uses the "
-              "global mean.",
-         "all_reduce has no autograd rule: the gradient would not see it. Averaging the "
-         "gradients once is the whole job.")],
+    1: [("A", "Every rank seeds its model with args.seed, so the replicas cannot explore "
+              "different initial weights.",
+         "the replicas must start equal — data parallelism is one model trained on a larger "
+         "batch — so one seed (or a broadcast) for the weights is right."),
+        ("B", "Each rank's sampler shuffles its own permutation, so one epoch reads some "
+              "examples twice and others never.", None),
+        ("C", "set_epoch runs before the loop over the batches; it must run after it, once "
+              "the epoch's batches are read.",
+         "set_epoch reseeds the shuffle of the epoch about to start, so it belongs before the "
+         "loop, where it is."),
+        ("D", "Only the gradients are averaged over the ranks; the loss must be averaged too, "
+              "before backward runs.",
+         "the step uses the gradients, and they are averaged; each rank's loss is only where "
+         "its backward starts.")],
+    2: [("A", "The DistributedSampler is built without shuffle=True, so it deals the same "
+              "order of examples in every epoch.",
+         "shuffle=True is DistributedSampler's default, and set_epoch gives each epoch its own "
+         "order."),
+        ("B", "batch_size=4 is the global batch, so each rank should load 4 / world_size "
+              "examples per step.",
+         "a DataLoader's batch_size is per rank: the global batch is 4 × world_size by design, "
+         "and nothing here assumes otherwise."),
+        ("C", "The loader never draws from the sampler, so every rank reads all 48 examples "
+              "each epoch.", None),
+        ("D", "set_epoch is called on the sampler, but the loader is what must be told which "
+              "epoch starts.",
+         "set_epoch is a DistributedSampler method, and the sampler is what reshuffles per "
+         "epoch; a DataLoader has no set_epoch.")],
+    3: [("A", "Each rank clips a different gradient, so the replicas' weights drift apart "
+              "from the first step on.",
+         "after the clipping line the gradients are all-reduced and divided, so every rank "
+         "applies the same gradient and the replicas stay equal."),
+        ("B", "Gradient-norm clipping interferes with SGD's momentum, so it must not be used "
+              "with this optimizer.",
+         "clipping bounds the gradient before the optimizer sees it; momentum accumulates "
+         "clipped gradients as it would any others."),
+        ("C", "clip_grad_norm_ must run after opt.step(), once the step has used the gradients "
+              "it is meant to bound.",
+         "after the step the gradients have been used: clipping them then changes nothing in "
+         "the weights."),
+        ("D", "Each rank bounds its own gradient's norm, which differs from bounding the norm "
+              "of the averaged gradient.", None)],
+    4: [("A", "Broadcasting into p.data bypasses autograd, so the received weights are lost at "
+              "the first backward.",
+         "writing into p.data in place is how initial weights are broadcast; the values stay, "
+         "and autograd plays no part before the first forward."),
+        ("B", "Each rank names itself as the sender, so no rank receives and the broadcast "
+              "cannot complete.", None),
+        ("C", "The broadcast must come after the optimizer is built, or the optimizer keeps "
+              "the weights from before it.",
+         "the optimizer holds the same parameter tensors, which the broadcast writes into in "
+         "place: before or after is the same."),
+        ("D", "The gradients should be broadcast from one rank instead of being all-reduced by "
+              "every rank.",
+         "all-reducing then dividing gives every rank the average it needs; a broadcast would "
+         "copy one rank's gradient and waste the others'.")],
+    5: [("A", "dist.all_reduce averages by default, so the division after it divides the "
+              "gradients a second time.",
+         "dist.all_reduce sums by default (ReduceOp.SUM): the division after it turns that sum "
+         "into an average."),
+        ("B", "Dividing the loss by world_size is right; the steps are too small only because "
+              "momentum damps them.",
+         "momentum behaves as on one device when the gradients are right, and then the steps "
+         "are right too."),
+        ("C", "The gradients are divided by world_size twice, once through the loss and once "
+              "after the all-reduce.", None),
+        ("D", "The loss must be all-reduced before backward, so that every rank backpropagates "
+              "from the global mean.",
+         "all_reduce has no autograd rule, so the backward would not see it; the step needs "
+         "the gradients' average, taken once.")],
 }
 ANSWERS = {n: next(o for o, _, why in opts if why is None) for n, opts in CHOICES.items()}
 
@@ -125,10 +144,16 @@ BUGS = {
                             "args.seed (the same on every rank), not with a number.",
     "no_sampler": "the loader still ignores the DistributedSampler: every rank reads every "
                   "example — pass sampler=sampler to the DataLoader (and no shuffle).",
+    "no_sampler_in_order": "the loader still ignores the DistributedSampler (without shuffle it "
+                           "now reads the data in order): every rank reads every example — "
+                           "the loader must draw from the sampler (sampler=sampler).",
     "clip_local": "each rank still clips its own gradient before the average: clip once the "
                   "gradients are averaged, just before opt.step().",
     "no_clip": "the gradients are no longer clipped at all: keep the clipping, after the "
                "average.",
+    "no_broadcast": "the replicas no longer start from the same weights: each rank keeps what "
+                    "its own seed drew, so their gradients are averaged over different models "
+                    "— keep the broadcast, with one sender on every rank.",
     "divided_twice": "the gradients are still divided by world_size twice (once through the "
                      "loss, once after all_reduce): divide once.",
     "grad_sum": "the gradients are now summed, not averaged: divide by world_size exactly "
@@ -137,8 +162,25 @@ BUGS = {
               "number true on 2 ranks only.",
 }
 # which mistakes each script's fix is compared with, when its weights are wrong
-SUSPECTS = {1: ("sampler_seed_rank", "sampler_seed_ignored"), 2: ("no_sampler",),
-            3: ("clip_local", "no_clip"), 4: (), 5: ("divided_twice", "grad_sum", "halved")}
+SUSPECTS = {1: ("sampler_seed_rank", "sampler_seed_ignored"),
+            2: ("no_sampler", "no_sampler_in_order"),
+            3: ("clip_local", "no_clip"), 4: ("no_broadcast",),
+            5: ("divided_twice", "grad_sum", "halved")}
+
+# bug -> pieces of the lines where the bug is (check_line accepts any line holding one)
+BUG_LINES = {1: ("DistributedSampler(dataset",), 2: ("loader = DataLoader(",),
+             3: ("clip_grad_norm_",), 4: ("dist.broadcast(",),
+             5: ("/ world_size  #", "p.grad /= world_size")}
+# bug -> the question a learner who picked another line is sent back with (never the answer)
+LOOK_AGAIN = {
+    1: "ask which examples each rank's loader yields in one epoch, and whether the ranks "
+       "together read the data set exactly once",
+    2: "ask which examples each rank reads in one epoch, and which object decides that",
+    3: "ask, for each line of the step, whether it sees this rank's own gradient or the "
+       "average over the ranks",
+    4: "ask what each rank does in the first collective it calls, and which rank sends",
+    5: "follow one gradient from the loss to opt.step() and count what it is divided by",
+}
 
 
 def script(n: int) -> str:
@@ -149,13 +191,52 @@ def script(n: int) -> str:
 
 
 def show(n: int) -> None:
-    """Print script ``n`` with line numbers, then the options for its bug."""
+    """Print script ``n`` with line numbers (the options come after :func:`check_line`)."""
     print(f"--- {SCRIPTS[n]} ---")
     for i, line in enumerate(script(n).splitlines(), 1):
         print(f"{i:3d}  {line}")
-    print(f"\nWhat is the bug in {SCRIPTS[n]}?")
+
+
+def options(n: int) -> None:
+    """Print the four options for bug ``n``."""
+    if n not in CHOICES:
+        raise ValueError(f"there are five bugs, 1 to 5; got {n!r}")
+    print(f"What is wrong in {SCRIPTS[n]}?")
     for option, text, _ in CHOICES[n]:
         print(f"  {option}. {text}")
+
+
+def bug_lines(n: int) -> list[int]:
+    """The line numbers (as :func:`show` prints them) where bug ``n`` is."""
+    return [i for i, line in enumerate(script(n).splitlines(), 1)
+            if any(piece in line for piece in BUG_LINES[n])]
+
+
+@recorded(name="check_line {n}")
+def check_line(n: int, line, why) -> None:
+    """The learner's own diagnosis of bug ``n``, before any option: ``line`` is the number of
+    the line (as :func:`show` prints it) where the bug is, ``why`` a sentence of what goes wrong
+    there. A right line prints the options for :func:`check_answer`; ``why`` is not graded (it
+    is for the learner, and for the instructor in the progress file) but must be a sentence."""
+    __tracebackhide__ = True
+    if n not in SCRIPTS:
+        raise ValueError(f"there are five bugs, 1 to 5; got {n!r}")
+    if line is None or line is Ellipsis or why is None or why is Ellipsis:
+        raise NotImplementedError(f"write line{n} and why{n} first, then run this check.")
+    lines = script(n).splitlines()
+    if isinstance(line, bool) or not isinstance(line, int) or not 1 <= line <= len(lines):
+        fail(f"line{n} should be one line number of {SCRIPTS[n]}, 1 to {len(lines)} as the "
+             f"listing numbers them; got {line!r}.")
+    if not isinstance(why, str) or len(why.split()) < 4:
+        fail(f"why{n} should say in a sentence (four words or more) what goes wrong on that "
+             f"line; got {why!r}.")
+    if line not in bug_lines(n):
+        code = lines[line - 1].strip() or "(a blank line)"
+        fail(f"Line {line} (`{code[:70]}`) is not where bug {n} is: it does here what it "
+             f"would do in a correct script. To find the line, {LOOK_AGAIN[n]}.")
+    passed(f"bug {n} is on line {line}. Now say what is wrong there: set answer{n} to the "
+           f"option that says it.")
+    options(n)
 
 
 def move_line(text: str, line: str, before: str) -> str:
@@ -214,7 +295,7 @@ def _data():
 
 
 @functools.lru_cache(maxsize=64)
-def _simulate(world_size: int, seed: int, variant: str, clip) -> dict:
+def _simulate(world_size: int, seed: int, variant: str, clip, init_from: int = 0) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -224,11 +305,12 @@ def _simulate(world_size: int, seed: int, variant: str, clip) -> dict:
         raise ValueError(f"unknown variant {variant!r}: one of {known}")
     X, y = _data()
     ds = TensorDataset(X, y)
-    if variant == "no_sampler":  # every rank reads everything, in the same order: one replica
-        torch.manual_seed(seed)
+    if variant in ("no_sampler", "no_sampler_in_order"):
+        # every rank reads everything, in the same order: the ranks are one replica
+        torch.manual_seed(seed + init_from)
         m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-        loader = DataLoader(ds, batch_size=4, shuffle=True)
+        loader = DataLoader(ds, batch_size=4, shuffle=variant == "no_sampler")
         for epoch in range(3):
             for xb, yb in loader:
                 o.zero_grad()
@@ -244,7 +326,9 @@ def _simulate(world_size: int, seed: int, variant: str, clip) -> dict:
     loaders = [DataLoader(ds, batch_size=4, sampler=s) for s in samplers]
     models, opts = [], []
     for r in range(world_size):
-        torch.manual_seed(seed)
+        # every replica starts from rank init_from's weights (a broadcast from it), or, with no
+        # broadcast, from what its own seed drew
+        torch.manual_seed(seed + (r if variant == "no_broadcast" else init_from))
         m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         models.append(m)
         opts.append(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
@@ -274,11 +358,14 @@ def _simulate(world_size: int, seed: int, variant: str, clip) -> dict:
 
 
 def simulate(world_size: int = 2, seed: int = SEED, variant: str = "correct",
-             clip: float | None = None) -> dict:
+             clip: float | None = None, init_from: int = 0) -> dict:
     """Rank 0's final weights for the lab's training on ``world_size`` ranks, done right
     (``"correct"``) or with one of the mistakes in :data:`BUGS`, all replicas in this process;
-    ``clip``: the gradient-norm clipping of script 3 (after the average when done right)."""
-    return {k: v.clone() for k, v in _simulate(world_size, seed, variant, clip).items()}
+    ``clip``: the gradient-norm clipping of script 3 (after the average when done right);
+    ``init_from``: the rank whose initial weights (``seed + init_from``) every replica starts
+    from — script 4 seeds each rank differently and broadcasts one rank's weights."""
+    return {k: v.clone() for k, v in _simulate(world_size, seed, variant, clip,
+                                               init_from).items()}
 
 
 def _distance(a: dict, b: dict) -> float:
@@ -302,8 +389,12 @@ os._exit(0)
 
 
 def _last_error_line(text: str) -> str:
+    """The exception a rank raised, from torchrun's output: the child's own error line, not the
+    agent's ``ChildFailedError`` that wraps every failed child."""
     for line in reversed(text.splitlines()):
         line = re.sub(r"^\[rank \d+\]\s*(\[rank\d+\]:\s*)?", "", line).strip()
+        if "ChildFailedError" in line or "torch.distributed.elastic" in line:
+            continue
         if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b.*:", line):
             return line
         if "SIGABRT" in line or "Signal 6" in line:
@@ -329,6 +420,35 @@ def _precheck(n: int, text) -> None:
         compile(text, SCRIPTS[n], "exec")
     except SyntaxError as err:
         fail(f"The fix for bug {n} is not valid Python (line {err.lineno}: {err.msg}).")
+    _read_fix(n, text)
+
+
+def _lines_with(text: str, piece: str) -> list[str]:
+    return [ln.strip() for ln in text.splitlines() if piece in ln and not
+            ln.strip().startswith("#")]
+
+
+def _read_fix(n: int, text: str) -> None:
+    """Mistakes a fix shows in its text, said before any launch — the ones whose weights alone
+    cannot tell (a learning rate that makes up for a gradient, clipping that changes nothing)."""
+    __tracebackhide__ = True
+    if n == 1:
+        for line in _lines_with(text, "DistributedSampler("):
+            seed = re.search(r"seed\s*=\s*([^,)]*)", line)
+            if seed and re.search(r"\brank\b", seed.group(1)):
+                fail(f"Fix 1: {BUGS['sampler_seed_rank']} (its seed is `{seed.group(1).strip()}`)")
+    if n == 3:
+        lines = text.splitlines()
+        clip = [i for i, ln in enumerate(lines) if "clip_grad_norm_" in ln]
+        step = [i for i, ln in enumerate(lines) if "opt.step()" in ln]
+        if clip and step and min(clip) > max(step):
+            fail("Fix 3: clip_grad_norm_ now runs after opt.step(): the step has already used "
+                 "the gradients, so clipping them afterwards changes no weight.")
+    if n == 5 and _lines_with(text, "lr") != _lines_with(script(5), "lr"):
+        fail("Fix 5: you changed the learning rate to make up for the gradients: they are "
+             "still divided by world_size twice, and a larger lr undoes that for SGD only — "
+             "Adam, weight decay or clipping would see gradients world_size times too small. "
+             "Divide once.")
 
 
 # How a collective that only some ranks call shows itself. Which one a learner sees depends on
@@ -337,6 +457,18 @@ def _precheck(n: int, text) -> None:
 # remote worker hanging"). Seen in CI on a loaded 2-core machine: the second form.
 _MISMATCHED = re.compile(r"signal|SIGABRT|died|" + launch.PEER_LOST.pattern, re.I)
 _MISMATCH_HINT = " - every rank must call the same collectives in the same order"
+
+
+# errors torch raises for a fix, and what they mean here
+_KNOWN_ERRORS = {
+    "mutually exclusive with shuffle":
+        " - a DataLoader takes a sampler or shuffle=True, not both: with a sampler, the "
+        "sampler decides the order (DistributedSampler shuffles by default)",
+}
+
+
+def _known(error: str) -> str:
+    return next((hint for piece, hint in _KNOWN_ERRORS.items() if piece in error), "")
 
 
 def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"):
@@ -366,7 +498,7 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
             except launch.LaunchTimeoutError:
                 return hang
             except launch.RankFailedError as exc:
-                hint = _MISMATCH_HINT if _MISMATCHED.search(exc.summary) else ""
+                hint = _MISMATCH_HINT if _MISMATCHED.search(exc.summary) else _known(exc.summary)
                 return f"it failed on rank {exc.rank} ({exc.summary}){hint}."
         elif launcher != "torchrun":
             raise ValueError(f"launcher must be 'torchrun' or 'spawn', got {launcher!r}")
@@ -378,9 +510,9 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
             except launch.LaunchTimeoutError:
                 return hang
             if result.returncode != 0:
-                hint = (_MISMATCH_HINT if _MISMATCHED.search(_last_error_line(result.output))
-                        else "")
-                return f"it failed under torchrun ({_last_error_line(result.output)}){hint}."
+                error = _last_error_line(result.output)
+                hint = _MISMATCH_HINT if _MISMATCHED.search(error) else _known(error)
+                return f"it failed under torchrun ({error}){hint}."
         if not os.path.exists(out):
             return "it wrote no weights to --out: keep rank 0's torch.save."
         try:
@@ -400,8 +532,10 @@ def judge_fix(n: int, weights) -> None:
     if isinstance(weights, str):
         fail(f"Fix {n}: {weights}")
     ws, clip = WORLD_SIZES[n], CLIP.get(n)
-    want = simulate(ws, clip=clip)
-    d = _distance(weights, want)
+    # script 4 seeds every rank differently: a right fix starts every replica from one rank's
+    # weights, whichever rank sends them
+    senders = range(ws) if n == 4 else (0,)
+    d = min(_distance(weights, simulate(ws, clip=clip, init_from=s)) for s in senders)
     if d <= TOL:
         return
     for name in SUSPECTS[n]:
@@ -442,12 +576,49 @@ def check_fixes(fixes: dict, timeout: float | None = None, launcher: str = "torc
            f"of a correct data-parallel run")
 
 
+# --- a prediction: what script 1 does to one epoch ------------------------------------------
+
+
+def examples_read(world_size: int = 2, seed: int = SEED, epoch: int = 0) -> int:
+    """How many of the 48 examples the ranks of script 1 read, together, in one epoch: each
+    rank's DistributedSampler seeded ``seed + rank`` as the script does, each rank's slice of
+    its own permutation collected, the distinct indices counted. (A right script reads 48.)"""
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    dataset = torch.arange(48)
+    read = set()
+    for r in range(world_size):
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=r, seed=seed + r)
+        sampler.set_epoch(epoch)
+        read.update(sampler)
+    return len(read)
+
+
+def check_prediction(guess) -> None:
+    """Compare the learner's prediction of :func:`examples_read` for script 1 (two ranks, one
+    epoch) with the count, and say where the count comes from."""
+    __tracebackhide__ = True
+    measured = examples_read()
+    expected = 48 - 48 // 4
+    reveal(guess, measured, close=isinstance(guess.value, (int, float))
+           and abs(guess.value - measured) <= 6,
+           explanation=f"Each rank reads its half of its own permutation, so an example is in "
+                       f"rank 0's half with probability 1/2 and, independently, in rank 1's "
+                       f"with 1/2: about a quarter of the data (12) is read by neither rank and "
+                       f"a quarter by both, so about {expected} distinct examples per epoch — "
+                       f"this run read {measured}. One shared seed cuts ONE permutation into "
+                       f"disjoint halves: all 48, each once.")
+
+
 # --- stretch: a detector for bug 1 ---------------------------------------------------------
 
-_CASES = ("same", "off_keeping_sum", "swapped", "sign_flipped", "last_param_off")
+_CASES = ("same", "off_keeping_sum", "off_keeping_weighted_sum", "swapped", "sign_flipped",
+          "last_param_off")
 # what the learner reads when a detector calls differing replicas "in sync" in that case only
 _BLIND = {
     "off_keeping_sum": "one weight +1e-3 and the next -1e-3",
+    "off_keeping_weighted_sum": "one weight +2⁻⁹ and the next −2⁻¹⁰",
     "swapped": "two weights swapped",
     "sign_flipped": "one weight's sign flipped",
     "last_param_off": "only the last parameter off by 1e-3",
@@ -479,7 +650,14 @@ def _detector_worker(rank, world_size, fn):
         params = list(model.parameters())
         with torch.no_grad():
             first = params[0].view(-1)
+            if case == "off_keeping_weighted_sum":  # exact binary values on every rank
+                first[0], first[1] = 0.25, 0.5
             if rank == world_size - 1:
+                if case == "off_keeping_weighted_sum":
+                    # +2δ at position 1 and −δ at position 2: a sum weighted 1, 2, 3, … (lesson
+                    # 10's checksum) stays exactly the same; a plain sum does not
+                    first[0] += 2.0 ** -9
+                    first[1] -= 2.0 ** -10
                 if case == "off_keeping_sum":  # the sum of everything stays the same
                     first[0] += 1e-3
                     first[1] -= 1e-3
@@ -549,18 +727,22 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
         blind.append(case)
     if blind:
         where = ", ".join(_BLIND[c] for c in blind)
-        small = {"off_keeping_sum", "last_param_off"}
         if set(blind) == set(_BLIND):
             fail("whenever one replica differed, every rank returned True: the 'in sync' "
                  "verdict won — verdicts combined with any() or MAX, or rank 0's own verdict "
                  "sent to all (rank 0 compares with itself). Any rank's False must win: "
                  "all() of the gathered verdicts, or ReduceOp.MIN.")
-        if small <= set(blind) and not set(blind) & {"swapped", "sign_flipped"}:
+        if {"off_keeping_sum", "last_param_off"} <= set(blind) and not set(blind) & {
+                "swapped", "sign_flipped"}:
             why = ("each of those is a 1e-3 change and your tolerance let it pass; compare "
                    "exactly (torch.equal) or to a tiny tolerance")
         elif "off_keeping_sum" in blind:
-            why = ("a plain sum or mean of the values cannot see that (lesson 10's checksum "
-                   "weights each value by its position, and so can); compare every value")
+            why = "a plain sum or mean of the values cannot see that; compare every value"
+        elif "off_keeping_weighted_sum" in blind:
+            why = ("a sum that weights each value by its position (lesson 10's checksum) cannot "
+                   "see +2δ at one position with −δ at the next: any one number summarizing "
+                   "the weights has such blind spots, and the lab asks for False whenever a "
+                   "replica differs anywhere; compare every value")
         elif {"swapped", "sign_flipped"} <= set(blind):
             why = ("a norm (or another quantity that a swap and a sign flip keep) cannot see "
                    "that; compare every value, in place")

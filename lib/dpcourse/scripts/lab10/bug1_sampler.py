@@ -18,7 +18,6 @@ g = torch.Generator().manual_seed(1234)  # the data: the same on every rank
 X = torch.randn(48, 6, generator=g)
 y = torch.tanh(X @ torch.randn(6, 1, generator=g))
 dataset = TensorDataset(X, y)
-# every rank shuffles with its own seed, so the ranks see the data in different orders
 sampler = DistributedSampler(dataset, seed=args.seed + rank)
 loader = DataLoader(dataset, batch_size=4, sampler=sampler)
 

@@ -21,7 +21,7 @@ dataset = TensorDataset(X, y)
 sampler = DistributedSampler(dataset, seed=args.seed)
 loader = DataLoader(dataset, batch_size=4, sampler=sampler)
 
-torch.manual_seed(args.seed)
+torch.manual_seed(args.seed + rank)  # a random stream per rank (dropout, augmentation)
 model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 for p in model.parameters():  # make sure every replica starts from the same weights
