@@ -1,20 +1,17 @@
 # %% [markdown]
 # # Lab 04 — a metric that is not a mean, in your torchrun DDP script
 #
-# Lesson 04 turned `train_single.py` into `train_ddp.py` line by line, and made its evaluation
-# equal one process: each test image on exactly one rank, a **sum** of right answers and a
-# **count** of images on every rank, one `all_reduce`, the division last. That works because
-# accuracy is a mean over images. Many metrics are not: precision, recall, F1, AUC, a BLEU
+# Lesson 04 turned `train_single.py` into `train_ddp.py` line by line and made its evaluation
+# equal one process's: accuracy is a mean over images, so sums and counts added over the ranks
+# give it exactly. Many metrics are not means over images: precision, recall, F1, AUC, a BLEU
 # score. Here you evaluate the **macro-F1** of the model the script trained — the mean over the
-# 10 classes of each class's F1 = 2·precision·recall / (precision + recall) — on a test set
-# split over the ranks, and the number must be **the one process's**, on every rank.
+# 10 classes of each class's F1 — on a test set split over the ranks.
 #
 # Below is a torchrun DDP script built the way the lesson built `train_ddp.py` (read it: nothing
-# in it is new). One function in it is yours: `evaluate_f1`. The check first calls your
-# function on 2 and on 3 ranks, with test sets that do not split evenly, and compares it with
-# one process; if it differs it names the mistake (duplicates, a rank's own number, a mean of
-# the ranks' F1 scores ...). Then it runs the whole script with
-# `torchrun --nproc-per-node=2` and compares the weights and the F1 it saved.
+# in it is new). One function in it is yours: `evaluate_f1`. The check calls it on 2 and on 3
+# ranks, with test sets that do not split evenly, and compares what it returns with one
+# process; then it runs the whole script with `torchrun --nproc-per-node=2` and compares the
+# weights and the F1 it saved. When something is wrong, its sentence says what.
 
 # %% tags=["parameters"]
 timeout = 120   # seconds the check gives torchrun
@@ -29,25 +26,54 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # %% [markdown]
 # ## Your task: `evaluate_f1`
 #
-# `macro_f1(confusion)` is given: from a 10 × 10 matrix whose entry `[t, p]` counts the test
-# images of true class `t` that the model predicted as `p`, it returns the macro-F1. Write
-# `evaluate_f1(model, test_set, rank, world_size, device)` so that **every rank returns the
-# macro-F1 of the whole test set**, exactly what one process gets — and each rank does only its
-# share of the work. Hints:
-# 1. Which images does this rank evaluate? Every image must be counted exactly once over all
-#    ranks (what does `DistributedSampler` do when 101 images meet 2 ranks?).
-# 2. F1 is not a sum over images, so neither summing nor averaging the ranks' F1 scores gives
-#    the F1 of the whole set. What *is* a sum over images, from which F1 follows?
-# 3. Evaluate with the model in evaluation mode and without gradients. `model` is the plain
-#    model (the script passes `model.module`, not the DDP wrapper), so its forward sends nothing.
+# `macro_f1(y_true, y_pred)` is given: it **defines** the number you must produce — from the
+# true classes and the predicted classes of a set of images, the macro-F1 of that set. Write
+# `evaluate_f1(model, test_set, rank, world_size, device)`. The contract:
 #
-# <details><summary>▶ More on hint 2 — open only if you are stuck</summary>
+# - it is called on every rank, with the plain model (the script passes `model.module`) and the
+#   whole `test_set` (a dataset of `(image, class)` pairs);
+# - it returns a float, **the same on every rank: `macro_f1` of the whole test set's labels and
+#   predictions**, what one process evaluating every image gets (to 1e-6);
+# - each rank runs the model on its own share of the images, and every image is evaluated on
+#   exactly one rank;
+# - the model is evaluated as at test time, without building an autograd graph;
+# - what a rank sends to the others **does not grow with the test set**: a real test set has
+#   10⁵ images on hundreds of ranks.
 #
-# The confusion matrix is a sum over images: each image adds 1 to one entry `[true, predicted]`.
-# Count this rank's images into a matrix, add the ranks' matrices, and compute F1 from the sum.
-# </details>
+# **Your design decision:** which statistic the ranks exchange. It must determine the whole
+# test set's macro-F1 exactly, and its size must not depend on the number of images. Say in a
+# comment on your collective what it holds and how many bytes it is.
 #
 # Re-run the cell after each edit: it rewrites `train_lab.py`.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Lesson 04 could add the ranks' *accuracies*? No: it added numbers of correct answers and
+# numbers of images, and divided once at the end. Which numbers, known for the whole test set,
+# would let you compute every class's F1 — and do those numbers add up over the ranks?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A class's precision and recall are ratios of counts: how often it was predicted and right,
+# predicted and wrong, missed. Counts over disjoint sets of images add up; ratios do not. So
+# each rank counts over its own images, the ranks add their counts (a fixed-size tensor,
+# whatever the number of images), and F1 is computed once, from the sums, as `macro_f1` would
+# compute it from the whole set. How you split the images matters too: see what lesson 04 §4
+# says about each image exactly once.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Pieces, in order: this rank's indices of the test set (a `Subset`); a zero tensor of counts
+# of fixed shape; the model in its test-time mode and a loop, with autograd off, that adds
+# each batch's (true class, predicted class) outcomes into the counts; one collective that
+# sums the counts over the ranks; each class's F1 from the summed counts (2·TP over the
+# predicted-as-c total plus the truly-c total, 0 where both are 0), and their mean as a float.
 
 # %%
 # %%writefile {work}/train_lab.py
@@ -68,21 +94,27 @@ from dpcourse.ddp_practice import save_checkpoint
 NUM_CLASSES = 10
 
 
-def macro_f1(confusion):
-    """Mean over classes of F1 = 2 TP / (2 TP + FP + FN); confusion[t, p] counts true t, predicted p."""
-    confusion = confusion.double()
-    tp = confusion.diagonal()
-    fp = confusion.sum(0) - tp  # predicted p, but another true class
-    fn = confusion.sum(1) - tp  # true t, predicted as another class
-    denominator = 2 * tp + fp + fn
-    f1 = torch.where(denominator > 0, 2 * tp / denominator.clamp(min=1), torch.zeros_like(tp))
-    return float(f1.mean())
+def macro_f1(y_true, y_pred):
+    """The macro-F1 of one set of images. ``y_true`` and ``y_pred`` are 1-D integer tensors of
+    classes 0..9 (each image's true class and the model's prediction). For each class c:
+    TP = images of class c predicted c, FP = predicted c but of another class, FN = of class c
+    but predicted another; F1_c = 2 TP / (2 TP + FP + FN), 0 when that denominator is 0.
+    Returns the mean of the 10 F1_c (a float)."""
+    y_true, y_pred = y_true.long().cpu(), y_pred.long().cpu()
+    scores = []
+    for c in range(NUM_CLASSES):
+        tp = int(((y_pred == c) & (y_true == c)).sum())
+        fp = int(((y_pred == c) & (y_true != c)).sum())
+        fn = int(((y_pred != c) & (y_true == c)).sum())
+        scores.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
+    return sum(scores) / NUM_CLASSES
 
 
 def evaluate_f1(model, test_set, rank, world_size, device):
-    """The macro-F1 of ``model`` (the plain model, ``model.module`` of the DDP wrapper) over the
-    WHOLE ``test_set``: the same number on every rank."""
-    ### BEGIN SOLUTION: evaluate this rank's share of the images (each exactly once over all ranks), combine across the ranks what macro_f1 is computed from, then call macro_f1
+    """macro_f1 of the WHOLE ``test_set`` under ``model`` (the plain model), the same float on
+    every rank; each image evaluated on one rank; what a rank sends independent of the set's
+    size."""
+    ### BEGIN SOLUTION: evaluate_f1: the whole test set's macro-F1, the same on every rank
     mine = Subset(test_set, range(rank, len(test_set), world_size))
     confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.int64, device=device)
     model.eval()
@@ -91,8 +123,11 @@ def evaluate_f1(model, test_set, rank, world_size, device):
             predicted = model(X.to(device)).argmax(1)
             pairs = y.to(device) * NUM_CLASSES + predicted  # (true, predicted) as one index
             confusion += torch.bincount(pairs, minlength=NUM_CLASSES ** 2).view_as(confusion)
-    dist.all_reduce(confusion)  # the whole test set's matrix, on every rank
-    return macro_f1(confusion)
+    # The confusion matrix [true, predicted]: 10 x 10 int64 = 800 bytes, whatever the test set.
+    dist.all_reduce(confusion)  # now the whole test set's, on every rank
+    tp = confusion.diagonal().double()
+    predicted_as, truly = confusion.sum(0).double(), confusion.sum(1).double()  # TP+FP, TP+FN
+    return float((2 * tp / (predicted_as + truly).clamp(min=1)).mean())
     ### END SOLUTION
 
 
@@ -147,7 +182,7 @@ if __name__ == "__main__":
 #
 # This calls your `evaluate_f1` on 2 and 3 ranks (a few seconds), then runs
 # `torchrun --nproc-per-node=2 train_lab.py ...` (about 10 s). One line with ✔ means your
-# script is right.
+# script is right. On a crowded machine, raise `timeout` in the parameters cell at the top.
 
 # %%
 from dpcourse.checks import lab04
@@ -155,42 +190,117 @@ from dpcourse.checks import lab04
 lab04.check(work / "train_lab.py", timeout=timeout)
 
 # %% [markdown]
-# ## Stretch (optional): resume after a crash
+# ## Predict, then measure: what `DistributedSampler` hands out
 #
-# A workshop can stop here. Lesson 04 restarted a job with `torchrun --max-restarts`; a restart
-# only helps if the script can pick up where it stopped. Write the two functions a training
-# script calls for that:
-#
-# * `save_training_state(path, model, optimizer, epoch, is_main)` — at the end of every epoch:
-#   on the main rank only, save what the next run needs to continue *exactly* (the unwrapped
-#   weights, the optimizer's state — SGD's momentum lives there — and the epoch just finished).
-#   `save_checkpoint` from `dpcourse.ddp_practice` writes atomically.
-# * `resume_training_state(path, model, optimizer)` — at the start, on every rank: if the file
-#   exists, load it back into the (DDP-wrapped) model and the optimizer and **return the first
-#   epoch still to do**; if not, return 0. `load_checkpoint` returns None for a missing file.
-#
-# The check trains the lab's model for 3 epochs on 2 ranks, stops the job after epoch 1 as a
-# crash would, starts it again, and compares the final weights with an uninterrupted run.
+# The script's training loader shards its data with `DistributedSampler`. Suppose it sharded
+# a test set of **101 images over 4 ranks** the same way (`shuffle=False`). How many images
+# would the 4 ranks' shards hold **together**? Write your number first, run the cell, then the
+# measurement.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# In a DDP training loop every rank must take the same number of steps, or one rank waits in an
+# all-reduce that the others never start. What does that require of the shards' lengths when
+# 101 does not divide by 4? Lesson 04 §4 measured it.
 
 # %%
+from dpcourse.checks import predict
+
+### BEGIN SOLUTION: your prediction (a number of images)
+my_guess = 104
+### END SOLUTION
+guess = predict("lab04", "images in 4 DistributedSampler shards of 101", my_guess,
+                unit="images")
+
+# %%
+from torch.utils.data import DistributedSampler
+
+shards = [list(DistributedSampler(range(101), num_replicas=4, rank=r, shuffle=False))
+          for r in range(4)]
+lab04.check_prediction(guess, sum(len(shard) for shard in shards))
+
+# %% [markdown]
+# ## Stretch (optional): resume after a crash, exactly
+#
+# A workshop can stop here. Lesson 04 restarted a job with `torchrun --max-restarts`; a restart
+# only helps if the script continues where it stopped. The lesson's script had nothing random
+# in its training; this one has: its model has **dropout**, and each rank draws its own masks
+# (the check seeds rank r's generator with `seed + 1 + r` after building the model). Write the
+# two functions the check's training loop calls:
+#
+# * `save_training_state(path, model, optimizer, epoch, is_main)` — called on **every** rank at
+#   the end of every epoch (`model` is the DDP wrapper, `epoch` the epoch just finished,
+#   `is_main` true on rank 0). Afterwards the one file at `path`, written by rank 0 alone, holds
+#   everything the next run needs to continue exactly; its weights are the **unwrapped**
+#   model's (a plain model must be able to load them). `save_checkpoint` from
+#   `dpcourse.ddp_practice` writes atomically.
+# * `resume_training_state(path, model, optimizer)` — called on every rank at the start, after
+#   the model is wrapped: if the file exists, every rank continues exactly where it stopped;
+#   **returns the first epoch still to do**, or 0 when there is no file (`load_checkpoint`
+#   returns None then).
+#
+# The check trains 3 epochs on 2 ranks, stops the job after epoch 1 as a crash would, starts it
+# again, and compares every rank's state and the final weights with an uninterrupted run: they
+# must agree bit for bit (to 1e-5).
+#
+# **Your design decision:** what differs from one rank to another, and how it reaches the one
+# file that rank 0 writes (and back to the right rank).
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# After epoch 1, list what decides what epoch 2 computes on rank 1: which of it is the same on
+# every rank, and which is rank 1's own? Which of it can rank 0 see?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The weights and SGD's momentum are the same on every rank (DDP keeps them so), so rank 0's
+# copy stands for all. The random generator that draws the dropout masks is not: each rank's
+# is its own. Bring every rank's generator state to rank 0 with a collective before it writes,
+# and on resume let each rank take its own back. Every rank loads everything it needs: DDP does
+# not copy anything to the other ranks after it has wrapped the model.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Save: every rank contributes its generator state to an object collective (a list, one entry
+# per rank); then rank 0 alone writes one dict: the plain model's weights, the optimizer's
+# state dict, the epoch, that list. Resume: no file, return 0; else on every rank load the
+# weights into the model inside the wrapper, the optimizer's state, this rank's entry of the
+# list into the generator; return the saved epoch plus one.
+
+# %%
+import torch
+import torch.distributed as dist
+
 from dpcourse.ddp_practice import load_checkpoint, save_checkpoint
 
 
 def save_training_state(path, model, optimizer, epoch, is_main):
-    ### BEGIN SOLUTION: on the main rank only: save the unwrapped weights, the optimizer state and the epoch
+    ### BEGIN SOLUTION: save_training_state: one file, by rank 0, to continue exactly
+    generators = [None] * dist.get_world_size()
+    dist.all_gather_object(generators, torch.get_rng_state())  # each rank's dropout stream
     if is_main:
         save_checkpoint(path, {"model": model.module.state_dict(),
-                               "optimizer": optimizer.state_dict(), "epoch": epoch})
+                               "optimizer": optimizer.state_dict(), "epoch": epoch,
+                               "rng": generators})
     ### END SOLUTION
 
 
 def resume_training_state(path, model, optimizer):
-    ### BEGIN SOLUTION: load weights and optimizer state if the file exists; return the first epoch still to do (0 if none)
+    ### BEGIN SOLUTION: resume_training_state: every rank continues where it stopped
     state = load_checkpoint(path)
     if state is None:
         return 0
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"][dist.get_rank()])
     return state["epoch"] + 1
     ### END SOLUTION
 

@@ -3,19 +3,25 @@ script so that it equals one process.
 
 ``check(path)`` does two things:
 
-1. It takes ``evaluate_f1`` (and the given ``macro_f1``) out of the learner's script and calls
-   it on 2 ranks with 101 test images and on 3 ranks with 100 (neither splits evenly), with a
-   model whose forward counts the images each rank evaluates. Every rank must return one
-   process's macro-F1 of the whole test set, each image evaluated exactly once over all ranks,
-   with the model in eval mode. When it does not, the sentence names the mistake: ranks that
-   return their own shard's number, images counted twice (DistributedSampler's padding) or
-   skipped, every rank evaluating everything, the ranks' F1 scores averaged or summed, the
-   accuracy instead of F1.
+1. It takes ``evaluate_f1`` (and the given ``macro_f1(y_true, y_pred)``, which defines the
+   number) out of the learner's script and calls it on 2 ranks with 101 test images and on 3
+   ranks with 100 (neither splits evenly), with a model whose forward counts the images each
+   rank evaluates, its mode and whether autograd is on; each rank calls it a second time on a
+   test set 4 times larger while the collectives it calls are recorded. Every rank must return
+   one process's macro-F1 of the whole test set, each image evaluated exactly once over all
+   ranks, in eval mode without autograd, and send no more for the larger set (which statistic
+   crosses is the learner's decision: a confusion matrix, per-class counts ...). When it does
+   not, the sentence names the mistake: ranks that return their own shard's number, images
+   counted twice (DistributedSampler's padding) or skipped, every rank evaluating everything,
+   the ranks' F1 scores averaged or summed, the accuracy instead of F1, the labels or
+   predictions themselves gathered (what is sent grows with the test set).
 2. It runs the whole script under torchrun (2 processes) and compares the weights it writes to
    ``--out`` with one process trained on the global batch, and the F1 it saved with one
-   process's F1 of those weights. The training part of the script is given; if a learner breaks
-   it, we replay the plausible wrong conversions in one process and name the one whose weights
-   the script reproduced:
+   process's F1 of those weights. A script that fails under torchrun is reported with the
+   child's own exception (the rank torchrun names as the root cause), not the agent's
+   ``ChildFailedError``. The training part of the script is given; if a learner breaks it, we
+   replay the plausible wrong conversions in one process and name the one whose weights the
+   script reproduced:
 
 * no DistributedSampler: every rank reads the same batches, so the global batch is halved;
 * the per-rank batch left at the global batch: the global batch is multiplied by N;
@@ -29,6 +35,15 @@ script so that it equals one process.
 Saving on every rank is caught directly: the check records every ``torch.save`` per rank; a
 checkpoint saved from the DDP wrapper (``module.`` keys) is refused, since the plain model that
 evaluation and resuming build cannot load it.
+
+``check_prediction`` compares the learner's prediction of how many images DistributedSampler
+hands out (101 images, 4 ranks) with the count. ``check_resume`` (the stretch) trains a model
+with dropout, each rank drawing from its own random stream, "crashes" it after epoch 1 and
+resumes it; it compares each rank's weights, momentum and generator state after the resume with
+what that rank had at the crash (so a mistake is named by its cause: the optimizer or the
+weights restored on rank 0 only, rank 0's generator state given to every rank ...), refuses a
+checkpoint holding the DDP wrapper's weights or a file written by another rank, and compares
+the final weights with an uninterrupted run.
 Used in solutions/lab04_ddp_in_practice.py; tests in tests/test_lab04_checks.py.
 """
 
@@ -42,10 +57,12 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dpcourse.checks import check_timeout, fail, passed, recorded, run_ranks, timed_out
+from dpcourse.checks import (check_timeout, fail, passed, recorded, require_answer, run_ranks,
+                             timed_out)
 
 __all__ = ["Lab04Config", "CONFIGS", "F1_RUNS", "reference_weights", "run_script", "judge",
-           "check_f1", "check", "check_resume", "MISTAKES"]
+           "check_f1", "check", "check_prediction", "check_resume", "MISTAKES", "F1_MISTAKES",
+           "RESUME_MISTAKES"]
 
 
 @dataclass(frozen=True)
@@ -244,10 +261,32 @@ def _spawn_worker(rank, world_size, script, args, log):
     return code
 
 
+_ERROR_LINE = re.compile(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b.*:")
+
+
 def _last_error_line(text: str) -> str:
+    """The exception a torchrun child raised, not the agent's ``ChildFailedError`` that wraps
+    it: the last error line printed by the rank torchrun names as the root cause (else by any
+    rank), prefixed with that rank; the root cause's exit code if it printed none."""
+    root = re.search(r"Root Cause.*?\brank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)(?:[^\n]*\((\w+)\))?",
+                     text, re.S)
+    want = root.group(1) if root else None
+    found = None
+    for line in text.splitlines():
+        m = re.match(r"^\[rank (\d+)\]\s*(?:\[rank\d+\]:\s*)?(.*)$", line)
+        if not m or (want is not None and m.group(1) != want):
+            continue
+        body = m.group(2).strip()
+        if _ERROR_LINE.match(body) and "ChildFailedError" not in body:
+            found = f"rank {m.group(1)}: {body}"
+    if found:
+        return found
+    if root:
+        signal = f" ({root.group(3)})" if root.group(3) else ""
+        return f"rank {root.group(1)} exited with code {root.group(2)}{signal}"
     for line in reversed(text.splitlines()):
-        line = re.sub(r"^\[rank \d+\]\s*(\[rank\d+\]:\s*)?", "", line).strip()
-        if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b.*:", line):
+        line = line.strip()
+        if _ERROR_LINE.match(line) and "ChildFailedError" not in line:
             return line
     return "see the output above"
 
@@ -378,18 +417,23 @@ F1_RUNS = ((2, 101), (3, 100))
 _F1_TOL = 1e-6  # float32 arithmetic in an answer is fine; every mistake is 1e-3 or more away
 
 F1_MISTAKES = {
-    "mean_of_f1": "The ranks' F1 scores were averaged: F1 is not a mean over images, so the mean "
-                  "of the shards' F1 is not the F1 of the whole set. Count every rank's "
-                  "(true, predicted) pairs into a confusion matrix, add the matrices with "
-                  "dist.all_reduce, then call macro_f1 once.",
-    "sum_of_f1": "The ranks' F1 scores were added up (all_reduce of the F1 itself): that is "
-                 "world_size times a mean of the shards' F1, not the F1 of the whole set. "
-                 "all_reduce the confusion matrix instead, then call macro_f1 once.",
-    "accuracy": "That number is the accuracy, not the macro-F1: build the 10 x 10 confusion "
-                "matrix (true class, predicted class), sum it over the ranks, and return "
-                "macro_f1(confusion).",
+    "mean_of_f1": "The ranks' F1 scores were averaged: F1 is a ratio of counts, not a mean over "
+                  "images, so the mean of the shards' F1 is not the F1 of the whole set. Add up "
+                  "over the ranks the counts that F1 is made of, then compute F1 once from the "
+                  "sums.",
+    "sum_of_f1": "The ranks' F1 scores were added up (an all_reduce of the F1 itself): that is "
+                 "world_size times a mean of the shards' F1, not the F1 of the whole set. Add up "
+                 "the counts that F1 is made of instead, then compute F1 once.",
+    "accuracy": "That number is the accuracy, not the macro-F1 that macro_f1 defines (the mean "
+                "over the 10 classes of each class's F1): compute each class's F1 from the "
+                "whole test set's counts and average them.",
 }
 
+# What a rank may send must not grow with the test set: the check calls evaluate_f1 a second
+# time on a test set this many times larger and compares the bytes (pickled objects may vary
+# by a few bytes with the values they hold, e.g. a larger int).
+_GROWTH = 4
+_GROWTH_SLACK = 64
 
 def _f1_of(confusion) -> float:
     """macro-F1 of a confusion matrix, as the lab's given macro_f1 computes it."""
@@ -435,27 +479,43 @@ def _namespace(source: str, filename: str = "train_lab.py") -> dict:
 
 
 def _f1_worker(rank, world_size, source, n_test):
-    """One rank: the learner's evaluate_f1 on its share, with a model that counts its inputs."""
+    """One rank: the learner's evaluate_f1 on its share, with a model that counts its inputs and
+    sees whether it runs in training mode or under autograd; then once more on a test set
+    _GROWTH times larger, to measure whether what the rank sends grows with the test set."""
     import torch
     from torch.utils.data import TensorDataset
 
+    from dpcourse.collectives import record_collectives
+
     torch.set_num_threads(1)
-    ns = _namespace(source)
     model = _f1_model()
-    seen = {"images": 0, "training": False}
+    seen = {"images": 0, "training": False, "grad": False}
 
     def count(module, inputs, output):
         seen["images"] += int(inputs[0].shape[0])
         seen["training"] |= module.training
+        seen["grad"] |= torch.is_grad_enabled()
 
     model.register_forward_hook(count)
-    X, y = _f1_data(n_test)
-    value = ns["evaluate_f1"](model, TensorDataset(X, y), rank, world_size, torch.device("cpu"))
+    sent = []
+    # The learner's module is built inside the recording, so even a name imported from
+    # torch.distributed (from torch.distributed import all_reduce) is the recorded one.
+    with record_collectives() as calls:
+        ns = _namespace(source)
+        for n in (n_test, _GROWTH * n_test):
+            X, y = _f1_data(n)
+            before = len(calls)
+            value = ns["evaluate_f1"](model, TensorDataset(X, y), rank, world_size,
+                                      torch.device("cpu"))
+            sent.append(sum(c.nbytes for c in calls[before:]))
+            if n == n_test:
+                first, first_seen = value, dict(seen)
+    value = first
     if torch.is_tensor(value) and value.numel() == 1:
         value = float(value.item())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return {"error": f"evaluate_f1 returned {type(value).__name__}, not a number (a float)"}
-    return {"value": float(value), **seen}
+    return {"value": float(value), **first_seen, "sent": sent}
 
 
 def _f1_variants(n_test: int, world_size: int) -> dict:
@@ -499,7 +559,8 @@ def _f1_variants(n_test: int, world_size: int) -> dict:
 
 def judge_f1(results: list, n_test: int) -> None:
     """Nothing if every rank returned one process's macro-F1, each image evaluated once in eval
-    mode; else fail with the sentence that names the mistake."""
+    mode without autograd, sending no more for a larger test set; else fail with the sentence
+    that names the mistake."""
     __tracebackhide__ = True
     N = len(results)
     where = f"On {N} ranks with {n_test} test images: "
@@ -508,28 +569,38 @@ def judge_f1(results: list, n_test: int) -> None:
             fail(where + r["error"] + ".")
     if any(r["training"] for r in results):
         fail(where + "the model ran in training mode: call model.eval() before evaluating "
-                     "(dropout and BatchNorm behave differently in training), and evaluate "
-                     "under torch.no_grad().")
+                     "(dropout and BatchNorm behave differently in training).")
+    if any(r.get("grad") for r in results):
+        fail(where + "the model's forward ran with autograd on, so it built a graph and kept "
+                     "every layer's activations for a backward that never comes: evaluate under "
+                     "torch.no_grad() (or torch.inference_mode()).")
     values = [r["value"] for r in results]
     if max(values) - min(values) > _F1_TOL:
         fail(where + f"the ranks returned different numbers ({', '.join(f'{v:.4f}' for v in values)}"
-                     f"): each returned its own share's result. Sum the confusion matrices over "
-                     f"the ranks (dist.all_reduce) before computing the F1, so that every rank "
-                     f"returns the whole test set's.")
+                     f"): each returned its own share's result. The ranks must combine what "
+                     f"they counted before the F1 is computed, so that every rank returns the "
+                     f"whole test set's.")
     images = [r["images"] for r in results]
     total = sum(images)
     if all(i == n_test for i in images) and N > 1:
         fail(where + f"every rank evaluated all {n_test} images: the work was not split. Give "
-                     f"rank r only its share (e.g. images r, r + world_size, ...) and add the "
-                     f"ranks' confusion matrices.")
+                     f"each rank only its share of the images and combine the ranks' counts.")
     if total > n_test:
         fail(where + f"the ranks evaluated {total} images for {n_test}, so some were counted "
                      f"twice: DistributedSampler pads every rank's share to equal length with "
-                     f"repeated images. Take images rank, rank + world_size, ... instead (each "
-                     f"exactly once).")
+                     f"repeated images. Split the indices yourself so that each image is on "
+                     f"exactly one rank (the shares may differ by one).")
     if total < n_test:
         fail(where + f"the ranks evaluated only {total} of the {n_test} images: every image must "
-                     f"be counted once (no drop_last, and the last rank takes the remainder).")
+                     f"be counted once (no drop_last, and the remainder goes to some rank).")
+    sent = [r.get("sent", [0, 0]) for r in results]
+    grown = [s for s in sent if s[1] > s[0] + _GROWTH_SLACK]
+    if grown:
+        small, big = grown[0]
+        fail(where + f"what a rank sends grows with the test set ({small} bytes for {n_test} "
+                     f"images, {big} for {_GROWTH * n_test}): the labels or predictions "
+                     f"themselves travel between the ranks. Exchange a summary whose size does "
+                     f"not depend on the number of images, from which the macro-F1 follows.")
     want = _f1_variants(n_test, N)
     got = values[0]
     if abs(got - want["correct"]) <= _F1_TOL:
@@ -539,9 +610,9 @@ def judge_f1(results: list, n_test: int) -> None:
             fail(where + F1_MISTAKES[name])
     if abs(got - want["accuracy"]) <= _F1_TOL:
         fail(where + F1_MISTAKES["accuracy"])
-    fail(where + f"your macro-F1 {got:.6f} differs from one process's {want['correct']:.6f}: "
-                 f"count this rank's (true, predicted) pairs into a 10 x 10 confusion matrix, "
-                 f"all_reduce it (a sum), then return macro_f1(confusion).")
+    fail(where + f"your macro-F1 {got:.6f} differs from one process's {want['correct']:.6f} "
+                 f"(macro_f1 of the whole test set's labels and predictions): compute F1 once, "
+                 f"from counts added up over every rank's images.")
 
 
 @recorded
@@ -634,29 +705,67 @@ def config_dict(cfg: Lab04Config = Lab04Config()) -> dict:
     return asdict(cfg)
 
 
+# --- the prediction: how many images DistributedSampler hands out ---------------------------
+
+def check_prediction(guess, handed_out: int, n_images: int = 101, world_size: int = 4) -> None:
+    """Compare the learner's prediction of how many images ``world_size`` ranks'
+    DistributedSampler shards hold for ``n_images`` images with what was measured; explain."""
+    __tracebackhide__ = True
+    from dpcourse.checks import reveal
+
+    per_rank = -(-n_images // world_size)
+    repeated = per_rank * world_size - n_images
+    reveal(guess, handed_out, close=guess.value == handed_out,
+           explanation=(f"DistributedSampler gives every rank the same number of indices, "
+                        f"ceil({n_images}/{world_size}) = {per_rank}, so that all ranks take "
+                        f"the same number of steps; the {per_rank} x {world_size} = "
+                        f"{per_rank * world_size} places are filled by repeating the first "
+                        f"{repeated} indices. An evaluation over those shards counts "
+                        f"{repeated} images twice."))
+
+
 # --- stretch: resume after a crash ---------------------------------------------------------
 
 RESUME_CFG = Lab04Config(epochs=3)
-# Two-rank DDP and the one-process reference add the same numbers in another order; over three
-# epochs of SGD with momentum that drifts apart by 0.5e-4 to 2.6e-4 depending on the machine's
-# CPU kernels (both measured), while every resume mistake lands 1e-2 or more away.
-RESUME_TOL = 2e-3
+RESUME_DROPOUT = 0.3  # the stretch's model draws dropout masks: each rank from its own stream
+# The resumed run and the uninterrupted one are the same 2-rank DDP computation (one thread per
+# rank), so a right resume ends with bit-identical weights; the bound only absorbs a kernel
+# that is not deterministic. Every resume mistake lands 1e-3 or more away.
+RESUME_TOL = 1e-5
 _CRASH_AFTER = 1  # the first run stops after epoch 1 of 0, 1, 2 (as if killed right then)
 
 RESUME_MISTAKES = {
+    "wrapper_keys": "The checkpoint holds the DDP wrapper's weights (their keys start with "
+                    "'module.'), though the task says to save the unwrapped weights: a plain "
+                    "model, for evaluation or a run without DDP, cannot load them. Save "
+                    "model.module.state_dict().",
     "no_optimizer": "The optimizer's state was not restored: SGD's momentum restarted from zero "
                     "after the crash. Save optimizer.state_dict() and load it back.",
+    "optimizer_rank0": "The optimizer's state was restored on rank 0 only: the other ranks' "
+                       "momentum restarted from zero, and every rank steps its own copy of the "
+                       "weights with its own optimizer, so the ranks drift apart. Load it on "
+                       "every rank.",
     "repeat_epoch": "The resumed run repeated the epoch it had already finished: return the "
-                    "saved epoch + 1, the first epoch still to do.",
+                    "first epoch still to do, the saved epoch + 1.",
     "from_zero": "The resumed run started again at epoch 0 (with the saved weights): return the "
-                 "first epoch still to do, saved epoch + 1.",
+                 "first epoch still to do, the saved epoch + 1.",
     "no_weights": "The resumed run continued from fresh weights: load the saved model weights "
                   "(model.module.load_state_dict(...)).",
+    "weights_rank0": "The weights were restored on rank 0 only: the other ranks continued from "
+                     "fresh weights. DDP copies rank 0's weights to the others when it wraps "
+                     "the model, not when you load them later: load them on every rank.",
+    "no_rng": "The ranks' random state was not restored: after the crash, dropout drew masks "
+              "the uninterrupted run never drew, so the weights differ. Each rank's random "
+              "number generator state is part of what the next run needs.",
+    "rng_rank0": "Every rank restored rank 0's random state: rank 1 now draws rank 0's dropout "
+                 "masks. Each rank has a random stream of its own, and the one file must hold "
+                 "every rank's.",
 }
 
 
 def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
-    """One rank of the lab's DDP training, with the learner's save and resume around it."""
+    """One rank of the stretch's DDP training (dropout, each rank its own random stream), with
+    the learner's save and resume around it (``None``: the uninterrupted reference run)."""
     __tracebackhide__ = True
     import torch
     import torch.distributed as dist
@@ -666,12 +775,20 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
     from dpcourse import data, models
 
     torch.set_num_threads(1)
-    saves = []
-    real_save = torch.save
+    writes = []
+    real_save, real_replace = torch.save, os.replace
 
-    def logged_save(*a, **k):
-        saves.append(1)
-        return real_save(*a, **k)
+    def logged_save(obj, f, *a, **k):
+        # a path, or a file opened by name; not a buffer in memory (all_gather_object pickles
+        # into one) nor save_checkpoint's temporary file (its os.replace is logged instead)
+        name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+        if isinstance(name, (str, os.PathLike)):
+            writes.append(str(name))
+        return real_save(obj, f, *a, **k)
+
+    def logged_replace(src, dst, *a, **k):
+        writes.append(str(dst))
+        return real_replace(src, dst, *a, **k)
 
     ds = data.load("shapes10", n_train=cfg.n_train, n_test=10, seed=cfg.seed)
     train_set = data.to_torch(ds.x_train, ds.y_train)
@@ -679,16 +796,35 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
     loader = DataLoader(train_set, batch_size=cfg.global_batch // world_size, sampler=sampler,
                         drop_last=True)
     torch.manual_seed(cfg.seed)
-    model = DDP(models.SmallCNN(width=cfg.width))
+    model = DDP(models.SmallCNN(width=cfg.width, dropout=RESUME_DROPOUT))
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    start = resume_fn(ckpt, model, opt)
-    if isinstance(start, torch.Tensor) and start.numel() == 1:
-        start = int(start.item())
-    if not isinstance(start, int) or isinstance(start, bool):
-        return {"error": f"resume_training_state returned {type(start).__name__}, not the epoch "
-                         f"to start at (an int)"}
-    epochs_run = []
-    torch.save = logged_save
+    torch.manual_seed(cfg.seed + 1 + rank)  # each rank draws its own dropout masks
+    start = 0
+    if resume_fn is not None:
+        real_set_rng = torch.random.set_rng_state
+
+        def guarded_set_rng(new_state):
+            # torch 2.14 reads a CPU generator state from the start of its storage: a row of a
+            # stacked tensor (storage offset > 0) crashed the process (SIGSEGV) when tried
+            if torch.is_tensor(new_state) and new_state.storage_offset() != 0:
+                raise ValueError(f"torch.set_rng_state was given a view into a larger tensor "
+                                 f"(storage offset {new_state.storage_offset()}), which crashes "
+                                 f"torch: pass a tensor of its own (.clone())")
+            return real_set_rng(new_state)
+
+        torch.set_rng_state = torch.random.set_rng_state = guarded_set_rng
+        try:
+            start = resume_fn(ckpt, model, opt)
+        finally:
+            torch.set_rng_state = torch.random.set_rng_state = real_set_rng
+        if isinstance(start, torch.Tensor) and start.numel() == 1:
+            start = int(start.item())
+        if not isinstance(start, int) or isinstance(start, bool):
+            return {"error": f"resume_training_state returned {type(start).__name__}, not the "
+                             f"epoch to start at (an int)"}
+    resumed = _snapshot(model, opt)
+    epochs_run, crashed = [], None
+    torch.save, os.replace = logged_save, logged_replace
     try:
         for epoch in range(start, cfg.epochs):
             sampler.set_epoch(epoch)
@@ -698,70 +834,77 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
                 loss.backward()
                 opt.step()
             epochs_run.append(epoch)
-            save_fn(ckpt, model, opt, epoch, rank == 0)
+            if save_fn is not None:
+                save_fn(ckpt, model, opt, epoch, rank == 0)
             dist.barrier()  # rank 0's file is complete before anyone "crashes"
             if epoch == stop_after:
+                crashed = _snapshot(model, opt)
                 break
     finally:
-        torch.save = real_save
-    return {"start": start, "epochs": epochs_run, "saves": len(saves),
+        torch.save, os.replace = real_save, real_replace
+    return {"start": start, "epochs": epochs_run, "writes": writes, "resumed": resumed,
+            "crashed": crashed,
             "weights": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
 
 
-def _resumed_variant(cfg: Lab04Config, variant: str) -> dict:
-    """One-process weights of a crash after epoch _CRASH_AFTER and a resume done right or
-    with one mistake."""
-    __tracebackhide__ = True
-    import copy
-
+def _snapshot(model, opt) -> dict:
+    """What a resume must restore on a rank: its weights, its momentum, its random state."""
     import torch
 
-    model, opt = _fresh(cfg)
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for epoch in range(_CRASH_AFTER + 1):
-            _train_epoch(model, opt, cfg, epoch)
-        first = _CRASH_AFTER + 1
-        if variant == "no_optimizer":
-            opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-        elif variant == "repeat_epoch":
-            first = _CRASH_AFTER
-        elif variant == "from_zero":
-            first = 0
-        elif variant == "no_weights":
-            saved_opt = copy.deepcopy(opt.state_dict())
-            model, opt = _fresh(cfg)
-            opt.load_state_dict(saved_opt)
-        for epoch in range(first, cfg.epochs):
-            _train_epoch(model, opt, cfg, epoch)
-    finally:
-        torch.set_num_threads(prev)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    momentum = [opt.state.get(p, {}).get("momentum_buffer") for p in model.parameters()]
+    return {"weights": [p.detach().clone() for p in model.parameters()],
+            "momentum": [None if m is None else m.detach().clone() for m in momentum],
+            "rng": torch.get_rng_state()}
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if a is None or b is None:
+        return a is None and b is None
+    return all(x is not None and y is not None and x.shape == y.shape and torch.equal(x, y)
+               for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def _wrapper_keys(state) -> bool:
+    """True if the checkpoint holds a state_dict saved from the DDP wrapper ('module.' keys)."""
+    if isinstance(state, dict):
+        if any(isinstance(k, str) and k.startswith("module.") for k in state):
+            return True
+        return any(_wrapper_keys(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(_wrapper_keys(v) for v in state)
+    return False
 
 
 @recorded
 def check_resume(save_training_state, resume_training_state,
                  timeout: float | None = None) -> None:
-    """Stretch: train 3 epochs on 2 ranks, "crash" after epoch 1, run again: with your
-    ``save_training_state`` and ``resume_training_state`` the second run must do only epoch 2
-    and end with the weights of an uninterrupted run (``timeout``: 90 s per run, or
-    ``DPCOURSE_CHECK_TIMEOUT`` if more)."""
+    """Stretch: train 3 epochs on 2 ranks (dropout, each rank its own random stream), "crash"
+    after epoch 1, run again: with your ``save_training_state`` and ``resume_training_state``
+    every rank must continue exactly where it stopped (its weights, its momentum, its random
+    state), the second run must do only epoch 2 and end bit for bit (to 1e-5) with the weights
+    of an uninterrupted run (``timeout``: 90 s per run, or ``DPCOURSE_CHECK_TIMEOUT`` if more)."""
     __tracebackhide__ = True
+    import torch
+
     timeout = check_timeout(timeout, 90.0)
     cfg = RESUME_CFG
     for fn, name in ((save_training_state, "save_training_state"),
                      (resume_training_state, "resume_training_state")):
-        if not callable(fn):
-            fail(f"{name} must be a function, got {type(fn).__name__}.")
+        require_answer(fn, name)
     with tempfile.TemporaryDirectory(prefix="dpcourse-lab04-resume-") as tmp:
         ckpt = os.path.join(tmp, "ckpt.pt")
         runs = []
-        for stop_after in (_CRASH_AFTER, None):
-            when = "first run" if stop_after is not None else "run after the crash"
+        plan = ((save_training_state, resume_training_state, _CRASH_AFTER, "first run"),
+                (save_training_state, resume_training_state, None, "run after the crash"),
+                (save_training_state, None, None, "uninterrupted run"))
+        for save_fn, resume_fn, stop_after, when in plan:
+            # the uninterrupted run saves too (elsewhere), so whatever saving does, both do
+            path = ckpt if resume_fn is not None else os.path.join(tmp, "uninterrupted.pt")
             runs.append(run_ranks(
-                _resume_worker, cfg.world_size, save_training_state, resume_training_state,
-                ckpt, stop_after, cfg, timeout=timeout,
+                _resume_worker, cfg.world_size, save_fn, resume_fn, path, stop_after, cfg,
+                timeout=timeout,
                 hang=lambda exc: f"a run did not finish within {timeout:g} s: does a function "
                                  f"call a collective (e.g. dist.barrier) on some ranks only?",
                 failed=lambda exc: fail(f"your code raised on rank {exc.rank} in the {when}: "
@@ -769,35 +912,81 @@ def check_resume(save_training_state, resume_training_state,
             for r in runs[-1]:
                 if "error" in r:
                     fail(r["error"] + ".")
-        first, second = runs
-        if first[0]["start"] != 0:
-            fail(f"with no checkpoint yet, resume_training_state returned {first[0]['start']}: "
-                 f"return 0 when the file does not exist (a fresh start).")
-        if any(r["saves"] for r in first[1:]):
-            fail("a rank other than rank 0 saved the checkpoint: save only when is_main is "
-                 "true — ranks writing one file at once race.")
-        if not first[0]["saves"]:
-            fail("rank 0 saved nothing: save the checkpoint at the end of each epoch when "
-                 "is_main is true.")
-        if not os.path.exists(ckpt):
-            fail(f"no file at the path save_training_state was given ({os.path.basename(ckpt)}): "
-                 f"save the checkpoint there.")
-        starts = {r["start"] for r in second}
-        if len(starts) != 1:
-            fail(f"after the crash the ranks would resume at different epochs {sorted(starts)}: "
-                 f"every rank must read the same checkpoint.")
-    want = reference_weights(cfg)
-    got = second[0]["weights"]
-    if _distance(got, want) <= RESUME_TOL:
-        if second[0]["epochs"] != [cfg.epochs - 1]:
-            fail(f"the weights are right, but the resumed run trained epochs "
-                 f"{second[0]['epochs']}: it should have done only epoch {cfg.epochs - 1}.")
-        passed("resume after a crash: the second run trained only the last epoch and ended with "
-               "the weights of an uninterrupted run")
-        return
-    for name, sentence in RESUME_MISTAKES.items():
-        if _distance(got, _resumed_variant(cfg, name)) <= RESUME_TOL:
-            fail(sentence)
-    fail(f"after resuming, the final weights differ from an uninterrupted run (by up to "
-         f"{_distance(got, want):.3g}): save the model weights, the optimizer state and the "
-         f"epoch; load all three; continue at the next epoch.")
+            if len(runs) == 1:
+                _judge_first_run(runs[0], ckpt)
+        first, second, whole = runs
+    _judge_resume(first, second, whole, cfg)
+
+
+def _judge_first_run(first: list, ckpt: str) -> None:
+    __tracebackhide__ = True
+    import torch
+
+    if first[0]["start"] != 0:
+        fail(f"with no checkpoint yet, resume_training_state returned {first[0]['start']}: "
+             f"return 0 when the file does not exist (a fresh start).")
+    for rank, r in enumerate(first[1:], 1):
+        if r["writes"]:
+            fail(f"rank {rank} wrote a file ({os.path.basename(r['writes'][0])}): only rank 0 "
+                 f"writes, and only the one file at path — ranks writing one file race, and "
+                 f"that one file must hold what every rank needs.")
+    if not first[0]["writes"]:
+        fail("rank 0 saved nothing: save the checkpoint at the end of each epoch when "
+             "is_main is true.")
+    if not os.path.exists(ckpt):
+        fail(f"no file at the path save_training_state was given ({os.path.basename(ckpt)}): "
+             f"save the checkpoint there.")
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    except Exception:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    if _wrapper_keys(state):
+        fail(RESUME_MISTAKES["wrapper_keys"])
+
+
+def _judge_resume(first: list, second: list, whole: list, cfg: Lab04Config) -> None:
+    __tracebackhide__ = True
+    starts = {r["start"] for r in second}
+    if len(starts) != 1:
+        fail(f"after the crash the ranks would resume at different epochs {sorted(starts)}: "
+             f"every rank must read the same checkpoint.")
+    start = starts.pop()
+    if start == _CRASH_AFTER:
+        fail(RESUME_MISTAKES["repeat_epoch"])
+    if start == 0:
+        if not _same(second[0]["resumed"]["weights"], first[0]["crashed"]["weights"]):
+            fail("After the crash the run started from scratch (epoch 0, fresh weights): when "
+                 "the file exists, resume_training_state must load it and return the first "
+                 "epoch still to do.")
+        fail(RESUME_MISTAKES["from_zero"])
+    if start != _CRASH_AFTER + 1:
+        fail(f"after a crash at the end of epoch {_CRASH_AFTER}, resume_training_state returned "
+             f"{start}: return the first epoch still to do, {_CRASH_AFTER + 1}.")
+    crashed = [r["crashed"] for r in first]
+    for what, everywhere, rank0 in (("weights", "no_weights", "weights_rank0"),
+                                    ("momentum", "no_optimizer", "optimizer_rank0")):
+        wrong = [rank for rank, r in enumerate(second)
+                 if not _same(r["resumed"][what], crashed[rank][what])]
+        if wrong:
+            fail(RESUME_MISTAKES[rank0 if 0 not in wrong else everywhere])
+    import torch
+
+    rng_wrong = [rank for rank, r in enumerate(second)
+                 if not torch.equal(r["resumed"]["rng"], crashed[rank]["rng"])]
+    if rng_wrong:
+        if 0 not in rng_wrong and all(torch.equal(second[r]["resumed"]["rng"], crashed[0]["rng"])
+                                      for r in rng_wrong):
+            fail(RESUME_MISTAKES["rng_rank0"])
+        fail(RESUME_MISTAKES["no_rng"])
+    got, want = second[0]["weights"], whole[0]["weights"]
+    d = _distance(got, want)
+    if d > RESUME_TOL:
+        fail(f"every rank resumed with its weights, momentum and random state, but the final "
+             f"weights differ from an uninterrupted run by up to {d:.3g}: does "
+             f"resume_training_state change anything else (the learning rate, the model)?")
+    if second[0]["epochs"] != [cfg.epochs - 1]:
+        fail(f"the weights are right, but the resumed run trained epochs "
+             f"{second[0]['epochs']}: it should have done only epoch {cfg.epochs - 1}.")
+    passed("resume after a crash: every rank continued with its own weights, momentum and "
+           "random state, trained only the last epoch and ended with the weights of an "
+           "uninterrupted run")
