@@ -1,34 +1,31 @@
 # %% [markdown]
 # # Lab 08 · ZeRO-2, overlapped with the backward
 #
-# Lesson 08 built ZeRO stages 1–3. Its `Zero2` is short on purpose: it reduce-scatters every
-# gradient in `step()`, after the backward, so every full gradient has existed at once by
-# then and the rank's memory at its fullest — its **peak** — is ZeRO-1's, whatever it keeps at
-# rest. Here you write ZeRO stage 2 the way it earns its memory: the gradients are grouped into
-# **buckets** (lesson 07), and each bucket is reduce-scattered **during the backward**, as
-# soon as its last gradient arrives, *asynchronously*, so that the communication overlaps the
-# backward of the earlier layers; its full gradients are dropped at once. You write it in two
-# parts:
+# Lesson 08's `Zero2` reduce-scatters every gradient in `step()`, after the backward: by then
+# every full gradient has existed at once, so the rank's memory at its fullest — its **peak** —
+# is ZeRO-1's, whatever it keeps at rest. Here you write ZeRO stage 2 that lowers the peak:
+# the gradients leave the rank **during** the backward, in **buckets** (lesson 07), while the
+# backward goes on computing the earlier layers. Two pieces:
 #
 # 1. `shard_bounds(numel, rank, world_size)` — which slice of a flat vector a rank owns;
 # 2. `ZeroTwo`, a wrapper around any torch optimizer, used like lesson 08's stages:
-#    `zero_grad()`, your backward, `step()`.
+#    `zero_grad()`, your `loss.backward()`, `step()`;
 #
-# The check runs your wrapper on 2 ranks with Adam and on 3 ranks with SGD + momentum, next
-# to DDP with the full optimizer, for 3 steps, on a seven-layer MLP that has a **frozen**
-# bias (`requires_grad=False`: it never gets a gradient) and a weight **tied** between two
-# layers (one `Parameter` used twice: autograd sums both uses before its hook runs). From
-# inside each rank it watches every gradient arrive, every reduce-scatter launched and every
-# `wait()`, and it weighs the gradient memory alive at each arrival by *storage* — a view
-# weighs the whole buffer it keeps alive. It names the mistakes: a shard that is a view of the
-# whole padded vector, the reduce-scatters done in `step()` or all launched at the end of the
-# backward, a blocking reduce-scatter, one never waited for, buffers kept too long, a frozen
-# parameter bucketed or stepped, gradients summed instead of averaged.
+# then you predict the peak of live gradient memory of your wrapper on a small model, and
+# measure it.
+#
+# The check runs your wrapper for 3 steps on 2 ranks with Adam and on 3 ranks with SGD +
+# momentum, next to DDP with the full optimizer, on a seven-layer MLP with a **frozen** bias
+# (`requires_grad=False`) and a weight **tied** between two layers (one `Parameter` used
+# twice). From inside each rank it watches every gradient arrive, every collective you launch
+# and every `wait()`, and at each arrival it weighs the gradient memory alive — by *storage*:
+# a view weighs the whole buffer it keeps alive. Its sentence names what went wrong: read it.
 #
 # **Collective names.** `dist.reduce_scatter_single` and `dist.all_gather_single` are the
 # names in torch 2.14, the version this course pins. Older torch calls them
 # `dist.reduce_scatter_tensor` and `dist.all_gather_into_tensor`; torch 2.14 keeps those as
-# deprecated aliases (they warn, then call the new ones), and the check accepts either.
+# deprecated aliases (they warn, then call the new ones), and the check accepts either. Both
+# take `async_op=True` and then return a `Work` at once, whose `wait()` blocks until it is done.
 
 # %% tags=["parameters"]
 check_timeout = 30  # seconds before a hanging rank is stopped
@@ -47,18 +44,39 @@ torch.set_num_threads(1)
 # %% [markdown]
 # ## 1. Shard boundaries
 #
-# Flatten a bucket's gradients into one vector of `numel` numbers. `reduce_scatter_single`
-# needs every rank's piece to be the **same size**, and the `world_size` pieces, in rank
-# order, must cover all `numel` numbers; think of the vector as padded with zeros up to
-# `world_size` pieces. Choose the smallest such piece size (what if `numel` is not a multiple
-# of `world_size`?) and return the `[start, end)` of rank `rank`'s piece in the padded vector.
-# The check tries sizes that divide and sizes that do not, and more ranks than numbers.
+# A bucket's gradients, flattened, are one vector of `numel` numbers. A reduce-scatter and an
+# all-gather move **equal** pieces, one per rank, in rank order, and the pieces together must
+# cover all `numel` numbers; where they run past `numel`, think of the vector as padded with
+# zeros. `shard_bounds(numel, rank, world_size)` returns two integers, `(start, end)`, end
+# exclusive: rank `rank`'s piece of that padded vector, with the smallest piece size that
+# works. The check tries sizes that divide, sizes that do not, and more ranks than numbers.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# With `numel = 53` on 2 ranks, how long must each piece be so that both are the same length
+# and no number is left without an owner? And with 3 numbers on 4 ranks?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Divide and round **up**: the pieces are equal, and only the last one(s) run into the zero
+# padding. Every rank uses the same length; where a piece starts follows from the rank.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Two lines: one piece length computed from `numel` and `world_size` alone, then the start and
+# end of piece number `rank`.
 
 # %%
 def shard_bounds(numel, rank, world_size):
     """[start, end) of rank ``rank``'s equal-size shard of a flat vector of ``numel`` numbers,
     padded up to a multiple of ``world_size``."""
-    ### BEGIN SOLUTION: one piece size for every rank, the smallest that covers numel; then rank's [start, end)
+    ### BEGIN SOLUTION: this rank's [start, end) in the padded vector
     size = math.ceil(numel / world_size)
     return rank * size, (rank + 1) * size
     ### END SOLUTION
@@ -72,7 +90,7 @@ lab08.check_shard_bounds(shard_bounds)
 #
 # Given: the backward produces gradients roughly from the last layer to the first, so the
 # buckets are filled in reverse registration order, and a bucket is closed once it holds
-# `cap` bytes or more (DDP's rule, lesson 07).
+# `cap` **bytes** or more (DDP's rule, lesson 07; bytes, not MB or MiB).
 
 # %%
 def make_buckets(params, cap):
@@ -92,49 +110,81 @@ def make_buckets(params, cap):
 # %% [markdown]
 # ## 3. The wrapper
 #
-# **`__init__`.** Leave out the frozen parameters (`requires_grad=False`): they get no
-# gradient, so a bucket waiting for one would never be sent. Group the others with
-# `make_buckets(..., bucket_cap)`. Shard **each bucket** on its own: this rank owns
-# `shard_bounds(numel_of_the_bucket, rank, world_size)` of the bucket's flat values, padded to
-# `world_size` times the shard size. Keep the buckets in `self.buckets` (the given
-# `zero_grad` reads it) and, per bucket, what `_grad_ready` and `step` will need (its shard
-# size and where its slice starts in `self.shard`). `self.shard` is a copy of this rank's
-# slices of the weights of all the buckets, one after the other, as an `nn.Parameter` that
-# owns its memory (`torch.cat` copies; a slice of the padded vector is a *view* that keeps the
-# whole vector alive); `self.shard.grad` a zero
-# tensor of the same size, filled bucket by bucket during the backward; `self.optimizer` over
-# `[self.shard]`, so the inner optimizer's state covers the shard alone. Then register
-# `p.register_post_accumulate_grad_hook(self._grad_ready)` on every trainable parameter:
-# autograd calls `self._grad_ready(p)` as soon as `p.grad` holds this backward's gradient.
+# **What you are given.** `ZeroTwo(params, optimizer_cls, bucket_cap=128, **kwargs)`:
+# - `params` is what `model.parameters()` returns: a **generator**, so it can be iterated
+#   once; it yields every parameter once (a tied weight once), frozen ones
+#   (`requires_grad=False`) included;
+# - `optimizer_cls(tensors, **kwargs)` builds the inner torch optimizer (`kwargs` are its
+#   hyper-parameters: `lr`, `momentum`, ...);
+# - `bucket_cap` is in bytes;
+# - every rank built the same model from the same seed, so the weights start equal on every
+#   rank: `ZeroTwo` need not broadcast them (it may).
 #
-# **`_grad_ready(p)`.** Count the bucket's arrivals; when its last gradient is in:
-# 1. wait for the bucket still in flight, if any (`_finish`): one bucket in flight at a time
-#    keeps at most two buckets of full gradients alive — the one in flight and the one
-#    filling;
-# 2. copy the bucket's gradients into one padded flat buffer and set their `p.grad = None`;
-# 3. launch `work = dist.reduce_scatter_single(out, buffer, async_op=True)`, where `out` is
-#    the bucket's slice of `self.shard.grad` (a slice of a 1-d tensor is contiguous: a view
-#    will do as the output). `async_op=True` returns at once with a `Work`; the backward goes
-#    on computing earlier layers while the bucket travels. Keep `(work, buffer, out)` until it
-#    is waited for: the buffer must stay alive while the collective reads it.
+# **What must hold** — the contract the check holds you to:
+# 1. after every `step()`, every rank's parameters equal those of DDP with the full
+#    optimizer on the same global batch (to float rounding), and a frozen parameter never
+#    moves;
+# 2. `self.shard` is an `nn.Parameter` holding this rank's slice (`shard_bounds` of the
+#    bucket's padded flat vector) of every bucket, one bucket after the other, owning its
+#    memory; `self.shard.grad` has its size; `self.optimizer` is the inner optimizer over
+#    `[self.shard]` alone, so its state covers the shard and nothing more; `self.buckets` is
+#    the list of buckets (`make_buckets(..., bucket_cap)` of the trainable parameters: the
+#    given `zero_grad` reads it);
+# 3. when the inner optimizer steps, `self.shard.grad` holds, on every rank, the **average**
+#    over the ranks of this step's gradient for that rank's slices;
+# 4. each bucket's gradients leave the rank **during** the backward, as soon as the bucket
+#    is full, without the backward waiting for the network;
+# 5. no more than about **two buckets** of gradient are alive at once on a rank — in `p.grad`,
+#    in buffers, or anywhere your object keeps them — and between steps nothing but
+#    `self.shard.grad`.
 #
-# **`_finish()`.** If a bucket is in flight: `work.wait()`, divide its `out` by the world size
-# (a reduce-scatter sums), and drop the tuple, and with it the buffer.
+# A hook that runs as soon as `p.grad` holds this backward's gradient:
+# `p.register_post_accumulate_grad_hook(fn)` (lesson 08, §4) calls `fn(p)`. The skeleton's
+# `_grad_ready` and `_finish` are one way to split the work; the check calls only the
+# constructor, `zero_grad()` and `step()`.
 #
-# **`step()`.** `_finish()` the last bucket, step the inner optimizer, then for every bucket
-# `all_gather_single` its slices into a padded vector (allocate it on the shard's device,
-# `device=self.shard.device`: the same code then runs on a GPU) and copy each parameter's
-# numbers back into `p.data`.
-#
-# `zero_grad()` is given. (One thing this version gives up: a second backward before `step()`
-# would overwrite the shard's gradient instead of adding to it, so gradient accumulation needs
-# `+=` there.)
+# **Your design decision:** what to keep in flight, and when to wait for it. The backward
+# must not stop for the network, yet no more than about two buckets of gradient may be alive
+# at once: decide how many reduce-scatters may be outstanding, at which moment you wait for
+# one, and what you must keep alive until you do.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# When the last gradient of bucket k arrives, which gradients are alive on the rank: those of
+# bucket k, and which others? What does a collective that is still running need you to keep,
+# and when is it safe to let go of it? Where does its result have to land for contract 3?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Keep one bucket in flight: when a bucket is full, first wait for the bucket launched before
+# it and forget its buffer, then flatten the full one into a padded buffer, drop its `p.grad`s
+# and launch it asynchronously, writing straight into its own slice of `self.shard.grad`. A
+# reduce-scatter sums: turn the sum into the mean once it has arrived. `step()` must wait for
+# the last bucket before the inner optimizer runs, and every rank then needs every updated
+# slice.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# In `__init__`: the trainable parameters as a list; the buckets; a dictionary from parameter
+# to bucket index and an arrival counter per bucket; per bucket its shard size and its offset
+# in the shard; the shard built from copies of this rank's slices, its zero gradient, the
+# inner optimizer; one hook per trainable parameter. In the hook: count, and on the last
+# arrival finish the previous bucket, build the padded buffer, forget the `p.grad`s, launch,
+# remember (work, buffer, output). `_finish`: wait, divide, forget. `step`: finish, step the
+# inner optimizer, then per bucket all-gather its slices into a padded vector and copy each
+# parameter's numbers back into it.
 
 # %%
 class ZeroTwo:
     def __init__(self, params, optimizer_cls, bucket_cap=128, **kwargs):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        ### BEGIN SOLUTION: trainable parameters only; self.buckets; per bucket its shard size and offset in self.shard; self.shard (a copy of this rank's slices of the weights) and a zero self.shard.grad; the inner optimizer; a hook on every trainable parameter
+        ### BEGIN SOLUTION: the wrapper's state: buckets, this rank's shard and its gradient, the optimizer
         trainable = [p for p in params if p.requires_grad]    # frozen ones never get a gradient
         self.buckets = make_buckets(trainable, bucket_cap)
         self.bucket_of, self.layout, pieces, offset = {}, [], [], 0
@@ -163,7 +213,7 @@ class ZeroTwo:
                 p.grad = None
 
     def _grad_ready(self, p):
-        ### BEGIN SOLUTION: count the bucket's arrivals; when it is full: finish the one in flight, pad its gradients into one buffer, drop them, launch an async reduce_scatter_single (torch >= 2.14; reduce_scatter_tensor before) into its slice of self.shard.grad, keep (work, buffer, out)
+        ### BEGIN SOLUTION: what happens when p's gradient arrives
         i = self.bucket_of[p]
         self.arrived[i] += 1
         if self.arrived[i] < len(self.buckets[i]):
@@ -182,7 +232,7 @@ class ZeroTwo:
         ### END SOLUTION
 
     def _finish(self):
-        ### BEGIN SOLUTION: if a bucket is in flight: wait, divide its slice by the world size, drop it
+        ### BEGIN SOLUTION: the bucket in flight, if any, finished
         if self.in_flight is not None:
             work, buffer, out = self.in_flight
             work.wait()
@@ -191,7 +241,7 @@ class ZeroTwo:
         ### END SOLUTION
 
     def step(self):
-        ### BEGIN SOLUTION: finish the last bucket; step; per bucket all_gather_single (torch >= 2.14; all_gather_into_tensor before) its slices and copy them back into p.data
+        ### BEGIN SOLUTION: every rank's parameters hold the stepped weights
         self._finish()
         self.optimizer.step()
         for bucket, (size, offset) in zip(self.buckets, self.layout):
@@ -209,9 +259,56 @@ class ZeroTwo:
 lab08.check_zero_two(ZeroTwo, timeout=check_timeout)
 
 # %% [markdown]
-# What the check printed is the point of stage 2: the gradient bytes alive at once stayed at
-# about two buckets, not the whole model's, and every reduce-scatter left during the backward.
-# On a GPU with NCCL the asynchronous reduce-scatter runs on a communication stream beside the
-# backward's kernels; on this CPU gloo runs it on a thread of its own. One collective per small
-# bucket means many small messages (lesson 06's α per message): a larger `bucket_cap` sends
-# fewer, larger messages at the price of a higher peak.
+# ## 4. Predict, then measure: the peak
+#
+# Now the point of stage 2 in one number. The model below is five `Linear` layers of widths
+# 16 → 64 → 64 → 64 → 64 → 8 (each with a bias), fp32, on 2 ranks, with `bucket_cap = 4096`
+# bytes and your `ZeroTwo` as it is. Before you measure: what is the **peak of live gradient
+# memory** on a rank, in bytes — the most gradient bytes alive at once (in `p.grad`, in your
+# buffers, anywhere your object keeps them; `self.shard.grad` aside), weighed at every
+# gradient's arrival as the check weighed them — with one bucket in flight? Write a number of
+# bytes (not MB), then run the measurement.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Which buckets does `make_buckets` build for this model at 4096 bytes? Count each layer's
+# weight and bias, starting from the last layer. At which arrival is the most alive?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The most is alive just as a bucket's last gradient arrives: all of that bucket is still in
+# `p.grad`, and the bucket launched before it may still be in flight. The first bucket has no
+# predecessor.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# List the buckets' sizes in numbers, in launch order; for each bucket after the first, add
+# its size and its predecessor's; take the largest (or the first bucket alone, if larger);
+# 4 bytes per number.
+
+# %%
+from dpcourse.checks import predict
+
+### BEGIN SOLUTION: your prediction: the peak of live gradient bytes (a number)
+my_peak = 35360
+### END SOLUTION
+guess = predict("lab08", "peak of live gradient bytes, one bucket in flight", my_peak, unit="B")
+
+# %%
+measured = lab08.measure_peak(ZeroTwo, timeout=check_timeout)
+lab08.check_peak_prediction(guess, measured)
+
+# %% [markdown]
+# The peak is the gradients of two neighbouring buckets, not the whole model's: what stage 2
+# earns over a ZeRO-2 that reduce-scatters in `step()`. On a GPU with NCCL the asynchronous
+# reduce-scatter runs on a communication stream beside the backward's kernels; on this CPU
+# gloo runs it on a thread of its own. One collective per small bucket means many small
+# messages (lesson 06's α per message): a larger `bucket_cap` sends fewer, larger messages at
+# the price of a higher peak — and, as you just measured, the peak follows the two largest
+# neighbouring buckets, however the cap falls across the layers.

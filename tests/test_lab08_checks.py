@@ -329,8 +329,31 @@ class AllReduceThenSlice(GoodTwo):
             out.copy_(buffer[self.rank * size:(self.rank + 1) * size] / self.world_size)
 
 
+class BroadcastsFirst(GoodTwo):
+    # the lab says every rank starts from the same weights, so a broadcast is not needed; a
+    # learner who broadcasts rank 0's weights anyway (as lesson 08's Stage does) is right too
+    def trainable(self, params):
+        params = list(params)
+        for p in params:
+            dist.broadcast(p.data, src=0)
+        return [p for p in params if p.requires_grad]
+
+
+class CloneAndDivOut(GoodTwo):
+    # the shard a clone of one slice per bucket; the mean by torch.div(..., out=)
+    def make_shard(self, pieces):
+        return nn.Parameter(torch.cat([piece.clone() for piece in pieces]))
+
+    def finish(self, keep=0):
+        while len(self.in_flight) > keep:
+            work, buffer, out = self.in_flight.pop(0)
+            work.wait()
+            torch.div(out, self.world_size, out=out)
+
+
 RIGHT_TWOS = [GoodTwo, OneBucketPerParameter, OldNamesTwo, ListReduceScatter,
-              DivideFirstTwo, AsyncGathers, AllReduceThenSlice]
+              DivideFirstTwo, AsyncGathers, AllReduceThenSlice, BroadcastsFirst,
+              CloneAndDivOut]
 
 
 class ShardView(GoodTwo):
@@ -508,6 +531,41 @@ class NoCopyBackTwo(GoodTwo):
             dist.all_gather_single(full, self.shard.detach()[offset:offset + size])
 
 
+class ReducesIntoANewTensor(GoodTwo):
+    # the reduce-scatter's output is a fresh tensor, never written into self.shard.grad
+    def out(self, i):
+        size, _ = self.layout[i]
+        return torch.empty(size)
+
+
+class RebindsTheMean(GoodTwo):
+    # out = out / n: a new tensor; the shard's gradient keeps the sum
+    def finish(self, keep=0):
+        while len(self.in_flight) > keep:
+            work, buffer, out = self.in_flight.pop(0)
+            work.wait()
+            out = out / self.world_size           # noqa: F841 — the learner's mistake
+
+
+class IteratesParamsTwice(GoodTwo):
+    # params is model.parameters(), a generator: the second pass (the hooks) finds nothing
+    def trainable(self, params):
+        self.params = params
+        return [p for p in params if p.requires_grad]
+
+    def hooked(self, params, trainable):
+        return [p for p in self.params if p.requires_grad]
+
+
+class OffsetByNumel(GoodTwo):
+    # each bucket's slice of the shard starts at the sum of the earlier buckets' numel, not
+    # of their shard sizes: the later slices run past the shard
+    def out(self, i):
+        size, _ = self.layout[i]
+        offset = sum(sum(q.numel() for q in b) for b in self.buckets[:i])
+        return self.shard.grad[offset:offset + size]
+
+
 WRONG_TWOS = [
     (ShardView, "self.shard is a view of a larger tensor"),
     (ShardGradView, "self.shard.grad is a view of a larger tensor"),
@@ -531,7 +589,12 @@ WRONG_TWOS = [
     (DividedTwiceTwo, "gradients [23]× too small: you divided by the world size twice"),
     (NoAllGatherTwo, "each rank changed only its own shard"),
     (AccumulatesTwo, "gradients of the earlier steps are added"),
-    (NoCopyBackTwo, "weights have not changed"),
+    (NoCopyBackTwo, "self.shard had moved but the model's parameters had not"),
+    (ReducesIntoANewTensor, "self.shard.grad was all zeros when the inner optimizer stepped"),
+    (RebindsTheMean, "gradients [23]× too large: you summed .* in place"),
+    (IteratesParamsTwice, "params is a generator"),
+    (OffsetByNumel, "output slice of self.shard.grad is the wrong size: check where each "
+                    "bucket's slice starts"),
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -575,7 +638,7 @@ def diagnose(results, cls):
 
 # Adam divides by the gradients' own scale: gradients N times too large or too small step
 # (almost) like the right ones, and only the SGD configuration must name the mistake.
-SCALE_BLIND = {"SummedTwo", "DividedTwiceTwo"}
+SCALE_BLIND = {"SummedTwo", "DividedTwiceTwo", "RebindsTheMean"}
 
 
 def expect_named(results, cls, phrase):
@@ -651,9 +714,12 @@ class OnlyRankZeroGathers(GoodTwo):
 def test_a_deadlock_is_stopped_and_its_ranks_named():
     t0 = time.monotonic()
     with pytest.raises(LabCheckError, match="rank\\(s\\) [0-9, ]+ never finished within 5 s — "
-                                            "a deadlock"):
+                                            "a deadlock") as err:
         lab08.check_zero_two(OnlyRankZeroGathers, configs=((2, "adam"),), timeout=5)
     assert time.monotonic() - t0 < 15
+    # both ranks wait (rank 1 went on to the next collective), so it may be slowness too:
+    # the sentence then shows where the longer timeout goes
+    assert "check_zero_two(..., timeout=120)" in str(err.value), str(err.value)
 
 
 class Todo(GoodTwo):
@@ -671,3 +737,44 @@ def test_unfinished_class_is_not_implemented_without_launching():
 def test_an_instance_instead_of_the_class_is_named():
     with pytest.raises(LabCheckError, match="your class itself"):
         lab08.check_zero_two(object())
+
+
+def test_the_library_stages_and_torchs_zero_are_not_the_answer():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from dpcourse import zero
+
+    for stage in (zero.Zero1, zero.Zero2, zero.Zero3):
+        with pytest.raises(LabCheckError, match="lesson 08's own stage .* your own ZeroTwo"):
+            lab08.check_zero_two(stage)
+    with pytest.raises(LabCheckError, match="torch's ZeroRedundancyOptimizer, a ZeRO-1"):
+        lab08.check_zero_two(ZeroRedundancyOptimizer)
+
+
+# --------------------------------------------------------------------------------------------
+# Predict, then measure: the peak of live gradient bytes
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_peak_with_one_bucket_in_flight_is_two_neighbouring_buckets(capsys):
+    from dpcourse.checks import predict
+
+    assert lab08.peak_buckets() == [4680, 4160, 4160, 1088]
+    assert lab08.expected_peak() == (4 * (4160 + 4680), 1)
+    measured = lab08.measure_peak(GoodTwo)
+    assert measured == 35360
+    lab08.check_peak_prediction(predict("lab08", "peak", 35000, unit="B"), measured)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 35360 B — right." in out and "(4160 + 4680) × 4 = 35360 B" in out
+    lab08.check_peak_prediction(predict("lab08", "peak", 2 * 4096, unit="B"), measured)
+    assert "— not what happened." in capsys.readouterr().out
+
+
+def test_the_peak_of_two_buckets_in_flight_is_said_to_keep_more(capsys):
+    from dpcourse.checks import predict
+
+    measured = lab08.measure_peak(TwoInFlight)
+    assert measured > 35360
+    lab08.check_peak_prediction(predict("lab08", "peak", 35360, unit="B"), measured)
+    assert "is not that of one bucket in flight (35360 B): it keeps more alive" in \
+        " ".join(capsys.readouterr().out.split())

@@ -50,8 +50,9 @@ from torch import nn
 
 from . import check_timeout, fail, passed, recorded, require_answer, run_ranks
 
-__all__ = ["check_shard_bounds", "check_zero_two", "CONFIGS", "BUCKET_CAP",
-           "DEFAULT_TIMEOUT"]
+__all__ = ["check_shard_bounds", "check_zero_two", "measure_peak", "check_peak_prediction",
+           "peak_buckets", "expected_peak", "CONFIGS", "BUCKET_CAP", "PEAK_WIDTHS", "PEAK_CAP",
+           "PEAK_WORLD_SIZE", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -238,6 +239,54 @@ def _storages(obj, skip: set, path: str, out: dict, depth: int = 0, seen=None) -
             _storages(v, skip, f"{path}.{k}", out, depth + 1, seen)
 
 
+def _live_gradients(trainable, tracked, state) -> tuple[int, dict]:
+    """Gradient bytes alive now, besides the gradient shard: every p.grad, any full gradient
+    still referenced (``tracked``: weak references), and whatever the wrapper
+    (``state["learner"]``) holds that is not weights or optimizer state (``state["skip"]``);
+    {path: bytes} too."""
+    found: dict = {}
+    for p in trainable:
+        if p.grad is not None:
+            st = p.grad.untyped_storage()
+            found.setdefault(st.data_ptr(), (st.nbytes(), "p.grad"))
+    for ref in tracked:
+        t = ref()
+        if t is not None:
+            st = t.untyped_storage()
+            found.setdefault(st.data_ptr(), (st.nbytes(), "a full gradient kept elsewhere"))
+    if state["learner"] is not None:
+        _storages(state["learner"], state["skip"] | {state["grad_ptr"]}, "self", found)
+    found.pop(state["grad_ptr"], None)
+    where: dict = {}
+    for nbytes, path in found.values():
+        where[path] = where.get(path, 0) + nbytes
+    return sum(where.values()), where
+
+
+def _learner_hooks(trainable, ours: int = 1) -> int:
+    """How many gradient hooks the learner registered on the trainable parameters (``ours``
+    per parameter are the check's own)."""
+    count = 0
+    for p in trainable:
+        count += max(0, len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) - ours)
+        count += len(getattr(p, "_backward_hooks", None) or {})
+    return count
+
+
+def _refuse_uneven(call, world_size: int) -> None:
+    """Before a reduce-scatter or all-gather of the learner's runs: refuse, with a message the
+    check turns into the cause, pieces that cannot be equal (gloo's own error says only
+    "size")."""
+    if call.op == "reduce_scatter" and call.numel:
+        if call.numel % world_size:
+            raise RuntimeError(f"lab08-unpadded {call.numel} {world_size}")
+        if call.out_numel * world_size != call.numel:
+            raise RuntimeError(f"lab08-out {call.out_numel} {call.numel} {world_size}")
+    elif call.op == "all_gather" and call.numel and call.out_numel and \
+            call.out_numel != call.numel * world_size:
+        raise RuntimeError(f"lab08-gather {call.numel} {call.out_numel} {world_size}")
+
+
 class _Watched:
     """A collective's Work with its wait() recorded; everything else passes through."""
 
@@ -285,26 +334,7 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
     memory = {"peak": 0, "where": {}}
 
     def live():
-        """Gradient bytes alive now, besides the gradient shard: every p.grad, any full gradient
-        still referenced, and whatever the wrapper holds that is not weights or optimizer
-        state; {path: bytes} too."""
-        found: dict = {}
-        for p in trainable:
-            if p.grad is not None:
-                st = p.grad.untyped_storage()
-                found.setdefault(st.data_ptr(), (st.nbytes(), "p.grad"))
-        for ref in tracked:
-            t = ref()
-            if t is not None:
-                st = t.untyped_storage()
-                found.setdefault(st.data_ptr(), (st.nbytes(), "a full gradient kept elsewhere"))
-        if state["learner"] is not None:
-            _storages(state["learner"], state["skip"] | {state["grad_ptr"]}, "self", found)
-        found.pop(state["grad_ptr"], None)
-        where: dict = {}
-        for nbytes, path in found.values():
-            where[path] = where.get(path, 0) + nbytes
-        return sum(where.values()), where
+        return _live_gradients(trainable, tracked, state)
 
     def weigh():
         total, where = live()
@@ -325,6 +355,8 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
     launches = {}                                       # a recorded call's index -> its number
 
     def launched(call):         # a reduce-scatter (or all-reduce, then slice: accepted) of yours
+        if state["phase"] in ("backward", "step"):
+            _refuse_uneven(call, world_size)
         if (call.op == "reduce_scatter" or call.function == "all_reduce") and \
                 state["phase"] in ("backward", "step"):
             number = sum(1 for e in log if e[0] == "launch")
@@ -354,12 +386,16 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
 
             def inner_step(*args, **kwargs):           # the optimizer steps: all waited?
                 log.append(("inner_step",))
+                g = getattr(getattr(opt, "shard", None), "grad", None)
+                state["zero_grad_at_step"] = isinstance(g, torch.Tensor) and \
+                    not bool(g.detach().abs().sum() > 0)
                 return real_step(*args, **kwargs)
             inner.step = inner_step
         skip = {p.untyped_storage().data_ptr() for p in params}
         if inner is not None and hasattr(inner, "state"):
             skip |= {t.untyped_storage().data_ptr() for t in _inner_tensors(inner)}
         state.update(learner=opt, skip=skip)
+        hooked = _learner_hooks(trainable)
         steps = []
         for step in range(_STEPS):
             X, y = _batch(step, rank, world_size)
@@ -376,20 +412,29 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
             end_total, end_where = live()
             log.append(("backward_done",))
             state["phase"] = "step"
+            state["zero_grad_at_step"] = None
+            shard_now = getattr(opt, "shard", None)
+            shard_before = shard_now.detach().clone() if isinstance(shard_now, torch.Tensor) \
+                else None
             opt.step()
+            shard_now = getattr(opt, "shard", None)
+            shard_moved = shard_before is not None and isinstance(shard_now, torch.Tensor) and \
+                shard_now.shape == shard_before.shape and \
+                not torch.equal(shard_now.detach(), shard_before)
             after_step, after_where = live()            # between steps: nothing but the shard
             state["phase"] = "references"
             rec = {"learner": _flat(model), "log": list(log), "peak": memory["peak"],
                    "in_flight": memory.get("in_flight", 0),
                    "where": memory["where"], "end": end_total, "end_where": end_where,
-                   "after_step": after_step, "after_where": after_where}
+                   "after_step": after_step, "after_where": after_where,
+                   "zero_grad_at_step": state["zero_grad_at_step"], "shard_moved": shard_moved}
             for name, (m, wrapped, ref_opt, kept) in references.items():
                 _reference_step(name, m, wrapped, ref_opt, kept, X, y, world_size)
                 rec[name] = _flat(m)
             steps.append(rec)
         state_after = _state_of(inner)
     return {"initial": initial, "steps": steps, "state_after": state_after, "names": names,
-            "views": None, "frozen": [(n, p.numel()) for n, p in named.items()
+            "views": None, "hooked": hooked, "frozen": [(n, p.numel()) for n, p in named.items()
                                       if not p.requires_grad]}
 
 
@@ -416,6 +461,21 @@ def _raised(rank: int, summary: str) -> None:
     mistake it was."""
     __tracebackhide__ = True
     summary = _GLOO_PREFIX.sub("", summary.strip().splitlines()[0]).rstrip(".")
+    found = re.search(r"lab08-(unpadded|out|gather) (\d+) (\d+)(?: (\d+))?", summary)
+    if found:
+        kind, a, b, c = found.group(1), int(found.group(2)), int(found.group(3)), found.group(4)
+        if kind == "unpadded":
+            fail(f"your code raised on rank {rank}: a reduce-scatter's input has {a} numbers, "
+                 f"which do not split into {b} equal pieces — pad each bucket's flat vector "
+                 f"with zeros to world_size × its shard size before the reduce-scatter.")
+        if kind == "out":
+            fail(f"your code raised on rank {rank}: a reduce-scatter's output has {a} numbers "
+                 f"but its input of {b} gives each of the {c} ranks {b // int(c)} — the output "
+                 f"slice of self.shard.grad is the wrong size: check where each bucket's slice "
+                 f"starts in self.shard (its offset) and that it is one shard long.")
+        fail(f"your code raised on rank {rank}: an all-gather of {a} numbers per rank writes "
+             f"into {b}, not {a * int(c)} — make its output world_size times the piece each "
+             f"rank sends (and send one bucket's whole shard slice).")
     hint = ""
     if "doesn't require gradient" in summary or "does not require grad" in summary:
         hint = (" — the model has a frozen parameter (requires_grad=False): it never gets a "
@@ -426,7 +486,7 @@ def _raised(rank: int, summary: str) -> None:
     elif "assign a gradient" in summary:
         hint = (" — self.shard.grad must be exactly the size of self.shard: this rank's slice "
                 "of every bucket, one after the other")
-    elif "'NoneType' object has no attribute" in summary:
+    elif "'NoneType'" in summary:
         hint = (" — a p.grad was None where you read it: a frozen parameter "
                 "(requires_grad=False) never gets a gradient, so leave it out of the buckets, "
                 "and a gradient you already dropped is gone")
@@ -447,6 +507,7 @@ def check_zero_two(cls, configs=CONFIGS, timeout: float | None = None) -> None:
     __tracebackhide__ = True
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     require_answer(cls, getattr(cls, "__name__", "ZeroTwo"), "class")
+    _refuse_library(cls)
     shown = []
     for world_size, opt_name in configs:
         results = _launch(cls, world_size, opt_name, timeout)
@@ -454,6 +515,22 @@ def check_zero_two(cls, configs=CONFIGS, timeout: float | None = None) -> None:
     passed(f"{cls.__name__}: weights == DDP + the full optimizer after {_STEPS} steps; every "
            f"bucket reduce-scattered asynchronously as soon as it was full; gradient bytes "
            f"alive at once, at most: {'; '.join(shown)}")
+
+
+def _refuse_library(cls) -> None:
+    """The library's stages and torch's ZeroRedundancyOptimizer are not the lab's answer."""
+    __tracebackhide__ = True
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from .. import zero
+    if cls in (zero.Zero1, zero.Zero2, zero.Zero3, zero.Replicated):
+        fail(f"{cls.__name__} is lesson 08's own stage (dpcourse.zero.{cls.__name__}): it "
+             f"reduce-scatters after the backward, when every full gradient exists at once — "
+             f"the lab asks for your own ZeroTwo, which reduce-scatters during the backward.")
+    if isinstance(cls, type) and issubclass(cls, ZeroRedundancyOptimizer):
+        fail("that is torch's ZeroRedundancyOptimizer, a ZeRO-1 that shards only the optimizer "
+             "state and leaves the gradients to DDP: the lab asks for your own ZeroTwo, which "
+             "shards the gradients too, during the backward.")
 
 
 def _close(a, b) -> bool:
@@ -497,6 +574,11 @@ def _diagnose(results: list, world_size: int, opt_name: str) -> str:
         if st["bytes"] > most * per_number * 4:
             fail(f"rank {rank}'s optimizer state is {st['bytes']} bytes, more than one shard's "
                  f"({most} numbers × {per_number} × 4 bytes).")
+    launched_any = any(e[0] == "launch" for r in results for s in r["steps"] for e in s["log"])
+    if not launched_any and all(r.get("hooked") == 0 for r in results):
+        fail("your wrapper registered no gradient hook and reduce-scattered nothing: params is "
+             "a generator (model.parameters()), which runs out after one pass — a second loop "
+             "over it finds no parameter; make it a list first (list(params)).")
     _diagnose_frozen(results)
     _diagnose_schedule(results, world_size)
     for step in range(_STEPS):
@@ -539,8 +621,11 @@ def _diagnose_weights(results: list, step: int, world_size: int, opt_name: str) 
     after = f"after step {step + 1}"
     if _close(w, s["summed"]):
         fail(f"{after} the weights equal those of DDP with gradients {world_size}× too large: "
-             f"you summed the gradients over the ranks — divide by the world size "
-             f"(a reduce-scatter sums).")
+             f"you summed the gradients over the ranks (a reduce-scatter sums) and "
+             f"self.shard.grad still held that sum when the inner optimizer stepped — divide "
+             f"it by the world size in place, in "
+             f"self.shard.grad itself (out = out / n makes a new tensor and leaves the shard's "
+             f"gradient as it was).")
     if _close(w, s["twice"]):
         fail(f"{after} the weights equal those of DDP with gradients {world_size}× too small: "
              f"you divided by the world size twice — once, before or after the reduction.")
@@ -549,6 +634,15 @@ def _diagnose_weights(results: list, step: int, world_size: int, opt_name: str) 
              f"added to this one's: the shard's gradient must hold this step's gradient only "
              f"(overwrite it, or zero it in zero_grad()).")
     if _close(w, r0["initial"]) and step == 0:
+        if s.get("zero_grad_at_step"):
+            fail("after step 1 the weights have not changed because self.shard.grad was all "
+                 "zeros when the inner optimizer stepped: the reduce-scatters wrote somewhere "
+                 "else — give each one its bucket's slice of self.shard.grad itself as the "
+                 "output (a slice of a 1-d tensor is a view into it; a new tensor is not).")
+        if s.get("shard_moved"):
+            fail("after step 1 self.shard had moved but the model's parameters had not: the "
+                 "all-gathered values never reached them — copy them into the parameters' own "
+                 "memory (p.data), not into a new tensor or a rebound name.")
         fail("after step 1 the weights have not changed: step the inner optimizer, then copy "
              "the gathered shards back into p.data.")
     bad = (~torch.isclose(w, ref, rtol=1e-5, atol=1e-6)).nonzero().flatten().tolist()
@@ -678,3 +772,121 @@ def _diagnose_memory(results: list, world_size: int, opt_name: str) -> str:
              f"gradient).")
     return (f"{worst['peak']} of {total} B on {world_size} ranks ({opt_name}, buckets of "
             f"{BUCKET_CAP} B)")
+
+
+# --------------------------------------------------------------------------------------------
+# Predict, then measure: the peak of live gradient memory
+# --------------------------------------------------------------------------------------------
+
+PEAK_WIDTHS = (16, 64, 64, 64, 64, 8)    # five Linear layers, ReLU between them
+PEAK_CAP = 4096                          # bytes: a bucket closes once it holds 4096 B or more
+PEAK_WORLD_SIZE = 2
+
+
+def _peak_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for fan_in, fan_out in zip(PEAK_WIDTHS[:-1], PEAK_WIDTHS[1:]):
+        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def peak_buckets() -> list[int]:
+    """The numbers in each bucket of the prediction's model, in launch order (DDP's rule:
+    reverse registration order, a bucket closes once it reaches ``PEAK_CAP`` bytes)."""
+    sizes, current = [], 0
+    for p in reversed(list(_peak_mlp().parameters())):
+        current += p.numel()
+        if 4 * current >= PEAK_CAP:
+            sizes.append(current)
+            current = 0
+    return sizes + ([current] if current else [])
+
+
+def _peak_worker(rank: int, world_size: int, cls) -> dict:
+    """One rank: the learner's wrapper for 2 SGD steps of the prediction's model, weighing the
+    gradient memory alive (as ``check_zero_two`` does) at every gradient's arrival."""
+    __tracebackhide__ = True
+    model = _peak_mlp()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    tracked: list = []
+    state = {"learner": None, "skip": set(), "grad_ptr": None}
+    peak = {"bytes": 0, "where": {}}
+
+    def seen(p):                                       # the check's hook: runs before yours
+        tracked.append(weakref.ref(p.grad))
+        total, where = _live_gradients(trainable, tracked, state)
+        if total > peak["bytes"]:
+            peak.update(bytes=total, where=where)
+
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(seen)
+    opt = cls(model.parameters(), torch.optim.SGD, bucket_cap=PEAK_CAP, lr=0.1)
+    inner = getattr(opt, "optimizer", None)
+    skip = {p.untyped_storage().data_ptr() for p in trainable}
+    if inner is not None and hasattr(inner, "state"):
+        skip |= {t.untyped_storage().data_ptr() for t in _inner_tensors(inner)}
+    state.update(learner=opt, skip=skip)
+    for step in range(2):
+        g = torch.Generator().manual_seed(200 + step)
+        X = torch.randn(8 * world_size, PEAK_WIDTHS[0], generator=g)
+        y = torch.randint(0, PEAK_WIDTHS[-1], (8 * world_size,), generator=g)
+        X, y = X[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]
+        opt.zero_grad()
+        tracked.clear()
+        shard_grad = getattr(getattr(opt, "shard", None), "grad", None)
+        state["grad_ptr"] = shard_grad.untyped_storage().data_ptr() \
+            if isinstance(shard_grad, torch.Tensor) else None
+        F.cross_entropy(model(X), y).backward()
+        opt.step()
+    return {"peak": peak["bytes"], "where": peak["where"]}
+
+
+def measure_peak(cls, timeout: float | None = None) -> int:
+    """The most gradient bytes your ``cls`` kept alive at once on the prediction's model
+    (``PEAK_WIDTHS``, buckets of ``PEAK_CAP`` bytes, fp32, ``PEAK_WORLD_SIZE`` ranks), weighed
+    at every gradient's arrival as ``check_zero_two`` weighs them, the largest over the ranks."""
+    __tracebackhide__ = True
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    require_answer(cls, getattr(cls, "__name__", "ZeroTwo"), "class")
+    results = run_ranks(_peak_worker, PEAK_WORLD_SIZE, cls, timeout=timeout,
+                        failed=lambda exc: _raised(exc.rank, exc.summary),
+                        hang="every rank must make the same collectives, in the same order, "
+                             "with tensors of the same size.")
+    return max(r["peak"] for r in results)
+
+
+def expected_peak() -> tuple[int, int]:
+    """(bytes, index of the bucket being filled) at the peak when one bucket is in flight:
+    the bucket whose last gradient has just arrived, plus the one before it, still in flight
+    (each padded to a multiple of the world size)."""
+    sizes = [PEAK_WORLD_SIZE * math.ceil(n / PEAK_WORLD_SIZE) for n in peak_buckets()]
+    # bucket 0 fills with nothing in flight; from bucket 1 on, the one before is in flight
+    # while the new one's gradients are still in p.grad (the arrival the check weighs)
+    pairs = [(4 * peak_buckets()[0], 0)] + [
+        (4 * (peak_buckets()[i] + sizes[i - 1]), i) for i in range(1, len(sizes))]
+    return max(pairs)
+
+
+def check_peak_prediction(guess, measured: int) -> None:
+    """Compare the learner's predicted peak of live gradient bytes with ``measured``
+    (``measure_peak``), and say where the peak comes from."""
+    __tracebackhide__ = True
+    from . import reveal
+
+    buckets = peak_buckets()
+    total = 4 * sum(buckets)
+    expected, i = expected_peak()
+    value = guess.value if hasattr(guess, "value") else None
+    close = isinstance(value, (int, float)) and abs(value - measured) <= 0.05 * measured
+    why = (f"The buckets hold {', '.join(map(str, buckets))} numbers of 4 B, launched in that "
+           f"order. The peak comes when the last gradient of bucket {i} ({buckets[i]} "
+           f"numbers) arrives while bucket {i - 1} ({buckets[i - 1]}) is still in flight: "
+           f"({buckets[i]} + {buckets[i - 1]}) × 4 = {expected} B, "
+           f"{round(100 * expected / total)} % of the {total} B that DDP, or a ZeRO-2 that "
+           f"reduce-scatters in step(), holds at once — two neighbouring buckets, not two "
+           f"caps ({2 * PEAK_CAP} B) nor two of the largest.")
+    if measured != expected:
+        why += (f" Your ZeroTwo's peak, {measured} B, is not that of one bucket in flight "
+                f"({expected} B): it keeps {'more' if measured > expected else 'less'} alive.")
+    reveal(guess, measured, close=close, explanation=why)
