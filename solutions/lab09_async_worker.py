@@ -6,26 +6,25 @@
 # that are no longer the server's — it is **stale**. To study staleness without racing
 # threads, the lesson uses a simulator in one process: a server with
 #
-# - `pull()` → a copy of the weights and their **version** (the number of updates so far);
-# - `push(grad, version)` → apply a gradient computed on weights of that version (the server
+# - `pull()` → `(w, version)`: a copy of the weights and their **version** (the number of
+#   updates applied so far);
+# - `push(grad, version)` → applies a gradient computed on weights of that version (the server
 #   records its staleness: its own version minus that one).
 #
-# You write the workers' side: `async_worker_loop(server, compute_gradient, batches, tau)`.
-# For each batch, a worker pulls the weights and computes its gradient; a gradient reaches
-# the server **τ pulls later** — once τ newer gradients are in flight behind it. When the
-# batches run out, the gradients still in flight land, oldest first. Then gradient k is
-# computed on weights of version max(0, k − τ) and applied as update k:
+# You write the workers' side, `async_worker_loop(server, compute_gradient, batches, tau)`,
+# where `compute_gradient(w, batch)` returns the gradient (a tensor shaped like `w`) of the
+# loss on `batch` at the weights `w`. Its contract, for batches 0, 1, …, K − 1:
 #
-# w<sub>k+1</sub> = w<sub>k</sub> − lr · g(w<sub>k−τ</sub>)
+# - one pull per batch, and the batch's gradient computed on the weights that pull returned;
+# - every gradient pushed exactly once, with the version its pull returned, and the batches
+#   run out before the loop returns with nothing left unpushed;
+# - gradient k is computed on the weights of version max(0, k − τ) and applied as update k:
 #
-# and with τ = 0 the loop is plain SGD.
+#   w<sub>k+1</sub> = w<sub>k</sub> − lr · g(w<sub>k−τ</sub>),
 #
-# The check runs your loop for τ = 0, 3, 1 and 12 (more than its 10 batches) with a spy
-# server and a spy `compute_gradient` that see which weights and which batch each gradient
-# came from, and replays the reference. It names the classic mistakes: a gradient pushed one
-# update too early, the ones in flight at the end forgotten, the newest pushed instead of
-# the oldest, the weights pulled only once, the server's current version pushed instead of
-# the gradient's.
+#   so with τ = 0 the loop is plain SGD.
+#
+# First you write down, by hand, what the server sees; then the loop that makes it see that.
 #
 # Stretch: the staleness-aware step of Zhang et al. (2016), lr / staleness.
 
@@ -39,24 +38,90 @@ import collections
 import torch
 
 from dpcourse import async_sgd
-from dpcourse.checks import lab09
+from dpcourse.checks import lab09, predict
 
 torch.set_num_threads(1)
 
 # %% [markdown]
-# ## 1. Pull, compute, push
+# ## 1. The trace: what the server sees for τ = 2
 #
-# The behaviour to reach is the one above; the design is yours. Before you code, write down
-# the sequence of server calls your loop must make for τ = 2 and five batches (which pulls,
-# which pushes, each push with which version), and for τ = 0. Then two questions decide the
-# loop: between computing a gradient and pushing it, what must the loop remember about it?
-# And in which order do the remembered gradients leave? (`collections` is imported, if a
-# container from it fits your answer.)
+# One worker, τ = 2, five batches (0 … 4). Write the sequence of server calls a loop keeping
+# the contract makes, as a list: `("pull", v)` for a pull that returns version v, and
+# `("push", k, v)` for pushing the gradient of batch k with version v. Work it out from the
+# equation: which version must gradient k's weights have, so when can its pull happen, and
+# when must it land to be update k?
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Gradient 2 must be computed on version max(0, 2 − 2) = 0. How many pushes may have happened
+# before batch 2's pull, then? And gradient 0 is update 0: can it land before that pull?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The versions the pulls return are fixed by the equation (0, 0, 0, 1, 2 for batches 0 … 4),
+# and a version only moves when a push lands. So the pushes fall between the pulls: none before
+# batch 2's pull, one between each later pair, and the rest after the last pull.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the answer**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Ten calls: five pulls and five pushes. Write the pulls with their versions first, leaving gaps,
+# then place each push where the version has to move; each push carries the version of its own
+# batch's pull.
+
+# %%
+### BEGIN SOLUTION: your trace for τ = 2 and five batches: a list of server calls
+my_trace = [("pull", 0), ("pull", 0), ("pull", 0), ("push", 0, 0),
+            ("pull", 1), ("push", 1, 0),
+            ("pull", 2), ("push", 2, 0),
+            ("push", 3, 1), ("push", 4, 2)]
+### END SOLUTION
+lab09.check_trace(my_trace)
+
+# %% [markdown]
+# ## 2. The loop
+#
+# Now the loop that makes those calls for any τ and any number of batches (τ may exceed the
+# number of batches). The check runs it for several τ with a spy server and a spy
+# `compute_gradient` that see which weights and which batch each gradient came from, once
+# beside another worker that pushes too, and replays the reference.
+#
+# **Your design decision:** between computing a gradient and pushing it, what must your loop
+# keep about it, and in what kind of container? Your trace says when each one leaves.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# In your trace, look at the call just after each pull from batch 2 on. Which gradient leaves,
+# and how long ago was it computed? After the last pull, in which order do the rest leave?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The gradients waiting to land form a line: each new one joins at the back, and the one that
+# lands is always the one that has waited longest, as soon as more than τ are waiting. A push
+# needs two things a gradient was born with.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A container of (gradient, version) pairs that is cheap to take from the front; one loop over
+# the batches (pull, compute, add to the back, maybe push from the front); one loop afterwards
+# that empties it from the front.
 
 # %%
 def async_worker_loop(server, compute_gradient, batches, tau):
-    """Every gradient computed on the weights pulled for its batch, and pushed τ pulls later."""
-    ### BEGIN SOLUTION: make the server calls of your trace: every gradient pushed once, τ pulls after its own pull, with the version of the weights it was computed on
+    """Drive ``server`` for ``batches`` so that gradient k, computed on version max(0, k - tau),
+    is applied as update k; return nothing."""
+    ### BEGIN SOLUTION: the worker's loop that makes the server calls of your trace, for any τ
     in_flight = collections.deque()
     for batch in batches:
         w, version = server.pull()
@@ -72,15 +137,37 @@ def async_worker_loop(server, compute_gradient, batches, tau):
 lab09.check_async_worker(async_worker_loop)
 
 # %% [markdown]
-# Your loop drives the lesson's MLP now: the same batches, the same budget, τ = 0 and τ = 8.
+# ## 3. Predict, then measure
+#
+# Your loop drives the lesson's MLP next: the same batches, the same budget of 300 updates,
+# the same step size 0.3 (chosen for fresh gradients), with τ = 0 and then τ = 8. Before it
+# runs: will τ = 8 end with a test loss **lower**, **about the same** (within 5 %) or
+# **higher** than τ = 0?
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A gradient 8 updates old points downhill from where the weights were 8 updates ago. How far
+# can 8 steps of size 0.3 move the weights, and what does lesson 09 §2 say about the step size
+# a stale gradient can bear?
+
+# %%
+### BEGIN SOLUTION: your prediction: "lower", "about the same" or "higher"
+my_prediction = "higher"
+### END SOLUTION
+guess = predict("lab09", "test loss with τ = 8 against τ = 0", my_prediction,
+                choices=lab09.OUTCOMES)
 
 # %%
 problem = async_sgd.make_problem()
 batches = async_sgd.batch_schedule(len(problem.x_train), 32, steps)
+runs = {}
 for tau in (0, 8):
-    run = async_sgd.run_stale(problem, tau, demo_lr, batches, loop=async_worker_loop)
-    print(f"τ = {tau}: test loss {run['loss']:.3f}, accuracy {run['acc']:.1%}, "
-          f"largest staleness {max(run['staleness'])}")
+    runs[tau] = async_sgd.run_stale(problem, tau, demo_lr, batches, loop=async_worker_loop)
+    print(f"τ = {tau}: test loss {runs[tau]['loss']:.3f}, accuracy {runs[tau]['acc']:.1%}, "
+          f"largest staleness {max(runs[tau]['staleness'])}")
+lab09.check_prediction(guess, runs[0]["loss"], runs[8]["loss"], tau=8)
 
 
 # %% [markdown]
@@ -95,6 +182,28 @@ for tau in (0, 8):
 # with only the size of the step changed. Everything else its `push` does — what it records,
 # what it counts — must still happen. The check runs it under the reference loop for τ = 0, 2
 # and 5 and names the scaling rules people get wrong.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Read `SimulatedServer.push` in lesson 09: which of its lines decide the size of the step, and
+# which keep the server's books? What is the staleness of a fresh gradient, and what happens if
+# you divide by it?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Keep every line of the parent's push; change only the factor in front of the gradient, so
+# that a staleness of 0 or 1 gives the full lr and a staleness of s > 1 gives lr / s.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Four statements, in the parent's order: the staleness computed from the two versions, recorded,
+# the in-place step with the scaled lr, the version moved on.
 
 # %%
 class StalenessAware(async_sgd.SimulatedServer):
