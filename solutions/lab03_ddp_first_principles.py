@@ -230,6 +230,17 @@ lab03.check_average_gradients_weighted(average_gradients_weighted)
 #   parameter's shape;
 # - it makes **exactly one** `dist.all_reduce` call per call, whatever the number of parameters
 #   (the check counts your calls on 2 and 3 ranks); returns `None`.
+#
+# **Before you write it, predict:** part 2 measured the bytes part 1's `average_gradients` hands
+# to `all_reduce` in all its calls together. Will your `average_gradients_flat` hand over
+# `"fewer"` bytes, `"the same"`, or `"more"`?
+
+# %%
+### BEGIN SOLUTION: your prediction: "fewer", "the same" or "more"
+my_bytes_guess = "the same"
+### END SOLUTION
+bytes_guess = predict("lab03", "bytes all-reduced by the flat version, against part 1's",
+                      my_bytes_guess, choices=lab03.BYTES_CHOICES)
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -271,3 +282,7 @@ def average_gradients_flat(model):
 
 # %%
 lab03.check_average_gradients_flat(average_gradients_flat)
+
+# %%
+flat_measured = lab03.count_all_reduces(average_gradients_flat)   # once on 2 ranks, as part 2
+lab03.check_bytes_prediction(bytes_guess, flat_measured, measured)

@@ -481,3 +481,73 @@ def test_weighted_mistakes_are_named(fn, phrase):
 
 def test_weighted_shard_sizes_are_unequal_and_cover_three_ranks():
     assert len(set(lab03.SHARD_SIZES[:3])) == 3 and max(lab03.WORLD_SIZES) <= len(lab03.SHARD_SIZES)
+
+
+def test_bytes_prediction_of_the_flat_stretch(capsys):
+    from dpcourse.checks import predict
+
+    part1 = {"calls": 10, "bytes": 75176, "tensors": 10, "parameters": 18794}
+    flat = {"calls": 1, "bytes": 75176, "tensors": 10, "parameters": 18794}
+    guess = predict("lab03", "flat bytes", "fewer", choices=lab03.BYTES_CHOICES)
+    lab03.check_bytes_prediction(guess, flat, part1)
+    out = capsys.readouterr().out
+    assert "measured: the same — not what happened." in out and "not how many bytes" in out, out
+    guess = predict("lab03", "flat bytes", "the same", choices=lab03.BYTES_CHOICES)
+    lab03.check_bytes_prediction(guess, flat, part1)
+    assert "measured: the same — right." in capsys.readouterr().out
+    padded = dict(flat, bytes=75200)
+    lab03.check_bytes_prediction(guess, padded, part1)
+    out = capsys.readouterr().out
+    assert "measured: more — not what happened." in out and "75,200 bytes in 1 call" in out, out
+    with pytest.raises(LabCheckError, match="count_all_reduces"):
+        lab03.check_bytes_prediction(guess, 1, part1)
+
+
+# --- right answers written in ways the lab's reference does not (issue 31: a check accepts
+#     every correct answer) ---
+
+def weighted_counts_gathered(model, n_local):
+    # every rank learns every count (all_gather), then weights its gradient by its share
+    counts = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([float(n_local)]))
+    share = n_local / float(sum(c.item() for c in counts))
+    for p in model.parameters():
+        p.grad.mul_(share)
+        dist.all_reduce(p.grad)
+
+
+def weighted_one_collective(model, n_local):
+    # the count travels in the same buffer as the scaled gradients: one all_reduce in all
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) * n_local for g in grads] + [torch.tensor([float(n_local)])])
+    dist.all_reduce(flat)
+    total = flat[-1]
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g) / total)
+        offset += g.numel()
+
+
+def flat_parameters_to_vector(model):
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    grads = [p.grad for p in model.parameters()]
+    flat = parameters_to_vector(grads)
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    vector_to_parameters(flat, grads)   # rebinds each gradient tensor's .data: p.grad sees it
+
+
+@pytest.mark.parametrize("fn", [weighted_counts_gathered, weighted_one_collective])
+def test_more_right_weighted_averages_pass(fn, capsys):
+    lab03.check_average_gradients_weighted(fn)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_flat_through_parameters_to_vector_passes(capsys):
+    lab03.check_average_gradients_flat(flat_parameters_to_vector)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_average_gradients_on_four_ranks(capsys):
+    lab03.check_average_gradients(reference_average, world_sizes=(4,))
+    assert "on 4 ranks" in capsys.readouterr().out

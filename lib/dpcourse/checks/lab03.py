@@ -44,7 +44,7 @@ from . import (check_timeout, fail, has_todo, passed, recorded, refuse_reference
 
 __all__ = ["check_average_gradients", "check_average_gradients_flat",
            "check_average_gradients_weighted", "check_data_parallel_step", "count_all_reduces",
-           "check_prediction", "DEFAULT_TIMEOUT", "SHARD_SIZES", "WORLD_SIZES"]
+           "check_prediction", "check_bytes_prediction", "BYTES_CHOICES", "DEFAULT_TIMEOUT", "SHARD_SIZES", "WORLD_SIZES"]
 
 DEFAULT_TIMEOUT = 20.0  # seconds; a correct answer takes 1-8 s, a deadlock is cut off here
 
@@ -283,6 +283,34 @@ def check_prediction(guess, measured: dict) -> None:
                f"over {nbytes:,} bytes — one call per tensor is what a per-parameter loop makes.")
     reveal(guess, calls, close=bool(guess.value == calls) if hasattr(guess, "value") else False,
            explanation=why)
+
+
+BYTES_CHOICES = ("fewer", "the same", "more")
+
+
+def check_bytes_prediction(guess, flat: dict, per_parameter: dict) -> None:
+    """Stretch: compare the learner's prediction ("fewer", "the same" or "more" bytes handed to
+    ``all_reduce`` by ``average_gradients_flat`` than by ``average_gradients``) with the two
+    measurements of :func:`count_all_reduces`, and say why. Never raises for a wrong
+    prediction."""
+    __tracebackhide__ = True
+    for what, m in (("flat", flat), ("per_parameter", per_parameter)):
+        if not isinstance(m, dict) or "bytes" not in m:
+            fail(f"check_bytes_prediction needs what count_all_reduces(...) returned for "
+                 f"{what} (a dict), got {type(m).__name__}.")
+    a, b = flat["bytes"], per_parameter["bytes"]
+    measured = "fewer" if a < b else "more" if a > b else "the same"
+    if measured == "the same":
+        why = (f"{flat['calls']} call of {a:,} bytes against {per_parameter['calls']} calls of "
+               f"{b:,} bytes together: the flat buffer holds every gradient once, so flattening "
+               f"changes how many times the start-up cost α is paid, not how many bytes travel. "
+               f"Fewer bytes take a smaller type (lesson 07's fp16 hook), not a bigger message.")
+    else:
+        why = (f"Your flat version handed over {a:,} bytes in {flat['calls']} call(s), part 1's "
+               f"{b:,} bytes in {per_parameter['calls']}: a buffer holding each gradient once "
+               f"would weigh the same as the gradients ({4 * per_parameter['parameters']:,} "
+               f"bytes).")
+    reveal(guess, measured, close=getattr(guess, "value", None) == measured, explanation=why)
 
 
 # --------------------------------------------------------------------------------------------
