@@ -6,7 +6,7 @@
 #
 # **You will be able to:**
 # - explain the four moves of `nn.DataParallel` — scatter, replicate, parallel_apply, gather —
-#   and why the replicas' gradients are *summed* onto the original parameters;
+#   and how the replicas' gradients reach the original parameters;
 # - read a from-scratch implementation of each move and check it against the plain model;
 # - predict what the real `nn.DataParallel` does on a machine with 0, 1 or several GPUs;
 # - say why replica 0 is special (it shares the module's weights and buffers, so BatchNorm's
@@ -70,12 +70,11 @@ print(f"{n_devices} devices, batch {batch}, model with K = {K} parameters")
 
 # %% [markdown]
 # ## 1. Scatter
-# The batch is cut along dim 0 into contiguous chunks with `torch.chunk`'s sizes, as the real
-# class does: `ceil(B/N)` samples per chunk until the batch runs out, never an empty chunk.
-# Contiguous matters: gathering the outputs in device order must put the
-# rows back in the order of `y`. Writing `scatter` is part of lab 02, so the library's code for
-# it waits, folded, below the lab's pointer at the end of this lesson; here we check what it
-# returns:
+# The batch is cut along dim 0 into contiguous chunks, at most one per device, never an empty
+# one. Contiguous matters: gathering the outputs in device order must put the rows back in the
+# order of `y`. Writing `scatter` is part of lab 02 (with a decision about the chunks' sizes that
+# this lesson leaves to you), so the library's code for it waits, folded, below the lab's
+# pointer at the end of this lesson; here we check what it returns:
 
 # %%
 chunks = dp.scatter(X, devs)
@@ -84,18 +83,19 @@ claim("the chunks, put back together in device order, are the batch",
       torch.equal(torch.cat(chunks), X))
 
 # %% [markdown]
-# `ceil(B/N)` per chunk can use up the batch before the last device: 6 samples on 4 devices
-# are 3 chunks of 2, and 2 samples on 3 devices are 2 chunks of 1. The real `nn.DataParallel`
-# then replicates onto only as many devices as there are chunks
-# (`self.device_ids[:len(inputs)]`), leaving the others idle; `dp.data_parallel` does the same:
+# The real class gives each device `ceil(B/N)` samples in turn, which can use up the batch
+# before the last device: 6 samples on 4 devices are 3 chunks of 2, and 2 samples on 3 devices
+# are 2 chunks of 1. The real `nn.DataParallel` then replicates onto only as many devices as
+# there are chunks (`self.device_ids[:len(inputs)]`), leaving the others idle; `dp.data_parallel`
+# does the same:
 
 # %%
 for b, n in ((6, 4), (2, 3), (batch, n_devices)):
     sizes = [c.shape[0] for c in dp.scatter(X[:b], dp.devices_for(n, kind="cpu"))]
     print(f"batch {b} on {n} devices -> chunks {sizes}")
     claim(f"batch {b} on {n} devices: {len(sizes)} non-empty chunk(s) of at most ceil({b}/{n}), "
-          f"the same sizes as torch.chunk", sizes == [c.shape[0] for c in torch.chunk(X[:b], n)]
-          and min(sizes) > 0 and max(sizes) == -(-b // n) and sum(sizes) == b, sizes=sizes)
+          f"holding all {b} samples", min(sizes) > 0 and max(sizes) == -(-b // n)
+          and sum(sizes) == b and len(sizes) <= n, sizes=sizes)
 
 # %% [markdown]
 # ## 2. Replicate
@@ -228,37 +228,17 @@ claim("every parameter of the original model received a gradient",
       all(p.grad is not None for p in model.parameters()))
 
 # %% [markdown]
-# **Sum, not average.** The loss is a *mean over the whole gathered batch*, so each replica's
-# gradient is already its chunk's share (scaled by 1/B, not by 1/chunk). Summing them gives the
-# full-batch gradient; averaging would make it N times too small. (DDP, next lesson, is the other
-# way round: each rank's loss is a mean over its *own* chunk, so there the gradients are averaged.)
-
-# %%
-avg_grad = [torch.zeros_like(p) for p in model.parameters()]
-# Recompute each replica's share by hand and average them, to see the difference:
-for Xc, yc in zip(dp.scatter(X, devs), dp.scatter(y, devs)):
-    share = copy.deepcopy(plain)
-    share.zero_grad(set_to_none=True)
-    (F.cross_entropy(share(Xc), yc, reduction="sum") / batch).backward()
-    for a, p in zip(avg_grad, share.parameters()):
-        a += p.grad / n_devices
-ratio = (next(plain.parameters()).grad / avg_grad[0]).mean().item()
-print(f"full-batch gradient / averaged shares = {ratio:.2f}")
-claim(f"averaging the shares makes the gradient {n_devices}x (the number of devices) too small "
-      "(to 1e-3)",
-      abs(ratio - n_devices) < 1e-3, ratio=ratio)
-
-# %% [markdown]
 # The whole step in one call, `dp.data_parallel(model, X, devs)` (shown above), is what
-# `nn.DataParallel`'s `forward` does. The picture of that step, drawn from this run's chunk sizes
-# and parameter count:
+# `nn.DataParallel`'s `forward` does. The picture of that step as our `dp` does it, one copy at a
+# time, drawn from this run's chunk sizes and parameter count (the real class moves the same
+# tensors with collectives when NCCL is there: "Why it is slow" below):
 
 # %%
 claim("dp.data_parallel(model, X, devs) equals the plain model (to 1e-5)",
       torch.allclose(dp.data_parallel(model, X, devs), ref_out, atol=1e-5, rtol=0))
 viz.show(viz.dp_step_figure([c.shape[0] for c in chunks], K),
-         "every arrow starts or ends at device 0: it sends the weights out, collects the "
-         "outputs, computes the loss alone and receives every gradient.")
+         "in our copy-by-copy dp every arrow starts or ends at device 0: it sends the weights "
+         "out, collects the outputs, computes the loss alone and receives every gradient.")
 
 # %% [markdown]
 # ## The real `nn.DataParallel` on this machine
@@ -271,17 +251,21 @@ viz.show(viz.dp_step_figure([c.shape[0] for c in chunks], K),
 # the sum over the links between GPUs) and only otherwise copies every GPU's gradient to device
 # 0 and adds. With **one** GPU it moves the input to `cuda:0` and calls the module. With **no**
 # GPU it has no `device_ids` and *silently calls the module*: no error, no warning, no
-# parallelism. `dp.real_data_parallel` wraps a copy of our model,
-# counts how often the wrapper replicates it, and compares with the module's own output.
+# parallelism. `dp.real_data_parallel` wraps a copy of our model, counts how often the wrapper
+# calls its `scatter` and its `replicate`, reads the mode from those counts (not from the
+# number of GPUs), and compares with the module's own output:
+
+# %%
+viz.show_code(dp.real_data_parallel)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # (why: what the wrapper does depends on how many GPUs this machine has.)
 report = dp.real_data_parallel(model, X)
 print(report.explain())
-print(f"GPUs: {report.gpu_count}, mode: {report.mode}, device_ids: {report.device_ids}, "
-      f"replicate calls: {report.replicate_calls}, largest difference from the module: "
-      f"{report.max_abs_diff:.1e}")
+print(f"GPUs: {report.gpu_count}, observed mode: {report.mode}, device_ids: "
+      f"{report.device_ids}, scatter calls: {report.scatter_calls}, replicate calls: "
+      f"{report.replicate_calls}, largest difference from the module: {report.max_abs_diff:.1e}")
 
 # %%
 if report.gpu_count >= 2:
@@ -289,10 +273,11 @@ if report.gpu_count >= 2:
                     and report.matches_module)
 else:
     as_described = (report.mode == "passthrough" and report.replicate_calls == 0
+                    and report.scatter_calls == report.gpu_count
                     and report.device_ids in ([], [0])
                     and report.matches_module and report.max_abs_diff == 0.0)
-claim("the real nn.DataParallel behaves as described for this machine", as_described,
-      report=report)
+claim(f"the real nn.DataParallel behaves as described for {report.gpu_count} GPU(s): the "
+      f"observed mode matches", as_described, report=report)
 
 # %% [markdown]
 # ## Why it is slow
@@ -462,7 +447,9 @@ print(f"On this run: {verdict} (truly parallel threads would approach 2.00x; wha
 # Open [lab02_data_parallel](../labs/lab02_data_parallel.ipynb): you write `scatter`, `gather`,
 # and a forward/backward with plain copies of the model (`copy.deepcopy`, not the broadcast
 # above), whose gradients no autograd link brings back: getting them onto the original is up to
-# you. Its stretch asks for the threads of `parallel_apply`.
+# you, under the contract of `loss.backward()`. You also decide how `scatter` sizes its chunks,
+# and predict one copy's share of the gradient before it is measured. Its stretch asks for the
+# threads of `parallel_apply`.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below): the
@@ -472,12 +459,38 @@ print(f"On this run: {verdict} (truly parallel threads would approach 2.00x; wha
 viz.show_code(dp.scatter, dp.gather, dp.parallel_apply)
 
 # %% [markdown]
+# **▶ The reference answer — open after your lab passes** (click the folded cell below): why
+# the replicas' gradients are summed, not averaged, measured.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# Sum, not average. The loss is a *mean over the whole gathered batch*, so each replica's
+# gradient is already its chunk's share (scaled by 1/B, not by 1/chunk). Summing them gives the
+# full-batch gradient; averaging would make it N times too small. (DDP, next lesson, is the
+# other way round: each rank's loss is a mean over its *own* chunk, so there the gradients are
+# averaged.)
+avg_grad = [torch.zeros_like(p) for p in model.parameters()]
+# Recompute each replica's share by hand and average them, to see the difference:
+for Xc, yc in zip(dp.scatter(X, devs), dp.scatter(y, devs)):
+    share = copy.deepcopy(plain)
+    share.zero_grad(set_to_none=True)
+    (F.cross_entropy(share(Xc), yc, reduction="sum") / batch).backward()
+    for a, p in zip(avg_grad, share.parameters()):
+        a += p.grad / n_devices
+ratio = (next(plain.parameters()).grad / avg_grad[0]).mean().item()
+print(f"full-batch gradient / averaged shares = {ratio:.2f}")
+claim(f"averaging the shares makes the gradient {n_devices}x (the number of devices) too small "
+      "(to 1e-3)",
+      abs(ratio - n_devices) < 1e-3, ratio=ratio)
+
+
+# %% [markdown]
 # ## Summary
 #
 # - `nn.DataParallel` = scatter the batch, replicate the model, run the replicas in threads,
 #   gather the outputs on device 0, and let the backward sum the replicas' gradients there.
-# - Summing is right because the loss is one mean over the whole gathered batch; averaging would
-#   make the gradient N times too small.
+# - The replicas' gradients meet on the original parameters through the backward of the
+#   broadcast; how plain copies' gradients must be combined is lab 02's question (its answer is
+#   folded above, after the lab's pointer).
 # - Without GPUs the real `nn.DataParallel` silently just calls the module.
 # - Replica 0 shares the module's weights and buffers (as in torch's `replicate`), so BatchNorm's
 #   running statistics are device 0's chunk's alone; the other replicas' updates are lost.
@@ -502,14 +515,16 @@ viz.quiz([
      "why": ["There is no all-reduce in DataParallel: everything flows through device 0.",
              "Right: broadcast forward, reduce-add backward — autograd does the summing.",
              "There is one optimizer, on the original parameters; replicas are rebuilt each step."]},
-    {"q": "Why are the replicas' gradients summed and not averaged?",
-     "options": ["Because the loss is a mean over the whole gathered batch, so each replica's "
-                 "gradient is already its share", "Because summing is faster than averaging",
-                 "They should be averaged; summing is a known DataParallel bug"],
-     "answer": 0,
-     "why": ["Right: each chunk's term is already divided by the whole batch size B.",
-             "Speed has nothing to do with it: the result would differ by a factor N.",
-             "Averaging would make the gradient N times too small — this lesson measured it."]},
+    {"q": "After one nn.DataParallel forward in training mode, where do the module's BatchNorm "
+          "running statistics come from?",
+     "options": ["From the whole batch", "From device 0's chunk alone",
+                 "From the average of every replica's chunk"],
+     "answer": 1,
+     "why": ["Each replica sees only its chunk; none sees the whole batch.",
+             "Right: replica 0 shares the module's buffers; the others' updates are lost with "
+             "them.",
+             "Nothing averages the replicas' buffers: the other replicas are dropped after the "
+             "step."]},
     {"q": "In this lesson's DataParallel, which copies one device at a time (a naive parameter "
           "server), with 8 devices and a model of K parameters, how many numbers cross device "
           "0's link per step?",
@@ -535,7 +550,8 @@ viz.quiz([
 #
 # - `torch/nn/parallel/data_parallel.py` — `DataParallel.__init__`: with no CUDA device,
 #   `device_ids = []`; with one, the module is moved to it. `DataParallel.forward`: no
-#   `device_ids` → `self.module(*inputs)`; one device → the module on it; otherwise scatter,
+#   `device_ids` → `self.module(*inputs)`; otherwise `self.scatter` first, then with one device
+#   the module on it (no `replicate`: what `real_data_parallel` observes); otherwise
 #   `replicate(self.module, self.device_ids[:len(inputs)])` (fewer devices when the batch gives
 #   fewer chunks), `parallel_apply`, `gather` on `output_device` (device 0 by default). The class
 #   docstring's warning: the replica on `device[0]` shares parameters and buffers with the module,

@@ -1,22 +1,28 @@
 # %% [markdown]
 # # Lab 02 · DataParallel's step by hand
 #
-# Lesson 02 took `nn.DataParallel` apart. Now you write its step yourself, on simulated devices:
+# Lesson 02 took `nn.DataParallel` apart, with replicas that autograd ties back to the module.
+# Now you write its step yourself, on simulated devices, with **plain copies** of the model
+# (`copy.deepcopy`): nothing links their gradients to the original, so what the backward of a
+# broadcast did for the lesson is yours to do. The pieces and their contracts:
 #
-# 1. `scatter(X, n_devices)`: split the batch along dim 0 into contiguous chunks, one per device,
-#    as the real `nn.DataParallel` does — which means: no device gets more than `ceil(B/N)`
-#    samples, none gets an empty chunk, and when the batch runs out before the devices do (6
-#    samples on 4 devices, 2 on 3) it returns fewer chunks and the step uses fewer devices,
-#    rather than raising;
-# 2. `gather(outputs)`: put the replicas' outputs back together into one batch;
-# 3. `dp_forward_backward(model, X, y, n_devices)`: scatter, make plain copies of the model
-#    (`copy.deepcopy`), run each copy on its chunk (`dp.parallel_apply` gives you the threads),
-#    gather, compute the mean cross-entropy on the whole batch, backward — and then **put the
-#    gradients where the optimizer will find them**: on the original model's parameters. The
-#    copies are plain copies, so nothing links their gradients to the original; think about how
-#    each copy's gradient relates to the gradient of the whole batch's mean loss.
+# 1. `scatter(X, n_devices) -> list of tensors`: contiguous chunks of `X` along dim 0, in order
+#    (concatenated, they are `X`), each of whole samples; at most `n_devices` of them, none
+#    empty, none larger than `ceil(B/N)`. A batch that runs out before the devices do (2
+#    samples on 3 devices) gives fewer chunks, not an error. How the sizes are chosen when N
+#    does not divide B is **your design decision**.
+# 2. `gather(outputs) -> tensor`: the devices' outputs as one batch, in device order.
+# 3. A prediction about one copy's gradient, then its measurement.
+# 4. `dp_forward_backward(model, X, y, n_devices) -> float`: one DataParallel step's forward
+#    and backward. Each chunk runs on a plain copy of `model` of its own (the copies run in
+#    threads through `dp.parallel_apply`, as the real class runs them); the loss is the mean
+#    cross-entropy over the whole batch, returned as a float. Afterwards `model`'s gradients
+#    are what `loss.backward()` on the plain model over the whole batch would leave: the
+#    whole batch's gradient **added** to whatever each `p.grad` held before (`None` counting
+#    as nothing held). `model`'s weights are unchanged.
 #
-# Each part has a check cell right after it that names your mistake, if there is one.
+# Each part has a check cell that names your mistake, if there is one, and hints behind clicks.
+# The checks compare with the library's `dpcourse.dp`, which your answers may not call.
 
 # %%
 import copy
@@ -25,50 +31,175 @@ import torch
 import torch.nn.functional as F
 
 from dpcourse import dp
-from dpcourse.checks import lab02
+from dpcourse.checks import lab02, predict
 
 torch.set_num_threads(1)
 
+# %% [markdown]
+# ## 1. `scatter`
+#
+# **Your design decision:** when N does not divide B, how big is each chunk? One answer fills
+# the devices in turn with `ceil(B/N)` samples until the batch runs out — the real class's
+# choice, which lesson 02 §1 showed can leave a device idle (6 samples on 4 devices: three
+# chunks of 2). The other balances the sizes over every device the batch can feed (2, 2, 1, 1).
+# Before you choose, ask which device sets the pace of a step, whether the choice changes it,
+# and what an idle device costs or saves. Write your choice in `chunk_sizes`,
+# `"like DataParallel"` or `"balanced"`, with a comment saying why; the check holds your
+# `scatter` to it.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# For 10 samples on 4 devices, which sizes does each choice give? Which sample goes to which
+# device, if the outputs are to line up with `y` after `gather`?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Work out the list of sizes first (its length is the number of chunks, never zero-sized
+# entries), then cut `X` along its first dimension at the running totals of that list. Torch
+# has functions that cut a tensor into pieces of given sizes, or into a given number of pieces.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# `B = X.shape[0]`; for "like DataParallel", a piece size of `ceil(B/N)` and as many pieces as
+# that fills; for "balanced", `k = min(N, B)` pieces whose sizes are `B // k`, plus one for the
+# first `B % k`; then one call that splits `X` along dim 0 by sizes, turned into a list.
 
 # %%
+### BEGIN SOLUTION: your design decision: "like DataParallel" or "balanced", and why
+chunk_sizes = "like DataParallel"  # the step's time is set by the largest chunk either way;
+# filling in turn leaves a device free instead of giving it one sample's worth of work.
+### END SOLUTION
+
+
 def scatter(X, n_devices):
     """A list of at most n_devices contiguous, non-empty chunks of X along dim 0, in order."""
-    ### BEGIN SOLUTION: split X along dim 0 into contiguous chunks, at most n_devices, none empty
+    ### BEGIN SOLUTION: contiguous chunks of X along dim 0, sized as you decided
     return list(torch.chunk(X, n_devices, dim=0))
     ### END SOLUTION
 
 
-lab02.check_scatter(scatter)
+lab02.check_scatter(scatter, sizes=chunk_sizes)
 
+# %% [markdown]
+# ## 2. `gather`
+#
+# The outputs of the devices, in device order, as one batch: row i of the result must be the
+# output for row i of `X`.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Each output has shape (chunk size, classes). Along which dimension do the devices' outputs
+# differ, and along which do they agree?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Join them end to end along the samples' dimension, keeping the list's order; no new dimension.
 
 # %%
 def gather(outputs):
     """One tensor: the outputs of the devices, in device order, as one batch."""
-    ### BEGIN SOLUTION: concatenate along the batch dimension
+    ### BEGIN SOLUTION: the outputs as one batch, in device order
     return torch.cat(outputs, dim=0)
     ### END SOLUTION
 
 
 lab02.check_gather(gather)
 
+# %% [markdown]
+# ## 3. Predict, then measure: one copy's gradient
+#
+# Before you write the step, reason about what a copy's backward leaves in its `p.grad`. Take a
+# batch of 16 samples made of the *same* 4 samples four times, on 4 devices, so each device's
+# chunk is those 4 samples. The loss is one mean cross-entropy over all 16 gathered outputs, and
+# `backward()` runs through the four plain copies. **What fraction of the whole batch's
+# gradient (the plain model's, on the 16 samples) does copy 0's gradient hold?** Write a number;
+# the check then runs exactly that with plain copies and measures it.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The mean over 16 samples is a sum of 16 terms, each divided by 16. Which of those terms does
+# copy 0's backward differentiate?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A copy's gradient is the gradient of its own chunk's terms of the one mean, divided by the
+# whole batch's size. With identical chunks, how do the four copies' gradients compare with each
+# other?
+
+# %%
+### BEGIN SOLUTION: your prediction (a number)
+my_guess = 0.25
+### END SOLUTION
+guess = predict("lab02", "copy 0's fraction of the whole batch's gradient", my_guess)
+
+# %%
+lab02.check_prediction(guess)
+
+# %% [markdown]
+# ## 4. `dp_forward_backward`
+#
+# One forward and backward of DataParallel with plain copies, with the contract at the top:
+# every chunk through a copy of its own, one mean loss over the gathered batch (returned as a
+# float), and afterwards each `p.grad` of `model` holds what it held before plus the whole
+# batch's gradient — the same contract as `loss.backward()`, so that a caller may accumulate
+# several steps' gradients before stepping. The check hands your function models with and
+# without gradients already in `p.grad`, and batches that do and do not divide by the number of
+# devices.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# After the backward, where are the gradients — on `model`, or on the copies? What did your
+# prediction in §3 say about how the copies' gradients relate to the whole batch's? And what
+# does `model`'s `p.grad` hold before your function adds anything?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# One copy per chunk your `scatter` returns (`copy.deepcopy` copies the weights, not
+# `p.grad`); one loss on the gathered outputs and one backward; then, parameter by parameter, combine what the copies received and add it to
+# what `model` held, starting from nothing where `p.grad` is `None`.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Chunks from your `scatter`; a list of deep copies, one per chunk; outputs from
+# `dp.parallel_apply`; the loss on your `gather` of them and its backward; a loop over
+# `model.parameters()` zipped with each copy's parameters that computes the combination and
+# stores the new `p.grad`; return the loss's value.
 
 # %%
 def dp_forward_backward(model, X, y, n_devices):
     """One DataParallel forward/backward with plain copies; returns the loss as a float.
 
-    Afterwards every parameter p of `model` must hold in p.grad the gradient of the mean loss on
-    the whole batch.
+    Afterwards every parameter p of `model` holds in p.grad what it held before plus the
+    gradient of the mean loss on the whole batch (as loss.backward() would leave it).
     """
-    ### BEGIN SOLUTION: scatter X, one deepcopy of the model per chunk, parallel_apply, gather, loss, backward, then the gradients onto model
+    ### BEGIN SOLUTION: the step on plain copies; the whole batch's gradient added to model's
     chunks = scatter(X, n_devices)
-    replicas = [copy.deepcopy(model) for _ in chunks]  # fewer chunks than devices: fewer copies
-    outputs = dp.parallel_apply(replicas, chunks)
-    loss = F.cross_entropy(gather(outputs), y)
+    replicas = [copy.deepcopy(model) for _ in chunks]  # as many copies as chunks
+    loss = F.cross_entropy(gather(dp.parallel_apply(replicas, chunks)), y)
     loss.backward()
-    # One mean loss over the gathered batch: each copy's gradient is its chunk's share already,
-    # so the full gradient is their sum (not their mean).
     for p, *copies in zip(model.parameters(), *(r.parameters() for r in replicas)):
-        p.grad = sum(c.grad for c in copies)
+        summed = sum(c.grad for c in copies)  # one mean over the batch: the shares add up
+        p.grad = summed if p.grad is None else p.grad + summed
     return loss.item()
     ### END SOLUTION
 
@@ -101,27 +232,49 @@ claim("your DataParallel step trains: the loss fell", losses[-1] < losses[0], lo
 # %% [markdown]
 # ## Stretch (optional): the copies in real threads
 #
-# A workshop can stop here. `dp.parallel_apply` ran your copies for you; now write it.
-# `threaded_apply(replicas, inputs)` must run `replicas[i](inputs[i])` in one thread per
-# replica, **all at the same time**, and return the outputs in replica order. Three details
-# make it right, and the check tries each:
+# A workshop can stop here. `dp.parallel_apply` ran your copies for you; now write your own.
+# `threaded_apply(replicas, inputs) -> list` has this contract:
 #
-# * threads finish in any order — store each output at its replica's index;
-# * grad mode is *per thread* in torch: a new thread starts with autograd on even if the caller
-#   is inside `torch.no_grad()`, so read `torch.is_grad_enabled()` in the caller and set it in
-#   each thread with `torch.set_grad_enabled(...)`;
-# * an exception in a thread does not reach the caller by itself: keep it and raise it after
-#   `join`.
+# * it returns the list `[replicas[i](inputs[i]) for i in ...]` would give, in replica order;
+# * the replicas run **at the same time**, each in a thread of its own;
+# * the outputs carry an autograd graph exactly when the same loop run by the caller would;
+# * when a replica raises, the caller gets that error, after no thread is left running.
 #
 # The check uses stand-in replicas that sleep (as a torch kernel does, they release the GIL),
-# the slowest first, so it can tell the order the threads finished in from replica order.
+# the slowest first, and calls your function both with autograd on and inside
+# `torch.no_grad()`.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Threads finish in any order: how does a result find its place in the list? What state does a
+# new thread start with — is anything that the caller set for itself (lesson 02 §3) per thread?
+# Where does an exception raised inside a thread go?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Give each thread its index, and a slot per index for its output and for its error. Read the
+# caller's autograd setting before starting the threads, and apply it inside each one. Start all
+# threads before waiting for any; after waiting for all, raise the first error kept.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Two lists of `None` (outputs, errors); a worker function of `i` that, under the caller's grad
+# mode, stores `replicas[i](inputs[i])` at `i` or catches the exception into its slot; a list
+# of `threading.Thread`s, each started, then each joined; any error raised; the outputs
+# returned.
 
 # %%
 import threading
 
 
 def threaded_apply(replicas, inputs):
-    ### BEGIN SOLUTION: one thread per replica, started together, joined; results in replica order; caller's grad mode; re-raise errors
+    ### BEGIN SOLUTION: the replicas run at once, one thread each, with the contract above
     grad_enabled = torch.is_grad_enabled()
     results = [None] * len(replicas)
     errors = [None] * len(replicas)

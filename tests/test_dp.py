@@ -100,7 +100,24 @@ def test_real_data_parallel_report(setup):
         assert rep.mode == "parallel" and rep.replicate_calls == 1
     else:
         assert rep.mode == "passthrough" and rep.replicate_calls == 0
+        assert rep.scatter_calls == (1 if rep.gpu_count == 1 else 0)
         assert "calls" in rep.explain()
+
+
+def test_real_data_parallel_mode_is_observed_not_assumed(setup, monkeypatch):
+    """The mode comes from the calls of DataParallel's replicate, not from the GPU count: a
+    DataParallel whose forward replicates (as it does with 2+ GPUs) is reported parallel."""
+    model, X, _ = setup
+
+    def forward_that_replicates(self, *inputs):
+        replicas = self.replicate(self.module, [torch.device("cpu")])
+        return replicas[0](*inputs)
+
+    monkeypatch.setattr(torch.nn.DataParallel,
+                        "forward", forward_that_replicates)
+    monkeypatch.setattr(torch.nn.DataParallel, "replicate", lambda self, m, ids: [m])
+    rep = dp.real_data_parallel(model, X)
+    assert rep.mode == "parallel" and rep.replicate_calls == 1
 
 
 def test_measurements_have_the_right_form(setup):

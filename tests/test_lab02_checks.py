@@ -18,7 +18,7 @@ def good_gather(outputs):
     return torch.cat(outputs)
 
 
-def make_step(combine="sum", loss_per_chunk=False, per_device=False):
+def make_step(combine="sum", loss_per_chunk=False, per_device=False, held="add"):
     def step(model, X, y, n):
         chunks = good_scatter(X, n)
         reps = [copy.deepcopy(model) for _ in (range(n) if per_device else chunks)]
@@ -31,13 +31,19 @@ def make_step(combine="sum", loss_per_chunk=False, per_device=False):
         for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
             gs = [c.grad for c in cs]
             if combine == "sum":
-                p.grad = sum(gs)
+                new = sum(gs)
             elif combine == "mean":
-                p.grad = sum(gs) / len(gs)
+                new = sum(gs) / len(gs)
             elif combine == "first":
-                p.grad = gs[0].clone()
-            elif combine == "flat":
-                p.grad = sum(gs).reshape(-1)[:1].clone() if p.dim() == 1 else sum(gs)
+                new = gs[0].clone()
+            else:
+                continue
+            if held == "add":
+                p.grad = new if p.grad is None else p.grad + new
+            elif held == "in-place":  # fails on None: no gradient held yet
+                p.grad += new
+            else:  # "replace"
+                p.grad = new
         return loss.item()
     return step
 
@@ -82,6 +88,8 @@ def test_wrong_gather(wrong, phrase):
     (make_step("none"), "no gradients"),
     (make_step(loss_per_chunk=True), "counts the batch 4 times"),
     (make_step(per_device=True), "make one copy per chunk, not one per device"),
+    (make_step(held="replace"), "arrived holding gradients and dp_forward_backward replaced them"),
+    (make_step(held="in-place"), "p.grad is None, not zeros"),
 ])
 def test_wrong_dp_step(step, phrase):
     with pytest.raises(LabCheckError, match=phrase):
@@ -141,7 +149,8 @@ def mean_of_chunk_losses(model, X, y, n):
     loss = sum(F.cross_entropy(o, t) for o, t in zip(outs, ys)) / len(chunks)  # equal only for even chunks
     loss.backward()
     for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
-        p.grad = sum(c.grad for c in cs)
+        s = sum(c.grad for c in cs)
+        p.grad = s if p.grad is None else p.grad + s
     return loss.item()
 
 
@@ -180,9 +189,22 @@ def with_course_replicate(model, X, y, n):
     return loss.item()
 
 
+def with_course_data_parallel(model, X, y, n):
+    loss = F.cross_entropy(dp.data_parallel(model, X, dp.devices_for(n, "cpu")), y)
+    loss.backward()
+    return loss.item()
+
+
+@pytest.mark.parametrize("step", [with_course_replicate, with_course_data_parallel],
+                         ids=["dp.replicate", "dp.data_parallel"])
+def test_dp_steps_on_the_library_replicas_are_refused(step):
+    with pytest.raises(LabCheckError, match="plain copies"):
+        lab02.check_dp_forward_backward(step)
+
+
 @pytest.mark.parametrize("step", [
-    make_step(), sequential_copies_accumulating, original_as_replica_zero, with_course_replicate,
-], ids=["reference", "sequential-accumulating", "original-as-replica-0", "dp.replicate"])
+    make_step(), sequential_copies_accumulating, original_as_replica_zero,
+], ids=["reference", "sequential-accumulating", "original-as-replica-0"])
 def test_right_dp_steps_pass(step, capsys):
     lab02.check_dp_forward_backward(step)
     assert capsys.readouterr().out.count("✔") == 1
@@ -296,8 +318,8 @@ def caller_runs_replica_zero(replicas, inputs):
     return results
 
 
-@pytest.mark.parametrize("fn", [_threads(), pool_apply, caller_runs_replica_zero, dp.parallel_apply],
-                         ids=["threads", "pool", "caller-takes-0", "course-parallel_apply"])
+@pytest.mark.parametrize("fn", [_threads(), pool_apply, caller_runs_replica_zero],
+                         ids=["threads", "pool", "caller-takes-0"])
 def test_right_threaded_apply_passes(fn, capsys):
     lab02.check_threaded_apply(fn)
     assert capsys.readouterr().out.count("✔") == 1
@@ -367,3 +389,71 @@ def test_torch_chunk_gives_fewer_chunks_than_devices():
     assert [c.shape[0] for c in torch.chunk(torch.zeros(6), 4)] == [2, 2, 2]
     assert [c.shape[0] for c in torch.chunk(torch.zeros(5), 4)] == [2, 2, 1]
     assert [c.shape[0] for c in torch.chunk(torch.zeros(2), 3)] == [1, 1]
+
+
+# --- the design decision: chunk sizes ---------------------------------------------------------
+
+def balanced(X, n):
+    return [c for c in torch.tensor_split(X, n) if len(c)]
+
+
+@pytest.mark.parametrize("fn, sizes", [(good_scatter, "like DataParallel"),
+                                       (balanced, "balanced")])
+def test_scatter_keeping_its_decision_passes(fn, sizes, capsys):
+    lab02.check_scatter(fn, sizes=sizes)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "as you decided" in out, out
+
+
+@pytest.mark.parametrize("fn, sizes, phrase", [
+    (balanced, "like DataParallel", "gave [3, 3, 2, 2], and 'like DataParallel' gives [3, 3, 3, 1]"),
+    (good_scatter, "balanced", "gave [3, 3, 3, 1], and 'balanced' gives [3, 3, 2, 2]"),
+    (good_scatter, "even", "design decision must be"),
+])
+def test_scatter_breaking_its_decision_is_refused(fn, sizes, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_scatter(fn, sizes=sizes)
+    assert phrase in str(err.value), str(err.value)
+
+
+# --- the library's own answers are refused -----------------------------------------------------
+
+def wrapped_dp_scatter(X, n):
+    return dp.scatter(X, n)
+
+
+def wrapped_dp_gather(outputs):
+    return dp.gather(outputs)
+
+
+def wrapped_dp_parallel_apply(replicas, inputs):
+    return dp.parallel_apply(replicas, inputs)
+
+
+@pytest.mark.parametrize("check, fn, name", [
+    (lab02.check_scatter, dp.scatter, "dp.scatter"),
+    (lab02.check_scatter, wrapped_dp_scatter, "dp.scatter"),
+    (lab02.check_gather, dp.gather, "dp.gather"),
+    (lab02.check_gather, wrapped_dp_gather, "dp.gather"),
+    (lab02.check_threaded_apply, dp.parallel_apply, "dp.parallel_apply"),
+    (lab02.check_threaded_apply, wrapped_dp_parallel_apply, "dp.parallel_apply"),
+], ids=["scatter", "scatter-wrapped", "gather", "gather-wrapped", "apply", "apply-wrapped"])
+def test_the_library_answer_is_refused(check, fn, name):
+    with pytest.raises(LabCheckError) as err:
+        check(fn)
+    assert f"library's own dpcourse.{name}" in str(err.value) or (
+        f"called the library's dpcourse.{name}" in str(err.value)), str(err.value)
+    assert "write it yourself" in str(err.value), str(err.value)
+
+
+# --- predict, then measure ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, verdict", [(0.25, "right"), (1, "not what happened")])
+def test_prediction_is_measured_and_explained(value, verdict, capsys):
+    from dpcourse.checks import predict
+
+    guess = predict("lab02", "copy 0's fraction of the whole batch's gradient", value)
+    lab02.check_prediction(guess)
+    out = capsys.readouterr().out
+    assert f"measured: 0.25 — {verdict}." in out, out
+    assert "1/4 of the whole batch's" in out, out

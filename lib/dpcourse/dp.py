@@ -356,8 +356,10 @@ def data_parallel(module: nn.Module, X: torch.Tensor, devices) -> torch.Tensor:
 
 @dataclass
 class RealDataParallelReport:
-    """What ``nn.DataParallel`` did here. ``mode`` is "parallel" (2+ GPUs: it scattered over
-    ``device_ids``) or "passthrough" (0 or 1 GPU: it called the module, nothing else)."""
+    """What ``nn.DataParallel`` did here, as observed: ``mode`` is "parallel" when its
+    ``replicate`` was called (2+ GPUs), "passthrough" when it was not (it called the module
+    itself: with no GPU straight away, with one after its ``scatter`` moved the input to
+    cuda:0). ``gpu_count`` is what the observed mode is then compared with."""
 
     gpu_count: int
     device_ids: list
@@ -365,24 +367,27 @@ class RealDataParallelReport:
     replicate_calls: int
     matches_module: bool
     max_abs_diff: float
+    scatter_calls: int = 0
 
     def explain(self) -> str:
         if self.mode == "parallel":
             return (f"nn.DataParallel ran for real: the batch was scattered over GPUs "
                     f"{self.device_ids} and the module replicated {self.replicate_calls} time(s).")
         if self.gpu_count == 1:
-            return ("With one GPU, nn.DataParallel moves the input to cuda:0 and calls the module: "
-                    "no scatter, no replicas, no threads.")
+            return ("With one GPU, nn.DataParallel's scatter moves the input to cuda:0 and it "
+                    "calls the module: no split, no replicas, no threads.")
         return ("Without a GPU, nn.DataParallel has no device_ids and silently calls the wrapped "
                 "module: no scatter, no replicas, no threads, no error.")
 
 
 def real_data_parallel(module: nn.Module, X: torch.Tensor) -> RealDataParallelReport:
-    """Wrap ``module`` in the real ``nn.DataParallel``, run ``X`` through it, and report.
+    """Wrap ``module`` in the real ``nn.DataParallel``, run ``X`` through it, and report what it
+    did: the calls of its ``scatter`` and ``replicate`` methods are counted (the mode is read
+    from them, not from the number of GPUs), and the output is compared with the module's own
+    on the whole batch. With GPUs, ``module`` is moved to cuda:0 (a copy is made; the argument
+    is left where it was).
 
-    Counts the calls of its ``replicate`` method (0 when it just passes through) and compares the
-    output with the module's own on the whole batch. With GPUs, ``module`` is moved to cuda:0
-    (a copy is made; the argument is left where it was).
+    Shown in lesson 02, §"The real `nn.DataParallel` on this machine".
     """
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     model = copy.deepcopy(module)
@@ -390,22 +395,26 @@ def real_data_parallel(module: nn.Module, X: torch.Tensor) -> RealDataParallelRe
         model = model.to("cuda:0")
         X = X.to("cuda:0")
     wrapped = nn.DataParallel(model)
-    calls = 0
-    original = wrapped.replicate
+    calls = {"scatter": 0, "replicate": 0}
 
-    def counting_replicate(*args, **kwargs):
-        nonlocal calls
-        calls += 1
-        return original(*args, **kwargs)
+    def counting(name):
+        original = getattr(wrapped, name)
 
-    wrapped.replicate = counting_replicate  # instance attribute shadows the method
+        def count(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return count
+
+    for name in calls:  # an instance attribute shadows the method
+        setattr(wrapped, name, counting(name))
     with torch.no_grad():
         out = wrapped(X)
         ref = model(X)
     diff = (out - ref).abs().max().item()
-    mode = "parallel" if gpus >= 2 else "passthrough"
-    return RealDataParallelReport(gpus, list(wrapped.device_ids), mode, calls,
-                                  bool(torch.allclose(out, ref, atol=1e-5, rtol=1e-4)), diff)
+    mode = "parallel" if calls["replicate"] else "passthrough"
+    return RealDataParallelReport(gpus, list(wrapped.device_ids), mode, calls["replicate"],
+                                  bool(torch.allclose(out, ref, atol=1e-5, rtol=1e-4)), diff,
+                                  calls["scatter"])
 
 
 # --------------------------------------------------------------------------------------------

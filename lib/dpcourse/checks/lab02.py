@@ -15,10 +15,41 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .. import dp as reference
 from . import fail, passed, recorded
+from .lab01 import is_library_function, library_calls
 
 __all__ = ["check_scatter", "check_gather", "check_dp_forward_backward",
-           "check_threaded_apply"]
+           "check_threaded_apply", "check_prediction", "copy_share", "CHUNK_SIZES"]
+
+# The two answers to lab02's design decision: how scatter sizes the chunks when N does not
+# divide B. "like DataParallel": ceil(B/N) per device until the batch runs out (torch.chunk's
+# sizes, which the real class uses; 6 on 4 -> 2, 2, 2); "balanced": sizes that differ by at most
+# one over min(N, B) devices (6 on 4 -> 2, 2, 1, 1).
+CHUNK_SIZES = ("like DataParallel", "balanced")
+
+
+def _sizes_for(policy: str, b: int, n: int) -> list[int]:
+    if policy == "like DataParallel":
+        return [len(c) for c in torch.chunk(torch.empty(b), n)]
+    k = min(n, b)
+    return [b // k + (i < b % k) for i in range(k)]
+
+
+def _refuse_library(fn, ref, name: str, why: str) -> None:
+    __tracebackhide__ = True
+    if is_library_function(fn, ref):
+        fail(f"{name} is the library's own dpcourse.dp.{ref.__name__}: {why}")
+
+
+def _not_yours(name: str, called: list, why: str) -> None:
+    __tracebackhide__ = True
+    if called:
+        fail(f"{name} called the library's dpcourse.dp.{called[0]}: {why}")
+
+
+_OWN = ("the lab asks you to write it yourself, so the check would only be comparing the "
+        "reference with itself.")
 
 
 def _tensor_list(result, what: str) -> list[torch.Tensor]:
@@ -33,13 +64,21 @@ def _tensor_list(result, what: str) -> list[torch.Tensor]:
 
 
 @recorded
-def check_scatter(scatter) -> None:
+def check_scatter(scatter, sizes: str | None = None) -> None:
     """``scatter(X, n_devices)`` must split X along dim 0 into contiguous, non-empty chunks in
     order, as ``nn.DataParallel`` does: at most n chunks, none larger than ceil(B/n), and at
     least as many as ``torch.chunk`` makes (which the real class uses: 6 samples on 4 devices
     are 3 chunks of 2, and the step then runs on 3 devices). A balanced split with n chunks when
-    the batch allows it (2, 2, 1, 1) is accepted too; an empty chunk or an error is not."""
+    the batch allows it (2, 2, 1, 1) is accepted too; an empty chunk or an error is not.
+
+    ``sizes`` is the lab's design decision (one of :data:`CHUNK_SIZES`); when given, the
+    chunks must have the sizes it names. The library's ``dp.scatter`` is refused."""
     __tracebackhide__ = True
+    policy = sizes  # (``sizes`` names each split's chunk sizes below)
+    if policy is not None and policy not in CHUNK_SIZES:
+        fail(f"your design decision must be {CHUNK_SIZES[0]!r} or {CHUNK_SIZES[1]!r} (how "
+             f"scatter sizes the chunks), got {policy!r}.")
+    _refuse_library(scatter, reference.scatter, "scatter", _OWN)
     # Even and uneven splits, one sample per device, and batches that run out before the
     # devices do (torch.chunk gives fewer chunks than devices: (6, 4), (5, 4), (2, 3)).
     for b, n in ((8, 2), (10, 4), (6, 3), (7, 2), (3, 3), (6, 4), (5, 4), (2, 3)):
@@ -48,7 +87,8 @@ def check_scatter(scatter) -> None:
         most = min(n, b)
         biggest = -(-b // n)
         try:
-            chunks = scatter(X.clone(), n)
+            with library_calls(reference.scatter) as called:
+                chunks = scatter(X.clone(), n)
         except NotImplementedError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported as one sentence
@@ -61,6 +101,7 @@ def check_scatter(scatter) -> None:
                      f"({exc}), but nn.DataParallel does not refuse a batch that runs out before "
                      f"the devices do: it returns fewer chunks and the step uses fewer devices.")
             fail(f"scatter(X, {n}) raised {type(exc).__name__}: {exc}")
+        _not_yours("scatter", called, _OWN)
         chunks = _tensor_list(chunks, "scatter")
         if any(c.dim() != 2 for c in chunks):
             fail(f"scatter changed the number of dimensions (got shapes "
@@ -98,6 +139,10 @@ def check_scatter(scatter) -> None:
         assert fewest <= len(chunks) <= most
         joined = torch.cat(chunks)
         if torch.equal(joined, X):
+            if policy is not None and sizes != _sizes_for(policy, b, n):
+                fail(f"you decided on {policy!r} chunk sizes, but scatter(X, {n}) on a batch of "
+                     f"{b} gave {sizes}, and {policy!r} gives {_sizes_for(policy, b, n)}: your "
+                     f"function and your decision disagree — change one of them.")
             continue
         k = len(chunks)
         strided = torch.cat([X[i::k] for i in range(k)])
@@ -107,8 +152,10 @@ def check_scatter(scatter) -> None:
                  "outputs in device order puts them back in the order of y.")
         fail("scatter's chunks, concatenated in device order, are not the original batch: split "
              "X along dim 0 into contiguous pieces without reordering them.")
-    return passed("scatter splits the batch along dim 0 into contiguous chunks, at most one per "
-                  "device and none empty, also when the batch runs out before the devices do")
+    said = f", with {policy!r} sizes as you decided" if policy else ""
+    return passed(f"scatter splits the batch along dim 0 into contiguous chunks, at most one per "
+                  f"device and none empty, also when the batch runs out before the devices "
+                  f"do{said}")
 
 
 @recorded
@@ -118,12 +165,15 @@ def check_gather(gather) -> None:
     torch.manual_seed(0)
     outputs = [torch.randn(3, 10) for _ in range(3)]  # equal sizes: a wrong dim still runs
     expected = torch.cat(outputs, dim=0)
+    _refuse_library(gather, reference.gather, "gather", _OWN)
     try:
-        got = gather([o.clone() for o in outputs])
+        with library_calls(reference.gather) as called:
+            got = gather([o.clone() for o in outputs])
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001
         fail(f"gather raised {type(exc).__name__}: {exc}")
+    _not_yours("gather", called, _OWN)
     if not isinstance(got, torch.Tensor):
         fail(f"gather must return one tensor, got {type(got).__name__}.")
     if got.dim() == 2 and got.shape[0] == 3:
@@ -172,22 +222,30 @@ def _forward_spy(model) -> list:
 @recorded
 def check_dp_forward_backward(dp_forward_backward) -> None:
     """After ``dp_forward_backward(model, X, y, n_devices)`` the original model's gradients must
-    equal the plain model's on the whole batch (mean cross-entropy), the returned loss must be
-    its loss, and the forward must have run on ``n_devices`` copies, each on its own chunk.
+    have grown by the plain model's on the whole batch (mean cross-entropy) — added to what
+    ``p.grad`` held, as ``loss.backward()`` adds (None counting as zero) — the returned loss must
+    be its loss, and the forward must have run on plain copies, one per chunk.
 
-    Tried with 16 samples on 4 devices, 10 samples on 3 (chunks of 4, 4 and 2) and 6 samples on
-    4 (torch.chunk gives 3 chunks of 2: fewer chunks than devices), so an answer tied to one
-    device count, to equal chunks or to one copy per device fails.
+    Tried with 16 samples on 4 devices (a model with no gradients yet), 10 samples on 3 (chunks
+    of 4, 4 and 2) and 6 samples on 4 (torch.chunk gives 3 chunks of 2: fewer chunks than
+    devices), the last two on a model that already holds gradients, so an answer tied to one
+    device count, to equal chunks, to one copy per device, or that overwrites ``p.grad``
+    fails. Copies made by the library's ``dp.replicate`` (or ``dp.data_parallel``) are
+    refused: the lab asks for plain copies.
     """
     __tracebackhide__ = True
-    for n_devices, batch in ((4, 16), (3, 10), (4, 6)):
-        _check_dp_once(dp_forward_backward, n_devices, batch)
+    for n_devices, batch, held in ((4, 16, False), (3, 10, True), (4, 6, True)):
+        _check_dp_once(dp_forward_backward, n_devices, batch, held)
     passed("DataParallel by hand on 4 and 3 devices (even and uneven chunks, and a batch of 6 "
-           "on 4): each copy ran on its chunk, and the gradients and loss equal the plain "
-           "model's on the whole batch")
+           "on 4): each plain copy ran on its chunk, the loss is the whole batch's, and the "
+           "whole batch's gradient was added to what the model held")
 
 
-def _check_dp_once(dp_forward_backward, n: int, batch: int) -> None:
+_PLAIN = ("the lab asks for plain copies (copy.deepcopy), whose gradients no autograd link "
+          "brings back — getting them onto the model is the part to write.")
+
+
+def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
     __tracebackhide__ = True
     from ..models import SmallCNN
 
@@ -196,24 +254,40 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int) -> None:
     X = torch.randn(batch, 3, 32, 32)
     y = torch.randint(0, 10, (batch,))
     sizes = [c.shape[0] for c in torch.chunk(X, n)]
+    if held:  # gradients left in p.grad by an earlier backward (say, an accumulation)
+        F.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.arange(4)).backward()
+    before = _grads(model)
 
     ref_model = copy.deepcopy(model)
+    ref_model.zero_grad(set_to_none=True)
     ref_loss = F.cross_entropy(ref_model(X), y)
     ref_loss.backward()
     ref = _grads(ref_model)
 
-    learner = copy.deepcopy(model)
+    def plus_held(grads):
+        return [g if b is None else b + g for g, b in zip(grads, before)]
+
+    learner = copy.deepcopy(model)  # (deepcopy leaves p.grad behind: hand it over)
+    for p, b in zip(learner.parameters(), before):
+        p.grad = None if b is None else b.clone()
     calls = _forward_spy(learner)
     try:
-        loss = dp_forward_backward(learner, X.clone(), y.clone(), n)
+        with library_calls(reference.replicate, reference.data_parallel) as called:
+            loss = dp_forward_backward(learner, X.clone(), y.clone(), n)
     except NotImplementedError:
         raise
+    except TypeError as exc:
+        if "NoneType" in str(exc):
+            fail(f"dp_forward_backward raised TypeError ({exc}): before its first backward a "
+                 f"parameter's p.grad is None, not zeros — treat None as nothing held yet.")
+        fail(f"dp_forward_backward raised TypeError: {exc}")
     except Exception as exc:  # noqa: BLE001
         if len(sizes) < n:
             fail(f"on a batch of {batch} over {n} devices, where scatter gives {len(sizes)} "
                  f"chunks, dp_forward_backward raised {type(exc).__name__} ({exc}): make one "
                  f"copy per chunk, not one per device.")
         fail(f"dp_forward_backward raised {type(exc).__name__}: {exc}")
+    _not_yours("dp_forward_backward", called, _PLAIN)
 
     # Did it do data parallelism at all: one forward per chunk, on different copies, on chunks?
     seen = [b for _, b in calls]
@@ -230,46 +304,24 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int) -> None:
 
     got = _grads(learner)
     if all(g is None for g in got):
-        fail("the original model has no gradients: the replicas' gradients must be summed onto "
-             "the original model's parameters (p.grad), which the optimizer steps.")
+        fail("the original model has no gradients: the replicas' gradients must reach the "
+             "original model's parameters (p.grad), which the optimizer steps.")
     if any(g is None for g in got):
-        fail("some of the original model's parameters have no gradient: sum the replicas' "
-             "gradients onto every parameter.")
+        fail("some of the original model's parameters have no gradient: every parameter's "
+             "gradient must reach the original model.")
     for g, r in zip(got, ref):
         if g.shape != r.shape:
             fail(f"a gradient has shape {tuple(g.shape)} but its parameter has shape "
-                 f"{tuple(r.shape)}: sum the replicas' gradients element-wise, parameter by "
-                 f"parameter.")
-    if not _close(got, ref):
-        if _close(got, [r / n for r in ref]):
-            fail(f"the gradients are {n} times too small: you averaged the replicas' gradients, "
-                 f"but with one mean loss over the gathered batch each replica's gradient is "
-                 f"already its share, so they must be summed.")
-
-        def per_chunk(combine):
-            m = copy.deepcopy(model)
-            losses = [F.cross_entropy(m(xc), yc) for xc, yc in zip(torch.chunk(X, n),
-                                                                   torch.chunk(y, n))]
-            combine(losses).backward()
-            return _grads(m)
-
-        if _close(got, per_chunk(sum)):
-            fail(f"the gradients are about {n} times too big: a mean loss per chunk, summed over "
-                 f"the replicas, counts the batch {n} times — compute one loss on the gathered "
-                 f"outputs.")
-        if _close(got, per_chunk(lambda ls: sum(ls) / len(ls))):
-            fail(f"you averaged the chunks' mean losses, but the chunks are uneven ({sizes}): "
-                 f"the samples of the short chunk weigh more. Compute one mean loss on the "
-                 f"gathered outputs.")
-        # Only replica 0's share: the gradient of chunk 0's part of the global mean loss.
-        only0 = copy.deepcopy(model)
-        (F.cross_entropy(only0(X[:sizes[0]]), y[:sizes[0]], reduction="sum") / batch).backward()
-        if _close(got, _grads(only0)):
-            fail("the gradients are replica 0's alone: the gradients of all replicas must be "
-                 "summed onto the original parameters, not just the first one's copied.")
-        fail(f"the original model's gradients differ from the plain model's on the whole batch "
-             f"({batch} samples, {n} devices); check that scatter and gather keep the order of "
-             f"the samples and that every replica's gradient is added.")
+                 f"{tuple(r.shape)}: combine the replicas' gradients element-wise, parameter "
+                 f"by parameter.")
+    if _close(got, plus_held(ref)):
+        pass
+    elif held and _close(got, ref):
+        fail("the model arrived holding gradients and dp_forward_backward replaced them: the "
+             "contract is loss.backward()'s, which adds the new gradient to what p.grad holds "
+             "(so that the caller decides when to clear it, as gradient accumulation needs).")
+    else:
+        _diagnose_dp_gradients(got, ref, before if held else None, model, X, y, n, batch, sizes)
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
             fail(f"dp_forward_backward must return the loss as a number, got a tensor of shape "
@@ -280,6 +332,48 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int) -> None:
     if abs(loss - ref_loss.item()) > 1e-4 * max(1.0, abs(ref_loss.item())):
         fail(f"the returned loss {loss:.5f} is not the mean loss on the whole batch "
              f"({ref_loss.item():.5f}): compute it on the gathered outputs.")
+
+
+def _diagnose_dp_gradients(got, ref, before, model, X, y, n, batch, sizes) -> None:
+    """The gradients are wrong: name the mistake they look like (``before``: what the model
+    held, added to every candidate as a right answer adds it)."""
+    __tracebackhide__ = True
+
+    def held(grads):
+        return grads if before is None else [g + b for g, b in zip(grads, before)]
+
+    if _close(got, held([r / n for r in ref])):
+        fail(f"the gradients are {n} times too small: you averaged the replicas' gradients, "
+             f"but with one mean loss over the gathered batch each replica's gradient is "
+             f"already its share, so they must be summed.")
+
+    def per_chunk(combine):
+        m = copy.deepcopy(model)
+        m.zero_grad(set_to_none=True)
+        losses = [F.cross_entropy(m(xc), yc) for xc, yc in zip(torch.chunk(X, n),
+                                                               torch.chunk(y, n))]
+        combine(losses).backward()
+        return _grads(m)
+
+    if _close(got, held(per_chunk(sum))):
+        fail(f"the gradients are about {n} times too big: a mean loss per chunk, summed over "
+             f"the replicas, counts the batch {n} times — compute one loss on the gathered "
+             f"outputs.")
+    if _close(got, held(per_chunk(lambda ls: sum(ls) / len(ls)))):
+        fail(f"you averaged the chunks' mean losses, but the chunks are uneven ({sizes}): "
+             f"the samples of the short chunk weigh more. Compute one mean loss on the "
+             f"gathered outputs.")
+    # Only replica 0's share: the gradient of chunk 0's part of the global mean loss.
+    only0 = copy.deepcopy(model)
+    only0.zero_grad(set_to_none=True)
+    (F.cross_entropy(only0(X[:sizes[0]]), y[:sizes[0]], reduction="sum") / batch).backward()
+    if _close(got, held(_grads(only0))):
+        fail("the gradients are replica 0's alone: the gradients of all replicas must be "
+             "summed onto the original parameters, not just the first one's copied.")
+    fail(f"the original model's gradients differ from the plain model's on the whole batch "
+         f"({batch} samples, {n} devices){' plus what it held' if before else ''}; check that "
+         f"scatter and gather keep the order of the samples and that every replica's gradient "
+         f"is added.")
 
 
 # --- stretch: the copies' forwards in real threads -----------------------------------------
@@ -314,12 +408,15 @@ def check_threaded_apply(threaded_apply) -> None:
     # of the replicas.
     reps = [_Timed(i + 1, 0.15 * (n - i), log) for i in range(n)]
     inputs = [torch.full((2,), 10.0 ** i) for i in range(n)]
+    _refuse_library(threaded_apply, reference.parallel_apply, "threaded_apply", _OWN)
     try:
-        out = threaded_apply(reps, inputs)
+        with library_calls(reference.parallel_apply) as called:
+            out = threaded_apply(reps, inputs)
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001
         fail(f"threaded_apply raised {type(exc).__name__}: {exc}")
+    _not_yours("threaded_apply", called, _OWN)
     if not isinstance(out, (list, tuple)) or len(out) != n:
         fail(f"threaded_apply must return a list with one output per replica, got "
              f"{type(out).__name__}" + (f" of length {len(out)}" if hasattr(out, "__len__") else "")
@@ -371,3 +468,39 @@ def check_threaded_apply(threaded_apply) -> None:
              "nothing happened: keep the exception and raise it in the caller after join.")
     passed(f"threaded_apply ran {n} replicas at the same time in {n} threads, kept their order, "
            f"the caller's grad mode, and their errors")
+
+
+# --- predict, then measure: one copy's share of the gradient --------------------------------
+
+def copy_share(n_devices: int = 4, chunk: int = 4, seed: int = 0) -> float:
+    """DataParallel with plain copies on a batch made of one ``chunk``-sample chunk repeated
+    ``n_devices`` times, one mean loss over the gathered batch: copy 0's gradient as a fraction
+    of the whole batch's (its projection on it, over all parameters)."""
+    from ..models import SmallCNN
+
+    torch.manual_seed(seed)
+    model = SmallCNN(width=8)
+    X = torch.randn(chunk, 3, 32, 32).repeat(n_devices, 1, 1, 1)
+    y = torch.randint(0, 10, (chunk,)).repeat(n_devices)
+    copies = [copy.deepcopy(model) for _ in range(n_devices)]
+    outputs = reference.parallel_apply(copies, list(torch.chunk(X, n_devices)))
+    F.cross_entropy(torch.cat(outputs), y).backward()
+    F.cross_entropy(model(X), y).backward()
+    whole = torch.cat([p.grad.flatten() for p in model.parameters()])
+    mine = torch.cat([p.grad.flatten() for p in copies[0].parameters()])
+    return float(mine @ whole / (whole @ whole))
+
+
+def check_prediction(guess, n_devices: int = 4) -> None:
+    """Measure :func:`copy_share` and compare it with the learner's prediction; say why it is
+    1/N. Never raises for a wrong prediction."""
+    __tracebackhide__ = True
+    from . import reveal
+
+    measured = round(copy_share(n_devices), 2)
+    reveal(guess, measured, close=abs(float(guess.value) - measured) <= 0.02, explanation=(
+        f"The loss is one mean over all {4 * n_devices} samples, so each sample's term is "
+        f"divided by {4 * n_devices}, not by its chunk's 4: a copy's backward gives the "
+        f"gradient of its own chunk's terms of that mean. With {n_devices} identical chunks "
+        f"the {n_devices} shares are equal, so each is 1/{n_devices} of the whole batch's "
+        f"gradient, and the whole is what the {n_devices} shares make together."))

@@ -12,7 +12,8 @@ __all__ = ["dp_step_figure", "traffic_both_ways_figure"]
 
 
 def dp_step_figure(chunk_sizes: Sequence[int], n_params: int):
-    """Who holds what in one ``nn.DataParallel`` step: one column per device, one row per move
+    """Who holds what in one step of lesson 02's copy-by-copy DataParallel (``dp.data_parallel``;
+    the real class on NCCL broadcasts and reduces with collectives): one column per device, one row per move
     (scatter, replicate, parallel_apply, gather + loss, backward's reduce-add), arrows for what
     crosses between devices. ``chunk_sizes`` and ``n_params`` come from the run being drawn."""
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
@@ -60,8 +61,8 @@ def dp_step_figure(chunk_sizes: Sequence[int], n_params: int):
         ax.add_patch(FancyArrowPatch((1.9 * c + 0.9, -4 - 0.33), (0.9, -4 - 0.33),
                                      connectionstyle="arc3,rad=-0.18", arrowstyle="-|>",
                                      mutation_scale=9, color="#cc0000", lw=0.9))
-    fig.suptitle(f"One nn.DataParallel step on {n} devices, batch {batch}: everything "
-                 "passes through device 0", fontsize=10)
+    fig.suptitle(f"One step of dp.data_parallel (copies one by one) on {n} devices, batch "
+                 f"{batch}: everything passes through device 0", fontsize=10)
     return fig
 
 
