@@ -86,7 +86,10 @@ print("ranks:", world_size, "| backend:", profile.backend)
 #
 # Below is the **whole** difference between the course's single-device script and its DDP
 # script: `-` lines are only in `train_single.py`, `+` lines only in `train_ddp.py`, the rest is
-# shared context. Read it top to bottom; every changed line is one data parallelism needs:
+# shared context. Read it top to bottom. Every changed line is one data parallelism needs,
+# except a test hook: `--fail-at-step`, `--fail-rank` and the `os.kill(..., SIGKILL)` that uses
+# them play a crash for section 3 and have no place in a real script (the cell after the diff
+# counts them):
 #
 # - **the identity and the group:** `RANK`, `LOCAL_RANK`, `WORLD_SIZE` from torchrun; `is_main`
 #   (rank 0: the one that prints and writes files); `dist.init_process_group` with the ranks
@@ -134,6 +137,12 @@ pieces = ["dist.init_process_group(", "torch.cuda.set_device(", "device_ids=[loc
 claim("the diff holds every piece listed above, each on a '+' line",
       all(any(p in line for line in added) for p in pieces),
       missing=[p for p in pieces if not any(p in line for line in added)])
+hook = [line for line in added
+        if any(k in line for k in ("fail-at-step", "fail_at_step", "fail-rank", "fail_rank",
+                                   "os.kill", "simulated fault", "import signal"))]
+claim(f"{len(hook)} of the {len(added)} '+' lines are section 3's crash hook (--fail-at-step, "
+      f"--fail-rank, the SIGKILL), not data parallelism", 0 < len(hook) < len(added),
+      hook=hook)
 
 # %% [markdown]
 # Does the script keep its promise? Train the same small CNN with `train_single.py` (one
@@ -766,10 +775,22 @@ claim("with or without no_sync, the gradients equal one process on the global ba
 # forward and backward on low-precision copies of the parameters and reduces the gradients in
 # its `reduce_dtype`.)
 # On CUDA use float16 with a `GradScaler`: in the float16 backward, small *activation*
-# gradients underflow to zero (float16's smallest normal number is about 6e-5), so the scaler
-# multiplies the loss before `backward` and divides the float32 parameter gradients after. On
-# CPU use bfloat16 (float32's range, no scaler needed). `train_ddp.py --amp` does both. Here:
-# 10 steps with and without bf16 autocast on 2 ranks.
+# gradients fall out of float16's range. Below about 6e-5 (its smallest normal number) a value
+# becomes *subnormal* and keeps fewer significant bits the smaller it is; only below about 6e-8
+# (its smallest subnormal, 2⁻²⁴) does it flush to zero (the first cell below shows both). The
+# scaler multiplies the loss before `backward`, which lifts those gradients back into the normal
+# range, and divides the float32 parameter gradients after. On CPU use bfloat16 (float32's
+# range, no scaler needed). `train_ddp.py --amp` does both. Then: 10 steps with and without
+# bf16 autocast on 2 ranks.
+
+# %%
+half = torch.finfo(torch.float16)
+kept, lost = torch.tensor(1e-6).half(), torch.tensor(2e-8).half()
+claim(f"float16 keeps 1e-6, below its smallest normal number ({half.tiny:.1e}), as a subnormal "
+      f"(to 2%)", 0 < float(kept) < half.tiny and abs(float(kept) - 1e-6) < 2e-8,
+      kept=float(kept))
+claim(f"and flushes 2e-8 to zero: below half its smallest subnormal "
+      f"({half.tiny * 2.0 ** -10:.1e})", float(lost) == 0.0, lost=float(lost))
 
 
 # %%
@@ -846,30 +867,42 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 #   adds them up (2C numbers); every rank then finishes the gradient with the global sums.
 #
 # In `eval()` mode it uses the running statistics and sends nothing. What does
-# `nn.SyncBatchNorm` do on a CPU? Its `forward` decides to synchronise only in training mode
-# *inside a process group* of more than one rank; otherwise it silently falls back to plain
-# batch norm. Inside a group, it checks the device:
+# `nn.SyncBatchNorm` do on a CPU? Its `forward` (`torch/nn/modules/batchnorm.py`) wants to
+# synchronise in training mode whenever a process group is initialised. Then it checks the
+# **device first**: a CPU tensor raises, *even in a group of one rank*; only after that check
+# does it look at the group's size and fall back to plain batch norm for one rank. Outside any
+# process group it is plain batch norm. Below: no group; the 2-rank group; and, in the same two
+# ranks, a group of one rank each (`dist.new_group`):
 
 
 # %%
 def sync_bn_on_cpu(rank, world_size):
     import torch
+    import torch.distributed as dist
 
-    try:
-        torch.nn.SyncBatchNorm(4)(torch.randn(2, 4, 3, 3))
-        return "ran"
-    except ValueError as e:
-        return str(e)
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank makes each group
+    seen = {}
+    for name, group in (("2-rank group", None), ("1-rank group", alone)):
+        try:
+            torch.nn.SyncBatchNorm(4, process_group=group)(torch.randn(2, 4, 3, 3))
+            seen[name] = "ran"
+        except ValueError as e:
+            seen[name] = str(e)
+    return seen
 
 
 x = torch.randn(8, 4, 3, 3)
 no_group = torch.nn.SyncBatchNorm(4)(x)  # in this notebook: no process group
 plain = torch.nn.BatchNorm2d(4)(x)
 in_group = launch.spawn(sync_bn_on_cpu, 2, backend="gloo", timeout=timeout)[0]
-print("nn.SyncBatchNorm in a 2-rank gloo group, on CPU tensors:", in_group)
+for name, what in in_group.items():
+    print(f"nn.SyncBatchNorm in a {name}, on CPU tensors:", what)
 claim("outside a process group nn.SyncBatchNorm is plain BatchNorm, bit for bit",
       torch.equal(no_group, plain))
-claim("inside one it refuses CPU tensors", "expected input tensor to be on GPU" in in_group)
+claim("inside the 2-rank group it refuses CPU tensors",
+      "expected input tensor to be on GPU" in in_group["2-rank group"])
+claim("and inside a 1-rank group too: the device is checked before the group's size",
+      "expected input tensor to be on GPU" in in_group["1-rank group"])
 
 # %% [markdown]
 # So on CPU we use `dp.CPUSyncBatchNorm`, a stand-in (`dp.convert_sync_batchnorm` picks the real
@@ -1186,7 +1219,8 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 # %% [markdown]
 # ## Summary
 #
-# * `train_ddp.py` is `train_single.py` plus the lines data parallelism needs, all shown above:
+# * `train_ddp.py` is `train_single.py` plus the lines data parallelism needs (and section 3's
+#   crash hook), all shown above:
 #   the identity from torchrun's environment, `init_process_group`, `set_device(local_rank)` and
 #   `device_ids`, a per-attempt `PrefixStore` for restarts, `DistributedSampler` + `set_epoch`,
 #   `DDP` and `raw_model`, reduced sums for every printed number, rank-0 checkpoints,
@@ -1222,10 +1256,12 @@ shutil.rmtree(work, ignore_errors=True)
 #
 # Open [lab04_ddp_in_practice](../labs/lab04_ddp_in_practice.ipynb). It gives you a torchrun DDP
 # script built the way section 1 built `train_ddp.py`, and asks for what this lesson did not
-# show: the **macro-F1** of the trained model on a test set split over the ranks. F1 is not a
-# mean over images, so summing per-rank F1 scores (or averaging them) is wrong: find what the
-# ranks must sum instead. The check runs your function on 2 and 3 ranks, compares it with one
-# process, and names the mistake if it differs; then it runs your script under torchrun.
+# show: the **macro-F1** of the trained model on a test set split over the ranks, equal to one
+# process's, with a message between the ranks whose size does not grow with the test set —
+# which statistic the ranks exchange is your decision. The check runs your function on 2 and 3
+# ranks, compares it with one process, and names the mistake if it differs; then it runs your
+# script under torchrun. Its stretch resumes a crashed run whose ranks draw dropout masks, each
+# from its own random stream: more to restore than section 3's script had.
 #
 # ## Check yourself
 
@@ -1336,9 +1372,10 @@ viz.quiz([
 #   notification all-reduce each iteration), `throw_on_early_termination`.
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `fp16_compress_hook`,
 #   `bf16_compress_hook`: the bucket is cast to 16 bits for the all-reduce.
-# - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward`: synchronises only in training,
-#   inside a process group of more than one rank, and raises on CPU tensors; falls back to
-#   `F.batch_norm` otherwise. `torch/nn/modules/_functions.py` — `SyncBatchNorm.forward` /
+# - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward`: in training, inside an
+#   initialised process group, it first raises on a CPU tensor ("expected input tensor to be on
+#   GPU"), and only then sets `need_sync = world_size > 1`, falling back to `F.batch_norm` for
+#   one rank (and outside a group, or in eval mode). `torch/nn/modules/_functions.py` — `SyncBatchNorm.forward` /
 #   `backward`: all_gather of `[mean, invstd, count]` combined by
 #   `batch_norm_gather_stats_with_counts`, all_reduce of two per-channel sums.
 # - `torch/optim/sgd.py`, `torch/optim/adam.py` — where weight decay is added to the gradient

@@ -1,6 +1,7 @@
 r"""Train a small CNN: lesson 04's script. train_single.py runs it on one device, train_ddp.py
 with DistributedDataParallel (DDP) on many. Every line that differs between the two files is a
-line that data parallelism needs: lesson 04 prints that diff whole.
+line that data parallelism needs, except the crash hook (--fail-at-step, --fail-rank, os.kill)
+that lesson 04 uses to play a fault: lesson 04 prints that diff whole.
 
 Run it from the repository root (with the course installed: pip install -e .):
 
