@@ -311,6 +311,11 @@ def test_right_f1_variants_pass(tmp_path, name):
     lab04.check_f1(_write(tmp_path, _body(F1_RIGHT[name])))
 
 
+def test_reference_f1_passes_on_one_and_four_ranks(tmp_path):
+    # world sizes the lab never names: one rank (nothing to combine) and four (101 = 4 x 25 + 1)
+    lab04.check_f1(_write(tmp_path, _solution_script()), runs=((1, 50), (4, 101)))
+
+
 def test_f1_todo_raises_not_implemented(tmp_path):
     text = _body("    raise NotImplementedError('TODO: evaluate_f1')\n")
     with pytest.raises(NotImplementedError, match="still has a TODO in evaluate_f1"):
@@ -320,8 +325,11 @@ def test_f1_todo_raises_not_implemented(tmp_path):
 def test_f1_collective_on_one_rank_only_is_a_timeout_not_a_hang(tmp_path):
     body = STRIDED + _COUNT + "    if rank == 0:\n        dist.all_reduce(confusion)\n" \
         + F1_OF_COUNTS
-    with pytest.raises(LabCheckError, match="did not finish within 8 s"):
+    with pytest.raises(LabCheckError, match="did not finish within 8 s") as err:
         lab04.check_f1(_write(tmp_path, _body(body)), runs=((2, 101),), timeout=8)
+    # rank 1 had returned: a diagnosed deadlock, so no hint that a longer timeout could help
+    assert "no longer timeout can help" in str(err.value), str(err.value)
+    assert "slowness" not in str(err.value), str(err.value)
 
 
 def test_saved_f1_must_be_the_evaluated_one(tmp_path):
