@@ -175,7 +175,7 @@ lab03.check_data_parallel_step(data_parallel_step)
 #
 # **Your design decision:** the lesson only averaged equal shards. Decide what each rank must
 # contribute to the collectives, and in how many calls, so that every rank can form that global
-# mean — and be ready to say why part 1's `average_gradients` is not it here.
+# mean.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -221,8 +221,8 @@ lab03.check_average_gradients_weighted(average_gradients_weighted)
 # %% [markdown]
 # ## Stretch (optional): one collective for the whole model
 #
-# A workshop can stop here. Part 2 measured how many calls `average_gradients` makes: one per
-# parameter tensor — hundreds for a real network, each paying the start-up cost α again. DDP
+# A workshop can stop here. Part 2 measured how many calls `average_gradients` makes; for a real
+# network that number is in the hundreds, and each call pays the start-up cost α again. DDP
 # pays it once per *bucket* of about 25 MiB (lesson 03; lesson 07 times them); the extreme is a
 # single bucket. Write `average_gradients_flat(model)`. Contract:
 #
