@@ -200,3 +200,18 @@ def test_stepper_slider_shows_each_states_frame():
     assert image.value == frames[0]
     slider.value = 2
     assert image.value == frames[2] and frames[2].startswith(b"\x89PNG") and frames[2] != frames[0]
+
+
+def test_the_ring_is_cheapest_at_small_n_if_anywhere():
+    """Lesson 06's explorer: under ring.cost the ring's latency 2(N-1)α outgrows the tree's
+    2⌈log2 N⌉α, so the N where the ring is the cheapest form a prefix 2..upto, shrinking with K."""
+    alpha, beta = 10e-6, 1 / 32e9
+    for nbytes in (1e3, 1e5, 1e7, 1e8):
+        upto = ring.ring_cheapest_up_to(nbytes, alpha, beta, n_max=128)
+        best = [ring.cheapest(n, nbytes, alpha, beta) == "ring" for n in range(2, 129)]
+        if upto is None:
+            assert not best[0]
+        else:
+            assert all(best[: upto - 1]) and (upto == 128 or not best[upto - 1])
+    ups = [ring.ring_cheapest_up_to(k, alpha, beta, n_max=128) or 1 for k in (1e5, 1e7, 1e8)]
+    assert ups == sorted(ups) and ups[0] < ups[-1]

@@ -35,6 +35,8 @@ import numpy as np
 
 __all__ = [
     "chunk_bounds",
+    "cheapest",
+    "ring_cheapest_up_to",
     "Transfer",
     "RingStep",
     "RingTrace",
@@ -262,6 +264,25 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
     return Cost(algorithm, int(n), nbytes, steps, busiest, steps * alpha + busiest * beta)
 
 
+def cheapest(n: int, nbytes: float, alpha: float, beta: float) -> str:
+    """The algorithm of :func:`cost` with the smallest time at ``n`` workers (ties: the ring)."""
+    order = ["ring"] + [a for a in ALGORITHMS if a != "ring"]
+    return min(order, key=lambda alg: cost(alg, n, nbytes, alpha, beta).seconds)
+
+
+def ring_cheapest_up_to(nbytes: float, alpha: float, beta: float, n_max: int = 64) -> int | None:
+    """The largest N (2..n_max) such that the ring is the cheapest algorithm for every N from 2
+    up to it; None if it is not the cheapest at N = 2. Under :func:`cost` the ring's latency
+    term 2(N-1)·alpha grows faster than the tree's 2·ceil(log2 N)·alpha, so the ring wins at
+    small N, if anywhere: this is where it stops. Shown in lesson 06, §3 (the explorer)."""
+    upto = None
+    for n in range(2, int(n_max) + 1):
+        if cheapest(n, nbytes, alpha, beta) != "ring":
+            break
+        upto = n
+    return upto
+
+
 @dataclass
 class AlphaBetaFit:
     """alpha (s per message) and beta (s per byte) fitted to measured ring all-reduce times.
@@ -365,9 +386,10 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 <
     Same contract as ``dist.all_reduce(tensor)`` (``op="sum"``) or averaging (``op="average"``,
     floating-point tensors only): call it on every rank of the group with tensors of the same
     shape and dtype. Works for any world size and any number of elements (chunks may be
-    uneven or even empty). Uses only ``isend``/``irecv``, every receive posted before anything
-    is waited on, so no rank ever blocks in a send that waits for a receive nobody has posted
-    — the deadlock of two blocking sends facing each other.
+    uneven or even empty). Uses only ``isend``/``irecv``, which return at once, so no rank ever
+    blocks in a send whose receive its neighbour has not posted — the deadlock of blocking
+    sends facing each other: every send and receive is posted without blocking, and the
+    waits come after, in the order the messages travel.
 
     The 2(N-1) steps are those of :func:`simulate_ring` (scatter-reduce, then all-gather), and
     the chunk a rank sends at step s+1 is always the chunk it received at step s. So each chunk

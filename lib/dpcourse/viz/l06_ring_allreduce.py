@@ -220,29 +220,34 @@ def fit_figure(fit):
 
 def cost_vs_n_figure(alpha: float, beta: float, nbytes: float, n_max: int = 64):
     """Lesson 06's explorer: all-reduce time of every algorithm in ``ring.cost`` against N
-    (2..n_max) at K = ``nbytes``, with the smallest N from which the ring is the cheapest."""
-    from dpcourse.ring import ALGORITHMS, cost
+    (2..n_max) at K = ``nbytes``; the background is shaded with the colour of the cheapest
+    algorithm at each N, and a dashed line marks the largest N up to which the ring is the
+    cheapest (under ``ring.cost`` the ring's latency 2(N-1)·alpha grows faster than the tree's
+    2·ceil(log2 N)·alpha, so where the ring wins, it wins at small N)."""
+    from dpcourse.ring import ALGORITHMS, cost, ring_cheapest_up_to
 
     ns = list(range(2, max(int(n_max), 3) + 1))
     times = {alg: [cost(alg, n, nbytes, alpha, beta).seconds for n in ns] for alg in ALGORITHMS}
     fig = new_figure(6.5, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     labels = {"tree": "binomial tree (unpipelined)"}
+    colours = {}
     for alg in ALGORITHMS:
-        ax.plot(ns, times[alg], label=labels.get(alg, alg))
-    # The crossover: the first N from which the ring stays the cheapest up to n_max (ties
-    # with another algorithm count as cheapest).
-    ring_best = [times["ring"][i] <= min(t[i] for t in times.values()) for i in range(len(ns))]
-    crossover = None
-    for i in range(len(ns) - 1, -1, -1):
-        if not ring_best[i]:
-            break
-        crossover = ns[i]
-    if crossover is not None:
-        ax.axvline(crossover, color="k", ls="--", lw=1)
-        where = f"ring cheapest from N = {crossover}"
+        (line,) = ax.plot(ns, times[alg], label=labels.get(alg, alg))
+        colours[alg] = line.get_color()
+    # Shade each N with its cheapest algorithm (ties go to the ring).
+    order = ["ring"] + [a for a in ALGORITHMS if a != "ring"]
+    for i, n in enumerate(ns):
+        best = min(order, key=lambda alg: times[alg][i])
+        ax.axvspan(n - 0.5, n + 0.5, color=colours[best], alpha=0.12, lw=0)
+    upto = ring_cheapest_up_to(nbytes, alpha, beta, n_max=ns[-1])
+    if upto is None:
+        where = "ring cheapest at no N in range"
+    elif upto >= ns[-1]:
+        where = f"ring cheapest at every N up to {ns[-1]}"
     else:
-        where = "ring cheapest: none in range"
+        ax.axvline(upto, color="k", ls="--", lw=1)
+        where = f"ring cheapest up to N = {upto}"
     ax.set_yscale("log")
     ax.set_xlabel("workers N")
     ax.set_ylabel("seconds per all-reduce")
