@@ -273,13 +273,23 @@ def check_async_worker(loop, taus=TAUS) -> None:
     _refuse_reference(loop)
     from dpcourse import async_sgd
 
-    for tau in taus:
-        trace = trace_loop(loop, tau)
-        diagnose_loop(trace)
-        reference = trace_loop(async_sgd.async_worker_loop, tau)
-        if not torch.equal(trace["w"], reference["w"]):
-            fail(f"the final weights differ from the reference's with τ = {tau}")
-    _check_versions_with_other_workers(loop)
+    original = async_sgd.async_worker_loop
+
+    def refused(*args, **kwargs):
+        raise _Misuse("your loop calls dpcourse.async_sgd.async_worker_loop, the lesson's "
+                      "reference loop: the lab asks for your own")
+
+    async_sgd.async_worker_loop = refused  # a loop that only wraps the reference is refused
+    try:
+        for tau in taus:
+            trace = trace_loop(loop, tau)
+            diagnose_loop(trace)
+            reference = trace_loop(original, tau)
+            if not torch.equal(trace["w"], reference["w"]):
+                fail(f"the final weights differ from the reference's with τ = {tau}")
+        _check_versions_with_other_workers(loop)
+    finally:
+        async_sgd.async_worker_loop = original
     passed(f"every gradient pushed once, in order, τ updates late, with its own version: "
            f"τ = {', '.join(map(str, taus))}, {STEPS} batches each, and beside another worker")
 
