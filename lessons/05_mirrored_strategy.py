@@ -52,10 +52,15 @@ multiworker_timeout = 90
 # harmless.) Before importing TF, `dpcourse.mirrored` sets two environment variables (unless
 # you set them): `TF_CPP_MIN_LOG_LEVEL=2`, which keeps TF's C++ info and warning lines out of
 # this notebook, and `TF_ENABLE_ONEDNN_OPTS=0`, which **turns off oneDNN's custom operations**
-# — oneDNN is Intel's library of fast CPU kernels, which TF uses by default and whose start-up
-# notice warns that it may give slightly different numbers because it computes in a different
-# order. So this course runs TF's own CPU kernels: slower (16-bit ones especially), and the same
-# kernels on every CPU it runs on.
+# — oneDNN is Intel's library of fast CPU kernels; TF replaces whole operations (convolutions,
+# matrix products fused with their bias and activation) by oneDNN versions by default, and its
+# start-up notice warns that they may give slightly different numbers because they compute in a
+# different order. With them off, TF runs its own (Eigen) operations: slower, 16-bit ones
+# especially. That does **not** make the arithmetic the same on every CPU: in this build the
+# float matrix products and convolutions that remain still go through TF's custom contraction
+# kernel, which calls oneDNN's `dnnl_sgemm` — and oneDNN picks its code by the CPU's instruction
+# set (AVX2, AVX-512, …). Within one machine a run repeats exactly; across machines the last
+# bits may differ, which is why the lesson's comparisons state a tolerance.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -133,7 +138,19 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 # | CPUs and GPUs mixed | `ReductionToOneDevice` | every replica's value copied to one device, added there, the sum sent back — the naive parameter-server pattern of lesson 02 |
 #
 # You can also choose: `MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())`
-# or `tf.distribute.NcclAllReduce()` (GPUs only). One reduction takes another road on every
+# or `tf.distribute.NcclAllReduce()` (GPUs only).
+#
+# Three terms the next paragraph needs. Code inside `strategy.run(fn)` runs once per replica, in
+# the **replica context** (`tf.distribute.get_replica_context()` there is this replica's, with
+# its `all_reduce`); code outside it, such as `strategy.reduce`, runs once for all replicas, in
+# the **cross-replica context**. A **merge call** (`replica_context.merge_call(fn)`) is how
+# replica-context code gets there: every replica pauses at the call, and `fn` runs once in the
+# cross-replica context with all replicas' values (Keras' `apply_gradients` and
+# `strategy.reduce`'s plumbing rely on it). **XLA** is TensorFlow's compiler
+# (`tf.function(jit_compile=True)`): it compiles a whole step into fused kernels, and inside it
+# Python cannot pause for a merge call, so TF then takes other paths.
+#
+# One reduction takes another road on every
 # profile: `strategy.reduce(...)` returns its result on the host CPU, and for a CPU destination
 # `MirroredExtended._reduce_to` uses `ReductionToOneDevice` — a copy of one number per replica,
 # for the reported loss — whenever the strategy uses *merge calls*, which is always except when
@@ -224,9 +241,9 @@ print("This run: " + ("within the 2x ceiling that caching one of two decoded epo
 # Because the gradients are *summed*, each replica's loss must be its share of the global mean:
 # the sum of its per-example losses divided by the **global** batch, not by its own slice.
 # TensorFlow has a function for it, `tf.nn.compute_average_loss`, which divides the summed
-# losses by a batch size; calling it right is lab 05's first TODO. Here are the per-example
-# loss and the gradient of one mirrored step as the library computes them — the code the
-# proofs below run:
+# losses by a batch size. (Every proof in this lesson splits its batches evenly; lab 05 asks what
+# changes when they do not.) Here are the per-example loss and the gradient of one mirrored step
+# as the library computes them — the code the proofs below run:
 
 # %%
 viz.show_code(mirrored.per_example_loss, mirrored.mirrored_gradients)
@@ -338,10 +355,11 @@ claim("reduce_mean + MEAN (DDP's pairing) is right too (to 1e-4)",
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below: the
-# library's per-replica loss and step, which the rest of this lesson runs).
+# library's per-replica loss and step, which the rest of this lesson runs; they answer the
+# lab's core for evenly split batches only).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.per_replica_loss, mirrored.train_step, mirrored.train_steps)
+viz.show_code(mirrored.per_replica_loss, mirrored.train_step)
 
 # %% [markdown]
 # **Proof, several steps:** `steps` SGD steps of the mirrored loop end with the same weights as
@@ -356,6 +374,16 @@ viz.show_code(mirrored.per_replica_loss, mirrored.train_step, mirrored.train_ste
 
 # %%
 viz.show_code(mirrored.count_cross_device_calls)
+
+# %% [markdown]
+# The loop the proof runs: `train_steps` distributes the dataset (each global batch split over
+# the replicas) and calls the step that `make_train_step` compiles with `tf.function`. Before it
+# traces the step, `make_train_step` builds the optimizer's own variables under the strategy:
+# left to Keras, they would be created lazily inside the traced function, which failed here with
+# the default `CollectiveAllReduce` on 2 CPU devices.
+
+# %%
+viz.show_code(mirrored.make_train_step, mirrored.train_steps)
 
 # %%
 sgd = lambda: keras.optimizers.SGD(learning_rate=lr)   # noqa: E731 - plain SGD, as in PyTorch
@@ -425,8 +453,17 @@ claim("fit under MirroredStrategy ends with one device's weights (to 1e-5)", sam
 # divide the gradients by it — and bfloat16, with float32's range, needs none. It is
 # `model.compile`, not `fit`, that adds the scaling: when the **model's** policy is
 # `mixed_float16`, `Trainer.compile` wraps the optimizer in a `LossScaleOptimizer` (unless you
-# pass `auto_scale_loss=False`). A custom loop never calls `compile`, so there you wrap the
-# optimizer yourself. Compiling is enough to see it — nothing is trained in the next cell:
+# pass `auto_scale_loss=False`). Two lines of the course's `build_keras_cnn` matter here: the
+# last layer, `Activation("linear", dtype="float32")`, which returns the logits in float32
+# whatever the layers compute in, and `model.dtype_policy = dtype`, the model's own policy —
+# the one `compile` reads; without it, compile would see a float32 model and leave the
+# optimizer alone:
+
+# %%
+viz.show_code(mirrored.build_keras_cnn)
+
+# %% [markdown]
+# Compiling is enough to see the wrapping — nothing is trained in the next cell:
 
 # %%
 for policy_name in ("mixed_float16", "mixed_bfloat16"):
@@ -442,6 +479,56 @@ for policy_name in ("mixed_float16", "mixed_bfloat16"):
               "(before any fit)", wrapped and probe.optimizer.inner_optimizer is given)
     else:
         claim("with mixed_bfloat16, compile left it alone", probe.optimizer is given)
+
+# %% [markdown]
+# A custom loop never calls `compile`, so there you wrap the optimizer yourself — and that is
+# only half of loss scaling. `LossScaleOptimizer.apply` **divides** every gradient by its
+# dynamic scale (2¹⁵ at the start); the loss must be **multiplied** by the same scale inside the
+# tape, with `optimizer.scale_loss(loss)`, as Keras' own train step does. A loop that only wraps
+# the optimizer trains without any error, 32768 times too slowly. Measured: one step of the
+# mirrored loop, from the same weights on the same batch, with and without `scale_loss` (float32
+# layers: the arithmetic of the scale does not depend on the compute dtype; a learning rate of
+# 100, so that a step 32768 times too small still moves the float32 weights measurably).
+
+# %%
+probe_lr = 100.0
+
+
+def loss_scaled_step_size(scale_the_loss):
+    """The size of one mirrored SGD step taken through a LossScaleOptimizer."""
+    with strategy.scope():
+        model = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn())
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(learning_rate=probe_lr))
+        optimizer.build(model.trainable_variables)
+    before = model.get_weights()
+
+    @tf.function
+    def step(batch):
+        def step_fn(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(mirrored.per_example_loss(y, model(x)),
+                                                  global_batch_size=global_batch)
+                if scale_the_loss:
+                    loss = optimizer.scale_loss(loss)   # × the dynamic scale
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))  # ÷ the scale
+        strategy.run(step_fn, args=batch)
+
+    step(next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((xb, yb)).batch(global_batch)))))
+    return norm([a - b for a, b in zip(model.get_weights(), before)]), float(optimizer.initial_scale)
+
+
+sgd_step = probe_lr * norm(g_single)               # plain SGD's step on one device
+unscaled, scale = loss_scaled_step_size(False)
+scaled, _ = loss_scaled_step_size(True)
+print(f"dynamic scale {scale:.0f}; step size / plain SGD's: with scale_loss "
+      f"{scaled / sgd_step:.3f}, without it {unscaled / sgd_step * scale:.3f} / {scale:.0f}")
+claim("with optimizer.scale_loss in the tape, the LossScaleOptimizer step is plain SGD's (to 1e-3)",
+      abs(scaled / sgd_step - 1) < 1e-3, ratio=scaled / sgd_step)
+claim(f"wrapping the optimizer without scale_loss makes the step 1/{scale:.0f} of it (to 1e-3)",
+      abs(unscaled / sgd_step * scale - 1) < 1e-3, ratio_times_scale=unscaled / sgd_step * scale)
 
 # %% [markdown]
 # The output layer returns float32 logits. Same weights, same data: the accuracy, and the
@@ -478,11 +565,14 @@ print(f"trained with {policy}: accuracy {acc_low:.3f} vs float32 {acc_full:.3f} 
 #
 # `tf.train.Checkpoint` saves one copy of each mirrored variable (they are equal), so the file
 # does not depend on the number of replicas: it restores into a mirrored model or into a plain
-# one-device model alike. (In multi-worker training, section 8, every worker must call `save`,
-# because saving takes part in collective operations; only the *chief*'s directory should be
-# kept — the chief is the one worker that also does the bookkeeping for the cluster, worker 0
-# unless `TF_CONFIG` names a separate "chief" task — and the others write to temporary
-# directories.)
+# one-device model alike: a `MirroredVariable` — every weight here — is written from its
+# *primary* copy, with no communication, and restored into every copy. Only a *sync-on-read*
+# variable (one whose copies are meant to differ, such as a metric's running total) is reduced
+# across replicas when it is saved. (In multi-worker training, section 8, TF's guidance is that
+# every worker calls `save`, since such a reduction is a collective that needs all of them; only
+# the *chief*'s directory is kept — the chief is the one worker that also does the bookkeeping
+# for the cluster, worker 0 unless `TF_CONFIG` names a separate "chief" task — and the others
+# write to temporary directories.)
 
 # %%
 import tempfile
@@ -521,8 +611,11 @@ claim("it restores the step counter too", restored_step == steps)
 # `CollectiveAllReduceExtended._initialize_multi_worker`). No `"chief"` task is listed, so
 # worker 0 is the chief (`multi_worker_util.is_chief`). Starting from the same weights, both
 # workers end with the same weights as each other (bit for bit: `np.array_equal`) and as one
-# device in section 4 (to 1e-5). Here is the worker — reading `TF_CONFIG`, the forced RING,
-# each worker's slice of every global batch, and the step from section 4:
+# device in section 4 (to 1e-5). The worker feeds its data through
+# `strategy.distribute_datasets_from_function`, whose datasets hold what each *replica* gets —
+# here each worker's slice of the global batch (one replica per worker) — not the global batch
+# that `experimental_distribute_dataset` splits. Here is the worker — reading `TF_CONFIG`, the
+# forced RING, each worker's slice of every global batch, and the step from section 4:
 
 # %%
 from dpcourse import tf_multiworker_worker
@@ -555,12 +648,12 @@ print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF imp
 # |---|---|---|
 # | who runs the replicas | N processes, one per device (`spawn`/`torchrun`) | one process, N replicas (`strategy.run`); N processes with MultiWorkerMirroredStrategy |
 # | where the model is copied | each rank builds it; DDP broadcasts rank 0's weights | `MirroredVariable`s created under `strategy.scope()` |
-# | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split |
-# | batch size you set | per rank (`per_rank_batch`) | global (`global_batch`) |
+# | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split; `distribute_datasets_from_function`: each input pipeline feeds its replicas |
+# | batch size you set | per rank (`per_rank_batch`) | global for `experimental_distribute_dataset` and `fit`; per replica in a `distribute_datasets_from_function` pipeline (section 8's worker) |
 # | combining gradients | all-reduce **average**, in backward (buckets) | **sum** in `apply_gradients`: a collective all-reduce by default (`ReductionToOneDevice` if you ask) |
 # | so the loss must be | the rank's mean (`reduce_mean` semantics) | its share of the global mean (`compute_average_loss`) |
-# | reporting the loss | `all_reduce` / rank 0 | `strategy.reduce(SUM, ...)` |
-# | checkpoints | rank 0 saves `state_dict` | `tf.train.Checkpoint` (every worker saves; keep the chief's) |
+# | reporting the loss | `all_reduce` / rank 0 | `strategy.reduce(op, ...)`, the op chosen by what each replica returns (lab 05) |
+# | checkpoints | rank 0 saves `state_dict` | `tf.train.Checkpoint`: mirrored weights saved from their primary copy (multi-worker: every worker calls save; keep the chief's) |
 #
 # And the proof that both compute the same training: the same initial weights, the same global
 # batches, `steps` steps of SGD — once with real DDP over 2 gloo processes, once with TF.
@@ -652,7 +745,9 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 #   logical GPUs, NCCL on real GPUs); `ReductionToOneDevice` — copy to one device, add, send
 #   back — is what you get with mixed devices or ask for, and what `strategy.reduce` uses to
 #   bring a result to the host.
-# * `compile`, not `fit`, wraps the optimizer in a `LossScaleOptimizer` under `mixed_float16`.
+# * `compile`, not `fit`, wraps the optimizer in a `LossScaleOptimizer` under `mixed_float16`; a
+#   custom loop that wraps it must also call `optimizer.scale_loss(loss)` in the tape, or every
+#   step is 1/32768 of what it should be.
 # * Proven here: mirrored step == one device on the global batch == Keras `fit` == two
 #   multi-worker processes == PyTorch DDP, from the same weights on the same data.
 #
@@ -674,12 +769,15 @@ viz.quiz([
      "why": ["It would be right under DDP, which averages; TF sums.",
              "Right: the strategy SUMS the replicas' gradients of per-replica means.",
              "That is compute_average_loss combined with averaging the gradients."]},
-    {"q": "Which batch size do you give a tf.data pipeline under MirroredStrategy?",
+    {"q": "Which batch size do you give a tf.data pipeline that you pass to "
+          "strategy.experimental_distribute_dataset?",
      "options": ["the per-replica batch", "the global batch", "either; TF rescales it"],
      "answer": 1,
-     "why": ["That is DDP's convention (per_rank_batch), not TF's.",
-             "Right: the strategy splits each global batch over the replicas.",
-             "TF does not guess: the number you give is the global batch."]},
+     "why": ["That is DDP's convention (per_rank_batch), and what a pipeline for "
+             "distribute_datasets_from_function batches by — not this function's.",
+             "Right: the strategy splits each global batch over the replicas (fit does the "
+             "same); a distribute_datasets_from_function pipeline batches per replica instead.",
+             "TF does not guess: for this function the number you give is the global batch."]},
     {"q": "What is the main structural difference between MirroredStrategy and DDP?",
      "options": ["MirroredStrategy does not all-reduce gradients",
                  "One process drives all replicas in MirroredStrategy; DDP runs a process per device",
@@ -700,13 +798,17 @@ viz.quiz([
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._reduce_to`: a reduction to a CPU destination (`strategy.reduce`) goes through `ReductionToOneDevice`; `MirroredExtended._batch_reduce_to`: the replica context's `all_reduce` goes through the strategy's cross-device ops.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._use_merge_call`: true unless the step runs under XLA on all-GPU devices; `_reduce_to` takes `ReductionToOneDevice` for a CPU destination only when it is true.
 # - `tensorflow/libtensorflow_framework.so.2` (compiled; its strings): the notice "oneDNN custom operations are on … To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`".
+# - `tensorflow/include/tensorflow/compiler/xla/tsl/framework/contraction/eigen_contraction_kernel.h` — with `TENSORFLOW_USE_CUSTOM_CONTRACTION_KERNEL`, Eigen's float contractions (matrix products, convolutions) call oneDNN's `dnnl_sgemm`; `tensorflow/libtensorflow_cc.so.2` contains that symbol.
+# - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContext.merge_call`: replica-context code hands a function to the cross-replica context, which runs it once with all replicas' values.
 # - `tensorflow/python/distribute/cross_device_ops.py` — `ReductionToOneDevice.reduce_implementation` (copy to one device, `add_n`, broadcast back), `CollectiveAllReduce`, `NcclAllReduce`.
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses divided by `global_batch_size`; `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
 # - `keras/src/losses/loss.py` — `reduce_values` and `scale_loss_for_distribution`: a Keras loss is the mean over the replica's own slice, multiplied by 1 / `num_replicas_in_sync` under `tf.distribute`.
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.
-# - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy.
+# - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value).
+# - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it.
+# - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.distribute_datasets_from_function`: the function's dataset is batched per replica (`InputContext.get_per_replica_batch_size`).
 # - `keras/src/trainers/trainer.py` — `Trainer.compile`: with the model's dtype policy `mixed_float16` and `auto_scale_loss=True`, the optimizer is wrapped in a `LossScaleOptimizer`.
 # - `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer`: dynamic loss scaling, `inner_optimizer`.
 # - `tensorflow/python/distribute/collective_all_reduce_strategy.py` — `CollectiveAllReduceExtended._initialize_multi_worker`: `TF_CONFIG`'s cluster, a gRPC server per worker (`protocol="grpc"`).

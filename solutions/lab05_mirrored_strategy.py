@@ -306,10 +306,10 @@ lab05.check_dataset_fn(make_dist_dataset, strategy)
 
 # %%
 ### BEGIN SOLUTION: your prediction (a number of samples)
-my_guess = 4
+my_pipeline_guess = 4
 ### END SOLUTION
-guess = predict("lab05", "samples on replica 0 in the last step (your own pipeline)", my_guess,
-                unit="samples")
+guess = predict("lab05", "samples on replica 0 in the last step (your own pipeline)",
+                my_pipeline_guess, unit="samples")
 
 # %%
 x_s, y_s = lab05.stretch_data()

@@ -122,6 +122,8 @@ def build_keras_cnn(num_classes: int = 10, width: int = 32, dtype=None,
     bfloat16 while their variables stay float32; the logits are cast back to float32 so the
     loss is computed at full precision. Build it inside ``strategy.scope()`` for mirrored
     variables. ``seed`` makes the initial weights repeatable (None: random).
+
+    Shown in lesson 05, §6.
     """
     if width < 1 or num_classes < 1:
         raise ValueError(f"width and num_classes must be positive, got {width}, {num_classes}")
@@ -416,7 +418,10 @@ def make_train_step(strategy, model, optimizer, global_batch: int, loss_scaling:
     The optimizer's own variables (momentum, Adam's moments) are created here, under the
     strategy, before the step is traced: Keras would otherwise create them lazily inside the
     traced function, and with the default ``CollectiveAllReduce`` on 2 CPU devices that failed
-    here (TF 2.21: "You must feed a value for placeholder tensor 'cond/.../Placeholder'")."""
+    here (TF 2.21: "You must feed a value for placeholder tensor 'cond/.../Placeholder'").
+
+    Shown in lesson 05, §"Lab 05: the custom loop".
+    """
     if not optimizer.built:
         with strategy.scope():
             optimizer.build(model.trainable_variables)
