@@ -17,6 +17,7 @@ Every ``*_worker`` runs on every rank through :func:`dpcourse.launch.spawn`.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -211,8 +212,9 @@ def equality_worker(rank: int, world_size: int, cfg: OverlapConfig,
 def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: int = 1) -> dict:
     """Time the training step for each ``(kind, bucket_cap_mb)`` in ``runs``.
 
-    All the models are built first and then take their steps in turn (step 1 of every run,
-    then step 2 of every run, ...), so that a slow moment of the machine hits every run alike.
+    All the models are built first and then take their steps in rounds (step 1 of every run,
+    then step 2 of every run, ..., in a shuffled order each round, the same on every rank), so
+    that a slow moment of the machine hits every run alike.
     A step's time is the median over ``cfg.steps`` steps after ``warmup`` untimed ones (DDP
     rebuilds its buckets in its first step), and so are its parts: the forward, the backward
     (until ``backward()`` returns), the synchronisation after it and the optimizer step. Each
@@ -267,7 +269,11 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
         return t0, tb, t_backward, t_sync, t1
 
     for step, (X, y) in enumerate(batches):
-        for s in setups:
+        # a fresh order every round, the same on every rank (seeded by the round): no run
+        # always follows the same neighbour, so no position in the round favours one run
+        order = list(setups)
+        random.Random(step).shuffle(order)
+        for s in order:
             before = s["model"].collectives
             t0, tb, t_backward, t_sync, t1 = one_step(s, X, y)
             if step >= warmup:
