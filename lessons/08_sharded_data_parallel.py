@@ -235,7 +235,11 @@ claim("when the backward returns, this ZeRO-2 holds every full gradient: the sam
 # (`untyped_storage().resize_(0)`), so the memory really goes. FSDP2 gathers before the
 # backward the same way (a hook registered on the forward's output tensors); after the
 # backward it does not hook each parameter but wraps the module's *inputs* in an autograd
-# function whose backward runs when the whole module's backward is done.
+# function whose backward runs when the whole module's backward is done — where an input
+# requires a gradient. The first `Linear` here gets the data, which requires none: no such
+# function is applied, and its reduce-scatter runs from the root's final callback, queued for
+# the end of the whole backward (`_root_post_backward_final_callback` runs `post_backward` for
+# every group the backward did not reach).
 #
 # `Zero3` maps each parameter to the first module that owns it (a tied parameter, used by two
 # modules, makes both gather that layer), and leaves frozen parameters whole on every rank:
@@ -464,9 +468,11 @@ for name, kind, full, local, placement in tour[0]["shards"]:
 # (sharded), and Adam's two fp32 states for its shard: (4 + 4 + 8)/N, where the paper has
 # (2 + 2 + 12)/N. It all-gathers the weights in bf16 (the policy's `param_dtype`, 2 bytes,
 # twice per step) and reduce-scatters the gradients in fp32 (`reduce_dtype=torch.float32`,
-# which `experiments.fsdp2_policy` sets; left at None it would follow `param_dtype`): 2 + 2 + 4 = 8
-# bytes sent per parameter per step where the paper's bf16 ZeRO-3 sends 3 × 2 = 6. Measured
-# on rank 0 after the tour's last step (FSDP2 pads each parameter's first dimension):
+# which `experiments.fsdp2_policy` sets; left at None it would follow `param_dtype`): a
+# collective volume (§5's convention) of 2 + 2 + 4 = 8 bytes per parameter per step, where the
+# paper's bf16 ZeRO-3 has 3 × 2 = 6. On a ring a rank *sends* (N − 1)/N of the volume: 4 bytes
+# per parameter at N = 2. Measured on rank 0 after the tour's last step (FSDP2 pads each
+# parameter's first dimension):
 
 # %%
 units = [zero.fsdp2_padded_numel(p.shape, world_size) for p in cfg.build().parameters()]
@@ -476,8 +482,8 @@ n = world_size
 rows = [("weights kept (shard)", 2 / n, 4 / n, held["params"]),
         ("gradients kept (shard)", 2 / n, 4 / n, held["grads"]),
         ("optimizer state", 12 / n, 8 / n, held["optimizer"]),
-        ("sent: all-gathers (forward, backward)", 2 + 2, 2 + 2, sent["all_gather"]),
-        ("sent: reduce-scatter", 2, 4, sent["reduce_scatter"])]
+        ("volume: all-gathers (fwd, bwd)", 2 + 2, 2 + 2, sent["all_gather"]),
+        ("volume: reduce-scatter", 2, 4, sent["reduce_scatter"])]
 print(f"bytes per parameter, N = {n}            paper ZeRO-3  FSDP2 formula  FSDP2 measured")
 for what, paper_b, fsdp_b, measured in rows:
     print(f"{what:<38} {paper_b:10.2f} {fsdp_b:14.2f} {measured / padded:15.2f}")
@@ -486,13 +492,18 @@ claim("FSDP2 holds (4 + 4 + 8)/N bytes per padded parameter on rank 0: fp32 shar
       held == zero.memory_per_rank("zero3", units, world_size, 4, 4, 8))
 claim("the other ranks hold no more (Adam's state covers their unpadded rows only)",
       all(r["held"]["total"] <= held["total"] for r in tour))
-claim("it sends 2 + 2 bytes of bf16 all-gathers and 4 bytes of fp32 reduce-scatter per padded "
-      "parameter", sent == {"all_gather": 2 * 2 * padded, "reduce_scatter": 4 * padded})
+claim("its collectives' volume is 2 + 2 bytes of bf16 all-gathers and 4 bytes of fp32 "
+      "reduce-scatter per padded parameter", sent == {"all_gather": 2 * 2 * padded,
+                                                      "reduce_scatter": 4 * padded})
+ring_sent = tour[0]["traffic"][-1]["ring_bytes_per_rank"]
+claim(f"of that volume a rank sends (N − 1)/N on a ring: {ring_sent / padded:g} bytes per "
+      f"parameter at N = {n}", ring_sent == 8 * padded * (n - 1) / n)
 
 # %%
 name, kind, full, local, placement = tour[0]["shards"][0]
 claim("FSDP2's parameters are DTensors", all(s[1] == "DTensor" for s in tour[0]["shards"]))
-claim(f"rank 0 holds ceil({full[0]}/{world_size}) rows of {name}",
+claim(f"rank 0 holds the first of FSDP2's dim-0 chunks of {name} (its {full[0]} rows cut "
+      f"into {world_size}), the other dimensions whole",
       local[0] == math.ceil(full[0] / world_size) and local[1:] == full[1:])
 claim("the shards stay fp32 while the layer computes in bf16 (the mixed-precision policy)",
       tour[0]["sharded_dtype"] == "torch.float32" and tour[0]["compute_dtype"] == "torch.bfloat16"
@@ -516,8 +527,8 @@ claim("FSDP2's volume per step == the ZeRO-3 formula with its padding",
                                                               world_size))
 
 # %% [markdown]
-# That is 3Ψ because the root owned no parameters of its own here, and 3Ψ is an upper bound.
-# Our `Zero3` frees every layer after its forward; FSDP2 keeps the
+# That is 3Ψ because the root owned no parameters of its own here and the step ran one forward
+# and one backward. Our `Zero3` frees every layer after its forward; FSDP2 keeps the
 # parameters of the *root* module (the outermost one `fully_shard` was applied to) gathered
 # after the forward, because the backward needs them at once: when `reshard_after_forward` is
 # left at its default, the root's first forward sets it to False for the root. Above, every
@@ -538,6 +549,30 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
       by_op == {"all_gather": 4 * (2 * other_units + root_units),
                 "reduce_scatter": 4 * (other_units + root_units)}
       and rooted["traffic"][-1]["volume"] < 3 * 4 * (other_units + root_units))
+
+# %% [markdown]
+# Both counts assume one forward and one backward per optimizer step. With gradient
+# accumulation over k micro-batches, FSDP2 left at its defaults gathers every non-root unit
+# for each micro-batch's forward and again for its backward — 2k all-gathers —, gathers the
+# root once per micro-batch (its backward reshards it) and reduce-scatters every micro-batch's
+# gradients: k times the traffic of one pass. `set_requires_gradient_sync(False)` on all but
+# the last micro-batch skips those reduce-scatters, and `set_reshard_after_backward(False)`
+# keeps the weights gathered between micro-batches; both pay in memory. Measured with k = 2:
+
+# %%
+viz.show_code(experiments.fsdp2_accumulation_worker)
+
+# %%
+k = 2
+accumulated = launch.spawn(experiments.fsdp2_accumulation_worker, world_size, cfg, k,
+                           backend=backend, timeout=120)[0]
+units_count, counts = accumulated["units"], accumulated["counts"][-1]
+print(f"{units_count} non-root units and the root, {k} micro-batches per step: {counts}")
+claim(f"with {k} micro-batches per step every non-root unit is all-gathered 2k = {2 * k} times "
+      f"and the root {k} times, and every unit reduce-scattered {k} times",
+      counts == {"all_gather": 2 * k * units_count + k, "reduce_scatter": k * (units_count + 1)})
+claim(f"the volume per optimizer step is {k} × that of one forward and backward",
+      accumulated["traffic"][-1]["by_op"] == {op: k * v for op, v in by_op.items()})
 
 # %% [markdown]
 # `torch.distributed.optim.ZeroRedundancyOptimizer` is torch's ready ZeRO-1 for DDP: wrap the
@@ -565,9 +600,9 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # |---|---|---|---|---|
 # | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
-# | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 8 + 8/N B (whole parameters per rank, so only roughly) | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
+# | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP as run here (`gradient_as_bucket_view=False`, the default: DDP's buckets are a second copy of the gradients), 8 + 8/N B with `gradient_as_bucket_view=True`; whole parameters per rank, so only roughly | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
 # | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ | more memory freed, still no extra traffic — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
-# | ZeRO-3 / FSDP | 16/N B + the working set | 16/N B + the working set | 3Ψ with one backward per step and nothing tied across units (less: FSDP2's root is gathered once; more: gradient accumulation, tied layers) | the weights themselves do not fit: model state falls with every GPU added, the working set (one or two units' full weights and gradient) does not |
+# | ZeRO-3 / FSDP | 16/N B + the working set | 16/N B + the working set | 3Ψ with one forward and one backward per step and nothing tied across units (less: FSDP2's root is gathered once; more: k accumulation micro-batches gather about 2k times, tied layers) | the weights themselves do not fit: model state falls with every GPU added, the working set (one or two units' full weights and gradient) does not |
 # | + tensor / pipeline parallel | | | | one layer's activations or weights exceed a GPU, or N is so large that communication dominates — a rank sends about 3Ψ per step whatever N, while its share of a fixed global batch, and so its compute, falls as 1/N: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
 #
 # The calculator: a model size, a GPU's memory, N and what you keep for activations; which
@@ -646,14 +681,15 @@ viz.quiz([
              "They are sharded only once the reduce-scatter has run; before it every rank holds "
              "all of them.",
              "The all-gather after the step sends the other half: the same traffic as DDP."]},
-    {"q": "FSDP2 with param_dtype=bf16 and reduce_dtype=fp32: how many bytes does it send per "
-          "parameter per step (the root aside)?",
-     "options": ["6: three bf16 collectives, as in the ZeRO paper",
-                 "8: two bf16 all-gathers and an fp32 reduce-scatter",
-                 "12: everything in fp32"],
+    {"q": "FSDP2 with param_dtype=bf16 and reduce_dtype=fp32: what collective volume does a "
+          "step have per parameter (section 5's convention, the root aside)?",
+     "options": ["6 bytes: three bf16 collectives, as in the ZeRO paper",
+                 "8 bytes: two bf16 all-gathers and an fp32 reduce-scatter",
+                 "12 bytes: everything in fp32"],
      "answer": 1,
      "why": ["The reduce-scatter runs in reduce_dtype, fp32: 4 bytes, not 2.",
-             "Right: 2 + 2 + 4, what section 6 measured.",
+             "Right: 2 + 2 + 4, what section 6 measured; on a ring a rank sends (N − 1)/N of "
+             "it, 4 bytes at N = 2.",
              "The all-gathers run in param_dtype, bf16."]},
     {"q": "A 13-B model, 8 GPUs of 40 GB: DDP does not fit. What does?",
      "options": ["ZeRO-1", "ZeRO-2", "ZeRO-3"],
@@ -689,7 +725,16 @@ viz.quiz([
 #   `_backward_prefetch`: the next group's all-gather issued by default in the backward; a
 #   `reduce_scatter_stream` of its own; `_register_post_backward_hook` and
 #   `RegisterPostBackwardFunction`: the post-backward is an autograd function applied to the
-#   module's inputs, whose backward runs `post_backward` (reduce-scatter, reshard).
+#   module's inputs that require a gradient, whose backward runs `post_backward`
+#   (reduce-scatter, reshard); with no such input none is applied.
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` —
+#   `FSDPState._root_post_backward_final_callback`: at the end of the backward it runs
+#   `post_backward` for every group whose autograd function never ran (inputs that required
+#   no gradient, like the first layer's data).
+# - `torch/distributed/fsdp/_fully_shard/_fully_shard.py` —
+#   `FSDPModule.set_requires_gradient_sync` (gradient accumulation without reduce-scatters)
+#   and `FSDPModule.set_reshard_after_backward` (keep the weights gathered between
+#   micro-batches).
 # - `torch/distributed/fsdp/_fully_shard/_fully_shard.py` —
 #   `FSDPModule.set_modules_to_forward_prefetch`: explicit forward prefetching.
 # - `torch/cpu/__init__.py` — `Stream`: exists "only to facilitate device-agnostic code"; its
@@ -716,6 +761,9 @@ viz.quiz([
 #   of their inputs; the module's parameters stay in their own dtype (fp32).
 # - `torch/distributed/checkpoint/state_dict.py` — `get_model_state_dict`,
 #   `set_model_state_dict` (`full_state_dict`, `cpu_offload`, `broadcast_from_rank0`).
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`:
+#   `gradient_as_bucket_view=False` by default, so under `ZeroRedundancyOptimizer` DDP's
+#   buckets still hold a second full copy of the gradients.
 # - `torch/distributed/optim/zero_redundancy_optimizer.py` — `ZeroRedundancyOptimizer`
 #   (`_partition_parameters`: whole parameters assigned to ranks; `_sync_params`: each rank
 #   broadcasts the parameters it stepped; `_broadcast_params_from_rank`: with `dist.broadcast`).

@@ -202,6 +202,7 @@ def _everything(rank, world_size):
         "awkward": _frozen_and_tied(rank, world_size),
         "timeline": zx.zero3_timeline_worker(rank, world_size, zx.ZeroConfig(steps=2)),
         "rooted": zx.fsdp2_root_worker(rank, world_size, zx.ZeroConfig(steps=2)),
+        "accumulated": zx.fsdp2_accumulation_worker(rank, world_size, zx.ZeroConfig(steps=2), 2),
     }
 
 
@@ -344,6 +345,20 @@ def test_fsdp2_gathers_its_root_once(ranks):
                                      "reduce_scatter": 4 * (others + root)}
     assert out[0]["rooted"]["root_units"] == [zero.fsdp2_padded_numel((10, 22), n),
                                              zero.fsdp2_padded_numel((10,), n)]
+
+
+def test_fsdp2_with_two_micro_batches_gathers_2k_times_and_reduces_k_times(ranks):
+    # lesson 08, §6: 3Ψ holds with one forward and one backward per step; with k = 2
+    # micro-batches FSDP2's defaults all-gather a non-root unit 2k times, the root k times, and
+    # reduce-scatter every unit k times: k times the one-pass volume
+    n, out = ranks
+    for r in out:
+        acc, rooted = r["accumulated"], r["rooted"]
+        units = acc["units"]
+        for counts in acc["counts"]:
+            assert counts == {"all_gather": 4 * units + 2, "reduce_scatter": 2 * (units + 1)}
+        for one, two in zip(rooted["traffic"], acc["traffic"]):
+            assert two["by_op"] == {op: 2 * v for op, v in one["by_op"].items()}
 
 
 def test_frozen_and_tied_config_builds_both_cases():

@@ -130,7 +130,7 @@ def memory_per_rank(stage: str, units, world_size: int, param_bytes: int = 2,
     _check(stage, world_size)
     units = [units] if isinstance(units, int) else list(units)
     full = sum(units)                                          # Ψ
-    shard = sum(shard_numel(u, world_size) for u in units)     # ⌈Ψ/N⌉, per unit
+    shard = sum(shard_numel(u, world_size) for u in units)     # this rank's slice, per unit
     params = full if stage in ("ddp", "zero1", "zero2") else shard
     grads = full if stage in ("ddp", "zero1") else shard
     optim = full if stage == "ddp" else shard
@@ -611,9 +611,9 @@ def traffic_per_step(stage: str, units, world_size: int, element_size: int = 4) 
 
     * ``ddp``: one all-reduce of the Ψ gradients: 2Ψ;
     * ``zero1``, ``zero2``: reduce-scatter the gradients, all-gather the weights, each over the
-      padded buffer: 2·N⌈Ψ/N⌉ — the same as DDP, but for padding;
+      padded buffer: 2 × (Ψ padded to a multiple of N) — the same as DDP, but for padding;
     * ``zero3``: per layer, all-gather (forward), all-gather (backward), reduce-scatter:
-      3·Σ N⌈Ψ_l/N⌉, so 1.5x DDP. FSDP2 pads each parameter's first dimension instead: give it
+      3 × Σ (Ψ_l padded to a multiple of N), so 1.5x DDP. FSDP2 pads each parameter's first dimension instead: give it
       the sizes from :func:`fsdp2_padded_numel` and it is the same formula;
     * ``zero_redundancy``: torch's ZeroRedundancyOptimizer under DDP: DDP's all-reduce, then
       each rank broadcasts the parameters it stepped: 2Ψ + Ψ = 3Ψ.

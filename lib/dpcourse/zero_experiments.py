@@ -375,6 +375,38 @@ def fsdp2_root_worker(rank: int, world_size: int, cfg: ZeroConfig) -> dict:
     return {"traffic": traffic, "root_units": root, "other_units": others}
 
 
+def fsdp2_accumulation_worker(rank: int, world_size: int, cfg: ZeroConfig,
+                              micro_batches: int = 2) -> dict:
+    """FSDP2 as in :func:`fsdp2_root_worker` (the last layer left to the root), but each
+    optimizer step accumulates the gradients of ``micro_batches`` forward and backward passes,
+    FSDP2's settings left at their defaults. One step's traffic, the number of all-gathers and
+    reduce-scatters, and the padded sizes of the root's and the other units' parameters.
+
+    Shown in lesson 08, §6.
+    """
+    from . import ddp
+
+    dev = ddp.setup_rank()
+    model = fsdp2_shard(cfg.build().to(dev), cfg, dev, root_keeps_last=True)
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    opt = cfg.make_optimizer(model.parameters())
+    traffic, counts = [], []
+    for X, y in cfg.batches(rank, world_size):
+        with record_collectives() as calls:
+            opt.zero_grad()
+            for Xm, ym in zip(X.chunk(micro_batches), y.chunk(micro_batches)):
+                (F.cross_entropy(model(Xm.to(dev)), ym.to(dev)) / micro_batches).backward()
+            opt.step()
+        traffic.append(summarize_traffic(calls, world_size))
+        counts.append({op: sum(1 for c in calls if c.op == op)
+                       for op in ("all_gather", "reduce_scatter")})
+    root = [fsdp2_padded_numel(p.shape, world_size) for p in linears[-1].parameters()]
+    others = [fsdp2_padded_numel(p.shape, world_size) for m in linears[:-1]
+              for p in m.parameters()]
+    return {"traffic": traffic, "counts": counts, "units": len(linears) - 1,
+            "root_units": root, "other_units": others}
+
+
 def zero3_timeline_worker(rank: int, world_size: int, cfg: ZeroConfig) -> list:
     """One :class:`dpcourse.zero.Zero3` step after a warm-up step, timed from the calls themselves: for each
     layer, when its weights were all-gathered (forward, then backward: each layer's ``gather``

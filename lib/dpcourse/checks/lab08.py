@@ -32,9 +32,20 @@ reduce-scatters done in ``step()``, all launched at the end of the backward, a b
 launched later than when it was full, a blocking reduce-scatter in the backward, a wait right
 after each launch, a reduce-scatter not waited for before the inner step, full gradients
 left in ``p.grad`` or referenced elsewhere, every bucket's padded buffer kept until
-``step()``, buffers kept after their reduce-scatter or into the next step, gradients summed or divided twice or
-accumulated over steps, no all-gather (the ranks drift apart), a shard boundary off by one,
-a deadlock (with the ranks that hung).
+``step()``, buffers kept after their reduce-scatter or into the next step, gradients summed
+(also when the mean was written into a new tensor) or divided twice or accumulated over
+steps, no all-gather (the ranks drift apart), a shard boundary off by one, a reduce-scatter
+whose output slice is the wrong size (an offset mistake) or whose input is not padded (named
+before gloo's own "size" error), a shard gradient still all zeros when the optimizer steps
+(the reduce-scatters wrote elsewhere), a shard stepped but never copied back into the
+parameters, ``params`` (a generator) iterated twice so that no hook was registered, the
+library's own stages or torch's ``ZeroRedundancyOptimizer`` given as the answer, a deadlock
+(with the ranks that hung).
+
+``measure_peak`` and ``check_peak_prediction`` are the lab's predict-then-measure part: the
+peak of live gradient bytes of the learner's wrapper on a five-layer MLP (``PEAK_WIDTHS``,
+buckets of ``PEAK_CAP`` bytes, 2 ranks), weighed as ``check_zero_two`` weighs it, against the
+learner's prediction, with where the peak comes from (two neighbouring buckets).
 """
 
 from __future__ import annotations
