@@ -66,13 +66,16 @@ print("ranks for the training run:", world_size)
 # Put the N workers on a ring: worker i sends only to worker i+1 and receives only from i−1.
 # Cut every worker's array into N chunks. Then:
 #
-# * **scatter-reduce**, N−1 steps: at step s, worker i sends chunk (i − s) mod N to its right
-#   neighbour, which *adds* it to its own copy. Each chunk travels around the ring collecting
-#   one more worker's contribution per step; after N−1 steps worker i holds the **complete sum
-#   of chunk (i + 1) mod N**.
-# * **all-gather**, N−1 steps: at step s, worker i sends chunk (i + 1 − s) mod N — a finished
-#   one — to its right neighbour, which *overwrites* its copy. After N−1 steps everyone has
-#   every finished chunk.
+# * **scatter-reduce**, N−1 steps s = 0, 1, …, N−2: at step s, worker i sends chunk (i − s) mod N
+#   to its right neighbour, which *adds* it to its own copy. Each chunk travels around the ring
+#   collecting one more worker's contribution per step; after N−1 steps worker i holds the
+#   **complete sum of chunk (i + 1) mod N**.
+# * **all-gather**, N−1 steps s = 0, 1, …, N−2: at step s, worker i sends chunk (i + 1 − s) mod N
+#   — a finished one — to its right neighbour, which *overwrites* its copy. After N−1 steps
+#   everyone has every finished chunk.
+#
+# The trace and the figures below number the states instead: state 0 is the start, states
+# 1 … N−1 follow the scatter-reduce's steps s = 0 … N−2, states N … 2(N−1) the all-gather's.
 #
 # Every link is busy in every step, and every message is only K/N long. Here are four workers
 # with four numbers each (worker w holds 10w + 1, 10w + 2, ...):
@@ -323,8 +326,30 @@ claim("predicted: PCIe takes several times longer",
 claim("at 1024 GPUs each link still carries under 2K", p1024.busiest_bytes < 2 * k_resnet50)
 
 # %% [markdown]
-# Try it yourself: drag K down to a few kilobytes and raise α, and watch the crossover where
-# the ring becomes the cheapest move to larger N (or leave the range); then raise K again.
+# Under this model the ring does not win everywhere. Its bandwidth term is the smallest of all
+# (under 2K at any N), but its latency term 2(N−1)α grows linearly, faster than the tree's
+# 2⌈log₂N⌉α and far faster than the parameter server's two rounds. So where the ring is the
+# cheapest, it is the cheapest **up to** some N, and small messages push that N down:
+
+# %%
+import math
+
+upto_big = ring.ring_cheapest_up_to(k_resnet50, 10e-6, 1 / 32e9, n_max=128)
+upto_small = ring.ring_cheapest_up_to(1e5, 10e-6, 1 / 32e9, n_max=128)
+after = ring.cheapest((upto_small or 1) + 1, 1e5, 10e-6, 1 / 32e9)
+print(f"α = 10 µs, PCIe: the ring is the cheapest up to N = {upto_big} for K = 102 MB, "
+      f"up to N = {upto_small} for K = 100 kB (from N = {(upto_small or 1) + 1} the {after} "
+      f"is cheaper)")
+claim("at a fixed α and β, a smaller K stops the ring being the cheapest at a smaller N",
+      upto_small is not None and upto_big is not None and upto_small < upto_big,
+      upto_small=upto_small, upto_big=upto_big)
+claim("from N = 4 to 128, the ring's latency term 2(N−1)α exceeds the tree's 2⌈log₂N⌉α",
+      all(2 * (n - 1) > 2 * math.ceil(math.log2(n)) for n in range(4, 129)))
+
+# %% [markdown]
+# Try it yourself: drag K down to a few kilobytes and raise α, and watch the dashed line
+# "ring cheapest up to N = …" move left; then raise K again. The shading shows which algorithm
+# is the cheapest at each N.
 
 # %%
 # The sliders start at this machine's fitted α and β; the curves come from ring.cost itself.
@@ -341,8 +366,8 @@ cost_explorer = viz.explorer(
      "beta": widgets.FloatLogSlider(value=fit.beta, base=10, min=-13, max=-6,
                                     description="β (s/B)", continuous_update=False)},
     caption="all-reduce time against N at the chosen K under this machine's α and β (a core "
-            "per rank: no contention term); the dashed line marks the N from which the ring is "
-            "the cheapest.",
+            "per rank: no contention term); the shading is the cheapest algorithm at each N, "
+            "the dashed line the largest N up to which the ring is the cheapest.",
     description="cost-model explorer (N, K, α, β)")
 
 # %% [markdown]
@@ -350,9 +375,10 @@ cost_explorer = viz.explorer(
 #
 # `dpcourse.ring.ring_allreduce(tensor, op="sum" | "average")` runs the simulator's two phases,
 # step for step, on real processes: it flattens the tensor and cuts it with the same chunking.
-# Every message is a `dist.isend` to rank+1 or a `dist.irecv` from rank−1, and every receive is
-# posted before anything is waited on. That matters: if every rank first called a blocking
-# `dist.send` and only then `dist.recv`, each send waits for a receive nobody has posted yet —
+# Every message is a `dist.isend` to rank+1 or a `dist.irecv` from rank−1; both return at once,
+# so no rank ever blocks in a send whose receive its neighbour has not posted. That matters: if
+# every rank first called a blocking `dist.send` and only then `dist.recv`, each send waits for
+# a receive nobody has posted yet —
 # a deadlock. With gloo, this course's backend, it hangs at **every** size: lab 06's check runs
 # exactly this mistake (measured from 1 element to 16 Mi elements) and stops it with a timeout.
 # On other transports it can be worse hidden: MPI libraries send small messages *eagerly* (the
@@ -507,8 +533,9 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # ## Lab 06: the ring, simulated then real
 #
 # Open [lab06_ring_allreduce](../labs/lab06_ring_allreduce.ipynb): you write the scatter-reduce and
-# the all-gather in the simulator, then the real ring over `isend`/`irecv`, and in its stretch
-# a segmented, pipelined scatter-reduce. Do it before reading on.
+# the all-gather in the simulator — for a different finishing layout from §1's, so you derive
+# the chunk indices yourself — then the real ring from its contract, and in its stretch a
+# segmented, pipelined scatter-reduce. Do it before reading on.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded output below: the
@@ -526,8 +553,9 @@ viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
 #   that share cores), describes it within the error it prints — a median under 50% on a
 #   loaded 2-core machine; published link bandwidths turn it into predictions for GPU clusters.
 # - A few dozen lines of `isend`/`irecv` give a ring that equals `dist.all_reduce` and trains to
-#   DDP's weights; posting the receive before waiting on the send is what keeps it from
-#   deadlocking, and forwarding each segment as soon as it is ready pipelines it.
+#   DDP's weights; that no rank ever blocks in a send whose receive its neighbour has not
+#   posted keeps it from deadlocking, and forwarding each segment as soon as it is ready
+#   pipelines it.
 #
 # **Next:** [lesson 07](07_inside_ddp.ipynb) opens DDP itself: the hooks that launch these
 # all-reduces while the backward runs, the buckets that make each message large enough to be
