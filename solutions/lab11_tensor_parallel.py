@@ -30,7 +30,8 @@
 # 1. `block_of(size, rank, world_size)`: the features rank r keeps;
 # 2. `CopyToTPRegion` (`f`) and `ReduceFromTPRegion` (`g`) as `torch.autograd.Function`s;
 # 3. `ColumnParallel` and `RowParallel`, each built from a full `nn.Linear`;
-# 4. `TPMLP`, the two layers around a GeLU, equal to the plain MLP on 2 and 3 ranks;
+# 4. `TPMLP`, the two layers around a GeLU, equal to the plain MLP on 2 and 3 ranks — after
+#    a prediction of how many numbers one rank's parameters hold;
 # 5. a prediction: how many all-reduces a step of two stacked `TPMLP`s makes — then counted;
 # 6. (stretch) one GPipe step of a pipeline stage, with its bubble measured.
 #
@@ -195,9 +196,7 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, timeout=check_timeout
 #
 # Both take `(linear, rank, world_size)`, a full `nn.Linear` the same on every rank, and keep
 # what the rank needs of it as **new** `nn.Parameter`s (the full layer is not kept), each
-# holding only this rank's block of the weight (`block_of` says which features). torch's
-# layout: `linear.weight` is **(out_features, in_features)**, and the layer computes
-# `x @ weight.T + bias`.
+# holding only this rank's block of the weight (`block_of` says which features).
 #
 # - `ColumnParallel(linear, rank, world_size)(x)`, with x the whole input (the same on every
 #   rank), returns this rank's block of the full layer's output features, bias included.
@@ -205,8 +204,9 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, timeout=check_timeout
 #   hidden features, returns the full layer's output, bias included, the same on every rank.
 #
 # After a backward, the gradient of each layer's input and of every parameter equals the
-# matching block of the full layer's. Decide which dimension of `linear.weight` holds each
-# block, and where `f` and `g` go.
+# matching block of the full layer's. Which dimension of `linear.weight` indexes which
+# features is yours to find out (torch tells you in one line; a guess costs a failed check),
+# and so is where `f` and `g` go.
 #
 # **Your design decision:** the row layer's bias. The lesson left it open: keep it whole or
 # in blocks, on every rank or on one, and add it before `g` or after it. More than one choice
@@ -279,7 +279,7 @@ class RowParallel(nn.Module):
 lab11.check_row_parallel(RowParallel, timeout=check_timeout)
 
 # %% [markdown]
-# ## 4. The tensor-parallel MLP
+# ## 4. The tensor-parallel MLP, and what one rank holds
 #
 # `TPMLP(plain, rank, world_size)`, with `plain = nn.Sequential(nn.Linear(d, h), nn.GELU(),
 # nn.Linear(h, d))` the same on every rank: `TPMLP(...)(x)` equals `plain(x)` on every rank,
@@ -287,6 +287,20 @@ lab11.check_row_parallel(RowParallel, timeout=check_timeout)
 # blocks), with one all-reduce in the forward and one in the backward. The check compares on
 # 2 and 3 ranks, counts the collectives of each pass, and then builds it with h = 16 on 3
 # ranks, where your `block_of` decision shows.
+#
+# Tensor parallelism is there to cut each rank's memory. **Before** you write `TPMLP`,
+# predict how much: with d = 6 and h = 12, the plain MLP's parameters hold 162 numbers. How
+# many numbers do the parameters of `TPMLP(plain, 1, 3)` — rank 1 of 3 — hold, with *your*
+# layers (`sum(p.numel() for p in mlp.parameters())`)? Work it out from the shapes your
+# layers keep and from your row-bias decision, not by running it; the cell after `TPMLP`'s
+# check counts it and explains the count.
+
+# %%
+### BEGIN SOLUTION: your prediction (a number)
+my_count = 58
+### END SOLUTION
+held_guess = predict("lab11", "numbers in the parameters of rank 1 of 3 (d = 6, h = 12)",
+                     my_count, unit="numbers")
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -326,6 +340,10 @@ class TPMLP(nn.Module):
 
 
 lab11.check_tp_mlp(TPMLP, timeout=check_timeout)
+
+# %%
+held = lab11.count_parameters(TPMLP)
+lab11.check_parameters_prediction(held_guess, held, TPMLP)
 
 # %% [markdown]
 # ## 5. Predict, then count

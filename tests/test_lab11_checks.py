@@ -193,7 +193,7 @@ def test_right_conjugates_pass_on_four_ranks(capsys):
 @pytest.mark.parametrize("f,g,match", [
     (conj("F", allsum, allsum), Reduce, "forward all-reduces x"),
     (conj("F", allmean, allsum), Reduce, "forward makes 1 collective"),
-    (conj("F", ident, ident), Reduce, "backward returns the gradient unchanged"),
+    (conj("F", ident, ident), Reduce, "backward returns this rank.s gradient as it came"),
     (conj("F", ident, allmean), Reduce, "backward averages"),
     (conj("F", ident, lambda g: None), Reduce, "no gradient"),
     (Copy, conj("G", ident, ident), "forward returns its input unchanged"),
@@ -341,7 +341,7 @@ class ColumnFOnOutput(Column):
 @pytest.mark.parametrize("cls,match", [
     (ColumnFOnOutput, "applies f to its output"),
     (ColumnAllReduceForward, "forward makes 1 collective"),
-    (ColumnNoF, "no all-reduce in the backward"),
+    (ColumnNoF, "no communication in the backward"),
     (ColumnWrongDim, "wrong dimension"),
     (ColumnWrongDimBounds, "wrong dimension .* give some ranks all of it and others nothing"),
     (ColumnNoOffset, "kept the rows of rank 0"),
@@ -494,7 +494,7 @@ class RowGOnInput(Row):
 
 @pytest.mark.parametrize("cls,match", [
     (RowGOnInput, "applies g to its input"),
-    (RowNoReduce, "no all-reduce in RowNoReduce's forward"),
+    (RowNoReduce, "no communication in RowNoReduce.s forward"),
     (RowBiasEveryRank, "adds the bias on every rank before the all-reduce"),
     (RowBiasScaled, "1/2 of its gradient"),
     (RowBiasStoredScaled, "divided by the world size"),
@@ -574,6 +574,28 @@ def test_prediction_stacked_mlps_make_three_all_reduces(capsys):
     assert "first MLP's f does not" in out
     lab11.check_prediction(predict("lab11", "all-reduces", 3, unit="all-reduces"), measured)
     assert "— right." in capsys.readouterr().out
+
+
+def test_prediction_parameters_of_rank_one(capsys):
+    # the second bias whole on every rank: 24 + 4 + 24 + 6
+    measured = lab11.count_parameters(MLP)
+    assert measured == 58
+    lab11.check_parameters_prediction(predict("lab11", "numbers", 54, unit="numbers"),
+                                      measured, MLP)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 58 numbers — not what happened." in out
+    assert "more than a third of the plain MLP's 162" in out
+    lab11.check_parameters_prediction(predict("lab11", "numbers", 58, unit="numbers"),
+                                      measured, MLP)
+    assert "— right." in capsys.readouterr().out
+    # the second bias held by rank 0 only: rank 1 holds a third of the rest
+    on_zero = mlp_of(Column, RowBiasOnRankZero)
+    measured = lab11.count_parameters(on_zero)
+    assert measured == 52
+    lab11.check_parameters_prediction(predict("lab11", "numbers", 52, unit="numbers"),
+                                      measured, on_zero)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "— right." in out and "no second bias" in out
 
 
 class MLPVagueRefusal(MLP):
@@ -677,7 +699,8 @@ def test_wrong_mlp_named(cls, match):
 
 
 def gpipe(stage, rank, world_size, m, inputs, targets, loss_fn, shape, *, divide=True,
-          zero_each=False, interleave=False, track_input=True, reverse=False, time_waits=False):
+          zero_each=False, interleave=False, track_input=True, reverse=False, time_waits=False,
+          never_wait=False):
     """A right GPipe step with isend; each keyword switches on one mistake (or a variant)."""
     last = rank == world_size - 1
     saved, events, sends, loss = {}, [], [], 0.0
@@ -731,7 +754,7 @@ def gpipe(stage, rank, world_size, m, inputs, targets, loss_fn, shape, *, divide
             loss += forward(i)
         for i in (reversed(range(m)) if reverse else range(m)):
             backward(i)
-    for work, _ in sends:
+    for work, _ in ([] if never_wait else sends):
         work.wait()
     return (loss if last else None), events
 
@@ -782,8 +805,57 @@ def gpipe_times_waits(*args):
     return gpipe(*args, time_waits=True)
 
 
+def gpipe_never_waits(*args):
+    # the isends' handles are dropped: the last stage returns with its gradients' sends pending
+    return gpipe(*args, never_wait=True)
+
+
+def gpipe_batched_p2p(stage, rank, world_size, m, inputs, targets, loss_fn, shape):
+    """Right: every message through batch_isend_irecv, each batch waited on."""
+    last, saved, events, loss = rank == world_size - 1, [], [], 0.0
+
+    def exchange(op, t, peer):
+        for work in dist.batch_isend_irecv([dist.P2POp(op, t, peer)]):
+            work.wait()
+
+    for i in range(m):
+        if rank == 0:
+            x = inputs[i]
+        else:
+            x = torch.empty(shape)
+            exchange(dist.irecv, x, rank - 1)
+            x.requires_grad_()
+        t0 = time.perf_counter()
+        y = stage(x)
+        if last:
+            y = loss_fn(y, targets[i]) / m
+            loss += y.item()
+        events.append(("F", i, t0, time.perf_counter()))
+        if not last:
+            exchange(dist.isend, y.detach(), rank + 1)
+        saved.append((x, y))
+    for i, (x, y) in enumerate(saved):
+        grad = None
+        if not last:
+            grad = torch.empty(shape)
+            exchange(dist.irecv, grad, rank + 1)
+        t0 = time.perf_counter()
+        y.backward(grad)
+        events.append(("B", i, t0, time.perf_counter()))
+        if rank > 0:
+            exchange(dist.isend, x.grad, rank - 1)
+    return (loss if last else None), events
+
+
+def test_right_gpipe_with_batched_p2p_passes(capsys):
+    lab11.check_gpipe(gpipe_batched_p2p, bubble, stages=(2,), timeout=T)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
 @pytest.mark.parametrize("fn,match", [
     (gpipe_times_waits, "time waiting for .* a message, not only the computation"),
+    (gpipe_never_waits, r"stage \d returned from gpipe_step with \d+ non-blocking send\(s\) still "
+                        r"pending .* wait on every send's handle before gpipe_step returns"),
     (gpipe_not_accumulated, "not accumulated"),
     (gpipe_not_divided, "4 times too large"),
     (gpipe_1f1b, "every forward first"),

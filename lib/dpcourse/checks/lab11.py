@@ -27,6 +27,9 @@ process. The values are chosen so that each classic mistake leaves its own trace
   the backward; a hidden size that the
   world size does not divide (16 on 3 ranks) is refused with a sentence naming both numbers,
   or handled (then it must equal the plain MLP too);
+* ``count_parameters`` and ``check_parameters_prediction``: the learner predicts how many numbers
+  rank 1 of 3 holds in its TPMLP's parameters (58 with the second bias whole on that rank, 52
+  without it: its row-bias decision shows), then the count is measured and explained;
 * ``count_all_reduces`` and ``check_prediction``: the learner predicts the all-reduces of one
   step of two stacked TP MLPs fed data (3: f's backward runs only where its input needs a
   gradient), then the count is measured and explained (:func:`dpcourse.checks.reveal`);
@@ -62,7 +65,8 @@ from . import (check_timeout, fail, has_todo, passed, recorded, refuse_reference
                run_ranks)
 
 __all__ = ["check_block_of", "check_conjugates", "check_column_parallel", "check_row_parallel",
-           "check_tp_mlp", "count_all_reduces", "check_prediction", "check_gpipe",
+           "check_tp_mlp", "count_parameters", "check_parameters_prediction",
+           "count_all_reduces", "check_prediction", "check_gpipe",
            "measure_bubble", "WORLD_SIZES", "DEFAULT_TIMEOUT"]
 
 WORLD_SIZES = (2, 3)
@@ -240,48 +244,48 @@ def _diagnose_conjugates(outs: list, n: int, f_name: str, g_name: str) -> None:
     x, g_sum = xs[0], gs.sum(0)
     for rank, o in enumerate(outs):
         if "f_error" in o:
-            fail(f"{f_name} raised on rank {rank}: {o['f_error']} — forward(ctx, x) returns x, "
-                 f"backward(ctx, grad) returns the all-reduced grad.")
+            fail(f"{f_name} raised on rank {rank}: {o['f_error']} — forward(ctx, x) returns a "
+                 f"tensor of x's shape, backward(ctx, grad) returns the gradient of x.")
         if "g_error" in o:
-            fail(f"{g_name} raised on rank {rank}: {o['g_error']} — forward(ctx, x) returns the "
-                 f"all-reduced x, backward(ctx, grad) returns grad.")
+            fail(f"{g_name} raised on rank {rank}: {o['g_error']} — forward(ctx, x) returns a "
+                 f"tensor of x's shape, backward(ctx, grad) returns the gradient of x.")
     o = outs[n - 1]
     rank = n - 1
     f_like_g = _close(o["f_y"], n * x) and _close(o["f_grad"], gs[rank])
     g_like_f = _close(o["g_z"], xs[rank]) and _close(o["g_grad"], g_sum)
     if f_like_g and g_like_f:
-        fail(f"{f_name} and {g_name} are swapped: f (copy to the region) is the identity forward "
-             f"and all-reduce backward; g (reduce from it) is the all-reduce forward and "
-             f"identity backward.")
+        fail(f"{f_name} and {g_name} are swapped: f wraps an input that every rank already "
+             f"holds whole, g an output of which each rank holds only a part — each needs the "
+             f"communication that its own position calls for.")
     # f's forward
     if _close(o["f_y"], n * x):
         fail(f"{f_name}'s forward all-reduces x: every rank already holds the same x, so the "
-             f"sum is {n}·x — the forward of f is the identity (the all-reduce belongs in its "
-             f"backward).")
+             f"sum is {n}·x where the column layer needs x itself.")
     if not _close(o["f_y"], x):
         fail(f"{f_name}'s forward changes x: it must return x itself (the identity).")
     if o["f_fwd"]:
         fail(f"{f_name}'s forward makes {o['f_fwd']} collective call(s) and still returns x "
-             f"(an all-reduce divided by the world size?): its forward is the identity, with "
-             f"no communication.")
+             f"(an all-reduce divided by the world size?): every rank already holds x, so that "
+             f"pass has nothing to exchange.")
     # f's backward
     if o["f_grad"] is None:
-        fail(f"x has no gradient after {f_name}'s backward: backward must return the "
-             f"(all-reduced) gradient, not None.")
+        fail(f"x has no gradient after {f_name}'s backward: backward returned None, but it "
+             f"must return the gradient of x.")
     if _close(o["f_grad"], gs[rank]) or o["f_bwd"] == 0:
-        fail(f"{f_name}'s backward returns the gradient unchanged: it must all-reduce (sum) "
-             f"it — each rank's shard of the next layer contributes only its part of dL/dx.")
+        fail(f"{f_name}'s backward returns this rank's gradient as it came: it holds only the "
+             f"part of dL/dx that flows through this rank's block of the next layer, and x "
+             f"reaches the loss through every rank's block.")
     if _close(o["f_grad"], g_sum / n):
         fail(f"{f_name}'s backward averages the gradients (divided by the world size): dL/dx is "
              f"the SUM of the ranks' parts — do not divide.")
     if not _close(o["f_grad"], g_sum):
-        fail(f"{f_name}'s backward returns neither the sum of the ranks' gradients nor anything "
-             f"recognisable: all-reduce (sum) the incoming gradient and return it.")
+        fail(f"{f_name}'s backward returns a gradient that is neither this rank's part of "
+             f"dL/dx nor the whole of it (the sum of every rank's part).")
     # g's forward
     x_sum = xs.sum(0)
     if _close(o["g_z"], xs[rank]) or o["g_fwd"] == 0:
-        fail(f"{g_name}'s forward returns its input unchanged: it must all-reduce (sum) the "
-             f"ranks' partial results.")
+        fail(f"{g_name}'s forward returns its input unchanged: each rank holds only a partial "
+             f"product, and the layer's output is all of them added up.")
     if _close(o["g_z"], x_sum / n):
         fail(f"{g_name}'s forward averages (divides by the world size): a row-parallel layer's "
              f"partial products add up to the output — sum them.")
@@ -293,10 +297,11 @@ def _diagnose_conjugates(outs: list, n: int, f_name: str, g_name: str) -> None:
              f"gradient, not None.")
     if _close(o["g_grad"], g_sum) or o["g_bwd"]:
         fail(f"{g_name}'s backward all-reduces: the gradient of a sum reaches each term "
-             f"unchanged, so g's backward is the identity (an all-reduce there adds the other "
-             f"ranks' gradients in).")
+             f"unchanged, and every rank already holds it (what follows g runs the same on "
+             f"every rank) — summing adds the other ranks' copies in.")
     if not _close(o["g_grad"], gs[rank]):
-        fail(f"{g_name}'s backward changes the gradient: return it as it came (the identity).")
+        fail(f"{g_name}'s backward changes the gradient, but the gradient of a sum reaches "
+             f"each term unchanged.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,12 +441,11 @@ def _common_layer_failures(outs: list, n: int, name: str, full: nn.Linear, kind:
         fail(f"{name} keeps the whole weight {(out_f, in_f)} on every rank: keep only this "
              f"rank's block, {right}.")
     if kind == "column" and (out_f,) in shapes and (per_out,) not in shapes:
-        fail(f"{name} keeps the whole bias ({out_f},) on every rank: slice it like the weight's "
-             f"rows — this rank's block of {per_out}.")
+        fail(f"{name} keeps the whole bias ({out_f},) on every rank: a rank computes only its "
+             f"block of the output features, and so needs only their biases.")
     if right not in shapes and right[::-1] not in shapes:
-        fail(f"{name}'s parameters are {shapes}: the weight shard should be {right} "
-             f"(torch's Linear weight is (out_features, in_features)) — make it an "
-             f"nn.Parameter so that it gets a gradient.")
+        fail(f"{name}'s parameters are {shapes}, none of them a block of the weight: this "
+             f"rank's block must be an nn.Parameter (a plain tensor gets no gradient).")
     for rank, o in enumerate(outs):
         if "forward_error" in o:
             fail(f"{name}'s forward raised on rank {rank}: {o['forward_error']}.")
@@ -461,13 +465,14 @@ def _wrong_dimension(outs: list, n: int, name: str, full: nn.Linear, kind: str,
                  if s is not None and hidden in s and min(s) < width and s != right[::-1]]
     if not cut_wrong:
         return
-    which = ("rows (output features, dim 0)" if kind == "column"
-             else "columns (input features, dim 1)")
+    which = ("output features (and every input feature)" if kind == "column"
+             else "input features (and every output feature)")
     shown = ", ".join(f"rank {r}: {weights[r]}" for r in range(n))
     past_end = any(weights[r] == (out_f, in_f) for r in range(n))
-    fail(f"{name} cut the weight along the wrong dimension (its shards are {shown}): torch "
-         f"stores Linear's weight as (out_features, in_features) = {(out_f, in_f)}, and a "
-         f"{kind}-parallel layer keeps a block of its {which}, {right}"
+    fail(f"{name} cut the weight along the wrong dimension (from linear.weight of shape "
+         f"{(out_f, in_f)}, its shards are {shown}): the shards keep all {hidden} hidden "
+         f"features and cut the model's width of {width}, but a {kind}-parallel layer keeps a "
+         f"block of its {which}"
          + (f" — the bounds of a block of the {hidden} hidden features, applied to the "
             f"dimension of {width}, give some ranks all of it and others nothing" if past_end
             else "") + ".")
@@ -533,28 +538,28 @@ def _diagnose_column(outs: list, n: int, name: str, full, x, grad_full, y_full) 
         if not _close(o["y"], want):
             without_bias = want - full.bias.detach()[block]
             if _close(o["y"], without_bias):
-                fail(f"{name}'s output on rank {rank} lacks the bias: add this rank's block of "
-                     f"the bias (the column layer's bias is split like its rows).")
+                fail(f"{name}'s output on rank {rank} lacks the bias of its output features.")
             fail(f"{name}'s output on rank {rank} is not features [{rank * per}, "
                  f"{(rank + 1) * per}) of the full layer's output.")
         if "backward_error" in o:
             fail(f"the backward through {name} raised on rank {rank}: {o['backward_error']}.")
         partial = grad_full[:, block] @ full.weight.detach()[block]
         if o["x_grad"] is None:
-            fail(f"x has no gradient after the backward through {name}: pass x through your f "
-                 f"(CopyToTPRegion.apply) before the matmul.")
+            fail(f"x has no gradient after the backward through {name}: the forward cuts x off "
+                 f"from autograd (a detach, .data, or a backward that returns None).")
         if _close(o["x_grad"], partial) or o["bwd"] == 0:
-            fail(f"no all-reduce in the backward of {name}: dL/dx on rank {rank} is only its "
-                 f"own block's part — pass x through f, whose backward sums the parts of every "
-                 f"rank.")
+            fail(f"no communication in the backward of {name}: dL/dx on rank {rank} is only the "
+                 f"part that flows through its own block of output features, and x reaches the "
+                 f"loss through every rank's block.")
         if _close(o["x_grad"], x.grad / n):
             fail(f"{name}'s backward averages dL/dx over the ranks: it is the SUM of every "
                  f"block's part — do not divide by the world size.")
         if not _close(o["x_grad"], x.grad):
             summed = sum(grad_full[:, s * per:(s + 1) * per] for s in range(n))
             if _close(o["x_grad"], summed @ full.weight.detach()[block]):
-                fail(f"{name} applies f to its output, not to its input: f's backward must sum "
-                     f"dL/dx over the ranks, so f wraps x before the matmul.")
+                fail(f"{name} applies f to its output: its backward then sums the gradient of "
+                     f"the output blocks (each rank's is different), where the sum the layer "
+                     f"needs is that of dL/dx.")
             fail(f"dL/dx after {name}'s backward on rank {rank} is not the full layer's.")
         weights = _weight_grads(o)
         biases = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 1]
@@ -573,26 +578,25 @@ def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full
     want = y_full.detach()
     for rank, o in enumerate(outs):
         if o["fwd"] == 0:
-            fail(f"no all-reduce in {name}'s forward: rank {rank}'s output is only its partial "
-                 f"product (its block of the hidden features times its columns) — sum the "
-                 f"ranks' partial products with g.")
+            fail(f"no communication in {name}'s forward: rank {rank}'s output is only its "
+                 f"partial product (its block of the hidden features times its block of the "
+                 f"weight), one term of the layer's output.")
         if _close(o["y"], want + (n - 1) * bias):
             fail(f"{name} adds the bias on every rank before the all-reduce, so the sum holds it "
-                 f"{n} times: add it once — after the all-reduce, or before it on rank 0 only.")
+                 f"{n} times where the output holds it once.")
         if _close(o["y"], (want - bias) / n + bias) or _close(o["y"], want / n):
             fail(f"{name} averages the partial products (divides by the world size): they are "
                  f"parts of one matrix product — sum them.")
         if not _close(o["y"], want):
             if _close(o["y"], want - bias):
                 fail(f"{name}'s output on rank {rank} lacks the bias: every rank's output is "
-                     f"the full layer's, bias included — add it after the all-reduce (or "
-                     f"before it on rank 0 only).")
+                     f"the full layer's, bias included.")
             hs = h_full.detach()
             summed = sum(hs[:, s * per:(s + 1) * per] for s in range(n))
             w_r = full.weight.detach()[:, rank * per:(rank + 1) * per]
             if _close(o["y"], summed @ w_r.T + bias) or _close(o["y"], summed @ w_r.T):
-                fail(f"{name} applies g to its input, before the matmul: g sums the ranks' "
-                     f"partial products, so it wraps the result of the matmul.")
+                fail(f"{name} applies g to its input, before the matmul: it sums the ranks' "
+                     f"hidden blocks, which are different features, not parts of one sum.")
             fail(f"{name}'s output on rank {rank} is not the full layer's output.")
         if "backward_error" in o:
             fail(f"the backward through {name} raised on rank {rank}: {o['backward_error']}.")
@@ -603,7 +607,7 @@ def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full
             fail(f"{name}'s backward all-reduces (it makes {o['bwd']} collective call(s) and "
                  f"dL/dh comes out {n} times too large): every rank already has the same dL/dy "
                  f"(its output is replicated), and the gradient of a sum reaches each partial "
-                 f"product unchanged — g's backward is the identity.")
+                 f"product unchanged.")
         if not _close(o["x_grad"], want_x):
             fail(f"the gradient of the hidden block after {name}'s backward on rank {rank} is "
                  f"not the full layer's.")
@@ -619,13 +623,13 @@ def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full
                 continue
             if not torch.equal(p, bias) and torch.allclose(p, bias / n):
                 fail(f"{name} keeps the bias divided by the world size on every rank: the "
-                     f"output adds up right, but each copy gets 1/{n} of its share — keep the "
-                     f"whole bias and add it once (after the all-reduce, or on rank 0 only).")
+                     f"output adds up right, but each copy gets 1/{n} of its gradient, so no "
+                     f"rank's bias trains like the full layer's.")
             if g is None:
                 continue
             if _close(g, full.bias.grad / n):
-                fail(f"{name}'s bias gets 1/{n} of its gradient on rank {rank}: do not scale "
-                     f"the bias by 1/N — add the whole bias once.")
+                fail(f"{name}'s bias gets 1/{n} of its gradient on rank {rank}: the bias is "
+                     f"scaled by 1/N on its way into the output.")
             if not _close(g, full.bias.grad):
                 fail(f"the bias gradient of {name} on rank {rank} is not the full layer's.")
             holders.append(rank)
@@ -781,6 +785,60 @@ def check_prediction(prediction, measured: int) -> None:
         "parameters below the first MLP and its f all-reduces too: 4."))
 
 
+PARAMS_RANK, PARAMS_WORLD = 1, 3    # part 4's prediction: rank 1 of 3, plain MLP (D, H)
+
+
+def count_parameters(mlp_cls, rank: int = PARAMS_RANK, world_size: int = PARAMS_WORLD) -> int:
+    """The measurement behind part 4's prediction: the numbers (elements) in the parameters of
+    ``mlp_cls(plain, rank, world_size)``, built in this process from the plain
+    ``Sequential(Linear(6, 12), GELU(), Linear(12, 6))`` (building a layer communicates
+    nothing)."""
+    __tracebackhide__ = True
+    if not isinstance(mlp_cls, type):
+        fail(f"the measurement needs your class itself, got {type(mlp_cls).__name__}.")
+    _todo(mlp_cls)
+    try:
+        mlp = mlp_cls(copy.deepcopy(_plain_mlp(H)), rank, world_size)
+    except Exception as exc:
+        fail(f"{mlp_cls.__name__}(plain, {rank}, {world_size}) raised while being built: "
+             f"{_error(exc)}.")
+    return sum(p.numel() for p in mlp.parameters())
+
+
+def check_parameters_prediction(prediction, measured: int, mlp_cls=None) -> None:
+    """Compare the learner's prediction of the numbers rank 1 of 3 holds in its TPMLP's
+    parameters with :func:`count_parameters`' count, and explain it part by part (with the
+    learner's own row-bias decision when ``mlp_cls`` is given)."""
+    __tracebackhide__ = True
+    value = getattr(prediction, "value", None)
+    close = isinstance(value, (int, float)) and value == measured
+    plain = _plain_mlp(H)
+    total = sum(p.numel() for p in plain.parameters())
+    per = H // PARAMS_WORLD
+    blocks = 2 * per * D + per
+    b2 = None
+    if mlp_cls is not None:
+        try:
+            mlp = mlp_cls(copy.deepcopy(plain), PARAMS_RANK, PARAMS_WORLD)
+            held = [_match_param(p.detach(), plain) for p in mlp.parameters()]
+            b2 = any(m is not None and m[0] == "b2" for m in held)
+        except Exception:
+            b2 = None
+    if b2 is None:
+        b2 = measured - blocks == D
+    if b2:
+        bias = (f"+ the whole second bias ({D}) = {blocks + D}: more than a third of the plain "
+                f"MLP's {total}, because b₂ is kept whole on every rank that holds it")
+    else:
+        bias = (f"and no second bias (another rank holds it) = {blocks}: a third of the plain "
+                f"MLP's weights and first bias")
+    reveal(prediction, measured, close=close, explanation=(
+        f"Rank {PARAMS_RANK} of {PARAMS_WORLD} keeps a {per} × {D} block of the first weight "
+        f"({per * D}), the same {per} entries of the first bias, a {D} × {per} block of the "
+        f"second weight ({per * D}) {bias}. The weights shrink by t, what is replicated does "
+        f"not; in a transformer the weights are nearly all of it."))
+
+
 _MLP_PARTS = {"w1": "the column layer's weight (plain[0].weight)",
               "b1": "the column layer's bias (plain[0].bias)",
               "w2": "the row layer's weight (plain[2].weight)",
@@ -918,6 +976,64 @@ def _mse(out, target):
     return ((out - target) ** 2).mean()
 
 
+class _Handle:
+    """A point-to-point request as the learner's code sees it, noting whether it was settled:
+    waited on, or seen complete through ``is_completed()``."""
+
+    def __init__(self, work, kind: str):
+        self._work, self.kind, self.settled = work, kind, False
+
+    def wait(self, *args, **kwargs):
+        self.settled = True
+        return self._work.wait(*args, **kwargs)
+
+    def is_completed(self):
+        done = self._work.is_completed()
+        self.settled = self.settled or bool(done)
+        return done
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class _TrackP2P:
+    """Within the block, every send and receive of a process group (``dist.send``/``recv``,
+    ``isend``/``irecv`` and ``batch_isend_irecv`` all go through ``ProcessGroup.send``/``recv``)
+    hands back a :class:`_Handle`; the blocking calls wait on theirs at once."""
+
+    def __enter__(self):
+        from torch._C._distributed_c10d import ProcessGroup
+
+        self.handles, self._pg = [], ProcessGroup
+        self._orig = {name: getattr(ProcessGroup, name) for name in ("send", "recv")}
+
+        def wrap(name):
+            orig = self._orig[name]
+
+            def call(group, *args, **kwargs):
+                handle = _Handle(orig(group, *args, **kwargs), name)
+                self.handles.append(handle)
+                return handle
+            return call
+
+        for name in self._orig:
+            setattr(ProcessGroup, name, wrap(name))
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self._orig.items():
+            setattr(self._pg, name, orig)
+        return False
+
+    def pending(self) -> dict:
+        """How many sends and receives were never settled; waits on them, so that the
+        neighbours get their messages and the run ends (the check then names the mistake)."""
+        left = [h for h in self.handles if not h.settled]
+        for h in left:
+            h._work.wait()
+        return {kind: sum(h.kind == kind for h in left) for kind in ("send", "recv")}
+
+
 def _gpipe_worker(rank: int, world_size: int, step_fn, m: int, delay_s: float) -> dict:
     import torch.distributed as dist
 
@@ -934,9 +1050,11 @@ def _gpipe_worker(rank: int, world_size: int, step_fn, m: int, delay_s: float) -
     dist.barrier()
     # a rank that raises is not caught here: the launch stops every rank at once (its neighbour
     # would wait for its message forever) and _gpipe_failed names the mistake
-    loss, events = step_fn(module, rank, world_size, m, inputs, targets, _mse,
-                           (_BATCH // m, _WIDTH))
-    return {"loss": None if loss is None else float(loss),
+    with _TrackP2P() as p2p:
+        loss, events = step_fn(module, rank, world_size, m, inputs, targets, _mse,
+                               (_BATCH // m, _WIDTH))
+        pending = p2p.pending()
+    return {"pending": pending, "loss": None if loss is None else float(loss),
             "events": [(str(k), int(i), float(s), float(e)) for k, i, s, e in events],
             "grads": [None if p.grad is None else p.grad.clone() for p in stage.parameters()]}
 
@@ -977,11 +1095,32 @@ def check_gpipe(step_fn, bubble_fn, stages=_STAGES, timeout: float | None = None
                          hang="a stage waits for a message that never comes: every send needs "
                               "its recv on the neighbour, in the same order (forwards go to "
                               "rank + 1, gradients back to rank - 1).")
+        _pending(outs)
         _diagnose_gpipe(outs, k, _M)
         _computation_only(outs, k, _M)
     passed(f"GPipe stage: gradients accumulated over {_M} micro-batches equal the unsplit "
            f"model's on {' and '.join(map(str, stages))} stages, events timing the computation "
            f"only; bubble measured as the idle share of the timeline")
+
+
+def _pending(outs: list) -> None:
+    """A stage that returns with a non-blocking send (or receive) never waited on: its message
+    may not have left (or arrived) yet — the neighbour waits for it after this process has gone
+    on, which shows as a deadlock (the worker settles them, so the check can name the cause)."""
+    __tracebackhide__ = True
+    for rank, o in enumerate(outs):
+        sends, recvs = o["pending"]["send"], o["pending"]["recv"]
+        if sends:
+            fail(f"stage {rank} returned from gpipe_step with {sends} non-blocking send(s) still "
+                 f"pending (an isend whose handle was never waited on): until its wait() "
+                 f"returns, the message may not have left, and a process that goes on or ends "
+                 f"leaves its neighbour waiting — wait on every send's handle before "
+                 f"gpipe_step returns.")
+        if recvs:
+            fail(f"stage {rank} returned from gpipe_step with {recvs} non-blocking receive(s) "
+                 f"never waited on (an irecv whose handle was never waited on): until its "
+                 f"wait() returns, the tensor may not hold the message yet — wait on a "
+                 f"receive's handle before using what it receives.")
 
 
 def _computation_only(outs: list, k: int, m: int) -> None:
@@ -1112,6 +1251,7 @@ def measure_bubble(step_fn, bubble_fn, stages: int = 2, micro=(1, 2, 4, 8),
     for m in micro:
         outs = run_ranks(_gpipe_worker, stages, step_fn, m, delay_s, timeout=timeout,
                          failed=_gpipe_failed, hang=_HANG)
+        _pending(outs)
         _computation_only(outs, stages, m)
         events = [(rank, k, i, s, e) for rank, o in enumerate(outs) for k, i, s, e in o["events"]]
         rows.append((m, float(bubble_fn(events, stages)), pp.ideal_bubble(stages, m)))
