@@ -104,9 +104,14 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 # against sent), the server carries **N²/(2(N−1))** times a ring rank's load: 2× at N = 2, 2.7×
 # at N = 4, about N/2 for large N. Over the whole cluster the two are about equal (2NK
 # against 2(N−1)K elements sent); the difference is *where*: the parameter server funnels it
-# all through one network card, which becomes the bottleneck as N grows (or you shard the
-# server, as Li et al. do; at the limit, every rank serves a 1/N shard — that is a
-# reduce-scatter plus an all-gather, the ring again).
+# all through one network card, which becomes the bottleneck as N grows. Or you shard the
+# server, as Li et al. do. At the limit every worker also serves a 1/N shard: it pushes each
+# other rank that rank's shard of its gradient and sends its own shard's new weights to each
+# other rank, (N−1)K/N each way — the ring's 2(N−1)K/N per rank, but in **2 direct rounds**
+# (push, pull) instead of the ring's 2(N−1) steps: fewer latency terms, N−1 messages in flight
+# per round. BytePS (Jiang et al., OSDI 2020) goes further with servers beyond the workers (CPU
+# machines): with enough of them each worker sends K and receives K, less than the ring's
+# 2(N−1)K/N each way.
 
 # %%
 viz.show_code(async_sgd.ring_elements_per_rank)
@@ -250,9 +255,9 @@ viz.show_code(async_sgd.SimulatedServer)
 
 # %% [markdown]
 # ## Lab 09: the asynchronous worker loop
-# Before reading on, open [lab09_async_worker](../labs/lab09_async_worker.ipynb) and write the
-# loop that drives this server: pull, compute, and push each gradient τ pulls later; its
-# stretch is the staleness-aware step. The folded cell below holds the library's answer to
+# Before reading on, open [lab09_async_worker](../labs/lab09_async_worker.ipynb): you first
+# write by hand the server calls that make gradient k update k, computed on version
+# max(0, k − τ), then the loop that makes them; its stretch is the staleness-aware step. The folded cell below holds the library's answer to
 # both.
 
 # %% [markdown]
@@ -493,6 +498,18 @@ print(f"This run: batch ×{k} with lr ×{k} ended at {scaled:.3f}, {gap:.1%} "
       f"steps; warmup {'helped' if helped else 'did not help'} here ({warm:.3f}).")
 claim(f"warmup did not lower the final loss here ({warm:.3f} against {scaled:.3f} without): "
       "this problem has no early phase that only a small lr survives", not helped)
+scaled_curve, warm_curve = list(curves.values())[2], list(curves.values())[3]
+lag = [w - c for w, c in zip(warm_curve, scaled_curve)]
+worst = max(range(len(lag)), key=lambda e: lag[e])
+if lag[-1] <= 0:
+    tail = "and had caught up by the last epoch"
+elif lag[-1] < 0.25 * lag[worst]:
+    tail = f"and had nearly caught up by the last epoch ({lag[-1]:+.3f})"
+else:
+    tail = (f"and was still behind after the last epoch ({warm_curve[-1]:.3f} against "
+            f"{scaled_curve[-1]:.3f}, {lag[-1]:+.3f}): its cost did not stay in the first epochs")
+print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} after epoch 1, "
+      f"{lag[worst]:+.3f} at most (after epoch {worst + 1}), {tail}.")
 
 # %% [markdown]
 # The honest reading is the sentence above, computed from this run. Warmup is for a scaled lr
@@ -500,7 +517,8 @@ claim(f"warmup did not lower the final loss here ({warm:.3f} against {scaled:.3f
 # weights still change fast (Goyal et al. needed it at k = 32 on ImageNet with a ResNet-50,
 # and trained to the small batch's accuracy up to a batch of 8192). At k = 8 this small
 # problem showed no such early regime: the scaled lr trained from the first epoch without
-# warmup, and warmup only slowed the first epochs (the table above). Warmup also cannot rescue
+# warmup, and warmup only cost progress — how much, and whether it caught up, is the last
+# sentence above, computed from this run's table. Warmup also cannot rescue
 # an lr that is too large for the whole run, only one the first steps cannot take. Past some
 # batch size (the *critical batch size*, McCandlish et al. 2018) no lr recovers the small
 # batch's progress per epoch: more data per step stops helping.
@@ -520,7 +538,7 @@ claim(f"warmup did not lower the final loss here ({warm:.3f} against {scaled:.3f
 #   averaged change, with AdamW inside.
 # - A k× larger batch needs a k× larger lr (the linear scaling rule). Warmup is meant for an lr
 #   that only the first steps cannot take; this problem has no such phase, and the run shows
-#   warmup's cost (a slower first epoch), not its benefit.
+#   warmup's cost (measured per epoch above), not its benefit.
 #
 # **Next:** [lesson 10](10_bug_zoo.ipynb) breaks distributed programs on purpose — hangs,
 # silent divergence, "DDP gives different results" — and gives each failure its detector.
@@ -539,8 +557,9 @@ viz.quiz([
      "why": ["In total the two are about equal (2(N−1)K against 2NK elements sent).",
              "Right: no node is a hot spot, so the time per step stays flat as N grows. (A "
              "parameter server can spread its bytes too, by sharding the weights over many "
-             "servers: Li et al. 2014, BytePS. At the limit, that is the ring's "
-             "reduce-scatter plus all-gather.)",
+             "servers: Li et al. 2014. Sharded over all N workers, it moves the ring's "
+             "2(N−1)K/N per rank in 2 direct rounds instead of 2(N−1) steps; BytePS, with "
+             "servers beyond the workers, has each worker send and receive only K.)",
              "It is the very definition of lockstep."]},
     {"q": "In the straggler race, asynchronous, what did the fast worker still wait for?",
      "options": ["The straggler, as in synchronous mode",
@@ -581,7 +600,7 @@ viz.quiz([
      "answer": 1,
      "why": ["With 8× fewer steps per epoch at the same lr, it barely learned.",
              "Right: it closed most of the gap (the claim computes how much); warmup did not "
-             "help on this problem.",
+             "help on this problem (the lesson computes what it cost, epoch by epoch).",
              "The opposite: the larger batch's averaged gradient is less noisy, so it can take a "
              "larger step safely."]},
 ])
@@ -610,6 +629,7 @@ viz.quiz([
 #   `lr` is read from the param group at every step, which is how the schedule sets it).
 #
 # Papers: Dean et al. 2012 (DistBelief, Downpour SGD); Li et al., OSDI 2014 (parameter server);
+# Jiang et al., OSDI 2020 (BytePS: extra CPU servers, K sent and received per worker);
 # Niu et al. 2011 (Hogwild!); Zhang et al. 2016 (staleness-aware async-SGD); Stich 2019 and
 # Lin et al. 2020 (local SGD, post-local SGD); Douillard et al. 2023 (DiLoCo); Goyal et al. 2017 (linear
 # scaling and warmup); McCandlish et al. 2018 (critical batch size).
