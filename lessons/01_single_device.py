@@ -200,7 +200,13 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same wor
 # measured back to back, so a slow moment of the machine hits both) and says "faster" only when
 # one won every round, or all but one of five (one outlier round does not decide), and "no clear
 # difference" otherwise. `ThroughputMeter` synchronizes a GPU before reading the clock: CUDA runs
-# asynchronously, and without the sync you would time how fast Python *queues* work.
+# asynchronously, and without the sync you would time how fast Python *queues* work. What its
+# samples/s counts: `train_one_epoch` starts the meter after the batch has been fetched from the
+# loader and moved to the device, and stops it after the optimizer step, so every rate in this
+# lesson (the epochs of `fit` above too) is the rate of the training step alone — the loader's
+# time is left out. Here the data sits in memory and fetching costs little; the next section
+# measures it separately, and a loader that decodes images from disk would show up there, not in
+# these rates.
 
 # %%
 batch_sizes = (16, 64, 256)
@@ -401,8 +407,11 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # a 10-bit mantissa (float32's range, less precision). Torch's defaults differ by kind: cuDNN
 # convolutions may use TF32 out of the box, float32 matmuls may not. The switches are
 # `torch.backends.cudnn.allow_tf32` and `torch.backends.cuda.matmul.allow_tf32`; torch 2.14 also
-# has the newer `fp32_precision` knobs ("tf32" or "ieee", per backend and operation), which
-# read the same defaults (the cell below prints them; they are flags, readable without a GPU).
+# has the newer `fp32_precision` knobs, per backend and operation, which take three values:
+# "tf32", "ieee" (full float32), or "none" — no setting of its own: the knob then reads the
+# level above it (`torch.backends.fp32_precision`, itself "none" by default, which means full
+# float32). The cell below prints them (they are flags, readable without a GPU) and shows the
+# inheritance by setting the top level for a moment.
 # *channels_last*
 # is a memory layout (`model.to(memory_format=torch.channels_last)`) that stores each pixel's
 # channels next to each other (NHWC instead of NCHW), the layout fast GPU convolution kernels
@@ -417,6 +426,13 @@ print("cudnn.conv.fp32_precision:", torch.backends.cudnn.conv.fp32_precision,
 claim("by default cuDNN convolutions may use TF32 and float32 matmuls may not",
       torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
       and torch.backends.cudnn.conv.fp32_precision == "tf32")
+torch.backends.fp32_precision = "tf32"   # the top level, for a moment
+inherited = torch.backends.cuda.matmul.fp32_precision
+torch.backends.fp32_precision = "none"   # back to the default
+claim('the matmul knob\'s "none" inherits: it reads "tf32" while the top level is "tf32", and '
+      '"none" again once the top level is back to its default "none"',
+      inherited == "tf32" and torch.backends.cuda.matmul.fp32_precision == "none"
+      and not torch.backends.cuda.matmul.allow_tf32, inherited=inherited)
 
 # %%
 import copy
@@ -449,6 +465,7 @@ claim("AMP ends within 3 points of float32", abs(acc_after[True] - acc_after[Fal
 
 # %%
 # Speed: the same 10 in-memory batches, float32 and AMP taking turns, five rounds each.
+# (Rates of the training step alone: the meter leaves the loader's time out, as above.)
 m = copy.deepcopy(trained)
 opt = torch.optim.Adam(m.parameters(), lr=lr / 4)
 amp_runs = {False: [], True: []}
@@ -605,7 +622,9 @@ viz.quiz([
 # - `torch/cuda/__init__.py` — `synchronize`: waits for the GPU's queued kernels, which is what
 #   `ThroughputMeter` calls before reading the clock on CUDA.
 # - `torch/backends/cuda/__init__.py` — `cuBLASModule`: `torch.backends.cuda.matmul.allow_tf32`
-#   (off by default) and `matmul.fp32_precision`; `torch/backends/cudnn/__init__.py` —
+#   (off by default) and `matmul.fp32_precision` ("none" by default: read through to the level
+#   above); `torch/backends/__init__.py` — `fp32_precision`, the generic level ("none" by
+#   default); `torch/backends/cudnn/__init__.py` —
 #   `CudnnModule.allow_tf32` for convolutions (on by default) and `fp32_precision`, `conv`.
 # - `torch/nn/modules/module.py` — `Module.to(memory_format=torch.channels_last)`.
 # - `torch/utils/data/dataloader.py` — `DataLoader(num_workers=...)`: "how many subprocesses to
