@@ -94,7 +94,7 @@ except LabCheckError as err:
 # | profile | when | single-device lessons | multi-rank lessons (03, 04, 06) | TensorFlow (05) |
 # |---|---|---|---|---|
 # | `cpu` | no GPU (laptop, Binder, CI) | CPU | 2 processes over **gloo** on the CPU | CPU split into 2 logical devices |
-# | `one-gpu` | one GPU | CUDA | ranks over gloo (NCCL refuses two ranks on one GPU) | GPU split into 2 logical GPUs |
+# | `one-gpu` | one GPU | CUDA | ranks over gloo (NCCL, by default, refuses two ranks on one GPU) | GPU split into 2 logical GPUs |
 # | `multi-gpu` | 2+ GPUs | CUDA | **NCCL**, one GPU per rank | 2 of the real GPUs |
 #
 # Every profile starts **2 ranks**, even with 8 GPUs, so that what a lesson prints and proves
@@ -198,6 +198,31 @@ if report.gpu_count == 0:
 else:
     print("(this machine has GPUs: the refusal shows only on a machine without them)")
 
+# %% [markdown]
+# Two ranks on **one** GPU are another case: NCCL itself refuses them by default, which is why
+# the `one-gpu` profile runs its two ranks over gloo. It is a default, not a law — the message,
+# found below in the installed NCCL library, names the switch that lifts it — but two ranks
+# sharing one GPU's memory and compute teach nothing about scaling, so the course keeps one GPU
+# per NCCL rank.
+
+# %%
+import importlib.util
+import mmap
+from pathlib import Path
+
+nccl_spec = importlib.util.find_spec("nvidia.nccl")
+if nccl_spec is None:
+    print("(this torch was installed without NCCL's wheel: nothing to look into)")
+else:
+    nccl_lib = Path(list(nccl_spec.submodule_search_locations)[0]) / "lib" / "libnccl.so.2"
+    with open(nccl_lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
+        message = (b"Multiple Ranks are using the same GPU/Partition. "
+                   b"Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.")
+        found = lib.find(message) >= 0
+    claim("the installed NCCL refuses two ranks on one GPU only by default: its message says "
+          "\"Multiple Ranks are using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 "
+          "to enable this configuration.\"", found, library=str(nccl_lib))
+
 
 # %%
 def backend_per_device(rank, world_size):
@@ -290,7 +315,9 @@ viz.quiz([
      "options": ["gloo", "nccl, with both ranks on the GPU", "nccl on the GPU for rank 0, gloo for rank 1"],
      "answer": 0,
      "why": ["Right: with fewer GPUs than ranks the profile falls back to gloo, which runs anywhere.",
-             "NCCL refuses two ranks on one GPU: each rank must own its device.",
+             "By default NCCL refuses two ranks on one GPU (the installed NCCL says \"Multiple "
+             "Ranks are using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 …\"); "
+             "the course does not lift that default, so each NCCL rank owns its device.",
              "Every rank of a group passes the same backend string to init_process_group, and "
              "here there is one GPU for two ranks. (One group may use one backend per device type, e.g. "
              "\"cpu:gloo,cuda:nccl\"; that is not what this option says.)"]},
@@ -334,5 +361,9 @@ viz.quiz([
 #   module so it can be pickled and spawned", which a function in a notebook cell is not; hence
 #   `dpcourse.launch.spawn` ships it with cloudpickle. `start_processes` also offers
 #   `start_method="fork"`, whose children inherit the parent's functions.
-# - NCCL refuses two ranks on one GPU: a check inside the NCCL library itself (its error reads
-#   "Duplicate GPU detected"), not in torch's Python; see NCCL's documentation.
+# - `nvidia/nccl/lib/libnccl.so.2` (NCCL 2.30.7, the `nvidia-nccl-cu13` wheel torch depends on) —
+#   NCCL's refusal of two ranks on one GPU is a check inside the NCCL library, not in torch's
+#   Python; its error reads "Multiple Ranks are using the same GPU/Partition. Set
+#   NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration." (the cell after the backends'
+#   table finds it in the installed library): a default that the environment variable lifts, not
+#   an absolute rule. (Older NCCL releases said "Duplicate GPU detected".)
