@@ -155,12 +155,12 @@ zero_calculator = viz.explorer(
 #
 # ## Lab 08: ZeRO-2 that earns its memory
 # Open [lab08_zero_two](../labs/lab08_zero_two.ipynb) and write stage 2 the way that lowers
-# the peak: gradients grouped in buckets (lesson 07), each bucket reduce-scattered
-# *asynchronously* from a hook as soon as its last gradient arrives, its full gradients
-# dropped at once, one bucket in flight at a time. The check weighs the gradient memory alive
-# at every arrival. Try it before you open the library's stages below: their code holds the
-# pieces the lab asks you to find (the shard's bounds, the reduce-scatter, the all-gather
-# after the step), so it is folded.
+# the peak: the gradients, grouped in buckets (lesson 07), leave the rank *during* the
+# backward, which must not wait for them; what to keep in flight is yours to decide, as long
+# as about two buckets of gradient at most are alive at once. The check weighs the gradient
+# memory alive at every arrival, and you predict the peak before you measure it. Try it before
+# you open the library's stages below: their code holds the pieces the lab asks you to find
+# (the shard's bounds, the reduce-scatter, the all-gather after the step), so it is folded.
 #
 # ### The library's stages, checked
 # Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and

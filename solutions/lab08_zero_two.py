@@ -305,10 +305,9 @@ measured = lab08.measure_peak(ZeroTwo, timeout=check_timeout)
 lab08.check_peak_prediction(guess, measured)
 
 # %% [markdown]
-# The peak is the gradients of two neighbouring buckets, not the whole model's: what stage 2
-# earns over a ZeRO-2 that reduce-scatters in `step()`. On a GPU with NCCL the asynchronous
-# reduce-scatter runs on a communication stream beside the backward's kernels; on this CPU
-# gloo runs it on a thread of its own. One collective per small bucket means many small
-# messages (lesson 06's α per message): a larger `bucket_cap` sends fewer, larger messages at
-# the price of a higher peak — and, as you just measured, the peak follows the two largest
-# neighbouring buckets, however the cap falls across the layers.
+# The check's explanation says where the peak came from: that is what stage 2 earns over a
+# ZeRO-2 that reduce-scatters in `step()`. On a GPU with NCCL the asynchronous reduce-scatter
+# runs on a communication stream beside the backward's kernels; on this CPU gloo runs it on a
+# thread of its own. One collective per small bucket means many small messages (lesson 06's
+# α per message): a larger `bucket_cap` sends fewer, larger messages at the price of a higher
+# peak — and how much higher depends on where the cap falls across the layers.
