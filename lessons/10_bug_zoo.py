@@ -33,6 +33,7 @@ hang_timeout = 4.0    # seconds a program may run before it counts as hung
 # %%
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -604,10 +605,13 @@ claim("once the squatter is gone, the port is free", detectors.port_owner(port) 
 # %% [markdown]
 # ## 5. On your own scripts: `python -m dpcourse diagnose`
 # Everything in section 2 works on a torchrun-style script, unchanged: `diagnose` starts it on N
-# local ranks with RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT set, traces its
-# collectives, bounds it with `--timeout`, and dumps the stuck ranks' stacks. Options go before
-# the script; `--detail` adds `TORCH_DISTRIBUTED_DEBUG=DETAIL`. The exit code is 0 only for a
-# clean, consistent run, so it fits in a CI job.
+# local ranks with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT set, traces
+# its collectives, bounds it with `--timeout`, and dumps the stuck ranks' stacks. Options go
+# before the script; `--detail` adds `TORCH_DISTRIBUTED_DEBUG=DETAIL`, `--json` prints the
+# report for tools, and `--cpu` runs a script written for GPUs (NCCL, `.cuda()`, `device_ids`)
+# on a machine without them, NCCL as gloo and CUDA moves kept on the CPU — it can then tell
+# whether the rest of the script is right, not whether it runs on GPUs. The exit code is 0 only
+# for a clean, consistent run with nothing found, so it fits in a CI job.
 
 # %%
 script = Path(tempfile.mkdtemp(prefix="diagnose-")) / "train_hang.py"
@@ -629,6 +633,54 @@ print(cli.stdout.replace(str(script), "train_hang.py"))
 claim("the command exits with 1 and reports the hang", cli.returncode == 1 and "HANG" in cli.stdout)
 claim("naming rank 1, its all_reduce and the script's line 8",
       "rank 1 is stuck in all_reduce (call #2) at train_hang.py:8" in cli.stdout)
+
+# %% [markdown]
+# Most bugs do not hang. So inside each rank `diagnose` also watches what the script does
+# (`dpcourse.script_checks`: wrappers around a few torch calls, put back after the run; your
+# file is never edited): every DistributedSampler and DataLoader read, `torch.save`, barrier,
+# printed loss, the first optimizer step, and whether the group was destroyed. After the run it
+# reads all ranks' records together. Here is a script a learner could have written from a blog
+# post, ported to the CPU — it runs, the loss falls, and it has five of the mistakes this course
+# teaches:
+
+# %%
+script = Path(tempfile.mkdtemp(prefix="diagnose-")) / "train_blog.py"
+script.write_text('''import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+data = TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
+sampler = DistributedSampler(data)
+loader = DataLoader(data, batch_size=8, sampler=sampler)
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(2):
+    for inputs, labels in loader:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(inputs), labels)
+        loss.backward()
+        optimizer.step()
+        dist.barrier()                     # keep the workers together
+    if rank == 0:
+        print(f"epoch {epoch} loss {loss.item():.3f}")
+torch.save(model.state_dict(), "checkpoint.pt")
+dist.destroy_process_group()
+''')
+cli = subprocess.run([sys.executable, "-m", "dpcourse", "diagnose", "--timeout", "60",
+                      str(script)], capture_output=True, text=True, timeout=180,
+                     cwd=script.parent)
+print(cli.stdout.replace(str(script), "train_blog.py"))
+found = sorted(re.findall(r"\[(\w+)\] train_blog.py:(\d+)", cli.stdout))
+claim("diagnose names five mistakes at their lines: no set_epoch (16), a barrier every step (21), "
+      "rank 0's own loss printed (23), every rank saving one file (24) with DDP's module. keys (24)",
+      found == sorted([("set_epoch", "16"), ("barrier", "21"), ("rank0_loss", "23"),
+                       ("save_race", "24"), ("module_prefix", "24")]) and cli.returncode == 1,
+      found=found)
 
 # %% [markdown]
 # ## Lab 10
@@ -770,6 +822,12 @@ viz.quiz([
 #   default") and on `enableTiming_` (start CUDA events only with timing, always with
 #   `desyncDebug_`); `FlightRecorder.hpp` — an entry's `start_`/`end_` events and
 #   `time_discovered_started_`.
+# - `torch/optim/optimizer.py` — `register_optimizer_step_post_hook`: a hook run after every
+#   optimizer's `step` (diagnose hashes the weights after the first);
+#   `torch/utils/data/dataloader.py` — `DataLoader.__init__` raises "sampler option is mutually
+#   exclusive with shuffle"; `torch/utils/data/distributed.py` — `DistributedSampler.__iter__`
+#   pads the indices to a multiple of `num_replicas` by repeating the first ones (unless
+#   `drop_last`).
 # - `torch/nn/utils/clip_grad.py` — `clip_grad_norm_`: the total norm of all the gradients
 #   "viewed as a single vector" (`_get_total_norm`), then `_clip_grads_with_norm_` multiplies
 #   each by `max_norm / (total_norm + 1e-6)`, clamped to at most 1.

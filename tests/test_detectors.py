@@ -82,8 +82,12 @@ def test_diagnose_a_script_from_the_command_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "HANG: rank(s) 0" in out and "rank 0 is stuck in all_reduce (call #0) at s.py:5" in out
     script.write_text(body.format(cond="dist.get_rank()"))  # every rank calls it
+    assert cli.main(["diagnose", "--timeout", str(HANG_S), str(script)]) == 1
+    out = capsys.readouterr().out  # finished, but the group was left up
+    assert "finished" in out and "[destroy] end of script (ranks 0, 1)" in out
+    script.write_text(body.format(cond="dist.get_rank()") + "dist.destroy_process_group()\n")
     assert cli.main(["diagnose", "--timeout", str(HANG_S), str(script)]) == 0
-    assert "finished" in capsys.readouterr().out
+    assert "run-time checks: nothing found" in capsys.readouterr().out
 
 
 def test_trace_collectives_writes_each_call_before_it_returns(tmp_path):

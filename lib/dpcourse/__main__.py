@@ -88,14 +88,32 @@ def doctor(as_json: bool = False) -> int:
 
 
 def diagnose_script(script: str, script_args: list[str], nproc: int = 2, timeout: float = 10.0,
-                    detail: bool = False) -> int:
+                    detail: bool = False, cpu: bool = False, as_json: bool = False) -> int:
     """``python -m dpcourse diagnose [options] script.py [args]`` (options before the script):
     run a torchrun-style script on ``nproc`` local ranks (gloo) for at most ``timeout`` s and
-    print what went wrong: finished, hung (which ranks, in which collective, at which line) or failed (which rank, why), and the
-    first collective where the ranks disagree. Exit code 0 only for a clean, consistent run."""
+    print what went wrong: finished, hung (which ranks, in which collective, at which line) or
+    failed (which rank, why, and for the common mistakes what to change), the first collective
+    where the ranks disagree, and the run-time checks' findings (dpcourse.script_checks), each
+    with the script's file:line, the fix and the lesson. Exit code 0 only for a clean,
+    consistent run with nothing found; 2 for input that is not a script to run."""
     import os
+    from pathlib import Path
 
     from dpcourse import detectors
+
+    path = Path(script)
+    if not path.is_file():
+        print(f"diagnose: {script} is not a file: give the path of a Python training script")
+        return 2
+    try:
+        compile(path.read_text(encoding="utf-8", errors="replace"), str(path), "exec")
+    except SyntaxError as err:
+        print(f"diagnose: {script} is not valid Python (line {err.lineno}: {err.msg}): fix "
+              f"that first")
+        return 2
+    if nproc < 1 or timeout <= 0:
+        print("diagnose: --nproc must be at least 1 and --timeout a positive number of seconds")
+        return 2
 
     fixed_port = os.environ.get("MASTER_PORT")
     if fixed_port and fixed_port.isdigit():
@@ -107,8 +125,22 @@ def diagnose_script(script: str, script_args: list[str], nproc: int = 2, timeout
             return 2
         os.environ.pop("MASTER_PORT")
     result = detectors.diagnose(script, nproc, *script_args, timeout=timeout,
-                                debug_detail=detail)
-    print(f"dpcourse diagnose {script} on {nproc} ranks")
+                                debug_detail=detail, cpu=cpu)
+    if result.status == "failed" and "SystemExit: 2" in (result.error or ""):
+        result.error += (" — the script's argument parser refused its arguments: pass them "
+                         "after the script's name (diagnose script.py --epochs 1)")
+    if as_json:
+        from dpcourse import script_checks
+
+        print(json.dumps({"script": script, "ranks": nproc, "status": result.status,
+                          "error": result.error, "pending": result.pending,
+                          "collectives_agree": result.trace.ok,
+                          "explained": script_checks.explain_failure(result.error or ""),
+                          "findings": script_checks.as_dicts(result.findings),
+                          "ok": result.ok}, indent=1))
+        return 0 if result.ok else 1
+    print(f"dpcourse diagnose {script} on {nproc} ranks" + (" (--cpu: NCCL as gloo, CUDA calls "
+          "kept on the CPU; this cannot tell whether the script runs on GPUs)" if cpu else ""))
     print(result.report())
     return 0 if result.ok else 1
 
@@ -151,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--nproc", type=int, default=2)
     g.add_argument("--timeout", type=float, default=10.0)
     g.add_argument("--detail", action="store_true", help="TORCH_DISTRIBUTED_DEBUG=DETAIL")
+    g.add_argument("--cpu", action="store_true", help="a GPU-only script on the CPU: NCCL as "
+                   "gloo, .cuda()/.to('cuda') kept on the CPU, DDP without device_ids")
+    g.add_argument("--json", action="store_true", help="the report as JSON, for tools")
     sub.add_parser("workshop-check", add_help=False,
                    help="rehearse N learners launching at once: ports, orphans, times, and "
                    "the per-learner settings (--learners N, --plan, --json)")
@@ -167,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "diagnose":
         return diagnose_script(args.script, args.script_args, args.nproc, args.timeout,
-                               args.detail)
+                               args.detail, args.cpu, args.json)
     if args.cmd == "doctor" and not args.run and (args.only or args.profile or args.list):
         parser.error("--only, --profile and --list go with --run")
     if args.cmd == "doctor" and args.run:

@@ -168,7 +168,10 @@ def averaged_loss(rank, world_size, fixed=False, steps=6):
 def batchnorm_ddp(rank, world_size, steps=6):
     """The BatchNorm model of :func:`batchnorm_stats` under DDP, whose ``forward_sync_buffers``
     (default True) broadcasts rank 0's buffers at the *start* of every forward; BatchNorm then
-    updates them from this rank's batch. Returns the checksums after the last step."""
+    updates them from this rank's batch. Returns the checksums after the last step.
+
+    Shown in lesson 10, §3.
+    """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)

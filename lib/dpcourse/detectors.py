@@ -211,10 +211,12 @@ class Diagnosis:
     trace: TraceReport
     stacks: dict[int, list[str]]
     traces: dict[int, list[dict]] = field(default_factory=dict)
+    findings: list = field(default_factory=list)   # script_checks.Finding, most serious first
+    events: dict[int, list[dict]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok" and self.trace.ok
+        return self.status == "ok" and self.trace.ok and not self.findings
 
     def report(self) -> str:
         if self.status == "ok":
@@ -224,12 +226,37 @@ class Diagnosis:
                     f"still running after {self.timeout:g} s (stopped)")
         else:
             head = f"FAILED: {self.error}"
-        lines = [head, self.trace.message()]
+        lines = [head]
+        if self.status == "failed":
+            from . import script_checks
+
+            known = script_checks.explain_failure(self.error)
+            if known:
+                lines.append(f"  what to change: {known[0]} — {known[1]}")
+        lines.append(self.trace.message())
         for r, frames in self.stacks.items():
             if r in self.pending and frames:
                 lines.append(f"  rank {r}'s Python stack when the time ran out (innermost "
                              f"last): " + " > ".join(frames))
+        if self.events:
+            lines.extend(self._findings_lines())
         return "\n".join(lines)
+
+    def _findings_lines(self) -> list[str]:
+        from . import script_checks
+
+        ends = [e for es in self.events.values() for e in es if e["kind"] == "end"]
+        if self.findings:
+            out = [f"run-time checks: {len(self.findings)} finding(s), most serious first:"]
+            for severity in sorted({f.severity for f in self.findings}):
+                out.append(f"  {script_checks.SEVERITY[severity]}:")
+                out.extend(f"    {f.line()}" for f in self.findings if f.severity == severity)
+            return out
+        if self.status != "ok" or len(ends) < self.world_size:
+            return ["run-time checks: the run stopped early, so they saw only what ran before "
+                    "it stopped: fix the error above and run again"]
+        return ["run-time checks: nothing found (samplers and set_epoch, loaders, saves, "
+                "barriers, printed losses, replicas after the first step, clean-up)"]
 
 
 def _user_frames(dump: str) -> list[str]:
@@ -253,10 +280,12 @@ def _user_frames(dump: str) -> list[str]:
 
 
 def diagnose_worker(rank, world_size, target, args, tracedir, dump_after, debug_detail,
-                    backend, monitor=None, group_timeout=None):
+                    backend, monitor=None, group_timeout=None, cpu=False):
     """One rank of :func:`diagnose`: set up the group (with DETAIL debugging or a group timeout
     if asked), arm a stack dump ``dump_after`` seconds ahead, and run ``target`` (a worker or a
-    script) under the collective trace, written to ``tracedir``.
+    script) under the collective trace, written to ``tracedir``. A script also runs under the
+    run-time checks of :mod:`dpcourse.script_checks` (``cpu``: NCCL and CUDA calls kept on the
+    CPU, for a GPU-only script on a machine without GPUs).
 
     Shown in lesson 10, §1.
     """
@@ -277,8 +306,14 @@ def diagnose_worker(rank, world_size, target, args, tracedir, dump_after, debug_
             if isinstance(target, str):
                 import runpy
 
+                from . import script_checks
+
                 sys.argv = [target, *map(str, args)]
-                runpy.run_path(target, run_name="__main__")
+                watch = script_checks.Watch(Path(tracedir) / f"rank{rank}.events", rank,
+                                            world_size)
+                fallback = script_checks.cpu_fallback() if cpu else contextlib.nullcontext()
+                with fallback, watch.installed():
+                    runpy.run_path(target, run_name="__main__")
                 return None
             return target(rank, world_size, *args)
     finally:
@@ -287,7 +322,8 @@ def diagnose_worker(rank, world_size, target, args, tracedir, dump_after, debug_
 
 def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: float = 5.0,
              backend: str | None = "gloo", debug_detail: bool = False,
-             monitor: float | None = None, group_timeout: float | None = None) -> Diagnosis:
+             monitor: float | None = None, group_timeout: float | None = None,
+             cpu: bool = False) -> Diagnosis:
     """Run ``target`` on ``world_size`` ranks for at most ``timeout`` seconds and say what went
     wrong. ``target`` is a worker function ``fn(rank, world_size, *args)`` (with ``backend``,
     the process group is set up first, as in ``launch.spawn``) or the path of a torchrun-style
@@ -297,7 +333,9 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
     running. ``debug_detail`` turns on TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks;
     ``monitor`` puts a ``dist.monitored_barrier`` of that many seconds before each collective
     (see :func:`trace_collectives`); ``group_timeout`` is the process group's ``timeout`` in
-    seconds (worker functions only: a script sets up its own group)."""
+    seconds (worker functions only: a script sets up its own group). A script also runs under
+    :mod:`dpcourse.script_checks`' run-time checks, whose findings land in ``findings``;
+    ``cpu`` runs a GPU-only script on the CPU (:func:`dpcourse.script_checks.cpu_fallback`)."""
     from dpcourse import launch
 
     if isinstance(target, (str, os.PathLike)):
@@ -313,7 +351,7 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
         try:
             results = launch.spawn(diagnose_worker, world_size, target, tuple(args), tracedir,
                                    dump_after, debug_detail, backend, monitor,
-                                   group_timeout, timeout=timeout,
+                                   group_timeout, cpu, timeout=timeout,
                                    show_output=False)
         except launch.LaunchTimeoutError as e:
             status, pending = "hang", list(e.pending)
@@ -321,6 +359,10 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
             status, error = "failed", f"rank {e.rank}: {e.summary}"
             pending = sorted(set(range(world_size)) - set(e.failures))
         traces = read_traces(tracedir, world_size)
+        from . import script_checks
+
+        events = script_checks.read_events(tracedir, world_size)
+        findings = script_checks.analyze(events, world_size) if isinstance(target, str) else []
         stacks = {}
         for r in range(world_size):
             p = Path(tracedir) / f"rank{r}.stack"
@@ -328,7 +370,7 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
     finally:
         shutil.rmtree(tracedir, ignore_errors=True)
     return Diagnosis(status, world_size, timeout, results, pending, error,
-                     compare_traces(traces), stacks, traces)
+                     compare_traces(traces), stacks, traces, findings, events)
 
 
 # --------------------------------------------------------------------------------------------

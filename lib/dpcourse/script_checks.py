@@ -1,0 +1,468 @@
+"""Run-time checks of a learner's own training script: the bug zoo turned on their code.
+
+``python -m dpcourse diagnose script.py`` runs a torchrun-style script on N local ranks
+(:func:`dpcourse.detectors.diagnose`). Inside each rank, :class:`Watch` wraps a few torch calls
+for the time of the run — never the learner's file — and writes what it saw, one JSON line per
+event, to a file per rank: each DistributedSampler and DataLoader iteration (with the epoch,
+whether gradients were on, how many backward passes ran while it was being read), every
+``torch.save`` (path, and whether the keys carry DDP's ``module.`` prefix), every barrier and
+small reduction, every printed loss, the optimizer steps (a hash of the parameters after the
+first one), and whether the process group was destroyed. After the run, :func:`analyze` reads
+every rank's events together and returns :class:`Finding` s: what is wrong, at which
+``file:line`` of the learner's script, what to write instead, and the lesson that teaches it.
+
+:func:`explain_failure` turns the errors torch raises for the commonest mistakes (a GPU-only
+script on a machine without GPUs, a sampler next to ``shuffle=True``) into the same kind of
+sentence, and :func:`cpu_fallback` is what ``diagnose --cpu`` installs to run such a script on
+the CPU (NCCL as gloo, CUDA moves kept on the CPU) — it can then say whether the rest of the
+script is right, not whether it runs on GPUs.
+
+Shown in lesson 10, §5; tested on a corpus of scripts in tests/scripts/diagnose/.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import hashlib
+import json
+import os
+import re
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["Finding", "Watch", "analyze", "explain_failure", "cpu_fallback", "SEVERITY"]
+
+SEVERITY = {0: "wrong results", 1: "wasted work or a trap", 2: "misleading output"}
+
+# frames that are not the learner's: torch, this library, the runners between
+_NOT_USER = (f"{os.sep}torch{os.sep}", f"{os.sep}dpcourse{os.sep}", "runpy.py",
+             f"{os.sep}multiprocessing{os.sep}", f"{os.sep}concurrent{os.sep}", "<frozen")
+
+
+def _where() -> str:
+    """file:line of the innermost frame of the learner's own code."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        if not any(s in frame.filename for s in _NOT_USER):
+            return f"{Path(frame.filename).name}:{frame.lineno}"
+    return "?"
+
+
+@dataclass
+class Finding:
+    """One mistake found in a run: ``check`` names it, ``severity`` orders the report (0: the
+    results are wrong, 1: work wasted or a trap, 2: output that misleads), ``where`` is the
+    learner's file:line, ``message`` says what is wrong and what to write instead, ``lesson``
+    where the course teaches it, ``ranks`` where it was seen."""
+
+    check: str
+    severity: int
+    where: str
+    message: str
+    lesson: str
+    ranks: list[int] = field(default_factory=list)
+
+    def line(self) -> str:
+        ranks = (f" (rank{'s' * (len(self.ranks) > 1)} {', '.join(map(str, self.ranks))})"
+                 if self.ranks else "")
+        return f"[{self.check}] {self.where}{ranks}: {self.message} — {self.lesson}"
+
+
+# --- inside each rank: what the script does -------------------------------------------------
+
+
+class Watch:
+    """Records, in one rank, the events :func:`analyze` needs, as JSON lines in ``path``.
+    ``with watch.installed():`` wraps the torch calls for the block and restores them after."""
+
+    def __init__(self, path, rank: int, world_size: int):
+        self.path, self.rank, self.world_size = str(path), rank, world_size
+        self._file = open(self.path, "a", buffering=1)
+        self._reading = None       # the DataLoader being iterated, and its record
+        self._steps = 0
+        self._printed = False
+
+    def event(self, kind: str, **data) -> None:
+        self._file.write(json.dumps({"kind": kind, "rank": self.rank, **data}) + "\n")
+
+    # each wrapper records, then calls torch's own function unchanged
+
+    def _sampler_iter(self, real):
+        watch = self
+
+        def __iter__(sampler):
+            import torch
+
+            watch.event("sampler", id=id(sampler), epoch=int(getattr(sampler, "epoch", 0)),
+                        shuffle=bool(getattr(sampler, "shuffle", False)),
+                        drop_last=bool(getattr(sampler, "drop_last", False)),
+                        replicas=int(getattr(sampler, "num_replicas", 1)),
+                        size=len(sampler.dataset), grad=torch.is_grad_enabled(), where=_where())
+            return real(sampler)
+
+        return __iter__
+
+    def _loader_iter(self, real):
+        watch = self
+
+        def __iter__(loader):
+            watch._close_reading()
+            sampler = getattr(loader, "sampler", None)
+            watch._reading = {"id": id(loader), "sampler": type(sampler).__name__,
+                              "size": _len(getattr(loader, "dataset", None)),
+                              "where": _where(), "backward": 0}
+            return real(loader)
+
+        return __iter__
+
+    def _close_reading(self) -> None:
+        if self._reading is not None:
+            self.event("loader", **self._reading)
+            self._reading = None
+
+    def _backward(self, real):
+        watch = self
+
+        def backward(tensor, *args, **kwargs):
+            if watch._reading is not None:
+                watch._reading["backward"] += 1
+            return real(tensor, *args, **kwargs)
+
+        return backward
+
+    def _save(self, real):
+        watch = self
+
+        def save(obj, f, *args, **kwargs):
+            path = os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else None
+            watch.event("save", path=path, prefixed=_module_prefixed(obj), where=_where())
+            return real(obj, f, *args, **kwargs)
+
+        return save
+
+    def _print(self, real):
+        watch = self
+
+        def print_(*args, **kwargs):
+            text = " ".join(map(str, args))
+            if re.search(r"\b(loss|acc(uracy)?)\b\D{0,20}\d", text, re.I):
+                watch.event("print", where=_where())
+            return real(*args, **kwargs)
+
+        return print_
+
+    def _init(self, real):
+        watch = self
+
+        def init_process_group(*args, **kwargs):
+            watch.event("init", where=_where())
+            return real(*args, **kwargs)
+
+        return init_process_group
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        self._steps += 1
+        if self._steps == 1:
+            digest = hashlib.sha256()
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+            self.event("first_step", digest=digest.hexdigest(), where=_where())
+
+    def _collective(self, call) -> None:
+        if call.op == "barrier" or call.function == "monitored_barrier":
+            self.event("barrier", where=_where())
+        elif call.op in ("all_reduce", "reduce") and 0 < call.numel <= 4:
+            self.event("small_reduce", where=_where())
+
+    @contextlib.contextmanager
+    def installed(self):
+        import torch
+        import torch.distributed as dist
+        import torch.utils.data as data
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from .collectives import record_collectives
+
+        patches = [(data.DistributedSampler, "__iter__",
+                    self._sampler_iter(data.DistributedSampler.__iter__)),
+                   (data.DataLoader, "__iter__", self._loader_iter(data.DataLoader.__iter__)),
+                   (torch.Tensor, "backward", self._backward(torch.Tensor.backward)),
+                   (torch, "save", self._save(torch.save)),
+                   (builtins, "print", self._print(builtins.print)),
+                   (dist, "init_process_group", self._init(dist.init_process_group))]
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+        hook = register_optimizer_step_post_hook(self._after_step)
+        error = False
+        try:
+            for owner, name, wrapper in patches:
+                setattr(owner, name, wrapper)
+            with record_collectives(before=self._collective):
+                yield self
+        except BaseException:
+            error = True
+            raise
+        finally:
+            for owner, name, original in saved:
+                setattr(owner, name, original)
+            hook.remove()
+            self.finish(error)
+
+    def finish(self, error: bool = False) -> None:
+        """After the script: the last loader read, whether the group is still up, the steps,
+        and whether the script ended with an exception (then what it never reached is not a
+        finding)."""
+        import torch.distributed as dist
+
+        self._close_reading()
+        self.event("end", initialized=dist.is_available() and dist.is_initialized(),
+                   steps=self._steps, error=error)
+        self._file.close()
+
+
+def _len(obj) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def _module_prefixed(obj) -> bool:
+    """True when ``obj`` is a state_dict (or holds one) whose keys all start with ``module.``:
+    the DDP wrapper's, which a plain model will not load."""
+    if not isinstance(obj, dict) or not obj:
+        return False
+    keys = [k for k in obj if isinstance(k, str)]
+    if keys and len(keys) == len(obj) and all(k.startswith("module.") for k in keys):
+        return True
+    return any(_module_prefixed(v) for v in obj.values() if isinstance(v, dict))
+
+
+# --- after the run: every rank's events together ---------------------------------------------
+
+
+def read_events(directory, world_size: int) -> dict[int, list[dict]]:
+    out = {}
+    for r in range(world_size):
+        p = Path(directory) / f"rank{r}.events"
+        events = []
+        for line in (p.read_text().splitlines() if p.exists() else []):
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:   # a line cut short by a kill
+                pass
+        out[r] = events
+    return out
+
+
+def analyze(events: dict[int, list[dict]], world_size: int) -> list[Finding]:
+    """The mistakes every rank's events show, most serious first, each said once."""
+    found: dict[str, Finding] = {}
+
+    def add(check, severity, where, message, lesson, rank):
+        f = found.setdefault(check, Finding(check, severity, where, message, lesson))
+        if rank not in f.ranks:
+            f.ranks.append(rank)
+
+    synced = any(e["kind"] == "init" for es in events.values() for e in es)
+    for rank, es in events.items():
+        by_sampler: dict[int, list[dict]] = {}
+        for e in es:
+            if e["kind"] == "sampler":
+                by_sampler.setdefault(e["id"], []).append(e)
+        for iters in by_sampler.values():
+            trained = [e for e in iters if e["grad"]]
+            epochs = [e["epoch"] for e in trained]
+            if trained and trained[0]["shuffle"] and len(epochs) > len(set(epochs)):
+                add("set_epoch", 0, trained[1]["where"],
+                    f"this DistributedSampler was read {len(epochs)} times with the same epoch "
+                    f"({epochs[1]}), so every epoch sees the data in the same order: call "
+                    f"sampler.set_epoch(epoch) before each epoch's loop",
+                    "lesson 03, DistributedSampler and set_epoch; lesson 10, bug 8", rank)
+            for e in iters:
+                pad = -e["size"] % e["replicas"]
+                if not e["grad"] and pad and not e["drop_last"]:
+                    add("eval_sampler", 1, e["where"],
+                        f"a DistributedSampler reads the evaluation set: it pads {e['size']} "
+                        f"examples to {e['size'] + pad} by repeating {pad}, so a metric summed "
+                        f"over ranks counts them twice — evaluate the whole set on each rank, or "
+                        f"shard it without padding and sum counts",
+                        "lesson 04, §4 Evaluation and logging under DDP", rank)
+        for e in es:
+            if (e["kind"] == "loader" and world_size > 1 and e["backward"] >= 2
+                    and e["sampler"] != "DistributedSampler"):
+                add("no_sampler", 0, e["where"],
+                    f"this DataLoader trains without a DistributedSampler ({e['sampler']}): every "
+                    f"rank reads every example, so the ranks repeat each other's work — pass "
+                    f"sampler=DistributedSampler(dataset) and drop shuffle=True",
+                    "lesson 03, DistributedSampler and set_epoch; lesson 10 (lab), bug 2", rank)
+            if e["kind"] == "save" and e.get("prefixed"):
+                add("module_prefix", 1, e["where"],
+                    "the saved state_dict's keys start with 'module.' (the DDP wrapper's): a "
+                    "plain model will not load it — save model.module.state_dict()",
+                    "lesson 04, §3 Checkpoints and fault tolerance", rank)
+
+    # across ranks
+    ends = [e for es in events.values() for e in es if e["kind"] == "end"]
+    finished = len(ends) == world_size and not any(e.get("error") for e in ends)
+    if finished and any(e["initialized"] for e in ends):
+        found["destroy"] = Finding(
+            "destroy", 2, "end of script",
+            "the script ends with its process group still up: call "
+            "dist.destroy_process_group() at the end (torch warns, and some backends hang or "
+            "leak at exit without it)", "lesson 04, §1 The whole script",
+            sorted(e["rank"] for e in ends if e["initialized"]))
+    if world_size > 1 and finished and not synced:
+        found["no_init"] = Finding(
+            "no_init", 0, "the whole script",
+            "the script never calls dist.init_process_group: each rank trains its own copy "
+            "and none of them knows about the others — set up the group, give each rank its "
+            "shard (DistributedSampler) and wrap the model in DDP",
+            "lesson 03, Processes, ranks, rendezvous; lesson 04, §1 The whole script",
+            list(range(world_size)))
+    saves: dict[str, list[tuple[int, str]]] = {}
+    for rank, es in events.items():
+        for e in es:
+            if e["kind"] == "save" and e["path"]:
+                saves.setdefault(e["path"], []).append((rank, e["where"]))
+    for path, who in saves.items():
+        ranks = sorted({r for r, _ in who})
+        if len(ranks) > 1:
+            f = found.setdefault("save_race", Finding(
+                "save_race", 0, who[0][1],
+                f"{len(ranks)} ranks torch.save to the same file ({Path(path).name}): the "
+                f"writes race and the file can be torn — save from rank 0 only (if rank == 0:), "
+                f"then dist.barrier() before anyone loads it",
+                "lesson 04, §3 Checkpoints and fault tolerance; lesson 10, bug 10"))
+            f.ranks = ranks
+    digests = {r: e["digest"] for r, es in events.items() for e in es if e["kind"] == "first_step"}
+    if len(digests) == world_size and len(set(digests.values())) > 1:
+        where = next(e["where"] for e in events[0] if e["kind"] == "first_step") \
+            if any(e["kind"] == "first_step" for e in events[0]) else "?"
+        f = found.setdefault("replicas", Finding(
+            "replicas", 0, where,
+            "after the first optimizer step the ranks hold different weights: the replicas "
+            "started apart (a per-rank seed with no broadcast) or stepped with different "
+            "gradients (gradients not averaged) — wrap the model in DDP, or broadcast rank 0's "
+            "weights and all-reduce the gradients",
+            "lesson 10, bugs 4 and 5; lesson 03, Averaging gradients"))
+        f.ranks = sorted(digests)
+    steps = max((e["steps"] for es in events.values() for e in es if e["kind"] == "end"),
+                default=0)
+    barriers = {r: [e for e in es if e["kind"] == "barrier"] for r, es in events.items()}
+    if steps >= 3 and barriers.get(0) and len(barriers[0]) >= steps:
+        found["barrier"] = Finding(
+            "barrier", 1, barriers[0][0]["where"],
+            f"{len(barriers[0])} barriers in {steps} steps: a barrier on every step makes every "
+            f"rank wait for the slowest each time and buys nothing — the gradient all-reduce "
+            f"already keeps the ranks in step; keep barriers for checkpoints and setup",
+            "lesson 04, §1 The whole script (a barrier at the end, not per step)",
+            sorted(barriers))
+    printers = sorted(r for r, es in events.items() if any(e["kind"] == "print" for e in es))
+    reduced = any(e["kind"] == "small_reduce" for e in events.get(0, []))
+    if synced and world_size > 1 and printers == [0] and not reduced:
+        where = next(e["where"] for e in events[0] if e["kind"] == "print")
+        found["rank0_loss"] = Finding(
+            "rank0_loss", 2, where,
+            "rank 0 prints a loss or accuracy of its own shard only: it is not the global "
+            "batch's — all_reduce the sum and the count first (or say 'rank 0's' when printing)",
+            "lesson 04, §4 Evaluation and logging under DDP", [0])
+    return sorted(found.values(), key=lambda f: (f.severity, f.check))
+
+
+# --- errors torch raises, said in one sentence -----------------------------------------------
+
+_FAILURES = [
+    (r"ProcessGroupNCCL is only supported with GPUs|NCCL.*no GPUs found",
+     "the script asks for the NCCL backend, which needs a GPU per rank, and this machine has "
+     "none: use init_process_group('gloo') on a CPU, or no backend at all (torch then picks "
+     "per device), and drop .cuda() and device_ids — or run diagnose --cpu to try the rest of "
+     "the script as it is", "lesson 03, Processes, ranks, rendezvous; lesson 04, §10"),
+    (r"Torch not compiled with CUDA|Found no NVIDIA driver|No CUDA GPUs are available|"
+     r"CUDA driver initialization failed|invalid device ordinal",
+     "the script moves tensors or the model to CUDA, and this machine has no GPU: use "
+     "torch.device('cuda', local_rank) only when torch.cuda.is_available(), else the CPU — or "
+     "run diagnose --cpu", "lesson 04, §10 Debugging (the first failures on a GPU machine)"),
+    (r"device_ids and output_device arguments only work with single-device",
+     "DDP was given device_ids for a model on the CPU: pass device_ids=[local_rank] only for a "
+     "model on that GPU, and nothing for a CPU model",
+     "lesson 04, §1 The whole script"),
+    (r"mutually exclusive with shuffle",
+     "the DataLoader is given a sampler and shuffle=True: with a DistributedSampler the sampler "
+     "shuffles (shuffle=True is its default, reseeded by set_epoch) — drop the loader's "
+     "shuffle", "lesson 03, DistributedSampler and set_epoch"),
+    (r"Missing key\(s\) in state_dict.*Unexpected key\(s\) in state_dict: \"module\.",
+     "the checkpoint's keys carry DDP's 'module.' prefix: save model.module.state_dict(), or "
+     "strip the prefix before load_state_dict", "lesson 04, §3 Checkpoints and fault tolerance"),
+]
+
+
+def explain_failure(error: str) -> tuple[str, str] | None:
+    """(sentence, lesson) for an error a rank raised that is one of the common mistakes."""
+    for pattern, sentence, lesson in _FAILURES:
+        if re.search(pattern, error or "", re.S):
+            return sentence, lesson
+    return None
+
+
+# --- diagnose --cpu: a GPU-only script tried on the CPU ---------------------------------------
+
+
+@contextlib.contextmanager
+def cpu_fallback():
+    """For the block, in this rank: ``init_process_group('nccl')`` uses gloo; ``.cuda()`` and
+    ``.to('cuda…')`` keep tensors and modules on the CPU; ``torch.cuda.set_device`` does
+    nothing; DDP ignores ``device_ids``/``output_device`` for a CPU model. What it cannot tell:
+    anything about the GPUs themselves — NCCL's own errors, memory, CUDA streams and speed."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    def on_cpu(device) -> bool:
+        return device is not None and "cuda" in str(device)
+
+    real = {"init": dist.init_process_group, "tcuda": torch.Tensor.cuda,
+            "mcuda": torch.nn.Module.cuda, "tto": torch.Tensor.to, "mto": torch.nn.Module.to,
+            "set_device": torch.cuda.set_device, "ddp": DistributedDataParallel.__init__,
+            "current_device": torch.cuda.current_device}
+
+    def init_process_group(backend=None, *args, **kwargs):
+        if backend is not None and "nccl" in str(backend):
+            backend = "gloo"
+        return real["init"](backend, *args, **kwargs)
+
+    def tensor_to(self, *args, **kwargs):
+        args = tuple("cpu" if on_cpu(a) else a for a in args)
+        if on_cpu(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return real["tto"](self, *args, **kwargs)
+
+    def module_to(self, *args, **kwargs):
+        args = tuple("cpu" if on_cpu(a) else a for a in args)
+        if on_cpu(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return real["mto"](self, *args, **kwargs)
+
+    def ddp_init(self, module, device_ids=None, output_device=None, *args, **kwargs):
+        return real["ddp"](self, module, None, None, *args, **kwargs)
+
+    patches = [(dist, "init_process_group", init_process_group),
+               (torch.Tensor, "cuda", lambda self, *a, **k: self),
+               (torch.nn.Module, "cuda", lambda self, *a, **k: self),
+               (torch.Tensor, "to", tensor_to), (torch.nn.Module, "to", module_to),
+               (torch.cuda, "set_device", lambda *a, **k: None),
+               (torch.cuda, "current_device", lambda: 0),
+               (DistributedDataParallel, "__init__", ddp_init)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, fn in patches:
+            setattr(owner, name, fn)
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def as_dicts(findings: list[Finding]) -> list[dict]:
+    return [asdict(f) for f in findings]

@@ -1,0 +1,169 @@
+"""``python -m dpcourse diagnose`` on a learner's own script (dpcourse.script_checks).
+
+The corpus in tests/scripts/diagnose/ was written after the patterns of public DDP tutorials
+and blog posts. Each script must get exactly the findings listed here — every mistake it has,
+named with the script's file:line, the fix and a lesson, and nothing it does not have; the
+correct script gets "nothing found". GPU-only scripts on this CPU machine are told what to
+change, and run under ``--cpu``. Bad input gets one sentence and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpcourse import detectors, script_checks
+from dpcourse.tools import authoring
+
+ROOT = authoring.ROOT
+CORPUS = ROOT / "tests" / "scripts" / "diagnose"
+
+# script -> the findings diagnose must report, no more, no fewer
+EXPECTED = {
+    "good_torchrun.py": set(),
+    "blog_cpu_port.py": {"set_epoch", "save_race", "module_prefix", "barrier", "rank0_loss"},
+    "no_sampler.py": {"no_sampler"},
+    "eval_with_sampler.py": {"eval_sampler"},
+    "seeds_no_broadcast.py": {"replicas", "destroy"},
+    "no_init.py": {"no_init"},
+}
+
+
+def run(name: str, *args, cpu: bool = False):
+    return detectors.diagnose(str(CORPUS / name), 2, *args, timeout=60, cpu=cpu)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_script_gets_exactly_its_findings(name):
+    result = run(name)
+    assert result.status == "ok", result.report()
+    found = {f.check for f in result.findings}
+    assert found == EXPECTED[name], result.report()
+    for f in result.findings:
+        assert f.lesson.startswith("lesson "), f
+        assert f.where == "the whole script" or f.where == "end of script" or \
+            re.fullmatch(rf"{re.escape(name)}:\d+", f.where), f
+    assert result.ok == (not EXPECTED[name])
+    text = result.report()
+    if EXPECTED[name]:
+        assert f"run-time checks: {len(EXPECTED[name])} finding(s), most serious first:" in text
+    else:
+        assert "run-time checks: nothing found" in text
+
+
+def test_findings_point_at_the_right_lines():
+    result = run("blog_cpu_port.py")
+    lines = (CORPUS / "blog_cpu_port.py").read_text().splitlines()
+    at = {f.check: lines[int(f.where.split(":")[1]) - 1].strip() for f in result.findings}
+    assert at["set_epoch"].startswith("for inputs, labels in loader")
+    assert at["barrier"].startswith("dist.barrier()")
+    assert at["save_race"].startswith("torch.save(") and at["module_prefix"] == at["save_race"]
+    assert at["rank0_loss"].startswith("print(")
+    severities = [f.severity for f in result.findings]
+    assert severities == sorted(severities)  # most serious first
+
+
+def test_a_gpu_only_script_is_told_what_to_change_and_runs_with_cpu():
+    result = run("gpu_tutorial.py")
+    assert result.status == "failed" and "ProcessGroupNCCL" in result.error
+    report = result.report()
+    assert "what to change: the script asks for the NCCL backend" in report
+    assert "init_process_group('gloo')" in report and "diagnose --cpu" in report
+    assert "the run stopped early" in report  # not "nothing found": the checks did not run
+    on_cpu = run("gpu_tutorial.py", cpu=True)
+    assert on_cpu.status == "ok" and on_cpu.findings == [], on_cpu.report()
+
+
+def test_a_sampler_beside_shuffle_is_explained():
+    result = run("sampler_and_shuffle.py")
+    assert result.status == "failed"
+    assert "drop the loader's shuffle" in result.report()
+    assert not result.findings  # the group it never destroyed is not blamed: it crashed first
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "dpcourse", "diagnose", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_the_command_line_bad_input_and_json(tmp_path):
+    missing = _cli(str(tmp_path / "nope.py"))
+    assert missing.returncode == 2 and "is not a file" in missing.stdout
+    broken = tmp_path / "broken.py"
+    broken.write_text("for x in range(3)\n    pass\n")
+    bad = _cli(str(broken))
+    assert bad.returncode == 2 and "is not valid Python (line 1" in bad.stdout
+    args = _cli("--timeout", "60", str(CORPUS / "needs_args.py"))
+    assert args.returncode == 1 and "pass them after the script's name" in args.stdout
+    out = _cli("--json", "--timeout", "60", str(CORPUS / "no_sampler.py"))
+    report = json.loads(out.stdout)
+    assert out.returncode == 1 and report["status"] == "ok" and not report["ok"]
+    assert [f["check"] for f in report["findings"]] == ["no_sampler"]
+
+
+def test_every_lesson_a_finding_names_has_that_section():
+    """A finding sends the learner to a lesson section: the section must exist."""
+    titles = {}
+    for path in sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py")):
+        titles[path.stem[:2]] = "\n".join(line.replace("`", "") for line in
+                                           path.read_text().splitlines()
+                                           if line.startswith("# #"))
+    texts = [f.lesson for f in _all_findings()] + [lesson for _, _, lesson in
+                                                    script_checks._FAILURES]
+    for text in texts:
+        for part in text.split("; "):
+            m = re.fullmatch(r"lesson (\d\d)(?: \(lab\))?(?:, (.*))?", part)
+            assert m, part
+            number, section = m.groups()
+            assert number in titles, part
+            if section and not section.startswith(("bug", "bugs", "§")):
+                assert section in titles[number], f"{part}: no such section in lesson {number}"
+            if section and section.startswith("§"):
+                heading = section.split(" ", 1)[0].lstrip("§")
+                assert re.search(rf"^# ##+ {re.escape(heading)}\.", titles[number], re.M), part
+
+
+def _all_findings():
+    """One Finding of every kind analyze() can return, from synthetic events."""
+    ev = lambda rank, kind, **d: {"kind": kind, "rank": rank, **d}  # noqa: E731
+    where = {"where": "x.py:1"}
+    events = {r: [ev(r, "init", **where),
+                  ev(r, "sampler", id=1, epoch=0, shuffle=True, drop_last=False, replicas=2,
+                     size=9, grad=True, **where),
+                  ev(r, "sampler", id=1, epoch=0, shuffle=True, drop_last=False, replicas=2,
+                     size=9, grad=True, **where),
+                  ev(r, "sampler", id=2, epoch=0, shuffle=False, drop_last=False, replicas=2,
+                     size=9, grad=False, **where),
+                  ev(r, "loader", id=3, sampler="RandomSampler", size=9, backward=3, **where),
+                  ev(r, "save", path="/tmp/x.pt", prefixed=True, **where),
+                  ev(r, "first_step", digest=str(r), **where),
+                  *[ev(r, "barrier", **where)] * 3,
+                  ev(r, "end", initialized=True, steps=3, error=False)] for r in (0, 1)}
+    events[0].append(ev(0, "print", **where))
+    found = script_checks.analyze(events, 2)
+    assert {f.check for f in found} == {"set_epoch", "eval_sampler", "no_sampler",
+                                        "module_prefix", "destroy", "save_race", "replicas",
+                                        "barrier", "rank0_loss"}
+    none = script_checks.analyze({0: [ev(0, "end", initialized=False, steps=1, error=False)],
+                                  1: [ev(1, "end", initialized=False, steps=1, error=False)]}, 2)
+    return found + none
+
+
+def test_analyze_stays_quiet_on_a_clean_run_and_on_a_crash():
+    ev = lambda rank, kind, **d: {"kind": kind, "rank": rank, **d}  # noqa: E731
+    clean = {r: [ev(r, "init", where="x:1")]
+             + [ev(r, "sampler", id=1, epoch=e, shuffle=True, drop_last=False, replicas=2,
+                   size=9, grad=True, where="x:2") for e in (0, 1)]
+             for r in (0, 1)}
+    for r in (0, 1):
+        clean[r] += [ev(r, "first_step", digest="same", where="x:3"),
+                     ev(r, "end", initialized=False, steps=4, error=False)]
+    assert script_checks.analyze(clean, 2) == []
+    crashed = {r: [ev(r, "init", where="x:1"), ev(r, "end", initialized=True, steps=0,
+                                                  error=True)] for r in (0, 1)}
+    assert script_checks.analyze(crashed, 2) == []
