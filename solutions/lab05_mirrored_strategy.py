@@ -219,7 +219,7 @@ lab05.check_train_step(distributed_train_step, make_model_and_optimizer, strateg
 # replicas.
 
 # %%
-### BEGIN SOLUTION: your prediction (a number of samples)
+### BEGIN SOLUTION: my_guess = your prediction (a number of samples)
 my_guess = 20
 ### END SOLUTION
 guess = predict("lab05", "samples on replica 0 in the last step (experimental_distribute_dataset)",
@@ -305,7 +305,7 @@ lab05.check_dataset_fn(make_dist_dataset, strategy)
 # *your* `make_dist_dataset`, how many of those 4 does replica 0 hold?
 
 # %%
-### BEGIN SOLUTION: your prediction (a number of samples)
+### BEGIN SOLUTION: my_pipeline_guess = your prediction (a number of samples)
 my_pipeline_guess = 4
 ### END SOLUTION
 guess = predict("lab05", "samples on replica 0 in the last step (your own pipeline)",
