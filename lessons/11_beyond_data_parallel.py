@@ -243,7 +243,7 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 #
 # In torch's layout an `nn.Linear(d, h)` stores A transposed, as an h × d weight (and the
 # second layer B as a d × h one): which dimension of each torch weight holds a rank's block
-# is the lab's first question.
+# is left to the lab.
 
 # %%
 viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
@@ -676,7 +676,11 @@ viz.show(viz.mesh_2d_figure(mesh_runs),
          "Four ranks as a 2 × 2 mesh: each holds its tensor-parallel slice of each weight "
          "(section 2), of which FSDP2 keeps half, cut along dim 0.")
 
-# %%
+# %% [markdown]
+# **▶ One step's traffic on the mesh, each collective counted and explained — open after your
+# lab passes** (click the folded cells below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 local = cfg.num_params // 2 + cfg.d // 2          # what one tp rank of the library's MLP holds
 step = mesh_runs[0]["traffic"][-1]
 for dim, op, numel, nbytes, out_nbytes in step:
@@ -690,10 +694,10 @@ claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2}
                                ("dp", "reduce_scatter", local, local * 4, local * 2)]
           for r in mesh_runs))
 
-# %% [markdown]
+# %% [markdown] jupyter={"source_hidden": true}
 # Two counts differ from section 2's and lesson 08's, and both are right. Only **one**
-# tensor-parallel all-reduce: the MLP is the first layer here and its input is data — why
-# that removes one is lab 11's prediction (its part 5), explained when you run it. Only
+# tensor-parallel all-reduce: the MLP is the first layer here and its input is data, which
+# needs no gradient, so autograd never runs *f*'s backward (lab 11's part 5). Only
 # **one** all-gather: the MLP is FSDP2's *root*, which keeps its weights gathered between
 # forward and backward (lesson 08, section 6). torch's DTensors carry both dimensions at once.
 
