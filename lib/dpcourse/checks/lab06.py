@@ -721,4 +721,5 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                              f"{' or '.join(map(str, sorted(allowed)))} in all. Does a phase "
                              f"run more or fewer than N-1 steps?")
     passed(f"segmented ring: right sums and averages on {' and '.join(map(str, world_sizes))} "
-           f"ranks, each scatter-reduce chunk sent in {segments} (and {segments - 1}) segments")
+           f"ranks, each scatter-reduce chunk sent in {segments} (and {segments - 1}) segments, "
+           f"piece j + 1 posted before piece j was waited on and added")
