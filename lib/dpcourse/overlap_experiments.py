@@ -220,10 +220,8 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
     (until ``backward()`` returns), the synchronisation after it and the optimizer step. Each
     run also returns its last step's timeline on this rank, in ms since the backward began:
     when each gradient was ready, when each all-reduce was launched and done, and when the
-    backward and the step ended. ``steps_s`` keeps every timed step's parts, in order (step i
-    of every run was taken in the same round, so runs can be compared step by step), and
-    ``copy_ms`` the bucketed runs' copies, per bucket (into the bucket with the division, and
-    back), medians over the timed steps. Real DDP (``"ddp"``) runs with nothing of ours in its path
+    backward and the step ended; ``steps_s``, every timed step's parts, round by round;
+    ``copy_ms``, a bucketed run's copies per bucket (in, back; medians). Real DDP (``"ddp"``) runs with nothing of ours in its path
     (no comm hook, no gradient stamps); its all-reduces are counted afterwards, in one more
     step under the profiler (:func:`count_ddp_collectives`).
 
@@ -269,10 +267,8 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
         return t0, tb, t_backward, t_sync, t1
 
     for step, (X, y) in enumerate(batches):
-        # a fresh order every round, the same on every rank (seeded by the round): no run
-        # always follows the same neighbour, so no position in the round favours one run
         order = list(setups)
-        random.Random(step).shuffle(order)
+        random.Random(step).shuffle(order)       # a fresh order each round, alike on every rank
         for s in order:
             before = s["model"].collectives
             t0, tb, t_backward, t_sync, t1 = one_step(s, X, y)
