@@ -93,13 +93,13 @@ def test_stepper_next_button_moves_the_figure_and_stops_at_the_end():
     image = one(box, widgets.Image)
     n = len(frames)
     assert slider.max == n - 1
-    assert counter.value == f"step 1 / {n}" and image.value == frames[0]
+    assert counter.value == f"start (0 / {n - 1})" and image.value == frames[0]
     button.click()
-    assert slider.value == 1 and counter.value == f"step 2 / {n}"
+    assert slider.value == 1 and counter.value == f"step 1 / {n - 1}"
     assert image.value == frames[1]  # the figure of the step the counter names
     for _ in range(n + 2):  # clicking past the end stays on the last step
         button.click()
-    assert slider.value == n - 1 and counter.value == f"step {n} / {n}"
+    assert slider.value == n - 1 and counter.value == f"step {n - 1} / {n - 1}"
     assert image.value == frames[-1]
 
 

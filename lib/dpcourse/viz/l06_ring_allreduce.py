@@ -135,7 +135,12 @@ def ring_stepper(trace, static: bool = True,
         label = widgets.Label(value=trace.describe(0))
         # A plain "next" button and a counter: the slider alone is fiddly to move by exactly
         # one step, and a browser test clicks this button by its name.
-        counter = widgets.Label(value=f"step 1 / {last + 1}")
+        # State 0 is the start (nothing sent yet); steps are numbered 1 … 2(N−1), as in the
+        # trace and the figure titles.
+        def counted(i):
+            return f"start (0 / {last})" if i == 0 else f"step {i} / {last}"
+
+        counter = widgets.Label(value=counted(0))
         counter.add_class("dpcourse-step-counter")
         next_button = widgets.Button(description="next", layout=widgets.Layout(width="70px"))
 
@@ -143,7 +148,7 @@ def ring_stepper(trace, static: bool = True,
             i = change["new"]
             image.value = frames[i]
             label.value = trace.describe(i)
-            counter.value = f"step {i + 1} / {last + 1}"
+            counter.value = counted(i)
 
         def on_next(_button):
             slider.value = min(slider.value + 1, last)  # stops at the last step
