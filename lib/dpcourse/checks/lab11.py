@@ -436,10 +436,12 @@ def _common_layer_failures(outs: list, n: int, name: str, full: nn.Linear, kind:
             fail(f"{name}(linear, {rank}, {n}) raised while being built: {o['build_error']}.")
     shapes = outs[0]["shapes"]
     right = (per_out, in_f) if kind == "column" else (out_f, per_in)
+    hidden = out_f if kind == "column" else in_f
+    hidden_per = hidden // n
     _wrong_dimension(outs, n, name, full, kind, right)
     if (out_f, in_f) in shapes:
-        fail(f"{name} keeps the whole weight {(out_f, in_f)} on every rank: keep only this "
-             f"rank's block, {right}.")
+        fail(f"{name} keeps the whole weight {(out_f, in_f)} on every rank, where each rank "
+             f"needs only its block of the hidden features ({hidden_per} of {hidden}).")
     if kind == "column" and (out_f,) in shapes and (per_out,) not in shapes:
         fail(f"{name} keeps the whole bias ({out_f},) on every rank: a rank computes only its "
              f"block of the output features, and so needs only their biases.")
