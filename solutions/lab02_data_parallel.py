@@ -22,7 +22,9 @@
 #    as nothing held). `model`'s weights are unchanged.
 #
 # Each part has a check cell that names your mistake, if there is one, and hints behind clicks.
-# The checks compare with the library's `dpcourse.dp`, which your answers may not call.
+# The checks compare with the library's `dpcourse.dp`, whose `scatter`, `gather`, `replicate`
+# and `parallel_apply` your answers may not hand their work to (part 4 may run its copies with
+# `dp.parallel_apply`; the stretch then replaces it with yours).
 
 # %%
 import copy
