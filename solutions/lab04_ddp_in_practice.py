@@ -27,7 +27,9 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # ## Your task: `evaluate_f1`
 #
 # `macro_f1(y_true, y_pred)` is given: it **defines** the number you must produce — from the
-# true classes and the predicted classes of a set of images, the macro-F1 of that set. Write
+# true classes and the predicted classes of a set of images, the macro-F1 of that set (what
+# `sklearn.metrics.f1_score(y_true, y_pred, average="macro", labels=range(10),
+# zero_division=0)` returns). Read its code: it is the definition. Write
 # `evaluate_f1(model, test_set, rank, world_size, device)`. The contract:
 #
 # - it is called on every rank, with the plain model (the script passes `model.module`) and the
@@ -36,13 +38,14 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 #   predictions**, what one process evaluating every image gets (to 1e-6);
 # - each rank runs the model on its own share of the images, and every image is evaluated on
 #   exactly one rank;
-# - the model is evaluated as at test time, without building an autograd graph;
+# - the model is evaluated as at test time, without building an autograd graph; the mode it
+#   is left in afterwards does not matter here (the script evaluates once, after the last
+#   epoch, and the check does not look at it);
 # - what a rank sends to the others **does not grow with the test set**: a real test set has
 #   10⁵ images on hundreds of ranks.
 #
-# **Your design decision:** which statistic the ranks exchange. It must determine the whole
-# test set's macro-F1 exactly, and its size must not depend on the number of images. Say in a
-# comment on your collective what it holds and how many bytes it is.
+# **Your design decision:** what the ranks exchange. It must determine the whole test set's
+# macro-F1 exactly, and its size must not depend on the number of images.
 #
 # Re-run the cell after each edit: it rewrites `train_lab.py`.
 
@@ -50,20 +53,19 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Lesson 04 could add the ranks' *accuracies*? No: it added numbers of correct answers and
-# numbers of images, and divided once at the end. Which numbers, known for the whole test set,
-# would let you compute every class's F1 — and do those numbers add up over the ranks?
+# `macro_f1` is built from each class's precision and recall, each a fraction of some of the
+# images. If rank 0 knows its precision for class 3 and rank 1 knows its own, can the whole
+# set's precision for class 3 be computed from those two numbers alone? If not, what is missing?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# A class's precision and recall are ratios of counts: how often it was predicted and right,
-# predicted and wrong, missed. Counts over disjoint sets of images add up; ratios do not. So
-# each rank counts over its own images, the ranks add their counts (a fixed-size tensor,
-# whatever the number of images), and F1 is computed once, from the sums, as `macro_f1` would
-# compute it from the whole set. How you split the images matters too: see what lesson 04 §4
-# says about each image exactly once.
+# Two ranks' fractions over different numbers of images do not combine; their numerators and
+# denominators do: they are counts, and counts over disjoint sets of images add up. Write each
+# class's precision and recall as a count over a count, find which counts macro-F1 needs (a
+# fixed number of them, whatever the test set), add those over the ranks, and compute the F1
+# once, from the sums. How you split the images matters too: see lesson 04 §4.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -72,8 +74,8 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # Pieces, in order: this rank's indices of the test set (a `Subset`); a zero tensor of counts
 # of fixed shape; the model in its test-time mode and a loop, with autograd off, that adds
 # each batch's (true class, predicted class) outcomes into the counts; one collective that
-# sums the counts over the ranks; each class's F1 from the summed counts (2·TP over the
-# predicted-as-c total plus the truly-c total, 0 where both are 0), and their mean as a float.
+# sums the counts over the ranks; each class's F1 from the summed counts, as `macro_f1`
+# defines it (0 where it is undefined), and their mean as a float.
 
 # %%
 # %%writefile {work}/train_lab.py
@@ -95,18 +97,18 @@ NUM_CLASSES = 10
 
 
 def macro_f1(y_true, y_pred):
-    """The macro-F1 of one set of images. ``y_true`` and ``y_pred`` are 1-D integer tensors of
-    classes 0..9 (each image's true class and the model's prediction). For each class c:
-    TP = images of class c predicted c, FP = predicted c but of another class, FN = of class c
-    but predicted another; F1_c = 2 TP / (2 TP + FP + FN), 0 when that denominator is 0.
-    Returns the mean of the 10 F1_c (a float)."""
+    """The macro-F1 of one set of images: ``y_true`` and ``y_pred`` are 1-D integer tensors of
+    classes 0..9 (each image's true class and the model's prediction); returns a float."""
     y_true, y_pred = y_true.long().cpu(), y_pred.long().cpu()
     scores = []
     for c in range(NUM_CLASSES):
-        tp = int(((y_pred == c) & (y_true == c)).sum())
-        fp = int(((y_pred == c) & (y_true != c)).sum())
-        fn = int(((y_pred != c) & (y_true == c)).sum())
-        scores.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
+        predicted_c, truly_c = y_pred == c, y_true == c
+        # precision: of the images predicted c, the fraction truly c (0 if none predicted c)
+        precision = (y_true[predicted_c] == c).double().mean().item() if predicted_c.any() else 0.0
+        # recall: of the images truly c, the fraction predicted c (0 if none is truly c)
+        recall = (y_pred[truly_c] == c).double().mean().item() if truly_c.any() else 0.0
+        both = precision + recall
+        scores.append(2 * precision * recall / both if both else 0.0)  # their harmonic mean
     return sum(scores) / NUM_CLASSES
 
 
@@ -123,7 +125,7 @@ def evaluate_f1(model, test_set, rank, world_size, device):
             predicted = model(X.to(device)).argmax(1)
             pairs = y.to(device) * NUM_CLASSES + predicted  # (true, predicted) as one index
             confusion += torch.bincount(pairs, minlength=NUM_CLASSES ** 2).view_as(confusion)
-    # The confusion matrix [true, predicted]: 10 x 10 int64 = 800 bytes, whatever the test set.
+    # The confusion matrix [true, predicted]: 10 x 10 counts, whatever the test set's size.
     dist.all_reduce(confusion)  # now the whole test set's, on every rank
     tp = confusion.diagonal().double()
     predicted_as, truly = confusion.sum(0).double(), confusion.sum(1).double()  # TP+FP, TP+FN
@@ -190,80 +192,90 @@ from dpcourse.checks import lab04
 lab04.check(work / "train_lab.py", timeout=timeout)
 
 # %% [markdown]
-# ## Predict, then measure: what `DistributedSampler` hands out
+# ## Predict, then measure: the ranks' macro-F1, averaged
 #
-# The script's training loader shards its data with `DistributedSampler`. Suppose it sharded
-# a test set of **101 images over 4 ranks** the same way (`shuffle=False`). How many images
-# would the 4 ranks' shards hold **together**? Write your number first, run the cell, then the
-# measurement.
+# A shortcut often seen in DDP scripts: each rank computes the metric on its own images and
+# the ranks average the numbers. Take a model that is **always right** (its macro-F1 on the
+# whole test set is 1.0) and a test set split **by class**, as happens when the files are
+# sorted by label and cut into contiguous pieces: rank 0 holds the images of classes 0–4,
+# rank 1 those of classes 5–9. What number does the shortcut report, with the lab's
+# `macro_f1`? Write your number first (between 0 and 1), run the cell, then the measurement.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# In a DDP training loop every rank must take the same number of steps, or one rank waits in an
-# all-reduce that the others never start. What does that require of the shards' lengths when
-# 101 does not divide by 4? Lesson 04 §4 measured it.
+# On rank 0, no image is of class 7 and none is predicted 7. What does `macro_f1` give class 7
+# there, and how many classes does it average over?
 
 # %%
 from dpcourse.checks import predict
 
-### BEGIN SOLUTION: your prediction (a number of images)
-my_guess = 104
+### BEGIN SOLUTION: your prediction (a number between 0 and 1)
+my_guess = 0.5
 ### END SOLUTION
-guess = predict("lab04", "images in 4 DistributedSampler shards of 101", my_guess,
-                unit="images")
+guess = predict("lab04", "mean of 2 ranks' macro-F1, always right, split by class", my_guess)
 
 # %%
-from torch.utils.data import DistributedSampler
+import runpy
 
-shards = [list(DistributedSampler(range(101), num_replicas=4, rank=r, shuffle=False))
-          for r in range(4)]
-lab04.check_prediction(guess, sum(len(shard) for shard in shards))
+import torch
+
+from dpcourse import data
+
+macro_f1 = runpy.run_path(str(work / "train_lab.py"))["macro_f1"]  # the script's definition
+labels = torch.as_tensor(data.load("shapes10", n_train=8, n_test=101, seed=0).y_test)
+always_right = labels.clone()
+shards = [labels < 5, labels >= 5]  # rank 0: classes 0-4, rank 1: classes 5-9
+per_rank = [macro_f1(labels[s], always_right[s]) for s in shards]
+print(f"whole test set: {macro_f1(labels, always_right):.2f}; rank 0: {per_rank[0]:.2f}; "
+      f"rank 1: {per_rank[1]:.2f}")
+lab04.check_prediction(guess, sum(per_rank) / len(per_rank))
 
 # %% [markdown]
 # ## Stretch (optional): resume after a crash, exactly
 #
 # A workshop can stop here. Lesson 04 restarted a job with `torchrun --max-restarts`; a restart
-# only helps if the script continues where it stopped. The lesson's script had nothing random
-# in its training; this one has: its model has **dropout**, and each rank draws its own masks
-# (the check seeds rank r's generator with `seed + 1 + r` after building the model). Write the
-# two functions the check's training loop calls:
+# only helps if the script continues where it stopped. Write the two functions that the
+# check's DDP training loop (2 ranks, SGD with momentum) calls:
 #
 # * `save_training_state(path, model, optimizer, epoch, is_main)` — called on **every** rank at
 #   the end of every epoch (`model` is the DDP wrapper, `epoch` the epoch just finished,
-#   `is_main` true on rank 0). Afterwards the one file at `path`, written by rank 0 alone, holds
-#   everything the next run needs to continue exactly; its weights are the **unwrapped**
-#   model's (a plain model must be able to load them). `save_checkpoint` from
-#   `dpcourse.ddp_practice` writes atomically.
+#   `is_main` true on rank 0). Afterwards there is one file at `path`, written by rank 0 alone;
+#   the weights in it are the **unwrapped** model's (a plain model must be able to load them).
+#   `save_checkpoint` from `dpcourse.ddp_practice` writes atomically.
 # * `resume_training_state(path, model, optimizer)` — called on every rank at the start, after
-#   the model is wrapped: if the file exists, every rank continues exactly where it stopped;
-#   **returns the first epoch still to do**, or 0 when there is no file (`load_checkpoint`
-#   returns None then).
+#   the model is wrapped; **returns the first epoch still to do**, or 0 when there is no file
+#   (`load_checkpoint` returns None then).
 #
-# The check trains 3 epochs on 2 ranks, stops the job after epoch 1 as a crash would, starts it
-# again, and compares every rank's state and the final weights with an uninterrupted run: they
-# must agree bit for bit (to 1e-5).
+# The contract: **a resumed run continues exactly as the uninterrupted run would have, on
+# every rank.** The check trains 3 epochs, stops the job after epoch 1 as a crash would, starts
+# it again, and compares every rank's state and the final weights with a run that never
+# stopped: they must agree bit for bit (to 1e-5). Whatever is random in the check's model and
+# loop draws from torch's global default generator (the one `torch.manual_seed` seeds; no
+# `torch.Generator` object of its own, no GPU).
 #
-# **Your design decision:** what differs from one rank to another, and how it reaches the one
-# file that rank 0 writes (and back to the right rank).
+# **Your design decision:** what the one file must hold for that, and how each piece of it gets
+# there and back.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# After epoch 1, list what decides what epoch 2 computes on rank 1: which of it is the same on
-# every rank, and which is rank 1's own? Which of it can rank 0 see?
+# After epoch 1, list everything that decides what epoch 2 computes on rank 1, not only the
+# tensors of the model. Which of it is the same on every rank, and which is rank 1's alone?
+# Which of it can rank 0 see when it writes?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # The weights and SGD's momentum are the same on every rank (DDP keeps them so), so rank 0's
-# copy stands for all. The random generator that draws the dropout masks is not: each rank's
-# is its own. Bring every rank's generator state to rank 0 with a collective before it writes,
-# and on resume let each rank take its own back. Every rank loads everything it needs: DDP does
-# not copy anything to the other ranks after it has wrapped the model.
+# copy stands for all. The check's model has dropout, and after building it the check seeds
+# each rank's global default generator differently (`seed + 1 + rank`): each rank draws its
+# own masks, and its generator's state is its own. Rank 0 can only write what reaches it; on
+# resume, each rank needs its own back. And DDP copies nothing to the other ranks after it has
+# wrapped the model: every rank loads what it needs.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**

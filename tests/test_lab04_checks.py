@@ -150,20 +150,41 @@ def test_error_line_of_a_child_killed_without_a_traceback():
 
 # --- the prediction -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, verdict", [(104, "— right."), (101, "— not what happened.")])
+@pytest.mark.parametrize("value, verdict", [(0.5, "— right."), (1.0, "— not what happened."),
+                                            (0.6, "— not what happened.")])
 def test_prediction_is_compared_and_explained(value, verdict, capsys):
-    from torch.utils.data import DistributedSampler
+    import torch
 
+    from dpcourse import data
     from dpcourse.checks import predict
 
-    guess = predict("lab04", "images in 4 DistributedSampler shards of 101", value,
-                    unit="images")
-    measured = sum(len(list(DistributedSampler(range(101), num_replicas=4, rank=r,
-                                               shuffle=False))) for r in range(4))
-    lab04.check_prediction(guess, measured)
+    ns = _namespace_of_solution()
+    labels = torch.as_tensor(data.load("shapes10", n_train=8, n_test=101, seed=0).y_test)
+    per_rank = [ns["macro_f1"](labels[s], labels[s]) for s in (labels < 5, labels >= 5)]
+    assert ns["macro_f1"](labels, labels) == 1.0
+    guess = predict("lab04", "mean of 2 ranks' macro-F1, always right, split by class", value)
+    lab04.check_prediction(guess, sum(per_rank) / 2)
     out = capsys.readouterr().out
-    assert f"measured: 104 images {verdict}" in out, out
-    assert "ceil(101/4) = 26" in out and "counts 3 images twice" in out, out
+    assert f"measured: 0.5 {verdict}" in out, out
+    assert "each rank reports 5/10 = 0.50" in out, out
+
+
+def _namespace_of_solution() -> dict:
+    return lab04._namespace(_solution_script())
+
+
+def test_given_macro_f1_is_the_checks_definition():
+    # the lab defines macro-F1 by precision and recall; the check computes it from a confusion
+    # matrix: both must agree, including classes never predicted or never present
+    import torch
+
+    macro_f1 = _namespace_of_solution()["macro_f1"]
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 50, 300):
+        y = torch.randint(0, 10, (n,), generator=g)
+        p = torch.where(torch.rand(n, generator=g) < 0.6, y, torch.randint(0, 7, (n,), generator=g))
+        want = lab04._f1_of(torch.bincount(y * 10 + p, minlength=100).view(10, 10))
+        assert abs(macro_f1(y, p) - want) < 1e-12
 
 
 # --- the lab's answer: evaluate_f1 -----------------------------------------------------------
@@ -224,6 +245,16 @@ F1_WRONG = {
                       "training mode"),
     "autograd_on": (STRIDED + _COUNT.replace("    with torch.no_grad():\n", "    if True:\n")
                     + REDUCE, "torch.no_grad()"),
+    # fixed size (20 numbers), but fractions over different numbers of images averaged
+    "mean_of_precision_recall": (
+        STRIDED + _COUNT + "    c = confusion.double()\n"
+        "    tp = c.diagonal()\n"
+        "    pr = torch.stack([torch.where(c.sum(0) > 0, tp / c.sum(0).clamp(min=1), 0.0),\n"
+        "                      torch.where(c.sum(1) > 0, tp / c.sum(1).clamp(min=1), 0.0)])\n"
+        "    dist.all_reduce(pr)\n"
+        "    p, r = pr / world_size\n"
+        "    return float(torch.where(p + r > 0, 2 * p * r / (p + r).clamp(min=1e-12), 0.0).mean())\n",
+        "precisions and recalls were averaged"),
     "accuracy": (STRIDED + _COUNT + "    dist.all_reduce(confusion)\n"
                  "    return float(confusion.diagonal().sum() / confusion.sum())\n",
                  "is the accuracy"),
@@ -249,12 +280,23 @@ F1_WRONG = {
 }
 
 
+# on 101 images the random check model is right at most twice per class, often on one rank
+# only, and averaging fractions then equals averaging F1: the lab's own test sets tell them apart
+F1_RUNS_OF = {"mean_of_precision_recall": lab04.F1_RUNS[:1]}
+
+
 @pytest.mark.parametrize("name", sorted(F1_WRONG))
 def test_wrong_f1_is_named(tmp_path, name):
     body, phrase = F1_WRONG[name]
     with pytest.raises(LabCheckError) as err:
-        lab04.check_f1(_write(tmp_path, _body(body)), runs=((2, 101),))
+        lab04.check_f1(_write(tmp_path, _body(body)), runs=F1_RUNS_OF.get(name, ((2, 101),)))
     assert phrase in str(err.value), str(err.value)
+
+
+def test_mean_of_precision_recall_is_named_on_three_ranks_too(tmp_path):
+    body, phrase = F1_WRONG["mean_of_precision_recall"]
+    with pytest.raises(LabCheckError, match="On 3 ranks with 302 test images: .*recalls"):
+        lab04.check_f1(_write(tmp_path, _body(body)), runs=(lab04.F1_RUNS[1],))
 
 
 def test_mean_of_f1_is_named_on_three_ranks_too(tmp_path):
@@ -264,6 +306,8 @@ def test_mean_of_f1_is_named_on_three_ranks_too(tmp_path):
 
 
 F1_RIGHT = {
+    # the lab says the mode the model is left in does not matter: putting it back is right too
+    "back_in_train_mode": (STRIDED + _COUNT + "    model.train()\n" + REDUCE),
     "contiguous_shards": (
         "    n = len(test_set)\n"
         "    share = Subset(test_set, range(rank * n // world_size, (rank + 1) * n // world_size))\n"

@@ -4,8 +4,8 @@ script so that it equals one process.
 ``check(path)`` does two things:
 
 1. It takes ``evaluate_f1`` (and the given ``macro_f1(y_true, y_pred)``, which defines the
-   number) out of the learner's script and calls it on 2 ranks with 101 test images and on 3
-   ranks with 100 (neither splits evenly), with a model whose forward counts the images each
+   number) out of the learner's script and calls it on 2 ranks with 301 test images and on 3
+   ranks with 302 (neither splits evenly), with a model whose forward counts the images each
    rank evaluates, its mode and whether autograd is on; each rank calls it a second time on a
    test set 4 times larger while the collectives it calls are recorded. Every rank must return
    one process's macro-F1 of the whole test set, each image evaluated exactly once over all
@@ -13,7 +13,8 @@ script so that it equals one process.
    crosses is the learner's decision: a confusion matrix, per-class counts ...). When it does
    not, the sentence names the mistake: ranks that return their own shard's number, images
    counted twice (DistributedSampler's padding) or skipped, every rank evaluating everything,
-   the ranks' F1 scores averaged or summed, the accuracy instead of F1, the labels or
+   the ranks' F1 scores averaged or summed, the ranks' per-class precisions and recalls
+   averaged, the accuracy instead of F1, the labels or
    predictions themselves gathered (what is sent grows with the test set).
 2. It runs the whole script under torchrun (2 processes) and compares the weights it writes to
    ``--out`` with one process trained on the global batch, and the F1 it saved with one
@@ -36,8 +37,8 @@ Saving on every rank is caught directly: the check records every ``torch.save`` 
 checkpoint saved from the DDP wrapper (``module.`` keys) is refused, since the plain model that
 evaluation and resuming build cannot load it.
 
-``check_prediction`` compares the learner's prediction of how many images DistributedSampler
-hands out (101 images, 4 ranks) with the count. ``check_resume`` (the stretch) trains a model
+``check_prediction`` compares the learner's prediction of the mean of 2 ranks' macro-F1 (a model
+that is always right, the test set split by class) with the measured 0.5, and says why. ``check_resume`` (the stretch) trains a model
 with dropout, each rank drawing from its own random stream, "crashes" it after epoch 1 and
 resumes it; it compares each rank's weights, momentum and generator state after the resume with
 what that rank had at the crash (so a mistake is named by its cause: the optimizer or the
@@ -411,9 +412,10 @@ def judge(weights, saves: dict, cfg: Lab04Config = Lab04Config(), tol: float = 1
 
 # --- the lab: macro-F1 over a test set split across the ranks --------------------------------
 
-# (world size, test images): 101 on 2 ranks and 100 on 3 ranks split unevenly, so
-# DistributedSampler pads both with a repeated image.
-F1_RUNS = ((2, 101), (3, 100))
+# (world size, test images): 301 on 2 ranks and 302 on 3 ranks split unevenly, so
+# DistributedSampler pads both with a repeated image; large enough that every class is right
+# on every rank, so the ranks' precisions and recalls averaged differ from their F1 averaged.
+F1_RUNS = ((2, 301), (3, 302))
 _F1_TOL = 1e-6  # float32 arithmetic in an answer is fine; every mistake is 1e-3 or more away
 
 F1_MISTAKES = {
@@ -424,6 +426,11 @@ F1_MISTAKES = {
     "sum_of_f1": "The ranks' F1 scores were added up (an all_reduce of the F1 itself): that is "
                  "world_size times a mean of the shards' F1, not the F1 of the whole set. Add up "
                  "the counts that F1 is made of instead, then compute F1 once.",
+    "mean_of_pr": "The ranks' precisions and recalls were averaged: each is a fraction over a "
+                  "different number of images on each rank (the images it predicted as the "
+                  "class, the images truly of it), so the mean of the ranks' fractions is not "
+                  "the whole set's. Add up over the ranks what each fraction is made of, then "
+                  "compute precision, recall and F1 once.",
     "accuracy": "That number is the accuracy, not the macro-F1 that macro_f1 defines (the mean "
                 "over the 10 classes of each class's F1): compute each class's F1 from the "
                 "whole test set's counts and average them.",
@@ -549,12 +556,30 @@ def _f1_variants(n_test: int, world_size: int) -> dict:
             list(DistributedSampler(ds, num_replicas=N, rank=r, shuffle=shuffle)) for r in range(N)]
     out = {"correct": _f1_of(confusion(range(n))),
            "accuracy": float((pred == y).double().mean()),
-           "mean_of_f1": [], "sum_of_f1": []}
+           "mean_of_f1": [], "sum_of_f1": [], "mean_of_pr": []}
     for shards in shardings.values():
         f1s = [_f1_of(confusion(s)) for s in shards]
         out["mean_of_f1"].append(sum(f1s) / N)
         out["sum_of_f1"].append(sum(f1s))
+        out["mean_of_pr"].append(_f1_of_mean_pr([confusion(s) for s in shards]))
     return out
+
+
+def _f1_of_mean_pr(confusions) -> float:
+    """macro-F1 from the ranks' per-class precision and recall averaged over the ranks (0 where
+    a rank's fraction is undefined, as macro_f1 sets it)."""
+    import torch
+
+    def pr(c):
+        c = c.double()
+        tp = c.diagonal()
+        return (torch.where(c.sum(0) > 0, tp / c.sum(0).clamp(min=1), 0.0),
+                torch.where(c.sum(1) > 0, tp / c.sum(1).clamp(min=1), 0.0))
+
+    fractions = [pr(c) for c in confusions]
+    p = sum(f[0] for f in fractions) / len(fractions)
+    r = sum(f[1] for f in fractions) / len(fractions)
+    return float(torch.where(p + r > 0, 2 * p * r / (p + r).clamp(min=1e-300), 0.0).mean())
 
 
 def judge_f1(results: list, n_test: int) -> None:
@@ -605,7 +630,7 @@ def judge_f1(results: list, n_test: int) -> None:
     got = values[0]
     if abs(got - want["correct"]) <= _F1_TOL:
         return
-    for name in ("mean_of_f1", "sum_of_f1"):
+    for name in ("mean_of_f1", "sum_of_f1", "mean_of_pr"):
         if any(abs(got - v) <= _F1_TOL for v in want[name]):
             fail(where + F1_MISTAKES[name])
     if abs(got - want["accuracy"]) <= _F1_TOL:
@@ -705,23 +730,26 @@ def config_dict(cfg: Lab04Config = Lab04Config()) -> dict:
     return asdict(cfg)
 
 
-# --- the prediction: how many images DistributedSampler hands out ---------------------------
+# --- the prediction: the ranks' macro-F1 averaged, on a test set split by class ------------
 
-def check_prediction(guess, handed_out: int, n_images: int = 101, world_size: int = 4) -> None:
-    """Compare the learner's prediction of how many images ``world_size`` ranks'
-    DistributedSampler shards hold for ``n_images`` images with what was measured; explain."""
+def check_prediction(guess, measured: float, world_size: int = 2,
+                     num_classes: int = 10) -> None:
+    """Compare the learner's prediction of the mean of ``world_size`` ranks' macro-F1 (a model
+    that is always right, the test set split by class: each rank holds num_classes/world_size
+    classes) with what was measured; explain why it is not the whole set's 1.0."""
     __tracebackhide__ = True
     from dpcourse.checks import reveal
 
-    per_rank = -(-n_images // world_size)
-    repeated = per_rank * world_size - n_images
-    reveal(guess, handed_out, close=guess.value == handed_out,
-           explanation=(f"DistributedSampler gives every rank the same number of indices, "
-                        f"ceil({n_images}/{world_size}) = {per_rank}, so that all ranks take "
-                        f"the same number of steps; the {per_rank} x {world_size} = "
-                        f"{per_rank * world_size} places are filled by repeating the first "
-                        f"{repeated} indices. An evaluation over those shards counts "
-                        f"{repeated} images twice."))
+    held = num_classes // world_size
+    close = isinstance(guess.value, (int, float)) and abs(guess.value - measured) <= 0.05
+    reveal(guess, round(measured, 2), close=close,
+           explanation=(f"On each rank only {held} of the {num_classes} classes have an image, "
+                        f"and none is predicted there; macro_f1 gives such a class F1 0 (its "
+                        f"precision and recall are 0 by definition) and still averages over all "
+                        f"{num_classes}, so each rank reports {held}/{num_classes} = "
+                        f"{held / num_classes:.2f} though every prediction is right, and so does "
+                        f"their mean; the whole set's macro-F1 is 1.00. Counts added over the "
+                        f"ranks have no such problem: a class a rank lacks adds zeros."))
 
 
 # --- stretch: resume after a crash ---------------------------------------------------------
