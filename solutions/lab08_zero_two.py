@@ -112,8 +112,9 @@ def make_buckets(params, cap):
 #
 # **What you are given.** `ZeroTwo(params, optimizer_cls, bucket_cap=128, **kwargs)`:
 # - `params` is what `model.parameters()` returns: a **generator**, so it can be iterated
-#   once; it yields every parameter once (a tied weight once), frozen ones
-#   (`requires_grad=False`) included;
+#   once; it yields every parameter once, frozen ones (`requires_grad=False`) included; a
+#   tied weight is one `Parameter`, yielded once: its gradient sums both uses, and its
+#   post-accumulate-grad hook runs once per backward, when that sum is complete;
 # - `optimizer_cls(tensors, **kwargs)` builds the inner torch optimizer (`kwargs` are its
 #   hyper-parameters: `lr`, `momentum`, ...);
 # - `bucket_cap` is in bytes;
@@ -136,7 +137,13 @@ def make_buckets(params, cap):
 #    is full, without the backward waiting for the network;
 # 5. no more than about **two buckets** of gradient are alive at once on a rank — in `p.grad`,
 #    in buffers, or anywhere your object keeps them — and between steps nothing but
-#    `self.shard.grad`.
+#    `self.shard.grad`;
+# 6. every tensor you make — the shard, its gradient, the buffers — has the parameters'
+#    device and dtype (on a GPU with NCCL, a buffer left on the CPU cannot be sent).
+#
+# Outside the contract: gradient accumulation (two backwards before one `step()`) and a
+# trainable parameter that gets no gradient in some step; every step here is one backward
+# in which every trainable parameter gets its gradient.
 #
 # A hook that runs as soon as `p.grad` holds this backward's gradient:
 # `p.register_post_accumulate_grad_hook(fn)` (lesson 08, §4) calls `fn(p)`. The skeleton's
@@ -265,9 +272,10 @@ lab08.check_zero_two(ZeroTwo, timeout=check_timeout)
 # 16 → 64 → 64 → 64 → 64 → 8 (each with a bias), fp32, on 2 ranks, with `bucket_cap = 4096`
 # bytes and your `ZeroTwo` as it is. Before you measure: what is the **peak of live gradient
 # memory** on a rank, in bytes — the most gradient bytes alive at once (in `p.grad`, in your
-# buffers, anywhere your object keeps them; `self.shard.grad` aside), weighed at every
-# gradient's arrival as the check weighed them — with one bucket in flight? Write a number of
-# bytes (not MB), then run the measurement.
+# buffers, anywhere your object keeps them; `self.shard.grad` aside)? It is weighed as the
+# check weighed it: at every gradient's arrival, once that gradient is in `p.grad` and
+# **before** your hook runs on it. Write a number of bytes (not MB), then run the
+# measurement.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -281,16 +289,16 @@ lab08.check_zero_two(ZeroTwo, timeout=check_timeout)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # The most is alive just as a bucket's last gradient arrives: all of that bucket is still in
-# `p.grad`, and the bucket launched before it may still be in flight. The first bucket has no
-# predecessor.
+# `p.grad` (your hook has not run yet), plus whatever your wrapper still keeps of the buckets
+# launched before it. The first bucket has no predecessor.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# List the buckets' sizes in numbers, in launch order; for each bucket after the first, add
-# its size and its predecessor's; take the largest (or the first bucket alone, if larger);
-# 4 bytes per number.
+# List the buckets' sizes in numbers, in launch order (a buffer is padded, a `p.grad` is
+# not); at each bucket's last arrival, add its size to the sizes of the buffers your wrapper
+# still holds then; take the largest; 4 bytes per number.
 
 # %%
 from dpcourse.checks import predict
@@ -298,7 +306,7 @@ from dpcourse.checks import predict
 ### BEGIN SOLUTION: your prediction: the peak of live gradient bytes (a number)
 my_peak = 35360
 ### END SOLUTION
-guess = predict("lab08", "peak of live gradient bytes, one bucket in flight", my_peak, unit="B")
+guess = predict("lab08", "peak of live gradient bytes of your ZeroTwo", my_peak, unit="B")
 
 # %%
 measured = lab08.measure_peak(ZeroTwo, timeout=check_timeout)

@@ -101,15 +101,31 @@ def as_slice(numel, rank, world_size):
     return slice(*math_ceil(numel, rank, world_size))
 
 
+def one_too_long(numel, rank, world_size):
+    size = numel // world_size + 1            # right when world_size does not divide numel
+    return rank * size, (rank + 1) * size
+
+
+def uneven(numel, rank, world_size):
+    # the last ranks one number more: every number owned, the sizes differ
+    size, extra = divmod(numel, world_size)
+    first_long = world_size - extra
+    start = rank * size + max(0, rank - first_long)
+    return start, start + size + (rank >= first_long)
+
+
 def only_the_start(numel, rank, world_size):
     return rank * math.ceil(numel / world_size)
 
 
 @pytest.mark.parametrize("fn, phrase", [
-    (floor_size, "size rounded down"),
+    (floor_size, "too short — together they cover 52 of the 53 numbers, and the last 1 belong "
+                 "to no rank: every number must have an owner"),
+    (one_too_long, "smaller equal pieces would too"),
+    (uneven, "shard sizes \\[.*\\] — a reduce-scatter and an all-gather move pieces of one size"),
     (inclusive_end, "belong to no rank — end is exclusive"),
     (overlapping, "both own numbers .* must not overlap"),
-    (clipped, "last shard is clipped at numel"),
+    (clipped, "last shard is clipped at numel, so it is shorter than the others"),
     (start_and_length, "that is \\(start, length\\)"),
     (reversed_ranks, "rank r must own the r-th shard"),
     (one_based, "numbers 0..0 belong to no rank — rank 0 starts at 0"),
@@ -245,7 +261,7 @@ class GoodTwo:
 
     def gather(self):
         for bucket, (size, offset) in zip(self.buckets, self.layout):
-            full = torch.empty(size * self.world_size)
+            full = self.shard.new_empty(size * self.world_size)
             dist.all_gather_single(full, self.shard.detach()[offset:offset + size])
             start = 0
             for p in bucket:
@@ -273,7 +289,7 @@ class OldNamesTwo(GoodTwo):
 
     def gather(self):
         for bucket, (size, offset) in zip(self.buckets, self.layout):
-            full = torch.empty(size * self.world_size)
+            full = self.shard.new_empty(size * self.world_size)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 dist.all_gather_into_tensor(full, self.shard.detach()[offset:offset + size])
@@ -302,7 +318,7 @@ class AsyncGathers(GoodTwo):
     def gather(self):
         pending = []
         for size, offset in self.layout:
-            full = torch.empty(size * self.world_size)
+            full = self.shard.new_empty(size * self.world_size)
             work = dist.all_gather_single(full, self.shard.detach()[offset:offset + size],
                                           async_op=True)
             pending.append((full, work))
@@ -366,7 +382,7 @@ class ShardView(GoodTwo):
 
 class ShardGradView(GoodTwo):
     def make_shard_grad(self):
-        return torch.zeros(self.shard.numel() * self.world_size)[:self.shard.numel()]
+        return self.shard.new_zeros(self.shard.numel() * self.world_size)[:self.shard.numel()]
 
 
 class InStep(GoodTwo):
@@ -500,7 +516,7 @@ class NoAllGatherTwo(GoodTwo):
     def gather(self):
         size_offsets = self.layout
         for bucket, (size, offset) in zip(self.buckets, size_offsets):
-            full = torch.zeros(size * self.world_size)
+            full = self.shard.new_zeros(size * self.world_size)
             full[self.rank * size:(self.rank + 1) * size] = self.shard.detach()[offset:
                                                                               offset + size]
             start = 0
@@ -527,7 +543,7 @@ class AccumulatesTwo(GoodTwo):
 class NoCopyBackTwo(GoodTwo):
     def gather(self):
         for size, offset in self.layout:
-            full = torch.empty(size * self.world_size)
+            full = self.shard.new_empty(size * self.world_size)
             dist.all_gather_single(full, self.shard.detach()[offset:offset + size])
 
 
@@ -535,7 +551,7 @@ class ReducesIntoANewTensor(GoodTwo):
     # the reduce-scatter's output is a fresh tensor, never written into self.shard.grad
     def out(self, i):
         size, _ = self.layout[i]
-        return torch.empty(size)
+        return self.shard.new_empty(size)
 
 
 class RebindsTheMean(GoodTwo):
@@ -555,6 +571,43 @@ class IteratesParamsTwice(GoodTwo):
 
     def hooked(self, params, trainable):
         return [p for p in self.params if p.requires_grad]
+
+
+class DefaultDtypeGather(GoodTwo):
+    # the all-gather's output made without dtype= (or device=): torch's default, not the
+    # parameters' (on a GPU it would sit on the CPU)
+    def gather(self):
+        for bucket, (size, offset) in zip(self.buckets, self.layout):
+            full = torch.empty(size * self.world_size)
+            dist.all_gather_single(full, self.shard.detach()[offset:offset + size])
+            start = 0
+            for p in bucket:
+                p.data.copy_(full[start:start + p.numel()].view_as(p))
+                start += p.numel()
+
+
+class DefaultDtypeBuffer(GoodTwo):
+    # the padded buffer made with torch.zeros, then filled: torch's default dtype
+    def padded(self, i):
+        size, _ = self.layout[i]
+        buffer = torch.zeros(size * self.world_size)
+        buffer[:sum(q.numel() for q in self.buckets[i])] = torch.cat(
+            [q.grad.reshape(-1) for q in self.buckets[i]])
+        self.drop(i)
+        return buffer
+
+
+class DefaultDtypeShard(GoodTwo):
+    # the shard made with torch.zeros, then filled: it and its optimizer state are float64
+    def make_shard(self, pieces):
+        shard = torch.zeros(sum(p.numel() for p in pieces))
+        shard.copy_(torch.cat(pieces))
+        return nn.Parameter(shard)
+
+
+class DefaultDtypeShardGrad(GoodTwo):
+    def make_shard_grad(self):
+        return torch.zeros(self.shard.numel())
 
 
 class OffsetByNumel(GoodTwo):
@@ -593,6 +646,12 @@ WRONG_TWOS = [
     (ReducesIntoANewTensor, "self.shard.grad was all zeros when the inner optimizer stepped"),
     (RebindsTheMean, "gradients [23]× too large: you summed .* in place"),
     (IteratesParamsTwice, "params is a generator"),
+    (DefaultDtypeGather, "an all-gather got a float64 tensor while the parameters are "
+                         "float32 — a tensor made with torch.zeros/torch.empty"),
+    (DefaultDtypeBuffer, "a reduce-scatter got a float64 tensor .* contract 6"),
+    (DefaultDtypeShard, "self.shard is float64 while the parameters are float32 .* device="),
+    (DefaultDtypeShardGrad, "self.shard.grad was given another dtype than self.shard .* "
+                            "contract 6"),
     (OffsetByNumel, "output slice of self.shard.grad is the wrong size: check where each "
                     "bucket's slice starts"),
 ]

@@ -6,7 +6,9 @@ wrapper, ``ZeroTwo(params, optimizer_cls, bucket_cap=..., **kwargs)`` with ``ste
 ``check_shard_bounds`` runs in this process on seven (numel, world size) pairs, from an even
 split to more ranks than numbers. Every rank's shard must be ``ceil(numel / world_size)``
 long (``all_gather_single`` needs equal pieces), in rank order, touching, and together
-cover the numbers. It names: the size rounded down (the last numbers belong to nobody), an
+cover the numbers. Its sentences name the rule broken (equal pieces; every number owned; the
+smallest such size), never the formula. It names: the size rounded down (the last numbers
+belong to nobody), pieces larger than needed, an
 exclusive end taken as inclusive (gaps), overlapping shards, a last shard clipped at
 ``numel``, (start, length) returned instead of (start, end), shards out of rank order, a
 first shard that does not start at 0, a return value that is not two integers.
@@ -40,7 +42,11 @@ before gloo's own "size" error), a shard gradient still all zeros when the optim
 (the reduce-scatters wrote elsewhere), a shard stepped but never copied back into the
 parameters, ``params`` (a generator) iterated twice so that no hook was registered, the
 library's own stages or torch's ``ZeroRedundancyOptimizer`` given as the answer, a deadlock
-(with the ranks that hung).
+(with the ranks that hung), a shard or buffer made without the parameters' dtype (the
+learner's code runs with torch's default dtype set to float64 while the model is fp32: the
+CPU-visible symptom of a buffer made without ``device=``, which NCCL would refuse on a GPU).
+The messages name the cause and the contract rule broken; where the fix is the lab's design
+decision (what to keep in flight, when to wait) they do not dictate it.
 
 ``measure_peak`` and ``check_peak_prediction`` are the lab's predict-then-measure part: the
 peak of live gradient bytes of the learner's wrapper on a five-layer MLP (``PEAK_WIDTHS``,
@@ -108,11 +114,13 @@ def _bounds_problem(got, numel, world_size, size) -> None:
              f"piece at position r.")
     floor = numel // world_size
     if numel % world_size and got == [(r * floor, (r + 1) * floor) for r in range(world_size)]:
-        fail(f"{where}: with the size rounded down, the last {numel % world_size} number(s) "
-             f"belong to no rank — round up: ceil(numel / world_size) = {size}.")
+        fail(f"{where}: the pieces are equal but too short — together they cover "
+             f"{floor * world_size} of the {numel} numbers, and the last {numel % world_size} "
+             f"belong to no rank: every number must have an owner.")
     if got[-1][1] == numel and got[:-1] == expected[:-1]:
-        fail(f"{where}: the last shard is clipped at numel; keep it {size} long and let it run "
-             f"into the padding, so that every rank's piece of the all-gather has one size.")
+        fail(f"{where}: the last shard is clipped at numel, so it is shorter than the others — "
+             f"a reduce-scatter and an all-gather move pieces of one size, one per rank (the "
+             f"padding is what a piece may run into).")
     for r in range(world_size - 1):
         if got[r][1] < got[r + 1][0]:
             fail(f"{where}: numbers {got[r][1]}..{got[r + 1][0] - 1} between rank {r} and rank "
@@ -124,10 +132,17 @@ def _bounds_problem(got, numel, world_size, size) -> None:
     if got[0][0] != 0:
         fail(f"{where}: numbers 0..{got[0][0] - 1} belong to no rank — rank 0 starts at 0.")
     sizes = sorted({e - s for s, e in got})
-    if sizes != [size]:
-        fail(f"{where}: shard sizes {sizes}; every rank's shard must be ceil(numel / "
-             f"world_size) = {size} long.")
-    fail(f"{where}; expected {expected}.")
+    if len(sizes) > 1:
+        fail(f"{where}: shard sizes {sizes} — a reduce-scatter and an all-gather move pieces of "
+             f"one size, one per rank.")
+    if sizes[0] * world_size < numel:
+        fail(f"{where}: pieces of {sizes[0]} cover {sizes[0] * world_size} of the {numel} "
+             f"numbers — the last belong to no rank: every number must have an owner.")
+    if sizes[0] > size:
+        fail(f"{where}: pieces of {sizes[0]} cover every number, but smaller equal pieces would "
+             f"too — each extra number per piece is padding sent by every collective.")
+    fail(f"{where}: rank r's piece must be the r-th of {world_size} equal pieces that start at "
+         f"0, touch, and cover all {numel} numbers.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,7 +189,7 @@ def _optimizer(name: str):
 
 def _batch(step: int, rank: int, world_size: int):
     g = torch.Generator().manual_seed(100 + step)
-    X = torch.randn(_GLOBAL_BATCH, _WIDTHS[0], generator=g)
+    X = torch.randn(_GLOBAL_BATCH, _WIDTHS[0], generator=g, dtype=torch.float32)
     y = torch.randint(0, _WIDTHS[-1], (_GLOBAL_BATCH,), generator=g)
     n = _GLOBAL_BATCH // world_size
     return X[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
@@ -284,6 +299,23 @@ def _learner_hooks(trainable, ours: int = 1) -> int:
     return count
 
 
+# The learner's code runs with torch's default dtype set to float64 while the model is fp32:
+# a tensor made with torch.zeros/empty/tensor without dtype= then shows on the CPU the mistake
+# that, without device=, a GPU run with NCCL would show (a buffer on the wrong device).
+_LEARNER_DEFAULT = torch.float64
+_MODEL_DTYPE = torch.float32
+
+
+def _refuse_dtype(call) -> None:
+    """Before a collective of the learner's: refuse a tensor whose dtype is not the
+    parameters'."""
+    for v in (call.args or {}).values():
+        for t in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and \
+                    t.dtype != _MODEL_DTYPE:
+                raise RuntimeError(f"lab08-dtype {call.op} {t.dtype} {_MODEL_DTYPE}")
+
+
 def _refuse_uneven(call, world_size: int) -> None:
     """Before a reduce-scatter or all-gather of the learner's runs: refuse, with a message the
     check turns into the cause, pieces that cannot be equal (gloo's own error says only
@@ -366,6 +398,8 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
     launches = {}                                       # a recorded call's index -> its number
 
     def launched(call):         # a reduce-scatter (or all-reduce, then slice: accepted) of yours
+        if state["phase"] in ("init", "backward", "step"):
+            _refuse_dtype(call)
         if state["phase"] in ("backward", "step"):
             _refuse_uneven(call, world_size)
         if (call.op == "reduce_scatter" or call.function == "all_reduce") and \
@@ -380,73 +414,81 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
             return _Watched(call.result, number, log)
         return None
 
-    with record_collectives(before=launched, after=watched):
-        opt = cls(model.parameters(), opt_cls, bucket_cap=BUCKET_CAP, **kw)
-        inner = getattr(opt, "optimizer", None)
-        shard = getattr(opt, "shard", None)
-        views = {}
-        for what, t in (("self.shard", shard),
-                        ("self.shard.grad", getattr(shard, "grad", None))):
-            if isinstance(t, torch.Tensor) and \
-                    t.untyped_storage().nbytes() > t.numel() * t.element_size():
-                views[what] = (t.numel() * t.element_size(), t.untyped_storage().nbytes())
-        if views:
-            return {"views": views}
-        if inner is not None and hasattr(inner, "step"):
-            real_step = inner.step
+    torch.set_default_dtype(_LEARNER_DEFAULT)              # see _LEARNER_DEFAULT
+    try:
+        with record_collectives(before=launched, after=watched):
+            opt = cls(model.parameters(), opt_cls, bucket_cap=BUCKET_CAP, **kw)
+            inner = getattr(opt, "optimizer", None)
+            shard = getattr(opt, "shard", None)
+            views = {}
+            for what, t in (("self.shard", shard),
+                            ("self.shard.grad", getattr(shard, "grad", None))):
+                if isinstance(t, torch.Tensor) and \
+                        t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                    views[what] = (t.numel() * t.element_size(), t.untyped_storage().nbytes())
+            if views:
+                return {"views": views}
+            if isinstance(shard, torch.Tensor) and shard.dtype != _MODEL_DTYPE:
+                return {"views": None, "dtype": ("self.shard", str(shard.dtype))}
+            if inner is not None and hasattr(inner, "step"):
+                real_step = inner.step
 
-            def inner_step(*args, **kwargs):           # the optimizer steps: all waited?
-                log.append(("inner_step",))
+                def inner_step(*args, **kwargs):           # the optimizer steps: all waited?
+                    log.append(("inner_step",))
+                    g = getattr(getattr(opt, "shard", None), "grad", None)
+                    state["zero_grad_at_step"] = isinstance(g, torch.Tensor) and \
+                        not bool(g.detach().abs().sum() > 0)
+                    return real_step(*args, **kwargs)
+                inner.step = inner_step
+            skip = {p.untyped_storage().data_ptr() for p in params}
+            if inner is not None and hasattr(inner, "state"):
+                skip |= {t.untyped_storage().data_ptr() for t in _inner_tensors(inner)}
+            state.update(learner=opt, skip=skip)
+            hooked = _learner_hooks(trainable)
+            steps = []
+            for step in range(_STEPS):
+                X, y = _batch(step, rank, world_size)
+                opt.zero_grad()
+                tracked.clear()
+                log.clear()
+                memory.update(peak=0, where={}, in_flight=0)
                 g = getattr(getattr(opt, "shard", None), "grad", None)
-                state["zero_grad_at_step"] = isinstance(g, torch.Tensor) and \
-                    not bool(g.detach().abs().sum() > 0)
-                return real_step(*args, **kwargs)
-            inner.step = inner_step
-        skip = {p.untyped_storage().data_ptr() for p in params}
-        if inner is not None and hasattr(inner, "state"):
-            skip |= {t.untyped_storage().data_ptr() for t in _inner_tensors(inner)}
-        state.update(learner=opt, skip=skip)
-        hooked = _learner_hooks(trainable)
-        steps = []
-        for step in range(_STEPS):
-            X, y = _batch(step, rank, world_size)
-            opt.zero_grad()
-            tracked.clear()
-            log.clear()
-            memory.update(peak=0, where={}, in_flight=0)
-            g = getattr(getattr(opt, "shard", None), "grad", None)
-            state["grad_ptr"] = g.untyped_storage().data_ptr() if isinstance(g, torch.Tensor) \
-                else None
-            state["phase"] = "backward"
-            F.cross_entropy(model(X), y).backward()
-            weigh()
-            end_total, end_where = live()
-            log.append(("backward_done",))
-            state["phase"] = "step"
-            state["zero_grad_at_step"] = None
-            shard_now = getattr(opt, "shard", None)
-            shard_before = shard_now.detach().clone() if isinstance(shard_now, torch.Tensor) \
-                else None
-            opt.step()
-            shard_now = getattr(opt, "shard", None)
-            shard_moved = shard_before is not None and isinstance(shard_now, torch.Tensor) and \
-                shard_now.shape == shard_before.shape and \
-                not torch.equal(shard_now.detach(), shard_before)
-            after_step, after_where = live()            # between steps: nothing but the shard
-            state["phase"] = "references"
-            rec = {"learner": _flat(model), "log": list(log), "peak": memory["peak"],
-                   "in_flight": memory.get("in_flight", 0),
-                   "where": memory["where"], "end": end_total, "end_where": end_where,
-                   "after_step": after_step, "after_where": after_where,
-                   "zero_grad_at_step": state["zero_grad_at_step"], "shard_moved": shard_moved}
-            for name, (m, wrapped, ref_opt, kept) in references.items():
-                _reference_step(name, m, wrapped, ref_opt, kept, X, y, world_size)
-                rec[name] = _flat(m)
-            steps.append(rec)
-        state_after = _state_of(inner)
-    return {"initial": initial, "steps": steps, "state_after": state_after, "names": names,
-            "views": None, "hooked": hooked, "frozen": [(n, p.numel()) for n, p in named.items()
-                                      if not p.requires_grad]}
+                state["grad_ptr"] = g.untyped_storage().data_ptr() if isinstance(g, torch.Tensor) \
+                    else None
+                state["phase"] = "backward"
+                F.cross_entropy(model(X), y).backward()
+                weigh()
+                end_total, end_where = live()
+                log.append(("backward_done",))
+                state["phase"] = "step"
+                state["zero_grad_at_step"] = None
+                shard_now = getattr(opt, "shard", None)
+                shard_before = shard_now.detach().clone() if isinstance(shard_now, torch.Tensor) \
+                    else None
+                opt.step()
+                shard_now = getattr(opt, "shard", None)
+                shard_moved = shard_before is not None and isinstance(shard_now, torch.Tensor) and \
+                    shard_now.shape == shard_before.shape and \
+                    not torch.equal(shard_now.detach(), shard_before)
+                after_step, after_where = live()            # between steps: nothing but the shard
+                state["phase"] = "references"
+                rec = {"learner": _flat(model), "log": list(log), "peak": memory["peak"],
+                       "in_flight": memory.get("in_flight", 0),
+                       "where": memory["where"], "end": end_total, "end_where": end_where,
+                       "after_step": after_step, "after_where": after_where,
+                       "zero_grad_at_step": state["zero_grad_at_step"], "shard_moved": shard_moved}
+                torch.set_default_dtype(_MODEL_DTYPE)
+                for name, (m, wrapped, ref_opt, kept) in references.items():
+                    _reference_step(name, m, wrapped, ref_opt, kept, X, y, world_size)
+                    rec[name] = _flat(m)
+                torch.set_default_dtype(_LEARNER_DEFAULT)
+                steps.append(rec)
+            state_after = _state_of(inner)
+        return {"initial": initial, "steps": steps, "state_after": state_after, "names": names,
+                "views": None, "hooked": hooked, "frozen": [(n, p.numel()) for n, p in named.items()
+                                          if not p.requires_grad]}
+    finally:
+        torch.set_default_dtype(_MODEL_DTYPE)
 
 
 def _inner_tensors(inner) -> list:
@@ -465,6 +507,13 @@ def _launch(cls, world_size: int, opt_name: str, timeout: float) -> list:
                      failed=lambda exc: _raised(exc.rank, exc.summary),
                      hang="every rank must make the same collectives, in the same order, with "
                           "tensors of the same size (and wait() for each one it launched).")
+
+
+_DTYPE_WHY = ("a tensor made with torch.zeros/torch.empty/torch.tensor without dtype= takes "
+              "torch's default dtype, which this check sets to float64, not the parameters' "
+              "(and without device=, on a GPU it would sit on the CPU, where NCCL cannot send "
+              "it): contract 6, every tensor you make follows the parameters' device and "
+              "dtype.")
 
 
 def _raised(rank: int, summary: str) -> None:
@@ -487,6 +536,15 @@ def _raised(rank: int, summary: str) -> None:
         fail(f"your code raised on rank {rank}: an all-gather of {a} numbers per rank writes "
              f"into {b}, not {a * int(c)} — make its output world_size times the piece each "
              f"rank sends (and send one bucket's whole shard slice).")
+    found = re.search(r"lab08-dtype (\w+) torch\.(\w+) torch\.(\w+)", summary)
+    if found or ("assign a gradient" in summary and "dtype" in summary):
+        if found:
+            op = found.group(1).replace("_", "-")
+            what = f"{'an' if op[0] in 'aeiou' else 'a'} {op} got a {found.group(2)} tensor"
+        else:
+            what = "self.shard.grad was given another dtype than self.shard"
+        fail(f"your code raised on rank {rank}: {what} while the parameters are float32 — "
+             f"{_DTYPE_WHY}")
     hint = ""
     if "doesn't require gradient" in summary or "does not require grad" in summary:
         hint = (" — the model has a frozen parameter (requires_grad=False): it never gets a "
@@ -564,6 +622,10 @@ def _edges(world_size: int) -> set[int]:
 
 def _diagnose(results: list, world_size: int, opt_name: str) -> str:
     __tracebackhide__ = True
+    if results[0].get("dtype"):
+        what, dtype = results[0]["dtype"]
+        fail(f"{what} is {dtype.replace('torch.', '')} while the parameters are float32 — "
+             f"{_DTYPE_WHY}")
     if results[0].get("views"):
         what, (numbers, kept) = next(iter(results[0]["views"].items()))
         fail(f"{what} is a view of a larger tensor: it uses {numbers} bytes but keeps {kept} "
@@ -698,13 +760,13 @@ def _diagnose_schedule(results: list, world_size: int) -> None:
             return                     # never averaged: the weights will say so
         if not any(e[4] == "backward" for e in launches):
             fail("you reduce-scattered the gradients in step(), after the backward: every full "
-                 "gradient was alive at once — launch each bucket's reduce-scatter from a "
-                 "post-accumulate-grad hook as soon as its last gradient arrives.")
+                 "gradient was alive at once and nothing overlapped the backward — contract 4: "
+                 "a bucket's gradients leave the rank during the backward, once it is full.")
         grads = [i for i, e in enumerate(log) if e[0] == "grad"]
         if all(log.index(e) > grads[-1] for e in launches):
             fail("every reduce-scatter was launched at the end of the backward, after the last "
-                 "gradient arrived: nothing overlapped — launch each bucket as soon as its own "
-                 "last gradient arrives.")
+                 "gradient arrived: nothing overlapped — contract 4: a bucket leaves the rank as "
+                 "soon as it is full, not when the backward is over.")
         arrived = launched = 0
         for e in log:
             if e[0] == "grad":
@@ -712,33 +774,32 @@ def _diagnose_schedule(results: list, world_size: int) -> None:
                     fail(f"{arrived - launched} gradient numbers had arrived and were not yet "
                          f"reduce-scattered when the next gradient came (a bucket still filling "
                          f"holds fewer than {slack}): a bucket was launched later than when it "
-                         f"was full — launch it in the hook of its last gradient.")
+                         f"was full (contract 4: as soon as it is full).")
                 arrived += e[1]
             elif e[0] == "launch":
                 launched += e[2]
         blocking = [e for e in launches if e[4] == "backward" and not e[3]]
         if blocking:
             fail("a reduce-scatter inside the backward was blocking (no async_op=True): the "
-                 "backward stops until it ends, so nothing overlaps — launch it with "
-                 "async_op=True and wait() for it later (before the next bucket's launch or in "
-                 "step()).")
+                 "backward stopped until the network was done, so nothing overlapped — "
+                 "contract 4: the backward does not wait for the network.")
         waited_at = {e[1]: i for i, e in enumerate(log) if e[0] == "wait"}
         for i, e in enumerate(log):
             if e[0] != "launch" or e[4] != "backward":
                 continue
             later = [j for j in grads if j > i]
             if later and e[1] in waited_at and waited_at[e[1]] < later[0]:
-                fail("you wait() for each reduce-scatter right after launching it: that blocks "
-                     "the backward like a synchronous call — wait for it only when the next "
-                     "bucket is ready, or in step().")
+                fail("you wait() for each reduce-scatter right after launching it: the "
+                     "backward stops there as it would for a blocking call, so nothing "
+                     "overlaps — contract 4: the backward does not wait for the network.")
         steps_at = [i for i, e in enumerate(log) if e[0] == "inner_step"]
         if steps_at:
             unwaited = [e[1] for e in launches if e[3] and
                         (e[1] not in waited_at or waited_at[e[1]] > steps_at[0])]
             if unwaited:
                 fail(f"{len(unwaited)} asynchronous reduce-scatter(s) had not been waited for "
-                     f"when the inner optimizer stepped: wait() for every one before "
-                     f"self.optimizer.step(), or the shard's gradient may not have arrived yet.")
+                     f"when the inner optimizer stepped: until wait() returns, the shard's "
+                     f"gradient need not hold the average yet (contract 3).")
 
 
 def _diagnose_memory(results: list, world_size: int, opt_name: str) -> str:
@@ -753,34 +814,33 @@ def _diagnose_memory(results: list, world_size: int, opt_name: str) -> str:
         ends = worst["end_where"]
         if ends.get("p.grad"):
             fail(f"{ends['p.grad']} bytes of full gradients were still in p.grad when the "
-                 f"backward ended: set p.grad = None for a bucket's parameters as soon as "
-                 f"their gradients are copied into its buffer.")
+                 f"backward ended: a bucket's gradients, once copied into its buffer, stayed "
+                 f"alive a second time in p.grad — contract 5 counts them there too.")
         if path == "a full gradient kept elsewhere":
             fail(f"{where[path]} bytes of full gradients were kept alive by a reference outside "
-                 f"p.grad and outside your object: keep no reference to a gradient once its "
-                 f"bucket is copied.")
+                 f"p.grad and outside your object: contract 5 counts a gradient wherever it is "
+                 f"kept alive.")
         log = worst["log"]
         waits_in_backward = [e for e in log[:log.index(("backward_done",))] if e[0] == "wait"]
         if not waits_in_backward:
             fail(f"every bucket's padded gradient buffer stayed alive until step() "
-                 f"({where[path]} bytes in {path} at the peak, limit {limit}): wait() for a "
-                 f"bucket's reduce-scatter when the next bucket is ready and drop its buffer, "
-                 f"so that one bucket is in flight at a time.")
+                 f"({where[path]} bytes in {path} at the peak, limit {limit}): no "
+                 f"reduce-scatter was waited for during the backward, and a collective not "
+                 f"waited for keeps its buffer — contract 5 allows about two buckets alive.")
         if worst["in_flight"] > 1:
             fail(f"{worst['in_flight']} bucket reduce-scatters were in flight at once at the "
-                 f"peak ({worst['peak']} bytes of gradients alive, limit {limit}): wait() for "
-                 f"the bucket in flight before launching the next one, so that one is in flight "
-                 f"at a time.")
-        fail(f"{path} still held {where[path]} bytes of gradients at the peak (limit {limit}: "
-             f"the bucket being filled and the one in flight): drop each padded buffer once "
-             f"its reduce-scatter has been waited for, and keep no copy per parameter.")
+                 f"peak ({worst['peak']} bytes of gradients alive, limit {limit}): each keeps "
+                 f"its buffer alive until it is waited for, besides the bucket filling in "
+                 f"p.grad — contract 5 allows about two buckets alive.")
+        fail(f"{path} still held {where[path]} bytes of gradients at the peak (limit {limit}, "
+             f"about two buckets): contract 5 counts whatever your object keeps — a buffer "
+             f"whose reduce-scatter is over, or a copy or view per parameter, still weighs.")
     kept = max((s for r in results for s in r["steps"]), key=lambda s: s["after_step"])
     if kept["after_step"]:
         path = max(kept["after_where"], key=kept["after_where"].get)
         fail(f"after step() {path} still held {kept['after_where'][path]} bytes of gradient "
-             f"buffers, kept into the next step: drop the last bucket's buffer once its "
-             f"reduce-scatter is waited for (between steps a rank needs only its shard's "
-             f"gradient).")
+             f"buffers, kept into the next step: contract 5 — between steps nothing but "
+             f"self.shard.grad.")
     return (f"{worst['peak']} of {total} B on {world_size} ranks ({opt_name}, buckets of "
             f"{BUCKET_CAP} B)")
 
