@@ -157,13 +157,11 @@ viz.show(viz.collectives_figure(before, after),
 # size and each sample's loss depends on that sample alone. (Training-mode BatchNorm breaks the
 # second condition: it normalises each sample with the statistics of the batch it is in, so a
 # rank's shard gives a different gradient than the global batch. The next cell shows it.)
-# So after `backward()`, every gradient must be divided by `world_size` and all-reduced with
-# SUM — on every rank, before the optimizer step. That is the whole idea of data parallelism;
-# you will write it yourself in lab 03. `DistributedDataParallel` does it for you, hidden in
-# `backward()`, and **divides first, then sums**: without a comm hook its reducer divides each
-# gradient by the world size *as it copies it into its bucket*, and all-reduces the bucket with
-# SUM. (Why first? The reason torch writes down is in its Python `allreduce_hook`, which divides
-# a whole bucket before its all-reduce: "to avoid overflow, especially for FP16".)
+# So after `backward()` and before the optimizer step, every rank must replace each of its
+# gradients by their average over all the ranks — the same numbers on every rank. That is the
+# whole idea of data parallelism; which of the collectives above produce that average, and
+# how, you will work out yourself in lab 03. `DistributedDataParallel` does it for you, hidden
+# in `backward()` (how its reducer orders the arithmetic comes after the lab).
 #
 # The identity in one process, no ranks needed: the average of the gradients of two halves of
 # a batch, against the gradient of the whole batch, for the course's small CNN (no BatchNorm)
@@ -234,8 +232,9 @@ claim(f"weights after the {steps} steps are bit-for-bit equal across the ranks (
 # ## Lab 03: average the gradients yourself
 #
 # Before reading on, open [lab03_ddp_first_principles](../labs/lab03_ddp_first_principles.ipynb)
-# and write what DDP just did for you: `average_gradients(model)` and a DDP-free training step;
-# then the average when the ranks' shards differ in size, which no cell here shows.
+# and write what DDP just did for you: `average_gradients(model)` and a DDP-free training step
+# that also reports the global batch's loss; then the average when the ranks' shards differ in
+# size, which no cell here shows.
 # The library's own `average_gradients` is in the folded cell below: open it once your lab
 # passes.
 
@@ -249,7 +248,7 @@ viz.show_code(ddp.average_gradients)
 # The worker that uses it (its `average_fn`, by default the library's `average_gradients`) in
 # place of DDP, with the same model, data and steps as `ddp_worker`: it broadcasts rank 0's
 # weights once, then every step runs forward, backward, `average_fn(model)` and the optimizer
-# step on its shard — your `data_parallel_step`.
+# step on its shard — your `data_parallel_step`, without the global loss.
 #
 # **▶ The reference answer — open after your lab passes** (click the folded cell below).
 
@@ -279,6 +278,27 @@ claim("hand-averaged weights are bit-for-bit equal across the ranks",
 # though, the weights after the last step are identical to the last bit: every rank receives
 # the very same all-reduced numbers and applies the same update. Nobody sends weights after the
 # start — equal gradients keep them equal.
+#
+# DDP orders the arithmetic the other way round: it **divides first, then sums**. Without a
+# comm hook its reducer divides each gradient by the world size *as it copies it into its
+# bucket*, and all-reduces the bucket with SUM. (Why first? The reason torch writes down is in
+# its Python `allreduce_hook`, which divides a whole bucket before its all-reduce: "to avoid
+# overflow, especially for FP16".) With 2 ranks the order is invisible — dividing by 2 only
+# changes the exponent — and with 3 it shows in the last bits, as the claims above say.
+#
+# **A question to try:** suppose each rank stepped with its own gradients and the ranks then
+# averaged their *weights*. With this lesson's plain SGD that gives the same weights as
+# averaging the gradients; with Adam it does not (lab 03's check runs both). Why?
+#
+# **▶ An answer — open after you have tried** (click the folded cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Plain SGD's update is linear in the gradient: the mean over the ranks of w − lr·g_r is
+# w − lr·(mean of the g_r), the step on the averaged gradient. Adam divides each gradient's
+# running mean by the square root of its running square, which is not linear: the mean of the
+# ranks' Adam updates is not the Adam update of the mean gradient, and each rank's optimizer
+# state follows its own shard. Averaging the gradients before the step keeps every rank's
+# optimizer fed with the same numbers, whatever it computes from them.
 #
 # Bad input gets one sentence, not a hang deep in a rank:
 
@@ -796,18 +816,19 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 
 # %%
 viz.quiz([
-    {"q": "Each rank's loss is the mean over its own shard of 16 samples, with 4 ranks. What "
-          "must happen to the gradients after backward() so every rank takes the global-batch "
-          "step?",
-     "options": ["all_reduce with SUM", "broadcast rank 0's gradients",
-                 "divide by 4 and all_reduce with SUM (in either order)"],
-     "answer": 2,
+    {"q": "4 ranks, each with a shard of 16 samples and its loss the mean over its shard, "
+          "all_reduce their gradients with SUM and step with plain SGD, lr 0.1, but forget to "
+          "divide. Compared with one process on the 64 samples at lr 0.1, every step is...",
+     "options": ["the same step: the SUM already combines the shards",
+                 "the one-process step at lr 0.4, the same on every rank",
+                 "different on every rank, so the replicas drift apart"],
+     "answer": 1,
      "why": ["The sum of four shard-means is 4 times the mean over the 64 samples.",
-             "Then every rank would step with rank 0's shard only.",
-             "Right: the average of equal-sized shard means is the global mean. DDP divides "
-             "first: its reducer divides each gradient as it copies it into the bucket (torch's "
-             "allreduce_hook, which divides the whole bucket first, gives the reason: overflow, "
-             "especially in float16)."]},
+             "Right: the gradient is 4 times the global-batch gradient, so each step is the "
+             "one-process step 4 times too long; every rank still holds the same numbers, so "
+             "nothing drifts — the mistake hides in a learning rate 4 times too big (with Adam, "
+             "nearly scale-free, it would hardly show).",
+             "After an all_reduce every rank holds the same sum: the ranks agree."]},
     {"q": "Why does the first backward under DDP all-reduce one bucket holding every gradient?",
      "options": ["DDP does not know the gradients' order yet: it reduces everything once, after "
                  "the whole backward, and rebuilds buckets from the order it observed",

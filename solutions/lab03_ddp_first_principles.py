@@ -6,9 +6,10 @@
 #
 # 1. `average_gradients(model)`: the gradients of all ranks combined into their mean;
 # 2. how many collective calls that makes in one step — **predicted first**, then measured;
-# 3. `data_parallel_step(model, optimizer, X, y)`: one training step of a rank on its shard;
+# 3. `data_parallel_step(model, optimizer, X, y)`: one training step of a rank on its shard,
+#    for any optimizer, returning the loss of the whole global batch;
 # 4. `average_gradients_weighted(model, n_local)`: the same goal when the shards have
-#    **different sizes**, which the lesson does not show — the lab's design decision;
+#    **different sizes**, which the lesson does not show — a design decision of yours;
 # 5. (stretch) `average_gradients_flat(model)`: the mean with one collective for the whole model.
 #
 # Each part states the contract its check holds you to: the signature, what the function
@@ -38,7 +39,8 @@ torch.set_num_threads(1)
 #
 # - afterwards, on every rank, each `p.grad` that is not `None` holds the **mean over the
 #   ranks** of that parameter's gradient — the same values on every rank, in the parameter's
-#   shape;
+#   shape (a parameter that got no gradient — frozen, or unused by the forward — keeps
+#   `p.grad` `None`; the check's model has one);
 # - it works for any number of ranks, and returns `None`.
 
 # %% [markdown]
@@ -115,17 +117,25 @@ lab03.check_prediction(guess, measured)
 # calls it at the same time with the same model and optimizer settings and its own equal shard
 # `X, y` of the global batch. Contract:
 #
-# - the loss is the mean cross-entropy of the model's outputs on the shard;
-# - it returns **this rank's loss on its shard, before the update, as a Python float**;
-# - afterwards every rank's weights equal those of one process that took the same step (same
-#   optimizer) on the whole global batch — step after step, for as many steps as it is called.
+# - the loss that is differentiated is the mean cross-entropy of the model's outputs on the
+#   rank's own shard;
+# - it returns **the mean loss over the whole global batch, before the update, as a Python
+#   `float`** — the same number on every rank, the one a training log would print;
+# - afterwards every rank's weights equal those of one process that took the same step with
+#   the same optimizer on the whole global batch — step after step, for as many steps as it is
+#   called, **whatever `torch.optim` optimizer it is given** (the check tries more than one).
+#
+# **Your design decision:** the lesson's worker never needed the global batch's loss. Decide
+# what crosses between the ranks for it, and where in the step, so that the number every rank
+# returns is the global one and the gradients stay exactly what part 1 averages.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # In an ordinary single-process step, between which two lines does the gradient become final?
-# What must the ranks agree on at that point — the loss, or something else?
+# What must the ranks agree on at that point — the loss, the weights, or something else? And
+# the loss to return: which rank knows it?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea** (click the folded cell below)
@@ -133,27 +143,31 @@ lab03.check_prediction(guess, measured)
 # %% [markdown] jupyter={"source_hidden": true}
 # Each rank's backward gives the gradient of its own shard's mean loss. The mean of those
 # gradients over equal shards is the gradient of the global batch's mean loss; once every rank
-# holds it, every rank applies the same update. Averaging the loss would not do that: each
-# rank's backward only ever sees its own data.
+# holds it, every rank hands the same gradient to the same optimizer state and applies the same
+# update, whatever that optimizer computes from it. The global loss is the mean of the shards'
+# losses too, but it is a number to report: a copy outside the autograd graph can cross the
+# ranks without touching what the backward computes.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # The four lines of lesson 01's step (clear the gradients, loss, backward, optimizer step), with
-# one call to part 1's function where the gradients must agree, and the loss turned into a
-# float for the return.
+# one call to part 1's function where the gradients must agree; then a detached copy of the
+# loss, one collective on it, a division by the number of ranks, and a Python number out.
 
 # %%
 def data_parallel_step(model, optimizer, X, y):
-    """One step on this rank's shard (X, y); returns the rank's loss as a float."""
+    """One step on this rank's shard (X, y); returns the global batch's loss as a float."""
     ### BEGIN SOLUTION: one data-parallel training step on this rank's shard
     optimizer.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(X), y)
     loss.backward()
     average_gradients(model)
     optimizer.step()
-    return loss.item()
+    global_loss = loss.detach().clone()
+    dist.all_reduce(global_loss)
+    return global_loss.item() / dist.get_world_size()
     ### END SOLUTION
 
 
@@ -171,7 +185,9 @@ lab03.check_data_parallel_step(data_parallel_step)
 # - afterwards, on every rank, each `p.grad` holds the gradient of the **mean loss over every
 #   sample of every rank, each sample counted once** — what one process would compute on the
 #   concatenated batch;
-# - it works for any number of ranks and any positive counts, and returns `None`.
+# - it works for any number of ranks and any positive counts, and returns `None`;
+# - any tensor you hand to a collective lives on the gradients' device (the check runs on the
+#   CPU with gloo, which accepts CPU tensors; NCCL on GPUs accepts only CUDA tensors).
 #
 # **Your design decision:** the lesson only averaged equal shards. Decide what each rank must
 # contribute to the collectives, and in how many calls, so that every rank can form that global

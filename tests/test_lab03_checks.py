@@ -75,8 +75,14 @@ def _step_returning_tensor(model, optimizer, X, y):
     return loss
 
 
+def _global_loss(loss):
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
 def good_step(model, optimizer, X, y):
-    return _step_returning_tensor(model, optimizer, X, y).item()
+    return _global_loss(_step_returning_tensor(model, optimizer, X, y)).item()
 
 
 def average_the_loss(model, optimizer, X, y):
@@ -192,13 +198,61 @@ def returns_loss_after_step(model, optimizer, X, y):
 
 
 def returns_the_loss_tensor(model, optimizer, X, y):
-    # a 0-dim tensor: float() of it is the loss, so this is accepted
-    return _step_returning_tensor(model, optimizer, X, y)
+    # the right number in a 0-dim tensor: the contract says a Python float
+    return _global_loss(_step_returning_tensor(model, optimizer, X, y))
 
 
-def test_returning_the_loss_tensor_is_accepted(capsys):
-    lab03.check_data_parallel_step(returns_the_loss_tensor)
-    assert capsys.readouterr().out.count("✔") == 1
+def returns_own_shard_loss(model, optimizer, X, y):
+    return _step_returning_tensor(model, optimizer, X, y).item()
+
+
+def returns_summed_loss(model, optimizer, X, y):
+    loss = _step_returning_tensor(model, optimizer, X, y).detach()
+    dist.all_reduce(loss)
+    return loss.item()
+
+
+def averages_the_weights(model, optimizer, X, y):
+    # each rank steps with its own gradients, then the weights are averaged: equal to the
+    # global step for plain SGD only
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(X), y)
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.all_reduce(p)
+            p /= dist.get_world_size()
+    return _global_loss(loss).item()
+
+
+def averages_the_weights_data(model, optimizer, X, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(X), y)
+    loss.backward()
+    optimizer.step()
+    for p in model.parameters():
+        dist.all_reduce(p.data)
+        p.data /= dist.get_world_size()
+    return _global_loss(loss).item()
+
+
+def step_loss_averaged_first(model, optimizer, X, y):
+    # right: the global loss formed before the backward, from a detached copy
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(X), y)
+    logged = loss.detach().clone()
+    dist.all_reduce(logged)
+    loss.backward()
+    rebind_attribute(model)
+    optimizer.step()
+    return float(logged) / dist.get_world_size()
+
+
+def test_step_with_the_loss_averaged_before_the_backward_passes(capsys):
+    lab03.check_data_parallel_step(step_loss_averaged_first)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "Adam" in out, out
 
 
 @pytest.mark.parametrize("fn, phrase", [
@@ -206,7 +260,12 @@ def test_returning_the_loss_tensor_is_accepted(capsys):
     (no_zero_grad, "zero_grad"),
     (no_step, "never changed"),
     (returns_nothing, "returned nothing"),
-    (returns_loss_after_step, "return the loss computed on this rank's shard, before the step"),
+    (returns_loss_after_step, "return the loss computed before the step"),
+    (returns_the_loss_tensor, "returned a torch.Tensor .*, not a Python float"),
+    (returns_own_shard_loss, "that rank's own shard's loss, where the global batch's loss"),
+    (returns_summed_loss, "the sum of the ranks' shard losses"),
+    (averages_the_weights, "all-reduced the weights themselves"),
+    (averages_the_weights_data, "all-reduced the weights themselves"),
 ])
 def test_wrong_step(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
@@ -246,7 +305,7 @@ def divide_by_two(model):
 
 def rebind_attribute(model):
     n = dist.get_world_size()
-    for p in model.parameters():
+    for p in (p for p in model.parameters() if p.grad is not None):
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         p.grad = p.grad / n  # a new tensor, but bound to p.grad itself: right
 
@@ -254,13 +313,15 @@ def rebind_attribute(model):
 def div_underscore_then_reduce(model):
     n = dist.get_world_size()
     for p in model.parameters():
+        if p.grad is None:
+            continue
         p.grad.div_(n)  # dividing first is just as right
         dist.all_reduce(p.grad)
 
 
 def flat_with_torch_helpers(model):
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-    grads = [p.grad for p in model.parameters()]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat)
     flat.mul_(1.0 / dist.get_world_size())
@@ -309,7 +370,7 @@ def step_dividing_by_two(model, optimizer, X, y):
     loss.backward()
     divide_by_two(model)
     optimizer.step()
-    return loss.item()
+    return _global_loss(loss).item()
 
 
 def step_with_sum_reduction(model, optimizer, X, y):
@@ -319,7 +380,7 @@ def step_with_sum_reduction(model, optimizer, X, y):
     loss.backward()
     rebind_attribute(model)
     optimizer.step()
-    return loss.detach()
+    return _global_loss(loss).item()
 
 
 def test_step_dividing_by_two_fails_on_three_ranks():
@@ -333,7 +394,7 @@ def test_step_with_a_summed_loss_divided_is_accepted(capsys):
 
 
 def flat_reference(model):
-    grads = [p.grad for p in model.parameters()]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
@@ -343,7 +404,7 @@ def flat_reference(model):
 
 def flat_assigning_views(model):
     # right: p.grad rebound to views of the averaged buffer
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.grad is not None]
     flat = torch.cat([p.grad.reshape(-1) for p in params]) / dist.get_world_size()
     dist.all_reduce(flat)
     i = 0
@@ -530,7 +591,7 @@ def weighted_one_collective(model, n_local):
 
 def flat_parameters_to_vector(model):
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
-    grads = [p.grad for p in model.parameters()]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = parameters_to_vector(grads)
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
@@ -551,3 +612,75 @@ def test_flat_through_parameters_to_vector_passes(capsys):
 def test_average_gradients_on_four_ranks(capsys):
     lab03.check_average_gradients(reference_average, world_sizes=(4,))
     assert "on 4 ranks" in capsys.readouterr().out
+
+
+# --- a parameter without a gradient; part 4's unscaled sum; part 2's message ---------------------
+
+def no_none_guard(model):
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world_size
+
+
+def guard_on_requires_grad(model):
+    # requires_grad is True for a parameter the forward never used: its p.grad is still None
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.requires_grad:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+
+
+def flat_no_none_guard(model):
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+@pytest.mark.parametrize("fn", [no_none_guard, guard_on_requires_grad])
+def test_a_missing_none_guard_is_refused(fn):
+    with pytest.raises(LabCheckError, match="failed on a parameter whose p.grad is None"):
+        lab03.check_average_gradients(fn, world_sizes=(2,))
+
+
+def test_a_missing_none_guard_is_refused_in_the_flat_stretch():
+    with pytest.raises(LabCheckError, match="failed on a parameter whose p.grad is None"):
+        lab03.check_average_gradients_flat(flat_no_none_guard, world_sizes=(2,))
+
+
+def weighted_count_summed_but_gradients_not_scaled(model, n_local):
+    total = torch.tensor([float(n_local)])
+    dist.all_reduce(total)
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= total
+
+
+def weighted_scaled_after_the_sum(model, n_local):
+    total = torch.tensor([float(n_local)])
+    dist.all_reduce(total)
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad *= n_local / total
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (weighted_count_summed_but_gradients_not_scaled, "was not multiplied by its own n_local"),
+    (weighted_scaled_after_the_sum, "multiplied by this rank's own n_local"),
+])
+def test_weighted_scaling_mistakes_are_named(fn, phrase):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab03.check_average_gradients_weighted(fn)
+
+
+def test_the_call_count_message_does_not_answer_the_bytes_prediction(capsys):
+    from dpcourse.checks import predict
+
+    measured = {"calls": 10, "bytes": 4 * 18794, "tensors": 10, "parameters": 18794}
+    lab03.check_prediction(predict("lab03", "all_reduce calls", 10, unit="calls"), measured)
+    out = capsys.readouterr().out
+    assert "stretch" not in out and "same bytes" not in out, out

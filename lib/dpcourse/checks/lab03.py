@@ -19,6 +19,13 @@ reference. A wrong answer is matched against simulations of the plausible mistak
   ``timeout=`` to pass;
 * averaging the loss instead of the gradients: each rank steps with its own gradients and the
   ranks' weights drift apart;
+* averaging the weights instead of the gradients (each rank steps with its own gradients, then
+  the parameters are all-reduced and divided): equal to the global step for plain SGD (linear
+  in the gradient), so the step is also run with Adam, and a spy on the collectives' tensors
+  names the cause;
+* no ``None`` guard: the averaging worker's model has a parameter the forward never uses;
+* the step returning a tensor, or its own shard's loss, where the contract asks for the global
+  batch's loss as a Python float;
 * the library's own ``dpcourse.ddp.average_gradients`` passed as the answer: refused (the lab
   asks for the learner's).
 
@@ -49,18 +56,25 @@ __all__ = ["check_average_gradients", "check_average_gradients_flat",
 DEFAULT_TIMEOUT = 20.0  # seconds; a correct answer takes 1-8 s, a deadlock is cut off here
 
 
-def _avg_worker(rank: int, world_size: int, fn) -> dict:
+def _avg_worker(rank: int, world_size: int, fn, unused: bool = True) -> dict:
     __tracebackhide__ = True
     from .. import ddp
     from ..models import SmallCNN
 
     dev = ddp.setup_rank()
-    torch.manual_seed(0)
-    model = SmallCNN(width=4).to(dev)
-    g = torch.Generator().manual_seed(1000 + rank)  # different data on each rank
-    X = torch.randn(4, 3, 32, 32, generator=g).to(dev)
-    y = torch.randint(0, 10, (4,), generator=g).to(dev)
-    F.cross_entropy(model(X), y).backward()
+
+    def model_after_backward(extra: bool):
+        torch.manual_seed(0)
+        model = SmallCNN(width=4).to(dev)
+        if extra:  # a parameter the forward never uses: its p.grad stays None after backward
+            model.register_parameter("unused", torch.nn.Parameter(torch.zeros(3, device=dev)))
+        g = torch.Generator().manual_seed(1000 + rank)  # different data on each rank
+        X = torch.randn(4, 3, 32, 32, generator=g).to(dev)
+        y = torch.randint(0, 10, (4,), generator=g).to(dev)
+        F.cross_entropy(model(X), y).backward()
+        return model
+
+    model = model_after_backward(False)
     local = [p.grad.detach().cpu().clone() for p in model.parameters()]
     before = [p.grad for p in model.parameters()]  # the tensors themselves: rebound or not?
     # Count the all_reduce calls (the stretch asks for exactly one) and their bytes.
@@ -70,12 +84,20 @@ def _avg_worker(rank: int, world_size: int, fn) -> dict:
         fn(model)
     after = [None if p.grad is None else p.grad.detach().cpu().clone()
              for p in model.parameters()]
-    return {"local": local, "after": after,
-            "in_place": all(p.grad is b for p, b in zip(model.parameters(), before)),
-            "all_reduce_calls": calls.count_by_op().get("all_reduce", 0),
-            "all_reduce_bytes": calls.bytes_by_op().get("all_reduce", 0),
-            "n_params": sum(p.numel() for p in model.parameters()),
-            "n_tensors": len(before)}
+    out = {"local": local, "after": after,
+           "in_place": all(p.grad is b for p, b in zip(model.parameters(), before)),
+           "all_reduce_calls": calls.count_by_op().get("all_reduce", 0),
+           "all_reduce_bytes": calls.bytes_by_op().get("all_reduce", 0),
+           "n_params": sum(p.numel() for p in model.parameters()),
+           "n_tensors": len(before), "none_error": None}
+    if unused:  # the contract's "each p.grad that is not None": one parameter without a grad
+        try:
+            fn(model_after_backward(True))
+        except (AttributeError, TypeError, RuntimeError, ValueError) as e:
+            if "None" not in str(e):
+                raise
+            out["none_error"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def _rebinds_division(fn) -> bool | None:
@@ -150,10 +172,12 @@ def check_average_gradients(average_gradients, world_sizes=WORLD_SIZES,
     refuse_reference(average_gradients, "average_gradients", ddp.average_gradients,
                      why="define it in the cell above, under the same name, and pass that")
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    in_place = True
+    in_place, every = True, []
     for world_size in world_sizes:
         results = _check_average(average_gradients, world_size, timeout, "average_gradients")
         in_place = in_place and all(r["in_place"] for r in results)
+        every += results
+    _none_guard(every, "average_gradients")
     how = ("in place (each p.grad is still the tensor the backward filled)" if in_place else
            "in new tensors bound to p.grad (right here: the optimizer reads p.grad at each "
            "step; where gradients are views of a bucket, as in lesson 07, only writing into "
@@ -169,11 +193,26 @@ def check_average_gradients_flat(average_gradients_flat, world_sizes=WORLD_SIZES
     (one flat buffer holding every gradient)."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    every = []
     for world_size in world_sizes:
-        _check_average(average_gradients_flat, world_size, timeout, "average_gradients_flat",
-                       flat=True)
+        every += _check_average(average_gradients_flat, world_size, timeout,
+                                "average_gradients_flat", flat=True)
+    _none_guard(every, "average_gradients_flat")
     passed(f"average_gradients_flat: one all_reduce for the whole model, every p.grad the mean "
            f"over the ranks (on {' and '.join(map(str, world_sizes))} ranks)")
+
+
+def _none_guard(results: list, name: str) -> None:
+    """After the means are right on every world size: the run on a model with a parameter
+    that gets no gradient must not have failed on it."""
+    __tracebackhide__ = True
+    for r in results:
+        if r["none_error"]:
+            error = " ".join(r["none_error"].split())
+            error = error if len(error) <= 110 else error[:107] + "..."
+            fail(f"{name} failed on a parameter whose p.grad is None ({error}): a parameter the "
+                 f"forward did not use, or a frozen one, gets no gradient, and the contract "
+                 f"covers only the gradients that exist.")
 
 
 def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = False) -> list:
@@ -255,7 +294,7 @@ def count_all_reduces(average_gradients, world_size: int = 2,
     if not callable(average_gradients):
         fail(f"count_all_reduces needs your function, got {type(average_gradients).__name__}.")
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    r = _launch(_avg_worker, world_size, timeout, average_gradients,
+    r = _launch(_avg_worker, world_size, timeout, average_gradients, False,
                 name=getattr(average_gradients, "__name__", "your function"))[0]
     return {"calls": r["all_reduce_calls"], "bytes": r["all_reduce_bytes"],
             "tensors": r["n_tensors"], "parameters": r["n_params"]}
@@ -275,8 +314,7 @@ def check_prediction(guess, measured: dict) -> None:
         why = (f"One all_reduce per parameter tensor: the model has {tensors} of them (a weight "
                f"and a bias in each of its 5 layers), each a separate call that pays the "
                f"collective's fixed start-up cost (lesson 06's α). Together they hand over "
-               f"{nbytes:,} bytes on each rank: {params:,} float32 gradients of 4 bytes. The "
-               f"stretch makes the same bytes travel in one call.")
+               f"{nbytes:,} bytes on each rank: {params:,} float32 gradients of 4 bytes.")
     else:
         why = (f"The model has {tensors} parameter tensors ({params:,} float32 gradients, "
                f"{4 * params:,} bytes); your function made {calls} all_reduce call(s) handing "
@@ -392,6 +430,16 @@ def _diagnose_weighted(results: list, world_size: int) -> None:
         if _all_close(after, combine([1] * world_size, 1)):
             fail("the gradients are the plain sum over the ranks: weight each rank's gradient "
                  "by its number of samples, and divide by the total number of samples.")
+        if _all_close(after, combine([1] * world_size, total_n)):
+            fail(f"the gradients are the plain sum over the ranks divided by the total count "
+                 f"({total_n}): each rank's gradient was not multiplied by its own n_local "
+                 f"before the sum, so a rank's mean gradient stood in for the sum over its "
+                 f"samples and every rank weighed the same.")
+        if _all_close(after, combine([r["n_local"]] * world_size, total_n)):
+            fail(f"on rank {rank} the sum over the ranks was multiplied by this rank's own "
+                 f"n_local ({r['n_local']}) after the all_reduce: each rank's gradient must be "
+                 f"weighted by its own count before the sum, where the other ranks' counts "
+                 f"still apply.")
         if _all_close(after, combine(ns, 1)):
             fail(f"the gradients are the sample-weighted sum, not yet divided: divide by the "
                  f"total number of samples over all ranks ({total_n} here).")
@@ -425,30 +473,54 @@ def _cfg():
     return StepConfig(global_batch=24, steps=_STEPS, lr=0.1, width=4, n_train=96)
 
 
-def _step_worker(rank: int, world_size: int, step_fn) -> dict:
+def _optimizer(name: str, params, cfg):
+    if name == "adam":   # not linear in the gradient: averaging the weights differs from it
+        return torch.optim.Adam(params, lr=ADAM_LR)
+    return torch.optim.SGD(params, lr=cfg.lr)
+
+
+ADAM_LR = 0.01
+
+
+def _step_worker(rank: int, world_size: int, step_fn, opt_name: str = "sgd") -> dict:
     __tracebackhide__ = True
     from .. import ddp
+    from ..collectives import record_collectives
 
     cfg = _cfg()
     dev = ddp.setup_rank()
     model = ddp.make_model(cfg).to(dev)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    opt = _optimizer(opt_name, model.parameters(), cfg)
+    weights = {p.data_ptr() for p in model.parameters()}
+    touched = []   # did a collective receive a parameter itself (not its gradient)?
+
+    def spy(call):
+        for v in (call.args or {}).values():
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(t, torch.Tensor) and t.data_ptr() in weights:
+                    touched.append(call.op)
+
     returned, expected = [], []
     for step in range(cfg.steps):
         X, y = ddp.shard_of(*ddp.global_batch_for_step(cfg, step), rank, world_size)
         X, y = X.to(dev), y.to(dev)
-        with torch.no_grad():  # this rank's loss before the step: what the step must return
+        with torch.no_grad():  # this rank's loss before the step
             expected.append(F.cross_entropy(model(X), y).item())
-        out = step_fn(model, opt, X, y)
-        try:
-            returned.append(None if out is None else float(out))
-        except (TypeError, ValueError, RuntimeError):
+        with record_collectives(before=spy):
+            out = step_fn(model, opt, X, y)
+        if out is None or isinstance(out, float):
+            returned.append(out)
+        elif isinstance(out, torch.Tensor):
+            returned.append(f"a torch.Tensor ({out.detach().cpu().float().reshape(-1)[0]:.4f})"
+                            if out.numel() else "an empty torch.Tensor")
+        else:
             returned.append(f"a {type(out).__name__}")
-    return {"params": ddp.flat_params(model), "returned": returned, "expected": expected}
+    return {"params": ddp.flat_params(model), "returned": returned, "expected": expected,
+            "weights_reduced": bool(touched)}
 
 
 def _simulate(world_size: int, rank: int | None, scale: float = 1.0,
-              zero_grad: bool = True) -> torch.Tensor:
+              zero_grad: bool = True, opt_name: str = "sgd") -> torch.Tensor:
     """Final weights of a single process that trains on rank ``rank``'s shard only (None: the
     whole global batch), with gradients multiplied by ``scale``, with or without zero_grad.
     (Its ``world_size`` only picks the shard.)"""
@@ -456,7 +528,7 @@ def _simulate(world_size: int, rank: int | None, scale: float = 1.0,
 
     cfg = _cfg()
     model = ddp.make_model(cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    opt = _optimizer(opt_name, model.parameters(), cfg)
     for step in range(cfg.steps):
         X, y = ddp.global_batch_for_step(cfg, step)
         if rank is not None:
@@ -466,6 +538,13 @@ def _simulate(world_size: int, rank: int | None, scale: float = 1.0,
         (F.cross_entropy(model(X), y) * scale).backward()
         opt.step()
     return ddp.flat_params(model)
+
+
+_WEIGHTS = ("the ranks all-reduced the weights themselves, after each rank stepped with its own "
+            "gradients, instead of the gradients before the step: that matches one process on "
+            "the global batch only while the update is linear in the gradient, as plain SGD's "
+            "is — with Adam the mean of the ranks' updates is not the update of the mean "
+            "gradient. Lesson 03: nobody sends weights after the start.")
 
 
 @recorded
@@ -479,38 +558,71 @@ def check_data_parallel_step(data_parallel_step, world_sizes=WORLD_SIZES,
     if not callable(data_parallel_step):
         fail(f"check_data_parallel_step needs your function, got "
              f"{type(data_parallel_step).__name__}.")
-    for world_size in world_sizes:
-        results = _launch(_step_worker, world_size, timeout, data_parallel_step,
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the simulations are tiny: extra threads only add contention
+    try:
+        for world_size in world_sizes:
+            results = _launch(_step_worker, world_size, timeout, data_parallel_step,
+                              name="data_parallel_step")
+            _diagnose_step([r["params"] for r in results], world_size,
+                           _returned_loss_problem(results),
+                           any(r["weights_reduced"] for r in results))
+        # The same step with Adam, whose update is not linear in the gradient.
+        world_size = min(world_sizes)
+        results = _launch(_step_worker, world_size, timeout, data_parallel_step, "adam",
                           name="data_parallel_step")
-        params = [r["params"] for r in results]
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the simulations are tiny: extra threads only add contention
-        try:
-            _diagnose_step(params, world_size, _returned_loss_problem(results))
-        finally:
-            torch.set_num_threads(threads)
+        reference = _simulate(world_size, None, opt_name="adam")
+        if not all(torch.allclose(r["params"], reference, rtol=1e-4, atol=1e-6)
+                   for r in results):
+            if any(r["weights_reduced"] for r in results):
+                fail(_WEIGHTS)
+            fail(f"with plain SGD the weights matched one process on the global batch, but with "
+                 f"Adam (lr {ADAM_LR}) they do not: the step must give every rank the averaged "
+                 f"gradients before the optimizer step, whatever the optimizer does with them.")
+    finally:
+        torch.set_num_threads(threads)
     passed(f"data-parallel step on {' and '.join(map(str, world_sizes))} ranks == one process "
-           f"on the global batch, weights equal on every rank")
+           f"on the global batch (with SGD, and with Adam on {min(world_sizes)} ranks), weights "
+           f"equal on every rank, the global batch's loss returned")
 
 
 def _returned_loss_problem(results: list) -> str | None:
-    """None if every call returned its rank's loss as a number, else the sentence to say."""
-    for rank, r in enumerate(results):
-        for got, want in zip(r["returned"], r["expected"]):
+    """None if every call returned the global batch's loss as a float, else the sentence."""
+    world_size = len(results)
+    for step in range(len(results[0]["expected"])):
+        own = [r["expected"][step] for r in results]
+        want = sum(own) / world_size          # equal shards: the mean of the shards' means
+        for rank, r in enumerate(results):
+            got = r["returned"][step]
             if got is None:
-                return ("data_parallel_step returned nothing: return this rank's loss as a "
-                        "float (loss.item()), the caller logs it.")
+                return ("data_parallel_step returned nothing: the contract asks for the global "
+                        "batch's loss as a Python float.")
             if isinstance(got, str):
-                return (f"data_parallel_step returned {got}, not a number: return this rank's "
-                        f"loss as a float (loss.item()).")
-            if abs(got - want) > 1e-4 * max(1.0, abs(want)):
-                return (f"data_parallel_step returned {got:.4f} on rank {rank} where the loss "
-                        f"of its shard was {want:.4f}: return the loss computed on this rank's "
-                        f"shard, before the step.")
+                return (f"data_parallel_step returned {got}, not a Python float: the contract "
+                        f"asks for a float, which a caller can log or compare without keeping "
+                        f"a tensor (its autograd graph, its device) alive.")
+
+            def near(a, b):
+                return abs(a - b) <= 1e-4 * max(1.0, abs(b))
+
+            if near(got, want):
+                continue
+            if near(got, own[rank]) and not near(own[rank], want):
+                return (f"data_parallel_step returned {got:.4f} on rank {rank}, that rank's own "
+                        f"shard's loss, where the global batch's loss was {want:.4f}: the "
+                        f"contract asks for the loss of the whole global batch, the same number "
+                        f"on every rank, and no rank's loss is that without the others'.")
+            if near(got, sum(own)):
+                return (f"data_parallel_step returned {got:.4f}, the sum of the ranks' shard "
+                        f"losses, {world_size} times the global batch's loss ({want:.4f}).")
+            return (f"data_parallel_step returned {got:.4f} on rank {rank} where the global "
+                    f"batch's loss before this step was {want:.4f}: return the loss computed "
+                    f"before the step, over every rank's shard.")
     return None
 
 
-def _diagnose_step(params: list, world_size: int, loss_problem: str | None = None) -> None:
+def _diagnose_step(params: list, world_size: int, loss_problem: str | None = None,
+                   weights_reduced: bool = False) -> None:
     __tracebackhide__ = True
     from .. import ddp
 
@@ -540,6 +652,8 @@ def _diagnose_step(params: list, world_size: int, loss_problem: str | None = Non
         if all(close(p, _simulate(world_size, None, scale=world_size / k)) for p in params):
             fail(f"on {world_size} ranks the steps are {world_size}/{k} of the right size: the "
                  f"gradients were divided by {k}, not by the world size (dist.get_world_size()).")
+    if weights_reduced:
+        fail(_WEIGHTS)
     if not all(close(p, params[0]) for p in params):
         fail("after 3 steps the ranks hold different weights: every rank must apply the same "
              "averaged gradients.")
