@@ -1260,8 +1260,10 @@ shutil.rmtree(work, ignore_errors=True)
 # process's, with a message between the ranks whose size does not grow with the test set —
 # which statistic the ranks exchange is your decision. The check runs your function on 2 and 3
 # ranks, compares it with one process, and names the mistake if it differs; then it runs your
-# script under torchrun. Its stretch resumes a crashed run whose ranks draw dropout masks, each
-# from its own random stream: more to restore than section 3's script had.
+# script under torchrun. A prediction asks what the ranks' own macro-F1, averaged, reports when
+# the test set is split by class. Its stretch asks for a resume after a crash that continues
+# exactly as a run that never stopped, on every rank: what the checkpoint must hold for that is
+# yours to find.
 #
 # ## Check yourself
 
