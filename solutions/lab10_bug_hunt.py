@@ -232,9 +232,9 @@ fixed4 = broken4.replace("src=rank", "src=0")
 # This one runs on 3 ranks in the check.
 #
 # **Your design decision:** once you have found what is wrong, the fix can take either of two
-# forms, and both train right on 3 ranks. Choose one, and say in a comment of your fix why:
-# what each form means for the number `loss` holds on a rank, and for someone who later moves
-# this loop to DDP (which averages the gradients itself).
+# forms, and both train right on 3 ranks. Choose one, and say why in a comment inside the fixed
+# script (the check reads it): what each form means for the number `loss` holds on a rank, and
+# for someone who later moves this loop to DDP (which averages the gradients itself).
 
 # %%
 broken5 = lab10.script(5)
@@ -269,9 +269,10 @@ lab10.check_answer(5, answer5)
 
 # %%
 ### BEGIN SOLUTION: fixed5, the fixed script's text
-# keep the division after the all-reduce: each rank's loss stays the plain mean of its own
-# batch (what one process would print), and the average lives in one place, where DDP puts it
-fixed5 = broken5.replace("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)")
+fixed5 = broken5.replace(
+    "F.mse_loss(model(xb), yb) / world_size  # this rank's share of the global mean",
+    "F.mse_loss(model(xb), yb)  # this batch's own mean: the one division stays after the "
+    "all-reduce, where DDP would do it")
 ### END SOLUTION
 
 # %% [markdown]

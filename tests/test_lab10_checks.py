@@ -78,8 +78,11 @@ RIGHT = {
     # one seed for every rank makes the broadcast redundant: another right design
     "4-one-seed-no-broadcast": (4, [("args.seed + rank", "args.seed"), (BROADCAST, "")]),
     "5-loss-undivided": (5, [("F.mse_loss(model(xb), yb) / world_size",
-                              "F.mse_loss(model(xb), yb)")]),
-    "5-grads-undivided": (5, [("            p.grad /= world_size\n", "")]),
+                              "F.mse_loss(model(xb), yb)  # a rank's own mean; DDP divides the "
+                              "gradients")]),
+    "5-grads-undivided": (5, [("            p.grad /= world_size\n",
+                               "            # the loss already holds this rank's share of "
+                               "the mean\n")]),
 }
 
 WRONG = {
@@ -105,6 +108,10 @@ WRONG = {
     "4-no-broadcast": (4, [(BROADCAST, "")], "no longer start from the same weights"),
     "5-lr-times-world-size": (5, [("lr=0.1", "lr=0.1 * world_size")],
                               "changed the learning rate to make up for the gradients"),
+    "4-still-src-rank": (4, [("# make sure every", "# every")], "still names src=rank"),
+    "5-no-comment": (5, [("F.mse_loss(model(xb), yb) / world_size  # this rank's share of the "
+                          "global mean", "F.mse_loss(model(xb), yb)")],
+                     "asks for your design decision in a comment inside the fixed script"),
     "5-both-removed": (5, [("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)"),
                            ("            p.grad /= world_size\n", "")], "now summed, not averaged"),
     "5-divided-by-two": (5, [("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)"),
@@ -137,7 +144,7 @@ def test_wrong_fix_is_named(name):
 def test_still_broken_bug4_under_torchrun_is_bounded_and_named():
     with pytest.raises(LabCheckError, match="Fix 4: it did not finish within 30 s: .*another "
                                             "src"):
-        lab10.check_fixes({4: edit(4, ("# make sure every", "# every"))}, timeout=30)
+        lab10.check_fixes({4: edit(4, ("src=rank", "src=(rank + 1) % world_size"))}, timeout=30)
 
 
 def test_a_hanging_fix_is_stopped_and_named():
@@ -424,13 +431,29 @@ def test_move_line_says_what_did_not_match(line, before, phrase):
 
 # --- the learner's own diagnosis, before the options ------------------------------------------
 
+# a learner's own sentences, in words the check's lists were not written from
+WHY = {1: "the two ranks shuffle with different seeds so their slices overlap",
+       2: "the dataloader shuffles itself and ignores the distributed sampler entirely",
+       3: "gradient norm gets clipped per rank before the all-reduce happens",
+       4: "both processes think they are the broadcast source so nobody receives",
+       5: "the gradient ends up divided by the world size two times"}
+
+
+@pytest.mark.parametrize("n", sorted(lab10.SCRIPTS))
+def test_a_why_that_says_nothing_is_sent_back_with_a_question(n):
+    line = lab10.bug_lines(n)[0]
+    with pytest.raises(LabCheckError) as err:
+        lab10.check_line(n, line, "this line looks really wrong to me")
+    assert f"Line {line} is the right line, but why{n} does not say yet" in str(err.value)
+    assert lab10.LOOK_AGAIN[n] in str(err.value)
+
 @pytest.mark.parametrize("n", sorted(lab10.SCRIPTS))
 def test_the_right_line_passes_and_only_then_shows_the_options(n, capsys):
     lab10.show(n)
     listing = capsys.readouterr().out
     assert "A. " not in listing  # no options before the learner's own diagnosis
     for line in lab10.bug_lines(n):
-        lab10.check_line(n, line, "a sentence of four words")
+        lab10.check_line(n, line, WHY[n])
         out = capsys.readouterr().out
         assert out.startswith(f"✔ bug {n} is on line {line}") and "  A. " in out
 

@@ -171,6 +171,22 @@ SUSPECTS = {1: ("sampler_seed_rank", "sampler_seed_ignored"),
 BUG_LINES = {1: ("DistributedSampler(dataset",), 2: ("loader = DataLoader(",),
              3: ("clip_grad_norm_",), 4: ("dist.broadcast(",),
              5: ("/ world_size  #", "p.grad /= world_size")}
+# bug -> what a "why" must speak of: every group needs one of its word stems. Broad on purpose:
+# the learner's own words, not the check's, but not a sentence that says nothing.
+WHY_WORDS = {
+    1: (("seed", "permut", "order", "shuffl"),
+        ("rank", "each", "own", "differ", "per-", "per ", "every")),
+    2: (("sampler", "shuffl", "loader"),
+        ("never", "not", "ignor", "unused", "without", "bypass", "every", "all", "whole",
+         "same", "duplicat", "repeat", "twice")),
+    3: (("clip", "norm"),
+        ("own", "local", "each", "before", "per-", "per ", "average", "averag", "global",
+         "mean", "sum", "order")),
+    4: (("src", "send", "sender", "root", "broadcast", "source"),
+        ("rank", "own", "itself", "every", "each", "nobody", "no one", "no rank", "receiv",
+         "differ", "same")),
+    5: (("twice", "two", "double", "again", "both", "squar", "²", "^2", "n*n", "n * n"),),
+}
 # bug -> the question a learner who picked another line is sent back with (never the answer)
 LOOK_AGAIN = {
     1: "ask which examples each rank's loader yields in one epoch, and whether the ranks "
@@ -234,6 +250,10 @@ def check_line(n: int, line, why) -> None:
         code = lines[line - 1].strip() or "(a blank line)"
         fail(f"Line {line} (`{code[:70]}`) is not where bug {n} is: it does here what it "
              f"would do in a correct script. To find the line, {LOOK_AGAIN[n]}.")
+    said = why.lower()
+    if not all(any(word in said for word in group) for group in WHY_WORDS[n]):
+        fail(f"Line {line} is the right line, but why{n} does not say yet what goes wrong "
+             f"there (\"{why.strip()[:80]}\"): {LOOK_AGAIN[n]}, and say that in your sentence.")
     passed(f"bug {n} is on line {line}. Now say what is wrong there: set answer{n} to the "
            f"option that says it.")
     options(n)
@@ -444,6 +464,12 @@ def _read_fix(n: int, text: str) -> None:
         if clip and step and min(clip) > max(step):
             fail("Fix 3: clip_grad_norm_ now runs after opt.step(): the step has already used "
                  "the gradients, so clipping them afterwards changes no weight.")
+    if n == 4:
+        for line in _lines_with(text, "dist.broadcast("):
+            if re.search(r"src\s*=\s*rank\b", line):
+                fail("Fix 4: the broadcast still names src=rank: every rank names itself as "
+                     "the one that sends, so no rank receives — a rooted collective needs the "
+                     "same root on every rank.")
     if n == 5 and _lines_with(text, "lr") != _lines_with(script(5), "lr"):
         fail("Fix 5: you changed the learning rate to make up for the gradients: they are "
              "still divided by world_size twice, and a larger lr undoes that for SGD only — "
@@ -525,6 +551,21 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
     return state
 
 
+def _require_comment(n: int, text: str) -> None:
+    """Fix 5 trains right: the lab's design decision asks for the reason in a comment inside
+    the fixed script, where the next reader of the script will look."""
+    __tracebackhide__ = True
+    if n != 5:
+        return
+    broken = script(5)
+    added = [ln.split("#", 1)[1].strip() for ln in text.splitlines()
+             if "#" in ln and ln.strip() not in broken]
+    if not any(len(c.split()) >= 5 for c in added):
+        fail("Fix 5: it trains right, but the lab asks for your design decision in a comment "
+             "inside the fixed script (five words or more): why you kept the division you kept "
+             "— what it means for the loss a rank holds, and for moving this loop to DDP.")
+
+
 def judge_fix(n: int, weights) -> None:
     """Nothing if ``weights`` (or the sentence :func:`run_fix` returned) are right for bug
     ``n``; else fail naming the bug the weights reproduce."""
@@ -554,6 +595,7 @@ def check_fix(n: int, text: str, timeout: float | None = None,
     timeout = check_timeout(timeout, 60.0)
     _precheck(n, text)
     judge_fix(n, run_fix(n, text, timeout, launcher))
+    _require_comment(n, text)
     passed(f"fix {n}: the weights equal a correct data-parallel run on {WORLD_SIZES[n]} ranks")
 
 
@@ -572,6 +614,7 @@ def check_fixes(fixes: dict, timeout: float | None = None, launcher: str = "torc
             lambda n: run_fix(n, fixes[n], timeout, launcher), sorted(fixes))))
     for n in sorted(fixes):
         judge_fix(n, results[n])
+        _require_comment(n, fixes[n])
     passed(f"fixes {', '.join(map(str, sorted(fixes)))}: every script ends with the weights "
            f"of a correct data-parallel run")
 
