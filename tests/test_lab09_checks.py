@@ -2,6 +2,7 @@
 passes. Both checks run in this process, so each answer costs milliseconds."""
 
 import collections
+import math
 import time
 
 import pytest
@@ -39,7 +40,8 @@ def with_a_list(server, compute_gradient, batches, tau):
 
 
 def computed_at_push(server, compute_gradient, batches, tau):
-    # keeps the pulled weights, computes the gradient when it lands: the same numbers
+    # keeps the pulled weights, computes the gradient when it lands: the same numbers, but the
+    # contract computes each gradient right after its own pull (refused, below)
     pending = collections.deque()
     for batch in batches:
         pending.append((batch, *server.pull()))
@@ -62,7 +64,22 @@ def by_index(server, compute_gradient, batches, tau):
         server.push(*grads[k])
 
 
-RIGHT = [good, with_a_list, computed_at_push, by_index]
+def while_over_tau(server, compute_gradient, batches, tau):
+    # a dict keyed by the batch's position, drained with a while: right too
+    waiting, first, n = {}, 0, 0
+    for batch in batches:
+        w, version = server.pull()
+        waiting[n] = (compute_gradient(w, batch), version)
+        n += 1
+        while n - first > tau:
+            server.push(*waiting.pop(first))
+            first += 1
+    while first < n:
+        server.push(*waiting.pop(first))
+        first += 1
+
+
+RIGHT = [good, with_a_list, by_index, while_over_tau]
 
 
 def no_drain(server, compute_gradient, batches, tau):
@@ -195,6 +212,18 @@ def skips_the_last_batch(server, compute_gradient, batches, tau):
     good(server, compute_gradient, list(batches)[:-1], tau)
 
 
+def counts_the_batches(server, compute_gradient, batches, tau):
+    # right for a list, but asks for len(): the batches may be a one-pass iterator
+    in_flight = collections.deque()
+    for k in range(len(batches)):
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batches[k]), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
 WRONG = [
     (no_drain, "the last 3 gradients were never pushed with τ = 3: after the loop"),
     (off_by_one, "one update too early with τ = 3"),
@@ -209,13 +238,18 @@ WRONG = [
     (pops_empty, "IndexError.*took a gradient out of an empty queue"),
     (endless, "an endless loop"),
     (skips_the_last_batch, "compute exactly one gradient per batch: you computed 9 for 10"),
+    (computed_at_push, "you kept the weights of batch 0's pull and computed its gradient only "
+                       "after your loop's next pull \\(with τ = 3\\): the contract computes "
+                       "each gradient right after its own pull"),
+    (counts_the_batches, "it asked how many batches there are, or for one by its index, but "
+                         "the batches may be a stream read once"),
 ]
 
 
 @pytest.mark.parametrize("loop", RIGHT, ids=lambda f: f.__name__)
 def test_right_loops_pass(loop, capsys):
     lab09.check_async_worker(loop)
-    assert capsys.readouterr().out.startswith("✔ every gradient pushed once")
+    assert capsys.readouterr().out.startswith("✔ every gradient computed right after its pull")
 
 
 @pytest.mark.parametrize("loop, phrase", WRONG, ids=[f.__name__ for f, _ in WRONG])
@@ -340,14 +374,20 @@ def test_the_trace_is_compared_call_by_call(capsys):
         lab09.check_trace(None)
 
 
-def test_prediction_compares_the_outcome(capsys):
+def test_prediction_compares_the_first_tau_above_the_start(capsys):
     from dpcourse.checks import predict
 
-    guess = predict("lab09", "test loss with τ = 8", "higher", choices=lab09.OUTCOMES)
-    lab09.check_prediction(guess, 0.5, 0.9, 8)
-    assert "— right" in capsys.readouterr().out
-    lab09.check_prediction(guess, 0.5, 0.51, 8)
-    assert "not what happened" in capsys.readouterr().out
+    losses = {t: 2.0 + 0.01 * t for t in range(17)}          # all below 2.32: none
+    guess = predict("lab09", "smallest τ above the start at lr 0.2", 14)
+    lab09.check_prediction(guess, {**losses, 14: 2.39, 15: 2.41, 16: 5.3}, 2.32)
+    out = capsys.readouterr().out
+    assert "measured: 14 — right" in out and "τ = 13 at 2.13, still below the start's 2.32" in out
+    lab09.check_prediction(guess, {**losses, 6: 2.4}, 2.32)   # τ = 6: 8 away
+    assert "measured: 6 — not what happened" in capsys.readouterr().out
+    lab09.check_prediction(guess, losses, 2.32)
+    out = capsys.readouterr().out
+    assert "none up to τ = 16 — not what happened" in out and "every τ up to 16" in out
+    assert lab09.first_above_start({0: 3.0, 1: 1.0, 2: 2.5}, 2.4) == 2   # τ = 0 does not count
 
 
 def test_trace_of_the_reference_has_staleness_tau():
@@ -449,7 +489,24 @@ WRONG_SERVERS = [
     (_server(lambda lr, s: lr / max(1, s), record=False), "record each update's staleness"),
     (_server(lambda lr, s: lr / max(1, s), bump=False), "the server's version is 0 after 10"),
     (_server(lambda lr, s: lr / max(1, s) ** 2), "differ from the staleness-aware step"),
+    (_server(lambda lr, s: lr / max(1, s) ** 0.5), "you divided the lr by the square root of "
+                                                   "the staleness"),
+    (_server(lambda lr, s: lr / max(1.0, math.sqrt(s))), "by the square root of the staleness"),
 ]
+
+
+class OverwritesLr(Base):
+    def push(self, grad, version):
+        s = self.version - version
+        self.staleness.append(s)
+        if s > 1:
+            self.lr = self.lr / s
+        self.w.add_(grad, alpha=-self.lr)
+        self.version += 1
+
+
+WRONG_SERVERS.append((OverwritesLr, "you divided self.lr itself, so every later step starts "
+                                    "from the shrunken lr and the step keeps shrinking for good"))
 
 
 @pytest.mark.parametrize("cls", RIGHT_SERVERS, ids=lambda c: c.__name__)

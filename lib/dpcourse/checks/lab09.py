@@ -15,11 +15,16 @@ names: a loop that raised, not one gradient per batch, batches out of order, a p
 gradient that is not one computed, gradients never pushed (the ones in flight at the end),
 a gradient pushed twice, the newest gradient pushed instead of the oldest, weights pulled
 only once, weights not from the server, gradients one update too early or too late or never
-late, the server's current version pushed instead of the gradient's.
+late, the server's current version pushed instead of the gradient's; and, once the numbers are
+right, a gradient computed later than right after its pull (the pulled weights kept and used at
+push time). Then it runs the loop once beside 2 other workers whose updates land before each of
+its pulls, with the batches as a one-pass iterator: the versions pushed must be the ones pull()
+returned, and a loop that asks for the number of batches or indexes them is named.
 
 ``check_staleness_aware`` (the stretch) runs the learner's server class under the reference
 loop for τ = 0, 2 and 5 and replays the candidate step rules to name the one used: no
-scaling, lr / (s + 1), lr · s, a division by zero for fresh gradients; and the bookkeeping
+scaling, lr / (s + 1), lr · s, lr / √s, self.lr itself divided (the step shrinks for good), a
+division by zero for fresh gradients; and the bookkeeping
 mistakes: staleness not recorded, counted the wrong way round or after the version moved,
 the version never increased.
 """
@@ -32,7 +37,8 @@ import torch
 from . import fail, passed, recorded, require_answer
 
 __all__ = ["check_async_worker", "check_staleness_aware", "check_trace", "reference_trace",
-           "check_prediction", "OUTCOMES", "TAUS", "AWARE_TAUS", "STEPS", "trace_loop",
+           "check_prediction", "first_above_start", "PREDICTION_LR",
+           "PREDICTION_TAUS", "TAUS", "AWARE_TAUS", "STEPS", "trace_loop",
            "diagnose_loop", "run_server", "diagnose_server"]
 
 TAUS = (0, 3, 1, 12)   # 3 before 1: an ignored τ and an off-by-one look alike at τ = 1
@@ -78,6 +84,12 @@ class _SpyServer:
         self.calls = 0
         self.pulls = 0
         self.others = others
+        self.gradients = 0     # compute_gradient calls so far
+        self.late = []         # (batch pulled, server call) where a pulled batch had no gradient
+
+    def _order(self, what):
+        if self.gradients < self.pulls and not self.late:
+            self.late.append((self.gradients, what))
 
     def _count(self):
         self.calls += 1
@@ -91,6 +103,7 @@ class _SpyServer:
 
     def pull(self):
         self._count()
+        self._order("pull")
         for _ in range(self.others):   # another worker's update lands first
             self._update(0.01 * torch.ones_like(self.w) * (1 + self.version % 3))
         self.pulls += 1
@@ -102,13 +115,15 @@ class _SpyServer:
                 isinstance(grad, torch.Tensor) and grad.numel() > 1):
             raise _Misuse("you called push(version, grad): the server's signature is "
                           "push(grad, version), the gradient first")
+        self._order("push")
         self.pushes.append((grad, version, self.version))
         self._update(grad)
 
 
-def trace_loop(loop, tau: int, others: int = 0) -> dict:
+def trace_loop(loop, tau: int, others: int = 0, one_pass: bool = False) -> dict:
     """Run ``loop`` for one τ on the spy server (``others``: other workers' updates before each
-    pull); what happened, as plain data."""
+    pull; ``one_pass``: the batches as an iterator that can be read once, of unknown length);
+    what happened, as plain data."""
     __tracebackhide__ = True
     a, b, w0, batches = _problem()
     server = _SpyServer(w0, LR, others)
@@ -127,11 +142,12 @@ def trace_loop(loop, tau: int, others: int = 0) -> dict:
         grad = a @ w - b + batch.noise
         computed.append((batch.index, version, grad.clone()))
         pulls_before.append(server.pulls)
+        server.gradients += 1
         return grad
 
     out = {"tau": tau, "computed": [(i, v) for i, v, _ in computed]}
     try:
-        loop(server, compute_gradient, list(batches), tau)
+        loop(server, compute_gradient, iter(batches) if one_pass else list(batches), tau)
     except _Misuse as exc:
         out["misuse"] = str(exc)
     except Exception as exc:
@@ -145,6 +161,7 @@ def trace_loop(loop, tau: int, others: int = 0) -> dict:
                       and torch.equal(g, grad)), -1)
         out["pushes"].append((which, version, at))
     out["w"] = server.w
+    out["late"] = list(server.late)
     return out
 
 
@@ -231,6 +248,16 @@ def diagnose_loop(trace: dict) -> None:
              f"{at}: you pushed {tags}, expected {want}")
 
 
+def _diagnose_order(trace: dict, at: str) -> None:
+    __tracebackhide__ = True
+    if trace.get("late"):
+        k, what = trace["late"][0]
+        fail(f"you kept the weights of batch {k}'s pull and computed its gradient only after "
+             f"your loop's next {what} ({at}): the contract computes each gradient right after "
+             f"its own pull, as a worker does, so that what waits in flight is the gradient, "
+             f"not weights still to be used.")
+
+
 def _refuse_reference(loop) -> None:
     __tracebackhide__ = True
     import functools
@@ -244,14 +271,23 @@ def _refuse_reference(loop) -> None:
              "gradient between computing and pushing it.")
 
 
-def _check_versions_with_other_workers(loop, tau: int = 3) -> None:
-    """One worker among two: the other's updates land before each of this loop's pulls, so
-    the version pull() returns is no longer this loop's own count of pushes."""
+def _check_versions_with_other_workers(loop, tau: int = 3, others: int = 2) -> None:
+    """One worker among several: the others' updates land before each of this loop's pulls, so
+    the version pull() returns is no longer this loop's own count of pushes; and the batches
+    come as a one-pass iterator, whose length is known only when it runs out."""
     __tracebackhide__ = True
-    trace = trace_loop(loop, tau, others=1)
-    at = f"with τ = {tau} and another worker pushing too"
+    trace = trace_loop(loop, tau, others=others, one_pass=True)
+    at = f"with τ = {tau}, {others} other workers pushing too, the batches an iterator"
+    if "raised" in trace and trace["raised"].startswith("TypeError") and any(
+            word in trace["raised"] for word in ("len()", "subscriptable", "reversed")):
+        fail(f"your loop raised {trace['raised']!r} ({at}): it asked how many batches there "
+             f"are, or for one by its index, but the batches may be a stream read once, whose "
+             f"end the loop learns only when it runs out.")
     if "misuse" in trace or "raised" in trace:
         fail(f"your loop {trace.get('misuse') or 'raised ' + repr(trace['raised'])} ({at}).")
+    if len(trace["computed"]) != STEPS:
+        fail(f"your loop computed {len(trace['computed'])} gradients for {STEPS} batches ({at}): "
+             f"it must take every batch the iterator gives, and stop when it runs out.")
     computed = trace["computed"]
     tags = [version for _, version, _ in trace["pushes"]]
     want = [computed[k][1] for k, _, _ in trace["pushes"]]
@@ -262,6 +298,10 @@ def _check_versions_with_other_workers(loop, tau: int = 3) -> None:
                  f"other workers' updates move the server's version too.")
         fail(f"each gradient must be pushed with the version pull() returned for its weights "
              f"({at}): you pushed {tags}, expected {want}")
+    if sorted(k for k, _, _ in trace["pushes"]) != list(range(STEPS)):
+        fail(f"every gradient must reach the server exactly once ({at}): you pushed the "
+             f"gradients of batches {[k for k, _, _ in trace['pushes']]}.")
+    _diagnose_order(trace, at)
 
 
 @recorded
@@ -281,17 +321,22 @@ def check_async_worker(loop, taus=TAUS) -> None:
 
     async_sgd.async_worker_loop = refused  # a loop that only wraps the reference is refused
     try:
+        traces = []
         for tau in taus:
             trace = trace_loop(loop, tau)
             diagnose_loop(trace)
             reference = trace_loop(original, tau)
             if not torch.equal(trace["w"], reference["w"]):
                 fail(f"the final weights differ from the reference's with τ = {tau}")
+            traces.append(trace)
+        for trace in traces:   # the right numbers, then the order they were made in
+            _diagnose_order(trace, f"with τ = {trace['tau']}")
         _check_versions_with_other_workers(loop)
     finally:
         async_sgd.async_worker_loop = original
-    passed(f"every gradient pushed once, in order, τ updates late, with its own version: "
-           f"τ = {', '.join(map(str, taus))}, {STEPS} batches each, and beside another worker")
+    passed(f"every gradient computed right after its pull and pushed once, in order, τ updates "
+           f"late, with its own version: τ = {', '.join(map(str, taus))}, {STEPS} batches each, "
+           f"and beside 2 other workers with the batches as a one-pass iterator")
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,33 +435,47 @@ def check_trace(trace) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Predict, then measure: τ = 8 against τ = 0
+# Predict, then measure: the smallest τ that ends above the start at lr 0.2
 # --------------------------------------------------------------------------------------------
 
-OUTCOMES = ("lower", "about the same", "higher")
+PREDICTION_LR = 0.2
+PREDICTION_TAUS = tuple(range(17))   # τ = 0 … 16, as far as lesson 09's table goes
+CLOSE_WITHIN = 2                     # a prediction within 2 of the measured τ counts as right
 
 
-def check_prediction(guess, loss_fresh: float, loss_stale: float, tau: int) -> None:
-    """Compare the learner's choice (τ's test loss lower / about the same / higher than τ = 0's)
-    with the run's, and say why."""
+def first_above_start(losses: dict, start_loss: float):
+    """The smallest τ ≥ 1 whose run ended at or above the loss it started from, or None."""
+    return next((t for t in sorted(losses) if t > 0 and not losses[t] < start_loss), None)
+
+
+def check_prediction(guess, losses: dict, start_loss: float, lr: float = PREDICTION_LR) -> None:
+    """Compare the learner's τ (the smallest τ at ``lr`` whose run ends above its starting loss)
+    with the runs' ``losses`` (τ -> test loss after the budget), and say why from the runs."""
     from dpcourse.checks import reveal
 
-    ratio = loss_stale / loss_fresh
-    measured = "higher" if ratio > 1.05 else "lower" if ratio < 1 / 1.05 else "about the same"
-    why = {
-        "higher": f"with τ = {tau} every gradient points downhill from where the weights were "
-                  f"{tau} updates ago; at a step size chosen for fresh gradients, "
-                  f"{tau} stale steps in a row overshoot, so the same budget ends higher "
-                  f"({loss_stale:.3f} against {loss_fresh:.3f}).",
-        "about the same": f"with τ = {tau} the weights move little within {tau} updates at this "
-                          f"step size, so a gradient {tau} updates old still points nearly "
-                          f"where a fresh one would ({loss_stale:.3f} against "
-                          f"{loss_fresh:.3f}, within 5 %).",
-        "lower": f"here the stale run ended lower ({loss_stale:.3f} against {loss_fresh:.3f}): "
-                 f"the stale gradients acted like a smoother, averaged direction at this step "
-                 f"size — staleness costs most when the step is large.",
-    }[measured]
-    reveal(guess, measured, close=guess.value == measured, explanation=why)
+    taus = sorted(losses)
+    first = first_above_start(losses, start_loss)
+    value = guess.value if isinstance(guess.value, (int, float)) else float("nan")
+    if first is None:
+        best = max(taus, key=lambda t: losses[t])
+        reveal(guess, f"none up to τ = {taus[-1]}", close=value > taus[-1], explanation=(
+            f"every τ up to {taus[-1]} ended below the starting loss {start_loss:.2f} at lr "
+            f"{lr:g} (the worst, τ = {best}, at {losses[best]:.2f}): at this step size the "
+            f"updates that land while a gradient is in flight move the weights too little for "
+            f"its lateness to undo the budget's progress."))
+        return
+    below = max(t for t in taus if t < first)
+    gain = start_loss - losses[0]
+    lost = (losses[below] - losses[0]) / gain if gain > 0 else float("nan")
+    every = ("every τ from 1 ended above τ = 0 — the delay cost something each time; "
+             if all(losses[t] > losses[0] for t in taus if 0 < t <= below) else "")
+    reveal(guess, first, close=abs(value - first) <= CLOSE_WITHIN, explanation=(
+        f"at lr {lr:g} τ = 0 ended at {losses[0]:.2f}, τ = {below} at {losses[below]:.2f}, still "
+        f"below the start's {start_loss:.2f}, and τ = {first} at {losses[first]:.2f}, above it. "
+        f"Each update applies a gradient computed τ updates back, on weights that τ steps of "
+        f"size lr have moved since: {every}τ = {below} had given back {lost:.0%} of what "
+        f"τ = 0 gained over the budget, and from τ = {first} "
+        f"(lr · τ = {lr * first:.2g}) it cost more than the budget gained."))
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,7 +503,24 @@ _RULES = {
     "plus_one": lambda lr, s: lr / (s + 1),
     "times": lambda lr, s: lr * s,
     "times_or_one": lambda lr, s: lr * max(1, s),
+    "sqrt": lambda lr, s: lr / max(1, s) ** 0.5,
 }
+
+
+def _overwrite_server():
+    """The step lr / s taken by overwriting self.lr: every later step starts from the shrunken
+    lr, so the step shrinks for good."""
+    from dpcourse import async_sgd
+
+    class OverwriteServer(async_sgd.SimulatedServer):
+        def push(self, grad, version):
+            s = self.version - version
+            self.staleness.append(s)
+            self.lr = self.lr / max(1, s)
+            self.w.add_(grad, alpha=-self.lr)
+            self.version += 1
+
+    return OverwriteServer
 
 _RULE_MISTAKES = {
     "plain": "you did not scale the step: a gradient s updates stale must take lr / s",
@@ -455,6 +531,11 @@ _RULE_MISTAKES = {
              "not larger",
     "times_or_one": "you multiplied the lr by the staleness: stale gradients must take smaller "
                     "steps, not larger",
+    "sqrt": "you divided the lr by the square root of the staleness: the step of Zhang et al. "
+            "shrinks a gradient s updates stale by s itself, lr / s, not by √s",
+    "overwrite": "you divided self.lr itself, so every later step starts from the shrunken lr "
+                 "and the step keeps shrinking for good: only this gradient's step is scaled, "
+                 "the server's lr stays what it was given",
 }
 
 
@@ -510,8 +591,10 @@ def diagnose_server(run: dict) -> None:
     # The nearest rule names the step; float32 arithmetic (a step computed through a float32
     # tensor, weights kept in float32) lands ~1e-7 from its rule, the rules ~1e-2 apart.
     w = run["w"].double()
-    dists = {name: float((w - run_server(_rule_server(rule), tau)["w"]).abs().max())
-             for name, rule in _RULES.items()}
+    candidates = {name: _rule_server(rule) for name, rule in _RULES.items()}
+    candidates["overwrite"] = _overwrite_server()
+    dists = {name: float((w - run_server(cls, tau)["w"]).abs().max())
+             for name, cls in candidates.items()}
     name = min(dists, key=dists.get)
     if dists[name] <= 1e-5:
         if name == "right":
