@@ -224,6 +224,21 @@ def counts_the_batches(server, compute_gradient, batches, tau):
         server.push(*in_flight.popleft())
 
 
+
+def pushes_between_pull_and_compute(server, compute_gradient, batches, tau):
+    # the same numbers (the push lands after the pull), but the gradient waits for the push
+    if tau == 0:
+        return good(server, compute_gradient, batches, tau)
+    in_flight = collections.deque()
+    for batch in batches:
+        w, version = server.pull()
+        if len(in_flight) == tau:
+            server.push(*in_flight.popleft())
+        in_flight.append((compute_gradient(w, batch), version))
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
 WRONG = [
     (no_drain, "the last 3 gradients were never pushed with τ = 3: after the loop"),
     (off_by_one, "one update too early with τ = 3"),
@@ -241,6 +256,8 @@ WRONG = [
     (computed_at_push, "you kept the weights of batch 0's pull and computed its gradient only "
                        "after your loop's next pull \\(with τ = 3\\): the contract computes "
                        "each gradient right after its own pull"),
+    (pushes_between_pull_and_compute, "computed its gradient only after your loop's next "
+                                      "push \\(with τ = 3\\)"),
     (counts_the_batches, "it asked how many batches there are, or for one by its index, but "
                          "the batches may be a stream read once"),
 ]
