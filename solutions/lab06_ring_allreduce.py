@@ -139,7 +139,7 @@ claim("every worker holds the sum", all(np.array_equal(b, expected) for b in buf
 # ## 3. The real ring
 #
 # The contract of `ring_allreduce(tensor, op="sum")`, called on every rank of a gloo group with
-# tensors of one shape and dtype:
+# tensors of one shape and dtype (contiguous, float32 or float64: the check passes no other):
 #
 # * afterwards `tensor` itself (not a copy) holds the element-wise sum over all ranks, or with
 #   `op="average"` that sum divided by the number of ranks; return `tensor`;
@@ -159,14 +159,15 @@ claim("every worker holds the sum", all(np.array_equal(b, expected) for b in buf
 # The check runs your ring on 3 ranks and then on 2, and watches what it sends.
 #
 # First, a prediction. Once your ring works, the cell after the check will run it on N = 4 ranks
-# with a float32 tensor of K = 1000 elements (4000 bytes) and count the bytes rank 0 sends.
-# Before you write the ring: how many bytes will that be?
+# with a float32 tensor of K = 10 elements (40 bytes; 10 is not divisible by 4, so the chunks
+# hold 3, 3, 2 and 2 elements) and count the bytes each rank sends. Before you write the ring:
+# how many bytes does the rank that sends the most send?
 
 # %%
-### BEGIN SOLUTION: your prediction: bytes rank 0 sends (N = 4, K = 1000 float32)
-my_guess = 6000
+### BEGIN SOLUTION: your prediction: the most bytes one rank sends (N = 4, K = 10 float32)
+my_guess = 64
 ### END SOLUTION
-guess = predict("lab06", "bytes rank 0 sends for N = 4, K = 1000 float32", my_guess,
+guess = predict("lab06", "most bytes one rank sends for N = 4, K = 10 float32", my_guess,
                 unit="bytes")
 
 # %% [markdown]
@@ -228,11 +229,11 @@ def ring_allreduce(tensor, op="sum"):
 lab06.check_ring_allreduce(ring_allreduce, timeout=check_timeout)
 
 # %% [markdown]
-# Now the measurement for your prediction: your ring on 4 ranks, K = 1000 float32, the bytes
-# rank 0 sends.
+# Now the measurement for your prediction: your ring on 4 ranks, K = 10 float32, the bytes each
+# rank sends; the most of them is compared with your prediction.
 
 # %%
-measured = lab06.measure_bytes_sent(ring_allreduce, world_size=4, numel=1000,
+measured = lab06.measure_bytes_sent(ring_allreduce, world_size=4, numel=10,
                                     timeout=check_timeout)
 lab06.check_prediction(guess, measured)
 
@@ -257,7 +258,7 @@ def blocking_ring(tensor, op="sum"):
         incoming = torch.empty_like(chunks[(rank - s - 1) % n])
         dist.send(chunks[(rank - s) % n], (rank + 1) % n)  # everyone blocks here ...
         dist.recv(incoming, (rank - 1) % n)  # ... and nobody gets here
-        chunks[(rank - s - 1) % n] += incoming
+        chunks[(rank - s - 1) % n].add_(incoming)
     return tensor
 
 
@@ -276,8 +277,9 @@ except lab06.LabCheckError as err:
 # contract of your `ring_allreduce` and one more requirement:
 #
 # * in the scatter-reduce, each chunk travels as `segments` pieces (cut as `tensor_split` cuts),
-#   and piece j + 1 is already posted — its send and its receive — before piece j is added, so
-#   that the next piece travels while this one is added;
+#   and piece j + 1 is already posted — its send and its receive — before piece j is waited on,
+#   and piece j is added into the tensor before piece j + 1 is waited on, so that the next piece
+#   travels while this one is added;
 # * the all-gather may send whole chunks or pieces (nothing is added there).
 #
 # The check runs it on 3 and 2 ranks with 4 and 3 segments, compares the results, counts the
@@ -296,7 +298,7 @@ except lab06.LabCheckError as err:
 # %% [markdown] jupyter={"source_hidden": true}
 # Keep one piece in flight ahead of the one you are adding: start piece 0, then for each piece
 # start the next one first, then finish and add the current one. (Starting all pieces of a step
-# at once also meets the requirement.)
+# at once also meets the requirement, as long as each is added before the next is waited on.)
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**

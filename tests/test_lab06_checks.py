@@ -709,13 +709,69 @@ def test_segmented_ring_judged_by_order_of_posts_and_waits(capsys):
     assert "before it had posted piece 1" in str(err.value), str(err.value)
 
 
-def test_prediction_is_compared_with_the_bytes_measured(capsys):
+def seg_post_all_wait_all_add_all(tensor, op="sum", segments=4):
+    """Right values, but no overlap: every piece posted, every piece waited, then all added."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    chunks = tensor.view(-1).tensor_split(n)
+    for s in range(n - 1):
+        out = chunks[(rank - s) % n].tensor_split(segments)
+        tgt = chunks[(rank - s - 1) % n].tensor_split(segments)
+        inc = [torch.empty_like(t) for t in tgt]
+        works = [w for o, i in zip(out, inc) for w in (dist.isend(o, right), dist.irecv(i, left))]
+        for w in works:
+            w.wait()
+        for t, i in zip(tgt, inc):
+            t.add_(i)
+    for s in range(n - 1):
+        for w in [dist.isend(chunks[(rank + 1 - s) % n], right),
+                  dist.irecv(chunks[(rank - s) % n], left)]:
+            w.wait()
+    if op == "average":
+        tensor /= n
+    return tensor
+
+
+def test_segmented_ring_must_add_a_piece_before_waiting_on_the_next():
+    with pytest.raises(LabCheckError) as err:
+        lab06.check_segmented_ring(seg_post_all_wait_all_add_all, timeout=60)
+    assert "waited for piece 1 of a scatter-reduce chunk while piece 0 had arrived but was not " \
+           "yet added" in str(err.value), str(err.value)
+
+
+def ring_tuple_item_assignment(tensor, op="sum"):
+    """Adds into chunks[i] with +=, which assigns into tensor_split's tuple: TypeError."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = tensor.view(-1).tensor_split(n)
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(rank - s - 1) % n])
+        for w in [dist.isend(chunks[(rank - s) % n], (rank + 1) % n),
+                  dist.irecv(incoming, (rank - 1) % n)]:
+            w.wait()
+        chunks[(rank - s - 1) % n] += incoming
+    return tensor
+
+
+def test_tuple_item_assignment_is_explained():
+    with pytest.raises(LabCheckError) as err:
+        lab06.check_ring_allreduce(ring_tuple_item_assignment, timeout=60)
+    assert "the tuple that tensor_split returns" in str(err.value), str(err.value)
+
+
+def test_prediction_is_compared_with_the_most_bytes_a_rank_sends(capsys):
     from dpcourse.checks import predict
 
     measured = lab06.measure_bytes_sent(ring_ok)
-    assert measured == 2 * 3 * 250 * 4
-    lab06.check_prediction(predict("lab06", "bytes rank 0 sends", 6000, unit="bytes"), measured)
+    # N = 4, K = 10: chunks 3, 3, 2, 2; each rank skips two neighbouring chunks
+    assert sorted(measured) == [56, 60, 60, 64] and sum(measured) == 2 * 3 * 10 * 4
+    lab06.check_prediction(predict("lab06", "most bytes", 64, unit="bytes"), measured)
     out = capsys.readouterr().out
-    assert "measured: 6000 bytes — right" in out
-    lab06.check_prediction(predict("lab06", "bytes rank 0 sends", 8000, unit="bytes"), measured)
+    assert "measured: 64 bytes — right" in out and "only the average" in out
+    lab06.check_prediction(predict("lab06", "most bytes", 60, unit="bytes"), measured)
     assert "not what happened" in capsys.readouterr().out

@@ -263,14 +263,15 @@ class _WatchedWork:
     """A ``Work`` that notes in ``events`` when it is waited on (the segmented stretch is judged
     by the order of posts and waits, not only by its messages)."""
 
-    def __init__(self, work, events, kind, index):
+    def __init__(self, work, events, kind, index, fingerprint):
         self._work, self._events, self._kind, self._index = work, events, kind, index
+        self._fingerprint = fingerprint  # what the tensor holds when the wait begins
         self._waited = False
 
     def wait(self, *args, **kwargs):
         if not self._waited:
             self._waited = True
-            self._events.append(("wait", self._kind, self._index))
+            self._events.append(("wait", self._kind, self._index, self._fingerprint()))
         return self._work.wait(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -304,6 +305,10 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
     counts = {"send": 0, "recv": 0}
     batch_seen: dict = {}
     p2p_log = open(os.path.join(marker_dir, f"p2p{rank}"), "a", buffering=1)
+    current = {"x": None}  # the tensor of the case being run: has a piece been added yet?
+
+    def fingerprint():
+        return hash(current["x"].detach().numpy().tobytes())
 
     def before(call):
         if call.function in ("send", "recv"):
@@ -330,19 +335,20 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
         if call.op in ("send", "recv"):
             index = counts[call.op]
             counts[call.op] += 1
-            traffic["events"].append(("post", call.op, index))
+            traffic["events"].append(("post", call.op, index, None))
             result = call.result
             if call.function in ("isend", "irecv") and result is not None:
-                return _WatchedWork(result, traffic["events"], call.op, index)
+                return _WatchedWork(result, traffic["events"], call.op, index, fingerprint)
             if isinstance(result, list) and call.function == "batch_isend_irecv":
                 # gloo returns one work per P2POp, in the ops' order: wrap this call's one
                 k = batch_seen.get(id(result), 0)
                 batch_seen[id(result)] = k + 1
                 if k < len(result) and not isinstance(result[k], _WatchedWork):
-                    result[k] = _WatchedWork(result[k], traffic["events"], call.op, index)
+                    result[k] = _WatchedWork(result[k], traffic["events"], call.op, index,
+                                             fingerprint)
                 return None
             if call.function in ("send", "recv"):  # blocking: waited as it returns
-                traffic["events"].append(("wait", call.op, index))
+                traffic["events"].append(("wait", call.op, index, fingerprint()))
         return None
 
     with record_collectives(before=before, after=after):
@@ -350,6 +356,7 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
         results, per_case = [], []
         for shape, dtype, op in cases:
             x = torch.tensor(_real_input(rank, shape), dtype=getattr(torch, dtype))
+            current["x"] = x
             traffic.update(messages=0, elements=0, sizes=[], builtins=[], events=[])
             counts.update(send=0, recv=0)
             try:
@@ -464,6 +471,11 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None) -> lis
         mismatch = _size_mismatch(marker_dir, world_size)
         if mismatch:
             fail(mismatch)
+        if "'tuple' object does not support item assignment" in str(exc.summary):
+            fail(f"your ring raised TypeError on rank {exc.rank} of {world_size}: it assigns to "
+                 f"an element of the tuple that tensor_split returns (like chunks[i] += "
+                 f"incoming); the chunks are views of the tensor, so add into the view itself, "
+                 f"in place (chunks[i].add_(incoming)), and the tensor changes with it.")
         fail(f"your ring raised on rank {exc.rank} of {world_size}: {exc.summary}")
 
     try:
@@ -611,38 +623,54 @@ def _check_ring_once(fn, world_size: int, timeout: float) -> None:
 # --- predict, then measure: the bytes one rank sends ----------------------------------------
 
 
-def measure_bytes_sent(fn, world_size: int = 4, numel: int = 1000,
-                       timeout: float | None = None) -> int:
+def measure_bytes_sent(fn, world_size: int = 4, numel: int = 10,
+                       timeout: float | None = None) -> list[int]:
     """Run the learner's ``fn(tensor, op="sum")`` on ``world_size`` gloo ranks with a float32
-    tensor of ``numel`` elements and return the bytes rank 0 sent (point-to-point only)."""
+    tensor of ``numel`` elements and return the bytes each rank sent (point-to-point only)."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, 20.0)
     if not callable(fn):
         fail(f"measure_bytes_sent needs your ring_allreduce function, got {type(fn).__name__}")
     _refuse_reference(fn)
     per_rank = _launch_ring(fn, world_size, timeout, [((numel,), "float32", "sum")])
-    return int(per_rank[0]["traffic"][0]["elements"]) * 4
+    return [int(per_rank[r]["traffic"][0]["elements"]) * 4 for r in range(world_size)]
 
 
-def check_prediction(guess, measured: int, world_size: int = 4, numel: int = 1000) -> None:
-    """Compare the learner's prediction of the bytes rank 0 sends with :func:`measure_bytes_sent`
-    and say why the number is what it is (never raises for a wrong prediction)."""
+def check_prediction(guess, measured, world_size: int = 4, numel: int = 10) -> None:
+    """Compare the learner's prediction of the most bytes any one rank sends (N = 4, K = 10
+    float32: chunks of 3, 3, 2, 2 elements) with :func:`measure_bytes_sent`'s per-rank bytes, and
+    say why the number is what it is (never raises for a wrong prediction).
+
+    A rank sends every chunk but one in each phase: not, in the scatter-reduce, the chunk it
+    finishes (its last contribution arrives; there is nothing to pass on), and not, in the
+    all-gather, the chunk it receives last (its right neighbour finished it). Those two chunks
+    are neighbours in the ring's order, whatever the layout, so the most any rank sends is 2K
+    minus the two smallest neighbouring chunks; 2(N-1)K/N is only the average over ranks."""
     from dpcourse.checks import reveal
 
     n, k = world_size, numel
-    chunk = k / n
-    ring_bytes = 2 * (n - 1) * chunk * 4
-    close = abs(float(guess.value) - measured) <= 0.05 * max(measured, 1)
+    sizes = [hi - lo for lo, hi in chunk_bounds(k, n)]
+    pairs = [sizes[i] + sizes[(i + 1) % n] for i in range(n)]
+    most = (2 * k - min(pairs)) * 4
+    least = (2 * k - max(pairs)) * 4
+    average = 2 * (n - 1) * k / n * 4
+    worst = max(measured)
+    close = abs(float(guess.value) - worst) < 0.5
     explanation = (
-        f"In each of the 2(N-1) = {2 * (n - 1)} steps (N-1 of scatter-reduce, N-1 of "
-        f"all-gather) a rank sends one chunk of K/N = {chunk:g} float32 values "
-        f"({chunk * 4:g} bytes): 2(N-1)K/N x 4 = {ring_bytes:g} bytes. That is below 2K x 4 = "
-        f"{2 * k * 4} bytes for any N, so the bytes per rank hardly grow with N; a rank that sent "
-        f"its whole tensor to each of the others would send (N-1)K x 4 = {(n - 1) * k * 4} bytes.")
-    if measured != round(ring_bytes):
-        explanation += (f" Your ring sent {measured} bytes, not {ring_bytes:g}: does it send "
-                        f"exactly one chunk per step?")
-    reveal(guess, measured, close=close, explanation=explanation)
+        f"A rank sends every chunk but one in each phase: in the scatter-reduce not the chunk it "
+        f"finishes (nothing is left to pass on), in the all-gather not the one it receives last "
+        f"(its right neighbour finished it) — two chunks next to each other in the ring. With "
+        f"chunks of {', '.join(map(str, sizes))} elements, the rank that skips two "
+        f"{min(sizes)}-element chunks sends 2K − {min(pairs)} = {2 * k - min(pairs)} float32 "
+        f"({most} bytes) and the one that skips two {max(sizes)}-element chunks "
+        f"{2 * k - max(pairs)} ({least} bytes): 2(N−1)K/N × 4 = {average:g} bytes is only the "
+        f"average over the ranks, exact when N divides K. Your ring's ranks sent "
+        f"{', '.join(map(str, measured))} bytes.")
+    if worst != most or sum(measured) != round(average * n):
+        explanation += (f" That is not {most} at most and {round(average * n)} in all: does "
+                        f"your ring send exactly one chunk per step, every chunk of "
+                        f"ring.chunk_bounds's size?")
+    reveal(guess, worst, close=close, explanation=explanation)
 
 
 # --- stretch: the scatter-reduce in segments -------------------------------------------------
@@ -658,11 +686,24 @@ def _first_unpipelined(events, n: int, segments: int):
     (N-1)·S receives are the scatter-reduce's pieces. A receive never waited on (polled, or
     through its future) is not judged."""
     posted = {"send": 0, "recv": 0}
-    for kind, op, index in events:
+    for kind, op, index, _ in events:
         if kind == "post":
             posted[op] = max(posted[op], index + 1)
         elif op == "recv" and index < (n - 1) * segments and (index + 1) % segments:
             if posted["recv"] <= index + 1 or posted["send"] <= index + 1:
+                return index
+    return None
+
+
+def _first_added_late(events, n: int, segments: int):
+    """The index of the first scatter-reduce piece j that was not yet added into the tensor when
+    piece j + 1 (of the same step) was waited on: the tensor held the same values when the two
+    receives were waited on (None if every such piece was added in between). Receives never
+    waited on are not judged."""
+    at_wait = {index: fp for kind, op, index, fp in events if kind == "wait" and op == "recv"}
+    for index in range((n - 1) * segments):
+        if (index + 1) % segments and index in at_wait and index + 1 in at_wait:
+            if at_wait[index] == at_wait[index + 1]:
                 return index
     return None
 
@@ -713,6 +754,15 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                              f" the pieces travelled one at a time, so no piece was on its way "
                              f"while another was added; the stretch asks that piece j + 1 is "
                              f"posted (its send and its receive) before piece j is added.")
+                    unadded = _first_added_late(t["events"], n, S)
+                    if unadded is not None:
+                        j = unadded % S
+                        fail(f"rank {r} waited for piece {j + 1} of a scatter-reduce chunk while "
+                             f"piece {j} had arrived but was not yet added into the tensor (N={n},"
+                             f" segments={S}): posting the pieces, waiting for all of them and "
+                             f"only then adding them adds nothing while a piece is in flight; the "
+                             f"stretch asks that piece j is added before piece j + 1 is waited "
+                             f"on.")
                     allowed = {(n - 1) * (S + 1), 2 * (n - 1) * S}
                     if t["messages"] not in allowed:
                         fail(f"rank {r} sent {t['messages']} messages on {n} ranks with "
@@ -722,4 +772,5 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                              f"run more or fewer than N-1 steps?")
     passed(f"segmented ring: right sums and averages on {' and '.join(map(str, world_sizes))} "
            f"ranks, each scatter-reduce chunk sent in {segments} (and {segments - 1}) segments, "
-           f"piece j + 1 posted before piece j was waited on and added")
+           f"piece j + 1 posted before piece j was waited on, and piece j added before piece "
+           f"j + 1 was waited on")
