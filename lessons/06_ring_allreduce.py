@@ -8,7 +8,8 @@
 # - count its traffic, 2(N−1)K/N bytes per worker, and compare it with a parameter server and a
 #   tree under the α-β cost model;
 # - measure α and β on your own machine and predict all-reduce times elsewhere;
-# - build a ring from `isend`/`irecv`, and say when a naive send-then-receive ring deadlocks.
+# - build a ring from point-to-point messages, and say when a naive send-then-receive ring
+#   deadlocks.
 #
 # **Time:** about 40 minutes to read and run (the cost-model explorer invites longer).
 #
@@ -375,16 +376,16 @@ cost_explorer = viz.explorer(
 #
 # `dpcourse.ring.ring_allreduce(tensor, op="sum" | "average")` runs the simulator's two phases,
 # step for step, on real processes: it flattens the tensor and cuts it with the same chunking.
-# Every message is a `dist.isend` to rank+1 or a `dist.irecv` from rank−1; both return at once,
-# so no rank ever blocks in a send whose receive its neighbour has not posted. That matters: if
+# Every message goes to rank+1 or comes from rank−1, and the order of the calls matters: if
 # every rank first called a blocking `dist.send` and only then `dist.recv`, each send waits for
-# a receive nobody has posted yet —
-# a deadlock. With gloo, this course's backend, it hangs at **every** size: lab 06's check runs
+# a receive nobody has posted yet — a deadlock. With gloo, this course's backend, it hangs at **every** size: lab 06's check runs
 # exactly this mistake (measured from 1 element to 16 Mi elements) and stops it with a timeout.
 # On other transports it can be worse hidden: MPI libraries send small messages *eagerly* (the
 # *eager protocol*: the message is copied into a buffer at the receiver, so the blocking send
 # returns before any receive is posted), so there such a ring works on tiny tensors and hangs
-# on big ones. Correct code relies on neither.
+# on big ones. Correct code relies on neither. How to order a step's messages so that no rank
+# can wait forever is lab 06's design decision; the library's answer is folded after the lab
+# pointer.
 #
 # The library's ring is also *pipelined*. Note that the chunk a rank sends at step s+1 is
 # always the one it received at step s. So each chunk travels in segments (4 MiB by default),
@@ -538,8 +539,15 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # segmented, pipelined scatter-reduce. Do it before reading on.
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded output below: the
-# library's real, pipelined ring, the code this lesson's claims ran).
+# **▶ The reference answer — open after your lab passes** (click the folded cells below: how
+# the library's ring avoids the deadlock, then its real, pipelined code, the code this lesson's
+# claims ran).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Every message is a `dist.isend` to rank+1 or a `dist.irecv` from rank−1; both return at once,
+# and a rank waits on them only after both are posted, so no rank ever blocks in a send whose
+# receive its neighbour has not posted. (Blocking calls can do it too, if the ranks do not all
+# call them in the same order: one rank that receives first breaks the cycle of waits.)
 
 # %% jupyter={"outputs_hidden": true}
 viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
@@ -552,10 +560,9 @@ viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
 # - The α-β model, fitted to this machine in a few seconds (with a contention term for ranks
 #   that share cores), describes it within the error it prints — a median under 50% on a
 #   loaded 2-core machine; published link bandwidths turn it into predictions for GPU clusters.
-# - A few dozen lines of `isend`/`irecv` give a ring that equals `dist.all_reduce` and trains to
-#   DDP's weights; that no rank ever blocks in a send whose receive its neighbour has not
-#   posted keeps it from deadlocking, and forwarding each segment as soon as it is ready
-#   pipelines it.
+# - A few dozen lines of point-to-point messages give a ring that equals `dist.all_reduce` and
+#   trains to DDP's weights, once their order leaves no rank waiting forever (lab 06's design
+#   decision); forwarding each segment as soon as it is ready pipelines it.
 #
 # **Next:** [lesson 07](07_inside_ddp.ipynb) opens DDP itself: the hooks that launch these
 # all-reduces while the backward runs, the buckets that make each message large enough to be
@@ -586,8 +593,8 @@ viz.quiz([
                  "It hangs only on big tensors, whatever the transport"],
      "answer": 1,
      "why": ["Only if every send were buffered; with gloo none is.",
-             "Right (lab 06 measured gloo); post isend and irecv first, then wait, and it never "
-             "depends on the transport.",
+             "Right (lab 06 measured gloo); correct code must not rely on a send being buffered: "
+             "lab 06 has you decide how.",
              "With gloo it hangs on a single element too: lab 06's check measured it."]},
     {"q": "Your fitted α is 50 µs and 1/β is 2 GB/s. For 1 KB messages, what dominates a ring "
           "all-reduce over 8 ranks?",
