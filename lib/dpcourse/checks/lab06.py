@@ -714,7 +714,9 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
     """Stretch: ``fn(tensor, op, segments=S)`` must give the sum / average in place, sending
     each scatter-reduce chunk as S segments: at least (N-1)·S messages of at most
     ceil(ceil(K/N)/S) elements per rank, and no built-in collective. (The all-gather may send
-    whole chunks or segments.)"""
+    whole chunks or segments.) In the scatter-reduce, piece j + 1 must be posted before piece j
+    is waited on, and piece j added into the tensor before piece j + 1 is waited on (the
+    tensor's contents at the two waits differ): post-all, wait-all, add-all is refused."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, 30.0)
     if not callable(fn):
