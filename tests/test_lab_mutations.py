@@ -25,7 +25,8 @@ EQUIVALENT = {
         "on the CPU profile the data is already on the device; on a GPU the check fails "
         "with a device mismatch",
     "lab03:swap 'True' -> 'False': optimizer.zero_grad(set_to_none=True)":
-        "for plain SGD, gradients zeroed in place and gradients set to None give the same step",
+        "for SGD and Adam, gradients zeroed in place and gradients set to None give the same "
+        "step: every parameter gets a gradient at every step",
     "lab05:delete: ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)":
         "on one machine there is one input pipeline, and shard(1, 0) keeps everything; the "
         "line matters with several workers (lesson 05's multi-worker part)",
