@@ -56,7 +56,8 @@ from dpcourse.checks import lab05, predict
 # need not be the same size. It returns one number (a scalar tensor) per replica, such that
 # after the strategy combines the replicas' gradients, the result is the gradient of the
 # **mean** loss over all `global_batch` samples. `mirrored.per_example_loss(labels, logits)`
-# gives the per-example cross-entropies. Write your own: the library's answer is refused.
+# gives the per-example cross-entropies. Any TensorFlow function may help (`tf.nn`'s included);
+# only the library's answer, `mirrored.per_replica_loss` (what lesson 05 runs), is refused.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -136,13 +137,13 @@ model, optimizer = lab05.check_model_and_optimizer(make_model_and_optimizer, str
 # takes one step of SGD on the global batch `dist_batch` (already split over the replicas) and
 # returns `(loss, accuracy)`: two plain numbers (scalar tensors on the host), the **global
 # batch's** mean loss and accuracy before the update — what one device would report for the
-# whole batch. Inside it, `step_fn` runs once per replica on the replica's slice; the gradient
+# whole batch. Inside it, `step_fn` runs once per replica on the replica's slice; the slices
+# need not be the same size (as in part 1), and `global_batch` is their total. The gradient
 # part is given.
 #
 # **Your design decision:** what each replica's `step_fn` returns about its accuracy, and how
-# the replicas' values — the loss as well as the accuracy — become one number each. More than
-# one choice passes the check on evenly split batches; think about which of yours would still
-# be right when the slices differ in size (part 4 and the stretch).
+# the replicas' values — the loss as well as the accuracy — become one number each. Decide it
+# for any split of the batch, not only an even one: the check tries both.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -150,7 +151,8 @@ model, optimizer = lab05.check_model_and_optimizer(make_model_and_optimizer, str
 # %% [markdown] jupyter={"source_hidden": true}
 # `strategy.run` gives back one value per replica. What is each replica's loss a piece of — a
 # mean over its own samples, or a share of the mean over the whole batch? And its accuracy? To
-# get the whole batch's value, should the pieces be added or averaged?
+# get the whole batch's value, should the pieces be added or averaged — and does your answer
+# still hold when one replica holds 6 samples and another 2?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
@@ -167,9 +169,9 @@ model, optimizer = lab05.check_model_and_optimizer(make_model_and_optimizer, str
 
 # %% [markdown] jupyter={"source_hidden": true}
 # In `step_fn`: one line computing this replica's accuracy statistic from `logits` and `y`
-# (argmax, compare, cast, then a mean or a sum), and the `return` of the loss and that
-# statistic. After `strategy.run`: one reduction per returned value, each with the
-# `tf.distribute.ReduceOp` that fits what it is, and `axis=None`.
+# (argmax, compare, cast, then reduce), and the `return` of the loss and that statistic. After
+# `strategy.run`: one reduction per returned value, each with the `tf.distribute.ReduceOp` that
+# fits what it is, and `axis=None`; a statistic that adds up still needs its one division.
 
 # %%
 def distributed_train_step(strategy, model, optimizer, dist_batch, global_batch):
@@ -180,14 +182,14 @@ def distributed_train_step(strategy, model, optimizer, dist_batch, global_batch)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         ### BEGIN SOLUTION: what this replica reports: its loss and an accuracy statistic
-        accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
-        return loss, accuracy
+        hits = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
+        return loss, hits
         ### END SOLUTION
 
     loss, accuracy = strategy.run(step_fn, args=dist_batch)
     ### BEGIN SOLUTION: the global batch's loss and accuracy, one number each
     loss = strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
-    accuracy = strategy.reduce(tf.distribute.ReduceOp.MEAN, accuracy, axis=None)
+    accuracy = strategy.reduce(tf.distribute.ReduceOp.SUM, accuracy, axis=None) / global_batch
     ### END SOLUTION
     return loss, accuracy
 
@@ -253,14 +255,14 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # A workshop can stop here. `experimental_distribute_dataset` split global batches for you. With
 # `strategy.distribute_datasets_from_function(dataset_fn)` you write the input pipeline
 # yourself: TensorFlow calls `dataset_fn(input_context)` once per input pipeline (one per worker
-# machine; here there is one), and the replicas take whole batches from that pipeline, in turn.
-# `input_context` (a `tf.distribute.InputContext`) says which pipeline this is and how many there
-# are, and can convert a global batch size into a per-replica one.
+# machine; here there is one) and does not re-split what your dataset yields: each element it
+# yields is one replica's input for one step. `input_context` (a `tf.distribute.InputContext`)
+# describes the pipelines and the replicas.
 #
 # **Contract.** `make_dist_dataset(strategy, x, y, global_batch)` returns such a distributed
 # dataset over the arrays `x`, `y` in which every step holds the next `global_batch` samples in
-# the data's order (a step takes one batch per replica), every sample arrives once, and nothing
-# is dropped. The check uses 100 samples in global batches of 32.
+# the data's order, every sample arrives once, and nothing is dropped. The check uses 100
+# samples in global batches of 32.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -274,17 +276,17 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The pipeline batches by the per-replica size (the input context computes it from the global
-# one). Cutting the data is per pipeline: with one pipeline it keeps everything, and the
-# replicas still see different samples because they take different batches.
+# The pipeline batches by the per-replica size, global batch / replicas. Cutting the data is per
+# pipeline: with one pipeline it keeps everything, and the replicas still see different samples
+# because they take different batches.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # An inner `dataset_fn(ctx)`: a dataset from the tensor slices of `(x, y)`, sharded by the
-# context's pipeline count and pipeline id, batched by the context's per-replica batch size.
-# Return the strategy's distributed dataset made from that function.
+# context's pipeline count and pipeline id, batched by `ctx.get_per_replica_batch_size` of the
+# global batch. Return the strategy's distributed dataset made from that function.
 
 # %%
 def make_dist_dataset(strategy, x, y, global_batch):

@@ -8,6 +8,7 @@ from dpcourse import devices
 devices.split_tf_devices(3, "CPU")  # before anything else touches TF; the checks use the spare
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from dpcourse.checks import LabCheckError, lab05  # noqa: E402
@@ -46,7 +47,11 @@ def make_optimizer_outside(strategy, lr):
     return model, keras.optimizers.SGD(learning_rate=lr)
 
 
-def make_step(loss_fn, loss_op=SUM, acc_op=MEAN):
+def make_step(loss_fn, loss_op=SUM, acc_op=SUM, acc="hits", report_mean_loss=False):
+    """acc="hits": each replica returns its count of right predictions, divided once at the end
+    (right); acc="fraction": its accuracy over its own slice, reduced with acc_op;
+    acc="weighted": that fraction times its slice size / global batch (right, with SUM).
+    report_mean_loss: the loss reported is each replica's reduce_mean, reduced with loss_op."""
     def distributed_train_step(strategy, model, optimizer, dist_batch, global_batch):
         def step_fn(x, y):
             with tf.GradientTape() as tape:
@@ -54,12 +59,22 @@ def make_step(loss_fn, loss_op=SUM, acc_op=MEAN):
                 loss = loss_fn(y, logits, global_batch)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            acc = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
-            return loss, acc
-        loss, acc = strategy.run(step_fn, args=dist_batch)
+            right = tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32)
+            if acc == "hits":
+                a = tf.reduce_sum(right)
+            elif acc == "fraction":
+                a = tf.reduce_mean(right)
+            else:
+                a = tf.reduce_mean(right) * tf.cast(tf.shape(y)[0], tf.float32) / global_batch
+            if report_mean_loss:
+                loss = tf.reduce_mean(mirrored.per_example_loss(y, logits))
+            return loss, a
+        loss, a = strategy.run(step_fn, args=dist_batch)
         if loss_op is None:
-            return loss, acc
-        return strategy.reduce(loss_op, loss, axis=None), strategy.reduce(acc_op, acc, axis=None)
+            return loss, a
+        a = strategy.reduce(acc_op, a, axis=None)
+        return (strategy.reduce(loss_op, loss, axis=None),
+                a / global_batch if acc == "hits" else a)
     return distributed_train_step
 
 
@@ -89,7 +104,8 @@ def test_reduce_mean_in_the_step_is_named(strategy):
 
 def test_sum_where_mean_is_meant_is_named(strategy):
     with pytest.raises(LabCheckError, match="SUM is used where MEAN is meant"):
-        lab05.check_train_step(make_step(loss_right, SUM, SUM), make_right, strategy)
+        lab05.check_train_step(make_step(loss_right, SUM, SUM, acc="fraction"), make_right,
+                               strategy)
 
 
 def test_mean_where_sum_is_meant_is_named(strategy):
@@ -179,28 +195,61 @@ def test_losses_tied_to_one_setup_fail(fn, phrase, strategy):
     assert phrase in str(err.value), str(err.value)
 
 
-def step_counting_correct(strategy, model, optimizer, dist_batch, global_batch):
-    # right: accuracy as a count of hits, summed over replicas and divided once
+def step_counts_both(strategy, model, optimizer, dist_batch, global_batch):
+    # right: hits and sample counts both summed over the replicas, divided once
     def step_fn(x, y):
         with tf.GradientTape() as tape:
             logits = model(x, training=True)
-            loss = loss_implicit_global(y, logits, global_batch)
+            loss = loss_sum_over_global(y, logits, global_batch)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         hits = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
-        return loss, hits
-    loss, hits = strategy.run(step_fn, args=dist_batch)
+        return loss, hits, tf.cast(tf.size(y), tf.float32)
+    loss, hits, count = strategy.run(step_fn, args=dist_batch)
     return (strategy.reduce(SUM, loss, axis=None),
-            strategy.reduce(SUM, hits, axis=None) / global_batch)
+            strategy.reduce(SUM, hits, axis=None) / strategy.reduce(SUM, count, axis=None))
 
 
-@pytest.mark.parametrize("step", [make_step(loss_implicit_global), step_counting_correct,
-                                  make_step(loss_mean_over_replicas)],
-                         ids=["implicit-global-batch", "hits-summed", "mean-over-replicas"])
+@pytest.mark.parametrize("step", [make_step(loss_right), step_counts_both,
+                                  make_step(loss_sum_over_global, acc="weighted")],
+                         ids=["hits-summed", "hits-and-counts-summed", "fractions-weighted"])
 def test_right_steps_pass(step, strategy, capsys):
     lab05.check_train_step(step, make_right, strategy)
     out = capsys.readouterr().out
-    assert out.count("✔") == 1 and "48 on 2" in out and "63 on 3" in out
+    assert out.count("✔") == 1 and "48 on 2" in out and "63 on 3" in out, out
+    assert "6+2 on 2," in out and "6+2+2 on 3 replicas" in out, out  # the uneven step
+
+
+def test_uneven_step_tells_mean_of_means_apart():
+    # every slice holds one right prediction, so neither mean of means is the batch's value
+    x, y = lab05.reference_batch(64)
+    logits = mirrored.build_keras_cnn(seed=3)(x, training=False).numpy()
+    per_ex, hit = mirrored.per_example_loss(y, logits).numpy(), logits.argmax(-1) == y
+    for n in (2, 3):
+        slices = lab05.uneven_slices(n)
+        assert [len(s) for s in slices] == [6] + [2] * (n - 1)
+        assert all(hit[s].sum() == 1 for s in slices)
+        idx = np.concatenate(slices)
+        for of in (per_ex, hit.astype(float)):
+            assert abs(np.mean([of[s].mean() for s in slices]) / of[idx].mean() - 1) > 0.01
+
+
+@pytest.mark.parametrize("step, phrase", [
+    # per-replica accuracy fractions reduced with MEAN: right on even slices only
+    (make_step(loss_right, SUM, MEAN, acc="fraction"),
+     "accuracy returned (0.3333) is the mean of the replicas' own means"),
+    # the loss reported as each replica's reduce_mean, reduced with MEAN
+    (make_step(loss_right, MEAN, acc="hits", report_mean_loss=True),
+     "loss returned"),
+    # the gradient's divisor is slice size x replicas: part 1's mistake, seen in the step
+    (make_step(loss_implicit_global), "slices of 6+2, and each replica's loss was divided"),
+    (make_step(loss_mean_over_replicas), "slices of 6+2, and each replica's loss was divided"),
+])
+def test_uneven_step_mistakes_are_named(step, phrase, strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_train_step(step, make_right, strategy)
+    assert phrase in str(err.value), str(err.value)
+    assert "mean of means" in str(err.value) or "slice size" in str(err.value)
 
 
 def test_library_answers_are_refused(strategy):

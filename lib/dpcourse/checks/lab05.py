@@ -15,9 +15,12 @@ device without any strategy, and compares. The loss is checked inside ``strategy
 training step calls it. Wrong answers that leave a known trace are named: the per-replica
 ``reduce_mean`` (gradient and step N times too big), a divisor of slice size × replicas
 (``compute_average_loss`` without ``global_batch_size``, or ``reduce_mean`` / N: right only when
-every slice is the same size), reducing a per-replica mean with SUM (N times too big) or a
-per-replica share of a sum with MEAN (N times too small), one replica's value returned instead of
-a reduction, a fixed learning rate, variables created outside ``strategy.scope()``, and the
+every slice is the same size; part 1 tries 3 + 2, part 3 a step split 6 + 2 (+ 2)), reducing a
+per-replica mean with SUM (N times too big) or a per-replica share of a sum with MEAN (N times
+too small), a loss or accuracy reported as the MEAN of the replicas' own means (right only when
+the slices are equal; in part 3's uneven step each slice holds one correctly classified sample,
+so the accuracy's mean of means is off too), one replica's value returned instead of a
+reduction, a fixed learning rate, variables created outside ``strategy.scope()``, and the
 library's own answers (``mirrored.per_replica_loss``, ``mirrored.train_step``) passed in place of
 the learner's.
 
@@ -265,23 +268,57 @@ def check_train_step(distributed_train_step, make_model_and_optimizer, strategy,
     _refuse_library(distributed_train_step, "distributed_train_step")
     tried = []
     with _LibrarySpy("per_replica_loss"):
-        for strat in strategies_for(strategy):
+        strategies = strategies_for(strategy)
+        for strat in strategies:
             n = strat.num_replicas_in_sync
-            # multiples of n: an even split, where every right answer agrees
+            # multiples of n: an even split first, where the scaling mistakes show as factors of n
             for gb, step_lr in ((global_batch // n * n, lr),
                                 ((global_batch * 3 // 4) // n * n, _other_lr(lr))):
                 _check_step_once(distributed_train_step, make_model_and_optimizer,
                                  strat, gb, step_lr)
                 tried.append(f"{gb} on {n}")
+        # then a short step whose slices differ in size (6 + 2 (+ 2)), as a last step's can:
+        # a mean of the replicas' own means is the batch's mean only when the slices are equal
+        for strat in strategies:
+            slices = uneven_slices(strat.num_replicas_in_sync)
+            _check_step_once(distributed_train_step, make_model_and_optimizer, strat,
+                             sum(len(s) for s in slices), lr, slices=slices)
+            tried.append("+".join(str(len(s)) for s in slices) + f" on {len(slices)}")
     passed(f"one step == one device on the global batch (weights, loss, accuracy; tried "
            + ", ".join(tried) + f" replicas, lr {lr:g} and {_other_lr(lr):g})")
 
 
+def uneven_slices(n: int, seed: int = 5) -> list:
+    """Indices into ``reference_batch(64, seed)`` for a step split unevenly over ``n`` replicas:
+    replica 0 holds 6 samples, each other replica 2, and every replica's slice holds exactly one
+    sample the reference model (``build_keras_cnn(seed=3)``) classifies right — so that neither
+    the mean of the replicas' loss means nor the mean of their accuracies is the batch's."""
+    x, y = reference_batch(64, seed)
+    logits = mirrored.build_keras_cnn(seed=3)(x, training=False).numpy()
+    hit, loss = np.argmax(logits, -1) == y, mirrored.per_example_loss(y, logits).numpy()
+    hits = list(np.flatnonzero(hit))
+    misses = sorted(np.flatnonzero(~hit), key=lambda i: -loss[i])  # dearest first
+    if len(hits) < n or len(misses) < 5 + (n - 1):  # not with the fixed batch: a plain split
+        return [np.arange(6)] + [np.arange(6 + 2 * r, 8 + 2 * r) for r in range(n - 1)]
+    # replica 0's misses the dearest, the others' the cheapest: their mean losses differ too
+    out = [np.array([hits[0]] + misses[:5])]
+    for r in range(1, n):
+        out.append(np.array([hits[r], misses[-r]]))
+    return out
+
+
 def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
-                     global_batch: int, lr: float):
+                     global_batch: int, lr: float, slices: list | None = None):
     __tracebackhide__ = True
     n = strategy.num_replicas_in_sync
-    x, y = reference_batch(global_batch)
+    if slices is None:   # the strategy splits one global batch as evenly as it can
+        x, y = reference_batch(global_batch)
+        slices = [np.asarray(s) for s in np.array_split(np.arange(global_batch), n)]
+    else:                # replica r holds the samples slices[r] of the reference batch
+        x64, y64 = reference_batch(64)
+        x, y = x64[np.concatenate(slices)], y64[np.concatenate(slices)]
+        bounds = np.cumsum([0] + [len(s) for s in slices])
+        slices = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
     # The reference: one device, mean loss over the whole global batch, plain SGD.
     ref = mirrored.build_keras_cnn(seed=3)
     start = [w.copy() for w in ref.get_weights()]
@@ -299,8 +336,13 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
         fail("make_model_and_optimizer must build mirrored.build_keras_cnn() (the lesson's CNN).")
     _check_lr(optimizer, lr)
     model.set_weights(start)
-    dist_batch = next(iter(strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))))
+    if len({len(s) for s in slices}) == 1:
+        dist_batch = next(iter(strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))))
+    else:
+        dist_batch = strategy.experimental_distribute_values_from_function(
+            lambda ctx: (tf.constant(x[slices[ctx.replica_id_in_sync_group]]),
+                         tf.constant(y[slices[ctx.replica_id_in_sync_group]])))
     try:
         out = distributed_train_step(strategy, model, optimizer, dist_batch, global_batch)
     except NotImplementedError:
@@ -316,7 +358,7 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
         fail("distributed_train_step returned per-replica values (one per replica), not one "
              "number each: combine each over the replicas into the global batch's value.")
     # What each replica held before the step: to tell one replica's value from a reduction.
-    slices = np.array_split(np.arange(global_batch), n)
+    split = "+".join(str(len(s)) for s in slices)
     per_ex = mirrored.per_example_loss(y, logits).numpy()
     hit = np.argmax(logits, -1) == y
     first_share, first_mean = per_ex[slices[0]].sum() / global_batch, per_ex[slices[0]].mean()
@@ -349,6 +391,16 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
             fail(f"with a global batch of {global_batch} on {n} replicas the update is "
                  f"{step_ratio:.3g} times the right one: the loss was divided by a fixed "
                  f"{round(k)}, not by this step's global batch — use the global_batch argument.")
+        if len({len(s) for s in slices}) > 1:
+            # each replica dividing its summed loss by its own slice size x n (a local mean / n)
+            local = [sum(g / n for g in gs) for gs in zip(*(
+                mirrored.single_replica_gradients(ref, x[s], y[s])
+                for s in slices))]
+            if all(_close(d, -lr * g, rtol=1e-2) for d, g in zip(delta, local)):
+                fail(f"this step's {global_batch} samples arrived in slices of {split}, and each "
+                     f"replica's loss was divided by its own slice size times the replica count: "
+                     f"that is the global batch only when every slice is the same size. Divide "
+                     f"by the global_batch argument (part 1).")
         fail(f"one step changed the weights by {step_ratio:.3g} times the single-device SGD "
              f"step (expected 1): compute each replica's loss on its slice, take its gradient "
              f"and apply it inside strategy.run.")
@@ -369,6 +421,15 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
              "global batch; use SUM then.")):
         if _close(got, want, rtol=1e-3):
             continue
+        if len({len(s) for s in slices}) > 1:
+            of = per_ex if what == "loss" else hit.astype(float)
+            means = [float(of[s].mean()) for s in slices]
+            if _close(got, np.mean(means), rtol=1e-3):
+                fail(f"the {what} returned ({got:{fmt}}) is the mean of the replicas' own means "
+                     f"({', '.join(f'{m:{fmt}}' for m in means)}) over slices of {split} "
+                     f"samples, but {want_is}: a mean of means weighs every replica the same, "
+                     f"not every sample, so it is the batch's {what} only when the slices are "
+                     f"the same size — and a short last step's are not.")
         ones = (first_share, first_mean) if what == "loss" else (first_acc, first_acc / n)
         if any(_close(got, o, rtol=1e-4) for o in ones) and not _close(want / n, got, rtol=1e-4):
             fail(f"the {what} returned is replica 0's value alone ({got:{fmt}}), not a "
@@ -561,14 +622,14 @@ def check_partial_batch_epoch(train_epoch, strategy) -> None:
     n = strategy.num_replicas_in_sync
     if same(_one_device(1, 4 / _GLOBAL)):
         fail(f"the last step was too small: its 4 samples were divided by the full global batch "
-             f"({_GLOBAL}). Divide by the number of samples this step really has, summed over "
-             f"the replicas (replica context's all_reduce of tf.shape(y)[0]).")
+             f"({_GLOBAL}), a number fixed before the epoch — but a short last step holds fewer "
+             f"samples, and only the step itself can tell how many.")
     if same(_one_device(1, 1 / n)):
         fail(f"the last step was {n} times too small: its loss was divided as if every replica "
              f"held as many samples as the one that has them (compute_average_loss without "
              f"global_batch_size, or a local mean divided by the replica count, assume that), "
-             f"but one replica has none. Divide by the step's real global count (all_reduce "
-             f"of the local sizes).")
+             f"but one replica has none: a replica's own slice does not tell how many samples "
+             f"the whole step holds.")
     if same(_one_device(1, 0)):
         fail("the last, partial step changed nothing: train on it too.")
     fail("after one epoch the weights differ from one device on the same batches: divide each "
