@@ -140,7 +140,10 @@ claim("from 2 to 4 ranks each rank's parameter shard halves, while the activatio
 # %% [markdown]
 # Recomputation rescues the memory (section 5's planner counts it: about 20 GB per GPU on
 # 1536 GPUs), but not the traffic: a ZeRO-3 rank sends about 3Ψ per step *whatever N*
-# (lesson 08), while its share of the compute falls as 1/N. Section 5 puts numbers on that.
+# (lesson 08), while — at a fixed global batch, the examples split over more ranks — its
+# share of the compute falls as 1/N. (With a fixed batch per rank the compute per rank stays,
+# and the global batch grows with N instead: the next subsection's limit.) Section 5 puts
+# numbers on that.
 #
 # ### Batch: the critical batch size
 # Data parallelism with a fixed batch per rank grows the **global** batch with N. A bigger
@@ -309,7 +312,14 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
 # writes the same rule with its *placements* — `Partial()`, a sum still to be done over the
 # ranks, and `Replicate()`, the same whole tensor on every rank: in `_redistribute_backward`
 # (`torch/distributed/tensor/_redistribute.py`) a gradient whose forward went from Partial to
-# Replicate stays Replicate.
+# Replicate stays Replicate, not turned back into Partial.
+#
+# **The overlap Megatron-LM makes.** *f*'s all-reduce, in the backward, carries the input's
+# gradient ∂L/∂X, which the column layer's weight gradient (∂L/∂A_r = Xᵀ·∂L/∂Z_r) does not
+# need: Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication`
+# (`megatron/core/tensor_parallel/layers.py`) starts that all-reduce asynchronously and
+# computes the weight's gradient while it travels. *g*'s all-reduce, in the forward, has no
+# such companion: the next layer needs its sum.
 
 # %% [markdown]
 # ### Checked, and counted
@@ -382,11 +392,12 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # A step holds many sequences, though, and tensor parallelism pays for each, while data
 # parallelism's bytes do not grow with the batch. And *when* the bytes travel matters more.
 # DDP's all-reduce overlaps the backward (lesson 07); most of tensor parallelism's sit **on
-# the critical path**: the next layer cannot start before *g*'s sum arrives — four times per
-# transformer layer and micro-batch (attention and MLP each have an *f* and a *g*: two
-# all-reduces in the forward, two in the backward) — and each rank's matmuls shrink by t.
-# Not all of it, though: Megatron-LM overlaps the backward's all-reduce with the matmul that
-# computes the weight's gradient, which does not need it. torch's `RowwiseParallel` issues
+# the critical path**: the tensor-parallel all-reduces sit between one matmul and the next,
+# which waits for the sum — four times per transformer layer and micro-batch (attention and
+# MLP each have an *f* and a *g*: two all-reduces in the forward, two in the backward) — and
+# each rank's matmuls shrink by t. Not all of it, though: Megatron-LM hides one of a layer's
+# all-reduces behind a matmul that does not need its result (which one, and why it can, is
+# in the reference answer folded after lab 11's pointer). torch's `RowwiseParallel` issues
 # its output redistribution with `async_op=True`, but in eager mode that returns an
 # `AsyncCollectiveTensor`, which waits for the collective before its first use — the very
 # next operation — so nothing overlaps there. torch's *async tensor parallelism*
@@ -655,7 +666,9 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
 # The worker trains two versions for a few Adam steps next to one device on the whole
 # batch: ours (`TensorParallelMLP` on the row's group, then `fully_shard` on the column) and
 # torch's (`parallelize_module` on `mesh["tp"]`, then `fully_shard` on `mesh["dp"]`). A
-# `before` hook of the recorder notes which group each call uses.
+# `before` hook of the recorder notes which group each call uses. Ours is then compared with
+# the one device, shard by shard, against the slice that torch's placement of the same
+# parameter on `tp` names (the worker reads it, rather than writing it down).
 
 # %%
 viz.show_code(tensor_parallel.mesh_2d_worker)
@@ -714,7 +727,8 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # once more. For the first weight both dimensions cut dim 0: `_StridedShard(dim=0, sf=2)`
 # records that the `dp` cut applies to each `tp` slice (interleaved rows), not to the
 # whole.
-#
+
+# %% [markdown]
 # ## 5. A planner
 # Which sizes, then, for a real model on a real cluster? `dpcourse.planner` tries every
 # tensor size t that divides the GPUs of a node (so that no tensor-parallel group straddles
@@ -874,7 +888,7 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 # - **Tensor parallelism** (Megatron-LM): a column-parallel layer then a row-parallel one,
 #   with two conjugate operations *f* and *g* carrying the communication (which pass of
 #   each, and why, is lab 11). Two all-reduces of the activations per MLP per step, mostly
-#   on the critical path (Megatron overlaps the backward's with the weight-gradient matmul;
+#   on the critical path (Megatron hides one behind a matmul that does not need its sum;
 #   torch's async TP overlaps only the all-gathers and reduce-scatters of sequence
 #   parallelism, in compiled models): keep it inside a node. torch's
 #   `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
@@ -965,11 +979,9 @@ viz.quiz([
 #   to `Shard(0)` (a reduce-scatter, the comment in `_prepare_output_fn`): sequence
 #   parallelism's layout.
 # - `torch/distributed/tensor/_api.py` — `_FromTorchTensor.backward` (the backward of
-#   `DTensor.from_local`): the gradient redistributed to the forward input's placement (what
-#   that means for *f*: section 2's folded answer).
-# - `torch/distributed/tensor/_redistribute.py` — `_redistribute_backward`: when the forward
-#   went Partial → Replicate, a Replicate gradient stays Replicate, not turned back into
-#   Partial (what that means for *g*: section 2's folded answer).
+#   `DTensor.from_local`) (what it does for *f*: section 2's folded answer).
+# - `torch/distributed/tensor/_redistribute.py` — `_redistribute_backward` (what it does for
+#   *g*: section 2's folded answer).
 # - `torch/_inductor/config.py` — `_micro_pipeline_tp` (async tensor parallelism, off by
 #   default); `torch/_inductor/fx_passes/micro_pipeline_tp.py` — `micro_pipeline_tp_pass`:
 #   it looks for all-gathers and reduce-scatters only (`find_all_gather_patterns`,
@@ -1013,8 +1025,7 @@ viz.quiz([
 #
 # Megatron-LM's own code (github.com/NVIDIA/Megatron-LM, not installed here):
 # `megatron/core/tensor_parallel/layers.py`, `LinearWithGradAccumulationAndAsyncCommunication`
-# — the column layer's backward starts the all-reduce of the input's gradient asynchronously
-# and computes the weight's gradient while it travels.
+# (the overlap it makes: section 2's folded answer).
 #
 # Papers: Shoeybi et al., *Megatron-LM: Training Multi-Billion Parameter Language Models Using
 # Model Parallelism*, 2019 (section 3, the MLP, f and g); Narayanan et al., *Efficient

@@ -131,6 +131,10 @@ def test_2d_mesh_equals_one_device_with_traffic_per_dimension():
                             ("tp", "all_reduce", act, act * 4, act * 4),
                             ("dp", "reduce_scatter", local, local * 4, local * 2)]
         assert r["held"]["up.weight"] == ((32, 16), (16, 16))
+        # ours_diff compares against the slice torch's tp placement names: pin those placements
+        assert {name: p.split(", ")[-1] for name, p in r["torch_placements"].items()} == {
+            "0.weight": "Shard(dim=0))", "0.bias": "Shard(dim=0))",
+            "2.weight": "Shard(dim=1))", "2.bias": "Replicate())"}
 
 
 def test_noise_scale_inside_ddp_is_close_to_the_per_example_value():

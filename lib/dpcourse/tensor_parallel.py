@@ -456,16 +456,21 @@ def mesh_2d_worker(rank: int, world_size: int, cfg: TPConfig, dp: int = 2, tp: i
         theirs_opt.step()
         theirs_opt.zero_grad()
 
-    # our layers hold tp slices; FSDP2 shards each further along dim 0 over dp
+    # our layers hold tp slices, which FSDP2 shards further over dp (full_tensor undoes that).
+    # Which slice of the plain parameter each must equal is what torch's placement of the same
+    # parameter on the tp dimension says: Shard(d), this rank's slice along d; else the whole.
     ours_full = {name: p.full_tensor() for name, p in ours.named_parameters()}
-    n_tp = tp
-    diffs = []
+    theirs_params = dict(theirs.named_parameters())
     plain_params = dict(one.named_parameters())
-    for (mine_name, plain_name, dim) in (("up.weight", "0.weight", 0), ("up.bias", "0.bias", 0),
-                                         ("down.weight", "2.weight", 1)):
-        ref = slice_of(plain_params[plain_name].detach(), dim, tp_rank, n_tp)
+    on_tp = mesh.mesh_dim_names.index("tp")
+    diffs = []
+    for mine_name, plain_name in (("up.weight", "0.weight"), ("up.bias", "0.bias"),
+                                  ("down.weight", "2.weight"), ("down.bias", "2.bias")):
+        ref = plain_params[plain_name].detach()
+        placement = theirs_params[plain_name].placements[on_tp]
+        if placement.is_shard():
+            ref = slice_of(ref, placement.dim, tp_rank, tp)
         diffs.append(float((ours_full[mine_name] - ref).abs().max()))
-    diffs.append(float((ours_full["down.bias"] - plain_params["2.bias"].detach()).abs().max()))
     torch_diff = max(float((p.full_tensor() - plain_params[name].detach()).abs().max())
                      for name, p in theirs.named_parameters())
     held = {name: (tuple(p.shape), tuple(p.to_local().shape)) for name, p in
