@@ -167,33 +167,16 @@ claim("with training-mode BatchNorm the DataParallel output differs from the pla
 
 # %% [markdown]
 # ## 3. Parallel apply — threads
-# One thread per replica, as in the real one. Grad mode (whether autograd records a graph) is
-# thread-local in PyTorch, and a new thread starts with it **on** whatever its caller has: so
-# each thread switches it to the caller's setting — forget it and a caller inside
-# `torch.no_grad()` (an evaluation loop) gets replicas that record graphs and hold activations
-# for a backward that never comes. An error in a thread must be kept and raised again in the caller, or it would vanish with the thread.
-# Writing this function is lab 02's stretch, so its code too waits, folded, below the lab's
-# pointer; the real one (`torch/nn/parallel/parallel_apply.py`) also carries the caller's
-# autocast setting into each thread and sets each thread's current GPU.
+# One thread per replica, as in the real one (`torch/nn/parallel/parallel_apply.py`), each
+# running its replica on its chunk, and the outputs handed back in device order. Writing this
+# function is lab 02's stretch, so what a thread must take care of besides the call, and the
+# code, wait folded below the lab's pointer; here we check what it returns:
 
 # %%
 outputs = dp.parallel_apply(replicas, chunks)
 print("output shapes:", [tuple(o.shape) for o in outputs])
 claim("every replica's output is part of the autograd graph",
       all(o.requires_grad for o in outputs))
-
-import threading
-
-seen_in_thread = []
-with torch.no_grad():
-    probe = threading.Thread(target=lambda: seen_in_thread.append(torch.is_grad_enabled()))
-    probe.start()
-    probe.join()
-    quiet = dp.parallel_apply(replicas, chunks)
-claim("a thread started inside torch.no_grad() runs with grad mode ON (it is per thread)",
-      seen_in_thread == [True], seen_in_thread=seen_in_thread)
-claim("parallel_apply passes the caller's mode on: under no_grad no replica records a graph",
-      not any(o.requires_grad for o in quiet))
 
 # %% [markdown]
 # ## 4. Gather, loss, backward — and the proof
@@ -448,8 +431,8 @@ print(f"On this run: {verdict} (truly parallel threads would approach 2.00x; wha
 # and a forward/backward with plain copies of the model (`copy.deepcopy`, not the broadcast
 # above), whose gradients no autograd link brings back: getting them onto the original is up to
 # you, under the contract of `loss.backward()`. You also decide how `scatter` sizes its chunks,
-# and predict one copy's share of the gradient before it is measured. Its stretch asks for the
-# threads of `parallel_apply`.
+# and make predictions (what your decision does, one copy's share of the gradient, what a deep
+# copy carries) before they are measured. Its stretch asks for the threads of `parallel_apply`.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below): the
@@ -459,8 +442,33 @@ print(f"On this run: {verdict} (truly parallel threads would approach 2.00x; wha
 viz.show_code(dp.scatter, dp.gather, dp.parallel_apply)
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below): why
-# the replicas' gradients are summed, not averaged, measured.
+# **▶ The reference answer — open after your lab passes** (click the folded cell below): what
+# each thread of `parallel_apply` takes care of besides the call, measured.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# Grad mode (whether autograd records a graph) is thread-local in PyTorch, and a new thread
+# starts with it ON whatever its caller has: so each thread switches it to the caller's setting
+# — forget it and a caller inside torch.no_grad() (an evaluation loop) gets replicas that record
+# graphs and hold activations for a backward that never comes. An error in a thread must be
+# kept and raised again in the caller, or it would vanish with the thread; torch raises the
+# first failing replica's in device order. The real one also carries the caller's autocast
+# setting into each thread and sets each thread's current GPU.
+import threading
+
+seen_in_thread = []
+with torch.no_grad():
+    probe = threading.Thread(target=lambda: seen_in_thread.append(torch.is_grad_enabled()))
+    probe.start()
+    probe.join()
+    quiet = dp.parallel_apply(replicas, chunks)
+claim("a thread started inside torch.no_grad() runs with grad mode ON (it is per thread)",
+      seen_in_thread == [True], seen_in_thread=seen_in_thread)
+claim("parallel_apply passes the caller's mode on: under no_grad no replica records a graph",
+      not any(o.requires_grad for o in quiet))
+
+# %% [markdown]
+# **▶ The reference answer — open after your lab passes** (click the folded cell below): how
+# the replicas' gradients combine into the whole batch's, measured.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 # Sum, not average. The loss is a *mean over the whole gathered batch*, so each replica's
@@ -572,7 +580,7 @@ viz.quiz([
 # - `torch/nn/parallel/parallel_apply.py` — `parallel_apply`: one `threading.Thread` per
 #   replica; each thread sets the caller's grad mode (`torch.set_grad_enabled`) and autocast
 #   state and the replica's device; an exception is wrapped (`ExceptionWrapper`) and re-raised
-#   in the caller.
+#   in the caller, the first failing replica's in device order (the loop over `results`).
 # - `torch/cuda/nccl.py` — `is_available`, `reduce`: the NCCL calls `comm.reduce_add` uses.
 # - `torch/nn/modules/batchnorm.py` — `_BatchNorm.forward`: in training mode the running mean
 #   and variance (buffers) are updated in place and `num_batches_tracked` is incremented.

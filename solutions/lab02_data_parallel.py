@@ -89,6 +89,19 @@ def scatter(X, n_devices):
 lab02.check_scatter(scatter, sizes=chunk_sizes)
 
 # %% [markdown]
+# **Predict what your decision does.** A batch of 10 samples on 8 devices: under *your*
+# `scatter`, how many of the 8 devices get no sample at all? Write a number; the next cell counts
+# it with your function and says what your choice costs or saves in a step.
+
+# %%
+### BEGIN SOLUTION: your prediction (a number of devices)
+my_idle_guess = 3
+### END SOLUTION
+idle_guess = predict("lab02", "devices left without a sample, batch 10 on 8 devices",
+                     my_idle_guess, unit="devices")
+lab02.check_idle_prediction(idle_guess, scatter, sizes=chunk_sizes)
+
+# %% [markdown]
 # ## 2. `gather`
 #
 # The outputs of the devices, in device order, as one batch: row i of the result must be the
@@ -121,32 +134,33 @@ lab02.check_gather(gather)
 # ## 3. Predict, then measure: one copy's gradient
 #
 # Before you write the step, reason about what a copy's backward leaves in its `p.grad`. Take a
-# batch of 16 samples made of the *same* 4 samples four times, on 4 devices, so each device's
-# chunk is those 4 samples. The loss is one mean cross-entropy over all 16 gathered outputs, and
-# `backward()` runs through the four plain copies. **What fraction of the whole batch's
-# gradient (the plain model's, on the 16 samples) does copy 0's gradient hold?** Write a number;
-# the check then runs exactly that with plain copies and measures it.
+# batch of 10 samples that are all the *same* sample (and label), on 4 devices, cut as
+# DataParallel cuts it: chunks of 3, 3, 3 and 1. The loss is one mean cross-entropy over all 10
+# gathered outputs, and `backward()` runs through the four plain copies. **What fraction of the
+# whole batch's gradient (the plain model's, on the 10 samples) does the last copy's gradient,
+# the one that ran on 1 sample, hold?** Write a number; the check then runs exactly that with
+# plain copies and measures it.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The mean over 16 samples is a sum of 16 terms, each divided by 16. Which of those terms does
-# copy 0's backward differentiate?
+# The mean over 10 samples is a sum of 10 terms, each divided by 10. Which of those terms does
+# the last copy's backward differentiate?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # A copy's gradient is the gradient of its own chunk's terms of the one mean, divided by the
-# whole batch's size. With identical chunks, how do the four copies' gradients compare with each
-# other?
+# whole batch's size. With identical samples, every term has the same gradient: how many terms
+# does each copy hold?
 
 # %%
 ### BEGIN SOLUTION: your prediction (a number)
-my_guess = 0.25
+my_guess = 0.1
 ### END SOLUTION
-guess = predict("lab02", "copy 0's fraction of the whole batch's gradient", my_guess)
+guess = predict("lab02", "the 1-sample copy's fraction of the whole batch's gradient", my_guess)
 
 # %%
 lab02.check_prediction(guess)
@@ -154,7 +168,22 @@ lab02.check_prediction(guess)
 # %% [markdown]
 # ## 4. `dp_forward_backward`
 #
-# One forward and backward of DataParallel with plain copies, with the contract at the top:
+# Your step makes its copies with `copy.deepcopy(model)`, and `model` may arrive holding
+# gradients from an earlier backward. **Predict first:** take a model whose parameters hold
+# gradients and whose BatchNorm layer holds running statistics (a training-mode forward and a
+# backward ran). Which of the two does `copy.deepcopy` of it carry into the copy? Choose one of
+# `lab02.COPY_CARRIES`: `"both"`, `"gradients only"`, `"running statistics only"`, `"neither"`.
+
+# %%
+### BEGIN SOLUTION: your prediction (one of lab02.COPY_CARRIES)
+my_copy_guess = "running statistics only"
+### END SOLUTION
+copy_guess = predict("lab02", "what a deep copy of a model carries", my_copy_guess,
+                     choices=lab02.COPY_CARRIES)
+lab02.check_copy_prediction(copy_guess)
+
+# %% [markdown]
+# Now the step. One forward and backward of DataParallel with plain copies, with the contract at the top:
 # every chunk through a copy of its own, one mean loss over the gathered batch (returned as a
 # float), and afterwards each `p.grad` of `model` holds what it held before plus the whole
 # batch's gradient — the same contract as `loss.backward()`, so that a caller may accumulate
@@ -167,16 +196,17 @@ lab02.check_prediction(guess)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # After the backward, where are the gradients — on `model`, or on the copies? What did your
-# prediction in §3 say about how the copies' gradients relate to the whole batch's? And what
-# does `model`'s `p.grad` hold before your function adds anything?
+# prediction in §3 say about how the copies' gradients relate to the whole batch's? What does a
+# fresh copy hold in `p.grad`, and what does `model`'s hold before your function adds anything?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# One copy per chunk your `scatter` returns (`copy.deepcopy` copies the weights, not
-# `p.grad`); one loss on the gathered outputs and one backward; then, parameter by parameter, combine what the copies received and add it to
-# what `model` held, starting from nothing where `p.grad` is `None`.
+# One copy per chunk your `scatter` returns (what a copy starts with in `p.grad`: your
+# prediction above); one loss on the gathered outputs and one backward; then, parameter by
+# parameter, combine what the copies received and add it to what `model` held, starting from
+# nothing where `p.grad` is `None`.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -240,7 +270,9 @@ claim("your DataParallel step trains: the loss fell", losses[-1] < losses[0], lo
 # * it returns the list `[replicas[i](inputs[i]) for i in ...]` would give, in replica order;
 # * the replicas run **at the same time**, each in a thread of its own;
 # * the outputs carry an autograd graph exactly when the same loop run by the caller would;
-# * when a replica raises, the caller gets that error, after no thread is left running.
+# * when a replica raises, the caller gets that error, after no thread is left running; when
+#   several raise, the caller gets the lowest-numbered failing replica's error, however fast or
+#   slow each thread was.
 #
 # The check uses stand-in replicas that sleep (as a torch kernel does, they release the GIL),
 # the slowest first, and calls your function both with autograd on and inside

@@ -259,7 +259,7 @@ def _threads(order="index", join="after", grad="caller", errors="raise", n_threa
                 results[i] = out
                 done.append(out)
             except Exception as exc:  # noqa: BLE001
-                errs.append(exc)
+                errs.append((i, exc))
 
         if n_threads == 1:
             for i in range(len(replicas)):
@@ -273,8 +273,12 @@ def _threads(order="index", join="after", grad="caller", errors="raise", n_threa
             if join == "after":
                 for t in threads:
                     t.join()
-        if errs and errors == "raise":
-            raise errs[0]
+        if errs and errors == "raise":  # the lowest-numbered failing replica's, as torch's
+            raise min(errs, key=lambda e: e[0])[1]
+        if errs and errors == "first":  # the first to fail in time
+            raise errs[0][1]
+        if errs and errors == "last":  # one slot, overwritten by each failing thread
+            raise errs[-1][1]
         return done if order == "finished" else results
     return apply
 
@@ -332,6 +336,8 @@ def test_right_threaded_apply_passes(fn, capsys):
     (_threads(n_threads=1), "one after another in the caller's thread"),
     (_threads(grad="on"), "under torch.no_grad()"),
     (_threads(errors="swallow"), "as if nothing happened"),
+    (_threads(errors="first"), "replica 2's error, the first to fail"),
+    (_threads(errors="last"), "replica 2's error, the last to fail"),
     (pool_of_two, "ran in 2 thread(s)"),
 ])
 def test_threaded_apply_mistakes_are_named(fn, phrase):
@@ -448,15 +454,16 @@ def test_the_library_answer_is_refused(check, fn, name):
 
 # --- predict, then measure ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, verdict", [(0.25, "right"), (1, "not what happened")])
+@pytest.mark.parametrize("value, verdict", [(0.1, "right"), (0.25, "not what happened"),
+                                            (1, "not what happened")])
 def test_prediction_is_measured_and_explained(value, verdict, capsys):
     from dpcourse.checks import predict
 
-    guess = predict("lab02", "copy 0's fraction of the whole batch's gradient", value)
+    guess = predict("lab02", "the 1-sample copy's fraction of the whole batch's gradient", value)
     lab02.check_prediction(guess)
-    out = capsys.readouterr().out
-    assert f"measured: 0.25 — {verdict}." in out, out
-    assert "1/4 of the whole batch's" in out, out
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"measured: 0.1 — {verdict}." in out, out
+    assert "the last holds 1/10 of the whole batch's gradient" in out, out
 
 
 def step_with_autograd_grad(model, X, y, n):
@@ -479,3 +486,56 @@ def step_with_autograd_grad(model, X, y, n):
 def test_right_dp_step_written_another_way_passes(capsys):
     lab02.check_dp_forward_backward(step_with_autograd_grad)
     assert capsys.readouterr().out.count("✔") == 1
+
+
+# --- predict, then measure: the scatter decision's consequence, what a deep copy carries --------
+
+@pytest.mark.parametrize("fn, value, verdict, phrase", [
+    (good_scatter, 3, "right", "3 get nothing"),
+    (good_scatter, 0, "not what happened", "busiest device holds 2 samples"),
+    (balanced, 0, "right", "Under DataParallel's rule ([2, 2, 2, 2, 2]) 3 would sit idle"),
+])
+def test_idle_prediction_counts_the_learners_scatter(fn, value, verdict, phrase, capsys):
+    from dpcourse.checks import predict
+
+    guess = predict("lab02", "devices left without a sample, batch 10 on 8 devices", value,
+                    unit="devices")
+    lab02.check_idle_prediction(guess, fn)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"— {verdict}." in out and phrase in out, out
+
+
+@pytest.mark.parametrize("value, verdict", [("running statistics only", "right"),
+                                            ("both", "not what happened")])
+def test_copy_prediction_is_measured_and_explained(value, verdict, capsys):
+    from dpcourse.checks import predict
+
+    guess = predict("lab02", "what a deep copy of a model carries", value,
+                    choices=lab02.COPY_CARRIES)
+    lab02.check_copy_prediction(guess)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"measured: running statistics only — {verdict}." in out, out
+    assert "Parameter.__deepcopy__" in out, out
+
+
+def test_deepcopy_leaves_parameter_grads_behind():
+    # the fact the prediction is built on, in the installed torch
+    assert lab02.deepcopy_carries() == "running statistics only"
+
+
+def step_subtracting_what_copies_never_held(model, X, y, n):
+    # believes each copy carried model's p.grad: takes it out of the sum n - 1 times
+    chunks = good_scatter(X, n)
+    reps = [copy.deepcopy(model) for _ in chunks]
+    loss = F.cross_entropy(good_gather(dp.parallel_apply(reps, chunks)), y)
+    loss.backward()
+    for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
+        new = sum(c.grad for c in cs)
+        p.grad = new if p.grad is None else new - (len(reps) - 1) * p.grad
+    return loss.item()
+
+
+def test_step_that_thinks_copies_carry_gradients_is_named():
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_forward_backward(step_subtracting_what_copies_never_held)
+    assert "a deep copy of a parameter leaves its .grad behind" in str(err.value), str(err.value)

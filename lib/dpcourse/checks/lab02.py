@@ -20,7 +20,9 @@ from . import fail, passed, recorded
 from .lab01 import is_library_function, library_calls
 
 __all__ = ["check_scatter", "check_gather", "check_dp_forward_backward",
-           "check_threaded_apply", "check_prediction", "copy_share", "CHUNK_SIZES"]
+           "check_threaded_apply", "check_prediction", "copy_share", "CHUNK_SIZES",
+           "idle_devices", "check_idle_prediction", "COPY_CARRIES", "deepcopy_carries",
+           "check_copy_prediction"]
 
 # The two answers to lab02's design decision: how scatter sizes the chunks when N does not
 # divide B. "like DataParallel": ceil(B/N) per device until the batch runs out (torch.chunk's
@@ -342,6 +344,12 @@ def _diagnose_dp_gradients(got, ref, before, model, X, y, n, batch, sizes) -> No
     def held(grads):
         return grads if before is None else [g + b for g, b in zip(grads, before)]
 
+    if before is not None and _close(got, [r - (len(sizes) - 1) * b
+                                           for r, b in zip(ref, before)]):
+        fail(f"the model lost {len(sizes) - 1} times what it held: you took the held gradient "
+             f"out of the copies' sum as if every copy had carried it, but a deep copy of a "
+             f"parameter leaves its .grad behind (Parameter.__deepcopy__), so each copy's "
+             f"p.grad holds its share alone.")
     if _close(got, held([r / n for r in ref])):
         fail(f"the gradients are {n} times too small: you averaged the replicas' gradients, "
              f"but with one mean loss over the gathered batch each replica's gradient is "
@@ -466,41 +474,145 @@ def check_threaded_apply(threaded_apply) -> None:
     else:
         fail("a replica raised an error in its thread and threaded_apply returned as if "
              "nothing happened: keep the exception and raise it in the caller after join.")
+    _check_several_errors(threaded_apply)
     passed(f"threaded_apply ran {n} replicas at the same time in {n} threads, kept their order, "
-           f"the caller's grad mode, and their errors")
+           f"the caller's grad mode, and their errors (the lowest replica's first)")
+
+
+def _check_several_errors(threaded_apply) -> None:
+    """Replicas 1 and 2 both raise; the caller must get replica 1's error whichever thread
+    raised first (tried both ways round), as torch's parallel_apply re-raises in replica order."""
+    __tracebackhide__ = True
+    for slow in (1, 2):
+        broken = [_Timed(1, 0.0, []),
+                  _Timed(2, 0.2 if slow == 1 else 0.0, [], fail_with="replica 1 broke"),
+                  _Timed(3, 0.2 if slow == 2 else 0.0, [], fail_with="replica 2 broke")]
+        try:
+            threaded_apply(broken, [torch.ones(2)] * 3)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            said = f"{exc} {exc.__cause__}"
+            if "replica 1 broke" in said:
+                continue
+            if "replica 2 broke" in said:
+                order = "the first to fail" if slow == 1 else "the last to fail"
+                fail(f"replicas 1 and 2 both raised and the caller got replica 2's error, "
+                     f"{order}: which error the caller sees must not depend on which thread "
+                     f"ran faster — the contract is the lowest-numbered failing replica's.")
+            fail(f"replicas 1 and 2 both raised, and the caller got neither error but "
+                 f"{type(exc).__name__}: {exc}")
+        else:
+            fail("two replicas raised errors in their threads and threaded_apply returned as if "
+                 "nothing happened.")
 
 
 # --- predict, then measure: one copy's share of the gradient --------------------------------
 
-def copy_share(n_devices: int = 4, chunk: int = 4, seed: int = 0) -> float:
-    """DataParallel with plain copies on a batch made of one ``chunk``-sample chunk repeated
-    ``n_devices`` times, one mean loss over the gathered batch: copy 0's gradient as a fraction
-    of the whole batch's (its projection on it, over all parameters)."""
+def copy_share(n_devices: int = 4, batch: int = 10, seed: int = 0) -> float:
+    """DataParallel with plain copies on a batch of ``batch`` identical samples, cut as
+    ``torch.chunk`` cuts it (10 on 4: 3, 3, 3, 1), one mean loss over the gathered batch: the
+    last copy's gradient as a fraction of the whole batch's (its projection on it, over all
+    parameters)."""
     from ..models import SmallCNN
 
     torch.manual_seed(seed)
     model = SmallCNN(width=8)
-    X = torch.randn(chunk, 3, 32, 32).repeat(n_devices, 1, 1, 1)
-    y = torch.randint(0, 10, (chunk,)).repeat(n_devices)
-    copies = [copy.deepcopy(model) for _ in range(n_devices)]
-    outputs = reference.parallel_apply(copies, list(torch.chunk(X, n_devices)))
+    X = torch.randn(1, 3, 32, 32).repeat(batch, 1, 1, 1)
+    y = torch.randint(0, 10, (1,)).repeat(batch)
+    chunks = list(torch.chunk(X, n_devices))
+    copies = [copy.deepcopy(model) for _ in chunks]
+    outputs = reference.parallel_apply(copies, chunks)
     F.cross_entropy(torch.cat(outputs), y).backward()
     F.cross_entropy(model(X), y).backward()
     whole = torch.cat([p.grad.flatten() for p in model.parameters()])
-    mine = torch.cat([p.grad.flatten() for p in copies[0].parameters()])
+    mine = torch.cat([p.grad.flatten() for p in copies[-1].parameters()])
     return float(mine @ whole / (whole @ whole))
 
 
-def check_prediction(guess, n_devices: int = 4) -> None:
+def check_prediction(guess, n_devices: int = 4, batch: int = 10) -> None:
     """Measure :func:`copy_share` and compare it with the learner's prediction; say why it is
-    1/N. Never raises for a wrong prediction."""
+    the last chunk's size over the batch's. Never raises for a wrong prediction."""
     __tracebackhide__ = True
     from . import reveal
 
-    measured = round(copy_share(n_devices), 2)
+    sizes = [len(c) for c in torch.chunk(torch.empty(batch), n_devices)]
+    measured = round(copy_share(n_devices, batch), 2)
     reveal(guess, measured, close=abs(float(guess.value) - measured) <= 0.02, explanation=(
-        f"The loss is one mean over all {4 * n_devices} samples, so each sample's term is "
-        f"divided by {4 * n_devices}, not by its chunk's 4: a copy's backward gives the "
-        f"gradient of its own chunk's terms of that mean. With {n_devices} identical chunks "
-        f"the {n_devices} shares are equal, so each is 1/{n_devices} of the whole batch's "
-        f"gradient, and the whole is what the {n_devices} shares make together."))
+        f"The loss is one mean over all {batch} samples, so each sample's term is divided by "
+        f"{batch}, not by its chunk's size: a copy's backward gives the gradient of its own "
+        f"chunk's terms of that mean. With identical samples every term has the same gradient, "
+        f"so the copies' shares go as their chunks {sizes}: the last holds {sizes[-1]}/{batch} "
+        f"of the whole batch's gradient, not 1/{len(sizes)} (equal shares) nor all of it (a "
+        f"mean over its own chunk), and the shares together make the whole."))
+
+
+# --- predict, then measure: the scatter decision's consequence -------------------------------
+
+IDLE_CASE = (10, 8)  # a batch of 10 samples on 8 devices
+
+
+def idle_devices(scatter, b: int = IDLE_CASE[0], n: int = IDLE_CASE[1]) -> tuple[int, list]:
+    """Run the learner's ``scatter`` on a batch of ``b`` on ``n`` devices: (devices given no
+    sample, the chunk sizes)."""
+    X = torch.arange(b, dtype=torch.float32).reshape(b, 1)
+    sizes = [c.shape[0] for c in scatter(X, n)]
+    return n - len(sizes), sizes
+
+
+def check_idle_prediction(guess, scatter, sizes: str | None = None) -> None:
+    """Compare the predicted number of idle devices (a batch of 10 on 8 devices, under the
+    learner's own scatter) with the count; say what the decision bought. Never raises for a
+    wrong prediction."""
+    __tracebackhide__ = True
+    from . import reveal
+
+    b, n = IDLE_CASE
+    idle, got = idle_devices(scatter)
+    other = [len(c) for c in torch.chunk(torch.empty(b), n)]
+    busiest = max(got)
+    why = (f"Your scatter cut {b} samples into {got}: {len(got)} device(s) work and {idle} "
+           f"get nothing. ")
+    if idle:
+        why += (f"Filling each device with ceil({b}/{n}) = {busiest} samples in turn uses the "
+                f"batch up after {len(got)} devices. ")
+    else:
+        why += (f"Under DataParallel's rule ({other}) {n - len(other)} would sit idle. ")
+    why += (f"Either way the busiest device holds {busiest} samples and the step waits for "
+            f"it, so the step takes as long: the balanced rule spreads the same work over more "
+            f"devices, DataParallel's leaves the spare ones idle and copies the model to fewer.")
+    reveal(guess, idle, close=guess.value == idle, explanation=why)
+
+
+# --- predict, then measure: what copy.deepcopy carries along ---------------------------------
+
+COPY_CARRIES = ("both", "gradients only", "running statistics only", "neither")
+
+
+def deepcopy_carries() -> str:
+    """Deep-copy a model that holds gradients (a backward ran) and BatchNorm running statistics
+    (a training-mode forward ran): which of the two does the copy hold?"""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    net(torch.randn(8, 3) + 2).sum().backward()
+    twin = copy.deepcopy(net)
+    grads = all(q.grad is not None for q in twin.parameters())
+    stats = torch.equal(twin[1].running_mean, net[1].running_mean) and bool(
+        net[1].running_mean.abs().sum() > 0)
+    if grads:
+        return "both" if stats else "gradients only"
+    return "running statistics only" if stats else "neither"
+
+
+def check_copy_prediction(guess) -> None:
+    """Compare the learner's choice with :func:`deepcopy_carries`; say why. Never raises."""
+    __tracebackhide__ = True
+    from . import reveal
+
+    measured = deepcopy_carries()
+    reveal(guess, measured, close=guess.value == measured, explanation=(
+        "A module's buffers (BatchNorm's running mean and variance) are tensors in its state "
+        "and are copied with it. A parameter is copied by Parameter.__deepcopy__ "
+        "(torch/nn/parameter.py), which builds a new Parameter from the data alone: its .grad "
+        "stays behind (a plain tensor's deep copy would keep it). So a fresh copy's p.grad is "
+        "None, whatever the model held."))
