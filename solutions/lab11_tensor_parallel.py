@@ -106,6 +106,7 @@ def block_of(size, rank, world_size):
     ### END SOLUTION
 
 
+# %%
 lab11.check_block_of(block_of)
 
 # %% [markdown]
@@ -118,13 +119,19 @@ lab11.check_block_of(block_of)
 # nothing useful); whether you hand it the tensor you were given or a copy is yours to judge
 # (the check accepts both).
 #
-# - `f` sits before the column layer, whose input `x` is the **same** on every rank.
-# - `g` sits after the row layer, where each rank holds a **partial** product.
+# - `f` wraps the column layer's input: its forward takes `x` and its output goes into the
+#   column layer's matrix product.
+# - `g` wraps the row layer's output: its forward takes this rank's matrix product of the row
+#   layer and returns what the layer outputs.
 #
 # What must hold afterwards: the column layer's input gets the gradient the plain layer would
-# give it, and the row layer's output is the plain layer's, on every rank. Decide from the
-# questions above what each forward and each backward returns, and which of the four methods
-# calls a collective.
+# give it, and the row layer's output is the plain layer's, on every rank.
+#
+# **Your diagnosis first.** Before you write a method, decide which pass of each operation
+# calls a collective: set `f_communicates_in` and `g_communicates_in` each to `"forward"`,
+# `"backward"`, `"both"` or `"neither"`, and `why` to one sentence saying what makes those
+# passes need the other ranks. `lab11.check_diagnosis` says whether your passes are right;
+# the check of your code then refuses code that communicates anywhere else than you declared.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -151,6 +158,15 @@ lab11.check_block_of(block_of)
 # %% [markdown] jupyter={"source_hidden": true}
 # Of the four methods, two return what they were given (a fresh tensor or a view of it), and
 # two sum over the ranks before returning; each collective runs on every rank, unconditionally.
+
+# %%
+### BEGIN SOLUTION: f_communicates_in, g_communicates_in (a pass each) and why (a sentence)
+f_communicates_in = "backward"
+g_communicates_in = "forward"
+why = ("x is the same on every rank but its gradient is a sum of each rank's part, while the "
+       "row layer's partial products must be added up and their gradient is already whole")
+### END SOLUTION
+lab11.check_diagnosis(f_communicates_in, g_communicates_in, why)
 
 # %%
 class CopyToTPRegion(torch.autograd.Function):
@@ -189,7 +205,8 @@ class ReduceFromTPRegion(torch.autograd.Function):
         ### END SOLUTION
 
 
-lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, timeout=check_timeout)
+lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
+                       g_communicates_in, timeout=check_timeout)
 
 # %% [markdown]
 # ## 3. The column- and the row-parallel layer
@@ -348,10 +365,10 @@ lab11.check_parameters_prediction(held_guess, held, TPMLP)
 # %% [markdown]
 # ## 5. Predict, then count
 #
-# A real model stacks many MLPs. Take two of your `TPMLP`s in an `nn.Sequential`, feed them a
-# batch of **data** (a tensor that does not require a gradient, as a model's input is), and
-# run one forward and one backward of a loss. How many all-reduces does each rank make in
-# that step, forward and backward together? Write your number below **before** you run the
+# A real model stacks many MLPs. Take two of your `TPMLP`s in an `nn.Sequential` (`model`),
+# give it a batch `x = torch.randn(5, 6)` of inputs, and run one forward and one backward of
+# the loss `model(x).square().mean()`. How many all-reduces does each rank make in that step,
+# forward and backward together? Write your number below **before** you run the
 # cell after it, which counts them on 2 ranks and explains the count.
 
 # %% [markdown]
@@ -379,7 +396,7 @@ lab11.check_parameters_prediction(held_guess, held, TPMLP)
 ### BEGIN SOLUTION: your prediction (a number)
 my_guess = 3
 ### END SOLUTION
-guess = predict("lab11", "all-reduces in one step of two stacked TPMLPs fed data", my_guess,
+guess = predict("lab11", "all-reduces in one step of two stacked TPMLPs", my_guess,
                 unit="all-reduces")
 
 # %%
@@ -494,8 +511,7 @@ lab11.check_gpipe(gpipe_step, bubble, timeout=check_timeout)
 # machine's CPU cores — and your `bubble` measures the step for M = 1, 2, 4, 8 on 2 stages.
 # The formula (K−1)/(M+K−1) counts no time for messages; in your measurement, waiting for a
 # message is idle time. One run is noisy, so read what it can show: does the measured bubble
-# fall as M grows, as the formula's does? Is any measured value *below* the formula's — and
-# why could a right measurement never be far below it? (The cell refuses one that is.)
+# fall as M grows, as the formula's does?
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -103,7 +103,8 @@ def test_the_librarys_own_answer_refused(check, answer):
 
 def test_the_librarys_own_conjugates_and_bubble_refused():
     fails(lab11.check_conjugates, tensor_parallel.CopyToTensorParallel,
-          tensor_parallel.ReduceFromTensorParallel, match="library's own reference answer")
+          tensor_parallel.ReduceFromTensorParallel, *DECLARED,
+          match="library's own reference answer")
     fails(lab11.check_gpipe, gpipe, pipeline_parallel.measured_bubble,
           match="library's own reference answer")
 
@@ -111,6 +112,9 @@ def test_the_librarys_own_conjugates_and_bubble_refused():
 # --------------------------------------------------------------------------------------------
 # f and g
 # --------------------------------------------------------------------------------------------
+
+
+DECLARED = ("backward", "forward")   # the right diagnosis: f_communicates_in, g_communicates_in
 
 
 def allsum(t):
@@ -181,28 +185,101 @@ class ReduceInPlaceNoClone(torch.autograd.Function):
 @pytest.mark.parametrize("f,g", [(Copy, Reduce), (CopyViewAs, ReduceInPlace),
                                  (CopyViewAs, ReduceInPlaceNoClone)])
 def test_right_conjugates_pass(f, g, capsys):
-    lab11.check_conjugates(f, g, timeout=T)
-    assert capsys.readouterr().out.count("✔") == 1
+    lab11.check_conjugates(f, g, *DECLARED, timeout=T)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1
+    # the success line says what was verified, not which pass communicates
+    assert "identity" not in out and "all-reduce" not in out
 
 
 def test_right_conjugates_pass_on_four_ranks(capsys):
-    lab11.check_conjugates(Copy, Reduce, world_sizes=(4,), timeout=T)
+    lab11.check_conjugates(Copy, Reduce, "Backward", " forward", world_sizes=(4,), timeout=T)
     assert "✔" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("f,g,match", [
-    (conj("F", allsum, allsum), Reduce, "forward all-reduces x"),
-    (conj("F", allmean, allsum), Reduce, "forward makes 1 collective"),
-    (conj("F", ident, ident), Reduce, "backward returns this rank.s gradient as it came"),
+    (conj("F", allsum, allsum), Reduce, "communicates in both passes, but you declared "
+                                         "f_communicates_in = 'backward'"),
+    (conj("F", allmean, allsum), Reduce, "communicates in both passes"),
+    (conj("F", ident, ident), Reduce, "communicates in neither pass, but you declared "
+                                      "f_communicates_in"),
     (conj("F", ident, allmean), Reduce, "backward averages"),
     (conj("F", ident, lambda g: None), Reduce, "no gradient"),
-    (Copy, conj("G", ident, ident), "forward returns its input unchanged"),
+    (Copy, conj("G", ident, ident), "communicates in neither pass, but you declared "
+                                    "g_communicates_in = 'forward'"),
     (Copy, conj("G", allmean, ident), "forward averages"),
-    (Copy, conj("G", allsum, allsum), "backward all-reduces"),
+    (Copy, conj("G", allsum, allsum), "communicates in both passes, but you declared "
+                                      "g_communicates_in"),
+    (conj("F", allsum, ident), Reduce, "in its forward only, but you declared"),
     (Reduce, Copy, "swapped"),
 ])
 def test_wrong_conjugates_named(f, g, match):
-    fails(lab11.check_conjugates, f, g, match=match, timeout=T)
+    fails(lab11.check_conjugates, f, g, *DECLARED, match=match, timeout=T)
+
+
+# --- the learner's own diagnosis of f and g, before the code ---------------------------------
+
+# a learner's own sentences, in words the check's lists were not written from
+RIGHT_WHYS = [
+    "the input is replicated so the forward is free, but each rank only contributes a piece "
+    "of dL/dx that must be summed",
+    "g must add up the partial outputs; after it everything is identical across ranks so its "
+    "gradient needs no exchange",
+    "every GPU already has all of x, yet the gradient of x is split into per-rank terms",
+    "Y is the total of the shards' products while the input X is held in full by each worker",
+]
+
+
+@pytest.mark.parametrize("why", RIGHT_WHYS)
+def test_a_right_diagnosis_passes(why, capsys):
+    lab11.check_diagnosis("backward", "Forward", why)
+    out = capsys.readouterr().out
+    assert out.startswith("✔ your diagnosis") and out.count("✔") == 1
+
+
+@pytest.mark.parametrize("f, g, phrase", [
+    ("forward", "forward", "g_communicates_in is right, but f_communicates_in = 'forward' is "
+                           "not where f communicates"),
+    ("both", "forward", "f_communicates_in = 'both' is not where f"),
+    ("backward", "backward", "f_communicates_in is right, but g_communicates_in = 'backward'"),
+    ("backward", "neither", "g_communicates_in = 'neither' is not where g"),
+    ("forward", "backward", "Neither f_communicates_in = 'forward' nor g_communicates_in"),
+])
+def test_a_wrong_pass_is_sent_back_with_a_question_not_the_answer(f, g, phrase):
+    message = fails(lab11.check_diagnosis, f, g, RIGHT_WHYS[0], match=phrase)
+    assert "To find" in message and "?" in message
+    for answer in ("f_communicates_in = 'backward'", "g_communicates_in = 'forward'"):
+        assert answer not in message
+
+
+def test_a_why_that_says_nothing_is_sent_back():
+    fails(lab11.check_diagnosis, "backward", "forward",
+          "I think this is how Megatron does it", match="Both passes are right, but why does "
+                                                     "not say yet")
+
+
+@pytest.mark.parametrize("f, g, why, phrase", [
+    ("up", "forward", RIGHT_WHYS[0], "should be one of 'forward', 'backward', 'both', 'neither'"),
+    ("backward", 1, RIGHT_WHYS[0], "g_communicates_in should be one of"),
+    ("backward", "forward", "sum it", "five words or more"),
+    ("backward", "forward", 3, "five words or more"),
+])
+def test_a_diagnosis_that_is_not_a_pass_and_a_sentence_is_refused(f, g, why, phrase):
+    fails(lab11.check_diagnosis, f, g, why, match=phrase)
+
+
+def test_an_unwritten_diagnosis_is_a_todo():
+    with pytest.raises(NotImplementedError, match="write f_communicates_in"):
+        lab11.check_diagnosis(None, "forward", "x")
+    with pytest.raises(NotImplementedError, match="write f_communicates_in and "
+                                                  "g_communicates_in first"):
+        lab11.check_conjugates(Copy, Reduce, timeout=T)
+
+
+def test_the_code_check_refuses_a_wrong_diagnosis_before_running_the_code():
+    # even right code: the learner's own diagnosis must be right first
+    fails(lab11.check_conjugates, Copy, Reduce, "both", "forward",
+          match="your diagnosis .* is not right yet: run lab11.check_diagnosis")
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,11 @@ process. The values are chosen so that each classic mistake leaves its own trace
 * ``check_block_of``: the slice rank r keeps of a size (in process): not offset by rank, one
   feature short, the remainder dropped, a size that does not divide neither refused with a
   sentence naming it nor handled;
+* ``check_diagnosis``: before any code, the learner declares in which pass f and in which pass
+  g communicates (``"forward"``, ``"backward"``, ``"both"`` or ``"neither"``) and says why in a
+  sentence that must speak of the idea (broad word stems, :data:`WHY_WORDS`); a wrong pass is
+  sent back with a question, never the answer. ``check_conjugates`` takes the same declaration
+  and refuses code whose collectives disagree with it;
 * ``check_conjugates``: ``f`` (copy to the tensor-parallel region: identity forward, all-reduce
   backward) and ``g`` (reduce from it: all-reduce forward, identity backward). Rank-dependent
   inputs and gradients tell apart: an all-reduce in f's forward, none in its backward, an
@@ -64,7 +69,7 @@ from torch import nn
 from . import (check_timeout, fail, has_todo, passed, recorded, refuse_reference, reveal,
                run_ranks)
 
-__all__ = ["check_block_of", "check_conjugates", "check_column_parallel", "check_row_parallel",
+__all__ = ["check_block_of", "check_diagnosis", "check_conjugates", "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "count_parameters", "check_parameters_prediction",
            "count_all_reduces", "check_prediction", "check_gpipe",
            "measure_bubble", "WORLD_SIZES", "DEFAULT_TIMEOUT"]
@@ -212,12 +217,97 @@ def _conjugates_worker(rank: int, world_size: int, copy_cls, reduce_cls) -> dict
     return out
 
 
+PASSES = ("forward", "backward", "both", "neither")
+# the right declaration (hidden from the lab's text; the check says whether the learner's is)
+_RIGHT = {"f": "backward", "g": "forward"}
+# what a "why" must speak of: every group needs one of its word stems. Broad on purpose (the
+# learner's own words), but not a sentence that says nothing: the idea is that one side of
+# each operation is held whole by every rank and the other only as a part that must be added up.
+WHY_WORDS = (
+    ("sum", "add", "partial", "part ", "parts", "part.", "part,", "piece", "share", "contribut",
+     "term", "reduc", "total", "combin", "accumul", "only a", "subset", "fraction", "slice",
+     "block", "shard", "+"),
+    ("same", "whole", "full", "identical", "replic", "already", "every", "each", "all rank",
+     "all the rank", "both rank", "copy", "copies", "local", "own", "everywhere", "duplicat",
+     "entire", "complete", "one rank"),
+)
+# operation -> the question a wrong pass is sent back with (never the answer)
+_LOOK_AGAIN = {
+    "f": "ask, for each of f's two passes, whether one rank can compute on its own everything "
+         "that pass must return: what does each rank hold of the column layer's input, and "
+         "what of the gradient of that input?",
+    "g": "ask, for each of g's two passes, whether one rank can compute on its own everything "
+         "that pass must return: what does each rank hold of the row layer's output before g, "
+         "and what of that output's gradient (everything after g runs the same on every rank)?",
+}
+_NAMES = {"f": "f_communicates_in", "g": "g_communicates_in"}
+
+
+def _passes(fwd: int, bwd: int) -> str:
+    return {(True, True): "both", (True, False): "forward", (False, True): "backward",
+            (False, False): "neither"}[(bool(fwd), bool(bwd))]
+
+
+def _declaration(f_communicates_in, g_communicates_in, where: str) -> dict:
+    """The declaration, validated (values only); raises NotImplementedError when unwritten."""
+    __tracebackhide__ = True
+    declared = {"f": f_communicates_in, "g": g_communicates_in}
+    if any(v is None or v is Ellipsis for v in declared.values()):
+        raise NotImplementedError(f"write f_communicates_in and g_communicates_in first (part "
+                                  f"2's diagnosis), then {where}.")
+    for op, value in declared.items():
+        if not isinstance(value, str) or value.strip().lower() not in PASSES:
+            fail(f"{_NAMES[op]} should be one of {', '.join(map(repr, PASSES))}; got "
+                 f"{value!r}.")
+    return {op: v.strip().lower() for op, v in declared.items()}
+
+
+def _wrong_passes(declared: dict) -> list:
+    return [op for op in ("f", "g") if declared[op] != _RIGHT[op]]
+
+
 @recorded
-def check_conjugates(copy_cls, reduce_cls, world_sizes=WORLD_SIZES,
-                     timeout: float | None = None) -> None:
+def check_diagnosis(f_communicates_in, g_communicates_in, why) -> None:
+    """The learner's own diagnosis of part 2, before any code: in which pass f and in which pass
+    g communicates (each ``"forward"``, ``"backward"``, ``"both"`` or ``"neither"``), and
+    ``why``, a sentence that must speak of the idea (what each rank holds whole, and what only
+    as a part that must be added up). A wrong pass is sent back with a question."""
+    __tracebackhide__ = True
+    if why is None or why is Ellipsis:
+        raise NotImplementedError("write f_communicates_in, g_communicates_in and why first, "
+                                  "then run this check.")
+    declared = _declaration(f_communicates_in, g_communicates_in, "run this check")
+    if not isinstance(why, str) or len(why.split()) < 5:
+        fail(f"why should say in a sentence (five words or more) what makes the passes you "
+             f"chose communicate; got {why!r}.")
+    wrong = _wrong_passes(declared)
+    if len(wrong) == 2:
+        fail(f"Neither {_NAMES['f']} = {declared['f']!r} nor {_NAMES['g']} = "
+             f"{declared['g']!r} is where the operation communicates. To find them, "
+             f"{_LOOK_AGAIN['f']} Then the same for g.")
+    if wrong:
+        op = wrong[0]
+        other = "g" if op == "f" else "f"
+        fail(f"{_NAMES[other]} is right, but {_NAMES[op]} = {declared[op]!r} is not where {op} "
+             f"communicates. To find it, {_LOOK_AGAIN[op]}")
+    said = why.lower()
+    if not all(any(word in said for word in group) for group in WHY_WORDS):
+        fail(f"Both passes are right, but why does not say yet what makes them communicate "
+             f"(\"{why.strip()[:80]}\"): say what each rank holds whole and what it holds only "
+             f"as a part that the ranks must add up, on each side of f and of g.")
+    passed("your diagnosis: on each side of f and of g, one pass needs what every rank holds "
+           "only as a part — a sum over the ranks — and the other has it whole on every rank "
+           "already. Now write the code that does what you declared.")
+
+
+@recorded
+def check_conjugates(copy_cls, reduce_cls, f_communicates_in=None, g_communicates_in=None,
+                     world_sizes=WORLD_SIZES, timeout: float | None = None) -> None:
     """Megatron's two operations, as ``torch.autograd.Function`` classes: ``copy_cls`` (f:
     identity forward, all-reduce backward) and ``reduce_cls`` (g: all-reduce forward, identity
-    backward), applied with ``.apply(x)`` on 2 and 3 ranks."""
+    backward), applied with ``.apply(x)`` on 2 and 3 ranks. ``f_communicates_in`` and
+    ``g_communicates_in`` are the learner's own diagnosis (:func:`check_diagnosis`): it must be
+    right, and code whose collectives disagree with it is refused first."""
     __tracebackhide__ = True
     from .. import tensor_parallel as tp
 
@@ -228,14 +318,40 @@ def check_conjugates(copy_cls, reduce_cls, world_sizes=WORLD_SIZES,
         if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
             fail(f"the check needs your classes themselves, subclasses of "
                  f"torch.autograd.Function, got {cls!r}.")
+    declared = _declaration(f_communicates_in, g_communicates_in,
+                            "pass them to this check")
+    if _wrong_passes(declared):
+        fail("your diagnosis (f_communicates_in, g_communicates_in) is not right yet: run "
+             "lab11.check_diagnosis and read its sentence before checking the code.")
     _todo(copy_cls, reduce_cls)
     for n in world_sizes:
         outs = run_ranks(_conjugates_worker, n, copy_cls, reduce_cls, timeout=timeout,
                          hang=_HANG)
+        _against_declaration(outs, copy_cls.__name__, reduce_cls.__name__, declared)
         _diagnose_conjugates(outs, n, copy_cls.__name__, reduce_cls.__name__)
     shown = " and ".join(map(str, world_sizes))
-    passed(f"{copy_cls.__name__} (identity forward, all-reduce backward) and "
-           f"{reduce_cls.__name__} (all-reduce forward, identity backward) on {shown} ranks")
+    passed(f"{copy_cls.__name__} and {reduce_cls.__name__} communicate where you declared, and "
+           f"their outputs and gradients are the ones the plain layers need, on {shown} ranks")
+
+
+def _against_declaration(outs: list, f_name: str, g_name: str, declared: dict) -> None:
+    """Refuse code that does not communicate in the passes the learner declared."""
+    __tracebackhide__ = True
+    o = outs[-1]
+    if any(k in o for k in ("f_error", "g_error")) or o["f_grad"] is None or o["g_grad"] is None:
+        return                     # _diagnose_conjugates names the exception or the None
+    f_does, g_does = _passes(o["f_fwd"], o["f_bwd"]), _passes(o["g_fwd"], o["g_bwd"])
+    if f_does == declared["g"] and g_does == declared["f"] and f_does != g_does:
+        fail(f"{f_name} communicates where you declared g does, and {g_name} where you "
+             f"declared f does: f and g are swapped — f wraps the column layer's input, g the "
+             f"row layer's product.")
+    for op, name, does in (("f", f_name, f_does), ("g", g_name, g_does)):
+        if does != declared[op]:
+            where = {"both": "in both passes", "neither": "in neither pass",
+                     "forward": "in its forward only",
+                     "backward": "in its backward only"}[does]
+            fail(f"your {name} communicates {where}, but you declared {_NAMES[op]} = "
+                 f"{declared[op]!r}: make the code do what your own diagnosis says.")
 
 
 def _diagnose_conjugates(outs: list, n: int, f_name: str, g_name: str) -> None:
@@ -411,8 +527,9 @@ def check_column_parallel(layer_cls, world_sizes=WORLD_SIZES,
     communication in the forward and one all-reduce of dL/dx in the backward."""
     __tracebackhide__ = True
     _launch_layer(layer_cls, "column", world_sizes, timeout)
-    passed(f"{layer_cls.__name__}: each rank's block of the output features; no communication "
-           f"forward, dL/dx all-reduced backward (2 and 3 ranks)")
+    shown = " and ".join(map(str, world_sizes))
+    passed(f"{layer_cls.__name__}: each rank's output, dL/dx and weight and bias gradients equal "
+           f"the matching block of the full layer's, on {shown} ranks")
 
 
 @recorded
@@ -423,8 +540,10 @@ def check_row_parallel(layer_cls, world_sizes=WORLD_SIZES, timeout: float | None
     once and given its whole gradient."""
     __tracebackhide__ = True
     _launch_layer(layer_cls, "row", world_sizes, timeout)
-    passed(f"{layer_cls.__name__}: partial products summed by one all-reduce, the bias added "
-           f"once; the backward needs no communication (2 and 3 ranks)")
+    shown = " and ".join(map(str, world_sizes))
+    passed(f"{layer_cls.__name__}: every rank's output equals the full layer's, bias included, "
+           f"and the input and parameter gradients are the matching blocks of the full "
+           f"layer's, on {shown} ranks")
 
 
 def _common_layer_failures(outs: list, n: int, name: str, full: nn.Linear, kind: str) -> None:
@@ -714,8 +833,8 @@ def check_tp_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None)
         how = "handled"
     shown = " and ".join(map(str, world_sizes))
     passed(f"{mlp_cls.__name__} equals the plain MLP (output, dL/dx and every shard's weight and "
-           f"bias gradient) on {shown} ranks with "
-           f"one all-reduce forward and one backward; hidden size {ODD_H} on 3 ranks {how}")
+           f"bias gradient) on {shown} ranks, with one all-reduce in each pass; hidden size "
+           f"{ODD_H} on 3 ranks {how}")
 
 
 def _diagnose_mlp(outs: list, n: int, hidden: int, name: str, hint: str = "") -> None:
