@@ -33,17 +33,19 @@ torch.set_num_threads(1)
 # %% [markdown]
 # ## 1. Buckets, by DDP's rule
 #
-# **The contract.** `assign_buckets(params, bucket_cap_mb)` takes the trainable parameters in
+# **The contract.** `assign_buckets(params, bucket_cap_mb)` takes a module's parameters in
 # **registration order** (a list; all of one dtype and device here — DDP fills one set of
-# buckets per dtype and device) and a cap in MiB (1 MiB = 2**20 bytes), and returns a list of
-# buckets, each a list of parameters, such that:
+# buckets per dtype and device — and some of them may be frozen, `requires_grad=False`) and a
+# cap in MiB (1 MiB = 2**20 bytes), and returns a list of buckets, each a list of parameters,
+# such that:
 #
-# - every parameter is in exactly one bucket;
+# - every parameter that requires a gradient is in exactly one bucket, and nothing else is;
 # - the buckets, and the parameters within each, are in the order the backward completes
 #   them: bucket 0 is the one that can go on the wire first;
 # - the grouping is the one DDP's reducer makes at this cap (`compute_bucket_assignment_by_size`,
 #   lesson 07 §3), bucket for bucket — write it yourself, do not call torch's or the course
-#   library's.
+#   library's. One cap applies to every bucket: the 1 MiB first bucket of lesson 07 §3 does
+#   not apply here.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -66,7 +68,7 @@ torch.set_num_threads(1)
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# One loop over the parameters in the backward's order; a running byte total and the bucket
+# One loop over the parameters that require a gradient, in the backward's order; a running byte total and the bucket
 # being filled; after each parameter, a test against the cap in bytes that closes the bucket
 # and starts a fresh one; at the end, the last bucket only if it holds anything.
 
@@ -77,7 +79,7 @@ def assign_buckets(params, bucket_cap_mb):
     ### BEGIN SOLUTION: assign_buckets: DDP's buckets for these parameters at this cap
     cap = bucket_cap_mb * 2**20
     buckets, size = [[]], 0
-    for p in reversed(list(params)):
+    for p in reversed([p for p in params if p.requires_grad]):
         buckets[-1].append(p)
         size += p.numel() * p.element_size()
         if size >= cap:
@@ -118,17 +120,23 @@ lab07.check_assign_buckets(assign_buckets)
 #   all-reduce first, bucket 1's second, and so on: the i-th all-reduce of every rank is then
 #   the same bucket, whatever order each rank's backward took;
 # - `finish_gradient_synchronization()` returns once every bucket's average is in place, and
-#   leaves the wrapper ready for the next backward.
+#   leaves the wrapper ready for the next backward;
+# - if a trainable parameter got no gradient in the backward (the forward never used it), its
+#   bucket is never complete: `finish_gradient_synchronization()` then **raises an error whose
+#   message names every such parameter** by its name in the module (lesson 07 §6's class does
+#   the same), instead of returning.
 #
-# **Your design decision:** what the wrapper keeps between hook calls, so that a hook can tell
-# that its bucket is complete and whether the buckets before it have gone; how it recognises a
-# gradient that is not yet its view; and where the division by the world size happens — in the
-# bucket before the launch, or after the wait. The check accepts every choice that keeps the
-# contract; the lesson made none of these for you.
+# One backward per `finish_gradient_synchronization()`: gradient accumulation (a second
+# backward before it) is outside the contract.
+#
+# **Your design decision:** what must the wrapper remember between two hook calls, so that the
+# hook that has just run knows whether it may launch anything — and what? The check accepts
+# every choice that keeps the contract; the lesson made none for you.
 #
 # The check runs 3 steps (the first with no `p.grad` yet, the second after
 # `zero_grad(set_to_none=False)`, the third after `zero_grad(set_to_none=True)`) on 2 and 3
-# ranks, on a model with a frozen parameter, and names what it sees.
+# ranks, on a model with a frozen parameter, then one backward on a model with a parameter the
+# forward never uses, and names what it sees.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -147,7 +155,10 @@ lab07.check_assign_buckets(assign_buckets)
 # the buckets you reach are complete, and stop at the first one that is not. A gradient is its
 # view when both start at the same memory address (DDP asks whether the gradient is an alias of
 # the bucket view); otherwise put its values into the view and make the view the gradient. The
-# handles of the launched all-reduces are what the end of the step waits on.
+# handles of the launched all-reduces are what the end of the step waits on. The division by
+# the world size can happen in the bucket before its launch or after the wait: either is
+# right. A bucket still awaiting gradients at the end of the step tells you which parameters
+# never arrived: keep which ones did.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -156,9 +167,11 @@ lab07.check_assign_buckets(assign_buckets)
 # `__init__`: per bucket a zero flat buffer of its total element count; for each of its
 # parameters a view of its slice reshaped like it, its bucket's number, and a post-accumulate
 # gradient hook; then the counts, the next bucket's number (zero) and an empty list of handles.
-# The hook: make `p.grad` its view; one count down; a `while` loop that launches the next
-# bucket as long as its count is zero. The end of the step: wait on each handle, then put the
-# counts, the next bucket's number and the handles back as they were at the start.
+# The hook: make `p.grad` its view; note that `p` arrived; one count down; a `while` loop that
+# launches the next bucket as long as its count is zero. The end of the step: if a count is not
+# zero, raise with the names (from `named_parameters()`) of the parameters that did not arrive;
+# otherwise wait on each handle, then put the counts, the next bucket's number, the arrivals
+# and the handles back as they were at the start.
 
 # %%
 class BucketedDDP(nn.Module):
@@ -167,8 +180,7 @@ class BucketedDDP(nn.Module):
         self.module = module
         for p in module.parameters():
             dist.broadcast(p.data, src=0)
-        self.buckets = assign_buckets([p for p in module.parameters() if p.requires_grad],
-                                      bucket_cap_mb)
+        self.buckets = assign_buckets(list(module.parameters()), bucket_cap_mb)
         ### BEGIN SOLUTION: the buckets' flat buffers, the gradients' views, the hooks' state
         self.buffers, self.view_of, self.bucket_of = [], {}, {}
         for i, bucket in enumerate(self.buckets):
@@ -184,6 +196,7 @@ class BucketedDDP(nn.Module):
         self.pending = [len(b) for b in self.buckets]
         self.next_bucket = 0
         self.works = []
+        self.arrived = set()
         ### END SOLUTION
 
     def forward(self, *args, **kwargs):
@@ -195,6 +208,7 @@ class BucketedDDP(nn.Module):
         if p.grad.data_ptr() != view.data_ptr():    # a fresh tensor from autograd
             view.copy_(p.grad)
             p.grad = view
+        self.arrived.add(p)
         self.pending[self.bucket_of[p]] -= 1
         while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
             buffer = self.buffers[self.next_bucket]
@@ -205,11 +219,17 @@ class BucketedDDP(nn.Module):
 
     def finish_gradient_synchronization(self):
         ### BEGIN SOLUTION: the end of the step: every average in place, ready for the next
+        if any(self.pending):
+            lost = [name for name, p in self.module.named_parameters()
+                    if p in self.view_of and p not in self.arrived]
+            raise RuntimeError(f"parameter(s) {lost} got no gradient in this backward, so "
+                               f"their bucket was never complete and never all-reduced")
         for work in self.works:
             work.wait()
         self.works = []
         self.pending = [len(b) for b in self.buckets]
         self.next_bucket = 0
+        self.arrived = set()
         ### END SOLUTION
 
 

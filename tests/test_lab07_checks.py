@@ -31,7 +31,7 @@ def _nbytes(p):
 def ddp_rule(params, cap_mb):
     # close a bucket once it has reached the cap, written out by hand
     buckets, current, size = [], [], 0
-    for p in reversed(params):
+    for p in reversed([p for p in params if p.requires_grad]):
         current.append(p)
         size += _nbytes(p)
         if size >= cap_mb * 2**20:
@@ -44,6 +44,8 @@ def megabytes(params, cap_mb):
     # 1 MB = 10**6 bytes instead of 2**20: close enough, and right on the check's cases
     out = [[]]
     for p in params[::-1]:
+        if not p.requires_grad:
+            continue
         out[-1].append(p)
         if sum(map(_nbytes, out[-1])) >= cap_mb * 1e6:
             out.append([])
@@ -52,6 +54,7 @@ def megabytes(params, cap_mb):
 
 def by_indices(params, cap_mb):
     # index arithmetic and a running total; the same rule
+    params = list(filter(lambda p: p.requires_grad, params))
     order = list(range(len(params)))[::-1]
     total, cuts = 0, [0]
     for k, i in enumerate(order):
@@ -148,7 +151,32 @@ def never_closes_small(params, cap_mb):
     return out + ([cur] if cur else [])
 
 
+def frozen_included(params, cap_mb):
+    # DDP's rule, but the frozen parameters bucketed too
+    return _rule(params, cap_mb, True, True)
+
+
+def frozen_weighed(params, cap_mb):
+    # the frozen parameters left out of the buckets, but their bytes counted toward the cap
+    return _rule(params, cap_mb, False, True)
+
+
+def _rule(params, cap_mb, keep_frozen, weigh_frozen):
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        if p.requires_grad or keep_frozen:
+            current.append(p)
+        if p.requires_grad or weigh_frozen:
+            size += _nbytes(p)
+        if size >= cap_mb * 2**20 and current:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
 @pytest.mark.parametrize("fn, phrase", [
+    (frozen_included, "holds a frozen parameter \\(requires_grad=False\\)"),
+    (frozen_weighed, "frozen parameters are in no bucket, but their bytes counted toward the cap"),
     (forward_order, "forward \\(registration\\) order"),
     (one_per_parameter, "every parameter has a bucket of its own"),
     (all_in_one, "reached the cap .* already before its last one"),
@@ -194,7 +222,7 @@ def test_calling_torchs_assignment_is_named(fn):
 
 
 def library_assignment_wrapped(params, cap_mb):
-    return overlap.assign_buckets(params, cap_mb)
+    return overlap.assign_buckets([p for p in params if p.requires_grad], cap_mb)
 
 
 @pytest.mark.parametrize("fn", [overlap.assign_buckets, library_assignment_wrapped])
@@ -264,6 +292,7 @@ class Good(nn.Module):
 
     def _grad_ready(self, p):
         i, view = self.where[p]
+        self.arrived.add(p)
         self.to_view(p, view)
         self.missing[i] -= 1
         self.launch_ready()
@@ -278,14 +307,22 @@ class Good(nn.Module):
         self.handles.append((i, dist.all_reduce(self.flat[i], async_op=True)))
 
     def finish_gradient_synchronization(self):
+        self.require_complete()
         for _, work in self.handles:
             work.wait()
         self.reset()
+
+    def require_complete(self):
+        if any(self.missing):
+            lost = [n for n, p in self.module.named_parameters()
+                    if p in self.where and p not in self.arrived]
+            raise RuntimeError(f"no gradient for {', '.join(lost)}")
 
     def reset(self):
         self.handles = []
         self.missing = [len(b) for b in self.buckets]
         self.next = 0
+        self.arrived = set()
 
 
 # --- right variants ---
@@ -296,6 +333,7 @@ class DivideAfterWait(Good):
         self.handles.append((i, dist.all_reduce(self.flat[i], async_op=True)))
 
     def finish_gradient_synchronization(self):
+        self.require_complete()
         for i, work in self.handles:
             work.wait()
             self.flat[i] /= dist.get_world_size()
@@ -335,8 +373,18 @@ class SetEveryTime(Good):
         p.grad = view
 
 
+class NamedFromBuckets(Good):
+    # the names looked up in the buckets' order, a ValueError
+    def require_complete(self):
+        if any(self.missing):
+            name_of = {p: n for n, p in self.module.named_parameters()}
+            raise ValueError("unused: " + " ".join(name_of[p] for b in self.buckets for p in b
+                                                   if p not in self.arrived))
+
+
 @pytest.mark.parametrize("cls", [Good, DivideAfterWait, ViewsFromTheStart,
-                                 FuturesAndReversedTiling, AverageOp, SetEveryTime])
+                                 FuturesAndReversedTiling, AverageOp, SetEveryTime,
+                                 NamedFromBuckets])
 def test_right_wrappers_pass(cls, capsys):
     lab07.check_bucketed_ddp(cls)
     out = capsys.readouterr().out
@@ -368,6 +416,7 @@ class LaunchWhenFull(Good):
     # lesson 07's BucketedDataParallel: each bucket as soon as it is full, in any order
     def _grad_ready(self, p):
         i, view = self.where[p]
+        self.arrived.add(p)
         self.to_view(p, view)
         self.missing[i] -= 1
         if self.missing[i] == 0:
@@ -517,6 +566,9 @@ class PerParameter(Good):
         p.grad /= dist.get_world_size()
         self.handles.append((None, dist.all_reduce(p.grad, async_op=True)))
 
+    def require_complete(self):     # it counts no bucket down
+        pass
+
 
 class NoReset(Good):
     def finish_gradient_synchronization(self):
@@ -553,9 +605,45 @@ class NoBucketsAttribute(Good):
         self.handles = []
         self.missing = [len(b) for b in getattr(self, "groups", getattr(self, "buckets", []))]
         self.next = 0
+        self.arrived = set()
+
+
+class SilentOnUnused(Good):
+    # waits on what was launched and returns: the unused parameter's bucket never went
+    def require_complete(self):
+        pass
+
+
+class ArrivalsNeverReset(Good):
+    # the set of arrived parameters kept from step to step: step 2 names nothing
+    def reset(self):
+        arrived = getattr(self, "arrived", set())
+        super().reset()
+        self.arrived = arrived
+
+
+class BucketNamed(Good):
+    # names every parameter of the incomplete bucket, used or not
+    def require_complete(self):
+        if any(self.missing):
+            lost = [n for n, p in self.module.named_parameters()
+                    if p in self.where and self.missing[self.where[p][0]]]
+            raise RuntimeError(f"no gradient in {lost}")
+
+
+class UnnamedUnused(Good):
+    def require_complete(self):
+        if any(self.missing):
+            raise RuntimeError(f"bucket(s) {[i for i, m in enumerate(self.missing) if m]} "
+                               f"never complete")
 
 
 @pytest.mark.parametrize("cls, phrase", [
+    (SilentOnUnused, "(?s)returned on rank 0 although their bucket never became complete.*"
+                     "raise an error that names"),
+    (UnnamedUnused, "its message does not name head.weight and head.bias"),
+    (ArrivalsNeverReset, "its message does not name head.weight and head.bias"),
+    (BucketNamed, "(?s)also names hidden.*which did get a gradient"),
     (HookOnFrozen, "hook on a frozen parameter"),
     (FrozenInBuckets, "holds the frozen parameter scale"),
     (LaunchWhenFull, "bucket 1 was launched before bucket 0 .*strictly in bucket order"),

@@ -85,7 +85,17 @@ def _bucket_cases() -> list[tuple[str, list, float]]:
         ("4 float64 parameters of 0.38 MiB each", _params_of([50_000] * 4, torch.float64), 1.0),
         ("4 parameters of exactly 1 MiB, cap 1 MiB", _params_of([2**18] * 4), 1.0),
         ("SmallCNN(width=8), cap 100 MiB", cnn, 100.0),
+        ("SmallCNN(width=8) with features.6 frozen, cap 0.01 MiB", _partly_frozen_cnn(), 0.01),
     ]
+
+
+def _partly_frozen_cnn() -> list:
+    """SmallCNN's parameters with a middle layer frozen (requires_grad=False): it belongs in no
+    bucket, and its bytes count toward no cap (DDP buckets only what requires a gradient)."""
+    model = _small_cnn()
+    for p in model.features[6].parameters():
+        p.requires_grad_(False)
+    return list(model.parameters())
 
 
 def _greedy(sizes: list[float], cap: float, order: list[int]) -> list[list[int]]:
@@ -249,10 +259,10 @@ def check_assign_buckets(assign_buckets) -> None:
     counts, problems, got = [], [], []
     used_library = False
     cases = _bucket_cases()
-    for what, params, cap in cases:
+    for what, everything, cap in cases:
         try:
             with _no_torch_assignment() as called, _no_library_assignment() as ours:
-                buckets = assign_buckets(list(params), cap)
+                buckets = assign_buckets(list(everything), cap)
         except NotImplementedError:
             raise
         except Exception as exc:
@@ -260,7 +270,9 @@ def check_assign_buckets(assign_buckets) -> None:
         used_library = used_library or bool(ours)
         if called:
             fail(_TORCH_ASSIGNMENT)
-        problem = bucket_problem(buckets, params, cap, what)
+        params = [p for p in everything if p.requires_grad]
+        problem = (_frozen_problem(buckets, everything, cap, what)
+                   or bucket_problem(buckets, params, cap, what))
         if problem:
             problems.append(problem)
         else:
@@ -275,17 +287,49 @@ def check_assign_buckets(assign_buckets) -> None:
         # every case: name the unit rather than the first over-full bucket.
         for variant, size_of in (("counted elements (p.numel()) as bytes", lambda p: p.numel()),
                                  ("assumed 4 bytes per element", lambda p: 4 * p.numel())):
-            predicted = [_greedy([size_of(p) for p in params], cap * MiB,
-                                 list(range(len(params) - 1, -1, -1)))
-                         for _, params, cap in cases]
-            if got == predicted:
+            # over the cases without frozen parameters (those have a sentence of their own)
+            plain = [k for k, (_, ps, _) in enumerate(cases) if all(p.requires_grad for p in ps)]
+            predicted = [_greedy([size_of(p) for p in cases[k][1]], cases[k][2] * MiB,
+                                 list(range(len(cases[k][1]) - 1, -1, -1))) for k in plain]
+            if [got[k] for k in plain] == predicted:
                 fail(f"the buckets are what you get if you {variant}: a parameter's size in "
                      f"bytes is p.numel() * p.element_size().")
         fail(problems[0])
     if used_library:        # right, because it is the reference: refused only once right
         fail(_LIBRARY_ASSIGNMENT)
-    passed(f"assign_buckets: reverse order, each bucket closed once it reached the cap, in bytes "
-           f"({'/'.join(map(str, counts))} buckets in the six cases)")
+    passed(f"assign_buckets: reverse order, each bucket closed once it reached the cap, in bytes, "
+           f"frozen parameters in no bucket ({'/'.join(map(str, counts))} buckets in the "
+           f"{len(cases)} cases)")
+
+
+def _frozen_problem(buckets, everything: list, cap_mb: float, what: str) -> str | None:
+    """The sentence for a frozen parameter in a bucket, or for frozen bytes counted toward the
+    cap (buckets right for the trainable parameters had the frozen ones weighed too)."""
+    frozen = {id(p) for p in everything if not p.requires_grad}
+    if not frozen or not isinstance(buckets, (list, tuple)):
+        return None
+    try:
+        held = [id(p) for b in buckets for p in b]
+    except TypeError:
+        return None
+    if any(i in frozen for i in held):
+        return (f"a bucket holds a frozen parameter (requires_grad=False){f' ({what})'}: it never "
+                f"gets a gradient, so its bucket would never be complete — DDP buckets only the "
+                f"parameters that require a gradient.")
+    index = {id(p): i for i, p in enumerate(everything)}
+    got = [[index.get(i) for i in map(id, b)] for b in buckets]
+    weighed = _greedy([p.numel() * p.element_size() for p in everything], cap_mb * MiB,
+                      list(range(len(everything) - 1, -1, -1)))
+    weighed = [[i for i in b if id(everything[i]) not in frozen] for b in weighed]
+    trainable = [i for i, p in enumerate(everything) if p.requires_grad]
+    right = _greedy([everything[i].numel() * everything[i].element_size() for i in trainable],
+                    cap_mb * MiB, list(range(len(trainable) - 1, -1, -1)))
+    right = [[trainable[i] for i in b] for b in right]
+    if got == [b for b in weighed if b] and got != right:
+        return (f"the frozen parameters are in no bucket, but their bytes counted toward the cap"
+                f" ({what}): DDP leaves a parameter that requires no gradient out of the "
+                f"assignment altogether, so it fills no bucket.")
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -555,10 +599,97 @@ def check_bucketed_ddp(cls, configs=CONFIGS, timeout: float | None = None) -> No
     for world_size, cap_mb in configs:
         results = _launch(cls, world_size, cap_mb, timeout)
         _diagnose(results, world_size, cap_mb)
+    _check_unused(cls, timeout)
     shown = " and ".join(f"{ws} ranks ({cap} MiB buckets)" for ws, cap in configs)
     passed(f"{cls.__name__}: one async all-reduce per bucket, launched in bucket order as soon "
            f"as it could be, waited before the step; gradients are views of the buckets; "
-           f"weights == DDP's after {_STEPS} steps on {shown}")
+           f"weights == DDP's after {_STEPS} steps on {shown}; a parameter left without a "
+           f"gradient is named")
+
+
+# A trainable parameter the second step's forward does not use: its bucket is never complete.
+_UNUSED_NAMES = ("head.weight", "head.bias")
+
+
+class _UnusedNet(_CheckNet):
+    def __init__(self, width: int = 8):
+        super().__init__(width)
+        self.head = nn.Linear(10, 10)         # trainable, registered last: in bucket 0
+        self.use_head = True
+
+    def forward(self, x):
+        out = super().forward(x)
+        return self.head(out) if self.use_head else out
+
+
+def _unused_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
+    """Step 1 uses every parameter; step 2 leaves `head` out."""
+    __tracebackhide__ = True
+    from .. import ddp
+
+    dev = ddp.setup_rank()
+    torch.manual_seed(0)
+    module = _UnusedNet().to(dev)
+    model = cls(module, bucket_cap_mb=cap_mb)
+    torch.manual_seed(1 + rank)
+    x, y = torch.randn(4, 3, 32, 32, device=dev), torch.arange(4, device=dev)
+    said = {}
+    for step, use_head in ((1, True), (2, False)):
+        module.zero_grad(set_to_none=True)
+        module.use_head = use_head
+        F.cross_entropy(model(x), y).backward()
+        try:
+            model.finish_gradient_synchronization()
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            said[step] = f"{type(exc).__name__}: {exc}"
+        else:
+            said[step] = None
+        if step == 1 and said[1] is not None:
+            break
+    used = [n for n, p in module.named_parameters()
+            if p.requires_grad and n not in _UNUSED_NAMES]
+    return {"said": said, "used": used}
+
+
+def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
+    """A model with a trainable parameter (registered last, so in bucket 0) that the second
+    step's forward leaves out: finish_gradient_synchronization() must return after step 1 and
+    raise after step 2, naming that parameter and no other."""
+    __tracebackhide__ = True
+    from .. import devices
+
+    results = run_ranks(_unused_worker, 2, cls, cap_mb, backend=devices.backend_for(2),
+                        timeout=timeout,
+                        hang="with a parameter that got no gradient, every rank must still "
+                             "launch the same all-reduces (or none) and wait only on those.")
+    for rank, r in enumerate(results):
+        if r["said"][1] is not None:
+            fail(f"finish_gradient_synchronization() raised on rank {rank} after a backward in "
+                 f"which every parameter got a gradient ({r['said'][1][:200]}) — on a model "
+                 f"with a parameter `head` that the next step's forward leaves out.")
+        said = r["said"][2]
+        if said is None:
+            fail(f"on a model with a trainable parameter the forward did not use this step "
+                 f"({' and '.join(_UNUSED_NAMES)}), finish_gradient_synchronization() returned "
+                 f"on rank {rank} although their bucket never became complete: that bucket (and every one after it) was never "
+                 f"all-reduced, so the gradients left there are stale or this rank's own — "
+                 f"raise an error that names the parameter(s) that got no gradient.")
+        missing = [n for n in _UNUSED_NAMES if n not in said]
+        if missing:
+            fail(f"on a model whose {' and '.join(_UNUSED_NAMES)} got no gradient, "
+                 f"finish_gradient_synchronization() raised on rank {rank} ({said[:200]}), but "
+                 f"its message does not name {' and '.join(missing)}: name every parameter "
+                 f"that got no gradient, by its name in the module, so whoever trains the "
+                 f"model can find it.")
+        wrongly = [n for n in r["used"] if re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", said)]
+        if wrongly:
+            fail(f"on a model whose {' and '.join(_UNUSED_NAMES)} got no gradient, "
+                 f"finish_gradient_synchronization() raised on rank {rank}, but its message "
+                 f"also names {', '.join(wrongly[:3])}, which did get a gradient in this "
+                 f"backward: name only the parameters that got none (a name kept from an "
+                 f"earlier step, or every parameter of the incomplete bucket, misleads).")
 
 
 def _diagnose(results: list, world_size: int, cap_mb: float) -> None:
