@@ -286,14 +286,14 @@ viz.show(viz.reducer_figure(),
          "copies back, which views make unnecessary.")
 
 # %% [markdown]
-# - **In-order launch.** The reducer keeps `next_bucket_`, the next bucket to launch. When a
-#   bucket becomes complete it is launched only if it is that one, and then every following
-#   bucket that is already complete. Buckets fill out of order whenever the backward's order
+# - **In-order launch.** The reducer launches its buckets **strictly in bucket order**: a bucket
+#   that is complete before the ones ahead of it is not launched before them (how it does that
+#   is lab07's part 2, folded below). Buckets fill out of order whenever the backward's order
 #   differs from the reversed registration order (a layer registered before one it follows;
-#   lesson 03 showed that DDP rebuilds its buckets after the first step for that reason, and
-#   the order can still differ later). Launching in bucket order makes the i-th all-reduce
-#   of every rank the same bucket; our class launches as buckets fill, which is safe here only
-#   because every rank runs the same backward in the same order.
+#   lesson 03 showed that DDP rebuilds its buckets after the first step for that reason, and the
+#   order can still differ later). Launching in bucket order makes the i-th all-reduce of every
+#   rank the same bucket; our class launches as buckets fill, which is safe here only because
+#   every rank runs the same backward in the same order.
 # - **Gradients as views** (`gradient_as_bucket_view=True`): each `p.grad` is a view of its
 #   slice of the bucket, so autograd accumulates straight into the bucket and the all-reduced
 #   buffer *is* the averaged gradient: no copy in, no copy back, and one gradient's memory
@@ -304,7 +304,18 @@ viz.show(viz.reducer_figure(),
 #
 # Lab07 asks you for both. Its check runs a model whose buckets fill out of order and one
 # of whose parameters is frozen (`requires_grad=False`, no gradient: it belongs in no bucket).
-#
+
+# %% [markdown]
+# **▶ The reference answer — open after your lab passes** (how the reducer keeps bucket
+# order; click the folded cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The reducer keeps `next_bucket_`, the next bucket to launch. When a bucket becomes complete
+# (`Reducer::mark_bucket_ready`), it is launched only if it is that one, and then every
+# following bucket that is already complete, `next_bucket_` moving past each; the loop stops at
+# the first bucket still awaiting a gradient, and that bucket's last gradient resumes it.
+
+# %% [markdown]
 # ## 4. Measuring the overlap — and predicting it
 # The small CNN is too small for buckets to matter, so for timing we take a model whose size
 # is in many matrices — 64 `Linear` layers of width 320 (the first, 3072 × 320, is the
@@ -765,7 +776,8 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 # using the same Q, the sum of the ranks' P's is (Σ M_rank) Q, the P of the summed gradient —
 # and after the same orthogonalisation everywhere, the same holds for Q. Top-k (lab07's
 # stretch) is not linear: each rank keeps *its own* k largest entries, at different indices,
-# and the top-k of a sum is not the sum of top-k's, so its values have to be all-gathered.
+# and the top-k of a sum is not the sum of top-k's, so a plain all-reduce of the selected
+# values would add up entries that belong to different indices.
 #
 # `comm_hook_worker` trains real DDP once per hook, with these `PowerSGDState` arguments:
 
@@ -1046,7 +1058,7 @@ viz.quiz([
 #   `compute_bucket_assignment_by_size` (a bucket is closed once `bucket.size >= limit`),
 #   `Reducer::mark_variable_ready_dense` (copy into the bucket view dividing by N; when
 #   `grad.is_alias_of(bucket_view)`, no copy and `bucket_view.div_(div_factor_)` in place),
-#   `Reducer::mark_bucket_ready` (launch from `next_bucket_` on, while buckets are ready),
+#   `Reducer::mark_bucket_ready` (the in-order launch, with `next_bucket_`),
 #   `Reducer::rebuild_buckets`.
 # - S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
 #   PVLDB 13(12), 2020 (arXiv:2006.15704).
