@@ -540,8 +540,7 @@ claim("another seed: different weights", not torch.equal(a, c))
 # Open [lab01_single_device](../labs/lab01_single_device.ipynb) and write `train_one_epoch` and
 # `evaluate`; its checks compare them with the library's and name your mistake. The library's
 # version, which every later lesson reuses, is folded below: open it once your lab passes, and
-# compare the two details the lab checks — the epoch's loss weighted by batch size (the last
-# batch is shorter), and `evaluate` in `eval()` mode under `torch.no_grad()`.
+# compare it with yours.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below).

@@ -167,29 +167,31 @@ lab01.check_evaluate(evaluate, leaves=evaluate_leaves_model_in)
 # %% [markdown]
 # ## 3. Use them
 #
-# Your two functions now train the lesson's CNN. First a prediction: before any training, what
-# mean loss per sample will your `evaluate` measure for the freshly initialised CNN on the test
-# set (10 classes, cross-entropy in nats)? Write a number, run the cell, then the measurement.
+# Your two functions now train the lesson's CNN for a few epochs. First a prediction. After
+# the first epoch you will hold two numbers about the **same training samples**: the mean loss
+# your `train_one_epoch` returned, and the mean loss your `evaluate` measures on the training
+# set right after the epoch. Which is larger — `"train_one_epoch's"`, `"evaluate's"`, or
+# `"about the same"` (within 10%)? Write your choice, run the cell, then the measurement.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Before training, does the network have any reason to prefer one class over another? What
-# probability does it then give the right label, and what is the cross-entropy of that?
+# Each number is the loss of some model on these samples. Which model, in each case — and is
+# it the same model for every batch?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Cross-entropy is minus the log of the probability given to the right class. A network that
-# knows nothing spreads its probability about evenly.
+# Think of when each batch's loss was taken, and what the network was like at that moment;
+# then think of what differs between the two functions besides that.
 
 # %%
-### BEGIN SOLUTION: your prediction (a number)
-my_guess = 2.3
+### BEGIN SOLUTION: your prediction (one of the three choices)
+my_guess = "train_one_epoch's"
 ### END SOLUTION
-guess = predict("lab01", "mean test loss of the untrained CNN", my_guess, unit="nats")
+guess = predict("lab01", lab01.PREDICTION_QUESTION, my_guess, choices=lab01.PREDICTION_CHOICES)
 
 # %%
 devices.seed_everything(seed)
@@ -198,17 +200,18 @@ train_loader, test_loader = train.make_loaders(ds, batch_size, seed=seed)
 model = models.SmallCNN().to(device)
 optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 loss_fn = nn.CrossEntropyLoss()
-untrained_loss, untrained_acc = evaluate(model, test_loader, loss_fn, device)
-lab01.check_prediction(guess, untrained_loss)
-
-# %% [markdown]
-# Now train: the loss should fall and the accuracy end far above the 10% of guessing.
-
-# %%
 losses, accs = [], []
 for epoch in range(epochs):
     losses.append(train_one_epoch(model, train_loader, loss_fn, optimizer, device))
+    if epoch == 0:
+        after_epoch_1 = evaluate(model, train_loader, loss_fn, device)[0]
     accs.append(evaluate(model, test_loader, loss_fn, device)[1])
+lab01.check_prediction(guess, losses[0], after_epoch_1)
+
+# %% [markdown]
+# And the loop trains: the loss should fall and the accuracy end far above the 10% of guessing.
+
+# %%
 from dpcourse.checks import claim
 
 claim("your loop trains: the loss fell", losses[-1] < losses[0], losses=losses)
@@ -218,12 +221,14 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # ## Stretch (optional): gradient accumulation
 #
 # A workshop can stop here. For self-study: what if the batch you want does not fit in memory?
-# Run it as **k micro-batches** — one forward and one backward each, never the whole group at
-# once — and take one optimizer step per group of k. Write
+# Run it as **groups of k micro-batches** — one forward and one backward per micro-batch, never
+# the whole group at once — and take one optimizer step per group. Write
 # `train_accumulated(model, loader, loss_fn, optimizer, k, device) -> float` with this contract:
 #
-# * after the call, the weights are exactly those of plain training with batches of `k × b`
-#   (where `b` is the loader's micro-batch), one step per group of k micro-batches;
+# * `loss_fn` averages over its batch (`reduction="mean"`, as `nn.CrossEntropyLoss()` does);
+# * each group of k consecutive micro-batches of `loader` gets exactly the step that plain
+#   training takes on **the group's samples**: one batch holding them all, its mean loss,
+#   backward, step;
 # * it returns the **mean loss per sample** over the epoch, a float, as `train_one_epoch` does;
 # * the result does not depend on whatever `p.grad` held before the call.
 #
@@ -236,41 +241,49 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# `backward()` adds into `p.grad`. After k backwards of k micro-batches' mean losses, what does
-# `p.grad` hold, compared with the gradient of one mean over all `k × b` samples?
+# `backward()` adds into `p.grad`. After the backwards of a group's micro-batches, what does
+# `p.grad` hold, compared with the gradient of one mean over all the group's samples? Write the
+# group's mean loss as a sum over its micro-batches: what does each micro-batch's mean stand for?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The sum of k means is k times the mean of the group: scale what you backpropagate so that the
-# k gradients add up to the group's mean. Step and clear only at the end of a group, and clear
-# once before the first group too. The loss you report is the model's loss on the samples, not
-# the scaled number you backpropagated.
+# The group's mean is a weighted sum of its micro-batches' means, each weighted by the share of
+# the group's samples it holds — so you need the group's sample count before its gradient is
+# complete (either before the backwards, or by rescaling the summed gradient before the step).
+# Step and clear only at the end of a group, and clear once before the first group too. The
+# loss you report is the model's loss on the samples, not the scaled number you backpropagated.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Training mode; clear the gradients; the two running totals of §1; a loop that numbers the
-# micro-batches; per micro-batch a forward, the scaled loss's backward, and the unscaled loss
-# into the totals; when a micro-batch closes a group, step and clear; return the mean.
+# Training mode; clear the gradients; the two running totals of §1 and a third, the samples of
+# the current group; per micro-batch a forward and a backward of its loss weighted by its size,
+# the unscaled loss into the totals; when a micro-batch closes a group, divide every
+# parameter's gradient by the group's count, step, clear, and reset that count; return the mean.
 
 # %%
 def train_accumulated(model, loader, loss_fn, optimizer, k, device):
-    ### BEGIN SOLUTION: one step per k micro-batches; return the mean loss per sample
+    ### BEGIN SOLUTION: one step per group of k micro-batches; return the mean loss per sample
     model.train()
     optimizer.zero_grad()
-    total_loss, total = 0.0, 0
+    total_loss, total, in_group = 0.0, 0, 0
     for i, (X, y) in enumerate(loader):
         X, y = X.to(device), y.to(device)
         loss = loss_fn(model(X), y)
-        (loss / k).backward()
-        if (i + 1) % k == 0:
-            optimizer.step()
-            optimizer.zero_grad()
+        (loss * len(y)).backward()
+        in_group += len(y)
         total_loss += loss.item() * len(y)
         total += len(y)
+        if (i + 1) % k == 0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad /= in_group
+            optimizer.step()
+            optimizer.zero_grad()
+            in_group = 0
     return total_loss / total
     ### END SOLUTION
 

@@ -129,9 +129,9 @@ def test_reference_train_passes(capsys):
 
 
 @pytest.mark.parametrize("fn, phrase", [
-    (no_zero_grad, "zero_grad"),
-    (no_train_mode, "model.train()"),
-    (no_step, "optimizer.step()"),
+    (no_zero_grad, "leaked into each step"),
+    (no_train_mode, "ran the model in eval mode"),
+    (no_step, "weights did not change"),
     (summed_loss_backward, "summed over the batch"),
     (_returning("sum"), "sum of the batch losses"),
     (_returning("mean_of_means"), "averaged the per-batch means"),
@@ -203,8 +203,8 @@ def test_evaluate_breaking_its_design_decision_is_refused(fn, leaves, phrase):
 
 
 @pytest.mark.parametrize("fn, phrase", [
-    (_eval(mode=False), "model.eval()"),
-    (_eval(no_grad=False), "torch.no_grad()"),
+    (_eval(mode=False), "dropout was still on"),
+    (_eval(no_grad=False), "record a graph"),
     (_eval(acc_kind="count"), "number of correct predictions"),
     (_eval(acc_kind="percent"), "percent"),
     (_eval(acc_kind="mean_of_means"), "per-batch accuracies"),
@@ -320,8 +320,11 @@ def test_evaluate_fitting_one_data_set_fails():
 
 # --- stretch: gradient accumulation ----------------------------------------------------------
 
-def _accum(divide=True, step_every=False, zero_every=False, zero_after=True, zero_first=True,
-           big_forward=False, style="modulo", report="mean"):
+def _accum(weight="share", step_every=False, zero_every=False, zero_after=True, zero_first=True,
+           big_forward=False, style="buffer", report="mean"):
+    """train_accumulated written in several ways. ``weight``: what each micro-batch's mean loss
+    is multiplied by, "share" (len(y) / the group's sample count: right), "k" (1/k: right only
+    for equal micro-batches) or "none"."""
     def fn(model, loader, loss_fn, optimizer, k, device):
         losses = []
         _accum_body(model, loader, loss_fn, optimizer, k, losses)
@@ -335,72 +338,85 @@ def _accum(divide=True, step_every=False, zero_every=False, zero_after=True, zer
         model.train()
         if zero_first:
             optimizer.zero_grad()
+        batches = list(loader)
+        groups = [batches[g:g + k] for g in range(0, len(batches), k)]
         if big_forward:  # runs the whole group at once: no memory saved
-            batches = list(loader)
-            for g in range(0, len(batches), k):
-                X = torch.cat([b[0] for b in batches[g:g + k]])
-                y = torch.cat([b[1] for b in batches[g:g + k]])
+            for group in groups:
+                X = torch.cat([b[0] for b in group])
+                y = torch.cat([b[1] for b in group])
                 loss = loss_fn(model(X), y)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
                 losses.append((loss.item(), len(y)))
             return
-        if style == "counter":  # a right answer written with a countdown
-            left = k
-            for X, y in loader:
+        if style == "rescale":  # a right answer: summed gradients divided at the group's end
+            count = 0
+            for i, (X, y) in enumerate(batches):
                 loss = loss_fn(model(X), y)
-                (loss * (1.0 / k)).backward()
+                (loss * len(y)).backward()
                 losses.append((loss.item(), len(y)))
-                left -= 1
-                if left == 0:
+                count += len(y)
+                if (i + 1) % k == 0:
+                    for p in model.parameters():
+                        p.grad /= count
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    left = k
+                    count = 0
             return
-        for i, (X, y) in enumerate(loader):
-            if zero_every:
-                optimizer.zero_grad()
-            loss = loss_fn(model(X), y)
-            (loss / k if divide else loss).backward()
-            losses.append((loss.item(), len(y)))
-            if step_every or (i + 1) % k == 0:
-                optimizer.step()
-                if zero_after:
+        for group in groups:
+            group_n = sum(len(y) for _, y in group)
+            for i, (X, y) in enumerate(group):
+                if zero_every:
                     optimizer.zero_grad()
+                loss = loss_fn(model(X), y)
+                scale = {"share": len(y) / group_n, "k": 1 / k, "none": 1.0}[weight]
+                (loss * scale).backward()
+                losses.append((loss.item(), len(y)))
+                if step_every or i == len(group) - 1:
+                    optimizer.step()
+                    if zero_after:
+                        optimizer.zero_grad()
     return fn
 
 
 def accum_sum_reduction(model, loader, loss_fn, optimizer, k, device):
-    # a right answer: summed losses divided by the group's sample count
+    # a right answer: summed losses, the group's sample count taken from the loader's batches
     model.train()
     for p in model.parameters():
         p.grad = None
     summed, count = torch.zeros(()), 0
-    for i, (X, y) in enumerate(loader):
-        loss = torch.nn.functional.cross_entropy(model(X), y, reduction="sum")
-        (loss / (k * len(y))).backward()
-        summed += loss.detach()
-        count += len(y)
-        if i % k == k - 1:
-            optimizer.step()
-            model.zero_grad()
+    batches = list(loader)
+    for g in range(0, len(batches), k):
+        group = batches[g:g + k]
+        group_n = sum(len(y) for _, y in group)
+        for X, y in group:
+            loss = torch.nn.functional.cross_entropy(model(X), y, reduction="sum")
+            (loss / group_n).backward()
+            summed += loss.detach()
+            count += len(y)
+        optimizer.step()
+        model.zero_grad()
     return summed / count  # a 0-dim tensor: accepted as a number
 
 
-@pytest.mark.parametrize("fn", [_accum(), _accum(style="counter"), accum_sum_reduction],
-                         ids=["modulo", "countdown", "sum-reduction"])
+@pytest.mark.parametrize("fn", [_accum(), _accum(style="rescale"), accum_sum_reduction],
+                         ids=["buffered-groups", "rescale-at-step", "sum-reduction"])
 def test_right_accumulation_passes(fn, capsys):
     lab01.check_train_accumulated(fn)
     assert capsys.readouterr().out.count("✔") == 1
 
 
 @pytest.mark.parametrize("fn, phrase", [
-    (_accum(divide=False), "times too big"),
+    (_accum(weight="k"), "micro-batches of a group differ in size"),
+    (_accum(weight="none"), "times too big"),
     (_accum(step_every=True), "stepped after every micro-batch"),
+    (_accum(step_every=True, weight="k"), "stepped after every micro-batch"),
     (_accum(zero_every=True), "zeroed the gradients before every micro-batch"),
     (_accum(zero_after=False), "never zeroed after a step"),
+    (_accum(zero_after=False, weight="k"), "never zeroed after a step"),
     (_accum(zero_first=False), "before the loop"),
+    (_accum(zero_first=False, weight="k"), "before the loop"),
     (_accum(big_forward=True), "one forward (and backward) per micro-batch"),
     (_accum(report="none"), "returned None"),
     (_accum(report="scaled"), "scaled loss you backpropagated"),
@@ -412,17 +428,30 @@ def test_accumulation_mistakes_are_named(fn, phrase):
     assert phrase in str(err.value), str(err.value)
 
 
+def test_accumulation_by_one_over_k_names_the_cause_not_the_code():
+    with pytest.raises(LabCheckError) as err:
+        lab01.check_train_accumulated(_accum(weight="k"))
+    message = str(err.value)
+    assert "counted for more" in message and "len(y)" not in message, message
+
+
 # --- predict, then measure ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, verdict", [(2.3, "right"), (0.5, "not what happened")])
-def test_prediction_is_compared_and_explained(value, verdict, capsys):
+@pytest.mark.parametrize("value, losses, verdict", [
+    ("train_one_epoch's", (1.6, 0.9), "right"),
+    ("about the same", (1.6, 0.9), "not what happened"),
+    ("evaluate's", (0.9, 1.6), "right"),
+    ("about the same", (1.0, 0.95), "right"),
+])
+def test_prediction_is_compared_and_explained(value, losses, verdict, capsys):
     from dpcourse.checks import predict
 
-    guess = predict("lab01", "mean test loss of the untrained CNN", value, unit="nats")
-    lab01.check_prediction(guess, 2.3049)
+    guess = predict("lab01", lab01.PREDICTION_QUESTION, value,
+                    choices=lab01.PREDICTION_CHOICES)
+    lab01.check_prediction(guess, *losses)
     out = capsys.readouterr().out
-    assert f"measured: 2.3 nats — {verdict}." in out, out
-    assert "ln 10" in out, out
+    assert f" — {verdict}." in out, out
+    assert "running summary of the epoch" in out, out
 
 
 def eval_restoring_every_module(model, loader, loss_fn, device):

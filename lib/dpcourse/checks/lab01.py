@@ -24,7 +24,7 @@ from dpcourse import train as reference
 from dpcourse.checks import fail, passed, recorded
 
 __all__ = ["check_train_one_epoch", "check_evaluate", "check_train_accumulated",
-           "check_prediction", "LEAVES"]
+           "check_prediction", "LEAVES", "PREDICTION_QUESTION", "PREDICTION_CHOICES"]
 
 # The two answers to lab01's design decision: the mode evaluate leaves the model in.
 LEAVES = ("eval", "as found")
@@ -188,8 +188,8 @@ def _check_train_once(train_one_epoch, setup) -> None:
         fail("train_one_epoch never called the model: loop over the loader and run model(X).")
     if not all(spy.training):
         fail("train_one_epoch ran the model in eval mode, so dropout was off while it trained: "
-             "the model arrived in eval mode (as it may straight after an evaluation), and "
-             "training must switch it to training mode itself (model.train()).")
+             "the model arrived in eval mode (as it may straight after an evaluation), and a "
+             "training function cannot rely on the mode its caller left.")
     if len(spy.training) != math.ceil(n / batch):
         fail(f"train_one_epoch called the model {len(spy.training)} times for "
              f"{math.ceil(n / batch)} batches: one forward pass per batch.")
@@ -201,16 +201,16 @@ def _check_train_once(train_one_epoch, setup) -> None:
     want = reference.train_one_epoch(ref_model, ref_loader, nn.CrossEntropyLoss(), ref_opt, "cpu")
     if not _same(got_params, _params(ref_model)):
         if _same(got_params, start):
-            fail("the weights did not change: call optimizer.step() after loss.backward() "
-                 "(and zero the gradients before backward, not between backward and step).")
+            fail("the weights did not change: no optimizer step ever used a gradient (backward "
+                 "only fills p.grad; the weights move when the optimizer steps with it).")
         if _same(got_params, _run(_train_variant, setup, zero_grad=False)):
-            fail("gradients from earlier batches leaked into each step: call "
-                 "optimizer.zero_grad() once per batch, before loss.backward().")
+            fail("gradients from earlier batches leaked into each step: backward adds into "
+                 "p.grad, and nothing cleared what the previous batch left there.")
         if _same(got_params, _run(_train_variant, setup, reduction="sum")):
             fail("the loss you backpropagate is summed over the batch, so the step grows with "
                  "the batch size: use the mean (CrossEntropyLoss's default reduction).")
-        fail("after one epoch your weights differ from the reference: one zero_grad, forward, "
-             "loss, backward and step per batch, in that order.")
+        fail("after one epoch your weights differ from the reference: each batch's step must "
+             "use the gradient of that batch's mean loss alone, one step per batch.")
 
     got = _as_number(got, "train_one_epoch")
     if math.isclose(got, want, rel_tol=1e-5):
@@ -223,13 +223,14 @@ def _check_train_once(train_one_epoch, setup) -> None:
     if math.isclose(got, sum(losses), rel_tol=1e-5):
         fail("you returned the sum of the batch losses: return the mean loss per sample.")
     if math.isclose(got, sum(losses) / len(losses), rel_tol=1e-5):
-        fail("you averaged the per-batch means, but the last batch is smaller: weight each "
-             "batch's loss by its size (loss.item() * len(y)) and divide by the sample count.")
+        fail("you averaged the per-batch means, but the last batch is smaller, so each of its "
+             "samples counted for more than a sample of a full batch: a mean per sample counts "
+             "every sample once.")
     if math.isclose(got, total, rel_tol=1e-5):
         fail("you returned the total loss over all samples: divide it by the number of samples.")
     if math.isclose(got, total / (len(losses) * batch), rel_tol=1e-5):
         fail("you divided by (number of batches × batch size), but the last batch is short: "
-             "divide by the number of samples you actually saw (count len(y) per batch).")
+             "that count includes samples the epoch never saw.")
     if math.isclose(got, losses[-1], rel_tol=1e-5):
         fail("you returned only the last batch's loss: return the mean over the whole epoch.")
     fail(f"train_one_epoch returned {got:.4f} on {n} samples in batches of {batch}; the mean "
@@ -289,11 +290,11 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
     if not spy.training:
         fail("evaluate never called the model: loop over the loader and run model(X).")
     if any(spy.training):
-        fail("evaluate ran the model in training mode, so dropout was still on: call "
-             "model.eval() first.")
+        fail("evaluate ran the model in training mode, so dropout was still on while it "
+             "measured: a test-time measurement needs the test-time behaviour of every layer.")
     if any(spy.grad):
-        fail("evaluate let autograd record a graph it never uses: wrap the loop in "
-             "torch.no_grad() (or decorate the function with @torch.no_grad()).")
+        fail("evaluate let autograd record a graph that nothing ever backpropagates through: "
+             "memory and time spent on every forward for nothing.")
     if not _same(_params(model), before):
         fail("evaluate changed the weights: evaluation must never step the optimizer.")
     arrived = "training" if arrives_training else "eval"
@@ -332,59 +333,87 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
             fail("accuracy is in percent: return a fraction in [0, 1].")
         batch_acc = [(o.argmax(1) == y).float().mean().item() for o, y in logits]
         if math.isclose(acc, sum(batch_acc) / len(batch_acc), rel_tol=1e-6):
-            fail("you averaged per-batch accuracies, but the last batch is smaller: count "
-                 "correct predictions over all samples and divide once.")
+            fail("you averaged per-batch accuracies, but the last batch is smaller, so each of "
+                 "its samples counted for more than the others.")
         if math.isclose(acc, correct / (len(sizes) * batch), rel_tol=1e-6):
             fail("you divided the correct count by (number of batches × batch size), but the "
-                 "last batch is short: divide by the number of samples.")
+                 "last batch is short: that count includes samples that were never there.")
         fail(f"evaluate's accuracy is {acc:.4f} on {n} samples; counting argmax hits over all "
              f"samples gives {want_acc:.4f}.")
     if not math.isclose(loss, want_loss, rel_tol=1e-5):
         if math.isclose(loss, sum(per_batch), rel_tol=1e-5):
             fail("the loss is the sum of the batch losses: return the mean loss per sample.")
         if math.isclose(loss, sum(per_batch) / len(per_batch), rel_tol=1e-5):
-            fail("you averaged the per-batch mean losses, but the last batch is smaller: weight "
-                 "each by its size and divide by the sample count.")
+            fail("you averaged the per-batch mean losses, but the last batch is smaller, so "
+                 "each of its samples counted for more than a sample of a full batch.")
         fail(f"evaluate's loss is {loss:.4f} on {n} samples, the mean loss per sample is "
              f"{want_loss:.4f}.")
 
 
 # --- stretch: gradient accumulation -------------------------------------------------------
 
-def _accumulate_variant(model, loader, optimizer, k, divide=True, step_every=False,
+def _groups(loader, k):
+    """The loader's micro-batches, k at a time."""
+    batches = list(loader)
+    return [batches[g:g + k] for g in range(0, len(batches), k)]
+
+
+def _accumulate_variant(model, loader, optimizer, k, weight="share", step_every=False,
                         zero_every=False, zero_after_step=True, zero_first=True):
-    """Accumulation as written right (the defaults) or with one of the usual mistakes."""
+    """Accumulation as written right (the defaults) or with one of the usual mistakes.
+
+    ``weight`` is what each micro-batch's mean loss is multiplied by before backward: "share"
+    (its samples' share of the group's: right), "k" (1/k, right only when every micro-batch of
+    the group has the same size) or "none"."""
     __tracebackhide__ = True
     model.train()
     if zero_first:
         optimizer.zero_grad()
     total, count = 0.0, 0
-    for i, (X, y) in enumerate(loader):
-        if zero_every:
-            optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(X), y)
-        (loss / k if divide else loss).backward()
-        if step_every or (i + 1) % k == 0:
-            optimizer.step()
-            if zero_after_step:
+    for group in _groups(loader, k):
+        group_n = sum(len(y) for _, y in group)
+        for i, (X, y) in enumerate(group):
+            if zero_every:
                 optimizer.zero_grad()
-        total += loss.item() * len(y)
-        count += len(y)
+            loss = nn.functional.cross_entropy(model(X), y)
+            scale = {"share": len(y) / group_n, "k": 1 / k, "none": 1.0}[weight]
+            (loss * scale).backward()
+            if step_every or i == len(group) - 1:
+                optimizer.step()
+                if zero_after_step:
+                    optimizer.zero_grad()
+            total += loss.item() * len(y)
+            count += len(y)
     return total / count
+
+
+def _sizes_loader(X, y, sizes):
+    """A loader whose micro-batches hold ``sizes`` samples, in order."""
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return DataLoader(TensorDataset(X, y),
+                      batch_sampler=[list(range(a, b)) for a, b in zip(bounds, bounds[1:])])
+
+
+# (micro-batch sizes, k, seed): every loader holds a whole number of groups of k micro-batches,
+# and in each set-up some group holds micro-batches of different sizes -- a short last
+# micro-batch as a DataLoader gives it (4 x 11 + 2, 8 x 7 + 2), or sizes that vary throughout --
+# so weighting every micro-batch alike (1/k) takes other steps than plain training.
+_ACCUM_SETUPS = (([4] * 11 + [2], 3, 0), ([8] * 7 + [2], 2, 5),
+                 ([5, 3, 7, 5, 2, 6, 4, 4], 4, 7))
 
 
 @recorded
 def check_train_accumulated(train_accumulated) -> None:
-    """Stretch: ``train_accumulated(model, loader, loss_fn, optimizer, k, device)`` must take
-    the same steps as plain training on batches k times larger (one step per k batches) and
-    return the mean loss per sample over the epoch, as ``train_one_epoch`` does."""
+    """Stretch: ``train_accumulated(model, loader, loss_fn, optimizer, k, device)`` must take,
+    for each group of k micro-batches, the same step as plain training on the group's samples
+    (one batch of them all, its mean loss), and return the mean loss per sample over the
+    epoch, as ``train_one_epoch`` does. The micro-batches of a group need not be the same size."""
     __tracebackhide__ = True
     if not callable(train_accumulated) or isinstance(train_accumulated, type):
         fail(f"the check needs your function itself (train_accumulated), got "
              f"{type(train_accumulated).__name__}.")
-    # (samples, micro-batch, k, seed): every group of k micro-batches is full, so each group is
-    # exactly one big batch of k * micro-batch samples.
-    for n, micro, k, seed in ((48, 4, 3, 0), (64, 8, 2, 5), (40, 5, 4, 7)):
+    for sizes, k, seed in _ACCUM_SETUPS:
+        n = sum(sizes)
         g = torch.Generator().manual_seed(seed)
         X = torch.randn(n, 3, 8, 8, generator=g)
         y = torch.randint(0, 10, (n,), generator=g)
@@ -396,11 +425,11 @@ def check_train_accumulated(train_accumulated) -> None:
                                   nn.Linear(16, 10))
             # The model arrives with gradients left in p.grad (say, from an unfinished group
             # of the previous epoch): an answer must start from zero.
-            nn.functional.cross_entropy(model(X[:micro]), y[:micro]).backward()
+            nn.functional.cross_entropy(model(X[:4]), y[:4]).backward()
             return model, torch.optim.SGD(model.parameters(), lr=0.2)
 
         def micro_loader():
-            return DataLoader(TensorDataset(X, y), batch_size=micro, shuffle=False)
+            return _sizes_loader(X, y, sizes)
 
         model, opt = fresh()
         start = _params(model)
@@ -408,15 +437,17 @@ def check_train_accumulated(train_accumulated) -> None:
         model.eval()
         returned = train_accumulated(model, micro_loader(), nn.CrossEntropyLoss(), opt, k, "cpu")
         got = _params(model)
-        if len(spy.training) != n // micro:
-            fail(f"train_accumulated ran {len(spy.training)} forward passes for {n // micro} "
+        if len(spy.training) != len(sizes):
+            fail(f"train_accumulated ran {len(spy.training)} forward passes for {len(sizes)} "
                  f"micro-batches: one forward (and backward) per micro-batch — accumulation "
                  f"saves memory by never running the big batch at once.")
         if not all(spy.training):
-            fail("train_accumulated ran the model in eval mode: call model.train() first.")
+            fail("train_accumulated ran the model in eval mode, so dropout would be off while "
+                 "it trains: the model may arrive in eval mode, straight after an evaluation.")
 
         big, big_opt = fresh()
-        for Xb, yb in DataLoader(TensorDataset(X, y), batch_size=micro * k, shuffle=False):
+        group_sizes = [sum(sizes[i:i + k]) for i in range(0, len(sizes), k)]
+        for Xb, yb in _sizes_loader(X, y, group_sizes):
             big_opt.zero_grad()
             nn.functional.cross_entropy(big(Xb), yb).backward()
             big_opt.step()
@@ -426,36 +457,45 @@ def check_train_accumulated(train_accumulated) -> None:
                                     n)
             continue
         if _same(got, start):
-            fail("the weights did not change: call optimizer.step() once every k micro-batches.")
+            fail("the weights did not change: the accumulated gradients never reached the "
+                 "weights through an optimizer step.")
 
         def replay(**kw):
             m, o = fresh()
             _accumulate_variant(m, micro_loader(), o, k, **kw)
             return _params(m)
 
-        if _same(got, replay(divide=False), tol=1e-5):
-            fail(f"each step is {k} times too big: the gradients of k mean losses add up, so "
-                 f"divide each micro-batch's loss by k (here {k}) before backward.")
-        if _same(got, replay(step_every=True), tol=1e-5) or _same(
-                got, replay(step_every=True, divide=False), tol=1e-5):
-            fail(f"you stepped after every micro-batch: one step must use the gradient of "
-                 f"k = {k} micro-batches together (step, and zero, once per group of {k}).")
-        if _same(got, replay(zero_every=True), tol=1e-5) or _same(
-                got, replay(zero_every=True, divide=False), tol=1e-5):
+        def replays(**kw):  # the mistake, with either weighting of the micro-batches
+            return any(_same(got, replay(weight=w, **kw), tol=1e-5) for w in ("share", "k"))
+
+        if _same(got, replay(weight="k"), tol=1e-5):
+            fail(f"you gave each micro-batch 1/{k} of the group's weight, but the micro-batches "
+                 f"of a group differ in size (here {sizes}), so a sample in a short micro-batch "
+                 f"counted for more than one in a full micro-batch: the group's mean loss counts "
+                 f"each of its samples once.")
+        if _same(got, replay(weight="none"), tol=1e-5):
+            fail(f"each step was about {k} times too big: backward adds each micro-batch's "
+                 f"gradient into p.grad, so the group's gradient was the sum of {k} mean-loss "
+                 f"gradients, not the gradient of the group's mean loss.")
+        if replays(step_every=True) or _same(got, replay(step_every=True, weight="none"),
+                                             tol=1e-5):
+            fail(f"you stepped after every micro-batch: one step must use the gradient of the "
+                 f"whole group of k = {k} micro-batches together.")
+        if replays(zero_every=True) or _same(got, replay(zero_every=True, weight="none"),
+                                             tol=1e-5):
             fail("you zeroed the gradients before every micro-batch, so each step saw only the "
-                 "last micro-batch: zero them only after a step.")
-        if _same(got, replay(zero_first=False), tol=1e-5):
-            fail("the first step carried gradients that were in p.grad before the loop: zero "
-                 "them once before the first micro-batch (the model may come from an unfinished "
-                 "group of the previous epoch).")
-        if _same(got, replay(zero_after_step=False), tol=1e-5):
+                 "last micro-batch of its group.")
+        if replays(zero_first=False):
+            fail("the first step carried gradients that were in p.grad before the loop: the "
+                 "model may come from an unfinished group of the previous epoch.")
+        if replays(zero_after_step=False):
             fail("the gradients were never zeroed after a step, so each group's gradient "
-                 "carried all earlier groups': call optimizer.zero_grad() after each step.")
-        fail(f"with micro-batches of {micro} and k={k} your weights differ from plain training "
-             f"with batches of {micro * k}: each step must use the gradient of the mean loss "
-             f"over its group's {micro * k} samples.")
-    passed("train_accumulated takes the same steps as training on k-times larger batches and "
-           "returns the mean loss per sample.")
+                 "carried all earlier groups'.")
+        fail(f"with micro-batches of sizes {sizes} and k={k} your weights differ from plain "
+             f"training on each group's samples (groups of {group_sizes}): each step must use "
+             f"the gradient of the mean loss over its group's samples.")
+    passed("train_accumulated takes the same steps as plain training on each group's samples, "
+           "whatever the micro-batches' sizes, and returns the mean loss per sample.")
 
 
 def _check_accumulated_loss(returned, want: float, k: int, n: int) -> None:
@@ -472,26 +512,37 @@ def _check_accumulated_loss(returned, want: float, k: int, n: int) -> None:
              f"sample ({want:.4f}): you reported the scaled loss you backpropagated; the loss "
              f"to report is the model's loss on its samples, before that scaling.")
     if math.isclose(got, want * n, rel_tol=1e-5):
-        fail("train_accumulated returned the total loss over all samples: divide it by the "
-             "number of samples.")
+        fail("train_accumulated returned the total loss over all samples, not the mean per "
+             "sample.")
     fail(f"train_accumulated returned {got:.4f}; the mean loss per sample over the epoch's {n} "
          f"samples is {want:.4f}.")
 
 
-# --- predict, then measure: the loss of an untrained network ------------------------------
+# --- predict, then measure: the epoch's returned loss against the trained model's ----------
 
-def check_prediction(guess, measured: float, classes: int = 10) -> None:
-    """Compare the learner's prediction of the untrained network's mean test loss with the
-    measured one, and say why it is near ln(classes). Never raises for a wrong prediction."""
+PREDICTION_QUESTION = ("after epoch 1, whose loss on the training set is larger: "
+                       "train_one_epoch's return value or evaluate's")
+PREDICTION_CHOICES = ("train_one_epoch's", "evaluate's", "about the same")
+
+
+def check_prediction(guess, epoch_loss: float, eval_loss: float) -> None:
+    """Compare the learner's prediction of which is larger after the first epoch, the mean loss
+    ``train_one_epoch`` returned (``epoch_loss``) or the one ``evaluate`` measures on the same
+    training set right after (``eval_loss``), and say why. Never raises for a wrong
+    prediction."""
     __tracebackhide__ = True
     from dpcourse.checks import reveal
 
-    measured = round(float(measured), 2)
-    uniform = math.log(classes)
-    close = abs(float(guess.value) - measured) <= 0.1 * measured
-    reveal(guess, measured, close=close, explanation=(
-        f"A freshly initialised network's logits are small and nearly equal, so its softmax "
-        f"gives each of the {classes} classes about 1/{classes}, and the cross-entropy of that "
-        f"guess is -ln(1/{classes}) = ln {classes} = {uniform:.2f} per sample, whatever the "
-        f"label. A loss well above it would mean a confident untrained model, one well below "
-        f"it a model that already knows something."))
+    epoch_loss, eval_loss = float(epoch_loss), float(eval_loss)
+    if epoch_loss > 1.1 * eval_loss:
+        measured = PREDICTION_CHOICES[0]
+    elif eval_loss > 1.1 * epoch_loss:
+        measured = PREDICTION_CHOICES[1]
+    else:
+        measured = PREDICTION_CHOICES[2]
+    reveal(guess, measured, close=guess.value == measured, explanation=(
+        "Same samples, two different models: train_one_epoch's mean adds up each batch's loss "
+        "at the moment it was trained on, so its first batches are those of a network that "
+        "still guesses, and dropout was on throughout; evaluate measures only the model the "
+        "epoch ended with, dropout off. The returned number is a running summary of the epoch, "
+        "not a measurement of the model you now hold."))
