@@ -85,10 +85,12 @@ lab03.check_average_gradients(average_gradients)
 # ## 2. Predict, then measure: collective calls in one step
 #
 # Every collective call pays a fixed start-up cost (lesson 06's α) on top of its bytes, so the
-# **number** of calls a step makes matters as much as what they carry. The checks use the small
-# CNN printed below. **Before you run the measurement**, predict: how many `all_reduce` calls
-# does **one** call of *your* `average_gradients` make on this model, on each rank? Write a
-# whole number.
+# **number** of calls a step makes matters as much as what they carry. The measurement runs
+# your `average_gradients` once, on 2 ranks, on `SmallCNN(width=4)` — the model printed below,
+# exactly as printed — after a backward that gave **every one** of its parameters a gradient
+# (part 1's extra parameter without a gradient is not in it). **Before you run the
+# measurement**, predict: how many `all_reduce` calls does that **one** call of *your*
+# `average_gradients` make, on each rank? Write a whole number.
 
 # %%
 print(SmallCNN(width=4))
@@ -126,8 +128,8 @@ lab03.check_prediction(guess, measured)
 #   called, **whatever `torch.optim` optimizer it is given** (the check tries more than one).
 #
 # **Your design decision:** the lesson's worker never needed the global batch's loss. Decide
-# what crosses between the ranks for it, and where in the step, so that the number every rank
-# returns is the global one and the gradients stay exactly what part 1 averages.
+# what crosses between the ranks for it, so that the number every rank returns is the global
+# one and the gradients stay exactly what part 1 averages.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -182,6 +184,8 @@ lab03.check_data_parallel_step(data_parallel_step)
 # `average_gradients_weighted(model, n_local)`. Contract:
 #
 # - `n_local` is this rank's number of samples; no rank is told the other ranks' counts;
+# - the model is the one of part 2, and the backward gave every one of its parameters a
+#   gradient (the check runs no other case);
 # - afterwards, on every rank, each `p.grad` holds the gradient of the **mean loss over every
 #   sample of every rank, each sample counted once** — what one process would compute on the
 #   concatenated batch;
@@ -190,8 +194,7 @@ lab03.check_data_parallel_step(data_parallel_step)
 #   CPU with gloo, which accepts CPU tensors; NCCL on GPUs accepts only CUDA tensors).
 #
 # **Your design decision:** the lesson only averaged equal shards. Decide what each rank must
-# contribute to the collectives, and in how many calls, so that every rank can form that global
-# mean.
+# contribute to the collectives so that every rank can form that global mean.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
