@@ -100,7 +100,9 @@ def trace_collectives(path: str | os.PathLike, monitor: float | None = None):
     :func:`dpcourse.collectives.record_collectives` sees) is written to ``path``: one JSON line
     when it starts, one when it returns, flushed at once, so the trace survives a rank that
     hangs and is killed. Calls made inside torch (DDP's buckets) are not seen; calls your code
-    makes through ``dist.<name>`` are.
+    makes through ``dist.<name>`` are: the recorder swaps the functions in the
+    ``torch.distributed`` module for the block, so a name bound before it (``from
+    torch.distributed import all_reduce``) escapes the trace.
 
     ``monitor`` (seconds, gloo only): before each collective, every rank first calls
     ``dist.monitored_barrier(timeout=monitor, wait_all_ranks=True)``; rank 0 then raises naming
@@ -238,7 +240,7 @@ class Diagnosis:
             if r in self.pending and frames:
                 lines.append(f"  rank {r}'s Python stack when the time ran out (innermost "
                              f"last): " + " > ".join(frames))
-        if self.events:
+        if any(self.events.values()):  # a script ran under the run-time checks
             lines.extend(self._findings_lines())
         return "\n".join(lines)
 
@@ -335,7 +337,10 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
     (see :func:`trace_collectives`); ``group_timeout`` is the process group's ``timeout`` in
     seconds (worker functions only: a script sets up its own group). A script also runs under
     :mod:`dpcourse.script_checks`' run-time checks, whose findings land in ``findings``;
-    ``cpu`` runs a GPU-only script on the CPU (:func:`dpcourse.script_checks.cpu_fallback`)."""
+    ``cpu`` runs a GPU-only script on the CPU (:func:`dpcourse.script_checks.cpu_fallback`).
+
+    Shown in lesson 10, §1.
+    """
     from dpcourse import launch
 
     if isinstance(target, (str, os.PathLike)):

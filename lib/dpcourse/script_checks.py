@@ -26,6 +26,7 @@ import builtins
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import traceback
@@ -38,15 +39,22 @@ SEVERITY = {0: "wrong results", 1: "wasted work or a trap", 2: "misleading outpu
 
 # frames that are not the learner's: torch, this library, the runners between
 _NOT_USER = (f"{os.sep}torch{os.sep}", f"{os.sep}dpcourse{os.sep}", "runpy.py",
+             f"{os.sep}logging{os.sep}", f"{os.sep}threading.py",
              f"{os.sep}multiprocessing{os.sep}", f"{os.sep}concurrent{os.sep}", "<frozen")
 
 
 def _where() -> str:
-    """file:line of the innermost frame of the learner's own code."""
-    for frame in reversed(traceback.extract_stack()[:-1]):
-        if not any(s in frame.filename for s in _NOT_USER):
-            return f"{Path(frame.filename).name}:{frame.lineno}"
-    return "?"
+    """file:line of the innermost frame of the learner's own code — and, when that frame is
+    inside one of the learner's functions, the line that called it ("x.py:16, called from
+    x.py:25"): a barrier inside a helper is fixed where the helper is called."""
+    mine = [f for f in traceback.extract_stack()[:-1]
+            if not any(s in f.filename for s in _NOT_USER)]
+    if not mine:
+        return "?"
+    inner = f"{Path(mine[-1].filename).name}:{mine[-1].lineno}"
+    if len(mine) > 1 and mine[-1].name not in ("<module>", "main"):
+        return f"{inner}, called from {Path(mine[-2].filename).name}:{mine[-2].lineno}"
+    return inner
 
 
 @dataclass
@@ -80,6 +88,7 @@ class Watch:
         self.path, self.rank, self.world_size = str(path), rank, world_size
         self._file = open(self.path, "a", buffering=1)
         self._reading = None       # the DataLoader being iterated, and its record
+        self._seq = 0              # how many loader reads have started
         self._steps = 0
         self._printed = False
 
@@ -94,14 +103,26 @@ class Watch:
         def __iter__(sampler):
             import torch
 
+            reading = watch._reading
             watch.event("sampler", id=id(sampler), epoch=int(getattr(sampler, "epoch", 0)),
                         shuffle=bool(getattr(sampler, "shuffle", False)),
                         drop_last=bool(getattr(sampler, "drop_last", False)),
                         replicas=int(getattr(sampler, "num_replicas", 1)),
-                        size=len(sampler.dataset), grad=torch.is_grad_enabled(), where=_where())
+                        seed=int(getattr(sampler, "seed", 0)), dataset=id(sampler.dataset),
+                        size=len(sampler.dataset), grad=torch.is_grad_enabled(),
+                        seq=reading["seq"] if reading else None, where=_where())
             return real(sampler)
 
         return __iter__
+
+    def _set_epoch(self, real):
+        watch = self
+
+        def set_epoch(sampler, epoch):
+            watch.event("set_epoch", id=id(sampler), epoch=int(epoch), where=_where())
+            return real(sampler, epoch)
+
+        return set_epoch
 
     def _loader_iter(self, real):
         watch = self
@@ -109,9 +130,10 @@ class Watch:
         def __iter__(loader):
             watch._close_reading()
             sampler = getattr(loader, "sampler", None)
+            watch._seq += 1
             watch._reading = {"id": id(loader), "sampler": type(sampler).__name__,
                               "size": _len(getattr(loader, "dataset", None)),
-                              "where": _where(), "backward": 0}
+                              "where": _where(), "backward": 0, "seq": watch._seq}
             return real(loader)
 
         return __iter__
@@ -141,16 +163,30 @@ class Watch:
 
         return save
 
+    def _reported(self, text: str) -> None:
+        if re.search(r"\b(loss|acc(uracy)?)\b\D{0,20}\d", text, re.I):
+            self.event("print", where=_where())
+
     def _print(self, real):
         watch = self
 
         def print_(*args, **kwargs):
-            text = " ".join(map(str, args))
-            if re.search(r"\b(loss|acc(uracy)?)\b\D{0,20}\d", text, re.I):
-                watch.event("print", where=_where())
+            watch._reported(" ".join(map(str, args)))
             return real(*args, **kwargs)
 
         return print_
+
+    def _log(self, real):
+        watch = self
+
+        def _log(logger, level, msg, args, *rest, **kwargs):
+            try:
+                watch._reported(str(msg) % args if args else str(msg))
+            except Exception:  # a message its arguments do not fit: logging says so itself
+                pass
+            return real(logger, level, msg, args, *rest, **kwargs)
+
+        return _log
 
     def _init(self, real):
         watch = self
@@ -191,6 +227,9 @@ class Watch:
                    (torch.Tensor, "backward", self._backward(torch.Tensor.backward)),
                    (torch, "save", self._save(torch.save)),
                    (builtins, "print", self._print(builtins.print)),
+                   (logging.Logger, "_log", self._log(logging.Logger._log)),
+                   (data.DistributedSampler, "set_epoch",
+                    self._set_epoch(data.DistributedSampler.set_epoch)),
                    (dist, "init_process_group", self._init(dist.init_process_group))]
         saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
         hook = register_optimizer_step_post_hook(self._after_step)
@@ -267,23 +306,39 @@ def analyze(events: dict[int, list[dict]], world_size: int) -> list[Finding]:
 
     synced = any(e["kind"] == "init" for es in events.values() for e in es)
     for rank, es in events.items():
+        # a sampler read counts as training when backward ran while its loader was read (a
+        # peek such as next(iter(loader)) does not); reads of the same data set with the same
+        # seed count together, also across sampler objects rebuilt every epoch
+        trained_reads = {e.get("seq") for e in es if e["kind"] == "loader" and e["backward"] > 0}
         by_sampler: dict[int, list[dict]] = {}
+        by_data: dict[tuple, list[dict]] = {}
         for e in es:
             if e["kind"] == "sampler":
                 by_sampler.setdefault(e["id"], []).append(e)
-        for iters in by_sampler.values():
-            trained = [e for e in iters if e["grad"]]
-            epochs = [e["epoch"] for e in trained]
-            if trained and trained[0]["shuffle"] and len(epochs) > len(set(epochs)):
-                add("set_epoch", 0, trained[1]["where"],
-                    f"this DistributedSampler was read {len(epochs)} times with the same epoch "
-                    f"({epochs[1]}), so every epoch sees the data in the same order: call "
-                    f"sampler.set_epoch(epoch) before each epoch's loop",
+                if e["grad"] and e["shuffle"] and e.get("seq") in trained_reads:
+                    by_data.setdefault((e.get("dataset"), e.get("seed")), []).append(e)
+        set_calls = [e for e in es if e["kind"] == "set_epoch"]
+        for reads in by_data.values():
+            epochs = [e["epoch"] for e in reads]
+            if len(epochs) > len(set(epochs)):
+                again = next(e for i, e in enumerate(reads) if e["epoch"] in epochs[:i])
+                objects = len({e["id"] for e in reads})
+                elsewhere = [c for c in set_calls if c["id"] not in {e["id"] for e in reads}]
+                why = (f"{objects} DistributedSamplers were built over it, each starting at "
+                       f"epoch 0" if objects > 1 else "this DistributedSampler's epoch never "
+                       "changed between them")
+                if elsewhere:
+                    why += (f"; set_epoch was called on another sampler ({elsewhere[0]['where']})")
+                add("set_epoch", 0, again["where"],
+                    f"the training data was read {len(epochs)} times in the same shuffled order "
+                    f"(epoch {again['epoch']} each time): {why} — call set_epoch(epoch) on the "
+                    f"training loader's sampler before each epoch's loop",
                     "lesson 03, DistributedSampler and set_epoch; lesson 10, bug 8", rank)
+        for iters in by_sampler.values():
             for e in iters:
                 pad = -e["size"] % e["replicas"]
                 if not e["grad"] and pad and not e["drop_last"]:
-                    add("eval_sampler", 1, e["where"],
+                    add("eval_sampler", 0, e["where"],
                         f"a DistributedSampler reads the evaluation set: it pads {e['size']} "
                         f"examples to {e['size'] + pad} by repeating {pad}, so a metric summed "
                         f"over ranks counts them twice — evaluate the whole set on each rank, or "
@@ -308,7 +363,7 @@ def analyze(events: dict[int, list[dict]], world_size: int) -> list[Finding]:
     finished = len(ends) == world_size and not any(e.get("error") for e in ends)
     if finished and any(e["initialized"] for e in ends):
         found["destroy"] = Finding(
-            "destroy", 2, "end of script",
+            "destroy", 1, "end of script",
             "the script ends with its process group still up: call "
             "dist.destroy_process_group() at the end (torch warns, and some backends hang or "
             "leak at exit without it)", "lesson 04, §1 The whole script",
@@ -365,7 +420,7 @@ def analyze(events: dict[int, list[dict]], world_size: int) -> list[Finding]:
         where = next(e["where"] for e in events[0] if e["kind"] == "print")
         found["rank0_loss"] = Finding(
             "rank0_loss", 2, where,
-            "rank 0 prints a loss or accuracy of its own shard only: it is not the global "
+            "rank 0 prints (or logs) a loss or accuracy of its own shard only: it is not the global "
             "batch's — all_reduce the sum and the count first (or say 'rank 0's' when printing)",
             "lesson 04, §4 Evaluation and logging under DDP", [0])
     return sorted(found.values(), key=lambda f: (f.severity, f.check))
