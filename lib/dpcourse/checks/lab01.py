@@ -227,7 +227,7 @@ def _check_train_once(train_one_epoch, setup) -> None:
              "samples counted for more than a sample of a full batch: a mean per sample counts "
              "every sample once.")
     if math.isclose(got, total, rel_tol=1e-5):
-        fail("you returned the total loss over all samples: divide it by the number of samples.")
+        fail("you returned the total loss over all samples, not the mean per sample.")
     if math.isclose(got, total / (len(losses) * batch), rel_tol=1e-5):
         fail("you divided by (number of batches × batch size), but the last batch is short: "
              "that count includes samples the epoch never saw.")
@@ -309,8 +309,8 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
     if leaves == "as found" and after != {arrives_training}:
         came = "training" if True in after else "eval"
         fail(f"you decided that evaluate leaves the model in the mode it found, but a model "
-             f"handed over in {arrived} mode came back in {came} mode: remember the mode it "
-             f"arrived in and put it back before returning.")
+             f"handed over in {arrived} mode came back in {came} mode: the mode it arrived in "
+             f"was lost on the way.")
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         fail(f"evaluate returned {type(result).__name__}; return a pair (mean_loss, accuracy).")
     loss = _as_number(result[0], "evaluate's loss")
@@ -327,8 +327,8 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
 
     if not math.isclose(acc, want_acc, rel_tol=1e-6):
         if acc == correct:
-            fail("accuracy is the number of correct predictions: divide by the number of "
-                 "samples to get a fraction in [0, 1].")
+            fail("accuracy is the number of correct predictions, not the fraction of samples "
+                 "predicted right (a float in [0, 1]).")
         if math.isclose(acc, 100 * want_acc, rel_tol=1e-6):
             fail("accuracy is in percent: return a fraction in [0, 1].")
         batch_acc = [(o.argmax(1) == y).float().mean().item() for o, y in logits]
