@@ -259,13 +259,12 @@ viz.show_code(ddp.manual_dp_worker)
 manual = launch.spawn(ddp.manual_dp_worker, world_size, cfg, backend=backend, timeout=120)
 claim("first-step gradients: hand-averaged == one process (to 1e-5)",
       max(max_diff(r["grads"], single["grads"]) for r in manual) < tol)
-if world_size == 2:   # dividing by 2 only changes the exponent: exact, before or after the sum
-    claim("2 ranks: first-step gradients, hand-averaged (sum, then divide) == DDP (divide, then "
-          "sum) bit for bit (torch.equal)",
+if world_size == 2:   # why 2 ranks agree to the last bit: the folded cell in "How DDP does it"
+    claim("2 ranks: first-step gradients, hand-averaged == DDP bit for bit (torch.equal)",
           all(torch.equal(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)))
-else:                 # dividing by 3 rounds, so the order of dividing and summing shows
-    claim(f"{world_size} ranks: first-step gradients, hand-averaged (sum, then divide) == DDP "
-          f"(divide, then sum) to 1e-5, not bit for bit: dividing by {world_size} rounds",
+else:                 # with 3 or more ranks the two round differently in the last bits
+    claim(f"{world_size} ranks: first-step gradients, hand-averaged == DDP to 1e-5, not bit for "
+          f"bit: the two order their arithmetic differently",
           max(max_diff(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)) < tol)
 claim(f"weights after {steps} steps: hand-averaged == one process (to 1e-5)",
       max(max_diff(r["params"], single["params"]) for r in manual) < tol)
@@ -277,14 +276,9 @@ claim("hand-averaged weights are bit-for-bit equal across the ranks",
 # in two halves and then adding rounds differently from summing it in one go. *Between ranks*,
 # though, the weights after the last step are identical to the last bit: every rank receives
 # the very same all-reduced numbers and applies the same update. Nobody sends weights after the
-# start — equal gradients keep them equal.
-#
-# DDP orders the arithmetic the other way round: it **divides first, then sums**. Without a
-# comm hook its reducer divides each gradient by the world size *as it copies it into its
-# bucket*, and all-reduces the bucket with SUM. (Why first? The reason torch writes down is in
-# its Python `allreduce_hook`, which divides a whole bucket before its all-reduce: "to avoid
-# overflow, especially for FP16".) With 2 ranks the order is invisible — dividing by 2 only
-# changes the exponent — and with 3 it shows in the last bits, as the claims above say.
+# start — equal gradients keep them equal. Against DDP, the hand-averaged gradients agree
+# bit for bit on 2 ranks but not on 3: DDP orders its arithmetic differently from the library's
+# `average_gradients` — how, "How DDP does it" says after your lab passes.
 #
 # **A question to try:** suppose each rank stepped with its own gradients and the ranks then
 # averaged their *weights*. With this lesson's plain SGD that gives the same weights as
@@ -341,14 +335,27 @@ else:
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (25 MiB by default; the
 #    argument's name says MB, but DDP multiplies it by 1024 × 1024). As each gradient becomes
-#    ready, the reducer copies it into its bucket, **dividing it by the world size as it
-#    copies** (with `gradient_as_bucket_view=True`, where `p.grad` already is its view of the
-#    bucket, it divides that view in place). Only with `batched_grad_copy=True` (default
-#    `False`) are the copies deferred and the whole bucket divided once. When every gradient in
-#    a bucket is there, the bucket is all-reduced with SUM in one call. The buckets are
-#    launched strictly in order: bucket 0, then 1, … on every rank.
+#    ready, the reducer copies it into its bucket (with `gradient_as_bucket_view=True`, `p.grad`
+#    already is its view of the bucket). When every gradient in a bucket is there, the bucket
+#    goes to one all-reduce. The buckets are launched strictly in order: bucket 0, then 1, … on
+#    every rank.
 # 4. **Overlap.** Those all-reduces start *while the backward is still computing* the gradients
 #    of earlier layers, so communication can hide behind computation.
+#
+# **▶ How the reducer turns the ranks' gradients into their average — open after your lab
+# passes** (click the folded cell below; it is lab 03's part 1, done DDP's way).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The library's `average_gradients` sums, then divides; DDP **divides first, then sums**.
+# Without a comm hook the reducer divides each gradient by the world size *as it copies it into
+# its bucket* (with `gradient_as_bucket_view=True`, where `p.grad` already is that view, it
+# divides the view in place), and all-reduces the bucket with SUM in one call. Only with
+# `batched_grad_copy=True` (default `False`, the claim below) are the copies deferred and the
+# whole bucket divided once. Why first? The reason torch writes down is in its Python
+# `allreduce_hook`, which divides a whole bucket before its all-reduce: "to avoid overflow,
+# especially for FP16". With 2 ranks the order is invisible — dividing by 2 only changes the
+# exponent, exact before or after the sum — and with 3 it shows in the last bits, as the claims
+# after the lab say.
 
 # %%
 import inspect
@@ -356,7 +363,7 @@ import inspect
 from torch.nn.parallel import DistributedDataParallel
 
 ddp_defaults = inspect.signature(DistributedDataParallel.__init__).parameters
-claim("DDP's batched_grad_copy defaults to False: dividing a whole bucket at once is opt-in",
+claim("DDP's batched_grad_copy defaults to False: deferring a bucket's gradient copies is opt-in",
       ddp_defaults["batched_grad_copy"].default is False)
 
 # %% [markdown]
@@ -789,8 +796,8 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 #
 # - DDP runs one process per device; the processes meet at a rendezvous and talk through
 #   collectives (broadcast, all_reduce, all_gather, reduce_scatter) that every rank must call.
-# - Averaging the gradients (divide by `world_size`, all-reduce SUM: DDP's reducer divides each
-#   gradient as it copies it into its bucket, before the all-reduce) makes each rank's step the
+# - Every rank ending each backward with the average of the ranks' gradients (lab 03; DDP's way
+#   of computing it is folded in "How DDP does it") makes each rank's step the
 #   step of one process on the global batch — equal to 1e-5 here, and bit-for-bit equal across
 #   the ranks — as long as no layer couples the samples of a batch (training-mode BatchNorm
 #   does).
@@ -816,19 +823,21 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 
 # %%
 viz.quiz([
-    {"q": "4 ranks, each with a shard of 16 samples and its loss the mean over its shard, "
-          "all_reduce their gradients with SUM and step with plain SGD, lr 0.1, but forget to "
-          "divide. Compared with one process on the 64 samples at lr 0.1, every step is...",
-     "options": ["the same step: the SUM already combines the shards",
-                 "the one-process step at lr 0.4, the same on every rank",
-                 "different on every rank, so the replicas drift apart"],
-     "answer": 1,
-     "why": ["The sum of four shard-means is 4 times the mean over the 64 samples.",
-             "Right: the gradient is 4 times the global-batch gradient, so each step is the "
-             "one-process step 4 times too long; every rank still holds the same numbers, so "
-             "nothing drifts — the mistake hides in a learning rate 4 times too big (with Adam, "
-             "nearly scale-free, it would hardly show).",
-             "After an all_reduce every rank holds the same sum: the ranks agree."]},
+    {"q": "You move from one GPU with batches of 16 to 4 ranks, each with a shard of 16 samples "
+          "and its loss the mean over its shard, every rank ending each backward with the average "
+          "of the 4 ranks' gradients. One step of the 4 ranks, with plain SGD at lr 0.1, is...",
+     "options": ["one process's step on the 64 samples together, at lr 0.1",
+                 "four one-process steps of 16 samples each, at lr 0.1",
+                 "one process's step on 16 samples, at lr 0.4"],
+     "answer": 0,
+     "why": ["Right: the average of four equal shards' mean-loss gradients is the gradient of the "
+             "mean loss over the 64 samples, so an epoch takes a quarter of the steps, each on a "
+             "batch 4 times bigger (keeping the learning rate is a choice: lesson 04, section 6) "
+             "— and every rank applies the same update.",
+             "Four steps would each start from weights the previous one updated; here all four "
+             "shards' gradients come from the same weights and make one update.",
+             "The averaged gradient is the global batch's, with nothing scaled by 4: the same "
+             "lr, 4 times the samples."]},
     {"q": "Why does the first backward under DDP all-reduce one bucket holding every gradient?",
      "options": ["DDP does not know the gradients' order yet: it reduces everything once, after "
                  "the whole backward, and rebuilds buckets from the order it observed",
@@ -908,13 +917,6 @@ viz.quiz([
 #   subset ranks", bucketing "could insert ALL-REDUCE comm op too early on the rank with unused
 #   parameter", matching another rank's other collective; so the first iteration is not
 #   bucketed.
-# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`'s docstring for
-#   `batched_grad_copy` (default `False`): only when it is `True` are the "per-parameter
-#   gradient-to-bucket copy and division operations" deferred and flushed as one
-#   `_foreach_copy_` "plus one flat `div_` when a bucket becomes ready";
-#   `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::mark_variable_ready_dense`
-#   (declared), `Bucket::deferred_copy_indices` and `Reducer::flush_deferred_copies` (the
-#   batched path, "Only used when batched_grad_copy is enabled").
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`: `bucket_cap_mb` is in
 #   MiB (`_MB_TO_BYTES = 1024 * 1024`), 25 MiB by default; the first bucket's limit is
 #   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when the cap is left at its default.
@@ -929,14 +931,7 @@ viz.quiz([
 #   rank 0 as the authoritative copy unless `Join` is active.
 # - `torch/nn/parallel/distributed.py` — `_DDPSink.backward`: with `static_graph`, the first
 #   backward queues `reducer._delay_all_reduce` (every bucket all-reduced after the backward).
-# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.register_comm_hook`: the hook
-#   is called once per bucket when it is ready, with a `GradBucket` not yet divided by the world
-#   size; `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`
-#   calls `_allreduce_fut`, which does `tensor.div_(group size)` and then `all_reduce` ("Apply
-#   the division first to avoid overflow, especially for FP16") on the whole bucket. Without a
-#   hook the reducer divides too, but per gradient, as it copies each into the bucket (below).
-# - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::div_factor_` (the
-#   division factor for the gradients: the process group's size); `Reducer::next_bucket_` (the
+# - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::next_bucket_` (the
 #   buckets are launched in index order); `Reducer::sync_bucket_indices` ("Broadcast rebuilt
 #   buckets from rank 0 to other ranks"); `Reducer::should_rebuild_buckets`
 #   (rebuild once, never with `find_unused_parameters` unless `static_graph`); and the declaration
@@ -946,14 +941,34 @@ viz.quiz([
 #   `bucket.size >= bucket_size_limit`", and `Reducer::rebuild_buckets` and
 #   `Reducer::autograd_hook` (no order recorded in a static graph's first iteration) are in
 #   c10d's `reducer.cpp` in the PyTorch repository (not installed); the claims above check the
-#   behaviour on the installed build. So is the body of `Reducer::mark_variable_ready_dense`:
-#   without a comm hook it copies the gradient into its bucket view dividing by `div_factor_`
-#   ("Divides while copying"), or, when `p.grad` already is that view, divides the view in place
-#   (lesson 07's Sources say the same).
+#   behaviour on the installed build.
 # - `torch/nn/parallel/comm.py` — `reduce_add`: uses `nccl.reduce` when NCCL is available (the
 #   real `nn.DataParallel`'s gradient path, through `ReduceAddCoalesced` in
 #   `torch/nn/parallel/_functions.py`).
 # - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__`: shuffles with
 #   `seed + epoch`, pads to a multiple of `num_replicas`, takes `indices[rank::num_replicas]`;
 #   `set_epoch` sets the epoch.
+#
+# **▶ The sources of DDP's averaging — open after your lab passes** (click the folded cell
+# below).
 
+# %% [markdown] jupyter={"source_hidden": true}
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`'s docstring for
+#   `batched_grad_copy` (default `False`): only when it is `True` are the "per-parameter
+#   gradient-to-bucket copy and division operations" deferred and flushed as one
+#   `_foreach_copy_` "plus one flat `div_` when a bucket becomes ready";
+#   `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::mark_variable_ready_dense`
+#   (declared), `Bucket::deferred_copy_indices` and `Reducer::flush_deferred_copies` (the
+#   batched path, "Only used when batched_grad_copy is enabled").
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.register_comm_hook`: the hook
+#   is called once per bucket when it is ready, with a `GradBucket` not yet divided by the world
+#   size; `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`
+#   calls `_allreduce_fut`, which does `tensor.div_(group size)` and then `all_reduce` ("Apply
+#   the division first to avoid overflow, especially for FP16") on the whole bucket. Without a
+#   hook the reducer divides too, but per gradient, as it copies each into the bucket (below).
+# - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::div_factor_` (the
+#   division factor for the gradients: the process group's size). The body of
+#   `Reducer::mark_variable_ready_dense` is in c10d's `reducer.cpp` (not installed): without a
+#   comm hook it copies the gradient into its bucket view dividing by `div_factor_` ("Divides
+#   while copying"), or, when `p.grad` already is that view, divides the view in place (lesson
+#   07's Sources say the same).
