@@ -306,8 +306,11 @@ claim("two ranks that never finish were stopped at the 3 s timeout (well under t
 # Next: open `01_single_device.ipynb`.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 from dpcourse import viz
 
 viz.quiz([

@@ -564,8 +564,11 @@ viz.show_code(train.train_one_epoch, train.evaluate)
 # Next: open `02_data_parallel.ipynb`, where one process drives several devices.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 viz.quiz([
     {"q": "You call loss.backward() twice on the same batch without zero_grad. The gradient is:",
      "options": ["the same as after one call", "zero", "twice as large"],

@@ -512,8 +512,11 @@ claim(f"averaging the shares makes the gradient {n_devices}x (the number of devi
 # Next: open `03_ddp_first_principles.ipynb`, where each device gets a process of its own.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 viz.quiz([
     {"q": "In nn.DataParallel, the replicas' gradients reach the original parameters how?",
      "options": ["They are averaged by an all-reduce between the GPUs",

@@ -820,8 +820,11 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 # from rank 0, evaluation, `SyncBatchNorm`.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 viz.quiz([
     {"q": "You move from one GPU with batches of 16 to 4 ranks, each with a shard of 16 samples "
           "and its loss the mean over its shard, every rank ending each backward with the average "

@@ -988,6 +988,13 @@ viz.show(fig, "plain BatchNorm's gradient error falls as the per-rank batch grow
 # imported, so in a worker that is already running we call `dist.set_debug_level` — in a script,
 # export the variable before launching.) For NCCL, `NCCL_DEBUG=INFO` prints its set-up and
 # errors.
+#
+# For your own torchrun script, `python -m dpcourse diagnose your_script.py` runs it on two
+# local ranks, bounded in time, and reports both kinds of bug: a hang (which rank, in which
+# collective, at which line) and the silent mistakes of this lesson — a sampler without
+# `set_epoch`, every rank saving the checkpoint, DDP's `module.` keys in it, an evaluation the
+# sampler padded, rank 0's own loss printed as the global one — each with the line and the fix.
+# Lesson 10 §5 runs it on a script written from a blog post.
 
 
 # %%
@@ -1266,8 +1273,11 @@ shutil.rmtree(work, ignore_errors=True)
 # yours to find.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 viz.quiz([
     {"q": "torchrun restarts your job after rank 1 dies at step 11; the last checkpoint is from "
           "step 8. What must the restarted ranks do to end with the uninterrupted run's weights?",

@@ -311,7 +311,11 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # | `compute_average_loss` (÷ global batch) | SUM (TF's all-reduce) | correct |
 # | `reduce_mean` (÷ local batch) | SUM (TF's all-reduce) | N × too big |
 # | `compute_average_loss` (÷ global batch) | MEAN | 1/N too small |
-# | `reduce_mean` (÷ local batch) | MEAN (DDP's all-reduce) | correct |
+# | `reduce_mean` (÷ local batch) | MEAN (DDP's all-reduce) | correct only when every replica's slice holds the same number of samples |
+#
+# (Every slice here is the same size. When they are not — a short last batch — a mean of the
+# replicas' means weighs every replica alike instead of every sample: only dividing by the
+# step's global count stays right.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -342,7 +346,7 @@ n_too_small = abs(ratios["compute_average_loss", "mean"] - 1 / n) < 1e-4
 claim("compute_average_loss + SUM is right (ratio 1, to 1e-4)", right, ratios=ratios)
 claim("reduce_mean + SUM is N times too big (to 1e-4 relative)", n_too_big, ratios=ratios)
 claim("compute_average_loss + MEAN is 1/N too small (to 1e-4)", n_too_small, ratios=ratios)
-claim("reduce_mean + MEAN (DDP's pairing) is right too (to 1e-4)",
+claim("with equal slices, reduce_mean + MEAN (DDP's pairing) is right too (to 1e-4)",
       abs(ratios["reduce_mean", "mean"] - 1) < 1e-4, ratios=ratios)
 
 # %% [markdown]
@@ -752,8 +756,11 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 #   multi-worker processes == PyTorch DDP, from the same weights on the same data.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 viz.quiz([
     {"q": "You call devices.split_tf_devices(2) after creating a tf.Variable. What happens?",
      "options": ["The split applies from now on", "A clear error: restart the kernel and split first",

@@ -569,8 +569,11 @@ viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
 # worth its α, and communication hooks that send fewer bytes.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 viz.quiz([
     {"q": "How many bytes does each worker send in a ring all-reduce of K bytes over N workers?",
      "options": ["K", "2(N−1)K/N", "2(N−1)K"],

@@ -947,8 +947,11 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 # the traffic proven.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 viz.quiz([
     {"q": "Why are buckets filled in reverse registration order?",
      "options": ["So the first layers are averaged first",

@@ -656,8 +656,11 @@ claim("a 13-B model on 8 × 40 GB GPUs (6 GB for activations and ZeRO-3's workin
 # gradients, local SGD and large batches.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 viz.quiz([
     {"q": "With mixed-precision Adam, which part of a parameter's 16 bytes is largest?",
      "options": ["The bf16 weights", "The bf16 gradients",

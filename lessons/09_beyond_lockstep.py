@@ -544,8 +544,11 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 # silent divergence, "DDP gives different results" — and gives each failure its detector.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 viz.quiz([
     {"q": "A synchronous parameter server and a ring all-reduce train the same weights. Why "
           "did all-reduce win?",

@@ -55,10 +55,10 @@ torch.set_num_threads(1)
 # |---|---|---|
 # | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; each other rank blocks until rank 0 answers, and fails in the barrier if rank 0 never does | gloo only: section 2, bugs 1 and 3 |
 # | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before the group is created) | wraps each process group in a `ProcessGroupWrapper` with a gloo helper group: before **every** collective the ranks pass a monitored barrier and compare the call's fingerprint (op, shapes, dtypes); a missing rank or a mismatch becomes an error naming them. It costs time on every call | works: section 2, with its cost measured |
-# | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**: the call returned at once (it only queued the work on the GPU); the watchdog thread notices the timeout and tears the whole process down (`TORCH_NCCL_ASYNC_ERROR_HANDLING`'s default, 3 = SkipCleanUp: tear down without first aborting the NCCL communicators); only `TORCH_NCCL_BLOCKING_WAIT=1` makes `wait()` block and raise | gloo: section 2; NCCL: the figure there |
-# | the flight recorder | **on by default**: a ring buffer of each process's last 2000 collectives (op, sequence number, state); `TORCH_FR_BUFFER_SIZE` (or `TORCH_NCCL_TRACE_BUFFER_SIZE`) sets the size, 0 turns it off. On NCCL it can be dumped automatically on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT=1`, which works only together with `TORCH_NCCL_ENABLE_MONITORING=1` and a buffer size above 0; files `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) and merged with `torchfrtrace` | records on gloo too (section 2); the automatic dump on timeout is NCCL-only |
+# | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**: the call returned at once (it only queued the work on the GPU); the watchdog thread notices the timeout and tears the whole process down (`TORCH_NCCL_ASYNC_ERROR_HANDLING`'s default, 3 = SkipCleanUp: tear down without first aborting the NCCL communicators); `wait()` blocks and raises only with `TORCH_NCCL_BLOCKING_WAIT=1` or when given a timeout (`work.wait(timeout)` on an `async_op=True` handle) | gloo: section 2; NCCL: the figure there |
+# | the flight recorder | **on by default**: a ring buffer of each process's last 2000 collectives (op, sequence number, state); `TORCH_FR_BUFFER_SIZE` (or `TORCH_NCCL_TRACE_BUFFER_SIZE`) sets the size, 0 turns it off. On NCCL it is dumped automatically on a timeout or another error: `TORCH_NCCL_DUMP_ON_TIMEOUT` and `TORCH_NCCL_ENABLE_MONITORING` both default to on in `ProcessGroupNCCL.cpp` (the header's comment reads as if they were opt-in), given a buffer above 0; files at `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` (default `/tmp/nccl_trace_rank_`), merged with `torchfrtrace` | records on gloo too (section 2); the automatic dump on timeout is NCCL-only |
 # | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=ALL` for more) | NCCL prints its set-up: interfaces, rings, transports, and its errors — the first thing to read when NCCL hangs at start-up on a cluster | GPU only: nothing to show here |
-# | `py-spy dump --pid PID` | the Python stack of a running process, from outside, without stopping it: the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (below) |
+# | `py-spy dump --pid PID` | the Python stack of a running process, from outside (it pauses the process while it reads, unless `--nonblocking`; it needs ptrace permission, which containers often withhold): the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (below) |
 #
 # What the course adds, in `dpcourse.detectors`, is the view *across* ranks. A rank's own
 # error says little when the bug is that the ranks disagree. **The collective trace** records,
@@ -77,7 +77,7 @@ viz.show_code(detectors.trace_collectives, detectors.compare_traces)
 # call, at which line) or failed.
 
 # %%
-viz.show_code(detectors.diagnose_worker)
+viz.show_code(detectors.diagnose_worker, detectors.diagnose)
 
 # %% [markdown]
 # ## 2. Bugs that hang
@@ -210,15 +210,16 @@ claim("on gloo, with timeout=2 s, rank 0 raises 'Timed out' itself, in the call"
 # process checks the queued work; when it passes the timeout, the watchdog logs "Watchdog
 # caught collective operation timeout" and, by default, takes the whole process down
 # (`TORCH_NCCL_ASYNC_ERROR_HANDLING` defaults to 3, SkipCleanUp: tear the process down without
-# first aborting the NCCL communicators; 1, TearDown, aborts them first). Only with `TORCH_NCCL_BLOCKING_WAIT=1` does
-# `work.wait()` block and raise in your code, as gloo does. This machine has no GPU, so this
+# first aborting the NCCL communicators; 1, TearDown, aborts them first). Only with
+# `TORCH_NCCL_BLOCKING_WAIT=1`, or with a timeout passed to `work.wait(timeout)`, does `wait()`
+# block and raise in your code, as gloo does. This machine has no GPU, so this
 # is drawn from torch's source (`ProcessGroupNCCL.hpp`), not measured:
 
 # %%
 viz.show(viz.timeout_behaviour_figure(),
          "Where the error surfaces when a partner never joins: gloo raises inside the call; "
          "NCCL returns at once and the watchdog aborts the process at the timeout, wherever "
-         "Python then is; with TORCH_NCCL_BLOCKING_WAIT=1, wait() raises.")
+         "Python then is; with TORCH_NCCL_BLOCKING_WAIT=1 (or work.wait(timeout)), wait() raises.")
 
 # %% [markdown]
 # ### Bug 2: collectives in different orders
@@ -261,7 +262,8 @@ claim("and it names the two operations", ops == ["ALLREDUCE", "BROADCAST"])
 # stopped — for that, the course's trace or a stack dump. (On NCCL, the watchdog marks an
 # entry completed when the GPU work's end event has fired. It can mark one started only where a
 # start event was recorded, and ProcessGroupNCCL records start events only with
-# `TORCH_NCCL_ENABLE_TIMING=1` (or `TORCH_NCCL_DESYNC_DEBUG`): by default an NCCL entry goes
+# `TORCH_NCCL_ENABLE_TIMING=1`, `TORCH_NCCL_DESYNC_DEBUG`, or `TORCH_DISTRIBUTED_DEBUG=DETAIL`
+# (which turns desync debugging on): otherwise an NCCL entry goes
 # from scheduled to completed, and a collective that never finishes stays "scheduled".)
 
 
@@ -333,7 +335,9 @@ viz.show(viz.collective_traces_figure({"bug 1: a collective on rank 0 only": par
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="bugzoo-"))
 zoo = launch.spawn(bugzoo.zoo_worker, world_size, str(workdir), backend="gloo", timeout=60)
-print("ran 7 programs × (broken, fixed) on", len(zoo), "ranks")
+pairs = [k for k, v in zoo[0].items() if isinstance(v, dict) and set(v) == {False, True}]
+print(f"ran {len(pairs)} programs × (broken, fixed), and {len(zoo[0]) - len(pairs)} single "
+      f"runs, on {len(zoo)} ranks")
 
 # %% [markdown]
 # The detector for replicas: a **checksum** of every parameter and buffer, sent back by each
@@ -382,8 +386,7 @@ claim("fixed (broadcast from rank 0): the checksums agree at every step",
 # ### Bug 5: the loss averaged instead of the gradients
 # All-reduce the loss, divide by N, backward: the *logged* loss is the global mean, so the
 # curve looks right. But `all_reduce` has no autograd rule: backward passes straight through
-# it, each rank's gradient is its own gradient divided by N, nothing is averaged, and the
-# replicas drift apart. Torch does warn, once, at the backward (printed below); a warning in a
+# it, so no rank's gradient holds anything of the others', and the replicas drift apart. Torch does warn, once, at the backward (printed below); a warning in a
 # log of thousands of lines is easy to miss.
 
 # %%
@@ -717,8 +720,11 @@ claim("diagnose names five mistakes at their lines: no set_epoch (16), a barrier
 # - Each detector fired on its bug above and stayed quiet on the fix.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 viz.quiz([
     {"q": "A 2-rank job hangs. Rank 0's stack shows it inside `dist.all_reduce`; rank 1 has "
           "returned from its training function. Which bug is the most likely?",
@@ -756,7 +762,8 @@ viz.quiz([
                  "needs the result, and at the timeout the watchdog aborts the whole process",
                  "It never stops: NCCL has no timeout"],
      "answer": 1,
-     "why": ["That is gloo's behaviour (and NCCL's with TORCH_NCCL_BLOCKING_WAIT=1).",
+     "why": ["That is gloo's behaviour (and NCCL's with TORCH_NCCL_BLOCKING_WAIT=1, or a "
+             "timeout given to work.wait).",
              "Right: NCCL only queues the work; the watchdog thread tears the process down.",
              "NCCL's default timeout is 10 minutes; the watchdog enforces it."]},
     {"q": "Which of these does TORCH_DISTRIBUTED_DEBUG=DETAIL catch?",
@@ -789,6 +796,11 @@ viz.quiz([
 #   constructor: `max_entries_` from `TORCH_FR_BUFFER_SIZE` or `TORCH_NCCL_TRACE_BUFFER_SIZE`,
 #   2000 by default; enabled when above 0; an entry's states `scheduled`, `started` and
 #   `completed`, the last two set when a CPU thread discovers the GPU work started or ended.
+# - `ProcessGroupNCCL.cpp` (pytorch/pytorch, the source of the installed `libtorch_cuda.so`;
+#   not shipped in the wheel) — `WorkNCCL::wait`: "In case of blockingWait or a timeout value is
+#   specified by the user, we block the CPU thread"; the `HeartbeatMonitor` constructor:
+#   `TORCH_NCCL_DUMP_ON_TIMEOUT` and `TORCH_NCCL_ENABLE_MONITORING` default to true; the
+#   constructor's `desyncDebug_` is on with `TORCH_NCCL_DESYNC_DEBUG` or the DETAIL debug level.
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — `TORCH_NCCL_BLOCKING_WAIT`
 #   (whether `wait()` blocks), `ErrorHandlingMode` and `TORCH_NCCL_ASYNC_ERROR_HANDLING` (tear
 #   the process down on an error; the default, 3, is SkipCleanUp: its comment and the

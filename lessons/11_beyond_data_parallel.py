@@ -911,8 +911,11 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 # interleaved and zero-bubble pipelines.
 #
 # ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
+# so it stays folded.
 
-# %%
+# %% jupyter={"source_hidden": true}
 viz.quiz([
     {"q": "ZeRO-3 on 4096 GPUs holds 0.7 GB of GPT-3's model state per GPU. Why can it still "
           "not train it at batch 1 without recomputation?",
