@@ -31,7 +31,9 @@
 # **Every claim is checked.** When a lesson says "the two gradients are equal", a cell below
 # it asserts that statement (and says "to within 1e-5" when floating-point sums in another
 # order make the numbers differ in their last bits), and the continuous integration re-runs
-# every notebook and compares every output. If a claim stopped being true, the course would fail to build.
+# every notebook and compares every output except those marked `# NBVAL_IGNORE_OUTPUT` (timings
+# and hardware, each with its reason). If a claim stopped being true, the course would fail to
+# build.
 #
 # ## The course map
 #

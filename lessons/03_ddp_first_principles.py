@@ -802,7 +802,8 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 #   the ranks — as long as no layer couples the samples of a batch (training-mode BatchNorm
 #   does).
 # - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
-#   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
+#   buckets from inside `backward()`. The first iteration uses one bucket per dtype and device
+#   (sparse gradients apart) (the gradient order is
 #   not known yet, and when the backward runs other collectives and a parameter is unused on
 #   some ranks only, an early all-reduce could meet another collective on another rank; with
 #   `static_graph=True` the first two iterations do), unless `find_unused_parameters=True`

@@ -776,8 +776,8 @@ claim("with or without no_sync, the gradients equal one process on the global ba
 # its `reduce_dtype`.)
 # On CUDA use float16 with a `GradScaler`: in the float16 backward, small *activation*
 # gradients fall out of float16's range. Below about 6e-5 (its smallest normal number) a value
-# becomes *subnormal* and keeps fewer significant bits the smaller it is; only below about 6e-8
-# (its smallest subnormal, 2⁻²⁴) does it flush to zero (the first cell below shows both). The
+# becomes *subnormal* and keeps fewer significant bits the smaller it is; only below about 3e-8
+# (half its smallest subnormal 2⁻²⁴ ≈ 6e-8: round to nearest) does it flush to zero (the first cell below shows both). The
 # scaler multiplies the loss before `backward`, which lifts those gradients back into the normal
 # range, and divides the float32 parameter gradients after. On CPU use bfloat16 (float32's
 # range, no scaler needed). `train_ddp.py --amp` does both. Then: 10 steps with and without

@@ -301,8 +301,10 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # ### The scaling bugs, in numbers
 #
 # The classic mistake is `tf.reduce_mean` per replica: each replica divides by *its own*
-# batch (global / N), and the strategy then **sums** N such gradients — the step is **N times too
-# big** (like multiplying the learning rate by N). The mirror image hits programmers coming from
+# batch (global / N), and the strategy then **sums** N such gradients — the gradient is **N times
+# too big**; with SGD (momentum too) so is the step, like multiplying the learning rate by N, while
+# Adam, which divides by the gradient's own running size, barely notices — which is why the bug can
+# go unseen. The mirror image hits programmers coming from
 # DDP, which *averages* gradients: divide by the global batch *and* average over replicas, and
 # the step is **1/N too small**. Each framework is right only with its own pairing:
 #
@@ -489,7 +491,8 @@ for policy_name in ("mixed_float16", "mixed_bfloat16"):
 # only half of loss scaling. `LossScaleOptimizer.apply` **divides** every gradient by its
 # dynamic scale (2¹⁵ at the start); the loss must be **multiplied** by the same scale inside the
 # tape, with `optimizer.scale_loss(loss)`, as Keras' own train step does. A loop that only wraps
-# the optimizer trains without any error, 32768 times too slowly. Measured: one step of the
+# the optimizer trains without any error, its SGD steps 32768 times too small at the start (the
+# dynamic scale then doubles after every 2000 finite steps, so the shortfall grows). Measured: one step of the
 # mirrored loop, from the same weights on the same batch, with and without `scale_loss` (float32
 # layers: the arithmetic of the scale does not depend on the compute dtype; a learning rate of
 # 100, so that a step 32768 times too small still moves the float32 weights measurably).
@@ -751,7 +754,7 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 #   bring a result to the host.
 # * `compile`, not `fit`, wraps the optimizer in a `LossScaleOptimizer` under `mixed_float16`; a
 #   custom loop that wraps it must also call `optimizer.scale_loss(loss)` in the tape, or every
-#   step is 1/32768 of what it should be.
+#   gradient is 1/32768 (and more, as the scale grows) of what it should be.
 # * Proven here: mirrored step == one device on the global batch == Keras `fit` == two
 #   multi-worker processes == PyTorch DDP, from the same weights on the same data.
 #
@@ -814,7 +817,7 @@ viz.quiz([
 # - `keras/src/losses/loss.py` — `reduce_values` and `scale_loss_for_distribution`: a Keras loss is the mean over the replica's own slice, multiplied by 1 / `num_replicas_in_sync` under `tf.distribute`.
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value).
-# - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it.
+# - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it; `dynamic_growth_steps=2000`: after that many finite steps in a row the scale doubles. `keras/src/optimizers/adam.py` — `Adam.update_step`: the step divides the first moment by the root of the second, so a constant factor on every gradient nearly cancels.
 # - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.distribute_datasets_from_function`: the function's dataset is batched per replica (`InputContext.get_per_replica_batch_size`).
 # - `keras/src/trainers/trainer.py` — `Trainer.compile`: with the model's dtype policy `mixed_float16` and `auto_scale_loss=True`, the optimizer is wrapped in a `LossScaleOptimizer`.
 # - `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer`: dynamic loss scaling, `inner_optimizer`.

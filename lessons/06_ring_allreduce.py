@@ -438,7 +438,8 @@ for n in (2, 4):
 # gradients into one flat buffer (like one DDP bucket), averages it with our ring and unpacks it.
 # Both must end with the same weights — up to float rounding: the two add the gradients in a
 # different order, and they divide at different times. DDP divides each rank's gradient by N
-# *before* summing (`tensor.div_(group.size())` in its default `allreduce_hook`); our ring sums
+# *before* summing (with no comm hook its C++ reducer multiplies each gradient by 1/N as it
+# copies it into the bucket; the Python `allreduce_hook` does `div_` first too); our ring sums
 # first and divides the sum by N at the end. With 2 ranks they still come out bit for bit
 # equal: a + b = b + a, and halving is exact in binary floating point, before or after.
 

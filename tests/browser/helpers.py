@@ -68,8 +68,11 @@ def wait_for_kernel(page, server, path: str, limit_s: float = 90) -> None:
 
 
 def prompts(page) -> list[str]:
-    return page.eval_on_selector_all(f"{NOTEBOOK} .jp-CodeCell .jp-InputPrompt",
-                                     "els => els.map(e => e.textContent.trim())")
+    """The execution prompts of the code cells whose input shows: a folded cell (the quiz,
+    a reference answer) hides its prompt with its source."""
+    return page.eval_on_selector_all(
+        f"{NOTEBOOK} .jp-CodeCell .jp-InputPrompt",
+        "els => els.filter(e => e.offsetParent !== null).map(e => e.textContent.trim())")
 
 
 def assert_every_cell_ran(page) -> None:
