@@ -195,7 +195,9 @@ def short_mistake(message: str, limit: int = _SHORT_LIMIT) -> str:
     return text
 
 
-def _progress_line(lab: str, check: str, outcome: str, message: str, seconds: float) -> bytes:
+def _progress_line(lab: str, check: str, outcome: str, message: str, seconds: float,
+                   **extra) -> bytes:
+    """One record of the progress file, encoded; ``extra`` keys are added (or replace)."""
     entry = {
         "learner": learner(),  # first key: a reader finds a record's start by it
         "lab": lab,
@@ -206,6 +208,7 @@ def _progress_line(lab: str, check: str, outcome: str, message: str, seconds: fl
         "message": " ".join(str(message).split())[:_MESSAGE_LIMIT],
         "seconds": round(seconds, 2),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **extra,
     }
     return (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
 
@@ -377,9 +380,9 @@ def _record(lab: str, check: str, outcome: str, message: str, extra: dict) -> No
     if not path:
         return
     try:
-        entry = json.loads(_progress_line(lab, check, outcome, message, 0.0))
-        entry.update(extra, mistake="")  # a prediction is not a mistake, right or wrong
-        write_progress(path, (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8"))
+        # a prediction is not a mistake, right or wrong
+        write_progress(path, _progress_line(lab, check, outcome, message, 0.0,
+                                            **extra, mistake=""))
     except Exception:  # recording never changes what the learner's cell does
         pass
 
