@@ -56,3 +56,13 @@ def pytest_ignore_collect(collection_path, config):
                     or "tests/browser/" in str(arg) for arg in config.args)
         return None if named else True
     return None
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mistake_memory():
+    """A check shows a mistake's fix only when the learner meets it again in the same kernel
+    (dpcourse.checks.fail's fix=): each test starts as a learner's first attempt."""
+    from dpcourse import checks
+
+    checks._mistakes_met.clear()
+    yield

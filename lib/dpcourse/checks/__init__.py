@@ -20,6 +20,8 @@ What every check shares lives here, once:
   exception becomes the one sentence a check says.
 * :func:`predict` and :func:`reveal`: a prediction the learner writes before a measurement, and
   the comparison a lab's check makes afterwards, both recorded for the instructor's table.
+* :func:`fail`'s ``fix=``: a sentence names the mistake's cause; what to change joins it only
+  when the same mistake comes back (``DPCOURSE_FIX_AFTER``, :func:`fix_after`).
 * :func:`refuse_reference`: a check refuses the library's own reference answer passed as the
   learner's (the lab asks for the learner's code, and the library's passes every check).
 
@@ -42,10 +44,10 @@ import sys
 import textwrap
 import time
 
-__all__ = ["LabCheckError", "ClaimError", "passed", "fail", "claim", "has_todo", "require_answer",
+__all__ = ["LabCheckError", "ClaimError", "passed", "fail", "fix_after", "claim", "has_todo", "require_answer",
            "refuse_reference", "recorded", "Prediction", "predict", "reveal",
            "check_timeout", "slowness", "run_ranks", "short_mistake", "PROGRESS_ENV",
-           "TIMEOUT_ENV", "LEARNER_ENV"]
+           "TIMEOUT_ENV", "LEARNER_ENV", "FIX_AFTER_ENV"]
 
 PROGRESS_ENV = "DPCOURSE_PROGRESS"  # a file: every check appends one JSON line to it
 LEARNER_ENV = "DPCOURSE_LEARNER"  # who the learner is (else JUPYTERHUB_USER, else the OS user)
@@ -69,9 +71,38 @@ def passed(what: str) -> None:
     print(f"✔ {what}")
 
 
-def fail(message: str):
-    """Raise LabCheckError without our own frames cluttering the learner's traceback."""
+FIX_AFTER_ENV = "DPCOURSE_FIX_AFTER"  # the how-many-th time a mistake is met shows its fix
+_FIX_AFTER_DEFAULT = 2
+_FIX_LATER = ("(Run the check again after your change: if this same mistake comes back, the "
+              "check will say what to change.)")
+_mistakes_met: dict[tuple[str, str], int] = {}  # (check, fix) -> times met, in this process
+
+
+def fix_after() -> int:
+    """How many times a learner meets the same mistake before a check's sentence adds its fix:
+    ``DPCOURSE_FIX_AFTER`` (1 shows the fix at once; an instructor may set it for a short
+    workshop), else 2: the first time, the sentence names the cause and leaves the change to
+    the learner."""
+    raw = os.environ.get(FIX_AFTER_ENV, "").strip()
+    try:
+        return max(1, int(raw)) if raw else _FIX_AFTER_DEFAULT
+    except ValueError:
+        return _FIX_AFTER_DEFAULT
+
+
+def fail(message: str, *, fix: str | None = None):
+    """Raise LabCheckError without our own frames cluttering the learner's traceback.
+
+    ``message`` names the mistake by its cause (what the check saw, and why it is wrong).
+    ``fix``, when given, is what to change; it joins the sentence only when the learner meets
+    the same mistake (same check, same fix) again in this kernel — see :func:`fix_after` — so
+    the first meeting is a cause to reason from, not a line to copy."""
     __tracebackhide__ = True  # pytest and IPython hide this frame
+    if fix:
+        key = (_current_check.get() or "", fix)
+        met = _mistakes_met[key] = _mistakes_met.get(key, 0) + 1
+        tail = fix if met >= fix_after() else _FIX_LATER
+        message = f"{message.rstrip()} {tail}"
     raise LabCheckError(message)
 
 
