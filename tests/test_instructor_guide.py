@@ -5,8 +5,8 @@ Checked here, without a network or a kernel (well under 2 s):
 * every relative link in the guide points at a file or folder that exists, and every link to
   a section of the guide (``#anchor``) at one of its headings;
 * the rows of a table that link a lesson and give minutes add up to that lesson's header time
-  (``**Time:** about N minutes`` in the notebook's first cells): one row, or the parts of a
-  lesson split around its lab;
+  (``**Time:** about N minutes`` in the notebook's first cell, as ``authoring.header_minutes``
+  reads it): one row, or the parts of a lesson split around its lab;
 * each plan's rows add up to its stated total, start when the row before ends, the 3-hour plan
   fits in 180 minutes, each day of the 2-day plan is at most 7 hours and the two cover every
   lesson;
@@ -33,11 +33,14 @@ import re
 import tokenize
 from pathlib import Path
 
+import nbformat
+
+from dpcourse.tools import authoring
+
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "lessons" / "INSTRUCTOR_GUIDE.md"
 LESSON_RE = re.compile(r"^(\d\d)_\w+\.ipynb$")
-TIME_RE = re.compile(r"\*\*Time:\*\*\s*about\s+(\d+)\s+minutes")
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
 QUOTE_RE = re.compile(r"“([^”]+)”")
 HEADING_RE = re.compile(r"`(#{2,3} [^`]+)`")  # a notebook heading named in the guide
@@ -47,20 +50,14 @@ def guide_text() -> str:
     return GUIDE.read_text(encoding="utf-8")
 
 
-def header_minutes(notebook: Path) -> int:
-    """The time a lesson's header states, from the notebook a learner opens."""
-    nb = json.loads(notebook.read_text(encoding="utf-8"))
-    for cell in nb["cells"][:3]:
-        if cell["cell_type"] == "markdown":
-            m = TIME_RE.search("".join(cell["source"]))
-            if m:
-                return int(m.group(1))
-    raise AssertionError(f"{notebook.name}: no '**Time:** about N minutes' in its header")
-
-
 def lesson_times() -> dict[str, int]:
-    lessons = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
-    return {p.name: header_minutes(p) for p in lessons}
+    """Each lesson's header time, as the library reads it (``authoring.header_minutes``)."""
+    times = {}
+    for path in sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb")):
+        minutes = authoring.header_minutes(nbformat.read(path, as_version=4))
+        assert minutes is not None, f"{path.name}: no '**Time:** about N minutes' in its header"
+        times[path.name] = minutes
+    return times
 
 
 def table_rows(lines: list[str]) -> list[dict[str, str]]:

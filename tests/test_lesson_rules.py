@@ -59,10 +59,6 @@ def solution_regions(source: str) -> list[list[str]]:
     return regions
 
 
-def _folded(cell, what: str) -> bool:
-    return bool(cell.get("metadata", {}).get("jupyter", {}).get(what, False))
-
-
 def readable_lines(nb) -> set[str]:
     """Every significant line a learner reads without opening a folded cell."""
     texts = []
@@ -70,9 +66,9 @@ def readable_lines(nb) -> set[str]:
         if cell.cell_type != "code":
             texts.append(cell.source)  # markdown code blocks are readable too
             continue
-        if not _folded(cell, "source_hidden"):
+        if not authoring.folded(cell, "source_hidden"):
             texts.append(cell.source)
-        if _folded(cell, "outputs_hidden"):
+        if authoring.folded(cell, "outputs_hidden"):
             continue
         for out in cell.get("outputs", []):
             if out.get("output_type") == "stream":
@@ -145,7 +141,7 @@ def test_every_folded_cell_has_a_visible_label(path):
     holds and when to open it ("▶ The reference answer — open after your lab passes")."""
     nb = nbformat.read(path, as_version=4)
     for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "code" and _folded(cell, "source_hidden"):
+        if cell.cell_type == "code" and authoring.folded(cell, "source_hidden"):
             before = nb.cells[i - 1] if i else None
             assert before is not None and before.cell_type == "markdown" \
                 and LABEL in before.source, \

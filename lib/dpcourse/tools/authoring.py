@@ -34,7 +34,7 @@ import jupytext
 import nbformat
 
 __all__ = ["build", "make_lab", "check_sync", "sources", "main", "ROOT", "TimeEstimate",
-           "estimate_time", "header_minutes"]
+           "estimate_time", "header_minutes", "folded"]
 
 ROOT = Path(__file__).resolve().parents[3]   # lib/dpcourse/tools/ -> the clone
 SOURCE_DIRS = ("lessons", "solutions")
@@ -50,6 +50,49 @@ def sources(root: Path = ROOT, names: list[str] | None = None) -> list[Path]:
     if names:
         found = [p for p in found if any(n in p.stem for n in names)]
     return found
+
+
+# ---- the first cell every notebook runs: the course library where it is missing ------------
+INSTALL_TAG = "install-course"
+_INSTALL = """\
+# The course library: nothing to do where it is installed. Where it is not (Colab, a notebook
+# opened alone) this installs it as tagged {tag} ($DPCOURSE_SOURCE overrides: a wheel, a path).
+import importlib, importlib.util, os, subprocess, sys
+if importlib.util.find_spec("dpcourse") is None:
+    _source = os.environ.get("DPCOURSE_SOURCE") or "git+{repo}@{tag}"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", _source], check=True)
+    importlib.invalidate_caches()
+    print(f"Installed the course library (dpcourse) from {{_source}}.")
+from dpcourse.versions import check_versions
+check_versions()  # prints nothing when torch, TensorFlow and Python fit the course"""
+
+
+def install_source(root: Path = ROOT) -> str:
+    """The install cell's code: pyproject's repository at the tag of this version (``v`` +
+    ``dpcourse.__version__``), so every notebook built from one version has the same cell and a
+    learner who opens it alone gets the library it was built with."""
+    import tomllib
+
+    import dpcourse
+
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    if project["version"] != dpcourse.__version__:
+        raise ValueError(f"pyproject.toml's version {project['version']} differs from "
+                         f"dpcourse.__version__ {dpcourse.__version__}: make them one")
+    return _INSTALL.format(repo=project["urls"]["Repository"], tag=f"v{dpcourse.__version__}")
+
+
+def add_install_cell(nb: nbformat.NotebookNode, root: Path = ROOT) -> nbformat.NotebookNode:
+    """Put the install cell before the notebook's first code cell (after the title and frame, so
+    it is the first cell that runs); a notebook that has one already keeps it."""
+    if any(INSTALL_TAG in c.metadata.get("tags", []) for c in nb.cells):
+        return nb
+    cell = nbformat.v4.new_code_cell(install_source(root))
+    cell.metadata["tags"] = [INSTALL_TAG]
+    cell.id = INSTALL_TAG
+    first = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"), len(nb.cells))
+    nb.cells.insert(first, cell)
+    return nb
 
 
 def read_source(path: Path) -> nbformat.NotebookNode:
@@ -227,7 +270,9 @@ class TimeEstimate:
                          + self.run_seconds / 60)
 
 
-def _folded(cell, what: str) -> bool:
+def folded(cell, what: str) -> bool:
+    """Whether JupyterLab shows ``cell`` folded: ``what`` is "source_hidden" (its code) or
+    "outputs_hidden" (its outputs), as ``metadata.jupyter`` holds them."""
     return bool(cell.get("metadata", {}).get("jupyter", {}).get(what, False))
 
 
@@ -248,15 +293,17 @@ def estimate_time(nb: nbformat.NotebookNode) -> TimeEstimate:
     words = lines = 0
     seconds = 0.0
     for cell in nb.cells:
+        if INSTALL_TAG in cell.get("metadata", {}).get("tags", []):
+            continue  # the build's install cell: silent where the course runs, not the lesson
         if cell.cell_type == "markdown":
             if re.match(r"#+\s*Sources\b", cell.source.strip()):
                 continue
             words += len(cell.source.split())
         elif cell.cell_type == "code":
             seconds += _cell_seconds(cell)
-            if not _folded(cell, "source_hidden"):
+            if not folded(cell, "source_hidden"):
                 lines += sum(1 for line in cell.source.splitlines() if line.strip())
-            if _folded(cell, "outputs_hidden"):
+            if folded(cell, "outputs_hidden"):
                 continue
             for out in cell.get("outputs", []):
                 data = out.get("data", {})
