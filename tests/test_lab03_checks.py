@@ -110,12 +110,21 @@ def no_step(model, optimizer, X, y):
 
 
 def reference_average(model):
-    # the lab's answer, written in the learner's cell (the library's own is refused)
+    # the lab's answer, written in the learner's cell (the library's own is refused): a
+    # parameter this rank did not use contributes zeros, so every rank makes the same calls
     world_size = dist.get_world_size()
     for p in model.parameters():
-        if p.grad is not None:
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             p.grad /= world_size
+
+
+def _zeros_where_unused(model):
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def test_reference_average_gradients_passes(capsys):
@@ -134,10 +143,10 @@ def test_the_librarys_own_average_gradients_is_refused():
 
 
 @pytest.mark.parametrize("fn, phrase", [
-    (sum_only, r"all_reduce\(SUM\), divide by the world size"),
+    (sum_only, "nothing divided the result"),
     (rebind_in_list, "divided into a new tensor bound to a name or list slot"),
     (rebind_local_name, "divided into a new tensor bound to a name or list slot"),
-    (reduce_a_copy, "not a copy"),
+    (reduce_a_copy, "that tensor was a copy"),
     (divide_only, "the all_reduce did not reach p.grad"),
     (raises, "raised on rank .: KeyError"),
 ])
@@ -257,7 +266,7 @@ def test_step_with_the_loss_averaged_before_the_backward_passes(capsys):
 
 @pytest.mark.parametrize("fn, phrase", [
     (average_the_loss, "averaging the loss .* does not average the gradients"),
-    (no_zero_grad, "zero_grad"),
+    (no_zero_grad, "piled up from step to step"),
     (no_step, "never changed"),
     (returns_nothing, "returned nothing"),
     (returns_loss_after_step, "return the loss computed before the step"),
@@ -305,6 +314,7 @@ def divide_by_two(model):
 
 def rebind_attribute(model):
     n = dist.get_world_size()
+    _zeros_where_unused(model)
     for p in (p for p in model.parameters() if p.grad is not None):
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         p.grad = p.grad / n  # a new tensor, but bound to p.grad itself: right
@@ -312,6 +322,7 @@ def rebind_attribute(model):
 
 def div_underscore_then_reduce(model):
     n = dist.get_world_size()
+    _zeros_where_unused(model)
     for p in model.parameters():
         if p.grad is None:
             continue
@@ -329,8 +340,13 @@ def flat_with_torch_helpers(model):
         g.copy_(avg)
 
 
+def flat_with_torch_helpers_all_ranks_alike(model):
+    _zeros_where_unused(model)
+    flat_with_torch_helpers(model)
+
+
 @pytest.mark.parametrize("fn", [rebind_attribute, div_underscore_then_reduce,
-                                flat_with_torch_helpers])
+                                flat_with_torch_helpers_all_ranks_alike])
 def test_right_average_gradients_variants_pass(fn, capsys):
     lab03.check_average_gradients(fn)
     assert capsys.readouterr().out.count("✔") == 1
@@ -360,7 +376,7 @@ def test_prediction_of_the_all_reduce_calls(capsys):
 
 
 def test_dividing_by_a_fixed_two_fails_on_three_ranks():
-    with pytest.raises(LabCheckError, match="not by a fixed 2"):
+    with pytest.raises(LabCheckError, match="a fixed 2 is the mean only on 2 ranks"):
         lab03.check_average_gradients(divide_by_two)
 
 
@@ -447,8 +463,8 @@ def test_right_flat_averages_pass(fn, capsys):
 @pytest.mark.parametrize("fn, phrase", [
     (ddp.average_gradients, "all_reduce 10 times, once per parameter"),
     (flat_two_buffers, "all_reduce 2 times"),
-    (flat_never_copied_back, "copy each slice back"),
-    (flat_without_division, "divide by the world size"),
+    (flat_never_copied_back, "never travelled back into the gradients"),
+    (flat_without_division, "nothing divided the result"),
 ])
 def test_flat_mistakes_are_named(fn, phrase):
     with pytest.raises(LabCheckError) as err:
@@ -530,7 +546,7 @@ def test_right_weighted_averages_pass(fn, capsys):
     (weighted_plain_mean, "plain mean over the ranks"),
     (weighted_sum_only, "plain sum over the ranks"),
     (weighted_not_divided, "not yet divided"),
-    (weighted_by_world_size, "divided the weighted sum by the world size"),
+    (weighted_by_world_size, "sample-weighted sum was divided by the world size"),
     (weighted_assumes_equal_totals, r"as if every rank had this rank's number of samples"),
     (weighted_by_own_count, "this rank's own n_local"),
     (weighted_on_a_copy, "still that rank's own gradient"),
@@ -684,3 +700,102 @@ def test_the_call_count_message_does_not_answer_the_bytes_prediction(capsys):
     lab03.check_prediction(predict("lab03", "all_reduce calls", 10, unit="calls"), measured)
     out = capsys.readouterr().out
     assert "stretch" not in out and "same bytes" not in out, out
+
+
+# --- part 1's routed heads: ranks that used different parameters -------------------------------
+
+def skip_none(model):
+    # lesson 03's loop: right when every rank used every parameter, wrong here
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+
+
+def zeros_not_kept(model):
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.requires_grad:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(g)
+            g /= world_size          # in place: right where g is p.grad, lost where it is not
+
+
+def mean_over_the_users(model):
+    for p in model.parameters():
+        if p.requires_grad:
+            used = torch.tensor([0.0 if p.grad is None else 1.0])
+            dist.all_reduce(used)
+            if used.item() == 0:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad /= used           # the ranks that used it, not all of them
+
+
+def zeros_for_the_frozen_too(model):
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= world_size
+
+
+def used_mask_first(model):
+    # right too: agree first on which parameters any rank used (DDP's find_unused_parameters
+    # all-reduces such a map), leave the ones no rank used None
+    params = [p for p in model.parameters() if p.requires_grad]
+    used = torch.tensor([0.0 if p.grad is None else 1.0 for p in params])
+    dist.all_reduce(used)
+    for p, u in zip(params, used.tolist()):
+        if u == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (skip_none, r"even ranks' head_a gradients and the odd ranks' head_b gradients added "
+                r"together.*paired different parameters"),
+    (zeros_not_kept, r"head_b\.grad is still None after average_gradients, though 1 other "
+                     r"rank\(s\) computed a gradient for it"),
+    (mean_over_the_users, r"the sum over the 1 rank\(s\) that used it divided by 1, not by 2"),
+    (zeros_for_the_frozen_too, r"the frozen parameter \(requires_grad=False\) ends with a "
+                               r"p\.grad"),
+])
+def test_routed_heads_mistakes_are_named_by_their_cause(fn, phrase):
+    with pytest.raises(LabCheckError, match=phrase) as err:
+        lab03.check_average_gradients(fn, world_sizes=(2,))
+    assert "Run the check again after your change" in str(err.value)
+
+
+def test_the_plain_mean_gets_its_fix_on_the_second_meeting():
+    for _ in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab03.check_average_gradients(skip_none, world_sizes=(2,))
+    assert "contributes zeros to the sum" in str(err.value), str(err.value)
+
+
+def test_divide_over_the_users_is_named_on_three_ranks_too():
+    with pytest.raises(LabCheckError, match=r"over the 2 rank\(s\) that used it divided by 2, "
+                                            r"not by 3"):
+        lab03.check_average_gradients(mean_over_the_users, world_sizes=(3,))
+
+
+def test_a_used_mask_first_passes(capsys):
+    lab03.check_average_gradients(used_mask_first)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_a_sum_without_division_says_what_to_change_on_the_second_meeting():
+    for attempt in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab03.check_average_gradients(sum_only, world_sizes=(2,))
+        message = str(err.value)
+        assert "nothing divided the result" in message
+        assert ("divide by the world size" in message) == (attempt == 1), message

@@ -56,7 +56,11 @@ __all__ = ["check_average_gradients", "check_average_gradients_flat",
 DEFAULT_TIMEOUT = 20.0  # seconds; a correct answer takes 1-8 s, a deadlock is cut off here
 
 
-def _avg_worker(rank: int, world_size: int, fn, unused: bool = True) -> dict:
+ROUTED_HEADS = ("head_a", "head_b")  # even ranks add head_a to the logits, odd ranks head_b
+
+
+def _avg_worker(rank: int, world_size: int, fn, unused: bool = True,
+                routed: bool = False) -> dict:
     __tracebackhide__ = True
     from .. import ddp
     from ..models import SmallCNN
@@ -72,6 +76,24 @@ def _avg_worker(rank: int, world_size: int, fn, unused: bool = True) -> dict:
         X = torch.randn(4, 3, 32, 32, generator=g).to(dev)
         y = torch.randint(0, 10, (4,), generator=g).to(dev)
         F.cross_entropy(model(X), y).backward()
+        return model
+
+    def routed_model_after_backward():
+        # A router that sends each rank's batch through one of two heads of the same shape (as
+        # a mixture-of-experts layer sends each token to an expert): even ranks use head_a, odd
+        # ranks head_b, so after the backward a head's p.grad is None on the ranks that did not
+        # use it. `frozen` requires no gradient; `never` requires one and no rank uses it.
+        torch.manual_seed(0)
+        model = SmallCNN(width=4).to(dev)
+        for name in ROUTED_HEADS + ("never",):
+            model.register_parameter(name, torch.nn.Parameter(torch.zeros(10, device=dev)))
+        model.register_parameter("frozen", torch.nn.Parameter(torch.zeros(10, device=dev),
+                                                              requires_grad=False))
+        g = torch.Generator().manual_seed(3000 + rank)
+        X = torch.randn(4, 3, 32, 32, generator=g).to(dev)
+        y = torch.randint(0, 10, (4,), generator=g).to(dev)
+        head = getattr(model, ROUTED_HEADS[rank % 2])
+        F.cross_entropy(model(X) + head + model.frozen, y).backward()
         return model
 
     model = model_after_backward(False)
@@ -97,6 +119,15 @@ def _avg_worker(rank: int, world_size: int, fn, unused: bool = True) -> dict:
             if "None" not in str(e):
                 raise
             out["none_error"] = f"{type(e).__name__}: {e}"
+            return out  # every rank stopped at the same parameter: no rank waits in a call
+    if routed:  # part 1's case the lesson did not show: ranks that used different parameters
+        model = routed_model_after_backward()
+        local = {n: None if p.grad is None else p.grad.detach().cpu().clone()
+                 for n, p in model.named_parameters()}
+        fn(model)
+        out["routed_local"] = local
+        out["routed_after"] = {n: None if p.grad is None else p.grad.detach().cpu().clone()
+                               for n, p in model.named_parameters()}
     return out
 
 
@@ -138,7 +169,8 @@ def _hang(name: str, timeout: float):
             fail(f"deadlock: rank(s) {', '.join(map(str, finished))} returned from {name} while "
                  f"rank(s) {waiting} still waited in a collective after {timeout:g} s — a rank "
                  f"that has returned will never join that call. {_HANG} A longer timeout would "
-                 f"not end it: make every rank make the same collective calls.")
+                 f"not end it.", fix="make every rank make the same collective calls, in the "
+                                     "same order.")
         return f"rank(s) {waiting} never finished within {timeout:g} s — a deadlock: {_HANG}"
 
     return sentence
@@ -172,18 +204,23 @@ def check_average_gradients(average_gradients, world_sizes=WORLD_SIZES,
     refuse_reference(average_gradients, "average_gradients", ddp.average_gradients,
                      why="define it in the cell above, under the same name, and pass that")
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    in_place, every = True, []
+    in_place, every, runs = True, [], []
     for world_size in world_sizes:
-        results = _check_average(average_gradients, world_size, timeout, "average_gradients")
+        results = _check_average(average_gradients, world_size, timeout, "average_gradients",
+                                 routed=True)
         in_place = in_place and all(r["in_place"] for r in results)
         every += results
+        runs.append(results)
     _none_guard(every, "average_gradients")
+    for results in runs:
+        _diagnose_routed(results, len(results))
     how = ("in place (each p.grad is still the tensor the backward filled)" if in_place else
            "in new tensors bound to p.grad (right here: the optimizer reads p.grad at each "
            "step; where gradients are views of a bucket, as in lesson 07, only writing into "
            "them would do)")
     passed(f"average_gradients on {' and '.join(map(str, world_sizes))} ranks: every p.grad is "
-           f"the mean over the ranks, {how}")
+           f"the mean over the ranks, {how}; a head used on some ranks only got the same mean "
+           f"on every rank, the frozen parameter no gradient")
 
 
 @recorded
@@ -211,15 +248,89 @@ def _none_guard(results: list, name: str) -> None:
             error = " ".join(r["none_error"].split())
             error = error if len(error) <= 110 else error[:107] + "..."
             fail(f"{name} failed on a parameter whose p.grad is None ({error}): a parameter the "
-                 f"forward did not use, or a frozen one, gets no gradient, and the contract "
-                 f"covers only the gradients that exist.")
+                 f"forward did not use, or a frozen one, gets no gradient: p.grad is None "
+                 f"there, not a tensor.",
+                 fix="look at p.grad before using it, and decide what a missing gradient "
+                     "means for the contract.")
 
 
-def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = False) -> list:
+def _diagnose_routed(results: list, world_size: int) -> None:
+    """Part 1's routed model: rank r used only ROUTED_HEADS[r % 2]. The contract: on every rank
+    each head holds the sum over the ranks of that head's gradient, a rank that did not use it
+    counting zeros, divided by the number of ranks; the frozen parameter keeps p.grad None."""
+    __tracebackhide__ = True
+    used = [ROUTED_HEADS[rank % 2] for rank in range(world_size)]
+    zero = torch.zeros_like(results[0]["routed_local"][used[0]])
+    local = {h: [r["routed_local"][h] for r in results] for h in ROUTED_HEADS}
+    want = {h: sum((g if g is not None else zero) for g in local[h]) / world_size
+            for h in ROUTED_HEADS}
+    users = {h: [g for g in local[h] if g is not None] for h in ROUTED_HEADS}
+    # what a loop that skips a None gradient computes: each rank's call on the head it used
+    # meets the other ranks' calls on the heads THEY used (same shape, same place in the order)
+    paired = sum(results[rank]["routed_local"][used[rank]] for rank in range(world_size))
+    paired = paired / world_size
+
+    def close(a, b):
+        return a is not None and torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+    for rank, r in enumerate(results):
+        frozen = r["routed_after"].get("frozen")
+        if frozen is not None:
+            fail(f"on rank {rank} the frozen parameter (requires_grad=False) ends with a p.grad "
+                 f"of {frozen.numel()} values after average_gradients, where the backward gave "
+                 f"it none on any rank: an optimizer steps every parameter whose p.grad is not "
+                 f"None (weight decay or momentum alone would then move a frozen weight).",
+                 fix="give zeros only to a parameter that requires a gradient and got none on "
+                     "this rank; leave p.grad None where p.requires_grad is False.")
+    for rank, r in enumerate(results):
+        mine = used[rank]
+        for h in ROUTED_HEADS:
+            got = r["routed_after"][h]
+            if close(got, want[h]):
+                continue
+            if close(r["routed_after"][mine], paired) and not close(paired, want[mine]):
+                fail(f"on {world_size} ranks, rank {rank}'s {mine}.grad ends holding the "
+                     f"even ranks' head_a gradients and the odd ranks' head_b gradients added "
+                     f"together and divided by {world_size} (the values match that mix): "
+                     f"the model routes even ranks through "
+                     f"head_a and odd ranks through head_b, so each rank skipped a different "
+                     f"parameter whose p.grad was None, and the ranks' all_reduce calls — "
+                     f"matched by their order, not by parameter — paired different parameters "
+                     f"(the same shape, so nothing complained).",
+                     fix="make every rank call the collective on the same parameters in the "
+                         "same order: a parameter that requires a gradient but got none on "
+                         "this rank contributes zeros to the sum (its p.grad must then hold "
+                         "the mean too).")
+            if got is None:
+                fail(f"on {world_size} ranks, rank {rank}'s {h}.grad is still None after "
+                     f"average_gradients, though {len(users[h])} other rank(s) computed a "
+                     f"gradient for it: the global batch's loss depends on {h}, so every rank "
+                     f"must end holding the same mean gradient for it, this rank's share being "
+                     f"zero.",
+                     fix="when this rank has no gradient for a parameter that requires one, "
+                         "reduce zeros for it and store the result in p.grad.")
+            if users[h] and close(got, sum(users[h]) / len(users[h])) and \
+                    len(users[h]) != world_size:
+                fail(f"on {world_size} ranks, {h}'s gradient is the sum over the "
+                     f"{len(users[h])} rank(s) that used it divided by {len(users[h])}, not by "
+                     f"{world_size}: the global loss is the mean over all {world_size} ranks' "
+                     f"shards, and a rank whose batch did not go through {h} adds a zero "
+                     f"gradient to that mean — it still counts.",
+                     fix=f"divide every parameter's sum by the number of ranks "
+                         f"({world_size} here), used or not.")
+            fail(f"on {world_size} ranks, rank {rank}'s {h}.grad is not the mean over the "
+                 f"ranks of {h}'s gradient (the ranks that did not use {h} counting zero), "
+                 f"though the parameters every rank used were averaged right.",
+                 fix="treat a missing gradient on a rank as zeros, sum over the ranks, divide "
+                     "by the world size, and leave the result in p.grad on every rank.")
+
+
+def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = False,
+                   routed: bool = False) -> list:
     __tracebackhide__ = True
     if not callable(fn):
         fail(f"the check needs your function, got {type(fn).__name__}.")
-    results = _launch(_avg_worker, world_size, timeout, fn, name=name)
+    results = _launch(_avg_worker, world_size, timeout, fn, True, routed, name=name)
     locals_ = [r["local"] for r in results]
     n_params = len(locals_[0])
     total = [sum(loc[i] for loc in locals_) for i in range(n_params)]
@@ -227,55 +338,68 @@ def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = 
     for rank, r in enumerate(results):
         after = r["after"]
         if any(a is None for a in after):
-            fail(f"on rank {rank} some p.grad is None after {name}: average the gradients "
-                 f"in place, do not delete them.")
+            fail(f"on rank {rank} some p.grad that the backward had filled is None after "
+                 f"{name}: the optimizer would skip that parameter.",
+                 fix="leave each average in p.grad; never delete a gradient.")
         for a, m in zip(after, mean):
             if a.shape != m.shape:
                 fail(f"on rank {rank} a gradient has shape {tuple(a.shape)} instead of its "
-                     f"parameter's {tuple(m.shape)}: average element-wise"
-                     + (" and copy each slice of the flat buffer back in its parameter's shape "
-                        "(.view_as(p.grad))." if flat else ", do not reduce or reshape the "
-                        "tensor."))
+                     f"parameter's {tuple(m.shape)}: the optimizer needs p.grad in its "
+                     f"parameter's shape.",
+                     fix=("copy each slice of the flat buffer back in its parameter's shape "
+                          "(.view_as(p.grad))." if flat else "average element-wise; do not "
+                          "reduce or reshape the tensor."))
         if _all_close(after, mean):
             continue
         if _all_close(after, total):
             if _rebinds_division(fn):
                 fail(f"the gradients hold the sum over the ranks, {world_size} times the mean: "
                      f"you divided into a new tensor bound to a name or list slot "
-                     f"(g = g / world_size), which leaves p.grad untouched — divide p.grad in "
-                     f"place (p.grad /= world_size or p.grad.div_(world_size)).")
-            fail(f"the gradients hold the sum over the ranks, {world_size} times the mean: after "
-                 f"all_reduce(SUM), divide by the world size.")
+                     f"(g = g / world_size), which leaves p.grad untouched.",
+                     fix="divide p.grad in place (p.grad /= world_size or "
+                         "p.grad.div_(world_size)).")
+            fail(f"the gradients hold the sum over the ranks, {world_size} times the mean: "
+                 f"all_reduce with SUM adds the ranks' tensors and nothing divided the result.",
+                 fix="after all_reduce(SUM), divide by the world size.")
         for k in sorted({2, 3, 4} - {world_size}):
             if _all_close(after, [t / k for t in total]):
-                fail(f"on {world_size} ranks the gradients are the sum divided by {k}: divide by "
-                     f"the world size (dist.get_world_size()), not by a fixed {k}.")
+                fail(f"on {world_size} ranks the gradients are the sum divided by {k}, not by "
+                     f"{world_size}: a fixed {k} is the mean only on {k} ranks.",
+                     fix="divide by the world size (dist.get_world_size()), not by a fixed "
+                         "number.")
         if _all_close(after, r["local"]):
             if flat:
                 fail(f"on rank {rank} p.grad is still that rank's own gradient: the flat buffer "
-                     f"is a copy (torch.cat copies), so after reducing and dividing it, copy "
-                     f"each slice back into its p.grad (p.grad.copy_(...)).")
+                     f"is a copy (torch.cat copies), and its averaged values never travelled "
+                     f"back into the gradients.",
+                     fix="after reducing and dividing the buffer, copy each slice back into "
+                         "its p.grad (p.grad.copy_(...)).")
             fail(f"on rank {rank} p.grad is still that rank's own gradient: nothing was reduced "
-                 f"into it — all_reduce p.grad itself, not a copy (p.grad.clone(), "
-                 f"p.grad / world_size, torch.tensor(...)), since it writes its result into the "
-                 f"tensor it is given.")
+                 f"into it — all_reduce writes its result into the tensor it is given, and "
+                 f"that tensor was a copy (p.grad.clone(), p.grad / world_size, "
+                 f"torch.tensor(...)), not p.grad.",
+                 fix="all_reduce p.grad itself.")
         if _all_close(after, [loc / world_size for loc in r["local"]]):
             fail(f"on rank {rank} p.grad is the rank's own gradient divided by {world_size}: the "
-                 f"division happened but the all_reduce did not reach p.grad.")
+                 f"division happened but the all_reduce did not reach p.grad.",
+                 fix="all_reduce p.grad itself, before or after the division.")
         fail(f"on rank {rank} the gradients are not the mean over the ranks (nor their sum, nor "
-             f"the rank's own): every p.grad must end holding the sum over the ranks divided by "
-             f"the world size.")
+             f"the rank's own, nor the sum over a fixed count).",
+             fix="every p.grad must end holding the sum over the ranks divided by the world "
+                 "size.")
     if flat:
         calls = results[0]["all_reduce_calls"]
         if calls == 0:
-            fail("the averages are right but the check saw no dist.all_reduce call: call it as "
-                 "dist.all_reduce(flat) (the check counts calls made through "
-                 "torch.distributed).")
+            fail("the averages are right but the check saw no dist.all_reduce call: it counts "
+                 "the calls made through torch.distributed.",
+                 fix="call it as dist.all_reduce(flat).")
         if calls > 1:
             fail(f"{name} called all_reduce {calls} times"
                  + (f", once per parameter ({n_params})" if calls == n_params else "")
-                 + ": put every gradient into one flat tensor (torch.cat of the flattened "
-                   "grads), reduce it once, and copy the slices back.")
+                 + ": each call pays the collective's start-up cost again, and the contract "
+                   "allows one.",
+                 fix="put every gradient into one flat tensor (torch.cat of the flattened "
+                     "grads), reduce it once, and copy the slices back.")
     return results
 
 
@@ -413,50 +537,62 @@ def _diagnose_weighted(results: list, world_size: int) -> None:
     for rank, r in enumerate(results):
         after = r["after"]
         if any(a is None for a in after):
-            fail(f"on rank {rank} some p.grad is None after average_gradients_weighted: "
-                 f"average the gradients in place, do not delete them.")
+            fail(f"on rank {rank} some p.grad is None after average_gradients_weighted: the "
+                 f"optimizer would skip that parameter.",
+                 fix="leave each result in p.grad; never delete a gradient.")
         if any(a.shape != w.shape for a, w in zip(after, want)):
-            fail(f"on rank {rank} a gradient changed shape: combine the gradients "
-                 f"element-wise, in p.grad's own shape.")
+            fail(f"on rank {rank} a gradient changed shape: the optimizer needs p.grad in its "
+                 f"parameter's shape.",
+                 fix="combine the gradients element-wise, in p.grad's own shape.")
         if _all_close(after, want):
             continue
         if _all_close(after, r["local"]):
             fail(f"on rank {rank} p.grad is still that rank's own gradient: nothing was reduced "
-                 f"into it — all_reduce p.grad itself (or write the result back into it).")
+                 f"into it.",
+                 fix="all_reduce p.grad itself (or write the result back into it).")
         if _all_close(after, combine([1] * world_size, world_size)):
             fail(f"the gradients are the plain mean over the ranks, which weighs a rank with "
-                 f"{min(ns)} samples as much as one with {max(ns)}: weight each rank's gradient "
-                 f"by its number of samples before the sum.")
+                 f"{min(ns)} samples as much as one with {max(ns)}, so one of its samples "
+                 f"counts {max(ns)}/{min(ns)} times as much as one of the other's.",
+                 fix="weight each rank's gradient by its number of samples before the sum.")
         if _all_close(after, combine([1] * world_size, 1)):
-            fail("the gradients are the plain sum over the ranks: weight each rank's gradient "
-                 "by its number of samples, and divide by the total number of samples.")
+            fail("the gradients are the plain sum over the ranks: a sum of means is no mean "
+                 "of anything, and it grows with the number of ranks.",
+                 fix="weight each rank's gradient by its number of samples, and divide by the "
+                     "total number of samples.")
         if _all_close(after, combine([1] * world_size, total_n)):
             fail(f"the gradients are the plain sum over the ranks divided by the total count "
                  f"({total_n}): each rank's gradient was not multiplied by its own n_local "
                  f"before the sum, so a rank's mean gradient stood in for the sum over its "
-                 f"samples and every rank weighed the same.")
+                 f"samples and every rank weighed the same.",
+                 fix="multiply each rank's gradient by its own n_local before the sum.")
         if _all_close(after, combine([r["n_local"]] * world_size, total_n)):
             fail(f"on rank {rank} the sum over the ranks was multiplied by this rank's own "
                  f"n_local ({r['n_local']}) after the all_reduce: each rank's gradient must be "
                  f"weighted by its own count before the sum, where the other ranks' counts "
-                 f"still apply.")
+                 f"still apply.", fix="scale by n_local before the all_reduce, not after.")
         if _all_close(after, combine(ns, 1)):
-            fail(f"the gradients are the sample-weighted sum, not yet divided: divide by the "
-                 f"total number of samples over all ranks ({total_n} here).")
+            fail(f"the gradients are the sample-weighted sum, not yet divided: {total_n} times "
+                 f"the gradient of the mean loss.",
+                 fix=f"divide by the total number of samples over all ranks ({total_n} here).")
         if _all_close(after, combine(ns, world_size)):
-            fail("you divided the weighted sum by the world size: divide by the total number of "
-                 "samples over all ranks instead.")
+            fail(f"the sample-weighted sum was divided by the world size ({world_size}), which "
+                 f"counts ranks, where the mean over samples divides by {total_n} samples.",
+                 fix="divide by the total number of samples over all ranks instead.")
         if _all_close(after, combine(ns, r["n_local"] * world_size)):
             fail(f"on rank {rank} the weighted sum was divided by n_local × world_size "
                  f"({r['n_local']} × {world_size}), as if every rank had this rank's number "
-                 f"of samples: no rank knows the total — all_reduce the sample count too.")
+                 f"of samples: no rank knows the total, and the others' counts differ.",
+                 fix="all_reduce the sample count too, and divide by that total.")
         if _all_close(after, combine(ns, r["n_local"])):
             fail(f"on rank {rank} the weighted sum was divided by this rank's own n_local "
-                 f"({r['n_local']}): divide by the total over all ranks — all_reduce the "
-                 f"sample count too.")
+                 f"({r['n_local']}), not by the {total_n} samples of all the ranks.",
+                 fix="all_reduce the sample count too, and divide by that total.")
         fail(f"on rank {rank} the gradients are not the gradient of the mean loss over all "
              f"{total_n} samples (nor a plain mean or sum): each rank's gradient is a mean over "
-             f"its own n_local samples; the global mean counts every sample once.")
+             f"its own n_local samples; the global mean counts every sample once.",
+             fix="weight each rank's gradient by its count, sum over the ranks, divide by the "
+                 "total count.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -544,7 +680,9 @@ _WEIGHTS = ("the ranks all-reduced the weights themselves, after each rank stepp
             "gradients, instead of the gradients before the step: that matches one process on "
             "the global batch only while the update is linear in the gradient, as plain SGD's "
             "is — with Adam the mean of the ranks' updates is not the update of the mean "
-            "gradient. Lesson 03: nobody sends weights after the start.")
+            "gradient.")
+_WEIGHTS_FIX = ("average the gradients between backward and the optimizer step; nobody sends "
+                "weights after the start (lesson 03).")
 
 
 @recorded
@@ -575,10 +713,12 @@ def check_data_parallel_step(data_parallel_step, world_sizes=WORLD_SIZES,
         if not all(torch.allclose(r["params"], reference, rtol=1e-4, atol=1e-6)
                    for r in results):
             if any(r["weights_reduced"] for r in results):
-                fail(_WEIGHTS)
+                fail(_WEIGHTS, fix=_WEIGHTS_FIX)
             fail(f"with plain SGD the weights matched one process on the global batch, but with "
-                 f"Adam (lr {ADAM_LR}) they do not: the step must give every rank the averaged "
-                 f"gradients before the optimizer step, whatever the optimizer does with them.")
+                 f"Adam (lr {ADAM_LR}) they do not: Adam's update is not linear in the "
+                 f"gradient, so whatever the step averages after the optimizer does not average "
+                 f"the gradients it was fed.",
+                 fix="give every rank the averaged gradients before the optimizer step.")
     finally:
         torch.set_num_threads(threads)
     passed(f"data-parallel step on {' and '.join(map(str, world_sizes))} ranks == one process "
@@ -637,25 +777,31 @@ def _diagnose_step(params: list, world_size: int, loss_problem: str | None = Non
             fail(loss_problem)
         return
     if all(torch.equal(p, start) for p in params):
-        fail("the weights never changed: call optimizer.step() after averaging the gradients.")
+        fail("the weights never changed in 3 steps: the averaged gradients never reached an "
+             "optimizer step.", fix="call optimizer.step() after averaging the gradients.")
     own = [[_simulate(world_size, r, scale) for r in range(world_size)]
            for scale in (1.0, 1.0 / world_size)]
     for sims in own:
         if all(close(p, s) for p, s in zip(params, sims)):
             fail("each rank stepped with its own gradients and the ranks' weights drifted apart: "
-                 "averaging the loss (or not averaging at all) does not average the gradients — "
-                 "call average_gradients(model) between loss.backward() and optimizer.step().")
+                 "averaging the loss (or not averaging at all) does not average the gradients, "
+                 "since each rank's backward still differentiates its own shard's loss.",
+                 fix="call average_gradients(model) between loss.backward() and "
+                     "optimizer.step().")
     if all(close(p, _simulate(world_size, None, zero_grad=False)) for p in params):
-        fail("the gradients piled up from step to step: call optimizer.zero_grad() before each "
-             "backward.")
+        fail("the gradients piled up from step to step: backward adds into p.grad, so each "
+             "step also applied the previous steps' gradients.",
+             fix="call optimizer.zero_grad() before each backward.")
     for k in sorted({2, 3, 4} - {world_size}):
         if all(close(p, _simulate(world_size, None, scale=world_size / k)) for p in params):
             fail(f"on {world_size} ranks the steps are {world_size}/{k} of the right size: the "
-                 f"gradients were divided by {k}, not by the world size (dist.get_world_size()).")
+                 f"gradients were divided by {k}, not by the world size.",
+                 fix="divide by dist.get_world_size(), not a fixed number.")
     if weights_reduced:
-        fail(_WEIGHTS)
+        fail(_WEIGHTS, fix=_WEIGHTS_FIX)
     if not all(close(p, params[0]) for p in params):
-        fail("after 3 steps the ranks hold different weights: every rank must apply the same "
-             "averaged gradients.")
+        fail("after 3 steps the ranks hold different weights: they did not all apply the same "
+             "averaged gradients.", fix="average the gradients on every rank before its step.")
     fail("the weights are equal on every rank but differ from one process trained on the global "
-         "batch: use the mean loss on the rank's shard, backward, average_gradients, step.")
+         "batch.", fix="use the mean loss on the rank's shard, backward, average_gradients, "
+                       "step.")
