@@ -4,7 +4,8 @@
 # **Goal.** Every rank ends each step with the same weights as one process that took the step on
 # the whole global batch — without DDP, with the collectives of lesson 03 only. You write:
 #
-# 1. `average_gradients(model)`: the gradients of all ranks combined into their mean;
+# 1. `average_gradients(model)`: the gradients of all ranks combined into their mean, also
+#    when the ranks did not use the same parameters (which the lesson does not show);
 # 2. how many collective calls that makes in one step — **predicted first**, then measured;
 # 3. `data_parallel_step(model, optimizer, X, y)`: one training step of a rank on its shard,
 #    for any optimizer, returning the loss of the whole global batch;
@@ -35,36 +36,49 @@ torch.set_num_threads(1)
 # ## 1. Average the gradients
 #
 # `average_gradients(model)` is called **on every rank**, right after that rank's
-# `loss.backward()` on its own data, with the process group already started. Contract:
+# `loss.backward()` on its own data, with the process group already started. The ranks need
+# not have used the same parameters: the check's model sends each rank's batch through one of
+# two heads of the same shape, `head_a` on even ranks and `head_b` on odd ones (as a
+# mixture-of-experts layer sends each token to one expert), so after the backward `head_b.grad`
+# is `None` on rank 0 and `head_a.grad` is `None` on rank 1. Contract:
 #
-# - afterwards, on every rank, each `p.grad` that is not `None` holds the **mean over the
-#   ranks** of that parameter's gradient — the same values on every rank, in the parameter's
-#   shape (a parameter that got no gradient — frozen, or unused by the forward — keeps
-#   `p.grad` `None`; the check's model has one);
+# - afterwards, on every rank, every parameter that **requires a gradient** and got one on at
+#   least one rank holds in `p.grad` the gradient of the **mean of the ranks' losses** (each
+#   rank's loss being the mean over its own equal shard) — the same values on every rank, in
+#   the parameter's shape;
+# - a parameter that requires no gradient (`requires_grad=False`, frozen) keeps `p.grad`
+#   `None` on every rank; one that requires a gradient but got none on **any** rank may keep
+#   `None` or hold zeros;
 # - it works for any number of ranks, and returns `None`.
+#
+# **Your design decision:** lesson 03's ranks all used every parameter. Decide what a rank
+# contributes for a parameter it did not use, and how every rank comes to make the same calls.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Which collective of lesson 03 leaves the same combination of every rank's tensor on every
-# rank, and where does it put its result? Is that combination already the mean?
+# rank? How does it know which rank's tensor goes with which — by a name, or by the order of
+# the calls? And what is the derivative of rank 1's loss with respect to a head its batch never
+# went through?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# A sum-reduction across the ranks writes the sum into the very tensor each rank hands it. The
-# mean is that sum over the number of ranks — a number the process group knows, not your code.
-# Whatever you compute must end up in `p.grad`, since that is what the optimizer reads.
+# A sum-reduction pairs the ranks' calls by their order only. If rank 0 skips `head_b` and
+# rank 1 skips `head_a`, rank 0's call on `head_a` meets rank 1's call on `head_b`. A rank that
+# did not use a parameter has a gradient of zero for it, and that zero still counts in the mean
+# over the ranks, whose size the process group knows.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Ask the process group for the number of ranks once. Then loop over the model's parameters,
-# skip those without a gradient, and for each one: one collective on its gradient, then one
-# division whose result stays in that gradient.
+# Ask the process group for the number of ranks once. Loop over the parameters that require a
+# gradient (the same list on every rank); where `p.grad` is `None`, give it zeros of the
+# parameter's shape; then one collective on `p.grad` and one division that stays in it.
 
 # %%
 def average_gradients(model):
@@ -72,7 +86,9 @@ def average_gradients(model):
     ### BEGIN SOLUTION: every p.grad the mean of that gradient over all the ranks
     world_size = dist.get_world_size()
     for p in model.parameters():
-        if p.grad is not None:
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             p.grad /= world_size
     ### END SOLUTION
@@ -88,7 +104,7 @@ lab03.check_average_gradients(average_gradients)
 # **number** of calls a step makes matters as much as what they carry. The measurement runs
 # your `average_gradients` once, on 2 ranks, on `SmallCNN(width=4)` — the model printed below,
 # exactly as printed — after a backward that gave **every one** of its parameters a gradient
-# (part 1's extra parameter without a gradient is not in it). **Before you run the
+# (part 1's heads and frozen parameter are not in it). **Before you run the
 # measurement**, predict: how many `all_reduce` calls does that **one** call of *your*
 # `average_gradients` make, on each rank? Write a whole number.
 
@@ -245,8 +261,9 @@ lab03.check_average_gradients_weighted(average_gradients_weighted)
 # pays it once per *bucket* of about 25 MiB (lesson 03; lesson 07 times them); the extreme is a
 # single bucket. Write `average_gradients_flat(model)`. Contract:
 #
-# - afterwards every `p.grad` holds the same mean over the ranks as part 1 demands, in its
-#   parameter's shape;
+# - afterwards every `p.grad` holds the mean over the ranks, in its parameter's shape (the
+#   check's ranks all use the same parameters, as in part 2, plus one that no rank uses, whose
+#   `p.grad` is `None`);
 # - it makes **exactly one** `dist.all_reduce` call per call, whatever the number of parameters
 #   (the check counts your calls on 2 and 3 ranks); returns `None`.
 #
