@@ -59,6 +59,11 @@ def doctor(as_json: bool = False) -> int:
     except ValueError as exc:
         profile, profile_error = None, str(exc)
     advice = diagnose(report)
+    # versions below the course's floors, each with its pip command (dpcourse.versions; the
+    # notebooks' first cell runs the same check)
+    from dpcourse.versions import version_problems
+
+    advice += version_problems(notebook=False)
     if profile_error:
         advice.insert(0, profile_error)
     if as_json:
