@@ -128,13 +128,21 @@ def only_the_start(numel, rank, world_size):
     (clipped, "last shard is clipped at numel, so it is shorter than the others"),
     (start_and_length, "that is \\(start, length\\)"),
     (reversed_ranks, "rank r must own the r-th shard"),
-    (one_based, "numbers 0..0 belong to no rank — rank 0 starts at 0"),
-    (as_slice, "return two integers"),
-    (only_the_start, "return two integers"),
+    (one_based, r"numbers 0..0 belong to no rank \(the first shard starts at 1\)"),
+    (as_slice, "which is not two integers"),
+    (only_the_start, "which is not two integers"),
 ])
 def test_wrong_shard_bounds_are_named(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
         lab08.check_shard_bounds(fn)
+
+
+def test_the_same_shard_bounds_mistake_met_twice_adds_what_to_change():
+    with pytest.raises(LabCheckError) as first:
+        lab08.check_shard_bounds(one_based)
+    assert "rank 0 starts at 0" not in first.value.message
+    with pytest.raises(LabCheckError, match="numbers 0..0 belong to no rank .*rank 0 starts at 0"):
+        lab08.check_shard_bounds(one_based)
 
 
 def test_unfinished_shard_bounds_is_not_implemented():
@@ -644,7 +652,7 @@ WRONG_TWOS = [
     (AccumulatesTwo, "gradients of the earlier steps are added"),
     (NoCopyBackTwo, "self.shard had moved but the model's parameters had not"),
     (ReducesIntoANewTensor, "self.shard.grad was all zeros when the inner optimizer stepped"),
-    (RebindsTheMean, "gradients [23]× too large: you summed .* in place"),
+    (RebindsTheMean, "gradients [23]× too large: you summed .*a division into a new tensor"),
     (IteratesParamsTwice, "params is a generator"),
     (DefaultDtypeGather, "an all-gather got a float64 tensor while the parameters are "
                          "float32 — a tensor made with torch.zeros/torch.empty"),
@@ -652,8 +660,7 @@ WRONG_TWOS = [
     (DefaultDtypeShard, "self.shard is float64 while the parameters are float32 .* device="),
     (DefaultDtypeShardGrad, "self.shard.grad was given another dtype than self.shard .* "
                             "contract 6"),
-    (OffsetByNumel, "output slice of self.shard.grad is the wrong size: check where each "
-                    "bucket's slice starts"),
+    (OffsetByNumel, "output slice of self.shard.grad is the wrong size"),
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -760,6 +767,10 @@ class Unpadded(GoodTwo):
 
 
 def test_unpadded_vector_raises_with_the_padding_hint():
+    # the cause first (pieces that do not split evenly); the padding only the second time
+    with pytest.raises(LabCheckError, match=r"raised on rank .*do not split into \d equal "
+                                            r"pieces\. \(Run the check again"):
+        lab08.check_zero_two(Unpadded, configs=((3, "sgd"),))
     with pytest.raises(LabCheckError, match="raised on rank .*pad each bucket's flat vector"):
         lab08.check_zero_two(Unpadded, configs=((3, "sgd"),))
 

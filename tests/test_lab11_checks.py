@@ -80,13 +80,21 @@ def block_vague(size, rank, world_size):
 
 
 @pytest.mark.parametrize("fn,match", [
-    (block_no_offset, "offset the block by the rank"),
+    (block_no_offset, r"gives \(0, 6\) to every rank: every rank keeps the same features"),
     (block_one_short, "one feature short"),
     (block_drops_remainder, "belong to no rank"),
-    (block_vague, "names both numbers"),
+    (block_vague, r"does not name both the size \(16\) and the world size \(3\)"),
 ])
 def test_wrong_block_of_named(fn, match):
-    fails(lab11.check_block_of, fn, match=match)
+    message = fails(lab11.check_block_of, fn, match=match)
+    assert "Run the check again" in message        # the first meeting: the cause only
+
+
+def test_the_same_block_of_mistake_met_twice_adds_what_to_change():
+    first = fails(lab11.check_block_of, block_no_offset, match="to every rank")
+    assert "offset the block by the rank" not in first
+    second = fails(lab11.check_block_of, block_no_offset, match="to every rank")
+    assert "offset the block by the rank" in second
 
 
 @pytest.mark.parametrize("check,answer", [
@@ -433,6 +441,103 @@ def test_wrong_column_named(cls, match):
 
 
 # --------------------------------------------------------------------------------------------
+# Part 3's decision: which dimension of linear.weight each layer cuts, with a reason
+# --------------------------------------------------------------------------------------------
+
+WHY_DIMS = ("nn.Linear stores its weight as (out_features, in_features) and F.linear computes "
+            "x @ W.T, so the hidden features are the first dimension of the column layer's "
+            "weight and the second of the row layer's")
+WHY_DIMS_OTHER = ("the weight's shape lists the input size first and the output size second, "
+                  "as in x @ W, so each layer cuts the hidden size where it sits")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_split_memory():
+    lab11._whys_sent_back.clear()          # each test is a learner's first attempt
+    yield
+    lab11._whys_sent_back.clear()
+
+
+@pytest.mark.parametrize("col,row", [(0, 1), (-2, -1)])
+def test_a_right_split_decision_passes(col, row, capsys):
+    lab11.check_split_decision(col, row, WHY_DIMS)
+    assert capsys.readouterr().out.startswith("✔ your decision")
+
+
+@pytest.mark.parametrize("col,row,phrase", [
+    (1, 1, r"column_weight_dim = 1 cuts the dimension of the column layer's Linear\(6, "
+           r"12\).weight that runs over its input features"),
+    (0, 0, r"row_weight_dim = 0 cuts the dimension of the row layer's Linear\(12, 6\).weight "
+           r"that runs over its output features"),
+    (1, 0, r"column_weight_dim = 1 .* \(and so does row_weight_dim's\)"),
+])
+def test_a_wrong_dim_is_sent_back_with_its_cause_not_the_answer(col, row, phrase):
+    first = fails(lab11.check_split_decision, col, row, WHY_DIMS_OTHER, match=phrase)
+    # the second meeting of the same mistake adds what to change: a way to find out, never
+    # the dimension itself
+    second = fails(lab11.check_split_decision, col, row, WHY_DIMS_OTHER + " indeed",
+                   match=phrase)
+    assert "Run the check again" in first and "compare nn.Linear(6, 12).weight.shape" in second
+    for answer in ("column_weight_dim = 0", "row_weight_dim = 1", "dimension 0", "dim 0",
+                   "dimension 1", "dim 1", "first dimension", "second dimension"):
+        assert answer not in first and answer not in second
+
+
+def test_trying_the_other_dim_with_the_same_reason_is_refused():
+    # trial and error: dim 1 refused, then dim 0 with the very reason that argued for 1
+    fails(lab11.check_split_decision, 1, 0, WHY_DIMS_OTHER, match="column_weight_dim = 1")
+    message = fails(lab11.check_split_decision, 0, 1, WHY_DIMS_OTHER.upper() + "!",
+                    match=r"you changed \(column_weight_dim, row_weight_dim\) from \(1, 0\) to "
+                          r"\(0, 1\), but why_dims is the same sentence")
+    assert "trying the other number is not a decision" in message
+    # a rewritten reason is judged on its own
+    lab11.check_split_decision(0, 1, WHY_DIMS)
+
+
+def test_the_reason_is_judged_before_the_dims():
+    # a wrong dim with an empty reason learns nothing about the dim
+    for col in (0, 1):
+        message = fails(lab11.check_split_decision, col, 1,
+                        "I tried it and this is the one that works for me here",
+                        match="does not yet say how linear.weight holds")
+        assert "column_weight_dim" not in message
+
+
+@pytest.mark.parametrize("col,row,why,phrase", [
+    (2, 1, WHY_DIMS, "column_weight_dim should be a dimension"),
+    (0, True, WHY_DIMS, "row_weight_dim should be a dimension"),
+    (0, 1, "out, in", "eight words or more"),
+])
+def test_a_split_decision_that_is_not_dims_and_a_sentence_is_refused(col, row, why, phrase):
+    fails(lab11.check_split_decision, col, row, why, match=phrase)
+
+
+def test_an_unwritten_split_decision_is_a_todo():
+    with pytest.raises(NotImplementedError, match="write column_weight_dim"):
+        lab11.check_split_decision(None, 1, WHY_DIMS)
+
+
+def test_the_layer_checks_refuse_a_wrong_decision_before_running_the_code():
+    fails(lab11.check_column_parallel, Column, 1,
+          match=r"your decision \(column_weight_dim = 1\) is not right yet")
+    fails(lab11.check_row_parallel, Row, 0,
+          match=r"your decision \(row_weight_dim = 0\) is not right yet")
+
+
+def test_code_that_cuts_another_dim_than_declared_is_refused():
+    message = fails(lab11.check_column_parallel, ColumnWrongDim, 0, world_sizes=(2,),
+                    timeout=T, match=r"cut along dimension 1 of linear.weight \(12, 6\), but you "
+                                     r"declared column_weight_dim = 0")
+    assert "does not do what your own decision says" in message
+
+
+def test_right_layers_with_the_decision_pass(capsys):
+    lab11.check_column_parallel(Column, 0, world_sizes=(3,), timeout=T)
+    lab11.check_row_parallel(Row, 1, world_sizes=(3,), timeout=T)
+    assert capsys.readouterr().out.count("✔") == 2
+
+
+# --------------------------------------------------------------------------------------------
 # The row-parallel layer
 # --------------------------------------------------------------------------------------------
 
@@ -762,7 +867,7 @@ def test_wrong_mlp_gradients_named(layers, match):
 
 
 @pytest.mark.parametrize("cls,match", [
-    (MLPVagueRefusal, "names the hidden size and the world size"),
+    (MLPVagueRefusal, r"does not name both the hidden size \(16\) and the world size"),
     (MLPDropsRemainder, "does not split into 3 equal blocks"),
     (MLPGeluAfter, "differs from the plain MLP"),
 ])
@@ -932,11 +1037,11 @@ def test_right_gpipe_with_batched_p2p_passes(capsys):
 @pytest.mark.parametrize("fn,match", [
     (gpipe_times_waits, "time waiting for .* a message, not only the computation"),
     (gpipe_never_waits, r"stage \d returned from gpipe_step with \d+ non-blocking send\(s\) still "
-                        r"pending .* wait on every send's handle before gpipe_step returns"),
+                        r"pending .* leaves its neighbour waiting"),
     (gpipe_not_accumulated, "not accumulated"),
     (gpipe_not_divided, "4 times too large"),
     (gpipe_1f1b, "every forward first"),
-    (gpipe_no_requires_grad, "requires_grad_"),
+    (gpipe_no_requires_grad, "the tensor it received has no gradient after the backward"),
     (gpipe_stale_start, "overlap"),
 ])
 def test_wrong_gpipe_named(fn, match):

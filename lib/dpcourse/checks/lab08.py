@@ -93,8 +93,8 @@ def check_shard_bounds(shard_bounds) -> None:
             try:
                 start, end = (int(v) for v in out)
             except (TypeError, ValueError):
-                fail(f"shard_bounds({numel}, {rank}, {world_size}) returned {out!r}: return two "
-                     f"integers, (start, end).")
+                fail(f"shard_bounds({numel}, {rank}, {world_size}) returned {out!r}, which is not two "
+                     f"integers.", fix="return (start, end), two integers.")
             got.append((start, end))
         _bounds_problem(got, numel, world_size, size)
     passed("shard_bounds: equal shards of ceil(numel / world_size), in rank order, covering "
@@ -108,7 +108,8 @@ def _bounds_problem(got, numel, world_size, size) -> None:
     if got == expected:
         return
     if world_size > 1 and all(s == r * size and e == size for r, (s, e) in enumerate(got)):
-        fail(f"{where}: that is (start, length); return (start, end), end exclusive.")
+        fail(f"{where}: that is (start, length), so every rank's second number is the same "
+             f"{size}.", fix="return (start, end), end exclusive.")
     if got == expected[::-1] or sorted(got) == expected:
         fail(f"{where}: rank r must own the r-th shard — all_gather_single puts rank r's "
              f"piece at position r.")
@@ -124,13 +125,14 @@ def _bounds_problem(got, numel, world_size, size) -> None:
     for r in range(world_size - 1):
         if got[r][1] < got[r + 1][0]:
             fail(f"{where}: numbers {got[r][1]}..{got[r + 1][0] - 1} between rank {r} and rank "
-                 f"{r + 1} belong to no rank — end is exclusive: rank r ends where rank r + 1 "
-                 f"starts.")
+                 f"{r + 1} belong to no rank — end is exclusive, and rank {r}'s end stops short of rank "
+                 f"{r + 1}'s start.", fix="rank r ends where rank r + 1 starts.")
         if got[r][1] > got[r + 1][0]:
             fail(f"{where}: rank {r} and rank {r + 1} both own numbers {got[r + 1][0]}.."
                  f"{got[r][1] - 1} — shards must not overlap.")
     if got[0][0] != 0:
-        fail(f"{where}: numbers 0..{got[0][0] - 1} belong to no rank — rank 0 starts at 0.")
+        fail(f"{where}: numbers 0..{got[0][0] - 1} belong to no rank (the first shard starts at "
+             f"{got[0][0]}).", fix="rank 0 starts at 0.")
     sizes = sorted({e - s for s, e in got})
     if len(sizes) > 1:
         fail(f"{where}: shard sizes {sizes} — a reduce-scatter and an all-gather move pieces of "
@@ -526,16 +528,19 @@ def _raised(rank: int, summary: str) -> None:
         kind, a, b, c = found.group(1), int(found.group(2)), int(found.group(3)), found.group(4)
         if kind == "unpadded":
             fail(f"your code raised on rank {rank}: a reduce-scatter's input has {a} numbers, "
-                 f"which do not split into {b} equal pieces — pad each bucket's flat vector "
-                 f"with zeros to world_size × its shard size before the reduce-scatter.")
+                 f"which do not split into {b} equal pieces.",
+                 fix="pad each bucket's flat vector with zeros to world_size × its shard size before "
+                     "the reduce-scatter.")
         if kind == "out":
             fail(f"your code raised on rank {rank}: a reduce-scatter's output has {a} numbers "
-                 f"but its input of {b} gives each of the {c} ranks {b // int(c)} — the output "
-                 f"slice of self.shard.grad is the wrong size: check where each bucket's slice "
-                 f"starts in self.shard (its offset) and that it is one shard long.")
+                 f"but its input of {b} gives each of the {c} ranks {b // int(c)}: the output slice of "
+                 f"self.shard.grad is the wrong size.",
+                 fix="check where each bucket's slice starts in self.shard (its offset) and that it is "
+                     "one shard long.")
         fail(f"your code raised on rank {rank}: an all-gather of {a} numbers per rank writes "
-             f"into {b}, not {a * int(c)} — make its output world_size times the piece each "
-             f"rank sends (and send one bucket's whole shard slice).")
+             f"into {b}, not {a * int(c)}.",
+             fix="make its output world_size times the piece each rank sends (and send one "
+                 "bucket's whole shard slice).")
     found = re.search(r"lab08-dtype (\w+) torch\.(\w+) torch\.(\w+)", summary)
     if found or ("assign a gradient" in summary and "dtype" in summary):
         if found:
@@ -629,8 +634,8 @@ def _diagnose(results: list, world_size: int, opt_name: str) -> str:
     if results[0].get("views"):
         what, (numbers, kept) = next(iter(results[0]["views"].items()))
         fail(f"{what} is a view of a larger tensor: it uses {numbers} bytes but keeps {kept} "
-             f"alive (the whole padded vector) — make it a copy of this rank's slice "
-             f"(.clone(), or torch.cat, which copies).")
+             f"alive (the whole padded vector).",
+             fix="make it a copy of this rank's slice (.clone(), or torch.cat, which copies).")
     trainable = _trainable_numels()
     total = sum(trainable)
     per_number = 2 if opt_name == "adam" else 1       # exp_avg + exp_avg_sq, or momentum
@@ -638,12 +643,12 @@ def _diagnose(results: list, world_size: int, opt_name: str) -> str:
     for rank, r in enumerate(results):
         st = r["state_after"]
         if st["missing"]:
-            fail("the wrapper has no self.optimizer (a torch optimizer): keep the inner "
-                 "optimizer there, built over [self.shard].")
+            fail("the wrapper has no self.optimizer (a torch optimizer), so the check cannot see "
+                 "what state it keeps.", fix="keep the inner optimizer there, built over [self.shard].")
         if st["numel"] >= total:
             fail(f"rank {rank}'s inner optimizer steps {st['numel']} numbers, the whole model's "
                  f"{total} or more, so every rank keeps the whole optimizer state — no memory "
-                 f"saved: give it only this rank's shard, [self.shard].")
+                 f"saved.", fix="give it only this rank's shard, [self.shard].")
         if st["bytes"] > most * per_number * 4:
             fail(f"rank {rank}'s optimizer state is {st['bytes']} bytes, more than one shard's "
                  f"({most} numbers × {per_number} × 4 bytes).")
@@ -651,7 +656,7 @@ def _diagnose(results: list, world_size: int, opt_name: str) -> str:
     if not launched_any and all(r.get("hooked") == 0 for r in results):
         fail("your wrapper registered no gradient hook and reduce-scattered nothing: params is "
              "a generator (model.parameters()), which runs out after one pass — a second loop "
-             "over it finds no parameter; make it a list first (list(params)).")
+             "over it finds no parameter.", fix="make it a list first (list(params)).")
     _diagnose_frozen(results)
     _diagnose_schedule(results, world_size)
     for step in range(_STEPS):
@@ -671,8 +676,8 @@ def _diagnose_frozen(results: list) -> None:
     moved = [i for i, n in enumerate(names) if n in frozen and last[i] != r0["initial"][i]]
     if moved:
         fail(f"the frozen parameter {names[moved[0]]} (requires_grad=False) changed: it has no "
-             f"gradient and must not be stepped — leave frozen parameters out of the buckets "
-             f"and the shard.")
+             f"gradient and must not be stepped.",
+             fix="leave frozen parameters out of the buckets and the shard.")
     total = sum(_trainable_numels())
     for s in r0["steps"]:
         launched = sum(e[2] for e in s["log"] if e[0] == "launch")
@@ -680,8 +685,8 @@ def _diagnose_frozen(results: list) -> None:
         if backward_launches and launched < total:
             fail(f"only {launched} of the {total} trainable gradient numbers were "
                  f"reduce-scattered: a bucket waited for a gradient that never came — the "
-                 f"frozen parameter {r0['frozen'][0][0]} (requires_grad=False) gets none; "
-                 f"leave it out of the buckets.")
+                 f"frozen parameter {r0['frozen'][0][0]} (requires_grad=False) gets none.",
+                 fix="leave it out of the buckets.")
 
 
 def _diagnose_weights(results: list, step: int, world_size: int, opt_name: str) -> None:
@@ -695,42 +700,45 @@ def _diagnose_weights(results: list, step: int, world_size: int, opt_name: str) 
     if _close(w, s["summed"]):
         fail(f"{after} the weights equal those of DDP with gradients {world_size}× too large: "
              f"you summed the gradients over the ranks (a reduce-scatter sums) and "
-             f"self.shard.grad still held that sum when the inner optimizer stepped — divide "
-             f"it by the world size in place, in "
-             f"self.shard.grad itself (out = out / n makes a new tensor and leaves the shard's "
-             f"gradient as it was).")
+             f"self.shard.grad still held that sum when the inner optimizer stepped (a division "
+             f"into a new tensor, out = out / n, leaves the shard's gradient as it was).",
+             fix="divide self.shard.grad itself by the world size, in place.")
     if _close(w, s["twice"]):
         fail(f"{after} the weights equal those of DDP with gradients {world_size}× too small: "
-             f"you divided by the world size twice — once, before or after the reduction.")
+             f"you divided by the world size twice.", fix="divide once, before or after the "
+             f"reduction.")
     if step > 0 and _close(w, s["accumulated"]):
         fail(f"{after} the weights are what you get when the gradients of the earlier steps are "
-             f"added to this one's: the shard's gradient must hold this step's gradient only "
-             f"(overwrite it, or zero it in zero_grad()).")
+             f"added to this one's: the shard's gradient held more than this step's gradient.",
+             fix="overwrite it, or zero it in zero_grad().")
     if _close(w, r0["initial"]) and step == 0:
         if s.get("zero_grad_at_step"):
             fail("after step 1 the weights have not changed because self.shard.grad was all "
                  "zeros when the inner optimizer stepped: the reduce-scatters wrote somewhere "
-                 "else — give each one its bucket's slice of self.shard.grad itself as the "
-                 "output (a slice of a 1-d tensor is a view into it; a new tensor is not).")
+                 "else (a slice of a 1-d tensor is a view into it; a new tensor is not).",
+                 fix="give each one its bucket's slice of self.shard.grad itself as the output.")
         if s.get("shard_moved"):
             fail("after step 1 self.shard had moved but the model's parameters had not: the "
-                 "all-gathered values never reached them — copy them into the parameters' own "
-                 "memory (p.data), not into a new tensor or a rebound name.")
-        fail("after step 1 the weights have not changed: step the inner optimizer, then copy "
-             "the gathered shards back into p.data.")
+                 "all-gathered values never reached them (a new tensor or a rebound name is not the "
+                 "parameters' memory).", fix="copy them into the parameters' own memory (p.data).")
+        fail("after step 1 the weights have not changed: neither the shard nor the "
+             "parameters moved.", fix="step the inner optimizer, then copy the gathered shards back "
+             "into p.data.")
     bad = (~torch.isclose(w, ref, rtol=1e-5, atol=1e-6)).nonzero().flatten().tolist()
     if bad and set(bad) <= _edges(world_size):
         fail(f"{after} only the numbers at the shard edges {bad} are wrong: a shard boundary "
-             f"is off by one — slice [start:end), end exclusive.")
+             f"is off by one.", fix="slice [start:end), end exclusive.")
     if not any(e[0] == "launch" for e in s["log"]):
-        fail(f"{after} every rank holds the same weights, but they differ from DDP's: the "
-             f"gradients were never averaged over the ranks — reduce-scatter each bucket, then "
-             f"divide, before stepping the shard.")
+        fail(f"{after} every rank holds the same weights, but they differ from DDP's: no "
+             f"reduce-scatter ran, so the gradients were never averaged over the ranks.",
+             fix="reduce-scatter each bucket, then divide, before stepping the shard.")
     name = r0["names"][bad[0]]
-    fail(f"{after} the weights differ from DDP + {opt_name} at {len(bad)} of {w.numel()} numbers "
-         f"(first: index {bad[0]}, in {name}): each bucket's slice of the shard must be "
-         f"stepped with this rank's slice of that bucket's averaged gradient, then all-gathered "
-         f"and copied back into the bucket's parameters in order.")
+    fail(f"{after} the weights differ from DDP + {opt_name} at {len(bad)} of {w.numel()} "
+         f"numbers (first: index {bad[0]}, in {name}): some bucket's slice of the shard was not "
+         f"stepped with this rank's slice of that bucket's averaged gradient, or not copied back "
+         f"into that bucket's parameters in order.",
+         fix="step each bucket's slice with its averaged gradient slice, then all-gather and "
+             "copy back into the bucket's parameters in order.")
 
 
 def _diagnose_drift(results: list, step: int) -> None:
@@ -742,10 +750,11 @@ def _diagnose_drift(results: list, step: int) -> None:
                     for a in range(len(changed)) for b in range(a + 1, len(changed)))
         if apart:
             fail("after step 1 each rank changed only its own shard and the ranks now hold "
-                 "different weights: all-gather every bucket's shards (all_gather_single) and "
-                 "copy them back into the parameters.")
-    fail(f"after step {step + 1} the ranks hold different weights: every rank must end the "
-         f"step with every shard — all-gather them and copy them back into the parameters.")
+                 "different weights: no rank received the others' shards.",
+                 fix="all-gather every bucket's shards (all_gather_single) and copy them back into the "
+                     "parameters.")
+    fail(f"after step {step + 1} the ranks hold different weights: some rank ended the step "
+         f"without every shard.", fix="all-gather them and copy them back into the parameters.")
 
 
 def _diagnose_schedule(results: list, world_size: int) -> None:

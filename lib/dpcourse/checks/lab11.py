@@ -69,7 +69,7 @@ from torch import nn
 from . import (check_timeout, fail, has_todo, passed, recorded, refuse_reference, reveal,
                run_ranks)
 
-__all__ = ["check_block_of", "check_diagnosis", "check_conjugates", "check_column_parallel", "check_row_parallel",
+__all__ = ["check_block_of", "check_diagnosis", "check_conjugates", "check_split_decision", "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "count_parameters", "check_parameters_prediction",
            "count_all_reduces", "check_prediction", "check_gpipe",
            "measure_bubble", "WORLD_SIZES", "DEFAULT_TIMEOUT"]
@@ -135,21 +135,25 @@ def check_block_of(block_of) -> None:
             try:
                 start, stop = (int(v) for v in block_of(size, r, n))
             except Exception as exc:
-                fail(f"block_of({size}, {r}, {n}) raised {_error(exc)} — {n} divides {size}: "
-                     f"return (start, stop), two ints.")
+                fail(f"block_of({size}, {r}, {n}) raised {_error(exc)}, but {n} divides {size}: "
+                     f"nothing about this size calls for an error.",
+                     fix="return (start, stop), two ints, for every size the world size divides.")
             got.append((start, stop))
         per = size // n
         right = [(r * per, (r + 1) * per) for r in range(n)]
         if got == right:
             continue
         if all(g == got[0] for g in got) and n > 1:
-            fail(f"block_of({size}, r, {n}) gives {got[0]} to every rank: offset the block by "
-                 f"the rank (start = rank × {per}).")
+            fail(f"block_of({size}, r, {n}) gives {got[0]} to every rank: every rank keeps the same "
+                 f"features, so the other {size - per} are kept by none.",
+                 fix=f"offset the block by the rank (rank r's block starts at r × {per}).")
         if all(stop - start == per - 1 for start, stop in got):
-            fail(f"block_of({size}, r, {n}) gives blocks of {per - 1}, one feature short: "
-                 f"stop is start + size // world_size (the slice [start:stop) leaves stop out).")
-        fail(f"block_of({size}, r, {n}) gives {got}; rank r's block is [r × {per}, (r + 1) × "
-             f"{per}): {right}.")
+            fail(f"block_of({size}, r, {n}) gives blocks of {per - 1}, one feature short: {n} "
+                 f"ranks then keep {n * (per - 1)} of the {size} features.",
+                 fix="the slice [start:stop) leaves stop out: stop is start plus the block's size.")
+        fail(f"block_of({size}, r, {n}) gives {got}, which is not {n} contiguous blocks of "
+             f"{per} in rank order.",
+             fix=f"rank r's block is [r × {per}, (r + 1) × {per}): {right}.")
     n = 3
     try:
         got = [tuple(int(v) for v in block_of(ODD_H, r, n)) for r in range(n)]
@@ -158,10 +162,11 @@ def check_block_of(block_of) -> None:
             passed(f"block_of: contiguous blocks in rank order, and {ODD_H} features on {n} "
                    f"ranks refused with a sentence naming both")
             return
-        fail(f"block_of({ODD_H}, r, {n}) raised {_error(exc)!r} — refuse a size the world "
-             f"size does not divide with a sentence that names both numbers, e.g. "
-             f"ValueError(f'a hidden size of {{size}} does not split over {{world_size}} "
-             f"ranks').")
+        fail(f"block_of({ODD_H}, r, {n}) raised {_error(exc)!r}, a sentence that does not name "
+             f"both the size ({ODD_H}) and the world size ({n}): the learner who meets it cannot "
+             f"tell which number to change.",
+             fix="refuse a size the world size does not divide with a ValueError whose sentence "
+                 "names both numbers.")
     covered = [i for start, stop in got for i in range(start, stop)]
     if covered == list(range(ODD_H)) and all(stop > start for start, stop in got):
         passed(f"block_of: contiguous blocks in rank order; {ODD_H} features on {n} ranks "
@@ -169,11 +174,12 @@ def check_block_of(block_of) -> None:
         return
     if len(covered) < ODD_H and covered == list(range(len(covered))):
         fail(f"block_of({ODD_H}, r, {n}) gives {got}: feature(s) {len(covered)}..{ODD_H - 1} "
-             f"belong to no rank — {n} does not divide {ODD_H}: refuse it (raise a ValueError "
-             f"naming both) or give the remainder to some ranks.")
+             f"belong to no rank, because {n} does not divide {ODD_H}.",
+             fix="refuse such a size (a ValueError naming both numbers) or give the remainder to "
+                 "some ranks.")
     fail(f"block_of({ODD_H}, r, {n}) gives {got}, which does not cover the {ODD_H} features "
-         f"once each in rank order: refuse a size the world size does not divide, or give "
-         f"uneven blocks that cover it.")
+         f"once each in rank order.",
+         fix="refuse a size the world size does not divide, or give uneven blocks that cover it.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,8 +299,9 @@ def check_diagnosis(f_communicates_in, g_communicates_in, why) -> None:
     said = why.lower()
     if not all(any(word in said for word in group) for group in WHY_WORDS):
         fail(f"Both passes are right, but why does not say yet what makes them communicate "
-             f"(\"{why.strip()[:80]}\"): say what each rank holds whole and what it holds only "
-             f"as a part that the ranks must add up, on each side of f and of g.")
+             f"(\"{why.strip()[:80]}\").",
+             fix="say what each rank holds whole and what it holds only as a part that the ranks "
+                 "must add up, on each side of f and of g.")
     passed("your diagnosis: on each side of f and of g, one pass needs what every rank holds "
            "only as a part — a sum over the ranks — and the other has it whole on every rank "
            "already. Now write the code that does what you declared.")
@@ -343,15 +350,15 @@ def _against_declaration(outs: list, f_name: str, g_name: str, declared: dict) -
     f_does, g_does = _passes(o["f_fwd"], o["f_bwd"]), _passes(o["g_fwd"], o["g_bwd"])
     if f_does == declared["g"] and g_does == declared["f"] and f_does != g_does:
         fail(f"{f_name} communicates where you declared g does, and {g_name} where you "
-             f"declared f does: f and g are swapped — f wraps the column layer's input, g the "
-             f"row layer's product.")
+             f"declared f does: f and g are swapped.",
+             fix="f wraps the column layer's input, g the row layer's product.")
     for op, name, does in (("f", f_name, f_does), ("g", g_name, g_does)):
         if does != declared[op]:
             where = {"both": "in both passes", "neither": "in neither pass",
                      "forward": "in its forward only",
                      "backward": "in its backward only"}[does]
             fail(f"your {name} communicates {where}, but you declared {_NAMES[op]} = "
-                 f"{declared[op]!r}: make the code do what your own diagnosis says.")
+                 f"{declared[op]!r}: the code does not do what your own diagnosis says.")
 
 
 def _diagnose_conjugates(outs: list, n: int, f_name: str, g_name: str) -> None:
@@ -360,11 +367,13 @@ def _diagnose_conjugates(outs: list, n: int, f_name: str, g_name: str) -> None:
     x, g_sum = xs[0], gs.sum(0)
     for rank, o in enumerate(outs):
         if "f_error" in o:
-            fail(f"{f_name} raised on rank {rank}: {o['f_error']} — forward(ctx, x) returns a "
-                 f"tensor of x's shape, backward(ctx, grad) returns the gradient of x.")
+            fail(f"{f_name} raised on rank {rank}: {o['f_error']}.",
+                 fix="forward(ctx, x) returns a tensor of x's shape, backward(ctx, grad) returns the "
+                     "gradient of x.")
         if "g_error" in o:
-            fail(f"{g_name} raised on rank {rank}: {o['g_error']} — forward(ctx, x) returns a "
-                 f"tensor of x's shape, backward(ctx, grad) returns the gradient of x.")
+            fail(f"{g_name} raised on rank {rank}: {o['g_error']}.",
+                 fix="forward(ctx, x) returns a tensor of x's shape, backward(ctx, grad) returns the "
+                     "gradient of x.")
     o = outs[n - 1]
     rank = n - 1
     f_like_g = _close(o["f_y"], n * x) and _close(o["f_grad"], gs[rank])
@@ -378,22 +387,24 @@ def _diagnose_conjugates(outs: list, n: int, f_name: str, g_name: str) -> None:
         fail(f"{f_name}'s forward all-reduces x: every rank already holds the same x, so the "
              f"sum is {n}·x where the column layer needs x itself.")
     if not _close(o["f_y"], x):
-        fail(f"{f_name}'s forward changes x: it must return x itself (the identity).")
+        fail(f"{f_name}'s forward changes x, but the column layer needs the x every rank "
+             f"already holds.", fix="return x itself (the identity).")
     if o["f_fwd"]:
         fail(f"{f_name}'s forward makes {o['f_fwd']} collective call(s) and still returns x "
              f"(an all-reduce divided by the world size?): every rank already holds x, so that "
              f"pass has nothing to exchange.")
     # f's backward
     if o["f_grad"] is None:
-        fail(f"x has no gradient after {f_name}'s backward: backward returned None, but it "
-             f"must return the gradient of x.")
+        fail(f"x has no gradient after {f_name}'s backward: backward returned None.",
+             fix="backward returns the gradient of x.")
     if _close(o["f_grad"], gs[rank]) or o["f_bwd"] == 0:
         fail(f"{f_name}'s backward returns this rank's gradient as it came: it holds only the "
              f"part of dL/dx that flows through this rank's block of the next layer, and x "
              f"reaches the loss through every rank's block.")
     if _close(o["f_grad"], g_sum / n):
-        fail(f"{f_name}'s backward averages the gradients (divided by the world size): dL/dx is "
-             f"the SUM of the ranks' parts — do not divide.")
+        fail(f"{f_name}'s backward averages the gradients (divided by the world size), but dL/dx "
+             f"is the SUM of the ranks' parts: it comes out {n} times too small.",
+             fix="do not divide.")
     if not _close(o["f_grad"], g_sum):
         fail(f"{f_name}'s backward returns a gradient that is neither this rank's part of "
              f"dL/dx nor the whole of it (the sum of every rank's part).")
@@ -403,14 +414,15 @@ def _diagnose_conjugates(outs: list, n: int, f_name: str, g_name: str) -> None:
         fail(f"{g_name}'s forward returns its input unchanged: each rank holds only a partial "
              f"product, and the layer's output is all of them added up.")
     if _close(o["g_z"], x_sum / n):
-        fail(f"{g_name}'s forward averages (divides by the world size): a row-parallel layer's "
-             f"partial products add up to the output — sum them.")
+        fail(f"{g_name}'s forward averages (divides by the world size), but a row-parallel "
+             f"layer's partial products add up to the output: it comes out {n} times too small.",
+             fix="sum them, do not divide.")
     if not _close(o["g_z"], x_sum):
         fail(f"{g_name}'s forward does not return the sum over the ranks of their inputs.")
     # g's backward
     if o["g_grad"] is None:
-        fail(f"the input has no gradient after {g_name}'s backward: backward must return the "
-             f"gradient, not None.")
+        fail(f"the input has no gradient after {g_name}'s backward: backward returned None.",
+             fix="backward returns the gradient of its input.")
     if _close(o["g_grad"], g_sum) or o["g_bwd"]:
         fail(f"{g_name}'s backward all-reduces: the gradient of a sum reaches each term "
              f"unchanged, and every rank already holds it (what follows g runs the same on "
@@ -418,6 +430,96 @@ def _diagnose_conjugates(outs: list, n: int, f_name: str, g_name: str) -> None:
     if not _close(o["g_grad"], gs[rank]):
         fail(f"{g_name}'s backward changes the gradient, but the gradient of a sum reaches "
              f"each term unchanged.")
+
+
+# --------------------------------------------------------------------------------------------
+# Part 3's decision: which dimension of linear.weight each layer cuts, with a reason
+# --------------------------------------------------------------------------------------------
+
+# the right dimensions (hidden from the lab's text; the check says whether the learner's are)
+_RIGHT_DIM = {"column": 0, "row": 1}
+_DIM_NAMES = {"column": "column_weight_dim", "row": "row_weight_dim"}
+# what a why_dims must speak of: the weight's output features, its input features, and how the
+# weight is laid out or used (broad stems: the learner's own words, not an empty sentence)
+WHY_DIM_WORDS = (
+    ("out_features", "output", "out ", "out,", "(out", "out)", "outs"),
+    ("in_features", "input", "(in", " in)", " in,", " in ", "ins "),
+    ("shape", "row", "column", "dim", "layout", "index", "store", "transpos", ".t", "@",
+     "linear(", "matmul", "multipl", "product", "size"),
+)
+# a why sent back with a wrong choice, by its words -> the choice it argued for
+_whys_sent_back: dict = {}
+
+
+def _why_key(why: str) -> str:
+    return " ".join("".join(c if c.isalnum() else " " for c in why.lower()).split())
+
+
+def _dim_declaration(column_weight_dim, row_weight_dim, where: str) -> dict:
+    """The declared dimensions, validated (values only); NotImplementedError when unwritten."""
+    __tracebackhide__ = True
+    declared = {"column": column_weight_dim, "row": row_weight_dim}
+    if any(v is None or v is Ellipsis for v in declared.values()):
+        raise NotImplementedError(f"write column_weight_dim and row_weight_dim first (part 3's "
+                                  f"decision), then {where}.")
+    for kind, value in declared.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, -1, -2):
+            fail(f"{_DIM_NAMES[kind]} should be a dimension of the 2-D linear.weight (0 or 1); "
+                 f"got {value!r}.")
+    return {kind: value % 2 for kind, value in declared.items()}
+
+
+@recorded
+def check_split_decision(column_weight_dim, row_weight_dim, why_dims) -> None:
+    """Part 3's decision, before any code: which dimension of ``linear.weight`` (0 or 1) each
+    layer cuts, and ``why_dims``, a sentence that must speak of the weight's output features,
+    its input features and its layout (:data:`WHY_DIM_WORDS`). The reason is judged first, so
+    the dimensions cannot be found by trying; a wrong dimension is sent back with what it cuts
+    and a way to find out, never the right number; and a reason sent back with one choice is
+    refused when it comes back arguing for another."""
+    __tracebackhide__ = True
+    if why_dims is None or why_dims is Ellipsis:
+        raise NotImplementedError("write column_weight_dim, row_weight_dim and why_dims first, "
+                                  "then run this check.")
+    declared = _dim_declaration(column_weight_dim, row_weight_dim, "run this check")
+    if not isinstance(why_dims, str) or len(why_dims.split()) < 8:
+        fail(f"why_dims should say in a sentence (eight words or more) how linear.weight is "
+             f"laid out and what that makes each layer cut; got {why_dims!r}.")
+    said = why_dims.lower()
+    if not all(any(word in said for word in group) for group in WHY_DIM_WORDS):
+        fail(f"why_dims (\"{why_dims.strip()[:80]}\") does not yet say how linear.weight holds "
+             f"a layer's input and output features; the check judges your dimensions only "
+             f"after the reason for them.",
+             fix="say which of linear.weight's dimensions runs over out_features and which "
+                 "over in_features, and which of them is the hidden size in each layer.")
+    key, choice = _why_key(why_dims), (declared["column"], declared["row"])
+    if key in _whys_sent_back and _whys_sent_back[key] != choice:
+        was = _whys_sent_back[key]
+        fail(f"you changed (column_weight_dim, row_weight_dim) from {was} to {choice}, but "
+             f"why_dims is the same sentence that argued for {was}: a reason that led to the "
+             f"wrong dimension cannot be the reason for another one — trying the other number "
+             f"is not a decision.",
+             fix="find in which order nn.Linear stores its features (print a layer's "
+                 "weight.shape beside its in_features and out_features), then rewrite "
+                 "why_dims from what you found.")
+    wrong = [kind for kind in ("column", "row") if declared[kind] != _RIGHT_DIM[kind]]
+    if wrong:
+        _whys_sent_back[key] = choice
+        kind = wrong[0]
+        width, layer = (f"input features (the model's width, {D})", "Linear(6, 12)") \
+            if kind == "column" else (f"output features (the model's width, {D})",
+                                      "Linear(12, 6)")
+        both = " (and so does row_weight_dim's)" if len(wrong) == 2 else ""
+        fail(f"{_DIM_NAMES[kind]} = {declared[kind]} cuts the dimension of the {kind} layer's "
+             f"{layer}.weight that runs over its {width}, which every rank keeps whole; only "
+             f"the hidden features are split{both}. Your why_dims reasoned about the layout "
+             f"of linear.weight, and that reasoning has a step that does not hold.",
+             fix="check the step against torch: compare nn.Linear(6, 12).weight.shape with "
+                 "in_features and out_features, and see which one F.linear multiplies x by "
+                 "(the weight or its transpose); then rewrite why_dims.")
+    passed("your decision: each layer cuts the dimension of linear.weight that runs over the "
+           "hidden features, and you said why from the weight's layout. Now write the layers "
+           "that cut it.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -500,7 +602,7 @@ def _layer_worker(rank: int, world_size: int, layer_cls, kind: str) -> dict:
     return out
 
 
-def _launch_layer(layer_cls, kind: str, world_sizes, timeout) -> None:
+def _launch_layer(layer_cls, kind: str, weight_dim, world_sizes, timeout) -> None:
     __tracebackhide__ = True
     from .. import tensor_parallel as tp
 
@@ -508,11 +610,20 @@ def _launch_layer(layer_cls, kind: str, world_sizes, timeout) -> None:
         fail(f"the check needs your class itself, got {type(layer_cls).__name__}.")
     refuse_reference(layer_cls, "ColumnParallel" if kind == "column" else "RowParallel",
                      tp.ColumnParallelLinear, tp.RowParallelLinear, why=_OWN)
+    if weight_dim is not None:
+        if isinstance(weight_dim, bool) or weight_dim not in (0, 1, -1, -2):
+            fail(f"{_DIM_NAMES[kind]} should be a dimension of the 2-D linear.weight (0 or 1); "
+                 f"got {weight_dim!r}.")
+        if weight_dim % 2 != _RIGHT_DIM[kind]:
+            fail(f"your decision ({_DIM_NAMES[kind]} = {weight_dim}) is not right yet: run "
+                 f"lab11.check_split_decision and read its sentence before checking the code.")
     _todo(layer_cls)
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     for n in world_sizes:
         outs = run_ranks(_layer_worker, n, layer_cls, kind, timeout=timeout, hang=_HANG)
         full, x, upstream, y = _reference(kind)
+        if weight_dim is not None:
+            _against_dim(outs, n, layer_cls.__name__, full, kind, weight_dim % 2)
         _common_layer_failures(outs, n, layer_cls.__name__, full, kind)
         _block_failures(outs, n, layer_cls.__name__, full, 0 if kind == "column" else 1)
         diagnose = _diagnose_column if kind == "column" else _diagnose_row
@@ -520,26 +631,29 @@ def _launch_layer(layer_cls, kind: str, world_sizes, timeout) -> None:
 
 
 @recorded
-def check_column_parallel(layer_cls, world_sizes=WORLD_SIZES,
+def check_column_parallel(layer_cls, weight_dim=None, world_sizes=WORLD_SIZES,
                           timeout: float | None = None) -> None:
     """``layer_cls(linear, rank, world_size)`` built from a full ``nn.Linear(6, 12)`` on 2 and
     3 ranks: each rank's output is its block of the full layer's output features, with no
-    communication in the forward and one all-reduce of dL/dx in the backward."""
+    communication in the forward and one all-reduce of dL/dx in the backward. ``weight_dim``
+    is the learner's part-3 decision (:func:`check_split_decision`): it must be right, and
+    shards cut along another dimension are refused first."""
     __tracebackhide__ = True
-    _launch_layer(layer_cls, "column", world_sizes, timeout)
+    _launch_layer(layer_cls, "column", weight_dim, world_sizes, timeout)
     shown = " and ".join(map(str, world_sizes))
     passed(f"{layer_cls.__name__}: each rank's output, dL/dx and weight and bias gradients equal "
            f"the matching block of the full layer's, on {shown} ranks")
 
 
 @recorded
-def check_row_parallel(layer_cls, world_sizes=WORLD_SIZES, timeout: float | None = None) -> None:
+def check_row_parallel(layer_cls, weight_dim=None, world_sizes=WORLD_SIZES,
+                       timeout: float | None = None) -> None:
     """``layer_cls(linear, rank, world_size)`` built from a full ``nn.Linear(12, 6)`` on 2 and
     3 ranks, fed each rank's block of the hidden features: every rank's output equals the full
     layer's, with one all-reduce in the forward and none in the backward; the bias counted
-    once and given its whole gradient."""
+    once and given its whole gradient. ``weight_dim`` as in :func:`check_column_parallel`."""
     __tracebackhide__ = True
-    _launch_layer(layer_cls, "row", world_sizes, timeout)
+    _launch_layer(layer_cls, "row", weight_dim, world_sizes, timeout)
     shown = " and ".join(map(str, world_sizes))
     passed(f"{layer_cls.__name__}: every rank's output equals the full layer's, bias included, "
            f"and the input and parameter gradients are the matching blocks of the full "
@@ -565,8 +679,9 @@ def _common_layer_failures(outs: list, n: int, name: str, full: nn.Linear, kind:
         fail(f"{name} keeps the whole bias ({out_f},) on every rank: a rank computes only its "
              f"block of the output features, and so needs only their biases.")
     if right not in shapes and right[::-1] not in shapes:
-        fail(f"{name}'s parameters are {shapes}, none of them a block of the weight: this "
-             f"rank's block must be an nn.Parameter (a plain tensor gets no gradient).")
+        fail(f"{name}'s parameters are {shapes}, none of them a block of the weight, so this "
+             f"rank's block gets no gradient and is never trained.",
+             fix="keep this rank's block as an nn.Parameter (a plain tensor gets no gradient).")
     for rank, o in enumerate(outs):
         if "forward_error" in o:
             fail(f"{name}'s forward raised on rank {rank}: {o['forward_error']}.")
@@ -599,6 +714,31 @@ def _wrong_dimension(outs: list, n: int, name: str, full: nn.Linear, kind: str,
             else "") + ".")
 
 
+def _cut_dim(shape: tuple, full_shape: tuple, n: int):
+    """The dimension of the full weight a rank's 2-D shard cut (stored either way round), or
+    None when its shape is neither cut's."""
+    out_f, in_f = full_shape
+    for dim, cut in ((0, (out_f // n, in_f)), (1, (out_f, in_f // n))):
+        if sorted(shape) == sorted(cut) and sorted(cut) != sorted(full_shape):
+            return dim
+    return None
+
+
+def _against_dim(outs: list, n: int, name: str, full: nn.Linear, kind: str,
+                 declared: int) -> None:
+    """Refuse shards that cut another dimension of linear.weight than the learner declared."""
+    __tracebackhide__ = True
+    shape = tuple(full.weight.shape)
+    for rank, o in enumerate(outs):
+        weight = next((s for s in o.get("shapes", []) if len(s) == 2), None)
+        cut = None if weight is None else _cut_dim(weight, shape, n)
+        if cut is not None and cut != declared:
+            fail(f"rank {rank}'s weight shard of {name} has shape {weight}, cut along "
+                 f"dimension {cut} of linear.weight {shape}, but you declared "
+                 f"{_DIM_NAMES[kind]} = {declared} (and said why): your code does not do what "
+                 f"your own decision says.")
+
+
 def _which_block(weight: torch.Tensor, full_weight: torch.Tensor, dim: int, n: int):
     """The rank whose contiguous block along ``dim`` this shard is, 'strided' or None."""
     per = full_weight.shape[dim] // n
@@ -623,22 +763,43 @@ def _block_failures(outs: list, n: int, name: str, full: nn.Linear, dim: int) ->
             o["transposed"] = True     # stored as (in, out) for x @ W: a right variant
         what = "rows" if dim == 0 else "columns"
         if s == "strided":
-            fail(f"rank {rank} of {name} took every {n}-th {what[:-1]} (a strided shard): keep "
-                 f"the contiguous block [rank × {per}, (rank + 1) × {per}), as Megatron does, "
-                 f"so that the next layer's block lines up with it.")
+            fail(f"rank {rank} of {name} took every {n}-th {what[:-1]} (a strided shard), so the "
+                 f"next layer's block does not line up with it.",
+                 fix=f"keep the contiguous block [rank × {per}, (rank + 1) × {per}), as Megatron does.")
         if isinstance(s, int) and s != rank:
             fail(f"rank {rank} of {name} kept the {what} of rank {s} ([{s * per}, "
-                 f"{(s + 1) * per})): offset the block by the rank — rank r keeps [r × {per}, "
-                 f"(r + 1) × {per}).")
+                 f"{(s + 1) * per})), the block of another rank.",
+                 fix=f"offset the block by the rank: rank r keeps [r × {per}, (r + 1) × {per}).")
         if s is None:
             fail(f"rank {rank}'s weight shard of {name} is not a block of the full layer's "
-                 f"{what}: copy linear.weight's {what} [rank × {per}, (rank + 1) × {per}).")
+                 f"{what}.", fix=f"copy linear.weight's {what} [rank × {per}, (rank + 1) × {per}).")
 
 
 def _weight_grads(o: dict) -> list:
     """The 2-D parameters' gradients, in torch's (out, in) layout."""
     grads = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 2 and g is not None]
     return [g.T for g in grads] if o.get("transposed") else grads
+
+
+def _backward_ran(o: dict, rank: int, name: str, what: str) -> None:
+    """What both layers' diagnoses check first after the forward: the backward ran, and reached
+    the layer's input."""
+    __tracebackhide__ = True
+    if "backward_error" in o:
+        fail(f"the backward through {name} raised on rank {rank}: {o['backward_error']}.")
+    if o["x_grad"] is None:
+        fail(f"{what} has no gradient after the backward through {name}: the forward cuts it "
+             f"off from autograd (a detach, .data, or a backward that returns None).")
+
+
+def _weight_grad_is(o: dict, rank: int, name: str, want: torch.Tensor, what: str,
+                    per: int) -> None:
+    """This rank's weight gradient is ``want``, the matching block of the full layer's."""
+    __tracebackhide__ = True
+    weights = _weight_grads(o)
+    if not weights or not _close(weights[0], want):
+        fail(f"the weight gradient of {name} on rank {rank} is not the full layer's {what} "
+             f"[{rank * per}, {(rank + 1) * per}).")
 
 
 def _diagnose_column(outs: list, n: int, name: str, full, x, grad_full, y_full) -> None:
@@ -662,12 +823,8 @@ def _diagnose_column(outs: list, n: int, name: str, full, x, grad_full, y_full) 
                 fail(f"{name}'s output on rank {rank} lacks the bias of its output features.")
             fail(f"{name}'s output on rank {rank} is not features [{rank * per}, "
                  f"{(rank + 1) * per}) of the full layer's output.")
-        if "backward_error" in o:
-            fail(f"the backward through {name} raised on rank {rank}: {o['backward_error']}.")
+        _backward_ran(o, rank, name, "x")
         partial = grad_full[:, block] @ full.weight.detach()[block]
-        if o["x_grad"] is None:
-            fail(f"x has no gradient after the backward through {name}: the forward cuts x off "
-                 f"from autograd (a detach, .data, or a backward that returns None).")
         if _close(o["x_grad"], partial) or o["bwd"] == 0:
             fail(f"no communication in the backward of {name}: dL/dx on rank {rank} is only the "
                  f"part that flows through its own block of output features, and x reaches the "
@@ -682,14 +839,12 @@ def _diagnose_column(outs: list, n: int, name: str, full, x, grad_full, y_full) 
                      f"the output blocks (each rank's is different), where the sum the layer "
                      f"needs is that of dL/dx.")
             fail(f"dL/dx after {name}'s backward on rank {rank} is not the full layer's.")
-        weights = _weight_grads(o)
+        _weight_grad_is(o, rank, name, full.weight.grad[block], "rows", per)
         biases = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 1]
-        if not weights or not _close(weights[0], full.weight.grad[block]):
-            fail(f"the weight gradient of {name} on rank {rank} is not the full layer's rows "
-                 f"[{rank * per}, {(rank + 1) * per}).")
         if not biases or not _close(biases[0], full.bias.grad[block]):
-            fail(f"the bias gradient of {name} on rank {rank} is not the full bias's block: "
-                 f"keep the bias block as an nn.Parameter and add it in the forward.")
+            fail(f"the bias gradient of {name} on rank {rank} is not the full bias's block: the "
+                 f"bias does not reach the output as a parameter of this rank's block.",
+                 fix="keep the bias block as an nn.Parameter and add it in the forward.")
 
 
 def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full) -> None:
@@ -706,8 +861,9 @@ def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full
             fail(f"{name} adds the bias on every rank before the all-reduce, so the sum holds it "
                  f"{n} times where the output holds it once.")
         if _close(o["y"], (want - bias) / n + bias) or _close(o["y"], want / n):
-            fail(f"{name} averages the partial products (divides by the world size): they are "
-                 f"parts of one matrix product — sum them.")
+            fail(f"{name} averages the partial products (divides by the world size), but they are "
+                 f"parts of one matrix product: the output comes out {n} times too small.",
+                 fix="sum them, do not divide.")
         if not _close(o["y"], want):
             if _close(o["y"], want - bias):
                 fail(f"{name}'s output on rank {rank} lacks the bias: every rank's output is "
@@ -719,11 +875,8 @@ def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full
                 fail(f"{name} applies g to its input, before the matmul: it sums the ranks' "
                      f"hidden blocks, which are different features, not parts of one sum.")
             fail(f"{name}'s output on rank {rank} is not the full layer's output.")
-        if "backward_error" in o:
-            fail(f"the backward through {name} raised on rank {rank}: {o['backward_error']}.")
+        _backward_ran(o, rank, name, "the hidden block")
         want_x = h_full.grad[:, rank * per:(rank + 1) * per]
-        if o["x_grad"] is None:
-            fail(f"the hidden block has no gradient after the backward through {name}.")
         if _close(o["x_grad"], n * want_x) or o["bwd"]:
             fail(f"{name}'s backward all-reduces (it makes {o['bwd']} collective call(s) and "
                  f"dL/dh comes out {n} times too large): every rank already has the same dL/dy "
@@ -732,10 +885,8 @@ def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full
         if not _close(o["x_grad"], want_x):
             fail(f"the gradient of the hidden block after {name}'s backward on rank {rank} is "
                  f"not the full layer's.")
-        weights = _weight_grads(o)
-        if not weights or not _close(weights[0], full.weight.grad[:, rank * per:(rank + 1) * per]):
-            fail(f"the weight gradient of {name} on rank {rank} is not the full layer's "
-                 f"columns [{rank * per}, {(rank + 1) * per}).")
+        _weight_grad_is(o, rank, name, full.weight.grad[:, rank * per:(rank + 1) * per],
+                        "columns", per)
     # the bias: wherever it lives, its gradient is the whole bias's
     holders = []
     for rank, o in enumerate(outs):
@@ -755,8 +906,8 @@ def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full
                 fail(f"the bias gradient of {name} on rank {rank} is not the full layer's.")
             holders.append(rank)
     if not holders:
-        fail(f"no rank's bias of {name} got a gradient: keep the bias as an nn.Parameter and add "
-             f"it in the forward.")
+        fail(f"no rank's bias of {name} got a gradient: the bias never reaches the output as "
+             f"a parameter.", fix="keep the bias as an nn.Parameter and add it in the forward.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -817,15 +968,16 @@ def check_tp_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None)
     errors = [o.get("build_error") for o in outs]
     if all(errors):
         if not all(str(ODD_H) in e and "3" in e.replace(str(ODD_H), "") for e in errors):
-            fail(f"hidden size {ODD_H} on 3 ranks: your {mlp_cls.__name__} raised "
-                 f"{errors[0]!r} — refuse it with a sentence that names the hidden size and "
-                 f"the world size, e.g. ValueError(f'a hidden size of {{h}} does not split "
-                 f"over {{world_size}} ranks').")
+            fail(f"hidden size {ODD_H} on 3 ranks: your {mlp_cls.__name__} raised {errors[0]!r}, a "
+                 f"sentence that does not name both the hidden size ({ODD_H}) and the world size (3).",
+                 fix="refuse it with a ValueError whose sentence names the hidden size and the world "
+                     "size.")
         how = "refused with a sentence naming both"
     else:
         if any(errors):
             fail(f"hidden size {ODD_H} on 3 ranks: some ranks refused it and some did not "
-                 f"({errors}) — refuse it on every rank, or handle it on every rank.")
+                 f"({errors}), and the ranks that went on wait for the others' collectives.",
+                 fix="refuse it on every rank, or handle it on every rank.")
         _diagnose_mlp(outs, 3, ODD_H, mlp_cls.__name__,
                       hint=f" — {ODD_H} does not split into 3 equal blocks: refuse it with a "
                            f"ValueError naming both numbers, or give uneven blocks that cover "
@@ -1008,10 +1160,9 @@ def _mlp_param_grads(outs: list, n: int, hidden: int, name: str, plain: nn.Seque
         for p, g in zip(o["params"], o["grads"]):
             b2 = plain[2].bias.detach()
             if p.shape == b2.shape and not torch.equal(p, b2) and torch.allclose(p, b2 / n):
-                fail(f"{name} keeps {_MLP_PARTS['b2']} divided by the world size on rank "
-                     f"{rank}: the output adds up right, but each copy gets 1/{n} of its "
-                     f"gradient — keep the whole bias and add it once (after g, or before it "
-                     f"on rank 0 only).")
+                fail(f"{name} keeps {_MLP_PARTS['b2']} divided by the world size on rank {rank}: the "
+                     f"output adds up right, but each copy gets 1/{n} of its gradient.",
+                     fix="keep the whole bias and add it once (after g, or before it on rank 0 only).")
             match = _match_param(p, plain)
             if match is None:
                 continue
@@ -1021,9 +1172,9 @@ def _mlp_param_grads(outs: list, n: int, hidden: int, name: str, plain: nn.Seque
             if g is None and part == "b2":
                 continue           # the bias added on rank 0 only: the others' copy is unused
             if g is None:
-                fail(f"{what} on rank {rank} gets no gradient ({n} ranks, hidden size "
-                     f"{hidden}): the forward uses it detached (or through .data) — use the "
-                     f"nn.Parameter itself, so that autograd reaches it.")
+                fail(f"{what} on rank {rank} gets no gradient ({n} ranks, hidden size {hidden}): the "
+                     f"forward uses it detached (or through .data).",
+                     fix="use the nn.Parameter itself, so that autograd reaches it.")
             if transposed:
                 g = g.T
             k = (p.T if transposed else p).shape[dim]
@@ -1035,26 +1186,26 @@ def _mlp_param_grads(outs: list, n: int, hidden: int, name: str, plain: nn.Seque
             where = ("" if part == "b2" else
                      f" {'rows' if dim == 0 else 'columns'} [{start}, {start + k})")
             if _close(g, want / n):
-                fail(f"the gradient of {what} on rank {rank} is 1/{n} of the plain MLP's"
-                     f"{where} ({n} ranks, hidden size {hidden}): nothing may divide it by "
-                     f"the world size — keep the whole bias and add it once, and sum (never "
-                     f"average) in f and g.")
+                fail(f"the gradient of {what} on rank {rank} is 1/{n} of the plain MLP's{where} ({n} "
+                     f"ranks, hidden size {hidden}): something divides it by the world size.",
+                     fix="keep the whole bias and add it once, and sum (never average) in f and g.")
             if _close(g, want * n):
-                fail(f"the gradient of {what} on rank {rank} is {n} times the plain MLP's"
-                     f"{where} ({n} ranks, hidden size {hidden}): a gradient is summed over "
-                     f"the ranks once too often — g's backward is the identity.")
+                fail(f"the gradient of {what} on rank {rank} is {n} times the plain MLP's{where} ({n} "
+                     f"ranks, hidden size {hidden}): a gradient is summed over the ranks once too often.",
+                     fix="g's backward is the identity.")
             fail(f"the gradient of {what} on rank {rank} differs from the plain MLP's{where} "
                  f"({n} ranks, hidden size {hidden}) although the output and dL/dx are right.")
         for part in ("w1", "b1", "w2"):
             if part not in found:
-                fail(f"rank {rank} of {name} ({n} ranks, hidden size {hidden}) has no "
-                     f"nn.Parameter that is a block of {_MLP_PARTS[part]}: keep this rank's "
-                     f"block as an nn.Parameter (a plain tensor, or a detached copy, gets no "
-                     f"gradient and is never trained).")
+                fail(f"rank {rank} of {name} ({n} ranks, hidden size {hidden}) has no nn.Parameter "
+                     f"that is a block of {_MLP_PARTS[part]}: a plain tensor, or a detached copy, gets no "
+                     f"gradient and is never trained.",
+                     fix="keep this rank's block as an nn.Parameter.")
     if not b2_holders:
         fail(f"no rank of {name} ({n} ranks, hidden size {hidden}) gives {_MLP_PARTS['b2']} a "
-             f"gradient: keep the whole bias as an nn.Parameter (on every rank, or on rank 0), "
-             f"use it undetached, and add it once.")
+             f"gradient: the bias never reaches the output as a parameter.",
+             fix="keep the whole bias as an nn.Parameter (on every rank, or on rank 0), use it "
+                 "undetached, and add it once.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1233,15 +1384,14 @@ def _pending(outs: list) -> None:
         sends, recvs = o["pending"]["send"], o["pending"]["recv"]
         if sends:
             fail(f"stage {rank} returned from gpipe_step with {sends} non-blocking send(s) still "
-                 f"pending (an isend whose handle was never waited on): until its wait() "
-                 f"returns, the message may not have left, and a process that goes on or ends "
-                 f"leaves its neighbour waiting — wait on every send's handle before "
-                 f"gpipe_step returns.")
+                 f"pending (an isend whose handle was never waited on): until its wait() returns, the "
+                 f"message may not have left, and a process that goes on or ends leaves its neighbour "
+                 f"waiting.", fix="wait on every send's handle before gpipe_step returns.")
         if recvs:
             fail(f"stage {rank} returned from gpipe_step with {recvs} non-blocking receive(s) "
-                 f"never waited on (an irecv whose handle was never waited on): until its "
-                 f"wait() returns, the tensor may not hold the message yet — wait on a "
-                 f"receive's handle before using what it receives.")
+                 f"never waited on (an irecv whose handle was never waited on): until its wait() "
+                 f"returns, the tensor may not hold the message yet.",
+                 fix="wait on a receive's handle before using what it receives.")
 
 
 def _computation_only(outs: list, k: int, m: int) -> None:
@@ -1263,8 +1413,8 @@ def _computation_only(outs: list, k: int, m: int) -> None:
                          f"{1e3 * (start - t0):.1f} ms, {1e3 * (ready - start):.1f} ms before "
                          f"stage {s + neighbour} finished computing the {needs} it needs "
                          f"({1e3 * (ready - t0):.1f} ms): the events time waiting for (or "
-                         f"sending) a message, not only the computation — take each start "
-                         f"after the recv returns and each end before the send.")
+                         f"sending) a message, not only the computation.",
+                         fix="take each start after the recv returns and each end before the send.")
 
 
 def _check_bubble_fn(bubble_fn) -> None:
@@ -1288,32 +1438,33 @@ def _check_bubble_fn(bubble_fn) -> None:
         if abs(got - want) <= 1e-9:
             continue
         if abs(got - pp.ideal_bubble(k, m)) <= 1e-9:
-            fail(f"bubble() returns (K−1)/(M+K−1) = {got:.3f} whatever the timeline: measure "
-                 f"it — 1 − (time spent computing, all stages) / (stages × the step's span); on "
-                 f"this timeline that is {want:.3f}.")
+            fail(f"bubble() returns (K−1)/(M+K−1) = {got:.3f} whatever the timeline; this timeline "
+                 f"idles {want:.3f} of the time.",
+                 fix="measure it: 1 − (time spent computing, all stages) / (stages × the step's span).")
         busy = sum(e[4] - e[3] for e in events)
         span = max(e[4] for e in events) - min(e[3] for e in events)
         if abs(got - busy / (k * span)) <= 1e-9:
-            fail(f"bubble() returns the busy share {got:.3f}: the bubble is the idle share, "
-                 f"1 − that ({want:.3f}).")
+            fail(f"bubble() returns the busy share {got:.3f}, where the bubble is the idle share "
+                 f"({want:.3f}).", fix="1 − the busy share.")
         own = sum(1 - sum(e[4] - e[3] for e in events if e[0] == s)
                   / (max(e[4] for e in events if e[0] == s)
                      - min(e[3] for e in events if e[0] == s)) for s in range(k)) / k
         if abs(got - own) <= 1e-9:
-            fail(f"bubble() measures each stage against its own first and last action: a stage "
-                 f"idles from the step's start until its first input arrives, and after its "
-                 f"last backward until the step ends — use the step's span (earliest start to "
-                 f"latest end over all stages): {want:.3f}.")
-        fail(f"bubble() gives {got:.4f} on a timeline whose idle share is {want:.4f}: 1 − "
-             f"(time spent computing, summed over stages) / (stages × the step's span).")
+            fail(f"bubble() measures each stage against its own first and last action, but a stage "
+                 f"idles from the step's start until its first input arrives, and after its last "
+                 f"backward until the step ends: {got:.3f} where the idle share is {want:.3f}.",
+                 fix="use the step's span (earliest start to latest end over all stages).")
+        fail(f"bubble() gives {got:.4f} on a timeline whose idle share is {want:.4f}.",
+             fix="1 − (time spent computing, summed over stages) / (stages × the step's span).")
 
 
 def _gpipe_failed(exc) -> None:
     __tracebackhide__ = True
     if "NoneType" in exc.summary or "None" in exc.summary and "grad" in exc.summary:
-        fail(f"stage {exc.rank} raised {exc.summary!r} — the tensor it received has no "
-             f"gradient after the backward: call requires_grad_() on it after recv, so that "
-             f"the backward computes the gradient to send back.")
+        fail(f"stage {exc.rank} raised {exc.summary!r}: the tensor it received has no gradient "
+             f"after the backward, so there is nothing to send back.",
+             fix="call requires_grad_() on it after recv, so that the backward computes the gradient "
+                 "to send back.")
     fail(f"stage {exc.rank} raised: {exc.summary}.")
 
 
@@ -1333,27 +1484,29 @@ def _diagnose_gpipe(outs: list, k: int, m: int) -> None:
             fail(f"stage {rank}'s events end before they start: (kind, micro-batch, start, end).")
         timed = sorted(o["events"], key=lambda ev: ev[2])
         if any(b[2] < a[3] for a, b in zip(timed, timed[1:])):
-            fail(f"stage {rank}'s events overlap, but a stage computes one action at a time: "
-                 f"take start right before each computation and end right after it.")
+            fail(f"stage {rank}'s events overlap, but a stage computes one action at a time.",
+                 fix="take start right before each computation and end right after it.")
     grads = [g for o in outs for g in o["grads"]]
     if any(g is None for g in grads):
-        fail("a stage's parameters have no gradient after the step: run the backward of every "
-             "micro-batch (the last stage from its loss, the others from the gradient they "
-             "receive).")
+        fail("a stage's parameters have no gradient after the step: a backward did not run "
+             "through them.", fix="run the backward of every micro-batch (the last stage from its "
+             "loss, the others from the gradient they receive).")
     if all(_close(g, r) for g, r in zip(grads, ref)):
         if last["loss"] is None or abs(last["loss"] - loss) > 1e-5 * max(1.0, abs(loss)):
             fail(f"the last stage returned loss {last['loss']}, but the batch's loss is "
-                 f"{loss:.6f}: return the sum of the micro-batches' losses, each divided by M.")
+                 f"{loss:.6f}.", fix="return the sum of the micro-batches' losses, each divided by M.")
         return
     if all(_close(g, m * r) for g, r in zip(grads, ref)):
-        fail(f"the gradients are {m} times too large: divide each micro-batch's loss by M = {m} "
-             f"(the batch's loss is the mean of the micro-batches' losses).")
+        fail(f"the gradients are {m} times too large: the {m} micro-batches' losses were "
+             f"summed, but the batch's loss is their mean.",
+             fix=f"divide each micro-batch's loss by M = {m}.")
     for scale in (1.0 / m, 1.0):
         for i in (m - 1, 0):
             if all(_close(g, scale * r) for g, r in zip(grads, each[i])):
                 fail(f"only micro-batch {i}'s gradient is left: the gradients were not "
-                     f"accumulated over the micro-batches — do not zero them (or replace "
-                     f".grad) between micro-batches; autograd adds each backward into .grad.")
+                     f"accumulated over the micro-batches.",
+                     fix="do not zero them (or replace .grad) between micro-batches; autograd adds each "
+                         "backward into .grad.")
     fail("the stages' gradients differ from the unsplit model's on the whole batch: each "
          "micro-batch's loss divided by M, every backward adding into .grad.")
 
@@ -1382,9 +1535,9 @@ def measure_bubble(step_fn, bubble_fn, stages: int = 2, micro=(1, 2, 4, 8),
     for m, got, ideal in rows:
         if got < ideal - _BELOW_IDEAL:
             fail(f"the measured bubble at M = {m} is {got:.3f}, below (K−1)/(M+K−1) = "
-                 f"{ideal:.3f}, which no GPipe step with equal stages can beat (each stage "
-                 f"idles while the pipeline fills and drains): your events count time that is "
-                 f"not computation as busy — time the computation only.")
+                 f"{ideal:.3f}, which no GPipe step with equal stages can beat (each stage idles while "
+                 f"the pipeline fills and drains): your events count time that is not computation as "
+                 f"busy.", fix="time the computation only.")
     above = sum(got >= ideal - _BELOW_IDEAL for _, got, ideal in rows)
     first, last = rows[0], rows[-1]
     print(f"measured ≥ formula (to {_BELOW_IDEAL}) in {above} of {len(rows)} rows; the measured "
