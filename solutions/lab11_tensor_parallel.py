@@ -221,9 +221,14 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 #   hidden features, returns the full layer's output, bias included, the same on every rank.
 #
 # After a backward, the gradient of each layer's input and of every parameter equals the
-# matching block of the full layer's. Which dimension of `linear.weight` indexes which
-# features is yours to find out (torch tells you in one line; a guess costs a failed check),
-# and so is where `f` and `g` go.
+# matching block of the full layer's. Where `f` and `g` go is yours to find.
+#
+# **Decide before you code:** which dimension of `linear.weight` (0 or 1) each layer cuts.
+# Write it, with the reason, in the next cell: `why_dims` must say how `nn.Linear` lays out
+# its weight and what that makes each layer cut. `check_split_decision` reads the reason
+# before it looks at the numbers, and the layer checks below refuse code that cuts another
+# dimension than the one you declared. Trying the other number with the same reason is
+# refused: find the reason first (torch tells you in one line).
 #
 # **Your design decision:** the row layer's bias. The lesson left it open: keep it whole or
 # in blocks, on every rank or on one, and add it before `g` or after it. More than one choice
@@ -257,6 +262,16 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 # on the way out (row), around one matrix product, and the bias where your decision puts it.
 
 # %%
+### BEGIN SOLUTION: column_weight_dim, row_weight_dim (0 or 1) and why_dims (a sentence)
+column_weight_dim = 0
+row_weight_dim = 1
+why_dims = ("nn.Linear keeps its weight as (out_features, in_features) and computes x @ W.T, "
+            "so the column layer's hidden outputs are its weight's first dimension and the row "
+            "layer's hidden inputs its weight's second")
+### END SOLUTION
+lab11.check_split_decision(column_weight_dim, row_weight_dim, why_dims)
+
+# %%
 class ColumnParallel(nn.Module):
     def __init__(self, linear, rank, world_size):
         super().__init__()
@@ -273,7 +288,7 @@ class ColumnParallel(nn.Module):
         ### END SOLUTION
 
 
-lab11.check_column_parallel(ColumnParallel, timeout=check_timeout)
+lab11.check_column_parallel(ColumnParallel, column_weight_dim, timeout=check_timeout)
 
 
 # %%
@@ -293,7 +308,7 @@ class RowParallel(nn.Module):
         ### END SOLUTION
 
 
-lab11.check_row_parallel(RowParallel, timeout=check_timeout)
+lab11.check_row_parallel(RowParallel, row_weight_dim, timeout=check_timeout)
 
 # %% [markdown]
 # ## 4. The tensor-parallel MLP, and what one rank holds

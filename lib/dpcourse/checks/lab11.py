@@ -19,6 +19,12 @@ process. The values are chosen so that each classic mistake leaves its own trace
   inputs and gradients tell apart: an all-reduce in f's forward, none in its backward, an
   average where a sum belongs, an all-reduce in g's backward, none in its forward, f and g
   swapped, a backward that returns nothing;
+* ``check_split_decision``: before any code of part 3, the learner declares which dimension of
+  ``linear.weight`` each layer cuts, with a reason (``why_dims``, :data:`WHY_DIM_WORDS`) that
+  is judged before the numbers; a wrong dimension gets what it cuts and a way to find out
+  (never the number, also on the second meeting), and a reason sent back with one choice is
+  refused when it comes back arguing for the other. The layer checks take the declared
+  dimension and refuse shards cut along another;
 * ``check_column_parallel`` / ``check_row_parallel``: shards cut along the wrong dimension
   (also when the hidden block's bounds, applied to the other dimension, leave rank 0 the whole
   weight and the last rank nothing), the
