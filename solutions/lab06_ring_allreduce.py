@@ -272,15 +272,21 @@ except lab06.LabCheckError as err:
 #
 # A workshop can stop here. In your ring, a rank receives a whole chunk, *then* adds it, *then*
 # sends it on: the network waits for the addition and the addition waits for the network. NCCL
-# cuts each chunk into "slices" and pipelines them (the idea behind the bandwidth term of lesson
-# 06's cost model). Write `ring_allreduce_segmented(tensor, op="sum", segments=4)`, with the
-# contract of your `ring_allreduce` and one more requirement:
+# and gloo cut each chunk into pieces and pipeline them. Write
+# `ring_allreduce_segmented(tensor, op="sum", segments=4)`, with the contract of your
+# `ring_allreduce` and one more requirement:
 #
 # * in the scatter-reduce, each chunk travels as `segments` pieces (cut as `tensor_split` cuts),
-#   and piece j + 1 is already posted — its send and its receive — before piece j is waited on,
-#   and piece j is added into the tensor before piece j + 1 is waited on, so that the next piece
-#   travels while this one is added;
+#   and every addition overlaps a transfer: while piece j of a step is being added into the
+#   tensor, the next piece of that step is already on its way (its send and its receive
+#   started, not yet waited on), and piece j is added before that next piece is waited on;
 # * the all-gather may send whole chunks or pieces (nothing is added there).
+#
+# **Your design decision:** how far ahead of the addition your ring runs. Every receive started
+# and not yet waited on needs a buffer of its own, one piece long; more of them in flight ask
+# more memory of every rank. Decide how many scatter-reduce receives your ring keeps in flight
+# at most with `segments=4`, write that number in `in_flight` below, and be ready to say what
+# a larger or a smaller number would buy or cost. The check measures it on every rank.
 #
 # The check runs it on 3 and 2 ranks with 4 and 3 segments, compares the results, counts the
 # messages and watches the order in which your ring posts and waits.
@@ -296,9 +302,10 @@ except lab06.LabCheckError as err:
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Keep one piece in flight ahead of the one you are adding: start piece 0, then for each piece
-# start the next one first, then finish and add the current one. (Starting all pieces of a step
-# at once also meets the requirement, as long as each is added before the next is waited on.)
+# A transfer overlaps an addition only if it was started before the addition began and is
+# waited on after it ended. So the question is, at the moment you wait for piece j: which
+# pieces have you already started? Anything from "just the next one" to "all of the step's"
+# meets the requirement; they differ in the buffers they hold.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -306,7 +313,8 @@ except lab06.LabCheckError as err:
 # %% [markdown] jupyter={"source_hidden": true}
 # Per scatter-reduce step: the pieces of the chunk sent, the pieces of the chunk added into, a
 # receive buffer per piece, a helper that starts piece j's send and receive and returns the two
-# works, and a loop over j that keeps the next piece's works before waiting on the current ones.
+# works, and a loop over j that, before it waits on piece j, has started the later pieces your
+# decision allows.
 
 # %%
 def ring_allreduce_segmented(tensor, op="sum", segments=4):
@@ -345,7 +353,10 @@ def ring_allreduce_segmented(tensor, op="sum", segments=4):
 
 
 # %%
-lab06.check_segmented_ring(ring_allreduce_segmented)
+### BEGIN SOLUTION: your decision: scatter-reduce receives in flight at most (segments=4)
+in_flight = 2
+### END SOLUTION
+lab06.check_segmented_ring(ring_allreduce_segmented, in_flight=in_flight)
 
 # %% [markdown]
 # Does pipelining pay on this machine? The cell below times both rings on 2 ranks, 64 MiB of

@@ -114,7 +114,7 @@ def test_all_gather_reference_passes():
 
 @pytest.mark.parametrize("fn, phrase", [
     (ag_missing, "nothing a worker received was written into its own array"),
-    (ag_adds, "must overwrite"),
+    (ag_adds, "already the complete sum"),
     (ag_off_by_one, "off-by-one chunk index in all_gather"),
     (ag_lesson_layout, "lesson 06's layout"),
 ])
@@ -289,7 +289,7 @@ def ring_batched(tensor, op="sum"):
 @pytest.mark.parametrize("fn, phrase", [
     (ring_extra_gather_steps, r"sent 5 messages .* exactly 2\(N-1\) = 4"),
     (ring_built_in, "called dist.all_reduce"),
-    (ring_whole_tensors, "not the whole tensor"),
+    (ring_whole_tensors, "some message carried more than one chunk"),
 ])
 def test_ring_that_skips_the_idea_is_named(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
@@ -307,7 +307,7 @@ def test_ring_reference_passes(fn, capsys):
     (ring_no_gather, "missing all-gather"),
     (ring_no_average, "summing without averaging"),
     (ring_raises, "raised on rank .*ZeroDivisionError"),
-    (ring_out_of_place, "in place"),
+    (ring_out_of_place, "leaves the tensor it was given unchanged"),
 ])
 def test_ring_mistakes(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
@@ -502,7 +502,7 @@ def test_right_segmented_rings_pass(fn, capsys):
 
 
 @pytest.mark.parametrize("fn, phrase", [
-    (seg_whole, "split the chunk with tensor_split(segments)"),
+    (seg_whole, "sends each chunk (about 16) as 4 pieces"),
     (seg_wrong_piece, "wrong result on rank"),
     (seg_built_in, "called dist.all_reduce"),
     (ring_ok, "unexpected keyword argument 'segments'"),
@@ -775,3 +775,27 @@ def test_prediction_is_compared_with_the_most_bytes_a_rank_sends(capsys):
     assert "measured: 64 bytes — right" in out and "only the average" in out
     lab06.check_prediction(predict("lab06", "most bytes", 60, unit="bytes"), measured)
     assert "not what happened" in capsys.readouterr().out
+
+
+def test_segmented_ring_declared_in_flight_must_be_what_the_ring_did(capsys):
+    """The stretch's design decision (receives in flight at once) is declared and measured: a
+    ring that posts a whole step's pieces has 4 in flight with segments=4, not 2."""
+    lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=4)
+    assert "up to 4 receive(s) in flight" in capsys.readouterr().out
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=2)
+        msg = str(err.value)
+        assert "you declared 2 scatter-reduce receive(s) in flight" in msg, msg
+        assert "had up to 4 posted and not yet waited on" in msg, msg
+        assert ("set in_flight to what your code does (4)" in msg) == (attempt == 2), msg
+
+
+def test_a_repeated_mistake_gets_its_fix():
+    """First meeting: the cause only; the same mistake again: the fix joins the sentence."""
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab06.check_all_gather(ag_adds)
+        msg = str(err.value)
+        assert "already the complete sum" in msg, msg
+        assert ("overwrite the worker's copy" in msg) == (attempt == 2), msg

@@ -11,14 +11,20 @@ Three parts, from paper to wire:
   longer). Then N-1 *scatter-reduce* steps — at step s worker i sends chunk (i - s) mod N to
   worker i+1, which adds it into its own copy — after which worker i holds the full sum of chunk
   (i + 1) mod N; and N-1 *all-gather* steps — at step s worker i sends chunk (i + 1 - s) mod N
-  to worker i+1, which overwrites its copy. The returned :class:`RingTrace` records every
+  to worker i+1, which overwrites its copy. (The trace, lesson 06 and its figures number the
+  steps of both phases on: t = 1 .. 2(N-1), 0 being the start; at step t worker i sends chunk
+  (i + 1 - t) mod N, in either phase.) The returned :class:`RingTrace` records every
   transfer and every worker's buffer after every step, so the lesson can print, draw and
   assert on it (bytes sent per worker = 2(N-1)L/N elements, rounded for uneven chunks).
 
-* **Cost models** (:func:`cost`, :data:`ALGORITHMS`): naive (gather to one worker and send back
-  one by one), parameter server, ring and a binomial tree, under the alpha-beta model: a
-  message of b bytes takes ``alpha + b * beta``. :func:`fit_alpha_beta` fits alpha and beta to
-  measured all-reduce times.
+* **Cost models** (:func:`cost`, :data:`ALGORITHMS`, :data:`COST_MODELS`): naive (gather to
+  one worker and send back one by one), parameter server, ring, a binomial tree and
+  Rabenseifner's (reduce-scatter by recursive halving, all-gather by recursive doubling), under
+  the alpha-beta model: a step of the critical path that moves b bytes over a link takes
+  ``alpha + b * beta``. alpha is a cost per *step*: in these textbook algorithms one message per
+  step, while gloo's ring sends each step's chunk as at least two pipelined segments (see
+  :func:`cost`), so an alpha fitted to gloo is its cost per ring step. :func:`fit_alpha_beta`
+  fits alpha and beta to measured all-reduce times.
 
 * **The real ring** (:func:`ring_allreduce`): the same two phases over ``torch.distributed``
   point-to-point ``isend``/``irecv`` on the current process group (gloo on CPU, nccl on GPU),
@@ -43,6 +49,7 @@ __all__ = [
     "simulate_ring",
     "ring_bytes_per_worker",
     "ALGORITHMS",
+    "COST_MODELS",
     "Cost",
     "cost",
     "AlphaBetaFit",
@@ -204,7 +211,8 @@ def ring_bytes_per_worker(length: int, n: int, itemsize: int = 4) -> list[int]:
 # Cost models under alpha-beta
 # --------------------------------------------------------------------------------------------
 
-ALGORITHMS = ("naive", "parameter-server", "ring", "tree")
+ALGORITHMS = ("naive", "parameter-server", "ring", "tree")  # the four the explorer compares
+COST_MODELS = ALGORITHMS + ("rabenseifner",)  # everything :func:`cost` prices
 
 _EXPLAIN = {
     "naive": "every worker sends its whole array to worker 0, which sums and sends the result "
@@ -213,6 +221,8 @@ _EXPLAIN = {
                         "K-byte result, all through the server's one link",
     "ring": "scatter-reduce then all-gather around a ring, 2(N-1) steps of K/N bytes",
     "tree": "binomial-tree reduce then broadcast, ceil(log2 N) rounds each of K bytes",
+    "rabenseifner": "reduce-scatter by recursive halving then all-gather by recursive "
+                    "doubling, log2 N rounds each, halving then doubling the bytes",
 }
 
 
@@ -233,7 +243,11 @@ class Cost:
 
 
 def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Cost:
-    """The alpha-beta cost of one all-reduce (alpha: seconds per message, beta: seconds/byte).
+    """The alpha-beta cost of one all-reduce (alpha: seconds per step of the critical path,
+    beta: seconds per byte). Every algorithm here sends one message per step and link, so its
+    alpha is also a cost per message; gloo's ring (``gloo/allreduce.cc``, ``ring``) cuts each
+    chunk into at least two segments of at most 1 MiB and keeps two in flight, so a ring step
+    there is two or more pipelined messages, and an alpha fitted to it is a cost per step.
 
     * naive: 2(N-1) messages of K, one after another, all through worker 0: 2(N-1)(a + Kb).
     * parameter-server: one push round and one pull round, but N*K bytes through the server's
@@ -243,9 +257,17 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
       2(N-1)K/N < 2K, *independent of N* — the reason rings scale.
     * tree: ceil(log2 N) rounds of reduce and as many of broadcast, each of K bytes:
       2 ceil(log2 N)(a + Kb). Few latency terms, but every round moves all K.
+    * rabenseifner (Thakur, Rabenseifner, Gropp 2005): with N = p a power of two, log2 p rounds
+      of recursive halving (exchange half of what is left with the partner at distance p/2,
+      p/4, ...: K/2 + K/4 + ... = (p-1)K/p) then log2 p of recursive doubling, the same bytes
+      back: 2 log2(p) a + 2(p-1)/p K b — the ring's bandwidth with the tree's latency. Any
+      other N: the r = N - p ranks above the largest power of two p < N first hand their K
+      bytes to a partner and get the result back at the end, one step of K each way more:
+      2 log2(p) a + 2(p-1)/p K b + 2(a + Kb).
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+    if algorithm not in COST_MODELS:
+        raise ValueError(f"unknown algorithm {algorithm!r}: choose one of "
+                         f"{', '.join(COST_MODELS)}")
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n must be a positive number of workers, got {n!r}")
     if nbytes < 0 or alpha < 0 or beta < 0:
@@ -258,6 +280,11 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
         steps, busiest = 2, 2 * n * nbytes
     elif algorithm == "ring":
         steps, busiest = 2 * (n - 1), 2 * (n - 1) * nbytes / n
+    elif algorithm == "rabenseifner":
+        p = 1 << (int(n).bit_length() - 1)  # the largest power of two <= n
+        steps, busiest = 2 * (p.bit_length() - 1), 2 * (p - 1) * nbytes / p
+        if p != n:  # the extra ranks fold into partners first and get the result last
+            steps, busiest = steps + 2, busiest + 2 * nbytes
     else:
         rounds = math.ceil(math.log2(n))
         steps, busiest = 2 * rounds, 2 * rounds * nbytes
@@ -285,7 +312,7 @@ def ring_cheapest_up_to(nbytes: float, alpha: float, beta: float, n_max: int = 6
 
 @dataclass
 class AlphaBetaFit:
-    """alpha (s per message) and beta (s per byte) fitted to measured ring all-reduce times.
+    """alpha (s per ring step) and beta (s per byte) fitted to measured ring all-reduce times.
 
     ``cores``: None for the plain model; a number C for the model with a *contention* term —
     with more ranks than cores, ranks take turns on them, so every term is slowed by

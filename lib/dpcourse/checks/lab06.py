@@ -162,7 +162,10 @@ def _wrong_steps_or_chunk(got, phase, start, what: str, chunk_rule: str) -> None
             fail(f"{what} ran {steps} steps for N={n} workers; it takes exactly N-1 = {n - 1}.")
     for ds, dr in itertools.product((-1, 0, 1, 2), (-1, 0, 1)):
         if (ds, dr) != (0, 0) and _same(got, phase([a.copy() for a in start], ds, dr)):
-            fail(f"off-by-one chunk index in {what} (N={n}): {chunk_rule}")
+            fail(f"off-by-one chunk index in {what} (N={n}): your result is what the ring gives "
+                 f"when the chunk a worker sends is shifted by {ds} and the chunk its neighbour "
+                 f"adds into (or overwrites) by {dr}, so a chunk ends on the wrong worker or "
+                 f"mixes two chunks.", fix=chunk_rule)
 
 
 @recorded
@@ -177,12 +180,15 @@ def check_scatter_reduce(fn) -> None:
         if _same(got, want):
             continue
         if _same(got, inputs):
-            fail(f"scatter_reduce left the buffers unchanged (N={n}): each step must add the "
-                 f"chunk received from the left neighbour into the worker's own copy.")
+            fail(f"scatter_reduce left the buffers unchanged (N={n}): nothing a worker received "
+                 f"reached its own array (a copy or a rebound name does not change it).",
+                 fix="in every step, add the chunk received from the left neighbour into the "
+                     "worker's own copy of that chunk, in place.")
         if _same(got, _scatter_reduce([a.copy() for a in inputs], base=0)):
             fail(f"scatter_reduce ends with worker i holding the full sum of chunk (i + 1) mod N "
-                 f"(N={n}), lesson 06's layout; this lab's contract is chunk i: work out which "
-                 f"chunk each worker must send first so that it finishes there.")
+                 f"(N={n}), lesson 06's layout; this lab's contract is chunk i, one chunk "
+                 f"earlier.", fix="work out on paper, for N = 3, which chunk each worker must "
+                                  "send at step 0 so that it finishes chunk i.")
         if length % n:
             for rule in _OTHER_CHUNK_RULES:
                 if _same(got, _scatter_reduce([a.copy() for a in inputs], bounds=rule)):
@@ -217,12 +223,14 @@ def check_all_gather(fn) -> None:
                  f"rebound name does not change it), so each still holds only one finished "
                  f"chunk.")
         if _same(got, _all_gather([a.copy() for a in reduced], add=True)):
-            fail("all_gather adds the incoming chunk to the worker's own; it must overwrite it "
-                 "(the chunk is already the complete sum).")
+            fail("all_gather adds the incoming chunk to the worker's own: the chunk that arrives "
+                 "is already the complete sum, so adding it counts values twice.",
+                 fix="overwrite the worker's copy of the chunk with the one that arrives.")
         if _same(got, _all_gather([a.copy() for a in reduced], base=0)):
             fail(f"all_gather passes the chunks on as if worker i had finished chunk (i + 1) mod "
                  f"N (lesson 06's layout, N={n}); after this lab's scatter-reduce worker i holds "
-                 f"chunk i complete, so that is the first chunk it passes on.")
+                 f"chunk i complete, not chunk (i + 1) mod N.",
+                 fix="start each worker's all-gather with the chunk it completed, chunk i.")
         if length % n:
             for rule in _OTHER_CHUNK_RULES:
                 if _same(got, _all_gather([a.copy() for a in reduced], bounds=rule)):
@@ -459,8 +467,10 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None) -> lis
             fail(f"deadlock: every rank called a blocking dist.send before its dist.recv, so "
                  f"all {world_size} waited for a receive nobody had posted (gloo's send waits "
                  f"for the matching receive); they were stopped after {timeout:g} s. A longer "
-                 f"timeout would not help: no rank may block in a send whose receive its "
-                 f"neighbour has not posted yet.")
+                 f"timeout would not help.",
+                 fix="make sure no rank blocks in a send whose receive its neighbour has not "
+                     "posted yet: post the send and the receive without blocking, then wait, "
+                     "or break the cycle of blocking calls.")
         stuck = ", ".join(f"rank {r} in dist.{v}" for r, v in where.items() if v) or \
             "no rank inside dist.send/recv"
         return (f"your ring did not finish within {timeout:g} s on {world_size} ranks and was "
@@ -474,8 +484,9 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None) -> lis
         if "'tuple' object does not support item assignment" in str(exc.summary):
             fail(f"your ring raised TypeError on rank {exc.rank} of {world_size}: it assigns to "
                  f"an element of the tuple that tensor_split returns (like chunks[i] += "
-                 f"incoming); the chunks are views of the tensor, so add into the view itself, "
-                 f"in place (chunks[i].add_(incoming)), and the tensor changes with it.")
+                 f"incoming); a tuple cannot be changed, but the chunks in it are views of the "
+                 f"tensor.", fix="add into the view itself, in place (chunks[i].add_(incoming)), "
+                                 "and the tensor changes with it.")
         fail(f"your ring raised on rank {exc.rank} of {world_size}: {exc.summary}")
 
     try:
@@ -555,11 +566,13 @@ def _check_ring_once(fn, world_size: int, timeout: float) -> None:
                 if t["messages"] != 2 * (n - 1):
                     fail(f"rank {rank} sent {t['messages']} messages for a tensor of {k} "
                          f"elements on {n} ranks; a ring sends exactly 2(N-1) = {2 * (n - 1)}: "
-                         f"N-1 steps of scatter-reduce, then N-1 of all-gather.")
+                         f"N-1 steps of scatter-reduce, then N-1 of all-gather.",
+                         fix="send one chunk per step, and run each phase N-1 steps.")
                 if t["elements"] > 2 * (n - 1) * -(-k // n):
                     fail(f"rank {rank} sent {t['elements']} elements for a tensor of {k} on {n} "
-                         f"ranks; each message should be one chunk of about K/N = "
-                         f"{k / n:.1f} elements, not the whole tensor.")
+                         f"ranks, more than 2(N-1) chunks of about K/N = {k / n:.1f} elements: "
+                         f"some message carried more than one chunk.",
+                         fix="send one chunk per message, not the whole tensor.")
         return
     # Which mistake? In the order a learner most likely makes them.
     for i, ((shape, _, op), res) in enumerate(zip(cases, results)):
@@ -569,18 +582,21 @@ def _check_ring_once(fn, world_size: int, timeout: float) -> None:
             returned = [rv for _, rv in res]
             if all(rv is not None and np.allclose(rv, w) for rv, w in zip(returned, correct[i])):
                 fail("ring_allreduce returns the right result but leaves the tensor it was "
-                     "given unchanged: it must work in place, like dist.all_reduce.")
+                     "given unchanged: the caller, like dist.all_reduce's, reads that tensor.",
+                     fix="write the result into the tensor you were given (in place).")
     if _matches(results, _simulate_real(world_size, cases, average=False)):
         if _rebinds_division(fn):
             fail("with op='average' the caller's tensor still holds the sum: the division made "
-                 "a new tensor (like flat = flat / n) and left the one you were given untouched. "
-                 "Divide in place: flat /= n or flat.div_(n).")
-        fail("summing without averaging: with op='average' the result must be divided by the "
-             "world size (the sum is right, N times too big).")
+                 "a new tensor (like flat = flat / n) and left the one you were given untouched.",
+                 fix="divide in place: flat /= n or flat.div_(n).")
+        fail("summing without averaging: with op='average' the tensor holds the sum of the "
+             "ranks' tensors, N times the average.",
+             fix="divide by the world size when op='average'.")
     for k in (2, 3, 4):
         if k != world_size and _matches(results, _simulate_real(world_size, cases, divisor=k)):
-            fail(f"with op='average' on {world_size} ranks you divided by {k}: divide by the "
-                 f"world size (dist.get_world_size()), not a fixed number.")
+            fail(f"with op='average' on {world_size} ranks you divided by {k}, a fixed number "
+                 f"that is not this group's size.",
+                 fix="divide by dist.get_world_size().")
     for rule in _OTHER_CHUNK_RULES:
         if _matches(results, _simulate_real(world_size, cases, bounds=rule)):
             shape = next(sh for sh, _, _ in cases if int(np.prod(sh)) % world_size)
@@ -597,18 +613,22 @@ def _check_ring_once(fn, world_size: int, timeout: float) -> None:
                     fail("your all-gather sends and receives its N-1 messages, but what a rank "
                          "receives never reaches its tensor: the receive lands in a buffer that "
                          "is not a view of the tensor (or a copy of it) and is never written "
-                         "back, so each rank keeps only its one finished chunk.")
-                fail("missing all-gather: after the scatter-reduce each rank holds only its one "
-                     "finished chunk; N-1 more steps must pass the finished chunks around the "
-                     "ring.")
+                         "back, so each rank keeps only its one finished chunk.",
+                         fix="receive the all-gather's chunks into the tensor's own chunk "
+                             "views (or copy them there).")
+                fail("missing all-gather: the tensors hold what the scatter-reduce leaves, each "
+                     "rank only its one finished chunk.",
+                     fix="add N-1 steps that pass the finished chunks around the ring.")
     for sr in shifts:
         for ag in shifts:
             if (sr, ag) != ((0, 0), (0, 0)) and _matches(
                     results, _simulate_real(world_size, cases, sr, ag)):
                 phase = "scatter-reduce" if sr != (0, 0) else "all-gather"
-                fail(f"off-by-one chunk index in the {phase}: in every step the chunk a rank "
-                     f"receives into must be the one its left neighbour sends, and what a rank "
-                     f"sends next is the chunk it received (and completed) in the step before.")
+                fail(f"off-by-one chunk index in the {phase}: the results are those of a ring "
+                     f"whose {phase} sends or receives the chunk next to the right one.",
+                     fix="in every step the chunk a rank receives into must be the one its "
+                         "left neighbour sends, and what a rank sends next is the chunk it "
+                         "received (and completed) in the step before.")
     for i, ((shape, _, op), res) in enumerate(zip(cases, results)):
         for r, (got, _) in enumerate(res):
             want = correct[i][r]
@@ -708,20 +728,39 @@ def _first_added_late(events, n: int, segments: int):
     return None
 
 
+def _most_in_flight(events, n: int, segments: int) -> int:
+    """The most scatter-reduce receives posted and not yet waited on at one moment: how many
+    receive buffers the ring needed at once (the stretch's design decision)."""
+    open_now = most = 0
+    for kind, op, index, _ in events:
+        if op == "recv" and index < (n - 1) * segments:
+            open_now += 1 if kind == "post" else -1 if kind == "wait" else 0
+            most = max(most, open_now)
+    return most
+
+
 @recorded
 def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
-                         world_sizes=WORLD_SIZES) -> None:
+                         world_sizes=WORLD_SIZES, in_flight: int | None = None) -> None:
     """Stretch: ``fn(tensor, op, segments=S)`` must give the sum / average in place, sending
     each scatter-reduce chunk as S segments: at least (N-1)·S messages of at most
     ceil(ceil(K/N)/S) elements per rank, and no built-in collective. (The all-gather may send
     whole chunks or segments.) In the scatter-reduce, piece j + 1 must be posted before piece j
     is waited on, and piece j added into the tensor before piece j + 1 is waited on (the
-    tensor's contents at the two waits differ): post-all, wait-all, add-all is refused."""
+    tensor's contents at the two waits differ): post-all, wait-all, add-all is refused.
+
+    ``in_flight``: the learner's design decision, declared — the most scatter-reduce receives
+    their ring keeps posted and not yet waited on at once with ``segments`` pieces per chunk.
+    When given, it must be what the ring did (measured on every rank)."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, 30.0)
     if not callable(fn):
         fail(f"check_segmented_ring needs your function, got {type(fn).__name__}")
+    if in_flight is not None and (isinstance(in_flight, bool)
+                                  or not isinstance(in_flight, (int, np.integer))):
+        fail(f"in_flight must be a whole number of receives, got {in_flight!r}.")
     _refuse_reference(fn)
+    most = 0
     for n in world_sizes:
         for S in (segments, segments - 1):  # two segment counts: none may be hard-coded
             per_rank = _launch_ring(fn, n, timeout, _SEGMENT_CASES, {"segments": S})
@@ -739,32 +778,35 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                     if not np.allclose(got, correct[i][r], rtol=1e-6):
                         fail(f"wrong result on rank {r} of {n} for shape {shape}, op='{op}', "
                              f"segments={S}: the tensor must end as the "
-                             f"{'average' if op == 'average' else 'sum'} of all ranks' tensors "
-                             f"(check that segment j of the chunk you receive is added to "
-                             f"segment j of the same chunk).")
+                             f"{'average' if op == 'average' else 'sum'} of all ranks' tensors.",
+                             fix="check that segment j of the chunk you receive is added to "
+                                 "segment j of the same chunk.")
                     small = sum(1 for m in t["sizes"] if m <= piece)
                     if small < (n - 1) * S:
                         fail(f"rank {r} sent {small} message(s) of at most {piece} elements for "
                              f"a tensor of {k} on {n} ranks with segments={S}; the segmented "
                              f"scatter-reduce sends each chunk (about {chunk}) as {S} pieces, "
-                             f"(N-1)·S = {(n - 1) * S} in all: split the chunk with "
-                             f"tensor_split(segments) and send the pieces one by one.")
+                             f"(N-1)·S = {(n - 1) * S} in all.",
+                             fix="split the chunk with tensor_split(segments) and send the "
+                                 "pieces one by one.")
                     late = _first_unpipelined(t["events"], n, S)
                     if late is not None:
                         fail(f"rank {r} waited for piece {late % S} of a scatter-reduce chunk "
                              f"before it had posted piece {late % S + 1} (N={n}, segments={S}):"
                              f" the pieces travelled one at a time, so no piece was on its way "
-                             f"while another was added; the stretch asks that piece j + 1 is "
-                             f"posted (its send and its receive) before piece j is added.")
+                             f"while another was added.",
+                             fix="have piece j + 1's send and receive started before you wait "
+                                 "for piece j.")
                     unadded = _first_added_late(t["events"], n, S)
                     if unadded is not None:
                         j = unadded % S
                         fail(f"rank {r} waited for piece {j + 1} of a scatter-reduce chunk while "
                              f"piece {j} had arrived but was not yet added into the tensor (N={n},"
                              f" segments={S}): posting the pieces, waiting for all of them and "
-                             f"only then adding them adds nothing while a piece is in flight; the "
-                             f"stretch asks that piece j is added before piece j + 1 is waited "
-                             f"on.")
+                             f"only then adding them adds nothing while a piece is in flight.",
+                             fix="add piece j into the tensor before you wait for piece j + 1.")
+                    if S == segments:
+                        most = max(most, _most_in_flight(t["events"], n, S))
                     allowed = {(n - 1) * (S + 1), 2 * (n - 1) * S}
                     if t["messages"] not in allowed:
                         fail(f"rank {r} sent {t['messages']} messages on {n} ranks with "
@@ -772,7 +814,15 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                              f"and N-1 chunks (or (N-1)·S pieces) in the all-gather: "
                              f"{' or '.join(map(str, sorted(allowed)))} in all. Does a phase "
                              f"run more or fewer than N-1 steps?")
+    if in_flight is not None and int(in_flight) != most:
+        fail(f"you declared {int(in_flight)} scatter-reduce receive(s) in flight at once with "
+             f"segments={segments}, but your ring had up to {most} posted and not yet waited on "
+             f"(the most on any rank): your code and your design decision disagree, and each "
+             f"receive in flight needs a buffer of its own.",
+             fix=f"set in_flight to what your code does ({most}), or change the code to keep "
+                 f"the number you decided on in flight.")
     passed(f"segmented ring: right sums and averages on {' and '.join(map(str, world_sizes))} "
            f"ranks, each scatter-reduce chunk sent in {segments} (and {segments - 1}) segments, "
            f"piece j + 1 posted before piece j was waited on, and piece j added before piece "
-           f"j + 1 was waited on")
+           f"j + 1 was waited on; up to {most} receive(s) in flight at once with "
+           f"segments={segments}, so {most} receive buffer(s) of a piece each")
