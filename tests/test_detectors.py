@@ -85,7 +85,8 @@ def test_diagnose_a_script_from_the_command_line(tmp_path, capsys):
     assert cli.main(["diagnose", "--timeout", str(HANG_S), str(script)]) == 1
     out = capsys.readouterr().out  # finished, but the group was left up
     assert "finished" in out and "[destroy] end of script (ranks 0, 1)" in out
-    script.write_text(body.format(cond="dist.get_rank()") + "dist.destroy_process_group()\n")
+    script.write_text(body.format(cond="dist.get_rank()") + "assert t[0] == 2\n"
+                      "dist.destroy_process_group()\n")
     assert cli.main(["diagnose", "--timeout", str(HANG_S), str(script)]) == 0
     assert "run-time checks: nothing found" in capsys.readouterr().out
 

@@ -33,6 +33,9 @@ EXPECTED = {
     "no_init.py": {"no_init"},
     "trainer_peek.py": set(),
     "sampler_per_epoch.py": {"set_epoch", "rank0_loss"},
+    "log_every_rank.py": {"log_every_rank"},
+    "writer_every_rank.py": {"writer_every_rank"},
+    "unused_reduce.py": {"unused_reduce", "rank0_loss"},
 }
 
 
@@ -75,11 +78,67 @@ def test_a_gpu_only_script_is_told_what_to_change_and_runs_with_cpu():
     result = run("gpu_tutorial.py")
     assert result.status == "failed" and "ProcessGroupNCCL" in result.error
     report = result.report()
-    assert "what to change: the script asks for the NCCL backend" in report
+    assert re.search(r"what to change at gpu_tutorial.py:\d+: the script asks for the NCCL backend",
+                     report)
     assert "init_process_group('gloo')" in report and "diagnose --cpu" in report
     assert "the run stopped early" in report  # not "nothing found": the checks did not run
     on_cpu = run("gpu_tutorial.py", cpu=True)
     assert on_cpu.status == "ok" and on_cpu.findings == [], on_cpu.report()
+
+
+def _line_of(name: str, piece: str) -> int:
+    lines = (CORPUS / name).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if piece in line)
+
+
+def test_a_gpu_only_failure_names_the_learners_line():
+    nccl = run("gpu_tutorial.py")
+    at = _line_of("gpu_tutorial.py", "init_process_group(")
+    assert nccl.error_where == f"gpu_tutorial.py:{at}"
+    assert f"what to change at gpu_tutorial.py:{at}: the script asks for the NCCL" in \
+        nccl.report()
+    # a .to(cuda) inside the script's own helper: the helper's line and the line that called it
+    helper = run("gpu_device_helper.py")
+    inner = _line_of("gpu_device_helper.py", ".to(device), device")
+    outer = _line_of("gpu_device_helper.py", "= build_model(")
+    assert helper.status == "failed", helper.report()
+    assert (f"what to change at gpu_device_helper.py:{inner}, called from "
+            f"gpu_device_helper.py:{outer}: the script moves tensors or the model to CUDA"
+            in helper.report()), helper.report()
+    on_cpu = run("gpu_device_helper.py", cpu=True)
+    assert on_cpu.status == "ok" and on_cpu.findings == [], on_cpu.report()
+
+
+def test_an_unused_reduction_is_named_at_its_line_and_the_print_still_counts_as_local():
+    result = run("unused_reduce.py")
+    by = {f.check: f for f in result.findings}
+    assert by["unused_reduce"].where == \
+        f"unused_reduce.py:{_line_of('unused_reduce.py', 'dist.all_reduce(global_loss)')}"
+    assert "nothing reads global_loss afterwards" in by["unused_reduce"].message
+    # the all_reduce it never reads does not make rank 0's printed loss a global one
+    assert by["rank0_loss"].where.startswith("unused_reduce.py:")
+
+
+@pytest.mark.parametrize("body, unused", [
+    # a new tensor, reduced, never read: reported
+    ("t = torch.tensor([loss.item()])\ndist.all_reduce(t)\n", [(2, "t")]),
+    ("t = loss.detach().clone() / 2\ndist.all_reduce(t)\n", [(2, "t")]),
+    ("def f(loss):\n    t = torch.zeros(2)\n    dist.all_reduce(t, op=dist.ReduceOp.SUM)\n",
+     [(3, "t")]),
+    # read afterwards, or sharing memory with a tensor that is: never reported
+    ("t = torch.tensor([1.0])\ndist.all_reduce(t)\nprint(t.item())\n", []),
+    ("t = loss.detach()\ndist.all_reduce(t)\n", []),  # t is loss's memory: loss sees the sum
+    ("t = p.grad\ndist.all_reduce(t)\n", []),         # the gradient itself
+    ("dist.all_reduce(p.grad)\n", []),                 # not a name
+    ("for t in grads:\n    dist.all_reduce(t)\n", []),
+    ("def f(t):\n    dist.all_reduce(t)\n", []),       # the caller's tensor
+    ("t = torch.zeros(2)\nt += x\ndist.all_reduce(t)\nt2 = t\n", []),
+    ("t, n = torch.zeros(1), 0\ndist.all_reduce(t)\nreturn_value = [t]\n", []),
+    ("t = torch.zeros(1)\ndist.all_reduce(t)\ndef g():\n    return t\n", []),  # a closure reads it
+    ("t = torch.zeros(1)\ndist.all_reduce(t)\nlogs.append(t)\n", []),
+])
+def test_unused_reductions_reads_only_what_it_can_be_sure_of(body, unused):
+    assert script_checks.unused_reductions(body) == unused
 
 
 def test_a_sampler_beside_shuffle_is_explained():
@@ -159,7 +218,19 @@ def _all_findings():
                                         "barrier", "rank0_loss"}
     none = script_checks.analyze({0: [ev(0, "end", initialized=False, steps=1, error=False)],
                                   1: [ev(1, "end", initialized=False, steps=1, error=False)]}, 2)
-    return found + none
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp, "x.py")
+        script.write_text("t = torch.zeros(1)\ndist.all_reduce(t)\n")
+        logged = script_checks.analyze({r: [ev(r, "init", **where), ev(r, "print", **where),
+                                            ev(r, "writer", what="a wandb run", **where),
+                                            ev(r, "reduce", where="x.py:2"),
+                                            ev(r, "end", initialized=False, steps=1,
+                                               error=False)] for r in (0, 1)}, 2, str(script))
+    assert {f.check for f in logged} == {"log_every_rank", "writer_every_rank",
+                                         "unused_reduce"}
+    return found + none + logged
 
 
 def test_analyze_stays_quiet_on_a_clean_run_and_on_a_crash():

@@ -215,6 +215,7 @@ class Diagnosis:
     traces: dict[int, list[dict]] = field(default_factory=dict)
     findings: list = field(default_factory=list)   # script_checks.Finding, most serious first
     events: dict[int, list[dict]] = field(default_factory=dict)
+    error_where: str | None = None  # a failed script: its file:line where the error was raised
 
     @property
     def ok(self) -> bool:
@@ -233,8 +234,11 @@ class Diagnosis:
             from . import script_checks
 
             known = script_checks.explain_failure(self.error)
+            at = f" at {self.error_where}" if self.error_where else ""
             if known:
-                lines.append(f"  what to change: {known[0]} — {known[1]}")
+                lines.append(f"  what to change{at}: {known[0]} — {known[1]}")
+            elif at:
+                lines.append(f"  raised{at}")
         lines.append(self.trace.message())
         for r, frames in self.stacks.items():
             if r in self.pending and frames:
@@ -258,7 +262,8 @@ class Diagnosis:
             return ["run-time checks: the run stopped early, so they saw only what ran before "
                     "it stopped: fix the error above and run again"]
         return ["run-time checks: nothing found (samplers and set_epoch, loaders, saves, "
-                "barriers, printed losses, replicas after the first step, clean-up)"]
+                "barriers, all_reduces nothing reads, printed losses and metrics writers, "
+                "replicas after the first step, clean-up)"]
 
 
 def _user_frames(dump: str) -> list[str]:
@@ -341,7 +346,7 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
 
     Shown in lesson 10, §1.
     """
-    from dpcourse import launch
+    from dpcourse import launch, script_checks
 
     if isinstance(target, (str, os.PathLike)):
         target = str(Path(target).resolve())
@@ -351,7 +356,7 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
     tracedir = tempfile.mkdtemp(prefix="dpcourse-diagnose-")
     # well before the limit: a rank may start a second after the parent's clock did
     dump_after = max(0.5, min(timeout * 0.6, timeout - 1.5))
-    results, pending, error, status = None, [], None, "ok"
+    results, pending, error, status, error_where = None, [], None, "ok", None
     try:
         try:
             results = launch.spawn(diagnose_worker, world_size, target, tuple(args), tracedir,
@@ -363,11 +368,12 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
         except launch.RankFailedError as e:
             status, error = "failed", f"rank {e.rank}: {e.summary}"
             pending = sorted(set(range(world_size)) - set(e.failures))
+            if isinstance(target, str):
+                error_where = script_checks.failure_line(e.failures.get(e.rank, ""), target)
         traces = read_traces(tracedir, world_size)
-        from . import script_checks
-
         events = script_checks.read_events(tracedir, world_size)
-        findings = script_checks.analyze(events, world_size) if isinstance(target, str) else []
+        findings = (script_checks.analyze(events, world_size, script=target)
+                    if isinstance(target, str) else [])
         stacks = {}
         for r in range(world_size):
             p = Path(tracedir) / f"rank{r}.stack"
@@ -375,7 +381,7 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
     finally:
         shutil.rmtree(tracedir, ignore_errors=True)
     return Diagnosis(status, world_size, timeout, results, pending, error,
-                     compare_traces(traces), stacks, traces, findings, events)
+                     compare_traces(traces), stacks, traces, findings, events, error_where)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,10 +6,13 @@ for the time of the run — never the learner's file — and writes what it saw,
 event, to a file per rank: each DistributedSampler and DataLoader iteration (with the epoch,
 whether gradients were on, how many backward passes ran while it was being read), every
 ``torch.save`` (path, and whether the keys carry DDP's ``module.`` prefix), every barrier and
-small reduction, every printed loss, the optimizer steps (a hash of the parameters after the
-first one), and whether the process group was destroyed. After the run, :func:`analyze` reads
+small reduction, every printed or logged loss, every metrics writer created (a TensorBoard
+``SummaryWriter``, a ``wandb.init``), the line of every ``all_reduce``, the optimizer steps (a
+hash of the parameters after the first one), and whether the process group was destroyed. After the run, :func:`analyze` reads
 every rank's events together and returns :class:`Finding` s: what is wrong, at which
 ``file:line`` of the learner's script, what to write instead, and the lesson that teaches it.
+:func:`unused_reductions` reads the script's text for an ``all_reduce`` whose result nothing
+reads afterwards; ``analyze`` reports one only where the run called it on every rank.
 
 :func:`explain_failure` turns the errors torch raises for the commonest mistakes (a GPU-only
 script on a machine without GPUs, a sampler next to ``shuffle=True``) into the same kind of
@@ -22,20 +25,31 @@ Shown in lesson 10, §5; tested on a corpus of scripts in tests/scripts/diagnose
 
 from __future__ import annotations
 
+import ast
 import builtins
 import contextlib
 import hashlib
+import importlib.abc
+import importlib.util
 import json
 import logging
 import os
 import re
+import sys
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["Finding", "Watch", "analyze", "explain_failure", "cpu_fallback", "SEVERITY"]
+__all__ = ["Finding", "Watch", "analyze", "unused_reductions", "explain_failure",
+           "failure_line", "cpu_fallback", "SEVERITY", "WRITERS"]
 
 SEVERITY = {0: "wrong results", 1: "wasted work or a trap", 2: "misleading output"}
+
+# metrics writers that belong on one rank: module -> (its attribute that starts one, what it is).
+# None of them is a course dependency: Watch wraps one only if the script imports it.
+WRITERS = {"torch.utils.tensorboard": ("SummaryWriter", "a TensorBoard SummaryWriter"),
+           "tensorboardX": ("SummaryWriter", "a tensorboardX SummaryWriter"),
+           "wandb": ("init", "a wandb run (wandb.init)")}
 
 # frames that are not the learner's: torch, this library, the runners between
 _NOT_USER = (f"{os.sep}torch{os.sep}", f"{os.sep}dpcourse{os.sep}", "runpy.py",
@@ -91,6 +105,7 @@ class Watch:
         self._seq = 0              # how many loader reads have started
         self._steps = 0
         self._printed = False
+        self._reduced_at: set[str] = set()  # the lines whose all_reduce was recorded
 
     def event(self, kind: str, **data) -> None:
         self._file.write(json.dumps({"kind": kind, "rank": self.rank, **data}) + "\n")
@@ -209,8 +224,37 @@ class Watch:
     def _collective(self, call) -> None:
         if call.op == "barrier" or call.function == "monitored_barrier":
             self.event("barrier", where=_where())
-        elif call.op in ("all_reduce", "reduce") and 0 < call.numel <= 4:
+            return
+        if call.op in ("all_reduce", "reduce") and 0 < call.numel <= 4:
             self.event("small_reduce", where=_where())
+        if call.function == "all_reduce":
+            where = _where()
+            if where not in self._reduced_at:  # once per line: a loop calls it every step
+                self._reduced_at.add(where)
+                self.event("reduce", where=where)
+
+    def _writer(self, real, what: str):
+        watch = self
+
+        def start(*args, **kwargs):
+            watch.event("writer", what=what, where=_where())
+            return real(*args, **kwargs)
+
+        return start
+
+    def _wrap_writer(self, module_name: str, module, saved: list) -> None:
+        """Wrap the writer ``module`` starts (a class's ``__init__``, or a function), to be
+        put back from ``saved`` after the run."""
+        attr, what = WRITERS[module_name]
+        target = getattr(module, attr, None)
+        if target is None:
+            return
+        if isinstance(target, type):  # a class: its __init__ starts the writer
+            saved.append((target, "__init__", target.__init__))
+            target.__init__ = self._writer(target.__init__, what)
+        else:
+            saved.append((module, attr, target))
+            setattr(module, attr, self._writer(target, what))
 
     @contextlib.contextmanager
     def installed(self):
@@ -233,17 +277,26 @@ class Watch:
                    (dist, "init_process_group", self._init(dist.init_process_group))]
         saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
         hook = register_optimizer_step_post_hook(self._after_step)
+        writers: list = []  # what the metrics writers' wrappers replaced
+        finder = _AfterImport(WRITERS, lambda name, module: self._wrap_writer(name, module,
+                                                                             writers))
         error = False
         try:
             for owner, name, wrapper in patches:
                 setattr(owner, name, wrapper)
+            for name in WRITERS:  # imported before the script ran: wrap now, else on import
+                if name in sys.modules:
+                    self._wrap_writer(name, sys.modules[name], writers)
+            sys.meta_path.insert(0, finder)
             with record_collectives(before=self._collective):
                 yield self
         except BaseException:
             error = True
             raise
         finally:
-            for owner, name, original in saved:
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+            for owner, name, original in [*saved, *reversed(writers)]:
                 setattr(owner, name, original)
             hook.remove()
             self.finish(error)
@@ -258,6 +311,35 @@ class Watch:
         self.event("end", initialized=dist.is_available() and dist.is_initialized(),
                    steps=self._steps, error=error)
         self._file.close()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """An import hook: when one of ``names`` is imported, ``patch(name, module)`` runs right
+    after the module's own code, before the importer gets it."""
+
+    def __init__(self, names, patch):
+        self.names, self.patch, self._finding = set(names), patch, False
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.names or self._finding:
+            return None
+        self._finding = True  # let the other finders answer for the real module
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        finally:
+            self._finding = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        real_exec, patch = spec.loader.exec_module, self.patch
+
+        def exec_module(module):
+            real_exec(module)
+            patch(name, module)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def _len(obj) -> int | None:
@@ -295,8 +377,102 @@ def read_events(directory, world_size: int) -> dict[int, list[dict]]:
     return out
 
 
-def analyze(events: dict[int, list[dict]], world_size: int) -> list[Finding]:
-    """The mistakes every rank's events show, most serious first, each said once."""
+def unused_reductions(source: str) -> list[tuple[int, str]]:
+    """(line, name) of each ``all_reduce(name)`` in ``source`` whose result nothing reads: in
+    the function (or module) that calls it, ``name`` is read nowhere else, and every value it
+    is given is a new tensor (``torch.tensor``, ``torch.zeros`` ..., ``.clone()``, arithmetic),
+    so the reduction cannot reach any other tensor through shared memory either (a name bound to
+    ``loss.detach()`` or ``p.grad`` can: those are never reported)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    scopes = [tree] + [n for n in ast.walk(tree)
+                       if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+    scope_of: dict[int, ast.AST] = {}
+    for scope in scopes:  # the innermost scope wins: scopes are walked outermost first
+        for node in ast.walk(scope):
+            if node is not scope:
+                scope_of[id(node)] = scope
+    out = []
+    for call in ast.walk(tree):
+        if not (isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.Name)
+                and (getattr(call.func, "attr", None) == "all_reduce"
+                     or getattr(call.func, "id", None) == "all_reduce")):
+            continue
+        name, scope = call.args[0].id, scope_of.get(id(call), tree)
+        reads, values = 0, []
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Name) and node.id == name and node is not call.args[0]:
+                reads += isinstance(node.ctx, ast.Load)
+            elif isinstance(node, (ast.Global, ast.Nonlocal)) and name in node.names:
+                reads += 1  # shared with another scope: not ours to judge
+            elif isinstance(node, ast.AugAssign) and getattr(node.target, "id", None) == name:
+                reads += 1  # total += x reads total
+            elif isinstance(node, ast.Assign):
+                values += _bound_values(node, name)
+            elif name in _other_bindings(node):
+                values.append(None)  # bound some other way: cannot tell what it shares
+        if reads == 0 and values and all(_fresh(v) for v in values):
+            out.append((call.lineno, name))
+    return sorted(set(out))
+
+
+def _other_bindings(node) -> set[str]:
+    """Names ``node`` binds other than by a plain assignment: a for or with target, an
+    annotated or := assignment, a parameter, an import, an exception's name."""
+    if isinstance(node, ast.arg):
+        return {node.arg}
+    if isinstance(node, ast.ExceptHandler):
+        return {node.name} if node.name else set()
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(a.asname or a.name).split(".")[0] for a in node.names}
+    targets = {ast.For: lambda n: [n.target], ast.AsyncFor: lambda n: [n.target],
+               ast.With: lambda n: [i.optional_vars for i in n.items if i.optional_vars],
+               ast.AsyncWith: lambda n: [i.optional_vars for i in n.items if i.optional_vars],
+               ast.AnnAssign: lambda n: [n.target], ast.NamedExpr: lambda n: [n.target],
+               ast.comprehension: lambda n: [n.target]}.get(type(node))
+    if targets is None:
+        return set()
+    return {n.id for t in targets(node) for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
+def _bound_values(assign: ast.Assign, name: str) -> list:
+    """The expressions an assignment binds to ``name`` (None where it cannot tell)."""
+    out = []
+    for target in assign.targets:
+        if isinstance(target, ast.Name) and target.id == name:
+            out.append(assign.value)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for i, elt in enumerate(target.elts):
+                if isinstance(elt, ast.Name) and elt.id == name:
+                    same_shape = (isinstance(assign.value, (ast.Tuple, ast.List))
+                                  and len(assign.value.elts) == len(target.elts))
+                    out.append(assign.value.elts[i] if same_shape else None)
+    return out
+
+
+_NEW_TENSOR = {"tensor", "zeros", "ones", "full", "empty", "zeros_like", "ones_like",
+               "full_like", "empty_like", "rand", "randn", "arange", "stack", "cat"}
+
+
+def _fresh(value) -> bool:
+    """True when ``value`` always makes a new tensor, sharing memory with nothing."""
+    if isinstance(value, ast.BinOp):
+        return True
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+        owner = value.func.value
+        if value.func.attr == "clone":
+            return True
+        return (value.func.attr in _NEW_TENSOR and isinstance(owner, ast.Name)
+                and owner.id == "torch")
+    return False
+
+
+def analyze(events: dict[int, list[dict]], world_size: int,
+            script: str | None = None) -> list[Finding]:
+    """The mistakes every rank's events show, most serious first, each said once. ``script``,
+    the path of the script that ran, lets it also read the text (:func:`unused_reductions`)."""
     found: dict[str, Finding] = {}
 
     def add(check, severity, where, message, lesson, rank):
@@ -414,8 +590,53 @@ def analyze(events: dict[int, list[dict]], world_size: int) -> list[Finding]:
             f"already keeps the ranks in step; keep barriers for checkpoints and setup",
             "lesson 04, §1 The whole script (a barrier at the end, not per step)",
             sorted(barriers))
+    unused: set[str] = set()  # lines whose all_reduce nothing reads
+    if script is not None and Path(script).is_file():
+        reduced_at = [{e["where"].split(",")[0] for e in es if e["kind"] == "reduce"}
+                      for es in events.values()]
+        name = Path(script).name
+        for line, tensor in unused_reductions(Path(script).read_text(errors="replace")):
+            here = f"{name}:{line}"
+            if world_size > 1 and reduced_at and all(here in r for r in reduced_at):
+                unused.add(here)
+                found.setdefault("unused_reduce", Finding(
+                    "unused_reduce", 1, here,
+                    f"this all_reduce sums {tensor} over the ranks, and nothing reads "
+                    f"{tensor} afterwards: each call makes every rank wait for the slowest "
+                    f"and changes no result (a reduced loss that is never printed?) — use the "
+                    f"reduced value, or remove the collective",
+                    "lesson 04, §4 Evaluation and logging under DDP",
+                    list(range(world_size))))
     printers = sorted(r for r, es in events.items() if any(e["kind"] == "print" for e in es))
-    reduced = any(e["kind"] == "small_reduce" for e in events.get(0, []))
+    # a loss reduced for the log: a small all_reduce on rank 0 whose result is read
+    reduced = any(e["kind"] == "small_reduce" and e["where"].split(",")[0] not in unused
+                  for e in events.get(0, []))
+    if synced and world_size > 1 and printers == list(range(world_size)):
+        where = next(e["where"] for e in events[0] if e["kind"] == "print")
+        found["log_every_rank"] = Finding(
+            "log_every_rank", 2, where,
+            f"every rank prints (or logs) a loss or accuracy: the output holds {world_size} "
+            f"lines for each one meant, in no fixed order, and "
+            + ("each rank's copy is the same all-reduced value" if reduced else
+               "each is one rank's shard only, none the global batch's")
+            + " — print on one rank (if rank == 0:)"
+            + ("" if reduced else ", after all-reducing the sum and the count"),
+            "lesson 04, §4 Evaluation and logging under DDP", printers)
+    writers: dict[str, dict[int, str]] = {}
+    for rank, es in events.items():
+        for e in es:
+            if e["kind"] == "writer":
+                writers.setdefault(e["what"], {}).setdefault(rank, e["where"])
+    for what, at in writers.items():
+        if world_size > 1 and len(at) > 1:
+            f = found.setdefault("writer_every_rank", Finding(
+                "writer_every_rank", 2, at[min(at)],
+                f"{len(at)} ranks each start {what}: each writes its own log of its own shard, "
+                f"so the dashboard shows {len(at)} runs (or one whose curve jumps between "
+                f"ranks), none of them the global batch's — start it on rank 0 only (if rank "
+                f"== 0:) and log values all-reduced first",
+                "lesson 04, §4 Evaluation and logging under DDP"))
+            f.ranks = sorted(at)
     if synced and world_size > 1 and printers == [0] and not reduced:
         where = next(e["where"] for e in events[0] if e["kind"] == "print")
         found["rank0_loss"] = Finding(
@@ -451,6 +672,22 @@ _FAILURES = [
      "the checkpoint's keys carry DDP's 'module.' prefix: save model.module.state_dict(), or "
      "strip the prefix before load_state_dict", "lesson 04, §3 Checkpoints and fault tolerance"),
 ]
+
+
+def failure_line(traceback_text: str, script: str) -> str | None:
+    """``name.py:N`` of the innermost frame of ``script`` in a formatted traceback: the line of
+    the learner's script where the error was raised, and, when that line is inside one of the
+    script's functions, the line that called it (None when no frame is the script's)."""
+    target, name = os.path.realpath(script), Path(script).name
+    frames = [(int(n), func) for f, n, func in
+              re.findall(r'File "([^"]+)", line (\d+), in (\S+)', traceback_text or "")
+              if os.path.realpath(f) == target]
+    if not frames:
+        return None
+    (line, func), called = frames[-1], frames[-2][0] if len(frames) > 1 else None
+    if called is not None and func not in ("<module>", "main"):
+        return f"{name}:{line}, called from {name}:{called}"
+    return f"{name}:{line}"
 
 
 def explain_failure(error: str) -> tuple[str, str] | None:
