@@ -240,7 +240,7 @@ def pushes_between_pull_and_compute(server, compute_gradient, batches, tau):
 
 
 WRONG = [
-    (no_drain, "the last 3 gradients were never pushed with τ = 3: after the loop"),
+    (no_drain, "the last 3 gradients were never pushed with τ = 3: they were still in flight"),
     (off_by_one, "one update too early with τ = 3"),
     (newest_first, "pushed the newest gradient in flight, not the oldest"),
     (drained_backwards, "pushed the newest gradient in flight, not the oldest"),
@@ -250,12 +250,12 @@ WRONG = [
     (computes_when_it_lands, "you computed each gradient when it was pushed"),
     (pushed_twice, "a gradient was pushed twice"),
     (scaled, "you pushed something that compute_gradient did not return"),
-    (pops_empty, "IndexError.*took a gradient out of an empty queue"),
-    (endless, "an endless loop"),
-    (skips_the_last_batch, "compute exactly one gradient per batch: you computed 9 for 10"),
+    (pops_empty, "IndexError.*took a gradient out of an empty container"),
+    (endless, "a loop that never ends"),
+    (skips_the_last_batch, "computed 9 gradients for 10 batches"),
     (computed_at_push, "you kept the weights of batch 0's pull and computed its gradient only "
-                       "after your loop's next pull \\(with τ = 3\\): the contract computes "
-                       "each gradient right after its own pull"),
+                       "after your loop's next pull \\(with τ = 3\\): a worker computes while "
+                       "nothing else happens"),
     (pushes_between_pull_and_compute, "computed its gradient only after your loop's next "
                                       "push \\(with τ = 3\\)"),
     (counts_the_batches, "it asked how many batches there are, or for one by its index, but "
@@ -374,11 +374,11 @@ def test_the_trace_is_compared_call_by_call(capsys):
         # the last ones never pushed
         (right[:-2], "exactly once"),
         # newest first
-        (right[:-2] + [("push", 4, 2), ("push", 3, 1)], "in the order they were computed"),
+        (right[:-2] + [("push", 4, 2), ("push", 3, 1)], "would land as update 3, not update 4"),
         # the version of the push, not of the pull
-        (right[:-1] + [("push", 4, 4)], "its own pull returned (2)"),
+        (right[:-1] + [("push", 4, 4)], "that pull returned version 2, not 4"),
         # a pull's version
-        (right[:4] + [("pull", 0)] + right[5:], "1 pushes came before"),
+        (right[:4] + [("pull", 0)] + right[5:], "1 pushes come before this pull"),
         # held too long
         (right[:3] + [("pull", 0)] + right[3:], "pulls 6 times"),
         ([("pull",)], "write each call as"),
@@ -495,15 +495,15 @@ def _server(step_rule, before=False, record=True, bump=True, sign=1):
 
 
 WRONG_SERVERS = [
-    (_server(lambda lr, s: lr), "you did not scale the step"),
+    (_server(lambda lr, s: lr), "the step was not scaled"),
     (_server(lambda lr, s: lr / (s + 1)), "you divided by staleness \\+ 1"),
     (_server(lambda lr, s: lr * s), "you multiplied the lr by the staleness"),
-    (_server(lambda lr, s: lr / s), "a fresh gradient has staleness 0 with τ = 0, and you "
+    (_server(lambda lr, s: lr / s), "a fresh gradient has staleness 0 with τ = 2, and lr / s "
                                     "divided by it"),
     (_server(lambda lr, s: lr / max(1, s), sign=-1), "your staleness is negative"),
-    (_server(lambda lr, s: lr / max(1, s), before=True), "counted the staleness after "
-                                                         "increasing the version"),
-    (_server(lambda lr, s: lr / max(1, s), record=False), "record each update's staleness"),
+    (_server(lambda lr, s: lr / max(1, s), before=True), "starts at 1 .*counted after the "
+                                                         "version moved on"),
+    (_server(lambda lr, s: lr / max(1, s), record=False), "self.staleness is empty"),
     (_server(lambda lr, s: lr / max(1, s), bump=False), "the server's version is 0 after 10"),
     (_server(lambda lr, s: lr / max(1, s) ** 2), "differ from the staleness-aware step"),
     (_server(lambda lr, s: lr / max(1, s) ** 0.5), "you divided the lr by the square root of "
@@ -555,3 +555,56 @@ def test_the_checks_are_fast():
     lab09.check_async_worker(good)
     lab09.check_staleness_aware(GoodAware)
     assert time.monotonic() - t0 < 2
+
+
+# --------------------------------------------------------------------------------------------
+# Part 1's trace is the deliverable the loop is held to; causes first, the fix on a second try
+# --------------------------------------------------------------------------------------------
+
+RIGHT_TRACE = [("pull", 0), ("pull", 0), ("pull", 0), ("push", 0, 0), ("pull", 1),
+               ("push", 1, 0), ("pull", 2), ("push", 2, 0), ("push", 3, 1), ("push", 4, 2)]
+
+
+def test_the_loop_is_held_to_the_learners_trace(capsys):
+    lab09.check_async_worker(good, RIGHT_TRACE)
+    assert "✔" in capsys.readouterr().out
+    # a loop one update too early differs from the learner's own trace at call 3
+    with pytest.raises(LabCheckError) as err:
+        lab09.check_async_worker(off_by_one, RIGHT_TRACE)
+    msg = str(err.value)
+    assert "call 3 differs from your own trace of part 1: the loop made ('push', 0, 0), your " \
+           "trace says ('pull', 0)" in msg, msg
+    # a trace that does not pass part 1 yet: the loop is not judged against it
+    with pytest.raises(LabCheckError, match="does not pass part 1's check yet"):
+        lab09.check_async_worker(good, RIGHT_TRACE[:-1])
+
+
+def test_trace_messages_give_the_cause_then_the_fix():
+    early = [("pull", 0), ("pull", 0), ("push", 0, 0)] + RIGHT_TRACE[2:3] + RIGHT_TRACE[4:]
+    with pytest.raises(LabCheckError) as first:
+        lab09.check_trace(early)
+    assert "too early: only 2 gradients are in flight" in str(first.value)
+    assert "pull the next batch first" not in str(first.value), str(first.value)
+    assert "('pull', 0)" not in str(first.value).split("is ('push', 0, 0)")[1], str(first.value)
+    with pytest.raises(LabCheckError, match="pull the next batch first"):
+        lab09.check_trace(early)
+
+
+def test_loop_messages_give_the_cause_then_the_fix():
+    with pytest.raises(LabCheckError) as first:
+        lab09.check_async_worker(off_by_one)
+    assert "one update too early" in str(first.value)
+    assert "not when τ are" not in str(first.value)
+    with pytest.raises(LabCheckError, match="push when more than τ are waiting, not when τ are"):
+        lab09.check_async_worker(off_by_one)
+
+
+def test_the_fresh_step_is_the_learners_decision():
+    # a fresh gradient that takes no step: a τ = 0 run never moves
+    with pytest.raises(LabCheckError) as first:
+        lab09.check_staleness_aware(_server(lambda lr, s: lr / s if s else 0.0))
+    assert "a fresh gradient (staleness 0) took no step at all" in str(first.value)
+    assert "max(1" not in str(first.value)
+    with pytest.raises(LabCheckError) as err:
+        lab09.check_staleness_aware(_server(lambda lr, s: lr / s))
+    assert "max(1" not in str(err.value), str(err.value)

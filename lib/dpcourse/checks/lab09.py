@@ -180,44 +180,54 @@ def diagnose_loop(trace: dict) -> None:
     if "raised" in trace:
         if trace["raised"].startswith("IndexError"):
             fail(f"your loop raised {trace['raised']!r} {at}: it took a gradient out of an empty "
-                 "queue — push only when more than τ are in flight, then the rest after the loop")
+                 "container — it pushed at a moment when no gradient was waiting.",
+                 fix="push only when more than τ gradients are in flight, then the rest after the "
+                     "loop.")
         if "more than" in trace["raised"] and "pulls and pushes" in trace["raised"]:
-            fail(f"your loop kept pulling or pushing {at} ({trace['raised']}): an endless loop? "
-                 "Each pushed gradient must leave the queue")
+            fail(f"your loop kept pulling or pushing {at} ({trace['raised']}): a loop that never "
+                 "ends — what it waits for never changes.",
+                 fix="take each pushed gradient out of what your loop keeps.")
         fail(f"your loop raised {trace['raised']!r} {at}")
     if len(computed) != STEPS:
-        fail(f"compute exactly one gradient per batch: you computed {len(computed)} for "
-             f"{STEPS} batches {at}")
+        fail(f"your loop computed {len(computed)} gradients for {STEPS} batches {at}: the "
+             f"contract is one gradient per batch.")
     if [i for i, _ in computed] != list(range(STEPS)):
-        fail(f"take the batches in order, each once: you computed on batches "
-             f"{[i for i, _ in computed]} {at}")
+        fail(f"your loop computed on batches {[i for i, _ in computed]} {at}: gradient k, and "
+             f"so update k, belongs to batch k, each batch once, in order.")
     if any(v == -1 for _, v in computed):
-        fail(f"a gradient was computed on weights the server never held {at}: pass the weights "
-             "that pull() returned, unchanged")
+        fail(f"a gradient was computed on weights the server never held {at}: the weights "
+             f"passed to compute_gradient were changed after the pull (or made up).",
+             fix="pass the weights that pull() returned, unchanged.")
     if any(k == -1 for k, _, _ in pushes):
-        fail(f"you pushed something that compute_gradient did not return {at} (changed, "
-             "scaled or summed?): push each gradient as it is")
+        fail(f"you pushed something that compute_gradient did not return {at}: a changed, "
+             f"scaled or summed gradient is not the one its batch produced.",
+             fix="push each gradient exactly as compute_gradient returned it.")
     order = [k for k, _, _ in pushes]
     if len(set(order)) < len(order):
-        fail(f"a gradient was pushed twice {at} (pushed in this order: {order}): take it out "
-             "of the queue when you push it")
+        fail(f"a gradient was pushed twice {at} (pushed in this order: {order}): it stayed "
+             f"among the waiting gradients after its push.",
+             fix="take a gradient out of what your loop keeps when you push it.")
     if len(order) < STEPS:
         never = sorted(set(range(STEPS)) - set(order))
         if never == list(range(STEPS - len(never), STEPS)):
-            fail(f"the last {len(never)} gradients were never pushed {at}: after the loop, push "
-                 "the ones still in flight, oldest first")
-        fail(f"the gradients of batches {never} never reached the server {at}")
+            fail(f"the last {len(never)} gradients were never pushed {at}: they were still in "
+                 f"flight when the batches ran out, and the loop returned with them.",
+                 fix="after the loop over the batches, push the ones still in flight.")
+        fail(f"the gradients of batches {never} never reached the server {at}: every gradient "
+             f"is pushed exactly once.")
     if order != list(range(STEPS)):
-        fail(f"you pushed the newest gradient in flight, not the oldest ({at}, order {order}): "
-             "the in-flight gradients are a first-in, first-out queue (popleft / pop(0))"
-             if order != sorted(order) else f"the gradients reached the server out of order "
-             f"{at}: {order}")
+        if order != sorted(order):
+            fail(f"you pushed the newest gradient in flight, not the oldest ({at}, order "
+                 f"{order}): gradient k must be update k, so the one that has waited longest "
+                 f"lands first.", fix="take from the end where the oldest waits (first in, "
+                                      "first out).")
+        fail(f"the gradients reached the server out of order {at}: {order}")
     versions = [v for _, v in computed]
     want = _expected(tau)
     if versions != want:
         if all(v == 0 for v in versions) and any(want):
             fail(f"you pulled the weights only once {at}: every gradient was computed on the "
-                 "starting weights — pull before each gradient")
+                 "starting weights, which no update reaches.", fix="pull before each gradient.")
         late = [at_push - versions[k] for k, _, at_push in pushes]
         wanted = [min(k, tau) for k in range(STEPS)]
         if all(d == 0 for d in late) and tau > 0 and any(
@@ -225,27 +235,33 @@ def diagnose_loop(trace: dict) -> None:
             fail(f"you computed each gradient when it was pushed, on the weights the server "
                  f"held then ({at}): a worker computes its gradient right after its own pull, "
                  f"on the weights that pull returned — the updates that land while it is in "
-                 f"flight are what make it stale")
+                 f"flight are what make it stale.",
+                 fix="compute each gradient right after its own pull, and keep the gradient.")
         if all(d == 0 for d in late):
             fail(f"your gradients are never late {at}: each is pushed right after it is "
-                 "computed, so it lands on the weights it was computed on; gradient k must be "
-                 "computed on version max(0, k - τ) and still be applied as update k")
+                 "computed, so it lands on the weights it was computed on, whatever τ is — but "
+                 "gradient k is computed on version max(0, k - τ) and applied as update k.",
+                 fix="hold gradients back until τ newer ones are in flight.")
         if late == [min(k, tau - 1) for k in range(STEPS)] and tau > 0:
-            fail(f"your gradients are one update too early {at}: each must wait until τ newer "
-                 "ones are in flight (push when len(in_flight) > τ, not ≥ τ)")
+            fail(f"your gradients are one update too early {at}: staleness {late}, expected "
+                 f"{wanted} — each left when τ were waiting, the new one included, so only τ − 1 "
+                 f"newer ones were in flight.",
+                 fix="push when more than τ are waiting, not when τ are.")
         if late == [min(k, tau + 1) for k in range(STEPS)] or \
                 all(d >= w for d, w in zip(late, wanted)):
-            fail(f"your gradients are later than τ {at}: staleness {late}, expected {wanted}")
+            fail(f"your gradients are later than τ {at}: staleness {late}, expected {wanted} — "
+                 f"they waited for more newer gradients than τ.")
         fail(f"gradient k was computed on the wrong weights {at}: staleness {late}, expected "
-             f"{wanted}")
+             f"{wanted}.")
     tags = [version for _, version, _ in pushes]
     if tags != want:
         if tags == [at_push for _, _, at_push in pushes] and tags != want:
             fail(f"you pushed the server's version at push time {at}, not the version of the "
-                 "weights the gradient was computed on: keep the version pull() returned with "
-                 "the gradient")
-        fail(f"each gradient must be pushed with the version pull() returned for its weights "
-             f"{at}: you pushed {tags}, expected {want}")
+                 "weights the gradient was computed on: the server then counts every gradient "
+                 "as fresh.", fix="keep the version pull() returned with its gradient.")
+        fail(f"the versions pushed {at} were {tags}, but the pulls that gave each gradient's "
+             f"weights returned {want}.", fix="push each gradient with the version its own pull "
+                                             "returned.")
 
 
 def _diagnose_order(trace: dict, at: str) -> None:
@@ -253,9 +269,9 @@ def _diagnose_order(trace: dict, at: str) -> None:
     if trace.get("late"):
         k, what = trace["late"][0]
         fail(f"you kept the weights of batch {k}'s pull and computed its gradient only after "
-             f"your loop's next {what} ({at}): the contract computes each gradient right after "
-             f"its own pull, as a worker does, so that what waits in flight is the gradient, "
-             f"not weights still to be used.")
+             f"your loop's next {what} ({at}): a worker computes while nothing else happens — "
+             f"what waits in flight is a gradient, not weights still to be used.",
+             fix="compute each gradient right after its own pull.")
 
 
 def _refuse_reference(loop) -> None:
@@ -267,8 +283,8 @@ def _refuse_reference(loop) -> None:
     inner = loop.func if isinstance(loop, functools.partial) else loop
     if inner is async_sgd.async_worker_loop:
         fail("that is dpcourse.async_sgd.async_worker_loop itself, the lesson's reference loop: "
-             "the lab asks for your own loop, so that you decide what it keeps about a "
-             "gradient between computing and pushing it.")
+             "it passes by construction, so passing proves nothing about your loop.",
+             fix="write your own loop in the lab's cell.")
 
 
 def _check_versions_with_other_workers(loop, tau: int = 3, others: int = 2) -> None:
@@ -282,12 +298,14 @@ def _check_versions_with_other_workers(loop, tau: int = 3, others: int = 2) -> N
             word in trace["raised"] for word in ("len()", "subscriptable", "reversed")):
         fail(f"your loop raised {trace['raised']!r} ({at}): it asked how many batches there "
              f"are, or for one by its index, but the batches may be a stream read once, whose "
-             f"end the loop learns only when it runs out.")
+             f"end the loop learns only when it runs out.",
+             fix="iterate over the batches once, and finish when they run out.")
     if "misuse" in trace or "raised" in trace:
         fail(f"your loop {trace.get('misuse') or 'raised ' + repr(trace['raised'])} ({at}).")
     if len(trace["computed"]) != STEPS:
         fail(f"your loop computed {len(trace['computed'])} gradients for {STEPS} batches ({at}): "
-             f"it must take every batch the iterator gives, and stop when it runs out.")
+             f"an iterator read once gives each batch once — read it twice and the second pass "
+             f"finds nothing.", fix="take every batch in one pass over the iterator.")
     computed = trace["computed"]
     tags = [version for _, version, _ in trace["pushes"]]
     want = [computed[k][1] for k, _, _ in trace["pushes"]]
@@ -295,23 +313,58 @@ def _check_versions_with_other_workers(loop, tau: int = 3, others: int = 2) -> N
         if tags == _expected(tau):
             fail(f"you pushed your own count of pushes as the version ({at}: {tags}), not the "
                  f"version pull() returned ({want}): with one worker the two agree, but the "
-                 f"other workers' updates move the server's version too.")
-        fail(f"each gradient must be pushed with the version pull() returned for its weights "
-             f"({at}): you pushed {tags}, expected {want}")
+                 f"other workers' updates move the server's version too.",
+                 fix="push each gradient with the version its own pull returned.")
+        fail(f"the versions pushed ({at}) were {tags}, but the pulls that gave each gradient's "
+             f"weights returned {want}.", fix="push each gradient with the version its own pull "
+                                             "returned.")
     if sorted(k for k, _, _ in trace["pushes"]) != list(range(STEPS)):
-        fail(f"every gradient must reach the server exactly once ({at}): you pushed the "
-             f"gradients of batches {[k for k, _, _ in trace['pushes']]}.")
+        fail(f"you pushed the gradients of batches {[k for k, _, _ in trace['pushes']]} ({at}): "
+             f"every gradient reaches the server exactly once.")
     _diagnose_order(trace, at)
 
 
+def _check_against_own_trace(loop, trace) -> None:
+    """Part 1's trace is the deliverable the loop is held to: the learner's loop, run for τ = 2
+    and five batches on a server that only writes down its calls, must make the calls the
+    learner wrote by hand (which part 1's check compared with the reference loop's)."""
+    __tracebackhide__ = True
+    calls = [_as_call(item) for item in trace] if isinstance(trace, (list, tuple)) else None
+    if calls is None or None in calls or calls != reference_trace():
+        fail("the trace passed with your loop (part 1's my_trace) does not pass part 1's check "
+             "yet: this check holds your loop to the calls you wrote there.",
+             fix="run part 1's check and finish the trace first.")
+    server = _TraceServer()
+    try:
+        loop(server, lambda w, batch: torch.tensor(float(batch)), list(range(TRACE_BATCHES)),
+             TRACE_TAU)
+    except Exception:  # noqa: BLE001 - the detailed runs below name what went wrong
+        return
+    made = server.calls
+    if made == calls:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(made, calls)) if a != b), min(len(made),
+                                                                              len(calls)))
+    mine = made[i] if i < len(made) else "nothing more"
+    yours = calls[i] if i < len(calls) else "nothing more"
+    fail(f"for τ = {TRACE_TAU} and {TRACE_BATCHES} batches your loop made {len(made)} server "
+         f"calls, and call {i + 1} differs from your own trace of part 1: the loop made {mine}, "
+         f"your trace says {yours}. The loop and your trace describe different workers.",
+         fix="walk your loop through the five batches by hand, call by call, beside your trace.")
+
+
 @recorded
-def check_async_worker(loop, taus=TAUS) -> None:
-    """The lab's check: run ``loop`` for each τ and compare with the reference; then once as
-    one of two workers (the versions must be the ones pull() returned)."""
+def check_async_worker(loop, trace=None, taus=TAUS) -> None:
+    """The lab's check: with ``trace`` (part 1's hand-written τ = 2 trace), first hold the loop
+    to it; then run ``loop`` for each τ and compare with the reference; then once as one of two
+    workers (the versions must be the ones pull() returned)."""
     __tracebackhide__ = True
     require_answer(loop, "async_worker_loop")
     _refuse_reference(loop)
     from dpcourse import async_sgd
+
+    if trace is not None:
+        _check_against_own_trace(loop, trace)
 
     original = async_sgd.async_worker_loop
 
@@ -327,7 +380,8 @@ def check_async_worker(loop, taus=TAUS) -> None:
             diagnose_loop(trace)
             reference = trace_loop(original, tau)
             if not torch.equal(trace["w"], reference["w"]):
-                fail(f"the final weights differ from the reference's with τ = {tau}")
+                fail(f"the final weights differ from the reference's with τ = {tau}, although "
+                     f"every call looked right to the check.")
             traces.append(trace)
         for trace in traces:   # the right numbers, then the order they were made in
             _diagnose_order(trace, f"with τ = {trace['tau']}")
@@ -355,7 +409,7 @@ class _TraceServer:
         return torch.zeros(1), self.version
 
     def push(self, grad, version):
-        self.calls.append(("push", int(grad), version))
+        self.calls.append(("push", int(grad), int(version)))
         self.version += 1
 
 
@@ -409,25 +463,42 @@ def check_trace(trace) -> None:
     for i, (got, exp) in enumerate(zip(calls, want)):
         if got == exp:
             continue
-        where = f"call {i + 1} of your trace is {got}, the loop's is {exp}"
+        # the calls before this one are the loop's: count what they left behind
         updates = sum(c[0] == "push" for c in want[:i])
+        pulled = [k for k, c in enumerate(c for c in want[:i] if c[0] == "pull")]
+        pushed = [c[1] for c in want[:i] if c[0] == "push"]
+        waiting = [k for k in pulled if k not in pushed]
+        here = f"call {i + 1} of your trace is {got}"
         if exp[0] == "push" and got[0] == "pull":
-            fail(f"{where}: gradient {exp[1]} must land now; it was computed on version "
-                 f"{exp[2]} and is update {exp[1]} (gradient k is computed on version "
-                 f"max(0, k - τ) = max(0, k - {tau}) and applied as update k): held longer, "
-                 f"it would be more than τ updates stale.")
+            fail(f"{here}: a pull here sets off another gradient while {len(waiting)} are already "
+                 f"in flight (batches {waiting}), more than τ = {tau}: the oldest of them, "
+                 f"computed on version {exp[2]}, would land after more than τ newer gradients "
+                 f"had been set off.",
+                 fix="a gradient lands as soon as more than τ gradients are in flight.")
         if exp[0] == "pull" and got[0] == "push":
-            fail(f"{where}: too early — gradient {got[1]} would be update {updates}, but the "
-                 f"contract makes gradient k update k computed on version max(0, k - {tau}); "
-                 f"another batch must be pulled (and its gradient set off) first.")
+            fail(f"{here}, too early: only {len(waiting)} gradients are in flight here (batches "
+                 f"{waiting}), "
+                 f"τ = {tau} or fewer, so this push makes gradient {got[1]} update {updates} "
+                 f"before τ newer gradients have been set off — fresher than the contract's "
+                 f"max(0, k - τ) for update k.",
+                 fix="pull the next batch first: a gradient waits until more than τ are in "
+                     "flight.")
         if exp[0] == "pull":
-            fail(f"{where}: pull() returns the server's version, the number of updates applied "
-                 f"so far — {updates} pushes came before this call.")
+            fail(f"{here}: {updates} pushes come before this pull in your trace, and pull() "
+                 f"returns the server's version — the number of updates applied so far.",
+                 fix="count the pushes before each pull.")
         if got[1] != exp[1]:
-            fail(f"{where}: gradients reach the server in the order they were computed "
-                 f"(gradient k is update k), so gradient {exp[1]} comes next.")
-        fail(f"{where}: gradient {got[1]} is pushed with the version that its own pull "
-             f"returned ({exp[2]}), the version of the weights it was computed on.")
+            earlier = [k for k in waiting if k < got[1]] or waiting
+            fail(f"{here}: gradient{'s' if len(earlier) > 1 else ''} "
+                 f"{', '.join(map(str, earlier))} {'were' if len(earlier) > 1 else 'was'} "
+                 f"computed earlier and still wait{'' if len(earlier) > 1 else 's'}, so "
+                 f"gradient {got[1]} would land as update {updates}, not update {got[1]} — "
+                 f"and gradient k is update k.",
+                 fix="push the gradients in the order they were computed.")
+        fail(f"{here}: gradient {got[1]} was computed on the weights its own pull returned, "
+             f"and that pull returned version {exp[2]}, not {got[2]} — the version a push "
+             f"carries is the version of the weights the gradient came from.",
+             fix="push each gradient with the version its own pull returned.")
     versions = [c[2] for c in want if c[0] == "push"]
     stale = [k - v for k, v in enumerate(versions)]
     passed(f"your τ = {tau} trace is the loop's: {n} pulls, {n} pushes with versions {versions}, "
@@ -504,6 +575,7 @@ _RULES = {
     "times": lambda lr, s: lr * s,
     "times_or_one": lambda lr, s: lr * max(1, s),
     "sqrt": lambda lr, s: lr / max(1, s) ** 0.5,
+    "fresh_zero": lambda lr, s: lr / s if s else 0.0,
 }
 
 
@@ -522,20 +594,27 @@ def _overwrite_server():
 
     return OverwriteServer
 
+# the rule each candidate follows: (the cause, what to change)
 _RULE_MISTAKES = {
-    "plain": "you did not scale the step: a gradient s updates stale must take lr / s",
-    "plus_one": "you divided by staleness + 1 (or counted the staleness after moving the "
-                "version): a fresh gradient (s = 0) and one update stale (s = 1) both take the "
-                "full lr — divide by max(1, s)",
-    "times": "you multiplied the lr by the staleness: stale gradients must take smaller steps, "
-             "not larger",
-    "times_or_one": "you multiplied the lr by the staleness: stale gradients must take smaller "
-                    "steps, not larger",
-    "sqrt": "you divided the lr by the square root of the staleness: the step of Zhang et al. "
-            "shrinks a gradient s updates stale by s itself, lr / s, not by √s",
-    "overwrite": "you divided self.lr itself, so every later step starts from the shrunken lr "
-                 "and the step keeps shrinking for good: only this gradient's step is scaled, "
-                 "the server's lr stays what it was given",
+    "plain": ("the step was not scaled: every gradient took the full lr, however stale",
+              "scale each step by its gradient's staleness, as Zhang et al.'s rule says."),
+    "plus_one": ("you divided by staleness + 1: a gradient one update stale took lr / 2, but "
+                 "the rule's step for a staleness s ≥ 1 is lr / s, lr / 1 here",
+                 "keep lr / s for s ≥ 1; only the fresh gradient (s = 0) is yours to decide."),
+    "times": ("you multiplied the lr by the staleness: the stalest gradients took the largest "
+              "steps, and a fresh one none",
+              "make stale gradients take smaller steps, not larger."),
+    "times_or_one": ("you multiplied the lr by the staleness: the stalest gradients took the "
+                     "largest steps", "make stale gradients take smaller steps, not larger."),
+    "sqrt": ("you divided the lr by the square root of the staleness: Zhang et al.'s step "
+             "shrinks a gradient s updates stale by s itself", "divide by s, not √s."),
+    "fresh_zero": ("a fresh gradient (staleness 0) took no step at all: with τ = 0 every "
+                   "gradient is fresh, so the server never moved — a run without staleness "
+                   "must still train",
+                   "decide the fresh gradient's step so that a τ = 0 run is plain SGD."),
+    "overwrite": ("you divided self.lr itself, so every later step starts from the shrunken lr "
+                  "and the step keeps shrinking for good",
+                  "scale only this gradient's step; leave the server's lr as it was given."),
 }
 
 
@@ -564,30 +643,39 @@ def diagnose_server(run: dict) -> None:
     at = f"with τ = {tau}"
     if "raised" in run:
         if "ZeroDivisionError" in run["raised"]:
-            fail(f"a fresh gradient has staleness 0 {at}, and you divided by it: divide by "
-                 "max(1, staleness)")
+            fail(f"a fresh gradient has staleness 0 {at}, and lr / s divided by it: the rule "
+                 f"has no value there — the one case the stretch leaves to your decision.",
+                 fix="decide the fresh gradient's step so that a τ = 0 run is plain SGD.")
         fail(f"your server raised {run['raised']!r} {at}")
     if run["version"] != STEPS:
-        fail(f"the server's version is {run['version']} after {STEPS} updates {at}: increase "
-             "self.version by one at each push")
+        fail(f"the server's version is {run['version']} after {STEPS} updates {at}: the "
+             f"version counts the updates applied, and pull() hands it to every worker.",
+             fix="move self.version on by one at each push, as SimulatedServer.push does.")
     want = [min(k, tau) for k in range(STEPS)]
     got = run["staleness"]
     if not got:
-        fail(f"record each update's staleness in self.staleness {at}")
+        fail(f"self.staleness is empty after {STEPS} updates {at}: the server's books record "
+             f"each update's staleness, as SimulatedServer.push does.",
+             fix="keep every line of the parent's push besides the step.")
     if got == [-s for s in want] and any(want):
-        fail(f"your staleness is negative {at}: it is the server's version minus the version "
-             "the gradient was computed on")
+        fail(f"your staleness is negative {at} ({got[:4]} ...): the two versions were "
+             f"subtracted the wrong way round.",
+             fix="staleness = the server's version minus the version the gradient came from.")
     if got == [s + 1 for s in want]:
-        fail(f"you counted the staleness after increasing the version {at}: a fresh gradient "
-             "must count 0")
+        fail(f"the staleness you recorded {at} starts at 1 ({got[:4]} ...): it was counted "
+             f"after the version moved on, so a fresh gradient counts as one update stale.",
+             fix="compute the staleness before moving the version on.")
     if got != want:
-        fail(f"the staleness you recorded {at} is {got}; expected {want}")
+        fail(f"the staleness you recorded {at} is {got}; the reference loop's gradients were "
+             f"{want} updates stale.")
     if not isinstance(run["w"], torch.Tensor) or run["w"].shape != (4,):
-        fail(f"self.w should stay a tensor of the 4 weights {at}, got "
-             f"{type(run['w']).__name__} {tuple(getattr(run['w'], 'shape', ()))}")
+        fail(f"self.w became {type(run['w']).__name__} "
+             f"{tuple(getattr(run['w'], 'shape', ()))} {at}, not the tensor of the 4 weights "
+             f"it started as.", fix="update self.w in place.")
     if not bool(torch.isfinite(run["w"]).all()):
-        fail(f"the weights became inf or nan {at}: a fresh gradient has staleness 0 — divide by "
-             "max(1, staleness)")
+        fail(f"the weights became inf or nan {at}: a fresh gradient has staleness 0, and a "
+             f"step of lr / 0 is infinite — the one case the stretch leaves to your decision.",
+             fix="decide the fresh gradient's step so that a τ = 0 run is plain SGD.")
     # The nearest rule names the step; float32 arithmetic (a step computed through a float32
     # tensor, weights kept in float32) lands ~1e-7 from its rule, the rules ~1e-2 apart.
     w = run["w"].double()
@@ -599,9 +687,10 @@ def diagnose_server(run: dict) -> None:
     if dists[name] <= 1e-5:
         if name == "right":
             return
-        fail(_RULE_MISTAKES[name] + f" ({at})")
-    fail(f"your weights after {STEPS} updates {at} differ from the staleness-aware step's "
-         "(lr / max(1, staleness))")
+        cause, fix = _RULE_MISTAKES[name]
+        fail(f"{cause} ({at}).", fix=fix)
+    fail(f"your weights after {STEPS} updates {at} differ from the staleness-aware step's, by "
+         f"a rule the check does not recognise.")
 
 
 @recorded
@@ -609,7 +698,9 @@ def check_staleness_aware(server_cls, taus=AWARE_TAUS) -> None:
     """The stretch's check: the reference loop on the learner's server, for each τ."""
     __tracebackhide__ = True
     require_answer(server_cls, getattr(server_cls, "__name__", "the server class"), "class")
-    for tau in taus:
+    # τ = 0 last: there every gradient is fresh, and rules that differ only for stale ones (or
+    # only for fresh ones) look alike, so the stale runs name the rule first
+    for tau in sorted(taus, key=lambda t: t == 0):
         diagnose_server(run_server(server_cls, tau))
     stale = run_server(server_cls, max(taus))["staleness"]
     passed(f"steps of lr / max(1, staleness) for τ = {', '.join(map(str, taus))}: with "
