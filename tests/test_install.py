@@ -90,6 +90,17 @@ def test_a_pin_outside_its_range_is_named():
     assert "not declare" in pins_outside_ranges({"left-pad": "1.0"}, ranges)[0]
 
 
+def test_the_cpu_index_build_is_the_pinned_release_and_ranks_first():
+    """binder/requirements.txt adds PyTorch's CPU index and keeps `torch==2.14.1`: the CPU wheel
+    (local label +cpu) satisfies that pin and ranks above PyPI's 2.14.1, so pip takes it."""
+    from packaging.specifiers import SpecifierSet
+
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in (
+        ROOT / "binder" / "requirements.txt").read_text().splitlines()
+    assert SpecifierSet("==2.14.1").contains("2.14.1+cpu")
+    assert Version("2.14.1+cpu") > Version("2.14.1")
+
+
 def test_what_the_library_imports_is_declared():
     """Every third-party top-level import in lib/dpcourse is a dependency or an extra's."""
     import_names = {"IPython": "ipython", "tensorflow": "tensorflow", "triton": "torch"}

@@ -118,6 +118,12 @@ def test_the_run_box_links_binder_and_colab_to_this_notebook(staged):
     assert f"https://colab.research.google.com/github/{owner_repo}/blob/main/{path}" in box
     assert f"jupyter lab --notebook-dir=. {path}" in box
     assert f"git+{repo}" in box and "`cpu` profile" in box and "`one-gpu` profile" in box
+    # the box's install line is the one every notebook's first cell runs where the course is missing
+    from dpcourse.tools import authoring
+
+    line = build.install_line(repo)
+    assert f"`{line}`" in box
+    assert line.split(" ", 2)[2] in authoring.install_source() and "pip" in authoring.install_source()
     assert "<owner>" not in box and "{" not in box.replace("{admonition}", "")
 
 

@@ -108,6 +108,13 @@ def rewrite_links(text: str, page: Path, pages: set[Path], repo: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # notebooks
 
+def install_line(repo: str) -> str:
+    """What every notebook's first cell runs where the course is missing (dpcourse.tools.authoring
+    writes that cell): pip install from the repository at the tag of this version."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    return f"pip install git+{repo}@v{version}"
+
+
 def run_box(path: Path, repo: str) -> str:
     owner_repo = repo.removeprefix("https://github.com/")
     binder = f"https://mybinder.org/v2/gh/{owner_repo}/{BRANCH}?urlpath=lab/tree/{path.as_posix()}"
@@ -118,11 +125,14 @@ def run_box(path: Path, repo: str) -> str:
         f"- **On your machine**, after README's install, from the repository root: "
         f"`jupyter lab --notebook-dir=. {path.as_posix()}`.",
         f"- **[Open in Binder]({binder})**: the pinned CPU environment (the `cpu` profile) in "
-        "JupyterLab, widgets included; the first start builds the image and is slow.",
-        f"- **[Open in Colab]({colab})**: first run `%pip install -q git+{repo}` in a new cell "
-        "to install the course from the repository. A CPU runtime uses the `cpu` profile, a GPU "
-        "runtime the `one-gpu` profile on Colab's GPU. Colab brings its own torch and "
-        "TensorFlow versions, not the pinned ones; the course has not been tried there.",
+        "JupyterLab, widgets included; the first start builds the image and is slow (its build "
+        "with PyTorch's CPU-only index has not run yet).",
+        f"- **[Open in Colab]({colab})**: run the page from the top. Its first cell installs the "
+        f"course into Colab (`{install_line(repo)}`, the version this page was built from) "
+        "and names a torch or TensorFlow the course cannot use, with the `%pip` line that fixes "
+        "it. A CPU runtime uses the `cpu` profile, a GPU runtime the `one-gpu` profile on "
+        "Colab's GPU. Not tried on Colab itself: that cell's install is tested offline, on a "
+        "lesson and a lab opened alone (README, *Which install?*).",
         ":::",
     ])
 
