@@ -1,0 +1,691 @@
+"""How lab11's checks tell one wrong answer from another: the cases they run (the model's
+width, the hidden size, the data), and for each part the diagnosis that turns what the
+learner's code did on the ranks into the one sentence that names its mistake.
+
+:mod:`dpcourse.checks.lab11` holds the public checks and the workers that run the learner's
+code; it calls these after each launch. Kept apart so that each file holds one idea: running
+the learner's code, and reading what it did.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import fail
+
+D, H, ROWS = 6, 12, 5            # input width, hidden width (2 and 3 divide it), batch rows
+
+
+ODD_H = 16                       # a hidden size 3 does not divide
+
+
+_RTOL, _ATOL = 1e-5, 1e-6
+
+
+def _close(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and torch.allclose(a, b, rtol=_RTOL, atol=_ATOL))
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+def _data(world_size: int, *shape, seed: int = 0) -> torch.Tensor:
+    """world_size different tensors of ``shape``, the same on every rank (a generator, so the
+    learner's code sees the global random state untouched)."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return torch.randn(world_size, *shape, generator=gen)
+
+
+_NAMES = {"f": "f_communicates_in", "g": "g_communicates_in"}
+
+
+def _passes(fwd: int, bwd: int) -> str:
+    return {(True, True): "both", (True, False): "forward", (False, True): "backward",
+            (False, False): "neither"}[(bool(fwd), bool(bwd))]
+
+
+def _against_declaration(outs: list, f_name: str, g_name: str, declared: dict) -> None:
+    """Refuse code that does not communicate in the passes the learner declared."""
+    __tracebackhide__ = True
+    o = outs[-1]
+    if any(k in o for k in ("f_error", "g_error")) or o["f_grad"] is None or o["g_grad"] is None:
+        return                     # _diagnose_conjugates names the exception or the None
+    f_does, g_does = _passes(o["f_fwd"], o["f_bwd"]), _passes(o["g_fwd"], o["g_bwd"])
+    if f_does == declared["g"] and g_does == declared["f"] and f_does != g_does:
+        fail(f"{f_name} communicates where you declared g does, and {g_name} where you "
+             f"declared f does: f and g are swapped.",
+             fix="f wraps the column layer's input, g the row layer's product.")
+    for op, name, does in (("f", f_name, f_does), ("g", g_name, g_does)):
+        if does != declared[op]:
+            where = {"both": "in both passes", "neither": "in neither pass",
+                     "forward": "in its forward only",
+                     "backward": "in its backward only"}[does]
+            fail(f"your {name} communicates {where}, but you declared {_NAMES[op]} = "
+                 f"{declared[op]!r}: the code does not do what your own diagnosis says.")
+
+
+def _diagnose_conjugates(outs: list, n: int, f_name: str, g_name: str) -> None:
+    __tracebackhide__ = True
+    xs, gs = _data(n, ROWS, D, seed=1), _data(n, ROWS, D, seed=2)
+    x, g_sum = xs[0], gs.sum(0)
+    for rank, o in enumerate(outs):
+        if "f_error" in o:
+            fail(f"{f_name} raised on rank {rank}: {o['f_error']}.",
+                 fix="forward(ctx, x) returns a tensor of x's shape, backward(ctx, grad) returns the "
+                     "gradient of x.")
+        if "g_error" in o:
+            fail(f"{g_name} raised on rank {rank}: {o['g_error']}.",
+                 fix="forward(ctx, x) returns a tensor of x's shape, backward(ctx, grad) returns the "
+                     "gradient of x.")
+    o = outs[n - 1]
+    rank = n - 1
+    f_like_g = _close(o["f_y"], n * x) and _close(o["f_grad"], gs[rank])
+    g_like_f = _close(o["g_z"], xs[rank]) and _close(o["g_grad"], g_sum)
+    if f_like_g and g_like_f:
+        fail(f"{f_name} and {g_name} are swapped: f wraps an input that every rank already "
+             f"holds whole, g an output of which each rank holds only a part — each needs the "
+             f"communication that its own position calls for.")
+    # f's forward
+    if _close(o["f_y"], n * x):
+        fail(f"{f_name}'s forward all-reduces x: every rank already holds the same x, so the "
+             f"sum is {n}·x where the column layer needs x itself.")
+    if not _close(o["f_y"], x):
+        fail(f"{f_name}'s forward changes x, but the column layer needs the x every rank "
+             f"already holds.", fix="return x itself (the identity).")
+    if o["f_fwd"]:
+        fail(f"{f_name}'s forward makes {o['f_fwd']} collective call(s) and still returns x "
+             f"(an all-reduce divided by the world size?): every rank already holds x, so that "
+             f"pass has nothing to exchange.")
+    # f's backward
+    if o["f_grad"] is None:
+        fail(f"x has no gradient after {f_name}'s backward: backward returned None.",
+             fix="backward returns the gradient of x.")
+    if _close(o["f_grad"], gs[rank]) or o["f_bwd"] == 0:
+        fail(f"{f_name}'s backward returns this rank's gradient as it came: it holds only the "
+             f"part of dL/dx that flows through this rank's block of the next layer, and x "
+             f"reaches the loss through every rank's block.")
+    if _close(o["f_grad"], g_sum / n):
+        fail(f"{f_name}'s backward averages the gradients (divided by the world size), but dL/dx "
+             f"is the SUM of the ranks' parts: it comes out {n} times too small.",
+             fix="do not divide.")
+    if not _close(o["f_grad"], g_sum):
+        fail(f"{f_name}'s backward returns a gradient that is neither this rank's part of "
+             f"dL/dx nor the whole of it (the sum of every rank's part).")
+    # g's forward
+    x_sum = xs.sum(0)
+    if _close(o["g_z"], xs[rank]) or o["g_fwd"] == 0:
+        fail(f"{g_name}'s forward returns its input unchanged: each rank holds only a partial "
+             f"product, and the layer's output is all of them added up.")
+    if _close(o["g_z"], x_sum / n):
+        fail(f"{g_name}'s forward averages (divides by the world size), but a row-parallel "
+             f"layer's partial products add up to the output: it comes out {n} times too small.",
+             fix="sum them, do not divide.")
+    if not _close(o["g_z"], x_sum):
+        fail(f"{g_name}'s forward does not return the sum over the ranks of their inputs.")
+    # g's backward
+    if o["g_grad"] is None:
+        fail(f"the input has no gradient after {g_name}'s backward: backward returned None.",
+             fix="backward returns the gradient of its input.")
+    if _close(o["g_grad"], g_sum) or o["g_bwd"]:
+        fail(f"{g_name}'s backward all-reduces: the gradient of a sum reaches each term "
+             f"unchanged, and every rank already holds it (what follows g runs the same on "
+             f"every rank) — summing adds the other ranks' copies in.")
+    if not _close(o["g_grad"], gs[rank]):
+        fail(f"{g_name}'s backward changes the gradient, but the gradient of a sum reaches "
+             f"each term unchanged.")
+
+
+_DIM_NAMES = {"column": "column_weight_dim", "row": "row_weight_dim"}
+
+
+def _common_layer_failures(outs: list, n: int, name: str, full: nn.Linear, kind: str) -> None:
+    __tracebackhide__ = True
+    out_f, in_f = full.weight.shape
+    per_out, per_in = out_f // n, in_f // n
+    for rank, o in enumerate(outs):
+        if "build_error" in o:
+            fail(f"{name}(linear, {rank}, {n}) raised while being built: {o['build_error']}.")
+    shapes = outs[0]["shapes"]
+    right = (per_out, in_f) if kind == "column" else (out_f, per_in)
+    hidden = out_f if kind == "column" else in_f
+    hidden_per = hidden // n
+    _wrong_dimension(outs, n, name, full, kind, right)
+    if (out_f, in_f) in shapes:
+        fail(f"{name} keeps the whole weight {(out_f, in_f)} on every rank, where each rank "
+             f"needs only its block of the hidden features ({hidden_per} of {hidden}).")
+    if kind == "column" and (out_f,) in shapes and (per_out,) not in shapes:
+        fail(f"{name} keeps the whole bias ({out_f},) on every rank: a rank computes only its "
+             f"block of the output features, and so needs only their biases.")
+    if right not in shapes and right[::-1] not in shapes:
+        fail(f"{name}'s parameters are {shapes}, none of them a block of the weight, so this "
+             f"rank's block gets no gradient and is never trained.",
+             fix="keep this rank's block as an nn.Parameter (a plain tensor gets no gradient).")
+    for rank, o in enumerate(outs):
+        if "forward_error" in o:
+            fail(f"{name}'s forward raised on rank {rank}: {o['forward_error']}.")
+
+
+def _wrong_dimension(outs: list, n: int, name: str, full: nn.Linear, kind: str,
+                     right: tuple) -> None:
+    """Both layers cut the hidden dimension (H features) and keep the model's width (D) whole:
+    a weight whose H-sized dimension is whole while its D-sized one is cut on some rank was cut
+    along the wrong dimension — also when rank 0 seems to keep "the whole weight" because the
+    block bounds of H features, applied to the D-sized dimension, run past its end."""
+    __tracebackhide__ = True
+    out_f, in_f = full.weight.shape
+    hidden, width = (out_f, in_f) if kind == "column" else (in_f, out_f)
+    weights = [next((s for s in o["shapes"] if len(s) == 2), None) for o in outs]
+    cut_wrong = [r for r, s in enumerate(weights)
+                 if s is not None and hidden in s and min(s) < width and s != right[::-1]]
+    if not cut_wrong:
+        return
+    which = ("output features (and every input feature)" if kind == "column"
+             else "input features (and every output feature)")
+    shown = ", ".join(f"rank {r}: {weights[r]}" for r in range(n))
+    past_end = any(weights[r] == (out_f, in_f) for r in range(n))
+    fail(f"{name} cut the weight along the wrong dimension (from linear.weight of shape "
+         f"{(out_f, in_f)}, its shards are {shown}): the shards keep all {hidden} hidden "
+         f"features and cut the model's width of {width}, but a {kind}-parallel layer keeps a "
+         f"block of its {which}"
+         + (f" — the bounds of a block of the {hidden} hidden features, applied to the "
+            f"dimension of {width}, give some ranks all of it and others nothing" if past_end
+            else "") + ".")
+
+
+def _cut_dim(shape: tuple, full_shape: tuple, n: int):
+    """The dimension of the full weight a rank's 2-D shard cut (stored either way round), or
+    None when its shape is neither cut's."""
+    out_f, in_f = full_shape
+    for dim, cut in ((0, (out_f // n, in_f)), (1, (out_f, in_f // n))):
+        if sorted(shape) == sorted(cut) and sorted(cut) != sorted(full_shape):
+            return dim
+    return None
+
+
+def _against_dim(outs: list, n: int, name: str, full: nn.Linear, kind: str,
+                 declared: int) -> None:
+    """Refuse shards that cut another dimension of linear.weight than the learner declared."""
+    __tracebackhide__ = True
+    shape = tuple(full.weight.shape)
+    for rank, o in enumerate(outs):
+        weight = next((s for s in o.get("shapes", []) if len(s) == 2), None)
+        cut = None if weight is None else _cut_dim(weight, shape, n)
+        if cut is not None and cut != declared:
+            fail(f"rank {rank}'s weight shard of {name} has shape {weight}, cut along "
+                 f"dimension {cut} of linear.weight {shape}, but you declared "
+                 f"{_DIM_NAMES[kind]} = {declared} (and said why): your code does not do what "
+                 f"your own decision says.")
+
+
+def _which_block(weight: torch.Tensor, full_weight: torch.Tensor, dim: int, n: int):
+    """The rank whose contiguous block along ``dim`` this shard is, 'strided' or None."""
+    per = full_weight.shape[dim] // n
+    for s in range(n):
+        if torch.equal(weight, full_weight.narrow(dim, s * per, per)):
+            return s
+    strided = [full_weight.index_select(dim, torch.arange(s, full_weight.shape[dim], n))
+               for s in range(n)]
+    if any(torch.equal(weight, t) for t in strided):
+        return "strided"
+    return None
+
+
+def _block_failures(outs: list, n: int, name: str, full: nn.Linear, dim: int) -> None:
+    __tracebackhide__ = True
+    per = full.weight.shape[dim] // n
+    for rank, o in enumerate(outs):
+        shard = next((p for p in o["params"] if p.dim() == 2), None)
+        s = _which_block(shard, full.weight.detach(), dim, n)
+        if s is None and _which_block(shard.T, full.weight.detach(), dim, n) is not None:
+            s = _which_block(shard.T, full.weight.detach(), dim, n)
+            o["transposed"] = True     # stored as (in, out) for x @ W: a right variant
+        what = "rows" if dim == 0 else "columns"
+        if s == "strided":
+            fail(f"rank {rank} of {name} took every {n}-th {what[:-1]} (a strided shard), so the "
+                 f"next layer's block does not line up with it.",
+                 fix=f"keep the contiguous block [rank × {per}, (rank + 1) × {per}), as Megatron does.")
+        if isinstance(s, int) and s != rank:
+            fail(f"rank {rank} of {name} kept the {what} of rank {s} ([{s * per}, "
+                 f"{(s + 1) * per})), the block of another rank.",
+                 fix=f"offset the block by the rank: rank r keeps [r × {per}, (r + 1) × {per}).")
+        if s is None:
+            fail(f"rank {rank}'s weight shard of {name} is not a block of the full layer's "
+                 f"{what}.", fix=f"copy linear.weight's {what} [rank × {per}, (rank + 1) × {per}).")
+
+
+def _weight_grads(o: dict) -> list:
+    """The 2-D parameters' gradients, in torch's (out, in) layout."""
+    grads = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 2 and g is not None]
+    return [g.T for g in grads] if o.get("transposed") else grads
+
+
+def _backward_ran(o: dict, rank: int, name: str, what: str) -> None:
+    """What both layers' diagnoses check first after the forward: the backward ran, and reached
+    the layer's input."""
+    __tracebackhide__ = True
+    if "backward_error" in o:
+        fail(f"the backward through {name} raised on rank {rank}: {o['backward_error']}.")
+    if o["x_grad"] is None:
+        fail(f"{what} has no gradient after the backward through {name}: the forward cuts it "
+             f"off from autograd (a detach, .data, or a backward that returns None).")
+
+
+def _weight_grad_is(o: dict, rank: int, name: str, want: torch.Tensor, what: str,
+                    per: int) -> None:
+    """This rank's weight gradient is ``want``, the matching block of the full layer's."""
+    __tracebackhide__ = True
+    weights = _weight_grads(o)
+    if not weights or not _close(weights[0], want):
+        fail(f"the weight gradient of {name} on rank {rank} is not the full layer's {what} "
+             f"[{rank * per}, {(rank + 1) * per}).")
+
+
+def _diagnose_column(outs: list, n: int, name: str, full, x, grad_full, y_full) -> None:
+    __tracebackhide__ = True
+    per = H // n
+    for rank, o in enumerate(outs):
+        block = slice(rank * per, (rank + 1) * per)
+        if o["y"].shape == y_full.shape:
+            fail(f"{name} returns all {H} output features on rank {rank}: each rank returns "
+                 f"only its block of {per} (the next, row-parallel layer takes that block) — "
+                 f"no all-reduce or all-gather in the column layer's forward.")
+        if o["fwd"]:
+            fail(f"{name}'s forward makes {o['fwd']} collective call(s) on rank {rank}: the "
+                 f"column layer's forward needs none — every rank already holds the same x, "
+                 f"and its output stays split by rank (the all-reduce belongs in f's "
+                 f"backward).")
+        want = y_full.detach()[:, block]
+        if not _close(o["y"], want):
+            without_bias = want - full.bias.detach()[block]
+            if _close(o["y"], without_bias):
+                fail(f"{name}'s output on rank {rank} lacks the bias of its output features.")
+            fail(f"{name}'s output on rank {rank} is not features [{rank * per}, "
+                 f"{(rank + 1) * per}) of the full layer's output.")
+        _backward_ran(o, rank, name, "x")
+        partial = grad_full[:, block] @ full.weight.detach()[block]
+        if _close(o["x_grad"], partial) or o["bwd"] == 0:
+            fail(f"no communication in the backward of {name}: dL/dx on rank {rank} is only the "
+                 f"part that flows through its own block of output features, and x reaches the "
+                 f"loss through every rank's block.")
+        if _close(o["x_grad"], x.grad / n):
+            fail(f"{name}'s backward averages dL/dx over the ranks: it is the SUM of every "
+                 f"block's part — do not divide by the world size.")
+        if not _close(o["x_grad"], x.grad):
+            summed = sum(grad_full[:, s * per:(s + 1) * per] for s in range(n))
+            if _close(o["x_grad"], summed @ full.weight.detach()[block]):
+                fail(f"{name} applies f to its output: its backward then sums the gradient of "
+                     f"the output blocks (each rank's is different), where the sum the layer "
+                     f"needs is that of dL/dx.")
+            fail(f"dL/dx after {name}'s backward on rank {rank} is not the full layer's.")
+        _weight_grad_is(o, rank, name, full.weight.grad[block], "rows", per)
+        biases = [g for p, g in zip(o["params"], o["grads"]) if p.dim() == 1]
+        if not biases or not _close(biases[0], full.bias.grad[block]):
+            fail(f"the bias gradient of {name} on rank {rank} is not the full bias's block: the "
+                 f"bias does not reach the output as a parameter of this rank's block.",
+                 fix="keep the bias block as an nn.Parameter and add it in the forward.")
+
+
+def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full) -> None:
+    __tracebackhide__ = True
+    bias = full.bias.detach()
+    per = H // n
+    want = y_full.detach()
+    for rank, o in enumerate(outs):
+        if o["fwd"] == 0:
+            fail(f"no communication in {name}'s forward: rank {rank}'s output is only its "
+                 f"partial product (its block of the hidden features times its block of the "
+                 f"weight), one term of the layer's output.")
+        if _close(o["y"], want + (n - 1) * bias):
+            fail(f"{name} adds the bias on every rank before the all-reduce, so the sum holds it "
+                 f"{n} times where the output holds it once.")
+        if _close(o["y"], (want - bias) / n + bias) or _close(o["y"], want / n):
+            fail(f"{name} averages the partial products (divides by the world size), but they are "
+                 f"parts of one matrix product: the output comes out {n} times too small.",
+                 fix="sum them, do not divide.")
+        if not _close(o["y"], want):
+            if _close(o["y"], want - bias):
+                fail(f"{name}'s output on rank {rank} lacks the bias: every rank's output is "
+                     f"the full layer's, bias included.")
+            hs = h_full.detach()
+            summed = sum(hs[:, s * per:(s + 1) * per] for s in range(n))
+            w_r = full.weight.detach()[:, rank * per:(rank + 1) * per]
+            if _close(o["y"], summed @ w_r.T + bias) or _close(o["y"], summed @ w_r.T):
+                fail(f"{name} applies g to its input, before the matmul: it sums the ranks' "
+                     f"hidden blocks, which are different features, not parts of one sum.")
+            fail(f"{name}'s output on rank {rank} is not the full layer's output.")
+        _backward_ran(o, rank, name, "the hidden block")
+        want_x = h_full.grad[:, rank * per:(rank + 1) * per]
+        if _close(o["x_grad"], n * want_x) or o["bwd"]:
+            fail(f"{name}'s backward all-reduces (it makes {o['bwd']} collective call(s) and "
+                 f"dL/dh comes out {n} times too large): every rank already has the same dL/dy "
+                 f"(its output is replicated), and the gradient of a sum reaches each partial "
+                 f"product unchanged.")
+        if not _close(o["x_grad"], want_x):
+            fail(f"the gradient of the hidden block after {name}'s backward on rank {rank} is "
+                 f"not the full layer's.")
+        _weight_grad_is(o, rank, name, full.weight.grad[:, rank * per:(rank + 1) * per],
+                        "columns", per)
+    # the bias: wherever it lives, its gradient is the whole bias's
+    holders = []
+    for rank, o in enumerate(outs):
+        for p, g in zip(o["params"], o["grads"]):
+            if p.dim() != 1:
+                continue
+            if not torch.equal(p, bias) and torch.allclose(p, bias / n):
+                fail(f"{name} keeps the bias divided by the world size on every rank: the "
+                     f"output adds up right, but each copy gets 1/{n} of its gradient, so no "
+                     f"rank's bias trains like the full layer's.")
+            if g is None:
+                continue
+            if _close(g, full.bias.grad / n):
+                fail(f"{name}'s bias gets 1/{n} of its gradient on rank {rank}: the bias is "
+                     f"scaled by 1/N on its way into the output.")
+            if not _close(g, full.bias.grad):
+                fail(f"the bias gradient of {name} on rank {rank} is not the full layer's.")
+            holders.append(rank)
+    if not holders:
+        fail(f"no rank's bias of {name} got a gradient: the bias never reaches the output as "
+             f"a parameter.", fix="keep the bias as an nn.Parameter and add it in the forward.")
+
+
+def _plain_mlp(hidden: int) -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(9)
+        return nn.Sequential(nn.Linear(D, hidden), nn.GELU(), nn.Linear(hidden, D))
+
+
+def _diagnose_mlp(outs: list, n: int, hidden: int, name: str, hint: str = "") -> None:
+    __tracebackhide__ = True
+    for rank, o in enumerate(outs):
+        if "build_error" in o:
+            fail(f"{name}(plain, {rank}, {n}) with hidden size {hidden} raised while being "
+                 f"built: {o['build_error']}{hint}.")
+        if "run_error" in o:
+            fail(f"{name} on {n} ranks, hidden size {hidden}, raised on rank {rank}: "
+                 f"{o['run_error']}{hint}.")
+    plain = _plain_mlp(hidden)
+    x = _data(1, ROWS, D, seed=10)[0].clone().requires_grad_(True)
+    y = plain(x)
+    y.backward(_data(1, ROWS, D, seed=11)[0])
+    layers = " — check_column_parallel and check_row_parallel test its layers one by one"
+    for rank, o in enumerate(outs):
+        if not _close(o["y"], y.detach()):
+            fail(f"{name}'s output on rank {rank} ({n} ranks, hidden size {hidden}) differs "
+                 f"from the plain MLP's{hint or layers}.")
+        if o["x_grad"] is None or not _close(o["x_grad"], x.grad):
+            fail(f"dL/dx on rank {rank} ({n} ranks, hidden size {hidden}) differs from the "
+                 f"plain MLP's{hint}.")
+        if o["fwd"] != ["all_reduce"] or o["bwd"] != ["all_reduce"]:
+            fail(f"{name} made {o['fwd'] or 'no collectives'} in the forward and "
+                 f"{o['bwd'] or 'no collectives'} in the backward on rank {rank}: Megatron's MLP "
+                 f"needs exactly one all-reduce in each (g's forward, f's backward).")
+    _mlp_param_grads(outs, n, hidden, name, plain)
+
+
+_MLP_PARTS = {"w1": "the column layer's weight (plain[0].weight)",
+              "b1": "the column layer's bias (plain[0].bias)",
+              "w2": "the row layer's weight (plain[2].weight)",
+              "b2": "the row layer's bias (plain[2].bias)"}
+
+
+def _find_slice(p: torch.Tensor, full: torch.Tensor, dim: int):
+    """The start of the contiguous block of ``full`` along ``dim`` equal to ``p``, or None."""
+    if p.dim() != full.dim() or any(a != b for d, (a, b) in enumerate(zip(p.shape, full.shape))
+                                    if d != dim):
+        return None
+    k = p.shape[dim]
+    for s in range(full.shape[dim] - k + 1):
+        if torch.equal(full.narrow(dim, s, k), p):
+            return s
+    return None
+
+
+def _match_param(p: torch.Tensor, plain: nn.Sequential):
+    """(part, dim, start, transposed) of the plain MLP's parameter this shard was cut from."""
+    w1, b1 = plain[0].weight.detach(), plain[0].bias.detach()
+    w2, b2 = plain[2].weight.detach(), plain[2].bias.detach()
+    if p.dim() == 1:
+        if torch.equal(p, b2):
+            return "b2", 0, 0, False
+        s = _find_slice(p, b1, 0)
+        return None if s is None else ("b1", 0, s, False)
+    if p.dim() != 2:
+        return None
+    for cand, transposed in ((p, False), (p.T, True)):
+        for part, full, dim in (("w1", w1, 0), ("w2", w2, 1)):
+            s = _find_slice(cand, full, dim)
+            if s is not None:
+                return part, dim, s, transposed
+    return None
+
+
+def _mlp_param_grads(outs: list, n: int, hidden: int, name: str, plain: nn.Sequential) -> None:
+    """Each rank's shard's gradient against the same slice of the plain MLP's gradient."""
+    __tracebackhide__ = True
+    full_grads = {"w1": plain[0].weight.grad, "b1": plain[0].bias.grad,
+                  "w2": plain[2].weight.grad, "b2": plain[2].bias.grad}
+    b2_holders = []
+    for rank, o in enumerate(outs):
+        found = set()
+        for p, g in zip(o["params"], o["grads"]):
+            b2 = plain[2].bias.detach()
+            if p.shape == b2.shape and not torch.equal(p, b2) and torch.allclose(p, b2 / n):
+                fail(f"{name} keeps {_MLP_PARTS['b2']} divided by the world size on rank {rank}: the "
+                     f"output adds up right, but each copy gets 1/{n} of its gradient.",
+                     fix="keep the whole bias and add it once (after g, or before it on rank 0 only).")
+            match = _match_param(p, plain)
+            if match is None:
+                continue
+            part, dim, start, transposed = match
+            found.add(part)
+            what = _MLP_PARTS[part]
+            if g is None and part == "b2":
+                continue           # the bias added on rank 0 only: the others' copy is unused
+            if g is None:
+                fail(f"{what} on rank {rank} gets no gradient ({n} ranks, hidden size {hidden}): the "
+                     f"forward uses it detached (or through .data).",
+                     fix="use the nn.Parameter itself, so that autograd reaches it.")
+            if transposed:
+                g = g.T
+            k = (p.T if transposed else p).shape[dim]
+            want = full_grads[part].narrow(dim, start, k)
+            if _close(g, want):
+                if part == "b2":
+                    b2_holders.append(rank)
+                continue
+            where = ("" if part == "b2" else
+                     f" {'rows' if dim == 0 else 'columns'} [{start}, {start + k})")
+            if _close(g, want / n):
+                fail(f"the gradient of {what} on rank {rank} is 1/{n} of the plain MLP's{where} ({n} "
+                     f"ranks, hidden size {hidden}): something divides it by the world size.",
+                     fix="keep the whole bias and add it once, and sum (never average) in f and g.")
+            if _close(g, want * n):
+                fail(f"the gradient of {what} on rank {rank} is {n} times the plain MLP's{where} ({n} "
+                     f"ranks, hidden size {hidden}): a gradient is summed over the ranks once too often.",
+                     fix="g's backward is the identity.")
+            fail(f"the gradient of {what} on rank {rank} differs from the plain MLP's{where} "
+                 f"({n} ranks, hidden size {hidden}) although the output and dL/dx are right.")
+        for part in ("w1", "b1", "w2"):
+            if part not in found:
+                fail(f"rank {rank} of {name} ({n} ranks, hidden size {hidden}) has no nn.Parameter "
+                     f"that is a block of {_MLP_PARTS[part]}: a plain tensor, or a detached copy, gets no "
+                     f"gradient and is never trained.",
+                     fix="keep this rank's block as an nn.Parameter.")
+    if not b2_holders:
+        fail(f"no rank of {name} ({n} ranks, hidden size {hidden}) gives {_MLP_PARTS['b2']} a "
+             f"gradient: the bias never reaches the output as a parameter.",
+             fix="keep the whole bias as an nn.Parameter (on every rank, or on rank 0), use it "
+                 "undetached, and add it once.")
+
+
+_STAGES = (2, 3)
+
+
+_M = 4
+
+
+_WIDTH, _BATCH = 8, 8
+
+
+_CHECK_DELAY_S = 0.015   # "device time" of a forward in check_gpipe (a backward: twice)
+
+
+_CLOCK_SLACK_S = 1e-4    # perf_counter is one clock for every process of the machine
+
+
+_BELOW_IDEAL = 0.05      # how far a measured bubble may dip below (K−1)/(M+K−1) (uneven stages)
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _micro_grads(world_size: int, m: int) -> tuple:
+    """The reference gradients (whole batch), and each micro-batch's own loss's gradients."""
+    from .. import pipeline_parallel as pp
+
+    model = pp.make_mlp(_WIDTH, world_size, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    x, y = torch.randn(_BATCH, _WIDTH, generator=gen), torch.randn(_BATCH, _WIDTH, generator=gen)
+    loss, ref = pp.reference_step(model, x, y, _mse)
+    each = [pp.reference_step(model, xm, ym, _mse)[1] for xm, ym in zip(x.chunk(m), y.chunk(m))]
+    return loss, ref, each
+
+
+def _pending(outs: list) -> None:
+    """A stage that returns with a non-blocking send (or receive) never waited on: its message
+    may not have left (or arrived) yet — the neighbour waits for it after this process has gone
+    on, which shows as a deadlock (the worker settles them, so the check can name the cause)."""
+    __tracebackhide__ = True
+    for rank, o in enumerate(outs):
+        sends, recvs = o["pending"]["send"], o["pending"]["recv"]
+        if sends:
+            fail(f"stage {rank} returned from gpipe_step with {sends} non-blocking send(s) still "
+                 f"pending (an isend whose handle was never waited on): until its wait() returns, the "
+                 f"message may not have left, and a process that goes on or ends leaves its neighbour "
+                 f"waiting.", fix="wait on every send's handle before gpipe_step returns.")
+        if recvs:
+            fail(f"stage {rank} returned from gpipe_step with {recvs} non-blocking receive(s) "
+                 f"never waited on (an irecv whose handle was never waited on): until its wait() "
+                 f"returns, the tensor may not hold the message yet.",
+                 fix="wait on a receive's handle before using what it receives.")
+
+
+def _computation_only(outs: list, k: int, m: int) -> None:
+    """A stage cannot start computing micro-batch i before its neighbour has finished computing
+    what it sends (its activation forward, its gradient backward): an event that starts earlier
+    timed the wait for the message (or the neighbour's timed its send)."""
+    __tracebackhide__ = True
+    at = {(s, kind, i): (a, b) for s, o in enumerate(outs) for kind, i, a, b in o["events"]}
+    t0 = min(a for a, _ in at.values())
+    for kind, neighbour, what in (("F", -1, "forward"), ("B", +1, "backward")):
+        for s in range(k):
+            if not 0 <= s + neighbour < k:
+                continue
+            for i in range(m):
+                start, ready = at[(s, kind, i)][0], at[(s + neighbour, kind, i)][1]
+                if start < ready - _CLOCK_SLACK_S:
+                    needs = "activation" if kind == "F" else "gradient"
+                    fail(f"stage {s}'s {what} of micro-batch {i} starts at "
+                         f"{1e3 * (start - t0):.1f} ms, {1e3 * (ready - start):.1f} ms before "
+                         f"stage {s + neighbour} finished computing the {needs} it needs "
+                         f"({1e3 * (ready - t0):.1f} ms): the events time waiting for (or "
+                         f"sending) a message, not only the computation.",
+                         fix="take each start after the recv returns and each end before the send.")
+
+
+def _check_bubble_fn(bubble_fn) -> None:
+    __tracebackhide__ = True
+    from .. import pipeline_parallel as pp
+
+    cases = [pp.simulate_timeline(2, 4, "gpipe", 1.0, 2.0),
+             pp.simulate_timeline(3, 2, "gpipe", 1.0, 3.0)]
+    # a measured-looking one: stage 1's forwards are slow, and there are gaps
+    slow = [(s, k, i, a * 1.3 + 0.1 * s, b * 1.3 + 0.1 * s + (0.4 if s == 1 else 0.0))
+            for s, k, i, a, b in pp.simulate_timeline(2, 3, "gpipe", 1.0, 2.0)]
+    cases.append(slow)
+    for events in cases:
+        k = len({e[0] for e in events})
+        m = sum(1 for e in events if e[0] == 0 and e[1] == "F")
+        want = pp.measured_bubble(events)
+        try:
+            got = float(bubble_fn(events, k))
+        except Exception as exc:
+            fail(f"bubble(events, {k}) raised {_error(exc)}.")
+        if abs(got - want) <= 1e-9:
+            continue
+        if abs(got - pp.ideal_bubble(k, m)) <= 1e-9:
+            fail(f"bubble() returns (K−1)/(M+K−1) = {got:.3f} whatever the timeline; this timeline "
+                 f"idles {want:.3f} of the time.",
+                 fix="measure it: 1 − (time spent computing, all stages) / (stages × the step's span).")
+        busy = sum(e[4] - e[3] for e in events)
+        span = max(e[4] for e in events) - min(e[3] for e in events)
+        if abs(got - busy / (k * span)) <= 1e-9:
+            fail(f"bubble() returns the busy share {got:.3f}, where the bubble is the idle share "
+                 f"({want:.3f}).", fix="1 − the busy share.")
+        own = sum(1 - sum(e[4] - e[3] for e in events if e[0] == s)
+                  / (max(e[4] for e in events if e[0] == s)
+                     - min(e[3] for e in events if e[0] == s)) for s in range(k)) / k
+        if abs(got - own) <= 1e-9:
+            fail(f"bubble() measures each stage against its own first and last action, but a stage "
+                 f"idles from the step's start until its first input arrives, and after its last "
+                 f"backward until the step ends: {got:.3f} where the idle share is {want:.3f}.",
+                 fix="use the step's span (earliest start to latest end over all stages).")
+        fail(f"bubble() gives {got:.4f} on a timeline whose idle share is {want:.4f}.",
+             fix="1 − (time spent computing, summed over stages) / (stages × the step's span).")
+
+
+def _gpipe_failed(exc) -> None:
+    __tracebackhide__ = True
+    if "NoneType" in exc.summary or "None" in exc.summary and "grad" in exc.summary:
+        fail(f"stage {exc.rank} raised {exc.summary!r}: the tensor it received has no gradient "
+             f"after the backward, so there is nothing to send back.",
+             fix="call requires_grad_() on it after recv, so that the backward computes the gradient "
+                 "to send back.")
+    fail(f"stage {exc.rank} raised: {exc.summary}.")
+
+
+def _diagnose_gpipe(outs: list, k: int, m: int) -> None:
+    __tracebackhide__ = True
+    loss, ref, each = _micro_grads(k, m)
+    last = outs[-1]
+    for rank, o in enumerate(outs):
+        kinds = [e[0] for e in o["events"]]
+        if sorted(kinds) != ["B"] * m + ["F"] * m or len(o["events"]) != 2 * m:
+            fail(f"stage {rank} reported {len(o['events'])} events ({kinds}): one ('F', i, "
+                 f"start, end) and one ('B', i, start, end) per micro-batch.")
+        if kinds != ["F"] * m + ["B"] * m:
+            fail(f"stage {rank} ran {kinds}: GPipe runs every forward first, then every "
+                 f"backward (interleaving them is 1F1B — a fine schedule, but not this one).")
+        if any(s > e for _, _, s, e in o["events"]):
+            fail(f"stage {rank}'s events end before they start: (kind, micro-batch, start, end).")
+        timed = sorted(o["events"], key=lambda ev: ev[2])
+        if any(b[2] < a[3] for a, b in zip(timed, timed[1:])):
+            fail(f"stage {rank}'s events overlap, but a stage computes one action at a time.",
+                 fix="take start right before each computation and end right after it.")
+    grads = [g for o in outs for g in o["grads"]]
+    if any(g is None for g in grads):
+        fail("a stage's parameters have no gradient after the step: a backward did not run "
+             "through them.", fix="run the backward of every micro-batch (the last stage from its "
+             "loss, the others from the gradient they receive).")
+    if all(_close(g, r) for g, r in zip(grads, ref)):
+        if last["loss"] is None or abs(last["loss"] - loss) > 1e-5 * max(1.0, abs(loss)):
+            fail(f"the last stage returned loss {last['loss']}, but the batch's loss is "
+                 f"{loss:.6f}.", fix="return the sum of the micro-batches' losses, each divided by M.")
+        return
+    if all(_close(g, m * r) for g, r in zip(grads, ref)):
+        fail(f"the gradients are {m} times too large: the {m} micro-batches' losses were "
+             f"summed, but the batch's loss is their mean.",
+             fix=f"divide each micro-batch's loss by M = {m}.")
+    for scale in (1.0 / m, 1.0):
+        for i in (m - 1, 0):
+            if all(_close(g, scale * r) for g, r in zip(grads, each[i])):
+                fail(f"only micro-batch {i}'s gradient is left: the gradients were not "
+                     f"accumulated over the micro-batches.",
+                     fix="do not zero them (or replace .grad) between micro-batches; autograd adds each "
+                         "backward into .grad.")
+    fail("the stages' gradients differ from the unsplit model's on the whole batch: each "
+         "micro-batch's loss divided by M, every backward adding into .grad.")
