@@ -141,6 +141,30 @@ def test_wrong_fix_is_named(name):
         lab10.check_fix(n, edit(n, *pairs), launcher="spawn", timeout=60)
 
 
+def test_a_fix_names_the_cause_first_and_what_to_change_only_when_it_comes_back():
+    # judged from simulated weights, no launch: script 5 still divided twice
+    weights = lab10.simulate(3, variant="divided_twice")
+    with pytest.raises(LabCheckError) as first:
+        lab10.judge_fix(5, weights)
+    assert "divided by world_size twice" in str(first.value)
+    assert "Divide once" not in str(first.value) and "Run the check again" in str(first.value)
+    with pytest.raises(LabCheckError) as second:
+        lab10.judge_fix(5, weights)
+    assert str(second.value).endswith("Divide once.")
+    # read from the text, before any launch: src=rank kept
+    still = edit(4, ("# make sure every", "# every"))
+    with pytest.raises(LabCheckError) as first:
+        lab10.check_fix(4, still)
+    assert "same root" not in str(first.value)
+    with pytest.raises(LabCheckError, match="same root on every rank"):
+        lab10.check_fix(4, still)
+
+
+def test_no_cause_says_its_own_fix():
+    for name, (cause, fix) in lab10.BUGS.items():
+        assert fix.rstrip(".").lower() not in cause.lower(), name
+
+
 def test_still_broken_bug4_under_torchrun_is_bounded_and_named():
     with pytest.raises(LabCheckError, match="Fix 4: it did not finish within 30 s: .*another "
                                             "src"):
@@ -362,7 +386,7 @@ def test_right_detectors_pass(fn, capsys):
     (in_sync_verdict_max, "combined the verdicts with MAX"),
     (in_sync_gather_any, "verdicts combined with any\\(\\) or MAX"),
     (in_sync_rank0_verdict, "rank 0's own verdict sent to all"),
-    (in_sync_first_param, "compare every parameter on every rank"),
+    (in_sync_first_param, "the parameter that differed is one your detector does not compare"),
     (in_sync_in_place, "changed the model's parameters"),
     (in_sync_loose, "your tolerance let it pass"),
     (in_sync_never, "with every replica identical"),
@@ -502,6 +526,10 @@ def test_a_wrong_options_sentence_does_not_say_the_right_one():
         for _, _, why in opts:
             if why:
                 assert "elsewhere" not in why and "what is wrong is" not in why.lower(), why
+    # bug 5's answer is "divided twice": no wrong option's sentence may count the divisions
+    for _, _, why in lab10.CHOICES[5]:
+        if why:
+            assert not any(w in why.lower() for w in ("once", "twice", "second", "average")), why
 
 
 def test_the_prediction_is_compared_with_the_count(capsys):

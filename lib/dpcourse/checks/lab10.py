@@ -89,8 +89,8 @@ CHOICES = {
               "each epoch.", None),
         ("D", "set_epoch is called on the sampler, but the loader is what must be told which "
               "epoch starts.",
-         "set_epoch is a DistributedSampler method, and the sampler is what reshuffles per "
-         "epoch; a DataLoader has no set_epoch.")],
+         "set_epoch is a DistributedSampler method; a DataLoader has no set_epoch at "
+         "all.")],
     3: [("A", "Each rank clips a different gradient, so the replicas' weights drift apart "
               "from the first step on.",
          "after the clipping line the gradients are all-reduced and divided, so every rank "
@@ -121,8 +121,8 @@ CHOICES = {
          "copy one rank's gradient and waste the others'.")],
     5: [("A", "dist.all_reduce averages by default, so the division after it divides the "
               "gradients a second time.",
-         "dist.all_reduce sums by default (ReduceOp.SUM): the division after it turns that sum "
-         "into an average."),
+         "dist.all_reduce sums by default (ReduceOp.SUM): what it hands back is the sum of the "
+         "ranks' tensors."),
         ("B", "Dividing the loss by world_size is right; the steps are too small only because "
               "momentum damps them.",
          "momentum behaves as on one device when the gradients are right, and then the steps "
@@ -131,35 +131,42 @@ CHOICES = {
               "after the all-reduce.", None),
         ("D", "The loss must be all-reduced before backward, so that every rank backpropagates "
               "from the global mean.",
-         "all_reduce has no autograd rule, so the backward would not see it; the step needs "
-         "the gradients' average, taken once.")],
+         "all_reduce has no autograd rule, so the backward would not see it: each rank's "
+         "gradient would still be its own.")],
 }
 ANSWERS = {n: next(o for o, _, why in opts if why is None) for n, opts in CHOICES.items()}
 
-# variant name -> the sentence the learner reads when a "fixed" script reproduces that mistake
+# variant name -> (the cause the learner reads when a "fixed" script reproduces that mistake,
+# what to change: added only when the same mistake comes back, checks.fail's fix=)
 BUGS = {
-    "sampler_seed_rank": "each rank's sampler still has its own seed: give DistributedSampler "
-                         "the same seed (args.seed) on every rank.",
-    "sampler_seed_ignored": "the sampler's seed no longer comes from --seed: seed it with "
-                            "args.seed (the same on every rank), not with a number.",
-    "no_sampler": "the loader still ignores the DistributedSampler: every rank reads every "
-                  "example — pass sampler=sampler to the DataLoader (and no shuffle).",
-    "no_sampler_in_order": "the loader still ignores the DistributedSampler (without shuffle it "
-                           "now reads the data in order): every rank reads every example — "
-                           "the loader must draw from the sampler (sampler=sampler).",
-    "clip_local": "each rank still clips its own gradient before the average: clip once the "
-                  "gradients are averaged, just before opt.step().",
-    "no_clip": "the gradients are no longer clipped at all: keep the clipping, after the "
-               "average.",
-    "no_broadcast": "the replicas no longer start from the same weights: each rank keeps what "
-                    "its own seed drew, so their gradients are averaged over different models "
-                    "— keep the broadcast, with one sender on every rank.",
-    "divided_twice": "the gradients are still divided by world_size twice (once through the "
-                     "loss, once after all_reduce): divide once.",
-    "grad_sum": "the gradients are now summed, not averaged: divide by world_size exactly "
-                "once, in the loss or after all_reduce.",
-    "halved": "on 3 ranks the gradients were divided by 2: divide by world_size, not by a "
-              "number true on 2 ranks only.",
+    "sampler_seed_rank": ("each rank's sampler still has its own seed, so the ranks still take "
+                          "their slices of different permutations.",
+                          "Give DistributedSampler the same seed (args.seed) on every rank."),
+    "sampler_seed_ignored": ("the sampler's seed no longer comes from --seed: the check ran the "
+                             "script with --seed 3, and the sampler shuffled as if it were 0.",
+                             "Seed it with args.seed (the same on every rank), not a number."),
+    "no_sampler": ("the loader still ignores the DistributedSampler: every rank reads every "
+                   "example, so the ranks duplicate each other's work.",
+                   "Pass sampler=sampler to the DataLoader, and no shuffle."),
+    "no_sampler_in_order": ("the loader still ignores the DistributedSampler (without shuffle "
+                            "it now reads the data in order): every rank reads every example.",
+                            "The loader must draw from the sampler (sampler=sampler)."),
+    "clip_local": ("each rank still clips its own gradient before the average, so the norm "
+                   "clipped is one rank's, not the global batch's.",
+                   "Clip once the gradients are averaged, just before opt.step()."),
+    "no_clip": ("the gradients are no longer clipped at all: the weights match a run without "
+                "clipping.", "Keep the clipping, after the average."),
+    "no_broadcast": ("the replicas no longer start from the same weights: each rank keeps what "
+                     "its own seed drew, so their averaged gradients step different models.",
+                     "Keep the broadcast, with one sender named on every rank."),
+    "divided_twice": ("the gradients are still divided by world_size twice (once through the "
+                      "loss, once after all_reduce): every step is world_size times too "
+                      "small.", "Divide once."),
+    "grad_sum": ("the gradients are now summed, not averaged: every step is world_size times "
+                 "too large.", "Divide by world_size exactly once, in the loss or after "
+                                "all_reduce."),
+    "halved": ("on 3 ranks the gradients were divided by 2, a number true on 2 ranks only.",
+               "Divide by world_size."),
 }
 # which mistakes each script's fix is compared with, when its weights are wrong
 SUSPECTS = {1: ("sampler_seed_rank", "sampler_seed_ignored"),
@@ -456,7 +463,8 @@ def _read_fix(n: int, text: str) -> None:
         for line in _lines_with(text, "DistributedSampler("):
             seed = re.search(r"seed\s*=\s*([^,)]*)", line)
             if seed and re.search(r"\brank\b", seed.group(1)):
-                fail(f"Fix 1: {BUGS['sampler_seed_rank']} (its seed is `{seed.group(1).strip()}`)")
+                cause, fix = BUGS["sampler_seed_rank"]
+                fail(f"Fix 1: {cause} (its seed is `{seed.group(1).strip()}`)", fix=fix)
     if n == 3:
         lines = text.splitlines()
         clip = [i for i, ln in enumerate(lines) if "clip_grad_norm_" in ln]
@@ -468,13 +476,13 @@ def _read_fix(n: int, text: str) -> None:
         for line in _lines_with(text, "dist.broadcast("):
             if re.search(r"src\s*=\s*rank\b", line):
                 fail("Fix 4: the broadcast still names src=rank: every rank names itself as "
-                     "the one that sends, so no rank receives — a rooted collective needs the "
-                     "same root on every rank.")
+                     "the one that sends, so no rank receives.",
+                     fix="A rooted collective needs the same root on every rank.")
     if n == 5 and _lines_with(text, "lr") != _lines_with(script(5), "lr"):
         fail("Fix 5: you changed the learning rate to make up for the gradients: they are "
              "still divided by world_size twice, and a larger lr undoes that for SGD only — "
-             "Adam, weight decay or clipping would see gradients world_size times too small. "
-             "Divide once.")
+             "Adam, weight decay or clipping would see gradients world_size times too small.",
+             fix="Keep the learning rate and divide once.")
 
 
 # How a collective that only some ranks call shows itself. Which one a learner sees depends on
@@ -540,7 +548,7 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
                 hint = _MISMATCH_HINT if _MISMATCHED.search(error) else _known(error)
                 return f"it failed under torchrun ({error}){hint}."
         if not os.path.exists(out):
-            return "it wrote no weights to --out: keep rank 0's torch.save."
+            return "it wrote no weights to --out (rank 0's torch.save is gone, or never ran)."
         try:
             state = torch.load(out, map_location="cpu", weights_only=True)
         except Exception as exc:
@@ -581,9 +589,11 @@ def judge_fix(n: int, weights) -> None:
         return
     for name in SUSPECTS[n]:
         if _distance(weights, simulate(ws, variant=name, clip=clip)) <= TOL:
-            fail(f"Fix {n}: {BUGS[name]}")
+            cause, fix = BUGS[name]
+            fail(f"Fix {n}: {cause}", fix=fix)
     fail(f"Fix {n}: the final weights differ from a correct run on {ws} ranks by up to {d:.3g} "
-         f"and match none of the mistakes the check knows: change only what the bug needs.")
+         f"and match none of the mistakes the check knows.",
+         fix="Change only what the bug needs.")
 
 
 @recorded(name="check_fix {n}")
@@ -747,8 +757,9 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
     for case in _CASES:
         verdicts = [r[case][0] for r in ranks]
         if any(r[case][1] for r in ranks):
-            fail("replicas_in_sync changed the model's parameters: a detector only compares "
-                 "(broadcast or gather copies, never the parameters themselves).")
+            fail("replicas_in_sync changed the model's parameters: a detector that repairs what "
+                 "it inspects hides the very difference it should report.",
+                 fix="Only compare: broadcast or gather copies, never into the parameters.")
         bad = [v for v in verdicts if not isinstance(v, bool)]
         if bad:
             fail(f"replicas_in_sync should return True or False, got {bad[0]}.")
@@ -758,45 +769,49 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
             continue
         if len(set(verdicts)) > 1:
             fail(f"the ranks disagree (verdicts {verdicts} on ranks 0 to {world_size - 1}, "
-                 f"when the replicas are {'equal' if want else 'not'}): every rank must "
-                 f"return the same verdict - combine them with a collective.")
+                 f"when the replicas are {'equal' if want else 'not'}): each rank answered "
+                 f"from what it alone saw.",
+                 fix="Every rank must return the same verdict: combine them with a collective.")
         if want:
             fail(f"with every replica identical, replicas_in_sync returned False on rank "
-                 f"{wrong[0]}: compare the values exactly (or to a tiny tolerance).")
+                 f"{wrong[0]}: it saw a difference where there is none.",
+                 fix="Compare the values exactly (or to a tiny tolerance).")
         if any(r[case][2] for r in ranks):
             fail(f"with {_BLIND[case]} on one rank, every rank returned True: you combined the "
                  f"verdicts with MAX, so one rank saying 'in sync' outvotes the rank that "
-                 f"differs - combine them with MIN (any False must win).")
+                 f"differs.", fix="Combine them so that any False wins (MIN).")
         blind.append(case)
     if blind:
         where = ", ".join(_BLIND[c] for c in blind)
         if set(blind) == set(_BLIND):
             fail("whenever one replica differed, every rank returned True: the 'in sync' "
                  "verdict won — verdicts combined with any() or MAX, or rank 0's own verdict "
-                 "sent to all (rank 0 compares with itself). Any rank's False must win: "
-                 "all() of the gathered verdicts, or ReduceOp.MIN.")
+                 "sent to all (rank 0 compares with itself).",
+                 fix="Any rank's False must win: all() of the gathered verdicts, or "
+                     "ReduceOp.MIN.")
+        fix = "Compare every value, in place."
         if {"off_keeping_sum", "last_param_off"} <= set(blind) and not set(blind) & {
                 "swapped", "sign_flipped"}:
-            why = ("each of those is a 1e-3 change and your tolerance let it pass; compare "
-                   "exactly (torch.equal) or to a tiny tolerance")
+            why = "each of those is a 1e-3 change and your tolerance let it pass"
+            fix = "Compare exactly (torch.equal) or to a tiny tolerance."
         elif "off_keeping_sum" in blind:
-            why = "a plain sum or mean of the values cannot see that; compare every value"
+            why = "a plain sum or mean of the values cannot see that"
         elif "off_keeping_weighted_sum" in blind:
             why = ("a sum that weights each value by its position (lesson 10's checksum) cannot "
                    "see +2δ at one position with −δ at the next: any one number summarizing "
                    "the weights has such blind spots, and the lab asks for False whenever a "
-                   "replica differs anywhere; compare every value")
+                   "replica differs anywhere")
         elif {"swapped", "sign_flipped"} <= set(blind):
-            why = ("a norm (or another quantity that a swap and a sign flip keep) cannot see "
-                   "that; compare every value, in place")
+            why = "a norm (or another quantity that a swap and a sign flip keep) cannot see that"
         elif "swapped" in blind:
             why = ("what you compare ignores where each value sits (sorted values, a histogram, "
-                   "a sum of squares?); compare every value, in place")
+                   "a sum of squares?)")
         elif "sign_flipped" in blind:
-            why = "what you compare ignores signs (absolute values?); compare every value"
+            why = "what you compare ignores signs (absolute values?)"
         else:
-            why = "compare every parameter on every rank, not just some"
+            why = "the parameter that differed is one your detector does not compare"
+            fix = "Compare every parameter on every rank, not just some."
         fail(f"the replicas differ ({where}) but replicas_in_sync returned True on every "
-             f"rank: {why}.")
+             f"rank: {why}.", fix=fix)
     passed(f"replicas_in_sync: True on all {world_size} ranks for equal replicas, False on all "
            f"of them when one replica differs")
