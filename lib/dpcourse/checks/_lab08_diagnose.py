@@ -1,0 +1,419 @@
+"""How lab08's checks tell one wrong ZeroTwo from another: the cases they run (the model, its
+frozen and tied parameters, the configurations, the memory limit), and the diagnosis that turns
+what the learner's code did on the ranks — its shard bounds, an exception, its weights after
+each step, its schedule of reduce-scatters, the gradient memory alive at each arrival — into
+the one sentence that names its mistake.
+
+:mod:`dpcourse.checks.lab08` holds the public checks and the workers that run the learner's
+code; it calls these after each launch. Kept apart so that each file holds one idea: running
+the learner's code, and reading what it did.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+
+from . import fail
+
+def _bounds_problem(got, numel, world_size, size) -> None:
+    __tracebackhide__ = True
+    where = f"for numel={numel} on {world_size} ranks you gave {got}"
+    expected = [(r * size, (r + 1) * size) for r in range(world_size)]
+    if got == expected:
+        return
+    if world_size > 1 and all(s == r * size and e == size for r, (s, e) in enumerate(got)):
+        fail(f"{where}: that is (start, length), so every rank's second number is the same "
+             f"{size}.", fix="return (start, end), end exclusive.")
+    if got == expected[::-1] or sorted(got) == expected:
+        fail(f"{where}: rank r must own the r-th shard — all_gather_single puts rank r's "
+             f"piece at position r.")
+    floor = numel // world_size
+    if numel % world_size and got == [(r * floor, (r + 1) * floor) for r in range(world_size)]:
+        fail(f"{where}: the pieces are equal but too short — together they cover "
+             f"{floor * world_size} of the {numel} numbers, and the last {numel % world_size} "
+             f"belong to no rank: every number must have an owner.")
+    if got[-1][1] == numel and got[:-1] == expected[:-1]:
+        fail(f"{where}: the last shard is clipped at numel, so it is shorter than the others — "
+             f"a reduce-scatter and an all-gather move pieces of one size, one per rank (the "
+             f"padding is what a piece may run into).")
+    for r in range(world_size - 1):
+        if got[r][1] < got[r + 1][0]:
+            fail(f"{where}: numbers {got[r][1]}..{got[r + 1][0] - 1} between rank {r} and rank "
+                 f"{r + 1} belong to no rank — end is exclusive, and rank {r}'s end stops short of rank "
+                 f"{r + 1}'s start.", fix="rank r ends where rank r + 1 starts.")
+        if got[r][1] > got[r + 1][0]:
+            fail(f"{where}: rank {r} and rank {r + 1} both own numbers {got[r + 1][0]}.."
+                 f"{got[r][1] - 1} — shards must not overlap.")
+    if got[0][0] != 0:
+        fail(f"{where}: numbers 0..{got[0][0] - 1} belong to no rank (the first shard starts at "
+             f"{got[0][0]}).", fix="rank 0 starts at 0.")
+    sizes = sorted({e - s for s, e in got})
+    if len(sizes) > 1:
+        fail(f"{where}: shard sizes {sizes} — a reduce-scatter and an all-gather move pieces of "
+             f"one size, one per rank.")
+    if sizes[0] * world_size < numel:
+        fail(f"{where}: pieces of {sizes[0]} cover {sizes[0] * world_size} of the {numel} "
+             f"numbers — the last belong to no rank: every number must have an owner.")
+    if sizes[0] > size:
+        fail(f"{where}: pieces of {sizes[0]} cover every number, but smaller equal pieces would "
+             f"too — each extra number per piece is padding sent by every collective.")
+    fail(f"{where}: rank r's piece must be the r-th of {world_size} equal pieces that start at "
+         f"0, touch, and cover all {numel} numbers.")
+
+
+CONFIGS = ((2, "adam"), (3, "sgd"))
+
+
+BUCKET_CAP = 128                      # bytes: 32 fp32 numbers, about one small layer
+
+
+_STEPS = 3
+
+
+_GLOBAL_BATCH = 12
+
+
+_WIDTHS = (6, 8, 8, 8, 8, 8, 8, 3)   # seven Linear layers, Tanh between them
+
+
+_FROZEN = "4.bias"                    # requires_grad=False: it never gets a gradient
+
+
+_TIED = ("8.weight", "4.weight")      # layer 8 computes with layer 4's weight
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for fan_in, fan_out in zip(_WIDTHS[:-1], _WIDTHS[1:]):
+        layers += [nn.Linear(fan_in, fan_out), nn.Tanh()]
+    model = nn.Sequential(*layers[:-1])
+    model[4].bias.requires_grad_(False)
+    model[8].weight = model[4].weight
+    return model
+
+
+def _trainable_numels() -> list[int]:
+    return [p.numel() for p in _mlp().parameters() if p.requires_grad]
+
+
+def _live_limit(world_size: int) -> int:
+    """Gradient numbers a rank may hold at once besides its gradient shard: the bucket being
+    filled and the one in flight, each at most a cap plus the largest parameter (a bucket
+    closes once it reaches the cap), plus padding."""
+    biggest = max(_trainable_numels())
+    return 2 * (BUCKET_CAP // 4 + biggest + world_size)
+
+
+_GLOO_PREFIX = re.compile(r"\[rank\d+\]:\[\w+ [\d:.]+ [\w.]+:\d+\]\s*")
+
+
+_DTYPE_WHY = ("a tensor made with torch.zeros/torch.empty/torch.tensor without dtype= takes "
+              "torch's default dtype, which this check sets to float64, not the parameters' "
+              "(and without device=, on a GPU it would sit on the CPU, where NCCL cannot send "
+              "it): contract 6, every tensor you make follows the parameters' device and "
+              "dtype.")
+
+
+def _raised(rank: int, summary: str) -> None:
+    """The learner's code raised on ``rank``: say so, with a hint where the error says which
+    mistake it was."""
+    __tracebackhide__ = True
+    summary = _GLOO_PREFIX.sub("", summary.strip().splitlines()[0]).rstrip(".")
+    found = re.search(r"lab08-(unpadded|out|gather) (\d+) (\d+)(?: (\d+))?", summary)
+    if found:
+        kind, a, b, c = found.group(1), int(found.group(2)), int(found.group(3)), found.group(4)
+        if kind == "unpadded":
+            fail(f"your code raised on rank {rank}: a reduce-scatter's input has {a} numbers, "
+                 f"which do not split into {b} equal pieces.",
+                 fix="pad each bucket's flat vector with zeros to world_size × its shard size before "
+                     "the reduce-scatter.")
+        if kind == "out":
+            fail(f"your code raised on rank {rank}: a reduce-scatter's output has {a} numbers "
+                 f"but its input of {b} gives each of the {c} ranks {b // int(c)}: the output slice of "
+                 f"self.shard.grad is the wrong size.",
+                 fix="check where each bucket's slice starts in self.shard (its offset) and that it is "
+                     "one shard long.")
+        fail(f"your code raised on rank {rank}: an all-gather of {a} numbers per rank writes "
+             f"into {b}, not {a * int(c)}.",
+             fix="make its output world_size times the piece each rank sends (and send one "
+                 "bucket's whole shard slice).")
+    found = re.search(r"lab08-dtype (\w+) torch\.(\w+) torch\.(\w+)", summary)
+    if found or ("assign a gradient" in summary and "dtype" in summary):
+        if found:
+            op = found.group(1).replace("_", "-")
+            what = f"{'an' if op[0] in 'aeiou' else 'a'} {op} got a {found.group(2)} tensor"
+        else:
+            what = "self.shard.grad was given another dtype than self.shard"
+        fail(f"your code raised on rank {rank}: {what} while the parameters are float32 — "
+             f"{_DTYPE_WHY}")
+    hint = ""
+    if "doesn't require gradient" in summary or "does not require grad" in summary:
+        hint = (" — the model has a frozen parameter (requires_grad=False): it never gets a "
+                "gradient, so give it no hook and no place in a bucket")
+    elif "non-leaf" in summary:
+        hint = (" — build self.shard from detached values (p.detach()), then copy it: a new "
+                "leaf tensor, not a result of the model's autograd graph")
+    elif "assign a gradient" in summary:
+        hint = (" — self.shard.grad must be exactly the size of self.shard: this rank's slice "
+                "of every bucket, one after the other")
+    elif "'NoneType'" in summary:
+        hint = (" — a p.grad was None where you read it: a frozen parameter "
+                "(requires_grad=False) never gets a gradient, so leave it out of the buckets, "
+                "and a gradient you already dropped is gone")
+    elif "size" in summary.lower() or "shape" in summary.lower():
+        hint = (" — every rank's piece must be the same size: pad each bucket's flat vector to "
+                "a multiple of the world size before a collective, and make the output of "
+                "all_gather_single world_size times a shard")
+    fail(f"your code raised on rank {rank}: {summary}{hint}.")
+
+
+def _close(a, b) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _edges(world_size: int) -> set[int]:
+    """Indices next to a shard boundary of any parameter or of any run of parameters."""
+    numels = [p.numel() for p in _mlp().parameters()]
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    edges = set()
+    for i in range(len(numels)):
+        for j in range(i + 1, len(numels) + 1):          # every contiguous run: any bucket
+            offset, n = starts[i], sum(numels[i:j])
+            size = math.ceil(n / world_size)
+            edges |= {offset + r * size + d for r in range(1, world_size) for d in (-1, 0)}
+            edges |= {offset, offset + n - 1}
+    return {e for e in edges if 0 <= e < sum(numels)}
+
+
+def _diagnose(results: list, world_size: int, opt_name: str) -> str:
+    __tracebackhide__ = True
+    if results[0].get("dtype"):
+        what, dtype = results[0]["dtype"]
+        fail(f"{what} is {dtype.replace('torch.', '')} while the parameters are float32 — "
+             f"{_DTYPE_WHY}")
+    if results[0].get("views"):
+        what, (numbers, kept) = next(iter(results[0]["views"].items()))
+        fail(f"{what} is a view of a larger tensor: it uses {numbers} bytes but keeps {kept} "
+             f"alive (the whole padded vector).",
+             fix="make it a copy of this rank's slice (.clone(), or torch.cat, which copies).")
+    trainable = _trainable_numels()
+    total = sum(trainable)
+    per_number = 2 if opt_name == "adam" else 1       # exp_avg + exp_avg_sq, or momentum
+    most = sum(math.ceil(n / world_size) for n in trainable) + world_size * len(trainable)
+    for rank, r in enumerate(results):
+        st = r["state_after"]
+        if st["missing"]:
+            fail("the wrapper has no self.optimizer (a torch optimizer), so the check cannot see "
+                 "what state it keeps.", fix="keep the inner optimizer there, built over [self.shard].")
+        if st["numel"] >= total:
+            fail(f"rank {rank}'s inner optimizer steps {st['numel']} numbers, the whole model's "
+                 f"{total} or more, so every rank keeps the whole optimizer state — no memory "
+                 f"saved.", fix="give it only this rank's shard, [self.shard].")
+        if st["bytes"] > most * per_number * 4:
+            fail(f"rank {rank}'s optimizer state is {st['bytes']} bytes, more than one shard's "
+                 f"({most} numbers × {per_number} × 4 bytes).")
+    launched_any = any(e[0] == "launch" for r in results for s in r["steps"] for e in s["log"])
+    if not launched_any and all(r.get("hooked") == 0 for r in results):
+        fail("your wrapper registered no gradient hook and reduce-scattered nothing: params is "
+             "a generator (model.parameters()), which runs out after one pass — a second loop "
+             "over it finds no parameter.", fix="make it a list first (list(params)).")
+    _diagnose_frozen(results)
+    _diagnose_schedule(results, world_size)
+    for step in range(_STEPS):
+        learner = [r["steps"][step]["learner"] for r in results]
+        if not all(_close(w, learner[0]) for w in learner[1:]):
+            _diagnose_drift(results, step)
+        _diagnose_weights(results, step, world_size, opt_name)
+    return _diagnose_memory(results, world_size, opt_name)
+
+
+def _diagnose_frozen(results: list) -> None:
+    __tracebackhide__ = True
+    r0 = results[0]
+    names = r0["names"]
+    frozen = {n for n, _ in r0["frozen"]}
+    last = r0["steps"][-1]["learner"]
+    moved = [i for i, n in enumerate(names) if n in frozen and last[i] != r0["initial"][i]]
+    if moved:
+        fail(f"the frozen parameter {names[moved[0]]} (requires_grad=False) changed: it has no "
+             f"gradient and must not be stepped.",
+             fix="leave frozen parameters out of the buckets and the shard.")
+    total = sum(_trainable_numels())
+    for s in r0["steps"]:
+        launched = sum(e[2] for e in s["log"] if e[0] == "launch")
+        backward_launches = [e for e in s["log"] if e[0] == "launch" and e[4] == "backward"]
+        if backward_launches and launched < total:
+            fail(f"only {launched} of the {total} trainable gradient numbers were "
+                 f"reduce-scattered: a bucket waited for a gradient that never came — the "
+                 f"frozen parameter {r0['frozen'][0][0]} (requires_grad=False) gets none.",
+                 fix="leave it out of the buckets.")
+
+
+def _diagnose_weights(results: list, step: int, world_size: int, opt_name: str) -> None:
+    __tracebackhide__ = True
+    r0 = results[0]
+    s = r0["steps"][step]
+    w, ref = s["learner"], s["ddp"]
+    if _close(w, ref):
+        return
+    after = f"after step {step + 1}"
+    if _close(w, s["summed"]):
+        fail(f"{after} the weights equal those of DDP with gradients {world_size}× too large: "
+             f"you summed the gradients over the ranks (a reduce-scatter sums) and "
+             f"self.shard.grad still held that sum when the inner optimizer stepped (a division "
+             f"into a new tensor, out = out / n, leaves the shard's gradient as it was).",
+             fix="divide self.shard.grad itself by the world size, in place.")
+    if _close(w, s["twice"]):
+        fail(f"{after} the weights equal those of DDP with gradients {world_size}× too small: "
+             f"you divided by the world size twice.", fix="divide once, before or after the "
+             f"reduction.")
+    if step > 0 and _close(w, s["accumulated"]):
+        fail(f"{after} the weights are what you get when the gradients of the earlier steps are "
+             f"added to this one's: the shard's gradient held more than this step's gradient.",
+             fix="overwrite it, or zero it in zero_grad().")
+    if _close(w, r0["initial"]) and step == 0:
+        if s.get("zero_grad_at_step"):
+            fail("after step 1 the weights have not changed because self.shard.grad was all "
+                 "zeros when the inner optimizer stepped: the reduce-scatters wrote somewhere "
+                 "else (a slice of a 1-d tensor is a view into it; a new tensor is not).",
+                 fix="give each one its bucket's slice of self.shard.grad itself as the output.")
+        if s.get("shard_moved"):
+            fail("after step 1 self.shard had moved but the model's parameters had not: the "
+                 "all-gathered values never reached them (a new tensor or a rebound name is not the "
+                 "parameters' memory).", fix="copy them into the parameters' own memory (p.data).")
+        fail("after step 1 the weights have not changed: neither the shard nor the "
+             "parameters moved.", fix="step the inner optimizer, then copy the gathered shards back "
+             "into p.data.")
+    bad = (~torch.isclose(w, ref, rtol=1e-5, atol=1e-6)).nonzero().flatten().tolist()
+    if bad and set(bad) <= _edges(world_size):
+        fail(f"{after} only the numbers at the shard edges {bad} are wrong: a shard boundary "
+             f"is off by one.", fix="slice [start:end), end exclusive.")
+    if not any(e[0] == "launch" for e in s["log"]):
+        fail(f"{after} every rank holds the same weights, but they differ from DDP's: no "
+             f"reduce-scatter ran, so the gradients were never averaged over the ranks.",
+             fix="reduce-scatter each bucket, then divide, before stepping the shard.")
+    name = r0["names"][bad[0]]
+    fail(f"{after} the weights differ from DDP + {opt_name} at {len(bad)} of {w.numel()} "
+         f"numbers (first: index {bad[0]}, in {name}): some bucket's slice of the shard was not "
+         f"stepped with this rank's slice of that bucket's averaged gradient, or not copied back "
+         f"into that bucket's parameters in order.",
+         fix="step each bucket's slice with its averaged gradient slice, then all-gather and "
+             "copy back into the bucket's parameters in order.")
+
+
+def _diagnose_drift(results: list, step: int) -> None:
+    __tracebackhide__ = True
+    if step == 0:
+        initial = results[0]["initial"]
+        changed = [r["steps"][0]["learner"] != initial for r in results]
+        apart = all(not (changed[a] & changed[b]).any()
+                    for a in range(len(changed)) for b in range(a + 1, len(changed)))
+        if apart:
+            fail("after step 1 each rank changed only its own shard and the ranks now hold "
+                 "different weights: no rank received the others' shards.",
+                 fix="all-gather every bucket's shards (all_gather_single) and copy them back into the "
+                     "parameters.")
+    fail(f"after step {step + 1} the ranks hold different weights: some rank ended the step "
+         f"without every shard.", fix="all-gather them and copy them back into the parameters.")
+
+
+def _diagnose_schedule(results: list, world_size: int) -> None:
+    """Were the reduce-scatters launched during the backward, each as soon as its bucket was
+    full, asynchronously, and waited for before the optimizer stepped?"""
+    __tracebackhide__ = True
+    slack = BUCKET_CAP // 4           # a bucket closes once it reaches the cap: before its
+    for s in (s for r in results for s in r["steps"]):   # last gradient it holds less
+        log = s["log"]
+        launches = [e for e in log if e[0] == "launch"]
+        if not launches:
+            return                     # never averaged: the weights will say so
+        if not any(e[4] == "backward" for e in launches):
+            fail("you reduce-scattered the gradients in step(), after the backward: every full "
+                 "gradient was alive at once and nothing overlapped the backward — contract 4: "
+                 "a bucket's gradients leave the rank during the backward, once it is full.")
+        grads = [i for i, e in enumerate(log) if e[0] == "grad"]
+        if all(log.index(e) > grads[-1] for e in launches):
+            fail("every reduce-scatter was launched at the end of the backward, after the last "
+                 "gradient arrived: nothing overlapped — contract 4: a bucket leaves the rank as "
+                 "soon as it is full, not when the backward is over.")
+        arrived = launched = 0
+        for e in log:
+            if e[0] == "grad":
+                if arrived - launched > slack:
+                    fail(f"{arrived - launched} gradient numbers had arrived and were not yet "
+                         f"reduce-scattered when the next gradient came (a bucket still filling "
+                         f"holds fewer than {slack}): a bucket was launched later than when it "
+                         f"was full (contract 4: as soon as it is full).")
+                arrived += e[1]
+            elif e[0] == "launch":
+                launched += e[2]
+        blocking = [e for e in launches if e[4] == "backward" and not e[3]]
+        if blocking:
+            fail("a reduce-scatter inside the backward was blocking (no async_op=True): the "
+                 "backward stopped until the network was done, so nothing overlapped — "
+                 "contract 4: the backward does not wait for the network.")
+        waited_at = {e[1]: i for i, e in enumerate(log) if e[0] == "wait"}
+        for i, e in enumerate(log):
+            if e[0] != "launch" or e[4] != "backward":
+                continue
+            later = [j for j in grads if j > i]
+            if later and e[1] in waited_at and waited_at[e[1]] < later[0]:
+                fail("you wait() for each reduce-scatter right after launching it: the "
+                     "backward stops there as it would for a blocking call, so nothing "
+                     "overlaps — contract 4: the backward does not wait for the network.")
+        steps_at = [i for i, e in enumerate(log) if e[0] == "inner_step"]
+        if steps_at:
+            unwaited = [e[1] for e in launches if e[3] and
+                        (e[1] not in waited_at or waited_at[e[1]] > steps_at[0])]
+            if unwaited:
+                fail(f"{len(unwaited)} asynchronous reduce-scatter(s) had not been waited for "
+                     f"when the inner optimizer stepped: until wait() returns, the shard's "
+                     f"gradient need not hold the average yet (contract 3).")
+
+
+def _diagnose_memory(results: list, world_size: int, opt_name: str) -> str:
+    """The weights and the schedule are right; how much gradient memory was alive at once?"""
+    __tracebackhide__ = True
+    limit = 4 * _live_limit(world_size)
+    total = 4 * sum(_trainable_numels())
+    worst = max((s for r in results for s in r["steps"]), key=lambda s: s["peak"])
+    if worst["peak"] > limit:
+        where = worst["where"]
+        path = max(where, key=where.get)
+        ends = worst["end_where"]
+        if ends.get("p.grad"):
+            fail(f"{ends['p.grad']} bytes of full gradients were still in p.grad when the "
+                 f"backward ended: a bucket's gradients, once copied into its buffer, stayed "
+                 f"alive a second time in p.grad — contract 5 counts them there too.")
+        if path == "a full gradient kept elsewhere":
+            fail(f"{where[path]} bytes of full gradients were kept alive by a reference outside "
+                 f"p.grad and outside your object: contract 5 counts a gradient wherever it is "
+                 f"kept alive.")
+        log = worst["log"]
+        waits_in_backward = [e for e in log[:log.index(("backward_done",))] if e[0] == "wait"]
+        if not waits_in_backward:
+            fail(f"every bucket's padded gradient buffer stayed alive until step() "
+                 f"({where[path]} bytes in {path} at the peak, limit {limit}): no "
+                 f"reduce-scatter was waited for during the backward, and a collective not "
+                 f"waited for keeps its buffer — contract 5 allows about two buckets alive.")
+        if worst["in_flight"] > 1:
+            fail(f"{worst['in_flight']} bucket reduce-scatters were in flight at once at the "
+                 f"peak ({worst['peak']} bytes of gradients alive, limit {limit}): each keeps "
+                 f"its buffer alive until it is waited for, besides the bucket filling in "
+                 f"p.grad — contract 5 allows about two buckets alive.")
+        fail(f"{path} still held {where[path]} bytes of gradients at the peak (limit {limit}, "
+             f"about two buckets): contract 5 counts whatever your object keeps — a buffer "
+             f"whose reduce-scatter is over, or a copy or view per parameter, still weighs.")
+    kept = max((s for r in results for s in r["steps"]), key=lambda s: s["after_step"])
+    if kept["after_step"]:
+        path = max(kept["after_where"], key=kept["after_where"].get)
+        fail(f"after step() {path} still held {kept['after_where'][path]} bytes of gradient "
+             f"buffers, kept into the next step: contract 5 — between steps nothing but "
+             f"self.shard.grad.")
+    return (f"{worst['peak']} of {total} B on {world_size} ranks ({opt_name}, buckets of "
+            f"{BUCKET_CAP} B)")
