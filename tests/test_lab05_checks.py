@@ -98,18 +98,18 @@ def test_reduce_mean_loss_is_named(strategy):
 
 
 def test_reduce_mean_in_the_step_is_named(strategy):
-    with pytest.raises(LabCheckError, match=r"2x too big.*reduce_mean.*compute_average_loss"):
+    with pytest.raises(LabCheckError, match=r"2x too big.*reduce_mean over its own examples"):
         lab05.check_train_step(make_step(loss_reduce_mean), make_right, strategy)
 
 
 def test_sum_where_mean_is_meant_is_named(strategy):
-    with pytest.raises(LabCheckError, match="SUM is used where MEAN is meant"):
+    with pytest.raises(LabCheckError, match=r"means were added up \(SUM\)"):
         lab05.check_train_step(make_step(loss_right, SUM, SUM, acc="fraction"), make_right,
                                strategy)
 
 
 def test_mean_where_sum_is_meant_is_named(strategy):
-    with pytest.raises(LabCheckError, match="reduce them with SUM, not MEAN"):
+    with pytest.raises(LabCheckError, match=r"shares were averaged \(MEAN\): shares add up"):
         lab05.check_train_step(make_step(loss_right, MEAN, MEAN), make_right, strategy)
 
 
@@ -318,8 +318,15 @@ def test_steps_tied_to_one_setup_fail(step, phrase, strategy):
 
 # --- stretch: distribute_datasets_from_function and the partial last batch --------------------
 
-def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_replicas=False):
+def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_replicas=False,
+                   size=None):
+    """size="floor" / "ceil": the per-replica batch rounded instead of refused when the replicas
+    do not divide the global batch; size="refuse": a ValueError of the learner's own."""
     def make(strategy, x, y, global_batch):
+        n = strategy.num_replicas_in_sync
+        if size == "refuse" and global_batch % n:
+            raise ValueError(f"{global_batch} samples do not split over {n} replicas")
+
         def dataset_fn(ctx):
             ds = tf.data.Dataset.from_tensor_slices((x, y))
             if shuffle:
@@ -328,8 +335,13 @@ def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_r
                 ds = ds.shard(ctx.num_replicas_in_sync, ctx.input_pipeline_id)
             elif shard:
                 ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-            size = ctx.get_per_replica_batch_size(global_batch) if per_replica else global_batch
-            return ds.batch(size, drop_remainder=drop)
+            if size == "floor" or size == "refuse":
+                per = global_batch // n
+            elif size == "ceil":
+                per = -(-global_batch // n)
+            else:
+                per = ctx.get_per_replica_batch_size(global_batch) if per_replica else global_batch
+            return ds.batch(per, drop_remainder=drop)
         return strategy.distribute_datasets_from_function(dataset_fn)
     return make
 
@@ -337,7 +349,27 @@ def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_r
 def test_right_datasets_pass(strategy, capsys):
     lab05.check_dataset_fn(_dataset_maker(), strategy)
     lab05.check_dataset_fn(_dataset_maker(shard=False), strategy)  # one pipeline: same thing
-    assert capsys.readouterr().out.count("✔") == 2
+    lab05.check_dataset_fn(_dataset_maker(size="refuse"), strategy)  # its own ValueError
+    out = capsys.readouterr().out
+    # the spare replica was tried: 36 on 3 (12 + 12 + 4 in the last step)
+    assert out.count("✔") == 3 and "32 on 2, 36 on 3 replicas" in out, out
+
+
+@pytest.mark.parametrize("size, steps", [("floor", "[32, 32, 32]"), ("ceil", "[34, 34, 32]")])
+def test_indivisible_global_batch_is_refused(size, steps, strategy):
+    # 33 on 2 replicas: rounding the per-replica batch changes every step's size
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_dataset_fn(_dataset_maker(size=size), strategy)
+    msg = str(err.value)
+    assert "global_batch=33 on 2 replicas your steps held " + steps in msg, msg
+    assert "33 is not a multiple of 2" in msg and "raise ValueError" not in msg, msg
+    with pytest.raises(LabCheckError, match="raise ValueError naming both numbers"):
+        lab05.check_dataset_fn(_dataset_maker(size=size), strategy)   # the fix, second time
+
+
+def test_stretch_global_batches():
+    assert [lab05.stretch_global(n) for n in (1, 2, 3, 4)] == [32, 32, 36, 32]
+    assert lab05._expected_split(3, 36)[-1] == [12, 12, 4]
 
 
 def make_global_split(strategy, x, y, global_batch):
@@ -347,9 +379,9 @@ def make_global_split(strategy, x, y, global_batch):
 
 
 @pytest.mark.parametrize("make, phrase", [
-    (_dataset_maker(per_replica=False), "batch by its share"),
+    (_dataset_maker(per_replica=False), "a whole global batch"),
     (_dataset_maker(drop=True), "partial last batch was dropped"),
-    (_dataset_maker(shuffle=True), "the order is the problem"),
+    (_dataset_maker(shuffle=True), "but not in the data's order"),
     (_dataset_maker(by_replicas=True), "sharded into 2 pieces (one per replica)"),
     (make_global_split, "split 2+2"),
 ])
@@ -399,7 +431,25 @@ def epoch_skipping_partial(strategy, model, optimizer, dist_dataset):
 def test_right_partial_epochs_pass(strategy, capsys):
     lab05.check_partial_batch_epoch(_epoch(), strategy)
     lab05.check_partial_batch_epoch(_epoch("all_reduce_float"), strategy)
-    assert capsys.readouterr().out.count("✔") == 2
+    out = capsys.readouterr().out
+    assert out.count("✔") == 2 and "4+0 on 2, 12+12+4 on 3 replicas" in out, out
+
+
+@pytest.fixture(scope="module")
+def strategy3(strategy):
+    return lab05.strategies_for(strategy)[1]
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    # on 3 replicas the last step is 12 + 12 + 4: the slices differ, and none is empty
+    (_epoch("implicit"), "compute_average_loss without global_batch_size"),
+    (_epoch("global"), "divided by a fixed 32 (global batch 36 on 3 replicas"),
+])
+def test_partial_batch_mistakes_on_three_replicas(fn, phrase, strategy3):
+    assert strategy3.num_replicas_in_sync == 3
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_partial_batch_epoch(fn, strategy3)
+    assert phrase in str(err.value) and "12+12+4" in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("fn, phrase", [
@@ -428,3 +478,31 @@ def test_predictions_are_revealed(strategy, capsys):
     lab05.check_pipeline_prediction(predict("lab05", "q2", 2), sizes)
     out = capsys.readouterr().out
     assert "measured: 2 — right." in out and "measured: 4 — not what happened." in out, out
+
+
+# --- cause first, the fix on the second meeting ---------------------------------------------
+
+@pytest.mark.parametrize("fn, cause, fix", [
+    (loss_implicit_global, "slice size times the replica count",
+     "divide by the step's sample count, which the function is given"),
+    (loss_reduce_mean, "(reduce_mean), but the strategy sums",
+     "divide the summed loss by the whole step's count"),
+])
+def test_loss_messages_give_the_cause_then_the_fix(fn, cause, fix, strategy):
+    with pytest.raises(LabCheckError) as first:
+        lab05.check_per_replica_loss(fn, strategy)
+    assert cause in str(first.value) and fix not in str(first.value), str(first.value)
+    assert "Run the check again" in str(first.value)
+    with pytest.raises(LabCheckError) as second:
+        lab05.check_per_replica_loss(fn, strategy)
+    assert cause in str(second.value) and fix in str(second.value), str(second.value)
+
+
+def test_step_messages_give_the_cause_then_the_fix(strategy):
+    step = make_step(loss_right, SUM, MEAN, acc="fraction")
+    with pytest.raises(LabCheckError) as first:
+        lab05.check_train_step(step, make_right, strategy)
+    assert "mean of the replicas' own means" in str(first.value)
+    assert "a statistic that adds up" not in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError, match="a statistic that adds up over the replicas"):
+        lab05.check_train_step(step, make_right, strategy)

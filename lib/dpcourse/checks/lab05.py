@@ -91,8 +91,8 @@ def _refuse_library(fn, what: str) -> None:
     inner = getattr(fn, "func", fn)  # a functools.partial of it too
     if inner is lib or getattr(inner, "__code__", None) is lib.__code__:
         fail(f"{what} is dpcourse.mirrored.{_LIBRARY[what]}, the library's answer that lesson 05 "
-             f"runs: the lab asks for your own {what}, so that you decide how the loss is scaled "
-             f"(write the function in the lab's cell).")
+             f"runs: it passes by construction, so passing proves nothing about your scaling.",
+             fix=f"write your own {what} in the lab's cell.")
 
 
 class _LibrarySpy:
@@ -116,8 +116,8 @@ class _LibrarySpy:
         setattr(mirrored, self.name, self.original)
         if self.called and exc[0] is None:
             fail(f"your {self.what} calls dpcourse.mirrored.{self.name}, the library's answer "
-                 f"that lesson 05 runs: the lab asks for your own {self.what}, so that you decide "
-                 f"how the loss is scaled.")
+                 f"that lesson 05 runs: the scaling it checks is then the library's, not yours.",
+                 fix=f"compute the loss in your own {self.what}, without the library's function.")
         return False
 
 
@@ -133,8 +133,8 @@ def _check_lr(optimizer, lr: float) -> None:
     got = _lr_of(optimizer)
     if got is not None and not np.isclose(got, lr, rtol=1e-5):
         fail(f"the optimizer's learning rate is {got:.4g}, but make_model_and_optimizer was "
-             f"called with lr={lr:.4g}: build the optimizer with the lr argument, not a fixed "
-             f"number.")
+             f"called with lr={lr:.4g}: a number written into the function holds for one call "
+             f"only.", fix="build the optimizer with the lr argument.")
 
 
 @recorded
@@ -177,8 +177,9 @@ def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
     sizes = [len(lab) for lab in labels]
     for g, lab, lg in zip(got, labels, lgs):
         if g.shape != ():
-            fail(f"per_replica_loss must return one number (a scalar tensor), got shape "
-                 f"{g.shape}: reduce the per-example losses.")
+            fail(f"per_replica_loss returned a tensor of shape {g.shape} on a replica, but a "
+                 f"gradient tape needs one number (a scalar tensor) to differentiate.",
+                 fix="reduce the per-example losses to one number.")
     for g, lab, lg in zip(got, labels, lgs):
         losses = mirrored.per_example_loss(lab, lg).numpy()
         right = losses.sum() / global_batch
@@ -191,20 +192,23 @@ def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
                  f"{global_batch} samples arrived in slices of {'+'.join(map(str, sizes))}: "
                  f"slice size x replicas is the global batch only when every slice is the same "
                  f"size, which a partial last batch breaks (compute_average_loss without "
-                 f"global_batch_size, and a local mean / N, both assume it). Divide by the "
-                 f"global_batch argument.")
+                 f"global_batch_size, and a local mean / N, both assume it).",
+                 fix="divide by the step's sample count, which the function is given.")
         if local and _close(g, losses.mean()):
-            fail(f"per_replica_loss uses reduce_mean over the replica's own {local} examples; "
-                 f"divide the sum by the global batch ({global_batch}), because the strategy "
-                 f"sums the replicas' gradients.")
+            fail(f"per_replica_loss returned the mean over the replica's own {local} examples "
+                 f"(reduce_mean), but the strategy sums the {n} replicas' gradients: their sum "
+                 f"is then {n} means added, {n} times the gradient of the step's mean.",
+                 fix=f"divide the summed loss by the whole step's count ({global_batch}).")
         if _close(g, losses.sum()):
-            fail("per_replica_loss returns the sum of the per-example losses; divide it by the "
-                 "global batch size (the global_batch argument).")
+            fail(f"per_replica_loss returns the sum of the per-example losses, not divided by "
+                 f"anything: the step's gradient is then {global_batch} times the gradient of "
+                 f"its mean loss.", fix="divide the sum by the step's sample count.")
         k = losses.sum() / float(g) if float(g) else 0.0
         if k > 0 and abs(k - round(k)) < 1e-3 and round(k) != global_batch:
             fail(f"per_replica_loss divided the summed loss by {round(k)}, but the global batch "
-                 f"here is {global_batch} on {n} replicas: use the global_batch argument, not a "
-                 f"fixed number.")
+                 f"here is {global_batch} on {n} replicas: a number written into the function "
+                 f"holds for one batch size and replica count only.",
+                 fix="divide by the global_batch argument.")
         fail(f"per_replica_loss returned {float(g):.5f} where {right:.5f} (sum of the replica's "
              f"per-example cross-entropies / global batch {global_batch}) was expected.")
     return sizes
@@ -221,13 +225,15 @@ def _outside_scope(strategy, model, optimizer) -> str | None:
                if not strategy.extended.variable_created_in_scope(getattr(v, "value", v))]
     if outside:
         return (f"the model's variables (e.g. {outside[0]!r}) were created outside "
-                f"strategy.scope(): build the model inside `with strategy.scope():` so each "
-                f"replica holds a mirrored copy.")
+                f"strategy.scope(): they are plain variables on one device, not mirrored "
+                f"copies the strategy keeps equal on every replica.",
+                "build the model inside `with strategy.scope():`.")
     made_under = getattr(optimizer, "_distribution_strategy", strategy)
     if made_under is not strategy:
-        return ("the optimizer was created outside strategy.scope(): create it inside "
-                "`with strategy.scope():` too, so its slots are mirrored and its updates are "
-                "all-reduced.")
+        return ("the optimizer was created outside strategy.scope(): its own variables (step "
+                "counter, learning rate, slots) are then not mirrored, and the strategy cannot "
+                "update every replica's copy with them.",
+                "create the optimizer inside `with strategy.scope():` too.")
     return None
 
 
@@ -249,7 +255,7 @@ def check_model_and_optimizer(make_model_and_optimizer, strategy, lr: float = 0.
              f"({type(model).__name__}, {type(optimizer).__name__}).")
     problem = _outside_scope(strategy, model, optimizer)
     if problem:
-        fail(problem)
+        fail(problem[0], fix=problem[1])
     _check_lr(other_opt, other_lr)
     _check_lr(optimizer, lr)
     passed(f"the model and the optimizer are created under strategy.scope() (lr {other_lr:g} "
@@ -331,9 +337,11 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
     model, optimizer = make_model_and_optimizer(strategy, lr)
     problem = _outside_scope(strategy, model, optimizer) if isinstance(model, keras.Model) else None
     if problem:
-        fail(problem)
+        fail(problem[0], fix=problem[1])
     if len(model.get_weights()) != len(start):
-        fail("make_model_and_optimizer must build mirrored.build_keras_cnn() (the lesson's CNN).")
+        fail(f"the model has {len(model.get_weights())} weight arrays where the lesson's CNN "
+             f"has {len(start)}: the check compares with mirrored.build_keras_cnn().",
+             fix="build mirrored.build_keras_cnn() in make_model_and_optimizer.")
     _check_lr(optimizer, lr)
     model.set_weights(start)
     if len({len(s) for s in slices}) == 1:
@@ -350,13 +358,14 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
     except Exception as exc:  # noqa: BLE001
         fail(f"distributed_train_step raised {type(exc).__name__}: {str(exc).splitlines()[0]}")
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-        fail("distributed_train_step must return (loss, accuracy), each reduced over replicas "
-             "with strategy.reduce.")
+        fail(f"distributed_train_step returned {type(out).__name__}, not a pair: the contract "
+             f"is (loss, accuracy), one number each.", fix="return (loss, accuracy).")
     try:
         loss, acc = (float(np.asarray(v)) for v in out)
     except (TypeError, ValueError):
         fail("distributed_train_step returned per-replica values (one per replica), not one "
-             "number each: combine each over the replicas into the global batch's value.")
+             "number each: the global batch's loss and accuracy are one number each.",
+             fix="combine each value over the replicas into one number on the host.")
     # What each replica held before the step: to tell one replica's value from a reduction.
     split = "+".join(str(len(s)) for s in slices)
     per_ex = mirrored.per_example_loss(y, logits).numpy()
@@ -368,29 +377,32 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
     size = sum(float(np.sum(d * d)) for d in delta) ** 0.5
     ref_size = sum(float(np.sum(d * d)) for d in ref_delta) ** 0.5
     if size == 0:
-        fail("the weights did not change: apply the gradients with "
-             "optimizer.apply_gradients inside the function you pass to strategy.run.")
+        fail("the weights did not change after one step: no gradient was applied to the "
+             "mirrored variables.",
+             fix="apply the gradients with optimizer.apply_gradients inside the function you "
+                 "pass to strategy.run.")
     step_ratio = size / ref_size
     if not all(_close(d, r, rtol=1e-2) for d, r in zip(delta, ref_delta)):
         if abs(step_ratio - n) < 0.05 * n:
-            fail(f"the update is {n}x too big ({n} replicas): the per-replica loss uses "
-                 f"reduce_mean over the replica's own examples instead of "
-                 f"tf.nn.compute_average_loss with the global batch, and the replicas' "
-                 f"gradients are then summed.")
+            fail(f"the update is {n}x too big ({n} replicas): each replica's loss was the "
+                 f"reduce_mean over its own examples, and the strategy then summed the "
+                 f"{n} replicas' gradients.",
+                 fix="divide each replica's summed loss by the global batch (part 1).")
         if abs(step_ratio - 1 / n) < 0.05 / n:
             fail(f"the update is {n}x too small: the loss was divided by the global batch and "
-                 f"then averaged over the replicas again; the strategy already sums the "
-                 f"replicas' gradients, so divide only once.")
+                 f"then once more by the {n} replicas, but the strategy sums the replicas' "
+                 f"gradients — it does not average them.", fix="divide only once.")
         for k in (2, 3, 4):
             if k != n and abs(step_ratio - n / k) < 0.02 * n / k:
                 fail(f"on {n} replicas the update is {n}/{k} of the right one: the loss was "
-                     f"divided by a fixed {k} replicas — use the global batch (or the replica "
-                     f"context's num_replicas_in_sync), not a number that holds on {k} only.")
+                     f"divided by a fixed {k} replicas, a number that holds on {k} replicas only.",
+                     fix="divide by the global_batch argument.")
         k = global_batch / step_ratio
         if abs(k - round(k)) < 0.02 * k and round(k) not in (global_batch, 0):
             fail(f"with a global batch of {global_batch} on {n} replicas the update is "
                  f"{step_ratio:.3g} times the right one: the loss was divided by a fixed "
-                 f"{round(k)}, not by this step's global batch — use the global_batch argument.")
+                 f"{round(k)}, not by this step's global batch.",
+                 fix="divide by the global_batch argument.")
         if len({len(s) for s in slices}) > 1:
             # each replica dividing its summed loss by its own slice size x n (a local mean / n)
             local = [sum(g / n for g in gs) for gs in zip(*(
@@ -399,26 +411,30 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
             if all(_close(d, -lr * g, rtol=1e-2) for d, g in zip(delta, local)):
                 fail(f"this step's {global_batch} samples arrived in slices of {split}, and each "
                      f"replica's loss was divided by its own slice size times the replica count: "
-                     f"that is the global batch only when every slice is the same size. Divide "
-                     f"by the global_batch argument (part 1).")
+                     f"that is the global batch only when every slice is the same size.",
+                     fix="divide by the global_batch argument (part 1).")
         fail(f"one step changed the weights by {step_ratio:.3g} times the single-device SGD "
-             f"step (expected 1): compute each replica's loss on its slice, take its gradient "
-             f"and apply it inside strategy.run.")
+             f"step (expected 1), not by a factor the check recognises.",
+             fix="compute each replica's loss on its slice (part 1), take its gradient and apply "
+                 "it inside strategy.run.")
 
     # (what, reduced, its format, expected, what that is, why n times too big, too small)
     for what, got, fmt, want, want_is, too_big, too_small in (
             ("loss", loss, ".5f", ref_loss,
              f"the mean loss over the global batch before the step is {ref_loss:.5f}",
-             "the per-replica losses were reduced with SUM where MEAN is meant (each was a mean "
-             "over its own examples).",
-             "the per-replica losses are shares of the global mean (already divided by the "
-             "global batch), so reduce them with SUM, not MEAN."),
+             ("each replica's loss was a mean over its own examples, and the replicas' means "
+              "were added up (SUM).", "combine means with the operation that averages them."),
+             ("each replica's loss is its share of the global mean (already divided by the "
+              "global batch), and the replicas' shares were averaged (MEAN): shares add up.",
+              "combine shares with the operation that adds them.")),
             ("accuracy", acc, ".4f", ref_acc,
              f"the global batch's accuracy before the step is {ref_acc:.4f}",
-             "each replica's accuracy is a mean over its own examples, so reduce it with MEAN; "
-             "SUM is used where MEAN is meant.",
-             "it was reduced with MEAN although each replica's value was already divided by the "
-             "global batch; use SUM then.")):
+             ("each replica's accuracy was a mean over its own examples, and the replicas' "
+              "means were added up (SUM).", "combine means with the operation that averages "
+              "them — or, better, return a statistic that adds up."),
+             ("each replica's value was already divided by the global batch, and the replicas' "
+              "values were averaged (MEAN) — that divides by the replicas a second time.",
+              "combine shares with the operation that adds them."))):
         if _close(got, want, rtol=1e-3):
             continue
         if len({len(s) for s in slices}) > 1:
@@ -429,17 +445,19 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
                      f"({', '.join(f'{m:{fmt}}' for m in means)}) over slices of {split} "
                      f"samples, but {want_is}: a mean of means weighs every replica the same, "
                      f"not every sample, so it is the batch's {what} only when the slices are "
-                     f"the same size — and a short last step's are not.")
+                     f"the same size — and a short last step's are not.",
+                     fix="let each replica return a statistic that adds up over the replicas "
+                         "(a sum or a count), and divide once by the step's sample count.")
         ones = (first_share, first_mean) if what == "loss" else (first_acc, first_acc / n)
         if any(_close(got, o, rtol=1e-4) for o in ones) and not _close(want / n, got, rtol=1e-4):
             fail(f"the {what} returned is replica 0's value alone ({got:{fmt}}), not a "
-                 f"reduction over the {n} replicas: {want_is}. Combine every replica's value "
-                 f"into one number.")
+                 f"reduction over the {n} replicas: {want_is}.",
+                 fix="combine every replica's value into one number with strategy.reduce.")
         r = _ratio(got, want)
         if abs(r - n) < 0.01 * n:
-            fail(f"the {what} is {n}x too big: {too_big}")
+            fail(f"the {what} is {n}x too big: {too_big[0]}", fix=too_big[1])
         if abs(r - 1 / n) < 0.01 / n:
-            fail(f"the {what} is {n}x too small: {too_small}")
+            fail(f"the {what} is {n}x too small: {too_small[0]}", fix=too_small[1])
         fail(f"the reduced {what} is {got:{fmt}}, but {want_is}.")
     return ref_loss, ref_acc
 
@@ -457,13 +475,20 @@ def stretch_data():
     return x, y
 
 
-def _expected_split(n: int) -> list:
+def stretch_global(n: int) -> int:
+    """The global batch the stretch's checks use on ``n`` replicas: 32 where ``n`` divides it
+    (100 samples: the last step 4 + 0 on 2 replicas), else 12 per replica (36 on 3: the last
+    step's 28 samples as 12 + 12 + 4, uneven but on more than one replica)."""
+    return _GLOBAL if _GLOBAL % n == 0 else 12 * n
+
+
+def _expected_split(n: int, global_batch: int) -> list:
     """Per-replica sizes of each step when every replica takes whole per-replica batches of one
     pipeline in turn (``distribute_datasets_from_function``): 32 samples as 16 + 16 on 2
     replicas, and the last step's 4 samples as 4 + 0."""
-    per = _GLOBAL // n
+    per = global_batch // n
     steps = []
-    for start in range(0, _N_SAMPLES, _GLOBAL):
+    for start in range(0, _N_SAMPLES, global_batch):
         steps.append([max(0, min(per, _N_SAMPLES - start - r * per)) for r in range(n)])
     return steps
 
@@ -472,56 +497,102 @@ def _expected_split(n: int) -> list:
 def check_dataset_fn(make_dist_dataset, strategy) -> None:
     """Stretch: ``make_dist_dataset(strategy, x, y, global_batch)`` must give, at every step, the
     next ``global_batch`` samples in order, each replica taking whole per-replica batches from its
-    input pipeline (``strategy.distribute_datasets_from_function``) — so the short last step's 4
-    samples all land on replica 0, not split 2 + 2 as ``experimental_distribute_dataset`` splits a
-    global batch."""
+    input pipeline (``strategy.distribute_datasets_from_function``) — so on 2 replicas the short
+    last step's 4 samples all land on replica 0, not split 2 + 2 as
+    ``experimental_distribute_dataset`` splits a global batch. Tried on the lab's strategy and on
+    one with a replica more (36 on 3: the last step 12 + 12 + 4); and a global batch the replicas
+    do not divide must be refused with a ValueError (rounding the per-replica size changes every
+    step's size)."""
+    __tracebackhide__ = True
+    tried = []
+    for strat in strategies_for(strategy):
+        n = strat.num_replicas_in_sync
+        gb = stretch_global(n)
+        _check_dataset_once(make_dist_dataset, strat, gb)
+        tried.append(f"{gb} on {n}")
+        if n > 1:
+            _check_indivisible(make_dist_dataset, strat, gb + 1)
+    passed(f"make_dist_dataset: each step the next global batch in whole per-replica batches, "
+           f"in order, the short last step kept ({', '.join(tried)} replicas), and a global "
+           f"batch the replicas do not divide refused")
+
+
+def _check_indivisible(make_dist_dataset, strategy, global_batch: int) -> None:
     __tracebackhide__ = True
     x, y = stretch_data()
+    n = strategy.num_replicas_in_sync
+    try:
+        dist = make_dist_dataset(strategy, x, y, global_batch)
+        steps = [[len(np.asarray(v)) for v in _local(strategy, b[0])] for b in dist]
+    except NotImplementedError:
+        raise
+    except ValueError:
+        return   # refused: no per-replica batch size gives this global batch
+    except Exception as exc:  # noqa: BLE001
+        fail(f"with global_batch={global_batch} on {n} replicas make_dist_dataset raised "
+             f"{type(exc).__name__}: {str(exc).splitlines()[0]} — the contract refuses a global "
+             f"batch the replicas do not divide with a ValueError, not another error.",
+             fix="raise ValueError naming the global batch and the replica count.")
+    sizes = [sum(st) for st in steps]
+    fail(f"with global_batch={global_batch} on {n} replicas your steps held {sizes[:3]} samples "
+         f"(per replica {steps[0] if steps else []}): {global_batch} is not a multiple of {n}, so "
+         f"no per-replica batch size makes a step of {global_batch} — rounding it makes every "
+         f"step the wrong size, and the loss of each step is divided by a count it does not hold.",
+         fix="refuse such a global batch: raise ValueError naming both numbers.")
+
+
+def _check_dataset_once(make_dist_dataset, strategy, gb: int) -> None:
+    __tracebackhide__ = True
+    x, y = stretch_data()
+    n = strategy.num_replicas_in_sync
+    at = f"(global batch {gb} on {n} replicas)"
     where = {float(v): i for i, v in enumerate(x[:, 0])}   # sample -> its index in the data
     try:
-        dist = make_dist_dataset(strategy, x, y, _GLOBAL)
+        dist = make_dist_dataset(strategy, x, y, gb)
         steps = [[np.asarray(v) for v in _local(strategy, b[0])] for b in dist]
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001
-        fail(f"make_dist_dataset raised {type(exc).__name__}: {str(exc).splitlines()[0]}")
-    n = strategy.num_replicas_in_sync
+        fail(f"make_dist_dataset raised {type(exc).__name__} {at}: {str(exc).splitlines()[0]}")
     split = [[len(v) for v in step] for step in steps]
     sizes = [sum(s) for s in split]
     order = [where.get(float(row[0]), -1) for step in steps for v in step for row in v]
-    want = [min(_GLOBAL, _N_SAMPLES - i) for i in range(0, _N_SAMPLES, _GLOBAL)]
-    if sizes and sizes[0] == _GLOBAL * n:
-        fail(f"each replica got {_GLOBAL} samples per step, so a step holds {_GLOBAL * n}: "
-             f"global_batch is the whole step's size, and each replica's pipeline must batch "
-             f"by its share of it.")
+    want = [min(gb, _N_SAMPLES - i) for i in range(0, _N_SAMPLES, gb)]
+    if n > 1 and split and split[0] and split[0][0] == gb:
+        fail(f"replica 0 got {gb} samples in the first step {at}, a whole global batch: "
+             f"global_batch is the size of the whole step over the {n} replicas, not one "
+             f"replica's.",
+             fix="batch each replica's pipeline by its share of the global batch.")
     if sorted(order) == list(range(_N_SAMPLES)) and order != list(range(_N_SAMPLES)):
-        fail(f"every sample arrives once, in steps of {sizes}, but not in the data's order "
-             f"(the first step starts with samples {order[:4]}): the order is the problem — "
-             f"the stretch wants the data unshuffled, so that each step is the next "
-             f"{_GLOBAL} samples.")
+        fail(f"every sample arrives once, in steps of {sizes} {at}, but not in the data's order "
+             f"(the first step starts with samples {order[:4]}): the contract makes each step "
+             f"the next {gb} samples of the data, unshuffled.",
+             fix="leave the data in its order (no shuffle).")
     if len(set(order)) < _N_SAMPLES:
         kept = sorted(set(order))
         if n > 1 and len(kept) == len(range(0, _N_SAMPLES, n)) and all(
                 (i - kept[0]) % n == 0 for i in kept):
-            fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples, every {n}th one: the "
-                 f"data was sharded into {n} pieces (one per replica) and only one kept. Shards "
-                 f"are per input pipeline (one per worker; here {n} replicas share one pipeline), "
-                 f"and the replicas already take different batches from it.")
-        if kept == list(range(len(kept))) and len(kept) % _GLOBAL == 0:
-            fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples (steps of {sizes}): the "
-                 f"partial last batch was dropped — this exercise is about handling it.")
-        fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples (steps of {sizes}): every "
-             f"sample must arrive once.")
+            fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples, every {n}th one {at}: the "
+                 f"data was sharded into {n} pieces (one per replica) and only one kept — but "
+                 f"there is one input pipeline here (one per worker), and the replicas already "
+                 f"take different batches from it.",
+                 fix="shard by the number of input pipelines, not replicas.")
+        if kept == list(range(len(kept))) and len(kept) % gb == 0:
+            fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples (steps of {sizes}) {at}: "
+                 f"the partial last batch was dropped — this exercise is about handling it.",
+                 fix="keep the remainder when batching.")
+        fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples (steps of {sizes}) {at}: "
+             f"every sample must arrive once.")
     if sizes != want:
-        fail(f"the steps hold {sizes} samples (expected {want}, in the data's order).")
-    if split != _expected_split(n):
-        fail(f"the samples and their order are right, but the last step's {want[-1]} samples "
+        fail(f"the steps hold {sizes} samples {at} (expected {want}, in the data's order).")
+    if split != _expected_split(n, gb):
+        fail(f"the samples and their order are right {at}, but the last step's {want[-1]} samples "
              f"were split {'+'.join(map(str, split[-1]))} over the replicas (expected "
-             f"{'+'.join(map(str, _expected_split(n)[-1]))}): that is a global batch split by "
-             f"the strategy. The stretch asks for each replica's own input pipeline, batched by "
-             f"the per-replica batch size, from which the replicas take whole batches in turn.")
-    passed(f"make_dist_dataset: steps of {_GLOBAL} samples over {n} replicas in whole "
-           f"per-replica batches, in order, the short last step kept")
+             f"{'+'.join(map(str, _expected_split(n, gb)[-1]))}): that is a global batch split "
+             f"by the strategy, as experimental_distribute_dataset splits one, not replicas "
+             f"taking whole per-replica batches from a pipeline in turn.",
+             fix="build the dataset with strategy.distribute_datasets_from_function and batch it "
+                 "by the per-replica size.")
 
 
 def last_step_sizes(strategy, dist_dataset) -> list:
@@ -546,28 +617,41 @@ def check_split_prediction(guess, sizes, n_samples: int, global_batch: int) -> N
 
 def check_pipeline_prediction(guess, sizes) -> None:
     """Compare the prediction of replica 0's share of the stretch's last step (100 samples,
-    global batches of 32) with what ``make_dist_dataset`` gave it."""
-    per = _GLOBAL // len(sizes)
+    global batches of ``stretch_global(replicas)``) with what ``make_dist_dataset`` gave it."""
+    n = len(sizes)
+    gb = stretch_global(n)
+    per, last = gb // n, _N_SAMPLES % gb or gb
     reveal(guess, sizes[0], close=guess.value == sizes[0],
            explanation=f"Each replica takes whole batches of {per} from the pipeline in turn, so "
-                       f"the 4 samples left at the end form one short batch, and it goes to "
-                       f"replica 0: {'+'.join(map(str, sizes))}. A replica with no samples still "
-                       f"runs the step, and the mean of no losses is 0/0.")
+                       f"the {last} samples left at the end fill replica 0's batch first: "
+                       f"{'+'.join(map(str, sizes))}. A replica with no samples still runs the "
+                       f"step, and the mean of no losses is 0/0.")
 
 
-def _one_device(scale_full: float, scale_last: float) -> list:
-    """SGD on one device over batches of _GLOBAL, each step's gradient scaled (1, 1 is right)."""
+def _one_device(global_batch: int, divisors) -> list:
+    """SGD on one device over the stretch's batches of ``global_batch``: in each step, the
+    samples replica r would hold (whole per-replica batches in turn) have their summed loss
+    divided by ``divisors(r, sizes)``, ``sizes`` being that step's per-replica sizes; dividing
+    every replica's sum by ``sum(sizes)`` is the right step."""
     x, y = stretch_data()
     model = _stretch_model()
     opt = keras.optimizers.SGD(learning_rate=0.5)
-    for i in range(0, _N_SAMPLES, _GLOBAL):
-        xb, yb = x[i:i + _GLOBAL], y[i:i + _GLOBAL]
+    for step, sizes in enumerate(_SPLITS[global_batch]):
+        start = step * global_batch
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(mirrored.per_example_loss(yb, model(xb)))
-            loss = loss * (scale_last if len(yb) < _GLOBAL else scale_full)
+            losses = mirrored.per_example_loss(y[start:start + sum(sizes)],
+                                               model(x[start:start + sum(sizes)]))
+            loss, at = 0.0, 0
+            for r, k in enumerate(sizes):
+                if k:
+                    loss = loss + tf.reduce_sum(losses[at:at + k]) / float(divisors(r, sizes))
+                at += k
         opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                 model.trainable_variables))
     return model.get_weights()
+
+
+_SPLITS: dict = {}
 
 
 def _stretch_model():
@@ -580,15 +664,32 @@ def _stretch_model():
 @recorded
 def check_partial_batch_epoch(train_epoch, strategy) -> None:
     """Stretch: ``train_epoch(strategy, model, optimizer, dist_dataset)`` over 100 samples in
-    global batches of 32 must take the steps one device takes — including the last step, where
-    one replica has 4 samples and the other none."""
+    global batches of ``stretch_global(replicas)`` must take the steps one device takes —
+    including the last step, where the replicas hold unequal slices (4 + 0 on 2 replicas,
+    12 + 12 + 4 on 3). Tried on the lab's strategy and on one with a replica more."""
+    __tracebackhide__ = True
+    tried = []
+    for strat in strategies_for(strategy):
+        n = strat.num_replicas_in_sync
+        _check_epoch_once(train_epoch, strat, stretch_global(n))
+        tried.append(f"{'+'.join(map(str, _expected_split(n, stretch_global(n))[-1]))} on {n}")
+    passed("train_epoch: every step, the short last one too, equals one device on the same "
+           f"batch (last steps {', '.join(tried)} replicas)")
+
+
+def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
     __tracebackhide__ = True
     x, y = stretch_data()
+    n = strategy.num_replicas_in_sync
+    last = _expected_split(n, gb)[-1]
+    _SPLITS[gb] = _expected_split(n, gb)
+    at = f"(global batch {gb} on {n} replicas; the last step's {sum(last)} samples as " \
+         f"{'+'.join(map(str, last))})"
 
     def dataset_fn(ctx):
         ds = tf.data.Dataset.from_tensor_slices((x, y))
         return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(
-            ctx.get_per_replica_batch_size(_GLOBAL))
+            ctx.get_per_replica_batch_size(gb))
 
     with strategy.scope():
         model = _stretch_model()
@@ -601,36 +702,43 @@ def check_partial_batch_epoch(train_epoch, strategy) -> None:
         first = str(exc).splitlines()[0] if str(exc) else ""
         if isinstance(exc, (AttributeError, TypeError, ValueError)) and (
                 "'int' object" in first or "NoneType" in first):
-            fail(f"train_epoch raised {type(exc).__name__}: {first} — a Python number (or None) "
-                 f"reached a TensorFlow operation. A static shape such as x.shape[0] is a Python "
-                 f"int (None while the step is traced), not a tensor: the replica context "
-                 f"reduces tensors, so count the samples with a tensor operation.")
-        fail(f"train_epoch raised {type(exc).__name__}: {first}")
+            fail(f"train_epoch raised {type(exc).__name__} {at}: {first} — a Python number (or "
+                 f"None) reached a TensorFlow operation. A static shape such as x.shape[0] is a "
+                 f"Python int (None while the step is traced), and the replica context reduces "
+                 f"tensors only.", fix="count the samples with a tensor operation.")
+        fail(f"train_epoch raised {type(exc).__name__} {at}: {first}")
     got = model.get_weights()
     if not all(np.all(np.isfinite(w)) for w in got):
-        fail("the weights became NaN: in the last step one replica has no samples, and the mean "
-             "of nothing is NaN (0/0). Divide the summed loss by the step's global sample count "
-             "instead.")
+        fail(f"the weights became NaN {at}: in the last step a replica with no samples divided "
+             f"its loss by its own count, and the mean of nothing is 0/0.",
+             fix="divide the summed loss by the step's global sample count instead.")
 
-    def same(ws):
-        return all(_close(a, b, rtol=1e-4) for a, b in zip(got, ws))
+    def same(divisors):
+        return all(_close(a, b, rtol=1e-4) for a, b in zip(got, _one_device(gb, divisors)))
 
-    if same(_one_device(1, 1)):
-        passed("train_epoch: every step, the short last one too, equals one device on the same "
-               "batch")
+    if same(lambda r, sizes: sum(sizes)):
         return
-    n = strategy.num_replicas_in_sync
-    if same(_one_device(1, 4 / _GLOBAL)):
-        fail(f"the last step was too small: its 4 samples were divided by the full global batch "
-             f"({_GLOBAL}), a number fixed before the epoch — but a short last step holds fewer "
-             f"samples, and only the step itself can tell how many.")
-    if same(_one_device(1, 1 / n)):
-        fail(f"the last step was {n} times too small: its loss was divided as if every replica "
-             f"held as many samples as the one that has them (compute_average_loss without "
-             f"global_batch_size, or a local mean divided by the replica count, assume that), "
-             f"but one replica has none: a replica's own slice does not tell how many samples "
-             f"the whole step holds.")
-    if same(_one_device(1, 0)):
-        fail("the last, partial step changed nothing: train on it too.")
-    fail("after one epoch the weights differ from one device on the same batches: divide each "
-         "replica's summed loss by the step's global sample count, then apply the gradients.")
+    if same(lambda r, sizes: gb):
+        fail(f"the last step was too small {at}: its {sum(last)} samples were divided by the "
+             f"full global batch ({gb}), a number fixed before the epoch — but a short last "
+             f"step holds fewer samples, and only the step itself can tell how many.",
+             fix="divide by this step's sample count, summed over the replicas inside the step.")
+    if gb != _GLOBAL and same(lambda r, sizes: _GLOBAL):
+        fail(f"every step's loss was divided by a fixed {_GLOBAL} {at}: the global batch here is "
+             f"{gb}, and the last step holds {sum(last)} — a number written into the function "
+             f"holds for one dataset only.",
+             fix="count the step's samples inside the step, summed over the replicas.")
+    if same(lambda r, sizes: sizes[r] * n):
+        fail(f"the last step was wrong {at}: each replica's loss was divided by its own slice "
+             f"size times the replica count (compute_average_loss without global_batch_size, or "
+             f"a local mean divided by the replica count, assume every replica holds as many "
+             f"samples as this one), but the last step's slices differ: a replica's own slice "
+             f"does not tell how many samples the whole step holds.",
+             fix="ask the other replicas: sum the replicas' counts inside the step.")
+    if same(lambda r, sizes: float("inf") if sum(sizes) < gb else sum(sizes)):
+        fail(f"the last, partial step changed nothing {at}: its {sum(last)} samples were never "
+             f"trained on.", fix="train on the short last step too.")
+    fail(f"after one epoch the weights differ from one device on the same batches {at}, by a "
+         f"scaling the check does not recognise.",
+         fix="divide each replica's summed loss by the step's global sample count, then apply "
+             "the gradients.")
