@@ -330,7 +330,11 @@ viz.show(viz.collective_traces_figure({"bug 1: a collective on rank 0 only": par
 # ## 3. Bugs that finish — with the wrong answer
 # These are worse: nothing hangs, nothing crashes, the loss may even look fine. They need a
 # detector that compares the ranks. All seven run, broken and fixed, in **one** launch
-# (`bugzoo.zoo_worker`); each returns what its detector needs.
+# (`bugzoo.zoo_worker`); each returns what its detector needs. They share one small model and
+# each rank's own batches (different per rank, the same on every run):
+
+# %%
+viz.show_code(bugzoo.mlp, bugzoo.small_batches, bugzoo.zoo_worker)
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="bugzoo-"))
@@ -364,23 +368,25 @@ claim("the weights differ, yet the checksums are equal: a checksum can miss a di
                                        detectors.state_checksums(b)]) == [])
 
 # %% [markdown]
-# ### Bug 4: different seeds per rank, and no initial broadcast
-# `torch.manual_seed(rank)` "so that each rank augments differently" — placed before the model
-# is built. The replicas start different; averaging the gradients applies the *same* update to
-# *different* weights, so they stay different forever. (DDP hides this bug: its constructor
-# broadcasts rank 0's weights. Hand-written loops, Horovod without `broadcast_parameters`, or
-# a model re-created after wrapping, do not.)
+# ### Bug 4: a checkpoint resumed on one rank only
+# Resuming an earlier run: rank 0 loads the checkpoint ("it is the rank that saved it"), once
+# the model is wrapped in DDP. DDP makes the replicas equal once, in its constructor
+# (`_sync_module_states`), and never compares the parameters again. The load comes after it:
+# rank 0 trains from the checkpoint, the other ranks from fresh weights. Averaging the
+# gradients applies the *same* update to *different* weights, so they stay different forever,
+# and DDP never complains. Any change of the weights on some ranks after the wrapper is built
+# does the same.
 
 # %%
-viz.show_code(bugzoo.seeds_without_broadcast)
+viz.show_code(bugzoo.resume_on_one_rank)
 
 # %%
-seeds = {f: [r["seeds"][f] for r in zoo] for f in (False, True)}
-differ = [detectors.compare_checksums(step) for step in zip(*seeds[False])]
+resume = {f: [r["resume"][f] for r in zoo] for f in (False, True)}
+differ = [detectors.compare_checksums(step) for step in zip(*resume[False])]
 print("broken: tensors that differ across ranks at step 0:", differ[0])
 claim("broken: the replicas differ from the start and at every step", all(differ))
-claim("fixed (broadcast from rank 0): the checksums agree at every step",
-      not any(detectors.compare_checksums(step) for step in zip(*seeds[True])))
+claim("fixed (every rank loads it): the checksums agree at every step",
+      not any(detectors.compare_checksums(step) for step in zip(*resume[True])))
 
 # %% [markdown]
 # ### Bug 5: the loss averaged instead of the gradients
@@ -426,8 +432,8 @@ claim(f"bug 5's replicas first differ after step {first}, by {gaps[first]:.2f} i
 
 
 viz.show(viz.replica_checksums_figure({
-    "bug 4: per-rank seed, no broadcast": {"broken": totals(seeds[False]),
-                                           "fixed": totals(seeds[True])},
+    "bug 4: checkpoint loaded on rank 0 only": {"broken": totals(resume[False]),
+                                                "fixed": totals(resume[True])},
     "bug 5: loss averaged, not gradients": {"broken": totals([r["weights"] for r in avg[False]]),
                                             "fixed": totals([r["weights"] for r in avg[True]])},
 }), "Weight checksums per rank and step. Broken: one line per rank, apart from the start (bug "
@@ -588,6 +594,9 @@ claim("fixed: no path has two writers",
 # squatter.
 
 # %%
+viz.show_code(bugzoo.port_in_use, detectors.port_owner)
+
+# %%
 squatter = socket.socket()
 squatter.bind(("127.0.0.1", 0))
 squatter.listen()
@@ -623,9 +632,11 @@ import torch.distributed as dist
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+weights = torch.zeros(4)
 for step in range(3):
     grad = torch.ones(4)
     dist.all_reduce(grad)
+    weights -= 0.1 * grad
     if rank == 0 and step == 1:
         break          # rank 0 stops early: rank 1's next all_reduce waits forever
 print("done", rank)
@@ -634,14 +645,15 @@ cli = subprocess.run([sys.executable, "-m", "dpcourse", "diagnose", "--timeout",
                       str(hang_timeout), str(script)], capture_output=True, text=True, timeout=120)
 print(cli.stdout.replace(str(script), "train_hang.py"))
 claim("the command exits with 1 and reports the hang", cli.returncode == 1 and "HANG" in cli.stdout)
-claim("naming rank 1, its all_reduce and the script's line 8",
-      "rank 1 is stuck in all_reduce (call #2) at train_hang.py:8" in cli.stdout)
+claim("naming rank 1, its all_reduce and the script's line 9",
+      "rank 1 is stuck in all_reduce (call #2) at train_hang.py:9" in cli.stdout)
 
 # %% [markdown]
 # Most bugs do not hang. So inside each rank `diagnose` also watches what the script does
 # (`dpcourse.script_checks`: wrappers around a few torch calls, put back after the run; your
 # file is never edited): every DistributedSampler and DataLoader read, `torch.save`, barrier,
-# printed loss, the first optimizer step, and whether the group was destroyed. After the run it
+# printed or logged loss, metrics writer (TensorBoard, wandb) started, `all_reduce` and its
+# line, the first optimizer step, and whether the group was destroyed. After the run it
 # reads all ranks' records together. Here is a script a learner could have written from a blog
 # post, ported to the CPU — it runs, the loss falls, and it has five of the mistakes this course
 # teaches:
@@ -704,7 +716,7 @@ claim("diagnose names five mistakes at their lines: no set_epoch (16), a barrier
 # | a collective on some ranks only | hang | `diagnose`: stuck rank, its call and line; `monitored_barrier` or DETAIL: the rank that never came | every rank calls every collective |
 # | collectives in different orders | hang (gloo, here) | trace mismatch; `TORCH_DISTRIBUTED_DEBUG=DETAIL` | one order on every rank |
 # | rank-dependent control flow | hang after some steps | trace: one rank made more calls; `monitored_barrier`: the rank that left | decide together (all-reduce the decision) |
-# | per-rank seed, no broadcast | replicas never agree | weight checksums across ranks | broadcast rank 0's weights (DDP does) |
+# | a checkpoint loaded on one rank after DDP's constructor | replicas never agree | weight checksums across ranks | every rank loads it (or load before wrapping) |
 # | loss averaged, not gradients | log looks fine, replicas drift | gradient / weight checksums | average the gradients |
 # | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (GPU/XPU/HPU in training), or average the buffers; DDP's buffer sync alone leaves them apart after the last step |
 # | NaN on one rank | NaN everywhere | first non-finite *local* value | check finiteness together, skip together |

@@ -41,11 +41,11 @@ def _flat(checksums):
     return [sum(c.values()) for c in checksums]
 
 
-def test_seeds_without_broadcast(zoo):
+def test_resume_on_one_rank(zoo):
     _, runs = zoo
-    broken = [_flat(r["seeds"][False]) for r in runs]
+    broken = [_flat(r["resume"][False]) for r in runs]
     assert all(a != b for a, b in zip(*broken))
-    fixed = [_flat(r["seeds"][True]) for r in runs]
+    fixed = [_flat(r["resume"][True]) for r in runs]
     assert fixed[0] == fixed[1]
 
 

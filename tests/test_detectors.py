@@ -134,9 +134,9 @@ def test_read_traces_survives_a_line_cut_short(tmp_path):
 # ---- checksums: seeds, averaged loss, BatchNorm ----------------------------------------------
 
 def test_checksums_find_replicas_that_never_agreed(zoo):
-    broken = [r["seeds"][False] for r in zoo]
+    broken = [r["resume"][False] for r in zoo]
     assert all(detectors.compare_checksums(step) for step in zip(*broken))
-    fixed = [r["seeds"][True] for r in zoo]
+    fixed = [r["resume"][True] for r in zoo]
     assert not any(detectors.compare_checksums(step) for step in zip(*fixed))
 
 

@@ -21,10 +21,10 @@ from torch import nn
 from dpcourse import detectors
 
 __all__ = [
-    "partial_collective", "collective_order", "early_stop", "seeds_without_broadcast",
+    "partial_collective", "collective_order", "early_stop", "resume_on_one_rank",
     "averaged_loss", "batchnorm_stats", "batchnorm_ddp", "nan_on_one_rank", "forgotten_set_epoch",
     "same_checkpoint", "unused_parameter", "port_in_use", "zoo_worker", "TwoHeads",
-    "average_gradients", "small_batches",
+    "average_gradients", "small_batches", "mlp",
 ]
 
 
@@ -40,7 +40,12 @@ def average_gradients(model) -> None:
 
 
 def small_batches(rank: int, steps: int, n: int = 8, d: int = 4):
-    """Each rank's own batches (different per rank, the same on every run)."""
+    """Each rank's own batches (different per rank, the same on every run): ``steps`` pairs of
+    ``n`` inputs of ``d`` features and a target ``sin(sum of the features)`` plus a little
+    noise.
+
+    Shown in lesson 10, §3.
+    """
     g = torch.Generator().manual_seed(1000 + rank)
     xs = [torch.randn(n, d, generator=g) for _ in range(steps)]
     return [(x, x.sum(1, keepdim=True).sin() + 0.1 * torch.randn(n, 1, generator=g)) for x in xs]
@@ -98,29 +103,39 @@ def early_stop(rank, world_size, fixed=False, patience_loss=0.5, steps=5):
 # ---- programs that finish but are wrong -----------------------------------------------------
 
 
-def _mlp(seed=None):
+def mlp(seed=None):
+    """The zoo's model, 4 → 8 → 1 with a tanh; ``seed`` seeds torch's global generator first.
+
+    Shown in lesson 10, §3.
+    """
     if seed is not None:
         torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def seeds_without_broadcast(rank, world_size, fixed=False, steps=6):
-    """Each rank seeds with its rank "for different augmentations", then builds the model:
-    the replicas start different, and averaging gradients keeps them different forever.
+def resume_on_one_rank(rank, world_size, fixed=False, directory=".", steps=6):
+    """Resumes an earlier run: rank 0 loads the checkpoint, after DDP has wrapped the model.
+    DDP makes the replicas equal once, in its constructor, and never compares them again; the
+    load comes later, so rank 0 trains from the checkpoint and the others from fresh weights.
+    Returns the weights' checksums at the start and after each step.
 
     Shown in lesson 10, §3.
     """
-    torch.manual_seed(rank)  # per-rank seed (fine for data augmentation...)
-    model = _mlp()  # ... BUG: but the model is built after it
-    if fixed:  # FIX: start every replica from rank 0's weights (DDP does this in its __init__)
-        for t in model.state_dict().values():
-            dist.broadcast(t, src=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    path = os.path.join(directory, "earlier_run.pt")
+    if rank == 0:  # the earlier run's checkpoint (other weights than a fresh model's)
+        torch.save(mlp(seed=1).state_dict(), path)
+    dist.barrier()
+    model = mlp(seed=0)
+    ddp = DDP(model)
+    if fixed or rank == 0:  # BUG: `if rank == 0:` (one rank resumes). FIX: every rank loads it
+        model.load_state_dict(torch.load(path))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     sums = [detectors.state_checksums(model)]
     for x, y in small_batches(rank, steps):
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        average_gradients(model)
+        nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
         sums.append(detectors.state_checksums(model))
     return sums
@@ -136,7 +151,7 @@ def averaged_loss(rank, world_size, fixed=False, steps=6):
     """
     import warnings
 
-    model = _mlp(seed=0)
+    model = mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sums, grads, logged = [detectors.state_checksums(model)], [], []
     own_over_n, warned = [], []
@@ -214,7 +229,7 @@ def nan_on_one_rank(rank, world_size, fixed=False, steps=8, bad_step=3, bad_rank
 
     Shown in lesson 10, §3.
     """
-    model = _mlp(seed=0)
+    model = mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     local, after, losses = [], [], []
     held_out = small_batches(99, 1, n=64)[0]
@@ -263,7 +278,7 @@ def same_checkpoint(rank, world_size, fixed=False, directory="."):
     Shown in lesson 10, §3.
     """
     records: list = []
-    model = _mlp(seed=0)
+    model = mlp(seed=0)
     with detectors.record_saves(rank, records):
         if not fixed or rank == 0:  # BUG: every rank saves. FIX: rank 0 saves ...
             torch.save(model.state_dict(), os.path.join(directory, "checkpoint.pt"))
@@ -309,7 +324,10 @@ def unused_parameter(rank, world_size, fixed=False, debug="OFF"):
 
 
 def port_in_use(rank, world_size, port, seconds=3):
-    """Sets up the process group on a port that something else already listens on."""
+    """Sets up the process group on a port that something else already listens on.
+
+    Shown in lesson 10, §4.
+    """
     import datetime
 
     os.environ["MASTER_PORT"] = str(port)  # BUG: a fixed port someone else holds
@@ -318,9 +336,18 @@ def port_in_use(rank, world_size, port, seconds=3):
 
 
 def zoo_worker(rank, world_size, directory):
-    """Every bug that does not hang, broken and fixed, in one launch."""
+    """Every bug that does not hang, broken and fixed, in one launch: ``{name: {False: the
+    broken run's result, True: the fixed run's}}``, and three single runs.
+
+    Shown in lesson 10, §3.
+    """
     out = {}
-    for name, fn in [("seeds", seeds_without_broadcast), ("averaged_loss", averaged_loss),
+    for d in ("resume", "broken", "fixed"):
+        (Path(directory) / d).mkdir(parents=True, exist_ok=True)
+    out["resume"] = {fixed: resume_on_one_rank(rank, world_size, fixed,
+                                               str(Path(directory) / "resume"))
+                     for fixed in (False, True)}
+    for name, fn in [("averaged_loss", averaged_loss),
                      ("batchnorm", batchnorm_stats), ("nan", nan_on_one_rank),
                      ("set_epoch", forgotten_set_epoch), ("unused", unused_parameter)]:
         out[name] = {fixed: fn(rank, world_size, fixed=fixed) for fixed in (False, True)}
@@ -329,6 +356,5 @@ def zoo_worker(rank, world_size, directory):
     out["checkpoint"] = {}
     for fixed in (False, True):
         d = Path(directory) / ("fixed" if fixed else "broken")
-        d.mkdir(parents=True, exist_ok=True)
         out["checkpoint"][fixed] = same_checkpoint(rank, world_size, fixed, str(d))
     return out

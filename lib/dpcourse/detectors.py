@@ -504,7 +504,10 @@ def duplicate_writers(per_rank_records: Sequence[Sequence[tuple[int, str]]]) -> 
 
 def port_owner(port: int, host: str = "127.0.0.1") -> dict | None:
     """None if ``port`` is free on ``host``; otherwise what is known about who listens on it
-    ({"port", "pid", "name", "cmdline"}; pid None when the OS will not say)."""
+    ({"port", "pid", "name", "cmdline"}; pid None when the OS will not say).
+
+    Shown in lesson 10, §4.
+    """
     import socket
 
     import psutil

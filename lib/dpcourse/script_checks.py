@@ -574,9 +574,11 @@ def analyze(events: dict[int, list[dict]], world_size: int,
         f = found.setdefault("replicas", Finding(
             "replicas", 0, where,
             "after the first optimizer step the ranks hold different weights: the replicas "
-            "started apart (a per-rank seed with no broadcast) or stepped with different "
-            "gradients (gradients not averaged) — wrap the model in DDP, or broadcast rank 0's "
-            "weights and all-reduce the gradients",
+            "started apart (a per-rank seed with no broadcast, or a checkpoint loaded on one "
+            "rank after DDP's constructor) or stepped with different gradients (gradients not "
+            "averaged) — start every replica from the same weights (DDP's constructor copies "
+            "rank 0's; load a checkpoint on every rank) and average the gradients (DDP, or "
+            "all_reduce then divide)",
             "lesson 10, bugs 4 and 5; lesson 03, Averaging gradients"))
         f.ranks = sorted(digests)
     steps = max((e["steps"] for es in events.values() for e in es if e["kind"] == "end"),
