@@ -84,9 +84,12 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # (`python -m torch.distributed.launch` is the old launcher: it passed `--local-rank` as an
 # argument and is deprecated.)
 #
-# Below is the **whole** difference between the course's single-device script and its DDP
-# script: `-` lines are only in `train_single.py`, `+` lines only in `train_ddp.py`, the rest is
-# shared context. Read it top to bottom. Every changed line is one data parallelism needs,
+# Below is the difference between the course's single-device script and its DDP script, whole
+# but for one function: `-` lines are only in `train_single.py`, `+` lines only in
+# `train_ddp.py`, the rest is shared context. The function `evaluate` stands as one comment line
+# in both: how it makes the test numbers the whole job's is close to what lab 04 asks you to
+# build, so its diff is folded after the lab pointer at the end (the claims below still check
+# the whole diff). Read it top to bottom. Every changed line is one data parallelism needs,
 # except a test hook: `--fail-at-step`, `--fail-rank` and the `os.kill(..., SIGKILL)` that uses
 # them play a crash for section 3 and have no place in a real script (the cell after the diff
 # counts them):
@@ -111,18 +114,34 @@ print("ranks:", world_size, "| backend:", profile.backend)
 #   epoch the same way on every rank; the evaluation takes each test image exactly once;
 # - **the model:** `DDP(...)`, and `raw_model = model.module`, the plain model, which is what we
 #   save, load and evaluate; `no_sync` for accumulation (section 7);
-# - **the numbers we print:** `dist.all_reduce` of sums and counts, so the logged loss and the
-#   test accuracy are the whole job's, not rank 0's (section 4);
+# - **the numbers we print:** the logged training loss goes through `dist.all_reduce`, so it
+#   is the whole job's, not rank 0's; so is the test accuracy (section 4 says what that takes);
 # - **the end:** rank 0 saves; a barrier; `destroy_process_group`; and, once `main` has
 #   returned, `os._exit`, which skips the interpreter's shutdown (the script's comment says why:
 #   gloo threads that DDP keeps alive can abort a finished process there, and torchrun would
 #   count it as a failure; this lesson does not reproduce that).
 
 # %%
-diff = list(difflib.unified_diff(train_single.read_text().splitlines(),
-                                 train_ddp.read_text().splitlines(),
+import ast
+
+
+def without_function(path, name):
+    """The script's lines, with its top-level function `name` cut down to one comment line."""
+    text = path.read_text()
+    fn = next(node for node in ast.parse(text).body
+              if isinstance(node, ast.FunctionDef) and node.name == name)
+    lines = text.splitlines()
+    return (lines[:fn.lineno - 1] + [f"# def {name}(...): folded after the lab pointer"]
+            + lines[fn.end_lineno:])
+
+
+shown = list(difflib.unified_diff(without_function(train_single, "evaluate"),
+                                  without_function(train_ddp, "evaluate"),
+                                  "train_single.py", "train_ddp.py", lineterm="", n=1))
+display(Code("\n".join(shown), language="diff"))  # highlighted: + lines added for DDP
+diff = list(difflib.unified_diff(train_single.read_text().splitlines(),   # the whole diff,
+                                 train_ddp.read_text().splitlines(),      # for the claims
                                  "train_single.py", "train_ddp.py", lineterm="", n=1))
-display(Code("\n".join(diff), language="diff"))  # highlighted: + lines added for DDP
 
 # %%
 removed = [line for line in diff[2:] if line.startswith("-")]
@@ -390,11 +409,12 @@ claim("with the atomic save it found the previous complete checkpoint, then the 
 #    long, and its first image goes to rank 0 at position 0 and again to rank 1 at position 201.
 #    Each rank evaluates it once; the job evaluates it twice, 202 images for 201.
 #
-# The fix is what `train_ddp.py`'s `evaluate` does (it is in the diff above): each image exactly
-# once (rank r takes images r, r + N, ...), a **sum** of the loss and a **count** of right
-# answers and of images on each rank, and one `all_reduce` of those sums. Division comes last.
-# We evaluate the weights the two-node run saved in section 2, all four ways, and compare with
-# one process evaluating the whole test set with `train_single.py`'s `evaluate`.
+# `train_ddp.py`'s `evaluate` avoids all three: every image is evaluated exactly once, and what
+# the ranks combine makes the job's accuracy and loss equal one process's *exactly*. How it does
+# that is lab 04's question for a harder metric, so its code is folded after the lab pointer at
+# the end. We evaluate the weights the two-node run saved in section 2 four ways (the three
+# mistakes and the script's `evaluate`), and compare with one process evaluating the whole test
+# set with `train_single.py`'s `evaluate`.
 
 
 # %%
@@ -430,7 +450,7 @@ def evaluate_four_ways(rank, world_size, weights, n_test, scripts):
     mine = torch.tensor([right / count, right, count], dtype=torch.float64)
     everyone = mine.clone()
     dist.all_reduce(everyone)  # sums over ranks
-    # right: the script's evaluate (each image once, sums and counts, all-reduced)
+    # right: the script's evaluate (folded after the lab pointer)
     fixed = ddp_evaluate(model, test_set, "cpu", rank, world_size)
     # mean of means over the right shards: each rank's own accuracy, averaged
     shard = torch.tensor([0.0])
@@ -460,7 +480,7 @@ rows = [("one process, whole test set", one_acc, int(ev["one"][2])),
          ev["padded_count"]),
         ("DistributedSampler, sums and counts", ev["padded_sum"], ev["padded_count"]),
         ("each image once, mean of the ranks' accuracies", ev["shard_mean_of_means"], n_test),
-        ("each image once, sums and counts (train_ddp.py)", fixed_acc, int(ev["fixed"][2]))]
+        ("train_ddp.py's evaluate", fixed_acc, int(ev["fixed"][2]))]
 for name, acc, count in rows:
     print(f"{name:52s} accuracy {acc:.4%}" + (f"  over {count} images" if count else ""))
 
@@ -489,10 +509,9 @@ claim("the padding and the mean of means move it by less than one point: easy to
 # Rank 0's own number is simply another sample (see the table). The padding and the mean of
 # means are off by less than a point, which is exactly why they survive: nobody notices that a
 # reported accuracy is 0.2 points off, or that two runs on 2 and on 8 GPUs "disagree". With 8 ranks and a 10 001-image test set, the padding repeats 7 images; with small
-# validation sets and many ranks the gap grows. The training loss the script prints has the same
-# cure: each rank sums its micro-batch losses and counts them, and one `all_reduce` of
-# `[sum, count]` gives the mean over every rank's batches (`torch.distributed` has
-# `ReduceOp.AVG`, but it averages the ranks' values: a mean of means again).
+# validation sets and many ranks the gap grows. The training loss the script prints meets the
+# same trap: `torch.distributed` has `ReduceOp.AVG`, but it averages the ranks' values, a mean
+# of means again.
 #
 # Why evaluate with `raw_model` and not the DDP wrapper? The ranks' shards differ in length, so
 # they run different numbers of forwards; DDP's forward can launch a collective (the buffer
@@ -1227,7 +1246,7 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 # ## Summary
 #
 # * `train_ddp.py` is `train_single.py` plus the lines data parallelism needs (and section 3's
-#   crash hook), all shown above:
+#   crash hook), all shown above (`evaluate` after the lab pointer):
 #   the identity from torchrun's environment, `init_process_group`, `set_device(local_rank)` and
 #   `device_ids`, a per-attempt `PrefixStore` for restarts, `DistributedSampler` + `set_epoch`,
 #   `DDP` and `raw_model`, reduced sums for every printed number, rank-0 checkpoints,
@@ -1235,9 +1254,9 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 # * The same command runs on one machine or many (c10d rendezvous; bound `join_timeout`).
 #   Rank 0 saves, atomically; every rank loads with `map_location` and `weights_only=True`;
 #   with `--max-restarts` a killed run resumes and ends with **the same weights**.
-# * Evaluate each image once, reduce sums and counts, divide last: the result equals one
-#   process exactly. Rank 0's number, a mean of means and `DistributedSampler`'s padding each
-#   give another one.
+# * Evaluate each image once and combine the ranks so that the result equals one process
+#   exactly (how: lab 04, then the folded `evaluate`). Rank 0's number, a mean of means and
+#   `DistributedSampler`'s padding each give another one.
 # * A rank with fewer batches hangs the others in their next all-reduce; `Join([model])` keeps
 #   it answering until all are done, then makes the modules equal (not the optimizer states).
 # * DDP averages: at a fixed per-rank batch the global batch grows with N (linear scaling rule:
@@ -1271,6 +1290,25 @@ shutil.rmtree(work, ignore_errors=True)
 # the test set is split by class. Its stretch asks for a resume after a crash that continues
 # exactly as a run that never stopped, on every rank: what the checkpoint must hold for that is
 # yours to find.
+#
+# **▶ The reference answer — open after your lab passes** (click the folded cell below): the
+# part of the diff that section 1 left out, `train_ddp.py`'s `evaluate`, and why it equals one
+# process.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+def function_lines(path, name):
+    text = path.read_text()
+    fn = next(node for node in ast.parse(text).body
+              if isinstance(node, ast.FunctionDef) and node.name == name)
+    return text.splitlines()[fn.lineno - 1:fn.end_lineno]
+
+
+display(Code("\n".join(difflib.unified_diff(
+    function_lines(train_single, "evaluate"), function_lines(train_ddp, "evaluate"),
+    "train_single.py", "train_ddp.py", lineterm="", n=30)), language="diff"))
+# Each image exactly once (rank r takes images r, r + N, ...), a SUM of the loss and a COUNT of
+# right answers and of images on each rank, one all_reduce of those sums, division last: sums
+# over disjoint images add up, fractions over shards of different sizes do not.
 #
 # ## Check yourself
 #

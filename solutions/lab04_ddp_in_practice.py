@@ -2,8 +2,8 @@
 # # Lab 04 — a metric that is not a mean, in your torchrun DDP script
 #
 # Lesson 04 turned `train_single.py` into `train_ddp.py` line by line and made its evaluation
-# equal one process's: accuracy is a mean over images, so sums and counts added over the ranks
-# give it exactly. Many metrics are not means over images: precision, recall, F1, AUC, a BLEU
+# of the accuracy, a mean over images, equal one process's. Many metrics are not means over
+# images: precision, recall, F1, AUC, a BLEU
 # score. Here you evaluate the **macro-F1** of the model the script trained — the mean over the
 # 10 classes of each class's F1 — on a test set split over the ranks.
 #

@@ -48,9 +48,9 @@ WRONG = {
     "sampler_seed_ignored": (("shuffle=True,\n                                 seed=args.seed)",
                               "shuffle=True)"), "ignores --seed"),
     "no_drop_last": (("sampler=sampler, drop_last=True)", "sampler=sampler)"),
-                     "keep drop_last=True"),
+                     "short last batch"),
     "lr_scaled": (("lr=args.lr,", "lr=args.lr * world_size,"), "multiplied by the world size"),
-    "no_set_epoch": (("    sampler.set_epoch(epoch)\n", "    pass\n"), "set_epoch"),
+    "no_set_epoch": (("    sampler.set_epoch(epoch)\n", "    pass\n"), "its epoch stayed 0"),
 }
 
 
@@ -106,12 +106,12 @@ def test_forgetting_ddp_is_named(tmp_path):
     text = _variant("model = DDP(model, device_ids=[local_rank] if device.type == \"cuda\" else None)",
                     "pass")
     text = text.replace("model.module", "model")
-    with pytest.raises(LabCheckError, match="wrap the model in DistributedDataParallel"):
+    with pytest.raises(LabCheckError, match="trained alone on its half of the data"):
         lab04.check(_write(tmp_path, text), **NO_F1)
 
 
 def test_saving_on_every_rank_is_caught_under_torchrun(tmp_path):
-    with pytest.raises(LabCheckError, match="save only where is_main"):
+    with pytest.raises(LabCheckError, match="called torch.save too"):
         lab04.check(_write(tmp_path, _variant("if is_main:\n", "if True:\n")), f1_runs=(),
                     timeout=120)
 
@@ -244,7 +244,7 @@ F1_WRONG = {
     "training_mode": (STRIDED + _COUNT.replace("    model.eval()\n", "") + REDUCE,
                       "training mode"),
     "autograd_on": (STRIDED + _COUNT.replace("    with torch.no_grad():\n", "    if True:\n")
-                    + REDUCE, "torch.no_grad()"),
+                    + REDUCE, "built a graph"),
     # fixed size (20 numbers), but fractions over different numbers of images averaged
     "mean_of_precision_recall": (
         STRIDED + _COUNT + "    c = confusion.double()\n"
@@ -627,3 +627,14 @@ def test_resume_refuses_an_unfilled_todo():
 
     with pytest.raises(NotImplementedError, match="save_training_state still raises"):
         lab04.check_resume(save, resume_state)
+
+
+def test_a_repeated_f1_mistake_gets_its_fix_the_second_time(tmp_path):
+    body, _ = F1_WRONG["mean_of_f1"]
+    path = _write(tmp_path, _body(body))
+    for attempt in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab04.check_f1(path, runs=((2, 101),))
+        message = str(err.value)
+        assert "F1 scores were averaged" in message
+        assert ("compute F1 once from the sums" in message) == (attempt == 1), message

@@ -63,7 +63,7 @@ from dpcourse.checks import (check_timeout, fail, passed, recorded, require_answ
 
 __all__ = ["Lab04Config", "CONFIGS", "F1_RUNS", "reference_weights", "run_script", "judge",
            "check_f1", "check", "check_prediction", "check_resume", "MISTAKES", "F1_MISTAKES",
-           "RESUME_MISTAKES"]
+           "RESUME_MISTAKES", "F1_FIXES", "RESUME_FIXES", "MISTAKE_FIXES"]
 
 
 @dataclass(frozen=True)
@@ -94,25 +94,34 @@ class Lab04Config:
 CONFIGS = (Lab04Config(), Lab04Config(world_size=3, seed=1, global_batch=48))
 
 
-# name -> the sentence the learner reads when their weights match that wrong answer
+# name -> the sentence the learner reads when their weights match that wrong answer (its cause;
+# MISTAKE_FIXES says what to change, shown when the same mistake comes back)
 MISTAKES = {
-    "same_data": "Every rank trained on the same batches: use a DistributedSampler (with "
-                 "num_replicas=world_size and rank=rank) so each rank reads its own shard.",
+    "same_data": "Every rank trained on the same batches, so the ranks' averaged gradient is "
+                 "one shard's gradient and half the data is never seen.",
     "batch_not_divided": "Each rank used the global batch, so the global batch grew world_size "
-                         "times: give the DataLoader per_rank_batch = global_batch // "
-                         "world_size.",
-    "batch_fixed_two": "The per-rank batch is global_batch // 2, right on 2 ranks only: divide "
-                       "by world_size.",
+                         "times.",
+    "batch_fixed_two": "The per-rank batch is global_batch // 2, right on 2 ranks only.",
     "lr_scaled": "The learning rate was multiplied by the world size, but the global batch did "
-                 "not change (DDP averages the gradients): keep lr as it is.",
-    "no_set_epoch": "Every epoch repeated the first epoch's order: call "
-                    "sampler.set_epoch(epoch) at the start of each epoch.",
+                 "not change (DDP averages the gradients).",
+    "no_set_epoch": "Every epoch repeated the first epoch's order: DistributedSampler shuffles "
+                    "with seed + its epoch, and its epoch stayed 0.",
     "sampler_seed_ignored": "The data order ignores --seed: DistributedSampler shuffles with "
-                            "its own seed (0 by default), so pass seed=args.seed.",
-    "no_drop_last": "Each rank took a short last batch that the single-device script drops: "
-                    "keep drop_last=True in the DataLoader.",
+                            "its own seed (0 by default).",
+    "no_drop_last": "Each rank took a short last batch that the single-device script drops.",
     "no_ddp": "Rank 0 trained alone on its half of the data, its gradients never averaged "
-              "with the other rank's: wrap the model in DistributedDataParallel.",
+              "with the other rank's.",
+}
+MISTAKE_FIXES = {
+    "same_data": "Use a DistributedSampler (with num_replicas=world_size and rank=rank) so each "
+                 "rank reads its own shard.",
+    "batch_not_divided": "Give the DataLoader per_rank_batch = global_batch // world_size.",
+    "batch_fixed_two": "Divide by world_size.",
+    "lr_scaled": "Keep lr as it is.",
+    "no_set_epoch": "Call sampler.set_epoch(epoch) at the start of each epoch.",
+    "sampler_seed_ignored": "Pass seed=args.seed to the DistributedSampler.",
+    "no_drop_last": "Keep drop_last=True in the DataLoader.",
+    "no_ddp": "Wrap the model in DistributedDataParallel.",
 }
 
 
@@ -355,7 +364,7 @@ def run_script(path, cfg: Lab04Config = Lab04Config(), launcher: str = "torchrun
                 state = torch.load(out, map_location="cpu", weights_only=True)
             except Exception as exc:
                 fail(f"The file your script wrote to --out cannot be loaded ({type(exc).__name__}"
-                     f"): save a dict of tensors with save_checkpoint or torch.save.")
+                     f").", fix="save a dict of tensors with save_checkpoint or torch.save.")
             weights = _model_weights(state)
             if isinstance(state, dict):
                 f1 = state.get("f1")
@@ -372,7 +381,7 @@ def _model_weights(state) -> dict:
     if any(isinstance(k, str) and k.startswith("module.") for k in state):
         fail("The saved weights come from the DDP wrapper: their keys start with 'module.', so "
              "the plain model that evaluation and resuming build cannot load them "
-             "(load_state_dict fails on every key). Save model.module.state_dict().")
+             "(load_state_dict fails on every key).", fix="save model.module.state_dict().")
     return state
 
 
@@ -390,24 +399,26 @@ def judge(weights, saves: dict, cfg: Lab04Config = Lab04Config(), tol: float = 1
     where = "" if cfg == CONFIGS[0] else f"On {cfg.describe()}: "
     others = sorted(r for r, paths in saves.items() if r != 0 and paths)
     if others:
-        fail(f"Rank {others[0]} called torch.save too: save only where is_main is true (rank 0) - "
-             f"ranks writing one file at once race and can leave it half-written.")
+        fail(f"Rank {others[0]} called torch.save too: ranks writing one file at once race and "
+             f"can leave it half-written.", fix="save only where is_main is true (rank 0).")
     if weights is None:
-        fail("Your script wrote no weights to --out: on rank 0, save the model's state_dict "
-             "there (model.module.state_dict() under DDP).")
+        fail("Your script wrote no weights to --out, where the check reads them.",
+             fix="on rank 0, save the model's state_dict there (model.module.state_dict() under "
+                 "DDP).")
     ref = reference_weights(cfg)
     if set(weights) != set(ref):
         fail(f"The saved weights have keys {sorted(weights)[:3]}..., not those of "
-             f"SmallCNN(width={cfg.width}): save model.module.state_dict().")
+             f"SmallCNN(width={cfg.width}).", fix="save model.module.state_dict().")
     d = _distance(weights, ref)
     if d <= tol:
         return
     for name, sentence in MISTAKES.items():
         if _distance(weights, reference_weights(cfg, name)) <= tol:
-            fail(where + sentence)
+            fail(where + sentence, fix=MISTAKE_FIXES[name])
     fail(f"{where}your final weights differ from the reference by up to {d:.3g}, and match none "
-         f"of the usual mistakes: compare your script with the single-device one line by line "
-         f"(does it use a number that holds only on 2 ranks or for the default arguments?).")
+         f"of the usual mistakes.",
+         fix="compare your script with the single-device one line by line (does it use a "
+             "number that holds only on 2 ranks or for the default arguments?).")
 
 
 # --- the lab: macro-F1 over a test set split across the ranks --------------------------------
@@ -418,22 +429,25 @@ def judge(weights, saves: dict, cfg: Lab04Config = Lab04Config(), tol: float = 1
 F1_RUNS = ((2, 301), (3, 302))
 _F1_TOL = 1e-6  # float32 arithmetic in an answer is fine; every mistake is 1e-3 or more away
 
-F1_MISTAKES = {
+F1_MISTAKES = {  # the cause; what to change is in F1_FIXES (shown on the second meeting)
     "mean_of_f1": "The ranks' F1 scores were averaged: F1 is a ratio of counts, not a mean over "
-                  "images, so the mean of the shards' F1 is not the F1 of the whole set. Add up "
-                  "over the ranks the counts that F1 is made of, then compute F1 once from the "
-                  "sums.",
+                  "images, so the mean of the shards' F1 is not the F1 of the whole set.",
     "sum_of_f1": "The ranks' F1 scores were added up (an all_reduce of the F1 itself): that is "
-                 "world_size times a mean of the shards' F1, not the F1 of the whole set. Add up "
-                 "the counts that F1 is made of instead, then compute F1 once.",
+                 "world_size times a mean of the shards' F1, not the F1 of the whole set.",
     "mean_of_pr": "The ranks' precisions and recalls were averaged: each is a fraction over a "
                   "different number of images on each rank (the images it predicted as the "
                   "class, the images truly of it), so the mean of the ranks' fractions is not "
-                  "the whole set's. Add up over the ranks what each fraction is made of, then "
-                  "compute precision, recall and F1 once.",
+                  "the whole set's.",
     "accuracy": "That number is the accuracy, not the macro-F1 that macro_f1 defines (the mean "
-                "over the 10 classes of each class's F1): compute each class's F1 from the "
-                "whole test set's counts and average them.",
+                "over the 10 classes of each class's F1).",
+}
+F1_FIXES = {
+    "mean_of_f1": "Add up over the ranks the counts that F1 is made of, then compute F1 once "
+                  "from the sums.",
+    "sum_of_f1": "Add up the counts that F1 is made of instead, then compute F1 once.",
+    "mean_of_pr": "Add up over the ranks what each fraction is made of, then compute precision, "
+                  "recall and F1 once.",
+    "accuracy": "Compute each class's F1 from the whole test set's counts and average them.",
 }
 
 # What a rank may send must not grow with the test set: the check calls evaluate_f1 a second
@@ -593,51 +607,56 @@ def judge_f1(results: list, n_test: int) -> None:
         if "error" in r:
             fail(where + r["error"] + ".")
     if any(r["training"] for r in results):
-        fail(where + "the model ran in training mode: call model.eval() before evaluating "
-                     "(dropout and BatchNorm behave differently in training).")
+        fail(where + "the model ran in training mode, where dropout and BatchNorm behave "
+                     "differently from test time.", fix="call model.eval() before evaluating.")
     if any(r.get("grad") for r in results):
         fail(where + "the model's forward ran with autograd on, so it built a graph and kept "
-                     "every layer's activations for a backward that never comes: evaluate under "
-                     "torch.no_grad() (or torch.inference_mode()).")
+                     "every layer's activations for a backward that never comes.",
+             fix="evaluate under torch.no_grad() (or torch.inference_mode()).")
     values = [r["value"] for r in results]
     if max(values) - min(values) > _F1_TOL:
         fail(where + f"the ranks returned different numbers ({', '.join(f'{v:.4f}' for v in values)}"
-                     f"): each returned its own share's result. The ranks must combine what "
-                     f"they counted before the F1 is computed, so that every rank returns the "
-                     f"whole test set's.")
+                     f"): each returned its own share's result, not the whole test set's.",
+             fix="make the ranks combine what they counted before the F1 is computed.")
     images = [r["images"] for r in results]
     total = sum(images)
     if all(i == n_test for i in images) and N > 1:
-        fail(where + f"every rank evaluated all {n_test} images: the work was not split. Give "
-                     f"each rank only its share of the images and combine the ranks' counts.")
+        fail(where + f"every rank evaluated all {n_test} images: the work was not split.",
+             fix="give each rank only its share of the images and combine what the ranks "
+                 "counted.")
     if total > n_test:
         fail(where + f"the ranks evaluated {total} images for {n_test}, so some were counted "
                      f"twice: DistributedSampler pads every rank's share to equal length with "
-                     f"repeated images. Split the indices yourself so that each image is on "
-                     f"exactly one rank (the shares may differ by one).")
+                     f"repeated images.",
+             fix="split the indices yourself so that each image is on exactly one rank (the "
+                 "shares may differ by one).")
     if total < n_test:
-        fail(where + f"the ranks evaluated only {total} of the {n_test} images: every image must "
-                     f"be counted once (no drop_last, and the remainder goes to some rank).")
+        fail(where + f"the ranks evaluated only {total} of the {n_test} images: the rest never "
+                     f"reached the metric.",
+             fix="count every image once (no drop_last, and the remainder goes to some "
+                 "rank).")
     sent = [r.get("sent", [0, 0]) for r in results]
     grown = [s for s in sent if s[1] > s[0] + _GROWTH_SLACK]
     if grown:
         small, big = grown[0]
         fail(where + f"what a rank sends grows with the test set ({small} bytes for {n_test} "
                      f"images, {big} for {_GROWTH * n_test}): the labels or predictions "
-                     f"themselves travel between the ranks. Exchange a summary whose size does "
-                     f"not depend on the number of images, from which the macro-F1 follows.")
+                     f"themselves travel between the ranks.",
+             fix="exchange a summary whose size does not depend on the number of images, from "
+                 "which the macro-F1 follows.")
     want = _f1_variants(n_test, N)
     got = values[0]
     if abs(got - want["correct"]) <= _F1_TOL:
         return
     for name in ("mean_of_f1", "sum_of_f1", "mean_of_pr"):
         if any(abs(got - v) <= _F1_TOL for v in want[name]):
-            fail(where + F1_MISTAKES[name])
+            _mistake(F1_MISTAKES, F1_FIXES, name, where)
     if abs(got - want["accuracy"]) <= _F1_TOL:
-        fail(where + F1_MISTAKES["accuracy"])
+        _mistake(F1_MISTAKES, F1_FIXES, "accuracy", where)
     fail(where + f"your macro-F1 {got:.6f} differs from one process's {want['correct']:.6f} "
-                 f"(macro_f1 of the whole test set's labels and predictions): compute F1 once, "
-                 f"from counts added up over every rank's images.")
+                 f"(macro_f1 of the whole test set's labels and predictions), and matches none "
+                 f"of the usual mistakes.",
+         fix="compute F1 once, from counts added up over every rank's images.")
 
 
 @recorded
@@ -713,12 +732,13 @@ def check(path="train_lab.py", cfgs=CONFIGS[:1], launcher: str = "torchrun",
             where = "" if cfg == CONFIGS[0] else f"On {cfg.describe()}: "
             if not isinstance(f1, (int, float)) or isinstance(f1, bool):
                 fail(f"{where}the checkpoint your script wrote to --out holds no number under "
-                     f"'f1': save {{'model': ..., 'f1': f1}} on rank 0.")
+                     f"'f1'.", fix="save {'model': ..., 'f1': f1} on rank 0.")
             want = _saved_f1_reference(weights, cfg)
             if abs(f1 - want) > 1e-6:
                 fail(f"{where}the F1 your script saved ({f1:.6f}) is not one process's F1 of the "
-                     f"weights it saved ({want:.6f}): save the value evaluate_f1 returned after "
-                     f"training, computed with model.module.")
+                     f"weights it saved ({want:.6f}).",
+                     fix="save the value evaluate_f1 returned after training, computed with "
+                         "model.module.")
     runs = " and ".join(str(w) for w, _ in f1_runs)
     ranks = " and ".join(str(c.world_size) for c in cfgs)
     passed((f"evaluate_f1 equals one process's macro-F1 on {runs} ranks, each image once; "
@@ -762,33 +782,43 @@ RESUME_DROPOUT = 0.3  # the stretch's model draws dropout masks: each rank from 
 RESUME_TOL = 1e-5
 _CRASH_AFTER = 1  # the first run stops after epoch 1 of 0, 1, 2 (as if killed right then)
 
-RESUME_MISTAKES = {
+RESUME_MISTAKES = {  # the cause; what to change is in RESUME_FIXES (the second meeting)
     "wrapper_keys": "The checkpoint holds the DDP wrapper's weights (their keys start with "
                     "'module.'), though the task says to save the unwrapped weights: a plain "
-                    "model, for evaluation or a run without DDP, cannot load them. Save "
-                    "model.module.state_dict().",
+                    "model, for evaluation or a run without DDP, cannot load them.",
     "no_optimizer": "The optimizer's state was not restored: SGD's momentum restarted from zero "
-                    "after the crash. Save optimizer.state_dict() and load it back.",
+                    "after the crash.",
     "optimizer_rank0": "The optimizer's state was restored on rank 0 only: the other ranks' "
                        "momentum restarted from zero, and every rank steps its own copy of the "
-                       "weights with its own optimizer, so the ranks drift apart. Load it on "
-                       "every rank.",
-    "repeat_epoch": "The resumed run repeated the epoch it had already finished: return the "
-                    "first epoch still to do, the saved epoch + 1.",
-    "from_zero": "The resumed run started again at epoch 0 (with the saved weights): return the "
-                 "first epoch still to do, the saved epoch + 1.",
-    "no_weights": "The resumed run continued from fresh weights: load the saved model weights "
-                  "(model.module.load_state_dict(...)).",
+                       "weights with its own optimizer, so the ranks drift apart.",
+    "repeat_epoch": "The resumed run repeated the epoch it had already finished.",
+    "from_zero": "The resumed run started again at epoch 0 (with the saved weights).",
+    "no_weights": "The resumed run continued from fresh weights.",
     "weights_rank0": "The weights were restored on rank 0 only: the other ranks continued from "
                      "fresh weights. DDP copies rank 0's weights to the others when it wraps "
-                     "the model, not when you load them later: load them on every rank.",
+                     "the model, not when you load them later.",
     "no_rng": "The ranks' random state was not restored: after the crash, dropout drew masks "
-              "the uninterrupted run never drew, so the weights differ. Each rank's random "
-              "number generator state is part of what the next run needs.",
+              "the uninterrupted run never drew, so the weights differ.",
     "rng_rank0": "Every rank restored rank 0's random state: rank 1 now draws rank 0's dropout "
-                 "masks. Each rank has a random stream of its own, and the one file must hold "
-                 "every rank's.",
+                 "masks, and each rank has a random stream of its own.",
 }
+RESUME_FIXES = {
+    "wrapper_keys": "Save model.module.state_dict().",
+    "no_optimizer": "Save optimizer.state_dict() and load it back.",
+    "optimizer_rank0": "Load the optimizer's state on every rank.",
+    "repeat_epoch": "Return the first epoch still to do, the saved epoch + 1.",
+    "from_zero": "Return the first epoch still to do, the saved epoch + 1.",
+    "no_weights": "Load the saved model weights (model.module.load_state_dict(...)).",
+    "weights_rank0": "Load the weights on every rank.",
+    "no_rng": "Save each rank's random number generator state and restore it.",
+    "rng_rank0": "Make the one file hold every rank's random state, and each rank restore its "
+                 "own.",
+}
+
+
+def _mistake(table: dict, fixes: dict, key: str, where: str = "") -> None:
+    __tracebackhide__ = True
+    fail(where + table[key], fix=fixes[key])
 
 
 def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
@@ -952,51 +982,55 @@ def _judge_first_run(first: list, ckpt: str) -> None:
 
     if first[0]["start"] != 0:
         fail(f"with no checkpoint yet, resume_training_state returned {first[0]['start']}: "
-             f"return 0 when the file does not exist (a fresh start).")
+             f"where no file exists yet, so no epoch has been done.",
+             fix="return 0 when the file does not exist (a fresh start).")
     for rank, r in enumerate(first[1:], 1):
         if r["writes"]:
-            fail(f"rank {rank} wrote a file ({os.path.basename(r['writes'][0])}): only rank 0 "
-                 f"writes, and only the one file at path — ranks writing one file race, and "
-                 f"that one file must hold what every rank needs.")
+            fail(f"rank {rank} wrote a file ({os.path.basename(r['writes'][0])}): ranks "
+                 f"writing one file race, and that one file must hold what every rank needs.",
+                 fix="only rank 0 writes, and only the one file at path.")
     if not first[0]["writes"]:
-        fail("rank 0 saved nothing: save the checkpoint at the end of each epoch when "
-             "is_main is true.")
+        fail("rank 0 saved nothing, so a crash would lose every finished epoch.",
+             fix="save the checkpoint at the end of each epoch when is_main is true.")
     if not os.path.exists(ckpt):
-        fail(f"no file at the path save_training_state was given ({os.path.basename(ckpt)}): "
-             f"save the checkpoint there.")
+        fail(f"no file at the path save_training_state was given ({os.path.basename(ckpt)}), "
+             f"where resume_training_state will look.", fix="save the checkpoint there.")
     try:
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
     except Exception:
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
     if _wrapper_keys(state):
-        fail(RESUME_MISTAKES["wrapper_keys"])
+        _mistake(RESUME_MISTAKES, RESUME_FIXES, "wrapper_keys")
 
 
 def _judge_resume(first: list, second: list, whole: list, cfg: Lab04Config) -> None:
     __tracebackhide__ = True
     starts = {r["start"] for r in second}
     if len(starts) != 1:
-        fail(f"after the crash the ranks would resume at different epochs {sorted(starts)}: "
-             f"every rank must read the same checkpoint.")
+        fail(f"after the crash the ranks would resume at different epochs {sorted(starts)}, "
+             f"so their collectives would no longer pair up.",
+             fix="make every rank read the same checkpoint.")
     start = starts.pop()
     if start == _CRASH_AFTER:
-        fail(RESUME_MISTAKES["repeat_epoch"])
+        _mistake(RESUME_MISTAKES, RESUME_FIXES, "repeat_epoch")
     if start == 0:
         if not _same(second[0]["resumed"]["weights"], first[0]["crashed"]["weights"]):
-            fail("After the crash the run started from scratch (epoch 0, fresh weights): when "
-                 "the file exists, resume_training_state must load it and return the first "
-                 "epoch still to do.")
-        fail(RESUME_MISTAKES["from_zero"])
+            fail("After the crash the run started from scratch (epoch 0, fresh weights), "
+                 "though the checkpoint file existed.",
+                 fix="when the file exists, load it in resume_training_state and return the "
+                     "first epoch still to do.")
+        _mistake(RESUME_MISTAKES, RESUME_FIXES, "from_zero")
     if start != _CRASH_AFTER + 1:
         fail(f"after a crash at the end of epoch {_CRASH_AFTER}, resume_training_state returned "
-             f"{start}: return the first epoch still to do, {_CRASH_AFTER + 1}.")
+             f"{start}, which is not the first epoch still to do.",
+             fix=f"return the first epoch still to do, {_CRASH_AFTER + 1}.")
     crashed = [r["crashed"] for r in first]
     for what, everywhere, rank0 in (("weights", "no_weights", "weights_rank0"),
                                     ("momentum", "no_optimizer", "optimizer_rank0")):
         wrong = [rank for rank, r in enumerate(second)
                  if not _same(r["resumed"][what], crashed[rank][what])]
         if wrong:
-            fail(RESUME_MISTAKES[rank0 if 0 not in wrong else everywhere])
+            _mistake(RESUME_MISTAKES, RESUME_FIXES, rank0 if 0 not in wrong else everywhere)
     import torch
 
     rng_wrong = [rank for rank, r in enumerate(second)
@@ -1004,17 +1038,19 @@ def _judge_resume(first: list, second: list, whole: list, cfg: Lab04Config) -> N
     if rng_wrong:
         if 0 not in rng_wrong and all(torch.equal(second[r]["resumed"]["rng"], crashed[0]["rng"])
                                       for r in rng_wrong):
-            fail(RESUME_MISTAKES["rng_rank0"])
-        fail(RESUME_MISTAKES["no_rng"])
+            _mistake(RESUME_MISTAKES, RESUME_FIXES, "rng_rank0")
+        _mistake(RESUME_MISTAKES, RESUME_FIXES, "no_rng")
     got, want = second[0]["weights"], whole[0]["weights"]
     d = _distance(got, want)
     if d > RESUME_TOL:
         fail(f"every rank resumed with its weights, momentum and random state, but the final "
-             f"weights differ from an uninterrupted run by up to {d:.3g}: does "
-             f"resume_training_state change anything else (the learning rate, the model)?")
+             f"weights differ from an uninterrupted run by up to {d:.3g}.",
+             fix="does resume_training_state change anything else (the learning rate, the "
+                 "model)?")
     if second[0]["epochs"] != [cfg.epochs - 1]:
         fail(f"the weights are right, but the resumed run trained epochs "
-             f"{second[0]['epochs']}: it should have done only epoch {cfg.epochs - 1}.")
+             f"{second[0]['epochs']}, where only epoch {cfg.epochs - 1} was left to do.",
+             fix="start the loop at the epoch resume_training_state returns.")
     passed("resume after a crash: every rank continued with its own weights, momentum and "
            "random state, trained only the last epoch and ended with the weights of an "
            "uninterrupted run")
