@@ -232,7 +232,8 @@ claim(f"weights after the {steps} steps are bit-for-bit equal across the ranks (
 # ## Lab 03: average the gradients yourself
 #
 # Before reading on, open [lab03_ddp_first_principles](../labs/lab03_ddp_first_principles.ipynb)
-# and write what DDP just did for you: `average_gradients(model)` and a DDP-free training step
+# and write what DDP just did for you: `average_gradients(model)` (also for ranks that did not
+# all use the same parameters, which no cell here shows) and a DDP-free training step
 # that also reports the global batch's loss; then the average when the ranks' shards differ in
 # size, which no cell here shows.
 # The library's own `average_gradients` is in the folded cell below: open it once your lab
@@ -276,9 +277,29 @@ claim("hand-averaged weights are bit-for-bit equal across the ranks",
 # in two halves and then adding rounds differently from summing it in one go. *Between ranks*,
 # though, the weights after the last step are identical to the last bit: every rank receives
 # the very same all-reduced numbers and applies the same update. Nobody sends weights after the
-# start — equal gradients keep them equal. Against DDP, the hand-averaged gradients agree
-# bit for bit on 2 ranks but not on 3: DDP orders its arithmetic differently from the library's
-# `average_gradients` — how, "How DDP does it" says after your lab passes.
+# start — equal gradients keep them equal. That holds for any number of ranks on two
+# conditions: the all-reduce hands every rank the same bytes (each piece of the sum computed
+# once and copied to the others, as gloo's does here), and every rank runs the same optimizer
+# kernels on the same kind of device. It
+# does not make N ranks bit-for-bit equal to one process: on 3 ranks too, that agreement is to
+# a tolerance. The next cell checks both on 3 ranks (gloo, on the CPU, whatever this machine's
+# profile; a global batch of 24, since 32 does not split over 3).
+
+# %%
+cfg3 = ddp.StepConfig(global_batch=24, steps=steps, lr=lr, width=width, seed=seed)
+three = ddp.compare_three(cfg3, world_size=3, backend="gloo")
+claim("3 ranks: the weights are bit-for-bit equal across the ranks, hand-averaged and DDP",
+      three["ranks_bitwise_equal_manual"] and three["ranks_bitwise_equal_ddp"])
+gap3 = max(three["params_manual_vs_single"], three["params_ddp_vs_single"])
+claim(f"3 ranks: weights after {steps} steps == one process on the global batch to 1e-5, not "
+      f"bit for bit", 0 < gap3 < tol, three=three)
+claim("3 ranks: first-step gradients, hand-averaged == DDP to 1e-6, not bit for bit: the two "
+      "order their arithmetic differently", 0 < three["grad_manual_vs_ddp"] < 1e-6, three=three)
+
+# %% [markdown]
+# Against DDP, the hand-averaged gradients agree bit for bit on 2 ranks but not on 3: DDP orders
+# its arithmetic differently from the library's `average_gradients` — how, "How DDP does it"
+# says after your lab passes.
 #
 # **A question to try:** suppose each rank stepped with its own gradients and the ranks then
 # averaged their *weights*. With this lesson's plain SGD that gives the same weights as
@@ -346,16 +367,29 @@ else:
 # passes** (click the folded cell below; it is lab 03's part 1, done DDP's way).
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The library's `average_gradients` sums, then divides; DDP **divides first, then sums**.
-# Without a comm hook the reducer divides each gradient by the world size *as it copies it into
-# its bucket* (with `gradient_as_bucket_view=True`, where `p.grad` already is that view, it
-# divides the view in place), and all-reduces the bucket with SUM in one call. Only with
-# `batched_grad_copy=True` (default `False`, the claim below) are the copies deferred and the
-# whole bucket divided once. Why first? The reason torch writes down is in its Python
-# `allreduce_hook`, which divides a whole bucket before its all-reduce: "to avoid overflow,
-# especially for FP16". With 2 ranks the order is invisible — dividing by 2 only changes the
-# exponent, exact before or after the sum — and with 3 it shows in the last bits, as the claims
-# after the lab say.
+# The library's `average_gradients` sums, then divides; DDP **scales first, then sums**. Where
+# exactly, in c10d's `Reducer::mark_variable_ready_dense` (`reducer.cpp`), which runs for each
+# gradient as it becomes ready:
+#
+# - **without a comm hook**, the copy into the bucket *is* the scaling:
+#   `at::mul_out(bucket_view, grad, wrapped)` with `wrapped` the scalar `1. / div_factor_` — a
+#   multiplication by the reciprocal of the world size, not a division ("Divides while copying
+#   into the bucket view to save one scan over all the input parameters", its comment says);
+#   only where `p.grad` already *is* its bucket view (`gradient_as_bucket_view=True`, from the
+#   second iteration on) is there nothing to copy, and there it divides in place,
+#   `bucket_view.div_(div_factor_)`. With `batched_grad_copy=True` (default `False`, the claim
+#   below) both wait: the bucket's copies are batched and the flat bucket divided once when it
+#   is full. Then the bucket goes to one all-reduce with SUM.
+# - **with a comm hook**, the reducer only copies (`bucket_view.copy_(grad)`, no scaling), and
+#   averaging is the hook's job: the default `allreduce_hook` divides the whole bucket by the
+#   group's size, then all-reduces it — first, "to avoid overflow, especially for FP16", as
+#   the comment in `_allreduce_fut`, which it calls, says.
+#
+# (`div_factor_` is the process group's size, or fewer ranks under `Join`.) With 2 ranks the
+# order cannot show: 1/2 is exact in binary, so multiplying by it, or dividing by 2 before or
+# after the sum, gives the same bits (barring underflow). With 3 ranks float32's 1/3 is not a
+# third, and DDP and the library's `average_gradients` part in the last bits, as the 3-rank
+# claims after the lab show.
 
 # %%
 import inspect
@@ -365,6 +399,18 @@ from torch.nn.parallel import DistributedDataParallel
 ddp_defaults = inspect.signature(DistributedDataParallel.__init__).parameters
 claim("DDP's batched_grad_copy defaults to False: deferring a bucket's gradient copies is opt-in",
       ddp_defaults["batched_grad_copy"].default is False)
+
+# reducer.cpp is not installed, but its compiled code is: the installed libtorch_cpu holds the
+# name mark_variable_ready_dense records for its scaled copy, and the batched path's message.
+import mmap
+from pathlib import Path
+
+libtorch_cpu = next((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
+marks = ["torch::distributed::reducer::mul_out", "batched_grad_copy is incompatible with"]
+with open(libtorch_cpu, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    found = {mark: m.find(mark.encode()) >= 0 for mark in marks}
+claim(f"the installed {libtorch_cpu.name} (torch {torch.__version__}) holds the reducer's "
+      f"'mul_out' copy and the batched_grad_copy path", all(found.values()), found=found)
 
 # %% [markdown]
 # First the broadcast: every rank builds its model from a *different* seed, and after
@@ -798,9 +844,9 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 #   collectives (broadcast, all_reduce, all_gather, reduce_scatter) that every rank must call.
 # - Every rank ending each backward with the average of the ranks' gradients (lab 03; DDP's way
 #   of computing it is folded in "How DDP does it") makes each rank's step the
-#   step of one process on the global batch — equal to 1e-5 here, and bit-for-bit equal across
-#   the ranks — as long as no layer couples the samples of a batch (training-mode BatchNorm
-#   does).
+#   step of one process on the global batch — equal to 1e-5 here (on 2 and on 3 ranks), and
+#   bit-for-bit equal across the ranks (the all-reduce hands each the same bytes) — as long
+#   as no layer couples the samples of a batch (training-mode BatchNorm does).
 # - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
 #   buckets from inside `backward()`. The first iteration uses one bucket per dtype and device
 #   (sparse gradients apart) (the gradient order is
@@ -971,8 +1017,16 @@ viz.quiz([
 #   the division first to avoid overflow, especially for FP16") on the whole bucket. Without a
 #   hook the reducer divides too, but per gradient, as it copies each into the bucket (below).
 # - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::div_factor_` (the
-#   division factor for the gradients: the process group's size). The body of
-#   `Reducer::mark_variable_ready_dense` is in c10d's `reducer.cpp` (not installed): without a
-#   comm hook it copies the gradient into its bucket view dividing by `div_factor_` ("Divides
-#   while copying"), or, when `p.grad` already is that view, divides the view in place (lesson
-#   07's Sources say the same).
+#   division factor for the gradients: the process group's size).
+# - c10d's `reducer.cpp` (in the PyTorch repository, under `torch/csrc/distributed/c10d/`; not
+#   installed; the v2.14.1 tag could not be fetched here, so it was read at a revision that
+#   already has `batched_grad_copy`, the option the installed 2.14.1 has, and the installed
+#   `libtorch_cpu.so` holds its record name and message, a claim above) —
+#   `Reducer::mark_variable_ready_dense`: without a comm hook,
+#   `at::mul_out(bucket_view, grad, wrapped)` with `wrapped =
+#   at::native::wrapped_scalar_tensor(1. / div_factor_)` (under the `RECORD_FUNCTION` name
+#   `torch::distributed::reducer::mul_out`); with a hook, `bucket_view.copy_(grad)`; when the
+#   gradient already aliases its bucket view, `bucket_view.div_(div_factor_)` without a hook
+#   and nothing with one; with `batched_grad_copy_`, the copy is deferred to
+#   `Reducer::flush_deferred_copies`. `Reducer::set_divide_factor` sets `div_factor_` to
+#   `process_group_->getSize()` (or the count of ranks still joined, under `Join`).
