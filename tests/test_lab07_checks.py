@@ -640,13 +640,13 @@ class UnnamedUnused(Good):
 
 @pytest.mark.parametrize("cls, phrase", [
     (SilentOnUnused, "(?s)returned on rank 0 although their bucket never became complete.*"
-                     "raise an error that names"),
+                     "stale or this rank's own"),
     (UnnamedUnused, "its message does not name head.weight and head.bias"),
     (ArrivalsNeverReset, "its message does not name head.weight and head.bias"),
     (BucketNamed, "(?s)also names hidden.*which did get a gradient"),
     (HookOnFrozen, "hook on a frozen parameter"),
     (FrozenInBuckets, "holds the frozen parameter scale"),
-    (LaunchWhenFull, "bucket 1 was launched before bucket 0 .*strictly in bucket order"),
+    (LaunchWhenFull, "bucket 1 was launched before bucket 0 .*the i-th all-reduce"),
     (LaunchAtTheLastGradient, "only when the backward's last gradient had arrived"),
     (LaunchOneGradientLate, "bucket 0 could go at .* after 1 more gradient"),
     (LaunchInFinish, "launched after the backward had finished"),
@@ -654,19 +654,19 @@ class UnnamedUnused(Good):
     (WaitInHook, "waited on each all-reduce inside the hook"),
     (NoWait, "had not been waited on.*a race"),
     (NoDivision, "sum over the ranks, 2 times the mean"),
-    (DivideByTwo, "not by a fixed 2"),
+    (DivideByTwo, "sum divided by 2, a fixed number"),
     (Temporary, "of a temporary tensor"),
     (TemporaryCat, "of a temporary tensor"),
     (CopyDesign, "not a view of its bucket's buffer"),
     (CopyBackBeforeWait, "read from its bucket before wait\\(\\)"),
     (CopyBackWithAdd, "mean plus its own gradient .*add_"),
-    (NeverRebound, "still holds this rank's own gradient .*set p.grad = view"),
-    (AddIntoTheBucket, "this step's mean plus the last step's.*copy_ it in"),
+    (NeverRebound, "still holds this rank's own gradient .*never pointed at the view"),
+    (AddIntoTheBucket, "this step's mean plus the last step's.*held the last average"),
     (AddOntoItself, "twice the mean .*add_"),
     (OverlappingViews, "views of .* overlap"),
     (CopyWithSwappedOffsets, "right averages .* in the wrong parameters.*offset"),
     (PerParameter, "one per parameter"),
-    (NoReset, "no all-reduce was launched in step 2.*reset"),
+    (NoReset, "no all-reduce was launched in step 2.*still said every bucket was launched"),
     (ForwardBuckets, "self.buckets is wrong .* forward"),
     (HandlesNeverCleared, "in step 2.*waited again on 4 handle\\(s\\) from step 1"),
     (NoBucketsAttribute, "no self.buckets"),
@@ -674,6 +674,16 @@ class UnnamedUnused(Good):
 def test_wrong_wrappers_are_named(cls, phrase):
     with pytest.raises(LabCheckError, match=phrase):
         lab07.check_bucketed_ddp(cls)
+
+
+def test_the_fix_joins_the_cause_only_when_the_same_mistake_comes_back():
+    """First meeting: the cause (the sum, N times the mean) and no fix; second: the fix too."""
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab07.check_bucketed_ddp(NoDivision)
+        msg = str(err.value)
+        assert "sum over the ranks, 2 times the mean" in msg, msg
+        assert ("divide each bucket by the world size" in msg) == (attempt == 2), msg
 
 
 class Todo(Good):

@@ -292,8 +292,9 @@ def check_assign_buckets(assign_buckets) -> None:
             predicted = [_greedy([size_of(p) for p in cases[k][1]], cases[k][2] * MiB,
                                  list(range(len(cases[k][1]) - 1, -1, -1))) for k in plain]
             if [got[k] for k in plain] == predicted:
-                fail(f"the buckets are what you get if you {variant}: a parameter's size in "
-                     f"bytes is p.numel() * p.element_size().")
+                fail(f"the buckets are what you get if you {variant}, so the cap was compared "
+                     f"with a number that is not the parameter's bytes.",
+                     fix="a parameter's size in bytes is p.numel() * p.element_size().")
         fail(problems[0])
     if used_library:        # right, because it is the reference: refused only once right
         fail(_LIBRARY_ASSIGNMENT)
@@ -558,11 +559,11 @@ def _launch(cls, world_size: int, cap_mb: float, timeout: float) -> list:
     def failed(exc) -> None:
         if "doesn't require gradient" in exc.summary or "does not require grad" in exc.summary:
             fail("you registered a hook on a frozen parameter (requires_grad=False; the check's "
-                 "model has one, `scale`): torch refuses it, and it never gets a gradient — "
-                 "give views and hooks only to the parameters in self.buckets.")
+                 "model has one, `scale`): torch refuses it, and it never gets a gradient.",
+                 fix="give views and hooks only to the parameters in self.buckets.")
         if "AVG" in exc.summary or "ReduceOp" in exc.summary:
             fail(f"your code raised on rank {exc.rank}: {exc.summary} — this backend refuses "
-                 f"that reduce op: all-reduce with SUM and divide by the world size.")
+                 f"that reduce op.", fix="all-reduce with SUM and divide by the world size.")
 
     return run_ranks(_bucketed_worker, world_size, cls, cap_mb,
                      backend=devices.backend_for(world_size), timeout=timeout, failed=failed,
@@ -674,22 +675,23 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
             fail(f"on a model with a trainable parameter the forward did not use this step "
                  f"({' and '.join(_UNUSED_NAMES)}), finish_gradient_synchronization() returned "
                  f"on rank {rank} although their bucket never became complete: that bucket (and every one after it) was never "
-                 f"all-reduced, so the gradients left there are stale or this rank's own — "
-                 f"raise an error that names the parameter(s) that got no gradient.")
+                 f"all-reduced, so the gradients left there are stale or this rank's own.",
+                 fix="raise an error that names the parameter(s) that got no gradient.")
         missing = [n for n in _UNUSED_NAMES if n not in said]
         if missing:
             fail(f"on a model whose {' and '.join(_UNUSED_NAMES)} got no gradient, "
                  f"finish_gradient_synchronization() raised on rank {rank} ({said[:200]}), but "
-                 f"its message does not name {' and '.join(missing)}: name every parameter "
-                 f"that got no gradient, by its name in the module, so whoever trains the "
-                 f"model can find it.")
+                 f"its message does not name {' and '.join(missing)}, so whoever trains the "
+                 f"model cannot find it.",
+                 fix="name every parameter that got no gradient, by its name in the module.")
         wrongly = [n for n in r["used"] if re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", said)]
         if wrongly:
             fail(f"on a model whose {' and '.join(_UNUSED_NAMES)} got no gradient, "
                  f"finish_gradient_synchronization() raised on rank {rank}, but its message "
                  f"also names {', '.join(wrongly[:3])}, which did get a gradient in this "
-                 f"backward: name only the parameters that got none (a name kept from an "
-                 f"earlier step, or every parameter of the incomplete bucket, misleads).")
+                 f"backward (a name kept from an earlier step, or every parameter of the "
+                 f"incomplete bucket, misleads).",
+                 fix="name only the parameters that got no gradient in this backward.")
 
 
 def _diagnose(results: list, world_size: int, cap_mb: float) -> None:
@@ -702,8 +704,8 @@ def _diagnose(results: list, world_size: int, cap_mb: float) -> None:
              "from assign_buckets in self.buckets.")
     if any(i == -2 for b in buckets for i in b):
         fail(f"self.buckets holds the frozen parameter {r0['frozen'][0]} (requires_grad=False): "
-             f"it never gets a gradient, so its bucket would never be complete — bucket only "
-             f"the parameters that require a gradient.")
+             f"it never gets a gradient, so its bucket would never be complete.",
+             fix="bucket only the parameters that require a gradient.")
     if any(i < 0 for b in buckets for i in b):
         fail("self.buckets holds something that is not one of the model's parameters.")
     params = [p for p in _check_net().parameters() if p.requires_grad]
@@ -718,8 +720,9 @@ def _diagnose(results: list, world_size: int, cap_mb: float) -> None:
     for rank, r in enumerate(results):
         if not torch.allclose(r["params"], r["ddp"], rtol=1e-4, atol=1e-6):
             fail(f"every step's gradients were right, but after {_STEPS} steps rank {rank}'s "
-                 f"weights differ from DDP's: leave the optimizer step to the caller and do "
-                 f"not change the weights in the wrapper.")
+                 f"weights differ from DDP's: something in the wrapper changed the weights.",
+                 fix="leave the optimizer step to the caller and do not change the weights in "
+                     "the wrapper.")
 
 
 def _bucket_of_call(calls, buckets, numels) -> list:
@@ -737,42 +740,48 @@ def _diagnose_step(s, prev, step, rank, world_size, buckets, names, numels) -> N
     # 1. How many all-reduces, and how large.
     if not calls:
         if step > 0:
-            fail(f"no all-reduce was launched {when}, after a first step that had them: at the "
-                 f"end of finish_gradient_synchronization() reset each bucket's count of awaited "
-                 f"gradients, the next bucket to launch and the list of handles.")
+            fail(f"no all-reduce was launched {when}, after a first step that had them: what "
+                 f"the wrapper remembered from the first step still said every bucket was "
+                 f"launched.",
+                 fix="at the end of finish_gradient_synchronization() reset each bucket's count "
+                     "of awaited gradients, the next bucket to launch and the list of handles.")
         fail("the check saw no dist.all_reduce call: launch it as dist.all_reduce(buffer, "
              "async_op=True) from the hook (the check counts calls made through "
              "torch.distributed).")
     sync_in_backward = [c for c in calls if not c["async"] and c["t_launch"] < s["backward_end"]]
     if sync_in_backward:
         fail("the hook calls a blocking all_reduce (no async_op=True): the backward stops until "
-             "each bucket has crossed the wire, so nothing overlaps — launch it with "
-             "async_op=True, keep the handle, and wait in finish_gradient_synchronization().")
+             "each bucket has crossed the wire, so nothing overlaps.",
+             fix="launch it with async_op=True, keep the handle, and wait in "
+                 "finish_gradient_synchronization().")
     if len(calls) != len(buckets):
         if len(calls) == n_params:
-            fail(f"{len(calls)} all-reduces {when}, one per parameter: all-reduce each bucket's "
-                 f"flat buffer once ({len(buckets)} calls).")
-        fail(f"{len(calls)} all-reduces {when} for {len(buckets)} buckets: launch exactly one "
-             f"per bucket, when it is complete and every bucket before it has been launched.")
+            fail(f"{len(calls)} all-reduces {when}, one per parameter, for {len(buckets)} "
+                 f"buckets.", fix="all-reduce each bucket's flat buffer once.")
+        fail(f"{len(calls)} all-reduces {when} for {len(buckets)} buckets.",
+             fix="launch exactly one per bucket, when it is complete and every bucket before it "
+                 "has been launched.")
     if sorted(c["numel"] for c in calls) != bucket_numels:
         fail(f"the all-reduces {when} carried {sorted(c['numel'] for c in calls)} elements; "
-             f"the buckets hold {bucket_numels}: all-reduce each bucket's whole flat buffer "
-             f"(the sum of its parameters' numel).")
+             f"the buckets hold {bucket_numels}.",
+             fix="all-reduce each bucket's whole flat buffer (the sum of its parameters' "
+                 "numel).")
     # 2. In which order, and when, they were launched; when they were waited on.
     order = _bucket_of_call(calls, buckets, numels)
     if order != sorted(order):
         k = next(j for j in range(len(order)) if order[j] != sorted(order)[j])
         fail(f"bucket {order[k]} was launched before bucket {sorted(order)[k]} {when}: buckets "
              f"filled out of order (this model registers its output layer before the hidden "
-             f"layer it follows) and you launched each as it filled. DDP launches strictly in bucket order (its "
-             f"reducer's next_bucket_): when a bucket is complete, launch it only if every "
-             f"earlier bucket has been launched, then every later one already complete — so "
-             f"the i-th all-reduce is the same bucket on every rank.")
+             f"layer it follows) and you launched each as it filled, so the i-th all-reduce "
+             f"need not be the same bucket on every rank.",
+             fix="when a bucket is complete, launch it only if every earlier bucket has been "
+                 "launched, then every later one already complete.")
     arrivals = sorted(s["ready"].values())
     if all(c["t_launch"] >= s["backward_end"] for c in calls):
         fail("every all-reduce was launched after the backward had finished (in "
-             "finish_gradient_synchronization): nothing overlaps the backward — launch each "
-             "bucket from the hook, as soon as it is complete and its turn has come.")
+             "finish_gradient_synchronization): nothing overlaps the backward.",
+             fix="launch each bucket from the hook, as soon as it is complete and its turn has "
+                 "come.")
     launchable = 0.0
     late = []
     for k, b in enumerate(buckets):
@@ -785,39 +794,42 @@ def _diagnose_step(s, prev, step, rank, world_size, buckets, names, numels) -> N
         if all(c["t_launch"] >= arrivals[-1] for c in calls):
             fail(f"every bucket was launched only when the backward's last gradient had arrived "
                  f"({arrivals[-1]:.2f} ms into the step) {when}: nothing overlapped the "
-                 f"backward — launch each bucket from the hook call that completes it (or its "
-                 f"predecessor), not all of them at the end.")
+                 f"backward.", fix="launch each bucket from the hook call that completes it (or "
+                                   "its predecessor), not all of them at the end.")
         k, ready_at, launched, missed = late[0]
         fail(f"bucket {k} could go at {ready_at:.2f} ms {when} (its last gradient had arrived "
              f"and every earlier bucket had been launched) but was launched at {launched:.2f} "
-             f"ms, after {missed} more gradient(s) had arrived: launch it from the hook call "
-             f"that makes it launchable.")
+             f"ms, after {missed} more gradient(s) had arrived.",
+             fix="launch it from the hook call that makes it launchable.")
     waited_early = [c for c in calls if c["async"] and c["t_wait"] is not None
                     and not c["future"] and c["t_wait"] < s["backward_end"]]
     if waited_early:
         fail("you waited on each all-reduce inside the hook (work.wait() before the backward "
              "had finished): the backward stalls until each bucket has crossed the wire, so "
-             "nothing overlaps — keep the handles and wait in finish_gradient_synchronization().")
+             "nothing overlaps.",
+             fix="keep the handles and wait in finish_gradient_synchronization().")
     unwaited = [c for c in calls if c["async"] and c["t_wait"] is None and not c["future"]]
     if unwaited:
         fail(f"finish_gradient_synchronization() returned while {len(unwaited)} of "
              f"{len(calls)} all-reduces had not been waited on: optimizer.step() would read "
-             f"gradients the all-reduce may still be writing (a race) — call wait() on every "
-             f"handle.")
+             f"gradients the all-reduce may still be writing (a race).",
+             fix="call wait() on every handle.")
     if s["stale_waits"]:
         fail(f"{when}, finish_gradient_synchronization() waited again on "
-             f"{len(s['stale_waits'])} handle(s) from step {s['stale_waits'][0] + 1}: empty the "
-             f"list of handles after waiting, or it grows by one per bucket every step.")
+             f"{len(s['stale_waits'])} handle(s) from step {s['stale_waits'][0] + 1}: the list "
+             f"of handles grows by one per bucket every step.",
+             fix="empty the list of handles after waiting.")
     # 3. The gradients left for optimizer.step(): their values, then where they live.
     after, own, mean = s["after"], s["own"], s["mean"]
     if any(a is None for a in after):
         missing = [names[i] for i, a in enumerate(after) if a is None]
-        fail(f"p.grad is None for {missing[:3]} after finish_gradient_synchronization() {when}: "
-             f"every parameter's p.grad must be its view of the bucket.")
+        fail(f"p.grad is None for {missing[:3]} after finish_gradient_synchronization() {when}, "
+             f"so the optimizer would skip them.",
+             fix="every parameter's p.grad must be its view of the bucket.")
     for i, (a, m) in enumerate(zip(after, mean)):
         if a.shape != m.shape:
-            fail(f"{names[i]}.grad has shape {tuple(a.shape)} instead of {tuple(m.shape)}: make "
-                 f"its view with .view_as(p).")
+            fail(f"{names[i]}.grad has shape {tuple(a.shape)} instead of {tuple(m.shape)}.",
+                 fix="make its view with .view_as(p).")
     if _all_close(after, mean):
         _diagnose_views(s, when, buckets, names, order, calls)
         return
@@ -834,10 +846,11 @@ def _diagnose_views(s, when, buckets, names, order, calls) -> None:
             if storage != c["storage"]:
                 fail(f"{names[i]}.grad holds the right average {when} but is not a view of its "
                      f"bucket's buffer: it was copied back (or copied in and never pointed at "
-                     f"the bucket). Make p.grad the view buffer[offset:offset + p.numel()]"
-                     f".view_as(p), as DDP's gradient_as_bucket_view does: autograd then "
-                     f"writes into the bucket and the all-reduced buffer is the gradient — no "
-                     f"copy back.")
+                     f"the bucket), so the contract's views, and the memory they save, are "
+                     f"missing.",
+                     fix="make p.grad the view buffer[offset:offset + p.numel()].view_as(p), as "
+                         "DDP's gradient_as_bucket_view does: autograd then writes into the "
+                         "bucket and the all-reduced buffer is the gradient.")
 
 
 def _overlapping_views(s, buckets, names):
@@ -861,66 +874,69 @@ def _diagnose_values(s, prev, step, when, world_size, buckets, names, numels) ->
         bad = next(names[i] for i, a in enumerate(after) if torch.isnan(a).any())
         fail(f"{bad}.grad was read from its bucket before wait() {when}: the check leaves a "
              f"buffer whose all-reduce is in flight without a defined value (NaN), as a GPU "
-             f"collective still writing it would — copying back before wait() copies garbage. "
-             f"With p.grad a view of the bucket, wait() is all it takes.")
+             f"collective still writing it would — copying back before wait() copies garbage.",
+             fix="with p.grad a view of the bucket, wait() is all it takes.")
     temporary = [c for c in calls if c["async"] and not c["kept"]]
     if temporary:
         fail(f"{len(temporary)} of the {len(calls)} all-reduces {when} were of a temporary "
              f"tensor that neither your wrapper nor any p.grad keeps (torch.cat, .clone(), "
-             f"buffer / world_size, ... make a new tensor): its result is thrown away. "
-             f"Divide the bucket's own buffer in place (div_) and all-reduce that buffer, the "
-             f"one the gradients are views of.")
+             f"buffer / world_size, ... make a new tensor): its result is thrown away.",
+             fix="divide the bucket's own buffer in place (div_) and all-reduce that buffer, "
+                 "the one the gradients are views of.")
     clash = _overlapping_views(s, buckets, names)
     if clash:
         a, b, oa, ob = clash
         fail(f"the views of {a} (offset {oa}) and {b} (offset {ob}) overlap in their bucket's "
-             f"buffer {when}: both gradients are written into the same numbers. Each "
-             f"parameter's view starts where the previous one ended (offset += p.numel()).")
+             f"buffer {when}: both gradients are written into the same numbers.",
+             fix="start each parameter's view where the previous one ended "
+                 "(offset += p.numel()).")
     for i, b in enumerate(buckets):
         for j in b:
             storage = s["views"][j][0]
             home = [c["storage"] for c in calls if c["numel"] == sum(numels[x] for x in b)]
             others = [c["storage"] for c in calls if c["storage"] != (home[0] if home else None)]
             if home and storage != home[0] and storage in others:
-                fail(f"{names[j]}.grad is a view of another bucket's buffer {when}: make each "
-                     f"parameter's view from the buffer of the bucket it is in.")
+                fail(f"{names[j]}.grad is a view of another bucket's buffer {when}.",
+                     fix="make each parameter's view from the buffer of the bucket it is in.")
     total = [m * world_size for m in mean]
     if _all_close(after, total) and (step == 0 or prev is None or world_size != 2
                                      or not _all_close(prev["after"], prev["mean"])):
-        fail(f"the gradients hold the sum over the ranks, {world_size} times the mean, {when}: "
-             f"divide each bucket by the world size (before the all-reduce or after the wait).")
+        fail(f"the gradients hold the sum over the ranks, {world_size} times the mean, {when}.",
+             fix="divide each bucket by the world size (before the all-reduce or after the "
+                 "wait).")
     if _all_close(after, [2 * m for m in mean]):
         fail(f"the gradients are twice the mean {when}, after a right step 1: p.grad was "
              f"already the bucket's view, and adding it onto itself (view.add_(p.grad)) "
-             f"doubled it — copy_ a fresh gradient into the view, and do nothing when p.grad "
-             f"is the view already.")
+             f"doubled it.", fix="copy_ a fresh gradient into the view, and do nothing when "
+                                 "p.grad is the view already.")
     if prev is not None and _all_close(after, [m + q for m, q in zip(mean, prev["mean"])]):
         fail(f"the gradients {when} are this step's mean plus the last step's: a fresh p.grad "
              f"(after zero_grad(set_to_none=True)) was added (add_) to the bucket, which still "
-             f"held the last average — copy_ it in.")
+             f"held the last average.", fix="copy_ a fresh gradient in.")
     for k in sorted({2, 3, 4} - {world_size}):
         if _all_close(after, [t / k for t in total]):
-            fail(f"on {world_size} ranks the gradients are the sum divided by {k}: divide by "
-                 f"dist.get_world_size(), not by a fixed {k}.")
+            fail(f"on {world_size} ranks the gradients are the sum divided by {k}, a fixed "
+                 f"number that is not this group's size.",
+                 fix="divide by dist.get_world_size().")
     for extra, what in ((own, "its own gradient"), ([o / world_size for o in own],
                                                     "its own gradient divided by the world size")):
         if _all_close(after, [m + e for m, e in zip(mean, extra)]):
             fail(f"p.grad holds the mean plus {what} {when}: the average was added (add_) to "
-                 f"the gradient instead of replacing it (copy_) — with p.grad a view of the "
-                 f"bucket there is nothing to copy back at all.")
+                 f"the gradient instead of replacing it.",
+                 fix="make p.grad a view of the bucket: then there is nothing to copy back.")
     if _all_close(after, own) or _all_close(after, [o / world_size for o in own]):
         fail(f"p.grad still holds this rank's own gradient after finish_gradient_"
              f"synchronization() {when}, while the bucket holds the average: p.grad is not "
              f"the bucket's view (autograd's fresh gradient was copied in but p.grad never "
-             f"pointed at the view) — set p.grad = view in the hook.")
+             f"pointed at the view).", fix="set p.grad = view in the hook.")
     wrong = [i for i, (a, m) in enumerate(zip(after, mean)) if not _close(a, m)]
     for i in wrong:
         others = [j for j in range(len(names)) if j != i and numels[j] == numels[i]
                   and _close(after[i].reshape(-1), mean[j].reshape(-1))]
         if others:
             fail(f"{names[i]}.grad holds the averaged gradient of {names[others[0]]} {when}: it "
-                 f"was given the wrong slice of the bucket — use the offset recorded for each "
-                 f"parameter.")
+                 f"was given the wrong slice of the bucket.",
+                 fix="use the offset recorded for each parameter.")
     for b in buckets:
         got = torch.cat([after[i].reshape(-1) for i in b])
         right = torch.cat([mean[i].reshape(-1) for i in b])
@@ -928,9 +944,10 @@ def _diagnose_values(s, prev, step, when, world_size, buckets, names, numels) ->
                                                          rtol=1e-4, atol=1e-7):
             fail(f"bucket {buckets.index(b)} holds the right averages {when}, but in the wrong "
                  f"parameters: {names[next(i for i in b if i in wrong)]}.grad was given another "
-                 f"offset of the buffer than the one its gradient went in at — give each "
-                 f"parameter one offset (the numel of those before it in the bucket) and use "
-                 f"it both ways, or better, make p.grad the view at that offset.")
+                 f"offset of the buffer than the one its gradient went in at.",
+                 fix="give each parameter one offset (the numel of those before it in the "
+                     "bucket) and use it both ways, or better, make p.grad the view at that "
+                     "offset.")
     fail(f"{names[wrong[0]]}.grad is not the mean over the ranks {when} (nor the sum, nor this "
          f"rank's own gradient, nor any single mistake the check knows): its view must be "
          f"buffer[offset:offset + p.numel()] at offsets that add up p.numel() in bucket order, "
