@@ -18,7 +18,8 @@ def good_gather(outputs):
     return torch.cat(outputs)
 
 
-def make_step(combine="sum", loss_per_chunk=False, per_device=False, held="add"):
+def make_step(combine="sum", loss_per_chunk=False, per_device=False, held="add",
+              buffers="replica 0"):
     def step(model, X, y, n):
         chunks = good_scatter(X, n)
         reps = [copy.deepcopy(model) for _ in (range(n) if per_device else chunks)]
@@ -44,8 +45,26 @@ def make_step(combine="sum", loss_per_chunk=False, per_device=False, held="add")
                 p.grad += new
             else:  # "replace"
                 p.grad = new
+        _bring_back_buffers(model, reps, buffers)
         return loss.item()
     return step
+
+
+def _bring_back_buffers(model, reps, how="replica 0"):
+    """What a step does with the BatchNorm buffers its copies updated: "replica 0" (right:
+    what nn.DataParallel keeps), "none" (left on the copies), "last", "mean" (the copies'
+    average) or "count off" (replica 0's statistics, but one count per copy)."""
+    if how == "none":
+        return
+    for b, *bs in zip(model.buffers(), *(r.buffers() for r in reps)):
+        if how == "replica 0":
+            b.copy_(bs[0])
+        elif how == "last":
+            b.copy_(bs[-1])
+        elif how == "mean":
+            b.copy_(sum(x.double() for x in bs) / len(bs) if b.is_floating_point() else bs[0])
+        elif how == "count off":
+            b.copy_(bs[0] if b.is_floating_point() else b + len(bs))
 
 
 def test_reference_answers_pass(capsys):
@@ -87,7 +106,7 @@ def test_wrong_gather(wrong, phrase):
     (make_step("first"), "replica 0's alone"),
     (make_step("none"), "no gradients"),
     (make_step(loss_per_chunk=True), "counts the batch 4 times"),
-    (make_step(per_device=True), "make one copy per chunk, not one per device"),
+    (make_step(per_device=True), "copies and the chunks were not paired one to one"),
     (make_step(held="replace"), "arrived holding gradients and dp_forward_backward replaced them"),
     (make_step(held="in-place"), "p.grad is None, not zeros"),
 ])
@@ -163,6 +182,8 @@ def sequential_copies_accumulating(model, X, y, n):
     for r in reps:
         for p, c in zip(model.parameters(), r.parameters()):
             p.grad = c.grad.clone() if p.grad is None else p.grad + c.grad
+    model.load_state_dict({k: v for k, v in reps[0].state_dict().items()
+                           if k in dict(model.named_buffers())}, strict=False)
     return loss
 
 
@@ -480,6 +501,8 @@ def step_with_autograd_grad(model, X, y, n):
             p.grad = g.clone()
         else:
             p.grad.add_(g)
+    for name, buf in reps[0].named_buffers():  # replica 0's updates, as nn.DataParallel keeps
+        model.get_buffer(name).copy_(buf)
     return loss.detach()
 
 
@@ -539,3 +562,51 @@ def test_step_that_thinks_copies_carry_gradients_is_named():
     with pytest.raises(LabCheckError) as err:
         lab02.check_dp_forward_backward(step_subtracting_what_copies_never_held)
     assert "a deep copy of a parameter leaves its .grad behind" in str(err.value), str(err.value)
+
+
+# --- the buffers: BatchNorm's running statistics end as nn.DataParallel leaves them -----------
+
+@pytest.mark.parametrize("how, phrase", [
+    ("none", "did not move"),
+    ("last", "last chunk's copy"),
+    ("mean", "average of the copies'"),
+    ("count off", "num_batches_tracked is"),
+])
+def test_buffers_left_otherwise_than_dataparallel_are_named(how, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_forward_backward(make_step(buffers=how))
+    assert phrase in str(err.value), str(err.value)
+    assert "Run the check again" in str(err.value), str(err.value)
+
+
+def whole_batch_statistics(model, X, y, n):
+    # wrong: a forward of the original on the whole batch to "update the statistics"
+    loss = make_step(buffers="none")(model, X, y, n)
+    with torch.no_grad():
+        model(X)
+    return loss
+
+
+def test_statistics_of_the_whole_batch_are_named():
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_forward_backward(whole_batch_statistics)
+    assert "forward on the whole batch of 16" in str(err.value), str(err.value)
+
+
+def test_buffer_mistake_met_twice_says_what_to_change():
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab02.check_dp_forward_backward(make_step(buffers="none"))
+    assert "copy that ran chunk 0" in str(err.value), str(err.value)
+    assert "Run the check again" not in str(err.value), str(err.value)
+
+
+def test_cause_first_the_fix_on_the_second_meeting():
+    def averaged(model, X, y, n):
+        return make_step(combine="mean")(model, X, y, n)
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_dp_forward_backward(averaged)
+    assert "times too small" in str(first.value) and "sum the" not in str(first.value)
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_dp_forward_backward(averaged)
+    assert "sum the replicas' gradients" in str(second.value), str(second.value)

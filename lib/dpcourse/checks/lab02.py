@@ -41,13 +41,15 @@ def _sizes_for(policy: str, b: int, n: int) -> list[int]:
 def _refuse_library(fn, ref, name: str, why: str) -> None:
     __tracebackhide__ = True
     if is_library_function(fn, ref):
-        fail(f"{name} is the library's own dpcourse.dp.{ref.__name__}: {why}")
+        fail(f"{name} is the library's own dpcourse.dp.{ref.__name__}: {why}",
+             fix=f"write {name} yourself.")
 
 
 def _not_yours(name: str, called: list, why: str) -> None:
     __tracebackhide__ = True
     if called:
-        fail(f"{name} called the library's dpcourse.dp.{called[0]}: {why}")
+        fail(f"{name} called the library's dpcourse.dp.{called[0]}: {why}",
+             fix=f"do in your own code what dp.{called[0]} did.")
 
 
 _OWN = ("the lab asks you to write it yourself, so the check would only be comparing the "
@@ -96,48 +98,54 @@ def check_scatter(scatter, sizes: str | None = None) -> None:
         except Exception as exc:  # noqa: BLE001 - reported as one sentence
             if b == n:
                 fail(f"scatter refused a batch of {b} samples on {n} devices ({type(exc).__name__}: "
-                     f"{exc}), but one sample per device is a valid split: refuse only batches "
-                     f"smaller than the number of devices (check < against <=).")
+                     f"{exc}), but one sample per device is a valid split.",
+                     fix="refuse nothing the contract allows (check < against <=).")
             if fewest < n:
                 fail(f"scatter raised {type(exc).__name__} for a batch of {b} on {n} devices "
                      f"({exc}), but nn.DataParallel does not refuse a batch that runs out before "
-                     f"the devices do: it returns fewer chunks and the step uses fewer devices.")
+                     f"the devices do: it returns fewer chunks and the step uses fewer devices.",
+                     fix="return fewer chunks when the batch runs out.")
             fail(f"scatter(X, {n}) raised {type(exc).__name__}: {exc}")
         _not_yours("scatter", called, _OWN)
         chunks = _tensor_list(chunks, "scatter")
         if any(c.dim() != 2 for c in chunks):
             fail(f"scatter changed the number of dimensions (got shapes "
-                 f"{[tuple(c.shape) for c in chunks]} from {tuple(X.shape)}): split, do not reshape.")
+                 f"{[tuple(c.shape) for c in chunks]} from {tuple(X.shape)}).",
+                 fix="split, do not reshape.")
         if (len(chunks) > 1 and all(c.shape[0] == b for c in chunks)
                 and sum(c.shape[1] for c in chunks) == 3):
-            fail("scatter split along dim 1 (the features) instead of dim 0 (the batch): each "
-                 "device must get whole samples.")
+            fail("scatter split along dim 1 (the features) instead of dim 0 (the batch), so no "
+                 "device got a whole sample.", fix="split along dim 0.")
         if any(c.shape[1] != 3 for c in chunks):
-            fail(f"scatter returned chunks shaped {[tuple(c.shape) for c in chunks]}; each chunk "
-                 f"must keep every feature of its samples (shape (k, 3) here).")
+            fail(f"scatter returned chunks shaped {[tuple(c.shape) for c in chunks]}, not every "
+                 f"feature of their samples (shape (k, 3) here).",
+                 fix="cut along dim 0 only.")
         sizes = [c.shape[0] for c in chunks]
         if len(chunks) > n:
             fail(f"scatter(X, {n}) returned {len(chunks)} chunk(s) (sizes {sizes}) for {n} "
-                 f"devices: at most one chunk per device.")
+                 f"devices, more chunks than devices to run them.",
+                 fix="at most one chunk per device.")
         if any(s == 0 for s in sizes):
             fail(f"scatter(X, {n}) gave a device an empty chunk (sizes {sizes}) for a batch of "
-                 f"{b}: a replica must not run on no samples, so return only non-empty chunks "
-                 f"(nn.DataParallel then uses fewer devices).")
+                 f"{b}: a replica must not run on no samples.",
+                 fix="return only non-empty chunks (nn.DataParallel then uses fewer devices).")
         total = sum(sizes)
         if total < b:
             fail(f"scatter lost {b - total} of {b} samples (chunk sizes {sizes}): the "
-                 f"remainder must go to some device.")
+                 f"remainder of B / N went to no device.",
+                 fix="give the remainder to some device.")
         if total > b:
             fail(f"scatter returned {total} samples from a batch of {b}: a sample was copied to "
-                 f"two devices.")
+                 f"two devices.", fix="let the chunks' bounds meet without overlapping.")
         if len(chunks) < fewest:
             fail(f"scatter(X, {n}) returned {len(chunks)} chunk(s) (sizes {sizes}) for a batch of "
-                 f"{b}: it left devices idle that nn.DataParallel would use ({fewest} chunks), "
-                 f"so each device must get one chunk while the batch lasts.")
+                 f"{b}: it left devices idle that nn.DataParallel would use ({fewest} chunks).",
+                 fix="give each device one chunk while the batch lasts.")
         if max(sizes) > biggest:
             fail(f"scatter's chunks are unbalanced (sizes {sizes} for {b} samples on {n} "
-                 f"devices): the slowest device sets the step's pace, so no chunk may hold more "
-                 f"than ceil({b}/{n}) = {biggest} samples.")
+                 f"devices): the device with the most samples sets the step's pace, and "
+                 f"{max(sizes)} is more than the ceil({b}/{n}) = {biggest} it could be.",
+                 fix=f"no chunk may hold more than ceil(B/N) samples.")
         assert fewest <= len(chunks) <= most
         joined = torch.cat(chunks)
         if torch.equal(joined, X):
@@ -149,11 +157,11 @@ def check_scatter(scatter, sizes: str | None = None) -> None:
         k = len(chunks)
         strided = torch.cat([X[i::k] for i in range(k)])
         if torch.equal(joined, strided):
-            fail("scatter took every n-th sample (X[i::n]) instead of contiguous slices: "
-                 "DataParallel gives each device one contiguous slice, so that gathering the "
-                 "outputs in device order puts them back in the order of y.")
-        fail("scatter's chunks, concatenated in device order, are not the original batch: split "
-             "X along dim 0 into contiguous pieces without reordering them.")
+            fail("scatter took every n-th sample (X[i::n]) instead of contiguous slices, so "
+                 "gathering the outputs in device order does not put them back in the order "
+                 "of y.", fix="give each device one contiguous slice.")
+        fail("scatter's chunks, concatenated in device order, are not the original batch.",
+             fix="split X along dim 0 into contiguous pieces without reordering them.")
     said = f", with {policy!r} sizes as you decided" if policy else ""
     return passed(f"scatter splits the batch along dim 0 into contiguous chunks, at most one per "
                   f"device and none empty, also when the batch runs out before the devices "
@@ -180,18 +188,20 @@ def check_gather(gather) -> None:
         fail(f"gather must return one tensor, got {type(got).__name__}.")
     if got.dim() == 2 and got.shape[0] == 3:
         fail(f"gather concatenated along dim 1 (shape {tuple(got.shape)}) instead of dim 0: the "
-             f"outputs of the devices are more samples, not more features, so the result must "
-             f"be shaped (9, 10).")
+             f"outputs of the devices are more samples, not more features.",
+             fix="the result must be shaped (9, 10): join along dim 0.")
     if got.dim() == 3:
-        fail(f"gather stacked the outputs into a new dimension (shape {tuple(got.shape)}); "
-             f"concatenate them along dim 0 into one (9, 10) batch.")
+        fail(f"gather stacked the outputs into a new dimension (shape {tuple(got.shape)}), "
+             f"but the devices' outputs are more rows of one batch.",
+             fix="concatenate them along dim 0 into one (9, 10) batch.")
     if got.shape != expected.shape:
-        fail(f"gather returned shape {tuple(got.shape)}, expected {tuple(expected.shape)}: "
-             f"concatenate the outputs along dim 0.")
+        fail(f"gather returned shape {tuple(got.shape)}, not the {tuple(expected.shape)} of "
+             f"the devices' outputs one after another.",
+             fix="concatenate the outputs along dim 0.")
     if not torch.equal(got, expected):
         if torch.equal(got, torch.cat(outputs[::-1])):
-            fail("gather put the outputs in reverse device order; keep device 0's first so the "
-                 "rows line up with y.")
+            fail("gather put the outputs in reverse device order, so the rows no longer line "
+                 "up with y.", fix="keep device 0's first.")
         fail("gather returned the right shape but not the outputs concatenated in device order.")
     return passed("gather concatenates the outputs along dim 0 in device order")
 
@@ -238,9 +248,99 @@ def check_dp_forward_backward(dp_forward_backward) -> None:
     __tracebackhide__ = True
     for n_devices, batch, held in ((4, 16, False), (3, 10, True), (4, 6, True)):
         _check_dp_once(dp_forward_backward, n_devices, batch, held)
+    _check_dp_buffers(dp_forward_backward)
     passed("DataParallel by hand on 4 and 3 devices (even and uneven chunks, and a batch of 6 "
-           "on 4): each plain copy ran on its chunk, the loss is the whole batch's, and the "
-           "whole batch's gradient was added to what the model held")
+           "on 4): each plain copy ran on its chunk, the loss is the whole batch's, the "
+           "whole batch's gradient was added to what the model held, and the model's "
+           "BatchNorm buffers hold what nn.DataParallel leaves there")
+
+
+def _bn_net(seed: int = 0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4),
+                               torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                               torch.nn.Flatten(), torch.nn.Linear(4, 10))
+
+
+def _bn_state(model) -> list:
+    bn = model[1]
+    return [bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()]
+
+
+def _check_dp_buffers(dp_forward_backward) -> None:
+    """A model with BatchNorm, in training mode, 10 samples on 3 devices (chunk 0 holds 4
+    samples under either chunk-size decision): afterwards the module's buffers must be what
+    nn.DataParallel leaves, whose replica 0 shares them with the module -- one update, from
+    chunk 0 alone (torch/nn/parallel/data_parallel.py's class docstring). Each other ending
+    that a plausible answer leaves is named."""
+    __tracebackhide__ = True
+    n, batch = 3, 10
+    model = _bn_net()
+    model(torch.randn(8, 3, 6, 6) + 1.0)  # running statistics that are not the initial 0 and 1
+    torch.manual_seed(1)
+    X = torch.randn(batch, 3, 6, 6) * 2.0 + 0.5
+    y = torch.randint(0, 10, (batch,))
+    before = _bn_state(model)
+    c0 = -(-batch // n)  # 4: like DataParallel (4, 4, 2) and balanced (4, 3, 3) alike
+
+    def after_forwards(*parts):
+        m = copy.deepcopy(model)
+        for part in parts:
+            m(part)
+        return _bn_state(m)
+
+    want = after_forwards(X[:c0])
+    learner = copy.deepcopy(model)
+    dp_forward_backward(learner, X.clone(), y.clone(), n)
+    got = _bn_state(learner)
+
+    def same(a, b):
+        return all(torch.allclose(u.double(), v.double(), rtol=1e-5, atol=1e-6)
+                   for u, v in zip(a, b))
+
+    if same(got, want):
+        return
+    count = int(got[2])
+    if same(got, before):
+        fail("the model's BatchNorm running mean and variance did not move (num_batches_tracked "
+             f"still {int(before[2])}) after a training-mode step: every update was made on a "
+             "copy and thrown away with it, where nn.DataParallel keeps one replica's "
+             "(lesson 02 §2).",
+             fix="after the step, the model's buffers must hold what the copy that ran chunk 0 "
+                 "holds in its own.")
+    if same(got[:2], want[:2]):
+        fail(f"the running mean and variance are chunk 0's, but num_batches_tracked is {count}, "
+             f"not {int(want[2])}: the module counted a number of updates that nn.DataParallel "
+             f"does not (it counts the one update replica 0 made).",
+             fix="take every buffer from the copy that ran chunk 0, the count included.")
+    sizes = [len(c) for c in torch.chunk(X, n)]
+    last = after_forwards(X[batch - sizes[-1]:])
+    if same(got[:2], last[:2]) or same(got[:2], after_forwards(X[-3:])[:2]):
+        fail("the model's running statistics are those of the last chunk's copy: "
+             "nn.DataParallel keeps the updates of replica 0, the one on the module's own "
+             "device, and loses the others'.", fix="take them from the copy that ran chunk 0.")
+    if same(got[:2], after_forwards(X)[:2]):
+        fail("the model's running statistics are those of the whole batch, but no device saw "
+             "the whole batch: under nn.DataParallel each replica normalises and counts its "
+             "own chunk, and the module keeps replica 0's.",
+             fix="take them from the copy that ran chunk 0, not from a forward on all of X.")
+    parts = [X[a:a + s] for a, s in zip([0, sizes[0], sizes[0] + sizes[1]], sizes)]
+    per_copy = [after_forwards(part) for part in parts]
+    mean_stats = [sum(st[i] for st in per_copy) / len(per_copy) for i in range(2)]
+    if same(got[:2], mean_stats):
+        fail("the model's running statistics are the average of the copies': nn.DataParallel "
+             "averages nothing between replicas, it keeps replica 0's (the others' updates "
+             "are lost).", fix="take them from the copy that ran chunk 0 alone.")
+    if same(got[:2], after_forwards(*parts)[:2]):
+        fail("the model's running statistics took every chunk's update one after another, as "
+             "if one module had run the chunks in turn; under nn.DataParallel only replica "
+             "0's update reaches the module.", fix="take them from the copy that ran chunk 0 "
+                                                   "alone.")
+    fail(f"after a training-mode step on {batch} samples over {n} devices, the model's BatchNorm "
+         f"running mean differs from what nn.DataParallel leaves (the update of the forward on "
+         f"chunk 0, its first {c0} samples, alone) by up to "
+         f"{(got[0] - want[0]).abs().max().item():.4f}.",
+         fix="take the buffers from the copy that ran chunk 0.")
 
 
 _PLAIN = ("the lab asks for plain copies (copy.deepcopy), whose gradients no autograd link "
@@ -281,59 +381,65 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
     except TypeError as exc:
         if "NoneType" in str(exc):
             fail(f"dp_forward_backward raised TypeError ({exc}): before its first backward a "
-                 f"parameter's p.grad is None, not zeros — treat None as nothing held yet.")
+                 f"parameter's p.grad is None, not zeros.",
+                 fix="treat None as nothing held yet.")
         fail(f"dp_forward_backward raised TypeError: {exc}")
     except Exception as exc:  # noqa: BLE001
         if len(sizes) < n:
             fail(f"on a batch of {batch} over {n} devices, where scatter gives {len(sizes)} "
-                 f"chunks, dp_forward_backward raised {type(exc).__name__} ({exc}): make one "
-                 f"copy per chunk, not one per device.")
+                 f"chunks, dp_forward_backward raised {type(exc).__name__} ({exc}): the "
+                 f"copies and the chunks were not paired one to one.",
+                 fix="make one copy per chunk, not one per device.")
         fail(f"dp_forward_backward raised {type(exc).__name__}: {exc}")
     _not_yours("dp_forward_backward", called, _PLAIN)
 
     # Did it do data parallelism at all: one forward per chunk, on different copies, on chunks?
     seen = [b for _, b in calls]
     if batch in seen:
-        fail(f"the model ran on the whole batch of {batch} (forward batch sizes {seen}): "
-             f"scatter X first and run each copy on its own chunk.")
+        fail(f"a model ran a forward on the whole batch of {batch} (forward batch sizes "
+             f"{seen}), which no device of DataParallel ever sees.", fix="scatter X first and run each copy on its own "
+                                            "chunk.")
     if len(calls) not in (len(sizes), min(n, batch)):
-        fail(f"{len(calls)} forward pass(es) for {n} devices (batch sizes {seen}): run each "
-             f"copy once, on its chunk.")
+        fail(f"{len(calls)} forward pass(es) for {n} devices (batch sizes {seen}): not one "
+             f"per chunk.", fix="run each copy once, on its chunk.")
     if len({m for m, _ in calls}) != len(calls):
-        fail(f"the {len(calls)} chunks ran through {len({m for m, _ in calls})} model object(s): "
-             f"make one copy per chunk (copy.deepcopy) and run copy i on chunk i — each device "
-             f"holds its own replica, which is what DataParallel is.")
+        fail(f"the {len(calls)} chunks ran through {len({m for m, _ in calls})} model object(s), "
+             f"but each device holds its own replica, which is what DataParallel is.",
+             fix="make one copy per chunk (copy.deepcopy) and run copy i on chunk i.")
 
     got = _grads(learner)
     if all(g is None for g in got):
-        fail("the original model has no gradients: the replicas' gradients must reach the "
-             "original model's parameters (p.grad), which the optimizer steps.")
+        fail("the original model has no gradients: the replicas' gradients stayed on the "
+             "replicas, and the optimizer steps the original's parameters.",
+             fix="put the combined gradient into each p.grad of the original.")
     if any(g is None for g in got):
-        fail("some of the original model's parameters have no gradient: every parameter's "
-             "gradient must reach the original model.")
+        fail("some of the original model's parameters have no gradient: those stayed on the "
+             "replicas.", fix="every parameter's gradient must reach the original model.")
     for g, r in zip(got, ref):
         if g.shape != r.shape:
             fail(f"a gradient has shape {tuple(g.shape)} but its parameter has shape "
-                 f"{tuple(r.shape)}: combine the replicas' gradients element-wise, parameter "
-                 f"by parameter.")
+                 f"{tuple(r.shape)}.", fix="combine the replicas' gradients element-wise, "
+                                           "parameter by parameter.")
     if _close(got, plus_held(ref)):
         pass
     elif held and _close(got, ref):
         fail("the model arrived holding gradients and dp_forward_backward replaced them: the "
              "contract is loss.backward()'s, which adds the new gradient to what p.grad holds "
-             "(so that the caller decides when to clear it, as gradient accumulation needs).")
+             "(so that the caller decides when to clear it, as gradient accumulation needs).",
+             fix="add to what p.grad held.")
     else:
         _diagnose_dp_gradients(got, ref, before if held else None, model, X, y, n, batch, sizes)
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
-            fail(f"dp_forward_backward must return the loss as a number, got a tensor of shape "
-                 f"{tuple(loss.shape)}.")
+            fail(f"dp_forward_backward returned a tensor of shape {tuple(loss.shape)}, not the "
+                 f"loss as one number.", fix="return loss.item().")
         loss = loss.item()
     if not isinstance(loss, (int, float)):
-        fail(f"dp_forward_backward must return the loss (a number), got {type(loss).__name__}.")
+        fail(f"dp_forward_backward returned {type(loss).__name__}, not the loss (a number).",
+             fix="return the loss as a float.")
     if abs(loss - ref_loss.item()) > 1e-4 * max(1.0, abs(ref_loss.item())):
         fail(f"the returned loss {loss:.5f} is not the mean loss on the whole batch "
-             f"({ref_loss.item():.5f}): compute it on the gathered outputs.")
+             f"({ref_loss.item():.5f}).", fix="compute it on the gathered outputs.")
 
 
 def _diagnose_dp_gradients(got, ref, before, model, X, y, n, batch, sizes) -> None:
@@ -349,11 +455,11 @@ def _diagnose_dp_gradients(got, ref, before, model, X, y, n, batch, sizes) -> No
         fail(f"the model lost {len(sizes) - 1} times what it held: you took the held gradient "
              f"out of the copies' sum as if every copy had carried it, but a deep copy of a "
              f"parameter leaves its .grad behind (Parameter.__deepcopy__), so each copy's "
-             f"p.grad holds its share alone.")
+             f"p.grad holds its share alone.", fix="add the copies' sum to what model held.")
     if _close(got, held([r / n for r in ref])):
         fail(f"the gradients are {n} times too small: you averaged the replicas' gradients, "
              f"but with one mean loss over the gathered batch each replica's gradient is "
-             f"already its share, so they must be summed.")
+             f"already its share of the whole.", fix="sum the replicas' gradients.")
 
     def per_chunk(combine):
         m = copy.deepcopy(model)
@@ -365,23 +471,24 @@ def _diagnose_dp_gradients(got, ref, before, model, X, y, n, batch, sizes) -> No
 
     if _close(got, held(per_chunk(sum))):
         fail(f"the gradients are about {n} times too big: a mean loss per chunk, summed over "
-             f"the replicas, counts the batch {n} times — compute one loss on the gathered "
-             f"outputs.")
+             f"the replicas, counts the batch {n} times.",
+             fix="compute one loss on the gathered outputs.")
     if _close(got, held(per_chunk(lambda ls: sum(ls) / len(ls)))):
         fail(f"you averaged the chunks' mean losses, but the chunks are uneven ({sizes}): "
-             f"the samples of the short chunk weigh more. Compute one mean loss on the "
-             f"gathered outputs.")
+             f"the samples of the short chunk weigh more.",
+             fix="compute one mean loss on the gathered outputs.")
     # Only replica 0's share: the gradient of chunk 0's part of the global mean loss.
     only0 = copy.deepcopy(model)
     only0.zero_grad(set_to_none=True)
     (F.cross_entropy(only0(X[:sizes[0]]), y[:sizes[0]], reduction="sum") / batch).backward()
     if _close(got, held(_grads(only0))):
-        fail("the gradients are replica 0's alone: the gradients of all replicas must be "
-             "summed onto the original parameters, not just the first one's copied.")
+        fail("the gradients are replica 0's alone: the other replicas' shares never reached "
+             "the original parameters.", fix="combine every replica's gradient, not just the "
+                                             "first one's.")
     fail(f"the original model's gradients differ from the plain model's on the whole batch "
-         f"({batch} samples, {n} devices){' plus what it held' if before else ''}; check that "
-         f"scatter and gather keep the order of the samples and that every replica's gradient "
-         f"is added.")
+         f"({batch} samples, {n} devices){' plus what it held' if before else ''}, in none of "
+         f"the ways the check knows.", fix="check that scatter and gather keep the order of the "
+                                           "samples and that every replica's gradient is added.")
 
 
 # --- stretch: the copies' forwards in real threads -----------------------------------------
@@ -430,38 +537,41 @@ def check_threaded_apply(threaded_apply) -> None:
              f"{type(out).__name__}" + (f" of length {len(out)}" if hasattr(out, "__len__") else "")
              + ".")
     if any(o is None for o in out):
-        fail("some outputs are still None: threaded_apply returned before its threads finished "
-             "— join every thread before reading the results.")
+        fail("some outputs are still None: threaded_apply returned before its threads "
+             "finished.", fix="join every thread before reading the results.")
     want = [reps[i].factor * inputs[i] for i in range(n)]
     if not all(isinstance(o, torch.Tensor) and torch.equal(o.detach(), w) for o, w in zip(out, want)):
         if all(isinstance(o, torch.Tensor) and torch.equal(o.detach(), w)
                for o, w in zip(out, want[::-1])):
-            fail("the outputs are in the order the threads finished, not in replica order: "
-                 "store each result at its replica's index (results[i] = ...).")
-        fail("output i is not replicas[i](inputs[i]): give each thread its own index and keep "
-             "the pairs together.")
+            fail("the outputs are in the order the threads finished, not in replica order.",
+                 fix="store each result at its replica's index.")
+        fail("output i is not replicas[i](inputs[i]): the replicas and inputs were not kept "
+             "in pairs.", fix="give each thread its own index and keep the pairs together.")
     threads = {tid for _, tid, _, _ in log}
     if threads == {threading.get_ident()}:
-        fail("the replicas ran one after another in the caller's thread: start one thread per "
-             "replica (threading.Thread(target=..., args=(i,)), or a ThreadPoolExecutor).")
+        fail("the replicas ran one after another in the caller's thread, so none ran beside "
+             "another.", fix="start one thread per replica (threading.Thread, or a "
+                             "ThreadPoolExecutor).")
     # Checked before the thread count: a finished thread's id can be reused by the next one.
     spans = sorted((t0, t1) for _, _, t0, t1 in log)
     if not any(spans[i + 1][0] < spans[i][1] for i in range(len(spans) - 1)):
-        fail("the replicas never ran at the same time: start every thread (or submit every "
-             "task) before waiting for any of them, then join them all.")
+        fail("the replicas each had a thread but never ran at the same time: each thread was "
+             "waited for before the next one started.", fix="start every thread (or submit every "
+                                                     "task) before waiting for any of them.")
     if len(threads) < n:
-        fail(f"the {n} replicas ran in {len(threads)} thread(s), so some waited for others: give "
-             f"each replica a thread of its own.")
+        fail(f"the {n} replicas ran in {len(threads)} thread(s), so some waited for others.",
+             fix="give each replica a thread of its own.")
     if not all(o.requires_grad for o in out):
-        fail("the outputs carry no autograd graph: grad mode is per thread in torch, so a thread "
-             "must switch it to the caller's setting (torch.set_grad_enabled(...)).")
+        fail("the outputs carry no autograd graph although the caller records one: grad mode "
+             "is per thread in torch, and your threads did not run with the caller's.",
+             fix="set the caller's grad mode inside each thread (torch.set_grad_enabled).")
     with torch.no_grad():
         quiet = threaded_apply([_Timed(1, 0.0, []) for _ in range(2)],
                                [torch.ones(2), torch.ones(2)])
     if any(o.requires_grad for o in quiet):
         fail("called under torch.no_grad(), the threads still recorded a graph: grad mode is "
-             "per thread in torch — read torch.is_grad_enabled() in the caller and set it in "
-             "each thread with torch.set_grad_enabled(...).")
+             "per thread in torch, and a new thread starts with it on.",
+             fix="read torch.is_grad_enabled() in the caller and set it in each thread.")
     broken = [_Timed(1, 0.0, []), _Timed(2, 0.0, [], fail_with="replica 1 broke")]
     try:
         threaded_apply(broken, [torch.ones(2), torch.ones(2)])
@@ -473,7 +583,8 @@ def check_threaded_apply(threaded_apply) -> None:
                  f"{type(exc).__name__}: {exc}")
     else:
         fail("a replica raised an error in its thread and threaded_apply returned as if "
-             "nothing happened: keep the exception and raise it in the caller after join.")
+             "nothing happened: an exception ends its thread, not the caller.",
+             fix="keep the exception and raise it in the caller after join.")
     _check_several_errors(threaded_apply)
     passed(f"threaded_apply ran {n} replicas at the same time in {n} threads, kept their order, "
            f"the caller's grad mode, and their errors (the lowest replica's first)")
