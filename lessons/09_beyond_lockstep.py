@@ -254,20 +254,8 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 viz.show_code(async_sgd.SimulatedServer)
 
 # %% [markdown]
-# ## Lab 09: the asynchronous worker loop
-# Before reading on, open [lab09_async_worker](../labs/lab09_async_worker.ipynb): you first
-# write by hand the server calls that make gradient k update k, computed on version
-# max(0, k − τ), then the loop that makes them; its stretch is the staleness-aware step. The folded cell below holds the library's answer to
-# both.
-
-# %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below).
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(async_sgd.async_worker_loop, async_sgd.StalenessAwareServer)
-
-# %% [markdown]
-# The runs below use that loop through `run_stale`, against `plain_sgd`, torch's own SGD:
+# The runs below drive the simulator through `run_stale`, with the library's worker loop (its
+# source waits, folded, after this section's lab pointer), against `plain_sgd`, torch's own SGD:
 
 # %%
 viz.show_code(async_sgd.run_stale, async_sgd.plain_sgd)
@@ -372,7 +360,22 @@ claim("the smallest τ that diverges shrinks (or stays) as the step grows: "
 # lockstep DDP, whose τ is always 0, took over once all-reduce made lockstep cheap. The
 # staleness-aware step is safe but slow at large τ: it shrinks every stale step, good ones
 # too.
-#
+
+# %% [markdown]
+# ## Lab 09: the asynchronous worker loop
+# Before reading on, open [lab09_async_worker](../labs/lab09_async_worker.ipynb): you first
+# write by hand the server calls that make gradient k update k, computed on version
+# max(0, k − τ), then the loop that makes them, and predict a row the table above does not
+# have; its stretch is the staleness-aware step. The folded cell below holds the library's
+# answer to both.
+
+# %% [markdown]
+# **▶ The reference answer — open after your lab passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(async_sgd.async_worker_loop, async_sgd.StalenessAwareServer)
+
+# %% [markdown]
 # ## 3. Local SGD: average the weights every H steps
 # The opposite trade: keep the lockstep, but talk less. Each rank takes H SGD steps on its
 # own shards, then the ranks average their **weights** with one all-reduce (Stich 2019;

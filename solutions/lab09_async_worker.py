@@ -49,11 +49,12 @@ torch.set_num_threads(1)
 # The simulator lets one worker play all of them: keeping τ = N − 1 of its own gradients in
 # flight, it makes τ updates land between computing a gradient and applying it.
 #
-# One worker, τ = 2, five batches (0 … 4). Write the sequence of server calls a loop keeping
-# the contract makes, as a list: `("pull", v)` for a pull that returns version v, and
-# `("push", k, v)` for pushing the gradient of batch k with version v. Work it out from the
-# equation: which version must gradient k's weights have, so when can its pull happen, and
-# when must it land to be update k?
+# **Your deliverable:** one worker, τ = 2, five batches (0 … 4). Write the sequence of server
+# calls a loop keeping the contract makes, as a list: `("pull", v)` for a pull that returns
+# version v, and `("push", k, v)` for pushing the gradient of batch k with version v. Work it
+# out from the equation, on paper: which version must gradient k's weights have, so when can
+# its pull happen, and when must it land to be update k? Part 2's check holds your loop to
+# *this* trace: the loop is your trace, written for any τ.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -66,9 +67,9 @@ torch.set_num_threads(1)
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The versions the pulls return are fixed by the equation (0, 0, 0, 1, 2 for batches 0 … 4),
-# and a version only moves when a push lands. So the pushes fall between the pulls: none before
-# batch 2's pull, one between each later pair, and the rest after the last pull.
+# The equation fixes the version each batch's pull must return, and a version only moves when
+# a push lands. So the number of pushes between two pulls is the difference of their versions;
+# whatever has not landed by the last pull lands after it.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the answer**
@@ -91,16 +92,30 @@ lab09.check_trace(my_trace)
 # ## 2. The loop
 #
 # Now the loop that makes those calls for any τ and any number of batches (τ may exceed the
-# number of batches). Two things your trace did not have to face, and the loop must:
+# number of batches).
+#
+# **Contract.** `async_worker_loop(server, compute_gradient, batches, tau)` returns nothing;
+# it calls only
+#
+# - `server.pull()` → `(w, version)`: a copy of the weights (a tensor) and their version (an
+#   int);
+# - `server.push(grad, version)`: a gradient and the version of the weights it was computed on;
+# - `compute_gradient(w, batch)` → the gradient of the loss on `batch` at the weights `w`, a
+#   tensor shaped like `w` (weights first, then the batch).
+#
+# It keeps the three rules at the top of this lab. Two things your trace did not have to face,
+# and the loop must:
 #
 # - it shares the server: other workers' updates may land between any two of its calls, so
 #   the server's versions no longer follow your loop's own pushes;
 # - `batches` may be any iterable read once — a stream whose length is unknown until it runs
 #   out.
 #
-# The check runs it for several τ with a spy server and a spy `compute_gradient` that see
-# which weights and which batch each gradient came from, and when; then beside two other
-# workers with the batches as a one-pass iterator; and replays the reference.
+# The check first runs your loop for τ = 2 and five batches and holds its calls to your trace
+# from part 1, call by call. Then it runs it for several τ with a spy server and a spy
+# `compute_gradient` that see which weights and which batch each gradient came from, and when;
+# then beside two other workers with the batches as a one-pass iterator; and replays the
+# reference.
 #
 # **Your design decision:** what your loop keeps about each gradient between computing and
 # pushing it, and how it knows which ones are still owed to the server when the stream ends.
@@ -149,7 +164,7 @@ def async_worker_loop(server, compute_gradient, batches, tau):
 
 
 # %%
-lab09.check_async_worker(async_worker_loop)
+lab09.check_async_worker(async_worker_loop, my_trace)   # held to your part-1 trace first
 
 # %% [markdown]
 # ## 3. Predict, then measure
@@ -198,28 +213,32 @@ lab09.check_prediction(guess, losses, start_loss)
 # A workshop can stop here. Lesson 09 found that stale gradients diverge at a step size
 # that fresh ones tolerate. Zhang et al. (2016, "Staleness-aware async-SGD for distributed
 # deep learning") scale each step by the gradient's staleness s: a gradient s updates stale
-# takes the step lr / s; a fresh one (s = 0) takes the full lr, and so does one a single update
-# stale (s = 1: lr / 1).
+# (s ≥ 1) takes the step lr / s.
 #
 # Write `push` for a server that does it: a `SimulatedServer` (its source is in lesson 09)
 # with only the size of the step changed. Everything else its `push` does — what it records,
 # what it counts — must still happen. The check runs it under the reference loop for τ = 0, 2
 # and 5 and names the scaling rules people get wrong.
+#
+# **Your design decision:** lr / s has no value for a fresh gradient (s = 0). Decide the step
+# a fresh gradient takes, and be ready to say why: which runs have fresh gradients, and what
+# should those runs be?
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Read `SimulatedServer.push` in lesson 09: which of its lines decide the size of the step, and
-# which keep the server's books? What is the staleness of a fresh gradient, and what happens if
-# you divide by it?
+# which keep the server's books? In a run with τ = 0, what is every gradient's staleness, and
+# what does part 1's contract say that run is?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Keep every line of the parent's push; change only the factor in front of the gradient, so
-# that a staleness of 0 or 1 gives the full lr and a staleness of s > 1 gives lr / s.
+# Keep every line of the parent's push; change only the factor in front of the gradient. A
+# fresh gradient is as good as a gradient gets: no rule that shrinks stale steps should give it
+# less than a gradient one update stale — nor divide by zero.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**

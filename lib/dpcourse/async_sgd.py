@@ -494,7 +494,7 @@ def async_worker_loop(server, compute_gradient, batches, tau: int) -> None:
 def plain_sgd(model: nn.Module, problem: Problem, lr: float, batches) -> torch.Tensor:
     """The reference: torch's SGD on the model, batch after batch. Returns the flat weights.
 
-    Shown in lesson 09, §"Lab 09: the asynchronous worker loop".
+    Shown in lesson 09, §2.
     """
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for indices in batches:
@@ -509,7 +509,7 @@ def run_stale(problem: Problem, tau: int, lr: float, batches, seed: int = 0,
     """Train the MLP from ``seed`` with every gradient τ updates late; the test loss and
     accuracy after the budget, the final weights, the staleness of every update.
 
-    Shown in lesson 09, §"Lab 09: the asynchronous worker loop".
+    Shown in lesson 09, §2.
     """
     model = make_model(seed=seed)
     server = server_cls(flat_params(model), lr)
