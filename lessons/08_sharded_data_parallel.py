@@ -156,8 +156,8 @@ zero_calculator = viz.explorer(
 # ## Lab 08: ZeRO-2 that earns its memory
 # Open [lab08_zero_two](../labs/lab08_zero_two.ipynb) and write stage 2 the way that lowers
 # the peak: the gradients, grouped in buckets (lesson 07), leave the rank *during* the
-# backward, which must not wait for them; what to keep in flight is yours to decide, as long
-# as about two buckets of gradient at most are alive at once. The check weighs the gradient
+# backward, which must not wait for them; what to keep in flight, and when to wait for it, is
+# yours to decide under the memory bound the lab states. The check weighs the gradient
 # memory alive at every arrival, and you predict the peak before you measure it. Try it before
 # you open the library's stages below: their code holds the pieces the lab asks you to find
 # (the shard's bounds, the reduce-scatter, the all-gather after the step), so it is folded.

@@ -273,8 +273,8 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 # ## Lab 11: write the column and row layers
 # Open [lab11_tensor_parallel](../labs/lab11_tensor_parallel.ipynb) and write the two
 # autograd operations and the two layers, then the MLP, on 2 and 3 ranks. Decide for each
-# operation which pass communicates, along which dimension each weight is cut, and where the
-# biases go. The library's answer is folded below, and so is everything in the rest of this
+# operation which pass communicates and along which dimension each weight is cut (each
+# written down with its reason before the code runs), and where the biases go. The library's answer is folded below, and so is everything in the rest of this
 # lesson that would give it away (how the check below compares the shards, torch's
 # placements, where torch puts f and g).
 
@@ -685,9 +685,12 @@ claim(f"torch's (parallelize_module + fully_shard) == one device after {cfg.step
 # lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show(viz.mesh_2d_figure(mesh_runs),
-         "Four ranks as a 2 × 2 mesh: each holds its tensor-parallel slice of each weight "
-         "(section 2), of which FSDP2 keeps half, cut along dim 0.")
+viz.show(viz.mesh_2d_figure(mesh_runs, cfg.d, cfg.h),
+         "Read a row of the mesh, then a column: the two ranks of a row hold different blocks "
+         "of each weight and all-reduce activations with each other (tp group); the two "
+         "ranks of a column hold the same block and split it in half between steps, so they "
+         "all-gather it and reduce-scatter its gradient (dp group). Bytes: the last step's, "
+         "on each rank.")
 
 # %% [markdown]
 # **▶ One step's traffic on the mesh, each collective counted and explained — open after your
@@ -816,9 +819,20 @@ claim(f"a tensor size that does not divide the node's {cluster.gpus_per_node} GP
       across["tp_link"] == cluster.inter_bw and across["time_s"] > 1.3 * pub["time_s"])
 
 # %%
-viz.show(viz.planner_figure(options, published, 80),
-         "Every configuration that fits the 145.6-B model on 1536 A100s: the fastest estimates "
-         "use t = 8 (one node); the published t = 8, p = 8 (circled) sits among them.")
+shown = list(best_per_t.values()) + [pub]
+labels = [f"best t = {r['tp']}: p = {r['pp']}, d = {r['dp']}, {r['stage']}"
+          for r in best_per_t.values()] + [f"published: t = {pub['tp']}, p = {pub['pp']}, "
+                                           f"d = {pub['dp']}, {pub['stage']}"]
+fill = [r["compute_s"] * r["bubble"] for r in best_per_t.values()]
+claim("every configuration computes the same flops in the same time; what the best row of "
+      f"each t loses to the pipeline's fill and drain falls as t grows: "
+      f"{', '.join(f'{s:.1f}' for s in fill)} s",
+      len({round(r["compute_s"], 9) for r in options}) == 1 and fill == sorted(fill, reverse=True))
+viz.show(viz.planner_figure(shown, labels, cluster.gpu_bytes / 1e9, cluster),
+         "Where the planner's ranking comes from: the compute (dark grey) is the same for "
+         "every row; small t leaves the GPUs to pipeline stages, whose fill and drain (light "
+         "grey) dominates what differs, while t = 8's all-reduces (red) stay inside a node. "
+         "Left: each row's memory per GPU against the 80 GB.")
 
 # %% [markdown]
 # Among the fastest, the estimates differ by fractions of a second: the compute is the same
@@ -1013,6 +1027,9 @@ viz.quiz([
 #   `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`;
 #   `GradBucket.buffer()` (`torch/distributed/__init__.py` exports it from C++): the flat
 #   bucket of this rank's gradients, before the all-reduce.
+# - `torch/nn/modules/linear.py` — `Linear.__init__` (the shape it gives `weight`: which
+#   dimension holds which features is lab 11's part 3, so it is not restated here) and
+#   `Linear.forward` (`F.linear(input, self.weight, self.bias)`).
 # - `torch/autograd/function.py` — `Function` (static `forward(ctx, ...)` and
 #   `backward(ctx, grad)`).
 # - `torch/autograd/graph.py` — `saved_tensors_hooks`: `pack` sees every tensor saved for the

@@ -240,69 +240,117 @@ def bubble_figure(stages: int = 4, micro_batches: int = 4, schedule: str = "gpip
     return fig
 
 
-def mesh_2d_figure(results):
-    """The 2 × 2 mesh: one box per rank at its (dp, tp) coordinates with the shapes it holds
-    (its tensor-parallel slice, then FSDP2's half of it), the tensor-parallel all-reduce
-    along each row and FSDP2's all-gather / reduce-scatter along each column.
-    Shown in lesson 11, §4."""
-    from matplotlib.patches import FancyBboxPatch
+def _held_block(full: tuple, tp_shape: tuple, local: tuple, tp_rank: int, dp_rank: int):
+    """Where a rank's pieces of one weight sit in the plain weight, from the run's shapes: the
+    tensor-parallel slice (the dimension whose size shrank, offset by the tp coordinate) and,
+    inside it, FSDP2's shard (its dimension 0, offset by the dp coordinate). Each as
+    (row0, rows, col0, cols)."""
+    cut = next(d for d in range(2) if tp_shape[d] != full[d])
+    start = [0, 0]
+    start[cut] = tp_rank * tp_shape[cut]
+    tp_box = (start[0], tp_shape[0], start[1], tp_shape[1])
+    shard_box = (start[0] + dp_rank * local[0], local[0], start[1], local[1])
+    return tp_box, shard_box
 
-    fig = new_figure(7.6, 4.4)
-    ax = fig.add_subplot(1, 1, 1)
-    for rank, r in enumerate(results):
-        i, j = r["coords"]
-        x, y = j * 3.6, -i * 2.2
-        ax.add_patch(FancyBboxPatch((x, y), 3.0, 1.6, boxstyle="round,pad=0.05",
-                                    fc=_RANK_COLOURS[rank], alpha=0.25, ec="k"))
-        lines = [f"rank {rank}: dp {i}, tp {j}", "tensor-parallel slice → FSDP2 keeps"] + [
-            f"{name}: {full} → {local}" for name, (full, local) in r["held"].items()]
-        ax.text(x + 0.1, y + 1.5, "\n".join(lines), va="top", fontsize=7, family="monospace")
-    for i in range(2):
-        ax.annotate("", xy=(3.6, -i * 2.2 + 0.8), xytext=(3.0, -i * 2.2 + 0.8),
-                    arrowprops=dict(arrowstyle="<->", color="#d62728", lw=2))
-        ax.text(3.3, -i * 2.2 + 1.0, "tp:\nall-reduce", ha="center", fontsize=7,
-                color="#d62728")
-    for j in range(2):
-        ax.annotate("", xy=(j * 3.6 + 1.5, -0.05), xytext=(j * 3.6 + 1.5, -0.55),
-                    arrowprops=dict(arrowstyle="<->", color="#1f77b4", lw=2))
-        ax.text(j * 3.6 + 1.65, -0.35, "dp: all-gather,\nreduce-scatter", va="center",
-                fontsize=7, color="#1f77b4")
-    ax.set_xlim(-0.2, 6.8)
-    ax.set_ylim(-2.4, 1.8)
-    ax.axis("off")
-    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.99)
+
+def mesh_2d_figure(results, d: int, h: int):
+    """The 2 × 2 mesh as it ran: one panel per rank at its (dp, tp) coordinates, drawing the
+    plain MLP's two weights (W1 of h × d, W2 of d × h) with the block the rank holds during
+    its forward and backward (its tensor-parallel slice, light) and the part FSDP2 keeps
+    between steps (dark) — both placed from the run's own shapes and coordinates; between the
+    panels, the group each collective runs in and the bytes it moved in the last step.
+    Shown in lesson 11, §4."""
+    from matplotlib.patches import Rectangle
+
+    fig = new_figure(8.0, 5.6)
+    by_coords = {tuple(r["coords"]): (rank, r) for rank, r in enumerate(results)}
+    scale = 1.0 / max(d, h)
+    for (i, j), (rank, r) in sorted(by_coords.items()):
+        ax = fig.add_axes([0.04 + 0.5 * j, 0.53 - 0.47 * i, 0.40, 0.36])
+        x0 = 0.0
+        for name, full in (("up.weight", (h, d)), ("down.weight", (d, h))):
+            tp_shape, local = r["held"][name]
+            tp_box, shard_box = _held_block(full, tp_shape, local, j, i)
+            height, width = full[0] * scale, full[1] * scale
+            ax.add_patch(Rectangle((x0, 0), width, height, fill=False, ec="k", lw=0.8))
+            for (r0, nr, c0, nc), alpha in ((tp_box, 0.25), (shard_box, 0.85)):
+                ax.add_patch(Rectangle((x0 + c0 * scale, height - (r0 + nr) * scale),
+                                       nc * scale, nr * scale, fc=_RANK_COLOURS[rank],
+                                       alpha=alpha, lw=0))
+            label = "W1" if name == "up.weight" else "W2"
+            ax.text(x0 + width / 2, height + 0.03, f"{label} {full[0]}×{full[1]}: "
+                    f"{local[0]}×{local[1]} kept", ha="center", fontsize=7)
+            x0 += width + 0.15
+        ax.set_xlim(-0.05, x0)
+        ax.set_ylim(-0.05, 1.15)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        ax.set_title(f"rank {rank}  (dp {i}, tp {j})", fontsize=9)
+    last = {rank: r["traffic"][-1] for rank, r in enumerate(results)}
+
+    def moved(rank, dim, op):
+        return sum(out for dm, o, _, _, out in last[rank] if dm == dim and o == op)
+
+    for i in range(2):                       # a row of the mesh: one tensor-parallel group
+        ranks = [by_coords[(i, j)][0] for j in range(2)]
+        fig.text(0.5, 0.53 - 0.47 * i + 0.18, f"tp group {ranks}\nall-reduce\n"
+                 f"{moved(ranks[0], 'tp', 'all_reduce')} B", ha="center", va="center",
+                 fontsize=7, color="#d62728")
+    for j in range(2):                       # a column: one data-parallel (FSDP2) group
+        ranks = [by_coords[(i, j)][0] for i in range(2)]
+        fig.text(0.24 + 0.5 * j, 0.495, f"dp group {ranks}: all-gather "
+                 f"{moved(ranks[0], 'dp', 'all_gather')} B, reduce-scatter "
+                 f"{moved(ranks[0], 'dp', 'reduce_scatter')} B", ha="center", va="center",
+                 fontsize=7, color="#1f77b4")
+    fig.text(0.5, 0.015, "light: the rank's tensor-parallel slice, whole during its forward and "
+             "backward;  dark: the part FSDP2 keeps between steps", ha="center", fontsize=7)
     return fig
 
 
-def planner_figure(rows, published: dict, gpu_gb: float):
-    """Every fitting configuration the planner found: estimated seconds per step against
-    memory per GPU, marked by its tensor × pipeline sizes; the published one circled.
-    Shown in lesson 11, §5."""
-    fig = new_figure(7.2, 3.8)
-    ax = fig.add_subplot(1, 1, 1)
-    markers = {"ddp": "o", "zero1": "s", "zero2": "D", "zero3": "^"}
-    tps = sorted({r["tp"] for r in rows})
-    for r in rows:
-        colour = _RANK_COLOURS[tps.index(r["tp"]) % 8]
-        ax.scatter(r["total_bytes"] / 1e9, r["time_s"], marker=markers[r["stage"]], color=colour,
-                   s=18, alpha=0.8)
-    for tp in tps:
-        ax.scatter([], [], color=_RANK_COLOURS[tps.index(tp) % 8], label=f"t = {tp}", s=18)
-    for stage, mk in markers.items():
-        if any(r["stage"] == stage for r in rows):
-            ax.scatter([], [], marker=mk, color="k", label=stage, s=18)
-    pub = [r for r in rows if (r["tp"], r["pp"], r["stage"]) ==
-           (published["tp"], published["pp"], "ddp")]
-    for r in pub:
-        ax.scatter(r["total_bytes"] / 1e9, r["time_s"], s=160, facecolors="none",
-                   edgecolors="k", lw=1.5)
-        ax.annotate(f"published: t={r['tp']}, p={r['pp']}, d={r['dp']}",
-                    (r["total_bytes"] / 1e9, r["time_s"]), textcoords="offset points",
-                    xytext=(10, 12), fontsize=8)
-    ax.axvline(gpu_gb, color="k", ls="--", lw=1)
-    ax.set_xlabel("memory per GPU (GB)")
-    ax.set_ylabel("estimated seconds per step")
-    ax.legend(fontsize=7, ncol=2, loc="upper right")
-    ax.grid(True, alpha=0.3)
-    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.13, top=0.96)
+def planner_figure(rows, labels, gpu_gb: float, cluster):
+    """The planner's choice, part by part: for each configuration in ``rows`` (``labels``
+    name them), the memory per GPU it computed (model states, activations, ZeRO-3's gathered
+    layers) beside the GPU's size, and its step estimate split into compute, the pipeline's
+    fill and drain, and each dimension's transfers at its link's speed (the parts add up to
+    ``time_s``). Shown in lesson 11, §5."""
+    from ..planner import within_nodes
+
+    fig = new_figure(8.4, 4.4)
+    ax_mem, ax_time = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    ys = list(range(len(rows)))[::-1]
+    g = cluster.gpus_per_node
+    for y, r in zip(ys, rows):
+        left = 0.0
+        for key, colour, name in (("state_bytes", "#1f77b4", "model states"),
+                                  ("activation_bytes", "#ff7f0e", "activations"),
+                                  ("working_bytes", "#2ca02c", "gathered layers (ZeRO-3)")):
+            ax_mem.barh(y, r[key] / 1e9, left=left, color=colour, label=name if y == ys[0]
+                        else None)
+            left += r[key] / 1e9
+        n = r["tp"] * r["pp"] * r["dp"]
+        pp_link = cluster.intra_bw if within_nodes(r["tp"] * r["pp"], g) else cluster.inter_bw
+        dp_link = cluster.intra_bw if within_nodes(n, g) else cluster.inter_bw
+        parts = (("compute", r["compute_s"], "#7f7f7f"),
+                 ("pipeline fill and drain", r["compute_s"] * r["bubble"], "#c7c7c7"),
+                 ("tp transfers", r["tp_bytes"] / r["tp_link"], "#d62728"),
+                 ("pp transfers", r["pp_bytes"] / pp_link, "#9467bd"),
+                 ("dp transfers", r["dp_bytes"] / dp_link, "#8c564b"))
+        left = 0.0
+        for name, seconds, colour in parts:
+            ax_time.barh(y, seconds, left=left, color=colour, label=name if y == ys[0]
+                         else None)
+            left += seconds
+    ax_mem.axvline(gpu_gb, color="k", ls="--", lw=1)
+    ax_mem.text(gpu_gb, ys[0] + 0.6, f" {gpu_gb:.0f} GB", fontsize=7, va="center")
+    for ax in (ax_mem, ax_time):
+        ax.set_yticks(ys)
+        ax.set_ylim(-0.7, len(rows) - 0.1)
+        ax.grid(True, axis="x", alpha=0.3)
+    ax_mem.set_yticklabels(labels, fontsize=7)
+    ax_time.set_yticklabels([])
+    ax_mem.set_xlabel("memory per GPU (GB)")
+    ax_time.set_xlabel("estimated seconds per step")
+    ax_mem.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
+    ax_time.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
+    fig.subplots_adjust(left=0.25, right=0.98, bottom=0.3, top=0.96, wspace=0.08)
     return fig
