@@ -471,3 +471,25 @@ def eval_restoring_every_module(model, loader, loss_fn, device):
 def test_right_as_found_variant_passes(capsys):
     lab01.check_evaluate(eval_restoring_every_module, leaves="as found")
     assert capsys.readouterr().out.count("✔") == 1
+
+
+# --- cause first: the fix joins the sentence only when the same mistake comes back ------------
+
+def test_cause_first_the_fix_on_the_second_meeting():
+    with pytest.raises(LabCheckError) as first:
+        lab01.check_train_one_epoch(no_zero_grad)
+    assert "leaked into each step" in str(first.value), str(first.value)
+    assert "Run the check again" in str(first.value) and "zero_grad()" not in str(first.value)
+    with pytest.raises(LabCheckError) as second:
+        lab01.check_train_one_epoch(no_zero_grad)
+    assert "optimizer.zero_grad()" in str(second.value), str(second.value)
+
+
+def test_prediction_explanation_fits_the_labs_model(capsys):
+    from dpcourse.checks import predict
+
+    guess = predict("lab01", lab01.PREDICTION_QUESTION, "evaluate's",
+                    choices=lab01.PREDICTION_CHOICES)
+    lab01.check_prediction(guess, 1.9, 1.2)
+    out = capsys.readouterr().out
+    assert "train_one_epoch's" in out and "dropout is 0" in out, out

@@ -70,13 +70,16 @@ def _as_number(value, what: str) -> float:
     __tracebackhide__ = True
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            fail(f"{what} returned a tensor of shape {tuple(value.shape)}; return one number.")
+            fail(f"{what} returned a tensor of shape {tuple(value.shape)}, not one number.",
+                 fix="return one number, a Python float.")
         if value.requires_grad:
-            fail(f"{what} returned a tensor that still carries its autograd graph: return "
-                 f"loss.item() (a Python float), or every batch's graph stays in memory.")
+            fail(f"{what} returned a tensor that still carries its autograd graph, so every "
+                 f"batch's graph it was built from stays in memory.",
+                 fix="return a Python float (.item()).")
         value = value.item()
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        fail(f"{what} returned {type(value).__name__}; return a number.")
+        fail(f"{what} returned {type(value).__name__}, not a number.",
+             fix="return a Python float.")
     return float(value)
 
 
@@ -85,7 +88,7 @@ def _as_number(value, what: str) -> float:
 def _library(name: str, fn) -> str:
     return (f"{name} is the library's own dpcourse.train.{name} (passed directly or called by "
             f"your function): the lab asks for your own loop, so the check would only be "
-            f"comparing the reference with itself — write the body yourself.")
+            f"comparing the reference with itself.")
 
 
 def is_library_function(fn, ref) -> bool:
@@ -106,7 +109,7 @@ def _refuse_library(fn, ref, name: str) -> None:
     if not callable(fn) or isinstance(fn, type):
         fail(f"the check needs your function itself ({name}), got {type(fn).__name__}.")
     if is_library_function(fn, ref):
-        fail(_library(name, fn))
+        fail(_library(name, fn), fix="write the body yourself.")
 
 
 @contextlib.contextmanager
@@ -182,17 +185,20 @@ def _check_train_once(train_one_epoch, setup) -> None:
     with library_calls(reference.train_one_epoch) as called:
         got = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, "cpu")
     if called:
-        fail(_library("train_one_epoch", train_one_epoch))
+        fail(_library("train_one_epoch", train_one_epoch), fix="write the body yourself.")
 
     if not spy.training:
-        fail("train_one_epoch never called the model: loop over the loader and run model(X).")
+        fail("train_one_epoch never called the model, so nothing was trained.",
+             fix="loop over the loader and run model(X) on each batch.")
     if not all(spy.training):
         fail("train_one_epoch ran the model in eval mode, so dropout was off while it trained: "
              "the model arrived in eval mode (as it may straight after an evaluation), and a "
-             "training function cannot rely on the mode its caller left.")
+             "training function cannot rely on the mode its caller left.",
+             fix="put the model in training mode at the start of the function.")
     if len(spy.training) != math.ceil(n / batch):
         fail(f"train_one_epoch called the model {len(spy.training)} times for "
-             f"{math.ceil(n / batch)} batches: one forward pass per batch.")
+             f"{math.ceil(n / batch)} batches, so its steps and the batches do not match one "
+             f"to one.", fix="one forward pass per batch.")
     got_params = _params(model)
 
     ref_model, ref_loader = _setup(*setup)
@@ -202,15 +208,20 @@ def _check_train_once(train_one_epoch, setup) -> None:
     if not _same(got_params, _params(ref_model)):
         if _same(got_params, start):
             fail("the weights did not change: no optimizer step ever used a gradient (backward "
-                 "only fills p.grad; the weights move when the optimizer steps with it).")
+                 "only fills p.grad; the weights move when the optimizer steps with it).",
+                 fix="call optimizer.step() after each backward.")
         if _same(got_params, _run(_train_variant, setup, zero_grad=False)):
             fail("gradients from earlier batches leaked into each step: backward adds into "
-                 "p.grad, and nothing cleared what the previous batch left there.")
+                 "p.grad, and nothing cleared what the previous batch left there.",
+                 fix="clear the gradients (optimizer.zero_grad()) before each backward.")
         if _same(got_params, _run(_train_variant, setup, reduction="sum")):
             fail("the loss you backpropagate is summed over the batch, so the step grows with "
-                 "the batch size: use the mean (CrossEntropyLoss's default reduction).")
-        fail("after one epoch your weights differ from the reference: each batch's step must "
-             "use the gradient of that batch's mean loss alone, one step per batch.")
+                 "the batch size.",
+                 fix="backpropagate the mean (CrossEntropyLoss's default reduction).")
+        fail("after one epoch your weights differ from the reference's, in none of the ways "
+             "the check knows (a missing zero_grad or step, a summed loss).",
+             fix="each batch's step must use the gradient of that batch's mean loss alone, one "
+                 "step per batch.")
 
     got = _as_number(got, "train_one_epoch")
     if math.isclose(got, want, rel_tol=1e-5):
@@ -221,18 +232,22 @@ def _check_train_once(train_one_epoch, setup) -> None:
                                    torch.optim.SGD(ref_model.parameters(), lr=0.1))
     total = sum(l * s for l, s in zip(losses, sizes))
     if math.isclose(got, sum(losses), rel_tol=1e-5):
-        fail("you returned the sum of the batch losses: return the mean loss per sample.")
+        fail(f"you returned the sum of the batch losses ({got:.4f}), a number that grows with "
+             f"the number of batches.", fix="return the mean loss per sample.")
     if math.isclose(got, sum(losses) / len(losses), rel_tol=1e-5):
         fail("you averaged the per-batch means, but the last batch is smaller, so each of its "
              "samples counted for more than a sample of a full batch: a mean per sample counts "
-             "every sample once.")
+             "every sample once.", fix="weight each batch's loss by its number of samples.")
     if math.isclose(got, total, rel_tol=1e-5):
-        fail("you returned the total loss over all samples, not the mean per sample.")
+        fail("you returned the total loss over all samples, not the mean per sample.",
+             fix="divide by the number of samples the epoch saw.")
     if math.isclose(got, total / (len(losses) * batch), rel_tol=1e-5):
         fail("you divided by (number of batches × batch size), but the last batch is short: "
-             "that count includes samples the epoch never saw.")
+             "that count includes samples the epoch never saw.",
+             fix="count the samples as the batches come.")
     if math.isclose(got, losses[-1], rel_tol=1e-5):
-        fail("you returned only the last batch's loss: return the mean over the whole epoch.")
+        fail("you returned only the last batch's loss, which says nothing of the epoch's other "
+             "batches.", fix="return the mean loss per sample over the whole epoch.")
     fail(f"train_one_epoch returned {got:.4f} on {n} samples in batches of {batch}; the mean "
          f"loss per sample is {want:.4f} (does your answer use a number that fits only another "
          f"data set, such as a fixed sample count?)")
@@ -284,24 +299,28 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
     with library_calls(reference.evaluate) as called:
         result = evaluate(model, loader, nn.CrossEntropyLoss(), "cpu")
     if called:
-        fail(_library("evaluate", evaluate))
+        fail(_library("evaluate", evaluate), fix="write the body yourself.")
     after = _modes(model)
 
     if not spy.training:
-        fail("evaluate never called the model: loop over the loader and run model(X).")
+        fail("evaluate never called the model, so it measured nothing.",
+             fix="loop over the loader and run model(X) on each batch.")
     if any(spy.training):
         fail("evaluate ran the model in training mode, so dropout was still on while it "
-             "measured: a test-time measurement needs the test-time behaviour of every layer.")
+             "measured: a test-time measurement needs the test-time behaviour of every layer.",
+             fix="switch the model to eval mode before the first forward.")
     if any(spy.grad):
         fail("evaluate let autograd record a graph that nothing ever backpropagates through: "
-             "memory and time spent on every forward for nothing.")
+             "memory and time spent on every forward for nothing.",
+             fix="run the loop under torch.no_grad().")
     if not _same(_params(model), before):
-        fail("evaluate changed the weights: evaluation must never step the optimizer.")
+        fail("evaluate changed the weights, but a measurement must leave the model as it "
+             "found it.", fix="no backward and no optimizer step in evaluate.")
     arrived = "training" if arrives_training else "eval"
     if len(after) > 1:
         fail("evaluate left the model with some layers in training mode and others in eval "
-             "mode: set the mode of the whole model (model.train(...) / model.eval() reach "
-             "every submodule).")
+             "mode.", fix="set the mode of the whole model (model.train(...) / model.eval() "
+                         "reach every submodule).")
     if leaves == "eval" and after != {False}:
         fail(f"you decided that evaluate leaves the model in eval mode, but a model handed over "
              f"in {arrived} mode came back in training mode: your function and your decision "
@@ -310,9 +329,12 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
         came = "training" if True in after else "eval"
         fail(f"you decided that evaluate leaves the model in the mode it found, but a model "
              f"handed over in {arrived} mode came back in {came} mode: the mode it arrived in "
-             f"was lost on the way.")
+             f"was lost on the way.",
+             fix="read model.training before you change the mode, and restore it before "
+                 "returning.")
     if not isinstance(result, (tuple, list)) or len(result) != 2:
-        fail(f"evaluate returned {type(result).__name__}; return a pair (mean_loss, accuracy).")
+        fail(f"evaluate returned {type(result).__name__}, not a pair.",
+             fix="return a pair (mean_loss, accuracy).")
     loss = _as_number(result[0], "evaluate's loss")
     acc = _as_number(result[1], "evaluate's accuracy")
 
@@ -328,24 +350,30 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
     if not math.isclose(acc, want_acc, rel_tol=1e-6):
         if acc == correct:
             fail("accuracy is the number of correct predictions, not the fraction of samples "
-                 "predicted right (a float in [0, 1]).")
+                 "predicted right (a float in [0, 1]).",
+                 fix="divide the count by the number of samples.")
         if math.isclose(acc, 100 * want_acc, rel_tol=1e-6):
-            fail("accuracy is in percent: return a fraction in [0, 1].")
+            fail(f"accuracy is in percent ({acc:.2f}), but the contract asks for a fraction "
+                 f"in [0, 1].", fix="drop the factor 100.")
         batch_acc = [(o.argmax(1) == y).float().mean().item() for o, y in logits]
         if math.isclose(acc, sum(batch_acc) / len(batch_acc), rel_tol=1e-6):
             fail("you averaged per-batch accuracies, but the last batch is smaller, so each of "
-                 "its samples counted for more than the others.")
+                 "its samples counted for more than the others.",
+                 fix="count hits over all samples and divide once.")
         if math.isclose(acc, correct / (len(sizes) * batch), rel_tol=1e-6):
             fail("you divided the correct count by (number of batches × batch size), but the "
-                 "last batch is short: that count includes samples that were never there.")
+                 "last batch is short: that count includes samples that were never there.",
+                 fix="count the samples as the batches come.")
         fail(f"evaluate's accuracy is {acc:.4f} on {n} samples; counting argmax hits over all "
              f"samples gives {want_acc:.4f}.")
     if not math.isclose(loss, want_loss, rel_tol=1e-5):
         if math.isclose(loss, sum(per_batch), rel_tol=1e-5):
-            fail("the loss is the sum of the batch losses: return the mean loss per sample.")
+            fail("the loss is the sum of the batch losses, a number that grows with the number "
+                 "of batches.", fix="return the mean loss per sample.")
         if math.isclose(loss, sum(per_batch) / len(per_batch), rel_tol=1e-5):
             fail("you averaged the per-batch mean losses, but the last batch is smaller, so "
-                 "each of its samples counted for more than a sample of a full batch.")
+                 "each of its samples counted for more than a sample of a full batch.",
+                 fix="weight each batch's loss by its number of samples.")
         fail(f"evaluate's loss is {loss:.4f} on {n} samples, the mean loss per sample is "
              f"{want_loss:.4f}.")
 
@@ -439,11 +467,12 @@ def check_train_accumulated(train_accumulated) -> None:
         got = _params(model)
         if len(spy.training) != len(sizes):
             fail(f"train_accumulated ran {len(spy.training)} forward passes for {len(sizes)} "
-                 f"micro-batches: one forward (and backward) per micro-batch — accumulation "
-                 f"saves memory by never running the big batch at once.")
+                 f"micro-batches, but accumulation saves memory by never running more than one "
+                 f"micro-batch at once.", fix="one forward (and backward) per micro-batch.")
         if not all(spy.training):
             fail("train_accumulated ran the model in eval mode, so dropout would be off while "
-                 "it trains: the model may arrive in eval mode, straight after an evaluation.")
+                 "it trains: the model may arrive in eval mode, straight after an evaluation.",
+                 fix="put the model in training mode at the start.")
 
         big, big_opt = fresh()
         group_sizes = [sum(sizes[i:i + k]) for i in range(0, len(sizes), k)]
@@ -458,7 +487,8 @@ def check_train_accumulated(train_accumulated) -> None:
             continue
         if _same(got, start):
             fail("the weights did not change: the accumulated gradients never reached the "
-                 "weights through an optimizer step.")
+                 "weights through an optimizer step.",
+                 fix="step the optimizer at the end of each group.")
 
         def replay(**kw):
             m, o = fresh()
@@ -472,25 +502,29 @@ def check_train_accumulated(train_accumulated) -> None:
             fail(f"you gave each micro-batch 1/{k} of the group's weight, but the micro-batches "
                  f"of a group differ in size (here {sizes}), so a sample in a short micro-batch "
                  f"counted for more than one in a full micro-batch: the group's mean loss counts "
-                 f"each of its samples once.")
+                 f"each of its samples once.",
+                 fix="weight each micro-batch by its share of the group's samples.")
         if _same(got, replay(weight="none"), tol=1e-5):
             fail(f"each step was about {k} times too big: backward adds each micro-batch's "
                  f"gradient into p.grad, so the group's gradient was the sum of {k} mean-loss "
-                 f"gradients, not the gradient of the group's mean loss.")
+                 f"gradients, not the gradient of the group's mean loss.",
+                 fix="scale each micro-batch's loss by its share of the group's samples.")
         if replays(step_every=True) or _same(got, replay(step_every=True, weight="none"),
                                              tol=1e-5):
-            fail(f"you stepped after every micro-batch: one step must use the gradient of the "
-                 f"whole group of k = {k} micro-batches together.")
+            fail(f"you stepped after every micro-batch, so each step used one micro-batch's "
+                 f"gradient, not the whole group's of k = {k}.",
+                 fix="step once per group, after its last micro-batch.")
         if replays(zero_every=True) or _same(got, replay(zero_every=True, weight="none"),
                                              tol=1e-5):
             fail("you zeroed the gradients before every micro-batch, so each step saw only the "
-                 "last micro-batch of its group.")
+                 "last micro-batch of its group.", fix="clear the gradients only after a step.")
         if replays(zero_first=False):
             fail("the first step carried gradients that were in p.grad before the loop: the "
-                 "model may come from an unfinished group of the previous epoch.")
+                 "model may come from an unfinished group of the previous epoch.",
+                 fix="clear the gradients once before the first micro-batch.")
         if replays(zero_after_step=False):
             fail("the gradients were never zeroed after a step, so each group's gradient "
-                 "carried all earlier groups'.")
+                 "carried all earlier groups'.", fix="clear the gradients after every step.")
         fail(f"with micro-batches of sizes {sizes} and k={k} your weights differ from plain "
              f"training on each group's samples (groups of {group_sizes}): each step must use "
              f"the gradient of the mean loss over its group's samples.")
@@ -502,18 +536,19 @@ def _check_accumulated_loss(returned, want: float, k: int, n: int) -> None:
     """The stretch's return value: the mean loss per sample of the epoch, unscaled."""
     __tracebackhide__ = True
     if returned is None:
-        fail("train_accumulated returned None: return the mean loss per sample over the epoch "
-             "(a float), as train_one_epoch does.")
+        fail("train_accumulated returned None; its contract is train_one_epoch's: the mean "
+             "loss per sample over the epoch.", fix="return that mean as a float.")
     got = _as_number(returned, "train_accumulated")
     if math.isclose(got, want, rel_tol=1e-5):
         return
     if math.isclose(got, want / k, rel_tol=1e-5):
         fail(f"train_accumulated returned {got:.4f}, {k} times less than the mean loss per "
              f"sample ({want:.4f}): you reported the scaled loss you backpropagated; the loss "
-             f"to report is the model's loss on its samples, before that scaling.")
+             f"to report is the model's loss on its samples, before that scaling.",
+             fix="add the unscaled loss (times the micro-batch's size) to your total.")
     if math.isclose(got, want * n, rel_tol=1e-5):
         fail("train_accumulated returned the total loss over all samples, not the mean per "
-             "sample.")
+             "sample.", fix="divide by the number of samples the epoch saw.")
     fail(f"train_accumulated returned {got:.4f}; the mean loss per sample over the epoch's {n} "
          f"samples is {want:.4f}.")
 
@@ -543,6 +578,8 @@ def check_prediction(guess, epoch_loss: float, eval_loss: float) -> None:
     reveal(guess, measured, close=guess.value == measured, explanation=(
         "Same samples, two different models: train_one_epoch's mean adds up each batch's loss "
         "at the moment it was trained on, so its first batches are those of a network that "
-        "still guesses, and dropout was on throughout; evaluate measures only the model the "
-        "epoch ended with, dropout off. The returned number is a running summary of the epoch, "
-        "not a measurement of the model you now hold."))
+        "still guesses; evaluate measures only the model the epoch ended with. The lab's "
+        "SmallCNN has no batch norm and its dropout is 0, so the two modes compute the same "
+        "function here: the whole gap is the network changing during the epoch (with dropout "
+        "on, training mode would widen it). The returned number is a running summary of the "
+        "epoch, not a measurement of the model you now hold."))
