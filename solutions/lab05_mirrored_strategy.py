@@ -2,8 +2,8 @@
 # # Lab 05 — a MirroredStrategy custom training loop
 #
 # **Goal:** a custom training loop under `MirroredStrategy` whose every step changes the weights
-# exactly as one device would on the same global batch, and reports that batch's loss and
-# accuracy — whatever the number of replicas, the batch size or the learning rate. Lesson 05
+# as one device would on the same global batch (to float rounding: the checks compare to a
+# relative 1e-3), and reports that batch's loss and accuracy — whatever the number of replicas, the batch size or the learning rate. Lesson 05
 # showed the pieces (`strategy.run`, mirrored variables, how the strategy combines the replicas'
 # gradients); here you decide how they fit. Four parts, each with a check:
 #
@@ -262,7 +262,13 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # **Contract.** `make_dist_dataset(strategy, x, y, global_batch)` returns such a distributed
 # dataset over the arrays `x`, `y` in which every step holds the next `global_batch` samples in
 # the data's order, every sample arrives once, and nothing is dropped. The check uses 100
-# samples in global batches of 32.
+# samples in global batches of 32 on 2 replicas, and tries your function on one replica more
+# (36 samples a step on 3) — and with a global batch the replicas do not divide.
+#
+# **Your design decision:** what `make_dist_dataset` does with a global batch that does not
+# split evenly over the replicas (33 on 2, 32 on 3). The contract above cannot be kept then;
+# whatever you choose must not leave a training loop with steps of a size it was not told. A
+# bad argument gets a clear error.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -303,8 +309,9 @@ def make_dist_dataset(strategy, x, y, global_batch):
 lab05.check_dataset_fn(make_dist_dataset, strategy)
 
 # %% [markdown]
-# **Predict again:** 100 samples in global batches of 32 leave 4 samples for the last step. With
-# *your* `make_dist_dataset`, how many of those 4 does replica 0 hold?
+# **Predict again:** on 2 replicas, 100 samples in global batches of 32 leave 4 samples for the
+# last step. With *your* `make_dist_dataset`, how many of those 4 does replica 0 hold? (On
+# another replica count the cell measures the check's batch, `lab05.stretch_global`.)
 
 # %%
 ### BEGIN SOLUTION: my_pipeline_guess = your prediction (a number of samples)
@@ -315,16 +322,18 @@ guess = predict("lab05", "samples on replica 0 in the last step (your own pipeli
 
 # %%
 x_s, y_s = lab05.stretch_data()
+gb_s = lab05.stretch_global(strategy.num_replicas_in_sync)   # 32 on 2 replicas
 lab05.check_pipeline_prediction(
-    guess, lab05.last_step_sizes(strategy, make_dist_dataset(strategy, x_s, y_s, 32)))
+    guess, lab05.last_step_sizes(strategy, make_dist_dataset(strategy, x_s, y_s, gb_s)))
 
 # %% [markdown]
 # ## Stretch B (optional): an epoch with a short last step
 #
 # **Contract.** `train_epoch(strategy, model, optimizer, dist_dataset)` runs one SGD step per
-# step of `dist_dataset` (made as in stretch A: 100 samples, global batches of 32) and leaves
-# the weights exactly where one device leaves them after the same four batches — the last,
-# short one included, whatever each replica holds in it. Write the two TODOs in `step_fn`: the
+# step of `dist_dataset` (made as in stretch A: 100 samples, global batches of 32 on 2
+# replicas, 36 on 3) and leaves the weights where one device leaves them after the same
+# batches (to a relative 1e-4) — the last, short one included, whatever each replica holds
+# in it. `train_epoch` is not told the global batch. Write the two TODOs in `step_fn`: the
 # number the step's loss is divided by, and the loss (the gradient lines after them are given).
 # Part 1's `per_replica_loss` is a starting point, not the answer: ask yourself what its
 # `global_batch` would be here.

@@ -179,7 +179,10 @@ def copy_torch_weights(torch_model, keras_model: keras.Model) -> keras.Model:
 
 def set_torch_layout_weights(keras_model: keras.Model, arrays) -> keras.Model:
     """Assign weights given in torch's layout and order (conv1 weight, conv1 bias, ...,
-    fc2 bias: what ``SmallCNN.parameters()`` yields) to the Keras CNN."""
+    fc2 bias: what ``SmallCNN.parameters()`` yields) to the Keras CNN.
+
+    Shown in lesson 05, §4.
+    """
     convs, denses = _conv_and_dense(keras_model)
     arrays = [np.asarray(a, dtype=np.float32) for a in arrays]
     if len(arrays) != 10:
@@ -469,7 +472,10 @@ def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global",
 
 
 def single_replica_gradients(model, x, y) -> list[np.ndarray]:
-    """The gradient of the mean loss over (``x``, ``y``) on one device, no strategy."""
+    """The gradient of the mean loss over (``x``, ``y``) on one device, no strategy.
+
+    Shown in lesson 05, §4.
+    """
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(per_example_loss(y, model(x, training=True)))
     return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
@@ -508,6 +514,8 @@ def fit(strategy, train_ds, epochs: int = 1, lr: float = 0.05, model: keras.Mode
     (``keras/src/trainers/trainer.py``, ``Trainer.compile``, ``auto_scale_loss=True``) that wraps
     the optimizer in a ``LossScaleOptimizer`` (float16 gradients underflow otherwise); bfloat16
     needs no scaling.
+
+    Shown in lesson 05, §5.
     """
     with strategy.scope():
         if model is None:
