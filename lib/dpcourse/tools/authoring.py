@@ -55,8 +55,8 @@ def sources(root: Path = ROOT, names: list[str] | None = None) -> list[Path]:
 # ---- the first cell every notebook runs: the course library where it is missing ------------
 INSTALL_TAG = "install-course"
 _INSTALL = """\
-# The course library: nothing to do where it is installed. Where it is not (Colab, a notebook
-# opened alone) this installs it as tagged {tag} ($DPCOURSE_SOURCE overrides: a wheel, a path).
+# The course library, where it is missing (Colab, a notebook opened alone): installed as tagged
+# {tag} ($DPCOURSE_SOURCE overrides: a wheel, a path). Silent where it is installed and fits.
 import importlib, importlib.util, os, subprocess, sys
 if importlib.util.find_spec("dpcourse") is None:
     _source = os.environ.get("DPCOURSE_SOURCE") or "git+{repo}@{tag}"
