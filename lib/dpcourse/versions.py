@@ -31,7 +31,7 @@ FLOORS = {"torch": "2.14", "torchvision": "0.29", "tensorflow": "2.21", "keras":
 # Which lessons need which torch, by the names they call (the rest were not tried on older ones).
 NEEDED_BY = {"torch": [
     ("2.14", "lab 08 calls dist.reduce_scatter_single and dist.all_gather_single (torch 2.14 names)"),
-    ("2.13", "lessons 03, 04 and 10 pass DDP(forward_sync_buffers=...) (torch 2.13)"),
+    ("2.13", "lesson 03 passes DDP(forward_sync_buffers=...) (torch 2.13)"),
 ]}
 _TF_NAMES = ("tensorflow", "tensorflow-cpu")   # the same release under two names (README)
 _RESTART = "then restart the kernel (Colab: Runtime > Restart session)"
