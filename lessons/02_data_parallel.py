@@ -28,9 +28,10 @@
 #
 # 1. **scatter** the batch along dim 0 into contiguous chunks, at most one per device;
 # 2. **replicate** the model onto every device (every step!);
-# 3. **parallel_apply**: run each replica on its chunk, one Python *thread* per device (the
-#    threads of one process share its GIL, Python's *global interpreter lock*: only one of them
-#    runs Python code at a time);
+# 3. **parallel_apply**: run each replica on its chunk, one Python *thread* per replica when
+#    there are two or more (a lone replica runs in the caller's thread; the threads of one
+#    process share its GIL, Python's *global interpreter lock*: only one of them runs Python
+#    code at a time);
 # 4. **gather** the outputs on device 0, compute the loss there, and `backward()`: the replicas'
 #    gradients are **summed** onto the original parameters on device 0.
 #
@@ -167,8 +168,9 @@ claim("with training-mode BatchNorm the DataParallel output differs from the pla
 
 # %% [markdown]
 # ## 3. Parallel apply — threads
-# One thread per replica, as in the real one (`torch/nn/parallel/parallel_apply.py`), each
-# running its replica on its chunk, and the outputs handed back in device order. Writing this
+# One thread per replica, as in the real one (`torch/nn/parallel/parallel_apply.py`: with two
+# or more replicas; a single one runs in the caller's thread), each running its replica on its
+# chunk, and the outputs handed back in device order. Writing this
 # function is lab 02's stretch, so what a thread must take care of besides the call, and the
 # code, wait folded below the lab's pointer; here we check what it returns:
 
@@ -580,9 +582,11 @@ viz.quiz([
 #   added; `reduce_add_coalesced` flattens small tensors and calls `reduce_add`.
 # - `torch/nn/parallel/scatter_gather.py` — `scatter`, `scatter_kwargs` (tensors split along
 #   `dim` by `Scatter.apply`), `gather`.
-# - `torch/nn/parallel/parallel_apply.py` — `parallel_apply`: one `threading.Thread` per
-#   replica; each thread sets the caller's grad mode (`torch.set_grad_enabled`) and autocast
-#   state and the replica's device; an exception is wrapped (`ExceptionWrapper`) and re-raised
+# - `torch/nn/parallel/parallel_apply.py` — `parallel_apply`: when `len(modules) > 1`, one
+#   `threading.Thread` per replica (target `_worker`), all started, then all joined; with a
+#   single replica `_worker` runs in the caller's thread. Each `_worker` sets the caller's
+#   grad mode (`torch.set_grad_enabled`) and autocast state and the replica's device; an
+#   exception is wrapped (`ExceptionWrapper`) and re-raised
 #   in the caller, the first failing replica's in device order (the loop over `results`).
 # - `torch/cuda/nccl.py` — `is_available`, `reduce`: the NCCL calls `comm.reduce_add` uses.
 # - `torch/nn/modules/batchnorm.py` — `_BatchNorm.forward`: in training mode the running mean

@@ -19,7 +19,9 @@
 #    cross-entropy over the whole batch, returned as a float. Afterwards `model`'s gradients
 #    are what `loss.backward()` on the plain model over the whole batch would leave: the
 #    whole batch's gradient **added** to whatever each `p.grad` held before (`None` counting
-#    as nothing held). `model`'s weights are unchanged.
+#    as nothing held). `model`'s weights are unchanged, and its buffers (BatchNorm's running
+#    mean, variance and count) hold what `nn.DataParallel` leaves in them after a
+#    training-mode step (lesson 02 §2 measured it).
 #
 # Each part has a check cell that names your mistake, if there is one, and hints behind clicks.
 # The checks compare with the library's `dpcourse.dp`, whose `scatter`, `gather`, `replicate`
@@ -187,9 +189,11 @@ lab02.check_copy_prediction(copy_guess)
 # every chunk through a copy of its own, one mean loss over the gathered batch (returned as a
 # float), and afterwards each `p.grad` of `model` holds what it held before plus the whole
 # batch's gradient — the same contract as `loss.backward()`, so that a caller may accumulate
-# several steps' gradients before stepping. The check hands your function models with and
-# without gradients already in `p.grad`, and batches that do and do not divide by the number of
-# devices.
+# several steps' gradients before stepping — and `model`'s buffers hold what
+# `nn.DataParallel`'s would. The check hands your function models with and without gradients
+# already in `p.grad`, batches that do and do not divide by the number of devices, and a
+# training-mode model with BatchNorm (whose outputs then differ from the plain model's, lesson
+# 02 §2: for that one it looks at the buffers only).
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -198,6 +202,8 @@ lab02.check_copy_prediction(copy_guess)
 # After the backward, where are the gradients — on `model`, or on the copies? What did your
 # prediction in §3 say about how the copies' gradients relate to the whole batch's? What does a
 # fresh copy hold in `p.grad`, and what does `model`'s hold before your function adds anything?
+# And the BatchNorm updates of the forward: which module made them, and which of those modules
+# does `nn.DataParallel` keep?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
@@ -206,7 +212,9 @@ lab02.check_copy_prediction(copy_guess)
 # One copy per chunk your `scatter` returns (what a copy starts with in `p.grad`: your
 # prediction above); one loss on the gathered outputs and one backward; then, parameter by
 # parameter, combine what the copies received and add it to what `model` held, starting from
-# nothing where `p.grad` is `None`.
+# nothing where `p.grad` is `None`. For the buffers: in `nn.DataParallel` one replica is not a
+# copy at all — it shares the module's storage; yours share nothing, so what that replica's
+# forward wrote is yours to bring back.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -215,7 +223,8 @@ lab02.check_copy_prediction(copy_guess)
 # Chunks from your `scatter`; a list of deep copies, one per chunk; outputs from
 # `dp.parallel_apply`; the loss on your `gather` of them and its backward; a loop over
 # `model.parameters()` zipped with each copy's parameters that computes the combination and
-# stores the new `p.grad`; return the loss's value.
+# stores the new `p.grad`; a loop over `model.buffers()` zipped with one copy's, copying in
+# place; return the loss's value.
 
 # %%
 def dp_forward_backward(model, X, y, n_devices):
@@ -232,6 +241,8 @@ def dp_forward_backward(model, X, y, n_devices):
     for p, *copies in zip(model.parameters(), *(r.parameters() for r in replicas)):
         summed = sum(c.grad for c in copies)  # one mean over the batch: the shares add up
         p.grad = summed if p.grad is None else p.grad + summed
+    for b, b0 in zip(model.buffers(), replicas[0].buffers()):  # replica 0's updates are kept
+        b.copy_(b0)
     return loss.item()
     ### END SOLUTION
 
@@ -353,7 +364,7 @@ import time
 torch.manual_seed(0)
 net = models.SmallCNN(width=16)
 copies = [copy.deepcopy(net) for _ in range(4)]
-chunks = list(torch.chunk(torch.randn(256, 3, 32, 32), 4))
+chunks = scatter(torch.randn(256, 3, 32, 32), 4)
 
 
 def best_of(fn, repeats=5):
