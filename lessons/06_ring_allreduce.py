@@ -197,7 +197,7 @@ small = {alg: ring.cost(alg, 64, 1e3, alpha_demo, beta_demo).seconds
          for alg in ("naive", "ring", "tree")}
 claim("under the model, 100 MB on 8 workers: the ring is the fastest of the first four",
       min(big, key=big.get) == "ring")
-claim("1 KB on 64 workers (no server): the binomial tree is fastest",
+claim("1 KB on 64 workers, of the naive way, the ring and the tree: the binomial tree is fastest",
       min(small, key=small.get) == "tree")
 ring_link = [ring.cost("ring", n, 100e6, 0, 1).busiest_bytes for n in (2, 8, 64, 1024)]
 ps_link = [ring.cost("parameter-server", n, 100e6, 0, 1).busiest_bytes for n in (2, 8, 64, 1024)]
@@ -473,7 +473,8 @@ for n in (2, 4):
 # Both must end with the same weights — up to float rounding: the two add the gradients in a
 # different order, and they divide at different times. DDP divides each rank's gradient by N
 # *before* summing (with no comm hook its C++ reducer multiplies each gradient by 1/N as it
-# copies it into the bucket; the Python `allreduce_hook` does `div_` first too); our ring sums
+# copies it into the bucket; with a hook registered the reducer does not divide, and torch's
+# Python `allreduce_hook` does `div_` first itself); our ring sums
 # first and divides the sum by N at the end. With 2 ranks they still come out bit for bit
 # equal: a + b = b + a, and halving is exact in binary floating point, before or after.
 
@@ -670,6 +671,7 @@ viz.quiz([
 #
 # Public documents (not in the installed files):
 #
+# - `reducer.cpp`, the DDP reducer's C++ source (c10d, github.com/pytorch/pytorch at ad78a7b, the revision stored here; compiled into torch, not installed as source) — `Reducer::mark_variable_ready_dense`: without a comm hook the gradient is copied into its bucket multiplied by 1/N (`at::mul_out`); with a hook, copied without division ("Note [DDP Communication Hook]").
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
 # - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (at least 2N segments, rounded up to a multiple of N, of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; two in flight, received into a two-segment scratch buffer), and the bcube alternative.
