@@ -185,7 +185,9 @@ lab01.check_evaluate(evaluate, leaves=evaluate_leaves_model_in)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Think of when each batch's loss was taken, and what the network was like at that moment;
-# then think of what differs between the two functions besides that.
+# then ask whether anything else that differs between the two functions matters for this
+# model (`print(models.SmallCNN())` lists its layers: which of them behave differently in
+# training mode, and with what setting here?).
 
 # %%
 ### BEGIN SOLUTION: your prediction (one of the three choices)
