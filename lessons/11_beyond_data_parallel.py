@@ -274,8 +274,9 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 # Open [lab11_tensor_parallel](../labs/lab11_tensor_parallel.ipynb) and write the two
 # autograd operations and the two layers, then the MLP, on 2 and 3 ranks. Decide for each
 # operation which pass communicates and along which dimension each weight is cut (each
-# written down with its reason before the code runs), and where the biases go. The library's answer is folded below, and so is everything in the rest of this
-# lesson that would give it away (how the check below compares the shards, torch's
+# written down with its reason before the code runs), and where the biases go. The
+# library's answer is folded below, and so is everything in the rest of this lesson that
+# would give it away (how the check below compares the shards, torch's
 # placements, where torch puts f and g).
 
 # %% [markdown]

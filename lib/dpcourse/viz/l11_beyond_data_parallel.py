@@ -341,7 +341,7 @@ def planner_figure(rows, labels, gpu_gb: float, cluster):
                          else None)
             left += seconds
     ax_mem.axvline(gpu_gb, color="k", ls="--", lw=1)
-    ax_mem.text(gpu_gb, ys[0] + 0.6, f" {gpu_gb:.0f} GB", fontsize=7, va="center")
+    ax_mem.text(gpu_gb, ys[0] + 0.6, f"{gpu_gb:.0f} GB ", fontsize=7, va="center", ha="right")
     for ax in (ax_mem, ax_time):
         ax.set_yticks(ys)
         ax.set_ylim(-0.7, len(rows) - 0.1)
