@@ -15,7 +15,7 @@
 # - count the bytes DDP's communication hooks send (fp16, bf16, PowerSGD) and what they cost
 #   in accuracy.
 #
-# **Time:** about 70 minutes to read and run (the lab is extra).
+# **Time:** about 75 minutes to read and run (the lab is extra).
 #
 # **Lab:** [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) — write the wrapper as DDP's
 # reducer really runs it (buckets launched strictly in order, gradients as views of the
@@ -126,10 +126,10 @@ for kind in ("after_backward", "per_parameter"):
 # ## 3. Buckets: one flat buffer, one all-reduce per group of gradients
 # Buckets are filled in **reverse registration order**: the backward produces the last layer's
 # gradients first, so the first bucket is complete early and goes on the wire while the
-# backward is still busy. DDP's rule (its reducer's `compute_bucket_assignment_by_size`): add
-# the next parameter to the open bucket of its dtype and device, and close the bucket once it
-# has **reached** `bucket_cap_mb` MiB — so a bucket can end above the cap by its last
-# parameter. The caps are a list: when `bucket_cap_mb` is left at its default (25), the first
+# backward is still busy. DDP's rule (its reducer's `compute_bucket_assignment_by_size`) walks
+# the parameters in that order, one set of buckets per dtype and device, and closes a bucket
+# by a size cap, `bucket_cap_mb` MiB; exactly when it closes one is lab 07's part 1, so the
+# rule is folded under the reference answer below. The caps are a list: when `bucket_cap_mb` is left at its default (25), the first
 # bucket's cap is 1 MiB — but which gradients land in that small bucket depends on when the
 # buckets are made. With `find_unused_parameters=False` (the default) DDP starts with **one**
 # bucket and, after the first backward, rebuilds its buckets in the order the gradients
@@ -141,7 +141,16 @@ for kind in ("after_backward", "per_parameter"):
 # same rule; it is lab07's first answer, so it is folded here.
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below).
+# **▶ The reference answer — open after your lab passes** (click the folded cells below: the
+# closing rule, then the code).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The rule: add the next parameter to the open bucket of its dtype and device, and close the
+# bucket once it has **reached** the cap — so a bucket can end above the cap by its last
+# parameter, and a parameter bigger than the cap closes the bucket it joins.
+
+# %% [markdown]
+# **▶ The reference code** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(overlap.assign_buckets)
@@ -278,9 +287,9 @@ claim("the first bucket holds the last layer; the last bucket holds the first la
 
 # %%
 viz.show(viz.reducer_figure(),
-         "one gradient's way through DDP's reducer: the hook puts it into its bucket (a copy "
-         "divided by N; when p.grad already is its view of the bucket, no copy, the view is "
-         "divided by N in place); a complete "
+         "one gradient's way through DDP's reducer (no comm hook): the hook puts it into its "
+         "bucket, divided by N (how, when p.grad may already be its view, is folded below); "
+         "a complete "
          "bucket is launched only when it is next in bucket order (below: bucket 1 fills "
          "first but waits for bucket 0); at the end of the backward the reducer waits and "
          "copies back, which views make unnecessary.")
@@ -297,23 +306,39 @@ viz.show(viz.reducer_figure(),
 # - **Gradients as views** (`gradient_as_bucket_view=True`): each `p.grad` is a view of its
 #   slice of the bucket, so autograd accumulates straight into the bucket and the all-reduced
 #   buffer *is* the averaged gradient: no copy in, no copy back, and one gradient's memory
-#   less (the reducer still divides the view by N in place, `bucket_view.div_(div_factor_)`).
-#   Without it (the default), the reducer copies each gradient into the bucket, dividing by N
-#   on the way, and copies the average back after the wait. It tells the two cases apart with
-#   `grad.is_alias_of(bucket_view)`: same storage or not.
+#   less. Without it (the default), the reducer copies each gradient into the bucket and
+#   copies the average back after the wait. How the reducer knows which case a gradient is in
+#   is lab07's part 2, folded below with the rest of the reference answer.
 #
 # Lab07 asks you for both. Its check runs a model whose buckets fill out of order and one
 # of whose parameters is frozen (`requires_grad=False`, no gradient: it belongs in no bucket).
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (how the reducer keeps bucket
-# order; click the folded cell below).
+# order, and how it puts a gradient into its bucket; click the folded cell below).
 
 # %% [markdown] jupyter={"source_hidden": true}
 # The reducer keeps `next_bucket_`, the next bucket to launch. When a bucket becomes complete
 # (`Reducer::mark_bucket_ready`), it is launched only if it is that one, and then every
 # following bucket that is already complete, `next_bucket_` moving past each; the loop stops at
 # the first bucket still awaiting a gradient, and that bucket's last gradient resumes it.
+#
+# Into the bucket (`Reducer::mark_variable_ready_dense`): the reducer asks
+# `grad.is_alias_of(bucket_view)` — same storage or not. Where it divides depends on whether a
+# communication hook is registered (`comm_hook_ == nullptr` or not):
+#
+# | `p.grad` | no comm hook (the default) | a comm hook registered |
+# |---|---|---|
+# | not the bucket's view (a copy is needed) | `at::mul_out(bucket_view, grad, 1/div_factor_)`: copies and divides by N in one pass | `bucket_view.copy_(grad)`: copies, no division |
+# | already the view | `bucket_view.div_(div_factor_)`: divides in place | nothing |
+#
+# So without a hook the reducer divides and its own hook, `_AllReduceBySumCommHook`, only
+# sums; with a hook registered the reducer never divides (its "Note [DDP Communication Hook]":
+# the hook has complete control over the gradients), and the hook must: torch's
+# `allreduce_hook` calls `div_` before its all-reduce, the 16-bit hooks divide after the cast,
+# PowerSGD divides its results. With `gradient_as_bucket_view=True`, after the copy the
+# reducer points `p.grad` at the view (`grad = bucket_view`), so from then on the second row
+# applies.
 
 # %% [markdown]
 # ## 4. Measuring the overlap — and predicting it
@@ -762,8 +787,13 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 #   rank-r approximation instead. Per bucket, torch runs **three all-reduces, one after the
 #   other**, each paying α: (1) the tensors too small to gain (biases; those with
 #   (n + m) r · `min_compression_rate` ≥ n m), uncompressed, in one flat buffer; (2) every
-#   P = M Q (n × r); then each rank **orthogonalises the summed P** (Gram-Schmidt up to rank
-#   2, QR above; the same on every rank) and computes Q = Mᵀ P (m × r); (3) the Q's. The gradient becomes P Qᵀ / N.
+#   P = M Q (n × r); then each rank **orthogonalises the summed P** (the same on every rank)
+#   and computes Q = Mᵀ P (m × r); (3) the Q's. The orthogonalisation, `_orthogonalize`,
+#   runs in the bucket's own dtype (float32 here; the hook casts nothing): Gram-Schmidt when
+#   r ≤ 2 or the matrices are float16/bfloat16 (its docstring: QR "doesn't work with
+#   half-precision"), `torch.linalg.qr` otherwise; Gram-Schmidt divides each column by its
+#   norm plus `PowerSGDState(orthogonalization_epsilon=...)`, 0 by default, so an all-zero
+#   column gives NaNs unless you set a small epsilon such as 1e-8 (checked below). The gradient becomes P Qᵀ / N.
 #   Every rank must use the **same Q**: torch draws its first Q from `np.random.RandomState`
 #   seeded with `PowerSGDState(random_seed=0)`, the same seed on every rank, so the ranks'
 #   random numbers agree without sending them. With `warm_start=True` Q starts from last
@@ -781,6 +811,42 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 # and the top-k of a sum is not the sum of top-k's, so a plain all-reduce of the selected
 # values would add up entries that belong to different indices.
 #
+# The orthogonalisation as the installed hook runs it, `powerSGD_hook._orthogonalize`, on
+# batches of three 40 × r matrices (it works in place):
+
+# %%
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+ps = torch.randn(3, 40, 4, generator=torch.Generator().manual_seed(0))
+
+
+def orthonormal(m, tol):
+    gram = (m.transpose(1, 2) @ m).float()
+    return bool((gram - torch.eye(m.shape[2])).abs().max() < tol)
+
+
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.05), (torch.float16, 0.01)):
+    m = ps.to(dtype)
+    powerSGD_hook._orthogonalize(m)
+    claim(f"_orthogonalize, rank 4, {dtype}: orthonormal columns (to {tol:g}), still {m.dtype}",
+          orthonormal(m, tol) and m.dtype == dtype)
+try:
+    torch.linalg.qr(ps.to(torch.bfloat16))
+    qr_half = "works"
+except (NotImplementedError, RuntimeError):
+    qr_half = "raises"
+claim("torch.linalg.qr on bfloat16 raises here, hence Gram-Schmidt for 16-bit matrices",
+      qr_half == "raises")
+zero_col = ps[:, :, :2].clone()
+zero_col[:, :, 0] = 0  # rank 2: Gram-Schmidt; a column of zeros
+with_eps = zero_col.clone()
+powerSGD_hook._orthogonalize(zero_col)  # epsilon=0, the default
+powerSGD_hook._orthogonalize(with_eps, epsilon=1e-8)
+claim("Gram-Schmidt with the default epsilon 0 turns a zero column into NaNs; epsilon=1e-8 "
+      "keeps every value finite",
+      bool(torch.isnan(zero_col).any()) and bool(torch.isfinite(with_eps).all()))
+
+# %% [markdown]
 # `comm_hook_worker` trains real DDP once per hook, with these `PowerSGDState` arguments:
 
 # %%
@@ -1042,7 +1108,10 @@ viz.quiz([
 #   (`matrix_approximation_rank`, `start_powerSGD_iter`, `min_compression_rate`,
 #   `use_error_feedback`, `warm_start`), `powerSGD_hook`: plain all-reduce before
 #   `start_powerSGD_iter`; then the uncompressed tensors' all-reduce, the P all-reduce,
-#   `_orthogonalize` of P (Gram-Schmidt up to rank 2, QR above), the Q all-reduce, one after
+#   `_orthogonalize` of P (Gram-Schmidt when the rank is at most 2 or the dtype is
+#   float16/bfloat16, `torch.linalg.qr` otherwise, in the matrices' own dtype;
+#   `_orthogonalize_gram_schmidt` divides by the column's norm plus `epsilon`,
+#   `state.orthogonalization_epsilon`, 0 by default), the Q all-reduce, one after
 #   the other; `PowerSGDState.__init__`: `self.rng = np.random.RandomState(random_seed)`, the
 #   same first Q on every rank; the error-feedback residual
 #   `state.error_dict[bucket_index] = input_tensor_cp - input_tensor`.
@@ -1059,13 +1128,26 @@ viz.quiz([
 #
 # Public sources:
 #
-# - `reducer.cpp`, the reducer's C++ source (c10d, in github.com/pytorch/pytorch; not installed) —
-#   `compute_bucket_assignment_by_size` (a bucket is closed once `bucket.size >= limit`),
-#   `Reducer::mark_variable_ready_dense` (copy into the bucket view dividing by N; when
-#   `grad.is_alias_of(bucket_view)`, no copy and `bucket_view.div_(div_factor_)` in place),
-#   `Reducer::mark_bucket_ready` (the in-order launch, with `next_bucket_`),
-#   `Reducer::rebuild_buckets`.
+# - `reducer.cpp`, the reducer's C++ source (c10d, in github.com/pytorch/pytorch; not
+#   installed), read at commit ad78a7b, the revision stored here (the torch 2.14.1 build's
+#   commit, 5c48869, could not be fetched) — `compute_bucket_assignment_by_size`,
+#   `Reducer::mark_variable_ready_dense`, "Note [DDP Communication Hook]",
+#   `Reducer::run_allreduce_hook`, `Reducer::mark_bucket_ready`, `Reducer::rebuild_buckets`;
+#   what each says holds lab 07's answers, so it is in the folded cell below.
 # - S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
 #   PVLDB 13(12), 2020 (arXiv:2006.15704).
 # - T. Vogels, S. P. Karimireddy, M. Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression
 #   for Distributed Optimization", NeurIPS 2019.
+
+# %% [markdown]
+# **▶ What `reducer.cpp` says — open after your lab passes** (click the folded cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# - `compute_bucket_assignment_by_size`: a bucket is closed once `bucket.size >= limit`.
+# - `Reducer::mark_variable_ready_dense`: without a comm hook, a copy into the bucket view
+#   dividing by N (`at::mul_out`), or, when `grad.is_alias_of(bucket_view)`,
+#   `bucket_view.div_(div_factor_)` in place; with a comm hook, `bucket_view.copy_(grad)` or
+#   nothing, no division; with `gradient_as_bucket_view`, `grad = bucket_view` after the copy.
+# - "Note [DDP Communication Hook]": with a hook registered, the reducer skips dividing by the
+#   world size; `Reducer::run_allreduce_hook`: without one, `_AllReduceBySumCommHook`, a sum.
+# - `Reducer::mark_bucket_ready`: the in-order launch, with `next_bucket_`.
