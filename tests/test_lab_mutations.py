@@ -56,9 +56,19 @@ def check_mutants(solution):
     assert not survived, f"{solution.name}: the checks let these broken answers through: {survived}"
 
 
-# Half the labs here, half in test_lab_mutations_more.py: a file is what pytest-xdist's
-# `--dist loadfile` keeps on one worker, and all ten labs in one file were the suite's longest.
-@pytest.mark.parametrize("solution", SOLUTIONS[0::2], ids=lambda p: p.stem)
+# Half the time here, half in test_lab_mutations_more.py: a file is what pytest-xdist's
+# `--dist loadfile` keeps on one worker, and the longer file ends the suite. Split by measured
+# time, not every other lab (which gave 622 s here and 263 s there). Seconds per lab's sample,
+# the whole suite at load 6-24 on 2 cores (2026-11-27): lab11 201, lab03 134, lab01 110,
+# lab07 92, lab04 91, lab06 68, lab08 51, lab05 50, lab02 29, lab09 26, lab10 24. These five
+# come to 437 s; every other lab, a new one included, runs in the other file (439 s).
+HERE = ("lab11", "lab07", "lab06", "lab05", "lab09")
+assert {s.stem[:5] for s in SOLUTIONS} >= set(HERE), "a lab named in HERE has no solution"
+SOLUTIONS_HERE = [s for s in SOLUTIONS if s.stem[:5] in HERE]
+SOLUTIONS_ELSEWHERE = [s for s in SOLUTIONS if s.stem[:5] not in HERE]
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS_HERE, ids=lambda p: p.stem)
 def test_the_check_catches_broken_answers(solution):
     check_mutants(solution)
 
