@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dpcourse import detectors, script_checks
 from dpcourse.tools import authoring
@@ -166,6 +167,10 @@ def test_the_command_line_bad_input_and_json(tmp_path):
     report = json.loads(out.stdout)
     assert out.returncode == 1 and report["status"] == "ok" and not report["ok"]
     assert [f["check"] for f in report["findings"]] == ["no_sampler"]
+    if torch.cuda.is_available():  # the script fails only where no GPU is
+        return
+    failed = json.loads(_cli("--json", "--timeout", "60", str(CORPUS / "gpu_tutorial.py")).stdout)
+    assert failed["status"] == "failed" and failed["error_where"] == "gpu_tutorial.py:11"
 
 
 def test_every_lesson_a_finding_names_has_that_section():

@@ -138,7 +138,8 @@ def diagnose_script(script: str, script_args: list[str], nproc: int = 2, timeout
         from dpcourse import script_checks
 
         print(json.dumps({"script": script, "ranks": nproc, "status": result.status,
-                          "error": result.error, "pending": result.pending,
+                          "error": result.error, "error_where": result.error_where,
+                          "pending": result.pending,
                           "collectives_agree": result.trace.ok,
                           "explained": script_checks.explain_failure(result.error or ""),
                           "findings": script_checks.as_dicts(result.findings),
