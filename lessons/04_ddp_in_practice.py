@@ -506,6 +506,40 @@ claim("the padding and the mean of means move it by less than one point: easy to
       all(abs(acc - one_acc) < 0.01 for _, acc, _ in rows[2:5]), rows=rows)
 
 # %% [markdown]
+# Which rank gets which image, and where the padding lands, drawn from the sampler itself on a
+# case small enough to read: 10 images, 4 ranks, shuffled (seed 0, epoch 0).
+
+# %%
+import matplotlib.pyplot as plt
+
+n_small, ranks_small = 10, 4
+dealt = [list(DistributedSampler(range(n_small), num_replicas=ranks_small, rank=r, shuffle=True,
+                                 seed=0)) for r in range(ranks_small)]
+slots = len(dealt[0])
+order = [dealt[p % ranks_small][p // ranks_small] for p in range(slots * ranks_small)]
+fig, ax = plt.subplots(figsize=(6.4, 2.4))
+for r, indices in enumerate(dealt):
+    for k, i in enumerate(indices):
+        padded = k * ranks_small + r >= n_small     # position in the padded list past the images
+        ax.add_patch(plt.Rectangle((k, r), 0.95, 0.9, color="tab:red" if padded else "tab:blue",
+                                   alpha=0.35 if padded else 0.2))
+        ax.text(k + 0.47, r + 0.45, str(i), ha="center", va="center", fontsize=11)
+ax.set_xlim(0, slots)
+ax.set_ylim(ranks_small, 0)
+ax.set_xticks([k + 0.47 for k in range(slots)], [f"slot {k}" for k in range(slots)])
+ax.set_yticks([r + 0.45 for r in range(ranks_small)], [f"rank {r}" for r in range(ranks_small)])
+ax.set_title(f"DistributedSampler: {n_small} images on {ranks_small} ranks, "
+             f"{slots * ranks_small} slots")
+for side in ax.spines.values():
+    side.set_visible(False)
+pad = order[n_small:]
+claim(f"the {len(pad)} padded slots repeat the first {len(pad)} images of the shuffled order",
+      pad == order[:len(pad)], order=order)
+viz.show(fig, f"rank r reads slots r, r + {ranks_small}, ... of the shuffled list padded to "
+              f"{slots * ranks_small}: the red slots repeat its first images "
+              f"({', '.join(map(str, pad))}), so each of them is evaluated twice, on two ranks")
+
+# %% [markdown]
 # Rank 0's own number is simply another sample (see the table). The padding and the mean of
 # means are off by less than a point, which is exactly why they survive: nobody notices that a
 # reported accuracy is 0.2 points off, or that two runs on 2 and on 8 GPUs "disagree". With 8 ranks and a 10 001-image test set, the padding repeats 7 images; with small
@@ -1309,7 +1343,8 @@ display(Code("\n".join(difflib.unified_diff(
 # Each image exactly once (rank r takes images r, r + N, ...), a SUM of the loss and a COUNT of
 # right answers and of images on each rank, one all_reduce of those sums, division last: sums
 # over disjoint images add up, fractions over shards of different sizes do not.
-#
+
+# %% [markdown]
 # ## Check yourself
 #
 # **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
