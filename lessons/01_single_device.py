@@ -159,7 +159,6 @@ fig = viz.new_figure(9, 3.2)
 ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
 epochs_axis = [h["epoch"] + 1 for h in history]
 ax1.plot(epochs_axis, [h["train_loss"] for h in history], "o-", label="train loss")
-ax1.plot(epochs_axis, [h["test_loss"] for h in history], "s-", label="test loss")
 ax1.axhline(np.log(10), color="grey", ls=":", label="ln 10 (guessing)")
 ax2.plot(epochs_axis, [h["test_acc"] for h in history], "o-", color="#2ca02c", label="test accuracy")
 ax2.axhline(0.1, color="grey", ls=":", label="chance")
@@ -170,15 +169,15 @@ for ax in (ax1, ax2):
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
 fig.subplots_adjust(left=0.07, right=0.98, bottom=0.16, top=0.95, wspace=0.25)
-viz.show(fig, "the loss leaves the ln 10 line of a model that guesses, and test accuracy climbs far "
-              "above chance (10%).")
+viz.show(fig, "the training loss leaves the ln 10 line of a model that guesses, and test "
+              "accuracy climbs far above chance (10%).")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: the exact losses and speed depend on the CPU/GPU and its kernels.
 for h in history:
-    print(f"epoch {h['epoch']}: train loss {h['train_loss']:.3f}  test loss {h['test_loss']:.3f}  "
-          f"test acc {h['test_acc']:.3f}  {h['samples_per_s']:.0f} samples/s")
+    print(f"epoch {h['epoch']}: train loss {h['train_loss']:.3f}  test acc {h['test_acc']:.3f}  "
+          f"{h['samples_per_s']:.0f} samples/s")
 rates_per_epoch = [h["samples_per_s"] for h in history]
 spread = max(rates_per_epoch) / min(rates_per_epoch)
 print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same work per epoch: "
@@ -501,8 +500,15 @@ print(f"On this {device.type}, this run: "
 # nondeterministic; there the cell asks `seed_everything(..., deterministic=True)`, which calls
 # `torch.use_deterministic_algorithms(True, warn_only=True)`: deterministic kernels where torch
 # has them, and only a *warning* for an op that has none — so read the warnings. The flag is
-# global, so the cell switches it off again. Across *different* hardware bit-identity is not
-# promised at all: floating-point sums are done in different orders.
+# global, so the cell switches it off again. `deterministic=True` also sets the environment
+# variable `CUBLAS_WORKSPACE_CONFIG` to `:4096:8`, only if it is unset: it sizes cuBLAS's
+# workspace (the GPU matrix-multiply library's scratch memory), and torch's own tests of
+# deterministic mode set it, with a note that CUDA reads it only when its runtime starts. So
+# it acts only when set before the process first uses the GPU — not here, where the GPU has
+# trained long before this cell: for a reproducible GPU run, set it in the shell before
+# starting Jupyter or Python. (Torch 2.14.1's own `use_deterministic_algorithms` docstring does
+# not name the variable.) Across *different* hardware bit-identity is not promised at all:
+# floating-point sums are done in different orders.
 
 # %%
 needs_deterministic = device.type != "cpu"  # CPU kernels of this model are deterministic
@@ -526,6 +532,26 @@ finally:
 claim("same seed, same device: bit-identical weights after an epoch", torch.equal(a, b))
 claim("deterministic mode is off again", not torch.are_deterministic_algorithms_enabled())
 claim("another seed: different weights", not torch.equal(a, c))
+
+# What deterministic=True sets besides the flag, checked on any machine (and put back after).
+import os
+
+saved_cublas = os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+try:
+    devices.seed_everything(seed, deterministic=True)
+    set_to = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"        # a value already there ...
+    devices.seed_everything(seed, deterministic=True)
+    kept = os.environ["CUBLAS_WORKSPACE_CONFIG"]           # ... is left alone
+finally:
+    torch.use_deterministic_algorithms(False)
+    os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    if saved_cublas is not None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved_cublas
+claim("seed_everything(deterministic=True) turns deterministic mode on with warn_only and sets "
+      "CUBLAS_WORKSPACE_CONFIG=:4096:8 when it was unset, leaving a value already set alone",
+      warn_only and set_to == ":4096:8" and kept == ":16:8", set_to=set_to, kept=kept)
 
 # %% [markdown]
 # ## What carries over
@@ -634,6 +660,14 @@ viz.quiz([
 # - `torch/__init__.py` — `use_deterministic_algorithms(mode, warn_only=...)`: with
 #   `warn_only=True` (what `seed_everything(..., deterministic=True)` passes) an operation
 #   without a deterministic implementation warns instead of raising; the flag is global
-#   (`are_deterministic_algorithms_enabled`).
+#   (`are_deterministic_algorithms_enabled`, `is_deterministic_algorithms_warn_only_enabled`);
+#   its docstring does not mention `CUBLAS_WORKSPACE_CONFIG`.
+# - `torch/testing/_internal/common_utils.py` — `wrapDeterministicFlagAPITest`: torch's tests of
+#   deterministic mode set `CUBLAS_WORKSPACE_CONFIG=:4096:8`, and its comment says "CUDA only
+#   checks the variable when the runtime initializes" (a test that needs a new value starts a
+#   subprocess). `torch/backends/cuda/__init__.py` — `cublas_workspace_size`: the workspace
+#   size set there "will take precedence over the CUBLAS_WORKSPACE_CONFIG environment
+#   variable". This course's `lib/dpcourse/devices.py` — `seed_everything`: `os.environ.setdefault(...)`, after
+#   `torch.use_deterministic_algorithms(True, warn_only=True)`.
 # - PyTorch's documentation, "CPU threading and TorchScript inference": intra-op parallelism
 #   (`torch.set_num_threads`) against the threads a program starts itself.
