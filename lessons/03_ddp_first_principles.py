@@ -409,7 +409,7 @@ libtorch_cpu = next((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*")
 marks = ["torch::distributed::reducer::mul_out", "batched_grad_copy is incompatible with"]
 with open(libtorch_cpu, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
     found = {mark: m.find(mark.encode()) >= 0 for mark in marks}
-claim(f"the installed {libtorch_cpu.name} (torch {torch.__version__}) holds the reducer's "
+claim(f"the installed {libtorch_cpu.name} (torch {torch.__version__.split('+')[0]}) holds the reducer's "
       f"'mul_out' copy and the batched_grad_copy path", all(found.values()), found=found)
 
 # %% [markdown]
