@@ -238,6 +238,29 @@ print("This run: " + ("within the 2x ceiling that caching one of two decoded epo
 # cross-device ops above) and updates every copy; `strategy.reduce` turns the per-replica
 # losses into one number. (Writing that step is lab 05.)
 #
+# The replica context's `all_reduce` is also yours to call inside `strategy.run`: every replica
+# passes a value of the same shape, and every replica gets back the same combination of all of
+# them, while the step is still running on each replica (`strategy.reduce`, by contrast, gives
+# one value on the host after `strategy.run` has returned). Every replica must make the call, in
+# the same order, or the others wait for it forever. Here each replica passes its own replica
+# id, and the SUM comes back on every replica:
+
+# %%
+def replica_ids_summed():
+    ctx = tf.distribute.get_replica_context()              # this replica's context
+    mine = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+    return mine, ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+
+mine, total = strategy.run(replica_ids_summed)
+ids = [float(v) for v in strategy.experimental_local_results(mine)]
+totals = [float(v) for v in strategy.experimental_local_results(total)]
+claim("inside strategy.run, all_reduce(SUM) hands every replica the sum of all replicas' values "
+      "(here their ids, 0 + 1 + ... + N-1)",
+      ids == list(range(n_replicas)) and totals == [n_replicas * (n_replicas - 1) / 2] * n_replicas,
+      ids=ids, totals=totals)
+
+# %% [markdown]
 # Because the gradients are *summed*, each replica's loss must be its share of the global mean:
 # the sum of its per-example losses divided by the **global** batch, not by its own slice.
 # TensorFlow has a function for it, `tf.nn.compute_average_loss`, which divides the summed
@@ -391,12 +414,20 @@ viz.show_code(mirrored.count_cross_device_calls)
 # %% [markdown]
 # The loop the proof runs: `train_steps` distributes the dataset (each global batch split over
 # the replicas) and calls the step that `make_train_step` compiles with `tf.function`. Before it
-# traces the step, `make_train_step` builds the optimizer's own variables under the strategy:
-# left to Keras, they would be created lazily inside the traced function, which failed here with
-# the default `CollectiveAllReduce` on 2 CPU devices.
+# traces the step, `make_train_step` builds the optimizer's per-variable state (momentum, Adam's
+# moments) under the strategy: left to Keras, it would be created lazily inside the traced
+# function, which failed here with the default `CollectiveAllReduce` on 2 CPU devices. Plain SGD,
+# which this lesson and lab 05 use, keeps no such state: for it the build creates no variable.
 
 # %%
 viz.show_code(mirrored.make_train_step, mirrored.train_steps)
+
+# %%
+sgd_probe = keras.optimizers.SGD(learning_rate=lr)
+n_before = len(sgd_probe.variables)
+sgd_probe.build(replicated.trainable_variables)
+claim("plain SGD's build creates no variable (momentum would add one per weight)",
+      len(sgd_probe.variables) == n_before, before=n_before, after=len(sgd_probe.variables))
 
 # %%
 sgd = lambda: keras.optimizers.SGD(learning_rate=lr)   # noqa: E731 - plain SGD, as in PyTorch
@@ -828,9 +859,11 @@ viz.quiz([
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._use_merge_call`: true unless the step runs under XLA on all-GPU devices; `_reduce_to` takes `ReductionToOneDevice` for a CPU destination only when it is true.
 # - `tensorflow/libtensorflow_framework.so.2` (compiled; its strings): the notice "oneDNN custom operations are on … To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`".
 # - `tensorflow/include/tensorflow/compiler/xla/tsl/framework/contraction/eigen_contraction_kernel.h` — with `TENSORFLOW_USE_CUSTOM_CONTRACTION_KERNEL`, Eigen's float contractions (matrix products, convolutions) call oneDNN's `dnnl_sgemm`; `tensorflow/libtensorflow_cc.so.2` contains that symbol.
+# - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce`: called inside `strategy.run`, every replica passes a value of the same shape and gets back the combination of all of them; all replicas must make the call, in the same order.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContext.merge_call`: replica-context code hands a function to the cross-replica context, which runs it once with all replicas' values.
 # - `tensorflow/python/distribute/cross_device_ops.py` — `ReductionToOneDevice.reduce_implementation` (copy to one device, `add_n`, broadcast back), `CollectiveAllReduce`, `NcclAllReduce`.
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
+# - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`; `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.build` adds variables only for EMA or gradient accumulation.
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses divided by `global_batch_size`; `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
 # - `keras/src/losses/loss.py` — `reduce_values` and `scale_loss_for_distribution`: a Keras loss is the mean over the replica's own slice, multiplied by 1 / `num_replicas_in_sync` under `tf.distribute`.

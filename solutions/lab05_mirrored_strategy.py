@@ -98,9 +98,11 @@ lab05.check_per_replica_loss(per_replica_loss, strategy)
 # ## 2. Model and optimizer under the strategy
 #
 # **Contract.** `make_model_and_optimizer(strategy, lr)` returns `(model, optimizer)`: the
-# lesson's CNN, `mirrored.build_keras_cnn()`, and `keras.optimizers.SGD` with learning rate
-# `lr`, built so that every variable of either is mirrored — one copy per replica, kept equal by
-# the strategy. The check calls it with more than one learning rate.
+# lesson's CNN, `mirrored.build_keras_cnn()`, and plain `keras.optimizers.SGD` with learning
+# rate `lr` (no momentum or other option: the checks compare with plain SGD on one device),
+# built so that every variable of either is mirrored by the `strategy` passed in — one copy per
+# replica, kept equal by that strategy. The check calls it with more than one learning rate, and
+# with a strategy of one replica more than the notebook's `strategy`.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -268,7 +270,10 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # **Your design decision:** what `make_dist_dataset` does with a global batch that does not
 # split evenly over the replicas (33 on 2, 32 on 3). The contract above cannot be kept then;
 # whatever you choose must not leave a training loop with steps of a size it was not told. A
-# bad argument gets a clear error.
+# bad argument gets a clear error — and the decision must be yours: if you refuse, raise your
+# own `ValueError` from `make_dist_dataset`, naming both numbers. (Some TensorFlow functions
+# refuse such a batch by themselves, from deep inside the strategy; the check does not count
+# TensorFlow's error as your decision.)
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -297,6 +302,11 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # %%
 def make_dist_dataset(strategy, x, y, global_batch):
     ### BEGIN SOLUTION: a distributed dataset built from your own per-pipeline function
+    n = strategy.num_replicas_in_sync
+    if global_batch % n:
+        raise ValueError(f"a global batch of {global_batch} does not split over {n} replicas: "
+                         f"no per-replica batch size gives steps of {global_batch}")
+
     def dataset_fn(ctx):
         ds = tf.data.Dataset.from_tensor_slices((x, y))
         ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)

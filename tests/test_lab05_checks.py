@@ -103,13 +103,13 @@ def test_reduce_mean_in_the_step_is_named(strategy):
 
 
 def test_sum_where_mean_is_meant_is_named(strategy):
-    with pytest.raises(LabCheckError, match=r"means were added up \(SUM\)"):
+    with pytest.raises(LabCheckError, match=r"replicas' own means added up \(SUM\)"):
         lab05.check_train_step(make_step(loss_right, SUM, SUM, acc="fraction"), make_right,
                                strategy)
 
 
 def test_mean_where_sum_is_meant_is_named(strategy):
-    with pytest.raises(LabCheckError, match=r"shares were averaged \(MEAN\): shares add up"):
+    with pytest.raises(LabCheckError, match=r"mean \(MEAN\) of the replicas' shares.*Shares add up"):
         lab05.check_train_step(make_step(loss_right, MEAN, MEAN), make_right, strategy)
 
 
@@ -319,13 +319,18 @@ def test_steps_tied_to_one_setup_fail(step, phrase, strategy):
 # --- stretch: distribute_datasets_from_function and the partial last batch --------------------
 
 def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_replicas=False,
-                   size=None):
+                   size=None, refuse="own"):
     """size="floor" / "ceil": the per-replica batch rounded instead of refused when the replicas
-    do not divide the global batch; size="refuse": a ValueError of the learner's own."""
+    do not divide the global batch. refuse="own": the learner's own ValueError naming both
+    numbers (right); "tf": no check of its own, TF's get_per_replica_batch_size raises; "vague":
+    its own ValueError naming neither number."""
     def make(strategy, x, y, global_batch):
         n = strategy.num_replicas_in_sync
-        if size == "refuse" and global_batch % n:
-            raise ValueError(f"{global_batch} samples do not split over {n} replicas")
+        if size is None and global_batch % n:
+            if refuse == "own":
+                raise ValueError(f"{global_batch} samples do not split over {n} replicas")
+            if refuse == "vague":
+                raise ValueError("bad global batch")
 
         def dataset_fn(ctx):
             ds = tf.data.Dataset.from_tensor_slices((x, y))
@@ -335,7 +340,7 @@ def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_r
                 ds = ds.shard(ctx.num_replicas_in_sync, ctx.input_pipeline_id)
             elif shard:
                 ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-            if size == "floor" or size == "refuse":
+            if size == "floor":
                 per = global_batch // n
             elif size == "ceil":
                 per = -(-global_batch // n)
@@ -349,10 +354,26 @@ def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_r
 def test_right_datasets_pass(strategy, capsys):
     lab05.check_dataset_fn(_dataset_maker(), strategy)
     lab05.check_dataset_fn(_dataset_maker(shard=False), strategy)  # one pipeline: same thing
-    lab05.check_dataset_fn(_dataset_maker(size="refuse"), strategy)  # its own ValueError
     out = capsys.readouterr().out
     # the spare replica was tried: 36 on 3 (12 + 12 + 4 in the last step)
-    assert out.count("✔") == 3 and "32 on 2, 36 on 3 replicas" in out, out
+    assert out.count("✔") == 2 and "32 on 2, 36 on 3 replicas" in out, out
+
+
+def test_tensorflows_own_refusal_is_not_the_learners(strategy):
+    # ctx.get_per_replica_batch_size raises ValueError by itself for 33 on 2: TF decided, not
+    # the learner (the lab asks for the learner's own error)
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_dataset_fn(_dataset_maker(refuse="tf"), strategy)
+    msg = str(err.value)
+    assert "global_batch=33 on 2 replicas the ValueError came from TensorFlow" in msg, msg
+    assert "get_per_replica_batch_size" in msg and "raise your own" not in msg, msg
+    with pytest.raises(LabCheckError, match="Check the global batch in make_dist_dataset"):
+        lab05.check_dataset_fn(_dataset_maker(refuse="tf"), strategy)
+
+
+def test_a_refusal_naming_neither_number_is_named(strategy):
+    with pytest.raises(LabCheckError, match=r"does not name both the global batch \(33\)"):
+        lab05.check_dataset_fn(_dataset_maker(refuse="vague"), strategy)
 
 
 @pytest.mark.parametrize("size, steps", [("floor", "[32, 32, 32]"), ("ceil", "[34, 34, 32]")])
@@ -484,9 +505,9 @@ def test_predictions_are_revealed(strategy, capsys):
 
 @pytest.mark.parametrize("fn, cause, fix", [
     (loss_implicit_global, "slice size times the replica count",
-     "divide by the step's sample count, which the function is given"),
+     "Divide by the step's sample count, which the function is given"),
     (loss_reduce_mean, "(reduce_mean), but the strategy sums",
-     "divide the summed loss by the whole step's count"),
+     "Divide the summed loss by the whole step's count"),
 ])
 def test_loss_messages_give_the_cause_then_the_fix(fn, cause, fix, strategy):
     with pytest.raises(LabCheckError) as first:
@@ -506,3 +527,169 @@ def test_step_messages_give_the_cause_then_the_fix(strategy):
     assert "a statistic that adds up" not in str(first.value), str(first.value)
     with pytest.raises(LabCheckError, match="a statistic that adds up over the replicas"):
         lab05.check_train_step(step, make_right, strategy)
+
+
+# --- part 3: the accuracy after the update is told apart from means added up (learner, round 4)
+
+def step_reports_after_update(strategy, model, optimizer, dist_batch, global_batch):
+    # counts summed and divided once (right), but from the model run again after the update
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_right(y, model(x, training=True), global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        hits = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(model(x, training=False), -1), y),
+                                     tf.float32))
+        return loss, hits
+    loss, hits = strategy.run(step_fn, args=dist_batch)
+    return (strategy.reduce(SUM, loss, axis=None),
+            strategy.reduce(SUM, hits, axis=None) / global_batch)
+
+
+def test_after_update_coincides_with_summed_means_on_the_first_split():
+    # the learner's case: on 64 samples split 32 + 32, the accuracy after the update is exactly
+    # twice the accuracy before it — what the replicas' means added up (SUM) also give; a ratio
+    # alone cannot tell them apart
+    x, y = lab05.reference_batch(64)
+    model = mirrored.build_keras_cnn(seed=3)
+    before = (model(x).numpy().argmax(-1) == y)
+    halves = np.array_split(np.arange(64), 2)
+    summed_means = sum(before[h].mean() for h in halves)
+    grads = mirrored.single_replica_gradients(model, x, y)
+    model.set_weights([w - 0.1 * g for w, g in zip(model.get_weights(), grads)])
+    after = (model(x).numpy().argmax(-1) == y).mean()
+    assert np.isclose(after, summed_means) and not np.isclose(after, before.mean())
+
+
+def test_accuracy_after_the_update_is_named_as_such(strategy):
+    with pytest.raises(LabCheckError) as first:
+        lab05.check_train_step(step_reports_after_update, make_right, strategy)
+    msg = str(first.value)
+    assert "accuracy returned" in msg and "after this step's update" in msg, msg
+    assert "added up" not in msg and "mean of" not in msg, msg   # not the summed-means cause
+    with pytest.raises(LabCheckError) as second:
+        lab05.check_train_step(step_reports_after_update, make_right, strategy)
+    msg = str(second.value)
+    assert "Report the accuracy of the logits the step's loss was computed from." in msg, msg
+    assert "statistic that adds up" not in msg and "averages" not in msg, msg
+
+
+def test_summed_means_are_named_with_their_parts(strategy):
+    # the other cause of a 2x accuracy: the split where the two differ decides
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_train_step(make_step(loss_right, SUM, SUM, acc="fraction"), make_right,
+                               strategy)
+    msg = str(err.value)
+    assert "replicas' own means added up (SUM):" in msg and "after this step's" not in msg, msg
+
+
+# --- part 2: the contract's plain SGD, built under the strategy given ----------------------
+
+def make_momentum(strategy, lr):
+    with strategy.scope():
+        return mirrored.build_keras_cnn(), keras.optimizers.SGD(learning_rate=lr, momentum=0.9)
+
+
+def test_momentum_is_named(strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_model_and_optimizer(make_momentum, strategy)
+    msg = str(err.value)
+    assert "SGD with momentum=0.9" in msg and "momentum=0.0" in msg, msg
+    assert "one-step test cannot see it" in msg, msg
+    with pytest.raises(LabCheckError, match="SGD with momentum=0.9"):
+        lab05.check_train_step(make_step(loss_right), make_momentum, strategy)
+
+
+def test_an_unbuilt_optimizer_passes(strategy, capsys):
+    # the contract does not ask for optimizer.build: plain SGD has no per-variable state
+    model, optimizer = lab05.check_model_and_optimizer(make_right, strategy)
+    assert not optimizer.built
+    assert "✔" in capsys.readouterr().out
+
+
+LAB_STRATEGY = None   # the notebook's global `strategy`, read by the functions below
+
+
+@pytest.fixture
+def lab_strategy(strategy):
+    global LAB_STRATEGY
+    LAB_STRATEGY = strategy
+    yield strategy
+    LAB_STRATEGY = None
+
+
+def make_with_global(strat, lr):
+    with LAB_STRATEGY.scope():
+        return mirrored.build_keras_cnn(), keras.optimizers.SGD(learning_rate=lr)
+
+
+def make_optimizer_with_global(strat, lr):
+    with strat.scope():
+        model = mirrored.build_keras_cnn()
+    with LAB_STRATEGY.scope():
+        return model, keras.optimizers.SGD(learning_rate=lr)
+
+
+def loss_global_replicas(labels, logits, global_batch):
+    return tf.reduce_mean(mirrored.per_example_loss(labels, logits)) / \
+        LAB_STRATEGY.num_replicas_in_sync
+
+
+def test_the_notebooks_strategy_read_from_outside_is_named(lab_strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_model_and_optimizer(make_with_global, lab_strategy)
+    msg = str(err.value)
+    assert "mirrored by another strategy, with 2 replicas, not by the 3-replica" in msg, msg
+    assert "reads `LAB_STRATEGY` (2 replicas) from outside itself" in msg, msg
+    with pytest.raises(LabCheckError, match="optimizer was created under another strategy"):
+        lab05.check_model_and_optimizer(make_optimizer_with_global, lab_strategy)
+    with pytest.raises(LabCheckError, match="mirrored by another strategy"):
+        lab05.check_train_step(make_step(loss_right), make_with_global, lab_strategy)
+
+
+def test_part1_names_a_replica_count_captured_from_outside(lab_strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_per_replica_loss(loss_global_replicas, lab_strategy)
+    msg = str(err.value)
+    assert "on 3 replicas" in msg and "reads `LAB_STRATEGY` (2 replicas)" in msg, msg
+    assert "written into the function" not in msg, msg
+    with pytest.raises(LabCheckError) as err:   # a literal 2: no captured value to name
+        lab05.check_per_replica_loss(loss_fixed_two_replicas, lab_strategy)
+    assert "captured from outside it" in str(err.value), str(err.value)
+
+
+def step_with_global(strat, model, optimizer, dist_batch, global_batch):
+    return make_step(loss_right)(LAB_STRATEGY, model, optimizer, dist_batch, global_batch)
+
+
+def test_a_step_running_the_notebooks_strategy_is_named(lab_strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_train_step(step_with_global, make_right, lab_strategy)
+    msg = str(err.value)
+    assert "on 3 replicas" in msg and "reads `LAB_STRATEGY` (2 replicas)" in msg, msg
+
+
+# --- every fix is a sentence of its own --------------------------------------------------
+
+def test_fixes_start_a_sentence():
+    import ast
+    import inspect
+    tree = ast.parse(inspect.getsource(lab05))
+    fixes = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and any(k.arg == "fix" for k in node.keywords):
+            value = next(k.value for k in node.keywords if k.arg == "fix")
+            parts = value.values if isinstance(value, ast.JoinedStr) else [value]
+            if isinstance(parts[0], ast.Constant) and isinstance(parts[-1], ast.Constant):
+                fixes.append(parts[0].value + " ... " + parts[-1].value)
+    fixes += [how[2] for how in lab05._HOW.values() if how[2]]
+    assert len(fixes) > 30
+    assert all(f[0].isupper() and f.rstrip().endswith(".") for f in fixes), \
+        [f for f in fixes if not (f[0].isupper() and f.rstrip().endswith("."))]
+
+
+def test_stretch_b_escalation_reads_as_two_sentences(strategy):
+    for _ in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab05.check_partial_batch_epoch(_epoch("mean"), strategy)
+    assert "whole step holds. Ask the other replicas" in str(err.value), str(err.value)

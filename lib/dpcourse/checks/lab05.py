@@ -15,19 +15,26 @@ device without any strategy, and compares. The loss is checked inside ``strategy
 training step calls it. Wrong answers that leave a known trace are named: the per-replica
 ``reduce_mean`` (gradient and step N times too big), a divisor of slice size × replicas
 (``compute_average_loss`` without ``global_batch_size``, or ``reduce_mean`` / N: right only when
-every slice is the same size; part 1 tries 3 + 2, part 3 a step split 6 + 2 (+ 2)), reducing a
-per-replica mean with SUM (N times too big) or a per-replica share of a sum with MEAN (N times
-too small), a loss or accuracy reported as the MEAN of the replicas' own means (right only when
-the slices are equal; in part 3's uneven step each slice holds one correctly classified sample,
-so the accuracy's mean of means is off too), one replica's value returned instead of a
-reduction, a fixed learning rate, variables created outside ``strategy.scope()``, and the
-library's own answers (``mirrored.per_replica_loss``, ``mirrored.train_step``) passed in place of
-the learner's.
+every slice is the same size; part 1 tries 3 + 2, part 3 a step split 6 + 2 (+ 2)), a fixed
+learning rate, an optimizer other than plain SGD (momentum included, which one step cannot show:
+its configuration is compared with the contract's), variables created outside the scope of the
+strategy given (parts 2 and 3 also run on the spare strategy, so the notebook's own ``strategy``
+read from outside the function shows), and the library's own answers (``mirrored.per_replica_loss``,
+``mirrored.train_step``) passed in place of the learner's. A wrong reported loss or accuracy is
+compared with every wrong calculation the check knows, each computed on that very split — from
+the logits before the update and from the weights after it; SUM of the replicas' means, MEAN of
+their shares, a mean of means, a count never divided, replica 0's value — and named only when
+exactly one of them matches: on an even split several can coincide (counts after the update can
+equal the sum of the means before it), and then a later split decides, or the check says it
+cannot tell and gives no fix.
 
 Importing this module imports TensorFlow: split the devices first (lab 05's first cell does).
 """
 
 from __future__ import annotations
+
+import re
+import types
 
 import numpy as np
 
@@ -92,7 +99,7 @@ def _refuse_library(fn, what: str) -> None:
     if inner is lib or getattr(inner, "__code__", None) is lib.__code__:
         fail(f"{what} is dpcourse.mirrored.{_LIBRARY[what]}, the library's answer that lesson 05 "
              f"runs: it passes by construction, so passing proves nothing about your scaling.",
-             fix=f"write your own {what} in the lab's cell.")
+             fix=f"Write your own {what} in the lab's cell.")
 
 
 class _LibrarySpy:
@@ -117,7 +124,7 @@ class _LibrarySpy:
         if self.called and exc[0] is None:
             fail(f"your {self.what} calls dpcourse.mirrored.{self.name}, the library's answer "
                  f"that lesson 05 runs: the scaling it checks is then the library's, not yours.",
-                 fix=f"compute the loss in your own {self.what}, without the library's function.")
+                 fix=f"Compute the loss in your own {self.what}, without the library's function.")
         return False
 
 
@@ -134,7 +141,7 @@ def _check_lr(optimizer, lr: float) -> None:
     if got is not None and not np.isclose(got, lr, rtol=1e-5):
         fail(f"the optimizer's learning rate is {got:.4g}, but make_model_and_optimizer was "
              f"called with lr={lr:.4g}: a number written into the function holds for one call "
-             f"only.", fix="build the optimizer with the lr argument.")
+             f"only.", fix="Build the optimizer with the lr argument.")
 
 
 @recorded
@@ -171,7 +178,9 @@ def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001 - the learner's code, reported in one line
-        fail(f"per_replica_loss raised {type(exc).__name__}: {str(exc).splitlines()[0]}")
+        fail(f"per_replica_loss raised {type(exc).__name__} on {n} replicas: "
+             f"{str(exc).splitlines()[0] if str(exc) else ''}"
+             + _captured_note(per_replica_loss, strat))
     got = _local(strat, out)
     labels, lgs = _local(strat, batch[0]), _local(strat, batch[1])
     sizes = [len(lab) for lab in labels]
@@ -179,7 +188,7 @@ def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
         if g.shape != ():
             fail(f"per_replica_loss returned a tensor of shape {g.shape} on a replica, but a "
                  f"gradient tape needs one number (a scalar tensor) to differentiate.",
-                 fix="reduce the per-example losses to one number.")
+                 fix="Reduce the per-example losses to one number.")
     for g, lab, lg in zip(got, labels, lgs):
         losses = mirrored.per_example_loss(lab, lg).numpy()
         right = losses.sum() / global_batch
@@ -193,22 +202,27 @@ def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
                  f"slice size x replicas is the global batch only when every slice is the same "
                  f"size, which a partial last batch breaks (compute_average_loss without "
                  f"global_batch_size, and a local mean / N, both assume it).",
-                 fix="divide by the step's sample count, which the function is given.")
+                 fix="Divide by the step's sample count, which the function is given.")
         if local and _close(g, losses.mean()):
             fail(f"per_replica_loss returned the mean over the replica's own {local} examples "
                  f"(reduce_mean), but the strategy sums the {n} replicas' gradients: their sum "
                  f"is then {n} means added, {n} times the gradient of the step's mean.",
-                 fix=f"divide the summed loss by the whole step's count ({global_batch}).")
+                 fix=f"Divide the summed loss by the whole step's count ({global_batch}).")
         if _close(g, losses.sum()):
             fail(f"per_replica_loss returns the sum of the per-example losses, not divided by "
                  f"anything: the step's gradient is then {global_batch} times the gradient of "
-                 f"its mean loss.", fix="divide the sum by the step's sample count.")
+                 f"its mean loss.", fix="Divide the sum by the step's sample count.")
         k = losses.sum() / float(g) if float(g) else 0.0
         if k > 0 and abs(k - round(k)) < 1e-3 and round(k) != global_batch:
+            note = _captured_note(per_replica_loss, strat)
             fail(f"per_replica_loss divided the summed loss by {round(k)}, but the global batch "
-                 f"here is {global_batch} on {n} replicas: a number written into the function "
-                 f"holds for one batch size and replica count only.",
-                 fix="divide by the global_batch argument.")
+                 f"here is {global_batch} on {n} replicas: "
+                 + (f"a divisor fixed before the call holds for one batch size and replica count "
+                    f"only.{note}" if note else
+                    "a number fixed before the call — written into the function, or a value "
+                    "captured from outside it (a variable of the notebook) — holds for one batch "
+                    "size and replica count only."),
+                 fix="Divide by the global_batch argument.")
         fail(f"per_replica_loss returned {float(g):.5f} where {right:.5f} (sum of the replica's "
              f"per-example cross-entropies / global batch {global_batch}) was expected.")
     return sizes
@@ -219,77 +233,168 @@ def _other_lr(lr: float) -> float:
     return 0.037 if not np.isclose(lr, 0.037) else 0.1
 
 
-def _outside_scope(strategy, model, optimizer) -> str | None:
+def _outside_scope(strategy, model, optimizer, fn=None):
+    """(cause, fix) when a variable of ``model`` or ``optimizer`` is not one ``strategy`` made."""
     # Keras 3 wraps each tf.Variable in a keras.Variable; the strategy knows the inner one.
-    outside = [v.name for v in model.variables
+    outside = [getattr(v, "value", v) for v in model.variables
                if not strategy.extended.variable_created_in_scope(getattr(v, "value", v))]
+    n = strategy.num_replicas_in_sync
     if outside:
-        return (f"the model's variables (e.g. {outside[0]!r}) were created outside "
+        other = getattr(outside[0], "_distribute_strategy", None)
+        if other is not None and other is not strategy:
+            return (f"the model's variables (e.g. {outside[0].name!r}) are mirrored by another "
+                    f"strategy, with {other.num_replicas_in_sync} replicas, not by the "
+                    f"{n}-replica strategy make_model_and_optimizer was given."
+                    + _captured_note(fn, strategy),
+                    "Build under the scope of the strategy the function is given.")
+        return (f"the model's variables (e.g. {outside[0].name!r}) were created outside "
                 f"strategy.scope(): they are plain variables on one device, not mirrored "
                 f"copies the strategy keeps equal on every replica.",
-                "build the model inside `with strategy.scope():`.")
+                "Build the model inside `with strategy.scope():`.")
     made_under = getattr(optimizer, "_distribution_strategy", strategy)
     if made_under is not strategy:
+        if isinstance(made_under, tf.distribute.MirroredStrategy):
+            return (f"the optimizer was created under another strategy, with "
+                    f"{made_under.num_replicas_in_sync} replicas, not under the {n}-replica "
+                    f"strategy make_model_and_optimizer was given." + _captured_note(fn, strategy),
+                    "Build under the scope of the strategy the function is given.")
         return ("the optimizer was created outside strategy.scope(): its own variables (step "
                 "counter, learning rate, slots) are then not mirrored, and the strategy cannot "
                 "update every replica's copy with them.",
-                "create the optimizer inside `with strategy.scope():` too.")
+                "Create the optimizer inside `with strategy.scope():` too.")
     return None
+
+
+def _captured_strategies(fn) -> list:
+    """(name, strategy) for each ``tf.distribute.Strategy`` that ``fn`` (or a function nested in
+    it) reads from outside itself: module globals and closure cells."""
+    fn = getattr(fn, "func", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    glob = getattr(fn, "__globals__", {})
+    found = {nm: glob[nm] for nm in names if isinstance(glob.get(nm), tf.distribute.Strategy)}
+    for nm, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            if isinstance(cell.cell_contents, tf.distribute.Strategy):
+                found[nm] = cell.cell_contents
+        except ValueError:   # an empty cell
+            pass
+    return sorted(found.items(), key=lambda kv: kv[0])
+
+
+def _captured_note(fn, strategy) -> str:
+    """A sentence naming a strategy that ``fn`` reads from outside itself and that is not
+    ``strategy`` (the one this call runs on), or ""."""
+    others = [f"`{nm}` ({obj.num_replicas_in_sync} replicas)"
+              for nm, obj in _captured_strategies(fn) if obj is not strategy]
+    if not others:
+        return ""
+    return (f" Your function reads {', '.join(others)} from outside itself, while this call runs "
+            f"on {strategy.num_replicas_in_sync} replicas: a value captured from outside the "
+            f"function stays what it was, whatever the call is given.")
+
+
+def _check_sgd(optimizer, lr: float) -> None:
+    """The contract's optimizer: plain SGD (what one device runs in the check), nothing else."""
+    __tracebackhide__ = True
+    if type(optimizer) is not keras.optimizers.SGD:
+        fail(f"the optimizer is {type(optimizer).__name__}, but the contract asks for "
+             f"keras.optimizers.SGD: the check compares your steps with plain SGD on one device.",
+             fix="Build keras.optimizers.SGD with the lr argument.")
+    plain = keras.optimizers.SGD(learning_rate=lr).get_config()
+    got = optimizer.get_config()
+    differ = {k: got.get(k) for k in plain if k not in ("name", "learning_rate")
+              and got.get(k) != plain[k]}
+    if differ:
+        what = ", ".join(f"{k}={v!r}" for k, v in differ.items())
+        momentum = (" With momentum each update adds a multiple of the previous one, so the "
+                    "first step is plain SGD's and every later one is not — a one-step test "
+                    "cannot see it, a training loop does." if "momentum" in differ else "")
+        fail(f"the optimizer is SGD with {what}, where the contract's plain SGD has "
+             + ", ".join(f"{k}={plain[k]!r}" for k in differ) + f": its steps are not the "
+             f"single-device plain SGD steps the lab compares with.{momentum}",
+             fix="Build keras.optimizers.SGD with the learning rate alone.")
 
 
 @recorded
 def check_model_and_optimizer(make_model_and_optimizer, strategy, lr: float = 0.1):
-    """The model and optimizer must both be created under ``strategy.scope()``, the optimizer
-    with the learning rate asked for (tried with ``lr`` and with another one). Returns them."""
+    """The model and optimizer must both be created under the ``strategy`` given (tried on the
+    lab's strategy and, when TF has a spare device, on one with a replica more), the optimizer
+    plain SGD with the learning rate asked for (tried with ``lr`` and with another one).
+    Returns the lab strategy's pair."""
     __tracebackhide__ = True
     other_lr = _other_lr(lr)
-    try:
-        _, other_opt = make_model_and_optimizer(strategy, other_lr)
-        model, optimizer = make_model_and_optimizer(strategy, lr)
-    except NotImplementedError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        fail(f"make_model_and_optimizer raised {type(exc).__name__}: {exc}")
-    if not isinstance(model, keras.Model) or not isinstance(optimizer, keras.optimizers.Optimizer):
-        fail("make_model_and_optimizer must return (keras model, keras optimizer), got "
-             f"({type(model).__name__}, {type(optimizer).__name__}).")
-    problem = _outside_scope(strategy, model, optimizer)
-    if problem:
-        fail(problem[0], fix=problem[1])
-    _check_lr(other_opt, other_lr)
-    _check_lr(optimizer, lr)
-    passed(f"the model and the optimizer are created under strategy.scope() (lr {other_lr:g} "
-           f"and {lr:g} tried)")
-    return model, optimizer
+    kept = None
+    for strat in strategies_for(strategy):
+        try:
+            _, other_opt = make_model_and_optimizer(strat, other_lr)
+            model, optimizer = make_model_and_optimizer(strat, lr)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            fail(f"make_model_and_optimizer raised {type(exc).__name__} on "
+                 f"{strat.num_replicas_in_sync} replicas: {exc}"
+                 + _captured_note(make_model_and_optimizer, strat))
+        if not isinstance(model, keras.Model) or not isinstance(
+                optimizer, keras.optimizers.Optimizer):
+            fail("make_model_and_optimizer must return (keras model, keras optimizer), got "
+                 f"({type(model).__name__}, {type(optimizer).__name__}).")
+        problem = _outside_scope(strat, model, optimizer, make_model_and_optimizer)
+        if problem:
+            fail(problem[0], fix=problem[1])
+        _check_lr(other_opt, other_lr)
+        _check_lr(optimizer, lr)
+        _check_sgd(optimizer, lr)
+        kept = kept or (model, optimizer)
+    passed(f"the model and a plain SGD optimizer are created under the strategy given "
+           f"({' and '.join(str(s.num_replicas_in_sync) for s in strategies_for(strategy))} "
+           f"replicas; lr {other_lr:g} and {lr:g} tried)")
+    return kept
 
 
 @recorded
 def check_train_step(distributed_train_step, make_model_and_optimizer, strategy,
                      global_batch: int = 64, lr: float = 0.1) -> None:
     """One step of the learner's loop from fixed weights on a fixed global batch must give the
-    single-device result: the same updated weights, the mean loss and the accuracy of the batch.
-    Tried with ``global_batch`` and three quarters of it, on the lab's strategy and (when TF has
-    a spare device) on one with a replica more; the second batch with another learning rate."""
+    single-device result: the same updated weights, the mean loss and the accuracy of the batch
+    before the update. Tried with ``global_batch`` and three quarters of it, on the lab's
+    strategy and (when TF has a spare device) on one with a replica more; the second batch with
+    another learning rate; then a step split unevenly. A wrong reported value is named only
+    when one wrong calculation explains it; where several coincide on one split, the next split
+    decides."""
     __tracebackhide__ = True
     _refuse_library(distributed_train_step, "distributed_train_step")
-    tried = []
+    tried, unsure = [], None
     with _LibrarySpy("per_replica_loss"):
         strategies = strategies_for(strategy)
+        runs = []
         for strat in strategies:
             n = strat.num_replicas_in_sync
             # multiples of n: an even split first, where the scaling mistakes show as factors of n
             for gb, step_lr in ((global_batch // n * n, lr),
                                 ((global_batch * 3 // 4) // n * n, _other_lr(lr))):
-                _check_step_once(distributed_train_step, make_model_and_optimizer,
-                                 strat, gb, step_lr)
-                tried.append(f"{gb} on {n}")
+                runs.append((strat, gb, step_lr, None, f"{gb} on {n}"))
         # then a short step whose slices differ in size (6 + 2 (+ 2)), as a last step's can:
         # a mean of the replicas' own means is the batch's mean only when the slices are equal
         for strat in strategies:
             slices = uneven_slices(strat.num_replicas_in_sync)
-            _check_step_once(distributed_train_step, make_model_and_optimizer, strat,
-                             sum(len(s) for s in slices), lr, slices=slices)
-            tried.append("+".join(str(len(s)) for s in slices) + f" on {len(slices)}")
+            runs.append((strat, sum(len(s) for s in slices), lr, slices,
+                         "+".join(str(len(s)) for s in slices) + f" on {len(slices)}"))
+        for strat, gb, step_lr, slices, label in runs:
+            try:
+                _check_step_once(distributed_train_step, make_model_and_optimizer, strat, gb,
+                                 step_lr, slices=slices)
+            except _Ambiguous as amb:
+                unsure = unsure or amb
+            tried.append(label)
+    if unsure is not None:
+        fail(unsure.sentence)
     passed(f"one step == one device on the global batch (weights, loss, accuracy; tried "
            + ", ".join(tried) + f" replicas, lr {lr:g} and {_other_lr(lr):g})")
 
@@ -335,14 +440,16 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
     ref_delta = [-lr * g for g in grads]  # the step SGD must take (trainable vars == all vars)
 
     model, optimizer = make_model_and_optimizer(strategy, lr)
-    problem = _outside_scope(strategy, model, optimizer) if isinstance(model, keras.Model) else None
+    problem = (_outside_scope(strategy, model, optimizer, make_model_and_optimizer)
+               if isinstance(model, keras.Model) else None)
     if problem:
         fail(problem[0], fix=problem[1])
     if len(model.get_weights()) != len(start):
         fail(f"the model has {len(model.get_weights())} weight arrays where the lesson's CNN "
              f"has {len(start)}: the check compares with mirrored.build_keras_cnn().",
-             fix="build mirrored.build_keras_cnn() in make_model_and_optimizer.")
+             fix="Build mirrored.build_keras_cnn() in make_model_and_optimizer.")
     _check_lr(optimizer, lr)
+    _check_sgd(optimizer, lr)
     model.set_weights(start)
     if len({len(s) for s in slices}) == 1:
         dist_batch = next(iter(strategy.experimental_distribute_dataset(
@@ -356,22 +463,22 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001
-        fail(f"distributed_train_step raised {type(exc).__name__}: {str(exc).splitlines()[0]}")
+        fail(f"distributed_train_step raised {type(exc).__name__} on {n} replicas: "
+             f"{str(exc).splitlines()[0] if str(exc) else ''}"
+             + _captured_note(distributed_train_step, strategy))
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         fail(f"distributed_train_step returned {type(out).__name__}, not a pair: the contract "
-             f"is (loss, accuracy), one number each.", fix="return (loss, accuracy).")
+             f"is (loss, accuracy), one number each.", fix="Return (loss, accuracy).")
     try:
         loss, acc = (float(np.asarray(v)) for v in out)
     except (TypeError, ValueError):
         fail("distributed_train_step returned per-replica values (one per replica), not one "
              "number each: the global batch's loss and accuracy are one number each.",
-             fix="combine each value over the replicas into one number on the host.")
-    # What each replica held before the step: to tell one replica's value from a reduction.
+             fix="Combine each value over the replicas into one number on the host.")
+    # What each replica held before the step.
     split = "+".join(str(len(s)) for s in slices)
     per_ex = mirrored.per_example_loss(y, logits).numpy()
     hit = np.argmax(logits, -1) == y
-    first_share, first_mean = per_ex[slices[0]].sum() / global_batch, per_ex[slices[0]].mean()
-    first_acc = float(hit[slices[0]].mean())
 
     delta = [w - s for w, s in zip(model.get_weights(), start)]
     size = sum(float(np.sum(d * d)) for d in delta) ** 0.5
@@ -379,7 +486,7 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
     if size == 0:
         fail("the weights did not change after one step: no gradient was applied to the "
              "mirrored variables.",
-             fix="apply the gradients with optimizer.apply_gradients inside the function you "
+             fix="Apply the gradients with optimizer.apply_gradients inside the function you "
                  "pass to strategy.run.")
     step_ratio = size / ref_size
     if not all(_close(d, r, rtol=1e-2) for d, r in zip(delta, ref_delta)):
@@ -387,22 +494,22 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
             fail(f"the update is {n}x too big ({n} replicas): each replica's loss was the "
                  f"reduce_mean over its own examples, and the strategy then summed the "
                  f"{n} replicas' gradients.",
-                 fix="divide each replica's summed loss by the global batch (part 1).")
+                 fix="Divide each replica's summed loss by the global batch (part 1).")
         if abs(step_ratio - 1 / n) < 0.05 / n:
             fail(f"the update is {n}x too small: the loss was divided by the global batch and "
                  f"then once more by the {n} replicas, but the strategy sums the replicas' "
-                 f"gradients — it does not average them.", fix="divide only once.")
+                 f"gradients — it does not average them.", fix="Divide only once.")
         for k in (2, 3, 4):
             if k != n and abs(step_ratio - n / k) < 0.02 * n / k:
                 fail(f"on {n} replicas the update is {n}/{k} of the right one: the loss was "
                      f"divided by a fixed {k} replicas, a number that holds on {k} replicas only.",
-                     fix="divide by the global_batch argument.")
+                     fix="Divide by the global_batch argument.")
         k = global_batch / step_ratio
         if abs(k - round(k)) < 0.02 * k and round(k) not in (global_batch, 0):
             fail(f"with a global batch of {global_batch} on {n} replicas the update is "
                  f"{step_ratio:.3g} times the right one: the loss was divided by a fixed "
                  f"{round(k)}, not by this step's global batch.",
-                 fix="divide by the global_batch argument.")
+                 fix="Divide by the global_batch argument.")
         if len({len(s) for s in slices}) > 1:
             # each replica dividing its summed loss by its own slice size x n (a local mean / n)
             local = [sum(g / n for g in gs) for gs in zip(*(
@@ -412,54 +519,133 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
                 fail(f"this step's {global_batch} samples arrived in slices of {split}, and each "
                      f"replica's loss was divided by its own slice size times the replica count: "
                      f"that is the global batch only when every slice is the same size.",
-                     fix="divide by the global_batch argument (part 1).")
+                     fix="Divide by the global_batch argument (part 1).")
         fail(f"one step changed the weights by {step_ratio:.3g} times the single-device SGD "
              f"step (expected 1), not by a factor the check recognises.",
-             fix="compute each replica's loss on its slice (part 1), take its gradient and apply "
+             fix="Compute each replica's loss on its slice (part 1), take its gradient and apply "
                  "it inside strategy.run.")
 
-    # (what, reduced, its format, expected, what that is, why n times too big, too small)
-    for what, got, fmt, want, want_is, too_big, too_small in (
+    # The weights are right. Each reported value is compared with the batch's; a wrong one is
+    # compared with every wrong calculation the check knows, computed on this very split — from
+    # the logits before the update and from the weights after it — and named only when exactly
+    # one matches (on an even split several can coincide: then a later split decides).
+    ref.set_weights(model.get_weights())
+    after = ref(x, training=False).numpy()
+    when_of = {"before": (per_ex, hit),
+               "after": (mirrored.per_example_loss(y, after).numpy(), np.argmax(after, -1) == y)}
+    for what, got, fmt, want, want_is in (
             ("loss", loss, ".5f", ref_loss,
-             f"the mean loss over the global batch before the step is {ref_loss:.5f}",
-             ("each replica's loss was a mean over its own examples, and the replicas' means "
-              "were added up (SUM).", "combine means with the operation that averages them."),
-             ("each replica's loss is its share of the global mean (already divided by the "
-              "global batch), and the replicas' shares were averaged (MEAN): shares add up.",
-              "combine shares with the operation that adds them.")),
+             f"the batch's mean loss before the update is {ref_loss:.5f}"),
             ("accuracy", acc, ".4f", ref_acc,
-             f"the global batch's accuracy before the step is {ref_acc:.4f}",
-             ("each replica's accuracy was a mean over its own examples, and the replicas' "
-              "means were added up (SUM).", "combine means with the operation that averages "
-              "them — or, better, return a statistic that adds up."),
-             ("each replica's value was already divided by the global batch, and the replicas' "
-              "values were averaged (MEAN) — that divides by the replicas a second time.",
-              "combine shares with the operation that adds them."))):
+             f"the batch's accuracy before the update is {ref_acc:.4f}")):
         if _close(got, want, rtol=1e-3):
             continue
-        if len({len(s) for s in slices}) > 1:
-            of = per_ex if what == "loss" else hit.astype(float)
-            means = [float(of[s].mean()) for s in slices]
-            if _close(got, np.mean(means), rtol=1e-3):
-                fail(f"the {what} returned ({got:{fmt}}) is the mean of the replicas' own means "
-                     f"({', '.join(f'{m:{fmt}}' for m in means)}) over slices of {split} "
-                     f"samples, but {want_is}: a mean of means weighs every replica the same, "
-                     f"not every sample, so it is the batch's {what} only when the slices are "
-                     f"the same size — and a short last step's are not.",
-                     fix="let each replica return a statistic that adds up over the replicas "
-                         "(a sum or a count), and divide once by the step's sample count.")
-        ones = (first_share, first_mean) if what == "loss" else (first_acc, first_acc / n)
-        if any(_close(got, o, rtol=1e-4) for o in ones) and not _close(want / n, got, rtol=1e-4):
-            fail(f"the {what} returned is replica 0's value alone ({got:{fmt}}), not a "
-                 f"reduction over the {n} replicas: {want_is}.",
-                 fix="combine every replica's value into one number with strategy.reduce.")
-        r = _ratio(got, want)
-        if abs(r - n) < 0.01 * n:
-            fail(f"the {what} is {n}x too big: {too_big[0]}", fix=too_big[1])
-        if abs(r - 1 / n) < 0.01 / n:
-            fail(f"the {what} is {n}x too small: {too_small[0]}", fix=too_small[1])
-        fail(f"the reduced {what} is {got:{fmt}}, but {want_is}.")
+        found = []
+        for when, (w_loss, w_hit) in when_of.items():
+            of = w_loss if what == "loss" else w_hit.astype(float)
+            for how, value in _wrong_reductions(of, slices, global_batch, what).items():
+                if (when, how) != ("before", "batch") and _close(got, value, rtol=1e-3):
+                    found.append((when, how, of))
+        if len(found) > 1:
+            raise _Ambiguous(what, got, fmt, want_is, found, split)
+        if not found:
+            fail(f"the reduced {what} is {got:{fmt}}, but {want_is} (split {split} over {n} "
+                 f"replicas), and it matches no wrong calculation the check knows.")
+        when, how, of = found[0]
+        cause, fix = _name_reduction(what, got, fmt, want_is, when, how, of, slices, global_batch)
+        fail(cause, fix=fix)
     return ref_loss, ref_acc
+
+
+class _Ambiguous(Exception):
+    """A wrong reported value that more than one wrong calculation explains on this split."""
+
+    def __init__(self, what, got, fmt, want_is, found, split):
+        super().__init__(what)
+        self.sentence = (
+            f"the reduced {what} is {got:{fmt}}, but {want_is} (split {split}). On every split "
+            f"the check tried, more than one wrong calculation gives that number ("
+            + "; ".join(_HOW[how][0].format(what=what) + (" after the update" if when == "after"
+                                                           else "")
+                        for when, how, _ in found)
+            + "), so the check cannot tell which one your step makes: print what each replica "
+            f"returns on an uneven split and compare.")
+
+
+# how a per-replica statistic was combined: (what it is, the cause, the fix)
+_HOW = {
+    "batch": ("the batch's {what}", "", ""),
+    "sum_of_means": (
+        "the replicas' own means added up",
+        "the replicas' own means added up (SUM): {parts} = {value}, each a mean over its own "
+        "slice. Means do not add up: {n} means added are about {n} times one mean.",
+        "Let each replica return what adds up over the replicas (a count or a sum, or a share "
+        "already divided by the step's sample count), combine it with SUM, and divide a count "
+        "once by the step's sample count."),
+    "mean_of_means": (
+        "the mean of the replicas' own means",
+        "the mean of the replicas' own means ({parts}) over slices of {split} samples: a mean "
+        "of means weighs every replica the same, not every sample, so it is the batch's {what} "
+        "only when the slices are the same size — and a short last step's are not.",
+        "Let each replica return a statistic that adds up over the replicas (a sum or a count), "
+        "and divide once by the step's sample count."),
+    "mean_of_shares": (
+        "the mean of the replicas' shares",
+        "the mean (MEAN) of the replicas' shares ({parts}), each already divided by the global "
+        "batch ({gb}): averaging them divides by the {n} replicas a second time. Shares add up.",
+        "Combine shares with the operation that adds them."),
+    "count": (
+        "the replicas' sums added up, not divided",
+        "the replicas' sums ({parts}) added up and never divided by the {gb} samples of the "
+        "step.",
+        "Divide the summed statistic once by the step's sample count."),
+    "replica0": (
+        "replica 0's value alone",
+        "replica 0's value alone, not a reduction over the {n} replicas.",
+        "Combine every replica's value into one number with strategy.reduce."),
+}
+
+
+def _wrong_reductions(of, slices, gb: int, what: str) -> dict:
+    """The number each way of combining the per-replica statistic ``of`` (per-example losses or
+    hits) over ``slices`` gives, the right way ("batch") included."""
+    means = [float(of[s].mean()) for s in slices]
+    shares = [float(of[s].sum()) / gb for s in slices]
+    out = {"batch": float(of.mean()), "sum_of_means": sum(means),
+           "mean_of_shares": float(np.mean(shares)), "replica0": means[0]}
+    if len({len(s) for s in slices}) > 1:
+        out["mean_of_means"] = float(np.mean(means))
+    if what == "accuracy":
+        out["count"] = float(of.sum())
+    else:
+        out["replica0_share"] = shares[0]
+    return out
+
+
+def _name_reduction(what, got, fmt, want_is, when, how, of, slices, gb):
+    """(cause, fix) for a reported value that one wrong calculation explains."""
+    n = len(slices)
+    how = "replica0" if how == "replica0_share" else how
+    parts = [float(of[s].mean()) for s in slices] if how in ("sum_of_means", "mean_of_means") \
+        else [float(of[s].sum()) / (gb if how == "mean_of_shares" else 1) for s in slices]
+    fields = dict(what=what, n=n, gb=gb, split="+".join(str(len(s)) for s in slices),
+                  parts=" + ".join(f"{p:{fmt}}" for p in parts) if how == "sum_of_means"
+                  else ", ".join(f"{p:{fmt}}" for p in parts),
+                  value=f"{got:{fmt}}")
+    late = (f"computed from the weights after this step's update (the model run again after "
+            f"apply_gradients), but the contract asks for the {what} before the update: "
+            f"{want_is}.")
+    if how == "batch":
+        return (f"the {what} returned ({got:{fmt}}) is the batch's {what} {late}",
+                f"Report the {what} of the logits the step's loss was computed from.")
+    cause = f"the {what} returned ({got:{fmt}}) is " + _HOW[how][1].format(**fields)
+    fix = _HOW[how][2]
+    if when == "after":
+        cause += f" It is also {late}"
+        fix += f" And report the {what} of the logits the step's loss was computed from."
+    else:
+        cause += f" ({want_is[0].upper()}{want_is[1:]}.)"
+    return cause, fix
 
 
 # --- stretch: datasets from a function, and a partial last batch ---------------------------
@@ -501,8 +687,9 @@ def check_dataset_fn(make_dist_dataset, strategy) -> None:
     last step's 4 samples all land on replica 0, not split 2 + 2 as
     ``experimental_distribute_dataset`` splits a global batch. Tried on the lab's strategy and on
     one with a replica more (36 on 3: the last step 12 + 12 + 4); and a global batch the replicas
-    do not divide must be refused with a ValueError (rounding the per-replica size changes every
-    step's size)."""
+    do not divide must be refused by the learner's own ValueError naming both numbers (rounding
+    the per-replica size changes every step's size; TF's ``get_per_replica_batch_size`` raising
+    by itself is TF's decision, not the learner's)."""
     __tracebackhide__ = True
     tried = []
     for strat in strategies_for(strategy):
@@ -526,19 +713,46 @@ def _check_indivisible(make_dist_dataset, strategy, global_batch: int) -> None:
         steps = [[len(np.asarray(v)) for v in _local(strategy, b[0])] for b in dist]
     except NotImplementedError:
         raise
-    except ValueError:
-        return   # refused: no per-replica batch size gives this global batch
+    except ValueError as exc:   # refused: is the refusal the learner's own, and clear?
+        _check_refusal(exc, global_batch, n)
+        return
     except Exception as exc:  # noqa: BLE001
         fail(f"with global_batch={global_batch} on {n} replicas make_dist_dataset raised "
              f"{type(exc).__name__}: {str(exc).splitlines()[0]} — the contract refuses a global "
              f"batch the replicas do not divide with a ValueError, not another error.",
-             fix="raise ValueError naming the global batch and the replica count.")
+             fix="Raise ValueError naming the global batch and the replica count.")
     sizes = [sum(st) for st in steps]
     fail(f"with global_batch={global_batch} on {n} replicas your steps held {sizes[:3]} samples "
          f"(per replica {steps[0] if steps else []}): {global_batch} is not a multiple of {n}, so "
          f"no per-replica batch size makes a step of {global_batch} — rounding it makes every "
          f"step the wrong size, and the loss of each step is divided by a count it does not hold.",
-         fix="refuse such a global batch: raise ValueError naming both numbers.")
+         fix="Refuse such a global batch: raise ValueError naming both numbers.")
+
+
+def _check_refusal(exc: ValueError, global_batch: int, n: int) -> None:
+    """The stretch's refusal must be the learner's own ValueError, naming both numbers: TF's
+    ``InputContext.get_per_replica_batch_size`` raises one by itself for such a batch, from
+    inside the strategy's call of the dataset function, and that is TF deciding, not you."""
+    __tracebackhide__ = True
+    import traceback
+    frames = traceback.extract_tb(exc.__traceback__)
+    origin = frames[-1] if frames else None
+    said = str(exc).splitlines()[0] if str(exc) else ""
+    if origin is not None and "/tensorflow/" in origin.filename.replace("\\", "/"):
+        fail(f"with global_batch={global_batch} on {n} replicas the ValueError came from "
+             f"TensorFlow, not from your function: {origin.name} (in "
+             f"{origin.filename.split('site-packages/')[-1]}) raised {said!r} while the strategy "
+             f"called your dataset function. TF refused for you, from inside its own machinery: "
+             f"the lab asks for your decision, made and explained by make_dist_dataset itself.",
+             fix="Check the global batch in make_dist_dataset before building any pipeline, and "
+                 "raise your own ValueError naming both numbers.")
+    if not (re.search(rf"(?<!\d){global_batch}(?!\d)", said)
+            and re.search(rf"(?<!\d){n}(?!\d)", said)):
+        fail(f"with global_batch={global_batch} on {n} replicas your make_dist_dataset raised "
+             f"ValueError({said!r}): the refusal is right, but its message does not name both "
+             f"the global batch ({global_batch}) and the replica count ({n}), so whoever meets it "
+             f"cannot see what did not divide.",
+             fix="Put both numbers in the ValueError's message.")
 
 
 def _check_dataset_once(make_dist_dataset, strategy, gb: int) -> None:
@@ -562,12 +776,12 @@ def _check_dataset_once(make_dist_dataset, strategy, gb: int) -> None:
         fail(f"replica 0 got {gb} samples in the first step {at}, a whole global batch: "
              f"global_batch is the size of the whole step over the {n} replicas, not one "
              f"replica's.",
-             fix="batch each replica's pipeline by its share of the global batch.")
+             fix="Batch each replica's pipeline by its share of the global batch.")
     if sorted(order) == list(range(_N_SAMPLES)) and order != list(range(_N_SAMPLES)):
         fail(f"every sample arrives once, in steps of {sizes} {at}, but not in the data's order "
              f"(the first step starts with samples {order[:4]}): the contract makes each step "
              f"the next {gb} samples of the data, unshuffled.",
-             fix="leave the data in its order (no shuffle).")
+             fix="Leave the data in its order (no shuffle).")
     if len(set(order)) < _N_SAMPLES:
         kept = sorted(set(order))
         if n > 1 and len(kept) == len(range(0, _N_SAMPLES, n)) and all(
@@ -576,11 +790,11 @@ def _check_dataset_once(make_dist_dataset, strategy, gb: int) -> None:
                  f"data was sharded into {n} pieces (one per replica) and only one kept — but "
                  f"there is one input pipeline here (one per worker), and the replicas already "
                  f"take different batches from it.",
-                 fix="shard by the number of input pipelines, not replicas.")
+                 fix="Shard by the number of input pipelines, not replicas.")
         if kept == list(range(len(kept))) and len(kept) % gb == 0:
             fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples (steps of {sizes}) {at}: "
                  f"the partial last batch was dropped — this exercise is about handling it.",
-                 fix="keep the remainder when batching.")
+                 fix="Keep the remainder when batching.")
         fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples (steps of {sizes}) {at}: "
              f"every sample must arrive once.")
     if sizes != want:
@@ -591,7 +805,7 @@ def _check_dataset_once(make_dist_dataset, strategy, gb: int) -> None:
              f"{'+'.join(map(str, _expected_split(n, gb)[-1]))}): that is a global batch split "
              f"by the strategy, as experimental_distribute_dataset splits one, not replicas "
              f"taking whole per-replica batches from a pipeline in turn.",
-             fix="build the dataset with strategy.distribute_datasets_from_function and batch it "
+             fix="Build the dataset with strategy.distribute_datasets_from_function and batch it "
                  "by the per-replica size.")
 
 
@@ -705,13 +919,13 @@ def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
             fail(f"train_epoch raised {type(exc).__name__} {at}: {first} — a Python number (or "
                  f"None) reached a TensorFlow operation. A static shape such as x.shape[0] is a "
                  f"Python int (None while the step is traced), and the replica context reduces "
-                 f"tensors only.", fix="count the samples with a tensor operation.")
+                 f"tensors only.", fix="Count the samples with a tensor operation.")
         fail(f"train_epoch raised {type(exc).__name__} {at}: {first}")
     got = model.get_weights()
     if not all(np.all(np.isfinite(w)) for w in got):
         fail(f"the weights became NaN {at}: in the last step a replica with no samples divided "
              f"its loss by its own count, and the mean of nothing is 0/0.",
-             fix="divide the summed loss by the step's global sample count instead.")
+             fix="Divide the summed loss by the step's global sample count instead.")
 
     def same(divisors):
         return all(_close(a, b, rtol=1e-4) for a, b in zip(got, _one_device(gb, divisors)))
@@ -722,23 +936,23 @@ def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
         fail(f"the last step was too small {at}: its {sum(last)} samples were divided by the "
              f"full global batch ({gb}), a number fixed before the epoch — but a short last "
              f"step holds fewer samples, and only the step itself can tell how many.",
-             fix="divide by this step's sample count, summed over the replicas inside the step.")
+             fix="Divide by this step's sample count, summed over the replicas inside the step.")
     if gb != _GLOBAL and same(lambda r, sizes: _GLOBAL):
         fail(f"every step's loss was divided by a fixed {_GLOBAL} {at}: the global batch here is "
              f"{gb}, and the last step holds {sum(last)} — a number written into the function "
              f"holds for one dataset only.",
-             fix="count the step's samples inside the step, summed over the replicas.")
+             fix="Count the step's samples inside the step, summed over the replicas.")
     if same(lambda r, sizes: sizes[r] * n):
         fail(f"the last step was wrong {at}: each replica's loss was divided by its own slice "
              f"size times the replica count (compute_average_loss without global_batch_size, or "
              f"a local mean divided by the replica count, assume every replica holds as many "
              f"samples as this one), but the last step's slices differ: a replica's own slice "
              f"does not tell how many samples the whole step holds.",
-             fix="ask the other replicas: sum the replicas' counts inside the step.")
+             fix="Ask the other replicas: sum the replicas' counts inside the step.")
     if same(lambda r, sizes: float("inf") if sum(sizes) < gb else sum(sizes)):
         fail(f"the last, partial step changed nothing {at}: its {sum(last)} samples were never "
-             f"trained on.", fix="train on the short last step too.")
+             f"trained on.", fix="Train on the short last step too.")
     fail(f"after one epoch the weights differ from one device on the same batches {at}, by a "
          f"scaling the check does not recognise.",
-         fix="divide each replica's summed loss by the step's global sample count, then apply "
+         fix="Divide each replica's summed loss by the step's global sample count, then apply "
              "the gradients.")
