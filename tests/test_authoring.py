@@ -168,3 +168,49 @@ def test_python_m_dpcourse_build_check_times_are_the_build_commands(tmp_path):
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.startswith(f"usage: python -m dpcourse {sub}") and option in proc.stdout
+
+
+# ---- the install cell (issue 34): every notebook first runs the same one -------------------
+
+NOTEBOOKS = sorted(p for d in ("lessons", "solutions", "labs") for p in (ROOT / d).glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_notebook_first_runs_the_same_install_cell(path):
+    """Every lesson, solution and lab: its first code cell is the build's install cell, identical
+    everywhere (one text, the version's tag), with no stored output (silent where the course is
+    installed). A notebook built before the cell existed fails here: rebuild it."""
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    tagged = [c for c in code if authoring.INSTALL_TAG in c.metadata.get("tags", [])]
+    assert len(tagged) == 1 and code[0] is tagged[0], f"{path.name}: no install cell; rebuild it"
+    assert code[0].source == authoring.install_source()
+    assert code[0].outputs == []
+
+
+def test_the_install_cell_goes_before_the_first_code_cell_once():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Title"),
+                                         nbformat.v4.new_code_cell("x = 1")])
+    authoring.add_install_cell(authoring.add_install_cell(nb))
+    assert [c.cell_type for c in nb.cells] == ["markdown", "code", "code"]
+    assert nb.cells[1].source == authoring.install_source() and nb.cells[2].source == "x = 1"
+    src = authoring.read_source(ROOT / "lessons" / "02_data_parallel.py")
+    assert sum(authoring.INSTALL_TAG in c.metadata.get("tags", []) for c in src.cells) == 1
+    # the lesson's own frame stays its first cell; the cell adds nothing to its honest time
+    assert src.cells[0].cell_type == "markdown"
+    without = nbformat.v4.new_notebook(cells=[c for c in src.cells if c.cell_type == "markdown"
+                                              or authoring.INSTALL_TAG not in c.metadata.get("tags", [])])
+    assert authoring.estimate_time(src) == authoring.estimate_time(without)
+
+
+def test_the_install_cell_names_this_version_and_is_silent_where_the_course_is():
+    import tomllib
+
+    import dpcourse
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    source = authoring.install_source()
+    assert f'"git+{project["urls"]["Repository"]}@v{dpcourse.__version__}"' in source
+    out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
+                         timeout=120, cwd="/")
+    assert out.returncode == 0 and out.stdout == "", out.stderr[-2000:]

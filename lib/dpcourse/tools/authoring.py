@@ -9,7 +9,9 @@ Run from the repository root (``python -m dpcourse build ...`` forwards here)::
 
 Sources are ``lessons/NN_name.py`` and ``solutions/labNN_name.py`` in jupytext's py:percent
 format. ``build`` executes each in a fresh kernel, top to bottom, in its own folder, and writes
-the paired ``.ipynb`` next to it with the outputs learners see and nbval compares. For every
+the paired ``.ipynb`` next to it with the outputs learners see and nbval compares; before the
+first code cell it puts the install cell (``add_install_cell``: silent where the course is
+installed, ``pip install`` from the repository at this version's tag where not). For every
 solution it then writes ``labs/labNN_name.ipynb``: each region between ``### BEGIN SOLUTION``
 and ``### END SOLUTION`` becomes a TODO that raises NotImplementedError, outputs are cleared,
 cells tagged ``solution-only`` are dropped, and a first cell says where the lab came from.
@@ -100,7 +102,7 @@ def read_source(path: Path) -> nbformat.NotebookNode:
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
     nb.metadata.setdefault("language_info", {"name": "python"})
     nb.metadata["jupytext"] = {"formats": "ipynb,py:percent"}
-    return nb
+    return add_install_cell(nb)   # every notebook, lab included, first runs the install cell
 
 
 def lab_path_for(solution: Path) -> Path:
