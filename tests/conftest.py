@@ -65,4 +65,5 @@ def _fresh_mistake_memory():
     from dpcourse import checks
 
     checks._mistakes_met.clear()
+    checks._revealed.clear()
     yield

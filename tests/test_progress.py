@@ -125,7 +125,7 @@ def test_a_record_holds_learner_lab_check_outcome_mistake_and_time(log):
     assert first["time"].endswith("+00:00") and first["seconds"] >= 0
     assert not second["passed"] and second["outcome"] == "mistake"
     assert second["mistake"] == "scatter_reduce left the buffers unchanged (N=3)"
-    assert second["message"].startswith(second["mistake"] + ": each step must add")
+    assert second["message"].startswith(second["mistake"] + ": nothing a worker received")
 
 
 def test_short_mistake_is_the_first_clause_within_60_characters():
@@ -246,7 +246,7 @@ def test_the_most_common_mistake_is_the_latest_attempt_of_most_learners(log, mon
     assert 'lab06 scatter_reduce: "scatter_reduce left the buffers unchanged (N=3)"' in line
     assert "2 of 4 learner(s)" in line  # ben and cy; ana's mistake is behind her
     said = text.splitlines()[text.splitlines().index(line) + 1]
-    assert "each step must add the chunk received from the left neighbour" in said
+    assert "nothing a worker received reached its own array" in said
     assert "then lab10 answer 1:" in text  # dee's wrong letter, one learner
     data = json.loads(_table(log, "--json"))
     assert [(m["check"], m["learners"]) for m in data["most_common"]] == \
@@ -370,6 +370,23 @@ def test_a_prediction_is_validated_recorded_and_revealed(log, capsys):
     assert (first["outcome"], first["predicted"], first["mistake"]) == ("predicted", 3, "")
     assert (second["outcome"], second["measured"], second["close"]) == ("compared", 2, False)
     assert first["check"] == second["check"] == "predict all-reduces in one step"
+
+
+def test_a_prediction_written_after_its_measurement_is_compared_but_not_recorded(log, capsys):
+    """A learner who saw the measurement and predicts again has no prediction left to make: the
+    check still compares the new value, but the class's table keeps the first one."""
+    first = checks.predict("lab03", "calls", 5)
+    checks.reveal(first, 10, close=False, explanation="")
+    capsys.readouterr()
+    again = checks.predict("lab03", "calls", 10)
+    assert again.late and "your first prediction, 5, is the one kept" in capsys.readouterr().out
+    checks.reveal(again, 10, close=True, explanation="")
+    assert capsys.readouterr().out.startswith("Your prediction (made after the measurement was "
+                                              "shown): 10; measured: 10 — right.")
+    outcomes = [json.loads(line)["outcome"] for line in log.read_text().splitlines()]
+    assert outcomes == ["predicted", "compared"]
+    other = checks.predict("lab03", "another question", 1)  # other questions are untouched
+    assert not other.late
 
 
 @pytest.mark.parametrize("value, words", [

@@ -75,7 +75,7 @@ FIX_AFTER_ENV = "DPCOURSE_FIX_AFTER"  # the how-many-th time a mistake is met sh
 _FIX_AFTER_DEFAULT = 2
 _FIX_LATER = ("(Run the check again after your change: if this same mistake comes back, the "
               "check will say what to change.)")
-_mistakes_met: dict[tuple[str, str], int] = {}  # (check, fix) -> times met, in this process
+_mistakes_met: dict[tuple[str, str, str], int] = {}  # (learner, check, fix) -> times met here
 
 
 def fix_after() -> int:
@@ -99,7 +99,7 @@ def fail(message: str, *, fix: str | None = None):
     the first meeting is a cause to reason from, not a line to copy."""
     __tracebackhide__ = True  # pytest and IPython hide this frame
     if fix:
-        key = (_current_check.get() or "", fix)
+        key = (learner(), _current_check.get() or "", fix)
         met = _mistakes_met[key] = _mistakes_met.get(key, 0) + 1
         tail = fix if met >= fix_after() else _FIX_LATER
         message = f"{message.rstrip()} {tail}"
@@ -336,6 +336,7 @@ class Prediction:
     question: str
     value: object
     unit: str = ""
+    late: bool = False  # written after this kernel had shown the measurement: not recorded
 
     def shown(self, value=None) -> str:
         value = self.value if value is None else value
@@ -351,6 +352,10 @@ def _number(value) -> str:
     if isinstance(value, numbers.Integral):
         return str(int(value))
     return f"{float(value):.4g}"
+
+
+_revealed: dict[tuple[str, str, str], Prediction] = {}  # (learner, lab, question) -> the first
+# prediction whose measurement this kernel has shown
 
 
 def predict(lab: str, question: str, value, *, unit: str = "", choices=None) -> Prediction:
@@ -374,6 +379,13 @@ def predict(lab: str, question: str, value, *, unit: str = "", choices=None) -> 
              f"{type(value).__name__} {value!r}.")
     elif value != value or value in (float("inf"), float("-inf")):
         fail(f"your prediction for {question!r} must be a finite number, got {value!r}.")
+    first = _revealed.get((learner(), lab, question))
+    if first is not None:  # the measurement is known: a new guess is no prediction
+        guess = Prediction(lab, question, value, unit, late=True)
+        print(f"Prediction noted — {question}: {guess.shown()}. This kernel has already shown "
+              f"the measurement, so your first prediction, {first.shown()}, is the one kept "
+              f"for the class; this one is compared but not recorded.")
+        return guess
     guess = Prediction(lab, question, value, unit)
     _record(lab, f"predict {question}", "predicted",
             f"predicted {guess.shown()}", {"predicted": _jsonable(value)})
@@ -390,10 +402,14 @@ def reveal(prediction: Prediction, measured, *, close: bool, explanation: str) -
         fail(f"the check needs the Prediction that predict(...) returned, got "
              f"{type(prediction).__name__}: pass the value of the predict(...) cell.")
     verdict = "right" if close else "not what happened"
-    print(f"Your prediction: {prediction.shown()}; measured: {prediction.shown(measured)} — "
-          f"{verdict}.")
+    late = " (made after the measurement was shown)" if prediction.late else ""
+    print(f"Your prediction{late}: {prediction.shown()}; measured: "
+          f"{prediction.shown(measured)} — {verdict}.")
     if explanation:
         print(textwrap.fill(" ".join(explanation.split()), width=100))
+    if prediction.late:
+        return
+    _revealed.setdefault((learner(), prediction.lab, prediction.question), prediction)
     _record(prediction.lab, f"predict {prediction.question}", "compared",
             f"predicted {prediction.shown()}, measured {prediction.shown(measured)}",
             {"predicted": _jsonable(prediction.value), "measured": _jsonable(measured),
