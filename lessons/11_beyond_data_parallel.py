@@ -244,9 +244,9 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 #    `Y = Σ_r Y_r` — one all-reduce. (And the biases, `+ b₁` and `+ b₂`? That is for you to
 #    decide in the lab.)
 #
-# In torch's layout an `nn.Linear(d, h)` stores A transposed, as an h × d weight (and the
-# second layer B as a d × h one): which dimension of each torch weight holds a rank's block
-# is left to the lab.
+# A and B are the paper's matrices, in its `X·A` convention. Whether torch's `nn.Linear`
+# stores them as they are or otherwise, and so which dimension of each torch weight holds a
+# rank's block, is the lab's to find out.
 
 # %%
 viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
@@ -290,7 +290,8 @@ print("f, before the column layer: forward identity (every rank uses the same X)
       "all-reduce (∂L/∂X = Σ_r ∂L/∂Z_r·A_rᵀ)")
 print("g, after the row layer:     forward all-reduce (Y = Σ_r Y_r); backward identity (the "
       "gradient of Y arrives replicated)")
-print("torch weights: the first cut along dim 0 (its rows are A's columns), with the same "
+print("torch weights: nn.Linear(d, h) stores A transposed, as an h × d weight (and B as a "
+      "d × h one); the first is cut along dim 0 (its rows are A's columns), with the same "
       "slice of b₁; the second along dim 1 (its columns are B's rows)")
 print("b₂: whole on every rank, added once, after g (added before the sum it would count t "
       "times)")

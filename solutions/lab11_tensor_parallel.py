@@ -130,8 +130,10 @@ lab11.check_block_of(block_of)
 # **Your diagnosis first.** Before you write a method, decide which pass of each operation
 # calls a collective: set `f_communicates_in` and `g_communicates_in` each to `"forward"`,
 # `"backward"`, `"both"` or `"neither"`, and `why` to one sentence saying what makes those
-# passes need the other ranks. `lab11.check_diagnosis` says whether your passes are right;
-# the check of your code then refuses code that communicates anywhere else than you declared.
+# passes need the other ranks. `lab11.check_diagnosis` judges the two passes as a pair: a
+# wrong pair comes back with what it would make of X, dL/dX and Y, and you find which of
+# those the plain MLP does not compute; the check of your code then refuses code that
+# communicates anywhere else than you declared.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -224,11 +226,10 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 # matching block of the full layer's. Where `f` and `g` go is yours to find.
 #
 # **Decide before you code:** which dimension of `linear.weight` (0 or 1) each layer cuts.
-# Write it, with the reason, in the next cell: `why_dims` must say how `nn.Linear` lays out
-# its weight and what that makes each layer cut. `check_split_decision` reads the reason
-# before it looks at the numbers, and the layer checks below refuse code that cuts another
-# dimension than the one you declared. Trying the other number with the same reason is
-# refused: find the reason first (torch tells you in one line).
+# Your decision rests on how `nn.Linear` lays out its weight, so write that down too:
+# `weight_shape` is the shape you expect `nn.Linear(6, 12).weight` to have. The check
+# compares it with the weight torch builds, then your dimensions with that layout; the layer
+# checks below refuse code that cuts another dimension than the one you declared.
 #
 # **Your design decision:** the row layer's bias. The lesson left it open: keep it whole or
 # in blocks, on every rank or on one, and add it before `g` or after it. More than one choice
@@ -262,14 +263,12 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 # on the way out (row), around one matrix product, and the bias where your decision puts it.
 
 # %%
-### BEGIN SOLUTION: column_weight_dim, row_weight_dim (0 or 1) and why_dims (a sentence)
+### BEGIN SOLUTION: weight_shape (a tuple), column_weight_dim and row_weight_dim (0 or 1)
+weight_shape = (12, 6)     # nn.Linear(6, 12).weight: (out_features, in_features)
 column_weight_dim = 0
 row_weight_dim = 1
-why_dims = ("nn.Linear keeps its weight as (out_features, in_features) and computes x @ W.T, "
-            "so the column layer's hidden outputs are its weight's first dimension and the row "
-            "layer's hidden inputs its weight's second")
 ### END SOLUTION
-lab11.check_split_decision(column_weight_dim, row_weight_dim, why_dims)
+lab11.check_split_decision(column_weight_dim, row_weight_dim, weight_shape)
 
 # %%
 class ColumnParallel(nn.Module):
@@ -383,8 +382,10 @@ lab11.check_parameters_prediction(held_guess, held, TPMLP)
 # A real model stacks many MLPs. Take two of your `TPMLP`s in an `nn.Sequential` (`model`),
 # give it a batch `x = torch.randn(5, 6)` of inputs, and run one forward and one backward of
 # the loss `model(x).square().mean()`. How many all-reduces does each rank make in that step,
-# forward and backward together? Write your number below **before** you run the
-# cell after it, which counts them on 2 ranks and explains the count.
+# forward and backward together? And how many when `x` requires a gradient
+# (`x.requires_grad_()`, as it does when a layer below produced it)? Write both numbers below
+# **before** you run the cell after them, which counts both on 2 ranks and explains the
+# counts.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -408,15 +409,18 @@ lab11.check_parameters_prediction(held_guess, held, TPMLP)
 # whose input requires a gradient. Add them up.
 
 # %%
-### BEGIN SOLUTION: your prediction (a number)
-my_guess = 3
+### BEGIN SOLUTION: your predictions (two numbers)
+my_guess = 3         # x is data: it needs no gradient
+my_guess_grad = 4    # x requires a gradient
 ### END SOLUTION
-guess = predict("lab11", "all-reduces in one step of two stacked TPMLPs", my_guess,
+guess = predict("lab11", "all-reduces in one step of two stacked TPMLPs, x data", my_guess,
                 unit="all-reduces")
+guess_grad = predict("lab11", "all-reduces in one step of two stacked TPMLPs, x requires "
+                     "grad", my_guess_grad, unit="all-reduces")
 
 # %%
 measured = lab11.count_all_reduces(TPMLP, timeout=check_timeout)
-lab11.check_prediction(guess, measured)
+lab11.check_prediction(guess, measured, guess_grad)
 
 # %% [markdown]
 # ## Stretch (optional): one GPipe step, and its bubble

@@ -245,19 +245,60 @@ def test_a_right_diagnosis_passes(why, capsys):
     assert out.startswith("✔ your diagnosis") and out.count("✔") == 1
 
 
-@pytest.mark.parametrize("f, g, phrase", [
-    ("forward", "forward", "g_communicates_in is right, but f_communicates_in = 'forward' is "
-                           "not where f communicates"),
-    ("both", "forward", "f_communicates_in = 'both' is not where f"),
-    ("backward", "backward", "f_communicates_in is right, but g_communicates_in = 'backward'"),
-    ("backward", "neither", "g_communicates_in = 'neither' is not where g"),
-    ("forward", "backward", "Neither f_communicates_in = 'forward' nor g_communicates_in"),
-])
-def test_a_wrong_pass_is_sent_back_with_a_question_not_the_answer(f, g, phrase):
-    message = fails(lab11.check_diagnosis, f, g, RIGHT_WHYS[0], match=phrase)
-    assert "To find" in message and "?" in message
-    for answer in ("f_communicates_in = 'backward'", "g_communicates_in = 'forward'"):
-        assert answer not in message
+WRONG_PAIRS = [("forward", "forward"), ("both", "forward"), ("backward", "backward"),
+               ("backward", "neither"), ("forward", "backward"), ("neither", "neither")]
+
+
+@pytest.mark.parametrize("f, g", WRONG_PAIRS)
+def test_a_wrong_pair_is_sent_back_as_a_pair_with_what_it_implies(f, g):
+    message = fails(lab11.check_diagnosis, f, g, RIGHT_WHYS[0],
+                    match=rf"The pair \(f_communicates_in = '{f}', g_communicates_in = '{g}'\) "
+                          r"is not right")
+    # what the pair would make of dL/dX (and X, Y), judged by the learner, never which one of
+    # the two operations is wrong nor the right value
+    assert "dL/dX" in message and message.rstrip().endswith(
+        "(Run the check again after your change: if this same mistake comes back, the check "
+        "will say what to change.)")
+    tail = message.split(") is not right.")[1]
+    for verdict in ("is right", "is not where", "'backward'", "'forward'", "f_communicates_in",
+                    "g_communicates_in"):
+        assert verdict not in tail
+
+
+def test_a_wrong_pair_names_what_its_f_would_make_of_dl_dx():
+    # f silent in the backward: dL/dX is only this rank's term; f in the forward: X combined
+    message = fails(lab11.check_diagnosis, "forward", "forward", RIGHT_WHYS[0],
+                    match="is not right")
+    assert "X would be combined over the ranks" in message
+    assert "dL/dX on rank r would be its own term" in message
+    message = fails(lab11.check_diagnosis, "both", "both", RIGHT_WHYS[0], match="is not right")
+    assert "dL/dX would be the sum over the ranks" in message
+    assert "dL/dY_r would be combined over the ranks" in message
+
+
+def test_trying_the_values_learns_the_same_form_of_sentence_for_every_wrong_pair():
+    # one right half and one wrong half read like two wrong halves: four runs cannot sort
+    # out which operation is right
+    forms = set()
+    for f, g in WRONG_PAIRS:
+        message = fails(lab11.check_diagnosis, f, g, RIGHT_WHYS[0], match="is not right")
+        forms.add(message.split(") is not right.")[1].split(":")[0])
+    assert len(forms) == 1
+
+
+def test_a_wrong_pair_is_named_before_a_short_why():
+    # the bigger mistake first: a short why waits until the passes are right
+    fails(lab11.check_diagnosis, "forward", "backward", "sum it",
+          match="The pair .* is not right")
+    fails(lab11.check_diagnosis, "backward", "forward", "sum it",
+          match="Both passes are right, but why should say in a sentence")
+
+
+def test_a_wrong_pair_met_twice_adds_what_to_change():
+    fails(lab11.check_diagnosis, "forward", "forward", RIGHT_WHYS[0], match="is not right")
+    message = fails(lab11.check_diagnosis, "neither", "both", RIGHT_WHYS[0],
+                    match="is not right")
+    assert "write ∂L/∂X and Y of the plain MLP as sums" in message
 
 
 def test_a_why_that_says_nothing_is_sent_back():
@@ -423,7 +464,29 @@ class ColumnFOnOutput(Column):
         return Copy.apply(F.linear(x, self.weight, self.bias))
 
 
+class ColumnNoClone(Column):
+    """nn.Parameter(linear.weight[s:e]) without a copy: right values, the whole weight kept."""
+
+    def __init__(self, linear, rank, world_size):
+        nn.Module.__init__(self)
+        per = linear.out_features // world_size
+        self.weight = nn.Parameter(linear.weight[rank * per:(rank + 1) * per])
+        self.bias = nn.Parameter(linear.bias.detach()[rank * per:(rank + 1) * per].clone())
+
+
+class ColumnBiasNoClone(Column):
+    def __init__(self, linear, rank, world_size):
+        super().__init__(linear, rank, world_size)
+        per = linear.out_features // world_size
+        self.bias = nn.Parameter(linear.bias.detach()[rank * per:(rank + 1) * per])
+
+
 @pytest.mark.parametrize("cls,match", [
+    (ColumnNoClone, r"keeps a parameter of shape \(\d, 6\) that shares its storage with the full "
+                    r"layer's weight \(12, 6\) .*: all 72 numbers of it stay alive in your "
+                    r"layer, of which this parameter uses \d+, so the full layer is kept"),
+    (ColumnBiasNoClone, r"shape \(\d,\) that shares its storage with the full layer's bias "
+                        r"\(12,\)"),
     (ColumnFOnOutput, "applies f to its output"),
     (ColumnAllReduceForward, "forward makes 1 collective"),
     (ColumnNoF, "no communication in the backward"),
@@ -444,77 +507,75 @@ def test_wrong_column_named(cls, match):
 # Part 3's decision: which dimension of linear.weight each layer cuts, with a reason
 # --------------------------------------------------------------------------------------------
 
-WHY_DIMS = ("nn.Linear stores its weight as (out_features, in_features) and F.linear computes "
-            "x @ W.T, so the hidden features are the first dimension of the column layer's "
-            "weight and the second of the row layer's")
-WHY_DIMS_OTHER = ("the weight's shape lists the input size first and the output size second, "
-                  "as in x @ W, so each layer cuts the hidden size where it sits")
+SHAPE = (12, 6)          # nn.Linear(6, 12).weight.shape, as torch builds it
 
 
-@pytest.fixture(autouse=True)
-def _fresh_split_memory():
-    lab11._whys_sent_back.clear()          # each test is a learner's first attempt
-    yield
-    lab11._whys_sent_back.clear()
-
-
-@pytest.mark.parametrize("col,row", [(0, 1), (-2, -1)])
-def test_a_right_split_decision_passes(col, row, capsys):
-    lab11.check_split_decision(col, row, WHY_DIMS)
+@pytest.mark.parametrize("col,row,shape", [(0, 1, SHAPE), (-2, -1, [12, 6]),
+                                           (0, 1, nn.Linear(6, 12).weight.shape)])
+def test_a_right_split_decision_passes(col, row, shape, capsys):
+    lab11.check_split_decision(col, row, shape)
     assert capsys.readouterr().out.startswith("✔ your decision")
+
+
+@pytest.mark.parametrize("col,row", [(0, 1), (1, 0), (1, 1)])
+def test_a_false_layout_claim_is_refused_whatever_the_dims(col, row):
+    # "nn.Linear stores its weight as (in_features, out_features)": refused with the right
+    # numbers too, since the numbers would rest on a layout torch does not build
+    message = fails(lab11.check_split_decision, col, row, (6, 12),
+                    match=r"weight_shape = \(6, 12\) says nn.Linear\(6, 12\) stores its weight "
+                          r"as \(in_features, out_features\), but that is not the weight torch "
+                          r"builds")
+    assert "column_weight_dim" not in message and "row_weight_dim" not in message
+    second = fails(lab11.check_split_decision, col, row, (6, 12), match="that is not the weight")
+    assert "print nn.Linear(6, 12).weight.shape" in second
+
+
+def test_a_shape_no_linear_6_12_could_have_is_refused():
+    fails(lab11.check_split_decision, 0, 1, (12, 12),
+          match=r"weight_shape = \(12, 12\) is not the shape of nn.Linear\(6, 12\).weight")
 
 
 @pytest.mark.parametrize("col,row,phrase", [
     (1, 1, r"column_weight_dim = 1 cuts the dimension of the column layer's Linear\(6, "
-           r"12\).weight that runs over its input features"),
+           r"12\).weight that, in the layout you stated \(\(12, 6\) for Linear\(6, 12\)\), "
+           r"runs over its input features"),
     (0, 0, r"row_weight_dim = 0 cuts the dimension of the row layer's Linear\(12, 6\).weight "
-           r"that runs over its output features"),
+           r"that, in the layout you stated .* runs over its output features"),
     (1, 0, r"column_weight_dim = 1 .* \(and so does row_weight_dim's\)"),
 ])
 def test_a_wrong_dim_is_sent_back_with_its_cause_not_the_answer(col, row, phrase):
-    first = fails(lab11.check_split_decision, col, row, WHY_DIMS_OTHER, match=phrase)
+    first = fails(lab11.check_split_decision, col, row, SHAPE, match=phrase)
     # the second meeting of the same mistake adds what to change: a way to find out, never
     # the dimension itself
-    second = fails(lab11.check_split_decision, col, row, WHY_DIMS_OTHER + " indeed",
-                   match=phrase)
-    assert "Run the check again" in first and "compare nn.Linear(6, 12).weight.shape" in second
+    second = fails(lab11.check_split_decision, col, row, SHAPE, match=phrase)
+    assert "Run the check again" in first and "mark which of its two sizes" in second
     for answer in ("column_weight_dim = 0", "row_weight_dim = 1", "dimension 0", "dim 0",
                    "dimension 1", "dim 1", "first dimension", "second dimension"):
         assert answer not in first and answer not in second
 
 
-def test_trying_the_other_dim_with_the_same_reason_is_refused():
-    # trial and error: dim 1 refused, then dim 0 with the very reason that argued for 1
-    fails(lab11.check_split_decision, 1, 0, WHY_DIMS_OTHER, match="column_weight_dim = 1")
-    message = fails(lab11.check_split_decision, 0, 1, WHY_DIMS_OTHER.upper() + "!",
-                    match=r"you changed \(column_weight_dim, row_weight_dim\) from \(1, 0\) to "
-                          r"\(0, 1\), but why_dims is the same sentence")
-    assert "trying the other number is not a decision" in message
-    # a rewritten reason is judged on its own
-    lab11.check_split_decision(0, 1, WHY_DIMS)
+def test_a_typo_in_the_dims_then_the_fix_passes():
+    # the layout right and the numbers swapped (a typo): refused for the numbers only, and
+    # the same layout with the numbers fixed passes (no memory of the first attempt)
+    fails(lab11.check_split_decision, 1, 0, SHAPE, match="column_weight_dim = 1")
+    lab11.check_split_decision(0, 1, SHAPE)
 
 
-def test_the_reason_is_judged_before_the_dims():
-    # a wrong dim with an empty reason learns nothing about the dim
-    for col in (0, 1):
-        message = fails(lab11.check_split_decision, col, 1,
-                        "I tried it and this is the one that works for me here",
-                        match="does not yet say how linear.weight holds")
-        assert "column_weight_dim" not in message
-
-
-@pytest.mark.parametrize("col,row,why,phrase", [
-    (2, 1, WHY_DIMS, "column_weight_dim should be a dimension"),
-    (0, True, WHY_DIMS, "row_weight_dim should be a dimension"),
-    (0, 1, "out, in", "eight words or more"),
+@pytest.mark.parametrize("col,row,shape,phrase", [
+    (2, 1, SHAPE, "column_weight_dim should be a dimension"),
+    (0, True, SHAPE, "row_weight_dim should be a dimension"),
+    (0, 1, "(12, 6)", "weight_shape should be the shape you expect"),
+    (0, 1, (12.0, 6), "weight_shape should be the shape you expect"),
 ])
-def test_a_split_decision_that_is_not_dims_and_a_sentence_is_refused(col, row, why, phrase):
-    fails(lab11.check_split_decision, col, row, why, match=phrase)
+def test_a_split_decision_that_is_not_dims_and_a_shape_is_refused(col, row, shape, phrase):
+    fails(lab11.check_split_decision, col, row, shape, match=phrase)
 
 
 def test_an_unwritten_split_decision_is_a_todo():
     with pytest.raises(NotImplementedError, match="write column_weight_dim"):
-        lab11.check_split_decision(None, 1, WHY_DIMS)
+        lab11.check_split_decision(None, 1, SHAPE)
+    with pytest.raises(NotImplementedError, match="write weight_shape"):
+        lab11.check_split_decision(0, 1, None)
 
 
 def test_the_layer_checks_refuse_a_wrong_decision_before_running_the_code():
@@ -596,6 +657,32 @@ class RowTransposedBiasOnRankZero(nn.Module):
 class RowInPlaceNoClone(Row):
     def forward(self, h):
         return ReduceInPlaceNoClone.apply(F.linear(h, self.weight)) + self.bias
+
+
+class RowNoClone(Row):
+    """The weight's columns as a view, and the full layer's bias itself: the full layer kept."""
+
+    def __init__(self, linear, rank, world_size):
+        super().__init__(linear, rank, world_size)
+        per = linear.in_features // world_size
+        self.weight = nn.Parameter(linear.weight.detach()[:, rank * per:(rank + 1) * per])
+
+
+class RowBiasAliased(Row):
+    def __init__(self, linear, rank, world_size):
+        super().__init__(linear, rank, world_size)
+        self.bias = linear.bias
+
+
+def test_row_parameters_sharing_the_full_layers_storage_are_named():
+    fails(lab11.check_row_parallel, RowNoClone, world_sizes=(2,), timeout=T,
+          match=r"shares its storage with the full layer's weight \(6, 12\) .*all 72 numbers")
+    fails(lab11.check_row_parallel, RowBiasAliased, world_sizes=(2,), timeout=T,
+          match=r"shares its storage with the full layer's bias \(6,\) .*the full layer's "
+                r"tensor itself stays in your layer")
+    message = fails(lab11.check_row_parallel, RowNoClone, world_sizes=(2,), timeout=T,
+                    match="shares its storage")
+    assert "copy the block (.clone())" in message
 
 
 @pytest.mark.parametrize("cls", [Row, RowBiasOnRankZero, RowChunk, RowTransposedBiasOnRankZero,
@@ -747,15 +834,32 @@ def test_right_mlp_with_in_place_all_reduces_passes(capsys):
     assert capsys.readouterr().out.count("✔") == 1
 
 
-def test_prediction_stacked_mlps_make_three_all_reduces(capsys):
+def test_prediction_stacked_mlps_make_three_then_four_all_reduces(capsys):
     measured = lab11.count_all_reduces(MLP, timeout=T)
-    assert measured == 3
-    lab11.check_prediction(predict("lab11", "all-reduces", 4, unit="all-reduces"), measured)
+    assert measured == (3, 4)
+    # the 50/50 guess "4" for data is wrong; "3" for both is wrong on the second case
+    lab11.check_prediction(predict("lab11", "data", 4, unit="all-reduces"), measured,
+                           predict("lab11", "grad", 4, unit="all-reduces"))
     out = capsys.readouterr().out
     assert "measured: 3 all-reduces — not what happened." in out
-    assert "first MLP's f does not" in out
-    lab11.check_prediction(predict("lab11", "all-reduces", 3, unit="all-reduces"), measured)
-    assert "— right." in capsys.readouterr().out
+    assert "measured: 4 all-reduces — right." in out
+    assert "first MLP's f does not" in out and "the first MLP's f all-reduces too — 4" in out
+    lab11.check_prediction(predict("lab11", "data", 3, unit="all-reduces"), measured,
+                           predict("lab11", "grad", 3, unit="all-reduces"))
+    out = capsys.readouterr().out
+    assert "measured: 3 all-reduces — right." in out
+    assert "measured: 4 all-reduces — not what happened." in out
+    lab11.check_prediction(predict("lab11", "data", 3, unit="all-reduces"), measured,
+                           predict("lab11", "grad", 4, unit="all-reduces"))
+    assert capsys.readouterr().out.count("— right.") == 2
+
+
+def test_prediction_needs_both_cases():
+    guess = predict("lab11", "data", 3, unit="all-reduces")
+    with pytest.raises(NotImplementedError, match="write your second prediction"):
+        lab11.check_prediction(guess, (3, 4))
+    fails(lab11.check_prediction, guess, 3, guess, match="the pair that "
+                                                          "lab11.count_all_reduces returned")
 
 
 def test_prediction_parameters_of_rank_one(capsys):

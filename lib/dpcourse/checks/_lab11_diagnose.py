@@ -168,6 +168,26 @@ def _common_layer_failures(outs: list, n: int, name: str, full: nn.Linear, kind:
             fail(f"{name}'s forward raised on rank {rank}: {o['forward_error']}.")
 
 
+def _storage_failures(outs: list, name: str, full: nn.Linear, n: int) -> None:
+    """A parameter made from the full layer's tensor without a copy (``nn.Parameter(
+    linear.weight[s:e])``) shares its storage: the layer holds the right values, but the whole
+    tensor stays alive in it, against the contract's new parameters (the full layer is not
+    kept)."""
+    __tracebackhide__ = True
+    for rank, o in enumerate(outs):
+        for shape, whose, held, uses in o.get("shared", ()):
+            size = tuple(getattr(full, whose).shape)
+            more = (f"all {held} numbers of it stay alive in your layer, of which this "
+                    f"parameter uses {uses}" if held > uses else
+                    "the full layer's tensor itself stays in your layer")
+            fail(f"{name}(linear, {rank}, {n}) keeps a parameter of shape {shape} that shares "
+                 f"its storage with the full layer's {whose} {size} (a slice or view of it, not "
+                 f"a copy): {more}, so the full layer is kept after all, and the memory tensor "
+                 f"parallelism is there to save is not saved.",
+                 fix="copy the block (.clone()) before wrapping it in nn.Parameter, so that "
+                     "it owns storage of its own.")
+
+
 def _wrong_dimension(outs: list, n: int, name: str, full: nn.Linear, kind: str,
                      right: tuple) -> None:
     """Both layers cut the hidden dimension (H features) and keep the model's width (D) whole:
@@ -216,7 +236,7 @@ def _against_dim(outs: list, n: int, name: str, full: nn.Linear, kind: str,
         if cut is not None and cut != declared:
             fail(f"rank {rank}'s weight shard of {name} has shape {weight}, cut along "
                  f"dimension {cut} of linear.weight {shape}, but you declared "
-                 f"{_DIM_NAMES[kind]} = {declared} (and said why): your code does not do what "
+                 f"{_DIM_NAMES[kind]} = {declared} (from the layout you stated): your code does not do what "
                  f"your own decision says.")
 
 

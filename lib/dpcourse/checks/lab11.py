@@ -11,24 +11,27 @@ process. The values are chosen so that each classic mistake leaves its own trace
   sentence naming it nor handled;
 * ``check_diagnosis``: before any code, the learner declares in which pass f and in which pass
   g communicates (``"forward"``, ``"backward"``, ``"both"`` or ``"neither"``) and says why in a
-  sentence that must speak of the idea (broad word stems, :data:`WHY_WORDS`); a wrong pass is
-  sent back with a question, never the answer. ``check_conjugates`` takes the same declaration
+  sentence that must speak of the idea (broad word stems, :data:`WHY_WORDS`). The passes are
+  judged first (a why too short waits until they are right); a wrong pair is sent back as a
+  pair, never operation by operation, with what it would make of X, dL/dX, Y and dL/dY_r — so
+  that four runs cannot sort out the values. ``check_conjugates`` takes the same declaration
   and refuses code whose collectives disagree with it;
 * ``check_conjugates``: ``f`` (copy to the tensor-parallel region: identity forward, all-reduce
   backward) and ``g`` (reduce from it: all-reduce forward, identity backward). Rank-dependent
   inputs and gradients tell apart: an all-reduce in f's forward, none in its backward, an
   average where a sum belongs, an all-reduce in g's backward, none in its forward, f and g
   swapped, a backward that returns nothing;
-* ``check_split_decision``: before any code of part 3, the learner declares which dimension of
-  ``linear.weight`` each layer cuts, with a reason (``why_dims``, :data:`WHY_DIM_WORDS`) that
-  is judged before the numbers; a wrong dimension gets what it cuts and a way to find out
-  (never the number, also on the second meeting), and a reason sent back with one choice is
-  refused when it comes back arguing for the other. The layer checks take the declared
+* ``check_split_decision``: before any code of part 3, the learner states the layout its
+  decision rests on, the shape of ``nn.Linear(6, 12).weight`` (checked against the weight torch
+  builds: a false layout is refused whatever the dimensions), and which dimension of
+  ``linear.weight`` each layer cuts; a wrong dimension gets what it cuts in the learner's own
+  layout (never the number, also on the second meeting). The layer checks take the declared
   dimension and refuse shards cut along another;
 * ``check_column_parallel`` / ``check_row_parallel``: shards cut along the wrong dimension
   (also when the hidden block's bounds, applied to the other dimension, leave rank 0 the whole
   weight and the last rank nothing), the
-  whole weight or bias kept, a block not offset by rank (or strided), an all-reduce in the
+  whole weight or bias kept, a parameter that shares its storage with the full layer's tensor
+  (a slice without a copy keeps the whole weight alive), a block not offset by rank (or strided), an all-reduce in the
   column layer's forward or none in its backward, none in the row layer's forward or one in its
   backward, the row bias added on every rank before the sum, the bias scaled by 1/N, missing on
   some rank, averaged partial sums;
@@ -43,7 +46,8 @@ process. The values are chosen so that each classic mistake leaves its own trace
   without it: its row-bias decision shows), then the count is measured and explained;
 * ``count_all_reduces`` and ``check_prediction``: the learner predicts the all-reduces of one
   step of two stacked TP MLPs fed data (3: f's backward runs only where its input needs a
-  gradient), then the count is measured and explained (:func:`dpcourse.checks.reveal`);
+  gradient) and of the same step when the input requires a gradient (4), then both are
+  measured and explained (:func:`dpcourse.checks.reveal`);
 * ``check_gpipe`` (stretch): one GPipe step of the learner's stage on 2 and 3 stages, 4
   micro-batches, against the unsplit model: gradients not accumulated over the micro-batches
   (only the last one's left), each micro-batch's loss not divided by M, not GPipe's order, a
@@ -81,6 +85,7 @@ from ._lab11_diagnose import (D, H, ODD_H, ROWS, _BATCH, _BELOW_IDEAL, _CHECK_DE
                               _DIM_NAMES, _M, _NAMES, _STAGES, _WIDTH, _against_declaration,
                               _against_dim, _block_failures, _check_bubble_fn,
                               _common_layer_failures, _computation_only, _data,
+                              _storage_failures,
                               _diagnose_column, _diagnose_conjugates, _diagnose_gpipe,
                               _diagnose_mlp, _diagnose_row, _error, _gpipe_failed,
                               _match_param, _mse, _pending, _plain_mlp)
@@ -235,15 +240,24 @@ WHY_WORDS = (
      "all the rank", "both rank", "copy", "copies", "local", "own", "everywhere", "duplicat",
      "entire", "complete", "one rank"),
 )
-# operation -> the question a wrong pass is sent back with (never the answer)
-_LOOK_AGAIN = {
-    "f": "ask, for each of f's two passes, whether one rank can compute on its own everything "
-         "that pass must return: what does each rank hold of the column layer's input, and "
-         "what of the gradient of that input?",
-    "g": "ask, for each of g's two passes, whether one rank can compute on its own everything "
-         "that pass must return: what does each rank hold of the row layer's output before g, "
-         "and what of that output's gradient (everything after g runs the same on every rank)?",
-}
+
+
+def _pair_implies(declared: dict) -> str:
+    """What the declared pair would make of the MLP's tensors, pass by pass, stated the same
+    way whether each part is right or not: the learner judges each against the plain MLP."""
+    f_fwd = declared["f"] in ("forward", "both")
+    f_bwd = declared["f"] in ("backward", "both")
+    g_fwd = declared["g"] in ("forward", "both")
+    g_bwd = declared["g"] in ("backward", "both")
+    x = ("X would be combined over the ranks before the column layer multiplies it"
+         if f_fwd else "X would enter the column layer as this rank holds it")
+    dx = ("dL/dX would be the sum over the ranks of their terms ∂L/∂Z_r·A_rᵀ" if f_bwd else
+          "dL/dX on rank r would be its own term ∂L/∂Z_r·A_rᵀ, from its block A_r only")
+    y = ("Y would be the sum over the ranks of their partial products Y_r" if g_fwd else
+         "Y on rank r would be its own partial product Y_r")
+    dy = ("dL/dY_r would be combined over the ranks after the layers above g" if g_bwd else
+          "dL/dY_r would be dL/dY as this rank holds it after the layers above g")
+    return f"{x}; {dx}; {y}; {dy}"
 
 
 def _declaration(f_communicates_in, g_communicates_in, where: str) -> dict:
@@ -269,25 +283,22 @@ def check_diagnosis(f_communicates_in, g_communicates_in, why) -> None:
     """The learner's own diagnosis of part 2, before any code: in which pass f and in which pass
     g communicates (each ``"forward"``, ``"backward"``, ``"both"`` or ``"neither"``), and
     ``why``, a sentence that must speak of the idea (what each rank holds whole, and what only
-    as a part that must be added up). A wrong pass is sent back with a question."""
+    as a part that must be added up). The passes are judged first; a wrong pair is sent back
+    as a pair, with what it would make of the MLP's tensors, never which operation is wrong."""
     __tracebackhide__ = True
     if why is None or why is Ellipsis:
         raise NotImplementedError("write f_communicates_in, g_communicates_in and why first, "
                                   "then run this check.")
     declared = _declaration(f_communicates_in, g_communicates_in, "run this check")
+    if _wrong_passes(declared):
+        fail(f"The pair ({_NAMES['f']} = {declared['f']!r}, {_NAMES['g']} = "
+             f"{declared['g']!r}) is not right. Followed through the MLP, it means: "
+             f"{_pair_implies(declared)}. Which of these is not what the plain MLP computes?",
+             fix="write ∂L/∂X and Y of the plain MLP as sums over the ranks' blocks, and mark "
+                 "for each term which rank can compute it on its own.")
     if not isinstance(why, str) or len(why.split()) < 5:
-        fail(f"why should say in a sentence (five words or more) what makes the passes you "
-             f"chose communicate; got {why!r}.")
-    wrong = _wrong_passes(declared)
-    if len(wrong) == 2:
-        fail(f"Neither {_NAMES['f']} = {declared['f']!r} nor {_NAMES['g']} = "
-             f"{declared['g']!r} is where the operation communicates. To find them, "
-             f"{_LOOK_AGAIN['f']} Then the same for g.")
-    if wrong:
-        op = wrong[0]
-        other = "g" if op == "f" else "f"
-        fail(f"{_NAMES[other]} is right, but {_NAMES[op]} = {declared[op]!r} is not where {op} "
-             f"communicates. To find it, {_LOOK_AGAIN[op]}")
+        fail(f"Both passes are right, but why should say in a sentence (five words or more) "
+             f"what makes them communicate; got {why!r}.")
     said = why.lower()
     if not all(any(word in said for word in group) for group in WHY_WORDS):
         fail(f"Both passes are right, but why does not say yet what makes them communicate "
@@ -339,20 +350,6 @@ def check_conjugates(copy_cls, reduce_cls, f_communicates_in=None, g_communicate
 
 # the right dimensions (hidden from the lab's text; the check says whether the learner's are)
 _RIGHT_DIM = {"column": 0, "row": 1}
-# what a why_dims must speak of: the weight's output features, its input features, and how the
-# weight is laid out or used (broad stems: the learner's own words, not an empty sentence)
-WHY_DIM_WORDS = (
-    ("out_features", "output", "out ", "out,", "(out", "out)", "outs"),
-    ("in_features", "input", "(in", " in)", " in,", " in ", "ins "),
-    ("shape", "row", "column", "dim", "layout", "index", "store", "transpos", ".t", "@",
-     "linear(", "matmul", "multipl", "product", "size"),
-)
-# a why sent back with a wrong choice, by its words -> the choice it argued for
-_whys_sent_back: dict = {}
-
-
-def _why_key(why: str) -> str:
-    return " ".join("".join(c if c.isalnum() else " " for c in why.lower()).split())
 
 
 def _dim_declaration(column_weight_dim, row_weight_dim, where: str) -> dict:
@@ -369,57 +366,61 @@ def _dim_declaration(column_weight_dim, row_weight_dim, where: str) -> dict:
     return {kind: value % 2 for kind, value in declared.items()}
 
 
-@recorded
-def check_split_decision(column_weight_dim, row_weight_dim, why_dims) -> None:
-    """Part 3's decision, before any code: which dimension of ``linear.weight`` (0 or 1) each
-    layer cuts, and ``why_dims``, a sentence that must speak of the weight's output features,
-    its input features and its layout (:data:`WHY_DIM_WORDS`). The reason is judged first, so
-    the dimensions cannot be found by trying; a wrong dimension is sent back with what it cuts
-    and a way to find out, never the right number; and a reason sent back with one choice is
-    refused when it comes back arguing for another."""
+def _stated_shape(weight_shape) -> tuple:
+    """The learner's ``weight_shape``, as a tuple of ints (a tuple, list or torch.Size)."""
     __tracebackhide__ = True
-    if why_dims is None or why_dims is Ellipsis:
-        raise NotImplementedError("write column_weight_dim, row_weight_dim and why_dims first, "
-                                  "then run this check.")
+    ok = (isinstance(weight_shape, (tuple, list, torch.Size))
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in weight_shape))
+    if not ok:
+        fail(f"weight_shape should be the shape you expect nn.Linear({D}, {H}).weight to have, "
+             f"a tuple of ints such as (3, 4); got {weight_shape!r}.")
+    return tuple(int(v) for v in weight_shape)
+
+
+_FIND_LAYOUT = (f"print nn.Linear({D}, {H}).weight.shape beside its in_features and "
+                f"out_features, and decide the dimensions from what torch gives.")
+
+
+@recorded
+def check_split_decision(column_weight_dim, row_weight_dim, weight_shape) -> None:
+    """Part 3's decision, before any code: ``weight_shape``, the shape the learner expects
+    ``nn.Linear(6, 12).weight`` to have (the layout their decision rests on), checked against
+    the weight torch builds; then which dimension of ``linear.weight`` (0 or 1) each layer
+    cuts, checked against that layout. A false layout is refused whatever the dimensions; a
+    wrong dimension is sent back with what it cuts in the learner's own (right) layout, never
+    the right number."""
+    __tracebackhide__ = True
+    if weight_shape is None or weight_shape is Ellipsis:
+        raise NotImplementedError("write weight_shape, column_weight_dim and row_weight_dim "
+                                  "first, then run this check.")
     declared = _dim_declaration(column_weight_dim, row_weight_dim, "run this check")
-    if not isinstance(why_dims, str) or len(why_dims.split()) < 8:
-        fail(f"why_dims should say in a sentence (eight words or more) how linear.weight is "
-             f"laid out and what that makes each layer cut; got {why_dims!r}.")
-    said = why_dims.lower()
-    if not all(any(word in said for word in group) for group in WHY_DIM_WORDS):
-        fail(f"why_dims (\"{why_dims.strip()[:80]}\") does not yet say how linear.weight holds "
-             f"a layer's input and output features; the check judges your dimensions only "
-             f"after the reason for them.",
-             fix="say which of linear.weight's dimensions runs over out_features and which "
-                 "over in_features, and which of them is the hidden size in each layer.")
-    key, choice = _why_key(why_dims), (declared["column"], declared["row"])
-    if key in _whys_sent_back and _whys_sent_back[key] != choice:
-        was = _whys_sent_back[key]
-        fail(f"you changed (column_weight_dim, row_weight_dim) from {was} to {choice}, but "
-             f"why_dims is the same sentence that argued for {was}: a reason that led to the "
-             f"wrong dimension cannot be the reason for another one — trying the other number "
-             f"is not a decision.",
-             fix="find in which order nn.Linear stores its features (print a layer's "
-                 "weight.shape beside its in_features and out_features), then rewrite "
-                 "why_dims from what you found.")
+    stated = _stated_shape(weight_shape)
+    torch_shape = tuple(nn.Linear(D, H, device="meta").weight.shape)
+    if stated != torch_shape:
+        if stated == (D, H):
+            fail(f"weight_shape = {stated} says nn.Linear({D}, {H}) stores its weight as "
+                 f"(in_features, out_features), but that is not the weight torch builds: "
+                 f"dimensions decided from this layout rest on a step that does not hold, "
+                 f"whichever numbers you wrote.", fix=_FIND_LAYOUT)
+        fail(f"weight_shape = {stated} is not the shape of nn.Linear({D}, {H}).weight: the "
+             f"weight holds one number for each pair of an input feature ({D} of them) and an "
+             f"output feature ({H}), {D * H} numbers in two dimensions.", fix=_FIND_LAYOUT)
     wrong = [kind for kind in ("column", "row") if declared[kind] != _RIGHT_DIM[kind]]
     if wrong:
-        _whys_sent_back[key] = choice
         kind = wrong[0]
-        width, layer = (f"input features (the model's width, {D})", "Linear(6, 12)") \
+        width, layer = (f"input features (the model's width, {D})", f"Linear({D}, {H})") \
             if kind == "column" else (f"output features (the model's width, {D})",
-                                      "Linear(12, 6)")
+                                      f"Linear({H}, {D})")
         both = " (and so does row_weight_dim's)" if len(wrong) == 2 else ""
         fail(f"{_DIM_NAMES[kind]} = {declared[kind]} cuts the dimension of the {kind} layer's "
-             f"{layer}.weight that runs over its {width}, which every rank keeps whole; only "
-             f"the hidden features are split{both}. Your why_dims reasoned about the layout "
-             f"of linear.weight, and that reasoning has a step that does not hold.",
-             fix="check the step against torch: compare nn.Linear(6, 12).weight.shape with "
-                 "in_features and out_features, and see which one F.linear multiplies x by "
-                 "(the weight or its transpose); then rewrite why_dims.")
-    passed("your decision: each layer cuts the dimension of linear.weight that runs over the "
-           "hidden features, and you said why from the weight's layout. Now write the layers "
-           "that cut it.")
+             f"{layer}.weight that, in the layout you stated ({stated} for Linear({D}, {H})), "
+             f"runs over its {width}, which every rank keeps whole; only the hidden features "
+             f"are split{both}.",
+             fix=f"write the shape of the {kind} layer's {layer}.weight in the layout you "
+                 f"stated, and mark which of its two sizes is the hidden size.")
+    passed(f"your decision: nn.Linear({D}, {H}).weight is {torch_shape}, as you said, and each "
+           f"layer cuts the dimension of its weight that runs over the hidden features. Now "
+           f"write the layers that cut it.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -457,6 +458,21 @@ def _reference(kind: str) -> tuple:
     return full, x, upstream, y.detach()
 
 
+def _shared_storage(layer: nn.Module, full: nn.Linear) -> list:
+    """(parameter's shape, "weight" or "bias", numbers in the storage, numbers in the
+    parameter) for every parameter of ``layer`` whose storage is one of ``full``'s tensors'
+    (a slice or view of it, not a copy)."""
+    storages = {name: t.untyped_storage() for name, t in
+                (("weight", full.weight), ("bias", full.bias)) if t is not None}
+    shared = []
+    for p in layer.parameters():
+        ptr = p.untyped_storage().data_ptr()
+        for name, st in storages.items():
+            if ptr and ptr == st.data_ptr():
+                shared.append((tuple(p.shape), name, st.nbytes() // p.element_size(), p.numel()))
+    return shared
+
+
 def _layer_worker(rank: int, world_size: int, layer_cls, kind: str) -> dict:
     from ..collectives import record_collectives
 
@@ -467,11 +483,13 @@ def _layer_worker(rank: int, world_size: int, layer_cls, kind: str) -> dict:
         per = H // world_size
         x = x[:, rank * per:(rank + 1) * per]
     x = x.clone().requires_grad_(True)
+    given = copy.deepcopy(full)
     try:
-        layer = layer_cls(copy.deepcopy(full), rank, world_size)
+        layer = layer_cls(given, rank, world_size)
     except Exception as exc:
         return {"build_error": _error(exc)}
     out["shapes"] = _shapes(layer)
+    out["shared"] = _shared_storage(layer, given)
     out["params"] = [p.detach().clone() for p in layer.parameters()]
     try:
         with record_collectives() as fwd:
@@ -526,6 +544,7 @@ def _launch_layer(layer_cls, kind: str, weight_dim, world_sizes, timeout) -> Non
             _against_dim(outs, n, layer_cls.__name__, full, kind, weight_dim % 2)
         _common_layer_failures(outs, n, layer_cls.__name__, full, kind)
         _block_failures(outs, n, layer_cls.__name__, full, 0 if kind == "column" else 1)
+        _storage_failures(outs, layer_cls.__name__, full, n)
         diagnose = _diagnose_column if kind == "column" else _diagnose_row
         diagnose(outs, n, layer_cls.__name__, full, x, upstream, y)
 
@@ -637,41 +656,61 @@ def _stacked_worker(rank: int, world_size: int, mlp_cls) -> dict:
     from ..collectives import record_collectives
 
     torch.set_num_threads(1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(14)
-        plains = [nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D)) for _ in range(2)]
-    model = nn.Sequential(*(mlp_cls(p, rank, world_size) for p in plains))
-    x = _data(1, ROWS, D, seed=15)[0]            # data: it needs no gradient
-    with record_collectives() as calls:
-        model(x).square().mean().backward()
-    return {"ops": [c.op for c in calls if c.op != "barrier"]}
+    out = {}
+    for case, needs_grad in (("data", False), ("requires_grad", True)):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(14)
+            plains = [nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D))
+                      for _ in range(2)]
+        model = nn.Sequential(*(mlp_cls(p, rank, world_size) for p in plains))
+        x = _data(1, ROWS, D, seed=15)[0].clone().requires_grad_(needs_grad)
+        with record_collectives() as calls:
+            model(x).square().mean().backward()
+        out[case] = [c.op for c in calls if c.op != "barrier"]
+    return out
 
 
-def count_all_reduces(mlp_cls, world_size: int = 2, timeout: float | None = None) -> int:
+def count_all_reduces(mlp_cls, world_size: int = 2, timeout: float | None = None) -> tuple:
     """The measurement behind lab 11's prediction: two of the learner's ``mlp_cls`` stacked
-    (``nn.Sequential``), fed data that needs no gradient, one forward and one backward on
-    ``world_size`` ranks; returns how many all-reduces rank 0 made (every rank makes the same)."""
+    (``nn.Sequential``), one forward and one backward on ``world_size`` ranks, first fed data
+    (``x`` needs no gradient), then an ``x`` that requires a gradient (as the output of a layer
+    below would); returns how many all-reduces rank 0 made in each, ``(data, requires_grad)``
+    (every rank makes the same)."""
     __tracebackhide__ = True
     if not isinstance(mlp_cls, type):
         fail(f"the measurement needs your class itself, got {type(mlp_cls).__name__}.")
     _todo(mlp_cls)
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     outs = run_ranks(_stacked_worker, world_size, mlp_cls, timeout=timeout, hang=_HANG)
-    return sum(op == "all_reduce" for op in outs[0]["ops"])
+    return tuple(sum(op == "all_reduce" for op in outs[0][case])
+                 for case in ("data", "requires_grad"))
 
 
-def check_prediction(prediction, measured: int) -> None:
-    """Compare the learner's prediction of the all-reduces in one step of two stacked TP MLPs
-    fed data with :func:`count_all_reduces`' count, and say why it is what it is."""
+def check_prediction(prediction, measured, prediction_grad=None) -> None:
+    """Compare the learner's two predictions of the all-reduces in one step of two stacked TP
+    MLPs — ``prediction`` fed data, ``prediction_grad`` with an input that requires a gradient
+    — with :func:`count_all_reduces`' pair, and say why each is what it is. Two cases, so that
+    the count cannot be guessed between 3 and 4: only the reason gives both."""
     __tracebackhide__ = True
-    value = getattr(prediction, "value", None)
-    close = isinstance(value, (int, float)) and value == measured
-    reveal(prediction, measured, close=close, explanation=(
-        "In the forward each MLP's g sums its partial products: 2 all-reduces. In the backward "
-        "autograd calls a Function's backward only when one of its inputs needs a gradient: "
-        "the second MLP's f (its input comes out of the first MLP) all-reduces dL/dx; the "
-        "first MLP's f does not, since its input is data — 3 in all. Put a layer with "
-        "parameters below the first MLP and its f all-reduces too: 4."))
+    if not (isinstance(measured, tuple) and len(measured) == 2):
+        fail(f"the check needs the pair that lab11.count_all_reduces returned, got "
+             f"{measured!r}: pass the value of the count_all_reduces(...) cell.")
+    if prediction_grad is None:
+        raise NotImplementedError("write your second prediction (the input requires a "
+                                  "gradient) and pass it too: "
+                                  "check_prediction(guess, measured, guess_grad).")
+    for guess, count, explanation in (
+            (prediction, measured[0], ""),
+            (prediction_grad, measured[1],
+             f"In the forward each MLP's g sums its partial products: 2 all-reduces. In the "
+             f"backward autograd calls a Function's backward only when one of its inputs needs "
+             f"a gradient. Fed data, the second MLP's f (its input comes out of the first MLP) "
+             f"all-reduces dL/dx and the first MLP's f does not, since its input is data — "
+             f"{measured[0]} in all. When x requires a gradient (it comes out of a layer below, "
+             f"or you asked for dL/dx), the first MLP's f all-reduces too — {measured[1]}.")):
+        value = getattr(guess, "value", None)
+        close = isinstance(value, (int, float)) and value == count
+        reveal(guess, count, close=close, explanation=explanation)
 
 
 PARAMS_RANK, PARAMS_WORLD = 1, 3    # part 4's prediction: rank 1 of 3, plain MLP (D, H)
