@@ -15,12 +15,11 @@
 # where `compute_gradient(w, batch)` returns the gradient (a tensor shaped like `w`) of the
 # loss on `batch` at the weights `w`. Its contract, for batches 0, 1, …, K − 1:
 #
-# - one pull per batch, and the batch's gradient computed right after that pull (before the
-#   loop's next call to the server), on the weights the pull returned;
-# - every gradient pushed exactly once, with the version its pull returned, and nothing left
-#   unpushed when the loop returns;
-# - alone on the server, gradient k is computed on the weights of version max(0, k − τ) and
-#   applied as update k:
+# - every gradient computed right after a pull of its own (before the loop's next call to the
+#   server), on the weights that pull returned, and pushed with the version it returned;
+# - every batch changes the server's weights exactly once, and the updates land in batch order;
+# - alone on a server that takes every push, gradient k is computed on the weights of version
+#   max(0, k − τ) and applied as update k:
 #
 #   w<sub>k+1</sub> = w<sub>k</sub> − lr · g(w<sub>k−τ</sub>),
 #
@@ -103,63 +102,84 @@ lab09.check_trace(my_trace)
 # - `compute_gradient(w, batch)` → the gradient of the loss on `batch` at the weights `w`, a
 #   tensor shaped like `w` (weights first, then the batch).
 #
-# It keeps the three rules at the top of this lab. Two things your trace did not have to face,
-# and the loop must:
+# It keeps the three rules at the top of this lab. Three things your trace did not have to
+# face, and the loop must:
 #
 # - it shares the server: other workers' updates may land between any two of its calls, so
 #   the server's versions no longer follow your loop's own pushes;
 # - `batches` may be any iterable read once — a stream whose length is unknown until it runs
-#   out.
+#   out;
+# - the server may bound staleness, as `async_sgd.BoundedServer(w, lr, max_staleness)` does:
+#   a push whose gradient is more than `max_staleness` updates stale raises
+#   `async_sgd.TooStale` and applies nothing. A refused batch still has to change the weights,
+#   under the same three rules.
 #
 # The check first runs your loop for τ = 2 and five batches and holds its calls to your trace
-# from part 1, call by call. Then it runs it for several τ with a spy server and a spy
-# `compute_gradient` that see which weights and which batch each gradient came from, and when;
-# then beside two other workers with the batches as a one-pass iterator; and replays the
-# reference.
+# from part 1, call by call. Then it runs it for τ = 0, 3, 1 and 12 with a spy server and a
+# spy `compute_gradient` that see which weights and which batch each gradient came from, and
+# when; then beside two other workers with the batches as a one-pass iterator; then on a
+# server that refuses gradients more than 3 updates stale while other workers' updates land
+# in bursts; and replays the reference.
 #
-# **Your design decision:** what your loop keeps about each gradient between computing and
-# pushing it, and how it knows which ones are still owed to the server when the stream ends.
+# **Your design decision:** what your loop must still have in hand at the moment a push is
+# refused, and what it does then — and why the gradient that leaves at each push is the one
+# it is, for every τ.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # In your trace, look at the call just after each pull from batch 2 on. Which gradient leaves,
-# and how long ago was it computed? If another worker had pushed in between, which number in
-# that push would still be right, and where would your loop find it?
+# and how many newer ones have been set off behind it? If another worker had pushed in
+# between, which number in that push would still be right, and where would your loop find it?
+# And if the server refused that push: could waiting make the gradient fresher, and what would
+# a fresher one for the same batch need?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # The gradients waiting to land form a line: each new one joins at the back, and the one that
-# lands is always the one that has waited longest, as soon as more than τ are waiting; when the
-# stream ends, whatever is still in the line is owed. A push needs two things a gradient was
-# born with — neither can be recomputed later.
+# lands is always the one that has waited longest, as soon as more than τ are waiting (τ newer
+# ones in flight behind it); when the stream ends, whatever is still in the line is owed. A
+# push needs two things a gradient was born with. A refused gradient only gets staler, and the
+# same weights give the same gradient: its batch needs a new pull and a new gradient, landed
+# before any newer one — so the batch must still be in hand.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# A container of (gradient, version) pairs that is cheap to take from the front (a deque from
-# collections, say); one loop over the batches (pull, compute, add to the back, maybe push from
-# the front); one loop afterwards that empties it from the front.
+# A container of (gradient, version, batch) triples that is cheap to take from the front (a
+# deque from collections, say); one loop over the batches (pull, compute, add to the back,
+# maybe land the front one); one loop afterwards that lands the rest from the front. Landing
+# one is a small loop of its own: try the push; on `async_sgd.TooStale`, pull, compute that
+# batch's gradient again, try again.
 
 # %%
 def async_worker_loop(server, compute_gradient, batches, tau):
     """Drive ``server`` for ``batches`` as the contract says (alone on the server: gradient k,
     computed on version max(0, k - tau), applied as update k); return nothing."""
-    ### BEGIN SOLUTION: the worker's loop that keeps the contract, for any τ and any batches
+    ### BEGIN SOLUTION: the worker's loop that keeps the contract, for any τ, batches and server
     from collections import deque
+
+    def land(grad, version, batch):
+        while True:
+            try:
+                server.push(grad, version)
+                return
+            except async_sgd.TooStale:   # refused: a new gradient, on weights pulled now
+                w, version = server.pull()
+                grad = compute_gradient(w, batch)
 
     in_flight = deque()
     for batch in batches:
         w, version = server.pull()
-        in_flight.append((compute_gradient(w, batch), version))
+        in_flight.append((compute_gradient(w, batch), version, batch))
         if len(in_flight) > tau:
-            server.push(*in_flight.popleft())
+            land(*in_flight.popleft())
     while in_flight:
-        server.push(*in_flight.popleft())
+        land(*in_flight.popleft())
     ### END SOLUTION
 
 
@@ -213,24 +233,24 @@ lab09.check_prediction(guess, losses, start_loss)
 # A workshop can stop here. Lesson 09 found that stale gradients diverge at a step size
 # that fresh ones tolerate. Zhang et al. (2016, "Staleness-aware async-SGD for distributed
 # deep learning") scale each step by the gradient's staleness s: a gradient s updates stale
-# (s ≥ 1) takes the step lr / s.
+# takes the step lr / s.
 #
 # Write `push` for a server that does it: a `SimulatedServer` (its source is in lesson 09)
 # with only the size of the step changed. Everything else its `push` does — what it records,
 # what it counts — must still happen. The check runs it under the reference loop for τ = 0, 2
 # and 5 and names the scaling rules people get wrong.
 #
-# **Your design decision:** lr / s has no value for a fresh gradient (s = 0). Decide the step
-# a fresh gradient takes, and be ready to say why: which runs have fresh gradients, and what
-# should those runs be?
+# **Your design decision:** your server must take a step of the right size in every run the
+# check makes. Where lr / s alone does not settle the step, choose it, and defend your choice
+# in one sentence, `why_fresh_step`: the check reads it for the reason, not for a formula.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Read `SimulatedServer.push` in lesson 09: which of its lines decide the size of the step, and
-# which keep the server's books? In a run with τ = 0, what is every gradient's staleness, and
-# what does part 1's contract say that run is?
+# which keep the server's books? Then follow lr / s through each run the check makes: which
+# run has only gradients of staleness 0, and what did part 1's contract say that run is?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
@@ -238,14 +258,16 @@ lab09.check_prediction(guess, losses, start_loss)
 # %% [markdown] jupyter={"source_hidden": true}
 # Keep every line of the parent's push; change only the factor in front of the gradient. A
 # fresh gradient is as good as a gradient gets: no rule that shrinks stale steps should give it
-# less than a gradient one update stale — nor divide by zero.
+# less than a gradient one update stale, and the τ = 0 run must stay plain SGD. "It avoids a
+# division by zero" says why a fresh gradient needs some step, not why yours is the right one.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Four statements, in the parent's order: the staleness computed from the two versions, recorded,
-# the in-place step with the scaled lr, the version moved on.
+# the in-place step with the scaled lr, the version moved on. Your sentence: what a fresh
+# gradient (or the τ = 0 run) is, and why its step should not shrink.
 
 # %%
 class StalenessAware(async_sgd.SimulatedServer):
@@ -259,4 +281,8 @@ class StalenessAware(async_sgd.SimulatedServer):
 
 
 # %%
-lab09.check_staleness_aware(StalenessAware)
+### BEGIN SOLUTION: why_fresh_step, one sentence defending the step a fresh gradient takes
+why_fresh_step = ("a fresh gradient is not stale at all, so nothing in it needs shrinking: it "
+                  "takes the full lr, and a run with τ = 0 stays plain SGD")
+### END SOLUTION
+lab09.check_staleness_aware(StalenessAware, why_fresh_step)

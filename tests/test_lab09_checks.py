@@ -16,27 +16,50 @@ from dpcourse.checks import LabCheckError, lab09
 # --------------------------------------------------------------------------------------------
 
 
+TooStale = async_sgd.TooStale
+
+
 def good(server, compute_gradient, batches, tau):
+    def land(grad, version, batch):
+        while True:
+            try:
+                server.push(grad, version)
+                return
+            except TooStale:   # refused: a new gradient for the same batch, on fresh weights
+                w, version = server.pull()
+                grad = compute_gradient(w, batch)
+
     in_flight = collections.deque()
     for batch in batches:
         w, version = server.pull()
-        in_flight.append((compute_gradient(w, batch), version))
+        in_flight.append((compute_gradient(w, batch), version, batch))
         if len(in_flight) > tau:
-            server.push(*in_flight.popleft())
+            land(*in_flight.popleft())
     while in_flight:
-        server.push(*in_flight.popleft())
+        land(*in_flight.popleft())
 
 
 def with_a_list(server, compute_gradient, batches, tau):
     pending = []
+
+    def push_oldest():
+        grad, v, batch = pending.pop(0)
+        done = False
+        while not done:
+            try:
+                server.push(grad, v)
+                done = True
+            except TooStale:
+                w, v = server.pull()
+                grad = compute_gradient(w, batch)
+
     for batch in batches:
         w, version = server.pull()
-        pending.append((compute_gradient(w, batch), version))
+        pending.append((compute_gradient(w, batch), version, batch))
         if len(pending) == tau + 1:
-            grad, v = pending.pop(0)
-            server.push(grad, v)
-    for grad, v in pending:
-        server.push(grad, v)
+            push_oldest()
+    while pending:
+        push_oldest()
 
 
 def computed_at_push(server, compute_gradient, batches, tau):
@@ -55,31 +78,74 @@ def computed_at_push(server, compute_gradient, batches, tau):
 def by_index(server, compute_gradient, batches, tau):
     grads = []
     batches = list(batches)
+
+    def send(k):
+        grad, version = grads[k]
+        try:
+            server.push(grad, version)
+        except TooStale:
+            w, version = server.pull()
+            grads[k] = (compute_gradient(w, batches[k]), version)
+            send(k)
+
     for k, batch in enumerate(batches):
         w, version = server.pull()
         grads.append((compute_gradient(w, batch), version))
         if k >= tau:
-            server.push(*grads[k - tau])
+            send(k - tau)
     for k in range(max(0, len(batches) - tau), len(batches)):
-        server.push(*grads[k])
+        send(k)
 
 
 def while_over_tau(server, compute_gradient, batches, tau):
     # a dict keyed by the batch's position, drained with a while: right too
     waiting, first, n = {}, 0, 0
+
+    def land(grad, version, batch):
+        try:
+            server.push(grad, version)
+        except TooStale:
+            w, version = server.pull()
+            land(compute_gradient(w, batch), version, batch)
+
     for batch in batches:
         w, version = server.pull()
-        waiting[n] = (compute_gradient(w, batch), version)
+        waiting[n] = (compute_gradient(w, batch), version, batch)
         n += 1
         while n - first > tau:
-            server.push(*waiting.pop(first))
+            land(*waiting.pop(first))
             first += 1
     while first < n:
-        server.push(*waiting.pop(first))
+        land(*waiting.pop(first))
         first += 1
 
 
-RIGHT = [good, with_a_list, by_index, while_over_tau]
+def retries_later(server, compute_gradient, batches, tau):
+    # a refused batch gets a new gradient at once, which waits at the front for the next
+    # moment a gradient leaves: right too (each batch once, in order, never staler than allowed)
+    in_flight = collections.deque()
+
+    def leave():
+        grad, version, batch = in_flight[0]
+        try:
+            server.push(grad, version)
+            in_flight.popleft()
+            return True
+        except TooStale:
+            w, v = server.pull()
+            in_flight[0] = (compute_gradient(w, batch), v, batch)
+            return False
+
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version, batch))
+        while len(in_flight) > tau and not leave():
+            pass
+    while in_flight:
+        leave()
+
+
+RIGHT = [good, with_a_list, by_index, while_over_tau, retries_later]
 
 
 def no_drain(server, compute_gradient, batches, tau):
@@ -351,9 +417,13 @@ def computes_on_newest_weights(server, compute_gradient, batches, tau):
 
 @pytest.mark.parametrize("loop, phrase", [
     (counts_own_pushes, "your own count of pushes as the version"),
-    (pull_unpacked_backwards, "pull() returns the pair (weights, version)"),
-    (compute_swapped, "you called compute_gradient(batch, w)"),
-    (push_swapped, "you called push(version, grad)"),
+    (pull_unpacked_backwards, "as the weights: that is the version, the second of the two "
+                              "things pull() returns"),
+    (compute_swapped, "compute_gradient got Batch(0) where the weights belong (its first "
+                      "argument) and the weights where the batch belongs: the two arguments "
+                      "are swapped"),
+    (push_swapped, "push got a tensor of 4 numbers where the version belongs (its second "
+                   "argument): the gradient and the version are swapped"),
     (computes_on_newest_weights, "you computed each gradient when it was pushed"),
 ], ids=lambda x: getattr(x, "__name__", "phrase"))
 def test_issue_37_mistakes_are_named_by_their_cause(loop, phrase):
@@ -526,9 +596,13 @@ WRONG_SERVERS.append((OverwritesLr, "you divided self.lr itself, so every later 
                                     "from the shrunken lr and the step keeps shrinking for good"))
 
 
+WHY = ("with τ = 0 every gradient is fresh, and a fresh gradient is not stale at all, so it "
+       "keeps the full lr and that run stays plain SGD")
+
+
 @pytest.mark.parametrize("cls", RIGHT_SERVERS, ids=lambda c: c.__name__)
 def test_right_servers_pass(cls, capsys):
-    lab09.check_staleness_aware(cls)
+    lab09.check_staleness_aware(cls, WHY)
     assert "the last update took lr / 5 = 0.02" in capsys.readouterr().out
 
 
@@ -553,7 +627,7 @@ def test_unfinished_server_and_an_instance_are_named():
 def test_the_checks_are_fast():
     t0 = time.monotonic()
     lab09.check_async_worker(good)
-    lab09.check_staleness_aware(GoodAware)
+    lab09.check_staleness_aware(GoodAware, WHY)
     assert time.monotonic() - t0 < 2
 
 
@@ -572,8 +646,17 @@ def test_the_loop_is_held_to_the_learners_trace(capsys):
     with pytest.raises(LabCheckError) as err:
         lab09.check_async_worker(off_by_one, RIGHT_TRACE)
     msg = str(err.value)
-    assert "call 3 differs from your own trace of part 1: the loop made ('push', 0, 0), your " \
-           "trace says ('pull', 0)" in msg, msg
+    # named by its cause, in gradients in flight, for the trace's own τ
+    assert "one update too early with τ = 2" in msg and "an off-by-one in the gradients in " \
+           "flight — each gradient left while only 1 newer one was in flight behind it, not " \
+           "τ = 2" in msg, msg
+    # arguments swapped: the cause, not "call 6 differs ... ('push', 0, 0)"
+    with pytest.raises(LabCheckError) as err:
+        lab09.check_async_worker(compute_swapped, RIGHT_TRACE)
+    msg = str(err.value)
+    assert "where the weights belong (its first argument)" in msg and "differs" not in msg, msg
+    with pytest.raises(LabCheckError, match=r"call compute_gradient\(w, batch\)"):
+        lab09.check_async_worker(compute_swapped, RIGHT_TRACE)
     # a trace that does not pass part 1 yet: the loop is not judged against it
     with pytest.raises(LabCheckError, match="does not pass part 1's check yet"):
         lab09.check_async_worker(good, RIGHT_TRACE[:-1])
@@ -608,3 +691,209 @@ def test_the_fresh_step_is_the_learners_decision():
     with pytest.raises(LabCheckError) as err:
         lab09.check_staleness_aware(_server(lambda lr, s: lr / s))
     assert "max(1" not in str(err.value), str(err.value)
+
+
+# --------------------------------------------------------------------------------------------
+# A server that refuses a push staler than its bound (async_sgd.TooStale): what the loop does
+# with the refused gradient is the learner's decision, and each wrong one is named
+# --------------------------------------------------------------------------------------------
+
+
+def _refusal(handle):
+    """The right loop in every respect but what it does when a push is refused."""
+    def loop(server, compute_gradient, batches, tau):
+        in_flight, now = collections.deque(), {}
+
+        def land(item):
+            grad, version, batch, w = item
+            try:
+                server.push(grad, version)
+            except TooStale:
+                handle(server, compute_gradient, in_flight, item, now["batch"])
+
+        for batch in batches:
+            now["batch"] = batch
+            w, version = server.pull()
+            in_flight.append((compute_gradient(w, batch), version, batch, w))
+            if len(in_flight) > tau:
+                land(in_flight.popleft())
+        while in_flight:
+            land(in_flight.popleft())
+    loop.__name__ = handle.__name__
+    return loop
+
+
+def lets_it_escape(server, compute_gradient, in_flight, item, current):
+    raise TooStale("passed on")
+
+
+def drops_it(server, compute_gradient, in_flight, item, current):
+    pass
+
+
+def pushes_it_again(server, compute_gradient, in_flight, item, current):
+    grad, version, _, _ = item
+    for _ in range(3):
+        try:
+            server.push(grad, version)
+            return
+        except TooStale:
+            pass
+
+
+def recomputes_on_old_weights(server, compute_gradient, in_flight, item, current):
+    _, version, batch, w = item
+    server.push(compute_gradient(w, batch), version)
+
+
+def recomputes_the_current_batch(server, compute_gradient, in_flight, item, current):
+    w, version = server.pull()
+    server.push(compute_gradient(w, current), version)
+
+
+def requeues_at_the_back(server, compute_gradient, in_flight, item, current):
+    batch = item[2]
+    w, version = server.pull()
+    in_flight.append((compute_gradient(w, batch), version, batch, w))
+
+
+def keeps_the_old_version(server, compute_gradient, in_flight, item, current):
+    _, version, batch, _ = item
+    w, _ = server.pull()
+    server.push(compute_gradient(w, batch), version)
+
+
+REFUSALS = [
+    (lets_it_escape, "the server refused the gradient of batch 2 (computed on version 0, 4 "
+                     "updates stale at version 4, more than 3) and your loop stopped there: the "
+                     "refusal escaped from it as TooStale"),
+    (drops_it, "and your loop went on without batch 2: batches [2, 5, 6] never changed the "
+               "weights"),
+    (pushes_it_again, "and your loop pushed that same gradient again"),
+    (recomputes_on_old_weights, "your loop computed it again on version 0, weights it already "
+                                "had before the refusal"),
+    (recomputes_the_current_batch, "the next gradient your loop computed was for batch 4, not "
+                                   "batch 2: batches [2, 5] never changed the weights, and "
+                                   "batches [6, 7] did twice"),
+    (requeues_at_the_back, "the updates then landed in the order of batches"),
+    (keeps_the_old_version, "a gradient of batch 2 was pushed with version 0, but the pull that "
+                            "gave its weights returned"),
+]
+
+
+@pytest.mark.parametrize("handle, phrase", REFUSALS, ids=[h.__name__ for h, _ in REFUSALS])
+def test_what_the_loop_does_with_a_refused_gradient_is_named(handle, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab09.check_async_worker(_refusal(handle))
+    assert phrase in str(err.value), str(err.value)
+
+
+def test_refusal_messages_give_the_cause_then_the_fix():
+    loop = _refusal(drops_it)
+    with pytest.raises(LabCheckError) as first:
+        lab09.check_async_worker(loop)
+    assert "fresh weights" not in str(first.value)
+    with pytest.raises(LabCheckError, match="compute that batch's gradient again on fresh"):
+        lab09.check_async_worker(loop)
+
+
+def test_the_bounded_server_refuses_and_applies_nothing():
+    server = async_sgd.BoundedServer(torch.zeros(2), 0.1, max_staleness=1)
+    server.push(torch.ones(2), 0)
+    server.push(torch.ones(2), 0)                      # 1 update stale: taken
+    with pytest.raises(TooStale, match="2 updates stale at version 2; this server takes at "
+                                       "most 1"):
+        server.push(torch.ones(2), 0)
+    assert server.version == 2 and server.refused == 1 and server.staleness == [0, 1]
+    assert torch.equal(server.w, torch.full((2,), -0.2))
+    with pytest.raises(ValueError, match="max_staleness must be an int >= 0"):
+        async_sgd.BoundedServer(torch.zeros(2), 0.1, max_staleness=-1)
+    # the lab's right loop on the library's bounded server: every batch once
+    a, b, w0, batches = lab09._problem()
+    server = async_sgd.BoundedServer(w0, 0.1, max_staleness=0)
+    good(server, lambda w, batch: a @ w - b + batch.noise, batches, 3)
+    assert server.version == lab09.STEPS and set(server.staleness) == {0} and server.refused > 0
+
+
+# --------------------------------------------------------------------------------------------
+# The stretch's why_fresh_step: the fresh gradient's step defended, not just written
+# --------------------------------------------------------------------------------------------
+
+RIGHT_WHYS = [
+    WHY,
+    "A fresh gradient was computed on the current weights, so there is nothing stale to "
+    "correct: it takes the whole step.",
+    "tau=0 means no staleness at all and the run must be plain SGD, so lr / 1",
+    "staleness 0 means the gradient is as good as plain SGD's, so it should not shrink",
+]
+
+
+@pytest.mark.parametrize("why", RIGHT_WHYS, ids=range(len(RIGHT_WHYS)))
+def test_a_defended_fresh_step_passes(why, capsys):
+    lab09.check_staleness_aware(GoodAware, why)
+    assert "with τ = 0, every gradient fresh, the run is plain SGD" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("why, phrase", [
+    ("max(1, s) avoids dividing by zero for fresh gradients",
+     "says your step avoids a division by zero: that is why a fresh gradient needs some value, "
+     "not why yours is the right one"),
+    ("because the paper says lr over s for stale ones",
+     "does not say yet why a fresh gradient should take the step you gave it: ask which run of "
+     "the check has only fresh gradients"),
+    ("it works", "in a sentence (six words or more)"),
+    (3, "in a sentence (six words or more)"),
+], ids=["zero-division", "no-reason", "short", "not-text"])
+def test_an_undefended_fresh_step_is_named(why, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab09.check_staleness_aware(GoodAware, why)
+    assert phrase in str(err.value), str(err.value)
+
+
+def test_the_why_is_asked_for_after_the_server_is_right():
+    with pytest.raises(NotImplementedError, match="write why_fresh_step"):
+        lab09.check_staleness_aware(GoodAware)
+    # a wrong server is named before the sentence is looked at
+    with pytest.raises(LabCheckError, match="the step was not scaled"):
+        lab09.check_staleness_aware(_server(lambda lr, s: lr))
+    # the zero-division cause first, the question to ask on a second meeting
+    why = "so that we never divide by zero"
+    with pytest.raises(LabCheckError) as first:
+        lab09.check_staleness_aware(GoodAware, why + " at all")
+    assert "what a run in which every gradient is fresh should be" not in str(first.value)
+    with pytest.raises(LabCheckError, match="what a run in which every gradient is fresh"):
+        lab09.check_staleness_aware(GoodAware, why + " at all")
+
+
+def retries_on_any_exception(server, compute_gradient, batches, tau):
+    # `except Exception` around a swapped push: the spy's complaint must not be swallowed
+    in_flight = collections.deque()
+
+    def land(grad, version, batch):
+        while True:
+            try:
+                server.push(version, grad)
+                return
+            except Exception:
+                w, version = server.pull()
+                grad = compute_gradient(w, batch)
+
+    for batch in batches:
+        w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version, batch))
+        if len(in_flight) > tau:
+            land(*in_flight.popleft())
+    while in_flight:
+        land(*in_flight.popleft())
+
+
+def test_a_loop_that_catches_everything_still_gets_its_cause():
+    with pytest.raises(LabCheckError, match="the gradient and the version are swapped"):
+        lab09.check_async_worker(retries_on_any_exception, RIGHT_TRACE)
+
+
+def test_an_endless_loop_held_to_the_trace_ends():
+    t0 = time.monotonic()
+    with pytest.raises(LabCheckError, match="a loop that never ends"):
+        lab09.check_async_worker(endless, RIGHT_TRACE)
+    assert time.monotonic() - t0 < 5

@@ -68,6 +68,8 @@ __all__ = [
     "straggler_race",
     "SimulatedServer",
     "StalenessAwareServer",
+    "TooStale",
+    "BoundedServer",
     "async_worker_loop",
     "plain_sgd",
     "run_stale",
@@ -470,6 +472,33 @@ class StalenessAwareServer(SimulatedServer):
         self.staleness.append(staleness)
         self.w.add_(grad, alpha=-self.lr / max(1, staleness))
         self.version += 1
+
+
+class TooStale(Exception):
+    """A push that a :class:`BoundedServer` refused: the gradient was staler than the server
+    takes, and nothing was applied."""
+
+
+class BoundedServer(SimulatedServer):
+    """A server that bounds staleness (as a stale-synchronous parameter server does): a push
+    whose gradient is more than ``max_staleness`` updates stale raises :class:`TooStale` and
+    applies nothing; ``refused`` counts those pushes. Lab 09's loop must cope with it."""
+
+    def __init__(self, w: torch.Tensor, lr: float, max_staleness: int):
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
+        super().__init__(w, lr)
+        self.max_staleness = max_staleness
+        self.refused = 0
+
+    def push(self, grad: torch.Tensor, version: int) -> None:
+        staleness = self.version - version
+        if staleness > self.max_staleness:
+            self.refused += 1
+            raise TooStale(f"a gradient of version {version} is {staleness} updates stale at "
+                           f"version {self.version}; this server takes at most "
+                           f"{self.max_staleness}")
+        super().push(grad, version)
 
 
 def async_worker_loop(server, compute_gradient, batches, tau: int) -> None:

@@ -19,14 +19,24 @@ late, the server's current version pushed instead of the gradient's; and, once t
 right, a gradient computed later than right after its pull (the pulled weights kept and used at
 push time). Then it runs the loop once beside 2 other workers whose updates land before each of
 its pulls, with the batches as a one-pass iterator: the versions pushed must be the ones pull()
-returned, and a loop that asks for the number of batches or indexes them is named.
+returned, and a loop that asks for the number of batches or indexes them is named. Last, on a
+server that refuses a push more than 3 updates stale (it raises async_sgd.TooStale, as
+async_sgd.BoundedServer does) while other workers' updates land in bursts: every batch must
+still change the weights once, in batch order; it names the refusal let escape, the refused
+batch dropped, the same gradient pushed again, a gradient recomputed on the refused one's
+weights, a new gradient for the wrong batch, one queued behind newer ones, and a retry pushed
+with the old version. A loop whose τ = 2 calls differ from part 1's trace is named by the spy's
+run for τ = 2 (an off-by-one in the gradients in flight, arguments swapped) before the call
+that differs.
 
 ``check_staleness_aware`` (the stretch) runs the learner's server class under the reference
 loop for τ = 0, 2 and 5 and replays the candidate step rules to name the one used: no
 scaling, lr / (s + 1), lr · s, lr / √s, self.lr itself divided (the step shrinks for good), a
 division by zero for fresh gradients; and the bookkeeping
 mistakes: staleness not recorded, counted the wrong way round or after the version moved,
-the version never increased.
+the version never increased. Then the learner's sentence ``why_fresh_step`` must defend the
+fresh gradient's step (FRESH_WORDS: what a fresh gradient or the τ = 0 run is, and why its step
+should not shrink); "it avoids a division by zero" is named as no defence.
 """
 
 from __future__ import annotations
@@ -68,8 +78,13 @@ def _problem(steps: int = STEPS):
     return a, b, w0, batches
 
 
-class _Misuse(Exception):
-    """A call to the spy server or the spy compute_gradient with its arguments mixed up."""
+class _Misuse(BaseException):
+    """A call to the spy server or the spy compute_gradient with its arguments mixed up (a
+    BaseException: a loop that retries on ``except Exception`` must not swallow it)."""
+
+
+class _Endless(BaseException):
+    """The spy's limit on server calls reached (a BaseException, for the same reason)."""
 
 
 class _SpyServer:
@@ -77,13 +92,16 @@ class _SpyServer:
     ``others`` > 0, that many other workers each push one (fresh) update before every pull of
     the learner's loop, so the server's version is no longer the loop's own count of pushes."""
 
-    def __init__(self, w, lr, others: int = 0):
+    def __init__(self, w, lr, others: int = 0, bound=None, bursts=None):
         self.w, self.lr, self.version = w.clone(), lr, 0
         self.history = [w.clone()]
         self.pushes = []       # (gradient, version pushed, server's version at the push)
+        self.refused = []      # (gradient, version, server's version, gradients computed so far)
         self.calls = 0
         self.pulls = 0
         self.others = others
+        self.bound = bound     # the most staleness a push may have, or None: no bound
+        self.bursts = dict(bursts or {})   # pull number -> other workers' updates just before
         self.gradients = 0     # compute_gradient calls so far
         self.late = []         # (batch pulled, server call) where a pulled batch had no gradient
 
@@ -94,7 +112,7 @@ class _SpyServer:
     def _count(self):
         self.calls += 1
         if self.calls > _MAX_CALLS:
-            raise RuntimeError(f"more than {_MAX_CALLS} pulls and pushes for {STEPS} batches")
+            raise _Endless(f"more than {_MAX_CALLS} pulls and pushes for {STEPS} batches")
 
     def _update(self, grad):
         self.w.add_(torch.as_tensor(grad, dtype=self.w.dtype), alpha=-self.lr)
@@ -104,7 +122,7 @@ class _SpyServer:
     def pull(self):
         self._count()
         self._order("pull")
-        for _ in range(self.others):   # another worker's update lands first
+        for _ in range(self.others + self.bursts.get(self.pulls, 0)):  # others' updates land
             self._update(0.01 * torch.ones_like(self.w) * (1 + self.version % 3))
         self.pulls += 1
         return self.w.clone(), self.version
@@ -113,34 +131,52 @@ class _SpyServer:
         self._count()
         if isinstance(version, torch.Tensor) and version.numel() > 1 and not (
                 isinstance(grad, torch.Tensor) and grad.numel() > 1):
-            raise _Misuse("you called push(version, grad): the server's signature is "
-                          "push(grad, version), the gradient first")
+            raise _Misuse(f"push got a tensor of {version.numel()} numbers where the version "
+                          f"belongs (its second argument): the gradient and the version are "
+                          f"swapped, so the server cannot count the gradient's staleness",
+                          "call push(grad, version), the gradient first.")
         self._order("push")
+        if self.bound is not None and isinstance(version, int) and \
+                self.version - version > self.bound:
+            from dpcourse import async_sgd
+
+            self.refused.append((grad, version, self.version, self.gradients))
+            raise async_sgd.TooStale(f"a gradient of version {version} is "
+                                     f"{self.version - version} updates stale at version "
+                                     f"{self.version}; this server takes at most {self.bound}")
         self.pushes.append((grad, version, self.version))
         self._update(grad)
 
 
-def trace_loop(loop, tau: int, others: int = 0, one_pass: bool = False) -> dict:
+def trace_loop(loop, tau: int, others: int = 0, one_pass: bool = False, bound=None,
+               bursts=None) -> dict:
     """Run ``loop`` for one τ on the spy server (``others``: other workers' updates before each
-    pull; ``one_pass``: the batches as an iterator that can be read once, of unknown length);
-    what happened, as plain data."""
+    pull; ``one_pass``: the batches as an iterator that can be read once, of unknown length;
+    ``bound``: the server refuses a push more than that many updates stale, raising
+    :class:`dpcourse.async_sgd.TooStale`; ``bursts``: pull number -> other workers' updates
+    landing just before that pull); what happened, as plain data."""
     __tracebackhide__ = True
     a, b, w0, batches = _problem()
-    server = _SpyServer(w0, LR, others)
+    server = _SpyServer(w0, LR, others, bound=bound, bursts=bursts)
     computed = []              # (batch index, version of the weights or -1, gradient)
     pulls_before = []          # the loop's pulls made before each gradient was computed
+    returned = []              # the tensors compute_gradient returned, to know them by identity
 
     def compute_gradient(w, batch):
         if isinstance(w, Batch) or isinstance(batch, torch.Tensor) and batch.numel() > 1:
-            raise _Misuse("you called compute_gradient(batch, w): its signature is "
-                          "compute_gradient(w, batch), the weights first")
+            raise _Misuse(f"compute_gradient got {w!r} where the weights belong (its first "
+                          f"argument) and the weights where the batch belongs: the two "
+                          f"arguments are swapped, so no gradient could be computed",
+                          "call compute_gradient(w, batch), the weights first.")
         if not isinstance(w, torch.Tensor) or w.dim() == 0:
-            raise _Misuse(f"compute_gradient got {w!r} as the weights: pull() returns the pair "
-                          f"(weights, version), in that order")
+            raise _Misuse(f"compute_gradient got {w!r} as the weights: that is the version, "
+                          f"the second of the two things pull() returns",
+                          "unpack pull()'s pair as (weights, version), in that order.")
         version = next((v for v in range(len(server.history) - 1, -1, -1)
                         if torch.equal(w, server.history[v])), -1)
         grad = a @ w - b + batch.noise
         computed.append((batch.index, version, grad.clone()))
+        returned.append(grad)
         pulls_before.append(server.pulls)
         server.gradients += 1
         return grad
@@ -149,17 +185,33 @@ def trace_loop(loop, tau: int, others: int = 0, one_pass: bool = False) -> dict:
     try:
         loop(server, compute_gradient, iter(batches) if one_pass else list(batches), tau)
     except _Misuse as exc:
-        out["misuse"] = str(exc)
+        out["misuse"], out["misuse_fix"] = exc.args[0], exc.args[1] if len(exc.args) > 1 \
+            else None
+    except _Endless as exc:
+        out["raised"] = f"RuntimeError: {exc}"
     except Exception as exc:
         out["raised"] = f"{type(exc).__name__}: {exc}"
     out["computed"] = [(i, v) for i, v, _ in computed]
     out["pulls_before"] = list(pulls_before)
-    out["pushes"] = []
-    for grad, version, at in server.pushes:
+
+    def entry(grad):
+        """The position in ``computed`` of the gradient pushed (the very tensor returned, else
+        the first equal one), or -1."""
+        same = next((n for n, g in enumerate(returned) if g is grad), -1)
+        if same >= 0 and torch.equal(computed[same][2], torch.as_tensor(grad)):
+            return same
         grad = torch.as_tensor(grad)
-        which = next((i for i, _, g in computed if g.shape == grad.shape
-                      and torch.equal(g, grad)), -1)
-        out["pushes"].append((which, version, at))
+        return next((n for n, (_, _, g) in enumerate(computed) if g.shape == grad.shape
+                     and torch.equal(g, grad)), -1)
+
+    applied = [(entry(grad), version, at) for grad, version, at in server.pushes]
+    out["applied"] = applied   # (entry in computed, version pushed, server's version then)
+    out["pushes"] = [(computed[n][0] if n >= 0 else -1, version, at)
+                     for n, version, at in applied]
+    # (entry, version pushed, server's version then, gradients computed before the refusal)
+    out["refused"] = [(entry(grad), version, at, before)
+                      for grad, version, at, before in server.refused]
+    out["bound"] = bound
     out["w"] = server.w
     out["late"] = list(server.late)
     return out
@@ -176,7 +228,7 @@ def diagnose_loop(trace: dict) -> None:
     tau, computed, pushes = trace["tau"], trace["computed"], trace["pushes"]
     at = f"with τ = {tau}"
     if "misuse" in trace:
-        fail(f"{trace['misuse']} ({at}).")
+        fail(f"{trace['misuse']} ({at}).", fix=trace.get("misuse_fix"))
     if "raised" in trace:
         if trace["raised"].startswith("IndexError"):
             fail(f"your loop raised {trace['raised']!r} {at}: it took a gradient out of an empty "
@@ -243,9 +295,12 @@ def diagnose_loop(trace: dict) -> None:
                  "gradient k is computed on version max(0, k - τ) and applied as update k.",
                  fix="hold gradients back until τ newer ones are in flight.")
         if late == [min(k, tau - 1) for k in range(STEPS)] and tau > 0:
-            fail(f"your gradients are one update too early {at}: staleness {late}, expected "
-                 f"{wanted} — each left when τ were waiting, the new one included, so only τ − 1 "
-                 f"newer ones were in flight.",
+            fail(f"your gradients are one update too early {at} (staleness {late}, expected "
+                 f"{wanted}): an off-by-one in the gradients in flight — each gradient left "
+                 f"while only {tau - 1} newer one{'' if tau == 2 else 's'} "
+                 f"{'was' if tau == 2 else 'were'} in flight behind it, not τ = {tau}, because "
+                 f"your loop pushed as soon as {tau} were waiting, the one it had just computed "
+                 f"included.",
                  fix="push when more than τ are waiting, not when τ are.")
         if late == [min(k, tau + 1) for k in range(STEPS)] or \
                 all(d >= w for d, w in zip(late, wanted)):
@@ -300,8 +355,10 @@ def _check_versions_with_other_workers(loop, tau: int = 3, others: int = 2) -> N
              f"are, or for one by its index, but the batches may be a stream read once, whose "
              f"end the loop learns only when it runs out.",
              fix="iterate over the batches once, and finish when they run out.")
-    if "misuse" in trace or "raised" in trace:
-        fail(f"your loop {trace.get('misuse') or 'raised ' + repr(trace['raised'])} ({at}).")
+    if "misuse" in trace:
+        fail(f"{trace['misuse']} ({at}).", fix=trace.get("misuse_fix"))
+    if "raised" in trace:
+        fail(f"your loop raised {trace['raised']!r} ({at}).")
     if len(trace["computed"]) != STEPS:
         fail(f"your loop computed {len(trace['computed'])} gradients for {STEPS} batches ({at}): "
              f"an iterator read once gives each batch once — read it twice and the second pass "
@@ -324,6 +381,102 @@ def _check_versions_with_other_workers(loop, tau: int = 3, others: int = 2) -> N
     _diagnose_order(trace, at)
 
 
+# The bounded server's run: τ = 2, a server that takes at most 3 updates of staleness, and
+# other workers' updates landing in bursts before two of the loop's pulls (pull number -> how
+# many): the gradients in flight across a burst come back too stale and are refused.
+REFUSAL_TAU, REFUSAL_BOUND = 2, 3
+REFUSAL_BURSTS = {3: 2, 7: 3}
+
+
+def _check_refusals(loop) -> tuple:
+    """One worker on a server that refuses a push staler than REFUSAL_BOUND (it raises
+    async_sgd.TooStale and applies nothing): every batch must still be applied once, in batch
+    order, each gradient computed right after its own pull and pushed with that pull's
+    version."""
+    __tracebackhide__ = True
+    bound = REFUSAL_BOUND
+    trace = trace_loop(loop, REFUSAL_TAU, bound=bound, bursts=REFUSAL_BURSTS)
+    at = (f"with τ = {REFUSAL_TAU} on a server that refuses a gradient more than {bound} "
+          f"updates stale, other workers' updates landing in bursts")
+    computed, applied, refused = trace["computed"], trace["applied"], trace["refused"]
+    if "misuse" in trace:
+        fail(f"{trace['misuse']} ({at}).", fix=trace.get("misuse_fix"))
+    for n, version, _, *_ in applied + refused:
+        if n >= 0 and version != computed[n][1]:
+            fail(f"a gradient of batch {computed[n][0]} was pushed with version {version}, but "
+                 f"the pull that gave its weights returned {computed[n][1]} ({at}): the server "
+                 f"judges a gradient's staleness by that number.",
+                 fix="push each gradient with the version its own pull returned.")
+    if not refused:
+        fail(f"the server refused nothing ({at}): your loop never let a gradient wait long "
+             f"enough to be refused — the gradients in flight are what the bound is about.")
+    first_n, first_v, first_at, _ = refused[0]
+    first = computed[first_n][0] if first_n >= 0 else -1
+    said = (f"the server refused the gradient of batch {first} (computed on version {first_v}, "
+            f"{first_at - first_v} updates stale at version {first_at}, more than {bound})")
+    for n, v, _, then in refused:   # a refused batch's gradient computed again on old weights
+        if n < 0:
+            continue
+        redo = next((m for m in range(then, len(computed))
+                     if computed[m][0] == computed[n][0] and computed[m][1] <= v), None)
+        if redo is not None:
+            fail(f"the server refused the gradient of batch {computed[n][0]} (computed on "
+                 f"version {v}), and your loop computed it again on version "
+                 f"{computed[redo][1]}, weights it already had before the refusal ({at}): the "
+                 f"same weights give the same gradient, as stale as the refused one — the "
+                 f"weights made it stale, not the arithmetic.",
+                 fix="pull again before computing the refused batch's gradient anew.")
+    entries = [n for n, *_ in refused]
+    again = next((n for n in entries if entries.count(n) > 1 or any(
+        m == n for m, *_ in applied)), None)
+    if again is not None:
+        v, then = next((v, then) for n, v, then, _ in refused if n == again)
+        fail(f"the server refused the gradient of batch {computed[again][0]} (computed on "
+             f"version {v}, {then - v} updates stale at version {then}, more than {bound}), "
+             f"and your loop pushed that same gradient again ({at}): it was computed "
+             f"on version {computed[again][1]}, and every update since made it only staler — "
+             f"no later push of it can be fresher than the refused one.",
+             fix="a refused batch needs a new gradient, on weights pulled after the refusal.")
+    if "raised" in trace and trace["raised"].startswith("TooStale"):
+        fail(f"{said} and your loop stopped there: the refusal escaped from it as TooStale, so "
+             f"batch {first} and every batch after it never changed the weights ({at}).",
+             fix="catch async_sgd.TooStale where you push, and decide what the refused batch "
+                 "needs.")
+    if "raised" in trace:
+        fail(f"{said}, and then your loop raised {trace['raised']!r} ({at}).")
+    got = [computed[n][0] if n >= 0 else -1 for n, *_ in applied]
+    if -1 in got:
+        fail(f"you pushed something that compute_gradient did not return ({at}).")
+    missing = [k for k in range(STEPS) if k not in got]
+    twice = sorted({k for k in got if got.count(k) > 1})
+    refused_batches = sorted({computed[n][0] for n, *_ in refused})
+    then = refused[0][3]
+    nxt = computed[then][0] if then < len(computed) else None
+    if missing and twice and nxt is not None and nxt != first:
+        fail(f"{said}; the next gradient your loop computed was for batch {nxt}, not batch "
+             f"{first}: batches {missing} never changed the weights, and batches {twice} did "
+             f"twice ({at}) — the refused gradient's batch is the one owed, and the loop had "
+             f"moved on from it.",
+             fix="keep each gradient's batch with it while it is in flight.")
+    if missing:
+        lost = [k for k in missing if k in refused_batches] or missing
+        fail(f"{said}, and your loop went on without batch {lost[0]}: batches {missing} never "
+             f"changed the weights ({at}) — every batch is applied exactly once, a refused one "
+             f"too; a refused gradient is not applied.",
+             fix="when a push is refused, compute that batch's gradient again on fresh weights "
+                 "and push it.")
+    if twice:
+        fail(f"batches {twice} changed the weights more than once ({at}, applied in this order: "
+             f"{got}): every batch is applied exactly once.")
+    if got != sorted(got):
+        fail(f"{said}; the updates then landed in the order of batches {got} ({at}): the "
+             f"refused batch's new gradient waited behind newer ones — updates land in batch "
+             f"order, so the batch that was refused is still the one owed first.",
+             fix="land the refused batch's new gradient before any newer one.")
+    _diagnose_order(trace, at)
+    return len(refused), sorted(set(refused_batches))
+
+
 def _check_against_own_trace(loop, trace) -> None:
     """Part 1's trace is the deliverable the loop is held to: the learner's loop, run for τ = 2
     and five batches on a server that only writes down its calls, must make the calls the
@@ -338,11 +491,14 @@ def _check_against_own_trace(loop, trace) -> None:
     try:
         loop(server, lambda w, batch: torch.tensor(float(batch)), list(range(TRACE_BATCHES)),
              TRACE_TAU)
-    except Exception:  # noqa: BLE001 - the detailed runs below name what went wrong
+    except (Exception, _Misuse, _Endless):  # noqa: BLE001 - the runs below name it
         return
     made = server.calls
     if made == calls:
         return
+    # the spy's run for the same τ names the mistake by its cause where it can (a comparison
+    # off by one, arguments swapped, ...); the call that differs is the fallback
+    diagnose_loop(trace_loop(loop, TRACE_TAU))
     i = next((k for k, (a, b) in enumerate(zip(made, calls)) if a != b), min(len(made),
                                                                               len(calls)))
     mine = made[i] if i < len(made) else "nothing more"
@@ -386,11 +542,14 @@ def check_async_worker(loop, trace=None, taus=TAUS) -> None:
         for trace in traces:   # the right numbers, then the order they were made in
             _diagnose_order(trace, f"with τ = {trace['tau']}")
         _check_versions_with_other_workers(loop)
+        refusals, batches = _check_refusals(loop)
     finally:
         async_sgd.async_worker_loop = original
     passed(f"every gradient computed right after its pull and pushed once, in order, τ updates "
            f"late, with its own version: τ = {', '.join(map(str, taus))}, {STEPS} batches each, "
-           f"and beside 2 other workers with the batches as a one-pass iterator")
+           f"and beside 2 other workers with the batches as a one-pass iterator; on a server "
+           f"that refused {refusals} pushes more than {REFUSAL_BOUND} updates stale (batches "
+           f"{', '.join(map(str, batches))}), every batch still landed once, in order")
 
 
 # --------------------------------------------------------------------------------------------
@@ -404,11 +563,18 @@ class _TraceServer:
     def __init__(self):
         self.version, self.calls = 0, []
 
+    def _limit(self):
+        if len(self.calls) > _MAX_CALLS:
+            raise _Endless(f"more than {_MAX_CALLS} pulls and pushes for {TRACE_BATCHES} "
+                           f"batches")
+
     def pull(self):
+        self._limit()
         self.calls.append(("pull", self.version))
         return torch.zeros(1), self.version
 
     def push(self, grad, version):
+        self._limit()
         self.calls.append(("push", int(grad), int(version)))
         self.version += 1
 
@@ -693,15 +859,58 @@ def diagnose_server(run: dict) -> None:
          f"a rule the check does not recognise.")
 
 
+# why_fresh_step must defend the fresh gradient's step: say what a fresh gradient is (or the
+# τ = 0 run) and why its step should not shrink (not stale, so plain SGD) — every group a stem
+FRESH_WORDS = (
+    ("τ = 0", "τ=0", "τ 0", "tau = 0", "tau=0", "tau 0", "sgd", "fresh", "staleness 0",
+     "staleness of 0", "staleness is 0", "staleness of zero", "zero stale", "s = 0", "s=0",
+     "no stale", "not stale", "synchron", "up to date", "up-to-date", "current weights",
+     "latest weights"),
+    ("plain", "sgd", "not stale", "no stale", "isn't stale", "nothing stale", "not late",
+     "no delay", "not delayed", "up to date", "up-to-date", "current", "latest", "no reason",
+     "nothing to correct", "nothing to shrink", "shouldn't shrink", "should not shrink",
+     "not be shrunk", "no penalty", "not penali", "full step", "full lr", "full learning rate",
+     "as good as", "the best", "exact", "true gradient", "unchanged", "same as", "equal"),
+)
+ZERO_WORDS = ("zero", "by 0", "/ 0", "/0", "infinit", "inf ", "nan")
+
+
+def _check_why_fresh(why) -> None:
+    __tracebackhide__ = True
+    if why is None or why is Ellipsis:
+        raise NotImplementedError("write why_fresh_step (a sentence defending the step your "
+                                  "server gives a fresh gradient), then run this cell.")
+    if not isinstance(why, str) or len(why.split()) < 6:
+        fail(f"why_fresh_step should defend your fresh gradient's step in a sentence (six words "
+             f"or more); got {why!r}.")
+    said = " ".join(why.lower().split())
+    if all(any(word in said for word in group) for group in FRESH_WORDS):
+        return
+    quoted = why.strip()[:90]
+    if any(word in said for word in ZERO_WORDS) and "divi" in said:
+        fail(f"why_fresh_step (\"{quoted}\") says your step avoids a division by zero: that is "
+             f"why a fresh gradient needs some value, not why yours is the right one — a step "
+             f"of 0, or of lr / 1000, avoids it too.",
+             fix="ask what a run in which every gradient is fresh should be, and say why your "
+                 "step makes it that.")
+    fail(f"why_fresh_step (\"{quoted}\") does not say yet why a fresh gradient should take the "
+         f"step you gave it: ask which run of the check has only fresh gradients, what that run "
+         f"should be, and say that in your sentence.")
+
+
 @recorded
-def check_staleness_aware(server_cls, taus=AWARE_TAUS) -> None:
-    """The stretch's check: the reference loop on the learner's server, for each τ."""
+def check_staleness_aware(server_cls, why_fresh_step=None, taus=AWARE_TAUS) -> None:
+    """The stretch's check: the reference loop on the learner's server, for each τ; then the
+    learner's sentence ``why_fresh_step`` defending the step a fresh gradient takes (it must
+    say what a fresh gradient, or the τ = 0 run, is and why its step should not shrink)."""
     __tracebackhide__ = True
     require_answer(server_cls, getattr(server_cls, "__name__", "the server class"), "class")
     # τ = 0 last: there every gradient is fresh, and rules that differ only for stale ones (or
     # only for fresh ones) look alike, so the stale runs name the rule first
     for tau in sorted(taus, key=lambda t: t == 0):
         diagnose_server(run_server(server_cls, tau))
+    _check_why_fresh(why_fresh_step)
     stale = run_server(server_cls, max(taus))["staleness"]
     passed(f"steps of lr / max(1, staleness) for τ = {', '.join(map(str, taus))}: with "
-           f"τ = {max(taus)} the last update took lr / {stale[-1]} = {LR / stale[-1]:g}")
+           f"τ = {max(taus)} the last update took lr / {stale[-1]} = {LR / stale[-1]:g}, and "
+           f"with τ = 0, every gradient fresh, the run is plain SGD — as your sentence says")
