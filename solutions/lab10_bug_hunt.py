@@ -11,7 +11,9 @@
 #
 # 1. **Find it yourself.** `lab10.show(n)` prints the script with line numbers. Set `lineN` to
 #    the number of the line where the bug is and `whyN` to a sentence saying what goes wrong
-#    there, then run `lab10.check_line(n, lineN, whyN)`. Only a right line shows the options.
+#    there, then run `lab10.check_line(n, lineN, whyN)`. The check reads your sentence before
+#    it judges the line (a line given without a reason is neither confirmed nor refused), and
+#    only a right line shows the options.
 # 2. **Name it.** Set `answerN` to the letter of the option that says what is wrong.
 # 3. **Fix it.** Build `fixedN`, the fixed script's text, from `brokenN`. Change as little as
 #    the bug needs; any fix that trains right passes. Two tools, neither needing exact
@@ -155,15 +157,9 @@ lab10.show(3)
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Averaging is linear; clipping is not. For a linear step the order of "average" and "apply"
-# does not matter; for a non-linear one it does: the average of clipped gradients is not the
-# clipped average.
-
-# %% [markdown]
-# **▶ Hint 3 — the shape of the fix**
-
-# %% [markdown] jupyter={"source_hidden": true}
-# Nothing is added or removed: one line is in the wrong place, and `lab10.move_line` moves it.
+# Take two ranks whose gradients are `g₀ = (3, 0)` and `g₁ = (0, 1)`, and `max_norm = 1`.
+# Work out by hand the step one device would take on their global batch, then the step this
+# script takes. When would the two agree?
 
 # %%
 ### BEGIN SOLUTION: line3 (a line number) and why3 (a sentence)
@@ -231,10 +227,11 @@ fixed4 = broken4.replace("src=rank", "src=0")
 #
 # This one runs on 3 ranks in the check.
 #
-# **Your design decision:** once you have found what is wrong, the fix can take either of two
-# forms, and both train right on 3 ranks. Choose one, and say why in a comment inside the fixed
-# script (the check reads it): what each form means for the number `loss` holds on a rank, and
-# for someone who later moves this loop to DDP (which averages the gradients itself).
+# **Your design decision:** once you know what is wrong, decide where to repair it: more than
+# one repair trains right, and they do not leave the same script behind. Write your decision
+# in a comment inside the fixed script (the check reads what it says, not how long it is):
+# what you kept, what your choice means for the number `loss` holds on a rank, and what it
+# means for someone who later moves this loop to DDP (which averages the gradients itself).
 
 # %%
 broken5 = lab10.script(5)
@@ -271,8 +268,9 @@ lab10.check_answer(5, answer5)
 ### BEGIN SOLUTION: fixed5, the fixed script's text
 fixed5 = broken5.replace(
     "F.mse_loss(model(xb), yb) / world_size  # this rank's share of the global mean",
-    "F.mse_loss(model(xb), yb)  # this batch's own mean: the one division stays after the "
-    "all-reduce, where DDP would do it")
+    "F.mse_loss(model(xb), yb)  # kept: the gradients' division after all_reduce; the loss "
+    "is this rank's own mean. Under DDP that division and the all_reduce go, DDP does both "
+    "itself")
 ### END SOLUTION
 
 # %% [markdown]
@@ -296,10 +294,14 @@ lab10.check_fixes({1: fixed1, 2: fixed2, 3: fixed3, 4: fixed4, 5: fixed5}, timeo
 # - `replicas_in_sync(model)` is called on every rank of a process group and returns a Python
 #   `bool`: **True on every rank** when every rank's parameters are exactly equal, and **False
 #   on every rank** when any replica differs anywhere, by any amount, in any parameter;
+# - "exactly equal" means **the same bits**: a NaN that every replica holds at the same place,
+#   with the same bits, is in sync (the replicas agree, however broken), while `+0.0` on one
+#   replica and `−0.0` on another is not (equal as numbers, different sign bits), and neither
+#   is a weight one float away (`torch.nextafter`);
 # - it must not change the parameters.
 #
 # The check runs it on 3 ranks: equal replicas, then replicas that differ in ways a one-number
-# summary misses, and it names the way your verdict went wrong.
+# summary or a tolerance misses, and it names the way your verdict went wrong.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -313,21 +315,24 @@ lab10.check_fixes({1: fixed1, 2: fixed2, 3: fixed3, 4: fixed4, 5: fixed5}, timeo
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Any single number that summarizes the weights (a sum, a norm, a weighted checksum) maps
-# different weights to the same number somewhere. Compare the values themselves with one
-# reference copy, then combine the verdicts so that one rank's "no" wins.
+# different weights to the same number somewhere, and a comparison of values is not one of
+# bits (think of NaN and of −0.0). Compare the bits themselves with one reference copy, then
+# combine the verdicts so that one rank's "no" wins.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Three pieces: all parameters as one flat tensor; a copy of one rank's flat tensor on every
+# Three pieces: all parameters as one flat tensor of their bits (a tensor can be viewed as
+# integers of its element size); a copy of one rank's flat tensor on every
 # rank (a rooted collective into a clone, never into the parameters); a 0/1 number per rank,
 # reduced with the operation under which any 0 wins.
 
 # %%
 def replicas_in_sync(model):
     ### BEGIN SOLUTION: True on every rank when all replicas are equal, else False on every rank
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # the bits of every parameter, as bytes: NaN equals itself, -0.0 differs from +0.0
+    flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])
     reference = flat.clone()
     dist.broadcast(reference, src=0)
     same = torch.tensor([1.0 if torch.equal(flat, reference) else 0.0])

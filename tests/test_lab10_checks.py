@@ -82,7 +82,8 @@ RIGHT = {
                               "gradients")]),
     "5-grads-undivided": (5, [("            p.grad /= world_size\n",
                                "            # the loss already holds this rank's share of "
-                               "the mean\n")]),
+                               "the mean; under DDP drop that division, or DDP's average "
+                               "divides a second time\n")]),
 }
 
 WRONG = {
@@ -237,8 +238,13 @@ def test_each_broken_script_reproduces_its_simulated_bug():
 
 # --- stretch: replicas_in_sync --------------------------------------------------------------
 
+def bits(model):
+    """Every parameter's bits, as bytes: the lab's 'exactly equal'."""
+    return torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])
+
+
 def in_sync_broadcast(model):
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = bits(model)
     ref = flat.clone()
     dist.broadcast(ref, src=0)
     same = torch.tensor([float(torch.equal(flat, ref))])
@@ -247,14 +253,14 @@ def in_sync_broadcast(model):
 
 
 def in_sync_gather(model):
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = bits(model)
     copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(copies, flat)
     return all(torch.equal(copies[0], c) for c in copies)
 
 
-def in_sync_max_min(model):  # returns a tensor: accepted
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+def in_sync_max_min(model):  # returns a tensor: accepted; float32 bits as int32
+    flat = torch.cat([p.detach().reshape(-1).view(torch.int32) for p in model.parameters()])
     hi, lo = flat.clone(), flat.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
@@ -353,6 +359,33 @@ def in_sync_rank0_verdict(model):
     return bool(same.item())
 
 
+def in_sync_values(model):  # torch.equal on the values: NaN != NaN, -0.0 == +0.0
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([float(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def in_sync_values_nan_equal(model):  # values, NaN counted equal: still blind to -0.0
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([float(torch.allclose(flat, ref, rtol=0, atol=0, equal_nan=True))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def in_sync_allclose(model):  # torch.allclose's default tolerance: blind to one ulp
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([float(torch.allclose(flat, ref, equal_nan=True))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
 def in_sync_never(model):
     dist.barrier()
     return False
@@ -388,7 +421,12 @@ def test_right_detectors_pass(fn, capsys):
     (in_sync_rank0_verdict, "rank 0's own verdict sent to all"),
     (in_sync_first_param, "the parameter that differed is one your detector does not compare"),
     (in_sync_in_place, "changed the model's parameters"),
-    (in_sync_loose, "your tolerance let it pass"),
+    (in_sync_loose, "your comparison has a tolerance"),
+    (in_sync_allclose, "one unit in the last place away \\(torch.nextafter\\).*your comparison "
+                       "has a tolerance .*allclose"),
+    (in_sync_values, "−0.0 on one\\) .*you compare values .*−0.0 == \\+0.0 as a value.*same "
+                     "NaN at the same place .*never equals itself"),
+    (in_sync_values_nan_equal, "you compare values .*sign bit\\. \\(Run"),
     (in_sync_never, "with every replica identical"),
     (in_sync_returns_none, "should return True or False, got None"),
     (in_sync_position_checksum, "one weight \\+2⁻⁹ and the next −2⁻¹⁰.*weights each value by "
@@ -462,14 +500,80 @@ WHY = {1: "the two ranks shuffle with different seeds so their slices overlap",
        4: "both processes think they are the broadcast source so nobody receives",
        5: "the gradient ends up divided by the world size two times"}
 
+# more correct paraphrases per bug: every one must pass (the learner's words, not the check's)
+PARAPHRASES = {
+    1: ["seed=args.seed + rank gives every rank a different permutation to cut",
+        "each process's sampler uses its own random seed, so some samples are seen twice",
+        "the samplers shuffle differently per rank and some examples are never read"],
+    2: ["the DataLoader does its own shuffling instead of drawing from the DistributedSampler",
+        "the sampler is built but never passed to the loader, so every rank reads everything",
+        "shuffle=True in the loader means each rank reads the whole data set"],
+    3: ["each rank clips its local gradient before the gradients are averaged",
+        "the norm is clipped on one rank's gradient instead of the global average",
+        "clipping happens before the all-reduce, so it bounds a single rank's norm"],
+    4: ["every rank uses its own rank as src so they all send and none receive",
+        "src=rank makes each process the root of the broadcast, so it deadlocks",
+        "all ranks think they are the sender in the broadcast and the run hangs waiting"],
+    5: ["the loss was already divided so this divides the gradient a second time, steps N "
+        "times too small",
+        "dividing by world_size again after the loss was scaled makes the update too small",
+        "the gradient is averaged over ranks and the loss was also divided by world size",
+        "this line divides the gradients by world_size a second time, double division"],
+}
+
+
+@pytest.mark.parametrize("n, why", [(n, w) for n, ws in PARAPHRASES.items() for w in ws])
+def test_every_correct_paraphrase_passes_on_every_bug_line(n, why, capsys):
+    for line in lab10.bug_lines(n):
+        lab10.check_line(n, line, why)
+        assert capsys.readouterr().out.startswith(f"✔ bug {n} is on line {line}")
+
+
+def test_the_bug5_sentence_a_learner_wrote_at_line_35_passes(capsys):
+    line = next(i for i in lab10.bug_lines(5)
+                if "p.grad /=" in lab10.script(5).splitlines()[i - 1])
+    assert line == 35
+    lab10.check_line(5, line, "the loss was already divided so this divides the gradient a "
+                              "second time, steps N times too small")
+    assert "✔ bug 5 is on line 35" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("n, why", [
+    (1, "seed seed seed seed seed"),                  # one stem, repeated
+    (5, "twice twice twice twice"),
+    (5, "this line is where it divides"),             # divides, but says nothing of how often
+    (3, "the rank is where things go each time"),     # the second stem only, no clipping
+    (4, "the broadcast call looks strange to me"),    # what is sent, not what goes wrong
+])
+def test_keyword_stuffed_or_half_reasons_are_refused(n, why):
+    with pytest.raises(LabCheckError, match=f"why{n}"):
+        lab10.check_line(n, lab10.bug_lines(n)[0], why)
+
 
 @pytest.mark.parametrize("n", sorted(lab10.SCRIPTS))
-def test_a_why_that_says_nothing_is_sent_back_with_a_question(n):
-    line = lab10.bug_lines(n)[0]
+def test_a_why_that_says_nothing_is_judged_before_the_line_and_confirms_nothing(n, capsys):
+    right, wrong = lab10.bug_lines(n)[0], 1
+    said = "this line looks really wrong to me"
+    messages = []
+    for line in (right, wrong):
+        with pytest.raises(LabCheckError) as err:
+            lab10.check_line(n, line, said)
+        messages.append(str(err.value).replace(f"line {line} is", "line X is"))
+    # the same sentence for the right line and a wrong one: the line is not confirmed
+    assert messages[0] == messages[1]
+    assert "right line" not in messages[0] and "is not where" not in messages[0]
+    assert f'why{n} ("{said}") does not say yet' in messages[0]
+    assert lab10.LOOK_AGAIN[n] in messages[0]
+    assert "  A. " not in capsys.readouterr().out   # no options shown
+
+
+def test_a_long_why_is_quoted_whole():
+    why = ("I believe that this particular line of the script is the one that is wrong here, "
+           "because something about it looks off to me when I read it carefully twice")
     with pytest.raises(LabCheckError) as err:
-        lab10.check_line(n, line, "this line looks really wrong to me")
-    assert f"Line {line} is the right line, but why{n} does not say yet" in str(err.value)
-    assert lab10.LOOK_AGAIN[n] in str(err.value)
+        lab10.check_line(1, 21, why)
+    assert f'("{why}")' in str(err.value)
+
 
 @pytest.mark.parametrize("n", sorted(lab10.SCRIPTS))
 def test_the_right_line_passes_and_only_then_shows_the_options(n, capsys):
@@ -482,17 +586,41 @@ def test_the_right_line_passes_and_only_then_shows_the_options(n, capsys):
         assert out.startswith(f"✔ bug {n} is on line {line}") and "  A. " in out
 
 
+def other_lines(n):
+    right = lab10.bug_lines(n)
+    return [i for i in range(1, 40) if i not in right and lab10.script(n).splitlines()[i - 1]
+            .strip().startswith(("torch.manual_seed", "opt = ", "sampler.set_epoch"))]
+
+
 @pytest.mark.parametrize("n", sorted(lab10.SCRIPTS))
 def test_another_line_is_refused_with_a_question_not_the_answer(n):
-    right = lab10.bug_lines(n)
-    other = next(i for i in range(1, 40) if i not in right and lab10.script(n).splitlines()[i - 1]
-                 .strip().startswith(("torch.manual_seed", "opt = ", "sampler.set_epoch")))
+    right, other = lab10.bug_lines(n), other_lines(n)[0]
     with pytest.raises(LabCheckError) as err:
-        lab10.check_line(n, other, "this line looks wrong to me")
+        lab10.check_line(n, other, WHY[n])
     message = str(err.value)
     assert message.startswith(f"Line {other} (`") and f"is not where bug {n} is" in message
     assert lab10.LOOK_AGAIN[n] in message
     assert not any(f"line {r}" in message.lower() for r in right)
+    assert "Trying lines one by one" not in message     # the first wrong line: a question
+
+
+@pytest.mark.parametrize("n", sorted(lab10.SCRIPTS))
+def test_after_two_wrong_lines_it_asks_for_the_lines_effect_not_another_guess(n):
+    first, second = other_lines(n)[:2]
+    with pytest.raises(LabCheckError):
+        lab10.check_line(n, first, WHY[n])
+    with pytest.raises(LabCheckError) as err:
+        lab10.check_line(n, second, WHY[n])
+    message = str(err.value)
+    assert f"is not where bug {n} is" in message
+    assert "Trying lines one by one finds a line, not the reason" in message
+    assert f"write in why{n} what you expect it to do to the run" in message
+    assert lab10.EFFECT[n] in message
+    # another bug's wrong lines are counted apart
+    m = n % 5 + 1
+    with pytest.raises(LabCheckError) as err:
+        lab10.check_line(m, other_lines(m)[0], WHY[m])
+    assert "Trying lines one by one" not in str(err.value)
 
 
 @pytest.mark.parametrize("line, why, phrase", [
@@ -541,3 +669,68 @@ def test_the_prediction_is_compared_with_the_count(capsys):
     assert "— right." in capsys.readouterr().out
     lab10.check_prediction(predict("lab10", "q", 48))
     assert "— not what happened." in capsys.readouterr().out
+
+
+# --- bug 5's design decision: the comment is read for what it decides -----------------------
+
+LOSS_LINE = "F.mse_loss(model(xb), yb) / world_size  # this rank's share of the global mean"
+GRAD_LINE = "            p.grad /= world_size\n"
+
+
+def kept_gradient(comment):
+    return edit(5, (LOSS_LINE, f"F.mse_loss(model(xb), yb)  # {comment}"))
+
+
+def kept_loss(comment):
+    return edit(5, (GRAD_LINE, f"            # {comment}\n"))
+
+
+@pytest.fixture
+def trains_right(monkeypatch):
+    """Fix 5's weights are right (no launch): only the comment is judged."""
+    monkeypatch.setattr(lab10, "run_fix", lambda n, *a, **k: lab10.simulate(3))
+
+
+@pytest.mark.parametrize("text", [
+    kept_gradient("the loss is this rank's own mean; the gradients are divided once after "
+                  "all_reduce, which is what DDP does itself"),
+    kept_gradient("keep the grad division: under DDP the hand-written all-reduce and division "
+                  "are dropped and the loss stays unchanged"),
+    kept_gradient("one division, of the gradients, exactly where DDP would do it"),
+    kept_loss("the loss holds this rank's share of the global mean; under DDP remove this "
+              "division, or DDP's averaging divides the gradients a second time"),
+    kept_loss("kept the loss / world_size; moving to DDP it must go, since DDP averages too "
+              "and it would be divided twice"),
+])
+def test_a_comment_that_decides_passes(text, trains_right, capsys):
+    lab10.check_fix(5, text)
+    assert "✔ fix 5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, phrase", [
+    (kept_gradient("lorem ipsum dolor sit amet"),
+     'your comment \\("lorem ipsum dolor sit amet"\\) does not decide anything yet: it must say '
+     "which division you kept \\(your fix divides the gradients by world_size after "
+     "all_reduce\\) and what that choice means once this loop runs under DDP"),
+    (kept_loss("lorem ipsum dolor sit amet"),
+     "does not decide anything yet: it must say which division you kept \\(your fix divides "
+     "the loss by world_size\\)"),
+    (kept_loss("ddp twice loss ddp twice"), "does not decide anything yet"),   # stuffed
+    (kept_loss("I removed the other line because it looked wrong"),
+     "does not say which division you kept: your fix divides the loss"),
+    (kept_gradient("the gradients are averaged once now and the loss is a plain mean"),
+     "names the division you kept but not what it means for someone who moves this loop to "
+     "DDP"),
+    (kept_loss("the loss is divided by world_size, and under DDP this is still right"),
+     "speaks of DDP but does not say what DDP's own averaging of the gradients does to a loss "
+     "already divided by world_size"),
+])
+def test_a_comment_that_does_not_decide_is_named(text, phrase, trains_right):
+    with pytest.raises(LabCheckError, match=f"^Fix 5: .*{phrase}"):
+        lab10.check_fix(5, text)
+
+
+def test_the_kept_division_is_read_from_the_code():
+    assert lab10.kept_division(lab10.script(5)) is None               # both: the bug
+    assert lab10.kept_division(kept_gradient("x")) == "gradient"
+    assert lab10.kept_division(kept_loss("x / world_size")) == "loss"  # a comment is not code

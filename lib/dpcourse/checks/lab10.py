@@ -14,7 +14,8 @@ None of the five is a bug lesson 10 shows:
 4. ``bug4_start.py``   — every rank broadcasts with ``src=rank``: each thinks it is the sender,
    nobody receives, and the run hangs before the first step;
 5. ``bug5_mean.py``    — the loss is divided by the world size *and* the gradients are
-   averaged: divided twice, every step world_size times too small.
+   averaged: divided twice, every step world_size times too small. Its fix carries the lab's
+   design decision, a comment read for what it decides (:func:`kept_division`).
 
 :func:`check_answer` judges a multiple-choice answer and says why a wrong option is not it.
 :func:`check_fixes` runs the fixed scripts under torchrun (all at once, for time), loads the
@@ -26,9 +27,10 @@ check names the one whose weights the script reproduced. Bug 5's fix runs on 3 r
 fails).
 
 Stretch: :func:`check_replicas_in_sync` — the learner's detector for replicas that differ, run
-on 3 ranks on equal replicas and on four ways to differ that a summary can miss (a
-+1e-3/-1e-3 pair, a swap, a sign flip, only the last parameter), with a spy on ``all_reduce``
-that names verdicts combined with MAX.
+on 3 ranks on equal replicas and on ways to differ that a summary or a tolerance can miss (a
++1e-3/-1e-3 pair, a position-weighted pair, a swap, a sign flip, only the last parameter, one
+unit in the last place, +0.0 against -0.0), with a spy on ``all_reduce`` that names verdicts
+combined with MAX. "Exactly equal" is the same bits: the same NaN on every replica is in sync.
 Used in solutions/lab10_bug_hunt.py; tests in tests/test_lab10_checks.py.
 """
 
@@ -48,7 +50,7 @@ from dpcourse.checks import (check_timeout, fail, passed, recorded, reveal, run_
 __all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "BUG_LINES", "script", "show", "options",
            "bug_lines", "check_line", "move_line", "check_answer", "simulate", "run_fix",
            "judge_fix", "check_fix", "check_fixes", "examples_read", "check_prediction",
-           "check_replicas_in_sync"]
+           "check_replicas_in_sync", "kept_division"]
 
 SCRIPT_DIR = Path(__file__).resolve().parents[1] / "scripts" / "lab10"
 SCRIPTS = {1: "bug1_sampler.py", 2: "bug2_loader.py", 3: "bug3_clip.py", 4: "bug4_start.py",
@@ -179,20 +181,27 @@ BUG_LINES = {1: ("DistributedSampler(dataset",), 2: ("loader = DataLoader(",),
              3: ("clip_grad_norm_",), 4: ("dist.broadcast(",),
              5: ("/ world_size  #", "p.grad /= world_size")}
 # bug -> what a "why" must speak of: every group needs one of its word stems. Broad on purpose:
-# the learner's own words, not the check's, but not a sentence that says nothing.
+# the learner's own words, not the check's, but not a sentence that says nothing. The why is
+# read before the line is judged, so a line found by trying candidates is not confirmed
+# without a reason (tests/test_lab10_checks.py holds several paraphrases per bug to it).
 WHY_WORDS = {
-    1: (("seed", "permut", "order", "shuffl"),
-        ("rank", "each", "own", "differ", "per-", "per ", "every")),
+    1: (("seed", "permut", "order", "shuffl", "random"),
+        ("rank", "each", "own", "differ", "per-", "per ", "every", "overlap", "twice", "never",
+         "miss", "skip", "duplicat", "repeat")),
     2: (("sampler", "shuffl", "loader"),
         ("never", "not", "ignor", "unused", "without", "bypass", "every", "all", "whole",
-         "same", "duplicat", "repeat", "twice")),
+         "same", "duplicat", "repeat", "twice", "instead", "own", "itself")),
     3: (("clip", "norm"),
         ("own", "local", "each", "before", "per-", "per ", "average", "averag", "global",
-         "mean", "sum", "order")),
+         "mean", "sum", "order", "reduc", "early", "single", "one rank", "separately")),
     4: (("src", "send", "sender", "root", "broadcast", "source"),
         ("rank", "own", "itself", "every", "each", "nobody", "no one", "no rank", "receiv",
-         "differ", "same")),
-    5: (("twice", "two", "double", "again", "both", "squar", "²", "^2", "n*n", "n * n"),),
+         "differ", "same", "hang", "deadlock", "wait", "stuck")),
+    5: (("twice", "two", "double", "again", "both", "squar", "²", "^2", "n*n", "n * n",
+         "second", "already", "too small", "smaller", "extra", "one more", "overdivid",
+         "over-divid", "redundant", "as well", "also"),
+        ("divid", "/", "scale", "small", "world_size", "world size", "shrink", "averag",
+         "mean", "split", "share", "fraction")),
 }
 # bug -> the question a learner who picked another line is sent back with (never the answer)
 LOOK_AGAIN = {
@@ -203,6 +212,15 @@ LOOK_AGAIN = {
        "average over the ranks",
     4: "ask what each rank does in the first collective it calls, and which rank sends",
     5: "follow one gradient from the loss to opt.step() and count what it is divided by",
+}
+# bug -> what a learner who has tried lines one by one is asked to predict of the next line
+# (fail's fix=: it joins the sentence from the second wrong line for the same bug on)
+EFFECT = {
+    1: "which examples each rank then reads in one epoch",
+    2: "which examples each rank then reads, and in which order",
+    3: "which gradient it then changes, and whether one device would change the same one",
+    4: "what each rank then does in that call, and which rank receives",
+    5: "what each gradient is then divided by, counted all the way to opt.step()",
 }
 
 
@@ -239,8 +257,10 @@ def bug_lines(n: int) -> list[int]:
 def check_line(n: int, line, why) -> None:
     """The learner's own diagnosis of bug ``n``, before any option: ``line`` is the number of
     the line (as :func:`show` prints it) where the bug is, ``why`` a sentence of what goes wrong
-    there. A right line prints the options for :func:`check_answer`; ``why`` is not graded (it
-    is for the learner, and for the instructor in the progress file) but must be a sentence."""
+    there. ``why`` is read first: it must speak of what goes wrong in this script (word stems
+    per bug, :data:`WHY_WORDS`), or the line is not judged at all. A right line then prints the
+    options for :func:`check_answer`; a wrong one is sent back with a question, and from the
+    second wrong line for the same bug on, with a request to predict the line's effect first."""
     __tracebackhide__ = True
     if n not in SCRIPTS:
         raise ValueError(f"there are five bugs, 1 to 5; got {n!r}")
@@ -250,17 +270,24 @@ def check_line(n: int, line, why) -> None:
     if isinstance(line, bool) or not isinstance(line, int) or not 1 <= line <= len(lines):
         fail(f"line{n} should be one line number of {SCRIPTS[n]}, 1 to {len(lines)} as the "
              f"listing numbers them; got {line!r}.")
-    if not isinstance(why, str) or len(why.split()) < 4:
-        fail(f"why{n} should say in a sentence (four words or more) what goes wrong on that "
-             f"line; got {why!r}.")
-    if line not in bug_lines(n):
-        code = lines[line - 1].strip() or "(a blank line)"
-        fail(f"Line {line} (`{code[:70]}`) is not where bug {n} is: it does here what it "
-             f"would do in a correct script. To find the line, {LOOK_AGAIN[n]}.")
+    if not isinstance(why, str) or len(why.split()) < 4 or len(set(why.lower().split())) < 4:
+        fail(f"why{n} should say in a sentence (four words or more, not a few words repeated) "
+             f"what goes wrong on that line; got {why!r}.")
+    # the reason first: a line is neither confirmed nor refused for a sentence that says
+    # nothing about this bug, so trying line numbers with any sentence finds nothing
     said = why.lower()
     if not all(any(word in said for word in group) for group in WHY_WORDS[n]):
-        fail(f"Line {line} is the right line, but why{n} does not say yet what goes wrong "
-             f"there (\"{why.strip()[:80]}\"): {LOOK_AGAIN[n]}, and say that in your sentence.")
+        fail(f"why{n} (\"{why.strip()}\") does not say yet what goes wrong in this script, so "
+             f"line {line} is not judged: {LOOK_AGAIN[n]}, and say what you find in your "
+             f"sentence.")
+    if line not in bug_lines(n):
+        code = lines[line - 1].strip() or "(a blank line)"
+        fail(f"Line {line} (`{code}`) is not where bug {n} is: it does here what it would do in "
+             f"a correct script. To find the line, {LOOK_AGAIN[n]}.",
+             fix=f"Trying lines one by one finds a line, not the reason. Before the next one, "
+                 f"read the line you suspect and write in why{n} what you expect it to do to "
+                 f"the run — {EFFECT[n]} — and try it only if that differs from one device "
+                 f"training on the global batch.")
     passed(f"bug {n} is on line {line}. Now say what is wrong there: set answer{n} to the "
            f"option that says it.")
     options(n)
@@ -559,19 +586,75 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
     return state
 
 
+# what fix 5's design comment must decide, by the division the fix kept (word stems, like
+# WHY_WORDS): the comment names that division, speaks of DDP, and says what DDP's own averaging
+# of the gradients means for it. Keeping the loss's division: under DDP it divides the
+# gradients a second time, so it must go. Keeping the gradients' division: it is the one DDP
+# does, so under DDP the hand-written averaging goes and the loss stays a rank's own mean.
+DDP_WORDS = ("ddp", "distributeddataparallel", "distributed data parallel")
+KEPT_WORDS = {"loss": ("loss",), "gradient": ("grad", "all_reduce", "all-reduce", "allreduce")}
+UNDER_DDP = {
+    "loss": ("twice", "again", "double", "second", "two times", "too small", "smaller",
+             "remov", "drop", "delet", "take out", "taken out", "must go", "undo", "strip"),
+    "gradient": ("itself", "does", "would do", "same", "like", "match", "mirror", "as ddp",
+                 "what ddp", "where ddp", "replac", "remov", "drop", "delet", "unchanged",
+                 "stays", "as is", "as-is", "own mean", "instead", "takes over", "handles",
+                 "already"),
+}
+
+
+def kept_division(text: str) -> str | None:
+    """Which of bug 5's two divisions by world_size a fixed script kept: ``"loss"``,
+    ``"gradient"``, or None when its code divides neither by world_size (or both)."""
+    code = [ln.split("#", 1)[0] for ln in text.splitlines()]
+    loss = any("world_size" in c and ("mse_loss" in c or c.strip().startswith("loss"))
+               for c in code)
+    grad = any("world_size" in c and "grad" in c for c in code)
+    return {(True, False): "loss", (False, True): "gradient"}.get((loss, grad))
+
+
 def _require_comment(n: int, text: str) -> None:
     """Fix 5 trains right: the lab's design decision asks for the reason in a comment inside
-    the fixed script, where the next reader of the script will look."""
+    the fixed script, where the next reader of the script will look. The comment is read for
+    what it decides (the division kept, and what DDP does to it), not for its length."""
     __tracebackhide__ = True
     if n != 5:
         return
     broken = script(5)
-    added = [ln.split("#", 1)[1].strip() for ln in text.splitlines()
-             if "#" in ln and ln.strip() not in broken]
-    if not any(len(c.split()) >= 5 for c in added):
+    added = " ".join(ln.split("#", 1)[1].strip() for ln in text.splitlines()
+                     if "#" in ln and ln.strip() not in broken)
+    if not added.strip():
         fail("Fix 5: it trains right, but the lab asks for your design decision in a comment "
-             "inside the fixed script (five words or more): why you kept the division you kept "
-             "— what it means for the loss a rank holds, and for moving this loop to DDP.")
+             "inside the fixed script, and the lines you changed carry none.",
+             fix="Add a comment: which division you kept, and what that means for this loop "
+                 "under DDP.")
+    kept = kept_division(text)
+    said = added.lower()
+    names_kept = any(w in said for w in (KEPT_WORDS[kept] if kept else
+                                         KEPT_WORDS["loss"] + KEPT_WORDS["gradient"]))
+    ddp = any(w in said for w in DDP_WORDS)
+    consequence = any(w in said for w in (UNDER_DDP[kept] if kept else
+                                          UNDER_DDP["loss"] + UNDER_DDP["gradient"]))
+    kept_says = {"loss": "your fix divides the loss by world_size",
+                 "gradient": "your fix divides the gradients by world_size after all_reduce",
+                 None: "your fix keeps one division"}[kept]
+    if len(set(said.split())) < 5 or not (names_kept or ddp or consequence):
+        fail(f"Fix 5: it trains right, but your comment (\"{added}\") does not decide "
+             f"anything yet: it must say which division you kept ({kept_says}) and what that "
+             f"choice means once this loop runs under DDP, which averages the gradients itself.")
+    if not names_kept:
+        fail(f"Fix 5: your comment (\"{added}\") does not say which division you kept: "
+             f"{kept_says}, and the comment should name it.")
+    if not ddp:
+        fail(f"Fix 5: your comment (\"{added}\") names the division you kept but not what it "
+             f"means for someone who moves this loop to DDP, which averages the gradients "
+             f"itself.")
+    if not consequence:
+        what = {"loss": "a loss already divided by world_size",
+                "gradient": "the averaging you wrote by hand",
+                None: "the division you kept"}[kept]
+        fail(f"Fix 5: your comment (\"{added}\") speaks of DDP but does not say what DDP's "
+             f"own averaging of the gradients does to {what}.")
 
 
 def judge_fix(n: int, weights) -> None:
@@ -667,7 +750,11 @@ def check_prediction(guess) -> None:
 # --- stretch: a detector for bug 1 ---------------------------------------------------------
 
 _CASES = ("same", "off_keeping_sum", "off_keeping_weighted_sum", "swapped", "sign_flipped",
-          "last_param_off")
+          "last_param_off", "one_ulp", "signed_zero", "same_nan")
+# the cases whose replicas are in sync: "exactly equal" is the lab's rule, the same bits, so the
+# same NaN at the same place on every replica is in sync (a NaN is not equal to itself as a
+# value, but its bits are the same), and +0.0 against -0.0 is not (equal values, other bits)
+_IN_SYNC = ("same", "same_nan")
 # what the learner reads when a detector calls differing replicas "in sync" in that case only
 _BLIND = {
     "off_keeping_sum": "one weight +1e-3 and the next -1e-3",
@@ -675,6 +762,8 @@ _BLIND = {
     "swapped": "two weights swapped",
     "sign_flipped": "one weight's sign flipped",
     "last_param_off": "only the last parameter off by 1e-3",
+    "one_ulp": "one weight one unit in the last place away (torch.nextafter)",
+    "signed_zero": "one weight +0.0 on the other ranks and −0.0 on one",
 }
 
 
@@ -720,13 +809,22 @@ def _detector_worker(rank, world_size, fn):
                     first[2] = -first[2]
             if case == "last_param_off" and rank == 1:
                 params[-1].view(-1)[0] += 1e-3
+            if case == "one_ulp" and rank == world_size - 1:  # the next float32 up
+                first[3] = torch.nextafter(first[3], torch.tensor(float("inf")))
+            if case == "signed_zero":                 # equal as values, not as bits
+                first[5] = -0.0 if rank == world_size - 1 else 0.0
+            if case == "same_nan":                    # the same bits on every rank
+                first[4] = float("nan")
         before = [p.detach().clone() for p in params]
         max_of_verdicts = [False]
         with record_collectives(before=spy_all_reduce):
             verdict = fn(model)
         if isinstance(verdict, torch.Tensor) and verdict.numel() == 1:
             verdict = bool(verdict.item())
-        changed = any(not torch.equal(b, p) for b, p in zip(before, params))
+        # bit for bit: a NaN kept in place is not a change, a +0.0 made -0.0 is
+        changed = any(not torch.equal(b.reshape(-1).view(torch.uint8),
+                                      p.detach().reshape(-1).view(torch.uint8))
+                      for b, p in zip(before, params))
         results[case] = (verdict if isinstance(verdict, bool) else repr(verdict), changed,
                          max_of_verdicts[0])
     return results
@@ -753,7 +851,7 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
                          f"ranks: does it call a collective on some ranks only?",
         failed=lambda exc: fail(f"replicas_in_sync raised on rank {exc.rank} of {world_size}: "
                                 f"{exc.summary}"))
-    blind = []
+    blind, nan_refused = [], None
     for case in _CASES:
         verdicts = [r[case][0] for r in ranks]
         if any(r[case][1] for r in ranks):
@@ -763,7 +861,7 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
         bad = [v for v in verdicts if not isinstance(v, bool)]
         if bad:
             fail(f"replicas_in_sync should return True or False, got {bad[0]}.")
-        want = case == "same"
+        want = case in _IN_SYNC
         wrong = [r for r, v in enumerate(verdicts) if v != want]
         if not wrong:
             continue
@@ -772,15 +870,21 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
                  f"when the replicas are {'equal' if want else 'not'}): each rank answered "
                  f"from what it alone saw.",
                  fix="Every rank must return the same verdict: combine them with a collective.")
+        if case == "same_nan":  # said after the blind spots: a value comparison has both
+            nan_refused = wrong[0]
+            continue
         if want:
             fail(f"with every replica identical, replicas_in_sync returned False on rank "
                  f"{wrong[0]}: it saw a difference where there is none.",
-                 fix="Compare the values exactly (or to a tiny tolerance).")
+                 fix="Compare the bits of the values, every one of them.")
         if any(r[case][2] for r in ranks):
             fail(f"with {_BLIND[case]} on one rank, every rank returned True: you combined the "
                  f"verdicts with MAX, so one rank saying 'in sync' outvotes the rank that "
                  f"differs.", fix="Combine them so that any False wins (MIN).")
         blind.append(case)
+    nan_said = (" And with the same NaN at the same place on every replica (the same bits) it "
+                "returned False: a NaN never equals itself as a value." if nan_refused is not None
+                else "")
     if blind:
         where = ", ".join(_BLIND[c] for c in blind)
         if set(blind) == set(_BLIND):
@@ -790,10 +894,20 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
                  fix="Any rank's False must win: all() of the gathered verdicts, or "
                      "ReduceOp.MIN.")
         fix = "Compare every value, in place."
-        if {"off_keeping_sum", "last_param_off"} <= set(blind) and not set(blind) & {
-                "swapped", "sign_flipped"}:
-            why = "each of those is a 1e-3 change and your tolerance let it pass"
-            fix = "Compare exactly (torch.equal) or to a tiny tolerance."
+        tolerance = {"off_keeping_sum", "off_keeping_weighted_sum", "last_param_off", "one_ulp",
+                     "signed_zero"}
+        if "one_ulp" in blind and set(blind) <= tolerance and (
+                "last_param_off" in blind or "off_keeping_sum" not in blind):
+            why = ("your comparison has a tolerance (allclose, isclose, a difference below some "
+                   "size), and it let that pass; the lab's 'exactly equal' is the same bits, "
+                   "and a replica one float away from the others is out of sync")
+            fix = "Compare exactly: the same bits, no tolerance."
+        elif set(blind) == {"signed_zero"}:
+            why = ("you compare values (torch.equal, ==), and −0.0 == +0.0 as a value; the lab's "
+                   "'exactly equal' is the same bits, and these differ in the sign bit"
+                   + ("." + nan_said.rstrip(".") if nan_said else ""))
+            fix = ("Compare the bits: view each parameter as integers of its size "
+                   "(tensor.view(torch.int32) for float32) before comparing.")
         elif "off_keeping_sum" in blind:
             why = "a plain sum or mean of the values cannot see that"
         elif "off_keeping_weighted_sum" in blind:
@@ -813,5 +927,11 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
             fix = "Compare every parameter on every rank, not just some."
         fail(f"the replicas differ ({where}) but replicas_in_sync returned True on every "
              f"rank: {why}.", fix=fix)
+    if nan_refused is not None:
+        fail(f"every replica holds the same NaN at the same place (the same bits: in sync, by "
+             f"the lab's rule), and replicas_in_sync returned False on rank {nan_refused}: you "
+             f"compare values, and a NaN never equals itself as a value.",
+             fix="Compare the bits: view each parameter as integers of its size "
+                 "(tensor.view(torch.int32) for float32) before comparing.")
     passed(f"replicas_in_sync: True on all {world_size} ranks for equal replicas, False on all "
            f"of them when one replica differs")
