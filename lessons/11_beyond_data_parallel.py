@@ -1030,8 +1030,8 @@ viz.quiz([
 #   `GradBucket.buffer()` (`torch/distributed/__init__.py` exports it from C++): the flat
 #   bucket of this rank's gradients, before the all-reduce.
 # - `torch/nn/modules/linear.py` — `Linear.__init__` (the shape it gives `weight`: which
-#   dimension holds which features is lab 11's part 3, so it is not restated here) and
-#   `Linear.forward` (`F.linear(input, self.weight, self.bias)`).
+#   dimension holds which features is lab 11's part 3, so it is stated only in the folded
+#   reference answer) and `Linear.forward` (`F.linear(input, self.weight, self.bias)`).
 # - `torch/autograd/function.py` — `Function` (static `forward(ctx, ...)` and
 #   `backward(ctx, grad)`).
 # - `torch/autograd/graph.py` — `saved_tensors_hooks`: `pack` sees every tensor saved for the
