@@ -541,7 +541,8 @@ def test_a_shape_no_linear_6_12_could_have_is_refused():
            r"runs over its input features"),
     (0, 0, r"row_weight_dim = 0 cuts the dimension of the row layer's Linear\(12, 6\).weight "
            r"that, in the layout you stated .* runs over its output features"),
-    (1, 0, r"column_weight_dim = 1 .* \(and so does row_weight_dim's\)"),
+    (1, 0, r"column_weight_dim = 1 .* keeps whole \(and row_weight_dim = 0 does the same in "
+           r"the row layer\); only the hidden features are split"),
 ])
 def test_a_wrong_dim_is_sent_back_with_its_cause_not_the_answer(col, row, phrase):
     first = fails(lab11.check_split_decision, col, row, SHAPE, match=phrase)

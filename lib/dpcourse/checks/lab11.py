@@ -411,11 +411,12 @@ def check_split_decision(column_weight_dim, row_weight_dim, weight_shape) -> Non
         width, layer = (f"input features (the model's width, {D})", f"Linear({D}, {H})") \
             if kind == "column" else (f"output features (the model's width, {D})",
                                       f"Linear({H}, {D})")
-        both = " (and so does row_weight_dim's)" if len(wrong) == 2 else ""
+        both = (f" (and row_weight_dim = {declared['row']} does the same in the row layer)"
+                if len(wrong) == 2 else "")
         fail(f"{_DIM_NAMES[kind]} = {declared[kind]} cuts the dimension of the {kind} layer's "
              f"{layer}.weight that, in the layout you stated ({stated} for Linear({D}, {H})), "
-             f"runs over its {width}, which every rank keeps whole; only the hidden features "
-             f"are split{both}.",
+             f"runs over its {width}, which every rank keeps whole{both}; only the hidden "
+             f"features are split.",
              fix=f"write the shape of the {kind} layer's {layer}.weight in the layout you "
                  f"stated, and mark which of its two sizes is the hidden size.")
     passed(f"your decision: nn.Linear({D}, {H}).weight is {torch_shape}, as you said, and each "
