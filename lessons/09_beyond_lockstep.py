@@ -367,7 +367,8 @@ claim("the smallest τ that diverges shrinks (or stays) as the step grows: "
 # write by hand the server calls that make gradient k update k, computed on version
 # max(0, k − τ), then the loop that makes them, and predict a row the table above does not
 # have; its stretch is the staleness-aware step. The folded cell below holds the library's
-# answer to both.
+# loop, for a server that takes every push (what to do with a push that a bounded server
+# refuses is the lab's own question), and its staleness-aware server.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below).
