@@ -635,8 +635,9 @@ def _name_reduction(what, got, fmt, want_is, when, how, of, slices, gb):
     late = (f"computed from the weights after this step's update (the model run again after "
             f"apply_gradients), but the contract asks for the {what} before the update: "
             f"{want_is}.")
+    step = f" (This step: {gb} samples, split {fields['split']} over {n} replicas.)"
     if how == "batch":
-        return (f"the {what} returned ({got:{fmt}}) is the batch's {what} {late}",
+        return (f"the {what} returned ({got:{fmt}}) is the batch's {what} {late}{step}",
                 f"Report the {what} of the logits the step's loss was computed from.")
     cause = f"the {what} returned ({got:{fmt}}) is " + _HOW[how][1].format(**fields)
     fix = _HOW[how][2]
@@ -645,7 +646,7 @@ def _name_reduction(what, got, fmt, want_is, when, how, of, slices, gb):
         fix += f" And report the {what} of the logits the step's loss was computed from."
     else:
         cause += f" ({want_is[0].upper()}{want_is[1:]}.)"
-    return cause, fix
+    return cause + step, fix
 
 
 # --- stretch: datasets from a function, and a partial last batch ---------------------------
