@@ -7,7 +7,8 @@
 # 1. `scatter_reduce(buffers)` and `all_gather(buffers)` — the two phases, in NumPy, on a list
 #    of N arrays (one per simulated worker), with a different finishing layout from the
 #    lesson's: here worker i must end the scatter-reduce holding the full sum of **chunk i**;
-# 2. `ring_allreduce(tensor, op)` — the same on real processes, with point-to-point messages.
+# 2. `ring_allreduce(tensor, op)` — the same on real processes, with blocking point-to-point
+#    messages whose order you decide.
 #
 # After each, run the check cell: it prints one ✔ line, or one sentence naming the mistake.
 # Chunks are those of `ring.chunk_bounds(length, N)` (NumPy's `array_split` rule, the same as
@@ -30,7 +31,11 @@ from dpcourse.checks import lab06, predict
 # * `buffers` is a list of N equally long 1-D float arrays, one per worker; change them in place;
 # * it runs N − 1 steps; in every step **each** worker sends exactly one chunk to its right
 #   neighbour, worker (i + 1) mod N, which adds it into its own copy of that same chunk; all
-#   workers send at once (what a worker sends in a step is what it held when the step began);
+#   workers send at once: what a worker sends in a step is what it held when the step began.
+#   That needs no copy: in a ring no worker sends, in a step, the chunk it receives into in that
+#   step, so adding into a neighbour's chunk never changes what that neighbour sends. (A copy
+#   would matter only if a worker sent and received the same chunk in one step, and then the
+#   indices are what is wrong.);
 # * afterwards worker i holds the full sum (over all workers) of **chunk i**. What its other
 #   chunks hold does not matter.
 #
@@ -57,9 +62,9 @@ from dpcourse.checks import lab06, predict
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Per step: first a list of what each worker sends (copies, all taken before anyone adds), each
-# an index of the form (i − s + constant) mod N; then a loop over the workers adding each copy
-# into the right neighbour's slice of the same chunk. Check your constant with N = 3 on paper.
+# Per step, one loop over the workers: the index of the chunk worker i sends, of the form
+# (i − s + constant) mod N, and the addition of that chunk into the right neighbour's slice of
+# the same chunk. Check your constant with N = 3 on paper.
 
 # %%
 def scatter_reduce(buffers):
@@ -69,10 +74,9 @@ def scatter_reduce(buffers):
     bounds = ring.chunk_bounds(len(buffers[0]), n)
     for s in range(n - 1):
         ### BEGIN SOLUTION: one scatter-reduce step: each worker's chunk to its right neighbour
-        outgoing = [buffers[i][slice(*bounds[(i - s - 1) % n])].copy() for i in range(n)]
-        for i in range(n):
+        for i in range(n):  # no copy: worker i + 1 does not send chunk c in this step
             c = (i - s - 1) % n
-            buffers[(i + 1) % n][slice(*bounds[c])] += outgoing[i]
+            buffers[(i + 1) % n][slice(*bounds[c])] += buffers[i][slice(*bounds[c])]
         ### END SOLUTION
 
 # %%
@@ -143,8 +147,8 @@ claim("every worker holds the sum", all(np.array_equal(b, expected) for b in buf
 #
 # * afterwards `tensor` itself (not a copy) holds the element-wise sum over all ranks, or with
 #   `op="average"` that sum divided by the number of ranks; return `tensor`;
-# * it uses point-to-point messages only (`torch.distributed`'s `isend`/`irecv`/`send`/`recv`
-#   or `batch_isend_irecv`), never a built-in collective;
+# * it uses the blocking `dist.send` and `dist.recv` only: no built-in collective, and no
+#   `isend`/`irecv`/`batch_isend_irecv` (those are for the stretch);
 # * it is a ring: each rank talks to its right neighbour `(rank + 1) % N` (sends) and left
 #   neighbour `(rank - 1) % N` (receives), in 2(N − 1) steps of one chunk each;
 # * any N ≥ 2, any number of elements (chunks may be uneven, or empty when there are fewer
@@ -152,11 +156,14 @@ claim("every worker holds the sum", all(np.array_equal(b, expected) for b in buf
 #
 # The chunk layout is yours: only the final tensor is compared.
 #
-# **Your design decision:** how each step's send and receive are issued. With messages that
-# block until the other side is ready, some orders of calls leave every rank waiting for every
-# other; decide how your ring makes sure that never happens, and be ready to say why it cannot.
+# **Your design decision:** the order of each step's two calls. `dist.send` and `dist.recv` both
+# block until the other side is ready, so some orders leave every rank waiting for another that
+# waits too. Decide, from the rank (and N if you need it), which ranks send first in a step and
+# which receive first, so that no step can stall, for every N ≥ 2. Think it through for N = 3
+# (ranks 0 and 2 are neighbours) and N = 4 before you run anything.
 #
-# The check runs your ring on 3 ranks and then on 2, and watches what it sends.
+# The check runs your ring on 3, 2 and then 4 ranks, watches what it sends and which calls it
+# makes, and names a deadlock if one happens.
 #
 # First, a prediction. Once your ring works, the cell after the check will run it on N = 4 ranks
 # with a float32 tensor of K = 10 elements (40 bytes; 10 is not divisible by 4, so the chunks
@@ -185,16 +192,17 @@ guess = predict("lab06", "most bytes one rank sends for N = 4, K = 10 float32", 
 # Flatten the tensor once and cut it into N chunks that are views of it, so that whatever lands
 # in a chunk lands in `tensor`. A rank plays one worker of your simulation: the same indices with
 # the rank as i. What it receives in the scatter-reduce must be added, so it needs a place to
-# land first; what it receives in the all-gather may land where it belongs. A blocking send
-# returns only once the neighbour's receive is posted.
+# land first; what it receives in the all-gather may land where it belongs. A rank stuck in
+# `send` waits for its right neighbour, one stuck in `recv` for its left: when can such waits
+# close a circle?
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# A small helper that, for one step, starts this rank's send and its receive and only then waits
-# for both; a loop of N − 1 scatter-reduce steps (helper, then an in-place add); a loop of N − 1
-# all-gather steps (helper only); then the in-place division for the average.
+# A small helper that, for one step, makes this rank's send and receive in the order your rule
+# gives this rank; a loop of N − 1 scatter-reduce steps (helper, then an in-place add); a loop of
+# N − 1 all-gather steps (helper only); then the in-place division for the average.
 
 # %%
 def ring_allreduce(tensor, op="sum"):
@@ -209,9 +217,15 @@ def ring_allreduce(tensor, op="sum"):
     chunks = flat.tensor_split(n)
 
     def exchange(send_chunk, recv_into):
-        works = [dist.isend(send_chunk, right), dist.irecv(recv_into, left)]
-        for w in works:
-            w.wait()
+        # Even ranks send first, odd ranks receive first. Rank 1 always exists and is odd, so
+        # some rank receives first in every step: the chain of blocked sends ends there (on
+        # N = 3, rank 2's send to rank 0 waits only until rank 0's own send to rank 1 is taken).
+        if rank % 2 == 0:
+            dist.send(send_chunk, right)
+            dist.recv(recv_into, left)
+        else:
+            dist.recv(recv_into, left)
+            dist.send(send_chunk, right)
 
     for s in range(n - 1):
         recv_chunk = chunks[(rank - s - 1) % n]
@@ -240,12 +254,13 @@ lab06.check_prediction(guess, measured)
 # %% [markdown]
 # ## 4. The deadlock, made safe
 #
-# Here is the tempting version: each rank *sends* with the blocking `dist.send`, then receives.
-# With gloo it hangs at every size (we measured from 1 element to 16 Mi elements): `dist.send`
-# does not return until the neighbour has posted the matching receive, and every neighbour is
-# itself stuck in its own send. The check runs it in separate processes, stops them after the
-# timeout and tells you what happened — the notebook does not hang. Compare its sentence with
-# the reason you gave for your own design decision.
+# Here is the order with no decision in it: every rank *sends* with the blocking `dist.send`,
+# then receives (one exchange of the whole tensor is enough to show it). With gloo it hangs at
+# every size (we measured from 1 element to 16 Mi elements): `dist.send` does not return until
+# the neighbour has posted the matching receive, and every neighbour is itself stuck in its own
+# send. `lab06.demo_ring` runs it in separate processes, stops them after the timeout and tells
+# you what happened — the notebook does not hang. Compare its sentence with why your own order
+# cannot do this on 3 ranks.
 
 # %%
 def blocking_ring(tensor, op="sum"):
@@ -253,17 +268,14 @@ def blocking_ring(tensor, op="sum"):
     import torch.distributed as dist
 
     n, rank = dist.get_world_size(), dist.get_rank()
-    chunks = tensor.view(-1).tensor_split(n)
-    for s in range(n - 1):
-        incoming = torch.empty_like(chunks[(rank - s - 1) % n])
-        dist.send(chunks[(rank - s) % n], (rank + 1) % n)  # everyone blocks here ...
-        dist.recv(incoming, (rank - 1) % n)  # ... and nobody gets here
-        chunks[(rank - s - 1) % n].add_(incoming)
+    incoming = torch.empty_like(tensor)
+    dist.send(tensor, (rank + 1) % n)  # everyone blocks here ...
+    dist.recv(incoming, (rank - 1) % n)  # ... and nobody gets here
     return tensor
 
 
 try:
-    lab06.check_ring_allreduce(blocking_ring, world_size=3, timeout=10)
+    lab06.demo_ring(blocking_ring, world_size=3, timeout=10)
 except lab06.LabCheckError as err:
     print(err)
 

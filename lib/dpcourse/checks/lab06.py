@@ -4,9 +4,11 @@
   few worker counts and lengths (uneven ones too): afterwards worker i must hold the full sum of
   chunk i (one chunk before lesson 06's simulator, so that the learner derives the indices).
 * :func:`check_ring_allreduce` runs the learner's ``ring_allreduce(tensor, op)`` — defined in a
-  notebook cell — in 3 and then 2 processes through :func:`dpcourse.launch.spawn` (cloudpickle
-  ships it), compares every rank's tensor with the sum / average, and spies on what it sends
-  (no built-in collective; 2(N-1) messages of about K/N elements per rank);
+  notebook cell — in 3, 2 and then 4 processes through :func:`dpcourse.launch.spawn`
+  (cloudpickle ships it), compares every rank's tensor with the sum / average, and spies on
+  what it sends (no built-in collective; blocking ``send``/``recv`` only, so the order of a
+  step's two calls is the learner's decision; 2(N-1) messages of about K/N elements per rank);
+  :func:`demo_ring` runs given demo code and explains a deadlock by its cause, with no fix;
 * :func:`check_segmented_ring` (the stretch) does the same for a ring whose scatter-reduce sends
   each chunk in segments.
 
@@ -16,7 +18,9 @@ all-gather that adds, summing where the average is asked. A ring in which every 
 blocking ``dist.send`` before its ``dist.recv`` deadlocks: measured with gloo (torch 2.14, CPU),
 two ranks doing that hang at *every* size we tried, from 1 element to 16 Mi elements — gloo's
 send does not return before the peer has posted the matching receive. The check notices which
-call each rank is stuck in, stops the ranks after ``timeout`` seconds and says so.
+call each rank is stuck in, stops the ranks after ``timeout`` seconds and says so; every rank
+calling ``dist.recv`` first deadlocks the same way. A second ``wait()`` on the same ``Work``
+never returns either (measured, torch 2.14 gloo): the spy on the stretch's works names it.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dpcourse.ring import chunk_bounds
 __all__ = ["LabCheckError", "check_scatter_reduce", "check_all_gather", "check_ring_allreduce",
            "check_segmented_ring", "measure_bytes_sent", "check_prediction",
            "reference_scatter_reduce", "reference_all_gather",
-           "WORLD_SIZES"]
+           "demo_ring", "WORLD_SIZES", "RING_WORLD_SIZES"]
 
 _CASES = [(3, 9), (4, 10), (5, 7), (3, 2)]  # (workers, length): even, uneven, L < N
 
@@ -186,9 +190,11 @@ def check_scatter_reduce(fn) -> None:
                      "worker's own copy of that chunk, in place.")
         if _same(got, _scatter_reduce([a.copy() for a in inputs], base=0)):
             fail(f"scatter_reduce ends with worker i holding the full sum of chunk (i + 1) mod N "
-                 f"(N={n}), lesson 06's layout; this lab's contract is chunk i, one chunk "
-                 f"earlier.", fix="work out on paper, for N = 3, which chunk each worker must "
-                                  "send at step 0 so that it finishes chunk i.")
+                 f"(N={n}): that is lesson 06's finishing layout, not the one this lab's "
+                 f"contract names, so every finished sum sits on the wrong worker.",
+                 fix="this lab's contract is chunk i, one chunk earlier than the lesson's: work "
+                     "out on paper, for N = 3, which chunk each worker must send at step 0 so "
+                     "that it finishes chunk i.")
         if length % n:
             for rule in _OTHER_CHUNK_RULES:
                 if _same(got, _scatter_reduce([a.copy() for a in inputs], bounds=rule)):
@@ -277,13 +283,19 @@ class _WatchedWork:
         self._waited = False
 
     def wait(self, *args, **kwargs):
-        if not self._waited:
-            self._waited = True
-            self._events.append(("wait", self._kind, self._index, self._fingerprint()))
+        if self._waited:
+            # Measured (torch 2.14, gloo, CPU): a second wait() on a work that has already
+            # completed never returns. Stop here and say so, rather than hang to the timeout.
+            raise RuntimeError(f"{_DOUBLE_WAIT} {self._kind} {self._index}")
+        self._waited = True
+        self._events.append(("wait", self._kind, self._index, self._fingerprint()))
         return self._work.wait(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+_DOUBLE_WAIT = "dpcourse-lab06: wait() called a second time on the work of"
 
 
 class _LibraryRingUsed(RuntimeError):
@@ -309,7 +321,8 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
     # lab is about replacing, and note which blocking call this rank is in, so a hang can be
     # explained afterwards; log every send and receive with its peer and size, so a crash can be
     # traced to the first message whose two ends disagree.
-    traffic = {"messages": 0, "elements": 0, "sizes": [], "builtins": [], "events": []}
+    traffic = {"messages": 0, "elements": 0, "sizes": [], "builtins": [], "events": [],
+               "nonblocking": []}
     counts = {"send": 0, "recv": 0}
     batch_seen: dict = {}
     p2p_log = open(os.path.join(marker_dir, f"p2p{rank}"), "a", buffering=1)
@@ -321,6 +334,8 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
     def before(call):
         if call.function in ("send", "recv"):
             _mark(marker_dir, rank, call.function)
+        elif call.op in ("send", "recv") and call.function not in traffic["nonblocking"]:
+            traffic["nonblocking"].append(call.function)  # isend, irecv, batch_isend_irecv
         if call.op in ("send", "recv"):
             numel = call.numel if call.op == "send" else call.out_numel
             p2p_log.write(f"{call.op} {call.peer} {numel}\n")
@@ -365,7 +380,8 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
         for shape, dtype, op in cases:
             x = torch.tensor(_real_input(rank, shape), dtype=getattr(torch, dtype))
             current["x"] = x
-            traffic.update(messages=0, elements=0, sizes=[], builtins=[], events=[])
+            traffic.update(messages=0, elements=0, sizes=[], builtins=[], events=[],
+                           nonblocking=[])
             counts.update(send=0, recv=0)
             try:
                 ret = fn(x, op=op, **(kwargs or {}))
@@ -375,6 +391,7 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
                 ret, torch.Tensor) else None
             results.append((x.numpy().astype(np.float64), returned))
             per_case.append(dict(traffic, builtins=list(traffic["builtins"]),
+                                 nonblocking=list(traffic["nonblocking"]),
                                  sizes=list(traffic["sizes"]), events=list(traffic["events"])))
         p2p_log.close()
         return {"results": results, "traffic": per_case}
@@ -406,6 +423,10 @@ def _matches(results, sim) -> bool:
 
 
 WORLD_SIZES = (3, 2)  # 3 first: more chunks tell more mistakes apart; 2 catches what fits 3
+# Part 3's ring is built from blocking send/recv, so the order of each step's calls must work
+# for odd and even numbers of ranks: 3, 2 and 4 (2 before 4: a ring tied to N = 3 is named
+# there, where its sends go to a rank that does not exist).
+RING_WORLD_SIZES = (3, 2, 4)
 
 
 def _rebinds_division(fn) -> bool:
@@ -426,10 +447,12 @@ def _rebinds_division(fn) -> bool:
 
 @recorded
 def check_ring_allreduce(fn, world_size=None, timeout: float | None = None,
-                         world_sizes=WORLD_SIZES) -> None:
-    """Run ``fn(tensor, op="sum"|"average")`` on 3 and then 2 gloo ranks (``world_size``: only
-    that many), on several shapes (lengths not divisible by N, and shorter than N), and compare
-    with the sum / average; spy on the messages it sends.
+                         world_sizes=RING_WORLD_SIZES) -> None:
+    """Run ``fn(tensor, op="sum"|"average")`` on 3, 2 and then 4 gloo ranks (``world_size``:
+    only that many), on several shapes (lengths not divisible by N, and shorter than N), and
+    compare with the sum / average; spy on the messages it sends. Part 3's contract: blocking
+    ``dist.send`` / ``dist.recv`` only (``isend``, ``irecv`` and ``batch_isend_irecv`` are
+    refused), so the order of each step's calls is the learner's decision.
 
     ``timeout`` bounds each launch (20 s, or ``DPCOURSE_CHECK_TIMEOUT`` if more): a ring that
     deadlocks ends with a LabCheckError that says so instead of hanging the notebook.
@@ -442,11 +465,31 @@ def check_ring_allreduce(fn, world_size=None, timeout: float | None = None,
     sizes = (world_size,) if world_size else tuple(world_sizes)
     for n in sizes:
         _check_ring_once(fn, n, timeout)
-    passed(f"ring_allreduce equals the sum (and the average) on {' and '.join(map(str, sizes))} "
-           f"ranks for lengths 12, 10, 20, 2 and 11, with 2(N-1) chunk-sized messages per rank")
+    passed(f"ring_allreduce, built from blocking dist.send/dist.recv only, finished without "
+           f"deadlock and equals the sum (and the average) on {', '.join(map(str, sizes))} "
+           f"ranks for lengths 12, 10, 20, 2 and 11; for every length of at least N, each rank "
+           f"sent exactly 2(N-1) messages and at most 2(N-1) chunks' worth of elements (with "
+           f"length 2 < N only the results were compared: empty chunks may be skipped)")
 
 
-def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None) -> list:
+def demo_ring(fn, world_size: int = 3, timeout: float = 10) -> None:
+    """Run given demo code ``fn`` (part 4's ``blocking_ring``) on ``world_size`` gloo ranks and
+    say how it ended. Not a check of the learner's code: a deadlock is explained by its cause,
+    never with a fix to apply (the learner does not change the demo)."""
+    __tracebackhide__ = True
+    if not callable(fn):
+        fail(f"demo_ring needs a ring function, got {type(fn).__name__}")
+    _launch_ring(fn, world_size, check_timeout(timeout, timeout), _REAL_CASES[:1], demo=True)
+    print(f"the ring finished on {world_size} ranks without a deadlock")
+
+
+_DEADLOCK_FIX = ("in each step, let some ranks call dist.recv first and the others dist.send "
+                 "first, with a rule that gives both kinds of rank for every N (try N = 3 and "
+                 "N = 4 on paper): one rank that receives first breaks the cycle of waits.")
+
+
+def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None,
+                 demo: bool = False) -> list:
     __tracebackhide__ = True
     marker_dir = tempfile.mkdtemp(prefix="dpcourse-lab06-")
 
@@ -462,15 +505,19 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None) -> lis
         # the OS buffered may be between calls (marker empty) when it is stopped, so "every
         # marked rank in send, none in recv" is the deadlock's signature.
         in_send = [r for r, v in where.items() if v == "send"]
-        if in_send and not any(v == "recv" for v in where.values()):
+        in_recv = [r for r, v in where.items() if v == "recv"]
+        fix = None if demo else _DEADLOCK_FIX  # a demo is given code: its cause, no fix
+        if in_send and not in_recv:
             # Diagnosed: not slowness, so no "try a longer timeout" (fail here, not via return).
-            fail(f"deadlock: every rank called a blocking dist.send before its dist.recv, so "
-                 f"all {world_size} waited for a receive nobody had posted (gloo's send waits "
-                 f"for the matching receive); they were stopped after {timeout:g} s. A longer "
-                 f"timeout would not help.",
-                 fix="make sure no rank blocks in a send whose receive its neighbour has not "
-                     "posted yet: post the send and the receive without blocking, then wait, "
-                     "or break the cycle of blocking calls.")
+            fail(f"deadlock on {world_size} ranks: every rank called a blocking dist.send "
+                 f"before its dist.recv, so all {world_size} waited for a receive nobody had "
+                 f"posted (gloo's send waits for the matching receive); they were stopped after "
+                 f"{timeout:g} s. A longer timeout would not help.", fix=fix)
+        if len(in_recv) == world_size:
+            fail(f"deadlock on {world_size} ranks: every rank called a blocking dist.recv "
+                 f"before its dist.send, so all {world_size} waited for a message their left "
+                 f"neighbour would only send after its own receive; they were stopped after "
+                 f"{timeout:g} s. A longer timeout would not help.", fix=fix)
         stuck = ", ".join(f"rank {r} in dist.{v}" for r, v in where.items() if v) or \
             "no rank inside dist.send/recv"
         return (f"your ring did not finish within {timeout:g} s on {world_size} ranks and was "
@@ -478,6 +525,15 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None) -> lis
                 f"rank does the same number of steps and sends to rank+1, receives from rank-1")
 
     def failed(exc) -> None:
+        if _DOUBLE_WAIT in str(exc.summary):
+            kind, index = str(exc.summary).split(_DOUBLE_WAIT, 1)[1].split()[:2]
+            what = "dist.isend" if kind == "send" else "dist.irecv"
+            fail(f"rank {exc.rank} of {world_size} called wait() a second time on the work that "
+                 f"its {what} number {int(index) + 1} returned (counting from the first of the "
+                 f"ring): with gloo a second wait() on a work that has already completed never "
+                 f"returns, so the ring would hang here, though every message has a partner.",
+                 fix="wait on each work exactly once: after its wait(), drop it from the list "
+                     "of works still pending.")
         mismatch = _size_mismatch(marker_dir, world_size)
         if mismatch:
             fail(mismatch)
@@ -555,7 +611,15 @@ def _check_ring_once(fn, world_size: int, timeout: float) -> None:
     used = sorted({b for case in traffic for t in case for b in t["builtins"]})
     if used:
         fail(f"your ring_allreduce called dist.{used[0]}: the lab is to build the all-reduce "
-             f"yourself, from point-to-point messages (dist.isend / dist.irecv) only.")
+             f"yourself, from point-to-point messages (dist.send / dist.recv) only.")
+    nonblocking = sorted({f for case in traffic for t in case for f in t["nonblocking"]})
+    if nonblocking:
+        fail(f"your ring_allreduce called dist.{nonblocking[0]}, which returns before its "
+             f"message has gone: part 3's contract is the blocking dist.send and dist.recv "
+             f"only, so that the order of each step's two calls is yours to decide, and a wrong "
+             f"order deadlocks (isend/irecv wait for the stretch).",
+             fix="replace the non-blocking calls and their waits with dist.send and dist.recv, "
+                 "and decide which ranks send first in a step and which receive first.")
     if _matches(results, correct):
         n = world_size
         for (shape, _, _), case in zip(cases, traffic):
@@ -715,6 +779,18 @@ def _first_unpipelined(events, n: int, segments: int):
     return None
 
 
+def _posted_before_wait(events, index: int) -> tuple[int, int]:
+    """How many sends and receives had been posted when receive ``index`` was first waited on
+    (everything posted, if it never was)."""
+    posted = {"send": 0, "recv": 0}
+    for kind, op, i, _ in events:
+        if kind == "post":
+            posted[op] = max(posted[op], i + 1)
+        elif op == "recv" and i == index:
+            break
+    return posted["send"], posted["recv"]
+
+
 def _first_added_late(events, n: int, segments: int):
     """The index of the first scatter-reduce piece j that was not yet added into the tensor when
     piece j + 1 (of the same step) was waited on: the tensor held the same values when the two
@@ -791,19 +867,34 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                                  "pieces one by one.")
                     late = _first_unpipelined(t["events"], n, S)
                     if late is not None:
-                        fail(f"rank {r} waited for piece {late % S} of a scatter-reduce chunk "
-                             f"before it had posted piece {late % S + 1} (N={n}, segments={S}):"
-                             f" the pieces travelled one at a time, so no piece was on its way "
-                             f"while another was added.",
+                        j = late % S
+                        sent, got = _posted_before_wait(t["events"], late)
+                        missing = " and ".join(
+                            w for w, done in (("send", sent > late + 1),
+                                              ("receive", got > late + 1)) if not done)
+                        fail(f"rank {r} waited for piece {j} of a scatter-reduce chunk before it "
+                             f"had posted piece {j + 1}'s {missing} (N={n}, segments={S}): "
+                             f"piece {j + 1} was not on its way while piece {j} was waited for "
+                             f"and added, so that addition overlapped no transfer.",
                              fix="have piece j + 1's send and receive started before you wait "
                                  "for piece j.")
                     unadded = _first_added_late(t["events"], n, S)
                     if unadded is not None:
                         j = unadded % S
+                        step_first = unadded - j
+                        sent, got = _posted_before_wait(t["events"], step_first)
+                        if got >= step_first + S and sent >= step_first + S:
+                            how = (f"every piece of the step was posted before the first wait, "
+                                   f"but the additions came after the waits, so none of them "
+                                   f"overlapped a transfer")
+                        else:
+                            how = (f"piece {j + 1} was posted in time (it was on its way while "
+                                   f"you waited for piece {j}), but piece {j} was added only "
+                                   f"after piece {j + 1}'s wait, so that addition overlapped no "
+                                   f"transfer")
                         fail(f"rank {r} waited for piece {j + 1} of a scatter-reduce chunk while "
                              f"piece {j} had arrived but was not yet added into the tensor (N={n},"
-                             f" segments={S}): posting the pieces, waiting for all of them and "
-                             f"only then adding them adds nothing while a piece is in flight.",
+                             f" segments={S}): {how}.",
                              fix="add piece j into the tensor before you wait for piece j + 1.")
                     if S == segments:
                         most = max(most, _most_in_flight(t["events"], n, S))
@@ -816,13 +907,20 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                              f"run more or fewer than N-1 steps?")
     if in_flight is not None and int(in_flight) != most:
         fail(f"you declared {int(in_flight)} scatter-reduce receive(s) in flight at once with "
-             f"segments={segments}, but your ring had up to {most} posted and not yet waited on "
-             f"(the most on any rank): your code and your design decision disagree, and each "
-             f"receive in flight needs a buffer of its own.",
-             fix=f"set in_flight to what your code does ({most}), or change the code to keep "
+             f"segments={segments}, but at its busiest moment your ring had "
+             f"{'more' if most > int(in_flight) else 'fewer'} than that posted and not yet "
+             f"waited on (the most on any rank, measured): your code and your design decision "
+             f"disagree, and each receive in flight needs a buffer of its own. (The count is "
+             f"yours to work out from your code: the check does not give it.)",
+             fix=f"count, reading your code, the receives it has started (irecv) and not yet "
+                 f"waited on at its busiest moment in a step with segments={segments} (just "
+                 f"before a wait), and set in_flight to that count; or change the code to keep "
                  f"the number you decided on in flight.")
+    # The count in flight is the learner's to work out: said only once they declared it.
+    counted = (f"up to {most} receive(s) in flight at once with segments={segments}, as "
+               f"declared, so {most} receive buffer(s) of a piece each" if in_flight is not None
+               else "declare in_flight to have your count of receives in flight compared")
     passed(f"segmented ring: right sums and averages on {' and '.join(map(str, world_sizes))} "
            f"ranks, each scatter-reduce chunk sent in {segments} (and {segments - 1}) segments, "
            f"piece j + 1 posted before piece j was waited on, and piece j added before piece "
-           f"j + 1 was waited on; up to {most} receive(s) in flight at once with "
-           f"segments={segments}, so {most} receive buffer(s) of a piece each")
+           f"j + 1 was waited on; {counted}")
