@@ -127,13 +127,16 @@ lab11.check_block_of(block_of)
 # What must hold afterwards: the column layer's input gets the gradient the plain layer would
 # give it, and the row layer's output is the plain layer's, on every rank.
 #
-# **Your diagnosis first.** Before you write a method, decide which pass of each operation
-# calls a collective: set `f_communicates_in` and `g_communicates_in` each to `"forward"`,
-# `"backward"`, `"both"` or `"neither"`, and `why` to one sentence saying what makes those
-# passes need the other ranks. `lab11.check_diagnosis` judges the two passes as a pair: a
-# wrong pair comes back with what it would make of X, dL/dX and Y, and you find which of
-# those the plain MLP does not compute; the check of your code then refuses code that
-# communicates anywhere else than you declared.
+# **Your diagnosis first.** Before you write a method, say what each rank holds of four
+# quantities *on its own*, before any collective: X (what `f` receives in the forward), dL/dX
+# (what `f` receives in the backward), Y (this rank's product, which `g` receives in the
+# forward) and dL/dY (what `g` receives in the backward). Set each entry of `held` to
+# `"whole"` (the same on every rank) or `"partial"` (a part the ranks must sum). Then set
+# `f_communicates_in` and `g_communicates_in` each to `"forward"`, `"backward"`, `"both"` or
+# `"neither"`: they must follow from your own answers. `lab11.check_diagnosis` first checks
+# that they do, then judges them as a pair: a wrong pair comes back with what it would make
+# of X, dL/dX and Y, and you find which of those the plain MLP does not compute; the check of
+# your code then refuses code that communicates anywhere else than you declared.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -162,13 +165,12 @@ lab11.check_block_of(block_of)
 # two sum over the ranks before returning; each collective runs on every rank, unconditionally.
 
 # %%
-### BEGIN SOLUTION: f_communicates_in, g_communicates_in (a pass each) and why (a sentence)
+### BEGIN SOLUTION: held (four answers), f_communicates_in, g_communicates_in
+held = {"X": "whole", "dL/dX": "partial", "Y": "partial", "dL/dY": "whole"}
 f_communicates_in = "backward"
 g_communicates_in = "forward"
-why = ("x is the same on every rank but its gradient is a sum of each rank's part, while the "
-       "row layer's partial products must be added up and their gradient is already whole")
 ### END SOLUTION
-lab11.check_diagnosis(f_communicates_in, g_communicates_in, why)
+lab11.check_diagnosis(f_communicates_in, g_communicates_in, held)
 
 # %%
 class CopyToTPRegion(torch.autograd.Function):

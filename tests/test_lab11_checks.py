@@ -227,22 +227,66 @@ def test_wrong_conjugates_named(f, g, match):
 
 # --- the learner's own diagnosis of f and g, before the code ---------------------------------
 
-# a learner's own sentences, in words the check's lists were not written from
-RIGHT_WHYS = [
-    "the input is replicated so the forward is free, but each rank only contributes a piece "
-    "of dL/dx that must be summed",
-    "g must add up the partial outputs; after it everything is identical across ranks so its "
-    "gradient needs no exchange",
-    "every GPU already has all of x, yet the gradient of x is split into per-rank terms",
-    "Y is the total of the shards' products while the input X is held in full by each worker",
-]
+RIGHT_HELD = {"X": "whole", "dL/dX": "partial", "Y": "partial", "dL/dY": "whole"}
 
 
-@pytest.mark.parametrize("why", RIGHT_WHYS)
-def test_a_right_diagnosis_passes(why, capsys):
-    lab11.check_diagnosis("backward", "Forward", why)
+def held_for(f, g):
+    """The whole/partial answers from which the pair (f, g) follows: partial in every pass
+    that communicates."""
+    talks = {"forward": {"forward"}, "backward": {"backward"}, "both": {"forward", "backward"},
+             "neither": set()}
+    return {"X": "partial" if "forward" in talks[f] else "whole",
+            "dL/dX": "partial" if "backward" in talks[f] else "whole",
+            "Y": "partial" if "forward" in talks[g] else "whole",
+            "dL/dY": "partial" if "backward" in talks[g] else "whole"}
+
+
+def test_a_right_diagnosis_passes(capsys):
+    lab11.check_diagnosis("backward", "Forward",
+                          {"X": "Whole", "dL/dX": "partial ", "Y": "PARTIAL", "dL/dY": "whole"})
     out = capsys.readouterr().out
     assert out.startswith("✔ your diagnosis") and out.count("✔") == 1
+
+
+def test_the_learners_false_sentence_as_a_structured_answer_is_refused():
+    # "X is partial on each rank so f sums it up" passed the keyword check of the last round;
+    # as answers it is X partial with f in the forward: consistent, and wrong
+    held = dict(RIGHT_HELD, X="partial")
+    fails(lab11.check_diagnosis, "both", "forward", held, match=r"The pair .* is not right")
+    # the same false answer with the right passes is named as the inconsistency it is
+    message = fails(lab11.check_diagnosis, "backward", "forward", held,
+                    match="Your passes do not follow from your own whole/partial answers: you "
+                          "say X, the input f receives in the forward, is partial")
+    assert "f_communicates_in = 'backward' makes no collective in the forward" in message
+
+
+@pytest.mark.parametrize("key, f, g, phrase", [
+    ("dL/dX", "neither", "forward", "you say dL/dX, the gradient f receives in the backward, "
+                                    "is partial"),
+    ("Y", "backward", "neither", "you say Y, the row layer's product g receives in the "
+                                 "forward, is partial"),
+    ("dL/dY", "backward", "forward", "you say dL/dY, the gradient g receives in the backward, "
+                                     "is partial"),
+])
+def test_passes_that_contradict_the_learners_own_answers_are_named(key, f, g, phrase):
+    held = dict(RIGHT_HELD, **{key: "partial"}) if key == "dL/dY" else RIGHT_HELD
+    message = fails(lab11.check_diagnosis, f, g, held, match="do not follow from your own")
+    assert phrase in message
+    # the sentence restates the learner's own answer, never which value is right
+    assert "is right" not in message and "should be" not in message
+
+
+def test_a_whole_quantity_that_a_pass_all_reduces_is_named():
+    message = fails(lab11.check_diagnosis, "both", "forward", RIGHT_HELD,
+                    match="do not follow from your own")
+    assert ("you say X, the input f receives in the forward, is whole — the same on every rank "
+            "— yet f_communicates_in = 'both' all-reduces it in the forward") in message
+
+
+def test_an_inconsistency_met_twice_adds_what_to_change():
+    fails(lab11.check_diagnosis, "both", "forward", RIGHT_HELD, match="do not follow")
+    message = fails(lab11.check_diagnosis, "both", "forward", RIGHT_HELD, match="do not follow")
+    assert "communicates exactly in the pass whose quantity is partial" in message
 
 
 WRONG_PAIRS = [("forward", "forward"), ("both", "forward"), ("backward", "backward"),
@@ -251,75 +295,80 @@ WRONG_PAIRS = [("forward", "forward"), ("both", "forward"), ("backward", "backwa
 
 @pytest.mark.parametrize("f, g", WRONG_PAIRS)
 def test_a_wrong_pair_is_sent_back_as_a_pair_with_what_it_implies(f, g):
-    message = fails(lab11.check_diagnosis, f, g, RIGHT_WHYS[0],
+    message = fails(lab11.check_diagnosis, f, g, held_for(f, g),
                     match=rf"The pair \(f_communicates_in = '{f}', g_communicates_in = '{g}'\) "
                           r"is not right")
     # what the pair would make of dL/dX (and X, Y), judged by the learner, never which one of
     # the two operations is wrong nor the right value
-    assert "dL/dX" in message and message.rstrip().endswith(
+    assert "dL/dX" in message and "which of your whole/partial answers" in message
+    assert message.rstrip().endswith(
         "(Run the check again after your change: if this same mistake comes back, the check "
         "will say what to change.)")
     tail = message.split(") is not right.")[1]
     for verdict in ("is right", "is not where", "'backward'", "'forward'", "f_communicates_in",
-                    "g_communicates_in"):
+                    "g_communicates_in", "'whole'", "'partial'"):
         assert verdict not in tail
 
 
 def test_a_wrong_pair_names_what_its_f_would_make_of_dl_dx():
     # f silent in the backward: dL/dX is only this rank's term; f in the forward: X combined
-    message = fails(lab11.check_diagnosis, "forward", "forward", RIGHT_WHYS[0],
+    message = fails(lab11.check_diagnosis, "forward", "forward", held_for("forward", "forward"),
                     match="is not right")
     assert "X would be combined over the ranks" in message
     assert "dL/dX on rank r would be its own term" in message
-    message = fails(lab11.check_diagnosis, "both", "both", RIGHT_WHYS[0], match="is not right")
+    message = fails(lab11.check_diagnosis, "both", "both", held_for("both", "both"),
+                    match="is not right")
     assert "dL/dX would be the sum over the ranks" in message
     assert "dL/dY_r would be combined over the ranks" in message
 
 
 def test_trying_the_values_learns_the_same_form_of_sentence_for_every_wrong_pair():
-    # one right half and one wrong half read like two wrong halves: four runs cannot sort
-    # out which operation is right
+    # one right half and one wrong half read like two wrong halves: runs cannot sort out
+    # which operation (or which answer) is right
     forms = set()
     for f, g in WRONG_PAIRS:
-        message = fails(lab11.check_diagnosis, f, g, RIGHT_WHYS[0], match="is not right")
+        message = fails(lab11.check_diagnosis, f, g, held_for(f, g), match="is not right")
         forms.add(message.split(") is not right.")[1].split(":")[0])
     assert len(forms) == 1
 
 
-def test_a_wrong_pair_is_named_before_a_short_why():
-    # the bigger mistake first: a short why waits until the passes are right
-    fails(lab11.check_diagnosis, "forward", "backward", "sum it",
-          match="The pair .* is not right")
-    fails(lab11.check_diagnosis, "backward", "forward", "sum it",
-          match="Both passes are right, but why should say in a sentence")
+def test_an_inconsistency_is_named_before_a_wrong_pair():
+    # wrong passes, and answers they do not follow from: the learner's own contradiction first
+    fails(lab11.check_diagnosis, "forward", "backward", RIGHT_HELD,
+          match="do not follow from your own whole/partial answers")
 
 
 def test_a_wrong_pair_met_twice_adds_what_to_change():
-    fails(lab11.check_diagnosis, "forward", "forward", RIGHT_WHYS[0], match="is not right")
-    message = fails(lab11.check_diagnosis, "neither", "both", RIGHT_WHYS[0],
+    fails(lab11.check_diagnosis, "forward", "forward", held_for("forward", "forward"),
+          match="is not right")
+    message = fails(lab11.check_diagnosis, "neither", "both", held_for("neither", "both"),
                     match="is not right")
     assert "write ∂L/∂X and Y of the plain MLP as sums" in message
 
 
-def test_a_why_that_says_nothing_is_sent_back():
-    fails(lab11.check_diagnosis, "backward", "forward",
-          "I think this is how Megatron does it", match="Both passes are right, but why does "
-                                                     "not say yet")
-
-
-@pytest.mark.parametrize("f, g, why, phrase", [
-    ("up", "forward", RIGHT_WHYS[0], "should be one of 'forward', 'backward', 'both', 'neither'"),
-    ("backward", 1, RIGHT_WHYS[0], "g_communicates_in should be one of"),
-    ("backward", "forward", "sum it", "five words or more"),
-    ("backward", "forward", 3, "five words or more"),
+@pytest.mark.parametrize("f, g, held, phrase", [
+    ("up", "forward", RIGHT_HELD, "should be one of 'forward', 'backward', 'both', 'neither'"),
+    ("backward", 1, RIGHT_HELD, "g_communicates_in should be one of"),
+    ("backward", "forward", "x is whole and its gradient partial",
+     "held should be a dict with exactly the keys 'X', 'dL/dX', 'Y', 'dL/dY'"),
+    ("backward", "forward", {"X": "whole", "dX": "partial", "Y": "partial", "dY": "whole"},
+     "held should be a dict with exactly the keys"),
+    ("backward", "forward", dict(RIGHT_HELD, Y="summed"),
+     "held\\['Y'\\] should be 'whole' \\(the same on every rank\\) or 'partial'"),
+    ("backward", "forward", dict(RIGHT_HELD, X=True), "held\\['X'\\] should be 'whole'"),
 ])
-def test_a_diagnosis_that_is_not_a_pass_and_a_sentence_is_refused(f, g, why, phrase):
-    fails(lab11.check_diagnosis, f, g, why, match=phrase)
+def test_a_diagnosis_that_is_not_passes_and_answers_is_refused(f, g, held, phrase):
+    fails(lab11.check_diagnosis, f, g, held, match=phrase)
 
 
 def test_an_unwritten_diagnosis_is_a_todo():
     with pytest.raises(NotImplementedError, match="write f_communicates_in"):
-        lab11.check_diagnosis(None, "forward", "x")
+        lab11.check_diagnosis(None, "forward", RIGHT_HELD)
+    with pytest.raises(NotImplementedError, match="write f_communicates_in, g_communicates_in "
+                                                  "and held first"):
+        lab11.check_diagnosis("backward", "forward", None)
+    with pytest.raises(NotImplementedError, match=r"write held\['Y'\]"):
+        lab11.check_diagnosis("backward", "forward", dict(RIGHT_HELD, Y=...))
     with pytest.raises(NotImplementedError, match="write f_communicates_in and "
                                                   "g_communicates_in first"):
         lab11.check_conjugates(Copy, Reduce, timeout=T)
@@ -641,18 +690,34 @@ class RowChunk(Row):
 
 
 class RowTransposedBiasOnRankZero(nn.Module):
-    """Right: the block stored as (in, out); the bias added before g, on rank 0 only."""
+    """Right: the block stored as (in, out); the bias held and added before g, on rank 0
+    only."""
 
     def __init__(self, linear, rank, world_size):
         super().__init__()
         per = linear.in_features // world_size
         self.w = nn.Parameter(linear.weight.detach().t()[rank * per:(rank + 1) * per].clone())
-        self.b = nn.Parameter(linear.bias.detach().clone())
+        self.b = nn.Parameter(linear.bias.detach().clone()) if rank == 0 else None
         self.rank = rank
 
     def forward(self, h):
         part = h @ self.w
         return ReduceInPlace.apply(part + self.b if self.rank == 0 else part)
+
+
+class RowBiasHeldEverywhereAddedOnRankZero(Row):
+    """Wrong (a learner's): every rank holds the whole bias, rank 0 adds it before g; the
+    others' copy gets no gradient, a dead parameter."""
+
+    def forward(self, h):
+        part = F.linear(h, self.weight)
+        return Reduce.apply(part + self.bias if self.rank == 0 else part)
+
+
+class RowTransposedBiasEverywhereAddedOnRankZero(RowTransposedBiasOnRankZero):
+    def __init__(self, linear, rank, world_size):
+        super().__init__(linear, rank, world_size)
+        self.b = nn.Parameter(linear.bias.detach().clone())
 
 
 class RowInPlaceNoClone(Row):
@@ -922,11 +987,26 @@ def mlp_of(column_cls, row_cls):
 
 
 def test_right_mlp_transposed_bias_on_rank_zero_pass(capsys):
-    # shards stored as (in, out); the row bias held on every rank but added on rank 0 only,
-    # so the other ranks' copies get no gradient (right)
+    # shards stored as (in, out); the row bias held and added on rank 0 only (right)
     lab11.check_tp_mlp(mlp_of(ColumnTransposed, RowTransposedBiasOnRankZero),
                        world_sizes=(3,), timeout=T)
     assert capsys.readouterr().out.count("✔") == 1
+
+
+@pytest.mark.parametrize("row", [RowBiasHeldEverywhereAddedOnRankZero,
+                                 RowTransposedBiasEverywhereAddedOnRankZero])
+def test_a_row_bias_held_on_every_rank_but_added_on_rank_zero_is_refused(row):
+    # every value is right, but rank 1's copy of the bias gets no gradient: a dead parameter
+    message = fails(lab11.check_row_parallel, row, world_sizes=(2,), match="on rank 1 holds a "
+                    r"bias parameter of shape \(6,\) whose \.grad is still None after the "
+                    r"backward", timeout=T)
+    assert "dead parameter" in message and "find_unused_parameters=True" in message
+    message = fails(lab11.check_tp_mlp, mlp_of(Column, row), world_sizes=(3,),
+                    match=r"'s row layer on rank 1 holds a bias parameter of shape \(6,\) "
+                          r"whose \.grad is still None", timeout=T)
+    message = fails(lab11.check_tp_mlp, mlp_of(Column, row), world_sizes=(3,),
+                    match="dead parameter", timeout=T)
+    assert "hold the bias only on the ranks whose forward adds it" in message
 
 
 class ColumnDetachedBias(Column):

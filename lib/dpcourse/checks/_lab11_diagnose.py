@@ -348,6 +348,20 @@ def _diagnose_column(outs: list, n: int, name: str, full, x, grad_full, y_full) 
                  fix="keep the bias block as an nn.Parameter and add it in the forward.")
 
 
+def _dead_bias(name: str, rank: int, shape: tuple, n: int) -> None:
+    """A bias parameter that a rank holds but its forward never uses: its .grad stays None.
+    (DDP marks a parameter without a gradient ready only with find_unused_parameters=True:
+    torch/nn/parallel/distributed.py, the argument's docstring.)"""
+    __tracebackhide__ = True
+    fail(f"{name} on rank {rank} holds a bias parameter of shape {shape} whose .grad is still "
+         f"None after the backward ({n} ranks): that rank's forward never uses it, so it is a "
+         f"dead parameter that never trains — the goal asks every bias a rank holds to get the "
+         f"full layer's gradient, and DDP around it would wait for that gradient unless built with "
+         f"find_unused_parameters=True.",
+         fix="hold the bias only on the ranks whose forward adds it, or add it on every rank "
+             "where it counts once.")
+
+
 def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full) -> None:
     __tracebackhide__ = True
     bias = full.bias.detach()
@@ -399,7 +413,7 @@ def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full
                      f"output adds up right, but each copy gets 1/{n} of its gradient, so no "
                      f"rank's bias trains like the full layer's.")
             if g is None:
-                continue
+                _dead_bias(name, rank, tuple(p.shape), n)
             if _close(g, full.bias.grad / n):
                 fail(f"{name}'s bias gets 1/{n} of its gradient on rank {rank}: the bias is "
                      f"scaled by 1/N on its way into the output.")
@@ -503,7 +517,7 @@ def _mlp_param_grads(outs: list, n: int, hidden: int, name: str, plain: nn.Seque
             found.add(part)
             what = _MLP_PARTS[part]
             if g is None and part == "b2":
-                continue           # the bias added on rank 0 only: the others' copy is unused
+                _dead_bias(f"{name}'s row layer", rank, tuple(p.shape), n)
             if g is None:
                 fail(f"{what} on rank {rank} gets no gradient ({n} ranks, hidden size {hidden}): the "
                      f"forward uses it detached (or through .data).",

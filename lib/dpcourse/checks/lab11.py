@@ -9,12 +9,15 @@ process. The values are chosen so that each classic mistake leaves its own trace
 * ``check_block_of``: the slice rank r keeps of a size (in process): not offset by rank, one
   feature short, the remainder dropped, a size that does not divide neither refused with a
   sentence naming it nor handled;
-* ``check_diagnosis``: before any code, the learner declares in which pass f and in which pass
-  g communicates (``"forward"``, ``"backward"``, ``"both"`` or ``"neither"``) and says why in a
-  sentence that must speak of the idea (broad word stems, :data:`WHY_WORDS`). The passes are
-  judged first (a why too short waits until they are right); a wrong pair is sent back as a
-  pair, never operation by operation, with what it would make of X, dL/dX, Y and dL/dY_r — so
-  that four runs cannot sort out the values. ``check_conjugates`` takes the same declaration
+* ``check_diagnosis``: before any code, the learner says, for X and dL/dX (at f) and Y and
+  dL/dY (at g), whether each rank holds it ``"whole"`` (the same on every rank) or
+  ``"partial"`` (a part the ranks must sum) before any collective, and declares in which pass f
+  and in which pass g communicates (``"forward"``, ``"backward"``, ``"both"`` or
+  ``"neither"``). Passes that do not follow from the learner's own answers (an operation
+  communicates exactly in the pass whose quantity is partial) are named as that
+  inconsistency; a consistent but wrong answer is sent back as a pair, never operation by
+  operation, with what it would make of X, dL/dX, Y and dL/dY_r — so that runs cannot sort
+  out the values. ``check_conjugates`` takes the same declaration
   and refuses code whose collectives disagree with it;
 * ``check_conjugates``: ``f`` (copy to the tensor-parallel region: identity forward, all-reduce
   backward) and ``g`` (reduce from it: all-reduce forward, identity backward). Rank-dependent
@@ -34,7 +37,8 @@ process. The values are chosen so that each classic mistake leaves its own trace
   (a slice without a copy keeps the whole weight alive), a block not offset by rank (or strided), an all-reduce in the
   column layer's forward or none in its backward, none in the row layer's forward or one in its
   backward, the row bias added on every rank before the sum, the bias scaled by 1/N, missing on
-  some rank, averaged partial sums;
+  some rank, held on a rank whose forward never adds it (its .grad stays None: a dead
+  parameter), averaged partial sums;
 * ``check_tp_mlp``: the assembled MLP equals the plain one (outputs, the input's gradient, and
   each rank's weight and bias gradients against the matching slice of the plain MLP's: a
   detached or divided parameter is named) with exactly one all-reduce in the forward and one in
@@ -66,7 +70,7 @@ Every check refuses the library's own reference (``tensor_parallel.shard_bounds`
 ``pipeline_parallel.measured_bubble`` ...) passed as the learner's answer.
 
 Accepted: ``torch.chunk``, ``narrow``, ``tensor_split`` or index arithmetic; the row layer's
-bias added after the all-reduce on every rank, or before it on rank 0 only; ``x @ W.T`` or
+bias added after the all-reduce on every rank, or held and added before it on rank 0 only; ``x @ W.T`` or
 ``F.linear``; in-place or cloned all-reduces (Megatron-LM all-reduces in place; the lab leaves
 it to the learner); any world size.
 """
@@ -229,17 +233,17 @@ def _conjugates_worker(rank: int, world_size: int, copy_cls, reduce_cls) -> dict
 PASSES = ("forward", "backward", "both", "neither")
 # the right declaration (hidden from the lab's text; the check says whether the learner's is)
 _RIGHT = {"f": "backward", "g": "forward"}
-# what a "why" must speak of: every group needs one of its word stems. Broad on purpose (the
-# learner's own words), but not a sentence that says nothing: the idea is that one side of
-# each operation is held whole by every rank and the other only as a part that must be added up.
-WHY_WORDS = (
-    ("sum", "add", "partial", "part ", "parts", "part.", "part,", "piece", "share", "contribut",
-     "term", "reduc", "total", "combin", "accumul", "only a", "subset", "fraction", "slice",
-     "block", "shard", "+"),
-    ("same", "whole", "full", "identical", "replic", "already", "every", "each", "all rank",
-     "all the rank", "both rank", "copy", "copies", "local", "own", "everywhere", "duplicat",
-     "entire", "complete", "one rank"),
-)
+# part 2's structured answer: what each rank holds of each quantity on its own, before any
+# collective, "whole" (the same on every rank) or "partial" (a part the ranks must sum). The
+# passes follow from it: an operation communicates in the pass that carries a partial quantity.
+HELD_KEYS = ("X", "dL/dX", "Y", "dL/dY")
+HELD_VALUES = ("whole", "partial")
+_HELD_AT = {"X": ("f", "forward"), "dL/dX": ("f", "backward"),
+            "Y": ("g", "forward"), "dL/dY": ("g", "backward")}
+_HELD_WHAT = {"X": "X, the input f receives in the forward",
+              "dL/dX": "dL/dX, the gradient f receives in the backward",
+              "Y": "Y, the row layer's product g receives in the forward",
+              "dL/dY": "dL/dY, the gradient g receives in the backward"}
 
 
 def _pair_implies(declared: dict) -> str:
@@ -278,34 +282,83 @@ def _wrong_passes(declared: dict) -> list:
     return [op for op in ("f", "g") if declared[op] != _RIGHT[op]]
 
 
-@recorded
-def check_diagnosis(f_communicates_in, g_communicates_in, why) -> None:
-    """The learner's own diagnosis of part 2, before any code: in which pass f and in which pass
-    g communicates (each ``"forward"``, ``"backward"``, ``"both"`` or ``"neither"``), and
-    ``why``, a sentence that must speak of the idea (what each rank holds whole, and what only
-    as a part that must be added up). The passes are judged first; a wrong pair is sent back
-    as a pair, with what it would make of the MLP's tensors, never which operation is wrong."""
+def _held(held) -> dict:
+    """The learner's whole/partial answers, validated; NotImplementedError when unwritten."""
     __tracebackhide__ = True
-    if why is None or why is Ellipsis:
-        raise NotImplementedError("write f_communicates_in, g_communicates_in and why first, "
+    if held is None or held is Ellipsis:
+        raise NotImplementedError("write f_communicates_in, g_communicates_in and held first, "
+                                  "then run this check.")
+    if not isinstance(held, dict) or set(held) != set(HELD_KEYS):
+        fail(f"held should be a dict with exactly the keys {', '.join(map(repr, HELD_KEYS))}, "
+             f"each set to 'whole' or 'partial'; got {held!r}.")
+    out = {}
+    for key in HELD_KEYS:
+        value = held[key]
+        if value is None or value is Ellipsis:
+            raise NotImplementedError(f"write held[{key!r}] ('whole' or 'partial') first, then "
+                                      f"run this check.")
+        if not isinstance(value, str) or value.strip().lower() not in HELD_VALUES:
+            fail(f"held[{key!r}] should be 'whole' (the same on every rank) or 'partial' (a "
+                 f"part the ranks must sum); got {value!r}.")
+        out[key] = value.strip().lower()
+    return out
+
+
+def _passes_from(held: dict, op: str) -> set:
+    return {pass_ for key, (o, pass_) in _HELD_AT.items() if o == op and held[key] == "partial"}
+
+
+def _declared_passes(value: str) -> set:
+    return {"forward": {"forward"}, "backward": {"backward"}, "both": {"forward", "backward"},
+            "neither": set()}[value]
+
+
+def _inconsistency(declared: dict, held: dict) -> str | None:
+    """The first place where a declared pass disagrees with the learner's own whole/partial
+    answers, as a sentence (it restates the learner's own answers, never the right ones)."""
+    for key, (op, pass_) in _HELD_AT.items():
+        talks = pass_ in _declared_passes(declared[op])
+        if held[key] == "partial" and not talks:
+            return (f"you say {_HELD_WHAT[key]}, is partial on each rank — a part the ranks "
+                    f"must sum — yet {_NAMES[op]} = {declared[op]!r} makes no collective in "
+                    f"the {pass_}, so that sum is never formed")
+        if held[key] == "whole" and talks:
+            return (f"you say {_HELD_WHAT[key]}, is whole — the same on every rank — yet "
+                    f"{_NAMES[op]} = {declared[op]!r} all-reduces it in the {pass_}, which "
+                    f"would add up the same value once per rank")
+    return None
+
+
+@recorded
+def check_diagnosis(f_communicates_in, g_communicates_in, held) -> None:
+    """The learner's own diagnosis of part 2, before any code: ``held``, for each of X and
+    dL/dX (at f) and Y and dL/dY (at g), whether each rank holds it ``"whole"`` (the same on
+    every rank) or ``"partial"`` (a part the ranks must sum) before any collective; and in which
+    pass f and g communicate (each ``"forward"``, ``"backward"``, ``"both"`` or
+    ``"neither"``), which must follow from those answers. Passes that disagree with the
+    learner's own answers are named as that disagreement; a consistent but wrong answer is sent
+    back as a pair, with what it would make of the MLP's tensors, never which value is
+    wrong."""
+    __tracebackhide__ = True
+    if held is None or held is Ellipsis:
+        raise NotImplementedError("write f_communicates_in, g_communicates_in and held first, "
                                   "then run this check.")
     declared = _declaration(f_communicates_in, g_communicates_in, "run this check")
+    answers = _held(held)
+    clash = _inconsistency(declared, answers)
+    if clash:
+        fail(f"Your passes do not follow from your own whole/partial answers: {clash}.",
+             fix="an operation communicates exactly in the pass whose quantity is partial: "
+                 "make the passes and held say the same thing, then judge them against the "
+                 "plain MLP.")
     if _wrong_passes(declared):
         fail(f"The pair ({_NAMES['f']} = {declared['f']!r}, {_NAMES['g']} = "
              f"{declared['g']!r}) is not right. Followed through the MLP, it means: "
-             f"{_pair_implies(declared)}. Which of these is not what the plain MLP computes?",
+             f"{_pair_implies(declared)}. Which of these is not what the plain MLP computes — "
+             f"and so which of your whole/partial answers does not hold?",
              fix="write ∂L/∂X and Y of the plain MLP as sums over the ranks' blocks, and mark "
                  "for each term which rank can compute it on its own.")
-    if not isinstance(why, str) or len(why.split()) < 5:
-        fail(f"Both passes are right, but why should say in a sentence (five words or more) "
-             f"what makes them communicate; got {why!r}.")
-    said = why.lower()
-    if not all(any(word in said for word in group) for group in WHY_WORDS):
-        fail(f"Both passes are right, but why does not say yet what makes them communicate "
-             f"(\"{why.strip()[:80]}\").",
-             fix="say what each rank holds whole and what it holds only as a part that the ranks "
-                 "must add up, on each side of f and of g.")
-    passed("your diagnosis: on each side of f and of g, one pass needs what every rank holds "
+    passed("your diagnosis: on each side of f and of g, one pass carries what every rank holds "
            "only as a part — a sum over the ranks — and the other has it whole on every rank "
            "already. Now write the code that does what you declared.")
 
