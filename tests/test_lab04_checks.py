@@ -239,6 +239,23 @@ F1_WRONG = {
         "    dist.all_reduce(f1)\n    return float(f1) / world_size\n", "F1 scores were averaged"),
     "sum_of_f1": (LOCAL + "    f1 = torch.tensor([macro_f1(y_true, y_pred)])\n"
                           "    dist.all_reduce(f1)\n    return float(f1)\n", "added up"),
+    # rank 0 evaluates every image and broadcasts the F1: right number, rank 1 idle
+    "rank0_does_all": (
+        "    share = test_set if rank == 0 else Subset(test_set, [])\n" + _COUNT
+        + "    result = torch.zeros(1, dtype=torch.float64)\n"
+        "    if rank == 0:\n"
+        "        tp = confusion.diagonal().double()\n"
+        "        result[0] = (2 * tp / (confusion.sum(0) + confusion.sum(1)).clamp(min=1)).mean()\n"
+        "    dist.broadcast(result, src=0)\n"
+        "    return float(result)\n", "rank 1 ran the model on no image (rank 0 101 of the 101)"),
+    # a second forward over the rank's own share: duplicates on one rank, no padding at all
+    "forward_twice": (
+        STRIDED + _COUNT + "            model(X)  # a second pass, e.g. for logits to log\n"
+        + REDUCE, "rank 0 evaluated 51 of its 51 images more than once"),
+    "overlapping_shares": (
+        "    n = len(test_set)\n"
+        "    share = Subset(test_set, range(max(0, rank * n // world_size - 5), (rank + 1) * n // world_size))\n"
+        + _COUNT + REDUCE, "the ranks' shares overlap"),
     "whole_set_everywhere": ("    share = test_set\n" + _COUNT + F1_OF_COUNTS,
                              "every rank evaluated all"),
     "training_mode": (STRIDED + _COUNT.replace("    model.eval()\n", "") + REDUCE,
@@ -291,6 +308,28 @@ def test_wrong_f1_is_named(tmp_path, name):
     with pytest.raises(LabCheckError) as err:
         lab04.check_f1(_write(tmp_path, _body(body)), runs=F1_RUNS_OF.get(name, ((2, 101),)))
     assert phrase in str(err.value), str(err.value)
+
+
+def test_padding_is_named_only_where_the_images_show_it(tmp_path):
+    # the sampler's padding: one image on two ranks, every share equally long
+    body, _ = F1_WRONG["padded_sampler"]
+    with pytest.raises(LabCheckError) as err:
+        lab04.check_f1(_write(tmp_path, _body(body)), runs=((2, 101),))
+    assert "image 0 on ranks 0 and 1" in str(err.value), str(err.value)
+    assert "DistributedSampler pads" in str(err.value), str(err.value)
+    # a second forward over each rank's own share is no padding: the sentence does not say so
+    body, _ = F1_WRONG["forward_twice"]
+    with pytest.raises(LabCheckError) as err:
+        lab04.check_f1(_write(tmp_path, _body(body)), runs=((2, 101),))
+    message = str(err.value)
+    assert "ran the model on 202 images for 101" in message, message
+    assert "DistributedSampler" not in message and "pad" not in message, message
+
+
+def test_the_rng_cause_keeps_the_design_for_the_second_meeting():
+    message = lab04.RESUME_MISTAKES["rng_rank0"]
+    assert "stream of its own" not in message and "hold every" not in message, message
+    assert "stream of its own" in lab04.RESUME_FIXES["rng_rank0"]
 
 
 def test_mean_of_precision_recall_is_named_on_three_ranks_too(tmp_path):
@@ -607,7 +646,7 @@ def test_right_resumes_pass(save, resume, capsys):
     (save_state, resume_never, "started from scratch"),
     (save_no_rng, resume_no_rng, "random state was not restored"),
     (save_state, _resume_variant(rng=False), "random state was not restored"),
-    (save_rank0_rng, resume_rank0_rng, "restored rank 0's random state"),
+    (save_rank0_rng, resume_rank0_rng, "rank 1's random generator held rank 0's state"),
     (save_everywhere, resume_state, "rank 1 wrote a file"),
     (save_own_rng_file, resume_no_rng, "rank 1 wrote a file"),
     (save_wrapper_state, resume_wrapper_state, "keys start with 'module.'"),

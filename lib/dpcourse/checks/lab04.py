@@ -510,12 +510,22 @@ def _f1_worker(rank, world_size, source, n_test):
 
     torch.set_num_threads(1)
     model = _f1_model()
-    seen = {"images": 0, "training": False, "grad": False}
+    seen = {"images": 0, "training": False, "grad": False, "indices": []}
+    X0, _ = _f1_data(n_test)
+    index_of = {x.numpy().tobytes(): i for i, x in enumerate(X0)}  # which image the model saw
 
     def count(module, inputs, output):
-        seen["images"] += int(inputs[0].shape[0])
+        batch = inputs[0]
+        seen["images"] += int(batch.shape[0])
         seen["training"] |= module.training
         seen["grad"] |= torch.is_grad_enabled()
+        if seen["indices"] is not None:
+            try:
+                found = [index_of.get(x.detach().cpu().float().numpy().tobytes())
+                         for x in batch]
+            except Exception:  # an input the check cannot read back: count images only
+                found = [None]
+            seen["indices"] = None if None in found else seen["indices"] + found
 
     model.register_forward_hook(count)
     sent = []
@@ -531,6 +541,7 @@ def _f1_worker(rank, world_size, source, n_test):
             sent.append(sum(c.nbytes for c in calls[before:]))
             if n == n_test:
                 first, first_seen = value, dict(seen)
+                seen["indices"] = None  # the larger set's images are not looked up
     value = first
     if torch.is_tensor(value) and value.numel() == 1:
         value = float(value.item())
@@ -596,6 +607,37 @@ def _f1_of_mean_pr(confusions) -> float:
     return float(torch.where(p + r > 0, 2 * p * r / (p + r).clamp(min=1e-300), 0.0).mean())
 
 
+def _overcount(results: list, n_test: int, total: int) -> str:
+    """The cause of more forwards than images, from the images each rank's model saw: the
+    same image twice on one rank (a second pass over the share), or on two ranks (shares that
+    overlap, e.g. DistributedSampler's padding); only the counts when the images are unknown."""
+    from collections import Counter
+
+    head = f"the ranks ran the model on {total} images for {n_test}"
+    lists = [r.get("indices") for r in results]
+    if any(idx is None for idx in lists):
+        return head + ", so some images were counted more than once."
+    per_rank = [Counter(idx) for idx in lists]
+    for rank, c in enumerate(per_rank):
+        again = sorted(i for i, k in c.items() if k > 1)
+        if again:
+            times = max(c.values())
+            return (head + f": rank {rank} evaluated {len(again)} of its {len(c)} images more "
+                           f"than once (up to {times} times; image {again[0]} among them), so "
+                           f"its forwards counted them again: a second pass over the same "
+                           f"share, not an overlap between ranks.")
+    ranks_of = Counter(i for c in per_rank for i in c)
+    shared = sorted(i for i, k in ranks_of.items() if k > 1)
+    who = [r for r, c in enumerate(per_rank) if shared[0] in c]
+    padding = len(shared) < len(results) and len({len(c) for c in per_rank}) == 1
+    why = (": every share has the same length, which for a set that does not split evenly "
+           "means repeated images (DistributedSampler pads the shares that way)"
+           if padding else ": the ranks' shares overlap")
+    return (head + f": {len(shared)} image(s) were evaluated on more than one rank (image "
+                   f"{shared[0]} on ranks {who[0]} and {who[1]}){why}, so they were counted "
+                   f"twice.")
+
+
 def judge_f1(results: list, n_test: int) -> None:
     """Nothing if every rank returned one process's macro-F1, each image evaluated once in eval
     mode without autograd, sending no more for a larger test set; else fail with the sentence
@@ -624,12 +666,18 @@ def judge_f1(results: list, n_test: int) -> None:
         fail(where + f"every rank evaluated all {n_test} images: the work was not split.",
              fix="give each rank only its share of the images and combine what the ranks "
                  "counted.")
+    idle = [r for r, i in enumerate(images) if i == 0]
+    if idle and N > 1 and n_test >= N:
+        busy = ", ".join(f"rank {r} {i}" for r, i in enumerate(images) if i)
+        fail(where + f"rank {idle[0]} ran the model on no image ({busy} of the {n_test}): the "
+                     f"contract has each rank evaluate its own share, so the job takes as long "
+                     f"as one process and the idle rank's accelerator waits.",
+             fix="give every rank a share of the test set (about len(test_set) / world_size "
+                 "images each) and combine what the ranks counted.")
     if total > n_test:
-        fail(where + f"the ranks evaluated {total} images for {n_test}, so some were counted "
-                     f"twice: DistributedSampler pads every rank's share to equal length with "
-                     f"repeated images.",
+        fail(where + _overcount(results, n_test, total),
              fix="split the indices yourself so that each image is on exactly one rank (the "
-                 "shares may differ by one).")
+                 "shares may differ by one), and run the model once per image.")
     if total < n_test:
         fail(where + f"the ranks evaluated only {total} of the {n_test} images: the rest never "
                      f"reached the metric.",
@@ -799,8 +847,9 @@ RESUME_MISTAKES = {  # the cause; what to change is in RESUME_FIXES (the second 
                      "the model, not when you load them later.",
     "no_rng": "The ranks' random state was not restored: after the crash, dropout drew masks "
               "the uninterrupted run never drew, so the weights differ.",
-    "rng_rank0": "Every rank restored rank 0's random state: rank 1 now draws rank 0's dropout "
-                 "masks, and each rank has a random stream of its own.",
+    "rng_rank0": "After the resume rank 1's random generator held rank 0's state at the crash, "
+                 "not the state rank 1 itself had: from then on rank 1 draws the dropout masks "
+                 "rank 0 draws, which the uninterrupted run never did.",
 }
 RESUME_FIXES = {
     "wrapper_keys": "Save model.module.state_dict().",
@@ -811,8 +860,8 @@ RESUME_FIXES = {
     "no_weights": "Load the saved model weights (model.module.load_state_dict(...)).",
     "weights_rank0": "Load the weights on every rank.",
     "no_rng": "Save each rank's random number generator state and restore it.",
-    "rng_rank0": "Make the one file hold every rank's random state, and each rank restore its "
-                 "own.",
+    "rng_rank0": "Each rank has a random stream of its own: make the one file hold every "
+                 "rank's random state, and each rank restore its own.",
 }
 
 
