@@ -221,6 +221,16 @@ def average_gradients(model: nn.Module) -> None:
     given; the division must also write into it (``/=``, ``div_``) — ``g = g / world_size``
     makes a new tensor and leaves ``p.grad`` holding the sum.
 
+    It assumes that every rank used every parameter in its forward, as lesson 03's model does:
+    then a ``p.grad`` that is ``None`` is ``None`` on every rank (a frozen parameter), and
+    skipping it skips the same tensors everywhere, so the ranks' ``all_reduce`` calls still
+    pair up. When the ranks use different parameters (one rank's batch goes through a layer
+    another rank's does not), that assumption fails: the ranks skip different tensors, so the
+    calls pair the wrong tensors or hang. That is the case DDP's ``find_unused_parameters=True``
+    is for (it marks the parameters that got no gradient ready to be reduced), and it is the
+    case lab 03 part 1 asks for: its contract (every parameter that got a gradient on any rank
+    ends with the mean on every rank) is one this function does not meet.
+
     Shown in lesson 03, §"Lab 03: average the gradients yourself".
     """
     world_size = dist.get_world_size()

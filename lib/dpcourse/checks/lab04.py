@@ -12,8 +12,10 @@ script so that it equals one process.
    ranks, in eval mode without autograd, and send no more for the larger set (which statistic
    crosses is the learner's decision: a confusion matrix, per-class counts ...). When it does
    not, the sentence names the mistake: ranks that return their own shard's number, images
-   counted twice (DistributedSampler's padding) or skipped, every rank evaluating everything,
-   the ranks' F1 scores averaged or summed, the ranks' per-class precisions and recalls
+   counted twice (a second pass over one rank's share, or shares that overlap:
+   DistributedSampler's padding is named only where one image is on two ranks), images
+   skipped, a rank left idle while another evaluates everything, every rank evaluating
+   everything, the ranks' F1 scores averaged or summed, the ranks' per-class precisions and recalls
    averaged, the accuracy instead of F1, the labels or
    predictions themselves gathered (what is sent grows with the test set).
 2. It runs the whole script under torchrun (2 processes) and compares the weights it writes to
