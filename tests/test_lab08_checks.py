@@ -60,7 +60,9 @@ def numpy_ints(numel, rank, world_size):
 @pytest.mark.parametrize("fn", [negated_floor, integer_ceil, math_ceil, as_list, numpy_ints])
 def test_right_shard_bounds_pass(fn, capsys):
     lab08.check_shard_bounds(fn)
-    assert capsys.readouterr().out.count("✔") == 1
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1
+    assert "ceil" not in out and "numel / world_size" not in out   # what was checked, no formula
 
 
 def floor_size(numel, rank, world_size):
@@ -375,9 +377,28 @@ class CloneAndDivOut(GoodTwo):
             torch.div(out, self.world_size, out=out)
 
 
+class CopyFreeThenWait(GoodTwo):
+    # the new bucket is copied and its p.grad freed before the old bucket is waited for: the
+    # old buffer and the new one are alive together, two buckets — allowed
+    def bucket_full(self, i):
+        buffer, out = self.padded(i), self.out(i)
+        self.finish(keep=0)
+        self.in_flight.append((dist.reduce_scatter_single(out, buffer, async_op=True), buffer,
+                               out))
+
+
+class WaitsLastAtBackwardEnd(GoodTwo):
+    # each bucket waits for the one before it, and the last one is waited for by a callback
+    # at the end of the backward instead of in step()
+    def bucket_full(self, i):
+        super().bucket_full(i)
+        if i == len(self.buckets) - 1:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+
 RIGHT_TWOS = [GoodTwo, OneBucketPerParameter, OldNamesTwo, ListReduceScatter,
               DivideFirstTwo, AsyncGathers, AllReduceThenSlice, BroadcastsFirst,
-              CloneAndDivOut]
+              CloneAndDivOut, CopyFreeThenWait, WaitsLastAtBackwardEnd]
 
 
 class ShardView(GoodTwo):
@@ -618,6 +639,32 @@ class DefaultDtypeShardGrad(GoodTwo):
         return torch.zeros(self.shard.numel())
 
 
+class CopyBeforeWait(GoodTwo):
+    # the learner's finding: the new bucket's padded buffer is filled before the old bucket's
+    # reduce-scatter is waited for and before its p.grad is freed — old buffer, new buffer and
+    # the bucket's p.grad alive together
+    def bucket_full(self, i):
+        size, _ = self.layout[i]
+        numel = sum(q.numel() for q in self.buckets[i])
+        buffer = F.pad(torch.cat([q.grad.reshape(-1) for q in self.buckets[i]]),
+                       (0, size * self.world_size - numel))
+        self.finish(keep=0)
+        self.drop(i)
+        out = self.out(i)
+        self.in_flight.append((dist.reduce_scatter_single(out, buffer, async_op=True), buffer,
+                               out))
+
+
+class CountNeverReset(GoodTwo):
+    # the per-bucket count of arrived gradients is compared with == and never set back to 0:
+    # in step 2 it runs past the bucket's size and no bucket fills again
+    def _grad_ready(self, p):
+        i = self.bucket_of[p]
+        self.arrived[i] += 1
+        if self.arrived[i] == len(self.buckets[i]):
+            self.bucket_full(i)
+
+
 class OffsetByNumel(GoodTwo):
     # each bucket's slice of the shard starts at the sum of the earlier buckets' numel, not
     # of their shard sizes: the later slices run past the shard
@@ -661,6 +708,14 @@ WRONG_TWOS = [
     (DefaultDtypeShardGrad, "self.shard.grad was given another dtype than self.shard .* "
                             "contract 6"),
     (OffsetByNumel, "output slice of self.shard.grad is the wrong size"),
+    (CopyBeforeWait, "when you called wait\\(\\) on reduce-scatter \\d+, \\d+ bytes .*the old "
+                     "bucket's padded buffer, still in flight \\(\\d+ B\\), the new bucket's "
+                     "buffer, already filled \\(\\d+ B\\), and the new bucket's gradients, "
+                     "still in p.grad \\(\\d+ B\\) — you copied the new bucket before waiting"),
+    (CountNeverReset, "after step 2 .* step 2 none, though all \\d+ gradients arrived — "
+                      "self.arrived started at \\[0, .* and still held \\[.*your hooks' count "
+                      "of arrived gradients carried over from step 1, so no bucket ever filled "
+                      "again"),
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -845,6 +900,29 @@ def test_the_peak_of_two_buckets_in_flight_is_said_to_keep_more(capsys):
 
     measured = lab08.measure_peak(TwoInFlight)
     assert measured > 35360
+    lab08.check_peak_prediction(predict("lab08", "peak", 35360, unit="B"), measured)
+    assert "is not that of one bucket in flight (35360 B): it keeps more alive" in \
+        " ".join(capsys.readouterr().out.split())
+
+
+def test_copy_before_wait_and_an_unreset_count_say_what_to_change_the_second_time(results):
+    for cls, fix in ((CopyBeforeWait, "wait for the old bucket and let go of its buffer before "
+                                      "you build the new one"),
+                     (CountNeverReset, "set a bucket's count in self.arrived back to 0")):
+        with pytest.raises(LabCheckError) as first:
+            diagnose(results, cls)
+        assert fix not in str(first.value)
+        with pytest.raises(LabCheckError, match=fix):
+            diagnose(results, cls)
+
+
+def test_copy_before_wait_peak_is_three_buckets_and_said_to_keep_more(capsys):
+    # weighed inside the hook, at the wait() for bucket 0: its buffer (4680), bucket 1's new
+    # buffer (4160) and bucket 1's p.grad (4160) — the answer's 35360 B plus one bucket
+    from dpcourse.checks import predict
+
+    measured = lab08.measure_peak(CopyBeforeWait)
+    assert measured == 4 * (4680 + 4160 + 4160) == 52000
     lab08.check_peak_prediction(predict("lab08", "peak", 35360, unit="B"), measured)
     assert "is not that of one bucket in flight (35360 B): it keeps more alive" in \
         " ".join(capsys.readouterr().out.split())

@@ -294,6 +294,7 @@ def _diagnose_weights(results: list, step: int, world_size: int, opt_name: str) 
         fail(f"{after} only the numbers at the shard edges {bad} are wrong: a shard boundary "
              f"is off by one.", fix="slice [start:end), end exclusive.")
     if not any(e[0] == "launch" for e in s["log"]):
+        _diagnose_carried_counter(r0, step)
         fail(f"{after} every rank holds the same weights, but they differ from DDP's: no "
              f"reduce-scatter ran, so the gradients were never averaged over the ranks.",
              fix="reduce-scatter each bucket, then divide, before stepping the shard.")
@@ -304,6 +305,32 @@ def _diagnose_weights(results: list, step: int, world_size: int, opt_name: str) 
          f"into that bucket's parameters in order.",
          fix="step each bucket's slice with its averaged gradient slice, then all-gather and "
              "copy back into the bucket's parameters in order.")
+
+
+def _diagnose_carried_counter(r0: dict, step: int) -> None:
+    """No reduce-scatter in this step, though an earlier step had them and every gradient
+    arrived: is a per-bucket count of arrivals still where the earlier step left it?"""
+    __tracebackhide__ = True
+    s = r0["steps"][step]
+    earlier = [t for t in r0["steps"][:step] if any(e[0] == "launch" for e in t["log"])]
+    if step == 0 or not earlier:
+        return
+    arrivals = sum(1 for e in s["log"] if e[0] == "grad")
+    start = r0.get("counters0", {})
+    before = r0["steps"][step - 1].get("counters", {})
+    carried = [(name, values) for name, values in before.items()
+               if name in start and not any(start[name]) and any(values)]
+    if not carried:
+        return
+    name, values = carried[0]
+    fail(f"after step {step + 1} the weights differ from DDP's: step 1 launched "
+         f"{sum(1 for e in earlier[0]['log'] if e[0] == 'launch')} reduce-scatters, step "
+         f"{step + 1} none, though all {arrivals} gradients arrived — self.{name} started at "
+         f"{start[name]} and still held {values} when step {step + 1}'s backward began: your "
+         f"hooks' count of arrived gradients carried over from step 1, so no bucket ever "
+         f"filled again (the gradients were never averaged).",
+         fix=f"set a bucket's count in self.{name} back to 0 once it is full (or in "
+             f"zero_grad()).")
 
 
 def _diagnose_drift(results: list, step: int) -> None:
@@ -386,15 +413,28 @@ def _diagnose_memory(results: list, world_size: int, opt_name: str) -> str:
         where = worst["where"]
         path = max(where, key=where.get)
         ends = worst["end_where"]
+        log = worst["log"]
         if ends.get("p.grad"):
             fail(f"{ends['p.grad']} bytes of full gradients were still in p.grad when the "
                  f"backward ended: a bucket's gradients, once copied into its buffer, stayed "
                  f"alive a second time in p.grad — contract 5 counts them there too.")
+        moment, pgrad = worst.get("moment", ("arrival",)), where.get("p.grad", 0)
+        flying = worst.get("flying_bytes", 0)
+        new = worst["peak"] - pgrad - flying - where.get("a full gradient kept elsewhere", 0)
+        if moment[0] == "wait" and pgrad and flying and new > 0:
+            fail(f"when you called wait() on reduce-scatter {moment[1] + 1}, {worst['peak']} "
+                 f"bytes of gradients were alive (limit {limit}, about two buckets): the old "
+                 f"bucket's padded buffer, still in flight ({flying} B), the new bucket's "
+                 f"buffer, already filled ({new} B), and the new bucket's gradients, still in "
+                 f"p.grad ({pgrad} B) — you copied the new bucket before waiting for the old "
+                 f"one and before freeing its p.grad: three buckets' worth alive together, where "
+                 f"contract 5 allows about two.",
+                 fix="wait for the old bucket and let go of its buffer before you build the "
+                     "new one, and free the new bucket's p.grad once it is copied.")
         if path == "a full gradient kept elsewhere":
             fail(f"{where[path]} bytes of full gradients were kept alive by a reference outside "
                  f"p.grad and outside your object: contract 5 counts a gradient wherever it is "
                  f"kept alive.")
-        log = worst["log"]
         waits_in_backward = [e for e in log[:log.index(("backward_done",))] if e[0] == "wait"]
         if not waits_in_backward:
             fail(f"every bucket's padded gradient buffer stayed alive until step() "

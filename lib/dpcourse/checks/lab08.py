@@ -22,11 +22,14 @@ twice, earlier steps' gradients kept), so that weights equal to one of those nam
 What it watches, from inside the rank: a hook registered on every parameter *before* the
 learner's sees each gradient arrive; spies on the collectives log each reduce-scatter's
 launch (its size, whether ``async_op=True``) and each ``wait()`` on its Work; and at every
-arrival the check weighs the gradient memory alive — by *storage* (``untyped_storage()``'s
-bytes, each data pointer once), not by tensor: every ``p.grad``, every full gradient still
-referenced anywhere, and every tensor reachable from the wrapper's attributes that is not a
-weight, the optimizer's state or the gradient shard itself. A view keeps its whole buffer
-alive, so it weighs the whole buffer.
+arrival, and inside the learner's hook at each reduce-scatter's launch and each ``wait()``,
+the check weighs the gradient memory alive — by *storage* (``untyped_storage()``'s bytes, each
+data pointer once), not by tensor: every ``p.grad``, every full gradient still referenced
+anywhere, every tensor reachable from the wrapper's attributes that is not a weight, the
+optimizer's state or the gradient shard itself, the inputs of collectives not yet waited
+for, and (inside the hook) the tensors held by the learner's local variables on the stack,
+where a buffer just filled lives. A view keeps its whole buffer alive, so it weighs the whole
+buffer.
 
 It names: a shard (or shard gradient) that is a view of the whole padded vector, the whole
 model given to the inner optimizer, a frozen parameter hooked, bucketed or stepped, the
@@ -34,9 +37,13 @@ reduce-scatters done in ``step()``, all launched at the end of the backward, a b
 launched later than when it was full, a blocking reduce-scatter in the backward, a wait right
 after each launch, a reduce-scatter not waited for before the inner step, full gradients
 left in ``p.grad`` or referenced elsewhere, every bucket's padded buffer kept until
-``step()``, buffers kept after their reduce-scatter or into the next step, gradients summed
+``step()``, the new bucket's buffer filled before the old bucket was waited for and before
+its ``p.grad`` was freed (three buckets' worth at the ``wait()``), buffers kept after
+their reduce-scatter or into the next step, gradients summed
 (also when the mean was written into a new tensor) or divided twice or accumulated over
-steps, no all-gather (the ranks drift apart), a shard boundary off by one, a reduce-scatter
+steps, a per-bucket count of arrived gradients never set back after a step (step 2 launches
+nothing: the check reads the wrapper's integer lists after construction and each step),
+no all-gather (the ranks drift apart), a shard boundary off by one, a reduce-scatter
 whose output slice is the wrong size (an offset mistake) or whose input is not padded (named
 before gloo's own "size" error), a shard gradient still all zeros when the optimizer steps
 (the reduce-scatters wrote elsewhere), a shard stepped but never copied back into the
@@ -61,6 +68,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import sys
+import types
 import weakref
 
 import torch
@@ -102,8 +112,9 @@ def check_shard_bounds(shard_bounds) -> None:
                      f"integers.", fix="return (start, end), two integers.")
             got.append((start, end))
         _bounds_problem(got, numel, world_size, size)
-    passed("shard_bounds: equal shards of ceil(numel / world_size), in rank order, covering "
-           f"every number, on {len(_BOUNDS_CASES)} cases")
+    passed(f"shard_bounds: on {len(_BOUNDS_CASES)} (numel, world size) pairs, from an even "
+           f"split to more ranks than numbers, every rank's piece is as long as every other's and "
+           f"no longer than it must be, in rank order, touching, every number owned")
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,7 +191,8 @@ def _storages(obj, skip: set, path: str, out: dict, depth: int = 0, seen=None) -
             if st.nbytes() and ptr not in skip and ptr not in out:
                 out[ptr] = (st.nbytes(), path if t is obj else path + ".grad")
         return
-    if isinstance(obj, (torch.optim.Optimizer, nn.Module, type)) or callable(obj) and \
+    if isinstance(obj, (torch.optim.Optimizer, nn.Module, type, types.ModuleType)) or \
+            callable(obj) and \
             not hasattr(obj, "__dict__"):
         return
     if isinstance(obj, dict):
@@ -195,11 +207,31 @@ def _storages(obj, skip: set, path: str, out: dict, depth: int = 0, seen=None) -
             _storages(v, skip, f"{path}.{k}", out, depth + 1, seen)
 
 
-def _live_gradients(trainable, tracked, state) -> tuple[int, dict]:
+_NOT_LEARNERS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+def _learner_locals(state, found: dict) -> None:
+    """The tensors held by the local variables of the learner's functions now on the stack
+    (inside its hook, at a collective's launch or a wait()): a buffer just filled lives in a
+    local before it lives anywhere else. Frames of torch and of dpcourse are not the
+    learner's."""
+    skip = state["skip"] | {state["grad_ptr"]}
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_LEARNERS):
+        frame = frame.f_back                        # the check's and the recorder's frames
+    while frame is not None and not frame.f_code.co_filename.startswith(_NOT_LEARNERS):
+        for name, value in frame.f_locals.items():  # the learner's, up to torch's autograd
+            if value is not state["learner"]:
+                _storages(value, skip, f"`{name}` in {frame.f_code.co_name}()", found)
+        frame = frame.f_back
+
+
+def _live_gradients(trainable, tracked, state, inside: bool = False) -> tuple[int, dict]:
     """Gradient bytes alive now, besides the gradient shard: every p.grad, any full gradient
-    still referenced (``tracked``: weak references), and whatever the wrapper
-    (``state["learner"]``) holds that is not weights or optimizer state (``state["skip"]``);
-    {path: bytes} too."""
+    still referenced (``tracked``: weak references), whatever the wrapper
+    (``state["learner"]``) holds that is not weights or optimizer state (``state["skip"]``),
+    the inputs of its collectives still in flight (``state["flying"]``) and, ``inside`` the
+    learner's hook, the tensors of its functions' local variables; {path: bytes} too."""
     found: dict = {}
     for p in trainable:
         if p.grad is not None:
@@ -212,6 +244,10 @@ def _live_gradients(trainable, tracked, state) -> tuple[int, dict]:
             found.setdefault(st.data_ptr(), (st.nbytes(), "a full gradient kept elsewhere"))
     if state["learner"] is not None:
         _storages(state["learner"], state["skip"] | {state["grad_ptr"]}, "self", found)
+    if inside:
+        _learner_locals(state, found)
+    for ptr, nbytes in state.get("flying", {}).items():
+        found.setdefault(ptr, (nbytes, "a collective's input, in flight"))
     found.pop(state["grad_ptr"], None)
     where: dict = {}
     for nbytes, path in found.values():
@@ -260,18 +296,40 @@ def _refuse_uneven(call, world_size: int) -> None:
         raise RuntimeError(f"lab08-gather {call.numel} {call.out_numel} {world_size}")
 
 
-class _Watched:
-    """A collective's Work with its wait() recorded; everything else passes through."""
+def _inputs(call) -> dict:
+    """{data_ptr: bytes} of the storages a collective reads (its output aside)."""
+    out = {}
+    for key, v in (call.args or {}).items():
+        for t in (v if isinstance(v, (list, tuple)) else [v]):
+            if key != "output" and isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                out[st.data_ptr()] = st.nbytes()
+    return out
 
-    def __init__(self, work, number: int, log: list):
+
+class _Watched:
+    """A collective's Work with its wait() recorded: ``weigh(("wait", number))`` runs just
+    before it (the memory alive while the learner waits), and its input leaves
+    ``flying`` once waited; everything else passes through."""
+
+    def __init__(self, work, number: int, log: list, weigh=None, flying=None, inputs=()):
         self._work, self._number, self._log = work, number, log
+        self._weigh, self._flying, self._inputs = weigh, flying, tuple(inputs)
+
+    def _waited(self):
+        if self._weigh is not None:
+            self._weigh(("wait", self._number))
+        self._log.append(("wait", self._number))
+        for ptr in self._inputs:
+            if self._flying is not None:
+                self._flying.pop(ptr, None)
 
     def wait(self, *args, **kwargs):
-        self._log.append(("wait", self._number))
+        self._waited()
         return self._work.wait(*args, **kwargs)
 
     def get_future(self):
-        self._log.append(("wait", self._number))
+        self._waited()
         return self._work.get_future()
 
     def __getattr__(self, name):
@@ -303,19 +361,21 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
 
     log: list = []                                      # what happened, in order
     tracked: list = []                                  # weak references to each full gradient
-    state = {"phase": "init", "learner": None, "skip": set(), "grad_ptr": None}
+    state = {"phase": "init", "learner": None, "skip": set(), "grad_ptr": None, "flying": {}}
     memory = {"peak": 0, "where": {}}
 
     def live():
         return _live_gradients(trainable, tracked, state)
 
-    def weigh():
-        total, where = live()
+    def weigh(moment=("arrival",)):        # at an arrival, and inside the hook: launch, wait()
+        total, where = _live_gradients(trainable, tracked, state, inside=moment[0] != "arrival")
         if total > memory["peak"]:
             launched = {e[1] for e in log if e[0] == "launch" and e[3]}
             waited = {e[1] for e in log if e[0] == "wait"}
             memory["peak"], memory["where"] = total, where
             memory["in_flight"] = len(launched - waited)
+            memory["moment"] = moment
+            memory["flying_bytes"] = sum(state["flying"].values())
 
     def seen(p):                                       # the check's hook: runs before yours
         log.append(("grad", p.numel()))
@@ -336,12 +396,17 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                 state["phase"] in ("backward", "step"):
             number = sum(1 for e in log if e[0] == "launch")
             log.append(("launch", number, call.numel, call.async_op, state["phase"]))
-            launches[call.index] = number
+            inputs = _inputs(call)
+            state["flying"].update(inputs)
+            weigh(("launch", number))
+            launches[call.index] = (number, inputs)
 
     def watched(call):                                  # its Work, with wait() noted
-        number = launches.pop(call.index, None)
+        number, inputs = launches.pop(call.index, (None, {}))
         if number is not None and call.result is not None:
-            return _Watched(call.result, number, log)
+            return _Watched(call.result, number, log, weigh, state["flying"], inputs)
+        for ptr in inputs:                              # blocking: over when it returns
+            state["flying"].pop(ptr, None)
         return None
 
     torch.set_default_dtype(_LEARNER_DEFAULT)              # see _LEARNER_DEFAULT
@@ -375,13 +440,15 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                 skip |= {t.untyped_storage().data_ptr() for t in _inner_tensors(inner)}
             state.update(learner=opt, skip=skip)
             hooked = _learner_hooks(trainable)
+            counters0 = _counters(opt)
             steps = []
             for step in range(_STEPS):
                 X, y = _batch(step, rank, world_size)
                 opt.zero_grad()
                 tracked.clear()
                 log.clear()
-                memory.update(peak=0, where={}, in_flight=0)
+                memory.update(peak=0, where={}, in_flight=0, moment=("arrival",),
+                              flying_bytes=0)
                 g = getattr(getattr(opt, "shard", None), "grad", None)
                 state["grad_ptr"] = g.untyped_storage().data_ptr() if isinstance(g, torch.Tensor) \
                     else None
@@ -403,7 +470,9 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                 after_step, after_where = live()            # between steps: nothing but the shard
                 state["phase"] = "references"
                 rec = {"learner": _flat(model), "log": list(log), "peak": memory["peak"],
-                       "in_flight": memory.get("in_flight", 0),
+                       "in_flight": memory.get("in_flight", 0), "moment": memory["moment"],
+                       "flying_bytes": memory["flying_bytes"],
+                       "counters": _counters(opt),
                        "where": memory["where"], "end": end_total, "end_where": end_where,
                        "after_step": after_step, "after_where": after_where,
                        "zero_grad_at_step": state["zero_grad_at_step"], "shard_moved": shard_moved}
@@ -415,10 +484,23 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                 steps.append(rec)
             state_after = _state_of(inner)
         return {"initial": initial, "steps": steps, "state_after": state_after, "names": names,
+                "counters0": counters0,
                 "views": None, "hooked": hooked, "frozen": [(n, p.numel()) for n, p in named.items()
                                           if not p.requires_grad]}
     finally:
         torch.set_default_dtype(_MODEL_DTYPE)
+
+
+def _counters(opt) -> dict:
+    """The wrapper's lists (or dicts) of integers, by attribute: read after construction and
+    after every step, they show a per-bucket count of arrived gradients that never went back
+    to where it started."""
+    out = {}
+    for name, v in (vars(opt).items() if hasattr(opt, "__dict__") else ()):
+        values = list(v.values()) if isinstance(v, dict) else v if isinstance(v, list) else None
+        if values and all(type(x) is int for x in values):
+            out[name] = list(values)
+    return out
 
 
 def _inner_tensors(inner) -> list:
@@ -503,19 +585,43 @@ def peak_buckets() -> list[int]:
 
 def _peak_worker(rank: int, world_size: int, cls) -> dict:
     """One rank: the learner's wrapper for 2 SGD steps of the prediction's model, weighing the
-    gradient memory alive (as ``check_zero_two`` does) at every gradient's arrival."""
+    gradient memory alive as ``check_zero_two`` does: at every gradient's arrival, and inside
+    the learner's hook at each reduce-scatter's launch and each wait()."""
     __tracebackhide__ = True
+    from ..collectives import record_collectives
+
     model = _peak_mlp()
     trainable = [p for p in model.parameters() if p.requires_grad]
     tracked: list = []
-    state = {"learner": None, "skip": set(), "grad_ptr": None}
-    peak = {"bytes": 0, "where": {}}
+    state = {"learner": None, "skip": set(), "grad_ptr": None, "flying": {}}
+    peak = {"bytes": 0, "where": {}, "moment": None}
+    log: list = []
+    launches: dict = {}
+
+    def weigh(moment=("arrival",)):
+        total, where = _live_gradients(trainable, tracked, state, inside=moment[0] != "arrival")
+        if total > peak["bytes"]:
+            peak.update(bytes=total, where=where, moment=moment)
 
     def seen(p):                                       # the check's hook: runs before yours
         tracked.append(weakref.ref(p.grad))
-        total, where = _live_gradients(trainable, tracked, state)
-        if total > peak["bytes"]:
-            peak.update(bytes=total, where=where)
+        weigh()
+
+    def launched(call):
+        if call.op == "reduce_scatter" or call.function == "all_reduce":
+            number = len(launches)
+            inputs = _inputs(call)
+            state["flying"].update(inputs)
+            weigh(("launch", number))
+            launches[call.index] = (number, inputs)
+
+    def watched(call):
+        number, inputs = launches.get(call.index, (None, {}))
+        if number is not None and call.result is not None:
+            return _Watched(call.result, number, log, weigh, state["flying"], inputs)
+        for ptr in inputs:
+            state["flying"].pop(ptr, None)
+        return None
 
     for p in trainable:
         p.register_post_accumulate_grad_hook(seen)
@@ -525,25 +631,27 @@ def _peak_worker(rank: int, world_size: int, cls) -> dict:
     if inner is not None and hasattr(inner, "state"):
         skip |= {t.untyped_storage().data_ptr() for t in _inner_tensors(inner)}
     state.update(learner=opt, skip=skip)
-    for step in range(2):
-        g = torch.Generator().manual_seed(200 + step)
-        X = torch.randn(8 * world_size, PEAK_WIDTHS[0], generator=g)
-        y = torch.randint(0, PEAK_WIDTHS[-1], (8 * world_size,), generator=g)
-        X, y = X[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]
-        opt.zero_grad()
-        tracked.clear()
-        shard_grad = getattr(getattr(opt, "shard", None), "grad", None)
-        state["grad_ptr"] = shard_grad.untyped_storage().data_ptr() \
-            if isinstance(shard_grad, torch.Tensor) else None
-        F.cross_entropy(model(X), y).backward()
-        opt.step()
-    return {"peak": peak["bytes"], "where": peak["where"]}
+    with record_collectives(before=launched, after=watched):
+        for step in range(2):
+            g = torch.Generator().manual_seed(200 + step)
+            X = torch.randn(8 * world_size, PEAK_WIDTHS[0], generator=g)
+            y = torch.randint(0, PEAK_WIDTHS[-1], (8 * world_size,), generator=g)
+            X, y = X[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]
+            opt.zero_grad()
+            tracked.clear()
+            shard_grad = getattr(getattr(opt, "shard", None), "grad", None)
+            state["grad_ptr"] = shard_grad.untyped_storage().data_ptr() \
+                if isinstance(shard_grad, torch.Tensor) else None
+            F.cross_entropy(model(X), y).backward()
+            opt.step()
+    return {"peak": peak["bytes"], "where": peak["where"], "moment": peak["moment"]}
 
 
 def measure_peak(cls, timeout: float | None = None) -> int:
     """The most gradient bytes your ``cls`` kept alive at once on the prediction's model
     (``PEAK_WIDTHS``, buckets of ``PEAK_CAP`` bytes, fp32, ``PEAK_WORLD_SIZE`` ranks), weighed
-    at every gradient's arrival as ``check_zero_two`` weighs them, the largest over the ranks."""
+    as ``check_zero_two`` weighs them (at every gradient's arrival, and inside your hook at
+    each reduce-scatter's launch and each wait()), the largest over the ranks."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     require_answer(cls, getattr(cls, "__name__", "ZeroTwo"), "class")
