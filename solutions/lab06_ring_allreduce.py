@@ -220,12 +220,12 @@ def ring_allreduce(tensor, op="sum"):
         # Even ranks send first, odd ranks receive first. Rank 1 always exists and is odd, so
         # some rank receives first in every step: the chain of blocked sends ends there (on
         # N = 3, rank 2's send to rank 0 waits only until rank 0's own send to rank 1 is taken).
-        if rank % 2 == 0:
-            dist.send(send_chunk, right)
+        if rank % 2:
             dist.recv(recv_into, left)
+            dist.send(send_chunk, right)
         else:
-            dist.recv(recv_into, left)
             dist.send(send_chunk, right)
+            dist.recv(recv_into, left)
 
     for s in range(n - 1):
         recv_chunk = chunks[(rank - s - 1) % n]
