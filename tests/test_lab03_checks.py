@@ -95,6 +95,31 @@ def average_the_loss(model, optimizer, X, y):
     return loss.item()
 
 
+def average_the_loss_and_gradients(model, optimizer, X, y):
+    # a learner's step: the loss averaged over the ranks before backward AND the gradients
+    # averaged after it: every gradient divided by the world size twice
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(X), y)
+    dist.all_reduce(loss)
+    loss = loss / dist.get_world_size()
+    loss.backward()
+    ddp.average_gradients(model)
+    optimizer.step()
+    return loss.item()
+
+
+def divides_by_four(model, optimizer, X, y):
+    # a fixed 4: on 2 ranks the same steps as dividing by the world size twice, not on 3
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(X), y)
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= 4
+    optimizer.step()
+    return _global_loss(loss).item()
+
+
 def no_zero_grad(model, optimizer, X, y):
     loss = F.cross_entropy(model(X), y)
     loss.backward()
@@ -402,6 +427,24 @@ def step_with_sum_reduction(model, optimizer, X, y):
 def test_step_dividing_by_two_fails_on_three_ranks():
     with pytest.raises(LabCheckError, match="divided by 2, not by the world size"):
         lab03.check_data_parallel_step(step_dividing_by_two)
+
+
+def test_loss_and_gradients_both_averaged_is_named_as_a_double_division():
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_data_parallel_step(average_the_loss_and_gradients)
+    message = str(err.value)
+    assert "divided by the world size squared" in message, message
+    assert "2 (2 x 2 = 4) and 3 (3 x 3 = 9)" in message, message
+    assert "loss averaged over the ranks before backward" in message, message
+    assert "not by the world size" not in message, message
+
+
+def test_a_fixed_four_is_not_called_a_double_division():
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_data_parallel_step(divides_by_four)
+    message = str(err.value)
+    assert "divided by 4, not by the world size" in message, message
+    assert "squared" not in message, message
 
 
 def test_step_with_a_summed_loss_divided_is_accepted(capsys):

@@ -699,12 +699,31 @@ def check_data_parallel_step(data_parallel_step, world_sizes=WORLD_SIZES,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the simulations are tiny: extra threads only add contention
     try:
+        # A step 1/world_size too small on 2 ranks is also 1/4, a fixed 4: only every world
+        # size together shows a division by the world size done twice.
+        doubled = []
         for world_size in world_sizes:
             results = _launch(_step_worker, world_size, timeout, data_parallel_step,
                               name="data_parallel_step")
-            _diagnose_step([r["params"] for r in results], world_size,
-                           _returned_loss_problem(results),
-                           any(r["weights_reduced"] for r in results))
+            args = ([r["params"] for r in results], world_size, _returned_loss_problem(results),
+                    any(r["weights_reduced"] for r in results))
+            if world_size > 1 and all(
+                    torch.allclose(p, _simulate(world_size, None, scale=1.0 / world_size),
+                                   rtol=1e-4, atol=1e-6) for p in args[0]):
+                doubled.append(args)
+                continue
+            _diagnose_step(*args)
+        if doubled and len(doubled) == len(world_sizes):
+            sizes = " and ".join(f"{a[1]} ({a[1]} x {a[1]} = {a[1] ** 2})" for a in doubled)
+            fail(f"on {sizes} ranks the gradients were divided by the world size squared: the "
+                 f"world size was divided out twice, e.g. the loss averaged over the ranks "
+                 f"before backward (which divides this rank's gradients by the world size) AND "
+                 f"the gradients averaged after it.",
+                 fix="divide by the world size once: backward this rank's own mean loss, then "
+                     "average the gradients; all-reduce a detached copy of the loss only to "
+                     "report it.")
+        for args in doubled:
+            _diagnose_step(*args)
         # The same step with Adam, whose update is not linear in the gradient.
         world_size = min(world_sizes)
         results = _launch(_step_worker, world_size, timeout, data_parallel_step, "adam",
