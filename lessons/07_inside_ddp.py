@@ -38,7 +38,7 @@
 # %% tags=["parameters"]
 world_size = None     # None: from the hardware profile (2 on the cpu profile)
 steps = 3             # steps of the equality runs
-cap_mb = 0.05         # bucket cap in MiB; the small CNN holds 0.15 MiB: gives 2 buckets
+cap_mb = 0.05         # bucket cap in MiB for the small CNN (section 3 counts its buckets)
 sweep_caps = (0.1, 1, 4, 25, float("inf"))   # MiB; inf = one bucket
 timed_steps = 9       # timed steps per version (median), after one warm-up step
 hook_steps = 120      # training steps of the comm-hook comparison
@@ -219,6 +219,13 @@ viz.show_code(overlap.BucketedDataParallel.__init__)
 model = cfg.build()
 buckets = overlap.assign_buckets(list(model.parameters()), cap_mb)
 names = {p: n for n, p in model.named_parameters()}
+print(f"cap {cap_mb} MiB: {len(buckets)} buckets for {len(names)} parameter tensors")
+
+# %% [markdown]
+# **▶ Each bucket's bytes and parameters — open after your lab passes** (they show where the
+# rule closes a bucket; click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 for i, b in enumerate(buckets):
     print(f"bucket {i}: {overlap.bucket_nbytes(b) / 1024:6.1f} KiB  {[names[p] for p in b]}")
 

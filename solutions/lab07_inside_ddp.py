@@ -10,7 +10,8 @@
 # 2. `BucketedDDP`, a wrapper that keeps DDP's two promises: every gradient **is** a slice of
 #    its bucket's flat buffer, and buckets go on the wire **strictly in bucket order**, each as
 #    early as that order allows, while the backward is still running;
-# 3. a prediction, then a measurement: how many all-reduces one step of your wrapper launches.
+# 3. a prediction, then a measurement: when your wrapper sends the bucket that fills first.
+#    You predict before you write part 2; the measurement runs your own wrapper.
 #
 # The checks run your code on 2 and then 3 ranks (gloo, through `dpcourse.launch.spawn`:
 # define everything right here in the notebook) against real `DistributedDataParallel`, and
@@ -113,12 +114,14 @@ lab07.check_assign_buckets(assign_buckets)
 #   the hook a fresh tensor) or `set_to_none=False` (gradients zeroed in place);
 # - each bucket is reduced by **one asynchronous all-reduce of its flat buffer** per step,
 #   launched from the gradient hooks **during the backward**, never waited on inside a hook;
-# - buckets are launched **strictly in bucket order**, each **as soon as every gradient of
-#   that bucket and of all earlier buckets is ready**. Buckets can fill out of order — the
-#   check's model registers its output layer *before* the hidden layer it follows, so the
-#   output layer's bucket is complete first — and every rank must still issue bucket 0's
-#   all-reduce first, bucket 1's second, and so on: the i-th all-reduce of every rank is then
-#   the same bucket, whatever order each rank's backward took;
+# - the i-th all-reduce every rank issues is **bucket i's**, whatever order that rank's
+#   backward produced its gradients in. Buckets can fill out of order — the check's model
+#   registers its output layer *before* the hidden layer it follows, so the output layer's
+#   bucket is complete first — and the ranks must still agree on which buffer each
+#   all-reduce sums;
+# - within that order, **no bucket goes on the wire later than it must**: the check notes when
+#   every gradient arrived and when every all-reduce was launched, and refuses a bucket that
+#   could have been launched earlier;
 # - `finish_gradient_synchronization()` returns once every bucket's average is in place, and
 #   leaves the wrapper ready for the next backward;
 # - if a trainable parameter got no gradient in the backward (the forward never used it), its
@@ -137,6 +140,25 @@ lab07.check_assign_buckets(assign_buckets)
 # `zero_grad(set_to_none=False)`, the third after `zero_grad(set_to_none=True)`) on 2 and 3
 # ranks, on a model with a frozen parameter, then one backward on a model with a parameter the
 # forward never uses, and names what it sees.
+
+# %% [markdown]
+# ### Predict first: when does the bucket that fills first go?
+#
+# Before you write the wrapper: below is the check's model at its first cap, with the buckets
+# DDP's rule makes of it (your `assign_buckets` makes the same) and the order its forward uses
+# the layers. One backward hands your hooks its 8 gradients one at a time. **After how many
+# gradients have arrived will a wrapper that keeps this contract launch bucket 1's
+# all-reduce?** Write your number in the cell and run it; the measurement, on your own
+# `BucketedDDP`, comes after part 2's check.
+
+# %%
+lab07.show_prediction_model()
+
+# %%
+### BEGIN SOLUTION: your prediction (a number of gradients, 1 to 8)
+my_guess = 4
+### END SOLUTION
+guess = predict("lab07", lab07.PREDICTION_QUESTION, my_guess, unit="gradient(s)")
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -237,25 +259,14 @@ class BucketedDDP(nn.Module):
 lab07.check_bucketed_ddp(BucketedDDP, timeout=check_timeout)
 
 # %% [markdown]
-# ### Predict, then measure: all-reduces per step
+# ### Measure: when did your wrapper send bucket 1?
 #
-# Below is a small MLP whose middle layer is frozen. Before running anything, work out from
-# the table alone how many all-reduces **one training step** of your `BucketedDDP` launches on
-# this model at `bucket_cap_mb = 0.01`. Write your number in the cell, run it, then run the
-# measurement (2 ranks, 2 steps, every collective counted).
+# Now the measurement of the prediction you wrote before part 2's code (2 ranks, one step,
+# rank 0's count: a hook registered before yours counts the gradients, and every all-reduce
+# notes the count when it is launched).
 
 # %%
-lab07.show_prediction_model()
-
-# %%
-### BEGIN SOLUTION: your prediction (a number)
-my_guess = 1
-### END SOLUTION
-guess = predict("lab07", lab07.PREDICTION_QUESTION, my_guess, unit="all-reduce(s)")
-
-# %%
-measured = lab07.measure_all_reduces(BucketedDDP, lab07.PREDICTION_CAP_MB,
-                                     timeout=check_timeout)
+measured = lab07.measure_launches(BucketedDDP, timeout=check_timeout)
 lab07.check_prediction(guess, measured)
 
 # %% [markdown]
@@ -290,14 +301,6 @@ lab07.check_prediction(guess, measured)
 # **Your design decision:** which collective(s) carry the selected entries, given that each rank
 # picked indices of its own, and how the averaged tensor is put together from what arrives.
 #
-# Chaining work on a future: `fut.then(fn)` returns a new future at once; when `fut` completes,
-# `fn` is called with **`fut` itself** (the completed future — read its value with
-# `fut.value()`), and the new future's value is whatever `fn` returns. A collective launched
-# with `async_op=True` returns a work object whose `get_future()` completes when the data has
-# arrived (the output tensors you passed then hold it); `torch.futures.collect_all(futures)`
-# is a future that completes when all of them have, and its value is the list of those
-# futures.
-#
 # Why a given `residual_for`: DDP rebuilds its buckets after the first step (lesson 07 §6), so
 # bucket 0 of the first step is not bucket 0 of the second; a residual whose size no longer
 # matches starts again from zeros. The check runs your hook in real DDP on 2 and 3 ranks for
@@ -321,6 +324,13 @@ lab07.check_prediction(guess, measured)
 # two ranks chose the same index, never overwrite — and divide by the world size. Launch the
 # gathers without waiting, and do the accumulating in a callback that runs once both have
 # arrived; return the future that callback's result will complete.
+#
+# The tools, all in torch: a collective launched with `async_op=True` returns a work object
+# whose `get_future()` completes when the data has arrived (the output tensors you passed then
+# hold it); `torch.futures.collect_all(futures)` is a future that completes when all of them
+# have, and its value is the list of those futures; `fut.then(fn)` returns a new future at
+# once, and when `fut` completes it calls `fn` with **`fut` itself** (the completed future —
+# its value is `fut.value()`): the new future's value is whatever `fn` returns.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**

@@ -1094,15 +1094,42 @@ def test_strictly_over_the_cap_is_named():
         lab07.check_assign_buckets(strictly_over)
 
 
-def test_the_prediction_is_measured_and_explained(capsys):
+def test_the_prediction_is_measured_from_the_learners_own_launches(capsys):
+    """Bucket 1 (`out`) is complete after 2 gradients but must wait for bucket 0 (`hidden`),
+    complete after 4: the right wrapper launches it after the 4th, and the measurement says so."""
     from dpcourse.checks import predict
 
-    measured = lab07.measure_all_reduces(Good)
-    assert measured == 1      # the frozen layer is in no bucket; the last parameter reaches the cap
+    measured = lab07.measure_launches(Good)
+    assert measured["arrived"][:2] == ["out.weight", "out.bias"] or \
+        sorted(measured["arrived"][:2]) == ["out.bias", "out.weight"]
+    assert [n for _, n in measured["launches"]] == [4160, 650, 1168, 224]
+    assert [c for c, _ in measured["launches"]] == [4, 4, 6, 8]
     lab07.check_prediction(predict("lab07", lab07.PREDICTION_QUESTION, 2), measured)
-    out = capsys.readouterr().out
-    assert "measured: 1 — not what happened" in out and "frozen middle layer" in out
-    assert "only with the very last parameter" in out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 4 — not what happened" in out
+    assert "bucket 1 was complete after the 2nd gradient" in out
+    assert "bucket 1: complete after the 2nd, launched after the 4th" in out
+    assert "goes in the same hook call that completes bucket 0" in out
+
+
+def test_the_prediction_measures_a_wrapper_that_launches_when_full_as_such(capsys):
+    # the measurement is the learner's run, not a constant: the lesson's class (launch when
+    # full) sends bucket 1 after the 2nd gradient, and the explanation says what that is
+    from dpcourse.checks import predict
+
+    measured = lab07.measure_launches(overlap.BucketedDataParallel)
+    lab07.check_prediction(predict("lab07", lab07.PREDICTION_QUESTION, 4), measured)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 2 — not what happened" in out and "that is the lesson's class" in out
+
+
+def test_the_prediction_needs_bucket_ones_all_reduce():
+    from dpcourse.checks import predict
+
+    with pytest.raises(LabCheckError, match="launched no all-reduce of bucket 1's 650 elements"):
+        lab07.check_prediction(predict("lab07", lab07.PREDICTION_QUESTION, 4), {"arrived": ["out.weight", "out.bias", "hidden.weight", "hidden.bias", "conv.3.weight",
+                       "conv.3.bias", "conv.0.weight", "conv.0.bias"],
+           "launches": [(8, 6202)]})
 
 
 class ExtendsTheLessons(overlap.BucketedDataParallel):
