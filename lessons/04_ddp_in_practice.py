@@ -8,8 +8,8 @@
 #   is there (the whole diff is below);
 # - run it on one or two "nodes", save checkpoints that survive a crash, and resume a killed run
 #   to the very same weights;
-# - evaluate and log under DDP so the numbers equal one process's (sums and counts, no padded
-#   duplicates), and keep ranks with uneven inputs from hanging (`Join`);
+# - evaluate and log under DDP so the numbers equal one process's (the three usual ways it goes
+#   wrong, measured), and keep ranks with uneven inputs from hanging (`Join`);
 # - set the learning rate for N ranks, and say what changes if gradients are summed;
 # - accumulate gradients with `no_sync`, use AMP and SyncBatchNorm under DDP correctly;
 # - recognise the first failures a GPU user meets by their messages, and turn a hang into a clear
@@ -414,10 +414,15 @@ claim("with the atomic save it found the previous complete checkpoint, then the 
 # that is lab 04's question for a harder metric, so its code is folded after the lab pointer at
 # the end. We evaluate the weights the two-node run saved in section 2 four ways (the three
 # mistakes and the script's `evaluate`), and compare with one process evaluating the whole test
-# set with `train_single.py`'s `evaluate`.
+# set with `train_single.py`'s `evaluate`. The table is below; the code that measures it, which
+# shows how the ranks' numbers are combined for the accuracy, is folded: lab 04 asks you to decide
+# that for a harder metric first.
 
+# %% [markdown]
+# **▶ The code of the four ways — open after lab 04 passes** (click the folded cell below; its
+# table is printed under it).
 
-# %%
+# %% jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # (the accuracies are those of weights trained in section 2, which depend on this CPU's kernels)
 def evaluate_four_ways(rank, world_size, weights, n_test, scripts):
@@ -478,7 +483,7 @@ rows = [("one process, whole test set", one_acc, int(ev["one"][2])),
         ("rank 0's own accuracy", ev["rank0"], None),
         ("DistributedSampler, mean of the ranks' accuracies", ev["padded_mean_of_means"],
          ev["padded_count"]),
-        ("DistributedSampler, sums and counts", ev["padded_sum"], ev["padded_count"]),
+        ("DistributedSampler, one accuracy over its images", ev["padded_sum"], ev["padded_count"]),
         ("each image once, mean of the ranks' accuracies", ev["shard_mean_of_means"], n_test),
         ("train_ddp.py's evaluate", fixed_acc, int(ev["fixed"][2]))]
 for name, acc, count in rows:
@@ -487,7 +492,7 @@ for name, acc, count in rows:
 # %%
 from torch.utils.data import DistributedSampler
 
-claim("the script's evaluation equals one process exactly: the same count of right answers "
+claim("the script's evaluation equals one process exactly: the same accuracy, to the last bit, "
       "over the same number of images", ev["fixed"][1:] == ev["one"][1:], ev=ev)
 claim("and the same summed test loss (to 1e-6 relative)",
       abs(ev["fixed"][0] - ev["one"][0]) <= 1e-6 * ev["one"][0], ev=ev)
