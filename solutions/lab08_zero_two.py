@@ -18,8 +18,10 @@
 # momentum, next to DDP with the full optimizer, on a seven-layer MLP with a **frozen** bias
 # (`requires_grad=False`) and a weight **tied** between two layers (one `Parameter` used
 # twice). From inside each rank it watches every gradient arrive, every collective you launch
-# and every `wait()`, and at each arrival it weighs the gradient memory alive — by *storage*:
-# a view weighs the whole buffer it keeps alive. Its sentence names what went wrong: read it.
+# and every `wait()`; at each arrival, and inside your hook at each launch and each `wait()`,
+# it weighs the gradient memory alive — by *storage*: a view weighs the whole buffer it keeps
+# alive, and a tensor held only by a local variable of your hook weighs too. Its sentence
+# names what went wrong: read it.
 #
 # **Collective names.** `dist.reduce_scatter_single` and `dist.all_gather_single` are the
 # names in torch 2.14, the version this course pins. Older torch calls them
@@ -274,8 +276,9 @@ lab08.check_zero_two(ZeroTwo, timeout=check_timeout)
 # memory** on a rank, in bytes — the most gradient bytes alive at once (in `p.grad`, in your
 # buffers, anywhere your object keeps them; `self.shard.grad` aside)? It is weighed as the
 # check weighed it: at every gradient's arrival, once that gradient is in `p.grad` and
-# **before** your hook runs on it. Write a number of bytes (not MB), then run the
-# measurement.
+# **before** your hook runs on it, and inside your hook at each reduce-scatter's launch and
+# each `wait()` (whatever your hook has made by then counts, local variables included).
+# Write a number of bytes (not MB), then run the measurement.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -288,23 +291,27 @@ lab08.check_zero_two(ZeroTwo, timeout=check_timeout)
 # **▶ Hint 2 — the idea** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The most is alive just as a bucket's last gradient arrives: all of that bucket is still in
-# `p.grad` (your hook has not run yet), plus whatever your wrapper still keeps of the buckets
-# launched before it. The first bucket has no predecessor.
+# Look at the moments just after a bucket's last gradient arrives, before your hook lets go of
+# anything: all of that bucket is still in `p.grad`, plus whatever your wrapper still keeps of
+# the buckets launched before it, plus whatever your hook builds before it waits or frees. The
+# first bucket has no predecessor.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # List the buckets' sizes in numbers, in launch order (a buffer is padded, a `p.grad` is
-# not); at each bucket's last arrival, add its size to the sizes of the buffers your wrapper
-# still holds then; take the largest; 4 bytes per number.
+# not); at each bucket's last arrival, and at each `wait()` and launch in your hook, add up
+# what is alive then (that bucket's `p.grad`s, the buffers your wrapper still holds, any
+# buffer your hook has already filled); take the largest; 4 bytes per number.
 
 # %%
 from dpcourse.checks import predict
 
 ### BEGIN SOLUTION: your prediction: the peak of live gradient bytes (a number)
-my_peak = 35360
+# bucket 1's gradients, all in p.grad, while bucket 0's padded buffer is still in flight: my
+# hook waits for bucket 0 and lets go of it before it builds bucket 1's buffer
+my_peak = 4 * (4160 + 4680)
 ### END SOLUTION
 guess = predict("lab08", "peak of live gradient bytes of your ZeroTwo", my_peak, unit="B")
 
