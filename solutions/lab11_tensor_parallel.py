@@ -8,8 +8,8 @@
 # - the first linear layer is **column-parallel**: rank r keeps a block of its *output*
 #   features (A's columns) and computes its block of the hidden activations from the whole X;
 # - the second is **row-parallel**: rank r multiplies its block of the hidden features by its
-#   block of the weight's *input* features (B's rows), and the ranks' partial products add up
-#   to Y.
+#   block of the weight's *input* features (B's rows), and every rank ends with the layer's
+#   output Y.
 #
 # All the communication sits in two autograd operations: `f`, wrapped around the column
 # layer's input, and `g`, wrapped around the row layer's output. Deciding what they do is the
@@ -196,7 +196,7 @@ class ReduceFromTPRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        ### BEGIN SOLUTION: the layer's output from this rank's partial product
+        ### BEGIN SOLUTION: the layer's output from this rank's matrix product
         summed = x.clone()
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         return summed
@@ -204,7 +204,7 @@ class ReduceFromTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ### BEGIN SOLUTION: the gradient of this rank's partial product from dL/dY
+        ### BEGIN SOLUTION: the gradient of this rank's matrix product from dL/dY
         return grad
         ### END SOLUTION
 

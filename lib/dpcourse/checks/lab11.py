@@ -70,9 +70,9 @@ Every check refuses the library's own reference (``tensor_parallel.shard_bounds`
 ``pipeline_parallel.measured_bubble`` ...) passed as the learner's answer.
 
 Accepted: ``torch.chunk``, ``narrow``, ``tensor_split`` or index arithmetic; the row layer's
-bias added after the all-reduce on every rank, or held and added before it on rank 0 only; ``x @ W.T`` or
-``F.linear``; in-place or cloned all-reduces (Megatron-LM all-reduces in place; the lab leaves
-it to the learner); any world size.
+bias added after the all-reduce on every rank, or held and added before it on rank 0 only;
+``x @ W.T`` or ``F.linear``; in-place or cloned all-reduces (Megatron-LM all-reduces in place;
+the lab leaves it to the learner); any world size.
 """
 
 from __future__ import annotations
