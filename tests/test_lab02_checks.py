@@ -173,6 +173,55 @@ def mean_of_chunk_losses(model, X, y, n):
     return loss.item()
 
 
+def mean_of_balanced_chunk_means(model, X, y, n):
+    # the learner's round: a balanced scatter of their own (10 on 3: 4, 3, 3), one copy per
+    # chunk, and the mean of the per-chunk mean losses
+    chunks, ys = torch.tensor_split(X, n), torch.tensor_split(y, n)
+    reps = [copy.deepcopy(model) for _ in chunks]
+    outs = dp.parallel_apply(reps, list(chunks))
+    loss = torch.stack([F.cross_entropy(o, t) for o, t in zip(outs, ys)]).mean()
+    loss.backward()
+    for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
+        s = sum(c.grad for c in cs)
+        p.grad = s if p.grad is None else p.grad + s
+    return loss.item()
+
+
+def test_mean_of_chunk_means_on_the_learners_own_chunks_is_named_with_a_fix_it_supports():
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_dp_forward_backward(mean_of_balanced_chunk_means)
+    message = str(first.value)
+    assert "mean of the chunks' mean losses" in message, message
+    assert "[4, 3, 3] samples of 10" in message and "none of the ways" not in message, message
+    assert "Run the check again" in message, message
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_dp_forward_backward(mean_of_balanced_chunk_means)
+    assert "one mean loss on the gathered outputs" in str(second.value), str(second.value)
+    assert "order" not in str(second.value).split("chunks are uneven")[0]
+
+
+def doubled_last_copy(model, X, y, n):
+    # wrong in no known way: the last copy's gradient counted twice
+    chunks = torch.chunk(X, n)
+    reps = [copy.deepcopy(model) for _ in chunks]
+    loss = F.cross_entropy(torch.cat(dp.parallel_apply(reps, list(chunks))), y)
+    loss.backward()
+    for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
+        s = sum(c.grad for c in cs) + cs[-1].grad
+        p.grad = s if p.grad is None else p.grad + s
+    return loss.item()
+
+
+def test_unknown_dp_gradient_mistake_gets_no_fix_it_cannot_support():
+    for _ in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab02.check_dp_forward_backward(doubled_last_copy)
+    message = str(err.value)
+    assert "in none of the ways the check knows" in message, message
+    assert "scatter and gather keep the order" not in message, message
+    assert "compare its p.grad with what your function left" in message, message
+
+
 def sequential_copies_accumulating(model, X, y, n):
     # right: no threads (the copies run one after another) and gradients added in a loop
     chunks = torch.tensor_split(X, n)
@@ -232,10 +281,10 @@ def test_right_dp_steps_pass(step, capsys):
 
 
 @pytest.mark.parametrize("step, phrase", [
-    (no_scatter, "ran on the whole batch of 16"),
+    (no_scatter, "ran a forward on the whole batch of 16"),
     (one_model_for_all_chunks, "through 1 model object"),
     (four_devices_always, "4 forward pass(es) for 3 devices"),
-    (mean_of_chunk_losses, "chunks are uneven ([4, 4, 2])"),
+    (mean_of_chunk_losses, "chunks are uneven ([4, 4, 2] samples of 10)"),
 ])
 def test_dp_steps_that_skip_the_idea_or_fit_one_setup_fail(step, phrase):
     with pytest.raises(LabCheckError) as err:

@@ -9,6 +9,7 @@ numbers match a known wrong answer, names it. tests/test_lab02_checks.py proves 
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 import time
 
@@ -243,7 +244,8 @@ def check_dp_forward_backward(dp_forward_backward) -> None:
     devices), the last two on a model that already holds gradients, so an answer tied to one
     device count, to equal chunks, to one copy per device, or that overwrites ``p.grad``
     fails. Copies made by the library's ``dp.replicate`` (or ``dp.data_parallel``) are
-    refused: the lab asks for plain copies.
+    refused: the lab asks for plain copies. Every parameter of these models takes part in the
+    loss: a parameter that gets no gradient is outside the lab's contract (it says so).
     """
     __tracebackhide__ = True
     for n_devices, batch, held in ((4, 16, False), (3, 10, True), (4, 6, True)):
@@ -428,7 +430,8 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
              "(so that the caller decides when to clear it, as gradient accumulation needs).",
              fix="add to what p.grad held.")
     else:
-        _diagnose_dp_gradients(got, ref, before if held else None, model, X, y, n, batch, sizes)
+        _diagnose_dp_gradients(got, ref, before if held else None, model, X, y, n, batch, sizes,
+                               seen)
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
             fail(f"dp_forward_backward returned a tensor of shape {tuple(loss.shape)}, not the "
@@ -442,9 +445,11 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
              f"({ref_loss.item():.5f}).", fix="compute it on the gathered outputs.")
 
 
-def _diagnose_dp_gradients(got, ref, before, model, X, y, n, batch, sizes) -> None:
+def _diagnose_dp_gradients(got, ref, before, model, X, y, n, batch, sizes, seen) -> None:
     """The gradients are wrong: name the mistake they look like (``before``: what the model
-    held, added to every candidate as a right answer adds it)."""
+    held, added to every candidate as a right answer adds it). ``seen``: the batch sizes the
+    learner's forwards ran on, the chunks of the learner's own scatter (in thread order: every
+    order of them is tried)."""
     __tracebackhide__ = True
 
     def held(grads):
@@ -461,34 +466,52 @@ def _diagnose_dp_gradients(got, ref, before, model, X, y, n, batch, sizes) -> No
              f"but with one mean loss over the gathered batch each replica's gradient is "
              f"already its share of the whole.", fix="sum the replicas' gradients.")
 
-    def per_chunk(combine):
+    # The learner's chunks, in every order their sizes could have come in (at most 4! orders).
+    orders = [list(o) for o in dict.fromkeys(itertools.permutations(
+        sorted((b for b in seen if b), reverse=True)))] if sum(b or 0 for b in seen) == batch \
+        else []
+    orders = orders or [sizes]
+
+    def per_chunk(combine, order):
         m = copy.deepcopy(model)
         m.zero_grad(set_to_none=True)
-        losses = [F.cross_entropy(m(xc), yc) for xc, yc in zip(torch.chunk(X, n),
-                                                               torch.chunk(y, n))]
+        losses = [F.cross_entropy(m(xc), yc) for xc, yc in zip(torch.split(X, order),
+                                                               torch.split(y, order))]
         combine(losses).backward()
         return _grads(m)
 
-    if _close(got, held(per_chunk(sum))):
-        fail(f"the gradients are about {n} times too big: a mean loss per chunk, summed over "
-             f"the replicas, counts the batch {n} times.",
-             fix="compute one loss on the gathered outputs.")
-    if _close(got, held(per_chunk(lambda ls: sum(ls) / len(ls)))):
-        fail(f"you averaged the chunks' mean losses, but the chunks are uneven ({sizes}): "
-             f"the samples of the short chunk weigh more.",
-             fix="compute one mean loss on the gathered outputs.")
+    for order in orders:
+        if _close(got, held(per_chunk(sum, order))):
+            fail(f"the gradients are about {len(order)} times too big: a mean loss per chunk "
+                 f"(chunks of {order}), summed over the replicas, counts the batch "
+                 f"{len(order)} times.", fix="compute one loss on the gathered outputs.")
+    for order in orders:
+        if len(set(order)) > 1 and _close(got, held(per_chunk(lambda ls: sum(ls) / len(ls),
+                                                              order))):
+            fail(f"your gradients are those of the mean of the chunks' mean losses, and your "
+                 f"chunks are uneven ({order} samples of {batch}): averaging the {len(order)} "
+                 f"means gives each chunk the same weight, so a sample of the "
+                 f"{min(order)}-sample chunk weighs {max(order) / min(order):g} times as much "
+                 f"as one of a {max(order)}-sample chunk, where the whole batch's mean loss "
+                 f"weighs every sample alike.",
+                 fix="compute one mean loss on the gathered outputs.")
     # Only replica 0's share: the gradient of chunk 0's part of the global mean loss.
-    only0 = copy.deepcopy(model)
-    only0.zero_grad(set_to_none=True)
-    (F.cross_entropy(only0(X[:sizes[0]]), y[:sizes[0]], reduction="sum") / batch).backward()
-    if _close(got, held(_grads(only0))):
-        fail("the gradients are replica 0's alone: the other replicas' shares never reached "
-             "the original parameters.", fix="combine every replica's gradient, not just the "
-                                             "first one's.")
+    for order in dict.fromkeys(o[0] for o in orders):
+        only0 = copy.deepcopy(model)
+        only0.zero_grad(set_to_none=True)
+        (F.cross_entropy(only0(X[:order]), y[:order], reduction="sum") / batch).backward()
+        if _close(got, held(_grads(only0))):
+            fail("the gradients are replica 0's alone: the other replicas' shares never "
+                 "reached the original parameters.", fix="combine every replica's gradient, "
+                                                         "not just the first one's.")
     fail(f"the original model's gradients differ from the plain model's on the whole batch "
          f"({batch} samples, {n} devices){' plus what it held' if before else ''}, in none of "
-         f"the ways the check knows.", fix="check that scatter and gather keep the order of the "
-                                           "samples and that every replica's gradient is added.")
+         f"the ways the check knows (the replicas' gradients averaged, or only replica 0's; "
+         f"a loss per chunk, summed or averaged).",
+         fix="run the plain model on the whole batch yourself (one mean loss, backward) and "
+             "compare its p.grad with what your function left, parameter by parameter: whether "
+             "they differ by a factor, by one chunk's share or otherwise tells you which step "
+             "to look at.")
 
 
 # --- stretch: the copies' forwards in real threads -----------------------------------------
