@@ -243,6 +243,13 @@ claim(f"weights after the {steps} steps are bit-for-bit equal across the ranks (
 # **▶ The reference answer — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# This is the reference for THIS lesson's model, where every rank used every parameter: a
+# p.grad that is None is then None on every rank (a frozen parameter), and skipping it skips
+# the same tensors everywhere. It is NOT an answer to lab 03 part 1, whose ranks use different
+# heads: there the ranks would skip different tensors and their all_reduce calls would pair
+# the wrong tensors or hang (the case DDP's find_unused_parameters=True is for). Part 1's
+# contract, every parameter that got a gradient on any rank ends with the mean on every rank,
+# is one this function does not meet.
 viz.show_code(ddp.average_gradients)
 
 # %% [markdown]
@@ -960,7 +967,10 @@ viz.quiz([
 #   in its favour, and its warning says that `broadcast_buffers=False` also skips the buffer
 #   sync at construction (`init_sync_buffers`) while `forward_sync_buffers=False` does not;
 #   construction calls `_sync_module_states(..., src=0, ...)`, defined in
-#   `torch/distributed/utils.py`, which broadcasts rank 0's parameters and buffers.
+#   `torch/distributed/utils.py`, which broadcasts rank 0's parameters and buffers. Its
+#   docstring for `find_unused_parameters` (default `False`): parameters that receive no
+#   gradient in the forward's graph are "preemptively marked as being ready to be reduced"
+#   (the note in the folded reference `average_gradients`).
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._ddp_init_helper`, the
 #   comment before the bucket limits: parameters are not in execution order, and when a model
 #   has both "other collectives comm ops in its backward graph" and an "unused parameter in
