@@ -228,10 +228,17 @@ fixed4 = broken4.replace("src=rank", "src=0")
 # This one runs on 3 ranks in the check.
 #
 # **Your design decision:** once you know what is wrong, decide where to repair it: more than
-# one repair trains right, and they do not leave the same script behind. Write your decision
-# in a comment inside the fixed script (the check reads what it says, not how long it is):
-# what you kept, what your choice means for the number `loss` holds on a rank, and what it
-# means for someone who later moves this loop to DDP (which averages the gradients itself).
+# one repair trains right, and they do not leave the same script behind. Then answer three
+# questions about *your* repair; the check judges each answer against the code of your
+# `fixed5`, so each has one right value per repair:
+#
+# - `bug5_kept`: which division by the world size your fix kept: `"loss"` or `"gradients"`;
+# - `bug5_loss_holds`: the number `loss` holds on one rank after your fix: `"this rank's mean"`,
+#   `"this rank's mean / world_size"` or `"the global mean"`;
+# - `bug5_under_ddp`: someone later moves your fixed loop to DDP, which averages the gradients
+#   over the ranks itself, and deletes the hand-written `all_reduce` loop. What else must
+#   change? `"nothing else"`, `"remove the loss's / world_size"` or
+#   `"add / world_size to the loss"`.
 
 # %%
 broken5 = lab10.script(5)
@@ -266,12 +273,17 @@ lab10.check_answer(5, answer5)
 
 # %%
 ### BEGIN SOLUTION: fixed5, the fixed script's text
-fixed5 = broken5.replace(
-    "F.mse_loss(model(xb), yb) / world_size  # this rank's share of the global mean",
-    "F.mse_loss(model(xb), yb)  # kept: the gradients' division after all_reduce; the loss "
-    "is this rank's own mean. Under DDP that division and the all_reduce go, DDP does both "
-    "itself")
+fixed5 = broken5.replace("/ world_size  # this rank's share of the global mean",
+                         " # this rank's own mean")
 ### END SOLUTION
+
+# %%
+### BEGIN SOLUTION: bug5_kept, bug5_loss_holds, bug5_under_ddp (one value each, from the lists)
+bug5_kept = "gradients"
+bug5_loss_holds = "this rank's mean"
+bug5_under_ddp = "nothing else"
+### END SOLUTION
+lab10.check_decision(fixed5, bug5_kept, bug5_loss_holds, bug5_under_ddp)
 
 # %% [markdown]
 # ## Check the five fixes

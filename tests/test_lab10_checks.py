@@ -110,9 +110,6 @@ WRONG = {
     "5-lr-times-world-size": (5, [("lr=0.1", "lr=0.1 * world_size")],
                               "changed the learning rate to make up for the gradients"),
     "4-still-src-rank": (4, [("# make sure every", "# every")], "still names src=rank"),
-    "5-no-comment": (5, [("F.mse_loss(model(xb), yb) / world_size  # this rank's share of the "
-                          "global mean", "F.mse_loss(model(xb), yb)")],
-                     "asks for your design decision in a comment inside the fixed script"),
     "5-both-removed": (5, [("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)"),
                            ("            p.grad /= world_size\n", "")], "now summed, not averaged"),
     "5-divided-by-two": (5, [("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)"),
@@ -636,6 +633,41 @@ def test_a_diagnosis_that_is_not_a_line_and_a_sentence_is_refused(line, why, phr
         lab10.check_line(1, None, "x")
 
 
+def order_lines():
+    text = lab10.script(3).splitlines()
+    return [i for i, ln in enumerate(text, 1) if any(p in ln for p in lab10.ORDER_LINES[3])]
+
+
+@pytest.mark.parametrize("why", [
+    "the gradients are averaged after each rank has already clipped its own local gradient",
+    "this all-reduce must come before the clip, not after it: clipping sees one rank's norm",
+    "move the averaging above clip_grad_norm_ so the global gradient is clipped",
+])
+def test_bug3_the_averages_line_passes_when_the_why_names_the_order(why, capsys):
+    lines = order_lines()
+    assert lines == [34, 35, 36]        # the loop that averages, after the clip on line 33
+    for line in lines:
+        lab10.check_line(3, line, why)
+        out = capsys.readouterr().out
+        assert out.startswith(f"✔ bug 3 is the order of two lines, and line {line} is one side")
+        assert "the other side, line 33" in out and "  A. " in out
+
+
+def test_bug3_the_averages_line_with_a_why_about_the_clip_alone_is_named():
+    why = "each rank clips its local gradient instead of the global one"
+    with pytest.raises(LabCheckError) as first:
+        lab10.check_line(3, 34, why)
+    message = str(first.value)
+    assert message.startswith("Line 34 (`for p in model.parameters():")
+    assert "wrong only through WHEN it runs, and your sentence says nothing of when" in message
+    assert "line 33" not in message.lower()
+    with pytest.raises(LabCheckError, match="which of the two lines must run first"):
+        lab10.check_line(3, 34, why)
+    # "removes" or "calculates" are not words of order
+    with pytest.raises(LabCheckError, match="says nothing of when"):
+        lab10.check_line(3, 35, "each rank calculates and removes its own clipped norm")
+
+
 def test_the_options_are_alike():
     """No option stands out by its length: the right one is never the longest by more than a
     few words, and in at most two bugs the longest at all."""
@@ -671,7 +703,7 @@ def test_the_prediction_is_compared_with_the_count(capsys):
     assert "— not what happened." in capsys.readouterr().out
 
 
-# --- bug 5's design decision: the comment is read for what it decides -----------------------
+# --- bug 5's design decision: three answers judged against the repair the fix made ---------
 
 LOSS_LINE = "F.mse_loss(model(xb), yb) / world_size  # this rank's share of the global mean"
 GRAD_LINE = "            p.grad /= world_size\n"
@@ -685,49 +717,109 @@ def kept_loss(comment):
     return edit(5, (GRAD_LINE, f"            # {comment}\n"))
 
 
+KEPT_GRADIENT, KEPT_LOSS = kept_gradient("x"), kept_loss("x")
+RIGHT_DECISION = {"gradients": (KEPT_GRADIENT, "this rank's mean", "nothing else"),
+                  "loss": (KEPT_LOSS, "this rank's mean / world_size",
+                           "remove the loss's / world_size")}
+
+
 @pytest.fixture
 def trains_right(monkeypatch):
-    """Fix 5's weights are right (no launch): only the comment is judged."""
+    """Fix 5's weights are right (no launch)."""
     monkeypatch.setattr(lab10, "run_fix", lambda n, *a, **k: lab10.simulate(3))
 
 
-@pytest.mark.parametrize("text", [
-    kept_gradient("the loss is this rank's own mean; the gradients are divided once after "
-                  "all_reduce, which is what DDP does itself"),
-    kept_gradient("keep the grad division: under DDP the hand-written all-reduce and division "
-                  "are dropped and the loss stays unchanged"),
-    kept_gradient("one division, of the gradients, exactly where DDP would do it"),
-    kept_loss("the loss holds this rank's share of the global mean; under DDP remove this "
-              "division, or DDP's averaging divides the gradients a second time"),
-    kept_loss("kept the loss / world_size; moving to DDP it must go, since DDP averages too "
-              "and it would be divided twice"),
-])
-def test_a_comment_that_decides_passes(text, trains_right, capsys):
+@pytest.mark.parametrize("text", [kept_gradient("x"), kept_loss("x"),
+                                  edit(5, (LOSS_LINE, "F.mse_loss(model(xb), yb)"))])
+def test_fix_5_needs_no_comment(text, trains_right, capsys):
+    # the design decision is answered in check_decision, not read from a comment
     lab10.check_fix(5, text)
     assert "✔ fix 5" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("text, phrase", [
-    (kept_gradient("lorem ipsum dolor sit amet"),
-     'your comment \\("lorem ipsum dolor sit amet"\\) does not decide anything yet: it must say '
-     "which division you kept \\(your fix divides the gradients by world_size after "
-     "all_reduce\\) and what that choice means once this loop runs under DDP"),
-    (kept_loss("lorem ipsum dolor sit amet"),
-     "does not decide anything yet: it must say which division you kept \\(your fix divides "
-     "the loss by world_size\\)"),
-    (kept_loss("ddp twice loss ddp twice"), "does not decide anything yet"),   # stuffed
-    (kept_loss("I removed the other line because it looked wrong"),
-     "does not say which division you kept: your fix divides the loss"),
-    (kept_gradient("the gradients are averaged once now and the loss is a plain mean"),
-     "names the division you kept but not what it means for someone who moves this loop to "
-     "DDP"),
-    (kept_loss("the loss is divided by world_size, and under DDP this is still right"),
-     "speaks of DDP but does not say what DDP's own averaging of the gradients does to a loss "
-     "already divided by world_size"),
+@pytest.mark.parametrize("kept", sorted(RIGHT_DECISION))
+def test_the_right_decision_for_each_repair_passes(kept, capsys):
+    text, holds, ddp = RIGHT_DECISION[kept]
+    lab10.check_decision(text, kept, holds, ddp)
+    assert "✔ decision 5: kept the" in capsys.readouterr().out
+
+
+def test_the_learners_false_claims_are_refused():
+    # a learner's comment passed the old wording check: "kept the p.grad /= world_size after
+    # all_reduce and removed the loss division. loss now holds the global mean over all ranks;
+    # under DDP you must put the / world_size back on the loss" -- both claims false
+    with pytest.raises(LabCheckError, match="no collective runs before backward"):
+        lab10.check_decision(KEPT_GRADIENT, "gradients", "the global mean",
+                             "add / world_size to the loss")
+    with pytest.raises(LabCheckError, match="world_size times too small, bug 5 again under DDP"):
+        lab10.check_decision(KEPT_GRADIENT, "gradients", "this rank's mean",
+                             "add / world_size to the loss")
+
+
+# every wrong value, for each repair: (repair, which answer, the wrong value, its cause)
+WRONG_DECISION = [
+    ("gradients", "kept", "loss", "kept = 'loss', but in your fixed5 the gradients are divided "
+                                  "by world_size after all_reduce and the line that computes "
+                                  "`loss` divides by nothing"),
+    ("loss", "kept", "gradients", "kept = 'gradients', but in your fixed5 the line that "
+                                  "computes `loss` divides by world_size and the gradients are "
+                                  "not divided"),
+    ("gradients", "loss_holds", "this rank's mean / world_size",
+     "no longer divides the loss by world_size: .*no world_size is left in it"),
+    ("gradients", "loss_holds", "the global mean",
+     "from its own batch only, and no collective runs before backward"),
+    ("loss", "loss_holds", "this rank's mean",
+     "still divides by world_size on the line that computes `loss`: .*not the mean "
+     "F.mse_loss returned"),
+    ("loss", "loss_holds", "the global mean",
+     "no collective runs before backward.*dividing a rank's own number by world_size does not "
+     "bring them in"),
+    ("gradients", "under_ddp", "remove the loss's / world_size",
+     "already removed the loss's / world_size: there is none left to remove"),
+    ("gradients", "under_ddp", "add / world_size to the loss",
+     "DDP averages the gradients over the ranks, dividing by world_size itself: a loss divided "
+     "by world_size as well"),
+    ("loss", "under_ddp", "nothing else",
+     "once the hand-written loop \\(the sum\\) is gone, every gradient is world_size times too "
+     "small"),
+    ("loss", "under_ddp", "add / world_size to the loss",
+     "one more division makes every gradient world_size² times too small"),
+]
+
+
+@pytest.mark.parametrize("kept, which, value, cause", WRONG_DECISION,
+                         ids=[f"{k}-{w}-{v}" for k, w, v, _ in WRONG_DECISION])
+def test_each_wrong_decision_is_named_by_its_cause_then_its_fix(kept, which, value, cause):
+    text, holds, ddp = RIGHT_DECISION[kept]
+    answers = {"kept": kept, "loss_holds": holds, "under_ddp": ddp}
+    right = answers[which]
+    answers[which] = value
+    with pytest.raises(LabCheckError, match=f"^Decision 5: .*{cause}") as first:
+        lab10.check_decision(text, **answers)
+    assert repr(right) not in str(first.value)      # the cause never hands over the value
+    assert "if this same mistake comes back" in str(first.value)
+    with pytest.raises(LabCheckError) as second:
+        lab10.check_decision(text, **answers)
+    assert f"{which} = {right!r}" in str(second.value)
+
+
+@pytest.mark.parametrize("answers, phrase", [
+    (("gradient", "this rank's mean", "nothing else"), "kept is 'gradient': it must be one of"),
+    (("loss", "the rank's mean", "nothing else"), "loss_holds is \"the rank's mean\": it must be"),
+    (("loss", "the global mean", "keep as is"), "under_ddp is 'keep as is': it must be one of"),
 ])
-def test_a_comment_that_does_not_decide_is_named(text, phrase, trains_right):
-    with pytest.raises(LabCheckError, match=f"^Fix 5: .*{phrase}"):
-        lab10.check_fix(5, text)
+def test_a_value_outside_the_lists_is_a_clear_error(answers, phrase):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab10.check_decision(KEPT_LOSS, *answers)
+
+
+@pytest.mark.parametrize("text", [lab10.script(5),
+                                  edit(5, (LOSS_LINE, "F.mse_loss(model(xb), yb)"),
+                                       (GRAD_LINE, ""))])
+def test_a_decision_needs_one_division_kept(text):
+    with pytest.raises(LabCheckError, match="divides by world_size in both places or in neither"):
+        lab10.check_decision(text, "loss", "this rank's mean / world_size",
+                             "remove the loss's / world_size")
 
 
 def test_the_kept_division_is_read_from_the_code():

@@ -15,7 +15,8 @@ None of the five is a bug lesson 10 shows:
    nobody receives, and the run hangs before the first step;
 5. ``bug5_mean.py``    — the loss is divided by the world size *and* the gradients are
    averaged: divided twice, every step world_size times too small. Its fix carries the lab's
-   design decision, a comment read for what it decides (:func:`kept_division`).
+   design decision, three answers :func:`check_decision` judges against the repair the fix
+   made (:func:`kept_division`).
 
 :func:`check_answer` judges a multiple-choice answer and says why a wrong option is not it.
 :func:`check_fixes` runs the fixed scripts under torchrun (all at once, for time), loads the
@@ -50,7 +51,8 @@ from dpcourse.checks import (check_timeout, fail, passed, recorded, reveal, run_
 __all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "BUG_LINES", "script", "show", "options",
            "bug_lines", "check_line", "move_line", "check_answer", "simulate", "run_fix",
            "judge_fix", "check_fix", "check_fixes", "examples_read", "check_prediction",
-           "check_replicas_in_sync", "kept_division"]
+           "check_replicas_in_sync", "kept_division", "check_decision", "KEPT",
+           "LOSS_HOLDS", "UNDER_DDP"]
 
 SCRIPT_DIR = Path(__file__).resolve().parents[1] / "scripts" / "lab10"
 SCRIPTS = {1: "bug1_sampler.py", 2: "bug2_loader.py", 3: "bug3_clip.py", 4: "bug4_start.py",
@@ -180,6 +182,12 @@ SUSPECTS = {1: ("sampler_seed_rank", "sampler_seed_ignored"),
 BUG_LINES = {1: ("DistributedSampler(dataset",), 2: ("loader = DataLoader(",),
              3: ("clip_grad_norm_",), 4: ("dist.broadcast(",),
              5: ("/ world_size  #", "p.grad /= world_size")}
+# bug -> the other side of a bug that is an ORDER of two lines: bug 3 is the clip running
+# before the average, so the average's lines are a right answer too when the why names the
+# order (moving the all-reduce above the clip is as good a repair as moving the clip down)
+ORDER_LINES = {3: ("# average the gradients", "dist.all_reduce(p.grad)", "p.grad /= world_size")}
+ORDER_WORDS = re.compile(r"\b(order\w*|after|before|first|earlier|later|too late|sooner|"
+                         r"mov(e|es|ed|ing)|swap\w*|above|below|preced\w*|follow\w*|then)\b")
 # bug -> what a "why" must speak of: every group needs one of its word stems. Broad on purpose:
 # the learner's own words, not the check's, but not a sentence that says nothing. The why is
 # read before the line is judged, so a line found by trying candidates is not confirmed
@@ -280,8 +288,22 @@ def check_line(n: int, line, why) -> None:
         fail(f"why{n} (\"{why.strip()}\") does not say yet what goes wrong in this script, so "
              f"line {line} is not judged: {LOOK_AGAIN[n]}, and say what you find in your "
              f"sentence.")
+    code = lines[line - 1].strip() or "(a blank line)"
+    if any(piece in lines[line - 1] for piece in ORDER_LINES.get(n, ())):
+        if not ORDER_WORDS.search(said):
+            fail(f"Line {line} (`{code}`) does here what it would do in a correct script, and "
+                 f"why{n} (\"{why.strip()}\") speaks of another line's work, not of this "
+                 f"one's: this line is wrong only through WHEN it runs, and your sentence says "
+                 f"nothing of when.",
+                 fix=f"Either name the line your sentence speaks of, or say in why{n} which of "
+                     f"the two lines must run first, and why.")
+        passed(f"bug {n} is the order of two lines, and line {line} is one side of it: the "
+               f"average comes after the clip (moving the all-reduce above the clip repairs it "
+               f"too). The options speak of the other side, line {bug_lines(n)[0]}: the clip, "
+               f"which runs on this rank's own gradient. Now set answer{n}.")
+        options(n)
+        return
     if line not in bug_lines(n):
-        code = lines[line - 1].strip() or "(a blank line)"
         fail(f"Line {line} (`{code}`) is not where bug {n} is: it does here what it would do in "
              f"a correct script. To find the line, {LOOK_AGAIN[n]}.",
              fix=f"Trying lines one by one finds a line, not the reason. Before the next one, "
@@ -586,23 +608,6 @@ def run_fix(n: int, text: str, timeout: float = 60.0, launcher: str = "torchrun"
     return state
 
 
-# what fix 5's design comment must decide, by the division the fix kept (word stems, like
-# WHY_WORDS): the comment names that division, speaks of DDP, and says what DDP's own averaging
-# of the gradients means for it. Keeping the loss's division: under DDP it divides the
-# gradients a second time, so it must go. Keeping the gradients' division: it is the one DDP
-# does, so under DDP the hand-written averaging goes and the loss stays a rank's own mean.
-DDP_WORDS = ("ddp", "distributeddataparallel", "distributed data parallel")
-KEPT_WORDS = {"loss": ("loss",), "gradient": ("grad", "all_reduce", "all-reduce", "allreduce")}
-UNDER_DDP = {
-    "loss": ("twice", "again", "double", "second", "two times", "too small", "smaller",
-             "remov", "drop", "delet", "take out", "taken out", "must go", "undo", "strip"),
-    "gradient": ("itself", "does", "would do", "same", "like", "match", "mirror", "as ddp",
-                 "what ddp", "where ddp", "replac", "remov", "drop", "delet", "unchanged",
-                 "stays", "as is", "as-is", "own mean", "instead", "takes over", "handles",
-                 "already"),
-}
-
-
 def kept_division(text: str) -> str | None:
     """Which of bug 5's two divisions by world_size a fixed script kept: ``"loss"``,
     ``"gradient"``, or None when its code divides neither by world_size (or both)."""
@@ -613,48 +618,86 @@ def kept_division(text: str) -> str | None:
     return {(True, False): "loss", (False, True): "gradient"}.get((loss, grad))
 
 
-def _require_comment(n: int, text: str) -> None:
-    """Fix 5 trains right: the lab's design decision asks for the reason in a comment inside
-    the fixed script, where the next reader of the script will look. The comment is read for
-    what it decides (the division kept, and what DDP does to it), not for its length."""
+# bug 5's design decision, answered in three words the check judges against the repair the
+# fixed script made (kept_division reads it from the code, comments aside). What `loss` holds
+# on a rank after the fix, and what else changes when the loop moves to DDP (which averages
+# the gradients over the ranks, dividing by world_size itself: torch/nn/parallel/
+# distributed.py, divide_by_initial_world_size; so the hand-written all_reduce loop goes):
+KEPT = ("loss", "gradients")
+LOSS_HOLDS = ("this rank's mean", "this rank's mean / world_size", "the global mean")
+UNDER_DDP = ("nothing else", "remove the loss's / world_size", "add / world_size to the loss")
+_RIGHT = {"loss": ("this rank's mean / world_size", "remove the loss's / world_size"),
+          "gradients": ("this rank's mean", "nothing else")}
+_NO_COLLECTIVE = ("each rank computes `loss` from its own batch only, and no collective runs "
+                  "before backward: the all_reduce acts on the gradients, after backward, so "
+                  "no rank's `loss` ever sees another rank's examples")
+# (the repair kept, the wrong answer) -> the cause: why that reasoning does not hold
+_LOSS_CAUSE = {
+    ("gradients", "this rank's mean / world_size"):
+        "your fixed5 no longer divides the loss by world_size: the line that computes `loss` "
+        "divides by nothing, so no world_size is left in it",
+    ("gradients", "the global mean"): _NO_COLLECTIVE,
+    ("loss", "this rank's mean"):
+        "your fixed5 still divides by world_size on the line that computes `loss`: the number "
+        "it holds is not the mean F.mse_loss returned",
+    ("loss", "the global mean"): _NO_COLLECTIVE + " (dividing a rank's own number by "
+                                                  "world_size does not bring them in)",
+}
+_DDP_CAUSE = {
+    ("gradients", "remove the loss's / world_size"):
+        "your fixed5 already removed the loss's / world_size: there is none left to remove",
+    ("gradients", "add / world_size to the loss"):
+        "DDP averages the gradients over the ranks, dividing by world_size itself: a "
+        "loss divided by world_size as well makes every gradient world_size times too small, "
+        "bug 5 again under DDP",
+    ("loss", "nothing else"):
+        "your loss is divided by world_size and DDP averages the gradients, dividing by "
+        "world_size again: once the hand-written loop (the sum) is gone, every gradient is "
+        "world_size times too small, bug 5 again under DDP",
+    ("loss", "add / world_size to the loss"):
+        "your loss is already divided by world_size and DDP divides the gradients by "
+        "world_size again: one more division makes every gradient world_size² times too small",
+}
+
+
+@recorded
+def check_decision(fixed5: str, kept, loss_holds, under_ddp) -> None:
+    """Bug 5's design decision, judged against the repair ``fixed5`` made: which division it
+    ``kept`` (one of :data:`KEPT`), what ``loss`` holds on a rank afterwards (one of
+    :data:`LOSS_HOLDS`), and what else changes when the loop moves to DDP and its hand-written
+    all_reduce loop goes (one of :data:`UNDER_DDP`)."""
     __tracebackhide__ = True
-    if n != 5:
-        return
-    broken = script(5)
-    added = " ".join(ln.split("#", 1)[1].strip() for ln in text.splitlines()
-                     if "#" in ln and ln.strip() not in broken)
-    if not added.strip():
-        fail("Fix 5: it trains right, but the lab asks for your design decision in a comment "
-             "inside the fixed script, and the lines you changed carry none.",
-             fix="Add a comment: which division you kept, and what that means for this loop "
-                 "under DDP.")
-    kept = kept_division(text)
-    said = added.lower()
-    names_kept = any(w in said for w in (KEPT_WORDS[kept] if kept else
-                                         KEPT_WORDS["loss"] + KEPT_WORDS["gradient"]))
-    ddp = any(w in said for w in DDP_WORDS)
-    consequence = any(w in said for w in (UNDER_DDP[kept] if kept else
-                                          UNDER_DDP["loss"] + UNDER_DDP["gradient"]))
-    kept_says = {"loss": "your fix divides the loss by world_size",
-                 "gradient": "your fix divides the gradients by world_size after all_reduce",
-                 None: "your fix keeps one division"}[kept]
-    if len(set(said.split())) < 5 or not (names_kept or ddp or consequence):
-        fail(f"Fix 5: it trains right, but your comment (\"{added}\") does not decide "
-             f"anything yet: it must say which division you kept ({kept_says}) and what that "
-             f"choice means once this loop runs under DDP, which averages the gradients itself.")
-    if not names_kept:
-        fail(f"Fix 5: your comment (\"{added}\") does not say which division you kept: "
-             f"{kept_says}, and the comment should name it.")
-    if not ddp:
-        fail(f"Fix 5: your comment (\"{added}\") names the division you kept but not what it "
-             f"means for someone who moves this loop to DDP, which averages the gradients "
-             f"itself.")
-    if not consequence:
-        what = {"loss": "a loss already divided by world_size",
-                "gradient": "the averaging you wrote by hand",
-                None: "the division you kept"}[kept]
-        fail(f"Fix 5: your comment (\"{added}\") speaks of DDP but does not say what DDP's "
-             f"own averaging of the gradients does to {what}.")
+    if not isinstance(fixed5, str):
+        fail(f"Pass fixed5, your fixed script's text (a str), not {type(fixed5).__name__}.")
+    for name, value, allowed in (("kept", kept, KEPT), ("loss_holds", loss_holds, LOSS_HOLDS),
+                                 ("under_ddp", under_ddp, UNDER_DDP)):
+        if value not in allowed:
+            fail(f"{name} is {value!r}: it must be one of "
+                 f"{', '.join(repr(a) for a in allowed)}, written exactly so.")
+    code = {"loss": "loss", "gradient": "gradients"}.get(kept_division(fixed5))
+    if code is None:
+        fail("Decision 5: your fixed5 divides by world_size in both places or in neither, so "
+             "it keeps no single division to decide about.",
+             fix="Fix bug 5 first (lab10.check_fix(5, fixed5)), then answer for that fix.")
+    if kept != code:
+        said = {"loss": "the line that computes `loss` divides by world_size and the "
+                        "gradients are not divided after all_reduce",
+                "gradients": "the gradients are divided by world_size after all_reduce and "
+                             "the line that computes `loss` divides by nothing"}[code]
+        fail(f"Decision 5: kept = {kept!r}, but in your fixed5 {said}.",
+             fix=f"Answer for the repair your fixed5 makes: kept = {code!r} (or change fixed5).")
+    holds, ddp = _RIGHT[code]
+    if loss_holds != holds:
+        fail(f"Decision 5: loss_holds = {loss_holds!r}, but {_LOSS_CAUSE[code, loss_holds]}.",
+             fix=f"loss_holds = {holds!r}.")
+    if under_ddp != ddp:
+        fail(f"Decision 5: under_ddp = {under_ddp!r}, but {_DDP_CAUSE[code, under_ddp]}.",
+             fix=f"under_ddp = {ddp!r}.")
+    passed({"loss": "decision 5: kept the loss's division; `loss` holds this rank's mean / "
+                    "world_size, and under DDP that division goes with the hand-written loop",
+            "gradients": "decision 5: kept the gradients' division, the one DDP does; "
+                         "`loss` holds this rank's own mean, and under DDP nothing else "
+                         "changes"}[code])
 
 
 def judge_fix(n: int, weights) -> None:
@@ -688,7 +731,6 @@ def check_fix(n: int, text: str, timeout: float | None = None,
     timeout = check_timeout(timeout, 60.0)
     _precheck(n, text)
     judge_fix(n, run_fix(n, text, timeout, launcher))
-    _require_comment(n, text)
     passed(f"fix {n}: the weights equal a correct data-parallel run on {WORLD_SIZES[n]} ranks")
 
 
@@ -707,7 +749,6 @@ def check_fixes(fixes: dict, timeout: float | None = None, launcher: str = "torc
             lambda n: run_fix(n, fixes[n], timeout, launcher), sorted(fixes))))
     for n in sorted(fixes):
         judge_fix(n, results[n])
-        _require_comment(n, fixes[n])
     passed(f"fixes {', '.join(map(str, sorted(fixes)))}: every script ends with the weights "
            f"of a correct data-parallel run")
 
