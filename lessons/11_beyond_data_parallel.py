@@ -237,12 +237,12 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 #
 # 1. **column-parallel** first layer: rank r keeps the r-th block of A's *columns*
 #    (d × h/t), and computes `H_r = GeLU(X·A_r)`: its own h/t hidden
-#    features, from the full X. GeLU acts element by element, so it needs nothing from the
-#    other ranks;
+#    features. GeLU acts element by element, so it needs nothing from the other ranks;
 # 2. **row-parallel** second layer: rank r keeps the r-th block of B's *rows* (h/t × d) and
-#    computes `Y_r = H_r·B_r`, a d-wide *partial* output. The real output is the sum,
-#    `Y = Σ_r Y_r` — one all-reduce. (And the biases, `+ b₁` and `+ b₂`? That is for you to
-#    decide in the lab.)
+#    multiplies its own hidden features by it, `Y_r = H_r·B_r`, a d-wide result. How the
+#    ranks' `Y_r` relate to the layer's output `Y = H·B`, and what that costs, is yours to
+#    work out in the lab — write `H·B` with H and B cut into their blocks. (And the biases,
+#    `+ b₁` and `+ b₂`? That is for you to decide in the lab too.)
 #
 # A and B are the paper's matrices, in its `X·A` convention. Whether torch's `nn.Linear`
 # stores them as they are or otherwise, and so which dimension of each torch weight holds a
@@ -254,9 +254,9 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
          "each rank holds one colour — a block of A's columns, the same block of B's rows.")
 
 # %% [markdown]
-# Now the backward. Every rank holds all of X, but only its own block A_r. Megatron puts the
-# communication of both passes — which pass needs it is the lab's first question — into two
-# conjugate operations, *f* (at the column layer's input) and *g* (at the row layer's
+# Now the backward. Megatron puts the communication of both passes — which pass needs it,
+# and what each rank holds whole or only in part on either side, is the lab's first
+# question — into two conjugate operations, *f* (at the column layer's input) and *g* (at the row layer's
 # output), each with a forward and a backward.
 #
 # Each is a `torch.autograd.Function`: a class with a static `forward(ctx, ...)` and a static
@@ -276,8 +276,8 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 # operation which pass communicates and along which dimension each weight is cut (each
 # written down with its reason before the code runs), and where the biases go. The
 # library's answer is folded below, and so is everything in the rest of this lesson that
-# would give it away (how the check below compares the shards, torch's
-# placements, where torch puts f and g).
+# would give it away (how the check below compares the shards, the collectives of each
+# pass, torch's placements, where torch puts f and g).
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cells below): f
@@ -356,7 +356,11 @@ claim("the gradient of the input == the plain MLP's (to 1e-6)",
 claim("every rank's weight and bias gradients == the same slice of the plain MLP's (to 1e-6)",
       max(r["grad_diff"] for r in tp_runs) < 1e-6)
 
-# %%
+# %% [markdown]
+# **▶ The collectives of each pass, counted — open after your lab passes** (click the folded
+# cell below): where they fall is part of lab 11's answer.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 act_bytes = cfg.tokens * cfg.d * 4
 print("forward:", r0["forward"], " backward:", r0["backward"], " (op, elements, bytes)")
 claim(f"one all-reduce in the forward and one in the backward, each of the activations' "
@@ -427,7 +431,11 @@ mesh = init_device_mesh("cpu", (world_size,))
 model = parallelize_module(plain_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 """)
 
-# %%
+# %% [markdown]
+# **▶ torch's results and collectives beside ours — open after your lab passes** (click the
+# folded cell below): its counts, pass by pass, are lab 11's answer again.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 claim("torch's output, input gradient and every shard's gradients == ours (to 1e-6)",
       max(max(r["torch_out_diff"], r["torch_input_grad_diff"], r["torch_grad_diff"])
           for r in tp_runs) < 1e-6)
@@ -472,7 +480,7 @@ viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
 # Outside the MLP — the layer norms, the dropouts — the tokens × d activation sits whole on
 # every tensor-parallel rank (section 1's undivided 10·s·b·d). Korthikanti et al.'s
 # *sequence parallelism* gives each rank only its share of the tokens there: entering the
-# MLP the shares are all-gathered, and leaving it the partial outputs are reduce-scattered
+# MLP the shares are all-gathered, and leaving it the outputs are reduce-scattered
 # back to the shares. torch writes it as the same plan with two layouts named, the input and
 # the output sharded along the tokens, `Shard(0)`. Each rank's loss is its tokens' share of
 # the plain MLP's, so that the ranks' losses add up to it:
