@@ -193,7 +193,9 @@ lab02.check_copy_prediction(copy_guess)
 # `nn.DataParallel`'s would. The check hands your function models with and without gradients
 # already in `p.grad`, batches that do and do not divide by the number of devices, and a
 # training-mode model with BatchNorm (whose outputs then differ from the plain model's, lesson
-# 02 §2: for that one it looks at the buffers only).
+# 02 §2: for that one it looks at the buffers only). Every parameter of the check's models
+# takes part in the loss; a parameter that gets no gradient (a layer the forward skips) is
+# outside this contract.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -280,7 +282,8 @@ claim("your DataParallel step trains: the loss fell", losses[-1] < losses[0], lo
 #
 # * it returns the list `[replicas[i](inputs[i]) for i in ...]` would give, in replica order;
 # * the replicas run **at the same time**, each in a thread of its own;
-# * the outputs carry an autograd graph exactly when the same loop run by the caller would;
+# * the outputs carry an autograd graph exactly when the same loop run by the caller would
+#   (mixed precision, `torch.autocast`, is outside this contract);
 # * when a replica raises, the caller gets that error, after no thread is left running; when
 #   several raise, the caller gets the lowest-numbered failing replica's error, however fast or
 #   slow each thread was.
@@ -294,8 +297,10 @@ claim("your DataParallel step trains: the loss fell", losses[-1] < losses[0], lo
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Threads finish in any order: how does a result find its place in the list? What state does a
-# new thread start with — is anything that the caller set for itself (lesson 02 §3) per thread?
-# Where does an exception raised inside a thread go?
+# new thread start with — does it share what the caller set for itself, such as
+# `torch.no_grad()`? (torch's own `parallel_apply`, in `torch/nn/parallel/parallel_apply.py`,
+# reads some settings in the caller and sets them again in each worker: which, and why would it
+# need to?) Where does an exception raised inside a thread go?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
