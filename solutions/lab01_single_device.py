@@ -235,8 +235,9 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # * the result does not depend on whatever `p.grad` held before the call.
 #
 # The check trains a small model both ways and compares the weights and the returned loss. Its
-# loaders always hold a whole number of groups of k, and its model has no dropout (whose masks
-# would differ between the two ways). This is the same sum that DDP computes across ranks in
+# loaders always hold a whole number of groups of k, but the micro-batches need not all be the
+# same size: as a `DataLoader`'s last batch often is, one may be shorter than the others. Its
+# model has no dropout (whose masks would differ between the two ways). This is the same sum that DDP computes across ranks in
 # lesson 03, done across time instead of devices.
 
 # %% [markdown]

@@ -415,9 +415,10 @@ def test_right_accumulation_passes(fn, capsys):
     (_accum(zero_every=True), "zeroed the gradients before every micro-batch"),
     (_accum(zero_after=False), "never zeroed after a step"),
     (_accum(zero_after=False, weight="k"), "never zeroed after a step"),
-    (_accum(zero_first=False), "before the loop"),
-    (_accum(zero_first=False, weight="k"), "before the loop"),
-    (_accum(big_forward=True), "one forward (and backward) per micro-batch"),
+    (_accum(zero_first=False), "depend on what p.grad held"),
+    (_accum(zero_first=False, weight="k"), "depend on what p.grad held"),
+    (_accum(zero_first=False, style="rescale"), "depend on what p.grad held"),
+    (_accum(big_forward=True), "never running more than one micro-batch at once"),
     (_accum(report="none"), "returned None"),
     (_accum(report="scaled"), "scaled loss you backpropagated"),
     (_accum(report="total"), "total loss over all samples"),
@@ -426,6 +427,51 @@ def test_accumulation_mistakes_are_named(fn, phrase):
     with pytest.raises(LabCheckError) as err:
         lab01.check_train_accumulated(fn)
     assert phrase in str(err.value), str(err.value)
+
+
+def test_accumulation_with_leftover_gradients_names_them_not_the_weighting():
+    # The learner's round: the rescale-at-step answer without its first zero_grad divides the
+    # leftover gradients too, so no replay matches; the check reruns the answer with p.grad
+    # empty and names the leftovers as the cause, and that the rest is right.
+    wrong = _accum(zero_first=False, style="rescale")
+    with pytest.raises(LabCheckError) as first:
+        lab01.check_train_accumulated(wrong)
+    message = str(first.value)
+    assert "depend on what p.grad held" in message, message
+    assert "exactly plain training's" in message, message
+    assert "mean loss over its group" not in message, message
+    assert "Run the check again" in message and "before the first micro-batch" not in message
+    with pytest.raises(LabCheckError) as second:
+        lab01.check_train_accumulated(wrong)
+    assert "clear the gradients once before the first micro-batch" in str(second.value)
+
+
+def accum_unknown_mistake(model, loader, loss_fn, optimizer, k, device):
+    # wrong in a way no replay knows: the group's last micro-batch counted twice
+    model.train()
+    optimizer.zero_grad()
+    total, count, batches = 0.0, 0, list(loader)
+    for g in range(0, len(batches), k):
+        group = batches[g:g + k]
+        group_n = sum(len(y) for _, y in group) + len(group[-1][1])
+        for i, (X, y) in enumerate(group):
+            loss = loss_fn(model(X), y)
+            (loss * len(y) * (2 if i == len(group) - 1 else 1) / group_n).backward()
+            total += loss.item() * len(y)
+            count += len(y)
+        optimizer.step()
+        optimizer.zero_grad()
+    return total / count
+
+
+def test_accumulation_unknown_mistake_has_the_same_two_meetings():
+    with pytest.raises(LabCheckError) as first:
+        lab01.check_train_accumulated(accum_unknown_mistake)
+    assert "in none of the ways the check knows" in str(first.value), str(first.value)
+    assert "Run the check again" in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError) as second:
+        lab01.check_train_accumulated(accum_unknown_mistake)
+    assert "compare p.grad just before your step" in str(second.value), str(second.value)
 
 
 def test_accumulation_by_one_over_k_names_the_cause_not_the_code():
@@ -449,7 +495,7 @@ def test_prediction_is_compared_and_explained(value, losses, verdict, capsys):
     guess = predict("lab01", lab01.PREDICTION_QUESTION, value,
                     choices=lab01.PREDICTION_CHOICES)
     lab01.check_prediction(guess, *losses)
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # reveal wraps its lines
     assert f" — {verdict}." in out, out
     assert "running summary of the epoch" in out, out
 

@@ -446,14 +446,15 @@ def check_train_accumulated(train_accumulated) -> None:
         X = torch.randn(n, 3, 8, 8, generator=g)
         y = torch.randint(0, 10, (n,), generator=g)
 
-        def fresh():
+        def fresh(stale=True):
             torch.manual_seed(seed)
             # no dropout here: the big batch and the micro-batches would draw different masks
             model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.Tanh(),
                                   nn.Linear(16, 10))
             # The model arrives with gradients left in p.grad (say, from an unfinished group
             # of the previous epoch): an answer must start from zero.
-            nn.functional.cross_entropy(model(X[:4]), y[:4]).backward()
+            if stale:
+                nn.functional.cross_entropy(model(X[:4]), y[:4]).backward()
             return model, torch.optim.SGD(model.parameters(), lr=0.2)
 
         def micro_loader():
@@ -518,16 +519,31 @@ def check_train_accumulated(train_accumulated) -> None:
                                              tol=1e-5):
             fail("you zeroed the gradients before every micro-batch, so each step saw only the "
                  "last micro-batch of its group.", fix="clear the gradients only after a step.")
-        if replays(zero_first=False):
-            fail("the first step carried gradients that were in p.grad before the loop: the "
-                 "model may come from an unfinished group of the previous epoch.",
-                 fix="clear the gradients once before the first micro-batch.")
         if replays(zero_after_step=False):
             fail("the gradients were never zeroed after a step, so each group's gradient "
                  "carried all earlier groups'.", fix="clear the gradients after every step.")
+        # Run the learner's function again on the same model with p.grad empty: if the weights
+        # change, what p.grad held before the call reached the steps.
+        clean, clean_opt = fresh(stale=False)
+        train_accumulated(clean, micro_loader(), nn.CrossEntropyLoss(), clean_opt, k, "cpu")
+        if not _same(got, _params(clean), tol=1e-5):
+            rest = (" With p.grad empty at the start, your steps are exactly plain training's."
+                    if _same(_params(clean), _params(big), tol=1e-5) else "")
+            fail(f"your weights depend on what p.grad held before the call: the check ran your "
+                 f"function twice on the same model and micro-batches of sizes {sizes}, once "
+                 f"with p.grad holding an earlier backward's gradients (as after an unfinished "
+                 f"group of a previous epoch) and once with p.grad empty, and the two runs "
+                 f"ended with different weights. Those leftover gradients were added into your "
+                 f"first group's gradient, but the contract says the result must not depend on "
+                 f"what p.grad held.{rest}",
+                 fix="clear the gradients once before the first micro-batch.")
         fail(f"with micro-batches of sizes {sizes} and k={k} your weights differ from plain "
-             f"training on each group's samples (groups of {group_sizes}): each step must use "
-             f"the gradient of the mean loss over its group's samples.")
+             f"training on each group's samples (groups of {group_sizes}), in none of the ways "
+             f"the check knows (each micro-batch weighted 1/k or not at all, a step per "
+             f"micro-batch, gradients zeroed too often or never, leftover gradients).",
+             fix="for one group, compare p.grad just before your step with the gradient of "
+                 "one batch holding the group's samples (its mean loss, backward): the first "
+                 "parameter where they differ shows which part of the group went wrong.")
     passed("train_accumulated takes the same steps as plain training on each group's samples, "
            "whatever the micro-batches' sizes, and returns the mean loss per sample.")
 
