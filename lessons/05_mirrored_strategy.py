@@ -247,9 +247,9 @@ print("This run: " + ("within the 2x ceiling that caching one of two decoded epo
 
 # %%
 def replica_ids_summed():
-    ctx = tf.distribute.get_replica_context()              # this replica's context
-    mine = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
-    return mine, ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+    replica = tf.distribute.get_replica_context()          # this replica's context
+    mine = tf.cast(replica.replica_id_in_sync_group, tf.float32)
+    return mine, replica.all_reduce(tf.distribute.ReduceOp.SUM, mine)
 
 
 mine, total = strategy.run(replica_ids_summed)

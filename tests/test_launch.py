@@ -245,7 +245,16 @@ def test_the_stop_button_kills_every_rank(tmp_path):
     time.sleep(0.2)
     pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(2)]
     proc.send_signal(signal.SIGINT)  # what Jupyter's stop button sends to the kernel
-    out, _ = proc.communicate(timeout=30)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:  # a parent that did not stop must not outlive this test (and fail the next ones)
+        if proc.poll() is None:  # (not launch.kill_tree: its process group is pytest's)
+            for p in pids + [proc.pid]:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.communicate()
     assert proc.returncode == 42 and "interrupted cleanly" in out
     time.sleep(0.2)
     assert not any(_alive(p) for p in pids)
