@@ -215,8 +215,11 @@ def test_fifty_ddp_launches_in_a_row_do_not_flake():
 
 
 INTERRUPT_SCRIPT = """
-import os, sys, time
+import os, signal, sys, time
 from dpcourse import launch
+# A kernel turns SIGINT into KeyboardInterrupt; a child of a test worker may inherit another
+# disposition for it (an ignored SIGINT survives exec), so set the kernel's here.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def stuck(rank, world_size, path):
     with open(f"{path}.{rank}", "w") as f:
