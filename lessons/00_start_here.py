@@ -175,11 +175,16 @@ claim("both ranks received the sum 10 + 20", results == [30.0, 30.0], results=re
 # `init_process_group` accepts `"cpu:gloo,cuda:nccl"`, and then collectives on CPU tensors go
 # through gloo and those on GPU tensors through NCCL, in the same group; every rank passes the
 # same string. NCCL refuses to start on a machine without GPUs — the first cell below asks for
-# it and shows the error — so the second runs the same `device:backend` form with the CPU's entry
-# alone. This is c10d at work — torch.distributed's C++ core ("c10" is torch's
-# core library, "d" for distributed), whose process groups the lessons use from lesson 03 on.
+# it and, on such a machine, shows the error; with GPUs the same call forms the group at once,
+# because NCCL's communicator is made only at the first collective on a CUDA tensor unless
+# `init_process_group` is given a `device_id` (its docstring says so) — so the second runs the
+# same `device:backend` form with the CPU's entry alone. This is c10d at work —
+# torch.distributed's C++ core ("c10" is torch's core library, "d" for distributed), whose
+# process groups the lessons use from lesson 03 on.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
+# (why: what it prints depends on whether this machine has GPUs; the claim holds on each)
 def ask_for_nccl(rank, world_size):
     import torch.distributed as dist
 
@@ -191,14 +196,17 @@ def ask_for_nccl(rank, world_size):
     return "a group with NCCL for cuda tensors was formed"
 
 
+nccl_here = launch.spawn(ask_for_nccl, 2, timeout=60)
+print("rank 0:", nccl_here[0])
 if report.gpu_count == 0:
-    nccl_here = launch.spawn(ask_for_nccl, 2, timeout=60)
-    print("rank 0:", nccl_here[0])
     claim("on this machine without GPUs, init_process_group with NCCL for cuda tensors fails on "
           "every rank with ProcessGroupNCCL's error",
           all("only supported with GPUs" in r for r in nccl_here), nccl_here=nccl_here)
 else:
-    print("(this machine has GPUs: the refusal shows only on a machine without them)")
+    claim("on this machine with GPUs, the same call forms the group on every rank (no "
+          "collective on a cuda tensor has run, so NCCL has connected nothing yet)",
+          all(r == "a group with NCCL for cuda tensors was formed" for r in nccl_here),
+          nccl_here=nccl_here)
 
 # %% [markdown]
 # Two ranks on **one** GPU are another case: NCCL itself refuses them by default, which is why
@@ -359,7 +367,10 @@ viz.quiz([
 #   type; `Backend.default_device_backend_map` (`"cpu": gloo`, `"cuda": nccl`) and
 #   `Backend.backend_capability` (gloo: cpu and cuda; nccl: cuda only); `_create_nccl_process_group`
 #   builds `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only supported with
-#   GPUs, no GPUs found!" on a machine without GPUs (shown above with `"cpu:gloo,cuda:nccl"`).
+#   GPUs, no GPUs found!" on a machine without GPUs (shown above with `"cpu:gloo,cuda:nccl"`);
+#   its docstring's `device_id`: only with it is NCCL's communicator formed at once "rather than
+#   the normal lazy call" (the `eager_connect_single_device` call near the end of
+#   `_new_process_group_helper`).
 #   `ProcessGroup._get_backend(device)` (used there, e.g. in `_get_process_group_uid`): the
 #   backend serving one device type in a group.
 # - `torch/multiprocessing/spawn.py` — `spawn`: its `fn` "must be defined at the top level of a

@@ -68,7 +68,8 @@ def _notebook(path: Path, cells: list[tuple[str, str | None]]) -> Path:
 
 def test_rows_say_passed_wrong_output_raised_and_too_slow(tmp_path, no_leftovers):
     good = _notebook(tmp_path / "good.ipynb", [("print(1 + 1)", "2\n"), ("x = 3", None)])
-    wrong = _notebook(tmp_path / "wrong.ipynb", [("print(1 + 1)", "2\n"), ("print(2 + 2)", "5\n")])
+    wrong = _notebook(tmp_path / "wrong.ipynb", [("print(1 + 1)", "2\n"), ("print(2 + 2)", "5\n"),
+                                                 ("import sys; print(1, file=sys.stderr)", None)])
     raises = _notebook(tmp_path / "raises.ipynb",
                        [("raise ValueError('the ring lost a chunk')", None)])
     slow = _notebook(tmp_path / "slow.ipynb", [("import time; time.sleep(60)", None)])
@@ -78,8 +79,14 @@ def test_rows_say_passed_wrong_output_raised_and_too_slow(tmp_path, no_leftovers
     assert r.passed and r.counts == {"passed": 2, "failed": 0, "skipped": 0} and not r.failures
 
     r = doctor_run.run_one(ROOT, wrong, timeout=120, env=env)
-    assert not r.passed and r.counts["failed"] == 1 and r.counts["passed"] == 1
-    assert len(r.failures) == 1 and r.failures[0].startswith("Cell 1:")
+    assert not r.passed and r.counts["failed"] == 2 and r.counts["passed"] == 1
+    assert len(r.failures) == 2 and r.failures[0].startswith("Cell 1:")
+    # the row says what differed, not only that something did (a GPU machine's report is read
+    # on another machine): the stored and the new line, and a stray stderr
+    assert "mismatch 'stdout'" in r.details[0] and "- 4" in r.details[0] and "+ 5" in r.details[0]
+    assert "{'stderr'}" in r.details[1]
+    shown = doctor_run.format_row(r)
+    assert "mismatch 'stdout'" in shown and "{'stderr'}" in shown
 
     r = doctor_run.run_one(ROOT, raises, timeout=120, env=env)
     assert not r.passed

@@ -58,28 +58,41 @@ def test_one_gpu_per_rank_under_nccl():
     assert all(r["sum"] == [3.0] * 4 for r in results)
 
 
-@needs_gpu
-def test_fp16_autocast_with_grad_scaler_learns():
+def _memorise_one_batch(fp16: bool, steps: int = 40) -> list[float]:
+    """Adam on one fixed batch: fp32 memorises it (loss 2.30 -> 0.04 in 40 steps on CPU,
+    measured). Plain SGD at lr 0.05 barely moves in 30 steps (fp32 on CPU 2.30 -> 2.24, fp16 on
+    an H100 2.31 -> 2.23, measured): with it this test failed on its first GPU run."""
     devices.seed_everything(0)
     model = models.SmallCNN(width=8).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cuda")
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    scaler = torch.amp.GradScaler("cuda", enabled=fp16)
     X, y = torch.randn(64, 3, 32, 32, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
     losses = []
-    for _ in range(30):
+    for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        with train.autocast_for("cuda", True):
+        with train.autocast_for("cuda", fp16):
             out = model(X)
             loss = torch.nn.functional.cross_entropy(out, y)
-        assert out.dtype == torch.float16  # the lesson's claim: float16 on CUDA
+        if fp16:
+            assert out.dtype == torch.float16  # the lesson's claim: float16 on CUDA
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         losses.append(loss.item())
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
-    assert scaler.get_scale() > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert losses[-1] < 0.5 * losses[0]  # memorising one batch: it must fall far
+    if fp16:
+        assert scaler.get_scale() > 0
+    return losses
+
+
+@needs_gpu
+def test_fp16_autocast_with_grad_scaler_learns():
+    fp32 = _memorise_one_batch(fp16=False)
+    fp16 = _memorise_one_batch(fp16=True)
+    assert fp32[-1] < 0.25 * fp32[0], f"the fp32 twin did not memorise the batch: {fp32[::10]}"
+    assert fp16[-1] < 0.25 * fp16[0], (
+        f"fp16 + GradScaler did not learn what fp32 learned: fp16 {fp16[::10]}, fp32 {fp32[::10]}")
 
 
 @needs_2_gpus

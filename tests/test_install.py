@@ -173,6 +173,9 @@ def test_an_old_torch_gets_the_fix_and_the_lessons_it_breaks():
     assert sentence.startswith("torch 2.12.0+cpu is older than the course needs (2.14 or newer)")
     assert "lab 08 calls dist.reduce_scatter_single" in sentence
     assert "lesson 03 passes" in sentence and "not tried on 2.12" in sentence
+    # a release the course was run on says what that run showed instead
+    (sentence,) = _problems(torch="2.11.0+cu130", torchvision="0.26.0")
+    assert "on torch 2.11 (one H100" in sentence and "not tried" not in sentence
     assert "`%pip install torch==2.14.1 torchvision==0.29.1`, then restart the kernel" in sentence
     (sentence,) = _problems(torch="2.13.1")
     assert "lab 08" in sentence and "lesson 03" not in sentence

@@ -33,6 +33,12 @@ NEEDED_BY = {"torch": [
     ("2.14", "lab 08 calls dist.reduce_scatter_single and dist.all_gather_single (torch 2.14 names)"),
     ("2.13", "lesson 03 passes DDP(forward_sync_buffers=...) (torch 2.13)"),
 ]}
+# Older releases the whole course was run on (doctor --run), and what that showed.
+TRIED = {"torch": {
+    "2.11": ("on torch 2.11 (one H100, doctor --run, 2026-11-27) lesson 03 and lab 08 failed, "
+             "lessons 00 and 11 printed outputs other than the stored ones, and the other "
+             "lessons and solutions ran"),
+}}
 _TF_NAMES = ("tensorflow", "tensorflow-cpu")   # the same release under two names (README)
 _RESTART = "then restart the kernel (Colab: Runtime > Restart session)"
 
@@ -123,9 +129,11 @@ def version_problems(installed: Mapping[str, str | None] | None = None,
                         f"newer. Run `{torch_fix}`, {_RESTART}.")
     elif tv is not None and tv < Version(FLOORS["torch"]):
         needs = [why for at, why in NEEDED_BY["torch"] if tv < Version(at)]
+        tried = TRIED["torch"].get(f"{tv.major}.{tv.minor}",
+                                   f"the other lessons were not tried on {tv.major}.{tv.minor}")
         problems.append(f"torch {torch} is older than the course needs ({FLOORS['torch']} or "
-                        f"newer): " + "; ".join(needs) + f"; the other lessons were not tried on "
-                        f"{tv.major}.{tv.minor}. Run `{torch_fix}`, {_RESTART}.")
+                        f"newer): " + "; ".join(needs + [tried]) + f". Run `{torch_fix}`, "
+                        f"{_RESTART}.")
     elif tv is not None and _minor(tv) != _minor(Version(TESTED["torch"])):
         problems.append(f"note: torch {torch} is not the tested release ({TESTED['torch']}): "
                         f"nothing is known to break, but an output may differ from the stored "

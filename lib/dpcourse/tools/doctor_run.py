@@ -50,6 +50,10 @@ class Result:
     seconds: float
     counts: dict[str, int] = field(default_factory=dict)  # passed / failed / skipped cells
     failures: list[str] = field(default_factory=list)     # "Cell 12: what went wrong"
+    # per failure, what nbval said after its "Traceback:" (the diff of a cell whose outputs
+    # differ, "Unexpected output fields ... {'stderr'}", an exception's last lines): a row that
+    # says only "outputs differ" cannot be acted on from another machine's report
+    details: list[str] = field(default_factory=list)
 
 
 def course_root(start: Path | None = None) -> Path:
@@ -84,10 +88,20 @@ def _first_line(text: str) -> str:
     return "(no message)"
 
 
-def parse_junit(xml_text: str) -> tuple[dict[str, int], list[str]]:
-    """Counts and one line per failing cell (or test) from pytest's JUnit XML."""
+def _detail(lines: list[str], limit: int = 20) -> str:
+    """What nbval printed after "Traceback:" (its diff or the exception), blank lines dropped;
+    without that marker, the text's last lines."""
+    marks = [i for i, ln in enumerate(lines) if ln == "Traceback:"]
+    kept = lines[marks[-1] + 1:] if marks else lines
+    kept = [ln for ln in kept if ln and not set(ln) <= set("-=_+^? ")]
+    return "\n".join(kept[:limit] if marks else kept[-limit:])
+
+
+def parse_junit(xml_text: str) -> tuple[dict[str, int], list[str], list[str]]:
+    """Counts, one line per failing cell (or test), and each failure's detail (see
+    :func:`_detail`) from pytest's JUnit XML."""
     counts = {"passed": 0, "failed": 0, "skipped": 0}
-    failures = []
+    failures, details = [], []
     for case in ET.fromstring(xml_text).iter("testcase"):
         bad = case.find("failure")
         if bad is None:
@@ -107,11 +121,12 @@ def parse_junit(xml_text: str) -> tuple[dict[str, int], list[str]]:
             else:
                 why = _first_line(_ANSI.sub("", bad.get("message") or ""))
             failures.append(f"{name}: {why}"[:240])
+            details.append(_detail(lines))
         elif case.find("skipped") is not None:
             counts["skipped"] += 1
         else:
             counts["passed"] += 1
-    return counts, failures
+    return counts, failures, details
 
 
 def run_one(root: Path, target: Path, timeout: float = 900.0, env: dict | None = None) -> Result:
@@ -141,11 +156,12 @@ def run_one(root: Path, target: Path, timeout: float = 900.0, env: dict | None =
         seconds = round(time.monotonic() - start, 1)
         if not os.path.exists(junit):  # pytest itself failed to start
             return Result(rel, False, seconds, {}, [_first_line(out[-2000:])])
-        counts, failures = parse_junit(Path(junit).read_text())
+        counts, failures, details = parse_junit(Path(junit).read_text())
     passed = proc.returncode == 0 and counts["failed"] == 0
     if proc.returncode not in (0, 1) and not failures:
         failures = [f"pytest exited with code {proc.returncode}: {_first_line(out[-2000:])}"]
-    return Result(rel, passed, seconds, counts, failures)
+        details = [out[-2000:]]
+    return Result(rel, passed, seconds, counts, failures, details)
 
 
 def describe_profile(profile: str | None = None) -> str:
@@ -162,6 +178,14 @@ def describe_profile(profile: str | None = None) -> str:
             os.environ.pop("DPCOURSE_PROFILE", None)
         else:
             os.environ["DPCOURSE_PROFILE"] = saved
+
+
+def versions_first_cell() -> list[str]:
+    """What ``check_versions()``, every notebook's first cell, will print in a fresh kernel here
+    (nothing loaded yet, so only the installed versions count)."""
+    from dpcourse import versions
+
+    return versions.version_problems(loaded={}, notebook=True)
 
 
 def run_course(only: list[str] | None = None, profile: str | None = None,
@@ -183,11 +207,18 @@ def run_course(only: list[str] | None = None, profile: str | None = None,
     return rows
 
 
-def format_row(r: Result) -> str:
+def format_row(r: Result, detail_lines: int = 6) -> str:
+    """The row, its first five failures, and up to ``detail_lines`` lines of each one's detail
+    (``--json`` keeps all of it)."""
     tally = ", ".join(f"{n} {kind}" for kind, n in r.counts.items() if n or kind != "skipped")
-    line = f"{'PASS' if r.passed else 'FAIL'}  {r.path:<45} {r.seconds:>7.1f} s  {tally}"
-    more = [f"      ... and {len(r.failures) - 5} more"] if len(r.failures) > 5 else []
-    return "\n".join([line] + [f"      {f}" for f in r.failures[:5]] + more)
+    out = [f"{'PASS' if r.passed else 'FAIL'}  {r.path:<45} {r.seconds:>7.1f} s  {tally}"]
+    for i, failure in enumerate(r.failures[:5]):
+        out.append(f"      {failure}")
+        said = r.details[i].splitlines() if i < len(r.details) else []
+        out += [f"          {ln[:150]}" for ln in said[:detail_lines]]
+    if len(r.failures) > 5:
+        out.append(f"      ... and {len(r.failures) - 5} more")
+    return "\n".join(out)
 
 
 def summary(rows: list[Result]) -> str:
@@ -207,16 +238,24 @@ def main(only: list[str] | None = None, profile: str | None = None, timeout: flo
                 print(os.path.relpath(t, root))
             return 0
         described = describe_profile(profile)
+        # every notebook's first cell prints these, so each one's Cell 0 fails where there are
+        # any: say it once, up front, instead of leaving 24 identical rows to explain it
+        problems = versions_first_cell()
         if not as_json:
             print("dpcourse doctor --run: every lesson and lab solution under strict nbval")
             print(described)
+            for line in problems:
+                print(f"  version: {line}")
+            if problems:
+                print("  (every notebook's first cell prints the lines above, so each one's "
+                      "Cell 0 fails here: its stored output is empty)")
         rows = run_course(only, profile, timeout, root, echo=None if as_json else print)
     except (FileNotFoundError, ValueError) as exc:
         print(f"doctor --run: {exc}", file=sys.stderr)
         return 2
     if as_json:
-        print(json.dumps({"profile": described, "results": [asdict(r) for r in rows]},
-                         indent=1))
+        print(json.dumps({"profile": described, "version_problems": problems,
+                          "results": [asdict(r) for r in rows]}, indent=1))
     else:
         print(summary(rows))
     return 0 if all(r.passed for r in rows) else 1
