@@ -400,14 +400,21 @@ def test_blocking_sends_deadlock_and_the_check_says_so():
         # diagnosed: the sentence must not send the learner to a longer timeout
         assert "slowness" not in msg and "timeout=" not in msg
         assert ("some ranks call dist.recv first" in msg) == (attempt == 2), msg
+        assert ("one rank that RECEIVES first" in msg) == (attempt == 2), msg
 
 
 def test_receive_first_everywhere_deadlocks_and_the_check_says_so():
-    with pytest.raises(LabCheckError) as err:
-        lab06.check_ring_allreduce(ring_receive_first, timeout=8)
-    msg = str(err.value)
-    assert "deadlock on 3 ranks: every rank called a blocking dist.recv before its " \
-           "dist.send" in msg, msg
+    """Every rank stuck in dist.recv: the fix (second meeting) says that a rank that SENDS
+    first breaks the cycle, never that one receiving first does (that is the other deadlock's
+    cure, and here every rank already receives first)."""
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab06.check_ring_allreduce(ring_receive_first, timeout=8)
+        msg = str(err.value)
+        assert "deadlock on 3 ranks: every rank called a blocking dist.recv before its " \
+               "dist.send" in msg, msg
+        assert ("one rank that SENDS first gives its right neighbour" in msg) == (attempt == 2)
+        assert "RECEIVES first" not in msg and "receives first breaks" not in msg, msg
 
 
 def test_the_deadlock_demo_gives_its_cause_and_never_a_fix():

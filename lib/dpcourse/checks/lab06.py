@@ -483,9 +483,19 @@ def demo_ring(fn, world_size: int = 3, timeout: float = 10) -> None:
     print(f"the ring finished on {world_size} ranks without a deadlock")
 
 
-_DEADLOCK_FIX = ("in each step, let some ranks call dist.recv first and the others dist.send "
-                 "first, with a rule that gives both kinds of rank for every N (try N = 3 and "
-                 "N = 4 on paper): one rank that receives first breaks the cycle of waits.")
+# The two deadlocks are broken from opposite ends: when every rank is stuck in dist.send, a
+# rank that calls dist.recv first takes its left neighbour's message and unblocks it; when
+# every rank is stuck in dist.recv, a rank that calls dist.send first hands its right neighbour
+# the message it waits for.
+_DEADLOCK_FIX_ALL_SEND = (
+    "in each step, let some ranks call dist.recv first and the others dist.send first, with a "
+    "rule that gives both kinds of rank for every N (try N = 3 and N = 4 on paper): one rank "
+    "that RECEIVES first takes its left neighbour's pending send and breaks the cycle of waits.")
+_DEADLOCK_FIX_ALL_RECV = (
+    "in each step, let some ranks call dist.send first and the others dist.recv first, with a "
+    "rule that gives both kinds of rank for every N (try N = 3 and N = 4 on paper): one rank "
+    "that SENDS first gives its right neighbour the message that neighbour waits for, and "
+    "breaks the cycle of waits.")
 
 
 def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None,
@@ -506,18 +516,20 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None,
         # marked rank in send, none in recv" is the deadlock's signature.
         in_send = [r for r, v in where.items() if v == "send"]
         in_recv = [r for r, v in where.items() if v == "recv"]
-        fix = None if demo else _DEADLOCK_FIX  # a demo is given code: its cause, no fix
+        demo_or = (lambda text: None if demo else text)  # a demo is given code: no fix
         if in_send and not in_recv:
             # Diagnosed: not slowness, so no "try a longer timeout" (fail here, not via return).
             fail(f"deadlock on {world_size} ranks: every rank called a blocking dist.send "
                  f"before its dist.recv, so all {world_size} waited for a receive nobody had "
                  f"posted (gloo's send waits for the matching receive); they were stopped after "
-                 f"{timeout:g} s. A longer timeout would not help.", fix=fix)
+                 f"{timeout:g} s. A longer timeout would not help.",
+                 fix=demo_or(_DEADLOCK_FIX_ALL_SEND))
         if len(in_recv) == world_size:
             fail(f"deadlock on {world_size} ranks: every rank called a blocking dist.recv "
                  f"before its dist.send, so all {world_size} waited for a message their left "
                  f"neighbour would only send after its own receive; they were stopped after "
-                 f"{timeout:g} s. A longer timeout would not help.", fix=fix)
+                 f"{timeout:g} s. A longer timeout would not help.",
+                 fix=demo_or(_DEADLOCK_FIX_ALL_RECV))
         stuck = ", ".join(f"rank {r} in dist.{v}" for r, v in where.items() if v) or \
             "no rank inside dist.send/recv"
         return (f"your ring did not finish within {timeout:g} s on {world_size} ranks and was "
