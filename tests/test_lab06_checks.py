@@ -936,3 +936,32 @@ def test_a_repeated_mistake_gets_its_fix():
         msg = str(err.value)
         assert "already the complete sum" in msg, msg
         assert ("overwrite the worker's copy" in msg) == (attempt == 2), msg
+
+
+def test_every_all_gather_sentence_escalates_on_the_second_meeting():
+    """The all-gather's sentences name the cause first and add the fix when the same mistake
+    comes back, like every other check (the unchanged arrays, a chunk rule, wrong numbers)."""
+    for fn, cause, fix in [
+        (ag_missing, "left every worker's array as the scatter-reduce left it",
+         "write the chunk that arrives into the receiving worker's own array"),
+        (ag_off_by_one, "off-by-one chunk index in all_gather",
+         "pass on the chunk it completed most recently"),
+    ]:
+        for attempt in (1, 2):
+            with pytest.raises(LabCheckError) as err:
+                lab06.check_all_gather(fn)
+            msg = str(err.value)
+            assert cause in msg, msg
+            assert (fix in msg) == (attempt == 2), msg
+            assert ("Run the check again" in msg) == (attempt == 1), msg
+
+
+def test_scatter_reduce_step_count_and_chunk_rule_escalate():
+    for fn, cause, fix in [(sr_too_many_steps, "it takes exactly N-1", "range(N - 1)"),
+                           (sr_floor_chunks, "ignores ring.chunk_bounds",
+                            "cut the chunks with ring.chunk_bounds(length, N)")]:
+        for attempt in (1, 2):
+            with pytest.raises(LabCheckError) as err:
+                lab06.check_scatter_reduce(fn)
+            msg = str(err.value)
+            assert cause in msg and (fix in msg) == (attempt == 2), msg

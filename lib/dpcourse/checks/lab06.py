@@ -138,6 +138,15 @@ def reference_all_gather(buffers):
     return _all_gather(buffers)
 
 
+_CHUNK_RULE_FIX = ("cut the chunks with ring.chunk_bounds(length, N) and index them by its "
+                   "(start, stop) pairs.")
+_SR_RULE = ("the chunk a worker adds into must be the chunk its left neighbour sent in that "
+            "step, and the index must move by one each step so that worker i ends with the "
+            "full sum of chunk i (not lesson 06's (i + 1) mod N).")
+_AG_RULE = ("in each step a worker must pass on the chunk it completed most recently, and its "
+            "right neighbour must overwrite that same chunk.")
+
+
 def _run_learner(fn, buffers, what):
     __tracebackhide__ = True
     try:
@@ -163,7 +172,9 @@ def _wrong_steps_or_chunk(got, phase, start, what: str, chunk_rule: str) -> None
     for steps in (n, n - 2, 1):
         if steps != n - 1 and steps >= 0 and _same(got, phase([a.copy() for a in start],
                                                               steps=steps)):
-            fail(f"{what} ran {steps} steps for N={n} workers; it takes exactly N-1 = {n - 1}.")
+            fail(f"{what} ran {steps} steps for N={n} workers; it takes exactly N-1 = {n - 1}: "
+                 f"each step moves every chunk one hop, and N-1 hops carry a chunk past every "
+                 f"worker once.", fix="loop over range(N - 1) steps, N being len(buffers).")
     for ds, dr in itertools.product((-1, 0, 1, 2), (-1, 0, 1)):
         if (ds, dr) != (0, 0) and _same(got, phase([a.copy() for a in start], ds, dr)):
             fail(f"off-by-one chunk index in {what} (N={n}): your result is what the ring gives "
@@ -198,15 +209,12 @@ def check_scatter_reduce(fn) -> None:
         if length % n:
             for rule in _OTHER_CHUNK_RULES:
                 if _same(got, _scatter_reduce([a.copy() for a in inputs], bounds=rule)):
-                    fail(_chunk_rule_sentence("scatter_reduce", n, length, rule))
-        _wrong_steps_or_chunk(got, _scatter_reduce, inputs, "scatter_reduce",
-                              "the chunk a worker adds into must be the chunk its left "
-                              "neighbour sent in that step, and the index must move by one "
-                              "each step so that worker i ends with the full sum of chunk i "
-                              "(not lesson 06's (i + 1) mod N).")
+                    fail(_chunk_rule_sentence("scatter_reduce", n, length, rule),
+                         fix=_CHUNK_RULE_FIX)
+        _wrong_steps_or_chunk(got, _scatter_reduce, inputs, "scatter_reduce", _SR_RULE)
         bad = [w for w in range(n) if not np.array_equal(got[w], want[w])]
         fail(f"scatter_reduce gives wrong numbers on worker(s) {bad} for N={n}, length "
-             f"{length}: after it worker i must hold the full sum of chunk i.")
+             f"{length}: after it worker i must hold the full sum of chunk i.", fix=_SR_RULE)
     return passed("scatter_reduce: every worker i ends with the full sum of chunk i, "
                   "for N = 3, 4, 5 and uneven lengths")
 
@@ -227,7 +235,10 @@ def check_all_gather(fn) -> None:
             fail(f"all_gather left every worker's array as the scatter-reduce left it (N={n}): "
                  f"nothing a worker received was written into its own array (a copy or a "
                  f"rebound name does not change it), so each still holds only one finished "
-                 f"chunk.")
+                 f"chunk.",
+                 fix="in every step, write the chunk that arrives into the receiving worker's "
+                     "own array, through a slice of it (buffers[j][a:b] = ...), not into a "
+                     "copy or a new name.")
         if _same(got, _all_gather([a.copy() for a in reduced], add=True)):
             fail("all_gather adds the incoming chunk to the worker's own: the chunk that arrives "
                  "is already the complete sum, so adding it counts values twice.",
@@ -240,14 +251,12 @@ def check_all_gather(fn) -> None:
         if length % n:
             for rule in _OTHER_CHUNK_RULES:
                 if _same(got, _all_gather([a.copy() for a in reduced], bounds=rule)):
-                    fail(_chunk_rule_sentence("all_gather", n, length, rule))
-        _wrong_steps_or_chunk(got, _all_gather, reduced, "all_gather",
-                              "in each step a worker must pass on the chunk it completed most "
-                              "recently, and its right neighbour must overwrite that same "
-                              "chunk.")
+                    fail(_chunk_rule_sentence("all_gather", n, length, rule),
+                         fix=_CHUNK_RULE_FIX)
+        _wrong_steps_or_chunk(got, _all_gather, reduced, "all_gather", _AG_RULE)
         bad = [w for w in range(n) if not np.array_equal(got[w], total)]
         fail(f"all_gather leaves wrong numbers on worker(s) {bad} for N={n}, length {length}: "
-             f"afterwards every worker must hold the whole sum.")
+             f"afterwards every worker must hold the whole sum.", fix=_AG_RULE)
     return passed("all_gather: every worker ends with the whole sum, for N = 3, 4, 5 and "
                   "uneven lengths")
 
@@ -676,7 +685,8 @@ def _check_ring_once(fn, world_size: int, timeout: float) -> None:
     for rule in _OTHER_CHUNK_RULES:
         if _matches(results, _simulate_real(world_size, cases, bounds=rule)):
             shape = next(sh for sh, _, _ in cases if int(np.prod(sh)) % world_size)
-            fail(_chunk_rule_sentence("your ring", world_size, int(np.prod(shape)), rule))
+            fail(_chunk_rule_sentence("your ring", world_size, int(np.prod(shape)), rule),
+                 fix=_CHUNK_RULE_FIX)
     shifts = [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1)]
     n = world_size
     gathered = all(t["messages"] >= 2 * (n - 1) for (shape, _, _), case in zip(cases, traffic)
