@@ -263,6 +263,38 @@ def test_the_stop_button_kills_every_rank(tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
+def _write_pid_and_wait(rank, world_size, path):
+    with open(f"{path}.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_a_stop_while_ranks_start_leaves_no_rank_behind(tmp_path, monkeypatch):
+    """The stop button pressed between one rank's start and the next: the interrupt waits until
+    every started rank is registered, so the cleanup kills them all (before, the rank whose
+    start was interrupted ran on, unknown to the cleanup, holding its port)."""
+    real_rank = launch._Rank
+    started = []
+
+    def rank_then_stop(r, process, *rest):  # called right after each rank's process started
+        started.append(process.pid)
+        if len(started) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # lands mid-loop, before rank 0 is registered
+        return real_rank(r, process, *rest)
+
+    monkeypatch.setattr(launch, "_Rank", rank_then_stop)
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel's cell
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch.spawn(_write_pid_and_wait, 2, str(tmp_path / "pid"), timeout=120,
+                         show_output=False)
+    finally:
+        signal.signal(signal.SIGINT, saved)
+    assert len(started) == 2, "the interrupt stopped the loop before the second rank started"
+    time.sleep(0.2)
+    assert not any(_alive(p) for p in started)
+
+
 TORCHRUN_SCRIPT = """
 import os, sys, time
 import torch, torch.distributed as dist

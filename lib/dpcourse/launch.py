@@ -302,21 +302,12 @@ def spawn(
     logdir = tempfile.mkdtemp(prefix="dpcourse-spawn-")
     ranks: list[_Rank] = []
     try:
-        for r in range(world_size):
-            result_r, result_w = ctx.Pipe(duplex=False)
-            release_r, release_w = ctx.Pipe(duplex=False)
-            log_path = os.path.join(logdir, f"rank{r}.log")
-            p = ctx.Process(
-                target=_worker_entry,
-                args=(r, world_size, port, payload, env, log_path, result_w, release_r),
-                name=f"dpcourse-rank{r}",
-                daemon=True,
-            )
-            p.start()
-            # Close the child's ends here, so that a dead child shows up as EOF.
-            result_w.close()
-            release_r.close()
-            ranks.append(_Rank(r, p, result_r, release_w, log_path))
+        # A stop (SIGINT: Jupyter's stop button) that lands while ranks are starting would
+        # raise inside p.start() or just after it, before the rank is in `ranks`, and the
+        # cleanup below would leave that rank running, holding its port. So the stop waits
+        # until every started rank is registered (a fraction of a second), then takes effect.
+        with _SigintAfterStart():
+            _start_ranks(ctx, ranks, world_size, port, payload, env, logdir)
         _wait(ranks, timeout, world_size)
     finally:
         for rk in ranks:
@@ -345,6 +336,50 @@ def spawn(
             pass
     return [rk.outcome[1] for rk in ranks]
 
+
+def _start_ranks(ctx, ranks: list, world_size: int, port: int, payload: bytes, env: dict,
+                 logdir: str) -> None:
+    """Start one process per rank, appending each to ``ranks`` as soon as it runs."""
+    for r in range(world_size):
+        result_r, result_w = ctx.Pipe(duplex=False)
+        release_r, release_w = ctx.Pipe(duplex=False)
+        log_path = os.path.join(logdir, f"rank{r}.log")
+        p = ctx.Process(
+            target=_worker_entry,
+            args=(r, world_size, port, payload, env, log_path, result_w, release_r),
+            name=f"dpcourse-rank{r}",
+            daemon=True,
+        )
+        p.start()
+        # Close the child's ends here, so that a dead child shows up as EOF.
+        result_w.close()
+        release_r.close()
+        ranks.append(_Rank(r, p, result_r, release_w, log_path))
+
+
+class _SigintAfterStart:
+    """Hold a SIGINT back until the block ends, then deliver it to the handler it would have
+    met (the kernel's KeyboardInterrupt during a cell). A signal mask would not do: SIGINT is
+    sent to the process, and a kernel has threads that do not block it. Only the main thread
+    may set handlers; elsewhere this does nothing."""
+
+    def __enter__(self):
+        import threading
+
+        self.pending, self.saved = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.saved = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.pending = True
+
+    def __exit__(self, *exc) -> bool:
+        if self.saved is not None:
+            signal.signal(signal.SIGINT, self.saved)
+            if self.pending:
+                signal.raise_signal(signal.SIGINT)  # now, with every started rank registered
+        return False
 
 def _wait(ranks: list[_Rank], timeout: float, world_size: int) -> None:
     from multiprocessing.connection import wait
