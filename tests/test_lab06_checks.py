@@ -965,3 +965,51 @@ def test_scatter_reduce_step_count_and_chunk_rule_escalate():
                 lab06.check_scatter_reduce(fn)
             msg = str(err.value)
             assert cause in msg and (fix in msg) == (attempt == 2), msg
+
+
+def seg_shared_receive_buffer(tensor, op="sum", segments=4):
+    """A learner's pipelined ring with ONE receive buffer for the whole ring: every piece of
+    every step lands in the same memory, while the next piece is already posted into it."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    flat = tensor.view(-1)
+    chunks = flat.tensor_split(n)
+    incoming = torch.empty(-(-len(chunks[0]) // segments), dtype=tensor.dtype)
+    for s in range(n - 1):
+        out = chunks[(rank - s) % n].tensor_split(segments)
+        tgt = chunks[(rank - s - 1) % n].tensor_split(segments)
+
+        def post(j):
+            return [dist.isend(out[j], right), dist.irecv(incoming[:tgt[j].numel()], left)]
+
+        pending = post(0)
+        for j in range(segments):
+            following = post(j + 1) if j + 1 < segments else []
+            for w in pending:
+                w.wait()
+            tgt[j].add_(incoming[:tgt[j].numel()])
+            pending = following
+    for s in range(n - 1):
+        for w in [dist.isend(chunks[(rank + 1 - s) % n], right),
+                  dist.irecv(chunks[(rank - s) % n], left)]:
+            w.wait()
+    if op == "average":
+        flat /= n
+    return tensor
+
+
+def test_a_shared_receive_buffer_is_named_as_such_not_as_a_piece_index():
+    """Issue: one receive buffer for every piece was told "segment j added to the wrong
+    segment". The spy sees two receives in flight into the same memory: its own sentence, on
+    every run, whether or not the race spoiled this run's sum."""
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab06.check_segmented_ring(seg_shared_receive_buffer, timeout=60)
+        msg = str(err.value)
+        assert "one receive buffer shared by messages in flight" in msg, msg
+        assert "piece 1 of scatter-reduce step 0" in msg and "piece 0 of" in msg, msg
+        assert "segment j of the chunk" not in msg, msg
+        assert ("a buffer of its own" in msg) == (attempt == 2), msg

@@ -336,6 +336,7 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
     batch_seen: dict = {}
     p2p_log = open(os.path.join(marker_dir, f"p2p{rank}"), "a", buffering=1)
     current = {"x": None}  # the tensor of the case being run: has a piece been added yet?
+    live: list = []  # the non-blocking receives' buffers, kept alive so no address is reused
 
     def fingerprint():
         return hash(current["x"].detach().numpy().tobytes())
@@ -367,7 +368,7 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
         if call.op in ("send", "recv"):
             index = counts[call.op]
             counts[call.op] += 1
-            traffic["events"].append(("post", call.op, index, None))
+            traffic["events"].append(("post", call.op, index, _recv_span(call, live)))
             result = call.result
             if call.function in ("isend", "irecv") and result is not None:
                 return _WatchedWork(result, traffic["events"], call.op, index, fingerprint)
@@ -392,6 +393,7 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
             traffic.update(messages=0, elements=0, sizes=[], builtins=[], events=[],
                            nonblocking=[])
             counts.update(send=0, recv=0)
+            live.clear()
             try:
                 ret = fn(x, op=op, **(kwargs or {}))
             except _LibraryRingUsed:
@@ -404,6 +406,42 @@ def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
                                  sizes=list(traffic["sizes"]), events=list(traffic["events"])))
         p2p_log.close()
         return {"results": results, "traffic": per_case}
+
+
+def _recv_span(call, live: list):
+    """The memory a non-blocking receive writes into, as (first byte, end byte), or None (a
+    send, a blocking receive, an empty buffer). The buffer is appended to ``live`` so that its
+    memory cannot be freed and handed to a later buffer while the case runs: two spans that
+    overlap are then one buffer shared, never an address reused."""
+    if call.op != "recv" or call.function not in ("irecv", "batch_isend_irecv"):
+        return None
+    args = call.args or {}
+    t = args.get("tensor") if call.function == "irecv" else getattr(args.get("op"), "tensor",
+                                                                      None)
+    if t is None or not hasattr(t, "untyped_storage") or t.numel() == 0:
+        return None
+    live.append(t)
+    start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+    return (start, start + t.numel() * t.element_size())
+
+
+def _first_shared_buffer(events):
+    """The first pair (earlier, later) of non-blocking receives whose buffers overlap while the
+    earlier one is still in flight (posted, not yet waited on): one buffer shared by receives in
+    flight, so a later message may overwrite an earlier one before it is used. None if none."""
+    open_spans: dict[int, tuple[int, int]] = {}
+    for kind, op, index, info in events:
+        if op != "recv":
+            continue
+        if kind == "wait":
+            open_spans.pop(index, None)
+        elif info is not None:
+            lo, hi = info
+            for earlier, (a, b) in open_spans.items():
+                if lo < b and a < hi:
+                    return earlier, index
+            open_spans[index] = info
+    return None
 
 
 def _simulate_real(n, cases, sr=(0, 0), ag=(0, 0), gather=True, average=True, divisor=None,
@@ -837,6 +875,29 @@ def _most_in_flight(events, n: int, segments: int) -> int:
     return most
 
 
+def _receive_name(index: int, n: int, segments: int) -> str:
+    if index < (n - 1) * segments:
+        return f"piece {index % segments} of scatter-reduce step {index // segments}"
+    return f"receive {index + 1} (an all-gather one)"
+
+
+def _shared_buffer_sentence(shared, rank: int, n: int, segments: int, k: int) -> str:
+    earlier, later = shared
+    return (f"rank {rank} posted the receive of {_receive_name(later, n, segments)} into memory "
+            f"that the receive of {_receive_name(earlier, n, segments)} was still writing into "
+            f"(posted, not yet waited on; N={n}, segments={segments}, {k} elements): one "
+            f"receive buffer shared by messages in flight, so the later message can overwrite "
+            f"the earlier one before it is added, and the sum depends on which arrives when "
+            f"(the ring may even pass on one run and fail on the next). It is not a piece "
+            f"index: every piece may be added to the right place, from a buffer that no longer "
+            f"holds it.")
+
+
+_SHARED_BUFFER_FIX = ("give every receive that is in flight at the same time a buffer of its "
+                      "own (one per piece of the step, or as many as you keep in flight, reused "
+                      "only after the receive that used it was waited on and added).")
+
+
 @recorded
 def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                          world_sizes=WORLD_SIZES, in_flight: int | None = None) -> None:
@@ -873,6 +934,9 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                     if t["builtins"]:
                         fail(f"the segmented ring called dist.{t['builtins'][0]}: build it from "
                              f"dist.isend / dist.irecv only.")
+                    shared = _first_shared_buffer(t["events"])
+                    if shared is not None:
+                        fail(_shared_buffer_sentence(shared, r, n, S, k), fix=_SHARED_BUFFER_FIX)
                     if not np.allclose(got, correct[i][r], rtol=1e-6):
                         fail(f"wrong result on rank {r} of {n} for shape {shape}, op='{op}', "
                              f"segments={S}: the tensor must end as the "
