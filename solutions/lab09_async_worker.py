@@ -119,7 +119,8 @@ lab09.check_trace(my_trace)
 # spy `compute_gradient` that see which weights and which batch each gradient came from, and
 # when; then beside two other workers with the batches as a one-pass iterator; then on a
 # server that refuses gradients more than 3 updates stale while other workers' updates land
-# in bursts; and replays the reference.
+# in bursts — at any moment, between a retry's pull and its push too; and replays the
+# reference.
 #
 # **Your design decision:** what your loop must still have in hand at the moment a push is
 # refused, and what it does then — and why the gradient that leaves at each push is the one
@@ -241,8 +242,12 @@ lab09.check_prediction(guess, losses, start_loss)
 # and 5 and names the scaling rules people get wrong.
 #
 # **Your design decision:** your server must take a step of the right size in every run the
-# check makes. Where lr / s alone does not settle the step, choose it, and defend your choice
-# in one sentence, `why_fresh_step`: the check reads it for the reason, not for a formula.
+# check makes. Where lr / s alone does not settle the step, choose it.
+#
+# **Then show what it does, before the check runs it:** `my_steps`, the step each of the 10
+# updates of the check's τ = 5 run takes, as a multiple of lr (0.5 for a step of lr / 2), in
+# update order. Work it out on paper from part 1's trace and your rule; the check measures your
+# server's steps and compares them, number by number.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -250,7 +255,8 @@ lab09.check_prediction(guess, losses, start_loss)
 # %% [markdown] jupyter={"source_hidden": true}
 # Read `SimulatedServer.push` in lesson 09: which of its lines decide the size of the step, and
 # which keep the server's books? Then follow lr / s through each run the check makes: which
-# run has only gradients of staleness 0, and what did part 1's contract say that run is?
+# run has only gradients of staleness 0, and what did part 1's contract say that run is? For
+# `my_steps`: in your part-1 trace, how stale was each update — and does that keep growing?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
@@ -258,16 +264,16 @@ lab09.check_prediction(guess, losses, start_loss)
 # %% [markdown] jupyter={"source_hidden": true}
 # Keep every line of the parent's push; change only the factor in front of the gradient. A
 # fresh gradient is as good as a gradient gets: no rule that shrinks stale steps should give it
-# less than a gradient one update stale, and the τ = 0 run must stay plain SGD. "It avoids a
-# division by zero" says why a fresh gradient needs some step, not why yours is the right one.
+# less than a gradient one update stale, and the τ = 0 run must stay plain SGD. With τ newer
+# gradients in flight, update k's gradient is min(k, τ) updates stale.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Four statements, in the parent's order: the staleness computed from the two versions, recorded,
-# the in-place step with the scaled lr, the version moved on. Your sentence: what a fresh
-# gradient (or the τ = 0 run) is, and why its step should not shrink.
+# the in-place step with the scaled lr, the version moved on. `my_steps`: write the ten
+# stalenesses first, then your rule's factor for each.
 
 # %%
 class StalenessAware(async_sgd.SimulatedServer):
@@ -281,8 +287,7 @@ class StalenessAware(async_sgd.SimulatedServer):
 
 
 # %%
-### BEGIN SOLUTION: why_fresh_step, one sentence defending the step a fresh gradient takes
-why_fresh_step = ("a fresh gradient is not stale at all, so nothing in it needs shrinking: it "
-                  "takes the full lr, and a run with τ = 0 stays plain SGD")
+### BEGIN SOLUTION: my_steps, the step of each of the τ = 5 run's 10 updates, as a multiple of lr
+my_steps = [1, 1, 1 / 2, 1 / 3, 1 / 4, 1 / 5, 1 / 5, 1 / 5, 1 / 5, 1 / 5]
 ### END SOLUTION
-lab09.check_staleness_aware(StalenessAware, why_fresh_step)
+lab09.check_staleness_aware(StalenessAware, my_steps)

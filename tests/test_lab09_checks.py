@@ -477,6 +477,31 @@ def test_prediction_compares_the_first_tau_above_the_start(capsys):
     assert lab09.first_above_start({0: 3.0, 1: 1.0, 2: 2.5}, 2.4) == 2   # τ = 0 does not count
 
 
+def test_prediction_feedback_speaks_of_lr_times_tau(capsys):
+    from dpcourse.checks import predict
+
+    losses = {t: 2.0 + 0.01 * t for t in range(17)}
+    above = {**losses, 6: 2.4, 7: 2.5}                       # first above the start: τ = 6
+    for g, verdict in [(9, "You set it 0.6 of lr · τ too high"),
+                       (3, "You set it 0.6 of lr · τ too low: up to lr · τ = 1 the budget's"),
+                       (6, "Right on lr · τ.")]:
+        guess = predict("lab09", f"smallest τ, lr·τ {g}", g)
+        lab09.check_prediction(guess, above, 2.32)
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"Your τ = {g} put the limit at lr · τ = {0.2 * g:.2g}" in out, out
+        assert "The runs put it at lr · τ = 1.2 (τ = 6); lr · τ = 1 (τ = 5) still ended " \
+               "below the start." in out and verdict in out, out
+    guess = predict("lab09", "smallest τ, lr·τ none", 4)
+    lab09.check_prediction(guess, losses, 2.32)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Wrong: no run up to lr · τ = 3.2 (τ = 16) ended above the start — you set the " \
+           "limit at least 2.6 of lr · τ too low" in out, out
+    guess = predict("lab09", "smallest τ, lr·τ 17", 17)
+    lab09.check_prediction(guess, losses, 2.32)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Right: even lr · τ = 3.2 did not undo the budget here." in out, out
+
+
 def test_trace_of_the_reference_has_staleness_tau():
     trace = lab09.trace_loop(good, 3)
     assert [at - trace["computed"][k][1] for k, _, at in trace["pushes"]] == \
@@ -596,14 +621,14 @@ WRONG_SERVERS.append((OverwritesLr, "you divided self.lr itself, so every later 
                                     "from the shrunken lr and the step keeps shrinking for good"))
 
 
-WHY = ("with τ = 0 every gradient is fresh, and a fresh gradient is not stale at all, so it "
-       "keeps the full lr and that run stays plain SGD")
+WHY = [1, 1, 1 / 2, 1 / 3, 1 / 4, 1 / 5, 1 / 5, 1 / 5, 1 / 5, 1 / 5]   # my_steps, τ = 5
 
 
 @pytest.mark.parametrize("cls", RIGHT_SERVERS, ids=lambda c: c.__name__)
 def test_right_servers_pass(cls, capsys):
     lab09.check_staleness_aware(cls, WHY)
-    assert "the last update took lr / 5 = 0.02" in capsys.readouterr().out
+    assert "your steps [1, 1, 1/2, 1/3, 1/4, 1/5, 1/5, 1/5, 1/5, 1/5] · lr, as you wrote them: " \
+           "updates 0, 1 take the full lr" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("cls, phrase", WRONG_SERVERS, ids=[p[:30] for _, p in WRONG_SERVERS])
@@ -763,7 +788,29 @@ def keeps_the_old_version(server, compute_gradient, in_flight, item, current):
     server.push(compute_gradient(w, batch), version)
 
 
+def retries_once(server, compute_gradient, in_flight, item, current):
+    batch = item[2]
+    w, version = server.pull()
+    server.push(compute_gradient(w, batch), version)
+
+
+def retries_once_then_drops(server, compute_gradient, in_flight, item, current):
+    batch = item[2]
+    w, version = server.pull()
+    try:
+        server.push(compute_gradient(w, batch), version)
+    except TooStale:
+        pass
+
+
+RETRY_CAUSE = ("the server refused the gradient of batch 2 (computed on version 0, 4 updates "
+               "stale at version 4, more than 3); your loop pulled version 4 and computed batch "
+               "2's gradient again — then 4 other workers' updates landed before its push, and "
+               "the server refused the retry too (4 updates stale at version 8), ")
+
 REFUSALS = [
+    (retries_once, RETRY_CAUSE + "and your loop let this second refusal escape as TooStale"),
+    (retries_once_then_drops, RETRY_CAUSE + "and your loop went on without batch 2"),
     (lets_it_escape, "the server refused the gradient of batch 2 (computed on version 0, 4 "
                      "updates stale at version 4, more than 3) and your loop stopped there: the "
                      "refusal escaped from it as TooStale"),
@@ -797,6 +844,26 @@ def test_refusal_messages_give_the_cause_then_the_fix():
         lab09.check_async_worker(loop)
 
 
+def test_a_retry_that_is_refused_too_gets_its_own_cause_then_the_fix():
+    loop = _refusal(retries_once)
+    with pytest.raises(LabCheckError) as first:
+        lab09.check_async_worker(loop)
+    assert "your loop retries once, but a retry is a push like any other" in str(first.value)
+    assert "keep retrying" not in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError, match="keep retrying the refused batch"):
+        lab09.check_async_worker(loop)
+
+
+def test_the_right_loop_meets_a_refused_retry(capsys):
+    trace = lab09.trace_loop(good, lab09.REFUSAL_TAU, bound=lab09.REFUSAL_BOUND,
+                             bursts=lab09.REFUSAL_BURSTS, retry_burst=lab09.REFUSAL_RETRY_BURST)
+    batch, landed, position = trace["retry_bursts"][0]
+    assert (batch, landed) == (2, 4)
+    assert [n for n, *_ in trace["refused"]].count(position) == 1   # the retry was refused
+    lab09.check_async_worker(good)
+    assert "batch 2's retry refused too" in capsys.readouterr().out
+
+
 def test_the_bounded_server_refuses_and_applies_nothing():
     server = async_sgd.BoundedServer(torch.zeros(2), 0.1, max_staleness=1)
     server.push(torch.ones(2), 0)
@@ -816,53 +883,57 @@ def test_the_bounded_server_refuses_and_applies_nothing():
 
 
 # --------------------------------------------------------------------------------------------
-# The stretch's why_fresh_step: the fresh gradient's step defended, not just written
+# The stretch's my_steps: the steps of the τ = 5 run, worked out by the learner, measured
 # --------------------------------------------------------------------------------------------
 
-RIGHT_WHYS = [
-    WHY,
-    "A fresh gradient was computed on the current weights, so there is nothing stale to "
-    "correct: it takes the whole step.",
-    "tau=0 means no staleness at all and the run must be plain SGD, so lr / 1",
-    "staleness 0 means the gradient is as good as plain SGD's, so it should not shrink",
-]
+RIGHT_STEPS = [WHY, tuple(WHY), [1.0, 1.0, 0.5, 0.333, 0.25, 0.2, 0.2, 0.2, 0.2, 0.2]]
 
 
-@pytest.mark.parametrize("why", RIGHT_WHYS, ids=range(len(RIGHT_WHYS)))
-def test_a_defended_fresh_step_passes(why, capsys):
-    lab09.check_staleness_aware(GoodAware, why)
+@pytest.mark.parametrize("steps", RIGHT_STEPS, ids=range(len(RIGHT_STEPS)))
+def test_the_right_steps_pass(steps, capsys):
+    lab09.check_staleness_aware(GoodAware, steps)
     assert "with τ = 0, every gradient fresh, the run is plain SGD" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("why, phrase", [
-    ("max(1, s) avoids dividing by zero for fresh gradients",
-     "says your step avoids a division by zero: that is why a fresh gradient needs some value, "
-     "not why yours is the right one"),
-    ("because the paper says lr over s for stale ones",
-     "does not say yet why a fresh gradient should take the step you gave it: ask which run of "
-     "the check has only fresh gradients"),
-    ("it works", "in a sentence (six words or more)"),
-    (3, "in a sentence (six words or more)"),
-], ids=["zero-division", "no-reason", "short", "not-text"])
-def test_an_undefended_fresh_step_is_named(why, phrase):
+@pytest.mark.parametrize("steps, phrase", [
+    ([1, 1, 1 / 2, 1 / 3, 1 / 4, 1 / 5, 1 / 6, 1 / 7, 1 / 8, 1 / 9],
+     "shrinks with every update, as if update k were k updates stale"),
+    ([1] + [1 / 5] * 9, "as if each gradient were τ = 5 updates stale"),
+    ([1, 1 / 2, 1 / 3, 1 / 4, 1 / 5, 1 / 6, 1 / 6, 1 / 6, 1 / 6, 1 / 6],
+     "is one update of staleness off: it gives update 1 a step of 0.5·lr, but your server"),
+    ([0, 1, 1 / 2, 1 / 3, 1 / 4, 1 / 5, 1 / 5, 1 / 5, 1 / 5, 1 / 5],
+     "my_steps starts with 0·lr, but your server gave update 0 — a fresh gradient, staleness "
+     "0 — a step of 1·lr"),
+    ([1, 1, 1 / 2, 1 / 3, 1 / 4, 1 / 5, 1 / 5, 1 / 5, 1 / 5, 1 / 4],
+     "differs from your server's steps from update 9 on"),
+    ([1, 1, 0.5], "should be a list of 10 numbers"),
+    ("lr / max(1, s)", "should be a list of 10 numbers"),
+], ids=["unbounded", "all-tau", "off-by-one", "fresh", "other", "short", "text"])
+def test_wrong_steps_are_named(steps, phrase):
     with pytest.raises(LabCheckError) as err:
-        lab09.check_staleness_aware(GoodAware, why)
+        lab09.check_staleness_aware(GoodAware, steps)
     assert phrase in str(err.value), str(err.value)
 
 
-def test_the_why_is_asked_for_after_the_server_is_right():
-    with pytest.raises(NotImplementedError, match="write why_fresh_step"):
+def test_the_steps_are_asked_for_after_the_server_is_right():
+    with pytest.raises(NotImplementedError, match="write my_steps"):
         lab09.check_staleness_aware(GoodAware)
-    # a wrong server is named before the sentence is looked at
+    # a wrong server is named before the steps are looked at
     with pytest.raises(LabCheckError, match="the step was not scaled"):
-        lab09.check_staleness_aware(_server(lambda lr, s: lr))
-    # the zero-division cause first, the question to ask on a second meeting
-    why = "so that we never divide by zero"
+        lab09.check_staleness_aware(_server(lambda lr, s: lr), WHY)
+    # the cause first, what to change on a second meeting
+    unbounded = [1, 1, 1 / 2, 1 / 3, 1 / 4, 1 / 5, 1 / 6, 1 / 7, 1 / 8, 1 / 9]
     with pytest.raises(LabCheckError) as first:
-        lab09.check_staleness_aware(GoodAware, why + " at all")
-    assert "what a run in which every gradient is fresh should be" not in str(first.value)
-    with pytest.raises(LabCheckError, match="what a run in which every gradient is fresh"):
-        lab09.check_staleness_aware(GoodAware, why + " at all")
+        lab09.check_staleness_aware(GoodAware, unbounded)
+    assert "min(k, τ) first" not in str(first.value)
+    with pytest.raises(LabCheckError, match=r"write update k's staleness as min\(k, τ\) first"):
+        lab09.check_staleness_aware(GoodAware, unbounded)
+
+
+def test_server_steps_measures_the_rule():
+    assert lab09.server_steps(GoodAware) == pytest.approx(WHY)
+    assert lab09.server_steps(_server(lambda lr, s: lr / (s + 1)), tau=2)[:3] == \
+        pytest.approx([1, 1 / 2, 1 / 3])
 
 
 def retries_on_any_exception(server, compute_gradient, batches, tau):

@@ -21,8 +21,10 @@ push time). Then it runs the loop once beside 2 other workers whose updates land
 its pulls, with the batches as a one-pass iterator: the versions pushed must be the ones pull()
 returned, and a loop that asks for the number of batches or indexes them is named. Last, on a
 server that refuses a push more than 3 updates stale (it raises async_sgd.TooStale, as
-async_sgd.BoundedServer does) while other workers' updates land in bursts: every batch must
-still change the weights once, in batch order; it names the refusal let escape, the refused
+async_sgd.BoundedServer does) while other workers' updates land in bursts — one of them between
+the pull and the push of the first refused batch's retry, so the retry is refused too: every
+batch must still change the weights once, in batch order; it names a loop that retries only
+once (the second refusal let escape, or the batch then dropped), the refusal let escape, the refused
 batch dropped, the same gradient pushed again, a gradient recomputed on the refused one's
 weights, a new gradient for the wrong batch, one queued behind newer ones, and a retry pushed
 with the old version. A loop whose τ = 2 calls differ from part 1's trace is named by the spy's
@@ -34,9 +36,11 @@ loop for τ = 0, 2 and 5 and replays the candidate step rules to name the one us
 scaling, lr / (s + 1), lr · s, lr / √s, self.lr itself divided (the step shrinks for good), a
 division by zero for fresh gradients; and the bookkeeping
 mistakes: staleness not recorded, counted the wrong way round or after the version moved,
-the version never increased. Then the learner's sentence ``why_fresh_step`` must defend the
-fresh gradient's step (FRESH_WORDS: what a fresh gradient or the τ = 0 run is, and why its step
-should not shrink); "it avoids a division by zero" is named as no defence.
+the version never increased. Then ``my_steps``, the step each of the τ = 5 run's 10 updates
+takes as a multiple of lr, written by the learner before the run (from part 1's trace and the
+learner's own rule, the fresh step included), must be what the learner's server does: a
+staleness that grows without bound, every gradient τ stale, staleness one off, and a fresh step
+that is not the server's are named.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import torch
 from . import fail, passed, recorded, require_answer
 
 __all__ = ["check_async_worker", "check_staleness_aware", "check_trace", "reference_trace",
-           "check_prediction", "first_above_start", "PREDICTION_LR",
+           "check_prediction", "first_above_start", "lr_tau_verdict", "PREDICTION_LR",
            "PREDICTION_TAUS", "TAUS", "AWARE_TAUS", "STEPS", "trace_loop",
            "diagnose_loop", "run_server", "diagnose_server"]
 
@@ -92,7 +96,7 @@ class _SpyServer:
     ``others`` > 0, that many other workers each push one (fresh) update before every pull of
     the learner's loop, so the server's version is no longer the loop's own count of pushes."""
 
-    def __init__(self, w, lr, others: int = 0, bound=None, bursts=None):
+    def __init__(self, w, lr, others: int = 0, bound=None, bursts=None, retry_burst=0):
         self.w, self.lr, self.version = w.clone(), lr, 0
         self.history = [w.clone()]
         self.pushes = []       # (gradient, version pushed, server's version at the push)
@@ -104,6 +108,11 @@ class _SpyServer:
         self.bursts = dict(bursts or {})   # pull number -> other workers' updates just before
         self.gradients = 0     # compute_gradient calls so far
         self.late = []         # (batch pulled, server call) where a pulled batch had no gradient
+        # after the first refusal, the first push of a new gradient for the refused batch (its
+        # retry) has this many other workers' updates land between its pull and its push
+        self.retry_burst = retry_burst
+        self.origin = None     # gradient -> (batch index, position in computed), set by the run
+        self.retry_bursts = []  # (batch, updates landed, position of the retried gradient)
 
     def _order(self, what):
         if self.gradients < self.pulls and not self.late:
@@ -127,6 +136,17 @@ class _SpyServer:
         self.pulls += 1
         return self.w.clone(), self.version
 
+    def _burst_before_retry(self, grad):
+        if not (self.retry_burst and self.refused and not self.retry_bursts and self.origin):
+            return
+        batch, position = self.origin(grad)
+        first = self.refused[0]
+        refused_batch, _ = self.origin(first[0])
+        if batch >= 0 and batch == refused_batch and position >= first[3]:
+            for _ in range(self.retry_burst):   # other workers' updates land before it
+                self._update(0.01 * torch.ones_like(self.w) * (1 + self.version % 3))
+            self.retry_bursts.append((batch, self.retry_burst, position))
+
     def push(self, grad, version):
         self._count()
         if isinstance(version, torch.Tensor) and version.numel() > 1 and not (
@@ -136,6 +156,7 @@ class _SpyServer:
                           f"swapped, so the server cannot count the gradient's staleness",
                           "call push(grad, version), the gradient first.")
         self._order("push")
+        self._burst_before_retry(grad)
         if self.bound is not None and isinstance(version, int) and \
                 self.version - version > self.bound:
             from dpcourse import async_sgd
@@ -149,15 +170,17 @@ class _SpyServer:
 
 
 def trace_loop(loop, tau: int, others: int = 0, one_pass: bool = False, bound=None,
-               bursts=None) -> dict:
+               bursts=None, retry_burst: int = 0) -> dict:
     """Run ``loop`` for one τ on the spy server (``others``: other workers' updates before each
     pull; ``one_pass``: the batches as an iterator that can be read once, of unknown length;
     ``bound``: the server refuses a push more than that many updates stale, raising
     :class:`dpcourse.async_sgd.TooStale`; ``bursts``: pull number -> other workers' updates
-    landing just before that pull); what happened, as plain data."""
+    landing just before that pull; ``retry_burst``: after the first refusal, that many other
+    workers' updates land between the pull and the push of the refused batch's first new
+    gradient); what happened, as plain data."""
     __tracebackhide__ = True
     a, b, w0, batches = _problem()
-    server = _SpyServer(w0, LR, others, bound=bound, bursts=bursts)
+    server = _SpyServer(w0, LR, others, bound=bound, bursts=bursts, retry_burst=retry_burst)
     computed = []              # (batch index, version of the weights or -1, gradient)
     pulls_before = []          # the loop's pulls made before each gradient was computed
     returned = []              # the tensors compute_gradient returned, to know them by identity
@@ -181,6 +204,24 @@ def trace_loop(loop, tau: int, others: int = 0, one_pass: bool = False, bound=No
         server.gradients += 1
         return grad
 
+    def entry(grad):
+        """The position in ``computed`` of the gradient pushed (the very tensor returned, else
+        the first equal one), or -1."""
+        same = next((n for n, g in enumerate(returned) if g is grad), -1)
+        if same >= 0 and torch.equal(computed[same][2], torch.as_tensor(grad)):
+            return same
+        grad = torch.as_tensor(grad)
+        return next((n for n, (_, _, g) in enumerate(computed) if g.shape == grad.shape
+                     and torch.equal(g, grad)), -1)
+
+    def origin(grad):
+        try:
+            n = entry(grad)
+        except Exception:  # noqa: BLE001 - not a tensor: the diagnosis names it
+            return -1, -1
+        return (computed[n][0] if n >= 0 else -1), n
+
+    server.origin = origin
     out = {"tau": tau, "computed": [(i, v) for i, v, _ in computed]}
     try:
         loop(server, compute_gradient, iter(batches) if one_pass else list(batches), tau)
@@ -194,16 +235,6 @@ def trace_loop(loop, tau: int, others: int = 0, one_pass: bool = False, bound=No
     out["computed"] = [(i, v) for i, v, _ in computed]
     out["pulls_before"] = list(pulls_before)
 
-    def entry(grad):
-        """The position in ``computed`` of the gradient pushed (the very tensor returned, else
-        the first equal one), or -1."""
-        same = next((n for n, g in enumerate(returned) if g is grad), -1)
-        if same >= 0 and torch.equal(computed[same][2], torch.as_tensor(grad)):
-            return same
-        grad = torch.as_tensor(grad)
-        return next((n for n, (_, _, g) in enumerate(computed) if g.shape == grad.shape
-                     and torch.equal(g, grad)), -1)
-
     applied = [(entry(grad), version, at) for grad, version, at in server.pushes]
     out["applied"] = applied   # (entry in computed, version pushed, server's version then)
     out["pushes"] = [(computed[n][0] if n >= 0 else -1, version, at)
@@ -212,6 +243,7 @@ def trace_loop(loop, tau: int, others: int = 0, one_pass: bool = False, bound=No
     out["refused"] = [(entry(grad), version, at, before)
                       for grad, version, at, before in server.refused]
     out["bound"] = bound
+    out["retry_bursts"] = list(server.retry_bursts)
     out["w"] = server.w
     out["late"] = list(server.late)
     return out
@@ -386,6 +418,9 @@ def _check_versions_with_other_workers(loop, tau: int = 3, others: int = 2) -> N
 # many): the gradients in flight across a burst come back too stale and are refused.
 REFUSAL_TAU, REFUSAL_BOUND = 2, 3
 REFUSAL_BURSTS = {3: 2, 7: 3}
+# and after the first refusal, this many between the retry's pull and its push: the retry is
+# refused too (a retry is a push like any other, and other workers do not wait for it)
+REFUSAL_RETRY_BURST = REFUSAL_BOUND + 1
 
 
 def _check_refusals(loop) -> tuple:
@@ -395,7 +430,8 @@ def _check_refusals(loop) -> tuple:
     version."""
     __tracebackhide__ = True
     bound = REFUSAL_BOUND
-    trace = trace_loop(loop, REFUSAL_TAU, bound=bound, bursts=REFUSAL_BURSTS)
+    trace = trace_loop(loop, REFUSAL_TAU, bound=bound, bursts=REFUSAL_BURSTS,
+                       retry_burst=REFUSAL_RETRY_BURST)
     at = (f"with τ = {REFUSAL_TAU} on a server that refuses a gradient more than {bound} "
           f"updates stale, other workers' updates landing in bursts")
     computed, applied, refused = trace["computed"], trace["applied"], trace["refused"]
@@ -437,6 +473,7 @@ def _check_refusals(loop) -> tuple:
              f"on version {computed[again][1]}, and every update since made it only staler — "
              f"no later push of it can be fresher than the refused one.",
              fix="a refused batch needs a new gradient, on weights pulled after the refusal.")
+    _diagnose_retry_given_up(trace, said, at)
     if "raised" in trace and trace["raised"].startswith("TooStale"):
         fail(f"{said} and your loop stopped there: the refusal escaped from it as TooStale, so "
              f"batch {first} and every batch after it never changed the weights ({at}).",
@@ -474,7 +511,36 @@ def _check_refusals(loop) -> tuple:
              f"order, so the batch that was refused is still the one owed first.",
              fix="land the refused batch's new gradient before any newer one.")
     _diagnose_order(trace, at)
-    return len(refused), sorted(set(refused_batches))
+    retried = [b for b, *_ in trace.get("retry_bursts", [])]
+    return len(refused), sorted(set(refused_batches)), retried
+
+
+def _diagnose_retry_given_up(trace: dict, said: str, at: str) -> None:
+    """The refused batch's retry was refused too (other workers' updates landed between its
+    pull and its push), and the loop gave up on it: let the second refusal escape, or went on
+    without the batch."""
+    __tracebackhide__ = True
+    computed, applied, refused = trace["computed"], trace["applied"], trace["refused"]
+    if not trace.get("retry_bursts") or len(refused) < 2:
+        return
+    batch, landed, position = trace["retry_bursts"][0]
+    again = next(((n, v, then) for n, v, then, _ in refused[1:] if n == position), None)
+    if again is None:
+        return
+    n, v, then = again
+    got = [computed[m][0] for m, *_ in applied if m >= 0]
+    escaped = "raised" in trace and trace["raised"].startswith("TooStale")
+    if not escaped and batch in got:
+        return
+    ending = ("and your loop let this second refusal escape as TooStale" if escaped else
+              f"and your loop went on without batch {batch}, which never changed the weights")
+    fail(f"{said}; your loop pulled version {v} and computed batch {batch}'s gradient again — "
+         f"then {landed} other workers' updates landed before its push, and the server refused "
+         f"the retry too ({then - v} updates stale at version {then}), {ending} ({at}): your "
+         f"loop retries once, but a retry is a push like any other — the other workers do not "
+         f"wait for it, so nothing bounds how often the same batch is refused.",
+         fix="keep retrying the refused batch, each time on weights pulled after the last "
+             "refusal, until a push is taken.")
 
 
 def _check_against_own_trace(loop, trace) -> None:
@@ -542,14 +608,17 @@ def check_async_worker(loop, trace=None, taus=TAUS) -> None:
         for trace in traces:   # the right numbers, then the order they were made in
             _diagnose_order(trace, f"with τ = {trace['tau']}")
         _check_versions_with_other_workers(loop)
-        refusals, batches = _check_refusals(loop)
+        refusals, batches, retried = _check_refusals(loop)
     finally:
         async_sgd.async_worker_loop = original
     passed(f"every gradient computed right after its pull and pushed once, in order, τ updates "
            f"late, with its own version: τ = {', '.join(map(str, taus))}, {STEPS} batches each, "
            f"and beside 2 other workers with the batches as a one-pass iterator; on a server "
            f"that refused {refusals} pushes more than {REFUSAL_BOUND} updates stale (batches "
-           f"{', '.join(map(str, batches))}), every batch still landed once, in order")
+           f"{', '.join(map(str, batches))}"
+           + (f"; batch {retried[0]}'s retry refused too, {REFUSAL_RETRY_BURST} other updates "
+              f"having landed between its pull and its push" if retried else "")
+           + "), every batch still landed once, in order")
 
 
 # --------------------------------------------------------------------------------------------
@@ -685,9 +754,45 @@ def first_above_start(losses: dict, start_loss: float):
     return next((t for t in sorted(losses) if t > 0 and not losses[t] < start_loss), None)
 
 
+def lr_tau_verdict(value, first, below, last: int, lr: float = PREDICTION_LR) -> str:
+    """What the learner's τ said in terms of lr · τ (how far, in steps of size lr, the weights
+    move while a gradient is in flight), and what it got right or wrong against the runs'
+    boundary ``first`` (None: no τ up to ``last`` ended above the start)."""
+    if not isinstance(value, (int, float)) or value != value:
+        return ""
+    g = value
+    if g > last:
+        said = (f"Your {g:g} said no τ up to {last} ends above the start: that a lag of "
+                f"lr · τ = {lr * last:.2g} still leaves the budget ahead.")
+    else:
+        said = (f"Your τ = {g:g} put the limit at lr · τ = {lr * g:.2g}: a gradient that lags "
+                f"{g:g} steps of size {lr:g} behind the weights it updates undoes more than the "
+                f"budget gains.")
+    if first is None:
+        if g > last:
+            return said + f" Right: even lr · τ = {lr * last:.2g} did not undo the budget here."
+        return said + (f" Wrong: no run up to lr · τ = {lr * last:.2g} (τ = {last}) ended above "
+                       f"the start — you set the limit at least {lr * (last + 1 - g):.2g} of "
+                       f"lr · τ too low.")
+    runs = (f" The runs put it at lr · τ = {lr * first:.2g} (τ = {first}); lr · τ = "
+            f"{lr * below:.2g} (τ = {below}) still ended below the start.")
+    if g == first:
+        return said + runs + " Right on lr · τ."
+    if g > first:
+        return said + runs + (f" You set it {lr * (g - first):.2g} of lr · τ too high: stale "
+                              f"gradients tolerate less lag than you allowed — the τ steps of "
+                              f"size lr that land while a gradient is in flight carry the "
+                              f"weights further from where it was computed than you counted.")
+    return said + runs + (f" You set it {lr * (first - g):.2g} of lr · τ too low: up to "
+                          f"lr · τ = {lr * below:.2g} the budget's progress still outweighed "
+                          f"the lag — a stale gradient still points roughly downhill while "
+                          f"the weights have moved less than that.")
+
+
 def check_prediction(guess, losses: dict, start_loss: float, lr: float = PREDICTION_LR) -> None:
     """Compare the learner's τ (the smallest τ at ``lr`` whose run ends above its starting loss)
-    with the runs' ``losses`` (τ -> test loss after the budget), and say why from the runs."""
+    with the runs' ``losses`` (τ -> test loss after the budget), and say why from the runs —
+    in terms of lr · τ, what the learner's τ got right or wrong."""
     from dpcourse.checks import reveal
 
     taus = sorted(losses)
@@ -699,7 +804,8 @@ def check_prediction(guess, losses: dict, start_loss: float, lr: float = PREDICT
             f"every τ up to {taus[-1]} ended below the starting loss {start_loss:.2f} at lr "
             f"{lr:g} (the worst, τ = {best}, at {losses[best]:.2f}): at this step size the "
             f"updates that land while a gradient is in flight move the weights too little for "
-            f"its lateness to undo the budget's progress."))
+            f"its lateness to undo the budget's progress. "
+            + lr_tau_verdict(value, None, None, taus[-1], lr)))
         return
     below = max(t for t in taus if t < first)
     gain = start_loss - losses[0]
@@ -711,8 +817,8 @@ def check_prediction(guess, losses: dict, start_loss: float, lr: float = PREDICT
         f"below the start's {start_loss:.2f}, and τ = {first} at {losses[first]:.2f}, above it. "
         f"Each update applies a gradient computed τ updates back, on weights that τ steps of "
         f"size lr have moved since: {every}τ = {below} had given back {lost:.0%} of what "
-        f"τ = 0 gained over the budget, and from τ = {first} "
-        f"(lr · τ = {lr * first:.2g}) it cost more than the budget gained."))
+        f"τ = 0 gained over the budget, and from τ = {first} it cost more than the budget "
+        f"gained. " + lr_tau_verdict(value, first, below, taus[-1], lr)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -859,58 +965,96 @@ def diagnose_server(run: dict) -> None:
          f"a rule the check does not recognise.")
 
 
-# why_fresh_step must defend the fresh gradient's step: say what a fresh gradient is (or the
-# τ = 0 run) and why its step should not shrink (not stale, so plain SGD) — every group a stem
-FRESH_WORDS = (
-    ("τ = 0", "τ=0", "τ 0", "tau = 0", "tau=0", "tau 0", "sgd", "fresh", "staleness 0",
-     "staleness of 0", "staleness is 0", "staleness of zero", "zero stale", "s = 0", "s=0",
-     "no stale", "not stale", "synchron", "up to date", "up-to-date", "current weights",
-     "latest weights"),
-    ("plain", "sgd", "not stale", "no stale", "isn't stale", "nothing stale", "not late",
-     "no delay", "not delayed", "up to date", "up-to-date", "current", "latest", "no reason",
-     "nothing to correct", "nothing to shrink", "shouldn't shrink", "should not shrink",
-     "not be shrunk", "no penalty", "not penali", "full step", "full lr", "full learning rate",
-     "as good as", "the best", "exact", "true gradient", "unchanged", "same as", "equal"),
-)
-ZERO_WORDS = ("zero", "by 0", "/ 0", "/0", "infinit", "inf ", "nan")
+# The stretch's checkable fact: the learner writes down, before the check runs, the step each
+# update of the check's τ = STEPS_TAU run takes (a multiple of lr) — worked out from part 1's
+# trace (update k is min(k, τ) updates stale) and the learner's own rule, the fresh gradient's
+# step included; the check measures the learner's server and compares, number by number.
+STEPS_TAU = 5
 
 
-def _check_why_fresh(why) -> None:
+def server_steps(server_cls, tau: int = STEPS_TAU, steps: int = STEPS) -> list:
+    """The step of each update ``server_cls`` takes (as a multiple of its lr) when update k's
+    gradient is min(k, τ) updates stale — the reference loop's staleness."""
+    server = server_cls(torch.zeros(4, dtype=torch.float64), LR)
+    out = []
+    for k in range(steps):
+        before = server.w.clone()
+        server.push(torch.ones(4, dtype=torch.float64), max(0, k - tau))
+        out.append(float((before - server.w.double())[0]) / LR)
+    return out
+
+
+def _steps_text(steps) -> str:
+    from fractions import Fraction
+
+    return "[" + ", ".join(str(Fraction(x).limit_denominator(20)) for x in steps) + "]"
+
+
+def _check_my_steps(server_cls, my_steps) -> list:
     __tracebackhide__ = True
-    if why is None or why is Ellipsis:
-        raise NotImplementedError("write why_fresh_step (a sentence defending the step your "
-                                  "server gives a fresh gradient), then run this cell.")
-    if not isinstance(why, str) or len(why.split()) < 6:
-        fail(f"why_fresh_step should defend your fresh gradient's step in a sentence (six words "
-             f"or more); got {why!r}.")
-    said = " ".join(why.lower().split())
-    if all(any(word in said for word in group) for group in FRESH_WORDS):
-        return
-    quoted = why.strip()[:90]
-    if any(word in said for word in ZERO_WORDS) and "divi" in said:
-        fail(f"why_fresh_step (\"{quoted}\") says your step avoids a division by zero: that is "
-             f"why a fresh gradient needs some value, not why yours is the right one — a step "
-             f"of 0, or of lr / 1000, avoids it too.",
-             fix="ask what a run in which every gradient is fresh should be, and say why your "
-                 "step makes it that.")
-    fail(f"why_fresh_step (\"{quoted}\") does not say yet why a fresh gradient should take the "
-         f"step you gave it: ask which run of the check has only fresh gradients, what that run "
-         f"should be, and say that in your sentence.")
+    tau, n = STEPS_TAU, STEPS
+    if my_steps is None or my_steps is Ellipsis:
+        raise NotImplementedError(f"write my_steps (the step each of the {n} updates of the "
+                                  f"τ = {tau} run takes, as a multiple of lr), then run this cell")
+    import numbers
+
+    if not isinstance(my_steps, (list, tuple)) or len(my_steps) != n or not all(
+            isinstance(x, numbers.Real) and not isinstance(x, bool) for x in my_steps):
+        fail(f"my_steps should be a list of {n} numbers, the step of each update of the τ = "
+             f"{tau} run as a multiple of lr (0.5 for a step of lr / 2); got {my_steps!r}.")
+    got = [float(x) for x in my_steps]
+    want = server_steps(server_cls)
+
+    def same(a, b):
+        return all(abs(x - y) <= 1e-3 * max(1.0, abs(y)) for x, y in zip(a, b))
+
+    if same(got, want):
+        return want
+    shown = _steps_text(got)
+    if same(got, [1 / max(1, k) for k in range(n)]):
+        fail(f"my_steps {shown} shrinks with every update, as if update k were k updates "
+             f"stale; but in the τ = {tau} run a gradient waits behind at most τ newer ones: "
+             f"from update {tau} on each is exactly {tau} updates stale (part 1's trace), so "
+             f"the step stops shrinking at lr / {tau}.",
+             fix=f"write update k's staleness as min(k, τ) first, then apply your rule to it.")
+    if same(got[1:], [1 / tau] * (n - 1)):
+        fail(f"my_steps {shown} gives the updates after the first a step of lr / {tau}, as if "
+             f"each gradient were τ = {tau} updates stale; but the first gradients were computed "
+             f"on version 0 with fewer updates since: update k is min(k, τ) updates stale.",
+             fix="count, for each update k, the updates applied since its gradient's pull.")
+    if same(got, [1 / (min(k, tau) + 1) for k in range(n)]) or same(
+            got, [1 / max(1, min(k + 1, tau)) for k in range(n)]):
+        fail(f"my_steps {shown} is one update of staleness off: it gives update 1 a step of "
+             f"{got[1]:.3g}·lr, but your server — whose rule the check already measured — gives "
+             f"it {want[1]:.3g}·lr. Update 1's gradient was computed on version 0 and lands on "
+             f"version 1: one update stale, and your rule's step for that is {want[1]:.3g}·lr.",
+             fix="staleness = the server's version at the push minus the version pulled.")
+    if same(got[1:], want[1:]):
+        fail(f"my_steps starts with {got[0]:.3g}·lr, but your server gave update 0 — a fresh "
+             f"gradient, staleness 0 — a step of {want[0]:.3g}·lr: what you wrote for the "
+             f"fresh gradient is not what your server does.",
+             fix="read, in your push, the step a staleness of 0 gets.")
+    first = next(k for k in range(n) if abs(got[k] - want[k]) > 1e-3 * max(1.0, abs(want[k])))
+    fail(f"my_steps {shown} differs from your server's steps from update {first} on: update "
+         f"{first}'s gradient is {min(first, tau)} updates stale in the τ = {tau} run, and your "
+         f"server gave it {want[first]:.3g}·lr, not {got[first]:.3g}·lr.")
 
 
 @recorded
-def check_staleness_aware(server_cls, why_fresh_step=None, taus=AWARE_TAUS) -> None:
-    """The stretch's check: the reference loop on the learner's server, for each τ; then the
-    learner's sentence ``why_fresh_step`` defending the step a fresh gradient takes (it must
-    say what a fresh gradient, or the τ = 0 run, is and why its step should not shrink)."""
+def check_staleness_aware(server_cls, my_steps=None, taus=AWARE_TAUS) -> None:
+    """The stretch's check: the reference loop on the learner's server, for each τ; then
+    ``my_steps``, the learner's own account of the step each update of the τ = 5 run takes (a
+    multiple of lr), compared with the steps the learner's server takes."""
     __tracebackhide__ = True
     require_answer(server_cls, getattr(server_cls, "__name__", "the server class"), "class")
     # τ = 0 last: there every gradient is fresh, and rules that differ only for stale ones (or
     # only for fresh ones) look alike, so the stale runs name the rule first
     for tau in sorted(taus, key=lambda t: t == 0):
         diagnose_server(run_server(server_cls, tau))
-    _check_why_fresh(why_fresh_step)
-    stale = run_server(server_cls, max(taus))["staleness"]
-    passed(f"steps of lr / max(1, staleness) for τ = {', '.join(map(str, taus))}: with "
-           f"τ = {max(taus)} the last update took lr / {stale[-1]} = {LR / stale[-1]:g}, and "
-           f"with τ = 0, every gradient fresh, the run is plain SGD — as your sentence says")
+    steps = _check_my_steps(server_cls, my_steps)
+    full = [k for k, x in enumerate(steps) if abs(x - 1) < 1e-5]
+    passed(f"steps of lr / max(1, staleness) for τ = {', '.join(map(str, taus))}; in the "
+           f"τ = {STEPS_TAU} run your steps {_steps_text(steps)} · lr, as you wrote them: "
+           f"updates {', '.join(map(str, full))} take the full lr, the fresh gradient as much "
+           f"as one a single update stale — and with τ = 0, every gradient fresh, the run is "
+           f"plain SGD")
