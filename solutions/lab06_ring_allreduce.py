@@ -296,12 +296,22 @@ except lab06.LabCheckError as err:
 #
 # **Your design decision:** how far ahead of the addition your ring runs. Every receive started
 # and not yet waited on needs a buffer of its own, one piece long; more of them in flight ask
-# more memory of every rank. Decide how many scatter-reduce receives your ring keeps in flight
-# at most with `segments=4`, write that number in `in_flight` below, and be ready to say what
-# a larger or a smaller number would buy or cost. The check measures it on every rank.
+# more memory of every rank. Decide, **before you write the ring**, how many scatter-reduce
+# receives it will keep in flight at most with `segments=4`, and be ready to say what a larger
+# or a smaller number would buy or cost. Then write the ring so that it keeps that many. The
+# check measures the count on every rank and compares it with your decision; the first number
+# it compares is kept as your decision for this kernel, and another number afterwards is
+# refused (trying numbers until one passes is a search, not a decision): if the two disagree,
+# it is the ring you change.
 #
 # The check runs it on 3 and 2 ranks with 4 and 3 segments, compares the results, counts the
 # messages and watches the order in which your ring posts and waits.
+
+# %%
+### BEGIN SOLUTION: your decision: scatter-reduce receives in flight at most (segments=4)
+in_flight = 2
+### END SOLUTION
+decision = predict("lab06", lab06.IN_FLIGHT_QUESTION, in_flight, unit="receive(s)")
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -365,10 +375,7 @@ def ring_allreduce_segmented(tensor, op="sum", segments=4):
 
 
 # %%
-### BEGIN SOLUTION: your decision: scatter-reduce receives in flight at most (segments=4)
-in_flight = 2
-### END SOLUTION
-lab06.check_segmented_ring(ring_allreduce_segmented, in_flight=in_flight)
+lab06.check_segmented_ring(ring_allreduce_segmented, in_flight=decision)
 
 # %% [markdown]
 # Does pipelining pay on this machine? The cell below times both rings on 2 ranks, 64 MiB of

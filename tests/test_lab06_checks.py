@@ -914,18 +914,55 @@ def test_prediction_is_compared_with_the_most_bytes_a_rank_sends(capsys):
 
 def test_segmented_ring_declared_in_flight_must_be_what_the_ring_did(capsys):
     """The stretch's design decision (receives in flight at once) is declared and measured: a
-    ring that posts a whole step's pieces has 4 in flight with segments=4, not 2."""
+    ring that posts a whole step's pieces has 4 in flight with segments=4, not 2. The sentence
+    gives no direction (no "more"/"fewer" to search by) and never the number."""
     lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=4)
     assert "up to 4 receive(s) in flight" in capsys.readouterr().out
+
+
+def test_a_wrong_in_flight_is_kept_and_the_ring_held_to_it():
+    from dpcourse.checks import predict
+
     for attempt in (1, 2):
+        decision = predict("lab06", lab06.IN_FLIGHT_QUESTION, 2, unit="receive(s)")
         with pytest.raises(LabCheckError) as err:
-            lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=2)
+            lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=decision)
         msg = str(err.value)
         assert "you declared 2 scatter-reduce receive(s) in flight" in msg, msg
-        assert "your ring had more than that posted and not yet waited on" in msg, msg
-        # the fix says how to count, never the number the code keeps in flight
+        assert "different number posted and not yet waited on" in msg, msg
+        assert "2 is now kept as your decision" in msg, msg
+        assert " more " not in msg and "fewer" not in msg, msg
+        # the fix says how to count and to change the code, never the number the code keeps
         assert ("count, reading your code, the receives" in msg) == (attempt == 2), msg
         assert "4" not in msg.replace("segments=4", ""), msg
+    # the ring made to keep the declared 2 in flight passes
+    lab06.check_segmented_ring(seg_ok, timeout=60, in_flight=2)
+
+
+def test_trying_another_in_flight_after_a_measurement_is_refused(capsys):
+    """Trial and error: after the check compared 2 with the ring (4 in flight), declaring 3
+    and then 4 for the same ring is refused with its own sentence; the first number is kept."""
+    with pytest.raises(LabCheckError, match="you declared 2 scatter-reduce"):
+        lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=2)
+    for attempt, number in ((1, 3), (2, 4)):
+        with pytest.raises(LabCheckError) as err:
+            lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=number)
+        msg = str(err.value)
+        assert f"you declared 2 receive(s) in flight first" in msg, msg
+        assert f"now you declare {number}" in msg and "a search, not a decision" in msg, msg
+        assert ("set in_flight back to 2" in msg) == (attempt == 2), msg
+    # re-running with the number first declared is no search: it is measured again
+    with pytest.raises(LabCheckError, match="you declared 2 scatter-reduce"):
+        lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=2)
+
+
+@pytest.mark.parametrize("number, phrase", [(1, "No ring that keeps the contract has fewer"),
+                                            (5, "a step has only 4 pieces")])
+def test_an_impossible_in_flight_is_refused_and_not_kept(number, phrase, capsys):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=number)
+    lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=4)
+    assert "up to 4 receive(s) in flight" in capsys.readouterr().out
 
 
 def test_a_repeated_mistake_gets_its_fix():

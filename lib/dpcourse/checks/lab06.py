@@ -37,7 +37,7 @@ from dpcourse.ring import chunk_bounds
 
 __all__ = ["LabCheckError", "check_scatter_reduce", "check_all_gather", "check_ring_allreduce",
            "check_segmented_ring", "measure_bytes_sent", "check_prediction",
-           "reference_scatter_reduce", "reference_all_gather",
+           "reference_scatter_reduce", "reference_all_gather", "IN_FLIGHT_QUESTION",
            "demo_ring", "WORLD_SIZES", "RING_WORLD_SIZES"]
 
 _CASES = [(3, 9), (4, 10), (5, 7), (3, 2)]  # (workers, length): even, uneven, L < N
@@ -898,9 +898,69 @@ _SHARED_BUFFER_FIX = ("give every receive that is in flight at the same time a b
                       "only after the receive that used it was waited on and added).")
 
 
+IN_FLIGHT_QUESTION = "scatter-reduce receives in flight at most, segments=4"
+
+
+def _decision_key(question: str = IN_FLIGHT_QUESTION):
+    from dpcourse.checks import learner
+
+    return (learner(), "lab06", question)
+
+
+def _declared_in_flight(in_flight, segments: int):
+    """``in_flight`` as a Prediction, validated; None when not declared. Refuses (unrecorded) a
+    number no ring that keeps the contract can have, and a number other than the one already
+    compared with a measurement in this kernel."""
+    __tracebackhide__ = True
+    from dpcourse.checks import Prediction, _revealed
+
+    if in_flight is None:
+        return None
+    declared = in_flight if isinstance(in_flight, Prediction) else Prediction(
+        "lab06", IN_FLIGHT_QUESTION, in_flight, "receive(s)")
+    value = declared.value
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        fail(f"in_flight must be a whole number of receives, got {value!r}.")
+    if value < 2:
+        fail(f"you declared {value} scatter-reduce receive(s) in flight: the contract asks that "
+             f"piece j + 1 be on its way (its receive posted) while piece j is waited for and "
+             f"added, so at that moment two receives are posted and not yet waited on. No ring "
+             f"that keeps the contract has fewer; this number was not kept as your decision.")
+    if value > segments:
+        fail(f"you declared {value} scatter-reduce receives in flight with segments={segments}: "
+             f"a step has only {segments} pieces, and the next step's pieces are the sums this "
+             f"step is still adding, so they cannot be on their way yet. This number was not "
+             f"kept as your decision.")
+    first = _revealed.get(_decision_key())
+    if first is not None and int(first.value) != int(value):
+        fail(f"you declared {int(first.value)} receive(s) in flight first, and the check "
+             f"compared that number with your ring; now you declare {int(value)}. A decision "
+             f"that changes after each measurement until the check passes is a search, not a "
+             f"decision: the check keeps your first number, {int(first.value)}, and holds your "
+             f"ring to it.",
+             fix=f"set in_flight back to {int(first.value)} and change the ring so that, at "
+                 f"its busiest moment (just before a wait), it has {int(first.value)} "
+                 f"receive(s) started and not yet waited on.")
+    return declared
+
+
+def _keep_decision(declared, measured: int) -> None:
+    """The first declaration compared with a measurement is the one kept, and recorded for the
+    instructor's table as a prediction's comparison is (``checks.reveal``)."""
+    from dpcourse.checks import _record, _revealed
+
+    key = _decision_key()
+    if key not in _revealed:
+        _revealed[key] = declared
+        _record("lab06", f"predict {IN_FLIGHT_QUESTION}", "compared",
+                f"predicted {declared.shown()}, measured {declared.shown(measured)}",
+                {"predicted": int(declared.value), "measured": int(measured),
+                 "close": int(declared.value) == int(measured)})
+
+
 @recorded
 def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
-                         world_sizes=WORLD_SIZES, in_flight: int | None = None) -> None:
+                         world_sizes=WORLD_SIZES, in_flight=None) -> None:
     """Stretch: ``fn(tensor, op, segments=S)`` must give the sum / average in place, sending
     each scatter-reduce chunk as S segments: at least (N-1)·S messages of at most
     ceil(ceil(K/N)/S) elements per rank, and no built-in collective. (The all-gather may send
@@ -908,16 +968,19 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
     is waited on, and piece j added into the tensor before piece j + 1 is waited on (the
     tensor's contents at the two waits differ): post-all, wait-all, add-all is refused.
 
-    ``in_flight``: the learner's design decision, declared — the most scatter-reduce receives
-    their ring keeps posted and not yet waited on at once with ``segments`` pieces per chunk.
-    When given, it must be what the ring did (measured on every rank)."""
+    ``in_flight``: the learner's design decision, declared before the ring is written (the
+    :class:`~dpcourse.checks.Prediction` that ``predict(..., IN_FLIGHT_QUESTION, n)`` returned,
+    or a plain number) — the most scatter-reduce receives their ring keeps posted and not yet
+    waited on at once with ``segments`` pieces per chunk. It must be what the ring did
+    (measured on every rank). The first number compared with a measurement is kept as the
+    decision for this kernel: a different number afterwards is refused with its own sentence
+    (trying numbers until one passes is a search, not a decision), and the ring must be made
+    to keep the declared count instead."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, 30.0)
     if not callable(fn):
         fail(f"check_segmented_ring needs your function, got {type(fn).__name__}")
-    if in_flight is not None and (isinstance(in_flight, bool)
-                                  or not isinstance(in_flight, (int, np.integer))):
-        fail(f"in_flight must be a whole number of receives, got {in_flight!r}.")
+    declared = _declared_in_flight(in_flight, segments)
     _refuse_reference(fn)
     most = 0
     for n in world_sizes:
@@ -991,20 +1054,23 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                              f"and N-1 chunks (or (N-1)·S pieces) in the all-gather: "
                              f"{' or '.join(map(str, sorted(allowed)))} in all. Does a phase "
                              f"run more or fewer than N-1 steps?")
-    if in_flight is not None and int(in_flight) != most:
-        fail(f"you declared {int(in_flight)} scatter-reduce receive(s) in flight at once with "
-             f"segments={segments}, but at its busiest moment your ring had "
-             f"{'more' if most > int(in_flight) else 'fewer'} than that posted and not yet "
-             f"waited on (the most on any rank, measured): your code and your design decision "
-             f"disagree, and each receive in flight needs a buffer of its own. (The count is "
-             f"yours to work out from your code: the check does not give it.)",
-             fix=f"count, reading your code, the receives it has started (irecv) and not yet "
-                 f"waited on at its busiest moment in a step with segments={segments} (just "
-                 f"before a wait), and set in_flight to that count; or change the code to keep "
-                 f"the number you decided on in flight.")
+    if declared is not None:
+        _keep_decision(declared, most)
+        if int(declared.value) != most:
+            fail(f"you declared {int(declared.value)} scatter-reduce receive(s) in flight at "
+                 f"once with segments={segments}, but at its busiest moment your ring had a "
+                 f"different number posted and not yet waited on (the most on any rank, "
+                 f"measured): your code and your design decision disagree, and each receive in "
+                 f"flight needs a buffer of its own. {int(declared.value)} is now kept as your "
+                 f"decision: the check holds your ring to it (the count is yours to work out "
+                 f"from your code, and the check does not say it).",
+                 fix=f"count, reading your code, the receives it has started (irecv) and not "
+                     f"yet waited on at its busiest moment in a step with segments={segments} "
+                     f"(just before a wait); then change the code so that this count is "
+                     f"{int(declared.value)}, the number you decided on.")
     # The count in flight is the learner's to work out: said only once they declared it.
     counted = (f"up to {most} receive(s) in flight at once with segments={segments}, as "
-               f"declared, so {most} receive buffer(s) of a piece each" if in_flight is not None
+               f"declared, so {most} receive buffer(s) of a piece each" if declared is not None
                else "declare in_flight to have your count of receives in flight compared")
     passed(f"segmented ring: right sums and averages on {' and '.join(map(str, world_sizes))} "
            f"ranks, each scatter-reduce chunk sent in {segments} (and {segments - 1}) segments, "
