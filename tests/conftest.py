@@ -1,5 +1,6 @@
 """Shared fixtures: every test that launches processes must leave none behind."""
 
+import collections
 import importlib.util
 
 import psutil
@@ -67,3 +68,23 @@ def _fresh_mistake_memory():
     checks._mistakes_met.clear()
     checks._revealed.clear()
     yield
+
+
+# The suite's time, file by file (setup + call + teardown of every test or notebook cell in it,
+# summed): printed at the end of every run, so a slow file shows in CI's log without a rerun.
+# Under xdist the controller receives every worker's reports, so the sums cover the whole run.
+_SECONDS_PER_FILE: collections.Counter = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+    _SECONDS_PER_FILE[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if len(_SECONDS_PER_FILE) < 2:
+        return
+    terminalreporter.section("slowest files (seconds of their tests, summed)")
+    for path, seconds in _SECONDS_PER_FILE.most_common(15):
+        terminalreporter.write_line(f"{seconds:7.1f}  {path}")
+    terminalreporter.write_line(f"{sum(_SECONDS_PER_FILE.values()):7.1f}  all "
+                                f"{len(_SECONDS_PER_FILE)} files")
