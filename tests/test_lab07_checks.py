@@ -931,6 +931,31 @@ def returns_tensor(state, bucket):
     return topk_variant(state, bucket).value()
 
 
+def reads_before_arrival(state, bucket):
+    # Issue (stretch's first failure named all_gather): a learner's hook that launches both
+    # gathers asynchronously, as asked, then builds the average at once from the output lists
+    # (zeroed, so that no garbage index crashes) and returns a completed future. It was told
+    # "the hook must gather every rank's selected values", which it does; its mistake is
+    # reading the outputs before they have arrived. (Written as a learner would write it; the
+    # learner's own code was not available.)
+    grad = bucket.buffer()
+    residual = state.residual_for(bucket)
+    corrected = grad + residual
+    idx = corrected.abs().topk(state.k(grad.numel())).indices
+    values = corrected[idx]
+    residual.copy_(corrected)
+    residual[idx] = 0
+    ws = dist.get_world_size()
+    all_idx = [torch.zeros_like(idx) for _ in range(ws)]
+    all_values = [torch.zeros_like(values) for _ in range(ws)]
+    dist.all_gather(all_idx, idx, async_op=True)
+    dist.all_gather(all_values, values, async_op=True)
+    out = torch.zeros_like(grad)
+    for i, v in zip(all_idx, all_values):
+        out.index_add_(0, i, v)
+    return _done(out / ws)
+
+
 def own_gradient(state, bucket):
     # compresses, but never talks to the other ranks
     return _done(bucket.buffer())
@@ -959,23 +984,24 @@ def wrong_mix(state, bucket):
 
 
 WRONG_HOOKS = [
-    (no_feedback, "without\\*\\* error feedback"),
+    (no_feedback, "top-k without error feedback"),
     (by_value, "largest values, not the k largest magnitudes"),
     (residual_not_cleared, "still holds the values that were sent"),
     (select_on_gradient, "top k of this step's gradient alone"),
     (overwrite, "overwrote the other"),
     (no_average, "summed the ranks' values without averaging"),
-    (divide_by_two, "divided by 2, not by the world size"),
+    (divide_by_two, "divided by 2, a fixed number"),
     (divide_twice, "divided by the world size twice"),
     (one_too_many, "k \\+ 1 entries"),
     (float64_result, "torch.float64, but the bucket is"),
     (returns_tensor, "returned a Tensor"),
-    (own_gradient, "each returned its own gradient unchanged"),
-    (dense_all_reduce, "the whole tensor"),
+    (own_gradient, "delivered its own gradient unchanged"),
+    (dense_all_reduce, "as much as the dense gradient itself"),
     (future_of_list, "delivered a list of 1"),
     (wrong_mix, "differs from top-k with error feedback"),
     (blocking_gather, "all_gather blocked \\(launched without async_op=True\\)"),
     (waits_in_hook, "already complete when the hook returned"),
+    (reads_before_arrival, "reading their outputs before they arrive is the mistake"),
 ]
 
 
@@ -1018,7 +1044,7 @@ def test_wrong_hooks_are_named(hook_results, hook, phrase):
 def test_check_topk_hook_end_to_end(capsys):
     lab07.check_topk_hook(right_async_chain, TopKState)
     assert "✔ right_async_chain: top-k with error feedback" in capsys.readouterr().out
-    with pytest.raises(LabCheckError, match="without\\*\\* error feedback"):
+    with pytest.raises(LabCheckError, match="top-k without error feedback"):
         lab07.check_topk_hook(no_feedback, TopKState, world_sizes=(3,))
 
 
@@ -1141,3 +1167,16 @@ def test_the_lessons_class_is_refused_as_the_answer(cls):
     # issue 37: the library's class is not the learner's, and it keeps neither promise
     with pytest.raises(LabCheckError, match="lesson 07's BucketedDataParallel from the course"):
         lab07.check_bucketed_ddp(cls)
+
+
+def test_reading_the_gathers_before_they_arrive_is_named_first_not_the_gather():
+    """The stretch's first failure for a hook that gathers but reads the outputs at once names
+    that mistake (its future was complete while its collectives were in flight), not gathering,
+    and adds the fix (a callback chained on the futures) on the second meeting."""
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab07.check_topk_hook(reads_before_arrival, TopKState, world_sizes=(2,))
+        msg = str(err.value)
+        assert "was already complete while a collective the hook had launched" in msg, msg
+        assert "gather every rank" not in msg and "all_gather" not in msg, msg
+        assert ("build the average in a callback chained" in msg) == (attempt == 2), msg

@@ -1023,12 +1023,19 @@ def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
     model = DDP(_Probe(sizes), bucket_cap_mb=cap_mb)
     state = state_cls(fraction)
     calls, sent, problems, step_now = [], [0] * _HOOK_STEPS, [], [0]
-    blocking, in_hook = [], [False]
+    blocking, in_hook, works_now = [], [False], []
 
     def count(call):                    # what this rank hands to each collective
         sent[step_now[0]] += call.nbytes
         if in_hook[0] and not call.async_op and call.function not in blocking:
             blocking.append(call.function)
+
+    def launched(call):                 # the futures of the works this hook call launched
+        if in_hook[0] and call.async_op and hasattr(call.result, "get_future"):
+            try:
+                works_now.append(call.result.get_future())
+            except RuntimeError:        # a backend without futures: nothing to judge
+                pass
 
     def spy_hook(hook_state, bucket):
         buf = bucket.buffer()
@@ -1036,6 +1043,7 @@ def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
                "output": None}
         calls.append(rec)
         in_hook[0] = True
+        works_now.clear()
         try:
             fut = hook(hook_state, bucket)
         except Exception as exc:
@@ -1045,6 +1053,11 @@ def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
         finally:
             in_hook[0] = False
         rec["done_at_return"] = isinstance(fut, torch._C.Future) and fut.done()
+        # A future already complete while a collective the hook launched is still in flight:
+        # its value was built before the other ranks' entries had arrived.
+        rec["built_in_flight"] = rec["done_at_return"] and any(
+            not f.done() for f in works_now)
+        works_now.clear()
         done = torch.futures.Future()
         if not isinstance(fut, torch._C.Future):
             problems.append(("not_future", type(fut).__name__))
@@ -1068,7 +1081,7 @@ def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
         return fut.then(delivered)
 
     model.register_comm_hook(state, spy_hook)
-    with record_collectives(before=count):
+    with record_collectives(before=count, after=launched):
         for step in range(_HOOK_STEPS):
             step_now[0] = step
             model.zero_grad(set_to_none=True)
@@ -1144,8 +1157,8 @@ def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: flo
     return run_ranks(_topk_worker, world_size, hook, state_cls, fraction, timeout=timeout,
                      failed=failed,
                      hang="every rank must make the same collectives in the same order, "
-                          "whatever it selected (all_gather tensors of the same size on every "
-                          "rank: k values and k indices).")
+                          "whatever it selected, each with tensors of the same size on every "
+                          "rank (k values and k indices).")
 
 
 _PROBLEMS = {
@@ -1189,71 +1202,94 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
     calls = [r["calls"] for r in results]
     outputs = [[c["output"] for c in rc] for rc in calls]
     inputs = [[(c["index"], c["input"]) for c in rc] for rc in calls]
+    early = next(((rank, c) for rank, rc in enumerate(calls) for c in rc
+                  if c.get("built_in_flight")), None)
+    if early is not None:
+        rank, c = early
+        fail(f"step {c['step']}, bucket {c['index']}, rank {rank}: the future your hook returned "
+             f"was already complete while a collective the hook had launched (async_op=True) "
+             f"was still in flight, so its averaged tensor was built from output buffers the "
+             f"other ranks' entries had not reached yet: whatever those buffers held (the ranks "
+             f"then disagree, or an index is garbage). Launching the collectives was right; "
+             f"reading their outputs before they arrive is the mistake.",
+             fix="build the average in a callback chained on the collectives' futures "
+                 "(work.get_future(), torch.futures.collect_all, .then(fn)) and return the "
+                 "future that .then gives: its value is ready only once the entries are.")
     for j, out0 in enumerate(outputs[0]):
         step, index = calls[0][j]["step"], calls[0][j]["index"]
         for rank in range(1, world_size):
             if not torch.allclose(outputs[rank][j], out0, rtol=1e-5, atol=1e-6):
                 own = all(torch.equal(outputs[r][j], inputs[r][j][1]) for r in range(world_size))
-                why = ("each returned its own gradient unchanged" if own else
-                       "the hook must gather every rank's selected values and return the same "
-                       "average on each")
+                why = ("each rank's future delivered its own gradient unchanged, so nothing "
+                       "of the other ranks' entries reached it" if own else
+                       "the averaged tensors the ranks built differ")
                 fail(f"step {step}, bucket {index}: rank 0 and rank {rank} got different "
-                     f"gradients — {why}, or the replicas drift apart.")
+                     f"gradients: {why}, and replicas whose gradients differ drift apart.",
+                     fix="every rank must receive every rank's k selected values and their "
+                         "indices, and build the same average from them.")
     for step in range(_HOOK_STEPS):
         numels = [c["input"].numel() for c in calls[0] if c["step"] == step]
         dense = sum(n * 4 for n in numels)
         budget = sum(_SENT_PER_ENTRY * k_of(n) + 64 for n in numels)
         sent = max(r["sent"][step] for r in results)
         if sent >= dense:
-            fail(f"step {step}: a rank sent {sent} bytes for {dense} bytes of gradient — the "
-                 f"whole tensor (even one that is mostly zeros) saves nothing: send only the "
-                 f"k selected values and their indices (all_gather).")
+            fail(f"step {step}: a rank sent {sent} bytes for {dense} bytes of gradient, as much "
+                 f"as the dense gradient itself (a tensor that is mostly zeros still travels "
+                 f"whole), so the compression saved nothing.",
+                 fix="send only the k selected values and their indices, with a collective "
+                     "that carries each rank's own short list to every rank.")
         if sent > budget:
             fail(f"step {step}: a rank sent {sent} bytes, more than k values and k indices "
-                 f"({budget} bytes at {_SENT_PER_ENTRY} per entry): send only the top-k.")
+                 f"({budget} bytes at {_SENT_PER_ENTRY} per entry).",
+                 fix="send exactly state.k(numel) values and their indices, nothing more.")
     right = _topk_replay(inputs, world_size, k_of)
     if all(torch.allclose(o, e, rtol=1e-5, atol=1e-5) for o, e in zip(outputs[0], right)):
         _diagnose_asynchrony(results)
         return
     wrong = [
         (dict(feedback=False),
-         "your results are top-k **without** error feedback: keep what was not sent in the "
-         "bucket's residual and add it to the next step's gradient before choosing — otherwise "
-         "small gradients are never sent at all."),
+         "your results are top-k without error feedback: what a rank did not send is lost, "
+         "so small gradients are never sent at all.",
+         "keep what was not sent in the bucket's residual and add it to the next step's "
+         "gradient before choosing."),
         (dict(magnitude=False),
          "you chose the k largest values, not the k largest magnitudes: large negative "
-         "gradients are never sent — rank the entries by .abs()."),
+         "gradients are never sent.", "rank the entries by .abs()."),
         (dict(clear=False),
-         "the residual still holds the values that were sent: zero the sent entries (residual "
-         "= corrected - sent), or every step sends them again."),
+         "the residual still holds the values that were sent, so every step sends them again.",
+         "zero the sent entries in the residual (residual = corrected - sent)."),
         (dict(select_corrected=False),
-         "you chose the top k of this step's gradient alone: choose them from gradient + "
-         "residual, so that what waited long enough gets its turn."),
+         "you chose the top k of this step's gradient alone, so what waited in the residual "
+         "never gets its turn.", "choose the k entries from gradient + residual."),
         (dict(add=False),
-         "where two ranks selected the same index one value overwrote the other: add the "
-         "gathered values (index_add_ / scatter_add_), do not assign them."),
+         "where two ranks selected the same index, one value overwrote the other instead of "
+         "both counting.", "add the gathered values (index_add_ / scatter_add_), do not "
+                           "assign them."),
         (dict(scale=1.0),
-         "you summed the ranks' values without averaging: divide by the world size."),
+         "you summed the ranks' values without averaging: the result is N times the average.",
+         "divide by the world size."),
         (dict(scale=1.0 / world_size ** 2),
-         "you divided by the world size twice."),
+         "you divided by the world size twice.", "divide once."),
         (dict(scale=0.5),
-         "you divided by 2, not by the world size: use dist.get_world_size()."),
-        (dict(k_shift=1), "you sent k + 1 entries: send exactly state.k(numel)."),
-        (dict(k_shift=-1), "you sent k - 1 entries: send exactly state.k(numel)."),
+         "you divided by 2, a fixed number that is not this group's size.",
+         "divide by dist.get_world_size()."),
+        (dict(k_shift=1), "you sent k + 1 entries.", "send exactly state.k(numel)."),
+        (dict(k_shift=-1), "you sent k - 1 entries.", "send exactly state.k(numel)."),
     ]
-    for kwargs, message in wrong:
+    for kwargs, message, fix in wrong:
         if kwargs.get("scale") == 0.5 and world_size == 2:
             continue
         guess = _topk_replay(inputs, world_size, k_of, **kwargs)
         if all(torch.allclose(o, e, rtol=1e-5, atol=1e-5) for o, e in zip(outputs[0], guess)):
-            fail(message)
+            fail(message, fix=fix)
     j = next(i for i, (o, e) in enumerate(zip(outputs[0], right))
              if not torch.allclose(o, e, rtol=1e-5, atol=1e-5))
     diff = (outputs[0][j] - right[j]).abs().max().item()
     fail(f"step {calls[0][j]['step']}, bucket {calls[0][j]['index']}: your averaged gradient "
-         f"differs from top-k with error feedback by up to {diff:.3g} — per rank: corrected = "
-         f"gradient + residual; send the k largest |corrected|; residual = corrected with the "
-         f"sent entries zeroed; return the sum of everyone's sent values / world size.")
+         f"differs from top-k with error feedback by up to {diff:.3g}.",
+         fix="per rank: corrected = gradient + residual; send the k largest |corrected|; "
+             "residual = corrected with the sent entries zeroed; return the sum of everyone's "
+             "sent values / world size.")
 
 
 def _diagnose_asynchrony(results: list) -> None:
@@ -1266,15 +1302,17 @@ def _diagnose_asynchrony(results: list) -> None:
     if blocking:
         fail(f"your hook's {' and '.join(blocking)} blocked (launched without async_op=True): "
              f"the backward stood still at every bucket until every rank had sent its part, "
-             f"so nothing overlapped — launch the collectives asynchronously and return a "
-             f"future chained on their work.")
+             f"so nothing overlapped.",
+             fix="launch the collectives asynchronously and return a future chained on their "
+                 "work.")
     done = [c.get("done_at_return") for r in results for c in r["calls"]]
     if done and all(done):
         fail("the future your hook returned was already complete when the hook returned, on "
              "every call of every rank, even when the other ranks arrived later: the hook "
              "waited for its collectives inside (wait(), value()), so the backward stood still "
-             "at every bucket — return the future without waiting; DDP waits on it at the end "
-             "of the backward.")
+             "at every bucket.",
+             fix="return the future without waiting; DDP waits on it at the end of the "
+                 "backward.")
 
 
 # --------------------------------------------------------------------------------------------
