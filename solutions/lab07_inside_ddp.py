@@ -124,10 +124,11 @@ lab07.check_assign_buckets(assign_buckets)
 #   could have been launched earlier;
 # - `finish_gradient_synchronization()` returns once every bucket's average is in place, and
 #   leaves the wrapper ready for the next backward;
-# - if a trainable parameter got no gradient in the backward (the forward never used it), its
-#   bucket is never complete: `finish_gradient_synchronization()` then **raises an error whose
-#   message names every such parameter** by its name in the module (lesson 07 §6's class does
-#   the same), instead of returning.
+# - if a trainable parameter got no gradient in this backward (this step's forward did not use
+#   it, though an earlier step's may have), its bucket is never complete:
+#   `finish_gradient_synchronization()` then **raises an error whose message names every such
+#   parameter** by its name in the module (lesson 07 §6's class does the same), instead of
+#   returning — whether the step began with `zero_grad(set_to_none=True)` or `False`.
 #
 # One backward per `finish_gradient_synchronization()`: gradient accumulation (a second
 # backward before it) is outside the contract.
@@ -138,8 +139,8 @@ lab07.check_assign_buckets(assign_buckets)
 #
 # The check runs 3 steps (the first with no `p.grad` yet, the second after
 # `zero_grad(set_to_none=False)`, the third after `zero_grad(set_to_none=True)`) on 2 and 3
-# ranks, on a model with a frozen parameter, then one backward on a model with a parameter the
-# forward never uses, and names what it sees.
+# ranks, on a model with a frozen parameter, then two backwards on a model with a parameter
+# the second one's forward does not use, and names what it sees.
 
 # %% [markdown]
 # ### Predict first: when does the bucket that fills first go?

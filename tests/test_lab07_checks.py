@@ -638,7 +638,30 @@ class UnnamedUnused(Good):
                                f"never complete")
 
 
+class NamedByMissingGrad(Good):
+    # issue: a parameter used in step 1 but not in step 2 slipped through. The wrapper knows a
+    # bucket is incomplete, but names the parameters whose .grad is None: after
+    # zero_grad(set_to_none=False) the unused one still has step 1's (zeroed) tensor.
+    def require_complete(self):
+        if any(self.missing):
+            lost = [n for n, p in self.module.named_parameters()
+                    if p.requires_grad and p.grad is None]
+            raise RuntimeError(f"no gradient for {lost}")
+
+
+class RaisesOnlyOnMissingGrad(Good):
+    # decides "a gradient is missing" from .grad being None, not from its own counts
+    def require_complete(self):
+        lost = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+        if lost:
+            raise RuntimeError(f"no gradient for {lost}")
+
+
 @pytest.mark.parametrize("cls, phrase", [
+    (NamedByMissingGrad, "(?s)step 2 began with zero_grad\\(set_to_none=False\\).*does not "
+                         "name head.weight and head.bias.*cannot be read from p.grad"),
+    (RaisesOnlyOnMissingGrad, "(?s)got a gradient in step 1 but none in step 2.*"
+                              "set_to_none=False.*returned on rank 0 although"),
     (SilentOnUnused, "(?s)returned on rank 0 although their bucket never became complete.*"
                      "stale or this rank's own"),
     (UnnamedUnused, "its message does not name head.weight and head.bias"),

@@ -625,41 +625,52 @@ class _UnusedNet(_CheckNet):
         return self.head(out) if self.use_head else out
 
 
+# How step 2 (the one that leaves `head` out) starts: gradients zeroed in place first — then
+# `head.grad` still holds step 1's tensor, so "no gradient" cannot be read from `p.grad is
+# None` — and then, on a fresh model, set to None.
+_UNUSED_ZERO_MODES = (False, True)
+
+
 def _unused_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
-    """Step 1 uses every parameter; step 2 leaves `head` out."""
+    """Step 1 uses every parameter; step 2 leaves `head` out: once after
+    zero_grad(set_to_none=False), once (a fresh model and wrapper) after set_to_none=True."""
     __tracebackhide__ = True
     from .. import ddp
 
     dev = ddp.setup_rank()
-    torch.manual_seed(0)
-    module = _UnusedNet().to(dev)
-    model = cls(module, bucket_cap_mb=cap_mb)
-    torch.manual_seed(1 + rank)
-    x, y = torch.randn(4, 3, 32, 32, device=dev), torch.arange(4, device=dev)
-    said = {}
-    for step, use_head in ((1, True), (2, False)):
-        module.zero_grad(set_to_none=True)
-        module.use_head = use_head
-        F.cross_entropy(model(x), y).backward()
-        try:
-            model.finish_gradient_synchronization()
-        except NotImplementedError:
-            raise
-        except Exception as exc:
-            said[step] = f"{type(exc).__name__}: {exc}"
-        else:
-            said[step] = None
-        if step == 1 and said[1] is not None:
-            break
-    used = [n for n, p in module.named_parameters()
-            if p.requires_grad and n not in _UNUSED_NAMES]
-    return {"said": said, "used": used}
+    out = {}
+    for set_to_none in _UNUSED_ZERO_MODES:
+        torch.manual_seed(0)
+        module = _UnusedNet().to(dev)
+        model = cls(module, bucket_cap_mb=cap_mb)
+        torch.manual_seed(1 + rank)
+        x, y = torch.randn(4, 3, 32, 32, device=dev), torch.arange(4, device=dev)
+        said = {}
+        for step, use_head in ((1, True), (2, False)):
+            module.zero_grad(set_to_none=True if step == 1 else set_to_none)
+            module.use_head = use_head
+            F.cross_entropy(model(x), y).backward()
+            try:
+                model.finish_gradient_synchronization()
+            except NotImplementedError:
+                raise
+            except Exception as exc:
+                said[step] = f"{type(exc).__name__}: {exc}"
+            else:
+                said[step] = None
+            if step == 1 and said[1] is not None:
+                break
+        used = [n for n, p in module.named_parameters()
+                if p.requires_grad and n not in _UNUSED_NAMES]
+        out[set_to_none] = {"said": said, "used": used}
+    return out
 
 
 def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
     """A model with a trainable parameter (registered last, so in bucket 0) that the second
     step's forward leaves out: finish_gradient_synchronization() must return after step 1 and
-    raise after step 2, naming that parameter and no other."""
+    raise after step 2, naming that parameter and no other — whether step 2 began with the
+    gradients zeroed in place (``head.grad`` then still holds a tensor) or set to None."""
     __tracebackhide__ = True
     from .. import devices
 
@@ -667,33 +678,48 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                         timeout=timeout,
                         hang="with a parameter that got no gradient, every rank must still "
                              "launch the same all-reduces (or none) and wait only on those.")
-    for rank, r in enumerate(results):
-        if r["said"][1] is not None:
-            fail(f"finish_gradient_synchronization() raised on rank {rank} after a backward in "
-                 f"which every parameter got a gradient ({r['said'][1][:200]}) — on a model "
-                 f"with a parameter `head` that the next step's forward leaves out.")
-        said = r["said"][2]
-        if said is None:
-            fail(f"on a model with a trainable parameter the forward did not use this step "
-                 f"({' and '.join(_UNUSED_NAMES)}), finish_gradient_synchronization() returned "
-                 f"on rank {rank} although their bucket never became complete: that bucket (and every one after it) was never "
-                 f"all-reduced, so the gradients left there are stale or this rank's own.",
-                 fix="raise an error that names the parameter(s) that got no gradient.")
-        missing = [n for n in _UNUSED_NAMES if n not in said]
-        if missing:
-            fail(f"on a model whose {' and '.join(_UNUSED_NAMES)} got no gradient, "
-                 f"finish_gradient_synchronization() raised on rank {rank} ({said[:200]}), but "
-                 f"its message does not name {' and '.join(missing)}, so whoever trains the "
-                 f"model cannot find it.",
-                 fix="name every parameter that got no gradient, by its name in the module.")
-        wrongly = [n for n in r["used"] if re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", said)]
-        if wrongly:
-            fail(f"on a model whose {' and '.join(_UNUSED_NAMES)} got no gradient, "
-                 f"finish_gradient_synchronization() raised on rank {rank}, but its message "
-                 f"also names {', '.join(wrongly[:3])}, which did get a gradient in this "
-                 f"backward (a name kept from an earlier step, or every parameter of the "
-                 f"incomplete bucket, misleads).",
-                 fix="name only the parameters that got no gradient in this backward.")
+    unused = " and ".join(_UNUSED_NAMES)
+    for set_to_none in _UNUSED_ZERO_MODES:
+        how = f"zero_grad(set_to_none={set_to_none})"
+        stale = "" if set_to_none else (
+            f" After {how}, a parameter the backward left out still has a .grad (step 1's "
+            f"tensor, zeroed in place), so whether it got a gradient in this backward cannot be "
+            f"read from p.grad; only this backward's hooks know which parameters arrived.")
+        for rank, per_mode in enumerate(results):
+            r = per_mode[set_to_none]
+            if r["said"][1] is not None:
+                fail(f"finish_gradient_synchronization() raised on rank {rank} after a backward "
+                     f"in which every parameter got a gradient ({r['said'][1][:200]}) — on a "
+                     f"model with a parameter `head` that the next step's forward leaves out.",
+                     fix="raise only when a bucket is still awaiting a gradient at the end of "
+                         "the step.")
+            said = r["said"][2]
+            if said is None:
+                fail(f"on a model whose {unused} got a gradient in step 1 but none in step 2 "
+                     f"(step 2 began with {how}), finish_gradient_synchronization() returned on "
+                     f"rank {rank} although their bucket never became complete: that bucket "
+                     f"(and every one after it) was never all-reduced, so the gradients left "
+                     f"there are stale or this rank's own.{stale}",
+                     fix="raise an error that names the parameter(s) that got no gradient in "
+                         "this backward.")
+            missing = [n for n in _UNUSED_NAMES if n not in said]
+            if missing:
+                fail(f"on a model whose {unused} got a gradient in step 1 but none in step 2 "
+                     f"(step 2 began with {how}), finish_gradient_synchronization() raised on "
+                     f"rank {rank} ({said[:200]}), but its message does not name "
+                     f"{' and '.join(missing)}, so whoever trains the model cannot find it."
+                     f"{stale}",
+                     fix="name every parameter that got no gradient in this backward, by its "
+                         "name in the module.")
+            wrongly = [n for n in r["used"]
+                       if re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", said)]
+            if wrongly:
+                fail(f"on a model whose {unused} got no gradient in step 2, "
+                     f"finish_gradient_synchronization() raised on rank {rank}, but its message "
+                     f"also names {', '.join(wrongly[:3])}, which did get a gradient in this "
+                     f"backward (a name kept from an earlier step, or every parameter of the "
+                     f"incomplete bucket, misleads).",
+                     fix="name only the parameters that got no gradient in this backward.")
 
 
 def _diagnose(results: list, world_size: int, cap_mb: float) -> None:
