@@ -156,8 +156,9 @@ claim("the module counted one BatchNorm update, not one per replica",
 # BatchNorm normalises each sample with the mean and variance of the batch it sees — here, of
 # its replica's chunk, not of the whole batch — so the outputs themselves differ. The equality
 # proven below holds only for models whose layers treat every sample on its own (SmallCNN has no
-# BatchNorm; DDP in lesson 03 has the same caveat, and re-broadcasts rank 0's buffers before
-# every forward by default):
+# BatchNorm; DDP in lesson 03 has the same caveat, and by default broadcasts rank 0's buffers
+# before each forward that follows a training forward — lesson 03 measures which forwards it
+# skips):
 
 # %%
 twin_dp, twin_plain = copy.deepcopy(bn_net), copy.deepcopy(bn_net)
@@ -355,8 +356,10 @@ assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0
 # And the whole step? Below, one forward + backward of the plain model on the batch against
 # `dp.data_parallel` on 1, 2 and 4 simulated devices, interleaved over five rounds. Every
 # "device" here is the same CPU (with one intra-op thread), so DataParallel has nothing to gain:
-# what the numbers show is its overhead per step — replication, threads, scatter and gather.
-# On GPUs the forwards really run side by side, and that overhead is what eats into the gain.
+# whatever it adds is overhead per step — replication, threads, scatter and gather. Whether
+# that overhead stands out of this run's noise, and from how many devices on, the last line
+# printed says, computed from the rounds. On GPUs the forwards really run side by side, and
+# that overhead is what eats into the gain.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -387,9 +390,23 @@ for _ in range(5):                    # rounds, interleaved so that a slow momen
 for n, runs in step_rates.items():
     print(("plain model          " if n == 0 else f"DataParallel, N = {n}  ")
           + f"median {statistics.median(runs):6.0f} samples/s")
+verdicts = {}
 for n in (1, 2, 4):
-    print(f"N = {n}: " + compare_rates("the plain step", step_rates[0],
-                                       f"DataParallel on {n}", step_rates[n]))
+    verdicts[n] = compare_rates("the plain step", step_rates[0], f"DataParallel on {n}",
+                                step_rates[n])
+    print(f"N = {n}: {verdicts[n]}")
+slower = [n for n, v in verdicts.items() if " was slower than " in v]
+faster = [n for n, v in verdicts.items() if " was faster than " in v]
+unclear = [n for n in verdicts if n not in slower + faster]
+print("On this run: " + "; ".join(
+    part for part in (
+        f"the overhead stood out of the noise with N = {', '.join(map(str, slower))}"
+        if slower else "the overhead never stood out of the noise",
+        f"with N = {', '.join(map(str, unclear))} no clear difference from the plain step"
+        if unclear else "",
+        f"with N = {', '.join(map(str, faster))} DataParallel came out faster, which one "
+        f"shared CPU cannot make real: read it as the machine's load shifting between runs"
+        if faster else "") if part) + ".")
 
 # %% [markdown]
 # **One process, one GIL.** The replicas run in threads of one Python process. Torch kernels
@@ -584,10 +601,18 @@ viz.quiz([
 #   `dim` by `Scatter.apply`), `gather`.
 # - `torch/nn/parallel/parallel_apply.py` — `parallel_apply`: when `len(modules) > 1`, one
 #   `threading.Thread` per replica (target `_worker`), all started, then all joined; with a
-#   single replica `_worker` runs in the caller's thread. Each `_worker` sets the caller's
-#   grad mode (`torch.set_grad_enabled`) and autocast state and the replica's device; an
-#   exception is wrapped (`ExceptionWrapper`) and re-raised
-#   in the caller, the first failing replica's in device order (the loop over `results`).
+#   single replica `_worker` runs in the caller's thread. What each `_worker` sets up besides
+#   the call is lab 02's stretch: the lines that say so are folded at the end.
 # - `torch/cuda/nccl.py` — `is_available`, `reduce`: the NCCL calls `comm.reduce_add` uses.
 # - `torch/nn/modules/batchnorm.py` — `_BatchNorm.forward`: in training mode the running mean
 #   and variance (buffers) are updated in place and `num_batches_tracked` is incremented.
+
+# %% [markdown]
+# **▶ The sources of `parallel_apply`'s threads — open after your lab passes** (click the
+# folded cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# - `torch/nn/parallel/parallel_apply.py` — `parallel_apply._worker`: each thread sets the
+#   caller's grad mode (`torch.set_grad_enabled`) and autocast state and the replica's device;
+#   an exception is wrapped (`ExceptionWrapper`) and re-raised in the caller, the first failing
+#   replica's in device order (the loop over `results`).
