@@ -22,8 +22,10 @@
 #
 # **The goal.** On t ranks, your `TPMLP` gives every rank the plain MLP's output; after one
 # backward, the gradient of the input is the plain MLP's, and every rank's weight and bias
-# gradients are the matching blocks of the plain MLP's — with one all-reduce in the forward and
-# one in the backward, and each rank holding only its block of each weight.
+# gradients are the matching blocks of the plain MLP's; and after a few SGD steps, each rank
+# stepping only its own parameters, it still gives the plain MLP's output (trained the same
+# way) — with one all-reduce in the forward and one in the backward, and each rank holding
+# only its block of each weight.
 #
 # You write, in this order:
 #
@@ -130,8 +132,9 @@ lab11.check_block_of(block_of)
 # **Your diagnosis first.** Before you write a method, say what each rank holds of four
 # quantities *on its own*, before any collective: X (what `f` receives in the forward), dL/dX
 # (what `f` receives in the backward), Y (this rank's product, which `g` receives in the
-# forward) and dL/dY (what `g` receives in the backward). Set each entry of `held` to
-# `"whole"` (the same on every rank) or `"partial"` (a part the ranks must sum). Then set
+# forward) and dL/dY (what `g` receives in the backward). `held` is a dict with exactly these
+# four keys, `"X"`, `"dL/dX"`, `"Y"` and `"dL/dY"`, each set to `"whole"` (the same on every
+# rank) or `"partial"` (a part the ranks must sum). Then set
 # `f_communicates_in` and `g_communicates_in` each to `"forward"`, `"backward"`, `"both"` or
 # `"neither"`: they must follow from your own answers. `lab11.check_diagnosis` first checks
 # that they do, then judges them as a pair: a wrong pair comes back with what it would make
@@ -225,7 +228,9 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 #   hidden features, returns the full layer's output, bias included, the same on every rank.
 #
 # After a backward, the gradient of each layer's input and of every parameter equals the
-# matching block of the full layer's. Where `f` and `g` go is yours to find.
+# matching block of the full layer's. And the layers train like the full layer: after a few
+# SGD steps, each rank stepping only its own parameters, every rank's output still equals
+# the full layer's trained the same way. Where `f` and `g` go is yours to find.
 #
 # **Decide before you code:** which dimension of `linear.weight` (0 or 1) each layer cuts.
 # Your decision rests on how `nn.Linear` lays out its weight, so write that down too:
@@ -235,8 +240,10 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 #
 # **Your design decision:** the row layer's bias. The lesson left it open: keep it whole or
 # in blocks, on every rank or on one, and add it before `g` or after it. More than one choice
-# satisfies the contract; pick one and be ready to say what each rank's bias gets as a
-# gradient with your choice.
+# satisfies the contract — and some choices that give the right output and the right
+# gradients after one backward do not (the check trains your layer to find them). Pick one;
+# before you write `RowParallel` you predict what one rank's bias gets as its gradient with
+# your choice.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -292,6 +299,22 @@ class ColumnParallel(nn.Module):
 lab11.check_column_parallel(ColumnParallel, column_weight_dim, timeout=check_timeout)
 
 
+# %% [markdown]
+# **Predict first.** With your row-bias decision, on 3 ranks: after one backward, what does
+# the row bias that **rank 1** holds get as its gradient? dL/db is the full layer's bias
+# gradient after the same backward. Pick one of `lab11.BIAS_GRAD_CHOICES`; the row layer's
+# check measures it once your layer passes, and says why.
+
+# %%
+for choice in lab11.BIAS_GRAD_CHOICES:
+    print(repr(choice))
+### BEGIN SOLUTION: your prediction (one of the choices, as a string)
+my_bias_grad = "the whole of dL/db"      # b₂ whole on every rank, added after g
+### END SOLUTION
+bias_guess = predict("lab11", "the gradient of rank 1's row bias (3 ranks)", my_bias_grad,
+                     choices=lab11.BIAS_GRAD_CHOICES)
+
+
 # %%
 class RowParallel(nn.Module):
     def __init__(self, linear, rank, world_size):
@@ -309,7 +332,8 @@ class RowParallel(nn.Module):
         ### END SOLUTION
 
 
-lab11.check_row_parallel(RowParallel, row_weight_dim, timeout=check_timeout)
+lab11.check_row_parallel(RowParallel, row_weight_dim, timeout=check_timeout,
+                         bias_prediction=bias_guess)
 
 # %% [markdown]
 # ## 4. The tensor-parallel MLP, and what one rank holds
@@ -317,7 +341,8 @@ lab11.check_row_parallel(RowParallel, row_weight_dim, timeout=check_timeout)
 # `TPMLP(plain, rank, world_size)`, with `plain = nn.Sequential(nn.Linear(d, h), nn.GELU(),
 # nn.Linear(h, d))` the same on every rank: `TPMLP(...)(x)` equals `plain(x)` on every rank,
 # and after a backward dL/dx and each rank's parameter gradients are `plain`'s (the matching
-# blocks), with one all-reduce in the forward and one in the backward. The check compares on
+# blocks), with one all-reduce in the forward and one in the backward; after a few SGD steps
+# it still equals `plain` trained the same way. The check compares on
 # 2 and 3 ranks, counts the collectives of each pass, and then builds it with h = 16 on 3
 # ranks, where your `block_of` decision shows.
 #

@@ -1,6 +1,7 @@
 """lab11's checks: every wrong answer fails with the sentence that names its mistake; every right
 variant passes (other world sizes, torch.chunk / narrow / tensor_split, F.linear or x @ W.T, the
-row bias after the all-reduce on every rank or before it on rank 0 only, in-place all-reduces,
+row bias after the all-reduce on every rank, before it on rank 0 only, or in blocks one per rank
+before it, in-place all-reduces,
 uneven blocks for a hidden size the world size does not divide).
 """
 
@@ -751,8 +752,79 @@ def test_row_parameters_sharing_the_full_layers_storage_are_named():
     assert "copy the block (.clone())" in message
 
 
+class RowBiasBlocks(Row):
+    """Right: the bias in blocks of its output features, one per rank, each added (padded to
+    the output's width) to the rank's partial product before g."""
+
+    def __init__(self, linear, rank, world_size):
+        super().__init__(linear, rank, world_size)
+        per = linear.out_features // world_size
+        self.lo, self.hi = rank * per, (rank + 1) * per
+        self.bias = nn.Parameter(linear.bias.detach()[self.lo:self.hi].clone())
+
+    def forward(self, h):
+        part = F.linear(h, self.weight)
+        return Reduce.apply(part + F.pad(self.bias, (self.lo, part.shape[-1] - self.hi)))
+
+
+class RowBiasPlaceholder(Row):
+    """Wrong (a learner's, accepted before): rank 0 holds the bias, every other rank a bias of
+    zeros, each added before g. One forward and backward are right; each copy gets the whole
+    dL/db, so one SGD step moves the sum's bias world_size times."""
+
+    def __init__(self, linear, rank, world_size):
+        super().__init__(linear, rank, world_size)
+        if rank != 0:
+            self.bias = nn.Parameter(torch.zeros_like(self.bias))
+
+    def forward(self, h):
+        return Reduce.apply(F.linear(h, self.weight, self.bias))
+
+
+def test_a_zero_placeholder_bias_is_named_by_what_training_does_to_it():
+    message = fails(lab11.check_row_parallel, RowBiasPlaceholder, timeout=T,
+                    match=r"after one SGD step \(lr 0\.1\) of each rank's own parameters, "
+                          r"RowBiasPlaceholder's output on rank 0 holds the bias's step 2 "
+                          r"times, where the full layer's holds it once")
+    assert "rank 1 holds a bias of zeros" in message
+    assert "each of them gets the whole dL/db" in message
+    assert "hold the row bias's numbers once" not in message       # the cause only, first
+    message = fails(lab11.check_row_parallel, RowBiasPlaceholder, world_sizes=(3,), timeout=T,
+                    match="holds the bias's step 3 times")
+    assert "ranks 1, 2 hold a bias of zeros" in message
+    assert "hold the row bias's numbers once over the ranks" in message   # met again: the fix
+    fails(lab11.check_tp_mlp, mlp_of(Column, RowBiasPlaceholder), world_sizes=(2,), timeout=T,
+          match=r"output on rank 0 holds the bias's step 2 times, where the full MLP's")
+
+
+@pytest.mark.parametrize("row,choice,phrase", [
+    (Row, 0, "copies stay equal because every rank computes the same thing"),
+    (RowBiasOnRankZero, 4, "rank 1 has nothing to train"),
+    (RowBiasBlocks, 1, "Rank 1 holds features [2, 4) of b"),
+])
+def test_the_bias_gradient_prediction_is_measured_with_the_learners_design(row, choice, phrase,
+                                                                            capsys):
+    right = lab11.BIAS_GRAD_CHOICES[choice]
+    wrong = lab11.BIAS_GRAD_CHOICES[2]
+    guess = predict("lab11", "rank 1's row-bias gradient", wrong,
+                    choices=lab11.BIAS_GRAD_CHOICES)
+    lab11.check_row_parallel(row, world_sizes=(3,), timeout=T, bias_prediction=guess)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"measured: {right} — not what happened." in out and phrase in out
+    guess = predict("lab11", f"rank 1's row-bias gradient, {row.__name__}", right,
+                    choices=lab11.BIAS_GRAD_CHOICES)
+    lab11.check_row_parallel(row, world_sizes=(3,), timeout=T, bias_prediction=guess)
+    assert f"measured: {right} — right." in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_bias_prediction_needs_three_ranks():
+    guess = predict("lab11", "q", lab11.BIAS_GRAD_CHOICES[0], choices=lab11.BIAS_GRAD_CHOICES)
+    with pytest.raises(ValueError, match="world_sizes must include 3"):
+        lab11.check_row_parallel(Row, world_sizes=(2,), timeout=T, bias_prediction=guess)
+
+
 @pytest.mark.parametrize("cls", [Row, RowBiasOnRankZero, RowChunk, RowTransposedBiasOnRankZero,
-                                 RowInPlaceNoClone])
+                                 RowInPlaceNoClone, RowBiasBlocks])
 def test_right_row_pass(cls, capsys):
     sizes = lab11.WORLD_SIZES if cls is Row else (3,)
     lab11.check_row_parallel(cls, world_sizes=sizes, timeout=T)
@@ -948,6 +1020,14 @@ def test_prediction_parameters_of_rank_one(capsys):
                                       measured, on_zero)
     out = " ".join(capsys.readouterr().out.split())
     assert "— right." in out and "no second bias" in out
+    # the second bias in blocks: rank 1 holds its block of 2
+    blocks = mlp_of(Column, RowBiasBlocks)
+    measured = lab11.count_parameters(blocks)
+    assert measured == 54
+    lab11.check_parameters_prediction(predict("lab11", "numbers", 54, unit="numbers"),
+                                      measured, blocks)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "— right." in out and "its block of the second bias (2) = 54" in out
 
 
 class MLPVagueRefusal(MLP):
@@ -984,6 +1064,11 @@ def mlp_of(column_cls, row_cls):
 
     Built.__name__ = Built.__qualname__ = f"MLP_{column_cls.__name__}_{row_cls.__name__}"
     return Built
+
+
+def test_right_mlp_with_the_row_bias_in_blocks_passes(capsys):
+    lab11.check_tp_mlp(mlp_of(Column, RowBiasBlocks), world_sizes=(3,), timeout=T)
+    assert capsys.readouterr().out.count("✔") == 1
 
 
 def test_right_mlp_transposed_bias_on_rank_zero_pass(capsys):

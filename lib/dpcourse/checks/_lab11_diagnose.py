@@ -9,6 +9,8 @@ the learner's code, and reading what it did.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -408,6 +410,20 @@ def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full
         for p, g in zip(o["params"], o["grads"]):
             if p.dim() != 1:
                 continue
+            if p.shape != bias.shape:          # a block of the bias: its block of the gradient
+                start = _find_slice(p, bias, 0)
+                if start is None:
+                    fail(f"{name} on rank {rank} holds a bias parameter of shape "
+                         f"{tuple(p.shape)} that is neither the layer's bias {tuple(bias.shape)} "
+                         f"nor a block of it.")
+                if g is None:
+                    _dead_bias(name, rank, tuple(p.shape), n)
+                want_b = full.bias.grad.narrow(0, start, p.shape[0])
+                if not _close(g, want_b):
+                    fail(f"the gradient of {name}'s bias block [{start}, {start + p.shape[0]}) "
+                         f"on rank {rank} is not that block of the full layer's bias gradient.")
+                holders.append(rank)
+                continue
             if not torch.equal(p, bias) and torch.allclose(p, bias / n):
                 fail(f"{name} keeps the bias divided by the world size on every rank: the "
                      f"output adds up right, but each copy gets 1/{n} of its gradient, so no "
@@ -423,6 +439,96 @@ def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full
     if not holders:
         fail(f"no rank's bias of {name} got a gradient: the bias never reaches the output as "
              f"a parameter.", fix="keep the bias as an nn.Parameter and add it in the forward.")
+
+
+_STEPS, _LR = 2, 0.1            # the SGD steps every layer and MLP check trains for, and their lr
+
+
+def _reference_steps(full: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> list:
+    """The plain layer (or MLP) on one process, trained as :func:`_sgd_outputs` trains each
+    rank's part: its output after each SGD step. ``full`` has had one backward already."""
+    grads = [None if p.grad is None else p.grad.clone() for p in full.parameters()]
+    full = copy.deepcopy(full)                 # a Parameter's deepcopy leaves its .grad behind
+    for p, g in zip(full.parameters(), grads):
+        p.grad = g
+    x = x.detach().clone().requires_grad_(True)
+    opt = torch.optim.SGD(full.parameters(), lr=_LR)
+    stepped = []
+    for _ in range(_STEPS):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        y = full(x)
+        stepped.append(y.detach().clone())
+        y.backward(upstream.clone())
+    return stepped
+
+
+def _stepped_close(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and torch.allclose(a, b, rtol=1e-4, atol=1e-5))
+
+
+def _bias_taken_times(diff: torch.Tensor, bias_grad: torch.Tensor):
+    """How many times the bias's SGD step is in the output after one step, when the output's
+    error ``diff`` is (k − 1) times that step on every row (k ≥ 2); None otherwise."""
+    if bias_grad is None or diff.dim() != 2 or diff.shape[-1] != bias_grad.shape[0]:
+        return None
+    step = -_LR * bias_grad
+    c = float((diff * step).sum() / (diff.shape[0] * step.square().sum()))
+    k = round(c)
+    if k >= 1 and _stepped_close(diff, k * step.expand_as(diff)):
+        return k + 1
+    return None
+
+
+def _stepped_failures(outs: list, n: int, name: str, reference: list, bias_grad, kind: str) -> None:
+    """Each rank's output after each of ``_STEPS`` SGD steps (lr ``_LR``) of its own parameters
+    against the plain layer's (or MLP's), trained the same way on one process. Run after the
+    one-step diagnoses passed: what fails here is a layer that computes right but trains
+    wrong."""
+    __tracebackhide__ = True
+    thing = "MLP" if kind == "mlp" else "layer"
+    for rank, o in enumerate(outs):
+        if "step_error" in o:
+            fail(f"an SGD step (lr {_LR}) of rank {rank}'s parameters, then a forward and backward "
+                 f"of {name}, raised: {o['step_error']}.")
+    for k, want in enumerate(reference):
+        for rank, o in enumerate(outs):
+            got = o["stepped"][k] if k < len(o.get("stepped", ())) else None
+            if kind == "column" and got is not None:
+                per = want.shape[1] // n
+                want_r = want[:, rank * per:(rank + 1) * per]
+            else:
+                want_r = want
+            if _stepped_close(got, want_r):
+                continue
+            times = (_bias_taken_times(got - want_r, bias_grad)
+                     if k == 0 and kind != "column" and got is not None
+                     and got.shape == want_r.shape else None)
+            if times is not None:
+                held = [r for r, q in enumerate(outs)
+                        if any(p.dim() == 1 and p.shape[0] == D for p in q["params"])]
+                zeros = [r for r in held if any(p.dim() == 1 and p.shape[0] == D
+                                                and not p.any() for p in outs[r]["params"])]
+                who = (f"rank {zeros[0]} holds" if len(zeros) == 1 else
+                       f"ranks {', '.join(map(str, zeros))} hold")
+                start = (f"{who} a bias of zeros, so the copies added up to the bias at the "
+                         f"start" if zeros else "the copies added up to the bias at the start")
+                fail(f"after one SGD step (lr {_LR}) of each rank's own parameters, {name}'s "
+                     f"output on rank {rank} holds the bias's step {times} times, where the "
+                     f"full {thing}'s holds it once: {times} ranks add a bias of {D} numbers "
+                     f"to their partial products before the sum ({start}), and each of them "
+                     f"gets the whole dL/db, since g's backward hands dL/dY to every partial "
+                     f"product unchanged — so each copy takes the full step and the sum takes "
+                     f"it {times} times. One forward and backward cannot show it; training "
+                     f"drifts further with every step.",
+                     fix="hold the row bias's numbers once over the ranks (whole on one rank and "
+                         "added before g, whole on every rank and added after g, or one block "
+                         "per rank), so that one step moves the sum's bias once.")
+            fail(f"after {k + 1} SGD step(s) (lr {_LR}) of each rank's own parameters, "
+                 f"{name}'s output on rank {rank} differs from the full {thing}'s trained the "
+                 f"same way, although one forward and backward matched it: some parameter's "
+                 f"step does not move the {thing} the way the full {thing}'s step moves it.")
 
 
 def _plain_mlp(hidden: int) -> nn.Sequential:
@@ -457,6 +563,8 @@ def _diagnose_mlp(outs: list, n: int, hidden: int, name: str, hint: str = "") ->
                  f"{o['bwd'] or 'no collectives'} in the backward on rank {rank}: Megatron's MLP "
                  f"needs exactly one all-reduce in each (g's forward, f's backward).")
     _mlp_param_grads(outs, n, hidden, name, plain)
+    _stepped_failures(outs, n, name, _reference_steps(plain, x, _data(1, ROWS, D, seed=11)[0]),
+                      plain[2].bias.grad, "mlp")
 
 
 _MLP_PARTS = {"w1": "the column layer's weight (plain[0].weight)",
@@ -485,7 +593,10 @@ def _match_param(p: torch.Tensor, plain: nn.Sequential):
         if torch.equal(p, b2):
             return "b2", 0, 0, False
         s = _find_slice(p, b1, 0)
-        return None if s is None else ("b1", 0, s, False)
+        if s is not None:
+            return "b1", 0, s, False
+        s = _find_slice(p, b2, 0)          # the row bias kept in blocks, one per rank
+        return None if s is None else ("b2", 0, s, False)
     if p.dim() != 2:
         return None
     for cand, transposed in ((p, False), (p.T, True)):

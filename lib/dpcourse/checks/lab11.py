@@ -38,7 +38,11 @@ process. The values are chosen so that each classic mistake leaves its own trace
   column layer's forward or none in its backward, none in the row layer's forward or one in its
   backward, the row bias added on every rank before the sum, the bias scaled by 1/N, missing on
   some rank, held on a rank whose forward never adds it (its .grad stays None: a dead
-  parameter), averaged partial sums;
+  parameter), averaged partial sums; then two SGD steps of each rank's own parameters against
+  the full layer trained the same way, which names a bias whose copies add up right at the
+  start but each take the whole step (a placeholder of zeros on the other ranks, added before
+  the sum: the sum's bias moves t times per step). ``check_row_parallel`` also reveals the
+  learner's prediction of what rank 1 of 3's bias gets as its gradient;
 * ``check_tp_mlp``: the assembled MLP equals the plain one (outputs, the input's gradient, and
   each rank's weight and bias gradients against the matching slice of the plain MLP's: a
   detached or divided parameter is named) with exactly one all-reduce in the forward and one in
@@ -70,7 +74,8 @@ Every check refuses the library's own reference (``tensor_parallel.shard_bounds`
 ``pipeline_parallel.measured_bubble`` ...) passed as the learner's answer.
 
 Accepted: ``torch.chunk``, ``narrow``, ``tensor_split`` or index arithmetic; the row layer's
-bias added after the all-reduce on every rank, or held and added before it on rank 0 only;
+bias added after the all-reduce on every rank, held and added before it on rank 0 only, or cut
+in blocks of its output features, one per rank, each added before it;
 ``x @ W.T`` or ``F.linear``; in-place or cloned all-reduces (Megatron-LM all-reduces in place;
 the lab leaves it to the learner); any world size.
 """
@@ -86,18 +91,19 @@ from torch import nn
 from . import (check_timeout, fail, has_todo, passed, recorded, refuse_reference, reveal,
                run_ranks)
 from ._lab11_diagnose import (D, H, ODD_H, ROWS, _BATCH, _BELOW_IDEAL, _CHECK_DELAY_S,
-                              _DIM_NAMES, _M, _NAMES, _STAGES, _WIDTH, _against_declaration,
+                              _DIM_NAMES, _LR, _M, _NAMES, _STAGES, _STEPS, _WIDTH, _against_declaration,
                               _against_dim, _block_failures, _check_bubble_fn,
                               _common_layer_failures, _computation_only, _data,
                               _storage_failures,
                               _diagnose_column, _diagnose_conjugates, _diagnose_gpipe,
                               _diagnose_mlp, _diagnose_row, _error, _gpipe_failed,
-                              _match_param, _mse, _pending, _plain_mlp)
+                              _find_slice, _match_param, _mse, _pending, _plain_mlp, _reference_steps,
+                              _stepped_failures)
 
 __all__ = ["check_block_of", "check_diagnosis", "check_conjugates", "check_split_decision",
            "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "count_parameters", "check_parameters_prediction",
-           "count_all_reduces", "check_prediction", "check_gpipe",
+           "count_all_reduces", "check_prediction", "check_gpipe", "BIAS_GRAD_CHOICES",
            "measure_bubble", "WORLD_SIZES", "DEFAULT_TIMEOUT"]
 
 WORLD_SIZES = (2, 3)
@@ -571,10 +577,35 @@ def _layer_worker(rank: int, world_size: int, layer_cls, kind: str) -> dict:
     out["bwd"] = _communicating(bwd)
     out["x_grad"] = None if x.grad is None else x.grad.clone()
     out["grads"] = [None if p.grad is None else p.grad.clone() for p in layer.parameters()]
+    out.update(_sgd_outputs(layer, x, upstream))
     return out
 
 
-def _launch_layer(layer_cls, kind: str, weight_dim, world_sizes, timeout) -> None:
+def _sgd_outputs(module: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> dict:
+    """After the first forward and backward (its gradients still in ``.grad``): ``_STEPS``
+    plain SGD steps of this rank's own parameters, each followed by a forward (recorded) and a
+    backward on the same input and upstream gradient — what training does to the layer. A
+    mistake that one forward and backward cannot show (a bias whose copies add up right at
+    the start but each take the whole step) shows here."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return {"stepped": []}
+    opt = torch.optim.SGD(params, lr=_LR)
+    stepped = []
+    try:
+        for _ in range(_STEPS):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            y = module(x)
+            stepped.append(y.detach().clone())
+            y.backward(upstream.clone())
+    except Exception as exc:
+        return {"stepped": stepped, "step_error": _error(exc)}
+    return {"stepped": stepped}
+
+
+def _launch_layer(layer_cls, kind: str, weight_dim, world_sizes, timeout) -> dict:
+    """Run and diagnose the layer on each world size; returns {n: (outs, full layer)}."""
     __tracebackhide__ = True
     from .. import tensor_parallel as tp
 
@@ -591,6 +622,7 @@ def _launch_layer(layer_cls, kind: str, weight_dim, world_sizes, timeout) -> Non
                  f"lab11.check_split_decision and read its sentence before checking the code.")
     _todo(layer_cls)
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    ran = {}
     for n in world_sizes:
         outs = run_ranks(_layer_worker, n, layer_cls, kind, timeout=timeout, hang=_HANG)
         full, x, upstream, y = _reference(kind)
@@ -601,6 +633,10 @@ def _launch_layer(layer_cls, kind: str, weight_dim, world_sizes, timeout) -> Non
         _storage_failures(outs, layer_cls.__name__, full, n)
         diagnose = _diagnose_column if kind == "column" else _diagnose_row
         diagnose(outs, n, layer_cls.__name__, full, x, upstream, y)
+        _stepped_failures(outs, n, layer_cls.__name__, _reference_steps(full, x, upstream),
+                          full.bias.grad, kind)
+        ran[n] = (outs, full)
+    return ran
 
 
 @recorded
@@ -615,22 +651,76 @@ def check_column_parallel(layer_cls, weight_dim=None, world_sizes=WORLD_SIZES,
     _launch_layer(layer_cls, "column", weight_dim, world_sizes, timeout)
     shown = " and ".join(map(str, world_sizes))
     passed(f"{layer_cls.__name__}: each rank's output, dL/dx and weight and bias gradients equal "
-           f"the matching block of the full layer's, on {shown} ranks")
+           f"the matching block of the full layer's, on {shown} ranks, and still do after "
+           f"{_STEPS} SGD steps of each rank's own parameters")
+
+
+# part 3's prediction: what rank 1 of 3's row bias gets as its gradient, with the learner's own
+# row-bias decision (dL/db: the full layer's bias gradient after the same backward)
+BIAS_RANK, BIAS_WORLD = 1, 3
+BIAS_GRAD_CHOICES = ("the whole of dL/db", "its block of dL/db", "dL/db divided by 3",
+                     "3 × dL/db", "nothing: rank 1 holds no row bias")
+
+
+def _bias_gradient_on(outs: list, full: nn.Linear, rank: int) -> tuple:
+    """(choice, what rank ``rank`` holds of the row bias) from a run that passed the check."""
+    bias = full.bias.detach()
+    for p, g in zip(outs[rank]["params"], outs[rank]["grads"]):
+        if p.dim() != 1 or g is None:
+            continue
+        if p.shape == bias.shape:
+            return BIAS_GRAD_CHOICES[0], None
+        start = _find_slice(p, bias, 0)
+        if start is not None:
+            return BIAS_GRAD_CHOICES[1], (start, start + p.shape[0])
+    return BIAS_GRAD_CHOICES[4], None
+
+
+def _reveal_bias_gradient(prediction, outs: list, full: nn.Linear) -> None:
+    __tracebackhide__ = True
+    got, block = _bias_gradient_on(outs, full, BIAS_RANK)
+    value = getattr(prediction, "value", None)
+    same = ("g's backward hands dL/dY to every partial product unchanged, so a bias added "
+            "before g gets the gradient it would get after it")
+    if got == BIAS_GRAD_CHOICES[0]:
+        why = ("Every rank adds its whole copy of b after g, to the Y that every rank holds: "
+               "dL/db is dL/dY summed over the tokens, the same on every rank, so each copy gets "
+               "the whole of it and takes the same step — the copies stay equal because every "
+               "rank computes the same thing, not because anything keeps them in sync.")
+    elif got == BIAS_GRAD_CHOICES[1]:
+        why = (f"Rank {BIAS_RANK} holds features [{block[0]}, {block[1]}) of b and adds them to "
+               f"its partial product before g. {same[0].upper() + same[1:]}: rank {BIAS_RANK}'s "
+               f"block gets that block of dL/db, and the blocks together get all of it, once.")
+    else:
+        why = (f"Rank {BIAS_RANK} holds no row bias: the rank that holds it adds it to its "
+               f"partial product before g. {same[0].upper() + same[1:]}: that rank's bias gets "
+               f"the whole dL/db, and rank {BIAS_RANK} has nothing to train.")
+    reveal(prediction, got, close=value == got, explanation=why)
 
 
 @recorded
 def check_row_parallel(layer_cls, weight_dim=None, world_sizes=WORLD_SIZES,
-                       timeout: float | None = None) -> None:
+                       timeout: float | None = None, bias_prediction=None) -> None:
     """``layer_cls(linear, rank, world_size)`` built from a full ``nn.Linear(12, 6)`` on 2 and
     3 ranks, fed each rank's block of the hidden features: every rank's output equals the full
     layer's, with one all-reduce in the forward and none in the backward; the bias counted
-    once and given its whole gradient. ``weight_dim`` as in :func:`check_column_parallel`."""
+    once and given its whole gradient (or each block its block), and the layer still equal to
+    the full one after ``_STEPS`` SGD steps of each rank's own parameters. ``weight_dim`` as in
+    :func:`check_column_parallel`. ``bias_prediction``, the learner's
+    :func:`~dpcourse.checks.predict` of what rank 1 of 3's bias gets as its gradient (one of
+    ``BIAS_GRAD_CHOICES``), is compared with the measurement once the layer passes."""
     __tracebackhide__ = True
-    _launch_layer(layer_cls, "row", weight_dim, world_sizes, timeout)
+    if bias_prediction is not None and BIAS_WORLD not in world_sizes:
+        raise ValueError(f"the bias prediction is about {BIAS_WORLD} ranks: world_sizes must "
+                         f"include {BIAS_WORLD}")
+    ran = _launch_layer(layer_cls, "row", weight_dim, world_sizes, timeout)
     shown = " and ".join(map(str, world_sizes))
     passed(f"{layer_cls.__name__}: every rank's output equals the full layer's, bias included, "
            f"and the input and parameter gradients are the matching blocks of the full "
-           f"layer's, on {shown} ranks")
+           f"layer's, on {shown} ranks; after {_STEPS} SGD steps of each rank's own parameters "
+           f"it still equals the full layer trained the same way")
+    if bias_prediction is not None:
+        _reveal_bias_gradient(bias_prediction, *ran[BIAS_WORLD])
 
 
 # --------------------------------------------------------------------------------------------
@@ -657,11 +747,13 @@ def _mlp_worker(rank: int, world_size: int, mlp_cls, hidden: int) -> dict:
             y.backward(upstream.clone())
     except Exception as exc:
         return {"run_error": _error(exc)}
-    return {"y": y.detach().clone(), "x_grad": None if x.grad is None else x.grad.clone(),
-            "fwd": [c.op for c in fwd if c.op != "barrier"],
-            "bwd": [c.op for c in bwd if c.op != "barrier"],
-            "params": [p.detach().clone() for p in mlp.parameters()],
-            "grads": [None if p.grad is None else p.grad.clone() for p in mlp.parameters()]}
+    out = {"y": y.detach().clone(), "x_grad": None if x.grad is None else x.grad.clone(),
+           "fwd": [c.op for c in fwd if c.op != "barrier"],
+           "bwd": [c.op for c in bwd if c.op != "barrier"],
+           "params": [p.detach().clone() for p in mlp.parameters()],
+           "grads": [None if p.grad is None else p.grad.clone() for p in mlp.parameters()]}
+    out.update(_sgd_outputs(mlp, x, upstream))
+    return out
 
 
 @recorded
@@ -702,7 +794,8 @@ def check_tp_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None)
         how = "handled"
     shown = " and ".join(map(str, world_sizes))
     passed(f"{mlp_cls.__name__} equals the plain MLP (output, dL/dx and every shard's weight and "
-           f"bias gradient) on {shown} ranks, with one all-reduce in each pass; hidden size "
+           f"bias gradient, and after {_STEPS} SGD steps the output) on {shown} ranks, with "
+           f"one all-reduce in each pass; hidden size "
            f"{ODD_H} on 3 ranks {how}")
 
 
@@ -798,19 +891,22 @@ def check_parameters_prediction(prediction, measured: int, mlp_cls=None) -> None
     total = sum(p.numel() for p in plain.parameters())
     per = H // PARAMS_WORLD
     blocks = 2 * per * D + per
-    b2 = None
+    b2 = None                           # the numbers of b₂ this rank holds
     if mlp_cls is not None:
         try:
             mlp = mlp_cls(copy.deepcopy(plain), PARAMS_RANK, PARAMS_WORLD)
-            held = [_match_param(p.detach(), plain) for p in mlp.parameters()]
-            b2 = any(m is not None and m[0] == "b2" for m in held)
+            b2 = sum(p.numel() for p in mlp.parameters()
+                     if (m := _match_param(p.detach(), plain)) is not None and m[0] == "b2")
         except Exception:
             b2 = None
     if b2 is None:
-        b2 = measured - blocks == D
-    if b2:
+        b2 = measured - blocks if measured - blocks in (0, D, D // PARAMS_WORLD) else 0
+    if b2 == D:
         bias = (f"+ the whole second bias ({D}) = {blocks + D}: more than a third of the plain "
                 f"MLP's {total}, because b₂ is kept whole on every rank that holds it")
+    elif b2:
+        bias = (f"+ its block of the second bias ({b2}) = {blocks + b2}: a third of the plain "
+                f"MLP's {total}, every part of it cut in blocks")
     else:
         bias = (f"and no second bias (another rank holds it) = {blocks}: a third of the plain "
                 f"MLP's weights and first bias")
