@@ -46,7 +46,18 @@ torch.set_num_threads(1)
 # - the grouping is the one DDP's reducer makes at this cap (`compute_bucket_assignment_by_size`,
 #   lesson 07 §3), bucket for bucket — write it yourself, do not call torch's or the course
 #   library's. One cap applies to every bucket: the 1 MiB first bucket of lesson 07 §3 does
-#   not apply here.
+#   not apply here;
+# - a bucket **may end above `bucket_cap_mb`**: DDP never splits a parameter between buckets.
+#
+# **A worked case** (not one of the check's). The cell below prints six parameters and the
+# buckets torch's own reducer function makes of them, computed as the cell runs. Read the
+# sizes of the buckets against the cap: which rule closes a bucket exactly there — and not
+# one parameter earlier, nor one later? Your `assign_buckets` must follow that rule on cases
+# this one does not show (a parameter larger than the cap arriving while a bucket is open;
+# frozen parameters; float64).
+
+# %%
+lab07.show_worked_case()
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)

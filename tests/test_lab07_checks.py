@@ -79,6 +79,34 @@ def old_rule(params, cap_mb):
     return buckets + ([current] if current else [])
 
 
+def own_bucket_for_large(params, cap_mb):
+    # DDP's rule, except that a parameter larger than the cap first closes the open bucket, to
+    # get a bucket of its own (the reading of "a bucket may exceed the cap" that it is not)
+    buckets, current, size, cap = [], [], 0, cap_mb * 2**20
+    for p in reversed(params):
+        if current and _nbytes(p) >= cap:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += _nbytes(p)
+        if size >= cap:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def test_a_wrong_bucket_rule_gets_the_rule_only_on_the_second_meeting():
+    for fn in (old_rule, own_bucket_for_large):
+        for attempt in (1, 2):
+            with pytest.raises(LabCheckError) as err:
+                lab07.check_assign_buckets(fn)
+            msg = str(err.value)
+            assert "may end above" in msg or "ends above the cap" in msg, msg
+            assert ("then close the bucket once it has reached the cap" in msg) == (attempt == 2)
+        from dpcourse import checks
+        checks._mistakes_met.clear()  # the next mutant is a first meeting of its own
+
+
 @pytest.mark.parametrize("fn", [ddp_rule, megabytes, by_indices])
 def test_right_assign_buckets_pass(fn, capsys):
     lab07.check_assign_buckets(fn)
@@ -180,7 +208,8 @@ def _rule(params, cap_mb, keep_frozen, weigh_frozen):
     (forward_order, "forward \\(registration\\) order"),
     (one_per_parameter, "every parameter has a bucket of its own"),
     (all_in_one, "reached the cap .* already before its last one"),
-    (old_rule, "closed at .* below the cap .* DDP's rule"),
+    (old_rule, "the other usual rule in every case: a bucket closed just before"),
+    (own_bucket_for_large, "closed early, below the cap, so that the large parameter could"),
     (elements_as_bytes, "counted elements \\(p.numel\\(\\)\\) as bytes"),
     (four_bytes_each, "assumed 4 bytes per element"),
     (drops_the_last, "are in no bucket"),

@@ -50,7 +50,7 @@ from torch import nn
 from .. import launch
 from . import check_timeout, fail, passed, recorded, require_answer, run_ranks
 
-__all__ = ["check_assign_buckets", "check_bucketed_ddp", "check_topk_hook", "check_prediction",
+__all__ = ["check_assign_buckets", "check_bucketed_ddp", "show_worked_case", "check_topk_hook", "check_prediction",
            "measure_launches", "show_prediction_model", "CONFIGS", "DEFAULT_TIMEOUT",
            "HOOK_WORLD_SIZES", "HOOK_FRACTION", "PREDICTION_CAP_MB", "PREDICTION_BUCKET",
            "PREDICTION_QUESTION"]
@@ -114,57 +114,137 @@ def _greedy(sizes: list[float], cap: float, order: list[int]) -> list[list[int]]
     return buckets
 
 
+def _closed_before_over(sizes: list[float], cap: float) -> list[list[int]]:
+    """The other usual rule, not DDP's: reversed order, a bucket closed before the next
+    parameter would take it over the cap."""
+    buckets, current, total = [], [], 0.0
+    for i in range(len(sizes) - 1, -1, -1):
+        if current and total + sizes[i] > cap:
+            buckets.append(current)
+            current, total = [], 0.0
+        current.append(i)
+        total += sizes[i]
+    return buckets + ([current] if current else [])
+
+
+def _own_bucket_for_large(sizes: list[float], cap: float) -> list[list[int]]:
+    """DDP's rule, except that a parameter larger than the cap first closes the open bucket to
+    get one of its own (a reading of "a bucket may exceed the cap" that DDP does not make)."""
+    buckets, current, total = [], [], 0.0
+    for i in range(len(sizes) - 1, -1, -1):
+        if current and sizes[i] >= cap:
+            buckets.append(current)
+            current, total = [], 0.0
+        current.append(i)
+        total += sizes[i]
+        if total >= cap:
+            buckets.append(current)
+            current, total = [], 0.0
+    return buckets + ([current] if current else [])
+
+
+_OTHER_RULES = (
+    (_closed_before_over,
+     "your buckets are those of the other usual rule in every case: a bucket closed just before "
+     "the next parameter would take it over the cap, so none ever ends above it, and buckets "
+     "come out smaller and more numerous than DDP's, which may end above the cap."),
+    (_own_bucket_for_large,
+     "your buckets are DDP's except around a parameter larger than the cap: there the open "
+     "bucket was closed early, below the cap, so that the large parameter could have a bucket "
+     "of its own. DDP never holds a parameter back for that: it goes into the open bucket like "
+     "any other, and that bucket ends above the cap."),
+)
+
+
 def _mb(nbytes: float) -> str:
     return f"{nbytes / MiB:.3g} MiB"
 
 
-def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> str | None:
+class Problem(str):
+    """A check's sentence naming a mistake (the cause), with ``fix``: what to change, said when
+    the same mistake comes back (``checks.fail``'s ``fix=``)."""
+
+    fix: str | None = None
+
+    def __new__(cls, cause: str, fix: str | None = None):
+        made = super().__new__(cls, cause)
+        made.fix = fix
+        return made
+
+
+_DDP_CLOSING_FIX = ("add each parameter to the open bucket first, then close the bucket once it "
+                    "has reached the cap (>=), as the lab's worked case shows.")
+
+
+def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> Problem | None:
     """None if ``buckets`` is a right assignment of ``params`` for ``cap_mb``, else the
-    sentence naming the mistake. (Used by both checks.)"""
+    sentence naming the mistake, a :class:`Problem` (a str) carrying its fix. (Used by both
+    checks.)"""
     where = f" ({what})" if what else ""
     if not isinstance(buckets, (list, tuple)) or not all(isinstance(b, (list, tuple))
                                                          for b in buckets):
-        return (f"the buckets must be a list of lists of parameters, got "
-                f"{type(buckets).__name__}{where}.")
+        return Problem(f"the buckets must be a list of lists of parameters, got "
+                       f"{type(buckets).__name__}{where}.")
     ids = {id(p): i for i, p in enumerate(params)}
     flat = [p for b in buckets for p in b]
     if any(id(p) not in ids for p in flat):
-        return (f"a bucket holds something that is not one of the parameters given{where}: put "
-                f"the parameter objects themselves in the buckets (not names, copies or grads).")
+        return Problem(f"a bucket holds something that is not one of the parameters given"
+                       f"{where}.", fix="put the parameter objects themselves in the buckets "
+                                        "(not names, copies or grads).")
     got = [ids[id(p)] for p in flat]
     if len(got) != len(set(got)):
-        return f"a parameter is in more than one bucket{where}: each goes in exactly one."
+        return Problem(f"a parameter is in more than one bucket{where}: its gradient would be "
+                       f"averaged twice.", fix="put each parameter in exactly one bucket.")
     if len(got) != len(params):
-        return (f"{len(params) - len(got)} of the {len(params)} parameters are in no bucket"
-                f"{where}: every parameter needs one, or its gradient is never averaged.")
+        return Problem(f"{len(params) - len(got)} of the {len(params)} parameters are in no "
+                       f"bucket{where}, so their gradients are never averaged.",
+                       fix="give every parameter that requires a gradient a bucket.")
     if any(len(b) == 0 for b in buckets):
-        return f"there is an empty bucket{where}: it would launch an all-reduce of nothing."
+        return Problem(f"there is an empty bucket{where}: it would launch an all-reduce of "
+                       f"nothing.", fix="leave out a bucket that holds nothing.")
     n = len(params)
     if got == list(range(n)) and n > 1:
-        return (f"the buckets are filled in forward (registration) order{where}: the backward "
-                f"produces the LAST layer's gradient first, so walk reversed(params) — then the "
-                f"first bucket is complete early and goes on the wire while the backward runs.")
+        return Problem(f"the buckets are filled in forward (registration) order{where}: bucket "
+                       f"0 holds the first layer's parameters, whose gradients the backward "
+                       f"produces LAST, so no bucket is complete until the backward is nearly "
+                       f"over and nothing goes on the wire while it runs.",
+                       fix="walk the parameters in the order the backward produces their "
+                           "gradients: reversed(params).")
     if got != list(range(n - 1, -1, -1)):
-        return (f"the parameters are not in reverse registration order across the buckets"
-                f"{where}: walk reversed(params) and never reorder them.")
+        return Problem(f"the parameters are not in reverse registration order across the "
+                       f"buckets{where}: the order within and across buckets is the order the "
+                       f"backward completes them, and nothing reorders them.",
+                       fix="walk reversed(params) and never reorder them (by size or "
+                           "otherwise).")
     sizes = [p.numel() * p.element_size() for p in params]
     cap = cap_mb * MiB
     idx = [[ids[id(p)] for p in b] for b in buckets]
     if all(len(b) == 1 for b in idx) and len(idx) > 1 and sizes[idx[0][0]] + sizes[idx[1][0]] <= cap:
-        return (f"every parameter has a bucket of its own{where}: fill a bucket until the next "
-                f"parameter would take it over {cap_mb} MiB — fewer, larger all-reduces.")
+        return Problem(f"every parameter has a bucket of its own{where}, though the first two "
+                       f"together hold {_mb(sizes[idx[0][0]] + sizes[idx[1][0]])}, not above "
+                       f"the cap of {cap_mb} MiB: one all-reduce per parameter, as with no "
+                       f"buckets at all.", fix=_DDP_CLOSING_FIX)
     for k, b in enumerate(idx):
         before_last = sum(sizes[i] for i in b[:-1])
         if before_last >= cap:
-            return (f"bucket {k} holds {_mb(sum(sizes[i] for i in b))} in {len(b)} parameters: "
-                    f"it had reached the cap of {cap_mb} MiB already before its last one"
-                    f"{where} — close a bucket as soon as it has reached the cap.")
+            return Problem(f"bucket {k} holds {_mb(sum(sizes[i] for i in b))} in {len(b)} "
+                           f"parameters: it had reached the cap of {cap_mb} MiB already before "
+                           f"its last one{where}, and stayed open.", fix=_DDP_CLOSING_FIX)
         if k + 1 < len(idx) and sum(sizes[i] for i in b) < cap:
-            return (f"bucket {k} was closed at {_mb(sum(sizes[i] for i in b))}, below the cap of "
-                    f"{cap_mb} MiB{where}: that is closing a bucket before the next parameter "
-                    f"would take it over the cap. DDP's rule (reducer.cpp, "
-                    f"compute_bucket_assignment_by_size) adds the parameter first and closes "
-                    f"the bucket once it has reached the cap, so a bucket may end above it.")
+            nxt = sizes[idx[k + 1][0]]
+            if nxt >= cap and idx != _closed_before_over(sizes, cap):
+                return Problem(
+                    f"bucket {k} was closed at {_mb(sum(sizes[i] for i in b))}, below the cap "
+                    f"of {cap_mb} MiB{where}, so that the next parameter ({_mb(nxt)}, more "
+                    f"than the cap by itself) could start a bucket of its own: DDP never holds "
+                    f"a parameter back for that — a parameter larger than the cap goes into "
+                    f"the open bucket like any other, and that bucket ends above the cap.",
+                    fix=_DDP_CLOSING_FIX)
+            return Problem(f"bucket {k} was closed at {_mb(sum(sizes[i] for i in b))}, below "
+                           f"the cap of {cap_mb} MiB{where}: it was closed because the next "
+                           f"parameter would take it over the cap, but DDP's buckets may end "
+                           f"above the cap (reducer.cpp, compute_bucket_assignment_by_size).",
+                           fix=_DDP_CLOSING_FIX)
     return None
 
 
@@ -297,7 +377,13 @@ def check_assign_buckets(assign_buckets) -> None:
                 fail(f"the buckets are what you get if you {variant}, so the cap was compared "
                      f"with a number that is not the parameter's bytes.",
                      fix="a parameter's size in bytes is p.numel() * p.element_size().")
-        fail(problems[0])
+        plain = [k for k, (_, ps, _) in enumerate(cases) if all(p.requires_grad for p in ps)]
+        for rule, sentence in _OTHER_RULES:
+            predicted = [rule([p.numel() * p.element_size() for p in cases[k][1]],
+                              cases[k][2] * MiB) for k in plain]
+            if [got[k] for k in plain] == predicted:
+                fail(sentence, fix=_DDP_CLOSING_FIX)
+        fail(problems[0], fix=problems[0].fix)
     if used_library:        # right, because it is the reference: refused only once right
         fail(_LIBRARY_ASSIGNMENT)
     passed(f"assign_buckets: reverse order, each bucket closed once it reached the cap, in bytes, "
@@ -305,7 +391,35 @@ def check_assign_buckets(assign_buckets) -> None:
            f"{len(cases)} cases)")
 
 
-def _frozen_problem(buckets, everything: list, cap_mb: float, what: str) -> str | None:
+# Part 1's worked case (none of the check's): six float32 parameters, sizes in MiB, in
+# registration order, and a 1 MiB cap. Its buckets tell DDP's rule from the two usual others:
+# closing before the next parameter would go over the cap gives [f], [e, d], [c], [b, a];
+# closing only once strictly over it gives [f], [e, d, c], [b, a].
+WORKED_CASE_MB = (("a", 0.25), ("b", 0.5), ("c", 0.75), ("d", 0.25), ("e", 0.75), ("f", 2.0))
+WORKED_CASE_CAP_MB = 1.0
+
+
+def show_worked_case() -> None:
+    """Print part 1's worked case and the buckets torch's own reducer function
+    (``dist._compute_bucket_assignment_by_size``) makes of it, computed now."""
+    import torch.distributed as dist
+
+    names = [n for n, _ in WORKED_CASE_MB]
+    params = [torch.zeros(int(mb * MiB) // 4) for _, mb in WORKED_CASE_MB]
+    n = len(params)
+    got, _ = dist._compute_bucket_assignment_by_size(
+        list(reversed(params)), [int(WORKED_CASE_CAP_MB * MiB)], [False] * n,
+        list(range(n - 1, -1, -1)))
+    sizes = dict(WORKED_CASE_MB)
+    print("parameters in registration order (float32): " +
+          ", ".join(f"{k} {mb:g} MiB" for k, mb in WORKED_CASE_MB) +
+          f"; bucket_cap_mb={WORKED_CASE_CAP_MB:g}")
+    print("DDP's reducer makes: " + ", ".join(
+        f"bucket {i} = [{', '.join(names[j] for j in b)}] "
+        f"({sum(sizes[names[j]] for j in b):g} MiB)" for i, b in enumerate(got)))
+
+
+def _frozen_problem(buckets, everything: list, cap_mb: float, what: str) -> Problem | None:
     """The sentence for a frozen parameter in a bucket, or for frozen bytes counted toward the
     cap (buckets right for the trainable parameters had the frozen ones weighed too)."""
     frozen = {id(p) for p in everything if not p.requires_grad}
@@ -316,9 +430,9 @@ def _frozen_problem(buckets, everything: list, cap_mb: float, what: str) -> str 
     except TypeError:
         return None
     if any(i in frozen for i in held):
-        return (f"a bucket holds a frozen parameter (requires_grad=False){f' ({what})'}: it never "
-                f"gets a gradient, so its bucket would never be complete — DDP buckets only the "
-                f"parameters that require a gradient.")
+        return Problem(f"a bucket holds a frozen parameter (requires_grad=False){f' ({what})'}: "
+                       f"it never gets a gradient, so its bucket would never be complete.",
+                       fix="bucket only the parameters that require a gradient.")
     index = {id(p): i for i, p in enumerate(everything)}
     got = [[index.get(i) for i in map(id, b)] for b in buckets]
     weighed = _greedy([p.numel() * p.element_size() for p in everything], cap_mb * MiB,
@@ -329,9 +443,11 @@ def _frozen_problem(buckets, everything: list, cap_mb: float, what: str) -> str 
                     cap_mb * MiB, list(range(len(trainable) - 1, -1, -1)))
     right = [[trainable[i] for i in b] for b in right]
     if got == [b for b in weighed if b] and got != right:
-        return (f"the frozen parameters are in no bucket, but their bytes counted toward the cap"
-                f" ({what}): DDP leaves a parameter that requires no gradient out of the "
-                f"assignment altogether, so it fills no bucket.")
+        return Problem(f"the frozen parameters are in no bucket, but their bytes counted "
+                       f"toward the cap ({what}), so the buckets close early: a parameter that "
+                       f"requires no gradient is sent by no bucket.",
+                       fix="leave the frozen parameters out of the assignment altogether, "
+                           "bytes included.")
     return None
 
 
@@ -739,7 +855,7 @@ def _diagnose(results: list, world_size: int, cap_mb: float) -> None:
     params = [p for p in _check_net().parameters() if p.requires_grad]
     problem = bucket_problem([[params[i] for i in b] for b in buckets], params, cap_mb)
     if problem:
-        fail(f"self.buckets is wrong at {cap_mb} MiB: {problem}")
+        fail(f"self.buckets is wrong at {cap_mb} MiB: {problem}", fix=problem.fix)
     numels = r0["numels"]
     for rank, r in enumerate(results):
         for step, s in enumerate(r["steps"]):
