@@ -665,6 +665,30 @@ class CountNeverReset(GoodTwo):
             self.bucket_full(i)
 
 
+class CountAtSizeIsNotFull(GoodTwo):
+    # `<=` where `<` belongs: the arrival that completes a bucket returns as if it were not
+    # full, so step 1 launches nothing and step 2's first arrival launches a bucket whose
+    # other gradients are gone (p.grad None after zero_grad)
+    def _grad_ready(self, p):
+        i = self.bucket_of[p]
+        self.arrived[i] += 1
+        if self.arrived[i] <= len(self.buckets[i]):
+            return
+        self.arrived[i] = 0
+        self.bucket_full(i)
+
+
+class LaunchesBeforeFull(GoodTwo):
+    # the comparison turned round: a bucket is launched while its count is below its size
+    def _grad_ready(self, p):
+        i = self.bucket_of[p]
+        self.arrived[i] += 1
+        if self.arrived[i] < len(self.buckets[i]):
+            self.bucket_full(i)
+            return
+        self.arrived[i] = 0
+
+
 class OffsetByNumel(GoodTwo):
     # each bucket's slice of the shard starts at the sum of the earlier buckets' numel, not
     # of their shard sizes: the later slices run past the shard
@@ -708,6 +732,13 @@ WRONG_TWOS = [
     (DefaultDtypeShardGrad, "self.shard.grad was given another dtype than self.shard .* "
                             "contract 6"),
     (OffsetByNumel, "output slice of self.shard.grad is the wrong size"),
+    (CountAtSizeIsNotFull, "in step 2's backward .* self.arrived held \\[3, 1, 3, 1, 2, 2\\] "
+                           "for buckets of \\[3, 1, 3, 1, 2, 2\\] parameters — yet no bucket "
+                           "was reduce-scattered: your test of a full bucket took a count equal "
+                           "to the size for 'not yet'"),
+    (LaunchesBeforeFull, "in step 1's backward, after 1 gradient had arrived .* at bucket 0's "
+                         "arrival 1 of 3: your test of a full bucket lets a bucket through "
+                         "before its last gradient has come"),
     (CopyBeforeWait, "when you called wait\\(\\) on reduce-scatter \\d+, \\d+ bytes .*the old "
                      "bucket's padded buffer, still in flight \\(\\d+ B\\), the new bucket's "
                      "buffer, already filled \\(\\d+ B\\), and the new bucket's gradients, "
@@ -926,3 +957,16 @@ def test_copy_before_wait_peak_is_three_buckets_and_said_to_keep_more(capsys):
     lab08.check_peak_prediction(predict("lab08", "peak", 35360, unit="B"), measured)
     assert "is not that of one bucket in flight (35360 B): it keeps more alive" in \
         " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("cls", [CountAtSizeIsNotFull, LaunchesBeforeFull],
+                         ids=lambda c: c.__name__)
+def test_a_full_bucket_test_off_by_one_is_not_called_a_frozen_parameter(results, cls):
+    # both raise on a p.grad that is None, as a frozen parameter in a bucket would: the
+    # counts say which it was, and the fix comes on the second meeting
+    with pytest.raises(LabCheckError) as first:
+        diagnose(results, cls)
+    assert "frozen" not in str(first.value) and "its count equal" not in str(first.value)
+    with pytest.raises(LabCheckError) as second:
+        diagnose(results, cls)
+    assert "count equal its number of parameters" in str(second.value), str(second.value)

@@ -124,6 +124,13 @@ def _raised(rank: int, summary: str) -> None:
     mistake it was."""
     __tracebackhide__ = True
     summary = _GLOO_PREFIX.sub("", summary.strip().splitlines()[0]).rstrip(".")
+    counted = re.search(r"lab08-count (\d+) (\d+) (\d+) ([\d,]+) ([\d,]+) ([\d,]+|-) \| ",
+                        summary)
+    if counted:
+        start = summary.rfind("RuntimeError: ", 0, counted.start())
+        summary = summary[:start if start >= 0 else counted.start()] + summary[counted.end():]
+        if "lab08-" not in summary:
+            _counted(rank, counted, summary)
     found = re.search(r"lab08-(unpadded|out|gather) (\d+) (\d+)(?: (\d+))?", summary)
     if found:
         kind, a, b, c = found.group(1), int(found.group(2)), int(found.group(3)), found.group(4)
@@ -170,6 +177,41 @@ def _raised(rank: int, summary: str) -> None:
                 "a multiple of the world size before a collective, and make the output of "
                 "all_gather_single world_size times a shard")
     fail(f"your code raised on rank {rank}: {summary}{hint}.")
+
+
+def _counted(rank: int, found: re.Match, summary: str) -> None:
+    """The learner's hook raised in a backward, and its wrapper keeps one count of arrived
+    gradients per bucket (``lab08._raise_with_counts``): name a full-bucket test that is off by
+    one arrival, either way."""
+    __tracebackhide__ = True
+    step, arrived, launched_before = (int(found.group(i)) for i in (1, 2, 3))
+    sizes, counts = ([int(x) for x in found.group(i).split(",")] for i in (4, 5))
+    before = None if found.group(6) == "-" else [int(x) for x in found.group(6).split(",")]
+    past = [i for i, (c, n) in enumerate(zip(counts, sizes)) if c > n]
+    if step > 1 and launched_before == 0 and before == sizes:
+        moved = [i for i, (c, b) in enumerate(zip(counts, before)) if c != b]
+        i = moved[0] if moved else 0
+        fail(f"your code raised on rank {rank} in step {step}'s backward ({summary}). In step "
+             f"{step - 1} every gradient arrived and your count reached each bucket's size — "
+             f"self.arrived held {before} for buckets of {sizes} parameters — yet no bucket was "
+             f"reduce-scattered: your test of a full bucket took a count equal to the size for "
+             f"'not yet', so the last arrival, the one that completes the bucket, never "
+             f"launched it. In step {step} the first arrival in bucket {i} took its count "
+             f"past the size ({sizes[i] + 1} of {sizes[i]}), and that launched the bucket "
+             f"while its other p.grad were still None.",
+             fix="a bucket is full at the arrival that makes its count equal its number of "
+                 "parameters: that arrival must launch it (and set the count back).")
+    early = [i for i, (c, n) in enumerate(zip(counts, sizes)) if 0 < c < n]
+    if not past and early and not any(c == n for c, n in zip(counts, sizes)):
+        i = early[0]
+        fail(f"your code raised on rank {rank} in step {step}'s backward, after {arrived} "
+             f"gradient{'s' * (arrived != 1)} had arrived ({summary}): no bucket was full yet — "
+             f"self.arrived held {counts} for buckets of {sizes} parameters — but a bucket was "
+             f"launched, and its gradients read, at bucket {i}'s arrival {counts[i]} of "
+             f"{sizes[i]}: your test of a full bucket lets a bucket through before its last "
+             f"gradient has come.",
+             fix="launch a bucket only at the arrival that makes its count equal its number of "
+                 "parameters.")
 
 
 def _close(a, b) -> bool:

@@ -453,7 +453,10 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                 state["grad_ptr"] = g.untyped_storage().data_ptr() if isinstance(g, torch.Tensor) \
                     else None
                 state["phase"] = "backward"
-                F.cross_entropy(model(X), y).backward()
+                try:
+                    F.cross_entropy(model(X), y).backward()
+                except Exception as exc:
+                    _raise_with_counts(exc, opt, step, log, steps)
                 weigh()
                 end_total, end_where = live()
                 log.append(("backward_done",))
@@ -489,6 +492,28 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                                           if not p.requires_grad]}
     finally:
         torch.set_default_dtype(_MODEL_DTYPE)
+
+
+def _raise_with_counts(exc: Exception, opt, step: int, log: list, steps: list) -> None:
+    """The learner's hook raised during step ``step``'s backward: re-raise with what its
+    per-bucket count of arrived gradients said (``lab08-count ...``, read by
+    ``_diagnose._raised``), when the wrapper has one list of integers per bucket."""
+    __tracebackhide__ = True
+    buckets = getattr(opt, "buckets", None)
+    sizes = [len(b) for b in buckets] if isinstance(buckets, (list, tuple)) and all(
+        isinstance(b, (list, tuple)) for b in buckets) else None
+    counts = [v for v in _counters(opt).values() if sizes and len(v) == len(sizes)]
+    if not sizes or len(counts) != 1:
+        raise exc
+    before = [v for v in (steps[-1]["counters"].values() if steps else ())
+              if len(v) == len(sizes)]
+    launched_before = sum(1 for e in steps[-1]["log"] if e[0] == "launch") if steps else 0
+    arrived = sum(1 for e in log if e[0] == "grad")
+    raise RuntimeError(
+        f"lab08-count {step + 1} {arrived} {launched_before} "
+        f"{','.join(map(str, sizes))} {','.join(map(str, counts[0]))} "
+        f"{','.join(map(str, before[0])) if len(before) == 1 else '-'} | "
+        f"{type(exc).__name__}: {exc}") from exc
 
 
 def _counters(opt) -> dict:
