@@ -589,7 +589,9 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # Every message is a `dist.isend` to rank+1 or a `dist.irecv` from rank−1; both return at once,
 # and a rank waits on them only after both are posted, so no rank ever blocks in a send whose
 # receive its neighbour has not posted. (Blocking calls can do it too, if the ranks do not all
-# call them in the same order: one rank that receives first breaks the cycle of waits.)
+# call them in the same order: where every other rank sends first, one rank that receives
+# first breaks the cycle of waits; where every other rank receives first, one that sends first
+# does.)
 #
 # The pipelining (lab 06's stretch): the chunk a rank sends at step t+1 is always the one it
 # received at step t. So each chunk travels in segments (4 MiB by default), and a segment is
