@@ -659,3 +659,30 @@ def test_cause_first_the_fix_on_the_second_meeting():
     with pytest.raises(LabCheckError) as second:
         lab02.check_dp_forward_backward(averaged)
     assert "sum the replicas' gradients" in str(second.value), str(second.value)
+
+
+# --- cause first, the fix on the second meeting (the sentences converted this round) ----------
+
+def test_gather_out_of_order_names_the_cause_then_the_fix():
+    def shuffled(outputs):
+        joined = torch.cat(outputs)
+        return joined[torch.randperm(joined.shape[0], generator=torch.Generator().manual_seed(0))]
+
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_gather(shuffled)
+    assert "not the outputs concatenated in device order" in str(err.value)
+    assert "device 0's first" not in str(err.value), str(err.value)
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_gather(shuffled)
+    assert "join the outputs along dim 0, device 0's first" in str(err.value), str(err.value)
+
+
+def test_threads_that_swallow_errors_get_the_fix_on_the_second_meeting():
+    fn = _threads(errors="swallow")
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_threaded_apply(fn)
+    assert "an exception ends its thread" in str(err.value)
+    assert "raise it in the caller after join" not in str(err.value), str(err.value)
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_threaded_apply(fn)
+    assert "raise it in the caller after join" in str(err.value), str(err.value)

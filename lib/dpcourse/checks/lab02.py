@@ -153,7 +153,8 @@ def check_scatter(scatter, sizes: str | None = None) -> None:
             if policy is not None and sizes != _sizes_for(policy, b, n):
                 fail(f"you decided on {policy!r} chunk sizes, but scatter(X, {n}) on a batch of "
                      f"{b} gave {sizes}, and {policy!r} gives {_sizes_for(policy, b, n)}: your "
-                     f"function and your decision disagree — change one of them.")
+                     f"function and your decision disagree.",
+                     fix="change the function or the decision, so that they say the same.")
             continue
         k = len(chunks)
         strided = torch.cat([X[i::k] for i in range(k)])
@@ -203,7 +204,9 @@ def check_gather(gather) -> None:
         if torch.equal(got, torch.cat(outputs[::-1])):
             fail("gather put the outputs in reverse device order, so the rows no longer line "
                  "up with y.", fix="keep device 0's first.")
-        fail("gather returned the right shape but not the outputs concatenated in device order.")
+        fail("gather returned the right shape but not the outputs concatenated in device order.",
+             fix="join the outputs along dim 0, device 0's first, without changing their "
+                 "values.")
     return passed("gather concatenates the outputs along dim 0 in device order")
 
 
@@ -603,7 +606,9 @@ def check_threaded_apply(threaded_apply) -> None:
     except Exception as exc:  # noqa: BLE001
         if "replica 1 broke" not in str(exc) and "replica 1 broke" not in str(exc.__cause__):
             fail(f"when a replica fails, the caller should see its error; got "
-                 f"{type(exc).__name__}: {exc}")
+                 f"{type(exc).__name__}: {exc}",
+                 fix="raise the replica's own exception (or one that carries it) in the "
+                     "caller.")
     else:
         fail("a replica raised an error in its thread and threaded_apply returned as if "
              "nothing happened: an exception ends its thread, not the caller.",
@@ -633,12 +638,15 @@ def _check_several_errors(threaded_apply) -> None:
                 order = "the first to fail" if slow == 1 else "the last to fail"
                 fail(f"replicas 1 and 2 both raised and the caller got replica 2's error, "
                      f"{order}: which error the caller sees must not depend on which thread "
-                     f"ran faster — the contract is the lowest-numbered failing replica's.")
+                     f"ran faster — the contract is the lowest-numbered failing replica's.",
+                     fix="keep every thread's exception and, once all are joined, raise the "
+                         "one of the lowest-numbered replica that failed.")
             fail(f"replicas 1 and 2 both raised, and the caller got neither error but "
                  f"{type(exc).__name__}: {exc}")
         else:
             fail("two replicas raised errors in their threads and threaded_apply returned as if "
-                 "nothing happened.")
+                 "nothing happened: an exception ends its thread, not the caller.",
+                 fix="keep each thread's exception and raise it in the caller after join.")
 
 
 # --- predict, then measure: one copy's share of the gradient --------------------------------
