@@ -1,0 +1,358 @@
+"""The stretch of lab 07, the parts its check runs and reads: the probe model whose gradients
+the check chooses, the worker that runs the learner's communication hook inside real DDP and
+records every call, the replay of top-k with error feedback (and of its plausible mistakes),
+and the diagnosis that turns the record into the one sentence naming the mistake.
+
+:mod:`dpcourse.checks.lab07` holds the public ``check_topk_hook``; kept apart so that each
+file holds one part of the lab, readable top to bottom.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+from torch import nn
+
+from .. import launch
+from . import fail, run_ranks
+
+
+# --------------------------------------------------------------------------------------------
+# Stretch: a top-k communication hook with error feedback
+# --------------------------------------------------------------------------------------------
+#
+# The learner's hook runs inside real DDP on a probe model whose gradients the check chooses:
+# the loss is sum(w * c), so each rank's gradient is exactly its c, a fixed pattern plus a
+# little noise that changes every step. Every hook call is recorded (the bucket DDP handed in,
+# the tensor the learner's future delivered) and every collective the hook launches is
+# weighed. The parent then replays top-k with error feedback on the recorded buckets, rank by
+# rank, and compares. When the learner's results differ it replays the plausible wrong hooks
+# too (no error feedback, top-k by value, residual never cleared, ...) and names the one that
+# matches: a diagnosis by reproduction, not by guessing from symptoms.
+
+HOOK_WORLD_SIZES = (2, 3)
+HOOK_FRACTION = 0.05
+_HOOK_SIZES = (700, 300, 130)     # three parameters: three buckets after DDP's rebuild
+_HOOK_CAP_MB = 0.0003   # DDP closes a bucket once it reaches the cap: 1 bucket, then 3
+_HOOK_STEPS = 12
+_SENT_PER_ENTRY = 16              # budget per selected entry: a value and its int64 index, padded
+# Asynchrony: on these steps every rank but 0 pauses between its forward and its backward, so
+# rank 0's collectives cannot complete before its hook returns — unless the hook waited for
+# them. A hook whose future was already complete on every call, on every rank, blocked.
+_STAGGER_STEPS = (1, 4, 7, 10)
+_STAGGER_S = 0.03
+
+
+class _Probe(nn.Module):
+    def __init__(self, sizes=_HOOK_SIZES):
+        super().__init__()
+        self.ws = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in sizes])
+
+    def forward(self, cs):
+        return sum((w * c).sum() for w, c in zip(self.ws, cs))
+
+
+def _probe_gradients(rank: int, step: int, sizes=_HOOK_SIZES) -> list:
+    """A common pattern (magnitudes 0.2–1, random signs, so large *negative* entries exist),
+    a rank's own part (ranks agree on some large entries, not all) and fresh noise each step."""
+    out = []
+    for j, n in enumerate(sizes):
+        g0 = torch.Generator().manual_seed(1000 + j)
+        common = (0.2 + 0.8 * torch.rand(n, generator=g0)) * torch.where(
+            torch.rand(n, generator=g0) < 0.5, -1.0, 1.0)
+        own = 0.5 * torch.randn(n, generator=torch.Generator().manual_seed(2000 + 10 * rank + j))
+        noise = 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(
+            3000 + 1000 * step + 10 * rank + j))
+        out.append(common + own + noise)
+    return out
+
+
+class _HookRaised(RuntimeError):
+    """The learner's hook raised; the message carries what it raised."""
+
+
+def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
+                 cap_mb: float = _HOOK_CAP_MB, sizes=_HOOK_SIZES) -> dict:
+    __tracebackhide__ = True
+    import traceback
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..collectives import record_collectives
+
+    model = DDP(_Probe(sizes), bucket_cap_mb=cap_mb)
+    state = state_cls(fraction)
+    calls, sent, problems, step_now = [], [0] * _HOOK_STEPS, [], [0]
+    blocking, in_hook, works_now = [], [False], []
+
+    def count(call):                    # what this rank hands to each collective
+        sent[step_now[0]] += call.nbytes
+        if in_hook[0] and not call.async_op and call.function not in blocking:
+            blocking.append(call.function)
+
+    def launched(call):                 # the futures of the works this hook call launched
+        if in_hook[0] and call.async_op and hasattr(call.result, "get_future"):
+            try:
+                works_now.append(call.result.get_future())
+            except RuntimeError:        # a backend without futures: nothing to judge
+                pass
+
+    def spy_hook(hook_state, bucket):
+        buf = bucket.buffer()
+        rec = {"step": step_now[0], "index": bucket.index(), "input": buf.detach().clone(),
+               "output": None}
+        calls.append(rec)
+        in_hook[0] = True
+        works_now.clear()
+        try:
+            fut = hook(hook_state, bucket)
+        except Exception as exc:
+            problems.append(("raised", "".join(
+                traceback.format_exception_only(type(exc), exc)).strip()))
+            raise
+        finally:
+            in_hook[0] = False
+        rec["done_at_return"] = isinstance(fut, torch._C.Future) and fut.done()
+        # A future already complete while a collective the hook launched is still in flight:
+        # its value was built before the other ranks' entries had arrived.
+        rec["built_in_flight"] = rec["done_at_return"] and any(
+            not f.done() for f in works_now)
+        works_now.clear()
+        done = torch.futures.Future()
+        if not isinstance(fut, torch._C.Future):
+            problems.append(("not_future", type(fut).__name__))
+            done.set_result(buf)
+            return done
+
+        def delivered(f):
+            value = f.value()
+            if isinstance(value, (list, tuple)):
+                problems.append(("list", f"{type(value).__name__} of {len(value)}"))
+            elif not isinstance(value, torch.Tensor):
+                problems.append(("not_tensor", type(value).__name__))
+            elif value.shape != buf.shape or value.dtype != buf.dtype:
+                problems.append(("shape", (tuple(value.shape), str(value.dtype),
+                                           tuple(buf.shape), str(buf.dtype))))
+            else:
+                rec["output"] = value.detach().clone()
+                return value
+            return buf
+
+        return fut.then(delivered)
+
+    model.register_comm_hook(state, spy_hook)
+    with record_collectives(before=count, after=launched):
+        for step in range(_HOOK_STEPS):
+            step_now[0] = step
+            model.zero_grad(set_to_none=True)
+            try:
+                loss = model(_probe_gradients(rank, step, sizes))
+                if rank > 0 and step in _STAGGER_STEPS:
+                    time.sleep(_STAGGER_S)
+                loss.backward()
+            except Exception as exc:
+                if problems and problems[-1][0] == "raised":
+                    raise _HookRaised(problems[-1][1]) from None
+                raise
+            if problems:
+                break
+    return {"calls": calls, "sent": sent, "problems": problems, "blocking": blocking}
+
+
+def _topk_replay(inputs: list, world_size: int, k_of, *, feedback=True, magnitude=True,
+                 clear=True, select_corrected=True, add=True, scale=None, k_shift=0) -> list:
+    """Top-k with error feedback replayed on the recorded buckets: ``inputs[r]`` is rank r's
+    list of (index, gradient) hook calls. The keywords switch on one plausible mistake each.
+    Returns the averaged tensor each call should have produced."""
+    __tracebackhide__ = True
+    residuals = [{} for _ in range(world_size)]
+    outputs = []
+    for j in range(len(inputs[0])):
+        index, g0 = inputs[0][j]
+        out = torch.zeros_like(g0)
+        for r in range(world_size):
+            g = inputs[r][j][1]
+            res = residuals[r].get(index)
+            if res is None or res.shape != g.shape:      # DDP rebuilt its buckets
+                res = torch.zeros_like(g)
+            corrected = g + res if feedback else g.clone()
+            key = corrected if select_corrected else g
+            key = key.abs() if magnitude else key
+            k = max(1, min(g.numel(), k_of(g.numel()) + k_shift))
+            idx = key.topk(k).indices
+            if add:
+                out.index_add_(0, idx, corrected[idx])
+            else:
+                out[idx] = corrected[idx]
+            left = corrected.clone()
+            if clear:
+                left[idx] = 0
+            residuals[r][index] = left
+        outputs.append(out * (1.0 / world_size if scale is None else scale))
+    return outputs
+
+
+# What a gloo rank reports when its peer has gone away (aborted or died) mid-collective.
+_PEER_LOST = re.compile(launch.PEER_LOST.pattern + r"|Connection (reset|closed)|pair\.cc")
+
+
+def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: float) -> list:
+    __tracebackhide__ = True
+    def failed(exc) -> None:
+        summary = exc.summary.removeprefix(f"{_HookRaised.__name__}: ")
+        hint = ""
+        if "size" in summary or "shape" in summary or "match" in summary:
+            hint = (" — if it is the residual: DDP rebuilds its buckets after the first step, "
+                    "so keep residuals through state.residual_for(bucket), which restarts one "
+                    "whose size changed")
+        elif "died" in summary or _PEER_LOST.search(summary):
+            # gloo aborts the rank that sees a size mismatch; its peer then reports a reset
+            # connection, and whichever report arrives first is the one we see.
+            hint = (" — gloo aborts a rank when the ranks' tensors in one collective differ in "
+                    "size (its peer then sees the connection drop): every rank must gather "
+                    "exactly state.k(numel) values and indices")
+        what = "died in your hook" if "died" in summary else "raised in your hook"
+        fail(f"rank {exc.rank} {what}: {summary}{hint}.")
+
+    return run_ranks(_topk_worker, world_size, hook, state_cls, fraction, timeout=timeout,
+                     failed=failed,
+                     hang="every rank must make the same collectives in the same order, "
+                          "whatever it selected, each with tensors of the same size on every "
+                          "rank (k values and k indices).")
+
+
+_PROBLEMS = {
+    "not_future": "your hook returned a {} — DDP needs a torch.futures.Future of the averaged "
+                  "buffer: fut = torch.futures.Future(); fut.set_result(out); return fut "
+                  "(or work.get_future().then(...)).",
+    "list": "your hook's future delivered a {} — DDP wants the tensor itself (an all_reduce "
+            "future holds [tensor]: add .then(lambda f: f.value()[0]).",
+    "not_tensor": "your hook's future delivered a {}, not a tensor the size of "
+                  "bucket.buffer().",
+    "shape": "your hook's future delivered a tensor of shape {0[0]} and {0[1]}, but the "
+             "bucket is {0[2]} of {0[3]}: return a dense tensor like bucket.buffer() (put the "
+             "gathered values back at their indices in torch.zeros_like(buffer)).",
+}
+
+
+def _diagnose_hook(results: list, world_size: int, k_of) -> None:
+    __tracebackhide__ = True
+    for r in results:
+        for kind, detail in r["problems"]:
+            fail(_PROBLEMS[kind].format(detail))
+    calls = [r["calls"] for r in results]
+    outputs = [[c["output"] for c in rc] for rc in calls]
+    inputs = [[(c["index"], c["input"]) for c in rc] for rc in calls]
+    early = next(((rank, c) for rank, rc in enumerate(calls) for c in rc
+                  if c.get("built_in_flight")), None)
+    if early is not None:
+        rank, c = early
+        fail(f"step {c['step']}, bucket {c['index']}, rank {rank}: the future your hook returned "
+             f"was already complete while a collective the hook had launched (async_op=True) "
+             f"was still in flight, so its averaged tensor was built from output buffers the "
+             f"other ranks' entries had not reached yet: whatever those buffers held (the ranks "
+             f"then disagree, or an index is garbage). Launching the collectives was right; "
+             f"reading their outputs before they arrive is the mistake.",
+             fix="build the average in a callback chained on the collectives' futures "
+                 "(work.get_future(), torch.futures.collect_all, .then(fn)) and return the "
+                 "future that .then gives: its value is ready only once the entries are.")
+    for j, out0 in enumerate(outputs[0]):
+        step, index = calls[0][j]["step"], calls[0][j]["index"]
+        for rank in range(1, world_size):
+            if not torch.allclose(outputs[rank][j], out0, rtol=1e-5, atol=1e-6):
+                own = all(torch.equal(outputs[r][j], inputs[r][j][1]) for r in range(world_size))
+                why = ("each rank's future delivered its own gradient unchanged, so nothing "
+                       "of the other ranks' entries reached it" if own else
+                       "the averaged tensors the ranks built differ")
+                fail(f"step {step}, bucket {index}: rank 0 and rank {rank} got different "
+                     f"gradients: {why}, and replicas whose gradients differ drift apart.",
+                     fix="every rank must receive every rank's k selected values and their "
+                         "indices, and build the same average from them.")
+    for step in range(_HOOK_STEPS):
+        numels = [c["input"].numel() for c in calls[0] if c["step"] == step]
+        dense = sum(n * 4 for n in numels)
+        budget = sum(_SENT_PER_ENTRY * k_of(n) + 64 for n in numels)
+        sent = max(r["sent"][step] for r in results)
+        if sent >= dense:
+            fail(f"step {step}: a rank sent {sent} bytes for {dense} bytes of gradient, as much "
+                 f"as the dense gradient itself (a tensor that is mostly zeros still travels "
+                 f"whole), so the compression saved nothing.",
+                 fix="send only the k selected values and their indices, with a collective "
+                     "that carries each rank's own short list to every rank.")
+        if sent > budget:
+            fail(f"step {step}: a rank sent {sent} bytes, more than k values and k indices "
+                 f"({budget} bytes at {_SENT_PER_ENTRY} per entry).",
+                 fix="send exactly state.k(numel) values and their indices, nothing more.")
+    right = _topk_replay(inputs, world_size, k_of)
+    if all(torch.allclose(o, e, rtol=1e-5, atol=1e-5) for o, e in zip(outputs[0], right)):
+        _diagnose_asynchrony(results)
+        return
+    wrong = [
+        (dict(feedback=False),
+         "your results are top-k without error feedback: what a rank did not send is lost, "
+         "so small gradients are never sent at all.",
+         "keep what was not sent in the bucket's residual and add it to the next step's "
+         "gradient before choosing."),
+        (dict(magnitude=False),
+         "you chose the k largest values, not the k largest magnitudes: large negative "
+         "gradients are never sent.", "rank the entries by .abs()."),
+        (dict(clear=False),
+         "the residual still holds the values that were sent, so every step sends them again.",
+         "zero the sent entries in the residual (residual = corrected - sent)."),
+        (dict(select_corrected=False),
+         "you chose the top k of this step's gradient alone, so what waited in the residual "
+         "never gets its turn.", "choose the k entries from gradient + residual."),
+        (dict(add=False),
+         "where two ranks selected the same index, one value overwrote the other instead of "
+         "both counting.", "add the gathered values (index_add_ / scatter_add_), do not "
+                           "assign them."),
+        (dict(scale=1.0),
+         "you summed the ranks' values without averaging: the result is N times the average.",
+         "divide by the world size."),
+        (dict(scale=1.0 / world_size ** 2),
+         "you divided by the world size twice.", "divide once."),
+        (dict(scale=0.5),
+         "you divided by 2, a fixed number that is not this group's size.",
+         "divide by dist.get_world_size()."),
+        (dict(k_shift=1), "you sent k + 1 entries.", "send exactly state.k(numel)."),
+        (dict(k_shift=-1), "you sent k - 1 entries.", "send exactly state.k(numel)."),
+    ]
+    for kwargs, message, fix in wrong:
+        if kwargs.get("scale") == 0.5 and world_size == 2:
+            continue
+        guess = _topk_replay(inputs, world_size, k_of, **kwargs)
+        if all(torch.allclose(o, e, rtol=1e-5, atol=1e-5) for o, e in zip(outputs[0], guess)):
+            fail(message, fix=fix)
+    j = next(i for i, (o, e) in enumerate(zip(outputs[0], right))
+             if not torch.allclose(o, e, rtol=1e-5, atol=1e-5))
+    diff = (outputs[0][j] - right[j]).abs().max().item()
+    fail(f"step {calls[0][j]['step']}, bucket {calls[0][j]['index']}: your averaged gradient "
+         f"differs from top-k with error feedback by up to {diff:.3g}.",
+         fix="per rank: corrected = gradient + residual; send the k largest |corrected|; "
+             "residual = corrected with the sent entries zeroed; return the sum of everyone's "
+             "sent values / world size.")
+
+
+def _diagnose_asynchrony(results: list) -> None:
+    """Right values, but did the backward go on while they travelled? Refuse a collective the
+    hook launched without ``async_op=True``, and a future that was already complete on every
+    call when the hook returned (rank 0 reaches its hook ahead of the others on the staggered
+    steps, so only a hook that waited inside returns a completed future there)."""
+    __tracebackhide__ = True
+    blocking = sorted({f for r in results for f in r.get("blocking", [])})
+    if blocking:
+        fail(f"your hook's {' and '.join(blocking)} blocked (launched without async_op=True): "
+             f"the backward stood still at every bucket until every rank had sent its part, "
+             f"so nothing overlapped.",
+             fix="launch the collectives asynchronously and return a future chained on their "
+                 "work.")
+    done = [c.get("done_at_return") for r in results for c in r["calls"]]
+    if done and all(done):
+        fail("the future your hook returned was already complete when the hook returned, on "
+             "every call of every rank, even when the other ranks arrived later: the hook "
+             "waited for its collectives inside (wait(), value()), so the backward stood still "
+             "at every bucket.",
+             fix="return the future without waiting; DDP waits on it at the end of the "
+                 "backward.")
