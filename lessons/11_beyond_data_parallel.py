@@ -76,7 +76,26 @@ torch.set_num_threads(1)
 # and of the MLP's first matmul, the replicated X that enters a column-parallel layer
 # (their section 4.2.2; their *sequence parallelism* splits those too, along the sequence).
 # Recomputing the layer in the backward (*activation checkpointing*) keeps only its input,
-# `2·s·b·d`:
+# `2·s·b·d`. Most of it, though, for long sequences, is the `5·a·s/d` term: the attention
+# matrix (a heads × s × s per sequence) stored three times over — the softmax's output, the
+# dropout's mask and its output. A fused *flash attention* kernel never stores that matrix:
+# it recomputes it block by block in the backward from a much smaller summary:
+
+# %%
+viz.show_code(tensor_parallel.attention_saved)
+
+# %%
+seq_demo = 256
+written = tensor_parallel.attention_saved(seq_demo, fused=False)
+fused = tensor_parallel.attention_saved(seq_demo, fused=True)
+print("written out, saved for the backward:", written)
+print("torch's flash kernel, saved:        ", fused)
+claim(f"written out, one attention over s = {seq_demo} tokens saves tensors of s × s = "
+      f"{seq_demo * seq_demo} entries per head (the attention matrix); torch's flash kernel saves "
+      f"none of that size: Q, K, V, its output, and a logsumexp of shape (batch, heads, s)",
+      any(sh[-2:] == (seq_demo, seq_demo) for sh in written)
+      and not any(sh[-2:] == (seq_demo, seq_demo) for sh in fused)
+      and (1, 4, seq_demo) in fused)
 
 # %%
 viz.show_code(planner.Transformer, planner.activation_bytes_per_layer)
@@ -93,27 +112,35 @@ viz.show_code(zero.fits)
 gpt3 = planner.GPT3_175B
 gb = 1e9
 act_batch1 = gpt3.layers * planner.activation_bytes_per_layer(gpt3, micro_batch=1)
+act_flash = gpt3.layers * planner.activation_bytes_per_layer(gpt3, micro_batch=1,
+                                                             flash_attention=True)
+matrix_share = 5 * gpt3.heads * gpt3.seq_len / gpt3.hidden
 print(f"{gpt3.name}: Ψ = {gpt3.num_params / 1e9:.1f} B parameters; activations at batch 1: "
-      f"{act_batch1 / gb:.0f} GB per GPU")
+      f"{act_batch1 / gb:.0f} GB per GPU with the attention matrix stored (5·a·s/d = "
+      f"{matrix_share:.0f} of the {34 + matrix_share:.0f} units), {act_flash / gb:.0f} GB with "
+      "flash attention")
 ns = (8, 64, 512, 4096)
 for n in ns:
-    row = zero.fits(gpt3.num_params, 80 * gb, n, activation_bytes=act_batch1)[-1]
+    row = zero.fits(gpt3.num_params, 80 * gb, n, activation_bytes=act_flash)[-1]
     print(f"N = {n:5d}: ZeRO-3 model state {gpt3.num_params * row['bytes_per_param'] / gb:7.1f} GB"
-          f" + activations {act_batch1 / gb:.0f} GB = {row['bytes_per_rank'] / gb:7.1f} GB")
-claim("at batch 1, with every layer's activations stored for the backward (no recomputation), "
-      "no ZeRO stage fits GPT-3 175B on 80-GB GPUs, at any of these N: the activations alone "
-      "exceed the GPU",
-      act_batch1 > 80 * gb and not any(r["fits"] for n in ns
-                                       for r in zero.fits(gpt3.num_params, 80 * gb, n,
-                                                          activation_bytes=act_batch1)))
+          f" + activations {act_flash / gb:.0f} GB (flash) = {row['bytes_per_rank'] / gb:7.1f} GB")
+claim(f"at batch 1, with every layer's activations stored for the backward (no recomputation), "
+      f"no ZeRO stage fits GPT-3 175B on 80-GB GPUs, at any of these N, with or without flash "
+      f"attention: the activations alone exceed the GPU ({act_flash / gb:.0f} GB even without "
+      f"the attention matrix)",
+      act_flash > 80 * gb and act_batch1 > act_flash
+      and not any(r["fits"] for act in (act_batch1, act_flash) for n in ns
+                  for r in zero.fits(gpt3.num_params, 80 * gb, n, activation_bytes=act)))
 
 # %%
+state_gb = [gpt3.num_params * zero.bytes_per_param("zero3", n) / gb for n in ns]
 viz.show(viz.memory_wall_figure(
-    ns, [gpt3.num_params * zero.bytes_per_param("zero3", n) / gb for n in ns],
-    [act_batch1 / gb] * len(ns), 80, f"{gpt3.name} at batch 1: ZeRO-3 per GPU"),
-    "Linear axis, side by side: ZeRO-3's share of the model state falls with every GPU "
-    "added (349 GB → 0.7 GB); the activations of one sequence, stored without recomputation, "
-    "stay at 275 GB, far above the GPU's 80 GB (dashed).")
+    ns, state_gb, [act_flash / gb] * len(ns), 80,
+    f"{gpt3.name} at batch 1, flash attention: ZeRO-3 per GPU"),
+    f"Linear axis, side by side: ZeRO-3's share of the model state falls with every GPU "
+    f"added ({state_gb[0]:.0f} GB → {state_gb[-1]:.1f} GB); the activations of one sequence, "
+    f"stored without recomputation, stay at {act_flash / gb:.0f} GB even with flash attention "
+    f"({act_batch1 / gb:.0f} GB with the attention matrix), above the GPU's 80 GB (dashed).")
 
 # %% [markdown]
 # Measured, on a small scale: FSDP2 (lesson 08's ZeRO-3) on a stack of four
@@ -277,7 +304,7 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 # written down with its reason before the code runs), and where the biases go. The
 # library's answer is folded below, and so is everything in the rest of this lesson that
 # would give it away (how the check below compares the shards, the collectives of each
-# pass, torch's placements, where torch puts f and g).
+# pass, torch's placements, where torch puts f and g, sequence parallelism's collectives).
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cells below): f
@@ -320,8 +347,12 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
 # gradient ∂L/∂X, which the column layer's weight gradient (∂L/∂A_r = Xᵀ·∂L/∂Z_r) does not
 # need: Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication`
 # (`megatron/core/tensor_parallel/layers.py`) starts that all-reduce asynchronously and
-# computes the weight's gradient while it travels. *g*'s all-reduce, in the forward, has no
-# such companion: the next layer needs its sum.
+# computes the weight's gradient while it travels. `ColumnParallelLinear.__init__` turns it on
+# (`allreduce_dgrad = world_size > 1 and not sequence_parallel and not disable_grad_reduce`)
+# for every column layer, so in a transformer layer both *f*'s overlap — the QKV layer's and
+# the MLP's first layer's; with sequence parallelism the input gradient is reduce-scattered
+# instead, asynchronously with the same weight gradient. *g*'s all-reduce, in the forward,
+# has no such companion: the next layer needs its sum.
 
 # %% [markdown]
 # ### Checked, and counted
@@ -400,11 +431,14 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # DDP's all-reduce overlaps the backward (lesson 07); most of tensor parallelism's sit **on
 # the critical path**: the tensor-parallel all-reduces sit between one matmul and the next,
 # which waits for the sum — four times per transformer layer and micro-batch (attention and
-# MLP each have an *f* and a *g*: two all-reduces in the forward, two in the backward) — and
-# each rank's matmuls shrink by t. Not all of it, though: Megatron-LM hides one of a layer's
-# all-reduces behind a matmul that does not need its result (which one, and why it can, is
-# in the reference answer folded after lab 11's pointer). torch's `RowwiseParallel` issues
-# its output redistribution with `async_op=True`, but in eager mode that returns an
+# MLP each have an *f* and a *g*, and each of the four communicates once a step) — and
+# each rank's matmuls shrink by t. Not all of them, though: Megatron-LM hides two of a
+# layer's four, those of its two *f*'s — attention's QKV layer and the MLP's first layer are
+# both column-parallel, and every `ColumnParallelLinear` overlaps its all-reduce with a
+# matmul that does not need its result (which matmul, and why it can, is in the reference
+# answer folded after lab 11's pointer); with sequence parallelism the reduce-scatters that
+# replace them overlap the same way. torch's `ColwiseParallel` and `RowwiseParallel` issue
+# their redistributions with `async_op=True`, but in eager mode that returns an
 # `AsyncCollectiveTensor`, which waits for the collective before its first use — the very
 # next operation — so nothing overlaps there. torch's *async tensor parallelism*
 # (`torch._inductor.config._micro_pipeline_tp`, compiled models only) cuts a collective and
@@ -479,16 +513,18 @@ viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
 # ### Sequence parallelism: the same bytes, in the pieces async TP can fuse
 # Outside the MLP — the layer norms, the dropouts — the tokens × d activation sits whole on
 # every tensor-parallel rank (section 1's undivided 10·s·b·d). Korthikanti et al.'s
-# *sequence parallelism* gives each rank only its share of the tokens there: entering the
-# MLP the shares are all-gathered, and leaving it the outputs are reduce-scattered
-# back to the shares. torch writes it as the same plan with two layouts named, the input and
-# the output sharded along the tokens, `Shard(0)`. Each rank's loss is its tokens' share of
-# the plain MLP's, so that the ranks' losses add up to it:
+# *sequence parallelism* gives each rank only its share of the tokens there. torch writes it
+# as the same plan with two layouts named, the input and the output sharded along the
+# tokens, `Shard(0)`; each rank's loss is its tokens' share of the plain MLP's, so that the
+# ranks' losses add up to it. Which collective each pass then makes follows from lab 11's
+# first answer, so the run and its count are folded.
 
-# %%
+# %% [markdown]
+# **▶ Sequence parallelism run, checked and its collectives counted — open after your lab
+# passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(tensor_parallel.sequence_parallel_worker)
-
-# %%
 sp_runs = launch.spawn(tensor_parallel.sequence_parallel_worker, tp_ranks, cfg, backend="gloo",
                        timeout=120)
 print("forward:", sp_runs[0]["forward"], " backward:", sp_runs[0]["backward"],
@@ -505,6 +541,13 @@ claim(f"each pass makes an all-gather of the token shares ({share} elements in) 
                                             ("reduce_scatter", cfg.tokens * cfg.d,
                                              cfg.tokens * cfg.d * 4)] for r in sp_runs))
 
+# %% [markdown] jupyter={"source_hidden": true}
+# Entering the MLP the token shares are all-gathered (*f*'s forward, which now has something
+# to do: X is no longer whole on every rank), and leaving it the partial outputs are
+# reduce-scattered back to the shares (*g*'s forward); the backward mirrors both. The
+# all-gather and the reduce-scatter are the two halves of one ring all-reduce, so the bytes
+# are section 2's.
+
 # %% [markdown]
 # ## 3. Pipeline parallelism: stages, micro-batches, the bubble
 # Tensor parallelism cuts every layer; **pipeline parallelism** cuts the model into K
@@ -520,8 +563,9 @@ claim(f"each pass makes an all-gather of the token shares ({share} elements in) 
 # (forward of micro-batch i) and B i (backward). **GPipe** runs every forward, then every
 # backward. **1F1B** (one forward, one backward: PipeDream, Narayanan et al., SOSP 2019; its
 # synchronous, flushed form, *PipeDream-Flush*, Narayanan et al., ICML 2021, is the schedule
-# Megatron-LM runs) starts the backwards as early as possible: the same actions, the same
-# bubble, but stage k holds at most K − k micro-batches' activations instead of M.
+# Megatron-LM runs) starts the backwards as early as possible: the same actions and — with
+# equal stage times and free messages — the same bubble, but stage k holds at most K − k
+# micro-batches' activations instead of M.
 
 # %%
 viz.show_code(pipeline_parallel.gpipe_schedule, pipeline_parallel.one_f_one_b_schedule,
@@ -529,7 +573,11 @@ viz.show_code(pipeline_parallel.gpipe_schedule, pipeline_parallel.one_f_one_b_sc
 
 # %% [markdown]
 # Try it: stages × micro-batches → the bubble, from the schedule played with fixed times
-# (forward 1, backward 2, no communication).
+# (forward 1, backward 2, no communication) by `simulate_timeline`, which also draws the
+# "ideal" halves of section 3's Gantt charts:
+
+# %%
+viz.show_code(pipeline_parallel.simulate_timeline)
 
 # %%
 bubble_explorer = viz.explorer(
@@ -539,16 +587,19 @@ bubble_explorer = viz.explorer(
     description="pipeline bubble explorer (stages, micro-batches)")
 
 # %% [markdown]
-# Now for real, on 4 ranks. Each stage runs its schedule with `run_stage` (folded below: the
-# lab's stretch asks for it, and for `measured_bubble`, the idle share of a measured
-# timeline): receive, compute, send, the loss divided by M so that the
-# accumulated gradients are the batch mean's. Our CPU ranks would fight over the machine's
+# Now for real, on 4 ranks. Each stage runs its schedule with `run_stage`, folded below with
+# `measured_bubble` (the idle share of a measured timeline): the lab's stretch asks you to
+# write one GPipe step and its bubble, and to work out what turns the micro-batches'
+# gradients into the batch's. Our CPU ranks would fight over the machine's
 # cores, so each forward also sleeps `delay_s` (each backward twice that): a stand-in for an
 # accelerator, which computes without taking a CPU core. Every (schedule, M) runs in one
-# launch and is compared with the unsplit model on the whole batch:
+# launch and is compared with the unsplit model on the whole batch — the model, its cut into
+# stages, the data and the reference:
 
 # %%
-viz.show_code(pipeline_parallel.reference_step)
+viz.show_code(pipeline_parallel.make_mlp, pipeline_parallel.split_stages,
+              pipeline_parallel.micro_batches, pipeline_parallel._batch, pipeline_parallel._mse,
+              pipeline_parallel.reference_step)
 
 # %% [markdown]
 # **▶ One stage's loop, its launcher and the measured bubble (the lab's stretch) — open after
@@ -580,6 +631,31 @@ claim("the measured bubble is never below the ideal (by more than 0.03), and fal
       f"from {micro[0]} to {micro[-1]}",
       all(r.bubble > r.ideal - 0.03 for r in pipe)
       and gpipe[micro[-1]].bubble < gpipe[micro[0]].bubble - 0.2)
+played = {(name, m): pipeline_parallel.measured_bubble(
+    pipeline_parallel.simulate_timeline(stages, m, name)) for name in ("gpipe", "1f1b")
+    for m in micro}
+claim(f"played with fixed times and free messages, GPipe and 1F1B have the same bubble, "
+      f"(K−1)/(M+K−1), for every M in {micro} ({stages} stages)",
+      all(math.isclose(played[("gpipe", m)], played[("1f1b", m)])
+          and math.isclose(played[("gpipe", m)], pipeline_parallel.ideal_bubble(stages, m))
+          for m in micro))
+
+# %% [markdown]
+# Measured, the two need not agree (the excess of each over the ideal is printed below).
+# What a measurement adds to the ideal is idle time the schedule does not contain: a stage
+# waiting for its neighbour's message, Python and `isend` between two actions. The two
+# orders meet those waits at different moments (GPipe's last stage receives M activations in
+# a row, then sends M gradients in a row; 1F1B interleaves them), so their excess differs
+# from run to run and from machine to machine; only the ideal bubble is a property of the
+# schedule.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: measured idle shares, which vary from run to run.
+for m in micro:
+    g, o = gpipe[m], next(r for r in pipe if r.schedule == "1f1b" and r.m == m)
+    print(f"M={m}: excess over the ideal {g.ideal:.2f}: GPipe {g.bubble - g.ideal:+.2f}, "
+          f"1F1B {o.bubble - o.ideal:+.2f}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -904,7 +980,8 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 # ## Summary
 # - Data parallelism ends in two places. **Memory**: ZeRO-3 divides the model state by N, but
 #   a rank's activations are those of whole layers on a whole micro-batch — GPT-3 at one
-#   sequence needs 275 GB of them, stored without recomputation (recomputing the layers
+#   sequence needs 275 GB of them, stored without recomputation, and still 82 GB with flash
+#   attention, which drops the attention matrix (recomputing the layers
 #   brings ZeRO-3 back within 80 GB, at the price of its traffic). **Batch**: N ranks grow the global batch; past the
 #   critical batch size, near the gradient noise scale B_simple = tr(Σ)/|G|² (measured here
 #   inside DDP from two gradient norms, within 15 % of the direct value), more ranks barely
@@ -912,7 +989,8 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 # - **Tensor parallelism** (Megatron-LM): a column-parallel layer then a row-parallel one,
 #   with two conjugate operations *f* and *g* carrying the communication (which pass of
 #   each, and why, is lab 11). Two all-reduces of the activations per MLP per step, mostly
-#   on the critical path (Megatron hides one behind a matmul that does not need its sum;
+#   on the critical path (Megatron hides *f*'s behind a matmul that does not need its sum —
+#   two of a transformer layer's four, those of its two column-parallel layers;
 #   torch's async TP overlaps only the all-gathers and reduce-scatters of sequence
 #   parallelism, in compiled models): keep it inside a node. torch's
 #   `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
@@ -944,8 +1022,8 @@ viz.quiz([
     {"q": "ZeRO-3 on 4096 GPUs holds 0.7 GB of GPT-3's model state per GPU. Why can it still "
           "not train it at batch 1 without recomputation?",
      "options": ["The all-gathers need the whole model at once",
-                 "Each GPU runs whole layers on a whole sequence: 275 GB of activations, which "
-                 "no number of data-parallel ranks divides",
+                 "Each GPU runs whole layers on a whole sequence: 275 GB of activations (82 GB "
+                 "with flash attention), which no number of data-parallel ranks divides",
                  "Adam's state is not sharded by ZeRO-3"],
      "answer": 1,
      "why": ["Only one or two layers' weights at a time (its working set).",
@@ -999,12 +1077,13 @@ viz.quiz([
 #   named submodule of the plan.
 # - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel` (its placements of input,
 #   weight, bias and output, printed in section 2's folded cells; `_prepare_input_fn`, torch's
-#   *f*); `RowwiseParallel` (the same; `_prepare_output_fn`, torch's *g*, which redistributes
-#   with `async_op=True`).
-# - the same file — `ColwiseParallel(input_layouts=Shard(0))` redistributes its input to
-#   Replicate (an all-gather), `RowwiseParallel(output_layouts=Shard(0))` its partial output
-#   to `Shard(0)` (a reduce-scatter, the comment in `_prepare_output_fn`): sequence
-#   parallelism's layout.
+#   *f*); `RowwiseParallel` (the same; `_prepare_output_fn`, torch's *g*); both styles'
+#   hooks redistribute with `async_op=True`.
+# - the same file — `ColwiseParallel(input_layouts=Shard(0))` and
+#   `RowwiseParallel(output_layouts=Shard(0))`, sequence parallelism's layout: the hooks
+#   redistribute between `Shard(0)` and the layer's own placements (the comment in
+#   `RowwiseParallel._prepare_output_fn`; what each costs is counted in section 2's folded
+#   sequence-parallelism cell).
 # - `torch/distributed/tensor/_api.py` — `_FromTorchTensor.backward` (the backward of
 #   `DTensor.from_local`) (what it does for *f*: section 2's folded answer).
 # - `torch/distributed/tensor/_redistribute.py` — `_redistribute_backward` (what it does for
@@ -1040,6 +1119,12 @@ viz.quiz([
 # - `torch/nn/modules/linear.py` — `Linear.__init__` (the shape it gives `weight`: which
 #   dimension holds which features is lab 11's part 3, so it is stated only in the folded
 #   reference answer) and `Linear.forward` (`F.linear(input, self.weight, self.bias)`).
+# - `torch/_meta_registrations.py` — `meta__scaled_dot_product_flash_attention`: the flash
+#   kernel's outputs, the attention and a logsumexp of shape (batch, heads, s) in fp32, which
+#   its backward uses instead of the attention matrix (section 1's claim counts what autograd
+#   saves on this machine's CPU kernel, `ScaledDotProductFlashAttentionForCpuBackward0`);
+#   `torch/nn/attention/__init__.py` — `sdpa_kernel`, `SDPBackend` (holding
+#   `scaled_dot_product_attention` to one kernel).
 # - `torch/autograd/function.py` — `Function` (static `forward(ctx, ...)` and
 #   `backward(ctx, grad)`).
 # - `torch/autograd/graph.py` — `saved_tensors_hooks`: `pack` sees every tensor saved for the
@@ -1055,7 +1140,12 @@ viz.quiz([
 #
 # Megatron-LM's own code (github.com/NVIDIA/Megatron-LM, not installed here):
 # `megatron/core/tensor_parallel/layers.py`, `LinearWithGradAccumulationAndAsyncCommunication`
-# (the overlap it makes: section 2's folded answer).
+# (the overlap it makes: section 2's folded answer; read at commit 000c4ac of the main
+# branch) and `ColumnParallelLinear.__init__`, which sets `allreduce_dgrad = world_size > 1
+# and not sequence_parallel and not disable_grad_reduce` for every column-parallel layer —
+# both of a transformer layer's *f*'s (QKV, the MLP's first layer) — and passes it to
+# `linear_with_grad_accumulation_and_async_allreduce`, whose docstring says the
+# reduce-scatter of sequence parallelism is overlapped the same way.
 #
 # Papers: Shoeybi et al., *Megatron-LM: Training Multi-Billion Parameter Language Models Using
 # Model Parallelism*, 2019 (section 3, the MLP, f and g); Narayanan et al., *Efficient

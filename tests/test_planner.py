@@ -31,6 +31,16 @@ def test_activation_bytes_by_hand():
     assert 275e9 < GPT3.layers * f(GPT3, 1) < 276e9
 
 
+def test_flash_attention_drops_the_attention_matrix_term():
+    s, h, a = 2048, 12288, 96
+    f = planner.activation_bytes_per_layer
+    assert f(GPT3, 1, flash_attention=True) == s * h * 34 + 4 * a * s      # logsumexp, fp32
+    assert f(GPT3, 1) - f(GPT3, 1, flash_attention=True) == 5 * a * s * s - 4 * a * s
+    assert f(GPT3, 1, tp=8, flash_attention=True) == s * h * (10 + 24 / 8) + 4 * a * s / 8
+    assert f(GPT3, 1, recompute=True, flash_attention=True) == 2 * s * h
+    assert 82e9 < GPT3.layers * f(GPT3, 1, flash_attention=True) < 83e9   # still > 80 GB
+
+
 def test_activation_bytes_refuses_nonsense():
     with pytest.raises(ValueError, match="micro_batch and tp must be >= 1"):
         planner.activation_bytes_per_layer(GPT3, 0)

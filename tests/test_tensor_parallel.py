@@ -32,6 +32,14 @@ def test_shard_bounds_refuses_an_uneven_split_and_a_bad_rank():
         tp.shard_bounds(64, 2, 2)
 
 
+def test_flash_attention_saves_no_attention_matrix():
+    written = tp.attention_saved(64, heads=2, head_dim=8, fused=False)
+    fused = tp.attention_saved(64, heads=2, head_dim=8, fused=True)
+    assert any(shape[-2:] == (64, 64) for shape in written)
+    assert not any(shape[-2:] == (64, 64) for shape in fused)
+    assert (1, 2, 64) in fused                                   # the logsumexp
+
+
 def test_slice_of_takes_ranks_block_along_a_dimension():
     import torch
 

@@ -330,7 +330,11 @@ def simulate_timeline(stages: int, m: int, schedule: str = "gpipe", t_forward: f
     as its stage is free and its input exists (the forward of micro-batch i on stage k after
     the one on stage k−1; its backward after the one on stage k+1, or after its own forward on
     the last stage). Returns ``[(stage, kind, micro-batch, start, end)]``: the ideal Gantt
-    chart, whose bubble is (K−1)/(M+K−1) for both schedules."""
+    chart, whose bubble is (K−1)/(M+K−1) for both schedules (lesson 11 claims it for the M it
+    runs).
+
+    Shown in lesson 11, §3.
+    """
     order = [list(_schedule(schedule)(stages, m, k)) for k in range(stages)]
     done: dict[tuple, float] = {}
     free = [0.0] * stages

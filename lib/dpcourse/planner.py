@@ -103,7 +103,8 @@ class Cluster:
 
 
 def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: bool = False) -> float:
+                               sequence_parallel: bool = False, recompute: bool = False,
+                               flash_attention: bool = False) -> float:
     """Bytes of activations one transformer layer keeps for its backward, on one GPU, in 16-bit
     floats (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
     Models", 2022, section 4; their h is the width, here d): ``s·b·d·(34 + 5·a·s/d)`` on one
@@ -113,16 +114,25 @@ def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1
     the QKV matmul and of the MLP's first matmul (2·sbd each), the replicated X that enters a
     column-parallel layer; with sequence parallelism too, everything divided by t. With full
     recomputation only the layer's input is kept: ``2·s·b·d`` (divided by t with sequence
-    parallelism). Shown in lesson 11, §1.
+    parallelism).
+
+    The ``5·a·s/d`` term (``5·a·s²·b`` bytes) is the attention matrix, a × s × s per sequence,
+    stored three times over: the softmax's output (2 bytes an entry), the dropout mask (1) and
+    the dropout's output (2). A fused, *flash* attention kernel never stores it: torch's
+    ``_scaled_dot_product_flash_attention`` keeps for its backward a logsumexp of shape
+    (b, heads, s) in fp32 (``torch/_meta_registrations.py``); with ``flash_attention`` that
+    term becomes ``4·a·s·b`` bytes (its heads divided by t like the rest of attention). Shown
+    in lesson 11, §1.
     """
     if micro_batch < 1 or tp < 1:
         raise ValueError(f"micro_batch and tp must be >= 1, got {micro_batch} and {tp}")
     s, b, d, a = model.seq_len, micro_batch, model.hidden, model.heads
     if recompute:
         return 2 * s * b * d / (tp if sequence_parallel else 1)
+    attention = (4 * a * s * b if flash_attention else 5 * a * s * s * b) / tp
     if sequence_parallel:
-        return s * b * d * (34 + 5 * a * s / d) / tp
-    return s * b * d * (10 + 24 / tp + 5 * a * s / (d * tp))
+        return s * b * d * 34 / tp + attention
+    return s * b * d * (10 + 24 / tp) + attention
 
 
 def within_nodes(span: int, gpus_per_node: int) -> bool:

@@ -486,6 +486,34 @@ def mesh_2d_worker(rank: int, world_size: int, cfg: TPConfig, dp: int = 2, tp: i
 # --------------------------------------------------------------------------------------------
 
 
+def attention_saved(seq: int = 256, heads: int = 4, head_dim: int = 16,
+                    fused: bool = True) -> list:
+    """The shapes of the tensors autograd keeps for the backward of one attention (one
+    sequence): with ``fused``, torch's flash kernel (``F.scaled_dot_product_attention`` held
+    to ``SDPBackend.FLASH_ATTENTION``); without, written out as softmax(Q·Kᵀ/√d_h)·V.
+
+    Shown in lesson 11, §1.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, seq, head_dim, generator=gen).requires_grad_()
+               for _ in range(3))
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if fused:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                F.scaled_dot_product_attention(q, k, v)
+        else:
+            torch.softmax(q @ k.transpose(-2, -1) / head_dim ** 0.5, dim=-1) @ v
+    return shapes
+
+
 def activation_memory_worker(rank: int, world_size: int, micro_batch: int = 8, width: int = 48,
                              depth: int = 4) -> dict:
     """ZeRO-3 as FSDP2 runs it (``fully_shard`` on every layer, then the root) on a stack of

@@ -129,7 +129,9 @@ def _draw_shards(ax, d: int, h: int, world_size: int, biases: bool):
     ax.annotate("", xy=(g_x + 0.9, top - 1.2), xytext=(g_x, top - 1.2),
                 arrowprops=dict(arrowstyle="->"))
     ax.text(g_x + 0.45, top - 1.1, "g", ha="center", va="bottom", fontsize=10, style="italic")
-    ax.text(g_x + 0.45, top - 1.35, "all-reduce:\nY = Σ Y_r", ha="center", va="top", fontsize=8)
+    # what g does is lab 11's first question: drawn only in the answer's figure
+    ax.text(g_x + 0.45, top - 1.35, "all-reduce:\nY = Σ Y_r" if biases else "Y\n(how: lab 11)",
+            ha="center", va="top", fontsize=8)
     if biases:
         ax.add_patch(Rectangle((g_x + 1.0, top - 1.45), 0.5, 0.5, fc="#bbbbbb", ec="k"))
         ax.text(g_x + 1.25, top - 0.85, "+ b₂\n(whole, once)", ha="center", va="bottom",
