@@ -383,6 +383,14 @@ def in_sync_allclose(model):  # torch.allclose's default tolerance: blind to one
     return bool(same.item())
 
 
+def in_sync_no_broadcast(model):  # the answer with its broadcast deleted: ref is its own copy
+    flat = bits(model)
+    ref = flat.clone()
+    same = torch.tensor([float(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
 def in_sync_never(model):
     dist.barrier()
     return False
@@ -416,6 +424,9 @@ def test_right_detectors_pass(fn, capsys):
     (in_sync_verdict_max, "combined the verdicts with MAX"),
     (in_sync_gather_any, "verdicts combined with any\\(\\) or MAX"),
     (in_sync_rank0_verdict, "rank 0's own verdict sent to all"),
+    (in_sync_no_broadcast, "no collective carried more than 1 number \\(a verdict per rank "
+                           "at most; the model has 65 parameters\\): no rank ever received "
+                           "another rank's weights"),
     (in_sync_first_param, "the parameter that differed is one your detector does not compare"),
     (in_sync_in_place, "changed the model's parameters"),
     (in_sync_loose, "your comparison has a tolerance"),
@@ -432,6 +443,14 @@ def test_right_detectors_pass(fn, capsys):
 def test_wrong_detectors_are_named(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
         lab10.check_replicas_in_sync(fn)
+
+
+def test_a_detector_that_receives_no_weights_is_not_called_a_verdict_combined_wrong():
+    with pytest.raises(LabCheckError) as first:
+        lab10.check_replicas_in_sync(in_sync_no_broadcast)
+    assert "MAX" not in str(first.value) and "any()" not in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError, match="same reference copy, one rank's, received"):
+        lab10.check_replicas_in_sync(in_sync_no_broadcast)
 
 
 def test_detector_calling_a_collective_on_rank0_only_is_bounded():

@@ -808,6 +808,13 @@ _BLIND = {
 }
 
 
+def _detector_model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
 def _detector_worker(rank, world_size, fn):
     __tracebackhide__ = True
     import torch
@@ -827,9 +834,7 @@ def _detector_worker(rank, world_size, fn):
             max_of_verdicts[0] = True
 
     for case in _CASES:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
-                                    torch.nn.Linear(8, 1))
+        model = _detector_model()
         params = list(model.parameters())
         with torch.no_grad():
             first = params[0].view(-1)
@@ -858,8 +863,12 @@ def _detector_worker(rank, world_size, fn):
                 first[4] = float("nan")
         before = [p.detach().clone() for p in params]
         max_of_verdicts = [False]
-        with record_collectives(before=spy_all_reduce):
+        with record_collectives(before=spy_all_reduce) as calls:
             verdict = fn(model)
+        # the most numbers any one collective carried in or out: a rank that never received
+        # more than a verdict per rank compared its weights with nothing but its own
+        carried = max((max(c.numel, c.out_numel) if c.dtype is not None else
+                       max(c.nbytes, c.out_nbytes) // 8 for c in calls), default=0)
         if isinstance(verdict, torch.Tensor) and verdict.numel() == 1:
             verdict = bool(verdict.item())
         # bit for bit: a NaN kept in place is not a change, a +0.0 made -0.0 is
@@ -867,7 +876,7 @@ def _detector_worker(rank, world_size, fn):
                                       p.detach().reshape(-1).view(torch.uint8))
                       for b, p in zip(before, params))
         results[case] = (verdict if isinstance(verdict, bool) else repr(verdict), changed,
-                         max_of_verdicts[0])
+                         max_of_verdicts[0], carried)
     return results
 
 
@@ -928,6 +937,15 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
                 else "")
     if blind:
         where = ", ".join(_BLIND[c] for c in blind)
+        carried = max(r[c][3] for r in ranks for c in blind)
+        if set(blind) == set(_BLIND) and carried <= world_size:
+            fail(f"whenever one replica differed, every rank returned True, and no collective "
+                 f"carried more than {carried} number{'s' * (carried != 1)} (a verdict per "
+                 f"rank at most; the model has {sum(p.numel() for p in _detector_model().parameters())}"
+                 f" parameters): no rank ever received another rank's weights, so each compared "
+                 f"its weights with a copy of its own and found them equal.",
+                 fix="Every rank must compare its own weights with the same reference copy, "
+                     "one rank's, received from it by a collective.")
         if set(blind) == set(_BLIND):
             fail("whenever one replica differed, every rank returned True: the 'in sync' "
                  "verdict won — verdicts combined with any() or MAX, or rank 0's own verdict "
