@@ -50,14 +50,23 @@ from dpcourse.checks import lab05, predict
 # %% [markdown]
 # ## 1. The per-replica loss
 #
-# **Contract.** `per_replica_loss(labels, logits, global_batch)` is called inside
+# **Contract.** `per_replica_loss(labels, logits, global_batch, weights=None)` is called inside
 # `strategy.run`, once per replica, with that replica's slice of the step's samples.
 # `global_batch` is the number of samples the whole step holds, over all replicas — the slices
 # need not be the same size. It returns one number (a scalar tensor) per replica, such that
 # after the strategy combines the replicas' gradients, the result is the gradient of the
-# **mean** loss over all `global_batch` samples. `mirrored.per_example_loss(labels, logits)`
-# gives the per-example cross-entropies. Any TensorFlow function may help (`tf.nn`'s included);
-# only the library's answer, `mirrored.per_replica_loss` (what lesson 05 runs), is refused.
+# step's loss over all `global_batch` samples:
+#
+# - without `weights`, the **mean** loss, Σ ℓᵢ / `global_batch`;
+# - with `weights` (this replica's slice of per-sample weights, one positive float32 each — a
+#   sample of weight 2 counts twice as much as one of weight 1), the **weighted mean**,
+#   Σ wᵢ ℓᵢ / Σ wᵢ, both sums over every sample of the step. The weights need not add up to
+#   `global_batch`, and the function is not told what they add up to.
+#
+# `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies. Any
+# TensorFlow function may help (`tf.nn`'s included); only the library's answer,
+# `mirrored.per_replica_loss` (what lesson 05 runs), is refused. The check runs steps split
+# evenly and unevenly, on 2 and 3 replicas, with and without weights.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -65,7 +74,8 @@ from dpcourse.checks import lab05, predict
 # %% [markdown] jupyter={"source_hidden": true}
 # After `strategy.run`, how does the optimizer combine the N replicas' gradients: does it add
 # them or average them? What must each replica's loss be so that this combination is the
-# gradient of one mean over the whole step?
+# gradient of one mean over the whole step? With weights: what is the denominator of a weighted
+# mean, and which replica knows it?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
@@ -74,21 +84,31 @@ from dpcourse.checks import lab05, predict
 # The gradients are added. The mean over the step is (sum over every sample) / (samples in the
 # step), and a sum over samples splits into one sum per replica. So each replica contributes its
 # own sum, divided by the count of the *whole* step — never by a number computed from its own
-# slice, which differs between replicas when the step does not split evenly.
+# slice, which differs between replicas when the step does not split evenly. A weighted mean
+# divides by the total weight, not the count, and the step's total weight is split over the
+# replicas like its samples: each holds only its own part, and the replicas can add their parts
+# together inside `strategy.run` (lesson 05 §4). Read what `tf.nn.compute_average_loss` divides
+# by when you give it a `sample_weight`.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# One expression: the per-example losses, reduced to their sum, divided by the `global_batch`
-# argument. TensorFlow also has a function in `tf.nn` made for exactly this division — read what
-# it does when you leave out its batch-size argument before you use it.
+# Two cases. Without weights, one expression: the per-example losses, reduced to their sum,
+# divided by the `global_batch` argument (TensorFlow has a function in `tf.nn` made for exactly
+# this division — read what it does when you leave out its batch-size argument). With weights:
+# this replica's weighted sum, divided by the sum over the replicas (the replica context's
+# `all_reduce`) of each replica's own total weight.
 
 # %%
-def per_replica_loss(labels, logits, global_batch):
+def per_replica_loss(labels, logits, global_batch, weights=None):
     losses = mirrored.per_example_loss(labels, logits)
-    ### BEGIN SOLUTION: this replica's share of the step's mean loss
-    return tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
+    ### BEGIN SOLUTION: this replica's share of the step's mean loss, or of its weighted mean
+    if weights is None:
+        return tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
+    replica = tf.distribute.get_replica_context()
+    total_weight = replica.all_reduce(tf.distribute.ReduceOp.SUM, tf.reduce_sum(weights))
+    return tf.reduce_sum(losses * weights) / total_weight
     ### END SOLUTION
 
 
@@ -97,12 +117,17 @@ lab05.check_per_replica_loss(per_replica_loss, strategy)
 # %% [markdown]
 # ## 2. Model and optimizer under the strategy
 #
-# **Contract.** `make_model_and_optimizer(strategy, lr)` returns `(model, optimizer)`: the
-# lesson's CNN, `mirrored.build_keras_cnn()`, and plain `keras.optimizers.SGD` with learning
-# rate `lr` (no momentum or other option: the checks compare with plain SGD on one device),
-# built so that every variable of either is mirrored by the `strategy` passed in — one copy per
-# replica, kept equal by that strategy. The check calls it with more than one learning rate, and
-# with a strategy of one replica more than the notebook's `strategy`.
+# **Contract.** `make_model_and_optimizer(strategy, lr, start=None)` returns
+# `(model, optimizer)`: the lesson's CNN, `mirrored.build_keras_cnn()`, and plain
+# `keras.optimizers.SGD` with learning rate `lr` (no momentum or other option: the checks
+# compare with plain SGD on one device), built so that every variable of either is mirrored by
+# the `strategy` passed in — one copy per replica, kept equal by that strategy. The check calls
+# it with more than one learning rate, and with a strategy of one replica more than the
+# notebook's `strategy`.
+#
+# With `start` — a model of the same CNN that already exists, built on one device outside any
+# strategy and trained there for a while (say, restored from a checkpoint) — the mirrored
+# model must begin where `start` is: every replica holds `start`'s current weights.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -110,7 +135,8 @@ lab05.check_per_replica_loss(per_replica_loss, strategy)
 # %% [markdown] jupyter={"source_hidden": true}
 # Lesson 05 §2 made two `tf.Variable`s that looked the same and printed different types. What
 # decided which one became a `MirroredVariable`? Which of the model and the optimizer create
-# variables?
+# variables? And `start`'s variables: when were they created, and can anything make them
+# mirrored now?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
@@ -118,14 +144,19 @@ lab05.check_per_replica_loss(per_replica_loss, strategy)
 # %% [markdown] jupyter={"source_hidden": true}
 # A variable is mirrored when it is *created* while the strategy is the current one. Both
 # objects create variables when they are built (the optimizer holds at least its step counter
-# and learning rate), so both must be built there.
+# and learning rate), so both must be built there. `start`'s variables were created elsewhere
+# and stay what they are: what can move from `start` to a mirrored model is values, not
+# variables — and a copy of its architecture starts from its initialisers, not from where
+# `start` is now.
 
 # %%
-def make_model_and_optimizer(strategy, lr):
-    ### BEGIN SOLUTION: a mirrored model and a mirrored SGD optimizer with this lr
+def make_model_and_optimizer(strategy, lr, start=None):
+    ### BEGIN SOLUTION: a mirrored model (from start's weights, if given) and a mirrored SGD
     with strategy.scope():
         model = mirrored.build_keras_cnn()
         optimizer = keras.optimizers.SGD(learning_rate=lr)
+    if start is not None:
+        model.set_weights(start.get_weights())
     ### END SOLUTION
     return model, optimizer
 
@@ -259,13 +290,16 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # yourself: TensorFlow calls `dataset_fn(input_context)` once per input pipeline (one per worker
 # machine; here there is one) and does not re-split what your dataset yields: each element it
 # yields is one replica's input for one step. `input_context` (a `tf.distribute.InputContext`)
-# describes the pipelines and the replicas.
+# describes the pipelines and the replicas — of every worker, not only this one.
 #
 # **Contract.** `make_dist_dataset(strategy, x, y, global_batch)` returns such a distributed
 # dataset over the arrays `x`, `y` in which every step holds the next `global_batch` samples in
 # the data's order, every sample arrives once, and nothing is dropped. The check uses 100
 # samples in global batches of 32 on 2 replicas, and tries your function on one replica more
-# (36 samples a step on 3) — and with a global batch the replicas do not divide.
+# (36 samples a step on 3) — and with a global batch the replicas do not divide. Then it calls
+# your dataset function itself as a cluster of 2 such workers would: two input pipelines (ids
+# 0 and 1), twice the replicas in sync. Over the cluster, every sample must still arrive once
+# per epoch, in steps of `global_batch`.
 #
 # **Your design decision:** what `make_dist_dataset` does with a global batch that does not
 # split evenly over the replicas (33 on 2, 32 on 3). The contract above cannot be kept then;

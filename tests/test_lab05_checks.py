@@ -21,18 +21,24 @@ def strategy():
     return mirrored.make_strategy(["/cpu:0", "/cpu:1"])
 
 
-def loss_right(labels, logits, global_batch):
-    return tf.nn.compute_average_loss(mirrored.per_example_loss(labels, logits),
-                                      global_batch_size=global_batch)
+def loss_right(labels, logits, global_batch, weights=None):
+    losses = mirrored.per_example_loss(labels, logits)
+    if weights is None:
+        return tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
+    total = tf.distribute.get_replica_context().all_reduce(SUM, tf.reduce_sum(weights))
+    return tf.reduce_sum(losses * weights) / total
 
 
 def loss_reduce_mean(labels, logits, global_batch):
     return tf.reduce_mean(mirrored.per_example_loss(labels, logits))
 
 
-def make_right(strategy, lr):
+def make_right(strategy, lr, start=None):
     with strategy.scope():
-        return mirrored.build_keras_cnn(), keras.optimizers.SGD(learning_rate=lr)
+        model, optimizer = mirrored.build_keras_cnn(), keras.optimizers.SGD(learning_rate=lr)
+    if start is not None:
+        model.set_weights(start.get_weights())
+    return model, optimizer
 
 
 def make_model_outside(strategy, lr):
@@ -145,8 +151,13 @@ def loss_implicit_global(labels, logits, global_batch):
     return tf.nn.compute_average_loss(mirrored.per_example_loss(labels, logits))
 
 
-def loss_sum_over_global(labels, logits, global_batch):
-    return tf.reduce_sum(mirrored.per_example_loss(labels, logits)) / global_batch
+def loss_sum_over_global(labels, logits, global_batch, weights=None):
+    losses = mirrored.per_example_loss(labels, logits)
+    if weights is None:
+        weights, total = tf.ones_like(losses), global_batch
+    else:
+        total = tf.distribute.get_replica_context().all_reduce("sum", tf.reduce_sum(weights))
+    return tf.tensordot(losses, weights, 1) / total
 
 
 def loss_mean_over_replicas(labels, logits, global_batch):
@@ -168,9 +179,70 @@ def loss_summed(labels, logits, global_batch):
     return tf.reduce_sum(mirrored.per_example_loss(labels, logits))
 
 
-def loss_sum_over_cast_global(labels, logits, global_batch):
+def loss_sum_over_cast_global(labels, logits, global_batch, weights=None):
     losses = mirrored.per_example_loss(labels, logits)
+    if weights is not None:
+        ctx = tf.distribute.get_replica_context()
+        return tf.reduce_sum(losses * weights) * (
+            1.0 / ctx.all_reduce(SUM, tf.reduce_sum(weights)))
     return tf.reduce_sum(losses) * (1.0 / tf.cast(global_batch, losses.dtype))
+
+
+# --- part 1's weighted step: the total weight is the whole step's, which no replica holds -----
+
+def _weighted(share):
+    def loss(labels, logits, global_batch, weights=None):
+        losses = mirrored.per_example_loss(labels, logits)
+        if weights is None:
+            return tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
+        return share(losses, weights, global_batch, tf.distribute.get_replica_context())
+    return loss
+
+
+def loss_three_arguments(labels, logits, global_batch):   # lesson 05's line, transcribed
+    return tf.nn.compute_average_loss(mirrored.per_example_loss(labels, logits),
+                                      global_batch_size=global_batch)
+
+
+WEIGHTED_MISTAKES = [
+    (_weighted(lambda ls, w, gb, ctx: tf.nn.compute_average_loss(ls, global_batch_size=gb)),
+     "replica 0 returned its unweighted summed loss / 5 (a step of 5 samples as 3+2 on 2 "
+     "replicas, weights totalling 5.733): the weights were ignored"),
+    (loss_three_arguments, "per_replica_loss takes 3 arguments (labels, logits, global_batch), "
+                           "but the contract's weighted step calls it with a fourth, weights="),
+    (_weighted(lambda ls, w, gb, ctx: tf.nn.compute_average_loss(ls, sample_weight=w,
+                                                                 global_batch_size=gb)),
+     "replica 0 returned its weighted sum / 5, the step's sample count (a step of 5 samples as "
+     "3+2 on 2 replicas, weights totalling 5.733) — as compute_average_loss does with "
+     "sample_weight — but the weighted mean divides the weighted sum by the total weight"),
+    (_weighted(lambda ls, w, gb, ctx: tf.reduce_sum(ls * w) / tf.reduce_sum(w)),
+     "replica 0 returned its own weighted mean (its weighted sum / its own total weight 3.707)"),
+    (_weighted(lambda ls, w, gb, ctx: tf.reduce_sum(ls * w) / tf.reduce_sum(w)
+               / ctx.num_replicas_in_sync),
+     "replica 0 divided its weighted sum by its own total weight × 2 replicas (3.707 × 2 = "
+     "7.415)"),
+    (_weighted(lambda ls, w, gb, ctx: ctx.all_reduce(SUM, tf.reduce_sum(ls * w))
+               / ctx.all_reduce(SUM, tf.reduce_sum(w))),
+     "every replica returned the whole step's weighted mean"),
+]
+
+
+@pytest.mark.parametrize("fn, phrase", WEIGHTED_MISTAKES,
+                         ids=["ignored", "no-weights-arg", "tf-sample-weight", "own-mean",
+                              "own-total-times-n", "whole-mean"])
+def test_weighted_step_mistakes_are_named(fn, phrase, strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_per_replica_loss(fn, strategy)
+    assert phrase in str(err.value), str(err.value)
+
+
+def test_weighted_step_gives_the_cause_then_the_fix(strategy):
+    fn = WEIGHTED_MISTAKES[2][0]
+    with pytest.raises(LabCheckError) as first:
+        lab05.check_per_replica_loss(fn, strategy)
+    assert "Divide by the total weight" not in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError, match="Divide by the total weight of the whole step"):
+        lab05.check_per_replica_loss(fn, strategy)
 
 
 @pytest.mark.parametrize("fn", [loss_right, loss_sum_over_global, loss_sum_over_cast_global])
@@ -179,6 +251,7 @@ def test_right_losses_pass(fn, strategy, capsys):
     out = capsys.readouterr().out
     # the spare device was used, and uneven slices were tried
     assert out.count("✔") == 1 and "18 as 6+6+6" in out and "5 as 3+2" in out, out
+    assert "5 samples of total weight 5.73 on 2, 7 samples of total weight 7.42 on 3" in out, out
 
 
 @pytest.mark.parametrize("fn, phrase", [
@@ -319,7 +392,7 @@ def test_steps_tied_to_one_setup_fail(step, phrase, strategy):
 # --- stretch: distribute_datasets_from_function and the partial last batch --------------------
 
 def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_replicas=False,
-                   size=None, refuse="own"):
+                   size=None, refuse="own", pipeline_id=True, per_strategy=False):
     """size="floor" / "ceil": the per-replica batch rounded instead of refused when the replicas
     do not divide the global batch. refuse="own": the learner's own ValueError naming both
     numbers (right); "tf": no check of its own, TF's get_per_replica_batch_size raises; "vague":
@@ -339,11 +412,14 @@ def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_r
             if by_replicas:
                 ds = ds.shard(ctx.num_replicas_in_sync, ctx.input_pipeline_id)
             elif shard:
-                ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+                ds = ds.shard(ctx.num_input_pipelines,
+                              ctx.input_pipeline_id if pipeline_id else 0)
             if size == "floor":
                 per = global_batch // n
             elif size == "ceil":
                 per = -(-global_batch // n)
+            elif per_strategy:   # the strategy's replicas: one worker's, not all in sync
+                per = global_batch // strategy.num_replicas_in_sync
             else:
                 per = ctx.get_per_replica_batch_size(global_batch) if per_replica else global_batch
             return ds.batch(per, drop_remainder=drop)
@@ -353,10 +429,24 @@ def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_r
 
 def test_right_datasets_pass(strategy, capsys):
     lab05.check_dataset_fn(_dataset_maker(), strategy)
-    lab05.check_dataset_fn(_dataset_maker(shard=False), strategy)  # one pipeline: same thing
     out = capsys.readouterr().out
-    # the spare replica was tried: 36 on 3 (12 + 12 + 4 in the last step)
-    assert out.count("✔") == 2 and "32 on 2, 36 on 3 replicas" in out, out
+    # the spare replica was tried: 36 on 3 (12 + 12 + 4 in the last step); and two pipelines
+    assert out.count("✔") == 1 and "32 on 2, 36 on 3 replicas" in out, out
+    assert "2 input pipelines (as on 2 workers) split the data 50 + 50, in batches of 8" in out
+
+
+def test_a_dataset_function_that_ignores_its_input_context_is_named(strategy):
+    # one pipeline cannot tell: the check calls the function as on 2 workers
+    unsharded = _dataset_maker(shard=False)
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_dataset_fn(unsharded, strategy)
+    msg = str(err.value)
+    assert "each of the 2 input pipelines yielded all 100 samples" in msg, msg
+    assert "keeps the whole data whatever its input_context says" in msg, msg
+    assert "pipeline id." not in msg, msg
+    with pytest.raises(LabCheckError, match="Shard the data by the context's number of input "
+                                            "pipelines and its pipeline id"):
+        lab05.check_dataset_fn(unsharded, strategy)
 
 
 def test_tensorflows_own_refusal_is_not_the_learners(strategy):
@@ -403,8 +493,11 @@ def make_global_split(strategy, x, y, global_batch):
     (_dataset_maker(per_replica=False), "a whole global batch"),
     (_dataset_maker(drop=True), "partial last batch was dropped"),
     (_dataset_maker(shuffle=True), "but not in the data's order"),
-    (_dataset_maker(by_replicas=True), "sharded into 2 pieces (one per replica)"),
+    (_dataset_maker(by_replicas=True), "every 2nd one (global batch 32 on 2 replicas): the data "
+                                       "was sharded into 2 pieces (one per replica)"),
     (make_global_split, "split 2+2"),
+    (_dataset_maker(pipeline_id=False), "the 2 input pipelines yielded the same 50 samples"),
+    (_dataset_maker(per_strategy=True), "pipeline 0 yielded batches of [16, 16, 16] samples"),
 ])
 def test_dataset_mistakes_are_named(make, phrase, strategy):
     with pytest.raises(LabCheckError) as err:
@@ -598,6 +691,57 @@ def test_momentum_is_named(strategy):
     assert "one-step test cannot see it" in msg, msg
     with pytest.raises(LabCheckError, match="SGD with momentum=0.9"):
         lab05.check_train_step(make_step(loss_right), make_momentum, strategy)
+
+
+# --- part 2's start: a one-device model's weights, carried into a mirrored model ------------
+
+def make_returns_start(strategy, lr, start=None):
+    with strategy.scope():
+        model = start if start is not None else mirrored.build_keras_cnn()
+        return model, keras.optimizers.SGD(learning_rate=lr)
+
+
+def make_ignores_start(strategy, lr, start=None):   # lesson 05's lines, transcribed
+    with strategy.scope():
+        return mirrored.build_keras_cnn(), keras.optimizers.SGD(learning_rate=lr)
+
+
+def make_clones_start(strategy, lr, start=None):
+    with strategy.scope():
+        model = keras.models.clone_model(start) if start is not None else \
+            mirrored.build_keras_cnn()
+        return model, keras.optimizers.SGD(learning_rate=lr)
+
+
+def make_two_arguments(strategy, lr):
+    with strategy.scope():
+        return mirrored.build_keras_cnn(), keras.optimizers.SGD(learning_rate=lr)
+
+
+@pytest.mark.parametrize("make, phrase", [
+    (make_returns_start, "with start=, make_model_and_optimizer returned start itself: its "
+                         "variables were created before, outside any strategy"),
+    (make_ignores_start, "with start=, your model holds build_keras_cnn()'s own initial "
+                         "weights, not start's"),
+    (make_clones_start, "with start=, your model holds the weights start was *initialised* "
+                        "with, not the ones it holds now"),
+    (make_two_arguments, "the contract's third argument, start"),
+], ids=["returns-start", "ignores-start", "clones-start", "no-start-arg"])
+def test_start_mistakes_are_named(make, phrase, strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_model_and_optimizer(make, strategy)
+    assert phrase in str(err.value), str(err.value)
+
+
+def test_start_gives_the_cause_then_the_fix(strategy, capsys):
+    with pytest.raises(LabCheckError) as first:
+        lab05.check_model_and_optimizer(make_ignores_start, strategy)
+    assert "Copy start's weights" not in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError, match="Copy start's weights into the new model"):
+        lab05.check_model_and_optimizer(make_ignores_start, strategy)
+    lab05.check_model_and_optimizer(make_right, strategy)
+    assert "starts from a one-device model's weights holds them on every replica" in \
+        capsys.readouterr().out
 
 
 def test_an_unbuilt_optimizer_passes(strategy, capsys):

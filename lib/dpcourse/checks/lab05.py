@@ -2,8 +2,11 @@
 
 The learner writes three pieces:
 
-* ``per_replica_loss(labels, logits, global_batch)`` — the loss one replica differentiates;
-* ``make_model_and_optimizer(strategy, lr)`` — the Keras CNN and an SGD optimizer;
+* ``per_replica_loss(labels, logits, global_batch, weights=None)`` — the loss one replica
+  differentiates: its share of the step's mean, or with ``weights`` of the step's weighted mean
+  Σ wℓ / Σ w, whose total weight no replica is given (the replicas add their own totals);
+* ``make_model_and_optimizer(strategy, lr, start=None)`` — the Keras CNN and an SGD optimizer,
+  the model starting from ``start``'s current weights when a one-device model is given;
 * ``distributed_train_step(strategy, model, optimizer, dist_batch, global_batch)`` — one step,
   returning the global batch's mean loss and accuracy.
 
@@ -20,8 +23,20 @@ learning rate, an optimizer other than plain SGD (momentum included, which one s
 its configuration is compared with the contract's), variables created outside the scope of the
 strategy given (parts 2 and 3 also run on the spare strategy, so the notebook's own ``strategy``
 read from outside the function shows), and the library's own answers (``mirrored.per_replica_loss``,
-``mirrored.train_step``) passed in place of the learner's. A wrong reported loss or accuracy is
-compared with every wrong calculation the check knows, each computed on that very split — from
+``mirrored.train_step``) passed in place of the learner's. Part 1's weighted step (3 + 2 and
+3 + 3 + 1, weights between 0.2 and 2) names the weights ignored (lesson 05's line transcribed),
+no ``weights`` parameter, the weighted sum over the sample count (``compute_average_loss`` with
+``sample_weight``), a replica's own weighted mean, its own total × N, and the whole step's
+weighted mean on every replica. Part 2's ``start`` (a one-device CNN moved off its initial
+weights) names start returned itself (the scope does not mirror existing variables), start
+ignored (the lesson's lines transcribed), start's architecture cloned (its initial weights, not
+its current ones), and no ``start`` parameter. The stretch's dataset function is also called as
+on 2 workers (two ``tf.distribute.InputContext`` pipelines, twice the replicas in sync): a
+function that ignores its context (every pipeline all the data), one that ignores the pipeline
+id, one that shards by replicas, and one that batches by one worker's replicas are named.
+
+A wrong reported loss or accuracy is compared with every wrong calculation the check knows, each
+computed on that very split — from
 the logits before the update and from the weights after it; SUM of the replicas' means, MEAN of
 their shares, a mean of means, a count never divided, replica 0's value — and named only when
 exactly one of them matches: on an even split several can coincide (counts after the update can
@@ -149,7 +164,8 @@ def check_per_replica_loss(per_replica_loss, strategy) -> None:
     """Inside ``strategy.run``, each replica's loss must be its per-example losses summed and
     divided by the *global* batch size — the number of samples the whole step holds, given as
     ``global_batch`` — also when the slices differ in size (a global batch that does not split
-    evenly, as a partial last batch does)."""
+    evenly, as a partial last batch does); and with ``weights``, its weighted sum divided by the
+    whole step's total weight, which it is not given."""
     __tracebackhide__ = True
     _refuse_library(per_replica_loss, "per_replica_loss")
     tried = []
@@ -161,8 +177,16 @@ def check_per_replica_loss(per_replica_loss, strategy) -> None:
                 global_batch = 6 * n if even else 2 * n + 1
                 sizes = _check_loss_once(per_replica_loss, strat, global_batch)
                 tried.append(f"{global_batch} as {'+'.join(map(str, sizes))}")
+    weighted = []   # after the library's answer had its chance to show, unweighted
+    with _LibrarySpy("per_replica_loss"):
+        for strat in strategies_for(strategy):
+            n = strat.num_replicas_in_sync
+            global_batch = 2 * n + 1
+            total = _check_weighted_loss_once(per_replica_loss, strat, global_batch)
+            weighted.append(f"{global_batch} samples of total weight {total:.3g} on {n}")
     passed("per_replica_loss divides each replica's summed loss by the global batch (tried "
-           + ", ".join(tried) + ")")
+           + ", ".join(tried) + "), and a weighted step's weighted sum by the whole step's "
+           "total weight, summed over the replicas (" + ", ".join(weighted) + ")")
 
 
 def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
@@ -226,6 +250,105 @@ def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
         fail(f"per_replica_loss returned {float(g):.5f} where {right:.5f} (sum of the replica's "
              f"per-example cross-entropies / global batch {global_batch}) was expected.")
     return sizes
+
+
+def step_weights(global_batch: int) -> np.ndarray:
+    """The per-sample weights of the weighted check's step: fixed, between 0.2 and 2, whose total
+    is not the sample count (a weighted sum divided by the count shows)."""
+    return np.random.default_rng(100 + global_batch).uniform(
+        0.2, 2.0, size=global_batch).astype(np.float32)
+
+
+def _check_weighted_loss_once(per_replica_loss, strat, global_batch: int) -> float:
+    """With ``weights`` (this replica's samples' weights), each replica's value must be its
+    weighted sum of per-example losses divided by the total weight of the *whole* step, which no
+    replica is given: the replicas' own totals, added over the replicas."""
+    __tracebackhide__ = True
+    import inspect
+
+    n = strat.num_replicas_in_sync
+    _, y = reference_batch(global_batch, seed=global_batch)
+    logits = np.random.default_rng(global_batch).normal(size=(global_batch, 10)).astype(np.float32)
+    w = step_weights(global_batch)
+    total = float(w.sum())
+    try:
+        params = inspect.signature(getattr(per_replica_loss, "func", per_replica_loss)).parameters
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and "weights" not in params and not any(
+            p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) and len(
+            params) < 4:
+        fail(f"per_replica_loss takes {len(params)} arguments ({', '.join(params)}), but the "
+             f"contract's weighted step calls it with a fourth, weights=: the check cannot ask "
+             f"it for a weighted step's share.",
+             fix="Add the parameter weights=None and use it when it is given.")
+    batch = next(iter(strat.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((y, logits, w)).batch(global_batch))))
+    try:
+        out = strat.run(lambda labels, lg, wt: per_replica_loss(labels, lg, global_batch,
+                                                                weights=wt), args=batch)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the learner's code, reported in one line
+        fail(f"per_replica_loss raised {type(exc).__name__} on {n} replicas with weights: "
+             f"{str(exc).splitlines()[0] if str(exc) else ''}"
+             + _captured_note(per_replica_loss, strat))
+    got = _local(strat, out)
+    labels, lgs, ws = (_local(strat, batch[i]) for i in range(3))
+    sizes = [len(lab) for lab in labels]
+    split = "+".join(map(str, sizes))
+    at = (f"(a step of {global_batch} samples as {split} on {n} replicas, weights "
+          f"totalling {total:.3f})")
+    for g in got:
+        if g.shape != ():
+            fail(f"per_replica_loss returned a tensor of shape {g.shape} on a replica with "
+                 f"weights {at}, but a gradient tape needs one number to differentiate.",
+                 fix="Reduce the weighted losses to one number.")
+    losses = [mirrored.per_example_loss(lab, lg).numpy() for lab, lg in zip(labels, lgs)]
+    weighted = [float((wt * ls).sum()) for wt, ls in zip(ws, losses)]
+    own = [float(wt.sum()) for wt in ws]
+    whole = sum(weighted) / total
+    for r, g in enumerate(got):
+        right = weighted[r] / total
+        if _close(g, right):
+            continue
+        if _close(g, losses[r].sum() / global_batch):
+            fail(f"with weights, replica {r} returned its unweighted summed loss / "
+                 f"{global_batch} {at}: the weights were ignored, so a sample of weight 0.2 "
+                 f"pulled the step as hard as one of weight 2 — the loss of an unweighted step.",
+                 fix="Weigh each sample's loss by its weight, and divide by the step's total "
+                     "weight.")
+        if _close(g, weighted[r] / global_batch):
+            fail(f"with weights, replica {r} returned its weighted sum / {global_batch}, the "
+                 f"step's sample count {at} — as compute_average_loss does with sample_weight — "
+                 f"but the weighted mean divides the weighted sum by the total weight, "
+                 f"{total:.3f} here, not by the number of samples: the step came out "
+                 f"{total / global_batch:.3f} times the weighted mean's.",
+                 fix="Divide by the total weight of the whole step.")
+        if len(set(sizes)) > 1 and own[r] and _close(g, weighted[r] / own[r]):
+            fail(f"with weights, replica {r} returned its own weighted mean (its weighted sum "
+                 f"/ its own total weight {own[r]:.3f}) {at}: the strategy adds the {n} "
+                 f"replicas' gradients, so the step is {n} weighted means added, not the weighted "
+                 f"mean of the step.",
+                 fix="Divide by the total weight of the whole step, which the replicas hold "
+                     "between them.")
+        if own[r] and _close(g, weighted[r] / (own[r] * n)):
+            fail(f"with weights, replica {r} divided its weighted sum by its own total weight "
+                 f"× {n} replicas ({own[r]:.3f} × {n} = {own[r] * n:.3f}) {at}, but the step's "
+                 f"total weight is {total:.3f}: the replicas' slices do not carry the same "
+                 f"weight, so one replica's total × N is not the whole step's.",
+                 fix="Add the replicas' own totals together (inside strategy.run, the replica "
+                     "context can).")
+        if _close(g, whole):
+            fail(f"with weights, every replica returned the whole step's weighted mean "
+                 f"({whole:.5f}) {at}: the strategy adds the {n} replicas' gradients, so the "
+                 f"step is {n} times the weighted mean's.",
+                 fix="Return this replica's share: its own weighted sum over the step's total "
+                     "weight.")
+        fail(f"with weights, replica {r} returned {float(g):.5f} {at}, where its share of the "
+             f"step's weighted mean, its weighted sum {weighted[r]:.4f} / the step's total "
+             f"weight {total:.3f} = {right:.5f}, was expected.")
+    return total
 
 
 def _other_lr(lr: float) -> float:
@@ -352,10 +475,88 @@ def check_model_and_optimizer(make_model_and_optimizer, strategy, lr: float = 0.
         _check_lr(optimizer, lr)
         _check_sgd(optimizer, lr)
         kept = kept or (model, optimizer)
+    _check_start(make_model_and_optimizer, strategy, lr)
     passed(f"the model and a plain SGD optimizer are created under the strategy given "
            f"({' and '.join(str(s.num_replicas_in_sync) for s in strategies_for(strategy))} "
-           f"replicas; lr {other_lr:g} and {lr:g} tried)")
+           f"replicas; lr {other_lr:g} and {lr:g} tried), and a mirrored model that starts "
+           f"from a one-device model's weights holds them on every replica")
     return kept
+
+
+START_SEED = 7
+
+
+def start_model():
+    """Part 2's one-device model: the lesson's CNN built outside any strategy (seed 7), then
+    its weights moved off their initial values, as training or a checkpoint would leave them."""
+    model = mirrored.build_keras_cnn(seed=START_SEED)
+    rng = np.random.default_rng(START_SEED)
+    model.set_weights([w + rng.normal(0, 0.01, w.shape).astype(w.dtype)
+                       for w in model.get_weights()])
+    return model
+
+
+def _same_weights(a, b) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y)
+                                    for x, y in zip(a, b))
+
+
+def _check_start(make_model_and_optimizer, strategy, lr: float) -> None:
+    """With ``start`` (a one-device model of the lesson's CNN, built outside any strategy and
+    trained away from its initial weights), the mirrored model must hold start's weights on
+    every replica, its variables still created under the strategy."""
+    __tracebackhide__ = True
+    start = start_model()
+    want = [w.copy() for w in start.get_weights()]
+    n = strategy.num_replicas_in_sync
+    try:
+        model, optimizer = make_model_and_optimizer(strategy, lr, start=start)
+    except NotImplementedError:
+        raise
+    except TypeError as exc:
+        if "start" in str(exc) or "positional argument" in str(exc):
+            fail(f"make_model_and_optimizer(strategy, lr, start=...) raised TypeError: "
+                 f"{str(exc).splitlines()[0]} — the contract's third argument, start, is the "
+                 f"one-device model whose weights the mirrored model starts from.",
+                 fix="Add the parameter start=None and use it when it is given.")
+        raise
+    except Exception as exc:  # noqa: BLE001
+        fail(f"make_model_and_optimizer(strategy, lr, start=...) raised {type(exc).__name__}: "
+             f"{str(exc).splitlines()[0] if str(exc) else ''}")
+    if model is start:
+        fail("with start=, make_model_and_optimizer returned start itself: its variables were "
+             "created before, outside any strategy, each one tensor on one device — entering "
+             "strategy.scope() afterwards does not mirror them (the scope acts when a variable "
+             "is created, never later), so the replicas would not share this model.",
+             fix="Create a new model under the scope and give it start's weights.")
+    problem = _outside_scope(strategy, model, optimizer, make_model_and_optimizer)
+    if problem:
+        fail(problem[0], fix=problem[1])
+    got = model.get_weights()
+    if _same_weights(got, want):
+        for v, w in zip(model.weights, want):   # every replica's copy, not only the first
+            per_replica = [np.asarray(c) for c in
+                           getattr(getattr(v, "value", v), "values", ())]
+            if per_replica and not all(np.array_equal(c, w) for c in per_replica):
+                fail(f"with start=, replica 0 holds start's weights but another of the {n} "
+                     f"replicas does not: the copies of a mirrored variable must be equal.")
+        return
+    if _same_weights(got, mirrored.build_keras_cnn().get_weights()):
+        fail("with start=, your model holds build_keras_cnn()'s own initial weights, not "
+             "start's: a model built under the scope is a new model with new variables, and "
+             "nothing carried start's values into them — training would begin from scratch.",
+             fix="Copy start's weights into the new model.")
+    if _same_weights(got, mirrored.build_keras_cnn(seed=START_SEED).get_weights()):
+        fail("with start=, your model holds the weights start was *initialised* with, not the "
+             "ones it holds now: a copy of start's architecture (clone_model, or its config) "
+             "re-runs its initialisers, and start's weights have moved since.",
+             fix="Copy start's current weights into the new model.")
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want)) if len(got) == len(
+        want) and all(a.shape == b.shape for a, b in zip(got, want)) else None
+    fail(f"with start=, your model's weights are not start's"
+         + (f" (they differ by up to {diff:.3g})" if diff is not None else
+            f" ({len(got)} weight tensors, start has {len(want)})")
+         + ": the mirrored model must begin where the one-device model is.")
 
 
 @recorded
@@ -700,9 +901,107 @@ def check_dataset_fn(make_dist_dataset, strategy) -> None:
         tried.append(f"{gb} on {n}")
         if n > 1:
             _check_indivisible(make_dist_dataset, strat, gb + 1)
+    pipelines = _check_two_pipelines(make_dist_dataset, strategy)
     passed(f"make_dist_dataset: each step the next global batch in whole per-replica batches, "
-           f"in order, the short last step kept ({', '.join(tried)} replicas), and a global "
-           f"batch the replicas do not divide refused")
+           f"in order, the short last step kept ({', '.join(tried)} replicas), a global "
+           f"batch the replicas do not divide refused, and {pipelines}")
+
+
+_FROM_FUNCTION = ("distribute_datasets_from_function",
+                  "experimental_distribute_datasets_from_function")
+
+
+def _captured_dataset_fn(make_dist_dataset, strategy, x, y, global_batch: int):
+    """The function ``make_dist_dataset`` hands to the strategy's
+    ``distribute_datasets_from_function`` (None if it hands none)."""
+    captured = []
+    originals = {name: getattr(strategy, name) for name in _FROM_FUNCTION}
+
+    def spy_of(original):
+        def spy(dataset_fn, *args, **kwargs):
+            captured.append(dataset_fn)
+            return original(dataset_fn, *args, **kwargs)
+        return spy
+
+    for name, original in originals.items():
+        setattr(strategy, name, spy_of(original))
+    try:
+        make_dist_dataset(strategy, x, y, global_batch)
+    finally:
+        for name in originals:
+            delattr(strategy, name)   # the instance's spy gone, the class's method shows again
+    return captured[0] if captured else None
+
+
+PIPELINES = 2
+
+
+def _check_two_pipelines(make_dist_dataset, strategy) -> str:
+    """The dataset function of ``make_dist_dataset``, called as on ``PIPELINES`` workers of
+    ``strategy``'s replica count each (a ``tf.distribute.InputContext`` per pipeline): the
+    pipelines together must yield every sample once, each in per-replica batches of the
+    global batch over all the replicas in sync (on every worker)."""
+    __tracebackhide__ = True
+    x, y = stretch_data()
+    n = strategy.num_replicas_in_sync
+    gb = stretch_global(n)
+    fn = _captured_dataset_fn(make_dist_dataset, strategy, x, y, gb)
+    if fn is None:
+        return "no dataset function to try on two input pipelines"
+    where = {float(v): i for i, v in enumerate(x[:, 0])}
+    replicas = PIPELINES * n
+    per = gb // replicas
+    at = (f"(the dataset function called as on {PIPELINES} workers of {n} replicas each: "
+          f"{PIPELINES} input pipelines, {replicas} replicas in sync, global batch {gb})")
+    seen, sizes = [], []
+    for pid in range(PIPELINES):
+        ctx = tf.distribute.InputContext(num_input_pipelines=PIPELINES, input_pipeline_id=pid,
+                                         num_replicas_in_sync=replicas)
+        try:
+            batches = [np.asarray(b[0]) for b in fn(ctx)]
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            fail(f"your dataset function raised {type(exc).__name__} {at}: "
+                 f"{str(exc).splitlines()[0] if str(exc) else ''}")
+        seen.append([where.get(float(row[0]), -1) for b in batches for row in b])
+        sizes.append([len(b) for b in batches])
+    counts = [len(s) for s in seen]
+    if all(sorted(s) == list(range(_N_SAMPLES)) for s in seen):
+        fail(f"each of the {PIPELINES} input pipelines yielded all {_N_SAMPLES} samples {at}: "
+             f"your dataset function keeps the whole data whatever its input_context says, so "
+             f"on {PIPELINES} workers every sample is trained on {PIPELINES} times an epoch, and "
+             f"the workers' steps repeat each other's samples.",
+             fix="Shard the data by the context's number of input pipelines and its pipeline "
+                 "id.")
+    if seen[0] and all(sorted(s) == sorted(seen[0]) for s in seen[1:]):
+        fail(f"the {PIPELINES} input pipelines yielded the same {counts[0]} samples {at}: the "
+             f"data was cut into pieces, but every pipeline kept the same piece — the pipeline "
+             f"id did not choose it.",
+             fix="Choose each pipeline's piece by input_context.input_pipeline_id.")
+    union = sorted(i for s in seen for i in s)
+    if len(union) == len(set(union)) < _N_SAMPLES and all(
+            abs(c - _N_SAMPLES / replicas) <= 1 for c in counts):
+        fail(f"the {PIPELINES} input pipelines yielded {counts} samples, {len(union)} of "
+             f"{_N_SAMPLES} in all {at}: the data was cut into {replicas} pieces, one per "
+             f"replica in sync, and each pipeline kept one — but each pipeline feeds all "
+             f"{n} replicas of its worker, which take different batches from it.",
+             fix="Shard by the number of input pipelines, not replicas.")
+    if union != list(range(_N_SAMPLES)):
+        fail(f"the {PIPELINES} input pipelines yielded {counts} samples {at}, {len(set(union))} "
+             f"different ones of {_N_SAMPLES}: together they must yield every sample once.")
+    wrong = [(pid, s) for pid, s in enumerate(sizes) if any(b != per for b in s[:-1]) or
+             (s and s[-1] > per)]
+    if wrong:
+        pid, s = wrong[0]
+        fail(f"pipeline {pid} yielded batches of {s[:3]} samples {at}, but a replica's batch "
+             f"is the global batch over all {replicas} replicas in sync, {gb} / {replicas} = "
+             f"{per}: with batches of {s[0]} every step would hold {s[0] * replicas} samples, "
+             f"not {gb}.",
+             fix="Ask the input_context for the per-replica batch size; it counts the replicas "
+                 "of every worker.")
+    return (f"{PIPELINES} input pipelines (as on {PIPELINES} workers) split the data "
+            f"{counts[0]} + {counts[1]}, in batches of {per}")
 
 
 def _check_indivisible(make_dist_dataset, strategy, global_batch: int) -> None:
@@ -787,7 +1086,8 @@ def _check_dataset_once(make_dist_dataset, strategy, gb: int) -> None:
         kept = sorted(set(order))
         if n > 1 and len(kept) == len(range(0, _N_SAMPLES, n)) and all(
                 (i - kept[0]) % n == 0 for i in kept):
-            fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples, every {n}th one {at}: the "
+            nth = f"{n}{'nd' if n == 2 else 'rd' if n == 3 else 'th'}"
+            fail(f"an epoch gave {len(kept)} of {_N_SAMPLES} samples, every {nth} one {at}: the "
                  f"data was sharded into {n} pieces (one per replica) and only one kept — but "
                  f"there is one input pipeline here (one per worker), and the replicas already "
                  f"take different batches from it.",
