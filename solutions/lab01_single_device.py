@@ -18,7 +18,9 @@
 #   it predicts at test time: the mean loss per sample and the fraction of samples whose
 #   predicted class (the argmax of the logits) is the label, a float in [0, 1]. It leaves the
 #   weights as they were and keeps no autograd graph. Which mode the model is in when it
-#   returns is **your design decision** (§2).
+#   returns is **your design decision** (§2). When the loader (or the model) raises midway —
+#   a corrupt file, a data worker that died — the exception reaches the caller, and the caller
+#   finds autograd recording as before the call and the model in the mode your decision says.
 #
 # Both must hold for any model, loader and optimizer, not only the lesson's: each check runs
 # your function on small models and loaders of its own, compares with the library's reference
@@ -103,7 +105,9 @@ lab01.check_train_one_epoch(train_one_epoch)
 # ## 2. `evaluate`
 #
 # The model as it predicts at test time, with the contract above: `(mean loss per sample,
-# accuracy in [0, 1])`, the weights unchanged, no autograd graph kept.
+# accuracy in [0, 1])`, the weights unchanged, no autograd graph kept — and a loader that
+# fails midway reaches the caller as its exception, with autograd and the model's mode as
+# they must be afterwards. The check hands your function such a loader.
 #
 # **Your design decision:** in which mode does `evaluate` leave the model when it returns —
 # always in evaluation mode, or in the mode it arrived in? The library's reference and the
@@ -127,7 +131,8 @@ lab01.check_train_one_epoch(train_one_epoch)
 # Switch to the test-time behaviour before the first forward, and turn autograd's recording off
 # for the whole loop. Count correct predictions and summed loss over samples, and divide once
 # at the end. If you chose "as found", the mode the model arrived in is in `model.training`:
-# read it before you change it.
+# read it before you change it. And an exception leaves a function at the line that raised:
+# which of your lines still run then?
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -135,8 +140,8 @@ lab01.check_train_one_epoch(train_one_epoch)
 # %% [markdown] jupyter={"source_hidden": true}
 # Remember the arriving mode (only for "as found"); set the test-time mode; inside a no-grad
 # block, loop over `(X, y)`: logits, the batch's loss times its size into one total, the number
-# of argmax hits into another, the batch size into a third; after the loop restore the mode if
-# that is your choice, and return the two quotients.
+# of argmax hits into another, the batch size into a third; restore the mode if that is your
+# choice, in a block that runs whether the loop ends or raises; return the two quotients.
 
 # %%
 ### BEGIN SOLUTION: your design decision: "eval" or "as found"
@@ -149,14 +154,16 @@ def evaluate(model, loader, loss_fn, device):
     was_training = model.training
     model.eval()
     total_loss, correct, total = 0.0, 0, 0
-    with torch.no_grad():
-        for X, y in loader:
-            X, y = X.to(device), y.to(device)
-            logits = model(X)
-            total_loss += loss_fn(logits, y).item() * len(y)
-            correct += (logits.argmax(dim=1) == y).sum().item()
-            total += len(y)
-    model.train(was_training)
+    try:
+        with torch.no_grad():
+            for X, y in loader:
+                X, y = X.to(device), y.to(device)
+                logits = model(X)
+                total_loss += loss_fn(logits, y).item() * len(y)
+                correct += (logits.argmax(dim=1) == y).sum().item()
+                total += len(y)
+    finally:  # the mode comes back even when the loader raises
+        model.train(was_training)
     return total_loss / total, correct / total
     ### END SOLUTION
 

@@ -145,26 +145,54 @@ def test_train_mistakes_are_named(fn, phrase):
 
 
 def _eval(mode=True, no_grad=True, acc_kind="fraction", loss_kind="per_sample",
-          restore=False, to_train=False, half=False):
+          restore=False, to_train=False, half=False, finally_=True, grad="block",
+          swallow=False):
+    """evaluate written in several ways. ``restore``: put the arriving mode back, in a finally
+    block (``finally_``) or after the loop; ``grad``: autograd off with a with-block ("block")
+    or with set_grad_enabled(False) switched back on after the loop ("switch") or never
+    ("off"); ``swallow``: catch the loader's error and return what was measured so far."""
     def fn(model, loader, loss_fn, device):
         was_training = model.training
         if mode:
             model.eval()
-        ctx = torch.no_grad() if no_grad else torch.enable_grad()
-        with ctx:
-            losses, sizes, hits, accs = [], [], 0, []
+        losses, sizes, hits, accs = [], [], 0, []
+
+        def loop():
             for X, y in loader:
                 out = model(X)
                 losses.append(loss_fn(out, y).item())
                 sizes.append(len(y))
+                nonlocal hits
                 hits += (out.argmax(1) == y).sum().item()
                 accs.append((out.argmax(1) == y).float().mean().item())
+
+        def measure():
+            if grad == "block":
+                with torch.no_grad() if no_grad else torch.enable_grad():
+                    loop()
+            else:
+                torch.set_grad_enabled(False)
+                loop()
+                if grad == "switch":
+                    torch.set_grad_enabled(True)
+
+        try:
+            if restore and finally_:
+                try:
+                    measure()
+                finally:
+                    model.train(was_training)
+            else:
+                measure()
+        except RuntimeError:
+            if not swallow:
+                raise
         n = sum(sizes)
         loss = {"per_sample": sum(l * s for l, s in zip(losses, sizes)) / n,
                 "sum": sum(losses), "mean_of_means": sum(losses) / len(losses)}[loss_kind]
         acc = {"fraction": hits / n, "count": hits, "percent": 100 * hits / n,
                "mean_of_means": sum(accs) / len(accs)}[acc_kind]
-        if restore:
+        if restore and not finally_:
             model.train(was_training)
         if to_train:  # "back to training" whatever the model arrived in
             model.train()
@@ -215,6 +243,53 @@ def test_evaluate_mistakes_are_named(fn, phrase):
     with pytest.raises(LabCheckError) as err:
         lab01.check_evaluate(fn)
     assert phrase in str(err.value), str(err.value)
+
+
+# --- the contract's other half: a loader that fails midway --------------------------------
+
+@pytest.mark.parametrize("fn, leaves, phrase", [
+    # the mode restored after the loop, not in a finally block: right until the loader fails
+    (_eval(restore=True, finally_=False), "as found",
+     "when the loader failed on batch 3, a model handed over in training mode reached the "
+     "caller in eval mode"),
+    (_eval(swallow=True), "eval", "on batch 3 of 5, and evaluate returned (2.33"),
+    (_eval(grad="switch"), "eval", "when the loader failed on batch 3, evaluate left "
+                                   "autograd switched off"),
+    (_eval(grad="off"), "eval", "evaluate returned with autograd switched off for its caller"),
+], ids=["restore-without-finally", "swallowed", "grad-switched-back-after-loop",
+        "grad-never-switched-back"])
+def test_a_failing_loader_finds_what_only_a_normal_return_hides(fn, leaves, phrase):
+    with pytest.raises(LabCheckError) as first:
+        lab01.check_evaluate(fn, leaves=leaves)
+    assert phrase in str(first.value), str(first.value)
+    assert torch.is_grad_enabled()  # the check gave the caller autograd back
+    with pytest.raises(LabCheckError) as second:
+        lab01.check_evaluate(fn, leaves=leaves)
+    assert any(w in str(second.value) for w in ("finally", "torch.no_grad()")), str(second.value)
+
+
+def test_an_error_replaced_without_its_cause_is_named():
+    inner = _eval()
+
+    def fn(model, loader, loss_fn, device):
+        try:
+            return inner(model, loader, loss_fn, device)
+        except RuntimeError:
+            raise ValueError("evaluation failed") from None
+    with pytest.raises(LabCheckError, match="raised ValueError .* in its place"):
+        lab01.check_evaluate(fn, leaves="eval")
+
+
+def test_an_error_re_raised_with_its_cause_passes(capsys):
+    inner = _eval(restore=True)
+
+    def fn(model, loader, loss_fn, device):
+        try:
+            return inner(model, loader, loss_fn, device)
+        except RuntimeError as exc:
+            raise ValueError("evaluation failed") from exc
+    lab01.check_evaluate(fn, leaves="as found")
+    assert capsys.readouterr().out.count("✔") == 1
 
 
 # --- answers only right for one data set, and right answers written differently -----------
@@ -504,10 +579,12 @@ def eval_restoring_every_module(model, loader, loss_fn, device):
     # a right "as found" answer written another way: each submodule's flag saved and put back
     modes = {m: m.training for m in model.modules()}
     model.eval()
-    with torch.inference_mode():
-        outs = [(model(X), y) for X, y in loader]
-    for m, mode in modes.items():
-        m.training = mode
+    try:
+        with torch.inference_mode():
+            outs = [(model(X), y) for X, y in loader]
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
     n = sum(len(y) for _, y in outs)
     loss = sum(torch.nn.functional.cross_entropy(o, y, reduction="sum").item() for o, y in outs)
     hits = sum((o.argmax(1) == y).sum().item() for o, y in outs)

@@ -270,10 +270,96 @@ def check_evaluate(evaluate, leaves: str | None = None) -> None:
     for setup in _SETUPS:
         for arrives_training in (True, False):
             _check_evaluate_once(evaluate, setup, arrives_training, leaves)
+    _check_evaluate_raising(evaluate, _SETUPS[1], leaves)
     said = {None: "", "eval": ", and it leaves the model in eval mode as you decided",
             "as found": ", and it leaves the model in the mode it found, as you decided"}[leaves]
     passed(f"evaluate matches the reference: eval mode, no graph, per-sample mean loss "
-           f"and accuracy{said}.")
+           f"and accuracy{said}; a loader that fails midway reaches the caller with the "
+           f"model's mode and autograd as the contract says.")
+
+
+class LoaderFailed(RuntimeError):
+    """What the check's failing loader raises (a corrupt file, a data worker that died)."""
+
+
+class _FailingLoader:
+    """A loader that yields its first ``good`` batches, then raises :class:`LoaderFailed`."""
+
+    def __init__(self, loader, good: int):
+        self.loader, self.good = loader, good
+        self.dataset, self.batch_size = loader.dataset, loader.batch_size
+        self.served = 0
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        for i, batch in enumerate(self.loader):
+            if i == self.good:
+                raise LoaderFailed(f"the check's loader failed on batch {i + 1} (as a corrupt "
+                                   f"file or a dead data worker would)")
+            self.served += 1
+            yield batch
+
+
+def _raised_ours(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, LoaderFailed):
+            return True
+        seen.add(id(exc))
+        # `raise X from None` hides the context: the caller's traceback no longer shows it
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return False
+
+
+def _check_evaluate_raising(evaluate, setup, leaves: str | None) -> None:
+    """The contract's other half: a loader that fails midway. The error must reach the caller,
+    and the caller must find autograd recording as before and the model in the mode the
+    learner's decision says (for "as found": the mode it arrived in)."""
+    __tracebackhide__ = True
+    good = 2
+    model, loader = _setup(*setup)
+    failing = _FailingLoader(loader, good)
+    model.train()
+    grad_before = torch.is_grad_enabled()
+    try:
+        result = evaluate(model, failing, nn.CrossEntropyLoss(), "cpu")
+    except Exception as exc:  # noqa: BLE001 - the learner's function may raise anything
+        if not _raised_ours(exc):
+            fail(f"the check's loader raised LoaderFailed on batch {good + 1}, and evaluate "
+                 f"raised {type(exc).__name__} ({exc}) in its place, with the loader's error "
+                 f"lost from the chain: the caller cannot tell what failed.",
+                 fix="let the loader's exception through unchanged (clean up in a finally "
+                     "block, or re-raise with `raise ... from`).")
+    else:
+        fail(f"the check's loader raised LoaderFailed on batch {good + 1} of "
+             f"{len(loader)}, and evaluate returned {result!r} anyway: the error was "
+             f"swallowed, so the caller got numbers measured on {good} batches as if on all of "
+             f"them.", fix="let the exception reach the caller: clean up in a finally block, "
+                           "never catch it and return.")
+    grad_after = torch.is_grad_enabled()
+    torch.set_grad_enabled(grad_before)  # the rest of the learner's notebook is not ours to break
+    if grad_after != grad_before:
+        fail(f"when the loader failed on batch {good + 1}, evaluate left autograd switched off "
+             f"for its caller (torch.is_grad_enabled() was True before, False after): the line "
+             f"that switches it back on never ran, and the next training step would record "
+             f"no graph.", fix="turn autograd off with a block that restores it however the "
+                               "block ends: `with torch.no_grad():` (or the decorator).")
+    after = _modes(model)
+    if leaves == "as found" and after != {True}:
+        fail(f"you decided that evaluate leaves the model in the mode it found, and it does when "
+             f"the loop ends; but when the loader failed on batch {good + 1}, a model handed "
+             f"over in training mode reached the caller in eval mode: the line that restores "
+             f"the mode comes after the loop, and an exception skips it.",
+             fix="restore the mode in a block that runs whether the loop ends or raises "
+                 "(try/finally).")
+    if leaves == "eval" and after != {False}:
+        fail("you decided that evaluate leaves the model in eval mode, but when the loader "
+             f"failed on batch {good + 1} a model handed over in training mode reached the "
+             f"caller in training mode.",
+             fix="switch to eval mode before the loop, so that the mode holds however the loop "
+                 "ends.")
 
 
 def _modes(model) -> set:
@@ -296,8 +382,11 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
     spy = _Spy(model)
     model.train(arrives_training)  # a correct answer switches to eval mode itself
     torch.manual_seed(2)
+    grad_before = torch.is_grad_enabled()
     with library_calls(reference.evaluate) as called:
         result = evaluate(model, loader, nn.CrossEntropyLoss(), "cpu")
+    grad_after = torch.is_grad_enabled()
+    torch.set_grad_enabled(grad_before)
     if called:
         fail(_library("evaluate", evaluate), fix="write the body yourself.")
     after = _modes(model)
@@ -313,6 +402,12 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
         fail("evaluate let autograd record a graph that nothing ever backpropagates through: "
              "memory and time spent on every forward for nothing.",
              fix="run the loop under torch.no_grad().")
+    if grad_after != grad_before:
+        fail("evaluate returned with autograd switched off for its caller "
+             "(torch.is_grad_enabled() was True before the call, False after): the next "
+             "training step would record no graph and learn nothing.",
+             fix="turn autograd off only inside evaluate, with a block that restores it: "
+                 "`with torch.no_grad():` (or the decorator).")
     if not _same(_params(model), before):
         fail("evaluate changed the weights, but a measurement must leave the model as it "
              "found it.", fix="no backward and no optimizer step in evaluate.")
