@@ -9,8 +9,8 @@
 #   data, the loop) and write its averaging step yourself;
 # - prove that averaging gradients by hand, DDP, and one process on the global batch agree;
 # - explain DDP's buckets — why the first iteration reduces a single bucket (with
-#   `static_graph=True`, the first two iterations do), where a bucket closes, and how later
-#   buckets overlap the backward — from what you record;
+#   `static_graph=True`, the first two iterations do), why a bucket can be far larger than its
+#   cap, and how later buckets overlap the backward — from what you record;
 # - say which BatchNorm statistics each rank uses and rank 0 saves, and why;
 # - shard data with `DistributedSampler` and say what forgetting `set_epoch` does.
 #
@@ -30,7 +30,7 @@
 #    10 steps the weights are bit-for-bit equal on every rank; then (after lab 03) the same
 #    by hand;
 # 3. look inside DDP: the initial broadcast, the gradient buckets and the rule that sizes them,
-#    the all-reduce during backward, the buffers broadcast before every forward;
+#    the all-reduce during backward, the buffers broadcast before (most) forwards;
 # 4. shard the data with `DistributedSampler`, and see what forgetting `set_epoch` does.
 #
 # Every multi-process cell goes through `dpcourse.launch.spawn`, with the backend that
@@ -108,8 +108,12 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 # ## The four collectives
 # A **collective** is an operation that *every* rank of the group calls, in the same order as the
 # others; the table says what it leaves on each rank. With gloo on the CPU the call returns
-# once the result is in the tensor. With nccl it only queues the work on a separate CUDA stream
-# and returns to Python at once; later GPU work on the tensor waits for it.
+# once the result is in the tensor. With nccl the call hands the work to the GPU and returns to
+# Python without waiting for it to run (every NCCL call is asynchronous, the header of torch's
+# NCCL process group says). With `async_op=True` you get a handle back, and its `wait()` makes
+# the GPU work you queue after it wait for the collective; with the default `async_op=False`
+# torch asks the backend to do that ordering itself, so later GPU work on the tensor sees the
+# result.
 #
 # | collective | every rank gives | every rank gets |
 # |---|---|---|
@@ -201,7 +205,10 @@ claim("training-mode BatchNorm: they differ by more than 1e-3",
 
 # %% [markdown]
 # So DDP on a BatchNorm network takes the step of N *smaller* batches averaged, not of the
-# global batch; `nn.SyncBatchNorm` (lesson 04) restores the identity.
+# global batch. A BatchNorm that computes its statistics over every rank's shard together
+# restores the identity: lesson 04 measures that with a CPU stand-in that all-reduces the
+# statistics (`nn.SyncBatchNorm` itself refuses CPU tensors in a process group, so no lesson
+# runs it here; on GPUs it aims at the same by another route).
 #
 # Here is a complete DDP training worker. Every rank builds the same model (same seed), wraps it
 # in `DDP`, and trains on its own contiguous shard of each global batch; after `loss.backward()`
@@ -253,10 +260,10 @@ claim(f"weights after the {steps} steps are bit-for-bit equal across the ranks (
 viz.show_code(ddp.average_gradients)
 
 # %% [markdown]
-# The worker that uses it (its `average_fn`, by default the library's `average_gradients`) in
-# place of DDP, with the same model, data and steps as `ddp_worker`: it broadcasts rank 0's
-# weights once, then every step runs forward, backward, `average_fn(model)` and the optimizer
-# step on its shard — your `data_parallel_step`, without the global loss.
+# The worker that uses it in place of DDP, `manual_dp_worker`, has the same model, data and
+# steps as `ddp_worker`. How its step is built is lab 03's part 3 (there with the global
+# batch's loss too), so it is folded as well; the claims after it compare it with DDP and with
+# one process.
 #
 # **▶ The reference answer — open after your lab passes** (click the folded cell below).
 
@@ -290,7 +297,12 @@ claim("hand-averaged weights are bit-for-bit equal across the ranks",
 # kernels on the same kind of device. It
 # does not make N ranks bit-for-bit equal to one process: on 3 ranks too, that agreement is to
 # a tolerance. The next cell checks both on 3 ranks (gloo, on the CPU, whatever this machine's
-# profile; a global batch of 24, since 32 does not split over 3).
+# profile; a global batch of 24, since 32 does not split over 3). `compare_three` runs the
+# hand-averaged workers, the DDP workers and the single process, each in its own launch, and
+# returns the largest differences between them:
+
+# %%
+viz.show_code(ddp.compare_three)
 
 # %%
 cfg3 = ddp.StepConfig(global_batch=24, steps=steps, lr=lr, width=width, seed=seed)
@@ -353,10 +365,12 @@ else:
 # 1. **Broadcast at construction.** It copies rank 0's weights and buffers to every rank, so
 #    the ranks start equal even if they were initialised differently (`manual_dp_worker` did
 #    the same for the weights by hand).
-# 2. **Buffers broadcast before every forward.** Buffers are a module's state that is not a
+# 2. **Buffers broadcast before a forward.** Buffers are a module's state that is not a
 #    parameter, such as BatchNorm's running statistics: no gradient reaches them, so no
 #    all-reduce averages them. By default (`forward_sync_buffers=True`) DDP copies rank 0's
-#    buffers to every rank at the start of every forward. Before torch 2.13 the switch was
+#    buffers to every rank at the start of the first forward and of each forward that follows
+#    a training forward (which forwards do not, the buffers section measures). Before torch
+#    2.13 the switch was
 #    `broadcast_buffers`, and it is not a plain rename: `broadcast_buffers=False` also skips the
 #    buffers' broadcast at construction, `forward_sync_buffers=False` only the one before each
 #    forward.
@@ -421,7 +435,10 @@ claim(f"the installed {libtorch_cpu.name} (torch {torch.__version__.split('+')[0
 
 # %% [markdown]
 # First the broadcast: every rank builds its model from a *different* seed, and after
-# `DDP(model)` they are equal.
+# `DDP(model)` they are equal. (The worker also registers a **comm hook**: a function of
+# yours that DDP calls in place of its own all-reduce, once per bucket of gradients, and that
+# must return a future of the reduced bucket. This one notes which parameters each bucket
+# holds and then does what DDP would; the next section times the buckets with another.)
 
 # %%
 viz.show_code(ddp.ddp_internals_worker)
@@ -561,8 +578,8 @@ claim("static_graph=True, iteration 2: the same buckets the default got in itera
 # %% [markdown]
 # With `find_unused_parameters=True` (and no `static_graph`) DDP buckets by size from the
 # start, and never rebuilds (the reducer's `should_rebuild_buckets` is false): it groups the
-# parameters in registration order with `dist._compute_bucket_assignment_by_size` (the rule of
-# the next section), then reduces the groups last first. We give that model a head it never
+# parameters in registration order with `dist._compute_bucket_assignment_by_size` (the function
+# of the next section), then reduces the groups last first. We give that model a head it never
 # uses, which is the case that flag exists for:
 
 # %%
@@ -601,15 +618,14 @@ claim("its buckets are the registration-order groups, reduced last group first, 
 # %% [markdown]
 # ### The cap is where a bucket closes, not a ceiling
 # Look at the sizes printed for iterations 1 and 2: under a cap of 0.1 MiB (102.4 KiB) the
-# first rebuilt bucket holds 518 KiB, and the line above lists its tensors. The reducer walks the gradients in the order they became
-# ready, adds each to the open bucket, and closes the bucket as soon as its size **reaches** the
-# cap (`bucket.size >= bucket_size_limit` in the C++ function
-# `compute_bucket_assignment_by_size`). The classifier's first weight, `classifier.1.weight`
-# (512 KiB), is five times the cap by itself, so the bucket it lands in closes right after it. A
-# bucket can therefore overshoot the cap by up to one tensor; without its last tensor it is
-# always under the cap. A bucket also holds tensors of one device and one dtype only: the
-# function keeps an open bucket per (dtype, device), so a float16 tensor among float32 ones
-# goes to a bucket of its own.
+# first rebuilt bucket holds 518 KiB, and the line above lists its tensors: the classifier's
+# first weight, `classifier.1.weight` (512 KiB), is five times the cap by itself. The reducer
+# never splits a gradient, and it closes a bucket by comparing the bucket's size with the cap;
+# exactly when is lab 07's part 1, where you write that rule yourself, so the sentence that
+# states it and the claims that pin it down are folded below, after the measurements. A
+# bucket also holds tensors of one device and one dtype only: the C++ function that makes the
+# buckets, `compute_bucket_assignment_by_size`, keeps an open bucket per (dtype, device), so a
+# float16 tensor among float32 ones goes to a bucket of its own.
 #
 # torch exposes that very C++ function to Python as
 # `torch.distributed._compute_bucket_assignment_by_size`. `ddp_bucket_rule` hands it the order
@@ -618,17 +634,15 @@ claim("its buckets are the registration-order groups, reduced last group first, 
 # the cap is 25 MiB and the first bucket's limit only 1 MiB, so the last layers' gradients
 # leave early). `rebuilt_buckets_worker` records the buckets DDP really handed its comm hook in
 # iteration 1, for four caps on the small CNN and three on ResNet-18 (`None` is DDP's default).
-# The same order also goes to lesson 07's `overlap.assign_buckets`, which you write in lab 07
-# (it walks its input backwards, so it gets the reverse of the ready order).
 
 # %%
 viz.show_code(ddp.bucket_limits, ddp.ddp_bucket_rule, ddp.rebuilt_buckets_worker)
 
 # %%
-from dpcourse import models, overlap
+from dpcourse import models
 
 caps_tried = {"small_cnn": [0.05, 0.1, 0.25, 1.0], "resnet18": [None, 1.0, 5.0]}
-rule_holds, same_as_ours, in_mib, closes_on_reaching, overshoot = [], [], [], [], []
+rule_holds, in_mib, overshoot, measured_pairs = [], [], [], []
 for model_name, caps in caps_tried.items():
     image_size = 16 if model_name == "resnet18" else 32   # same tensors, quicker
     rebuilt = launch.spawn(ddp.rebuilt_buckets_worker, world_size, model_name, caps, 2,
@@ -641,19 +655,11 @@ for model_name, caps in caps_tried.items():
         first_limit, limit = ddp.bucket_limits(cap_mb_k)
         expected = ddp.ddp_bucket_rule(params, rebuilt[0][k]["ready_order"], cap_mb_k)
         rule_holds.append(all(r[k]["buckets"] == expected for r in rebuilt))
-        ready = rebuilt[0][k]["ready_order"]     # lesson 07's assign_buckets walks its input
-        ours = overlap.assign_buckets([params[i] for i in reversed(ready)], limit / 2**20,
-                                      first_limit / 2**20 if first_limit != limit else None)
-        index = {p: i for i, p in enumerate(params)}
-        same_as_ours.append([[index[p] for p in b] for b in ours] == rebuilt[0][k]["buckets"])
         in_mib.append(rebuilt[0][k]["cap_bytes"] == int((cap_mb_k or 25) * 1024 * 1024))
         sizes = [sum(nbytes[i] for i in b) for b in rebuilt[0][k]["buckets"]]
         limits = [first_limit] + [limit] * (len(sizes) - 1)
-        closes_on_reaching.append(
-            all(size >= lim for size, lim in zip(sizes[:-1], limits))
-            and all(size - nbytes[b[-1]] < lim
-                    for size, lim, b in zip(sizes, limits, rebuilt[0][k]["buckets"])))
         overshoot.append(max(size / lim for size, lim in zip(sizes, limits)))
+        measured_pairs.append((params, nbytes, rebuilt[0][k], first_limit, limit))
         print(f"  bucket_cap_mb={cap_mb_k}: limit {limit / 1024:.1f} KiB"
               + (f" (first bucket {first_limit / 1024:.1f} KiB)" if first_limit != limit else "")
               + f"; {len(sizes)} bucket(s) of {[round(s / 1024) for s in sizes]} KiB")
@@ -665,11 +671,7 @@ claim(f"bucket_cap_mb is in MiB: for all {n_pairs} caps DDP logs int(bucket_cap_
 claim(f"for all {n_pairs} (model, cap) pairs, on every rank, the buckets DDP launched are the "
       f"same lists of parameters, in the same order, as dist._compute_bucket_assignment_by_size "
       f"gives for the gradient-ready order", all(rule_holds))
-claim(f"lesson 07's overlap.assign_buckets (lab 07's answer), fed the parameters in reverse "
-      f"gradient-ready order, makes the same buckets for all {n_pairs} pairs", all(same_as_ours))
-claim("every bucket but the last reached its limit, and none would have without its last tensor",
-      all(closes_on_reaching))
-claim(f"so a bucket can be several times its limit: the largest here is {max(overshoot):.1f}x "
+claim(f"a bucket can be several times its limit: the largest here is {max(overshoot):.1f}x "
       f"(more than 5x)", max(overshoot) > 5)
 mixed = [torch.zeros(4), torch.zeros(4, dtype=torch.float16), torch.zeros(4),
          torch.zeros(4, dtype=torch.float16)]
@@ -683,9 +685,46 @@ print("resnet18, bucket_cap_mb=None (DDP's default), first bucket: "
                   for i in rebuilt[0][0]["buckets"][0]))
 
 # %% [markdown]
+# **▶ DDP's closing rule — open after lab 07 passes** (click the folded cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The reducer walks the gradients in the order they became ready, adds each to the open bucket
+# of its dtype and device, and closes the bucket as soon as its size **reaches** the limit
+# (`bucket.size >= bucket_size_limit` in `compute_bucket_assignment_by_size`, `reducer.cpp`).
+# So a bucket can overshoot the cap by up to one tensor, and without its last tensor it is
+# always under the cap. Lesson 07's `overlap.assign_buckets`, lab 07's answer, walks its input
+# backwards, so fed the parameters in reverse ready order it must make DDP's buckets too.
+
+# %% [markdown]
+# **▶ The rule and lab 07's answer, checked on these buckets — open after lab 07 passes**
+# (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+from dpcourse import overlap
+
+closes_on_reaching, same_as_ours = [], []
+for params, nbytes_k, seen_k, first_limit, limit in measured_pairs:
+    sizes = [sum(nbytes_k[i] for i in b) for b in seen_k["buckets"]]
+    limits = [first_limit] + [limit] * (len(sizes) - 1)
+    closes_on_reaching.append(
+        all(size >= lim for size, lim in zip(sizes[:-1], limits))
+        and all(size - nbytes_k[b[-1]] < lim
+                for size, lim, b in zip(sizes, limits, seen_k["buckets"])))
+    ours = overlap.assign_buckets([params[i] for i in reversed(seen_k["ready_order"])],
+                                  limit / 2**20,
+                                  first_limit / 2**20 if first_limit != limit else None)
+    index = {p: i for i, p in enumerate(params)}
+    same_as_ours.append([[index[p] for p in b] for b in ours] == seen_k["buckets"])
+claim("every bucket but the last reached its limit, and none would have without its last tensor",
+      all(closes_on_reaching))
+claim(f"lesson 07's overlap.assign_buckets (lab 07's answer), fed the parameters in reverse "
+      f"gradient-ready order, makes the same buckets for all {n_pairs} pairs", all(same_as_ours))
+
+# %% [markdown]
 # Even DDP's default 1 MiB first bucket ends at 9 MiB on ResNet-18 (the last line printed):
 # after the 20 KiB classifier (`fc`) and two BatchNorm vectors comes the last block's 9 MiB
-# convolution weight (`layer4.1.conv2.weight`, 9216 KiB), and the bucket closes only after it. A smaller cap makes more buckets of small layers, never a split tensor.
+# convolution weight (`layer4.1.conv2.weight`, 9216 KiB), and the bucket closes only after
+# it. A smaller cap makes more buckets of small layers, never a split tensor.
 
 # %% [markdown]
 # ### The overlap, on a timeline
@@ -722,20 +761,23 @@ print(f"iteration 2 on rank 0: backward took {third['backward_end']:.1f} ms; its
 # separate CUDA stream, so they can run at the same time as the backward's kernels (on the same
 # GPU, sharing its cores and memory bandwidth); lesson 07 measures what overlap buys.
 #
-# ### Buffers: rank 0's BatchNorm statistics, before every forward
+# ### Buffers: rank 0's BatchNorm statistics, before a forward
 # A BatchNorm layer keeps a running mean and variance: every forward in training mode updates
 # them from the batch it sees, and eval mode normalises with them instead of the batch's. They
 # are buffers, so each rank updates its own from its own shard and no all-reduce touches them.
-# Before every forward, DDP's `_pre_forward` calls `_sync_buffers`, which broadcasts rank 0's
+# Before a forward, DDP's `_pre_forward` calls `_sync_buffers`, which broadcasts rank 0's
 # buffers to the other ranks (rank 0 is the "authoritative" copy). Only a forward through the
 # wrapper does so, and not one that follows a forward run under `torch.no_grad()` or inside
-# `no_sync()` (DDP's `require_forward_param_sync` is then off). `buffer_sync_worker` trains a
-# small BatchNorm network for three steps with `forward_sync_buffers=True` and then `False`,
-# each rank on its own data; a forward pre-hook on the BatchNorm layer records the running mean
-# each forward starts from, after DDP's own pre-forward work.
+# `no_sync()`: `_post_forward` turns DDP's `require_forward_param_sync` off after such a
+# forward, and on again after a training forward that will synchronise its gradients.
+# `buffer_sync_worker` trains a small BatchNorm network for three steps with
+# `forward_sync_buffers=True` and then `False`, each rank on its own data, evaluates it, then
+# runs a training-mode forward under `no_grad`, a step, and a step accumulated under
+# `no_sync()`; a forward pre-hook on the BatchNorm layer records the running mean each forward
+# starts from, after DDP's own pre-forward work.
 
 # %%
-viz.show_code(ddp.buffer_sync_worker)
+viz.show_code(ddp.BNNet, ddp.buffer_sync_worker)
 
 # %%
 buffers = launch.spawn(ddp.buffer_sync_worker, world_size, backend="gloo", timeout=60)
@@ -760,23 +802,65 @@ claim("either way the weights are bit-for-bit the same (training-mode BatchNorm 
       all(torch.equal(a["params"], b["params"]) for a, b in zip(on, off)))
 claim("either way rank 0's running mean is bit-for-bit the same: the broadcast never changes "
       "rank 0's buffers", torch.equal(on[0]["final_running_mean"], off[0]["final_running_mean"]))
+# Then the five training-mode forwards after the evaluation, with forward_sync_buffers=True:
+synced = {}
+for k, (follows, _) in enumerate(on[0]["later"]):
+    same = all(torch.equal(r["later"][k][1], on[0]["later"][k][1]) for r in on)
+    print(f"forward {k + 1}, after {follows}: started from "
+          + ("the same running mean on every rank" if same else "a different one on each rank"))
+    synced.setdefault(follows, []).append(same)
+claim("forward_sync_buffers=True: a forward that follows a no-grad forward, or a no_sync() "
+      "one, starts from each rank's own running mean (no broadcast); one that follows a "
+      "training forward, from rank 0's",
+      synced == {"the eval forward": [True], "a no-grad forward": [False],
+                 "a no_sync forward": [False], "a training forward": [True, True]},
+      synced=synced)
 
 # %% [markdown]
+# Forward 1 follows the evaluation, which ran under `no_grad`, so nothing was broadcast before
+# it; the ranks agree all the same, because the evaluation itself followed a training forward
+# (it was broadcast to) and eval mode changes no statistic. Forward 1 runs in training mode
+# under `no_grad`: each rank updates its statistics from its own batch, and forward 2 starts
+# from them, unbroadcast. Forward 3, under `no_sync()` (lesson 04's gradient accumulation),
+# does the same to forward 4. DDP's docstring for `forward_sync_buffers` says it syncs "at
+# the beginning of ``forward``"; its code skips these two.
+#
 # So the statistics rank 0 saves in a checkpoint (lesson 04 saves from rank 0) come from rank
 # 0's shards only, 1/N of each global batch, whatever the setting. What the broadcast decides is
 # what the *other* ranks use: with it on, every rank evaluates through the wrapper with rank 0's
 # statistics, the model you checkpoint, and gets the same outputs (`ddp_model.module` skips the
 # broadcast); with it off, each rank evaluates with its own
 # and N ranks report N different accuracies for the same weights. Statistics over the whole
-# global batch need `nn.SyncBatchNorm` (lesson 04), which all-reduces the batch's statistics
-# inside every forward.
-#
+# global batch need `nn.SyncBatchNorm` (lesson 04), which, in every training-mode forward,
+# **all-gathers** each rank's batch mean, inverse standard deviation and sample count (the
+# counts may differ between ranks, which a plain all-reduce of the statistics could not
+# weigh), and all-reduces only in its backward. Its source says so (the collectives each
+# method calls, read from the installed torch):
+
+# %%
+import re
+
+from torch.nn.modules import _functions as batchnorm_functions
+
+
+def collectives_called(fn):
+    return re.findall(r"(?:dist|torch\.distributed)\.(\w+)\(", inspect.getsource(fn))
+
+
+sbn_forward = collectives_called(batchnorm_functions.SyncBatchNorm.forward)
+sbn_backward = collectives_called(batchnorm_functions.SyncBatchNorm.backward)
+print("nn.SyncBatchNorm's autograd function, forward:", sbn_forward, " backward:", sbn_backward)
+claim("SyncBatchNorm's forward only all-gathers (no all_reduce); its backward only all-reduces",
+      sbn_forward and all("all_gather" in c for c in sbn_forward)
+      and sbn_backward and all(c == "all_reduce" for c in sbn_backward))
+
+# %% [markdown]
 # | | DataParallel | DDP |
 # |---|---|---|
 # | processes | 1 (threads, one GIL) | 1 per device |
-# | weights sent | every step, from device 0 | once, at the start (buffers: before every forward) |
+# | weights sent | every step, from device 0 | once, at the start (buffers: before each forward that follows a training forward) |
 # | gradients | summed onto device 0 | all-reduced, averaged on every rank |
-# | per-step traffic at the busiest device, bytes sent + received (K: the gradients' size) | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 4(N−1)K/N with ring all-reduce (2(N−1)K/N each way) |
+# | per-step traffic at the busiest device, numbers sent + received (K: the number of gradient values, as lesson 02 counted them; times 4 for bytes in float32) | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 4(N−1)K/N with ring all-reduce (2(N−1)K/N each way) |
 # | overlap with backward | no | yes (buckets) |
 # | multi-machine | no | yes |
 #
@@ -792,7 +876,12 @@ claim("either way rank 0's running mean is bit-for-bit the same: the broadcast n
 # epoch. Forget it on every rank and the epoch stays 0 everywhere: the shards stay disjoint,
 # but every epoch repeats the same order. Call it on some ranks only (say under
 # `if rank == 0:`) and the ranks shuffle with different epochs: their shards overlap, and some
-# samples are seen twice in an epoch while others are skipped.
+# samples are seen twice in an epoch while others are skipped. `sampler_orders` builds one
+# sampler per rank, as each rank would in its own process, and `shard_overlap` counts the
+# repeated reads in one epoch (every read of an index beyond its first):
+
+# %%
+viz.show_code(ddp.sampler_orders, ddp.shard_overlap)
 
 # %%
 n = 10
@@ -862,10 +951,13 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 #   `static_graph=True` the first two iterations do), unless `find_unused_parameters=True`
 #   without `static_graph`; afterwards the buckets follow the order the gradients arrived,
 #   rank 0's assignment on every rank, and they overlap the backward.
-# - A bucket closes once it *reaches* `bucket_cap_mb` MiB, so it can overshoot by its last
-#   tensor; DDP's buckets are those of `dist._compute_bucket_assignment_by_size`.
-# - Before every forward DDP broadcasts rank 0's buffers (`forward_sync_buffers=True`): every
-#   rank evaluates with rank 0's BatchNorm statistics, which come from rank 0's shards only.
+# - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
+#   can end several times the cap (518 KiB under 0.1 MiB here); DDP's buckets are those of
+#   `dist._compute_bucket_assignment_by_size`.
+# - Before each forward that follows a training forward (and before the first) DDP broadcasts
+#   rank 0's buffers (`forward_sync_buffers=True`): every rank evaluates with rank 0's
+#   BatchNorm statistics, which come from rank 0's shards only. A forward that follows one
+#   under `no_grad` or `no_sync()` starts from each rank's own.
 # - `DistributedSampler` gives each rank a disjoint shard; call `set_epoch` every epoch, on every
 #   rank: forgotten everywhere, every epoch repeats the same order; called on some ranks only,
 #   the shards overlap.
@@ -959,18 +1051,25 @@ viz.quiz([
 # - `torch/distributed/distributed_c10d.py` — `Backend.backend_capability`: gloo takes `cpu`
 #   and `cuda` tensors, nccl `cuda` only.
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — the comment above
-#   `class ProcessGroupNCCL`: every NCCL call is asynchronous, scheduled on a separate CUDA
-#   stream "for the purpose of achieving potentially concurrency", and the caller's stream must
-#   wait for it; calls must come in the same order on all processes.
+#   `class ProcessGroupNCCL`: "All NCCL functions provided by this class are asynchronous
+#   functions", and calls must come in the same order on all processes ("`WorkNCCL::wait()` or
+#   `WorkNCCL::synchronize()`, both achieves the same functionality"; `synchronize`: "Let
+#   current stream wait on the completion of the NCCL work"). The same comment's
+#   "scheduled on a separate CUDA stream" predates `asyncOp`: the `collective` templates
+#   declared below it now take `bool asyncOp`.
+# - `torch/distributed/distributed_c10d.py` — `all_reduce` (and the other collectives): `opts.asyncOp
+#   = async_op`; with `async_op=True` the `Work` is returned, otherwise `work.wait()` when the
+#   backend returned one, and none is needed when it did not ("the backend has sync'ed at CPP
+#   level"); `torch/include/torch/csrc/distributed/c10d/Types.hpp` — `AllreduceOptions::asyncOp`.
+#   Which CUDA stream NCCL's work runs on for each setting is decided in
+#   `ProcessGroupNCCL.cpp`, which is not installed and could not be read here (the PyTorch
+#   repository was too large to fetch), so the lesson says only what these files show.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`:
 #   `forward_sync_buffers` defaults to `True`; `broadcast_buffers` is deprecated (since 2.13)
 #   in its favour, and its warning says that `broadcast_buffers=False` also skips the buffer
 #   sync at construction (`init_sync_buffers`) while `forward_sync_buffers=False` does not;
 #   construction calls `_sync_module_states(..., src=0, ...)`, defined in
-#   `torch/distributed/utils.py`, which broadcasts rank 0's parameters and buffers. Its
-#   docstring for `find_unused_parameters` (default `False`): parameters that receive no
-#   gradient in the forward's graph are "preemptively marked as being ready to be reduced"
-#   (the note in the folded reference `average_gradients`).
+#   `torch/distributed/utils.py`, which broadcasts rank 0's parameters and buffers.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._ddp_init_helper`, the
 #   comment before the bucket limits: parameters are not in execution order, and when a model
 #   has both "other collectives comm ops in its backward graph" and an "unused parameter in
@@ -986,9 +1085,17 @@ viz.quiz([
 #   `dist._compute_bucket_assignment_by_size` and hands the reversed buckets to `dist.Reducer`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._pre_forward`: calls
 #   `self.reducer._rebuild_buckets()` before the forward, then `_sync_buffers()` when
-#   `_check_sync_bufs_pre_fwd()` (`will_sync_module_buffers`: `require_forward_param_sync`,
-#   which `_post_forward` turns off after a forward without gradient sync); `_sync_buffers` uses
-#   rank 0 as the authoritative copy unless `Join` is active.
+#   `_check_sync_bufs_pre_fwd()` (`will_sync_module_buffers`: `require_forward_param_sync`
+#   and `forward_sync_buffers` and the module has buffers); `_sync_buffers` uses rank 0 as the
+#   authoritative copy unless `Join` is active. `DistributedDataParallel._post_forward` sets
+#   `require_forward_param_sync` to `True` only when `torch.is_grad_enabled()` and
+#   `require_backward_grad_sync` (which `no_sync()` turns off), to `False` otherwise;
+#   `__init__` starts it at `True`.
+# - `torch/nn/modules/_functions.py` — `SyncBatchNorm.forward`: `all_gather` (or
+#   `all_gather_single` when the backend is not gloo) of `[mean, invstd, count]`, "Use allgather
+#   instead of allreduce because count could be different across ranks";
+#   `SyncBatchNorm.backward`: `all_reduce` of `sum_dy` and `sum_dy_xmu`. `nn.SyncBatchNorm`
+#   (`torch/nn/modules/batchnorm.py`) calls it as `sync_batch_norm.apply`.
 # - `torch/nn/parallel/distributed.py` — `_DDPSink.backward`: with `static_graph`, the first
 #   backward queues `reducer._delay_all_reduce` (every bucket all-reduced after the backward).
 # - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::next_bucket_` (the
@@ -997,8 +1104,8 @@ viz.quiz([
 #   (rebuild once, never with `find_unused_parameters` unless `static_graph`); and the declaration
 #   of `compute_bucket_assignment_by_size` ("aware of device placement and will not allow
 #   buckets to span devices"; the dtype split is shown by a claim above), which Python sees as
-#   `dist._compute_bucket_assignment_by_size`. Its body, with the rule "close the bucket once
-#   `bucket.size >= bucket_size_limit`", and `Reducer::rebuild_buckets` and
+#   `dist._compute_bucket_assignment_by_size`. Its body (its closing rule is in the folded
+#   sources below), `Reducer::rebuild_buckets` and
 #   `Reducer::autograd_hook` (no order recorded in a static graph's first iteration) are in
 #   c10d's `reducer.cpp` in the PyTorch repository (not installed); the claims above check the
 #   behaviour on the installed build.
@@ -1014,6 +1121,10 @@ viz.quiz([
 
 # %% [markdown] jupyter={"source_hidden": true}
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`'s docstring for
+#   `find_unused_parameters` (default `False`): parameters that receive no gradient in the
+#   forward's graph are "preemptively marked as being ready to be reduced" (the note in the
+#   folded reference `average_gradients`).
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`'s docstring for
 #   `batched_grad_copy` (default `False`): only when it is `True` are the "per-parameter
 #   gradient-to-bucket copy and division operations" deferred and flushed as one
 #   `_foreach_copy_` "plus one flat `div_` when a bucket becomes ready";
@@ -1028,6 +1139,9 @@ viz.quiz([
 #   hook the reducer divides too, but per gradient, as it copies each into the bucket (below).
 # - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::div_factor_` (the
 #   division factor for the gradients: the process group's size).
+# - c10d's `reducer.cpp` — `compute_bucket_assignment_by_size`: the bucket is closed once
+#   `bucket.size >= bucket_size_limit` (lab 07's part 1; the folded claims in "The cap is where
+#   a bucket closes" check it on the installed build).
 # - c10d's `reducer.cpp` (in the PyTorch repository, under `torch/csrc/distributed/c10d/`; not
 #   installed; the v2.14.1 tag could not be fetched here, so it was read at a revision that
 #   already has `batched_grad_copy`, the option the installed 2.14.1 has, and the installed

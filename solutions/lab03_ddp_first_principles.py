@@ -28,7 +28,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dpcourse.checks import lab03, predict
-from dpcourse.models import SmallCNN
 
 torch.set_num_threads(1)
 
@@ -51,8 +50,8 @@ torch.set_num_threads(1)
 #   `None` or hold zeros;
 # - it works for any number of ranks, and returns `None`.
 #
-# **Your design decision:** lesson 03's ranks all used every parameter. Decide what a rank
-# contributes for a parameter it did not use, and how every rank comes to make the same calls.
+# **Your design decision:** what your function does where `p.grad` is `None` on this rank.
+# (Lesson 03's ranks all used every parameter; these do not.)
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -102,25 +101,27 @@ lab03.check_average_gradients(average_gradients)
 #
 # Every collective call pays a fixed start-up cost (lesson 06's α) on top of its bytes, so the
 # **number** of calls a step makes matters as much as what they carry. The measurement runs
-# your `average_gradients` once, on 2 ranks, on `SmallCNN(width=4)` — the model printed below,
-# exactly as printed — after a backward that gave **every one** of its parameters a gradient
-# (part 1's heads and frozen parameter are not in it). **Before you run the
-# measurement**, predict: how many `all_reduce` calls does that **one** call of *your*
-# `average_gradients` make, on each rank? Write a whole number.
+# your `average_gradients` once, on 2 ranks, on part 1's model — its parameters are listed
+# below — right after each rank's backward: rank 0's batch went through `head_a`, rank 1's
+# through `head_b`. **Before you run the measurement**, predict: how many `all_reduce` calls
+# does that **one** call of *your* `average_gradients` make **on rank 0**? Write a whole
+# number.
 
 # %%
-print(SmallCNN(width=4))
+for name, p in lab03.part1_model().named_parameters():
+    print(f"{name:22s} shape {str(tuple(p.shape)):15s} requires_grad={p.requires_grad}")
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # What does your function hand to each collective call: a layer, a parameter tensor, or a single
-# number? And how many parameter tensors does a `Conv2d` or a `Linear` layer own?
+# number? Which of the parameters listed get a call on rank 0 — the head rank 0's batch never
+# went through, `never`, `frozen`? And how many calls does rank 1 make?
 
 # %%
 ### BEGIN SOLUTION: your prediction (a whole number)
-my_guess = 10
+my_guess = 13
 ### END SOLUTION
 guess = predict("lab03", "all_reduce calls in one average_gradients", my_guess, unit="calls")
 
@@ -200,7 +201,7 @@ lab03.check_data_parallel_step(data_parallel_step)
 # `average_gradients_weighted(model, n_local)`. Contract:
 #
 # - `n_local` is this rank's number of samples; no rank is told the other ranks' counts;
-# - the model is the one of part 2, and the backward gave every one of its parameters a
+# - the model is `SmallCNN(width=4)`, and the backward gave every one of its parameters a
 #   gradient (the check runs no other case);
 # - afterwards, on every rank, each `p.grad` holds the gradient of the **mean loss over every
 #   sample of every rank, each sample counted once** — what one process would compute on the
@@ -261,9 +262,8 @@ lab03.check_average_gradients_weighted(average_gradients_weighted)
 # pays it once per *bucket* of about 25 MiB (lesson 03; lesson 07 times them); the extreme is a
 # single bucket. Write `average_gradients_flat(model)`. Contract:
 #
-# - afterwards every `p.grad` holds the mean over the ranks, in its parameter's shape (the
-#   check's ranks all use the same parameters, as in part 2, plus one that no rank uses, whose
-#   `p.grad` is `None`);
+# - afterwards every `p.grad` holds what part 1's contract asks for, in its parameter's shape —
+#   and the check runs part 1's model too, whose even and odd ranks used different heads;
 # - it makes **exactly one** `dist.all_reduce` call per call, whatever the number of parameters
 #   (the check counts your calls on 2 and 3 ranks); returns `None`.
 #
@@ -283,29 +283,39 @@ bytes_guess = predict("lab03", "bytes all-reduced by the flat version, against p
 
 # %% [markdown] jupyter={"source_hidden": true}
 # A collective takes one tensor. How can one tensor carry every gradient of the model, and how
-# will each parameter find its own part again afterwards?
+# will each parameter find its own part again afterwards? And on part 1's model, where rank 0
+# has no `head_b.grad` and rank 1 no `head_a.grad`: which gradient sits at a given offset of
+# rank 0's buffer, and which at the same offset of rank 1's?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Lay every gradient end to end in one 1-D buffer; the reduction is element-wise, so reducing
-# the buffer reduces every gradient at once. Joining tensors makes a copy, so the averaged
-# values must travel back into the gradients, each slice in its parameter's shape.
+# the buffer reduces every gradient at once — element k of every rank's buffer is summed with
+# element k of the others', so every rank must lay out the same parameters in the same order.
+# Joining tensors makes a copy, so the averaged values must travel back into the gradients,
+# each slice in its parameter's shape.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Collect the gradients; build the flat buffer from their flattened forms; one collective and
-# one division on the buffer; then walk the gradients with a running offset, copying each slice
+# Collect the gradients of the parameters that require one, with part 1's decision for a
+# missing one; build the flat buffer from their flattened forms; one collective and one
+# division on the buffer; then walk the gradients with a running offset, copying each slice
 # back into its gradient.
 
 # %%
 def average_gradients_flat(model):
     """Like average_gradients, with a single all_reduce for the whole model; returns None."""
     ### BEGIN SOLUTION: the mean of every gradient, with one collective call for the whole model
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = []
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
     flat /= dist.get_world_size()

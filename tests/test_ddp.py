@@ -109,6 +109,16 @@ def test_rank_zero_buffers_are_broadcast_before_every_forward():
     assert not torch.equal(off[0]["seen"][1], off[1]["seen"][1])
     assert not torch.equal(off[0]["eval_out"], off[1]["eval_out"])
     assert torch.equal(on[0]["final_running_mean"], off[0]["final_running_mean"])
+    # not before EVERY forward: one that follows a no-grad or a no_sync forward starts from each
+    # rank's own running mean (require_forward_param_sync is off), one that follows a training
+    # forward from rank 0's
+    later = [r["later"] for r in on]
+    for k, (follows, _) in enumerate(later[0]):
+        same = torch.equal(later[0][k][1], later[1][k][1])
+        if follows in ("a no-grad forward", "a no_sync forward"):
+            assert not same, follows
+        elif follows == "a training forward":
+            assert same, follows
 
 
 def test_cpu_threads_respect_omp_num_threads():

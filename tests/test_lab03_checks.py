@@ -294,7 +294,7 @@ def test_step_with_the_loss_averaged_before_the_backward_passes(capsys):
     (no_zero_grad, "piled up from step to step"),
     (no_step, "never changed"),
     (returns_nothing, "returned nothing"),
-    (returns_loss_after_step, "return the loss computed before the step"),
+    (returns_loss_after_step, "a loss computed at another moment"),
     (returns_the_loss_tensor, "returned a torch.Tensor .*, not a Python float"),
     (returns_own_shard_loss, "that rank's own shard's loss, where the global batch's loss"),
     (returns_summed_loss, "the sum of the ranks' shard losses"),
@@ -304,6 +304,15 @@ def test_step_with_the_loss_averaged_before_the_backward_passes(capsys):
 def test_wrong_step(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
         lab03.check_data_parallel_step(fn)
+
+
+def test_a_loss_returned_after_the_step_gets_its_fix_on_the_second_meeting():
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_data_parallel_step(returns_loss_after_step, world_sizes=(2,))
+    assert "return the loss computed before the step" not in str(err.value), str(err.value)
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_data_parallel_step(returns_loss_after_step, world_sizes=(2,))
+    assert "return the loss computed before the step" in str(err.value), str(err.value)
 
 
 def todo_average(model):
@@ -388,14 +397,22 @@ def test_rebinding_p_grad_passes_and_the_line_does_not_say_in_place(capsys):
 def test_prediction_of_the_all_reduce_calls(capsys):
     from dpcourse.checks import predict
 
+    # part 1's model: SmallCNN's 10 tensors, head_a, head_b, never (10 values each) and frozen
     measured = lab03.count_all_reduces(reference_average)
-    assert measured == {"calls": 10, "bytes": 4 * 18794, "tensors": 10, "parameters": 18794}
-    lab03.check_prediction(predict("lab03", "all_reduce calls", 10, unit="calls"), measured)
+    assert measured == {"calls": 13, "bytes": 4 * 18824, "tensors": 14, "trainable": 13,
+                        "parameters": 18824}, measured
+    lab03.check_prediction(predict("lab03", "all_reduce calls", 13, unit="calls"), measured)
     out = capsys.readouterr().out
-    assert "measured: 10 calls — right." in out and "75,176 bytes" in out, out
-    lab03.check_prediction(predict("lab03", "all_reduce calls", 5, unit="calls"), measured)
+    assert "measured: 13 calls — right." in out and "75,296 bytes" in out, out
+    lab03.check_prediction(predict("lab03", "all_reduce calls", 11, unit="calls"), measured)
     out = capsys.readouterr().out
-    assert "measured: 10 calls — not what happened." in out and "a weight and a bias" in out
+    assert "measured: 13 calls — not what happened." in out and "a weight and a bias" in out
+    assert "frozen requires no gradient and gets no call" in out, out
+    # lesson 03's loop, which skips a None gradient: 11 calls on rank 0 (10 + head_a)
+    skipping = lab03.count_all_reduces(skip_none)
+    assert skipping["calls"] == 11, skipping
+    lab03.check_prediction(predict("lab03", "all_reduce calls", 11, unit="calls"), skipping)
+    assert "makes 13, on every rank" in capsys.readouterr().out
     with pytest.raises(LabCheckError, match="what count_all_reduces"):
         lab03.check_prediction(predict("lab03", "all_reduce calls", 10), 10)
 
@@ -453,6 +470,7 @@ def test_step_with_a_summed_loss_divided_is_accepted(capsys):
 
 
 def flat_reference(model):
+    _zeros_where_unused(model)   # part 1's decision: the same layout on every rank
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat)
@@ -463,6 +481,7 @@ def flat_reference(model):
 
 def flat_assigning_views(model):
     # right: p.grad rebound to views of the averaged buffer
+    _zeros_where_unused(model)
     params = [p for p in model.parameters() if p.grad is not None]
     flat = torch.cat([p.grad.reshape(-1) for p in params]) / dist.get_world_size()
     dist.all_reduce(flat)
@@ -496,7 +515,8 @@ def flat_without_division(model):
         g.copy_(piece.view_as(g))
 
 
-@pytest.mark.parametrize("fn", [flat_reference, flat_assigning_views, flat_with_torch_helpers])
+@pytest.mark.parametrize("fn", [flat_reference, flat_assigning_views,
+                                flat_with_torch_helpers_all_ranks_alike])
 def test_right_flat_averages_pass(fn, capsys):
     lab03.check_average_gradients_flat(fn)
     out = capsys.readouterr().out
@@ -515,10 +535,24 @@ def test_flat_mistakes_are_named(fn, phrase):
     assert phrase in str(err.value), str(err.value)
 
 
+def test_a_flat_buffer_that_skips_none_gradients_pairs_part_1s_heads():
+    # flat_with_torch_helpers leaves out a None gradient: right when every rank used every
+    # parameter, wrong on part 1's model, where even and odd ranks skip different heads
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients_flat(flat_with_torch_helpers, world_sizes=(2,))
+    first = str(err.value)
+    assert "left out of its flat buffer the head whose p.grad was None" in first, first
+    assert "same offset" in first and "matches positions" in first, first
+    assert "same layout" not in first, first          # the fix waits for the second meeting
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients_flat(flat_with_torch_helpers, world_sizes=(2,))
+    assert "give every rank's buffer the same layout" in str(err.value), str(err.value)
+
+
 # --- unequal shards: average_gradients_weighted(model, n_local) ---
 
 def weighted_reference(model, n_local):
-    n = torch.tensor([float(n_local)])
+    n = torch.tensor([float(n_local)], device=next(model.parameters()).device)
     dist.all_reduce(n)
     for p in model.parameters():
         if p.grad is not None:
@@ -529,7 +563,7 @@ def weighted_reference(model, n_local):
 
 def weighted_via_weights(model, n_local):
     # Equivalent: each rank's weight n_local / N, then one plain sum.
-    total = torch.tensor(float(n_local))
+    total = torch.tensor(float(n_local)).to(next(model.parameters()).grad)
     dist.all_reduce(total)
     for p in model.parameters():
         p.grad *= n_local / total.item()
@@ -599,6 +633,56 @@ def test_weighted_mistakes_are_named(fn, phrase):
         lab03.check_average_gradients_weighted(fn)
 
 
+def weighted_count_without_device(model, n_local):
+    # right on the CPU, refused by NCCL on GPUs: the count follows the default device
+    n = torch.tensor([float(n_local)])
+    dist.all_reduce(n)
+    for p in model.parameters():
+        p.grad.mul_(n_local)
+        dist.all_reduce(p.grad)
+        p.grad.div_(n)
+
+
+def weighted_count_without_device_then_float(model, n_local):
+    # a dtype change names no device: still the default device's
+    n = torch.ones(1).to(torch.float64) * n_local
+    dist.all_reduce(n)
+    for p in model.parameters():
+        p.grad.mul_(n_local)
+        dist.all_reduce(p.grad)
+        p.grad.div_(n.item())
+
+
+def weighted_count_moved_to_the_gradients(model, n_local):
+    # made without device=, then moved where the gradients are: right
+    dev = next(model.parameters()).grad.device
+    n = torch.tensor([float(n_local)]).to(dev)
+    dist.all_reduce(n)
+    for p in model.parameters():
+        p.grad.mul_(n_local)
+        dist.all_reduce(p.grad)
+        p.grad.div_(n)
+
+
+@pytest.mark.parametrize("fn", [weighted_count_without_device,
+                                weighted_count_without_device_then_float])
+def test_a_count_tensor_without_a_device_is_refused(fn):
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients_weighted(fn, world_sizes=(2,))
+    first = str(err.value)
+    assert "without a device=" in first and "NCCL refuses a CPU tensor" in first, first
+    assert "to dist.all_reduce" in first, first
+    assert "device=p.grad.device" not in first, first      # the fix waits for the second time
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients_weighted(fn, world_sizes=(2,))
+    assert "device=p.grad.device" in str(err.value), str(err.value)
+
+
+def test_a_count_tensor_moved_to_the_gradients_device_passes(capsys):
+    lab03.check_average_gradients_weighted(weighted_count_moved_to_the_gradients)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
 def test_weighted_shard_sizes_are_unequal_and_cover_three_ranks():
     assert len(set(lab03.SHARD_SIZES[:3])) == 3 and max(lab03.WORLD_SIZES) <= len(lab03.SHARD_SIZES)
 
@@ -628,8 +712,9 @@ def test_bytes_prediction_of_the_flat_stretch(capsys):
 
 def weighted_counts_gathered(model, n_local):
     # every rank learns every count (all_gather), then weights its gradient by its share
-    counts = [torch.zeros(1) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, torch.tensor([float(n_local)]))
+    grad = next(model.parameters()).grad
+    counts = [torch.zeros_like(grad.reshape(-1)[:1]) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, grad.new_tensor([float(n_local)]))
     share = n_local / float(sum(c.item() for c in counts))
     for p in model.parameters():
         p.grad.mul_(share)
@@ -639,7 +724,8 @@ def weighted_counts_gathered(model, n_local):
 def weighted_one_collective(model, n_local):
     # the count travels in the same buffer as the scaled gradients: one all_reduce in all
     grads = [p.grad for p in model.parameters()]
-    flat = torch.cat([g.reshape(-1) * n_local for g in grads] + [torch.tensor([float(n_local)])])
+    flat = torch.cat([g.reshape(-1) * n_local for g in grads]
+                     + [torch.full((1,), float(n_local), device=grads[0].device)])
     dist.all_reduce(flat)
     total = flat[-1]
     offset = 0
@@ -650,6 +736,7 @@ def weighted_one_collective(model, n_local):
 
 def flat_parameters_to_vector(model):
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    _zeros_where_unused(model)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = parameters_to_vector(grads)
     dist.all_reduce(flat)
@@ -712,7 +799,7 @@ def test_a_missing_none_guard_is_refused_in_the_flat_stretch():
 
 
 def weighted_count_summed_but_gradients_not_scaled(model, n_local):
-    total = torch.tensor([float(n_local)])
+    total = torch.tensor([float(n_local)], device=next(model.parameters()).device)
     dist.all_reduce(total)
     for p in model.parameters():
         dist.all_reduce(p.grad)
@@ -720,7 +807,7 @@ def weighted_count_summed_but_gradients_not_scaled(model, n_local):
 
 
 def weighted_scaled_after_the_sum(model, n_local):
-    total = torch.tensor([float(n_local)])
+    total = torch.tensor([float(n_local)], device=next(model.parameters()).device)
     dist.all_reduce(total)
     for p in model.parameters():
         dist.all_reduce(p.grad)

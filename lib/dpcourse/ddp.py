@@ -29,6 +29,8 @@ What lesson 03 proves with these workers:
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -474,9 +476,8 @@ def ddp_bucket_rule(params: list, ready_order: list[int], bucket_cap_mb: float |
     ``ready_order`` lists parameter indices in the order their gradients became ready in the
     first backward. The reducer walks them in that order and calls
     ``compute_bucket_assignment_by_size`` (reducer.cpp), which torch exposes to Python as
-    ``dist._compute_bucket_assignment_by_size``: a bucket is closed as soon as its size *reaches*
-    its limit (first bucket: the first limit; later ones: the second), so a bucket can overshoot
-    the cap by up to one tensor.
+    ``dist._compute_bucket_assignment_by_size``, with two limits: the first bucket's and every
+    later one's. (Exactly when it closes a bucket is lab 07's part 1: lesson 03 folds it.)
 
     Shown in lesson 03, §"How DDP does it".
     """
@@ -557,8 +558,11 @@ def buffer_sync_worker(rank: int, world_size: int, steps: int = 3, batch: int = 
 
     Returns, per setting: the BatchNorm ``running_mean`` each forward *started* with (recorded
     by a forward pre-hook on the BatchNorm layer, which runs after DDP's own pre-forward work),
-    the one this rank holds after training, its final weights, and the eval-mode output for one
-    input that is the same on every rank.
+    the one this rank holds after training, its final weights, and the eval-mode output (under
+    ``torch.no_grad()``) for one input that is the same on every rank. Then, in training mode,
+    a forward under ``no_grad``, a step, a backward under ``no_sync()`` and two steps:
+    ``later`` holds ``(the forward it follows, the running mean it started with)`` for those
+    five forwards.
 
     Shown in lesson 03, §"How DDP does it".
     """
@@ -581,12 +585,39 @@ def buffer_sync_worker(rank: int, world_size: int, steps: int = 3, batch: int = 
             F.cross_entropy(ddp_model(X), y).backward()
             opt.step()
         final_mean = model.bn.running_mean.detach().clone()
+        final_params = flat_params(model)
         ddp_model.eval()
         with torch.no_grad():
             same_input = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
             eval_out = ddp_model(same_input)
-        out[sync] = {"seen": seen, "final_running_mean": final_mean,
-                     "params": flat_params(model), "eval_out": eval_out}
+        ddp_model.train()
+        later = []   # the forwards below, each labelled with the forward it follows
+
+        def step(no_grad=False, no_sync=False):
+            X = torch.randn(batch, 3, 16, 16, generator=g) * (1 + rank)
+            y = torch.randint(0, 10, (batch,), generator=g)
+            if no_grad:                    # a training-mode forward without a graph
+                with torch.no_grad():
+                    ddp_model(X)
+                return
+            with ddp_model.no_sync() if no_sync else contextlib.nullcontext():
+                F.cross_entropy(ddp_model(X), y).backward()
+            if not no_sync:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        opt.zero_grad(set_to_none=True)
+        for follows, kwargs in (("the eval forward", {"no_grad": True}),
+                                ("a no-grad forward", {}),
+                                ("a training forward", {"no_sync": True}),
+                                ("a no_sync forward", {}),
+                                ("a training forward", {})):
+            n_seen = len(seen)
+            step(**kwargs)
+            later.append((follows, seen[n_seen]))
+        out[sync] = {"seen": seen[:steps + 1], "later": later,
+                     "final_running_mean": final_mean, "params": final_params,
+                     "eval_out": eval_out}
         del ddp_model
     return out
 

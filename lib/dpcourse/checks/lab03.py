@@ -27,7 +27,14 @@ reference. A wrong answer is matched against simulations of the plausible mistak
 * the step returning a tensor, or its own shard's loss, where the contract asks for the global
   batch's loss as a Python float;
 * the library's own ``dpcourse.ddp.average_gradients`` passed as the answer: refused (the lab
-  asks for the learner's).
+  asks for the learner's);
+* the stretch's flat buffer leaving out a ``None`` gradient: right while every rank used every
+  parameter, wrong on part 1's two-head model, where even and odd ranks leave out different
+  heads and the same offset of their buffers holds different parameters (the check runs it);
+* part 4's count tensor made without ``device=`` (``torch.tensor([n_local])``): it follows the
+  default device, the CPU, wherever the gradients are, which gloo accepts and NCCL refuses. A
+  ``TorchFunctionMode`` notes the tensors a factory function made without a device (and what
+  is computed from them alone), and a spy refuses them before the collective, on every rank.
 
 ``p.grad = p.grad / world_size`` (a new tensor bound to ``p.grad`` itself) is right: the lab's
 contract is the values every ``p.grad`` holds afterwards, and the optimizer reads ``p.grad`` at
@@ -51,12 +58,41 @@ from . import (check_timeout, fail, has_todo, passed, recorded, refuse_reference
 
 __all__ = ["check_average_gradients", "check_average_gradients_flat",
            "check_average_gradients_weighted", "check_data_parallel_step", "count_all_reduces",
-           "check_prediction", "check_bytes_prediction", "BYTES_CHOICES", "DEFAULT_TIMEOUT", "SHARD_SIZES", "WORLD_SIZES"]
+           "check_prediction", "check_bytes_prediction", "part1_model", "BYTES_CHOICES",
+           "DEFAULT_TIMEOUT", "SHARD_SIZES", "WORLD_SIZES"]
 
 DEFAULT_TIMEOUT = 20.0  # seconds; a correct answer takes 1-8 s, a deadlock is cut off here
 
 
 ROUTED_HEADS = ("head_a", "head_b")  # even ranks add head_a to the logits, odd ranks head_b
+
+
+def part1_model(device=None) -> torch.nn.Module:
+    """Part 1's model: ``SmallCNN(width=4)`` with four more parameters of 10 values each —
+    ``head_a`` and ``head_b`` (a router sends even ranks' batches through ``head_a``, odd ranks'
+    through ``head_b``, as a mixture-of-experts layer sends each token to an expert), ``never``
+    (requires a gradient, used by no rank) and ``frozen`` (``requires_grad=False``)."""
+    from ..models import SmallCNN
+
+    torch.manual_seed(0)
+    model = SmallCNN(width=4).to(device)
+    for name in ROUTED_HEADS + ("never",):
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros(10, device=device)))
+    model.register_parameter("frozen", torch.nn.Parameter(torch.zeros(10, device=device),
+                                                          requires_grad=False))
+    return model
+
+
+def _part1_model_after_backward(rank: int, dev) -> torch.nn.Module:
+    """Part 1's model after rank ``rank``'s backward: a head's p.grad is None on the ranks that
+    did not use it, ``never``'s and ``frozen``'s on every rank."""
+    model = part1_model(dev)
+    g = torch.Generator().manual_seed(3000 + rank)
+    X = torch.randn(4, 3, 32, 32, generator=g).to(dev)
+    y = torch.randint(0, 10, (4,), generator=g).to(dev)
+    head = getattr(model, ROUTED_HEADS[rank % 2])
+    F.cross_entropy(model(X) + head + model.frozen, y).backward()
+    return model
 
 
 def _avg_worker(rank: int, world_size: int, fn, unused: bool = True,
@@ -76,24 +112,6 @@ def _avg_worker(rank: int, world_size: int, fn, unused: bool = True,
         X = torch.randn(4, 3, 32, 32, generator=g).to(dev)
         y = torch.randint(0, 10, (4,), generator=g).to(dev)
         F.cross_entropy(model(X), y).backward()
-        return model
-
-    def routed_model_after_backward():
-        # A router that sends each rank's batch through one of two heads of the same shape (as
-        # a mixture-of-experts layer sends each token to an expert): even ranks use head_a, odd
-        # ranks head_b, so after the backward a head's p.grad is None on the ranks that did not
-        # use it. `frozen` requires no gradient; `never` requires one and no rank uses it.
-        torch.manual_seed(0)
-        model = SmallCNN(width=4).to(dev)
-        for name in ROUTED_HEADS + ("never",):
-            model.register_parameter(name, torch.nn.Parameter(torch.zeros(10, device=dev)))
-        model.register_parameter("frozen", torch.nn.Parameter(torch.zeros(10, device=dev),
-                                                              requires_grad=False))
-        g = torch.Generator().manual_seed(3000 + rank)
-        X = torch.randn(4, 3, 32, 32, generator=g).to(dev)
-        y = torch.randint(0, 10, (4,), generator=g).to(dev)
-        head = getattr(model, ROUTED_HEADS[rank % 2])
-        F.cross_entropy(model(X) + head + model.frozen, y).backward()
         return model
 
     model = model_after_backward(False)
@@ -121,7 +139,7 @@ def _avg_worker(rank: int, world_size: int, fn, unused: bool = True,
             out["none_error"] = f"{type(e).__name__}: {e}"
             return out  # every rank stopped at the same parameter: no rank waits in a call
     if routed:  # part 1's case the lesson did not show: ranks that used different parameters
-        model = routed_model_after_backward()
+        model = _part1_model_after_backward(rank, dev)
         local = {n: None if p.grad is None else p.grad.detach().cpu().clone()
                  for n, p in model.named_parameters()}
         fn(model)
@@ -213,7 +231,7 @@ def check_average_gradients(average_gradients, world_sizes=WORLD_SIZES,
         runs.append(results)
     _none_guard(every, "average_gradients")
     for results in runs:
-        _diagnose_routed(results, len(results))
+        _diagnose_routed(results, len(results), "average_gradients")
     how = ("in place (each p.grad is still the tensor the backward filled)" if in_place else
            "in new tensors bound to p.grad (right here: the optimizer reads p.grad at each "
            "step; where gradients are views of a bucket, as in lesson 07, only writing into "
@@ -230,13 +248,18 @@ def check_average_gradients_flat(average_gradients_flat, world_sizes=WORLD_SIZES
     (one flat buffer holding every gradient)."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    every = []
+    every, runs = [], []
     for world_size in world_sizes:
-        every += _check_average(average_gradients_flat, world_size, timeout,
-                                "average_gradients_flat", flat=True)
+        results = _check_average(average_gradients_flat, world_size, timeout,
+                                 "average_gradients_flat", flat=True, routed=True)
+        every += results
+        runs.append(results)
     _none_guard(every, "average_gradients_flat")
+    for results in runs:
+        _diagnose_routed(results, len(results), "average_gradients_flat", flat=True)
     passed(f"average_gradients_flat: one all_reduce for the whole model, every p.grad the mean "
-           f"over the ranks (on {' and '.join(map(str, world_sizes))} ranks)")
+           f"over the ranks (on {' and '.join(map(str, world_sizes))} ranks), part 1's heads "
+           f"too: every rank's buffer had the same layout")
 
 
 def _none_guard(results: list, name: str) -> None:
@@ -254,7 +277,7 @@ def _none_guard(results: list, name: str) -> None:
                      "means for the contract.")
 
 
-def _diagnose_routed(results: list, world_size: int) -> None:
+def _diagnose_routed(results: list, world_size: int, name: str, flat: bool = False) -> None:
     """Part 1's routed model: rank r used only ROUTED_HEADS[r % 2]. The contract: on every rank
     each head holds the sum over the ranks of that head's gradient, a rank that did not use it
     counting zeros, divided by the number of ranks; the frozen parameter keeps p.grad None."""
@@ -277,7 +300,7 @@ def _diagnose_routed(results: list, world_size: int) -> None:
         frozen = r["routed_after"].get("frozen")
         if frozen is not None:
             fail(f"on rank {rank} the frozen parameter (requires_grad=False) ends with a p.grad "
-                 f"of {frozen.numel()} values after average_gradients, where the backward gave "
+                 f"of {frozen.numel()} values after {name}, where the backward gave "
                  f"it none on any rank: an optimizer steps every parameter whose p.grad is not "
                  f"None (weight decay or momentum alone would then move a frozen weight).",
                  fix="give zeros only to a parameter that requires a gradient and got none on "
@@ -288,6 +311,19 @@ def _diagnose_routed(results: list, world_size: int) -> None:
             got = r["routed_after"][h]
             if close(got, want[h]):
                 continue
+            if close(r["routed_after"][mine], paired) and not close(paired, want[mine]) and flat:
+                fail(f"on {world_size} ranks, rank {rank}'s {mine}.grad ends holding the "
+                     f"even ranks' head_a gradients and the odd ranks' head_b gradients added "
+                     f"together and divided by {world_size} (the values match that mix): "
+                     f"each rank left out of its flat buffer the head whose p.grad was None — "
+                     f"head_b on even ranks, head_a on odd ones — so the same offset in the "
+                     f"ranks' buffers held a different parameter, and the element-wise sum "
+                     f"added head_a's gradient to head_b's (the same size, so the buffers "
+                     f"were as long and nothing complained). An all_reduce matches positions, "
+                     f"not names.",
+                     fix="give every rank's buffer the same layout: the same parameters in the "
+                         "same order, with zeros for a parameter that requires a gradient but "
+                         "got none on this rank (its p.grad must then hold the mean too).")
             if close(r["routed_after"][mine], paired) and not close(paired, want[mine]):
                 fail(f"on {world_size} ranks, rank {rank}'s {mine}.grad ends holding the "
                      f"even ranks' head_a gradients and the odd ranks' head_b gradients added "
@@ -303,7 +339,7 @@ def _diagnose_routed(results: list, world_size: int) -> None:
                          "the mean too).")
             if got is None:
                 fail(f"on {world_size} ranks, rank {rank}'s {h}.grad is still None after "
-                     f"average_gradients, though {len(users[h])} other rank(s) computed a "
+                     f"{name}, though {len(users[h])} other rank(s) computed a "
                      f"gradient for it: the global batch's loss depends on {h}, so every rank "
                      f"must end holding the same mean gradient for it, this rank's share being "
                      f"zero.",
@@ -408,20 +444,34 @@ def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = 
 # --------------------------------------------------------------------------------------------
 
 
+def _count_worker(rank: int, world_size: int, fn) -> dict:
+    __tracebackhide__ = True
+    from .. import ddp
+    from ..collectives import record_collectives
+
+    model = _part1_model_after_backward(rank, ddp.setup_rank())
+    with record_collectives() as calls:
+        fn(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return {"calls": calls.count_by_op().get("all_reduce", 0),
+            "bytes": calls.bytes_by_op().get("all_reduce", 0),
+            "tensors": len(list(model.parameters())), "trainable": len(trainable),
+            "parameters": sum(p.numel() for p in trainable)}
+
+
 def count_all_reduces(average_gradients, world_size: int = 2,
                       timeout: float | None = None) -> dict:
-    """Run ``average_gradients(model)`` once on ``world_size`` ranks, on the lab's model
-    (``SmallCNN(width=4)``) after one backward, and return what rank 0 handed to
-    ``dist.all_reduce``: ``{"calls": ..., "bytes": ..., "tensors": ..., "parameters": ...}``
-    (``tensors``: the model's parameter tensors, ``parameters``: their elements)."""
+    """Run ``average_gradients(model)`` once on ``world_size`` ranks, on part 1's model
+    (:func:`part1_model`) after each rank's backward, and return what rank 0 handed to
+    ``dist.all_reduce``: ``{"calls", "bytes", "tensors", "trainable", "parameters"}``
+    (``tensors``: the model's parameter tensors, ``trainable``: those that require a gradient,
+    ``parameters``: their elements)."""
     __tracebackhide__ = True
     if not callable(average_gradients):
         fail(f"count_all_reduces needs your function, got {type(average_gradients).__name__}.")
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    r = _launch(_avg_worker, world_size, timeout, average_gradients, False,
-                name=getattr(average_gradients, "__name__", "your function"))[0]
-    return {"calls": r["all_reduce_calls"], "bytes": r["all_reduce_bytes"],
-            "tensors": r["n_tensors"], "parameters": r["n_params"]}
+    return _launch(_count_worker, world_size, timeout, average_gradients,
+                   name=getattr(average_gradients, "__name__", "your function"))[0]
 
 
 def check_prediction(guess, measured: dict) -> None:
@@ -433,16 +483,23 @@ def check_prediction(guess, measured: dict) -> None:
         fail("check_prediction needs what count_all_reduces(...) returned (a dict), got "
              f"{type(measured).__name__}.")
     calls, tensors = measured["calls"], measured["tensors"]
+    trainable = measured.get("trainable", tensors)
     nbytes, params = measured["bytes"], measured["parameters"]
-    if calls == tensors:
-        why = (f"One all_reduce per parameter tensor: the model has {tensors} of them (a weight "
-               f"and a bias in each of its 5 layers), each a separate call that pays the "
-               f"collective's fixed start-up cost (lesson 06's α). Together they hand over "
-               f"{nbytes:,} bytes on each rank: {params:,} float32 gradients of 4 bytes.")
+    if calls == trainable:
+        why = (f"One all_reduce per parameter that requires a gradient, on every rank: "
+               f"{trainable} of the model's {tensors} parameter tensors — SmallCNN's 10 (a "
+               f"weight and a bias in each of its 5 layers), head_a and head_b (rank 0 used "
+               f"only head_a, yet it makes head_b's call too, with zeros, so that its calls "
+               f"pair with rank 1's one for one) and never, which no rank used; frozen requires "
+               f"no gradient and gets no call. Each call pays the collective's fixed start-up "
+               f"cost (lesson 06's α). Together they hand over {nbytes:,} bytes on each rank: "
+               f"{params:,} float32 gradients of 4 bytes.")
     else:
-        why = (f"The model has {tensors} parameter tensors ({params:,} float32 gradients, "
-               f"{4 * params:,} bytes); your function made {calls} all_reduce call(s) handing "
-               f"over {nbytes:,} bytes — one call per tensor is what a per-parameter loop makes.")
+        why = (f"The model has {tensors} parameter tensors, {trainable} of them requiring a "
+               f"gradient ({params:,} float32 values, {4 * params:,} bytes); your function "
+               f"made {calls} all_reduce call(s) on rank 0, handing over {nbytes:,} bytes — a "
+               f"loop that makes one call per parameter requiring a gradient makes "
+               f"{trainable}, on every rank.")
     reveal(guess, calls, close=bool(guess.value == calls) if hasattr(guess, "value") else False,
            explanation=why)
 
@@ -482,6 +539,55 @@ def check_bytes_prediction(guess, flat: dict, per_parameter: dict) -> None:
 SHARD_SIZES = (3, 5, 8)  # rank r holds SHARD_SIZES[r] samples
 
 
+class _Unplaced(Exception):
+    """Raised on every rank, before the collective, when a tensor handed to it follows the
+    default device rather than the gradients' (the same call on every rank: no rank waits)."""
+
+
+def _placement_mode():
+    """A TorchFunctionMode that remembers the tensors a factory function (``torch.tensor``,
+    ``torch.zeros``, ... — the ones ``torch.set_default_device`` redirects) made without a
+    ``device=``, and what is computed from such tensors alone. They live on the default device,
+    the CPU, wherever the gradients are: under gloo on the CPU nothing shows, under NCCL the
+    collective refuses them. Naming a device afterwards (``.to(dev)``, ``.to(p.grad)``,
+    ``.cuda()``, ``.type_as(p.grad)``) places the result; ``*_like`` and ``new_*`` follow their
+    input tensor's device, so they never count as unplaced."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._device import _device_constructors
+    from torch.utils._pytree import tree_leaves
+
+    constructors = _device_constructors()
+    moves = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as}
+
+    class Placement(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.unplaced = []          # kept alive: identity is what is compared
+
+        def is_unplaced(self, t) -> bool:
+            return any(t is u for u in self.unplaced)
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            named = kwargs.get("device") is not None or (func in moves and (
+                func is not torch.Tensor.to
+                or any(isinstance(a, (torch.device, str, int, torch.Tensor)) for a in args[1:])))
+            if func in constructors:
+                if not named:
+                    self.unplaced.extend(outs)
+            elif named:
+                self.unplaced = [u for u in self.unplaced if not any(u is o for o in outs)]
+            else:
+                ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                if ins and all(self.is_unplaced(t) for t in ins):
+                    self.unplaced.extend(o for o in outs if not self.is_unplaced(o))
+            return out
+
+    return Placement()
+
+
 def _weighted_worker(rank: int, world_size: int, fn, sizes: tuple) -> dict:
     __tracebackhide__ = True
     from .. import ddp
@@ -496,7 +602,24 @@ def _weighted_worker(rank: int, world_size: int, fn, sizes: tuple) -> dict:
     y = torch.randint(0, 10, (n_local,), generator=g)
     F.cross_entropy(model(X.to(dev)), y.to(dev)).backward()   # the mean over this rank's shard
     local = [p.grad.detach().cpu().clone() for p in model.parameters()]
-    fn(model, n_local)
+    from ..collectives import record_collectives
+
+    placement = _placement_mode()
+    grad_device = str(next(model.parameters()).grad.device)
+
+    def spy(call):
+        for v in (call.args or {}).values():
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(t, torch.Tensor) and placement.is_unplaced(t):
+                    raise _Unplaced(f"{call.op}|{tuple(t.shape)}|{t.device}")
+
+    try:
+        with record_collectives(before=spy), placement:
+            fn(model, n_local)
+    except _Unplaced as e:
+        op, shape, device = str(e).split("|")
+        return {"unplaced": {"op": op, "shape": shape, "device": device,
+                             "grad_device": grad_device}, "n_local": n_local}
     after = [None if p.grad is None else p.grad.detach().cpu().clone()
              for p in model.parameters()]
     return {"local": local, "after": after, "n_local": n_local}
@@ -525,6 +648,18 @@ def check_average_gradients_weighted(average_gradients_weighted, world_sizes=WOR
 
 def _diagnose_weighted(results: list, world_size: int) -> None:
     __tracebackhide__ = True
+    for rank, r in enumerate(results):
+        if r.get("unplaced"):
+            u = r["unplaced"]
+            fail(f"on rank {rank} the tensor of shape {u['shape']} handed to dist.{u['op']} was "
+                 f"made by a factory function (torch.tensor, torch.zeros, ...) without a "
+                 f"device=, so it lives on the default device ({u['device']}) whatever device "
+                 f"the gradients are on ({u['grad_device']} here): gloo on the CPU accepts it, "
+                 f"but on GPUs, where the gradients live on cuda:<rank>, NCCL refuses a CPU "
+                 f"tensor — the contract asks for every tensor you hand to a collective to "
+                 f"live on the gradients' device.",
+                 fix="create it on the gradients' device: pass device=p.grad.device (or "
+                     "build it with p.grad.new_tensor(...) / torch.full_like(...)).")
     ns = [r["n_local"] for r in results]
     total_n = sum(ns)
     n_params = len(results[0]["local"])
@@ -745,8 +880,13 @@ def check_data_parallel_step(data_parallel_step, world_sizes=WORLD_SIZES,
            f"equal on every rank, the global batch's loss returned")
 
 
-def _returned_loss_problem(results: list) -> str | None:
-    """None if every call returned the global batch's loss as a float, else the sentence."""
+_LOSS_FIX = ("return a Python float: the global batch's loss before the step, from a detached "
+             "copy of this rank's loss summed over the ranks and divided by their number.")
+
+
+def _returned_loss_problem(results: list) -> tuple[str, str] | None:
+    """None if every call returned the global batch's loss as a float, else (the cause, the
+    fix)."""
     world_size = len(results)
     for step in range(len(results[0]["expected"])):
         own = [r["expected"][step] for r in results]
@@ -755,11 +895,13 @@ def _returned_loss_problem(results: list) -> str | None:
             got = r["returned"][step]
             if got is None:
                 return ("data_parallel_step returned nothing: the contract asks for the global "
-                        "batch's loss as a Python float.")
+                        "batch's loss as a Python float.", _LOSS_FIX)
             if isinstance(got, str):
                 return (f"data_parallel_step returned {got}, not a Python float: the contract "
                         f"asks for a float, which a caller can log or compare without keeping "
-                        f"a tensor (its autograd graph, its device) alive.")
+                        f"a tensor (its autograd graph, its device) alive.",
+                        "return the tensor's number: .item() (or float(...)) of the global "
+                        "loss.")
 
             def near(a, b):
                 return abs(a - b) <= 1e-4 * max(1.0, abs(b))
@@ -770,17 +912,21 @@ def _returned_loss_problem(results: list) -> str | None:
                 return (f"data_parallel_step returned {got:.4f} on rank {rank}, that rank's own "
                         f"shard's loss, where the global batch's loss was {want:.4f}: the "
                         f"contract asks for the loss of the whole global batch, the same number "
-                        f"on every rank, and no rank's loss is that without the others'.")
+                        f"on every rank, and no rank's loss is that without the others'.",
+                        _LOSS_FIX)
             if near(got, sum(own)):
                 return (f"data_parallel_step returned {got:.4f}, the sum of the ranks' shard "
-                        f"losses, {world_size} times the global batch's loss ({want:.4f}).")
+                        f"losses, {world_size} times the global batch's loss ({want:.4f}).",
+                        "divide the sum of the ranks' losses by the number of ranks.")
             return (f"data_parallel_step returned {got:.4f} on rank {rank} where the global "
-                    f"batch's loss before this step was {want:.4f}: return the loss computed "
-                    f"before the step, over every rank's shard.")
+                    f"batch's loss before this step was {want:.4f}: neither this rank's shard "
+                    f"loss nor the sum over the ranks, so a loss computed at another moment "
+                    f"(after the optimizer step?) or over other samples.",
+                    "return the loss computed before the step, over every rank's shard.")
     return None
 
 
-def _diagnose_step(params: list, world_size: int, loss_problem: str | None = None,
+def _diagnose_step(params: list, world_size: int, loss_problem: tuple | None = None,
                    weights_reduced: bool = False) -> None:
     __tracebackhide__ = True
     from .. import ddp
@@ -793,7 +939,7 @@ def _diagnose_step(params: list, world_size: int, loss_problem: str | None = Non
 
     if all(close(p, reference) for p in params):
         if loss_problem:
-            fail(loss_problem)
+            fail(loss_problem[0], fix=loss_problem[1])
         return
     if all(torch.equal(p, start) for p in params):
         fail("the weights never changed in 3 steps: the averaged gradients never reached an "
