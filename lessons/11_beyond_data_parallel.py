@@ -309,8 +309,8 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cells below): f
 # and g pass by pass, where the biases go, one rank's forward and backward with every tensor
-# marked replicated, sliced or partial, the library's code, and why *g*'s backward may be the
-# identity.
+# marked replicated, sliced or partial, the library's code, and why one of the four methods
+# may pass its gradient on untouched.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 print("f, before the column layer: forward identity (every rank uses the same X); backward "
@@ -431,7 +431,7 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # DDP's all-reduce overlaps the backward (lesson 07); most of tensor parallelism's sit **on
 # the critical path**: the tensor-parallel all-reduces sit between one matmul and the next,
 # which waits for the sum — four times per transformer layer and micro-batch (attention and
-# MLP each have an *f* and a *g*, and each of the four communicates once a step) — and
+# MLP each have an *f* and a *g*) — and
 # each rank's matmuls shrink by t. Not all of them, though: Megatron-LM hides two of a
 # layer's four, those of its two *f*'s — attention's QKV layer and the MLP's first layer are
 # both column-parallel, and every `ColumnParallelLinear` overlaps its all-reduce with a
@@ -447,7 +447,7 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # `fused_matmul_reduce_scatter`): the layout of *sequence parallelism* (Korthikanti et al.),
 # where each of the all-reduces here becomes an all-gather and a reduce-scatter around the
 # layer norms and dropouts; the plain all-reduces of this MLP are not matched. Even so, the
-# forward's sums stay in the way, and they pay only on very fast links: NVLink inside a
+# sums that a matmul waits for stay in the way, and they pay only on very fast links: NVLink inside a
 # node, not the network between nodes. Megatron-LM keeps t ≤ the GPUs of one node.
 #
 # ### torch's version: `parallelize_module` and DTensor

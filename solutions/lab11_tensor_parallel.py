@@ -40,7 +40,9 @@
 # **How it is checked.** Each check runs your code on 2 and then 3 ranks (gloo, through
 # `dpcourse.launch.spawn`, which ships your classes to the ranks: define them right here),
 # records every collective your code makes, and compares outputs and gradients (of the input,
-# and of every weight and bias shard) with the plain layer on one process. A wrong answer stops
+# and of every weight and bias shard) with the plain layer on one process — then takes two
+# SGD steps of each rank's own parameters and compares again with the plain layer trained the
+# same way. A wrong answer stops
 # with one sentence naming its mistake: when you are stuck, run the check and read it first;
 # the folded hints come after.
 
