@@ -21,6 +21,10 @@ send does not return before the peer has posted the matching receive. The check 
 call each rank is stuck in, stops the ranks after ``timeout`` seconds and says so; every rank
 calling ``dist.recv`` first deadlocks the same way. A second ``wait()`` on the same ``Work``
 never returns either (measured, torch 2.14 gloo): the spy on the stretch's works names it.
+The spy also notes the memory each non-blocking receive writes into, so that one buffer shared
+by receives in flight (a race whose sum may come out right on one run) is named by its cause.
+The stretch's design decision, the receives kept in flight, is declared before the ring is
+written and held: the first number compared with the ring is kept, another one refused.
 """
 
 from __future__ import annotations
