@@ -760,8 +760,9 @@ def _mlp_worker(rank: int, world_size: int, mlp_cls, hidden: int) -> dict:
 def check_tp_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None) -> None:
     """``mlp_cls(plain, rank, world_size)`` from a plain ``Sequential(Linear(6, 12), GELU(),
     Linear(12, 6))`` on 2 and 3 ranks: the same output and dL/dx as the plain MLP, with one
-    all-reduce forward and one backward; then hidden size 16 on 3 ranks, refused with a
-    sentence naming both numbers, or handled."""
+    all-reduce forward and one backward, each shard's gradient the plain one's block, and the
+    same output after ``_STEPS`` SGD steps of each rank's own parameters; then hidden size 16
+    on 3 ranks, refused with a sentence naming both numbers, or handled."""
     __tracebackhide__ = True
     from .. import tensor_parallel as tp
 
