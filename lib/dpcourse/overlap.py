@@ -164,11 +164,18 @@ def assign_buckets(params, bucket_cap_mb: float,
     while the backward is still busy with the early layers. The rule is the one of DDP's
     reducer (``compute_bucket_assignment_by_size``): a parameter is added to the open bucket of
     its dtype and device, and the bucket is closed once it has **reached** the cap (so a bucket
-    can end above the cap by its last parameter; one larger than the cap is alone). Each
+    can end above the cap by its last parameter, and a parameter larger than the cap closes the
+    bucket it joins, whatever that bucket held before it). Each
     (dtype, device) pair fills buckets of its own. The caps are a list walked per pair:
     ``first_bucket_mb`` for the first bucket when given (DDP uses 1 MiB when ``bucket_cap_mb``
     is left at its default), then ``bucket_cap_mb`` for every later one. Buckets still open at
     the end are added last, in the order their pairs first appeared.
+
+    These are the buckets DDP's reducer makes when it *rebuilds* them from the order the
+    gradients arrived (after the first backward): ``params`` reversed is that order for a model
+    whose layers run in registration order. They are not the buckets DDP makes at construction
+    with ``find_unused_parameters=True``: those walk the parameters in registration order and
+    then reverse the list of buckets (lesson 07, §3, compares the two).
 
     Shown in lesson 07, §3.
     """
@@ -294,7 +301,9 @@ def predict_step(ready_ms, bucket_sizes, comm_ms, forward_ms: float, backward_ms
     gradients, bytes), in launch order, buckets taking the gradients in arrival order;
     ``comm_ms(nbytes)``: the time of one all-reduce (lesson 06's α-β model). One all-reduce
     runs at a time: bucket k starts when its last gradient is ready (``overlap``) or when the
-    backward ends (not), and not before bucket k-1 has finished. The step is then
+    backward ends (not), and not before bucket k-1 has finished; the bucket that holds the last
+    gradient is complete only when the backward ends, so it starts then in both cases (with a
+    single bucket, overlap and its control are the same step). The step is then
 
         forward + max(backward, end of the last all-reduce) + optimizer step,
 
@@ -327,7 +336,8 @@ def predict_step(ready_ms, bucket_sizes, comm_ms, forward_ms: float, backward_ms
     for k, (n, nbytes) in enumerate(bucket_sizes):
         seen += n
         copied += copy_in[k]
-        start = max(ready[seen - 1] + copied if overlap else backward_end, free)
+        last = seen == len(ready)           # holds the last gradient: ready when backward ends
+        start = max(ready[seen - 1] + copied if overlap and not last else backward_end, free)
         cost = comm_ms(nbytes)
         free = start + cost
         comm += cost

@@ -40,6 +40,7 @@ __all__ = [
     "OverlapConfig",
     "train_steps",
     "equality_worker",
+    "ddp_buckets_worker",
     "timing_worker",
     "comm_hook_worker",
 ]
@@ -206,6 +207,40 @@ def equality_worker(rank: int, world_size: int, cfg: OverlapConfig,
         inner = model.module
         out[kind] = {"params": ddp.flat_params(inner), "collectives": model.collectives,
                      "buckets": [len(b) for b in getattr(model, "buckets", [])]}
+    return out
+
+
+def ddp_buckets_worker(rank: int, world_size: int, settings) -> list[dict]:
+    """Real DDP's buckets, read from its reducer, for each ``(cfg, bucket_cap_mb,
+    find_unused_parameters)`` in ``settings`` (``bucket_cap_mb=None``: DDP's default): the
+    parameters' names per bucket as DDP made them at construction (``"first"``), and after two
+    training steps on ``cfg``'s data (``"after"``: rebuilt in the order the gradients arrived,
+    unless this DDP never rebuilds). Bucket 0 is the one DDP reduces first.
+
+    Shown in lesson 07, §3.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from . import ddp
+
+    dev = ddp.setup_rank()
+    out = []
+    for cfg, cap, find_unused in settings:
+        module = cfg.build().to(dev)
+        names = {p: n for n, p in module.named_parameters()}
+        model = DDP(module, device_ids=[dev.index] if dev.type == "cuda" else None,
+                    bucket_cap_mb=cap, find_unused_parameters=find_unused)
+
+        def buckets():
+            return [[names[p] for p in b.parameters()]
+                    for b in model.reducer._get_zeros_like_grad_buckets()]
+
+        first = buckets()
+        cfg2 = OverlapConfig(**{**cfg.__dict__, "steps": 2})
+        for X, y in _batches(cfg2, rank, world_size):   # DDP rebuilds after its 1st backward
+            F.cross_entropy(model(X.to(dev)), y.to(dev)).backward()
+        out.append({"bucket_cap_mb": cap, "find_unused_parameters": find_unused,
+                    "first": first, "after": buckets()})
     return out
 
 

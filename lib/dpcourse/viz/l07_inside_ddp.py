@@ -18,22 +18,23 @@ __all__ = ["reducer_figure", "overlap_timeline_figure", "overlap_model_figure",
 def reducer_figure():
     """Lesson 07: what DDP's reducer does with one gradient, left to right — the autograd hook,
     the gradient's place in its bucket (a copy, or the gradient *is* a view of it), the launch
-    in bucket order, the wait and the copy back (none with views)."""
+    in bucket order, the wait and the copy back (none with views). How the reducer keeps the
+    order is lab 07's part 2, so the figure does not draw it."""
     from matplotlib.patches import FancyBboxPatch
 
-    fig = new_figure(9.0, 3.3)
+    fig = new_figure(9.0, 2.4)
     ax = fig.add_subplot(1, 1, 1)
     ax.set_xlim(0, 10)
-    ax.set_ylim(0, 4.2)
+    ax.set_ylim(1.4, 3.7)
     ax.axis("off")
     steps = [
         ("1. hook", "autograd has accumulated\np.grad: the reducer's\nhook on p runs"),
         ("2. into the bucket",
          "copy p.grad into its slice\n(÷N on the way), or\np.grad IS the slice (view)"),
         ("3. launch in order",
-         "bucket complete? launch it\nonly if it is next_bucket_,\nthen every ready one after"),
+         "a complete bucket goes\non the wire in bucket\norder, never before one\nahead of it"),
         ("4. wait", "end of backward: wait on\nevery bucket's all-reduce"),
-        ("5. copy back", "slice → p.grad;\nskipped with\ngradient_as_bucket_view"),
+        ("5. copy back", "slice → p.grad;\nnothing to copy when\np.grad is the slice"),
     ]
     w, gap = 1.72, 0.3
     for k, (head, body) in enumerate(steps):
@@ -45,15 +46,6 @@ def reducer_figure():
         if k:
             ax.annotate("", xy=(x - 0.02, 2.55), xytext=(x - gap + 0.02, 2.55),
                         arrowprops={"arrowstyle": "->", "lw": 1.2})
-    # the buckets below: filled out of order, launched in order
-    for b, (filled, sent) in enumerate([("2nd", "1st"), ("1st", "2nd, right after 0"),
-                                        ("3rd", "3rd")]):
-        x = 2.3 + b * 1.9
-        ax.add_patch(FancyBboxPatch((x, 0.35), 1.7, 0.6, boxstyle="round,pad=0.03",
-                                    fc="#ffffff", ec="#555555"))
-        ax.text(x + 0.85, 0.65, f"bucket {b}: complete {filled},\nlaunched {sent}",
-                ha="center", va="center", fontsize=6.8)
-    ax.text(0.1, 0.65, "buckets fill out of\norder, go in order:", fontsize=7, va="center")
     fig.subplots_adjust(left=0.01, right=0.99, bottom=0.02, top=0.98)
     return fig
 
