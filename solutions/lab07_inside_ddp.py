@@ -43,8 +43,10 @@ torch.set_num_threads(1)
 # - every parameter that requires a gradient is in exactly one bucket, and nothing else is;
 # - the buckets, and the parameters within each, are in the order the backward completes
 #   them: bucket 0 is the one that can go on the wire first;
-# - the grouping is the one DDP's reducer makes at this cap (`compute_bucket_assignment_by_size`,
-#   lesson 07 §3), bucket for bucket — write it yourself, do not call torch's or the course
+# - the grouping is the one DDP's reducer makes at this cap when it builds its buckets in the
+#   order the gradients arrive (`compute_bucket_assignment_by_size`, as DDP rebuilds them after
+#   its first backward, lesson 07 §3; for the check's models that order is the parameters
+#   reversed), bucket for bucket — write it yourself, do not call torch's or the course
 #   library's. One cap applies to every bucket: the 1 MiB first bucket of lesson 07 §3 does
 #   not apply here;
 # - a bucket **may end above `bucket_cap_mb`**: DDP never splits a parameter between buckets.
@@ -186,9 +188,11 @@ guess = predict("lab07", lab07.PREDICTION_QUESTION, my_guess, unit="gradient(s)"
 # %% [markdown] jupyter={"source_hidden": true}
 # Keep, per bucket, how many gradients it still awaits, and the number of the next bucket to
 # launch. Whenever a count drops to zero, launch from the next bucket onwards for as long as
-# the buckets you reach are complete, and stop at the first one that is not. A gradient is its
-# view when both start at the same memory address (DDP asks whether the gradient is an alias of
-# the bucket view); otherwise put its values into the view and make the view the gradient. The
+# the buckets you reach are complete, and stop at the first one that is not. Is the gradient
+# already its view? DDP asks `grad.is_alias_of(bucket_view)`: do the two share storage — true
+# for ANY view of the bucket's buffer, so DDP relies on no one handing it another slice of
+# that buffer; comparing where the two tensors start (`data_ptr()`) is a stricter test. If it
+# is not, put its values into the view and make the view the gradient. The
 # handles of the launched all-reduces are what the end of the step waits on. The division by
 # the world size can happen in the bucket before its launch or after the wait: either is
 # right. A bucket still awaiting gradients at the end of the step tells you which parameters
@@ -285,7 +289,8 @@ lab07.check_prediction(guess, measured)
 # ## Stretch (optional): your own communication hook — top-k with error feedback
 #
 # A workshop can stop here. Lesson 07 §5 plugged torch's hooks into DDP; now write one. DDP
-# calls `hook(state, bucket)` once per bucket, as soon as the bucket's gradients are ready:
+# calls `hook(state, bucket)` once per bucket, in bucket order, where it would launch that
+# bucket's all-reduce: once the bucket and every bucket before it are complete (lesson 07 §3):
 # `bucket.buffer()` is the bucket's flat gradient (this rank's), `bucket.index()` its number.
 # The hook returns a `torch.futures.Future` whose value is the **averaged** gradient, a tensor
 # of the buffer's shape and dtype; DDP waits on it at the end of the backward and writes that

@@ -325,3 +325,32 @@ def test_a_second_backward_before_finishing_is_refused():
     assert refused is not None and refused.startswith(
         "1.bias got a second gradient before finish_gradient_synchronization()")
     assert collectives == 2                            # one bucket, two finished backwards
+
+
+def test_predict_step_one_bucket_saves_nothing():
+    # the last gradient is ready before backward() returns; the bucket holding it is complete
+    # only when the backward ends, so with one bucket overlap and its control are the same step
+    cost = lambda nbytes: 1.0 + nbytes / 1000
+    ready = [1, 2, 3, 8]
+    for copies in (None, [0.7]):
+        run = overlap.predict_step(ready, [(4, 3000)], cost, 5, 10, 1, copy_in_ms=copies,
+                                   copy_back_ms=copies)
+        control = overlap.predict_step(ready, [(4, 3000)], cost, 5, 10, 1, overlap=False,
+                                       copy_in_ms=copies, copy_back_ms=copies)
+        assert run["step_ms"] == control["step_ms"]
+    # two buckets: the first still starts at its ready time, the last at the backward's end
+    two = overlap.predict_step(ready, [(3, 2000), (1, 1000)], cost, 5, 10, 1)
+    assert two["spans"] == [(3, 6), (10, 12)]
+
+
+def test_ddp_buckets_worker_reads_real_ddps_buckets():
+    cfg = ox.OverlapConfig(model="small_cnn", width=8, global_batch=8)
+    found, rebuilt = launch.spawn(ox.ddp_buckets_worker, 2, [(cfg, 0.05, True), (cfg, 0.05, False)],
+                                  backend="gloo", timeout=120, show_output=False)[0]
+    module = cfg.build()
+    names = {p: n for n, p in module.named_parameters()}
+    ours = [{names[p] for p in b} for b in overlap.assign_buckets(list(module.parameters()), 0.05)]
+    assert len(rebuilt["first"]) == 1 and [set(b) for b in rebuilt["after"]] == ours
+    # find_unused_parameters=True: registration order walked, the list reversed, kept for good
+    assert found["first"] == found["after"] and [set(b) for b in found["first"]] != ours
+    assert found["first"][0][-1] == "classifier.4.bias"
