@@ -10,10 +10,11 @@
 # For each script, in this order:
 #
 # 1. **Find it yourself.** `lab10.show(n)` prints the script with line numbers. Set `lineN` to
-#    the number of the line where the bug is and `whyN` to a sentence saying what goes wrong
-#    there, then run `lab10.check_line(n, lineN, whyN)`. The check reads your sentence before
-#    it judges the line (a line given without a reason is neither confirmed nor refused), and
-#    only a right line shows the options.
+#    the number of the line where the bug is, and `effectN` to the number that answers the
+#    bug's question about what the script does (each bug's section asks it; work it out from
+#    the script's own lines), then run `lab10.check_line(n, lineN, effectN)`. The check judges
+#    your number before the line (a line given with a wrong number is neither confirmed nor
+#    refused), and only a right line shows the options.
 # 2. **Name it.** Set `answerN` to the letter of the option that says what is wrong.
 # 3. **Fix it.** Build `fixedN`, the fixed script's text, from `brokenN`. Change as little as
 #    the bug needs; any fix that trains right passes. Two tools, neither needing exact
@@ -41,6 +42,10 @@ from dpcourse.checks import lab10, predict
 # ## Bug 1
 #
 # The gradients are averaged by hand after `backward` (no DDP wrapper here).
+#
+# `effect1`: this script seeds three random streams (the data's generator, the sampler's
+# shuffle, `torch.manual_seed`). With the check's `--seed 3` on 2 ranks, the sum of the three
+# seeds rank 1 uses.
 
 # %%
 broken1 = lab10.script(1)
@@ -62,11 +67,11 @@ lab10.show(1)
 # every rank for the slices to fit together?
 
 # %%
-### BEGIN SOLUTION: line1 (a line number) and why1 (a sentence)
+### BEGIN SOLUTION: line1 (a line number) and effect1 (a number)
 line1 = 21
-why1 = "each rank seeds its sampler differently, so the ranks slice different permutations"
+effect1 = 1241
 ### END SOLUTION
-lab10.check_line(1, line1, why1)
+lab10.check_line(1, line1, effect1)
 
 # %%
 ### BEGIN SOLUTION: answer1, the letter of the option that says what is wrong
@@ -97,6 +102,8 @@ fixed1 = broken1.replace("seed=args.seed + rank", "seed=args.seed")
 # ## Bug 2
 #
 # This one runs, the loss falls, and every rank logs nothing suspicious.
+#
+# `effect2`: on 2 ranks, how many examples rank 1 reads in one epoch (the data set has 48).
 
 # %%
 broken2 = lab10.script(2)
@@ -118,11 +125,11 @@ lab10.show(2)
 # gradient: averaging them is averaging one rank with itself.
 
 # %%
-### BEGIN SOLUTION: line2 (a line number) and why2 (a sentence)
+### BEGIN SOLUTION: line2 (a line number) and effect2 (a number)
 line2 = 22
-why2 = "the loader shuffles by itself and never uses the sampler, so every rank reads everything"
+effect2 = 48
 ### END SOLUTION
-lab10.check_line(2, line2, why2)
+lab10.check_line(2, line2, effect2)
 
 # %%
 ### BEGIN SOLUTION: answer2, the letter of the option that says what is wrong
@@ -141,6 +148,10 @@ fixed2 = broken2.replace("batch_size=4, shuffle=True)", "batch_size=4, sampler=s
 # Gradient clipping, as on one device. `clip_grad_norm_(params, max_norm)` computes one 2-norm
 # over all the gradients it is given and, when that norm is above `max_norm`, scales every one
 # of them by `max_norm / norm`.
+#
+# `effect3`: take rank 0's gradient `g₀ = (3, 0)`, rank 1's `g₁ = (0, 1)` and `max_norm = 1`
+# (instead of the script's 0.2). The first component of the gradient this script's
+# `opt.step()` uses.
 
 # %%
 broken3 = lab10.script(3)
@@ -157,16 +168,16 @@ lab10.show(3)
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Take two ranks whose gradients are `g₀ = (3, 0)` and `g₁ = (0, 1)`, and `max_norm = 1`.
-# Work out by hand the step one device would take on their global batch, then the step this
-# script takes. When would the two agree?
+# With `effect3`'s gradients `g₀ = (3, 0)` and `g₁ = (0, 1)` and `max_norm = 1`, work out by
+# hand the gradient one device would step with on their global batch (the mean, then one
+# clip), and set it beside the one this script steps with. When would the two agree?
 
 # %%
-### BEGIN SOLUTION: line3 (a line number) and why3 (a sentence)
+### BEGIN SOLUTION: line3 (a line number) and effect3 (a number)
 line3 = 33
-why3 = "each rank clips its own gradient before the average instead of the averaged gradient"
+effect3 = 0.5
 ### END SOLUTION
-lab10.check_line(3, line3, why3)
+lab10.check_line(3, line3, effect3)
 
 # %%
 ### BEGIN SOLUTION: answer3, the letter of the option that says what is wrong
@@ -185,6 +196,8 @@ fixed3 = lab10.move_line(broken3, "clip_grad_norm_", before="opt.step()")
 # Under torchrun this one never gets to its first step. Run it yourself if you like, in a
 # terminal: `timeout 30 torchrun --nproc-per-node=2 bug4_start.py --out /tmp/final.pt` in the
 # folder `lab10.SCRIPT_DIR` (print it to see where), or `python -m dpcourse diagnose` on it.
+#
+# `effect4`: on 2 ranks, how many ranks receive a tensor in the first `dist.broadcast`.
 
 # %%
 broken4 = lab10.script(4)
@@ -205,11 +218,11 @@ lab10.show(4)
 # sender, everyone else a receiver. Which rank does each rank name here?
 
 # %%
-### BEGIN SOLUTION: line4 (a line number) and why4 (a sentence)
+### BEGIN SOLUTION: line4 (a line number) and effect4 (a number)
 line4 = 28
-why4 = "every rank passes its own rank as src, so every rank sends and nobody receives"
+effect4 = 0
 ### END SOLUTION
-lab10.check_line(4, line4, why4)
+lab10.check_line(4, line4, effect4)
 
 # %%
 ### BEGIN SOLUTION: answer4, the letter of the option that says what is wrong
@@ -226,6 +239,9 @@ fixed4 = broken4.replace("src=rank", "src=0")
 # ## Bug 5
 #
 # This one runs on 3 ranks in the check.
+#
+# `effect5`: on 3 ranks, how many times smaller the gradient `opt.step()` uses is than the
+# gradient of one device's mean loss over the global batch (3 if a third, 1 if the same).
 #
 # **Your design decision:** once you know what is wrong, decide where to repair it: more than
 # one repair trains right, and they do not leave the same script behind. Then answer three
@@ -259,11 +275,11 @@ lab10.show(5)
 # linear in the loss). The average over ranks needs exactly one division by the world size.
 
 # %%
-### BEGIN SOLUTION: line5 (a line number) and why5 (a sentence)
+### BEGIN SOLUTION: line5 (a line number) and effect5 (a number)
 line5 = 30
-why5 = "the loss is divided by world_size and the gradients again after the all-reduce"
+effect5 = 3
 ### END SOLUTION
-lab10.check_line(5, line5, why5)
+lab10.check_line(5, line5, effect5)
 
 # %%
 ### BEGIN SOLUTION: answer5, the letter of the option that says what is wrong

@@ -48,7 +48,8 @@ from dpcourse import launch
 from dpcourse.checks import (check_timeout, fail, passed, recorded, reveal, run_ranks,
                              timed_out)
 
-__all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "BUG_LINES", "script", "show", "options",
+__all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "BUG_LINES", "EFFECTS", "script", "show",
+           "options",
            "bug_lines", "check_line", "move_line", "check_answer", "simulate", "run_fix",
            "judge_fix", "check_fix", "check_fixes", "examples_read", "check_prediction",
            "check_replicas_in_sync", "kept_division", "check_decision", "KEPT",
@@ -183,33 +184,32 @@ BUG_LINES = {1: ("DistributedSampler(dataset",), 2: ("loader = DataLoader(",),
              3: ("clip_grad_norm_",), 4: ("dist.broadcast(",),
              5: ("/ world_size  #", "p.grad /= world_size")}
 # bug -> the other side of a bug that is an ORDER of two lines: bug 3 is the clip running
-# before the average, so the average's lines are a right answer too when the why names the
-# order (moving the all-reduce above the clip is as good a repair as moving the clip down)
+# before the average, so the average's lines are a right answer too (moving the all-reduce
+# above the clip is as good a repair as moving the clip down)
 ORDER_LINES = {3: ("# average the gradients", "dist.all_reduce(p.grad)", "p.grad /= world_size")}
-ORDER_WORDS = re.compile(r"\b(order\w*|after|before|first|earlier|later|too late|sooner|"
-                         r"mov(e|es|ed|ing)|swap\w*|above|below|preced\w*|follow\w*|then)\b")
-# bug -> what a "why" must speak of: every group needs one of its word stems. Broad on purpose:
-# the learner's own words, not the check's, but not a sentence that says nothing. The why is
-# read before the line is judged, so a line found by trying candidates is not confirmed
-# without a reason (tests/test_lab10_checks.py holds several paraphrases per bug to it).
-WHY_WORDS = {
-    1: (("seed", "permut", "order", "shuffl", "random"),
-        ("rank", "each", "own", "differ", "per-", "per ", "every", "overlap", "twice", "never",
-         "miss", "skip", "duplicat", "repeat")),
-    2: (("sampler", "shuffl", "loader"),
-        ("never", "not", "ignor", "unused", "without", "bypass", "every", "all", "whole",
-         "same", "duplicat", "repeat", "twice", "instead", "own", "itself")),
-    3: (("clip", "norm"),
-        ("own", "local", "each", "before", "per-", "per ", "average", "averag", "global",
-         "mean", "sum", "order", "reduc", "early", "single", "one rank", "separately")),
-    4: (("src", "send", "sender", "root", "broadcast", "source"),
-        ("rank", "own", "itself", "every", "each", "nobody", "no one", "no rank", "receiv",
-         "differ", "same", "hang", "deadlock", "wait", "stuck")),
-    5: (("twice", "two", "double", "again", "both", "squar", "²", "^2", "n*n", "n * n",
-         "second", "already", "too small", "smaller", "extra", "one more", "overdivid",
-         "over-divid", "redundant", "as well", "also"),
-        ("divid", "/", "scale", "small", "world_size", "world size", "shrink", "averag",
-         "mean", "split", "share", "fraction")),
+# bug -> (the question about what the script does, answered by a number worked out from its
+# own lines; the answer; the tolerance; how to work it out: fail's fix=, on the second
+# meeting). The number is judged before the line, so a line found by trying candidates is not
+# confirmed without the fact that makes it the bug. None of these numbers is in a lesson:
+# each is this script's, with the check's values (--seed 3; 2 ranks, bug 5's 3).
+EFFECTS = {
+    1: ("with the check's --seed 3 on 2 ranks, the sum of the three seeds rank 1 uses: the "
+        "data's generator, the sampler's and torch.manual_seed's", 1241, 0,
+        "Read each line that seeds something with args.seed = 3 and rank = 1, and add the "
+        "three seeds."),
+    2: ("on 2 ranks, how many examples rank 1 reads in one epoch (the data set has 48)", 48, 0,
+        "Follow the examples from the data set to the batches of the loop: which object hands "
+        "rank 1 its batches, and from which examples?"),
+    3: ("with Hint 2's gradients g₀ = (3, 0) on rank 0 and g₁ = (0, 1) on rank 1, and "
+        "max_norm = 1, the first component of the gradient this script's opt.step() uses", 0.5,
+        0.01, "Apply the script's lines in their order to (3, 0) and (0, 1): first what each "
+              "rank does alone, then the sum and the division."),
+    4: ("on 2 ranks, how many ranks receive a tensor in the first dist.broadcast", 0, 0,
+        "For each rank, read the src it passes: a rank that names itself as src sends."),
+    5: ("on 3 ranks, how many times smaller the gradient opt.step() uses is than the gradient "
+        "of one device's mean loss over the global batch (3 if a third, 1 if the same)", 3,
+        0.01, "Follow one gradient from the loss to opt.step() and count every division by "
+              "world_size on the way, and what the all_reduce's sum does."),
 }
 # bug -> the question a learner who picked another line is sent back with (never the answer)
 LOOK_AGAIN = {
@@ -261,42 +261,41 @@ def bug_lines(n: int) -> list[int]:
             if any(piece in line for piece in BUG_LINES[n])]
 
 
+def _is_number(value) -> bool:
+    import numbers
+
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @recorded(name="check_line {n}")
-def check_line(n: int, line, why) -> None:
+def check_line(n: int, line, effect) -> None:
     """The learner's own diagnosis of bug ``n``, before any option: ``line`` is the number of
-    the line (as :func:`show` prints it) where the bug is, ``why`` a sentence of what goes wrong
-    there. ``why`` is read first: it must speak of what goes wrong in this script (word stems
-    per bug, :data:`WHY_WORDS`), or the line is not judged at all. A right line then prints the
-    options for :func:`check_answer`; a wrong one is sent back with a question, and from the
-    second wrong line for the same bug on, with a request to predict the line's effect first."""
+    the line (as :func:`show` prints it) where the bug is, ``effect`` the number that answers
+    the bug's question about what the script does (:data:`EFFECTS`), worked out from its lines.
+    ``effect`` is judged first: a wrong number leaves the line unjudged, so trying line numbers
+    confirms nothing. A right line then prints the options for :func:`check_answer`; a wrong
+    one is sent back with a question, and from the second wrong line for the same bug on, with
+    a request to work out the line's effect first."""
     __tracebackhide__ = True
     if n not in SCRIPTS:
         raise ValueError(f"there are five bugs, 1 to 5; got {n!r}")
-    if line is None or line is Ellipsis or why is None or why is Ellipsis:
-        raise NotImplementedError(f"write line{n} and why{n} first, then run this check.")
+    if line is None or line is Ellipsis or effect is None or effect is Ellipsis:
+        raise NotImplementedError(f"write line{n} and effect{n} first, then run this check.")
     lines = script(n).splitlines()
     if isinstance(line, bool) or not isinstance(line, int) or not 1 <= line <= len(lines):
         fail(f"line{n} should be one line number of {SCRIPTS[n]}, 1 to {len(lines)} as the "
              f"listing numbers them; got {line!r}.")
-    if not isinstance(why, str) or len(why.split()) < 4 or len(set(why.lower().split())) < 4:
-        fail(f"why{n} should say in a sentence (four words or more, not a few words repeated) "
-             f"what goes wrong on that line; got {why!r}.")
-    # the reason first: a line is neither confirmed nor refused for a sentence that says
-    # nothing about this bug, so trying line numbers with any sentence finds nothing
-    said = why.lower()
-    if not all(any(word in said for word in group) for group in WHY_WORDS[n]):
-        fail(f"why{n} (\"{why.strip()}\") does not say yet what goes wrong in this script, so "
-             f"line {line} is not judged: {LOOK_AGAIN[n]}, and say what you find in your "
-             f"sentence.")
+    question, answer, tol, how = EFFECTS[n]
+    if not _is_number(effect) or effect != effect:
+        fail(f"effect{n} should be a number ({question}); got {effect!r}.")
+    # the fact first: a line is neither confirmed nor refused for a wrong number, so trying
+    # line numbers with any number finds nothing
+    if abs(float(effect) - answer) > tol:
+        fail(f"effect{n} = {effect!r} is not what {SCRIPTS[n]} does ({question}), so line "
+             f"{line} is not judged: {LOOK_AGAIN[n]}, and work the number out on the script's "
+             f"own lines.", fix=how)
     code = lines[line - 1].strip() or "(a blank line)"
     if any(piece in lines[line - 1] for piece in ORDER_LINES.get(n, ())):
-        if not ORDER_WORDS.search(said):
-            fail(f"Line {line} (`{code}`) does here what it would do in a correct script, and "
-                 f"why{n} (\"{why.strip()}\") speaks of another line's work, not of this "
-                 f"one's: this line is wrong only through WHEN it runs, and your sentence says "
-                 f"nothing of when.",
-                 fix=f"Either name the line your sentence speaks of, or say in why{n} which of "
-                     f"the two lines must run first, and why.")
         passed(f"bug {n} is the order of two lines, and line {line} is one side of it: the "
                f"average comes after the clip (moving the all-reduce above the clip repairs it "
                f"too). The options speak of the other side, line {bug_lines(n)[0]}: the clip, "
@@ -307,11 +306,11 @@ def check_line(n: int, line, why) -> None:
         fail(f"Line {line} (`{code}`) is not where bug {n} is: it does here what it would do in "
              f"a correct script. To find the line, {LOOK_AGAIN[n]}.",
              fix=f"Trying lines one by one finds a line, not the reason. Before the next one, "
-                 f"read the line you suspect and write in why{n} what you expect it to do to "
-                 f"the run — {EFFECT[n]} — and try it only if that differs from one device "
-                 f"training on the global batch.")
-    passed(f"bug {n} is on line {line}. Now say what is wrong there: set answer{n} to the "
-           f"option that says it.")
+                 f"read the line you suspect and work out what it does to the run — "
+                 f"{EFFECT[n]} — and try it only if that differs from one device training on "
+                 f"the global batch.")
+    passed(f"bug {n} is on line {line} (effect{n} = {effect:g}). Now say what is wrong there: "
+           f"set answer{n} to the option that says it.")
     options(n)
 
 
@@ -939,10 +938,10 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
         where = ", ".join(_BLIND[c] for c in blind)
         carried = max(r[c][3] for r in ranks for c in blind)
         if set(blind) == set(_BLIND) and carried <= world_size:
+            numel = sum(p.numel() for p in _detector_model().parameters())
             fail(f"whenever one replica differed, every rank returned True, and no collective "
                  f"carried more than {carried} number{'s' * (carried != 1)} (a verdict per "
-                 f"rank at most; the model has {sum(p.numel() for p in _detector_model().parameters())}"
-                 f" parameters): no rank ever received another rank's weights, so each compared "
+                 f"rank at most; the model has {numel} parameters): no rank ever received another rank's weights, so each compared "
                  f"its weights with a copy of its own and found them equal.",
                  fix="Every rank must compare its own weights with the same reference copy, "
                      "one rank's, received from it by a collective.")
