@@ -84,12 +84,10 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # (`python -m torch.distributed.launch` is the old launcher: it passed `--local-rank` as an
 # argument and is deprecated.)
 #
-# Below is the difference between the course's single-device script and its DDP script, whole
-# but for one function: `-` lines are only in `train_single.py`, `+` lines only in
-# `train_ddp.py`, the rest is shared context. The function `evaluate` stands as one comment line
-# in both: how it makes the test numbers the whole job's is close to what lab 04 asks you to
-# build, so its diff is folded after the lab pointer at the end (the claims below still check
-# the whole diff). Read it top to bottom. Every changed line is one data parallelism needs,
+# Below is the diff of the course's single-device script and its DDP script (`-` lines only in
+# `train_single.py`, `+` only in `train_ddp.py`), whole but for `evaluate`, which stands as one
+# comment line: it is close to lab 04's question, so its diff is folded after the lab pointer at
+# the end (the claims below check the whole diff). Every changed line is one data parallelism needs,
 # except a test hook: `--fail-at-step`, `--fail-rank` and the `os.kill(..., SIGKILL)` that uses
 # them play a crash for section 3 and have no place in a real script (the cell after the diff
 # counts them):
@@ -104,22 +102,21 @@ print("ranks:", world_size, "| backend:", profile.backend)
 #   in every later round (`DynamicRendezvousHandler.next_rendezvous` keeps its
 #   `_shared_tcp_store_server`), and the workers join it as clients
 #   (`TORCHELASTIC_USE_AGENT_STORE=True`), so the dead attempt's keys, such as the peers'
-#   addresses, are still there when the new attempt starts. (A comment in torch's
-#   `_create_c10d_store` says "We create a new TCPStore for every retry so no need to add prefix
-#   for each attempt"; under the shared store that is not so.) A `PrefixStore` named after
+#   addresses, are still there when the new attempt starts (a comment in torch's
+#   `_create_c10d_store` says otherwise; see Sources). A `PrefixStore` named after
 #   `TORCHELASTIC_RESTART_COUNT` keeps every attempt's keys apart (section 3 restarts a run with
 #   it); exporting `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` before torchrun, which turns the sharing
 #   off, is the other way out;
 # - **the data:** `DistributedSampler` gives each rank its shard, `set_epoch` reshuffles it each
 #   epoch the same way on every rank; the evaluation takes each test image exactly once;
 # - **the model:** `DDP(...)`, and `raw_model = model.module`, the plain model, which is what we
-#   save, load and evaluate; `no_sync` for accumulation (section 7);
+#   save, load and evaluate (after a broadcast of rank 0's buffers, which section 4 explains);
+#   `no_sync` for accumulation (section 7);
 # - **the numbers we print:** the logged training loss goes through `dist.all_reduce`, so it
 #   is the whole job's, not rank 0's; so is the test accuracy (section 4 says what that takes);
 # - **the end:** rank 0 saves; a barrier; `destroy_process_group`; and, once `main` has
-#   returned, `os._exit`, which skips the interpreter's shutdown (the script's comment says why:
-#   gloo threads that DDP keeps alive can abort a finished process there, and torchrun would
-#   count it as a failure; this lesson does not reproduce that).
+#   returned, `os._exit`, which skips the interpreter's shutdown (the script's comment says
+#   why; this lesson does not reproduce it).
 
 # %%
 import ast
@@ -152,6 +149,7 @@ print(f"{len(removed)} lines only in train_single.py, {len(added)} only in train
 pieces = ["dist.init_process_group(", "torch.cuda.set_device(", "device_ids=[local_rank]",
           "dist.PrefixStore(", "TORCHELASTIC_RESTART_COUNT", "DistributedSampler(",
           "sampler.set_epoch(epoch)", "DDP(model", "model.no_sync()", "dist.all_reduce(sums)",
+          "dist.broadcast(buffer, src=0)",
           "dist.destroy_process_group()"]
 claim("the diff holds every piece listed above, each on a '+' line",
       all(any(p in line for line in added) for p in pieces),
@@ -173,12 +171,10 @@ claim(f"{len(hook)} of the {len(added)} '+' lines are section 3's crash hook (--
 # together, exactly the 64 images of the single process's batch k, and DDP's average of the two
 # ranks' mean gradients is the gradient of the mean over those 64. The model is `small_cnn`,
 # which has no BatchNorm: BatchNorm normalises each rank's 32 images with their own statistics,
-# which breaks this equality (section 9). Two epochs on 256 images are enough to compare; the
-# loss barely leaves ln 10 ≈ 2.30 (guessing), and learning is section 2's job. Each script ends
-# by printing `final weights <fingerprint>`: 16 hex digits of a SHA-256 of every weight's bytes
-# (`dp.state_checksum`), which changes if a single bit does. The two fingerprints below differ,
-# because the two runs add the same numbers in another order; the cell after prints the
-# largest weight difference. Here both scripts' `main` runs in
+# which breaks this equality (section 9). Each script ends by printing `final weights
+# <fingerprint>` (`dp.state_checksum`: a SHA-256 of every weight's bytes, which changes if a
+# single bit does). The two fingerprints below differ, because the two runs add the same numbers
+# in another order; the cell after prints the largest weight difference. Here both scripts' `main` runs in
 # ranks started by `launch.spawn`, which sets the same environment variables torchrun sets
 # (it starts faster: no agent, torch already imported); sections 2 and 3 run the script under
 # torchrun itself.
@@ -232,14 +228,17 @@ print(f"largest difference between the two runs' weights: {gap:.1e}")
 # participants — each described by (address, process id, a counter), in `_NodeDesc` order — so
 # not in the order they arrive, and not in an order you choose (rank 0, whose node hosts the
 # workers' store, is the smallest description); and a node whose partner never comes waits
-# `join_timeout` (600 s by default) — so `dp.run_nodes` sets it and kills everything past
-# `timeout`.
+# `join_timeout` (600 s by default) — so `dp.run_nodes` passes `--rdzv-conf=join_timeout=60`
+# to each agent and kills both, with their workers, past `timeout`. The cell prints the two
+# command lines (folders cut), then rank 0's output.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-# (the loss values depend on this CPU's float kernels)
+# (the loss values depend on this CPU's float kernels; the port is a free one picked per run)
 nodes = dp.run_nodes(train_ddp, *common, "--out", str(work / "two_nodes.pt"), nnodes=2,
                      nproc_per_node=1, timeout=timeout, join_timeout=60, env=script_env)
+for k, cmd in enumerate(nodes.commands):  # cmd[:3] is this Python's `-m torch.distributed.run`
+    print(f"node {k}: torchrun", " ".join(Path(w).name if os.sep in w else w for w in cmd[3:]))
 print("\n".join(line for line in nodes.text().splitlines() if "[rank" in line))
 
 # %%
@@ -253,7 +252,11 @@ def epoch_losses(text):
 
 
 claim("both nodes exited 0", nodes.ok, output=nodes.text()[-2000:])
-claim("they formed one job of 2 ranks across the 2 torchrun agents", "2 ranks over" in nodes.text())
+first = nodes.commands[0]
+claim("the 2 agents ran one command line (--nnodes=2 --nproc-per-node=1, one rendezvous "
+      "endpoint, join_timeout 60 s) and formed one job of 2 ranks", nodes.commands == [first] * 2
+      and {"--nnodes=2", "--nproc-per-node=1", "--rdzv-conf=join_timeout=60"} <= set(first)
+      and "2 ranks over" in nodes.text(), commands=nodes.commands, output=nodes.text()[-2000:])
 node_losses = epoch_losses(nodes.text())
 claim(f"the model learns: the last epoch's mean loss is under 60% of ln 10 = {math.log(10):.2f}",
       bool(node_losses) and node_losses[-1] < 0.6 * math.log(10), losses=node_losses)
@@ -331,11 +334,9 @@ viz.show_code("\n".join(script_lines[first:last + 1]), title="train_ddp.py: resu
 # path first truncates the file, then writes for a while, so a second writer, a reader, or a
 # restart after a crash can meet half a file. `dp.save_checkpoint` (below) writes a temporary
 # file in the same folder, flushes it to disk, and `os.replace`s it over the checkpoint in one
-# step. Below, one writer (rank 0) is halfway through when one reader (rank 1) loads the file;
-# the barriers make that timing certain. The "atomic" branch follows `save_checkpoint`'s
-# protocol by hand (a `.tmp` file, then `os.replace`), because it must stop halfway through the
-# write: with a plain `torch.save` the reader finds a broken file; with the protocol, it finds
-# the previous complete checkpoint, then the new one.
+# step. Below, rank 1 reads the file while rank 0 is halfway through writing it (barriers make
+# that timing certain); the "atomic" branch follows `save_checkpoint`'s protocol by hand, to
+# stop halfway through the write.
 
 # %%
 viz.show_code(dp.save_checkpoint, dp.load_checkpoint)
@@ -414,9 +415,8 @@ claim("with the atomic save it found the previous complete checkpoint, then the 
 # that is lab 04's question for a harder metric, so its code is folded after the lab pointer at
 # the end. We evaluate the weights the two-node run saved in section 2 four ways (the three
 # mistakes and the script's `evaluate`), and compare with one process evaluating the whole test
-# set with `train_single.py`'s `evaluate`. The table is below; the code that measures it, which
-# shows how the ranks' numbers are combined for the accuracy, is folded: lab 04 asks you to decide
-# that for a harder metric first.
+# set with `train_single.py`'s `evaluate`. The code is folded (it shows how the ranks' numbers
+# are combined); its table is printed below it.
 
 # %% [markdown]
 # **▶ The code of the four ways — open after lab 04 passes** (click the folded cell below; its
@@ -552,11 +552,64 @@ viz.show(fig, f"rank r reads slots r, r + {ranks_small}, ... of the shuffled lis
 # same trap: `torch.distributed` has `ReduceOp.AVG`, but it averages the ranks' values, a mean
 # of means again.
 #
-# Why evaluate with `raw_model` and not the DDP wrapper? The ranks' shards differ in length, so
-# they run different numbers of forwards; DDP's forward can launch a collective (the buffer
-# broadcast of section 9, and `Join`'s notification below), and a collective that one rank
-# calls more often than another hangs. The plain module computes the same outputs with no
-# communication at all.
+# Why does `evaluate` get `raw_model` and not the DDP wrapper? The wrapper's forward broadcasts
+# rank 0's buffers (section 9) when its flag `require_forward_param_sync` is on, and a forward
+# under `torch.no_grad()` turns the flag off for the next one (`_post_forward`). So only the
+# *first* evaluation forward broadcasts: shards of different lengths do not hang, but a rank
+# with **no** batch never makes that broadcast, and the others wait for it. Measured on 2 ranks,
+# after one training step, counting each rank's calls of the wrapper's `_sync_buffers`:
+
+
+# %%
+def evaluate_through(rank, world_size, batches, wrapped):
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)))
+    g = torch.Generator().manual_seed(rank)
+    model(torch.randn(8, 4, generator=g)).sum().backward()  # one training step's forward
+    trained = model.module[1].running_mean.clone()
+    broadcasts = []
+    real_sync = model._sync_buffers  # DDP's buffer broadcast, counted on this rank
+    model._sync_buffers = lambda: (broadcasts.append(1), real_sync())[1]
+    evaluated = (model if wrapped else model.module).eval()
+    with torch.no_grad():
+        for _ in range(batches[rank]):
+            evaluated(torch.randn(8, 4, generator=g))
+    return {"broadcasts": len(broadcasts), "trained": trained, "now": model.module[1].running_mean}
+
+
+def same_on_both(ranks, key):
+    return torch.equal(ranks[0][key], ranks[1][key])
+
+
+uneven = launch.spawn(evaluate_through, 2, [3, 4], True, backend="gloo", timeout=timeout)
+raw_empty = launch.spawn(evaluate_through, 2, [0, 1], False, backend="gloo", timeout=timeout)
+try:
+    launch.spawn(evaluate_through, 2, [0, 1], True, backend="gloo", timeout=8, show_output=False)
+    wrapped_empty = None
+except launch.LaunchTimeoutError as e:
+    wrapped_empty = e
+claim("under no_grad, through the wrapper, only the first forward broadcasts: ranks with 3 and "
+      "4 batches broadcast once each and finish", [r["broadcasts"] for r in uneven] == [1, 1],
+      uneven=uneven)
+claim("through the wrapper, a rank with no batch leaves the other waiting in that broadcast",
+      isinstance(wrapped_empty, launch.LaunchTimeoutError) and wrapped_empty.pending == [1],
+      error=wrapped_empty)
+claim("the plain module never communicates: 0 and 1 batches finish, with no broadcast",
+      [r["broadcasts"] for r in raw_empty] == [0, 0])
+claim("after training each rank's running statistics are its own; the wrapper's first "
+      "evaluation forward made them rank 0's, the plain module left them",
+      not same_on_both(uneven, "trained") and same_on_both(uneven, "now")
+      and not same_on_both(raw_empty, "now"))
+
+# %% [markdown]
+# The plain module never communicates, even on a rank with nothing to evaluate (a small test
+# set on many ranks). But the last claim shows what the wrapper's broadcast did: each rank's
+# last training forward had updated its own statistics. So `train_ddp.py` broadcasts rank 0's
+# buffers itself before evaluating `raw_model`: every rank evaluates the model rank 0 saves.
 #
 # ## 5. Uneven inputs: one rank with fewer batches
 #
@@ -1031,8 +1084,9 @@ viz.show(fig, "plain BatchNorm's gradient error falls as the per-rank batch grow
               "0.1%; the synchronised stand-in's stays below 1e-5 (relative) at every size.")
 
 # %% [markdown]
-# With synchronised batch statistics, DDP's gradients equal one process's on the global batch
-# to 1e-5 (relative norm; the sums are taken in another order, so not bit for bit). Without it the error is large
+# With the stand-in's synchronised batch statistics, DDP's gradients equal one process's on the
+# global batch to 1e-5 (relative norm; the sums are taken in another order, so not bit for
+# bit); `nn.SyncBatchNorm` was not measured here. Without it the error is large
 # when per-rank batches are tiny (detection, segmentation, big 3-D inputs: 1-4 images per GPU)
 # and shrinks as they grow. It costs two extra collectives per BatchNorm layer per training
 # step — an all_gather in the forward, an all_reduce in the backward, each blocking in the
@@ -1045,7 +1099,10 @@ viz.show(fig, "plain BatchNorm's gradient error falls as the per-rank batch grow
 # ranks, and the mismatch becomes a clear error. (The variable is read when torch.distributed is
 # imported, so in a worker that is already running we call `dist.set_debug_level` — in a script,
 # export the variable before launching.) For NCCL, `NCCL_DEBUG=INFO` prints its set-up and
-# errors.
+# errors. For NCCL hangs (not run here), `TORCH_NCCL_TRACE_BUFFER_SIZE=2000` and
+# `TORCH_NCCL_DUMP_ON_TIMEOUT=1` make each rank record its last 2000 collectives and dump them
+# on a timeout (the **flight recorder**); `python -m torch.distributed.flight_recorder.fr_trace
+# <folder>` merges the dumps and reports the first collective the ranks did not issue alike.
 #
 # For your own torchrun script, `python -m dpcourse diagnose your_script.py` runs it on two
 # local ranks, bounded in time, and reports both kinds of bug: a hang (which rank, in which
@@ -1293,8 +1350,9 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 # * The same command runs on one machine or many (c10d rendezvous; bound `join_timeout`).
 #   Rank 0 saves, atomically; every rank loads with `map_location` and `weights_only=True`;
 #   with `--max-restarts` a killed run resumes and ends with **the same weights**.
-# * Evaluate each image once and combine the ranks so that the result equals one process
-#   exactly (how: lab 04, then the folded `evaluate`). Rank 0's number, a mean of means and
+# * Evaluate each image once, with the plain module (through the wrapper, a rank with no batch
+#   hangs the others), and combine the ranks so that the result equals one process exactly
+#   (how: lab 04, then the folded `evaluate`). Rank 0's number, a mean of means and
 #   `DistributedSampler`'s padding each give another one.
 # * A rank with fewer batches hangs the others in their next all-reduce; `Join([model])` keeps
 #   it answering until all are done, then makes the modules equal (not the optimizer states).
@@ -1304,9 +1362,9 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 # * `no_sync` accumulation equals the big batch and all-reduces `accum` times less. AMP leaves
 #   DDP's gradients in float32 (a 16-bit compress hook or `mixed_precision=` changes that). DDP
 #   broadcasts rank 0's buffers before each forward that follows a synchronising training
-#   forward; synchronised batch statistics (SyncBatchNorm on GPUs, the stand-in here) make
-#   BatchNorm's gradients those of one process (to 1e-5) and matter when per-rank batches are
-#   small.
+#   forward. Synchronised batch statistics matter when per-rank batches are small: measured
+#   with the CPU stand-in `dp.CPUSyncBatchNorm` (not `nn.SyncBatchNorm`, which refuses CPU
+#   tensors), they make BatchNorm's gradients one process's (to 1e-5).
 # * `TORCH_DISTRIBUTED_DEBUG=DETAIL` turns a mismatched collective into a clear error; a
 #   process-group timeout ends a hang; NCCL needs one GPU per rank and `set_device`;
 #   `find_unused_parameters` is for unused parameters only.
@@ -1322,9 +1380,10 @@ shutil.rmtree(work, ignore_errors=True)
 # Open [lab04_ddp_in_practice](../labs/lab04_ddp_in_practice.ipynb). It gives you a torchrun DDP
 # script built the way section 1 built `train_ddp.py`, and asks for what this lesson did not
 # show: the **macro-F1** of the trained model on a test set split over the ranks, equal to one
-# process's, with a message between the ranks whose size does not grow with the test set —
-# which statistic the ranks exchange is your decision. The check runs your function on 2 and 3
-# ranks, compares it with one process, and names the mistake if it differs; then it runs your
+# process's, with a message between the ranks of at most 2 numbers per class, whatever the
+# size of the test set — which statistics the ranks exchange is your decision. The check runs
+# your function on 2 and 3 ranks, compares it with one process, and names the mistake if it
+# differs (it also follows whether what you exchange would live on the GPU); then it runs your
 # script under torchrun. A prediction asks what the ranks' own macro-F1, averaged, reports when
 # the test set is split by class. Its stretch asks for a resume after a crash that continues
 # exactly as a run that never stopped, on every rank: what the checkpoint must hold for that is
@@ -1470,6 +1529,10 @@ viz.quiz([
 #   `batch_norm_gather_stats_with_counts`, all_reduce of two per-channel sums.
 # - `torch/optim/sgd.py`, `torch/optim/adam.py` — where weight decay is added to the gradient
 #   and Adam divides by the root of its second moment.
+# - `torch/distributed/flight_recorder/fr_trace.py` — the flight recorder's trace analyzer
+#   (merges the ranks' dumps, finds the first mismatch); `torch/lib/libtorch_cuda.so` and
+#   `torch/lib/libtorch_cpu.so` — the variables `TORCH_NCCL_TRACE_BUFFER_SIZE`,
+#   `TORCH_NCCL_DUMP_ON_TIMEOUT`.
 # - `torch/distributed/__init__.py` — `set_debug_level`, `DebugLevel` (from the C++ core);
 #   `torch/lib/libtorch_cpu.so` — "Detected mismatch between collectives on ranks".
 # - `nvidia/nccl/lib/libnccl.so.2` (NCCL 2.30.7) — "Multiple Ranks are using the same

@@ -41,11 +41,20 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # - the model is evaluated as at test time, without building an autograd graph; the mode it
 #   is left in afterwards does not matter here (the script evaluates once, after the last
 #   epoch, and the check does not look at it);
-# - what a rank sends to the others **does not grow with the test set**: a real test set has
-#   10⁵ images on hundreds of ranks.
+# - what a rank sends to the others **does not grow with the test set** (a real test set has
+#   10⁵ images on hundreds of ranks), and is small: **at most 2 numbers per class** (20 here),
+#   plus 2 more if you want them (a count, or a result one rank broadcasts). The check adds up
+#   the numbers each rank passes into its collectives (an object collective's numbers too).
+#   That is less than the usual ways of writing precision and recall seem to need — a 10 × 10
+#   table of (true, predicted) pairs is 100 numbers, and a million for 1000 classes — and it
+#   is enough;
+# - every tensor a rank passes to a collective lives on `device`: on GPUs the script's group is
+#   NCCL's, which only moves GPU memory. Here every rank computes on the CPU, where gloo would
+#   take a tensor from anywhere, so the check follows where each of your tensors would live on
+#   a GPU.
 #
 # **Your design decision:** what the ranks exchange. It must determine the whole test set's
-# macro-F1 exactly, and its size must not depend on the number of images.
+# macro-F1 exactly, in at most 2 numbers per class, whatever the number of images.
 #
 # Re-run the cell after each edit: it rewrites `train_lab.py`.
 
@@ -55,27 +64,28 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # %% [markdown] jupyter={"source_hidden": true}
 # `macro_f1` is built from each class's precision and recall, each a fraction of some of the
 # images. If rank 0 knows its precision for class 3 and rank 1 knows its own, can the whole
-# set's precision for class 3 be computed from those two numbers alone? If not, what is missing?
+# set's precision for class 3 be computed from those two numbers alone? If not, what is missing,
+# and how many numbers per class would that be?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Two ranks' fractions over different numbers of images do not combine; their numerators and
-# denominators do: they are counts, and counts over disjoint sets of images add up. Write each
-# class's precision and recall as a count over a count, find which counts macro-F1 needs (a
-# fixed number of them, whatever the test set), add those over the ranks, and compute the F1
-# once, from the sums. How you split the images matters too: see lesson 04 §4.
+# denominators do: they are counts, and counts over disjoint sets of images add up. Write class
+# c's precision and recall as counts over counts. They share their numerator; their harmonic
+# mean, `2PR / (P + R)`, can be written as one fraction of counts: do it, and count how many
+# different counts per class are left. How you split the images matters too: see lesson 04 §4.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Pieces, in order: this rank's indices of the test set (a `Subset`); a zero tensor of counts
-# of fixed shape; the model in its test-time mode and a loop, with autograd off, that adds
-# each batch's (true class, predicted class) outcomes into the counts; one collective that
-# sums the counts over the ranks; each class's F1 from the summed counts, as `macro_f1`
-# defines it (0 where it is undefined), and their mean as a float.
+# Pieces, in order: this rank's indices of the test set (a `Subset`); a zero tensor of shape
+# (2, 10) on `device`; the model in its test-time mode and a loop, with autograd off, that adds
+# each batch's two counts per class into it (`torch.bincount(..., minlength=10)` counts per
+# class); one collective that sums it over the ranks; each class's F1 from the sums (0 where it
+# is undefined), and their mean as a float.
 
 # %%
 # %%writefile {work}/train_lab.py
@@ -114,22 +124,22 @@ def macro_f1(y_true, y_pred):
 
 def evaluate_f1(model, test_set, rank, world_size, device):
     """macro_f1 of the WHOLE ``test_set`` under ``model`` (the plain model), the same float on
-    every rank; each image evaluated on one rank; what a rank sends independent of the set's
-    size."""
+    every rank; each image evaluated on one rank; a rank sends at most 2 numbers per class (+2),
+    from tensors on ``device``."""
     ### BEGIN SOLUTION: evaluate_f1: the whole test set's macro-F1, the same on every rank
     mine = Subset(test_set, range(rank, len(test_set), world_size))
-    confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.int64, device=device)
+    # Per class c: its true positives, and (images predicted c) + (images truly c). Class c's
+    # F1, 2PR/(P+R) with P = TP/predicted and R = TP/truly, is 2 TP / (predicted + truly).
+    counts = torch.zeros(2, NUM_CLASSES, dtype=torch.int64, device=device)
     model.eval()
     with torch.no_grad():
         for X, y in DataLoader(mine, batch_size=64):
-            predicted = model(X.to(device)).argmax(1)
-            pairs = y.to(device) * NUM_CLASSES + predicted  # (true, predicted) as one index
-            confusion += torch.bincount(pairs, minlength=NUM_CLASSES ** 2).view_as(confusion)
-    # The confusion matrix [true, predicted]: 10 x 10 counts, whatever the test set's size.
-    dist.all_reduce(confusion)  # now the whole test set's, on every rank
-    tp = confusion.diagonal().double()
-    predicted_as, truly = confusion.sum(0).double(), confusion.sum(1).double()  # TP+FP, TP+FN
-    return float((2 * tp / (predicted_as + truly).clamp(min=1)).mean())
+            predicted, y = model(X.to(device)).argmax(1), y.to(device)
+            counts[0] += torch.bincount(y[predicted == y], minlength=NUM_CLASSES)
+            counts[1] += torch.bincount(torch.cat([predicted, y]), minlength=NUM_CLASSES)
+    dist.all_reduce(counts)  # 20 numbers, whatever the test set: now the whole set's
+    tp, predicted_or_true = counts.double()
+    return float((2 * tp / predicted_or_true.clamp(min=1)).mean())  # 0 where neither
     ### END SOLUTION
 
 
@@ -281,8 +291,9 @@ lab04.check_prediction(guess, sum(per_rank) / len(per_rank))
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Save: every rank contributes its generator state to an object collective (a list, one entry
-# per rank); then rank 0 alone writes one dict: the plain model's weights, the optimizer's
+# Save: every rank contributes its generator state to an object collective, which pickles any
+# Python object (`dist.all_gather_object` fills a list, one entry per rank; no lesson used it
+# yet); then rank 0 alone writes one dict: the plain model's weights, the optimizer's
 # state dict, the epoch, that list. Resume: no file, return 0; else on every rank load the
 # weights into the model inside the wrapper, the optimizer's state, this rank's entry of the
 # list into the generator; return the saved epoch plus one.

@@ -197,14 +197,28 @@ def _body(new_body: str) -> str:
     return text[:start] + new_body + text[end:]
 
 
+# the whole confusion matrix (100 numbers: over the contract's budget of 2 per class + 2)
 _COUNT = """\
-    confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.int64)
+    confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.int64, device=device)
     model.eval()
     with torch.no_grad():
         for X, y in DataLoader(share, batch_size=16):
-            pairs = y * NUM_CLASSES + model(X).argmax(1)
+            pairs = y.to(device) * NUM_CLASSES + model(X.to(device)).argmax(1)
             confusion += torch.bincount(pairs, minlength=NUM_CLASSES ** 2).view_as(confusion)
 """
+# two counts per class, as the reference: true positives, and predicted + true
+_COUNT2 = """\
+    counts = torch.zeros(2, NUM_CLASSES, dtype=torch.int64, device=device)
+    model.eval()
+    with torch.no_grad():
+        for X, y in DataLoader(share, batch_size=16):
+            predicted, y = model(X.to(device)).argmax(1), y.to(device)
+            counts[0] += torch.bincount(y[predicted == y], minlength=NUM_CLASSES)
+            counts[1] += torch.bincount(torch.cat([predicted, y]), minlength=NUM_CLASSES)
+"""
+F1_OF_COUNTS2 = ("    tp, both = counts.double()\n"
+                 "    return float((2 * tp / both.clamp(min=1)).mean())\n")
+REDUCE2 = "    dist.all_reduce(counts)\n" + F1_OF_COUNTS2
 STRIDED = "    share = Subset(test_set, range(rank, len(test_set), world_size))\n"
 F1_OF_COUNTS = ("    tp = confusion.diagonal().double()\n"
                 "    both = (confusion.sum(0) + confusion.sum(1)).double()\n"
@@ -272,9 +286,46 @@ F1_WRONG = {
         "    p, r = pr / world_size\n"
         "    return float(torch.where(p + r > 0, 2 * p * r / (p + r).clamp(min=1e-12), 0.0).mean())\n",
         "precisions and recalls were averaged"),
-    "accuracy": (STRIDED + _COUNT + "    dist.all_reduce(confusion)\n"
-                 "    return float(confusion.diagonal().sum() / confusion.sum())\n",
+    "accuracy": (STRIDED + _COUNT + "    right = torch.stack([confusion.diagonal().sum(), confusion.sum()])\n"
+                 "    dist.all_reduce(right)\n"
+                 "    return float(right[0] / right[1])\n",
                  "is the accuracy"),
+    # two counts per class, but the wrong two: true positives and predicted (or true) counts
+    "precision_only": (
+        STRIDED + _COUNT2.replace("torch.cat([predicted, y])", "predicted") + REDUCE2.replace(
+            "2 * tp / both", "tp / both"), "mean over the classes of each class's precision"),
+    "recall_only": (
+        STRIDED + _COUNT2.replace("torch.cat([predicted, y])", "y") + REDUCE2.replace(
+            "2 * tp / both", "tp / both"), "the balanced accuracy"),
+    # right value, over the budget: the whole confusion matrix, or three counts per class
+    "confusion_matrix": (STRIDED + _COUNT + REDUCE,
+                         "rank 0 passed 100 numbers into its collectives, a 10 × 10 table"),
+    "all_gather_matrices": (
+        STRIDED + _COUNT + "    everyone = [torch.zeros_like(confusion) for _ in range(world_size)]\n"
+        "    dist.all_gather(everyone, confusion)\n"
+        "    confusion = sum(everyone)\n" + F1_OF_COUNTS, "a 10 × 10 table"),
+    "tp_fp_fn": (
+        LOCAL + "    c = torch.arange(NUM_CLASSES).unsqueeze(1)\n"
+        "    counts = torch.stack([((y_pred == c) & (y_true == c)).sum(1),\n"
+        "                          ((y_pred == c) & (y_true != c)).sum(1),\n"
+        "                          ((y_pred != c) & (y_true == c)).sum(1)]).double().to(device)\n"
+        "    dist.all_reduce(counts)\n"
+        "    tp, fp, fn = counts\n"
+        "    den = 2 * tp + fp + fn\n"
+        "    return float(torch.where(den > 0, 2 * tp / den.clamp(min=1), 0.0).mean())\n",
+        "rank 0 passed 30 numbers into its collectives, 3 per class"),
+    # right value and size, but made on the host: NCCL would refuse it on GPUs
+    "counts_on_the_host": (
+        STRIDED + _COUNT2.replace("dtype=torch.int64, device=device)", "dtype=torch.int64)")
+        + REDUCE2, "the tensor of shape (2, 10) that rank 0 passed to all_reduce is not on "
+                   "`device`"),
+    "result_tensor_on_the_host": (
+        STRIDED + _COUNT2 + "    dist.all_reduce(counts)\n"
+        "    tp, both = counts.double()\n"
+        "    f1 = torch.tensor([float((2 * tp / both.clamp(min=1)).mean())])\n"
+        "    dist.broadcast(f1, src=0)\n"
+        "    return float(f1)\n",
+        "shape (1,) that rank 0 passed to broadcast is not on `device`"),
     "remainder_dropped": (
         "    n = len(test_set) // world_size * world_size\n"
         "    share = Subset(test_set, range(rank, n, world_size))\n" + _COUNT + REDUCE,
@@ -346,52 +397,83 @@ def test_mean_of_f1_is_named_on_three_ranks_too(tmp_path):
 
 F1_RIGHT = {
     # the lab says the mode the model is left in does not matter: putting it back is right too
-    "back_in_train_mode": (STRIDED + _COUNT + "    model.train()\n" + REDUCE),
+    "back_in_train_mode": (STRIDED + _COUNT2 + "    model.train()\n" + REDUCE2),
     "contiguous_shards": (
         "    n = len(test_set)\n"
         "    share = Subset(test_set, range(rank * n // world_size, (rank + 1) * n // world_size))\n"
-        + _COUNT + REDUCE),
-    "float_matrix_and_tensor_result": (
-        STRIDED + _COUNT.replace("dtype=torch.int64", "dtype=torch.float64")
-        + "    dist.all_reduce(confusion)\n"
-          "    tp = confusion.diagonal()\n"
-          "    return (2 * tp / (confusion.sum(0) + confusion.sum(1)).clamp(min=1)).mean()\n"),
-    # three counts per class instead of the whole matrix: 30 numbers
-    "per_class_counts": (
-        LOCAL + "    c = torch.arange(NUM_CLASSES).unsqueeze(1)\n"
-        "    counts = torch.stack([((y_pred == c) & (y_true == c)).sum(1),\n"
-        "                          ((y_pred == c) & (y_true != c)).sum(1),\n"
-        "                          ((y_pred != c) & (y_true == c)).sum(1)]).double()\n"
-        "    dist.all_reduce(counts)\n"
-        "    tp, fp, fn = counts\n"
-        "    den = 2 * tp + fp + fn\n"
-        "    return float(torch.where(den > 0, 2 * tp / den.clamp(min=1), 0.0).mean())\n"),
-    # reduce to rank 0, which computes F1 and broadcasts it
+        + _COUNT2 + REDUCE2),
+    "float_counts_and_tensor_result": (
+        STRIDED + _COUNT2.replace("dtype=torch.int64", "dtype=torch.float64")
+        + "    dist.all_reduce(counts)\n"
+          "    return (2 * counts[0] / counts[1].clamp(min=1)).mean()\n"),
+    # the other pair of counts: true positives and errors (FP + FN): F1 = 2TP / (2TP + FP + FN)
+    "tp_and_errors": (
+        STRIDED + _COUNT2.replace("torch.cat([predicted, y])",
+                                  "torch.cat([predicted, y])[torch.cat([predicted != y] * 2)]")
+        + "    dist.all_reduce(counts)\n"
+          "    tp, errors = counts.double()\n"
+          "    return float((2 * tp / (2 * tp + errors).clamp(min=1)).mean())\n"),
+    # averaged instead of summed: F1 is a ratio of counts, so it is unchanged (the ✔ says why)
+    "avg_of_float_counts": (
+        STRIDED + _COUNT2.replace("dtype=torch.int64", "dtype=torch.float64")
+        + "    dist.all_reduce(counts, op=dist.ReduceOp.AVG)\n" + F1_OF_COUNTS2),
+    # reduce to rank 0, which computes F1 and broadcasts it: rank 0 sends 20 + 1 numbers
     "reduce_then_broadcast": (
-        STRIDED + _COUNT + "    dist.reduce(confusion, dst=0)\n"
-        "    result = torch.zeros(1, dtype=torch.float64)\n"
+        STRIDED + _COUNT2 + "    dist.reduce(counts, dst=0)\n"
+        "    result = torch.zeros(1, dtype=torch.float64, device=device)\n"
         "    if rank == 0:\n"
-        "        tp = confusion.diagonal().double()\n"
-        "        result[0] = (2 * tp / (confusion.sum(0) + confusion.sum(1)).clamp(min=1)).mean()\n"
+        "        tp, both = counts.double()\n"
+        "        result[0] = (2 * tp / both.clamp(min=1)).mean()\n"
         "    dist.broadcast(result, src=0)\n"
         "    return float(result)\n"),
-    # the ranks' matrices gathered (size grows with the ranks, not the images), then added
-    "all_gather_matrices": (
-        STRIDED + _COUNT + "    everyone = [torch.zeros_like(confusion) for _ in range(world_size)]\n"
-        "    dist.all_gather(everyone, confusion)\n"
-        "    confusion = sum(everyone)\n" + F1_OF_COUNTS),
-    # the summed matrix turned back into labels for the given macro_f1
-    "labels_from_matrix": (
-        STRIDED + _COUNT.replace("torch.no_grad()", "torch.inference_mode()")
-        + "    dist.all_reduce(confusion)\n"
-        "    cells = torch.arange(NUM_CLASSES ** 2).repeat_interleave(confusion.flatten())\n"
-        "    return macro_f1(cells // NUM_CLASSES, cells % NUM_CLASSES)\n"),
+    # the ranks' counts gathered (size grows with the ranks, not the images), then added
+    "all_gather_counts": (
+        STRIDED + _COUNT2 + "    everyone = [torch.zeros_like(counts) for _ in range(world_size)]\n"
+        "    dist.all_gather(everyone, counts)\n"
+        "    counts = sum(everyone)\n" + F1_OF_COUNTS2),
+    "two_all_reduces": (
+        STRIDED + _COUNT2 + "    tp, both = counts[0].clone(), counts[1].clone()\n"
+        "    dist.all_reduce(tp)\n    dist.all_reduce(both)\n"
+        "    return float((2 * tp.double() / both.double().clamp(min=1)).mean())\n"),
+    # an object collective: its numbers count, its device is torch's business
+    "all_gather_object_lists": (
+        STRIDED + _COUNT2 + "    everyone = [None] * world_size\n"
+        "    dist.all_gather_object(everyone, counts.tolist())\n"
+        "    counts = torch.tensor(everyone).sum(0)\n" + F1_OF_COUNTS2),
+    # counted on the host, moved to the device for the collective
+    "host_counts_moved": (
+        STRIDED + _COUNT2.replace("dtype=torch.int64, device=device)", "dtype=torch.int64)")
+        .replace("model(X.to(device)).argmax(1), y.to(device)",
+                 "model(X.to(device)).argmax(1).cpu(), y")
+        .replace("torch.no_grad()", "torch.inference_mode()")
+        + "    counts = counts.to(device)\n" + REDUCE2),
 }
 
 
 @pytest.mark.parametrize("name", sorted(F1_RIGHT))
 def test_right_f1_variants_pass(tmp_path, name):
-    lab04.check_f1(_write(tmp_path, _body(F1_RIGHT[name])))
+    note = lab04.f1_note(_write(tmp_path, _body(F1_RIGHT[name])))
+    assert (note == lab04.AVG_NOTE) == (name == "avg_of_float_counts"), note
+
+
+def test_the_reference_f1_has_no_note(tmp_path):
+    assert lab04.f1_note(_write(tmp_path, _solution_script()), runs=((2, 101),)) == ""
+
+
+@pytest.mark.parametrize("name, cause, fix", [
+    ("confusion_matrix", "a 10 × 10 table", "write 2·P·R/(P + R) as one fraction"),
+    ("tp_fp_fn", "3 per class", "write 2·P·R/(P + R) as one fraction"),
+    ("counts_on_the_host", "No backend type associated with device type cpu",
+     "torch.zeros(..., device=device)"),
+])
+def test_budget_and_device_mistakes_get_their_fix_the_second_time(tmp_path, name, cause, fix):
+    path = _write(tmp_path, _body(F1_WRONG[name][0]))
+    for attempt in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab04.check_f1(path, runs=((2, 101),))
+        message = str(err.value)
+        assert cause in message, message
+        assert (fix in message) == (attempt == 1), message
 
 
 def test_reference_f1_passes_on_one_and_four_ranks(tmp_path):
@@ -677,3 +759,27 @@ def test_a_repeated_f1_mistake_gets_its_fix_the_second_time(tmp_path):
         message = str(err.value)
         assert "F1 scores were averaged" in message
         assert ("compute F1 once from the sums" in message) == (attempt == 1), message
+
+
+# --- where the exchanged tensors would live (checks/_lab04_exchange.py) ---------------------
+
+def test_the_device_spy_follows_where_tensors_would_live():
+    import torch
+
+    from dpcourse.checks._lab04_exchange import WhereTensorsLive, count_numbers, mark, on_device
+
+    device = torch.device("cpu")
+    weight = torch.ones(3)
+    mark(weight, True)  # a parameter of the model, which lives on the device
+    with WhereTensorsLive(device):
+        host = torch.zeros(3)
+        made_there = torch.zeros(3, device=device)
+        moved = torch.arange(3).to(device)
+        computed = weight * torch.arange(3) + 1
+        back_on_host = computed.cpu()
+        host += computed  # in place: stays where it was (on a GPU this line raises)
+        like = torch.zeros_like(computed)
+        tp, both = torch.stack([computed, computed]).double()
+    assert [on_device(t) for t in (host, made_there, moved, computed, back_on_host, like, tp,
+                                   both)] == [False, True, True, True, False, True, True, True]
+    assert count_numbers([[1, 2.0], {"a": torch.zeros(2, 3)}, "text"]) == 8

@@ -9,15 +9,19 @@ script so that it equals one process.
    rank evaluates, its mode and whether autograd is on; each rank calls it a second time on a
    test set 4 times larger while the collectives it calls are recorded. Every rank must return
    one process's macro-F1 of the whole test set, each image evaluated exactly once over all
-   ranks, in eval mode without autograd, and send no more for the larger set (which statistic
-   crosses is the learner's decision: a confusion matrix, per-class counts ...). When it does
+   ranks, in eval mode without autograd, send no more for the larger set, pass at most 2
+   numbers per class (+2) into its collectives (which two is the learner's decision: true
+   positives and predicted + true, or true positives and errors ...), and pass only tensors
+   that would live on ``device`` on a GPU (followed by ``_lab04_exchange``). When it does
    not, the sentence names the mistake: ranks that return their own shard's number, images
    counted twice (a second pass over one rank's share, or shares that overlap:
    DistributedSampler's padding is named only where one image is on two ranks), images
    skipped, a rank left idle while another evaluates everything, every rank evaluating
    everything, the ranks' F1 scores averaged or summed, the ranks' per-class precisions and recalls
    averaged, the accuracy instead of F1, the labels or
-   predictions themselves gathered (what is sent grows with the test set).
+   predictions themselves gathered (what is sent grows with the test set), the confusion
+   matrix or three counts per class (over the budget), two counts that give only the
+   precision or only the recall, a tensor made on the host (NCCL would refuse it). Counts averaged with ``ReduceOp.AVG`` pass, and the ✔ says why.
 2. It runs the whole script under torchrun (2 processes) and compares the weights it writes to
    ``--out`` with one process trained on the global batch, and the F1 it saved with one
    process's F1 of those weights. A script that fails under torchrun is reported with the
@@ -64,8 +68,9 @@ from dpcourse.checks import (check_timeout, fail, passed, recorded, require_answ
                              timed_out)
 
 __all__ = ["Lab04Config", "CONFIGS", "F1_RUNS", "reference_weights", "run_script", "judge",
-           "check_f1", "check", "check_prediction", "check_resume", "MISTAKES", "F1_MISTAKES",
-           "RESUME_MISTAKES", "F1_FIXES", "RESUME_FIXES", "MISTAKE_FIXES"]
+           "check_f1", "f1_note", "check", "check_prediction", "check_resume", "MISTAKES",
+           "F1_MISTAKES", "RESUME_MISTAKES", "F1_FIXES", "RESUME_FIXES", "MISTAKE_FIXES",
+           "AVG_NOTE", "NUM_CLASSES"]
 
 
 @dataclass(frozen=True)
@@ -429,6 +434,7 @@ def judge(weights, saves: dict, cfg: Lab04Config = Lab04Config(), tol: float = 1
 # DistributedSampler pads both with a repeated image; large enough that every class is right
 # on every rank, so the ranks' precisions and recalls averaged differ from their F1 averaged.
 F1_RUNS = ((2, 301), (3, 302))
+NUM_CLASSES = 10  # shapes10's classes, the script's NUM_CLASSES
 _F1_TOL = 1e-6  # float32 arithmetic in an answer is fine; every mistake is 1e-3 or more away
 
 F1_MISTAKES = {  # the cause; what to change is in F1_FIXES (shown on the second meeting)
@@ -442,6 +448,14 @@ F1_MISTAKES = {  # the cause; what to change is in F1_FIXES (shown on the second
                   "the whole set's.",
     "accuracy": "That number is the accuracy, not the macro-F1 that macro_f1 defines (the mean "
                 "over the 10 classes of each class's F1).",
+    "precision_only": "That number is the mean over the classes of each class's precision (its "
+                      "true positives over the images predicted as it), not of its F1: the "
+                      "counts you exchanged say nothing of the images truly of each class, "
+                      "which its recall is made of.",
+    "recall_only": "That number is the mean over the classes of each class's recall (its true "
+                   "positives over the images truly of it: the balanced accuracy), not of its "
+                   "F1: the counts you exchanged say nothing of the images predicted as each "
+                   "class, which its precision is made of.",
 }
 F1_FIXES = {
     "mean_of_f1": "Add up over the ranks the counts that F1 is made of, then compute F1 once "
@@ -450,6 +464,10 @@ F1_FIXES = {
     "mean_of_pr": "Add up over the ranks what each fraction is made of, then compute precision, "
                   "recall and F1 once.",
     "accuracy": "Compute each class's F1 from the whole test set's counts and average them.",
+    "precision_only": "F1 = 2PR/(P + R) needs both fractions: exchange per-class counts from "
+                      "which precision and recall both follow (two per class are enough).",
+    "recall_only": "F1 = 2PR/(P + R) needs both fractions: exchange per-class counts from which "
+                   "precision and recall both follow (two per class are enough).",
 }
 
 # What a rank may send must not grow with the test set: the check calls evaluate_f1 a second
@@ -508,6 +526,7 @@ def _f1_worker(rank, world_size, source, n_test):
     import torch
     from torch.utils.data import TensorDataset
 
+    from dpcourse.checks._lab04_exchange import ExchangeSpy, WhereTensorsLive, mark
     from dpcourse.collectives import record_collectives
 
     torch.set_num_threads(1)
@@ -530,26 +549,32 @@ def _f1_worker(rank, world_size, source, n_test):
             seen["indices"] = None if None in found else seen["indices"] + found
 
     model.register_forward_hook(count)
+    device = torch.device("cpu")
+    for t in [*model.parameters(), *model.buffers()]:
+        mark(t, True)  # the model lives on `device`, as the script puts it there
     sent = []
+    spy = ExchangeSpy(rank)
     # The learner's module is built inside the recording, so even a name imported from
     # torch.distributed (from torch.distributed import all_reduce) is the recorded one.
-    with record_collectives() as calls:
+    with record_collectives(before=spy.before) as calls:
         ns = _namespace(source)
         for n in (n_test, _GROWTH * n_test):
             X, y = _f1_data(n)
             before = len(calls)
-            value = ns["evaluate_f1"](model, TensorDataset(X, y), rank, world_size,
-                                      torch.device("cpu"))
+            with WhereTensorsLive(device):
+                value = ns["evaluate_f1"](model, TensorDataset(X, y), rank, world_size, device)
             sent.append(sum(c.nbytes for c in calls[before:]))
             if n == n_test:
                 first, first_seen = value, dict(seen)
+                exchange = {"numbers": spy.numbers, "off_device": spy.off_device,
+                            "averaged": spy.averaged}
                 seen["indices"] = None  # the larger set's images are not looked up
     value = first
     if torch.is_tensor(value) and value.numel() == 1:
         value = float(value.item())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return {"error": f"evaluate_f1 returned {type(value).__name__}, not a number (a float)"}
-    return {"value": float(value), **first_seen, "sent": sent}
+    return {"value": float(value), **first_seen, "sent": sent, **exchange}
 
 
 def _f1_variants(n_test: int, world_size: int) -> dict:
@@ -581,8 +606,12 @@ def _f1_variants(n_test: int, world_size: int) -> dict:
     for shuffle in (True, False):
         shardings[f"sampler_{shuffle}"] = [
             list(DistributedSampler(ds, num_replicas=N, rank=r, shuffle=shuffle)) for r in range(N)]
+    whole = confusion(range(n)).double()
+    tp = whole.diagonal()
     out = {"correct": _f1_of(confusion(range(n))),
            "accuracy": float((pred == y).double().mean()),
+           "precision_only": float((tp / whole.sum(0).clamp(min=1)).mean()),
+           "recall_only": float((tp / whole.sum(1).clamp(min=1)).mean()),
            "mean_of_f1": [], "sum_of_f1": [], "mean_of_pr": []}
     for shards in shardings.values():
         f1s = [_f1_of(confusion(s)) for s in shards]
@@ -640,10 +669,11 @@ def _overcount(results: list, n_test: int, total: int) -> str:
                    f"twice.")
 
 
-def judge_f1(results: list, n_test: int) -> None:
-    """Nothing if every rank returned one process's macro-F1, each image evaluated once in eval
-    mode without autograd, sending no more for a larger test set; else fail with the sentence
-    that names the mistake."""
+def judge_f1(results: list, n_test: int) -> str:
+    """The ✔'s note ("" or :data:`AVG_NOTE`) if every rank returned one process's macro-F1,
+    each image evaluated once in eval mode without autograd, sending at most 2 numbers per
+    class (plus 2) whatever the test set's size, from tensors on ``device``; else fail with the
+    sentence that names the mistake."""
     __tracebackhide__ = True
     N = len(results)
     where = f"On {N} ranks with {n_test} test images: "
@@ -694,19 +724,66 @@ def judge_f1(results: list, n_test: int) -> None:
                      f"themselves travel between the ranks.",
              fix="exchange a summary whose size does not depend on the number of images, from "
                  "which the macro-F1 follows.")
+    _judge_budget(results, where)
     want = _f1_variants(n_test, N)
     got = values[0]
-    if abs(got - want["correct"]) <= _F1_TOL:
+    if abs(got - want["correct"]) > _F1_TOL:
+        for name in ("mean_of_f1", "sum_of_f1", "mean_of_pr"):
+            if any(abs(got - v) <= _F1_TOL for v in want[name]):
+                _mistake(F1_MISTAKES, F1_FIXES, name, where)
+        for name in ("accuracy", "precision_only", "recall_only"):
+            if abs(got - want[name]) <= _F1_TOL:
+                _mistake(F1_MISTAKES, F1_FIXES, name, where)
+        fail(where + f"your macro-F1 {got:.6f} differs from one process's {want['correct']:.6f} "
+                     f"(macro_f1 of the whole test set's labels and predictions), and matches "
+                     f"none of the usual mistakes.",
+             fix="compute F1 once, from counts added up over every rank's images.")
+    off = next((r["off_device"] for r in results if r.get("off_device")), None)
+    if off:
+        fail(where + f"{off} is not on `device`: it was made without device= (or moved off "
+                     f"it) and never moved there. Here every rank computes on the CPU, so gloo "
+                     f"took it; on GPUs the group is NCCL's, which only moves GPU memory, and "
+                     f"this call raises (RuntimeError: No backend type associated with device "
+                     f"type cpu).",
+             fix="make the tensor you exchange on the device (torch.zeros(..., device=device)), "
+                 "or move it there with .to(device) before the collective.")
+    return AVG_NOTE if any(r.get("averaged") for r in results) else ""
+
+
+# The contract: what a rank passes into its collectives is at most 2 numbers per class, plus
+# _SPARE (a count, the result broadcast from one rank).
+_PER_CLASS = 2
+_SPARE = 2
+AVG_NOTE = (" Your collective averaged the counts (ReduceOp.AVG) instead of adding them: that "
+            "divides every count by world_size, and each class's F1 is a ratio of two counts, "
+            "so it is unchanged (to rounding); an AVG of the ranks' F1 scores would have been a "
+            "mean of means.")
+
+
+def _judge_budget(results: list, where: str) -> None:
+    """Fail if a rank passed more numbers into its collectives than the contract allows."""
+    __tracebackhide__ = True
+    C = NUM_CLASSES
+    budget = _PER_CLASS * C + _SPARE
+    over = [(rank, r.get("numbers", 0)) for rank, r in enumerate(results)
+            if r.get("numbers", 0) > budget]
+    if not over:
         return
-    for name in ("mean_of_f1", "sum_of_f1", "mean_of_pr"):
-        if any(abs(got - v) <= _F1_TOL for v in want[name]):
-            _mistake(F1_MISTAKES, F1_FIXES, name, where)
-    if abs(got - want["accuracy"]) <= _F1_TOL:
-        _mistake(F1_MISTAKES, F1_FIXES, "accuracy", where)
-    fail(where + f"your macro-F1 {got:.6f} differs from one process's {want['correct']:.6f} "
-                 f"(macro_f1 of the whole test set's labels and predictions), and matches none "
-                 f"of the usual mistakes.",
-         fix="compute F1 once, from counts added up over every rank's images.")
+    rank, k = over[0]
+    if k == C * C:
+        what = (f", a {C} × {C} table such as the confusion matrix of (true, predicted) pairs, "
+                f"which for ImageNet's 1000 classes is a million numbers per rank")
+    elif k == 3 * C:
+        what = (", 3 per class, such as the true positives, false positives and false "
+                "negatives that precision and recall are written with")
+    else:
+        what = f", {k / C:g} per class"
+    fail(where + f"rank {rank} passed {k} numbers into its collectives{what}, where the contract "
+                 f"allows {_PER_CLASS} per class ({_PER_CLASS * C} here, plus {_SPARE}): "
+                 f"macro-F1 is determined by fewer.",
+         fix="each class's F1 is the harmonic mean of its precision and recall, two fractions "
+             "with the same numerator (its true positives): write 2·P·R/(P + R) as one fraction "
+             "of counts, and exchange the two per-class counts it is made of.")
 
 
 @recorded
@@ -714,6 +791,12 @@ def check_f1(path="train_lab.py", runs=F1_RUNS, timeout: float | None = None) ->
     """Call the script's ``evaluate_f1`` on each (world size, test images) of ``runs`` and judge
     it (see :func:`judge_f1`); silent when right. ``timeout``: 90 s per launch, or
     ``DPCOURSE_CHECK_TIMEOUT`` if more."""
+    __tracebackhide__ = True
+    f1_note(path, runs, timeout)
+
+
+def f1_note(path="train_lab.py", runs=F1_RUNS, timeout: float | None = None) -> str:
+    """:func:`check_f1`, returning the note its ✔ gets ("" or :data:`AVG_NOTE`)."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, 90.0)
     path = Path(path)
@@ -727,6 +810,7 @@ def check_f1(path="train_lab.py", runs=F1_RUNS, timeout: float | None = None) ->
     if not callable(ns.get("evaluate_f1")):
         fail(f"{path.name} defines no function evaluate_f1(model, test_set, rank, world_size, "
              f"device).")
+    note = ""
     for world_size, n_test in runs:
         results = run_ranks(
             _f1_worker, world_size, source, n_test, timeout=timeout,
@@ -738,7 +822,8 @@ def check_f1(path="train_lab.py", runs=F1_RUNS, timeout: float | None = None) ->
                                     f"{exc.summary}"),
             todo=f"{path.name} still has a TODO in evaluate_f1: replace the `raise "
                  f"NotImplementedError` with your code, re-run that cell, then this check.")
-        judge_f1(results, n_test)
+        note = judge_f1(results, n_test) or note
+    return note
 
 
 def _saved_f1_reference(weights: dict, cfg: "Lab04Config", n_test: int = 101) -> float:
@@ -773,8 +858,7 @@ def check(path="train_lab.py", cfgs=CONFIGS[:1], launcher: str = "torchrun",
     timeout = check_timeout(timeout, 120.0)
     if isinstance(cfgs, Lab04Config):
         cfgs = (cfgs,)
-    if f1_runs:
-        check_f1(path, f1_runs, timeout=f1_timeout)
+    note = f1_note(path, f1_runs, timeout=f1_timeout) if f1_runs else ""
     for cfg in cfgs:
         weights, saves, _, f1 = run_script(path, cfg, launcher=launcher, timeout=timeout)
         judge(weights, saves, cfg)
@@ -793,7 +877,7 @@ def check(path="train_lab.py", cfgs=CONFIGS[:1], launcher: str = "torchrun",
     ranks = " and ".join(str(c.world_size) for c in cfgs)
     passed((f"evaluate_f1 equals one process's macro-F1 on {runs} ranks, each image once; "
             if f1_runs else "") + f"your torchrun script ends with the reference weights on "
-           f"{ranks} ranks (DDP == one process on the global batch)")
+           f"{ranks} ranks (DDP == one process on the global batch)." + note)
 
 
 def config_dict(cfg: Lab04Config = Lab04Config()) -> dict:

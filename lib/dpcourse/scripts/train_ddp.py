@@ -181,6 +181,9 @@ def main(argv=None) -> None:
                 print(f"rank {rank}: simulated fault at step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         dist.all_reduce(sums)  # the loss of every rank's batches, not rank 0's alone
+        # Buffers (BatchNorm's statistics) get no all-reduce: evaluate rank 0's, those we save.
+        for buffer in raw_model.buffers():
+            dist.broadcast(buffer, src=0)
         test = evaluate(raw_model, test_set, device, rank, world_size)
         if is_main:
             print(f"epoch {epoch}: mean loss {sums[0] / max(sums[1], 1):.4f}, test accuracy "

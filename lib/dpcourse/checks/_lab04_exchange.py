@@ -1,0 +1,161 @@
+"""What lab 04's ``evaluate_f1`` exchanges: a spy for :mod:`dpcourse.checks.lab04`.
+
+For each rank it records how many numbers the rank passes into its collectives (its budget is
+2 per class), whether it averaged with ``ReduceOp.AVG``, and whether each tensor it passes lives
+on the ``device`` it was given.
+
+The last one needs a trick. The check runs on CPU ranks (gloo), where every tensor is on the
+CPU, so a tensor made without ``device=`` is taken there; on GPUs under NCCL the same call
+raises (``RuntimeError: No backend type associated with device type cpu``, seen on an H100 with
+torch 2.11). So :class:`WhereTensorsLive`, a ``TorchFunctionMode``, follows where each tensor
+*would* live: on the device when it was made with ``device=`` the evaluation's device, moved
+with ``.to(device)`` or ``.cuda()``, or computed from a tensor on the device (the model's
+parameters are); on the host when made without a device, moved with ``.cpu()``, or computed
+from host tensors only. An in-place op keeps its target where it was (on a GPU, adding a device
+tensor into a host one raises). Where torch returns the tensor itself for a move (the CPU is
+already where it is), the spy returns a copy, as a GPU would, so that both keep their own mark.
+Iterating over a tensor (``tp, both = counts``) keeps the rows where the tensor was. A
+``device`` equal to the CPU cannot be told apart from
+``"cpu"``: such a tensor counts as on the device (the spy only errs towards accepting).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["WhereTensorsLive", "ExchangeSpy", "on_device", "mark", "count_numbers"]
+
+_MARK = "_dpcourse_lab04_on_device"
+_IN_PLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+             "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+             "__setitem__"}
+
+
+def on_device(t) -> bool:
+    """Whether tensor ``t`` would live on the evaluation's device (see the module's docstring)."""
+    return bool(getattr(t, _MARK, False))
+
+
+def mark(value, where: bool) -> None:
+    """Set where the tensors in ``value`` (a tensor, or a list or tuple of them) would live."""
+    if isinstance(value, torch.Tensor):
+        try:
+            setattr(value, _MARK, where)
+        except (AttributeError, RuntimeError):  # a tensor that takes no attribute: unknown
+            pass
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            mark(v, where)
+
+
+class WhereTensorsLive(TorchFunctionMode):
+    """Within it, every torch function's tensor result is marked on the device or on the host,
+    as it would be where ``device`` is a GPU."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+
+    def _names_the_device(self, target) -> bool:
+        if isinstance(target, torch.Tensor):
+            return on_device(target)
+        try:
+            return torch.device(target) == self.device
+        except (TypeError, RuntimeError, ValueError):
+            return False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        first = args[0] if args else None
+        if name in _IN_PLACE or (name.endswith("_") and not name.startswith("_")):
+            return out  # in place: the target stays where it was
+        if name == "__iter__" and isinstance(first, torch.Tensor):
+            rows = list(out)  # unbound inside torch, where this mode does not look
+            mark(rows, on_device(first))
+            return iter(rows)
+        if name in ("cuda", "cpu", "to") and isinstance(first, torch.Tensor):
+            where = name == "cuda"
+            if name == "to":
+                targets = [a for a in args[1:] if not isinstance(a, (torch.dtype, bool))]
+                targets += [kwargs[k] for k in ("device", "other") if kwargs.get(k) is not None]
+                where = self._names_the_device(targets[0]) if targets else on_device(first)
+            if out is first and where != on_device(first):
+                out = first.clone()  # on a GPU a move makes a new tensor; here torch returns self
+            mark(out, where)
+        elif kwargs.get("device") is not None:
+            mark(out, self._names_the_device(kwargs["device"]))
+        else:
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            mark(out, any(on_device(t) for t in inputs))
+        return out
+
+
+def count_numbers(value) -> int:
+    """How many numbers ``value`` holds: a tensor's elements, a NumPy array's, 1 per Python
+    number, summed through lists, tuples, sets and dicts' values."""
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, bool) or isinstance(value, (int, float, complex)):
+        return 1
+    if isinstance(value, dict):
+        return sum(count_numbers(v) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return sum(count_numbers(v) for v in value)
+    size = getattr(value, "size", None)
+    if isinstance(size, int) and hasattr(value, "dtype"):  # a NumPy array or scalar
+        return size
+    return 0
+
+
+# The argument holding what a rank puts into each collective, and the one it receives into
+# (their tensors must be on the device too); a broadcast's sender is ``src``.
+_SENT = {"all_reduce": "tensor", "all_reduce_coalesced": "tensors", "reduce": "tensor",
+         "broadcast": "tensor", "all_gather": "tensor", "all_gather_into_tensor": "input_tensor",
+         "_all_gather_base": "input_tensor", "all_gather_coalesced": "input_tensor_list",
+         "gather": "tensor", "scatter": "scatter_list", "reduce_scatter": "input_list",
+         "reduce_scatter_tensor": "input", "_reduce_scatter_base": "input",
+         "all_to_all_single": "input", "all_to_all": "input_tensor_list", "send": "tensor",
+         "isend": "tensor", "all_gather_object": "obj", "gather_object": "obj",
+         "broadcast_object_list": "object_list", "scatter_object_list": "scatter_object_input_list",
+         "send_object_list": "object_list"}
+_RECEIVED = {"all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor",
+             "_all_gather_base": "output_tensor", "gather": "gather_list", "scatter": "tensor",
+             "reduce_scatter": "output", "reduce_scatter_tensor": "output",
+             "_reduce_scatter_base": "output", "all_to_all_single": "output",
+             "all_to_all": "output_tensor_list", "recv": "tensor", "irecv": "tensor"}
+_FROM_SOURCE = {"broadcast", "broadcast_object_list", "scatter", "scatter_object_list"}
+
+
+class ExchangeSpy:
+    """The ``before`` hook of :func:`dpcourse.collectives.record_collectives` for one rank:
+    it adds up the numbers the rank sends and notes the first tensor that is not on the
+    device and any ``ReduceOp.AVG``."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.numbers = 0
+        self.off_device: str | None = None
+        self.averaged = False
+
+    def before(self, call) -> None:
+        import torch.distributed as dist
+
+        args = call.args or {}
+        name = call.function
+        sent = args.get(_SENT.get(name, ""))
+        source = args.get("src", args.get("group_src", 0))
+        if name not in _FROM_SOURCE or source in (None, self.rank):
+            self.numbers += count_numbers(sent)
+        if args.get("op") is not None and args["op"] == dist.ReduceOp.AVG:
+            self.averaged = True
+        if name.endswith("_object") or name.endswith("_object_list"):
+            return  # object collectives put their bytes on the right device themselves
+        for value in (sent, args.get(_RECEIVED.get(name, ""))):
+            for t in tree_leaves(value):
+                if isinstance(t, torch.Tensor) and not on_device(t) and self.off_device is None:
+                    self.off_device = (f"the tensor of shape {tuple(t.shape)} that rank "
+                                       f"{self.rank} passed to {name}")
