@@ -701,9 +701,9 @@ claim("diagnose names five mistakes at their lines: no set_epoch (16), a barrier
 # %% [markdown]
 # ## Lab 10
 # Open [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb): five broken torchrun scripts with five
-# bugs this lesson did not show. For each, find the line and say what goes wrong there in your
-# own words before any option is shown, then name it, fix it, and let the check run your fix
-# under torchrun; the stretch
+# bugs this lesson did not show. For each, find the line and work out, from the script's own
+# lines, the number its question asks for (what the script does) before any option is shown,
+# then name it, fix it, and let the check run your fix under torchrun; the stretch
 # has you write a replicas-in-sync detector with no blind spot and one verdict on every rank.
 #
 # One tool from single-device training that the lab meets: **gradient clipping**.
