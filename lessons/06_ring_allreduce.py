@@ -160,6 +160,14 @@ claim(f"bytes per worker == 2(N−1)K/N in all {checked} cases (N = 2..16)", che
 # When N is not a power of two, the N − p extra workers first hand their whole array to a
 # partner and get the result back at the end: one more step of K bytes at each end.
 #
+# How good can an all-reduce get? Chan, Heimlich, Purkayastha and van de Geijn (2007) prove,
+# for this model with a worker sending one message and receiving one at a time, that any
+# all-reduce needs at least **⌈log₂N⌉ steps** (a step can at most double the number of
+# workers' inputs a result depends on) and at least **2(N−1)/N·Kβ** of transfer time (a
+# worker's data must leave it and the others' reach it, all but 1/N each way). The ring meets
+# the bandwidth bound exactly and misses the latency bound, 2(N−1) steps against ⌈log₂N⌉:
+# "bandwidth-optimal, latency-suboptimal" is a theorem, checked below for N up to 1024.
+#
 # Two ways of counting, on purpose: links are *full duplex* (each direction has its own
 # bandwidth). The naive way, the server and the tree receive everything and *then* send it, so
 # their time pays for both directions one after the other; in a ring every worker sends and
@@ -192,6 +200,8 @@ for alg in ring.COST_MODELS:
     print(f"{alg:>16} {c.steps:>6} {c.busiest_bytes / 1e6:>16.1f} {c.seconds * 1e3:>8.2f}")
 
 # %%
+import math
+
 big = {alg: ring.cost(alg, 8, 100e6, alpha_demo, beta_demo).seconds for alg in ring.ALGORITHMS}
 small = {alg: ring.cost(alg, 64, 1e3, alpha_demo, beta_demo).seconds
          for alg in ("naive", "ring", "tree")}
@@ -211,21 +221,32 @@ rab = {(n, k): ring.cost("rabenseifner", n, k, alpha_demo, beta_demo) for n in p
 claim("N a power of two: Rabenseifner sends the ring's bytes in the tree's number of steps",
       all(c.busiest_bytes == ring.cost("ring", n, k, 0, 1).busiest_bytes
           and c.steps == ring.cost("tree", n, k, 0, 1).steps for (n, k), c in rab.items()))
-claim("so, under the model, it is never slower than either (N = 2 … 1024, 1 kB … 100 MB)",
+claim("so, under the model, at those N it is never slower than either (1 kB … 100 MB)",
       all(c.seconds <= min(ring.cost(a, n, k, alpha_demo, beta_demo).seconds
                            for a in ("ring", "tree")) + 1e-15 for (n, k), c in rab.items()))
 six = {a: ring.cost(a, 6, 100e6, alpha_demo, beta_demo) for a in ("ring", "rabenseifner")}
 claim("N = 6, 100 MB: the two extra K-byte steps make Rabenseifner slower than the ring "
       f"({six['rabenseifner'].seconds * 1e3:.1f} ms against {six['ring'].seconds * 1e3:.1f} ms)",
       six["rabenseifner"].seconds > six["ring"].seconds)
-tiny8 = {alg: ring.cost(alg, 8, 1e3, alpha_demo, beta_demo).seconds for alg in ring.ALGORITHMS}
+bound_ns = range(2, 1025)
+claim("the ring's bytes meet the lower bound 2(N−1)/N·K at every N = 2 … 1024",
+      all(math.isclose(ring.cost("ring", n, 100e6, 0, 1).busiest_bytes, 2 * (n - 1) / n * 100e6,
+                       rel_tol=1e-12) for n in bound_ns))
+claim("its 2(N−1) steps exceed the lower bound ⌈log₂N⌉ at every N = 2 … 1024 (at 1024: 2046 "
+      "against 10)",
+      all(ring.cost("ring", n, 100e6, 1, 0).steps > math.ceil(math.log2(n)) for n in bound_ns)
+      and (ring.cost("ring", 1024, 1, 1, 0).steps, math.ceil(math.log2(1024))) == (2046, 10))
+tiny8 = {alg: ring.cost(alg, 8, 1e3, alpha_demo, beta_demo).seconds for alg in ring.COST_MODELS}
 tiny8_serverless = {a: t for a, t in tiny8.items() if a != "parameter-server"}
 best8, best8_serverless = min(tiny8, key=tiny8.get), min(tiny8_serverless, key=tiny8_serverless.get)
+NAMES = {"naive": "the naive way", "parameter-server": "the parameter server", "ring": "the ring",
+         "tree": "the binomial tree", "rabenseifner": "Rabenseifner's algorithm"}
 viz.show(viz.cost_figure(alpha_demo, beta_demo),
-         f"under the α-β model with α = 10 µs and 10 GB/s links: the ring's time is flat in N for "
-         f"big messages, while the naive way and the server grow. In the right panel, for 1 KB at N = 8 the "
-         f"{best8} is the cheapest ({ring.cost(best8, 8, 1e3, 0, 0).steps} steps, if its one link "
-         f"takes N messages at once); without a server, the {best8_serverless} "
+         f"under the α-β model with α = 10 µs and 10 GB/s links, all five algorithms: the ring's "
+         f"time is flat in N for big messages, while the naive way and the server grow. In the "
+         f"right panel, for 1 KB at N = 8 {NAMES[best8]} is the cheapest "
+         f"({ring.cost(best8, 8, 1e3, 0, 0).steps} steps, if its one link takes N messages at "
+         f"once); without a server, {NAMES[best8_serverless]} "
          f"({ring.cost(best8_serverless, 8, 1e3, 0, 0).steps} steps).")
 
 # %% [markdown]
@@ -237,8 +258,7 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 # *relative* error (a 1 KiB point counts as much as a 16 MiB one). The formula is a **model**
 # of gloo, not a description we checked: gloo's C++ is compiled into torch and not among the
 # installed Python files. Its public source (`gloo/allreduce.cc`, function `ring`) implements a
-# segmented ring — a reduce-scatter then an all-gather — and a "bcube" algorithm a caller can
-# pick instead. Each chunk travels as **at least two segments** of at most 1 MiB
+# segmented ring — a reduce-scatter then an all-gather. Each chunk travels as **at least two segments** of at most 1 MiB
 # (`kMaxSegmentSize`; the segment count is rounded up to a multiple of N, and at least 2N), two
 # in flight: one is on the wire while the other is added. So one step of the model is two or
 # more of gloo's messages, pipelined, and the **α fitted here is a cost per ring step**, not
@@ -365,33 +385,51 @@ claim("predicted: PCIe takes several times longer",
 claim("at 1024 GPUs each link still carries under 2K", p1024.busiest_bytes < 2 * k_resnet50)
 
 # %% [markdown]
-# Under this model the ring does not win everywhere. Its bandwidth term is the smallest of all
-# (under 2K at any N), but its latency term 2(N−1)α grows linearly, faster than the tree's
-# 2⌈log₂N⌉α and far faster than the parameter server's two rounds. So where the ring is the
-# cheapest, it is the cheapest **up to** some N, and small messages push that N down:
+# Under this model the ring does not win everywhere. Its bandwidth term is as small as any
+# all-reduce's can be (the bound of §2), but its latency term 2(N−1)α grows linearly, faster
+# than the tree's 2⌈log₂N⌉α and far faster than the parameter server's two rounds. Compare
+# first the four of §2's first claim, Rabenseifner's set aside: where the ring is the cheapest
+# of those, it is the cheapest **up to** some N, and small messages push that N down. Then
+# put Rabenseifner's back.
 
 # %%
-import math
-
-upto_big = ring.ring_cheapest_up_to(k_resnet50, 10e-6, 1 / 32e9, n_max=128)
-upto_small = ring.ring_cheapest_up_to(1e5, 10e-6, 1 / 32e9, n_max=128)
-after = ring.cheapest((upto_small or 1) + 1, 1e5, 10e-6, 1 / 32e9)
-print(f"α = 10 µs, PCIe: the ring is the cheapest up to N = {upto_big} for K = 102 MB, "
-      f"up to N = {upto_small} for K = 100 kB (from N = {(upto_small or 1) + 1} the {after} "
-      f"is cheaper)")
-claim("at a fixed α and β, a smaller K stops the ring being the cheapest at a smaller N",
+four = ring.ALGORITHMS  # the naive way, the parameter server, the ring, the binomial tree
+upto_big = ring.ring_cheapest_up_to(k_resnet50, 10e-6, 1 / 32e9, n_max=128, algorithms=four)
+upto_small = ring.ring_cheapest_up_to(1e5, 10e-6, 1 / 32e9, n_max=128, algorithms=four)
+after = ring.cheapest((upto_small or 1) + 1, 1e5, 10e-6, 1 / 32e9, algorithms=four)
+print(f"α = 10 µs, PCIe, of the first four: the ring is the cheapest up to N = {upto_big} for "
+      f"K = 102 MB, up to N = {upto_small} for K = 100 kB (from N = {(upto_small or 1) + 1} "
+      f"{NAMES[after]} is cheaper)")
+claim("of the first four, at a fixed α and β, a smaller K stops the ring being the cheapest at "
+      "a smaller N",
       upto_small is not None and upto_big is not None and upto_small < upto_big,
       upto_small=upto_small, upto_big=upto_big)
 claim("from N = 4 to 128, the ring's latency term 2(N−1)α exceeds the tree's 2⌈log₂N⌉α",
       all(2 * (n - 1) > 2 * math.ceil(math.log2(n)) for n in range(4, 129)))
 
+five = ring.cheapest_by_n(k_resnet50, 10e-6, 1 / 32e9, n_max=128)  # all five of ring.cost
+print("with Rabenseifner's back, K = 102 MB, N = 2 … 128, the cheapest is "
+      + "; ".join(f"{NAMES[a]} at N = {ring.spans(ns)}" for a, ns in five.items()))
+at128 = {a: ring.cost(a, 128, k_resnet50, 10e-6, 1 / 32e9).seconds
+         for a in ("ring", "rabenseifner")}
+print(f"at N = 128: the ring {at128['ring'] * 1e3:.2f} ms, Rabenseifner's "
+      f"{at128['rabenseifner'] * 1e3:.2f} ms")
+powers = [n for n in range(4, 129) if n & (n - 1) == 0]
+claim("of all five, for 102 MB: Rabenseifner's is the cheapest at every power of two from 4 to "
+      "128 (the ring's bytes in fewer steps) …", five.get("rabenseifner") == powers,
+      rabenseifner=five.get("rabenseifner"))
+claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two extra K-byte "
+      "steps cost more than the ring's extra latency)",
+      five.get("ring") == [n for n in range(2, 129) if n not in powers], ring=five.get("ring"))
+
 # %% [markdown]
-# Try it yourself: drag K down to a few kilobytes and raise α, and watch the dashed line
-# "ring cheapest up to N = …" move left; then raise K again. The shading shows which algorithm
-# is the cheapest at each N.
+# So the model, which gives every pair of workers a link of its own, picks Rabenseifner's at a
+# power of two; §2 said why gloo and NCCL ring anyway. Try it yourself: drag K down to a few
+# kilobytes and raise α, and watch the ring lose N after N; then raise K again. The shading
+# and the title's second line say which algorithm is the cheapest at each N.
 
 # %%
-# The sliders start at this machine's fitted α and β; the curves come from ring.cost itself.
+# The sliders start at this machine's fitted α and β (§3); the curves come from ring.cost.
 import ipywidgets as widgets
 
 cost_explorer = viz.explorer(
@@ -404,10 +442,16 @@ cost_explorer = viz.explorer(
                                      description="α (s)", continuous_update=False),
      "beta": widgets.FloatLogSlider(value=fit.beta, base=10, min=-13, max=-6,
                                     description="β (s/B)", continuous_update=False)},
-    caption="all-reduce time against N at the chosen K under this machine's α and β (a core "
-            "per rank: no contention term); the shading is the cheapest algorithm at each N, "
-            "the dashed line the largest N up to which the ring is the cheapest.",
+    caption="all-reduce time of the five algorithms against N at the chosen K, under the α and "
+            "β fitted to this machine in §3 (a core per rank: no contention term); the shading "
+            "and the title's second line say which is the cheapest at each N.",
     description="cost-model explorer (N, K, α, β)")
+
+# %%
+drawn = cost_explorer.drawn_with  # the values its static figure above was drawn with
+claim("the explorer's figure is drawn with the α and β fitted and printed in §3",
+      (drawn["alpha"], drawn["beta"]) == (fit.alpha, fit.beta), drawn_with=drawn,
+      alpha=fit.alpha, beta=fit.beta)
 
 # %% [markdown]
 # ## 4. A real ring over `torch.distributed`
@@ -588,10 +632,18 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # %% [markdown] jupyter={"source_hidden": true}
 # Every message is a `dist.isend` to rank+1 or a `dist.irecv` from rank−1; both return at once,
 # and a rank waits on them only after both are posted, so no rank ever blocks in a send whose
-# receive its neighbour has not posted. (Blocking calls can do it too, if the ranks do not all
-# call them in the same order: where every other rank sends first, one rank that receives
-# first breaks the cycle of waits; where every other rank receives first, one that sends first
-# does.)
+# receive its neighbour has not posted.
+#
+# Blocking calls can do it too, if the ranks do not all call them in the same order — and the
+# order decides the speed as well. With gloo a send goes out only once its receiver has posted
+# the receive (`Pair::send` in gloo's TCP transport, Sources). Let a single rank receive first
+# and all the others send first: nothing deadlocks, but each step becomes a chain. Only the
+# send into that one rank can complete; its sender then receives, which lets its own left
+# neighbour's send go, and so on around the ring: N transfers one after another, about
+# N(α + Kβ/N) per step instead of α + Kβ/N — the naive way's bandwidth term, and §2's
+# optimality gone. Alternate instead: even ranks send first, odd ranks receive first. Every
+# even rank's send meets a waiting receiver, then every odd rank's send does: two transfer
+# times per step (three when N is odd, where ranks N − 1 and 0 are both even), whatever N.
 #
 # The pipelining (lab 06's stretch): the chunk a rank sends at step t+1 is always the one it
 # received at step t. So each chunk travels in segments (4 MiB by default), and a segment is
@@ -676,5 +728,6 @@ viz.quiz([
 # - `reducer.cpp`, the DDP reducer's C++ source (c10d, github.com/pytorch/pytorch at ad78a7b, the revision stored here; compiled into torch, not installed as source) — `Reducer::mark_variable_ready_dense`: without a comm hook the gradient is copied into its bucket multiplied by 1/N (`at::mul_out`); with a hook, copied without division ("Note [DDP Communication Hook]").
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
-# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (at least 2N segments, rounded up to a multiple of N, of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; two in flight, received into a two-segment scratch buffer), and the bcube alternative.
+# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (at least 2N segments, rounded up to a multiple of N, of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; two in flight, received into a two-segment scratch buffer). `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
 # - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, the extra step for N not a power of two) and their α-β costs.
+# - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth.

@@ -400,7 +400,10 @@ def test_blocking_sends_deadlock_and_the_check_says_so():
         # diagnosed: the sentence must not send the learner to a longer timeout
         assert "slowness" not in msg and "timeout=" not in msg
         assert ("some ranks call dist.recv first" in msg) == (attempt == 2), msg
-        assert ("one rank that RECEIVES first" in msg) == (attempt == 2), msg
+        assert ("a rank that RECEIVES first" in msg) == (attempt == 2), msg
+        # a single such rank serialises every step: the fix must not stop at "one rank"
+        assert ("with a single one nothing deadlocks, but each step's sends then complete one "
+                "after another" in msg) == (attempt == 2), msg
 
 
 def test_receive_first_everywhere_deadlocks_and_the_check_says_so():
@@ -413,7 +416,8 @@ def test_receive_first_everywhere_deadlocks_and_the_check_says_so():
         msg = str(err.value)
         assert "deadlock on 3 ranks: every rank called a blocking dist.recv before its " \
                "dist.send" in msg, msg
-        assert ("one rank that SENDS first gives its right neighbour" in msg) == (attempt == 2)
+        assert ("a rank that SENDS first gives its right neighbour" in msg) == (attempt == 2)
+        assert ("with a single one nothing deadlocks" in msg) == (attempt == 2), msg
         assert "RECEIVES first" not in msg and "receives first breaks" not in msg, msg
 
 

@@ -203,15 +203,44 @@ def test_stepper_slider_shows_each_states_frame():
 
 
 def test_the_ring_is_cheapest_at_small_n_if_anywhere():
-    """Lesson 06's explorer: under ring.cost the ring's latency 2(N-1)α outgrows the tree's
-    2⌈log2 N⌉α, so the N where the ring is the cheapest form a prefix 2..upto, shrinking with K."""
+    """Lesson 06, §3: among the first four (Rabenseifner's set aside) the ring's latency
+    2(N-1)α outgrows the tree's 2⌈log2 N⌉α, so the N where the ring is the cheapest form a
+    prefix 2..upto, shrinking with K."""
     alpha, beta = 10e-6, 1 / 32e9
+    four = ring.ALGORITHMS
     for nbytes in (1e3, 1e5, 1e7, 1e8):
-        upto = ring.ring_cheapest_up_to(nbytes, alpha, beta, n_max=128)
-        best = [ring.cheapest(n, nbytes, alpha, beta) == "ring" for n in range(2, 129)]
+        upto = ring.ring_cheapest_up_to(nbytes, alpha, beta, n_max=128, algorithms=four)
+        best = [ring.cheapest(n, nbytes, alpha, beta, four) == "ring" for n in range(2, 129)]
         if upto is None:
             assert not best[0]
         else:
             assert all(best[: upto - 1]) and (upto == 128 or not best[upto - 1])
-    ups = [ring.ring_cheapest_up_to(k, alpha, beta, n_max=128) or 1 for k in (1e5, 1e7, 1e8)]
+    ups = [ring.ring_cheapest_up_to(k, alpha, beta, n_max=128, algorithms=four) or 1
+           for k in (1e5, 1e7, 1e8)]
     assert ups == sorted(ups) and ups[0] < ups[-1]
+
+
+def test_cheapest_compares_all_five_by_default():
+    """The finding behind it: 'the ring is the cheapest up to N = 128' was computed without
+    Rabenseifner's, which at N = 128, α = 10 µs, PCIe takes 6.49 ms against the ring's 8.89."""
+    alpha, beta, k = 10e-6, 1 / 32e9, 25.6e6 * 4
+    assert ring.cheapest(128, k, alpha, beta) == "rabenseifner"
+    assert ring.cheapest(128, k, alpha, beta, ring.ALGORITHMS) == "ring"
+    assert ring.cost("rabenseifner", 128, k, alpha, beta).seconds == pytest.approx(6.49e-3)
+    assert ring.cost("ring", 128, k, alpha, beta).seconds == pytest.approx(8.89e-3)
+    # with Rabenseifner's in, the ring stops being the cheapest at N = 4 at the latest (α > 0)
+    for nbytes in (1e3, 1e5, 1e8):
+        upto = ring.ring_cheapest_up_to(nbytes, alpha, beta, n_max=64)
+        assert upto is None or upto <= 3
+    where = ring.cheapest_by_n(k, alpha, beta, n_max=128)
+    assert where["rabenseifner"] == [4, 8, 16, 32, 64, 128]
+    assert sorted(sum(where.values(), [])) == list(range(2, 129))  # every N exactly once
+    assert all(ring.cheapest(n, k, alpha, beta) == a for a, ns in where.items() for n in ns)
+    with pytest.raises(ValueError, match="algorithms must be"):
+        ring.cheapest(4, k, alpha, beta, ("ring", "butterfly"))
+
+
+def test_spans_writes_runs_of_n():
+    assert ring.spans([]) == ""
+    assert ring.spans([4]) == "4"
+    assert ring.spans([2, 3, 5, 6, 7, 9, 16, 8]) == "2–3, 5–9, 16"

@@ -163,6 +163,28 @@ def test_cost_explorer_draws_the_figure_for_the_sliders_values():
     assert image.value == expected(n_max=19, nbytes=1e4)
 
 
+def test_explorer_records_the_values_its_static_figure_was_drawn_with():
+    """Lesson 06 asserts that its explorer's figure shows the α and β it printed (a review
+    found a figure and a printed fit of two different builds side by side)."""
+    controls = _cost_controls()
+    box = viz.explorer(viz.cost_vs_n_figure, controls, caption="test")
+    assert box.drawn_with == dict(n_max=16, nbytes=1e8, alpha=1e-5, beta=1e-9)
+    alpha = 1.823e-4  # a fitted value off the slider's 0.1 steps in log10 keeps its value
+    controls = _cost_controls()
+    controls["alpha"].value = alpha
+    assert viz.explorer(viz.cost_vs_n_figure, controls, caption="t").drawn_with["alpha"] == alpha
+
+
+def test_cost_explorer_titles_the_cheapest_of_all_five_at_each_n():
+    """Rabenseifner's is in the comparison: at N = 4, 8, 16 it sends the ring's bytes in fewer
+    steps, and the title says so (the title used to say 'ring cheapest at every N up to 16')."""
+    fig = viz.cost_vs_n_figure(182.3e-6, 1 / 1.13e9, 102.4e6, 16)
+    title = fig.axes[0].get_title()
+    assert "alpha = 182.3 us, 1/beta = 1.13 GB/s" in title  # as lesson 06 prints its fit
+    assert "cheapest: ring at N = 2–3, 5–7, 9–15; rabenseifner at N = 4, 8, 16" in title
+    assert len(fig.axes[0].get_lines()) == 5
+
+
 def test_tuple_controls_become_sliders_that_redraw():
     def draw(n, x):
         fig = viz.new_figure(2, 2)

@@ -8,12 +8,11 @@ Three parts, from paper to wire:
 * **Simulator** (:func:`simulate_ring`): N workers, each with a 1-D array of the same length L
   (any L, also not divisible by N, also L < N). Each array is cut into N chunks with NumPy's
   ``array_split`` rule (:func:`chunk_bounds`: the first ``L % N`` chunks are one element
-  longer). Then N-1 *scatter-reduce* steps — at step s worker i sends chunk (i - s) mod N to
-  worker i+1, which adds it into its own copy — after which worker i holds the full sum of chunk
-  (i + 1) mod N; and N-1 *all-gather* steps — at step s worker i sends chunk (i + 1 - s) mod N
-  to worker i+1, which overwrites its copy. (The trace, lesson 06 and its figures number the
-  steps of both phases on: t = 1 .. 2(N-1), 0 being the start; at step t worker i sends chunk
-  (i + 1 - t) mod N, in either phase.) The returned :class:`RingTrace` records every
+  longer). Steps are numbered t = 1 .. 2(N-1) through both phases (t = 0 is the start), as in
+  lesson 06 and its figures: at step t worker i sends chunk (i + 1 - t) mod N to worker i+1.
+  In the N-1 *scatter-reduce* steps the receiver adds it into its own copy, after which worker
+  i holds the full sum of chunk (i + 1) mod N; in the N-1 *all-gather* steps it overwrites its
+  copy. The returned :class:`RingTrace` records every
   transfer and every worker's buffer after every step, so the lesson can print, draw and
   assert on it (bytes sent per worker = 2(N-1)L/N elements, rounded for uneven chunks).
 
@@ -42,6 +41,8 @@ import numpy as np
 __all__ = [
     "chunk_bounds",
     "cheapest",
+    "cheapest_by_n",
+    "spans",
     "ring_cheapest_up_to",
     "Transfer",
     "RingStep",
@@ -211,8 +212,8 @@ def ring_bytes_per_worker(length: int, n: int, itemsize: int = 4) -> list[int]:
 # Cost models under alpha-beta
 # --------------------------------------------------------------------------------------------
 
-ALGORITHMS = ("naive", "parameter-server", "ring", "tree")  # the four the explorer compares
-COST_MODELS = ALGORITHMS + ("rabenseifner",)  # everything :func:`cost` prices
+ALGORITHMS = ("naive", "parameter-server", "ring", "tree")  # the first four of lesson 06, §2
+COST_MODELS = ALGORITHMS + ("rabenseifner",)  # everything :func:`cost` prices (the explorer's)
 
 _EXPLAIN = {
     "naive": "every worker sends its whole array to worker 0, which sums and sends the result "
@@ -291,20 +292,55 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
     return Cost(algorithm, int(n), nbytes, steps, busiest, steps * alpha + busiest * beta)
 
 
-def cheapest(n: int, nbytes: float, alpha: float, beta: float) -> str:
-    """The algorithm of :func:`cost` with the smallest time at ``n`` workers (ties: the ring)."""
-    order = ["ring"] + [a for a in ALGORITHMS if a != "ring"]
+def cheapest(n: int, nbytes: float, alpha: float, beta: float,
+             algorithms: Sequence[str] = COST_MODELS) -> str:
+    """The algorithm with the smallest :func:`cost` at ``n`` workers, among ``algorithms``
+    (by default all five :func:`cost` prices, Rabenseifner's included; ties: the ring)."""
+    unknown = [a for a in algorithms if a not in COST_MODELS]
+    if unknown or not algorithms:
+        raise ValueError(f"algorithms must be a non-empty choice of {', '.join(COST_MODELS)}, "
+                         f"got {list(algorithms)!r}")
+    order = (["ring"] if "ring" in algorithms else []) + [a for a in algorithms if a != "ring"]
     return min(order, key=lambda alg: cost(alg, n, nbytes, alpha, beta).seconds)
 
 
-def ring_cheapest_up_to(nbytes: float, alpha: float, beta: float, n_max: int = 64) -> int | None:
-    """The largest N (2..n_max) such that the ring is the cheapest algorithm for every N from 2
-    up to it; None if it is not the cheapest at N = 2. Under :func:`cost` the ring's latency
-    term 2(N-1)·alpha grows faster than the tree's 2·ceil(log2 N)·alpha, so the ring wins at
-    small N, if anywhere: this is where it stops. Shown in lesson 06, §3 (the explorer)."""
+def cheapest_by_n(nbytes: float, alpha: float, beta: float, n_max: int = 64,
+                  algorithms: Sequence[str] = COST_MODELS) -> dict:
+    """``{algorithm: [N, ...]}``: at which N (2..n_max) each of ``algorithms`` is the
+    :func:`cheapest` (only the algorithms that are, in the order of ``algorithms``). Lesson 06's
+    explorer shades and titles its figure with it; :func:`spans` writes a list as ranges."""
+    where: dict = {}
+    for n in range(2, int(n_max) + 1):
+        where.setdefault(cheapest(n, nbytes, alpha, beta, algorithms), []).append(n)
+    return {a: where[a] for a in algorithms if a in where}
+
+
+def spans(ns: Sequence[int]) -> str:
+    """Sorted integers as ranges: ``[2, 3, 5, 6, 7, 8]`` -> ``"2–3, 5–8"``; one alone: ``"4"``."""
+    out, run = [], []
+    for n in sorted(int(v) for v in ns):
+        if run and n == run[-1] + 1:
+            run.append(n)
+            continue
+        if run:
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}–{run[-1]}")
+        run = [n]
+    if run:
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}–{run[-1]}")
+    return ", ".join(out)
+
+
+def ring_cheapest_up_to(nbytes: float, alpha: float, beta: float, n_max: int = 64,
+                        algorithms: Sequence[str] = COST_MODELS) -> int | None:
+    """The largest N (2..n_max) such that the ring is the :func:`cheapest` of ``algorithms``
+    for every N from 2 up to it; None if it is not the cheapest at N = 2. Among the first four
+    (:data:`ALGORITHMS`) the ring's latency term 2(N-1)·alpha grows faster than the tree's
+    2·ceil(log2 N)·alpha, so the ring wins at small N, if anywhere: this is where it stops.
+    With Rabenseifner's in (the default), it stops at N = 3 at the latest (alpha > 0): at N = 4
+    Rabenseifner's sends the ring's bytes in 4 steps instead of 6. Lesson 06, §3."""
     upto = None
     for n in range(2, int(n_max) + 1):
-        if cheapest(n, nbytes, alpha, beta) != "ring":
+        if cheapest(n, nbytes, alpha, beta, algorithms) != "ring":
             break
         upto = n
     return upto
@@ -418,14 +454,15 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 <
     sends facing each other: every send and receive is posted without blocking, and the
     waits come after, in the order the messages travel.
 
-    The 2(N-1) steps are those of :func:`simulate_ring` (scatter-reduce, then all-gather), and
-    the chunk a rank sends at step s+1 is always the chunk it received at step s. So each chunk
+    The 2(N-1) steps t = 1 .. 2(N-1) are those of :func:`simulate_ring` (scatter-reduce, then
+    all-gather), and the chunk a rank sends at step t+1 is always the chunk it received at step
+    t. So each chunk
     travels as segments of about ``segment_bytes``, and a segment moves on as soon as it is
     ready: received, added (scatter-reduce) — and forwarded to the right at once, while the
     next segments are still arriving. Adding segment j overlaps with receiving segment j+1, and
     the next step starts before this one has ended (gloo's and NCCL's rings pipeline the same
     way). Scatter-reduce segments arrive in two temporary buffers used in turn, step by step
-    (double buffering: the receives of step s+1 are posted while step s is still being
+    (double buffering: the receives of step t+1 are posted while step t is still being
     added); all-gather segments arrive straight in place.
 
     Shown in lesson 06, §"Lab 06: the ring, simulated then real".
@@ -465,21 +502,22 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 <
     temp = [[spare[k * longest:][a:b] for a, b in chunk_bounds(longest, n_seg)]
             for k in (0, 1)]
     steps = 2 * (n - 1)
-    reducing = [s < n - 1 for s in range(steps)]
-    # Step s: scatter-reduce sends chunk (rank - s), receives chunk (rank - s - 1); all-gather
-    # step t = s - (n - 1) sends chunk (rank + 1 - t), receives chunk (rank - t). Either way
-    # the chunk received at step s is the chunk sent at step s + 1.
-    recv_chunk = [(rank - s - 1) % n if reducing[s] else (rank - (s - n + 1)) % n
-                  for s in range(steps)]
+    # Steps t = 1 .. 2(N-1), numbered as in lesson 06 and the simulator's trace: at step t this
+    # rank sends chunk (rank + 1 - t) and receives chunk (rank - t), mod N, in both phases;
+    # steps 1 .. N-1 add what arrives (scatter-reduce), the others overwrite (all-gather). So
+    # the chunk received at step t is the chunk sent at step t + 1.
+    def reducing(t: int) -> bool:
+        return t <= n - 1
+
     sends_from: dict = {}   # (chunk, segment) -> the send works reading it
 
-    def post_recv(s: int, j: int):
-        c = recv_chunk[s]
+    def post_recv(t: int, j: int):
+        c = (rank - t) % n
         target = segs[c][j]
         if not target.numel():
             return None
-        if reducing[s]:
-            into = temp[s % 2][j][:target.numel()]
+        if reducing(t):
+            into = temp[t % 2][j][:target.numel()]
         else:
             into = target
             for earlier in sends_from.pop((c, j), ()):   # they read this segment: finish them
@@ -490,23 +528,23 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 <
         if segs[c][j].numel():
             sends_from.setdefault((c, j), []).append(dist.isend(segs[c][j], right, group=group))
 
-    pending = [post_recv(0, j) for j in range(n_seg)]
+    pending = [post_recv(1, j) for j in range(n_seg)]
     for j in range(n_seg):
-        post_send(rank, j)                        # step 0: this rank's own chunk
-    for s in range(steps):
+        post_send(rank, j)                        # step 1: this rank's own chunk
+    for t in range(1, steps + 1):
         following = []
         for j in range(n_seg):
             got = pending[j]
-            c = recv_chunk[s]
+            c = (rank - t) % n
             if got is not None:
                 work, into = got
                 work.wait()
-                if reducing[s]:
+                if reducing(t):
                     segs[c][j].add_(into)
-                if s + 1 < steps:
-                    post_send(c, j)                # forward it at once: step s + 1's send
-            if s + 1 < steps:
-                following.append(post_recv(s + 1, j))
+                if t < steps:
+                    post_send(c, j)                # forward it at once: step t + 1's send
+            if t < steps:
+                following.append(post_recv(t + 1, j))
         pending = following
     for works in sends_from.values():
         for work in works:

@@ -540,13 +540,17 @@ def demo_ring(fn, world_size: int = 3, timeout: float = 10) -> None:
 # the message it waits for.
 _DEADLOCK_FIX_ALL_SEND = (
     "in each step, let some ranks call dist.recv first and the others dist.send first, with a "
-    "rule that gives both kinds of rank for every N (try N = 3 and N = 4 on paper): one rank "
-    "that RECEIVES first takes its left neighbour's pending send and breaks the cycle of waits.")
+    "rule that gives both kinds of rank for every N (try N = 3 and N = 4 on paper): a rank "
+    "that RECEIVES first takes its left neighbour's pending send and breaks the cycle of waits. "
+    "Have many of them, spread around the ring: with a single one nothing deadlocks, but each "
+    "step's sends then complete one after another around the ring, N transfers in a row.")
 _DEADLOCK_FIX_ALL_RECV = (
     "in each step, let some ranks call dist.send first and the others dist.recv first, with a "
-    "rule that gives both kinds of rank for every N (try N = 3 and N = 4 on paper): one rank "
+    "rule that gives both kinds of rank for every N (try N = 3 and N = 4 on paper): a rank "
     "that SENDS first gives its right neighbour the message that neighbour waits for, and "
-    "breaks the cycle of waits.")
+    "breaks the cycle of waits. Have many of them, spread around the ring: with a single one "
+    "nothing deadlocks, but each step's transfers then run one after another around the ring, "
+    "N in a row.")
 
 
 def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None,

@@ -56,7 +56,9 @@ def widget_with_fallback(build: Callable, static: Callable[[], None],
 def explorer(draw, controls: dict, caption: str, description: str = "interactive explorer"):
     """Sliders that redraw ``draw(**values)`` (a function returning a matplotlib figure), then
     the static figure for the starting values, for readers without a kernel. Returns the widget
-    (None without ipywidgets: then only the static figure is shown).
+    (None without ipywidgets: then only the static figure is shown); its ``drawn_with`` holds
+    the values the static figure was drawn with (as the sliders hold them), so a lesson can
+    assert that its figure shows the numbers it printed.
 
     ``controls`` maps each keyword of ``draw`` to an ipywidgets control (a slider), or to a
     tuple ``(value, min, max)`` / ``(value, min, max, step)``, made an IntSlider when all are
@@ -84,10 +86,13 @@ def explorer(draw, controls: dict, caption: str, description: str = "interactive
         box.add_class("dpcourse-explorer")  # what the browser tests look for
         return box
 
-    return widget_with_fallback(
+    box = widget_with_fallback(
         build, lambda: show(draw(**start), caption),
         placeholder=f"[{description}: run the notebook live to use the sliders; the figure for "
                     f"the default values is below]")
+    if box is not None:
+        box.drawn_with = dict(start)
+    return box
 
 
 def _make_control(widgets, name, spec):

@@ -1,11 +1,12 @@
 """Lesson 06 (ring all-reduce): the ring drawn step by step and its stepper (§1), the α-β cost
-model of four algorithms (§2), the model fitted to this machine's measurements and the
+model of five algorithms (§2), the model fitted to this machine's measurements and the
 cost-model explorer (§3).
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Sequence
 
 import numpy as np
@@ -174,10 +175,11 @@ def cost_figure(alpha: float, beta: float, n_fixed: int = 8, nbytes_fixed: float
                 sizes: Sequence[float] = tuple(np.logspace(3, 9, 13)),
                 algorithms: Sequence[str] | None = None):
     """Two panels: all-reduce time against N (at ``nbytes_fixed``) and against K (at
-    ``n_fixed``), for each algorithm under the alpha-beta model."""
-    from dpcourse.ring import ALGORITHMS, cost
+    ``n_fixed``), for each algorithm under the alpha-beta model (all five of
+    ``ring.COST_MODELS`` unless ``algorithms`` names fewer)."""
+    from dpcourse.ring import COST_MODELS, cost
 
-    algorithms = algorithms or ALGORITHMS
+    algorithms = algorithms or COST_MODELS
     fig = new_figure(10, 3.8)
     ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     # The model's tree is the simple one (binomial, whole message per round), not NCCL's
@@ -224,41 +226,43 @@ def fit_figure(fit):
 
 
 def cost_vs_n_figure(alpha: float, beta: float, nbytes: float, n_max: int = 64):
-    """Lesson 06's explorer: all-reduce time of every algorithm in ``ring.cost`` against N
-    (2..n_max) at K = ``nbytes``; the background is shaded with the colour of the cheapest
-    algorithm at each N, and a dashed line marks the largest N up to which the ring is the
-    cheapest (under ``ring.cost`` the ring's latency 2(N-1)·alpha grows faster than the tree's
-    2·ceil(log2 N)·alpha, so where the ring wins, it wins at small N)."""
-    from dpcourse.ring import ALGORITHMS, cost, ring_cheapest_up_to
+    """Lesson 06's explorer: all-reduce time of every algorithm :func:`dpcourse.ring.cost`
+    prices (Rabenseifner's included) against N (2..n_max) at K = ``nbytes``; the background of
+    each N is shaded with the colour of the cheapest algorithm there, and the title says at
+    which N each one is the cheapest (``ring.cheapest_by_n``: the same comparison as the
+    lesson's sentences). Its α and β are written as lesson 06 prints the fit (α in µs to 0.1,
+    1/β in GB/s to 0.01), so the figure can be read against that line."""
+    from dpcourse.ring import COST_MODELS, cheapest_by_n, cost, spans
 
     ns = list(range(2, max(int(n_max), 3) + 1))
-    times = {alg: [cost(alg, n, nbytes, alpha, beta).seconds for n in ns] for alg in ALGORITHMS}
-    fig = new_figure(6.5, 3.8)
+    times = {alg: [cost(alg, n, nbytes, alpha, beta).seconds for n in ns] for alg in COST_MODELS}
+    fig = new_figure(6.5, 4.0)
     ax = fig.add_subplot(1, 1, 1)
     labels = {"tree": "binomial tree (unpipelined)"}
     colours = {}
-    for alg in ALGORITHMS:
+    for alg in COST_MODELS:
         (line,) = ax.plot(ns, times[alg], label=labels.get(alg, alg))
         colours[alg] = line.get_color()
-    # Shade each N with its cheapest algorithm (ties go to the ring).
-    order = ["ring"] + [a for a in ALGORITHMS if a != "ring"]
-    for i, n in enumerate(ns):
-        best = min(order, key=lambda alg: times[alg][i])
-        ax.axvspan(n - 0.5, n + 0.5, color=colours[best], alpha=0.12, lw=0)
-    upto = ring_cheapest_up_to(nbytes, alpha, beta, n_max=ns[-1])
-    if upto is None:
-        where = "ring cheapest at no N in range"
-    elif upto >= ns[-1]:
-        where = f"ring cheapest at every N up to {ns[-1]}"
-    else:
-        ax.axvline(upto, color="k", ls="--", lw=1)
-        where = f"ring cheapest up to N = {upto}"
+    where = cheapest_by_n(nbytes, alpha, beta, n_max=ns[-1])
+    for alg, at in where.items():
+        for n in at:
+            ax.axvspan(n - 0.5, n + 0.5, color=colours[alg], alpha=0.12, lw=0)
     ax.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    # Often under a decade: label 1, 2 and 5 of each decade, as plain numbers.
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+    ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
     ax.set_xlabel("workers N")
     ax.set_ylabel("seconds per all-reduce")
-    ax.set_title(f"K = {nbytes / 1e6:.3g} MB, alpha = {alpha * 1e6:.3g} us, "
-                 f"1/beta = {1 / beta / 1e9:.3g} GB/s — {where}", fontsize=9)
+    best = "; ".join(f"{labels.get(a, a).split(' (')[0]} at N = {spans(at)}"
+                     for a, at in where.items())
+    ax.set_title(f"K = {nbytes / 1e6:.3g} MB, alpha = {alpha * 1e6:.1f} us, "
+                 f"1/beta = {1 / beta / 1e9:.2f} GB/s\n"
+                 + textwrap.shorten(f"cheapest: {best}", 120, placeholder=" …"), fontsize=8)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.13, top=0.9)
+    ax.legend(fontsize=7)
+    fig.subplots_adjust(left=0.14, right=0.97, bottom=0.12, top=0.87)
     return fig
