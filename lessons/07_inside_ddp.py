@@ -15,7 +15,7 @@
 # - count the bytes DDP's communication hooks send (fp16, bf16, PowerSGD) and what they cost
 #   in accuracy.
 #
-# **Time:** about 75 minutes to read and run (the lab is extra).
+# **Time:** about 80 minutes to read and run (the lab is extra).
 #
 # **Lab:** [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) — write the wrapper as DDP's
 # reducer really runs it (buckets launched strictly in order, gradients as views of the
@@ -87,11 +87,12 @@ viz.show_code(overlap.PerParameterHooks)
 # %% [markdown]
 # Both against real `DistributedDataParallel`, from the same start on the same shards for
 # `steps` steps (one process per rank, each version in turn; `equality_worker` is the loop
-# you have seen since lesson 01, and `wrap` picks a version by name — `"ddp"` is torch's own
-# class, untouched):
+# you have seen since lesson 01, `rank_batches` cuts each rank's shard of every step's global
+# batch, and `wrap` picks a version by name — `"ddp"` is torch's own class, untouched):
 
 # %%
-viz.show_code(experiments.equality_worker, experiments.train_steps, experiments.wrap)
+viz.show_code(experiments.equality_worker, experiments.rank_batches, experiments.train_steps,
+              experiments.wrap)
 
 # %%
 cfg = experiments.OverlapConfig(model="small_cnn", width=8, global_batch=24, steps=steps, lr=0.1)
@@ -116,29 +117,82 @@ for kind in ("after_backward", "per_parameter"):
 # tensors, many of them tiny (biases, norms), and every all-reduce pays a fixed start-up cost
 # whatever its size. DDP's answer is buckets.
 #
-# ## Lab 07: build what DDP's reducer does
-# Before reading on, open [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb): `assign_buckets`
-# by DDP's rule, then a wrapper that launches its buckets strictly in bucket order and makes
-# every gradient a view of its bucket. This lesson's `BucketedDataParallel` below does
-# neither — it launches each bucket as soon as it is full and copies gradients in and out —
-# and section 3 ends with the picture of what DDP does instead.
-#
 # ## 3. Buckets: one flat buffer, one all-reduce per group of gradients
 # Buckets are filled in **reverse registration order**: the backward produces the last layer's
 # gradients first, so the first bucket is complete early and goes on the wire while the
 # backward is still busy. DDP's rule (its reducer's `compute_bucket_assignment_by_size`) walks
-# the parameters in that order, one set of buckets per dtype and device, and closes a bucket
-# by a size cap, `bucket_cap_mb` MiB; exactly when it closes one is lab 07's part 1, so the
-# rule is folded under the reference answer below. The caps are a list: when `bucket_cap_mb` is left at its default (25), the first
-# bucket's cap is 1 MiB — but which gradients land in that small bucket depends on when the
-# buckets are made. With `find_unused_parameters=False` (the default) DDP starts with **one**
-# bucket and, after the first backward, rebuilds its buckets in the order the gradients
-# really arrived, with a 1 MiB first bucket: the last layers' gradients then leave early. With
-# `find_unused_parameters=True` (and no `static_graph`) DDP never rebuilds: its initial assignment walks the
-# parameters in *registration* order with the 1 MiB cap first, then reverses the list of
-# buckets, so the 1 MiB bucket holds the first-defined layers and is reduced last (the
-# comment beside it in `_ddp_init_helper` says so). Our `overlap.assign_buckets` follows the
-# same rule; it is lab07's first answer, so it is folded here.
+# the parameters in the order their gradients arrive — for a model whose layers run in
+# registration order, that order reversed — one set of buckets per dtype and device, and
+# closes a bucket by a size cap, `bucket_cap_mb` MiB; exactly when it closes one is lab 07's
+# part 1, so the rule is folded under the reference answer below.
+#
+# **Lab 07, part 1 — now.** Before reading on, open
+# [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) and write `assign_buckets` by DDP's rule.
+# Its part 2 (a wrapper that launches its buckets strictly in bucket order and makes every
+# gradient a view of its bucket) and its stretch (a communication hook of your own) wait until
+# the end of section 6.
+#
+# *When* DDP makes its buckets decides which gradients share one. The caps are a list: when
+# `bucket_cap_mb` is left at its default — `None`, which means 25 MiB — the first bucket's cap
+# is 1 MiB; passing any number, 25 included, turns that small first bucket off
+# (`_BucketCapacityConfig.create`: the 1 MiB cap only if `bucket_cap_mb is None`). With
+# `find_unused_parameters=False` (the default) DDP starts with **one** bucket and, after the
+# first backward, rebuilds its buckets in the order the gradients really arrived: the last
+# layers' gradients then leave early. With `find_unused_parameters=True` (and no
+# `static_graph`) DDP never rebuilds: at construction it walks the parameters in
+# *registration* order, closing buckets by the same rule, then reverses the list of buckets
+# (`_ddp_init_helper`; the comment beside it says so), and keeps those buckets for good — so
+# with a 1 MiB first cap, that small bucket holds the first-defined layers and is reduced
+# last. Walking from the other end groups the parameters differently. Our
+# `overlap.assign_buckets` makes the **rebuilt** buckets (it walks the parameters reversed);
+# real DDP's own buckets, read from its reducer at construction and after two steps, say
+# where the two agree:
+
+# %%
+viz.show_code(experiments.ddp_buckets_worker)
+
+# %%
+mlp_cfg = experiments.OverlapConfig(model="wide_mlp", width=320, depth=64, global_batch=24)
+settings = [(cfg, cap_mb, True), (cfg, cap_mb, False), (mlp_cfg, None, False),
+            (mlp_cfg, 25, False)]
+# show_output=False: DDP warns on the ranks' stderr that find_unused_parameters found nothing
+real = launch.spawn(experiments.ddp_buckets_worker, world_size, settings, backend="gloo",
+                    timeout=120, show_output=False)[0]
+found_unused, rebuilt, default_cap, cap_25 = real
+cnn = cfg.build()
+cnn_names = {p: n for n, p in cnn.named_parameters()}
+ours = [[cnn_names[p] for p in b] for b in overlap.assign_buckets(list(cnn.parameters()), cap_mb)]
+
+
+def as_sets(buckets):
+    return [set(b) for b in buckets]
+
+
+claim(f"find_unused_parameters=False, SmallCNN at {cap_mb} MiB: DDP starts with one bucket, "
+      f"and after the first backward its buckets hold the same parameters as "
+      f"assign_buckets', bucket for bucket",
+      len(rebuilt["first"]) == 1 and as_sets(rebuilt["after"]) == as_sets(ours))
+claim(f"find_unused_parameters=True, same model and cap: DDP's buckets, made at construction "
+      f"from registration order and kept after two steps, are NOT assign_buckets'",
+      found_unused["first"] == found_unused["after"]
+      and as_sets(found_unused["first"]) != as_sets(ours))
+mlp_first = len(overlap.assign_buckets(list(mlp_cfg.build().parameters()), 25, 1)[0])
+claim(f"the 64-layer MLP: with bucket_cap_mb left at None DDP's rebuilt first bucket holds "
+      f"{len(default_cap['after'][0])} parameters (1 MiB cap, as assign_buckets(..., 25, 1) "
+      f"says), with bucket_cap_mb=25 passed it rebuilds {len(cap_25['after'])} bucket(s)",
+      len(default_cap["after"][0]) == mlp_first < len(cap_25["after"][0]))
+
+# %% [markdown]
+# **▶ Both groupings side by side — open after your lab passes** (they show where DDP's rule
+# closes a bucket; click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+for label, buckets in (("assign_buckets (rebuilt order)", ours),
+                       ("DDP rebuilt, find_unused=False", rebuilt["after"]),
+                       ("DDP, find_unused=True", found_unused["first"])):
+    print(f"{label}:")
+    for i, b in enumerate(buckets):
+        print(f"   bucket {i}: {b}")
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cells below: the
@@ -158,10 +212,10 @@ viz.show_code(overlap.assign_buckets)
 # %% [markdown]
 # Same rule, same buckets: torch exposes the reducer's C++ function as
 # `torch.distributed._compute_bucket_assignment_by_size(tensors, limits_in_bytes, ...)`.
-# Given our order (the parameters reversed) it must group them exactly as we do, for both
-# models of this lesson and every cap below, and with a 1 MiB first bucket too. The code that
-# calls it would also answer lab part 1 for you (lab07's check refuses that call), so it is
-# folded; its verdict is printed below it.
+# Given the rebuild's order (here the parameters reversed) it must group them exactly as we
+# do, for both models of this lesson and every cap below, and with a 1 MiB first bucket too.
+# The code that calls it would also answer lab part 1 for you (lab07's check refuses that
+# call), so it is folded; its verdict is printed below it.
 
 # %% [markdown]
 # **▶ The comparison with torch's function — open after your lab passes** (click the folded cell below).
@@ -191,29 +245,32 @@ cap_lists = [(c,) for c in (0.001, 0.01, 0.05, 0.1, 1, 4, 25, math.inf)] + [(1, 
 same = {name: all(our_buckets(ps, c) == torch_buckets(ps, c) for c in cap_lists)
         for name, ps in [("SmallCNN", list(cfg.build().parameters())),
                          ("64-layer MLP", list(experiments.wide_mlp(320, 64).parameters()))]}
-claim(f"overlap.assign_buckets == DDP's compute_bucket_assignment_by_size, bucket for bucket, "
-      f"for {' and '.join(same)} at {len(cap_lists)} caps (one with a 1 MiB first bucket)",
+claim(f"overlap.assign_buckets == DDP's compute_bucket_assignment_by_size of the parameters "
+      f"reversed (the rebuild's order), bucket for bucket, for {' and '.join(same)} at "
+      f"{len(cap_lists)} caps (one with a 1 MiB first bucket)",
       all(same.values()))
 
 # %% [markdown]
 # Each bucket owns one flat buffer. The hook copies each gradient into its slice; when the
-# bucket's last gradient has arrived, the buffer is divided by the world size and all-reduced
-# asynchronously, in one call. `finish_gradient_synchronization()` waits and copies the
-# averaged slices back into every `p.grad`. (The `events` list is the timeline section 4
-# draws, `copy_seconds` its copies' time per bucket for section 4's model; `overlap=False` is
-# section 4's control experiment.) Its `__init__`, where lab07's starts, is folded.
+# bucket's last gradient has arrived, `_launch` divides the buffer by the world size and
+# all-reduces it asynchronously, in one call. `finish_gradient_synchronization()` waits and
+# copies the averaged slices back into every `p.grad`. (The `events` list is the timeline
+# section 4 draws, `copy_seconds` its copies' time per bucket for section 4's model;
+# `overlap=False` is section 4's control experiment.) How the hook knows that a bucket is
+# complete, and what the end of the step says about a bucket that never was, are lab 07's
+# part 2, so the rest of the class is folded.
 
 # %%
-viz.show_code("class BucketedDataParallel(nn.Module):   # its __init__: folded below",
-              overlap.BucketedDataParallel._grad_ready, overlap.BucketedDataParallel._launch,
-              overlap.BucketedDataParallel.finish_gradient_synchronization)
+viz.show_code("class BucketedDataParallel(nn.Module):   # the rest: folded below",
+              overlap.BucketedDataParallel._launch)
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (`BucketedDataParallel.__init__`;
-# click the folded cell below).
+# **▶ The reference answer — open after your lab passes** (`BucketedDataParallel`'s
+# `__init__`, its hook and `finish_gradient_synchronization`; click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(overlap.BucketedDataParallel.__init__)
+viz.show_code(overlap.BucketedDataParallel.__init__, overlap.BucketedDataParallel._grad_ready,
+              overlap.BucketedDataParallel.finish_gradient_synchronization)
 
 # %%
 model = cfg.build()
@@ -228,14 +285,19 @@ print(f"cap {cap_mb} MiB: {len(buckets)} buckets for {len(names)} parameter tens
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 for i, b in enumerate(buckets):
     print(f"bucket {i}: {overlap.bucket_nbytes(b) / 1024:6.1f} KiB  {[names[p] for p in b]}")
+claim("the first bucket holds the last layer; the last bucket holds the first layer",
+      names[buckets[0][0]] == "classifier.4.bias" and names[buckets[-1][-1]] == "features.0.weight")
 
 # %% [markdown]
-# Try it yourself: slide the bucket cap and watch how many collectives one step needs for
-# this model, from the slider's smallest cap, 1 KiB (the biases still share buckets with
-# their layers, so fewer all-reduces than tensors), down to a single one (a cap above the
-# model's size). The staircase is computed at every cap where a bucket boundary moves.
+# Try it yourself, once your lab's part 1 passes: slide the bucket cap and watch how many
+# collectives one step needs for this model, from the slider's smallest cap, 1 KiB, to a
+# single one (a cap above the model's size). The staircase is computed at every cap where a
+# bucket boundary moves, so it shows where DDP's rule closes buckets: it is folded.
+#
+# **▶ The bucket-size explorer — open after your lab passes** (click the folded cell below;
+# run it to see the staircase).
 
-# %%
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 import ipywidgets as widgets
 import numpy as np
 
@@ -270,8 +332,8 @@ bucket_explorer = viz.explorer(
                                                        description="cap (KiB)",
                                                        continuous_update=False)},
     caption=f"each step down is a cap at which two neighbouring buckets merge into one message: "
-            f"at 1 KiB the biases still share buckets with their layers ({small} all-reduces for "
-            f"{len(list(model.parameters()))} tensors), and from the model's "
+            f"at 1 KiB {small} all-reduces for {len(list(model.parameters()))} tensors (which "
+            f"share a bucket there, and why?), and from the model's "
             f"{overlap.bucket_nbytes(list(model.parameters())) / 1024:.0f} KiB on a single "
             f"all-reduce is left.",
     description="bucket-size explorer")
@@ -284,8 +346,6 @@ claim(f"bucketed: weights after {steps} steps == DDP's on every rank (to 1e-5)",
 claim(f"bucketed: one all-reduce per bucket per step ({len(buckets)} buckets, not {n_params})",
       bucketed[0]["bucketed"]["collectives"] == len(buckets) * steps
       and bucketed[0]["bucketed"]["buckets"] == [len(b) for b in buckets])
-claim("the first bucket holds the last layer; the last bucket holds the first layer",
-      names[buckets[0][0]] == "classifier.4.bias" and names[buckets[-1][-1]] == "features.0.weight")
 
 # %% [markdown]
 # ### What DDP's reducer does that this class does not
@@ -294,12 +354,11 @@ claim("the first bucket holds the last layer; the last bucket holds the first la
 
 # %%
 viz.show(viz.reducer_figure(),
-         "one gradient's way through DDP's reducer (no comm hook): the hook puts it into its "
-         "bucket, divided by N (how, when p.grad may already be its view, is folded below); "
-         "a complete "
-         "bucket is launched only when it is next in bucket order (below: bucket 1 fills "
-         "first but waits for bucket 0); at the end of the backward the reducer waits and "
-         "copies back, which views make unnecessary.")
+         "one gradient's way through DDP's reducer (no comm hook), left to right: the hook "
+         "puts it into its bucket, divided by N (how, when p.grad may already be its view, "
+         "is folded below); a complete bucket goes on the wire only in bucket order (the "
+         "orange box: how the reducer keeps that order is lab 07's part 2); at the end of the "
+         "backward the reducer waits and copies back, which views make unnecessary.")
 
 # %% [markdown]
 # - **In-order launch.** The reducer launches its buckets **strictly in bucket order**: a bucket
@@ -317,8 +376,9 @@ viz.show(viz.reducer_figure(),
 #   copies the average back after the wait. How the reducer knows which case a gradient is in
 #   is lab07's part 2, folded below with the rest of the reference answer.
 #
-# Lab07 asks you for both. Its check runs a model whose buckets fill out of order and one
-# of whose parameters is frozen (`requires_grad=False`, no gradient: it belongs in no bucket).
+# Lab07's part 2 asks you for both (after section 6). Its check runs a model whose buckets
+# fill out of order and one of whose parameters is frozen (`requires_grad=False`, no gradient:
+# it belongs in no bucket).
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (how the reducer keeps bucket
@@ -369,7 +429,8 @@ viz.show(viz.reducer_figure(),
 # profiler, from the process group's own records.
 
 # %%
-viz.show_code(experiments.timing_worker, experiments.count_ddp_collectives)
+viz.show_code(experiments.wide_mlp, experiments.timing_worker,
+              experiments.count_ddp_collectives)
 
 # %%
 tcfg = experiments.OverlapConfig(model="wide_mlp", width=320, depth=64, global_batch=64,
@@ -384,6 +445,12 @@ timing = launch.spawn(experiments.timing_worker, world_size, tcfg, runs, 1, back
 by = {(r["kind"], r["bucket_cap_mb"]): r for r in timing["runs"]}
 mlp_params = list(tcfg.build().parameters())
 print(f"model: {len(mlp_params)} parameter tensors, {timing['model_bytes'] / 2**20:.1f} MiB")
+linears = [m for m in tcfg.build().modules() if isinstance(m, torch.nn.Linear)]
+claim(f"the timed model: {len(linears)} Linear layers, the first {linears[0].in_features} × "
+      f"{linears[0].out_features} the largest, "
+      f"{linears[0].weight.numel() * 4 / 2**20:.2f} MiB of float32",
+      len(linears) == 64 and max(m.weight.numel() for m in linears) == linears[0].weight.numel()
+      == 3072 * 320)
 
 # %%
 claim(f"after the backward and per-parameter hooks: {len(mlp_params)} all-reduces per step",
@@ -410,7 +477,8 @@ position = {id(p): i for i, p in enumerate(mlp_params)}     # DDP numbers them t
 ours_25 = [[position[id(p)] for p in b] for b in overlap.assign_buckets(mlp_params, 25)]
 claim(f"real DDP (no hook): the profiler saw {ddp_run['collectives_per_step']} all-reduce(s) "
       f"per step == DDP's own count == its number of buckets, which hold the same parameters "
-      f"in the same order as assign_buckets' at 25 MiB",
+      f"in the same order as assign_buckets' at 25 MiB (bucket_cap_mb=25 passed: no 1 MiB "
+      f"first bucket, section 3)",
       ddp_run["collectives_per_step"] == ddp_run["ddp"]["num_buckets_reduced"]
       == len(ddp_buckets) and ddp_buckets == ours_25)
 
@@ -483,10 +551,14 @@ print(f"at most {in_flight} all-reduces were in flight at the same moment")
 #   `ring.fit_alpha_beta` (lesson 06's functions) on the sizes our buckets have;
 # - **the copies** our class makes: into the bucket and divided by N (in the hooks, so they
 #   lengthen the backward), and back after the wait; each bucket's as timed in the ranks
-#   during the very run predicted (`copy_seconds`, medians);
+#   (`copy_seconds`, medians) in the run and in its control — the same copies in both, so the
+#   model gets their mean, the same for both, and a run and its control differ in the model
+#   only in when the all-reduces start;
 # - **one all-reduce at a time**: bucket k starts when its last gradient is ready (or, in the
-#   control, when the backward ends) and not before bucket k−1 has finished (gloo's second
-#   worker thread, above, is left out: the model keeps lesson 06's one message at a time).
+#   control, when the backward ends) and not before bucket k−1 has finished; the bucket that
+#   holds the last gradient is complete only when the backward ends, so it starts then in both
+#   (gloo's second worker thread, above, is left out: the model keeps lesson 06's one message
+#   at a time).
 #
 # The step is then forward + max(backward, end of the last all-reduce) + optimizer step: when
 # the early buckets, each starting at its ready time, have finished by the end of the
@@ -516,10 +588,13 @@ def cap_label(cap):
     return "one bucket" if cap == math.inf else f"{cap:g} MiB"
 
 
-def copies(run):
-    """A bucketed run's copies as measured in it, per bucket: (into the bucket and divided,
-    back after the wait), in ms."""
-    return [c[0] for c in run["copy_ms"]], [c[1] for c in run["copy_ms"]]
+def copies(cap):
+    """The copies of the bucketed run at this cap and of its control, per bucket, as measured
+    in them: (into the bucket and divided, back after the wait), in ms, the mean of the two
+    runs: the same work in both, given to both."""
+    run, control = by[("bucketed", cap)]["copy_ms"], by[("bucketed_after", cap)]["copy_ms"]
+    return ([(a[0] + b[0]) / 2 for a, b in zip(run, control)],
+            [(a[1] + b[1]) / 2 for a, b in zip(run, control)])
 
 
 local = by[("local", 25)]
@@ -532,23 +607,33 @@ model_rows = []
 for c in sweep_caps:
     sizes = [(len(b), overlap.bucket_nbytes(b)) for b in overlap.assign_buckets(mlp_params, c)]
     args = (ready, sizes, comm_ms, parts["forward"], parts["backward"], parts["opt"])
-    c_in, c_back = copies(by[("bucketed", c)])
-    a_in, a_back = copies(by[("bucketed_after", c)])
+    c_in, c_back = copies(c)
     model_rows.append({
         "bucket_cap_mb": c, "sizes": sizes, "copies_ms": sum(c_in) + sum(c_back),
-        "copies_after_ms": sum(a_in) + sum(a_back),
+        "copies_in_ms": sum(c_in),
         "predicted_ms": overlap.predict_step(*args, copy_in_ms=c_in,
                                              copy_back_ms=c_back)["step_ms"],
-        "predicted_after_ms": overlap.predict_step(*args, overlap=False, copy_in_ms=a_in,
-                                                   copy_back_ms=a_back)["step_ms"],
+        "predicted_after_ms": overlap.predict_step(*args, overlap=False, copy_in_ms=c_in,
+                                                   copy_back_ms=c_back)["step_ms"],
         "measured_ms": by[("bucketed", c)]["step_s"] * 1e3,
         "measured_after_ms": by[("bucketed_after", c)]["step_s"] * 1e3})
-claim("without overlap the model is the plain sum, forward + backward + the run's copies + "
+claim("without overlap the model is the plain sum, forward + backward + the copies + "
       "every bucket's α-β all-reduce + optimizer step, at every cap (to 1e-9 ms)",
       all(abs(r["predicted_after_ms"] - (parts["forward"] + parts["backward"] + parts["opt"]
-                                         + r["copies_after_ms"]
+                                         + r["copies_ms"]
                                          + sum(comm_ms(b) for _, b in r["sizes"]))) < 1e-9
           for r in model_rows))
+saving = {r["bucket_cap_mb"]: r["predicted_after_ms"] - r["predicted_ms"] for r in model_rows}
+claim("with one bucket (and at 25 MiB, also one bucket for this model) the model predicts "
+      "that overlap saves exactly 0 ms: the only all-reduce can start only when the backward "
+      "ends", saving[math.inf] == 0 and saving[25] == 0, saving=saving)
+claim("at every cap the predicted saving is at least 0 and at most min(B, C − C_last) (B the "
+      "backward with the copies into the buckets, C the all-reduces' total, C_last the last "
+      "bucket's; to 1e-9 ms)", all(
+          -1e-9 <= saving[r["bucket_cap_mb"]] <= min(
+              parts["backward"] + r["copies_in_ms"],
+              sum(comm_ms(b) for _, b in r["sizes"]) - comm_ms(r["sizes"][-1][1])) + 1e-9
+          for r in model_rows), saving=saving)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -652,7 +737,7 @@ for label, kind in (("run, overlapped", "bucketed"), ("run, control", "bucketed_
     rows.append((label, t["backward_end"], [(start[i], stop.get(i, t["sync_end"]))
                                             for i in sorted(start)], t["sync_end"]))
 for label, kind in (("model, overlapped", "bucketed"), ("model, control", "bucketed_after")):
-    c_in, c_back = copies(by[(kind, 4)])
+    c_in, c_back = copies(4)
     pred = overlap.predict_step(ready, r4["sizes"], comm_ms, parts["forward"], parts["backward"],
                                 parts["opt"], overlap=kind == "bucketed", copy_in_ms=c_in,
                                 copy_back_ms=c_back)
@@ -740,7 +825,7 @@ viz.show(viz.bucket_sweep_figure(sweep),
 # same cores, so overlap has less to gain than where they do not. On GPUs with NCCL the
 # transfer runs beside the compute, and Li et al. (VLDB 2020, the DDP paper) measured the middle
 # caps winning there — not shown here. The runs here pass `bucket_cap_mb=25` explicitly; DDP's
-# default (`bucket_cap_mb=None`) also puts a 1 MiB bucket first (lesson 03).
+# default (`bucket_cap_mb=None`) would put a 1 MiB bucket first (section 3 measured it).
 #
 # ### The four versions and real DDP
 # The same 128 messages go after the backward, blocking one at a time ("after backward"), or
@@ -773,7 +858,8 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 
 # %% [markdown]
 # At a 25 MiB cap this 28 MiB model makes **one** bucket, with our rule and in DDP alike (the
-# claim above compared them parameter by parameter): the only all-reduce leaves when the
+# claim above compared them parameter by parameter; one because `bucket_cap_mb=25` was passed,
+# which turns DDP's 1 MiB first bucket off): the only all-reduce leaves when the
 # backward ends, so neither overlaps anything, and the only thing that can separate them is
 # the per-gradient work around it — our Python hooks and copies against DDP's C++ reducer;
 # the printed line says whether this run shows a difference, round by round. `python -m
@@ -801,11 +887,15 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 #   half-precision"), `torch.linalg.qr` otherwise; Gram-Schmidt divides each column by its
 #   norm plus `PowerSGDState(orthogonalization_epsilon=...)`, 0 by default, so an all-zero
 #   column gives NaNs unless you set a small epsilon such as 1e-8 (checked below). The gradient becomes P Qᵀ / N.
-#   Every rank must use the **same Q**: torch draws its first Q from `np.random.RandomState`
-#   seeded with `PowerSGDState(random_seed=0)`, the same seed on every rank, so the ranks'
-#   random numbers agree without sending them. With `warm_start=True` Q starts from last
-#   step's Q instead of fresh random numbers (one power-iteration step per training step
-#   refines it). **Error feedback** keeps, per rank, a residual: this rank's corrected
+#   Every rank must use the **same Q**: `PowerSGDState` holds `np.random.RandomState(random_seed)`
+#   (`random_seed=0` by default, the same on every rank); whenever the hook needs a fresh Q it
+#   draws one integer from it, seeds torch with it inside `torch.random.fork_rng` (so the
+#   training's own random numbers are untouched) and fills Q with `torch.randn`, then
+#   orthogonalises it — the same numbers on every rank without sending them (checked in the
+#   installed source below). With `warm_start=True` (the default) that happens once per
+#   bucket, and later steps start from last step's Q (one power-iteration step per training
+#   step refines it); with `warm_start=False` a fresh Q is drawn, from a fresh seed, at every
+#   step. **Error feedback** keeps, per rank, a residual: this rank's corrected
 #   gradient (its gradient plus last step's residual) minus the *averaged* approximation
 #   P Qᵀ / N that came back (`input_tensor_cp - input_tensor`), and adds it to the next step's
 #   gradient. It holds what the approximation lost *and* this rank's deviation from the mean
@@ -813,11 +903,21 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 #
 # Why may P and Q be all-reduced at all? Because P = M Q is **linear** in M: with every rank
 # using the same Q, the sum of the ranks' P's is (Σ M_rank) Q, the P of the summed gradient —
-# and after the same orthogonalisation everywhere, the same holds for Q. Top-k (lab07's
-# stretch) is not linear: each rank keeps *its own* k largest entries, at different indices,
-# and the top-k of a sum is not the sum of top-k's, so a plain all-reduce of the selected
-# values would add up entries that belong to different indices.
-#
+# and after the same orthogonalisation everywhere, the same holds for Q. (Does the same hold
+# for top-k compression, lab07's stretch? That is the stretch's design decision; the answer is
+# folded below.)
+
+# %% [markdown]
+# **▶ Top-k and linearity — open after your lab's stretch passes** (click the folded cell
+# below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Top-k is not linear: each rank keeps *its own* k largest entries, at different indices, and
+# the top-k of a sum is not the sum of top-k's, so a plain all-reduce of the selected values
+# would add up entries that belong to different indices.
+
+# %% [markdown]
+
 # The orthogonalisation as the installed hook runs it, `powerSGD_hook._orthogonalize`, on
 # batches of three 40 × r matrices (it works in place):
 
@@ -852,6 +952,29 @@ powerSGD_hook._orthogonalize(with_eps, epsilon=1e-8)
 claim("Gram-Schmidt with the default epsilon 0 turns a zero column into NaNs; epsilon=1e-8 "
       "keeps every value finite",
       bool(torch.isnan(zero_col).any()) and bool(torch.isfinite(with_eps).all()))
+
+import inspect
+
+hook_source = inspect.getsource(powerSGD_hook.powerSGD_hook)
+claim("the installed powerSGD_hook makes a fresh Q from torch.randn, seeded inside "
+      "torch.random.fork_rng with an integer drawn from state.rng (the NumPy RandomState)",
+      all(text in hook_source for text in ("torch.random.fork_rng(",
+                                           "torch.manual_seed(state.rng.randint(",
+                                           "torch.randn(")))
+
+
+def first_q(state):
+    """A fresh Q as the hook draws it (powerSGD_hook.py, torch 2.14), for a 40 x 4 matrix."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(state.rng.randint(1_000_000_000))
+        return torch.randn(40, 4)
+
+
+two_ranks = [powerSGD_hook.PowerSGDState(process_group=None, random_seed=0) for _ in range(2)]
+claim("two ranks' states with the same random_seed draw the same Q, and the next draw differs",
+      torch.equal(first_q(two_ranks[0]), first_q(two_ranks[1]))
+      and not torch.equal(first_q(two_ranks[0]), first_q(
+          powerSGD_hook.PowerSGDState(process_group=None, random_seed=0))))
 
 # %% [markdown]
 # `comm_hook_worker` trains real DDP once per hook, with these `PowerSGDState` arguments:
@@ -995,6 +1118,12 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 #   the buckets (section 3's picture; lab07 has you build both), and on GPUs NCCL streams that
 #   run the transfers beside the compute.
 #
+# ## Lab 07, part 2 and the stretch — now
+# Back to [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb): part 2 is the wrapper of
+# section 3's picture, buckets launched strictly in bucket order and every gradient a view of
+# its bucket, which names a parameter without a gradient as this section's class does; the
+# stretch is a communication hook of your own (section 5), top-k with error feedback.
+#
 # ## Summary
 #
 # - Averaging after the backward works but leaves the network idle during the backward and
@@ -1002,13 +1131,16 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 # - A post-accumulate-grad hook can launch an asynchronous all-reduce the moment a gradient is
 #   ready; waiting on the handles before `optimizer.step()` keeps it correct — equal to DDP.
 # - Buckets, filled in reverse registration order and closed once they reach the cap (DDP's
-#   rule, proven equal to its own function), send a few large messages instead of many small
-#   ones. DDP launches them strictly in bucket order, and can make the gradients views of the
-#   buckets.
+#   rule when it rebuilds its buckets in the order gradients arrive, proven equal to its own
+#   function and to real DDP's rebuilt buckets; with `find_unused_parameters=True` DDP keeps
+#   buckets made from registration order instead), send a few large messages instead of many
+#   small ones. DDP launches them strictly in bucket order, and can make the gradients views
+#   of the buckets.
 # - Overlap is a prediction you can test: the early buckets' all-reduces start at their
 #   gradients' ready times and run under the backward; when they have finished by its end,
 #   step ≈ forward + backward + the last bucket's ring cost 2(N−1)α + 2(N−1)/N · Kβ +
-#   optimizer step. It can hide communication when the backward lasts about as long as the
+#   optimizer step. It saves at most min(backward, all-reduces but the last) — nothing with
+#   one bucket — and can hide communication when the backward lasts about as long as the
 #   all-reduces or longer. On a 2-core CPU, where gloo and the backward share the cores, the
 #   model's assumptions do not hold; its predicted saving is printed beside the run against
 #   its control, compared round by round, which says whether overlap paid here.
@@ -1098,6 +1230,9 @@ viz.quiz([
 #   `gradient_as_bucket_view`, `static_graph`, `find_unused_parameters`;
 #   `DistributedDataParallel._get_ddp_logging_data`: `num_buckets_reduced`,
 #   `rebuilt_per_bucket_param_indices`.
+# - `torch/_C/_distributed_c10d.pyi` — `Reducer._get_zeros_like_grad_buckets` (one
+#   `GradBucket` per bucket, its `parameters()`), how `ddp_buckets_worker` reads DDP's buckets
+#   (`distributed.py` calls it too).
 # - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer`: `next_bucket_`,
 #   `gradient_as_bucket_view_`, `mark_bucket_ready`, `finalize_backward`,
 #   `copy_bucket_to_grad` (the copy back when gradients are not views), `kDefaultFirstBucketBytes`,
@@ -1119,8 +1254,10 @@ viz.quiz([
 #   float16/bfloat16, `torch.linalg.qr` otherwise, in the matrices' own dtype;
 #   `_orthogonalize_gram_schmidt` divides by the column's norm plus `epsilon`,
 #   `state.orthogonalization_epsilon`, 0 by default), the Q all-reduce, one after
-#   the other; `PowerSGDState.__init__`: `self.rng = np.random.RandomState(random_seed)`, the
-#   same first Q on every rank; the error-feedback residual
+#   the other; `PowerSGDState.__init__`: `self.rng = np.random.RandomState(random_seed)`;
+#   `powerSGD_hook`: a fresh Q (once per bucket with `warm_start`, every step without) from
+#   `torch.randn` under `torch.random.fork_rng`, seeded with `state.rng.randint(1_000_000_000)`,
+#   the same on every rank; the error-feedback residual
 #   `state.error_dict[bucket_index] = input_tensor_cp - input_tensor`.
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupGloo.hpp` — `ProcessGroupGloo::Options`
 #   (`threads{2}`: two worker threads per process group), `ProcessGroupGloo::runLoop`.
@@ -1139,7 +1276,9 @@ viz.quiz([
 #   installed), read at commit ad78a7b, the revision stored here (the torch 2.14.1 build's
 #   commit, 5c48869, could not be fetched) — `compute_bucket_assignment_by_size`,
 #   `Reducer::mark_variable_ready_dense`, "Note [DDP Communication Hook]",
-#   `Reducer::run_allreduce_hook`, `Reducer::mark_bucket_ready`, `Reducer::rebuild_buckets`;
+#   `Reducer::run_allreduce_hook`, `Reducer::mark_bucket_ready` (its launch loop calls
+#   `all_reduce_bucket`, which runs the comm hook: a hook is called in bucket order too),
+#   `Reducer::rebuild_buckets`;
 #   what each says holds lab 07's answers, so it is in the folded cell below.
 # - S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
 #   PVLDB 13(12), 2020 (arXiv:2006.15704).

@@ -37,6 +37,7 @@ __all__ = [
     "wrap",
     "count_ddp_collectives",
     "wide_mlp",
+    "rank_batches",
     "OverlapConfig",
     "train_steps",
     "equality_worker",
@@ -128,7 +129,10 @@ def count_ddp_collectives(model, step) -> dict:
 
 def wide_mlp(width: int = 1024, depth: int = 8, num_classes: int = 10) -> nn.Module:
     """A model whose size is in its matrices (about 38 MB of float32 at the defaults): big enough
-    that the bucket size matters, and quick on a CPU, unlike convolutions of the same size."""
+    that the bucket size matters, and quick on a CPU, unlike convolutions of the same size.
+
+    Shown in lesson 07, §4.
+    """
     layers = [nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU()]
     for _ in range(depth - 2):
         layers += [nn.Linear(width, width), nn.ReLU()]
@@ -161,8 +165,11 @@ class OverlapConfig:
         raise ValueError(f"model must be 'small_cnn' or 'wide_mlp', got {self.model!r}")
 
 
-def _batches(cfg: OverlapConfig, rank: int, world_size: int):
-    """This rank's shard of each step's global batch (the shapes10 data of lesson 01)."""
+def rank_batches(cfg: OverlapConfig, rank: int, world_size: int):
+    """This rank's shard of each step's global batch (the shapes10 data of lesson 01).
+
+    Shown in lesson 07, §2.
+    """
     from . import ddp
 
     step_cfg = ddp.StepConfig(global_batch=cfg.global_batch, n_train=cfg.n_train)
@@ -199,7 +206,7 @@ def equality_worker(rank: int, world_size: int, cfg: OverlapConfig,
     from . import ddp
 
     dev = ddp.setup_rank()
-    batches = _batches(cfg, rank, world_size)
+    batches = rank_batches(cfg, rank, world_size)
     out = {}
     for kind in kinds:
         model = wrap(kind, cfg.build().to(dev), bucket_cap_mb)
@@ -237,7 +244,7 @@ def ddp_buckets_worker(rank: int, world_size: int, settings) -> list[dict]:
 
         first = buckets()
         cfg2 = OverlapConfig(**{**cfg.__dict__, "steps": 2})
-        for X, y in _batches(cfg2, rank, world_size):   # DDP rebuilds after its 1st backward
+        for X, y in rank_batches(cfg2, rank, world_size):   # DDP rebuilds after its 1st backward
             F.cross_entropy(model(X.to(dev)), y.to(dev)).backward()
         out.append({"bucket_cap_mb": cap, "find_unused_parameters": find_unused,
                     "first": first, "after": buckets()})
@@ -266,7 +273,7 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
 
     dev = ddp.setup_rank()
     cfg_all = OverlapConfig(**{**cfg.__dict__, "steps": cfg.steps + warmup})
-    batches = [(X.to(dev), y.to(dev)) for X, y in _batches(cfg_all, rank, world_size)]
+    batches = [(X.to(dev), y.to(dev)) for X, y in rank_batches(cfg_all, rank, world_size)]
     setups = []
     for kind, cap in runs:
         model = wrap(kind, cfg.build().to(dev), cap)
@@ -363,7 +370,7 @@ def comm_hook_worker(rank: int, world_size: int, cfg: OverlapConfig, hooks,
         # device" on a GPU machine whose ranks run on the CPU. Nothing here runs on a GPU, so
         # this rank process can safely make that call a no-op.
         torch.cuda.synchronize = lambda device=None: None
-    batches = _batches(cfg, rank, world_size)
+    batches = rank_batches(cfg, rank, world_size)
     out = {}
     for name in hooks:
         model = DDP(cfg.build().to(dev), device_ids=[dev.index] if dev.type == "cuda" else None)
