@@ -73,7 +73,7 @@ torch.set_num_threads(1)
 # Tensor parallelism of size t (section 2) divides all but `10·s·b·d` of it: what every
 # tensor-parallel rank holds whole — the two layer norms'
 # inputs, the two dropout masks after attention and MLP, and the inputs of the QKV matmul
-# and of the MLP's first matmul, the replicated X that enters a column-parallel layer
+# and of the MLP's first matmul
 # (their section 4.2.2; their *sequence parallelism* splits those too, along the sequence).
 # Recomputing the layer in the backward (*activation checkpointing*) keeps only its input,
 # `2·s·b·d`. Most of it, though, for long sequences, is the `5·a·s/d` term: the attention
@@ -259,17 +259,16 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 #
 # ## 2. Tensor parallelism: Megatron-LM's MLP
 # A transformer's MLP is `Y = GeLU(X·A)·B`: X is tokens × d, A is d × h, B is h × d, with
-# h = 4d. Shoeybi et al. (*Megatron-LM*, 2019) cut it over t ranks so that the only
-# communication is one all-reduce in the forward and one in the backward:
+# h = 4d. Shoeybi et al. (*Megatron-LM*, 2019) cut it over t ranks so that no weight ever
+# travels: the ranks exchange only activations and their gradients, at two points of the MLP:
 #
 # 1. **column-parallel** first layer: rank r keeps the r-th block of A's *columns*
 #    (d × h/t), and computes `H_r = GeLU(X·A_r)`: its own h/t hidden
 #    features. GeLU acts element by element, so it needs nothing from the other ranks;
 # 2. **row-parallel** second layer: rank r keeps the r-th block of B's *rows* (h/t × d) and
-#    multiplies its own hidden features by it, `Y_r = H_r·B_r`, a d-wide result. How the
-#    ranks' `Y_r` relate to the layer's output `Y = H·B`, and what that costs, is yours to
-#    work out in the lab — write `H·B` with H and B cut into their blocks. (And the biases,
-#    `+ b₁` and `+ b₂`? That is for you to decide in the lab too.)
+#    multiplies its own hidden features by it. What that product is next to the layer's
+#    output `Y = H·B`, and what it costs to get Y on every rank, is lab 11's first question.
+#    (And the biases, `+ b₁` and `+ b₂`? That is for you to decide in the lab too.)
 #
 # A and B are the paper's matrices, in its `X·A` convention. Whether torch's `nn.Linear`
 # stores them as they are or otherwise, and so which dimension of each torch weight holds a
@@ -427,7 +426,15 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 
 # %% [markdown]
 # A step holds many sequences, though, and tensor parallelism pays for each, while data
-# parallelism's bytes do not grow with the batch. And *when* the bytes travel matters more.
+# parallelism's bytes do not grow with the batch. And *when* the bytes travel matters more:
+# DDP's all-reduce overlaps the backward (lesson 07); tensor parallelism's mostly cannot, so
+# Megatron-LM keeps t ≤ the GPUs of one node, on NVLink.
+#
+# **▶ Which of them sit on the critical path, which Megatron-LM hides, and what torch's async
+# tensor parallelism fuses — open after your lab passes** (click the folded cell below):
+# where each sits is lab 11's answer again.
+
+# %% [markdown] jupyter={"source_hidden": true}
 # DDP's all-reduce overlaps the backward (lesson 07); most of tensor parallelism's sit **on
 # the critical path**: the tensor-parallel all-reduces sit between one matmul and the next,
 # which waits for the sum — four times per transformer layer and micro-batch (attention and
@@ -447,9 +454,10 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # `fused_matmul_reduce_scatter`): the layout of *sequence parallelism* (Korthikanti et al.),
 # where each of the all-reduces here becomes an all-gather and a reduce-scatter around the
 # layer norms and dropouts; the plain all-reduces of this MLP are not matched. Even so, the
-# sums that a matmul waits for stay in the way, and they pay only on very fast links: NVLink inside a
-# node, not the network between nodes. Megatron-LM keeps t ≤ the GPUs of one node.
-#
+# sums that a matmul waits for stay in the way, and they pay only on very fast links: NVLink
+# inside a node, not the network between nodes. Megatron-LM keeps t ≤ the GPUs of one node.
+
+# %% [markdown]
 # ### torch's version: `parallelize_module` and DTensor
 # torch writes the same plan as a dictionary from submodule names to *styles*; the
 # parameters become **DTensors**, tensors that know their *placement* on the mesh:
@@ -989,9 +997,8 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 # - **Tensor parallelism** (Megatron-LM): a column-parallel layer then a row-parallel one,
 #   with two conjugate operations *f* and *g* carrying the communication (which pass of
 #   each, and why, is lab 11). Two all-reduces of the activations per MLP per step, mostly
-#   on the critical path (Megatron hides *f*'s behind a matmul that does not need its sum —
-#   two of a transformer layer's four, those of its two column-parallel layers;
-#   torch's async TP overlaps only the all-gathers and reduce-scatters of sequence
+#   on the critical path (which ones Megatron hides, and why it can, is folded after lab 11's
+#   pointer; torch's async TP overlaps only the all-gathers and reduce-scatters of sequence
 #   parallelism, in compiled models): keep it inside a node. torch's
 #   `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
 #   sends the same.
