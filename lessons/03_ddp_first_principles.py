@@ -108,12 +108,9 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 # ## The four collectives
 # A **collective** is an operation that *every* rank of the group calls, in the same order as the
 # others; the table says what it leaves on each rank. With gloo on the CPU the call returns
-# once the result is in the tensor. With nccl the call hands the work to the GPU and returns to
-# Python without waiting for it to run (every NCCL call is asynchronous, the header of torch's
-# NCCL process group says). With `async_op=True` you get a handle back, and its `wait()` makes
-# the GPU work you queue after it wait for the collective; with the default `async_op=False`
-# torch asks the backend to do that ordering itself, so later GPU work on the tensor sees the
-# result.
+# once the result is in the tensor. With nccl it hands the work to the GPU and returns without
+# waiting for it to run; with the default `async_op=False` torch has the backend order later
+# GPU work after it, with `async_op=True` you get a handle whose `wait()` does that.
 #
 # | collective | every rank gives | every rank gets |
 # |---|---|---|
@@ -207,8 +204,8 @@ claim("training-mode BatchNorm: they differ by more than 1e-3",
 # So DDP on a BatchNorm network takes the step of N *smaller* batches averaged, not of the
 # global batch. A BatchNorm that computes its statistics over every rank's shard together
 # restores the identity: lesson 04 measures that with a CPU stand-in that all-reduces the
-# statistics (`nn.SyncBatchNorm` itself refuses CPU tensors in a process group, so no lesson
-# runs it here; on GPUs it aims at the same by another route).
+# statistics (`nn.SyncBatchNorm` itself refuses CPU tensors inside a process group, so what it
+# computes is not measured on this machine; on GPUs it aims at the same by another route).
 #
 # Here is a complete DDP training worker. Every rank builds the same model (same seed), wraps it
 # in `DDP`, and trains on its own contiguous shard of each global batch; after `loss.backward()`
@@ -806,8 +803,8 @@ claim("either way rank 0's running mean is bit-for-bit the same: the broadcast n
 synced = {}
 for k, (follows, _) in enumerate(on[0]["later"]):
     same = all(torch.equal(r["later"][k][1], on[0]["later"][k][1]) for r in on)
-    print(f"forward {k + 1}, after {follows}: started from "
-          + ("the same running mean on every rank" if same else "a different one on each rank"))
+    state = "the same on every rank" if same else "different on each rank"
+    print(f"forward {k + 1}, after {follows}: the running mean it started from is {state}")
     synced.setdefault(follows, []).append(same)
 claim("forward_sync_buffers=True: a forward that follows a no-grad forward, or a no_sync() "
       "one, starts from each rank's own running mean (no broadcast); one that follows a "
@@ -817,13 +814,12 @@ claim("forward_sync_buffers=True: a forward that follows a no-grad forward, or a
       synced=synced)
 
 # %% [markdown]
-# Forward 1 follows the evaluation, which ran under `no_grad`, so nothing was broadcast before
-# it; the ranks agree all the same, because the evaluation itself followed a training forward
-# (it was broadcast to) and eval mode changes no statistic. Forward 1 runs in training mode
-# under `no_grad`: each rank updates its statistics from its own batch, and forward 2 starts
-# from them, unbroadcast. Forward 3, under `no_sync()` (lesson 04's gradient accumulation),
-# does the same to forward 4. DDP's docstring for `forward_sync_buffers` says it syncs "at
-# the beginning of ``forward``"; its code skips these two.
+# Forward 1 follows the no-grad evaluation, so nothing was broadcast before it; the ranks
+# agree anyway, since eval mode changed no statistic. Forward 1 itself (training mode, under
+# `no_grad`) updates each rank's statistics from its own batch, and forward 2 starts from them
+# unbroadcast; forward 3, under `no_sync()` (lesson 04's gradient accumulation), does the same
+# to forward 4 — though DDP's docstring says `forward_sync_buffers` syncs "at the beginning of
+# ``forward``".
 #
 # So the statistics rank 0 saves in a checkpoint (lesson 04 saves from rank 0) come from rank
 # 0's shards only, 1/N of each global batch, whatever the setting. What the broadcast decides is
@@ -840,19 +836,15 @@ claim("forward_sync_buffers=True: a forward that follows a no-grad forward, or a
 # %%
 import re
 
-from torch.nn.modules import _functions as batchnorm_functions
+from torch.nn.modules import _functions as bn_functions
 
-
-def collectives_called(fn):
-    return re.findall(r"(?:dist|torch\.distributed)\.(\w+)\(", inspect.getsource(fn))
-
-
-sbn_forward = collectives_called(batchnorm_functions.SyncBatchNorm.forward)
-sbn_backward = collectives_called(batchnorm_functions.SyncBatchNorm.backward)
-print("nn.SyncBatchNorm's autograd function, forward:", sbn_forward, " backward:", sbn_backward)
+calls = {name: re.findall(r"(?:dist|torch\.distributed)\.(\w+)\(",
+                          inspect.getsource(getattr(bn_functions.SyncBatchNorm, name)))
+         for name in ("forward", "backward")}
+print("the collectives nn.SyncBatchNorm's autograd function calls:", calls)
 claim("SyncBatchNorm's forward only all-gathers (no all_reduce); its backward only all-reduces",
-      sbn_forward and all("all_gather" in c for c in sbn_forward)
-      and sbn_backward and all(c == "all_reduce" for c in sbn_backward))
+      calls["forward"] and all("all_gather" in c for c in calls["forward"]) and
+      calls["backward"] and set(calls["backward"]) == {"all_reduce"}, calls=calls)
 
 # %% [markdown]
 # | | DataParallel | DDP |
@@ -1030,8 +1022,8 @@ viz.quiz([
           "0's state_dict. Its running statistics are...",
      "options": ["averaged over the 4 ranks by DDP's all-reduce",
                  "those of the last rank to finish its forward",
-                 "rank 0's own, from rank 0's shards; the other ranks copied them before each "
-                 "forward"],
+                 "rank 0's own, from rank 0's shards; the other ranks copied them before their "
+                 "training forwards"],
      "answer": 2,
      "why": ["Buffers get no gradient, so the all-reduce never touches them.",
              "The broadcast always comes from rank 0 (outside Join).",
@@ -1116,10 +1108,12 @@ viz.quiz([
 #   `seed + epoch`, pads to a multiple of `num_replicas`, takes `indices[rank::num_replicas]`;
 #   `set_epoch` sets the epoch.
 #
-# **▶ The sources of DDP's averaging — open after your lab passes** (click the folded cell
-# below).
+# **▶ The sources of DDP's averaging and of its bucket-closing rule — open after your labs
+# pass** (lab 03 and lab 07; click the folded cell below).
 
 # %% [markdown] jupyter={"source_hidden": true}
+# ### Sources, continued
+#
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`'s docstring for
 #   `find_unused_parameters` (default `False`): parameters that receive no gradient in the
 #   forward's graph are "preemptively marked as being ready to be reduced" (the note in the
