@@ -27,9 +27,6 @@ EQUIVALENT = {
     "lab03:swap 'True' -> 'False': optimizer.zero_grad(set_to_none=True)":
         "for SGD and Adam, gradients zeroed in place and gradients set to None give the same "
         "step: every parameter gets a gradient at every step",
-    "lab05:delete: ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)":
-        "on one machine there is one input pipeline, and shard(1, 0) keeps everything; the "
-        "line matters with several workers (lesson 05's multi-worker part)",
     "lab05:swap 'True' -> 'False': losses = mirrored.per_example_loss(y, model(x, training=True))":
         "the stretch's model is one Dense layer, which behaves the same in training and "
         "inference mode (the main step's training=True is checked through the CNN)",
