@@ -55,7 +55,7 @@ from dpcourse.checks import lab06, predict
 # %% [markdown] jupyter={"source_hidden": true}
 # A chunk being summed travels one hop to the right per step, collecting one contribution per
 # hop: chunk c must set off from the worker N − 1 hops to the left of the one that finishes it.
-# So the chunk a worker sends moves back by one index every step, and at step 0 each worker sends
+# So the chunk a worker sends moves back by one index every step, and at step 1 each worker sends
 # a different chunk.
 
 # %% [markdown]
@@ -63,7 +63,7 @@ from dpcourse.checks import lab06, predict
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Per step, one loop over the workers: the index of the chunk worker i sends, of the form
-# (i − s + constant) mod N, and the addition of that chunk into the right neighbour's slice of
+# (i − t + constant) mod N, and the addition of that chunk into the right neighbour's slice of
 # the same chunk. Check your constant with N = 3 on paper.
 
 # %%
@@ -72,10 +72,10 @@ def scatter_reduce(buffers):
     afterwards worker i holds the full sum of chunk i."""
     n = len(buffers)
     bounds = ring.chunk_bounds(len(buffers[0]), n)
-    for s in range(n - 1):
+    for t in range(1, n):  # steps t = 1 .. N-1, numbered as in lesson 06
         ### BEGIN SOLUTION: one scatter-reduce step: each worker's chunk to its right neighbour
         for i in range(n):  # no copy: worker i + 1 does not send chunk c in this step
-            c = (i - s - 1) % n
+            c = (i - t) % n
             buffers[(i + 1) % n][slice(*bounds[c])] += buffers[i][slice(*bounds[c])]
         ### END SOLUTION
 
@@ -94,14 +94,15 @@ _ = lab06.check_scatter_reduce(scatter_reduce)
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# At step 0, which chunk is the only one worker i can usefully pass on? And at step 1, which
-# complete chunk has just arrived that its right neighbour still lacks?
+# At the all-gather's first step (t = N: lesson 06 numbers the steps on through both phases),
+# which chunk is the only one worker i can usefully pass on? And at step N + 1, which complete
+# chunk has just arrived that its right neighbour still lacks?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Each worker passes on the complete chunk it got most recently (its own at step 0), so every
+# Each worker passes on the complete chunk it got most recently (its own at step N), so every
 # complete chunk travels once around the ring, N − 1 hops.
 
 # %% [markdown]
@@ -116,11 +117,11 @@ def all_gather(buffers):
     """All-gather in place, after scatter_reduce: every worker ends with the whole sum."""
     n = len(buffers)
     bounds = ring.chunk_bounds(len(buffers[0]), n)
-    for s in range(n - 1):
+    for t in range(n, 2 * n - 1):  # steps t = N .. 2(N-1), numbered on as in lesson 06
         ### BEGIN SOLUTION: one all-gather step: each worker's newest complete chunk to its right
-        outgoing = [buffers[i][slice(*bounds[(i - s) % n])].copy() for i in range(n)]
+        outgoing = [buffers[i][slice(*bounds[(i - t) % n])].copy() for i in range(n)]
         for i in range(n):
-            c = (i - s) % n
+            c = (i - t) % n
             buffers[(i + 1) % n][slice(*bounds[c])] = outgoing[i]
         ### END SOLUTION
 
@@ -227,13 +228,13 @@ def ring_allreduce(tensor, op="sum"):
             dist.send(send_chunk, right)
             dist.recv(recv_into, left)
 
-    for s in range(n - 1):
-        recv_chunk = chunks[(rank - s - 1) % n]
+    for t in range(1, n):  # steps numbered as in lesson 06: t = 1 .. 2(N-1)
+        recv_chunk = chunks[(rank - t) % n]
         incoming = torch.empty_like(recv_chunk)
-        exchange(chunks[(rank - s) % n], incoming)
+        exchange(chunks[(rank + 1 - t) % n], incoming)
         recv_chunk += incoming
-    for s in range(n - 1):
-        exchange(chunks[(rank + 1 - s) % n], chunks[(rank - s) % n])
+    for t in range(n, 2 * n - 1):
+        exchange(chunks[(rank + 1 - t) % n], chunks[(rank - t) % n])
     if op == "average":
         flat /= n
     ### END SOLUTION
@@ -348,9 +349,9 @@ def ring_allreduce_segmented(tensor, op="sum", segments=4):
     flat = tensor.view(-1)
     chunks = flat.tensor_split(n)
     ### BEGIN SOLUTION: ring_allreduce_segmented's body: a pipelined scatter-reduce, then the rest
-    for s in range(n - 1):
-        outgoing = chunks[(rank - s) % n].tensor_split(segments)
-        target = chunks[(rank - s - 1) % n].tensor_split(segments)
+    for t in range(1, n):  # steps numbered as in lesson 06: t = 1 .. 2(N-1)
+        outgoing = chunks[(rank + 1 - t) % n].tensor_split(segments)
+        target = chunks[(rank - t) % n].tensor_split(segments)
         incoming = [torch.empty_like(t) for t in target]
 
         def post(j):
@@ -363,9 +364,9 @@ def ring_allreduce_segmented(tensor, op="sum", segments=4):
                 w.wait()
             target[j].add_(incoming[j])  # piece j + 1 is on its way meanwhile
             pending = following
-    for s in range(n - 1):
-        works = [dist.isend(chunks[(rank + 1 - s) % n], right),
-                 dist.irecv(chunks[(rank - s) % n], left)]
+    for t in range(n, 2 * n - 1):
+        works = [dist.isend(chunks[(rank + 1 - t) % n], right),
+                 dist.irecv(chunks[(rank - t) % n], left)]
         for w in works:
             w.wait()
     if op == "average":

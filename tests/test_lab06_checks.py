@@ -1051,6 +1051,6 @@ def test_a_shared_receive_buffer_is_named_as_such_not_as_a_piece_index():
             lab06.check_segmented_ring(seg_shared_receive_buffer, timeout=60)
         msg = str(err.value)
         assert "one receive buffer shared by messages in flight" in msg, msg
-        assert "piece 1 of scatter-reduce step 0" in msg and "piece 0 of" in msg, msg
+        assert "piece 1 of scatter-reduce step 1" in msg and "piece 0 of" in msg, msg
         assert "segment j of the chunk" not in msg, msg
         assert ("a buffer of its own" in msg) == (attempt == 2), msg

@@ -208,7 +208,7 @@ def check_scatter_reduce(fn) -> None:
                  f"(N={n}): that is lesson 06's finishing layout, not the one this lab's "
                  f"contract names, so every finished sum sits on the wrong worker.",
                  fix="this lab's contract is chunk i, one chunk earlier than the lesson's: work "
-                     "out on paper, for N = 3, which chunk each worker must send at step 0 so "
+                     "out on paper, for N = 3, which chunk each worker must send at step 1 so "
                      "that it finishes chunk i.")
         if length % n:
             for rule in _OTHER_CHUNK_RULES:
@@ -885,7 +885,7 @@ def _most_in_flight(events, n: int, segments: int) -> int:
 
 def _receive_name(index: int, n: int, segments: int) -> str:
     if index < (n - 1) * segments:
-        return f"piece {index % segments} of scatter-reduce step {index // segments}"
+        return f"piece {index % segments} of scatter-reduce step {index // segments + 1}"
     return f"receive {index + 1} (an all-gather one)"
 
 
