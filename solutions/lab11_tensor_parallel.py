@@ -5,32 +5,37 @@
 # et al. 2019, §3) over t ranks, with the shapes and the pictures; here you write the layers.
 # The two definitions you build on:
 #
-# - the first linear layer is **column-parallel**: rank r keeps a block of its *output*
-#   features (A's columns) and computes its block of the hidden activations from the whole X;
-# - the second is **row-parallel**: rank r multiplies its block of the hidden features by its
-#   block of the weight's *input* features (B's rows), and every rank ends with the layer's
-#   output Y.
+# - the first linear layer is **column-parallel**: rank r keeps a block of A's columns and
+#   computes its block of the hidden activations from the whole X;
+# - the second is **row-parallel**: rank r keeps a block of B's rows, multiplies its block of
+#   the hidden activations by it, and every rank ends with the layer's output Y.
+#
+# (A and B in the paper's `X·A` convention; which dimension of a torch weight that is, part 3
+# asks.)
 #
 # All the communication sits in two autograd operations: `f`, wrapped around the column
 # layer's input, and `g`, wrapped around the row layer's output. Deciding what they do is the
 # lab:
 #
 # 1. Which pass of `f` communicates — forward, backward, or both — and with which collective?
-#    Which pass of `g`?
-# 2. Which dimension of torch's `nn.Linear.weight` does each layer cut?
+#    Which pass of `g`? And which collectives, once the activations around the MLP are cut
+#    along the tokens?
+# 2. Which dimension of torch's `nn.Linear.weight` does each layer cut — and of a Keras
+#    `Dense` kernel?
 # 3. Where is the row layer's bias added, and on which ranks?
 #
 # **The goal.** On t ranks, your `TPMLP` gives every rank the plain MLP's output; after one
 # backward, the gradient of the input is the plain MLP's, and every rank's weight and bias
 # gradients are the matching blocks of the plain MLP's; and after a few SGD steps, each rank
 # stepping only its own parameters, it still gives the plain MLP's output (trained the same
-# way) — with one all-reduce in the forward and one in the backward, and each rank holding
-# only its block of each weight.
+# way) — each rank holding only its block of each weight, and the ranks making no collective
+# that the plain MLP's arithmetic does not need (the checks count them, pass by pass).
 #
 # You write, in this order:
 #
 # 1. `block_of(size, rank, world_size)`: the features rank r keeps;
-# 2. `CopyToTPRegion` (`f`) and `ReduceFromTPRegion` (`g`) as `torch.autograd.Function`s;
+# 2. `CopyToTPRegion` (`f`) and `ReduceFromTPRegion` (`g`) as `torch.autograd.Function`s —
+#    and what they become with sequence parallelism (a diagnosis, no code);
 # 3. `ColumnParallel` and `RowParallel`, each built from a full `nn.Linear`;
 # 4. `TPMLP`, the two layers around a GeLU, equal to the plain MLP on 2 and 3 ranks — after
 #    a prediction of how many numbers one rank's parameters hold;
@@ -44,7 +49,8 @@
 # SGD steps of each rank's own parameters and compares again with the plain layer trained the
 # same way. A wrong answer stops
 # with one sentence naming its mistake: when you are stuck, run the check and read it first;
-# the folded hints come after.
+# the folded hints come after. A prediction counts once: written again after its measurement
+# has been shown in this kernel, it is compared but not recorded — your first one stands.
 
 # %% tags=["parameters"]
 check_timeout = 30  # seconds before a hanging rank is stopped
@@ -69,11 +75,13 @@ torch.set_num_threads(1)
 # rank order, are contiguous, do not overlap and cover every feature exactly once; when the
 # world size divides the size, every block has the same length.
 #
-# **Your design decision:** what `block_of` does when the world size does not divide the size
-# (a hidden size of 16 on 3 ranks). Either refuse it — raise a `ValueError` whose sentence names
-# the size and the world size, so that the person who chose them knows what to change — or
-# handle it with blocks of unequal length that still keep the contract above. The check
-# accepts either; decide which a user of your layers is better served by, and why.
+# When the world size does not divide the size (a hidden size of 16 on 3 ranks), `block_of`
+# either refuses it — a `ValueError` whose sentence names the size and the world size, so that
+# whoever chose them knows what to change — or gives blocks of unequal length that still keep
+# the contract above. Both are sound and both pass; this is a convention, not the lab's
+# design decision. It is not free, though: part 4's check builds your MLP with a hidden size
+# of 16 on 3 ranks and holds your layers to what `block_of` says (the same refusal on every
+# rank before any collective, or the plain MLP's values with uneven blocks).
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -140,7 +148,8 @@ lab11.check_block_of(block_of)
 # `f_communicates_in` and `g_communicates_in` each to `"forward"`, `"backward"`, `"both"` or
 # `"neither"`: they must follow from your own answers. `lab11.check_diagnosis` first checks
 # that they do, then judges them as a pair: a wrong pair comes back with what it would make
-# of X, dL/dX and Y, and you find which of those the plain MLP does not compute; the check of
+# of X, dL/dX and Y, and you find which of those the plain MLP does not compute (a different
+# pair sent after that, without a new reason, is named as the search it is); the check of
 # your code then refuses code that communicates anywhere else than you declared.
 
 # %% [markdown]
@@ -218,6 +227,56 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
                        g_communicates_in, timeout=check_timeout)
 
 # %% [markdown]
+# **A second diagnosis: the same MLP with sequence parallelism** (no code). Outside the MLP —
+# the layer norms, the dropouts — a transformer keeps the tokens × d activations whole on
+# every tensor-parallel rank, which wastes memory. Korthikanti et al. (2022) cut them along the
+# tokens instead: X now **enters** the MLP on rank r as its share of the tokens (rows
+# r·s/t … (r+1)·s/t − 1 of X, all d features), and the MLP's output must **leave** it the
+# same way, each rank keeping Y for its own tokens only. The weights and the two matmuls stay
+# as before: the column layer still needs X of every token, and the row layer still gives
+# every rank a product over all the tokens. `f` and `g` keep their places; what each pass
+# then makes is no longer what you declared above. `sp_collectives` is a dict with the keys
+# `"f forward"`, `"f backward"`, `"g forward"` and `"g backward"`, each one of
+# `lab11.SP_VALUES`: `"nothing"`, `"all-reduce"`, `"all-gather"` (every rank gets every rank's
+# tensor, stacked in rank order) or `"reduce-scatter"` (the ranks' tensors summed, and rank r
+# keeps only the r-th block of rows of the sum). A wrong set comes back whole, with what
+# each of your four would make of its tensor; a changed set after that is named as a search.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# For each of the four tensors, ask two things: what does this rank hold of it (all the tokens
+# or only its own; whole, or a part the ranks must sum)? And what does the operation on the
+# other side of f or g need of it?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Going into the column layer, a rank has its own tokens and needs everyone's; coming out of
+# the row layer, it has a part of every token's sum and needs the whole sum of its own tokens
+# only. Each backward turns its forward's change around: a gradient of a tensor that was
+# gathered is a sum to take back to each rank's share, and a gradient of one rank's share of a
+# sum is needed by every rank's partial product.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the answer** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Two different collectives, each used twice; no "nothing" and no "all-reduce". Each
+# operation's backward uses the other one of the two than its forward.
+
+# %%
+for value in lab11.SP_VALUES:
+    print(repr(value))
+### BEGIN SOLUTION: sp_collectives, a dict of four answers
+sp_collectives = {"f forward": "all-gather", "f backward": "reduce-scatter",
+                  "g forward": "reduce-scatter", "g backward": "all-gather"}
+### END SOLUTION
+lab11.check_sequence_parallel(sp_collectives)
+
+# %% [markdown]
 # ## 3. The column- and the row-parallel layer
 #
 # Both take `(linear, rank, world_size)`, a full `nn.Linear` the same on every rank, and keep
@@ -240,6 +299,13 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 # compares it with the weight torch builds, then your dimensions with that layout; the layer
 # checks below refuse code that cuts another dimension than the one you declared.
 #
+# Then the same two layers in another framework's layout, which this course does not show
+# cut: Keras's `Dense(units)` keeps a `kernel` of shape `(input features, units)` and
+# computes `inputs @ kernel + bias` (`keras/src/layers/core/dense.py`, `Dense.build` and
+# `Dense.call`). `dense_dims` is the pair `(column, row)`: the dimension of the column
+# layer's kernel and of the row layer's kernel that each would cut, were they Keras `Dense`
+# layers.
+#
 # **Your design decision:** the row layer's bias. The lesson left it open: keep it whole or
 # in blocks, on every rank or on one, and add it before `g` or after it. More than one choice
 # satisfies the contract — and some choices that give the right output and the right
@@ -260,7 +326,8 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 # **▶ Hint 2 — the idea** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Both layers cut the hidden dimension and keep the model's width whole. A column block of
+# Both layers cut the hidden dimension and keep the model's width whole, whatever the
+# framework's layout: find, in each layout, which dimension runs over the hidden features. A column block of
 # output features comes with the same block of the first bias. The row layer's partial
 # products are summed, so anything added to each of them before the sum is added t times;
 # after the sum, every rank holds the same output and may add the whole bias itself.
@@ -274,12 +341,13 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 # on the way out (row), around one matrix product, and the bias where your decision puts it.
 
 # %%
-### BEGIN SOLUTION: weight_shape (a tuple), column_weight_dim and row_weight_dim (0 or 1)
+### BEGIN SOLUTION: weight_shape, column_weight_dim, row_weight_dim and dense_dims
 weight_shape = (12, 6)     # nn.Linear(6, 12).weight: (out_features, in_features)
 column_weight_dim = 0
 row_weight_dim = 1
+dense_dims = (1, 0)        # a Keras kernel is (in, out): the hidden features sit the other way
 ### END SOLUTION
-lab11.check_split_decision(column_weight_dim, row_weight_dim, weight_shape)
+lab11.check_split_decision(column_weight_dim, row_weight_dim, weight_shape, dense_dims)
 
 # %%
 class ColumnParallel(nn.Module):
@@ -343,8 +411,8 @@ lab11.check_row_parallel(RowParallel, row_weight_dim, timeout=check_timeout,
 # `TPMLP(plain, rank, world_size)`, with `plain = nn.Sequential(nn.Linear(d, h), nn.GELU(),
 # nn.Linear(h, d))` the same on every rank: `TPMLP(...)(x)` equals `plain(x)` on every rank,
 # and after a backward dL/dx and each rank's parameter gradients are `plain`'s (the matching
-# blocks), with one all-reduce in the forward and one in the backward; after a few SGD steps
-# it still equals `plain` trained the same way. The check compares on
+# blocks), its only collectives those of your `f` and `g`; after a few SGD steps it still
+# equals `plain` trained the same way. The check compares on
 # 2 and 3 ranks, counts the collectives of each pass, and then builds it with h = 16 on 3
 # ranks, where your `block_of` decision shows.
 #
@@ -470,7 +538,10 @@ lab11.check_prediction(guess, measured, guess_grad)
 # - It returns `(loss, events)`: `loss` is a Python float on the last stage, the batch's loss,
 #   and `None` on the others; `events` has one `(kind, i, start, end)` per forward (`"F"`) and
 #   backward (`"B"`) of micro-batch i, `start` and `end` from `time.perf_counter()` (one
-#   clock for all the machine's processes), covering this stage's **computation only**.
+#   clock for all the machine's processes), covering this stage's **computation only** (on
+#   the last stage, timing the loss inside its forward or leaving it out are both accepted:
+#   it is computation, and small). The batch's loss is the same number whether you average
+#   the m micro-batch losses or add up each one divided by m.
 #
 # Then `bubble(events, stages)`: `events` holds every stage's actions as `(stage, kind, i,
 # start, end)`, `stages` is their number; it returns the bubble, the share of the stages' time

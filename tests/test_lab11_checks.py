@@ -23,6 +23,15 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 T = 60  # generous: a loaded 2-core machine
 
 
+@pytest.fixture(autouse=True)
+def _fresh_diagnosis_memory():
+    # check_diagnosis and check_sequence_parallel remember the wrong answers they sent back in
+    # this kernel: each test starts as a learner's first attempt
+    lab11._wrong_diagnoses.clear()
+    lab11._wrong_sp.clear()
+    yield
+
+
 def fails(check, *args, match, **kwargs):
     with pytest.raises(LabCheckError, match=match) as info:
         check(*args, **kwargs)
@@ -347,6 +356,103 @@ def test_a_wrong_pair_met_twice_adds_what_to_change():
     assert "write ∂L/∂X and Y of the plain MLP as sums" in message
 
 
+def test_a_second_wrong_pair_is_named_as_a_search():
+    first = fails(lab11.check_diagnosis, "forward", "forward", held_for("forward", "forward"),
+                  match="is not right")
+    assert "diagnosis no." not in first
+    # the same pair again is no search (the same mistake met twice)
+    again = fails(lab11.check_diagnosis, "forward", "forward", held_for("forward", "forward"),
+                  match="is not right")
+    assert "diagnosis no." not in again
+    message = fails(lab11.check_diagnosis, "both", "both", held_for("both", "both"),
+                    match="is not right")
+    assert ("This is your diagnosis no. 2; before it, (f 'forward', g 'forward') came back too: "
+            "a new pair without a new reason is a search") in message
+
+
+def test_a_right_diagnosis_after_wrong_pairs_says_how_it_was_reached(capsys):
+    fails(lab11.check_diagnosis, "both", "both", held_for("both", "both"), match="is not right")
+    fails(lab11.check_diagnosis, "neither", "forward", held_for("neither", "forward"),
+          match="is not right")
+    capsys.readouterr()
+    lab11.check_diagnosis("backward", "forward", RIGHT_HELD)
+    out = capsys.readouterr().out
+    assert out.startswith("✔ your diagnosis")
+    assert "(reached after 2 wrong pairs, the first (f 'both', g 'both'): say to yourself " \
+           "which of that diagnosis's whole/partial answers was false" in out
+
+
+def test_a_right_first_diagnosis_says_nothing_of_a_search(capsys):
+    lab11.check_diagnosis("backward", "forward", RIGHT_HELD)
+    assert "reached after" not in capsys.readouterr().out
+
+
+RIGHT_SP = {"f forward": "all-gather", "f backward": "reduce-scatter",
+            "g forward": "reduce-scatter", "g backward": "all-gather"}
+
+
+def test_the_right_sequence_parallel_collectives_pass(capsys):
+    lab11.check_sequence_parallel({k: v.upper() + " " for k, v in RIGHT_SP.items()})
+    out = capsys.readouterr().out
+    assert out.startswith("✔ sequence parallelism") and "reached after" not in out
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    # the first diagnosis's answer carried over unchanged (the recall answer)
+    ({"f forward": "nothing", "f backward": "all-reduce", "g forward": "all-reduce",
+      "g backward": "nothing"},
+     "the column layer would multiply only this rank's share of the tokens; dL/dX would be the "
+     "sum over the ranks of their terms, for every token; Y would be the sum of the ranks' "
+     "partial products, for every token, on every rank; dL/dY_r would be the gradient of this "
+     "rank's tokens only"),
+    # the forwards right, the backwards copied from them (not turned around)
+    (dict(RIGHT_SP, **{"f backward": "all-gather", "g backward": "reduce-scatter"}),
+     "dL/dX would be the ranks' own terms stacked one after another"),
+    # f and g swapped
+    (dict(RIGHT_SP, **{"f forward": "reduce-scatter", "g forward": "all-gather"}),
+     "the column layer would multiply a t-th of the ranks' token shares added together"),
+])
+def test_wrong_sequence_parallel_collectives_come_back_whole(wrong, phrase):
+    message = fails(lab11.check_sequence_parallel, wrong, match="not all right")
+    assert phrase in message
+    # all four implications, right ones included, in the same form: never which is wrong
+    assert message.count(" would ") == 4 and "Run the check again" in message
+    for verdict in ("is right", "is wrong", "should be", "'all-gather'", "'reduce-scatter'"):
+        assert verdict not in message
+    second = fails(lab11.check_sequence_parallel, wrong, match="not all right")
+    assert "the collective is what turns the one into the other" in second
+    assert "answer no." not in second           # the same answer twice is no search
+
+
+def test_a_changed_wrong_sequence_parallel_set_is_named_as_a_search(capsys):
+    first = dict(RIGHT_SP, **{"f forward": "nothing"})
+    fails(lab11.check_sequence_parallel, first, match="not all right")
+    message = fails(lab11.check_sequence_parallel, dict(RIGHT_SP, **{"f forward": "all-reduce"}),
+                    match="not all right")
+    assert "This is your answer no. 2; 1 other set came back before it: a new set without a " \
+           "new reason is a search" in message
+    capsys.readouterr()
+    lab11.check_sequence_parallel(RIGHT_SP)
+    assert "(reached after 2 wrong sets)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, phrase", [
+    ("all-gather then reduce-scatter", "sp_collectives should be a dict with exactly the keys"),
+    (dict(RIGHT_SP, **{"f forward": "gather"}),
+     r"sp_collectives\['f forward'\] should be one of 'nothing', 'all-reduce'"),
+    ({k: v for k, v in RIGHT_SP.items() if k != "g backward"}, "exactly the keys"),
+])
+def test_sequence_parallel_answers_that_are_not_four_collectives_are_refused(answer, phrase):
+    fails(lab11.check_sequence_parallel, answer, match=phrase)
+
+
+def test_unwritten_sequence_parallel_answers_are_a_todo():
+    with pytest.raises(NotImplementedError, match="write sp_collectives first"):
+        lab11.check_sequence_parallel(None)
+    with pytest.raises(NotImplementedError, match=r"write sp_collectives\['g forward'\]"):
+        lab11.check_sequence_parallel(dict(RIGHT_SP, **{"g forward": ...}))
+
+
 @pytest.mark.parametrize("f, g, held, phrase", [
     ("up", "forward", RIGHT_HELD, "should be one of 'forward', 'backward', 'both', 'neither'"),
     ("backward", 1, RIGHT_HELD, "g_communicates_in should be one of"),
@@ -558,12 +664,13 @@ def test_wrong_column_named(cls, match):
 # --------------------------------------------------------------------------------------------
 
 SHAPE = (12, 6)          # nn.Linear(6, 12).weight.shape, as torch builds it
+DENSE = (1, 0)           # the same layers as Keras Dense layers: kernel (in, out)
 
 
 @pytest.mark.parametrize("col,row,shape", [(0, 1, SHAPE), (-2, -1, [12, 6]),
                                            (0, 1, nn.Linear(6, 12).weight.shape)])
 def test_a_right_split_decision_passes(col, row, shape, capsys):
-    lab11.check_split_decision(col, row, shape)
+    lab11.check_split_decision(col, row, shape, DENSE)
     assert capsys.readouterr().out.startswith("✔ your decision")
 
 
@@ -571,17 +678,18 @@ def test_a_right_split_decision_passes(col, row, shape, capsys):
 def test_a_false_layout_claim_is_refused_whatever_the_dims(col, row):
     # "nn.Linear stores its weight as (in_features, out_features)": refused with the right
     # numbers too, since the numbers would rest on a layout torch does not build
-    message = fails(lab11.check_split_decision, col, row, (6, 12),
+    message = fails(lab11.check_split_decision, col, row, (6, 12), DENSE,
                     match=r"weight_shape = \(6, 12\) says nn.Linear\(6, 12\) stores its weight "
                           r"as \(in_features, out_features\), but that is not the weight torch "
                           r"builds")
     assert "column_weight_dim" not in message and "row_weight_dim" not in message
-    second = fails(lab11.check_split_decision, col, row, (6, 12), match="that is not the weight")
+    second = fails(lab11.check_split_decision, col, row, (6, 12), DENSE,
+                   match="that is not the weight")
     assert "print nn.Linear(6, 12).weight.shape" in second
 
 
 def test_a_shape_no_linear_6_12_could_have_is_refused():
-    fails(lab11.check_split_decision, 0, 1, (12, 12),
+    fails(lab11.check_split_decision, 0, 1, (12, 12), DENSE,
           match=r"weight_shape = \(12, 12\) is not the shape of nn.Linear\(6, 12\).weight")
 
 
@@ -595,10 +703,10 @@ def test_a_shape_no_linear_6_12_could_have_is_refused():
            r"the row layer\); only the hidden features are split"),
 ])
 def test_a_wrong_dim_is_sent_back_with_its_cause_not_the_answer(col, row, phrase):
-    first = fails(lab11.check_split_decision, col, row, SHAPE, match=phrase)
+    first = fails(lab11.check_split_decision, col, row, SHAPE, DENSE, match=phrase)
     # the second meeting of the same mistake adds what to change: a way to find out, never
     # the dimension itself
-    second = fails(lab11.check_split_decision, col, row, SHAPE, match=phrase)
+    second = fails(lab11.check_split_decision, col, row, SHAPE, DENSE, match=phrase)
     assert "Run the check again" in first and "mark which of its two sizes" in second
     for answer in ("column_weight_dim = 0", "row_weight_dim = 1", "dimension 0", "dim 0",
                    "dimension 1", "dim 1", "first dimension", "second dimension"):
@@ -608,8 +716,41 @@ def test_a_wrong_dim_is_sent_back_with_its_cause_not_the_answer(col, row, phrase
 def test_a_typo_in_the_dims_then_the_fix_passes():
     # the layout right and the numbers swapped (a typo): refused for the numbers only, and
     # the same layout with the numbers fixed passes (no memory of the first attempt)
-    fails(lab11.check_split_decision, 1, 0, SHAPE, match="column_weight_dim = 1")
-    lab11.check_split_decision(0, 1, SHAPE)
+    fails(lab11.check_split_decision, 1, 0, SHAPE, DENSE, match="column_weight_dim = 1")
+    lab11.check_split_decision(0, 1, SHAPE, DENSE)
+
+
+@pytest.mark.parametrize("dense,phrase", [
+    ((0, 1), r"dense_dims puts the column layer's cut on dimension 0 of its kernel: the "
+             r"Dense\(12\) on 6 inputs keeps a kernel of shape \(6, 12\), \(input features, "
+             r"units\), whose dimension 0 runs over its inputs \(the model's width, 6\), which "
+             r"every rank keeps whole \(and the row layer's entry does the same\); only the "
+             r"hidden features are split. Your pair is your torch dimensions \(0, 1\) again"),
+    ((1, 1), r"dense_dims puts the row layer's cut on dimension 1 of its kernel: the Dense\(6\) "
+             r"on 12 inputs keeps a kernel of shape \(12, 6\).* runs over its units \(the "
+             r"model's width, 6\)"),
+    ((0, 0), r"the column layer's cut on dimension 0"),
+])
+def test_a_wrong_keras_pair_is_named_by_what_it_cuts(dense, phrase):
+    # the torch answer copied into Keras's layout (the recall answer), or half of it
+    first = fails(lab11.check_split_decision, 0, 1, SHAPE, dense, match=phrase)
+    assert "Run the check again" in first
+    if dense != (0, 1):
+        assert "torch dimensions" not in first
+    second = fails(lab11.check_split_decision, 0, 1, SHAPE, dense, match=phrase)
+    assert "write the" in second and "kernel shape as Keras builds it" in second
+
+
+@pytest.mark.parametrize("dense", [(1, 0), [-1, -2]])
+def test_a_right_keras_pair_passes(dense, capsys):
+    lab11.check_split_decision(0, 1, SHAPE, dense)
+    assert "in torch's layout and in Keras's" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dense", [(1,), (1, 2), "1, 0", (True, 0)])
+def test_a_keras_pair_that_is_not_two_dims_is_refused(dense):
+    fails(lab11.check_split_decision, 0, 1, SHAPE, dense,
+          match="dense_dims should be a pair \\(column, row\\)")
 
 
 @pytest.mark.parametrize("col,row,shape,phrase", [
@@ -619,14 +760,16 @@ def test_a_typo_in_the_dims_then_the_fix_passes():
     (0, 1, (12.0, 6), "weight_shape should be the shape you expect"),
 ])
 def test_a_split_decision_that_is_not_dims_and_a_shape_is_refused(col, row, shape, phrase):
-    fails(lab11.check_split_decision, col, row, shape, match=phrase)
+    fails(lab11.check_split_decision, col, row, shape, DENSE, match=phrase)
 
 
 def test_an_unwritten_split_decision_is_a_todo():
     with pytest.raises(NotImplementedError, match="write column_weight_dim"):
-        lab11.check_split_decision(None, 1, SHAPE)
+        lab11.check_split_decision(None, 1, SHAPE, DENSE)
     with pytest.raises(NotImplementedError, match="write weight_shape"):
-        lab11.check_split_decision(0, 1, None)
+        lab11.check_split_decision(0, 1, None, DENSE)
+    with pytest.raises(NotImplementedError, match="write dense_dims too"):
+        lab11.check_split_decision(0, 1, SHAPE)
 
 
 def test_the_layer_checks_refuse_a_wrong_decision_before_running_the_code():
@@ -1128,7 +1271,7 @@ RowGBackwardMean = type("RowGBackwardMean", (Row,), {
                                   r"no gradient"),
     ((Column, RowBiasScaled), r"row layer's bias \(plain\[2\]\.bias\) on rank 0 is 1/2 of"),
     ((Column, RowBiasStoredScaled), "row layer's bias .* divided by the world size"),
-    ((Column, RowGBackwardMean), "exactly one all-reduce in each"),
+    ((Column, RowGBackwardMean), "so a collective runs outside them, or twice"),
 ])
 def test_wrong_mlp_gradients_named(layers, match):
     # each of these gives the plain MLP's output and dL/dx: only the parameters' gradients

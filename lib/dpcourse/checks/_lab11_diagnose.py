@@ -560,8 +560,11 @@ def _diagnose_mlp(outs: list, n: int, hidden: int, name: str, hint: str = "") ->
                  f"plain MLP's{hint}.")
         if o["fwd"] != ["all_reduce"] or o["bwd"] != ["all_reduce"]:
             fail(f"{name} made {o['fwd'] or 'no collectives'} in the forward and "
-                 f"{o['bwd'] or 'no collectives'} in the backward on rank {rank}: Megatron's MLP "
-                 f"needs exactly one all-reduce in each (g's forward, f's backward).")
+                 f"{o['bwd'] or 'no collectives'} in the backward on rank {rank}, although "
+                 f"its output and dL/dx are right: what f and g declared in part 2 is one "
+                 f"all-reduce per pass, so a collective runs outside them, or twice.",
+                 fix="Megatron's MLP needs exactly one all-reduce in each pass (g's forward, "
+                     "f's backward): communicate only inside f and g, once each.")
     _mlp_param_grads(outs, n, hidden, name, plain)
     _stepped_failures(outs, n, name, _reference_steps(plain, x, _data(1, ROWS, D, seed=11)[0]),
                       plain[2].bias.grad, "mlp")

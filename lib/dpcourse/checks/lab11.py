@@ -17,7 +17,9 @@ process. The values are chosen so that each classic mistake leaves its own trace
   communicates exactly in the pass whose quantity is partial) are named as that
   inconsistency; a consistent but wrong answer is sent back as a pair, never operation by
   operation, with what it would make of X, dL/dX, Y and dL/dY_r — so that runs cannot sort
-  out the values. ``check_conjugates`` takes the same declaration
+  out the values; a second, different wrong pair in the same kernel is named as a search
+  (the earlier pairs listed), and a pass reached after wrong pairs says so, with the first.
+  ``check_conjugates`` takes the same declaration
   and refuses code whose collectives disagree with it;
 * ``check_conjugates``: ``f`` (copy to the tensor-parallel region: identity forward, all-reduce
   backward) and ``g`` (reduce from it: all-reduce forward, identity backward). Rank-dependent
@@ -28,8 +30,10 @@ process. The values are chosen so that each classic mistake leaves its own trace
   decision rests on, the shape of ``nn.Linear(6, 12).weight`` (checked against the weight torch
   builds: a false layout is refused whatever the dimensions), and which dimension of
   ``linear.weight`` each layer cuts; a wrong dimension gets what it cuts in the learner's own
-  layout (never the number, also on the second meeting). The layer checks take the declared
-  dimension and refuse shards cut along another;
+  layout (never the number, also on the second meeting). Then ``dense_dims``, the same two
+  cuts in Keras ``Dense``'s layout (kernel ``(input features, units)``), which the course does
+  not show: the torch pair copied there is named as such. The layer checks take the declared
+  torch dimension and refuse shards cut along another;
 * ``check_column_parallel`` / ``check_row_parallel``: shards cut along the wrong dimension
   (also when the hidden block's bounds, applied to the other dimension, leave rank 0 the whole
   weight and the last rank nothing), the
@@ -46,7 +50,8 @@ process. The values are chosen so that each classic mistake leaves its own trace
 * ``check_tp_mlp``: the assembled MLP equals the plain one (outputs, the input's gradient, and
   each rank's weight and bias gradients against the matching slice of the plain MLP's: a
   detached or divided parameter is named) with exactly one all-reduce in the forward and one in
-  the backward; a hidden size that the
+  the backward (a collective outside f and g, or twice, named by its count: cause first); a
+  hidden size that the
   world size does not divide (16 on 3 ranks) is refused with a sentence naming both numbers,
   or handled (then it must equal the plain MLP too);
 * ``count_parameters`` and ``check_parameters_prediction``: the learner predicts how many numbers
@@ -88,8 +93,8 @@ import time
 import torch
 from torch import nn
 
-from . import (check_timeout, fail, has_todo, passed, recorded, refuse_reference, reveal,
-               run_ranks)
+from . import (check_timeout, fail, has_todo, learner, passed, recorded, refuse_reference,
+               reveal, run_ranks)
 from ._lab11_diagnose import (D, H, ODD_H, ROWS, _BATCH, _BELOW_IDEAL, _CHECK_DELAY_S,
                               _DIM_NAMES, _LR, _M, _NAMES, _STAGES, _STEPS, _WIDTH, _against_declaration,
                               _against_dim, _block_failures, _check_bubble_fn,
@@ -100,7 +105,8 @@ from ._lab11_diagnose import (D, H, ODD_H, ROWS, _BATCH, _BELOW_IDEAL, _CHECK_DE
                               _find_slice, _match_param, _mse, _pending, _plain_mlp, _reference_steps,
                               _stepped_failures)
 
-__all__ = ["check_block_of", "check_diagnosis", "check_conjugates", "check_split_decision",
+__all__ = ["check_block_of", "check_diagnosis", "check_conjugates", "check_sequence_parallel",
+           "check_split_decision", "SP_KEYS", "SP_VALUES",
            "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "count_parameters", "check_parameters_prediction",
            "count_all_reduces", "check_prediction", "check_gpipe", "BIAS_GRAD_CHOICES",
@@ -335,6 +341,16 @@ def _inconsistency(declared: dict, held: dict) -> str | None:
     return None
 
 
+# the consistent but wrong diagnoses this kernel has sent back, per learner, in order: a
+# learner who then changes the pair is searching, and the check says so (as predict does for a
+# guess written after its measurement)
+_wrong_diagnoses: dict[str, list] = {}
+
+
+def _shown_pair(pair: tuple) -> str:
+    return f"(f {pair[0]!r}, g {pair[1]!r})"
+
+
 @recorded
 def check_diagnosis(f_communicates_in, g_communicates_in, held) -> None:
     """The learner's own diagnosis of part 2, before any code: ``held``, for each of X and
@@ -357,16 +373,29 @@ def check_diagnosis(f_communicates_in, g_communicates_in, held) -> None:
              fix="an operation communicates exactly in the pass whose quantity is partial: "
                  "make the passes and held say the same thing, then judge them against the "
                  "plain MLP.")
+    tried = _wrong_diagnoses.setdefault(learner(), [])
+    pair = (declared["f"], declared["g"])
     if _wrong_passes(declared):
+        earlier = [p for p in tried if p != pair]
+        if pair not in tried:
+            tried.append(pair)
+        search = (f" This is your diagnosis no. {len(tried)}; before it, "
+                  f"{', '.join(map(_shown_pair, earlier))} came back too: a new pair without a "
+                  f"new reason is a search over a handful of answers, not a diagnosis."
+                  if earlier else "")
         fail(f"The pair ({_NAMES['f']} = {declared['f']!r}, {_NAMES['g']} = "
              f"{declared['g']!r}) is not right. Followed through the MLP, it means: "
              f"{_pair_implies(declared)}. Which of these is not what the plain MLP computes — "
-             f"and so which of your whole/partial answers does not hold?",
+             f"and so which of your whole/partial answers does not hold?{search}",
              fix="write ∂L/∂X and Y of the plain MLP as sums over the ranks' blocks, and mark "
                  "for each term which rank can compute it on its own.")
+    after = (f" (reached after {len(tried)} wrong pair{'s' if len(tried) > 1 else ''}, the "
+             f"first {_shown_pair(tried[0])}: say to yourself which of that diagnosis's "
+             f"whole/partial answers was false, and why, before you write the code)"
+             if tried else "")
     passed("your diagnosis: on each side of f and of g, one pass carries what every rank holds "
            "only as a part — a sum over the ranks — and the other has it whole on every rank "
-           "already. Now write the code that does what you declared.")
+           f"already{after}. Now write the code that does what you declared.")
 
 
 @recorded
@@ -401,6 +430,112 @@ def check_conjugates(copy_cls, reduce_cls, f_communicates_in=None, g_communicate
     shown = " and ".join(map(str, world_sizes))
     passed(f"{copy_cls.__name__} and {reduce_cls.__name__} communicate where you declared, and "
            f"their outputs and gradients are the ones the plain layers need, on {shown} ranks")
+
+
+# --------------------------------------------------------------------------------------------
+# Part 2, the second diagnosis: the same f and g with sequence parallelism (no code)
+# --------------------------------------------------------------------------------------------
+
+SP_KEYS = ("f forward", "f backward", "g forward", "g backward")
+SP_VALUES = ("nothing", "all-reduce", "all-gather", "reduce-scatter")
+# the right answer (hidden from the lab's text): what torch's sequence-parallel plan makes,
+# counted in lesson 11's folded run (tensor_parallel.sequence_parallel_worker)
+_RIGHT_SP = {"f forward": "all-gather", "f backward": "reduce-scatter",
+             "g forward": "reduce-scatter", "g backward": "all-gather"}
+# what each answer would make of the tensor leaving the operation in that pass, stated the same
+# way whether it is right or not: the learner judges each against the plain MLP
+_SP_IMPLIES = {
+    "f forward": {
+        "nothing": "the column layer would multiply only this rank's share of the tokens",
+        "all-reduce": "the column layer would multiply the ranks' token shares added together, "
+                      "rows of different tokens summed into one",
+        "all-gather": "the column layer would multiply every token's X, the same on every rank",
+        "reduce-scatter": "the column layer would multiply a t-th of the ranks' token shares "
+                          "added together, each row a sum of different tokens",
+    },
+    "f backward": {
+        "nothing": "dL/dX would be this rank's own term ∂L/∂Z_r·A_rᵀ, for every token",
+        "all-reduce": "dL/dX would be the sum over the ranks of their terms, for every token",
+        "all-gather": "dL/dX would be the ranks' own terms stacked one after another, t times "
+                      "the rows, none summed",
+        "reduce-scatter": "dL/dX would be the sum over the ranks of their terms, for this "
+                          "rank's tokens only",
+    },
+    "g forward": {
+        "nothing": "Y would be this rank's partial product Y_r, for every token",
+        "all-reduce": "Y would be the sum of the ranks' partial products, for every token, on "
+                      "every rank",
+        "all-gather": "Y would be the ranks' partial products stacked one after another, t "
+                      "times the rows, none summed",
+        "reduce-scatter": "Y would be the sum of the ranks' partial products, for this rank's "
+                          "tokens only",
+    },
+    "g backward": {
+        "nothing": "dL/dY_r would be the gradient of this rank's tokens only",
+        "all-reduce": "dL/dY_r would be the ranks' gradients of different tokens added together",
+        "all-gather": "dL/dY_r would be the gradient of every token, the same on every rank",
+        "reduce-scatter": "dL/dY_r would be a t-th of the rows of the ranks' gradients added "
+                          "together, each a sum of different tokens",
+    },
+}
+_wrong_sp: dict[str, list] = {}     # per learner, the wrong answers sent back, in order
+
+
+def _sp_answers(collectives) -> dict:
+    """The learner's four answers, validated; NotImplementedError when unwritten."""
+    __tracebackhide__ = True
+    if collectives is None or collectives is Ellipsis:
+        raise NotImplementedError("write sp_collectives first (part 2's second diagnosis), "
+                                  "then run this check.")
+    if not isinstance(collectives, dict) or set(collectives) != set(SP_KEYS):
+        fail(f"sp_collectives should be a dict with exactly the keys "
+             f"{', '.join(map(repr, SP_KEYS))}, each set to one of "
+             f"{', '.join(map(repr, SP_VALUES))}; got {collectives!r}.")
+    out = {}
+    for key in SP_KEYS:
+        value = collectives[key]
+        if value is None or value is Ellipsis:
+            raise NotImplementedError(f"write sp_collectives[{key!r}] first, then run this "
+                                      f"check.")
+        if not isinstance(value, str) or value.strip().lower() not in SP_VALUES:
+            fail(f"sp_collectives[{key!r}] should be one of {', '.join(map(repr, SP_VALUES))}; "
+                 f"got {value!r}.")
+        out[key] = value.strip().lower()
+    return out
+
+
+@recorded
+def check_sequence_parallel(sp_collectives) -> None:
+    """Part 2's second diagnosis, no code: with sequence parallelism (X enters each rank as its
+    share of the tokens, and each rank keeps its share of Y's tokens), which collective each
+    pass of f and g makes, one of ``SP_VALUES`` for each of ``SP_KEYS``. A wrong answer comes
+    back whole, with what every one of the four would make of its tensor (right or not, in the
+    same form), never which is wrong; a second, different wrong answer is named as a search."""
+    __tracebackhide__ = True
+    answers = _sp_answers(sp_collectives)
+    tried = _wrong_sp.setdefault(learner(), [])
+    if answers != _RIGHT_SP:
+        shown = tuple(answers[k] for k in SP_KEYS)
+        earlier = [t for t in tried if t != shown]
+        if shown not in tried:
+            tried.append(shown)
+        search = (f" This is your answer no. {len(tried)}; {len(earlier)} other set"
+                  f"{'s' if len(earlier) > 1 else ''} came back before it: a new set without "
+                  f"a new reason is a search, not a diagnosis." if earlier else "")
+        implied = "; ".join(_SP_IMPLIES[k][answers[k]] for k in SP_KEYS)
+        fail(f"Your four sequence-parallel collectives are not all right. Followed through "
+             f"the MLP on this rank's tokens, they mean: {implied}. Which of these is not what "
+             f"the column layer's matmul, the row layer's output and their gradients need?"
+             f"{search}",
+             fix="for each of the four tensors, say first what this rank holds of it (which "
+                 "tokens; whole or a part to sum) and then what the next operation needs of "
+                 "it: the collective is what turns the one into the other.")
+    after = (f" (reached after {len(tried)} wrong set{'s' if len(tried) > 1 else ''})"
+             if tried else "")
+    passed(f"sequence parallelism: each of f and g gathers the tokens on the way into a matmul "
+           f"that needs them all and reduce-scatters a sum that each rank needs only for its "
+           f"own tokens{after} — the two halves of the all-reduce your f and g make, so the same "
+           f"bytes (lesson 11's folded run counts them).")
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,14 +575,61 @@ _FIND_LAYOUT = (f"print nn.Linear({D}, {H}).weight.shape beside its in_features 
                 f"out_features, and decide the dimensions from what torch gives.")
 
 
+# Keras's Dense keeps its kernel as (input features, units) and computes inputs @ kernel + bias
+# (keras/src/layers/core/dense.py, Dense.build and Dense.call): the hidden features of the
+# column layer are its units, dimension 1; of the row layer its inputs, dimension 0.
+_RIGHT_DENSE = {"column": 1, "row": 0}
+
+
+def _dense_declaration(dense_dims) -> dict:
+    """The learner's ``dense_dims`` pair, validated; NotImplementedError when unwritten."""
+    __tracebackhide__ = True
+    if dense_dims is None or dense_dims is Ellipsis:
+        raise NotImplementedError("write dense_dims too (the pair of kernel dimensions the two "
+                                  "layers would cut as Keras Dense layers), then run this check.")
+    ok = (isinstance(dense_dims, (tuple, list)) and len(dense_dims) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) and v in (0, 1, -1, -2)
+                  for v in dense_dims))
+    if not ok:
+        fail(f"dense_dims should be a pair (column, row) of dimensions of a 2-D Keras kernel, "
+             f"each 0 or 1; got {dense_dims!r}.")
+    return {"column": dense_dims[0] % 2, "row": dense_dims[1] % 2}
+
+
+def _wrong_dense(dense: dict, declared: dict) -> None:
+    """Refuse a wrong Keras pair with its cause: what it cuts in Dense's layout (and, when it
+    repeats the torch answer, that it does)."""
+    __tracebackhide__ = True
+    wrong = [kind for kind in ("column", "row") if dense[kind] != _RIGHT_DENSE[kind]]
+    if not wrong:
+        return
+    kind = wrong[0]
+    shape, what = ((f"({D}, {H})", f"its inputs (the model's width, {D})") if kind == "column"
+                   else (f"({H}, {D})", f"its units (the model's width, {D})"))
+    layer = f"Dense({H}) on {D} inputs" if kind == "column" else f"Dense({D}) on {H} inputs"
+    copied = (f" Your pair is your torch dimensions ({declared['column']}, {declared['row']}) "
+              f"again, but the kernel is not laid out like nn.Linear's weight."
+              if dense == declared else "")
+    both = " (and the row layer's entry does the same)" if len(wrong) == 2 else ""
+    fail(f"dense_dims puts the {kind} layer's cut on dimension {dense[kind]} of its kernel: "
+         f"the {layer} keeps a kernel of shape {shape}, (input features, units), whose "
+         f"dimension {dense[kind]} runs over {what}, which every rank keeps whole{both}; only "
+         f"the hidden features are split.{copied}",
+         fix=f"write the {kind} layer's kernel shape as Keras builds it, mark which of its two "
+             f"sizes is the hidden size, and take that dimension.")
+
+
 @recorded
-def check_split_decision(column_weight_dim, row_weight_dim, weight_shape) -> None:
+def check_split_decision(column_weight_dim, row_weight_dim, weight_shape,
+                         dense_dims=None) -> None:
     """Part 3's decision, before any code: ``weight_shape``, the shape the learner expects
     ``nn.Linear(6, 12).weight`` to have (the layout their decision rests on), checked against
     the weight torch builds; then which dimension of ``linear.weight`` (0 or 1) each layer
     cuts, checked against that layout. A false layout is refused whatever the dimensions; a
     wrong dimension is sent back with what it cuts in the learner's own (right) layout, never
-    the right number."""
+    the right number. ``dense_dims``: the pair ``(column, row)`` of kernel dimensions the same
+    layers would cut as Keras ``Dense`` layers (kernel ``(input features, units)``), a layout
+    the course does not show cut: the torch answer copied there is named as such."""
     __tracebackhide__ = True
     if weight_shape is None or weight_shape is Ellipsis:
         raise NotImplementedError("write weight_shape, column_weight_dim and row_weight_dim "
@@ -464,6 +646,7 @@ def check_split_decision(column_weight_dim, row_weight_dim, weight_shape) -> Non
         fail(f"weight_shape = {stated} is not the shape of nn.Linear({D}, {H}).weight: the "
              f"weight holds one number for each pair of an input feature ({D} of them) and an "
              f"output feature ({H}), {D * H} numbers in two dimensions.", fix=_FIND_LAYOUT)
+    dense = _dense_declaration(dense_dims)
     wrong = [kind for kind in ("column", "row") if declared[kind] != _RIGHT_DIM[kind]]
     if wrong:
         kind = wrong[0]
@@ -478,9 +661,11 @@ def check_split_decision(column_weight_dim, row_weight_dim, weight_shape) -> Non
              f"features are split.",
              fix=f"write the shape of the {kind} layer's {layer}.weight in the layout you "
                  f"stated, and mark which of its two sizes is the hidden size.")
+    _wrong_dense(dense, declared)
     passed(f"your decision: nn.Linear({D}, {H}).weight is {torch_shape}, as you said, and each "
-           f"layer cuts the dimension of its weight that runs over the hidden features. Now "
-           f"write the layers that cut it.")
+           f"layer cuts the dimension of its weight that runs over the hidden features — in "
+           f"torch's layout and in Keras's, where they sit the other way round. Now write the "
+           f"layers that cut it.")
 
 
 # --------------------------------------------------------------------------------------------
