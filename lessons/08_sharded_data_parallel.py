@@ -5,7 +5,8 @@
 # is a reduce-scatter followed by an all-gather) and lesson 07 (hooks during the backward).
 # New here, each explained where it first appears: mixed precision with an fp32 master copy
 # of the weights, Adam's two states per parameter, a hook on a tensor's gradient
-# (`Tensor.register_hook`), and freeing a tensor's memory by resizing its storage.
+# (`Tensor.register_hook`), freeing a tensor's memory by resizing its storage, and FSDP2's
+# sharded parameters: a DTensor, its device mesh and its placements.
 #
 # **You will be able to:**
 # - say where a data-parallel rank's memory goes with mixed-precision Adam — 16 bytes per
@@ -40,8 +41,6 @@ steps = 4             # training steps of every comparison
 sweep = (2, 3, 4)     # rank counts where memory and traffic are counted
 
 # %%
-import math
-
 import torch
 
 from dpcourse import devices, launch, viz, zero
@@ -176,8 +175,8 @@ viz.show_code(zero.Stage, zero.Replicated, zero.grads_of, zero.optimizer_tensors
 # **▶ The flat-shard helpers (`reduce_scatter_mean` and its neighbours) — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(zero.flatten_padded, zero.reduce_scatter_mean, zero.all_gather_flat,
-              zero.copy_flat_into)
+viz.show_code(zero.shard_numel, zero.flatten_padded, zero.reduce_scatter_mean,
+              zero.all_gather_flat, zero.copy_flat_into)
 
 # %% [markdown]
 # **▶ `Zero1` and `Zero2` — open after your lab passes** (click the folded cell below).
@@ -196,7 +195,7 @@ viz.show_code(zero.Zero1, zero.Zero2)
 
 # %%
 viz.show_code(experiments.ZeroConfig, experiments.prepare_run, experiments.TorchRun,
-              experiments.train_run)
+              experiments.train_run, experiments.equality_worker)
 
 # %%
 cfg = experiments.ZeroConfig(steps=steps)
@@ -228,19 +227,41 @@ claim("when the backward returns, this ZeRO-2 holds every full gradient: the sam
 # Now a rank keeps 1/N of every layer's weights and nothing else. A layer's full weights are
 # rebuilt only while it computes: all-gathered before its forward and freed after it,
 # all-gathered again before its backward (when the gradient of its output arrives — a hook
-# on the output tensor, `Tensor.register_hook`, a cousin of lesson 07's hooks), then, once
-# its last parameter's gradient is in (`Tensor.register_post_accumulate_grad_hook`), its
-# gradients are reduce-scattered and the weights freed. The parameters are views into one
-# flat buffer per layer; freeing resizes that buffer's storage to zero bytes
-# (`untyped_storage().resize_(0)`), so the memory really goes. FSDP2 gathers before the
-# backward the same way (a hook registered on the forward's output tensors); after the
-# backward it does not hook each parameter but wraps the module's *inputs* in an autograd
-# function whose backward runs when the whole module's backward is done — where an input
-# requires a gradient. The first `Linear` here gets the data, which requires none: no such
-# function is applied, and its reduce-scatter runs from the root's final callback, queued for
-# the end of the whole backward (`_root_post_backward_final_callback` runs `post_backward` for
-# every group the backward did not reach).
+# on the output tensor, `Tensor.register_hook`, a cousin of lesson 07's hooks). Once the
+# backward has produced all of the layer's gradients (`Tensor.register_post_accumulate_grad_hook`
+# says when each one is in), the weights are freed *first* and the gradients reduce-scattered
+# *after*. The parameters are views into one flat buffer per layer; freeing resizes that
+# buffer's storage to zero bytes (`untyped_storage().resize_(0)`), so the memory really goes.
 #
+# That order is FSDP2's. When a group of parameters is done with its backward, FSDP2's
+# `post_backward` first puts the gradients aside, then calls `reshard()` (free the full
+# weights), and only then `foreach_reduce` (the reduce-scatter). Its consequence for memory:
+# while a layer's gradients are being reduce-scattered, its full weights are already gone, so
+# the rank holds that layer's full gradient but not its full weights as well. The cell below
+# reads the order in the installed torch:
+
+# %%
+import inspect
+
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+post_backward = inspect.getsource(FSDPParamGroup.post_backward)
+# the path that reduces: from where it collects the gradients to the reduce-scatter
+path = post_backward[post_backward.index("fsdp_params_with_grad: list"):
+                     post_backward.index("foreach_reduce(") + len("foreach_reduce(")]
+print("FSDPParamGroup.post_backward, in source order:")
+for line in path.splitlines():
+    if any(mark in line for mark in ("unsharded_grads.append(", "self.reshard()",
+                                     "foreach_reduce(")):
+        print("   ", line.strip())
+claim("FSDP2's post_backward saves the gradients, frees the full weights (reshard), then "
+      "reduce-scatters (foreach_reduce)",
+      path.count("self.reshard()") == 1
+      and path.rindex("unsharded_grads.append(") < path.index("self.reshard()")
+      < path.index("foreach_reduce("))
+
+# %% [markdown]
+
 # `Zero3` maps each parameter to the first module that owns it (a tied parameter, used by two
 # modules, makes both gather that layer), and leaves frozen parameters whole on every rank:
 
@@ -302,9 +323,16 @@ events = launch.spawn(experiments.zero3_timeline_worker, world_size, cfg, backen
 layer_names = [f"layer {i}\n{n} params" for i, n in enumerate(runs[0]["zero3"]["units"])]
 order = {i: [kind for layer, kind, _, _ in events if layer == i]
          for i in range(len(layer_names))}
-claim("every layer: all-gather (forward), free, all-gather (backward), reduce-scatter, free",
-      all(kinds == ["all-gather (forward)", "free", "all-gather (backward)", "reduce-scatter",
-                    "free"] for kinds in order.values()))
+claim("every layer: all-gather (forward), free, all-gather (backward), free, reduce-scatter",
+      all(kinds == ["all-gather (forward)", "free", "all-gather (backward)", "free",
+                    "reduce-scatter"] for kinds in order.values()))
+freed_at = {i: [t for layer, kind, t, _ in events if layer == i and kind == "free"][-1]
+            for i in order}
+scattered_at = {i: next(t for layer, kind, t, _ in events if layer == i
+                        and kind == "reduce-scatter") for i in order}
+claim("as in FSDP2, every layer's full weights are freed (storage resized to 0 bytes) before "
+      "its reduce-scatter starts: during it the layer holds its gradient, not its weights",
+      all(freed_at[i] <= scattered_at[i] for i in order))
 first_bwd = [next(t for layer, kind, t, _ in events if layer == i and kind.endswith("(backward)"))
              for i in range(len(layer_names))]
 claim("the backward gathers the layers in reverse: last layer first",
@@ -338,11 +366,8 @@ for i in range(len(layer_names)):
             continue
         if kind.startswith("all-gather"):
             since = end
-        elif kind == "reduce-scatter" and since is not None:
-            held_ms += begin - since       # computing, until the reduce-scatter starts
-            since = None
         elif kind == "free" and since is not None:
-            held_ms += begin - since
+            held_ms += begin - since       # computing, from the gather's end to the free
             since = None
 ratio = collective_ms / held_ms
 print(f"collectives {collective_ms:.2f} ms, weights held outside a collective {held_ms:.2f} ms: "
@@ -354,8 +379,8 @@ print(f"collectives {collective_ms:.2f} ms, weights held outside a collective {h
 viz.show(viz.zero3_timeline_figure(events, layer_names),
          "One ZeRO-3 step on rank 0, from the recorded calls: each layer's full weights exist "
          "only in its green band — gathered before its forward, freed after it, gathered "
-         "again in the backward (last layer first), kept through the reduce-scatter of its "
-         f"gradients and freed after it. In this run (Ψ = {n_params}, {backend}) the "
+         "again in the backward (last layer first), and freed before the reduce-scatter of "
+         f"its gradients, as FSDP2 does. In this run (Ψ = {n_params}, {backend}) the "
          f"collectives took {ratio:.1f}× the time the layers held their weights outside one, "
          "and nothing overlaps: every collective here is blocking, so the layer waits for it.")
 
@@ -442,31 +467,35 @@ viz.show(viz.zero_tradeoff_figure(
 
 # %% [markdown]
 # What traffic means in time depends on the network (lesson 06's α-β model) and on whether
-# the collectives overlap the compute. Ours never do. FSDP2 on a GPU can, in three ways. In the
-# forward it issues each group's all-gather on streams of its own, so the CPU runs ahead and
-# issues the next group's all-gather while this one's kernels run (*implicit* prefetching);
-# `set_modules_to_forward_prefetch` names which groups to all-gather early (*explicit*). In the
-# backward each group, by default, issues the all-gather of the group expected next before its
-# own gradients are computed. Its reduce-scatters run on a stream of their own. On a CPU,
-# `torch.cpu.Stream` is a placeholder that does nothing, so FSDP2 there runs one collective
-# after another, as ours does. This lesson counts bytes, not seconds.
+# the collectives overlap the compute. Ours never do; FSDP2 on a GPU can (section 6). This
+# lesson counts bytes, not seconds.
 #
-# Note what does not shrink with N in ZeRO-3: a rank's *working set*, the full weights of the
-# layer computing (and, with prefetching, of the next one) and that layer's full gradient
-# before its reduce-scatter. For a transformer that is one or two blocks' weights and
-# gradients, and it comes on top of 16Ψ/N.
+# Note what does not shrink with N in ZeRO-3: a rank's *working set*. While a layer's backward
+# computes, its full weights and its full gradient are both alive (and, with prefetching, the
+# next layer's full weights). Once its gradients are complete the weights go before the
+# reduce-scatter (section 4, FSDP2's order and ours), so a layer being reduce-scattered costs
+# only its full gradient: where the reduce-scatter overlaps the next layer's backward, as in
+# FSDP2 on a GPU, the working set is that gradient plus the next layer's weights and gradient,
+# not the reduce-scattered layer's weights on top. For a transformer that is one or two
+# blocks' weights and gradients, and it comes on top of 16Ψ/N.
 #
 # ## 6. FSDP2 for real
 # PyTorch's FSDP2 is ZeRO-3 with everything we skipped: prefetching, overlap, mixed-precision
-# policies, checkpoints. `fully_shard(module)` turns a module's parameters into **DTensors**
-# sharded along their first dimension; applied to each layer and then to the root, each layer
-# is gathered on its own, as in our `Zero3`. The worker below shards the MLP, trains it in
+# policies, checkpoints. `fully_shard(module)` turns a module's parameters into **DTensors**.
+# A *device mesh* (`DeviceMesh`, made by `init_device_mesh`: `experiments._mesh` below) is the
+# ranks laid out as an array, here one dimension of N ranks. A DTensor is one logical tensor
+# spread over a mesh: each rank holds a local tensor (`to_local()`), and the DTensor's
+# *placements*, one per mesh dimension, say how the pieces make the whole — `Shard(dim=0)`: cut
+# along dimension 0, rank r holding chunk r; `Replicate()`: a full copy on every rank.
+# `fully_shard` places every parameter as `Shard(dim=0)`. Applied to each layer and then to
+# the root, it makes each layer a *group* of its own (a unit, gathered on its own), as in our
+# `Zero3`. The worker below shards the MLP, trains it in
 # bf16 (`MixedPrecisionPolicy`), gathers a full state dict, saves it from rank 0 and loads it
 # back, into a plain model and into a fresh sharded one.
 
 # %%
-viz.show_code(experiments.fsdp2_worker, experiments.fsdp2_shard, experiments.fsdp2_policy,
-              zero.fsdp2_padded_numel)
+viz.show_code(experiments.fsdp2_worker, experiments.fsdp2_shard, experiments._mesh,
+              experiments.fsdp2_policy, zero.fsdp2_padded_numel)
 
 # %%
 tour = launch.spawn(experiments.fsdp2_worker, world_size, mp, backend=backend, timeout=120)
@@ -515,7 +544,7 @@ name, kind, full, local, placement = tour[0]["shards"][0]
 claim("FSDP2's parameters are DTensors", all(s[1] == "DTensor" for s in tour[0]["shards"]))
 claim(f"rank 0 holds the first of FSDP2's dim-0 chunks of {name} (its {full[0]} rows cut "
       f"into {world_size}), the other dimensions whole",
-      local[0] == math.ceil(full[0] / world_size) and local[1:] == full[1:])
+      local[0] == zero.shard_numel(full[0], world_size) and local[1:] == full[1:])
 claim("the shards stay fp32 while the layer computes in bf16 (the mixed-precision policy)",
       tour[0]["sharded_dtype"] == "torch.float32" and tour[0]["compute_dtype"] == "torch.bfloat16"
       and tour[0]["grad_dtype"] == "torch.float32")
@@ -562,6 +591,25 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
       and rooted["traffic"][-1]["volume"] < 3 * 4 * (other_units + root_units))
 
 # %% [markdown]
+# How FSDP2 schedules its collectives, now that the root has a name. Before the backward it
+# gathers a group the way our `Zero3` does, from a hook registered on the forward's output
+# tensors. After the backward it does not hook each parameter: it wraps the module's *inputs*
+# in an autograd function whose backward runs when the whole module's backward is done, and
+# calls the group's `post_backward` (free, then reduce-scatter, section 4) — where an input
+# requires a gradient. The first `Linear` here gets the data, which requires none: no such
+# function is applied, and its reduce-scatter runs from the root's final callback, a function
+# the root queues for the end of the whole backward (`_root_post_backward_final_callback` runs
+# `post_backward` for every group the backward did not reach).
+#
+# And it can overlap them with the compute, on a GPU, in three ways. In the forward it issues
+# each group's all-gather on streams of its own, so the CPU runs ahead and issues the next
+# group's all-gather while this one's kernels run (*implicit* prefetching);
+# `set_modules_to_forward_prefetch` names which groups to all-gather early (*explicit*). In the
+# backward each group, by default, issues the all-gather of the group expected next before its
+# own gradients are computed. Its reduce-scatters run on a stream of their own. On a CPU,
+# `torch.cpu.Stream` is a placeholder that does nothing, so FSDP2 there runs one collective
+# after another, as our `Zero3` does.
+#
 # Both counts assume one forward and one backward per optimizer step. With gradient
 # accumulation over k micro-batches, FSDP2 left at its defaults gathers every non-root unit
 # for each micro-batch's forward and again for its backward — 2k all-gathers —, gathers the
@@ -739,8 +787,15 @@ viz.quiz([
 #   `_backward_prefetch`: the next group's all-gather issued by default in the backward; a
 #   `reduce_scatter_stream` of its own; `_register_post_backward_hook` and
 #   `RegisterPostBackwardFunction`: the post-backward is an autograd function applied to the
-#   module's inputs that require a gradient, whose backward runs `post_backward`
-#   (reduce-scatter, reshard); with no such input none is applied.
+#   module's inputs that require a gradient, whose backward runs `post_backward`; with no such
+#   input none is applied. `FSDPParamGroup.post_backward`: it saves the unsharded gradients,
+#   calls `reshard()` (frees the full weights), then `foreach_reduce` (in `_fsdp_collectives.py`:
+#   the reduce-scatter) — the weights go before the reduce-scatter.
+# - `torch/distributed/tensor/_api.py` — `DTensor`, `DTensor.to_local`;
+#   `torch/distributed/tensor/placement_types.py` — `Shard`, `Replicate`;
+#   `torch/distributed/device_mesh.py` — `init_device_mesh`;
+#   `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` — `FSDPParam._init_sharded_param`:
+#   the placement is `Shard(0)` unless a shard-placement function says otherwise.
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` —
 #   `FSDPState._root_post_backward_final_callback`: at the end of the backward it runs
 #   `post_backward` for every group whose autograd function never ran (inputs that required

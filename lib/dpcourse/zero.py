@@ -472,10 +472,10 @@ class ShardedLayer:
             return
         self._waiting = len(self.params)          # all of this layer's gradients are in
         grad = flatten_padded(grads_of(self.params), self.world_size)
-        self.grad_slice = reduce_scatter_mean(grad)
         for q in self.params:
             q.grad = None
-        self.free()
+        self.free()       # as FSDP2's post_backward: the weights go before the reduce-scatter
+        self.grad_slice = reduce_scatter_mean(grad)
 
 
 class Zero3(Stage):
@@ -488,8 +488,10 @@ class Zero3(Stage):
     * forward: all-gather before the layer (a forward pre-hook), free after it (a forward
       hook);
     * backward: all-gather again when the gradient of its output arrives (a hook on the output
-      tensor), and when its last parameter's gradient has been accumulated (a
-      post-accumulate-grad hook) reduce-scatter the gradients and free the weights again.
+      tensor); once the layer's gradients are complete, free the weights, then reduce-scatter
+      the gradients — FSDP2's order (``FSDPParamGroup.post_backward`` calls ``reshard()``
+      before ``foreach_reduce``), so the full weights and the full gradient are not both
+      alive during the reduce-scatter.
 
     Three collectives over every weight per step — all-gather, all-gather, reduce-scatter —
     against DDP's all-reduce (= two): 1.5x DDP's traffic, counted in elements (bytes depend on

@@ -412,8 +412,9 @@ def zero3_timeline_worker(rank: int, world_size: int, cfg: ZeroConfig) -> list:
     layer, when its weights were all-gathered (forward, then backward: each layer's ``gather``
     and ``free`` are replaced by timed ones), freed, and its gradients reduce-scattered (timed
     by the ``before``/``after`` hooks of :func:`dpcourse.collectives.record_collectives`). Returns [(layer, kind, start_ms, end_ms)] in the order the
-    calls happened; the span from a gather's end to the layer's next free or reduce-scatter is
-    the time the full weights existed (the layer computed in it).
+    calls happened; the span from a gather's end to the layer's next free is the time the full
+    weights existed (the layer computed in it; the backward frees them before the
+    reduce-scatter).
 
     Shown in lesson 08, §4.
     """

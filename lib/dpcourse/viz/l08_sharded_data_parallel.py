@@ -88,8 +88,8 @@ def zero3_timeline_figure(events, layer_names: Sequence[str] | None = None):
     (backward)", "reduce-scatter" or "free"
     (:func:`dpcourse.zero_experiments.zero3_timeline_worker`).
     Bars for the collectives; a pale band where the layer's full weights exist (from a gather's
-    end to the layer's next free: the layer computes in it, and in the backward the
-    reduce-scatter runs in it too); a black tick where they are freed."""
+    end to the layer's next free: the layer computes in it; in the backward the weights are
+    freed before the reduce-scatter, as FSDP2 does); a black tick where they are freed."""
     colours = {"all-gather (forward)": "#4c72b0", "all-gather (backward)": "#8172b2",
                "reduce-scatter": "#dd8452"}
     layers = sorted({e[0] for e in events if e[0] >= 0})
