@@ -354,3 +354,22 @@ def test_ddp_buckets_worker_reads_real_ddps_buckets():
     # find_unused_parameters=True: registration order walked, the list reversed, kept for good
     assert found["first"] == found["after"] and [set(b) for b in found["first"]] != ours
     assert found["first"][0][-1] == "classifier.4.bias"
+
+
+def test_off_cpu_wire_sends_every_bucket_once_per_step():
+    cfg = ox.OverlapConfig(model="wide_mlp", width=64, depth=4, global_batch=8)
+    sent = []
+
+    def wire(nbytes):
+        sent.append(nbytes)
+        return 5.0
+
+    out = ox.off_cpu_wire(cfg, 0.01, wire, rounds=2)
+    n = len(out["bucket_bytes"])
+    assert n > 1 and sum(out["bucket_bytes"]) == overlap.bucket_nbytes(cfg.build().parameters())
+    assert len(sent) == 2 * 3 * n                      # 2 variants, 3 rounds (1 warm-up)
+    for kind in ("overlap", "control"):
+        assert len(out[kind]["step"]) == len(out[kind]["backward"]) == 2
+    # the control sends after the backward, one message at a time: every message adds its 5 ms
+    assert all(s - b >= 5.0 * n for s, b in zip(out["control"]["step"],
+                                                 out["control"]["backward"]))

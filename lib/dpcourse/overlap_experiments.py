@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import record_collectives
-from .overlap import AfterBackward, BucketedDataParallel, PerParameterHooks, bucket_nbytes
+from .overlap import (AfterBackward, BucketedDataParallel, PerParameterHooks, assign_buckets,
+                      bucket_nbytes)
 
 __all__ = [
     "KINDS",
@@ -44,6 +45,7 @@ __all__ = [
     "ddp_buckets_worker",
     "timing_worker",
     "comm_hook_worker",
+    "off_cpu_wire",
 ]
 
 
@@ -407,3 +409,63 @@ def comm_hook_worker(rank: int, world_size: int, cfg: OverlapConfig, hooks,
         out[name] = {"losses": losses, "sent": sent, "params": ddp.flat_params(model.module)}
     shapes = [tuple(p.shape) for p in cfg.build().parameters()]
     return {"runs": out, "shapes": shapes}
+
+
+def off_cpu_wire(cfg: OverlapConfig, bucket_cap_mb: float, wire_ms, rounds: int = 9,
+                 seed: int = 0) -> dict:
+    """Overlap where communication takes no CPU: one process, no process group; each bucket's
+    "all-reduce" is ``time.sleep(wire_ms(bytes) / 1000)`` on one background thread (one
+    message at a time, as lesson 07's model assumes; a sleeping thread releases the GIL and
+    uses no core). Overlapped, a bucket goes on this wire from the gradient hook the moment its
+    last gradient arrives; in the control, every bucket goes once ``backward()`` has returned.
+    The two take their steps in rounds (shuffled order each round, one untimed warm-up round);
+    returns each one's step times (forward, backward, wire; no optimizer) and backward times,
+    round by round, in ms, and the buckets' bytes.
+
+    Shown in lesson 07, §4.
+    """
+    import concurrent.futures
+
+    torch.manual_seed(seed)
+    model = cfg.build()
+    X = torch.randn(cfg.global_batch, 3, 32, 32)
+    y = torch.randint(0, 10, (cfg.global_batch,))
+    buckets = assign_buckets([p for p in model.parameters() if p.requires_grad], bucket_cap_mb)
+    bucket_of = {p: i for i, b in enumerate(buckets) for p in b}
+    wire = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    state = {"overlap": True, "missing": [len(b) for b in buckets], "sent": []}
+
+    def send(i):
+        state["sent"].append(wire.submit(time.sleep, wire_ms(bucket_nbytes(buckets[i])) / 1e3))
+
+    def grad_ready(p):
+        i = bucket_of[p]
+        state["missing"][i] -= 1
+        if state["missing"][i] == 0 and state["overlap"]:
+            send(i)
+
+    for p in bucket_of:
+        p.register_post_accumulate_grad_hook(grad_ready)
+    out = {"overlap": {"step": [], "backward": []}, "control": {"step": [], "backward": []},
+           "bucket_bytes": [bucket_nbytes(b) for b in buckets]}
+    order = random.Random(seed)
+    try:
+        for r in range(rounds + 1):
+            for kind in order.sample(["overlap", "control"], 2):
+                state.update(overlap=kind == "overlap", missing=[len(b) for b in buckets])
+                model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                F.cross_entropy(model(X), y).backward()
+                t_backward = time.perf_counter()
+                if kind == "control":
+                    for i in range(len(buckets)):
+                        send(i)
+                for f in state["sent"]:
+                    f.result()
+                state["sent"] = []
+                if r:                                    # round 0 is the warm-up
+                    out[kind]["step"].append((time.perf_counter() - t0) * 1e3)
+                    out[kind]["backward"].append((t_backward - t0) * 1e3)
+    finally:
+        wire.shutdown()
+    return out
