@@ -179,6 +179,7 @@ def test_lesson_09_figures_render():
     figs = [viz.ps_traffic_figure(1000, {2: 4000, 3: 6000}),
             viz.staleness_figure((0, 1, 4), {0.1: [2.0, 2.1, math.inf]}, {0.1: [2.0, 2.0, 2.1]},
                                  start_loss=2.3),
+            viz.staleness_figure((0, 1, 4), {0.1: [2.0, 2.1, 2.2]}, {0.1: [None, None, 2.1]}),
             viz.local_sgd_figure((1, 2, 4), [2.0, 2.0, 2.1], [8, 4, 2]),
             viz.large_batch_figure({"a": [2.0, 1.9], "b": [2.1, 2.0]}),
             viz.straggler_gantt_figure({"sync": {1: [("wait", 0, 0.1), ("compute", 0.1, 0.2)],
@@ -194,3 +195,10 @@ def test_local_sgd_drift_figure_draws_one_line_per_h():
 
     fig = viz.local_sgd_drift_figure((1, 2), [2.0, 2.1], 2.3, {1: [0.1, 0.2, 0.1, 0.2], 2: [0.3, 0.3]})
     assert len(fig.axes[1].lines) == 2 and viz.figure_to_png(fig)[:4] == b"\x89PNG"
+
+
+def test_staleness_figure_leaves_out_the_aware_runs_not_made():
+    # lesson 09 runs the staleness-aware step only for τ >= 2 (τ = 0 and 1 are lab 09's stretch)
+    fig = viz.staleness_figure((0, 1, 4), {0.1: [2.0, 2.1, 2.2]}, {0.1: [None, None, 2.1]})
+    dashed = [line for line in fig.axes[0].lines if line.get_linestyle() == "--"]
+    assert [list(line.get_xdata()) for line in dashed] == [[4]]

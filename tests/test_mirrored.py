@@ -68,6 +68,15 @@ def test_mirrored_gradient_equals_single_device_and_reduce_mean_is_n_times(strat
         np.testing.assert_allclose(a, 2 * b, atol=1e-6)
     for a, b in zip(mirrored.mirrored_gradients(strategy, rep, x, y, grad_reduce="mean"), g1):
         np.testing.assert_allclose(a, b / 2, atol=1e-6)
+    # A Keras loss object under the strategy already scales its slice's mean by 1/N
+    # (keras/src/losses/loss.py, scale_loss_for_distribution): right for equal slices, and
+    # dividing by N once more is half the gradient on 2 replicas.
+    for a, b in zip(mirrored.mirrored_gradients(strategy, rep, x, y, "keras"), g1):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    for a, b in zip(mirrored.mirrored_gradients(strategy, rep, x, y, "keras_over_replicas"), g1):
+        np.testing.assert_allclose(a, b / 2, atol=1e-6)
+    with pytest.raises(ValueError, match="loss_scaling must be one of"):
+        mirrored.mirrored_gradients(strategy, rep, x, y, "keras_mean")
 
 
 def test_default_cross_device_ops_on_cpu_is_a_ring_all_reduce(strategy):

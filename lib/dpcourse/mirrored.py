@@ -103,9 +103,12 @@ __all__ = [
     "MultiWorkerError",
     "run_multiworker",
     "LOSS_SCALINGS",
+    "KERAS_LOSS_SCALINGS",
+    "keras_loss_per_replica",
 ]
 
 LOSS_SCALINGS = ("global", "reduce_mean")
+KERAS_LOSS_SCALINGS = ("keras", "keras_over_replicas")
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,6 +238,8 @@ def make_dataset(x: np.ndarray, y: np.ndarray, global_batch: int, shuffle: bool 
     ``decode_png=True`` stores each image PNG-encoded and decodes it in the pipeline, like a
     real image folder; that per-image work is what ``cache`` (decode once, keep the result) and
     ``prefetch`` (prepare the next batch while the model trains on this one) save.
+
+    Shown in lesson 05, §3.
     """
     if not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
         raise ValueError(f"global_batch must be a positive int, got {global_batch!r}")
@@ -394,6 +399,25 @@ def per_replica_loss(labels, logits, global_batch: int, loss_scaling: str = "glo
     raise ValueError(f"loss_scaling must be one of {LOSS_SCALINGS}, got {loss_scaling!r}")
 
 
+def keras_loss_per_replica(labels, logits, divide_by_replicas: bool = False):
+    """The loss most Keras 3 custom loops write: a Keras loss object called on this replica's
+    slice, inside ``strategy.run``.
+
+    Every call of a Keras ``Loss`` under ``tf.distribute`` (not only in ``fit``) takes the mean
+    over the replica's own slice and multiplies it by 1 / ``num_replicas_in_sync``
+    (``keras/src/losses/loss.py``: ``Loss.__call__`` -> ``reduce_weighted_values`` ->
+    ``reduce_values`` -> ``scale_loss_for_distribution``). With ``divide_by_replicas=True`` it
+    is divided by the number of replicas once more, as code does that scales a mean loss by
+    hand.
+
+    Shown in lesson 05, §4.
+    """
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits)
+    if divide_by_replicas:
+        loss = loss / tf.distribute.get_replica_context().num_replicas_in_sync
+    return loss
+
+
 def train_step(strategy, model, optimizer, dist_batch, global_batch: int,
                loss_scaling: str = "global"):
     """One data-parallel SGD step: every replica runs forward and backward on its slice of the
@@ -445,11 +469,17 @@ def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global",
 
     ``grad_reduce="mean"`` averages the replicas' gradients instead — what DDP does, and what
     TF does *not* do; with it, ``loss_scaling="reduce_mean"`` is the right pairing.
+    ``loss_scaling="keras"`` (``"keras_over_replicas"``) differentiates
+    :func:`keras_loss_per_replica` (with ``divide_by_replicas=True``) instead of
+    :func:`per_replica_loss`.
 
     Shown in lesson 05, §4.
     """
     if grad_reduce not in ("sum", "mean"):
         raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
+    if loss_scaling not in LOSS_SCALINGS + KERAS_LOSS_SCALINGS:
+        raise ValueError(f"loss_scaling must be one of {LOSS_SCALINGS + KERAS_LOSS_SCALINGS}, "
+                         f"got {loss_scaling!r}")
     op = tf.distribute.ReduceOp.SUM if grad_reduce == "sum" else tf.distribute.ReduceOp.MEAN
     global_batch = len(y)
     n = strategy.num_replicas_in_sync
@@ -462,7 +492,12 @@ def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global",
     def grads_of(batch):
         def step_fn(xb, yb):
             with tf.GradientTape() as tape:
-                loss = per_replica_loss(yb, model(xb, training=True), global_batch, loss_scaling)
+                logits = model(xb, training=True)
+                if loss_scaling in KERAS_LOSS_SCALINGS:
+                    loss = keras_loss_per_replica(
+                        yb, logits, divide_by_replicas=loss_scaling == "keras_over_replicas")
+                else:
+                    loss = per_replica_loss(yb, logits, global_batch, loss_scaling)
             grads = tape.gradient(loss, model.trainable_variables)
             return tf.distribute.get_replica_context().all_reduce(op, grads)  # as the optimizer
         per_replica = strategy.run(step_fn, args=batch)

@@ -72,15 +72,17 @@ def staleness_figure(taus: Sequence[int], losses: dict, aware: dict | None = Non
                      start_loss: float | None = None, cap: float = 3.0):
     """Test loss after a fixed budget against the staleness τ, one line per learning rate
     (``losses[lr] = [loss at each τ]``); a diverged run (loss above ``cap`` or inf) is drawn
-    as an ✕ at the cap. ``aware[lr]``: the same with staleness-aware steps, dashed."""
+    as an ✕ at the cap. ``aware[lr]``: the same with staleness-aware steps, dashed; a ``None``
+    in it is a τ that was not run, left out of the line."""
     fig = new_figure(6.5, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     colours = ["#2ca02c", "#1f77b4", "#d62728", "#9467bd", "#8c564b"]
 
     def draw(values, colour, style, label):
-        shown = [min(v, cap) for v in values]
-        ax.plot(taus, shown, style, color=colour, label=label)
-        bad = [(t, cap) for t, v in zip(taus, values) if not v <= cap]
+        run = [(t, v) for t, v in zip(taus, values) if v is not None]
+        ax.plot([t for t, _ in run], [min(v, cap) for _, v in run], style, color=colour,
+                label=label)
+        bad = [(t, cap) for t, v in run if not v <= cap]
         if bad:
             ax.plot(*zip(*bad), "x", color=colour, ms=9, mew=2)
 
