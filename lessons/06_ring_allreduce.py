@@ -66,8 +66,9 @@ print("ranks for the training run:", world_size)
 #
 # Put the N workers on a ring: worker i sends only to worker i+1 and receives only from i−1.
 # Cut every worker's array into N chunks. Number the steps t = 1, 2, …, 2(N−1) through both
-# phases (t = 0 is the start, before anything is sent), as the trace, the figures and the
-# stepper below do. At step t, worker i sends **chunk (i + 1 − t) mod N** to its right neighbour:
+# phases (t = 0 is the start, before anything is sent), as the trace, the figures, the
+# stepper below, the library's real ring and lab 06 do. At step t, worker i sends
+# **chunk (i + 1 − t) mod N** to its right neighbour:
 #
 # * **scatter-reduce**, steps t = 1 … N−1: the neighbour *adds* the chunk to its own copy. Each
 #   chunk travels around the ring collecting one more worker's contribution per step; after
@@ -163,8 +164,7 @@ claim(f"bytes per worker == 2(N−1)K/N in all {checked} cases (N = 2..16)", che
 # How good can an all-reduce get? Chan, Heimlich, Purkayastha and van de Geijn (2007) prove,
 # for this model with a worker sending one message and receiving one at a time, that any
 # all-reduce needs at least **⌈log₂N⌉ steps** (a step can at most double the number of
-# workers' inputs a result depends on) and at least **2(N−1)/N·Kβ** of transfer time (a
-# worker's data must leave it and the others' reach it, all but 1/N each way). The ring meets
+# workers' inputs a result depends on) and at least **2(N−1)/N·Kβ** of transfer time. The ring meets
 # the bandwidth bound exactly and misses the latency bound, 2(N−1) steps against ⌈log₂N⌉:
 # "bandwidth-optimal, latency-suboptimal" is a theorem, checked below for N up to 1024.
 #
@@ -423,8 +423,8 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
       five.get("ring") == [n for n in range(2, 129) if n not in powers], ring=five.get("ring"))
 
 # %% [markdown]
-# So the model, which gives every pair of workers a link of its own, picks Rabenseifner's at a
-# power of two; §2 said why gloo and NCCL ring anyway. Try it yourself: drag K down to a few
+# So for big messages the model, which gives every pair of workers a link of its own, picks
+# Rabenseifner's at every power of two; §2 said why gloo and NCCL ring anyway. Try it yourself: drag K down to a few
 # kilobytes and raise α, and watch the ring lose N after N; then raise K again. The shading
 # and the title's second line say which algorithm is the cheapest at each N.
 
