@@ -299,8 +299,9 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 # ## Lab 11: write the column and row layers
 # Open [lab11_tensor_parallel](../labs/lab11_tensor_parallel.ipynb) and write the two
 # autograd operations and the two layers, then the MLP, on 2 and 3 ranks. Decide for each
-# operation which pass communicates and along which dimension each weight is cut (each
-# written down with its reason before the code runs), and where the biases go. The
+# operation which pass communicates, and with which collective once the activations around
+# the MLP are cut along the tokens; along which dimension each weight is cut, in torch's layout
+# and in Keras's (each written down before the code runs); and where the biases go. The
 # library's answer is folded below, and so is everything in the rest of this lesson that
 # would give it away (how the check below compares the shards, the collectives of each
 # pass, torch's placements, where torch puts f and g, sequence parallelism's collectives).
@@ -998,8 +999,8 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   with two conjugate operations *f* and *g* carrying the communication (which pass of
 #   each, and why, is lab 11). Two all-reduces of the activations per MLP per step, mostly
 #   on the critical path (which ones Megatron hides, and why it can, is folded after lab 11's
-#   pointer; torch's async TP overlaps only the all-gathers and reduce-scatters of sequence
-#   parallelism, in compiled models): keep it inside a node. torch's
+#   pointer; torch's async TP overlaps only sequence parallelism's collectives, in compiled
+#   models): keep it inside a node. torch's
 #   `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
 #   sends the same.
 # - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated; idle share
@@ -1151,8 +1152,8 @@ viz.quiz([
 # branch) and `ColumnParallelLinear.__init__`, which sets `allreduce_dgrad = world_size > 1
 # and not sequence_parallel and not disable_grad_reduce` for every column-parallel layer —
 # both of a transformer layer's *f*'s (QKV, the MLP's first layer) — and passes it to
-# `linear_with_grad_accumulation_and_async_allreduce`, whose docstring says the
-# reduce-scatter of sequence parallelism is overlapped the same way.
+# `linear_with_grad_accumulation_and_async_allreduce`, whose docstring says the same overlap
+# is made with sequence parallelism.
 #
 # Papers: Shoeybi et al., *Megatron-LM: Training Multi-Billion Parameter Language Models Using
 # Model Parallelism*, 2019 (section 3, the MLP, f and g); Narayanan et al., *Efficient
