@@ -360,6 +360,8 @@ def compare_three(cfg: StepConfig, world_size: int | None = None, backend: str |
     """Run hand-averaged DP, DDP and the single process; return the largest differences.
 
     ``world_size`` / ``backend`` default to the hardware profile's.
+
+    Shown in lesson 03, §"Lab 03: average the gradients yourself".
     """
     from . import launch
 
@@ -538,7 +540,10 @@ def rebuilt_buckets_worker(rank: int, world_size: int, model_name: str, caps: li
 
 class BNNet(nn.Module):
     """A tiny CNN with one BatchNorm layer: its running statistics are *buffers* (state that is
-    not a parameter, so no gradient is averaged for it)."""
+    not a parameter, so no gradient is averaged for it).
+
+    Shown in lesson 03, §"How DDP does it".
+    """
 
     def __init__(self, width: int = 8, num_classes: int = 10):
         super().__init__()
@@ -634,6 +639,8 @@ def sampler_orders(n: int, world_size: int, epochs: int = 2, set_epoch: bool = T
     No process group is needed: the sampler takes ``num_replicas`` and ``rank`` explicitly, and
     each rank computes its shard by itself from (seed, epoch) — the ranks agree without talking,
     which is why they must all call ``set_epoch`` with the same epoch.
+
+    Shown in lesson 03, §"DistributedSampler and `set_epoch`".
     """
     from torch.utils.data import DistributedSampler
 
@@ -652,6 +659,9 @@ def sampler_orders(n: int, world_size: int, epochs: int = 2, set_epoch: bool = T
 
 
 def shard_overlap(orders_for_epoch: list[list[int]]) -> int:
-    """How many indices appear in more than one rank's shard (0 when n splits evenly)."""
+    """How many indices appear in more than one rank's shard (0 when n splits evenly).
+
+    Shown in lesson 03, §"DistributedSampler and `set_epoch`".
+    """
     seen = np.concatenate([np.asarray(o) for o in orders_for_epoch])
     return int(len(seen) - len(np.unique(seen)))
