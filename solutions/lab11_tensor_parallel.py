@@ -414,7 +414,7 @@ lab11.check_row_parallel(RowParallel, row_weight_dim, timeout=check_timeout,
 # blocks), its only collectives those of your `f` and `g`; after a few SGD steps it still
 # equals `plain` trained the same way. The check compares on
 # 2 and 3 ranks, counts the collectives of each pass, and then builds it with h = 16 on 3
-# ranks, where your `block_of` decision shows.
+# ranks, where what your `block_of` does with a remainder shows.
 #
 # Tensor parallelism is there to cut each rank's memory. **Before** you write `TPMLP`,
 # predict how much: with d = 6 and h = 12, the plain MLP's parameters hold 162 numbers. How
