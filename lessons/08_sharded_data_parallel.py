@@ -233,9 +233,9 @@ claim("when the backward returns, this ZeRO-2 holds every full gradient: the sam
 # *after*. The parameters are views into one flat buffer per layer; freeing resizes that
 # buffer's storage to zero bytes (`untyped_storage().resize_(0)`), so the memory really goes.
 #
-# That order is FSDP2's. When a group of parameters is done with its backward, FSDP2's
-# `post_backward` first puts the gradients aside, then calls `reshard()` (free the full
-# weights), and only then `foreach_reduce` (the reduce-scatter). Its consequence for memory:
+# That order is FSDP2's. When a sharded module's backward is done, FSDP2's `post_backward`
+# first puts the gradients aside, then calls `reshard()` (free the full weights), and only
+# then `foreach_reduce` (the reduce-scatter). Its consequence for memory:
 # while a layer's gradients are being reduce-scattered, its full weights are already gone, so
 # the rank holds that layer's full gradient but not its full weights as well. The cell below
 # reads the order in the installed torch:
@@ -261,7 +261,6 @@ claim("FSDP2's post_backward saves the gradients, frees the full weights (reshar
       < path.index("foreach_reduce("))
 
 # %% [markdown]
-
 # `Zero3` maps each parameter to the first module that owns it (a tied parameter, used by two
 # modules, makes both gather that layer), and leaves frozen parameters whole on every rank:
 
