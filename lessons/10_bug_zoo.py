@@ -31,36 +31,29 @@ world_size = 2        # ranks of every run (the zoo's bugs need 2 or more)
 hang_timeout = 4.0    # seconds a program may run before it counts as hung
 
 # %%
+import inspect
 import math
+import mmap
 import os
 import re
 import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import torch
 
-from dpcourse import bugzoo, detectors, launch, viz
+from dpcourse import bugzoo, detectors, launch, script_checks, viz
 from dpcourse.checks import claim
 
 torch.set_num_threads(1)
 
 # %% [markdown]
-# ## 1. The tools, and what the course adds
-# What PyTorch gives you, and where each works:
-#
-# | tool | what it does | here (CPU, gloo) |
-# |---|---|---|
-# | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; each other rank blocks until rank 0 answers, and fails in the barrier if rank 0 never does | gloo only: section 2, bugs 1 and 3 |
-# | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before the group is created) | wraps each process group in a `ProcessGroupWrapper` with a gloo helper group: before **every** collective the ranks pass a monitored barrier and compare the call's fingerprint (op, shapes, dtypes); a missing rank or a mismatch becomes an error naming them. It costs time on every call | works: section 2, with its cost measured |
-# | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**: the call returned at once (it only queued the work on the GPU); the watchdog thread notices the timeout and tears the whole process down (`TORCH_NCCL_ASYNC_ERROR_HANDLING`'s default, 3 = SkipCleanUp: tear down without first aborting the NCCL communicators); `wait()` blocks and raises only with `TORCH_NCCL_BLOCKING_WAIT=1` or when given a timeout (`work.wait(timeout)` on an `async_op=True` handle) | gloo: section 2; NCCL: the figure there |
-# | the flight recorder | **on by default**: a ring buffer of each process's last 2000 collectives (op, sequence number, state); `TORCH_FR_BUFFER_SIZE` (or `TORCH_NCCL_TRACE_BUFFER_SIZE`) sets the size, 0 turns it off. On NCCL it is dumped automatically on a timeout or another error: `TORCH_NCCL_DUMP_ON_TIMEOUT` and `TORCH_NCCL_ENABLE_MONITORING` both default to on in `ProcessGroupNCCL.cpp` (the header's comment reads as if they were opt-in), given a buffer above 0; files at `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` (default `/tmp/nccl_trace_rank_`), merged with `torchfrtrace` | records on gloo too (section 2); the automatic dump on timeout is NCCL-only |
-# | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=ALL` for more) | NCCL prints its set-up: interfaces, rings, transports, and its errors — the first thing to read when NCCL hangs at start-up on a cluster | GPU only: nothing to show here |
-# | `py-spy dump --pid PID` | the Python stack of a running process, from outside (it pauses the process while it reads, unless `--nonblocking`; it needs ptrace permission, which containers often withhold): the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (below) |
-#
-# What the course adds, in `dpcourse.detectors`, is the view *across* ranks. A rank's own
+# ## 1. What the course adds: the view across ranks
+# PyTorch's own tools (section 2 runs them) look at one rank, or one call. What the course adds,
+# in `dpcourse.detectors`, is the view *across* ranks. A rank's own
 # error says little when the bug is that the ranks disagree. **The collective trace** records,
 # on every rank, each `dist.<collective>` call as it starts and when it returns — written to a
 # file at once, so it survives a rank that hangs and gets killed — and compares the ranks. It
@@ -74,7 +67,8 @@ viz.show_code(detectors.trace_collectives, detectors.compare_traces)
 # `detectors.diagnose(fn, world_size, *args, timeout=...)` runs a worker (or a script) on N
 # ranks under that trace, with `faulthandler.dump_traceback_later` armed to write each rank's
 # Python stack just before the time limit, and reports: finished, hung (which ranks, in which
-# call, at which line) or failed.
+# call, at which line) or failed. (Its `script_checks` and `cpu_fallback` are for scripts of your
+# own: section 5.)
 
 # %%
 viz.show_code(detectors.diagnose_worker, detectors.diagnose)
@@ -322,10 +316,62 @@ viz.show(viz.collective_traces_figure({"bug 1: a collective on rank 0 only": par
          "shaded column is the first call where the ranks disagree: the bug is there.")
 
 # %% [markdown]
-# Rank 0 is the one that reports in a monitored barrier: the others block until it answers.
-# Had rank 0 been the rank that left, the others would fail in the barrier at its timeout,
-# without a name (its docstring: if one rank does not reach it, "all other ranks would fail in
-# monitored_barrier") — the course's trace and stack dump still name the rank that left.
+# Rank 0 is the one that reports in a monitored barrier: the others send to rank 0 and wait
+# for its answer. Had rank 0 been the rank that left, what would they say? Below, rank 0
+# returns at once and rank 1 calls `monitored_barrier(timeout=2 s)` in a group whose own
+# timeout is 3 s:
+
+
+# %%
+def rank0_left(rank, world_size):
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+    if rank == 0:
+        return None                       # rank 0 never reaches the barrier
+    start = time.perf_counter()
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=2), wait_all_ranks=True)
+        return "passed", time.perf_counter() - start
+    except RuntimeError as e:
+        return str(e), time.perf_counter() - start
+
+
+left_message, left_after = launch.spawn(rank0_left, world_size, timeout=60, show_output=False)[1]
+print(left_message.split("\n")[0])
+claim("the other ranks do not stay silent: rank 1's error names rank 0 (\"received errors while "
+      "waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank.\")",
+      left_message.startswith("Rank 1 successfully reached monitoredBarrier, but received errors "
+                              "while waiting for send/recv from rank 0. Please check rank 0 logs "
+                              "for faulty rank."))
+claim("and it comes at the group's timeout (3 s), not the barrier's (2 s): rank 1 waits on its "
+      "own send/recv, and only rank 0 enforces the barrier's timeout",
+      left_after >= 2.9, seconds=round(left_after, 1))
+so = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+with open(so, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as library:
+    found = [library.find(part) >= 0 for part in (
+        b" successfully reached monitoredBarrier, but received errors while waiting",
+        b" for send/recv from rank 0. Please check rank 0 logs for faulty rank.")]
+claim("the message is the installed libtorch_cpu.so's own (ProcessGroupGloo::monitoredBarrier)",
+      all(found), library=so.name)
+
+# %% [markdown]
+# With the default group timeout (30 minutes on gloo), rank 1 waits that long: the names come
+# sooner from rank 0's side, or from the course's trace and stack dump.
+#
+# **The tools PyTorch gives you, and where each works** (the ones that run on gloo ran above):
+#
+# | tool | what it does | here (CPU, gloo) |
+# |---|---|---|
+# | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; each other rank waits for rank 0's answer, up to the group's timeout (run above) | gloo only: bugs 1 and 3 above |
+# | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before the group is created) | wraps each process group in a `ProcessGroupWrapper` with a gloo helper group: before **every** collective the ranks pass a monitored barrier and compare the call's fingerprint (op, shapes, dtypes); a missing rank or a mismatch becomes an error naming them. It costs time on every call | works: bugs 1 and 2 above, with its cost measured |
+# | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**: the call returned at once (it only queued the work on the GPU); the watchdog thread notices the timeout and tears the whole process down (`TORCH_NCCL_ASYNC_ERROR_HANDLING`'s default, 3 = SkipCleanUp: tear down without first aborting the NCCL communicators); `wait()` blocks and raises only with `TORCH_NCCL_BLOCKING_WAIT=1` or when given a timeout (`work.wait(timeout)` on an `async_op=True` handle) | gloo: bug 1 above; NCCL: the figure above |
+# | the flight recorder | **on by default**: a ring buffer of each process's last 2000 collectives (op, sequence number, state); `TORCH_FR_BUFFER_SIZE` (or `TORCH_NCCL_TRACE_BUFFER_SIZE`) sets the size, 0 turns it off. On NCCL it is dumped automatically on a timeout or another error: `TORCH_NCCL_DUMP_ON_TIMEOUT` and `TORCH_NCCL_ENABLE_MONITORING` both default to on in `ProcessGroupNCCL.cpp` (the header's comment reads as if they were opt-in), given a buffer above 0; files at `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` (default `/tmp/nccl_trace_rank_`), merged with `torchfrtrace` | records on gloo too (bug 2 above); the automatic dump on timeout is NCCL-only |
+# | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=ALL` for more) | NCCL prints its set-up: interfaces, rings, transports, and its errors — the first thing to read when NCCL hangs at start-up on a cluster | GPU only: nothing to show here |
+# | `py-spy dump --pid PID` | the Python stack of a running process, from outside (it pauses the process while it reads, unless `--nonblocking`; it needs ptrace permission, which containers often withhold): the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (`diagnose`, section 1) |
 #
 # ## 3. Bugs that finish — with the wrong answer
 # These are worse: nothing hangs, nothing crashes, the loss may even look fine. They need a
@@ -346,26 +392,11 @@ print(f"ran {len(pairs)} programs × (broken, fixed), and {len(zoo[0]) - len(pai
 # %% [markdown]
 # The detector for replicas: a **checksum** of every parameter and buffer, sent back by each
 # rank, compared across ranks. Weighted by position, so two tensors with the same sum but
-# values in other places still differ. It is a cheap alarm, not a proof: one number per tensor
-# must map some different tensors to the same number (run below).
+# values in other places still differ. It is a cheap alarm, not a proof (how far it can be
+# trusted is the question of lab 10's stretch).
 
 # %%
 viz.show_code(detectors.state_checksums, detectors.compare_checksums, bugzoo.average_gradients)
-
-# %%
-# Two weight vectors that differ, with the same checksum: +2δ at position 1, −δ at position 2
-# (δ a power of two, so every sum below is exact in floating point).
-a = torch.nn.Linear(4, 1, bias=False)
-b = torch.nn.Linear(4, 1, bias=False)
-with torch.no_grad():
-    a.weight.copy_(torch.tensor([[0.25, 0.5, 0.75, 1.0]]))
-    b.weight.copy_(a.weight)
-    b.weight[0, 0] += 2 * 2.0 ** -9
-    b.weight[0, 1] -= 2.0 ** -9
-claim("the weights differ, yet the checksums are equal: a checksum can miss a difference",
-      not torch.equal(a.weight, b.weight)
-      and detectors.compare_checksums([detectors.state_checksums(a),
-                                       detectors.state_checksums(b)]) == [])
 
 # %% [markdown]
 # ### Bug 4: a checkpoint resumed on one rank only
@@ -449,7 +480,14 @@ viz.show(viz.replica_checksums_figure({
 # `nn.SyncBatchNorm` computes the statistics over the global batch; when it syncs (in
 # training mode, with an initialised process group) it accepts only CUDA, HPU, XPU or a
 # PrivateUse1 device and raises for CPU input. On CPU the fix here averages the running
-# statistics after each step. DDP's `forward_sync_buffers=True` (the default; it replaces
+# statistics after each step: the ranks then agree and the detector goes quiet, but that is not
+# what one process with the global batch would hold (run below): the mean of the ranks' running
+# means is the global mean (equal batches), but the mean of their variances leaves out how far
+# each rank's mean lies from the global one. SyncBatchNorm gathers every rank's mean, inverse
+# std and count, normalizes with the global statistics, and updates the running ones from them
+# (`torch.batch_norm_gather_stats_with_counts` in `SyncBatchNorm.forward`).
+#
+# DDP's `forward_sync_buffers=True` (the default; it replaces
 # `broadcast_buffers`, deprecated since 2.13) copies rank 0's buffers to every rank at the
 # *start* of each forward — then BatchNorm updates them from each rank's own batch, so after the
 # last step, when the checkpoint is written, the ranks differ again (run below).
@@ -464,6 +502,22 @@ claim("broken: only the running statistics differ — every weight agrees",
       bn_broken == ["1.running_mean", "1.running_var"])
 claim("fixed: nothing differs", detectors.compare_checksums([r["batchnorm"][True] for r in zoo])
       == [])
+
+# One BatchNorm step per rank on rank 0's and rank 1's first batches (momentum 1: the running
+# statistics become that batch's), buffers averaged, against one BatchNorm on both batches.
+per_rank = [bugzoo.small_batches(r, 1)[0][0] for r in range(world_size)]
+bns = [torch.nn.BatchNorm1d(4, momentum=1.0) for _ in range(world_size + 1)]
+for bn, x in zip(bns, per_rank + [torch.cat(per_rank)]):
+    bn(x)
+avg_mean = sum(bn.running_mean for bn in bns[:-1]) / world_size
+avg_var = sum(bn.running_var for bn in bns[:-1]) / world_size
+print("averaged running_var:", [round(v, 3) for v in avg_var.tolist()])
+print("global   running_var:", [round(v, 3) for v in bns[-1].running_var.tolist()])
+claim("averaged running means equal the global batch's mean (to float rounding)",
+      torch.allclose(avg_mean, bns[-1].running_mean, atol=1e-6))
+claim("but averaged running variances are not the global batch's variance",
+      not torch.allclose(avg_var, bns[-1].running_var, rtol=1e-3),
+      gap=round((avg_var - bns[-1].running_var).abs().max().item(), 3))
 viz.show_code(bugzoo.batchnorm_ddp)
 
 # %%
@@ -477,7 +531,10 @@ claim("under DDP (forward_sync_buffers=True), after the last step the running st
 # the inf into ±1; printed below), but its gradient is NaN; the all-reduce sums it into every
 # rank's gradient, and from then on every rank's weights are NaN. Looking at any single rank
 # after the fact, you cannot tell where it started. The detector looks at each rank's *local*
-# values — here the gradient norm, before the reduction — and names the first.
+# values — here the gradient norm, before the reduction — and names the first. The fix skips
+# the step on every rank when any rank's gradient is non-finite: `all_ranks_finite` gives every
+# rank one verdict. How the ranks reach one verdict is part of lab 10's stretch, so its code is
+# folded after the lab pointer.
 
 # %%
 viz.show_code(bugzoo.nan_on_one_rank, detectors.first_nonfinite)
@@ -655,9 +712,23 @@ claim("naming rank 1, its all_reduce and the script's line 9",
 # file is never edited): every DistributedSampler and DataLoader read, `torch.save`, barrier,
 # printed or logged loss, metrics writer (TensorBoard, wandb) started, `all_reduce` and its
 # line, the first optimizer step, and whether the group was destroyed. After the run it
-# reads all ranks' records together. Here is a script a learner could have written from a blog
-# post, ported to the CPU — it runs, the loss falls, and it has five of the mistakes this course
-# teaches:
+# reads all ranks' records together (`script_checks.analyze`). `Watch.installed` sets each
+# wrapper in place of the torch function and puts the original back in its `finally`. Below:
+# one wrapper (`set_epoch`'s), and the part of `analyze` that turns the records into the
+# `set_epoch` finding; the other findings read their records the same way.
+
+# %%
+analyze_lines = inspect.getsource(script_checks.analyze).splitlines()
+begin = next(i for i, line in enumerate(analyze_lines) if "set_calls = [" in line)
+end = next(i for i, line in enumerate(analyze_lines) if "lesson 10, bug 8" in line)
+viz.show_code(script_checks.Watch._set_epoch,
+              "# script_checks.analyze, the set_epoch finding (es: one rank's events; by_data:\n"
+              "# its shuffled sampler reads that trained, grouped by data set and seed)\n"
+              + textwrap.dedent("\n".join(analyze_lines[begin:end + 1])))
+
+# %% [markdown]
+# Here is a script a learner could have written from a blog post, ported to the CPU — it runs,
+# the loss falls, and it has five of the mistakes this course teaches:
 
 # %%
 script = Path(tempfile.mkdtemp(prefix="diagnose-")) / "train_blog.py"
@@ -711,6 +782,32 @@ claim("diagnose names five mistakes at their lines: no set_epoch (16), a barrier
 # gradients it is given (as if they were one vector) and, when it is above `max_norm`, scales
 # every one of them by `max_norm / norm` in place; it returns the norm it measured.
 #
+# **▶ The reference answer — open after your lab passes** (click the folded cell below): why a
+# checksum can be fooled, run on two weight vectors.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# Two weight vectors that differ, with the same checksum: +2δ at position 1, −δ at position 2
+# (δ a power of two, so every sum below is exact in floating point).
+a = torch.nn.Linear(4, 1, bias=False)
+b = torch.nn.Linear(4, 1, bias=False)
+with torch.no_grad():
+    a.weight.copy_(torch.tensor([[0.25, 0.5, 0.75, 1.0]]))
+    b.weight.copy_(a.weight)
+    b.weight[0, 0] += 2 * 2.0 ** -9
+    b.weight[0, 1] -= 2.0 ** -9
+claim("the weights differ, yet the checksums are equal: a checksum can miss a difference",
+      not torch.equal(a.weight, b.weight)
+      and detectors.compare_checksums([detectors.state_checksums(a),
+                                       detectors.state_checksums(b)]) == [])
+
+# %% [markdown]
+# **▶ The reference answer — open after your lab passes** (click the folded cell below): bug 7's
+# `all_ranks_finite`, one verdict on every rank.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(bugzoo.all_ranks_finite)
+
+# %% [markdown]
 # ## Summary
 # | bug | symptom | detector | fix |
 # |---|---|---|---|
@@ -719,7 +816,7 @@ claim("diagnose names five mistakes at their lines: no set_epoch (16), a barrier
 # | rank-dependent control flow | hang after some steps | trace: one rank made more calls; `monitored_barrier`: the rank that left | decide together (all-reduce the decision) |
 # | a checkpoint loaded on one rank after DDP's constructor | replicas never agree | weight checksums across ranks | every rank loads it (or load before wrapping) |
 # | loss averaged, not gradients | log looks fine, replicas drift | gradient / weight checksums | average the gradients |
-# | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (GPU/XPU/HPU in training), or average the buffers; DDP's buffer sync alone leaves them apart after the last step |
+# | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (GPU/XPU/HPU in training); averaging the buffers makes the ranks agree, but the averaged variance is not the global batch's; DDP's buffer sync alone leaves them apart after the last step |
 # | NaN on one rank | NaN everywhere | first non-finite *local* value | check finiteness together, skip together |
 # | forgotten `set_epoch` | same order every epoch | repeated epoch orders | `sampler.set_epoch(epoch)` |
 # | unused parameter | DDP fails at step 2 | `unused_parameters` | remove it, or `find_unused_parameters=True` |
@@ -834,9 +931,16 @@ viz.quiz([
 # - `torch/lib/libtorch_cpu.so` — the reducer's unused-parameter error ("Parameter indices
 #   which did not receive grad for rank", and with `TORCH_DISTRIBUTED_DEBUG` INFO or DETAIL
 #   "Parameters which did not receive grad"): read with `strings`, and printed above.
-# - `torch/distributed/distributed_c10d.py` — `monitored_barrier`'s docstring: non-zero ranks
-#   block until rank 0 answers, and if one rank never arrives "all other ranks would fail in
-#   monitored_barrier".
+# - `torch/distributed/distributed_c10d.py` — `monitored_barrier`'s docstring: "for non-zero
+#   ranks, will block until a send/recv is processed from rank 0".
+# - `torch/lib/libtorch_cpu.so` — `ProcessGroupGloo::monitoredBarrier` (its symbol and its
+#   messages, found in the library above; the C++ source is not in the wheel): a non-zero rank
+#   whose send/recv with rank 0 fails raises "… successfully reached monitoredBarrier, but
+#   received errors while waiting for send/recv from rank 0. Please check rank 0 logs for faulty
+#   rank."; run above, it came at the group's timeout, not the barrier's.
+# - `torch/nn/modules/_functions.py` — `SyncBatchNorm.forward`: every rank's mean, inverse std
+#   and count are gathered, and `torch.batch_norm_gather_stats_with_counts` computes the global
+#   mean and inverse std and updates `running_mean` and `running_var` from them.
 # - `torch/serialization.py` — `_open_zipfile_writer_file`: `torch.save` to a path opens a
 #   `PyTorchFileWriter` on that path and writes in place.
 # - `torch/lib/libtorch_cpu.so` — the warning printed under bug 5 (from

@@ -140,3 +140,14 @@ def test_the_corrupted_rank_loss_stays_finite(zoo):
     _, runs = zoo
     assert math.isfinite(runs[1]["nan"][False]["local_loss"][3])
     assert math.isnan(runs[1]["nan"][False]["local_grad_norm"][3])
+
+
+def _finite_verdicts(rank, world_size, bad_rank):
+    return bugzoo.all_ranks_finite(math.nan if rank == bad_rank else 1.0)
+
+
+@pytest.mark.parametrize("bad_rank, expected", [(None, [True] * 3), (0, [False] * 3),
+                                                (2, [False] * 3)])
+def test_all_ranks_finite_gives_one_verdict_on_every_rank(bad_rank, expected):
+    assert launch.spawn(_finite_verdicts, 3, bad_rank, backend="gloo", timeout=30,
+                        show_output=False) == expected

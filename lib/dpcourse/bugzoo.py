@@ -222,6 +222,15 @@ def batchnorm_stats(rank, world_size, fixed=False, steps=6):
     return detectors.state_checksums(model)
 
 
+def all_ranks_finite(value: float) -> bool:
+    """True on every rank when every rank's ``value`` is finite, else False on every rank: the
+    one verdict :func:`nan_on_one_rank`'s fix needs. (Lesson 10 shows it folded, after the lab
+    pointer: lab 10's stretch combines its verdicts the same way.)"""
+    flag = torch.tensor([float(math.isfinite(value))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # one rank's 0 makes every rank's 0
+    return flag.item() == 1.0
+
+
 def nan_on_one_rank(rank, world_size, fixed=False, steps=8, bad_step=3, bad_rank=1):
     """One corrupted sample (an inf) reaches rank ``bad_rank`` at step ``bad_step``; its
     gradient is NaN (its loss need not be: tanh turns inf into 1), and the all-reduce hands the
@@ -242,11 +251,10 @@ def nan_on_one_rank(rank, world_size, fixed=False, steps=8, bad_step=3, bad_rank
         loss.backward()
         # what this rank computed, before any all_reduce: its gradient norm
         local.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item())
-        finite = torch.tensor([float(math.isfinite(local[-1]))])
         if fixed:  # FIX: agree on whether every rank's gradients are finite; if not, all skip
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            step_ok = all_ranks_finite(local[-1])
         average_gradients(model)  # BUG (without FIX): a NaN on one rank spreads to all
-        if not fixed or finite.item() == 1.0:
+        if not fixed or step_ok:
             opt.step()
         with torch.no_grad():  # the loss on a held-out batch
             after.append(nn.functional.mse_loss(model(held_out[0]), held_out[1]).item())
