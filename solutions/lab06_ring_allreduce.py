@@ -159,12 +159,15 @@ claim("every worker holds the sum", all(np.array_equal(b, expected) for b in buf
 #
 # **Your design decision:** the order of each step's two calls. `dist.send` and `dist.recv` both
 # block until the other side is ready, so some orders leave every rank waiting for another that
-# waits too. Decide, from the rank (and N if you need it), which ranks send first in a step and
-# which receive first, so that no step can stall, for every N ≥ 2. Think it through for N = 3
-# (ranks 0 and 2 are neighbours) and N = 4 before you run anything.
+# waits too, and others finish but make a step's transfers wait for one another around the
+# ring. Decide, from the rank (and N if you need it), which ranks send first in a step and
+# which receive first, so that no step can stall and a step takes about the same time whatever
+# N (its transfers go out together, not one after another), for every N ≥ 2. Think it through
+# for N = 3 (ranks 0 and 2 are neighbours) and N = 4 before you run anything.
 #
 # The check runs your ring on 3, 2 and then 4 ranks, watches what it sends and which calls it
-# makes, and names a deadlock if one happens.
+# makes, names a deadlock if one happens, and on 4 ranks says whether a step's transfers had to
+# wait for one another.
 #
 # First, a prediction. Once your ring works, the cell after the check will run it on N = 4 ranks
 # with a float32 tensor of K = 10 elements (40 bytes; 10 is not divisible by 4, so the chunks
@@ -195,7 +198,7 @@ guess = predict("lab06", "most bytes one rank sends for N = 4, K = 10 float32", 
 # the rank as i. What it receives in the scatter-reduce must be added, so it needs a place to
 # land first; what it receives in the all-gather may land where it belongs. A rank stuck in
 # `send` waits for its right neighbour, one stuck in `recv` for its left: when can such waits
-# close a circle?
+# close a circle, and when do they line up in a long chain?
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**

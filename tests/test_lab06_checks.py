@@ -182,7 +182,7 @@ def swap(send, right, recv, left):
 
 
 def learner_ring(tensor, op="sum", off_by_one=False, gather=True, average=True, blocking=False,
-                 receive_first=False, nonblocking=False, wait_twice=False):
+                 receive_first=False, nonblocking=False, wait_twice=False, lone=None):
     """A learner's ring, with the lab's plausible mistakes as switches."""
     import torch
     import torch.distributed as dist
@@ -199,6 +199,13 @@ def learner_ring(tensor, op="sum", off_by_one=False, gather=True, average=True, 
         elif receive_first:  # the other deadlock: everybody receives first
             dist.recv(recv, left)
             dist.send(send, right)
+        elif lone is not None:  # no deadlock, but serial: one rank does the other order
+            if (rank == 0) == (lone == "recv"):
+                dist.recv(recv, left)
+                dist.send(send, right)
+            else:
+                dist.send(send, right)
+                dist.recv(recv, left)
         elif nonblocking or wait_twice:  # right, but isend/irecv: not part 3's contract
             reqs = [dist.isend(send, right), dist.irecv(recv, left)]
             for q in reqs:
@@ -406,6 +413,36 @@ def test_blocking_sends_deadlock_and_the_check_says_so():
                 "after another" in msg) == (attempt == 2), msg
 
 
+def ring_one_receiver(tensor, op="sum"):
+    return learner_ring(tensor, op, lone="recv")
+
+
+def ring_one_sender(tensor, op="sum"):
+    return learner_ring(tensor, op, lone="send")
+
+
+@pytest.mark.parametrize("fn, verb, lone", [(ring_one_receiver, "dist.send", "rank 0"),
+                                            (ring_one_sender, "dist.recv", "rank 0")])
+def test_a_single_rank_breaking_the_cycle_is_refused_as_serial(fn, verb, lone):
+    """No deadlock, right sums, but each step's transfers wait for one another around the ring
+    (gloo sends only to a posted receive): refused on 4 ranks with its own sentence; N = 3 and
+    2 cannot tell it from the alternating order, and pass."""
+    lab06.check_ring_allreduce(fn, world_sizes=(3, 2), timeout=60)
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab06.check_ring_allreduce(fn, world_size=4, timeout=60)
+        msg = str(err.value)
+        assert "finished without a deadlock, but not in parallel: in step 1 on 4 ranks, ranks " \
+               "1, 2, 3 all called " + verb + " first and only " + lone + " the other way" in msg, msg
+        assert "4 transfers ran one after another around the ring" in msg, msg
+        assert ("no long run of neighbouring ranks makes the same first call" in msg) == \
+            (attempt == 2), msg
+
+
+def test_the_alternating_order_is_not_called_serial():
+    lab06.check_ring_allreduce(ring_parity_blocking, world_size=4, timeout=60)
+
+
 def test_receive_first_everywhere_deadlocks_and_the_check_says_so():
     """Every rank stuck in dist.recv: the fix (second meeting) says that a rank that SENDS
     first breaks the cycle, never that one receiving first does (that is the other deadlock's
@@ -496,7 +533,8 @@ def ring_hard_coded_three(tensor, op="sum"):
 
 def ring_with_chunk_bounds(tensor, op="sum"):
     """Right: chunk boundaries from dpcourse.ring, a new-tensor average copied back, and
-    another order: rank 0 receives first, every other rank sends first."""
+    another order: even ranks receive first, odd ranks send first (rank 0 alone receiving
+    first is no longer right: each step's transfers would run one after another)."""
     import torch
     import torch.distributed as dist
 
@@ -509,7 +547,7 @@ def ring_with_chunk_bounds(tensor, op="sum"):
         return flat[lo:hi]
 
     def exchange(send, recv):
-        if rank == 0:
+        if rank % 2 == 0:
             dist.recv(recv, (rank - 1) % n)
             dist.send(send, (rank + 1) % n)
         else:

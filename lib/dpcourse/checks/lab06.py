@@ -516,8 +516,11 @@ def check_ring_allreduce(fn, world_size=None, timeout: float | None = None,
     sizes = (world_size,) if world_size else tuple(world_sizes)
     for n in sizes:
         _check_ring_once(fn, n, timeout)
+    in_parallel = (" (on 4 ranks with no step's transfers waiting in a chain around the ring),"
+                   if max(sizes) >= 4 else ",")
     passed(f"ring_allreduce, built from blocking dist.send/dist.recv only, finished without "
-           f"deadlock and equals the sum (and the average) on {', '.join(map(str, sizes))} "
+           f"deadlock{in_parallel} and equals the sum (and the average) on "
+           f"{', '.join(map(str, sizes))} "
            f"ranks for lengths 12, 10, 20, 2 and 11; for every length of at least N, each rank "
            f"sent exactly 2(N-1) messages and at most 2(N-1) chunks' worth of elements (with "
            f"length 2 < N only the results were compared: empty chunks may be skipped)")
@@ -667,6 +670,59 @@ def _size_mismatch(marker_dir: str, world_size: int) -> str | None:
     return None
 
 
+def _longest_same_run(first: list) -> tuple[int, int]:
+    """The longest run of neighbouring ranks (around the ring) whose first call is the same:
+    (its length, the rank it starts at)."""
+    n = len(first)
+    if len(set(first)) == 1:
+        return n, 0
+    best = (0, 0)
+    for start in range(n):
+        if first[start] == first[start - 1]:
+            continue  # not the start of a run
+        length = 1
+        while length < n and first[(start + length) % n] == first[start]:
+            length += 1
+        best = max(best, (length, start))
+    return best
+
+
+def _refuse_serialised_steps(cases, traffic, n: int) -> None:
+    """Part 3's contract: no step's transfers wait for one another around the ring. With gloo a
+    send goes out only once its receiver has posted the receive (gloo/transport/tcp/pair.cc,
+    ``Pair::send``), so a run of r neighbouring ranks that all send first (or all receive first)
+    makes a chain of about r + 1 transfers, one after another. With N = 4 a run of N - 1 = 3 is
+    a single rank doing the other order: each step then costs N transfer times, not two. (At
+    N <= 3 every right order has a run of N - 1, so only N >= 4 is judged.)"""
+    __tracebackhide__ = True
+    if n < 4:
+        return
+    for (shape, _, _), case in zip(cases, traffic):
+        if int(np.prod(shape)) < n:
+            continue
+        calls = [[op for kind, op, _, _ in t["events"] if kind == "post"] for t in case]
+        for step in range(2 * (n - 1)):
+            first = [c[2 * step] if len(c) > 2 * step else None for c in calls]
+            if None in first:
+                return
+            run, start = _longest_same_run(first)
+            if run >= n - 1:
+                ranks = [(start + j) % n for j in range(run)]
+                other = [r for r in range(n) if r not in ranks]
+                verb = "dist.send" if first[start] == "send" else "dist.recv"
+                fail(f"your ring finished without a deadlock, but not in parallel: in step "
+                     f"{step + 1} on {n} ranks, ranks {', '.join(map(str, ranks))} all called "
+                     f"{verb} first and only rank {other[0]} the other way round. A gloo send "
+                     f"goes out only once its receiver is in dist.recv, so that step's {n} "
+                     f"transfers ran one after another around the ring: about {n} transfer "
+                     f"times per step instead of two, and the ring's time grows with N like "
+                     f"the naive all-reduce's.",
+                     fix="choose the order so that no long run of neighbouring ranks makes the "
+                         "same first call: then each step's sends find their receivers waiting "
+                         "at once, whatever N.")
+        return  # one case of length >= N shows the order of every step
+
+
 def _check_ring_once(fn, world_size: int, timeout: float) -> None:
     __tracebackhide__ = True
     cases = _REAL_CASES
@@ -704,6 +760,7 @@ def _check_ring_once(fn, world_size: int, timeout: float) -> None:
                          f"ranks, more than 2(N-1) chunks of about K/N = {k / n:.1f} elements: "
                          f"some message carried more than one chunk.",
                          fix="send one chunk per message, not the whole tensor.")
+        _refuse_serialised_steps(cases, traffic, n)
         return
     # Which mistake? In the order a learner most likely makes them.
     for i, ((shape, _, op), res) in enumerate(zip(cases, results)):
