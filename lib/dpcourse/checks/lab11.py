@@ -532,9 +532,9 @@ def check_sequence_parallel(sp_collectives) -> None:
                  "it: the collective is what turns the one into the other.")
     after = (f" (reached after {len(tried)} wrong set{'s' if len(tried) > 1 else ''})"
              if tried else "")
-    passed(f"sequence parallelism: each of f and g gathers the tokens on the way into a matmul "
-           f"that needs them all and reduce-scatters a sum that each rank needs only for its "
-           f"own tokens{after} — the two halves of the all-reduce your f and g make, so the same "
+    passed(f"sequence parallelism: each of f and g all-gathers the tokens on the way into a "
+           f"matmul that needs them all (f in the forward, g in the backward) and "
+           f"reduce-scatters a sum that each rank needs only for its own tokens{after} — the two halves of the all-reduce your f and g make, so the same "
            f"bytes (lesson 11's folded run counts them).")
 
 
