@@ -36,10 +36,10 @@ torch.set_num_threads(1)
 #
 # `average_gradients(model)` is called **on every rank**, right after that rank's
 # `loss.backward()` on its own data, with the process group already started. The ranks need
-# not have used the same parameters: the check's model sends each rank's batch through one of
-# two heads of the same shape, `head_a` on even ranks and `head_b` on odd ones (as a
-# mixture-of-experts layer sends each token to one expert), so after the backward `head_b.grad`
-# is `None` on rank 0 and `head_a.grad` is `None` on rank 1. Contract:
+# not have used the same parameters: the check's model, `lab03.part1_model()`, sends a rank's
+# batch through some of its parameters and not others, depending on the rank (as a
+# mixture-of-experts layer sends each token to one expert) — which ones is for you to find out,
+# from `help(lab03.part1_model)` or from the check. Contract:
 #
 # - afterwards, on every rank, every parameter that **requires a gradient** and got one on at
 #   least one rank holds in `p.grad` the gradient of the **mean of the ranks' losses** (each
@@ -50,8 +50,8 @@ torch.set_num_threads(1)
 #   `None` or hold zeros;
 # - it works for any number of ranks, and returns `None`.
 #
-# **Your design decision:** what your function does where `p.grad` is `None` on this rank.
-# (Lesson 03's ranks all used every parameter; these do not.)
+# **Your design decision:** lesson 03's ranks all used every parameter; these do not. What
+# your function does about it is yours to decide — and to defend against the contract.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -120,7 +120,7 @@ for name, p in lab03.part1_model().named_parameters():
 # went through, `never`, `frozen`? And how many calls does rank 1 make?
 
 # %%
-### BEGIN SOLUTION: your prediction (a whole number)
+### BEGIN SOLUTION: my_guess = your prediction (a whole number)
 my_guess = 13
 ### END SOLUTION
 guess = predict("lab03", "all_reduce calls in one average_gradients", my_guess, unit="calls")
@@ -201,17 +201,20 @@ lab03.check_data_parallel_step(data_parallel_step)
 # `average_gradients_weighted(model, n_local)`. Contract:
 #
 # - `n_local` is this rank's number of samples; no rank is told the other ranks' counts;
-# - the model is `SmallCNN(width=4)`, and the backward gave every one of its parameters a
-#   gradient (the check runs no other case);
-# - afterwards, on every rank, each `p.grad` holds the gradient of the **mean loss over every
-#   sample of every rank, each sample counted once** — what one process would compute on the
-#   concatenated batch;
+# - the check runs it on `SmallCNN(width=4)`, and then on part 1's model, whose ranks did not
+#   all use the same parameters;
+# - afterwards, on every rank, every parameter that requires a gradient and got one on at
+#   least one rank holds in `p.grad` the gradient of the **mean loss over every sample of every
+#   rank, each sample counted once** — what one process would compute on the concatenated
+#   batch; the rest is as in part 1 (a frozen parameter keeps `None`; one that no rank used may
+#   keep `None` or hold zeros);
 # - it works for any number of ranks and any positive counts, and returns `None`;
 # - any tensor you hand to a collective lives on the gradients' device (the check runs on the
 #   CPU with gloo, which accepts CPU tensors; NCCL on GPUs accepts only CUDA tensors).
 #
 # **Your design decision:** the lesson only averaged equal shards. Decide what each rank must
-# contribute to the collectives so that every rank can form that global mean.
+# contribute to the collectives so that every rank can form that global mean — for a
+# parameter its samples went through, and for one they did not.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -219,7 +222,8 @@ lab03.check_data_parallel_step(data_parallel_step)
 # %% [markdown] jupyter={"source_hidden": true}
 # With 3 samples on rank 0 and 5 on rank 1, how much does one of rank 0's samples weigh in the
 # global mean loss, and how much does it weigh in rank 0's own mean? What would rank 0 need to
-# know to turn one into the other?
+# know to turn one into the other? And for a head rank 0's samples never went through: do
+# those 3 samples belong to the mean the contract names?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea** (click the folded cell below)
@@ -235,8 +239,9 @@ lab03.check_data_parallel_step(data_parallel_step)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # First, every rank learns the total count (a collective on a one-element tensor). Then for each
-# parameter with a gradient: scale this rank's gradient by its own count, sum it across the
-# ranks, and divide by the total — with the result left in the gradient.
+# parameter that requires a gradient, with part 1's decision for a missing one: scale this
+# rank's gradient by its own count, sum it across the ranks, and divide by the total — with the
+# result left in the gradient.
 
 # %%
 def average_gradients_weighted(model, n_local):
@@ -245,7 +250,9 @@ def average_gradients_weighted(model, n_local):
     total = torch.tensor([float(n_local)], device=next(model.parameters()).device)
     dist.all_reduce(total)
     for p in model.parameters():
-        if p.grad is not None:
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
             p.grad *= n_local
             dist.all_reduce(p.grad)
             p.grad /= total
@@ -272,7 +279,7 @@ lab03.check_average_gradients_weighted(average_gradients_weighted)
 # `"fewer"` bytes, `"the same"`, or `"more"`?
 
 # %%
-### BEGIN SOLUTION: your prediction: "fewer", "the same" or "more"
+### BEGIN SOLUTION: my_bytes_guess = your prediction: "fewer", "the same" or "more"
 my_bytes_guess = "the same"
 ### END SOLUTION
 bytes_guess = predict("lab03", "bytes all-reduced by the flat version, against part 1's",

@@ -554,6 +554,7 @@ def test_a_flat_buffer_that_skips_none_gradients_pairs_part_1s_heads():
 def weighted_reference(model, n_local):
     n = torch.tensor([float(n_local)], device=next(model.parameters()).device)
     dist.all_reduce(n)
+    _zeros_where_unused(model)
     for p in model.parameters():
         if p.grad is not None:
             p.grad.mul_(n_local)
@@ -563,9 +564,10 @@ def weighted_reference(model, n_local):
 
 def weighted_via_weights(model, n_local):
     # Equivalent: each rank's weight n_local / N, then one plain sum.
-    total = torch.tensor(float(n_local)).to(next(model.parameters()).grad)
+    total = torch.tensor(float(n_local)).to(next(model.parameters()))
     dist.all_reduce(total)
-    for p in model.parameters():
+    _zeros_where_unused(model)
+    for p in (p for p in model.parameters() if p.requires_grad):
         p.grad *= n_local / total.item()
         dist.all_reduce(p.grad)
 
@@ -655,10 +657,11 @@ def weighted_count_without_device_then_float(model, n_local):
 
 def weighted_count_moved_to_the_gradients(model, n_local):
     # made without device=, then moved where the gradients are: right
-    dev = next(model.parameters()).grad.device
+    dev = next(model.parameters()).device   # part 1's head_a has no grad on odd ranks
     n = torch.tensor([float(n_local)]).to(dev)
     dist.all_reduce(n)
-    for p in model.parameters():
+    _zeros_where_unused(model)
+    for p in (p for p in model.parameters() if p.grad is not None):
         p.grad.mul_(n_local)
         dist.all_reduce(p.grad)
         p.grad.div_(n)
@@ -712,18 +715,20 @@ def test_bytes_prediction_of_the_flat_stretch(capsys):
 
 def weighted_counts_gathered(model, n_local):
     # every rank learns every count (all_gather), then weights its gradient by its share
-    grad = next(model.parameters()).grad
+    grad = next(model.parameters())   # a parameter: its gradient may be None (part 1's heads)
     counts = [torch.zeros_like(grad.reshape(-1)[:1]) for _ in range(dist.get_world_size())]
     dist.all_gather(counts, grad.new_tensor([float(n_local)]))
     share = n_local / float(sum(c.item() for c in counts))
-    for p in model.parameters():
+    _zeros_where_unused(model)
+    for p in (p for p in model.parameters() if p.requires_grad):
         p.grad.mul_(share)
         dist.all_reduce(p.grad)
 
 
 def weighted_one_collective(model, n_local):
     # the count travels in the same buffer as the scaled gradients: one all_reduce in all
-    grads = [p.grad for p in model.parameters()]
+    _zeros_where_unused(model)
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
     flat = torch.cat([g.reshape(-1) * n_local for g in grads]
                      + [torch.full((1,), float(n_local), device=grads[0].device)])
     dist.all_reduce(flat)
@@ -929,3 +934,111 @@ def test_a_sum_without_division_says_what_to_change_on_the_second_meeting():
         message = str(err.value)
         assert "nothing divided the result" in message
         assert ("divide by the world size" in message) == (attempt == 1), message
+
+
+# --- part 4 on part 1's two-head model: unequal shards and a head some ranks did not use -------
+
+def weighted_skip_none(model, n_local):
+    # right on SmallCNN, where every rank has every gradient; pairs the heads on part 1's model
+    n = torch.tensor([float(n_local)], device=next(model.parameters()).device)
+    dist.all_reduce(n)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad *= n_local
+            dist.all_reduce(p.grad)
+            p.grad /= n
+
+
+def weighted_no_none_guard(model, n_local):
+    n = torch.tensor([float(n_local)], device=next(model.parameters()).device)
+    dist.all_reduce(n)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad *= n_local
+            dist.all_reduce(p.grad)
+            p.grad /= n
+
+
+def weighted_over_the_users_samples(model, n_local):
+    # zeros for a missing gradient, but that rank's samples left out of the divisor: the mean
+    # over the samples that went through the head, not over the global batch
+    for p in model.parameters():
+        if p.requires_grad:
+            count = torch.tensor([0.0 if p.grad is None else float(n_local)], device=p.device)
+            dist.all_reduce(count)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad *= n_local
+            dist.all_reduce(p.grad)
+            p.grad /= max(count.item(), 1.0)
+
+
+def weighted_zeros_for_the_frozen_too(model, n_local):
+    n = torch.tensor([float(n_local)], device=next(model.parameters()).device)
+    dist.all_reduce(n)
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad *= n_local
+        dist.all_reduce(p.grad)
+        p.grad /= n
+
+
+def weighted_zeros_without_device(model, n_local):
+    # the zeros for a missing gradient follow the default device: NCCL would refuse them
+    n = torch.tensor([float(n_local)], device=next(model.parameters()).device)
+    dist.all_reduce(n)
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros(p.shape)
+            p.grad *= n_local
+            dist.all_reduce(p.grad)
+            p.grad /= n
+
+
+def test_a_weighted_loop_that_skips_none_gradients_pairs_part_1s_heads():
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients_weighted(weighted_skip_none, world_sizes=(2,))
+    first = str(err.value)
+    assert "on part 1's model with shards of 3, 5 samples" in first, first
+    assert "each times its rank's n_local, added together and divided by 8" in first, first
+    assert "paired different parameters" in first, first
+    assert "contribute zeros" not in first, first      # the fix waits for the second meeting
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients_weighted(weighted_skip_none, world_sizes=(2,))
+    second = str(err.value)
+    assert "this rank's samples contribute zeros to the weighted sum" in second, second
+    assert "total count of all the samples" in second, second
+
+
+def test_a_weighted_loop_that_skips_none_is_named_on_three_ranks_too():
+    with pytest.raises(LabCheckError, match=r"shards of 3, 5, 8 samples.*divided by 16"):
+        lab03.check_average_gradients_weighted(weighted_skip_none, world_sizes=(3,))
+
+
+@pytest.mark.parametrize("fn, world_sizes, phrase", [
+    (weighted_no_none_guard, (2,), "average_gradients_weighted failed on a parameter whose "
+                                   "p.grad is None"),
+    (weighted_over_the_users_samples, (2,), r"head_a's weighted sum was divided by the 3 = 3 "
+                                            r"samples of the rank\(s\) whose batch went "
+                                            r"through head_a, not by all 8"),
+    (weighted_over_the_users_samples, (3,), r"head_a's weighted sum was divided by the 3 \+ 8 "
+                                            r"= 11 samples"),
+    (weighted_zeros_for_the_frozen_too, (2,), r"rank 0's frozen parameter \(requires_grad="
+                                              r"False\) ends with a p\.grad"),
+    (weighted_zeros_without_device, (2,), r"tensor of shape \(10,\) handed to "
+                                          r"dist\.all_reduce was made by a factory function"),
+])
+def test_weighted_mistakes_on_part_1s_model_are_named(fn, world_sizes, phrase):
+    with pytest.raises(LabCheckError, match=phrase) as err:
+        lab03.check_average_gradients_weighted(fn, world_sizes=world_sizes)
+    assert "Run the check again after your change" in str(err.value)
+
+
+def test_the_users_samples_divisor_gets_its_fix_on_the_second_meeting():
+    for _ in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab03.check_average_gradients_weighted(weighted_over_the_users_samples,
+                                                   world_sizes=(2,))
+    assert "by the total count of all the ranks' samples (8 here)" in str(err.value)

@@ -31,6 +31,10 @@ reference. A wrong answer is matched against simulations of the plausible mistak
 * the stretch's flat buffer leaving out a ``None`` gradient: right while every rank used every
   parameter, wrong on part 1's two-head model, where even and odd ranks leave out different
   heads and the same offset of their buffers holds different parameters (the check runs it);
+* part 4 on part 1's two-head model (unequal shards and a head unused on some ranks): a
+  weighted loop that skips a ``None`` gradient pairs the heads, as in part 1; dividing a head's
+  weighted sum by the samples of the ranks that used it gives the mean over those samples, not
+  the global batch's mean loss the contract asks for;
 * part 4's count tensor made without ``device=`` (``torch.tensor([n_local])``): it follows the
   default device, the CPU, wherever the gradients are, which gloo accepts and NCCL refuses. A
   ``TorchFunctionMode`` notes the tensors a factory function made without a device (and what
@@ -83,15 +87,20 @@ def part1_model(device=None) -> torch.nn.Module:
     return model
 
 
-def _part1_model_after_backward(rank: int, dev) -> torch.nn.Module:
-    """Part 1's model after rank ``rank``'s backward: a head's p.grad is None on the ranks that
-    did not use it, ``never``'s and ``frozen``'s on every rank."""
+def _part1_model_after_backward(rank: int, dev, n: int = 4, seed: int = 3000,
+                                routed: bool = True) -> torch.nn.Module:
+    """Part 1's model after rank ``rank``'s backward on the mean loss over its ``n`` samples: a
+    head's p.grad is None on the ranks that did not use it, ``never``'s and ``frozen``'s on
+    every rank. ``routed=False``: every rank used both heads (only ``never`` and ``frozen``
+    lack a gradient, on every rank alike: a function that fails on a None fails at the same
+    place on every rank, and no rank is left waiting in a collective)."""
     model = part1_model(dev)
-    g = torch.Generator().manual_seed(3000 + rank)
-    X = torch.randn(4, 3, 32, 32, generator=g).to(dev)
-    y = torch.randint(0, 10, (4,), generator=g).to(dev)
-    head = getattr(model, ROUTED_HEADS[rank % 2])
-    F.cross_entropy(model(X) + head + model.frozen, y).backward()
+    g = torch.Generator().manual_seed(seed + rank)
+    X = torch.randn(n, 3, 32, 32, generator=g).to(dev)
+    y = torch.randint(0, 10, (n,), generator=g).to(dev)
+    heads = [getattr(model, ROUTED_HEADS[rank % 2])] if routed else \
+        [getattr(model, h) for h in ROUTED_HEADS]
+    F.cross_entropy(model(X) + sum(heads) + model.frozen, y).backward()
     return model
 
 
@@ -606,23 +615,44 @@ def _weighted_worker(rank: int, world_size: int, fn, sizes: tuple) -> dict:
 
     placement = _placement_mode()
     grad_device = str(next(model.parameters()).grad.device)
+    seen = []   # the first tensor handed to a collective that follows the default device
 
-    def spy(call):
+    def spy(call):  # notes, never raises: a rank that stopped here would leave others waiting
         for v in (call.args or {}).values():
             for t in (v if isinstance(v, (list, tuple)) else [v]):
-                if isinstance(t, torch.Tensor) and placement.is_unplaced(t):
-                    raise _Unplaced(f"{call.op}|{tuple(t.shape)}|{t.device}")
+                if isinstance(t, torch.Tensor) and placement.is_unplaced(t) and not seen:
+                    seen.append({"op": call.op, "shape": str(tuple(t.shape)),
+                                 "device": str(t.device), "grad_device": grad_device})
 
-    try:
+    def run(m):
         with record_collectives(before=spy), placement:
-            fn(model, n_local)
-    except _Unplaced as e:
-        op, shape, device = str(e).split("|")
-        return {"unplaced": {"op": op, "shape": shape, "device": device,
-                             "grad_device": grad_device}, "n_local": n_local}
-    after = [None if p.grad is None else p.grad.detach().cpu().clone()
-             for p in model.parameters()]
-    return {"local": local, "after": after, "n_local": n_local}
+            fn(m, n_local)
+        placement.unplaced.clear()
+
+    def grads(m, named=False):
+        out = [(n, None if p.grad is None else p.grad.detach().cpu().clone())
+               for n, p in m.named_parameters()]
+        return dict(out) if named else [g for _, g in out]
+
+    run(model)
+    out = {"local": local, "after": grads(model), "n_local": n_local, "none_error": None}
+    if seen:
+        return dict(out, unplaced=seen[0])
+    # Part 1's model, on this rank's n_local samples: first with both heads used on every rank
+    # (a function that fails on a None gradient fails on every rank alike), then routed.
+    try:
+        run(_part1_model_after_backward(rank, dev, n_local, seed=4000, routed=False))
+    except (AttributeError, TypeError, RuntimeError, ValueError) as e:
+        if "None" not in str(e):
+            raise
+        return dict(out, none_error=f"{type(e).__name__}: {e}")
+    model = _part1_model_after_backward(rank, dev, n_local, seed=4000)
+    out["routed_local"] = grads(model, named=True)
+    run(model)
+    out["routed_after"] = grads(model, named=True)
+    if seen:
+        out["unplaced"] = seen[0]
+    return out
 
 
 @recorded
@@ -632,7 +662,9 @@ def check_average_gradients_weighted(average_gradients_weighted, world_sizes=WOR
     """Ranks hold shards of different sizes (3, 5 and 8 samples); after each rank's backward
     on the mean loss over its own shard, ``average_gradients_weighted(model, n_local)`` must
     leave in every ``p.grad`` the gradient of the mean loss over all the ranks' samples
-    together: sum over r of n_r * g_r, divided by the sum of the n_r."""
+    together: sum over r of n_r * g_r, divided by the sum of the n_r. Run on SmallCNN, then on
+    part 1's two-head model (a rank without a head's gradient contributes zeros, the divisor
+    stays every sample's count; the frozen parameter keeps None)."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     if not callable(average_gradients_weighted):
@@ -643,10 +675,19 @@ def check_average_gradients_weighted(average_gradients_weighted, world_sizes=WOR
         _diagnose_weighted(results, world_size)
     passed(f"average_gradients_weighted: every p.grad is the gradient of the mean loss over all "
            f"the ranks' samples, shards of {', '.join(map(str, sizes[:max(world_sizes)]))} "
-           f"(on {' and '.join(map(str, world_sizes))} ranks)")
+           f"(on {' and '.join(map(str, world_sizes))} ranks); on part 1's model each head's "
+           f"gradient too, a rank that did not use it counting its samples with zeros, the "
+           f"frozen parameter no gradient")
 
 
 def _diagnose_weighted(results: list, world_size: int) -> None:
+    __tracebackhide__ = True
+    _diagnose_weighted_smallcnn(results, world_size)
+    _none_guard(results, "average_gradients_weighted")
+    _diagnose_weighted_routed(results, world_size)
+
+
+def _diagnose_weighted_smallcnn(results: list, world_size: int) -> None:
     __tracebackhide__ = True
     for rank, r in enumerate(results):
         if r.get("unplaced"):
@@ -728,6 +769,88 @@ def _diagnose_weighted(results: list, world_size: int) -> None:
              f"its own n_local samples; the global mean counts every sample once.",
              fix="weight each rank's gradient by its count, sum over the ranks, divide by the "
                  "total count.")
+
+
+def _diagnose_weighted_routed(results: list, world_size: int) -> None:
+    """Part 1's model on unequal shards: rank r (n_r samples) used only ROUTED_HEADS[r % 2].
+    The contract: each head's p.grad is the gradient of the global batch's mean loss, the sum
+    over the ranks of n_r times that rank's gradient (zeros where it has none) divided by the
+    total count of all the samples — a sample that did not go through a head still counts."""
+    __tracebackhide__ = True
+    name = "average_gradients_weighted"
+    ns = [r["n_local"] for r in results]
+    total_n = sum(ns)
+    used = [ROUTED_HEADS[rank % 2] for rank in range(world_size)]
+    zero = torch.zeros_like(results[0]["routed_local"][used[0]])
+
+    def weighted(h, r):
+        g = r["routed_local"][h]
+        return zero if g is None else r["n_local"] * g
+
+    want = {h: sum(weighted(h, r) for r in results) / total_n for h in ROUTED_HEADS}
+    users = {h: [rank for rank in range(world_size) if used[rank] == h] for h in ROUTED_HEADS}
+    # a loop that skips a None gradient: each rank's call on the head it used meets the other
+    # ranks' calls on the heads THEY used
+    paired = sum(weighted(used[rank], r) for rank, r in enumerate(results)) / total_n
+
+    def close(a, b):
+        return a is not None and torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+    for rank, r in enumerate(results):
+        frozen = r["routed_after"].get("frozen")
+        if frozen is not None:
+            fail(f"on part 1's model, rank {rank}'s frozen parameter (requires_grad=False) ends "
+                 f"with a p.grad of {frozen.numel()} values after {name}, where the backward "
+                 f"gave it none on any rank: an optimizer steps every parameter whose p.grad "
+                 f"is not None (weight decay or momentum alone would then move a frozen "
+                 f"weight).",
+                 fix="give zeros only to a parameter that requires a gradient and got none on "
+                     "this rank; leave p.grad None where p.requires_grad is False.")
+    for rank, r in enumerate(results):
+        mine = used[rank]
+        for h in ROUTED_HEADS:
+            got = r["routed_after"][h]
+            if close(got, want[h]):
+                continue
+            if close(r["routed_after"][mine], paired) and not close(paired, want[mine]):
+                fail(f"on part 1's model with shards of {', '.join(map(str, ns))} samples, "
+                     f"rank {rank}'s {mine}.grad ends holding the even ranks' head_a gradients "
+                     f"and the odd ranks' head_b gradients, each times its rank's n_local, "
+                     f"added together and divided by {total_n} (the values match that mix): "
+                     f"each rank skipped the head whose p.grad was None — head_b on even "
+                     f"ranks, head_a on odd ones — so the ranks' all_reduce calls, matched by "
+                     f"their order and not by parameter, paired different parameters (the "
+                     f"same shape, so nothing complained).",
+                     fix="make every rank call the collective on the same parameters in the "
+                         "same order: for a parameter that requires a gradient but got none "
+                         "on this rank, this rank's samples contribute zeros to the weighted "
+                         "sum, which is still divided by the total count of all the samples "
+                         "(and its p.grad must then hold the result too).")
+            if got is None:
+                fail(f"on part 1's model, rank {rank}'s {h}.grad is still None after {name}, "
+                     f"though rank(s) {', '.join(map(str, users[h]))} computed a gradient for "
+                     f"it: the global batch's mean loss depends on {h}, so every rank must end "
+                     f"holding the same gradient for it, this rank's samples contributing "
+                     f"zero.",
+                     fix="when this rank has no gradient for a parameter that requires one, "
+                         "reduce zeros for it and store the result in p.grad.")
+            n_users = sum(ns[u] for u in users[h])
+            if n_users != total_n and close(got, want[h] * total_n / n_users):
+                fail(f"on part 1's model, {h}'s weighted sum was divided by the "
+                     f"{' + '.join(str(ns[u]) for u in users[h])} = {n_users} samples of the "
+                     f"rank(s) whose batch went through {h}, not by all {total_n}: that is the "
+                     f"mean loss over the samples that used {h}, but the contract asks for the "
+                     f"gradient of the mean loss over every sample of the global batch, and a "
+                     f"sample that did not go through {h} still counts in that mean (its "
+                     f"derivative for {h} is zero, its 1/{total_n} share is not).",
+                     fix=f"divide every parameter's weighted sum by the total count of all the "
+                         f"ranks' samples ({total_n} here), whether or not a rank used it.")
+            fail(f"on part 1's model with shards of {', '.join(map(str, ns))} samples, rank "
+                 f"{rank}'s {h}.grad is not the gradient of the global batch's mean loss, "
+                 f"though SmallCNN's gradients were right.",
+                 fix="treat a missing gradient on a rank as zeros, weight it by that rank's "
+                     "count like any other, sum over the ranks, divide by the total count, and "
+                     "leave the result in p.grad on every rank.")
 
 
 # --------------------------------------------------------------------------------------------
