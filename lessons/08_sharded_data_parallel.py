@@ -481,8 +481,8 @@ viz.show(viz.zero_tradeoff_figure(
 # ## 6. FSDP2 for real
 # PyTorch's FSDP2 is ZeRO-3 with everything we skipped: prefetching, overlap, mixed-precision
 # policies, checkpoints. `fully_shard(module)` turns a module's parameters into **DTensors**.
-# A *device mesh* (`DeviceMesh`, made by `init_device_mesh`: `experiments._mesh` below) is the
-# ranks laid out as an array, here one dimension of N ranks. A DTensor is one logical tensor
+# A *device mesh* (`DeviceMesh`, made by `init_device_mesh`: `experiments.ranks_mesh` below)
+# is the ranks laid out as an array, here one dimension of N ranks. A DTensor is one logical tensor
 # spread over a mesh: each rank holds a local tensor (`to_local()`), and the DTensor's
 # *placements*, one per mesh dimension, say how the pieces make the whole — `Shard(dim=0)`: cut
 # along dimension 0, rank r holding chunk r; `Replicate()`: a full copy on every rank.
@@ -493,7 +493,7 @@ viz.show(viz.zero_tradeoff_figure(
 # back, into a plain model and into a fresh sharded one.
 
 # %%
-viz.show_code(experiments.fsdp2_worker, experiments.fsdp2_shard, experiments._mesh,
+viz.show_code(experiments.fsdp2_worker, experiments.fsdp2_shard, experiments.ranks_mesh,
               experiments.fsdp2_policy, zero.fsdp2_padded_numel)
 
 # %%

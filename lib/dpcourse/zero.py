@@ -112,7 +112,10 @@ def bytes_per_param(stage: str, world_size: int, param_bytes: float = 2,
 
 def shard_numel(numel: int, world_size: int) -> int:
     """Elements per rank when ``numel`` is cut in ``world_size`` equal pieces: we pad the flat
-    buffer with zeros up to a multiple of N, so the last pieces may hold some padding."""
+    buffer with zeros up to a multiple of N, so the last pieces may hold some padding.
+
+    Shown in lesson 08, §3.
+    """
     return -(-numel // world_size)
 
 

@@ -136,10 +136,13 @@ def fsdp2_policy(cfg: ZeroConfig):
     return MixedPrecisionPolicy()
 
 
-def _mesh(dev: torch.device):
+def ranks_mesh(dev: torch.device):
     """The ranks as a 1-D device mesh on the ranks' own device type. Without it fully_shard
     picks CUDA whenever a GPU exists — and on a one-GPU machine whose ranks run on the CPU
-    over gloo, rank 1 then asks for cuda:1 (measured on an H100: "invalid device ordinal")."""
+    over gloo, rank 1 then asks for cuda:1 (measured on an H100: "invalid device ordinal").
+
+    Shown in lesson 08, §6.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(dev.type, (dist.get_world_size(),))
@@ -155,7 +158,7 @@ def fsdp2_shard(model: nn.Module, cfg: ZeroConfig, dev: torch.device,
     """
     from torch.distributed.fsdp import fully_shard
 
-    policy, mesh = fsdp2_policy(cfg), _mesh(dev)
+    policy, mesh = fsdp2_policy(cfg), ranks_mesh(dev)
     linears = [m for m in model if isinstance(m, nn.Linear)]
     groups: list = []
     for layer in linears[:-1] if root_keeps_last else linears:
@@ -270,7 +273,10 @@ def equality_worker(rank: int, world_size: int, cfg: ZeroConfig, runs=RUNS) -> d
     """Each of ``runs`` trained from the same start on the same batches, in one launch (a
     launch costs seconds; a run of this model, milliseconds): {run: :func:`train_run`'s
     dict}. ``torch_ddp`` (the reference) and ``zero_redundancy`` always run in fp32: torch's
-    optimizers keep no master copy."""
+    optimizers keep no master copy.
+
+    Shown in lesson 08, §3.
+    """
     return {run: train_run(run, cfg, rank, world_size) for run in runs}
 
 
