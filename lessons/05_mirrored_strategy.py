@@ -11,7 +11,7 @@
 # - train with Keras `fit`, mixed precision, checkpoints and two multi-worker processes;
 # - map every piece of MirroredStrategy to its PyTorch DDP counterpart.
 #
-# **Time:** about 50 minutes to read and run.
+# **Time:** about 55 minutes to read and run.
 #
 # **Lab:** [lab05_mirrored_strategy](../labs/lab05_mirrored_strategy.ipynb) — the custom loop
 # with correct loss scaling.
@@ -199,11 +199,20 @@ claim("together they hold the whole global batch", sum(local_sizes) == global_ba
 # A real image pipeline decodes files (JPEG/PNG) for every example in every epoch. `cache()`
 # keeps the decoded result after the first epoch; `prefetch()` prepares the next batch while the
 # current one is consumed. We store our images as PNG and compare two epochs of a pipeline that
-# decodes every time against one with cache and prefetch. What to expect: over two epochs cache
-# can save at most the second epoch's decoding, so at most 2× (less, since batching and the
-# loop cost the same in both); and prefetch has nothing to overlap with here, because the loop
-# does no work with the batches — it pays off when a training step runs while the next batch is
-# prepared.
+# decodes every time against one with cache and prefetch. Where `cache()` stands in the pipeline
+# decides what it keeps: in the course's `make_dataset` it comes after the `map` that decodes
+# and normalises, and before `shuffle` and `batch` — so it keeps decoded images, and each epoch
+# still shuffles and batches them anew:
+
+# %%
+viz.show_code(mirrored.make_dataset)
+
+# %% [markdown]
+# What to expect, then: over two epochs cache can save at most the second epoch's decoding, so
+# at most 2× (less, since batching and the loop cost the same in both); and prefetch has nothing
+# to overlap with here, because the loop does no work with the batches — it pays off when a
+# training step runs while the next batch is prepared. (A `cache()` placed before the decoding
+# `map` would keep the PNG bytes and save nothing of the decoding.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -242,8 +251,8 @@ print("This run: " + ("within the 2x ceiling that caching one of two decoded epo
 # passes a value of the same shape, and every replica gets back the same combination of all of
 # them, while the step is still running on each replica (`strategy.reduce`, by contrast, gives
 # one value on the host after `strategy.run` has returned). Every replica must make the call, in
-# the same order, or the others wait for it forever. Here each replica passes its own replica
-# id, and the SUM comes back on every replica:
+# the same order. Here each replica passes its own replica id, and the SUM comes back on every
+# replica:
 
 # %%
 def replica_ids_summed():
@@ -259,6 +268,34 @@ claim("inside strategy.run, all_reduce(SUM) hands every replica the sum of all r
       "(here their ids, 0 + 1 + ... + N-1)",
       ids == list(range(n_replicas)) and totals == [n_replicas * (n_replicas - 1) / 2] * n_replicas,
       ids=ids, totals=totals)
+
+# %% [markdown]
+# What if one replica skips the call? TF's docstring of `all_reduce` says the operation then
+# "hangs". Under `MirroredStrategy` it does not: there `all_reduce` goes through a merge call,
+# and `strategy.run` counts each replica's merge calls — when some replicas finish while others
+# still wait in one, it raises a `RuntimeError`. A hang is what you get where no merge call
+# counts them: a step compiled with XLA on all-GPU devices, and the separate processes of
+# `MultiWorkerMirroredStrategy` (section 8), whose collectives wait for the missing replica.
+# Here replica 0 returns before the call:
+
+# %%
+def replica_0_skips_the_all_reduce():
+    replica = tf.distribute.get_replica_context()
+    mine = tf.cast(replica.replica_id_in_sync_group, tf.float32)
+    if replica.replica_id_in_sync_group == 0:   # a Python int: strategy.run is not compiled here
+        return mine
+    return replica.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+
+try:
+    strategy.run(replica_0_skips_the_all_reduce)
+    skipped = "no error"
+except RuntimeError as err:
+    skipped = str(err)
+print("RuntimeError:", skipped)
+claim("under MirroredStrategy a replica that skips all_reduce makes strategy.run raise, not hang",
+      n_replicas == 1 or "different number of replica_context().merge_call() calls" in skipped,
+      error=skipped)
 
 # %% [markdown]
 # Because the gradients are *summed*, each replica's loss must be its share of the global mean:
@@ -336,7 +373,21 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # Adam, which divides by the gradient's own running size, barely notices — which is why the bug can
 # go unseen. The mirror image hits programmers coming from
 # DDP, which *averages* gradients: divide by the global batch *and* average over replicas, and
-# the step is **1/N too small**. Each framework is right only with its own pairing:
+# the step is **1/N too small**.
+#
+# The loss most Keras 3 code writes is neither: a Keras loss object,
+# `keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)`. Under a strategy,
+# every call of a Keras loss — in `fit` and in your own `strategy.run` step alike — takes the
+# mean over the replica's own slice and multiplies it by 1 / `num_replicas_in_sync`
+# (`scale_loss_for_distribution` in Keras' losses). So in a custom loop it is already scaled,
+# and code that divides it by the number of replicas once more, as one scales a mean by hand,
+# makes the step 1/N too small. The library's function for these two rows:
+
+# %%
+viz.show_code(mirrored.keras_loss_per_replica)
+
+# %% [markdown]
+# Each framework is right only with its own pairing:
 #
 # | per-replica loss | replicas' gradients | result |
 # |---|---|---|
@@ -344,10 +395,11 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # | `reduce_mean` (÷ local batch) | SUM (TF's all-reduce) | N × too big |
 # | `compute_average_loss` (÷ global batch) | MEAN | 1/N too small |
 # | `reduce_mean` (÷ local batch) | MEAN (DDP's all-reduce) | correct only when every replica's slice holds the same number of samples |
+# | Keras loss object, as is (local mean × 1/N) | SUM (TF's all-reduce) | correct only when every replica's slice holds the same number of samples |
+# | Keras loss object ÷ `num_replicas_in_sync` | SUM (TF's all-reduce) | 1/N too small |
 #
-# (Every slice here is the same size. When they are not — a short last batch — a mean of the
-# replicas' means weighs every replica alike instead of every sample: only dividing by the
-# step's global count stays right.)
+# (Every slice here is the same size. What stays right when they are not — a short last batch
+# — is lab 05's question.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -362,6 +414,9 @@ cases = {
                                                                   grad_reduce="mean"),
     ("reduce_mean", "mean"): mirrored.mirrored_gradients(strategy, replicated, xb, yb,
                                                          "reduce_mean", grad_reduce="mean"),
+    ("keras", "sum"): mirrored.mirrored_gradients(strategy, replicated, xb, yb, "keras"),
+    ("keras_over_replicas", "sum"): mirrored.mirrored_gradients(strategy, replicated, xb, yb,
+                                                                "keras_over_replicas"),
 }
 print(f"N = {n_replicas} replicas; |gradient| on one device: {norm(g_single):.4f}")
 ratios = {}
@@ -380,6 +435,10 @@ claim("reduce_mean + SUM is N times too big (to 1e-4 relative)", n_too_big, rati
 claim("compute_average_loss + MEAN is 1/N too small (to 1e-4)", n_too_small, ratios=ratios)
 claim("with equal slices, reduce_mean + MEAN (DDP's pairing) is right too (to 1e-4)",
       abs(ratios["reduce_mean", "mean"] - 1) < 1e-4, ratios=ratios)
+claim("with equal slices, a Keras loss object as is + SUM is right (to 1e-4): Keras scaled it",
+      abs(ratios["keras", "sum"] - 1) < 1e-4, ratios=ratios)
+claim("a Keras loss object divided by num_replicas_in_sync + SUM is 1/N too small (to 1e-4)",
+      abs(ratios["keras_over_replicas", "sum"] - 1 / n) < 1e-4, ratios=ratios)
 
 # %% [markdown]
 # ## Lab 05: the custom loop
@@ -457,9 +516,9 @@ claim("and so do the losses of every step (to 1e-5)",
 #
 # `fit` does all of the above for you: build and compile inside `strategy.scope()`, pass a
 # dataset batched with the global batch, and Keras splits batches, scales the loss and
-# all-reduces the gradients. Its scaling is not `compute_average_loss`: each replica's loss is
-# the mean over its **own** slice, multiplied by 1 / `num_replicas_in_sync`
-# (`scale_loss_for_distribution` in Keras' losses). That equals dividing by the global batch
+# all-reduces the gradients. Its loss is a Keras loss object, so its scaling is the one
+# section 4's table measured, not `compute_average_loss`: each replica's mean over its **own**
+# slice, multiplied by 1 / `num_replicas_in_sync`. That equals dividing by the global batch
 # when every slice has the same size, as here; on a partial last batch, where slices differ,
 # the two differ (lab 05's stretch works on that case).
 #
@@ -797,6 +856,8 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Create variables under `strategy.scope()`; batch with the **global** batch.
 # * TF **sums** replicas' gradients: scale each replica's loss with `compute_average_loss`
 #   (÷ global batch). `reduce_mean` makes the step N× too big; averaging again makes it 1/N.
+#   A Keras loss object is already scaled under a strategy (its slice's mean × 1/N, right for
+#   equal slices): dividing it again makes the step 1/N.
 #   Regularisation losses, the same on every replica, go through `scale_regularization_loss`.
 # * By default the sum is a collective all-reduce (`CollectiveAllReduce`: RING on CPUs and
 #   logical GPUs, NCCL on real GPUs); `ReductionToOneDevice` — copy to one device, add, send
@@ -866,7 +927,8 @@ viz.quiz([
 # - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`; `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.build` adds variables only for EMA or gradient accumulation.
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size`; `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
-# - `keras/src/losses/loss.py` — `reduce_values` and `scale_loss_for_distribution`: a Keras loss is the mean over the replica's own slice, multiplied by 1 / `num_replicas_in_sync` under `tf.distribute`.
+# - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: every call of a Keras loss (in `fit` or in a custom `strategy.run` step) is the mean over the replica's own slice, multiplied by 1 / `num_replicas_in_sync` under `tf.distribute`.
+# - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`); `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it; `dynamic_growth_steps=2000`: after that many finite steps in a row the scale doubles. `keras/src/optimizers/adam.py` — `Adam.update_step`: the step divides the first moment by the root of the second, so a constant factor on every gradient nearly cancels.
