@@ -466,8 +466,8 @@ claim("the explorer's figure is drawn with the α and β fitted and printed in �
 # *eager protocol*: the message is copied into a buffer at the receiver, so the blocking send
 # returns before any receive is posted), so there such a ring works on tiny tensors and hangs
 # on big ones. Correct code relies on neither. How to order a step's messages so that no rank
-# can wait forever is lab 06's design decision; the library's answer is folded after the lab
-# pointer.
+# can wait forever, and no step's transfers wait for one another, is lab 06's design decision;
+# the library's answer is folded after the lab pointer.
 #
 # The library's ring is also *pipelined*: it cuts each chunk into segments so that the wire
 # and the additions work at the same time. Which messages it keeps in flight, and when, is
@@ -665,8 +665,8 @@ viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
 #   that share cores), describes it within the error it prints — a median under 50% on a
 #   loaded 2-core machine; published link bandwidths turn it into predictions for GPU clusters.
 # - A few dozen lines of point-to-point messages give a ring that equals `dist.all_reduce` and
-#   trains to DDP's weights, once their order leaves no rank waiting forever (lab 06's design
-#   decision); cutting the chunks into segments lets the wire and the additions overlap.
+#   trains to DDP's weights, once their order leaves no rank waiting forever and no step's
+#   transfers in a chain (lab 06's design decision); cutting the chunks into segments lets the wire and the additions overlap.
 #
 # **Next:** [lesson 07](07_inside_ddp.ipynb) opens DDP itself: the hooks that launch these
 # all-reduces while the backward runs, the buckets that make each message large enough to be
