@@ -493,7 +493,7 @@ def check_prediction(guess, measured: dict) -> None:
              f"{type(measured).__name__}.")
     calls, tensors = measured["calls"], measured["tensors"]
     trainable = measured.get("trainable", tensors)
-    nbytes, params = measured["bytes"], measured["parameters"]
+    params = measured["parameters"]  # the bytes wait for the stretch's prediction
     if calls == trainable:
         why = (f"One all_reduce per parameter that requires a gradient, on every rank: "
                f"{trainable} of the model's {tensors} parameter tensors — SmallCNN's 10 (a "
@@ -501,14 +501,13 @@ def check_prediction(guess, measured: dict) -> None:
                f"only head_a, yet it makes head_b's call too, with zeros, so that its calls "
                f"pair with rank 1's one for one) and never, which no rank used; frozen requires "
                f"no gradient and gets no call. Each call pays the collective's fixed start-up "
-               f"cost (lesson 06's α). Together they hand over {nbytes:,} bytes on each rank: "
-               f"{params:,} float32 gradients of 4 bytes.")
+               f"cost (lesson 06's α): {calls} times α in every step, on top of what the calls "
+               f"carry.")
     else:
         why = (f"The model has {tensors} parameter tensors, {trainable} of them requiring a "
-               f"gradient ({params:,} float32 values, {4 * params:,} bytes); your function "
-               f"made {calls} all_reduce call(s) on rank 0, handing over {nbytes:,} bytes — a "
-               f"loop that makes one call per parameter requiring a gradient makes "
-               f"{trainable}, on every rank.")
+               f"gradient ({params:,} values); your function made {calls} all_reduce call(s) "
+               f"on rank 0 — a loop that makes one call per parameter requiring a gradient "
+               f"makes {trainable}, on every rank.")
     reveal(guess, calls, close=bool(guess.value == calls) if hasattr(guess, "value") else False,
            explanation=why)
 
