@@ -607,7 +607,7 @@ bubble_explorer = viz.explorer(
 
 # %%
 viz.show_code(pipeline_parallel.make_mlp, pipeline_parallel.split_stages,
-              pipeline_parallel.micro_batches, pipeline_parallel._batch, pipeline_parallel._mse,
+              pipeline_parallel.micro_batches, pipeline_parallel.sample_batch, pipeline_parallel.mse_loss,
               pipeline_parallel.reference_step)
 
 # %% [markdown]

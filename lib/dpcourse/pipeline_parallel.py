@@ -65,6 +65,8 @@ __all__ = [
     "make_mlp",
     "split_stages",
     "micro_batches",
+    "mse_loss",
+    "sample_batch",
     "gpipe_schedule",
     "one_f_one_b_schedule",
     "SCHEDULES",
@@ -95,7 +97,10 @@ ATOL = 1e-6
 
 def make_mlp(width: int = 64, blocks: int = 4, seed: int = 0) -> nn.Sequential:
     """A stack of ``blocks`` Linear(width, width) + Tanh blocks, the same on every rank for one
-    ``seed``: each rank builds the whole model and keeps its own stage."""
+    ``seed``: each rank builds the whole model and keeps its own stage.
+
+    Shown in lesson 11, §3.
+    """
     if blocks < 1 or width < 1:
         raise ValueError(f"make_mlp needs blocks >= 1 and width >= 1, got blocks={blocks}, "
                          f"width={width}")
@@ -108,7 +113,10 @@ def make_mlp(width: int = 64, blocks: int = 4, seed: int = 0) -> nn.Sequential:
 def split_stages(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
     """Cut ``model`` into ``stages`` contiguous stages of (nearly) equal numbers of blocks; the
     first stages take one block more when they do not divide evenly. The stages share the
-    model's parameters (slices, not copies)."""
+    model's parameters (slices, not copies).
+
+    Shown in lesson 11, §3.
+    """
     n = len(model)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot cut a model of {n} blocks into {stages} stages: every stage "
@@ -121,7 +129,10 @@ def split_stages(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
 def micro_batches(batch: torch.Tensor, m: int) -> list[torch.Tensor]:
     """``batch`` cut into ``m`` equal micro-batches along dimension 0. Equal sizes matter: the
     mean of the micro-batches' mean losses is the batch's mean loss only when they are equal,
-    so a batch that ``m`` does not divide is refused."""
+    so a batch that ``m`` does not divide is refused.
+
+    Shown in lesson 11, §3.
+    """
     if m < 1 or batch.shape[0] % m:
         raise ValueError(f"a batch of {batch.shape[0]} cannot be cut into {m} equal "
                          f"micro-batches: choose a number of micro-batches that divides it.")
@@ -403,11 +414,19 @@ def messages_per_step(stages: int, m: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _mse(out, target):
+def mse_loss(out, target):
+    """The launchers' loss: the mean squared error (a mean, so micro-batches must be equal).
+
+    Shown in lesson 11, §3.
+    """
     return ((out - target) ** 2).mean()
 
 
-def _batch(batch: int, width: int, seed: int) -> tuple:
+def sample_batch(batch: int, width: int, seed: int) -> tuple:
+    """The launchers' batch: inputs and targets drawn from ``seed`` (the same on every rank).
+
+    Shown in lesson 11, §3.
+    """
     gen = torch.Generator().manual_seed(seed + 1)
     return (torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen))
 
@@ -452,7 +471,7 @@ def pipeline_worker(rank: int, world_size: int, configs: list, width: int, block
 
     torch.set_num_threads(1)
     module = split_stages(make_mlp(width, blocks, seed), world_size)[rank]
-    x, y = _batch(batch, width, seed)
+    x, y = sample_batch(batch, width, seed)
     results = []
     for name, m in configs:
         schedule = _schedule(name)(world_size, m, rank)
@@ -464,7 +483,7 @@ def pipeline_worker(rank: int, world_size: int, configs: list, width: int, block
             dist.barrier()
             with record_collectives() as calls:
                 rec = run_stage(module, schedule, rank, world_size, inputs=xs, targets=ys,
-                                shape=shape, loss_fn=_mse, delay_s=delay_s)
+                                shape=shape, loss_fn=mse_loss, delay_s=delay_s)
             if attempt or not repeats:
                 kept.append((rec, calls))
         # Every rank must keep the same attempt, or the Gantt chart mixes steps: the pipeline's
@@ -505,8 +524,8 @@ def run_pipeline(stages: int = 2, micro: tuple = (1, 2, 4, 8), schedules=("gpipe
     outs = launch.spawn(pipeline_worker, stages, configs, width, blocks, batch, seed, delay_s,
                         repeats, backend="gloo", timeout=timeout)
     model = make_mlp(width, blocks, seed)
-    x, y = _batch(batch, width, seed)
-    ref_loss, ref_grads = reference_step(model, x, y, _mse)
+    x, y = sample_batch(batch, width, seed)
+    ref_loss, ref_grads = reference_step(model, x, y, mse_loss)
     runs = []
     for j, (name, m) in enumerate(configs):
         per_rank = [outs[r][j] for r in range(stages)]
@@ -553,8 +572,8 @@ def torch_pipelining_worker(rank: int, world_size: int, schedule: str, m: int, w
     module = split_stages(make_mlp(width, blocks, seed), world_size)[rank]
     stage = PipelineStage(module, rank, world_size, torch.device("cpu"))
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    runner = cls(stage, n_microbatches=m, loss_fn=_mse)
-    x, y = _batch(batch, width, seed)
+    runner = cls(stage, n_microbatches=m, loss_fn=mse_loss)
+    x, y = sample_batch(batch, width, seed)
     sends = []
     for _ in range(2):
         module.zero_grad(set_to_none=True)
@@ -591,8 +610,8 @@ def compare_with_torch_pipelining(stages: int = 2, m: int = 4, schedule: str = "
     theirs = launch.spawn(torch_pipelining_worker, stages, schedule, m, width, blocks, batch,
                           seed, backend="gloo", timeout=timeout)
     model = make_mlp(width, blocks, seed)
-    x, y = _batch(batch, width, seed)
-    ref_loss, ref_grads = reference_step(model, x, y, _mse)
+    x, y = sample_batch(batch, width, seed)
+    ref_loss, ref_grads = reference_step(model, x, y, mse_loss)
     their_grads = [g for r in theirs for g in r["grads"]]
     their_loss = sum(theirs[-1]["losses"]) / m
     return {

@@ -121,8 +121,9 @@ def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1
     the dropout's output (2). A fused, *flash* attention kernel never stores it: torch's
     ``_scaled_dot_product_flash_attention`` keeps for its backward a logsumexp of shape
     (b, heads, s) in fp32 (``torch/_meta_registrations.py``); with ``flash_attention`` that
-    term becomes ``4·a·s·b`` bytes (its heads divided by t like the rest of attention). Shown
-    in lesson 11, §1.
+    term becomes ``4·a·s·b`` bytes (its heads divided by t like the rest of attention).
+
+    Shown in lesson 11, §1.
     """
     if micro_batch < 1 or tp < 1:
         raise ValueError(f"micro_batch and tp must be >= 1, got {micro_batch} and {tp}")
