@@ -224,8 +224,11 @@ def batchnorm_stats(rank, world_size, fixed=False, steps=6):
 
 def all_ranks_finite(value: float) -> bool:
     """True on every rank when every rank's ``value`` is finite, else False on every rank: the
-    one verdict :func:`nan_on_one_rank`'s fix needs. (Lesson 10 shows it folded, after the lab
-    pointer: lab 10's stretch combines its verdicts the same way.)"""
+    one verdict :func:`nan_on_one_rank`'s fix needs (lab 10's stretch combines its verdicts
+    the same way, which is why the lesson shows it folded, after the lab pointer).
+
+    Shown in lesson 10, §"Lab 10".
+    """
     flag = torch.tensor([float(math.isfinite(value))])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # one rank's 0 makes every rank's 0
     return flag.item() == 1.0
