@@ -16,7 +16,7 @@
 # - use mixed precision (AMP) and check that it keeps the accuracy;
 # - get bit-identical runs from a seed, and say when you cannot.
 #
-# **Time:** about 30 minutes to read and run (plus about 25 for the lab).
+# **Time:** about 35 minutes to read and run (plus about 25 for the lab).
 #
 # **Lab:** [lab01_single_device](../labs/lab01_single_device.ipynb) — write `train_one_epoch`
 # and `evaluate`.
@@ -190,25 +190,28 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same wor
 #
 # *Samples per second* is the number data parallelism is meant to multiply. It can depend on
 # the batch size: a bigger batch gives the hardware bigger matrices per step and fewer Python
-# round trips per sample, which pays off until the hardware is saturated. A GPU usually needs
-# large batches to be saturated; a CPU with a couple of cores may be saturated by small ones, so
-# here the difference can be small or lost in the noise of a busy machine. We measure it
-# honestly — the same 512 samples per setting, the three batch sizes interleaved, five rounds,
-# the median of each — and the sentence under the figure is computed from these runs:
-# `train.compare_rates` compares the two batch sizes round by round (runs of one round were
-# measured back to back, so a slow moment of the machine hits both) and says "faster" only when
-# one won every round, or all but one of five (one outlier round does not decide), and "no clear
-# difference" otherwise. `ThroughputMeter` synchronizes a GPU before reading the clock: CUDA runs
-# asynchronously, and without the sync you would time how fast Python *queues* work. What its
-# samples/s counts: `train_one_epoch` starts the meter after the batch has been fetched from the
-# loader and moved to the device, and stops it after the optimizer step, so every rate in this
-# lesson (the epochs of `fit` above too) is the rate of the training step alone — the loader's
-# time is left out. Here the data sits in memory and fetching costs little; the next section
-# measures it separately, and a loader that decodes images from disk would show up there, not in
-# these rates.
+# round trips per sample, which pays off until the hardware is saturated — from there on the
+# rate stays flat. A GPU usually needs large batches to be saturated; a CPU with a couple of
+# cores may be saturated by small ones, so here the difference can be small or lost in the
+# noise of a busy machine. A bigger batch can also be *slower*: its intermediate tensors grow
+# with it, and once they no longer fit in the processor's caches every layer reads and writes
+# main memory. Which of these happens here is measured, not assumed — the same 512 samples per
+# setting, the batch sizes interleaved, five rounds, the median of each — and the sentences
+# under the figure are computed from these runs: `train.compare_rates` compares two batch
+# sizes round by round (runs of one round were measured back to back, so a slow moment of the
+# machine hits both) and says "faster" or "slower" only when one won every round, or all but
+# one of five (one outlier round does not decide), and "no clear difference" otherwise
+# (`train.rate_verdict` is that rule; the printed paragraph picks its explanation from it).
+# `ThroughputMeter` synchronizes a GPU before reading the clock: CUDA runs asynchronously, and
+# without the sync you would time how fast Python *queues* work. What its samples/s counts:
+# `train_one_epoch` starts the meter after the batch has been fetched from the loader and moved to
+# the device, and stops it after the optimizer step, so every rate in this lesson (the epochs of
+# `fit` above too) is the rate of the training step alone — the loader's time is left out. Here
+# the data sits in memory and fetching costs little; the next section measures it separately, and
+# a loader that decodes images from disk would show up there, not in these rates.
 
 # %%
-batch_sizes = (16, 64, 256)
+batch_sizes = tuple(sorted({16, batch_size, 64, 256}))   # batch_size: the one `fit` used
 m = models.SmallCNN().to(device)
 opt = torch.optim.Adam(m.parameters(), lr=lr)
 sample_batches = {bs: [b for _, b in zip(range(512 // bs), train.make_loaders(ds, bs, seed=seed)[0])]
@@ -232,11 +235,41 @@ for bs in batch_sizes:
 slowest, fastest = min(rates, key=rates.get), max(rates, key=rates.get)  # by median
 print(f"On this {device.type}, this run: " + train.compare_rates(
     f"batch {slowest}", measured[slowest], f"batch {fastest}", measured[fastest]))
+largest = max(batch_sizes)
+# the output of the first convolution: its channels at the image's full height and width
+first_conv = models.SmallCNN().features[0]
+images = sample_batches[largest][0][0]
+conv_mb = {bs: bs * first_conv.out_channels * images.shape[-2] * images.shape[-1]
+           * images.element_size() / 1e6 for bs in batch_sizes}
+if fastest == largest:
+    verdict, how = train.rate_verdict(measured[slowest], measured[largest])
+    if verdict == "faster":
+        print(f"The biggest batch, {largest}, was the fastest, faster than batch {slowest} "
+              f"{how}: on this machine the bigger matrices paid off up to there.")
+    else:
+        print(f"The biggest batch, {largest}, was the fastest by median, but not clearly faster "
+              f"than batch {slowest}: the hardware was saturated by small batches already, or "
+              "the differences were lost in the noise of this machine.")
+else:
+    verdict, how = train.rate_verdict(measured[fastest], measured[largest])
+    if verdict == "slower":
+        print(f"The biggest batch, {largest}, was slower than batch {fastest} {how}: "
+              "saturation alone would give a plateau, not a drop. The intermediate tensors grow "
+              "with the batch — the first convolution's output alone is "
+              f"{conv_mb[largest]:.1f} MB at batch {largest}, against {conv_mb[fastest]:.1f} MB "
+              f"at batch {fastest} — and past the processor's caches (a few MB to a few tens of "
+              "MB) every layer streams its tensors through main memory; that is the likely "
+              "cause, which this cell does not measure. Bigger is not always faster.")
+    else:
+        print(f"Batch {largest} was neither clearly faster nor clearly slower than batch "
+              f"{fastest}, the fastest by median: past batch {fastest} the rate stayed about "
+              "flat — the hardware was saturated — or the differences were lost in the noise "
+              "of this machine.")
 fit_rate = float(np.median(rates_per_epoch))
-cell_rate = float(np.median([r for v in measured.values() for r in v]))
+cell_rate = rates[batch_size]
 apart = max(fit_rate, cell_rate) / min(fit_rate, cell_rate)
 print(f"The epochs of `fit` above ran at a median {fit_rate:.0f} samples/s at batch {batch_size}, "
-      f"these runs at {cell_rate:.0f}: {apart:.1f}x apart. "
+      f"these runs at the same batch size at {cell_rate:.0f}: {apart:.1f}x apart. "
       + ("Close, as they should be for the same model and loop." if apart < 2 else
          "Far apart for the same model and loop: the machine was busier during one of them. "
          "Both use torch's default of one intra-op thread per core, and an operation waits for "
@@ -258,7 +291,7 @@ viz.show(fig, "training throughput per batch size on this machine; the bars span
               "smaller than the bars is noise.")
 
 # %%
-viz.show_code(train.compare_rates)
+viz.show_code(train.rate_verdict, train.compare_rates)
 
 # %% [markdown]
 # Where does one step's time go? `time_breakdown` charges each phase — waiting for the next
@@ -276,6 +309,14 @@ viz.show_code(train.compare_rates)
 # We measure with one *intra-op* thread: the threads torch starts to split **one** operation
 # (a convolution, a matrix multiply) over the cores, one per core by default
 # (`torch.get_num_threads()`), as opposed to the Python threads *you* start.
+#
+# Every share below depends on where `time_breakdown` reads its clocks: before asking the
+# loader for a batch, after the batch has reached the device, after the forward, and after the
+# optimizer step — synchronizing a GPU at each, so a phase is charged what it cost, not how
+# fast Python queued it:
+
+# %%
+viz.show_code(train.time_breakdown)
 
 # %%
 class SlowAugment(torch.utils.data.Dataset):
@@ -364,10 +405,29 @@ claim("the per-sample Python transform: over 20% of the step waits for data, mor
 #
 # Most of a network's arithmetic does not need 32-bit floats. Under `torch.autocast`, matrix
 # multiplications and convolutions run in a 16-bit type, while operations that autocast lists as
-# safer in float32 (the loss among them, as the cell below checks) stay in float32. On a GPU the type is float16, whose small range makes tiny gradients underflow to
-# zero — hence a `GradScaler` that multiplies the loss up before backward and the gradients back
-# down before the step. On a CPU the type is bfloat16, which has float32's range: no scaler
-# needed. `train.fit(..., amp=True)` picks the right pair for the device.
+# safer in float32 (the loss among them, as the cell below checks) stay in float32. Which
+# 16-bit type is a choice, not a property of the device. `torch.autocast` defaults to float16
+# on CUDA and bfloat16 on a CPU, and this library keeps those defaults (`train.autocast_for`).
+# float16's small range makes tiny gradients underflow to zero — hence a `GradScaler` that
+# multiplies the loss up before backward and the gradients back down before the step.
+# bfloat16 has float32's range: no scaler needed. GPUs from NVIDIA's Ampere generation on
+# (A100, H100) compute in bfloat16 too, so there `autocast(dtype=torch.bfloat16)` without a
+# scaler is the simpler choice; the library's float16 + `GradScaler` also runs on older GPUs.
+# `train.fit(..., amp=True)` picks its pair for the device:
+
+# %%
+viz.show_code(train.autocast_for)
+fp16, bf16, fp32 = (torch.finfo(t) for t in (torch.float16, torch.bfloat16, torch.float32))
+print(f"largest / smallest normal: float16 {fp16.max:.3g} / {fp16.tiny:.3g}, "
+      f"bfloat16 {bf16.max:.3g} / {bf16.tiny:.3g}, float32 {fp32.max:.3g} / {fp32.tiny:.3g}")
+claim("torch's autocast defaults: float16 on CUDA, bfloat16 on a CPU",
+      torch.get_autocast_dtype("cuda") == torch.float16
+      and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+claim("bfloat16 has float32's range (the same smallest normal number); float16's smallest "
+      "normal number is 6.1e-05 and its largest 65504",
+      bf16.tiny == fp32.tiny and fp16.tiny < 6.2e-5 and fp16.max == 65504)
+
+# %% [markdown]
 #
 # Autocast does not make *everything* 16-bit: it keeps a list of operations that are safer in
 # float32, and `cross_entropy` is on it — but only *inside* the `autocast` block. Compute the
@@ -640,7 +700,8 @@ viz.quiz([
 # - `torch/optim/optimizer.py` — `Optimizer.zero_grad(set_to_none=True)`: the gradients become
 #   `None` (`set_to_none` defaults to `True`).
 # - `torch/amp/autocast_mode.py` — `autocast`: "ops run in an op-specific dtype chosen by
-#   autocast" (default `torch.float16` on CUDA, `torch.bfloat16` on CPU); "The autocast state is
+#   autocast" (default `torch.float16` on CUDA, `torch.bfloat16` on CPU: `autocast.__init__`
+#   takes `torch.get_autocast_dtype(device_type)` when no dtype is given); "The autocast state is
 #   thread-local". Which ops run in which dtype is autocast's op list (the Autocast Op Reference
 #   in PyTorch's documentation); this lesson checks the one it relies on, cross-entropy, on this
 #   machine.

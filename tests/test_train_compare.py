@@ -2,7 +2,7 @@
 
 import pytest
 
-from dpcourse.train import compare_rates
+from dpcourse.train import compare_rates, rate_verdict
 
 
 def test_faster_slower_and_overlap():
@@ -39,3 +39,10 @@ def test_unequal_counts_compare_ranges():
 def test_needs_runs():
     with pytest.raises(ValueError, match="at least one run"):
         compare_rates("a", [], "b", [1])
+
+
+def test_rate_verdict_is_the_rule_behind_the_sentence():
+    assert rate_verdict([1, 2, 3], [4, 5, 6]) == ("faster", "in every run of 3 rounds")
+    assert rate_verdict([10] * 5, [8, 8, 30, 8, 8]) == ("slower", "in all but one of 5 rounds")
+    assert rate_verdict([1, 2], [3, 4, 5]) == ("faster", "in every run")
+    assert rate_verdict([1, 3], [2, 4]) == ("unclear", "")

@@ -34,6 +34,7 @@ __all__ = [
     "time_breakdown",
     "autocast_for",
     "compare_rates",
+    "rate_verdict",
 ]
 
 
@@ -62,7 +63,12 @@ class TrainConfig:
 
 
 def autocast_for(device: torch.device | str, enabled: bool):
-    """The autocast context for this device: float16 on CUDA, bfloat16 on CPU (or nothing)."""
+    """The autocast context for this device: float16 on CUDA, bfloat16 on CPU (or nothing):
+    torch's own defaults (``torch.get_autocast_dtype``), kept so that float16 also runs on GPUs
+    older than Ampere; ``fit`` adds a GradScaler with float16.
+
+    Shown in lesson 01, §"Mixed precision (AMP)".
+    """
     device = torch.device(device)
     if not enabled:
         return contextlib.nullcontext()
@@ -199,6 +205,8 @@ def time_breakdown(model: nn.Module, loader, loss_fn, optimizer, device="cpu",
 
     Seconds summed over up to ``max_batches`` batches (the device is synchronized at each
     boundary, so each phase is charged what it really cost).
+
+    Shown in lesson 01, §"Throughput, and where the time goes".
     """
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -228,6 +236,32 @@ def time_breakdown(model: nn.Module, loader, loss_fn, optimizer, device="cpu",
     return parts
 
 
+def rate_verdict(runs_a, runs_b) -> tuple[str, str]:
+    """Whether throughputs ``runs_b`` beat ``runs_a`` (higher is faster), by
+    :func:`compare_rates`' rule: ``(word, how)`` with ``word`` "faster", "slower" or "unclear"
+    and ``how`` "in every run of n rounds", "in all but one of n rounds", "in every run" or "".
+
+    Shown in lesson 01, §"Throughput, and where the time goes".
+    """
+    runs_a, runs_b = list(runs_a), list(runs_b)
+    if not runs_a or not runs_b:
+        raise ValueError("compare_rates needs at least one run on each side")
+    if len(runs_a) == len(runs_b):
+        n = len(runs_a)
+        wins = sum(b > a for a, b in zip(runs_a, runs_b))
+        losses = sum(b < a for a, b in zip(runs_a, runs_b))
+        for count, word in ((wins, "faster"), (losses, "slower")):
+            if n >= 3 and count == n:
+                return word, f"in every run of {n} rounds"
+            if n >= 5 and count == n - 1:
+                return word, f"in all but one of {n} rounds"
+    elif min(runs_b) > max(runs_a):
+        return "faster", "in every run"
+    elif max(runs_b) < min(runs_a):
+        return "slower", "in every run"
+    return "unclear", ""
+
+
 def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
     """One sentence comparing two sets of repeated throughputs (higher is faster), computed
     from the runs.
@@ -237,28 +271,14 @@ def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
     a pair. "faster in every run" needs at least 3 rounds, all won; "in all but one" needs at
     least 5 rounds and tolerates one outlier round. Unequal counts fall back to comparing the
     ranges: "in every run" only when they do not overlap. Anything else is "no clear
-    difference". The ratio printed is median(b) / median(a).
+    difference" (:func:`rate_verdict` decides). The ratio printed is median(b) / median(a).
 
     Shown in lesson 01, §"Throughput, and where the time goes".
     """
-    runs_a, runs_b = list(runs_a), list(runs_b)
-    if not runs_a or not runs_b:
-        raise ValueError("compare_rates needs at least one run on each side")
+    word, how = rate_verdict(runs_a, runs_b)
     ratio = statistics.median(runs_b) / statistics.median(runs_a)
-    medians = f"(medians: {ratio:.2f}x {name_a}'s speed)"
-    if len(runs_a) == len(runs_b):
-        n = len(runs_a)
-        wins = sum(b > a for a, b in zip(runs_a, runs_b))
-        losses = sum(b < a for a, b in zip(runs_a, runs_b))
-        for count, word in ((wins, "faster"), (losses, "slower")):
-            if n >= 3 and count == n:
-                return f"{name_b} was {word} than {name_a} in every run of {n} rounds {medians}."
-            if n >= 5 and count == n - 1:
-                return (f"{name_b} was {word} than {name_a} in all but one of {n} rounds "
-                        f"{medians}.")
-    elif min(runs_b) > max(runs_a):
-        return f"{name_b} was faster than {name_a} in every run {medians}."
-    elif max(runs_b) < min(runs_a):
-        return f"{name_b} was slower than {name_a} in every run {medians}."
+    if word != "unclear":
+        return (f"{name_b} was {word} than {name_a} {how} "
+                f"(medians: {ratio:.2f}x {name_a}'s speed).")
     return (f"no clear difference between {name_a} and {name_b}: their runs overlap "
             f"(medians: {name_b} at {ratio:.2f}x {name_a}'s speed, within the spread).")
