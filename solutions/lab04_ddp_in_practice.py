@@ -261,9 +261,7 @@ lab04.check_prediction(guess, sum(per_rank) / len(per_rank))
 # The contract: **a resumed run continues exactly as the uninterrupted run would have, on
 # every rank.** The check trains 3 epochs, stops the job after epoch 1 as a crash would, starts
 # it again, and compares every rank's state and the final weights with a run that never
-# stopped: they must agree bit for bit (to 1e-5). Whatever is random in the check's model and
-# loop draws from torch's global default generator (the one `torch.manual_seed` seeds; no
-# `torch.Generator` object of its own, no GPU).
+# stopped: they must agree bit for bit (to 1e-5).
 #
 # **Your design decision:** what the one file must hold for that, and how each piece of it gets
 # there and back.
@@ -274,7 +272,10 @@ lab04.check_prediction(guess, sum(per_rank) / len(per_rank))
 # %% [markdown] jupyter={"source_hidden": true}
 # After epoch 1, list everything that decides what epoch 2 computes on rank 1, not only the
 # tensors of the model. Which of it is the same on every rank, and which is rank 1's alone?
-# Which of it can rank 0 see when it writes?
+# Which of it can rank 0 see when it writes? (For your list: whatever is random in the check's
+# model and loop draws from torch's global default generator, the one `torch.manual_seed`
+# seeds — no `torch.Generator` object of its own, no GPU. A real GPU job has more: CUDA's
+# generators, the DataLoader workers' seeds, Python's and NumPy's `random`.)
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
