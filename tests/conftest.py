@@ -62,11 +62,11 @@ def pytest_ignore_collect(collection_path, config):
 @pytest.fixture(autouse=True)
 def _fresh_mistake_memory():
     """A check shows a mistake's fix only when the learner meets it again in the same kernel
-    (dpcourse.checks.fail's fix=): each test starts as a learner's first attempt."""
+    (dpcourse.checks.fail's fix=), holds them to their first prediction and names a second wrong
+    answer as a search: each test starts as a learner's first attempt."""
     from dpcourse import checks
 
-    checks._mistakes_met.clear()
-    checks._revealed.clear()
+    checks.forget()
     yield
 
 

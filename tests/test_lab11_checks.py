@@ -23,15 +23,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 T = 60  # generous: a loaded 2-core machine
 
 
-@pytest.fixture(autouse=True)
-def _fresh_diagnosis_memory():
-    # check_diagnosis and check_sequence_parallel remember the wrong answers they sent back in
-    # this kernel: each test starts as a learner's first attempt
-    lab11._wrong_diagnoses.clear()
-    lab11._wrong_sp.clear()
-    yield
-
-
 def fails(check, *args, match, **kwargs):
     with pytest.raises(LabCheckError, match=match) as info:
         check(*args, **kwargs)

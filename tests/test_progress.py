@@ -389,6 +389,25 @@ def test_a_prediction_written_after_its_measurement_is_compared_but_not_recorded
     assert not other.late
 
 
+def test_a_kept_decision_is_the_first_compared_and_forget_starts_afresh(log, capsys):
+    """checks.keep records silently, once per question; wrong_answers is a per-question list a
+    check appends to; forget() is a fresh kernel for all three memories."""
+    assert checks.kept_prediction("lab06", "in flight") is None
+    first = checks.Prediction("lab06", "in flight", 2, "receive(s)")
+    checks.keep(first, 2, close=True)
+    checks.keep(checks.Prediction("lab06", "in flight", 4), 4, close=True)  # not kept
+    assert checks.kept_prediction("lab06", "in flight") == first
+    assert capsys.readouterr().out == ""
+    (line,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert (line["check"], line["predicted"], line["close"]) == ("predict in flight", 2, True)
+    checks.wrong_answers("lab11", "passes").append(("both", "both"))
+    assert checks.wrong_answers("lab11", "passes") == [("both", "both")]
+    assert checks.wrong_answers("lab11", "other") == []
+    checks.forget()
+    assert checks.kept_prediction("lab06", "in flight") is None
+    assert checks.wrong_answers("lab11", "passes") == []
+
+
 @pytest.mark.parametrize("value, words", [
     (None, "write your prediction"), (..., "write your prediction"),
     ("3", "must be a number"), (True, "must be a number"), (float("nan"), "finite"),

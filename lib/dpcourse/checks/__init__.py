@@ -45,7 +45,8 @@ import textwrap
 import time
 
 __all__ = ["LabCheckError", "ClaimError", "passed", "fail", "fix_after", "claim", "has_todo", "require_answer",
-           "refuse_reference", "recorded", "Prediction", "predict", "reveal",
+           "refuse_reference", "recorded", "Prediction", "predict", "reveal", "keep",
+           "kept_prediction", "wrong_answers", "forget",
            "check_timeout", "slowness", "run_ranks", "short_mistake", "PROGRESS_ENV",
            "TIMEOUT_ENV", "LEARNER_ENV", "FIX_AFTER_ENV"]
 
@@ -407,13 +408,49 @@ def reveal(prediction: Prediction, measured, *, close: bool, explanation: str) -
           f"{prediction.shown(measured)} — {verdict}.")
     if explanation:
         print(textwrap.fill(" ".join(explanation.split()), width=100))
-    if prediction.late:
+    if not prediction.late:
+        keep(prediction, measured, close=close)
+
+
+def keep(prediction: Prediction, measured, *, close: bool) -> None:
+    """Keep ``prediction`` as the learner's answer to its question and record it beside
+    ``measured`` — what :func:`reveal` does, without printing, for a check that words its own
+    sentence (lab 06's declared in-flight count). Only the first one compared is kept: a later
+    answer to the same question never replaces it (see :func:`kept_prediction`)."""
+    key = (learner(), prediction.lab, prediction.question)
+    if key in _revealed:
         return
-    _revealed.setdefault((learner(), prediction.lab, prediction.question), prediction)
+    _revealed[key] = prediction
     _record(prediction.lab, f"predict {prediction.question}", "compared",
             f"predicted {prediction.shown()}, measured {prediction.shown(measured)}",
             {"predicted": _jsonable(prediction.value), "measured": _jsonable(measured),
              "close": bool(close)})
+
+
+def kept_prediction(lab: str, question: str) -> Prediction | None:
+    """The prediction (or declared decision) for ``question`` that this kernel has already
+    compared with its measurement, the one kept for the class; None before that. A check uses
+    it to hold a learner to a first decision instead of accepting one tuned to the measurement."""
+    return _revealed.get((learner(), lab, question))
+
+
+_wrong_answers: dict[tuple[str, str, str], list] = {}  # (learner, lab, question) -> answers
+
+
+def wrong_answers(lab: str, question: str) -> list:
+    """The wrong answers to a decision question (one with a handful of possible answers) that
+    this kernel has sent back to the learner, oldest first. It is the stored list itself: the
+    check appends the answer it refuses, and names a second, different wrong answer as a search
+    over the choices rather than a diagnosis (lab 11's diagnoses)."""
+    return _wrong_answers.setdefault((learner(), lab, question), [])
+
+
+def forget() -> None:
+    """Forget every mistake met, prediction kept and wrong answer sent back in this kernel, as
+    if the learner started afresh (the tests call it before each test: a first attempt)."""
+    _mistakes_met.clear()
+    _revealed.clear()
+    _wrong_answers.clear()
 
 
 def _jsonable(value):

@@ -36,7 +36,8 @@ import tempfile
 
 import numpy as np
 
-from dpcourse.checks import LabCheckError, check_timeout, fail, passed, recorded, run_ranks
+from dpcourse.checks import (LabCheckError, Prediction, check_timeout, fail, keep, kept_prediction,
+                             passed, recorded, run_ranks)
 from dpcourse.ring import chunk_bounds
 
 __all__ = ["LabCheckError", "check_scatter_reduce", "check_all_gather", "check_ring_allreduce",
@@ -966,19 +967,11 @@ _SHARED_BUFFER_FIX = ("give every receive that is in flight at the same time a b
 IN_FLIGHT_QUESTION = "scatter-reduce receives in flight at most, segments=4"
 
 
-def _decision_key(question: str = IN_FLIGHT_QUESTION):
-    from dpcourse.checks import learner
-
-    return (learner(), "lab06", question)
-
-
 def _declared_in_flight(in_flight, segments: int):
     """``in_flight`` as a Prediction, validated; None when not declared. Refuses (unrecorded) a
     number no ring that keeps the contract can have, and a number other than the one already
     compared with a measurement in this kernel."""
     __tracebackhide__ = True
-    from dpcourse.checks import Prediction, _revealed
-
     if in_flight is None:
         return None
     declared = in_flight if isinstance(in_flight, Prediction) else Prediction(
@@ -996,7 +989,7 @@ def _declared_in_flight(in_flight, segments: int):
              f"a step has only {segments} pieces, and the next step's pieces are the sums this "
              f"step is still adding, so they cannot be on their way yet. This number was not "
              f"kept as your decision.")
-    first = _revealed.get(_decision_key())
+    first = kept_prediction("lab06", IN_FLIGHT_QUESTION)
     if first is not None and int(first.value) != int(value):
         fail(f"you declared {int(first.value)} receive(s) in flight first, and the check "
              f"compared that number with your ring; now you declare {int(value)}. A decision "
@@ -1007,20 +1000,6 @@ def _declared_in_flight(in_flight, segments: int):
                  f"its busiest moment (just before a wait), it has {int(first.value)} "
                  f"receive(s) started and not yet waited on.")
     return declared
-
-
-def _keep_decision(declared, measured: int) -> None:
-    """The first declaration compared with a measurement is the one kept, and recorded for the
-    instructor's table as a prediction's comparison is (``checks.reveal``)."""
-    from dpcourse.checks import _record, _revealed
-
-    key = _decision_key()
-    if key not in _revealed:
-        _revealed[key] = declared
-        _record("lab06", f"predict {IN_FLIGHT_QUESTION}", "compared",
-                f"predicted {declared.shown()}, measured {declared.shown(measured)}",
-                {"predicted": int(declared.value), "measured": int(measured),
-                 "close": int(declared.value) == int(measured)})
 
 
 @recorded
@@ -1120,7 +1099,7 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                              f"{' or '.join(map(str, sorted(allowed)))} in all. Does a phase "
                              f"run more or fewer than N-1 steps?")
     if declared is not None:
-        _keep_decision(declared, most)
+        keep(declared, most, close=int(declared.value) == int(most))
         if int(declared.value) != most:
             fail(f"you declared {int(declared.value)} scatter-reduce receive(s) in flight at "
                  f"once with segments={segments}, but at its busiest moment your ring had a "

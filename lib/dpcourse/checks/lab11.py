@@ -93,8 +93,8 @@ import time
 import torch
 from torch import nn
 
-from . import (check_timeout, fail, has_todo, learner, passed, recorded, refuse_reference,
-               reveal, run_ranks)
+from . import (check_timeout, fail, has_todo, passed, recorded, refuse_reference,
+               reveal, run_ranks, wrong_answers)
 from ._lab11_diagnose import (D, H, ODD_H, ROWS, _BATCH, _BELOW_IDEAL, _CHECK_DELAY_S,
                               _DIM_NAMES, _LR, _M, _NAMES, _STAGES, _STEPS, _WIDTH, _against_declaration,
                               _against_dim, _block_failures, _check_bubble_fn,
@@ -294,26 +294,34 @@ def _wrong_passes(declared: dict) -> list:
     return [op for op in ("f", "g") if declared[op] != _RIGHT[op]]
 
 
+def _answers(given, name: str, keys: tuple, values: tuple, allowed: str, first: str) -> dict:
+    """A learner's dict of choices — each of ``keys`` set to one of ``values`` (``allowed`` says
+    which, in words) — validated and lower-cased. NotImplementedError while it, or one of its
+    entries, is unwritten (``first`` says what to write first)."""
+    __tracebackhide__ = True
+    if given is None or given is Ellipsis:
+        raise NotImplementedError(f"write {first}, then run this check.")
+    if not isinstance(given, dict) or set(given) != set(keys):
+        fail(f"{name} should be a dict with exactly the keys {', '.join(map(repr, keys))}, "
+             f"each set to {allowed}; got {given!r}.")
+    out = {}
+    for key in keys:
+        value = given[key]
+        if value is None or value is Ellipsis:
+            raise NotImplementedError(f"write {name}[{key!r}] ({allowed}) first, then run this "
+                                      f"check.")
+        if not isinstance(value, str) or value.strip().lower() not in values:
+            fail(f"{name}[{key!r}] should be {allowed}; got {value!r}.")
+        out[key] = value.strip().lower()
+    return out
+
+
 def _held(held) -> dict:
     """The learner's whole/partial answers, validated; NotImplementedError when unwritten."""
     __tracebackhide__ = True
-    if held is None or held is Ellipsis:
-        raise NotImplementedError("write f_communicates_in, g_communicates_in and held first, "
-                                  "then run this check.")
-    if not isinstance(held, dict) or set(held) != set(HELD_KEYS):
-        fail(f"held should be a dict with exactly the keys {', '.join(map(repr, HELD_KEYS))}, "
-             f"each set to 'whole' or 'partial'; got {held!r}.")
-    out = {}
-    for key in HELD_KEYS:
-        value = held[key]
-        if value is None or value is Ellipsis:
-            raise NotImplementedError(f"write held[{key!r}] ('whole' or 'partial') first, then "
-                                      f"run this check.")
-        if not isinstance(value, str) or value.strip().lower() not in HELD_VALUES:
-            fail(f"held[{key!r}] should be 'whole' (the same on every rank) or 'partial' (a "
-                 f"part the ranks must sum); got {value!r}.")
-        out[key] = value.strip().lower()
-    return out
+    return _answers(held, "held", HELD_KEYS, HELD_VALUES,
+                    "'whole' (the same on every rank) or 'partial' (a part the ranks must sum)",
+                    "f_communicates_in, g_communicates_in and held first")
 
 
 def _passes_from(held: dict, op: str) -> set:
@@ -341,10 +349,11 @@ def _inconsistency(declared: dict, held: dict) -> str | None:
     return None
 
 
-# the consistent but wrong diagnoses this kernel has sent back, per learner, in order: a
+# the consistent but wrong diagnoses this kernel has sent back are kept (checks.wrong_answers): a
 # learner who then changes the pair is searching, and the check says so (as predict does for a
 # guess written after its measurement)
-_wrong_diagnoses: dict[str, list] = {}
+DIAGNOSIS_QUESTION = "in which pass f and g communicate"
+SP_QUESTION = "sequence-parallel collectives"
 
 
 def _shown_pair(pair: tuple) -> str:
@@ -373,7 +382,7 @@ def check_diagnosis(f_communicates_in, g_communicates_in, held) -> None:
              fix="an operation communicates exactly in the pass whose quantity is partial: "
                  "make the passes and held say the same thing, then judge them against the "
                  "plain MLP.")
-    tried = _wrong_diagnoses.setdefault(learner(), [])
+    tried = wrong_answers("lab11", DIAGNOSIS_QUESTION)
     pair = (declared["f"], declared["g"])
     if _wrong_passes(declared):
         earlier = [p for p in tried if p != pair]
@@ -478,30 +487,14 @@ _SP_IMPLIES = {
                           "together, each a sum of different tokens",
     },
 }
-_wrong_sp: dict[str, list] = {}     # per learner, the wrong answers sent back, in order
 
 
 def _sp_answers(collectives) -> dict:
     """The learner's four answers, validated; NotImplementedError when unwritten."""
     __tracebackhide__ = True
-    if collectives is None or collectives is Ellipsis:
-        raise NotImplementedError("write sp_collectives first (part 2's second diagnosis), "
-                                  "then run this check.")
-    if not isinstance(collectives, dict) or set(collectives) != set(SP_KEYS):
-        fail(f"sp_collectives should be a dict with exactly the keys "
-             f"{', '.join(map(repr, SP_KEYS))}, each set to one of "
-             f"{', '.join(map(repr, SP_VALUES))}; got {collectives!r}.")
-    out = {}
-    for key in SP_KEYS:
-        value = collectives[key]
-        if value is None or value is Ellipsis:
-            raise NotImplementedError(f"write sp_collectives[{key!r}] first, then run this "
-                                      f"check.")
-        if not isinstance(value, str) or value.strip().lower() not in SP_VALUES:
-            fail(f"sp_collectives[{key!r}] should be one of {', '.join(map(repr, SP_VALUES))}; "
-                 f"got {value!r}.")
-        out[key] = value.strip().lower()
-    return out
+    return _answers(collectives, "sp_collectives", SP_KEYS, SP_VALUES,
+                    f"one of {', '.join(map(repr, SP_VALUES))}",
+                    "sp_collectives first (part 2's second diagnosis)")
 
 
 @recorded
@@ -513,7 +506,7 @@ def check_sequence_parallel(sp_collectives) -> None:
     same form), never which is wrong; a second, different wrong answer is named as a search."""
     __tracebackhide__ = True
     answers = _sp_answers(sp_collectives)
-    tried = _wrong_sp.setdefault(learner(), [])
+    tried = wrong_answers("lab11", SP_QUESTION)
     if answers != _RIGHT_SP:
         shown = tuple(answers[k] for k in SP_KEYS)
         earlier = [t for t in tried if t != shown]
