@@ -1026,7 +1026,7 @@ def test_a_weighted_loop_that_skips_none_is_named_on_three_ranks_too():
                                             r"through head_a, not by all 8"),
     (weighted_over_the_users_samples, (3,), r"head_a's weighted sum was divided by the 3 \+ 8 "
                                             r"= 11 samples"),
-    (weighted_zeros_for_the_frozen_too, (2,), r"rank 0's frozen parameter \(requires_grad="
+    (weighted_zeros_for_the_frozen_too, (2,), r"on part 1's model, on rank 0 the frozen parameter \(requires_grad="
                                               r"False\) ends with a p\.grad"),
     (weighted_zeros_without_device, (2,), r"tensor of shape \(10,\) handed to "
                                           r"dist\.all_reduce was made by a factory function"),

@@ -286,6 +286,27 @@ def _none_guard(results: list, name: str) -> None:
                      "means for the contract.")
 
 
+def _close(a, b) -> bool:
+    """Equal up to the order of float additions; a gradient that is None is never close."""
+    return a is not None and torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def _refuse_frozen_grad(results: list, name: str, where: str) -> None:
+    """The routed model's ``frozen`` parameter must keep p.grad None on every rank after the
+    learner's ``name``: the backward gave it none, and an optimizer steps every parameter whose
+    p.grad is not None."""
+    __tracebackhide__ = True
+    for rank, r in enumerate(results):
+        frozen = r["routed_after"].get("frozen")
+        if frozen is not None:
+            fail(f"{where}on rank {rank} the frozen parameter (requires_grad=False) ends with a "
+                 f"p.grad of {frozen.numel()} values after {name}, where the backward gave it "
+                 f"none on any rank: an optimizer steps every parameter whose p.grad is not "
+                 f"None (weight decay or momentum alone would then move a frozen weight).",
+                 fix="give zeros only to a parameter that requires a gradient and got none on "
+                     "this rank; leave p.grad None where p.requires_grad is False.")
+
+
 def _diagnose_routed(results: list, world_size: int, name: str, flat: bool = False) -> None:
     """Part 1's routed model: rank r used only ROUTED_HEADS[r % 2]. The contract: on every rank
     each head holds the sum over the ranks of that head's gradient, a rank that did not use it
@@ -302,18 +323,8 @@ def _diagnose_routed(results: list, world_size: int, name: str, flat: bool = Fal
     paired = sum(results[rank]["routed_local"][used[rank]] for rank in range(world_size))
     paired = paired / world_size
 
-    def close(a, b):
-        return a is not None and torch.allclose(a, b, rtol=1e-4, atol=1e-7)
-
-    for rank, r in enumerate(results):
-        frozen = r["routed_after"].get("frozen")
-        if frozen is not None:
-            fail(f"on rank {rank} the frozen parameter (requires_grad=False) ends with a p.grad "
-                 f"of {frozen.numel()} values after {name}, where the backward gave "
-                 f"it none on any rank: an optimizer steps every parameter whose p.grad is not "
-                 f"None (weight decay or momentum alone would then move a frozen weight).",
-                 fix="give zeros only to a parameter that requires a gradient and got none on "
-                     "this rank; leave p.grad None where p.requires_grad is False.")
+    close = _close
+    _refuse_frozen_grad(results, name, "")
     for rank, r in enumerate(results):
         mine = used[rank]
         for h in ROUTED_HEADS:
@@ -792,19 +803,8 @@ def _diagnose_weighted_routed(results: list, world_size: int) -> None:
     # ranks' calls on the heads THEY used
     paired = sum(weighted(used[rank], r) for rank, r in enumerate(results)) / total_n
 
-    def close(a, b):
-        return a is not None and torch.allclose(a, b, rtol=1e-4, atol=1e-7)
-
-    for rank, r in enumerate(results):
-        frozen = r["routed_after"].get("frozen")
-        if frozen is not None:
-            fail(f"on part 1's model, rank {rank}'s frozen parameter (requires_grad=False) ends "
-                 f"with a p.grad of {frozen.numel()} values after {name}, where the backward "
-                 f"gave it none on any rank: an optimizer steps every parameter whose p.grad "
-                 f"is not None (weight decay or momentum alone would then move a frozen "
-                 f"weight).",
-                 fix="give zeros only to a parameter that requires a gradient and got none on "
-                     "this rank; leave p.grad None where p.requires_grad is False.")
+    close = _close
+    _refuse_frozen_grad(results, name, "on part 1's model, ")
     for rank, r in enumerate(results):
         mine = used[rank]
         for h in ROUTED_HEADS:
