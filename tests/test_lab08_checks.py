@@ -602,6 +602,23 @@ class IteratesParamsTwice(GoodTwo):
         return [p for p in self.params if p.requires_grad]
 
 
+class RereadsForBuckets(GoodTwo):
+    # the learner's finding: the trainable list from one pass over the generator, the buckets
+    # from a second (empty) one — the raw error was "IndexError: list index out of range"
+    def __init__(self, params, optimizer_cls, bucket_cap=128, **kwargs):
+        self.trainable_list = [p for p in params if p.requires_grad]
+        self.buckets = make_buckets([p for p in params if p.requires_grad], bucket_cap)
+        self.first_bucket = self.buckets[0]
+
+
+class RereadsForHooks(GoodTwo):
+    # a pass to count, then the real work on a second pass: no parameter, no bucket, and
+    # torch.cat of no pieces raises
+    def trainable(self, params):
+        self.count = sum(1 for _ in params)
+        return [p for p in params if p.requires_grad]
+
+
 class DefaultDtypeGather(GoodTwo):
     # the all-gather's output made without dtype= (or device=): torch's default, not the
     # parameters' (on a GPU it would sit on the CPU)
@@ -698,6 +715,26 @@ class OffsetByNumel(GoodTwo):
         return self.shard.grad[offset:offset + size]
 
 
+class SwappedReduceScatter(GoodTwo):
+    # reduce_scatter_single(input, output): the padded bucket where its slice belongs
+    def launch(self, i):
+        buffer, out = self.padded(i), self.out(i)
+        work = dist.reduce_scatter_single(buffer, out, async_op=True)
+        self.in_flight.append((work, buffer, out))
+
+
+class SwappedAllGather(GoodTwo):
+    # all_gather_single(input, output): this rank's piece where the gathered vector belongs
+    def gather(self):
+        for bucket, (size, offset) in zip(self.buckets, self.layout):
+            full = self.shard.new_empty(size * self.world_size)
+            dist.all_gather_single(self.shard.detach()[offset:offset + size], full)
+            start = 0
+            for p in bucket:
+                p.data.copy_(full[start:start + p.numel()].view_as(p))
+                start += p.numel()
+
+
 WRONG_TWOS = [
     (ShardView, "self.shard is a view of a larger tensor"),
     (ShardGradView, "self.shard.grad is a view of a larger tensor"),
@@ -725,6 +762,10 @@ WRONG_TWOS = [
     (ReducesIntoANewTensor, "self.shard.grad was all zeros when the inner optimizer stepped"),
     (RebindsTheMean, "gradients [23]× too large: you summed .*a division into a new tensor"),
     (IteratesParamsTwice, "params is a generator"),
+    (RereadsForBuckets, r"raised on rank 0 \(IndexError: list index out of range\) after it "
+                        r"had looped over params again once it was used up: params is "
+                        r"model.parameters\(\), a generator"),
+    (RereadsForHooks, r"raised on rank 0 \(.*\) after it had looped over params again"),
     (DefaultDtypeGather, "an all-gather got a float64 tensor while the parameters are "
                          "float32 — a tensor made with torch.zeros/torch.empty"),
     (DefaultDtypeBuffer, "a reduce-scatter got a float64 tensor .* contract 6"),
@@ -732,6 +773,12 @@ WRONG_TWOS = [
     (DefaultDtypeShardGrad, "self.shard.grad was given another dtype than self.shard .* "
                             "contract 6"),
     (OffsetByNumel, "output slice of self.shard.grad is the wrong size"),
+    (SwappedReduceScatter, r"reduce_scatter_single\(output, input\) takes the output first, "
+                           r"and yours got an output of (\d+) numbers and an input of \d+ — an "
+                           r"output [23] × its input .* passed the wrong way round"),
+    (SwappedAllGather, r"all_gather_single\(output, input\) takes the output first, and yours "
+                       r"got an output of \d+ numbers and an input of \d+ — an input [23] × its "
+                       r"output .* passed the wrong way round"),
     (CountAtSizeIsNotFull, "in step 2's backward .* self.arrived held \\[3, 1, 3, 1, 2, 2\\] "
                            "for buckets of \\[3, 1, 3, 1, 2, 2\\] parameters — yet no bucket "
                            "was reduce-scattered: your test of a full bucket took a count equal "
@@ -957,6 +1004,21 @@ def test_copy_before_wait_peak_is_three_buckets_and_said_to_keep_more(capsys):
     lab08.check_peak_prediction(predict("lab08", "peak", 35360, unit="B"), measured)
     assert "is not that of one bucket in flight (35360 B): it keeps more alive" in \
         " ".join(capsys.readouterr().out.split())
+
+
+def test_swapped_arguments_are_not_called_an_offset_mistake(results):
+    # the learner's finding: swapped arguments were named "the output slice is the wrong
+    # size" and, the second time, "check the offset"; the fix names the argument order
+    for cls, fix in ((SwappedReduceScatter, "reduce_scatter_single\\(this bucket's slice of "
+                                            "self.shard.grad, the padded bucket"),
+                     (SwappedAllGather, "all_gather_single\\(the padded vector of world_size "
+                                        "pieces, this rank's slice")):
+        with pytest.raises(LabCheckError) as first:
+            diagnose(results, cls)
+        assert "offset" not in str(first.value) and "wrong size" not in str(first.value)
+        assert not re.search(fix, str(first.value))
+        with pytest.raises(LabCheckError, match=fix):
+            diagnose(results, cls)
 
 
 @pytest.mark.parametrize("cls", [CountAtSizeIsNotFull, LaunchesBeforeFull],

@@ -131,6 +131,16 @@ def _raised(rank: int, summary: str) -> None:
         summary = summary[:start if start >= 0 else counted.start()] + summary[counted.end():]
         if "lab08-" not in summary:
             _counted(rank, counted, summary)
+    found = re.search(r"lab08-reread (\d+) \| (.*)", summary)
+    if found:
+        fail(f"your code raised on rank {rank} ({found.group(2).rstrip('.')}) after it had "
+             f"looped over params again once it was used up: params is model.parameters(), a "
+             f"generator, which yields the parameters once — every later pass over it finds "
+             f"no parameter, so what you built from that pass was empty.",
+             fix="turn params into a list once (list(params)) and loop over the list.")
+    found = re.search(r"lab08-swapped (\w+) (\d+) (\d+) (\d+)", summary)
+    if found:
+        _swapped(rank, found.group(1), *(int(found.group(i)) for i in (2, 3, 4)))
     found = re.search(r"lab08-(unpadded|out|gather) (\d+) (\d+)(?: (\d+))?", summary)
     if found:
         kind, a, b, c = found.group(1), int(found.group(2)), int(found.group(3)), found.group(4)
@@ -177,6 +187,27 @@ def _raised(rank: int, summary: str) -> None:
                 "a multiple of the world size before a collective, and make the output of "
                 "all_gather_single world_size times a shard")
     fail(f"your code raised on rank {rank}: {summary}{hint}.")
+
+
+def _swapped(rank: int, function: str, out_numel: int, in_numel: int, world_size: int) -> None:
+    """A reduce-scatter whose output is world_size times its input, or an all-gather whose
+    input is world_size times its output: the two arguments the wrong way round."""
+    __tracebackhide__ = True
+    if out_numel > in_numel:                          # a reduce-scatter
+        fail(f"your code raised on rank {rank}: {function}(output, input) takes the output "
+             f"first, and yours got an output of {out_numel} numbers and an input of "
+             f"{in_numel} — an output {world_size} × its input ({world_size} ranks) is the "
+             f"padded bucket and its slice of self.shard.grad passed the wrong way round: the "
+             f"input is the whole padded bucket, the output this rank's piece of it.",
+             fix=f"call {function}(this bucket's slice of self.shard.grad, the padded bucket, "
+                 f"async_op=True).")
+    fail(f"your code raised on rank {rank}: {function}(output, input) takes the output first, "
+         f"and yours got an output of {out_numel} numbers and an input of {in_numel} — an input "
+         f"{world_size} × its output ({world_size} ranks) is the gathered vector and this rank's "
+         f"piece passed the wrong way round: the input is this rank's piece, the output the "
+         f"vector of all {world_size} pieces.",
+         fix=f"call {function}(the padded vector of world_size pieces, this rank's slice of "
+             f"self.shard).")
 
 
 def _counted(rank: int, found: re.Match, summary: str) -> None:
@@ -260,10 +291,13 @@ def _diagnose(results: list, world_size: int, opt_name: str) -> str:
             fail(f"rank {rank}'s optimizer state is {st['bytes']} bytes, more than one shard's "
                  f"({most} numbers × {per_number} × 4 bytes).")
     launched_any = any(e[0] == "launch" for r in results for s in r["steps"] for e in s["log"])
-    if not launched_any and all(r.get("hooked") == 0 for r in results):
-        fail("your wrapper registered no gradient hook and reduce-scattered nothing: params is "
-             "a generator (model.parameters()), which runs out after one pass — a second loop "
-             "over it finds no parameter.", fix="make it a list first (list(params)).")
+    if not launched_any and (all(r.get("hooked") == 0 for r in results) or
+                             any(r.get("reread") for r in results)):
+        what = ("registered no gradient hook" if all(r.get("hooked") == 0 for r in results)
+                else "looped over params again once it was used up")
+        fail(f"your wrapper {what} and reduce-scattered nothing: params is a generator "
+             f"(model.parameters()), which runs out after one pass — a second loop over it "
+             f"finds no parameter.", fix="make it a list first (list(params)).")
     _diagnose_frozen(results)
     _diagnose_schedule(results, world_size)
     for step in range(_STEPS):

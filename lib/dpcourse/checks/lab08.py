@@ -286,6 +286,14 @@ def _refuse_uneven(call, world_size: int) -> None:
     """Before a reduce-scatter or all-gather of the learner's runs: refuse, with a message the
     check turns into the cause, pieces that cannot be equal (gloo's own error says only
     "size")."""
+    if call.op == "reduce_scatter" and call.numel and call.out_numel == call.numel * world_size \
+            and world_size > 1:
+        raise RuntimeError(f"lab08-swapped {call.function} {call.out_numel} {call.numel} "
+                           f"{world_size}")
+    if call.op == "all_gather" and call.out_numel and call.numel == call.out_numel * world_size \
+            and world_size > 1:
+        raise RuntimeError(f"lab08-swapped {call.function} {call.out_numel} {call.numel} "
+                           f"{world_size}")
     if call.op == "reduce_scatter" and call.numel:
         if call.numel % world_size:
             raise RuntimeError(f"lab08-unpadded {call.numel} {world_size}")
@@ -412,7 +420,13 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
     torch.set_default_dtype(_LEARNER_DEFAULT)              # see _LEARNER_DEFAULT
     try:
         with record_collectives(before=launched, after=watched):
-            opt = cls(model.parameters(), opt_cls, bucket_cap=BUCKET_CAP, **kw)
+            given = _OnePass(model.parameters())
+            try:
+                opt = cls(given, opt_cls, bucket_cap=BUCKET_CAP, **kw)
+            except Exception as exc:
+                _raise_if_reread(exc, given)
+                raise
+            state["given"] = given
             inner = getattr(opt, "optimizer", None)
             shard = getattr(opt, "shard", None)
             views = {}
@@ -456,6 +470,7 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                 try:
                     F.cross_entropy(model(X), y).backward()
                 except Exception as exc:
+                    _raise_if_reread(exc, given)
                     _raise_with_counts(exc, opt, step, log, steps)
                 weigh()
                 end_total, end_where = live()
@@ -465,7 +480,11 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                 shard_now = getattr(opt, "shard", None)
                 shard_before = shard_now.detach().clone() if isinstance(shard_now, torch.Tensor) \
                     else None
-                opt.step()
+                try:
+                    opt.step()
+                except Exception as exc:
+                    _raise_if_reread(exc, given)
+                    raise
                 shard_now = getattr(opt, "shard", None)
                 shard_moved = shard_before is not None and isinstance(shard_now, torch.Tensor) and \
                     shard_now.shape == shard_before.shape and \
@@ -487,11 +506,42 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                 steps.append(rec)
             state_after = _state_of(inner)
         return {"initial": initial, "steps": steps, "state_after": state_after, "names": names,
-                "counters0": counters0,
+                "counters0": counters0, "reread": given.reread,
                 "views": None, "hooked": hooked, "frozen": [(n, p.numel()) for n, p in named.items()
                                           if not p.requires_grad]}
     finally:
         torch.set_default_dtype(_MODEL_DTYPE)
+
+
+class _OnePass:
+    """``model.parameters()`` as the learner gets it — an iterator that runs out after one
+    pass — which counts the passes begun after it ran out (``reread``): a second loop over it
+    finds nothing, and whatever the learner built from that loop is empty."""
+
+    def __init__(self, params):
+        self._it, self._done, self.reread = iter(params), False, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            self.reread += 1
+            raise StopIteration
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._done = True
+            raise
+
+
+def _raise_if_reread(exc: Exception, given: _OnePass) -> None:
+    """The learner's code raised after a loop over the exhausted ``params``: say that first
+    (``lab08-reread``, read by ``_diagnose._raised``), the error it led to after it."""
+    __tracebackhide__ = True
+    if given.reread:
+        raise RuntimeError(f"lab08-reread {given.reread} | {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
 
 
 def _raise_with_counts(exc: Exception, opt, step: int, log: list, steps: list) -> None:
