@@ -139,52 +139,53 @@ lab11.check_block_of(block_of)
 # What must hold afterwards: the column layer's input gets the gradient the plain layer would
 # give it, and the row layer's output is the plain layer's, on every rank.
 #
-# **Your diagnosis first.** Before you write a method, say what each rank holds of four
-# quantities *on its own*, before any collective: X (what `f` receives in the forward), dL/dX
-# (what `f` receives in the backward), Y (this rank's product, which `g` receives in the
-# forward) and dL/dY (what `g` receives in the backward). `held` is a dict with exactly these
-# four keys, `"X"`, `"dL/dX"`, `"Y"` and `"dL/dY"`, each set to `"whole"` (the same on every
-# rank) or `"partial"` (a part the ranks must sum). Then set
-# `f_communicates_in` and `g_communicates_in` each to `"forward"`, `"backward"`, `"both"` or
-# `"neither"`: they must follow from your own answers. `lab11.check_diagnosis` first checks
-# that they do, then judges them as a pair: a wrong pair comes back with what it would make
-# of X, dL/dX and Y, and you find which of those the plain MLP does not compute (a different
-# pair sent after that, without a new reason, is named as the search it is); the check of
-# your code then refuses code that communicates anywhere else than you declared.
+# **Your diagnosis first — this part's design decision.** Before you write a method, decide in
+# which pass each operation must talk to the other ranks: set `f_communicates_in` and
+# `g_communicates_in` each to `"forward"`, `"backward"`, `"both"` or `"neither"`.
+# `lab11.check_diagnosis` judges them as a pair: a wrong pair comes back with what it would
+# make of the MLP's tensors, and you find which of those the plain MLP does not compute (a
+# different pair sent after that, without a new reason, is named as the search it is). The
+# check of your code then refuses code that communicates anywhere else than you declared.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Write ∂L/∂X for the column layer. Every rank holds all of X but only its block A_r, and X
-# reaches the hidden features through every block: how many terms does ∂L/∂X have, and which
-# of them can one rank compute? Then, for `g`: Y = Σ_r Y_r, so what is ∂L/∂Y_r — and does a
-# rank already hold it?
+# Take the four tensors at the two operations' edges: X (what `f` receives in the forward),
+# dL/dX (what `f` receives in the backward), Y_r (this rank's matrix product, which `g`
+# receives in the forward) and dL/dY (what `g` receives in the backward). For each, right
+# where the operation receives it and before any collective: does every rank hold the same,
+# whole tensor — or does each hold only a part, which the ranks must add up to get the plain
+# MLP's value?
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
+# **▶ Hint 2 — let the check test your reasoning** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Write your answers to Hint 1 down for the check: `held = {"X": ..., "dL/dX": ..., "Y": ...,
+# "dL/dY": ...}`, each `"whole"` (the same on every rank) or `"partial"` (a part the ranks
+# must sum), and call `lab11.check_diagnosis(f_communicates_in, g_communicates_in, held)`. It
+# then first tells you where your passes disagree with your own answers, and, when they agree
+# but are wrong, asks which of your answers does not hold.
+
+# %% [markdown]
+# **▶ Hint 3 — the idea, and the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # ∂L/∂X = Σ_r ∂L/∂Z_r · A_rᵀ (Z_r = X A_r): each rank computes one term, so the sum needs the
 # ranks together — on the backward pass; the forward of `f` has nothing to add, since X is
 # already the same everywhere. `g` is the mirror image: the forward needs the sum of the
 # partial products; the gradient of a sum reaches each term as it is, and everything after
-# `g` runs identically on every rank, so each rank already holds it.
-
-# %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
-# Of the four methods, two return what they were given (a fresh tensor or a view of it), and
-# two sum over the ranks before returning; each collective runs on every rank, unconditionally.
+# `g` runs identically on every rank, so each rank already holds it. In the code, then, two of
+# the four methods return what they were given (a fresh tensor or a view of it), and two sum
+# over the ranks before returning; each collective runs on every rank, unconditionally.
 
 # %%
-### BEGIN SOLUTION: held (four answers), f_communicates_in, g_communicates_in
-held = {"X": "whole", "dL/dX": "partial", "Y": "partial", "dL/dY": "whole"}
+### BEGIN SOLUTION: f_communicates_in, g_communicates_in
 f_communicates_in = "backward"
 g_communicates_in = "forward"
 ### END SOLUTION
-lab11.check_diagnosis(f_communicates_in, g_communicates_in, held)
+lab11.check_diagnosis(f_communicates_in, g_communicates_in)
 
 # %%
 class CopyToTPRegion(torch.autograd.Function):

@@ -370,7 +370,7 @@ def test_a_right_diagnosis_after_wrong_pairs_says_how_it_was_reached(capsys):
     out = capsys.readouterr().out
     assert out.startswith("✔ your diagnosis")
     assert "(reached after 2 wrong pairs, the first (f 'both', g 'both'): say to yourself " \
-           "which of that diagnosis's whole/partial answers was false" in out
+           "which tensor that diagnosis took for whole on every rank, or for a part to sum" in out
 
 
 def test_a_right_first_diagnosis_says_nothing_of_a_search(capsys):
@@ -459,12 +459,24 @@ def test_a_diagnosis_that_is_not_passes_and_answers_is_refused(f, g, held, phras
     fails(lab11.check_diagnosis, f, g, held, match=phrase)
 
 
+def test_the_passes_alone_are_the_diagnosis_and_held_is_help_on_request(capsys):
+    """Part 2 asks for the passes first; the whole/partial vocabulary is Hint 2's help. Without
+    held a right pair passes, and a wrong one asks which tensor is only a part on each rank —
+    never mentioning answers the learner did not give."""
+    lab11.check_diagnosis("backward", "forward")
+    assert "✔" in capsys.readouterr().out
+    message = fails(lab11.check_diagnosis, "both", "both", match=r"The pair .* is not right")
+    assert "which tensor does a rank hold only as a part the ranks must sum?" in message
+    assert "whole/partial answers" not in message
+    again = fails(lab11.check_diagnosis, "forward", "forward", match="is not right")
+    assert "This is your diagnosis no. 2; before it, (f 'both', g 'both') came back too" in again
+    with pytest.raises(NotImplementedError, match="write held\\['X'\\]"):
+        lab11.check_diagnosis("backward", "forward", dict(RIGHT_HELD, X=None))
+
+
 def test_an_unwritten_diagnosis_is_a_todo():
     with pytest.raises(NotImplementedError, match="write f_communicates_in"):
         lab11.check_diagnosis(None, "forward", RIGHT_HELD)
-    with pytest.raises(NotImplementedError, match="write f_communicates_in, g_communicates_in "
-                                                  "and held first"):
-        lab11.check_diagnosis("backward", "forward", None)
     with pytest.raises(NotImplementedError, match=r"write held\['Y'\]"):
         lab11.check_diagnosis("backward", "forward", dict(RIGHT_HELD, Y=...))
     with pytest.raises(NotImplementedError, match="write f_communicates_in and "

@@ -9,16 +9,16 @@ process. The values are chosen so that each classic mistake leaves its own trace
 * ``check_block_of``: the slice rank r keeps of a size (in process): not offset by rank, one
   feature short, the remainder dropped, a size that does not divide neither refused with a
   sentence naming it nor handled;
-* ``check_diagnosis``: before any code, the learner says, for X and dL/dX (at f) and Y and
-  dL/dY (at g), whether each rank holds it ``"whole"`` (the same on every rank) or
-  ``"partial"`` (a part the ranks must sum) before any collective, and declares in which pass f
-  and in which pass g communicates (``"forward"``, ``"backward"``, ``"both"`` or
-  ``"neither"``). Passes that do not follow from the learner's own answers (an operation
-  communicates exactly in the pass whose quantity is partial) are named as that
-  inconsistency; a consistent but wrong answer is sent back as a pair, never operation by
-  operation, with what it would make of X, dL/dX, Y and dL/dY_r — so that runs cannot sort
-  out the values; a second, different wrong pair in the same kernel is named as a search
-  (the earlier pairs listed), and a pass reached after wrong pairs says so, with the first.
+* ``check_diagnosis``: before any code, the learner declares in which pass f and in which pass
+  g communicates (``"forward"``, ``"backward"``, ``"both"`` or ``"neither"``). A wrong answer
+  is sent back as a pair, never operation by operation, with what it would make of X, dL/dX, Y
+  and dL/dY_r — so that runs cannot sort out the values; a second, different wrong pair in the
+  same kernel is named as a search (the earlier pairs listed), and a pass reached after wrong
+  pairs says so, with the first. A learner who asks for help (Hint 2) also passes ``held``:
+  for X and dL/dX (at f) and Y and dL/dY (at g), whether each rank holds it ``"whole"`` (the
+  same on every rank) or ``"partial"`` (a part the ranks must sum) before any collective;
+  passes that do not follow from those answers (an operation communicates exactly in the pass
+  whose quantity is partial) are then named as that inconsistency first.
   ``check_conjugates`` takes the same declaration
   and refuses code whose collectives disagree with it;
 * ``check_conjugates``: ``f`` (copy to the tensor-parallel region: identity forward, all-reduce
@@ -361,27 +361,27 @@ def _shown_pair(pair: tuple) -> str:
 
 
 @recorded
-def check_diagnosis(f_communicates_in, g_communicates_in, held) -> None:
-    """The learner's own diagnosis of part 2, before any code: ``held``, for each of X and
-    dL/dX (at f) and Y and dL/dY (at g), whether each rank holds it ``"whole"`` (the same on
-    every rank) or ``"partial"`` (a part the ranks must sum) before any collective; and in which
-    pass f and g communicate (each ``"forward"``, ``"backward"``, ``"both"`` or
-    ``"neither"``), which must follow from those answers. Passes that disagree with the
-    learner's own answers are named as that disagreement; a consistent but wrong answer is sent
-    back as a pair, with what it would make of the MLP's tensors, never which value is
-    wrong."""
+def check_diagnosis(f_communicates_in, g_communicates_in, held=None) -> None:
+    """The learner's own diagnosis of part 2, before any code: in which pass f and g
+    communicate (each ``"forward"``, ``"backward"``, ``"both"`` or ``"neither"``). A wrong pair
+    is sent back as a pair, with what it would make of the MLP's tensors, never which value is
+    wrong; a different wrong pair after it is named as a search.
+
+    ``held`` is optional help the learner asks for (part 2's Hint 2): for each of X and dL/dX
+    (at f) and Y and dL/dY (at g), whether each rank holds it ``"whole"`` (the same on every
+    rank) or ``"partial"`` (a part the ranks must sum) before any collective. Given, the passes
+    must follow from it, and a pass that disagrees with the learner's own answers is named as
+    that disagreement first."""
     __tracebackhide__ = True
-    if held is None or held is Ellipsis:
-        raise NotImplementedError("write f_communicates_in, g_communicates_in and held first, "
-                                  "then run this check.")
     declared = _declaration(f_communicates_in, g_communicates_in, "run this check")
-    answers = _held(held)
-    clash = _inconsistency(declared, answers)
-    if clash:
-        fail(f"Your passes do not follow from your own whole/partial answers: {clash}.",
-             fix="an operation communicates exactly in the pass whose quantity is partial: "
-                 "make the passes and held say the same thing, then judge them against the "
-                 "plain MLP.")
+    answers = None if held is None else _held(held)
+    if answers is not None:
+        clash = _inconsistency(declared, answers)
+        if clash:
+            fail(f"Your passes do not follow from your own whole/partial answers: {clash}.",
+                 fix="an operation communicates exactly in the pass whose quantity is partial: "
+                     "make the passes and held say the same thing, then judge them against "
+                     "the plain MLP.")
     tried = wrong_answers("lab11", DIAGNOSIS_QUESTION)
     pair = (declared["f"], declared["g"])
     if _wrong_passes(declared):
@@ -392,15 +392,19 @@ def check_diagnosis(f_communicates_in, g_communicates_in, held) -> None:
                   f"{', '.join(map(_shown_pair, earlier))} came back too: a new pair without a "
                   f"new reason is a search over a handful of answers, not a diagnosis."
                   if earlier else "")
+        which = ("and so which of your whole/partial answers does not hold?"
+                 if answers is not None else
+                 "and so which tensor does a rank hold only as a part the ranks must sum?")
         fail(f"The pair ({_NAMES['f']} = {declared['f']!r}, {_NAMES['g']} = "
              f"{declared['g']!r}) is not right. Followed through the MLP, it means: "
              f"{_pair_implies(declared)}. Which of these is not what the plain MLP computes — "
-             f"and so which of your whole/partial answers does not hold?{search}",
+             f"{which}{search}",
              fix="write ∂L/∂X and Y of the plain MLP as sums over the ranks' blocks, and mark "
                  "for each term which rank can compute it on its own.")
     after = (f" (reached after {len(tried)} wrong pair{'s' if len(tried) > 1 else ''}, the "
-             f"first {_shown_pair(tried[0])}: say to yourself which of that diagnosis's "
-             f"whole/partial answers was false, and why, before you write the code)"
+             f"first {_shown_pair(tried[0])}: say to yourself which tensor that diagnosis "
+             f"took for whole on every rank, or for a part to sum, and why it is not, before "
+             f"you write the code)"
              if tried else "")
     passed("your diagnosis: on each side of f and of g, one pass carries what every rank holds "
            "only as a part — a sum over the ranks — and the other has it whole on every rank "
