@@ -181,8 +181,21 @@ def swap(send, right, recv, left):
     return []
 
 
+# Who sends first in a step, as a learner may decide it: (rank, N, step) -> send first?
+ORDER_RULES = {
+    "even": lambda rank, n, step: rank % 2 == 0,
+    "odd": lambda rank, n, step: rank % 2 == 1,
+    "first half": lambda rank, n, step: rank < n / 2,  # a start-up chain, then 2.2 per step
+    "every third": lambda rank, n, step: rank % 3 == 0,  # bounded: at most 3 per step
+    "by step": lambda rank, n, step: (rank + step) % 2 == 0,
+    "ranks 0 and 1": lambda rank, n, step: rank < 2,  # the first half of 4 ranks, hard-coded
+    "ranks 0 and 2": lambda rank, n, step: rank in (0, 2),  # the even ranks of 4, hard-coded
+}
+
+
 def learner_ring(tensor, op="sum", off_by_one=False, gather=True, average=True, blocking=False,
-                 receive_first=False, nonblocking=False, wait_twice=False, lone=None):
+                 receive_first=False, nonblocking=False, wait_twice=False, lone=None,
+                 rule=None):
     """A learner's ring, with the lab's plausible mistakes as switches."""
     import torch
     import torch.distributed as dist
@@ -192,8 +205,18 @@ def learner_ring(tensor, op="sum", off_by_one=False, gather=True, average=True, 
     chunks = list(flat.tensor_split(n))
     right, left = (rank + 1) % n, (rank - 1) % n
 
+    step = [0]
+
     def exchange(send, recv):
-        if blocking:  # the deadlock: everybody sends first
+        step[0] += 1
+        if rule is not None:  # blocking calls in the order ORDER_RULES[rule] gives
+            if ORDER_RULES[rule](rank, n, step[0]):
+                dist.send(send, right)
+                dist.recv(recv, left)
+            else:
+                dist.recv(recv, left)
+                dist.send(send, right)
+        elif blocking:  # the deadlock: everybody sends first
             dist.send(send, right)
             dist.recv(recv, left)
         elif receive_first:  # the other deadlock: everybody receives first
@@ -363,6 +386,11 @@ def test_ring_that_skips_the_idea_is_named(fn, phrase):
 def test_ring_reference_passes(capsys):
     lab06.check_ring_allreduce(ring_ok, timeout=60)
     out = capsys.readouterr().out
+    # the time per step, from the order of its calls: 3 on 3 ranks (no order does better), 2
+    # on an even N, modelled on 8 and 16 ranks by a dry run
+    assert "a step took about 3.0 transfer times on 3 ranks, 2.0 on 2, 2.0 on 4, and, modelled " \
+           "from the order of its calls on more ranks than this machine runs, 2.0 on 8 and 2.0 " \
+           "on 16)" in out, out
     assert "built from blocking dist.send/dist.recv only" in out, out
     assert "on 3, 2, 4 ranks" in out, out
     # the ✔ line says what was checked: message counts only where no chunk is empty
@@ -437,6 +465,105 @@ def test_a_single_rank_breaking_the_cycle_is_refused_as_serial(fn, verb, lone):
         assert "4 transfers ran one after another around the ring" in msg, msg
         assert ("no long run of neighbouring ranks makes the same first call" in msg) == \
             (attempt == 2), msg
+
+
+def ring_ranks_0_and_1_first(tensor, op="sum"):
+    return learner_ring(tensor, op, rule="ranks 0 and 1")
+
+
+def ring_ranks_0_and_2_first(tensor, op="sum"):
+    return learner_ring(tensor, op, rule="ranks 0 and 2")
+
+
+@pytest.mark.parametrize("fn, senders, on_8", [(ring_ranks_0_and_1_first, "(0, 1)", "4.1"),
+                                               (ring_ranks_0_and_2_first, "(0, 2)", "4.0")])
+def test_an_order_whose_step_time_grows_with_n_is_refused(fn, senders, on_8):
+    """Right on 2, 3 and 4 ranks, and parallel on 4 (two ranks send first there, as with the
+    even/odd rule), but a fixed number of ranks send first: on N ranks only 2 transfers run at
+    once, so a step costs about N/2 transfer times. Its order of calls, found on 8 and 16 ranks
+    by a dry run, is refused with the numbers; the fix only on the second meeting."""
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab06.check_ring_allreduce(fn, world_size=4, timeout=60)
+        msg = str(err.value)
+        assert "your ring is right, but its time per step grows with N" in msg, msg
+        assert f"on 4 ranks, {on_8} on 8 and 8.0 on 16 transfer times per step" in msg, msg
+        assert f"On 16 ranks, 2 rank(s) {senders} call dist.send first in step 1 and 14 " \
+               "call dist.recv first" in msg, msg
+        assert "no more than 2 transfers can run at once" in msg, msg
+        assert ("both grow with N (about half each)" in msg) == (attempt == 2), msg
+
+
+def ring_first_half(tensor, op="sum"):
+    return learner_ring(tensor, op, rule="first half")
+
+
+def ring_odd_first(tensor, op="sum"):
+    return learner_ring(tensor, op, rule="odd")
+
+
+def ring_every_third(tensor, op="sum"):
+    return learner_ring(tensor, op, rule="every third")
+
+
+def ring_by_step(tensor, op="sum"):
+    return learner_ring(tensor, op, rule="by step")
+
+
+@pytest.mark.parametrize("fn, on_4, on_8, on_16", [
+    (ring_first_half, "2.2", "2.2", "2.2"),  # a start-up chain of N/2, then 2 per step
+    (ring_odd_first, "2.0", "2.0", "2.0"),
+    (ring_every_third, "2.2", "2.7", "2.7"),  # bounded: never more than 3 per step
+    (ring_by_step, "2.0", "2.0", "2.0"),
+])
+def test_orders_whose_step_time_stays_bounded_pass(fn, on_4, on_8, on_16, capsys):
+    """Every order whose time per step does not grow with N keeps part 3's contract, the
+    "first half of the ranks send first" rule included: gloo ranks do not wait for one another
+    between steps, so its chain of N/2 + 1 transfers in step 1 is paid once (measured with gloo
+    and 8 and 12 ranks, each transfer padded to 20 ms: 2.36 transfer times per step on both,
+    even/odd 2.24 and 2.19, rank 0 alone sending first 8.3 and 12.8)."""
+    lab06.check_ring_allreduce(fn, world_size=4, timeout=60)
+    out = capsys.readouterr().out
+    assert f"a step took about {on_4} transfer times on 4 ranks" in out, out
+    assert f"{on_8} on 8 and {on_16} on 16" in out, out
+
+
+def test_the_step_time_model():
+    """The model behind part 3's order judgement (one time unit per transfer, a send waiting
+    for its receiver): even/odd costs 2 per step on an even N; on N = 3 every order that does
+    not deadlock costs 3 (no rule does better there); a lone rank doing the other order costs
+    N; the first half sending first stays under 2.25."""
+    def orders(n, first):
+        return [[("send", (r + 1) % n), ("recv", (r - 1) % n)] * (2 * (n - 1)) if first(r, n)
+                else [("recv", (r - 1) % n), ("send", (r + 1) % n)] * (2 * (n - 1))
+                for r in range(n)]
+
+    def per_step(n, first):
+        units, waiting = lab06._rounds(orders(n, first))
+        return None if units is None else units / (2 * (n - 1))
+
+    for n in (2, 4, 6, 8, 16):
+        assert per_step(n, lambda r, n: r % 2 == 0) == 2.0
+    for pattern in range(8):
+        got = per_step(3, lambda r, n: bool(pattern >> r & 1))
+        assert got == (None if pattern in (0, 7) else 3.0), (pattern, got)
+    for n in (4, 8, 16):
+        assert per_step(n, lambda r, n: r == 0) == n
+        assert 2.0 < per_step(n, lambda r, n: r < n / 2) < 2.25
+    units, waiting = lab06._rounds(orders(4, lambda r, n: True))
+    assert units is None and waiting == [0, 1, 2, 3]
+
+
+def test_an_order_that_deadlocks_only_on_more_ranks_is_named():
+    """A dry run's order that deadlocks on 8 ranks (every rank sends first there) is named with
+    the ranks stuck, though the ring was right on the sizes run for real."""
+    dry = {8: [[("send", (r + 1) % 8), ("recv", (r - 1) % 8)] * 14 for r in range(8)]}
+    with pytest.raises(LabCheckError) as err:
+        lab06._refuse_growing_steps(dry, {3: 3.0, 2: 2.0, 4: 2.0})
+    msg = str(err.value)
+    assert "your ring is right on 2, 3, 4 ranks, but run with 8 ranks" in msg, msg
+    assert "its order of calls deadlocks: ranks 0, 1, 2, 3, …, 7 all call dist.send first" \
+        in msg, msg
 
 
 def test_the_alternating_order_is_not_called_serial():

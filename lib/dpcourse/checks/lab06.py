@@ -320,7 +320,18 @@ def _refuse_library_ring(*args, **kwargs):
     raise _LibraryRingUsed("dpcourse.ring.ring_allreduce")
 
 
-def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None):
+def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None, dry_sizes=()):
+    __tracebackhide__ = True
+    out = _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs)
+    # The order of calls on more ranks than this machine can run: on rank 0 only, once the real
+    # cases have run (and only for a ring that used nothing but blocking send / recv).
+    if rank == 0 and dry_sizes and "traffic" in out and not any(
+            t["builtins"] or t["nonblocking"] for t in out["traffic"]):
+        out["orders"] = _dry_orders(fn, dry_sizes)
+    return out
+
+
+def _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs=None):
     __tracebackhide__ = True
     import torch
 
@@ -449,6 +460,102 @@ def _first_shared_buffer(events):
     return None
 
 
+class _DryRunStop(Exception):
+    pass
+
+
+_DRY_NUMEL = 5  # elements per rank in the dry run: 2N + 5, so that no chunk is empty
+
+
+def _dry_orders(fn, sizes):
+    """The order in which ``fn`` makes its blocking calls on every rank of each group size in
+    ``sizes``, found without sending anything: ``fn`` runs once per rank in this process, with
+    ``torch.distributed``'s ``get_rank``, ``get_world_size``, ``send`` and ``recv`` replaced by
+    stand-ins that only note the call (a receive leaves its buffer as it was). Returns
+    ``{N: [[("send"|"recv", peer), ...] for each rank]}``, or a string saying why the order
+    could not be found (any other torch.distributed call stops the dry run: it is not judged)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..collectives import RECORDED
+
+    def stop(*args, **kwargs):
+        raise _DryRunStop("another torch.distributed call")
+
+    # every built-in collective too: one called with a stand-in rank could wait forever
+    replaced = ["get_rank", "get_world_size", "send", "recv", "isend", "irecv",
+                "batch_isend_irecv", *RECORDED]
+    saved = {name: getattr(dist, name) for name in replaced if hasattr(dist, name)}
+    orders: dict = {}
+    try:
+        for name in saved:
+            setattr(dist, name, stop)
+        for n in sizes:
+            orders[n] = []
+            for r in range(n):
+                calls: list = []
+
+                def send(tensor, dst=None, group=None, tag=0, group_dst=None, _calls=calls):
+                    _calls.append(("send", dst if dst is not None else group_dst))
+
+                def recv(tensor=None, src=None, group=None, tag=0, group_src=None,
+                         _calls=calls):
+                    peer = src if src is not None else group_src
+                    _calls.append(("recv", peer))
+                    return peer
+
+                dist.get_rank = lambda *a, _r=r, **k: _r
+                dist.get_world_size = lambda *a, _n=n, **k: _n
+                dist.send, dist.recv = send, recv
+                x = torch.arange(1.0, 2 * n + _DRY_NUMEL + 1, dtype=torch.float64)
+                fn(x, op="sum")
+                orders[n].append(calls)
+    except _DryRunStop as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - the learner's code, run with stand-ins
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+    return orders
+
+
+def _rounds(orders):
+    """How many transfer times a ring takes if every transfer takes one and a gloo send goes
+    out only once its receiver is in the matching recv (``Pair::send``): ``orders[r]`` is rank
+    r's blocking calls in order, as (op, peer). Each time unit, every send whose peer is at the
+    matching receive completes, and both ranks move on to their next call. Returns (time units,
+    None), or (None, the ranks still waiting) when no pair can meet: a deadlock."""
+    n = len(orders)
+    at = [0] * n
+    clock = [0] * n  # when each rank's last call completed
+    while True:
+        meets = []
+        for i in range(n):
+            if at[i] < len(orders[i]) and orders[i][at[i]][0] == "send":
+                j = orders[i][at[i]][1]
+                if (isinstance(j, int) and 0 <= j < n and at[j] < len(orders[j])
+                        and orders[j][at[j]] == ("recv", i)):
+                    meets.append((i, j))
+        if not meets:
+            break
+        for i, j in meets:
+            clock[i] = clock[j] = max(clock[i], clock[j]) + 1
+            at[i] += 1
+            at[j] += 1
+    waiting = [r for r in range(n) if at[r] < len(orders[r])]
+    return (None, waiting) if waiting else (max(clock), None)
+
+
+def _recorded_orders(case_traffic, n: int):
+    """A real run's blocking calls per rank, in order, as (op, peer): the contract's peers (the
+    check has already compared the results, so every send went right and every receive came
+    from the left)."""
+    return [[(op, (r + 1) % n if op == "send" else (r - 1) % n)
+             for kind, op, _, _ in t["events"] if kind == "post"] for r, t in
+            enumerate(case_traffic)]
+
+
 def _simulate_real(n, cases, sr=(0, 0), ag=(0, 0), gather=True, average=True, divisor=None,
                    bounds=chunk_bounds):
     """What a ring with these chunk-index shifts would leave on each rank, per case (averages
@@ -515,10 +622,25 @@ def check_ring_allreduce(fn, world_size=None, timeout: float | None = None,
         fail(f"check_ring_allreduce needs your ring_allreduce function, got {type(fn).__name__}")
     _refuse_reference(fn)
     sizes = (world_size,) if world_size else tuple(world_sizes)
+    per_step: dict = {}  # N -> transfer times per step, from the order of the ring's calls
+    dry = None
     for n in sizes:
-        _check_ring_once(fn, n, timeout)
-    in_parallel = (" (on 4 ranks with no step's transfers waiting in a chain around the ring),"
-                   if max(sizes) >= 4 else ",")
+        seen = _check_ring_once(fn, n, timeout, DRY_SIZES if n == sizes[-1] and n >= 4 else ())
+        if seen["recorded"] is not None:
+            units, _ = _rounds(seen["recorded"])
+            if units is not None:
+                per_step[n] = units / (2 * (n - 1))
+        dry = seen["dry"] if seen["dry"] is not None else dry
+    modelled = _refuse_growing_steps(dry, per_step) if dry is not None else {}
+    shown = ", ".join(f"{per_step[n]:.1f}" + (" transfer times" if i == 0 else "") + f" on {n}"
+                      + (" ranks" if i == 0 else "")
+                      for i, n in enumerate(n for n in sizes if n in per_step))
+    if modelled:
+        shown += (", and, modelled from the order of its calls on more ranks than this machine "
+                  "runs, " + " and ".join(f"{v:.1f} on {n}" for n, v in modelled.items()))
+    in_parallel = (f" (counting each transfer as one time unit, a send going out only once its "
+                   f"receiver is in dist.recv, a step took about {shown}),"
+                   if shown else ",")
     passed(f"ring_allreduce, built from blocking dist.send/dist.recv only, finished without "
            f"deadlock{in_parallel} and equals the sum (and the average) on "
            f"{', '.join(map(str, sizes))} "
@@ -558,7 +680,7 @@ _DEADLOCK_FIX_ALL_RECV = (
 
 
 def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None,
-                 demo: bool = False) -> list:
+                 demo: bool = False, dry_sizes=()) -> list:
     __tracebackhide__ = True
     marker_dir = tempfile.mkdtemp(prefix="dpcourse-lab06-")
 
@@ -617,7 +739,7 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None,
         fail(f"your ring raised on rank {exc.rank} of {world_size}: {exc.summary}")
 
     try:
-        per_rank = run_ranks(_real_worker, world_size, fn, cases, marker_dir, kwargs,
+        per_rank = run_ranks(_real_worker, world_size, fn, cases, marker_dir, kwargs, dry_sizes,
                              timeout=timeout, hang=hang, failed=failed,
                              todo="ring_allreduce is not written yet ({summary}): replace the "
                                   "`raise NotImplementedError` under the TODO.")
@@ -724,10 +846,76 @@ def _refuse_serialised_steps(cases, traffic, n: int) -> None:
         return  # one case of length >= N shows the order of every step
 
 
-def _check_ring_once(fn, world_size: int, timeout: float) -> None:
+DRY_SIZES = (8, 16)  # part 3's order of calls is modelled on these group sizes too
+
+
+def _refuse_growing_steps(dry, per_step: dict) -> dict:
+    """Part 3's contract: a step takes about the same time whatever N. ``dry`` is
+    :func:`_dry_orders`'s answer for :data:`DRY_SIZES`; each size's order of calls is run
+    through :func:`_rounds` (one time unit per transfer, a gloo send waiting for its receiver).
+    A rule that deadlocks on a larger group is named; so is one whose time per step grows from
+    8 to 16 ranks (by more than half a transfer: the rules that keep the contract stay within a
+    few hundredths, e.g. even/odd at 2.0 and "the first half of the ranks send first" at 2.2 on
+    both). Returns ``{N: transfer times per step}`` (empty when the order could not be found)."""
+    __tracebackhide__ = True
+    if not isinstance(dry, dict):
+        return {}  # the ring needs more than send/recv/rank/size: its order is not judged
+    modelled = {}
+    for n, orders in dry.items():
+        units, waiting = _rounds(orders)
+        if units is None:
+            firsts = {orders[r][0][0] if orders[r] else None for r in waiting}
+            how = (f"all call dist.{firsts.pop()} first" if len(firsts) == 1 else
+                   "wait for calls their neighbours never make")
+            fail(f"your ring is right on {', '.join(map(str, sorted(per_step)))} ranks, but run "
+                 f"with {n} ranks (its calls found without sending anything) its order of calls "
+                 f"deadlocks: ranks {_ranks_text(waiting)} {how}. The contract asks for every "
+                 f"N >= 2, and the rule that decides who sends first is the place to look.",
+                 fix="decide the order from the rank (and N) so that, for every N, both kinds "
+                     "of rank exist and alternate around the ring as far as N allows.")
+        modelled[n] = units / (2 * (n - 1))
+    small, large = min(modelled), max(modelled)
+    if modelled[large] > modelled[small] + 0.5:
+        orders = dry[large]
+        first = [o[0][0] if o else None for o in orders]
+        senders = [r for r in range(large) if first[r] == "send"]
+        receivers = [r for r in range(large) if first[r] == "recv"]
+        steady = all(o[k][0] == o[0][0] and o[k + 1][0] == o[1][0]
+                     for o in orders if len(o) >= 2 for k in range(0, len(o) - 1, 2))
+        few = min(len(senders), len(receivers))
+        cap = (f" A transfer needs a rank in dist.send and its right neighbour in dist.recv, "
+               f"and in your ring each rank keeps its order in every step, so no more than "
+               f"{few} transfer{'s' if few > 1 else ''} can run at once: the other "
+               f"{large - few} of a step's {large} wait their turn." if steady and few else "")
+        costs = [f"{v:.1f} on {n}" for n, v in {**per_step, **modelled}.items()]
+        fail(f"your ring is right, but its time per step grows with N. Counting each transfer "
+             f"as one time unit and a send as waiting for its receiver's dist.recv (gloo's "
+             f"rule), the order of its calls costs about {costs[0]} ranks, "
+             f"{', '.join(costs[1:-1])} and {costs[-1]} transfer times per step (on {small} "
+             f"and {large} ranks found by running your code with stand-ins that only note the "
+             f"calls). On {large} ranks, {len(senders)} rank(s) ({_ranks_text(senders)}) call "
+             f"dist.send first in step 1 and {len(receivers)} call dist.recv first.{cap} The "
+             f"contract asks for a step time that stays about the same whatever N.",
+             fix="choose the rule so that the number of ranks that send first, and the number "
+                 "that receive first, both grow with N (about half each), spread around the "
+                 "ring: then about N/2 transfers run at once, whatever N.")
+    return modelled
+
+
+def _ranks_text(ranks) -> str:
+    ranks = list(ranks)
+    return ", ".join(map(str, ranks)) if len(ranks) <= 6 else (
+        f"{', '.join(map(str, ranks[:4]))}, …, {ranks[-1]}")
+
+
+def _check_ring_once(fn, world_size: int, timeout: float, dry_sizes=()) -> dict:
+    """Run and judge the ring on ``world_size`` ranks; once it is right, return the order of
+    its calls: ``{"recorded": [per rank (op, peer)...] of the first case with no empty chunk,
+    "dry": _dry_orders's answer for ``dry_sizes`` (None if not asked)}``."""
     __tracebackhide__ = True
     cases = _REAL_CASES
-    per_rank = _launch_ring(fn, world_size, timeout, cases)
+    per_rank = _launch_ring(fn, world_size, timeout, cases, dry_sizes=dry_sizes)
+    dry = per_rank[0].get("orders") if dry_sizes else None
     traffic = [[per_rank[r]["traffic"][i] for r in range(world_size)] for i in range(len(cases))]
     per_rank = [per_rank[r]["results"] for r in range(world_size)]
     results = [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
@@ -762,7 +950,9 @@ def _check_ring_once(fn, world_size: int, timeout: float) -> None:
                          f"some message carried more than one chunk.",
                          fix="send one chunk per message, not the whole tensor.")
         _refuse_serialised_steps(cases, traffic, n)
-        return
+        recorded = next((_recorded_orders(case, n) for (shape, _, _), case in zip(cases, traffic)
+                         if int(np.prod(shape)) >= n), None)
+        return {"recorded": recorded, "dry": dry}
     # Which mistake? In the order a learner most likely makes them.
     for i, ((shape, _, op), res) in enumerate(zip(cases, results)):
         got = [g for g, _ in res]
