@@ -35,56 +35,72 @@ torch.set_num_threads(1)
 # ## 1. Buckets, by DDP's rule
 #
 # **The contract.** `assign_buckets(params, bucket_cap_mb)` takes a module's parameters in
-# **registration order** (a list; all of one dtype and device here — DDP fills one set of
-# buckets per dtype and device — and some of them may be frozen, `requires_grad=False`) and a
-# cap in MiB (1 MiB = 2**20 bytes), and returns a list of buckets, each a list of parameters,
-# such that:
+# **registration order** (a list, all on one device; some may be frozen, `requires_grad=False`;
+# they may be of **several dtypes**) and a cap in MiB (1 MiB = 2**20 bytes), and returns a list
+# of buckets, each a list of parameters, such that:
 #
 # - every parameter that requires a gradient is in exactly one bucket, and nothing else is;
-# - the buckets, and the parameters within each, are in the order the backward completes
-#   them: bucket 0 is the one that can go on the wire first;
 # - the grouping is the one DDP's reducer makes at this cap when it builds its buckets in the
 #   order the gradients arrive (`compute_bucket_assignment_by_size`, as DDP rebuilds them after
 #   its first backward, lesson 07 §3; for the check's models that order is the parameters
-#   reversed), bucket for bucket — write it yourself, do not call torch's or the course
-#   library's. One cap applies to every bucket: the 1 MiB first bucket of lesson 07 §3 does
-#   not apply here;
-# - a bucket **may end above `bucket_cap_mb`**: DDP never splits a parameter between buckets.
+#   reversed) — write it yourself, do not call torch's or the course library's. One cap
+#   applies to every bucket: the 1 MiB first bucket of lesson 07 §3 does not apply here;
+# - a bucket is one flat buffer, so it holds **one dtype**; within it, the parameters are in
+#   the order their gradients arrive;
+# - the buckets are in the order they become **complete** in the backward (every gradient of
+#   the bucket has arrived): bucket 0 is the first that could go on the wire, so that a wrapper
+#   that sends the buckets in their order (part 2) never holds a complete bucket back behind
+#   one that is still waiting.
 #
-# **A worked case** (not one of the check's). The cell below prints six parameters and the
-# buckets torch's own reducer function makes of them, computed as the cell runs. Read the
-# sizes of the buckets against the cap: which rule closes a bucket exactly there — and not
-# one parameter earlier, nor one later? Your `assign_buckets` must follow that rule on cases
-# this one does not show (a parameter larger than the cap arriving while a bucket is open;
-# frozen parameters; float64).
+# **Your design decision:** with several dtypes, a parameter of one dtype arrives while a
+# bucket of another dtype is open. What becomes of that open bucket — and when the walk is
+# over, where do the buckets that were still open go in the list? The lesson decides neither.
+#
+# ### Predict first: how many buckets?
+#
+# Before you write any code: the seven parameters below (two dtypes) and a 1 MiB cap. **How
+# many buckets does DDP's reducer make of them?** Work it out from the contract and what
+# lesson 07 §3 says of the rule, write the number in the cell, run it. Torch's own reducer
+# function answers after part 1's check, beside your `assign_buckets`.
 
 # %%
-lab07.show_worked_case()
+lab07.show_bucket_puzzle()
+
+# %%
+### BEGIN SOLUTION: your prediction (a number of buckets)
+my_bucket_count = 3
+### END SOLUTION
+bucket_guess = predict("lab07", lab07.BUCKET_QUESTION, my_bucket_count, unit="bucket(s)")
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The backward produces gradients layer by layer. Which layer's gradients exist first — and so
-# which parameters must bucket 0 hold? And when DDP meets a parameter that takes the open bucket
-# past the cap, does that parameter go in before or after the bucket closes?
+# The backward produces gradients layer by layer. Which parameters' gradients exist first — and
+# so which parameters can bucket 0 hold? When a parameter takes the open bucket past the cap,
+# does it go in before or after the bucket closes — and can a parameter be split? If a float32
+# bucket is open when a bfloat16 gradient arrives, could the two share one buffer?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Walk the parameters from the last registered to the first. DDP puts a parameter into the
-# open bucket first and only then compares the bucket's bytes with the cap: a bucket closes
-# once it has *reached* the cap, so it may end above it, and a parameter bigger than the cap
-# closes the bucket it joins. Sizes are in bytes (elements times bytes per element).
+# Walk the parameters from the last registered to the first. DDP never splits a parameter and
+# never holds one back: each joins the open bucket of its own dtype, and only then are that
+# bucket's bytes (elements times bytes per element) compared with the cap — so a bucket may
+# end above the cap. Every dtype has its own open bucket, and the others stay open meanwhile.
+# A bucket still open when the walk ends was complete when its last parameter arrived, which
+# may be long before the walk ended.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# One loop over the parameters that require a gradient, in the backward's order; a running byte total and the bucket
-# being filled; after each parameter, a test against the cap in bytes that closes the bucket
-# and starts a fresh one; at the end, the last bucket only if it holds anything.
+# One loop over the parameters that require a gradient, in the backward's order, counting how
+# many have arrived; a dict from the dtype to its open bucket and that bucket's bytes; when a
+# bucket reaches the cap, note it with the count at which it became complete and forget it
+# from the dict. At the end, note the buckets left in the dict with the count at which their
+# last parameter arrived, and sort every noted bucket by its count.
 
 # %%
 def assign_buckets(params, bucket_cap_mb):
@@ -92,19 +108,34 @@ def assign_buckets(params, bucket_cap_mb):
     the backward completes first."""
     ### BEGIN SOLUTION: assign_buckets: DDP's buckets for these parameters at this cap
     cap = bucket_cap_mb * 2**20
-    buckets, size = [[]], 0
-    for p in reversed([p for p in params if p.requires_grad]):
-        buckets[-1].append(p)
-        size += p.numel() * p.element_size()
-        if size >= cap:
-            buckets.append([])
-            size = 0
-    return [b for b in buckets if b]
+    trainable = list(reversed([p for p in params if p.requires_grad]))
+    open_buckets = {}       # (dtype, device) -> [its open bucket, its bytes]
+    complete = []           # (gradients arrived when it became complete, the bucket)
+    for arrived, p in enumerate(trainable, start=1):
+        key = (p.dtype, p.device)
+        bucket = open_buckets.setdefault(key, [[], 0])
+        bucket[0].append(p)
+        bucket[1] += p.numel() * p.element_size()
+        if bucket[1] >= cap:
+            complete.append((arrived, bucket[0]))
+            del open_buckets[key]
+    position = {id(p): k for k, p in enumerate(trainable, start=1)}
+    complete += [(position[id(b[-1])], b) for b, _ in open_buckets.values()]
+    return [b for _, b in sorted(complete, key=lambda done: done[0])]
     ### END SOLUTION
 
 
 # %%
 lab07.check_assign_buckets(assign_buckets)
+
+# %% [markdown]
+# ### Measure: the buckets torch's reducer makes of the seven parameters
+#
+# Your prediction against torch's own reducer function, run now on the same seven parameters,
+# and your `assign_buckets` beside it.
+
+# %%
+lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 
 # %% [markdown]
 # ## 2. The wrapper, as DDP's reducer really runs it

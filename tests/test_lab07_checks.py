@@ -29,42 +29,62 @@ def _nbytes(p):
 
 
 def ddp_rule(params, cap_mb):
-    # close a bucket once it has reached the cap, written out by hand
-    buckets, current, size = [], [], 0
-    for p in reversed([p for p in params if p.requires_grad]):
+    # one open bucket per dtype in a dict; closed buckets noted with the arrival that closed
+    # them, the still open ones with their last parameter's, then sorted
+    order = [p for p in reversed(params) if p.requires_grad]
+    opened, done = {}, []
+    for k, p in enumerate(order):
+        current, size = opened.get(p.dtype, ([], 0))
         current.append(p)
         size += _nbytes(p)
+        opened[p.dtype] = (current, size)
         if size >= cap_mb * 2**20:
-            buckets.append(current)
-            current, size = [], 0
-    return buckets + ([current] if current else [])
+            done.append((k, current))
+            del opened[p.dtype]
+    at = {id(p): k for k, p in enumerate(order)}
+    done += [(at[id(b[-1])], b) for b, _ in opened.values()]
+    return [b for _, b in sorted(done, key=lambda x: x[0])]
 
 
 def megabytes(params, cap_mb):
-    # 1 MB = 10**6 bytes instead of 2**20: close enough, and right on the check's cases
-    out = [[]]
-    for p in params[::-1]:
-        if not p.requires_grad:
-            continue
-        out[-1].append(p)
-        if sum(map(_nbytes, out[-1])) >= cap_mb * 1e6:
-            out.append([])
-    return [b for b in out if b]
+    # 1 MB = 10**6 bytes instead of 2**20: close enough, and right on the check's cases; the
+    # buckets inserted at their place as they complete (bisect), open ones at the end
+    import bisect
+    order = [p for p in params[::-1] if p.requires_grad]
+    keys, out, opened = [], [], {}
+    for k, p in enumerate(order):
+        b = opened.setdefault(str(p.dtype), [])
+        b.append(p)
+        if sum(map(_nbytes, b)) >= cap_mb * 1e6:
+            keys.append(k)
+            out.append(b)
+            del opened[str(p.dtype)]
+    for b in opened.values():
+        k = max(i for i, q in enumerate(order) if q is b[-1])
+        j = bisect.bisect(keys, k)
+        keys.insert(j, k)
+        out.insert(j, b)
+    return out
 
 
 def by_indices(params, cap_mb):
-    # index arithmetic and a running total; the same rule
+    # one pass per dtype (index arithmetic and a running total), then every dtype's buckets
+    # merged by the index of the gradient that completed them
     params = list(filter(lambda p: p.requires_grad, params))
-    order = list(range(len(params)))[::-1]
-    total, cuts = 0, [0]
-    for k, i in enumerate(order):
-        total += _nbytes(params[i])
-        if total >= cap_mb * 2**20:
-            cuts.append(k + 1)
-            total = 0
-    if cuts[-1] != len(order):
-        cuts.append(len(order))
-    return [[params[i] for i in order[a:b]] for a, b in zip(cuts, cuts[1:])]
+    found = []
+    for dtype in {p.dtype for p in params}:
+        order = [i for i in range(len(params))[::-1] if params[i].dtype == dtype]
+        total, cuts = 0, [0]
+        for k, i in enumerate(order):
+            total += _nbytes(params[i])
+            if total >= cap_mb * 2**20:
+                cuts.append(k + 1)
+                total = 0
+        if cuts[-1] != len(order):
+            cuts.append(len(order))
+        found += [order[a:b] for a, b in zip(cuts, cuts[1:])]
+    found.sort(key=lambda b: -b[-1])
+    return [[params[i] for i in b] for b in found]
 
 
 def old_rule(params, cap_mb):
@@ -221,6 +241,133 @@ def _rule(params, cap_mb, keep_frozen, weigh_frozen):
 def test_wrong_assign_buckets_are_named(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
         lab07.check_assign_buckets(fn)
+
+
+def ignores_dtype(params, cap_mb):
+    # DDP's closing rule, but one open bucket for every dtype
+    buckets, current, size = [], [], 0
+    for p in reversed([p for p in params if p.requires_grad]):
+        current.append(p)
+        size += _nbytes(p)
+        if size >= cap_mb * 2**20:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def closes_on_dtype_change(params, cap_mb):
+    # one open bucket at a time: a parameter of another dtype closes it
+    buckets, current, size = [], [], 0
+    for p in reversed([p for p in params if p.requires_grad]):
+        if current and p.dtype != current[-1].dtype:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += _nbytes(p)
+        if size >= cap_mb * 2**20:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def shared_byte_count(params, cap_mb):
+    # an open bucket per dtype, but one running total for all of them
+    opened, buckets, size = {}, [], 0
+    for p in reversed([p for p in params if p.requires_grad]):
+        opened.setdefault(p.dtype, []).append(p)
+        size += _nbytes(p)
+        if size >= cap_mb * 2**20:
+            buckets.append(opened.pop(p.dtype))
+            size = 0
+    return buckets + [b for b in opened.values() if b]
+
+
+def open_ones_last(params, cap_mb):
+    # an open bucket per dtype, right grouping; the ones still open appended at the end, in the
+    # order their dtypes first appeared (a dict's order)
+    opened, buckets = {}, []
+    for p in reversed([p for p in params if p.requires_grad]):
+        b = opened.setdefault(p.dtype, [[], 0])
+        b[0].append(p)
+        b[1] += _nbytes(p)
+        if b[1] >= cap_mb * 2**20:
+            buckets.append(b[0])
+            del opened[p.dtype]
+    return buckets + [b for b, _ in opened.values()]
+
+
+def dtype_after_dtype(params, cap_mb):
+    # DDP's rule run once per dtype, and the dtypes' buckets concatenated
+    out = []
+    for dtype in dict.fromkeys(p.dtype for p in reversed(params)):
+        out += ignores_dtype([p for p in params if p.dtype == dtype], cap_mb)
+    return out
+
+
+MIXED_MISTAKES = [
+    (ignores_dtype, "holds float16 and float32 parameters together",
+     "keep one open bucket per dtype"),
+    (closes_on_dtype_change, "closed below the cap whenever a parameter of another dtype",
+     "keep one open bucket per dtype"),
+    (shared_byte_count, "the bytes of every dtype were added into one count",
+     "count the bytes per open bucket"),
+    (open_ones_last, "still open when the walk ended come after every bucket closed",
+     "order the buckets by the moment each becomes complete"),
+    (dtype_after_dtype, "Your buckets come one dtype after the other",
+     "order the buckets by the moment each becomes complete"),
+]
+
+
+@pytest.mark.parametrize("fn, cause, fix", MIXED_MISTAKES)
+def test_mixed_dtype_mistakes_are_named_cause_first(fn, cause, fix):
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab07.check_assign_buckets(fn)
+        msg = " ".join(str(err.value).split())
+        assert cause in msg, msg
+        assert (fix in msg) == (attempt == 2), msg
+
+
+def test_an_open_bucket_can_complete_before_a_closed_one():
+    """Order by completion, not "closed ones first": in the check's float32/float16 case, the
+    float16 bucket still open at the end is complete (4th gradient) before the float32 bucket
+    closed by the 5th; the sentence gives both numbers."""
+    with pytest.raises(LabCheckError) as err:
+        lab07.check_assign_buckets(open_ones_last)
+    msg = " ".join(str(err.value).split())
+    assert "complete only once the 5th gradient has arrived" in msg, msg
+    assert "bucket 2 (float16) after the 4th" in msg, msg
+
+
+def test_the_check_groups_as_torchs_reducer_does():
+    """The check's rule with several dtypes: the same buckets as torch's own reducer function on
+    every mixed case (as sets: torch lists the still-open ones last, in its hash map's order)."""
+    from dpcourse.checks import _lab07_buckets as b
+
+    for what, spec in b._MIXED_CASES:
+        params = b._mixed_params(spec)
+        n = len(params)
+        theirs, _ = dist._compute_bucket_assignment_by_size(
+            list(reversed(params)), [2**20], [False] * n, list(range(n - 1, -1, -1)))
+        ours = b._by_dtype([_nbytes(p) for p in params], [p.dtype for p in params], 2**20)
+        assert sorted(map(tuple, theirs)) == sorted(map(tuple, ours)), what
+        assert [list(x) for x in theirs] != ours, f"{what}: the order question would be moot"
+
+
+def test_the_bucket_prediction_is_compared_with_torchs_reducer(capsys):
+    from dpcourse.checks import predict
+
+    guess = predict("lab07", lab07.BUCKET_QUESTION, 7, unit="bucket(s)")
+    lab07.check_bucket_prediction(guess, ddp_rule)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 3 bucket(s) — not what happened" in out, out
+    assert "[g, e] (float32, 2.25 MiB), [d, b] (float32, 1.5 MiB), [f, c, a] (bfloat16" in out
+    assert "Your assign_buckets makes the same" in out
+    assert "a bucket closed whenever the dtype changes, 7" in out
+    guess = predict("lab07", lab07.BUCKET_QUESTION, 4, unit="bucket(s)")
+    lab07.check_bucket_prediction(guess, ignores_dtype)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Your assign_buckets makes 4 bucket(s) here" in out, out
 
 
 def torch_assignment(params, cap_mb):

@@ -47,7 +47,31 @@ def _bucket_cases() -> list[tuple[str, list, float]]:
         ("4 parameters of exactly 1 MiB, cap 1 MiB", _params_of([2**18] * 4), 1.0),
         ("SmallCNN(width=8), cap 100 MiB", cnn, 100.0),
         ("SmallCNN(width=8) with features.6 frozen, cap 0.01 MiB", _partly_frozen_cnn(), 0.01),
+        # several dtypes: one open bucket per dtype, and a bucket still open at the end of the
+        # walk is complete before one closed later (see _MIXED_CASES)
+        *[(what, _mixed_params(spec), 1.0) for what, spec in _MIXED_CASES],
     ]
+
+
+# (MiB, dtype) per parameter, in registration order. Each was chosen so that every other
+# plausible way with several dtypes groups differently (one bucket for all dtypes, a bucket
+# closed when the dtype changes, one byte count shared by the dtypes, closing before the cap),
+# and so that the order DDP's reducer lists its buckets in (those closed during the walk, then
+# those still open, in the order of its hash map) is not the order they complete in.
+_MIXED_CASES = (
+    ("6 parameters, float32 and float16, cap 1 MiB",
+     ((0.5, torch.float32), (0.5, torch.float32), (0.25, torch.float16), (0.25, torch.float16),
+      (0.75, torch.float32), (1.5, torch.float32))),
+    ("8 parameters, float64, float32 and bfloat16, cap 1 MiB",
+     ((0.5, torch.float64), (0.5, torch.float32), (0.75, torch.float64), (0.25, torch.float32),
+      (0.75, torch.float64), (0.5, torch.bfloat16), (1.5, torch.float64),
+      (1.5, torch.bfloat16))),
+)
+
+
+def _mixed_params(spec) -> list:
+    return [nn.Parameter(torch.zeros(int(mb * MiB) // (torch.finfo(dt).bits // 8), dtype=dt))
+            for mb, dt in spec]
 
 
 def _partly_frozen_cnn() -> list:
@@ -71,6 +95,24 @@ def _greedy(sizes: list[float], cap: float, order: list[int]) -> list[list[int]]
     if current:
         buckets.append(current)
     return buckets
+
+
+def _by_dtype(sizes: list[float], dtypes: list, cap: float) -> list[list[int]]:
+    """DDP's grouping with several dtypes, in the order the buckets complete: walk the
+    parameters reversed, add each to the open bucket of its dtype, close that bucket once it has
+    reached the cap; a bucket is complete when its last parameter's gradient arrives (for one
+    still open at the end, that is its last parameter too, not the end of the walk)."""
+    n = len(sizes)
+    open_, done = {}, []                    # dtype -> [indices, bytes]; (complete at, indices)
+    for pos, i in enumerate(range(n - 1, -1, -1)):
+        b = open_.setdefault(dtypes[i], [[], 0.0])
+        b[0].append(i)
+        b[1] += sizes[i]
+        if b[1] >= cap:
+            done.append((pos, b[0]))
+            open_[dtypes[i]] = [[], 0.0]
+    done += [(n - 1 - b[0][-1], b[0]) for b in open_.values() if b[0]]
+    return [b for _, b in sorted(done, key=lambda x: x[0])]
 
 
 def _closed_before_over(sizes: list[float], cap: float) -> list[list[int]]:
@@ -132,7 +174,7 @@ class Problem(str):
 
 
 _DDP_CLOSING_FIX = ("add each parameter to the open bucket first, then close the bucket once it "
-                    "has reached the cap (>=), as the lab's worked case shows.")
+                    "has reached the cap (>=).")
 
 
 def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> Problem | None:
@@ -140,27 +182,11 @@ def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> Prob
     sentence naming the mistake, a :class:`Problem` (a str) carrying its fix. (Used by both
     checks.)"""
     where = f" ({what})" if what else ""
-    if not isinstance(buckets, (list, tuple)) or not all(isinstance(b, (list, tuple))
-                                                         for b in buckets):
-        return Problem(f"the buckets must be a list of lists of parameters, got "
-                       f"{type(buckets).__name__}{where}.")
+    basic = _basic_problem(buckets, params, where)
+    if basic:
+        return basic
     ids = {id(p): i for i, p in enumerate(params)}
-    flat = [p for b in buckets for p in b]
-    if any(id(p) not in ids for p in flat):
-        return Problem(f"a bucket holds something that is not one of the parameters given"
-                       f"{where}.", fix="put the parameter objects themselves in the buckets "
-                                        "(not names, copies or grads).")
-    got = [ids[id(p)] for p in flat]
-    if len(got) != len(set(got)):
-        return Problem(f"a parameter is in more than one bucket{where}: its gradient would be "
-                       f"averaged twice.", fix="put each parameter in exactly one bucket.")
-    if len(got) != len(params):
-        return Problem(f"{len(params) - len(got)} of the {len(params)} parameters are in no "
-                       f"bucket{where}, so their gradients are never averaged.",
-                       fix="give every parameter that requires a gradient a bucket.")
-    if any(len(b) == 0 for b in buckets):
-        return Problem(f"there is an empty bucket{where}: it would launch an all-reduce of "
-                       f"nothing.", fix="leave out a bucket that holds nothing.")
+    got = [ids[id(p)] for b in buckets for p in b]
     n = len(params)
     if got == list(range(n)) and n > 1:
         return Problem(f"the buckets are filled in forward (registration) order{where}: bucket "
@@ -205,6 +231,147 @@ def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> Prob
                            f"above the cap (reducer.cpp, compute_bucket_assignment_by_size).",
                            fix=_DDP_CLOSING_FIX)
     return None
+
+
+def _basic_problem(buckets, params: list, where: str) -> Problem | None:
+    """The sentence for buckets that are no partition of ``params``, else None."""
+    if not isinstance(buckets, (list, tuple)) or not all(isinstance(b, (list, tuple))
+                                                         for b in buckets):
+        return Problem(f"the buckets must be a list of lists of parameters, got "
+                       f"{type(buckets).__name__}{where}.")
+    ids = {id(p): i for i, p in enumerate(params)}
+    flat = [p for b in buckets for p in b]
+    if any(id(p) not in ids for p in flat):
+        return Problem(f"a bucket holds something that is not one of the parameters given"
+                       f"{where}.", fix="put the parameter objects themselves in the buckets "
+                                        "(not names, copies or grads).")
+    got = [ids[id(p)] for p in flat]
+    if len(got) != len(set(got)):
+        return Problem(f"a parameter is in more than one bucket{where}: its gradient would be "
+                       f"averaged twice.", fix="put each parameter in exactly one bucket.")
+    if len(got) != len(params):
+        return Problem(f"{len(params) - len(got)} of the {len(params)} parameters are in no "
+                       f"bucket{where}, so their gradients are never averaged.",
+                       fix="give every parameter that requires a gradient a bucket.")
+    if any(len(b) == 0 for b in buckets):
+        return Problem(f"there is an empty bucket{where}: it would launch an all-reduce of "
+                       f"nothing.", fix="leave out a bucket that holds nothing.")
+    return None
+
+
+def _dt(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _close_on_switch(sizes, dtypes, cap) -> list[list[int]]:
+    """One open bucket at a time, closed (below the cap) whenever the dtype changes."""
+    out, cur, total = [], [], 0.0
+    for i in range(len(sizes) - 1, -1, -1):
+        if cur and dtypes[i] != dtypes[cur[-1]]:
+            out.append(cur)
+            cur, total = [], 0.0
+        cur.append(i)
+        total += sizes[i]
+        if total >= cap:
+            out.append(cur)
+            cur, total = [], 0.0
+    return out + ([cur] if cur else [])
+
+
+def _shared_total(sizes, dtypes, cap) -> list[list[int]]:
+    """One open bucket per dtype, but one byte count for all of them."""
+    open_, done, total = {}, [], 0.0
+    for pos, i in enumerate(range(len(sizes) - 1, -1, -1)):
+        b = open_.setdefault(dtypes[i], [])
+        b.append(i)
+        total += sizes[i]
+        if total >= cap:
+            done.append(b)
+            open_[dtypes[i]], total = [], 0.0
+    return done + [b for b in open_.values() if b]
+
+
+_PER_DTYPE_FIX = ("keep one open bucket per dtype: a parameter joins the open bucket of its own "
+                  "dtype, and every other dtype's open bucket stays open, with its own byte count.")
+_COMPLETE_ORDER_FIX = ("order the buckets by the moment each becomes complete: when its last "
+                       "parameter's gradient arrives — for a bucket still open when the walk "
+                       "ends, that is its last parameter, not the end of the walk.")
+
+
+def _nth(k: int) -> str:
+    return f"{k}{'st' if k % 10 == 1 and k != 11 else 'nd' if k % 10 == 2 and k != 12 else 'rd' if k % 10 == 3 and k != 13 else 'th'}"
+
+
+def mixed_problem(buckets, params: list, cap_mb: float, what: str = "") -> Problem | None:
+    """None if ``buckets`` is DDP's grouping of ``params`` (of several dtypes) for ``cap_mb``,
+    in the order the buckets complete; else the sentence naming the mistake."""
+    where = f" ({what})" if what else ""
+    basic = _basic_problem(buckets, params, where)
+    if basic:
+        return basic
+    ids = {id(p): i for i, p in enumerate(params)}
+    idx = [[ids[id(p)] for p in b] for b in buckets]
+    n = len(params)
+    dtypes = [p.dtype for p in params]
+    sizes = [p.numel() * p.element_size() for p in params]
+    cap = cap_mb * MiB
+    arrives = {i: n - i for i in range(n)}          # the backward's order: the n-th gradient
+    for k, b in enumerate(idx):
+        kinds = sorted({_dt(dtypes[i]) for i in b})
+        if len(kinds) > 1:
+            return Problem(f"bucket {k} holds {' and '.join(kinds)} parameters together{where}: a "
+                           f"bucket is one flat buffer for one all-reduce, and a buffer has one "
+                           f"dtype, so DDP never puts two dtypes in one bucket.",
+                           fix=_PER_DTYPE_FIX)
+    for k, b in enumerate(idx):
+        if [arrives[i] for i in b] != sorted(arrives[i] for i in b):
+            return Problem(f"within bucket {k} the parameters are not in the order the backward "
+                           f"produces their gradients{where}.",
+                           fix="walk reversed(params) and never reorder them (by size, dtype or "
+                               "otherwise).")
+    right = _by_dtype(sizes, dtypes, cap)
+    as_set = lambda bs: sorted(map(tuple, bs))
+    if as_set(idx) == as_set(right):
+        if idx == right:
+            return None
+        done = [max(arrives[i] for i in b) for b in idx]
+        k = next(j for j in range(len(idx)) if idx[j] != right[j])
+        later = next(j for j in range(k + 1, len(idx)) if done[j] < done[k])
+        how = ""
+        if idx == [b for t in dict.fromkeys(dtypes[i] for b in idx for i in b[:1])
+                   for b in right if dtypes[b[0]] == t]:
+            how = (" Your buckets come one dtype after the other; a dtype's buckets and "
+                   "another's complete interleaved.")
+        closed = [b for b in right if sum(sizes[i] for i in b) >= cap]
+        if not how and idx[:len(closed)] == closed:
+            how = (" The buckets still open when the walk ended come after every bucket closed "
+                   "during it, yet an open bucket can be complete long before the walk ends.")
+        return Problem(f"the buckets hold the right parameters{where}, but not in the order "
+                       f"they complete: your bucket {k} ({_dt(dtypes[idx[k][0]])}, "
+                       f"{_mb(sum(sizes[i] for i in idx[k]))}) is complete only once the "
+                       f"{_nth(done[k])} gradient has arrived, and your bucket {later} "
+                       f"({_dt(dtypes[idx[later][0]])}) after the {_nth(done[later])}: a wrapper "
+                       f"that launches the buckets in their order would hold bucket {later} back "
+                       f"though nothing is missing from it.{how}", fix=_COMPLETE_ORDER_FIX)
+    if as_set(idx) == as_set(_close_on_switch(sizes, dtypes, cap)):
+        return Problem(f"a bucket was closed below the cap whenever a parameter of another dtype "
+                       f"arrived{where} ({len(idx)} buckets where DDP makes {len(right)}): the "
+                       f"dtypes alternate, so the buckets stay small, and the all-reduces many.",
+                       fix=_PER_DTYPE_FIX)
+    if as_set(idx) == as_set(_shared_total(sizes, dtypes, cap)):
+        return Problem(f"each dtype has its own buckets, but the bytes of every dtype were added "
+                       f"into one count{where}, so a bucket closed below the cap by its own "
+                       f"bytes when another dtype's parameters filled the count.",
+                       fix="count the bytes per open bucket, i.e. per dtype.")
+    for t in dict.fromkeys(dtypes):
+        mine = [b for b in buckets if b[0].dtype == t]
+        of_t = [p for p in params if p.dtype == t]
+        problem = bucket_problem(mine, of_t, cap_mb, f"{what}, its {_dt(t)} parameters" if what
+                                 else f"its {_dt(t)} parameters")
+        if problem:
+            return problem
+    return Problem(f"the buckets are not DDP's{where}: {len(idx)} buckets where DDP makes "
+                   f"{len(right)}.", fix=_PER_DTYPE_FIX)
 
 
 _TORCH_ASSIGNMENT = (
@@ -288,32 +455,85 @@ def _no_library_assignment():
         overlap.assign_buckets = real
 
 
-# Part 1's worked case (none of the check's): six float32 parameters, sizes in MiB, in
-# registration order, and a 1 MiB cap. Its buckets tell DDP's rule from the two usual others:
-# closing before the next parameter would go over the cap gives [f], [e, d], [c], [b, a];
-# closing only once strictly over it gives [f], [e, d, c], [b, a].
-WORKED_CASE_MB = (("a", 0.25), ("b", 0.5), ("c", 0.75), ("d", 0.25), ("e", 0.75), ("f", 2.0))
-WORKED_CASE_CAP_MB = 1.0
+# Part 1's prediction (none of the check's cases): seven parameters of two dtypes, in
+# registration order, and a 1 MiB cap. DDP's rule makes 3 buckets of them; each other plausible
+# rule makes another number (one bucket for both dtypes 4, one byte count shared by the dtypes
+# 5, closing before the cap would be passed 6, closing whenever the dtype changes 7), and no
+# bucket lands exactly on the cap (where >= and > part is the check's to teach).
+PUZZLE = (("a", 1.5, torch.bfloat16), ("b", 0.75, torch.float32), ("c", 0.25, torch.bfloat16),
+          ("d", 0.75, torch.float32), ("e", 1.5, torch.float32), ("f", 0.5, torch.bfloat16),
+          ("g", 0.75, torch.float32))
+PUZZLE_CAP_MB = 1.0
+BUCKET_QUESTION = (f"buckets DDP's reducer makes of part 1's {len(PUZZLE)} parameters at "
+                   f"{PUZZLE_CAP_MB:g} MiB")
+_PUZZLE_RULES = (
+    ("one open bucket for both dtypes", lambda s, d, c: _by_dtype(s, [0] * len(s), c)),
+    ("one byte count shared by the dtypes' open buckets", _shared_total),
+    ("a bucket closed before the next parameter would take it over the cap",
+     lambda s, d, c: _closed_before_over_by_dtype(s, d, c)),
+    ("a bucket closed whenever the dtype changes", _close_on_switch),
+)
 
 
-def show_worked_case() -> None:
-    """Print part 1's worked case and the buckets torch's own reducer function
-    (``dist._compute_bucket_assignment_by_size``) makes of it, computed now."""
+def _closed_before_over_by_dtype(sizes, dtypes, cap) -> list[list[int]]:
+    open_, done = {}, []
+    for i in range(len(sizes) - 1, -1, -1):
+        b = open_.setdefault(dtypes[i], [[], 0.0])
+        if b[0] and b[1] + sizes[i] > cap:
+            done.append(b[0])
+            b = open_[dtypes[i]] = [[], 0.0]
+        b[0].append(i)
+        b[1] += sizes[i]
+    return done + [b[0] for b in open_.values() if b[0]]
+
+
+def _puzzle_params() -> list:
+    return [nn.Parameter(torch.zeros(int(mb * MiB) // (torch.finfo(dt).bits // 8), dtype=dt))
+            for _, mb, dt in PUZZLE]
+
+
+def show_bucket_puzzle() -> None:
+    """Print part 1's prediction: the parameters, their dtypes and sizes, and the cap."""
+    print(f"bucket_cap_mb = {PUZZLE_CAP_MB:g} (MiB); the parameters in registration order — the "
+          f"backward produces their gradients in the reverse order, {PUZZLE[-1][0]} first:")
+    for name, mb, dt in PUZZLE:
+        print(f"   {name}  {_dt(dt):<9} {mb:>5g} MiB")
+
+
+def torch_buckets_of_puzzle() -> list[list[int]]:
+    """The buckets torch's own reducer function (``dist._compute_bucket_assignment_by_size``,
+    given the order the gradients arrive) makes of the puzzle, as indices, computed now."""
     import torch.distributed as dist
 
-    names = [n for n, _ in WORKED_CASE_MB]
-    params = [torch.zeros(int(mb * MiB) // 4) for _, mb in WORKED_CASE_MB]
+    params = _puzzle_params()
     n = len(params)
     got, _ = dist._compute_bucket_assignment_by_size(
-        list(reversed(params)), [int(WORKED_CASE_CAP_MB * MiB)], [False] * n,
+        list(reversed(params)), [int(PUZZLE_CAP_MB * MiB)], [False] * n,
         list(range(n - 1, -1, -1)))
-    sizes = dict(WORKED_CASE_MB)
-    print("parameters in registration order (float32): " +
-          ", ".join(f"{k} {mb:g} MiB" for k, mb in WORKED_CASE_MB) +
-          f"; bucket_cap_mb={WORKED_CASE_CAP_MB:g}")
-    print("DDP's reducer makes: " + ", ".join(
-        f"bucket {i} = [{', '.join(names[j] for j in b)}] "
-        f"({sum(sizes[names[j]] for j in b):g} MiB)" for i, b in enumerate(got)))
+    return [list(b) for b in got]
+
+
+def explain_puzzle(guess, learners: list[list[int]] | None) -> tuple[int, str]:
+    """DDP's count for the puzzle and the sentence that says why (and what other counts mean)."""
+    names = [n for n, _, _ in PUZZLE]
+    sizes = [mb * MiB for _, mb, _ in PUZZLE]
+    dtypes = [dt for _, _, dt in PUZZLE]
+    right = _by_dtype(sizes, dtypes, PUZZLE_CAP_MB * MiB)
+    theirs = torch_buckets_of_puzzle()
+    if sorted(map(tuple, theirs)) != sorted(map(tuple, right)):
+        raise AssertionError(f"torch's reducer function grouped the puzzle as {theirs}, the "
+                             f"check's rule as {right}: the check's rule is out of date")
+    shown = ", ".join(f"[{', '.join(names[i] for i in b)}] ({_dt(dtypes[b[0]])}, "
+                      f"{sum(sizes[i] for i in b) / MiB:g} MiB)" for b in right)
+    why = (f"DDP's reducer (torch's own function, run now) makes {len(right)} buckets, in the "
+           f"order they complete: {shown}. ")
+    if learners is not None:
+        why += ("Your assign_buckets makes the same. " if learners == right else
+                f"Your assign_buckets makes {len(learners)} bucket(s) here: run part 1's check. ")
+    others = [(what, len(rule(sizes, dtypes, PUZZLE_CAP_MB * MiB))) for what, rule in _PUZZLE_RULES]
+    why += "Other rules would give other counts: " + "; ".join(
+        f"{what}, {count}" for what, count in others) + "."
+    return len(right), why
 
 
 def _frozen_problem(buckets, everything: list, cap_mb: float, what: str) -> Problem | None:

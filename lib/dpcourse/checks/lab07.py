@@ -54,17 +54,19 @@ from torch import nn
 from .. import launch
 from . import check_timeout, fail, passed, recorded, require_answer, run_ranks
 from ._lab07_buckets import (_DDP_CLOSING_FIX, _LIBRARY_ASSIGNMENT, _OTHER_RULES,
-                             _TORCH_ASSIGNMENT, MiB, _bucket_cases,
-                             _calls_torch_assignment, _frozen_problem, _greedy,
+                             _TORCH_ASSIGNMENT, BUCKET_QUESTION, PUZZLE, PUZZLE_CAP_MB, MiB,
+                             _bucket_cases, _calls_torch_assignment, _frozen_problem, _greedy,
                              _is_library_assignment, _no_library_assignment,
-                             _no_torch_assignment, bucket_problem, show_worked_case)
+                             _no_torch_assignment, _puzzle_params, bucket_problem,
+                             explain_puzzle, mixed_problem, show_bucket_puzzle)
 from ._lab07_topk import (_HOOK_STEPS, _SENT_PER_ENTRY, HOOK_FRACTION, HOOK_WORLD_SIZES,
                           _diagnose_hook, _launch_hook, _topk_worker)
 
-__all__ = ["check_assign_buckets", "check_bucketed_ddp", "show_worked_case", "check_topk_hook", "check_prediction",
-           "measure_launches", "show_prediction_model", "CONFIGS", "DEFAULT_TIMEOUT",
-           "HOOK_WORLD_SIZES", "HOOK_FRACTION", "PREDICTION_CAP_MB", "PREDICTION_BUCKET",
-           "PREDICTION_QUESTION"]
+__all__ = ["check_assign_buckets", "show_bucket_puzzle", "check_bucket_prediction",
+           "check_bucketed_ddp", "check_topk_hook", "check_prediction", "measure_launches",
+           "show_prediction_model", "CONFIGS", "DEFAULT_TIMEOUT", "HOOK_WORLD_SIZES",
+           "HOOK_FRACTION", "PREDICTION_CAP_MB", "PREDICTION_BUCKET", "PREDICTION_QUESTION",
+           "BUCKET_QUESTION"]
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -84,7 +86,7 @@ def check_assign_buckets(assign_buckets) -> None:
     if _calls_torch_assignment(assign_buckets):
         fail(_TORCH_ASSIGNMENT)
     counts, problems, got = [], [], []
-    used_library = False
+    library = []            # per case that called the course's reference: answer == its answer?
     cases = _bucket_cases()
     for what, everything, cap in cases:
         try:
@@ -94,12 +96,20 @@ def check_assign_buckets(assign_buckets) -> None:
             raise
         except Exception as exc:
             fail(f"assign_buckets raised {type(exc).__name__}: {exc} ({what}).")
-        used_library = used_library or bool(ours)
+        if ours:        # the course's reference called: is the answer simply its answer?
+            from ..overlap import assign_buckets as reference
+            same = [[id(p) for p in b] for b in reference(
+                [p for p in everything if p.requires_grad], cap)]
+            try:
+                library.append([[id(p) for p in b] for b in buckets] == same)
+            except TypeError:
+                library.append(False)
         if called:
             fail(_TORCH_ASSIGNMENT)
         params = [p for p in everything if p.requires_grad]
+        several = len({p.dtype for p in params}) > 1
         problem = (_frozen_problem(buckets, everything, cap, what)
-                   or bucket_problem(buckets, params, cap, what))
+                   or (mixed_problem if several else bucket_problem)(buckets, params, cap, what))
         if problem:
             problems.append(problem)
         else:
@@ -109,31 +119,54 @@ def check_assign_buckets(assign_buckets) -> None:
             got.append([[ids.get(id(p)) for p in b] for b in buckets])
         except TypeError:
             got.append(None)
-    if problems:
+    if library and all(library):    # the course's reference, handed on unchanged
+        fail(_LIBRARY_ASSIGNMENT)
+    # the cases of one dtype and no frozen parameter (those have sentences of their own)
+    plain = [k for k, (_, ps, _) in enumerate(cases)
+             if all(p.requires_grad for p in ps) and len({p.dtype for p in ps}) == 1]
+    if problems and all(got[k] is not None for k in plain):
         # Sizes measured in the wrong unit give buckets that are right for that unit in
         # every case: name the unit rather than the first over-full bucket.
         for variant, size_of in (("counted elements (p.numel()) as bytes", lambda p: p.numel()),
                                  ("assumed 4 bytes per element", lambda p: 4 * p.numel())):
-            # over the cases without frozen parameters (those have a sentence of their own)
-            plain = [k for k, (_, ps, _) in enumerate(cases) if all(p.requires_grad for p in ps)]
             predicted = [_greedy([size_of(p) for p in cases[k][1]], cases[k][2] * MiB,
                                  list(range(len(cases[k][1]) - 1, -1, -1))) for k in plain]
             if [got[k] for k in plain] == predicted:
                 fail(f"the buckets are what you get if you {variant}, so the cap was compared "
                      f"with a number that is not the parameter's bytes.",
                      fix="a parameter's size in bytes is p.numel() * p.element_size().")
-        plain = [k for k, (_, ps, _) in enumerate(cases) if all(p.requires_grad for p in ps)]
         for rule, sentence in _OTHER_RULES:
             predicted = [rule([p.numel() * p.element_size() for p in cases[k][1]],
                               cases[k][2] * MiB) for k in plain]
             if [got[k] for k in plain] == predicted:
                 fail(sentence, fix=_DDP_CLOSING_FIX)
+    if problems:
         fail(problems[0], fix=problems[0].fix)
-    if used_library:        # right, because it is the reference: refused only once right
-        fail(_LIBRARY_ASSIGNMENT)
     passed(f"assign_buckets: reverse order, each bucket closed once it reached the cap, in bytes, "
-           f"frozen parameters in no bucket ({'/'.join(map(str, counts))} buckets in the "
-           f"{len(cases)} cases)")
+           f"frozen parameters in no bucket, one open bucket per dtype, buckets in the order "
+           f"they complete ({'/'.join(map(str, counts))} buckets in the {len(cases)} cases)")
+
+
+def check_bucket_prediction(guess, assign_buckets=None) -> None:
+    """Compare the learner's predicted number of buckets for part 1's puzzle with the buckets
+    torch's own reducer function makes of it (run now), and say why, and what the other counts
+    would have meant; with ``assign_buckets``, say whether the learner's makes the same."""
+    __tracebackhide__ = True
+    from . import reveal
+
+    learners = None
+    if assign_buckets is not None:
+        params = _puzzle_params()
+        ids = {id(p): i for i, p in enumerate(params)}
+        try:
+            learners = [[ids.get(id(p)) for p in b] for b in assign_buckets(params, PUZZLE_CAP_MB)]
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            fail(f"assign_buckets raised {type(exc).__name__}: {exc} (part 1's "
+                 f"{len(PUZZLE)} parameters).", fix="make part 1's check pass first.")
+    count, why = explain_puzzle(guess, learners)
+    reveal(guess, count, close=guess.value == count, explanation=why)
 
 
 # --------------------------------------------------------------------------------------------
