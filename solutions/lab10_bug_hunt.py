@@ -17,10 +17,11 @@
 #    refused), and only a right line shows the options.
 # 2. **Name it.** Set `answerN` to the letter of the option that says what is wrong.
 # 3. **Fix it.** Build `fixedN`, the fixed script's text, from `brokenN`. Change as little as
-#    the bug needs; any fix that trains right passes. Two tools, neither needing exact
-#    indentation or line endings: `brokenN.replace("old piece", "new piece")`, and
-#    `lab10.move_line(brokenN, "piece of the line", before="piece of another line")`, which
-#    moves one whole line (re-indented to fit).
+#    the bug needs; any fix that trains right passes. `brokenN.replace("old piece", "new
+#    piece")` edits within a line; three line tools edit whole lines, each found by a piece
+#    that must match exactly one line, with no indentation or line ending to type:
+#    `lab10.delete_line(text, "piece")`, `lab10.insert_line(text, "new line", before="piece")`
+#    and `lab10.move_line(text, "piece", before="piece of another line")`.
 #
 # At the end one check runs your five fixes under `torchrun` (all at once: a launch costs
 # seconds) with `--seed 3`, bug 5's on **3** ranks, and compares the weights each saves with a
@@ -101,7 +102,7 @@ fixed1 = broken1.replace("seed=args.seed + rank", "seed=args.seed")
 # %% [markdown]
 # ## Bug 2
 #
-# This one runs, the loss falls, and every rank logs nothing suspicious.
+# This one runs to the end, and its loss falls.
 #
 # `effect2`: on 2 ranks, how many examples rank 1 reads in one epoch (the data set has 48).
 
@@ -289,8 +290,7 @@ lab10.check_answer(5, answer5)
 
 # %%
 ### BEGIN SOLUTION: fixed5, the fixed script's text
-fixed5 = broken5.replace("/ world_size  # this rank's share of the global mean",
-                         " # this rank's own mean")
+fixed5 = broken5.replace("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)")
 ### END SOLUTION
 
 # %%
@@ -322,14 +322,17 @@ lab10.check_fixes({1: fixed1, 2: fixed2, 3: fixed3, 4: fixed4, 5: fixed5}, timeo
 # - `replicas_in_sync(model)` is called on every rank of a process group and returns a Python
 #   `bool`: **True on every rank** when every rank's parameters are exactly equal, and **False
 #   on every rank** when any replica differs anywhere, by any amount, in any parameter;
+# - `model` is whatever model the job trains: its parameters may be of any floating dtype
+#   (float32, bfloat16, float64) and of any size;
 # - "exactly equal" means **the same bits**: a NaN that every replica holds at the same place,
 #   with the same bits, is in sync (the replicas agree, however broken), while `+0.0` on one
 #   replica and `−0.0` on another is not (equal as numbers, different sign bits), and neither
 #   is a weight one float away (`torch.nextafter`);
 # - it must not change the parameters.
 #
-# The check runs it on 3 ranks: equal replicas, then replicas that differ in ways a one-number
-# summary or a tolerance misses, and it names the way your verdict went wrong.
+# The check runs it on 3 ranks: equal replicas, then one replica that differs — on each rank in
+# turn, in one parameter or another, by a lot or in ways a one-number summary or a tolerance
+# misses — and it names the way your verdict went wrong from what it saw across those cases.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)

@@ -63,8 +63,7 @@ CLIP = ("        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.2
 AVERAGE_LOOP = ("        for p in model.parameters():  # average the gradients over the ranks\n"
                 "            dist.all_reduce(p.grad)\n"
                 "            p.grad /= world_size\n")
-BROADCAST = ("for p in model.parameters():  # make sure every replica starts from the same "
-             "weights\n    dist.broadcast(p.data, src=rank)\n")
+BROADCAST = "for p in model.parameters():\n    dist.broadcast(p.data, src=rank)\n"
 
 RIGHT = {
     "1-same-seed": (1, [("seed=args.seed + rank", "seed=args.seed")]),
@@ -93,9 +92,11 @@ WRONG = {
                        "each rank's sampler still has its own seed"),
     "1-seed-is-rank": (1, [("seed=args.seed + rank", "seed=rank")],
                        "each rank's sampler still has its own seed"),
-    "2-still-broken": (2, [("# a new order", "# an order")], "still ignores the DistributedSampler"),
+    "2-still-broken": (2, [("shuffle=True)", "shuffle=True)  # a new order every epoch")],
+                       "still ignores the DistributedSampler"),
     "3-still-broken": (3, [("# tame the steps", "# tame")], "still clips its own gradient"),
-    "5-still-broken": (5, [("# this rank's share", "# share")], "divided by world_size twice"),
+    "5-still-broken": (5, [("yb) / world_size", "yb) / world_size  # this rank's share")],
+                       "divided by world_size twice"),
     # fixes that trade the bug for another
     "1-hard-coded-seed": (1, [("seed=args.seed + rank", "seed=0")], "no longer comes from --seed"),
     "2-sampler-and-shuffle-dropped": (2, [("batch_size=4, shuffle=True)", "batch_size=4)")],
@@ -110,7 +111,8 @@ WRONG = {
     "4-no-broadcast": (4, [(BROADCAST, "")], "no longer start from the same weights"),
     "5-lr-times-world-size": (5, [("lr=0.1", "lr=0.1 * world_size")],
                               "changed the learning rate to make up for the gradients"),
-    "4-still-src-rank": (4, [("# make sure every", "# every")], "still names src=rank"),
+    "4-still-src-rank": (4, [("src=rank)", "src=rank)  # one copy for all")],
+                         "still names src=rank"),
     "5-both-removed": (5, [("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)"),
                            ("            p.grad /= world_size\n", "")], "now summed, not averaged"),
     "5-divided-by-two": (5, [("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(model(xb), yb)"),
@@ -151,7 +153,7 @@ def test_a_fix_names_the_cause_first_and_what_to_change_only_when_it_comes_back(
         lab10.judge_fix(5, weights)
     assert str(second.value).endswith("Divide once.")
     # read from the text, before any launch: src=rank kept
-    still = edit(4, ("# make sure every", "# every"))
+    still = edit(4, ("src=rank)", "src=rank)  # one copy for all"))
     with pytest.raises(LabCheckError) as first:
         lab10.check_fix(4, still)
     assert "same root" not in str(first.value)
@@ -257,19 +259,114 @@ def in_sync_gather(model):
     return all(torch.equal(copies[0], c) for c in copies)
 
 
-def in_sync_max_min(model):  # returns a tensor: accepted; float32 bits as int32
-    flat = torch.cat([p.detach().reshape(-1).view(torch.int32) for p in model.parameters()])
+def in_sync_max_min(model):  # the bytes' elementwise MAX and MIN agree only when all do
+    flat = bits(model)
     hi, lo = flat.clone(), flat.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return torch.equal(hi, lo) and torch.tensor(True)
+    return torch.equal(hi, lo)
+
+
+def in_sync_cat_int32(model):  # torch.cat promotes a mixed model to float64 first: bits kept
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).view(torch.int32)
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    differs = torch.tensor([0 if torch.equal(flat, ref) else 1])
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)  # a 'differs' flag: MAX is right
+    return not bool(differs.item())
+
+
+def in_sync_count_same(model):  # the count of ranks that agree, all of them
+    flat = bits(model)
+    ref = flat.clone()
+    dist.broadcast(ref, src=2)
+    same = torch.tensor([int(torch.equal(flat, ref))])
+    dist.all_reduce(same)
+    return same.item() == dist.get_world_size()
+
+
+# the learner's probes (FL10 B, C): each must be named by its own mistake
+
+
+def in_sync_values_differs_max(model):  # values compared; a 'differs' flag combined with MAX
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    differs = torch.tensor([0.0 if torch.equal(flat, ref) else 1.0])
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    return differs.item() == 0.0
+
+
+def in_sync_first_param_flag(model):  # bits, but of the first parameter only
+    first = next(model.parameters()).detach().reshape(-1).view(torch.uint8)
+    ref = first.clone()
+    dist.broadcast(ref, src=0)
+    differs = torch.tensor([0.0 if torch.equal(first, ref) else 1.0])
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    return differs.item() == 0.0
+
+
+def gather_ignoring(rank):
+    def detector(model):
+        flat = bits(model)
+        copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(copies, flat)
+        return all(torch.equal(copies[0], c) for i, c in enumerate(copies) if i != rank)
+    return detector
+
+
+def in_sync_tensor(model):  # right verdict, but a 1-element tensor, not a bool
+    flat = bits(model)
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([int(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return same == 1
+
+
+def in_sync_int32_each(model):  # float32's bits as int32, one parameter at a time
+    flat = torch.cat([p.detach().reshape(-1).view(torch.int32) for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([int(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def in_sync_narrowed(model):  # every parameter made float32 first: float64's last bits go
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    flat = flat.view(torch.int32)
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([int(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def in_sync_float32_only(model):  # bits, but only the float32 parameters
+    flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()
+                      if p.dtype == torch.float32])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([int(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def in_sync_differs_min(model):  # a 'differs' flag, but combined with MIN: a 'same' wins
+    flat = bits(model)
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    differs = torch.tensor([0 if torch.equal(flat, ref) else 1])
+    dist.all_reduce(differs, op=dist.ReduceOp.MIN)
+    return differs.item() == 0
 
 
 def in_sync_rank0_only(model):
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     ref = flat.clone()
     dist.broadcast(ref, src=0)
-    return torch.equal(flat, ref)  # no agreement step: each rank answers for itself
+    return bool(torch.equal(flat, ref))  # no agreement step: each rank answers for itself
 
 
 def in_sync_checksum(model):
@@ -285,7 +382,7 @@ def in_sync_first_param(model):
     hi, lo = first.clone(), first.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return torch.equal(hi, lo)
+    return bool(torch.equal(hi, lo))
 
 
 def in_sync_in_place(model):
@@ -411,7 +508,8 @@ def in_sync_todo(model):
     raise NotImplementedError("TODO")
 
 
-@pytest.mark.parametrize("fn", [in_sync_broadcast, in_sync_gather, in_sync_max_min])
+@pytest.mark.parametrize("fn", [in_sync_broadcast, in_sync_gather, in_sync_max_min,
+                                in_sync_cat_int32, in_sync_count_same])
 def test_right_detectors_pass(fn, capsys):
     lab10.check_replicas_in_sync(fn)
     assert capsys.readouterr().out.count("✔") == 1
@@ -422,28 +520,83 @@ def test_right_detectors_pass(fn, capsys):
     (in_sync_checksum, "a plain sum or mean of the values cannot see that"),
     (in_sync_norm, "two weights swapped, one weight's sign flipped.*a norm"),
     (in_sync_sorted, "two weights swapped.*ignores where each value sits"),
-    (in_sync_verdict_max, "combined the verdicts with MAX"),
-    (in_sync_gather_any, "verdicts combined with any\\(\\) or MAX"),
-    (in_sync_rank0_verdict, "rank 0's own verdict sent to all"),
+    (in_sync_verdict_max, "went into your all_reduce with ReduceOp.MAX with different verdicts "
+                          "\\(rank 0: 1, rank 1: 0, rank 2: 0\\) and every rank came out with "
+                          "True: .*one rank's 'in sync' outvote"),
+    (in_sync_differs_min, "went into your all_reduce with ReduceOp.MIN with different verdicts"),
+    (in_sync_gather_any, "went into your all_gather_object with different verdicts"),
+    (in_sync_rank0_verdict, "went into your broadcast from rank 0 with different verdicts"),
     (in_sync_no_broadcast, "no collective carried more than 1 number \\(a verdict per rank "
                            "at most; the model has 65 parameters\\): no rank ever received "
                            "another rank's weights"),
-    (in_sync_first_param, "the parameter that differed is one your detector does not compare"),
+    (in_sync_first_param, "with 0.5 added to the last parameter \\(2.bias, one number\\) on "
+                          "ranks 0, 1 and 2.*does not compare every parameter"),
     (in_sync_in_place, "changed the model's parameters"),
     (in_sync_loose, "your comparison has a tolerance"),
     (in_sync_allclose, "one unit in the last place away \\(torch.nextafter\\).*your comparison "
                        "has a tolerance .*allclose"),
-    (in_sync_values, "−0.0 on one\\) .*you compare values .*−0.0 == \\+0.0 as a value.*same "
+    (in_sync_values, "−0.0 on one\\) .*you compare values .*−0.0 == \\+0.0.*same "
                      "NaN at the same place .*never equals itself"),
-    (in_sync_values_nan_equal, "you compare values .*sign bit\\. \\(Run"),
+    (in_sync_values_nan_equal, "you compare values .*−0.0 == \\+0.0 and two NaNs are both "
+                               "'NaN'.*these differ\\. \\(Run"),
     (in_sync_never, "with every replica identical"),
-    (in_sync_returns_none, "should return True or False, got None"),
+    (in_sync_returns_none, "returned NoneType \\(None\\), not a Python bool"),
     (in_sync_position_checksum, "one weight \\+2⁻⁹ and the next −2⁻¹⁰.*weights each value by "
                                 "its position"),
+    (in_sync_narrowed, "one float64 number one unit in the last place away.*narrows float64"),
+    (in_sync_float32_only, "with 0.5 added to the bfloat16 parameter \\(scale\\) of the second "
+                           "model .*; to the float64 parameter \\(offset\\) .*does not compare "
+                           "every parameter"),
 ])
 def test_wrong_detectors_are_named(fn, phrase):
     with pytest.raises(LabCheckError, match=phrase):
         lab10.check_replicas_in_sync(fn)
+
+
+# The learner's probes of the last round (FL10 B), each told another mistake than its own then.
+@pytest.mark.parametrize("fn, cause, not_said", [
+    # values compared (+0.0 == -0.0), a 'differs' flag rightly combined with MAX
+    (in_sync_values_differs_max, "one weight \\+0.0 on the other ranks and −0.0 on one\\) but "
+                                 "replicas_in_sync returned True on every rank: you compare "
+                                 "values", ("MAX", "MIN", "combine")),
+    # the first parameter only, combined rightly
+    (in_sync_first_param_flag, "with 0.5 added to the last parameter \\(2.bias, one number\\) "
+                               "on ranks 0, 1 and 2.*does not compare every parameter",
+     ("MAX", "MIN", "combine")),
+    # every parameter, but rank 2's copy left out of the comparison
+    (gather_ignoring(2), "with rank 2's first weight \\(0.weight\\) 0.5 off, every rank "
+                         "returned True, while the same 0.5 on ranks 0 and 1 was seen: your "
+                         "detector never compares rank 2's weights",
+     ("sum", "parameter that differed")),
+    (gather_ignoring(1), "with rank 1's first weight \\(0.weight\\) 0.5 off, every rank "
+                         "returned True, while the same 0.5 on ranks 0 and 2 was seen: your "
+                         "detector never compares rank 1's weights",
+     ("sum", "parameter that differed")),
+])
+def test_the_learners_probes_are_named_by_their_own_mistake(fn, cause, not_said):
+    with pytest.raises(LabCheckError, match=cause) as first:
+        lab10.check_replicas_in_sync(fn)
+    assert not any(w in str(first.value).split(": ", 1)[1] for w in not_said), str(first.value)
+
+
+# FL10 C: accepted before, though the contract refuses them
+def test_a_tensor_verdict_is_refused_by_its_type():
+    with pytest.raises(LabCheckError, match="with every replica identical, replicas_in_sync "
+                                            "returned torch.Tensor \\(tensor\\(\\[True\\]\\)\\), "
+                                            "not a Python bool") as first:
+        lab10.check_replicas_in_sync(in_sync_tensor)
+    assert "bool(" not in str(first.value)
+    with pytest.raises(LabCheckError, match="Return bool\\(...\\) of your verdict"):
+        lab10.check_replicas_in_sync(in_sync_tensor)
+
+
+def test_a_view_as_int32_of_each_parameter_is_refused_on_a_bfloat16_parameter():
+    with pytest.raises(LabCheckError, match="with identical replicas of the second model \\(a "
+                                            "bfloat16 parameter of 5 numbers, a float64 one of "
+                                            "3\\), replicas_in_sync raised RuntimeError: .*to view "
+                                            "BFloat16 as Int \\(different element sizes\\).*not "
+                                            "for 5 bfloat16 numbers"):
+        lab10.check_replicas_in_sync(in_sync_int32_each)
 
 
 def test_a_detector_that_receives_no_weights_is_not_called_a_verdict_combined_wrong():
@@ -551,7 +704,8 @@ def test_the_right_number_passes_on_every_bug_line_however_written(n, effect, ca
 
 
 # the numbers a learner who has not read the line gets: the right script's, or a near miss
-WRONG_EFFECTS = {1: [1240, 4, 1238], 2: [24, 12], 3: [0.949, 1, 0.316], 4: [1, 2], 5: [1, 9, 1 / 3]}
+WRONG_EFFECTS = {1: [1240, 4, 1238], 2: [24, 12, 96], 3: [0.949, 1, 0.316, 2 / 3], 4: [1, 2],
+                 5: [1, 9, 1 / 3]}
 
 
 @pytest.mark.parametrize("n, effect", [(n, e) for n, es in WRONG_EFFECTS.items() for e in es])
@@ -567,8 +721,31 @@ def test_a_wrong_number_is_judged_before_the_line_and_confirms_nothing(n, effect
     # the same sentence for the right line and a wrong one: the line is not confirmed
     assert messages[0] == messages[1], messages
     assert f"effect{n} = {effect!r} is not what {lab10.SCRIPTS[n]} does" in messages[0]
-    assert "is not where" not in messages[0] and lab10.LOOK_AGAIN[n] in messages[0]
+    assert "is not where" not in messages[0]
+    # the sentence is about the number (what it is made of, or the mistake it gives away)
+    causes = [lab10.MADE_OF[n]] + [c for _, _, c in lab10.KNOWN_EFFECTS.get(n, ())]
+    assert any(c in messages[0] for c in causes), messages[0]
     assert "  A. " not in capsys.readouterr().out   # no options shown
+
+
+# the learner's wrong numbers (FL10 D), each named by what the number is
+@pytest.mark.parametrize("n, effect, cause", [
+    (1, 1240, "close to that sum, but not it: recheck each of the three seeds"),
+    (1, 4, "each of the three seeds is read off its own line, with args.seed = 3 and rank = 1"),
+    (3, 2 / 3, "with the section's gradients g₀ = \\(3, 0\\).*it is the first component of "
+               "what opt.step\\(\\) receives once the script's lines, in their order"),
+    (3, 0.949, "that is the first component one device steps with \\(the mean \\(1.5, 0.5\\)"),
+    (4, 1, "1 is what a broadcast does when every rank names the same src: one sender and "
+           "world_size − 1 = 1 receiver"),
+    (2, 24, "24 is what rank 1 would read if its loader drew its indices from the "
+            "DistributedSampler"),
+    (5, 9, "9 counts the two divisions by 3 and leaves out the all_reduce"),
+    (5, 1 / 3, "1/3 would make the step 3 times larger"),
+])
+def test_a_wrong_number_is_named_by_what_it_is(n, effect, cause):
+    with pytest.raises(LabCheckError, match=cause) as err:
+        lab10.check_line(n, lab10.bug_lines(n)[0], effect)
+    assert "Hint 2" not in str(err.value)
 
 
 def test_a_wrong_number_met_again_says_how_to_work_it_out():
@@ -696,7 +873,7 @@ def test_the_prediction_is_compared_with_the_count(capsys):
 
 # --- bug 5's design decision: three answers judged against the repair the fix made ---------
 
-LOSS_LINE = "F.mse_loss(model(xb), yb) / world_size  # this rank's share of the global mean"
+LOSS_LINE = "F.mse_loss(model(xb), yb) / world_size"
 GRAD_LINE = "            p.grad /= world_size\n"
 
 
@@ -817,3 +994,54 @@ def test_the_kept_division_is_read_from_the_code():
     assert lab10.kept_division(lab10.script(5)) is None               # both: the bug
     assert lab10.kept_division(kept_gradient("x")) == "gradient"
     assert lab10.kept_division(kept_loss("x / world_size")) == "loss"  # a comment is not code
+
+
+# --- the scripts do not tell: no comment states a bug, every option is a real candidate --------
+
+def test_no_comment_in_a_script_states_its_bug():
+    told = ("same weights", "new order", "share of the global mean", "same on every rank")
+    for n in lab10.SCRIPTS:
+        comments = " ".join(ln.split("#", 1)[1] for ln in lab10.script(n).splitlines()
+                            if "#" in ln)
+        assert not any(t in comments for t in told), (n, comments)
+
+
+def test_the_wrong_options_are_wrong_for_the_reason_their_sentence_gives():
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    text = lab10.script(1)
+    # 1A: the data's generator is seeded with a constant, the same on every rank
+    assert "torch.Generator().manual_seed(1234)" in text
+    # 1C: one seed for every rank right before the model: the same initial weights
+    assert "torch.manual_seed(args.seed)\nmodel = " in text
+    # 1D: 48 over 2 ranks is 24 each, nothing padded: one shared seed reads all 48, each once
+    ds = TensorDataset(torch.arange(48))
+    halves = [list(DistributedSampler(ds, num_replicas=2, rank=r, seed=3)) for r in (0, 1)]
+    assert [len(h) for h in halves] == [24, 24] and sorted(halves[0] + halves[1]) == list(range(48))
+    # 2D: the loader's shuffle draws from torch's default generator, seeded alike: every rank
+    # (here: the same lines run twice, as two ranks would) reads the same order
+    X, y = lab10._data()
+
+    def order():
+        loader = DataLoader(TensorDataset(torch.arange(48)), batch_size=4, shuffle=True)
+        torch.manual_seed(lab10.SEED)
+        torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        return [int(i) for (b,) in loader for i in b]
+
+    assert order() == order() and sorted(order()) == list(range(48))
+    # 4C: the optimizer holds the parameter tensors themselves (a broadcast writes into them)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], model.parameters()))
+
+
+def test_delete_and_insert_line():
+    text = lab10.script(5)
+    gone = lab10.delete_line(text, "p.grad /= world_size")
+    assert "p.grad /=" not in gone and len(gone.splitlines()) == len(text.splitlines()) - 1
+    added = lab10.insert_line(text, "x = 1", before="opt.step()")
+    assert "        x = 1\n        opt.step()" in added
+    with pytest.raises(ValueError, match="matches 0"):
+        lab10.delete_line(text, "no such line")
+    with pytest.raises(ValueError, match="one line of code"):
+        lab10.insert_line(text, "a\nb", before="opt.step()")

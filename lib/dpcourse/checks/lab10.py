@@ -28,10 +28,14 @@ check names the one whose weights the script reproduced. Bug 5's fix runs on 3 r
 fails).
 
 Stretch: :func:`check_replicas_in_sync` — the learner's detector for replicas that differ, run
-on 3 ranks on equal replicas and on ways to differ that a summary or a tolerance can miss (a
-+1e-3/-1e-3 pair, a position-weighted pair, a swap, a sign flip, only the last parameter, one
-unit in the last place, +0.0 against -0.0), with a spy on ``all_reduce`` that names verdicts
-combined with MAX. "Exactly equal" is the same bits: the same NaN on every replica is in sync.
+on 3 ranks over a grid of cases, and judged from the evidence the grid gives: which rank differs
+(0, 1, 2), which parameter (the first, the last, a bfloat16 or float64 one of odd size in a
+second model), and how (0.5 off; then a +1e-3/-1e-3 pair, a position-weighted pair, a swap, a
+sign flip, one unit in the last place in float32 and in float64, +0.0 against -0.0, NaNs of
+other bits). A spy records the one number each rank passes into a collective: verdicts that go
+in unlike and come out "in sync" on every rank name a combination that lets "same" win.
+"Exactly equal" is the same bits: the same NaN on every replica is in sync. It must return a
+Python bool.
 Used in solutions/lab10_bug_hunt.py; tests in tests/test_lab10_checks.py.
 """
 
@@ -50,7 +54,7 @@ from dpcourse.checks import (check_timeout, fail, passed, recorded, reveal, run_
 
 __all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "BUG_LINES", "EFFECTS", "script", "show",
            "options",
-           "bug_lines", "check_line", "move_line", "check_answer", "simulate", "run_fix",
+           "bug_lines", "check_line", "move_line", "delete_line", "insert_line", "check_answer", "simulate", "run_fix",
            "judge_fix", "check_fix", "check_fixes", "examples_read", "check_prediction",
            "check_replicas_in_sync", "kept_division", "check_decision", "KEPT",
            "LOSS_HOLDS", "UNDER_DDP"]
@@ -68,70 +72,72 @@ TOL = 1e-5  # float drift measured at ~1e-7; every bug lands 1e-2 or more away
 # says why that option is wrong without naming the right one: the learner has already found the
 # line (check_line) and now says what is wrong with it.
 CHOICES = {
-    1: [("A", "Every rank seeds its model with args.seed, so the replicas cannot explore "
-              "different initial weights.",
-         "the replicas must start equal — data parallelism is one model trained on a larger "
-         "batch — so one seed (or a broadcast) for the weights is right."),
+    1: [("A", "Each rank draws its own random data with torch.randn, so the ranks train on two "
+              "different data sets.",
+         "the data's generator is seeded with the constant 1234 on every rank, so every rank "
+         "draws the same 48 examples."),
         ("B", "Each rank's sampler shuffles its own permutation, so one epoch reads some "
               "examples twice and others never.", None),
-        ("C", "set_epoch runs before the loop over the batches; it must run after it, once "
-              "the epoch's batches are read.",
-         "set_epoch reseeds the shuffle of the epoch about to start, so it belongs before the "
-         "loop, where it is."),
-        ("D", "Only the gradients are averaged over the ranks; the loss must be averaged too, "
-              "before backward runs.",
-         "the step uses the gradients, and they are averaged; each rank's loss is only where "
-         "its backward starts.")],
+        ("C", "Nothing broadcasts rank 0's initial weights, so each rank's replica starts from "
+              "different random weights.",
+         "torch.manual_seed(args.seed) seeds every rank alike right before the model is built, "
+         "so every rank draws the same initial weights."),
+        ("D", "Without drop_last, the sampler pads each rank's share with repeats, so some "
+              "examples are read twice.",
+         "DistributedSampler pads only when the data set does not split evenly over the ranks: "
+         "48 examples over 2 ranks are 24 each, nothing padded.")],
     2: [("A", "The DistributedSampler is built without shuffle=True, so it deals the same "
               "order of examples in every epoch.",
          "shuffle=True is DistributedSampler's default, and set_epoch gives each epoch its own "
          "order."),
-        ("B", "batch_size=4 is the global batch, so each rank should load 4 / world_size "
-              "examples per step.",
-         "a DataLoader's batch_size is per rank: the global batch is 4 × world_size by design, "
-         "and nothing here assumes otherwise."),
+        ("B", "Two ranks of batch_size=4 make a global batch of 8, so the learning rate must "
+              "double to match.",
+         "scaling the learning rate with the batch is a tuning choice, not a data-parallel bug: "
+         "the check compares with one device stepping with lr=0.1 on the global batch."),
         ("C", "The loader never draws from the sampler, so every rank reads all 48 examples "
               "each epoch.", None),
-        ("D", "set_epoch is called on the sampler, but the loader is what must be told which "
-              "epoch starts.",
-         "set_epoch is a DistributedSampler method; a DataLoader has no set_epoch at "
-         "all.")],
+        ("D", "The loader shuffles with each rank's own random state, so the ranks read the "
+              "examples in different orders.",
+         "with no generator given, the loader's shuffle draws its seed from torch's default "
+         "generator, which torch.manual_seed(args.seed) seeds alike on every rank: every rank "
+         "gets the same order.")],
     3: [("A", "Each rank clips a different gradient, so the replicas' weights drift apart "
               "from the first step on.",
          "after the clipping line the gradients are all-reduced and divided, so every rank "
          "applies the same gradient and the replicas stay equal."),
-        ("B", "Gradient-norm clipping interferes with SGD's momentum, so it must not be used "
-              "with this optimizer.",
-         "clipping bounds the gradient before the optimizer sees it; momentum accumulates "
-         "clipped gradients as it would any others."),
-        ("C", "clip_grad_norm_ must run after opt.step(), once the step has used the gradients "
-              "it is meant to bound.",
-         "after the step the gradients have been used: clipping them then changes nothing in "
-         "the weights."),
+        ("B", "max_norm=0.2 is below the gradients' usual norm, so nearly every step is "
+              "clipped and training stalls.",
+         "how often the clip bites is a tuning choice: one device training on the global batch "
+         "with max_norm=0.2 clips as often, and that run is what a correct script reproduces."),
+        ("C", "The clip already scales the gradients down, so dividing their sum by world_size "
+              "afterwards shrinks the step twice.",
+         "dividing the sum by world_size is what makes it the mean, clip or no clip: the clip's "
+         "factor max_norm / norm bounds a norm, it is not a division by world_size."),
         ("D", "Each rank bounds its own gradient's norm, which differs from bounding the norm "
               "of the averaged gradient.", None)],
-    4: [("A", "Broadcasting into p.data bypasses autograd, so the received weights are lost at "
-              "the first backward.",
-         "writing into p.data in place is how initial weights are broadcast; the values stay, "
-         "and autograd plays no part before the first forward."),
+    4: [("A", "Each rank seeds torch with args.seed + rank, so the replicas start from "
+              "different weights and never agree.",
+         "the run stops before any step where different weights could matter, in the very "
+         "call that is meant to overwrite each rank's weights with one copy."),
         ("B", "Each rank names itself as the sender, so no rank receives and the broadcast "
               "cannot complete.", None),
-        ("C", "The broadcast must come after the optimizer is built, or the optimizer keeps "
-              "the weights from before it.",
-         "the optimizer holds the same parameter tensors, which the broadcast writes into in "
-         "place: before or after is the same."),
-        ("D", "The gradients should be broadcast from one rank instead of being all-reduced by "
-              "every rank.",
-         "all-reducing then dividing gives every rank the average it needs; a broadcast would "
-         "copy one rank's gradient and waste the others'.")],
+        ("C", "The broadcast must come before the optimizer is built, or the optimizer keeps "
+              "stale copies of the weights.",
+         "the optimizer holds the parameter tensors themselves, and the broadcast writes into "
+         "them in place: the order of the two does not matter."),
+        ("D", "The broadcast runs right after init_process_group, before every rank is ready, "
+              "so it waits forever.",
+         "a collective waits until every rank of the group calls it: a rank that starts late "
+         "only delays it, and every rank here does reach this broadcast.")],
     5: [("A", "dist.all_reduce averages by default, so the division after it divides the "
               "gradients a second time.",
          "dist.all_reduce sums by default (ReduceOp.SUM): what it hands back is the sum of the "
          "ranks' tensors."),
-        ("B", "Dividing the loss by world_size is right; the steps are too small only because "
-              "momentum damps them.",
-         "momentum behaves as on one device when the gradients are right, and then the steps "
-         "are right too."),
+        ("B", "F.mse_loss already averages over the batch, so dividing the summed gradients by "
+              "world_size makes them too small.",
+         "the sum over the ranks adds world_size per-rank means: dividing that sum by "
+         "world_size gives the mean over the global batch, the gradient one device steps with "
+         "(the ranks' batches are equal)."),
         ("C", "The gradients are divided by world_size twice, once through the loss and once "
               "after the all-reduce.", None),
         ("D", "The loss must be all-reduced before backward, so that every rank backpropagates "
@@ -182,7 +188,7 @@ SUSPECTS = {1: ("sampler_seed_rank", "sampler_seed_ignored"),
 # bug -> pieces of the lines where the bug is (check_line accepts any line holding one)
 BUG_LINES = {1: ("DistributedSampler(dataset",), 2: ("loader = DataLoader(",),
              3: ("clip_grad_norm_",), 4: ("dist.broadcast(",),
-             5: ("/ world_size  #", "p.grad /= world_size")}
+             5: ("yb) / world_size", "p.grad /= world_size")}
 # bug -> the other side of a bug that is an ORDER of two lines: bug 3 is the clip running
 # before the average, so the average's lines are a right answer too (moving the all-reduce
 # above the clip is as good a repair as moving the clip down)
@@ -200,7 +206,7 @@ EFFECTS = {
     2: ("on 2 ranks, how many examples rank 1 reads in one epoch (the data set has 48)", 48, 0,
         "Follow the examples from the data set to the batches of the loop: which object hands "
         "rank 1 its batches, and from which examples?"),
-    3: ("with Hint 2's gradients g₀ = (3, 0) on rank 0 and g₁ = (0, 1) on rank 1, and "
+    3: ("with the section's gradients g₀ = (3, 0) on rank 0 and g₁ = (0, 1) on rank 1, and "
         "max_norm = 1, the first component of the gradient this script's opt.step() uses", 0.5,
         0.01, "Apply the script's lines in their order to (3, 0) and (0, 1): first what each "
               "rank does alone, then the sum and the division."),
@@ -210,6 +216,46 @@ EFFECTS = {
         "of one device's mean loss over the global batch (3 if a third, 1 if the same)", 3,
         0.01, "Follow one gradient from the loss to opt.step() and count every division by "
               "world_size on the way, and what the all_reduce's sum does."),
+}
+# bug -> what the number is made of: said when effectN is wrong, so the sentence is about the
+# number the learner worked out (a sum, a count, a ratio), not a hint at the bug
+MADE_OF = {
+    1: "each of the three seeds is read off its own line, with args.seed = 3 and rank = 1, "
+       "before they are added",
+    2: "it counts the examples rank 1's loop receives in one epoch, from whichever object hands "
+       "its loader the indices",
+    3: "it is the first component of what opt.step() receives once the script's lines, in "
+       "their order, have run on g₀ = (3, 0) and g₁ = (0, 1) with max_norm = 1",
+    4: "it counts the ranks that take the receiving side of the first dist.broadcast, given the "
+       "src each rank passes",
+    5: "it is how many times one device's gradient (of its mean loss over the global batch) is "
+       "larger than the one opt.step() uses here, on 3 ranks",
+}
+# bug -> [(a wrong number a learner works out, its tolerance, what that number is)]: the
+# mistakes behind a wrong effectN, named when the number gives them away
+KNOWN_EFFECTS = {
+    1: [(1241, 3, "close to that sum, but not it: recheck each of the three seeds, read off "
+                  "its own line with args.seed = 3 and rank = 1, and the addition")],
+    2: [(24, 0, "24 is what rank 1 would read if its loader drew its indices from the "
+                "DistributedSampler (48 over 2 ranks), so follow which object this loader "
+                "draws from"),
+        (12, 0, "12 is a count of batches of 4, not of examples (and of a rank's half)")],
+    3: [(3 / 10 ** 0.5, 0.01, "that is the first component one device steps with (the mean "
+                              "(1.5, 0.5), then one clip of its norm 1.58 down to 1); the "
+                              "question asks what this script's lines do, in their order"),
+        (1.5, 0.01, "that is the mean with no clipping at all, and the script clips"),
+        (1, 0.01, "that is rank 0's clipped gradient alone, before the lines that follow the "
+                  "clip")],
+    4: [(1, 0, "1 is what a broadcast does when every rank names the same src: one sender and "
+               "world_size − 1 = 1 receiver. Read the src each rank passes here, with its own "
+               "rank"),
+        (2, 0, "2 would mean both ranks receive, and no rank sends")],
+    5: [(9, 0.01, "9 counts the two divisions by 3 and leaves out the all_reduce, whose sum "
+                  "multiplies by 3"),
+        (1 / 3, 0.01, "1/3 would make the step 3 times larger; the question asks how many "
+                      "times smaller (3 if a third)"),
+        (1, 0.01, "1 says the step uses one device's gradient: count every division by "
+                  "world_size and every sum between the loss and opt.step()")],
 }
 # bug -> the question a learner who picked another line is sent back with (never the answer)
 LOOK_AGAIN = {
@@ -291,9 +337,10 @@ def check_line(n: int, line, effect) -> None:
     # the fact first: a line is neither confirmed nor refused for a wrong number, so trying
     # line numbers with any number finds nothing
     if abs(float(effect) - answer) > tol:
+        why = next((cause for value, near, cause in KNOWN_EFFECTS.get(n, ())
+                    if abs(float(effect) - value) <= near), MADE_OF[n])
         fail(f"effect{n} = {effect!r} is not what {SCRIPTS[n]} does ({question}), so line "
-             f"{line} is not judged: {LOOK_AGAIN[n]}, and work the number out on the script's "
-             f"own lines.", fix=how)
+             f"{line} is not judged: {why}.", fix=how)
     code = lines[line - 1].strip() or "(a blank line)"
     if any(piece in lines[line - 1] for piece in ORDER_LINES.get(n, ())):
         passed(f"bug {n} is the order of two lines, and line {line} is one side of it: the "
@@ -339,6 +386,37 @@ def move_line(text: str, line: str, before: str) -> str:
     body = moved.strip("\r\n").lstrip()
     ending = moved[len(moved.rstrip("\r\n")):] or "\n"
     lines.insert(dst, indent + body + ending)
+    return "".join(lines)
+
+
+def _only_line(lines: list[str], part, name: str) -> int:
+    if not isinstance(part, str) or not part.strip():
+        raise ValueError(f"{name} must be a non-empty piece of one line; got {part!r}")
+    hits = [i for i, ln in enumerate(lines) if part in ln]
+    if len(hits) != 1:
+        raise ValueError(f"{name}={part!r} must match exactly one line; it matches "
+                         f"{len(hits)}" + (f" (lines {[i + 1 for i in hits]})" if hits else ""))
+    return hits[0]
+
+
+def delete_line(text: str, line: str) -> str:
+    """``text`` without the one line that contains ``line`` (a ``ValueError`` if it matches no
+    line or several)."""
+    lines = text.splitlines(keepends=True)
+    del lines[_only_line(lines, line, "line")]
+    return "".join(lines)
+
+
+def insert_line(text: str, new: str, before: str) -> str:
+    """``text`` with ``new`` inserted as a whole line just before the one line that contains
+    ``before``, indented like that line (no exact indentation or line ending to type)."""
+    if not isinstance(new, str) or not new.strip() or "\n" in new.strip("\r\n"):
+        raise ValueError(f"new must be one line of code; got {new!r}")
+    lines = text.splitlines(keepends=True)
+    dst = _only_line(lines, before, "before")
+    indent = lines[dst][:len(lines[dst]) - len(lines[dst].lstrip())]
+    ending = lines[dst][len(lines[dst].rstrip("\r\n")):] or "\n"
+    lines.insert(dst, indent + new.strip() + ending)
     return "".join(lines)
 
 
@@ -787,103 +865,234 @@ def check_prediction(guess) -> None:
                        f"disjoint halves: all 48, each once.")
 
 
-# --- stretch: a detector for bug 1 ---------------------------------------------------------
+# --- stretch: a detector for replicas that differ ------------------------------------------
+#
+# The check runs the learner's detector on a grid of cases and judges it from the evidence the
+# grid gives, never from one outcome alone: which RANK differs (0, 1, 2: a detector that leaves
+# a rank out sees the others), which PARAMETER (the first, the last, one of another dtype: a
+# detector that leaves one out sees the rest), and HOW (0.5 off, which anything that looks
+# sees; then the ways a summary, a tolerance or a comparison of values misses). What the ranks
+# passed into each collective that carried one 0/1 number is recorded too: verdicts that
+# disagree going in and "in sync" on every rank coming out is the evidence that the way they
+# were combined let a "same" win.
 
-_CASES = ("same", "off_keeping_sum", "off_keeping_weighted_sum", "swapped", "sign_flipped",
-          "last_param_off", "one_ulp", "signed_zero", "same_nan")
-# the cases whose replicas are in sync: "exactly equal" is the lab's rule, the same bits, so the
-# same NaN at the same place on every replica is in sync (a NaN is not equal to itself as a
-# value, but its bits are the same), and +0.0 against -0.0 is not (equal values, other bits)
-_IN_SYNC = ("same", "same_nan")
-# what the learner reads when a detector calls differing replicas "in sync" in that case only
-_BLIND = {
-    "off_keeping_sum": "one weight +1e-3 and the next -1e-3",
-    "off_keeping_weighted_sum": "one weight +2⁻⁹ and the next −2⁻¹⁰",
-    "swapped": "two weights swapped",
-    "sign_flipped": "one weight's sign flipped",
-    "last_param_off": "only the last parameter off by 1e-3",
-    "one_ulp": "one weight one unit in the last place away (torch.nextafter)",
-    "signed_zero": "one weight +0.0 on the other ranks and −0.0 on one",
-}
+_OFF = 0.5  # "plainly off": a sum, a norm, a tolerance all see it
+# the second model's parameters: not float32, and of odd sizes (a view as int32 of a 5-number
+# bfloat16 tensor raises; float64 narrowed to float32 loses its last bits)
+_MIXED = {"scale": ("bfloat16", 5), "offset": ("float64", 3)}
+_MIXED_SAID = "the second model (a bfloat16 parameter of 5 numbers, a float64 one of 3)"
 
 
-def _detector_model():
+def _lab_model():
     import torch
 
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
+def _mixed_model():
+    import torch
+
+    torch.manual_seed(1)
+    model = torch.nn.Module()
+    model.lin = torch.nn.Linear(6, 8)
+    for name, (dtype, n) in _MIXED.items():
+        model.register_parameter(name, torch.nn.Parameter(
+            torch.randn(n, dtype=torch.float64).to(getattr(torch, dtype))))
+    return model
+
+
+def _cases(world_size: int) -> dict:
+    """case -> (model, the rank that differs or None, in sync?, what the learner reads)."""
+    last = world_size - 1
+    cases = {"same": ("lab", None, True, "every replica identical"),
+             "same_nan": ("lab", None, True, "the same NaN, with the same bits, at the same "
+                                             "place on every replica"),
+             "same_mixed": ("mixed", None, True, f"identical replicas of {_MIXED_SAID}")}
+    for r in range(world_size):
+        cases[f"first_r{r}"] = ("lab", r, False, f"rank {r}'s first weight (0.weight) "
+                                                 f"{_OFF} off")
+    for r in range(world_size):
+        cases[f"last_r{r}"] = ("lab", r, False, f"rank {r}'s last parameter (2.bias, one "
+                                                f"number) {_OFF} off")
+    cases["bf16_off"] = ("mixed", 1 % world_size, False, f"rank {1 % world_size}'s bfloat16 "
+                         f"parameter (scale) {_OFF} off, in {_MIXED_SAID}")
+    cases["f64_off"] = ("mixed", last, False, f"rank {last}'s float64 parameter (offset) "
+                        f"{_OFF} off, in {_MIXED_SAID}")
+    cases.update({
+        "small_off": ("lab", last, False, "one weight 1e-3 off"),
+        "off_keeping_sum": ("lab", last, False, "one weight +1e-3 and the next -1e-3"),
+        "off_keeping_weighted_sum": ("lab", last, False, "one weight +2⁻⁹ and the next −2⁻¹⁰"),
+        "swapped": ("lab", last, False, "two weights swapped"),
+        "sign_flipped": ("lab", last, False, "one weight's sign flipped"),
+        "one_ulp": ("lab", last, False, "one float32 weight one unit in the last place away "
+                                        "(torch.nextafter)"),
+        "f64_ulp": ("mixed", last, False, "one float64 number one unit in the last place away "
+                                          f"(torch.nextafter), in {_MIXED_SAID}"),
+        "signed_zero": ("lab", last, False, "one weight +0.0 on the other ranks and −0.0 on "
+                                            "one"),
+        "nan_other_bits": ("lab", last, False, "a NaN at the same place on every replica, "
+                                               "with other bits on one"),
+    })
+    return cases
+
+
+def _case_model(case: str, spec, rank: int):
+    import torch
+
+    kind, who, _, _ = spec
+    model = _lab_model() if kind == "lab" else _mixed_model()
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        if kind == "mixed":
+            if rank == who:
+                if case == "bf16_off":
+                    named["scale"].view(-1)[2] += _OFF
+                if case == "f64_off":
+                    named["offset"].view(-1)[1] += _OFF
+                if case == "f64_ulp":
+                    x = named["offset"].view(-1)
+                    x[1] = torch.nextafter(x[1], torch.tensor(float("inf"), dtype=x.dtype))
+            return model
+        first = named["0.weight"].view(-1)
+        if case == "off_keeping_weighted_sum":   # exact binary values on every rank
+            first[0], first[1] = 0.25, 0.5
+        if case == "same_nan":                   # the same bits on every rank
+            first[4] = float("nan")
+        if case == "nan_other_bits":             # a NaN everywhere; one rank's has other bits
+            first.view(torch.int32)[4] = 0x7FC00001 if rank == who else 0x7FC00000
+        if case == "signed_zero":                # equal as values, not as bits
+            first[5] = -0.0 if rank == who else 0.0
+        if rank != who:
+            return model
+        if case.startswith("first_r"):
+            first[0] += _OFF
+        if case.startswith("last_r"):
+            named["2.bias"].view(-1)[0] += _OFF
+        if case == "off_keeping_weighted_sum":
+            # +2δ at position 1 and −δ at position 2: a sum weighted 1, 2, 3, … (lesson 10's
+            # checksum) stays exactly the same; a plain sum does not
+            first[0] += 2.0 ** -9
+            first[1] -= 2.0 ** -10
+        if case == "small_off":                  # a sum sees it; a loose tolerance does not
+            first[6] += 1e-3
+        if case == "off_keeping_sum":            # the sum of everything stays the same
+            first[0] += 1e-3
+            first[1] -= 1e-3
+        if case == "swapped":                    # sum, norm and sorted values stay the same
+            first[0], first[1] = first[1].clone(), first[0].clone()
+        if case == "sign_flipped":               # the norm and the absolute values stay the same
+            first[2] = -first[2]
+        if case == "one_ulp":                    # the next float32 up
+            first[3] = torch.nextafter(first[3], torch.tensor(float("inf")))
+    return model
+
+
+def _one_number(value):
+    """The number a collective carries in when it carries exactly one (a verdict, a count, a
+    checksum), else None."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return float(value.reshape(-1)[0]) if value.numel() == 1 else None
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        return _one_number(value[0])
+    return None
+
+
+def _said(call) -> str:
+    """A collective as the learner wrote it: "all_reduce with ReduceOp.MAX", "broadcast from
+    rank 0", "all_gather_object"."""
+    import torch.distributed as dist
+
+    args = call.args or {}
+    if call.op in ("all_reduce", "reduce"):
+        op = args.get("op", dist.ReduceOp.SUM)
+        name = next((n for n in ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG")
+                     if op == getattr(dist.ReduceOp, n)), str(op))
+        return f"{call.function} with ReduceOp.{name}"
+    if call.op == "broadcast":
+        src = args.get("src", args.get("group_src"))
+        return f"{call.function} from rank {src}"
+    return call.function
+
+
 def _detector_worker(rank, world_size, fn):
     __tracebackhide__ = True
     import torch
-    import torch.distributed as dist
 
-    from ..collectives import record_collectives
+    from ..collectives import RECORDED, RECORDED_FUNCOL, record_collectives
 
     results = {}
 
-    def spy_all_reduce(call):
-        # a MAX over one 0/1 number is a MAX over verdicts: "any rank says yes" wins
-        tensor = call.args.get("tensor")
-        if (call.function == "all_reduce"
-                and call.args.get("op", dist.ReduceOp.SUM) == dist.ReduceOp.MAX
-                and isinstance(tensor, torch.Tensor) and tensor.numel() == 1
-                and float(tensor.reshape(-1)[0]) in (0.0, 1.0)):
-            max_of_verdicts[0] = True
-
-    for case in _CASES:
-        model = _detector_model()
+    for case, spec in _cases(world_size).items():
+        model = _case_model(case, spec, rank)
         params = list(model.parameters())
-        with torch.no_grad():
-            first = params[0].view(-1)
-            if case == "off_keeping_weighted_sum":  # exact binary values on every rank
-                first[0], first[1] = 0.25, 0.5
-            if rank == world_size - 1:
-                if case == "off_keeping_weighted_sum":
-                    # +2δ at position 1 and −δ at position 2: a sum weighted 1, 2, 3, … (lesson
-                    # 10's checksum) stays exactly the same; a plain sum does not
-                    first[0] += 2.0 ** -9
-                    first[1] -= 2.0 ** -10
-                if case == "off_keeping_sum":  # the sum of everything stays the same
-                    first[0] += 1e-3
-                    first[1] -= 1e-3
-                if case == "swapped":          # sum, norm and sorted values stay the same
-                    first[0], first[1] = first[1].clone(), first[0].clone()
-                if case == "sign_flipped":     # the norm and the absolute values stay the same
-                    first[2] = -first[2]
-            if case == "last_param_off" and rank == 1:
-                params[-1].view(-1)[0] += 1e-3
-            if case == "one_ulp" and rank == world_size - 1:  # the next float32 up
-                first[3] = torch.nextafter(first[3], torch.tensor(float("inf")))
-            if case == "signed_zero":                 # equal as values, not as bits
-                first[5] = -0.0 if rank == world_size - 1 else 0.0
-            if case == "same_nan":                    # the same bits on every rank
-                first[4] = float("nan")
         before = [p.detach().clone() for p in params]
-        max_of_verdicts = [False]
-        with record_collectives(before=spy_all_reduce) as calls:
-            verdict = fn(model)
+        small = []  # (the collective as written, the one number this rank passed in)
+
+        def spy(call):
+            table = RECORDED_FUNCOL if call.function.startswith("funcol.") else RECORDED
+            read = table.get(call.function.removeprefix("funcol."), (None, None, None))[1]
+            number = _one_number((call.args or {}).get(read)) if read else None
+            if number is not None:
+                small.append((_said(call), number))
+
+        try:
+            with record_collectives(before=spy) as calls:
+                verdict = fn(model)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # the same model on every rank: every rank raises here
+            results[case] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                                      if str(exc) else type(exc).__name__}
+            return results
         # the most numbers any one collective carried in or out: a rank that never received
         # more than a verdict per rank compared its weights with nothing but its own
         carried = max((max(c.numel, c.out_numel) if c.dtype is not None else
                        max(c.nbytes, c.out_nbytes) // 8 for c in calls), default=0)
-        if isinstance(verdict, torch.Tensor) and verdict.numel() == 1:
-            verdict = bool(verdict.item())
         # bit for bit: a NaN kept in place is not a change, a +0.0 made -0.0 is
         changed = any(not torch.equal(b.reshape(-1).view(torch.uint8),
                                       p.detach().reshape(-1).view(torch.uint8))
                       for b, p in zip(before, params))
-        results[case] = (verdict if isinstance(verdict, bool) else repr(verdict), changed,
-                         max_of_verdicts[0], carried)
+        results[case] = {"verdict": verdict if isinstance(verdict, bool) else None,
+                         "returned": None if isinstance(verdict, bool) else
+                         f"{type(verdict).__module__}.{type(verdict).__qualname__}"
+                         .removeprefix("builtins.") + f" ({verdict!r:.40})",
+                         "changed": changed, "small": small, "carried": carried}
     return results
+
+
+def _combined_wrong(ranks, case):
+    """The evidence that one rank's "same" won: the last collective of this case through which
+    every rank passed one 0/1 number, those numbers not all alike. (said, [number per rank])."""
+    lists = [r[case]["small"] for r in ranks]
+    if len({len(s) for s in lists}) != 1:
+        return None
+    for k in reversed(range(len(lists[0]))):
+        numbers = [s[k][1] for s in lists]
+        if set(numbers) <= {0.0, 1.0} and len(set(numbers)) > 1:
+            return lists[0][k][0], numbers
+    return None
+
+
+def _and(items) -> str:
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+_BITS_FIX = ("Compare the bits: view each parameter as integers of its own element size, or as "
+             "bytes (torch.uint8), which fit every dtype, before comparing.")
 
 
 @recorded
 def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
                            timeout: float | None = None):
-    """Stretch: on ``world_size`` ranks, ``replicas_in_sync(model)`` must return True on every
-    rank when all replicas hold the same parameters, and False on every rank when one differs."""
+    """Stretch: on ``world_size`` ranks, ``replicas_in_sync(model)`` must return True (a Python
+    bool) on every rank when all replicas hold the same parameters, bit for bit, and False on
+    every rank when one differs — whichever rank, whichever parameter, whatever its dtype."""
     __tracebackhide__ = True
     from dpcourse.checks import has_todo
 
@@ -900,72 +1109,126 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
                          f"ranks: does it call a collective on some ranks only?",
         failed=lambda exc: fail(f"replicas_in_sync raised on rank {exc.rank} of {world_size}: "
                                 f"{exc.summary}"))
-    blind, nan_refused = [], None
-    for case in _CASES:
-        verdicts = [r[case][0] for r in ranks]
-        if any(r[case][1] for r in ranks):
+    cases = _cases(world_size)
+    for case, (kind, who, want, said) in cases.items():
+        errors = [r[case]["error"] for r in ranks if "error" in r.get(case, {})]
+        if errors:
+            error = errors[0]
+            if "different element sizes" in error:
+                fail(f"with {said}, replicas_in_sync raised {error}. A view as integers of "
+                     f"another element size needs each tensor's last dimension to split into "
+                     f"them evenly: it works for the lab's float32 weights as int32, not for 5 "
+                     f"bfloat16 numbers (10 bytes), and a detector is called on whatever model "
+                     f"the job trains.", fix=_BITS_FIX)
+            fail(f"with {said}, replicas_in_sync raised {error}.")
+        returned = [r[case]["returned"] for r in ranks if r[case]["returned"] is not None]
+        if returned:
+            fail(f"with {said}, replicas_in_sync returned {returned[0]}, not a Python bool: an "
+                 f"`if` reads it, but `replicas_in_sync(model) is True` is False, "
+                 f"`== True` on a tensor gives a tensor, and the contract (what a caller may "
+                 f"rely on) says bool.",
+                 fix="Return bool(...) of your verdict (tensor.item() gives a Python number).")
+        if any(r[case]["changed"] for r in ranks):
             fail("replicas_in_sync changed the model's parameters: a detector that repairs what "
                  "it inspects hides the very difference it should report.",
                  fix="Only compare: broadcast or gather copies, never into the parameters.")
-        bad = [v for v in verdicts if not isinstance(v, bool)]
-        if bad:
-            fail(f"replicas_in_sync should return True or False, got {bad[0]}.")
-        want = case in _IN_SYNC
-        wrong = [r for r, v in enumerate(verdicts) if v != want]
-        if not wrong:
-            continue
+        verdicts = [r[case]["verdict"] for r in ranks]
         if len(set(verdicts)) > 1:
-            fail(f"the ranks disagree (verdicts {verdicts} on ranks 0 to {world_size - 1}, "
-                 f"when the replicas are {'equal' if want else 'not'}): each rank answered "
-                 f"from what it alone saw.",
+            fail(f"the ranks disagree (verdicts {verdicts} on ranks 0 to {world_size - 1}, with "
+                 f"{said}): each rank answered from what it alone saw.",
                  fix="Every rank must return the same verdict: combine them with a collective.")
-        if case == "same_nan":  # said after the blind spots: a value comparison has both
-            nan_refused = wrong[0]
-            continue
-        if want:
-            fail(f"with every replica identical, replicas_in_sync returned False on rank "
-                 f"{wrong[0]}: it saw a difference where there is none.",
-                 fix="Compare the bits of the values, every one of them.")
-        if any(r[case][2] for r in ranks):
-            fail(f"with {_BLIND[case]} on one rank, every rank returned True: you combined the "
-                 f"verdicts with MAX, so one rank saying 'in sync' outvotes the rank that "
-                 f"differs.", fix="Combine them so that any False wins (MIN).")
-        blind.append(case)
-    nan_said = (" And with the same NaN at the same place on every replica (the same bits) it "
-                "returned False: a NaN never equals itself as a value." if nan_refused is not None
-                else "")
-    if blind:
-        where = ", ".join(_BLIND[c] for c in blind)
-        carried = max(r[c][3] for r in ranks for c in blind)
-        if set(blind) == set(_BLIND) and carried <= world_size:
-            numel = sum(p.numel() for p in _detector_model().parameters())
-            fail(f"whenever one replica differed, every rank returned True, and no collective "
-                 f"carried more than {carried} number{'s' * (carried != 1)} (a verdict per "
-                 f"rank at most; the model has {numel} parameters): no rank ever received another rank's weights, so each compared "
-                 f"its weights with a copy of its own and found them equal.",
+    verdict = {case: ranks[0][case]["verdict"] for case in cases}
+    for case in ("same", "same_mixed"):
+        if verdict[case] is False:
+            fail(f"with {cases[case][3]}, replicas_in_sync returned False on every rank: it saw "
+                 f"a difference where there is none.",
+                 fix="Compare each rank's bits with one reference copy's, every one of them.")
+    blind = [c for c, (_, _, want, _) in cases.items() if not want and verdict[c]]
+    nan_refused = verdict["same_nan"] is False
+    if not blind and not nan_refused:
+        passed(f"replicas_in_sync: True on all {world_size} ranks for equal replicas, False on "
+               f"all of them whichever rank, parameter or bit differs")
+        return
+    # 1. the verdicts went into the last collective unlike, and came out "in sync" everywhere
+    for case in blind:
+        evidence = _combined_wrong(ranks, case)
+        if evidence:
+            how, numbers = evidence
+            went_in = ", ".join(f"rank {r}: {n:g}" for r, n in enumerate(numbers))
+            fail(f"with {cases[case][3]}, the ranks went into your {how} with different "
+                 f"verdicts ({went_in}) and every rank came out with True: the way they are "
+                 f"combined lets one rank's 'in sync' outvote the rank that saw a difference.",
+                 fix="A 'differs' on any rank must win: ReduceOp.MIN over 1-for-same flags, "
+                     "MAX over 1-for-differs flags, or all() of the gathered verdicts.")
+    # 2. which rank: the same 0.5 is seen on some ranks, missed on others
+    firsts = {r: f"first_r{r}" in blind for r in range(world_size)}
+    missed = [r for r, b in firsts.items() if b]
+    if missed and len(missed) < world_size:
+        seen = [r for r, b in firsts.items() if not b]
+        fail(f"with {cases[f'first_r{missed[0]}'][3]}, every rank returned True, while the same "
+             f"{_OFF} on rank{'s' * (len(seen) > 1)} {_and(seen)} was "
+             f"seen: your detector never compares rank{'s' * (len(missed) > 1)} "
+             f"{_and(missed)}'s weights with the others'.",
+             fix="Every rank's weights must be compared with the reference: check which ranks "
+                 "your indexing or your loop leaves out.")
+    if missed:
+        carried = max(r[c]["carried"] for r in ranks for c in blind)
+        numel = sum(p.numel() for p in _lab_model().parameters())
+        if carried <= world_size:
+            fail(f"whenever one replica differed, even by {_OFF}, every rank returned True, and "
+                 f"no collective carried more than {carried} number{'s' * (carried != 1)} (a "
+                 f"verdict per rank at most; the model has {numel} parameters): no rank ever "
+                 f"received another rank's weights, so each compared its weights with a copy "
+                 f"of its own and found them equal.",
                  fix="Every rank must compare its own weights with the same reference copy, "
                      "one rank's, received from it by a collective.")
-        if set(blind) == set(_BLIND):
-            fail("whenever one replica differed, every rank returned True: the 'in sync' "
-                 "verdict won — verdicts combined with any() or MAX, or rank 0's own verdict "
-                 "sent to all (rank 0 compares with itself).",
-                 fix="Any rank's False must win: all() of the gathered verdicts, or "
-                     "ReduceOp.MIN.")
+        fail(f"whenever one replica differed, even by {_OFF} in its first weight, every rank "
+             f"returned True, though weights did travel (a collective carried {carried} "
+             f"numbers): the verdict does not come from comparing what a rank received with "
+             f"what it holds.",
+             fix="Compare each rank's own weights with the copy it received, then combine.")
+    # 3. which parameter: the first weight's 0.5 is seen, another parameter's is missed
+    params = [c for c in blind if c.startswith("last_r") or c in ("bf16_off", "f64_off")]
+    if params:
+        lasts = [c.removeprefix("last_r") for c in params if c.startswith("last_r")]
+        what = ([f"the last parameter (2.bias, one number) on rank{'s' * (len(lasts) > 1)} "
+                 f"{_and(lasts)}"] if lasts else []) + [
+            {"bf16_off": "the bfloat16 parameter (scale)",
+             "f64_off": "the float64 parameter (offset)"}[c] + " of " + _MIXED_SAID
+            for c in params if not c.startswith("last_r")]
+        fail(f"with {_OFF} added to {'; to '.join(what)}, replicas_in_sync returned True on "
+             f"every rank, while {_OFF} on the first weight was seen: your detector does not "
+             f"compare every parameter.",
+             fix="Compare every parameter, whatever its place or dtype (model.parameters(), "
+                 "all of them).")
+    # 4. how: what the comparison itself cannot see
+    where = ", ".join(cases[c][3] for c in blind)
+    nan_said = (" And with the same NaN at the same place on every replica (the same bits) it "
+                "returned False: a NaN never equals itself as a value." if nan_refused else "")
+    if blind:
         fix = "Compare every value, in place."
-        tolerance = {"off_keeping_sum", "off_keeping_weighted_sum", "last_param_off", "one_ulp",
-                     "signed_zero"}
+        values = {"signed_zero", "nan_other_bits"}
+        tolerance = {"small_off", "off_keeping_sum", "off_keeping_weighted_sum", "one_ulp",
+                     "f64_ulp", *values}
         if "one_ulp" in blind and set(blind) <= tolerance and (
-                "last_param_off" in blind or "off_keeping_sum" not in blind):
+                "small_off" in blind or "off_keeping_sum" not in blind):
             why = ("your comparison has a tolerance (allclose, isclose, a difference below some "
                    "size), and it let that pass; the lab's 'exactly equal' is the same bits, "
                    "and a replica one float away from the others is out of sync")
             fix = "Compare exactly: the same bits, no tolerance."
-        elif set(blind) == {"signed_zero"}:
-            why = ("you compare values (torch.equal, ==), and −0.0 == +0.0 as a value; the lab's "
-                   "'exactly equal' is the same bits, and these differ in the sign bit"
+        elif set(blind) == {"f64_ulp"}:
+            why = ("one float32 step was seen and one float64 step was not: your comparison "
+                   "narrows float64 to a shorter float (.float(), a float32 buffer), which "
+                   "rounds the last bits away")
+            fix = "Compare each parameter's bits in its own dtype, without converting it."
+        elif set(blind) <= values:
+            why = ("you compare values (torch.equal, ==, allclose with equal_nan), and as "
+                   "values " + (" and ".join(
+                       (["−0.0 == +0.0"] if "signed_zero" in blind else [])
+                       + (["two NaNs are both 'NaN'"] if "nan_other_bits" in blind else [])))
+                   + "; the lab's 'exactly equal' is the same bits, and these differ"
                    + ("." + nan_said.rstrip(".") if nan_said else ""))
-            fix = ("Compare the bits: view each parameter as integers of its size "
-                   "(tensor.view(torch.int32) for float32) before comparing.")
+            fix = _BITS_FIX
         elif "off_keeping_sum" in blind:
             why = "a plain sum or mean of the values cannot see that"
         elif "off_keeping_weighted_sum" in blind:
@@ -981,15 +1244,9 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
         elif "sign_flipped" in blind:
             why = "what you compare ignores signs (absolute values?)"
         else:
-            why = "the parameter that differed is one your detector does not compare"
-            fix = "Compare every parameter on every rank, not just some."
+            why = "what you compare cannot see every kind of difference"
         fail(f"the replicas differ ({where}) but replicas_in_sync returned True on every "
              f"rank: {why}.", fix=fix)
-    if nan_refused is not None:
-        fail(f"every replica holds the same NaN at the same place (the same bits: in sync, by "
-             f"the lab's rule), and replicas_in_sync returned False on rank {nan_refused}: you "
-             f"compare values, and a NaN never equals itself as a value.",
-             fix="Compare the bits: view each parameter as integers of its size "
-                 "(tensor.view(torch.int32) for float32) before comparing.")
-    passed(f"replicas_in_sync: True on all {world_size} ranks for equal replicas, False on all "
-           f"of them when one replica differs")
+    fail(f"every replica holds the same NaN at the same place (the same bits: in sync, by "
+         f"the lab's rule), and replicas_in_sync returned False on every rank: you compare "
+         f"values, and a NaN never equals itself as a value.", fix=_BITS_FIX)

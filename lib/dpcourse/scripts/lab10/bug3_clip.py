@@ -14,7 +14,7 @@ args = p.parse_args()
 dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
 
-g = torch.Generator().manual_seed(1234)  # the data: the same on every rank
+g = torch.Generator().manual_seed(1234)  # a toy regression task, 48 examples
 X = torch.randn(48, 6, generator=g)
 y = torch.tanh(X @ torch.randn(6, 1, generator=g))
 dataset = TensorDataset(X, y)

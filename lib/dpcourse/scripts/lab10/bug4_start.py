@@ -14,7 +14,7 @@ args = p.parse_args()
 dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
 
-g = torch.Generator().manual_seed(1234)  # the data: the same on every rank
+g = torch.Generator().manual_seed(1234)  # a toy regression task, 48 examples
 X = torch.randn(48, 6, generator=g)
 y = torch.tanh(X @ torch.randn(6, 1, generator=g))
 dataset = TensorDataset(X, y)
@@ -24,7 +24,7 @@ loader = DataLoader(dataset, batch_size=4, sampler=sampler)
 torch.manual_seed(args.seed + rank)  # a random stream per rank (dropout, augmentation)
 model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-for p in model.parameters():  # make sure every replica starts from the same weights
+for p in model.parameters():
     dist.broadcast(p.data, src=rank)
 for epoch in range(3):
     sampler.set_epoch(epoch)
