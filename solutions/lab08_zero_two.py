@@ -28,6 +28,8 @@
 # `dist.reduce_scatter_tensor` and `dist.all_gather_into_tensor`; torch 2.14 keeps those as
 # deprecated aliases (they warn, then call the new ones), and the check accepts either. Both
 # take `async_op=True` and then return a `Work` at once, whose `wait()` blocks until it is done.
+# The cell after the imports prints their parameters, read from torch itself: the **output
+# comes first**.
 
 # %% tags=["parameters"]
 check_timeout = 30  # seconds before a hanging rank is stopped
@@ -43,22 +45,32 @@ from dpcourse.checks import lab08
 
 torch.set_num_threads(1)
 
+# %%
+import inspect
+
+for collective in (dist.reduce_scatter_single, dist.all_gather_single):
+    print(f"dist.{collective.__name__}({', '.join(inspect.signature(collective).parameters)})")
+
 # %% [markdown]
 # ## 1. Shard boundaries
 #
-# A bucket's gradients, flattened, are one vector of `numel` numbers. A reduce-scatter and an
-# all-gather move **equal** pieces, one per rank, in rank order, and the pieces together must
-# cover all `numel` numbers; where they run past `numel`, think of the vector as padded with
-# zeros. `shard_bounds(numel, rank, world_size)` returns two integers, `(start, end)`, end
-# exclusive: rank `rank`'s piece of that padded vector, with the smallest piece size that
-# works. The check tries sizes that divide, sizes that do not, and more ranks than numbers.
+# A bucket's gradients, flattened, are one vector of `numel` numbers, which your wrapper will
+# reduce-scatter and, once stepped, all-gather with the two collectives above — each rank's
+# piece in rank order, over the vector padded with zeros at its end if the collectives need
+# it. `shard_bounds(numel, rank, world_size)` returns two integers, `(start, end)`, end
+# exclusive: rank `rank`'s piece of that padded vector. What must hold: both collectives can
+# move these pieces, every one of the `numel` numbers belongs to a rank, and no rank's piece
+# carries padding the collectives do not force on it (every collective sends it). The check
+# tries sizes that divide, sizes that do not, and more ranks than numbers.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# With `numel = 53` on 2 ranks, how long must each piece be so that both are the same length
-# and no number is left without an owner? And with 3 numbers on 4 ranks?
+# What does `reduce_scatter_single` require of its input's length, given its output's, and
+# what does that say about the pieces of different ranks? With `numel = 53` on 2 ranks, how
+# long must each piece then be so that no number is left without an owner? And with 3 numbers
+# on 4 ranks?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea** (click the folded cell below)
@@ -139,7 +151,10 @@ def make_buckets(params, cap):
 #    is full, without the backward waiting for the network;
 # 5. no more than about **two buckets** of gradient are alive at once on a rank — in `p.grad`,
 #    in buffers, or anywhere your object keeps them — and between steps nothing but
-#    `self.shard.grad`;
+#    `self.shard.grad`. Exactly, the check allows 2 × (`bucket_cap` / 4 + the largest
+#    trainable parameter's `numel` + `world_size`) fp32 numbers: a bucket closes at the
+#    parameter that takes it to the cap, so it can hold up to one parameter more than the cap,
+#    plus its padding;
 # 6. every tensor you make — the shard, its gradient, the buffers — has the parameters'
 #    device and dtype (on a GPU with NCCL, a buffer left on the CPU cannot be sent).
 #
