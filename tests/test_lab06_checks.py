@@ -114,7 +114,60 @@ def test_lesson_layout_names_the_cause_first_and_the_chunk_only_on_the_second_me
             lab06.check_scatter_reduce(sr_lesson_layout)
         msg = str(err.value)
         assert "holding the full sum of chunk (i + 1) mod N" in msg, msg
-        assert ("chunk i, one chunk earlier" in msg) == (attempt == 2), msg
+        # the fix names the last step's chunk, not "one earlier" (a ±1 to try)
+        assert ("at the last step, t = N - 1, worker i - 1 must send chunk i" in msg) == \
+            (attempt == 2), msg
+        assert ("your worker i - 1 sends chunk i + 1 then" in msg) == (attempt == 2), msg
+        assert "one chunk earlier" not in msg, msg
+
+
+def test_worker0s_chunks_on_a_3_ring_right_answer_passes(capsys):
+    lab06.check_worker0_sends([2, 1])
+    out = capsys.readouterr().out
+    assert "✔ worker 0 sends chunk 2 at step 1 and chunk 1 at step 2" in out, out
+    lab06.check_worker0_sends((np.int64(2), 1))  # a tuple, NumPy integers: the same answer
+
+
+@pytest.mark.parametrize("answer, phrases", [
+    # lesson 06's layout, copied: its last chunk finishes on the wrong worker
+    ([0, 2], ["at step 2, the last, worker 0 sends chunk 2 to worker 1",
+              "the chunk worker 1 could finish with is chunk 2",
+              "These are lesson 06's chunks"]),
+    ([1, 0], ["worker 0 sends chunk 0 to worker 1", "could finish with is chunk 0"]),
+    ([2, 2], ["worker 0 sends chunk 2 to worker 1", "could finish with is chunk 2"]),
+    # the last step right, the first one not: where the first chunk ends
+    ([0, 1], ["at step 1 worker 0 sends chunk 0 to worker 1", "worker 2 would finish chunk 0",
+              "worker 0's chunk at step 2, chunk 1, is right"]),
+    ([1, 1], ["worker 2 would finish chunk 1", "worker 0's part of chunk 1 twice"]),
+])
+def test_worker0s_wrong_chunks_are_answered_with_what_they_would_do(answer, phrases):
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab06.check_worker0_sends(answer)
+        msg = str(err.value)
+        for phrase in phrases:
+            assert phrase in msg, msg
+        if answer != [0, 2]:
+            assert "lesson 06" not in msg, msg
+        assert ("work back from the last step" in msg) == (attempt == 2), msg
+        assert "[2, 1]" not in msg, msg
+
+
+@pytest.mark.parametrize("answer, phrase", [
+    ("2, 1", "must be a list of 2 chunk indices"),
+    ([2, 1, 0], "must be a list of 2 chunk indices"),
+    ([2.0, 1.0], "must be a list of 2 chunk indices"),
+    ([3, 1], "the chunks are numbered 0, 1 and 2"),
+    ([-1, 1], "the chunks are numbered 0, 1 and 2"),
+])
+def test_worker0s_chunks_must_be_two_indices(answer, phrase):
+    with pytest.raises(LabCheckError, match=phrase):
+        lab06.check_worker0_sends(answer)
+
+
+def test_worker0s_chunks_unanswered_stop_at_the_todo():
+    with pytest.raises(NotImplementedError, match="write worker0_sends"):
+        lab06.check_worker0_sends(None)
 
 
 def sr_no_copy(buffers):
@@ -594,6 +647,41 @@ def test_the_deadlock_demo_gives_its_cause_and_never_a_fix():
         msg = str(err.value)
         assert "deadlock on 3 ranks: every rank called a blocking dist.send" in msg, msg
         assert "Run the check again" not in msg and "dist.recv first" not in msg, msg
+
+
+def receives_in_posting_order(rank, world_size):
+    """Rank 1 posts four irecv from rank 0 before anything arrives, and waits on them in the
+    opposite order; rank 0 sends four messages, 0.0, 1.0, 2.0, 3.0."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    matched = []
+    for size in (1, 1000, 1_000_000):
+        if rank == 0:
+            time.sleep(0.2)  # every receive is posted before the first message leaves
+            for w in [dist.isend(torch.full((size,), float(k)), 1) for k in range(4)]:
+                w.wait()
+        else:
+            bufs = [torch.empty(size) for _ in range(4)]
+            works = [dist.irecv(b, 0) for b in bufs]
+            for w in reversed(works):
+                w.wait()
+            matched.append([float(b[0]) for b in bufs])
+        dist.barrier()
+    return matched
+
+
+def test_two_receives_from_one_peer_match_in_posting_order():
+    """The lab's stretch says that receives posted from one neighbour are matched with its
+    sends in the order both sides posted them (gloo, separate isend/irecv, whatever the order
+    of the waits): measured here."""
+    from dpcourse import launch
+
+    matched = launch.spawn(receives_in_posting_order, 2, backend="gloo", timeout=120,
+                           show_output=False)[1]
+    assert matched == [[0.0, 1.0, 2.0, 3.0]] * 3, matched
 
 
 def test_a_second_wait_on_the_same_work_is_named():
@@ -1100,9 +1188,13 @@ def test_a_wrong_in_flight_is_kept_and_the_ring_held_to_it():
         assert "you declared 2 scatter-reduce receive(s) in flight" in msg, msg
         assert "different number posted and not yet waited on" in msg, msg
         assert "2 is now kept as your decision" in msg, msg
-        assert " more " not in msg and "fewer" not in msg, msg
-        # the fix says how to count and to change the code, never the number the code keeps
-        assert ("count, reading your code, the receives" in msg) == (attempt == 2), msg
+        # the cause does not say which way the ring is off; the fix (second meeting) says which
+        # way and how to count, never the number the code keeps
+        assert ("your ring kept more than 2" in msg) == (attempt == 2), msg
+        assert "fewer" not in msg, msg
+        assert ("just before each wait() on a receive, count the irecv your code has started "
+                "and not yet waited on, the one about to be waited on included" in msg) == \
+            (attempt == 2), msg
         assert "4" not in msg.replace("segments=4", ""), msg
     # the ring made to keep the declared 2 in flight passes
     lab06.check_segmented_ring(seg_ok, timeout=60, in_flight=2)

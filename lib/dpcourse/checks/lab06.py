@@ -1,5 +1,7 @@
 """Checks for lab 06 (``solutions/lab06_ring_allreduce.py``): the ring, simulated then real.
 
+* :func:`check_worker0_sends` judges the paper answer asked before part 1 (the chunks worker 0
+  sends at steps 1 and 2 on a 3-ring) by what it would make the ring do;
 * :func:`check_scatter_reduce` and :func:`check_all_gather` run the learner's NumPy phases on a
   few worker counts and lengths (uneven ones too): afterwards worker i must hold the full sum of
   chunk i (one chunk before lesson 06's simulator, so that the learner derives the indices).
@@ -8,7 +10,16 @@
   (cloudpickle ships it), compares every rank's tensor with the sum / average, and spies on
   what it sends (no built-in collective; blocking ``send``/``recv`` only, so the order of a
   step's two calls is the learner's decision; 2(N-1) messages of about K/N elements per rank);
-  :func:`demo_ring` runs given demo code and explains a deadlock by its cause, with no fix;
+  :func:`demo_ring` runs given demo code and explains a deadlock by its cause, with no fix.
+  The order of each step's calls is judged by the time a step takes in transfer times
+  (:func:`_rounds`: one unit per transfer, a gloo send waiting for its receiver), from the calls
+  the ranks made on 3, 2 and 4 ranks and, on 8 and 16 ranks, from a dry run of the learner's
+  code with stand-ins that only note the calls (:func:`_dry_orders`): an order whose time per
+  step grows with N is refused. Gloo ranks do not wait for one another between steps, so a
+  start-up chain is paid once: measured with gloo on 8 and 12 ranks, each transfer padded to
+  20 ms, "the first half of the ranks send first" took 2.36 transfer times per step on both
+  (even/odd 2.24 and 2.19; rank 0 alone sending first 8.3 and 12.8; ranks 0 and 1 sending
+  first 4.2 and 6.3), as the model says (2.2; 2.0; 8 and 12; 4.1 and 6.0);
 * :func:`check_segmented_ring` (the stretch) does the same for a ring whose scatter-reduce sends
   each chunk in segments.
 
@@ -40,7 +51,7 @@ from dpcourse.checks import (LabCheckError, Prediction, check_timeout, fail, kee
                              passed, recorded, run_ranks)
 from dpcourse.ring import chunk_bounds
 
-__all__ = ["LabCheckError", "check_scatter_reduce", "check_all_gather", "check_ring_allreduce",
+__all__ = ["LabCheckError", "check_worker0_sends", "check_scatter_reduce", "check_all_gather", "check_ring_allreduce",
            "check_segmented_ring", "measure_bytes_sent", "check_prediction",
            "reference_scatter_reduce", "reference_all_gather", "IN_FLIGHT_QUESTION",
            "demo_ring", "WORLD_SIZES", "RING_WORLD_SIZES"]
@@ -146,8 +157,10 @@ def reference_all_gather(buffers):
 _CHUNK_RULE_FIX = ("cut the chunks with ring.chunk_bounds(length, N) and index them by its "
                    "(start, stop) pairs.")
 _SR_RULE = ("the chunk a worker adds into must be the chunk its left neighbour sent in that "
-            "step, and the index must move by one each step so that worker i ends with the "
-            "full sum of chunk i (not lesson 06's (i + 1) mod N).")
+            "step. At the last step, t = N - 1, worker i - 1 must send chunk i (the last "
+            "contribution worker i needs), and what a worker sends at step t + 1 is the chunk "
+            "it added into at step t: work back from the last step to the chunk worker i sends "
+            "at step t.")
 _AG_RULE = ("in each step a worker must pass on the chunk it completed most recently, and its "
             "right neighbour must overwrite that same chunk.")
 
@@ -188,6 +201,57 @@ def _wrong_steps_or_chunk(got, phase, start, what: str, chunk_rule: str) -> None
                  f"mixes two chunks.", fix=chunk_rule)
 
 
+_WORKER0_N = 3  # the paper question before part 1: worker 0's chunks on a 3-ring
+
+
+@recorded
+def check_worker0_sends(sends) -> None:
+    """Before part 1's code, on paper: for N = 3 and this lab's layout (worker i ends the
+    scatter-reduce with the full sum of chunk i), the chunks worker 0 sends at step 1 and at
+    step 2, as a list of two chunk indices. The only answer is [2, 1]: the last message worker
+    1 receives (worker 0's at step 2) must carry chunk 1, and the chunk worker 0 sends at step 1
+    is added and passed on by worker 1 at step 2, so it ends complete on worker 2: chunk 2.
+    A wrong answer is answered with what it would do (which worker would finish which chunk),
+    the way back from the last step only on the second meeting."""
+    __tracebackhide__ = True
+    n = _WORKER0_N
+    if sends is None or sends is Ellipsis:
+        raise NotImplementedError("write worker0_sends, the chunks worker 0 sends at steps 1 "
+                                  "and 2 for N = 3, first")
+    if (not isinstance(sends, (list, tuple)) or len(sends) != n - 1 or any(
+            isinstance(c, bool) or not isinstance(c, (int, np.integer)) for c in sends)):
+        fail(f"worker0_sends must be a list of {n - 1} chunk indices, the chunk worker 0 sends "
+             f"at step 1 and the one at step 2 (N = {n}: N - 1 steps), e.g. [0, 0]; got "
+             f"{sends!r}.")
+    if any(not 0 <= int(c) < n for c in sends):
+        fail(f"worker0_sends holds {list(map(int, sends))}: with N = {n} the chunks are "
+             f"numbered 0, 1 and 2.")
+    first, last = (int(c) for c in sends)
+    back = ("work back from the last step: the last message worker i receives must carry chunk "
+            "i, so at step N - 1 worker i - 1 sends chunk i; and what a worker sends at a step "
+            "is the chunk it added into at the step before.")
+    if last != 1:
+        lesson = (" These are lesson 06's chunks, whose worker i finishes chunk (i + 1) mod N."
+                  if (first, last) == (0, 2) else "")
+        fail(f"at step 2, the last, worker 0 sends chunk {last} to worker 1, which adds it to "
+             f"its own copy, and nothing reaches worker 1 afterwards: that is the last "
+             f"contribution to chunk {last} on worker 1, so the chunk worker 1 could finish "
+             f"with is chunk {last} — and the contract asks worker 1 to finish chunk 1.{lesson}",
+             fix=back)
+    if first != 2:
+        fail(f"at step 1 worker 0 sends chunk {first} to worker 1; worker 1 adds its own part "
+             f"and, at step 2, passes that sum on to worker 2 (the chunk a worker sends at "
+             f"step 2 is the one it added into at step 1), where it ends complete: worker 2 "
+             f"would finish chunk {first}, and the contract gives worker 2 chunk 2"
+             + (", while worker 0's chunk at step 2, chunk 1, is right." if first != 1 else
+                ". Worker 0 sending chunk 1 twice would also give worker 1 worker 0's part of "
+                "chunk 1 twice."), fix=back)
+    passed(f"worker 0 sends chunk {first} at step 1 and chunk {last} at step 2: chunk 2 "
+           f"collects worker 0's and worker 1's parts and ends on worker 2, and chunk 1, which "
+           f"worker 0 received from worker 2 at step 1, ends on worker 1 (part 1 asks it of "
+           f"every worker, for every N)")
+
+
 @recorded
 def check_scatter_reduce(fn) -> None:
     """``fn(buffers)``: N 1-D float arrays, changed in place; after it worker i must hold the
@@ -208,9 +272,10 @@ def check_scatter_reduce(fn) -> None:
             fail(f"scatter_reduce ends with worker i holding the full sum of chunk (i + 1) mod N "
                  f"(N={n}): that is lesson 06's finishing layout, not the one this lab's "
                  f"contract names, so every finished sum sits on the wrong worker.",
-                 fix="this lab's contract is chunk i, one chunk earlier than the lesson's: work "
-                     "out on paper, for N = 3, which chunk each worker must send at step 1 so "
-                     "that it finishes chunk i.")
+                 fix="at the last step, t = N - 1, worker i - 1 must send chunk i, the last "
+                     "contribution worker i needs; your worker i - 1 sends chunk i + 1 then. "
+                     "Compare your index at t = N - 1 with the chunks you worked out for "
+                     "worker 0 on N = 3.")
         if length % n:
             for rule in _OTHER_CHUNK_RULES:
                 if _same(got, _scatter_reduce([a.copy() for a in inputs], bounds=rule)):
@@ -1298,10 +1363,13 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                  f"flight needs a buffer of its own. {int(declared.value)} is now kept as your "
                  f"decision: the check holds your ring to it (the count is yours to work out "
                  f"from your code, and the check does not say it).",
-                 fix=f"count, reading your code, the receives it has started (irecv) and not "
-                     f"yet waited on at its busiest moment in a step with segments={segments} "
-                     f"(just before a wait); then change the code so that this count is "
-                     f"{int(declared.value)}, the number you decided on.")
+                 fix=f"your ring kept {'more' if most > int(declared.value) else 'fewer'} "
+                     f"than {int(declared.value)}. Read your scatter-reduce step with "
+                     f"segments={segments}: just before each wait() on a receive, count the "
+                     f"irecv your code has started and not yet waited on, the one about to be "
+                     f"waited on included. The largest of those counts is what the check "
+                     f"measured; move the point where your code starts the next pieces' "
+                     f"receives until it is {int(declared.value)}, the number you decided on.")
     # The count in flight is the learner's to work out: said only once they declared it.
     counted = (f"up to {most} receive(s) in flight at once with segments={segments}, as "
                f"declared, so {most} receive buffer(s) of a piece each" if declared is not None
