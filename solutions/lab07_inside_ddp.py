@@ -149,8 +149,10 @@ lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 # `finish_gradient_synchronization()`. A training step is `loss.backward()`, then
 # `finish_gradient_synchronization()`, then the optimizer's step. Afterwards:
 #
-# - every trainable `p.grad` holds the **average over the ranks** of that parameter's gradient,
-#   and after any number of steps the weights equal real DDP's on the same shards;
+# - every trainable `p.grad` holds the **average over the ranks** of that parameter's gradient
+#   (to a relative 1e-4: where you divide by the world size is yours to decide, and only the
+#   result is checked), and after any number of steps the weights equal real DDP's on the
+#   same shards;
 # - every trainable `p.grad` **is a view of its bucket** — a slice of one flat buffer per bucket,
 #   shaped like `p` (DDP's `gradient_as_bucket_view=True`): autograd accumulates straight into
 #   the bucket and the reduced buffer *is* the average, nothing is copied back. This holds in
@@ -172,7 +174,10 @@ lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 #   it, though an earlier step's may have), its bucket is never complete:
 #   `finish_gradient_synchronization()` then **raises an error whose message names every such
 #   parameter** by its name in the module (lesson 07 §6's class does the same), instead of
-#   returning — whether the step began with `zero_grad(set_to_none=True)` or `False`.
+#   returning — whether the step began with `zero_grad(set_to_none=True)` or `False`. That
+#   error ends the training run: after it the wrapper need not be usable again (the check
+#   builds a fresh one), but every rank must get out of the step, none left waiting for an
+#   all-reduce the others never launch.
 #
 # One backward per `finish_gradient_synchronization()`: gradient accumulation (a second
 # backward before it) is outside the contract.
@@ -224,10 +229,9 @@ guess = predict("lab07", lab07.PREDICTION_QUESTION, my_guess, unit="gradient(s)"
 # for ANY view of the bucket's buffer, so DDP relies on no one handing it another slice of
 # that buffer; comparing where the two tensors start (`data_ptr()`) is a stricter test. If it
 # is not, put its values into the view and make the view the gradient. The
-# handles of the launched all-reduces are what the end of the step waits on. The division by
-# the world size can happen in the bucket before its launch or after the wait: either is
-# right. A bucket still awaiting gradients at the end of the step tells you which parameters
-# never arrived: keep which ones did.
+# handles of the launched all-reduces are what the end of the step waits on. A bucket still
+# awaiting gradients at the end of the step tells you which parameters never arrived: keep
+# which ones did.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -327,32 +331,38 @@ lab07.check_prediction(guess, measured)
 # of the buffer's shape and dtype; DDP waits on it at the end of the backward and writes that
 # value into the parameters' `.grad`.
 #
-# Top-k compression sends only the k entries of largest magnitude (here 5 %, `state.k(numel)`)
-# and where they are. What is not sent is not thrown away — *error feedback*: it waits in a
-# per-bucket **residual** and joins the next step's gradient, so every entry is sent once it has
-# grown large enough.
+# **The goal.** Each rank puts on the wire only the k entries of its gradient of largest
+# magnitude (here 5 %, `state.k(numel)`) and where they are. What a rank does not send is not
+# thrown away — *error feedback*: it is kept, per bucket, and counts toward what that rank
+# chooses and sends at the bucket's next call, so every entry goes once it has grown large
+# enough.
 #
-# **The contract**, per rank and per hook call:
+# **The contract**, per hook call:
 #
-# - `corrected` = this call's gradient + the residual this bucket's previous call left
-#   (`state.residual_for(bucket)`, zeros at first);
-# - the rank sends exactly the k entries of `corrected` of largest magnitude — their values and
-#   their indices — and nothing else (the check weighs what each rank hands to collectives);
-# - afterwards the residual holds `corrected` minus what this rank sent;
-# - the future's value is, at every index, the sum over the ranks of what each sent there,
-#   divided by the world size (the same tensor on every rank);
+# - the future's value is the same tensor on every rank: at every index, the sum over the
+#   ranks of what each sent there, divided by the world size;
+# - nothing of a rank's gradient is lost: after every call, what the rank has sent for this
+#   bucket plus what it keeps for it (`state.residual_for(bucket)`, given) equals the sum of
+#   the gradients the bucket handed it since that residual started from zeros — and what it
+#   sends are the k entries of largest magnitude among everything it could send now;
+# - what travels: each rank hands its collectives the k selected values in the gradient's
+#   dtype and their k indices, nothing else: **at most 12 bytes per selected entry** (a
+#   float32 value, an int64 index as `topk` gives it). A value widened to float64 (16 bytes)
+#   carries nothing more and is refused as waste;
 # - the hook **returns while its communication is still in flight**: the backward goes on
 #   computing earlier layers as the entries travel, and DDP waits on the future only at the
 #   end. A hook that waits for its collectives before returning stops the backward at every
 #   bucket, and the overlap DDP's hooks exist for is gone.
 #
 # **Your design decision:** which collective(s) carry the selected entries, given that each rank
-# picked indices of its own, and how the averaged tensor is put together from what arrives.
+# picked indices of its own; how the averaged tensor is put together from what arrives; and
+# how the hook hands DDP a value that does not exist yet when it returns.
 #
-# Why a given `residual_for`: DDP rebuilds its buckets after the first step (lesson 07 §6), so
-# bucket 0 of the first step is not bucket 0 of the second; a residual whose size no longer
-# matches starts again from zeros. The check runs your hook in real DDP on 2 and 3 ranks for
-# 12 steps, replays top-k with error feedback on the same buckets and compares every result,
+# `TopKState` (given) holds the fraction and one residual per bucket. DDP rebuilds its buckets
+# after the first step (lesson 07 §6), so bucket 0 of the first step is not bucket 0 of the
+# second: `residual_for` restarts from zeros a residual whose size no longer matches, and the
+# check's replay does the same. The check runs your hook in real DDP on 2 and 3 ranks for 12
+# steps, replays top-k with error feedback on the same buckets and compares every result,
 # weighs what each rank sends, and watches whether the backward could go on while it did.
 
 # %% [markdown]
@@ -361,16 +371,19 @@ lab07.check_prediction(guess, measured)
 # %% [markdown] jupyter={"source_hidden": true}
 # Rank 0 picked indices {3, 17}, rank 1 picked {17, 40}. An all-reduce sums tensors position by
 # position: what would it need every rank to send? Which collective instead lets every rank
-# learn both short lists — and what must happen at index 17?
+# learn both short lists — and what must happen at index 17? And which tensor is the one whose
+# top k a rank sends: this call's gradient alone, or something more?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Gather every rank's indices and its values (every rank sends the same k, so the sizes match
-# on all ranks), then accumulate them into a zeroed tensor shaped like the buffer — add where
-# two ranks chose the same index, never overwrite — and divide by the world size. Launch the
-# gathers without waiting, and do the accumulating in a callback that runs once both have
+# Per call: the *corrected* gradient is this call's gradient plus the bucket's residual; pick
+# the k entries of largest |corrected|; the residual becomes `corrected` with those entries
+# zeroed. Gather every rank's indices and its values (every rank sends the same k, so the sizes
+# match on all ranks), then accumulate them into a zeroed tensor shaped like the buffer — add
+# where two ranks chose the same index, never overwrite — and divide by the world size. Launch
+# the gathers without waiting, and do the accumulating in a callback that runs once both have
 # arrived; return the future that callback's result will complete.
 #
 # The tools, all in torch: a collective launched with `async_op=True` returns a work object

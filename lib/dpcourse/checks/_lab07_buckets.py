@@ -1,7 +1,8 @@
 """Part 1 of lab 07, the parts its check reads: the cases ``check_assign_buckets`` runs,
 DDP's rule and the usual other rules (to name a learner's by reproducing it), the sentence for
-a wrong assignment (:func:`bucket_problem`, also used by part 2's check), the refusal of
-torch's and the course library's own assignment, and the worked case the lab prints.
+a wrong assignment (:func:`bucket_problem`, also used by part 2's check; :func:`mixed_problem`
+for parameters of several dtypes), the refusal of torch's and the course library's own
+assignment, and the puzzle whose bucket count the learner predicts.
 
 :mod:`dpcourse.checks.lab07` holds the public checks; kept apart so that each file holds one
 part of the lab, readable top to bottom.
@@ -494,8 +495,8 @@ def _puzzle_params() -> list:
 
 def show_bucket_puzzle() -> None:
     """Print part 1's prediction: the parameters, their dtypes and sizes, and the cap."""
-    print(f"bucket_cap_mb = {PUZZLE_CAP_MB:g} (MiB); the parameters in registration order — the "
-          f"backward produces their gradients in the reverse order, {PUZZLE[-1][0]} first:")
+    print(f"bucket_cap_mb = {PUZZLE_CAP_MB:g} (MiB). The parameters in registration order")
+    print(f"(the backward produces their gradients in the reverse order, {PUZZLE[-1][0]} first):")
     for name, mb, dt in PUZZLE:
         print(f"   {name}  {_dt(dt):<9} {mb:>5g} MiB")
 

@@ -37,7 +37,10 @@ HOOK_FRACTION = 0.05
 _HOOK_SIZES = (700, 300, 130)     # three parameters: three buckets after DDP's rebuild
 _HOOK_CAP_MB = 0.0003   # DDP closes a bucket once it reaches the cap: 1 bucket, then 3
 _HOOK_STEPS = 12
-_SENT_PER_ENTRY = 16              # budget per selected entry: a value and its int64 index, padded
+# What one selected entry may cost on the wire: its value in the gradient's dtype (float32, 4
+# bytes) and its index as topk returns it (int64, 8 bytes). A value widened to float64 (16 per
+# entry) or an entry sent twice is refused as waste; int32 indices or a packed message pass.
+_SENT_PER_ENTRY = 12
 # Asynchrony: on these steps every rank but 0 pauses between its forward and its backward, so
 # rank 0's collectives cannot complete before its hook returns — unless the hook waited for
 # them. A hook whose future was already complete on every call, on every rank, blocked.
@@ -202,19 +205,21 @@ def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: flo
     __tracebackhide__ = True
     def failed(exc) -> None:
         summary = exc.summary.removeprefix(f"{_HookRaised.__name__}: ")
-        hint = ""
+        hint, fix = "", None
         if "size" in summary or "shape" in summary or "match" in summary:
             hint = (" — if it is the residual: DDP rebuilds its buckets after the first step, "
-                    "so keep residuals through state.residual_for(bucket), which restarts one "
-                    "whose size changed")
+                    "so from the second step on bucket 0 holds other parameters, and another "
+                    "number of them, than in the first")
+            fix = ("take each bucket's residual from state.residual_for(bucket), which restarts "
+                   "one whose size changed.")
         elif "died" in summary or _PEER_LOST.search(summary):
             # gloo aborts the rank that sees a size mismatch; its peer then reports a reset
             # connection, and whichever report arrives first is the one we see.
             hint = (" — gloo aborts a rank when the ranks' tensors in one collective differ in "
-                    "size (its peer then sees the connection drop): every rank must gather "
-                    "exactly state.k(numel) values and indices")
+                    "size (its peer then sees the connection drop)")
+            fix = "every rank must gather exactly state.k(numel) values and indices."
         what = "died in your hook" if "died" in summary else "raised in your hook"
-        fail(f"rank {exc.rank} {what}: {summary}{hint}.")
+        fail(f"rank {exc.rank} {what}: {summary}{hint}.", fix=fix)
 
     return run_ranks(_topk_worker, world_size, hook, state_cls, fraction, timeout=timeout,
                      failed=failed,
@@ -223,17 +228,19 @@ def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: flo
                           "rank (k values and k indices).")
 
 
-_PROBLEMS = {
-    "not_future": "your hook returned a {} — DDP needs a torch.futures.Future of the averaged "
-                  "buffer: fut = torch.futures.Future(); fut.set_result(out); return fut "
-                  "(or work.get_future().then(...)).",
-    "list": "your hook's future delivered a {} — DDP wants the tensor itself (an all_reduce "
-            "future holds [tensor]: add .then(lambda f: f.value()[0]).",
-    "not_tensor": "your hook's future delivered a {}, not a tensor the size of "
-                  "bucket.buffer().",
-    "shape": "your hook's future delivered a tensor of shape {0[0]} and {0[1]}, but the "
-             "bucket is {0[2]} of {0[3]}: return a dense tensor like bucket.buffer() (put the "
-             "gathered values back at their indices in torch.zeros_like(buffer)).",
+_PROBLEMS = {      # kind -> (cause, fix)
+    "not_future": ("your hook returned a {} — DDP needs a torch.futures.Future whose value is "
+                   "the averaged buffer, and waits on it only at the end of the backward.",
+                   "return the future of your collectives' work chained with .then(...), or a "
+                   "torch.futures.Future you complete with set_result."),
+    "list": ("your hook's future delivered a {} — DDP wants the tensor itself (the future of "
+             "an all_reduce's work holds [tensor]).", "chain .then(lambda f: f.value()[0])."),
+    "not_tensor": ("your hook's future delivered a {}, not a tensor the size of "
+                   "bucket.buffer().", None),
+    "shape": ("your hook's future delivered a tensor of shape {0[0]} and {0[1]}, but the "
+              "bucket is {0[2]} of {0[3]}: DDP copies that value into the gradients as it is.",
+              "return a dense tensor like bucket.buffer(): the gathered values put back at "
+              "their indices in torch.zeros_like(buffer)."),
 }
 
 
@@ -241,7 +248,8 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
     __tracebackhide__ = True
     for r in results:
         for kind, detail in r["problems"]:
-            fail(_PROBLEMS[kind].format(detail))
+            cause, fix = _PROBLEMS[kind]
+            fail(cause.format(detail), fix=fix)
     calls = [r["calls"] for r in results]
     outputs = [[c["output"] for c in rc] for rc in calls]
     inputs = [[(c["index"], c["input"]) for c in rc] for rc in calls]
@@ -282,9 +290,14 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
                  fix="send only the k selected values and their indices, with a collective "
                      "that carries each rank's own short list to every rank.")
         if sent > budget:
-            fail(f"step {step}: a rank sent {sent} bytes, more than k values and k indices "
-                 f"({budget} bytes at {_SENT_PER_ENTRY} per entry).",
-                 fix="send exactly state.k(numel) values and their indices, nothing more.")
+            entries = sum(k_of(n) for n in numels)
+            fail(f"step {step}: a rank sent {sent} bytes for the {entries} entries it selected, "
+                 f"{sent / entries:.1f} bytes per entry, where a value in the gradient's dtype "
+                 f"(float32, 4 bytes) and its int64 index (8) take {_SENT_PER_ENTRY}: whatever "
+                 f"travels beyond that (a value widened to float64, an entry or a list sent "
+                 f"twice) costs bandwidth and carries nothing the average needs.",
+                 fix="send each of the k values once, in the gradient's own dtype, and its index "
+                     "once.")
     right = _topk_replay(inputs, world_size, k_of)
     if all(torch.allclose(o, e, rtol=1e-5, atol=1e-5) for o, e in zip(outputs[0], right)):
         _diagnose_asynchrony(results)

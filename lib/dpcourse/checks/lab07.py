@@ -1,13 +1,18 @@
 """Checks for lab07: ``assign_buckets(params, bucket_cap_mb)`` and the learner's bucketed,
 hook-driven data-parallel wrapper (a class with ``finish_gradient_synchronization()``).
 
-``check_assign_buckets`` runs in this process on six sets of parameters (SmallCNN at two caps,
+``check_assign_buckets`` runs in this process on nine sets of parameters (SmallCNN at two caps,
 parameters larger than the cap, float64 parameters, parameters exactly the size of the cap, a
-cap that holds the whole model). It
-asks for DDP's rule — add the parameter, close the bucket once it has reached the cap — and
-names: forward order, a bucket closed before the next parameter would exceed the cap (the
-other usual rule, not DDP's), a bucket per parameter, everything in one bucket, elements
-counted instead of bytes, 4 bytes assumed per element, parameters lost or repeated.
+cap that holds the whole model, a frozen layer, two models of several dtypes). It asks for
+DDP's rule — add the parameter to the open bucket of its dtype, close the bucket once it has
+reached the cap — with the buckets in the order they complete, and names: forward order, a
+bucket closed before the next parameter would exceed the cap (the other usual rule, not
+DDP's), a bucket per parameter, everything in one bucket, elements counted instead of bytes, 4
+bytes assumed per element, parameters lost or repeated, frozen parameters bucketed or weighed,
+two dtypes in one bucket, a bucket closed when the dtype changes, one byte count for all
+dtypes, the still-open buckets put last or the dtypes one after the other.
+``check_bucket_prediction`` compares the learner's predicted bucket count for part 1's puzzle
+with torch's own reducer function, run on it.
 
 ``check_bucketed_ddp`` runs the class for 3 steps on 2 ranks (4 buckets that fill out of
 order) and then 3 ranks (another cap, 3 buckets), on a model with a frozen parameter whose
@@ -78,7 +83,7 @@ DEFAULT_TIMEOUT = 30.0
 
 @recorded
 def check_assign_buckets(assign_buckets) -> None:
-    """Run ``assign_buckets(params, bucket_cap_mb)`` on six sets of parameters and caps."""
+    """Run ``assign_buckets(params, bucket_cap_mb)`` on nine sets of parameters and caps."""
     __tracebackhide__ = True
     require_answer(assign_buckets, "assign_buckets")
     if _is_library_assignment(assign_buckets):
@@ -837,8 +842,8 @@ def check_topk_hook(hook, state_cls, world_sizes=HOOK_WORLD_SIZES, fraction=HOOK
     shown = " and ".join(map(str, world_sizes))
     passed(f"{getattr(hook, '__name__', 'hook')}: top-k with error feedback equals the replay "
            f"on {shown} ranks for {_HOOK_STEPS} steps, sending ≤ {_SENT_PER_ENTRY} bytes per "
-           f"selected entry ({fraction:.0%} of the entries), still in flight when the hook "
-           f"returned")
+           f"selected entry (a float32 value and an int64 index; {fraction:.0%} of the "
+           f"entries), still in flight when the hook returned")
 
 
 # --------------------------------------------------------------------------------------------
