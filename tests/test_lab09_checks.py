@@ -461,45 +461,86 @@ def test_the_trace_is_compared_call_by_call(capsys):
         lab09.check_trace(None)
 
 
-def test_prediction_compares_the_first_tau_above_the_start(capsys):
+def test_prediction_compares_the_tau_from_which_every_run_ends_above(capsys):
     from dpcourse.checks import predict
 
     losses = {t: 2.0 + 0.01 * t for t in range(17)}          # all below 2.32: none
-    guess = predict("lab09", "smallest τ above the start at lr 0.2", 14)
+    guess = predict("lab09", "τ from which every run is above the start at lr 0.2", 14)
     lab09.check_prediction(guess, {**losses, 14: 2.39, 15: 2.41, 16: 5.3}, 2.32)
-    out = capsys.readouterr().out
-    assert "measured: 14 — right" in out and "τ = 13 at 2.13, still below the start's 2.32" in out
-    lab09.check_prediction(guess, {**losses, 6: 2.4}, 2.32)   # τ = 6: 8 away
-    assert "measured: 6 — not what happened" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 14 — right" in out and "from τ = 14 on every run up to τ = 16 ended " \
+        "above it (τ = 14 at 2.39), and τ = 13 ended at 2.13" in out, out
+    lab09.check_prediction(guess, {**losses, 6: 2.4}, 2.32)   # one stray run, τ = 16 below
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: none up to τ = 16 — not what happened" in out
+    assert "τ = 6 ended above the start too" in out, out
     lab09.check_prediction(guess, losses, 2.32)
-    out = capsys.readouterr().out
-    assert "none up to τ = 16 — not what happened" in out and "every τ up to 16" in out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "none up to τ = 16 — not what happened" in out and "no τ up to 16 stays above" in out
     assert lab09.first_above_start({0: 3.0, 1: 1.0, 2: 2.5}, 2.4) == 2   # τ = 0 does not count
 
 
-def test_prediction_feedback_speaks_of_lr_times_tau(capsys):
+def test_the_boundary_is_where_the_runs_stay_above_not_the_first_stray_run(capsys):
+    # the learner's finding: at 400 updates τ = 8 ended above the start, 9 and 10 below, every
+    # τ from 11 above; "the smallest τ above" jumped to 8 on one run's noise
     from dpcourse.checks import predict
 
-    losses = {t: 2.0 + 0.01 * t for t in range(17)}
-    above = {**losses, 6: 2.4, 7: 2.5}                       # first above the start: τ = 6
-    for g, verdict in [(9, "You set it 0.6 of lr · τ too high"),
-                       (3, "You set it 0.6 of lr · τ too low: up to lr · τ = 1 the budget's"),
-                       (6, "Right on lr · τ.")]:
-        guess = predict("lab09", f"smallest τ, lr·τ {g}", g)
-        lab09.check_prediction(guess, above, 2.32)
+    final = {t: 2.0 + 0.01 * t for t in range(11)} | {8: 2.39, 11: 2.36, 12: 2.5, 13: 2.4,
+                                                       14: 2.35, 15: 2.44, 16: 280.0}
+    assert lab09.first_above_start(final, 2.32) == 8
+    assert lab09.above_for_good(final, 2.32) == 11
+    assert lab09.above_for_good({1: 2.0, 2: 2.4}, 2.32) == 2
+    assert lab09.above_for_good({1: 2.4, 2: 2.0}, 2.32) is None
+    guess = predict("lab09", "stray", 11)
+    lab09.check_prediction(guess, final, 2.32)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 11 — right" in out
+    assert "τ = 8 ended above the start too, τ = 9 and 10 below it: one run per τ — one seed, " \
+           "one batch order — so near the boundary a single run's end falls on either side" \
+           in out, out
+
+
+def test_prediction_feedback_says_the_boundary_moves_with_the_budget(capsys):
+    # the learner's finding: the feedback called one run's boundary a fixed lr · τ; the same
+    # runs read after 300 and 400 updates put it at different τ, and the feedback says so
+    from dpcourse.checks import predict
+
+    at300 = {t: 2.0 + 0.01 * t for t in range(17)} | {14: 2.39, 15: 2.41, 16: 5.3}
+    at400 = {t: 1.9 + 0.01 * t for t in range(17)} | {11: 2.36, 12: 2.5, 13: 2.4, 14: 2.35,
+                                                      15: 2.44, 16: 280.0}
+    for g, verdict in [(6, "Your τ = 6 is lr · τ = 1.2. The runs: lr · τ = 2.2 (τ = 11); yours "
+                           "is 5 τ too low."),
+                       (13, "yours is 2 τ too high."),
+                       (11, "Your τ = 11 is lr · τ = 2.2. Right on it.")]:
+        guess = predict("lab09", f"budget {g}", g)
+        lab09.check_prediction(guess, {300: at300, 400: at400}, 2.32)
         out = " ".join(capsys.readouterr().out.split())
-        assert f"Your τ = {g} put the limit at lr · τ = {0.2 * g:.2g}" in out, out
-        assert "The runs put it at lr · τ = 1.2 (τ = 6); lr · τ = 1 (τ = 5) still ended " \
-               "below the start." in out and verdict in out, out
-    guess = predict("lab09", "smallest τ, lr·τ none", 4)
-    lab09.check_prediction(guess, losses, 2.32)
+        assert "at lr 0.2 after 400 updates" in out and verdict in out, out
+        assert "At the same lr, the same runs put the boundary at lr · τ = 2.8 (τ = 14) after " \
+               "300 updates and at lr · τ = 2.2 (τ = 11) after 400: it moves with the budget, " \
+               "so no fixed lr · τ places it." in out, out
+        assert "outweighed" not in out and "The runs put it at" not in out
+    guess = predict("lab09", "budget none", 17)
+    lab09.check_prediction(guess, {300: at300, 400: at300}, 2.32)   # the same boundary: no claim
     out = " ".join(capsys.readouterr().out.split())
-    assert "Wrong: no run up to lr · τ = 3.2 (τ = 16) ended above the start — you set the " \
-           "limit at least 2.6 of lr · τ too low" in out, out
-    guess = predict("lab09", "smallest τ, lr·τ 17", 17)
-    lab09.check_prediction(guess, losses, 2.32)
-    out = " ".join(capsys.readouterr().out.split())
-    assert "Right: even lr · τ = 3.2 did not undo the budget here." in out, out
+    assert "moves with the budget" not in out and "Your 17 said no τ up to 16" in out
+
+
+def test_measure_sweep_reads_the_same_runs_along_the_way():
+    # the loss read after 10 of 20 updates is the loss of a 10-update run on the same batches
+    from dpcourse import async_sgd
+
+    problem = async_sgd.make_problem()
+    start, losses = lab09.measure_sweep(problem, async_sgd.async_worker_loop, steps=20,
+                                        along=(10,), taus=(0, 3))
+    assert set(losses) == {10, 20} and set(losses[10]) == {0, 3}
+    batches = async_sgd.batch_schedule(len(problem.x_train), 32, 20)
+    for tau in (0, 3):
+        assert losses[20][tau] == async_sgd.run_stale(problem, tau, 0.2, batches)["loss"]
+        # after 10 updates a τ-late run has applied the same 10 updates, each on the same
+        # version's gradient, as a run of 10 batches whose last gradients land at its end
+        assert losses[10][tau] == async_sgd.run_stale(problem, tau, 0.2, batches[:10])["loss"]
+    assert start == async_sgd.run_stale(problem, 0, 0.2, [])["loss"]
 
 
 def test_trace_of_the_reference_has_staleness_tau():
@@ -711,7 +752,10 @@ def test_the_fresh_step_is_the_learners_decision():
     # a fresh gradient that takes no step: a τ = 0 run never moves
     with pytest.raises(LabCheckError) as first:
         lab09.check_staleness_aware(_server(lambda lr, s: lr / s if s else 0.0))
-    assert "a fresh gradient (staleness 0) took no step at all" in str(first.value)
+    assert "a fresh gradient (staleness 0) took no step at all with τ = 2 (update 0, " \
+        "computed on version 0 and applied to it); and in a τ = 0 run, where every gradient " \
+        "is fresh, the server would never move" in str(first.value), str(first.value)
+    assert "(with τ = 2)" not in str(first.value)      # the learner's finding: τ = 2 after τ = 0
     assert "max(1" not in str(first.value)
     with pytest.raises(LabCheckError) as err:
         lab09.check_staleness_aware(_server(lambda lr, s: lr / s))

@@ -51,8 +51,8 @@ import torch
 from . import fail, passed, recorded, require_answer
 
 __all__ = ["check_async_worker", "check_staleness_aware", "check_trace", "reference_trace",
-           "check_prediction", "first_above_start", "lr_tau_verdict", "PREDICTION_LR",
-           "PREDICTION_TAUS", "TAUS", "AWARE_TAUS", "STEPS", "trace_loop",
+           "check_prediction", "first_above_start", "above_for_good", "measure_sweep",
+           "lr_tau_verdict", "PREDICTION_LR", "PREDICTION_TAUS", "PREDICTION_STEPS", "ALONG", "TAUS", "AWARE_TAUS", "STEPS", "trace_loop",
            "diagnose_loop", "run_server", "diagnose_server"]
 
 TAUS = (0, 3, 1, 12)   # 3 before 1: an ignored τ and an off-by-one look alike at τ = 1
@@ -746,6 +746,8 @@ def check_trace(trace) -> None:
 
 PREDICTION_LR = 0.2
 PREDICTION_TAUS = tuple(range(17))   # τ = 0 … 16, as far as lesson 09's table goes
+PREDICTION_STEPS = 400               # lesson 09's table's budget of updates
+ALONG = 300                          # the same runs, read after this many updates too
 CLOSE_WITHIN = 2                     # a prediction within 2 of the measured τ counts as right
 
 
@@ -754,71 +756,142 @@ def first_above_start(losses: dict, start_loss: float):
     return next((t for t in sorted(losses) if t > 0 and not losses[t] < start_loss), None)
 
 
-def lr_tau_verdict(value, first, below, last: int, lr: float = PREDICTION_LR) -> str:
-    """What the learner's τ said in terms of lr · τ (how far, in steps of size lr, the weights
-    move while a gradient is in flight), and what it got right or wrong against the runs'
-    boundary ``first`` (None: no τ up to ``last`` ended above the start)."""
+def above_for_good(losses: dict, start_loss: float):
+    """The smallest τ ≥ 1 from which every run, up to the largest τ, ended at or above the loss
+    it started from, or None (the largest τ ended below it). Unlike the first τ above the
+    start, it does not move when one run near the boundary ends on the other side."""
+    taus = sorted(t for t in losses if t > 0)
+    found = None
+    for t in reversed(taus):
+        if losses[t] < start_loss:
+            break
+        found = t
+    return found
+
+
+def measure_sweep(problem, loop, steps: int = PREDICTION_STEPS, along=(ALONG,),
+                  lr: float = PREDICTION_LR, taus=PREDICTION_TAUS) -> tuple[float, dict]:
+    """Part 3's runs: ``loop`` (the learner's worker loop) drives lesson 09's MLP through
+    ``async_sgd.run_stale`` for every τ in ``taus`` at ``lr``, ``steps`` updates each, on the
+    same batches; the test loss is read at the end and, in the same runs, after each number
+    of updates in ``along``. Returns (the loss before any update, {updates: {τ: test loss}})."""
+    from dpcourse import async_sgd
+
+    batches = async_sgd.batch_schedule(len(problem.x_train), 32, steps)
+    model = async_sgd.make_model()
+    start = async_sgd.evaluate(model, async_sgd.flat_params(model), problem.x_test,
+                               problem.y_test)[0]
+    marks = sorted(a for a in along if 0 < a < steps)
+    seen: dict = {}
+
+    class ReadAlong(async_sgd.SimulatedServer):
+        """The lesson's server; after the updates in ``marks`` it notes the test loss."""
+
+        def push(self, grad, version):
+            super().push(grad, version)
+            if self.version in marks:
+                seen[self.version] = async_sgd.evaluate(model, self.w, problem.x_test,
+                                                        problem.y_test)[0]
+
+    losses: dict = {a: {} for a in marks + [steps]}
+    for tau in taus:
+        seen.clear()
+        end = async_sgd.run_stale(problem, tau, lr, batches, loop=loop, server_cls=ReadAlong)
+        losses[steps][tau] = end["loss"]
+        for a in marks:
+            losses[a][tau] = seen.get(a, float("nan"))
+    return start, losses
+
+
+def _taus_text(taus) -> str:
+    taus = list(taus)
+    return ", ".join(map(str, taus[:-1])) + (" and " if len(taus) > 1 else "") + \
+        (str(taus[-1]) if taus else "")
+
+
+def lr_tau_verdict(value, boundary, last: int, lr: float = PREDICTION_LR, steps=None,
+                   along=None) -> str:
+    """What the learner's τ said in lr · τ, against the runs' boundary ``boundary`` (None: τ =
+    ``last`` still ended below the start) after ``steps`` updates and, when measured, after
+    ``along`` = (updates, boundary there) — and whether a fixed lr · τ could place it."""
     if not isinstance(value, (int, float)) or value != value:
         return ""
     g = value
-    if g > last:
-        said = (f"Your {g:g} said no τ up to {last} ends above the start: that a lag of "
-                f"lr · τ = {lr * last:.2g} still leaves the budget ahead.")
+    said = (f"Your {g:g} said no τ up to {last} stays above the start." if g > last else
+            f"Your τ = {g:g} is lr · τ = {lr * g:.2g}.")
+    if boundary is None:
+        at = f"no τ up to {last} stayed above the start here"
+        verdict = " Right." if g > last else f" The runs: {at}."
     else:
-        said = (f"Your τ = {g:g} put the limit at lr · τ = {lr * g:.2g}: a gradient that lags "
-                f"{g:g} steps of size {lr:g} behind the weights it updates undoes more than the "
-                f"budget gains.")
-    if first is None:
-        if g > last:
-            return said + f" Right: even lr · τ = {lr * last:.2g} did not undo the budget here."
-        return said + (f" Wrong: no run up to lr · τ = {lr * last:.2g} (τ = {last}) ended above "
-                       f"the start — you set the limit at least {lr * (last + 1 - g):.2g} of "
-                       f"lr · τ too low.")
-    runs = (f" The runs put it at lr · τ = {lr * first:.2g} (τ = {first}); lr · τ = "
-            f"{lr * below:.2g} (τ = {below}) still ended below the start.")
-    if g == first:
-        return said + runs + " Right on lr · τ."
-    if g > first:
-        return said + runs + (f" You set it {lr * (g - first):.2g} of lr · τ too high: stale "
-                              f"gradients tolerate less lag than you allowed — the τ steps of "
-                              f"size lr that land while a gradient is in flight carry the "
-                              f"weights further from where it was computed than you counted.")
-    return said + runs + (f" You set it {lr * (first - g):.2g} of lr · τ too low: up to "
-                          f"lr · τ = {lr * below:.2g} the budget's progress still outweighed "
-                          f"the lag — a stale gradient still points roughly downhill while "
-                          f"the weights have moved less than that.")
+        at = f"lr · τ = {lr * boundary:.2g} (τ = {boundary})"
+        verdict = (" Right on it." if g == boundary else
+                   f" The runs: {at}; yours is {abs(g - boundary):g} τ too "
+                   f"{'high' if g > boundary else 'low'}.")
+    out = said + verdict
+    if along is not None and steps is not None:
+        updates, there = along
+        if there != boundary:
+            there_text = (f"beyond τ = {last}" if there is None else
+                          f"at lr · τ = {lr * there:.2g} (τ = {there})")
+            here_text = (f"beyond τ = {last}" if boundary is None else
+                         f"at lr · τ = {lr * boundary:.2g} (τ = {boundary})")
+            out += (f" At the same lr, the same runs put the boundary {there_text} after "
+                    f"{updates} updates and {here_text} after {steps}: it moves with the budget, "
+                    f"so no fixed lr · τ places it.")
+    return out
 
 
 def check_prediction(guess, losses: dict, start_loss: float, lr: float = PREDICTION_LR) -> None:
-    """Compare the learner's τ (the smallest τ at ``lr`` whose run ends above its starting loss)
-    with the runs' ``losses`` (τ -> test loss after the budget), and say why from the runs —
-    in terms of lr · τ, what the learner's τ got right or wrong."""
+    """Compare the learner's τ — the smallest τ at ``lr`` from which every run, up to the
+    largest τ, ends above its starting loss — with the runs. ``losses`` is
+    {updates: {τ: test loss}} (:func:`measure_sweep`; the largest number of updates is the
+    budget, the others the same runs read earlier), or {τ: test loss} after the budget alone.
+    The explanation says only what the runs show: where they stay above the start, the runs
+    below that boundary that ended above it anyway, and how the boundary moved with the
+    budget."""
     from dpcourse.checks import reveal
 
-    taus = sorted(losses)
-    first = first_above_start(losses, start_loss)
+    if losses and all(isinstance(v, dict) for v in losses.values()):
+        by_budget = {int(k): v for k, v in losses.items()}
+    else:
+        by_budget = {None: losses}
+    steps = max(by_budget, key=lambda k: -1 if k is None else k)
+    final = by_budget[steps]
+    taus = sorted(final)
+    last = taus[-1]
+    earlier = [k for k in by_budget if k is not None and k != steps]
+    along = None
+    if earlier:
+        a = max(earlier)
+        along = (a, above_for_good(by_budget[a], start_loss))
+    budget = f"after {steps} updates" if steps is not None else "after the budget"
+    boundary = above_for_good(final, start_loss)
     value = guess.value if isinstance(guess.value, (int, float)) else float("nan")
-    if first is None:
-        best = max(taus, key=lambda t: losses[t])
-        reveal(guess, f"none up to τ = {taus[-1]}", close=value > taus[-1], explanation=(
-            f"every τ up to {taus[-1]} ended below the starting loss {start_loss:.2f} at lr "
-            f"{lr:g} (the worst, τ = {best}, at {losses[best]:.2f}): at this step size the "
-            f"updates that land while a gradient is in flight move the weights too little for "
-            f"its lateness to undo the budget's progress. "
-            + lr_tau_verdict(value, None, None, taus[-1], lr)))
-        return
-    below = max(t for t in taus if t < first)
-    gain = start_loss - losses[0]
-    lost = (losses[below] - losses[0]) / gain if gain > 0 else float("nan")
-    every = ("every τ from 1 ended above τ = 0 — the delay cost something each time; "
-             if all(losses[t] > losses[0] for t in taus if 0 < t <= below) else "")
-    reveal(guess, first, close=abs(value - first) <= CLOSE_WITHIN, explanation=(
-        f"at lr {lr:g} τ = 0 ended at {losses[0]:.2f}, τ = {below} at {losses[below]:.2f}, still "
-        f"below the start's {start_loss:.2f}, and τ = {first} at {losses[first]:.2f}, above it. "
-        f"Each update applies a gradient computed τ updates back, on weights that τ steps of "
-        f"size lr have moved since: {every}τ = {below} had given back {lost:.0%} of what "
-        f"τ = 0 gained over the budget, and from τ = {first} it cost more than the budget "
-        f"gained. " + lr_tau_verdict(value, first, below, taus[-1], lr)))
+    stray = [t for t in taus if t > 0 and not final[t] < start_loss and
+             (boundary is None or t < boundary)]
+    if boundary is None:
+        measured = f"none up to τ = {last}"
+        close = value > last
+        text = (f"at lr {lr:g} {budget}, τ = {last} ended at {final[last]:.2f}, below the start's "
+                f"{start_loss:.2f}, so no τ up to {last} stays above it")
+    else:
+        measured = boundary
+        close = abs(value - boundary) <= CLOSE_WITHIN
+        below = max(t for t in taus if t < boundary)
+        text = (f"at lr {lr:g} {budget}, τ = 0 ended at {final[0]:.2f}, below the start's "
+                f"{start_loss:.2f}; from τ = {boundary} on every run up to τ = {last} ended above "
+                f"it (τ = {boundary} at {final[boundary]:.2f}), and τ = {below} ended at "
+                f"{final[below]:.2f}")
+    if stray:
+        last_below = boundary if boundary is not None else last + 1
+        kept = [t for t in taus if min(stray) < t < last_below and final[t] < start_loss]
+        text += (f". τ = {_taus_text(stray)} ended above the start too"
+                 + (f", τ = {_taus_text(kept)} below it" if kept else "")
+                 + ": one run per τ — one seed, one batch order — so near the boundary a "
+                   "single run's end falls on either side, and the boundary is read where the "
+                   "runs stay above")
+    reveal(guess, measured, close=close, explanation=text + ". " + lr_tau_verdict(
+        value, boundary, last, lr, steps, along))
 
 
 # --------------------------------------------------------------------------------------------
@@ -872,7 +945,8 @@ _RULE_MISTAKES = {
               "scale each step by its gradient's staleness, as Zhang et al.'s rule says."),
     "plus_one": ("you divided by staleness + 1: a gradient one update stale took lr / 2, but "
                  "the rule's step for a staleness s ≥ 1 is lr / s, lr / 1 here",
-                 "keep lr / s for s ≥ 1; only the fresh gradient (s = 0) is yours to decide."),
+                 "keep lr / s for s ≥ 1: only the fresh gradient's step (s = 0) is not given "
+                 "by lr / s, and the lab's contract for a τ = 0 run settles it."),
     "times": ("you multiplied the lr by the staleness: the stalest gradients took the largest "
               "steps, and a fresh one none",
               "make stale gradients take smaller steps, not larger."),
@@ -880,8 +954,9 @@ _RULE_MISTAKES = {
                      "largest steps", "make stale gradients take smaller steps, not larger."),
     "sqrt": ("you divided the lr by the square root of the staleness: Zhang et al.'s step "
              "shrinks a gradient s updates stale by s itself", "divide by s, not √s."),
-    "fresh_zero": ("a fresh gradient (staleness 0) took no step at all: with τ = 0 every "
-                   "gradient is fresh, so the server never moved — a run without staleness "
+    "fresh_zero": ("a fresh gradient (staleness 0) took no step at all {at} (update 0, "
+                   "computed on version 0 and applied to it); and in a τ = 0 run, where every "
+                   "gradient is fresh, the server would never move — a run without staleness "
                    "must still train",
                    "decide the fresh gradient's step so that a τ = 0 run is plain SGD."),
     "overwrite": ("you divided self.lr itself, so every later step starts from the shrunken lr "
@@ -916,7 +991,8 @@ def diagnose_server(run: dict) -> None:
     if "raised" in run:
         if "ZeroDivisionError" in run["raised"]:
             fail(f"a fresh gradient has staleness 0 {at}, and lr / s divided by it: the rule "
-                 f"has no value there — the one case the stretch leaves to your decision.",
+                 f"has no value there — the one case lr / s does not settle (the lab's "
+                 f"contract for a τ = 0 run does).",
                  fix="decide the fresh gradient's step so that a τ = 0 run is plain SGD.")
         fail(f"your server raised {run['raised']!r} {at}")
     if run["version"] != STEPS:
@@ -946,7 +1022,8 @@ def diagnose_server(run: dict) -> None:
              f"it started as.", fix="update self.w in place.")
     if not bool(torch.isfinite(run["w"]).all()):
         fail(f"the weights became inf or nan {at}: a fresh gradient has staleness 0, and a "
-             f"step of lr / 0 is infinite — the one case the stretch leaves to your decision.",
+             f"step of lr / 0 is infinite — the one case lr / s does not settle (the lab's "
+             f"contract for a τ = 0 run does).",
              fix="decide the fresh gradient's step so that a τ = 0 run is plain SGD.")
     # The nearest rule names the step; float32 arithmetic (a step computed through a float32
     # tensor, weights kept in float32) lands ~1e-7 from its rule, the rules ~1e-2 apart.
@@ -960,7 +1037,7 @@ def diagnose_server(run: dict) -> None:
         if name == "right":
             return
         cause, fix = _RULE_MISTAKES[name]
-        fail(f"{cause} ({at}).", fix=fix)
+        fail(cause.format(at=at) + "." if "{at}" in cause else f"{cause} ({at}).", fix=fix)
     fail(f"your weights after {STEPS} updates {at} differ from the staleness-aware step's, by "
          f"a rule the check does not recognise.")
 
