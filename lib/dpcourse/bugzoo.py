@@ -348,7 +348,8 @@ def port_in_use(rank, world_size, port, seconds=3):
 
 def zoo_worker(rank, world_size, directory):
     """Every bug that does not hang, broken and fixed, in one launch: ``{name: {False: the
-    broken run's result, True: the fixed run's}}``, and three single runs.
+    broken run's result, True: the fixed run's}}`` for seven programs, and two single runs
+    (``unused_info``: bug 9 under TORCH_DISTRIBUTED_DEBUG=INFO; ``batchnorm_ddp``).
 
     Shown in lesson 10, §3.
     """

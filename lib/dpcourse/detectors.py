@@ -37,11 +37,13 @@ from typing import Any, Callable, Sequence
 
 __all__ = [
     "trace_collectives",
+    "caller_line",
     "read_traces",
     "compare_traces",
     "TraceReport",
     "diagnose",
     "Diagnosis",
+    "user_frames",
     "state_checksums",
     "compare_checksums",
     "first_nonfinite",
@@ -86,8 +88,10 @@ def _root(call) -> int | None:
     return None
 
 
-def _caller() -> str:
-    """file:line of the first frame outside torch and this module: the user's call."""
+def caller_line() -> str:
+    """file:line of the innermost frame outside torch and the course's plumbing
+    (``_SKIP_FRAMES``): the line of the user's code that made the call. Shown in lesson 10, §2.
+    """
     for frame in reversed(traceback.extract_stack()[:-2]):
         if not any(s in frame.filename for s in _SKIP_FRAMES):
             return f"{Path(frame.filename).name}:{frame.lineno}"
@@ -96,17 +100,14 @@ def _caller() -> str:
 
 @contextlib.contextmanager
 def trace_collectives(path: str | os.PathLike, monitor: float | None = None):
-    """Within the block, every ``torch.distributed`` call this process makes (every one
-    :func:`dpcourse.collectives.record_collectives` sees) is written to ``path``: one JSON line
-    when it starts, one when it returns, flushed at once, so the trace survives a rank that
-    hangs and is killed. Calls made inside torch (DDP's buckets) are not seen; calls your code
-    makes through ``dist.<name>`` are: the recorder swaps the functions in the
-    ``torch.distributed`` module for the block, so a name bound before it (``from
-    torch.distributed import all_reduce``) escapes the trace.
+    """Within the block, every call this process makes through ``dist.<name>`` is written to
+    ``path``: a JSON line when it starts, one when it returns, flushed at once, so the trace
+    survives a rank that hangs and is killed. The recorder swaps the ``torch.distributed``
+    module's functions, so calls inside torch (DDP's buckets) and names bound before the block
+    (``from torch.distributed import all_reduce``) escape it.
 
-    ``monitor`` (seconds, gloo only): before each collective, every rank first calls
-    ``dist.monitored_barrier(timeout=monitor, wait_all_ranks=True)``; rank 0 then raises naming
-    the ranks that did not arrive in time instead of waiting in the collective.
+    ``monitor`` (seconds, gloo only): every rank first calls ``dist.monitored_barrier(timeout=
+    monitor, wait_all_ranks=True)``; rank 0 then raises naming the ranks that did not arrive.
 
     Shown in lesson 10, §1.
     """
@@ -120,7 +121,7 @@ def trace_collectives(path: str | os.PathLike, monitor: float | None = None):
         def start(call):
             f.write(json.dumps({"i": call.index, "op": call.function,
                                 "shape": _first_shape(call.args), "root": _root(call),
-                                "where": _caller(), "event": "start"}) + "\n")
+                                "where": caller_line(), "event": "start"}) + "\n")
             if monitor is not None:
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=monitor),
                                        wait_all_ranks=True)
@@ -133,7 +134,10 @@ def trace_collectives(path: str | os.PathLike, monitor: float | None = None):
 
 
 def read_traces(directory: str | os.PathLike, world_size: int) -> dict[int, list[dict]]:
-    """{rank: [{"i", "op", "shape", "where", "done"}, ...]} from ``rankN.trace`` files."""
+    """{rank: [{"i", "op", "shape", "root", "where", "done"}, ...]} from the ``rankN.trace``
+    files :func:`trace_collectives` wrote; ``done``: the call's "end" line was written.
+    Shown in lesson 10, §2.
+    """
     traces = {}
     for r in range(world_size):
         calls: dict[int, dict] = {}
@@ -156,7 +160,10 @@ def read_traces(directory: str | os.PathLike, world_size: int) -> dict[int, list
 class TraceReport:
     """What :func:`compare_traces` found. ``ok``: every rank made the same calls in the same
     order; otherwise ``index`` is the first call where they differ, ``calls`` what each rank did
-    there (None: it made no such call), and ``stuck`` the ranks still inside a call."""
+    there (None: it made no such call), and ``stuck`` the ranks still inside a call.
+
+    Shown in lesson 10, §1.
+    """
 
     ok: bool
     index: int | None = None
@@ -202,7 +209,10 @@ def compare_traces(traces: dict[int, list[dict]]) -> TraceReport:
 
 @dataclass
 class Diagnosis:
-    """The outcome of :func:`diagnose`: ``status`` is "ok", "hang" or "failed"."""
+    """The outcome of :func:`diagnose`: ``status`` is "ok", "hang" or "failed".
+
+    Shown in lesson 10, §1.
+    """
 
     status: str
     world_size: int
@@ -266,10 +276,11 @@ class Diagnosis:
                 "replicas after the first step, clean-up)"]
 
 
-def _user_frames(dump: str) -> list[str]:
-    """file:line (function) of the frames outside torch/launch in a faulthandler dump, taken
-    from the first thread that has any (the main thread: the others are torch's), outermost
-    first."""
+def user_frames(dump: str) -> list[str]:
+    """file:line (function) of the frames outside torch, the course's plumbing and
+    multiprocessing in a ``faulthandler`` dump, from the first thread that has any (the main
+    thread: the others are torch's), outermost first. Shown in lesson 10, §2.
+    """
     for block in dump.split("\n\n"):
         out = []
         for line in block.splitlines():
@@ -377,7 +388,7 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
         stacks = {}
         for r in range(world_size):
             p = Path(tracedir) / f"rank{r}.stack"
-            stacks[r] = _user_frames(p.read_text(errors="replace")) if p.exists() else []
+            stacks[r] = user_frames(p.read_text(errors="replace")) if p.exists() else []
     finally:
         shutil.rmtree(tracedir, ignore_errors=True)
     return Diagnosis(status, world_size, timeout, results, pending, error,
