@@ -6,7 +6,8 @@
 # launches a bucket as soon as it is full and copies gradients in and out. Now you build what
 # DDP's reducer really does:
 #
-# 1. `assign_buckets(params, bucket_cap_mb)` — the buckets DDP's reducer makes;
+# 1. `assign_buckets(params, bucket_cap_mb)` — the buckets DDP's reducer makes, for parameters
+#    of several dtypes; before you write it, you predict how many it makes of seven of them;
 # 2. `BucketedDDP`, a wrapper that keeps DDP's two promises: every gradient **is** a slice of
 #    its bucket's flat buffer, and buckets go on the wire **strictly in bucket order**, each as
 #    early as that order allows, while the backward is still running;
@@ -47,10 +48,10 @@ torch.set_num_threads(1)
 #   applies to every bucket: the 1 MiB first bucket of lesson 07 §3 does not apply here;
 # - a bucket is one flat buffer, so it holds **one dtype**; within it, the parameters are in
 #   the order their gradients arrive;
-# - the buckets are in the order they become **complete** in the backward (every gradient of
-#   the bucket has arrived): bucket 0 is the first that could go on the wire, so that a wrapper
-#   that sends the buckets in their order (part 2) never holds a complete bucket back behind
-#   one that is still waiting.
+# - the buckets are in the order they become **complete** when the gradients arrive in that
+#   order (a bucket is complete once every one of its gradients has arrived): bucket 0 is the
+#   first that could go on the wire, so that a wrapper that sends the buckets in their order
+#   (part 2) never holds a complete bucket back behind one that is still waiting.
 #
 # **Your design decision:** with several dtypes, a parameter of one dtype arrives while a
 # bucket of another dtype is open. What becomes of that open bucket — and when the walk is
