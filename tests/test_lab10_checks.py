@@ -343,6 +343,23 @@ def in_sync_narrowed(model):  # every parameter made float32 first: float64's la
     return bool(same.item())
 
 
+def in_sync_half(model):  # cast to float16 first: its bits compared, one float32 step lost
+    flat = torch.cat([p.detach().half().reshape(-1) for p in model.parameters()])
+    flat = flat.view(torch.uint8)
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([int(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def in_sync_int16(model):  # float16 bits as int16: a dtype gloo cannot carry
+    flat = torch.cat([p.detach().half().reshape(-1) for p in model.parameters()]).view(torch.int16)
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    return bool(torch.equal(flat, ref))
+
+
 def in_sync_float32_only(model):  # bits, but only the float32 parameters
     flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()
                       if p.dtype == torch.float32])
@@ -543,6 +560,11 @@ def test_right_detectors_pass(fn, capsys):
     (in_sync_returns_none, "returned NoneType \\(None\\), not a Python bool"),
     (in_sync_position_checksum, "one weight \\+2⁻⁹ and the next −2⁻¹⁰.*weights each value by "
                                 "its position"),
+    (in_sync_half, "one float32 weight one unit in the last place away.*a tolerance .*or a cast "
+                   "to a shorter float"),
+    (in_sync_int16, "with every replica identical, replicas_in_sync raised RuntimeError: Invalid "
+                    "scalar type: a collective was handed a tensor of a dtype that gloo.*not "
+                    "int16"),
     (in_sync_narrowed, "one float64 number one unit in the last place away.*narrows float64"),
     (in_sync_float32_only, "with 0.5 added to the bfloat16 parameter \\(scale\\) of the second "
                            "model .*; to the float64 parameter \\(offset\\) .*does not compare "
@@ -1045,3 +1067,23 @@ def test_delete_and_insert_line():
         lab10.delete_line(text, "no such line")
     with pytest.raises(ValueError, match="one line of code"):
         lab10.insert_line(text, "a\nb", before="opt.step()")
+
+
+def _gloo_carries(rank, world_size):
+    carried = {}
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+                  torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        try:
+            dist.broadcast(torch.ones(3, dtype=dtype), src=0)
+            carried[str(dtype)] = True
+        except RuntimeError as err:
+            assert "Invalid scalar type" in str(err)
+            carried[str(dtype)] = False
+    return carried
+
+
+def test_gloo_carries_the_dtypes_the_sentence_names():
+    from dpcourse import launch
+
+    carried = launch.spawn(_gloo_carries, 2, backend="gloo", timeout=60, show_output=False)[0]
+    assert [d for d, ok in carried.items() if not ok] == ["torch.int16"], carried

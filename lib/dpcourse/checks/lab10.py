@@ -1120,6 +1120,13 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
                      f"them evenly: it works for the lab's float32 weights as int32, not for 5 "
                      f"bfloat16 numbers (10 bytes), and a detector is called on whatever model "
                      f"the job trains.", fix=_BITS_FIX)
+            if "Invalid scalar type" in error:
+                fail(f"with {said}, replicas_in_sync raised {error}: a collective was handed a "
+                     f"tensor of a dtype that gloo, the CPU backend the check runs on, cannot "
+                     f"carry (it carries uint8, int8, int32, int64, bool and the float types; "
+                     f"not int16).",
+                     fix="Hand the collective the bits as bytes (torch.uint8), or as int32 or "
+                         "int64 where the sizes allow.")
             fail(f"with {said}, replicas_in_sync raised {error}.")
         returned = [r[case]["returned"] for r in ranks if r[case]["returned"] is not None]
         if returned:
@@ -1213,8 +1220,9 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
         if "one_ulp" in blind and set(blind) <= tolerance and (
                 "small_off" in blind or "off_keeping_sum" not in blind):
             why = ("your comparison has a tolerance (allclose, isclose, a difference below some "
-                   "size), and it let that pass; the lab's 'exactly equal' is the same bits, "
-                   "and a replica one float away from the others is out of sync")
+                   "size, or a cast to a shorter float before comparing), and it let that pass; "
+                   "the lab's 'exactly equal' is the same bits, and a replica one float away "
+                   "from the others is out of sync")
             fix = "Compare exactly: the same bits, no tolerance."
         elif set(blind) == {"f64_ulp"}:
             why = ("one float32 step was seen and one float64 step was not: your comparison "
