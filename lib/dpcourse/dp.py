@@ -58,6 +58,7 @@ __all__ = [
     "RealDataParallelReport",
     "real_data_parallel",
     "time_replicate_vs_forward",
+    "python_work",
     "gil_threads_demo",
 ]
 
@@ -194,7 +195,10 @@ class Broadcast(torch.autograd.Function):
     This pair — broadcast forward, reduce-add backward — is what makes the gradients of all
     replicas land, summed, on the original parameters.
 
-    Shown in lesson 02, §2.
+    ``backward`` answers part of lab 02, so lesson 02 shows the ``forward`` alone in §2 and the
+    whole class folded, after the lab's pointer.
+
+    Shown in lesson 02, §2 (``forward``); lesson 02, §"Lab 02: DataParallel's step by hand".
     """
 
     @staticmethod
@@ -447,36 +451,51 @@ def time_replicate_vs_forward(module: nn.Module, X: torch.Tensor, devices,
     return {"replicate_s": t_rep, "forward_chunk_s": t_fwd, "ratio": t_rep / t_fwd}
 
 
-def _python_work(n: int) -> int:
-    # Pure Python bytecode: holds the GIL the whole time.
-    s = 0
-    for i in range(n):
-        s += i * i % 7
-    return s
+def python_work(n: int) -> int:
+    """One unit of pure-Python work: bytecode only, no call that releases the GIL, so a thread
+    running it holds the GIL the whole time (but for the interpreter's forced switches).
+
+    Shown in lesson 02, §"Why it is slow".
+    """
+    total = 0
+    for k in range(n):
+        total += k * k % 7
+    return total
 
 
-def gil_threads_demo(n: int = 300_000, threads: int = 2) -> dict:
+def gil_threads_demo(n: int = 300_000, threads: int = 2, rounds: int = 7) -> dict:
     """Time ``threads`` units of pure-Python work done one after another vs in ``threads``
-    threads. With the GIL the threaded run is no faster (often slower): ``speedup`` ≈ 1 or less,
-    however many cores the machine has, and ``cpu_per_wall`` (CPU seconds the process used per
-    second of the threaded run) stays at or below 1: one core at a time."""
+    threads (``rounds`` interleaved rounds, the best of each way). With the GIL the threaded
+    run is no faster (often slower): ``speedup`` ≈ 1 or less, however many cores the machine
+    has, and ``cpu_per_wall`` (CPU seconds the process used per second of the threaded run)
+    stays at or below 1: one core at a time.
+
+    Shown in lesson 02, §"Why it is slow".
+    """
     if threads < 2:
         raise ValueError("the demo needs at least 2 threads")
-    _python_work(n // 10)  # warm-up
+    python_work(n // 10)  # warm-up
 
     def sequential():
         for _ in range(threads):
-            _python_work(n)
+            python_work(n)
 
     def threaded():
-        ts = [threading.Thread(target=_python_work, args=(n,)) for _ in range(threads)]
+        ts = [threading.Thread(target=python_work, args=(n,)) for _ in range(threads)]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
 
-    t_seq = _best_of(sequential, 5)
-    t_thr = _best_of(threaded, 5)
+    # Interleaved rounds, best of each: a slow moment of a loaded machine hits both ways alike
+    # (timing all the sequential runs first once let a busy spell fake a 1.9x "speed-up").
+    seq, thr = [], []
+    for _ in range(rounds):
+        for run, times in ((sequential, seq), (threaded, thr)):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    t_seq, t_thr = min(seq), min(thr)
     # The load-proof sign of the GIL: while the threads run, the process uses at most one core's
     # worth of CPU time per second of wall time (two truly parallel threads would use two). A
     # busy machine slows both timings above, but cannot push this ratio above 1.
