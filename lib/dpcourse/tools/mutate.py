@@ -37,7 +37,7 @@ from pathlib import Path
 
 from dpcourse.tools import authoring
 
-__all__ = ["Mutant", "mutants", "run", "main"]
+__all__ = ["Mutant", "mutants", "run", "fingerprint", "main"]
 
 # (what to look for, what to put instead): one mutant for the first match on each line.
 SWAPS = [
@@ -220,6 +220,59 @@ def run(solution: Path, chosen: list[Mutant] | None = None, timeout: float = 60,
                      "seconds": None} for m in chosen if m.what not in done]
     return {"baseline": lines[0]["baseline"], "seconds": lines[0].get("seconds"),
             "results": results}
+
+
+_CHECK_FILE = re.compile(r"^_?(lab\d\d)")  # checks/lab07.py, checks/_lab07_topk.py -> lab07
+_CHECK_IMPORT = re.compile(r"^\s*from\s+(?:\.|dpcourse\.checks\.)(lab\d\d)\b", re.M)
+
+
+def _lab_check_files(checks: Path, lab: str) -> set:
+    """The check modules of ``lab`` and of every lab whose checks they import, transitively
+    (lab 02's checks import lab 01's, lab 10's import lab 04's)."""
+    by_lab: dict[str, list] = {}
+    for f in checks.glob("*.py"):
+        match = _CHECK_FILE.match(f.name)
+        if match:
+            by_lab.setdefault(match.group(1), []).append(f)
+    wanted, todo = set(), [lab]
+    while todo:
+        name = todo.pop()
+        if name in wanted:
+            continue
+        wanted.add(name)
+        for f in by_lab.get(name, []):
+            todo += _CHECK_IMPORT.findall(f.read_text())
+    return {f for name in wanted for f in by_lab.get(name, [])}
+
+
+def fingerprint(solution: Path, *extra) -> str:
+    """A hash of everything a mutation run of ``solution`` depends on: the solution's source,
+    the library (a lab's checks import it, and its ranks import more of it in processes of
+    their own, so all of it is hashed rather than a guess at what is used) — except the check
+    modules of other labs, which its own checks do not import — the versions of Python and
+    torch, and ``extra`` (e.g. how the sample is drawn).
+
+    The suite records it beside a sample that every check caught, and runs that sample again
+    only when the fingerprint has changed: the same files give the same mutants and the same
+    checks (tests/test_lab_mutations.py)."""
+    import hashlib
+    import platform
+
+    import torch
+
+    lib = Path(__file__).resolve().parents[1]
+    checks = lib / "checks"
+    own = _lab_check_files(checks, Path(solution).stem[:5])
+    digest = hashlib.sha256()
+    for part in (platform.python_version_tuple()[:2], torch.__version__, repr(extra)):
+        digest.update(repr(part).encode())
+    files = [(Path(solution).name, Path(solution))] + sorted(
+        (str(f.relative_to(lib)), f) for f in lib.rglob("*")
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"
+        and not (f.parent == checks and _CHECK_FILE.match(f.name) and f not in own))
+    for name, path in files:
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m dpcourse mutate") -> int:
