@@ -189,8 +189,10 @@ lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 #
 # The check runs 3 steps (the first with no `p.grad` yet, the second after
 # `zero_grad(set_to_none=False)`, the third after `zero_grad(set_to_none=True)`) on 2 and 3
-# ranks, on a model with a frozen parameter, then two backwards on a model with a parameter
-# the second one's forward does not use, and names what it sees.
+# ranks, on a model with a frozen parameter, then one step on a model whose last layer is
+# float64 and the rest float32 (your `assign_buckets` gives each dtype buckets of its own),
+# then two backwards on a model with a parameter the second one's forward does not use, and
+# names what it sees.
 
 # %% [markdown]
 # ### Predict first: when does the bucket that fills first go?

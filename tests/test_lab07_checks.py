@@ -434,7 +434,7 @@ class Good(nn.Module):
             dist.broadcast(p.data, src=0)
         self.buckets = self.assign([p for p in module.parameters() if p.requires_grad],
                                    bucket_cap_mb)
-        self.flat = [torch.zeros(sum(p.numel() for p in b)) for b in self.buckets]
+        self.flat = [self.make_buffer(b) for b in self.buckets]
         self.where = {}
         for i, bucket in enumerate(self.buckets):
             offset = 0
@@ -446,6 +446,9 @@ class Good(nn.Module):
 
     def assign(self, params, cap_mb):
         return overlap.assign_buckets(params, cap_mb)
+
+    def make_buffer(self, bucket):
+        return torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype)
 
     def make_view(self, i, offset, p):
         return self.flat[i][offset:offset + p.numel()].view_as(p)
@@ -670,6 +673,13 @@ class TemporaryCat(Good):
         self.handles.append((i, dist.all_reduce(flat, async_op=True)))
 
 
+class Float32Buffers(Good):
+    # every bucket's buffer float32 (torch.zeros' default): right on a float32 model, refused
+    # by autograd for the float64 head's gradients
+    def make_buffer(self, bucket):
+        return torch.zeros(sum(p.numel() for p in bucket))
+
+
 class CopyDesign(Good):
     # lesson 07's copies (in order, waited): right values, but p.grad is not the bucket's view
     def to_view(self, p, view):
@@ -834,6 +844,8 @@ class RaisesOnlyOnMissingGrad(Good):
 
 
 @pytest.mark.parametrize("cls, phrase", [
+    (Float32Buffers, "(?s)float64 and its body float32.*a float64 parameter's gradient can be "
+                     "no view of a float32 buffer"),
     (NamedByMissingGrad, "(?s)step 2 began with zero_grad\\(set_to_none=False\\).*does not "
                          "name head.weight and head.bias.*cannot be read from p.grad"),
     (RaisesOnlyOnMissingGrad, "(?s)got a gradient in step 1 but none in step 2.*"

@@ -441,12 +441,94 @@ def check_bucketed_ddp(cls, configs=CONFIGS, timeout: float | None = None) -> No
     for world_size, cap_mb in configs:
         results = _launch(cls, world_size, cap_mb, timeout)
         _diagnose(results, world_size, cap_mb)
+    _check_dtypes(cls, timeout)
     _check_unused(cls, timeout)
     shown = " and ".join(f"{ws} ranks ({cap} MiB buckets)" for ws, cap in configs)
     passed(f"{cls.__name__}: one async all-reduce per bucket, launched in bucket order as soon "
            f"as it could be, waited before the step; gradients are views of the buckets; "
-           f"weights == DDP's after {_STEPS} steps on {shown}; a parameter left without a "
-           f"gradient is named")
+           f"weights == DDP's after {_STEPS} steps on {shown}; a float64 layer beside float32 "
+           f"ones averaged in its own bucket; a parameter left without a gradient is named")
+
+
+# A model of two dtypes: part 1's buckets hold one dtype each, so the float64 head gets a
+# bucket of its own, and its gradients can be views only of a float64 buffer.
+class _TwoDtypeNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(12, 16)
+        self.head = nn.Linear(16, 4).double()
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)).double())
+
+
+def _dtype_worker(rank: int, world_size: int, cls, cap_mb: float) -> list:
+    """One step of the two-dtype model: every parameter's dtype, its p.grad's dtype and values,
+    whether p.grad is a view of a buffer the wrapper keeps, and the right mean."""
+    __tracebackhide__ = True
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    module = _TwoDtypeNet()
+    named = list(module.named_parameters())
+    own = {}
+
+    def spy_ready(p):  # registered before the learner's hooks, so it runs first
+        own[id(p)] = p.grad.detach().clone()
+
+    for _, p in named:
+        p.register_post_accumulate_grad_hook(spy_ready)
+    model = cls(module, bucket_cap_mb=cap_mb)
+    torch.manual_seed(1 + rank)
+    x, y = torch.randn(6, 12), torch.arange(6) % 4
+    module.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    model.finish_gradient_synchronization()
+    held = _held_storages(model)
+    out = []
+    for name, p in named:
+        mean = own[id(p)].clone()
+        dist.all_reduce(mean)
+        out.append({"name": name, "dtype": str(p.dtype).removeprefix("torch."),
+                    "grad": None if p.grad is None else p.grad.detach().clone(),
+                    "view": p.grad is not None and _storage(p.grad) in held,
+                    "mean": mean / world_size})
+    return out
+
+
+def _check_dtypes(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
+    """On 2 ranks, one step of a model with a float64 layer beside float32 ones: the float64
+    gradients averaged, and views of a float64 bucket."""
+    __tracebackhide__ = True
+    what = ("a model whose head is float64 and its body float32 (part 1 gives each dtype "
+            "buckets of its own)")
+
+    def failed(exc) -> None:
+        if "different type" in exc.summary or "dtype" in exc.summary.lower() or (
+                "Double" in exc.summary and "Float" in exc.summary):
+            fail(f"your wrapper raised on rank {exc.rank} on {what}: {exc.summary[:240]} — a "
+                 f"float64 parameter's gradient can be no view of a float32 buffer, and "
+                 f"autograd refuses it as p.grad.",
+                 fix="make each bucket's flat buffer of its parameters' dtype (and device).")
+        fail(f"your wrapper raised on rank {exc.rank} on {what}: {exc.summary[:300]}")
+
+    results = run_ranks(_dtype_worker, 2, cls, cap_mb, timeout=timeout, failed=failed,
+                        hang="every rank must launch the same all-reduces in the same order, "
+                             "and every launched all-reduce must be waited on.")
+    for rank, per_param in enumerate(results):
+        for r in per_param:
+            if r["grad"] is None or not _close(r["grad"].double(), r["mean"].double()):
+                fail(f"on {what}, {r['name']}.grad ({r['dtype']}) is not the mean over the "
+                     f"ranks on rank {rank} after finish_gradient_synchronization(), though the "
+                     f"float32 model's were right.",
+                     fix="give every bucket its own buffer of its own dtype, and all-reduce "
+                         "each.")
+            if not r["view"]:
+                fail(f"on {what}, {r['name']}.grad ({r['dtype']}) holds the right mean on rank "
+                     f"{rank} but is not a view of any buffer your wrapper keeps: it was copied "
+                     f"back from a buffer of another dtype.",
+                     fix="make each bucket's flat buffer of its parameters' dtype, so that "
+                         "p.grad can be its view.")
 
 
 # A trainable parameter the second step's forward does not use: its bucket is never complete.
