@@ -443,3 +443,13 @@ def test_the_library_answer_is_refused_as_the_learners():
                                             r"\(dpcourse\.train\.train_one_epoch\)"):
         checks.refuse_reference(train.train_one_epoch, "train_one_epoch", train.train_one_epoch)
     checks.refuse_reference(lambda: None, "train_one_epoch", train.train_one_epoch)
+
+
+def test_a_check_in_a_labs_split_module_is_recorded_under_its_lab(log):
+    """checks/_lab11_decisions.py holds lab 11's no-code decisions: the instructor's table
+    counts them under lab11, not under the module's name."""
+    from dpcourse.checks import lab11
+
+    lab11.check_diagnosis("backward", "forward")
+    (line,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert (line["lab"], line["outcome"]) == ("lab11", "passed")
