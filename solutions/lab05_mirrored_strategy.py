@@ -234,9 +234,13 @@ lab05.check_train_step(distributed_train_step, make_model_and_optimizer, strateg
 # ## 4. Predict, then train
 #
 # An epoch of 1000 samples in global batches of `global_batch`, distributed as in part 3 with
-# `strategy.experimental_distribute_dataset`. Before running anything, **predict**: in the
-# epoch's *last* step, how many samples does replica 0 hold? Write a number, run the cell, then
-# run the measurement below it.
+# `strategy.experimental_distribute_dataset`. The rule it follows (TensorFlow 2.21's source,
+# `data/experimental/ops/distribute.py`): it cuts **each batch the dataset yields** into
+# `num_replicas_in_sync` pieces of ⌈b / N⌉ samples, b being that batch's size, in replica
+# order, the last replica taking what is left — a batch of 64 on 3 replicas becomes
+# 22 + 22 + 20. Before running anything, **predict**: in the epoch's *last* step, how many
+# samples does replica 0 hold? Write a number, run the cell, then run the measurement below
+# it.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -250,8 +254,8 @@ lab05.check_train_step(distributed_train_step, make_model_and_optimizer, strateg
 
 # %% [markdown] jupyter={"source_hidden": true}
 # The dataset is batched by the global batch before the strategy sees it, so the last batch is
-# what remains after the full ones; the strategy then splits each batch it receives over the
-# replicas.
+# what remains after the full ones, and the rule applies to that batch as it is: its own size
+# is the b in ⌈b / N⌉, not `global_batch`.
 
 # %%
 ### BEGIN SOLUTION: my_guess = your prediction (a number of samples)
@@ -294,16 +298,21 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 #
 # **Contract.** `make_dist_dataset(strategy, x, y, global_batch)` returns such a distributed
 # dataset over the arrays `x`, `y` in which every step holds the next `global_batch` samples in
-# the data's order, every sample arrives once, and nothing is dropped. The check uses 100
+# the data's order (on one worker; over a cluster, below, the order is free), every sample
+# arrives once, and nothing is dropped. The check uses 100
 # samples in global batches of 32 on 2 replicas, and tries your function on one replica more
 # (36 samples a step on 3) — and with a global batch the replicas do not divide. Then it calls
 # your dataset function itself as a cluster of 2 such workers would: two input pipelines (ids
 # 0 and 1), twice the replicas in sync. Over the cluster, every sample must still arrive once
-# per epoch, in steps of `global_batch`.
+# per epoch, in steps of `global_batch`; which samples go to which pipeline is yours to choose —
+# cut sample by sample or batch by batch, both keep that, and the check accepts both.
 #
 # **Your design decision:** what `make_dist_dataset` does with a global batch that does not
-# split evenly over the replicas (33 on 2, 32 on 3). The contract above cannot be kept then;
-# whatever you choose must not leave a training loop with steps of a size it was not told. A
+# split evenly over the replicas (33 on 2, 32 on 3) — on a cluster, over all its replicas:
+# there `strategy.num_replicas_in_sync` counts every worker's replicas, as the input context's
+# does (TF 2.21, `distribute/collective_all_reduce_strategy.py`). The contract cannot be kept
+# then; whatever you choose must not leave a training loop with steps of a size it was not
+# told. A
 # bad argument gets a clear error — and the decision must be yours: if you refuse, raise your
 # own `ValueError` from `make_dist_dataset`, naming both numbers. (Some TensorFlow functions
 # refuse such a batch by themselves, from deep inside the strategy; the check does not count

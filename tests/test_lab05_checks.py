@@ -392,7 +392,8 @@ def test_steps_tied_to_one_setup_fail(step, phrase, strategy):
 # --- stretch: distribute_datasets_from_function and the partial last batch --------------------
 
 def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_replicas=False,
-                   size=None, refuse="own", pipeline_id=True, per_strategy=False):
+                   size=None, refuse="own", pipeline_id=True, per_strategy=False,
+                   by_batches=False):
     """size="floor" / "ceil": the per-replica batch rounded instead of refused when the replicas
     do not divide the global batch. refuse="own": the learner's own ValueError naming both
     numbers (right); "tf": no check of its own, TF's get_per_replica_batch_size raises; "vague":
@@ -422,6 +423,9 @@ def _dataset_maker(per_replica=True, shard=True, drop=False, shuffle=False, by_r
                 per = global_batch // strategy.num_replicas_in_sync
             else:
                 per = ctx.get_per_replica_batch_size(global_batch) if per_replica else global_batch
+            if by_batches:   # batch first, then give each pipeline every n-th batch
+                return ds.batch(per, drop_remainder=drop).shard(ctx.num_input_pipelines,
+                                                                ctx.input_pipeline_id)
             return ds.batch(per, drop_remainder=drop)
         return strategy.distribute_datasets_from_function(dataset_fn)
     return make
@@ -433,6 +437,14 @@ def test_right_datasets_pass(strategy, capsys):
     # the spare replica was tried: 36 on 3 (12 + 12 + 4 in the last step); and two pipelines
     assert out.count("✔") == 1 and "32 on 2, 36 on 3 replicas" in out, out
     assert "2 input pipelines (as on 2 workers) split the data 50 + 50, in batches of 8" in out
+
+
+def test_pipelines_cut_batch_by_batch_pass_too(strategy, capsys):
+    # the learner's finding: the contract now says the pipelines may cut the data sample by
+    # sample or batch by batch; batch by batch gives 52 + 48 on 2 pipelines
+    lab05.check_dataset_fn(_dataset_maker(shard=False, by_batches=True), strategy)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "split the data 52 + 48, in batches of 8" in out, out
 
 
 def test_a_dataset_function_that_ignores_its_input_context_is_named(strategy):
@@ -566,6 +578,17 @@ def test_partial_batch_mistakes_on_three_replicas(fn, phrase, strategy3):
     assert phrase in str(err.value) and "12+12+4" in str(err.value), str(err.value)
 
 
+def test_a_local_mean_names_the_empty_replicas_nan(strategy):
+    # the learner's finding: reduce_mean / N on 4 + 0 — replica 1's mean is 0/0, NaN, the most
+    # visible symptom, while its empty gradient changes nothing
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_partial_batch_epoch(_epoch("mean"), strategy)
+    assert "but the last step's slices differ (replica 1 holds none: its own mean is 0/0, NaN " \
+           "from reduce_mean — compute_average_loss's div_no_nan reports 0 — while its " \
+           "gradient, a sum over no sample, is zero and moves nothing)" in str(err.value), \
+        str(err.value)
+
+
 @pytest.mark.parametrize("fn, phrase", [
     (_epoch("global"), "divided by the full global batch"),
     (_epoch("implicit"), "compute_average_loss without global_batch_size"),
@@ -592,6 +615,34 @@ def test_predictions_are_revealed(strategy, capsys):
     lab05.check_pipeline_prediction(predict("lab05", "q2", 2), sizes)
     out = capsys.readouterr().out
     assert "measured: 2 — right." in out and "measured: 4 — not what happened." in out, out
+
+
+def test_split_prediction_states_the_rule_and_names_a_full_steps_piece(strategy, capsys):
+    # 1000 in batches of 64 leave 40: cut into ⌈40/2⌉ = 20 + 20; 32 (a full step's piece) named
+    from dpcourse.checks import predict
+    lab05.check_split_prediction(predict("lab05", "q32", 32), [20, 20], 1000, 64)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 20 — not what happened" in out
+    assert "cut that batch, as it cuts every batch the dataset yields, into 2 pieces of ⌈40/2⌉ = " \
+           "20 in replica order, the last replica taking what is left: 20+20" in out, out
+    assert "Your 32 is a full step's piece, ⌈64/2⌉: the strategy cuts the batch it receives, 40 " \
+           "samples here" in out, out
+    lab05.check_split_prediction(predict("lab05", "q20", 20), [20, 20], 1000, 64)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 20 — right" in out and "full step's piece" not in out
+
+
+def test_experimental_distribute_dataset_cuts_each_batch_by_the_ceiling(strategy):
+    # the rule the lab states: each batch b into N pieces of ⌈b/N⌉, the last replica the rest
+    # (64 on 3: 22 + 22 + 20; the short 40 on 2: 20 + 20)
+    x = np.arange(1000, dtype=np.float32).reshape(-1, 1)
+    y = np.zeros(1000, np.int64)
+    strategy3 = lab05.strategies_for(strategy)[1]
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
+    first = next(iter(strategy3.experimental_distribute_dataset(ds)))
+    assert [len(v) for v in strategy3.experimental_local_results(first[1])] == [22, 22, 20]
+    assert lab05.last_step_sizes(strategy, strategy.experimental_distribute_dataset(ds)) == \
+        [20, 20]
 
 
 # --- cause first, the fix on the second meeting ---------------------------------------------

@@ -623,7 +623,7 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
                      global_batch: int, lr: float, slices: list | None = None):
     __tracebackhide__ = True
     n = strategy.num_replicas_in_sync
-    if slices is None:   # the strategy splits one global batch as evenly as it can
+    if slices is None:   # the check splits one global batch as evenly as it can (array_split)
         x, y = reference_batch(global_batch)
         slices = [np.asarray(s) for s in np.array_split(np.arange(global_batch), n)]
     else:                # replica r holds the samples slices[r] of the reference batch
@@ -1122,12 +1122,20 @@ def check_split_prediction(guess, sizes, n_samples: int, global_batch: int) -> N
     """Compare the prediction of replica 0's share of the last step of an epoch distributed with
     ``experimental_distribute_dataset`` with what it held."""
     last = n_samples - (n_samples - 1) // global_batch * global_batch
-    reveal(guess, sizes[0], close=guess.value == sizes[0],
-           explanation=f"{n_samples} samples in global batches of {global_batch} leave a last "
-                       f"step of {last}, and experimental_distribute_dataset splits every "
-                       f"global batch over the {len(sizes)} replicas as evenly as it can "
-                       f"({'+'.join(map(str, sizes))}). That step holds {last} samples, not "
-                       f"{global_batch}: whoever divides its loss must know it (the stretch).")
+    n = len(sizes)
+    piece = -(-last // n)
+    why = (f"{n_samples} samples in global batches of {global_batch} leave a last step of "
+           f"{last}, and experimental_distribute_dataset cut that batch, as it cuts every batch "
+           f"the dataset yields, into {n} pieces of ⌈{last}/{n}⌉ = {piece} in replica order, "
+           f"the last replica taking what is left: {'+'.join(map(str, sizes))}. That step holds "
+           f"{last} samples, not {global_batch}: whoever divides its loss must know it (the "
+           f"stretch).")
+    full = -(-global_batch // n)
+    if getattr(guess, "value", None) == full and full != sizes[0]:
+        why += (f" Your {full} is a full step's piece, ⌈{global_batch}/{n}⌉: the strategy cuts "
+                f"the batch it receives, {last} samples here, not the {global_batch} the other "
+                f"steps hold.")
+    reveal(guess, sizes[0], close=guess.value == sizes[0], explanation=why)
 
 
 def check_pipeline_prediction(guess, sizes) -> None:
@@ -1244,11 +1252,15 @@ def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
              f"holds for one dataset only.",
              fix="Count the step's samples inside the step, summed over the replicas.")
     if same(lambda r, sizes: sizes[r] * n):
+        empty = [r for r, k in enumerate(last) if k == 0]
+        nan = (f" (replica {empty[0]} holds none: its own mean is 0/0, NaN from reduce_mean — "
+               f"compute_average_loss's div_no_nan reports 0 — while its gradient, a sum over "
+               f"no sample, is zero and moves nothing)" if empty else "")
         fail(f"the last step was wrong {at}: each replica's loss was divided by its own slice "
              f"size times the replica count (compute_average_loss without global_batch_size, or "
              f"a local mean divided by the replica count, assume every replica holds as many "
-             f"samples as this one), but the last step's slices differ: a replica's own slice "
-             f"does not tell how many samples the whole step holds.",
+             f"samples as this one), but the last step's slices differ{nan}: a replica's own "
+             f"slice does not tell how many samples the whole step holds.",
              fix="Ask the other replicas: sum the replicas' counts inside the step.")
     if same(lambda r, sizes: float("inf") if sum(sizes) < gb else sum(sizes)):
         fail(f"the last, partial step changed nothing {at}: its {sum(last)} samples were never "
