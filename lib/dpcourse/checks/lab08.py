@@ -47,7 +47,11 @@ no all-gather (the ranks drift apart), a shard boundary off by one, a reduce-sca
 whose output slice is the wrong size (an offset mistake) or whose input is not padded (named
 before gloo's own "size" error), a shard gradient still all zeros when the optimizer steps
 (the reduce-scatters wrote elsewhere), a shard stepped but never copied back into the
-parameters, ``params`` (a generator) iterated twice so that no hook was registered, the
+parameters, the two arguments of ``reduce_scatter_single`` or ``all_gather_single`` swapped
+(an output world_size times its input, or the reverse; named before the padding and offset
+sentences), ``params`` (a generator) iterated twice so that no hook was registered, or read
+again after it ran out (the check passes a one-pass iterator that counts the passes begun
+after its end, and names that before the error it led to), the
 library's own stages or torch's ``ZeroRedundancyOptimizer`` given as the answer, a deadlock
 (with the ranks that hung), a shard or buffer made without the parameters' dtype (the
 learner's code runs with torch's default dtype set to float64 while the model is fp32: the

@@ -52,8 +52,8 @@ from . import fail, passed, recorded, require_answer
 
 __all__ = ["check_async_worker", "check_staleness_aware", "check_trace", "reference_trace",
            "check_prediction", "first_above_start", "above_for_good", "measure_sweep",
-           "lr_tau_verdict", "PREDICTION_LR", "PREDICTION_TAUS", "PREDICTION_STEPS", "ALONG", "TAUS", "AWARE_TAUS", "STEPS", "trace_loop",
-           "diagnose_loop", "run_server", "diagnose_server"]
+           "lr_tau_verdict", "PREDICTION_LR", "PREDICTION_TAUS", "PREDICTION_STEPS", "ALONG",
+           "TAUS", "AWARE_TAUS", "STEPS", "trace_loop", "diagnose_loop", "run_server", "diagnose_server"]
 
 TAUS = (0, 3, 1, 12)   # 3 before 1: an ignored τ and an off-by-one look alike at τ = 1
 AWARE_TAUS = (0, 2, 5)
