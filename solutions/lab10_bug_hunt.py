@@ -355,9 +355,9 @@ lab10.check_fixes({1: fixed1, 2: fixed2, 3: fixed3, 4: fixed4, 5: fixed5}, timeo
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Three pieces: all parameters as one flat tensor of their bits (a tensor can be viewed as
-# integers of its element size); a copy of one rank's flat tensor on every
-# rank (a rooted collective into a clone, never into the parameters); a 0/1 number per rank,
-# reduced with the operation under which any 0 wins.
+# integers of its element size, or as bytes, whatever its dtype); a copy of one rank's flat
+# tensor on every rank (a rooted collective into a clone, never into the parameters); a 0/1
+# number per rank, reduced with the operation under which any 0 wins.
 
 # %%
 def replicas_in_sync(model):
