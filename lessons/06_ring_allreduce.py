@@ -653,7 +653,10 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # spare buffers used in turn (*double buffering*: step t+1's receives are posted while step t
 # is still being added); the all-gather receives straight into place.
 
-# %% jupyter={"outputs_hidden": true}
+# %% [markdown]
+# **▶ The reference answer's code — open after your lab passes** (the folded cell below: `ring.chunk_bounds` and `ring.ring_allreduce`, source and output folded).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
 
 # %% [markdown]

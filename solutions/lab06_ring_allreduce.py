@@ -39,8 +39,16 @@ from dpcourse.checks import lab06, predict
 # * afterwards worker i holds the full sum (over all workers) of **chunk i**. What its other
 #   chunks hold does not matter.
 #
-# Lesson 06's worker i finished chunk (i + 1) mod N; which chunk must each worker send at each
-# step so that it finishes chunk i instead? Work it out on paper for N = 3 before you write code.
+# Lesson 06's simulator finishes another layout, so its indices do not answer this one. First,
+# on paper, for N = 3 (workers 0, 1, 2; chunks 0, 1, 2; steps 1 and 2): which chunk does
+# worker 0 send at step 1, and which at step 2? Write the two indices; the check says what your
+# choice would make the ring do.
+
+# %%
+### BEGIN SOLUTION: worker 0's chunk at step 1 and at step 2, for N = 3
+worker0_sends = [2, 1]
+### END SOLUTION
+lab06.check_worker0_sends(worker0_sends)
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -64,7 +72,7 @@ from dpcourse.checks import lab06, predict
 # %% [markdown] jupyter={"source_hidden": true}
 # Per step, one loop over the workers: the index of the chunk worker i sends, of the form
 # (i − t + constant) mod N, and the addition of that chunk into the right neighbour's slice of
-# the same chunk. Check your constant with N = 3 on paper.
+# the same chunk. Your constant must give worker 0 the two chunks you worked out for N = 3.
 
 # %%
 def scatter_reduce(buffers):
@@ -73,7 +81,7 @@ def scatter_reduce(buffers):
     n = len(buffers)
     bounds = ring.chunk_bounds(len(buffers[0]), n)
     for t in range(1, n):  # steps t = 1 .. N-1, numbered as in lesson 06
-        ### BEGIN SOLUTION: one scatter-reduce step: each worker's chunk to its right neighbour
+        ### BEGIN SOLUTION: one scatter-reduce step
         for i in range(n):  # no copy: worker i + 1 does not send chunk c in this step
             c = (i - t) % n
             buffers[(i + 1) % n][slice(*bounds[c])] += buffers[i][slice(*bounds[c])]
@@ -118,7 +126,7 @@ def all_gather(buffers):
     n = len(buffers)
     bounds = ring.chunk_bounds(len(buffers[0]), n)
     for t in range(n, 2 * n - 1):  # steps t = N .. 2(N-1), numbered on as in lesson 06
-        ### BEGIN SOLUTION: one all-gather step: each worker's newest complete chunk to its right
+        ### BEGIN SOLUTION: one all-gather step
         outgoing = [buffers[i][slice(*bounds[(i - t) % n])].copy() for i in range(n)]
         for i in range(n):
             c = (i - t) % n
@@ -162,12 +170,16 @@ claim("every worker holds the sum", all(np.array_equal(b, expected) for b in buf
 # waits too, and others finish but make a step's transfers wait for one another around the
 # ring. Decide, from the rank (and N if you need it), which ranks send first in a step and
 # which receive first, so that no step can stall and a step takes about the same time whatever
-# N (its transfers go out together, not one after another), for every N ≥ 2. Think it through
-# for N = 3 (ranks 0 and 2 are neighbours) and N = 4 before you run anything.
+# N, for every N ≥ 2. Count that time in *transfer times*: a rank makes its two calls one after
+# the other, so no order takes less than 2 per step; on N = 3 no order takes less than 3 (three
+# ranks cannot hold two transfers at once), and 3 there keeps the contract. Think it through
+# for N = 3 (ranks 0 and 2 are neighbours), N = 4 and N = 8 before you run anything.
 #
-# The check runs your ring on 3, 2 and then 4 ranks, watches what it sends and which calls it
-# makes, names a deadlock if one happens, and on 4 ranks says whether a step's transfers had to
-# wait for one another.
+# The check runs your ring on 3, 2 and then 4 ranks, watches what it sends and the order of
+# its calls, and names a deadlock if one happens. It then counts the transfer times a step
+# takes (each transfer one unit, a send going out once its receiver is in `dist.recv`): on 3,
+# 2 and 4 ranks from the calls your ranks made, and on 8 and 16 ranks from the order your code
+# makes its calls there (run with stand-ins that send nothing).
 #
 # First, a prediction. Once your ring works, the cell after the check will run it on N = 4 ranks
 # with a float32 tensor of K = 10 elements (40 bytes; 10 is not divisible by 4, so the chunks
@@ -198,7 +210,8 @@ guess = predict("lab06", "most bytes one rank sends for N = 4, K = 10 float32", 
 # the rank as i. What it receives in the scatter-reduce must be added, so it needs a place to
 # land first; what it receives in the all-gather may land where it belongs. A rank stuck in
 # `send` waits for its right neighbour, one stuck in `recv` for its left: when can such waits
-# close a circle, and when do they line up in a long chain?
+# close a circle, and when do they line up in a long chain? And if only a few ranks sent first,
+# how many transfers could be under way at once on 16 ranks?
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -297,6 +310,12 @@ except lab06.LabCheckError as err:
 #   tensor, the next piece of that step is already on its way (its send and its receive
 #   started, not yet waited on), and piece j is added before that next piece is waited on;
 # * the all-gather may send whole chunks or pieces (nothing is added there).
+#
+# Receives posted from one neighbour are matched with its sends in the order both sides posted
+# them (the docstring of `dist.batch_isend_irecv` in `torch/distributed/distributed_c10d.py`
+# says so for a batch; with gloo it holds for separate `isend`/`irecv` too, whatever the order
+# of the waits: the lab's tests measure it), so piece j + 1's receive may be posted before
+# piece j has arrived.
 #
 # **Your design decision:** how far ahead of the addition your ring runs. Every receive started
 # and not yet waited on needs a buffer of its own, one piece long; more of them in flight ask
