@@ -365,9 +365,10 @@ else:
 # 2. **Buffers broadcast before a forward.** Buffers are a module's state that is not a
 #    parameter, such as BatchNorm's running statistics: no gradient reaches them, so no
 #    all-reduce averages them. By default (`forward_sync_buffers=True`) DDP copies rank 0's
-#    buffers to every rank at the start of the first forward and of each forward that follows
-#    a training forward (which forwards do not, the buffers section measures). Before torch
-#    2.13 the switch was
+#    buffers to every rank at the start of the first forward and of each forward whose previous
+#    forward ran with gradients enabled and outside `no_sync()`, in `train()` or `eval()` mode
+#    alike (which forwards skip it, the buffers section measures). Before torch 2.13 the switch
+#    was
 #    `broadcast_buffers`, and it is not a plain rename: `broadcast_buffers=False` also skips the
 #    buffers' broadcast at construction, `forward_sync_buffers=False` only the one before each
 #    forward.
@@ -393,9 +394,13 @@ else:
 #   `at::mul_out(bucket_view, grad, wrapped)` with `wrapped` the scalar `1. / div_factor_` — a
 #   multiplication by the reciprocal of the world size, not a division ("Divides while copying
 #   into the bucket view to save one scan over all the input parameters", its comment says);
-#   only where `p.grad` already *is* its bucket view (`gradient_as_bucket_view=True`, from the
-#   second iteration on) is there nothing to copy, and there it divides in place,
-#   `bucket_view.div_(div_factor_)`. With `batched_grad_copy=True` (default `False`, the claim
+#   only where `p.grad` already *is* its bucket view is there nothing to copy, and there it
+#   divides in place, `bucket_view.div_(div_factor_)`. That takes
+#   `gradient_as_bucket_view=True` *and* gradients that survive from one step to the next:
+#   `zero_grad(set_to_none=True)` — the default, and what `ddp_worker` calls — drops the alias
+#   every step, so the next backward makes a new `p.grad` and the reducer copies with
+#   `mul_out` every time ("the bucket view alias is destroyed every iteration", says DDP's
+#   docstring of `batched_grad_copy`). With `batched_grad_copy=True` (default `False`, the claim
 #   below) both wait: the bucket's copies are batched and the flat bucket divided once when it
 #   is full. Then the bucket goes to one all-reduce with SUM.
 # - **with a comm hook**, the reducer only copies (`bucket_view.copy_(grad)`, no scaling), and
@@ -403,7 +408,9 @@ else:
 #   group's size, then all-reduces it — first, "to avoid overflow, especially for FP16", as
 #   the comment in `_allreduce_fut`, which it calls, says.
 #
-# (`div_factor_` is the process group's size, or fewer ranks under `Join`.) With 2 ranks the
+# (`div_factor_` is the process group's size; under lesson 04's `Join`, which keeps ranks that
+# ran out of batches answering the others' all-reduces, it can be the count of ranks still
+# training, if asked for with `divide_by_initial_world_size=False`.) With 2 ranks the
 # order cannot show: 1/2 is exact in binary, so multiplying by it, or dividing by 2 before or
 # after the sum, gives the same bits (barring underflow). With 3 ranks float32's 1/3 is not a
 # third, and DDP and the library's `average_gradients` part in the last bits, as the 3-rank
@@ -617,9 +624,13 @@ claim("its buckets are the registration-order groups, reduced last group first, 
 # Look at the sizes printed for iterations 1 and 2: under a cap of 0.1 MiB (102.4 KiB) the
 # first rebuilt bucket holds 518 KiB, and the line above lists its tensors: the classifier's
 # first weight, `classifier.1.weight` (512 KiB), is five times the cap by itself. The reducer
-# never splits a gradient, and it closes a bucket by comparing the bucket's size with the cap;
-# exactly when is lab 07's part 1, where you write that rule yourself, so the sentence that
-# states it and the claims that pin it down are folded below, after the measurements. A
+# never splits a gradient, and it closes a bucket by comparing the bucket's size with the cap.
+# What the list above lets you check now: the 5.5 KiB of gradients that arrived before
+# `classifier.1.weight` did not make a bucket of their own, and the big weight joined them
+# instead of waiting for a new one — a gradient that takes a bucket past the cap still goes
+# in. The exact comparison is lab 07's part 1, where you write that rule yourself, so the
+# sentence that states it and the claims that pin it down are folded below, after the
+# measurements. A
 # bucket also holds tensors of one device and one dtype only: the C++ function that makes the
 # buckets, `compute_bucket_assignment_by_size`, keeps an open bucket per (dtype, device), so a
 # float16 tensor among float32 ones goes to a bucket of its own.
@@ -766,7 +777,9 @@ print(f"iteration 2 on rank 0: backward took {third['backward_end']:.1f} ms; its
 # buffers to the other ranks (rank 0 is the "authoritative" copy). Only a forward through the
 # wrapper does so, and not one that follows a forward run under `torch.no_grad()` or inside
 # `no_sync()`: `_post_forward` turns DDP's `require_forward_param_sync` off after such a
-# forward, and on again after a training forward that will synchronise its gradients.
+# forward, and on again after any forward run with gradients enabled outside `no_sync()`
+# (`torch.is_grad_enabled() and self.require_backward_grad_sync`), whatever `train()` or
+# `eval()` says.
 # `buffer_sync_worker` trains a small BatchNorm network for three steps with
 # `forward_sync_buffers=True` and then `False`, each rank on its own data, evaluates it, then
 # runs a training-mode forward under `no_grad`, a step, and a step accumulated under
@@ -850,7 +863,7 @@ claim("SyncBatchNorm's forward only all-gathers (no all_reduce); its backward on
 # | | DataParallel | DDP |
 # |---|---|---|
 # | processes | 1 (threads, one GIL) | 1 per device |
-# | weights sent | every step, from device 0 | once, at the start (buffers: before each forward that follows a training forward) |
+# | weights sent | every step, from device 0 | once, at the start (buffers: before each forward whose previous forward ran with gradients enabled, outside `no_sync`) |
 # | gradients | summed onto device 0 | all-reduced, averaged on every rank |
 # | per-step traffic at the busiest device, numbers sent + received (K: the number of gradient values, as lesson 02 counted them; times 4 for bytes in float32) | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 4(N−1)K/N with ring all-reduce (2(N−1)K/N each way) |
 # | overlap with backward | no | yes (buckets) |
@@ -946,7 +959,8 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 # - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
 #   can end several times the cap (518 KiB under 0.1 MiB here); DDP's buckets are those of
 #   `dist._compute_bucket_assignment_by_size`.
-# - Before each forward that follows a training forward (and before the first) DDP broadcasts
+# - Before the first forward, and before each forward whose previous forward ran with gradients
+#   enabled and outside `no_sync()` (in `train()` or `eval()` mode alike), DDP broadcasts
 #   rank 0's buffers (`forward_sync_buffers=True`): every rank evaluates with rank 0's
 #   BatchNorm statistics, which come from rank 0's shards only. A forward that follows one
 #   under `no_grad` or `no_sync()` starts from each rank's own.
@@ -1121,7 +1135,9 @@ viz.quiz([
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`'s docstring for
 #   `batched_grad_copy` (default `False`): only when it is `True` are the "per-parameter
 #   gradient-to-bucket copy and division operations" deferred and flushed as one
-#   `_foreach_copy_` "plus one flat `div_` when a bucket becomes ready";
+#   `_foreach_copy_` "plus one flat `div_` when a bucket becomes ready", most useful with
+#   `zero_grad(set_to_none=True)` (the default), "where `gradient_as_bucket_view` alone cannot
+#   avoid copies because the bucket view alias is destroyed every iteration";
 #   `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::mark_variable_ready_dense`
 #   (declared), `Bucket::deferred_copy_indices` and `Reducer::flush_deferred_copies` (the
 #   batched path, "Only used when batched_grad_copy is enabled").
@@ -1147,4 +1163,5 @@ viz.quiz([
 #   gradient already aliases its bucket view, `bucket_view.div_(div_factor_)` without a hook
 #   and nothing with one; with `batched_grad_copy_`, the copy is deferred to
 #   `Reducer::flush_deferred_copies`. `Reducer::set_divide_factor` sets `div_factor_` to
-#   `process_group_->getSize()` (or the count of ranks still joined, under `Join`).
+#   `process_group_->getSize()` (or, under `Join` with `divide_by_initial_world_size=False`,
+#   the count of ranks that have not joined yet).
