@@ -174,11 +174,12 @@ claim("both ranks received the sum 10 + 20", results == [30.0, 30.0], results=re
 # A group has one backend **per device type**, not necessarily one backend: torch's
 # `init_process_group` accepts `"cpu:gloo,cuda:nccl"`, and then collectives on CPU tensors go
 # through gloo and those on GPU tensors through NCCL, in the same group; every rank passes the
-# same string. NCCL refuses to start on a machine without GPUs — the first cell below asks for
-# it and, on such a machine, shows the error; with GPUs the same call forms the group at once,
-# because NCCL's communicator is made only at the first collective on a CUDA tensor unless
-# `init_process_group` is given a `device_id` (its docstring says so) — so the second runs the
-# same `device:backend` form with the CPU's entry alone. This is c10d at work —
+# same string. The first cell below asks for that pair. On a machine without GPUs NCCL refuses
+# to start, and the cell shows the error; with GPUs the group forms at once, because NCCL sets
+# up its *communicator* (the connections between the ranks' GPUs that its collectives run
+# over) only when the first collective on a GPU tensor needs it, unless `init_process_group`
+# is given a `device_id` (its docstring says so). The second cell runs the same
+# `device:backend` form with the CPU's entry alone. This is c10d at work —
 # torch.distributed's C++ core ("c10" is torch's core library, "d" for distributed), whose
 # process groups the lessons use from lesson 03 on.
 
