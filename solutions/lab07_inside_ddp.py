@@ -53,9 +53,10 @@ torch.set_num_threads(1)
 #   first that could go on the wire, so that a wrapper that sends the buckets in their order
 #   (part 2) never holds a complete bucket back behind one that is still waiting.
 #
-# **Your design decision:** with several dtypes, a parameter of one dtype arrives while a
-# bucket of another dtype is open. What becomes of that open bucket — and when the walk is
-# over, where do the buckets that were still open go in the list? The lesson decides neither.
+# **Your design decision:** lesson 07 says DDP fills one set of buckets per dtype and device,
+# and no more. When a parameter of one dtype arrives while a bucket of another dtype is open,
+# what becomes of that open bucket — and when the walk is over, where in the list do the
+# buckets that are still open go? Both are yours to decide from the contract.
 #
 # ### Predict first: how many buckets?
 #

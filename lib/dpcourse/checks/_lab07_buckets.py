@@ -459,7 +459,8 @@ def _no_library_assignment():
 # Part 1's prediction (none of the check's cases): seven parameters of two dtypes, in
 # registration order, and a 1 MiB cap. DDP's rule makes 3 buckets of them; each other plausible
 # rule makes another number (one bucket for both dtypes 4, one byte count shared by the dtypes
-# 5, closing before the cap would be passed 6, closing whenever the dtype changes 7), and no
+# 5 — walking in registration order 5 too —, closing before the cap would be passed 6, closing
+# whenever the dtype changes 7), and no
 # bucket lands exactly on the cap (where >= and > part is the check's to teach).
 PUZZLE = (("a", 1.5, torch.bfloat16), ("b", 0.75, torch.float32), ("c", 0.25, torch.bfloat16),
           ("d", 0.75, torch.float32), ("e", 1.5, torch.float32), ("f", 0.5, torch.bfloat16),
@@ -468,6 +469,8 @@ PUZZLE_CAP_MB = 1.0
 BUCKET_QUESTION = (f"buckets DDP's reducer makes of part 1's {len(PUZZLE)} parameters at "
                    f"{PUZZLE_CAP_MB:g} MiB")
 _PUZZLE_RULES = (
+    ("walking the parameters in registration order",
+     lambda s, d, c: _by_dtype(s[::-1], d[::-1], c)),
     ("one open bucket for both dtypes", lambda s, d, c: _by_dtype(s, [0] * len(s), c)),
     ("one byte count shared by the dtypes' open buckets", _shared_total),
     ("a bucket closed before the next parameter would take it over the cap",

@@ -42,7 +42,7 @@ part 2's model, whose bucket 1 fills before bucket 0, how many gradients have ar
 learner's own wrapper launches bucket 1 (its in-order launch: after bucket 0, not when full).
 
 This module holds the public checks, the workers that run part 2's wrapper and the diagnosis
-of what it did. Part 1's rules, cases and worked case live in
+of what it did. Part 1's rules, cases and puzzle live in
 :mod:`dpcourse.checks._lab07_buckets`; the stretch's probe, worker, replay and diagnosis in
 :mod:`dpcourse.checks._lab07_topk`.
 """
