@@ -1,0 +1,300 @@
+"""Lab 04's stretch: resume after a crash. ``check_resume`` trains a model with dropout, each
+rank drawing from its own random stream, "crashes" it after epoch 1 and resumes it with the
+learner's ``save_training_state`` and ``resume_training_state``; it compares each rank's weights,
+momentum and generator state after the resume with what that rank had at the crash, so a mistake
+is named by its cause (the optimizer or the weights restored on rank 0 only, rank 0's generator
+state given to every rank ...), refuses a checkpoint holding the DDP wrapper's weights or a file
+written by another rank, and compares the final weights with an uninterrupted run.
+
+Imported by :mod:`dpcourse.checks.lab04`, where the lab calls it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from dpcourse.checks import check_timeout, fail, passed, recorded, require_answer, run_ranks
+from dpcourse.checks._lab04_script import Lab04Config, _distance, _mistake
+
+__all__ = ["check_resume", "RESUME_MISTAKES", "RESUME_FIXES", "RESUME_CFG"]
+
+
+# --- stretch: resume after a crash ---------------------------------------------------------
+
+RESUME_CFG = Lab04Config(epochs=3)
+RESUME_DROPOUT = 0.3  # the stretch's model draws dropout masks: each rank from its own stream
+# The resumed run and the uninterrupted one are the same 2-rank DDP computation (one thread per
+# rank), so a right resume ends with bit-identical weights; the bound only absorbs a kernel
+# that is not deterministic. Every resume mistake lands 1e-3 or more away.
+RESUME_TOL = 1e-5
+_CRASH_AFTER = 1  # the first run stops after epoch 1 of 0, 1, 2 (as if killed right then)
+
+RESUME_MISTAKES = {  # the cause; what to change is in RESUME_FIXES (the second meeting)
+    "wrapper_keys": "The checkpoint holds the DDP wrapper's weights (their keys start with "
+                    "'module.'), though the task says to save the unwrapped weights: a plain "
+                    "model, for evaluation or a run without DDP, cannot load them.",
+    "no_optimizer": "The optimizer's state was not restored: SGD's momentum restarted from zero "
+                    "after the crash.",
+    "optimizer_rank0": "The optimizer's state was restored on rank 0 only: the other ranks' "
+                       "momentum restarted from zero, and every rank steps its own copy of the "
+                       "weights with its own optimizer, so the ranks drift apart.",
+    "repeat_epoch": "The resumed run repeated the epoch it had already finished.",
+    "from_zero": "The resumed run started again at epoch 0 (with the saved weights).",
+    "no_weights": "The resumed run continued from fresh weights.",
+    "weights_rank0": "The weights were restored on rank 0 only: the other ranks continued from "
+                     "fresh weights. DDP copies rank 0's weights to the others when it wraps "
+                     "the model, not when you load them later.",
+    "no_rng": "The ranks' random state was not restored: after the crash, dropout drew masks "
+              "the uninterrupted run never drew, so the weights differ.",
+    "rng_rank0": "After the resume rank 1's random generator held rank 0's state at the crash, "
+                 "not the state rank 1 itself had: from then on rank 1 draws the dropout masks "
+                 "rank 0 draws, which the uninterrupted run never did.",
+}
+RESUME_FIXES = {
+    "wrapper_keys": "Save model.module.state_dict().",
+    "no_optimizer": "Save optimizer.state_dict() and load it back.",
+    "optimizer_rank0": "Load the optimizer's state on every rank.",
+    "repeat_epoch": "Return the first epoch still to do, the saved epoch + 1.",
+    "from_zero": "Return the first epoch still to do, the saved epoch + 1.",
+    "no_weights": "Load the saved model weights (model.module.load_state_dict(...)).",
+    "weights_rank0": "Load the weights on every rank.",
+    "no_rng": "Save each rank's random number generator state and restore it.",
+    "rng_rank0": "Each rank has a random stream of its own: make the one file hold every "
+                 "rank's random state, and each rank restore its own.",
+}
+
+
+def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
+    """One rank of the stretch's DDP training (dropout, each rank its own random stream), with
+    the learner's save and resume around it (``None``: the uninterrupted reference run)."""
+    __tracebackhide__ = True
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from dpcourse import data, models
+
+    torch.set_num_threads(1)
+    writes = []
+    real_save, real_replace = torch.save, os.replace
+
+    def logged_save(obj, f, *a, **k):
+        # a path, or a file opened by name; not a buffer in memory (all_gather_object pickles
+        # into one) nor save_checkpoint's temporary file (its os.replace is logged instead)
+        name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+        if isinstance(name, (str, os.PathLike)):
+            writes.append(str(name))
+        return real_save(obj, f, *a, **k)
+
+    def logged_replace(src, dst, *a, **k):
+        writes.append(str(dst))
+        return real_replace(src, dst, *a, **k)
+
+    ds = data.load("shapes10", n_train=cfg.n_train, n_test=10, seed=cfg.seed)
+    train_set = data.to_torch(ds.x_train, ds.y_train)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=cfg.seed)
+    loader = DataLoader(train_set, batch_size=cfg.global_batch // world_size, sampler=sampler,
+                        drop_last=True)
+    torch.manual_seed(cfg.seed)
+    model = DDP(models.SmallCNN(width=cfg.width, dropout=RESUME_DROPOUT))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    torch.manual_seed(cfg.seed + 1 + rank)  # each rank draws its own dropout masks
+    start = 0
+    if resume_fn is not None:
+        real_set_rng = torch.random.set_rng_state
+
+        def guarded_set_rng(new_state):
+            # torch 2.14 reads a CPU generator state from the start of its storage: a row of a
+            # stacked tensor (storage offset > 0) crashed the process (SIGSEGV) when tried
+            if torch.is_tensor(new_state) and new_state.storage_offset() != 0:
+                raise ValueError(f"torch.set_rng_state was given a view into a larger tensor "
+                                 f"(storage offset {new_state.storage_offset()}), which crashes "
+                                 f"torch: pass a tensor of its own (.clone())")
+            return real_set_rng(new_state)
+
+        torch.set_rng_state = torch.random.set_rng_state = guarded_set_rng
+        try:
+            start = resume_fn(ckpt, model, opt)
+        finally:
+            torch.set_rng_state = torch.random.set_rng_state = real_set_rng
+        if isinstance(start, torch.Tensor) and start.numel() == 1:
+            start = int(start.item())
+        if not isinstance(start, int) or isinstance(start, bool):
+            return {"error": f"resume_training_state returned {type(start).__name__}, not the "
+                             f"epoch to start at (an int)"}
+    resumed = _snapshot(model, opt)
+    epochs_run, crashed = [], None
+    torch.save, os.replace = logged_save, logged_replace
+    try:
+        for epoch in range(start, cfg.epochs):
+            sampler.set_epoch(epoch)
+            for X, y in loader:
+                loss = torch.nn.functional.cross_entropy(model(X), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            epochs_run.append(epoch)
+            if save_fn is not None:
+                save_fn(ckpt, model, opt, epoch, rank == 0)
+            dist.barrier()  # rank 0's file is complete before anyone "crashes"
+            if epoch == stop_after:
+                crashed = _snapshot(model, opt)
+                break
+    finally:
+        torch.save, os.replace = real_save, real_replace
+    return {"start": start, "epochs": epochs_run, "writes": writes, "resumed": resumed,
+            "crashed": crashed,
+            "weights": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+
+
+def _snapshot(model, opt) -> dict:
+    """What a resume must restore on a rank: its weights, its momentum, its random state."""
+    import torch
+
+    momentum = [opt.state.get(p, {}).get("momentum_buffer") for p in model.parameters()]
+    return {"weights": [p.detach().clone() for p in model.parameters()],
+            "momentum": [None if m is None else m.detach().clone() for m in momentum],
+            "rng": torch.get_rng_state()}
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if a is None or b is None:
+        return a is None and b is None
+    return all(x is not None and y is not None and x.shape == y.shape and torch.equal(x, y)
+               for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def _wrapper_keys(state) -> bool:
+    """True if the checkpoint holds a state_dict saved from the DDP wrapper ('module.' keys)."""
+    if isinstance(state, dict):
+        if any(isinstance(k, str) and k.startswith("module.") for k in state):
+            return True
+        return any(_wrapper_keys(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(_wrapper_keys(v) for v in state)
+    return False
+
+
+@recorded
+def check_resume(save_training_state, resume_training_state,
+                 timeout: float | None = None) -> None:
+    """Stretch: train 3 epochs on 2 ranks (dropout, each rank its own random stream), "crash"
+    after epoch 1, run again: with your ``save_training_state`` and ``resume_training_state``
+    every rank must continue exactly where it stopped (its weights, its momentum, its random
+    state), the second run must do only epoch 2 and end bit for bit (to 1e-5) with the weights
+    of an uninterrupted run (``timeout``: 90 s per run, or ``DPCOURSE_CHECK_TIMEOUT`` if more)."""
+    __tracebackhide__ = True
+    import torch
+
+    timeout = check_timeout(timeout, 90.0)
+    cfg = RESUME_CFG
+    for fn, name in ((save_training_state, "save_training_state"),
+                     (resume_training_state, "resume_training_state")):
+        require_answer(fn, name)
+    with tempfile.TemporaryDirectory(prefix="dpcourse-lab04-resume-") as tmp:
+        ckpt = os.path.join(tmp, "ckpt.pt")
+        runs = []
+        plan = ((save_training_state, resume_training_state, _CRASH_AFTER, "first run"),
+                (save_training_state, resume_training_state, None, "run after the crash"),
+                (save_training_state, None, None, "uninterrupted run"))
+        for save_fn, resume_fn, stop_after, when in plan:
+            # the uninterrupted run saves too (elsewhere), so whatever saving does, both do
+            path = ckpt if resume_fn is not None else os.path.join(tmp, "uninterrupted.pt")
+            runs.append(run_ranks(
+                _resume_worker, cfg.world_size, save_fn, resume_fn, path, stop_after, cfg,
+                timeout=timeout,
+                hang=lambda exc: f"a run did not finish within {timeout:g} s: does a function "
+                                 f"call a collective (e.g. dist.barrier) on some ranks only?",
+                failed=lambda exc: fail(f"your code raised on rank {exc.rank} in the {when}: "
+                                        f"{exc.summary}")))
+            for r in runs[-1]:
+                if "error" in r:
+                    fail(r["error"] + ".")
+            if len(runs) == 1:
+                _judge_first_run(runs[0], ckpt)
+        first, second, whole = runs
+    _judge_resume(first, second, whole, cfg)
+
+
+def _judge_first_run(first: list, ckpt: str) -> None:
+    __tracebackhide__ = True
+    import torch
+
+    if first[0]["start"] != 0:
+        fail(f"with no checkpoint yet, resume_training_state returned {first[0]['start']}: "
+             f"where no file exists yet, so no epoch has been done.",
+             fix="return 0 when the file does not exist (a fresh start).")
+    for rank, r in enumerate(first[1:], 1):
+        if r["writes"]:
+            fail(f"rank {rank} wrote a file ({os.path.basename(r['writes'][0])}): ranks "
+                 f"writing one file race, and that one file must hold what every rank needs.",
+                 fix="only rank 0 writes, and only the one file at path.")
+    if not first[0]["writes"]:
+        fail("rank 0 saved nothing, so a crash would lose every finished epoch.",
+             fix="save the checkpoint at the end of each epoch when is_main is true.")
+    if not os.path.exists(ckpt):
+        fail(f"no file at the path save_training_state was given ({os.path.basename(ckpt)}), "
+             f"where resume_training_state will look.", fix="save the checkpoint there.")
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    except Exception:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    if _wrapper_keys(state):
+        _mistake(RESUME_MISTAKES, RESUME_FIXES, "wrapper_keys")
+
+
+def _judge_resume(first: list, second: list, whole: list, cfg: Lab04Config) -> None:
+    __tracebackhide__ = True
+    starts = {r["start"] for r in second}
+    if len(starts) != 1:
+        fail(f"after the crash the ranks would resume at different epochs {sorted(starts)}, "
+             f"so their collectives would no longer pair up.",
+             fix="make every rank read the same checkpoint.")
+    start = starts.pop()
+    if start == _CRASH_AFTER:
+        _mistake(RESUME_MISTAKES, RESUME_FIXES, "repeat_epoch")
+    if start == 0:
+        if not _same(second[0]["resumed"]["weights"], first[0]["crashed"]["weights"]):
+            fail("After the crash the run started from scratch (epoch 0, fresh weights), "
+                 "though the checkpoint file existed.",
+                 fix="when the file exists, load it in resume_training_state and return the "
+                     "first epoch still to do.")
+        _mistake(RESUME_MISTAKES, RESUME_FIXES, "from_zero")
+    if start != _CRASH_AFTER + 1:
+        fail(f"after a crash at the end of epoch {_CRASH_AFTER}, resume_training_state returned "
+             f"{start}, which is not the first epoch still to do.",
+             fix=f"return the first epoch still to do, {_CRASH_AFTER + 1}.")
+    crashed = [r["crashed"] for r in first]
+    for what, everywhere, rank0 in (("weights", "no_weights", "weights_rank0"),
+                                    ("momentum", "no_optimizer", "optimizer_rank0")):
+        wrong = [rank for rank, r in enumerate(second)
+                 if not _same(r["resumed"][what], crashed[rank][what])]
+        if wrong:
+            _mistake(RESUME_MISTAKES, RESUME_FIXES, rank0 if 0 not in wrong else everywhere)
+    import torch
+
+    rng_wrong = [rank for rank, r in enumerate(second)
+                 if not torch.equal(r["resumed"]["rng"], crashed[rank]["rng"])]
+    if rng_wrong:
+        if 0 not in rng_wrong and all(torch.equal(second[r]["resumed"]["rng"], crashed[0]["rng"])
+                                      for r in rng_wrong):
+            _mistake(RESUME_MISTAKES, RESUME_FIXES, "rng_rank0")
+        _mistake(RESUME_MISTAKES, RESUME_FIXES, "no_rng")
+    got, want = second[0]["weights"], whole[0]["weights"]
+    d = _distance(got, want)
+    if d > RESUME_TOL:
+        fail(f"every rank resumed with its weights, momentum and random state, but the final "
+             f"weights differ from an uninterrupted run by up to {d:.3g}.",
+             fix="does resume_training_state change anything else (the learning rate, the "
+                 "model)?")
+    if second[0]["epochs"] != [cfg.epochs - 1]:
+        fail(f"the weights are right, but the resumed run trained epochs "
+             f"{second[0]['epochs']}, where only epoch {cfg.epochs - 1} was left to do.",
+             fix="start the loop at the epoch resume_training_state returns.")
+    passed("resume after a crash: every rank continued with its own weights, momentum and "
+           "random state, trained only the last epoch and ended with the weights of an "
+           "uninterrupted run")
