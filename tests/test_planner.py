@@ -156,3 +156,21 @@ def test_table_1s_measured_rate_is_below_the_planners_upper_bound():
     estimate = planner.plan_row(model, A100, 8, 8, PUB["global_batch"])["time_s"]
     assert 24 < measured_s < 26
     assert measured_s < estimate < 1.2 * measured_s
+
+
+def test_fp32_gradients_cost_18_bytes_and_twice_the_traffic():
+    """Megatron-LM with --bf16 accumulates and all-reduces gradients in fp32: 2 + 4 + 12 bytes
+    per parameter and 4-byte gradients on the wire; the fastest 16-bit row no longer fits."""
+    model = planner.GPT_145B
+    b16 = planner.plan_row(model, A100, 8, 4, PUB["global_batch"])
+    b32 = planner.plan_row(model, A100, 8, 4, PUB["global_batch"], grad_bytes=4)
+    per_gpu = model.num_params / 32
+    assert b16["state_bytes"] == per_gpu * 16 and b32["state_bytes"] == per_gpu * 18
+    assert math.isclose(b32["dp_bytes"], 2 * b16["dp_bytes"])
+    assert b16["fits"] and not b32["fits"]
+    z3 = planner.plan_row(model, A100, 8, 8, PUB["global_batch"], stage="zero3", grad_bytes=4)
+    assert math.isclose(z3["dp_bytes"], (2 * 2 + 4) * model.num_params / 64 * 23 / 24)
+    rows = planner.plan(model, A100, PUB["global_batch"], grad_bytes=4)
+    assert (rows[0]["tp"], rows[0]["pp"]) == (PUB["tp"], PUB["pp"])
+    with pytest.raises(ValueError, match="grad_bytes must be 2"):
+        planner.plan_row(model, A100, 8, 8, PUB["global_batch"], grad_bytes=3)

@@ -4,13 +4,13 @@ each costs per step (lesson 11).
 A back-of-the-envelope planner in the spirit of Megatron-LM's takeaways (Narayanan et al.,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021,
 section 3): tensor parallelism inside a node, where the links are fast; pipeline parallelism
-across nodes; data parallelism over what is left. For every (tensor t, pipeline p, data d)
-with t·p·d GPUs it computes, per GPU:
+across nodes; data parallelism over what is left. For every (tensor t, pipeline p, data D)
+with t·p·D GPUs it computes, per GPU (d is the model's width throughout):
 
 * **memory**: model state ``Ψ/(t·p)`` parameters × lesson 08's bytes per parameter
-  (:func:`dpcourse.zero.bytes_per_param`, for DDP or a ZeRO stage over the d data-parallel
+  (:func:`dpcourse.zero.bytes_per_param`, for DDP or a ZeRO stage over the D data-parallel
   ranks), plus activations (:func:`activation_bytes_per_layer`, Korthikanti et al. 2022),
-  which **do not shrink with d**: a data-parallel rank always runs whole layers on a whole
+  which **do not shrink with D**: a data-parallel rank always runs whole layers on a whole
   micro-batch; with 1F1B the first pipeline stage holds ``min(p, m)`` micro-batches of its L/p
   layers. ZeRO-3 adds its working set: the full weights of two layers (one computing, one
   prefetched) and one layer's full gradient;
@@ -18,7 +18,7 @@ with t·p·d GPUs it computes, per GPU:
   four per layer per micro-batch — two in the forward, two in the backward — and two more when
   the forward is recomputed), pipeline (one activation forward and one gradient backward per
   micro-batch and stage boundary), data (lesson 08's 2Ψ or 3Ψ of the GPU's parameters, once
-  per step);
+  per step, at ``grad_bytes`` per gradient);
 * **an estimated step time**: compute (``6Ψ`` flops per token, ``8Ψ`` with recomputation, at a
   stated fraction of the GPU's peak) stretched by the pipeline's fill and drain: a step of m
   micro-batches on p stages lasts ``m + p − 1`` slots of which each stage works m, so the
@@ -85,7 +85,7 @@ class Cluster:
     """``nodes`` nodes of ``gpus_per_node`` GPUs with ``gpu_bytes`` of memory each. Bandwidths
     are bytes per second one GPU sends: ``intra_bw`` inside a node (NVLink), ``inter_bw``
     across nodes (the node's network cards shared by its GPUs). ``peak_flops`` is the GPU's
-    dense bf16 peak, ``efficiency`` the fraction of it a training step reaches.
+    dense 16-bit (fp16 or bf16) peak, ``efficiency`` the fraction of it a training step reaches.
     Shown in lesson 11, §5.
     """
 
@@ -145,15 +145,21 @@ def within_nodes(span: int, gpus_per_node: int) -> bool:
 
 def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batch: int,
              micro_batch: int = 1, stage: str = "ddp", recompute: bool = True,
-             sequence_parallel: bool = False, bucket_bytes: float = 25 * 2**20) -> dict:
+             sequence_parallel: bool = False, bucket_bytes: float = 25 * 2**20,
+             grad_bytes: float = 2) -> dict:
     """Memory, traffic and an estimated step time for one configuration (t = ``tp``,
-    p = ``pp``, d = GPUs / (t·p)), as described in the module's docstring. ``stage`` is the
-    data-parallel flavour over the d ranks: "ddp", "zero1", "zero2" or "zero3". Model state
-    uses lesson 08's mixed-precision Adam (2 + 2 + 12 bytes per parameter). Data-parallel
-    messages: one all-reduce per ``bucket_bytes`` of 16-bit gradients (DDP's default bucket,
-    25 MiB), a reduce-scatter and an all-gather per bucket for ZeRO-1/2, three collectives
-    per layer for ZeRO-3 (all-gather twice, reduce-scatter). Returns a dict
-    with every number the lesson prints, and ``fits``. Shown in lesson 11, §5.
+    p = ``pp``, D = GPUs / (t·p), the row's ``dp``), as described in the module's docstring.
+    ``stage`` is the data-parallel flavour over the D ranks: "ddp", "zero1", "zero2" or
+    "zero3". Model state uses lesson 08's mixed-precision Adam with gradients of
+    ``grad_bytes``: 2 + 2 + 12 = 16 bytes per parameter with 16-bit gradients (Megatron-LM's
+    ``--fp16``), 2 + 4 + 12 = 18 with ``grad_bytes=4`` (its ``--bf16`` default: gradients
+    accumulated and all-reduced in fp32, ``megatron/training/arguments.py``). Data-parallel
+    traffic: an all-reduce of the gradients (DDP), a reduce-scatter of the gradients and an
+    all-gather of the 16-bit weights (ZeRO-1/2), the weights all-gathered twice and the
+    gradients reduce-scattered (ZeRO-3); messages: one all-reduce per ``bucket_bytes`` of
+    gradients (DDP's default bucket, 25 MiB), a reduce-scatter and an all-gather per bucket for
+    ZeRO-1/2, three collectives per layer for ZeRO-3. Returns a dict with every number the
+    lesson prints, and ``fits``. Shown in lesson 11, §5.
     """
     n = cluster.gpus
     if tp < 1 or pp < 1 or n % (tp * pp):
@@ -168,7 +174,9 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     m = global_batch // (dp * micro_batch)           # micro-batches per step per pipeline
     psi = model.num_params
     per_gpu = psi / (tp * pp)
-    state = per_gpu * zero.bytes_per_param(stage, dp)
+    if grad_bytes not in (2, 4):
+        raise ValueError(f"grad_bytes must be 2 (16-bit gradients) or 4 (fp32), got {grad_bytes}")
+    state = per_gpu * zero.bytes_per_param(stage, dp, grad_bytes=grad_bytes)
     layers_here = model.layers // pp
     in_flight = min(pp, m)                            # 1F1B, first stage
     act_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, recompute)
@@ -176,7 +184,7 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     if recompute:                                     # one layer recomputed in full at a time
         activations += activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel)
     layer_params = 12 * model.hidden ** 2 / tp
-    working = 3 * layer_params * 2 if stage == "zero3" else 0.0
+    working = layer_params * (2 * 2 + grad_bytes) if stage == "zero3" else 0.0
     total = state + activations + working
 
     s, b, d = model.seq_len, micro_batch, model.hidden
@@ -186,8 +194,10 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     tp_bytes = tp_msgs * act_msg * ring(tp) if tp > 1 else 0.0
     pp_msgs = 2 * m if pp > 1 else 0                  # a middle stage: one each way per micro-batch
     pp_bytes = pp_msgs * act_msg
-    dp_volume = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3}[stage] * per_gpu * 2
-    buckets = math.ceil(per_gpu * 2 / bucket_bytes)   # DDP's gradient buckets (lesson 07)
+    dp_volume = per_gpu * {"ddp": 2 * grad_bytes,                 # all-reduce of the gradients
+                           "zero1": grad_bytes + 2, "zero2": grad_bytes + 2,  # RS grads, AG weights
+                           "zero3": 2 * 2 + grad_bytes}[stage]    # AG weights twice, RS grads
+    buckets = math.ceil(per_gpu * grad_bytes / bucket_bytes)   # DDP's gradient buckets (lesson 07)
     dp_msgs = ({"ddp": buckets, "zero1": 2 * buckets, "zero2": 2 * buckets,
                 "zero3": 3 * layers_here}[stage] if dp > 1 else 0)
     dp_bytes = dp_volume * (dp - 1) / dp if dp > 1 else 0.0
@@ -211,12 +221,14 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
 
 
 def plan(model: Transformer, cluster: Cluster, global_batch: int, micro_batch: int = 1,
-         stages=("ddp", "zero1", "zero3"), recompute: bool = True) -> list[dict]:
+         stages=("ddp", "zero1", "zero3"), recompute: bool = True,
+         grad_bytes: float = 2) -> list[dict]:
     """Every configuration that fits, fastest estimate first: each tensor size t dividing the
     heads and the GPUs of a node (:func:`within_nodes`: tensor parallelism all-reduces in every
     layer, so its groups stay on the node's fast links), each pipeline size p dividing the
     layers, each data-parallel flavour
-    in ``stages``, where the GPUs and the global batch split evenly. Shown in lesson 11, §5.
+    in ``stages``, where the GPUs and the global batch split evenly; ``grad_bytes`` as in
+    :func:`plan_row`. Shown in lesson 11, §5.
     """
     rows = []
     n = cluster.gpus
@@ -231,7 +243,7 @@ def plan(model: Transformer, cluster: Cluster, global_batch: int, micro_batch: i
                 continue
             for stage in stages:
                 row = plan_row(model, cluster, tp, pp, global_batch, micro_batch, stage,
-                               recompute)
+                               recompute, grad_bytes=grad_bytes)
                 if row["fits"]:
                     rows.append(row)
     return sorted(rows, key=lambda r: r["time_s"])
@@ -253,7 +265,7 @@ GPT3_175B = Transformer("GPT-3 175B", layers=96, hidden=12288, heads=96, seq_len
 GPT_145B = Transformer("GPT 145.6B", layers=80, hidden=12288, heads=96, seq_len=2048,
                        vocab=51200)
 MEGATRON_A100_CLUSTER = Cluster(gpu_bytes=80e9, gpus_per_node=8, nodes=192,
-                                peak_flops=312e12,   # A100 dense bf16
+                                peak_flops=312e12,   # A100 dense fp16 or bf16
                                 intra_bw=300e9,      # NVLink 3: 600 GB/s both ways
                                 inter_bw=25e9)       # 200 Gb/s per GPU
 MEGATRON_TABLE1_145B = {"tp": 8, "pp": 8, "dp": 24, "global_batch": 2304, "tflops": 148}
