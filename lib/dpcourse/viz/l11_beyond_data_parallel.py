@@ -35,8 +35,7 @@ def memory_wall_figure(ns, state_gb, activation_gb, gpu_gb: float, title: str):
         for x, v in zip(xs, values):
             ax.text(x + shift, v, f"{v:.1f}" if v < 10 else f"{v:.0f}", ha="center",
                     va="bottom", fontsize=7)
-    ax.axhline(gpu_gb, color="k", ls="--", lw=1)
-    ax.text(len(ns) - 0.5, gpu_gb, f"{gpu_gb:g} GB GPU", ha="right", va="bottom", fontsize=8)
+    ax.axhline(gpu_gb, color="k", ls="--", lw=1, label=f"the GPU's memory ({gpu_gb:g} GB)")
     ax.set_xticks(xs)
     ax.set_xticklabels([f"N={n}" for n in ns])
     ax.set_ylabel("GB per GPU")
