@@ -45,13 +45,16 @@ torch.set_num_threads(1)
 #   least one rank holds in `p.grad` the gradient of the **mean of the ranks' losses** (each
 #   rank's loss being the mean over its own equal shard) — the same values on every rank, in
 #   the parameter's shape;
-# - a parameter that requires no gradient (`requires_grad=False`, frozen) keeps `p.grad`
-#   `None` on every rank; one that requires a gradient but got none on **any** rank may keep
-#   `None` or hold zeros;
+# - a parameter that requires a gradient but got none on **any** rank keeps `p.grad` `None` on
+#   every rank — as one process on the global batch leaves it, and as DDP leaves it; a
+#   parameter that requires no gradient (`requires_grad=False`, frozen) keeps `None` too;
+# - any tensor you hand to a collective lives on the gradients' device (the check runs on the
+#   CPU with gloo, which accepts CPU tensors; NCCL on GPUs accepts only CUDA tensors);
 # - it works for any number of ranks, and returns `None`.
 #
-# **Your design decision:** lesson 03's ranks all used every parameter; these do not. What
-# your function does about it is yours to decide — and to defend against the contract.
+# **Your design decision:** lesson 03's ranks all used every parameter; these do not, and
+# whether a parameter got a gradient *somewhere* decides what it must hold. How your ranks
+# come to agree on it is yours to decide — and to defend against the contract.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -59,8 +62,7 @@ torch.set_num_threads(1)
 # %% [markdown] jupyter={"source_hidden": true}
 # Which collective of lesson 03 leaves the same combination of every rank's tensor on every
 # rank? How does it know which rank's tensor goes with which — by a name, or by the order of
-# the calls? And what is the derivative of rank 1's loss with respect to a head its batch never
-# went through?
+# the calls? And can rank 0 tell, from what it holds, whether rank 1 used `never`?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea** (click the folded cell below)
@@ -69,27 +71,35 @@ torch.set_num_threads(1)
 # A sum-reduction pairs the ranks' calls by their order only. If rank 0 skips `head_b` and
 # rank 1 skips `head_a`, rank 0's call on `head_a` meets rank 1's call on `head_b`. A rank that
 # did not use a parameter has a gradient of zero for it, and that zero still counts in the mean
-# over the ranks, whose size the process group knows.
+# over the ranks, whose size the process group knows. Whether a parameter got a gradient on
+# *some* rank is knowledge spread over the ranks, like the gradients themselves: a reduction
+# can gather it too, before any gradient is sent.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Ask the process group for the number of ranks once. Loop over the parameters that require a
-# gradient (the same list on every rank); where `p.grad` is `None`, give it zeros of the
-# parameter's shape; then one collective on `p.grad` and one division that stays in it.
+# One small tensor on the gradients' device, one entry per parameter that requires a gradient
+# (the same list on every rank): does this rank hold a gradient for it? One collective on it.
+# Then loop over those parameters: where no rank had one, leave it; where this rank has none,
+# zeros of the parameter's shape; then one collective on `p.grad` and one division by the
+# number of ranks that stays in it.
 
 # %%
 def average_gradients(model):
     """Make every p.grad the mean of that gradient over all ranks; returns None."""
     ### BEGIN SOLUTION: every p.grad the mean of that gradient over all the ranks
     world_size = dist.get_world_size()
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad /= world_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    dist.all_reduce(got)   # how many ranks hold a gradient for each parameter
+    for p, ranks_with_grad in zip(params, got.tolist()):
+        if ranks_with_grad == 0:
+            continue   # no rank used it: None, as one process on the global batch leaves it
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= world_size
     ### END SOLUTION
 
 
@@ -103,9 +113,9 @@ lab03.check_average_gradients(average_gradients)
 # **number** of calls a step makes matters as much as what they carry. The measurement runs
 # your `average_gradients` once, on 2 ranks, on part 1's model — its parameters are listed
 # below — right after each rank's backward: rank 0's batch went through `head_a`, rank 1's
-# through `head_b`. **Before you run the measurement**, predict: how many `all_reduce` calls
-# does that **one** call of *your* `average_gradients` make **on rank 0**? Write a whole
-# number.
+# through `head_b`, no rank's through `never`. **Before you run the measurement**, predict: how
+# many collective calls (`all_reduce` or any other) does that **one** call of *your*
+# `average_gradients` make **on rank 0**? Write a whole number.
 
 # %%
 for name, p in lab03.part1_model().named_parameters():
@@ -117,16 +127,17 @@ for name, p in lab03.part1_model().named_parameters():
 # %% [markdown] jupyter={"source_hidden": true}
 # What does your function hand to each collective call: a layer, a parameter tensor, or a single
 # number? Which of the parameters listed get a call on rank 0 — the head rank 0's batch never
-# went through, `never`, `frozen`? And how many calls does rank 1 make?
+# went through, `never`, `frozen`? Does anything else cross between the ranks? And how many
+# calls does rank 1 make?
 
 # %%
 ### BEGIN SOLUTION: my_guess = your prediction (a whole number)
 my_guess = 13
 ### END SOLUTION
-guess = predict("lab03", "all_reduce calls in one average_gradients", my_guess, unit="calls")
+guess = predict("lab03", "collective calls in one average_gradients", my_guess, unit="calls")
 
 # %%
-measured = lab03.count_all_reduces(average_gradients)   # runs it once on 2 ranks
+measured = lab03.count_all_reduces(average_gradients)   # once on 2 ranks; every collective
 lab03.check_prediction(guess, measured)
 
 # %% [markdown]
@@ -206,15 +217,15 @@ lab03.check_data_parallel_step(data_parallel_step)
 # - afterwards, on every rank, every parameter that requires a gradient and got one on at
 #   least one rank holds in `p.grad` the gradient of the **mean loss over every sample of every
 #   rank, each sample counted once** — what one process would compute on the concatenated
-#   batch; the rest is as in part 1 (a frozen parameter keeps `None`; one that no rank used may
-#   keep `None` or hold zeros);
+#   batch; the rest is as in part 1 (a frozen parameter keeps `None`, and so does one that no
+#   rank used);
 # - it works for any number of ranks and any positive counts, and returns `None`;
 # - any tensor you hand to a collective lives on the gradients' device (the check runs on the
 #   CPU with gloo, which accepts CPU tensors; NCCL on GPUs accepts only CUDA tensors).
 #
 # **Your design decision:** the lesson only averaged equal shards. Decide what each rank must
 # contribute to the collectives so that every rank can form that global mean — for a
-# parameter its samples went through, and for one they did not.
+# parameter its samples went through, for one they did not, and for one no rank's did.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -238,24 +249,28 @@ lab03.check_data_parallel_step(data_parallel_step)
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# First, every rank learns the total count (a collective on a one-element tensor). Then for each
-# parameter that requires a gradient, with part 1's decision for a missing one: scale this
-# rank's gradient by its own count, sum it across the ranks, and divide by the total — with the
-# result left in the gradient.
+# First, every rank learns the total count (a collective on a one-element tensor, or one more
+# entry in part 1's exchange). Then for each parameter that requires a gradient, with part 1's
+# decisions for a missing one: scale this rank's gradient by its own count, sum it across the
+# ranks, and divide by the total — with the result left in the gradient.
 
 # %%
 def average_gradients_weighted(model, n_local):
     """Make every p.grad the gradient of the mean loss over all ranks' samples; returns None."""
     ### BEGIN SOLUTION: every p.grad the gradient of the mean loss over all ranks' samples
-    total = torch.tensor([float(n_local)], device=next(model.parameters()).device)
-    dist.all_reduce(total)
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad *= n_local
-            dist.all_reduce(p.grad)
-            p.grad /= total
+    params = [p for p in model.parameters() if p.requires_grad]
+    shared = torch.tensor([float(n_local)] + [float(p.grad is not None) for p in params],
+                          device=params[0].device)
+    dist.all_reduce(shared)   # [total count, then how many ranks hold each gradient]
+    total = shared[0]
+    for p, ranks_with_grad in zip(params, shared[1:].tolist()):
+        if ranks_with_grad == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad *= n_local
+        dist.all_reduce(p.grad)
+        p.grad /= total
     ### END SOLUTION
 
 
@@ -271,18 +286,20 @@ lab03.check_average_gradients_weighted(average_gradients_weighted)
 #
 # - afterwards every `p.grad` holds what part 1's contract asks for, in its parameter's shape —
 #   and the check runs part 1's model too, whose even and odd ranks used different heads;
-# - it makes **exactly one** `dist.all_reduce` call per call, whatever the number of parameters
-#   (the check counts your calls on 2 and 3 ranks); returns `None`.
+# - it makes **exactly one** collective call per call — one `dist.all_reduce`, and no other
+#   collective — whatever the number of parameters (the check counts your calls on 2 and 3
+#   ranks); returns `None`.
 #
-# **Before you write it, predict:** part 2 measured the bytes part 1's `average_gradients` hands
-# to `all_reduce` in all its calls together. Will your `average_gradients_flat` hand over
-# `"fewer"` bytes, `"the same"`, or `"more"`?
+# **Before you write it, predict:** on part 1's model, the gradients of the parameters that
+# some rank used (SmallCNN's, `head_a`'s and `head_b`'s) weigh a number of bytes in float32.
+# Will the one call of your `average_gradients_flat` hand over `"fewer"` bytes than they weigh,
+# `"the same"`, or `"more"`?
 
 # %%
 ### BEGIN SOLUTION: my_bytes_guess = your prediction: "fewer", "the same" or "more"
-my_bytes_guess = "the same"
+my_bytes_guess = "more"
 ### END SOLUTION
-bytes_guess = predict("lab03", "bytes all-reduced by the flat version, against part 1's",
+bytes_guess = predict("lab03", "bytes of the flat version's call, against the used gradients'",
                       my_bytes_guess, choices=lab03.BYTES_CHOICES)
 
 # %% [markdown]
@@ -292,7 +309,8 @@ bytes_guess = predict("lab03", "bytes all-reduced by the flat version, against p
 # A collective takes one tensor. How can one tensor carry every gradient of the model, and how
 # will each parameter find its own part again afterwards? And on part 1's model, where rank 0
 # has no `head_b.grad` and rank 1 no `head_a.grad`: which gradient sits at a given offset of
-# rank 0's buffer, and which at the same offset of rank 1's?
+# rank 0's buffer, and which at the same offset of rank 1's? With one call only, when does a
+# rank learn that no rank used `never`?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea** (click the folded cell below)
@@ -301,35 +319,42 @@ bytes_guess = predict("lab03", "bytes all-reduced by the flat version, against p
 # Lay every gradient end to end in one 1-D buffer; the reduction is element-wise, so reducing
 # the buffer reduces every gradient at once — element k of every rank's buffer is summed with
 # element k of the others', so every rank must lay out the same parameters in the same order.
-# Joining tensors makes a copy, so the averaged values must travel back into the gradients,
-# each slice in its parameter's shape.
+# Whatever else the ranks must add up — part 1's exchange — can ride in the same buffer, since
+# the sum does not care what an element means. Joining tensors makes a copy, so the averaged
+# values must travel back into the gradients, each slice in its parameter's shape.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Collect the gradients of the parameters that require one, with part 1's decision for a
-# missing one; build the flat buffer from their flattened forms; one collective and one
-# division on the buffer; then walk the gradients with a running offset, copying each slice
-# back into its gradient.
+# For every parameter that requires a gradient, its flattened gradient (zeros where this rank
+# has none), and after them one entry per parameter saying whether this rank had it; one
+# collective and one division on the buffer; then walk the parameters with a running offset:
+# where some rank had the gradient, copy the slice back into it (as a new p.grad where this
+# rank had none); where none did, leave p.grad None.
 
 # %%
 def average_gradients_flat(model):
     """Like average_gradients, with a single all_reduce for the whole model; returns None."""
     ### BEGIN SOLUTION: the mean of every gradient, with one collective call for the whole model
-    grads = []
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    params = [p for p in model.parameters() if p.requires_grad]
+    dev = params[0].device
+    pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    had = torch.tensor([float(p.grad is not None) for p in params], device=dev)
+    flat = torch.cat(pieces + [had])
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
+    used = flat[-len(params):].tolist()   # > 0 where some rank had the gradient
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for p, share in zip(params, used):
+        mean = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if share == 0:
+            continue
+        if p.grad is None:
+            p.grad = mean.clone()
+        else:
+            p.grad.copy_(mean)
     ### END SOLUTION
 
 

@@ -135,8 +135,26 @@ def no_step(model, optimizer, X, y):
 
 
 def reference_average(model):
-    # the lab's answer, written in the learner's cell (the library's own is refused): a
-    # parameter this rank did not use contributes zeros, so every rank makes the same calls
+    # the lab's answer, written in the learner's cell (the library's own is refused): the ranks
+    # first agree on which parameters some rank has a gradient for (one flags all_reduce);
+    # a parameter this rank did not use contributes zeros, so every rank makes the same calls;
+    # one no rank used keeps None
+    world_size = dist.get_world_size()
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    dist.all_reduce(got)
+    for p, n in zip(params, got.tolist()):
+        if n == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= world_size
+
+
+def zeros_for_never_too(model):
+    # the previous round's answer: zeros for every missing gradient that requires one — right
+    # for the heads, wrong for never, which no rank used (one process leaves it None)
     world_size = dist.get_world_size()
     for p in model.parameters():
         if p.requires_grad:
@@ -147,9 +165,40 @@ def reference_average(model):
 
 
 def _zeros_where_unused(model):
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
+    # part 1's decision as one step of a right answer: one flags all_reduce, then zeros where
+    # this rank has no gradient but some rank has; a parameter no rank used keeps None
+    params = [p for p in model.parameters() if p.requires_grad]
+    flags = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8,
+                         device=params[0].device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    for p, f in zip(params, flags.tolist()):
+        if f and p.grad is None:
             p.grad = torch.zeros_like(p)
+
+
+def _fold(model):
+    """One flat buffer for the stretch: every trainable parameter's gradient (zeros where this
+    rank has none), then one flag per parameter; returns (params, buffer)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dev = params[0].device
+    pieces = [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]
+    flags = torch.tensor([float(p.grad is not None) for p in params], device=dev)
+    return params, torch.cat(pieces + [flags])
+
+
+def _unfold(params, flat, assign=False):
+    """Copy each slice of the reduced buffer back; a parameter no rank had keeps None."""
+    flags = flat[-len(params):].tolist()
+    offset = 0
+    for p, f in zip(params, flags):
+        piece = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if f == 0:
+            continue
+        if assign or p.grad is None:
+            p.grad = piece if assign else piece.clone()
+        else:
+            p.grad.copy_(piece)
 
 
 def test_reference_average_gradients_passes(capsys):
@@ -375,8 +424,19 @@ def flat_with_torch_helpers(model):
 
 
 def flat_with_torch_helpers_all_ranks_alike(model):
-    _zeros_where_unused(model)
-    flat_with_torch_helpers(model)
+    # right: the flags ride in the same buffer, packed and unpacked by torch's helpers
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    params = [p for p in model.parameters() if p.requires_grad]
+    parts = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    parts.append(torch.tensor([float(p.grad is not None) for p in params],
+                              device=parts[0].device))
+    flat = _flatten_dense_tensors(parts)
+    dist.all_reduce(flat)
+    flat.mul_(1.0 / dist.get_world_size())
+    *means, flags = _unflatten_dense_tensors(flat, parts)
+    for p, mean, f in zip(params, means, flags.tolist()):
+        if f > 0:
+            p.grad = mean.clone()
 
 
 @pytest.mark.parametrize("fn", [rebind_attribute, div_underscore_then_reduce,
@@ -397,25 +457,59 @@ def test_rebinding_p_grad_passes_and_the_line_does_not_say_in_place(capsys):
 def test_prediction_of_the_all_reduce_calls(capsys):
     from dpcourse.checks import predict
 
-    # part 1's model: SmallCNN's 10 tensors, head_a, head_b, never (10 values each) and frozen
+    # part 1's model: SmallCNN's 10 tensors, head_a, head_b, never (10 values each) and frozen;
+    # the reference exchanges 13 flags, then reduces the 12 gradients some rank has
     measured = lab03.count_all_reduces(reference_average)
-    assert measured == {"calls": 13, "bytes": 4 * 18824, "tensors": 14, "trainable": 13,
-                        "parameters": 18824}, measured
-    lab03.check_prediction(predict("lab03", "all_reduce calls", 13, unit="calls"), measured)
-    out = capsys.readouterr().out
+    small = {k: measured[k] for k in ("calls", "bytes", "tensors", "trainable", "parameters",
+                                      "used_bytes")}
+    assert small == {"calls": 13, "bytes": 4 * 13 + 4 * 18814, "tensors": 14, "trainable": 13,
+                     "parameters": 18824, "used_bytes": 4 * 18814}, measured
+    assert {"head_a", "head_b"} <= set(measured["used"]) and len(measured["used"]) == 12
+    assert "never" not in measured["used"] and "frozen" not in measured["used"]
+    assert measured["carried"][0] == {"op": "all_reduce", "grad_of": None, "numel": 13,
+                                      "dtype": "float32"}, measured["carried"][0]
+    assert sorted(c["grad_of"] for c in measured["carried"][1:]) == sorted(measured["used"])
+    lab03.check_prediction(predict("lab03", "collective calls", 13, unit="calls"), measured)
+    out = " ".join(capsys.readouterr().out.split())
     assert "measured: 13 calls — right." in out and "13 times α" in out, out
-    assert "bytes" not in out and "75,296" not in out, out   # the stretch predicts the bytes
-    lab03.check_prediction(predict("lab03", "all_reduce calls", 11, unit="calls"), measured)
-    out = capsys.readouterr().out
-    assert "measured: 13 calls — not what happened." in out and "a weight and a bias" in out
-    assert "frozen requires no gradient and gets no call" in out, out
+    assert "10 on SmallCNN's gradients (a weight and a bias in each of its 5 layers)" in out
+    assert "1 on head_b's (the head only rank 1's batch went through" in out, out
+    assert "1 on tensors that are no parameter's gradient (all_reduce of 13 float32" in out, out
+    assert "never's" not in out, out
+    assert "bytes" not in out and "75,2" not in out and "75,3" not in out, out  # the stretch's
+    lab03.check_prediction(predict("lab03", "collective calls", 12, unit="calls"), measured)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 13 calls — not what happened." in out, out
+    assert "for each of the 12 parameters some rank used" in out and "13 in all" in out, out
     # lesson 03's loop, which skips a None gradient: 11 calls on rank 0 (10 + head_a)
     skipping = lab03.count_all_reduces(skip_none)
     assert skipping["calls"] == 11, skipping
-    lab03.check_prediction(predict("lab03", "all_reduce calls", 11, unit="calls"), skipping)
-    assert "makes 13, on every rank" in capsys.readouterr().out
+    lab03.check_prediction(predict("lab03", "collective calls", 11, unit="calls"), skipping)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "made 11 collective call(s)" in out and "head_b's" not in out, out
+    # the previous round's zeros for never: a call on never's gradient, named
+    lab03.check_prediction(predict("lab03", "collective calls", 13, unit="calls"),
+                           lab03.count_all_reduces(zeros_for_never_too))
+    assert "1 on never's (which no rank used)" in " ".join(capsys.readouterr().out.split())
     with pytest.raises(LabCheckError, match="what count_all_reduces"):
-        lab03.check_prediction(predict("lab03", "all_reduce calls", 10), 10)
+        lab03.check_prediction(predict("lab03", "collective calls", 10), 10)
+
+
+def test_the_call_count_names_other_collectives_and_rebound_zeros(capsys):
+    from dpcourse.checks import predict
+
+    # one flag exchange per parameter (13) + 12 gradients; head_b's zeros on rank 0 are a new
+    # tensor when reduced and p.grad afterwards: still named as head_b's gradient
+    measured = lab03.count_all_reduces(flags_one_call_each)
+    assert measured["calls"] == 25, measured
+    lab03.check_prediction(predict("lab03", "collective calls", 13, unit="calls"), measured)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "25 times α" in out and "13 on tensors that are no parameter's gradient" in out, out
+    assert "1 on head_b's" in out, out
+    gathered = lab03.count_all_reduces(flat_flags_all_gathered)
+    assert gathered["calls"] == 2, gathered
+    lab03.check_prediction(predict("lab03", "collective calls", 1, unit="calls"), gathered)
+    assert "all_gather of 13 float32 value(s)" in capsys.readouterr().out
 
 
 def test_dividing_by_a_fixed_two_fails_on_three_ranks():
@@ -471,25 +565,57 @@ def test_step_with_a_summed_loss_divided_is_accepted(capsys):
 
 
 def flat_reference(model):
-    _zeros_where_unused(model)   # part 1's decision: the same layout on every rank
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
+    # the same layout on every rank, the flags in the same buffer: one call
+    params, flat = _fold(model)
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
-    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(piece.view_as(g))
+    _unfold(params, flat)
 
 
 def flat_assigning_views(model):
-    # right: p.grad rebound to views of the averaged buffer
-    _zeros_where_unused(model)
-    params = [p for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([p.grad.reshape(-1) for p in params]) / dist.get_world_size()
+    # right: p.grad rebound to views of the averaged buffer (divided before the reduction)
+    params, flat = _fold(model)
+    flat = flat / dist.get_world_size()
     dist.all_reduce(flat)
-    i = 0
+    _unfold(params, flat, assign=True)
+
+
+def flat_zeros_for_never(model):
+    # the previous round's flat answer: zeros for every missing gradient, no flags
+    grads = []
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def flat_none_where_the_mean_is_zero(model):
+    # one call and no flags: a slice that sums to zeros is taken for "no rank used it" — a
+    # parameter every rank used with a zero derivative loses its gradient
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)
+                      for p in params])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
     for p in params:
-        p.grad = flat[i:i + p.numel()].view_as(p)
-        i += p.numel()
+        piece = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        p.grad = piece.clone() if torch.any(piece) else None
+
+
+def flat_flags_in_a_second_call(model):
+    # right values, but the flags travel in their own collective: two calls
+    _zeros_where_unused(model)
+    flat_with_torch_helpers(model)
 
 
 def flat_never_copied_back(model):
@@ -525,8 +651,8 @@ def test_right_flat_averages_pass(fn, capsys):
 
 
 @pytest.mark.parametrize("fn, phrase", [
-    (ddp.average_gradients, "all_reduce 10 times, once per parameter"),
-    (flat_two_buffers, "all_reduce 2 times"),
+    (ddp.average_gradients, "made 10 collective calls (10 all_reduce), one per parameter"),
+    (flat_two_buffers, "made 2 collective calls (2 all_reduce)"),
     (flat_never_copied_back, "never travelled back into the gradients"),
     (flat_without_division, "nothing divided the result"),
 ])
@@ -568,7 +694,7 @@ def weighted_via_weights(model, n_local):
     total = torch.tensor(float(n_local)).to(next(model.parameters()))
     dist.all_reduce(total)
     _zeros_where_unused(model)
-    for p in (p for p in model.parameters() if p.requires_grad):
+    for p in (p for p in model.parameters() if p.grad is not None):
         p.grad *= n_local / total.item()
         dist.all_reduce(p.grad)
 
@@ -694,19 +820,23 @@ def test_weighted_shard_sizes_are_unequal_and_cover_three_ranks():
 def test_bytes_prediction_of_the_flat_stretch(capsys):
     from dpcourse.checks import predict
 
-    part1 = {"calls": 10, "bytes": 75176, "tensors": 10, "parameters": 18794}
-    flat = {"calls": 1, "bytes": 75176, "tensors": 10, "parameters": 18794}
-    guess = predict("lab03", "flat bytes", "fewer", choices=lab03.BYTES_CHOICES)
-    lab03.check_bytes_prediction(guess, flat, part1)
-    out = capsys.readouterr().out
-    assert "measured: the same — not what happened." in out and "not how many bytes" in out, out
+    part1 = lab03.count_all_reduces(reference_average)
+    flat = lab03.count_all_reduces(flat_reference)
+    assert flat["calls"] == 1 and flat["bytes"] == 4 * (18824 + 13), flat
     guess = predict("lab03", "flat bytes", "the same", choices=lab03.BYTES_CHOICES)
     lab03.check_bytes_prediction(guess, flat, part1)
-    assert "measured: the same — right." in capsys.readouterr().out
-    padded = dict(flat, bytes=75200)
-    lab03.check_bytes_prediction(guess, padded, part1)
-    out = capsys.readouterr().out
-    assert "measured: more — not what happened." in out and "75,200 bytes in 1 call" in out, out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: more — not what happened." in out, out
+    assert "Your one call carried 75,348 bytes; the gradients of the 12 parameters some rank " \
+           "used weigh 75,256. The 92 bytes more" in out, out
+    assert "never's zeros included" in out and "75,308 bytes in 13 call(s)" in out, out
+    guess = predict("lab03", "flat bytes", "more", choices=lab03.BYTES_CHOICES)
+    lab03.check_bytes_prediction(guess, flat, part1)
+    assert "measured: more — right." in capsys.readouterr().out
+    lab03.check_bytes_prediction(guess, dict(flat, bytes=flat["used_bytes"]), part1)
+    assert "measured: the same — not what happened." in capsys.readouterr().out
+    lab03.check_bytes_prediction(guess, dict(flat, bytes=flat["used_bytes"] // 2), part1)
+    assert "in a smaller type" in capsys.readouterr().out
     with pytest.raises(LabCheckError, match="count_all_reduces"):
         lab03.check_bytes_prediction(guess, 1, part1)
 
@@ -721,33 +851,43 @@ def weighted_counts_gathered(model, n_local):
     dist.all_gather(counts, grad.new_tensor([float(n_local)]))
     share = n_local / float(sum(c.item() for c in counts))
     _zeros_where_unused(model)
-    for p in (p for p in model.parameters() if p.requires_grad):
+    for p in (p for p in model.parameters() if p.grad is not None):
         p.grad.mul_(share)
         dist.all_reduce(p.grad)
 
 
 def weighted_one_collective(model, n_local):
-    # the count travels in the same buffer as the scaled gradients: one all_reduce in all
-    _zeros_where_unused(model)
-    grads = [p.grad for p in model.parameters() if p.requires_grad]
-    flat = torch.cat([g.reshape(-1) * n_local for g in grads]
-                     + [torch.full((1,), float(n_local), device=grads[0].device)])
+    # the count and the flags travel in the same buffer as the scaled gradients: one
+    # all_reduce in all
+    params, flat = _fold(model)
+    n = len(params)
+    flat[:-n] *= n_local
+    flat = torch.cat([flat, torch.full((1,), float(n_local), device=flat.device)])
     dist.all_reduce(flat)
-    total = flat[-1]
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g) / total)
-        offset += g.numel()
+    total = flat[-1].clone()
+    flat = flat[:-1]
+    flat[:-n] /= total
+    _unfold(params, flat)
 
 
 def flat_parameters_to_vector(model):
+    # right: torch's vector helpers, the flags as the buffer's last elements; a parameter no
+    # rank had gets its slice assigned and then dropped again
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
-    _zeros_where_unused(model)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = parameters_to_vector(grads)
+    params = [p for p in model.parameters() if p.requires_grad]
+    had = [p.grad is not None for p in params]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([parameters_to_vector(grads),
+                      torch.tensor([float(h) for h in had], device=grads[0].device)])
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
-    vector_to_parameters(flat, grads)   # rebinds each gradient tensor's .data: p.grad sees it
+    vector_to_parameters(flat[:-len(params)], grads)   # rebinds each gradient's .data
+    for p, n in zip(params, flat[-len(params):].tolist()):
+        if n == 0:
+            p.grad = None
 
 
 @pytest.mark.parametrize("fn", [weighted_counts_gathered, weighted_one_collective])
@@ -832,10 +972,10 @@ def test_weighted_scaling_mistakes_are_named(fn, phrase):
 def test_the_call_count_message_does_not_answer_the_bytes_prediction(capsys):
     from dpcourse.checks import predict
 
-    measured = {"calls": 10, "bytes": 4 * 18794, "tensors": 10, "parameters": 18794}
-    lab03.check_prediction(predict("lab03", "all_reduce calls", 10, unit="calls"), measured)
+    measured = lab03.count_all_reduces(reference_average)
+    lab03.check_prediction(predict("lab03", "collective calls", 13, unit="calls"), measured)
     out = capsys.readouterr().out
-    assert "stretch" not in out and "same bytes" not in out, out
+    assert "stretch" not in out and "same bytes" not in out and "flat" not in out, out
 
 
 # --- part 1's routed heads: ranks that used different parameters -------------------------------
@@ -861,7 +1001,7 @@ def zeros_not_kept(model):
 def mean_over_the_users(model):
     for p in model.parameters():
         if p.requires_grad:
-            used = torch.tensor([0.0 if p.grad is None else 1.0])
+            used = torch.tensor([0.0 if p.grad is None else 1.0], device=p.device)
             dist.all_reduce(used)
             if used.item() == 0:
                 continue
@@ -884,7 +1024,8 @@ def used_mask_first(model):
     # right too: agree first on which parameters any rank used (DDP's find_unused_parameters
     # all-reduces such a map), leave the ones no rank used None
     params = [p for p in model.parameters() if p.requires_grad]
-    used = torch.tensor([0.0 if p.grad is None else 1.0 for p in params])
+    used = torch.tensor([0.0 if p.grad is None else 1.0 for p in params],
+                        device=params[0].device)
     dist.all_reduce(used)
     for p, u in zip(params, used.tolist()):
         if u == 0:
@@ -1043,3 +1184,206 @@ def test_the_users_samples_divisor_gets_its_fix_on_the_second_meeting():
             lab03.check_average_gradients_weighted(weighted_over_the_users_samples,
                                                    world_sizes=(2,))
     assert "by the total count of all the ranks' samples (8 here)" in str(err.value)
+
+
+# --- part 1's real design decision: a parameter NO rank used keeps p.grad None ------------------
+
+def flags_without_device(model):
+    # right on the CPU; the flags follow the default device, which NCCL would refuse on GPUs
+    params = [p for p in model.parameters() if p.requires_grad]
+    used = torch.tensor([0.0 if p.grad is None else 1.0 for p in params])
+    dist.all_reduce(used)
+    for p, u in zip(params, used.tolist()):
+        if u == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def flags_int_max(model):
+    # right: int64 flags reduced with MAX (1 where some rank had the gradient)
+    params = [p for p in model.parameters() if p.requires_grad]
+    dev = params[0].device
+    used = torch.tensor([int(p.grad is not None) for p in params], dtype=torch.int64, device=dev)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX)
+    for p, u in zip(params, used.tolist()):
+        if not u:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad.div_(dist.get_world_size())
+
+
+def flags_bool_summed(model):
+    # right: a bool mask per parameter, summed over the ranks as integers
+    params = [p for p in model.parameters() if p.requires_grad]
+    mask = torch.tensor([p.grad is not None for p in params], device=params[0].device)
+    counts = mask.to(torch.int32)
+    dist.all_reduce(counts)
+    world_size = dist.get_world_size()
+    for p, c in zip(params, counts.tolist()):
+        if c > 0:
+            if p.grad is None:
+                p.grad = p.new_zeros(p.shape)
+            dist.all_reduce(p.grad)
+            p.grad = p.grad / world_size
+
+
+def flags_one_call_each(model):
+    # right, if costly: one flag exchange per parameter, then its gradient
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        had = p.new_tensor([1.0 if p.grad is not None else 0.0])
+        dist.all_reduce(had)
+        if had.item() == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def none_where_the_mean_is_zero(model):
+    # no flags: a mean of zeros is taken for "no rank used it"
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+            if not torch.any(p.grad):
+                p.grad = None
+
+
+@pytest.mark.parametrize("fn", [reference_average, flags_int_max, flags_bool_summed,
+                                flags_one_call_each, used_mask_first])
+def test_right_ways_to_leave_never_none_pass(fn, capsys):
+    lab03.check_average_gradients(fn)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "never (used by no rank)" in out, out
+
+
+def _never_sentence(message: str, name: str, rank: int = 0):
+    assert (f"`never`, which no rank's batch went through, ends with a p.grad of 10 zeros on "
+            f"rank {rank} after {name}") in message, message
+    assert "one process on the global batch leaves its p.grad None" in message, message
+    # computed by a real SGD step on never's 0.5: 0.5 - 0.1 * 0.01 * 0.5
+    assert "takes never from 0.5 to 0.4995 with that gradient, where one process leaves it at " \
+           "0.5" in message, message
+
+
+def test_zeros_for_never_are_refused_in_part_1_with_the_fix_on_the_second_meeting():
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients(zeros_for_never_too, world_sizes=(2,))
+    first = str(err.value)
+    _never_sentence(first, "average_gradients")
+    assert "on 2 ranks, " in first and "Run the check again after your change" in first, first
+    assert "keep p.grad None on every rank" not in first, first
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients(zeros_for_never_too, world_sizes=(2,))
+    assert "keep p.grad None on every rank for one that got none on any rank" in str(err.value)
+
+
+def weighted_zeros_for_never(model, n_local):
+    # the previous round's part 4 answer: zeros for every missing gradient that requires one
+    total = torch.tensor([float(n_local)], device=next(model.parameters()).device)
+    dist.all_reduce(total)
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad *= n_local
+            dist.all_reduce(p.grad)
+            p.grad /= total
+
+
+def test_zeros_for_never_are_refused_in_part_4():
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients_weighted(weighted_zeros_for_never, world_sizes=(2,))
+    message = str(err.value)
+    assert message.startswith("on part 1's model, `never`"), message
+    _never_sentence(message, "average_gradients_weighted")
+
+
+def test_zeros_for_never_are_refused_in_the_flat_stretch():
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients_flat(flat_zeros_for_never, world_sizes=(2,))
+    _never_sentence(str(err.value), "average_gradients_flat")
+
+
+def test_a_flags_tensor_without_a_device_is_refused_in_part_1():
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients(flags_without_device, world_sizes=(2,))
+    first = str(err.value)
+    # (SmallCNN first: its 10 parameters' flags)
+    assert "the tensor of shape (10,) handed to dist.all_reduce was made by a factory " \
+           "function" in first and "NCCL refuses a CPU tensor" in first, first
+    assert "device=p.grad.device" not in first, first
+    with pytest.raises(LabCheckError) as err:
+        lab03.check_average_gradients(flags_without_device, world_sizes=(2,))
+    assert "device=p.grad.device" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("fn, check, name", [
+    (none_where_the_mean_is_zero, lab03.check_average_gradients, "average_gradients"),
+    (flat_none_where_the_mean_is_zero, lab03.check_average_gradients_flat,
+     "average_gradients_flat"),
+])
+def test_none_from_a_zero_mean_is_refused(fn, check, name):
+    with pytest.raises(LabCheckError) as err:
+        check(fn, world_sizes=(2,))
+    message = str(err.value)
+    assert "a parameter that every rank's backward gave a gradient of exactly zero" in message
+    assert f"has p.grad None after {name}: a gradient of zeros is still a gradient" in message
+
+
+def test_flat_flags_in_a_second_collective_are_refused():
+    with pytest.raises(LabCheckError, match=r"made 2 collective calls \(2 all_reduce\)"):
+        lab03.check_average_gradients_flat(flat_flags_in_a_second_call, world_sizes=(2,))
+
+
+def flat_flags_all_gathered(model):
+    # the flags by all_gather, the gradients by all_reduce: two collectives
+    params = [p for p in model.parameters() if p.requires_grad]
+    mine = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    used = sum(every)
+    flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)
+                      for p in params])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    _unfold(params, torch.cat([flat, used]))
+
+
+def test_flat_flags_all_gathered_count_as_a_second_collective():
+    with pytest.raises(LabCheckError, match=r"made 2 collective calls \(1 all_gather, "
+                                            r"1 all_reduce\)"):
+        lab03.check_average_gradients_flat(flat_flags_all_gathered, world_sizes=(2,))
+
+
+def weighted_flags_with_the_count(model, n_local):
+    # right: the count and the flags in one exchange, int64, summed
+    params = [p for p in model.parameters() if p.requires_grad]
+    shared = torch.tensor([n_local] + [int(p.grad is not None) for p in params],
+                          device=params[0].device)
+    dist.all_reduce(shared)
+    total = shared[0].item()
+    for p, n in zip(params, shared[1:].tolist()):
+        if n == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.mul_(n_local / total)
+        dist.all_reduce(p.grad)
+
+
+def test_weighted_flags_with_the_count_pass(capsys):
+    lab03.check_average_gradients_weighted(weighted_flags_with_the_count)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "never (used by no rank)" in out, out

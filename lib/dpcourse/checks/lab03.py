@@ -40,12 +40,25 @@ reference. A wrong answer is matched against simulations of the plausible mistak
   ``TorchFunctionMode`` notes the tensors a factory function made without a device (and what
   is computed from them alone), and a spy refuses them before the collective, on every rank.
 
+* a parameter that requires a gradient and that NO rank used (part 1's ``never``, 0.5 each)
+  given zeros (parts 1, 4 and the stretch): one process on the global batch, and DDP (its
+  reducer all-reduces a map of the locally used parameters, ``local_used_map_``), leave its
+  p.grad None, and an optimizer steps every parameter whose p.grad is not None; the sentence
+  computes one SGD step with weight decay on it. No rank can see alone whether another rank used
+  it, so the ranks must exchange something; a tensor made for that without ``device=`` is
+  refused in part 1 too (the same watch as part 4's count);
+* the converse: p.grad set to None because the averaged gradient is all zeros (a parameter
+  every rank used with a derivative of exactly 0 keeps zeros, as one process keeps them);
+* the stretch making more than one collective call of any kind (an all_gather of the flags
+  beside the all_reduce counts).
+
 ``p.grad = p.grad / world_size`` (a new tensor bound to ``p.grad`` itself) is right: the lab's
 contract is the values every ``p.grad`` holds afterwards, and the optimizer reads ``p.grad`` at
 each step. The success line says whether the gradients were averaged in place or rebound.
 
 :func:`count_all_reduces` and :func:`check_prediction` are the lab's predict-then-measure part:
-how many ``all_reduce`` calls one ``average_gradients`` makes on the lab's model.
+how many collective calls one ``average_gradients`` makes on the lab's model, and what each
+carried.
 """
 
 from __future__ import annotations
@@ -69,19 +82,23 @@ DEFAULT_TIMEOUT = 20.0  # seconds; a correct answer takes 1-8 s, a deadlock is c
 
 
 ROUTED_HEADS = ("head_a", "head_b")  # even ranks add head_a to the logits, odd ranks head_b
+NEVER_VALUE = 0.5   # part 1's ``never``: not zero, so an optimizer's step on it shows
 
 
 def part1_model(device=None) -> torch.nn.Module:
     """Part 1's model: ``SmallCNN(width=4)`` with four more parameters of 10 values each —
-    ``head_a`` and ``head_b`` (a router sends even ranks' batches through ``head_a``, odd ranks'
-    through ``head_b``, as a mixture-of-experts layer sends each token to an expert), ``never``
-    (requires a gradient, used by no rank) and ``frozen`` (``requires_grad=False``)."""
+    ``head_a`` and ``head_b`` (zeros; a router sends even ranks' batches through ``head_a``, odd
+    ranks' through ``head_b``, as a mixture-of-experts layer sends each token to an expert),
+    ``never`` (0.5 each; requires a gradient, used by no rank) and ``frozen`` (zeros,
+    ``requires_grad=False``)."""
     from ..models import SmallCNN
 
     torch.manual_seed(0)
     model = SmallCNN(width=4).to(device)
-    for name in ROUTED_HEADS + ("never",):
+    for name in ROUTED_HEADS:
         model.register_parameter(name, torch.nn.Parameter(torch.zeros(10, device=device)))
+    model.register_parameter("never", torch.nn.Parameter(torch.full((10,), NEVER_VALUE,
+                                                                    device=device)))
     model.register_parameter("frozen", torch.nn.Parameter(torch.zeros(10, device=device),
                                                           requires_grad=False))
     return model
@@ -115,46 +132,54 @@ def _avg_worker(rank: int, world_size: int, fn, unused: bool = True,
     def model_after_backward(extra: bool):
         torch.manual_seed(0)
         model = SmallCNN(width=4).to(dev)
-        if extra:  # a parameter the forward never uses: its p.grad stays None after backward
+        if extra:  # a parameter the forward never uses: its p.grad stays None after backward;
+            # and one every rank uses with a derivative of exactly zero: p.grad holds zeros
             model.register_parameter("unused", torch.nn.Parameter(torch.zeros(3, device=dev)))
+            model.register_parameter("dead", torch.nn.Parameter(torch.ones(3, device=dev)))
         g = torch.Generator().manual_seed(1000 + rank)  # different data on each rank
         X = torch.randn(4, 3, 32, 32, generator=g).to(dev)
         y = torch.randint(0, 10, (4,), generator=g).to(dev)
-        F.cross_entropy(model(X), y).backward()
+        loss = F.cross_entropy(model(X), y)
+        (loss + 0.0 * model.dead.sum() if extra else loss).backward()
         return model
 
+    watch = _DeviceWatch(dev)
     model = model_after_backward(False)
     local = [p.grad.detach().cpu().clone() for p in model.parameters()]
     before = [p.grad for p in model.parameters()]  # the tensors themselves: rebound or not?
-    # Count the all_reduce calls (the stretch asks for exactly one) and their bytes.
-    from ..collectives import record_collectives
-
-    with record_collectives() as calls:
-        fn(model)
+    # Count the collective calls (the stretch asks for exactly one) and their bytes.
+    calls = watch.run(fn, model)
     after = [None if p.grad is None else p.grad.detach().cpu().clone()
              for p in model.parameters()]
     out = {"local": local, "after": after,
            "in_place": all(p.grad is b for p, b in zip(model.parameters(), before)),
            "all_reduce_calls": calls.count_by_op().get("all_reduce", 0),
            "all_reduce_bytes": calls.bytes_by_op().get("all_reduce", 0),
+           "calls_by_op": calls.count_by_op(),
            "n_params": sum(p.numel() for p in model.parameters()),
            "n_tensors": len(before), "none_error": None}
+    if watch.seen:
+        return dict(out, unplaced=watch.seen[0])
     if unused:  # the contract's "each p.grad that is not None": one parameter without a grad
+        extra = model_after_backward(True)
         try:
-            fn(model_after_backward(True))
+            watch.run(fn, extra)
         except (AttributeError, TypeError, RuntimeError, ValueError) as e:
             if "None" not in str(e):
                 raise
             out["none_error"] = f"{type(e).__name__}: {e}"
             return out  # every rank stopped at the same parameter: no rank waits in a call
+        out["dead_after"] = None if extra.dead.grad is None else extra.dead.grad.cpu().clone()
     if routed:  # part 1's case the lesson did not show: ranks that used different parameters
         model = _part1_model_after_backward(rank, dev)
         local = {n: None if p.grad is None else p.grad.detach().cpu().clone()
                  for n, p in model.named_parameters()}
-        fn(model)
+        watch.run(fn, model)
         out["routed_local"] = local
         out["routed_after"] = {n: None if p.grad is None else p.grad.detach().cpu().clone()
                                for n, p in model.named_parameters()}
+    if watch.seen:
+        out["unplaced"] = watch.seen[0]
     return out
 
 
@@ -239,6 +264,7 @@ def check_average_gradients(average_gradients, world_sizes=WORLD_SIZES,
         every += results
         runs.append(results)
     _none_guard(every, "average_gradients")
+    _refuse_dead_none(every, "average_gradients")
     for results in runs:
         _diagnose_routed(results, len(results), "average_gradients")
     how = ("in place (each p.grad is still the tensor the backward filled)" if in_place else
@@ -247,7 +273,7 @@ def check_average_gradients(average_gradients, world_sizes=WORLD_SIZES,
            "them would do)")
     passed(f"average_gradients on {' and '.join(map(str, world_sizes))} ranks: every p.grad is "
            f"the mean over the ranks, {how}; a head used on some ranks only got the same mean "
-           f"on every rank, the frozen parameter no gradient")
+           f"on every rank, never (used by no rank) and the frozen parameter no gradient")
 
 
 @recorded
@@ -264,11 +290,12 @@ def check_average_gradients_flat(average_gradients_flat, world_sizes=WORLD_SIZES
         every += results
         runs.append(results)
     _none_guard(every, "average_gradients_flat")
+    _refuse_dead_none(every, "average_gradients_flat")
     for results in runs:
         _diagnose_routed(results, len(results), "average_gradients_flat", flat=True)
     passed(f"average_gradients_flat: one all_reduce for the whole model, every p.grad the mean "
            f"over the ranks (on {' and '.join(map(str, world_sizes))} ranks), part 1's heads "
-           f"too: every rank's buffer had the same layout")
+           f"too: every rank's buffer had the same layout; never kept no gradient")
 
 
 def _none_guard(results: list, name: str) -> None:
@@ -305,6 +332,60 @@ def _refuse_frozen_grad(results: list, name: str, where: str) -> None:
                  f"None (weight decay or momentum alone would then move a frozen weight).",
                  fix="give zeros only to a parameter that requires a gradient and got none on "
                      "this rank; leave p.grad None where p.requires_grad is False.")
+
+
+_DECAY = {"lr": 0.1, "weight_decay": 0.01}   # the SGD step the never sentence computes
+
+
+def _one_sgd_step(value: float, grad) -> float:
+    """``never``'s first value after one ``torch.optim.SGD(lr=0.1, weight_decay=0.01)`` step
+    with ``grad`` (None: the optimizer skips the parameter)."""
+    p = torch.nn.Parameter(torch.full((1,), value))
+    p.grad = None if grad is None else torch.full((1,), float(grad))
+    torch.optim.SGD([p], **_DECAY).step()
+    return p.item()
+
+
+def _refuse_never_grad(results: list, name: str, where: str) -> None:
+    """The routed model's ``never`` (requires a gradient, used by no rank) must keep p.grad
+    None on every rank, as one process on the global batch and DDP leave it: an optimizer
+    steps every parameter whose p.grad is not None, zeros included."""
+    __tracebackhide__ = True
+    for rank, r in enumerate(results):
+        never = r["routed_after"].get("never")
+        if never is None:
+            continue
+        zeros = not torch.any(never)
+        held = f"{never.numel()} zeros" if zeros else f"{never.numel()} values (not all zero)"
+        first = float(never.reshape(-1)[0])
+        moved, kept = _one_sgd_step(NEVER_VALUE, first), _one_sgd_step(NEVER_VALUE, None)
+        fail(f"{where}`never`, which no rank's batch went through, ends with a p.grad of {held} "
+             f"on rank {rank} after {name}: one process on the global batch leaves its p.grad "
+             f"None (so does DDP), and an optimizer steps every parameter whose p.grad is not "
+             f"None — one SGD step with lr {_DECAY['lr']} and weight_decay "
+             f"{_DECAY['weight_decay']} takes never from {NEVER_VALUE} to {moved:.6g} with "
+             f"that gradient, where one process leaves it at {kept:.6g} (momentum and Adam's "
+             f"weight decay move it too). No rank can tell from what it holds alone whether "
+             f"another rank used a parameter.",
+             fix="let the ranks find out together which parameters got a gradient on some "
+                 "rank; keep p.grad None on every rank for one that got none on any rank, and "
+                 "give zeros only where some other rank got a gradient.")
+
+
+def _refuse_dead_none(results: list, name: str) -> None:
+    """A parameter every rank used with a derivative of exactly zero holds zeros in p.grad
+    after the backward: a gradient all the same, which must stay (one process keeps it)."""
+    __tracebackhide__ = True
+    for rank, r in enumerate(results):
+        if "dead_after" in r and r["dead_after"] is None:
+            fail(f"on rank {rank} a parameter that every rank's backward gave a gradient of "
+                 f"exactly zero (its term in the loss is multiplied by 0) has p.grad None after "
+                 f"{name}: a gradient of zeros is still a gradient — one process keeps it, and "
+                 f"its optimizer steps the parameter (weight decay moves it). Only a "
+                 f"parameter that got no gradient on any rank keeps None, and a gradient's "
+                 f"values cannot tell a parameter no rank used from one whose gradient is 0.",
+                 fix="decide from whether each rank's p.grad was None before the averaging, "
+                     "not from the averaged values.")
 
 
 def _diagnose_routed(results: list, world_size: int, name: str, flat: bool = False) -> None:
@@ -379,6 +460,7 @@ def _diagnose_routed(results: list, world_size: int, name: str, flat: bool = Fal
                  f"though the parameters every rank used were averaged right.",
                  fix="treat a missing gradient on a rank as zeros, sum over the ranks, divide "
                      "by the world size, and leave the result in p.grad on every rank.")
+    _refuse_never_grad(results, name, f"on {world_size} ranks, ")
 
 
 def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = False,
@@ -387,6 +469,7 @@ def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = 
     if not callable(fn):
         fail(f"the check needs your function, got {type(fn).__name__}.")
     results = _launch(_avg_worker, world_size, timeout, fn, True, routed, name=name)
+    _refuse_unplaced(results)
     locals_ = [r["local"] for r in results]
     n_params = len(locals_[0])
     total = [sum(loc[i] for loc in locals_) for i in range(n_params)]
@@ -444,18 +527,21 @@ def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = 
              fix="every p.grad must end holding the sum over the ranks divided by the world "
                  "size.")
     if flat:
-        calls = results[0]["all_reduce_calls"]
+        by_op = results[0]["calls_by_op"]
+        calls = sum(by_op.values())
         if calls == 0:
-            fail("the averages are right but the check saw no dist.all_reduce call: it counts "
-                 "the calls made through torch.distributed.",
+            fail("the averages are right but the check saw no collective call: it counts the "
+                 "calls made through torch.distributed.",
                  fix="call it as dist.all_reduce(flat).")
         if calls > 1:
-            fail(f"{name} called all_reduce {calls} times"
-                 + (f", once per parameter ({n_params})" if calls == n_params else "")
+            ops = ", ".join(f"{n} {op}" for op, n in sorted(by_op.items()))
+            fail(f"{name} made {calls} collective calls ({ops})"
+                 + (f", one per parameter ({n_params})"
+                    if by_op.get("all_reduce") == n_params else "")
                  + ": each call pays the collective's start-up cost again, and the contract "
                    "allows one.",
-                 fix="put every gradient into one flat tensor (torch.cat of the flattened "
-                     "grads), reduce it once, and copy the slices back.")
+                 fix="put everything the ranks must add up into one flat tensor (torch.cat "
+                     "of the flattened pieces), reduce it once, and copy the slices back.")
     return results
 
 
@@ -467,58 +553,108 @@ def _check_average(fn, world_size: int, timeout: float, name: str, flat: bool = 
 def _count_worker(rank: int, world_size: int, fn) -> dict:
     __tracebackhide__ = True
     from .. import ddp
-    from ..collectives import record_collectives
 
     model = _part1_model_after_backward(rank, ddp.setup_rank())
-    with record_collectives() as calls:
-        fn(model)
+    named = list(model.named_parameters())
+    had = [n for n, p in named if p.grad is not None]
+    handed = []   # (op, the first tensor handed over): kept alive until matched below
+
+    def spy(call):
+        tensors = [t for v in (call.args or {}).values()
+                   for t in (v if isinstance(v, (list, tuple)) else [v])
+                   if isinstance(t, torch.Tensor)]
+        owner = next((n for n, p in named for t in tensors[:1]
+                      if p.grad is not None and t.data_ptr() == p.grad.data_ptr()
+                      and t.numel() == p.numel()), None)
+        handed.append((call.op, tensors[0] if tensors else None, owner))
+
+    watch = _DeviceWatch(None)
+    calls = watch.run(fn, model, before=spy)
+    carried = []  # what each call carried: a parameter's gradient (by name) or another tensor
+    for op, t, owner in handed:
+        if owner is None and t is not None:   # a tensor that became p.grad afterwards
+            owner = next((n for n, p in named if p.grad is not None and t.numel() == p.numel()
+                          and t.data_ptr() == p.grad.data_ptr()), None)
+        carried.append({"op": op, "grad_of": owner,
+                        "numel": 0 if t is None else t.numel(),
+                        "dtype": None if t is None else str(t.dtype).replace("torch.", "")})
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return {"calls": calls.count_by_op().get("all_reduce", 0),
-            "bytes": calls.bytes_by_op().get("all_reduce", 0),
-            "tensors": len(list(model.parameters())), "trainable": len(trainable),
-            "parameters": sum(p.numel() for p in trainable)}
+    return {"calls": len(calls), "bytes": sum(c.nbytes for c in calls),
+            "tensors": len(named), "trainable": len(trainable),
+            "parameters": sum(p.numel() for p in trainable), "carried": carried,
+            "had": had, "nbytes": {n: p.numel() * p.element_size() for n, p in named}}
 
 
 def count_all_reduces(average_gradients, world_size: int = 2,
                       timeout: float | None = None) -> dict:
     """Run ``average_gradients(model)`` once on ``world_size`` ranks, on part 1's model
-    (:func:`part1_model`) after each rank's backward, and return what rank 0 handed to
-    ``dist.all_reduce``: ``{"calls", "bytes", "tensors", "trainable", "parameters"}``
-    (``tensors``: the model's parameter tensors, ``trainable``: those that require a gradient,
-    ``parameters``: their elements)."""
+    (:func:`part1_model`) after each rank's backward, and return what rank 0 handed to the
+    collectives (``dist.all_reduce`` or any other): ``{"calls", "bytes", "tensors", "trainable",
+    "parameters", "carried", "used", "used_bytes"}`` (``tensors``: the model's parameter
+    tensors, ``trainable``: those that require a gradient, ``parameters``: their elements,
+    ``carried``: per call, its op, the parameter whose gradient it carried (None: another
+    tensor), its size and dtype; ``used``: the parameters some rank's backward gave a gradient,
+    ``used_bytes``: their gradients' bytes)."""
     __tracebackhide__ = True
     if not callable(average_gradients):
         fail(f"count_all_reduces needs your function, got {type(average_gradients).__name__}.")
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    return _launch(_count_worker, world_size, timeout, average_gradients,
-                   name=getattr(average_gradients, "__name__", "your function"))[0]
+    results = _launch(_count_worker, world_size, timeout, average_gradients,
+                      name=getattr(average_gradients, "__name__", "your function"))
+    out = dict(results[0])
+    used = [n for n in out.pop("nbytes") if any(n in r["had"] for r in results)]
+    sizes = results[0]["nbytes"]
+    out.pop("had")
+    return dict(out, used=used, used_bytes=sum(sizes[n] for n in used))
+
+
+def _describe_calls(measured: dict) -> str:
+    """What rank 0's calls carried, grouped: SmallCNN's gradients, each extra parameter's by
+    name (with why it matters), and the tensors that were no parameter's gradient."""
+    carried = measured.get("carried", [])
+    grads = [c["grad_of"] for c in carried if c["grad_of"]]
+    cnn = [n for n in grads if n not in ROUTED_HEADS + ("never", "frozen")]
+    parts = []
+    if cnn:
+        parts.append(f"{len(cnn)} on SmallCNN's gradients (a weight and a bias in each of its "
+                     f"5 layers)" if len(cnn) == 10 else f"{len(cnn)} on SmallCNN's gradients")
+    why = {"head_a": "the head rank 0's batch went through",
+           "head_b": "the head only rank 1's batch went through — rank 0's call pairs with "
+                     "rank 1's",
+           "never": "which no rank used",
+           "frozen": "which requires no gradient"}
+    for n in ROUTED_HEADS + ("never", "frozen"):
+        k = grads.count(n)
+        if k:
+            parts.append(f"{k} on {n}'s ({why[n]})")
+    others = [c for c in carried if not c["grad_of"]]
+    if others:
+        shown = ", ".join(f"{c['op']} of {c['numel']:,} {c['dtype']} value(s)"
+                          for c in others[:4]) + (", ..." if len(others) > 4 else "")
+        parts.append(f"{len(others)} on tensors that are no parameter's gradient ({shown})")
+    return "; ".join(parts) if parts else "none"
 
 
 def check_prediction(guess, measured: dict) -> None:
-    """Compare the learner's prediction of the number of ``all_reduce`` calls one
-    ``average_gradients`` makes with :func:`count_all_reduces`'s measurement, and say why the
-    number is what it is. Never raises for a wrong prediction."""
+    """Compare the learner's prediction of the number of collective calls one
+    ``average_gradients`` makes on rank 0 with :func:`count_all_reduces`'s measurement, and say
+    what each call carried and what the calls cost. Never raises for a wrong prediction."""
     __tracebackhide__ = True
     if not isinstance(measured, dict) or "calls" not in measured:
         fail("check_prediction needs what count_all_reduces(...) returned (a dict), got "
              f"{type(measured).__name__}.")
-    calls, tensors = measured["calls"], measured["tensors"]
-    trainable = measured.get("trainable", tensors)
-    params = measured["parameters"]  # the bytes wait for the stretch's prediction
-    if calls == trainable:
-        why = (f"One all_reduce per parameter that requires a gradient, on every rank: "
-               f"{trainable} of the model's {tensors} parameter tensors — SmallCNN's 10 (a "
-               f"weight and a bias in each of its 5 layers), head_a and head_b (rank 0 used "
-               f"only head_a, yet it makes head_b's call too, with zeros, so that its calls "
-               f"pair with rank 1's one for one) and never, which no rank used; frozen requires "
-               f"no gradient and gets no call. Each call pays the collective's fixed start-up "
-               f"cost (lesson 06's α): {calls} times α in every step, on top of what the calls "
-               f"carry.")
-    else:
-        why = (f"The model has {tensors} parameter tensors, {trainable} of them requiring a "
-               f"gradient ({params:,} values); your function made {calls} all_reduce call(s) "
-               f"on rank 0 — a loop that makes one call per parameter requiring a gradient "
-               f"makes {trainable}, on every rank.")
+    calls = measured["calls"]
+    used = measured.get("used")
+    n_used = len(used) if used is not None else measured.get("trainable", measured["tensors"])
+    why = (f"On rank 0 your function made {calls} collective call(s): "
+           f"{_describe_calls(measured)}. Each call pays the collective's fixed start-up cost "
+           f"(lesson 06's α) whatever it carries — one flag or 4,000 gradients — so this "
+           f"average pays {calls} times α in every step, on top of what the calls carry. Part 1's "
+           f"contract needs a gradient call for each of the {n_used} parameters some rank "
+           f"used (a rank without that gradient still makes the call, or the calls pair the "
+           f"wrong tensors), none for frozen or for never, and the ranks must first learn "
+           f"together which parameters those are: one more call if all the flags travel in "
+           f"one tensor, {n_used + 1} in all.")
     reveal(guess, calls, close=bool(guess.value == calls) if hasattr(guess, "value") else False,
            explanation=why)
 
@@ -528,26 +664,36 @@ BYTES_CHOICES = ("fewer", "the same", "more")
 
 def check_bytes_prediction(guess, flat: dict, per_parameter: dict) -> None:
     """Stretch: compare the learner's prediction ("fewer", "the same" or "more" bytes handed to
-    ``all_reduce`` by ``average_gradients_flat`` than by ``average_gradients``) with the two
-    measurements of :func:`count_all_reduces`, and say why. Never raises for a wrong
+    the collective by ``average_gradients_flat`` than the gradients of the parameters some rank
+    used weigh) with :func:`count_all_reduces`'s measurements, and say why; part 1's
+    ``average_gradients`` (``per_parameter``) is shown beside it. Never raises for a wrong
     prediction."""
     __tracebackhide__ = True
     for what, m in (("flat", flat), ("per_parameter", per_parameter)):
-        if not isinstance(m, dict) or "bytes" not in m:
+        if not isinstance(m, dict) or "bytes" not in m or "used_bytes" not in m:
             fail(f"check_bytes_prediction needs what count_all_reduces(...) returned for "
                  f"{what} (a dict), got {type(m).__name__}.")
-    a, b = flat["bytes"], per_parameter["bytes"]
-    measured = "fewer" if a < b else "more" if a > b else "the same"
-    if measured == "the same":
-        why = (f"{flat['calls']} call of {a:,} bytes against {per_parameter['calls']} calls of "
-               f"{b:,} bytes together: the flat buffer holds every gradient once, so flattening "
-               f"changes how many times the start-up cost α is paid, not how many bytes travel. "
-               f"Fewer bytes take a smaller type (lesson 07's fp16 hook), not a bigger message.")
+    a, used, b = flat["bytes"], flat["used_bytes"], per_parameter["bytes"]
+    measured = "fewer" if a < used else "more" if a > used else "the same"
+    n_used = len(flat.get("used", ()))
+    versus = (f"Part 1's average_gradients handed over {b:,} bytes in {per_parameter['calls']} "
+              f"call(s): α paid {per_parameter['calls']} times against once.")
+    if measured == "more":
+        why = (f"Your one call carried {a:,} bytes; the gradients of the {n_used} parameters "
+               f"some rank used weigh {used:,}. The {a - used:,} bytes more are the price of "
+               f"one call: it is made before any rank has heard from the others, so every "
+               f"rank's buffer needs a slot for every parameter that might have a gradient "
+               f"somewhere — never's zeros included, though no rank used it — and room for "
+               f"what tells the ranks who used what. A per-parameter loop can learn that first "
+               f"and skip never. {versus}")
+    elif measured == "the same":
+        why = (f"Your one call carried exactly the {used:,} bytes of the gradients of the "
+               f"{n_used} parameters some rank used — nothing for never and nothing to tell "
+               f"the ranks who used what. {versus}")
     else:
-        why = (f"Your flat version handed over {a:,} bytes in {flat['calls']} call(s), part 1's "
-               f"{b:,} bytes in {per_parameter['calls']}: a buffer holding each gradient once "
-               f"would weigh the same as the gradients ({4 * per_parameter['parameters']:,} "
-               f"bytes).")
+        why = (f"Your one call carried {a:,} bytes, fewer than the {used:,} bytes the "
+               f"gradients of the parameters some rank used weigh in their own dtype: it sent "
+               f"them in a smaller type (lesson 07's fp16 hook does that on purpose). {versus}")
     reveal(guess, measured, close=getattr(guess, "value", None) == measured, explanation=why)
 
 
@@ -607,6 +753,61 @@ def _placement_mode():
     return Placement()
 
 
+class _DeviceWatch:
+    """Run the learner's function under :func:`_placement_mode` with a spy on its collectives:
+    the first tensor handed to a collective that a factory function made without a device (and
+    what was computed from it alone) is noted in ``seen`` — never raised there, since a rank
+    that stopped in the spy would leave the others waiting in the call. Parts 1, 4 and the
+    stretch share it; :func:`_refuse_unplaced` turns a note into the sentence."""
+
+    def __init__(self, dev):
+        self.placement = _placement_mode()
+        self.grad_device = str(torch.device(dev) if dev is not None else torch.device("cpu"))
+        self.seen: list = []
+
+    def spy(self, call) -> None:
+        for v in (call.args or {}).values():
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(t, torch.Tensor) and self.placement.is_unplaced(t) \
+                        and not self.seen:
+                    self.seen.append({"op": call.op, "shape": str(tuple(t.shape)),
+                                      "device": str(t.device), "grad_device": self.grad_device})
+
+    def run(self, fn, *args, before=None):
+        """``fn(*args)`` watched; returns the collectives' log. ``before``: another spy."""
+        from ..collectives import record_collectives
+
+        def both(call):
+            self.spy(call)
+            if before is not None:
+                before(call)
+
+        try:
+            with record_collectives(before=both) as calls, self.placement:
+                fn(*args)
+        finally:
+            self.placement.unplaced.clear()
+        return calls
+
+
+def _refuse_unplaced(results: list, where: str = "") -> None:
+    """A tensor handed to a collective followed the default device on some rank: refused with
+    the cause (gloo accepts it, NCCL on GPUs does not)."""
+    __tracebackhide__ = True
+    for rank, r in enumerate(results):
+        if r.get("unplaced"):
+            u = r["unplaced"]
+            fail(f"{where}on rank {rank} the tensor of shape {u['shape']} handed to "
+                 f"dist.{u['op']} was made by a factory function (torch.tensor, torch.zeros, "
+                 f"...) without a device=, so it lives on the default device ({u['device']}) "
+                 f"whatever device the gradients are on ({u['grad_device']} here): gloo on the "
+                 f"CPU accepts it, but on GPUs, where the gradients live on cuda:<rank>, NCCL "
+                 f"refuses a CPU tensor — the contract asks for every tensor you hand to a "
+                 f"collective to live on the gradients' device.",
+                 fix="create it on the gradients' device: pass device=p.grad.device (or "
+                     "build it with p.grad.new_tensor(...) / torch.full_like(...)).")
+
+
 def _weighted_worker(rank: int, world_size: int, fn, sizes: tuple) -> dict:
     __tracebackhide__ = True
     from .. import ddp
@@ -621,23 +822,11 @@ def _weighted_worker(rank: int, world_size: int, fn, sizes: tuple) -> dict:
     y = torch.randint(0, 10, (n_local,), generator=g)
     F.cross_entropy(model(X.to(dev)), y.to(dev)).backward()   # the mean over this rank's shard
     local = [p.grad.detach().cpu().clone() for p in model.parameters()]
-    from ..collectives import record_collectives
-
-    placement = _placement_mode()
-    grad_device = str(next(model.parameters()).grad.device)
-    seen = []   # the first tensor handed to a collective that follows the default device
-
-    def spy(call):  # notes, never raises: a rank that stopped here would leave others waiting
-        for v in (call.args or {}).values():
-            for t in (v if isinstance(v, (list, tuple)) else [v]):
-                if isinstance(t, torch.Tensor) and placement.is_unplaced(t) and not seen:
-                    seen.append({"op": call.op, "shape": str(tuple(t.shape)),
-                                 "device": str(t.device), "grad_device": grad_device})
+    watch = _DeviceWatch(dev)
+    seen = watch.seen   # the first tensor handed to a collective that follows the default device
 
     def run(m):
-        with record_collectives(before=spy), placement:
-            fn(m, n_local)
-        placement.unplaced.clear()
+        watch.run(fn, m, n_local)
 
     def grads(m, named=False):
         out = [(n, None if p.grad is None else p.grad.detach().cpu().clone())
@@ -686,8 +875,8 @@ def check_average_gradients_weighted(average_gradients_weighted, world_sizes=WOR
     passed(f"average_gradients_weighted: every p.grad is the gradient of the mean loss over all "
            f"the ranks' samples, shards of {', '.join(map(str, sizes[:max(world_sizes)]))} "
            f"(on {' and '.join(map(str, world_sizes))} ranks); on part 1's model each head's "
-           f"gradient too, a rank that did not use it counting its samples with zeros, the "
-           f"frozen parameter no gradient")
+           f"gradient too, a rank that did not use it counting its samples with zeros; never "
+           f"(used by no rank) and the frozen parameter no gradient")
 
 
 def _diagnose_weighted(results: list, world_size: int) -> None:
@@ -699,18 +888,7 @@ def _diagnose_weighted(results: list, world_size: int) -> None:
 
 def _diagnose_weighted_smallcnn(results: list, world_size: int) -> None:
     __tracebackhide__ = True
-    for rank, r in enumerate(results):
-        if r.get("unplaced"):
-            u = r["unplaced"]
-            fail(f"on rank {rank} the tensor of shape {u['shape']} handed to dist.{u['op']} was "
-                 f"made by a factory function (torch.tensor, torch.zeros, ...) without a "
-                 f"device=, so it lives on the default device ({u['device']}) whatever device "
-                 f"the gradients are on ({u['grad_device']} here): gloo on the CPU accepts it, "
-                 f"but on GPUs, where the gradients live on cuda:<rank>, NCCL refuses a CPU "
-                 f"tensor — the contract asks for every tensor you hand to a collective to "
-                 f"live on the gradients' device.",
-                 fix="create it on the gradients' device: pass device=p.grad.device (or "
-                     "build it with p.grad.new_tensor(...) / torch.full_like(...)).")
+    _refuse_unplaced(results)
     ns = [r["n_local"] for r in results]
     total_n = sum(ns)
     n_params = len(results[0]["local"])
@@ -850,6 +1028,7 @@ def _diagnose_weighted_routed(results: list, world_size: int) -> None:
                  fix="treat a missing gradient on a rank as zeros, weight it by that rank's "
                      "count like any other, sum over the ranks, divide by the total count, and "
                      "leave the result in p.grad on every rank.")
+    _refuse_never_grad(results, name, "on part 1's model, ")
 
 
 # --------------------------------------------------------------------------------------------
