@@ -41,8 +41,8 @@ from dpcourse.checks import lab06, predict
 #
 # Lesson 06's simulator finishes another layout, so its indices do not answer this one. First,
 # on paper, for N = 3 (workers 0, 1, 2; chunks 0, 1, 2; steps 1 and 2): which chunk does
-# worker 0 send at step 1, and which at step 2? Write the two indices; the check says what your
-# choice would make the ring do.
+# worker 0 send at step 1, and which at step 2? Write them as `worker0_sends = [chunk at step 1,
+# chunk at step 2]`; the check says what your choice would make the ring do.
 
 # %%
 ### BEGIN SOLUTION: worker 0's chunk at step 1 and at step 2, for N = 3
