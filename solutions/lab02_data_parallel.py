@@ -15,13 +15,10 @@
 # 3. A prediction about one copy's gradient, then its measurement.
 # 4. `dp_forward_backward(model, X, y, n_devices) -> float`: one DataParallel step's forward
 #    and backward. Each chunk runs on a plain copy of `model` of its own (the copies run in
-#    threads through `dp.parallel_apply`, as the real class runs them); the loss is the mean
-#    cross-entropy over the whole batch, returned as a float. Afterwards `model`'s gradients
-#    are what `loss.backward()` on the plain model over the whole batch would leave: the
-#    whole batch's gradient **added** to whatever each `p.grad` held before (`None` counting
-#    as nothing held). `model`'s weights are unchanged, and its buffers (BatchNorm's running
-#    mean, variance and count) hold what `nn.DataParallel` leaves in them after a
-#    training-mode step (lesson 02 §2 measured it).
+#    threads through `dp.parallel_apply`, as the real class runs them); it returns the mean
+#    cross-entropy over the whole batch, as a float. Afterwards `model` — its weights, its
+#    gradients, its buffers — is what it would be after the forward and `backward()` of
+#    `nn.DataParallel(model)` on `n_devices` devices, whatever state it arrived in.
 #
 # Each part has a check cell that names your mistake, if there is one, and hints behind clicks.
 # The checks compare with the library's `dpcourse.dp`, whose `scatter`, `gather`, `replicate`
@@ -185,17 +182,15 @@ copy_guess = predict("lab02", "what a deep copy of a model carries", my_copy_gue
 lab02.check_copy_prediction(copy_guess)
 
 # %% [markdown]
-# Now the step. One forward and backward of DataParallel with plain copies, with the contract at the top:
-# every chunk through a copy of its own, one mean loss over the gathered batch (returned as a
-# float), and afterwards each `p.grad` of `model` holds what it held before plus the whole
-# batch's gradient — the same contract as `loss.backward()`, so that a caller may accumulate
-# several steps' gradients before stepping — and `model`'s buffers hold what
-# `nn.DataParallel`'s would. The check hands your function models with and without gradients
-# already in `p.grad`, batches that do and do not divide by the number of devices, and a
-# training-mode model with BatchNorm (whose outputs then differ from the plain model's, lesson
-# 02 §2: for that one it looks at the buffers only). Every parameter of the check's models
-# takes part in the loss; a parameter that gets no gradient (a layer the forward skips) is
-# outside this contract.
+# Now the step, with the contract at the top: every chunk through a copy of its own, and
+# afterwards `model` as `nn.DataParallel`'s forward and backward would leave it. Before you
+# write, list what that means for each thing `model` holds — its weights, its `p.grad`, its
+# buffers — given what it may hold when your function is called; your copies share none of
+# it. The check hands your function models in more than one state, batches that do and do
+# not divide by the number of devices, and a training-mode model with BatchNorm (whose outputs
+# then differ from the plain model's: for that one it looks at the buffers only). Every
+# parameter of the check's models takes part in the loss; a parameter that gets no gradient (a
+# layer the forward skips) is outside this contract.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -232,10 +227,9 @@ lab02.check_copy_prediction(copy_guess)
 def dp_forward_backward(model, X, y, n_devices):
     """One DataParallel forward/backward with plain copies; returns the loss as a float.
 
-    Afterwards every parameter p of `model` holds in p.grad what it held before plus the
-    gradient of the mean loss on the whole batch (as loss.backward() would leave it).
+    Afterwards `model` is as nn.DataParallel(model)'s forward and backward would leave it.
     """
-    ### BEGIN SOLUTION: the step on plain copies; the whole batch's gradient added to model's
+    ### BEGIN SOLUTION: the step on plain copies; model left as nn.DataParallel leaves it
     chunks = scatter(X, n_devices)
     replicas = [copy.deepcopy(model) for _ in chunks]  # as many copies as chunks
     loss = F.cross_entropy(gather(dp.parallel_apply(replicas, chunks)), y)
@@ -284,9 +278,9 @@ claim("your DataParallel step trains: the loss fell", losses[-1] < losses[0], lo
 # * the replicas run **at the same time**, each in a thread of its own;
 # * the outputs carry an autograd graph exactly when the same loop run by the caller would
 #   (mixed precision, `torch.autocast`, is outside this contract);
-# * when a replica raises, the caller gets that error, after no thread is left running; when
-#   several raise, the caller gets the lowest-numbered failing replica's error, however fast or
-#   slow each thread was.
+# * when a replica raises — whatever it raises, `SystemExit` included — the caller gets that
+#   error, after no thread is left running; when several raise, the caller gets the
+#   lowest-numbered failing replica's error, however fast or slow each thread was.
 #
 # The check uses stand-in replicas that sleep (as a torch kernel does, they release the GIL),
 # the slowest first, and calls your function both with autograd on and inside
@@ -333,7 +327,7 @@ def threaded_apply(replicas, inputs):
         try:
             with torch.set_grad_enabled(grad_enabled):
                 results[i] = replicas[i](inputs[i])
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: a thread it ends dies silently
             errors[i] = exc
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
@@ -358,34 +352,47 @@ except NotImplementedError:
 # How much do real threads buy for the lesson's CNN? Only the time spent inside torch kernels
 # can overlap (they release the GIL); the Python between them takes turns. The cell below times
 # four copies run one after another against your threads, with one torch thread per operation
-# so that the threads, not torch's own pool, share the cores.
+# so that the threads, not torch's own pool, share the cores. One timing says little on a
+# shared machine (two runs of the same cell can disagree by a factor of two): the cell runs the two ways in
+# interleaved rounds, so that a slow moment hits both, and its last line is the verdict of
+# lesson 01's `compare_rates` — a difference only when one way won every round (or all but
+# one of five), otherwise "no clear difference".
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-# Why: timings depend on the machine and its load.
+# Why: timings, and so the verdict computed from them, depend on the machine and its load.
 import os
 import time
+
+from dpcourse.train import compare_rates
 
 torch.manual_seed(0)
 net = models.SmallCNN(width=16)
 copies = [copy.deepcopy(net) for _ in range(4)]
-chunks = scatter(torch.randn(256, 3, 32, 32), 4)
+batch = torch.randn(256, 3, 32, 32)
+chunks = scatter(batch, 4)
 
 
-def best_of(fn, repeats=5):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def samples_per_s(fn):
+    t0 = time.perf_counter()
+    fn()
+    return len(batch) / (time.perf_counter() - t0)
 
 
 try:
     with torch.no_grad():
-        one_by_one = best_of(lambda: [c(x) for c, x in zip(copies, chunks)])
-        threaded = best_of(lambda: threaded_apply(copies, chunks))
-    print(f"4 copies one after another: {one_by_one * 1e3:.1f} ms; in threads: "
-          f"{threaded * 1e3:.1f} ms ({one_by_one / threaded:.2f}x, on {os.cpu_count()} cores)")
+        ways = {"one after another": lambda: [c(x) for c, x in zip(copies, chunks)],
+                "in threads": lambda: threaded_apply(copies, chunks)}
+        for fn in ways.values():
+            fn()  # warm-up
+        rates = {name: [] for name in ways}
+        for _ in range(5):  # rounds, interleaved so that a slow moment hits both ways
+            for name, fn in ways.items():
+                rates[name].append(samples_per_s(fn))
+    for name, runs in rates.items():
+        print(f"4 copies {name:17}: {', '.join(f'{r:5.0f}' for r in runs)} samples/s")
+    print(f"On this run ({os.cpu_count()} cores): "
+          + compare_rates("one after another", rates["one after another"],
+                          "in threads", rates["in threads"]))
 except NotImplementedError:
     print("Stretch skipped: write threaded_apply above to time it.")

@@ -316,7 +316,8 @@ import threading  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
 
-def _threads(order="index", join="after", grad="caller", errors="raise", n_threads=None):
+def _threads(order="index", join="after", grad="caller", errors="raise", n_threads=None,
+             catch=BaseException):
     def apply(replicas, inputs):
         mode = torch.is_grad_enabled()
         results, errs, done = [None] * len(replicas), [], []
@@ -328,7 +329,7 @@ def _threads(order="index", join="after", grad="caller", errors="raise", n_threa
                     out = replicas[i](inputs[i])
                 results[i] = out
                 done.append(out)
-            except Exception as exc:  # noqa: BLE001
+            except catch as exc:  # noqa: BLE001
                 errs.append((i, exc))
 
         if n_threads == 1:
@@ -377,7 +378,7 @@ def caller_runs_replica_zero(replicas, inputs):
         try:
             with torch.set_grad_enabled(mode):
                 results[i] = replicas[i](inputs[i])
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
             errors[i] = exc
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(1, len(replicas))]
@@ -409,6 +410,7 @@ def test_right_threaded_apply_passes(fn, capsys):
     (_threads(errors="first"), "replica 2's error, the first to fail"),
     (_threads(errors="last"), "replica 2's error, the last to fail"),
     (pool_of_two, "ran in 2 thread(s)"),
+    (_threads(catch=Exception), "`except Exception` let it end replica 1's thread"),
 ])
 def test_threaded_apply_mistakes_are_named(fn, phrase):
     with pytest.raises(LabCheckError) as err:
@@ -686,3 +688,65 @@ def test_threads_that_swallow_errors_get_the_fix_on_the_second_meeting():
     with pytest.raises(LabCheckError) as err:
         lab02.check_threaded_apply(fn)
     assert "raise it in the caller after join" in str(err.value), str(err.value)
+
+
+# --- a replica that ends with SystemExit (a BaseException, not an Exception) -------------------
+
+def missing_output_detected(replicas, inputs):
+    # catches Exception only, but notices the empty slot and raises its own error, without the
+    # replica's: the caller cannot tell what ended replica 1
+    results = _threads(catch=Exception)(replicas, inputs)
+    if any(r is None for r in results):
+        raise RuntimeError("a replica gave no output")
+    return results
+
+
+def test_a_system_exit_lost_in_its_thread_is_named_then_fixed():
+    wrong = _threads(catch=Exception)
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_threaded_apply(wrong)
+    message = str(first.value)
+    assert "SystemExit is a BaseException, not an Exception" in message, message
+    assert "returned ['Tensor', None]" in message, message
+    assert "Run the check again" in message and "catch BaseException" not in message, message
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_threaded_apply(wrong)
+    assert "catch BaseException in each worker" in str(second.value), str(second.value)
+
+
+def test_an_error_that_hides_the_system_exit_is_named():
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_threaded_apply(missing_output_detected)
+    assert "neither is that error nor carries it" in str(err.value), str(err.value)
+
+
+def chained_base_exceptions(replicas, inputs):
+    # a right answer written another way: every thread's ending kept, re-raised as a
+    # RuntimeError whose cause is the lowest replica's (SystemExit included)
+    errors = {}
+    results = [None] * len(replicas)
+    mode = torch.is_grad_enabled()
+
+    def work(i):
+        try:
+            with torch.set_grad_enabled(mode):
+                results[i] = replicas[i](inputs[i])
+        except BaseException as exc:  # noqa: BLE001
+            errors[i] = exc
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        i = min(errors)
+        raise RuntimeError(f"replica {i} failed") from errors[i]
+    return results
+
+
+@pytest.mark.parametrize("fn", [_threads(), pool_apply, chained_base_exceptions],
+                         ids=["threads-base-exception", "thread-pool", "chained"])
+def test_a_system_exit_reaching_the_caller_passes(fn, capsys):
+    lab02.check_threaded_apply(fn)
+    assert "a SystemExit included" in capsys.readouterr().out

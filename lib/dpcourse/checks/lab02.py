@@ -428,10 +428,11 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
     if _close(got, plus_held(ref)):
         pass
     elif held and _close(got, ref):
-        fail("the model arrived holding gradients and dp_forward_backward replaced them: the "
-             "contract is loss.backward()'s, which adds the new gradient to what p.grad holds "
-             "(so that the caller decides when to clear it, as gradient accumulation needs).",
-             fix="add to what p.grad held.")
+        fail("the model arrived holding gradients and dp_forward_backward replaced them, but "
+             "nn.DataParallel's backward is a backward like any other: the replicas' gradients "
+             "flow back through the broadcast into the module's parameters, and autograd adds "
+             "them to what p.grad held (so that the caller decides when to clear it, as "
+             "gradient accumulation needs).", fix="add to what p.grad held.")
     else:
         _diagnose_dp_gradients(got, ref, before if held else None, model, X, y, n, batch, sizes,
                                seen)
@@ -523,16 +524,18 @@ class _Timed(torch.nn.Module):
     """A stand-in replica: sleeps (releasing the GIL, as torch kernels do), records when it
     ran and in which thread, and returns its input times a factor that identifies it."""
 
-    def __init__(self, factor: float, delay: float, log: list, fail_with: str | None = None):
+    def __init__(self, factor: float, delay: float, log: list, fail_with: str | None = None,
+                 raises: type[BaseException] = ValueError):
         super().__init__()
         self.factor, self.delay, self.log, self.fail_with = factor, delay, log, fail_with
+        self.raises = raises
         self.w = torch.nn.Parameter(torch.ones(()))
 
     def forward(self, x):
         t0 = time.perf_counter()
         time.sleep(self.delay)
         if self.fail_with:
-            raise ValueError(self.fail_with)
+            raise self.raises(self.fail_with)
         self.log.append((self.factor, threading.get_ident(), t0, time.perf_counter()))
         return x * self.factor * self.w
 
@@ -614,8 +617,51 @@ def check_threaded_apply(threaded_apply) -> None:
              "nothing happened: an exception ends its thread, not the caller.",
              fix="keep the exception and raise it in the caller after join.")
     _check_several_errors(threaded_apply)
+    _check_system_exit(threaded_apply)
     passed(f"threaded_apply ran {n} replicas at the same time in {n} threads, kept their order, "
-           f"the caller's grad mode, and their errors (the lowest replica's first)")
+           f"the caller's grad mode, and their errors (the lowest replica's first, a SystemExit "
+           f"included)")
+
+
+def _said(exc: BaseException) -> str:
+    """The messages of ``exc`` and of the exceptions it carries (cause, context)."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return " ".join(parts)
+
+
+def _check_system_exit(threaded_apply) -> None:
+    """Replica 1 ends with SystemExit (sys.exit() somewhere in its code), a BaseException that
+    is no Exception: the caller must get it (or an error carrying it), never a None in place of
+    replica 1's output. A thread that SystemExit ends dies silently (threading.excepthook
+    ignores it), so a worker that catches only Exception loses it."""
+    __tracebackhide__ = True
+    broken = [_Timed(1, 0.0, []),
+              _Timed(2, 0.0, [], fail_with="replica 1 called sys.exit()", raises=SystemExit)]
+    try:
+        out = threaded_apply(broken, [torch.ones(2), torch.ones(2)])
+    except (NotImplementedError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - SystemExit is what the check wants back
+        if "replica 1 called sys.exit()" in _said(exc):
+            return
+        fail(f"replica 1 ended with SystemExit ('replica 1 called sys.exit()') and the caller "
+             f"got {type(exc).__name__} ({exc}), which neither is that error nor carries it.",
+             fix="keep what ended each thread, BaseException included, and raise that in the "
+                 "caller (or an error raised `from` it).")
+    shown = [None if o is None else type(o).__name__ for o in out] \
+        if isinstance(out, (list, tuple)) else out
+    fail(f"replica 1 ended with SystemExit, and threaded_apply returned {shown} as if nothing "
+         f"had happened: SystemExit is a BaseException, not an Exception, so `except "
+         f"Exception` let it end replica 1's thread, which dies silently (threading ignores a "
+         f"SystemExit in a thread), and the caller took the None left in its slot for an "
+         f"output. (torch's own parallel_apply also catches only Exception, but looks its "
+         f"results up in a dict, so its caller gets a KeyError there rather than a None.)",
+         fix="catch BaseException in each worker (what ends a thread, not only Exception) and "
+             "raise it in the caller after the join.")
 
 
 def _check_several_errors(threaded_apply) -> None:
