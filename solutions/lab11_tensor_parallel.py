@@ -233,10 +233,9 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 # every tensor-parallel rank, which wastes memory. Korthikanti et al. (2022) cut them along the
 # tokens instead: X now **enters** the MLP on rank r as its share of the tokens (rows
 # r·s/t … (r+1)·s/t − 1 of X, all d features), and the MLP's output must **leave** it the
-# same way, each rank keeping Y for its own tokens only. The weights and the two matmuls stay
-# as before: the column layer still needs X of every token, and the row layer still gives
-# every rank a product over all the tokens. `f` and `g` keep their places; what each pass
-# then makes is no longer what you declared above. `sp_collectives` is a dict with the keys
+# same way, each rank keeping Y for its own tokens only. The weights, their cuts and the two
+# matmuls stay as before; `f` and `g` keep their places. What each pass of them must make is
+# yours to work out again. `sp_collectives` is a dict with the keys
 # `"f forward"`, `"f backward"`, `"g forward"` and `"g backward"`, each one of
 # `lab11.SP_VALUES`: `"nothing"`, `"all-reduce"`, `"all-gather"` (every rank gets every rank's
 # tensor, stacked in rank order) or `"reduce-scatter"` (the ranks' tensors summed, and rank r
@@ -301,11 +300,11 @@ lab11.check_sequence_parallel(sp_collectives)
 # checks below refuse code that cuts another dimension than the one you declared.
 #
 # Then the same two layers in another framework's layout, which this course does not show
-# cut: Keras's `Dense(units)` keeps a `kernel` of shape `(input features, units)` and
-# computes `inputs @ kernel + bias` (`keras/src/layers/core/dense.py`, `Dense.build` and
-# `Dense.call`). `dense_dims` is the pair `(column, row)`: the dimension of the column
-# layer's kernel and of the row layer's kernel that each would cut, were they Keras `Dense`
-# layers.
+# cut: Keras's `Dense(units)` keeps its weight as a `kernel`. How Keras lays it out is for you
+# to find — build one on 6 input features and print its kernel's shape, or read `Dense.build`
+# and `Dense.call` in the installed `keras/src/layers/core/dense.py`. `dense_dims` is the pair
+# `(column, row)`: the dimension of the column layer's kernel and of the row layer's kernel
+# that each would cut, were they Keras `Dense` layers.
 #
 # **Your design decision:** the row layer's bias. The lesson left it open: keep it whole or
 # in blocks, on every rank or on one, and add it before `g` or after it. More than one choice
@@ -481,7 +480,7 @@ lab11.check_parameters_prediction(held_guess, held, TPMLP)
 # give it a batch `x = torch.randn(5, 6)` of inputs, and run one forward and one backward of
 # the loss `model(x).square().mean()`. How many all-reduces does each rank make in that step,
 # forward and backward together? And how many when `x` requires a gradient
-# (`x.requires_grad_()`, as it does when a layer below produced it)? Write both numbers below
+# (`x.requires_grad_()`)? Write both numbers below
 # **before** you run the cell after them, which counts both on 2 ranks and explains the
 # counts.
 

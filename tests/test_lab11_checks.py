@@ -1050,7 +1050,7 @@ class RowGOnInput(Row):
     (RowNoReduce, "no communication in RowNoReduce.s forward"),
     (RowBiasEveryRank, "adds the bias on every rank before the all-reduce"),
     (RowBiasScaled, "1/2 of its gradient"),
-    (RowBiasStoredScaled, "divided by the world size"),
+    (RowBiasStoredScaled, "divided by the world size.* the whole dL/db .* moves 2 times as far"),
     (RowBackwardAllReduce, "backward all-reduces"),
     (RowWrongDim, "wrong dimension"),
     (RowWrongDimBounds, "wrong dimension .* give some ranks all of it and others nothing"),

@@ -426,8 +426,9 @@ def _diagnose_row(outs: list, n: int, name: str, full, h_full, grad_full, y_full
                 continue
             if not torch.equal(p, bias) and torch.allclose(p, bias / n):
                 fail(f"{name} keeps the bias divided by the world size on every rank: the "
-                     f"output adds up right, but each copy gets 1/{n} of its gradient, so no "
-                     f"rank's bias trains like the full layer's.")
+                     f"output adds up right, and each copy even gets the whole dL/db as its "
+                     f"gradient — but a step then moves each of the {n} copies by lr·dL/db, so "
+                     f"the bias they add up to moves {n} times as far as the full layer's.")
             if g is None:
                 _dead_bias(name, rank, tuple(p.shape), n)
             if _close(g, full.bias.grad / n):
@@ -622,7 +623,9 @@ def _mlp_param_grads(outs: list, n: int, hidden: int, name: str, plain: nn.Seque
             b2 = plain[2].bias.detach()
             if p.shape == b2.shape and not torch.equal(p, b2) and torch.allclose(p, b2 / n):
                 fail(f"{name} keeps {_MLP_PARTS['b2']} divided by the world size on rank {rank}: the "
-                     f"output adds up right, but each copy gets 1/{n} of its gradient.",
+                     f"output adds up right, and each copy gets the whole dL/db as its gradient, "
+                     f"so a step moves the {n} copies' sum {n} times as far as the plain "
+                     f"MLP's bias.",
                      fix="keep the whole bias and add it once (after g, or before it on rank 0 only).")
             match = _match_param(p, plain)
             if match is None:
