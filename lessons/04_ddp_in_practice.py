@@ -97,16 +97,8 @@ print("ranks:", world_size, "| backend:", profile.backend)
 #   from the environment;
 # - **one GPU per rank:** `torch.cuda.set_device(local_rank)` *before* anything touches CUDA, or
 #   every process's `.cuda()` and NCCL use GPU 0; `DDP(..., device_ids=[local_rank])`;
-# - **the restart store:** after a crash torchrun restarts the workers, and they meet again in
-#   the store of the rendezvous. With the c10d rendezvous that store is created once and *reused*
-#   in every later round (`DynamicRendezvousHandler.next_rendezvous` keeps its
-#   `_shared_tcp_store_server`), and the workers join it as clients
-#   (`TORCHELASTIC_USE_AGENT_STORE=True`), so the dead attempt's keys, such as the peers'
-#   addresses, are still there when the new attempt starts (a comment in torch's
-#   `_create_c10d_store` says otherwise; see Sources). A `PrefixStore` named after
-#   `TORCHELASTIC_RESTART_COUNT` keeps every attempt's keys apart (section 3 restarts a run with
-#   it); exporting `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` before torchrun, which turns the sharing
-#   off, is the other way out;
+# - **the restart store:** a `PrefixStore` per attempt (`store_for_this_attempt`), for the
+#   restarts of section 3, which says why;
 # - **the data:** `DistributedSampler` gives each rank its shard, `set_epoch` reshuffles it each
 #   epoch the same way on every rank; the evaluation takes each test image exactly once;
 # - **the model:** `DDP(...)`, and `raw_model = model.module`, the plain model, which is what we
@@ -229,8 +221,23 @@ print(f"largest difference between the two runs' weights: {gap:.1e}")
 # not in the order they arrive, and not in an order you choose (rank 0, whose node hosts the
 # workers' store, is the smallest description); and a node whose partner never comes waits
 # `join_timeout` (600 s by default) — so `dp.run_nodes` passes `--rdzv-conf=join_timeout=60`
-# to each agent and kills both, with their workers, past `timeout`. The cell prints the two
-# command lines (folders cut), then rank 0's output.
+# to each agent and kills both, with their workers, past `timeout`: the end of `run_nodes` and
+# the `launch.kill_tree` it calls, below. The cell after prints the two command lines (folders
+# cut), then rank 0's output.
+
+# %%
+import inspect
+
+src = inspect.getsource(dp.run_nodes).splitlines()
+at = [next(i for i, line in enumerate(src) if key in line)
+      for key in ("deadline = t0", "from None", "finally:", "kill_tree(p.pid)")]
+kill = inspect.getsource(launch.kill_tree).splitlines()
+viz.show_code("\n".join(["try:", "    ...  # the agents start, each in a session of its own"]
+                        + [line[4:] for line in src[at[0]:at[1] + 1]]
+                        + ["    ...  # read the logs, return the exit codes and outputs"]
+                        + [line[4:] for line in src[at[2]:at[3] + 5]]),
+              "\n".join(kill[:1] + kill[kill.index("    import psutil"):]),
+              title="dp.run_nodes, from its deadline on, and launch.kill_tree (docstring cut)")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -318,16 +325,20 @@ viz.show(viz.restart_timeline_figure(total_steps=total_steps, ckpt_every=4, fail
          "section 2.")
 
 # %% [markdown]
-# What makes the restart bit-identical is in these lines of `train_ddp.py`: every rank loads
-# the model, the optimizer (its momentum) and the step; the epoch loop starts at the epoch of
-# that step, `set_epoch` gives the same permutation as before, and the batches already trained
-# on in that epoch are skipped (`done_in_epoch`); rank 0 saves every `--ckpt-every` steps.
-
-# %%
-script_lines = train_ddp.read_text().splitlines()
-first = next(i for i, line in enumerate(script_lines) if line.strip() == "step = 0")
-last = next(i for i, line in enumerate(script_lines) if "os.kill(os.getpid()" in line)
-viz.show_code("\n".join(script_lines[first:last + 1]), title="train_ddp.py: resume and save")
+# The data order comes back unsaved: the loop starts at the saved step's epoch, `set_epoch`
+# gives the same permutation, and the batches already trained on are skipped
+# (`done_in_epoch`). What else the checkpoint holds, and how each rank gets it back, is close to
+# lab 04's stretch: those lines of `train_ddp.py` wait, folded, after the lab's pointer.
+#
+# **Where the restarted ranks meet.** The c10d rendezvous keeps one store for every round, and
+# the restarted workers join it again, so, by torch's source (Sources; not replayed here), the
+# dead attempt's keys, such as the peers' addresses, are still there. The script's
+# `PrefixStore` named after `TORCHELASTIC_RESTART_COUNT` keeps the attempts apart **on one
+# node**: the count is **per agent**, and a node restarted because another node is waiting
+# does not count it ("membership changes do not count as retries"), so on several nodes (the
+# SLURM recipe) ranks can look for `attempt_1` and `attempt_0` keys and never meet. There,
+# export `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` before torchrun: each attempt's rank 0 hosts a
+# fresh store, and `store_for_this_attempt` returns `None`.
 
 # %% [markdown]
 # **Myth: "every rank can save, it's the same file."** It races: a `torch.save` to the final
@@ -624,8 +635,9 @@ claim("after training each rank's running statistics are its own; the wrapper's 
 # torch's fix is the `Join` context manager (`torch.distributed.algorithms.join`), and DDP is
 # *joinable*: inside `with Join([model]):`, a rank that has run out of batches does not leave;
 # it keeps answering the others' all-reduces with zero gradients until every rank is done, and
-# at the end `_sync_final_model` broadcasts the module (parameters and buffers) of the last rank
-# to finish, so all ranks hold the same model. The module only: the **optimizer state is not
+# at the end `_sync_final_model` broadcasts the module's parameters — and its buffers, when
+# `forward_sync_buffers` is on (the default) — from the last rank to finish, so all ranks hold
+# the same model. The module only: the **optimizer state is not
 # synchronised**. A rank that joined early skipped the last `opt.step()`s, so with momentum (or
 # Adam) its buffers differ from the others', and a second epoch after a `Join` makes the weights
 # drift apart again; checkpoint from the last rank to finish, or re-broadcast the optimizer
@@ -888,7 +900,9 @@ claim("with or without no_sync, the gradients equal one process on the global ba
 # On CUDA use float16 with a `GradScaler`: in the float16 backward, small *activation*
 # gradients fall out of float16's range. Below about 6e-5 (its smallest normal number) a value
 # becomes *subnormal* and keeps fewer significant bits the smaller it is; only below about 3e-8
-# (half its smallest subnormal 2⁻²⁴ ≈ 6e-8: round to nearest) does it flush to zero (the first cell below shows both). The
+# (half its smallest subnormal, 2⁻²⁴ ≈ 6e-8) is it nearer 0 than any float16, and rounding to
+# nearest makes it zero (underflow; not flush-to-zero, a hardware mode that drops subnormals
+# too; the first cell below shows both). The
 # scaler multiplies the loss before `backward`, which lifts those gradients back into the normal
 # range, and divides the float32 parameter gradients after. On CPU use bfloat16 (float32's
 # range, no scaler needed). `train_ddp.py --amp` does both. Then: 10 steps with and without
@@ -896,12 +910,14 @@ claim("with or without no_sync, the gradients equal one process on the global ba
 
 # %%
 half = torch.finfo(torch.float16)
+smallest = float(torch.nextafter(torch.tensor(0.0).half(), torch.tensor(1.0).half()))  # > 0
 kept, lost = torch.tensor(1e-6).half(), torch.tensor(2e-8).half()
 claim(f"float16 keeps 1e-6, below its smallest normal number ({half.tiny:.1e}), as a subnormal "
       f"(to 2%)", 0 < float(kept) < half.tiny and abs(float(kept) - 1e-6) < 2e-8,
       kept=float(kept))
-claim(f"and flushes 2e-8 to zero: below half its smallest subnormal "
-      f"({half.tiny * 2.0 ** -10:.1e})", float(lost) == 0.0, lost=float(lost))
+claim(f"its smallest subnormal is 2⁻²⁴ ({smallest:.1e}); 2e-8, below half of it "
+      f"({smallest / 2:.1e}), rounds to zero", smallest == 2.0 ** -24
+      and 2e-8 < smallest / 2 and float(lost) == 0.0, smallest=smallest, lost=float(lost))
 
 
 # %%
@@ -1341,12 +1357,12 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 # %% [markdown]
 # ## Summary
 #
-# * `train_ddp.py` is `train_single.py` plus the lines data parallelism needs (and section 3's
-#   crash hook), all shown above (`evaluate` after the lab pointer):
-#   the identity from torchrun's environment, `init_process_group`, `set_device(local_rank)` and
-#   `device_ids`, a per-attempt `PrefixStore` for restarts, `DistributedSampler` + `set_epoch`,
-#   `DDP` and `raw_model`, reduced sums for every printed number, rank-0 checkpoints,
-#   `destroy_process_group`. It ends with one process's weights (to 1e-5).
+# * `train_ddp.py` is `train_single.py` plus the lines data parallelism needs: the identity
+#   from torchrun's environment, `init_process_group`, `set_device(local_rank)` and
+#   `device_ids`, a per-attempt `PrefixStore` (one node; on several,
+#   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`), `DistributedSampler` + `set_epoch`, `DDP` and
+#   `raw_model`, reduced sums, rank-0 checkpoints, `destroy_process_group`; it ends with one
+#   process's weights (to 1e-5).
 # * The same command runs on one machine or many (c10d rendezvous; bound `join_timeout`).
 #   Rank 0 saves, atomically; every rank loads with `map_location` and `weights_only=True`;
 #   with `--max-restarts` a killed run resumes and ends with **the same weights**.
@@ -1361,10 +1377,10 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 #   (with or without momentum), not with weight decay, and not for Adam.
 # * `no_sync` accumulation equals the big batch and all-reduces `accum` times less. AMP leaves
 #   DDP's gradients in float32 (a 16-bit compress hook or `mixed_precision=` changes that). DDP
-#   broadcasts rank 0's buffers before each forward that follows a synchronising training
-#   forward. Synchronised batch statistics matter when per-rank batches are small: measured
-#   with the CPU stand-in `dp.CPUSyncBatchNorm` (not `nn.SyncBatchNorm`, which refuses CPU
-#   tensors), they make BatchNorm's gradients one process's (to 1e-5).
+#   broadcasts rank 0's buffers before a forward when the forward before it ran with gradients
+#   enabled and outside `no_sync`. With small per-rank batches, synchronised batch statistics
+#   (measured with the CPU stand-in `dp.CPUSyncBatchNorm`) make BatchNorm's gradients one
+#   process's (to 1e-5).
 # * `TORCH_DISTRIBUTED_DEBUG=DETAIL` turns a mismatched collective into a clear error; a
 #   process-group timeout ends a hang; NCCL needs one GPU per rank and `set_device`;
 #   `find_unused_parameters` is for unused parameters only.
@@ -1407,6 +1423,17 @@ display(Code("\n".join(difflib.unified_diff(
 # Each image exactly once (rank r takes images r, r + N, ...), a SUM of the loss and a COUNT of
 # right answers and of images on each rank, one all_reduce of those sums, division last: sums
 # over disjoint images add up, fractions over shards of different sizes do not.
+
+# %% [markdown]
+# **▶ The reference answer to the stretch — open after your lab passes** (click the folded cell
+# below): the lines of `train_ddp.py` that section 3's restart ran — what its checkpoint holds,
+# how every rank loads it, and rank 0's save.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+script_lines = train_ddp.read_text().splitlines()
+first = next(i for i, line in enumerate(script_lines) if line.strip() == "step = 0")
+last = next(i for i, line in enumerate(script_lines) if "os.kill(os.getpid()" in line)
+viz.show_code("\n".join(script_lines[first:last + 1]), title="train_ddp.py: resume and save")
 
 # %% [markdown]
 # ## Check yourself
@@ -1484,14 +1511,23 @@ viz.quiz([
 # - `torch/distributed/elastic/agent/server/local_elastic_agent.py` —
 #   `LocalElasticAgent._start_workers`: the worker environment (`RANK`, `LOCAL_RANK`,
 #   `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`,
-#   `TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_USE_AGENT_STORE`).
+#   `TORCHELASTIC_RESTART_COUNT` = `spec.max_restarts - self._remaining_restarts`, this
+#   agent's own count, `TORCHELASTIC_USE_AGENT_STORE`).
+# - `torch/distributed/elastic/agent/server/api.py` — `SimpleElasticAgent._invoke_run`: an
+#   `UNHEALTHY`/`FAILED` worker group decrements `_remaining_restarts` and restarts; a
+#   `HEALTHY` one restarts without decrementing when `num_nodes_waiting() > 0` ("membership
+#   changes do not count as retries").
 # - `torch/distributed/elastic/rendezvous/dynamic_rendezvous.py` — `_NodeDesc` (a dataclass with
 #   `order=True` on address, pid, local id) and
 #   `_DistributedRendezvousOpExecutor._mark_rendezvous_complete` (`for rank, node in enumerate(sorted(state.participants))`): node ranks come from
 #   sorting, not arrival; `DynamicRendezvousHandler.next_rendezvous`: the TCPStore server is
-#   created once (`_shared_tcp_store_server`) and reused in later rounds, unless
-#   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (also `use_agent_store`) — why the script needs a
-#   per-attempt `PrefixStore`.
+#   created once (`_shared_tcp_store_server`) and reused in later rounds, the workers joining it
+#   as clients (`TORCHELASTIC_USE_AGENT_STORE=True`; what that leaves in it after a crash is
+#   read from this source, not replayed in the lesson), unless
+#   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, when `RendezvousStoreInfo.build`
+#   (`torch/distributed/elastic/rendezvous/api.py`) has rank 0 pick a free port each round and
+#   `use_agent_store` is false — why the script needs a per-attempt `PrefixStore`, and what to
+#   export on several nodes.
 # - `torch/distributed/rendezvous.py` — `_create_c10d_store`, `_torchelastic_use_agent_store`:
 #   under the agent every rank is a client of the agent's store (its comment "We create a new
 #   TCPStore for every retry so no need to add prefix for each attempt" does not hold for the
@@ -1515,8 +1551,8 @@ viz.quiz([
 #   require_backward_grad_sync`), `will_sync_module_buffers`, `_sync_buffers` (rank 0 is the
 #   authoritative copy; under `Join`, `_find_common_rank` picks it), `no_sync`
 #   (`require_backward_grad_sync`), `join` and `_DDPJoinHook` (zero all-reduces for joined
-#   ranks, `divide_by_initial_world_size`), `_sync_final_model` (broadcasts `self.module`
-#   only), `register_comm_hook`.
+#   ranks, `divide_by_initial_world_size`), `_sync_final_model` (broadcasts `self.module` only:
+#   its buffers only with `broadcast_buffers=self.forward_sync_buffers`), `register_comm_hook`.
 # - `torch/distributed/algorithms/join.py` — `Join`, `Join.notify_join_context` (the
 #   notification all-reduce each iteration), `throw_on_early_termination`.
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `fp16_compress_hook`,
