@@ -615,10 +615,84 @@ def test_a_tensor_verdict_is_refused_by_its_type():
 def test_a_view_as_int32_of_each_parameter_is_refused_on_a_bfloat16_parameter():
     with pytest.raises(LabCheckError, match="with identical replicas of the second model \\(a "
                                             "bfloat16 parameter of 5 numbers, a float64 one of "
-                                            "3\\), replicas_in_sync raised RuntimeError: .*to view "
+                                            "3, a 0-dim float32 temperature\\), replicas_in_sync "
+                                            "raised RuntimeError: .*to view "
                                             "BFloat16 as Int \\(different element sizes\\).*not "
                                             "for 5 bfloat16 numbers"):
         lab10.check_replicas_in_sync(in_sync_int32_each)
+
+
+# FL10b 2: the contract says any size; a 0-dim parameter (the second model's temperature) is one
+def in_sync_view_each(model):  # each parameter viewed as bytes as it is: raises on a 0-dim one
+    flat = torch.cat([p.detach().contiguous().view(torch.uint8).reshape(-1)
+                      for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([int(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def in_sync_cat_unflattened(model):  # matrices flattened, the rest joined as it is: 0-dim refused
+    flat = torch.cat([p.detach().flatten() if p.dim() > 1 else p.detach()
+                      for p in model.parameters()]).view(torch.uint8)
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([int(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def in_sync_skips_scalars(model):  # bits, but 0-dim parameters left out
+    flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()
+                      if p.dim() > 0])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([int(torch.equal(flat, ref))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def in_sync_view_flat_first(model):  # the learner's repair: one dimension first, then bytes
+    flat = torch.cat([p.detach().view(-1).view(torch.uint8) for p in model.parameters()])
+    copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, flat)
+    differs = torch.tensor([int(any(not torch.equal(copies[0], c) for c in copies))])
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    return differs.item() == 0
+
+
+def test_the_second_model_has_a_0dim_parameter():
+    assert [p.dim() for p in lab10._mixed_model().parameters()].count(0) == 1
+
+
+@pytest.mark.parametrize("fn, error", [
+    (in_sync_view_each, "RuntimeError: self.dim\\(\\) cannot be 0 to view Float as Byte"),
+    (in_sync_cat_unflattened, "RuntimeError: zero-dimensional tensor \\(at position \\d+\\) "
+                              "cannot be concatenated"),
+])
+def test_a_0dim_parameter_crash_is_named_as_such(fn, error):
+    with pytest.raises(LabCheckError, match="with identical replicas of the second model \\(a "
+                                            "bfloat16 parameter of 5 numbers, a float64 one of "
+                                            "3, a 0-dim float32 temperature\\), replicas_in_sync "
+                                            "raised " + error + ".*The temperature is a 0-dim "
+                                            "parameter \\(shape \\(\\)") as first:
+        lab10.check_replicas_in_sync(fn)
+    assert "5 bfloat16 numbers" not in str(first.value) and "reshape" not in str(first.value)
+    with pytest.raises(LabCheckError, match="p.reshape\\(-1\\) \\(or p.flatten\\(\\)\\)"):
+        lab10.check_replicas_in_sync(fn)
+
+
+def test_a_detector_that_skips_0dim_parameters_is_named():
+    with pytest.raises(LabCheckError, match="with 0.5 added to the 0-dim parameter \\(temperature"
+                                            "\\) of the second model .*does not compare every "
+                                            "parameter"):
+        lab10.check_replicas_in_sync(in_sync_skips_scalars)
+
+
+def test_a_detector_that_flattens_first_passes(capsys):
+    lab10.check_replicas_in_sync(in_sync_view_flat_first)
+    assert capsys.readouterr().out.count("✔") == 1
 
 
 def test_a_detector_that_receives_no_weights_is_not_called_a_verdict_combined_wrong():

@@ -30,7 +30,7 @@ fails).
 Stretch: :func:`check_replicas_in_sync` — the learner's detector for replicas that differ, run
 on 3 ranks over a grid of cases, and judged from the evidence the grid gives: which rank differs
 (0, 1, 2), which parameter (the first, the last, a bfloat16 or float64 one of odd size in a
-second model), and how (0.5 off; then a +1e-3/-1e-3 pair, a position-weighted pair, a swap, a
+second model, and a 0-dim one there), and how (0.5 off; then a +1e-3/-1e-3 pair, a position-weighted pair, a swap, a
 sign flip, one unit in the last place in float32 and in float64, +0.0 against -0.0, NaNs of
 other bits). A spy records the one number each rank passes into a collective: verdicts that go
 in unlike and come out "in sync" on every rank name a combination that lets "same" win.
@@ -880,7 +880,8 @@ _OFF = 0.5  # "plainly off": a sum, a norm, a tolerance all see it
 # the second model's parameters: not float32, and of odd sizes (a view as int32 of a 5-number
 # bfloat16 tensor raises; float64 narrowed to float32 loses its last bits)
 _MIXED = {"scale": ("bfloat16", 5), "offset": ("float64", 3)}
-_MIXED_SAID = "the second model (a bfloat16 parameter of 5 numbers, a float64 one of 3)"
+_MIXED_SAID = ("the second model (a bfloat16 parameter of 5 numbers, a float64 one of 3, a "
+               "0-dim float32 temperature)")
 
 
 def _lab_model():
@@ -899,6 +900,8 @@ def _mixed_model():
     for name, (dtype, n) in _MIXED.items():
         model.register_parameter(name, torch.nn.Parameter(
             torch.randn(n, dtype=torch.float64).to(getattr(torch, dtype))))
+    # a learnable scalar (0-dim: shape ()), as a softmax temperature or a loss scale is
+    model.temperature = torch.nn.Parameter(torch.tensor(0.7))
     return model
 
 
@@ -919,6 +922,8 @@ def _cases(world_size: int) -> dict:
                          f"parameter (scale) {_OFF} off, in {_MIXED_SAID}")
     cases["f64_off"] = ("mixed", last, False, f"rank {last}'s float64 parameter (offset) "
                         f"{_OFF} off, in {_MIXED_SAID}")
+    cases["scalar_off"] = ("mixed", 0, False, f"rank 0's 0-dim temperature {_OFF} off, in "
+                           f"{_MIXED_SAID}")
     cases.update({
         "small_off": ("lab", last, False, "one weight 1e-3 off"),
         "off_keeping_sum": ("lab", last, False, "one weight +1e-3 and the next -1e-3"),
@@ -950,6 +955,8 @@ def _case_model(case: str, spec, rank: int):
                     named["scale"].view(-1)[2] += _OFF
                 if case == "f64_off":
                     named["offset"].view(-1)[1] += _OFF
+                if case == "scalar_off":
+                    named["temperature"] += _OFF
                 if case == "f64_ulp":
                     x = named["offset"].view(-1)
                     x[1] = torch.nextafter(x[1], torch.tensor(float("inf"), dtype=x.dtype))
@@ -1114,6 +1121,16 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
         errors = [r[case]["error"] for r in ranks if "error" in r.get(case, {})]
         if errors:
             error = errors[0]
+            if ("cannot be 0 to view" in error or "zero-dimensional tensor" in error) and \
+                    cases[case][0] == "mixed":
+                fail(f"with {said}, replicas_in_sync raised {error}. The temperature is a "
+                     f"0-dim parameter (shape (), one number, no dimension at all): a view "
+                     f"as another element size works along the last dimension, and torch.cat "
+                     f"joins along a dimension, so neither takes a 0-dim tensor as it is — "
+                     f"and a learnable scalar is a parameter like any other.",
+                     fix="Give every parameter one dimension before viewing or joining it: "
+                         "p.reshape(-1) (or p.flatten()) is a 1-dim tensor for any shape, "
+                         "0-dim included.")
             if "different element sizes" in error:
                 fail(f"with {said}, replicas_in_sync raised {error}. A view as integers of "
                      f"another element size needs each tensor's last dimension to split into "
@@ -1195,13 +1212,15 @@ def check_replicas_in_sync(replicas_in_sync, world_size: int = 3,
              f"what it holds.",
              fix="Compare each rank's own weights with the copy it received, then combine.")
     # 3. which parameter: the first weight's 0.5 is seen, another parameter's is missed
-    params = [c for c in blind if c.startswith("last_r") or c in ("bf16_off", "f64_off")]
+    params = [c for c in blind if c.startswith("last_r") or c in ("bf16_off", "f64_off",
+                                                                  "scalar_off")]
     if params:
         lasts = [c.removeprefix("last_r") for c in params if c.startswith("last_r")]
         what = ([f"the last parameter (2.bias, one number) on rank{'s' * (len(lasts) > 1)} "
                  f"{_and(lasts)}"] if lasts else []) + [
             {"bf16_off": "the bfloat16 parameter (scale)",
-             "f64_off": "the float64 parameter (offset)"}[c] + " of " + _MIXED_SAID
+             "f64_off": "the float64 parameter (offset)",
+             "scalar_off": "the 0-dim parameter (temperature)"}[c] + " of " + _MIXED_SAID
             for c in params if not c.startswith("last_r")]
         fail(f"with {_OFF} added to {'; to '.join(what)}, replicas_in_sync returned True on "
              f"every rank, while {_OFF} on the first weight was seen: your detector does not "
