@@ -408,25 +408,29 @@ viz.show(viz.reducer_figure(),
 # applies.
 
 # %% [markdown]
-# ## 4. Measuring the overlap — and predicting it
+# ## 4. Measuring the overlap on a CPU, where it has little to gain — and predicting it
+# What to expect first: gloo's all-reduce is work for the same 2 cores that run the
+# backward, so on this machine what overlap hides it mostly pays back in a slower backward
+# (why, after the measurements). Read the round-by-round verdicts for what your run shows; a
+# simulated wire that takes no CPU then tests the model where its assumptions hold, and with
+# GPUs `python -m dpcourse.bench ddp --backend nccl` runs these versions and caps over NCCL.
+#
 # The small CNN is too small for buckets to matter, so for timing we take a model whose size
 # is in many matrices — 64 `Linear` layers of width 320 (the first, 3072 × 320, is the
 # largest at 3.75 MiB), 28 MiB of float32, quick on a CPU — and train it with all four
-# versions and at each cap of `sweep_caps`, their steps interleaved so that a busy moment of
-# the machine hits all of them alike. Three **controls** run beside them: `local` (no
-# communication at all: the compute alone), and the per-parameter and bucketed versions with
+# versions and at each cap of `sweep_caps`. Three **controls** run beside them: `local` (no
+# communication: the compute alone), and the per-parameter and bucketed versions with
 # `overlap=False` — the same asynchronous all-reduces of the same buffers, launched only once
-# `backward()` has returned. In the code, a version and its control differ in one thing only:
-# when the all-reduces are launched. The runs are short (`timed_steps` steps) on a shared
-# 2-core machine, but they take their steps in **rounds** (step 1 of every run in a shuffled
-# order, then step 2 ...), so two runs are compared round by round, under the same load, on the very quantity
-# compared (the whole step, or the backward alone): a verdict says "faster" or "slower" only
-# when one run wins so many rounds that chance alone would do it less than 5% of the time (a
-# sign test), and "no clear difference" otherwise; "one bucket" and 25 MiB, identical work
-# here, check that yardstick. `timing_worker` also records the last step's timeline, and our
-# class its copies per bucket. Real DDP runs with nothing of ours in its path (no comm hook,
-# no gradient stamps); its all-reduces are counted afterwards, in one more step under torch's
-# profiler, from the process group's own records.
+# `backward()` has returned: in the code, a version and its control differ only in when the
+# all-reduces are launched. The runs are short (`timed_steps` steps) on a shared machine, so
+# they take their steps in **rounds** (step 1 of every run in a shuffled order, then step 2
+# ...) and two runs are compared round by round, under the same load: a verdict says "faster"
+# or "slower" only when one run wins so many rounds that chance alone would do it less than
+# 5% of the time (a sign test), and "no clear difference" otherwise; "one bucket" and 25 MiB,
+# identical work here, check that yardstick. `timing_worker` also records the last step's
+# timeline, and our class its copies per bucket. Real DDP runs with nothing of ours in its
+# path (no comm hook, no gradient stamps); its all-reduces are counted afterwards, in one more
+# step under torch's profiler, from the process group's own records.
 
 # %%
 viz.show_code(experiments.wide_mlp, experiments.timing_worker,
@@ -527,9 +531,8 @@ print(f"at most {in_flight} all-reduces were in flight at the same moment")
 #
 # - **gloo runs each process group's work on 2 worker threads** (`ProcessGroupGloo::Options`,
 #   `threads{2}`; each runs `runLoop`), so two all-reduces can be in flight together, and each
-#   rank then has up to three busy threads — the backward and two gloo workers — while the two
-#   ranks share **2 cores**. Every thread gets a slice of a core, so each all-reduce takes
-#   longer than alone, and so does the backward.
+#   rank has up to three busy threads — the backward and two gloo workers — on **2 cores**
+#   shared by both ranks: each all-reduce takes longer than alone, and so does the backward.
 # - **The "done" stamp is Python**: `BucketedDataParallel._launch` chains
 #   `work.get_future().then(...)` with a Python callback that appends the time. It runs only
 #   once it holds the GIL, which the backward's Python hooks (and the main thread) also take,
@@ -551,19 +554,21 @@ print(f"at most {in_flight} all-reduces were in flight at the same moment")
 #   `ring.fit_alpha_beta` (lesson 06's functions) on the sizes our buckets have;
 # - **the copies** our class makes: into the bucket and divided by N (in the hooks, so they
 #   lengthen the backward), and back after the wait; each bucket's as timed in the ranks
-#   (`copy_seconds`, medians) in the run and in its control — the same copies in both, so the
-#   model gets their mean, the same for both, and a run and its control differ in the model
-#   only in when the all-reduces start;
+#   (`copy_seconds`, medians), the mean of the run's and its control's (the same copies), so
+#   that in the model the two differ only in when the all-reduces start;
 # - **one all-reduce at a time**: bucket k starts when its last gradient is ready (or, in the
 #   control, when the backward ends) and not before bucket k−1 has finished; the bucket that
 #   holds the last gradient is complete only when the backward ends, so it starts then in both
-#   (gloo's second worker thread, above, is left out: the model keeps lesson 06's one message
-#   at a time).
+#   (gloo's second worker thread is left out).
 #
 # The step is then forward + max(backward, end of the last all-reduce) + optimizer step: when
 # the early buckets, each starting at its ready time, have finished by the end of the
 # backward, that is forward + backward + the last bucket's ring cost
-# 2(N−1)α + 2(N−1)/N · Kβ (K its bytes) + optimizer step.
+# 2(N−1)α + 2(N−1)/N · Kβ (K its bytes) + optimizer step. Write **B** for the backward as the
+# run does it (the hooks' copies into the buckets included: they run inside it), **C** for
+# all the all-reduces and **C_last** for the last bucket's: overlap saves at most
+# **min(B, C − C_last)** — what fits under the backward, and never the last bucket, complete
+# only when the backward ends.
 
 # %%
 viz.show_code(overlap.predict_step)
@@ -608,9 +613,12 @@ for c in sweep_caps:
     sizes = [(len(b), overlap.bucket_nbytes(b)) for b in overlap.assign_buckets(mlp_params, c)]
     args = (ready, sizes, comm_ms, parts["forward"], parts["backward"], parts["opt"])
     c_in, c_back = copies(c)
+    comm = [comm_ms(b) for _, b in sizes]
     model_rows.append({
         "bucket_cap_mb": c, "sizes": sizes, "copies_ms": sum(c_in) + sum(c_back),
-        "copies_in_ms": sum(c_in),
+        # B: the backward with the hooks' copies into the buckets, which run inside it;
+        # C: all the all-reduces (α-β), C_last: the last bucket's
+        "B_ms": parts["backward"] + sum(c_in), "C_ms": sum(comm), "C_last_ms": comm[-1],
         "predicted_ms": overlap.predict_step(*args, copy_in_ms=c_in,
                                              copy_back_ms=c_back)["step_ms"],
         "predicted_after_ms": overlap.predict_step(*args, overlap=False, copy_in_ms=c_in,
@@ -620,20 +628,19 @@ for c in sweep_caps:
 claim("without overlap the model is the plain sum, forward + backward + the copies + "
       "every bucket's α-β all-reduce + optimizer step, at every cap (to 1e-9 ms)",
       all(abs(r["predicted_after_ms"] - (parts["forward"] + parts["backward"] + parts["opt"]
-                                         + r["copies_ms"]
-                                         + sum(comm_ms(b) for _, b in r["sizes"]))) < 1e-9
+                                         + r["copies_ms"] + r["C_ms"])) < 1e-9
           for r in model_rows))
 saving = {r["bucket_cap_mb"]: r["predicted_after_ms"] - r["predicted_ms"] for r in model_rows}
 claim("with one bucket (and at 25 MiB, also one bucket for this model) the model predicts "
       "that overlap saves exactly 0 ms: the only all-reduce can start only when the backward "
       "ends", saving[math.inf] == 0 and saving[25] == 0, saving=saving)
+for r in model_rows:
+    r["bound_ms"] = min(r["B_ms"], r["C_ms"] - r["C_last_ms"])
 claim("at every cap the predicted saving is at least 0 and at most min(B, C − C_last) (B the "
-      "backward with the copies into the buckets, C the all-reduces' total, C_last the last "
-      "bucket's; to 1e-9 ms)", all(
-          -1e-9 <= saving[r["bucket_cap_mb"]] <= min(
-              parts["backward"] + r["copies_in_ms"],
-              sum(comm_ms(b) for _, b in r["sizes"]) - comm_ms(r["sizes"][-1][1])) + 1e-9
-          for r in model_rows), saving=saving)
+      "backward with the hooks' copies into the buckets, C the all-reduces' total, C_last the "
+      "last bucket's; to 1e-9 ms)", all(
+          -1e-9 <= saving[r["bucket_cap_mb"]] <= r["bound_ms"] + 1e-9 for r in model_rows),
+      saving=saving)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -696,8 +703,8 @@ for r in model_rows:
     way = compare(run, control)[0]
     (paid if way < 0 else cost if way > 0 else []).append(cap_label(r["bucket_cap_mb"]))
     print(f"{cap_label(r['bucket_cap_mb']):>10}: overlap predicted to save "
-          f"{r['predicted_after_ms'] - r['predicted_ms']:5.1f} ms; measured, overlapped against "
-          f"its control: {verdict(run, control)}")
+          f"{r['predicted_after_ms'] - r['predicted_ms']:5.1f} ms (at most {r['bound_ms']:.1f}); "
+          f"measured, overlapped against its control: {verdict(run, control)}")
 saving = [r["predicted_after_ms"] - r["predicted_ms"] for r in model_rows]
 typical_step = statistics.median(r["predicted_after_ms"] for r in model_rows)
 print(f"Overlap clearly saved time at {len(paid)} cap(s) {paid}, clearly cost time at "
@@ -710,12 +717,11 @@ print(f"With the 4 MiB buckets' all-reduces in flight beside it the backward too
       f"against {parts['backward']:.1f} ms alone (medians): backward against backward, "
       f"{verdict(by[('bucketed', 4)], local, 'backward')}; the model assumes overlap leaves it "
       f"unchanged.")
-sizes_4 = model_rows[sweep_caps.index(4)]["sizes"]
-comm_4 = sum(comm_ms(b) for _, b in sizes_4)
-ratio = parts["backward"] / comm_4
-print(f"Compute-to-communication ratio here: backward {parts['backward']:.1f} ms / all-reduces "
-      f"of the 4 MiB buckets {comm_4:.1f} ms (α-β model) = {ratio:.2f}, so overlap could hide "
-      f"at most {min(parts['backward'], comm_4 - comm_ms(sizes_4[-1][1])):.1f} ms of them.")
+r4 = model_rows[sweep_caps.index(4)]
+print(f"Compute-to-communication ratio, 4 MiB buckets: B = backward {parts['backward']:.1f} ms + "
+      f"the hooks' copies {r4['B_ms'] - parts['backward']:.1f} ms, C = {r4['C_ms']:.1f} ms "
+      f"(α-β model), B / C = {r4['B_ms'] / r4['C_ms']:.2f}: overlap could hide at most "
+      f"min(B, C − C_last) = {r4['bound_ms']:.1f} ms of them.")
 viz.show(viz.overlap_model_figure(model_rows),
          "for each cap, the model's step (light) beside the measured one (dark), overlapped "
          "(blue) and with the same all-reduces launched after the backward (orange): whether "
@@ -728,7 +734,6 @@ viz.show(viz.overlap_model_figure(model_rows),
 # `spans` — when the model starts and ends each bucket's all-reduce — for the same two cases.
 
 # %%
-r4 = model_rows[sweep_caps.index(4)]
 rows = []
 for label, kind in (("run, overlapped", "bucketed"), ("run, control", "bucketed_after")):
     t = by[(kind, 4)]["timeline"]
@@ -768,16 +773,12 @@ viz.show(fig, "the 4 MiB buckets, run against model: grey is the backward, each 
 # Where the model fails, and why. It treats compute and communication as independent: the
 # backward takes as long with all-reduces in flight as without, and an all-reduce as long
 # during the backward as alone. On this 2-core CPU neither holds: gloo's all-reduce is work
-# done *by the CPU* (copying, summing, the loopback TCP stack), on the same two cores the
-# ranks' backward runs on, so overlapping them mostly interleaves two jobs on the same cores
-# — the printed lines say what overlap bought on this run, and on which side of the model the
-# measured steps landed, controls included. The model also leaves out that each all-reduce
-# waits for the slower rank, and it takes its compute and its all-reduces from runs apart from
-# the ones it predicts (only the copies were timed inside them). So hold the difference
-# between a run and its control against the model, not the absolute step: when overlap
-# *costs* time, the all-reduces beside the backward slowed it (gloo's two worker threads and
-# the other rank competing for the same two cores) by more than overlap hid — the
-# backward-against-backward line measures that. On a
+# done *by the CPU* (copying, summing, the loopback TCP stack) on the cores the ranks'
+# backward runs on, so overlapping them mostly interleaves two jobs on the same cores: what
+# overlap hides, the slower backward pays back (the backward-against-backward line). The model
+# also leaves out that each all-reduce waits for the slower rank, and takes its compute and
+# its all-reduces from other runs: hold a run's difference from its control against the
+# model, not the absolute step. On a
 # GPU with NCCL the transfer runs on the interconnect and the reduction on a few of the GPU's
 # many cores beside the backward's kernels, which is what the model assumes.
 #
@@ -787,9 +788,7 @@ viz.show(fig, "the 4 MiB buckets, run against model: grey is the backward, each 
 # that **sleeps** as long as the message would take, one message at a time — a simulated
 # network, which uses no core (a sleeping thread releases the GIL). Its speed is set so that
 # all the buckets' messages together take twice as long as one backward, measured first
-# (B / C = 1/2): by the model, overlap can then hide up to a whole backward's worth of
-# messages, min(B, C − C_last) = B. As before, the two variants take their steps in shuffled
-# rounds.
+# (B / C = 1/2). As before, the two variants take their steps in shuffled rounds.
 
 # %%
 viz.show_code(experiments.off_cpu_wire)
@@ -829,27 +828,34 @@ claim("and the overlapped step was the faster one in most of the 15 rounds", win
 # Why: times depend on this machine and its load.
 c_total = sum(wire_ms(b) for b in off_cpu["bucket_bytes"])
 c_last = wire_ms(off_cpu["bucket_bytes"][-1])
-print(f"backward alone {wire_backward:.1f} ms; the simulated messages {c_total:.1f} ms in all, "
-      f"the last bucket's {c_last:.1f} ms")
-print(f"overlapped against its control: {words}; the sign test's clear verdict needs "
-      f"{needed(15)} of 15")
-print(f"the model's bound on the saving, min(B, C − C_last) = "
-      f"{min(wire_backward, c_total - c_last):.1f} ms")
+wire_sizes = [(len(b), overlap.bucket_nbytes(b))
+              for b in overlap.assign_buckets(list(wire_cfg.build().parameters()), 4)]
+wire_ready = [t * wire_backward / parts["backward"] for t in ready]   # section 4's, rescaled
+after_ms, overlap_ms = (overlap.predict_step(wire_ready, wire_sizes, wire_ms, 0, wire_backward, 0,
+                                             overlap=o)["step_ms"] for o in (False, True))
+print(f"B = backward alone {wire_backward:.1f} ms, C = the messages {c_total:.1f} ms, C_last "
+      f"{c_last:.1f} ms: bound min(B, C − C_last) = {min(wire_backward, c_total - c_last):.1f} "
+      f"ms; the model, each bucket sent once its gradients were ready (section 4's times, "
+      f"rescaled), predicts a saving of {after_ms - overlap_ms:.1f} ms")
+print(f"this run, overlapped against its control: {words}; a clear verdict needs {needed(15)} "
+      f"of 15")
+claim("the bound is B here (C − C_last is larger), and the model's saving is below it: the "
+      "wire starts only once the first bucket is complete",
+      c_total - c_last > wire_backward > after_ms - overlap_ms)
 
 # %% [markdown]
 # Here overlap pays (the claims above): once the communication leaves the cores free, the
-# backward can hide the messages of every bucket but the last, and the printed saving stands
-# beside the model's bound. On the gloo runs above the all-reduce was work for the same two
-# cores as the backward, which is what the model leaves out.
+# messages go on the wire under the backward. At B / C = ½ the backward is shorter than the
+# messages of every bucket but the last, so the bound is B, not C − C_last; and as the first
+# bucket is complete only some way into the backward, the model expects less than B. The
+# printed lines give both beside what this run saved (its median paired difference).
 #
-# The model also says **when** overlap can pay. Overlap hides at most the communication that
-# fits under the backward, and never the last bucket's (it is complete only when the backward
-# ends): with C the total time of the all-reduces and B the backward's, the saving is at most
-# min(B, C − C_last). It hides all but the last bucket once the **compute-to-communication
-# ratio B / C is about 1 or more**; far below 1 (a slow network) the step is communication
-# plus a little, far above 1 communication is nearly free, and in between the bucket cap
-# decides how much of it the backward covers. The ratio printed above is this machine's; the
-# DDP paper measured the same trade-off on GPUs with NCCL and gloo (Li et al., 2020, §5).
+# The bound also says **when** overlap can pay: it hides all but the last bucket once the
+# **compute-to-communication ratio B / C is about 1 or more**; far below 1 (a slow network)
+# the step is communication plus a little, far above 1 communication is nearly free, and in
+# between the bucket cap decides how much of it the backward covers. The ratio printed above
+# is this machine's; the DDP paper measured the same trade-off on GPUs with NCCL and gloo (Li
+# et al., 2020, §5).
 #
 # ### The bucket-size sweep
 
@@ -880,13 +886,12 @@ viz.show(viz.bucket_sweep_figure(sweep),
 # %% [markdown]
 # Two forces meet here. Small buckets start early, but each all-reduce pays α (lesson 06), so
 # a hundred of them cost more than their bytes; one bucket pays α once but cannot leave before
-# the backward has finished, so nothing overlaps — in theory a U, slow at both ends. The
-# printed sentences say whether *your run* shows either end, round by round (the α term of
-# the smallest cap is printed beside it); on this machine the backward and gloo share the
-# same cores, so overlap has less to gain than where they do not. On GPUs with NCCL the
-# transfer runs beside the compute, and Li et al. (VLDB 2020, the DDP paper) measured the middle
-# caps winning there — not shown here. The runs here pass `bucket_cap_mb=25` explicitly; DDP's
-# default (`bucket_cap_mb=None`) would put a 1 MiB bucket first (section 3 measured it).
+# the backward has finished, so nothing overlaps. Where overlap pays, that makes a U, slow at
+# both ends: Li et al. (VLDB 2020, the DDP paper) measured the middle caps winning on GPUs
+# with NCCL. On this CPU only the first force can show: overlap has little to gain here, so
+# one bucket loses little to the middle caps. Expect no U, and read the printed verdicts for
+# whether your run shows the small caps' α. The runs here pass `bucket_cap_mb=25` explicitly;
+# DDP's default (`bucket_cap_mb=None`) would put a 1 MiB bucket first (section 3 measured it).
 #
 # ### The four versions and real DDP
 # The same 128 messages go after the backward, blocking one at a time ("after backward"), or
@@ -919,11 +924,9 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 
 # %% [markdown]
 # At a 25 MiB cap this 28 MiB model makes **one** bucket, with our rule and in DDP alike (the
-# claim above compared them parameter by parameter; one because `bucket_cap_mb=25` was passed,
-# which turns DDP's 1 MiB first bucket off): the only all-reduce leaves when the
-# backward ends, so neither overlaps anything, and the only thing that can separate them is
-# the per-gradient work around it — our Python hooks and copies against DDP's C++ reducer;
-# the printed line says whether this run shows a difference, round by round. `python -m
+# claim above compared them parameter by parameter): the only all-reduce leaves when the
+# backward ends, so neither overlaps anything, and only the per-gradient work around it can
+# separate them — our Python hooks and copies against DDP's C++ reducer. `python -m
 # dpcourse.bench ddp` runs this comparison on its own (more steps, `--json`, `--backend nccl`
 # on GPUs).
 #
@@ -1131,12 +1134,10 @@ print(f"This run: error feedback ended {'lower' if gap > 0 else 'higher'} than P
 # write it, and its check replays the algorithm to prove each of your hook's results.
 #
 # ## 6. What DDP adds that we skipped
-# - **The first-iteration rebuild.** Our buckets follow registration order reversed. DDP
-#   (with `find_unused_parameters=False`, the default) starts with one bucket, records the
-#   order gradients *really* arrive in during the first backward, and rebuilds its buckets in
-#   that order, the first capped at 1 MiB (lesson 03 drew both). With
-#   `find_unused_parameters=True` (and no `static_graph`) it keeps its initial buckets, made
-#   from registration order, for good.
+# - **The first-iteration rebuild** (section 3, lesson 03): DDP rebuilds its buckets in the
+#   order the first backward's gradients really arrived (unless `find_unused_parameters`),
+#   the first capped at 1 MiB only when `bucket_cap_mb` is left at `None` (section 3's claim:
+#   passing 25 turns that bucket off).
 # - **Unused parameters.** A bucket with a parameter that gets no gradient is never complete.
 #   Ours says so instead of hanging; DDP needs `find_unused_parameters=True`, which walks the
 #   autograd graph after every forward to mark such parameters ready:
@@ -1192,20 +1193,14 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 # - A post-accumulate-grad hook can launch an asynchronous all-reduce the moment a gradient is
 #   ready; waiting on the handles before `optimizer.step()` keeps it correct — equal to DDP.
 # - Buckets, filled in reverse registration order and closed once they reach the cap (DDP's
-#   rule when it rebuilds its buckets in the order gradients arrive, proven equal to its own
-#   function and to real DDP's rebuilt buckets; with `find_unused_parameters=True` DDP keeps
-#   buckets made from registration order instead), send a few large messages instead of many
-#   small ones. DDP launches them strictly in bucket order, and can make the gradients views
+#   rule when it rebuilds its buckets, proven equal to its own function and to real DDP's
+#   rebuilt buckets), send a few large messages instead of many small ones. DDP launches them strictly in bucket order, and can make the gradients views
 #   of the buckets.
-# - Overlap is a prediction you can test: the early buckets' all-reduces start at their
-#   gradients' ready times and run under the backward; when they have finished by its end,
-#   step ≈ forward + backward + the last bucket's ring cost 2(N−1)α + 2(N−1)/N · Kβ +
-#   optimizer step. It saves at most min(backward, all-reduces but the last) — nothing with
-#   one bucket — and can hide communication when the backward lasts about as long as the
-#   all-reduces or longer. On a 2-core CPU, where gloo and the backward share the cores, the
-#   model's assumptions do not hold; its predicted saving is printed beside the run against
-#   its control, compared round by round, which says whether overlap paid here. With a
-#   simulated wire that takes no CPU, overlap clearly pays.
+# - Overlap is a prediction you can test: the early buckets' all-reduces run under the
+#   backward, and save at most min(B, C − C_last) (B the backward with the hooks' work in it,
+#   C the all-reduces, C_last the last bucket's) — nothing with one bucket; it pays when B / C
+#   is about 1 or more. On a 2-core CPU gloo and the backward share the cores, so overlap has
+#   little to gain; with a simulated wire that takes no CPU, it clearly pays.
 # - Communication hooks change what is sent: 16-bit halves the bytes and, in these short runs,
 #   ends within 0.15 of the uncompressed loss (a loose bound: the loss falls only a few tenths
 #   in 120 steps); PowerSGD sends a few percent and still learns, its error feedback carrying
@@ -1251,8 +1246,8 @@ viz.quiz([
              "with this one: that is what next_bucket_ prevents.",
              "Right: buckets are launched strictly in bucket order.",
              "Buckets are fixed once assigned (or rebuilt after the first step)."]},
-    {"q": "The backward takes 10 ms and the all-reduces of all buckets 40 ms. About how much "
-          "can overlap save at best?",
+    {"q": "The backward takes 10 ms (the hooks' work in it included) and the all-reduces of "
+          "all buckets 40 ms. About how much can overlap save at best?",
      "options": ["40 ms", "30 ms: everything but the last bucket's all-reduce",
                  "Up to 10 ms: only what fits under the backward, and never the last "
                  "bucket's all-reduce"],
@@ -1260,7 +1255,7 @@ viz.quiz([
      "why": ["Communication cannot hide under compute that is not there.",
              "The last bucket cannot hide, right, but neither can more than the backward's "
              "10 ms of the rest: there is no more compute to hide it under.",
-             "Right: the saving is at most min(backward, all-reduces but the last)."]},
+             "Right: the saving is at most min(B, C − C_last) = min(10, 40 − C_last)."]},
     {"q": "What goes wrong if finish_gradient_synchronization() returns without waiting?",
      "options": ["Nothing, gloo is synchronous", "optimizer.step() may read gradients the "
                  "all-reduce has not finished writing: a race, different on every run",
@@ -1295,8 +1290,8 @@ viz.quiz([
 # - `torch/_C/_distributed_c10d.pyi` — `Reducer._get_zeros_like_grad_buckets` (one
 #   `GradBucket` per bucket, its `parameters()`), how `ddp_buckets_worker` reads DDP's buckets
 #   (`distributed.py` calls it too).
-# - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer`: `next_bucket_`,
-#   `gradient_as_bucket_view_`, `mark_bucket_ready`, `finalize_backward`,
+# - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer`:
+#   `gradient_as_bucket_view_`, `finalize_backward`,
 #   `copy_bucket_to_grad` (the copy back when gradients are not views), `kDefaultFirstBucketBytes`,
 #   `div_factor_`; `Reducer` never rebuilds its buckets when `find_unused_parameters` is set
 #   (`should_rebuild_buckets`);
@@ -1325,8 +1320,8 @@ viz.quiz([
 #   (`threads{2}`: two worker threads per process group), `ProcessGroupGloo::runLoop`.
 # - `torch/futures/__init__.py` — `Future.then`: the callback that stamps an all-reduce's end
 #   runs in Python, so it needs the GIL.
-# - `torch/distributed/distributed_c10d.py` — `all_reduce`, `all_gather` (`async_op=True`
-#   returns a `Work` whose `get_future()` the hooks chain).
+# - `torch/distributed/distributed_c10d.py` — `all_reduce` (`async_op=True` returns a `Work`
+#   whose `get_future()` the hooks chain).
 # - `torch/_tensor.py` — `Tensor.register_post_accumulate_grad_hook`:
 #   the hook runs once `p.grad` holds this backward's gradient.
 # - `torch/profiler/profiler.py` — `profile`: the process group's `gloo:all_reduce` records
@@ -1338,9 +1333,7 @@ viz.quiz([
 #   installed), read at commit ad78a7b, the revision stored here (the torch 2.14.1 build's
 #   commit, 5c48869, could not be fetched) — `compute_bucket_assignment_by_size`,
 #   `Reducer::mark_variable_ready_dense`, "Note [DDP Communication Hook]",
-#   `Reducer::run_allreduce_hook`, `Reducer::mark_bucket_ready` (its launch loop calls
-#   `all_reduce_bucket`, which runs the comm hook: a hook is called in bucket order too),
-#   `Reducer::rebuild_buckets`;
+#   `Reducer::run_allreduce_hook`, `Reducer::rebuild_buckets`, and the in-order launch;
 #   what each says holds lab 07's answers, so it is in the folded cell below.
 # - S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
 #   PVLDB 13(12), 2020 (arXiv:2006.15704).
@@ -1348,7 +1341,8 @@ viz.quiz([
 #   for Distributed Optimization", NeurIPS 2019.
 
 # %% [markdown]
-# **▶ What `reducer.cpp` says — open after your lab passes** (click the folded cell below).
+# **▶ What `reducer.cpp` and `reducer.hpp` say — open after your lab passes** (click the folded
+# cell below).
 
 # %% [markdown] jupyter={"source_hidden": true}
 # - `compute_bucket_assignment_by_size`: a bucket is closed once `bucket.size >= limit`.
@@ -1358,4 +1352,6 @@ viz.quiz([
 #   nothing, no division; with `gradient_as_bucket_view`, `grad = bucket_view` after the copy.
 # - "Note [DDP Communication Hook]": with a hook registered, the reducer skips dividing by the
 #   world size; `Reducer::run_allreduce_hook`: without one, `_AllReduceBySumCommHook`, a sum.
-# - `Reducer::mark_bucket_ready`: the in-order launch, with `next_bucket_`.
+# - `Reducer::mark_bucket_ready`: the in-order launch, with `next_bucket_` (a member of
+#   `Reducer` in the installed `reducer.hpp`); its launch loop calls `all_reduce_bucket`, which
+#   runs the comm hook, so a hook is called in bucket order too.
