@@ -322,6 +322,9 @@ print("torch weights: nn.Linear(d, h) stores A transposed, as an h × d weight (
       "slice of b₁; the second along dim 1 (its columns are B's rows)")
 print("b₂: whole on every rank, added once, after g (added before the sum it would count t "
       "times)")
+print("count, per MLP and micro-batch: one all-reduce in the forward (g's); one in the "
+      "backward (f's) only when the MLP's input needs a gradient — otherwise autograd never "
+      "runs f's backward; and g's once more if the forward is recomputed")
 viz.show(viz.tp_shards_figure(16, 64, tp_ranks, answer=True),
          "Top: who holds what, biases included. Below: one rank's forward (left to right) and "
          "backward (right to left); R = replicated, S = this rank's slice, P = partial. f and "
@@ -349,18 +352,25 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
 # (`megatron/core/tensor_parallel/layers.py`) starts that all-reduce asynchronously and
 # computes the weight's gradient while it travels. `ColumnParallelLinear.__init__` turns it on
 # (`allreduce_dgrad = world_size > 1 and not sequence_parallel and not disable_grad_reduce`)
-# for every column layer, so in a transformer layer both *f*'s overlap — the QKV layer's and
-# the MLP's first layer's; with sequence parallelism the input gradient is reduce-scattered
-# instead, asynchronously with the same weight gradient. *g*'s all-reduce, in the forward,
-# has no such companion: the next layer needs its sum.
+# for every column layer, so in a transformer layer both *f*'s can overlap — the QKV layer's
+# and the MLP's first layer's; with sequence parallelism the input gradient is
+# reduce-scattered instead, asynchronously with the same weight gradient. *Can*: the overlap
+# holds only if the GPU starts the all-reduce before the weight-gradient matmul, and
+# Megatron-LM gets that order from the environment: `CUDA_DEVICE_MAX_CONNECTIONS=1`, which
+# "forces the kernels to be scheduled in the order they are called". Its code says "Here we
+# rely on CUDA_DEVICE_MAX_CONNECTIONS=1 to ensure that the all-reduce is scheduled before the
+# weight gradient computation"; the docstring of
+# `linear_with_grad_accumulation_and_async_allreduce` says its use "requires" the variable
+# ("necessary for a speedup but not for correctness"), and the function warns when it is not
+# 1. Without it the result is the same, and the overlap is not guaranteed. *g*'s all-reduce,
+# in the forward, has no such companion: the next layer needs its sum.
 
 # %% [markdown]
 # ### Checked, and counted
 # On every rank the worker builds the plain MLP and ours from the same weights, runs one
-# forward and backward on the same input, and compares. The input requires a gradient, as
-# it would with a layer before the MLP. Then the same with torch: `parallelize_module` with
-# `ColwiseParallel` for the first layer and `RowwiseParallel` for the second, on a one-
-# dimensional `DeviceMesh` (the ranks arranged as a named grid; here a line). Every
+# forward and backward on the same input, and compares. Then the same with torch:
+# `parallelize_module` with `ColwiseParallel` for the first layer and `RowwiseParallel` for
+# the second, on a one-dimensional `DeviceMesh` (the ranks arranged as a named grid; here a line). Every
 # collective is recorded with `dpcourse.collectives.record_collectives`; torch's also by
 # its own counter, `CommDebugMode`. The worker's code names the dimension of every slice it
 # compares — the lab's second question — so it is folded:
@@ -394,7 +404,8 @@ claim("every rank's weight and bias gradients == the same slice of the plain MLP
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 act_bytes = cfg.tokens * cfg.d * 4
 print("forward:", r0["forward"], " backward:", r0["backward"], " (op, elements, bytes)")
-claim(f"one all-reduce in the forward and one in the backward, each of the activations' "
+claim(f"the input requires a gradient here, as it would after another layer: one all-reduce "
+      f"in the forward (g) and one in the backward (f), each of the activations' "
       f"size: tokens × d = {cfg.tokens} × {cfg.d} floats ({act_bytes} bytes)",
       all(r["forward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
           and r["backward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
@@ -402,19 +413,20 @@ claim(f"one all-reduce in the forward and one in the backward, each of the activ
 
 # %% [markdown]
 # Against data parallelism: DDP all-reduces the MLP's *gradients*, Ψ = 2dh + h + d numbers,
-# once per step; tensor parallelism all-reduces *activations*, 2 × tokens × d, for every
-# micro-batch. One grows with the model, the other with the tokens:
+# once per step; each of tensor parallelism's all-reduces carries *activations*, tokens × d
+# numbers, and they come back with every micro-batch (how many per pass is lab 11's). One
+# grows with the model, the other with the tokens:
 
 # %%
 dp_bytes = cfg.num_params * 4
-tp_bytes = 2 * act_bytes
-print(f"this MLP: DP all-reduces {dp_bytes} bytes per step, TP {tp_bytes} "
-      f"({tp_bytes / dp_bytes:.2f}×)")
+tp_one = cfg.tokens * cfg.d * 4
+print(f"this MLP: DP all-reduces {dp_bytes} bytes per step; one TP all-reduce carries "
+      f"{tp_one} ({tp_one / dp_bytes:.2f}×)")
 d_gpt, s_gpt = gpt3.hidden, gpt3.seq_len
 mlp_params = 8 * d_gpt * d_gpt
-tp_elems = 2 * s_gpt * d_gpt
-claim(f"GPT-3's MLP (d = {d_gpt}), one sequence of {s_gpt} tokens: tensor parallelism "
-      f"all-reduces 2·s·d = {tp_elems / 1e6:.0f} M numbers for it, data parallelism the "
+tp_elems = s_gpt * d_gpt
+claim(f"GPT-3's MLP (d = {d_gpt}), one sequence of {s_gpt} tokens: one tensor-parallel "
+      f"all-reduce carries s·d = {tp_elems / 1e6:.0f} M numbers, data parallelism the "
       f"{mlp_params / 1e9:.2f} B weights' gradients once per step — "
       f"{mlp_params / tp_elems:.0f}× one sequence's", mlp_params / tp_elems > 20)
 
@@ -422,12 +434,15 @@ claim(f"GPT-3's MLP (d = {d_gpt}), one sequence of {s_gpt} tokens: tensor parall
 pub1 = planner.MEGATRON_TABLE1_145B
 m_pub = pub1["global_batch"] // pub1["dp"]
 print(f"section 5's published run: {pub1['global_batch']} sequences per step over "
-      f"d = {pub1['dp']} data-parallel pipelines = {m_pub} micro-batches of one sequence each, "
-      "per pipeline and step")
+      f"D = {pub1['dp']} data-parallel replicas = {m_pub} micro-batches of one sequence each, "
+      "per replica and step")
 
 # %% [markdown]
-# A step holds many sequences, though, and tensor parallelism pays for each, while data
-# parallelism's bytes do not grow with the batch. And *when* the bytes travel matters more:
+# (Each replica there is a *pipeline*: the model cut into consecutive stages, section 3, fed
+# the replica's share of the batch in *micro-batches*, slices that follow each other through
+# the stages; D counts the replicas, as N did in section 1.) A step holds many sequences,
+# though, and tensor parallelism pays for each, while data parallelism's bytes do not grow
+# with the batch. And *when* the bytes travel matters more:
 # DDP's all-reduce overlaps the backward (lesson 07); tensor parallelism's mostly cannot, so
 # Megatron-LM keeps t ≤ the GPUs of one node, on NVLink.
 #
@@ -443,9 +458,10 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # each rank's matmuls shrink by t. Not all of them, though: Megatron-LM hides two of a
 # layer's four, those of its two *f*'s — attention's QKV layer and the MLP's first layer are
 # both column-parallel, and every `ColumnParallelLinear` overlaps its all-reduce with a
-# matmul that does not need its result (which matmul, and why it can, is in the reference
-# answer folded after lab 11's pointer); with sequence parallelism the reduce-scatters that
-# replace them overlap the same way. torch's `ColwiseParallel` and `RowwiseParallel` issue
+# matmul that does not need its result, when the run sets `CUDA_DEVICE_MAX_CONNECTIONS=1`
+# (which matmul, why it can, and why the variable, is in the reference answer folded after lab
+# 11's pointer); with sequence parallelism the reduce-scatters that replace them overlap the
+# same way, under the same condition. torch's `ColwiseParallel` and `RowwiseParallel` issue
 # their redistributions with `async_op=True`, but in eager mode that returns an
 # `AsyncCollectiveTensor`, which waits for the collective before its first use — the very
 # next operation — so nothing overlaps there. torch's *async tensor parallelism*
@@ -519,7 +535,7 @@ viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
 # output hook, Partial → Replicate, in the forward (both hooks shown above).
 
 # %% [markdown]
-# ### Sequence parallelism: the same bytes, in the pieces async TP can fuse
+# ### Sequence parallelism: the activations outside the MLP, cut along the tokens
 # Outside the MLP — the layer norms, the dropouts — the tokens × d activation sits whole on
 # every tensor-parallel rank (section 1's undivided 10·s·b·d). Korthikanti et al.'s
 # *sequence parallelism* gives each rank only its share of the tokens there. torch writes it
@@ -831,9 +847,11 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # Which sizes, then, for a real model on a real cluster? `dpcourse.planner` tries every
 # tensor size t that divides the GPUs of a node (so that no tensor-parallel group straddles
 # two nodes), pipeline size p (dividing the layers) and data-parallel flavour (DDP, ZeRO-1,
-# ZeRO-3), with d = GPUs / (t·p), and for each computes per GPU: model state (lesson 08's
-# bytes per parameter, over Ψ/(t·p) parameters), activations (section 1, 1F1B's first stage
-# holding min(p, M) micro-batches, the layers recomputed), the messages and bytes per step of
+# ZeRO-3), with D = GPUs / (t·p) data-parallel replicas (d stays the model's width), and for
+# each computes per GPU: model state (lesson 08's 16 bytes per parameter, over Ψ/(t·p)
+# parameters: 16-bit gradients, accumulated and all-reduced in 16 bits, as Megatron-LM does
+# with `--fp16`; its `--bf16` default is checked after the ranking), activations (section 1,
+# 1F1B's first stage holding min(p, M) micro-batches, the layers recomputed), the messages and bytes per step of
 # each dimension (per GPU; data parallelism in DDP's 25 MiB buckets), and a step time —
 # compute at an assumed half of the GPU's peak, stretched by the pipeline's fill and drain,
 # plus every byte at its link's speed with nothing overlapped. That is an estimate at the
@@ -858,8 +876,8 @@ viz.show_code(planner.Cluster, planner.within_nodes, planner.plan_row, planner.p
 cluster = planner.MEGATRON_A100_CLUSTER
 print(f"the cluster: {cluster.nodes} nodes × {cluster.gpus_per_node} GPUs of "
       f"{cluster.gpu_bytes / gb:.0f} GB; peak {cluster.peak_flops / 1e12:.0f} teraFLOP/s (A100, "
-      f"dense bf16) at {cluster.efficiency:.0%} efficiency; {cluster.intra_bw / gb:.0f} GB/s "
-      f"per GPU inside a node (NVLink 3), {cluster.inter_bw / gb:.0f} GB/s across nodes "
+      f"dense fp16 or bf16) at {cluster.efficiency:.0%} efficiency; "
+      f"{cluster.intra_bw / gb:.0f} GB/s per GPU inside a node (NVLink 3), {cluster.inter_bw / gb:.0f} GB/s across nodes "
       "(one 200 Gb/s InfiniBand card per GPU)")
 model = planner.GPT_145B
 print(f"the model: {model.layers} layers of width {model.hidden}, {model.heads} heads, "
@@ -873,7 +891,7 @@ pub = planner.plan_row(model, cluster, published["tp"], published["pp"],
 claim(f"the paper's parameter count (its equation 2) gives {model.num_params / 1e9:.1f} B for "
       "this shape, as its Table 1 says", round(model.num_params / 1e9, 1) == 145.6)
 print(f"{len(options)} configurations fit on {cluster.gpus} GPUs. Fastest estimates:")
-print("    t   p    d    M  DP flavour  GB/GPU  s/step  TP msgs  TP GB  PP msgs  PP GB"
+print("    t   p    D    M  DP flavour  GB/GPU  s/step  TP msgs  TP GB  PP msgs  PP GB"
       "  DP msgs  DP GB  (p−1)/M")
 for r in options[:6] + [pub]:
     print(f"{r['tp']:5d} {r['pp']:3d} {r['dp']:4d} {r['micro_batches']:4d}  {r['stage']:>10}"
@@ -894,7 +912,7 @@ claim(f"the last column is the pipeline's idle time over its working time, (p−
 best_per_t = {t: min((r for r in options if r["tp"] == t), key=lambda r: r["time_s"])
               for t in sorted({r["tp"] for r in options})}
 for t, r in best_per_t.items():
-    print(f"best for t = {t}: {r['time_s']:5.1f} s — p = {r['pp']:2d}, d = {r['dp']:4d}, "
+    print(f"best for t = {t}: {r['time_s']:5.1f} s — p = {r['pp']:2d}, D = {r['dp']:4d}, "
           f"{r['stage']:>5}, M = {r['micro_batches']:3d} micro-batches per pipeline, "
           f"(p−1)/M = {r['bubble']:.2f}, {r['total_bytes'] / gb:.0f} GB")
 times = [r["time_s"] for r in best_per_t.values()]
@@ -902,7 +920,7 @@ claim(f"the best estimate falls as t grows, up to t = {cluster.gpus_per_node}, t
       "node (Megatron-LM's takeaway); the planner's best has t = 8, as the paper's row does",
       times == sorted(times, reverse=True) and max(best_per_t) == cluster.gpus_per_node
       and best["tp"] == published["tp"] == cluster.gpus_per_node)
-claim(f"the published t = 8 × p = 8 × d = 24 fits ({pub['total_bytes'] / gb:.0f} GB of 80) and "
+claim(f"the published t = 8 × p = 8 × D = 24 fits ({pub['total_bytes'] / gb:.0f} GB of 80) and "
       f"its estimated step is within 1 % of the planner's best (t = {best['tp']}, "
       f"p = {best['pp']}, {best['stage']}, {best['total_bytes'] / gb:.0f} GB)",
       pub["fits"] and pub["dp"] == published["dp"] and pub["time_s"] < 1.01 * best["time_s"])
@@ -913,11 +931,35 @@ claim(f"a tensor size that does not divide the node's {cluster.gpus_per_node} GP
       f"{pub['time_s']:.0f} s",
       across["tp_link"] == cluster.inter_bw and across["time_s"] > 1.3 * pub["time_s"])
 
+# %% [markdown]
+# That ranking assumes 16-bit gradients. With `--bf16`, Megatron-LM accumulates and
+# all-reduces the gradients in fp32 unless told otherwise (`megatron/training/arguments.py`:
+# "bfloat16 requires gradient accumulation and all-reduce to be done in fp32"): 2 + 4 + 12 =
+# 18 bytes per parameter and twice the gradient bytes on the wire. The planner's
+# `grad_bytes=4`:
+
+# %%
+options32 = planner.plan(model, cluster, published["global_batch"], grad_bytes=4)
+top16_32 = planner.plan_row(model, cluster, best["tp"], best["pp"], published["global_batch"],
+                            stage=best["stage"], grad_bytes=4)
+pub32 = planner.plan_row(model, cluster, published["tp"], published["pp"],
+                         published["global_batch"], grad_bytes=4)
+print(f"fp32 gradients: {len(options32)} configurations fit; fastest t = {options32[0]['tp']}, "
+      f"p = {options32[0]['pp']}, {options32[0]['stage']}, {options32[0]['total_bytes'] / gb:.1f} "
+      f"GB, {options32[0]['time_s']:.1f} s")
+claim(f"with fp32 gradients the 16-bit ranking's fastest row (t = {best['tp']}, p = "
+      f"{best['pp']}, {best['stage']}) needs {top16_32['state_bytes'] / gb:.1f} GB of model state "
+      f"alone ({model.num_params / 1e9:.1f} B / {best['tp'] * best['pp']} × 18 bytes): it no "
+      f"longer fits 80 GB. The published t = 8, p = 8 still does ({pub32['total_bytes'] / gb:.0f} GB), "
+      f"and is now the fastest shape (t = {options32[0]['tp']}, p = {options32[0]['pp']})",
+      best["fits"] and not top16_32["fits"] and pub32["fits"]
+      and (options32[0]["tp"], options32[0]["pp"]) == (published["tp"], published["pp"]))
+
 # %%
 shown = list(best_per_t.values()) + [pub]
-labels = [f"best t = {r['tp']}: p = {r['pp']}, d = {r['dp']}, {r['stage']}"
+labels = [f"best t = {r['tp']}: p = {r['pp']}, D = {r['dp']}, {r['stage']}"
           for r in best_per_t.values()] + [f"published: t = {pub['tp']}, p = {pub['pp']}, "
-                                           f"d = {pub['dp']}, {pub['stage']}"]
+                                           f"D = {pub['dp']}, {pub['stage']}"]
 fill = [r["compute_s"] * r["bubble"] for r in best_per_t.values()]
 claim("every configuration computes the same flops in the same time; what the best row of "
       f"each t loses to the pipeline's fill and drain falls as t grows: "
@@ -935,9 +977,9 @@ viz.show(viz.planner_figure(shown, labels, cluster.gpu_bytes / 1e9, cluster),
 # traffic and memory per GPU. This model cannot split hairs that fine (the paper chose by
 # measuring; the planner's favourite is the one that fills the most memory, printed above).
 # What it separates cleanly is the tensor size. Small t is slow not for want of memory (even
-# t = p = 1 fits GPT-3 as ZeRO-3, below) but because t·p·d = 1536: the GPUs that t does not
+# t = p = 1 fits GPT-3 as ZeRO-3, below) but because t·p·D = 1536: the GPUs that t does not
 # take go to pipeline stages or data-parallel ranks. More data-parallel ranks leave fewer
-# micro-batches per pipeline (M = 2304/d), so with p stages a larger (p−1)/M; fewer stages
+# micro-batches per pipeline (M = 2304/D), so with p stages a larger (p−1)/M; fewer stages
 # leave more parameters per GPU, which fit only with ZeRO, and its traffic. The best row of
 # each t, printed above, shows the trade: the smaller t, the smaller M or the larger p.
 #
@@ -997,10 +1039,10 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   cut the steps.
 # - **Tensor parallelism** (Megatron-LM): a column-parallel layer then a row-parallel one,
 #   with two conjugate operations *f* and *g* carrying the communication (which pass of
-#   each, and why, is lab 11). Two all-reduces of the activations per MLP per step, mostly
-#   on the critical path (which ones Megatron hides, and why it can, is folded after lab 11's
-#   pointer; torch's async TP overlaps only sequence parallelism's collectives, in compiled
-#   models): keep it inside a node. torch's
+#   each, and why, is lab 11). All-reduces of the activations in every MLP and attention
+#   block, for every micro-batch, mostly on the critical path (how many, which ones Megatron
+#   hides and which torch's async TP can fuse is folded after lab 11's pointer): keep it
+#   inside a node. torch's
 #   `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
 #   sends the same.
 # - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated; idle share
@@ -1013,7 +1055,9 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   has t = 8 and the published t = 8, p = 8 is within 1 % of it (an estimate at 50 % of
 #   peak, about 9 % above the step time the paper measured at 47 %); for GPT-3, data
 #   parallelism alone fits only as ZeRO-3, estimated 2.7× slower per step (measured in the
-#   paper: 3.2×).
+#   paper: 3.2×). All with 16-bit gradients; with the fp32 gradients of Megatron-LM's `--bf16`
+#   (18 bytes per parameter) the planner's fastest 16-bit row no longer fits, and the
+#   published t = 8, p = 8 becomes its fastest shape.
 #
 # This is the course's last lesson. The references that go further: the Ultra-Scale
 # Playbook (Hugging Face, 2025), *How to Scale Your Model* (Google DeepMind, 2025), Stanford
@@ -1097,12 +1141,10 @@ viz.quiz([
 # - `torch/distributed/tensor/_redistribute.py` — `_redistribute_backward` (what it does for
 #   *g*: section 2's folded answer).
 # - `torch/_inductor/config.py` — `_micro_pipeline_tp` (async tensor parallelism, off by
-#   default); `torch/_inductor/fx_passes/micro_pipeline_tp.py` — `micro_pipeline_tp_pass`:
-#   it looks for all-gathers and reduce-scatters only (`find_all_gather_patterns`,
-#   `find_reduce_scatter_patterns`), fused by `fuse_all_gather_matmul` and
-#   `fuse_matmul_reduce_scatter`; `torch/distributed/_symmetric_memory/__init__.py` — the ops
-#   `fused_all_gather_matmul`, `fused_matmul_reduce_scatter` (a collective cut into pieces
-#   that overlap their matmul).
+#   default); `torch/_inductor/fx_passes/micro_pipeline_tp.py` — `micro_pipeline_tp_pass`
+#   (which collectives it matches: the folded part of these sources);
+#   `torch/distributed/_symmetric_memory/__init__.py` — the ops it fuses into (a collective cut
+#   into pieces that overlap their matmul).
 # - `torch/distributed/_functional_collectives.py` — `AsyncCollectiveTensor`: a functional
 #   collective's result that calls `wait` before its first use (`__torch_dispatch__` unwraps
 #   it with `trigger_wait` for any op but a view): `RowwiseParallel`'s `async_op=True`
@@ -1146,14 +1188,18 @@ viz.quiz([
 # - `torch/_functorch/apis.py` — `vmap`, `grad`; `torch/_functorch/functional_call.py` —
 #   `functional_call` (per-example gradients).
 #
-# Megatron-LM's own code (github.com/NVIDIA/Megatron-LM, not installed here):
-# `megatron/core/tensor_parallel/layers.py`, `LinearWithGradAccumulationAndAsyncCommunication`
-# (the overlap it makes: section 2's folded answer; read at commit 000c4ac of the main
-# branch) and `ColumnParallelLinear.__init__`, which sets `allreduce_dgrad = world_size > 1
-# and not sequence_parallel and not disable_grad_reduce` for every column-parallel layer —
-# both of a transformer layer's *f*'s (QKV, the MLP's first layer) — and passes it to
-# `linear_with_grad_accumulation_and_async_allreduce`, whose docstring says the same overlap
-# is made with sequence parallelism.
+# Megatron-LM's own code (github.com/NVIDIA/Megatron-LM, not installed here; read at commit
+# d98e8a6 of the main branch): `megatron/core/tensor_parallel/layers.py` —
+# `LinearWithGradAccumulationAndAsyncCommunication`, `ColumnParallelLinear.__init__` and
+# `linear_with_grad_accumulation_and_async_allreduce` (what they do, and under which
+# environment: the folded part of these sources); `megatron/training/arguments.py` — with
+# `--bf16`, `accumulate_allreduce_grads_in_fp32` is turned on unless `--grad-reduce-in-bf16`
+# or `--main-grads-dtype bf16` is given (the comment: "bfloat16 requires gradient
+# accumulation and all-reduce to be done in fp32"), and `megatron/training/training.py` passes
+# it to the DDP config as `grad_reduce_in_fp32`, which
+# `megatron/core/distributed/param_and_grad_buffer.py` turns into the gradient buffer's dtype
+# (`torch.float`, else the parameter's): section 5's 18 bytes. With `--fp16` the flag stays
+# off (its default), and the gradients are 16-bit: section 5's 16.
 #
 # Papers: Shoeybi et al., *Megatron-LM: Training Multi-Billion Parameter Language Models Using
 # Model Parallelism*, 2019 (section 3, the MLP, f and g); Narayanan et al., *Efficient
@@ -1168,3 +1214,31 @@ viz.quiz([
 # divide; sequence parallelism, section 4.2.2); Huang et al., *GPipe*, NeurIPS 2019 (micro-batches, the
 # bubble); McCandlish et al., *An Empirical Model of Large-Batch Training*, 2018 (the noise
 # scale, appendix A); Rajbhandari et al., *ZeRO*, SC 2020.
+#
+# **▶ The sources of Megatron-LM's overlap and of async tensor parallelism's patterns — open
+# after your lab passes** (they say which collective each pass makes; click the folded cell
+# below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# ### Sources, continued
+#
+# - Megatron-LM, `megatron/core/tensor_parallel/layers.py` (commit d98e8a6):
+#   `ColumnParallelLinear.__init__` sets `allreduce_dgrad = world_size > 1 and not
+#   sequence_parallel and not disable_grad_reduce` for every column-parallel layer — both of a
+#   transformer layer's *f*'s (QKV, the MLP's first layer) — and passes it to
+#   `linear_with_grad_accumulation_and_async_allreduce`;
+#   `LinearWithGradAccumulationAndAsyncCommunication.backward` starts
+#   `torch.distributed.all_reduce(grad_input, ..., async_op=True)` before the weight
+#   gradient's matmul, with the comment "Here we rely on CUDA_DEVICE_MAX_CONNECTIONS=1 to
+#   ensure that the all-reduce is scheduled before the weight gradient computation" (and the
+#   same for the reduce-scatter that replaces it with sequence parallelism); the docstring of
+#   `linear_with_grad_accumulation_and_async_allreduce` says the same overlap is made with
+#   sequence parallelism and that its use "requires that the environment variable
+#   CUDA_DEVICE_MAX_CONNECTIONS=1" ("necessary for a speedup but not for correctness"), and
+#   the function warns once when the variable is not 1.
+# - `torch/_inductor/fx_passes/micro_pipeline_tp.py` — `micro_pipeline_tp_pass` looks for
+#   all-gathers and reduce-scatters only (`find_all_gather_patterns`,
+#   `find_reduce_scatter_patterns`), fused by `fuse_all_gather_matmul` and
+#   `fuse_matmul_reduce_scatter` into `torch/distributed/_symmetric_memory/__init__.py`'s
+#   `fused_all_gather_matmul` and `fused_matmul_reduce_scatter`: torch's async tensor
+#   parallelism overlaps only sequence parallelism's collectives, in compiled models.
