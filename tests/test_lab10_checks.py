@@ -161,6 +161,21 @@ def test_a_fix_names_the_cause_first_and_what_to_change_only_when_it_comes_back(
         lab10.check_fix(4, still)
 
 
+@pytest.mark.parametrize("variant, holds", [
+    ("sampler_seed_ignored", "What must hold: the sampler's seed follows the run's --seed"),
+    ("sampler_seed_rank", "What must hold: every rank's sampler shuffles with one and the same "
+                          "seed, the one the run's --seed gives"),
+])
+def test_fix_1_met_again_says_what_must_hold_not_the_edit(variant, holds):
+    # FL10b 5: the second meeting handed over the edit ("Seed it with args.seed")
+    weights = lab10.simulate(2, variant=variant)
+    with pytest.raises(LabCheckError):
+        lab10.judge_fix(1, weights)
+    with pytest.raises(LabCheckError, match=holds) as second:
+        lab10.judge_fix(1, weights)
+    assert "args.seed" not in str(second.value) and "seed=" not in str(second.value)
+
+
 def test_no_cause_says_its_own_fix():
     for name, (cause, fix) in lab10.BUGS.items():
         assert fix.rstrip(".").lower() not in cause.lower(), name
@@ -801,7 +816,7 @@ def test_the_right_number_passes_on_every_bug_line_however_written(n, effect, ca
 
 # the numbers a learner who has not read the line gets: the right script's, or a near miss
 WRONG_EFFECTS = {1: [1240, 4, 1238], 2: [24, 12, 96], 3: [0.949, 1, 0.316, 2 / 3], 4: [1, 2],
-                 5: [1, 9, 1 / 3]}
+                 5: [1, 9, 1 / 3, 2]}
 
 
 @pytest.mark.parametrize("n, effect", [(n, e) for n, es in WRONG_EFFECTS.items() for e in es])
@@ -837,6 +852,10 @@ def test_a_wrong_number_is_judged_before_the_line_and_confirms_nothing(n, effect
             "DistributedSampler"),
     (5, 9, "9 counts the two divisions by 3 and leaves out the all_reduce"),
     (5, 1 / 3, "1/3 would make the step 3 times larger"),
+    # FL10b 5: 2 got the question back; now it is named by where it falls short
+    (5, 2, "2 is not a factor any line applies here: this script runs on 3 ranks "
+           "\\(world_size = 3, not the 2 of scripts 1 to 4\\), and two, the number of "
+           "divisions on the way, is not the factor they make"),
 ])
 def test_a_wrong_number_is_named_by_what_it_is(n, effect, cause):
     with pytest.raises(LabCheckError, match=cause) as err:

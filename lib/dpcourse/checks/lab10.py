@@ -152,10 +152,14 @@ ANSWERS = {n: next(o for o, _, why in opts if why is None) for n, opts in CHOICE
 BUGS = {
     "sampler_seed_rank": ("each rank's sampler still has its own seed, so the ranks still take "
                           "their slices of different permutations.",
-                          "Give DistributedSampler the same seed (args.seed) on every rank."),
+                          "What must hold: every rank's sampler shuffles with one and the "
+                          "same seed, the one the run's --seed gives, so the ranks cut their "
+                          "slices from one permutation."),
     "sampler_seed_ignored": ("the sampler's seed no longer comes from --seed: the check ran the "
                              "script with --seed 3, and the sampler shuffled as if it were 0.",
-                             "Seed it with args.seed (the same on every rank), not a number."),
+                             "What must hold: the sampler's seed follows the run's --seed (a "
+                             "run with another --seed shuffles otherwise), and is the same on "
+                             "every rank."),
     "no_sampler": ("the loader still ignores the DistributedSampler: every rank reads every "
                    "example, so the ranks duplicate each other's work.",
                    "Pass sampler=sampler to the DataLoader, and no shuffle."),
@@ -200,7 +204,8 @@ ORDER_LINES = {3: ("# average the gradients", "dist.all_reduce(p.grad)", "p.grad
 # each is this script's, with the check's values (--seed 3; 2 ranks, bug 5's 3).
 EFFECTS = {
     1: ("with the check's --seed 3 on 2 ranks, the sum of the three seeds rank 1 uses: the "
-        "data's generator, the sampler's and torch.manual_seed's", 1241, 0,
+        "data's generator, the sampler's (its seed= as built, before set_epoch) and "
+        "torch.manual_seed's", 1241, 0,
         "Read each line that seeds something with args.seed = 3 and rank = 1, and add the "
         "three seeds."),
     2: ("on 2 ranks, how many examples rank 1 reads in one epoch (the data set has 48)", 48, 0,
@@ -252,6 +257,10 @@ KNOWN_EFFECTS = {
         (2, 0, "2 would mean both ranks receive, and no rank sends")],
     5: [(9, 0.01, "9 counts the two divisions by 3 and leaves out the all_reduce, whose sum "
                   "multiplies by 3"),
+        (2, 0.01, "2 is not a factor any line applies here: this script runs on 3 ranks "
+                  "(world_size = 3, not the 2 of scripts 1 to 4), and two, the number of "
+                  "divisions on the way, is not the factor they make together with the "
+                  "all_reduce's sum"),
         (1 / 3, 0.01, "1/3 would make the step 3 times larger; the question asks how many "
                       "times smaller (3 if a third)"),
         (1, 0.01, "1 says the step uses one device's gradient: count every division by "
