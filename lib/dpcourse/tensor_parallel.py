@@ -26,7 +26,7 @@ Two conjugate autograd operations carry the communication (Megatron's ``f`` and 
   sum would count the one gradient t times. torch's DTensor keeps such a gradient Replicate,
   ``distributed/tensor/_redistribute.py``, ``_redistribute_backward``.)
 
-So one MLP costs two all-reduces per step, one in the forward, one in the backward, each of
+So one MLP costs two all-reduces per micro-batch, one in the forward, one in the backward, each of
 the activations' size (batch × tokens × d), whatever the number of parameters. The ``f``
 backward is needed only when something below the MLP wants the gradient of X (a layer before
 it, as in every real model); with an input that does not require grad autograd skips it.
