@@ -52,9 +52,9 @@ torch.set_num_threads(1)
 #   CPU with gloo, which accepts CPU tensors; NCCL on GPUs accepts only CUDA tensors);
 # - it works for any number of ranks, and returns `None`.
 #
-# **Your design decision:** lesson 03's ranks all used every parameter; these do not, and
-# whether a parameter got a gradient *somewhere* decides what it must hold. How your ranks
-# come to agree on it is yours to decide — and to defend against the contract.
+# **Your design decision:** lesson 03's ranks all used every parameter; these do not. What
+# your function does about a parameter without a gradient on this rank is yours to decide —
+# and to defend against the contract.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
