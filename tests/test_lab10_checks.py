@@ -1144,10 +1144,23 @@ def test_the_wrong_options_are_wrong_for_the_reason_their_sentence_gives():
         return [int(i) for (b,) in loader for i in b]
 
     assert order() == order() and sorted(order()) == list(range(48))
-    # 4C: the optimizer holds the parameter tensors themselves (a broadcast writes into them)
+    # the optimizer holds the parameter tensors themselves (a broadcast writes into them)
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert all(a is b for a, b in zip(opt.param_groups[0]["params"], model.parameters()))
+    # 4C: p.data is the parameter's own storage: what a collective writes there is the weight
+    # (and fix "4-src-0", which keeps broadcast(p.data, ...), trains right in
+    # test_right_fixes_pass_together)
+    assert all(p.data.data_ptr() == p.data_ptr() for p in model.parameters())
+    # 4A: a broadcast does not wait for values to agree: "4-src-0" keeps args.seed + rank (the
+    # ranks' tensors differ going in) and completes there
+    assert "args.seed + rank" in edit(4, *RIGHT["4-src-0"][1])
+    # 3A: clipped to max_norm each, their mean has norm at most max_norm (triangle inequality)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        grads = [torch.randn(5, generator=g) * 3 for _ in range(3)]
+        clipped = [x * min(1.0, 0.2 / float(x.norm())) for x in grads]
+        assert float(torch.stack(clipped).mean(0).norm()) <= 0.2 + 1e-6
 
 
 def test_delete_and_insert_line():

@@ -101,10 +101,11 @@ CHOICES = {
          "with no generator given, the loader's shuffle draws its seed from torch's default "
          "generator, which torch.manual_seed(args.seed) seeds alike on every rank: every rank "
          "gets the same order.")],
-    3: [("A", "Each rank clips a different gradient, so the replicas' weights drift apart "
-              "from the first step on.",
-         "after the clipping line the gradients are all-reduced and divided, so every rank "
-         "applies the same gradient and the replicas stay equal."),
+    3: [("A", "Each rank clips to max_norm before the average, so the averaged gradient's norm "
+              "can still end up above max_norm.",
+         "the mean of gradients that each have norm at most max_norm has norm at most max_norm "
+         "(the norm of a sum is at most the sum of the norms): the step is bounded all the "
+         "same."),
         ("B", "max_norm=0.2 is below the gradients' usual norm, so nearly every step is "
               "clipped and training stalls.",
          "how often the clip bites is a tuning choice: one device training on the global batch "
@@ -115,16 +116,16 @@ CHOICES = {
          "factor max_norm / norm bounds a norm, it is not a division by world_size."),
         ("D", "Each rank bounds its own gradient's norm, which differs from bounding the norm "
               "of the averaged gradient.", None)],
-    4: [("A", "Each rank seeds torch with args.seed + rank, so the replicas start from "
-              "different weights and never agree.",
-         "the run stops before any step where different weights could matter, in the very "
-         "call that is meant to overwrite each rank's weights with one copy."),
-        ("B", "Each rank names itself as the sender, so no rank receives and the broadcast "
-              "cannot complete.", None),
-        ("C", "The broadcast must come before the optimizer is built, or the optimizer keeps "
-              "stale copies of the weights.",
-         "the optimizer holds the parameter tensors themselves, and the broadcast writes into "
-         "them in place: the order of the two does not matter."),
+    4: [("A", "Each rank seeds torch with args.seed + rank, so the ranks' tensors differ and "
+              "the broadcast waits for them to agree.",
+         "a broadcast carries whatever its sender holds and never compares the ranks' values: "
+         "making different tensors equal is what it is for."),
+        ("B", "The ranks pass different values of src, so they disagree about the root and no "
+              "rank can finish the call.", None),
+        ("C", "The loop broadcasts p.data, a tensor autograd does not track, and a collective "
+              "waits for a parameter instead.",
+         "a collective takes any dense tensor: p.data is one, the same storage as the "
+         "parameter, so what it receives is written into the parameter itself."),
         ("D", "The broadcast runs right after init_process_group, before every rank is ready, "
               "so it waits forever.",
          "a collective waits until every rank of the group calls it: a rank that starts late "
