@@ -25,7 +25,8 @@
 #
 # DDP is a lockstep: every rank computes a gradient, every rank waits in the all-reduce, every
 # rank steps. The slowest rank sets the pace, and every step pays for communication. This
-# lesson tries four ways out. The code lives in `dpcourse.async_sgd`, and every cell shows
+# lesson tries four ways out. The code lives in `dpcourse.parameter_server` (§1–2) and
+# `dpcourse.async_sgd` (the rest), and every cell shows
 # what it runs. The problem is small on purpose, so that sweeps take seconds: the course's
 # shapes10 images averaged down to 8×8 pixels (192 numbers) and a two-layer MLP.
 
@@ -46,7 +47,7 @@ import math
 
 import torch
 
-from dpcourse import async_sgd, devices, launch, viz
+from dpcourse import async_sgd, devices, launch, parameter_server, viz
 from dpcourse.checks import claim
 
 torch.set_num_threads(1)
@@ -76,7 +77,7 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # futures and serialisation would hide exactly what we want to count.
 
 # %%
-viz.show_code(async_sgd.CountingLink, async_sgd.ps_sync_server, async_sgd.ps_sync_worker)
+viz.show_code(parameter_server.CountingLink, parameter_server.ps_sync_server, parameter_server.ps_sync_worker)
 
 # %% [markdown]
 # **Synchronous mode** waits for every worker's gradient and steps once with their mean: that
@@ -85,11 +86,11 @@ viz.show_code(async_sgd.CountingLink, async_sgd.ps_sync_server, async_sgd.ps_syn
 # shards of the same batches.
 
 # %%
-viz.show_code(async_sgd.parameter_server_worker)
+viz.show_code(parameter_server.parameter_server_worker)
 
 # %%
-cfg = async_sgd.PSConfig()
-ps = {n: launch.spawn(async_sgd.parameter_server_worker, n + 1, cfg, backend="gloo",
+cfg = parameter_server.PSConfig()
+ps = {n: launch.spawn(parameter_server.parameter_server_worker, n + 1, cfg, backend="gloo",
                       timeout=120) for n in ps_workers}
 K = ps[ps_workers[0]][0]["numel"]
 diff = max(float((r[0]["sync"] - w["ddp"]).abs().max()) for r in ps.values() for w in r[1:])
@@ -145,7 +146,7 @@ viz.show(viz.ps_traffic_figure(K, {n: sum(r[0]["sync_bytes"]) // 4 // cfg.steps
 # (the number of updates so far), so the server can count the staleness of every update.
 
 # %%
-viz.show_code(async_sgd.ps_async_server, async_sgd.ps_async_worker)
+viz.show_code(parameter_server.ps_async_server, parameter_server.ps_async_worker)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -170,11 +171,11 @@ claim("and it trained: the test loss fell",
 # worker records when it computes and when it waits (for the server's next message).
 
 # %%
-viz.show_code(async_sgd.race_server, async_sgd.race_worker)
+viz.show_code(parameter_server.race_server, parameter_server.race_worker)
 
 # %%
-race_cfg = async_sgd.RaceConfig(budget=1.0, straggler_delay=0.05)
-race = launch.spawn(async_sgd.straggler_race, 3, race_cfg, backend="gloo", timeout=120)
+race_cfg = parameter_server.RaceConfig(budget=1.0, straggler_delay=0.05)
+race = launch.spawn(parameter_server.straggler_race, 3, race_cfg, backend="gloo", timeout=120)
 applied = {m: race[0][m]["applied"] for m in ("sync", "async")}
 waited = {m: {w: sum(b - a for kind, a, b in race[w][m]["spans"] if kind == "wait")
               / max(b for _, _, b in race[w][m]["spans"]) for w in (1, 2)}

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dpcourse import async_sgd, launch, viz
+from dpcourse import async_sgd, launch, parameter_server, viz
 
 torch.set_num_threads(1)
 
@@ -92,8 +92,8 @@ def test_ring_share_is_the_lesson_06_formula(n):
 
 
 def test_parameter_server_equals_ddp_and_counts_2nk():
-    cfg = async_sgd.PSConfig(steps=3)
-    out = launch.spawn(async_sgd.parameter_server_worker, 3, cfg, backend="gloo", timeout=90,
+    cfg = parameter_server.PSConfig(steps=3)
+    out = launch.spawn(parameter_server.parameter_server_worker, 3, cfg, backend="gloo", timeout=90,
                        show_output=False)
     k = out[0]["numel"]
     assert all(float((out[0]["sync"] - w["ddp"]).abs().max()) < 1e-6 for w in out[1:])
@@ -143,8 +143,8 @@ def test_local_sgd_h1_is_ddp_and_averages_every_h_steps():
 
 
 def test_straggler_race_async_applies_more_and_the_fast_worker_waits_less():
-    cfg = async_sgd.RaceConfig(budget=0.5, straggler_delay=0.05)
-    out = launch.spawn(async_sgd.straggler_race, 3, cfg, backend="gloo", timeout=90,
+    cfg = parameter_server.RaceConfig(budget=0.5, straggler_delay=0.05)
+    out = launch.spawn(parameter_server.straggler_race, 3, cfg, backend="gloo", timeout=90,
                        show_output=False)
     server = out[0]
     assert server["sync"]["applied"] % 2 == 0 and server["sync"]["staleness"] == []
