@@ -130,10 +130,9 @@ zero_calculator = viz.explorer(
 
 # %% [markdown]
 # ## 2. ZeRO-1: shard the optimizer state
-# See all the parameters as one flat vector of Ψ numbers, padded with zeros to a multiple of N
-# (collectives want equal pieces) and cut into N slices. Rank r keeps the fp32 master copy
-# and Adam's state for slice r only, so the optimizer state costs 12Ψ/N instead of 12Ψ. A
-# step:
+# See all the parameters as one flat vector of Ψ numbers cut into N slices, one per rank (how
+# to cut it is lab 08's part 1). Rank r keeps the fp32 master copy and Adam's state for slice
+# r only, so the optimizer state costs 12Ψ/N instead of 12Ψ. A step:
 #
 # 1. the backward, as always: every rank has the full gradient of its own micro-batch;
 # 2. **reduce-scatter** the gradients: rank r receives the sum over the ranks of slice r only
@@ -282,16 +281,20 @@ claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
 # Real models have frozen parameters (fine-tuning) and tied ones (one `Parameter` used by two
 # layers, like an embedding shared with the output layer). `ZeroConfig(frozen_and_tied=True)`
 # adds both to the MLP: a frozen bias, and a square weight tied between two layers. FSDP2
-# refuses a tied parameter split across two groups, so `fsdp2_shard` (section 6) puts the two
-# layers in one `fully_shard([a, b])` group.
+# gathers the parameters of one `fully_shard` call together, a *parameter group*, and refuses
+# a tied parameter split across two groups, so `fsdp2_shard` (section 6) puts the two layers
+# in one `fully_shard([a, b])` group.
 
 # %%
 awkward = experiments.ZeroConfig(steps=steps, frozen_and_tied=True)
 tied_runs = launch.spawn(experiments.equality_worker, world_size, awkward, backend=backend,
                          timeout=120)
+compared = [run for run in experiments.RUNS if run != "torch_ddp"]   # torch DDP: the reference
+print("compared with torch DDP:", ", ".join(compared))
 claim(f"with a frozen and a tied parameter, every stage, FSDP2 and ZeroRedundancyOptimizer: "
       f"weights after {steps} steps == torch DDP's, on every rank (to 1e-5)",
-      all(max_diff(run, tied_runs) < 1e-5 for run in experiments.RUNS))
+      set(compared) == {*zero.STAGES, "fsdp2", "zero_redundancy"}
+      and all(max_diff(run, tied_runs) < 1e-5 for run in compared))
 frozen = [p for p in awkward.build().parameters() if not p.requires_grad]
 start = torch.cat([p.detach().reshape(-1) for p in awkward.build().parameters()])
 claim("the frozen bias never moved (bit for bit)",
@@ -342,16 +345,14 @@ claim("the backward gathers the layers in reverse: last layer first",
 # inside all-gathers and reduce-scatters, and the time a layer held its full weights outside
 # any collective (where it computed).
 #
-# Read the ratio for what it measures: this MLP (Ψ = 2,531 parameters, so about Ψ
-# multiply-adds per example in the forward), on the backend printed below — gloo between CPU
-# processes on the cpu profile, where each collective pays a fixed cost per call (the ranks
-# meeting over local sockets) far larger than moving a few kilobytes. Compute that small is
-# dwarfed by any collective, so the collectives win by a wide margin here; it is not what
-# ZeRO-3 costs on a real model. At scale the ratio is decided by each layer's compute (its
-# parameters times the examples, or tokens, of the micro-batch) against the bytes gathered
-# for it (its parameters only) at the link's speed: with enough tokens per step the compute
-# is the larger, and FSDP hides the gathers behind it by prefetching the next layer's
-# (section 6), which this blocking `Zero3` does not.
+# Read the ratio for what it measures: a tiny MLP (Ψ = 2,531, about Ψ multiply-adds per
+# example) on the backend printed below — on the cpu profile, gloo between processes, whose
+# fixed cost per call dwarfs moving a few kilobytes. It is not what ZeRO-3 costs on a real
+# model: there a layer's compute (its parameters times the micro-batch's tokens) is set
+# against the bytes gathered for it (its parameters) at the link's speed, and with enough
+# tokens the compute is the larger. FSDP2's source is written to hide the gathers behind it,
+# issuing the next layer's early (section 6), which no run here shows; this blocking `Zero3`
+# does not try.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -466,15 +467,15 @@ viz.show(viz.zero_tradeoff_figure(
 
 # %% [markdown]
 # What traffic means in time depends on the network (lesson 06's α-β model) and on whether
-# the collectives overlap the compute. Ours never do; FSDP2 on a GPU can (section 6). This
-# lesson counts bytes, not seconds.
+# the collectives overlap the compute. Ours never do, and no run here shows FSDP2's (section
+# 6). This lesson counts bytes, not seconds.
 #
 # Note what does not shrink with N in ZeRO-3: a rank's *working set*. While a layer's backward
 # computes, its full weights and its full gradient are both alive (and, with prefetching, the
 # next layer's full weights). Once its gradients are complete the weights go before the
 # reduce-scatter (section 4, FSDP2's order and ours), so a layer being reduce-scattered costs
-# only its full gradient: where the reduce-scatter overlaps the next layer's backward, as in
-# FSDP2 on a GPU, the working set is that gradient plus the next layer's weights and gradient,
+# only its full gradient: where the reduce-scatter overlaps the next layer's backward (FSDP2's
+# aim on a GPU), the working set is that gradient plus the next layer's weights and gradient,
 # not the reduce-scattered layer's weights on top. For a transformer that is one or two
 # blocks' weights and gradients, and it comes on top of 16Ψ/N.
 #
@@ -487,10 +488,10 @@ viz.show(viz.zero_tradeoff_figure(
 # *placements*, one per mesh dimension, say how the pieces make the whole — `Shard(dim=0)`: cut
 # along dimension 0, rank r holding chunk r; `Replicate()`: a full copy on every rank.
 # `fully_shard` places every parameter as `Shard(dim=0)`. Applied to each layer and then to
-# the root, it makes each layer a *group* of its own (a unit, gathered on its own), as in our
-# `Zero3`. The worker below shards the MLP, trains it in
-# bf16 (`MixedPrecisionPolicy`), gathers a full state dict, saves it from rank 0 and loads it
-# back, into a plain model and into a fresh sharded one.
+# the *root* (the outermost module, here the whole MLP), it makes each layer a parameter group
+# of its own (a unit, gathered on its own), as in our `Zero3`. The worker below shards the
+# MLP, trains it in bf16 (`MixedPrecisionPolicy`), gathers a full state dict, saves it from
+# rank 0 and loads it back, into a plain model and into a fresh sharded one.
 
 # %%
 viz.show_code(experiments.fsdp2_worker, experiments.fsdp2_shard, experiments.ranks_mesh,
@@ -499,7 +500,7 @@ viz.show_code(experiments.fsdp2_worker, experiments.fsdp2_shard, experiments.ran
 # %%
 tour = launch.spawn(experiments.fsdp2_worker, world_size, mp, backend=backend, timeout=120)
 for name, kind, full, local, placement in tour[0]["shards"]:
-    print(f"{name:>10}: {kind}, full {full}, rank 0 holds {local}, {placement}")
+    print(f"{name:>10}: {kind}, full {full}, {placement}")
 
 # %% [markdown]
 # What FSDP2 holds and sends here, against section 1's formula. It keeps the **fp32** shard
@@ -539,11 +540,7 @@ claim(f"of that volume a rank sends (N − 1)/N on a ring: {ring_sent / padded:g
       f"parameter at N = {n}", ring_sent == 8 * padded * (n - 1) / n)
 
 # %%
-name, kind, full, local, placement = tour[0]["shards"][0]
 claim("FSDP2's parameters are DTensors", all(s[1] == "DTensor" for s in tour[0]["shards"]))
-claim(f"rank 0 holds the first of FSDP2's dim-0 chunks of {name} (its {full[0]} rows cut "
-      f"into {world_size}), the other dimensions whole",
-      local[0] == zero.shard_numel(full[0], world_size) and local[1:] == full[1:])
 claim("the shards stay fp32 while the layer computes in bf16 (the mixed-precision policy)",
       tour[0]["sharded_dtype"] == "torch.float32" and tour[0]["compute_dtype"] == "torch.bfloat16"
       and tour[0]["grad_dtype"] == "torch.float32")
@@ -551,6 +548,18 @@ claim("the full state dict saved by rank 0 loads into a plain nn.Module with equ
       tour[0]["plain_model_equal"])
 claim("loaded back into a fresh sharded model, every rank's shards are equal",
       all(r["reloaded_shards_equal"] for r in tour))
+
+# %% [markdown]
+# **▶ The shape of rank 0's shard of each parameter — open after your lab passes** (click the
+# folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+for name, kind, full, local, placement in tour[0]["shards"]:
+    print(f"{name:>10}: full {full}, rank 0 holds {local}")
+name, kind, full, local, placement = tour[0]["shards"][0]
+claim(f"rank 0 holds the first of FSDP2's dim-0 chunks of {name} (its {full[0]} rows cut "
+      f"into {world_size}), the other dimensions whole",
+      local[0] == zero.shard_numel(full[0], world_size) and local[1:] == full[1:])
 
 # %% [markdown]
 # And in fp32, FSDP2 from the first launch against torch DDP, and its traffic against the
@@ -567,10 +576,10 @@ claim("FSDP2's volume per step == the ZeRO-3 formula with its padding",
 
 # %% [markdown]
 # That is 3Ψ because the root owned no parameters of its own here and the step ran one forward
-# and one backward. Our `Zero3` frees every layer after its forward; FSDP2 keeps the
-# parameters of the *root* module (the outermost one `fully_shard` was applied to) gathered
-# after the forward, because the backward needs them at once: when `reshard_after_forward` is
-# left at its default, the root's first forward sets it to False for the root. Above, every
+# and one backward. Our `Zero3` frees every layer after its forward; FSDP2 keeps the root's
+# own parameters gathered after the forward, because the backward needs them at once: when
+# `reshard_after_forward` is left at its default, the root's first forward sets it to False
+# for the root. Above, every
 # `Linear` was its own unit. Leave the last layer to the root and its parameters are
 # all-gathered once per step, not twice:
 
@@ -590,7 +599,7 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
       and rooted["traffic"][-1]["volume"] < 3 * 4 * (other_units + root_units))
 
 # %% [markdown]
-# How FSDP2 schedules its collectives, now that the root has a name. Before the backward it
+# How FSDP2 schedules its collectives (read in its source). Before the backward it
 # gathers a group the way our `Zero3` does, from a hook registered on the forward's output
 # tensors. After the backward it does not hook each parameter: it wraps the module's *inputs*
 # in an autograd function whose backward runs when the whole module's backward is done, and
@@ -600,14 +609,14 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
 # the root queues for the end of the whole backward (`_root_post_backward_final_callback` runs
 # `post_backward` for every group the backward did not reach).
 #
-# And it can overlap them with the compute, on a GPU, in three ways. In the forward it issues
-# each group's all-gather on streams of its own, so the CPU runs ahead and issues the next
-# group's all-gather while this one's kernels run (*implicit* prefetching);
-# `set_modules_to_forward_prefetch` names which groups to all-gather early (*explicit*). In the
-# backward each group, by default, issues the all-gather of the group expected next before its
-# own gradients are computed. Its reduce-scatters run on a stream of their own. On a CPU,
-# `torch.cpu.Stream` is a placeholder that does nothing, so FSDP2 there runs one collective
-# after another, as our `Zero3` does.
+# Its source also sets up three ways to overlap them with the compute on a GPU (Sources gives
+# the lines); no run here shows them. In the forward each group's all-gather goes on streams
+# of its own, so that the CPU can issue the next group's while this one's kernels run
+# (*implicit* prefetching); `set_modules_to_forward_prefetch` names groups to all-gather early
+# (*explicit*). In the backward each group by default issues the next group's all-gather
+# before computing its own gradients. Reduce-scatters get a stream of their own. On a CPU,
+# `torch.cpu.Stream`'s methods do nothing and gloo returns from a collective only when it is
+# done: every FSDP2 run here ran one collective after another, as our `Zero3` does.
 #
 # Both counts assume one forward and one backward per optimizer step. With gradient
 # accumulation over k micro-batches, FSDP2 left at its defaults gathers every non-root unit
@@ -658,7 +667,7 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # |---|---|---|---|---|
 # | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
-# | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP as run here (`gradient_as_bucket_view=False`, the default: DDP's buckets are a second copy of the gradients), 8 + 8/N B with `gradient_as_bucket_view=True`; whole parameters per rank, so only roughly | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
+# | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP's default `gradient_as_bucket_view=False` (by DDP's design its buckets are a second copy of the gradients; not counted here), 8 + 8/N B with `gradient_as_bucket_view=True`; whole parameters per rank, so only roughly | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
 # | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ | more memory freed, still no extra traffic — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
 # | ZeRO-3 / FSDP | 16/N B + the working set | 16/N B + the working set | 3Ψ with one forward and one backward per step and nothing tied across units (less: FSDP2's root is gathered once; more: k accumulation micro-batches gather about 2k times, tied layers) | the weights themselves do not fit: model state falls with every GPU added, the working set (one or two units' full weights and gradient) does not |
 # | + tensor / pipeline parallel | | | | one layer's activations or weights exceed a GPU, or N is so large that communication dominates — a rank sends about 3Ψ per step whatever N, while its share of a fixed global batch, and so its compute, falls as 1/N: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
@@ -766,8 +775,9 @@ viz.quiz([
 # (paths relative to `site-packages`):
 #
 # - `torch/distributed/distributed_c10d.py` — `reduce_scatter_single`, `all_gather_single`
-#   (equal pieces on every rank; `async_op` returns a `Work`); `reduce_scatter_tensor` and
-#   `all_gather_into_tensor` are deprecated aliases that warn and call them.
+#   (equal pieces on every rank; `async_op` returns a `Work`, and without it the call waits on
+#   that `Work` before it returns); `reduce_scatter_tensor` and `all_gather_into_tensor` are
+#   deprecated aliases that warn and call them.
 # - `torch/_tensor.py` — `Tensor.register_post_accumulate_grad_hook`: the hook runs once the
 #   gradient has been accumulated into `p.grad` (ZeRO-3's reduce-scatter, the lab's buckets).
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`: the comm
@@ -780,12 +790,15 @@ viz.quiz([
 #   `FSDPState._validate_no_duplicate_params`: a parameter in two groups is refused (tied
 #   layers go in one `fully_shard([a, b])` group); `FSDPState._register_pre_backward_hook`:
 #   `register_hook` on the forward's output tensors, which gathers before the backward.
-# - `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` —
-#   `FSDPParamGroup.get_all_gather_streams`: in the forward and pre-backward, separate
-#   all-gather streams "for implicit prefetching"; `FSDPParamGroup.pre_backward` and
-#   `_backward_prefetch`: the next group's all-gather issued by default in the backward; a
-#   `reduce_scatter_stream` of its own; `_register_post_backward_hook` and
-#   `RegisterPostBackwardFunction`: the post-backward is an autograd function applied to the
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` — `FSDPCommContext.lazy_init`
+#   (lines 85–93): the `all_gather_copy_in_stream`, `all_gather_stream` and
+#   `reduce_scatter_stream`, made by the device's `Stream` (a no-op on a CPU);
+#   `FSDPCommContext.get_all_gather_streams` (117–127): in the forward and pre-backward, the
+#   separate all-gather streams "for implicit prefetching"; `FSDPParamGroup.pre_backward`
+#   (592–604) and `_backward_prefetch` (821): the next group's all-gather issued by default in
+#   the backward (`FSDPState._pre_backward` in `_fsdp_state.py`, 386–392, sets the default);
+#   the all-gathers are called with `async_op=False` unless `unshard_async_op` is set;
+#   `_register_post_backward_hook` and `RegisterPostBackwardFunction`: the post-backward is an autograd function applied to the
 #   module's inputs that require a gradient, whose backward runs `post_backward`; with no such
 #   input none is applied. `FSDPParamGroup.post_backward`: it saves the unsharded gradients,
 #   calls `reshard()` (frees the full weights), then `foreach_reduce` (in `_fsdp_collectives.py`:
@@ -805,13 +818,16 @@ viz.quiz([
 #   micro-batches).
 # - `torch/distributed/fsdp/_fully_shard/_fully_shard.py` —
 #   `FSDPModule.set_modules_to_forward_prefetch`: explicit forward prefetching.
-# - `torch/cpu/__init__.py` — `Stream`: exists "only to facilitate device-agnostic code"; its
-#   methods do nothing, so on a CPU FSDP2's streams do not overlap anything.
+# - `torch/cpu/__init__.py` — `Stream` (lines 136–151): exists "only to facilitate
+#   device-agnostic code"; its methods do nothing, so on a CPU FSDP2's streams do not overlap
+#   anything.
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` — `alloc_storage`, `free_storage`:
 #   the unsharded parameter's storage is resized up for a unit's gather and down to 0 at its
 #   reshard — the working set that does not shrink with N.
-# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel` (`gradient_as_bucket_view`):
-#   without it the all-reduce buckets are a second copy of the gradients.
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel` (`gradient_as_bucket_view`,
+#   docstring lines 731–742): without it the all-reduce buckets are a second copy of the
+#   gradients ("the saved memory size will be equal to the total gradients size"); the lesson
+#   cites this, it does not count the buckets.
 # - `torch/_tensor.py` — `Tensor.register_hook`: a hook on a tensor's gradient (ZeRO-3
 #   gathers a layer's weights again when its output's gradient arrives).
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` — `FSDPParam._init_sharded_param`
