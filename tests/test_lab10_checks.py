@@ -1001,9 +1001,37 @@ def kept_loss(comment):
 
 
 KEPT_GRADIENT, KEPT_LOSS = kept_gradient("x"), kept_loss("x")
-RIGHT_DECISION = {"gradients": (KEPT_GRADIENT, "this rank's mean", "nothing else"),
-                  "loss": (KEPT_LOSS, "this rank's mean / world_size",
-                           "remove the loss's / world_size")}
+# the line of each division in the broken script's listing
+LINE = {k: next(i for i, ln in enumerate(lab10.script(5).splitlines(), 1) if piece in ln)
+        for k, piece in lab10.KEPT.items()}
+RIGHT_DECISION = {"gradients": (KEPT_GRADIENT, LINE["gradients"], "this rank's mean", 1),
+                  "loss": (KEPT_LOSS, LINE["loss"], "this rank's mean / world_size", 3)}
+
+
+def test_the_decision_lines_are_the_listings():
+    assert LINE == {"loss": 30, "gradients": 35}
+
+
+def _ddp_factor(loss_divided: bool, world_size: int = 3) -> float:
+    """How many times smaller than one device's gradient DDP's step is: each rank's gradient
+    of its loss (divided or not), summed over the ranks and divided by world_size, as DDP's
+    all-reduce does (divide_by_initial_world_size) -- computed, on one linear layer."""
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    xs = [torch.randn(4, 3) for _ in range(world_size)]
+    ys = [torch.randn(4) for _ in range(world_size)]
+    grads = []
+    for x, y in zip(xs, ys):
+        loss = torch.nn.functional.mse_loss(x @ w, y) / (world_size if loss_divided else 1)
+        grads.append(torch.autograd.grad(loss, w)[0])
+    ddp = torch.stack(grads).sum(0) / world_size
+    one = torch.autograd.grad(torch.nn.functional.mse_loss(torch.cat(xs) @ w, torch.cat(ys)), w)[0]
+    return float((one / ddp).mean())
+
+
+def test_the_under_ddp_numbers_are_what_ddp_does():
+    assert abs(_ddp_factor(False) - RIGHT_DECISION["gradients"][3]) < 1e-5
+    assert abs(_ddp_factor(True) - RIGHT_DECISION["loss"][3]) < 1e-5
 
 
 @pytest.fixture
@@ -1022,31 +1050,32 @@ def test_fix_5_needs_no_comment(text, trains_right, capsys):
 
 @pytest.mark.parametrize("kept", sorted(RIGHT_DECISION))
 def test_the_right_decision_for_each_repair_passes(kept, capsys):
-    text, holds, ddp = RIGHT_DECISION[kept]
-    lab10.check_decision(text, kept, holds, ddp)
-    assert "✔ decision 5: kept the" in capsys.readouterr().out
+    text, line, holds, ddp = RIGHT_DECISION[kept]
+    for factor in (ddp, float(ddp), np.int64(ddp)):
+        lab10.check_decision(text, line, holds, factor)
+    assert capsys.readouterr().out.count("✔ decision 5: kept the") == 3
 
 
 def test_the_learners_false_claims_are_refused():
-    # a learner's comment passed the old wording check: "kept the p.grad /= world_size after
+    # a learner's comment passed an old wording check: "kept the p.grad /= world_size after
     # all_reduce and removed the loss division. loss now holds the global mean over all ranks;
     # under DDP you must put the / world_size back on the loss" -- both claims false
     with pytest.raises(LabCheckError, match="no collective runs before backward"):
-        lab10.check_decision(KEPT_GRADIENT, "gradients", "the global mean",
-                             "add / world_size to the loss")
-    with pytest.raises(LabCheckError, match="world_size times too small, bug 5 again under DDP"):
-        lab10.check_decision(KEPT_GRADIENT, "gradients", "this rank's mean",
-                             "add / world_size to the loss")
+        lab10.check_decision(KEPT_GRADIENT, 35, "the global mean", 1)
+    with pytest.raises(LabCheckError, match="3 is bug 5's factor, two divisions by world_size"):
+        lab10.check_decision(KEPT_GRADIENT, 35, "this rank's mean", 3)
 
 
 # every wrong value, for each repair: (repair, which answer, the wrong value, its cause)
 WRONG_DECISION = [
-    ("gradients", "kept", "loss", "kept = 'loss', but in your fixed5 the gradients are divided "
-                                  "by world_size after all_reduce and the line that computes "
-                                  "`loss` divides by nothing"),
-    ("loss", "kept", "gradients", "kept = 'gradients', but in your fixed5 the line that "
-                                  "computes `loss` divides by world_size and the gradients are "
-                                  "not divided"),
+    ("gradients", "kept", 30, "kept = 30 is the line that divides the loss by world_size, but "
+                              "in your fixed5 the gradients are divided by world_size after "
+                              "all_reduce and the line that computes `loss` divides by nothing"),
+    ("loss", "kept", 35, "kept = 35 is the line that divides the gradients by world_size, but "
+                         "in your fixed5 the line that computes `loss` divides by world_size "
+                         "and the gradients are not divided"),
+    ("loss", "kept", 34, "line 34 of bug5_mean.py \\(`dist.all_reduce\\(p.grad\\)`\\) is not a "
+                         "division by world_size"),
     ("gradients", "loss_holds", "this rank's mean / world_size",
      "no longer divides the loss by world_size: .*no world_size is left in it"),
     ("gradients", "loss_holds", "the global mean",
@@ -1057,39 +1086,49 @@ WRONG_DECISION = [
     ("loss", "loss_holds", "the global mean",
      "no collective runs before backward.*dividing a rank's own number by world_size does not "
      "bring them in"),
-    ("gradients", "under_ddp", "remove the loss's / world_size",
-     "already removed the loss's / world_size: there is none left to remove"),
-    ("gradients", "under_ddp", "add / world_size to the loss",
-     "DDP averages the gradients over the ranks, dividing by world_size itself: a loss divided "
-     "by world_size as well"),
-    ("loss", "under_ddp", "nothing else",
-     "once the hand-written loop \\(the sum\\) is gone, every gradient is world_size times too "
-     "small"),
-    ("loss", "under_ddp", "add / world_size to the loss",
-     "one more division makes every gradient world_size² times too small"),
+    ("gradients", "under_ddp", 3, "3 is bug 5's factor, two divisions by world_size; your "
+                                  "fixed5's loss divides by nothing"),
+    ("gradients", "under_ddp", 9, "9 counts a division by world_size your fixed5 no longer has"),
+    ("gradients", "under_ddp", 1 / 3, "1/3 would be a step 3 times larger"),
+    ("loss", "under_ddp", 1, "your fixed5's loss still divides by world_size, and DDP divides "
+                             "the sum over the ranks by world_size as well"),
+    ("loss", "under_ddp", 9, "9 counts DDP's division and your loss's, and leaves out the sum"),
+    ("loss", "under_ddp", 2, "it is how many times one device's gradient .* is larger than the "
+                             "one opt.step\\(\\) would use under DDP"),
 ]
 
 
 @pytest.mark.parametrize("kept, which, value, cause", WRONG_DECISION,
                          ids=[f"{k}-{w}-{v}" for k, w, v, _ in WRONG_DECISION])
 def test_each_wrong_decision_is_named_by_its_cause_then_its_fix(kept, which, value, cause):
-    text, holds, ddp = RIGHT_DECISION[kept]
-    answers = {"kept": kept, "loss_holds": holds, "under_ddp": ddp}
+    text, line, holds, ddp = RIGHT_DECISION[kept]
+    answers = {"kept": line, "loss_holds": holds, "under_ddp": ddp}
     right = answers[which]
     answers[which] = value
     with pytest.raises(LabCheckError, match=f"^Decision 5: .*{cause}") as first:
         lab10.check_decision(text, **answers)
-    assert repr(right) not in str(first.value)      # the cause never hands over the value
     assert "if this same mistake comes back" in str(first.value)
+    if which != "kept":  # the cause never hands over the value
+        assert f"{which} = {right!r}" not in str(first.value)
+        assert f"{which} = {right}." not in str(first.value)
     with pytest.raises(LabCheckError) as second:
         lab10.check_decision(text, **answers)
-    assert f"{which} = {right!r}" in str(second.value)
+    if which == "kept":
+        assert "the line whose division it kept" in str(second.value) or \
+            "whose division by world_size your fixed5 still has" in str(second.value)
+    else:
+        assert (f"{which} = {right!r}." in str(second.value)
+                or f"{which} = {right}." in str(second.value)), str(second.value)
 
 
 @pytest.mark.parametrize("answers, phrase", [
-    (("gradient", "this rank's mean", "nothing else"), "kept is 'gradient': it must be one of"),
-    (("loss", "the rank's mean", "nothing else"), "loss_holds is \"the rank's mean\": it must be"),
-    (("loss", "the global mean", "keep as is"), "under_ddp is 'keep as is': it must be one of"),
+    (("gradients", "this rank's mean", 1), "kept should be a line number of bug5_mean.py, 1 to "
+                                           "39 as lab10.show\\(5\\) numbers them; got "
+                                           "'gradients'"),
+    ((True, "this rank's mean", 1), "kept should be a line number"),
+    ((30, "the rank's mean", 1), "loss_holds is \"the rank's mean\": it must be"),
+    ((30, "the global mean", "nothing else"), "under_ddp should be a number .*got 'nothing "
+                                              "else'"),
 ])
 def test_a_value_outside_the_lists_is_a_clear_error(answers, phrase):
     with pytest.raises(LabCheckError, match=phrase):
@@ -1101,8 +1140,7 @@ def test_a_value_outside_the_lists_is_a_clear_error(answers, phrase):
                                        (GRAD_LINE, ""))])
 def test_a_decision_needs_one_division_kept(text):
     with pytest.raises(LabCheckError, match="divides by world_size in both places or in neither"):
-        lab10.check_decision(text, "loss", "this rank's mean / world_size",
-                             "remove the loss's / world_size")
+        lab10.check_decision(text, 30, "this rank's mean / world_size", 3)
 
 
 def test_the_kept_division_is_read_from_the_code():

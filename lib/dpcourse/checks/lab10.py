@@ -57,7 +57,7 @@ __all__ = ["SCRIPTS", "CHOICES", "ANSWERS", "BUGS", "BUG_LINES", "EFFECTS", "scr
            "bug_lines", "check_line", "move_line", "delete_line", "insert_line", "check_answer", "simulate", "run_fix",
            "judge_fix", "check_fix", "check_fixes", "examples_read", "check_prediction",
            "check_replicas_in_sync", "kept_division", "check_decision", "KEPT",
-           "LOSS_HOLDS", "UNDER_DDP"]
+           "LOSS_HOLDS"]
 
 SCRIPT_DIR = Path(__file__).resolve().parents[1] / "scripts" / "lab10"
 SCRIPTS = {1: "bug1_sampler.py", 2: "bug2_loader.py", 3: "bug3_clip.py", 4: "bug4_start.py",
@@ -705,16 +705,17 @@ def kept_division(text: str) -> str | None:
     return {(True, False): "loss", (False, True): "gradient"}.get((loss, grad))
 
 
-# bug 5's design decision, answered in three words the check judges against the repair the
-# fixed script made (kept_division reads it from the code, comments aside). What `loss` holds
-# on a rank after the fix, and what else changes when the loop moves to DDP (which averages
-# the gradients over the ranks, dividing by world_size itself: torch/nn/parallel/
-# distributed.py, divide_by_initial_world_size; so the hand-written all_reduce loop goes):
-KEPT = ("loss", "gradients")
+# bug 5's design decision, three answers the check judges against the repair the fixed script
+# made (kept_division reads it from the code, comments aside), none of them a list of the
+# repairs: the line of the division the fix kept (a number read off lab10.show(5)), what `loss`
+# holds on a rank afterwards (one of LOSS_HOLDS), and, once the loop moves to DDP with nothing
+# else changed, how many times smaller than one device's gradient the step is. DDP averages
+# the gradients over the ranks, dividing their sum by world_size itself (torch/nn/parallel/
+# distributed.py, divide_by_initial_world_size), so the hand-written all_reduce loop goes.
+KEPT = {"loss": "yb) / world_size", "gradients": "p.grad /= world_size"}
 LOSS_HOLDS = ("this rank's mean", "this rank's mean / world_size", "the global mean")
-UNDER_DDP = ("nothing else", "remove the loss's / world_size", "add / world_size to the loss")
-_RIGHT = {"loss": ("this rank's mean / world_size", "remove the loss's / world_size"),
-          "gradients": ("this rank's mean", "nothing else")}
+_HOLDS = {"loss": "this rank's mean / world_size", "gradients": "this rank's mean"}
+_UNDER_DDP = {"loss": WORLD_SIZES[5], "gradients": 1}
 _NO_COLLECTIVE = ("each rank computes `loss` from its own batch only, and no collective runs "
                   "before backward: the all_reduce acts on the gradients, after backward, so "
                   "no rank's `loss` ever sees another rank's examples")
@@ -730,58 +731,82 @@ _LOSS_CAUSE = {
     ("loss", "the global mean"): _NO_COLLECTIVE + " (dividing a rank's own number by "
                                                   "world_size does not bring them in)",
 }
+# (the repair kept, a wrong number) -> what that number is; any other: _DDP_MADE_OF
 _DDP_CAUSE = {
-    ("gradients", "remove the loss's / world_size"):
-        "your fixed5 already removed the loss's / world_size: there is none left to remove",
-    ("gradients", "add / world_size to the loss"):
-        "DDP averages the gradients over the ranks, dividing by world_size itself: a "
-        "loss divided by world_size as well makes every gradient world_size times too small, "
-        "bug 5 again under DDP",
-    ("loss", "nothing else"):
-        "your loss is divided by world_size and DDP averages the gradients, dividing by "
-        "world_size again: once the hand-written loop (the sum) is gone, every gradient is "
-        "world_size times too small, bug 5 again under DDP",
-    ("loss", "add / world_size to the loss"):
-        "your loss is already divided by world_size and DDP divides the gradients by "
-        "world_size again: one more division makes every gradient world_size² times too small",
+    ("gradients", 3):
+        "3 is bug 5's factor, two divisions by world_size; your fixed5's loss divides by "
+        "nothing, so under DDP the one division by world_size left is DDP's own, of the sum "
+        "over the ranks",
+    ("gradients", 9):
+        "9 counts a division by world_size your fixed5 no longer has",
+    ("loss", 1):
+        "your fixed5's loss still divides by world_size, and DDP divides the sum over the ranks "
+        "by world_size as well: once the hand-written loop (which divided nothing) is gone, "
+        "the loss's division is undone by nothing",
+    ("loss", 9):
+        "9 counts DDP's division and your loss's, and leaves out the sum DDP's all-reduce makes "
+        "before it divides",
 }
+_DDP_MADE_OF = ("it is how many times one device's gradient (of its mean loss over the global "
+                "batch) is larger than the one opt.step() would use under DDP, on 3 ranks, "
+                "with your fixed5's loss line unchanged and the hand-written loop gone; 1/3 "
+                "would be a step 3 times larger")
 
 
 @recorded
 def check_decision(fixed5: str, kept, loss_holds, under_ddp) -> None:
-    """Bug 5's design decision, judged against the repair ``fixed5`` made: which division it
-    ``kept`` (one of :data:`KEPT`), what ``loss`` holds on a rank afterwards (one of
-    :data:`LOSS_HOLDS`), and what else changes when the loop moves to DDP and its hand-written
-    all_reduce loop goes (one of :data:`UNDER_DDP`)."""
+    """Bug 5's design decision, judged against the repair ``fixed5`` made: ``kept``, the line
+    number (as :func:`show` prints script 5) of the division by world_size the fix kept;
+    ``loss_holds``, what ``loss`` holds on a rank afterwards (one of :data:`LOSS_HOLDS`);
+    ``under_ddp``, once the loop moves to DDP (its hand-written all_reduce loop gone, nothing
+    else changed), how many times smaller than one device's gradient the step is, on 3 ranks."""
     __tracebackhide__ = True
     if not isinstance(fixed5, str):
         fail(f"Pass fixed5, your fixed script's text (a str), not {type(fixed5).__name__}.")
-    for name, value, allowed in (("kept", kept, KEPT), ("loss_holds", loss_holds, LOSS_HOLDS),
-                                 ("under_ddp", under_ddp, UNDER_DDP)):
-        if value not in allowed:
-            fail(f"{name} is {value!r}: it must be one of "
-                 f"{', '.join(repr(a) for a in allowed)}, written exactly so.")
+    lines = script(5).splitlines()
+    if isinstance(kept, bool) or not isinstance(kept, int) or not 1 <= kept <= len(lines):
+        fail(f"kept should be a line number of {SCRIPTS[5]}, 1 to {len(lines)} as "
+             f"lab10.show(5) numbers them; got {kept!r}.")
+    if loss_holds not in LOSS_HOLDS:
+        fail(f"loss_holds is {loss_holds!r}: it must be one of "
+             f"{', '.join(repr(a) for a in LOSS_HOLDS)}, written exactly so.")
+    if not _is_number(under_ddp) or under_ddp != under_ddp:
+        fail(f"under_ddp should be a number (how many times smaller than one device's gradient "
+             f"the step is under DDP; 1 if the same); got {under_ddp!r}.")
+    said = next((name for name, piece in KEPT.items() if piece in lines[kept - 1]), None)
+    if said is None:
+        code = lines[kept - 1].strip() or "(a blank line)"
+        fail(f"Decision 5: line {kept} of {SCRIPTS[5]} (`{code}`) is not a division by "
+             f"world_size, so no fix keeps it as one.",
+             fix="kept is the number of the line, in the broken script's listing, whose "
+                 "division by world_size your fixed5 still has.")
     code = {"loss": "loss", "gradient": "gradients"}.get(kept_division(fixed5))
     if code is None:
         fail("Decision 5: your fixed5 divides by world_size in both places or in neither, so "
              "it keeps no single division to decide about.",
              fix="Fix bug 5 first (lab10.check_fix(5, fixed5)), then answer for that fix.")
-    if kept != code:
-        said = {"loss": "the line that computes `loss` divides by world_size and the "
+    if said != code:
+        what = {"loss": "the line that computes `loss` divides by world_size and the "
                         "gradients are not divided after all_reduce",
                 "gradients": "the gradients are divided by world_size after all_reduce and "
                              "the line that computes `loss` divides by nothing"}[code]
-        fail(f"Decision 5: kept = {kept!r}, but in your fixed5 {said}.",
-             fix=f"Answer for the repair your fixed5 makes: kept = {code!r} (or change fixed5).")
-    holds, ddp = _RIGHT[code]
-    if loss_holds != holds:
+        fail(f"Decision 5: kept = {kept} is the line that divides the "
+             f"{'loss' if said == 'loss' else 'gradients'} by world_size, but in your fixed5 "
+             f"{what}.",
+             fix="Answer for the repair your fixed5 makes (or change fixed5): the line whose "
+                 "division it kept.")
+    if loss_holds != _HOLDS[code]:
         fail(f"Decision 5: loss_holds = {loss_holds!r}, but {_LOSS_CAUSE[code, loss_holds]}.",
-             fix=f"loss_holds = {holds!r}.")
-    if under_ddp != ddp:
-        fail(f"Decision 5: under_ddp = {under_ddp!r}, but {_DDP_CAUSE[code, under_ddp]}.",
-             fix=f"under_ddp = {ddp!r}.")
+             fix=f"loss_holds = {_HOLDS[code]!r}.")
+    right = _UNDER_DDP[code]
+    if abs(float(under_ddp) - right) > 0.01:
+        cause = next((c for (k, v), c in _DDP_CAUSE.items()
+                      if k == code and abs(float(under_ddp) - v) <= 0.01), _DDP_MADE_OF)
+        fail(f"Decision 5: under_ddp = {under_ddp!r} is not what DDP would do with your "
+             f"fixed5: {cause}.", fix=f"under_ddp = {right}.")
     passed({"loss": "decision 5: kept the loss's division; `loss` holds this rank's mean / "
-                    "world_size, and under DDP that division goes with the hand-written loop",
+                    "world_size, and under DDP every step would be world_size times too small "
+                    "unless that division goes with the hand-written loop",
             "gradients": "decision 5: kept the gradients' division, the one DDP does; "
                          "`loss` holds this rank's own mean, and under DDP nothing else "
                          "changes"}[code])
