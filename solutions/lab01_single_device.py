@@ -17,10 +17,12 @@
 # * `evaluate(model, loader, loss_fn, device) -> (mean_loss, accuracy)` — the model measured as
 #   it predicts at test time: the mean loss per sample and the fraction of samples whose
 #   predicted class (the argmax of the logits) is the label, a float in [0, 1]. It leaves the
-#   weights as they were and keeps no autograd graph. Which mode the model is in when it
-#   returns is **your design decision** (§2). When the loader (or the model) raises midway —
-#   a corrupt file, a data worker that died — the exception reaches the caller, and the caller
-#   finds autograd recording as before the call and the model in the mode your decision says.
+#   weights as they were and keeps no autograd graph. Which mode the model is in afterwards is
+#   **your design decision** (§2), and it holds however `evaluate` ends: whatever happens
+#   inside it, the caller finds autograd as it was before the call and every layer of the
+#   model in the mode your decision says, and any error raised inside reaches the caller as
+#   itself. A loader with no sample at all is the caller's mistake: `evaluate` raises a
+#   `ValueError` that says so.
 #
 # Both must hold for any model, loader and optimizer, not only the lesson's: each check runs
 # your function on small models and loaders of its own, compares with the library's reference
@@ -51,8 +53,10 @@ device = torch.device(device or devices.choose_profile().device)
 # ## 1. `train_one_epoch`
 #
 # One epoch of training, with the contract above: after the call the model has taken one
-# optimizer step per batch of `loader`, each on the gradient of that batch's loss alone, and
-# the function returns the mean loss per sample over every sample it saw.
+# optimizer step per batch of `loader`, each on the gradient of that batch's mean loss alone,
+# and the function returns the mean loss per sample over every sample it saw. The check's
+# loaders end with a short batch, as most real ones do; after it passes, you predict what that
+# short batch does to the training itself.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -100,21 +104,45 @@ def train_one_epoch(model, loader, loss_fn, optimizer, device):
 # %%
 lab01.check_train_one_epoch(train_one_epoch)
 
+# %% [markdown]
+# **Predict, then measure: the short last batch's step.** 50 samples in batches of 16 make
+# three full batches and a last one of 2. Your function returns a loss that counts each of the
+# 50 samples once. But what about the *training*: compared with the step a full batch of 16
+# moved the weights by, is the step on the 2-sample batch `"smaller"`, `"about the same"`
+# (within 50%), or `"larger"`? Write your choice; the next cell runs your `train_one_epoch`
+# with plain SGD, measures how far each step moved the weights, and says why.
+
+# %% [markdown]
+# **▶ Hint — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The step is the learning rate times the gradient of the batch's loss. That loss is a mean:
+# over which samples, divided by what? And what happens to a mean of 2 samples' gradients that
+# does not happen to a mean of 16?
+
+# %%
+### BEGIN SOLUTION: your prediction (one of lab01.STEP_CHOICES)
+my_step_guess = "larger"
+### END SOLUTION
+step_guess = predict("lab01", lab01.STEP_QUESTION, my_step_guess, choices=lab01.STEP_CHOICES)
+lab01.check_step_prediction(step_guess, train_one_epoch)
+
 
 # %% [markdown]
 # ## 2. `evaluate`
 #
 # The model as it predicts at test time, with the contract above: `(mean loss per sample,
-# accuracy in [0, 1])`, the weights unchanged, no autograd graph kept — and a loader that
-# fails midway reaches the caller as its exception, with autograd and the model's mode as
-# they must be afterwards. The check hands your function such a loader.
+# accuracy in [0, 1])`, the weights unchanged, no autograd graph kept, and the caller finding
+# autograd and the model's mode as the contract says however `evaluate` ends.
 #
-# **Your design decision:** in which mode does `evaluate` leave the model when it returns —
-# always in evaluation mode, or in the mode it arrived in? The library's reference and the
-# lesson do not settle it for you. Think of the code that will call `evaluate`: a training loop
-# that evaluates every few hundred steps, a script that only tests a saved model. Write your
-# choice in `evaluate_leaves_model_in`, `"eval"` or `"as found"`; the check hands your function
-# models in both modes and holds it to what you chose.
+# **Your design decision:** in which mode does `evaluate` leave the model — always in
+# evaluation mode, or in the mode it arrived in? The library's reference and the lesson do not
+# settle it for you. Think of the code that will call `evaluate`: a training loop that
+# evaluates every few hundred steps, a script that only tests a saved model, a fine-tuning run
+# that keeps one layer frozen in eval mode while the rest trains. "The mode it arrived in"
+# means every layer's own: for that fine-tuning model, the frozen layer comes back frozen.
+# Write your choice in `evaluate_leaves_model_in`, `"eval"` or `"as found"`; the check hands
+# your function models in several states and holds it to what you chose.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -130,18 +158,19 @@ lab01.check_train_one_epoch(train_one_epoch)
 # %% [markdown] jupyter={"source_hidden": true}
 # Switch to the test-time behaviour before the first forward, and turn autograd's recording off
 # for the whole loop. Count correct predictions and summed loss over samples, and divide once
-# at the end. If you chose "as found", the mode the model arrived in is in `model.training`:
-# read it before you change it. And an exception leaves a function at the line that raised:
-# which of your lines still run then?
+# at the end. If you chose "as found", each module's mode is in its own `.training`: read them
+# all before you change anything (what does `model.train(flag)` do to the submodules?). And an
+# exception leaves a function at the line that raised: which of your lines still run then?
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Remember the arriving mode (only for "as found"); set the test-time mode; inside a no-grad
-# block, loop over `(X, y)`: logits, the batch's loss times its size into one total, the number
-# of argmax hits into another, the batch size into a third; restore the mode if that is your
-# choice, in a block that runs whether the loop ends or raises; return the two quotients.
+# Remember the arriving modes, one per module (only for "as found"); set the test-time mode;
+# inside a no-grad block, loop over `(X, y)`: logits, the batch's loss times its size into one
+# total, the number of argmax hits into another, the batch size into a third; restore the
+# modes if that is your choice, in a block that runs whether the loop ends or raises; if no
+# sample came, raise the `ValueError`; return the two quotients.
 
 # %%
 ### BEGIN SOLUTION: your design decision: "eval" or "as found"
@@ -151,7 +180,7 @@ evaluate_leaves_model_in = "as found"
 
 def evaluate(model, loader, loss_fn, device):
     ### BEGIN SOLUTION: return (mean loss per sample, accuracy in [0, 1]); the mode you chose
-    was_training = model.training
+    arrived = {m: m.training for m in model.modules()}  # every layer's own mode
     model.eval()
     total_loss, correct, total = 0.0, 0, 0
     try:
@@ -162,8 +191,11 @@ def evaluate(model, loader, loss_fn, device):
                 total_loss += loss_fn(logits, y).item() * len(y)
                 correct += (logits.argmax(dim=1) == y).sum().item()
                 total += len(y)
-    finally:  # the mode comes back even when the loader raises
-        model.train(was_training)
+    finally:  # the modes come back even when the loader raises
+        for m, mode in arrived.items():
+            m.training = mode
+    if total == 0:
+        raise ValueError("evaluate got a loader with no sample: nothing to measure")
     return total_loss / total, correct / total
     ### END SOLUTION
 
@@ -241,11 +273,10 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # * it returns the **mean loss per sample** over the epoch, a float, as `train_one_epoch` does;
 # * the result does not depend on whatever `p.grad` held before the call.
 #
-# The check trains a small model both ways and compares the weights and the returned loss. Its
-# loaders always hold a whole number of groups of k, but the micro-batches need not all be the
-# same size: as a `DataLoader`'s last batch often is, one may be shorter than the others. Its
-# model has no dropout (whose masks would differ between the two ways). This is the same sum that DDP computes across ranks in
-# lesson 03, done across time instead of devices.
+# The check trains a small model both ways, on loaders of its own that hold a whole number of
+# groups of k micro-batches, and compares the weights and the returned loss. Its model has no
+# dropout (whose masks would differ between the two ways). This is the same sum that DDP
+# computes across ranks in lesson 03, done across time instead of devices.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)

@@ -146,13 +146,25 @@ def test_train_mistakes_are_named(fn, phrase):
 
 def _eval(mode=True, no_grad=True, acc_kind="fraction", loss_kind="per_sample",
           restore=False, to_train=False, half=False, finally_=True, grad="block",
-          swallow=False):
-    """evaluate written in several ways. ``restore``: put the arriving mode back, in a finally
-    block (``finally_``) or after the loop; ``grad``: autograd off with a with-block ("block")
-    or with set_grad_enabled(False) switched back on after the loop ("switch") or never
-    ("off"); ``swallow``: catch the loader's error and return what was measured so far."""
+          swallow=False, empty="raise"):
+    """evaluate written in several ways. ``restore``: put the arriving mode back, each
+    submodule's own (True) or one flag for all, model.train(model.training as it arrived)
+    ("flag"), in a finally block (``finally_``) or after the loop; ``grad``: autograd off with
+    a with-block ("block") or with set_grad_enabled(False) switched back on after the loop
+    ("switch") or never ("off"); ``swallow``: catch the loader's error and return what was
+    measured so far; ``empty``: what an empty loader gets, ValueError ("raise"), the division
+    by zero ("divide") or (0.0, 0.0) ("zeros")."""
     def fn(model, loader, loss_fn, device):
         was_training = model.training
+        each = {m: m.training for m in model.modules()}
+
+        def put_back():
+            if restore == "flag":
+                model.train(was_training)
+            else:
+                for m, flag in each.items():
+                    m.training = flag
+
         if mode:
             model.eval()
         losses, sizes, hits, accs = [], [], 0, []
@@ -181,19 +193,23 @@ def _eval(mode=True, no_grad=True, acc_kind="fraction", loss_kind="per_sample",
                 try:
                     measure()
                 finally:
-                    model.train(was_training)
+                    put_back()
             else:
                 measure()
         except RuntimeError:
             if not swallow:
                 raise
         n = sum(sizes)
+        if n == 0 and empty == "raise":
+            raise ValueError("evaluate got an empty loader: no sample to measure")
+        if n == 0 and empty == "zeros":
+            return 0.0, 0.0
         loss = {"per_sample": sum(l * s for l, s in zip(losses, sizes)) / n,
                 "sum": sum(losses), "mean_of_means": sum(losses) / len(losses)}[loss_kind]
         acc = {"fraction": hits / n, "count": hits, "percent": 100 * hits / n,
                "mean_of_means": sum(accs) / len(accs)}[acc_kind]
         if restore and not finally_:
-            model.train(was_training)
+            put_back()
         if to_train:  # "back to training" whatever the model arrived in
             model.train()
         if half:  # only the last layer put back
@@ -359,6 +375,8 @@ def eval_inference_mode(model, loader, loss_fn, device):
             loss_sum += torch.nn.functional.cross_entropy(out, y, reduction="sum")
             hits += (out.argmax(-1) == y).sum()
     n = len(loader.dataset)
+    if n == 0:
+        raise ValueError("no samples in the loader")
     return loss_sum / n, hits / n  # 0-dim tensors: accepted as numbers
 
 
@@ -366,6 +384,8 @@ def eval_inference_mode(model, loader, loss_fn, device):
 def eval_decorated_one_pass(model, loader, loss_fn, device):
     model.eval()
     outs = [(model(X), y) for X, y in loader]
+    if not outs:
+        raise ValueError("empty loader")
     logits = torch.cat([o for o, _ in outs])
     y = torch.cat([t for _, t in outs])
     return loss_fn(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
@@ -586,6 +606,8 @@ def eval_restoring_every_module(model, loader, loss_fn, device):
         for m, mode in modes.items():
             m.training = mode
     n = sum(len(y) for _, y in outs)
+    if not n:
+        raise ValueError("the loader held no sample")
     loss = sum(torch.nn.functional.cross_entropy(o, y, reduction="sum").item() for o, y in outs)
     hits = sum((o.argmax(1) == y).sum().item() for o, y in outs)
     return loss / n, hits / n
@@ -616,3 +638,119 @@ def test_prediction_explanation_fits_the_labs_model(capsys):
     lab01.check_prediction(guess, 1.9, 1.2)
     out = capsys.readouterr().out
     assert "train_one_epoch's" in out and "dropout is 0" in out, out
+
+
+# --- "as found" for a model whose layers are in different modes (a frozen BatchNorm) ----------
+
+def test_one_flag_restored_to_every_layer_is_refused_with_its_cause():
+    # the "as found" answer that restores with model.train(was_training): right for a model in
+    # one mode, wrong for a training model with a frozen (eval-mode) BatchNorm
+    wrong = _eval(restore="flag")
+    with pytest.raises(LabCheckError) as first:
+        lab01.check_evaluate(wrong, leaves="as found")
+    message = str(first.value)
+    assert "frozen in eval mode" in message, message
+    assert "model.train(flag) sets every submodule" in message, message
+    assert "Run the check again" in message and "model.modules()" not in message, message
+    with pytest.raises(LabCheckError) as second:
+        lab01.check_evaluate(wrong, leaves="as found")
+    assert "remember each submodule's own .training" in str(second.value), str(second.value)
+
+
+def eval_restoring_by_name(model, loader, loss_fn, device):
+    # a right "as found" answer written another way: modes by name, put back with .train(flag)
+    # on each module from the leaves up (so a parent's train() does not overwrite a child's)
+    modes = {name: m.training for name, m in model.named_modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            total, hits, n = 0.0, 0, 0
+            for X, y in loader:
+                out = model(X)
+                total += loss_fn(out, y).item() * len(y)
+                hits += (out.argmax(1) == y).sum().item()
+                n += len(y)
+    finally:
+        for name in sorted(modes, key=len):  # "" (the model) first, its children after
+            model.get_submodule(name).train(modes[name])
+    if n == 0:
+        raise ValueError("empty loader")
+    return total / n, hits / n
+
+
+@pytest.mark.parametrize("fn", [_eval(restore=True), eval_restoring_every_module,
+                                eval_restoring_by_name],
+                         ids=["each-flag-in-finally", "training-attribute", "by-name-train"])
+def test_restoring_each_layers_own_mode_passes(fn, capsys):
+    lab01.check_evaluate(fn, leaves="as found")
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "frozen BatchNorm" in out, out
+
+
+def test_a_frozen_batchnorm_under_the_eval_decision_passes(capsys):
+    lab01.check_evaluate(_eval(), leaves="eval")
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+# --- an empty loader: a clear error (the contract says ValueError) -----------------------------
+
+def eval_validating_first(model, loader, loss_fn, device):
+    # a right answer written another way: the bad input refused before anything changes
+    if len(loader) == 0:
+        raise ValueError("evaluate needs at least one batch")
+    return _eval()(model, loader, loss_fn, device)
+
+
+def eval_raising_in_eval_mode(model, loader, loss_fn, device):
+    # "as found", but the empty loader's error leaves before the mode is put back
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    if len(loader) == 0:
+        raise ValueError("evaluate needs at least one batch")
+    try:
+        return _eval(mode=False)(model, loader, loss_fn, device)
+    finally:
+        for m, flag in modes.items():
+            m.training = flag
+
+
+@pytest.mark.parametrize("fn, leaves, phrase", [
+    (_eval(empty="divide"), "eval", "raised ZeroDivisionError"),
+    (_eval(empty="zeros"), "eval", "returned (0.0, 0.0)"),
+    (_eval(restore=True, empty="divide"), "as found", "not that the loader was empty"),
+    (eval_raising_in_eval_mode, "as found", "reached the caller in eval mode"),
+])
+def test_an_empty_loader_without_a_clear_error_is_named(fn, leaves, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab01.check_evaluate(fn, leaves=leaves)
+    assert phrase in str(err.value), str(err.value)
+    assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("fn, leaves", [(eval_validating_first, "eval"),
+                                        (eval_validating_first, None),
+                                        (_eval(restore=True), "as found")])
+def test_an_empty_loader_refused_with_value_error_passes(fn, leaves, capsys):
+    lab01.check_evaluate(fn, leaves=leaves)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+# --- predict, then measure: the short last batch's step ----------------------------------------
+
+@pytest.mark.parametrize("value, verdict", [("larger", "right"),
+                                            ("smaller", "not what happened"),
+                                            ("about the same", "not what happened")])
+def test_short_batch_step_is_measured_with_the_learners_function(value, verdict, capsys):
+    from dpcourse.checks import predict
+
+    guess = predict("lab01", lab01.STEP_QUESTION, value, choices=lab01.STEP_CHOICES)
+    lab01.check_step_prediction(guess, good_train)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f" — {verdict}." in out, out
+    assert "counts every sample once; the steps do not" in out, out
+
+
+def test_the_short_batch_step_is_a_full_steps_scale_not_its_share():
+    ratio, norms = lab01.short_batch_step(good_train)
+    assert len(norms) == 4  # 16, 16, 16 and 2 samples
+    assert ratio > 1.5, (ratio, norms)  # not 2/16 of a full step: the loss is the batch's mean

@@ -24,7 +24,8 @@ from dpcourse import train as reference
 from dpcourse.checks import fail, passed, recorded
 
 __all__ = ["check_train_one_epoch", "check_evaluate", "check_train_accumulated",
-           "check_prediction", "LEAVES", "PREDICTION_QUESTION", "PREDICTION_CHOICES"]
+           "check_prediction", "LEAVES", "PREDICTION_QUESTION", "PREDICTION_CHOICES",
+           "STEP_QUESTION", "STEP_CHOICES", "short_batch_step", "check_step_prediction"]
 
 # The two answers to lab01's design decision: the mode evaluate leaves the model in.
 LEAVES = ("eval", "as found")
@@ -34,15 +35,24 @@ LEAVES = ("eval", "as found")
 _SETUPS = ((50, 16, 0), (37, 8, 3))
 
 
-def _setup(n: int = 50, batch: int = 16, seed: int = 0):
+def _setup(n: int = 50, batch: int = 16, seed: int = 0, batch_norm: bool = False):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(n, 3, 8, 8, generator=g)
     y = torch.randint(0, 10, (n,), generator=g)
     loader = DataLoader(TensorDataset(X, y), batch_size=batch, shuffle=False)
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 32), nn.ReLU(), nn.Dropout(0.5),
-                          nn.Linear(32, 10))
+    if batch_norm:  # index 2 is the BatchNorm layer that _FROZEN freezes
+        model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 32), nn.BatchNorm1d(32),
+                              nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 10))
+    else:
+        model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 32), nn.ReLU(),
+                              nn.Dropout(0.5), nn.Linear(32, 10))
     return model, loader
+
+
+# The mixed-mode arrival: a model in training mode whose BatchNorm layer (index 2) was frozen
+# in eval mode, as when fine-tuning: model.train(), then model[2].eval().
+_FROZEN = "mixed"
 
 
 class _Spy:
@@ -270,12 +280,16 @@ def check_evaluate(evaluate, leaves: str | None = None) -> None:
     for setup in _SETUPS:
         for arrives_training in (True, False):
             _check_evaluate_once(evaluate, setup, arrives_training, leaves)
+    _check_evaluate_once(evaluate, _SETUPS[0], _FROZEN, leaves)
     _check_evaluate_raising(evaluate, _SETUPS[1], leaves)
+    _check_evaluate_empty(evaluate, leaves)
     said = {None: "", "eval": ", and it leaves the model in eval mode as you decided",
-            "as found": ", and it leaves the model in the mode it found, as you decided"}[leaves]
+            "as found": ", and it leaves each layer in the mode it found (a frozen BatchNorm "
+                        "included), as you decided"}[leaves]
     passed(f"evaluate matches the reference: eval mode, no graph, per-sample mean loss "
            f"and accuracy{said}; a loader that fails midway reaches the caller with the "
-           f"model's mode and autograd as the contract says.")
+           f"model's mode and autograd as the contract says, and an empty loader is a "
+           f"ValueError.")
 
 
 class LoaderFailed(RuntimeError):
@@ -362,15 +376,108 @@ def _check_evaluate_raising(evaluate, setup, leaves: str | None) -> None:
                  "ends.")
 
 
+def _check_evaluate_empty(evaluate, leaves: str | None) -> None:
+    """A loader with no sample at all: the contract says evaluate raises ValueError (a clear
+    error), with autograd and the model's mode as after any other ending."""
+    __tracebackhide__ = True
+    model, loader = _setup(*_SETUPS[0])
+    X, y = loader.dataset.tensors
+    empty = DataLoader(TensorDataset(X[:0], y[:0]), batch_size=loader.batch_size)
+    model.train()
+    grad_before = torch.is_grad_enabled()
+    try:
+        result = evaluate(model, empty, nn.CrossEntropyLoss(), "cpu")
+    except ValueError:
+        pass
+    except ZeroDivisionError as exc:
+        torch.set_grad_enabled(grad_before)
+        fail(f"given a loader with no sample (an empty test split, a filter that kept "
+             f"nothing), evaluate raised ZeroDivisionError ({exc}): the caller reads a "
+             f"division by zero somewhere in evaluate's arithmetic, not that the loader was "
+             f"empty, and the contract asks for a ValueError that says so.",
+             fix="when the loop saw no sample, raise ValueError saying the loader was empty.")
+    except Exception as exc:  # noqa: BLE001 - the learner's function may raise anything
+        torch.set_grad_enabled(grad_before)
+        fail(f"given a loader with no sample, evaluate raised {type(exc).__name__} ({exc}); "
+             f"the contract asks for a ValueError that says the loader was empty.",
+             fix="when the loop saw no sample, raise ValueError saying so.")
+    else:
+        torch.set_grad_enabled(grad_before)
+        fail(f"given a loader with no sample, evaluate returned {result!r}: a loss and an "
+             f"accuracy measured on nothing look like a measurement to the caller (a test "
+             f"accuracy of {result!r} logged for an empty split), and the contract asks for a "
+             f"ValueError.", fix="when the loop saw no sample, raise ValueError saying the "
+                                 "loader was empty.")
+    grad_after = torch.is_grad_enabled()
+    torch.set_grad_enabled(grad_before)
+    if grad_after != grad_before:
+        fail("given a loader with no sample, evaluate raised, and left autograd switched off "
+             "for its caller: the line that switches it back on never ran.",
+             fix="turn autograd off with a block that restores it however the block ends: "
+                 "`with torch.no_grad():` (or the decorator).")
+    after = _modes(model)
+    if leaves == "as found" and after != {True}:
+        fail("given a loader with no sample, evaluate raised its ValueError, but a model "
+             "handed over in training mode reached the caller in eval mode: you decided that "
+             "evaluate leaves the model in the mode it found, however it ends.",
+             fix="raise after the mode is restored, or restore it in a block that runs "
+                 "however the function ends (try/finally).")
+    if len(after) > 1:  # (under "eval", refusing bad input before switching is fine)
+        fail("given a loader with no sample, evaluate raised its ValueError and left the "
+             "model with some layers in training mode and others in eval mode.",
+             fix="set or restore the mode of every layer before the error leaves evaluate.")
+
+
 def _modes(model) -> set:
     return {m.training for m in model.modules()}
 
 
-def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
+def _mode_map(model) -> dict:
+    """Each submodule's own mode, by its name in the model ("" is the model itself)."""
+    return {name: m.training for name, m in model.named_modules()}
+
+
+def _check_mixed_return(model, arrived: dict, leaves: str | None) -> None:
+    """The mode on return for a model that arrived in training mode with its BatchNorm frozen
+    in eval mode: "eval" leaves every submodule in eval mode; "as found" leaves each submodule
+    in its own arriving mode."""
+    __tracebackhide__ = True
+    after = _mode_map(model)
+    if leaves == "eval" and any(after.values()):
+        fail("you decided that evaluate leaves the model in eval mode, but a training model "
+             "whose BatchNorm layer was frozen in eval mode came back with layers in training "
+             "mode: your function and your decision disagree — change one of them.")
+    if leaves != "as found" or after == arrived:
+        return
+    wrong = [name for name in arrived if after[name] != arrived[name]]
+    said = ", ".join(f"{name or 'the model'} ({type(model.get_submodule(name)).__name__}) "
+                     f"{'training' if after[name] else 'eval'} instead of "
+                     f"{'training' if arrived[name] else 'eval'}" for name in wrong)
+    if set(after.values()) == {True}:
+        fail(f"you decided that evaluate leaves the model in the mode it found; the check "
+             f"handed it a training model whose BatchNorm layer (model[2]) was frozen in eval "
+             f"mode, as when fine-tuning (model.train(), then model[2].eval()), and it came "
+             f"back with that BatchNorm in training mode. One flag, model.training, cannot say "
+             f"the mode of every layer, and model.train(flag) sets every submodule to that "
+             f"flag: the frozen layer's running statistics would move at the caller's next "
+             f"training step.",
+             fix="remember each submodule's own .training (model.modules()) before you switch, "
+                 "and put each one back.")
+    fail(f"you decided that evaluate leaves the model in the mode it found; a training model "
+         f"whose BatchNorm layer (model[2]) was frozen in eval mode came back with {said}: "
+         f"the mode each layer arrived in was lost on the way.",
+         fix="remember each submodule's own .training before you switch, and put each one "
+             "back.")
+
+
+def _check_evaluate_once(evaluate, setup, arrives_training: bool | str = True,
                          leaves: str | None = None) -> None:
+    """``arrives_training``: True or False (the whole model in one mode), or _FROZEN (a model
+    in training mode whose BatchNorm layer is frozen in eval mode)."""
     __tracebackhide__ = True
     n, batch, _ = setup
-    model, loader = _setup(*setup)
+    mixed = arrives_training == _FROZEN
+    model, loader = _setup(*setup, batch_norm=mixed)
     # train a little so that accuracy is not a coin toss and dropout visibly matters
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for _ in range(30):
@@ -380,7 +487,12 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
             opt.step()
     before = _params(model)
     spy = _Spy(model)
-    model.train(arrives_training)  # a correct answer switches to eval mode itself
+    if mixed:
+        model.train()
+        model[2].eval()  # frozen: its running statistics must not move while the rest trains
+    else:
+        model.train(arrives_training)  # a correct answer switches to eval mode itself
+    arrived_modes = _mode_map(model)
     torch.manual_seed(2)
     grad_before = torch.is_grad_enabled()
     with library_calls(reference.evaluate) as called:
@@ -411,16 +523,18 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool = True,
     if not _same(_params(model), before):
         fail("evaluate changed the weights, but a measurement must leave the model as it "
              "found it.", fix="no backward and no optimizer step in evaluate.")
+    if mixed:
+        _check_mixed_return(model, arrived_modes, leaves)
     arrived = "training" if arrives_training else "eval"
-    if len(after) > 1:
+    if not mixed and len(after) > 1:
         fail("evaluate left the model with some layers in training mode and others in eval "
              "mode.", fix="set the mode of the whole model (model.train(...) / model.eval() "
                          "reach every submodule).")
-    if leaves == "eval" and after != {False}:
+    if not mixed and leaves == "eval" and after != {False}:
         fail(f"you decided that evaluate leaves the model in eval mode, but a model handed over "
              f"in {arrived} mode came back in training mode: your function and your decision "
              f"disagree — change one of them.")
-    if leaves == "as found" and after != {arrives_training}:
+    if not mixed and leaves == "as found" and after != {arrives_training}:
         came = "training" if True in after else "eval"
         fail(f"you decided that evaluate leaves the model in the mode it found, but a model "
              f"handed over in {arrived} mode came back in {came} mode: the mode it arrived in "
@@ -694,3 +808,58 @@ def check_prediction(guess, epoch_loss: float, eval_loss: float) -> None:
         "function here: the whole gap is the network changing during the epoch (with dropout "
         "on, training mode would widen it). The returned number is a running summary of the "
         "epoch, not a measurement of the model you now hold."))
+
+
+# --- predict, then measure: the step a short last batch takes --------------------------------
+
+STEP_QUESTION = ("the step on the epoch's short last batch (2 samples) against a full batch's "
+                 "(16 samples)")
+STEP_CHOICES = ("smaller", "about the same", "larger")
+
+
+def short_batch_step(train_one_epoch, setup=_SETUPS[0]) -> tuple[float, list]:
+    """Run the learner's ``train_one_epoch`` on 50 samples in batches of 16 (16, 16, 16, 2)
+    with plain SGD, and measure how far each optimizer step moved the weights (the norm of the
+    change): (the last step over the mean of the full batches' steps, every step's norm)."""
+    model, loader = _setup(*setup)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms: list = []
+    last = [_params(model)]
+
+    def moved(optimizer, args, kwargs):
+        now = _params(model)
+        norms.append(float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(now, last[0])))))
+        last[0] = now
+
+    opt.register_step_post_hook(moved)
+    torch.manual_seed(1)
+    train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, "cpu")
+    if len(norms) < 2:
+        fail(f"the check counted {len(norms)} optimizer step(s) in an epoch of "
+             f"{len(loader)} batches: it needs one per batch to compare them.")
+    return norms[-1] / (sum(norms[:-1]) / len(norms[:-1])), norms
+
+
+def check_step_prediction(guess, train_one_epoch) -> None:
+    """Measure :func:`short_batch_step` with the learner's own ``train_one_epoch`` and compare
+    the learner's prediction: is the step on the 2-sample last batch smaller than a full
+    batch's, about the same (within 50%), or larger? Say why. Never raises for a wrong
+    prediction."""
+    __tracebackhide__ = True
+    from dpcourse.checks import reveal
+
+    ratio, norms = short_batch_step(train_one_epoch)
+    measured = ("smaller" if ratio < 0.5 else "larger" if ratio > 1.5 else "about the same")
+    n, batch, _ = _SETUPS[0]
+    short = n % batch
+    reveal(guess, measured, close=guess.value == measured, explanation=(
+        f"Your steps moved the weights by {', '.join(f'{x:.3f}' for x in norms)}: the last, on "
+        f"{short} samples, {ratio:.1f} times the full batches' mean. Each batch's loss is its "
+        f"own mean, so the {short}-sample batch's gradient is an average like the others', "
+        f"not {short}/{batch} of one, and its step has a full step's scale; and an average of "
+        f"{short} samples' gradients cancels less of their disagreement than one of {batch} "
+        f"(this check's labels are random, so they disagree a lot). Each of those {short} "
+        f"samples moved the weights about {ratio * batch / short:.0f} times as much as a "
+        f"sample of a full batch. The number your function returns counts every sample "
+        f"once; the steps do not. DataLoader(drop_last=True) skips such a batch; the stretch "
+        f"below meets the same weighting inside one step."))
