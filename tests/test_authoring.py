@@ -214,3 +214,16 @@ def test_the_install_cell_names_this_version_and_is_silent_where_the_course_is()
     out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
                          timeout=120, cwd="/")
     assert out.returncode == 0 and out.stdout == "", out.stderr[-2000:]
+
+
+def test_a_name_with_a_folder_builds_that_folder_only(tmp_path):
+    """`build lessons/05` is the lesson alone: a lesson and its lab's solution share a name."""
+    for folder, stem in (("lessons", "05_mirrored"), ("solutions", "lab05_mirrored"),
+                         ("solutions", "lab06_ring")):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / f"{stem}.py").write_text("# %%\n")
+    names = lambda *n: [p.stem for p in authoring.sources(tmp_path, list(n))]
+    assert names("05_mirrored") == ["05_mirrored", "lab05_mirrored"]
+    assert names("lessons/05") == ["05_mirrored"]
+    assert names("solutions/lab0") == ["lab05_mirrored", "lab06_ring"]
+    assert names("lab06") == ["lab06_ring"]

@@ -47,10 +47,14 @@ _END = re.compile(r"^[ \t]*### END SOLUTION\s*$")
 
 
 def sources(root: Path = ROOT, names: list[str] | None = None) -> list[Path]:
-    """The py:percent sources, lessons first, filtered by substrings of their names."""
+    """The py:percent sources, lessons first, filtered by substrings of their names. A name
+    with a slash is matched against folder/name, so ``lessons/05`` is lesson 05 alone (a lesson
+    and its lab's solution share their name: ``05_mirrored_strategy`` matches both)."""
     found = [p for d in SOURCE_DIRS for p in sorted((root / d).glob("*.py"))]
     if names:
-        found = [p for p in found if any(n in p.stem for n in names)]
+        found = [p for p in found
+                 if any(n.strip("/") in (f"{p.parent.name}/{p.stem}" if "/" in n else p.stem)
+                        for n in names)]
     return found
 
 
@@ -328,7 +332,8 @@ def main(argv: list[str] | None = None,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="execute sources into notebooks and generate the labs")
-    b.add_argument("names", nargs="*", help="only sources whose file name contains one of these")
+    b.add_argument("names", nargs="*", help="only sources whose file name contains one of these "
+                   "(lessons/05: the lesson alone, not its lab's solution)")
     b.add_argument("--times", type=Path, help="also write the timings as JSON to this file")
     sub.add_parser("check", help="report notebooks out of sync with their sources")
     t = sub.add_parser("times", help="each executed lesson's time estimate against its header")
