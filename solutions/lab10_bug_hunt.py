@@ -46,7 +46,8 @@ from dpcourse.checks import lab10, predict
 #
 # `effect1`: this script seeds three random streams (the data's generator, the sampler's
 # shuffle, `torch.manual_seed`). With the check's `--seed 3` on 2 ranks, the sum of the three
-# seeds rank 1 uses.
+# seeds rank 1 passes when it builds or seeds them (the sampler's: its `seed=`, as built;
+# `set_epoch` adds the epoch later).
 
 # %%
 broken1 = lab10.script(1)
@@ -82,7 +83,8 @@ lab10.check_answer(1, answer1)
 
 # %% [markdown]
 # **Predict, then count.** With this script on 2 ranks, how many *different* examples of the
-# 48 does one epoch train on (both ranks together)? Reason it out before you run the count.
+# 48 does one epoch train on (both ranks together)? Reason it out before you run the count:
+# within 6 of it counts as close.
 
 # %%
 ### BEGIN SOLUTION: your prediction (a number of examples, 0 to 48)
@@ -152,7 +154,7 @@ fixed2 = broken2.replace("batch_size=4, shuffle=True)", "batch_size=4, sampler=s
 #
 # `effect3`: take rank 0's gradient `g₀ = (3, 0)`, rank 1's `g₁ = (0, 1)` and `max_norm = 1`
 # (instead of the script's 0.2). The first component of the gradient this script's
-# `opt.step()` uses.
+# `opt.step()` uses, to 2 decimals (the check accepts ±0.01).
 
 # %%
 broken3 = lab10.script(3)
@@ -231,6 +233,10 @@ answer4 = "B"
 ### END SOLUTION
 lab10.check_answer(4, answer4)
 
+# %% [markdown]
+# Your fix decides which rank's initial weights every replica starts from: any one rank's is
+# right (the check compares with a correct run started from each rank's in turn).
+
 # %%
 ### BEGIN SOLUTION: fixed4, the fixed script's text
 fixed4 = broken4.replace("src=rank", "src=0")
@@ -249,13 +255,14 @@ fixed4 = broken4.replace("src=rank", "src=0")
 # questions about *your* repair; the check judges each answer against the code of your
 # `fixed5`, so each has one right value per repair:
 #
-# - `bug5_kept`: which division by the world size your fix kept: `"loss"` or `"gradients"`;
+# - `bug5_kept`: the number of the line (as `lab10.show(5)` numbers the broken script) whose
+#   division by the world size your fix kept;
 # - `bug5_loss_holds`: the number `loss` holds on one rank after your fix: `"this rank's mean"`,
 #   `"this rank's mean / world_size"` or `"the global mean"`;
 # - `bug5_under_ddp`: someone later moves your fixed loop to DDP, which averages the gradients
-#   over the ranks itself, and deletes the hand-written `all_reduce` loop. What else must
-#   change? `"nothing else"`, `"remove the loss's / world_size"` or
-#   `"add / world_size to the loss"`.
+#   over the ranks itself, deletes the hand-written `all_reduce` loop and changes nothing else.
+#   On 3 ranks, how many times smaller than one device's gradient (of its mean loss over the
+#   global batch) is the gradient `opt.step()` then uses? (1 if the same.)
 
 # %%
 broken5 = lab10.script(5)
@@ -294,10 +301,10 @@ fixed5 = broken5.replace("F.mse_loss(model(xb), yb) / world_size", "F.mse_loss(m
 ### END SOLUTION
 
 # %%
-### BEGIN SOLUTION: bug5_kept, bug5_loss_holds, bug5_under_ddp (one value each, from the lists)
-bug5_kept = "gradients"
+### BEGIN SOLUTION: bug5_kept (a line), bug5_loss_holds (from the list), bug5_under_ddp
+bug5_kept = 35
 bug5_loss_holds = "this rank's mean"
-bug5_under_ddp = "nothing else"
+bug5_under_ddp = 1
 ### END SOLUTION
 lab10.check_decision(fixed5, bug5_kept, bug5_loss_holds, bug5_under_ddp)
 
@@ -317,22 +324,19 @@ lab10.check_fixes({1: fixed1, 2: fixed2, 3: fixed3, 4: fixed4, 5: fixed5}, timeo
 #
 # A workshop can stop here. Lesson 10's bugs 4 and 5 were silent: the runs ended, the loss
 # even fell, but the replicas did not agree. Write the detector you would call after building
-# the model, or every few steps:
+# the model, or every few steps. The contract:
 #
-# - `replicas_in_sync(model)` is called on every rank of a process group and returns a Python
-#   `bool`: **True on every rank** when every rank's parameters are exactly equal, and **False
-#   on every rank** when any replica differs anywhere, by any amount, in any parameter;
-# - `model` is whatever model the job trains: its parameters may be of any floating dtype
-#   (float32, bfloat16, float64) and of any size;
-# - "exactly equal" means **the same bits**: a NaN that every replica holds at the same place,
-#   with the same bits, is in sync (the replicas agree, however broken), while `+0.0` on one
-#   replica and `−0.0` on another is not (equal as numbers, different sign bits), and neither
-#   is a weight one float away (`torch.nextafter`);
+# - `replicas_in_sync(model)` is called on every rank of a process group, each with its own
+#   replica of one architecture (the same parameters in the same order, of the same shapes and
+#   dtypes on every rank; only their values may differ);
+# - it returns one verdict, a Python `bool`, the same on every rank: **True exactly when every
+#   rank's parameters are identical, bit for bit**;
+# - `model` is whatever model the job trains: parameters of any floating dtype, any shape,
+#   any size;
 # - it must not change the parameters.
 #
-# The check runs it on 3 ranks: equal replicas, then one replica that differs — on each rank in
-# turn, in one parameter or another, by a lot or in ways a one-number summary or a tolerance
-# misses — and it names the way your verdict went wrong from what it saw across those cases.
+# The check runs it on 3 ranks over many pairs of replicas, alike and not, and names the way
+# your verdict went wrong from what it saw across them.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -347,8 +351,9 @@ lab10.check_fixes({1: fixed1, 2: fixed2, 3: fixed3, 4: fixed4, 5: fixed5}, timeo
 # %% [markdown] jupyter={"source_hidden": true}
 # Any single number that summarizes the weights (a sum, a norm, a weighted checksum) maps
 # different weights to the same number somewhere, and a comparison of values is not one of
-# bits (think of NaN and of −0.0). Compare the bits themselves with one reference copy, then
-# combine the verdicts so that one rank's "no" wins.
+# bits: think of a NaN (never equal to itself as a value), of −0.0 beside +0.0 (equal as
+# values), of a weight one float away (`torch.nextafter`). Compare the bits themselves with
+# one reference copy, then combine the verdicts so that one rank's "no" wins.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
