@@ -1513,3 +1513,19 @@ def test_an_unfilled_todo_stops_before_any_rank_starts():
 
     with pytest.raises(NotImplementedError):
         lab11.check_block_of(todo)
+
+
+def test_a_wrong_pair_sent_again_is_named_as_a_repeat_not_a_new_pair():
+    """The fifth learner re-sent their first wrong pair after a second one and was told "a new
+    pair … diagnosis no. 2": a repeat is named as the repeat it is."""
+    fails(lab11.check_diagnosis, "both", "both", match="is not right")
+    fails(lab11.check_diagnosis, "forward", "forward", match="diagnosis no. 2")
+    again = fails(lab11.check_diagnosis, "both", "both", match="is not right")
+    assert "You sent this very pair before, and it came back then too." in again
+    assert "a new pair" not in again
+    sp = dict(zip(lab11.SP_KEYS, ["all-reduce"] * 4))
+    fails(lab11.check_sequence_parallel, sp, match="not all right")
+    other = dict(sp, **{"f forward": "nothing"})
+    fails(lab11.check_sequence_parallel, other, match="answer no. 2")
+    repeat = fails(lab11.check_sequence_parallel, sp, match="not all right")
+    assert "You sent this very set before" in repeat and "answer no." not in repeat

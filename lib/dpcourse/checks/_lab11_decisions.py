@@ -167,12 +167,14 @@ def check_diagnosis(f_communicates_in, g_communicates_in, held=None) -> None:
     pair = (declared["f"], declared["g"])
     if _wrong_passes(declared):
         earlier = [p for p in tried if p != pair]
-        if pair not in tried:
+        if pair in tried:    # sent back before: a repeat, not a new pair
+            search = " You sent this very pair before, and it came back then too."
+        else:
             tried.append(pair)
-        search = (f" This is your diagnosis no. {len(tried)}; before it, "
-                  f"{', '.join(map(_shown_pair, earlier))} came back too: a new pair without a "
-                  f"new reason is a search over a handful of answers, not a diagnosis."
-                  if earlier else "")
+            search = (f" This is your diagnosis no. {len(tried)}; before it, "
+                      f"{', '.join(map(_shown_pair, earlier))} came back too: a new pair "
+                      f"without a new reason is a search over a handful of answers, not a "
+                      f"diagnosis." if earlier else "")
         which = ("and so which of your whole/partial answers does not hold?"
                  if answers is not None else
                  "and so which tensor does a rank hold only as a part the ranks must sum?")
@@ -261,11 +263,13 @@ def check_sequence_parallel(sp_collectives) -> None:
     if answers != _RIGHT_SP:
         shown = tuple(answers[k] for k in SP_KEYS)
         earlier = [t for t in tried if t != shown]
-        if shown not in tried:
+        if shown in tried:   # sent back before: a repeat, not a new set
+            search = " You sent this very set before, and it came back then too."
+        else:
             tried.append(shown)
-        search = (f" This is your answer no. {len(tried)}; {len(earlier)} other set"
-                  f"{'s' if len(earlier) > 1 else ''} came back before it: a new set without "
-                  f"a new reason is a search, not a diagnosis." if earlier else "")
+            search = (f" This is your answer no. {len(tried)}; {len(earlier)} other set"
+                      f"{'s' if len(earlier) > 1 else ''} came back before it: a new set "
+                      f"without a new reason is a search, not a diagnosis." if earlier else "")
         implied = "; ".join(_SP_IMPLIES[k][answers[k]] for k in SP_KEYS)
         fail(f"Your four sequence-parallel collectives are not all right. Followed through "
              f"the MLP on this rank's tokens, they mean: {implied}. Which of these is not what "
