@@ -26,8 +26,9 @@
 # In this lesson you
 #
 # 1. **run** a ring all-reduce step by step in a simulator and watch the chunks travel;
-# 2. **count** what it sends — 2(N−1)K/N bytes per worker, whatever N — and compare it with the
-#    naive way, a parameter server, a tree and Rabenseifner's algorithm under the α-β model;
+# 2. **count** what it sends — 2(N−1)K/N bytes per worker, under 2K whatever N — and compare
+#    it with the naive way, a parameter server, a tree and Rabenseifner's algorithm under the
+#    α-β model;
 # 3. **measure** `dist.all_reduce` on this machine and fit α (latency) and β (seconds per byte);
 # 4. **build** a real ring over `torch.distributed` point-to-point messages, check it against
 #    `dist.all_reduce`, and train with it to the very same weights as DDP.
@@ -113,7 +114,8 @@ stepper = viz.ring_stepper(trace)
 # ## 2. What it costs: 2(N−1)K/N bytes per worker
 #
 # Each worker sends N−1 chunks in the scatter-reduce and N−1 in the all-gather, each K/N of
-# the K bytes: **2(N−1)K/N < 2K, independent of N**. When the length is not divisible by N
+# the K bytes: **2(N−1)K/N**. The count grows with N (K at N = 2, 1.75K at N = 8) but stays
+# **under 2K, a bound independent of N**. When the length is not divisible by N
 # the chunks differ by one element and the count is rounded accordingly. The simulator counts
 # what it really sent; we check it against the formula for many N and sizes, uneven ones too.
 
@@ -177,16 +179,24 @@ claim(f"bytes per worker == 2(N−1)K/N in all {checked} cases (N = 2..16)", che
 # The ring's bandwidth term is flat in N; its latency term grows with N. The tree in this table
 # is the simple one — a binomial tree that sends the *whole* message in each of its log N rounds
 # — so its latency term grows only as log N but its bandwidth term is K·log N. That is the
-# model drawn below, labelled "binomial tree (unpipelined)". NCCL's tree is not this one: it is a
-# *double binary tree* that cuts the message into small pieces and pipelines them, so its
-# bandwidth term stays close to the ring's while its latency grows as log N; NCCL chooses
-# between its ring and its tree per message size and topology. So, in the model and among the
-# first four: a ring for big gradients, a tree for small messages — and Rabenseifner's at
-# least as cheap as both when N is a power of two (checked below). Why then do gloo and NCCL
-# ring? The model gives every pair of workers a link of its own at full speed. Rabenseifner's
-# partners are p/2, p/4, … apart: on real machines, where GPUs or servers sit on a ring of
-# links or share switches, those long-distance exchanges cross links other pairs are using
-# at the same time, a cost the model does not see; a ring only ever uses neighbours' links.
+# model drawn below, labelled "binomial tree (unpipelined)". NCCL's tree is not this one. It
+# cuts the message into small pieces and pipelines them, so its bandwidth term stays close to
+# the ring's; across servers it is a *double binary tree* over the servers, but inside a
+# server the GPUs form a **chain**. NCCL's own estimate of its depth is (GPUs per server − 1)
+# + log₂(servers): logarithmic in the servers, linear in the GPUs of one server — on a single
+# 8-GPU server, the machine of §3's predictions, a chain of 8. Per call, NCCL's tuner picks by
+# its own cost model of size and topology among the ring, this tree and, where the hardware
+# has them, algorithms that add inside the network: CollNet (switches that reduce, through a
+# network plugin), NVLS (NVLink SHARP: the NVSwitch of a server adds) and NVLS_TREE (NVLS
+# inside servers, a tree across them). So, in the model and among the first four: a ring for
+# big gradients, a tree for small messages — and Rabenseifner's at least as cheap as both when
+# N is a power of two (checked below). Why then do gloo and NCCL ring? The model gives every
+# pair of workers a link of its own at full speed. Where links are shared — GPUs on a PCIe
+# bus, GPUs on a ring of links, servers behind network switches — Rabenseifner's partners,
+# p/2, p/4, … apart, exchange across links other pairs are using at the same time, a cost the
+# model does not see; a ring only ever uses neighbours' links. Where every pair does have a
+# full-speed path, as between the GPUs of an NVSwitch server such as an 8-GPU H100 SXM, that
+# argument does not hold, and NCCL can leave the adding to the switch (NVLS).
 # The parameter server
 # has the fewest steps — if its one link can take N messages at once — but needs an extra
 # machine whose link carries NK bytes each way, growing with every worker you add. With an illustrative
@@ -197,7 +207,7 @@ alpha_demo, beta_demo = 10e-6, 1 / 10e9
 print(f"{'algorithm':>16} {'steps':>6} {'critical-path MB':>16} {'ms':>8}")
 for alg in ring.COST_MODELS:
     c = ring.cost(alg, 8, 100e6, alpha_demo, beta_demo)
-    print(f"{alg:>16} {c.steps:>6} {c.busiest_bytes / 1e6:>16.1f} {c.seconds * 1e3:>8.2f}")
+    print(f"{alg:>16} {c.steps:>6} {c.critical_path_bytes / 1e6:>16.1f} {c.seconds * 1e3:>8.2f}")
 
 # %%
 import math
@@ -209,17 +219,16 @@ claim("under the model, 100 MB on 8 workers: the ring is the fastest of the firs
       min(big, key=big.get) == "ring")
 claim("1 KB on 64 workers, of the naive way, the ring and the tree: the binomial tree is fastest",
       min(small, key=small.get) == "tree")
-ring_link = [ring.cost("ring", n, 100e6, 0, 1).busiest_bytes for n in (2, 8, 64, 1024)]
-ps_link = [ring.cost("parameter-server", n, 100e6, 0, 1).busiest_bytes for n in (2, 8, 64, 1024)]
-claim("on the critical path, the ring's busiest link carries under 2K at any N; the server's "
-      "at least 2K",
-      max(ring_link) < 2 * 100e6 <= min(ps_link))
-claim("and the server's grows linearly with N", ps_link[-1] == 1024 * ps_link[0] / 2)
+ring_path = [ring.cost("ring", n, 100e6, 0, 1).critical_path_bytes for n in (2, 8, 64, 1024)]
+ps_path = [ring.cost("parameter-server", n, 100e6, 0, 1).critical_path_bytes for n in (2, 8, 64, 1024)]
+claim("bytes on the critical path: the ring's under 2K at any N; the server's 2NK, at least 2K",
+      max(ring_path) < 2 * 100e6 <= min(ps_path))
+claim("and the server's grows linearly with N", ps_path[-1] == 1024 * ps_path[0] / 2)
 powers_of_two, sizes_k = (2, 4, 8, 16, 64, 1024), (1e3, 1e5, 1e8)
 rab = {(n, k): ring.cost("rabenseifner", n, k, alpha_demo, beta_demo) for n in powers_of_two
        for k in sizes_k}
 claim("N a power of two: Rabenseifner sends the ring's bytes in the tree's number of steps",
-      all(c.busiest_bytes == ring.cost("ring", n, k, 0, 1).busiest_bytes
+      all(c.critical_path_bytes == ring.cost("ring", n, k, 0, 1).critical_path_bytes
           and c.steps == ring.cost("tree", n, k, 0, 1).steps for (n, k), c in rab.items()))
 claim("so, under the model, at those N it is never slower than either (1 kB … 100 MB)",
       all(c.seconds <= min(ring.cost(a, n, k, alpha_demo, beta_demo).seconds
@@ -230,7 +239,7 @@ claim("N = 6, 100 MB: the two extra K-byte steps make Rabenseifner slower than t
       six["rabenseifner"].seconds > six["ring"].seconds)
 bound_ns = range(2, 1025)
 claim("the ring's bytes meet the lower bound 2(N−1)/N·K at every N = 2 … 1024",
-      all(math.isclose(ring.cost("ring", n, 100e6, 0, 1).busiest_bytes, 2 * (n - 1) / n * 100e6,
+      all(math.isclose(ring.cost("ring", n, 100e6, 0, 1).critical_path_bytes, 2 * (n - 1) / n * 100e6,
                        rel_tol=1e-12) for n in bound_ns))
 claim("its 2(N−1) steps exceed the lower bound ⌈log₂N⌉ at every N = 2 … 1024 (at 1024: 2046 "
       "against 10)",
@@ -336,8 +345,9 @@ else:
           f"{bench.format_size(int(ks[fit.relative_errors.argmax()]))}.")
 
 # %% [markdown]
-# Read the figure with the machine in mind. The 50% bound is what this course can hold on every
-# run of a loaded 2-core machine (three runs of this cell there gave medians of 12% to 23%).
+# Read the figure with the machine in mind. This run's medians are the ones printed above; they
+# move from run to run with the machine's load, so the claim asserts only a loose bound, 50%,
+# that a loaded 2-core machine can hold on every run.
 # What two parameters cannot capture is left: a few hundred KiB fit in the CPU's caches and megabytes
 # do not, so "seconds per byte" is not one number; and a busy neighbour can slow even the
 # fastest repetition.
@@ -382,7 +392,8 @@ p1024 = ring.cost("ring", 1024, k_resnet50, 10e-6, 1 / 450e9)
 claim("predicted: under 1 ms on NVLink 4", p8 < 1e-3, p8=p8)
 claim("predicted: PCIe takes several times longer",
       ring.cost("ring", 8, k_resnet50, 10e-6, 1 / 32e9).seconds > 5 * p8)
-claim("at 1024 GPUs each link still carries under 2K", p1024.busiest_bytes < 2 * k_resnet50)
+claim("at 1024 GPUs the ring's critical path (one direction of each link) still carries under 2K",
+      p1024.critical_path_bytes < 2 * k_resnet50)
 
 # %% [markdown]
 # Under this model the ring does not win everywhere. Its bandwidth term is as small as any
@@ -731,6 +742,7 @@ viz.quiz([
 # - `reducer.cpp`, the DDP reducer's C++ source (c10d, github.com/pytorch/pytorch at ad78a7b, the revision stored here; compiled into torch, not installed as source) — `Reducer::mark_variable_ready_dense`: without a comm hook the gradient is copied into its bucket multiplied by 1/N (`at::mul_out`); with a hook, copied without division ("Note [DDP Communication Hook]").
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
+# - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/graph/tuning.cc` — the tuner's latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
 # - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (at least 2N segments, rounded up to a multiple of N, of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; two in flight, received into a two-segment scratch buffer). `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
 # - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, the extra step for N not a power of two) and their α-β costs.
 # - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -68,10 +70,19 @@ def test_cost_models():
     for n in (2, 4, 8, 64):
         r = ring.cost("ring", n, k, a, b)
         assert r.steps == 2 * (n - 1)
-        assert r.busiest_bytes == pytest.approx(2 * (n - 1) * k / n)
-        assert r.busiest_bytes < 2 * k  # flat in N
-        assert ring.cost("parameter-server", n, k, a, b).busiest_bytes == 2 * n * k
+        assert r.critical_path_bytes == pytest.approx(2 * (n - 1) * k / n)
+        assert r.critical_path_bytes < 2 * k  # under 2K whatever N
+        assert ring.cost("parameter-server", n, k, a, b).critical_path_bytes == 2 * n * k
+        # the critical path, not one link's one direction: in then out for the naive way and
+        # the tree; for Rabenseifner's at N = 6, p = 4's bytes plus the two K-byte fold steps
+        assert ring.cost("naive", n, k, a, b).critical_path_bytes == 2 * (n - 1) * k
+        assert ring.cost("tree", n, k, a, b).critical_path_bytes == 2 * math.ceil(
+            math.log2(n)) * k
+        assert ring.cost("rabenseifner", n, k, a, b).critical_path_bytes == pytest.approx(
+            2 * (n - 1) * k / n)
         assert ring.cost("naive", n, k, a, b).seconds == pytest.approx(2 * (n - 1) * (a + k * b))
+    assert ring.cost("rabenseifner", 6, k, a, b).critical_path_bytes == pytest.approx(
+        2 * 3 * k / 4 + 2 * k)
     # big messages: ring beats everything; tiny messages: the tree's few steps win
     big = {alg: ring.cost(alg, 16, k, a, b).seconds for alg in ring.ALGORITHMS}
     assert min(big, key=big.get) == "ring"

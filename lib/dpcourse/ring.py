@@ -231,15 +231,19 @@ _EXPLAIN = {
 class Cost:
     """What one all-reduce of ``nbytes`` over ``n`` workers costs with ``algorithm``.
 
-    ``steps`` are latency terms (alpha each) on the critical path; ``busiest_bytes`` the bytes
-    through the busiest link (one direction); ``seconds`` = steps*alpha + busiest_bytes*beta.
+    ``steps`` are latency terms (alpha each) on the critical path; ``critical_path_bytes`` the
+    bytes the time pays for (beta each) on the critical path: for the ring one direction of a
+    link, 2(N-1)K/N; for the naive way, the server and the tree, a link's bytes in *then* out
+    (2(N-1)K, 2NK, 2 ceil(log2 N) K), which is twice what one direction of their busiest link
+    carries; for Rabenseifner's, 2(p-1)K/p (+ 2K when N is not a power of two p).
+    ``seconds`` = steps*alpha + critical_path_bytes*beta.
     """
 
     algorithm: str
     n: int
     nbytes: float
     steps: int
-    busiest_bytes: float
+    critical_path_bytes: float
     seconds: float
 
 
@@ -254,8 +258,9 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
     * parameter-server: one push round and one pull round, but N*K bytes through the server's
       link each way: 2a + 2NKb (the server's link carries NK in and NK out; we count the
       critical path, in then out).
-    * ring: 2(N-1) steps of K/N bytes: 2(N-1)a + 2(N-1)/N K b. The busiest link carries
-      2(N-1)K/N < 2K, *independent of N* — the reason rings scale.
+    * ring: 2(N-1) steps of K/N bytes: 2(N-1)a + 2(N-1)/N K b. Each link carries 2(N-1)K/N
+      each way, which grows with N (K at N = 2, 1.75K at N = 8) but stays under 2K, a bound
+      independent of N — the reason rings scale.
     * tree: ceil(log2 N) rounds of reduce and as many of broadcast, each of K bytes:
       2 ceil(log2 N)(a + Kb). Few latency terms, but every round moves all K.
     * rabenseifner (Thakur, Rabenseifner, Gropp 2005): with N = p a power of two, log2 p rounds
