@@ -298,13 +298,13 @@ claim("under MirroredStrategy a replica that skips all_reduce makes strategy.run
       error=skipped)
 
 # %% [markdown]
-# Because the gradients are *summed*, each replica's loss must be its share of the global mean:
-# the sum of its per-example losses divided by the **global** batch, not by its own slice.
+# Because the gradients are *summed*, each replica's loss must be its share of the global mean.
 # TensorFlow has a function for it, `tf.nn.compute_average_loss`, which divides the summed
 # losses by a batch size. (Every proof in this lesson splits its batches evenly; lab 05 asks what
 # changes when they do not.) Here are the per-example loss, the gradient of one mirrored step as
 # the library computes them, and the one-device gradient every proof compares it with (the mean
-# loss over the whole global batch, no strategy) — the code the proofs below run:
+# loss over the whole global batch, no strategy) — the code the proofs below run, except the
+# per-replica loss, `mirrored.per_replica_loss`: lab 05's answer, folded after the lab pointer.
 
 # %%
 viz.show_code(mirrored.per_example_loss, mirrored.mirrored_gradients,
@@ -321,16 +321,30 @@ viz.show_code(mirrored.per_example_loss, mirrored.mirrored_gradients,
 # %%
 viz.show_code(mirrored.set_torch_layout_weights)
 
+# %% [markdown]
+# **▶ How this lesson builds a mirrored model and optimizer (lab 05 part 2's answer) — open
+# after your lab passes** (click the folded cell below: `mirrored_cnn`, `optimizer_in`).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+def mirrored_cnn(strat, start=None, **build):
+    """The course's Keras CNN, mirrored by strat; with start (a torch SmallCNN), its weights."""
+    with strat.scope():
+        model = mirrored.build_keras_cnn(**build)
+    return model if start is None else mirrored.copy_torch_weights(start, model)
+
+
+def optimizer_in(strat, rate=lr):
+    """Plain SGD, its variables mirrored by strat."""
+    with strat.scope():   # the optimizer's variables must be created under the strategy too
+        return keras.optimizers.SGD(learning_rate=rate)
+
 # %%
 torch.manual_seed(0)
 torch_model = models.SmallCNN()
 init = [p.detach().numpy().copy() for p in torch_model.parameters()]
 
-single = mirrored.build_keras_cnn()                # one device, no strategy
-mirrored.copy_torch_weights(torch_model, single)
-with strategy.scope():
-    replicated = mirrored.build_keras_cnn()        # mirrored variables
-mirrored.copy_torch_weights(torch_model, replicated)
+single = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn())  # no strategy
+replicated = mirrored_cnn(strategy, torch_model)   # mirrored variables
 
 xb = data.normalize(ds.x_train[:global_batch])
 yb = ds.y_train[:global_batch]
@@ -341,7 +355,7 @@ claim("PyTorch and Keras give the same logits (to 1e-5)",
 
 # %% [markdown]
 # **Proof, one step:** the gradient the mirrored step applies equals one device's gradient of
-# the mean loss over the whole global batch.
+# the mean loss over the whole global batch (its per-replica loss: folded after the lab pointer).
 
 # %%
 g_single = mirrored.single_replica_gradients(single, xb, yb)
@@ -357,9 +371,7 @@ claim("the mirrored gradients equal one device's on the global batch (to 1e-5)",
 
 # %%
 to_one = mirrored.make_strategy(device_names, cross_device_ops=tf.distribute.ReductionToOneDevice())
-with to_one.scope():
-    replicated_to_one = mirrored.build_keras_cnn()
-mirrored.copy_torch_weights(torch_model, replicated_to_one)
+replicated_to_one = mirrored_cnn(to_one, torch_model)
 g_to_one = mirrored.mirrored_gradients(to_one, replicated_to_one, xb, yb)
 claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradients (to 1e-6)",
       max(float(np.abs(a - b).max()) for a, b in zip(g_to_one, g_mirror)) < 1e-6)
@@ -377,29 +389,30 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 #
 # The loss most Keras 3 code writes is neither: a Keras loss object,
 # `keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)`. Under a strategy,
-# every call of a Keras loss — in `fit` and in your own `strategy.run` step alike — takes the
-# mean over the replica's own slice and multiplies it by 1 / `num_replicas_in_sync`
-# (`scale_loss_for_distribution` in Keras' losses). So in a custom loop it is already scaled,
-# and code that divides it by the number of replicas once more, as one scales a mean by hand,
-# makes the step 1/N too small. The library's function for these two rows:
+# every call of a Keras loss with a mean reduction — the default `"sum_over_batch_size"`, or
+# `"mean"`, in `fit` and in your own `strategy.run` step alike — takes the mean over the
+# replica's own slice and multiplies it by 1 / `num_replicas_in_sync` (with
+# `"mean_with_sample_weight"` and weights, the slice's weight sum is the divisor);
+# `reduction="sum"` or `"none"` is not scaled (`reduce_values` in Keras' losses; claimed below).
+# So in a custom loop the default loss is already scaled, and code that divides it by the number
+# of replicas once more makes the step 1/N too small. The library's function for these rows:
 
 # %%
 viz.show_code(mirrored.keras_loss_per_replica)
 
 # %% [markdown]
-# Each framework is right only with its own pairing:
+# With every replica's slice the same size, as everywhere in this lesson (what stays right when
+# they differ — a short last batch — is lab 05's question), each framework is right only with
+# its own pairing:
 #
-# | per-replica loss | replicas' gradients | result |
+# | per-replica loss | replicas' gradients | result, equal slices |
 # |---|---|---|
 # | `compute_average_loss` (÷ global batch) | SUM (TF's all-reduce) | correct |
 # | `reduce_mean` (÷ local batch) | SUM (TF's all-reduce) | N × too big |
 # | `compute_average_loss` (÷ global batch) | MEAN | 1/N too small |
-# | `reduce_mean` (÷ local batch) | MEAN (DDP's all-reduce) | correct only when every replica's slice holds the same number of samples |
-# | Keras loss object, as is (local mean × 1/N) | SUM (TF's all-reduce) | correct only when every replica's slice holds the same number of samples |
+# | `reduce_mean` (÷ local batch) | MEAN (DDP's all-reduce) | correct |
+# | Keras loss object, as is (local mean × 1/N) | SUM (TF's all-reduce) | correct |
 # | Keras loss object ÷ `num_replicas_in_sync` | SUM (TF's all-reduce) | 1/N too small |
-#
-# (Every slice here is the same size. What stays right when they are not — a short last batch
-# — is lab 05's question.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -430,15 +443,24 @@ n = n_replicas
 right = abs(ratios["compute_average_loss", "sum"] - 1) < 1e-4
 n_too_big = abs(ratios["reduce_mean", "sum"] - n) < 1e-4 * n
 n_too_small = abs(ratios["compute_average_loss", "mean"] - 1 / n) < 1e-4
+claim("these slices are equal: the global batch splits evenly", global_batch % n == 0)
 claim("compute_average_loss + SUM is right (ratio 1, to 1e-4)", right, ratios=ratios)
 claim("reduce_mean + SUM is N times too big (to 1e-4 relative)", n_too_big, ratios=ratios)
 claim("compute_average_loss + MEAN is 1/N too small (to 1e-4)", n_too_small, ratios=ratios)
-claim("with equal slices, reduce_mean + MEAN (DDP's pairing) is right too (to 1e-4)",
+claim("reduce_mean + MEAN (DDP's pairing) is right too (to 1e-4)",
       abs(ratios["reduce_mean", "mean"] - 1) < 1e-4, ratios=ratios)
-claim("with equal slices, a Keras loss object as is + SUM is right (to 1e-4): Keras scaled it",
+claim("a Keras loss object as is + SUM is right (to 1e-4): Keras scaled it",
       abs(ratios["keras", "sum"] - 1) < 1e-4, ratios=ratios)
 claim("a Keras loss object divided by num_replicas_in_sync + SUM is 1/N too small (to 1e-4)",
       abs(ratios["keras_over_replicas", "sum"] - 1 / n) < 1e-4, ratios=ratios)
+logits8, sce = single(xb[:8]), keras.losses.SparseCategoricalCrossentropy
+total = float(tf.reduce_sum(mirrored.per_example_loss(yb[:8], logits8)))
+with strategy.scope():   # Keras asks tf.distribute.get_strategy() for num_replicas_in_sync
+    by = {r: float(sce(from_logits=True, reduction=r)(yb[:8], logits8))
+          for r in ("sum_over_batch_size", "sum")}
+claim("under the strategy the default reduction is the mean × 1/N, reduction='sum' the unscaled "
+      "sum (to 1e-5 relative)", np.isclose(by["sum_over_batch_size"], total / 8 / n, rtol=1e-5)
+      and np.isclose(by["sum"], total, rtol=1e-5), by=by, total=total)
 
 # %% [markdown]
 # ## Lab 05: the custom loop
@@ -457,15 +479,15 @@ claim("a Keras loss object divided by num_replicas_in_sync + SUM is 1/N too smal
 viz.show_code(mirrored.per_replica_loss, mirrored.train_step)
 
 # %% [markdown]
-# **Proof, several steps:** `steps` SGD steps of the mirrored loop end with the same weights as
-# one device on the same global batches. (These weights are also the reference for the
-# multi-worker run and for PyTorch below.) The step is a `tf.function`: its first call *traces*
-# it — runs the Python code once, recording the TensorFlow operations into a graph that later
-# calls reuse. While TF traces the step, `mirrored.count_cross_device_calls` counts what reaches
-# the two cross-device ops, so we also see which one carried the gradients and which one the
-# reported loss. It wraps the cross-device ops' `reduce_implementation` and
-# `batch_reduce_implementation` methods (the ones `reduce` and `batch_reduce` call) for as long
-# as the `with` block lasts:
+# **Proof, several steps:** `steps` SGD steps of the mirrored loop (its step: the folded
+# reference answer above) end with the same weights as one device on the same global batches.
+# (These weights are also the reference for the multi-worker run and for PyTorch below.) The
+# step is a `tf.function`: its first call *traces* it — runs the Python code once, recording the
+# TensorFlow operations into a graph that later calls reuse. While TF traces the step,
+# `mirrored.count_cross_device_calls` counts what reaches the two cross-device ops, so we also
+# see which one carried the gradients and which one the reported loss. It wraps the cross-device
+# ops' `reduce_implementation` and `batch_reduce_implementation` methods (the ones `reduce` and
+# `batch_reduce` call) for as long as the `with` block lasts:
 
 # %%
 viz.show_code(mirrored.count_cross_device_calls)
@@ -490,8 +512,7 @@ claim("plain SGD's build creates no variable (momentum would add one per weight)
 
 # %%
 sgd = lambda: keras.optimizers.SGD(learning_rate=lr)   # noqa: E731 - plain SGD, as in PyTorch
-with strategy.scope():
-    opt_mirror = sgd()
+opt_mirror = optimizer_in(strategy)
 with mirrored.count_cross_device_calls() as calls:   # the first call traces the step
     loss_mirror = mirrored.train_steps(strategy, replicated, opt_mirror, train, steps,
                                        global_batch)
@@ -540,19 +561,9 @@ viz.show_code(mirrored.fit)
 # device reached in section 4.
 
 # %%
-def optimizer_in(strat):
-    with strat.scope():   # the optimizer's variables must be created under the strategy too
-        return sgd()
-
-
-def fit_from_init(strat):
-    with strat.scope():
-        model = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn())
-    return mirrored.fit(strat, train.take(steps), epochs=1, model=model,
-                        optimizer=optimizer_in(strat))
-
-
-fit_mirror = fit_from_init(strategy)
+fit_mirror = mirrored.fit(strategy, train.take(steps), epochs=1,
+                          model=mirrored_cnn(strategy, torch_model),
+                          optimizer=optimizer_in(strategy))
 same_fit = all(np.allclose(a, b, atol=1e-5) for a, b in zip(
     mirrored.keras_weights_as_torch(fit_mirror), w_single))
 claim("fit under MirroredStrategy ends with one device's weights (to 1e-5)", same_fit)
@@ -610,8 +621,8 @@ probe_lr = 100.0
 
 def loss_scaled_step_size(scale_the_loss):
     """The size of one mirrored SGD step taken through a LossScaleOptimizer."""
+    model = mirrored_cnn(strategy, torch_model)
     with strategy.scope():
-        model = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn())
         optimizer = keras.optimizers.LossScaleOptimizer(
             keras.optimizers.SGD(learning_rate=probe_lr))
         optimizer.build(model.trainable_variables)
@@ -621,7 +632,7 @@ def loss_scaled_step_size(scale_the_loss):
     def step(batch):
         def step_fn(x, y):
             with tf.GradientTape() as tape:
-                loss = mirrored.per_replica_loss(y, model(x), global_batch)  # folded above
+                loss = mirrored.per_replica_loss(y, model(x), global_batch)  # answer folded above
                 if scale_the_loss:
                     loss = optimizer.scale_loss(loss)   # × the dynamic scale
             grads = tape.gradient(loss, model.trainable_variables)
@@ -657,9 +668,7 @@ claim(f"wrapping the optimizer without scale_loss makes the step 1/{scale:.0f} o
 
 # %%
 policy = "mixed_float16" if profile.tf_device_type == "GPU" else "mixed_bfloat16"
-with strategy.scope():
-    low = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn(dtype=policy))
-    full = mirrored.copy_torch_weights(torch_model, mirrored.build_keras_cnn())
+low, full = mirrored_cnn(strategy, torch_model, dtype=policy), mirrored_cnn(strategy, torch_model)
 # 16-bit convolutions are slow with TF's own CPU kernels (oneDNN's are off, section 1): 256 images
 acc_low, acc_full = (mirrored.evaluate(m, ds.x_test[:256], ds.y_test[:256]) for m in (low, full))
 claim(f"{policy}: the accuracy equals float32's within 0.02", abs(acc_low - acc_full) <= 0.02,
@@ -697,8 +706,7 @@ with tempfile.TemporaryDirectory() as ckdir:
     path = mirrored.save_checkpoint(ckdir, replicated, opt_mirror, step=steps)
     plain_model = mirrored.build_keras_cnn(seed=99)                # different weights at first
     restored_step = mirrored.restore_checkpoint(path, plain_model)
-    with strategy.scope():
-        mirror_model, mirror_opt = mirrored.build_keras_cnn(seed=99), sgd()
+    mirror_model, mirror_opt = mirrored_cnn(strategy, seed=99), optimizer_in(strategy)
     mirrored.restore_checkpoint(path, mirror_model, mirror_opt)
 ok = all(np.allclose(a, b) for m in (plain_model, mirror_model)
          for a, b in zip(mirrored.keras_weights_as_torch(m), w_mirror))
@@ -727,13 +735,15 @@ claim("it restores the step counter too", restored_step == steps)
 # `CollectiveAllReduceExtended._initialize_multi_worker`). No `"chief"` task is listed, so
 # worker 0 is the chief (`multi_worker_util.is_chief`). Starting from the same weights, both
 # workers end with the same weights as each other (bit for bit: `np.array_equal`) and as one
-# device in section 4 (to 1e-5). The worker feeds its data through
-# `strategy.distribute_datasets_from_function`, whose datasets hold what each *replica* gets —
-# here each worker's slice of the global batch (one replica per worker) — not the global batch
-# that `experimental_distribute_dataset` splits. Here is the worker — reading `TF_CONFIG`, the
-# forced RING, each worker's slice of every global batch, and the step from section 4:
+# device in section 4 (to 1e-5). The worker's code — reading `TF_CONFIG`, the forced RING, its
+# input pipeline (`strategy.distribute_datasets_from_function`, lab 05's stretch A) and the step
+# of section 4 — is folded below.
 
-# %%
+# %% [markdown]
+# **▶ The worker (answers to lab 05's part 2 and stretch A) — open after your lab passes**
+# (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 from dpcourse import tf_multiworker_worker
 
 viz.show_code(tf_multiworker_worker.main)
@@ -765,7 +775,7 @@ print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF imp
 # | who runs the replicas | N processes, one per device (`spawn`/`torchrun`) | one process, N replicas (`strategy.run`); N processes with MultiWorkerMirroredStrategy |
 # | where the model is copied | each rank builds it; DDP broadcasts rank 0's weights | `MirroredVariable`s created under `strategy.scope()` |
 # | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split; `distribute_datasets_from_function`: each input pipeline feeds its replicas |
-# | batch size you set | per rank (`per_rank_batch`) | global for `experimental_distribute_dataset` and `fit`; per replica in a `distribute_datasets_from_function` pipeline (section 8's worker) |
+# | batch size you set | per rank (`per_rank_batch`) | global for `experimental_distribute_dataset` and `fit`; for `distribute_datasets_from_function`: lab 05's stretch A |
 # | combining gradients | all-reduce **average**, in backward (buckets) | **sum** in `apply_gradients`: a collective all-reduce by default (`ReductionToOneDevice` if you ask) |
 # | so the loss must be | the rank's mean (`reduce_mean` semantics) | its share of the global mean (`compute_average_loss`) |
 # | reporting the loss | `all_reduce` / rank 0 | `strategy.reduce(op, ...)`, the op chosen by what each replica returns (lab 05) |
@@ -856,7 +866,7 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Create variables under `strategy.scope()`; batch with the **global** batch.
 # * TF **sums** replicas' gradients: scale each replica's loss with `compute_average_loss`
 #   (÷ global batch). `reduce_mean` makes the step N× too big; averaging again makes it 1/N.
-#   A Keras loss object is already scaled under a strategy (its slice's mean × 1/N, right for
+#   A Keras loss object (default reduction) is already scaled (its slice's mean × 1/N, right for
 #   equal slices): dividing it again makes the step 1/N.
 #   Regularisation losses, the same on every replica, go through `scale_regularization_loss`.
 # * By default the sum is a collective all-reduce (`CollectiveAllReduce`: RING on CPUs and
@@ -927,7 +937,7 @@ viz.quiz([
 # - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`; `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.build` adds variables only for EMA or gradient accumulation.
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size`; `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
-# - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: every call of a Keras loss (in `fit` or in a custom `strategy.run` step) is the mean over the replica's own slice, multiplied by 1 / `num_replicas_in_sync` under `tf.distribute`.
+# - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling.
 # - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`); `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value).

@@ -403,7 +403,8 @@ def keras_loss_per_replica(labels, logits, divide_by_replicas: bool = False):
     """The loss most Keras 3 custom loops write: a Keras loss object called on this replica's
     slice, inside ``strategy.run``.
 
-    Every call of a Keras ``Loss`` under ``tf.distribute`` (not only in ``fit``) takes the mean
+    Every call of a Keras ``Loss`` with its default reduction under ``tf.distribute`` (not only
+    in ``fit``; ``reduction="sum"`` or ``"none"`` is not scaled) takes the mean
     over the replica's own slice and multiplies it by 1 / ``num_replicas_in_sync``
     (``keras/src/losses/loss.py``: ``Loss.__call__`` -> ``reduce_weighted_values`` ->
     ``reduce_values`` -> ``scale_loss_for_distribution``). With ``divide_by_replicas=True`` it
