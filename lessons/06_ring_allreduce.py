@@ -654,7 +654,9 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # N(α + Kβ/N) per step instead of α + Kβ/N — the naive way's bandwidth term, and §2's
 # optimality gone. Alternate instead: even ranks send first, odd ranks receive first. Every
 # even rank's send meets a waiting receiver, then every odd rank's send does: two transfer
-# times per step (three when N is odd, where ranks N − 1 and 0 are both even), whatever N.
+# times per step, whatever N (at most three when N is odd, where ranks N − 1 and 0 are both even:
+# three on N = 3; on a larger odd ring the steps overlap, and the average falls toward two as N
+# grows: 2N/(N − 1) transfer times).
 #
 # The pipelining (lab 06's stretch): the chunk a rank sends at step t+1 is always the one it
 # received at step t. So each chunk travels in segments (4 MiB by default), and a segment is
