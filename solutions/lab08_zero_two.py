@@ -256,7 +256,7 @@ class ZeroTwo:
         ### END SOLUTION
 
     def _finish(self):
-        ### BEGIN SOLUTION: the bucket in flight, if any, finished
+        ### BEGIN SOLUTION: what you launched and have not waited for yet, finished
         if self.in_flight is not None:
             work, buffer, out = self.in_flight
             work.wait()
