@@ -83,12 +83,17 @@ def _a_learners_average_gradients(model) -> None:
 
     import torch
 
-    for p in model.parameters():
-        if p.requires_grad:  # a parameter this rank did not use contributes zeros
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
+    params = [p for p in model.parameters() if p.requires_grad]
+    # which parameters got a gradient on some rank: no rank can tell alone
+    used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    dist.all_reduce(used)
+    for p, n in zip(params, used.tolist()):
+        if n == 0:
+            continue          # no rank used it: p.grad stays None, as one process leaves it
+        if p.grad is None:    # used elsewhere, not here: this rank contributes zeros
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
 
 
 def _lab03(timeout: float) -> dict:
