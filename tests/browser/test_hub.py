@@ -87,12 +87,16 @@ from dpcourse.checks import lab03
 
 def average_gradients(model):
     world_size = dist.get_world_size()
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad /= world_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    dist.all_reduce(used)
+    for p, n in zip(params, used.tolist()):
+        if n == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= world_size
 
 lab03.check_average_gradients(average_gradients)
 """
