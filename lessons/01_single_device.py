@@ -120,9 +120,13 @@ claim("after backward every parameter has a gradient",
 # %% [markdown]
 # The move people forget: **`.grad` accumulates**. `backward()` *adds* to whatever is already
 # there (handy for gradient accumulation, lesson 04), so each step must start with
-# `optimizer.zero_grad()`. Watch it: a second backward on the same batch doubles the gradient.
+# `optimizer.zero_grad()`. Watch it: a second backward on the same batch doubles the gradient —
+# because the repeated forward (in train mode) computes the same function: `SmallCNN`'s dropout
+# defaults to p = 0 (`lib/dpcourse/models.py`); with dropout on, each forward drops other units.
 
 # %%
+claim("the condition: SmallCNN's dropout is p = 0",
+      [mod.p for mod in model.modules() if isinstance(mod, nn.Dropout)] == [0.0])
 first = [p.grad.clone() for p in model.parameters()]
 loss_fn(model(X), y).backward()  # no zero_grad in between
 doubled = all(torch.allclose(p.grad, 2 * g, rtol=1e-4, atol=1e-6)
@@ -313,10 +317,8 @@ viz.show_code(train.rate_verdict, train.compare_rates)
 # Every share below depends on where `time_breakdown` reads its clocks: before asking the
 # loader for a batch, after the batch has reached the device, after the forward, and after the
 # optimizer step — synchronizing a GPU at each, so a phase is charged what it cost, not how
-# fast Python queued it:
-
-# %%
-viz.show_code(train.time_breakdown)
+# fast Python queued it. (Its code holds a training step, lab 01's answer: it is in the folded
+# reference answer at the end of the lesson.)
 
 # %%
 class SlowAugment(torch.utils.data.Dataset):
@@ -625,14 +627,14 @@ claim("seed_everything(deterministic=True) turns deterministic mode on with warn
 #
 # Open [lab01_single_device](../labs/lab01_single_device.ipynb) and write `train_one_epoch` and
 # `evaluate`; its checks compare them with the library's and name your mistake. The library's
-# version, which every later lesson reuses, is folded below: open it once your lab passes, and
-# compare it with yours.
+# version, which every later lesson reuses, is folded below with `time_breakdown`: open it once
+# your lab passes, and compare it with yours.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(train.train_one_epoch, train.evaluate)
+viz.show_code(train.train_one_epoch, train.evaluate, train.time_breakdown)
 
 # %% [markdown]
 # ## Summary
@@ -697,6 +699,8 @@ viz.quiz([
 #
 # - `torch/_tensor.py` — `Tensor.backward`: "This function accumulates gradients in the leaves"
 #   (hence `zero_grad`).
+# - `torch/nn/modules/dropout.py` — `Dropout`: "During training, randomly zeroes some of the
+#   elements ... with probability p" (none when p = 0).
 # - `torch/optim/optimizer.py` — `Optimizer.zero_grad(set_to_none=True)`: the gradients become
 #   `None` (`set_to_none` defaults to `True`).
 # - `torch/amp/autocast_mode.py` — `autocast`: "ops run in an op-specific dtype chosen by

@@ -206,7 +206,7 @@ def time_breakdown(model: nn.Module, loader, loss_fn, optimizer, device="cpu",
     Seconds summed over up to ``max_batches`` batches (the device is synchronized at each
     boundary, so each phase is charged what it really cost).
 
-    Shown in lesson 01, §"Throughput, and where the time goes".
+    Shown in lesson 01, §"Lab 01: write the loop yourself" (folded: it holds a training step).
     """
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
