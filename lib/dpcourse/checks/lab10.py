@@ -377,17 +377,7 @@ def move_line(text: str, line: str, before: str) -> str:
     ``ValueError`` says how many matched otherwise), so no exact indentation or line ending
     needs typing: ``move_line(broken, "clip_grad_norm_", before="opt.step()")``."""
     lines = text.splitlines(keepends=True)
-
-    def only(part, name):
-        if not isinstance(part, str) or not part.strip():
-            raise ValueError(f"{name} must be a non-empty piece of one line; got {part!r}")
-        hits = [i for i, ln in enumerate(lines) if part in ln]
-        if len(hits) != 1:
-            raise ValueError(f"{name}={part!r} must match exactly one line; it matches "
-                             f"{len(hits)}" + (f" (lines {[i + 1 for i in hits]})" if hits else ""))
-        return hits[0]
-
-    src, dst = only(line, "line"), only(before, "before")
+    src, dst = _only_line(lines, line, "line"), _only_line(lines, before, "before")
     if src == dst:
         raise ValueError("line and before match the same line")
     moved = lines.pop(src)
