@@ -234,8 +234,9 @@ answer4 = "B"
 lab10.check_answer(4, answer4)
 
 # %% [markdown]
-# Your fix decides which rank's initial weights every replica starts from: any one rank's is
-# right (the check compares with a correct run started from each rank's in turn).
+# What must hold after your fix: every replica starts from one rank's initial weights (any one
+# rank's is right: the check compares with a correct run started from each rank's in turn), and
+# each rank keeps its own random stream, as the script's comment asks.
 
 # %%
 ### BEGIN SOLUTION: fixed4, the fixed script's text

@@ -75,8 +75,11 @@ RIGHT = {
     "3-clip-after-loop": (3, [(CLIP + AVERAGE_LOOP, AVERAGE_LOOP + CLIP)]),
     "4-src-0": (4, [("src=rank", "src=0")]),
     "4-src-1": (4, [("src=rank", "src=1")]),       # any one sender: every replica starts equal
-    # one seed for every rank makes the broadcast redundant: another right design
-    "4-one-seed-no-broadcast": (4, [("args.seed + rank", "args.seed"), (BROADCAST, "")]),
+    # a broadcast at the start of every epoch: the replicas are equal before the first forward
+    "4-broadcast-every-epoch": (4, [(BROADCAST, ""), ("    sampler.set_epoch(epoch)\n",
+                                    "    sampler.set_epoch(epoch)\n"
+                                    "    for p in model.parameters():\n"
+                                    "        dist.broadcast(p.data, src=0)\n")]),
     "5-loss-undivided": (5, [("F.mse_loss(model(xb), yb) / world_size",
                               "F.mse_loss(model(xb), yb)  # a rank's own mean; DDP divides the "
                               "gradients")]),
@@ -108,7 +111,42 @@ WRONG = {
     "3-clip-removed": (3, [(CLIP, "")], "no longer clipped at all"),
     "3-clip-after-step": (3, [(CLIP, ""), ("        opt.step()\n", "        opt.step()\n" + CLIP)],
                           "clip_grad_norm_ now runs after opt.step\\(\\): the step has already"),
-    "4-no-broadcast": (4, [(BROADCAST, "")], "no longer start from the same weights"),
+    "4-no-broadcast": (4, [(BROADCAST, "")], "the broadcast is gone, and the replicas no "
+                                              "longer start from the same weights: .*differ by "
+                                              "up to 0.75.* still differ by up to 0.75"),
+    # deleting the broadcast by seeding every rank alike: the per-rank stream is lost (the
+    # learners' 'fix' the check accepted before)
+    "4-one-seed-no-broadcast": (4, [("args.seed + rank", "args.seed"), (BROADCAST, "")],
+                                "the broadcast is gone and every rank now seeds torch with "
+                                "args.seed alone: .*same on rank 0 and rank 1 in 32 of 32 "
+                                "places \\(with args.seed \\+ rank, in 16\\)"),
+    # ...and re-seeding per rank after the model: equal by an accident of the code's order
+    "4-one-seed-reseeded-no-broadcast": (4, [("torch.manual_seed(args.seed + rank)",
+                                              "torch.manual_seed(args.seed)"), (BROADCAST, ""),
+                                             ("opt = torch.optim", "torch.manual_seed(args.seed "
+                                              "+ rank)\nopt = torch.optim")],
+                                         "the broadcast is gone: the replicas start equal only "
+                                         "because every rank seeds torch alike.*up to 0.77 "
+                                         "apart"),
+    "4-one-seed-src-0": (4, [("args.seed + rank", "args.seed"), ("src=rank", "src=0")],
+                         "every rank now seeds torch with args.seed alone: the random stream"),
+    # the wrong sender: one the group does not have
+    "4-src-out-of-group": (4, [("src=rank", "src=world_size")],
+                           "src = `world_size` is 2 on every rank, and a group of 2 ranks has "
+                           "ranks 0 and 1 only"),
+    "4-src-seed": (4, [("src=rank", "src=args.seed")],
+                   "src = `args.seed` is 3 on every rank.* changes with --seed"),
+    # the broadcast after the first step
+    "4-broadcast-after-step": (4, [(BROADCAST, ""), ("        opt.step()\n",
+                                   "        opt.step()\n        for p in model.parameters():\n"
+                                   "            dist.broadcast(p.data, src=0)\n")],
+                               "the broadcast now runs after the first forward \\(line 38 .* "
+                               "line 30, `model\\(xb\\)`\\): .*up to 0.75 apart"),
+    "4-broadcast-after-loop": (4, [(BROADCAST, ""), ("if rank == 0:\n",
+                                   "for p in model.parameters():\n"
+                                   "    dist.broadcast(p.data, src=0)\nif rank == 0:\n")],
+                               "after the first forward.*after the training loop it only "
+                               "copies rank 0's weights over replicas that trained apart"),
     "5-lr-times-world-size": (5, [("lr=0.1", "lr=0.1 * world_size")],
                               "changed the learning rate to make up for the gradients"),
     "4-still-src-rank": (4, [("src=rank)", "src=rank)  # one copy for all")],
@@ -131,7 +169,7 @@ def test_right_fixes_pass_together(capsys):
                "5-grads-undivided"))}
     lab10.check_fixes(first, launcher="spawn")
     lab10.check_fixes(second, launcher="spawn")
-    lab10.check_fix(4, edit(4, *RIGHT["4-one-seed-no-broadcast"][1]), launcher="spawn")
+    lab10.check_fix(4, edit(4, *RIGHT["4-broadcast-every-epoch"][1]), launcher="spawn")
     assert capsys.readouterr().out.count("✔") == 3
 
 
@@ -185,6 +223,26 @@ def test_still_broken_bug4_under_torchrun_is_bounded_and_named():
     with pytest.raises(LabCheckError, match="Fix 4: it did not finish within 30 s: .*another "
                                             "src"):
         lab10.check_fixes({4: edit(4, ("src=rank", "src=(rank + 1) % world_size"))}, timeout=30)
+
+
+def test_a_src_that_differs_by_rank_is_named_in_the_hang():
+    with pytest.raises(LabCheckError, match="did not finish within 8 s: .*Here src = `1 - rank` "
+                                            "is 1 on rank 0 and 0 on rank 1: the ranks still "
+                                            "disagree about which one sends"):
+        lab10.check_fix(4, edit(4, ("src=rank", "src=1 - rank")), launcher="spawn", timeout=8)
+
+
+def test_the_bug4_numbers_are_what_the_ranks_hold():
+    # the gap a deleted broadcast leaves: the script's two seeds, and the same gap at the end
+    # (every step applies the same averaged update to both replicas)
+    start, end = lab10._start_gap(), lab10._end_gap()
+    assert f"{start:.2f}" == f"{end:.2f}" == "0.75"
+    w0 = lab10.simulate(2, variant="no_broadcast")
+    assert lab10._distance(w0, lab10.simulate(2)) > 100 * lab10.TOL
+    # one seed on every rank: the same stream; one seed per rank: about half the places
+    assert lab10._mask_agreement((lab10.SEED, lab10.SEED)) == 32
+    assert lab10._mask_agreement((lab10.SEED, lab10.SEED + 1)) == 16
+    assert f"{lab10._start_gap(draws_before=1):.2f}" == "0.77"
 
 
 def test_a_hanging_fix_is_stopped_and_named():
