@@ -322,3 +322,218 @@ def test_bucket_timelines_figure_draws_one_panel_per_iteration_up_to_the_backwar
     assert "+3 more" in labels[0] and "c.4.w" in labels[0]
     with pytest.raises(ValueError):
         viz.bucket_timelines_figure({})
+
+
+# --- lesson 02: one DataParallel step on a clock, recorded -----------------------------------
+
+
+def _dp_step(n_devices=3, batch=7):
+    import torch
+    from torch import nn
+
+    from dpcourse import dp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    X, y = torch.randn(batch, 4), torch.randint(0, 3, (batch,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    devs = dp.devices_for(n_devices, kind="cpu")
+    return model, X, y, devs, opt
+
+
+def test_record_dp_step_records_each_piece_where_it_ran_and_steps_like_the_plain_model():
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    model, X, y, devs, opt = _dp_step()
+    plain = copy.deepcopy(model)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    F.cross_entropy(plain(X), y).backward()
+    plain_opt.step()
+
+    step = viz.record_dp_step(model, X, y, devs, opt)
+    assert step["chunk_sizes"] == [3, 3, 1]
+    spans = step["spans"]
+    solo = [s for s in spans if s[1] not in ("forward", "backward")]
+    # device 0 alone does every piece but the forward and the backward, once each, in order
+    assert [s[1] for s in solo] == [p for p in viz.l02_data_parallel.STEP_PHASES
+                                    if p not in ("forward", "backward")]
+    assert all(s[0] == 0 for s in solo)
+    assert all(a[3] <= b[2] for a, b in zip(solo, solo[1:]))
+    for d in range(3):  # every device: one forward, at least one backward span, nothing else
+        assert [s[1] for s in spans if s[0] == d and s[1] == "forward"] == ["forward"]
+        assert any(s[0] == d and s[1] == "backward" for s in spans)
+    assert {s[1] for s in spans if s[0] > 0} == {"forward", "backward"}
+    assert all(s[2] <= s[3] for s in spans)
+    by = {p: next(s for s in solo if s[1] == p) for p in (s[1] for s in solo)}
+    forwards = [s for s in spans if s[1] == "forward"]
+    backwards = [s for s in spans if s[1] == "backward"]
+    assert all(by["replicate"][3] <= f[2] and f[3] <= by["gather"][2] for f in forwards)
+    assert all(by["loss + gather backward"][3] <= b[2] and b[3] <= by["reduce onto device 0"][2]
+               for b in backwards)
+    # one autograd thread on the CPU: the replicas' backward spans never overlap
+    assert not any(a is not b and a[2] < b[3] and b[2] < a[3] for a in backwards
+                   for b in backwards)
+    assert step["threads"] == {"forward": 3, "backward": 1}
+    # it is a real training step: the weights are those of the plain model's step
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+    # and it leaves no hook behind on the module: a second step records as well
+    assert not any(p._post_accumulate_grad_hooks or p._backward_hooks
+                   for p in model.parameters())
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert viz.record_dp_step(model, X, y, devs, opt)["chunk_sizes"] == [3, 3, 1]
+
+
+def test_record_dp_step_refuses_no_device():
+    model, X, y, _, opt = _dp_step()
+    with pytest.raises(ValueError, match="at least one device"):
+        viz.record_dp_step(model, X, y, [], opt)
+
+
+def test_dp_timeline_figure_draws_every_span_and_device_0s_solo_pieces():
+    step = {"chunk_sizes": [2, 2],
+            "spans": [(0, "scatter", 0.0, 1.0), (0, "replicate", 1.0, 4.0),
+                      (0, "forward", 4.0, 9.0), (1, "forward", 5.0, 8.0),
+                      (0, "gather", 9.0, 9.5), (0, "loss", 9.5, 10.0),
+                      (0, "loss + gather backward", 10.0, 10.5), (0, "backward", 10.5, 12.0),
+                      (1, "backward", 12.0, 14.0), (0, "reduce onto device 0", 14.0, 15.0),
+                      (0, "optimizer step", 15.0, 16.0)],
+            "threads": {"forward": 2, "backward": 1}}
+    fig = viz.dp_timeline_figure(step)
+    lanes, side = fig.axes
+    bars = [(round(p.get_x(), 3), round(p.get_width(), 3)) for p in lanes.patches]
+    # a grey background per device, then one bar per span at its start (short ones widened)
+    assert bars[:2] == [(0.0, 16.0), (0.0, 16.0)]
+    assert [x for x, _ in bars[2:]] == [s[2] for s in step["spans"]]
+    assert [t.get_text() for t in lanes.get_yticklabels()] == ["device 1", "device 0"]
+    solo = [s for s in step["spans"] if s[1] not in ("forward", "backward")]
+    assert sorted(round(p.get_width(), 3) for p in side.patches) == \
+        sorted(s[3] - s[2] for s in solo)
+    assert side.get_title() == "device 0 alone: 7.5 ms"  # 1 + 3 + 0.5 + 0.5 + 0.5 + 1 + 1
+
+
+# --- lesson 04: torchrun's log, its picture, DistributedSampler's index map ------------------
+
+_AGENT_LOG = """\
+I1128 00:19:13.792000 10104 torch/distributed/launcher/api.py:257]   nproc_per_node           : 2
+I1128 00:19:13.792000 10104 torch/distributed/launcher/api.py:257]   rdzv_endpoint            : 127.0.0.1:55407
+I1128 00:19:13.792000 10104 torch/distributed/launcher/api.py:257]   max_restarts             : 1
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553] [default] Rendezvous complete for workers. Result:
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553]   restart_count={n}
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553]   master_addr=localhost
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553]   master_port=37745
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553]   group_rank=0
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553]   group_world_size=1
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553]   local_ranks=[0, 1]
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553]   role_ranks=[0, 1]
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553]   global_ranks=[0, 1]
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553]   role_world_sizes=[2, 2]
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553]   global_world_sizes=[2, 2]
+I1128 00:19:14.390000 10104 torch/distributed/elastic/agent/server/api.py:553]   event_log_handler=null
+[rank 0] RANK=0 attempt {n}
+"""
+_FAILED = """\
+E1128 00:19:14.710000 10104 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 10216) of binary: python
+I1128 00:19:14.710000 10104 torch/distributed/elastic/agent/server/api.py:942] [default] Worker group FAILED. 1/1 attempts left; will restart worker group
+"""
+_FINISHED = """\
+I1128 00:19:15.261000 10104 torch/distributed/elastic/agent/server/api.py:932] [default] worker group successfully finished. Waiting 300 seconds for other agents to finish.
+"""
+
+
+def test_torchrun_log_reads_the_messages_torch_writes():
+    """The parser reads the words of the installed torch's agent: every key it reads is in
+    SimpleElasticAgent._rendezvous's log format, the failure and restart messages in its
+    sources, so a torch that rewords them fails here and not in a lesson."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+
+    source = inspect.getsource(api)
+    assert "Rendezvous complete for workers. Result:" in source
+    for key in viz.l04_ddp_in_practice._RDZV_KEYS:
+        assert f"  {key}=%({key})s" in source
+    assert "attempts left;" in source and "will restart worker group" in source
+    assert "worker group successfully finished" in source
+    assert "failed (exitcode: %s) local_rank: %s" in inspect.getsource(mp_api)
+
+
+def test_torchrun_log_turns_an_agents_output_into_its_events():
+    events = viz.torchrun_log(_AGENT_LOG.replace("{n}", "0") + _FAILED
+                              + _AGENT_LOG.replace("{n}", "1") + _FINISHED)
+    assert [e["event"] for e in events] == ["config", "rendezvous", "failed", "restart",
+                                            "rendezvous", "finished"]
+    assert events[0] == {"event": "config", "rdzv_endpoint": "127.0.0.1:55407",
+                         "max_restarts": 1, "nproc_per_node": 2}
+    assert events[1] == {"event": "rendezvous", "restart_count": 0, "master_addr": "localhost",
+                         "master_port": 37745, "group_rank": 0, "group_world_size": 1,
+                         "local_ranks": [0, 1], "global_ranks": [0, 1],
+                         "global_world_sizes": [2, 2]}
+    assert events[2] == {"event": "failed", "exitcode": -9, "local_rank": 1}
+    assert events[3] == {"event": "restart", "attempts_left": 1}
+    assert events[4]["restart_count"] == 1
+    with pytest.raises(ValueError, match="LOGLEVEL=INFO"):
+        viz.torchrun_log("[rank 0] hello\n")
+    with pytest.raises(ValueError, match="without"):
+        viz.torchrun_log("\n".join(_AGENT_LOG.replace("{n}", "0").splitlines()[:6]))
+
+
+def test_torchrun_figure_writes_what_each_agent_gave_its_workers():
+    node = [_AGENT_LOG.replace("{n}", "0").replace("group_world_size=1", "group_world_size=2")
+            .replace("local_ranks=[0, 1]", "local_ranks=[0]")
+            .replace("global_world_sizes=[2, 2]", "global_world_sizes=[2]")]
+    node.append(node[0].replace("group_rank=0", "group_rank=1")
+                .replace("global_ranks=[0, 1]", "global_ranks=[1]"))
+    node[0] = node[0].replace("global_ranks=[0, 1]", "global_ranks=[0]")
+    agents = [viz.torchrun_log(text) for text in reversed(node)]  # in any order
+    restart = viz.torchrun_log(_AGENT_LOG.replace("{n}", "0") + _FAILED
+                               + _AGENT_LOG.replace("{n}", "1") + _FINISHED)
+    fig = viz.torchrun_figure(agents, restart)
+    left, right = fig.axes
+    texts = [t.get_text() for t in left.texts]
+    assert "node 0: torchrun agent\ngroup_rank 0 of 2" in texts
+    assert "worker\nRANK=0\nLOCAL_RANK=0\nWORLD_SIZE=2" in texts
+    assert "worker\nRANK=1\nLOCAL_RANK=0\nWORLD_SIZE=2" in texts
+    assert any("127.0.0.1:55407" in t for t in texts)
+    assert sum("workers' store" in t for t in texts) == 1
+    texts = [t.get_text() for t in right.texts]
+    assert "RANK=1\nLOCAL_RANK=1\nWORLD_SIZE=2\ndied: exit code -9 (SIGKILL)" in texts
+    assert "RANK=0\nLOCAL_RANK=0\nWORLD_SIZE=2\nstopped by the agent" in texts
+    assert sum(t.startswith("attempt ") for t in texts) == 2
+    assert any("TORCHELASTIC_RESTART_COUNT=1" in t for t in texts)
+    assert "the group finished" in texts
+
+
+def test_sampler_slots_mark_the_padding_the_real_sampler_appends():
+    from torch.utils.data import DistributedSampler
+
+    n, ranks = 10, 4
+    dealt = {}
+    for epoch in (0, 1):
+        samplers = [DistributedSampler(range(n), num_replicas=ranks, rank=r, seed=0)
+                    for r in range(ranks)]
+        for s in samplers:
+            s.set_epoch(epoch)
+        dealt[epoch] = [list(s) for s in samplers]
+    slots = viz.sampler_slots(dealt, n)
+    for epoch, per_rank in slots.items():
+        real = [i for row in per_rank for i, padded in row if not padded]
+        padded = [i for row in per_rank for i, padded in row if padded]
+        assert sorted(real) == list(range(n))        # every sample once
+        assert len(padded) == 2 and [r for r, row in enumerate(per_rank) if row[-1][1]] == [2, 3]
+        order = [per_rank[p % ranks][p // ranks][0] for p in range(12)]
+        assert padded == order[:2]                   # the epoch's first samples again
+    assert dealt[0] != dealt[1]
+    fig = viz.sampler_index_map_figure(dealt, n)
+    assert [ax.get_title() for ax in fig.axes] == ["set_epoch(0)", "set_epoch(1)"]
+    for ax, epoch in zip(fig.axes, (0, 1)):
+        shown = [int(t.get_text()) for t in ax.texts]
+        assert shown == [i for row in dealt[epoch] for i in row]
+        red = [p for p in ax.patches if p.get_facecolor()[0] > 0.8]
+        assert len(red) == 2
+    with pytest.raises(ValueError, match="different lengths"):
+        viz.sampler_slots({0: [[0, 1], [2]]}, 3)

@@ -34,10 +34,12 @@ from . import (common, interactive, l02_data_parallel, l03_ddp_first_principles,
                l11_beyond_data_parallel)
 from .common import figure_to_png, new_figure, show, show_code
 from .interactive import explorer, quiz, widget_with_fallback
-from .l02_data_parallel import dp_step_figure, traffic_both_ways_figure
+from .l02_data_parallel import (dp_step_figure, dp_timeline_figure, record_dp_step,
+                                traffic_both_ways_figure)
 from .l03_ddp_first_principles import (bucket_timelines_figure, collectives_figure,
                                        sampler_grid_figure)
-from .l04_ddp_in_practice import restart_timeline_figure
+from .l04_ddp_in_practice import (restart_timeline_figure, sampler_index_map_figure,
+                                  sampler_slots, torchrun_figure, torchrun_log)
 from .l05_mirrored_strategy import mirrored_vs_ddp_figure
 from .l06_ring_allreduce import (cost_figure, cost_vs_n_figure, draw_ring_step, fit_figure,
                                  ring_frames, ring_stepper, ring_steps_figure)
