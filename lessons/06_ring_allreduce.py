@@ -631,9 +631,9 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # ## Lab 06: the ring, simulated then real
 #
 # Open [lab06_ring_allreduce](../labs/lab06_ring_allreduce.ipynb): you write the scatter-reduce and
-# the all-gather in the simulator — for a different finishing layout from §1's, so you derive
-# the chunk indices yourself — then the real ring from its contract, and in its stretch a
-# segmented, pipelined scatter-reduce. Do it before reading on.
+# the all-gather in the simulator — for finishing layouts §1 does not show, given as a
+# parameter, so you derive which chunk goes where yourself — then the real ring from its
+# contract, and in its stretch a segmented, pipelined scatter-reduce. Do it before reading on.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cells below: how
@@ -671,6 +671,51 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
+
+# %% [markdown]
+# ### The pipelined ring as a timeline
+#
+# Where does the time go when a chunk travels in pieces? `ring.pipeline_schedule` lays §1's
+# transfers (the chunks `ring.simulate_ring` sends, step by step) on a time axis, under a
+# model, not a measurement: a whole chunk takes one *transfer time* on a link and half of one
+# to add; a link carries one piece at a time; a rank adds one piece at a time while its link
+# goes on sending; and a rank forwards piece j of a chunk once that piece has arrived and, in
+# the scatter-reduce, been added. Four ranks, each chunk sent whole, then in 4 pieces:
+
+# %%
+N_PIPE, ADD = 4, 0.5  # ranks; time to add a whole chunk, in transfer times
+timelines = {S: ring.pipeline_schedule(N_PIPE, S, transfer=1.0, add=ADD) for S in (1, 4)}
+
+
+def waits_for_its_piece(slots):
+    """Every piece a rank sends after step 1 left only once it had arrived there (and, in the
+    scatter-reduce, been added), and it is the chunk that rank received the step before."""
+    got = {(s.rank if s.kind == "add" else (s.rank + 1) % N_PIPE, s.step, s.segment): s
+           for s in slots if s.kind == "add" or s.step >= N_PIPE}
+    return all(s.start >= got[(s.rank, s.step - 1, s.segment)].end - 1e-12
+               and s.chunk == got[(s.rank, s.step - 1, s.segment)].chunk
+               for s in slots if s.kind == "send" and s.step > 1)
+
+
+done = {S: max(s.end for s in slots) for S, slots in timelines.items()}
+claim("in both timelines a piece leaves a rank only after it arrived there (and was added, "
+      "in the scatter-reduce), and it is the chunk that rank received the step before",
+      all(waits_for_its_piece(slots) for slots in timelines.values()))
+claim(f"whole chunks: 2(N−1) transfers and N−1 additions one after another, done at "
+      f"{done[1]:g}; in 4 pieces every addition hides under the next piece's transfer, done at "
+      f"2(N−1) = {done[4]:g}",
+      done[1] == 2 * (N_PIPE - 1) + (N_PIPE - 1) * ADD and done[4] == 2 * (N_PIPE - 1))
+first = next(s for s in timelines[4] if (s.kind, s.rank, s.step, s.segment) == ("add", 1, 1, 0))
+onward = next(s for s in timelines[4] if (s.kind, s.rank, s.step, s.segment) == ("send", 1, 2, 0))
+viz.show(viz.l06_ring_allreduce.pipeline_figure(
+    {"each chunk sent whole": timelines[1], "each chunk in 4 pieces": timelines[4]}),
+    caption=f"each row is one rank's link to its right neighbour; a box is a piece of a chunk "
+            f"on it (chunk.piece), a grey bar under it that rank adding a piece it received. "
+            f"Top: every step waits for its addition, and the links idle {ADD:g} of a "
+            f"transfer time per scatter-reduce step. Bottom: piece j is added while piece j + 1 "
+            f"is on the wire, so no link ever idles. Piece 0.0 reaches rank 1, is added there "
+            f"by {first.end:g} and leaves again at {onward.start:g}: what now decides the time "
+            f"is the link, not the addition (the dotted line: the all-gather starts).")
 
 # %% [markdown]
 # ## Summary

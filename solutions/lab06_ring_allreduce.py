@@ -4,9 +4,10 @@
 # Lesson 06 ran a ring all-reduce step by step and a real one over `torch.distributed`. Now you
 # build both, from their contracts:
 #
-# 1. `scatter_reduce(buffers)` and `all_gather(buffers)` — the two phases, in NumPy, on a list
-#    of N arrays (one per simulated worker), with a different finishing layout from the
-#    lesson's: here worker i must end the scatter-reduce holding the full sum of **chunk i**;
+# 1. `scatter_reduce(buffers, owner)` and `all_gather(buffers, owner)` — the two phases, in
+#    NumPy, on a list of N arrays (one per simulated worker), for a finishing layout that is a
+#    parameter: worker i must end the scatter-reduce holding the full sum of **chunk
+#    owner[i]**;
 # 2. `ring_allreduce(tensor, op)` — the same on real processes, with blocking point-to-point
 #    messages whose order you decide.
 #
@@ -26,9 +27,12 @@ from dpcourse.checks import lab06, predict
 # %% [markdown]
 # ## 1. Scatter-reduce
 #
-# The contract of `scatter_reduce(buffers)`:
+# The contract of `scatter_reduce(buffers, owner=None)`:
 #
 # * `buffers` is a list of N equally long 1-D float arrays, one per worker; change them in place;
+# * `owner` is a list of N chunk indices holding each chunk once: `owner[i]` is the chunk worker
+#   i must finish (a sharded optimizer, lesson 08, may want shard c finished on a given
+#   worker). `None` means `owner[i] = i`;
 # * it runs N − 1 steps; in every step **each** worker sends exactly one chunk to its right
 #   neighbour, worker (i + 1) mod N, which adds it into its own copy of that same chunk; all
 #   workers send at once: what a worker sends in a step is what it held when the step began.
@@ -36,17 +40,18 @@ from dpcourse.checks import lab06, predict
 #   step, so adding into a neighbour's chunk never changes what that neighbour sends. (A copy
 #   would matter only if a worker sent and received the same chunk in one step, and then the
 #   indices are what is wrong.);
-# * afterwards worker i holds the full sum (over all workers) of **chunk i**. What its other
-#   chunks hold does not matter.
+# * afterwards worker i holds the full sum (over all workers) of **chunk owner[i]**. What its
+#   other chunks hold does not matter.
 #
-# Lesson 06's simulator finishes another layout, so its indices do not answer this one. First,
-# on paper, for N = 3 (workers 0, 1, 2; chunks 0, 1, 2; steps 1 and 2): which chunk does
-# worker 0 send at step 1, and which at step 2? Write them as `worker0_sends = [chunk at step 1,
-# chunk at step 2]`; the check says what your choice would make the ring do.
+# Lesson 06's simulator finishes one layout, chunk (i + 1) mod N on worker i; the check also
+# passes layouts that no shifted copy of its formula finishes. First, on paper, for N = 4
+# (workers and chunks 0 … 3, steps 1, 2 and 3) and `owner = [2, 0, 3, 1]`: which chunk does
+# worker 0 send at step 1, at step 2 and at step 3? Write them as `worker0_sends = [chunk at
+# step 1, chunk at step 2, chunk at step 3]`; the check says where your chunks would end.
 
 # %%
-### BEGIN SOLUTION: worker 0's chunk at step 1 and at step 2, for N = 3
-worker0_sends = [2, 1]
+### BEGIN SOLUTION: worker 0's chunks at steps 1, 2 and 3, for N = 4 and owner = [2, 0, 3, 1]
+worker0_sends = [1, 3, 0]
 ### END SOLUTION
 lab06.check_worker0_sends(worker0_sends)
 
@@ -54,36 +59,38 @@ lab06.check_worker0_sends(worker0_sends)
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# In the last step, worker i receives the last missing contribution to chunk i. Who sends it,
-# and which chunk is that sender sending at that step? Now walk one step back.
+# The chunk worker 0 sends at step 1 reaches worker 1, which adds its part. Where is that sum
+# after step 2, and after step 3, the last? Which chunk must the worker it stops at hold?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # A chunk being summed travels one hop to the right per step, collecting one contribution per
-# hop: chunk c must set off from the worker N − 1 hops to the left of the one that finishes it.
-# So the chunk a worker sends moves back by one index every step, and at step 1 each worker sends
-# a different chunk.
+# hop, and stops after step N − 1. So the worker a chunk ends on is fixed by who sends it and at
+# which step — and `owner` says which chunk that worker needs. A formula on chunk numbers
+# alone can only be right for layouts where neighbouring workers finish neighbouring chunks.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Per step, one loop over the workers: the index of the chunk worker i sends, of the form
-# (i − t + constant) mod N, and the addition of that chunk into the right neighbour's slice of
-# the same chunk. Your constant must give worker 0 the two chunks you worked out for N = 3.
+# Per step, one loop over the workers: work out the worker that the chunk worker i sends at
+# step t will end on (an expression in i and t, mod N), look up that worker's chunk in
+# `owner`, and add that chunk into the right neighbour's slice of the same chunk. Your
+# expression must give worker 0 the three chunks you worked out on paper.
 
 # %%
-def scatter_reduce(buffers):
+def scatter_reduce(buffers, owner=None):
     """Scatter-reduce in place over ``buffers``, a list of N equally long 1-D arrays:
-    afterwards worker i holds the full sum of chunk i."""
+    afterwards worker i holds the full sum of chunk owner[i] (owner None: chunk i)."""
     n = len(buffers)
+    owner = list(range(n)) if owner is None else list(owner)
     bounds = ring.chunk_bounds(len(buffers[0]), n)
     for t in range(1, n):  # steps t = 1 .. N-1, numbered as in lesson 06
         ### BEGIN SOLUTION: one scatter-reduce step
         for i in range(n):  # no copy: worker i + 1 does not send chunk c in this step
-            c = (i - t) % n
+            c = owner[(i - t) % n]  # it ends on worker i - t: N - 1 - t hops past worker i + 1
             buffers[(i + 1) % n][slice(*bounds[c])] += buffers[i][slice(*bounds[c])]
         ### END SOLUTION
 
@@ -93,10 +100,10 @@ _ = lab06.check_scatter_reduce(scatter_reduce)
 # %% [markdown]
 # ## 2. All-gather
 #
-# The contract of `all_gather(buffers)`: it starts from what your `scatter_reduce` leaves (worker
-# i holds the complete chunk i), runs N − 1 steps in which each worker sends one chunk to its
-# right neighbour, which **overwrites** its copy of that chunk, and afterwards every worker holds
-# the whole sum.
+# The contract of `all_gather(buffers, owner=None)`: it starts from what your `scatter_reduce`
+# leaves for the same `owner` (worker i holds the complete chunk owner[i]), runs N − 1 steps in
+# which each worker sends one chunk to its right neighbour, which **overwrites** its copy of
+# that chunk, and afterwards every worker holds the whole sum.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -117,19 +124,22 @@ _ = lab06.check_scatter_reduce(scatter_reduce)
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The same two-part step as the scatter-reduce (copies first, then one write per worker) with a
-# different constant in the index, and an assignment where the scatter-reduce added.
+# The same two-part step as the scatter-reduce (copies first, then one write per worker), a
+# lookup in `owner` that gives worker i its own finished chunk at step N, and an assignment
+# where the scatter-reduce added.
 
 # %%
-def all_gather(buffers):
-    """All-gather in place, after scatter_reduce: every worker ends with the whole sum."""
+def all_gather(buffers, owner=None):
+    """All-gather in place, after scatter_reduce with the same owner: every worker ends with
+    the whole sum."""
     n = len(buffers)
+    owner = list(range(n)) if owner is None else list(owner)
     bounds = ring.chunk_bounds(len(buffers[0]), n)
     for t in range(n, 2 * n - 1):  # steps t = N .. 2(N-1), numbered on as in lesson 06
         ### BEGIN SOLUTION: one all-gather step
-        outgoing = [buffers[i][slice(*bounds[(i - t) % n])].copy() for i in range(n)]
-        for i in range(n):
-            c = (i - t) % n
+        chunks = [owner[(i - t) % n] for i in range(n)]  # at t = N: owner[i], worker i's own
+        outgoing = [buffers[i][slice(*bounds[c])].copy() for i, c in enumerate(chunks)]
+        for i, c in enumerate(chunks):
             buffers[(i + 1) % n][slice(*bounds[c])] = outgoing[i]
         ### END SOLUTION
 
@@ -137,16 +147,23 @@ def all_gather(buffers):
 _ = lab06.check_all_gather(all_gather)
 
 # %% [markdown]
-# Together they are a ring all-reduce. Five workers, seven numbers each (7 is not divisible by 5):
+# Together they are a ring all-reduce, whatever the layout. Five workers, seven numbers each
+# (7 is not divisible by 5), worker i finishing chunk owner[i] in between:
 
 # %%
-buffers = [np.arange(7.0) * (w + 1) for w in range(5)]
-expected = np.sum(buffers, axis=0)
-scatter_reduce(buffers)
-all_gather(buffers)
 from dpcourse.checks import claim
 
-claim("every worker holds the sum", all(np.array_equal(b, expected) for b in buffers))
+owner = [4, 2, 0, 3, 1]
+buffers = [np.arange(7.0) * (w + 1) for w in range(5)]
+expected = np.sum(buffers, axis=0)
+bounds = ring.chunk_bounds(7, 5)
+scatter_reduce(buffers, owner)
+claim("after the scatter-reduce, worker i holds the full sum of chunk owner[i]",
+      all(np.array_equal(buffers[i][slice(*bounds[c])], expected[slice(*bounds[c])])
+          for i, c in enumerate(owner)))
+all_gather(buffers, owner)
+claim("after the all-gather, every worker holds the sum",
+      all(np.array_equal(b, expected) for b in buffers))
 
 # %% [markdown]
 # ## 3. The real ring
@@ -169,17 +186,22 @@ claim("every worker holds the sum", all(np.array_equal(b, expected) for b in buf
 # block until the other side is ready, so some orders leave every rank waiting for another that
 # waits too, and others finish but make a step's transfers wait for one another around the
 # ring. Decide, from the rank (and N if you need it), which ranks send first in a step and
-# which receive first, so that no step can stall and a step takes about the same time whatever
-# N, for every N ≥ 2. Count that time in *transfer times*: a rank makes its two calls one after
-# the other, so no order takes less than 2 per step; on N = 3 no order takes less than 3 (three
-# ranks cannot hold two transfers at once), and 3 there keeps the contract. Think it through
-# for N = 3 (ranks 0 and 2 are neighbours), N = 4 and N = 8 before you run anything.
+# which receive first, so that no step can stall and the ring's time per step stays about the
+# same whatever N, for every N ≥ 2. Count time in *transfer times*: the ring's time is when its
+# last transfer ends, and its time per step is that divided by its 2(N − 1) steps, an average
+# (a rank that has finished a step goes on to the next without waiting for the others, so
+# steps overlap, and one slow step can be hidden by the steps after it). A rank makes its two
+# calls one after the other, so no order takes less than 2 per step on average; on N = 3 no
+# order takes less than 3 (three ranks cannot hold two transfers at once), and 3 there keeps
+# the contract. Think it through for N = 3 (ranks 0 and 2 are neighbours), N = 4 and N = 8
+# before you run anything.
 #
 # The check runs your ring on 3, 2 and then 4 ranks, watches what it sends and the order of
-# its calls, and names a deadlock if one happens. It then counts the transfer times a step
-# takes (each transfer one unit, a send going out once its receiver is in `dist.recv`): on 3,
-# 2 and 4 ranks from the calls your ranks made, and on 8 and 16 ranks from the order your code
-# makes its calls there (run with stand-ins that send nothing).
+# its calls, and names a deadlock if one happens. It then counts the transfer times your whole
+# ring takes (each transfer one unit, a send going out once its receiver is in `dist.recv`) and
+# divides them by its steps, showing its slowest single step beside that average: on 3, 2 and 4
+# ranks from the calls your ranks made, and on 8 and 16 ranks from the order your code makes
+# its calls there (run with stand-ins that send nothing).
 #
 # First, a prediction. Once your ring works, the cell after the check will run it on N = 4 ranks
 # with a float32 tensor of K = 10 elements (40 bytes; 10 is not divisible by 4, so the chunks
@@ -208,7 +230,8 @@ guess = predict("lab06", "most bytes one rank sends for N = 4, K = 10 float32", 
 # Flatten the tensor once and cut it into N chunks that are views of it, so that whatever lands
 # in a chunk lands in `tensor`. A rank plays one worker of your simulation: the same indices with
 # the rank as i. What it receives in the scatter-reduce must be added, so it needs a place to
-# land first; what it receives in the all-gather may land where it belongs. A rank stuck in
+# land first; what it receives in the all-gather may land where it belongs. (Any layout will
+# do here: only the final tensor is compared; `owner[i] = i` is the simplest.) A rank stuck in
 # `send` waits for its right neighbour, one stuck in `recv` for its left: when can such waits
 # close a circle, and when do they line up in a long chain? And if only a few ranks sent first,
 # how many transfers could be under way at once on 16 ranks?

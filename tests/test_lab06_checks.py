@@ -16,151 +16,186 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 # --- the simulator phases ---------------------------------------------------------------------
+# Part 1's layout is a parameter: owner[i] is the chunk worker i must finish (None: chunk i).
+# A learner's phase is its rule for the chunk worker i sends at step t; the right rule is
+# owner[(i - t) mod N], and each plausible wrong rule below is named by its cause.
+
+RULES = {
+    "right": lambda i, t, n, owner: owner[(i - t) % n],
+    "lesson": lambda i, t, n, owner: (i + 1 - t) % n,  # lesson 06's formula, copied
+    "identity": lambda i, t, n, owner: (i - t) % n,  # owner ignored: worker i finishes chunk i
+    "rotated": lambda i, t, n, owner: (owner[i] - t) % n,  # arithmetic on owner's chunk index
+    "inverse": lambda i, t, n, owner: [owner.index(c) for c in range(n)][(i - t) % n],
+    "off by one": lambda i, t, n, owner: owner[(i - t - 1) % n],
+}
 
 
-def sr_reference(buffers):
+def numpy_phase(rule, gather=False, steps=None, add=None, bounds=ring.chunk_bounds,
+                copies=True):
+    """A learner's scatter_reduce (or all_gather, ``gather=True``) following ``rule``."""
+    def phase(buffers, owner=None):
+        n = len(buffers)
+        owner = list(range(n)) if owner is None else list(owner)
+        b = bounds(len(buffers[0]), n)
+        adding = (not gather) if add is None else add
+        for t in range(1, (n - 1 if steps is None else steps) + 1):
+            at = t - 1 if gather else t  # the all-gather passes on what arrived the step before
+            chunks = [RULES[rule](i, at, n, owner) for i in range(n)]
+            out = [buffers[i][slice(*b[c])].copy() if copies else buffers[i][slice(*b[c])]
+                   for i, c in enumerate(chunks)]
+            for i, c in enumerate(chunks):
+                target = buffers[(i + 1) % n][slice(*b[c])]
+                if adding:
+                    target += out[i]
+                else:
+                    target[...] = out[i]
+    return phase
+
+
+def floor_bounds(length, n):  # length // N per chunk: the remainder belongs to no chunk
+    q = length // n
+    return [(i * q, (i + 1) * q) for i in range(n)]
+
+
+sr_reference = numpy_phase("right")
+ag_reference = numpy_phase("right", gather=True)
+sr_off_by_one = numpy_phase("off by one")
+sr_lesson_layout = numpy_phase("lesson")
+sr_floor_chunks = numpy_phase("right", bounds=floor_bounds)
+ag_adds = numpy_phase("right", gather=True, add=True)
+ag_off_by_one = numpy_phase("off by one", gather=True)
+ag_lesson_layout = numpy_phase("lesson", gather=True)
+
+
+def sr_too_many_steps(buffers, owner=None):  # N steps instead of N - 1
     n = len(buffers)
-    b = ring.chunk_bounds(len(buffers[0]), n)
-    for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i - s - 1) % n])].copy() for i in range(n)]
-        for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i - s - 1) % n])] += out[i]
+    numpy_phase("right", steps=n)(buffers, owner)
 
 
-def sr_off_by_one(buffers):  # sends chunk (i - s - 1): a shifted ring, ends on the wrong chunk
-    n = len(buffers)
-    b = ring.chunk_bounds(len(buffers[0]), n)
-    for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i - s - 2) % n])].copy() for i in range(n)]
-        for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i - s - 2) % n])] += out[i]
-
-
-def sr_too_many_steps(buffers):
-    n = len(buffers)
-    b = ring.chunk_bounds(len(buffers[0]), n)
-    for s in range(n):
-        out = [buffers[i][slice(*b[(i - s - 1) % n])].copy() for i in range(n)]
-        for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i - s - 1) % n])] += out[i]
-
-
-def ag_reference(buffers):
-    n = len(buffers)
-    b = ring.chunk_bounds(len(buffers[0]), n)
-    for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i + 1 - s - 1) % n])].copy() for i in range(n)]
-        for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i + 1 - s - 1) % n])] = out[i]
-
-
-def ag_missing(buffers):
+def ag_missing(buffers, owner=None):
     return None
 
 
-def ag_adds(buffers):
+def ag_rebinds(buffers, owner=None):  # the loop runs, but assigns to a name: nothing written
     n = len(buffers)
+    owner = list(range(n)) if owner is None else owner
     b = ring.chunk_bounds(len(buffers[0]), n)
-    for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i + 1 - s - 1) % n])].copy() for i in range(n)]
+    for s in range(1, n):
+        out = [buffers[i][slice(*b[owner[(i - s + 1) % n]])].copy() for i in range(n)]
         for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i + 1 - s - 1) % n])] += out[i]
-
-
-def ag_off_by_one(buffers):
-    n = len(buffers)
-    b = ring.chunk_bounds(len(buffers[0]), n)
-    for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i - s - 1) % n])].copy() for i in range(n)]
-        for i in range(n):
-            buffers[(i + 1) % n][slice(*b[(i - s - 1) % n])] = out[i]
-
-
-def sr_lesson_layout(buffers):  # lesson 06's indices: worker i ends with chunk (i + 1) mod N
-    lab06._scatter_reduce(buffers, base=0)
-
-
-def ag_lesson_layout(buffers):
-    lab06._all_gather(buffers, base=0)
+            target = buffers[(i + 1) % n][slice(*b[owner[(i - s + 1) % n]])].copy()
+            target = out[i]  # noqa: F841
+    return None
 
 
 def test_scatter_reduce_reference_passes(capsys):
     lab06.check_scatter_reduce(sr_reference)
-    assert "scatter_reduce" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "every worker i ends with the full sum of chunk owner[i]" in out, out
+    assert "layouts that are and are not rotations" in out, out
+    lab06.check_scatter_reduce(lab06.reference_scatter_reduce)
 
 
 def test_scatter_reduce_returning_new_arrays_passes():
-    def functional(buffers):
+    def functional(buffers, owner=None):
         buffers = [b.copy() for b in buffers]
-        sr_reference(buffers)
+        sr_reference(buffers, owner)
         return buffers
     lab06.check_scatter_reduce(functional)
+
+
+def test_the_checked_layouts_include_one_that_is_not_a_rotation():
+    """Otherwise the rotated rule, (owner[i] - t) mod N, would pass."""
+    from dpcourse.checks._lab06_numpy import _CASES
+    rotations = [tuple((w + k) % n for w in range(n)) for n, _, _ in _CASES for k in range(n)]
+    assert any(owner is not None and tuple(owner) not in rotations for _, _, owner in _CASES)
+    assert any(length % n for n, length, _ in _CASES)  # and an uneven length
 
 
 @pytest.mark.parametrize("fn, phrase", [
     (sr_off_by_one, "off-by-one chunk index in scatter_reduce"),
     (sr_too_many_steps, "it takes exactly N-1"),
-    (sr_lesson_layout, "lesson 06's finishing layout"),
+    (sr_lesson_layout, "that is lesson 06's layout, (i + 1 - t) mod N, copied"),
+    (numpy_phase("identity"), "makes worker i finish chunk i whatever owner says (N=4, "
+                              "owner=[2, 0, 3, 1])"),
+    (numpy_phase("rotated"), "finds the chunk by arithmetic on owner's chunk index, (owner[i] - "
+                             "t) mod N (N=4, owner=[2, 0, 3, 1]): that follows a chunk only "
+                             "when owner is a rotation"),
+    (numpy_phase("inverse"), "reads owner the other way round (N=4, owner=[2, 0, 3, 1])"),
     (lambda bufs: None, "left the buffers unchanged"),
 ])
 def test_scatter_reduce_mistakes(fn, phrase):
-    with pytest.raises(LabCheckError, match=phrase):
+    with pytest.raises(LabCheckError) as err:
         lab06.check_scatter_reduce(fn)
+    assert phrase in str(err.value), str(err.value)
 
 
-def test_lesson_layout_names_the_cause_first_and_the_chunk_only_on_the_second_meeting():
-    for attempt in (1, 2):
-        with pytest.raises(LabCheckError) as err:
-            lab06.check_scatter_reduce(sr_lesson_layout)
-        msg = str(err.value)
-        assert "holding the full sum of chunk (i + 1) mod N" in msg, msg
-        # the fix names the last step's chunk, not "one earlier" (a ±1 to try)
-        assert ("at the last step, t = N - 1, worker i - 1 must send chunk i" in msg) == \
-            (attempt == 2), msg
-        assert ("your worker i - 1 sends chunk i + 1 then" in msg) == (attempt == 2), msg
-        assert "one chunk earlier" not in msg, msg
+def test_a_phase_without_owner_is_refused_where_owner_matters():
+    """A one-parameter phase is called without owner on the default layout (so an unchanged
+    one is named as such, N=3), and refused by its cause on the first other layout."""
+    def no_owner(buffers):
+        sr_reference(buffers)
+    with pytest.raises(LabCheckError, match=r"takes only buffers: the contract's second "
+                                            r"parameter, owner"):
+        lab06.check_scatter_reduce(no_owner)
 
 
-def test_worker0s_chunks_on_a_3_ring_right_answer_passes(capsys):
-    lab06.check_worker0_sends([2, 1])
+def test_layout_mistakes_name_the_cause_first_and_how_to_follow_a_chunk_second():
+    for fn in (sr_lesson_layout, numpy_phase("rotated"), numpy_phase("inverse")):
+        for attempt in (1, 2):
+            with pytest.raises(LabCheckError) as err:
+                lab06.check_scatter_reduce(fn)
+            msg = str(err.value)
+            assert ("follow one chunk" in msg) == (attempt == 2), msg
+            assert "owner[(i - t)" not in msg, msg  # the rule itself is never handed over
+
+
+def test_worker0s_chunks_right_answer_passes(capsys):
+    lab06.check_worker0_sends([1, 3, 0])
     out = capsys.readouterr().out
-    assert "✔ worker 0 sends chunk 2 at step 1 and chunk 1 at step 2" in out, out
-    lab06.check_worker0_sends((np.int64(2), 1))  # a tuple, NumPy integers: the same answer
+    assert "✔ worker 0 sends chunks 1, 3 and 0 at steps 1, 2 and 3" in out, out
+    assert "chunk 1 on worker 3, chunk 3 on worker 2, chunk 0 on worker 1" in out, out
+    lab06.check_worker0_sends((np.int64(1), 3, 0))  # a tuple, NumPy integers: the same answer
 
 
 @pytest.mark.parametrize("answer, phrases", [
-    # lesson 06's layout, copied: its last chunk finishes on the wrong worker
-    ([0, 2], ["at step 2, the last, worker 0 sends chunk 2 to worker 1",
-              "the chunk worker 1 could finish with is chunk 2",
-              "These are lesson 06's chunks"]),
-    ([1, 0], ["worker 0 sends chunk 0 to worker 1", "could finish with is chunk 0"]),
-    ([2, 2], ["worker 0 sends chunk 2 to worker 1", "could finish with is chunk 2"]),
-    # the last step right, the first one not: where the first chunk ends
-    ([0, 1], ["at step 1 worker 0 sends chunk 0 to worker 1", "worker 2 would finish chunk 0",
-              "worker 0's chunk at step 2, chunk 1, is right"]),
-    ([1, 1], ["worker 2 would finish chunk 1", "worker 0's part of chunk 1 twice"]),
+    # lesson 06's formula, copied
+    ([0, 3, 2], ["chunk 0, sent at step 1, would collect its last contribution on worker 3 "
+                 "(2 more hops after worker 1), but owner has chunk 0 finished by worker 1",
+                 "These are lesson 06's chunks"]),
+    # owner ignored: worker i finishing chunk i
+    ([3, 2, 1], ["chunk 3, sent at step 1, would collect its last contribution on worker 3",
+                 "the layout owner = [0, 1, 2, 3]"]),
+    # arithmetic on owner's chunk index
+    ([1, 0, 3], ["chunk 0, sent at step 2, would collect its last contribution on worker 2",
+                 "(owner[0] - t) mod N", "[2, 0, 3, 1] is not"]),
+    # owner read the other way round
+    ([2, 0, 3], ["chunk 2, sent at step 1", "read owner the other way round"]),
+    # the first two right, the last one not
+    ([1, 3, 1], ["chunk 1, sent at step 3, would collect its last contribution on worker 1 "
+                 "(step 3 is the last), but owner has chunk 1 finished by worker 3"]),
 ])
-def test_worker0s_wrong_chunks_are_answered_with_what_they_would_do(answer, phrases):
+def test_worker0s_wrong_chunks_are_answered_with_where_they_would_end(answer, phrases):
     for attempt in (1, 2):
         with pytest.raises(LabCheckError) as err:
             lab06.check_worker0_sends(answer)
         msg = str(err.value)
         for phrase in phrases:
             assert phrase in msg, msg
-        if answer != [0, 2]:
+        if answer != [0, 3, 2]:
             assert "lesson 06" not in msg, msg
-        assert ("work back from the last step" in msg) == (attempt == 2), msg
-        assert "[2, 1]" not in msg, msg
+        assert ("follow each chunk worker 0 sends" in msg) == (attempt == 2), msg
+        assert "[1, 3, 0]" not in msg, msg
 
 
 @pytest.mark.parametrize("answer, phrase", [
-    ("2, 1", "must be a list of 2 chunk indices"),
-    ([2, 1, 0], "must be a list of 2 chunk indices"),
-    ([2.0, 1.0], "must be a list of 2 chunk indices"),
-    ([3, 1], "the chunks are numbered 0, 1 and 2"),
-    ([-1, 1], "the chunks are numbered 0, 1 and 2"),
+    ("1, 3, 0", "must be a list of 3 chunk indices"),
+    ([1, 3], "must be a list of 3 chunk indices"),
+    ([1.0, 3.0, 0.0], "must be a list of 3 chunk indices"),
+    ([4, 3, 0], "the chunks are numbered 0, 1, 2 and 3"),
+    ([-1, 3, 0], "the chunks are numbered 0, 1, 2 and 3"),
 ])
-def test_worker0s_chunks_must_be_two_indices(answer, phrase):
+def test_worker0s_chunks_must_be_three_indices(answer, phrase):
     with pytest.raises(LabCheckError, match=phrase):
         lab06.check_worker0_sends(answer)
 
@@ -170,23 +205,15 @@ def test_worker0s_chunks_unanswered_stop_at_the_todo():
         lab06.check_worker0_sends(None)
 
 
-def sr_no_copy(buffers):
-    """Right, with no copy: a worker never sends the chunk it receives into in the same step."""
-    n = len(buffers)
-    b = ring.chunk_bounds(len(buffers[0]), n)
-    for s in range(n - 1):
-        for i in range(n):
-            c = (i - s - 1) % n
-            buffers[(i + 1) % n][slice(*b[c])] += buffers[i][slice(*b[c])]
-
-
 def test_scatter_reduce_without_copies_passes(capsys):
-    lab06.check_scatter_reduce(sr_no_copy)
+    """Right, with no copy: a worker never sends the chunk it receives into in the same step."""
+    lab06.check_scatter_reduce(numpy_phase("right", copies=False))
     assert capsys.readouterr().out.count("✔") == 1
 
 
 def test_all_gather_reference_passes():
     lab06.check_all_gather(ag_reference)
+    lab06.check_all_gather(lab06.reference_all_gather)
 
 
 @pytest.mark.parametrize("fn, phrase", [
@@ -194,10 +221,15 @@ def test_all_gather_reference_passes():
     (ag_adds, "already the complete sum"),
     (ag_off_by_one, "off-by-one chunk index in all_gather"),
     (ag_lesson_layout, "lesson 06's layout"),
+    (numpy_phase("identity", gather=True), "start the all-gather from chunk i whatever owner "
+                                           "says"),
+    (numpy_phase("rotated", gather=True), "arithmetic on owner's chunk index"),
+    (numpy_phase("inverse", gather=True), "reads owner the other way round"),
 ])
 def test_all_gather_mistakes(fn, phrase):
-    with pytest.raises(LabCheckError, match=phrase):
+    with pytest.raises(LabCheckError) as err:
         lab06.check_all_gather(fn)
+    assert phrase in str(err.value), str(err.value)
 
 
 def test_an_unsolved_todo_stops_with_not_implemented():
@@ -439,11 +471,16 @@ def test_ring_that_skips_the_idea_is_named(fn, phrase):
 def test_ring_reference_passes(capsys):
     lab06.check_ring_allreduce(ring_ok, timeout=60)
     out = capsys.readouterr().out
-    # the time per step, from the order of its calls: 3 on 3 ranks (no order does better), 2
-    # on an even N, modelled on 8 and 16 ranks by a dry run
-    assert "a step took about 3.0 transfer times on 3 ranks, 2.0 on 2, 2.0 on 4, and, modelled " \
-           "from the order of its calls on more ranks than this machine runs, 2.0 on 8 and 2.0 " \
-           "on 16)" in out, out
+    # what was timed, said exactly: the whole ring (until its last transfer), then that time
+    # divided by its 2(N-1) steps — 3 on 3 ranks (no order does better), 2 on an even N,
+    # modelled on 8 and 16 ranks by a dry run — and the slowest single step beside it
+    assert "the whole ring took 12 on 3 ranks, 4 on 2 ranks, 12 on 4 ranks (and, modelled " \
+           "from the order of its calls on more ranks than this machine runs, 28 on 8 and 60 " \
+           "on 16) transfer times" in out, out
+    assert "divided by its 2(N-1) steps, that is 3.0, 2.0, 2.0, 2.0, 2.0 per step on average" \
+           in out, out
+    assert "its slowest single step took 3, 2, 2, 2, 2." in out, out
+    assert "a step took about" not in out, out  # a mean is never called "a step"
     assert "built from blocking dist.send/dist.recv only" in out, out
     assert "on 3, 2, 4 ranks" in out, out
     # the ✔ line says what was checked: message counts only where no chunk is empty
@@ -540,7 +577,9 @@ def test_an_order_whose_step_time_grows_with_n_is_refused(fn, senders, on_8):
             lab06.check_ring_allreduce(fn, world_size=4, timeout=60)
         msg = str(err.value)
         assert "your ring is right, but its time per step grows with N" in msg, msg
-        assert f"on 4 ranks, {on_8} on 8 and 8.0 on 16 transfer times per step" in msg, msg
+        assert f"on 4 ranks, {on_8} on 8 and 8.0 on 16 transfer times per step on average " \
+               "(the whole ring's time, until its last transfer ended, divided by its 2(N-1) " \
+               "steps" in msg, msg
         assert f"On 16 ranks, 2 rank(s) {senders} call dist.send first in step 1 and 14 " \
                "call dist.recv first" in msg, msg
         assert "no more than 2 transfers can run at once" in msg, msg
@@ -577,8 +616,9 @@ def test_orders_whose_step_time_stays_bounded_pass(fn, on_4, on_8, on_16, capsys
     even/odd 2.24 and 2.19, rank 0 alone sending first 8.3 and 12.8)."""
     lab06.check_ring_allreduce(fn, world_size=4, timeout=60)
     out = capsys.readouterr().out
-    assert f"a step took about {on_4} transfer times on 4 ranks" in out, out
-    assert f"{on_8} on 8 and {on_16} on 16" in out, out
+    assert f"that is {on_4}, {on_8}, {on_16} per step on average" in out, out
+    if fn is ring_first_half:  # its start-up chain shows as the slowest step, paid once
+        assert "its slowest single step took 3, 5, 9." in out, out
 
 
 def test_the_step_time_model():
@@ -597,6 +637,12 @@ def test_the_step_time_model():
 
     for n in (2, 4, 6, 8, 16):
         assert per_step(n, lambda r, n: r % 2 == 0) == 2.0
+        assert lab06._slowest_step(orders(n, lambda r, n: r % 2 == 0)) == (1, 2)
+    # the first half sending first: a slowest step that grows with N (step 1, a chain of
+    # N/2 + 1 transfers), overlapped by the steps after it, so the average stays near 2
+    for n, slowest in ((8, 5), (16, 9)):
+        assert lab06._slowest_step(orders(n, lambda r, n: r < n / 2)) == (1, slowest)
+        assert per_step(n, lambda r, n: r < n / 2) < 2.25
     for pattern in range(8):
         got = per_step(3, lambda r, n: bool(pattern >> r & 1))
         assert got == (None if pattern in (0, 7) else 3.0), (pattern, got)
@@ -917,27 +963,6 @@ def test_segmented_ring_with_an_extra_step_is_named():
 
 
 # --- issue 31/37: causes named, the reference refused, the stretch's order, the prediction ---
-
-
-def sr_floor_chunks(buffers):  # length // N per chunk: the remainder belongs to no chunk
-    n = len(buffers)
-    q = len(buffers[0]) // n
-    for s in range(n - 1):
-        out = [buffers[i][((i - s - 1) % n) * q:((i - s - 1) % n + 1) * q].copy() for i in range(n)]
-        for i in range(n):
-            c = (i - s - 1) % n
-            buffers[(i + 1) % n][c * q:(c + 1) * q] += out[i]
-
-
-def ag_rebinds(buffers):  # the loop runs, but assigns to a name: nothing is written back
-    n = len(buffers)
-    b = ring.chunk_bounds(len(buffers[0]), n)
-    for s in range(n - 1):
-        out = [buffers[i][slice(*b[(i - s) % n])].copy() for i in range(n)]
-        for i in range(n):
-            target = buffers[(i + 1) % n][slice(*b[(i - s) % n])].copy()
-            target = out[i]  # noqa: F841
-    return None
 
 
 def test_numpy_phases_name_the_cause():
@@ -1311,3 +1336,23 @@ def test_a_shared_receive_buffer_is_named_as_such_not_as_a_piece_index():
         assert "piece 1 of scatter-reduce step 1" in msg and "piece 0 of" in msg, msg
         assert "segment j of the chunk" not in msg, msg
         assert ("a buffer of its own" in msg) == (attempt == 2), msg
+
+
+def test_the_pipeline_timeline_model_of_lesson_06():
+    """ring.pipeline_schedule (lesson 06's timeline figure): the chunks are simulate_ring's, a
+    piece leaves a rank only after it arrived (and was added), and pipelining hides every
+    addition as long as adding a piece is no slower than sending one; bad input is refused."""
+    n = 5
+    trace = ring.simulate_ring([np.zeros(n) for _ in range(n)])
+    for segments, add, done in ((1, 0.5, 2 * (n - 1) + (n - 1) * 0.5), (4, 0.5, 2 * (n - 1)),
+                                (3, 1.0, 2 * (n - 1))):
+        slots = ring.pipeline_schedule(n, segments, add=add)
+        sends = [s for s in slots if s.kind == "send"]
+        assert len(sends) == 2 * (n - 1) * n * segments
+        assert all(s.chunk == trace.steps[s.step].transfers[s.rank].chunk for s in sends)
+        assert max(s.end for s in slots) == pytest.approx(done)
+    # a slower addition than a transfer cannot hide: the ring then waits for it
+    assert max(s.end for s in ring.pipeline_schedule(n, 4, add=2.0)) > 2 * (n - 1)
+    for bad in ((1, 4), (4, 0), (4, 2.5)):
+        with pytest.raises(ValueError):
+            ring.pipeline_schedule(*bad)

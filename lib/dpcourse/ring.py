@@ -49,6 +49,8 @@ __all__ = [
     "RingTrace",
     "simulate_ring",
     "ring_bytes_per_worker",
+    "Slot",
+    "pipeline_schedule",
     "ALGORITHMS",
     "COST_MODELS",
     "Cost",
@@ -206,6 +208,65 @@ def ring_bytes_per_worker(length: int, n: int, itemsize: int = 4) -> list[int]:
     if n == 1:
         return [0]
     return [(2 * total - sizes[(i + 1) % n] - sizes[(i + 2) % n]) * itemsize for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One interval of :func:`pipeline_schedule`: ``rank`` sends piece ``segment`` of chunk
+    ``chunk`` to rank + 1 at ``step`` (``kind="send"``), or adds that piece into its own copy
+    once it has arrived (``kind="add"``, scatter-reduce only), from ``start`` to ``end``."""
+
+    rank: int
+    kind: str
+    step: int
+    chunk: int
+    segment: int
+    start: float
+    end: float
+
+
+def pipeline_schedule(n: int, segments: int, transfer: float = 1.0,
+                      add: float = 0.5) -> list[Slot]:
+    """When each piece of each chunk is on each link, and when it is added, in a ring
+    all-reduce whose chunks travel as ``segments`` pieces (lesson 06's timeline figure).
+
+    The chunk each rank sends at each step is :func:`simulate_ring`'s (the same transfers the
+    lesson's trace prints). The timing is a model, not a measurement: a whole chunk takes
+    ``transfer`` on a link and ``add`` to add, so a piece takes ``transfer / segments`` and
+    ``add / segments``; each link (rank -> rank + 1) carries one piece at a time, in the order
+    (step, piece); each rank adds one piece at a time, in that order, while its links go on
+    sending; and a rank sends piece j of step t + 1 (the chunk it received at step t) once
+    piece j of step t has arrived and, in the scatter-reduce, been added. With ``segments=1``
+    that is the unpipelined ring: a step's transfer, then its addition, then the next step."""
+    if not isinstance(n, (int, np.integer)) or n < 2:
+        raise ValueError(f"n must be at least 2 ranks, got {n!r}")
+    if not isinstance(segments, (int, np.integer)) or segments < 1:
+        raise ValueError(f"segments must be a positive int, got {segments!r}")
+    if transfer <= 0 or add < 0:
+        raise ValueError(f"transfer must be > 0 and add >= 0, got {transfer!r} and {add!r}")
+    trace = simulate_ring([np.zeros(n) for _ in range(n)])  # chunk c is element c
+    piece, piece_add = transfer / segments, add / segments
+    link_free = [0.0] * n  # when rank i's link to rank i + 1 is next free
+    adder_free = [0.0] * n  # when rank i can start its next addition
+    ready = [[0.0] * segments for _ in range(n)]  # ready[i][j]: piece j of i's next send
+    slots: list[Slot] = []
+    for step in trace.steps[1:]:
+        reduce = step.phase == "scatter-reduce"
+        arrived = [[0.0] * segments for _ in range(n)]
+        for j in range(segments):
+            for tr in step.transfers:
+                start = max(ready[tr.src][j], link_free[tr.src])
+                end = link_free[tr.src] = start + piece
+                slots.append(Slot(tr.src, "send", step.index, tr.chunk, j, start, end))
+                if reduce:
+                    a0 = max(end, adder_free[tr.dst])
+                    a1 = adder_free[tr.dst] = a0 + piece_add
+                    slots.append(Slot(tr.dst, "add", step.index, tr.chunk, j, a0, a1))
+                    arrived[tr.dst][j] = a1
+                else:
+                    arrived[tr.dst][j] = end
+        ready = arrived
+    return slots
 
 
 # --------------------------------------------------------------------------------------------

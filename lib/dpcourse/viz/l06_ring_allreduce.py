@@ -1,6 +1,6 @@
 """Lesson 06 (ring all-reduce): the ring drawn step by step and its stepper (§1), the α-β cost
 model of five algorithms (§2), the model fitted to this machine's measurements and the
-cost-model explorer (§3).
+cost-model explorer (§3); the segmented ring as a timeline (:func:`pipeline_figure`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .common import figure_to_png, new_figure, show
 from .interactive import widget_with_fallback
 
 __all__ = ["draw_ring_step", "ring_steps_figure", "ring_frames", "ring_stepper", "cost_figure",
-           "fit_figure", "cost_vs_n_figure"]
+           "fit_figure", "cost_vs_n_figure", "pipeline_figure"]
 
 
 _PHASE_COLOURS = {"start": "#555555", "scatter-reduce": "#1f77b4", "all-gather": "#2ca02c"}
@@ -265,4 +265,46 @@ def cost_vs_n_figure(alpha: float, beta: float, nbytes: float, n_max: int = 64):
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.subplots_adjust(left=0.14, right=0.97, bottom=0.12, top=0.87)
+    return fig
+
+
+def pipeline_figure(schedules: dict):
+    """The segmented ring as a timeline: one panel per entry of ``schedules`` (title -> the
+    :class:`dpcourse.ring.Slot` list of :func:`dpcourse.ring.pipeline_schedule`), one row per
+    rank. On each row a box is a piece on that rank's link to rank + 1, coloured by its chunk
+    and labelled chunk.piece (chunk alone when a chunk is one piece); the thin grey bar under
+    it is that rank adding a piece it received. Dotted lines mark where the all-gather's
+    first piece leaves."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    panels = list(schedules.items())
+    n = 1 + max(s.rank for _, slots in panels for s in slots)
+    end = max(s.end for _, slots in panels for s in slots)
+    fig = new_figure(10, 1.0 + 1.25 * n * len(panels) / 2)
+    for k, (title, slots) in enumerate(panels):
+        ax = fig.add_subplot(len(panels), 1, k + 1)
+        segments = 1 + max(s.segment for s in slots)
+        for s in slots:
+            y = n - 1 - s.rank
+            if s.kind == "send":
+                ax.broken_barh([(s.start, s.end - s.start)], (y - 0.3, 0.6),
+                               facecolors=cmap(s.chunk % 10), edgecolor="white", linewidth=0.8)
+                label = f"{s.chunk}" if segments == 1 else f"{s.chunk}.{s.segment}"
+                ax.text((s.start + s.end) / 2, y, label, ha="center", va="center", fontsize=7,
+                        color="white")
+            else:
+                ax.broken_barh([(s.start, s.end - s.start)], (y - 0.45, 0.1), facecolors="#777777")
+        gather = min(s.start for s in slots if s.kind == "send" and s.step >= n)
+        ax.axvline(gather, color="#333333", linestyle=":", linewidth=1)
+        ax.set_yticks(range(n))
+        ax.set_yticklabels([f"rank {r} -> {(r + 1) % n}" for r in reversed(range(n))],
+                           fontsize=8)
+        ax.set_xlim(0, end * 1.01)
+        ax.set_ylim(-0.6, n - 0.4)
+        total = max(s.end for s in slots)
+        ax.set_title(f"{title}: done at {total:g}", fontsize=9)
+        ax.grid(True, axis="x", alpha=0.3)
+    ax.set_xlabel("time, in transfer times of one whole chunk (grey bars: additions)")
+    fig.subplots_adjust(left=0.12, right=0.98, bottom=0.1, top=0.93, hspace=0.55)
     return fig
