@@ -271,9 +271,13 @@ def spawn(
     notebook cell. Each rank sees RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
     its environment (a fresh free port per launch), so ``dist.init_process_group(backend)``
     with the default ``env://`` works. With ``backend="gloo"`` (or "nccl"), the group is set up
-    before ``fn`` runs; with ``backend=None``, ``fn`` sets up its own. It is never destroyed:
-    once ``fn`` has returned and its result is handed back, the rank leaves with ``os._exit``
-    (DDP keeps gloo's threads alive, and a normal interpreter shutdown aborted about 3% of runs).
+    before ``fn`` runs; with ``backend=None``, ``fn`` sets up its own. Nothing destroys it: once
+    ``fn`` has returned, the rank hands its result back and waits, its sockets open, until this
+    process releases it (every rank has returned, or the launch ends on a failure, a timeout or
+    a stop), so that no rank leaves a collective that a slower rank is still in; then it leaves
+    with ``os._exit(0)``, skipping the interpreter's shutdown (DDP keeps gloo's threads alive,
+    and a normal shutdown aborted about 3% of runs). This process then kills every rank's
+    process group, finished or not.
 
     Raises :class:`RankFailedError` if a rank raises, :class:`LaunchTimeoutError` if some rank
     is not done after ``timeout`` seconds, and re-raises KeyboardInterrupt; in every case all
