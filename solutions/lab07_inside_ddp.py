@@ -14,6 +14,10 @@
 # 3. a prediction, then a measurement: when your wrapper sends the bucket that fills first.
 #    You predict before you write part 2; the measurement runs your own wrapper.
 #
+# Each coding part holds one design decision the lesson did not make, said where it is asked:
+# part 1, **what closes a bucket**; part 2, **what the hooks remember**; the stretch, **which
+# collectives carry a compressed gradient**.
+#
 # The checks run your code on 2 and then 3 ranks (gloo, through `dpcourse.launch.spawn`:
 # define everything right here in the notebook) against real `DistributedDataParallel`, and
 # spy on every collective — how many, how large, which buffer, when it was launched and when
@@ -53,17 +57,28 @@ torch.set_num_threads(1)
 #   first that could go on the wire, so that a wrapper that sends the buckets in their order
 #   (part 2) never holds a complete bucket back behind one that is still waiting.
 #
-# **Your design decision:** lesson 07 says DDP fills one set of buckets per dtype and device,
-# and no more. When a parameter of one dtype arrives while a bucket of another dtype is open,
-# what becomes of that open bucket — and when the walk is over, where in the list do the
-# buckets that are still open go? Both are yours to decide from the contract.
+# **Your design decision:** part 1's is **what closes a bucket**. The lesson gave you the
+# walk's order and a cap in MiB, and stopped there; the contract says what must hold, not how.
+# Three questions are yours:
+#
+# - what the cap is compared with: the open bucket's elements, or its bytes;
+# - a parameter arrives whose dtype is not the open bucket's (it cannot join that buffer):
+#   is that bucket closed there, or does it stay open beside a new one — and if it stays, does
+#   it keep a size count of its own;
+# - a bucket still open when the walk is over: when did it become complete, and so where in
+#   the list does it go?
+#
+# Decide from what the cap is for: it is the size at which DDP judges one message large enough
+# that its start-up cost (lesson 06's α) no longer matters. Each choice gives different buckets
+# of the check's three models of two and three dtypes; the check refuses the ones DDP's
+# reducer does not make and says what each costs.
 #
 # ### Predict first: how many buckets?
 #
 # Before you write any code: the seven parameters below (two dtypes) and a 1 MiB cap. **How
-# many buckets does DDP's reducer make of them?** Work it out from the contract and what
-# lesson 07 §3 says of the rule, write the number in the cell, run it. Torch's own reducer
-# function answers after part 1's check, beside your `assign_buckets`.
+# many buckets does DDP's reducer make of them?** The number follows from the decision you
+# just made: write it in the cell, run it. Torch's own reducer function answers after part 1's
+# check, beside your `assign_buckets`.
 
 # %%
 lab07.show_bucket_puzzle()
@@ -78,31 +93,30 @@ bucket_guess = predict("lab07", lab07.BUCKET_QUESTION, my_bucket_count, unit="bu
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The backward produces gradients layer by layer. Which parameters' gradients exist first — and
-# so which parameters can bucket 0 hold? When a parameter takes the open bucket past the cap,
-# does it go in before or after the bucket closes — and can a parameter be split? If a float32
-# bucket is open when a bfloat16 gradient arrives, could the two share one buffer?
+# What does one message cost: something per message, and something per byte or per element?
+# A float64 element is 8 bytes, a bfloat16 one 2: at one cap, should their buckets fill equally
+# fast? A bfloat16 gradient arrives while a float32 bucket holds 0.5 MiB and more float32
+# gradients are still to come: if that bucket closed now, how large would its message be? And
+# when is a bucket complete — when the walk ends, or earlier?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Walk the parameters from the last registered to the first. DDP never splits a parameter and
-# never holds one back: each joins the open bucket of its own dtype, and only then are that
-# bucket's bytes (elements times bytes per element) compared with the cap — so a bucket may
-# end above the cap. Every dtype has its own open bucket, and the others stay open meanwhile.
-# A bucket still open when the walk ends was complete when its last parameter arrived, which
-# may be long before the walk ended.
+# The cap keeps messages few and large, and a message's size on the wire is bytes. A choice
+# that sends a message below the cap while gradients of its dtype are still to come pays the
+# start-up cost again for nothing; a parameter of another dtype passing by is no reason to. A
+# bucket's place in the list is the moment its last gradient arrives — however it was closed,
+# or if it never was.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# One loop over the parameters that require a gradient, in the backward's order, counting how
-# many have arrived; a dict from the dtype to its open bucket and that bucket's bytes; when a
-# bucket reaches the cap, note it with the count at which it became complete and forget it
-# from the dict. At the end, note the buckets left in the dict with the count at which their
-# last parameter arrived, and sort every noted bucket by its count.
+# One pass over the parameters that require a gradient, in the order the backward produces
+# them. At each: find the bucket it may join (or start one), add it, and let that bucket's size
+# decide whether it closes. Give every bucket the moment it became complete; after the pass,
+# the buckets still open need one too; then sort by it.
 
 # %%
 def assign_buckets(params, bucket_cap_mb):
@@ -184,9 +198,10 @@ lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 # One backward per `finish_gradient_synchronization()`: gradient accumulation (a second
 # backward before it) is outside the contract.
 #
-# **Your design decision:** what must the wrapper remember between two hook calls, so that the
-# hook that has just run knows whether it may launch anything — and what? The check accepts
-# every choice that keeps the contract; the lesson made none for you.
+# **Your design decision:** part 2's is **what the hooks remember**. Between two hook calls,
+# what must the wrapper keep so that the hook that has just run knows whether it may launch
+# anything — and what? The check accepts every choice that keeps the contract; the lesson made
+# none for you, and the hints below ask the questions without choosing for you.
 #
 # The check runs 3 steps (the first with no `p.grad` yet, the second after
 # `zero_grad(set_to_none=False)`, the third after `zero_grad(set_to_none=True)`) on 2 and 3
@@ -226,29 +241,31 @@ guess = predict("lab07", lab07.PREDICTION_QUESTION, my_guess, unit="gradient(s)"
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Keep, per bucket, how many gradients it still awaits, and the number of the next bucket to
-# launch. Whenever a count drops to zero, launch from the next bucket onwards for as long as
-# the buckets you reach are complete, and stop at the first one that is not. Is the gradient
-# already its view? DDP asks `grad.is_alias_of(bucket_view)`: do the two share storage — true
-# for ANY view of the bucket's buffer, so DDP relies on no one handing it another slice of
-# that buffer; comparing where the two tensors start (`data_ptr()`) is a stricter test. If it
-# is not, put its values into the view and make the view the gradient. The
-# handles of the launched all-reduces are what the end of the step waits on. A bucket still
-# awaiting gradients at the end of the step tells you which parameters never arrived: keep
-# which ones did.
+# Every hook call must answer two questions: is this gradient's bucket complete now, and which
+# buckets may go now? The second depends on what has gone already, not only on what has
+# arrived. Keep what answers both with work that does not grow with the model, and put it back
+# as it was when the step ends. When the answer is yes, launch, in bucket order, every bucket
+# that may go, and stop at the first that may not.
+#
+# Is the gradient already its view? DDP asks `grad.is_alias_of(bucket_view)`: do the two share
+# storage — true for ANY view of the bucket's buffer, so DDP relies on no one handing it another
+# slice of that buffer; comparing where the two tensors start (`data_ptr()`) is a stricter
+# test. If it is not, put its values into the view and make the view the gradient. The handles
+# of the launched all-reduces are what the end of the step waits on. A bucket still awaiting
+# gradients at the end of the step tells you which parameters never arrived: keep which ones
+# did.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # `__init__`: per bucket a zero flat buffer of its total element count; for each of its
-# parameters a view of its slice reshaped like it, its bucket's number, and a post-accumulate
-# gradient hook; then the counts, the next bucket's number (zero) and an empty list of handles.
-# The hook: make `p.grad` its view; note that `p` arrived; one count down; a `while` loop that
-# launches the next bucket as long as its count is zero. The end of the step: if a count is not
-# zero, raise with the names (from `named_parameters()`) of the parameters that did not arrive;
-# otherwise wait on each handle, then put the counts, the next bucket's number, the arrivals
-# and the handles back as they were at the start.
+# parameters a view of its slice reshaped like it, and a post-accumulate gradient hook; then
+# the state your answer to hint 2 needs, as it is before a backward. The hook: make `p.grad`
+# its view; bring the state up to date; launch what may go now. The end of the step: if a
+# bucket is not complete, raise with the names (from `named_parameters()`) of the parameters
+# that did not arrive; otherwise wait on each handle, then put the state back as it was before
+# the backward.
 
 # %%
 class BucketedDDP(nn.Module):
@@ -358,9 +375,10 @@ lab07.check_prediction(guess, measured)
 #   end. A hook that waits for its collectives before returning stops the backward at every
 #   bucket, and the overlap DDP's hooks exist for is gone.
 #
-# **Your design decision:** which collective(s) carry the selected entries, given that each rank
-# picked indices of its own; how the averaged tensor is put together from what arrives; and
-# how the hook hands DDP a value that does not exist yet when it returns.
+# **Your design decision:** the stretch's is **which collectives carry it**. Which
+# collective(s) carry the selected entries, given that each rank picked indices of its own; how
+# the averaged tensor is put together from what arrives; and how the hook hands DDP a value
+# that does not exist yet when it returns.
 #
 # `TopKState` (given) holds the fraction and one residual per bucket. DDP rebuilds its buckets
 # after the first step (lesson 07 §6), so bucket 0 of the first step is not bucket 0 of the

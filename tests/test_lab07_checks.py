@@ -230,8 +230,9 @@ def _rule(params, cap_mb, keep_frozen, weigh_frozen):
     (all_in_one, "reached the cap .* already before its last one"),
     (old_rule, "the other usual rule in every case: a bucket closed just before"),
     (own_bucket_for_large, "closed early, below the cap, so that the large parameter could"),
-    (elements_as_bytes, "counted elements \\(p.numel\\(\\)\\) as bytes"),
-    (four_bytes_each, "assumed 4 bytes per element"),
+    (elements_as_bytes, "counted elements \\(p.numel\\(\\)\\) as bytes.*cap 0.05 MiB: 1 "
+                        "bucket\\(s\\) where DDP makes 2"),
+    (four_bytes_each, "assumed 4 bytes per element.*float64 here: 8 each"),
     (drops_the_last, "are in no bucket"),
     (repeats_one, "in more than one bucket"),
     (names_not_params, "not one of the parameters given"),
@@ -304,16 +305,25 @@ def dtype_after_dtype(params, cap_mb):
     return out
 
 
+def opened_order(params, cap_mb):
+    # an open bucket per dtype, right grouping; the buckets in the order they were opened
+    arrival = {id(p): k for k, p in enumerate(reversed([p for p in params if p.requires_grad]))}
+    return sorted(open_ones_last(params, cap_mb), key=lambda b: arrival[id(b[0])])
+
+
 MIXED_MISTAKES = [
     (ignores_dtype, "holds float16 and float32 parameters together",
      "keep one open bucket per dtype"),
-    (closes_on_dtype_change, "closed below the cap whenever a parameter of another dtype",
-     "keep one open bucket per dtype"),
-    (shared_byte_count, "the bytes of every dtype were added into one count",
+    (closes_on_dtype_change, "your float32 bucket 1 was closed at 0.75 MiB, below the cap of 1 "
+     "MiB, when a float16 gradient came next", "keep one open bucket per dtype"),
+    (shared_byte_count, "the bytes of every dtype were added into one count (6 parameters, "
+     "float32 and float16, cap 1 MiB): your float16 bucket 1 was closed at 0.25 MiB",
      "count the bytes per open bucket"),
     (open_ones_last, "still open when the walk ended come after every bucket closed",
      "order the buckets by the moment each becomes complete"),
     (dtype_after_dtype, "Your buckets come one dtype after the other",
+     "order the buckets by the moment each becomes complete"),
+    (opened_order, "Your buckets are in the order they were opened (their first gradient)",
      "order the buckets by the moment each becomes complete"),
 ]
 
@@ -337,6 +347,23 @@ def test_an_open_bucket_can_complete_before_a_closed_one():
     msg = " ".join(str(err.value).split())
     assert "complete only once the 5th gradient has arrived" in msg, msg
     assert "bucket 2 (float16) after the 4th" in msg, msg
+
+
+def test_the_wrong_orders_are_told_apart_over_the_mixed_cases():
+    """In the first mixed case "in the order opened" and "the open ones last" give the same list;
+    the check judges the order over all three mixed cases, so each gets its own cause, and each
+    ordering rule differs from DDP's order in some case and from every other rule in some case."""
+    from dpcourse.checks import _lab07_buckets as b
+
+    with pytest.raises(LabCheckError) as err:
+        lab07.check_assign_buckets(open_ones_last)
+    assert "in the order they were opened" not in str(err.value)
+    cases = [b._mixed_params(spec) for _, spec in b._MIXED_CASES]
+    args = [([_nbytes(p) for p in ps], [p.dtype for p in ps], 2**20) for ps in cases]
+    lists = [[rule(*a) for a in args] for rule, _ in b._ORDER_RULES]
+    right = [b._by_dtype(*a) for a in args]
+    assert all(got != right for got in lists)
+    assert all(x != y for k, x in enumerate(lists) for y in lists[k + 1:])
 
 
 def test_the_check_groups_as_torchs_reducer_does():
@@ -364,6 +391,7 @@ def test_the_bucket_prediction_is_compared_with_torchs_reducer(capsys):
     assert "[g, e] (float32, 2.25 MiB), [d, b] (float32, 1.5 MiB), [f, c, a] (bfloat16" in out
     assert "Your assign_buckets makes the same" in out
     assert "a bucket closed whenever the dtype changes, 7" in out
+    assert "the cap compared with elements, not bytes, 2" in out
     guess = predict("lab07", lab07.BUCKET_QUESTION, 4, unit="bucket(s)")
     lab07.check_bucket_prediction(guess, ignores_dtype)
     out = " ".join(capsys.readouterr().out.split())

@@ -58,7 +58,8 @@ def _bucket_cases() -> list[tuple[str, list, float]]:
 # plausible way with several dtypes groups differently (one bucket for all dtypes, a bucket
 # closed when the dtype changes, one byte count shared by the dtypes, closing before the cap),
 # and so that the order DDP's reducer lists its buckets in (those closed during the walk, then
-# those still open, in the order of its hash map) is not the order they complete in.
+# those still open, in the order of its hash map) is not the order they complete in; together
+# they tell the usual wrong orders apart (_ORDER_RULES).
 _MIXED_CASES = (
     ("6 parameters, float32 and float16, cap 1 MiB",
      ((0.5, torch.float32), (0.5, torch.float32), (0.25, torch.float16), (0.25, torch.float16),
@@ -67,6 +68,9 @@ _MIXED_CASES = (
      ((0.5, torch.float64), (0.5, torch.float32), (0.75, torch.float64), (0.25, torch.float32),
       (0.75, torch.float64), (0.5, torch.bfloat16), (1.5, torch.float64),
       (1.5, torch.bfloat16))),
+    ("5 parameters, bfloat16 and float32, cap 1 MiB",
+     ((1.5, torch.bfloat16), (0.25, torch.float32), (0.5, torch.bfloat16), (0.75, torch.bfloat16),
+      (0.5, torch.float32))),
 )
 
 
@@ -129,12 +133,14 @@ def _closed_before_over(sizes: list[float], cap: float) -> list[list[int]]:
     return buckets + ([current] if current else [])
 
 
-def _own_bucket_for_large(sizes: list[float], cap: float) -> list[list[int]]:
-    """DDP's rule, except that a parameter larger than the cap first closes the open bucket to
-    get one of its own (a reading of "a bucket may exceed the cap" that DDP does not make)."""
+def _walk_closing_early(sizes: list[float], cap: float, close_first) -> list[list[int]]:
+    """DDP's walk (reversed order; add, then close the bucket once it has reached the cap), with
+    one more way to close a bucket: ``close_first(i, bucket)`` true closes the open ``bucket``
+    (indices) before parameter ``i`` joins it. The other usual rules that close early are this
+    walk with their own ``close_first``."""
     buckets, current, total = [], [], 0.0
     for i in range(len(sizes) - 1, -1, -1):
-        if current and sizes[i] >= cap:
+        if current and close_first(i, current):
             buckets.append(current)
             current, total = [], 0.0
         current.append(i)
@@ -143,6 +149,12 @@ def _own_bucket_for_large(sizes: list[float], cap: float) -> list[list[int]]:
             buckets.append(current)
             current, total = [], 0.0
     return buckets + ([current] if current else [])
+
+
+def _own_bucket_for_large(sizes: list[float], cap: float) -> list[list[int]]:
+    """DDP's rule, except that a parameter larger than the cap first closes the open bucket to
+    get one of its own (a reading of "a bucket may exceed the cap" that DDP does not make)."""
+    return _walk_closing_early(sizes, cap, lambda i, _: sizes[i] >= cap)
 
 
 _OTHER_RULES = (
@@ -266,17 +278,7 @@ def _dt(dtype) -> str:
 
 def _close_on_switch(sizes, dtypes, cap) -> list[list[int]]:
     """One open bucket at a time, closed (below the cap) whenever the dtype changes."""
-    out, cur, total = [], [], 0.0
-    for i in range(len(sizes) - 1, -1, -1):
-        if cur and dtypes[i] != dtypes[cur[-1]]:
-            out.append(cur)
-            cur, total = [], 0.0
-        cur.append(i)
-        total += sizes[i]
-        if total >= cap:
-            out.append(cur)
-            cur, total = [], 0.0
-    return out + ([cur] if cur else [])
+    return _walk_closing_early(sizes, cap, lambda i, bucket: dtypes[i] != dtypes[bucket[-1]])
 
 
 def _shared_total(sizes, dtypes, cap) -> list[list[int]]:
@@ -303,9 +305,58 @@ def _nth(k: int) -> str:
     return f"{k}{'st' if k % 10 == 1 and k != 11 else 'nd' if k % 10 == 2 and k != 12 else 'rd' if k % 10 == 3 and k != 13 else 'th'}"
 
 
-def mixed_problem(buckets, params: list, cap_mb: float, what: str = "") -> Problem | None:
+def _opened_order(sizes, dtypes, cap) -> list[list[int]]:
+    """DDP's buckets, ordered by the moment each was opened (its first gradient)."""
+    return sorted(_by_dtype(sizes, dtypes, cap), key=lambda b: -b[0])
+
+
+def _open_ones_last(sizes, dtypes, cap) -> list[list[int]]:
+    """DDP's buckets: those closed during the walk in the order they closed, then those still
+    open, in the order they were opened (a dict's order; torch's own list puts them last too)."""
+    right = _by_dtype(sizes, dtypes, cap)
+    closed = [b for b in right if sum(sizes[i] for i in b) >= cap]
+    return closed + sorted((b for b in right if b not in closed), key=lambda b: -b[0])
+
+
+def _dtype_after_dtype(sizes, dtypes, cap) -> list[list[int]]:
+    """DDP's buckets, one dtype's after the other's, dtypes in the order they first appear."""
+    right = _by_dtype(sizes, dtypes, cap)
+    first = list(dict.fromkeys(dtypes[i] for i in range(len(sizes) - 1, -1, -1)))
+    return [b for t in first for b in right if dtypes[b[0]] == t]
+
+
+# The usual wrong orders of the right buckets, each with the sentence that names it; the check
+# names one when the learner's order is that rule's in every mixed case (_MIXED_CASES tell the
+# three apart: in each, at least two of them differ, and in all, every one differs from DDP's).
+_ORDER_RULES = (
+    (_opened_order, " Your buckets are in the order they were opened (their first gradient); "
+                    "a bucket opened early can still be waiting when one opened after it is "
+                    "complete."),
+    (_open_ones_last, " The buckets still open when the walk ended come after every bucket "
+                      "closed during it, yet an open bucket can be complete long before the walk "
+                      "ends."),
+    (_dtype_after_dtype, " Your buckets come one dtype after the other; a dtype's buckets and "
+                         "another's complete interleaved."),
+)
+
+
+def order_rule_of(answers) -> str | None:
+    """The sentence of the ordering rule that gives every mixed case's answer (``answers``: per
+    case of _MIXED_CASES, the learner's buckets as indices, or None), else None."""
+    cases = [_mixed_params(spec) for _, spec in _MIXED_CASES]
+    for rule, sentence in _ORDER_RULES:
+        if all(got == rule([p.numel() * p.element_size() for p in ps], [p.dtype for p in ps],
+                           MiB) for got, ps in zip(answers, cases)):
+            return sentence
+    return None
+
+
+def mixed_problem(buckets, params: list, cap_mb: float, what: str = "",
+                  how: str | None = None) -> Problem | None:
     """None if ``buckets`` is DDP's grouping of ``params`` (of several dtypes) for ``cap_mb``,
-    in the order the buckets complete; else the sentence naming the mistake."""
+    in the order the buckets complete; else the sentence naming the mistake. ``how``: the
+    sentence of the ordering rule the learner's answer follows in every mixed case (from
+    :func:`order_rule_of`); None judges this case alone."""
     where = f" ({what})" if what else ""
     basic = _basic_problem(buckets, params, where)
     if basic:
@@ -338,15 +389,8 @@ def mixed_problem(buckets, params: list, cap_mb: float, what: str = "") -> Probl
         done = [max(arrives[i] for i in b) for b in idx]
         k = next(j for j in range(len(idx)) if idx[j] != right[j])
         later = next(j for j in range(k + 1, len(idx)) if done[j] < done[k])
-        how = ""
-        if idx == [b for t in dict.fromkeys(dtypes[i] for b in idx for i in b[:1])
-                   for b in right if dtypes[b[0]] == t]:
-            how = (" Your buckets come one dtype after the other; a dtype's buckets and "
-                   "another's complete interleaved.")
-        closed = [b for b in right if sum(sizes[i] for i in b) >= cap]
-        if not how and idx[:len(closed)] == closed:
-            how = (" The buckets still open when the walk ended come after every bucket closed "
-                   "during it, yet an open bucket can be complete long before the walk ends.")
+        if how is None:                    # no verdict over every case: judge this one alone
+            how = next((s for rule, s in _ORDER_RULES if idx == rule(sizes, dtypes, cap)), "")
         return Problem(f"the buckets hold the right parameters{where}, but not in the order "
                        f"they complete: your bucket {k} ({_dt(dtypes[idx[k][0]])}, "
                        f"{_mb(sum(sizes[i] for i in idx[k]))}) is complete only once the "
@@ -355,14 +399,25 @@ def mixed_problem(buckets, params: list, cap_mb: float, what: str = "") -> Probl
                        f"that launches the buckets in their order would hold bucket {later} back "
                        f"though nothing is missing from it.{how}", fix=_COMPLETE_ORDER_FIX)
     if as_set(idx) == as_set(_close_on_switch(sizes, dtypes, cap)):
+        k, b = next((k, b) for k, b in enumerate(idx)
+                    if b[-1] > 0 and dtypes[b[-1] - 1] != dtypes[b[0]]
+                    and sum(sizes[i] for i in b) < cap
+                    and any(dtypes[j] == dtypes[b[0]] for j in range(b[-1])))
         return Problem(f"a bucket was closed below the cap whenever a parameter of another dtype "
-                       f"arrived{where} ({len(idx)} buckets where DDP makes {len(right)}): the "
-                       f"dtypes alternate, so the buckets stay small, and the all-reduces many.",
-                       fix=_PER_DTYPE_FIX)
+                       f"arrived{where}: your {_dt(dtypes[b[0]])} bucket {k} was closed at "
+                       f"{_mb(sum(sizes[i] for i in b))}, below the cap of {cap_mb:g} MiB, when "
+                       f"a {_dt(dtypes[b[-1] - 1])} gradient came next — a message smaller than "
+                       f"the cap asks for, though more {_dt(dtypes[b[0]])} gradients were still "
+                       f"to come. Where the dtypes alternate, the buckets stay small and the "
+                       f"all-reduces many.", fix=_PER_DTYPE_FIX)
     if as_set(idx) == as_set(_shared_total(sizes, dtypes, cap)):
+        k, b = next((k, b) for k, b in enumerate(idx)
+                    if b not in right and sum(sizes[i] for i in b) < cap)
         return Problem(f"each dtype has its own buckets, but the bytes of every dtype were added "
-                       f"into one count{where}, so a bucket closed below the cap by its own "
-                       f"bytes when another dtype's parameters filled the count.",
+                       f"into one count{where}: your {_dt(dtypes[b[0]])} bucket {k} was closed "
+                       f"at {_mb(sum(sizes[i] for i in b))}, below the cap of {cap_mb:g} MiB by "
+                       f"its own bytes, when another dtype's parameters filled the count — a "
+                       f"message smaller than the cap asks for.",
                        fix="count the bytes per open bucket, i.e. per dtype.")
     for t in dict.fromkeys(dtypes):
         mine = [b for b in buckets if b[0].dtype == t]
@@ -460,7 +515,7 @@ def _no_library_assignment():
 # registration order, and a 1 MiB cap. DDP's rule makes 3 buckets of them; each other plausible
 # rule makes another number (one bucket for both dtypes 4, one byte count shared by the dtypes
 # 5 — walking in registration order 5 too —, closing before the cap would be passed 6, closing
-# whenever the dtype changes 7), and no
+# whenever the dtype changes 7, the cap compared with elements 2), and no
 # bucket lands exactly on the cap (where >= and > part is the check's to teach).
 PUZZLE = (("a", 1.5, torch.bfloat16), ("b", 0.75, torch.float32), ("c", 0.25, torch.bfloat16),
           ("d", 0.75, torch.float32), ("e", 1.5, torch.float32), ("f", 0.5, torch.bfloat16),
@@ -476,6 +531,8 @@ _PUZZLE_RULES = (
     ("a bucket closed before the next parameter would take it over the cap",
      lambda s, d, c: _closed_before_over_by_dtype(s, d, c)),
     ("a bucket closed whenever the dtype changes", _close_on_switch),
+    ("the cap compared with elements, not bytes",
+     lambda s, d, c: _by_dtype([x / (torch.finfo(t).bits // 8) for x, t in zip(s, d)], d, c)),
 )
 
 

@@ -1,16 +1,17 @@
 """Checks for lab07: ``assign_buckets(params, bucket_cap_mb)`` and the learner's bucketed,
 hook-driven data-parallel wrapper (a class with ``finish_gradient_synchronization()``).
 
-``check_assign_buckets`` runs in this process on nine sets of parameters (SmallCNN at two caps,
+``check_assign_buckets`` runs in this process on ten sets of parameters (SmallCNN at two caps,
 parameters larger than the cap, float64 parameters, parameters exactly the size of the cap, a
-cap that holds the whole model, a frozen layer, two models of several dtypes). It asks for
+cap that holds the whole model, a frozen layer, three models of several dtypes). It asks for
 DDP's rule — add the parameter to the open bucket of its dtype, close the bucket once it has
 reached the cap — with the buckets in the order they complete, and names: forward order, a
 bucket closed before the next parameter would exceed the cap (the other usual rule, not
 DDP's), a bucket per parameter, everything in one bucket, elements counted instead of bytes, 4
 bytes assumed per element, parameters lost or repeated, frozen parameters bucketed or weighed,
 two dtypes in one bucket, a bucket closed when the dtype changes, one byte count for all
-dtypes, the still-open buckets put last or the dtypes one after the other.
+dtypes, the buckets in the order they were opened, the still-open buckets put last or the
+dtypes one after the other (judged over the three mixed cases at once).
 ``check_bucket_prediction`` compares the learner's predicted bucket count for part 1's puzzle
 with torch's own reducer function, run on it.
 
@@ -63,7 +64,8 @@ from ._lab07_buckets import (_DDP_CLOSING_FIX, _LIBRARY_ASSIGNMENT, _OTHER_RULES
                              _bucket_cases, _calls_torch_assignment, _frozen_problem, _greedy,
                              _is_library_assignment, _no_library_assignment,
                              _no_torch_assignment, _puzzle_params, bucket_problem,
-                             explain_puzzle, mixed_problem, show_bucket_puzzle)
+                             explain_puzzle, mixed_problem, order_rule_of,
+                             show_bucket_puzzle)
 from ._lab07_topk import (_HOOK_STEPS, _SENT_PER_ENTRY, HOOK_FRACTION, HOOK_WORLD_SIZES,
                           _diagnose_hook, _launch_hook, _topk_worker)
 
@@ -83,14 +85,14 @@ DEFAULT_TIMEOUT = 30.0
 
 @recorded
 def check_assign_buckets(assign_buckets) -> None:
-    """Run ``assign_buckets(params, bucket_cap_mb)`` on nine sets of parameters and caps."""
+    """Run ``assign_buckets(params, bucket_cap_mb)`` on ten sets of parameters and caps."""
     __tracebackhide__ = True
     require_answer(assign_buckets, "assign_buckets")
     if _is_library_assignment(assign_buckets):
         fail(_LIBRARY_ASSIGNMENT)
     if _calls_torch_assignment(assign_buckets):
         fail(_TORCH_ASSIGNMENT)
-    counts, problems, got = [], [], []
+    counts, problems, got, answers, problems_at = [], [], [], [], []
     library = []            # per case that called the course's reference: answer == its answer?
     cases = _bucket_cases()
     for what, everything, cap in cases:
@@ -111,21 +113,27 @@ def check_assign_buckets(assign_buckets) -> None:
                 library.append(False)
         if called:
             fail(_TORCH_ASSIGNMENT)
-        params = [p for p in everything if p.requires_grad]
-        several = len({p.dtype for p in params}) > 1
-        problem = (_frozen_problem(buckets, everything, cap, what)
-                   or (mixed_problem if several else bucket_problem)(buckets, params, cap, what))
-        if problem:
-            problems.append(problem)
-        else:
-            counts.append(len(buckets))
-        ids = {id(p): i for i, p in enumerate(params)}
+        answers.append(buckets)
+        ids = {id(p): i for i, p in enumerate(p for p in everything if p.requires_grad)}
         try:
             got.append([[ids.get(id(p)) for p in b] for b in buckets])
         except TypeError:
             got.append(None)
     if library and all(library):    # the course's reference, handed on unchanged
         fail(_LIBRARY_ASSIGNMENT)
+    several = [len({p.dtype for p in ps}) > 1 for _, ps, _ in cases]
+    # the order of the buckets, judged over every case of several dtypes at once
+    how = order_rule_of([g for g, s in zip(got, several) if s])
+    for (what, everything, cap), buckets, mixed in zip(cases, answers, several):
+        params = [p for p in everything if p.requires_grad]
+        problem = (_frozen_problem(buckets, everything, cap, what)
+                   or (mixed_problem(buckets, params, cap, what, how) if mixed
+                       else bucket_problem(buckets, params, cap, what)))
+        problems_at.append(problem)
+        if problem:
+            problems.append(problem)
+        else:
+            counts.append(len(buckets))
     # the cases of one dtype and no frozen parameter (those have sentences of their own)
     plain = [k for k, (_, ps, _) in enumerate(cases)
              if all(p.requires_grad for p in ps) and len({p.dtype for p in ps}) == 1]
@@ -137,8 +145,15 @@ def check_assign_buckets(assign_buckets) -> None:
             predicted = [_greedy([size_of(p) for p in cases[k][1]], cases[k][2] * MiB,
                                  list(range(len(cases[k][1]) - 1, -1, -1))) for k in plain]
             if [got[k] for k in plain] == predicted:
+                k = next(k for k in plain if problems_at[k])
+                what, ps, cap = cases[k]
+                right = _greedy([p.numel() * p.element_size() for p in ps], cap * MiB,
+                                list(range(len(ps) - 1, -1, -1)))
                 fail(f"the buckets are what you get if you {variant}, so the cap was compared "
-                     f"with a number that is not the parameter's bytes.",
+                     f"with a number that is not the parameter's bytes ({what}: "
+                     f"{len(got[k])} bucket(s) where DDP makes {len(right)}). The cap bounds "
+                     f"each message's bytes on the wire, and an element's bytes depend on its "
+                     f"dtype ({ps[0].dtype} here: {ps[0].element_size()} each).",
                      fix="a parameter's size in bytes is p.numel() * p.element_size().")
         for rule, sentence in _OTHER_RULES:
             predicted = [rule([p.numel() * p.element_size() for p in cases[k][1]],
