@@ -1192,6 +1192,16 @@ def test_prediction_is_compared_with_the_most_bytes_a_rank_sends(capsys):
     assert "measured: 64 bytes — right" in out and "only the average" in out
     lab06.check_prediction(predict("lab06", "most bytes", 60, unit="bytes"), measured)
     assert "not what happened" in capsys.readouterr().out
+    # a real ring in another layout (owner = [2, 0, 3, 1], as on part 1's paper): every rank
+    # skips a 3- and a 2-element chunk, 60 bytes each; the total is a ring's, so the layout is
+    # named, not a wrong message count
+    lab06.check_prediction(predict("lab06", "most bytes", 64, unit="bytes"), [60, 60, 60, 60])
+    out = " ".join(capsys.readouterr().out.split())  # the explanation is wrapped
+    assert "neighbouring ranks do not finish neighbouring chunks" in out, out
+    assert "does your ring send exactly one chunk per step" not in out, out
+    lab06.check_prediction(predict("lab06", "most bytes", 64, unit="bytes"), [80, 80, 80, 80])
+    assert "does your ring send exactly one chunk per step" in " ".join(
+        capsys.readouterr().out.split())
 
 
 def test_segmented_ring_declared_in_flight_must_be_what_the_ring_did(capsys):

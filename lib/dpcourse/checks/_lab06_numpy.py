@@ -216,7 +216,7 @@ def _misread_layout(got, phase, start, owner, what: str) -> None:
             got, phase([a.copy() for a in start], owner=None)):
         fail(f"{what} makes worker i {done} chunk i whatever owner says ({_case(n, owner)}): "
              f"that is the layout of owner = {list(range(n))}, so the finished sums sit on the "
-             f"wrong workers.", fix="read owner inside the loop: " + _FOLLOW)
+             f"wrong workers.", fix="read owner inside the loop; " + _FOLLOW)
     for how in ("rotated", "inverse"):
         if owner is None or not _same(got, phase([a.copy() for a in start], owner=owner,
                                                  how=how)):
@@ -226,11 +226,11 @@ def _misread_layout(got, phase, start, owner, what: str) -> None:
                  f"mod N ({_case(n, owner)}): that follows a chunk only when owner is a "
                  f"rotation (owner[i + 1] = owner[i] + 1, as in lesson 06's layout); this "
                  f"owner is not, so chunks end on workers owner did not give them to.",
-                 fix="a chunk index minus t names no chunk's journey: " + _FOLLOW)
+                 fix="a chunk index minus t names no chunk's journey; " + _FOLLOW)
         fail(f"{what} reads owner the other way round ({_case(n, owner)}): your ring finishes "
              f"chunk c on worker owner[c], but owner[i] is the chunk that worker i must finish "
              f"(a chunk index, looked up by a worker).",
-             fix="look owner up by a worker, never by a chunk: " + _FOLLOW)
+             fix="look owner up by a worker, never by a chunk; " + _FOLLOW)
 
 
 def _wrong_steps_or_chunk(got, phase, start, owner, what: str, chunk_rule: str) -> None:
@@ -247,11 +247,17 @@ def _wrong_steps_or_chunk(got, phase, start, owner, what: str, chunk_rule: str) 
     for ds, dr in itertools.product((-1, 0, 1, 2), (-1, 0, 1)):
         if (ds, dr) != (0, 0) and _same(got, phase([a.copy() for a in start], ds, dr,
                                                    owner=owner)):
+            def places(d: int, same: str, base: str) -> str:
+                return same if d == 0 else (
+                    f"the one meant for the worker {abs(d)} place{'s' if abs(d) > 1 else ''} "
+                    f"{'further round the ring' if d > 0 else 'back'} from {base}")
+
+            sent = places(ds, "the right one", "the right worker")
+            landed = places(dr, "the one sent", "the worker of the chunk sent")
             fail(f"off-by-one chunk index in {what} ({_case(n, owner)}): your result is what "
-                 f"the ring gives when the chunk a worker sends is the one meant for a worker "
-                 f"{ds} place(s) further round the ring, and the chunk its neighbour adds into "
-                 f"(or overwrites) {dr} further again, so a chunk ends on the wrong worker or "
-                 f"mixes two chunks.", fix=chunk_rule)
+                 f"the ring gives when the chunk a worker sends is {sent} and the chunk its "
+                 f"neighbour adds into (or overwrites) is {landed}, so a chunk ends on the "
+                 f"wrong worker or mixes two chunks.", fix=chunk_rule)
 
 
 # The paper question before part 1: worker 0's chunks at steps 1, 2 and 3 on a 4-ring whose

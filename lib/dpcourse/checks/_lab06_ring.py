@@ -264,9 +264,11 @@ def check_prediction(guess, measured, world_size: int = 4, numel: int = 10) -> N
 
     A rank sends every chunk but one in each phase: not, in the scatter-reduce, the chunk it
     finishes (its last contribution arrives; there is nothing to pass on), and not, in the
-    all-gather, the chunk it receives last (its right neighbour finished it). Those two chunks
-    are neighbours in the ring's order, whatever the layout, so the most any rank sends is 2K
-    minus the two smallest neighbouring chunks; 2(N-1)K/N is only the average over ranks."""
+    all-gather, the chunk it receives last (its right neighbour finished it). Where neighbouring
+    ranks finish neighbouring chunks (lesson 06's layout, or rank i chunk i) those two are
+    neighbours by index, so the most any rank sends is 2K minus the two smallest neighbouring
+    chunks; 2(N-1)K/N is only the average over ranks. A ring with another layout sends the same
+    total and another most, and is told so."""
     from dpcourse.checks import reveal
 
     n, k = world_size, numel
@@ -287,7 +289,17 @@ def check_prediction(guess, measured, world_size: int = 4, numel: int = 10) -> N
         f"{2 * k - max(pairs)} ({least} bytes): 2(N−1)K/N × 4 = {average:g} bytes is only the "
         f"average over the ranks, exact when N divides K. Your ring's ranks sent "
         f"{', '.join(map(str, measured))} bytes.")
-    if worst != most or sum(measured) != round(average * n):
+    if sum(measured) == round(average * n) and worst != most:
+        # Every layout sends 2(N-1)K in all; the most one rank sends depends on it: a rank
+        # skips the chunk it finishes and the one its right neighbour finishes, neighbours by
+        # index only when neighbouring ranks finish neighbouring chunks.
+        explanation += (f" Your ranks sent {round(average * n)} bytes in all, as every ring "
+                        f"does, but not {most} at most: in your ring neighbouring ranks do not "
+                        f"finish neighbouring chunks, so the two chunks a rank skips (the one "
+                        f"it finishes, the one its right neighbour finishes) are not neighbours "
+                        f"by index, and the most one rank sends is 2K minus the smallest pair "
+                        f"of chunks that neighbouring ranks finish.")
+    elif worst != most or sum(measured) != round(average * n):
         explanation += (f" That is not {most} at most and {round(average * n)} in all: does "
                         f"your ring send exactly one chunk per step, every chunk of "
                         f"ring.chunk_bounds's size?")

@@ -1,21 +1,24 @@
 """Checks for lab 06 (``solutions/lab06_ring_allreduce.py``): the ring, simulated then real.
 
 * :func:`check_worker0_sends` judges the paper answer asked before part 1 (the chunks worker 0
-  sends at steps 1 and 2 on a 3-ring) by what it would make the ring do;
+  sends at steps 1, 2 and 3 on a 4-ring with owner = [2, 0, 3, 1]) by where its chunks would end;
 * :func:`check_scatter_reduce` and :func:`check_all_gather` run the learner's NumPy phases on a
-  few worker counts and lengths (uneven ones too): afterwards worker i must hold the full sum of
-  chunk i (one chunk before lesson 06's simulator, so that the learner derives the indices).
+  few worker counts, lengths (uneven ones too) and layouts: ``owner[i]`` is the chunk worker i
+  must finish, and some layouts are not rotations, so no shifted copy of lesson 06's formula
+  passes; the layout ignored, lesson 06's layout, arithmetic on owner's chunk index and owner
+  read backwards are each named by their cause.
 * :func:`check_ring_allreduce` runs the learner's ``ring_allreduce(tensor, op)`` — defined in a
   notebook cell — in 3, 2 and then 4 processes through :func:`dpcourse.launch.spawn`
   (cloudpickle ships it), compares every rank's tensor with the sum / average, and spies on
   what it sends (no built-in collective; blocking ``send``/``recv`` only, so the order of a
   step's two calls is the learner's decision; 2(N-1) messages of about K/N elements per rank);
   :func:`demo_ring` runs given demo code and explains a deadlock by its cause, with no fix.
-  The order of each step's calls is judged by the time a step takes in transfer times
-  (:func:`_rounds`: one unit per transfer, a gloo send waiting for its receiver), from the calls
+  The order of each step's calls is judged by the whole ring's time in transfer times divided
+  by its 2(N-1) steps, an average (:func:`_rounds`: one unit per transfer, a gloo send waiting
+  for its receiver; the ✔ line shows the slowest single step beside it), from the calls
   the ranks made on 3, 2 and 4 ranks and, on 8 and 16 ranks, from a dry run of the learner's
-  code with stand-ins that only note the calls (:func:`_dry_orders`): an order whose time per
-  step grows with N is refused. Gloo ranks do not wait for one another between steps, so a
+  code with stand-ins that only note the calls (:func:`_dry_orders`): an order whose average
+  time per step grows with N is refused. Gloo ranks do not wait for one another between steps, so a
   start-up chain is paid once: measured with gloo on 8 and 12 ranks, each transfer padded to
   20 ms, "the first half of the ranks send first" took 2.36 transfer times per step on both
   (even/odd 2.24 and 2.19; rank 0 alone sending first 8.3 and 12.8; ranks 0 and 1 sending
@@ -24,8 +27,8 @@
   each chunk in segments.
 
 Wrong answers are recognised by simulating each plausible mistake and matching the learner's
-numbers: a chunk index off by one, a wrong number of steps, a missing all-gather, an
-all-gather that adds, summing where the average is asked. A ring in which every rank calls a
+numbers: a chunk index off by one, a wrong number of steps, a layout misread, a missing
+all-gather, an all-gather that adds, summing where the average is asked. A ring in which every rank calls a
 blocking ``dist.send`` before its ``dist.recv`` deadlocks: measured with gloo (torch 2.14, CPU),
 two ranks doing that hang at *every* size we tried, from 1 element to 16 Mi elements — gloo's
 send does not return before the peer has posted the matching receive. The check notices which
