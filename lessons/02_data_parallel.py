@@ -230,6 +230,58 @@ viz.show(viz.dp_step_figure([c.shape[0] for c in chunks], K),
          "out, collects the outputs, computes the loss alone and receives every gradient.")
 
 # %% [markdown]
+# That picture is who holds what; the next is **when**. `viz.record_dp_step` runs one training
+# step of the same `dp` functions on a copy of `model` — scatter, replicate, the forwards in
+# their threads, gather, the loss, `backward()`, an SGD step — and hooks record when each piece
+# ran and for which device: a forward hook on each replica, a hook before and after every
+# autograd node of each replica's backward, the broadcast's backward node for the reduce onto
+# device 0, and a clock around each call device 0 makes alone. We run two steps and draw the
+# second (the first pays one-off costs):
+
+# %%
+clock_model = copy.deepcopy(model)
+clock_opt = torch.optim.SGD(clock_model.parameters(), lr=0.05)
+for _ in range(2):
+    step = viz.record_dp_step(clock_model, X, y, devs, clock_opt)
+spans = step["spans"]
+solo = [s for s in spans if s[1] not in ("forward", "backward")]
+backward = [s for s in spans if s[1] == "backward"]
+claim(f"devices 1-{n_devices - 1} ran their forward and their part of the backward, nothing "
+      f"else; device 0 also ran {len(solo)} pieces alone: "
+      + ", ".join(dict.fromkeys(s[1] for s in solo)),
+      {s[1] for s in spans if s[0] > 0} == {"forward", "backward"}
+      and all(s[0] == 0 for s in solo), spans=spans)
+claim("while device 0 worked alone, no other device had anything to do: none of their spans "
+      "overlaps one of device 0's pieces",
+      not any(a[2] < b[3] and b[2] < a[3] for a in spans if a[0] > 0 for b in solo))
+claim(f"the {n_devices} forwards ran in {n_devices} threads, the backward in one: its "
+      "replicas took turns, no two devices' backward spans overlap",
+      step["threads"] == {"forward": n_devices, "backward": 1}
+      and not any(a[0] != b[0] and a[2] < b[3] and b[2] < a[3]
+                  for a in backward for b in backward), threads=step["threads"])
+viz.show(viz.dp_timeline_figure(step),
+         "one recorded step: the other devices wait (grey) while device 0 alone scatters and "
+         "replicates, and again while it gathers, computes the loss, reduces the gradients and "
+         "steps; the forwards run in threads side by side, but on this one CPU the backward's "
+         "nodes take turns in one thread, so each lane is mostly grey there. Right: each of "
+         "device 0's solo pieces, the time every other device waited.")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (why: timings depend on the machine and its load.)
+total = max(s[3] for s in spans)
+for d in range(len(step["chunk_sizes"])):
+    busy = sum(s[3] - s[2] for s in spans if s[0] == d)
+    print(f"device {d}: busy {busy:6.1f} ms, idle {total - busy:6.1f} ms of {total:.1f} ms")
+
+# %% [markdown]
+# **▶ How the step is recorded** (click the folded cell below): `viz.record_dp_step`, its hooks
+# and what each one times.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(viz.record_dp_step)
+
+# %% [markdown]
 # ## The real `nn.DataParallel` on this machine
 # With 2 or more GPUs it scatters over them for real, with the same four moves; what differs is
 # how the tensors travel. Its `replicate` sends all the weights at once through
@@ -448,7 +500,8 @@ print(f"On this run: {verdict}.")
 
 # %% [markdown]
 # **Device 0 does extra work.** It holds the gathered outputs, computes the loss alone, and
-# receives every gradient — so it runs out of memory first and the other GPUs wait for it.
+# receives every gradient — so it runs out of memory first and the other GPUs wait for it (the
+# recorded timeline in §4 shows the waits).
 #
 # So `nn.DataParallel` has four costs, and DDP (lesson 03) answers each one:
 #
@@ -631,6 +684,10 @@ viz.quiz([
 #   sources name the collective the backward then runs).
 # - `torch/nn/modules/batchnorm.py` — `_BatchNorm.forward`: in training mode the running mean
 #   and variance (buffers) are updated in place and `num_batches_tracked` is incremented.
+# - `torch/autograd/graph.py` — `Node.register_prehook` and `Node.register_hook`: called before
+#   and after an autograd node runs in the backward (how `viz.record_dp_step` times each
+#   replica's backward, node by node); `torch/nn/modules/module.py` —
+#   `register_forward_pre_hook`, `register_forward_hook` (its forwards).
 
 # %% [markdown]
 # **▶ The sources of `parallel_apply`'s threads and of the broadcast's backward — open after
