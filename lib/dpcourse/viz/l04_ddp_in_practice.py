@@ -69,9 +69,9 @@ def torchrun_log(output: str) -> list[dict]:
     ``global_ranks``, ``global_world_sizes``: what it put in each worker's ``LOCAL_RANK``,
     ``RANK`` and ``WORLD_SIZE``); ``{"event": "failed", "local_rank", "exitcode"}`` for a
     worker that died; ``{"event": "restart", "attempts_left"}`` when it restarts the group;
-    ``{"event": "finished"}`` when the group succeeded. The messages are those of
-    ``torch/distributed/elastic/agent/server/api.py`` and
-    ``torch/distributed/launcher/api.py``."""
+    ``{"event": "finished"}`` when the group succeeded (the messages of torch's elastic
+    agent, ``torch/distributed/elastic/agent/server/api.py``, and its launcher).
+    Shown in lesson 04, §3."""
     import ast
     import re
 
@@ -218,7 +218,10 @@ def sampler_slots(dealt: dict, n: int) -> dict:
     """``dealt[epoch][rank]`` is the list of indices a ``DistributedSampler`` gave that rank in
     that epoch, for a data set of ``n`` samples. Returns ``{epoch: [[(index, padded), ...] per
     rank]}``: slot k of rank r is position k·R + r of the epoch's list, padded when that
-    position is past the ``n`` real samples (the sampler appends the first ones again)."""
+    position is past the ``n`` real samples (the sampler appends the first ones again).
+
+    Shown in lesson 04, §4.
+    """
     slots = {}
     for epoch, per_rank in dealt.items():
         ranks = len(per_rank)
