@@ -113,7 +113,9 @@ WRONG = {
                           "clip_grad_norm_ now runs after opt.step\\(\\): the step has already"),
     "4-no-broadcast": (4, [(BROADCAST, "")], "the broadcast is gone, and the replicas no "
                                               "longer start from the same weights: .*differ by "
-                                              "up to 0.75.* still differ by up to 0.75"),
+                                              "up to 0.75.* still differ by up to 0.75, "
+                                              "while the loss on the 48 examples falls on both "
+                                              "\\(rank 0: 1.16 → 0.28, rank 1: 1.18 → 0.31\\)"),
     # deleting the broadcast by seeding every rank alike: the per-rank stream is lost (the
     # learners' 'fix' the check accepted before)
     "4-one-seed-no-broadcast": (4, [("args.seed + rank", "args.seed"), (BROADCAST, "")],
@@ -243,6 +245,11 @@ def test_the_bug4_numbers_are_what_the_ranks_hold():
     assert lab10._mask_agreement((lab10.SEED, lab10.SEED)) == 32
     assert lab10._mask_agreement((lab10.SEED, lab10.SEED + 1)) == 16
     assert f"{lab10._start_gap(draws_before=1):.2f}" == "0.77"
+    # the run looks healthy: the loss falls on both replicas, though they never agree
+    from dpcourse.checks._lab10_start import _losses_without_broadcast
+    losses = _losses_without_broadcast()
+    assert [f"{a:.2f} → {b:.2f}" for a, b in losses] == ["1.16 → 0.28", "1.18 → 0.31"]
+    assert all(b < a / 3 for a, b in losses)
 
 
 def test_a_hanging_fix_is_stopped_and_named():

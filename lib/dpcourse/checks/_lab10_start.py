@@ -7,8 +7,9 @@ one rank's weights. A fix that deletes the broadcast, sends after the first forw
 a sender the group does not have is refused by its text, before any launch, with the numbers
 the ranks would hold (drawn here exactly as the script draws them: same seeds, same model).
 
-A hang whose src still differs from rank to rank is named by :func:`_name_hang`. Called from
-:mod:`dpcourse.checks.lab10` (``_read_fix``, ``check_fix``, ``check_fixes``).
+A run that hangs or fails while src still differs from rank to rank is named by
+:func:`_name_hang`. Called from :mod:`dpcourse.checks.lab10` (``_read_fix``, ``check_fix``,
+``check_fixes``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,27 @@ def _end_gap() -> float:
     no broadcast: every step applies the same averaged update to both."""
     return _distance(_simulate(2, SEED, "no_broadcast", None, 0, 0),
                      _simulate(2, SEED, "no_broadcast", None, 0, 1))
+
+
+def _data_loss(state: dict) -> float:
+    """The mean squared error of script 4's model with weights ``state`` on the 48 examples."""
+    import torch
+    import torch.nn.functional as F
+
+    from dpcourse.checks._lab10_simulate import _data
+
+    X, y = _data()
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return float(F.mse_loss(model(X), y))
+
+
+def _losses_without_broadcast() -> list[tuple[float, float]]:
+    """(loss before, loss after the 3 epochs) of rank 0's and rank 1's replicas when script 4
+    runs with no broadcast, and the loss a correct run ends with: what the run shows."""
+    return [(_data_loss(_lab_weights(SEED + r)),
+             _data_loss(_simulate(2, SEED, "no_broadcast", None, 0, r))) for r in (0, 1)]
 
 
 def _mask_agreement(seeds) -> int:
@@ -163,12 +185,16 @@ def _read_fix_4(text: str) -> None:
              fix="Every replica must hold the same weights before its first forward: send "
                  "them before the training loop.")
     if not syncs and per_rank_at_build:
+        losses = ", ".join(f"rank {r}: {a:.2f} → {b:.2f}"
+                           for r, (a, b) in enumerate(_losses_without_broadcast()))
         fail(f"Fix 4: the broadcast is gone, and the replicas no longer start from the same "
              f"weights: each rank builds its model after torch.manual_seed(args.seed + rank), so with "
              f"--seed 3 rank 0's and rank 1's first weights differ by up to "
              f"{_start_gap():.2f}. Every step then applies the same averaged update to both, "
              f"which moves them together and never closer: after the 3 epochs they still "
-             f"differ by up to {_end_gap():.2f}, while the loss falls on both.",
+             f"differ by up to {_end_gap():.2f}, while the loss on the 48 examples falls on "
+             f"both ({losses}) — the run looks healthy, and rank 0 saves one of two models "
+             f"that were never the same.",
              fix="Every replica must start from one rank's weights, sent to the others before "
                  "the first forward (the same sender named on every rank).")
     if not syncs and per_rank_stream:
@@ -192,11 +218,11 @@ def _read_fix_4(text: str) -> None:
 
 
 def _name_hang(n: int, text, result):
-    """A hang of fix 4 whose src still differs from rank to rank: the hang's sentence, and what
-    src is on each rank."""
+    """A fix 4 that hung or failed while its src still differs from rank to rank: the run's
+    sentence, and what src is on each rank."""
     import ast
 
-    if n != 4 or not isinstance(result, str) or not result.startswith("it did not finish"):
+    if n != 4 or not isinstance(result, str):
         return result
     try:
         calls = _calls(ast.parse(text), {"broadcast"})
