@@ -13,7 +13,7 @@
 # (A and B in the paper's `X·A` convention; which dimension of a torch weight that is, part 3
 # asks.)
 #
-# All the communication sits in two autograd operations: `f`, wrapped around the column
+# All the MLP's communication sits in two autograd operations: `f`, wrapped around the column
 # layer's input, and `g`, wrapped around the row layer's output. Deciding what they do is the
 # lab:
 #
@@ -23,6 +23,8 @@
 # 2. Which dimension of torch's `nn.Linear.weight` does each layer cut — and of a Keras
 #    `Dense` kernel?
 # 3. Where is the row layer's bias added, and on which ranks?
+# 4. And once a layer norm sits between the two layers — an arrangement the lesson did not
+#    cut — where must the ranks talk, and what does that exchange do in the backward?
 #
 # **The goal.** On t ranks, your `TPMLP` gives every rank the plain MLP's output; after one
 # backward, the gradient of the input is the plain MLP's, and every rank's weight and bias
@@ -39,7 +41,10 @@
 # 3. `ColumnParallel` and `RowParallel`, each built from a full `nn.Linear`;
 # 4. `TPMLP`, the two layers around a GeLU, equal to the plain MLP on 2 and 3 ranks — after
 #    a prediction of how many numbers one rank's parameters hold;
-# 5. a prediction: how many all-reduces a step of two stacked `TPMLP`s makes — then counted;
+# 5. the same MLP with a layer norm between the two layers, an arrangement the lesson did not
+#    show: where the ranks communicate for it, and what that communication's backward is, is
+#    the lab's main design decision;
+# 6. a prediction: how many all-reduces a step of two stacked `TPMLP`s makes — then counted;
 # 6. (stretch) one GPipe step of a pipeline stage, with its bubble measured.
 #
 # **How it is checked.** Each check runs your code on 2 and then 3 ranks (gloo, through
@@ -139,7 +144,7 @@ lab11.check_block_of(block_of)
 # What must hold afterwards: the column layer's input gets the gradient the plain layer would
 # give it, and the row layer's output is the plain layer's, on every rank.
 #
-# **Your diagnosis first — this part's design decision.** Before you write a method, decide in
+# **Your diagnosis first.** Before you write a method, decide in
 # which pass each operation must talk to the other ranks: set `f_communicates_in` and
 # `g_communicates_in` each to `"forward"`, `"backward"`, `"both"` or `"neither"`.
 # `lab11.check_diagnosis` judges them as a pair: a wrong pair comes back with what it would
@@ -474,7 +479,115 @@ held = lab11.count_parameters(TPMLP)
 lab11.check_parameters_prediction(held_guess, held, TPMLP)
 
 # %% [markdown]
-# ## 5. Predict, then count
+# ## 5. A layer norm between the two layers
+#
+# NormFormer (Shleifer et al. 2021) adds a layer norm on the MLP's hidden activations, between
+# the GeLU and the second layer:
+# `plain = nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.LayerNorm(h, elementwise_affine=False),
+# nn.Linear(h, d))`. Lesson 11 cut the MLP without it.
+#
+# `NormedTPMLP(plain, rank, world_size)`, built from your `ColumnParallel` and `RowParallel`
+# (on `plain[0]` and `plain[3]`), must hold afterwards what `TPMLP` held: `NormedTPMLP(...)(x)`
+# equals `plain(x)` on every rank; after a backward, dL/dx and each rank's weight gradients
+# are `plain`'s (the matching blocks); each rank holds only its blocks of the two weights.
+# The check runs it on 2 and 3 ranks (h = 12) and counts every collective of each pass: the
+# ranks make none that the plain network's arithmetic does not need.
+#
+# **Your design decision:** where the ranks communicate for the norm, what they send, and
+# what that communication does in the backward. Write it as `torch.autograd.Function`s of your
+# own beside `f` and `g` (any of `dist.all_reduce`, `dist.all_gather`, `dist.reduce_scatter`;
+# `dist.get_rank()` and `dist.get_world_size()` work inside them). More than one design
+# passes. The check names each wrong one by what its numbers show.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# To compute rank r's block of the norm's output, which numbers does rank r need that it does
+# not hold? And in the backward: does rank r's block of the norm's output depend only on rank
+# r's hidden features — so where is the gradient for rank r's features computed?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The norm's mean and variance run over all h features: the forward needs either every rank's
+# block or every rank's sums over its block. Each rank then feeds only its own block of the
+# norm's output to the row layer, so every rank's output block sends gradient back into every
+# rank's features through those statistics: what each rank computes for rank r's features is a
+# part, and the parts must be added up. A backward that only keeps this rank's block is right
+# only where everything after the exchange runs the same on every rank.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# One Function between the GeLU and the norm — forward: every rank's block side by side;
+# backward: the ranks' gradients summed, each rank keeping its block — then the norm on the
+# whole row, and this rank's block of its output into the row layer. Or the norm written out
+# from per-row sums over this rank's features, with a Function around those sums whose forward
+# and backward both sum over the ranks.
+
+# %%
+### BEGIN SOLUTION: the autograd Function(s) for the norm's communication
+class GatherHidden(torch.autograd.Function):
+    """Every rank's block of hidden features, side by side; the backward sums the ranks'
+    gradients of the whole row and gives each rank its block (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, block):
+        world = dist.get_world_size()
+        parts = [torch.empty_like(block) for _ in range(world)]
+        dist.all_gather(parts, block.contiguous())
+        ctx.width = block.shape[-1]
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mine = torch.empty(grad.shape[:-1] + (ctx.width,))
+        dist.reduce_scatter(mine, [c.contiguous() for c in grad.split(ctx.width, dim=-1)])
+        return mine
+### END SOLUTION
+
+
+class NormedTPMLP(nn.Module):
+    def __init__(self, plain, rank, world_size):
+        super().__init__()
+        ### BEGIN SOLUTION: the two parallel layers, the activation and the norm, from plain
+        self.column = ColumnParallel(plain[0], rank, world_size)
+        self.gelu, self.norm = plain[1], plain[2]
+        self.row = RowParallel(plain[3], rank, world_size)
+        self.start, self.stop = block_of(plain[0].out_features, rank, world_size)
+        ### END SOLUTION
+
+    def forward(self, x):
+        ### BEGIN SOLUTION: plain(x) on every rank, the norm's communication where it belongs
+        whole = GatherHidden.apply(self.gelu(self.column(x)))
+        return self.row(self.norm(whole)[..., self.start:self.stop])
+        ### END SOLUTION
+
+
+# %% [markdown]
+# **Predict, before you run the check.** Megatron-LM has an all-gather of the hidden blocks
+# ready-made: `gather_from_tensor_model_parallel_region`, whose backward keeps this rank's
+# block of the gradient and communicates nothing. Used here in place of your exchange, with
+# the rest of `NormedTPMLP` unchanged, what would differ from the plain MLP? Pick one of
+# `lab11.NORM_CHOICES`; once your `NormedTPMLP` passes, the check measures that arrangement.
+
+# %%
+for choice in lab11.NORM_CHOICES:
+    print(repr(choice))
+### BEGIN SOLUTION: your prediction (one of the choices, as a string)
+my_norm_guess = "dL/dx and the first layer's gradients"
+### END SOLUTION
+norm_guess = predict("lab11", "what Megatron's gather (backward: keep this rank's block) "
+                     "breaks here", my_norm_guess, choices=lab11.NORM_CHOICES)
+
+# %%
+lab11.check_normed_mlp(NormedTPMLP, timeout=check_timeout, prediction=norm_guess)
+
+# %% [markdown]
+# ## 6. Predict, then count
 #
 # A real model stacks many MLPs. Take two of your `TPMLP`s in an `nn.Sequential` (`model`),
 # give it a batch `x = torch.randn(5, 6)` of inputs, and run one forward and one backward of

@@ -5,6 +5,7 @@ before it, in-place all-reduces,
 uneven blocks for a hidden size the world size does not divide).
 """
 
+import re
 import sys
 import time
 
@@ -1289,6 +1290,188 @@ def test_wrong_mlp_gradients_named(layers, match):
 ])
 def test_wrong_mlp_named(cls, match):
     fails(lab11.check_tp_mlp, cls, match=match, timeout=T)
+
+
+# --------------------------------------------------------------------------------------------
+# The arrangement the lesson did not show: a LayerNorm between the two layers
+# --------------------------------------------------------------------------------------------
+
+
+
+
+def gather_fn(name, backward):
+    """An all-gather of the hidden blocks along the features, with ``backward(grad, rank, n,
+    per)`` giving this rank's gradient."""
+
+    def forward(ctx, block):
+        n, rank = dist.get_world_size(), dist.get_rank()
+        parts = [torch.empty_like(block) for _ in range(n)]
+        dist.all_gather(parts, block.contiguous())
+        ctx.rank, ctx.n, ctx.per = rank, n, block.shape[-1]
+        return torch.cat(parts, dim=-1)
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward),
+        "backward": staticmethod(lambda ctx, g: backward(g, ctx.rank, ctx.n, ctx.per)),
+    })
+
+
+def _reduce_scatter(g, rank, n, per):
+    out = torch.empty(g.shape[0], per)
+    dist.reduce_scatter(out, [c.contiguous() for c in g.split(per, dim=-1)])
+    return out
+
+
+def _all_reduce_then_block(g, rank, n, per):
+    return allsum(g.contiguous())[:, rank * per:(rank + 1) * per]
+
+
+def _split(g, rank, n, per):          # Megatron's gather_from_tensor_model_parallel_region
+    return g[:, rank * per:(rank + 1) * per].clone()
+
+
+def _averaged(g, rank, n, per):
+    return _all_reduce_then_block(g, rank, n, per) / n
+
+
+GatherRS = gather_fn("GatherRS", _reduce_scatter)
+GatherAR = gather_fn("GatherAR", _all_reduce_then_block)
+GatherSplit = gather_fn("GatherSplit", _split)
+GatherMean = gather_fn("GatherMean", _averaged)
+# the statistics summed over the ranks: a sum whose gradient is needed by every rank's part
+SumStats = conj("SumStats", allsum, allsum)
+SumStatsNoBackward = conj("SumStatsNoBackward", allsum, ident)
+
+
+class Normed(nn.Module):
+    """Right: the hidden blocks gathered (reduce-scatter backward), the norm over the whole
+    row, this rank's block of its output into the row layer."""
+    gather = GatherRS
+
+    def __init__(self, plain, rank, world_size):
+        super().__init__()
+        self.up, self.act, self.norm = Column(plain[0], rank, world_size), plain[1], plain[2]
+        self.down = Row(plain[3], rank, world_size)
+        self.per = plain[0].out_features // world_size
+        self.rank = rank
+
+    def forward(self, x):
+        hidden = self.gather.apply(self.act(self.up(x)))
+        mine = self.norm(hidden)[:, self.rank * self.per:(self.rank + 1) * self.per]
+        return self.down(mine)
+
+
+class NormedAR(Normed):
+    gather = GatherAR
+
+
+class NormedSplit(Normed):
+    gather = GatherSplit
+
+
+class NormedMean(Normed):
+    gather = GatherMean
+
+
+class NormedStats(nn.Module):
+    """Right: the norm from the ranks' sums (Σa, Σa²), all-reduced forward and backward."""
+    stats = SumStats
+
+    def __init__(self, plain, rank, world_size):
+        super().__init__()
+        self.up, self.act = Column(plain[0], rank, world_size), plain[1]
+        self.down = Row(plain[3], rank, world_size)
+        self.h, self.eps = plain[0].out_features, plain[2].eps
+
+    def forward(self, x):
+        a = self.act(self.up(x))
+        sums = self.stats.apply(torch.stack([a.sum(-1), a.square().sum(-1)], dim=-1))
+        mean = sums[:, :1] / self.h
+        var = sums[:, 1:] / self.h - mean.square()
+        return self.down((a - mean) / torch.sqrt(var + self.eps))
+
+
+class NormedStatsNoBackward(NormedStats):
+    stats = SumStatsNoBackward
+
+
+class NormedLocal(Normed):
+    """The norm on this rank's block only: no communication for it."""
+
+    def forward(self, x):
+        a = self.act(self.up(x))
+        return self.down(F.layer_norm(a, (a.shape[-1],), eps=self.norm.eps))
+
+
+MeanOfCopies = conj("MeanOfCopies", lambda t: allsum(t) / dist.get_world_size(), ident)
+
+
+class NormedTwice(Normed):
+    """Right values, but the gathered row (the same on every rank) all-reduced and divided."""
+
+    def forward(self, x):
+        hidden = MeanOfCopies.apply(self.gather.apply(self.act(self.up(x))))
+        mine = self.norm(hidden)[:, self.rank * self.per:(self.rank + 1) * self.per]
+        return self.down(mine)
+
+
+class NormedSummedBlocks(Normed):
+    """g (an all-reduce) on the hidden block, where the norm needs the features side by side."""
+
+    def forward(self, x):
+        a = Reduce.apply(self.act(self.up(x)))
+        return self.down(F.layer_norm(a, (a.shape[-1],), eps=self.norm.eps))
+
+
+class NormedWholeRow(Normed):
+    """The row layer kept whole on every rank, fed the whole normed row."""
+
+    def __init__(self, plain, rank, world_size):
+        super().__init__(plain, rank, world_size)
+        self.down = plain[3]
+
+    def forward(self, x):
+        return self.down(self.norm(self.gather.apply(self.act(self.up(x)))))
+
+
+@pytest.mark.parametrize("cls", [Normed, NormedAR, NormedStats])
+def test_right_normed_mlp_passes(cls, capsys):
+    lab11.check_normed_mlp(cls, timeout=T)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "LayerNorm(12)" in out
+
+
+@pytest.mark.parametrize("cls,match", [
+    (NormedLocal, r"a norm over each rank's own block of 6 hidden features gives: rank 0 normalises "
+                  r"row 0 by its block's mean -?\d\.\d{3}"),
+    (NormedSplit, r"counts only the paths through this rank's own block of the norm's output"),
+    (NormedStatsNoBackward, r"counts only the paths through this rank's own block"),
+    (NormedMean, r"is 1/2 of the plain MLP's .* averages the ranks' parts"),
+    (NormedTwice, r"all-reduce no. 1 of NormedTwice's forward \(2 ranks\) sums a tensor of shape "
+                  r"\(5, 12\) that every rank holds the same"),
+    (NormedWholeRow, r"keeps a whole weight of shape \(6, 12\)"),
+    (NormedSummedBlocks, r"a norm of the ranks' hidden blocks added together gives: an "
+                         r"all-reduce of the blocks adds rank 0's features 0–5 to rank 1's 6–11"),
+])
+def test_wrong_normed_mlp_named(cls, match):
+    message = fails(lab11.check_normed_mlp, cls, match=match, timeout=T)
+    assert "(Run the check again after your change" in message
+
+
+def test_a_backward_that_sends_nothing_back_met_twice_adds_what_to_change():
+    fails(lab11.check_normed_mlp, NormedSplit, match="counts only the paths", timeout=T)
+    message = fails(lab11.check_normed_mlp, NormedSplit, match="counts only the paths",
+                    timeout=T)
+    assert "sum the ranks' gradients before each rank keeps its block" in message
+
+
+def test_the_normed_prediction_is_measured_and_explained(capsys):
+    guess = predict("lab11", "what a silent backward of the norm's exchange breaks", "the output",
+                    choices=lab11.NORM_CHOICES)
+    lab11.check_normed_mlp(Normed, timeout=T, prediction=guess)
+    out = capsys.readouterr().out
+    assert "dL/dx and the first layer's gradients" in out and "gather_from_tensor" in out
+    assert re.search(r"dL/dx by \d+ %", out)
 
 
 # --------------------------------------------------------------------------------------------

@@ -54,6 +54,16 @@ process. The values are chosen so that each classic mistake leaves its own trace
   hidden size that the
   world size does not divide (16 on 3 ranks) is refused with a sentence naming both numbers,
   or handled (then it must equal the plain MLP too);
+* ``check_normed_mlp``: the MLP with a ``LayerNorm(12)`` between the two layers, an
+  arrangement the lesson did not show: the learner decides where the ranks communicate for
+  the norm and what that communication's backward is. Refused by cause, with the run's
+  numbers: the norm over each rank's own block (its mean and variance beside the row's), a
+  backward that sends nothing back (Megatron's gather-with-split: the first weight's gradient
+  short by the paths through the statistics), an averaged one, an all-reduce of what every
+  rank holds the same, a whole weight kept. Accepted: the hidden blocks all-gathered with a
+  reduce-scatter (or all-reduce and slice) backward, or the per-row sums all-reduced forward
+  and backward. ``prediction`` (one of ``NORM_CHOICES``): what Megatron's gather would break
+  here, measured on one process and explained;
 * ``count_parameters`` and ``check_parameters_prediction``: the learner predicts how many numbers
   rank 1 of 3 holds in its TPMLP's parameters (58 with the second bias whole on that rank, 52
   without it: its row-bias decision shows), then the count is measured and explained;
@@ -71,9 +81,11 @@ process. The values are chosen so that each classic mistake leaves its own trace
   timings, and a measured bubble below (K−1)/(M+K−1).
 
 What each wrong answer looks like, and the sentence that names it, is read by
-:mod:`dpcourse.checks._lab11_diagnose` (with the cases every check runs); the three decisions
-made before any code are judged in :mod:`dpcourse.checks._lab11_decisions`; this module runs the
-learner's code and calls them.
+:mod:`dpcourse.checks._lab11_diagnose` (with the cases every check runs) and, for the stretch,
+:mod:`dpcourse.checks._lab11_pipeline`; the three decisions made before any code are judged in
+:mod:`dpcourse.checks._lab11_decisions`; part 5's arrangement the lesson did not show (a layer
+norm between the two layers) is run and read in :mod:`dpcourse.checks._lab11_norm`; this
+module runs the learner's code and calls them.
 
 Every check refuses the library's own reference (``tensor_parallel.shard_bounds``,
 ``CopyToTensorParallel``, ``ColumnParallelLinear``, ``TensorParallelMLP``,
@@ -97,22 +109,23 @@ from torch import nn
 from . import check_timeout, fail, has_todo, passed, recorded, refuse_reference, reveal, run_ranks
 from ._lab11_decisions import (SP_KEYS, SP_VALUES, _RIGHT_DIM, _declaration, _wrong_passes,
                                check_diagnosis, check_sequence_parallel, check_split_decision)
-from ._lab11_diagnose import (D, H, ODD_H, ROWS, _BATCH, _BELOW_IDEAL, _CHECK_DELAY_S,
-                              _DIM_NAMES, _LR, _M, _NAMES, _STAGES, _STEPS, _WIDTH, _against_declaration,
-                              _against_dim, _block_failures, _check_bubble_fn,
-                              _common_layer_failures, _computation_only, _data,
-                              _storage_failures,
-                              _diagnose_column, _diagnose_conjugates, _diagnose_gpipe,
-                              _diagnose_mlp, _diagnose_row, _error, _gpipe_failed,
-                              _find_slice, _match_param, _mse, _pending, _plain_mlp, _reference_steps,
-                              _stepped_failures)
+from ._lab11_diagnose import (D, H, ODD_H, ROWS, _DIM_NAMES, _LR, _NAMES, _STEPS,
+                              _against_declaration, _against_dim, _block_failures,
+                              _common_layer_failures, _data, _diagnose_column,
+                              _diagnose_conjugates, _diagnose_mlp, _diagnose_row, _error,
+                              _find_slice, _match_param, _plain_mlp, _reference_steps,
+                              _stepped_failures, _storage_failures)
+from ._lab11_pipeline import (_BATCH, _BELOW_IDEAL, _CHECK_DELAY_S, _M, _STAGES, _WIDTH,
+                              _check_bubble_fn, _computation_only, _diagnose_gpipe,
+                              _gpipe_failed, _mse, _pending)
+from ._lab11_norm import NORM_CHOICES, check_normed, normed_worker
 
 __all__ = ["check_block_of", "check_diagnosis", "check_conjugates", "check_sequence_parallel",
            "check_split_decision", "SP_KEYS", "SP_VALUES",
            "check_column_parallel", "check_row_parallel",
            "check_tp_mlp", "count_parameters", "check_parameters_prediction",
            "count_all_reduces", "check_prediction", "check_gpipe", "BIAS_GRAD_CHOICES",
-           "measure_bubble", "WORLD_SIZES", "DEFAULT_TIMEOUT"]
+           "measure_bubble", "WORLD_SIZES", "DEFAULT_TIMEOUT", "check_normed_mlp", "NORM_CHOICES"]
 
 WORLD_SIZES = (2, 3)
 DEFAULT_TIMEOUT = 30.0
@@ -593,6 +606,26 @@ def check_tp_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None)
            f"bias gradient, and after {_STEPS} SGD steps the output) on {shown} ranks, with "
            f"one all-reduce in each pass; hidden size "
            f"{ODD_H} on 3 ranks {how}")
+
+
+@recorded
+def check_normed_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None,
+                     prediction=None) -> None:
+    """``mlp_cls(plain, rank, world_size)`` from ``Sequential(Linear(6, 12), GELU(),
+    LayerNorm(12, elementwise_affine=False), Linear(12, 6))`` on 2 and 3 ranks: the plain
+    network's output, dL/dx and first-weight gradient, each rank holding only its blocks of
+    the weights, and no more collectives than the norm needs. Each wrong placement of the
+    norm's communication (none, a backward that sends nothing back, an average) is named by
+    its cause (:mod:`dpcourse.checks._lab11_norm`); ``prediction`` (one of ``NORM_CHOICES``)
+    is revealed once it passes."""
+    __tracebackhide__ = True
+    if not isinstance(mlp_cls, type):
+        fail(f"the check needs your class itself, got {type(mlp_cls).__name__}.")
+    _todo(mlp_cls)
+    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+    ran = {n: run_ranks(normed_worker, n, mlp_cls, timeout=timeout, hang=_HANG)
+           for n in world_sizes}
+    check_normed(ran, mlp_cls.__name__, prediction)
 
 
 def _stacked_worker(rank: int, world_size: int, mlp_cls) -> dict:
