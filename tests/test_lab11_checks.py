@@ -1415,6 +1415,18 @@ class NormedTwice(Normed):
         return self.down(mine)
 
 
+class NormedStatsThrice(NormedStats):
+    """Right values, but the sums all-reduced in three calls (Σa twice), each with its own
+    all-reduce in the backward."""
+
+    def forward(self, x):
+        a = self.act(self.up(x))
+        mean = self.stats.apply(a.sum(-1, keepdim=True)) / self.h
+        mean_again = self.stats.apply(a.sum(-1, keepdim=True)) / self.h
+        var = self.stats.apply(a.square().sum(-1, keepdim=True)) / self.h - mean_again.square()
+        return self.down((a - mean) / torch.sqrt(var + self.eps))
+
+
 class NormedSummedBlocks(Normed):
     """g (an all-reduce) on the hidden block, where the norm needs the features side by side."""
 
@@ -1450,6 +1462,7 @@ def test_right_normed_mlp_passes(cls, capsys):
     (NormedTwice, r"all-reduce no. 1 of NormedTwice's forward \(2 ranks\) sums a tensor of shape "
                   r"\(5, 12\) that every rank holds the same"),
     (NormedWholeRow, r"keeps a whole weight of shape \(6, 12\)"),
+    (NormedStatsThrice, r"makes 4 collectives in the forward on rank 0 .* its values are right"),
     (NormedSummedBlocks, r"a norm of the ranks' hidden blocks added together gives: an "
                          r"all-reduce of the blocks adds rank 0's features 0–5 to rank 1's 6–11"),
 ])

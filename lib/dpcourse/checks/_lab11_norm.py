@@ -137,10 +137,11 @@ def simulate(n: int) -> dict:
     local_y = b2 + sum(F.layer_norm(a[:, blk], (blk.stop - blk.start,), eps=NORM_EPS)
                        @ w2[:, blk].T for blk in _blocks(n))
     per = H // n
-    summed = sum(a[:, blk] for blk in _blocks(n))             # the blocks added, feature-wise
+    summed = sum(a[:, blk] for blk in _blocks(n))    # the blocks added, feature by feature
     summed_y = b2 + sum(F.layer_norm(summed, (per,), eps=NORM_EPS) @ w2[:, blk].T
                         for blk in _blocks(n))
-    return {"plain": plain, "a": a, "y": y_right, "y_own": y_own, "local_y": local_y, "summed_y": summed_y,
+    return {"plain": plain, "a": a, "y": y_right, "y_own": y_own, "local_y": local_y,
+            "summed_y": summed_y,
             "dz": dz_right, "dz_own": dz_own, "x_grad": dz_right @ w1,
             "x_grad_own": dz_own @ w1, "x": x}
 
@@ -299,7 +300,8 @@ def _collective_failures(outs: list, n: int, name: str) -> None:
                 fail(f"{name} makes {len(ops)} collectives in the {where} on rank {rank} "
                      f"({[op for op, _ in ops]}), although its values are right: besides "
                      f"{base}, the norm needs one exchange of the hidden features (or of their "
-                     f"sums) — {extra} is communication the plain arithmetic does not need.")
+                     f"sums) — {extra} is communication the plain arithmetic does not need.",
+                     fix="Exchange the hidden blocks (or their per-row sums) once in each pass.")
 
 
 def _moved(ops: list) -> int:
