@@ -130,6 +130,9 @@ WRONG = {
                                          "the broadcast is gone: the replicas start equal only "
                                          "because every rank seeds torch alike.*up to 0.77 "
                                          "apart"),
+    # ...and with torch seeded nowhere: each process seeds itself at random
+    "4-no-seed-no-broadcast": (4, [(BROADCAST, ""), ("torch.manual_seed(args.seed + rank)", "")],
+                               "the broadcast is gone, and nothing seeds torch any more"),
     "4-one-seed-src-0": (4, [("args.seed + rank", "args.seed"), ("src=rank", "src=0")],
                          "every rank now seeds torch with args.seed alone: the random stream"),
     # the wrong sender: one the group does not have

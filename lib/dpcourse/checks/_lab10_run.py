@@ -1,7 +1,8 @@
 """Lab 10: running a fixed script (solutions/lab10_bug_hunt.py, "Check the five fixes") under
-torchrun — or, in the tests, in ``dpcourse.launch.spawn`` ranks — with the check's ``--seed`` and
-number of ranks, and reading back the weights rank 0 saved, or the sentence that says why there
-are none (a crash, with the child's own error line and what it means here; a hang; no file).
+torchrun — or, in the tests, in ``dpcourse.launch.spawn`` ranks — with the check's ``--seed``
+and number of ranks, and reading back the weights rank 0 saved, or the sentence that says why
+there are none (a crash, with the child's own error line and what it means here; a hang; no
+file).
 
 Exported by :mod:`dpcourse.checks.lab10`, whose checks call :func:`run_fix`.
 """

@@ -150,8 +150,9 @@ def _read_fix_4(text: str) -> None:
             expr, values = src
             said = (f"{values[0]} on every rank" if len(set(values)) == 1 else
                     ", ".join(f"{v} on rank {r}" for r, v in enumerate(values)))
+            ranks = f"{', '.join(map(str, range(ws - 1)))} and {ws - 1}"
             fail(f"Fix 4: the broadcast's src = `{expr}` is {said}, and a group of {ws} ranks "
-                 f"has ranks {', '.join(map(str, range(ws - 1)))} and {ws - 1} only: it names a sender the group does not have"
+                 f"has ranks {ranks} only: it names a sender the group does not have"
                  + (", and it changes with --seed (the check runs --seed 3)"
                     if "seed" in expr else "") + ".",
                  fix=f"src is a rank of the group (0 to world_size − 1), the same on every "
@@ -160,7 +161,9 @@ def _read_fix_4(text: str) -> None:
     forward = min(forwards, default=None)
     syncs = [c for c in _calls(tree, _SYNC_CALLS)
              if forward is None or c.lineno < forward]
-    seeds = _calls(tree, {"manual_seed"})
+    # torch's own seed, not a torch.Generator's (the data's generator is seeded 1234 everywhere)
+    seeds = [c for c in _calls(tree, {"manual_seed"}) if ast.unparse(c.func) in
+             ("torch.manual_seed", "torch.random.manual_seed", "manual_seed")]
     build = min((c.lineno for c in _calls(tree, {"Sequential"})), default=None)
     at_build = [c for c in seeds if build is None or c.lineno < build]
     per_rank_at_build = bool(at_build) and _mentions_rank(at_build[-1])
@@ -188,8 +191,8 @@ def _read_fix_4(text: str) -> None:
         losses = ", ".join(f"rank {r}: {a:.2f} → {b:.2f}"
                            for r, (a, b) in enumerate(_losses_without_broadcast()))
         fail(f"Fix 4: the broadcast is gone, and the replicas no longer start from the same "
-             f"weights: each rank builds its model after torch.manual_seed(args.seed + rank), so with "
-             f"--seed 3 rank 0's and rank 1's first weights differ by up to "
+             f"weights: each rank builds its model after torch.manual_seed(args.seed + rank), "
+             f"so with --seed 3 rank 0's and rank 1's first weights differ by up to "
              f"{_start_gap():.2f}. Every step then applies the same averaged update to both, "
              f"which moves them together and never closer: after the 3 epochs they still "
              f"differ by up to {_end_gap():.2f}, while the loss on the 48 examples falls on "
@@ -207,6 +210,13 @@ def _read_fix_4(text: str) -> None:
              f"seeded, sends rank 0's weights to every rank when it is built.",
              fix="Make the replicas equal by sending one rank's weights to the others, not by "
                  "seeding them alike.")
+    if not syncs and not seeds:
+        fail("Fix 4: the broadcast is gone, and nothing seeds torch any more: torch seeds its "
+             "default generator at random in each process, so every rank draws its first "
+             "weights from a seed of its own, and the replicas start apart — by a different "
+             "amount in every run.",
+             fix="Every replica must start from one rank's weights, sent to the others before "
+                 "the first forward (the same sender named on every rank).")
     if not syncs:
         fail(f"Fix 4: the broadcast is gone and every rank now seeds torch with args.seed "
              f"alone: the replicas start equal, but {lost}.",
