@@ -10,19 +10,17 @@
 # In lesson 01 you took a training step apart. Now write the two functions every later lesson
 # builds on. Their contract — what the checks hold them to:
 #
-# * `train_one_epoch(model, loader, loss_fn, optimizer, device) -> float` — one pass over
-#   `loader` that trains `model` with one optimizer step per batch. Afterwards the weights are
-#   those that training on each batch in turn gives; it returns the **mean loss per sample**
-#   over the epoch, as a Python float.
+# * `train_one_epoch(model, loader, loss_fn, optimizer, device) -> float` — trains `model` on
+#   each batch of `loader` in turn, one optimizer step per batch on that batch's mean loss, and
+#   returns the **mean loss per sample** over the epoch, as a Python float. One case lesson 01
+#   never met: a batch whose loss is NaN. That loss never reaches the weights: the function
+#   raises `FloatingPointError`, and the caller holds the weights the batches before it gave.
 # * `evaluate(model, loader, loss_fn, device) -> (mean_loss, accuracy)` — the model measured as
-#   it predicts at test time: the mean loss per sample and the fraction of samples whose
-#   predicted class (the argmax of the logits) is the label, a float in [0, 1]. It leaves the
-#   weights as they were and keeps no autograd graph. Which mode the model is in afterwards is
-#   **your design decision** (§2), and it holds however `evaluate` ends: whatever happens
-#   inside it, the caller finds autograd as it was before the call and every layer of the
-#   model in the mode your decision says, and any error raised inside reaches the caller as
-#   itself. A loader with no sample at all is the caller's mistake: `evaluate` raises a
-#   `ValueError` that says so.
+#   it predicts at test time, recording no autograd graph: two Python floats, the mean loss per
+#   sample and the fraction of samples whose predicted class (the argmax of the logits) is the
+#   label. With no sample to measure it raises `ValueError`. However it ends, the caller finds
+#   the weights and autograd as they were, and the model in the mode that **this lab's design
+#   decision, in §2**, says.
 #
 # Both must hold for any model, loader and optimizer, not only the lesson's: each check runs
 # your function on small models and loaders of its own, compares with the library's reference
@@ -52,19 +50,18 @@ device = torch.device(device or devices.choose_profile().device)
 # %% [markdown]
 # ## 1. `train_one_epoch`
 #
-# One epoch of training, with the contract above: after the call the model has taken one
-# optimizer step per batch of `loader`, each on the gradient of that batch's mean loss alone,
-# and the function returns the mean loss per sample over every sample it saw. The check's
-# loaders end with a short batch, as most real ones do; after it passes, you predict what that
-# short batch does to the training itself.
+# One epoch of training, with the contract above. Before you write it, decide where in a step
+# a NaN loss must be caught for the weights to stay as they were, and what your function could
+# look at to know: the check spoils one batch of its own loaders in two different ways.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # What does `p.grad` hold when `backward()` runs for the second batch, if nothing touched it
-# after the first? And is the epoch's mean loss per sample always the mean of the batches'
-# losses?
+# after the first? Is the epoch's mean loss per sample always the mean of the batches'
+# losses? And of the five moves of a step, which is the last one after which a NaN loss has
+# not yet touched a weight?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
@@ -72,17 +69,20 @@ device = torch.device(device or devices.choose_profile().device)
 # %% [markdown] jupyter={"source_hidden": true}
 # Per batch: clear what the last step left in the gradients, forward, the loss, backward, step.
 # For the return value, count samples, not batches: a batch's mean loss stands for as many
-# samples as the batch holds. And the model may come to you in any state: training is your
-# function's job from its first line.
+# samples as the batch holds. The model may come to you in any state: training is your
+# function's job from its first line. A NaN can come from the images or from the labels alone
+# (a mean over no counted sample is 0/0), and it need not show in the gradients: the one
+# number that always shows it is the loss itself, known before `backward()`.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Put the model in the mode training needs; two running totals (summed loss, samples seen);
-# a loop over `(X, y)` that moves both to `device` and does the five moves of a step, adding
-# the batch's loss times its size to one total and its size to the other; return their
-# quotient as a float (`.item()`).
+# a loop over `(X, y)` that moves both to `device` and does the five moves of a step, with a
+# test of the loss (`torch.isnan`) between the forward and the backward that raises; add the
+# batch's loss times its size to one total and its size to the other; return their quotient
+# as a float (`.item()`).
 
 # %%
 def train_one_epoch(model, loader, loss_fn, optimizer, device):
@@ -93,6 +93,8 @@ def train_one_epoch(model, loader, loss_fn, optimizer, device):
         X, y = X.to(device), y.to(device)
         optimizer.zero_grad()
         loss = loss_fn(model(X), y)
+        if torch.isnan(loss):  # before backward and step: the weights are still untouched
+            raise FloatingPointError("a batch's loss is NaN: its step would make the weights NaN")
         loss.backward()
         optimizer.step()
         total_loss += loss.item() * len(y)
@@ -129,20 +131,22 @@ lab01.check_step_prediction(step_guess, train_one_epoch)
 
 
 # %% [markdown]
-# ## 2. `evaluate`
+# ## 2. `evaluate` — this lab's design decision
 #
-# The model as it predicts at test time, with the contract above: `(mean loss per sample,
-# accuracy in [0, 1])`, the weights unchanged, no autograd graph kept, and the caller finding
-# autograd and the model's mode as the contract says however `evaluate` ends.
+# The model as it predicts at test time, with the contract above.
 #
-# **Your design decision:** in which mode does `evaluate` leave the model — always in
-# evaluation mode, or in the mode it arrived in? The library's reference and the lesson do not
-# settle it for you. Think of the code that will call `evaluate`: a training loop that
-# evaluates every few hundred steps, a script that only tests a saved model, a fine-tuning run
-# that keeps one layer frozen in eval mode while the rest trains. "The mode it arrived in"
-# means every layer's own: for that fine-tuning model, the frozen layer comes back frozen.
-# Write your choice in `evaluate_leaves_model_in`, `"eval"` or `"as found"`; the check hands
-# your function models in several states and holds it to what you chose.
+# **Your design decision:** in which mode does `evaluate` leave the model? The library's
+# reference and the lesson do not settle it for you. Think of the code that will call
+# `evaluate`: a training loop that evaluates every few hundred steps, a script that only tests a
+# saved model, a fine-tuning run that keeps part of the network frozen while the rest trains.
+# Two answers hold together:
+#
+# * `"eval"` — afterwards the whole model is in evaluation mode, whatever it arrived in;
+# * `"as found"` — afterwards the caller cannot tell from the model's modes that `evaluate`
+#   ran at all.
+#
+# Write your choice in `evaluate_leaves_model_in`; the check hands your function models in
+# several states and holds it to what you chose.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)

@@ -1,5 +1,7 @@
 """lab01's checks accept the reference and name each plausible mistake."""
 
+import math
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ def good_train(model, loader, loss_fn, optimizer, device):
     for X, y in loader:
         optimizer.zero_grad()
         loss = loss_fn(model(X), y)
+        if torch.isnan(loss):
+            raise FloatingPointError("NaN loss")
         loss.backward()
         optimizer.step()
         total += loss.item() * len(y)
@@ -207,7 +211,8 @@ def _eval(mode=True, no_grad=True, acc_kind="fraction", loss_kind="per_sample",
         loss = {"per_sample": sum(l * s for l, s in zip(losses, sizes)) / n,
                 "sum": sum(losses), "mean_of_means": sum(losses) / len(losses)}[loss_kind]
         acc = {"fraction": hits / n, "count": hits, "percent": 100 * hits / n,
-               "mean_of_means": sum(accs) / len(accs)}[acc_kind]
+               "mean_of_means": sum(accs) / len(accs),
+               "tensor": torch.tensor(hits) / n}[acc_kind]  # hits summed as a tensor
         if restore and not finally_:
             put_back()
         if to_train:  # "back to training" whatever the model arrived in
@@ -252,6 +257,7 @@ def test_evaluate_breaking_its_design_decision_is_refused(fn, leaves, phrase):
     (_eval(acc_kind="count"), "number of correct predictions"),
     (_eval(acc_kind="percent"), "percent"),
     (_eval(acc_kind="mean_of_means"), "per-batch accuracies"),
+    (_eval(acc_kind="tensor"), "evaluate's accuracy returned tensor(0."),
     (_eval(loss_kind="sum"), "sum of the batch losses"),
     (_eval(loss_kind="mean_of_means"), "averaged the per-batch mean losses"),
 ])
@@ -310,8 +316,11 @@ def test_an_error_re_raised_with_its_cause_passes(capsys):
 
 # --- answers only right for one data set, and right answers written differently -----------
 
-def _train(denominator="count", backward="mean", zero="before", loss_out=float):
-    """train_one_epoch written in several ways, right and wrong."""
+def _train(denominator="count", backward="mean", zero="before", loss_out=float,
+           guard="isnan"):
+    """train_one_epoch written in several ways, right and wrong. ``guard``: how a NaN loss is
+    caught before it reaches the weights: torch.isnan before backward ("isnan"), math.isfinite
+    of the float ("isfinite") or torch.isnan after backward, before the step ("after-backward")."""
     def fn(model, loader, loss_fn, optimizer, device):
         model.train()
         total, n = 0.0, 0
@@ -321,10 +330,18 @@ def _train(denominator="count", backward="mean", zero="before", loss_out=float):
             out = model(X)
             if backward == "mean":
                 loss = loss_fn(out, y)
+                if guard == "isnan" and torch.isnan(loss):
+                    raise FloatingPointError("NaN loss")
+                if guard == "isfinite" and not math.isfinite(loss.item()):
+                    raise FloatingPointError(f"the loss is {loss.item()}")
                 loss.backward()
+                if guard == "after-backward" and torch.isnan(loss):
+                    raise FloatingPointError("NaN loss")
                 batch_total = loss.item() * len(y)
             else:  # reduction="sum" with the matching division: the same gradient
                 summed = torch.nn.functional.cross_entropy(out, y, reduction="sum")
+                if torch.isnan(summed):
+                    raise FloatingPointError("NaN loss")
                 (summed / len(y)).backward()
                 batch_total = summed.item()
             optimizer.step()
@@ -346,14 +363,112 @@ def _train(denominator="count", backward="mean", zero="before", loss_out=float):
 
 @pytest.mark.parametrize("fn", [
     _train(),
-    _train(backward="sum"),
     _train(zero="after"),
     _train(denominator="dataset"),
-    _train(loss_out=torch.tensor),
-], ids=["plain", "sum-reduction-divided", "zero-after-step", "len-dataset", "0-dim-tensor"])
+    _train(guard="isfinite"),
+    _train(guard="after-backward"),
+], ids=["plain", "zero-after-step", "len-dataset", "isfinite-guard",
+        "guard-between-backward-and-step"])
 def test_right_train_variants_pass(fn, capsys):
     lab01.check_train_one_epoch(fn)
     assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_a_0_dim_tensor_return_is_refused_with_its_cause():
+    """The contract says a Python float: a detached 0-dim tensor prints like one, but is not
+    one to the caller's code (float arithmetic, json logging, a GPU's memory)."""
+    fn = _train(loss_out=torch.tensor)
+    with pytest.raises(LabCheckError) as err:
+        lab01.check_train_one_epoch(fn)
+    first = str(err.value)
+    assert "a tensor, where the contract asks for a Python float" in first, first
+    assert "json.dumps refuses it (Object of type Tensor is not JSON serializable)" in first
+    assert "+ 1.0 is tensor(" in first and ".item()" not in first, first
+    with pytest.raises(LabCheckError, match=r"Python float \(\.item\(\)\) once"):
+        lab01.check_train_one_epoch(fn)
+
+
+def _nan(where="before", raises=FloatingPointError, looks_at="loss", rollback=False):
+    """train_one_epoch with a NaN guard in several wrong places: ``where`` the loss is tested
+    ("before" backward: right; "after-step"; "end": the epoch's mean, once; "never"; "skip":
+    the batch is left out quietly); ``looks_at``: the "loss", the "images" or the "gradients";
+    ``rollback``: put back the weights from before the epoch when raising."""
+    def fn(model, loader, loss_fn, optimizer, device):
+        model.train()
+        start = [p.detach().clone() for p in model.parameters()]
+        total, n = 0.0, 0
+
+        def stop(message):
+            if rollback:
+                with torch.no_grad():
+                    for p, s in zip(model.parameters(), start):
+                        p.copy_(s)
+            if raises is AssertionError:
+                assert False, message
+            raise raises(message)
+
+        for X, y in loader:
+            optimizer.zero_grad()
+            if looks_at == "images" and torch.isnan(X).any():
+                stop("NaN in the images")
+            loss = loss_fn(model(X), y)
+            if looks_at == "loss" and where == "before" and torch.isnan(loss):
+                stop("NaN loss")
+            if where == "skip" and torch.isnan(loss):
+                continue
+            loss.backward()
+            if looks_at == "gradients" and any(torch.isnan(p.grad).any()
+                                               for p in model.parameters()):
+                stop("NaN gradient")
+            optimizer.step()
+            if where == "after-step" and torch.isnan(loss):
+                stop("NaN loss")
+            total += loss.item() * len(y)
+            n += len(y)
+        if where == "end" and math.isnan(total):
+            stop("the epoch's loss is NaN")
+        return total / n
+    return fn
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (_nan(where="never"), "trained on through it and returned nan. The step on it made 4 of "
+                          "the model's 4 parameter tensors NaN"),
+    (_nan(where="after-step"), "but after the optimizer step on that batch had run: 4 of"),
+    (_nan(where="end"), "but after the optimizer step on that batch had run"),
+    (_nan(where="skip"), "left out without a word"),
+    (_nan(looks_at="images"), "labels was -100, CrossEntropyLoss's ignore_index"),
+    (_nan(looks_at="gradients"), "what it tests was clean here (the images, the gradients"),
+    # its own summed loss divided by the batch size: 0, not NaN, on a batch of padding
+    (_train(backward="sum"), "loss_fn's mean loss was NaN all the same"),
+    (_nan(raises=ValueError), "raised ValueError (NaN loss). The contract's error is "
+                              "FloatingPointError"),
+    (_nan(raises=AssertionError), "an assert statement is removed when Python runs with -O"),
+    (_nan(rollback=True), "those from before the epoch: the steps on batches 1 and 2"),
+    # raised between backward and step, and zero_grad only after a step: the NaN gradient waits
+    # in p.grad for the caller's next epoch
+    (_train(zero="after", guard="after-backward"), "reached the weights one epoch late"),
+], ids=["no-guard", "after-step", "end-of-epoch", "skipped-quietly", "images-only",
+        "gradients-only", "own-summed-loss", "value-error", "assert", "rolled-back-the-epoch",
+        "nan-gradient-left-for-the-next-epoch"])
+def test_a_nan_loss_reaching_the_weights_or_the_caller_wrongly_is_named(fn, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab01.check_train_one_epoch(fn)
+    assert phrase in str(err.value), str(err.value)
+
+
+def test_a_nan_guard_before_backward_passes(capsys):
+    lab01.check_train_one_epoch(_nan())
+    assert "before it reaches the weights" in capsys.readouterr().out
+
+
+def test_a_nan_guard_after_the_step_gets_the_fix_on_the_second_meeting():
+    fn = _nan(where="after-step")
+    with pytest.raises(LabCheckError) as err:
+        lab01.check_train_one_epoch(fn)
+    assert "before it reaches backward" not in str(err.value)
+    with pytest.raises(LabCheckError, match="loss before it reaches backward and the step"):
+        lab01.check_train_one_epoch(fn)
 
 
 @pytest.mark.parametrize("fn, phrase", [

@@ -6,13 +6,17 @@ loader whose last batch is short (so "mean of batch means" differs from "mean pe
 two set-ups with different sizes and seeds (so a number that only fits one of them, such as a
 hard-coded sample count, is caught), then compares with the reference in ``dpcourse.train``.
 When the numbers differ, it replays the usual mistakes with the reference and tells you which
-one yours matches.
+one yours matches. ``check_train_one_epoch`` then spoils one batch of its loader twice over (an
+image with a NaN pixel; finite images whose labels are all ignore_index, a NaN loss with a zero
+gradient) and holds the function to its contract: a NaN loss raises FloatingPointError before it
+reaches the weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import math
 import sys
 
@@ -77,6 +81,7 @@ def _same(a, b, tol=1e-6):
 
 
 def _as_number(value, what: str) -> float:
+    """``value`` as a float, or the sentence for what the contract's Python float is not."""
     __tracebackhide__ = True
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -86,7 +91,17 @@ def _as_number(value, what: str) -> float:
             fail(f"{what} returned a tensor that still carries its autograd graph, so every "
                  f"batch's graph it was built from stays in memory.",
                  fix="return a Python float (.item()).")
-        value = value.item()
+        try:  # what the caller's logging meets: measured here, not assumed
+            json.dumps(value)
+            refused = "json.dumps takes it"
+        except TypeError as exc:
+            refused = f"json.dumps refuses it ({exc})"
+        fail(f"{what} returned {value!r}, a tensor, where the contract asks for a Python float. "
+             f"It prints like a number, but to the caller's code it is not one: "
+             f"arithmetic with it gives tensors again ({value!r} + 1.0 is {value + 1.0!r}), "
+             f"{refused}, and on a GPU it stays in device memory, so each later use of its "
+             f"value (a print, an `if`) makes the CPU wait for the GPU.",
+             fix="turn the tensor into a Python float (.item()) once, where you return it.")
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         fail(f"{what} returned {type(value).__name__}, not a number.",
              fix="return a Python float.")
@@ -180,7 +195,10 @@ def check_train_one_epoch(train_one_epoch) -> None:
     _refuse_library(train_one_epoch, reference.train_one_epoch, "train_one_epoch")
     for setup in _SETUPS:
         _check_train_once(train_one_epoch, setup)
-    passed("train_one_epoch matches the reference: same weights, same mean loss.")
+    _check_train_nan(train_one_epoch)
+    passed("train_one_epoch matches the reference: same weights, same mean loss; and a batch "
+           "whose loss is NaN stops the epoch with a FloatingPointError before it reaches the "
+           "weights, whether its images were bad or only its labels.")
 
 
 def _check_train_once(train_one_epoch, setup) -> None:
@@ -261,6 +279,132 @@ def _check_train_once(train_one_epoch, setup) -> None:
     fail(f"train_one_epoch returned {got:.4f} on {n} samples in batches of {batch}; the mean "
          f"loss per sample is {want:.4f} (does your answer use a number that fits only another "
          f"data set, such as a fixed sample count?)")
+
+
+# --- a batch whose loss is NaN: the case the lesson did not show ---------------------------
+
+_BAD = 2  # the index of the batch the check spoils: the third of four
+# How the check spoils it: one image with a NaN pixel (a corrupt file), or finite images whose
+# every label is CrossEntropyLoss's ignore_index, -100 (a batch of padding): its mean loss is
+# 0/0 = NaN while its gradient is all zeros, so a guard on the images or on the gradients
+# misses it.
+_SPOILED = {
+    "pixel": "batch 3 of 4 held one image with a NaN pixel (a corrupt file), so that batch's "
+             "mean loss was NaN",
+    "ignored": "batch 3 of 4 had finite images, but every one of its labels was -100, "
+               "CrossEntropyLoss's ignore_index (a batch of padding), so its mean loss was "
+               "0/0 = NaN while its gradient was all zeros",
+}
+
+
+def _spoiled(setup, how: str):
+    """The set-up's model and a loader whose batch ``_BAD`` is spoiled ``how``."""
+    n, batch, _ = setup
+    model, loader = _setup(*setup)
+    X, y = (t.clone() for t in loader.dataset.tensors)
+    lo, hi = _BAD * batch, (_BAD + 1) * batch
+    if how == "pixel":
+        X[lo + 5, 0, 0, 0] = float("nan")
+    else:
+        y[lo:hi] = -100
+    return model, DataLoader(TensorDataset(X, y), batch_size=batch, shuffle=False), X, y
+
+
+def _check_train_nan(train_one_epoch, setup=_SETUPS[0]) -> None:
+    """The contract's case the lesson did not show: a batch whose loss is NaN never reaches the
+    weights; the function raises FloatingPointError, and the caller holds the weights the
+    batches before it gave."""
+    __tracebackhide__ = True
+    n, batch, _ = setup
+    stopped_on_pixel = False
+    for how, what in _SPOILED.items():
+        model, loader, X, y = _spoiled(setup, how)
+        start = _params(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        raised = None
+        try:
+            got = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, "cpu")
+        except Exception as exc:  # noqa: BLE001 - the learner's function may raise anything
+            raised = exc
+        weights = _params(model)
+        broken = sum(bool(torch.isnan(p).any()) for p in weights)
+        ref, _ = _setup(*setup)
+        torch.manual_seed(1)
+        head = DataLoader(TensorDataset(X[:_BAD * batch], y[:_BAD * batch]), batch_size=batch)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        _train_variant(ref, head, nn.CrossEntropyLoss(), ref_opt)
+        harm = (f" The step on it made {broken} of the model's {len(weights)} parameter tensors "
+                f"NaN, so batch 4 trained a broken model." if broken else "")
+        guard = "look at each batch's loss before it reaches backward and the step"
+        if raised is None:
+            shown = f"{got:.4f}" if isinstance(got, float) else repr(got)
+            if how == "ignored" and stopped_on_pixel:
+                fail(f"{what}. Your function stopped on the NaN image of the check's first "
+                     f"spoiled epoch, but here it trained on and returned {shown}: what it "
+                     f"tests was clean here (the images, the gradients, or a loss of your own "
+                     f"in place of loss_fn's), and loss_fn's mean loss was NaN all the same. "
+                     f"The contract is about that loss.", fix=guard + ".")
+            if isinstance(got, float) and math.isfinite(got):
+                fail(f"{what}; your function returned {got:.4f} and no error: the batch was "
+                     f"left out without a word, so the caller logs an ordinary epoch over a data "
+                     f"set that holds a spoiled batch. The contract asks for a "
+                     f"FloatingPointError the caller can see.",
+                     fix="raise FloatingPointError instead of skipping the batch quietly.")
+            fail(f"{what}; your function trained on through it and returned {shown}.{harm} The "
+                 f"contract says a NaN loss never reaches the weights, and the caller hears of "
+                 f"it as a FloatingPointError.",
+                 fix=guard + ", and raise FloatingPointError when it is NaN.")
+        if not isinstance(raised, FloatingPointError):
+            extra = (" (and an assert statement is removed when Python runs with -O, so there "
+                     "it would not even raise)" if isinstance(raised, AssertionError) else "")
+            fail(f"{what}; your function raised {type(raised).__name__} ({raised}){extra}. The "
+                 f"contract's error is FloatingPointError, the one a caller catches for a "
+                 f"numeric failure (to skip a spoiled shard and go on): yours would pass "
+                 f"through such a handler.", fix="raise FloatingPointError for a NaN loss.")
+        if broken:
+            fail(f"{what}; your function raised FloatingPointError, but after the optimizer step "
+                 f"on that batch had run: {broken} of the model's {len(weights)} parameter "
+                 f"tensors already hold NaN, so the caller who catches your error holds a "
+                 f"broken model.", fix=guard + ".")
+        if _same(weights, _params(ref)):
+            stopped_on_pixel = stopped_on_pixel or how == "pixel"
+            _check_caller_goes_on(train_one_epoch, model, opt, ref, ref_opt, head, what)
+            continue
+        if _same(weights, start):
+            fail(f"{what}; your function raised FloatingPointError, but the weights it left are "
+                 f"those from before the epoch: the steps on batches 1 and 2 were sound "
+                 f"training, and the contract keeps them (the weights as they were before the "
+                 f"spoiled batch).", fix="leave the steps already taken as they are.")
+        fail(f"{what}; your function raised FloatingPointError, but the weights it left differ "
+             f"from those the steps on batches 1 and 2 give: the contract's weights are those "
+             f"from before the spoiled batch.", fix=guard + ".")
+
+
+def _check_caller_goes_on(train_one_epoch, model, opt, ref, ref_opt, clean, what) -> None:
+    """After the FloatingPointError, the caller goes on: it trains another epoch, on clean
+    batches, with the same model and optimizer. "That loss never reaches the weights" holds for
+    the later steps too: nothing of the spoiled batch (a NaN left in p.grad) may reach them."""
+    __tracebackhide__ = True
+    torch.manual_seed(3)
+    try:
+        train_one_epoch(model, clean, nn.CrossEntropyLoss(), opt, "cpu")
+        ended = "after it"
+    except FloatingPointError:  # the learner's own guard, meeting what its first step did
+        ended = "it raised FloatingPointError on a clean batch, and by then"
+    torch.manual_seed(3)
+    _train_variant(ref, clean, nn.CrossEntropyLoss(), ref_opt)
+    weights = _params(model)
+    broken = sum(bool(torch.isnan(p).any()) for p in weights)
+    if broken and not _same(weights, _params(ref)):
+        fail(f"{what}; your function raised FloatingPointError with the weights intact, and the "
+             f"check, as a caller would, caught it and trained the next epoch on clean batches "
+             f"with the same model and optimizer: {ended} {broken} of the model's "
+             f"{len(weights)} parameter tensors were NaN. The spoiled batch's gradient was still "
+             f"in p.grad when your raise left the function, and the next epoch's first step "
+             f"added it in: the NaN loss reached the weights one epoch late.",
+             fix="raise before backward, or clear the gradients before each backward rather "
+                 "than after each step.")
 
 
 @recorded
