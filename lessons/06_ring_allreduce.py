@@ -707,7 +707,7 @@ claim(f"whole chunks: 2(N−1) transfers and N−1 additions one after another, 
       done[1] == 2 * (N_PIPE - 1) + (N_PIPE - 1) * ADD and done[4] == 2 * (N_PIPE - 1))
 first = next(s for s in timelines[4] if (s.kind, s.rank, s.step, s.segment) == ("add", 1, 1, 0))
 onward = next(s for s in timelines[4] if (s.kind, s.rank, s.step, s.segment) == ("send", 1, 2, 0))
-viz.show(viz.l06_ring_allreduce.pipeline_figure(
+viz.show(viz.pipeline_figure(
     {"each chunk sent whole": timelines[1], "each chunk in 4 pieces": timelines[4]}),
     caption=f"each row is one rank's link to its right neighbour; a box is a piece of a chunk "
             f"on it (chunk.piece), a grey bar under it that rank adding a piece it received. "
