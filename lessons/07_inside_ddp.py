@@ -122,9 +122,9 @@ for kind in ("after_backward", "per_parameter"):
 # gradients first, so the first bucket is complete early and goes on the wire while the
 # backward is still busy. DDP's rule (its reducer's `compute_bucket_assignment_by_size`) walks
 # the parameters in the order their gradients arrive — for a model whose layers run in
-# registration order, that order reversed — one set of buckets per dtype and device, and
-# closes a bucket by a size cap, `bucket_cap_mb` MiB; exactly when it closes one is lab 07's
-# part 1, so the rule is folded under the reference answer below.
+# registration order, that order reversed — and closes a bucket by a size cap, `bucket_cap_mb`
+# MiB; what exactly closes one, parameters of several dtypes included, is lab 07's part 1, so
+# the rule is folded under the reference answer below.
 #
 # **Lab 07, part 1 — now.** Before reading on, open
 # [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) and write `assign_buckets` by DDP's rule.
@@ -789,6 +789,13 @@ viz.show(fig, "the 4 MiB buckets, run against model: grey is the backward, each 
 # network, which uses no core (a sleeping thread releases the GIL). Its speed is set so that
 # all the buckets' messages together take twice as long as one backward, measured first
 # (B / C = 1/2). As before, the two variants take their steps in shuffled rounds.
+#
+# The experiment sends a bucket when its **last parameter's** gradient arrives. That is enough
+# for this MLP only: its gradients arrive in the reverse of registration order, the order
+# `assign_buckets` walked, so a bucket's last parameter is its last gradient (a bucket sent
+# with a gradient still missing raises). It is not DDP's rule: where the backward's order
+# differs from the buckets' (a layer registered before one it follows), a last parameter can
+# arrive early. Knowing when a bucket is complete, whatever the order, is lab 07's part 2.
 
 # %%
 viz.show_code(experiments.off_cpu_wire)
@@ -1295,7 +1302,8 @@ viz.quiz([
 #   `copy_bucket_to_grad` (the copy back when gradients are not views), `kDefaultFirstBucketBytes`,
 #   `div_factor_`; `Reducer` never rebuilds its buckets when `find_unused_parameters` is set
 #   (`should_rebuild_buckets`);
-#   `compute_bucket_assignment_by_size` (buckets per dtype and device, a list of size limits).
+#   `compute_bucket_assignment_by_size` (a list of size limits; what closes a bucket is lab
+#   07's part 1, in the folded cell at the end).
 # - `torch/distributed/__init__.py` — `_compute_bucket_assignment_by_size`,
 #   `_DEFAULT_FIRST_BUCKET_BYTES`: the reducer's C++ functions as torch exposes them.
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`,

@@ -373,3 +373,25 @@ def test_off_cpu_wire_sends_every_bucket_once_per_step():
     # the control sends after the backward, one message at a time: every message adds its 5 ms
     assert all(s - b >= 5.0 * n for s, b in zip(out["control"]["step"],
                                                  out["control"]["backward"]))
+
+
+def test_off_cpu_wire_refuses_a_bucket_sent_before_its_gradients(monkeypatch):
+    """off_cpu_wire sends a bucket when its last parameter's gradient arrives, which is right
+    only where the gradients arrive in reverse registration order (the MLP's, above). A model
+    whose output layer is registered before the hidden layer it follows breaks that: the one
+    bucket's last parameter (the output weight) arrives first, and the experiment must raise
+    rather than time a bucket sent half empty."""
+
+    class OutputFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = nn.Linear(16, 10)
+            self.hidden = nn.Linear(3 * 32 * 32, 16)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.hidden(x.flatten(1))))
+
+    monkeypatch.setattr(ox, "wide_mlp", lambda *args, **kwargs: OutputFirst())
+    cfg = ox.OverlapConfig(model="wide_mlp", width=16, depth=2, global_batch=8)
+    with pytest.raises(RuntimeError, match="bucket 0 was sent before all its gradients arrived"):
+        ox.off_cpu_wire(cfg, 100, lambda nbytes: 0.0, rounds=1)

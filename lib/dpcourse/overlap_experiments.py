@@ -416,8 +416,9 @@ def off_cpu_wire(cfg: OverlapConfig, bucket_cap_mb: float, wire_ms, rounds: int 
     """Overlap where communication takes no CPU: one process, no process group; each bucket's
     "all-reduce" is ``time.sleep(wire_ms(bytes) / 1000)`` on one background thread (one
     message at a time, as lesson 07's model assumes; a sleeping thread releases the GIL and
-    uses no core). Overlapped, a bucket goes on this wire from the gradient hook the moment its
-    last gradient arrives; in the control, every bucket goes once ``backward()`` has returned.
+    uses no core). Overlapped, a bucket goes on this wire from the hook of its last parameter
+    (enough where gradients arrive in reverse registration order, as the MLP's do; a bucket sent
+    with a gradient missing raises); in the control, every bucket goes once ``backward()`` ends.
     The two take their steps in rounds (shuffled order each round, one untimed warm-up round);
     returns each one's step times (forward, backward, wire; no optimizer) and backward times,
     round by round, in ms, and the buckets' bytes.
@@ -431,20 +432,20 @@ def off_cpu_wire(cfg: OverlapConfig, bucket_cap_mb: float, wire_ms, rounds: int 
     X = torch.randn(cfg.global_batch, 3, 32, 32)
     y = torch.randint(0, 10, (cfg.global_batch,))
     buckets = assign_buckets([p for p in model.parameters() if p.requires_grad], bucket_cap_mb)
-    bucket_of = {p: i for i, b in enumerate(buckets) for p in b}
+    closes = {b[-1]: i for i, b in enumerate(buckets)}   # each bucket's last parameter
     wire = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    state = {"overlap": True, "missing": [len(b) for b in buckets], "sent": []}
+    state = {"overlap": True, "sent": []}
 
     def send(i):
+        if any(p.grad is None for p in buckets[i]):
+            raise RuntimeError(f"bucket {i} was sent before all its gradients arrived")
         state["sent"].append(wire.submit(time.sleep, wire_ms(bucket_nbytes(buckets[i])) / 1e3))
 
     def grad_ready(p):
-        i = bucket_of[p]
-        state["missing"][i] -= 1
-        if state["missing"][i] == 0 and state["overlap"]:
-            send(i)
+        if p in closes and state["overlap"]:
+            send(closes[p])
 
-    for p in bucket_of:
+    for p in closes:
         p.register_post_accumulate_grad_hook(grad_ready)
     out = {"overlap": {"step": [], "backward": []}, "control": {"step": [], "backward": []},
            "bucket_bytes": [bucket_nbytes(b) for b in buckets]}
@@ -452,7 +453,7 @@ def off_cpu_wire(cfg: OverlapConfig, bucket_cap_mb: float, wire_ms, rounds: int 
     try:
         for r in range(rounds + 1):
             for kind in order.sample(["overlap", "control"], 2):
-                state.update(overlap=kind == "overlap", missing=[len(b) for b in buckets])
+                state.update(overlap=kind == "overlap")
                 model.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
                 F.cross_entropy(model(X), y).backward()
