@@ -66,7 +66,8 @@ common = ["--data", data_name, "--n-train", str(n_train), "--epochs", str(epochs
 # The scripts below run their ranks on the CPU even on a GPU machine: two "nodes" on one machine
 # would both put their rank on GPU 0, which NCCL refuses, and the fault-tolerance check compares
 # two runs bit for bit, so both must run on the same kind of device, with the same 2 ranks.
-script_env = {"CUDA_VISIBLE_DEVICES": ""}
+# LOGLEVEL=INFO: torchrun's agent logs each rendezvous's result, which §3 draws.
+script_env = {"CUDA_VISIBLE_DEVICES": "", "LOGLEVEL": "INFO"}
 print("ranks:", world_size, "| backend:", profile.backend)
 
 # %% [markdown]
@@ -80,7 +81,8 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # identity, in environment variables: `RANK` (0..WORLD_SIZE-1 over all machines), `LOCAL_RANK`
 # (0..N-1 on this machine: it picks the GPU), `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, and
 # `MASTER_ADDR`/`MASTER_PORT`, where a **c10d store** listens: a small key-value server
-# (torch.distributed's `TCPStore`) in which the ranks publish their addresses to find each other.
+# (torch.distributed's `TCPStore`) in which the ranks publish their addresses to find each other
+# (section 3 draws all of this from the agents' own logs).
 # (`python -m torch.distributed.launch` is the old launcher: it passed `--local-rank` as an
 # argument and is deprecated.)
 #
@@ -325,6 +327,40 @@ viz.show(viz.restart_timeline_figure(total_steps=total_steps, ckpt_every=4, fail
          "section 2.")
 
 # %% [markdown]
+# What torchrun did in both runs, read from its agents' own log (`LOGLEVEL=INFO`: each
+# rendezvous logs what it gave the workers, `viz.torchrun_log` parses it):
+
+# %%
+agents = [viz.torchrun_log(out) for out in nodes.outputs]          # §2: one log per node
+restart_log = viz.torchrun_log(fault.output)                        # §3: one node
+rounds = [e for e in restart_log if e["event"] == "rendezvous"]
+met = [next(e for e in log if e["event"] == "rendezvous") for log in agents]
+claim("§2: each agent gave its one worker LOCAL_RANK 0, a RANK of its own and WORLD_SIZE 2, "
+      "and both workers the same store (MASTER_ADDR:MASTER_PORT)",
+      sorted(r for e in met for r in e["global_ranks"]) == [0, 1]
+      and all(e["local_ranks"] == [0] and e["global_world_sizes"] == [2] for e in met)
+      and len({(e["master_addr"], e["master_port"]) for e in met}) == 1, met=met)
+claim("§3: the agent met the rendezvous twice; attempt 1 (restart_count 1) gave both workers "
+      "the RANK and LOCAL_RANK of attempt 0, and the same store port",
+      [e["restart_count"] for e in rounds] == [0, 1]
+      and rounds[0]["global_ranks"] == rounds[1]["global_ranks"]
+      and rounds[0]["local_ranks"] == rounds[1]["local_ranks"]
+      and rounds[0]["master_port"] == rounds[1]["master_port"], rounds=rounds)
+viz.show(viz.torchrun_figure(agents, restart_log),
+         "left, section 2: one torchrun agent per node; the agents meet at the rendezvous "
+         "endpoint, number the nodes, and give each worker its RANK (in the job), LOCAL_RANK (on "
+         "its node) and WORLD_SIZE; node 0's agent hosts the store the workers meet in. Right, "
+         "section 3: rank 1 was killed (SIGKILL); the agent ended the whole group and started "
+         "both workers again with the same ranks, a restart count of 1 and the same store; the "
+         "checkpoint does the rest.")
+
+# %% [markdown]
+# **▶ How the agents' log is read** (click the folded cell below): `viz.torchrun_log`.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(viz.torchrun_log)
+
+# %% [markdown]
 # The data order comes back unsaved: the loop starts at the saved step's epoch, `set_epoch`
 # gives the same permutation, and the batches already trained on are skipped
 # (`done_in_epoch`). What else the checkpoint holds, and how each rank gets it back, is close to
@@ -522,38 +558,39 @@ claim("the padding and the mean of means move it by less than one point: easy to
       all(abs(acc - one_acc) < 0.01 for _, acc, _ in rows[2:5]), rows=rows)
 
 # %% [markdown]
-# Which rank gets which image, and where the padding lands, drawn from the sampler itself on a
-# case small enough to read: 10 images, 4 ranks, shuffled (seed 0, epoch 0).
+# Which rank gets which image, where the padding lands, and what `set_epoch` changes, drawn from
+# the sampler itself on a case small enough to read: 10 images, 4 ranks, shuffled (seed 0),
+# epochs 0 and 1.
 
 # %%
-import matplotlib.pyplot as plt
-
 n_small, ranks_small = 10, 4
-dealt = [list(DistributedSampler(range(n_small), num_replicas=ranks_small, rank=r, shuffle=True,
-                                 seed=0)) for r in range(ranks_small)]
-slots = len(dealt[0])
-order = [dealt[p % ranks_small][p // ranks_small] for p in range(slots * ranks_small)]
-fig, ax = plt.subplots(figsize=(6.4, 2.4))
-for r, indices in enumerate(dealt):
-    for k, i in enumerate(indices):
-        padded = k * ranks_small + r >= n_small     # position in the padded list past the images
-        ax.add_patch(plt.Rectangle((k, r), 0.95, 0.9, color="tab:red" if padded else "tab:blue",
-                                   alpha=0.35 if padded else 0.2))
-        ax.text(k + 0.47, r + 0.45, str(i), ha="center", va="center", fontsize=11)
-ax.set_xlim(0, slots)
-ax.set_ylim(ranks_small, 0)
-ax.set_xticks([k + 0.47 for k in range(slots)], [f"slot {k}" for k in range(slots)])
-ax.set_yticks([r + 0.45 for r in range(ranks_small)], [f"rank {r}" for r in range(ranks_small)])
-ax.set_title(f"DistributedSampler: {n_small} images on {ranks_small} ranks, "
-             f"{slots * ranks_small} slots")
-for side in ax.spines.values():
-    side.set_visible(False)
-pad = order[n_small:]
-claim(f"the {len(pad)} padded slots repeat the first {len(pad)} images of the shuffled order",
-      pad == order[:len(pad)], order=order)
-viz.show(fig, f"rank r reads slots r, r + {ranks_small}, ... of the shuffled list padded to "
-              f"{slots * ranks_small}: the red slots repeat its first images "
-              f"({', '.join(map(str, pad))}), so each of them is evaluated twice, on two ranks")
+dealt = {}
+for epoch in (0, 1):
+    samplers = [DistributedSampler(range(n_small), num_replicas=ranks_small, rank=r, seed=0)
+                for r in range(ranks_small)]
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+    dealt[epoch] = [list(sampler) for sampler in samplers]
+total = len(dealt[0][0]) * ranks_small   # the padded list's length
+orders = {e: [dealt[e][p % ranks_small][p // ranks_small] for p in range(total)] for e in dealt}
+pads = {e: order[n_small:] for e, order in orders.items()}
+n_pad = total - n_small
+claim(f"in each epoch the {n_pad} padded slots repeat the first {n_pad} images of that epoch's "
+      "order", all(pads[e] == orders[e][:n_pad] for e in dealt), orders=orders)
+claim(f"set_epoch(1) deals another order, so other images are repeated: {pads[0]} in epoch 0, "
+      f"{pads[1]} in epoch 1", dealt[0] != dealt[1] and pads[0] != pads[1], pads=pads)
+viz.show(viz.sampler_index_map_figure(dealt, n_small),
+         f"rank r reads slots r, r + {ranks_small}, ... of the epoch's shuffled list padded to "
+         f"{total}: the red slots repeat its first images, which are evaluated twice, on two "
+         f"ranks; set_epoch(1) reshuffles, and the images padded change ({pads[0]}, then "
+         f"{pads[1]}).")
+
+# %% [markdown]
+# **▶ Which slots are red** (click the folded cell below): `viz.sampler_slots`, the rule the
+# figure colours by.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(viz.sampler_slots)
 
 # %% [markdown]
 # Rank 0's own number is simply another sample (see the table). The padding and the mean of
@@ -1513,7 +1550,12 @@ viz.quiz([
 #   `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`,
 #   `TORCHELASTIC_RESTART_COUNT` = `spec.max_restarts - self._remaining_restarts`, this
 #   agent's own count, `TORCHELASTIC_USE_AGENT_STORE`).
-# - `torch/distributed/elastic/agent/server/api.py` — `SimpleElasticAgent._invoke_run`: an
+# - `torch/distributed/elastic/agent/server/api.py` — `SimpleElasticAgent._rendezvous`: logs
+#   "Rendezvous complete for workers" with `restart_count`, `master_addr`, `master_port`,
+#   `group_rank`, and each worker's `local_ranks`, `global_ranks`, `global_world_sizes` (what
+#   section 3's picture reads, with `LOGLEVEL=INFO`: `torch/distributed/elastic/utils/logging.py`);
+#   `torch/distributed/elastic/multiprocessing/api.py` — the "failed (exitcode: ...) local_rank:"
+#   line for a dead worker. `SimpleElasticAgent._invoke_run`: an
 #   `UNHEALTHY`/`FAILED` worker group decrements `_remaining_restarts` and restarts; a
 #   `HEALTHY` one restarts without decrementing when `num_nodes_waiting() > 0` ("membership
 #   changes do not count as retries").
