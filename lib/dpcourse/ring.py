@@ -15,6 +15,9 @@ Three parts, from paper to wire:
   copy. The returned :class:`RingTrace` records every
   transfer and every worker's buffer after every step, so the lesson can print, draw and
   assert on it (bytes sent per worker = 2(N-1)L/N elements, rounded for uneven chunks).
+  :func:`pipeline_schedule` lays those transfers on a time axis with each chunk sent as
+  segments (a model: a chunk's transfer and addition times, one piece per link at a time), for
+  lesson 06's timeline of the pipelined ring.
 
 * **Cost models** (:func:`cost`, :data:`ALGORITHMS`, :data:`COST_MODELS`): naive (gather to
   one worker and send back one by one), parameter server, ring, a binomial tree and
