@@ -7,21 +7,26 @@
 # the gradients leave the rank **during** the backward, in **buckets** (lesson 07), while the
 # backward goes on computing the earlier layers. Two pieces:
 #
-# 1. `shard_bounds(numel, rank, world_size)` — which slice of a flat vector a rank owns;
+# 1. `shard_bounds(numel, rank, world_size, element_size)` — which slice of a flat vector a
+#    rank owns;
 # 2. `ZeroTwo`, a wrapper around any torch optimizer, used like lesson 08's stages:
 #    `zero_grad()`, your `loss.backward()`, `step()`;
 #
 # then you predict the peak of live gradient memory of your wrapper on a small model, and
-# measure it.
+# measure it (part 4), and you predict and measure what other orders of launching and waiting
+# would cost (part 5).
+#
+# **Where the decisions are.** Two are yours, and the lesson makes neither: in **part 1**, how
+# long a rank's piece is; in **part 3**, what to keep in flight and when to wait for it.
 #
 # The check runs your wrapper for 3 steps on 2 ranks with Adam and on 3 ranks with SGD +
 # momentum, next to DDP with the full optimizer, on a seven-layer MLP with a **frozen** bias
 # (`requires_grad=False`) and a weight **tied** between two layers (one `Parameter` used
 # twice). From inside each rank it watches every gradient arrive, every collective you launch
-# and every `wait()`; at each arrival, and inside your hook at each launch and each `wait()`,
-# it weighs the gradient memory alive — by *storage*: a view weighs the whole buffer it keeps
-# alive, and a tensor held only by a local variable of your hook weighs too. Its sentence
-# names what went wrong: read it.
+# and every `wait()`; at each arrival, and during the backward before every line of your own
+# code that runs (your hook and what it calls), it weighs the gradient memory alive — by
+# *storage*: a view weighs the whole buffer it keeps alive, and a tensor held only by a local
+# variable of your hook weighs too. Its sentence names what went wrong: read it.
 #
 # **Collective names.** `dist.reduce_scatter_single` and `dist.all_gather_single` are the
 # names in torch 2.14, the version this course pins. Older torch calls them
@@ -54,44 +59,61 @@ for collective in (dist.reduce_scatter_single, dist.all_gather_single):
 # %% [markdown]
 # ## 1. Shard boundaries
 #
-# A bucket's gradients, flattened, are one vector of `numel` numbers, which your wrapper will
-# reduce-scatter and, once stepped, all-gather with the two collectives above — each rank's
-# piece in rank order, over the vector padded with zeros at its end if the collectives need
-# it. `shard_bounds(numel, rank, world_size)` returns two integers, `(start, end)`, end
-# exclusive: rank `rank`'s piece of that padded vector. What must hold: both collectives can
-# move these pieces, every one of the `numel` numbers belongs to a rank, and no rank's piece
-# carries padding the collectives do not force on it (every collective sends it). The check
-# tries sizes that divide, sizes that do not, and more ranks than numbers.
+# A bucket's gradients, flattened, are one vector of `numel` numbers of `element_size` bytes
+# each, which your wrapper will reduce-scatter and, once stepped, all-gather with the two
+# collectives above — each rank's piece in rank order, over the vector padded with zeros at
+# its end. `shard_bounds(numel, rank, world_size, element_size)` returns two integers,
+# `(start, end)`, end exclusive: rank `rank`'s piece of that padded vector. What must hold:
+#
+# - both collectives can move these pieces, and every one of the `numel` numbers belongs to a
+#   rank;
+# - every piece starts on a **16-byte boundary** of the vector. Torch's allocator aligns where
+#   a tensor starts, but a piece inside a buffer starts where you cut it; code that moves 16
+#   bytes at a time wants it aligned, which is why FSDP pads to 16 bytes
+#   (`torch/distributed/fsdp/_flat_param.py`, `_get_aligned_numel`: "This alignment constraint
+#   comes from TorchInductor"). In `self.shard` (part 3) the buckets' pieces follow one
+#   another, so where each one starts depends on the lengths of those before it;
+# - no piece carries padding that these rules do not force on it: every collective sends it,
+#   in every step.
+#
+# The check tries sizes that divide and sizes that do not, more ranks than numbers, and
+# numbers of 1, 2, 4 and 8 bytes.
+#
+# **Your decision in this part:** how long a piece is — what you round, and to what — so that
+# all three hold at once.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # What does `reduce_scatter_single` require of its input's length, given its output's, and
-# what does that say about the pieces of different ranks? With `numel = 53` on 2 ranks, how
-# long must each piece then be so that no number is left without an owner? And with 3 numbers
-# on 4 ranks?
+# what does that say about the pieces of different ranks? With 53 fp32 numbers on 3 ranks, how
+# long must each piece be so that no number is left without an owner — and at which byte does
+# rank 1's piece then start? What if you pad the whole vector to a multiple of 16 bytes first?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Divide and round **up**: the pieces are equal, and only the last one(s) run into the zero
-# padding. Every rank uses the same length; where a piece starts follows from the rank.
+# Every piece has the same length, and piece r starts at r times that length: so it is the
+# **length** that must be a whole number of 16-byte units — the smallest such length whose
+# `world_size` pieces still cover `numel`. Only the last piece(s) run into the zero padding.
+# 16 bytes are not the same count of numbers for every `element_size`.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Two lines: one piece length computed from `numel` and `world_size` alone, then the start and
-# end of piece number `rank`.
+# Three lines: how many numbers make 16 bytes; one piece length from `numel`, `world_size`
+# and that count (round up, in whole units); then the start and end of piece number `rank`.
 
 # %%
-def shard_bounds(numel, rank, world_size):
-    """[start, end) of rank ``rank``'s equal-size shard of a flat vector of ``numel`` numbers,
-    padded up to a multiple of ``world_size``."""
+def shard_bounds(numel, rank, world_size, element_size):
+    """[start, end) of rank ``rank``'s piece of a flat vector of ``numel`` numbers of
+    ``element_size`` bytes, padded with zeros at its end."""
     ### BEGIN SOLUTION: this rank's [start, end) in the padded vector
-    size = math.ceil(numel / world_size)
+    unit = 16 // element_size                      # numbers in 16 bytes
+    size = math.ceil(numel / (world_size * unit)) * unit
     return rank * size, (rank + 1) * size
     ### END SOLUTION
 
@@ -140,11 +162,12 @@ def make_buckets(params, cap):
 #    optimizer on the same global batch (to float rounding), and a frozen parameter never
 #    moves;
 # 2. `self.shard` is an `nn.Parameter` holding this rank's slice (`shard_bounds` of the
-#    bucket's padded flat vector) of every bucket, one bucket after the other, owning its
-#    memory; `self.shard.grad` has its size; `self.optimizer` is the inner optimizer over
-#    `[self.shard]` alone, so its state covers the shard and nothing more; `self.buckets` is
-#    the list of buckets (`make_buckets(..., bucket_cap)` of the trainable parameters: the
-#    given `zero_grad` reads it);
+#    bucket's padded flat vector, so every slice starts on 16 bytes) of every bucket, one
+#    bucket after the other, owning its memory; `self.shard.grad` has its size;
+#    `self.optimizer` is the inner optimizer over `[self.shard]` alone, so its state covers
+#    the shard and nothing more; `self.buckets` is the list of buckets
+#    (`make_buckets(..., bucket_cap)` of the trainable parameters: the given `zero_grad`
+#    reads it);
 # 3. when the inner optimizer steps, `self.shard.grad` holds, on every rank, the **average**
 #    over the ranks of this step's gradient for that rank's slices;
 # 4. each bucket's gradients leave the rank **during** the backward, as soon as the bucket
@@ -152,9 +175,10 @@ def make_buckets(params, cap):
 # 5. no more than about **two buckets** of gradient are alive at once on a rank — in `p.grad`,
 #    in buffers, or anywhere your object keeps them — and between steps nothing but
 #    `self.shard.grad`. Exactly, the check allows 2 × (`bucket_cap` / 4 + the largest
-#    trainable parameter's `numel` + `world_size`) fp32 numbers: a bucket closes at the
+#    trainable parameter's `numel` + 4 × `world_size`) fp32 numbers: a bucket closes at the
 #    parameter that takes it to the cap, so it can hold up to one parameter more than the cap,
-#    plus its padding;
+#    plus its padding. It weighs before every line of your code in the backward, so a moment
+#    between two of your lines counts as much as a launch or a `wait()`;
 # 6. every tensor you make — the shard, its gradient, the buffers — has the parameters'
 #    device and dtype (on a GPU with NCCL, a buffer left on the CPU cannot be sent).
 #
@@ -214,7 +238,8 @@ class ZeroTwo:
         self.bucket_of, self.layout, pieces, offset = {}, [], [], 0
         for i, bucket in enumerate(self.buckets):
             numel = sum(p.numel() for p in bucket)
-            start, end = shard_bounds(numel, self.rank, self.world_size)
+            start, end = shard_bounds(numel, self.rank, self.world_size,
+                                      bucket[0].element_size())
             size = end - start
             mine = torch.cat([p.detach().reshape(-1) for p in bucket])[start:end]
             pieces.append(F.pad(mine, (0, size - mine.numel())))   # past numel: zeros
@@ -291,42 +316,46 @@ lab08.check_zero_two(ZeroTwo, timeout=check_timeout)
 # memory** on a rank, in bytes — the most gradient bytes alive at once (in `p.grad`, in your
 # buffers, anywhere your object keeps them; `self.shard.grad` aside)? It is weighed as the
 # check weighed it: at every gradient's arrival, once that gradient is in `p.grad` and
-# **before** your hook runs on it, and inside your hook at each reduce-scatter's launch and
-# each `wait()` (whatever your hook has made by then counts, local variables included).
-# Write a number of bytes (not MB), then run the measurement.
+# **before** your hook runs on it; during the backward, before every line of your code that
+# runs; and at each reduce-scatter's launch and each `wait()` (whatever your code has made by
+# then counts, local variables included). Write a number of bytes (not MB), then run the
+# measurement.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Which buckets does `make_buckets` build for this model at 4096 bytes? Count each layer's
-# weight and bias, starting from the last layer. At which arrival is the most alive?
+# weight and bias, starting from the last layer. Is the most alive at an arrival, or at some
+# line of your hook?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Look at the moments just after a bucket's last gradient arrives, before your hook lets go of
-# anything: all of that bucket is still in `p.grad`, plus whatever your wrapper still keeps of
-# the buckets launched before it, plus whatever your hook builds before it waits or frees. The
-# first bucket has no predecessor.
+# Walk through your hook line by line at a bucket's last arrival: all of that bucket is in
+# `p.grad`; what does your wrapper still keep of the bucket launched before it, and when does
+# it let go? Once your hook has built the new buffer, what is alive until the next line frees
+# `p.grad`? The first bucket has no predecessor — but it is not the smallest.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # List the buckets' sizes in numbers, in launch order (a buffer is padded, a `p.grad` is
-# not); at each bucket's last arrival, and at each `wait()` and launch in your hook, add up
-# what is alive then (that bucket's `p.grad`s, the buffers your wrapper still holds, any
-# buffer your hook has already filled); take the largest; 4 bytes per number.
+# not); for each bucket, add up what is alive at its last arrival and after each line of your
+# hook (that bucket's `p.grad`s, the buffers your wrapper still holds, any buffer your hook
+# has already filled); take the largest; 4 bytes per number.
 
 # %%
 from dpcourse.checks import predict
 
 ### BEGIN SOLUTION: your prediction: the peak of live gradient bytes (a number)
-# bucket 1's gradients, all in p.grad, while bucket 0's padded buffer is still in flight: my
-# hook waits for bucket 0 and lets go of it before it builds bucket 1's buffer
-my_peak = 4 * (4160 + 4680)
+# buckets of 4680, 4160, 4160, 1088 numbers. My hook waits for the bucket before and lets go
+# of it, then copies the new one: right after the copy of bucket 0 (nothing in flight yet) its
+# gradients are in p.grad and in the buffer, 4680 + 4680 — more than bucket 1's arrival
+# beside bucket 0 in flight, 4160 + 4680
+my_peak = 4 * (4680 + 4680)
 ### END SOLUTION
 guess = predict("lab08", "peak of live gradient bytes of your ZeroTwo", my_peak, unit="B")
 
@@ -335,9 +364,66 @@ measured = lab08.measure_peak(ZeroTwo, timeout=check_timeout)
 lab08.check_peak_prediction(guess, measured)
 
 # %% [markdown]
-# The check's explanation says where the peak came from: that is what stage 2 earns over a
-# ZeRO-2 that reduce-scatters in `step()`. On a GPU with NCCL the asynchronous reduce-scatter
-# runs on a communication stream beside the backward's kernels; on this CPU gloo runs it on a
-# thread of its own. One collective per small bucket means many small messages (lesson 06's
-# α per message): a larger `bucket_cap` sends fewer, larger messages at the price of a higher
-# peak — and how much higher depends on where the cap falls across the layers.
+# ## 5. Predict, then measure: the order of launching and waiting
+#
+# Part 3's decision, measured. When a bucket is full, a ZeRO-2 that copies each bucket into a
+# padded buffer and lets go of its `p.grad` right after can order the rest three ways:
+#
+# - **wait-then-launch**: wait for the bucket launched before it and let go of that buffer,
+#   then copy this bucket, let go of its `p.grad`, launch it;
+# - **launch-then-wait**: copy this bucket, let go of its `p.grad`, launch it, then wait for
+#   the bucket launched before it;
+# - **launch-all**: copy, let go, launch — and wait for every bucket in `step()` only.
+#
+# The check's own ZeRO-2 runs each order on part 4's model (the same buckets, 2 ranks) and is
+# weighed exactly as your `ZeroTwo` was. Before you measure: the peak of live gradient bytes
+# of each order?
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# In each order, which buffers are still alive at the line right after a bucket is copied,
+# before its `p.grad` is let go? Is that more, or less, than at the moment its last gradient
+# arrived?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Letting go of `p.grad` right after the copy does not make the copy free: for one line the
+# bucket is alive twice. What else is alive then is whatever was launched and not yet waited
+# for — none, one or every earlier bucket, depending on the order.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Per order and per bucket k: (bucket k) + (its buffer) + (the buffers still in flight at its
+# copy); take the largest over k; 4 bytes per number.
+
+# %%
+### BEGIN SOLUTION: your predictions: each order's peak of live gradient bytes (numbers)
+# wait-then-launch: part 4's, bucket 0 twice right after its copy
+wait_first = 4 * (4680 + 4680)
+# launch-then-wait: bucket 1 twice right after its copy, bucket 0 still in flight
+launch_first = 4 * (4160 + 4160 + 4680)
+# launch-all: bucket 2 twice right after its copy, buckets 0 and 1 still in flight
+launch_all = 4 * (4160 + 4160 + 4680 + 4160)
+### END SOLUTION
+guesses = [predict("lab08", f"peak of live gradient bytes, {order}", value, unit="B")
+           for order, value in zip(lab08.SCHEDULES, (wait_first, launch_first, launch_all))]
+
+# %%
+peaks = lab08.measure_schedules(timeout=check_timeout)
+lab08.check_schedule_predictions(*guesses, peaks)
+
+# %% [markdown]
+# The explanations say which instant makes each peak. On a GPU with NCCL the asynchronous
+# reduce-scatter runs on a communication stream beside the backward's kernels; on this CPU
+# gloo runs it on a thread of its own. One collective per small bucket means many small
+# messages (lesson 06's α per message): a larger `bucket_cap` sends fewer, larger messages at
+# the price of a higher peak — and how much higher depends on where the cap falls across the
+# layers. The copy that doubles a bucket for an instant is what DDP's `gradient_as_bucket_view`
+# removes (`torch/nn/parallel/distributed.py`, its docstring: "This can reduce peak memory
+# usage"): the gradients are views into the bucket, so there is nothing to copy.

@@ -32,32 +32,47 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 # --------------------------------------------------------------------------------------------
 
 
-def negated_floor(numel, rank, world_size):
+def unit_of(element_size):
+    return 16 // element_size
+
+
+def negated_floor(numel, rank, world_size, element_size):
+    unit = unit_of(element_size)
     size = -(-numel // world_size)
+    size = -(-size // unit) * unit
     return rank * size, (rank + 1) * size
 
 
-def integer_ceil(numel, rank, world_size):
-    size = (numel + world_size - 1) // world_size
+def integer_ceil(numel, rank, world_size, element_size):
+    unit = unit_of(element_size)
+    size = (numel + world_size * unit - 1) // (world_size * unit) * unit
     return rank * size, (rank + 1) * size
 
 
-def math_ceil(numel, rank, world_size):
-    size = math.ceil(numel / world_size)
+def math_ceil(numel, rank, world_size, element_size):
+    size = math.ceil(numel / world_size / unit_of(element_size)) * unit_of(element_size)
     return rank * size, (rank + 1) * size
 
 
-def as_list(numel, rank, world_size):
-    size = math.ceil(numel / world_size)
-    return [rank * size, rank * size + size]
+def in_bytes(numel, rank, world_size, element_size):
+    piece_bytes = math.ceil(numel * element_size / world_size / 16) * 16
+    size = piece_bytes // element_size
+    return rank * size, (rank + 1) * size
 
 
-def numpy_ints(numel, rank, world_size):
-    size = np.int64(np.ceil(numel / world_size))
+def as_list(numel, rank, world_size, element_size):
+    start, end = math_ceil(numel, rank, world_size, element_size)
+    return [start, end]
+
+
+def numpy_ints(numel, rank, world_size, element_size):
+    size = np.int64(np.ceil(numel / (world_size * unit_of(element_size)))) * \
+        unit_of(element_size)
     return np.int64(rank) * size, np.int64(rank + 1) * size
 
 
-@pytest.mark.parametrize("fn", [negated_floor, integer_ceil, math_ceil, as_list, numpy_ints])
+@pytest.mark.parametrize("fn", [negated_floor, integer_ceil, math_ceil, in_bytes, as_list,
+                                numpy_ints])
 def test_right_shard_bounds_pass(fn, capsys):
     lab08.check_shard_bounds(fn)
     out = capsys.readouterr().out
@@ -65,50 +80,92 @@ def test_right_shard_bounds_pass(fn, capsys):
     assert "ceil" not in out and "numel / world_size" not in out   # what was checked, no formula
 
 
-def floor_size(numel, rank, world_size):
+def aligned(numel, world_size, element_size):
+    return math_ceil(numel, 0, world_size, element_size)[1]
+
+
+# the design decision of part 1: where the padding goes so that every piece starts on 16 bytes
+
+
+def plain_ceil(numel, rank, world_size, element_size):
+    # lesson 08's equal pieces, rounded up: right until a piece must start on 16 bytes
+    size = math.ceil(numel / world_size)
+    return rank * size, (rank + 1) * size
+
+
+def aligned_vector(numel, rank, world_size, element_size):
+    # the whole vector padded to 16 bytes, then cut: its end is aligned, its pieces are not
+    unit = unit_of(element_size)
+    padded = math.ceil(numel / unit) * unit
+    size = math.ceil(padded / world_size)
+    return rank * size, (rank + 1) * size
+
+
+def sixteen_numbers(numel, rank, world_size, element_size):
+    # aligned to 16 numbers, not 16 bytes: every piece starts on the boundary, with padding
+    # the collectives then send for nothing
+    size = math.ceil(math.ceil(numel / world_size) / 16) * 16
+    return rank * size, (rank + 1) * size
+
+
+def fp32_only(numel, rank, world_size, element_size):
+    # 16 bytes taken as 4 numbers, whatever the element size
+    size = math.ceil(numel / world_size / 4) * 4
+    return rank * size, (rank + 1) * size
+
+
+def one_unit_too_long(numel, rank, world_size, element_size):
+    size = aligned(numel, world_size, element_size) + unit_of(element_size)
+    return rank * size, (rank + 1) * size
+
+
+# the mistakes of equal pieces themselves, in pieces that are aligned where they can be
+
+
+def floor_size(numel, rank, world_size, element_size):
     size = numel // world_size
     return rank * size, (rank + 1) * size
 
 
-def inclusive_end(numel, rank, world_size):
-    size = math.ceil(numel / world_size)
+def inclusive_end(numel, rank, world_size, element_size):
+    size = aligned(numel, world_size, element_size)
     return rank * size, (rank + 1) * size - 1
 
 
-def overlapping(numel, rank, world_size):
-    size = math.ceil(numel / world_size)
+def overlapping(numel, rank, world_size, element_size):
+    size = aligned(numel, world_size, element_size)
     return rank * size, (rank + 1) * size + 1
 
 
-def clipped(numel, rank, world_size):
-    size = math.ceil(numel / world_size)
+def clipped(numel, rank, world_size, element_size):
+    size = aligned(numel, world_size, element_size)
     return rank * size, min((rank + 1) * size, numel)
 
 
-def start_and_length(numel, rank, world_size):
-    size = math.ceil(numel / world_size)
+def start_and_length(numel, rank, world_size, element_size):
+    size = aligned(numel, world_size, element_size)
     return rank * size, size
 
 
-def reversed_ranks(numel, rank, world_size):
-    return math_ceil(numel, world_size - 1 - rank, world_size)
+def reversed_ranks(numel, rank, world_size, element_size):
+    return math_ceil(numel, world_size - 1 - rank, world_size, element_size)
 
 
-def one_based(numel, rank, world_size):
-    size = math.ceil(numel / world_size)
+def one_based(numel, rank, world_size, element_size):
+    size = aligned(numel, world_size, element_size)
     return rank * size + 1, (rank + 1) * size + 1
 
 
-def as_slice(numel, rank, world_size):
-    return slice(*math_ceil(numel, rank, world_size))
+def as_slice(numel, rank, world_size, element_size):
+    return slice(*math_ceil(numel, rank, world_size, element_size))
 
 
-def one_too_long(numel, rank, world_size):
+def one_too_long(numel, rank, world_size, element_size):
     size = numel // world_size + 1            # right when world_size does not divide numel
     return rank * size, (rank + 1) * size
 
 
-def uneven(numel, rank, world_size):
+def uneven(numel, rank, world_size, element_size):
     # the last ranks one number more: every number owned, the sizes differ
     size, extra = divmod(numel, world_size)
     first_long = world_size - extra
@@ -116,26 +173,55 @@ def uneven(numel, rank, world_size):
     return start, start + size + (rank >= first_long)
 
 
-def only_the_start(numel, rank, world_size):
-    return rank * math.ceil(numel / world_size)
+def only_the_start(numel, rank, world_size, element_size):
+    return rank * aligned(numel, world_size, element_size)
+
+
+def three_arguments(numel, rank, world_size):
+    return math_ceil(numel, rank, world_size, 4)
 
 
 @pytest.mark.parametrize("fn, phrase", [
+    (plain_ceil, r"for numel=53 numbers of 4 B on 2 ranks .*: the pieces are equal, touch and "
+                 r"own every number, but rank 1's piece starts at number 27, byte 108 of the "
+                 r"vector, which is not on a 16-byte boundary"),
+    (aligned_vector, r"for numel=53 numbers of 4 B on 3 ranks .*: you padded the vector to 56 "
+                     r"numbers \(224 B, a whole number of 16-byte units\), but cut in 3 its "
+                     r"pieces are 19 numbers \(76 B\) each, so rank 1's piece starts at byte "
+                     r"76 — not on a 16-byte boundary"),
+    (sixteen_numbers, r"for numel=53 numbers of 4 B on 2 ranks .*a multiple of 16 \*numbers\* "
+                      r"\(64 B\) — the boundary is in bytes, and pieces 4 numbers shorter"),
+    (fp32_only, r"for numel=53 numbers of 2 B on 3 ranks .*: pieces of 20 numbers of 2 B: rank "
+                r"1's piece starts at number 20, byte 40, which is not on a 16-byte boundary"),
+    (one_unit_too_long, r"every piece starts on a 16-byte boundary and every number is owned, "
+                        r"but pieces 4 numbers shorter \(28\) would be too"),
     (floor_size, "too short — together they cover 52 of the 53 numbers, and the last 1 belong "
                  "to no rank: every number must have an owner"),
-    (one_too_long, "smaller equal pieces would too"),
-    (uneven, "shard sizes \\[.*\\] — a reduce-scatter and an all-gather move pieces of one size"),
+    (one_too_long, "rank 1's piece starts at number 27, byte 108 of the vector, which is not on "
+                   "a 16-byte boundary"),
+    (uneven, "piece sizes \\[.*\\] — a reduce-scatter and an all-gather move pieces of one size"),
     (inclusive_end, "belong to no rank — end is exclusive"),
     (overlapping, "both own numbers .* must not overlap"),
-    (clipped, "last shard is clipped at numel, so it is shorter than the others"),
+    (clipped, "last piece is clipped at numel, so it is shorter than the others"),
     (start_and_length, "that is \\(start, length\\)"),
-    (reversed_ranks, "rank r must own the r-th shard"),
-    (one_based, r"numbers 0..0 belong to no rank \(the first shard starts at 1\)"),
+    (reversed_ranks, "rank r must own the r-th piece"),
+    (one_based, r"numbers 0..0 belong to no rank \(the first piece starts at 1\)"),
     (as_slice, "which is not two integers"),
     (only_the_start, "which is not two integers"),
+    (three_arguments, "takes 3 positional arguments but 4 were given"),
 ])
 def test_wrong_shard_bounds_are_named(fn, phrase):
-    with pytest.raises(LabCheckError, match=phrase):
+    with pytest.raises((LabCheckError, TypeError), match=phrase):
+        lab08.check_shard_bounds(fn)
+
+
+@pytest.mark.parametrize("fn", [plain_ceil, aligned_vector], ids=lambda f: f.__name__)
+def test_the_alignment_mistakes_say_what_to_change_the_second_time(fn):
+    with pytest.raises(LabCheckError) as first:
+        lab08.check_shard_bounds(fn)
+    assert "whole number of 16-byte units." not in first.value.message
+    with pytest.raises(LabCheckError, match="make each piece's length a whole number of "
+                                            "16-byte units"):
         lab08.check_shard_bounds(fn)
 
 
@@ -148,7 +234,7 @@ def test_the_same_shard_bounds_mistake_met_twice_adds_what_to_change():
 
 
 def test_unfinished_shard_bounds_is_not_implemented():
-    def shard_bounds(numel, rank, world_size):
+    def shard_bounds(numel, rank, world_size, element_size):
         raise NotImplementedError("TODO")
 
     with pytest.raises(NotImplementedError, match="replace the TODO"):
@@ -183,7 +269,7 @@ class GoodTwo:
         self.bucket_of, self.layout, pieces, offset = {}, [], [], 0
         for i, bucket in enumerate(self.buckets):
             numel = sum(p.numel() for p in bucket)
-            size = math.ceil(numel / self.world_size)
+            size = self.piece(numel, bucket[0].element_size())
             flat = F.pad(torch.cat([p.detach().reshape(-1) for p in bucket]),
                          (0, size * self.world_size - numel))
             pieces.append(flat[self.rank * size:(self.rank + 1) * size])
@@ -198,6 +284,9 @@ class GoodTwo:
         self.in_flight = []
         for p in self.hooked(params, trainable):
             p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def piece(self, numel, element_size):
+        return aligned(numel, self.world_size, element_size)
 
     def trainable(self, params):
         return [p for p in params if p.requires_grad]
@@ -378,8 +467,10 @@ class CloneAndDivOut(GoodTwo):
 
 
 class CopyFreeThenWait(GoodTwo):
-    # the new bucket is copied and its p.grad freed before the old bucket is waited for: the
-    # old buffer and the new one are alive together, two buckets — allowed
+    # the new bucket is copied and its p.grad freed before the old bucket is waited for: once
+    # freed, the old buffer and the new one are two buckets — but between the copy and the
+    # free, the new bucket is alive twice beside the old one's buffer (refused since the check
+    # weighs every line of the learner's hook)
     def bucket_full(self, i):
         buffer, out = self.padded(i), self.out(i)
         self.finish(keep=0)
@@ -396,9 +487,53 @@ class WaitsLastAtBackwardEnd(GoodTwo):
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
 
+class LaunchThenWait(GoodTwo):
+    # part 5's second order: copy, free and launch bucket k, then wait for bucket k - 1
+    def bucket_full(self, i):
+        self.launch(i)
+        self.finish(keep=1)
+
+
+class PreallocatedCopy(GoodTwo):
+    # the buffer made first (with the parameters' dtype), each gradient copied in and freed
+    # one by one, after the old bucket was waited for: at most the bucket twice
+    def padded(self, i):
+        size, _ = self.layout[i]
+        buffer = self.buckets[i][0].grad.new_zeros(size * self.world_size)
+        start = 0
+        for q in self.buckets[i]:
+            buffer[start:start + q.numel()] = q.grad.reshape(-1)
+            start += q.numel()
+            q.grad = None
+        return buffer
+
+
+class PieceInElements(GoodTwo):
+    # the piece computed in bytes, then turned back into numbers
+    def piece(self, numel, element_size):
+        return in_bytes(numel, 0, self.world_size, element_size)[1]
+
+
 RIGHT_TWOS = [GoodTwo, OneBucketPerParameter, OldNamesTwo, ListReduceScatter,
               DivideFirstTwo, AsyncGathers, AllReduceThenSlice, BroadcastsFirst,
-              CloneAndDivOut, CopyFreeThenWait, WaitsLastAtBackwardEnd]
+              CloneAndDivOut, WaitsLastAtBackwardEnd, PreallocatedCopy, PieceInElements]
+
+
+class PlainCeilPieces(GoodTwo):
+    # the buckets cut in the smallest equal pieces, not shard_bounds' aligned ones
+    def piece(self, numel, element_size):
+        return math.ceil(numel / self.world_size)
+
+
+class TwoLineCopy(GoodTwo):
+    # the flat vector and its padded copy in two locals: the bucket three times at once
+    def padded(self, i):
+        size, _ = self.layout[i]
+        numel = sum(q.numel() for q in self.buckets[i])
+        flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+        buffer = F.pad(flat, (0, size * self.world_size - numel))
+        self.drop(i)
+        return buffer
 
 
 class ShardView(GoodTwo):
@@ -746,12 +881,23 @@ WRONG_TWOS = [
     (NeverWaited, "not been waited for when the inner optimizer stepped"),
     (NeverDrops, "still in p.grad when the backward ended"),
     (TwoInFlight, "2 bucket reduce-scatters were in flight at once"),
+    (LaunchThenWait, "and 2 bucket reduce-scatters were in flight at once: .* — you copy a "
+                     "bucket while the one launched before it is not yet waited for"),
+    (CopyFreeThenWait, r"at line \d+ of your padded\(\), \d+ bytes .* — you copied the new "
+                       r"bucket before waiting for the old one: for as long as its p.grad lives "
+                       r"beside its copy, three buckets' worth"),
+    (PlainCeilPieces, r"a reduce-scatter's input cut in [23] gives pieces of \d+ numbers \(\d+ "
+                      r"B\), so rank 1's piece starts at byte \d+ of the bucket's buffer — not "
+                      r"on a 16-byte boundary"),
+    (TwoLineCopy, r"at line \d+ of your padded\(\), \d+ bytes .* in your local variables, "
+                  r"`flat` in padded\(\) \(\d+ B\), `buffer` in padded\(\) \(\d+ B\) — a "
+                  r"local variable keeps its tensor alive until your function returns"),
     (KeepsEveryBuffer, "every bucket's padded gradient buffer stayed alive until step"),
     (KeepsPaddedPerParameter, "self.kept.* still held .* bytes of gradients"),
     (KeepsGradientsInAList, "self.old.* still held .* bytes of gradients"),
     (KeepsViewsOfBuffers, "self.views.* still held .* bytes of gradients"),
-    (KeepsLastBufferIntoNextStep, "after step\\(\\) self.in_flight.* still held .* bytes of "
-                                  "gradient buffers, kept into the next step"),
+    (KeepsLastBufferIntoNextStep, "self.in_flight.* still held .* bytes of gradients at the "
+                                  "peak .* a buffer whose reduce-scatter is over"),
     (HooksFrozen, "frozen parameter \\(requires_grad=False\\)"),
     (BucketsFrozen, "frozen parameter \\(requires_grad=False\\) never gets a gradient"),
     (SummedTwo, "gradients [23]× too large: you summed"),
@@ -772,7 +918,8 @@ WRONG_TWOS = [
     (DefaultDtypeShard, "self.shard is float64 while the parameters are float32 .* device="),
     (DefaultDtypeShardGrad, "self.shard.grad was given another dtype than self.shard .* "
                             "contract 6"),
-    (OffsetByNumel, "output slice of self.shard.grad is the wrong size"),
+    (OffsetByNumel, "this slice does not start where the earlier buckets' pieces end in "
+                    "self.shard"),
     (SwappedReduceScatter, r"reduce_scatter_single\(output, input\) takes the output first, "
                            r"and yours got an output of (\d+) numbers and an input of \d+ — an "
                            r"output [23] × its input .* passed the wrong way round"),
@@ -863,11 +1010,11 @@ def test_wrong_zero_twos_are_named(results, cls, phrase):
 
 
 def test_the_peak_is_two_buckets_for_the_answer(results):
-    # at the arrival of layer 6's weight: its bucket (4.bias... no: 10.bias, 6.bias, 6.weight
-    # = 80 numbers) filling, and the bucket of 10.weight (64) in flight: 144 numbers, 576 B
+    # right after the copy of the bucket of 10.bias, 6.bias, 6.weight (80 numbers), before its
+    # p.grad is let go: the bucket in p.grad and in its padded buffer (80 on 2 ranks, 84 on 3)
     world_size, _, _ = results
     peak = int(diagnose(results, GoodTwo).split(" of ")[0])
-    assert peak == 4 * (80 + 64 + (world_size == 3) * 2), peak
+    assert peak == 4 * (80 + world_size * aligned(80, world_size, 4)), peak
     assert peak <= 4 * lab08._live_limit(world_size) < 4 * sum(lab08._trainable_numels())
 
 
@@ -959,16 +1106,19 @@ def test_the_library_stages_and_torchs_zero_are_not_the_answer():
 # --------------------------------------------------------------------------------------------
 
 
-def test_the_peak_with_one_bucket_in_flight_is_two_neighbouring_buckets(capsys):
+def test_the_peak_with_one_bucket_in_flight_is_the_largest_bucket_copied(capsys):
     from dpcourse.checks import predict
 
     assert lab08.peak_buckets() == [4680, 4160, 4160, 1088]
-    assert lab08.expected_peak() == (4 * (4160 + 4680), 1)
+    assert lab08.expected_peak() == (4 * (4680 + 4680), 0)
     measured = lab08.measure_peak(GoodTwo)
-    assert measured == 35360
-    lab08.check_peak_prediction(predict("lab08", "peak", 35000, unit="B"), measured)
+    assert measured == 37440
+    lab08.check_peak_prediction(predict("lab08", "peak", 37000, unit="B"), measured)
     out = " ".join(capsys.readouterr().out.split())
-    assert "measured: 35360 B — right." in out and "(4160 + 4680) × 4 = 35360 B" in out
+    assert "measured: 37440 B — right." in out
+    assert "at most at bucket 1: (4160 + 4680) × 4 = 35360 B" in out
+    assert "at most at bucket 0: (4680 + 4680) × 4 = 37440 B. The peak is the larger, 37440 B" \
+        in out
     lab08.check_peak_prediction(predict("lab08", "peak", 2 * 4096, unit="B"), measured)
     assert "— not what happened." in capsys.readouterr().out
 
@@ -977,10 +1127,46 @@ def test_the_peak_of_two_buckets_in_flight_is_said_to_keep_more(capsys):
     from dpcourse.checks import predict
 
     measured = lab08.measure_peak(TwoInFlight)
-    assert measured > 35360
-    lab08.check_peak_prediction(predict("lab08", "peak", 35360, unit="B"), measured)
-    assert "is not that of one bucket in flight (35360 B): it keeps more alive" in \
+    assert measured > 37440
+    lab08.check_peak_prediction(predict("lab08", "peak", 37440, unit="B"), measured)
+    assert "is not that of one bucket in flight (37440 B): it keeps more alive" in \
         " ".join(capsys.readouterr().out.split())
+
+
+def test_the_three_orders_measure_what_the_bucket_sizes_predict(capsys):
+    from dpcourse.checks import predict
+
+    measured = lab08.measure_schedules()
+    assert measured == {order: peak for order, (peak, _, _) in lab08.schedule_peaks().items()}
+    assert measured == {"wait-then-launch": 37440, "launch-then-wait": 52000,
+                        "launch-all": 68640}
+    assert measured["launch-all"] > 4 * sum(lab08.peak_buckets()) == 56352
+    # a learner who thinks the bytes only move from p.grad into the buffer, and that launching
+    # everything costs what DDP holds
+    lab08.check_schedule_predictions(predict("lab08", "wait first", 35360, unit="B"),
+                                     predict("lab08", "launch first", 37440, unit="B"),
+                                     predict("lab08", "launch all", 56352, unit="B"), measured)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 52000 B — not what happened." in out
+    assert "at bucket 1: (4160 + 4160 + 4680) × 4 = 52000 B, 14560 B (one more bucket) above " \
+           "waiting first (37440 B)" in out
+    assert "You predicted waiting first's peak: the bytes do not just move" in out
+    assert "measured: 68640 B — not what happened." in out
+    assert "at bucket 2's copy, the buffers of the buckets before it (4680 + 4160) and bucket 2 " \
+           "twice (4160 + 4160), × 4 = 68640 B — more than the 56352 B" in out
+    assert "You predicted all the gradients" in out
+    assert "Your prediction: 35360 B; measured: 37440 B — not what happened." in out
+    lab08.check_schedule_predictions(predict("lab08", "wait first", 37440, unit="B"),
+                                     predict("lab08", "launch first", 52000, unit="B"),
+                                     predict("lab08", "launch all", 68000, unit="B"), measured)
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("— right.") == 3 and "You predicted" not in out
+    assert "right after bucket 0 is copied, before its p.grad is let go: (4680 + 4680) × 4 B" \
+        in out
+    with pytest.raises(LabCheckError, match="needs what lab08.measure_schedules\\(\\) returned"):
+        lab08.check_schedule_predictions(predict("lab08", "a", 1, unit="B"),
+                                         predict("lab08", "b", 1, unit="B"),
+                                         predict("lab08", "c", 1, unit="B"), 52000)
 
 
 def test_copy_before_wait_and_an_unreset_count_say_what_to_change_the_second_time(results):
@@ -996,13 +1182,13 @@ def test_copy_before_wait_and_an_unreset_count_say_what_to_change_the_second_tim
 
 def test_copy_before_wait_peak_is_three_buckets_and_said_to_keep_more(capsys):
     # weighed inside the hook, at the wait() for bucket 0: its buffer (4680), bucket 1's new
-    # buffer (4160) and bucket 1's p.grad (4160) — the answer's 35360 B plus one bucket
+    # buffer (4160) and bucket 1's p.grad (4160) — one bucket more than the answer at its arrival
     from dpcourse.checks import predict
 
     measured = lab08.measure_peak(CopyBeforeWait)
     assert measured == 4 * (4680 + 4160 + 4160) == 52000
-    lab08.check_peak_prediction(predict("lab08", "peak", 35360, unit="B"), measured)
-    assert "is not that of one bucket in flight (35360 B): it keeps more alive" in \
+    lab08.check_peak_prediction(predict("lab08", "peak", 37440, unit="B"), measured)
+    assert "is not that of one bucket in flight (37440 B): it keeps more alive" in \
         " ".join(capsys.readouterr().out.split())
 
 

@@ -19,53 +19,105 @@ from torch import nn
 
 from . import fail
 
-def _bounds_problem(got, numel, world_size, size) -> None:
+ALIGN_BYTES = 16     # every rank's piece starts on a 16-byte boundary of its bucket's vector
+
+
+def _piece_numel(numel: int, world_size: int, element_size: int) -> int:
+    """The length of every rank's piece of a bucket of ``numel`` numbers: equal pieces that
+    cover it, each a whole number of ``ALIGN_BYTES`` units, as short as those allow."""
+    unit = max(1, ALIGN_BYTES // element_size)
+    return -(-numel // (world_size * unit)) * unit
+
+
+def _bounds_problem(got, numel, world_size, element_size, sixteen: bool = False) -> None:
+    """Name what is wrong with every rank's (start, end) for one (numel, world size, element
+    size): the rule it breaks, with the numbers, never the formula. ``sixteen``: on every case
+    the pieces were the smallest equal ones rounded up to 16 *numbers*."""
     __tracebackhide__ = True
-    where = f"for numel={numel} on {world_size} ranks you gave {got}"
+    size = _piece_numel(numel, world_size, element_size)
+    unit = max(1, ALIGN_BYTES // element_size)
+    where = (f"for numel={numel} numbers of {element_size} B on {world_size} ranks you gave "
+             f"{got}")
     expected = [(r * size, (r + 1) * size) for r in range(world_size)]
     if got == expected:
         return
-    if world_size > 1 and all(s == r * size and e == size for r, (s, e) in enumerate(got)):
+    first = got[0][1] - got[0][0]
+    if world_size > 1 and all(s == r * got[0][1] and e == got[0][1]
+                              for r, (s, e) in enumerate(got)):
         fail(f"{where}: that is (start, length), so every rank's second number is the same "
-             f"{size}.", fix="return (start, end), end exclusive.")
-    if got == expected[::-1] or sorted(got) == expected:
-        fail(f"{where}: rank r must own the r-th shard — all_gather_single puts rank r's "
+             f"{got[0][1]}.", fix="return (start, end), end exclusive.")
+    if sorted(got) != got and all(e - s == first for s, e in got) and \
+            sorted(got) == [(r * first, (r + 1) * first) for r in range(world_size)]:
+        fail(f"{where}: rank r must own the r-th piece — all_gather_single puts rank r's "
              f"piece at position r.")
+    if world_size > 1 and got[:-1] == [(r * first, (r + 1) * first)
+                                       for r in range(world_size - 1)] and \
+            got[-1] == ((world_size - 1) * first, numel) and numel < world_size * first:
+        fail(f"{where}: the last piece is clipped at numel, so it is shorter than the others — "
+             f"a reduce-scatter and an all-gather move pieces of one size, one per rank (the "
+             f"padding is what a piece may run into).")
     floor = numel // world_size
     if numel % world_size and got == [(r * floor, (r + 1) * floor) for r in range(world_size)]:
         fail(f"{where}: the pieces are equal but too short — together they cover "
              f"{floor * world_size} of the {numel} numbers, and the last {numel % world_size} "
              f"belong to no rank: every number must have an owner.")
-    if got[-1][1] == numel and got[:-1] == expected[:-1]:
-        fail(f"{where}: the last shard is clipped at numel, so it is shorter than the others — "
-             f"a reduce-scatter and an all-gather move pieces of one size, one per rank (the "
-             f"padding is what a piece may run into).")
     for r in range(world_size - 1):
         if got[r][1] < got[r + 1][0]:
             fail(f"{where}: numbers {got[r][1]}..{got[r + 1][0] - 1} between rank {r} and rank "
-                 f"{r + 1} belong to no rank — end is exclusive, and rank {r}'s end stops short of rank "
-                 f"{r + 1}'s start.", fix="rank r ends where rank r + 1 starts.")
+                 f"{r + 1} belong to no rank — end is exclusive, and rank {r}'s end stops short "
+                 f"of rank {r + 1}'s start.", fix="rank r ends where rank r + 1 starts.")
         if got[r][1] > got[r + 1][0]:
             fail(f"{where}: rank {r} and rank {r + 1} both own numbers {got[r + 1][0]}.."
-                 f"{got[r][1] - 1} — shards must not overlap.")
+                 f"{got[r][1] - 1} — pieces must not overlap.")
     if got[0][0] != 0:
-        fail(f"{where}: numbers 0..{got[0][0] - 1} belong to no rank (the first shard starts at "
+        fail(f"{where}: numbers 0..{got[0][0] - 1} belong to no rank (the first piece starts at "
              f"{got[0][0]}).", fix="rank 0 starts at 0.")
     sizes = sorted({e - s for s, e in got})
     if len(sizes) > 1:
-        fail(f"{where}: shard sizes {sizes} — a reduce-scatter and an all-gather move pieces of "
+        fail(f"{where}: piece sizes {sizes} — a reduce-scatter and an all-gather move pieces of "
              f"one size, one per rank.")
-    if sizes[0] * world_size < numel:
-        fail(f"{where}: pieces of {sizes[0]} cover {sizes[0] * world_size} of the {numel} "
-             f"numbers — the last belong to no rank: every number must have an owner.")
-    if sizes[0] > size:
-        fail(f"{where}: pieces of {sizes[0]} cover every number, but smaller equal pieces would "
-             f"too — each extra number per piece is padding sent by every collective.")
+    n = sizes[0]
+    if n * world_size < numel:
+        fail(f"{where}: pieces of {n} cover {n * world_size} of the {numel} numbers — the last "
+             f"belong to no rank: every number must have an owner.")
+    if n % unit:
+        at = f"rank 1's piece starts at number {n}, byte {n * element_size}" if world_size > 1 \
+            else f"the next bucket's piece in self.shard would start at byte {n * element_size}"
+        if n == -(-numel // world_size) and world_size > 1:
+            fail(f"{where}: the pieces are equal, touch and own every number, but {at} of the "
+                 f"vector, which is not on a {ALIGN_BYTES}-byte boundary — the smallest equal "
+                 f"pieces are not yet pieces that all start on one.",
+                 fix=f"make each piece's length a whole number of {ALIGN_BYTES}-byte units.")
+        vector = -(-numel // unit) * unit
+        if n == -(-vector // world_size):
+            fail(f"{where}: you padded the vector to {vector} numbers ({vector * element_size} B, "
+                 f"a whole number of {ALIGN_BYTES}-byte units), but cut in {world_size} its "
+                 f"pieces are {n} numbers ({n * element_size} B) each, so rank 1's piece "
+                 f"starts at byte {n * element_size} — not on a {ALIGN_BYTES}-byte boundary: it "
+                 f"is where each piece starts that must be on one, not where the vector ends.",
+                 fix=f"make each piece's length a whole number of {ALIGN_BYTES}-byte units.")
+        fail(f"{where}: pieces of {n} numbers of {element_size} B: {at}, which is not on a "
+             f"{ALIGN_BYTES}-byte boundary — every piece must start on one.",
+             fix=f"make each piece's length a whole number of {ALIGN_BYTES}-byte units.")
+    if n > size:
+        shorter, smallest = n - unit, -(-numel // world_size)
+        if sixteen and element_size > 1 and n == -(-smallest // ALIGN_BYTES) * ALIGN_BYTES:
+            fail(f"{where}: every piece starts on a {ALIGN_BYTES}-byte boundary and every number "
+                 f"is owned, but each piece is a multiple of {ALIGN_BYTES} *numbers* "
+                 f"({ALIGN_BYTES * element_size} B) — the boundary is in bytes, and pieces "
+                 f"{n - size} numbers shorter would start on it too: that padding is sent by "
+                 f"every collective, in every step.")
+        fail(f"{where}: every piece starts on a {ALIGN_BYTES}-byte boundary and every number is "
+             f"owned, but pieces {unit} numbers shorter ({shorter}) would be too — each extra "
+             f"number per piece is padding sent by every collective, in every step.")
     fail(f"{where}: rank r's piece must be the r-th of {world_size} equal pieces that start at "
-         f"0, touch, and cover all {numel} numbers.")
+         f"0, touch, cover all {numel} numbers and each start on a {ALIGN_BYTES}-byte boundary.")
 
 
 CONFIGS = ((2, "adam"), (3, "sgd"))
+
+
+DEFAULT_TIMEOUT = 30.0
 
 
 BUCKET_CAP = 128                      # bytes: 32 fp32 numbers, about one small layer
@@ -106,7 +158,7 @@ def _live_limit(world_size: int) -> int:
     filled and the one in flight, each at most a cap plus the largest parameter (a bucket
     closes once it reaches the cap), plus padding."""
     biggest = max(_trainable_numels())
-    return 2 * (BUCKET_CAP // 4 + biggest + world_size)
+    return 2 * (BUCKET_CAP // 4 + biggest + world_size * ALIGN_BYTES // 4)
 
 
 _GLOO_PREFIX = re.compile(r"\[rank\d+\]:\[\w+ [\d:.]+ [\w.]+:\d+\]\s*")
@@ -138,6 +190,23 @@ def _raised(rank: int, summary: str) -> None:
              f"generator, which yields the parameters once — every later pass over it finds "
              f"no parameter, so what you built from that pass was empty.",
              fix="turn params into a list once (list(params)) and loop over the list.")
+    found = re.search(r"lab08-misaligned (piece|offset) (\d+) (\d+) (\d+)", summary)
+    if found:
+        kind, n, size, world_size = found.group(1), *(int(found.group(i)) for i in (2, 3, 4))
+        if kind == "piece":
+            fail(f"your code raised on rank {rank}: a reduce-scatter's input cut in {world_size} "
+                 f"gives pieces of {n} numbers ({n * size} B), so rank 1's piece starts at byte "
+                 f"{n * size} of the bucket's buffer — not on a {ALIGN_BYTES}-byte boundary: "
+                 f"contract 2, a bucket is cut into shard_bounds' pieces.",
+                 fix="cut each bucket with your shard_bounds, given the parameters' element "
+                     "size, and pad the buffer to world_size of those pieces.")
+        fail(f"your code raised on rank {rank}: a reduce-scatter's output is the slice of "
+             f"self.shard.grad that starts at number {n}, byte {n * size} — not on a "
+             f"{ALIGN_BYTES}-byte boundary, though every bucket's piece so far was a whole "
+             f"number of {ALIGN_BYTES}-byte units: this slice does not start where the earlier "
+             f"buckets' pieces end in self.shard (contract 2).",
+             fix="check where each bucket's slice starts in self.shard (its offset): right "
+                 "after the earlier buckets' pieces.")
     found = re.search(r"lab08-swapped (\w+) (\d+) (\d+) (\d+)", summary)
     if found:
         _swapped(rank, found.group(1), *(int(found.group(i)) for i in (2, 3, 4)))
@@ -277,7 +346,8 @@ def _diagnose(results: list, world_size: int, opt_name: str) -> str:
     trainable = _trainable_numels()
     total = sum(trainable)
     per_number = 2 if opt_name == "adam" else 1       # exp_avg + exp_avg_sq, or momentum
-    most = sum(math.ceil(n / world_size) for n in trainable) + world_size * len(trainable)
+    most = sum(math.ceil(n / world_size) for n in trainable) + \
+        (world_size + ALIGN_BYTES // 4) * len(trainable)
     for rank, r in enumerate(results):
         st = r["state_after"]
         if st["missing"]:
@@ -479,6 +549,18 @@ def _diagnose_schedule(results: list, world_size: int) -> None:
                      f"gradient need not hold the average yet (contract 3).")
 
 
+def _most_in_flight(log: list) -> int:
+    """The most asynchronous reduce-scatters launched and not yet waited for at once."""
+    open_, most = set(), 0
+    for e in log:
+        if e[0] == "launch" and e[3]:
+            open_.add(e[1])
+            most = max(most, len(open_))
+        elif e[0] == "wait":
+            open_.discard(e[1])
+    return most
+
+
 def _diagnose_memory(results: list, world_size: int, opt_name: str) -> str:
     """The weights and the schedule are right; how much gradient memory was alive at once?"""
     __tracebackhide__ = True
@@ -497,16 +579,6 @@ def _diagnose_memory(results: list, world_size: int, opt_name: str) -> str:
         moment, pgrad = worst.get("moment", ("arrival",)), where.get("p.grad", 0)
         flying = worst.get("flying_bytes", 0)
         new = worst["peak"] - pgrad - flying - where.get("a full gradient kept elsewhere", 0)
-        if moment[0] == "wait" and pgrad and flying and new > 0:
-            fail(f"when you called wait() on reduce-scatter {moment[1] + 1}, {worst['peak']} "
-                 f"bytes of gradients were alive (limit {limit}, about two buckets): the old "
-                 f"bucket's padded buffer, still in flight ({flying} B), the new bucket's "
-                 f"buffer, already filled ({new} B), and the new bucket's gradients, still in "
-                 f"p.grad ({pgrad} B) — you copied the new bucket before waiting for the old "
-                 f"one and before freeing its p.grad: three buckets' worth alive together, where "
-                 f"contract 5 allows about two.",
-                 fix="wait for the old bucket and let go of its buffer before you build the "
-                     "new one, and free the new bucket's p.grad once it is copied.")
         if path == "a full gradient kept elsewhere":
             fail(f"{where[path]} bytes of full gradients were kept alive by a reference outside "
                  f"p.grad and outside your object: contract 5 counts a gradient wherever it is "
@@ -517,11 +589,44 @@ def _diagnose_memory(results: list, world_size: int, opt_name: str) -> str:
                  f"({where[path]} bytes in {path} at the peak, limit {limit}): no "
                  f"reduce-scatter was waited for during the backward, and a collective not "
                  f"waited for keeps its buffer — contract 5 allows about two buckets alive.")
+        most = _most_in_flight(log)
+        if moment[0] != "arrival" and pgrad and flying and new > 0:
+            at = f"at line {moment[-1]} of your {moment[1]}()" if moment[0] == "line" else \
+                f"when you called wait() on reduce-scatter {moment[1] + 1}" \
+                if moment[0] == "wait" else f"when you launched reduce-scatter {moment[1] + 1}"
+            if most > 1:
+                fail(f"{at}, {worst['peak']} bytes of gradients were alive (limit {limit}, about "
+                     f"two buckets), and {most} bucket reduce-scatters were in flight at once: "
+                     f"the older bucket's padded buffer, still in flight ({flying} B), the new "
+                     f"bucket's buffer, already filled ({new} B), and the new bucket's "
+                     f"gradients, still in p.grad ({pgrad} B) — you copy a bucket while the one "
+                     f"launched before it is not yet waited for, so for as long as its p.grad "
+                     f"lives beside its copy, three buckets' worth are alive together, where "
+                     f"contract 5 allows about two.")
+            fail(f"{at}, {worst['peak']} bytes of gradients were alive (limit {limit}, about two "
+                 f"buckets): the old bucket's padded buffer, still in flight ({flying} B), the "
+                 f"new bucket's buffer, already filled ({new} B), and the new bucket's "
+                 f"gradients, still in p.grad ({pgrad} B) — you copied the new bucket before "
+                 f"waiting for the old one: for as long as its p.grad lives beside its copy, "
+                 f"three buckets' worth are alive together, where contract 5 allows about two.",
+                 fix="wait for the old bucket and let go of its buffer before you build the "
+                     "new one, and free the new bucket's p.grad once it is copied.")
         if worst["in_flight"] > 1:
             fail(f"{worst['in_flight']} bucket reduce-scatters were in flight at once at the "
                  f"peak ({worst['peak']} bytes of gradients alive, limit {limit}): each keeps "
                  f"its buffer alive until it is waited for, besides the bucket filling in "
                  f"p.grad — contract 5 allows about two buckets alive.")
+        owned = {k: v for k, v in where.items() if k.startswith("self")}
+        local = {k: v for k, v in where.items() if k.startswith("`")}
+        if not owned and len(local) > 1 and moment[0] == "line":
+            held = ", ".join(f"{k} ({v} B)" for k, v in local.items())
+            fail(f"at line {moment[-1]} of your {moment[1]}(), {worst['peak']} bytes of "
+                 f"gradients were alive (limit {limit}, about two buckets): "
+                 f"{pgrad} B in p.grad and, in your local variables, {held} — a local variable "
+                 f"keeps its tensor alive until your function returns, so every intermediate "
+                 f"copy of a bucket weighs as long as the bucket's buffer does.")
+        owned = owned or where
+        path = max(owned, key=owned.get)
         fail(f"{path} still held {where[path]} bytes of gradients at the peak (limit {limit}, "
              f"about two buckets): contract 5 counts whatever your object keeps — a buffer "
              f"whose reduce-scatter is over, or a copy or view per parameter, still weighs.")

@@ -1,17 +1,21 @@
-"""Checks for lab08: ``shard_bounds(numel, rank, world_size)`` and the learner's ZeRO stage 2
-wrapper, ``ZeroTwo(params, optimizer_cls, bucket_cap=..., **kwargs)`` with ``step()``,
-``zero_grad()``, its flat shard in ``self.shard`` and its inner optimizer in
+"""Checks for lab08: ``shard_bounds(numel, rank, world_size, element_size)`` and the learner's
+ZeRO stage 2 wrapper, ``ZeroTwo(params, optimizer_cls, bucket_cap=..., **kwargs)`` with
+``step()``, ``zero_grad()``, its flat shard in ``self.shard`` and its inner optimizer in
 ``self.optimizer``, which reduce-scatters the gradients bucket by bucket *during* the backward.
 
-``check_shard_bounds`` runs in this process on seven (numel, world size) pairs, from an even
-split to more ranks than numbers. Every rank's shard must be ``ceil(numel / world_size)``
-long (``all_gather_single`` needs equal pieces), in rank order, touching, and together
-cover the numbers. Its sentences name the rule broken (equal pieces; every number owned; the
-smallest such size), never the formula. It names: the size rounded down (the last numbers
-belong to nobody), pieces larger than needed, an
-exclusive end taken as inclusive (gaps), overlapping shards, a last shard clipped at
-``numel``, (start, length) returned instead of (start, end), shards out of rank order, a
-first shard that does not start at 0, a return value that is not two integers.
+``check_shard_bounds`` runs in this process on nine (numel, world size, element size) cases,
+from an even split to more ranks than numbers, with numbers of 1, 2, 4 and 8 bytes. Every
+rank's piece must be equally long (the collectives move equal pieces), in rank order,
+touching, together cover the numbers, start on an ``ALIGN_BYTES`` (16-byte) boundary of the
+vector, and be as short as those allow — the part's design decision: what to round, and to
+what. Its sentences name the rule broken, with the numbers, never the formula. It names: the
+smallest equal pieces left unaligned (lesson 08's rounding), the whole vector padded to 16
+bytes and then cut (its end aligned, its pieces not), pieces rounded to 16 *numbers* rather
+than 16 bytes, any other misaligned or longer-than-needed piece, the size rounded down (the
+last numbers belong to nobody), an exclusive end taken as inclusive (gaps), overlapping
+pieces, a last piece clipped at ``numel``, (start, length) returned instead of (start, end),
+pieces out of rank order, a first piece that does not start at 0, a return value that is not
+two integers.
 
 ``check_zero_two`` runs the wrapper for 3 steps on 2 ranks with Adam and on 3 ranks with SGD +
 momentum, on an MLP of seven layers with a frozen bias and a weight tied between two layers,
@@ -21,15 +25,11 @@ twice, earlier steps' gradients kept), so that weights equal to one of those nam
 
 What it watches, from inside the rank: a hook registered on every parameter *before* the
 learner's sees each gradient arrive; spies on the collectives log each reduce-scatter's
-launch (its size, whether ``async_op=True``) and each ``wait()`` on its Work; and at every
-arrival, and inside the learner's hook at each reduce-scatter's launch and each ``wait()``,
-the check weighs the gradient memory alive — by *storage* (``untyped_storage()``'s bytes, each
-data pointer once), not by tensor: every ``p.grad``, every full gradient still referenced
-anywhere, every tensor reachable from the wrapper's attributes that is not a weight, the
-optimizer's state or the gradient shard itself, the inputs of collectives not yet waited
-for, and (inside the hook) the tensors held by the learner's local variables on the stack,
-where a buffer just filled lives. A view keeps its whole buffer alive, so it weighs the whole
-buffer.
+launch (its size, whether ``async_op=True``, whether its pieces and its output slice of
+``self.shard.grad`` start on 16 bytes) and each ``wait()`` on its Work; and at every arrival,
+during the backward before every line of the learner's own code, and at each launch and each
+``wait()``, the check weighs the gradient memory alive (:mod:`dpcourse.checks._lab08_memory`:
+by storage, wherever it is kept, the learner's local variables included).
 
 It names: a shard (or shard gradient) that is a view of the whole padded vector, the whole
 model given to the inner optimizer, a frozen parameter hooked, bucketed or stepped, the
@@ -37,44 +37,42 @@ reduce-scatters done in ``step()``, all launched at the end of the backward, a b
 launched later than when it was full, a blocking reduce-scatter in the backward, a wait right
 after each launch, a reduce-scatter not waited for before the inner step, full gradients
 left in ``p.grad`` or referenced elsewhere, every bucket's padded buffer kept until
-``step()``, the new bucket's buffer filled before the old bucket was waited for and before
-its ``p.grad`` was freed (three buckets' worth at the ``wait()``), buffers kept after
-their reduce-scatter or into the next step, gradients summed
-(also when the mean was written into a new tensor) or divided twice or accumulated over
-steps, a per-bucket count of arrived gradients never set back after a step (step 2 launches
-nothing: the check reads the wrapper's integer lists after construction and each step),
-no all-gather (the ranks drift apart), a shard boundary off by one, a reduce-scatter
-whose output slice is the wrong size (an offset mistake) or whose input is not padded (named
-before gloo's own "size" error), a shard gradient still all zeros when the optimizer steps
-(the reduce-scatters wrote elsewhere), a shard stepped but never copied back into the
-parameters, the two arguments of ``reduce_scatter_single`` or ``all_gather_single`` swapped
-(an output world_size times its input, or the reverse; named before the padding and offset
-sentences), ``params`` (a generator) iterated twice so that no hook was registered, or read
-again after it ran out (the check passes a one-pass iterator that counts the passes begun
-after its end, and names that before the error it led to), the
-library's own stages or torch's ``ZeroRedundancyOptimizer`` given as the answer, a deadlock
-(with the ranks that hung), a shard or buffer made without the parameters' dtype (the
-learner's code runs with torch's default dtype set to float64 while the model is fp32: the
-CPU-visible symptom of a buffer made without ``device=``, which NCCL would refuse on a GPU).
-The messages name the cause and the contract rule broken; what to change joins a sentence
-only when the same mistake comes back (``fix=``), and where the fix is the lab's design
-decision (what to keep in flight, when to wait) they do not dictate it. Those readings, and
-the cases the checks run, live in :mod:`dpcourse.checks._lab08_diagnose`; this module runs
-the learner's code and calls them.
+``step()``, a new bucket copied before the bucket launched before it was waited for (with the
+copy and the old bucket's buffer alive beside the bucket's ``p.grad``, three buckets' worth:
+whether the copy comes before the ``wait()``, or the launch too, with two reduce-scatters in
+flight at once), intermediate copies of a bucket held in local variables, buffers kept after
+their reduce-scatter or into the next step, gradients summed (also when the mean was written
+into a new tensor) or divided twice or accumulated over steps, a per-bucket count of arrived
+gradients never set back after a step (the check reads the wrapper's integer lists after
+construction and each step) or off by one arrival either way, no all-gather (the ranks drift
+apart), a shard boundary off by one, a bucket cut in pieces that do not start on 16 bytes, an
+output slice that does not start where the earlier buckets' pieces end, a reduce-scatter
+whose output slice is the wrong size or whose input is not padded (named before gloo's own
+"size" error), a shard gradient still all zeros when the optimizer steps (the reduce-scatters
+wrote elsewhere), a shard stepped but never copied back into the parameters, the two
+arguments of ``reduce_scatter_single`` or ``all_gather_single`` swapped (named before the
+padding and offset sentences), ``params`` (a generator) iterated twice so that no hook was
+registered, or read again after it ran out (the check passes a one-pass iterator that counts
+the passes begun after its end), the library's own stages or torch's
+``ZeroRedundancyOptimizer`` given as the answer, a deadlock (with the ranks that hung), a
+shard or buffer made without the parameters' dtype (the learner's code runs with torch's
+default dtype set to float64 while the model is fp32: the CPU-visible symptom of a buffer
+made without ``device=``, which NCCL would refuse on a GPU). The messages name the cause and
+the contract rule broken; what to change joins a sentence only when the same mistake comes
+back (``fix=``), and where the fix is the lab's design decision (what to keep in flight, when
+to wait) they do not dictate it. Those readings, and the cases the checks run, live in
+:mod:`dpcourse.checks._lab08_diagnose`; this module runs the learner's code and calls them.
 
-``measure_peak`` and ``check_peak_prediction`` are the lab's predict-then-measure part: the
-peak of live gradient bytes of the learner's wrapper on a five-layer MLP (``PEAK_WIDTHS``,
-buckets of ``PEAK_CAP`` bytes, 2 ranks), weighed as ``check_zero_two`` weighs it, against the
-learner's prediction, with where the peak comes from (two neighbouring buckets).
+The predict-then-measure parts live in :mod:`dpcourse.checks._lab08_peak`: ``measure_peak``
+and ``check_peak_prediction`` (the learner's own wrapper on a five-layer MLP), and
+``measure_schedules`` and ``check_schedule_predictions`` (three orders of launching and
+waiting — ``SCHEDULES`` — run by the check's own ZeRO-2 and weighed alike). Every name is
+importable from here.
 """
 
 from __future__ import annotations
 
 import copy
-import math
-import os
-import sys
-import types
 import weakref
 
 import torch
@@ -82,43 +80,59 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import check_timeout, fail, passed, recorded, require_answer, run_ranks
-from ._lab08_diagnose import (BUCKET_CAP, CONFIGS, _GLOBAL_BATCH, _STEPS, _WIDTHS,
-                              _bounds_problem, _diagnose, _mlp, _raised)
+from ._lab08_diagnose import (ALIGN_BYTES, BUCKET_CAP, CONFIGS, DEFAULT_TIMEOUT,
+                              _GLOBAL_BATCH, _STEPS, _WIDTHS, _bounds_problem, _diagnose, _mlp,
+                              _raised)
 from ._lab08_diagnose import _FROZEN, _live_limit, _trainable_numels  # noqa: F401 (tests read them)
+from ._lab08_memory import (_inner_tensors, _inputs, _live_gradients, _storages,  # noqa: F401
+                            _Watched, prefer, weighing_lines)
+from ._lab08_peak import (PEAK_CAP, PEAK_WIDTHS, PEAK_WORLD_SIZE, SCHEDULES,  # noqa: F401
+                          _peak_mlp, _peak_worker, check_peak_prediction,
+                          check_schedule_predictions, expected_peak, measure_peak,
+                          measure_schedules, peak_buckets, schedule_peaks)
 
 __all__ = ["check_shard_bounds", "check_zero_two", "measure_peak", "check_peak_prediction",
-           "peak_buckets", "expected_peak", "CONFIGS", "BUCKET_CAP", "PEAK_WIDTHS", "PEAK_CAP",
-           "PEAK_WORLD_SIZE", "DEFAULT_TIMEOUT"]
-
-DEFAULT_TIMEOUT = 30.0
+           "measure_schedules", "check_schedule_predictions", "schedule_peaks", "SCHEDULES",
+           "peak_buckets", "expected_peak", "CONFIGS", "BUCKET_CAP", "ALIGN_BYTES",
+           "PEAK_WIDTHS", "PEAK_CAP", "PEAK_WORLD_SIZE", "DEFAULT_TIMEOUT"]
 
 # --------------------------------------------------------------------------------------------
 # shard_bounds
 # --------------------------------------------------------------------------------------------
 
-_BOUNDS_CASES = ((53, 2), (53, 3), (12, 3), (10, 4), (3, 4), (1, 1), (1_000_003, 8))
+# (numel, world size, element size): sizes that divide and sizes that do not, more ranks than
+# numbers, and fp32, bf16, fp64 and one-byte numbers
+_BOUNDS_CASES = ((53, 2, 4), (53, 3, 4), (12, 3, 4), (10, 4, 4), (3, 4, 4), (1_000_003, 8, 4),
+                 (53, 3, 2), (41, 2, 8), (7, 3, 1))
 
 
 @recorded
 def check_shard_bounds(shard_bounds) -> None:
-    """Every rank's [start, end) on seven (numel, world size) pairs."""
+    """Every rank's [start, end) on nine (numel, world size, element size) cases."""
     __tracebackhide__ = True
     require_answer(shard_bounds, "shard_bounds")
-    for numel, world_size in _BOUNDS_CASES:
-        size = math.ceil(numel / world_size)
+    answers = []
+    for numel, world_size, element_size in _BOUNDS_CASES:
         got = []
         for rank in range(world_size):
-            out = shard_bounds(numel, rank, world_size)
+            out = shard_bounds(numel, rank, world_size, element_size)
             try:
                 start, end = (int(v) for v in out)
             except (TypeError, ValueError):
-                fail(f"shard_bounds({numel}, {rank}, {world_size}) returned {out!r}, which is not two "
-                     f"integers.", fix="return (start, end), two integers.")
+                fail(f"shard_bounds({numel}, {rank}, {world_size}, {element_size}) returned "
+                     f"{out!r}, which is not two integers.",
+                     fix="return (start, end), two integers.")
             got.append((start, end))
-        _bounds_problem(got, numel, world_size, size)
-    passed(f"shard_bounds: on {len(_BOUNDS_CASES)} (numel, world size) pairs, from an even "
-           f"split to more ranks than numbers, every rank's piece is as long as every other's and "
-           f"no longer than it must be, in rank order, touching, every number owned")
+        answers.append(got)
+    # pieces rounded up to 16 numbers rather than 16 bytes, on every case: named as such
+    sixteen = all(got[0] == (0, -(-(-(-numel // world_size)) // 16) * 16)
+                  for got, (numel, world_size, _) in zip(answers, _BOUNDS_CASES))
+    for got, (numel, world_size, element_size) in zip(answers, _BOUNDS_CASES):
+        _bounds_problem(got, numel, world_size, element_size, sixteen)
+    passed(f"shard_bounds: on {len(_BOUNDS_CASES)} cases, from an even split to more ranks than "
+           f"numbers, numbers of 1 to 8 bytes, every rank's piece is as long as every other's, "
+           f"starts on a {ALIGN_BYTES}-byte boundary and is no longer than that requires, in "
+           f"rank order, touching, every number owned")
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,86 +192,6 @@ def _reference_step(kind: str, m, wrapped, ref_opt, kept: dict, X, y, world_size
     ref_opt.step()
 
 
-def _storages(obj, skip: set, path: str, out: dict, depth: int = 0, seen=None) -> None:
-    """Every tensor storage reachable from ``obj`` through attributes and containers, as
-    {data_ptr: (bytes, first path)}; storages in ``skip`` (the model's weights, the optimizer's
-    state) are left out. Storage, not tensor: a view keeps its whole buffer alive."""
-    seen = set() if seen is None else seen
-    if depth > 6 or id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        for t in (obj, obj.grad if obj.is_leaf and obj.requires_grad else None):
-            if t is None:
-                continue
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if st.nbytes() and ptr not in skip and ptr not in out:
-                out[ptr] = (st.nbytes(), path if t is obj else path + ".grad")
-        return
-    if isinstance(obj, (torch.optim.Optimizer, nn.Module, type, types.ModuleType)) or \
-            callable(obj) and \
-            not hasattr(obj, "__dict__"):
-        return
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _storages(k, skip, path, out, depth + 1, seen)
-            _storages(v, skip, f"{path}[…]", out, depth + 1, seen)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for v in obj:
-            _storages(v, skip, f"{path}[…]", out, depth + 1, seen)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (str, bytes, int, float)):
-        for k, v in vars(obj).items():
-            _storages(v, skip, f"{path}.{k}", out, depth + 1, seen)
-
-
-_NOT_LEARNERS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-
-
-def _learner_locals(state, found: dict) -> None:
-    """The tensors held by the local variables of the learner's functions now on the stack
-    (inside its hook, at a collective's launch or a wait()): a buffer just filled lives in a
-    local before it lives anywhere else. Frames of torch and of dpcourse are not the
-    learner's."""
-    skip = state["skip"] | {state["grad_ptr"]}
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_NOT_LEARNERS):
-        frame = frame.f_back                        # the check's and the recorder's frames
-    while frame is not None and not frame.f_code.co_filename.startswith(_NOT_LEARNERS):
-        for name, value in frame.f_locals.items():  # the learner's, up to torch's autograd
-            if value is not state["learner"]:
-                _storages(value, skip, f"`{name}` in {frame.f_code.co_name}()", found)
-        frame = frame.f_back
-
-
-def _live_gradients(trainable, tracked, state, inside: bool = False) -> tuple[int, dict]:
-    """Gradient bytes alive now, besides the gradient shard: every p.grad, any full gradient
-    still referenced (``tracked``: weak references), whatever the wrapper
-    (``state["learner"]``) holds that is not weights or optimizer state (``state["skip"]``),
-    the inputs of its collectives still in flight (``state["flying"]``) and, ``inside`` the
-    learner's hook, the tensors of its functions' local variables; {path: bytes} too."""
-    found: dict = {}
-    for p in trainable:
-        if p.grad is not None:
-            st = p.grad.untyped_storage()
-            found.setdefault(st.data_ptr(), (st.nbytes(), "p.grad"))
-    for ref in tracked:
-        t = ref()
-        if t is not None:
-            st = t.untyped_storage()
-            found.setdefault(st.data_ptr(), (st.nbytes(), "a full gradient kept elsewhere"))
-    if state["learner"] is not None:
-        _storages(state["learner"], state["skip"] | {state["grad_ptr"]}, "self", found)
-    if inside:
-        _learner_locals(state, found)
-    for ptr, nbytes in state.get("flying", {}).items():
-        found.setdefault(ptr, (nbytes, "a collective's input, in flight"))
-    found.pop(state["grad_ptr"], None)
-    where: dict = {}
-    for nbytes, path in found.values():
-        where[path] = where.get(path, 0) + nbytes
-    return sum(where.values()), where
-
 
 def _learner_hooks(trainable, ours: int = 1) -> int:
     """How many gradient hooks the learner registered on the trainable parameters (``ours``
@@ -308,44 +242,23 @@ def _refuse_uneven(call, world_size: int) -> None:
         raise RuntimeError(f"lab08-gather {call.numel} {call.out_numel} {world_size}")
 
 
-def _inputs(call) -> dict:
-    """{data_ptr: bytes} of the storages a collective reads (its output aside)."""
-    out = {}
-    for key, v in (call.args or {}).items():
-        for t in (v if isinstance(v, (list, tuple)) else [v]):
-            if key != "output" and isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                out[st.data_ptr()] = st.nbytes()
-    return out
+def _refuse_misaligned(call, world_size: int, grad_ptr) -> None:
+    """Before a reduce-scatter of the learner's: every rank's piece of its input, and its
+    output slice of ``self.shard.grad``, must start on an ``ALIGN_BYTES`` boundary (contract 2:
+    the pieces are ``shard_bounds``')."""
+    if call.op != "reduce_scatter" or not call.numel or world_size == 1:
+        return
+    out = (call.args or {}).get("output")
+    if not isinstance(out, torch.Tensor):
+        return
+    size = out.element_size()
+    piece = call.numel // world_size
+    if (piece * size) % ALIGN_BYTES:
+        raise RuntimeError(f"lab08-misaligned piece {piece} {size} {world_size}")
+    if out.untyped_storage().data_ptr() == grad_ptr and \
+            (out.storage_offset() * size) % ALIGN_BYTES:
+        raise RuntimeError(f"lab08-misaligned offset {out.storage_offset()} {size} {world_size}")
 
-
-class _Watched:
-    """A collective's Work with its wait() recorded: ``weigh(("wait", number))`` runs just
-    before it (the memory alive while the learner waits), and its input leaves
-    ``flying`` once waited; everything else passes through."""
-
-    def __init__(self, work, number: int, log: list, weigh=None, flying=None, inputs=()):
-        self._work, self._number, self._log = work, number, log
-        self._weigh, self._flying, self._inputs = weigh, flying, tuple(inputs)
-
-    def _waited(self):
-        if self._weigh is not None:
-            self._weigh(("wait", self._number))
-        self._log.append(("wait", self._number))
-        for ptr in self._inputs:
-            if self._flying is not None:
-                self._flying.pop(ptr, None)
-
-    def wait(self, *args, **kwargs):
-        self._waited()
-        return self._work.wait(*args, **kwargs)
-
-    def get_future(self):
-        self._waited()
-        return self._work.get_future()
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
 
 
 def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
@@ -379,9 +292,11 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
     def live():
         return _live_gradients(trainable, tracked, state)
 
-    def weigh(moment=("arrival",)):        # at an arrival, and inside the hook: launch, wait()
-        total, where = _live_gradients(trainable, tracked, state, inside=moment[0] != "arrival")
-        if total > memory["peak"]:
+    def weigh(moment=("arrival",)):        # at an arrival; inside your code: each line,
+        total, where = _live_gradients(trainable, tracked, state,      # launch and wait()
+                                       inside=moment[0] != "arrival")
+        if total > memory["peak"] or total == memory["peak"] and \
+                prefer(memory.get("moment"), moment):
             launched = {e[1] for e in log if e[0] == "launch" and e[3]}
             waited = {e[1] for e in log if e[0] == "wait"}
             memory["peak"], memory["where"] = total, where
@@ -404,6 +319,7 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
             _refuse_dtype(call)
         if state["phase"] in ("backward", "step"):
             _refuse_uneven(call, world_size)
+            _refuse_misaligned(call, world_size, state["grad_ptr"])
         if (call.op == "reduce_scatter" or call.function == "all_reduce") and \
                 state["phase"] in ("backward", "step"):
             number = sum(1 for e in log if e[0] == "launch")
@@ -472,7 +388,9 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                     else None
                 state["phase"] = "backward"
                 try:
-                    F.cross_entropy(model(X), y).backward()
+                    loss = F.cross_entropy(model(X), y)
+                    with weighing_lines(weigh):
+                        loss.backward()
                 except Exception as exc:
                     _raise_if_reread(exc, given)
                     _raise_with_counts(exc, opt, step, log, steps)
@@ -582,12 +500,6 @@ def _counters(opt) -> dict:
     return out
 
 
-def _inner_tensors(inner) -> list:
-    tensors = [p for g in inner.param_groups for p in g["params"]]
-    for st in inner.state.values():
-        tensors += [t for t in st.values() if isinstance(t, torch.Tensor)]
-    return tensors
-
 
 def _launch(cls, world_size: int, opt_name: str, timeout: float) -> list:
     __tracebackhide__ = True
@@ -632,146 +544,3 @@ def _refuse_library(cls) -> None:
              "state and leaves the gradients to DDP: the lab asks for your own ZeroTwo, which "
              "shards the gradients too, during the backward.")
 
-
-# --------------------------------------------------------------------------------------------
-# Predict, then measure: the peak of live gradient memory
-# --------------------------------------------------------------------------------------------
-
-PEAK_WIDTHS = (16, 64, 64, 64, 64, 8)    # five Linear layers, ReLU between them
-PEAK_CAP = 4096                          # bytes: a bucket closes once it holds 4096 B or more
-PEAK_WORLD_SIZE = 2
-
-
-def _peak_mlp() -> nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for fan_in, fan_out in zip(PEAK_WIDTHS[:-1], PEAK_WIDTHS[1:]):
-        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
-
-
-def peak_buckets() -> list[int]:
-    """The numbers in each bucket of the prediction's model, in launch order (DDP's rule:
-    reverse registration order, a bucket closes once it reaches ``PEAK_CAP`` bytes)."""
-    sizes, current = [], 0
-    for p in reversed(list(_peak_mlp().parameters())):
-        current += p.numel()
-        if 4 * current >= PEAK_CAP:
-            sizes.append(current)
-            current = 0
-    return sizes + ([current] if current else [])
-
-
-def _peak_worker(rank: int, world_size: int, cls) -> dict:
-    """One rank: the learner's wrapper for 2 SGD steps of the prediction's model, weighing the
-    gradient memory alive as ``check_zero_two`` does: at every gradient's arrival, and inside
-    the learner's hook at each reduce-scatter's launch and each wait()."""
-    __tracebackhide__ = True
-    from ..collectives import record_collectives
-
-    model = _peak_mlp()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    tracked: list = []
-    state = {"learner": None, "skip": set(), "grad_ptr": None, "flying": {}}
-    peak = {"bytes": 0, "where": {}, "moment": None}
-    log: list = []
-    launches: dict = {}
-
-    def weigh(moment=("arrival",)):
-        total, where = _live_gradients(trainable, tracked, state, inside=moment[0] != "arrival")
-        if total > peak["bytes"]:
-            peak.update(bytes=total, where=where, moment=moment)
-
-    def seen(p):                                       # the check's hook: runs before yours
-        tracked.append(weakref.ref(p.grad))
-        weigh()
-
-    def launched(call):
-        if call.op == "reduce_scatter" or call.function == "all_reduce":
-            number = len(launches)
-            inputs = _inputs(call)
-            state["flying"].update(inputs)
-            weigh(("launch", number))
-            launches[call.index] = (number, inputs)
-
-    def watched(call):
-        number, inputs = launches.get(call.index, (None, {}))
-        if number is not None and call.result is not None:
-            return _Watched(call.result, number, log, weigh, state["flying"], inputs)
-        for ptr in inputs:
-            state["flying"].pop(ptr, None)
-        return None
-
-    for p in trainable:
-        p.register_post_accumulate_grad_hook(seen)
-    opt = cls(model.parameters(), torch.optim.SGD, bucket_cap=PEAK_CAP, lr=0.1)
-    inner = getattr(opt, "optimizer", None)
-    skip = {p.untyped_storage().data_ptr() for p in trainable}
-    if inner is not None and hasattr(inner, "state"):
-        skip |= {t.untyped_storage().data_ptr() for t in _inner_tensors(inner)}
-    state.update(learner=opt, skip=skip)
-    with record_collectives(before=launched, after=watched):
-        for step in range(2):
-            g = torch.Generator().manual_seed(200 + step)
-            X = torch.randn(8 * world_size, PEAK_WIDTHS[0], generator=g)
-            y = torch.randint(0, PEAK_WIDTHS[-1], (8 * world_size,), generator=g)
-            X, y = X[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]
-            opt.zero_grad()
-            tracked.clear()
-            shard_grad = getattr(getattr(opt, "shard", None), "grad", None)
-            state["grad_ptr"] = shard_grad.untyped_storage().data_ptr() \
-                if isinstance(shard_grad, torch.Tensor) else None
-            F.cross_entropy(model(X), y).backward()
-            opt.step()
-    return {"peak": peak["bytes"], "where": peak["where"], "moment": peak["moment"]}
-
-
-def measure_peak(cls, timeout: float | None = None) -> int:
-    """The most gradient bytes your ``cls`` kept alive at once on the prediction's model
-    (``PEAK_WIDTHS``, buckets of ``PEAK_CAP`` bytes, fp32, ``PEAK_WORLD_SIZE`` ranks), weighed
-    as ``check_zero_two`` weighs them (at every gradient's arrival, and inside your hook at
-    each reduce-scatter's launch and each wait()), the largest over the ranks."""
-    __tracebackhide__ = True
-    timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    require_answer(cls, getattr(cls, "__name__", "ZeroTwo"), "class")
-    results = run_ranks(_peak_worker, PEAK_WORLD_SIZE, cls, timeout=timeout,
-                        failed=lambda exc: _raised(exc.rank, exc.summary),
-                        hang="every rank must make the same collectives, in the same order, "
-                             "with tensors of the same size.")
-    return max(r["peak"] for r in results)
-
-
-def expected_peak() -> tuple[int, int]:
-    """(bytes, index of the bucket being filled) at the peak when one bucket is in flight:
-    the bucket whose last gradient has just arrived, plus the one before it, still in flight
-    (each padded to a multiple of the world size)."""
-    sizes = [PEAK_WORLD_SIZE * math.ceil(n / PEAK_WORLD_SIZE) for n in peak_buckets()]
-    # bucket 0 fills with nothing in flight; from bucket 1 on, the one before is in flight
-    # while the new one's gradients are still in p.grad (the arrival the check weighs)
-    pairs = [(4 * peak_buckets()[0], 0)] + [
-        (4 * (peak_buckets()[i] + sizes[i - 1]), i) for i in range(1, len(sizes))]
-    return max(pairs)
-
-
-def check_peak_prediction(guess, measured: int) -> None:
-    """Compare the learner's predicted peak of live gradient bytes with ``measured``
-    (``measure_peak``), and say where the peak comes from."""
-    __tracebackhide__ = True
-    from . import reveal
-
-    buckets = peak_buckets()
-    total = 4 * sum(buckets)
-    expected, i = expected_peak()
-    value = guess.value if hasattr(guess, "value") else None
-    close = isinstance(value, (int, float)) and abs(value - measured) <= 0.05 * measured
-    why = (f"The buckets hold {', '.join(map(str, buckets))} numbers of 4 B, launched in that "
-           f"order. The peak comes when the last gradient of bucket {i} ({buckets[i]} "
-           f"numbers) arrives while bucket {i - 1} ({buckets[i - 1]}) is still in flight: "
-           f"({buckets[i]} + {buckets[i - 1]}) × 4 = {expected} B, "
-           f"{round(100 * expected / total)} % of the {total} B that DDP, or a ZeRO-2 that "
-           f"reduce-scatters in step(), holds at once — two neighbouring buckets, not two "
-           f"caps ({2 * PEAK_CAP} B) nor two of the largest.")
-    if measured != expected:
-        why += (f" Your ZeroTwo's peak, {measured} B, is not that of one bucket in flight "
-                f"({expected} B): it keeps {'more' if measured > expected else 'less'} alive.")
-    reveal(guess, measured, close=close, explanation=why)
