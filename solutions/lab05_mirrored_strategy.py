@@ -231,46 +231,53 @@ lab05.check_train_step(distributed_train_step, make_model_and_optimizer, strateg
                        global_batch=global_batch, lr=lr)
 
 # %% [markdown]
-# ## 4. Predict, then train
+# ## 4. Predict, then measure: an epoch's last step
 #
-# An epoch of 1000 samples in global batches of `global_batch`, distributed as in part 3 with
-# `strategy.experimental_distribute_dataset`. The rule it follows (TensorFlow 2.21's source,
-# `data/experimental/ops/distribute.py`): it cuts **each batch the dataset yields** into
-# `num_replicas_in_sync` pieces of ⌈b / N⌉ samples, b being that batch's size, in replica
-# order, the last replica taking what is left — a batch of 64 on 3 replicas becomes
-# 22 + 22 + 20. Before running anything, **predict**: in the epoch's *last* step, how many
-# samples does replica 0 hold? Write a number, run the cell, then run the measurement below
-# it.
+# Part 3's check handed your step batches it had split itself. In training the split is
+# `strategy.experimental_distribute_dataset`'s, and an epoch is rarely a whole number of global
+# batches. Here the data set holds 15 global batches and **one sample more**
+# (`lab05.epoch_size(global_batch)` samples), batched by `global_batch` with the remainder kept
+# and distributed as in part 3: the epoch's last step has one sample for
+# `strategy.num_replicas_in_sync` replicas — a case lesson 05 never ran.
+#
+# Before running anything, **predict**: in that last step, what happens on replica 1? One of
+# `lab05.LAST_STEP_CHOICES`: `"a copy of the sample"` (it trains on the sample too),
+# `"step_fn on an empty batch"`, `"sits the step out"` (`step_fn` is not called on it), or
+# `"no such step"` (the strategy drops a batch it cannot split). Write your choice, run the
+# cell, then the measurement below it: it runs the last step on every replica (no update) and
+# prints what each held, and what `tf.reduce_mean` and `compute_average_loss` made of it.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Does 1000 divide by `global_batch`? If not, what is left for the last step, and how does this
-# function share one global batch between the replicas?
+# What does `apply_gradients` do with the replicas' gradients (lesson 05 §4), and what happened
+# in the lesson when one replica skipped that call? What does PyTorch's `DistributedSampler` do
+# when the data does not fill every rank — and is there anything in TensorFlow that would do the
+# same?
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
+# **▶ Hint 2 — where to read**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The dataset is batched by the global batch before the strategy sees it, so the last batch is
-# what remains after the full ones, and the rule applies to that batch as it is: its own size
-# is the b in ⌈b / N⌉, not `global_batch`.
+# TensorFlow describes this split in a docstring: `_LegacyRebatchDataset`, in
+# `tensorflow/python/data/experimental/ops/distribute.py` (under `site-packages`). Its example
+# cuts 8 samples, batched by 4, over 3 replicas. What does the third replica get in each step?
 
 # %%
-### BEGIN SOLUTION: my_guess = your prediction (a number of samples)
-my_guess = 20
+### BEGIN SOLUTION: my_guess = your prediction (one of lab05.LAST_STEP_CHOICES)
+my_guess = "step_fn on an empty batch"
 ### END SOLUTION
-guess = predict("lab05", "samples on replica 0 in the last step (experimental_distribute_dataset)",
-                my_guess, unit="samples")
+guess = predict("lab05", lab05.LAST_STEP_QUESTION, my_guess, choices=lab05.LAST_STEP_CHOICES)
 
 # %%
 from dpcourse import data
 
-ds = data.load("shapes10", n_train=1000, n_test=10, seed=0)
+ds = data.load("shapes10", n_train=lab05.epoch_size(global_batch), n_test=10, seed=0)
 epoch = mirrored.make_dataset(ds.x_train, ds.y_train, global_batch, drop_remainder=False)
-sizes = lab05.last_step_sizes(strategy, strategy.experimental_distribute_dataset(epoch))
-lab05.check_split_prediction(guess, sizes, n_samples=1000, global_batch=global_batch)
+measured = lab05.last_step(strategy, strategy.experimental_distribute_dataset(epoch), model,
+                           global_batch)
+lab05.check_last_step_prediction(guess, measured)
 
 # %% [markdown]
 # With the pieces checked, run a few full steps on the course's data set: the loss printed is

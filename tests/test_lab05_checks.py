@@ -1,5 +1,7 @@
 """Lab 05's checks: the reference passes, each plausible mistake fails with a sentence naming it."""
 
+from pathlib import Path
+
 import pytest
 
 from dpcourse import mirrored  # first: sets TF's quiet env and loads triton before TF
@@ -13,6 +15,7 @@ import tensorflow as tf  # noqa: E402
 
 from dpcourse.checks import LabCheckError, lab05  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
 
 
@@ -535,6 +538,9 @@ def _epoch(divisor="all_reduce"):
                     loss = tf.nn.compute_average_loss(losses)
                 elif divisor == "mean":
                     loss = tf.reduce_mean(losses) / 2
+                elif divisor == "mean_n":
+                    loss = tf.reduce_mean(losses) / tf.cast(
+                        tf.distribute.get_replica_context().num_replicas_in_sync, tf.float32)
                 elif divisor == "static_shape":
                     n = tf.distribute.get_replica_context().all_reduce(SUM, x.shape[0])
                     loss = tf.reduce_sum(losses) / tf.cast(n, tf.float32)
@@ -579,20 +585,42 @@ def test_partial_batch_mistakes_on_three_replicas(fn, phrase, strategy3):
 
 
 def test_a_local_mean_names_the_empty_replicas_nan(strategy):
-    # the learner's finding: reduce_mean / N on 4 + 0 — replica 1's mean is 0/0, NaN, the most
-    # visible symptom, while its empty gradient changes nothing
+    # finding: reduce_mean / N on 4 + 0 has a cause sentence of its own, with the step's numbers:
+    # replica 0's mean / 2 where its share is its mean (all 4 samples), replica 1's 0/0 = nan
+    for fn in (_epoch("mean"), _epoch("mean_n")):
+        with pytest.raises(LabCheckError) as err:
+            lab05.check_partial_batch_epoch(fn, strategy)
+        msg = " ".join(str(err.value).split())
+        assert "each replica's loss was its own reduce_mean divided by the replica count — " \
+               "replica 0 differentiated" in msg, msg
+        assert "its own mean over its 4 samples" in msg and "/ 2 replicas" in msg, msg
+        assert "(its summed loss / the step's 4 samples), 2 times what it differentiated" \
+            in msg, msg
+        assert "replica 1, holding none, differentiated nan: reduce_mean of no losses is 0/0" \
+            in msg, msg
+        assert "compute_average_loss" not in msg, msg
+
+
+def test_a_local_mean_is_named_on_three_replicas_too(strategy3):
     with pytest.raises(LabCheckError) as err:
-        lab05.check_partial_batch_epoch(_epoch("mean"), strategy)
-    assert "but the last step's slices differ (replica 1 holds none: its own mean is 0/0, NaN " \
-           "from reduce_mean — compute_average_loss's div_no_nan reports 0 — while its " \
-           "gradient, a sum over no sample, is zero and moves nothing)" in str(err.value), \
-        str(err.value)
+        lab05.check_partial_batch_epoch(_epoch("mean_n"), strategy3)
+    msg = " ".join(str(err.value).split())
+    assert "its own reduce_mean divided by the replica count" in msg and "12+12+4" in msg, msg
+    assert "its own mean over its 12 samples" in msg and "/ 3 replicas" in msg, msg
+    assert "the step's 28 samples), 1.3 times what it differentiated" in msg, msg
+
+
+def test_the_local_mean_gives_the_fix_the_second_time(strategy):
+    for _ in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab05.check_partial_batch_epoch(_epoch("mean_n"), strategy)
+    assert "sum the replicas' counts inside the step" in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("fn, phrase", [
     (_epoch("global"), "divided by the full global batch"),
     (_epoch("implicit"), "compute_average_loss without global_batch_size"),
-    (_epoch("mean"), "local mean divided by the replica count"),
+    (_epoch("mean"), "its own reduce_mean divided by the replica count"),
     (epoch_skipping_partial, "changed nothing"),
     (_epoch("static_shape"), "x.shape[0] is a Python int"),
 ])
@@ -604,45 +632,94 @@ def test_partial_batch_mistakes_are_named(fn, phrase, strategy):
 
 # --- predictions: compared and explained, never refused ------------------------------------
 
-def test_predictions_are_revealed(strategy, capsys):
+def test_pipeline_prediction_is_revealed(strategy, capsys):
     from dpcourse.checks import predict
     x, y = lab05.stretch_data()
-    sizes = lab05.last_step_sizes(strategy, make_global_split(strategy, x, y, 32))
-    assert sizes == [2, 2]
-    lab05.check_split_prediction(predict("lab05", "q1", 2), sizes, 100, 32)
+    assert lab05.last_step_sizes(strategy, make_global_split(strategy, x, y, 32)) == [2, 2]
     sizes = lab05.last_step_sizes(strategy, _dataset_maker()(strategy, x, y, 32))
     assert sizes == [4, 0]
     lab05.check_pipeline_prediction(predict("lab05", "q2", 2), sizes)
     out = capsys.readouterr().out
-    assert "measured: 2 — right." in out and "measured: 4 — not what happened." in out, out
+    assert "measured: 4 — not what happened." in out, out
 
 
-def test_split_prediction_states_the_rule_and_names_a_full_steps_piece(strategy, capsys):
-    # 1000 in batches of 64 leave 40: cut into ⌈40/2⌉ = 20 + 20; 32 (a full step's piece) named
+@pytest.fixture(scope="module")
+def last_step_measured(strategy):
+    """Part 4's measurement on 2 replicas: 15 global batches of 64 and one sample more."""
+    with strategy.scope():
+        model = mirrored.build_keras_cnn(seed=3)
+    x, y = lab05.reference_batch(lab05.epoch_size(64), seed=1)
+    epoch = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)   # the remainder kept
+    return lab05.last_step(strategy, strategy.experimental_distribute_dataset(epoch), model, 64)
+
+
+def test_the_last_step_runs_an_empty_replica(last_step_measured):
+    # what part 4 asks the learner to predict: the measurement itself, not the lab's words
+    m = last_step_measured
+    assert m["steps"] == 16 and m["sizes"] == [1, 0] and m["called"] == [0, 1], m
+    assert np.isnan(m["means"][1]) and m["shares"][1] == 0.0, m
+    assert np.isclose(m["shares"][0] * 64, m["step_mean"], rtol=1e-5), m
+
+
+def test_the_ceiling_rule_is_what_the_explanation_states():
+    from dpcourse.checks._lab05_predict import pieces
+    assert [pieces(64, 3), pieces(4, 3), pieces(1, 2), pieces(40, 2)] == \
+        [[22, 22, 20], [2, 2, 0], [1, 0], [20, 20]]
+
+
+@pytest.mark.parametrize("choice, phrase", [
+    ("a copy of the sample", "A copy is what DistributedSampler does"),
+    ("sits the step out", "Sitting out would leave the other replicas waiting"),
+    ("no such step", "batched with drop_remainder=False, so it yields the last sample"),
+])
+def test_each_wrong_last_step_prediction_is_explained(choice, phrase, last_step_measured,
+                                                      capsys):
     from dpcourse.checks import predict
-    lab05.check_split_prediction(predict("lab05", "q32", 32), [20, 20], 1000, 64)
+    lab05.check_last_step_prediction(
+        predict("lab05", "q " + choice, choice, choices=lab05.LAST_STEP_CHOICES),
+        last_step_measured)
     out = " ".join(capsys.readouterr().out.split())
-    assert "measured: 20 — not what happened" in out
-    assert "cut that batch, as it cuts every batch the dataset yields, into 2 pieces of ⌈40/2⌉ = " \
-           "20 in replica order, the last replica taking what is left: 20+20" in out, out
-    assert "Your 32 is a full step's piece, ⌈64/2⌉: the strategy cuts the batch it receives, 40 " \
-           "samples here" in out, out
-    lab05.check_split_prediction(predict("lab05", "q20", 20), [20, 20], 1000, 64)
+    assert f"Your prediction: {choice}; measured: step_fn on an empty batch — not what " \
+           f"happened." in out, out
+    assert "into 2 pieces of ⌈b/2⌉ samples in replica order" in out and "1 as 1+0" in out, out
+    assert "its reduce_mean is 0/0 = nan, its compute_average_loss share 0.0" in out, out
+    assert phrase in out, out
+
+
+def test_the_right_last_step_prediction_is_told_so(last_step_measured, capsys):
+    from dpcourse.checks import predict
+    right = "step_fn on an empty batch"
+    lab05.check_last_step_prediction(
+        predict("lab05", "q right", right, choices=lab05.LAST_STEP_CHOICES), last_step_measured)
     out = " ".join(capsys.readouterr().out.split())
-    assert "measured: 20 — right" in out and "full step's piece" not in out
+    assert "samples [1, 0], step_fn called on replicas [0, 1]" in out, out
+    assert "reduce_mean of its losses: [" in out and ", nan]" in out, out
+    assert f"measured: {right} — right." in out and "DistributedSampler" not in out, out
+
+
+def test_the_lab_does_not_state_the_rule_before_the_prediction():
+    # finding: a rule stated right before the prediction made it arithmetic
+    text = (ROOT / "solutions" / "lab05_mirrored_strategy.py").read_text()
+    before = text[text.index("## 4. Predict"):text.index("my_guess = ")]
+    assert "⌈" not in before and "ceil" not in before and "22 + 22" not in before, before
 
 
 def test_experimental_distribute_dataset_cuts_each_batch_by_the_ceiling(strategy):
-    # the rule the lab states: each batch b into N pieces of ⌈b/N⌉, the last replica the rest
-    # (64 on 3: 22 + 22 + 20; the short 40 on 2: 20 + 20)
-    x = np.arange(1000, dtype=np.float32).reshape(-1, 1)
-    y = np.zeros(1000, np.int64)
+    # the rule part 4's explanation states (lab05.pieces): each batch b into N pieces of ⌈b/N⌉
+    # in replica order, the last replicas the rest — 64 on 3: 22 + 22 + 20 (not
+    # batch_sizes_for_worker's 22 + 21 + 21); 40 on 2: 20 + 20; 4 on 3: 2 + 2 + 0; 1 on 2: 1 + 0
+    from dpcourse.checks._lab05_predict import pieces
     strategy3 = lab05.strategies_for(strategy)[1]
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
-    first = next(iter(strategy3.experimental_distribute_dataset(ds)))
-    assert [len(v) for v in strategy3.experimental_local_results(first[1])] == [22, 22, 20]
-    assert lab05.last_step_sizes(strategy, strategy.experimental_distribute_dataset(ds)) == \
-        [20, 20]
+    for strat, n_samples, last in ((strategy3, 1000, 40), (strategy, 1000, 40),
+                                   (strategy3, 68, 4), (strategy, 961, 1), (strategy3, 961, 1)):
+        n = strat.num_replicas_in_sync
+        x = np.arange(n_samples, dtype=np.float32).reshape(-1, 1)
+        ds = tf.data.Dataset.from_tensor_slices((x, np.zeros(n_samples, np.int64))).batch(64)
+        first = next(iter(strat.experimental_distribute_dataset(ds)))
+        assert [len(v) for v in strat.experimental_local_results(first[1])] == pieces(64, n)
+        assert lab05.last_step_sizes(strat, strat.experimental_distribute_dataset(ds)) == \
+            pieces(last, n), (n_samples, n)
+    assert pieces(64, 3) == [22, 22, 20] and pieces(4, 3) == [2, 2, 0]
 
 
 # --- cause first, the fix on the second meeting ---------------------------------------------
@@ -869,7 +946,14 @@ def test_a_step_running_the_notebooks_strategy_is_named(lab_strategy):
 def test_fixes_start_a_sentence():
     import ast
     import inspect
-    tree = ast.parse(inspect.getsource(lab05))
+    import importlib
+    import pkgutil
+    from dpcourse import checks
+    modules = [lab05] + [importlib.import_module(f"dpcourse.checks.{m.name}")
+                         for m in pkgutil.iter_modules(checks.__path__)
+                         if m.name.startswith("_lab05_")]
+    assert len(modules) == 8, modules   # lab05 and its seven _lab05_* modules
+    tree = ast.Module(body=[ast.parse(inspect.getsource(m)) for m in modules], type_ignores=[])
     fixes = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and any(k.arg == "fix" for k in node.keywords):
@@ -887,4 +971,5 @@ def test_stretch_b_escalation_reads_as_two_sentences(strategy):
     for _ in range(2):
         with pytest.raises(LabCheckError) as err:
             lab05.check_partial_batch_epoch(_epoch("mean"), strategy)
-    assert "whole step holds. Ask the other replicas" in str(err.value), str(err.value)
+    assert "how many samples the step holds. Ask the other replicas" in str(err.value), \
+        str(err.value)

@@ -1,0 +1,129 @@
+"""What every runner of lab 05's checks shares: TensorFlow as the library loads it, the
+comparison tolerance, the fixed global batch the checks feed, the lab's strategy with one replica
+more (so nothing can be tied to one replica count), the refusal of the library's own answers
+(``mirrored.per_replica_loss``, ``mirrored.train_step``), and the sentence naming a strategy a
+learner's function reads from outside itself.
+
+Imported by the other ``_lab05_*`` modules and by :mod:`dpcourse.checks.lab05`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from dpcourse import data as _data
+from dpcourse import mirrored
+from dpcourse.checks import fail
+
+tf = mirrored.tf
+keras = mirrored.keras
+
+_RTOL = 1e-3
+
+
+def reference_batch(global_batch: int = 64, seed: int = 5):
+    """A fixed global batch (normalised NHWC float32 images, int64 labels)."""
+    ds = _data.load("shapes10", n_train=global_batch, n_test=1, seed=seed)
+    return _data.normalize(ds.x_train), ds.y_train
+
+
+def _close(a, b, rtol=_RTOL) -> bool:
+    return bool(np.allclose(a, b, rtol=rtol, atol=1e-6))
+
+
+_OTHER: dict = {}
+
+
+def strategies_for(strategy) -> list:
+    """The lab's strategy and, if TF has a spare logical device of the same kind, a strategy
+    with one replica more (built once and kept: TF cannot forget a strategy's devices)."""
+    devices = list(strategy.extended.worker_devices)
+    kind = "GPU" if any("GPU" in d.upper() for d in devices) else "CPU"
+    have = [d.name for d in tf.config.list_logical_devices(kind)]
+    if len(have) <= len(devices):
+        return [strategy]
+    names = tuple(have[:len(devices) + 1])
+    if names not in _OTHER:
+        _OTHER[names] = mirrored.make_strategy(list(names))
+    return [strategy, _OTHER[names]]
+
+
+def _local(strategy, value) -> list:
+    return [np.asarray(v) for v in strategy.experimental_local_results(value)]
+
+
+# The library holds lesson 05's answers; the lab asks for the learner's own.
+_LIBRARY = {"per_replica_loss": "per_replica_loss", "distributed_train_step": "train_step"}
+
+
+def _refuse_library(fn, what: str) -> None:
+    __tracebackhide__ = True
+    lib = getattr(mirrored, _LIBRARY[what])
+    inner = getattr(fn, "func", fn)  # a functools.partial of it too
+    if inner is lib or getattr(inner, "__code__", None) is lib.__code__:
+        fail(f"{what} is dpcourse.mirrored.{_LIBRARY[what]}, the library's answer that lesson 05 "
+             f"runs: it passes by construction, so passing proves nothing about your scaling.",
+             fix=f"Write your own {what} in the lab's cell.")
+
+
+class _LibrarySpy:
+    """While active, a call of the library's answer from inside the learner's function is noted
+    (the learner's function may wrap ``mirrored.per_replica_loss`` instead of being it)."""
+
+    def __init__(self, what: str):
+        self.name, self.called = _LIBRARY[what], False
+        self.what = what
+
+    def __enter__(self):
+        self.original = getattr(mirrored, self.name)
+
+        def spy(*args, **kwargs):
+            self.called = True
+            return self.original(*args, **kwargs)
+        setattr(mirrored, self.name, spy)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(mirrored, self.name, self.original)
+        if self.called and exc[0] is None:
+            fail(f"your {self.what} calls dpcourse.mirrored.{self.name}, the library's answer "
+                 f"that lesson 05 runs: the scaling it checks is then the library's, not yours.",
+                 fix=f"Compute the loss in your own {self.what}, without the library's function.")
+        return False
+
+
+def _captured_strategies(fn) -> list:
+    """(name, strategy) for each ``tf.distribute.Strategy`` that ``fn`` (or a function nested in
+    it) reads from outside itself: module globals and closure cells."""
+    fn = getattr(fn, "func", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    glob = getattr(fn, "__globals__", {})
+    found = {nm: glob[nm] for nm in names if isinstance(glob.get(nm), tf.distribute.Strategy)}
+    for nm, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            if isinstance(cell.cell_contents, tf.distribute.Strategy):
+                found[nm] = cell.cell_contents
+        except ValueError:   # an empty cell
+            pass
+    return sorted(found.items(), key=lambda kv: kv[0])
+
+
+def _captured_note(fn, strategy) -> str:
+    """A sentence naming a strategy that ``fn`` reads from outside itself and that is not
+    ``strategy`` (the one this call runs on), or ""."""
+    others = [f"`{nm}` ({obj.num_replicas_in_sync} replicas)"
+              for nm, obj in _captured_strategies(fn) if obj is not strategy]
+    if not others:
+        return ""
+    return (f" Your function reads {', '.join(others)} from outside itself, while this call runs "
+            f"on {strategy.num_replicas_in_sync} replicas: a value captured from outside the "
+            f"function stays what it was, whatever the call is given.")

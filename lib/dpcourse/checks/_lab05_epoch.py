@@ -1,0 +1,215 @@
+"""Lab 05 stretch B: ``train_epoch(strategy, model, optimizer, dist_dataset)`` over 100 samples
+in global batches of 32 (36 on 3 replicas) must take the steps one device takes, the short last
+step included (4 + 0 on 2 replicas, 12 + 12 + 4 on 3). A wrong epoch is replayed on one device
+with each plausible divisor (the full global batch, a fixed 32, each replica's own slice x N,
+the last step skipped) and named by the one whose weights it reproduced.
+
+Imported by :mod:`dpcourse.checks.lab05`, where the lab calls it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dpcourse import mirrored
+from dpcourse.checks import fail, passed, recorded
+from dpcourse.checks._lab05_common import _close, keras, strategies_for, tf
+from dpcourse.checks._lab05_pipeline import _GLOBAL, _expected_split, stretch_data, stretch_global
+
+
+def _one_device(global_batch: int, divisors) -> list:
+    """SGD on one device over the stretch's batches of ``global_batch``: in each step, the
+    samples replica r would hold (whole per-replica batches in turn) have their summed loss
+    divided by ``divisors(r, sizes)``, ``sizes`` being that step's per-replica sizes; dividing
+    every replica's sum by ``sum(sizes)`` is the right step."""
+    x, y = stretch_data()
+    model = _stretch_model()
+    opt = keras.optimizers.SGD(learning_rate=0.5)
+    for step, sizes in enumerate(_SPLITS[global_batch]):
+        start = step * global_batch
+        with tf.GradientTape() as tape:
+            losses = mirrored.per_example_loss(y[start:start + sum(sizes)],
+                                               model(x[start:start + sum(sizes)]))
+            loss, at = 0.0, 0
+            for r, k in enumerate(sizes):
+                if k:
+                    loss = loss + tf.reduce_sum(losses[at:at + k]) / float(divisors(r, sizes))
+                at += k
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+    return model.get_weights()
+
+
+_SPLITS: dict = {}
+
+
+class _LossSpy:
+    """While active, notes the loss each replica differentiates (the target of
+    ``tf.GradientTape.gradient``, when it is a number: a step run eagerly, as the lab's loop
+    runs it; a traced step leaves nothing) and whether ``tf.nn.compute_average_loss`` was called
+    without a ``global_batch_size``. Lets the check tell apart two divisors that move the
+    weights alike: a replica's own mean / N, and compute_average_loss left to count the slice."""
+
+    def __enter__(self):
+        self.targets, self.implicit = [], False   # (replica id, loss) in call order
+        self._gradient, self._average = tf.GradientTape.gradient, tf.nn.compute_average_loss
+        spy = self
+
+        def gradient(tape, target, *args, **kwargs):
+            spy._note(target)
+            return spy._gradient(tape, target, *args, **kwargs)
+
+        def compute_average_loss(*args, **kwargs):
+            if len(args) < 3 and kwargs.get("global_batch_size") is None:
+                spy.implicit = True
+            return spy._average(*args, **kwargs)
+
+        tf.GradientTape.gradient, tf.nn.compute_average_loss = gradient, compute_average_loss
+        return self
+
+    def _note(self, target) -> None:
+        try:
+            ctx = tf.distribute.get_replica_context()
+            replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
+            value = float(np.asarray(target))   # a symbolic (traced) loss has no value
+        except Exception:  # noqa: BLE001 - nothing to note; the weights still decide
+            return
+        self.targets.append((replica, value))
+
+    def __exit__(self, *exc):
+        tf.GradientTape.gradient, tf.nn.compute_average_loss = self._gradient, self._average
+        return False
+
+    def last_step(self, n: int) -> list | None:
+        """The loss each of the ``n`` replicas differentiated in the epoch's last step (the last
+        ``n`` notes), or None when the step was not run eagerly."""
+        tail = dict(self.targets[-n:])
+        return [tail[r] for r in range(n)] if sorted(tail) == list(range(n)) else None
+
+
+def _name_own_slice_divisor(spy: _LossSpy, last: list, n: int, at: str) -> None:
+    """The weights say each replica divided its summed loss by its own slice size x N. Name
+    which divisor did it: compute_average_loss without global_batch_size, or the replica's own
+    reduce_mean divided by N (an empty replica's loss is then nan), with the last step's
+    numbers where the step ran eagerly."""
+    __tracebackhide__ = True
+    fix = "Ask the other replicas: sum the replicas' counts inside the step."
+    b, losses = sum(last), spy.last_step(n)
+    empty = [r for r, k in enumerate(last) if k == 0]
+    if spy.implicit:
+        fail(f"the last step was wrong {at}: each replica's loss came from compute_average_loss "
+             f"without global_batch_size, which then divides a replica's summed loss by its own "
+             f"slice size x the {n} replicas — the step's sample count only when every replica "
+             f"holds as many as this one, and the last step's slices differ: a replica's own "
+             f"slice does not tell how many samples the whole step holds.", fix=fix)
+    if losses is not None and (not empty or losses[empty[0]] != losses[empty[0]]):
+        full = next(r for r, k in enumerate(last) if k)
+        mean, k = losses[full] * n, last[full]
+        right = mean * k / b
+        said = [f"replica {full} differentiated {losses[full]:.4f}: its own mean over its {k} "
+                f"samples ({mean:.4f}) / {n} replicas, where its share of the step's mean is "
+                f"{right:.4f} (its summed loss / the step's {b} samples), "
+                f"{right / losses[full]:.2g} times what it differentiated"]
+        if empty:
+            said.append(f"replica {empty[0]}, holding none, differentiated nan: reduce_mean of "
+                        f"no losses is 0/0 (its gradient, a sum over no sample, is zero)")
+        fail(f"the last step was wrong {at}: each replica's loss was its own reduce_mean divided "
+             f"by the replica count — " + "; ".join(said) + f". A mean / N is a replica's share "
+             f"only when every replica holds the step's samples / N; the last step's slices "
+             f"differ, and a replica's own mean does not know how many samples the step holds.",
+             fix=fix)
+    nan = (f" (replica {empty[0]} holds none: its own mean is 0/0, NaN from reduce_mean — "
+           f"compute_average_loss's div_no_nan reports 0 — while its gradient, a sum over "
+           f"no sample, is zero and moves nothing)" if empty else "")
+    fail(f"the last step was wrong {at}: each replica's loss was divided by its own slice "
+         f"size times the replica count (compute_average_loss without global_batch_size, or "
+         f"a local mean divided by the replica count, assume every replica holds as many "
+         f"samples as this one), but the last step's slices differ{nan}: a replica's own "
+         f"slice does not tell how many samples the whole step holds.", fix=fix)
+
+
+def _stretch_model():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(10)])
+    model.set_weights([np.full((8, 10), 0.01, np.float32) * np.arange(10, dtype=np.float32),
+                       np.zeros(10, np.float32)])
+    return model
+
+
+@recorded
+def check_partial_batch_epoch(train_epoch, strategy) -> None:
+    """Stretch: ``train_epoch(strategy, model, optimizer, dist_dataset)`` over 100 samples in
+    global batches of ``stretch_global(replicas)`` must take the steps one device takes —
+    including the last step, where the replicas hold unequal slices (4 + 0 on 2 replicas,
+    12 + 12 + 4 on 3). Tried on the lab's strategy and on one with a replica more."""
+    __tracebackhide__ = True
+    tried = []
+    for strat in strategies_for(strategy):
+        n = strat.num_replicas_in_sync
+        _check_epoch_once(train_epoch, strat, stretch_global(n))
+        tried.append(f"{'+'.join(map(str, _expected_split(n, stretch_global(n))[-1]))} on {n}")
+    passed("train_epoch: every step, the short last one too, equals one device on the same "
+           f"batch (last steps {', '.join(tried)} replicas)")
+
+
+def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
+    __tracebackhide__ = True
+    x, y = stretch_data()
+    n = strategy.num_replicas_in_sync
+    last = _expected_split(n, gb)[-1]
+    _SPLITS[gb] = _expected_split(n, gb)
+    at = f"(global batch {gb} on {n} replicas; the last step's {sum(last)} samples as " \
+         f"{'+'.join(map(str, last))})"
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(
+            ctx.get_per_replica_batch_size(gb))
+
+    with strategy.scope():
+        model = _stretch_model()
+        optimizer = keras.optimizers.SGD(learning_rate=0.5)
+    try:
+        with _LossSpy() as spy:
+            train_epoch(strategy, model, optimizer,
+                        strategy.distribute_datasets_from_function(dataset_fn))
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        if isinstance(exc, (AttributeError, TypeError, ValueError)) and (
+                "'int' object" in first or "NoneType" in first):
+            fail(f"train_epoch raised {type(exc).__name__} {at}: {first} — a Python number (or "
+                 f"None) reached a TensorFlow operation. A static shape such as x.shape[0] is a "
+                 f"Python int (None while the step is traced), and the replica context reduces "
+                 f"tensors only.", fix="Count the samples with a tensor operation.")
+        fail(f"train_epoch raised {type(exc).__name__} {at}: {first}")
+    got = model.get_weights()
+    if not all(np.all(np.isfinite(w)) for w in got):
+        fail(f"the weights became NaN {at}: in the last step a replica with no samples divided "
+             f"its loss by its own count, and the mean of nothing is 0/0.",
+             fix="Divide the summed loss by the step's global sample count instead.")
+
+    def same(divisors):
+        return all(_close(a, b, rtol=1e-4) for a, b in zip(got, _one_device(gb, divisors)))
+
+    if same(lambda r, sizes: sum(sizes)):
+        return
+    if same(lambda r, sizes: gb):
+        fail(f"the last step was too small {at}: its {sum(last)} samples were divided by the "
+             f"full global batch ({gb}), a number fixed before the epoch — but a short last "
+             f"step holds fewer samples, and only the step itself can tell how many.",
+             fix="Divide by this step's sample count, summed over the replicas inside the step.")
+    if gb != _GLOBAL and same(lambda r, sizes: _GLOBAL):
+        fail(f"every step's loss was divided by a fixed {_GLOBAL} {at}: the global batch here is "
+             f"{gb}, and the last step holds {sum(last)} — a number written into the function "
+             f"holds for one dataset only.",
+             fix="Count the step's samples inside the step, summed over the replicas.")
+    if same(lambda r, sizes: sizes[r] * n):
+        _name_own_slice_divisor(spy, last, n, at)
+    if same(lambda r, sizes: float("inf") if sum(sizes) < gb else sum(sizes)):
+        fail(f"the last, partial step changed nothing {at}: its {sum(last)} samples were never "
+             f"trained on.", fix="Train on the short last step too.")
+    fail(f"after one epoch the weights differ from one device on the same batches {at}, by a "
+         f"scaling the check does not recognise.",
+         fix="Divide each replica's summed loss by the step's global sample count, then apply "
+             "the gradients.")

@@ -1,0 +1,197 @@
+"""Lab 05 part 3: ``distributed_train_step``. One step of the learner's loop from fixed weights
+on a fixed global batch must give one device's result: the same updated weights, and the batch's
+mean loss and accuracy before the update. Tried on two batch sizes and two learning rates, on the
+lab's strategy and one with a replica more, then on a step split unevenly (6 + 2 (+ 2)). A wrong
+update is named here by its size (N times, 1/N, a fixed divisor, slice size x N); a wrong
+reported value is named by :mod:`dpcourse.checks._lab05_reports`.
+
+Imported by :mod:`dpcourse.checks.lab05`, where the lab calls it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dpcourse import mirrored
+from dpcourse.checks import fail, passed, recorded
+from dpcourse.checks._lab05_common import (_LibrarySpy, _captured_note, _close, _refuse_library,
+                                           keras, reference_batch, strategies_for, tf)
+from dpcourse.checks._lab05_model import _check_lr, _check_sgd, _other_lr, _outside_scope
+from dpcourse.checks._lab05_reports import _Ambiguous, judge_reports
+
+
+@recorded
+def check_train_step(distributed_train_step, make_model_and_optimizer, strategy,
+                     global_batch: int = 64, lr: float = 0.1) -> None:
+    """One step of the learner's loop from fixed weights on a fixed global batch must give the
+    single-device result: the same updated weights, the mean loss and the accuracy of the batch
+    before the update. Tried with ``global_batch`` and three quarters of it, on the lab's
+    strategy and (when TF has a spare device) on one with a replica more; the second batch with
+    another learning rate; then a step split unevenly. A wrong reported value is named only
+    when one wrong calculation explains it; where several coincide on one split, the next split
+    decides."""
+    __tracebackhide__ = True
+    _refuse_library(distributed_train_step, "distributed_train_step")
+    tried, unsure = [], None
+    with _LibrarySpy("per_replica_loss"):
+        strategies = strategies_for(strategy)
+        runs = []
+        for strat in strategies:
+            n = strat.num_replicas_in_sync
+            # multiples of n: an even split first, where the scaling mistakes show as factors of n
+            for gb, step_lr in ((global_batch // n * n, lr),
+                                ((global_batch * 3 // 4) // n * n, _other_lr(lr))):
+                runs.append((strat, gb, step_lr, None, f"{gb} on {n}"))
+        # then a short step whose slices differ in size (6 + 2 (+ 2)), as a last step's can:
+        # a mean of the replicas' own means is the batch's mean only when the slices are equal
+        for strat in strategies:
+            slices = uneven_slices(strat.num_replicas_in_sync)
+            runs.append((strat, sum(len(s) for s in slices), lr, slices,
+                         "+".join(str(len(s)) for s in slices) + f" on {len(slices)}"))
+        for strat, gb, step_lr, slices, label in runs:
+            try:
+                _check_step_once(distributed_train_step, make_model_and_optimizer, strat, gb,
+                                 step_lr, slices=slices)
+            except _Ambiguous as amb:
+                unsure = unsure or amb
+            tried.append(label)
+    if unsure is not None:
+        fail(unsure.sentence)
+    passed(f"one step == one device on the global batch (weights, loss, accuracy; tried "
+           + ", ".join(tried) + f" replicas, lr {lr:g} and {_other_lr(lr):g})")
+
+
+def uneven_slices(n: int, seed: int = 5) -> list:
+    """Indices into ``reference_batch(64, seed)`` for a step split unevenly over ``n`` replicas:
+    replica 0 holds 6 samples, each other replica 2, and every replica's slice holds exactly one
+    sample the reference model (``build_keras_cnn(seed=3)``) classifies right — so that neither
+    the mean of the replicas' loss means nor the mean of their accuracies is the batch's."""
+    x, y = reference_batch(64, seed)
+    logits = mirrored.build_keras_cnn(seed=3)(x, training=False).numpy()
+    hit, loss = np.argmax(logits, -1) == y, mirrored.per_example_loss(y, logits).numpy()
+    hits = list(np.flatnonzero(hit))
+    misses = sorted(np.flatnonzero(~hit), key=lambda i: -loss[i])  # dearest first
+    if len(hits) < n or len(misses) < 5 + (n - 1):  # not with the fixed batch: a plain split
+        return [np.arange(6)] + [np.arange(6 + 2 * r, 8 + 2 * r) for r in range(n - 1)]
+    # replica 0's misses the dearest, the others' the cheapest: their mean losses differ too
+    out = [np.array([hits[0]] + misses[:5])]
+    for r in range(1, n):
+        out.append(np.array([hits[r], misses[-r]]))
+    return out
+
+
+def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
+                     global_batch: int, lr: float, slices: list | None = None):
+    __tracebackhide__ = True
+    n = strategy.num_replicas_in_sync
+    if slices is None:   # the check splits one global batch as evenly as it can (array_split)
+        x, y = reference_batch(global_batch)
+        slices = [np.asarray(s) for s in np.array_split(np.arange(global_batch), n)]
+    else:                # replica r holds the samples slices[r] of the reference batch
+        x64, y64 = reference_batch(64)
+        x, y = x64[np.concatenate(slices)], y64[np.concatenate(slices)]
+        bounds = np.cumsum([0] + [len(s) for s in slices])
+        slices = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    # The reference: one device, mean loss over the whole global batch, plain SGD.
+    ref = mirrored.build_keras_cnn(seed=3)
+    start = [w.copy() for w in ref.get_weights()]
+    logits = ref(x, training=False).numpy()
+    ref_loss = float(mirrored.per_example_loss(y, logits).numpy().mean())
+    ref_acc = float(np.mean(np.argmax(logits, -1) == y))
+    grads = mirrored.single_replica_gradients(ref, x, y)
+    ref_delta = [-lr * g for g in grads]  # the step SGD must take (trainable vars == all vars)
+
+    model, optimizer = make_model_and_optimizer(strategy, lr)
+    problem = (_outside_scope(strategy, model, optimizer, make_model_and_optimizer)
+               if isinstance(model, keras.Model) else None)
+    if problem:
+        fail(problem[0], fix=problem[1])
+    if len(model.get_weights()) != len(start):
+        fail(f"the model has {len(model.get_weights())} weight arrays where the lesson's CNN "
+             f"has {len(start)}: the check compares with mirrored.build_keras_cnn().",
+             fix="Build mirrored.build_keras_cnn() in make_model_and_optimizer.")
+    _check_lr(optimizer, lr)
+    _check_sgd(optimizer, lr)
+    model.set_weights(start)
+    if len({len(s) for s in slices}) == 1:
+        dist_batch = next(iter(strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))))
+    else:
+        dist_batch = strategy.experimental_distribute_values_from_function(
+            lambda ctx: (tf.constant(x[slices[ctx.replica_id_in_sync_group]]),
+                         tf.constant(y[slices[ctx.replica_id_in_sync_group]])))
+    try:
+        out = distributed_train_step(strategy, model, optimizer, dist_batch, global_batch)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        fail(f"distributed_train_step raised {type(exc).__name__} on {n} replicas: "
+             f"{str(exc).splitlines()[0] if str(exc) else ''}"
+             + _captured_note(distributed_train_step, strategy))
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        fail(f"distributed_train_step returned {type(out).__name__}, not a pair: the contract "
+             f"is (loss, accuracy), one number each.", fix="Return (loss, accuracy).")
+    try:
+        loss, acc = (float(np.asarray(v)) for v in out)
+    except (TypeError, ValueError):
+        fail("distributed_train_step returned per-replica values (one per replica), not one "
+             "number each: the global batch's loss and accuracy are one number each.",
+             fix="Combine each value over the replicas into one number on the host.")
+    # What each replica held before the step.
+    split = "+".join(str(len(s)) for s in slices)
+    per_ex = mirrored.per_example_loss(y, logits).numpy()
+    hit = np.argmax(logits, -1) == y
+
+    delta = [w - s for w, s in zip(model.get_weights(), start)]
+    size = sum(float(np.sum(d * d)) for d in delta) ** 0.5
+    ref_size = sum(float(np.sum(d * d)) for d in ref_delta) ** 0.5
+    if size == 0:
+        fail("the weights did not change after one step: no gradient was applied to the "
+             "mirrored variables.",
+             fix="Apply the gradients with optimizer.apply_gradients inside the function you "
+                 "pass to strategy.run.")
+    step_ratio = size / ref_size
+    if not all(_close(d, r, rtol=1e-2) for d, r in zip(delta, ref_delta)):
+        if abs(step_ratio - n) < 0.05 * n:
+            fail(f"the update is {n}x too big ({n} replicas): each replica's loss was the "
+                 f"reduce_mean over its own examples, and the strategy then summed the "
+                 f"{n} replicas' gradients.",
+                 fix="Divide each replica's summed loss by the global batch (part 1).")
+        if abs(step_ratio - 1 / n) < 0.05 / n:
+            fail(f"the update is {n}x too small: the loss was divided by the global batch and "
+                 f"then once more by the {n} replicas, but the strategy sums the replicas' "
+                 f"gradients — it does not average them.", fix="Divide only once.")
+        for k in (2, 3, 4):
+            if k != n and abs(step_ratio - n / k) < 0.02 * n / k:
+                fail(f"on {n} replicas the update is {n}/{k} of the right one: the loss was "
+                     f"divided by a fixed {k} replicas, a number that holds on {k} replicas only.",
+                     fix="Divide by the global_batch argument.")
+        k = global_batch / step_ratio
+        if abs(k - round(k)) < 0.02 * k and round(k) not in (global_batch, 0):
+            fail(f"with a global batch of {global_batch} on {n} replicas the update is "
+                 f"{step_ratio:.3g} times the right one: the loss was divided by a fixed "
+                 f"{round(k)}, not by this step's global batch.",
+                 fix="Divide by the global_batch argument.")
+        if len({len(s) for s in slices}) > 1:
+            # each replica dividing its summed loss by its own slice size x n (a local mean / n)
+            local = [sum(g / n for g in gs) for gs in zip(*(
+                mirrored.single_replica_gradients(ref, x[s], y[s])
+                for s in slices))]
+            if all(_close(d, -lr * g, rtol=1e-2) for d, g in zip(delta, local)):
+                fail(f"this step's {global_batch} samples arrived in slices of {split}, and each "
+                     f"replica's loss was divided by its own slice size times the replica count: "
+                     f"that is the global batch only when every slice is the same size.",
+                     fix="Divide by the global_batch argument (part 1).")
+        fail(f"one step changed the weights by {step_ratio:.3g} times the single-device SGD "
+             f"step (expected 1), not by a factor the check recognises.",
+             fix="Compute each replica's loss on its slice (part 1), take its gradient and apply "
+                 "it inside strategy.run.")
+
+    # The weights are right: what the step reported is judged against the wrong calculations
+    # the check knows, on this very split, from the logits before and after the update.
+    ref.set_weights(model.get_weights())
+    after = ref(x, training=False).numpy()
+    when_of = {"before": (per_ex, hit),
+               "after": (mirrored.per_example_loss(y, after).numpy(), np.argmax(after, -1) == y)}
+    judge_reports(loss, acc, ref_loss, ref_acc, when_of, slices, global_batch)
+    return ref_loss, ref_acc
