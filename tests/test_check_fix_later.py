@@ -54,3 +54,17 @@ def test_a_mistake_without_a_fix_is_said_whole_every_time():
         with pytest.raises(checks.LabCheckError) as info:
             checks.fail("plain sentence.")
         assert info.value.message == "plain sentence."
+
+
+def test_the_fix_opens_its_own_sentence_after_a_full_stop():
+    """Learners read "…on every rank. when a bucket is complete, …" as a typo: after a full
+    stop the fix gets its own opening words; after a clause that runs on, it just continues."""
+    for _ in range(2):
+        with pytest.raises(checks.LabCheckError) as info:
+            checks.fail("the sum is 3.", fix="add the fourth term")
+    assert info.value.message == "the sum is 3. What to change: add the fourth term"
+    checks.forget()
+    for _ in range(2):
+        with pytest.raises(checks.LabCheckError) as info:
+            checks.fail("the sum is 3, so", fix="add the fourth term")
+    assert info.value.message == "the sum is 3, so add the fourth term"

@@ -103,8 +103,14 @@ def fail(message: str, *, fix: str | None = None):
     if fix:
         key = (learner(), _current_check.get() or "", fix)
         met = _mistakes_met[key] = _mistakes_met.get(key, 0) + 1
-        tail = fix if met >= fix_after() else _FIX_LATER
-        message = f"{message.rstrip()} {tail}"
+        message = message.rstrip()
+        if met < fix_after():
+            tail = _FIX_LATER
+        elif message.endswith((".", "!", "?", ")")):   # a new sentence, with its own opening
+            tail = f"What to change: {fix}"
+        else:
+            tail = fix
+        message = f"{message} {tail}"
     raise LabCheckError(message)
 
 
