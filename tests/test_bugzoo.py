@@ -1,13 +1,14 @@
 """dpcourse.bugzoo: every broken program shows its symptom, and its fix removes it — all bounded
 by short timeouts, nothing left running."""
 
+import inspect
 import math
 import socket
 
 import pytest
 import torch
 
-from dpcourse import bugzoo, launch
+from dpcourse import bugzoo, detectors, launch
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -114,6 +115,17 @@ def test_port_in_use_fails_fast_and_a_free_port_works():
                         show_output=False) == ["connected", "connected"]
 
 
+def test_unused_parameter_first_backward_makes_no_all_reduce(zoo):
+    # iteration 0's one bucket holds head_b, whose gradient never arrives: no all-reduce, so
+    # each rank keeps its own gradients; find_unused_parameters=True averages them
+    _, runs = zoo
+    broken = [r["unused_first_grads"][False] for r in runs]
+    fixed = [r["unused_first_grads"][True] for r in runs]
+    # (the biases' gradients of a summed output do not depend on the batch: equal anyway)
+    assert detectors.compare_checksums(broken) == ["body.weight", "head_a.weight"]
+    assert detectors.compare_checksums(fixed) == []
+
+
 def test_unused_parameter_message_is_whole_and_info_names_the_parameters(zoo):
     _, runs = zoo
     for r in runs:
@@ -144,6 +156,31 @@ def test_the_corrupted_rank_loss_stays_finite(zoo):
 
 def _finite_verdicts(rank, world_size, bad_rank):
     return bugzoo.all_ranks_finite(math.nan if rank == bad_rank else 1.0)
+
+
+def _verdict_device(rank, world_size):
+    import torch.distributed as dist
+
+    seen = []
+    real = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        seen.append(str(tensor.device))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        bugzoo.all_ranks_finite(1.0, device=torch.device("cpu"))
+    finally:
+        dist.all_reduce = real
+    return seen
+
+
+def test_all_ranks_finite_sends_its_verdict_from_the_device_it_is_given():
+    # NCCL takes CUDA tensors only: the verdict must travel on the parameters' device
+    assert launch.spawn(_verdict_device, 2, backend="gloo", timeout=30,
+                        show_output=False) == [["cpu"], ["cpu"]]
+    assert "device" in inspect.signature(bugzoo.all_ranks_finite).parameters
 
 
 @pytest.mark.parametrize("bad_rank, expected", [(None, [True] * 3), (0, [False] * 3),

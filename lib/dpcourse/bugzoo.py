@@ -182,8 +182,10 @@ def averaged_loss(rank, world_size, fixed=False, steps=6):
 
 def batchnorm_ddp(rank, world_size, steps=6):
     """The BatchNorm model of :func:`batchnorm_stats` under DDP, whose ``forward_sync_buffers``
-    (default True) broadcasts rank 0's buffers at the *start* of every forward; BatchNorm then
-    updates them from this rank's batch. Returns the checksums after the last step.
+    (default True) broadcasts rank 0's buffers at the start of a forward when the forward
+    before it ran with gradients enabled outside ``no_sync()`` (and at the first one) — every
+    forward of this loop; BatchNorm then updates them from this rank's batch. Returns the
+    checksums after the last step.
 
     Shown in lesson 10, §3.
     """
@@ -222,14 +224,15 @@ def batchnorm_stats(rank, world_size, fixed=False, steps=6):
     return detectors.state_checksums(model)
 
 
-def all_ranks_finite(value: float) -> bool:
+def all_ranks_finite(value: float, device="cpu") -> bool:
     """True on every rank when every rank's ``value`` is finite, else False on every rank: the
     one verdict :func:`nan_on_one_rank`'s fix needs (lab 10's stretch combines its verdicts
-    the same way, which is why the lesson shows it folded, after the lab pointer).
+    the same way, which is why the lesson shows it folded, after the lab pointer). ``device``
+    is where the verdict travels: the parameters' device, since NCCL takes CUDA tensors only.
 
     Shown in lesson 10, §"Lab 10".
     """
-    flag = torch.tensor([float(math.isfinite(value))])
+    flag = torch.tensor([float(math.isfinite(value))], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # one rank's 0 makes every rank's 0
     return flag.item() == 1.0
 
@@ -255,7 +258,7 @@ def nan_on_one_rank(rank, world_size, fixed=False, steps=8, bad_step=3, bad_rank
         # what this rank computed, before any all_reduce: its gradient norm
         local.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item())
         if fixed:  # FIX: agree on whether every rank's gradients are finite; if not, all skip
-            step_ok = all_ranks_finite(local[-1])
+            step_ok = all_ranks_finite(local[-1], device=next(model.parameters()).device)
         average_gradients(model)  # BUG (without FIX): a NaN on one rank spreads to all
         if not fixed or step_ok:
             opt.step()
@@ -334,6 +337,24 @@ def unused_parameter(rank, world_size, fixed=False, debug="OFF"):
         dist.set_debug_level(before)
 
 
+def unused_first_step(rank, world_size, fixed=False):
+    """One step of DDP around :class:`TwoHeads`, each rank on its own batch: the gradients'
+    checksums after the FIRST backward. Without ``find_unused_parameters`` head_b's gradient
+    never arrives, so the one bucket of iteration 0 is never complete: that backward returns
+    with no all-reduce at all, and each rank keeps its own gradients (the error waits for the
+    next forward). With it (``fixed``) the gradients are averaged.
+
+    Shown in lesson 10, §3.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(TwoHeads(), find_unused_parameters=fixed)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))  # this rank's batch
+    model(x).sum().backward()
+    return detectors.state_checksums(model.module, grads=True)
+
+
 def port_in_use(rank, world_size, port, seconds=3):
     """Sets up the process group on a port that something else already listens on.
 
@@ -349,7 +370,8 @@ def port_in_use(rank, world_size, port, seconds=3):
 def zoo_worker(rank, world_size, directory):
     """Every bug that does not hang, broken and fixed, in one launch: ``{name: {False: the
     broken run's result, True: the fixed run's}}`` for seven programs, and two single runs
-    (``unused_info``: bug 9 under TORCH_DISTRIBUTED_DEBUG=INFO; ``batchnorm_ddp``).
+    (``unused_info``: bug 9 under TORCH_DISTRIBUTED_DEBUG=INFO; ``batchnorm_ddp``), and
+    ``unused_first_grads``, bug 9's first step broken and fixed.
 
     Shown in lesson 10, §3.
     """
@@ -364,6 +386,8 @@ def zoo_worker(rank, world_size, directory):
                      ("set_epoch", forgotten_set_epoch), ("unused", unused_parameter)]:
         out[name] = {fixed: fn(rank, world_size, fixed=fixed) for fixed in (False, True)}
     out["unused_info"] = unused_parameter(rank, world_size, debug="INFO")
+    out["unused_first_grads"] = {fixed: unused_first_step(rank, world_size, fixed)
+                                 for fixed in (False, True)}
     out["batchnorm_ddp"] = batchnorm_ddp(rank, world_size)
     out["checkpoint"] = {}
     for fixed in (False, True):
