@@ -334,7 +334,9 @@ lab10.check_fixes({1: fixed1, 2: fixed2, 3: fixed3, 4: fixed4, 5: fixed5}, timeo
 #   rank's parameters are identical, bit for bit**;
 # - `model` is whatever model the job trains: parameters of any floating dtype, any shape,
 #   any size;
-# - it must not change the parameters.
+# - it must not change the parameters;
+# - it runs under the job's backend: under NCCL every tensor a collective takes lives on the
+#   parameters' GPU. The check runs gloo on the CPU, where it cannot see this: it is yours.
 #
 # The check runs it on 3 ranks over many pairs of replicas, alike and not, and names the way
 # your verdict went wrong from what it saw across them.
@@ -372,7 +374,8 @@ def replicas_in_sync(model):
     flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.parameters()])
     reference = flat.clone()
     dist.broadcast(reference, src=0)
-    same = torch.tensor([1.0 if torch.equal(flat, reference) else 0.0])
+    # the verdict travels on the parameters' device: NCCL takes CUDA tensors only
+    same = torch.tensor([1.0 if torch.equal(flat, reference) else 0.0], device=flat.device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     return bool(same.item() == 1.0)
     ### END SOLUTION

@@ -1231,8 +1231,17 @@ def test_the_wrong_options_are_wrong_for_the_reason_their_sentence_gives():
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     text = lab10.script(1)
-    # 1A: the data's generator is seeded with a constant, the same on every rank
-    assert "torch.Generator().manual_seed(1234)" in text
+    # 1A: set_epoch adds the epoch to each sampler's own seed: seeds 3 and 4 (rank 0's and
+    # rank 1's under --seed 3) still deal overlapping shards in epochs 1 and 2
+    assert "seed=args.seed + rank" in text and "sampler.set_epoch(epoch)" in text
+    ds = TensorDataset(torch.arange(48))
+    for epoch in (1, 2):
+        shards = []
+        for r in (0, 1):
+            sampler = DistributedSampler(ds, num_replicas=2, rank=r, seed=3 + r)
+            sampler.set_epoch(epoch)
+            shards.append(set(sampler))
+        assert shards[0] & shards[1]
     # 1C: one seed for every rank right before the model: the same initial weights
     assert "torch.manual_seed(args.seed)\nmodel = " in text
     # 1D: 48 over 2 ranks is 24 each, nothing padded: one shared seed reads all 48, each once

@@ -27,12 +27,12 @@ CLIP = {3: 0.2}  # script 3 clips the gradient norm to this (after the average, 
 # says why that option is wrong without naming the right one: the learner has already found the
 # line (check_line) and now says what is wrong with it.
 CHOICES = {
-    1: [("A", "Each rank draws its own random data with torch.randn, so the ranks train on two "
-              "different data sets.",
-         "the data's generator is seeded with the constant 1234 on every rank, so every rank "
-         "draws the same 48 examples."),
-        ("B", "Each rank's sampler shuffles its own permutation, so one epoch reads some "
-              "examples twice and others never.", None),
+    1: [("A", "The ranks' shards overlap in epoch 0 only: from epoch 1 on, set_epoch reseeds "
+              "every rank's sampler alike.",
+         "set_epoch only sets the epoch, which each sampler adds to its own seed= when it "
+         "shuffles; it never makes the ranks' seeds alike."),
+        ("B", "set_epoch adds one epoch to two different seeds, so the ranks shuffle different "
+              "orders in every epoch.", None),
         ("C", "Nothing broadcasts rank 0's initial weights, so each rank's replica starts from "
               "different random weights.",
          "torch.manual_seed(args.seed) seeds every rank alike right before the model is built, "
