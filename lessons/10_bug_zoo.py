@@ -2,7 +2,8 @@
 # # 10 · The bug zoo: broken distributed programs, their detectors and their fixes
 #
 # **Prerequisites:** lesson 03 (ranks, collectives, averaging gradients by hand) and lesson 04
-# (torchrun scripts, DDP in practice, its section on hangs and `TORCH_DISTRIBUTED_DEBUG`).
+# (torchrun scripts, DDP in practice, its section on hangs and `TORCH_DISTRIBUTED_DEBUG`);
+# the course's collective recorder, which lesson 07 builds on, is introduced where it is used.
 #
 # **You will be able to:**
 # - recognise the classic distributed bugs by their symptoms: a hang, replicas that drift
@@ -57,8 +58,8 @@ torch.set_num_threads(1)
 # error says little when the bug is that the ranks disagree. **The collective trace** records,
 # on every rank, each `dist.<collective>` call as it starts and when it returns — written to a
 # file at once, so it survives a rank that hangs and gets killed — and compares the ranks. It
-# writes its lines from the `before` and `after` hooks of lesson 07's recorder,
-# `collectives.record_collectives`:
+# writes its lines from the `before` and `after` hooks of `collectives.record_collectives`, a
+# recorder that wraps each `dist.<collective>` function for the time of a `with` block:
 
 # %%
 viz.show_code(detectors.trace_collectives, detectors.compare_traces)
@@ -511,8 +512,10 @@ viz.show(viz.replica_checksums_figure({
 #
 # DDP's `forward_sync_buffers=True` (the default; it replaces
 # `broadcast_buffers`, deprecated since 2.13) copies rank 0's buffers to every rank at the
-# *start* of each forward — then BatchNorm updates them from each rank's own batch, so after the
-# last step, when the checkpoint is written, the ranks differ again (run below).
+# *start* of a forward — the first one, and each one whose previous forward ran with gradients
+# enabled outside `no_sync()` (lesson 03 measured the forwards it skips); every forward of this
+# training loop — then BatchNorm updates them from each rank's own batch, so after the last
+# step, when the checkpoint is written, the ranks differ again (run below).
 
 # %%
 viz.show_code(bugzoo.batchnorm_stats)
@@ -616,7 +619,10 @@ claim("and in every epoch the ranks together still see every sample",
 # %% [markdown]
 # ### Bug 9: an unused parameter
 # A parameter that no forward touches (a head not used this step, a leftover layer) never gets a
-# gradient; DDP waits for it before its last all-reduce and fails at the *next* iteration.
+# gradient. In the first iteration DDP keeps every gradient in one bucket, which that gradient
+# never completes: the first backward returns without any all-reduce, each rank keeping its own
+# gradients (measured below), so a loop's first `opt.step()` already pulls the replicas apart.
+# The error comes only at the *next* forward, when the reducer finds the last reduction unfinished.
 # Torch's error (printed whole below) lists the indices of the parameters that got no
 # gradient; with `TORCH_DISTRIBUTED_DEBUG=INFO` (or DETAIL) it also names them. The course's
 # detector runs one forward/backward in one process, no DDP needed, and lists the same names.
@@ -634,6 +640,12 @@ print("\nwith TORCH_DISTRIBUTED_DEBUG=INFO, its last lines:\n"
 print("\nfixed:", zoo[0]["unused"][True])
 claim("broken: DDP fails at the second iteration on every rank",
       all("Expected to have finished reduction" in r["unused"][False] for r in zoo))
+first_grads = {fixed: detectors.compare_checksums([r["unused_first_grads"][fixed] for r in zoo])
+               for fixed in (False, True)}
+claim("broken, before that error: after the first backward the ranks' gradients differ (no "
+      "all-reduce ran); fixed, they agree",
+      first_grads[False] == ["body.weight", "head_a.weight"] and first_grads[True] == [],
+      first_grads=first_grads)
 
 
 def indices_line(message):
@@ -981,9 +993,20 @@ viz.quiz([
 #   `__init__`); `_sync_final_model`: the only other place parameters are copied between
 #   ranks, at the end of a `Join` context (`_DDPJoinHook.post_hook`);
 #   `_check_sync_bufs_pre_fwd` and `_sync_buffers`: rank 0's buffers are broadcast at the start
-#   of `forward`, before the module (and its BatchNorm) runs;
+#   of `forward`, before the module (and its BatchNorm) runs, when `will_sync_module_buffers`
+#   (it needs `require_forward_param_sync`, which `_post_forward` sets to False after a
+#   forward under `no_grad` or `no_sync()`);
 #   `find_unused_parameters`; `static_graph` (its docstring: the set of unused parameters is
 #   fixed, no per-iteration search).
+# - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.compute_bucket_size_limits`:
+#   `[sys.maxsize]`, one initial bucket, unless `find_unused_parameters` (without
+#   `static_graph`); c10d's `reducer.cpp` (PyTorch repository, not installed) —
+#   `Reducer::autograd_hook` marks unused parameters ready only from `unused_parameters_`,
+#   which `prepare_for_backward` fills only with `find_unused_parameters`;
+#   `Reducer::mark_variable_ready` queues `finalize_backward` only once every bucket is ready;
+#   `Reducer::ensure_prior_reduction_finished` (at the next forward) raises "Expected to have
+#   finished reduction in the prior iteration" (bug 9's first backward, measured by its
+#   gradients' checksums).
 # - `torch/lib/libtorch_cpu.so` — the reducer's unused-parameter error ("Parameter indices
 #   which did not receive grad for rank", and with `TORCH_DISTRIBUTED_DEBUG` INFO or DETAIL
 #   "Parameters which did not receive grad"): read with `strings`, and printed above.
