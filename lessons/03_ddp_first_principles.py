@@ -29,8 +29,8 @@
 # 2. train with DDP and prove: DDP == one process on the global batch (to 1e-5), and after
 #    10 steps the weights are bit-for-bit equal on every rank; then (after lab 03) the same
 #    by hand;
-# 3. look inside DDP: the initial broadcast, the gradient buckets and the rule that sizes them,
-#    the all-reduce during backward, the buffers broadcast before (most) forwards;
+# 3. look inside DDP: the initial broadcast, the gradient buckets and when they are sent,
+#    during the backward; the buffers broadcast before (most) forwards;
 # 4. shard the data with `DistributedSampler`, and see what forgetting `set_epoch` does.
 #
 # Every multi-process cell goes through `dpcourse.launch.spawn`, with the backend that
@@ -203,9 +203,10 @@ claim("training-mode BatchNorm: they differ by more than 1e-3",
 # %% [markdown]
 # So DDP on a BatchNorm network takes the step of N *smaller* batches averaged, not of the
 # global batch. A BatchNorm that computes its statistics over every rank's shard together
-# restores the identity: lesson 04 measures that with a CPU stand-in that all-reduces the
-# statistics (`nn.SyncBatchNorm` itself refuses CPU tensors inside a process group, so what it
-# computes is not measured on this machine; on GPUs it aims at the same by another route).
+# restores the identity: lesson 04 measures that with a CPU stand-in that combines the
+# ranks' statistics (`nn.SyncBatchNorm` itself refuses CPU tensors inside a process group, so
+# what it computes is not measured on this machine; on GPUs it aims at the same by another
+# route).
 #
 # Here is a complete DDP training worker. Every rank builds the same model (same seed), wraps it
 # in `DDP`, and trains on its own contiguous shard of each global batch; after `loss.backward()`
@@ -366,9 +367,9 @@ else:
 #    parameter, such as BatchNorm's running statistics: no gradient reaches them, so no
 #    all-reduce averages them. By default (`forward_sync_buffers=True`) DDP copies rank 0's
 #    buffers to every rank at the start of the first forward and of each forward whose previous
-#    forward ran with gradients enabled and outside `no_sync()`, in `train()` or `eval()` mode
-#    alike (which forwards skip it, the buffers section measures). Before torch 2.13 the switch
-#    was
+#    forward ran with gradients enabled and outside `no_sync()` (lesson 04's context for
+#    accumulating gradients without averaging them), in `train()` or `eval()` mode alike
+#    (which forwards skip it, the buffers section measures). Before torch 2.13 the switch was
 #    `broadcast_buffers`, and it is not a plain rename: `broadcast_buffers=False` also skips the
 #    buffers' broadcast at construction, `forward_sync_buffers=False` only the one before each
 #    forward.
@@ -377,9 +378,9 @@ else:
 #    argument's name says MB, but DDP multiplies it by 1024 × 1024). As each gradient becomes
 #    ready, the reducer copies it into its bucket (with `gradient_as_bucket_view=True`, `p.grad`
 #    already is its view of the bucket). When every gradient in a bucket is there, the bucket
-#    goes to one all-reduce. The buckets are launched strictly in order: bucket 0, then 1, … on
-#    every rank.
-# 4. **Overlap.** Those all-reduces start *while the backward is still computing* the gradients
+#    goes to the wire in one collective call. The buckets are launched strictly in order:
+#    bucket 0, then 1, … on every rank.
+# 4. **Overlap.** Those calls start *while the backward is still computing* the gradients
 #    of earlier layers, so communication can hide behind computation.
 #
 # **▶ How the reducer turns the ranks' gradients into their average — open after your lab
@@ -388,7 +389,8 @@ else:
 # %% [markdown] jupyter={"source_hidden": true}
 # The library's `average_gradients` sums, then divides; DDP **scales first, then sums**. Where
 # exactly, in c10d's `Reducer::mark_variable_ready_dense` (`reducer.cpp`), which runs for each
-# gradient as it becomes ready:
+# gradient as it becomes ready (*read from source*: `reducer.cpp` is not installed; the claim
+# below finds its compiled names, and the 3-rank claims measure the rounding it causes):
 #
 # - **without a comm hook**, the copy into the bucket *is* the scaling:
 #   `at::mul_out(bucket_view, grad, wrapped)` with `wrapped` the scalar `1. / div_factor_` — a
@@ -403,11 +405,11 @@ else:
 #   docstring of `batched_grad_copy`). With `batched_grad_copy=True` (default `False`, the claim
 #   below) both wait: the bucket's copies are batched and the flat bucket divided once when it
 #   is full. Then the bucket goes to one all-reduce with SUM.
-# - **with a comm hook**, the reducer only copies (`bucket_view.copy_(grad)`, no scaling), and
-#   averaging is the hook's job: the default `allreduce_hook` divides the whole bucket by the
-#   group's size, then all-reduces it — first, "to avoid overflow, especially for FP16", as
-#   the comment in `_allreduce_fut`, which it calls, says.
-#
+# - **with a comm hook** (a function of yours that DDP calls per bucket in place of its own
+#   all-reduce; the next section registers one), the reducer only copies
+#   (`bucket_view.copy_(grad)`, no scaling), and averaging is the hook's job: the default
+#   `allreduce_hook` divides the whole bucket by the group's size, then all-reduces it — first, "to
+#   avoid overflow, especially for FP16", as the comment in `_allreduce_fut`, which it calls, says.
 # (`div_factor_` is the process group's size; under lesson 04's `Join`, which keeps ranks that
 # ran out of batches answering the others' all-reduces, it can be the count of ranks still
 # training, if asked for with `divide_by_initial_world_size=False`.) With 2 ranks the
@@ -550,17 +552,23 @@ print("iteration 1, first bucket: "
 # constructor DDP does not yet know in which order the backward will produce the gradients;
 # registration order is only a guess. The ranks cannot disagree about the buckets (the reducer
 # launches them strictly in index order, and the rebuilt assignment is broadcast from rank 0 to
-# the others), but a wrong guess can still bite. The comment in `_ddp_init_helper` names the
-# case, and it takes **both** conditions: the backward also runs other collectives (say, a
-# `SyncBatchNorm`'s) **and** a parameter is unused on some ranks only. Then, on the rank with
-# the unused parameter, a bucket can fill and its all-reduce be launched too early, to be
-# matched with a *different* collective on another rank — a hang or garbage. So DDP builds its
-# initial buckets with a size limit of `sys.maxsize`: one all-reduce, after every gradient of
-# the graph is computed. That holds unless you pass `find_unused_parameters=True` *without*
-# `static_graph=True` (or a list of per-bucket caps, `bucket_cap_mb_list`). During the first
-# iteration the reducer records the order in which the gradients really became ready, and before
-# the second forward it **rebuilds the buckets** in that order, once and for all (`_pre_forward`
-# calls the reducer's `_rebuild_buckets`).
+# the others). The comment in `_ddp_init_helper` gives the reason for one bucket: when the
+# backward also runs other collectives (say, those of `nn.SyncBatchNorm`, the BatchNorm that
+# pools every rank's statistics) **and** a parameter is unused on some ranks only, a bucket
+# could be all-reduced too early on the rank with the unused parameter, to be matched with a
+# *different* collective on another rank — a hang or garbage. So DDP builds its initial
+# buckets with a size limit of `sys.maxsize`: one all-reduce, after every gradient of the
+# graph is computed. During the first iteration the reducer records the order in which the
+# gradients really became ready, and before the second forward it **rebuilds the buckets** in
+# that order, once and for all (`_pre_forward` calls the reducer's `_rebuild_buckets`).
+#
+# Read against the reducer, that guard has a gap (the comment has it too). A bucket holding
+# an unused parameter can only go out early if the reducer marks that parameter ready without
+# a gradient, and it does so only with `find_unused_parameters=True` (`Reducer::autograd_hook`
+# marks the parameters in `unused_parameters_`, which only that flag fills); without the flag
+# such a bucket never completes (lesson 10's bug 9). And `find_unused_parameters=True` without
+# `static_graph` is the one setting in which DDP buckets by size from the start — measured
+# below. So the one-bucket guard is off in the only setting where an early all-reduce happens.
 #
 # `static_graph=True` is your promise that every iteration uses the same parameters in the same
 # way. It waits one iteration longer: in its first iteration the reducer only notes which
@@ -580,11 +588,9 @@ claim("static_graph=True, iteration 2: the same buckets the default got in itera
       [b[0] for b in static_runs[0][2]["buckets"]] == [b[0] for b in second["buckets"]])
 
 # %% [markdown]
-# With `find_unused_parameters=True` (and no `static_graph`) DDP buckets by size from the
-# start, and never rebuilds (the reducer's `should_rebuild_buckets` is false): it groups the
-# parameters in registration order with `dist._compute_bucket_assignment_by_size` (the function
-# of the next section), then reduces the groups last first. We give that model a head it never
-# uses, which is the case that flag exists for:
+# With `find_unused_parameters=True` (and no `static_graph`) the first iteration is already
+# bucketed, and the buckets are never rebuilt (lesson 07 measures how they are grouped). Here
+# the model gets a head it never uses, the case that flag exists for:
 
 # %%
 def cnn_with_unused_head():
@@ -609,130 +615,26 @@ unused_runs = launch.spawn(bucket_worker, world_size, cap_mb, cnn_with_unused_he
 unused_buckets = [[b[0] for b in seen["buckets"]] for seen in unused_runs[0]]
 print(f"find_unused_parameters=True: parameters per bucket "
       f"{[[len(names) for names in it] for it in unused_buckets]} in iterations 0 and 1")
-named = list(cnn_with_unused_head().named_parameters())
-groups, _ = dist._compute_bucket_assignment_by_size([p for _, p in named],
-                                                     [ddp.bucket_limits(cap_mb)[1]])
-claim("with find_unused_parameters=True the first iteration is already bucketed",
-      len(unused_buckets[0]) > 1)
-claim("its buckets are the registration-order groups, reduced last group first, and iteration 1 "
-      "keeps them (no rebuild)",
-      unused_buckets[0] == unused_buckets[1]
-      == [[named[i][0] for i in g] for g in reversed(groups)])
+claim("with find_unused_parameters=True the first iteration is already bucketed, and iteration "
+      "1 keeps its buckets (no rebuild)",
+      len(unused_buckets[0]) > 1 and unused_buckets[0] == unused_buckets[1])
 
 # %% [markdown]
-# ### The cap is where a bucket closes, not a ceiling
-# Look at the sizes printed for iterations 1 and 2: under a cap of 0.1 MiB (102.4 KiB) the
-# first rebuilt bucket holds 518 KiB, and the line above lists its tensors: the classifier's
-# first weight, `classifier.1.weight` (512 KiB), is five times the cap by itself. The reducer
-# never splits a gradient, and it closes a bucket by comparing the bucket's size with the cap.
-# What the list above lets you check now: the 5.5 KiB of gradients that arrived before
-# `classifier.1.weight` did not make a bucket of their own, and the big weight joined them
-# instead of waiting for a new one — a gradient that takes a bucket past the cap still goes
-# in. The exact comparison is lab 07's part 1, where you write that rule yourself, so the
-# sentence that states it and the claims that pin it down are folded below, after the
-# measurements. A
-# bucket also holds tensors of one device and one dtype only: the C++ function that makes the
-# buckets, `compute_bucket_assignment_by_size`, keeps an open bucket per (dtype, device), so a
-# float16 tensor among float32 ones goes to a bucket of its own.
-#
-# torch exposes that very C++ function to Python as
-# `torch.distributed._compute_bucket_assignment_by_size`. `ddp_bucket_rule` hands it the order
-# in which the gradients became ready in iteration 0 and the limits DDP derives from
-# `bucket_cap_mb` (`bucket_limits` asks DDP's own `_BucketCapacityConfig`: left at its default,
-# the cap is 25 MiB and the first bucket's limit only 1 MiB, so the last layers' gradients
-# leave early). `rebuilt_buckets_worker` records the buckets DDP really handed its comm hook in
-# iteration 1, for four caps on the small CNN and three on ResNet-18 (`None` is DDP's default).
+# ### The cap is not a ceiling
+# Look at the sizes printed for iterations 1 and 2: under a cap of 0.1 MiB (102.4 KiB; DDP
+# reads `bucket_cap_mb` as MiB, though its name says MB) the first rebuilt bucket holds
+# 518 KiB, and the line above lists its tensors: the classifier's first weight,
+# `classifier.1.weight` (512 KiB), is five times the cap by itself. The reducer never splits a
+# gradient, so a bucket can end far above its cap. Which gradients share a bucket, and exactly
+# when one closes, is lesson 07's section 3 and lab 07's part 1.
 
 # %%
-viz.show_code(ddp.bucket_limits, ddp.ddp_bucket_rule, ddp.rebuilt_buckets_worker)
-
-# %%
-from dpcourse import models
-
-caps_tried = {"small_cnn": [0.05, 0.1, 0.25, 1.0], "resnet18": [None, 1.0, 5.0]}
-rule_holds, in_mib, overshoot, measured_pairs = [], [], [], []
-for model_name, caps in caps_tried.items():
-    image_size = 16 if model_name == "resnet18" else 32   # same tensors, quicker
-    rebuilt = launch.spawn(ddp.rebuilt_buckets_worker, world_size, model_name, caps, 2,
-                           image_size, backend="gloo", timeout=120)
-    torch.manual_seed(0)
-    params = list(models.build_model(model_name).parameters())
-    nbytes = [p.numel() * p.element_size() for p in params]
-    print(f"{model_name}: {len(params)} parameter tensors, {sum(nbytes) / 2**20:.2f} MiB")
-    for k, cap_mb_k in enumerate(caps):
-        first_limit, limit = ddp.bucket_limits(cap_mb_k)
-        expected = ddp.ddp_bucket_rule(params, rebuilt[0][k]["ready_order"], cap_mb_k)
-        rule_holds.append(all(r[k]["buckets"] == expected for r in rebuilt))
-        in_mib.append(rebuilt[0][k]["cap_bytes"] == int((cap_mb_k or 25) * 1024 * 1024))
-        sizes = [sum(nbytes[i] for i in b) for b in rebuilt[0][k]["buckets"]]
-        limits = [first_limit] + [limit] * (len(sizes) - 1)
-        overshoot.append(max(size / lim for size, lim in zip(sizes, limits)))
-        measured_pairs.append((params, nbytes, rebuilt[0][k], first_limit, limit))
-        print(f"  bucket_cap_mb={cap_mb_k}: limit {limit / 1024:.1f} KiB"
-              + (f" (first bucket {first_limit / 1024:.1f} KiB)" if first_limit != limit else "")
-              + f"; {len(sizes)} bucket(s) of {[round(s / 1024) for s in sizes]} KiB")
-
-# %%
-n_pairs = len(rule_holds)
-claim(f"bucket_cap_mb is in MiB: for all {n_pairs} caps DDP logs int(bucket_cap_mb * 1024 * 1024) "
-      f"bytes (None: 25 MiB)", all(in_mib))
-claim(f"for all {n_pairs} (model, cap) pairs, on every rank, the buckets DDP launched are the "
-      f"same lists of parameters, in the same order, as dist._compute_bucket_assignment_by_size "
-      f"gives for the gradient-ready order", all(rule_holds))
-claim(f"a bucket can be several times its limit: the largest here is {max(overshoot):.1f}x "
-      f"(more than 5x)", max(overshoot) > 5)
-mixed = [torch.zeros(4), torch.zeros(4, dtype=torch.float16), torch.zeros(4),
-         torch.zeros(4, dtype=torch.float16)]
-mixed_groups, _ = dist._compute_bucket_assignment_by_size(mixed, [2**30])
-claim("dtypes never share a bucket: float32 tensors 0, 2 and float16 tensors 1, 3 make two "
-      "buckets even under a 1 GiB limit", sorted(mixed_groups) == [[0, 2], [1, 3]])
-resnet_names = [n for n, _ in models.build_model("resnet18").named_parameters()]
-# (the loop's last model was ResNet-18: `rebuilt` and `nbytes` are its; cap 0 is None)
-print("resnet18, bucket_cap_mb=None (DDP's default), first bucket: "
-      + ", ".join(f"{resnet_names[i]} ({nbytes[i] / 1024:.2f} KiB)"
-                  for i in rebuilt[0][0]["buckets"][0]))
-
-# %% [markdown]
-# **▶ DDP's closing rule — open after lab 07 passes** (click the folded cell below).
-
-# %% [markdown] jupyter={"source_hidden": true}
-# The reducer walks the gradients in the order they became ready, adds each to the open bucket
-# of its dtype and device, and closes the bucket as soon as its size **reaches** the limit
-# (`bucket.size >= bucket_size_limit` in `compute_bucket_assignment_by_size`, `reducer.cpp`).
-# So a bucket can overshoot the cap by up to one tensor, and without its last tensor it is
-# always under the cap. Lesson 07's `overlap.assign_buckets`, lab 07's answer, walks its input
-# backwards, so fed the parameters in reverse ready order it must make DDP's buckets too.
-
-# %% [markdown]
-# **▶ The rule and lab 07's answer, checked on these buckets — open after lab 07 passes**
-# (click the folded cell below).
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-from dpcourse import overlap
-
-closes_on_reaching, same_as_ours = [], []
-for params, nbytes_k, seen_k, first_limit, limit in measured_pairs:
-    sizes = [sum(nbytes_k[i] for i in b) for b in seen_k["buckets"]]
-    limits = [first_limit] + [limit] * (len(sizes) - 1)
-    closes_on_reaching.append(
-        all(size >= lim for size, lim in zip(sizes[:-1], limits))
-        and all(size - nbytes_k[b[-1]] < lim
-                for size, lim, b in zip(sizes, limits, seen_k["buckets"])))
-    ours = overlap.assign_buckets([params[i] for i in reversed(seen_k["ready_order"])],
-                                  limit / 2**20,
-                                  first_limit / 2**20 if first_limit != limit else None)
-    index = {p: i for i, p in enumerate(params)}
-    same_as_ours.append([[index[p] for p in b] for b in ours] == seen_k["buckets"])
-claim("every bucket but the last reached its limit, and none would have without its last tensor",
-      all(closes_on_reaching))
-claim(f"lesson 07's overlap.assign_buckets (lab 07's answer), fed the parameters in reverse "
-      f"gradient-ready order, makes the same buckets for all {n_pairs} pairs", all(same_as_ours))
-
-# %% [markdown]
-# Even DDP's default 1 MiB first bucket ends at 9 MiB on ResNet-18 (the last line printed):
-# after the 20 KiB classifier (`fc`) and two BatchNorm vectors comes the last block's 9 MiB
-# convolution weight (`layer4.1.conv2.weight`, 9216 KiB), and the bucket closes only after
-# it. A smaller cap makes more buckets of small layers, never a split tensor.
+first_limit, limit = ddp.bucket_limits(cap_mb)   # DDP's own _BucketCapacityConfig
+claim(f"bucket_cap_mb={cap_mb} is in MiB: DDP's limit is int({cap_mb} * 1024 * 1024) = "
+      f"{limit} bytes, for the first bucket too", first_limit == limit == int(cap_mb * 2**20))
+largest = max(nbytes for _, nbytes, *_ in second["buckets"])
+claim(f"a rebuilt bucket here is {largest / limit:.1f}x its cap (more than 5x)",
+      largest > 5 * limit)
 
 # %% [markdown]
 # ### The overlap, on a timeline
@@ -765,9 +667,10 @@ print(f"iteration 2 on rank 0: backward took {third['backward_end']:.1f} ms; its
 
 # %% [markdown]
 # On a CPU with gloo, "on the wire" competes with the backward for the same two cores, so do not
-# expect the overlap to save time here. On GPUs, NCCL runs the all-reduce as kernels on a
-# separate CUDA stream, so they can run at the same time as the backward's kernels (on the same
-# GPU, sharing its cores and memory bandwidth); lesson 07 measures what overlap buys.
+# expect the overlap to save time here. On GPUs, NCCL runs the all-reduce as GPU kernels that
+# can run at the same time as the backward's kernels (on the same GPU, sharing its cores and
+# memory bandwidth) — *read from source, not measured*: this machine has no GPU (Sources:
+# `ProcessGroupNCCL.hpp`). Lesson 07 measures what overlap buys.
 #
 # ### Buffers: rank 0's BatchNorm statistics, before a forward
 # A BatchNorm layer keeps a running mean and variance: every forward in training mode updates
@@ -949,16 +852,15 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 #   bit-for-bit equal across the ranks (the all-reduce hands each the same bytes) — as long
 #   as no layer couples the samples of a batch (training-mode BatchNorm does).
 # - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
-#   buckets from inside `backward()`. The first iteration uses one bucket per dtype and device
-#   (sparse gradients apart) (the gradient order is
-#   not known yet, and when the backward runs other collectives and a parameter is unused on
-#   some ranks only, an early all-reduce could meet another collective on another rank; with
-#   `static_graph=True` the first two iterations do), unless `find_unused_parameters=True`
-#   without `static_graph`; afterwards the buckets follow the order the gradients arrived,
+#   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
+#   not known yet; with `static_graph=True` the first two iterations do), unless
+#   `find_unused_parameters=True` without `static_graph` — the one setting in which an
+#   all-reduce could go out early and meet another rank's other collective, so the guard is
+#   off where it would matter; afterwards the buckets follow the order the gradients arrived,
 #   rank 0's assignment on every rank, and they overlap the backward.
 # - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
-#   can end several times the cap (518 KiB under 0.1 MiB here); DDP's buckets are those of
-#   `dist._compute_bucket_assignment_by_size`.
+#   can end several times the cap (518 KiB under 0.1 MiB here); how DDP groups them is lesson
+#   07's.
 # - Before the first forward, and before each forward whose previous forward ran with gradients
 #   enabled and outside `no_sync()` (in `train()` or `eval()` mode alike), DDP broadcasts
 #   rank 0's buffers (`forward_sync_buffers=True`): every rank evaluates with rank 0's
@@ -999,10 +901,9 @@ viz.quiz([
                  "The first bucket is capped at 1 MiB and the model is small",
                  "gloo cannot all-reduce several buckets at once"],
      "answer": 0,
-     "why": ["Right: the initial size limit is sys.maxsize, so an all-reduce cannot start too "
-             "early and meet another rank's other collective (the case torch names: other "
-             "collectives in the backward and a parameter unused on some ranks only); the "
-             "rebuild happens before the second forward.",
+     "why": ["Right: the initial size limit is sys.maxsize; the rebuild happens before the "
+             "second forward. (torch's reason, an all-reduce launched too early, can only "
+             "happen with find_unused_parameters=True, which buckets from the start.)",
              "This lesson's model was seven times the cap and still went in one bucket.",
              "From the second iteration on, gloo all-reduced several buckets."]},
     {"q": "After 10 steps, are DDP's weights bit-for-bit equal to one process on the global "
@@ -1021,17 +922,6 @@ viz.quiz([
              "stay disjoint. Overlap comes from ranks on different epochs.",
              "Nothing is communicated by the sampler, so nothing can hang.",
              "Right: the shuffle is seeded with seed + epoch, and the epoch stays 0."]},
-    {"q": "bucket_cap_mb=1, and a 4 MiB gradient arrives while a bucket holds 0.5 MiB. What does "
-          "the reducer do?",
-     "options": ["Adds it: the bucket reaches the cap, closes at 4.5 MiB, and the next gradient "
-                 "opens a new one",
-                 "Splits the gradient over four 1 MiB buckets",
-                 "Closes the 0.5 MiB bucket first and puts the gradient in a bucket of its own"],
-     "answer": 0,
-     "why": ["Right: a bucket closes once it reaches the cap, so it overshoots by its last "
-             "tensor (this lesson saw 518 KiB under a 0.1 MiB cap).",
-             "A gradient is never split: a bucket holds whole tensors.",
-             "That is 'close before going over the cap', which is not DDP's rule."]},
     {"q": "You train a model with BatchNorm under DDP with its defaults on 4 ranks and save rank "
           "0's state_dict. Its running statistics are...",
      "options": ["averaged over the 4 ranks by DDP's all-reduce",
@@ -1081,13 +971,18 @@ viz.quiz([
 #   has both "other collectives comm ops in its backward graph" and an "unused parameter in
 #   subset ranks", bucketing "could insert ALL-REDUCE comm op too early on the rank with unused
 #   parameter", matching another rank's other collective; so the first iteration is not
-#   bucketed.
+#   bucketed. c10d's `reducer.cpp` (PyTorch repository, not installed) —
+#   `Reducer::autograd_hook`: unused parameters are marked ready (`mark_variable_ready`) only
+#   from `unused_parameters_`, which `Reducer::prepare_for_backward` fills from the forward's
+#   outputs, and `DistributedDataParallel._post_forward` passes them only when
+#   `find_unused_parameters and not static_graph` (`prepare_for_backward([])` otherwise).
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`: `bucket_cap_mb` is in
 #   MiB (`_MB_TO_BYTES = 1024 * 1024`), 25 MiB by default; the first bucket's limit is
 #   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when the cap is left at its default.
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.compute_bucket_size_limits`:
 #   the initial limit is `[sys.maxsize]` (one bucket) when `static_graph or not
-#   find_unused_parameters`; `DistributedDataParallel._ddp_init_helper` passes it to
+#   find_unused_parameters`, so size-bucketing from the start happens with
+#   `find_unused_parameters=True` only; `DistributedDataParallel._ddp_init_helper` passes it to
 #   `dist._compute_bucket_assignment_by_size` and hands the reversed buckets to `dist.Reducer`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._pre_forward`: calls
 #   `self.reducer._rebuild_buckets()` before the forward, then `_sync_buffers()` when
@@ -1107,14 +1002,10 @@ viz.quiz([
 # - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::next_bucket_` (the
 #   buckets are launched in index order); `Reducer::sync_bucket_indices` ("Broadcast rebuilt
 #   buckets from rank 0 to other ranks"); `Reducer::should_rebuild_buckets`
-#   (rebuild once, never with `find_unused_parameters` unless `static_graph`); and the declaration
-#   of `compute_bucket_assignment_by_size` ("aware of device placement and will not allow
-#   buckets to span devices"; the dtype split is shown by a claim above), which Python sees as
-#   `dist._compute_bucket_assignment_by_size`. Its body (its closing rule is in the folded
-#   sources below), `Reducer::rebuild_buckets` and
-#   `Reducer::autograd_hook` (no order recorded in a static graph's first iteration) are in
-#   c10d's `reducer.cpp` in the PyTorch repository (not installed); the claims above check the
-#   behaviour on the installed build.
+#   (rebuild once, never with `find_unused_parameters` unless `static_graph`).
+#   `Reducer::rebuild_buckets` and `Reducer::autograd_hook` (no order recorded in a static
+#   graph's first iteration) are in c10d's `reducer.cpp` in the PyTorch repository (not
+#   installed); the claims above check the behaviour on the installed build.
 # - `torch/nn/parallel/comm.py` — `reduce_add`: uses `nccl.reduce` when NCCL is available (the
 #   real `nn.DataParallel`'s gradient path, through `ReduceAddCoalesced` in
 #   `torch/nn/parallel/_functions.py`).
@@ -1122,8 +1013,8 @@ viz.quiz([
 #   `seed + epoch`, pads to a multiple of `num_replicas`, takes `indices[rank::num_replicas]`;
 #   `set_epoch` sets the epoch.
 #
-# **▶ The sources of DDP's averaging and of its bucket-closing rule — open after your labs
-# pass** (lab 03 and lab 07; click the folded cell below).
+# **▶ The sources of DDP's averaging — open after your lab passes** (click the folded cell
+# below).
 
 # %% [markdown] jupyter={"source_hidden": true}
 # ### Sources, continued
@@ -1149,9 +1040,6 @@ viz.quiz([
 #   hook the reducer divides too, but per gradient, as it copies each into the bucket (below).
 # - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::div_factor_` (the
 #   division factor for the gradients: the process group's size).
-# - c10d's `reducer.cpp` — `compute_bucket_assignment_by_size`: the bucket is closed once
-#   `bucket.size >= bucket_size_limit` (lab 07's part 1; the folded claims in "The cap is where
-#   a bucket closes" check it on the installed build).
 # - c10d's `reducer.cpp` (in the PyTorch repository, under `torch/csrc/distributed/c10d/`; not
 #   installed; the v2.14.1 tag could not be fetched here, so it was read at a revision that
 #   already has `batched_grad_copy`, the option the installed 2.14.1 has, and the installed

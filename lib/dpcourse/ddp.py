@@ -330,7 +330,7 @@ def ddp_worker(rank: int, world_size: int, cfg: StepConfig) -> dict:
         X, y = shard_of(*global_batch_for_step(cfg, step), rank, world_size)
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(ddp_model(X.to(dev)), y.to(dev))
-        loss.backward()  # DDP's hooks have all-reduced and averaged the gradients by now
+        loss.backward()  # DDP's hooks have averaged the gradients over the ranks by now
         if first_grads is None:
             first_grads = _flat_grads(model)
         opt.step()
