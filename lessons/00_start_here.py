@@ -28,12 +28,15 @@
 # rank) is written and has its own tests (`tests/test_gpu.py`, `python -m dpcourse doctor
 # --run`), but they have not yet been run on a multi-GPU machine.
 #
-# **Every claim is checked.** When a lesson says "the two gradients are equal", a cell below
-# it asserts that statement (and says "to within 1e-5" when floating-point sums in another
+# **What is checked, and what is read.** Each line that starts with ✔ is a claim this run
+# checked: a cell asserted it (and says "to within 1e-5" when floating-point sums in another
 # order make the numbers differ in their last bits), and the continuous integration re-runs
 # every notebook and compares every output except those marked `# NBVAL_IGNORE_OUTPUT` (timings
-# and hardware, each with its reason). If a claim stopped being true, the course would fail to
-# build.
+# and hardware, each with its reason). If a ✔ claim stopped being true, the course would fail
+# to build. Some statements cannot be measured on a CPU-only machine — what NCCL does on GPUs,
+# what C++ code that is not installed does: the lesson then says it read them from the source
+# (*read from source, not measured*) and names the file in its **Sources** section. Those are
+# as good as the reading, not as a run.
 #
 # ## The course map
 #
@@ -142,8 +145,8 @@ claim("NCCL is chosen only when every rank can own a GPU",
 #
 # From lesson 03 on, cells start several processes ("ranks") that work together. Doing that
 # from a notebook has traps — a function defined in a cell cannot normally be sent to another
-# process, ranks print on top of each other, and a rank that crashes can leave the others
-# waiting forever. `dpcourse.launch.spawn` deals with all of them: it returns each rank's
+# process (below: why, and how `spawn` gets round it), ranks print on top of each other, and a
+# rank that crashes can leave the others waiting forever. `dpcourse.launch.spawn` deals with all of them: it returns each rank's
 # result, prints each rank's output after the run with a `[rank k]` prefix, turns a crash in
 # any rank into one error naming it, and stops a hang at a timeout. A first taste — two
 # processes each contribute a number and both receive the sum. The ranks talk through a
@@ -169,6 +172,38 @@ def hello(rank, world_size):
 results = launch.spawn(hello, 2, backend="gloo", timeout=60)
 print("results, in rank order:", results)
 claim("both ranks received the sum 10 + 20", results == [30.0, 30.0], results=results)
+
+# %% [markdown]
+# How did `hello`, defined in this notebook, reach two new processes? A process that starts
+# fresh receives the function as bytes. Python's `pickle` writes a function as its module and
+# name only (`__main__.hello`), and the new process's `__main__` is not this notebook, so it
+# cannot find it; `spawn` sends it with **cloudpickle**, which writes the function's code
+# itself. Each way, into a fresh interpreter:
+
+# %%
+import pickle
+import subprocess
+import sys
+
+import cloudpickle
+
+
+def loads_in_fresh_process(payload):
+    """Unpickle ``payload`` in a new Python process: 'ok' or the error's first line."""
+    done = subprocess.run([sys.executable, "-c", "import pickle, sys; "
+                           "pickle.loads(sys.stdin.buffer.read()); print('ok')"],
+                          input=payload, capture_output=True, timeout=60)
+    return done.stdout.decode().strip() or done.stderr.decode().strip().splitlines()[-1]
+
+
+by_name, by_value = loads_in_fresh_process(pickle.dumps(hello)), \
+    loads_in_fresh_process(cloudpickle.dumps(hello))
+print("pickle:     ", by_name)
+print("cloudpickle:", by_value)
+claim("a fresh process cannot load a notebook function pickled by name, but loads it pickled "
+      "by value (cloudpickle, what spawn sends)",
+      "hello" in by_name and by_name != "ok" and by_value == "ok",
+      by_name=by_name, by_value=by_value)
 
 # %% [markdown]
 # A group has one backend **per device type**, not necessarily one backend: torch's
@@ -304,8 +339,9 @@ claim("two ranks that never finish were stopped at the 3 s timeout (well under t
 # %% [markdown]
 # ## Summary
 #
-# - Lessons prove what they say: every ✔ line is a claim computed on this run; labs check your
-#   code and name your mistake in one sentence.
+# - Lessons prove what they say: every ✔ line is a claim computed on this run, and what they
+#   could only read in torch's source is marked so and cited; labs check your code and name
+#   your mistake in one sentence.
 # - `dpcourse.devices` picks one of three profiles (`cpu`, `one-gpu`, `multi-gpu`); the lessons
 #   give the same checked results on each, and NCCL is used only when every rank owns a GPU.
 # - `dpcourse.launch.spawn` runs ranks from a notebook: results come back in rank order, a
@@ -376,7 +412,9 @@ viz.quiz([
 #   backend serving one device type in a group.
 # - `torch/multiprocessing/spawn.py` — `spawn`: its `fn` "must be defined at the top level of a
 #   module so it can be pickled and spawned", which a function in a notebook cell is not; hence
-#   `dpcourse.launch.spawn` ships it with cloudpickle. `start_processes` also offers
+#   `dpcourse.launch.spawn` ships it with cloudpickle (`lib/dpcourse/launch.py`: `cloudpickle.
+#   loads(payload)` in each rank; its processes start by `forkserver`; the claim above shows
+#   pickle by name failing where cloudpickle's by-value copy loads). `start_processes` also offers
 #   `start_method="fork"`, whose children inherit the parent's functions.
 # - `nvidia/nccl/lib/libnccl.so.2` (NCCL 2.30.7, the `nvidia-nccl-cu13` wheel torch depends on) —
 #   NCCL's refusal of two ranks on one GPU is a check inside the NCCL library, not in torch's
