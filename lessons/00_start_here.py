@@ -143,17 +143,17 @@ claim("NCCL is chosen only when every rank can own a GPU",
 # %% [markdown]
 # ## Running many processes from a notebook
 #
-# From lesson 03 on, cells start several processes ("ranks") that work together. Doing that
-# from a notebook has traps — a function defined in a cell cannot normally be sent to another
-# process (below: why, and how `spawn` gets round it), ranks print on top of each other, and a
-# rank that crashes can leave the others waiting forever. `dpcourse.launch.spawn` deals with all of them: it returns each rank's
-# result, prints each rank's output after the run with a `[rank k]` prefix, turns a crash in
-# any rank into one error naming it, and stops a hang at a timeout. A first taste — two
-# processes each contribute a number and both receive the sum. The ranks talk through a
-# *process group*: the set of processes that take part in collective operations (such as this
-# `all_reduce`) together, created by `torch.distributed.init_process_group` (here `spawn` calls
-# it for us) with a *backend*, the library that moves the tensors: **gloo** (CPU tensors, and
-# GPU tensors slowly) or **NCCL** (NVIDIA's, GPU tensors only).
+# From lesson 03 on, cells start several processes ("ranks") that work together. Doing that from
+# a notebook has traps — a function defined in a cell cannot normally be sent to another process
+# (below: why, and how `spawn` gets round it), ranks print on top of each other, and a rank that
+# crashes can leave the others waiting forever. `dpcourse.launch.spawn` deals with all of them:
+# it returns each rank's result, prints each rank's output after the run with a `[rank k]`
+# prefix, turns a crash in any rank into one error naming it, and stops a hang at a timeout. A
+# first taste — two processes each contribute a number and both receive the sum. The ranks talk
+# through a *process group*: the set of processes that take part in collective operations (such
+# as this `all_reduce`) together, created by `torch.distributed.init_process_group` (here
+# `spawn` calls it for us) with a *backend*, the library that moves the tensors: **gloo** (CPU
+# tensors, and GPU tensors slowly) or **NCCL** (NVIDIA's, GPU tensors only).
 
 # %%
 from dpcourse import launch
