@@ -492,7 +492,7 @@ def eval_inference_mode(model, loader, loss_fn, device):
     n = len(loader.dataset)
     if n == 0:
         raise ValueError("no samples in the loader")
-    return loss_sum / n, hits / n  # 0-dim tensors: accepted as numbers
+    return (loss_sum / n).item(), (hits / n).item()  # summed as tensors, returned as floats
 
 
 @torch.no_grad()
