@@ -2,8 +2,7 @@
 # # 10 · The bug zoo: broken distributed programs, their detectors and their fixes
 #
 # **Prerequisites:** lesson 03 (ranks, collectives, averaging gradients by hand) and lesson 04
-# (torchrun scripts, DDP in practice, its section on hangs and `TORCH_DISTRIBUTED_DEBUG`);
-# the course's collective recorder, which lesson 07 builds on, is introduced where it is used.
+# (torchrun scripts, DDP in practice, its section on hangs and `TORCH_DISTRIBUTED_DEBUG`).
 #
 # **You will be able to:**
 # - recognise the classic distributed bugs by their symptoms: a hang, replicas that drift
@@ -512,10 +511,9 @@ viz.show(viz.replica_checksums_figure({
 #
 # DDP's `forward_sync_buffers=True` (the default; it replaces
 # `broadcast_buffers`, deprecated since 2.13) copies rank 0's buffers to every rank at the
-# *start* of a forward — the first one, and each one whose previous forward ran with gradients
-# enabled outside `no_sync()` (lesson 03 measured the forwards it skips); every forward of this
-# training loop — then BatchNorm updates them from each rank's own batch, so after the last
-# step, when the checkpoint is written, the ranks differ again (run below).
+# *start* of each forward here (not of one after a `no_grad` or `no_sync()` forward: lesson 03)
+# — then BatchNorm updates them from each rank's own batch, so after the last step, when the
+# checkpoint is written, the ranks differ again (run below).
 
 # %%
 viz.show_code(bugzoo.batchnorm_stats)
@@ -619,10 +617,9 @@ claim("and in every epoch the ranks together still see every sample",
 # %% [markdown]
 # ### Bug 9: an unused parameter
 # A parameter that no forward touches (a head not used this step, a leftover layer) never gets a
-# gradient. In the first iteration DDP keeps every gradient in one bucket, which that gradient
-# never completes: the first backward returns without any all-reduce, each rank keeping its own
-# gradients (measured below), so a loop's first `opt.step()` already pulls the replicas apart.
-# The error comes only at the *next* forward, when the reducer finds the last reduction unfinished.
+# gradient, so iteration 0's single bucket never completes: the first backward returns with no
+# all-reduce, each rank keeping its own gradients (below), and a loop's first `opt.step()`
+# pulls the replicas apart; DDP fails only at the *next* forward.
 # Torch's error (printed whole below) lists the indices of the parameters that got no
 # gradient; with `TORCH_DISTRIBUTED_DEBUG=INFO` (or DETAIL) it also names them. The course's
 # detector runs one forward/backward in one process, no DDP needed, and lists the same names.
@@ -640,12 +637,9 @@ print("\nwith TORCH_DISTRIBUTED_DEBUG=INFO, its last lines:\n"
 print("\nfixed:", zoo[0]["unused"][True])
 claim("broken: DDP fails at the second iteration on every rank",
       all("Expected to have finished reduction" in r["unused"][False] for r in zoo))
-first_grads = {fixed: detectors.compare_checksums([r["unused_first_grads"][fixed] for r in zoo])
-               for fixed in (False, True)}
+first = [detectors.compare_checksums([r["unused_first_grads"][f] for r in zoo]) for f in (0, 1)]
 claim("broken, before that error: after the first backward the ranks' gradients differ (no "
-      "all-reduce ran); fixed, they agree",
-      first_grads[False] == ["body.weight", "head_a.weight"] and first_grads[True] == [],
-      first_grads=first_grads)
+      "all-reduce ran); fixed, they agree", first == [["body.weight", "head_a.weight"], []])
 
 
 def indices_line(message):
@@ -999,14 +993,10 @@ viz.quiz([
 #   `find_unused_parameters`; `static_graph` (its docstring: the set of unused parameters is
 #   fixed, no per-iteration search).
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.compute_bucket_size_limits`:
-#   `[sys.maxsize]`, one initial bucket, unless `find_unused_parameters` (without
-#   `static_graph`); c10d's `reducer.cpp` (PyTorch repository, not installed) —
-#   `Reducer::autograd_hook` marks unused parameters ready only from `unused_parameters_`,
-#   which `prepare_for_backward` fills only with `find_unused_parameters`;
-#   `Reducer::mark_variable_ready` queues `finalize_backward` only once every bucket is ready;
-#   `Reducer::ensure_prior_reduction_finished` (at the next forward) raises "Expected to have
-#   finished reduction in the prior iteration" (bug 9's first backward, measured by its
-#   gradients' checksums).
+#   one initial bucket (`[sys.maxsize]`) unless `find_unused_parameters`; c10d's `reducer.cpp`
+#   (not installed) — `Reducer::autograd_hook` marks unused parameters ready only with
+#   `find_unused_parameters`; `Reducer::mark_variable_ready` finalizes only once every bucket
+#   is ready; `Reducer::ensure_prior_reduction_finished` raises at the next forward.
 # - `torch/lib/libtorch_cpu.so` — the reducer's unused-parameter error ("Parameter indices
 #   which did not receive grad for rank", and with `TORCH_DISTRIBUTED_DEBUG` INFO or DETAIL
 #   "Parameters which did not receive grad"): read with `strings`, and printed above.
