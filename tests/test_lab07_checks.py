@@ -381,6 +381,43 @@ def test_the_check_groups_as_torchs_reducer_does():
         assert [list(x) for x in theirs] != ours, f"{what}: the order question would be moot"
 
 
+def test_torchs_list_order_is_what_the_open_ones_last_sentence_says():
+    """Finding (lab 07 learner): the lab's order is its own rule, and the sentence says what
+    torch does. Given the arrival order (DDP's rebuild), torch lists the buckets closed during
+    the walk in the order they closed, then the still-open ones, unsorted; without it (DDP's
+    first-iteration call) it sorts by each bucket's smallest index."""
+    from dpcourse.checks import _lab07_buckets as b
+
+    for what, spec in b._MIXED_CASES:
+        params = b._mixed_params(spec)
+        n, sizes = len(params), [_nbytes(p) for p in params]
+        rebuilt, _ = dist._compute_bucket_assignment_by_size(
+            list(reversed(params)), [2**20], [False] * n, list(range(n - 1, -1, -1)))
+        rebuilt = [list(x) for x in rebuilt]
+        assert b._follows(b._open_ones_last, rebuilt, sizes, [p.dtype for p in params],
+                          2**20), what
+        first, _ = dist._compute_bucket_assignment_by_size(params, [2**20], [False] * n)
+        assert [min(x) for x in first] == sorted(min(x) for x in first), what
+    msg = dict((rule, s) for rule, s in b._ORDER_RULES)[b._open_ones_last]
+    assert "only when no order is given" in msg and "this lab's own rule" in msg
+
+
+def open_ones_last_reversed(params, cap_mb):
+    # the still-open buckets appended last in the reverse of the order they were opened (as a
+    # hash map may list them): the same mistake as any order of them
+    out = open_ones_last(params, cap_mb)
+    closed = [bk for bk in out if sum(map(_nbytes, bk)) >= cap_mb * 2**20]
+    return closed + out[len(closed):][::-1]
+
+
+def test_the_open_ones_last_in_any_order_get_torchs_sentence():
+    with pytest.raises(LabCheckError) as err:
+        lab07.check_assign_buckets(open_ones_last_reversed)
+    msg = " ".join(str(err.value).split())
+    assert "That is how torch lists them when DDP rebuilds its buckets" in msg, msg
+    assert "this lab's own rule, stricter than torch's" in msg, msg
+
+
 def test_the_bucket_prediction_is_compared_with_torchs_reducer(capsys):
     from dpcourse.checks import predict
 
@@ -514,9 +551,9 @@ class Good(nn.Module):
         self.handles.append((i, dist.all_reduce(self.flat[i], async_op=True)))
 
     def finish_gradient_synchronization(self):
-        self.require_complete()
-        for _, work in self.handles:
+        for _, work in self.handles:        # what was launched, waited on even before an error
             work.wait()
+        self.require_complete()
         self.reset()
 
     def require_complete(self):
@@ -540,10 +577,10 @@ class DivideAfterWait(Good):
         self.handles.append((i, dist.all_reduce(self.flat[i], async_op=True)))
 
     def finish_gradient_synchronization(self):
-        self.require_complete()
         for i, work in self.handles:
             work.wait()
             self.flat[i] /= dist.get_world_size()
+        self.require_complete()
         self.reset()
 
 
@@ -822,6 +859,46 @@ class NoBucketsAttribute(Good):
         self.arrived = set()
 
 
+class FirstBucketUndivided(Good):
+    # bucket 0 summed, the others averaged: matches no single mistake the check knows
+    def launch(self, i):
+        if i:
+            self.flat[i].div_(dist.get_world_size())
+        self.handles.append((i, dist.all_reduce(self.flat[i], async_op=True)))
+
+
+def test_a_value_wrong_in_no_known_way_gets_its_buckets_launch_and_arrival_first():
+    """The catch-all says what the check saw of the wrong gradient's bucket (its gradients all
+    in before its launch, then waited on) before the offsets, which come as the fix."""
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab07.check_bucketed_ddp(FirstBucketUndivided)
+        msg = " ".join(str(err.value).split())
+        assert "nor any single mistake the check knows" in msg, msg
+        assert "What the check saw of its bucket 0: its 2 gradients had all arrived by" in msg
+        assert "the timing is not the cause" in msg, msg
+        assert ("at offsets that add up p.numel()" in msg) == (attempt == 2), msg
+
+
+class CompleteWhenGradsExist(Good):
+    # a bucket judged complete once every p.grad in it is not None: right in a first step, but
+    # after zero_grad(set_to_none=False) every p.grad exists before the backward begins
+    def launch_ready(self):
+        while self.next < len(self.buckets) and all(p.grad is not None
+                                                     for p in self.buckets[self.next]):
+            self.launch(self.next)
+            self.next += 1
+
+
+class RaisesBeforeWaiting(Good):
+    # raises for the unused parameter first: the buckets already launched stay in flight
+    def finish_gradient_synchronization(self):
+        self.require_complete()
+        for _, work in self.handles:
+            work.wait()
+        self.reset()
+
+
 class SilentOnUnused(Good):
     # waits on what was launched and returns: the unused parameter's bucket never went
     def require_complete(self):
@@ -883,6 +960,11 @@ class RaisesOnlyOnMissingGrad(Good):
     (UnnamedUnused, "its message does not name head.weight and head.bias"),
     (ArrivalsNeverReset, "its message does not name head.weight and head.bias"),
     (BucketNamed, "(?s)also names hidden.*which did get a gradient"),
+    (CompleteWhenGradsExist, "(?s)bucket 0 was launched in step 2 after 0 of its 2 gradients "
+                             "had arrived.*set_to_none=False.*says nothing about whether"),
+    (RaisesBeforeWaiting, "(?s)shift \\(registered first, so in the last bucket\\).*raised "
+                          "on rank 0 while the all-reduces it had launched for buckets 0, 1 "
+                          "and 2 were still in flight"),
     (HookOnFrozen, "hook on a frozen parameter"),
     (FrozenInBuckets, "holds the frozen parameter scale"),
     (LaunchWhenFull, "bucket 1 was launched before bucket 0 .*the i-th all-reduce"),
@@ -1237,6 +1319,26 @@ def future_of_list(state, bucket):
     return dist.all_reduce(grad.div_(dist.get_world_size()), async_op=True).get_future()
 
 
+def own_values_all_reduced(state, bucket):
+    # top-k with error feedback, then an all-reduce of the k selected values alone (no indices
+    # travel): each rank puts the position-by-position sums at its own indices
+    grad = bucket.buffer()
+    residual = state.residual_for(bucket)
+    corrected = grad + residual
+    idx = corrected.abs().topk(state.k(grad.numel())).indices
+    values = corrected[idx]
+    residual.copy_(corrected)
+    residual[idx] = 0
+    ws = dist.get_world_size()
+
+    def place(fut):
+        out = torch.zeros_like(grad)
+        out[idx] = fut.value()[0] / ws
+        return out
+
+    return dist.all_reduce(values, async_op=True).get_future().then(place)
+
+
 def wrong_mix(state, bucket):
     # no error feedback AND summed: matches no single mistake; the general sentence answers
     return topk_variant(state, bucket, feedback=False, divide=1)
@@ -1259,6 +1361,10 @@ WRONG_HOOKS = [
     (float64_values, "16.0 bytes per entry, where a value in the gradient's dtype"),
     (future_of_list, "delivered a list of 1"),
     (wrong_mix, "differs from top-k with error feedback"),
+    (own_values_all_reduced, "(?s)got different gradients because each rank's result is an "
+                             "all-reduce of the ranks' k selected values alone.*Rank 0 selected "
+                             "indices \\[\\d+, .*in common\\); an all-reduce adds position by "
+                             "position"),
     (blocking_gather, "all_gather blocked \\(launched without async_op=True\\)"),
     (waits_in_hook, "already complete when the hook returned"),
     (reads_before_arrival, "reading their outputs before they arrive is the mistake"),

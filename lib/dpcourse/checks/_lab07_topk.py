@@ -197,6 +197,59 @@ def _topk_replay(inputs: list, world_size: int, k_of, *, feedback=True, magnitud
     return outputs
 
 
+def _own_values_summed(inputs: list, world_size: int, k_of) -> tuple[list, list]:
+    """The plausible mistake of an all-reduce of the k selected VALUES alone, replayed: every
+    rank selects as top-k with error feedback does, the ranks' k values are summed position by
+    position (the 1st with the 1st, ...), divided by the world size, and each rank puts that
+    at its OWN k indices. Returns each rank's outputs and, per call, each rank's indices."""
+    residuals = [{} for _ in range(world_size)]
+    outputs, picked = [[] for _ in range(world_size)], []
+    for j in range(len(inputs[0])):
+        index, idxs, values = inputs[0][j][0], [], []
+        for r in range(world_size):
+            g = inputs[r][j][1]
+            res = residuals[r].get(index)
+            if res is None or res.shape != g.shape:      # DDP rebuilt its buckets
+                res = torch.zeros_like(g)
+            corrected = g + res
+            idx = corrected.abs().topk(max(1, min(g.numel(), k_of(g.numel())))).indices
+            idxs.append(idx)
+            values.append(corrected[idx])
+            left = corrected.clone()
+            left[idx] = 0
+            residuals[r][index] = left
+        summed = sum(values) / world_size
+        for r in range(world_size):
+            out = torch.zeros_like(inputs[r][j][1])
+            out[idxs[r]] = summed
+            outputs[r].append(out)
+        picked.append(idxs)
+    return outputs, picked
+
+
+def _own_values_problem(outputs: list, inputs: list, calls: list, world_size: int, k_of,
+                        rank: int, j: int) -> tuple[str, str] | None:
+    """The cause and fix if every rank's results are :func:`_own_values_summed`'s, else None;
+    told with call ``j``, where rank 0 and ``rank`` differ."""
+    replayed, picked = _own_values_summed(inputs, world_size, k_of)
+    if not all(torch.allclose(o, e, rtol=1e-5, atol=1e-6)
+               for r in range(world_size) for o, e in zip(outputs[r], replayed[r])):
+        return None
+    a, b = picked[j][0].tolist(), picked[j][rank].tolist()
+    common = len(set(a) & set(b))
+    shown = lambda xs: ", ".join(map(str, xs[:4])) + (", …" if len(xs) > 4 else "")
+    return (f"step {calls[0][j]['step']}, bucket {calls[0][j]['index']}: rank 0 and rank {rank} "
+            f"got different gradients because each rank's result is an all-reduce of the ranks' "
+            f"k selected values alone, put back at that rank's own indices. Rank 0 selected "
+            f"indices [{shown(a)}] and rank {rank} [{shown(b)}] ({common} of the k = {len(a)} "
+            f"in common); an all-reduce adds position by position, so rank 0's value at index "
+            f"{a[0]} was summed with rank {rank}'s at index {b[0]} — entries of different places "
+            f"in the gradient. Each rank then put those sums at its own indices: the ranks "
+            f"disagree, and neither holds the average.",
+            "every rank must learn every rank's k values AND their indices (a collective that "
+            "hands each rank's own list to every rank), and add each value at its own index.")
+
+
 # What a gloo rank reports when its peer has gone away (aborted or died) mid-collective.
 _PEER_LOST = re.compile(launch.PEER_LOST.pattern + r"|Connection (reset|closed)|pair\.cc")
 
@@ -270,6 +323,9 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
         step, index = calls[0][j]["step"], calls[0][j]["index"]
         for rank in range(1, world_size):
             if not torch.allclose(outputs[rank][j], out0, rtol=1e-5, atol=1e-6):
+                summed = _own_values_problem(outputs, inputs, calls, world_size, k_of, rank, j)
+                if summed:
+                    fail(summed[0], fix=summed[1])
                 own = all(torch.equal(outputs[r][j], inputs[r][j][1]) for r in range(world_size))
                 why = ("each rank's future delivered its own gradient unchanged, so nothing "
                        "of the other ranks' entries reached it" if own else

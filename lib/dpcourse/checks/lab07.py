@@ -10,8 +10,9 @@ bucket closed before the next parameter would exceed the cap (the other usual ru
 DDP's), a bucket per parameter, everything in one bucket, elements counted instead of bytes, 4
 bytes assumed per element, parameters lost or repeated, frozen parameters bucketed or weighed,
 two dtypes in one bucket, a bucket closed when the dtype changes, one byte count for all
-dtypes, the buckets in the order they were opened, the still-open buckets put last or the
-dtypes one after the other (judged over the three mixed cases at once).
+dtypes, the buckets in the order they were opened, the still-open buckets put last (torch's
+own list when DDP rebuilds; the order they complete is the lab's rule) or the dtypes one after
+the other (judged over the three mixed cases at once).
 ``check_bucket_prediction`` compares the learner's predicted bucket count for part 1's puzzle
 with torch's own reducer function, run on it.
 
@@ -25,12 +26,17 @@ NaN while the all-reduce is in flight, and hands the reduced values over **only 
 handle is waited on**. A hook registered before the learner's own stores each local gradient
 and the moment it arrived. From that record the check names: a hook on the frozen parameter,
 one all-reduce per parameter, messages that are not a bucket's flat buffer, a blocking
-all-reduce, buckets launched out of bucket order, a bucket launched later than it could have
+all-reduce, buckets launched out of bucket order, a bucket launched before all of its
+gradients had arrived in this step (a bucket judged complete by `p.grad is not None`, which
+zero_grad(set_to_none=False) makes true for all), a bucket launched later than it could have
 been (every one only at the end of the backward, or after the backward), waiting inside the
 hook, not waiting, no reset between steps, old handles waited on again, values read before
 wait(), an all-reduce of a temporary, gradients that are not views of their bucket, views that
 overlap or point into another bucket, add_ where copy_ belongs (three ways), a missing or
-fixed division.
+fixed division; a value wrong in no known way gets the launch and arrival times of its bucket.
+Then a parameter the second step leaves out (in the first bucket, then in the last): no error,
+an error that names it wrongly, and an error raised with launched all-reduces still in
+flight.
 
 ``check_topk_hook`` (the stretch) runs the learner's DDP communication hook — top-k with
 error feedback — in real DDP on 2 and 3 ranks and compares every call with a replay of the
@@ -547,9 +553,6 @@ def _check_dtypes(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
 
 
 # A trainable parameter the second step's forward does not use: its bucket is never complete.
-_UNUSED_NAMES = ("head.weight", "head.bias")
-
-
 class _UnusedNet(_CheckNet):
     def __init__(self, width: int = 8):
         super().__init__(width)
@@ -561,52 +564,105 @@ class _UnusedNet(_CheckNet):
         return self.head(out) if self.use_head else out
 
 
-# How step 2 (the one that leaves `head` out) starts: gradients zeroed in place first — then
-# `head.grad` still holds step 1's tensor, so "no gradient" cannot be read from `p.grad is
-# None` — and then, on a fresh model, set to None.
-_UNUSED_ZERO_MODES = (False, True)
+class _ShiftNet(nn.Module):
+    """A trainable `shift` registered first, so in the LAST bucket, added to the input only
+    while ``use_shift``: when a backward leaves it out, every bucket before its own is complete
+    and launched, and still in flight when the step ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(3, 1, 1))
+        self.net = _CheckNet()
+        self.use_shift = True
+
+    def forward(self, x):
+        return self.net(x + self.shift if self.use_shift else x)
+
+
+# The models and how step 2 (the one that leaves a parameter out) starts. `head` (bucket 0):
+# gradients zeroed in place first — then `head.grad` still holds step 1's tensor, so "no
+# gradient" cannot be read from `p.grad is None` — and then, on a fresh model, set to None.
+# `shift` (the last bucket): the buckets before it were launched, and the error must not leave
+# them in flight.
+_UNUSED_CASES = (("head", False), ("head", True), ("shift", True))
+_UNUSED_NAMES = {"head": ("head.weight", "head.bias"), "shift": ("shift",)}
+_UNUSED_WHERE = {"head": "registered last, so in bucket 0",
+                 "shift": "registered first, so in the last bucket"}
 
 
 def _unused_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
-    """Step 1 uses every parameter; step 2 leaves `head` out: once after
-    zero_grad(set_to_none=False), once (a fresh model and wrapper) after set_to_none=True."""
+    """Per case of _UNUSED_CASES (a fresh model and wrapper each): step 1 uses every parameter,
+    step 2 leaves one out. Records what finish_gradient_synchronization() said after each step,
+    and which of step 2's launched all-reduces were never waited on when it ended."""
     __tracebackhide__ = True
     from .. import ddp
+    from ..collectives import record_collectives
 
     dev = ddp.setup_rank()
+    state = {"step": 0, "stale_waits": []}
+    calls, pending = [], {}
+
+    def before(call):                       # as in _bucketed_worker: the real all-reduce runs
+        if call.function != "all_reduce":   # on a copy, delivered on wait()
+            return
+        tensor = call.args["tensor"]
+        rec = {"step": state["step"], "numel": tensor.numel(), "async": call.async_op,
+               "t_wait": None, "future": False}
+        calls.append(rec)
+        if call.async_op:
+            call.args["tensor"] = tensor.detach().clone()
+        pending[call.index] = (rec, tensor, call.args["tensor"])
+
+    def after(call):
+        if call.index not in pending:
+            return None
+        rec, tensor, buf = pending.pop(call.index)
+        if not call.async_op:
+            rec["t_wait"] = time.perf_counter()
+            return None
+        tensor.detach().fill_(float("nan"))
+        return _Deferred(call.result, buf, tensor, rec, state)
+
     out = {}
-    for set_to_none in _UNUSED_ZERO_MODES:
-        torch.manual_seed(0)
-        module = _UnusedNet().to(dev)
-        model = cls(module, bucket_cap_mb=cap_mb)
-        torch.manual_seed(1 + rank)
-        x, y = torch.randn(4, 3, 32, 32, device=dev), torch.arange(4, device=dev)
-        said = {}
-        for step, use_head in ((1, True), (2, False)):
-            module.zero_grad(set_to_none=True if step == 1 else set_to_none)
-            module.use_head = use_head
-            F.cross_entropy(model(x), y).backward()
-            try:
-                model.finish_gradient_synchronization()
-            except NotImplementedError:
-                raise
-            except Exception as exc:
-                said[step] = f"{type(exc).__name__}: {exc}"
-            else:
-                said[step] = None
-            if step == 1 and said[1] is not None:
-                break
-        used = [n for n, p in module.named_parameters()
-                if p.requires_grad and n not in _UNUSED_NAMES]
-        out[set_to_none] = {"said": said, "used": used}
+    with record_collectives(before=before, after=after):
+        for which, set_to_none in _UNUSED_CASES:
+            torch.manual_seed(0)
+            module = (_UnusedNet() if which == "head" else _ShiftNet()).to(dev)
+            model = cls(module, bucket_cap_mb=cap_mb)
+            torch.manual_seed(1 + rank)
+            x, y = torch.randn(4, 3, 32, 32, device=dev), torch.arange(4, device=dev)
+            said, in_flight = {}, []
+            for step, use in ((1, True), (2, False)):
+                module.zero_grad(set_to_none=True if step == 1 else set_to_none)
+                setattr(module, f"use_{which}", use)
+                state["step"] = (which, set_to_none, step)
+                F.cross_entropy(model(x), y).backward()
+                try:
+                    model.finish_gradient_synchronization()
+                except NotImplementedError:
+                    raise
+                except Exception as exc:
+                    said[step] = f"{type(exc).__name__}: {exc}"
+                else:
+                    said[step] = None
+                in_flight = [n for n, c in enumerate(c for c in calls
+                                                     if c["step"] == state["step"])
+                             if c["async"] and c["t_wait"] is None and not c["future"]]
+                if step == 1 and said[1] is not None:
+                    break
+            used = [n for n, p in module.named_parameters()
+                    if p.requires_grad and n not in _UNUSED_NAMES[which]]
+            out[which, set_to_none] = {"said": said, "used": used, "in_flight": in_flight}
     return out
 
 
 def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
-    """A model with a trainable parameter (registered last, so in bucket 0) that the second
-    step's forward leaves out: finish_gradient_synchronization() must return after step 1 and
-    raise after step 2, naming that parameter and no other — whether step 2 began with the
-    gradients zeroed in place (``head.grad`` then still holds a tensor) or set to None."""
+    """Models with a trainable parameter that the second step's forward leaves out (`head`,
+    registered last, so in bucket 0; `shift`, registered first, so in the last bucket):
+    finish_gradient_synchronization() must return after step 1 and raise after step 2, naming
+    that parameter and no other — whether step 2 began with the gradients zeroed in place
+    (``head.grad`` then still holds a tensor) or set to None — and leave none of the
+    all-reduces it launched in flight."""
     __tracebackhide__ = True
     from .. import devices
 
@@ -614,19 +670,20 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                         timeout=timeout,
                         hang="with a parameter that got no gradient, every rank must still "
                              "launch the same all-reduces (or none) and wait only on those.")
-    unused = " and ".join(_UNUSED_NAMES)
-    for set_to_none in _UNUSED_ZERO_MODES:
+    for which, set_to_none in _UNUSED_CASES:
+        names = _UNUSED_NAMES[which]
+        unused = " and ".join(names)
         how = f"zero_grad(set_to_none={set_to_none})"
         stale = "" if set_to_none else (
             f" After {how}, a parameter the backward left out still has a .grad (step 1's "
             f"tensor, zeroed in place), so whether it got a gradient in this backward cannot be "
             f"read from p.grad; only this backward's hooks know which parameters arrived.")
-        for rank, per_mode in enumerate(results):
-            r = per_mode[set_to_none]
+        for rank, per_case in enumerate(results):
+            r = per_case[which, set_to_none]
             if r["said"][1] is not None:
                 fail(f"finish_gradient_synchronization() raised on rank {rank} after a backward "
                      f"in which every parameter got a gradient ({r['said'][1][:200]}) — on a "
-                     f"model with a parameter `head` that the next step's forward leaves out.",
+                     f"model with a parameter `{which}` that the next step's forward leaves out.",
                      fix="raise only when a bucket is still awaiting a gradient at the end of "
                          "the step.")
             said = r["said"][2]
@@ -638,7 +695,7 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                      f"there are stale or this rank's own.{stale}",
                      fix="raise an error that names the parameter(s) that got no gradient in "
                          "this backward.")
-            missing = [n for n in _UNUSED_NAMES if n not in said]
+            missing = [n for n in names if n not in said]
             if missing:
                 fail(f"on a model whose {unused} got a gradient in step 1 but none in step 2 "
                      f"(step 2 began with {how}), finish_gradient_synchronization() raised on "
@@ -656,6 +713,21 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                      f"backward (a name kept from an earlier step, or every parameter of the "
                      f"incomplete bucket, misleads).",
                      fix="name only the parameters that got no gradient in this backward.")
+            flying = r["in_flight"]
+            if flying:
+                shown = (f"bucket {flying[0]}" if len(flying) == 1 else
+                         f"buckets {', '.join(map(str, flying[:-1]))} and {flying[-1]}")
+                fail(f"on a model whose {unused} ({_UNUSED_WHERE[which]}) got "
+                     f"no gradient in step 2, finish_gradient_synchronization() raised on rank "
+                     f"{rank} while the all-reduces it had launched for {shown} were still in "
+                     f"flight, never waited on: those buffers are the parameters' .grad, so a "
+                     f"collective may still be writing them after the error has reached the "
+                     f"caller, who may read them (to log them, to save a checkpoint) — and a "
+                     f"work never waited on is never known to have finished. The error ends "
+                     f"the run; it need not leave the gradients racing.",
+                     fix="wait on the all-reduces already launched before raising: every rank "
+                         "launched them (they are the buckets before the incomplete one), so "
+                         "waiting cannot hang.")
 
 
 def _diagnose(results: list, world_size: int, cap_mb: float) -> None:
@@ -741,6 +813,21 @@ def _diagnose_step(s, prev, step, rank, world_size, buckets, names, numels) -> N
              fix="when a bucket is complete, launch it only if every earlier bucket has been "
                  "launched, then every later one already complete.")
     arrivals = sorted(s["ready"].values())
+    for k, b in enumerate(buckets):
+        launched_at = calls[order.index(k)]["t_launch"]
+        arrived = sum(1 for i in b if s["ready"][i] < launched_at)
+        if arrived < len(b):
+            stale = "" if _ZERO_GRAD[step] else (
+                f" This step began with zero_grad(set_to_none=False): every p.grad existed "
+                f"already (the step before's tensor, zeroed in place), so a p.grad that is not "
+                f"None says nothing about whether its gradient has arrived in this backward.")
+            fail(f"bucket {k} was launched {when} after {arrived} of its {len(b)} gradients had "
+                 f"arrived in this step ({launched_at:.2f} ms into the step; its last gradient "
+                 f"arrived at {max(s['ready'][i] for i in b):.2f} ms): its all-reduce summed a "
+                 f"buffer whose gradients were still to come, so the ranks averaged something "
+                 f"that is not this step's gradient.{stale}",
+                 fix="count, per bucket, the gradients whose hook has run in this backward, "
+                     "and put the counts back when the step ends.")
     if all(c["t_launch"] >= s["backward_end"] for c in calls):
         fail("every all-reduce was launched after the backward had finished (in "
              "finish_gradient_synchronization): nothing overlaps the backward.",
@@ -912,10 +999,21 @@ def _diagnose_values(s, prev, step, when, world_size, buckets, names, numels) ->
                  fix="give each parameter one offset (the numel of those before it in the "
                      "bucket) and use it both ways, or better, make p.grad the view at that "
                      "offset.")
+    order = _bucket_of_call(calls, buckets, numels)
+    k = next(j for j, b in enumerate(buckets) if wrong[0] in b)
+    c = calls[order.index(k)] if k in order else None
+    seen = "" if c is None else (
+        f" What the check saw of its bucket {k}: its {len(buckets[k])} gradients had all "
+        f"arrived by {max(s['ready'][i] for i in buckets[k]):.2f} ms into the step, its "
+        f"all-reduce was launched at {c['t_launch']:.2f} ms" + (
+            f" and waited on at {c['t_wait']:.2f} ms" if c["t_wait"] is not None else "") +
+        ", so the bucket was complete when it went and the timing is not the cause: what "
+        "was in the buffer that went, what was done to it, or where this gradient's view lies "
+        "in it is.")
     fail(f"{names[wrong[0]]}.grad is not the mean over the ranks {when} (nor the sum, nor this "
-         f"rank's own gradient, nor any single mistake the check knows): its view must be "
-         f"buffer[offset:offset + p.numel()] at offsets that add up p.numel() in bucket order, "
-         f"and the whole buffer must be all-reduced once.")
+         f"rank's own gradient, nor any single mistake the check knows).{seen}",
+         fix="each gradient's view must be buffer[offset:offset + p.numel()] at offsets that "
+             "add up p.numel() in bucket order, and the whole buffer must be all-reduced once.")
 
 
 # --------------------------------------------------------------------------------------------
