@@ -1354,6 +1354,9 @@ viz.quiz([
 
 # %% [markdown] jupyter={"source_hidden": true}
 # - `compute_bucket_assignment_by_size`: a bucket is closed once `bucket.size >= limit`.
+#   Still-open buckets follow the closed ones, unsorted, unless no `tensor_indices` are given
+#   (DDP's first-iteration call: sorted by smallest index); so with several dtypes the rebuild
+#   can list a complete bucket behind a waiting one (lab 07's part 1 orders by completion).
 # - `Reducer::mark_variable_ready_dense`: without a comm hook, a copy into the bucket view
 #   dividing by N (`at::mul_out`), or, when `grad.is_alias_of(bucket_view)`,
 #   `bucket_view.div_(div_factor_)` in place; with a comm hook, `bucket_view.copy_(grad)` or

@@ -55,7 +55,9 @@ torch.set_num_threads(1)
 # - the buckets are in the order they become **complete** when the gradients arrive in that
 #   order (a bucket is complete once every one of its gradients has arrived): bucket 0 is the
 #   first that could go on the wire, so that a wrapper that sends the buckets in their order
-#   (part 2) never holds a complete bucket back behind one that is still waiting.
+#   (part 2) never holds a complete bucket back behind one that is still waiting. This order is
+#   the lab's own rule, not torch's: with one dtype torch's rebuilt list is in this order too,
+#   with several it is not always (the check says how, if your list is torch's).
 #
 # **Your design decision:** part 1's is **what closes a bucket**. The lesson gave you the
 # walk's order and a cap in MiB, and stopped there; the contract says what must hold, not how.
@@ -193,7 +195,9 @@ lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 #   returning — whether the step began with `zero_grad(set_to_none=True)` or `False`. That
 #   error ends the training run: after it the wrapper need not be usable again (the check
 #   builds a fresh one), but every rank must get out of the step, none left waiting for an
-#   all-reduce the others never launch.
+#   all-reduce the others never launch;
+# - whether it returns or raises, when `finish_gradient_synchronization()` ends, no
+#   all-reduce the wrapper launched is still in flight.
 #
 # One backward per `finish_gradient_synchronization()`: gradient accumulation (a second
 # backward before it) is outside the contract.
@@ -207,8 +211,8 @@ lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 # `zero_grad(set_to_none=False)`, the third after `zero_grad(set_to_none=True)`) on 2 and 3
 # ranks, on a model with a frozen parameter, then one step on a model whose last layer is
 # float64 and the rest float32 (your `assign_buckets` gives each dtype buckets of its own),
-# then two backwards on a model with a parameter the second one's forward does not use, and
-# names what it sees.
+# then two backwards on each of two models with a parameter the second one's forward does not
+# use (in the first bucket, then in the last), and names what it sees.
 
 # %% [markdown]
 # ### Predict first: when does the bucket that fills first go?
@@ -262,10 +266,10 @@ guess = predict("lab07", lab07.PREDICTION_QUESTION, my_guess, unit="gradient(s)"
 # `__init__`: per bucket a zero flat buffer of its total element count; for each of its
 # parameters a view of its slice reshaped like it, and a post-accumulate gradient hook; then
 # the state your answer to hint 2 needs, as it is before a backward. The hook: make `p.grad`
-# its view; bring the state up to date; launch what may go now. The end of the step: if a
-# bucket is not complete, raise with the names (from `named_parameters()`) of the parameters
-# that did not arrive; otherwise wait on each handle, then put the state back as it was before
-# the backward.
+# its view; bring the state up to date; launch what may go now. The end of the step: wait on
+# each handle you hold; then, if a bucket is not complete, raise with the names (from
+# `named_parameters()`) of the parameters that did not arrive; otherwise put the state back as
+# it was before the backward.
 
 # %%
 class BucketedDDP(nn.Module):
@@ -313,13 +317,13 @@ class BucketedDDP(nn.Module):
 
     def finish_gradient_synchronization(self):
         ### BEGIN SOLUTION: the end of the step: every average in place, ready for the next
+        for work in self.works:     # launched by every rank: waited on even before an error
+            work.wait()
         if any(self.pending):
             lost = [name for name, p in self.module.named_parameters()
                     if p in self.view_of and p not in self.arrived]
             raise RuntimeError(f"parameter(s) {lost} got no gradient in this backward, so "
                                f"their bucket was never complete and never all-reduced")
-        for work in self.works:
-            work.wait()
         self.works = []
         self.pending = [len(b) for b in self.buckets]
         self.next_bucket = 0
