@@ -15,37 +15,32 @@
 #
 # All the MLP's communication sits in two autograd operations: `f`, wrapped around the column
 # layer's input, and `g`, wrapped around the row layer's output. Deciding what they do is the
-# lab:
-#
-# 1. Which pass of `f` communicates — forward, backward, or both — and with which collective?
-#    Which pass of `g`? And which collectives, once the activations around the MLP are cut
-#    along the tokens?
-# 2. Which dimension of torch's `nn.Linear.weight` does each layer cut — and of a Keras
-#    `Dense` kernel?
-# 3. Where is the row layer's bias added, and on which ranks?
-# 4. And once a layer norm sits between the two layers — an arrangement the lesson did not
-#    cut — where must the ranks talk, and what does that exchange do in the backward?
-#
-# **The goal.** On t ranks, your `TPMLP` gives every rank the plain MLP's output; after one
+# lab. **The goal.** On t ranks, your `TPMLP` gives every rank the plain MLP's output; after one
 # backward, the gradient of the input is the plain MLP's, and every rank's weight and bias
 # gradients are the matching blocks of the plain MLP's; and after a few SGD steps, each rank
 # stepping only its own parameters, it still gives the plain MLP's output (trained the same
 # way) — each rank holding only its block of each weight, and the ranks making no collective
-# that the plain MLP's arithmetic does not need (the checks count them, pass by pass).
+# that the plain MLP's arithmetic does not need (the checks count them, pass by pass, and in
+# part 5 weigh them in bytes).
 #
-# You write, in this order:
+# The parts, each with the question it asks you to decide:
 #
-# 1. `block_of(size, rank, world_size)`: the features rank r keeps;
-# 2. `CopyToTPRegion` (`f`) and `ReduceFromTPRegion` (`g`) as `torch.autograd.Function`s —
-#    and what they become with sequence parallelism (a diagnosis, no code);
-# 3. `ColumnParallel` and `RowParallel`, each built from a full `nn.Linear`;
-# 4. `TPMLP`, the two layers around a GeLU, equal to the plain MLP on 2 and 3 ranks — after
-#    a prediction of how many numbers one rank's parameters hold;
+# 1. `block_of(size, rank, world_size)`, the features rank r keeps — and what it does with a
+#    size the world size does not divide (parts 4 and 5 hold your layers to it);
+# 2. `CopyToTPRegion` (`f`) and `ReduceFromTPRegion` (`g`) as `torch.autograd.Function`s:
+#    which pass of each communicates, with which collective — and which collectives once the
+#    activations around the MLP are cut along the tokens (a diagnosis, no code);
+# 3. `ColumnParallel` and `RowParallel`, each built from a full `nn.Linear`: which dimension
+#    of torch's `nn.Linear.weight` (and of a Keras `Dense` kernel) each cuts, and where the row
+#    layer's bias goes, on which ranks;
+# 4. `TPMLP`, the two layers around a GeLU, after a prediction of how many numbers one rank's
+#    parameters hold;
 # 5. the same MLP with a layer norm between the two layers, an arrangement the lesson did not
-#    show: where the ranks communicate for it, and what that communication's backward is, is
-#    the lab's main design decision;
-# 6. a prediction: how many all-reduces a step of two stacked `TPMLP`s makes — then counted;
-# 6. (stretch) one GPipe step of a pipeline stage, with its bubble measured.
+#    show — the lab's main design decision: the **cheapest** exchange that keeps it exact, and
+#    what that exchange does in the backward (after a prediction of its bytes);
+# 6. a prediction: how many all-reduces a step of two stacked `TPMLP`s makes — then counted.
+#
+# Then a stretch, optional: one GPipe step of a pipeline stage, with its bubble measured.
 #
 # **How it is checked.** Each check runs your code on 2 and then 3 ranks (gloo, through
 # `dpcourse.launch.spawn`, which ships your classes to the ranks: define them right here),
@@ -80,36 +75,26 @@ torch.set_num_threads(1)
 # rank order, are contiguous, do not overlap and cover every feature exactly once; when the
 # world size divides the size, every block has the same length.
 #
-# When the world size does not divide the size (a hidden size of 16 on 3 ranks), `block_of`
-# either refuses it — a `ValueError` whose sentence names the size and the world size, so that
-# whoever chose them knows what to change — or gives blocks of unequal length that still keep
-# the contract above. Both are sound and both pass; this is a convention, not the lab's
-# design decision. It is not free, though: part 4's check builds your MLP with a hidden size
-# of 16 on 3 ranks and holds your layers to what `block_of` says (the same refusal on every
-# rank before any collective, or the plain MLP's values with uneven blocks).
+# When the world size does not divide the size (a hidden size of 16 on 3 ranks), the choice is
+# yours: refuse it (a `ValueError` whose sentence names the size and the world size) or give
+# blocks of unequal length that keep the contract above. Parts 4 and 5 build your layers with
+# h = 16 on 3 ranks and hold them to what `block_of` says: the same refusal on every rank
+# before any collective, or the plain MLP's values with the blocks it gives.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # With 12 features on 3 ranks, write down by hand the three ranges. What do rank 1's start and
-# rank 0's stop have in common?
+# rank 0's stop have in common? With 16 on 3, how many ranks can have the same length?
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
+# **▶ Hint 2 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Every block has the same length, `size // world_size`, and rank r's block begins where
-# rank r − 1's ends; the stop is excluded, as in a Python slice. Uneven blocks (if you handle
-# them) give the first `size % world_size` ranks one feature more.
-
-# %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
-# First your decision for the remainder (an `if` that raises, or a per-rank length that
-# depends on the remainder), then the length per rank, then start from the rank and stop from
-# start; return the pair.
+# Your decision for the remainder first (an `if` that raises, or a length per rank that
+# depends on the remainder), then start from the rank and stop from start, as in a Python
+# slice; return the pair.
 
 # %%
 def block_of(size, rank, world_size):
@@ -479,7 +464,7 @@ held = lab11.count_parameters(TPMLP)
 lab11.check_parameters_prediction(held_guess, held, TPMLP)
 
 # %% [markdown]
-# ## 5. A layer norm between the two layers
+# ## 5. A layer norm between the two layers: the cheapest exact exchange
 #
 # NormFormer (Shleifer et al. 2021) adds a layer norm on the MLP's hidden activations, between
 # the GeLU and the second layer:
@@ -487,66 +472,85 @@ lab11.check_parameters_prediction(held_guess, held, TPMLP)
 # nn.Linear(h, d))`. Lesson 11 cut the MLP without it.
 #
 # `NormedTPMLP(plain, rank, world_size)`, built from your `ColumnParallel` and `RowParallel`
-# (on `plain[0]` and `plain[3]`), must hold afterwards what `TPMLP` held: `NormedTPMLP(...)(x)`
-# equals `plain(x)` on every rank; after a backward, dL/dx and each rank's weight gradients
-# are `plain`'s (the matching blocks); each rank holds only its blocks of the two weights.
-# The check runs it on 2 and 3 ranks (h = 12) and counts every collective of each pass: the
-# ranks make none that the plain network's arithmetic does not need.
+# (on `plain[0]` and `plain[3]`). What must hold afterwards:
 #
-# **Your design decision:** where the ranks communicate for the norm, what they send, and
-# what that communication does in the backward. Write it as `torch.autograd.Function`s of your
-# own beside `f` and `g` (any of `dist.all_reduce`, `dist.all_gather`, `dist.reduce_scatter`;
-# `dist.get_rank()` and `dist.get_world_size()` work inside them). More than one design
-# passes. The check names each wrong one by what its numbers show.
+# - **exact values**: `NormedTPMLP(...)(x)` equals `plain(x)` on every rank; after a backward,
+#   dL/dx and each rank's gradients of its blocks of both weights are `plain`'s; after two SGD
+#   steps of each rank's own parameters (biases included) the output is still `plain`'s,
+#   trained the same way; each rank holds only its blocks of the two weights;
+# - **a byte bound**: besides `f`'s and `g`'s all-reduces, what the ranks exchange for the norm
+#   sends, per rank and per pass, no more bytes than the cheapest exchange that keeps the
+#   values exact. Bytes are counted as the bandwidth-optimal ring sends them: an all-reduce of
+#   n bytes costs each rank 2(t − 1)/t · n; a reduce-scatter of n bytes, or an all-gather whose
+#   result is n bytes, (t − 1)/t · n;
+# - **an uneven hidden size** (h = 16 on 3 ranks): you may rely on your `block_of` — the same
+#   refusal on every rank before any collective, or the exact values with its blocks.
+#
+# The check runs it on 2 and 3 ranks (h = 12, 5 rows of x), then with h = 16 on 3 ranks,
+# records every collective of each pass with its size, and names each design it refuses by
+# what its numbers or its bytes show.
+#
+# **Your design decision:** what the ranks exchange for the norm, and what that exchange does
+# in the backward — and how few bytes it can be. Write it as `torch.autograd.Function`s of
+# your own beside `f` and `g` (any of `dist.all_reduce`, `dist.all_gather`,
+# `dist.reduce_scatter`; `dist.get_rank()` and `dist.get_world_size()` work inside them).
+
+# %% [markdown]
+# **Predict, before you write it.** On 2 ranks, with 5 rows of x and h = 12 in float32: how
+# many bytes must one rank send, at the fewest, for the norm's exchange in one forward (counted
+# as above)? The check measures your exchange once it passes and explains the number.
+
+# %%
+### BEGIN SOLUTION: your prediction (a number of bytes)
+my_norm_bytes = 40         # 5 rows × 2 float32 sums = 40 B, all-reduced: 2(2 − 1)/2 × 40
+### END SOLUTION
+norm_bytes_guess = predict("lab11", "fewest bytes one rank sends for the norm in a forward "
+                           "(2 ranks, 5 rows, h = 12, float32)", my_norm_bytes, unit="bytes")
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# To compute rank r's block of the norm's output, which numbers does rank r need that it does
-# not hold? And in the backward: does rank r's block of the norm's output depend only on rank
-# r's hidden features — so where is the gradient for rank r's features computed?
+# To compute rank r's block of the norm's output, what does rank r need from the other ranks'
+# features — the features themselves, or something smaller computed from them? And in the
+# backward: does rank s's block of the norm's output depend on rank r's features, and where is
+# that part of the gradient computed?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The norm's mean and variance run over all h features: the forward needs either every rank's
-# block or every rank's sums over its block. Each rank then feeds only its own block of the
-# norm's output to the row layer, so every rank's output block sends gradient back into every
-# rank's features through those statistics: what each rank computes for rank r's features is a
-# part, and the parts must be added up. A backward that only keeps this rank's block is right
-# only where everything after the exchange runs the same on every rank.
+# The mean and the variance of a row are made of sums over its features, and a sum over all h
+# features is the sum of the ranks' sums over their blocks. Every rank's block of the output
+# then depends on every rank's sums, so the gradient of rank r's sums has a part on every
+# rank: the parts must be added up.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# One Function between the GeLU and the norm — forward: every rank's block side by side;
-# backward: the ranks' gradients summed, each rank keeping its block — then the norm on the
-# whole row, and this rank's block of its output into the row layer. Or the norm written out
-# from per-row sums over this rank's features, with a Function around those sums whose forward
-# and backward both sum over the ranks.
+# One Function around a small tensor of this rank's per-row sums (rows × a few numbers): its
+# forward and its backward both sum over the ranks. Then the norm written out from the totals
+# on this rank's block of hidden features, and the result into the row layer.
 
 # %%
 ### BEGIN SOLUTION: the autograd Function(s) for the norm's communication
-class GatherHidden(torch.autograd.Function):
-    """Every rank's block of hidden features, side by side; the backward sums the ranks'
-    gradients of the whole row and gives each rank its block (a reduce-scatter)."""
+class SumOverRanks(torch.autograd.Function):
+    """Per-row sums over every rank's hidden features. Every rank's block of the norm's output
+    uses the totals, so the gradient of this rank's sums is the sum of every rank's gradient
+    of the totals: an all-reduce in both passes."""
 
     @staticmethod
-    def forward(ctx, block):
-        world = dist.get_world_size()
-        parts = [torch.empty_like(block) for _ in range(world)]
-        dist.all_gather(parts, block.contiguous())
-        ctx.width = block.shape[-1]
-        return torch.cat(parts, dim=-1)
+    def forward(ctx, sums):
+        total = sums.clone()
+        dist.all_reduce(total)
+        return total
 
     @staticmethod
     def backward(ctx, grad):
-        mine = torch.empty(grad.shape[:-1] + (ctx.width,))
-        dist.reduce_scatter(mine, [c.contiguous() for c in grad.split(ctx.width, dim=-1)])
-        return mine
+        total = grad.clone()
+        dist.all_reduce(total)
+        return total
 ### END SOLUTION
 
 
@@ -555,24 +559,28 @@ class NormedTPMLP(nn.Module):
         super().__init__()
         ### BEGIN SOLUTION: the two parallel layers, the activation and the norm, from plain
         self.column = ColumnParallel(plain[0], rank, world_size)
-        self.gelu, self.norm = plain[1], plain[2]
+        self.gelu, self.eps = plain[1], plain[2].eps
         self.row = RowParallel(plain[3], rank, world_size)
-        self.start, self.stop = block_of(plain[0].out_features, rank, world_size)
+        self.h = plain[0].out_features
         ### END SOLUTION
 
     def forward(self, x):
         ### BEGIN SOLUTION: plain(x) on every rank, the norm's communication where it belongs
-        whole = GatherHidden.apply(self.gelu(self.column(x)))
-        return self.row(self.norm(whole)[..., self.start:self.stop])
+        a = self.gelu(self.column(x))
+        sums = SumOverRanks.apply(torch.stack([a.sum(-1), a.square().sum(-1)], dim=-1))
+        mean = sums[..., :1] / self.h
+        var = sums[..., 1:] / self.h - mean.square()
+        return self.row((a - mean) * torch.rsqrt(var + self.eps))
         ### END SOLUTION
 
 
 # %% [markdown]
 # **Predict, before you run the check.** Megatron-LM has an all-gather of the hidden blocks
 # ready-made: `gather_from_tensor_model_parallel_region`, whose backward keeps this rank's
-# block of the gradient and communicates nothing. Used here in place of your exchange, with
-# the rest of `NormedTPMLP` unchanged, what would differ from the plain MLP? Pick one of
-# `lab11.NORM_CHOICES`; once your `NormedTPMLP` passes, the check measures that arrangement.
+# block of the gradient and communicates nothing. A `NormedTPMLP` that gathers the hidden
+# blocks with it, normalises the whole row and feeds this rank's block of the result to the
+# row layer: what would differ from the plain MLP? Pick one of `lab11.NORM_CHOICES`; once
+# your `NormedTPMLP` passes, the check measures that arrangement.
 
 # %%
 for choice in lab11.NORM_CHOICES:
@@ -584,7 +592,8 @@ norm_guess = predict("lab11", "what Megatron's gather (backward: keep this rank'
                      "breaks here", my_norm_guess, choices=lab11.NORM_CHOICES)
 
 # %%
-lab11.check_normed_mlp(NormedTPMLP, timeout=check_timeout, prediction=norm_guess)
+lab11.check_normed_mlp(NormedTPMLP, timeout=check_timeout, prediction=norm_guess,
+                       bytes_prediction=norm_bytes_guess)
 
 # %% [markdown]
 # ## 6. Predict, then count
@@ -637,24 +646,22 @@ lab11.check_prediction(guess, measured, guess_grad)
 #
 # A workshop can stop here. Lesson 11 §3 cut a model into stages: stage r (an index) runs on
 # rank r, and `module` is its part of the model (an `nn.Module`). Write
-# `gpipe_step(module, rank, world_size, m, inputs, targets, loss_fn, shape)`, one GPipe step
-# of this stage with `m` micro-batches: every forward first, then every backward.
+# `gpipe_step(module, rank, world_size, m, inputs, targets, loss_fn, shape)`: one GPipe step
+# (Huang et al. 2019) of this stage with `m` micro-batches, on GPipe's schedule as lesson 11 §3
+# drew it. What it is given, and what must hold when it returns:
 #
 # - `inputs` (stage 0 only) and `targets` (the last stage only) are lists of m tensors; the
 #   other stages get `None`. `shape` is one micro-batch's activation between two stages (and
-#   so of its gradient). Messages go over `torch.distributed`'s point-to-point calls:
-#   activations to `rank + 1`, their gradients back to `rank − 1`; a non-blocking send must be
-#   complete before `gpipe_step` returns.
-# - Afterwards, every parameter's `.grad` of every stage equals the unsplit model's gradient
-#   of the batch's loss, which is `loss_fn` of each micro-batch averaged over the m
-#   micro-batches (the model's parameters start with no gradient).
+#   so of its gradient). The stages talk only through `torch.distributed`'s point-to-point
+#   calls, and nothing this step sent is still in flight when `gpipe_step` returns.
+# - Every parameter's `.grad`, on every stage, equals the unsplit model's gradient of the
+#   batch's loss: the mean over the m micro-batches of `loss_fn` (the parameters start with no
+#   gradient).
 # - It returns `(loss, events)`: `loss` is a Python float on the last stage, the batch's loss,
 #   and `None` on the others; `events` has one `(kind, i, start, end)` per forward (`"F"`) and
 #   backward (`"B"`) of micro-batch i, `start` and `end` from `time.perf_counter()` (one
 #   clock for all the machine's processes), covering this stage's **computation only** (on
-#   the last stage, timing the loss inside its forward or leaving it out are both accepted:
-#   it is computation, and small). The batch's loss is the same number whether you average
-#   the m micro-batch losses or add up each one divided by m.
+#   the last stage, the loss may be timed inside its forward or left out).
 #
 # Then `bubble(events, stages)`: `events` holds every stage's actions as `(stage, kind, i,
 # start, end)`, `stages` is their number; it returns the bubble, the share of the stages' time
@@ -662,24 +669,28 @@ lab11.check_prediction(guess, measured, guess_grad)
 # were not computing.
 #
 # The check runs your step on 2 and 3 stages with M = 4, each forward lasting a few
-# milliseconds more, and compares the gradients with the unsplit model's on the whole batch.
+# milliseconds more, compares the gradients with the unsplit model's on the whole batch, and
+# names a schedule that is not GPipe's.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# A middle stage's backward of micro-batch i needs two things: which, and where does each come
-# from? And what does autograd do to `.grad` when `backward` runs a second time?
+# In GPipe's schedule, when does a stage start its first backward? A middle stage's backward
+# of micro-batch i needs two things: which, and where does each come from? And what does
+# autograd do to `.grad` when `backward` runs a second time?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Keep each micro-batch's input and output from its forward: the backward starts from the
-# output (with the gradient the next stage sends, or from the loss on the last stage) and ends
-# with the gradient of the input, which the previous stage needs — so a received input must
-# be a leaf that asks for a gradient. `.grad` adds up across backwards, which is how the m
-# micro-batches' gradients become the batch's, once each loss is scaled to the batch mean.
+# Every forward first, then every backward. Activations go to rank + 1, their gradients back
+# to rank − 1. Keep each micro-batch's input and output from its forward: the backward starts
+# from the output (with the gradient the next stage sends, or from the loss on the last stage)
+# and ends with the gradient of the input, which the previous stage needs — so a received
+# input must be a leaf that asks for a gradient. `.grad` adds up across backwards, which is how
+# the m micro-batches' gradients become the batch's, once each loss is scaled to the batch
+# mean. A non-blocking send must be waited for before the step returns.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code** (click the folded cell below)

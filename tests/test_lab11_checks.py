@@ -1374,13 +1374,15 @@ class NormedMean(Normed):
 
 
 class NormedStats(nn.Module):
-    """Right: the norm from the ranks' sums (Σa, Σa²), all-reduced forward and backward."""
+    """Right: the norm from the ranks' sums (Σa, Σa²), all-reduced forward and backward; the
+    blocks of torch.chunk (16 on 3 ranks: 6, 6, 4)."""
     stats = SumStats
+    column, row = ColumnChunk, RowChunk
 
     def __init__(self, plain, rank, world_size):
         super().__init__()
-        self.up, self.act = Column(plain[0], rank, world_size), plain[1]
-        self.down = Row(plain[3], rank, world_size)
+        self.up, self.act = self.column(plain[0], rank, world_size), plain[1]
+        self.down = self.row(plain[3], rank, world_size)
         self.h, self.eps = plain[0].out_features, plain[2].eps
 
     def forward(self, x):
@@ -1393,6 +1395,52 @@ class NormedStats(nn.Module):
 
 class NormedStatsNoBackward(NormedStats):
     stats = SumStatsNoBackward
+
+
+class NormedStatsRefusing(NormedStats):
+    """Right: the statistics, and a hidden size the world size does not divide refused on
+    every rank before any collective."""
+
+    def __init__(self, plain, rank, world_size):
+        h = plain[0].out_features
+        if h % world_size:
+            raise ValueError(f"hidden size {h} does not split over {world_size} ranks")
+        super().__init__(plain, rank, world_size)
+
+
+class NormedStatsTwoPass(NormedStats):
+    """Right: the mean first, then the centred squares, each all-reduced (1 number a row)."""
+
+    def forward(self, x):
+        a = self.act(self.up(x))
+        mean = self.stats.apply(a.sum(-1, keepdim=True)) / self.h
+        var = self.stats.apply((a - mean).square().sum(-1, keepdim=True)) / self.h
+        return self.down((a - mean) / torch.sqrt(var + self.eps))
+
+
+class NormedStatsFloorBlocks(NormedStats):
+    """size // n features a rank: with 16 on 3 ranks, feature 15 belongs to no rank."""
+    column, row = Column, Row
+
+
+class NormedStats64(NormedStats):
+    """Right values, the sums all-reduced in float64: twice the bytes."""
+
+    def forward(self, x):
+        a = self.act(self.up(x))
+        sums = self.stats.apply(torch.stack([a.sum(-1), a.square().sum(-1)], -1).double())
+        sums = sums.float()
+        mean = sums[:, :1] / self.h
+        var = sums[:, 1:] / self.h - mean.square()
+        return self.down((a - mean) / torch.sqrt(var + self.eps))
+
+
+class NormedStatsDetachedDown(NormedStats):
+    row = RowDetachedWeight
+
+
+class NormedStatsPlaceholderBias(NormedStats):
+    row = RowBiasPlaceholder
 
 
 class NormedLocal(Normed):
@@ -1446,11 +1494,22 @@ class NormedWholeRow(Normed):
         return self.down(self.norm(self.gather.apply(self.act(self.up(x)))))
 
 
-@pytest.mark.parametrize("cls", [Normed, NormedAR, NormedStats])
+@pytest.mark.parametrize("cls", [NormedStats, NormedStatsRefusing, NormedStatsTwoPass])
 def test_right_normed_mlp_passes(cls, capsys):
     lab11.check_normed_mlp(cls, timeout=T)
     out = capsys.readouterr().out
     assert out.count("✔") == 1 and "LayerNorm(12)" in out
+    assert "both weights" in out and "after 2 SGD steps" in out
+    assert "sends 40 B per rank in the forward and 40 B in the backward" in out
+    how = "refused on every rank" if cls is NormedStatsRefusing else "handled with blocks of [6, 6, 4]"
+    assert f"h = 16 on 3 ranks {how}" in out
+
+
+def test_the_budget_is_what_the_statistics_send_measured():
+    # an all-reduce of 5 rows × 2 float32: 40 B whole, a ring sends 2(n-1)/n of it per rank
+    assert lab11.norm_budget(2) == 40 and abs(lab11.norm_budget(3) - 160 / 3) < 1e-9
+    assert lab11.ring_bytes("all_gather", 120, 3) == 240
+    assert lab11.ring_bytes("reduce_scatter", 240, 2) == 120
 
 
 @pytest.mark.parametrize("cls,match", [
@@ -1465,6 +1524,22 @@ def test_right_normed_mlp_passes(cls, capsys):
     (NormedStatsThrice, r"makes 4 collectives in the forward on rank 0 .* its values are right"),
     (NormedSummedBlocks, r"a norm of the ranks' hidden blocks added together gives: an "
                          r"all-reduce of the blocks adds rank 0's features 0–5 to rank 1's 6–11"),
+    # right values, but more bytes than the cheapest correct exchange (40 B a pass on 2 ranks)
+    (NormedAR, r"backward on rank 0 \(2 ranks\) all-reduces the whole 5 × 12 gradient of the "
+               r"gathered hidden row: every rank receives all 60 summed numbers to keep its 30, "
+               r"2× what it keeps\. A ring sends 240 B per rank for that all-reduce, 2× the 120 B "
+               r"a reduce-scatter of the same gradient sends .* sends 40 B in the whole pass"),
+    (Normed, r"Normed's forward on rank 0 \(2 ranks\) sends 120 B for the norm \(all_gather of "
+             r"30 numbers: 120 B\): the all-gather brings every rank the other ranks' 6 hidden "
+             r"features of each of the 5 rows, 3× the 40 B .* grows with h"),
+    (NormedStats64, r"forward on rank 0 \(2 ranks\) sends 80 B per rank for the norm \(all_reduce "
+                    r"of 10 numbers: 80 B, .*\), 2\.0× the 40 B"),
+    (NormedStatsFloorBlocks, r"hidden size 16 on 3 ranks: NormedStatsFloorBlocks's ranks hold "
+                             r"blocks of \[5, 5, 5\] hidden features, 15 in all — 1 of the 16 "
+                             r"features belong to no rank"),
+    (NormedStatsDetachedDown, r"on rank 0 \(2 ranks, h = 12\) the second weight's block of hidden "
+                              r"features \[0, 6\) has no gradient"),
+    (NormedStatsPlaceholderBias, r"after one SGD step .* holds the bias's step 2 times"),
 ])
 def test_wrong_normed_mlp_named(cls, match):
     message = fails(lab11.check_normed_mlp, cls, match=match, timeout=T)
@@ -1478,13 +1553,22 @@ def test_a_backward_that_sends_nothing_back_met_twice_adds_what_to_change():
     assert "sum the ranks' gradients before each rank keeps its block" in message
 
 
-def test_the_normed_prediction_is_measured_and_explained(capsys):
+def test_a_gather_met_twice_is_told_what_the_norm_needs_of_the_other_ranks():
+    fails(lab11.check_normed_mlp, Normed, match="the all-gather brings", timeout=T)
+    message = fails(lab11.check_normed_mlp, Normed, match="the all-gather brings", timeout=T)
+    assert "per-row sum and sum of squares over its block, all-reduced" in message
+
+
+def test_the_normed_predictions_are_measured_and_explained(capsys):
     guess = predict("lab11", "what a silent backward of the norm's exchange breaks", "the output",
                     choices=lab11.NORM_CHOICES)
-    lab11.check_normed_mlp(Normed, timeout=T, prediction=guess)
+    nbytes = predict("lab11", "fewest bytes of the norm's forward exchange", 120, unit="bytes")
+    lab11.check_normed_mlp(NormedStats, timeout=T, prediction=guess, bytes_prediction=nbytes)
     out = capsys.readouterr().out
     assert "dL/dx and the first layer's gradients" in out and "gather_from_tensor" in out
     assert re.search(r"dL/dx by \d+ %", out)
+    assert re.search(r"measured: 40(\.0)? bytes — not what happened", out), out
+    assert re.search(r"Gathering the hidden blocks instead sends\s+120 B\s+here", out), out
 
 
 # --------------------------------------------------------------------------------------------

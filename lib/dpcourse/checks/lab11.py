@@ -60,10 +60,15 @@ process. The values are chosen so that each classic mistake leaves its own trace
   numbers: the norm over each rank's own block (its mean and variance beside the row's), a
   backward that sends nothing back (Megatron's gather-with-split: the first weight's gradient
   short by the paths through the statistics), an averaged one, an all-reduce of what every
-  rank holds the same, a whole weight kept. Accepted: the hidden blocks all-gathered with a
-  reduce-scatter (or all-reduce and slice) backward, or the per-row sums all-reduced forward
-  and backward. ``prediction`` (one of ``NORM_CHOICES``): what Megatron's gather would break
-  here, measured on one process and explained;
+  rank holds the same, a whole weight kept; then, values right, a norm exchange that sends more
+  bytes per rank and pass (counted as a ring sends them, ``ring_bytes``) than the cheapest
+  correct one, an all-reduce of two float32 numbers per row (``norm_budget``): the whole hidden
+  gradient all-reduced then sliced (2× a reduce-scatter's bytes, n× what a rank keeps) and the
+  hidden blocks gathered (grows with h) are named by their causes. Accepted: the per-row sums
+  (or mean, then centred squares) all-reduced forward and backward; with h = 16 on 3 ranks,
+  refused on every rank or the plain values. ``prediction`` (one of ``NORM_CHOICES``): what
+  Megatron's gather would break here; ``bytes_prediction``: the fewest bytes the norm's
+  forward exchange can send, measured and explained;
 * ``count_parameters`` and ``check_parameters_prediction``: the learner predicts how many numbers
   rank 1 of 3 holds in its TPMLP's parameters (58 with the second bias whole on that rank, 52
   without it: its row-bias decision shows), then the count is measured and explained;
@@ -118,7 +123,7 @@ from ._lab11_diagnose import (D, H, ODD_H, ROWS, _DIM_NAMES, _LR, _NAMES, _STEPS
 from ._lab11_pipeline import (_BATCH, _BELOW_IDEAL, _CHECK_DELAY_S, _M, _STAGES, _WIDTH,
                               _check_bubble_fn, _computation_only, _diagnose_gpipe,
                               _gpipe_failed, _mse, _pending)
-from ._lab11_norm import NORM_CHOICES, check_normed, normed_worker
+from ._lab11_norm import NORM_CHOICES, check_normed, norm_budget, normed_worker, ring_bytes
 
 __all__ = ["check_block_of", "check_diagnosis", "check_conjugates", "check_sequence_parallel",
            "check_split_decision", "SP_KEYS", "SP_VALUES",
@@ -610,14 +615,17 @@ def check_tp_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None)
 
 @recorded
 def check_normed_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None,
-                     prediction=None) -> None:
+                     prediction=None, bytes_prediction=None) -> None:
     """``mlp_cls(plain, rank, world_size)`` from ``Sequential(Linear(6, 12), GELU(),
-    LayerNorm(12, elementwise_affine=False), Linear(12, 6))`` on 2 and 3 ranks: the plain
-    network's output, dL/dx and first-weight gradient, each rank holding only its blocks of
-    the weights, and no more collectives than the norm needs. Each wrong placement of the
-    norm's communication (none, a backward that sends nothing back, an average) is named by
-    its cause (:mod:`dpcourse.checks._lab11_norm`); ``prediction`` (one of ``NORM_CHOICES``)
-    is revealed once it passes."""
+    LayerNorm(12, elementwise_affine=False), Linear(12, 6))`` on 2 and 3 ranks, then with a
+    hidden size of 16 on 3 ranks: the plain network's output, dL/dx, both weights' block
+    gradients and its output after ``_STEPS`` SGD steps, each rank holding only its blocks of
+    the weights, and the norm's exchange sending no more bytes per rank and pass than the
+    cheapest correct one (``norm_budget``: an all-reduce of two float32 numbers per row). Each
+    wrong placement (none, a backward that sends nothing back, an average, the whole hidden
+    gradient all-reduced then sliced, the hidden blocks gathered) is named by its cause
+    (:mod:`dpcourse.checks._lab11_norm`); ``prediction`` (one of ``NORM_CHOICES``) and
+    ``bytes_prediction`` (bytes) are revealed once it passes."""
     __tracebackhide__ = True
     if not isinstance(mlp_cls, type):
         fail(f"the check needs your class itself, got {type(mlp_cls).__name__}.")
@@ -625,7 +633,11 @@ def check_normed_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = N
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     ran = {n: run_ranks(normed_worker, n, mlp_cls, timeout=timeout, hang=_HANG)
            for n in world_sizes}
-    check_normed(ran, mlp_cls.__name__, prediction)
+    uneven = None
+    if 3 in ran:      # run once the even sizes have passed their diagnoses
+        def uneven():
+            return run_ranks(normed_worker, 3, mlp_cls, ODD_H, timeout=timeout, hang=_HANG)
+    check_normed(ran, mlp_cls.__name__, prediction, uneven, bytes_prediction)
 
 
 def _stacked_worker(rank: int, world_size: int, mlp_cls) -> dict:
