@@ -607,7 +607,7 @@ def accum_sum_reduction(model, loader, loss_fn, optimizer, k, device):
             count += len(y)
         optimizer.step()
         model.zero_grad()
-    return summed / count  # a 0-dim tensor: accepted as a number
+    return (summed / count).item()  # summed as a tensor, returned as a float
 
 
 @pytest.mark.parametrize("fn", [_accum(), _accum(style="rescale"), accum_sum_reduction],
