@@ -71,34 +71,6 @@ def test_bucket_limits_are_ddps_mib():
     assert ddp.bucket_limits(None) == (2**20, 25 * 2**20)      # default: 1 MiB first bucket
 
 
-def test_ddp_bucket_rule_closes_a_bucket_once_it_reaches_the_cap():
-    # 4 KiB, 600 KiB, 8 KiB, 300 KiB, 300 KiB (float32) under a 0.5 MiB cap, ready in reverse
-    kib = [4, 600, 8, 300, 300]
-    params = [torch.zeros(k * 256) for k in kib]
-    ready = [4, 3, 2, 1, 0]
-    # 300 + 300 = 600 KiB reaches 512 KiB: closed; 8 + 600 reaches it: closed; 4 KiB is left
-    assert ddp.ddp_bucket_rule(params, ready, 0.5) == [[4, 3], [2, 1], [0]]
-    # a cap of exactly 600 KiB: 300 + 300 reaches it (>=), so the rule is not "over the cap"
-    assert ddp.ddp_bucket_rule(params, ready, 600 / 1024) == [[4, 3], [2, 1], [0]]
-    # default cap: the first bucket's limit is 1 MiB (1208 KiB reach it), then 25 MiB
-    assert ddp.ddp_bucket_rule(params, ready, None) == [[4, 3, 2, 1], [0]]
-
-
-def test_ddps_rebuilt_buckets_follow_its_rule():
-    from dpcourse import models
-
-    caps = [0.05, 0.25, None]
-    res = launch.spawn(ddp.rebuilt_buckets_worker, 2, "small_cnn", caps, backend="gloo",
-                       timeout=90, show_output=False)
-    torch.manual_seed(0)
-    params = list(models.build_model("small_cnn").parameters())
-    for k, cap in enumerate(caps):
-        expected = ddp.ddp_bucket_rule(params, res[0][k]["ready_order"], cap)
-        assert res[0][k]["buckets"] == res[1][k]["buckets"] == expected, cap
-        assert res[0][k]["cap_bytes"] == ddp.bucket_limits(cap)[1]
-    assert len(res[0][0]["buckets"]) > 1          # 0.05 MiB: several buckets
-
-
 def test_rank_zero_buffers_are_broadcast_before_every_forward():
     res = launch.spawn(ddp.buffer_sync_worker, 2, 2, backend="gloo", timeout=60,
                        show_output=False)

@@ -18,9 +18,8 @@ What lesson 03 proves with these workers:
   steps the weights are equal on every rank (:func:`manual_dp_worker` with many steps);
 * how DDP works: the rank-0 weights broadcast at construction, gradient buckets reduced by a
   comm hook during the backward (:func:`ddp_internals_worker`);
-* the buckets DDP rebuilds after the first iteration are those of its own rule,
-  ``torch.distributed._compute_bucket_assignment_by_size`` (:func:`ddp_bucket_rule`,
-  :func:`rebuilt_buckets_worker`): a bucket closes once it *reaches* the cap;
+* DDP's bucket cap in bytes, from its own ``_BucketCapacityConfig`` (:func:`bucket_limits`;
+  the buckets themselves are lesson 07's);
 * DDP broadcasts rank 0's buffers (BatchNorm statistics) before every forward
   (:func:`buffer_sync_worker`);
 * DistributedSampler gives each rank a disjoint shard, and without ``set_epoch`` every epoch
@@ -61,8 +60,6 @@ __all__ = [
     "compare_three",
     "ddp_internals_worker",
     "bucket_limits",
-    "ddp_bucket_rule",
-    "rebuilt_buckets_worker",
     "BNNet",
     "buffer_sync_worker",
     "sampler_orders",
@@ -450,7 +447,7 @@ def ddp_internals_worker(rank: int, world_size: int, bucket_cap_mb: float = 25.0
 
 
 # --------------------------------------------------------------------------------------------
-# Inside DDP: how the cap is applied when the buckets are rebuilt
+# Inside DDP: the bucket cap in bytes (the buckets themselves are lesson 07's)
 # --------------------------------------------------------------------------------------------
 
 
@@ -469,73 +466,6 @@ def bucket_limits(bucket_cap_mb: float | None) -> tuple[int, int]:
     cfg = _BucketCapacityConfig.create(bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=None,
                                        use_python_reducer=False)
     return cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap
-
-
-def ddp_bucket_rule(params: list, ready_order: list[int], bucket_cap_mb: float | None
-                    ) -> list[list[int]]:
-    """The buckets DDP's reducer builds before the second forward, by its own C++ function.
-
-    ``ready_order`` lists parameter indices in the order their gradients became ready in the
-    first backward. The reducer walks them in that order and calls
-    ``compute_bucket_assignment_by_size`` (reducer.cpp), which torch exposes to Python as
-    ``dist._compute_bucket_assignment_by_size``, with two limits: the first bucket's and every
-    later one's. (Exactly when it closes a bucket is lab 07's part 1: lesson 03 folds it.)
-
-    Shown in lesson 03, §"How DDP does it".
-    """
-    first, cap = bucket_limits(bucket_cap_mb)
-    buckets, _limits = dist._compute_bucket_assignment_by_size(
-        [params[i] for i in ready_order], [first, cap], [], list(ready_order))
-    return [list(b) for b in buckets]
-
-
-def rebuilt_buckets_worker(rank: int, world_size: int, model_name: str, caps: list,
-                           batch: int = 2, size: int = 32, seed: int = 0) -> list[dict]:
-    """For each cap (MiB, or None for DDP's default) wrap a fresh model in DDP and run two
-    iterations; return the order in which the gradients became ready in iteration 0 and the
-    buckets, as parameter indices, that DDP handed our comm hook in iteration 1 (after the
-    rebuild), plus the cap in bytes DDP reports in its logging data.
-
-    Shown in lesson 03, §"How DDP does it".
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(seed + rank)
-    X = torch.randn(batch, 3, size, size)
-    results = []
-    for cap in caps:
-        torch.manual_seed(seed)
-        model = _models.build_model(model_name)
-        ddp_model = DDP(model, bucket_cap_mb=cap)
-        index = {p: i for i, p in enumerate(model.parameters())}
-        ready, launched = [], []
-
-        def hook(state, bucket, launched=launched):   # DDP calls it once per bucket
-            launched.append((bucket.index(), [index[p] for p in bucket.parameters()]))
-            return default_hooks.allreduce_hook(None, bucket)
-
-        ddp_model.register_comm_hook(None, hook)
-        handles = [p.register_hook(lambda g, i=i, ready=ready: ready.append(i))
-                   for p, i in index.items()]
-        ddp_model(X).square().mean().backward()        # iteration 0: one bucket, order recorded
-        for h in handles:
-            h.remove()
-        launched.clear()
-        ddp_model(X).square().mean().backward()        # iteration 1: the rebuilt buckets
-        results.append({
-            "cap_mb": cap,
-            "ready_order": ready,
-            "buckets": [params for _, params in sorted(launched)],
-            "cap_bytes": int(ddp_model._get_ddp_logging_data()["bucket_cap_bytes"]),
-        })
-        del ddp_model
-    return results
-
-
-# --------------------------------------------------------------------------------------------
-# Inside DDP: rank 0's buffers are broadcast before every forward
-# --------------------------------------------------------------------------------------------
 
 
 class BNNet(nn.Module):
