@@ -1435,6 +1435,14 @@ class NormedStats64(NormedStats):
         return self.down((a - mean) / torch.sqrt(var + self.eps))
 
 
+class NormedStatsHFromBlock(NormedStats):
+    """h taken as this rank's block times the world size: right for equal blocks only."""
+
+    def __init__(self, plain, rank, world_size):
+        super().__init__(plain, rank, world_size)
+        self.h = self.up.weight.shape[0] * world_size
+
+
 class NormedStatsDetachedDown(NormedStats):
     row = RowDetachedWeight
 
@@ -1537,6 +1545,9 @@ def test_the_budget_is_what_the_statistics_send_measured():
     (NormedStatsFloorBlocks, r"hidden size 16 on 3 ranks: NormedStatsFloorBlocks's ranks hold "
                              r"blocks of \[5, 5, 5\] hidden features, 15 in all — 1 of the 16 "
                              r"features belong to no rank"),
+    (NormedStatsHFromBlock, r"output on rank 0 \(3 ranks, h = 16, blocks of \[6, 6, 4\] hidden "
+                            r"features\) differs from the plain MLP's by up to [\d.e-]+, where the "
+                            r"runs with equal blocks matched it"),
     (NormedStatsDetachedDown, r"on rank 0 \(2 ranks, h = 12\) the second weight's block of hidden "
                               r"features \[0, 6\) has no gradient"),
     (NormedStatsPlaceholderBias, r"after one SGD step .* holds the bias's step 2 times"),

@@ -3,8 +3,11 @@ the column- and the row-parallel layer (NormFormer's "FFN LN", Shleifer et al. 2
 ``Sequential(Linear(6, 12), GELU(), LayerNorm(12, elementwise_affine=False), Linear(12, 6))``.
 
 The hidden features are cut over the ranks, and the norm's mean and variance run over all of
-them: the learner decides where the ranks communicate for it (the hidden blocks gathered, or
-their sums all-reduced) and what that communication's backward is. The answer is not a table:
+them: the learner decides what the ranks exchange for it, and what that exchange's backward is,
+under a byte bound: no more bytes per rank and pass (``ring_bytes``) than the cheapest exact
+exchange, an all-reduce of two float32 numbers per row (``norm_budget``). Gathering the hidden
+blocks is exact but over the bound (it grows with h); the per-row sums all-reduced forward and
+backward are within it. The answer is not a table:
 whatever was gathered or summed in the forward, the backward must sum the parts of the
 gradient that every rank computed for this rank's features — rank s's block of the norm's
 output depends on rank r's features through the statistics. Megatron-LM's own
@@ -560,7 +563,8 @@ def reveal_norm_prediction(prediction, n: int) -> None:
         "both" if out_diff and dx else (_RIGHT_CHOICE if dx else "neither"))
     value = getattr(prediction, "value", None)
     reveal(prediction, measured, close=value == measured, explanation=(
-        f"With the forward's exchange kept and its backward sending nothing, on {n} ranks the "
+        f"With the hidden blocks gathered and the gather's backward sending nothing, on {n} "
+        f"ranks the "
         f"output matches the plain MLP's (largest difference {out_diff:.1g}: the forward did "
         f"not change), but the gradient of the "
         f"first layer's output is off by {100 * dz:.0f} % and dL/dx by {100 * dx:.0f} % "
