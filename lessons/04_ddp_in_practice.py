@@ -1433,14 +1433,13 @@ shutil.rmtree(work, ignore_errors=True)
 # Open [lab04_ddp_in_practice](../labs/lab04_ddp_in_practice.ipynb). It gives you a torchrun DDP
 # script built the way section 1 built `train_ddp.py`, and asks for what this lesson did not
 # show: the **macro-F1** of the trained model on a test set split over the ranks, equal to one
-# process's, with a message between the ranks of at most 2 numbers per class, whatever the
-# size of the test set — which statistics the ranks exchange is your decision. The check runs
-# your function on 2 and 3 ranks, compares it with one process, and names the mistake if it
-# differs (it also follows whether what you exchange would live on the GPU); then it runs your
-# script under torchrun. A prediction asks what the ranks' own macro-F1, averaged, reports when
-# the test set is split by class. Its stretch asks for a resume after a crash that continues
-# exactly as a run that never stopped, on every rank: what the checkpoint must hold for that is
-# yours to find.
+# process's, with fewer than 3 numbers per class between the ranks, whatever the size of the
+# test set — which statistics the ranks exchange is your decision. The check runs your function
+# on 2 and 3 ranks, compares it with one process, and names the mistake if it differs (it also
+# follows whether what you exchange would live on the GPU); then it runs your script under
+# torchrun. A prediction asks what the ranks' own macro-F1, averaged, reports on a fair split
+# over many ranks. Its stretch asks for a resume after a crash that continues exactly as a run
+# that never stopped, on every rank: what the checkpoint must hold for that you decide first.
 #
 # **▶ The reference answer — open after your lab passes** (click the folded cell below): the
 # part of the diff that section 1 left out, `train_ddp.py`'s `evaluate`, and why it equals one

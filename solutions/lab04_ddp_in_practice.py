@@ -30,31 +30,27 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # true classes and the predicted classes of a set of images, the macro-F1 of that set (what
 # `sklearn.metrics.f1_score(y_true, y_pred, average="macro", labels=range(10),
 # zero_division=0)` returns). Read its code: it is the definition. Write
-# `evaluate_f1(model, test_set, rank, world_size, device)`. The contract:
+# `evaluate_f1(model, test_set, rank, world_size, device)`, called on every rank with the plain
+# model (the script passes `model.module`) and the whole `test_set` (a dataset of `(image,
+# class)` pairs). What must hold:
 #
-# - it is called on every rank, with the plain model (the script passes `model.module`) and the
-#   whole `test_set` (a dataset of `(image, class)` pairs);
-# - it returns a float, **the same on every rank: `macro_f1` of the whole test set's labels and
-#   predictions**, what one process evaluating every image gets (to 1e-6);
-# - each rank runs the model on its own share of the images, and every image is evaluated on
-#   exactly one rank;
-# - the model is evaluated as at test time, without building an autograd graph; the mode it
-#   is left in afterwards does not matter here (the script evaluates once, after the last
-#   epoch, and the check does not look at it);
-# - what a rank sends to the others **does not grow with the test set** (a real test set has
-#   10⁵ images on hundreds of ranks), and is small: **at most 2 numbers per class** (20 here),
-#   plus 2 more if you want them (a count, or a result one rank broadcasts). The check adds up
-#   the numbers each rank passes into its collectives (an object collective's numbers too).
-#   That is less than the usual ways of writing precision and recall seem to need — a 10 × 10
-#   table of (true, predicted) pairs is 100 numbers, and a million for 1000 classes — and it
-#   is enough;
-# - every tensor a rank passes to a collective lives on `device`: on GPUs the script's group is
-#   NCCL's, which only moves GPU memory. Here every rank computes on the CPU, where gloo would
-#   take a tensor from anywhere, so the check follows where each of your tensors would live on
-#   a GPU.
+# - **the value:** it returns a Python float, the same on every rank, equal (to 1e-6) to what
+#   one process gets with `macro_f1` of the whole test set's labels and predictions, at test
+#   time;
+# - **the work:** the ranks share it — together they run the model as many times as that one
+#   process would;
+# - **the wire:** what a rank passes into its collectives is **fewer than 3 numbers per class**
+#   (under 30 here), whatever the size of the test set (a real one has 10⁵ images on hundreds
+#   of ranks), and lives on `device` (on GPUs the group is NCCL's, which only moves GPU
+#   memory; here the ranks compute on the CPU, and the check follows where each tensor would
+#   live on a GPU).
 #
-# **Your design decision:** what the ranks exchange. It must determine the whole test set's
-# macro-F1 exactly, in at most 2 numbers per class, whatever the number of images.
+# The check calls your function on test sets that do not split evenly, and when one of these
+# does not hold, its sentence says what it saw.
+#
+# **Your design decision:** what the ranks exchange. A 10 × 10 table of (true, predicted) pairs
+# would do, and so would three counts per class, but both are over the bound: find what is
+# enough.
 #
 # Re-run the cell after each edit: it rewrites `train_lab.py`.
 
@@ -124,8 +120,8 @@ def macro_f1(y_true, y_pred):
 
 def evaluate_f1(model, test_set, rank, world_size, device):
     """macro_f1 of the WHOLE ``test_set`` under ``model`` (the plain model), the same float on
-    every rank; each image evaluated on one rank; a rank sends at most 2 numbers per class (+2),
-    from tensors on ``device``."""
+    every rank; the ranks share the work; a rank sends fewer than 3 numbers per class, from
+    tensors on ``device``."""
     ### BEGIN SOLUTION: evaluate_f1: the whole test set's macro-F1, the same on every rank
     mine = Subset(test_set, range(rank, len(test_set), world_size))
     # Per class c: its true positives, and (images predicted c) + (images truly c). Class c's
@@ -206,25 +202,35 @@ lab04.check(work / "train_lab.py", timeout=timeout)
 #
 # A shortcut often seen in DDP scripts: each rank computes the metric on its own images and
 # the ranks average the numbers. Take a model that is **always right** (its macro-F1 on the
-# whole test set is 1.0) and a test set split **by class**, as happens when the files are
-# sorted by label and cut into contiguous pieces: rank 0 holds the images of classes 0–4,
-# rank 1 those of classes 5–9. What number does the shortcut report, with the lab's
-# `macro_f1`? Write your number first (between 0 and 1), run the cell, then the measurement.
+# whole test set is 1.0), the lab script's 101 test images (10 classes, 10 or 11 images each,
+# in the data set's shuffled order), and deal them **round-robin to 8 ranks** — rank r takes
+# images r, r + 8, r + 16, ..., so every image is on exactly one rank and no rank is sorted by
+# class. What number does the shortcut report, with the lab's `macro_f1`? Write your number
+# first (between 0 and 1), run the cell, then the measurement.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# On rank 0, no image is of class 7 and none is predicted 7. What does `macro_f1` give class 7
-# there, and how many classes does it average over?
+# On one rank, which classes get an F1 of 1? Is there a class that gets something else, and
+# what does `macro_f1` give a class that has no image on that rank and is never predicted
+# there? Then: how many images does each rank hold?
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Each rank's macro-F1 is the fraction of the 10 classes that appear among its 12 or 13
+# images. Estimate how many classes a random handful of 12 or 13 images leaves out: the chance
+# that one given class is missing from 13 draws where each draw is of it with probability 1/10.
 
 # %%
 from dpcourse.checks import predict
 
 ### BEGIN SOLUTION: your prediction (a number between 0 and 1)
-my_guess = 0.5
+my_guess = 0.73  # 13 draws miss a class with probability 0.9^13 = 0.25: about 7.5 of 10 held
 ### END SOLUTION
-guess = predict("lab04", "mean of 2 ranks' macro-F1, always right, split by class", my_guess)
+guess = predict("lab04", lab04.PREDICTION_QUESTION, my_guess)
 
 # %%
 import runpy
@@ -236,18 +242,18 @@ from dpcourse import data
 macro_f1 = runpy.run_path(str(work / "train_lab.py"))["macro_f1"]  # the script's definition
 labels = torch.as_tensor(data.load("shapes10", n_train=8, n_test=101, seed=0).y_test)
 always_right = labels.clone()
-shards = [labels < 5, labels >= 5]  # rank 0: classes 0-4, rank 1: classes 5-9
-per_rank = [macro_f1(labels[s], always_right[s]) for s in shards]
-print(f"whole test set: {macro_f1(labels, always_right):.2f}; rank 0: {per_rank[0]:.2f}; "
-      f"rank 1: {per_rank[1]:.2f}")
-lab04.check_prediction(guess, sum(per_rank) / len(per_rank))
+N = lab04.PREDICTION_RANKS
+per_rank = [macro_f1(labels[r::N], always_right[r::N]) for r in range(N)]  # rank r: r, r + N, ...
+print(f"whole test set: {macro_f1(labels, always_right):.2f}; ranks: "
+      f"{', '.join(f'{v:.2f}' for v in per_rank)}")
+lab04.check_prediction(guess, labels, per_rank)
 
 # %% [markdown]
 # ## Stretch (optional): resume after a crash, exactly
 #
 # A workshop can stop here. Lesson 04 restarted a job with `torchrun --max-restarts`; a restart
 # only helps if the script continues where it stopped. Write the two functions that the
-# check's DDP training loop (2 ranks, SGD with momentum) calls:
+# check's DDP training loop calls:
 #
 # * `save_training_state(path, model, optimizer, epoch, is_main)` — called on **every** rank at
 #   the end of every epoch (`model` is the DDP wrapper, `epoch` the epoch just finished,
@@ -259,45 +265,75 @@ lab04.check_prediction(guess, sum(per_rank) / len(per_rank))
 #   (`load_checkpoint` returns None then).
 #
 # The contract: **a resumed run continues exactly as the uninterrupted run would have, on
-# every rank.** The check trains 3 epochs, stops the job after epoch 1 as a crash would, starts
-# it again, and compares every rank's state and the final weights with a run that never
-# stopped: they must agree bit for bit (to 1e-5).
+# every rank** — on these CPU ranks and on GPUs. The check trains 3 epochs with this loop (2
+# ranks, one thread each), stops the job after epoch 1 as a crash would, starts it again, and
+# compares every rank's state and the final weights with a run that never stopped: they must
+# agree bit for bit (to 1e-5). Its ranks have no GPU, so what a GPU run would also need, it
+# reads in your code rather than runs.
 #
-# **Your design decision:** what the one file must hold for that, and how each piece of it gets
-# there and back.
+# ```python
+# sampler = DistributedSampler(train_set, num_replicas=2, rank=rank, seed=0)
+# loader = DataLoader(train_set, batch_size=32, sampler=sampler, drop_last=True)
+# torch.manual_seed(0)
+# model = DDP(models.SmallCNN(width=8, dropout=0.3))
+# opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+# torch.manual_seed(0 + 1 + rank)
+# start = resume_training_state(path, model, opt)     # the second run only
+# for epoch in range(start, 3):
+#     sampler.set_epoch(epoch)
+#     for X, y in loader:
+#         loss = F.cross_entropy(model(X), y)
+#         opt.zero_grad(set_to_none=True)
+#         loss.backward()
+#         opt.step()
+#     save_training_state(path, model, opt, epoch, rank == 0)
+# ```
+#
+# **Your design decision, first:** what is the least the one file must hold so that epoch 2 of
+# the resumed run computes exactly what it computes in the uninterrupted one? Choose one of
+# `lab04.RESUME_PLANS` before you write the code; the check compares it with what its runs
+# show once your code passes.
+
+# %%
+print("\n".join(lab04.RESUME_PLANS))
+
+### BEGIN SOLUTION: your plan (one of lab04.RESUME_PLANS, as a string)
+my_plan = "weights, optimizer state, epoch, each rank's random state"
+### END SOLUTION
+plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUME_PLANS)
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# After epoch 1, list everything that decides what epoch 2 computes on rank 1, not only the
-# tensors of the model. Which of it is the same on every rank, and which is rank 1's alone?
-# Which of it can rank 0 see when it writes? (For your list: whatever is random in the check's
-# model and loop draws from torch's global default generator, the one `torch.manual_seed`
-# seeds — no `torch.Generator` object of its own, no GPU. A real GPU job has more: CUDA's
-# generators, the DataLoader workers' seeds, Python's and NumPy's `random`.)
+# Go through the loop above line by line after epoch 1. Which of the things a line reads are
+# the same on every rank, and which are rank 1's alone? Which of them does the loop rebuild by
+# itself from numbers it already knows, and which depend on everything that happened before
+# the crash? Which of them can rank 0 see when it writes?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # The weights and SGD's momentum are the same on every rank (DDP keeps them so), so rank 0's
-# copy stands for all. The check's model has dropout, and after building it the check seeds
-# each rank's global default generator differently (`seed + 1 + rank`): each rank draws its
-# own masks, and its generator's state is its own. Rank 0 can only write what reaches it; on
-# resume, each rank needs its own back. And DDP copies nothing to the other ranks after it has
-# wrapped the model: every rank loads what it needs.
+# copy stands for all. Dropout draws its masks from a generator, and after the model is built
+# each rank's generator is seeded differently: each rank's state is its own, and it moved
+# with every mask drawn. Rank 0 can only write what reaches it; on resume, each rank needs its
+# own back, and DDP copies nothing to the other ranks after it has wrapped the model. On a GPU,
+# dropout on a CUDA tensor draws from that GPU's generator, which `torch.get_rng_state` does
+# not hold.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Save: every rank contributes its generator state to an object collective, which pickles any
-# Python object (`dist.all_gather_object` fills a list, one entry per rank; no lesson used it
-# yet); then rank 0 alone writes one dict: the plain model's weights, the optimizer's
-# state dict, the epoch, that list. Resume: no file, return 0; else on every rank load the
-# weights into the model inside the wrapper, the optimizer's state, this rank's entry of the
-# list into the generator; return the saved epoch plus one.
+# Save: every rank contributes its generator states (the CPU's, and `torch.cuda`'s for every
+# device, an empty list without a GPU) to an object collective, which pickles any Python
+# object (`dist.all_gather_object` fills a list, one entry per rank; no lesson used it yet);
+# then rank 0 alone writes one dict: the plain model's weights, the optimizer's state dict, the
+# epoch, that list. Resume: no file, return 0; else on every rank load the weights into the
+# model inside the wrapper, the optimizer's state, this rank's entry of the list into the
+# generators; return the saved epoch plus one.
 
 # %%
 import torch
@@ -308,8 +344,10 @@ from dpcourse.ddp_practice import load_checkpoint, save_checkpoint
 
 def save_training_state(path, model, optimizer, epoch, is_main):
     ### BEGIN SOLUTION: save_training_state: one file, by rank 0, to continue exactly
+    # each rank's dropout stream: the CPU generator, and on GPUs each device's (here: [])
+    mine = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}
     generators = [None] * dist.get_world_size()
-    dist.all_gather_object(generators, torch.get_rng_state())  # each rank's dropout stream
+    dist.all_gather_object(generators, mine)
     if is_main:
         save_checkpoint(path, {"model": model.module.state_dict(),
                                "optimizer": optimizer.state_dict(), "epoch": epoch,
@@ -324,13 +362,15 @@ def resume_training_state(path, model, optimizer):
         return 0
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"][dist.get_rank()])
+    mine = state["rng"][dist.get_rank()]
+    torch.set_rng_state(mine["cpu"])
+    torch.cuda.set_rng_state_all(mine["cuda"])
     return state["epoch"] + 1
     ### END SOLUTION
 
 
 # %%
-lab04.check_resume(save_training_state, resume_training_state)
+lab04.check_resume(save_training_state, resume_training_state, plan)
 
 # %% tags=["solution-only"]
 import shutil

@@ -150,9 +150,11 @@ def test_error_line_of_a_child_killed_without_a_traceback():
 
 # --- the prediction -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, verdict", [(0.5, "— right."), (1.0, "— not what happened."),
-                                            (0.6, "— not what happened.")])
+@pytest.mark.parametrize("value, verdict", [(0.75, "— right."), (1.0, "— not what happened."),
+                                            (0.5, "— not what happened.")])
 def test_prediction_is_compared_and_explained(value, verdict, capsys):
+    # 101 images on 8 ranks, round-robin, always right: each rank reports the fraction of the
+    # classes it holds; 1.0 (a fair split looks safe) and 0.5 (the sorted split) are wrong
     import torch
 
     from dpcourse import data
@@ -160,13 +162,17 @@ def test_prediction_is_compared_and_explained(value, verdict, capsys):
 
     ns = _namespace_of_solution()
     labels = torch.as_tensor(data.load("shapes10", n_train=8, n_test=101, seed=0).y_test)
-    per_rank = [ns["macro_f1"](labels[s], labels[s]) for s in (labels < 5, labels >= 5)]
+    N = lab04.PREDICTION_RANKS
+    per_rank = [ns["macro_f1"](labels[r::N], labels[r::N]) for r in range(N)]
     assert ns["macro_f1"](labels, labels) == 1.0
-    guess = predict("lab04", "mean of 2 ranks' macro-F1, always right, split by class", value)
-    lab04.check_prediction(guess, sum(per_rank) / 2)
-    out = capsys.readouterr().out
-    assert f"measured: 0.5 {verdict}" in out, out
-    assert "each rank reports 5/10 = 0.50" in out, out
+    held = [len(set(labels[r::N].tolist())) for r in range(N)]
+    assert per_rank == [h / 10 for h in held], (per_rank, held)
+    guess = predict("lab04", lab04.PREDICTION_QUESTION, value)
+    lab04.check_prediction(guess, labels, per_rank)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"measured: 0.75 {verdict}" in out, out
+    assert f"the ranks held {', '.join(map(str, held))} of the 10 classes" in out, out
+    assert "Nothing was sorted by class" in out, out
 
 
 def _namespace_of_solution() -> dict:
@@ -197,7 +203,7 @@ def _body(new_body: str) -> str:
     return text[:start] + new_body + text[end:]
 
 
-# the whole confusion matrix (100 numbers: over the contract's budget of 2 per class + 2)
+# the whole confusion matrix (100 numbers: over the contract's bound, fewer than 3 per class)
 _COUNT = """\
     confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.int64, device=device)
     model.eval()
@@ -330,6 +336,12 @@ F1_WRONG = {
         "    n = len(test_set) // world_size * world_size\n"
         "    share = Subset(test_set, range(rank, n, world_size))\n" + _COUNT + REDUCE,
         "evaluated only"),
+    # the right value as a 0-d tensor: it passes for a number until the checkpoint holds it
+    "returns_a_0d_tensor": (
+        STRIDED + _COUNT2.replace("dtype=torch.int64", "dtype=torch.float64")
+        + "    dist.all_reduce(counts)\n"
+          "    return (2 * counts[0] / counts[1].clamp(min=1)).mean()\n",
+        "evaluate_f1 returned a tensor (shape (), torch.float64), not a Python float"),
     "returns_a_list": (STRIDED + _COUNT + "    dist.all_reduce(confusion)\n"
                        "    return [float(confusion.diagonal().sum())]\n", "not a number"),
     # right value, but every label and prediction travels: grows with the test set
@@ -402,10 +414,18 @@ F1_RIGHT = {
         "    n = len(test_set)\n"
         "    share = Subset(test_set, range(rank * n // world_size, (rank + 1) * n // world_size))\n"
         + _COUNT2 + REDUCE2),
-    "float_counts_and_tensor_result": (
+    "float_counts": (
         STRIDED + _COUNT2.replace("dtype=torch.int64", "dtype=torch.float64")
         + "    dist.all_reduce(counts)\n"
-          "    return (2 * counts[0] / counts[1].clamp(min=1)).mean()\n"),
+          "    return (2 * counts[0] / counts[1].clamp(min=1)).mean().item()\n"),
+    # 20 counts and 3 more numbers (a count and a broadcast pair): under 30, within the bound
+    "twenty_three_numbers": (
+        STRIDED + _COUNT2 + "    n = torch.tensor([len(share)], device=device)\n"
+        "    dist.all_reduce(counts)\n    dist.all_reduce(n)\n"
+        "    tp, both = counts.double()\n"
+        "    result = torch.stack([(2 * tp / both.clamp(min=1)).mean(), n[0].double()])\n"
+        "    dist.broadcast(result, src=0)\n"
+        "    return float(result[0])\n"),
     # the other pair of counts: true positives and errors (FP + FN): F1 = 2TP / (2TP + FP + FN)
     "tp_and_errors": (
         STRIDED + _COUNT2.replace("torch.cat([predicted, y])",
@@ -504,6 +524,27 @@ def test_saved_f1_must_be_the_evaluated_one(tmp_path):
         lab04.check(_write(tmp_path, text), launcher="spawn", timeout=90, f1_runs=((2, 101),))
 
 
+def test_tensor_return_gets_its_fix_the_second_time(tmp_path):
+    path = _write(tmp_path, _body(F1_WRONG["returns_a_0d_tensor"][0]))
+    for attempt in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab04.check_f1(path, runs=((2, 101),))
+        message = str(err.value)
+        assert "a CUDA tensor where a number belongs" in message, message
+        assert ("float(...)" in message) == (attempt == 1), message
+
+
+def test_saved_f1_as_a_tensor_is_named_a_tensor(tmp_path):
+    # evaluate_f1 is right; the main part saves torch.tensor(f1): the file does hold an 'f1'
+    text = _variant('{"model": model.module.state_dict(), "f1": f1}',
+                    '{"model": model.module.state_dict(), "f1": torch.tensor(f1)}')
+    with pytest.raises(LabCheckError) as err:
+        lab04.check(_write(tmp_path, text), launcher="spawn", timeout=90, f1_runs=((2, 101),))
+    message = str(err.value)
+    assert "holds a tensor under 'f1' (shape ()), not a number" in message, message
+    assert "holds no number" not in message, message
+
+
 def test_unknown_variant_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown variant"):
         lab04.reference_weights(variant="nope")
@@ -524,14 +565,32 @@ def _rng_states():
     return states
 
 
-def save_state(path, model, optimizer, epoch, is_main):
+def _cuda_states():
+    # every rank's CUDA generators (an empty list on these CPU ranks): what a GPU run needs too
+    import torch
+    import torch.distributed as dist
+
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, torch.cuda.get_rng_state_all())
+    return states
+
+
+def _restore_cuda(state):
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_rng_state_all(state["cuda"][dist.get_rank()])
+
+
+def save_cpu_rng_only(path, model, optimizer, epoch, is_main):
+    # exact on CPUs; on GPUs dropout's masks come from CUDA's generators, never saved here
     rng = _rng_states()
     if is_main:
         save_checkpoint(path, {"model": model.module.state_dict(),
                                "optimizer": optimizer.state_dict(), "epoch": epoch, "rng": rng})
 
 
-def resume_state(path, model, optimizer):
+def resume_cpu_rng_only(path, model, optimizer):
     import torch
     import torch.distributed as dist
 
@@ -544,13 +603,38 @@ def resume_state(path, model, optimizer):
     return state["epoch"] + 1
 
 
+def save_state(path, model, optimizer, epoch, is_main):
+    rng, cuda = _rng_states(), _cuda_states()
+    if is_main:
+        save_checkpoint(path, {"model": model.module.state_dict(),
+                               "optimizer": optimizer.state_dict(), "epoch": epoch, "rng": rng,
+                               "cuda": cuda})
+
+
+def resume_state(path, model, optimizer):
+    import torch
+    import torch.distributed as dist
+
+    state = load_checkpoint(path)
+    if state is None:
+        return 0
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"][dist.get_rank()])
+    if "cuda" in state:
+        _restore_cuda(state)
+    return state["epoch"] + 1
+
+
 def save_gathered_to_rank0(path, model, optimizer, epoch, is_main):
     # right: gather_object to rank 0 only, plain torch.save, the next epoch stored
     import torch
     import torch.distributed as dist
 
+    from torch.cuda import get_rng_state_all as cuda_states  # imported under another name
+
     rng = [None] * dist.get_world_size() if is_main else None
-    dist.gather_object(torch.get_rng_state(), rng, dst=0)
+    dist.gather_object((torch.get_rng_state(), cuda_states()), rng, dst=0)
     if is_main:
         torch.save({"weights": model.module.state_dict(), "opt": optimizer.state_dict(),
                     "next_epoch": epoch + 1, "generators": rng}, path)
@@ -566,7 +650,10 @@ def resume_gathered(path, model, optimizer):
     state = torch.load(path, map_location="cpu", weights_only=True)
     model.module.load_state_dict(state["weights"])
     optimizer.load_state_dict(state["opt"])
-    torch.random.set_rng_state(state["generators"][dist.get_rank()])
+    cpu, cuda = state["generators"][dist.get_rank()]
+    torch.random.set_rng_state(cpu)
+    for device, generator in enumerate(cuda):
+        torch.cuda.set_rng_state(generator, device)
     return state["next_epoch"]
 
 
@@ -578,10 +665,11 @@ def save_stacked_tensor(path, model, optimizer, epoch, is_main):
     mine = torch.get_rng_state()
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
+    cuda = _cuda_states()
     if is_main:
         save_checkpoint(path, {"model": model.module.state_dict(),
                                "optimizer": optimizer.state_dict(), "epoch": epoch,
-                               "rng": torch.stack(everyone)})
+                               "rng": torch.stack(everyone), "cuda": cuda})
 
 
 def resume_stacked(path, model, optimizer):
@@ -594,6 +682,7 @@ def resume_stacked(path, model, optimizer):
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"][dist.get_rank()].clone())
+    _restore_cuda(state)
     return state["epoch"] + 1
 
 
@@ -714,7 +803,57 @@ def resume_never(path, model, optimizer):
 ], ids=["reference", "gather-to-rank0-torch-save-next-epoch", "all-gather-stacked"])
 def test_right_resumes_pass(save, resume, capsys):
     lab04.check_resume(save, resume)
-    assert capsys.readouterr().out.count("✔") == 1
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "read in your code, not run" in out, out
+
+
+def test_a_resume_exact_on_cpus_only_is_refused_for_gpus():
+    # the CPU runs pass; the code never touches CUDA's generators: cause, then the fix
+    for attempt in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab04.check_resume(save_cpu_rng_only, resume_cpu_rng_only)
+        message = str(err.value)
+        assert ("save_training_state reads and resume_training_state restores no state of "
+                "CUDA's generators") in message, message
+        assert "a CPU run cannot show it" in message, message
+        assert ("torch.cuda.get_rng_state_all()" in message) == (attempt == 1), message
+
+
+def test_cuda_generators_are_found_in_helpers_and_under_other_names():
+    # read from the code: a helper of the learner's own, an import under another name, a
+    # torch.cuda call through a module alias; torch.cuda mentioned for something else is not it
+    from dpcourse.checks._lab04_resume import _CUDA_GET, _CUDA_SET, _touches
+
+    def cuda_only_checked(path, model, optimizer, epoch, is_main):
+        import torch
+        if torch.cuda.is_available():
+            pass
+        return torch.get_rng_state()
+
+    assert _touches(save_state, _CUDA_GET) and _touches(resume_state, _CUDA_SET)
+    assert _touches(save_gathered_to_rank0, _CUDA_GET)
+    assert _touches(resume_gathered, _CUDA_SET)
+    assert not _touches(cuda_only_checked, _CUDA_GET)
+    assert not _touches(save_cpu_rng_only, _CUDA_GET)
+    assert not _touches(resume_cpu_rng_only, _CUDA_SET)
+    assert not _touches(save_state, _CUDA_SET)  # a getter is not a setter
+
+
+@pytest.mark.parametrize("choice, verdict", [
+    ("weights, optimizer state, epoch, each rank's random state", "— right."),
+    ("weights, optimizer state, epoch, each rank's random state, the data order",
+     "— not what happened."),
+])
+def test_the_resume_plan_is_compared_with_what_the_runs_showed(choice, verdict, capsys):
+    from dpcourse.checks import predict
+
+    plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, choice, choices=lab04.RESUME_PLANS)
+    lab04.check_resume(save_state, resume_state, plan)
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("measured: weights, optimizer state, epoch, each rank's random state "
+            + verdict) in out, out
+    assert "set_epoch(2) dealt the same indices" in out, out
+    assert "differed from each other (yes)" in out, out
 
 
 @pytest.mark.parametrize("save, resume, phrase", [

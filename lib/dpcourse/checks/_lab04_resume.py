@@ -17,7 +17,8 @@ import tempfile
 from dpcourse.checks import check_timeout, fail, passed, recorded, require_answer, run_ranks
 from dpcourse.checks._lab04_script import Lab04Config, _distance, _mistake
 
-__all__ = ["check_resume", "RESUME_MISTAKES", "RESUME_FIXES", "RESUME_CFG"]
+__all__ = ["check_resume", "RESUME_MISTAKES", "RESUME_FIXES", "RESUME_CFG", "RESUME_PLANS",
+           "RESUME_PLAN_QUESTION"]
 
 
 # --- stretch: resume after a crash ---------------------------------------------------------
@@ -29,6 +30,18 @@ RESUME_DROPOUT = 0.3  # the stretch's model draws dropout masks: each rank from 
 # that is not deterministic. Every resume mistake lands 1e-3 or more away.
 RESUME_TOL = 1e-5
 _CRASH_AFTER = 1  # the first run stops after epoch 1 of 0, 1, 2 (as if killed right then)
+
+# The stretch's decision, recorded before the code: the least a resumed run must restore, on
+# the check's loop (CPU, dropout, each rank seeded seed + 1 + rank), to continue bit for bit.
+RESUME_PLAN_QUESTION = "the least a resume must restore to continue bit for bit (the check's loop)"
+_W = "weights, optimizer state, epoch"
+RESUME_PLANS = (
+    _W,
+    f"{_W}, the data order",
+    f"{_W}, rank 0's random state",
+    f"{_W}, each rank's random state",
+    f"{_W}, each rank's random state, the data order",
+)
 
 RESUME_MISTAKES = {  # the cause; what to change is in RESUME_FIXES (the second meeting)
     "wrapper_keys": "The checkpoint holds the DDP wrapper's weights (their keys start with "
@@ -101,6 +114,7 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
     model = DDP(models.SmallCNN(width=cfg.width, dropout=RESUME_DROPOUT))
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     torch.manual_seed(cfg.seed + 1 + rank)  # each rank draws its own dropout masks
+    seeded = torch.get_rng_state()
     start = 0
     if resume_fn is not None:
         real_set_rng = torch.random.set_rng_state
@@ -125,11 +139,12 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
             return {"error": f"resume_training_state returned {type(start).__name__}, not the "
                              f"epoch to start at (an int)"}
     resumed = _snapshot(model, opt)
-    epochs_run, crashed = [], None
+    epochs_run, crashed, orders = [], None, {}
     torch.save, os.replace = logged_save, logged_replace
     try:
         for epoch in range(start, cfg.epochs):
             sampler.set_epoch(epoch)
+            orders[epoch] = list(sampler)
             for X, y in loader:
                 loss = torch.nn.functional.cross_entropy(model(X), y)
                 opt.zero_grad(set_to_none=True)
@@ -145,7 +160,7 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
     finally:
         torch.save, os.replace = real_save, real_replace
     return {"start": start, "epochs": epochs_run, "writes": writes, "resumed": resumed,
-            "crashed": crashed,
+            "crashed": crashed, "seeded": seeded, "orders": orders,
             "weights": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
 
 
@@ -180,13 +195,16 @@ def _wrapper_keys(state) -> bool:
 
 
 @recorded
-def check_resume(save_training_state, resume_training_state,
+def check_resume(save_training_state, resume_training_state, plan=None,
                  timeout: float | None = None) -> None:
     """Stretch: train 3 epochs on 2 ranks (dropout, each rank its own random stream), "crash"
     after epoch 1, run again: with your ``save_training_state`` and ``resume_training_state``
     every rank must continue exactly where it stopped (its weights, its momentum, its random
     state), the second run must do only epoch 2 and end bit for bit (to 1e-5) with the weights
-    of an uninterrupted run (``timeout``: 90 s per run, or ``DPCOURSE_CHECK_TIMEOUT`` if more)."""
+    of an uninterrupted run (``timeout``: 90 s per run, or ``DPCOURSE_CHECK_TIMEOUT`` if more).
+    Then the two functions' code must touch CUDA's generators (a CPU run cannot show that a GPU
+    run would drop them). ``plan``: the learner's :func:`~dpcourse.checks.predict` of
+    :data:`RESUME_PLAN_QUESTION`, compared once the code passes with what the runs showed."""
     __tracebackhide__ = True
     import torch
 
@@ -198,10 +216,10 @@ def check_resume(save_training_state, resume_training_state,
     with tempfile.TemporaryDirectory(prefix="dpcourse-lab04-resume-") as tmp:
         ckpt = os.path.join(tmp, "ckpt.pt")
         runs = []
-        plan = ((save_training_state, resume_training_state, _CRASH_AFTER, "first run"),
+        schedule = ((save_training_state, resume_training_state, _CRASH_AFTER, "first run"),
                 (save_training_state, resume_training_state, None, "run after the crash"),
                 (save_training_state, None, None, "uninterrupted run"))
-        for save_fn, resume_fn, stop_after, when in plan:
+        for save_fn, resume_fn, stop_after, when in schedule:
             # the uninterrupted run saves too (elsewhere), so whatever saving does, both do
             path = ckpt if resume_fn is not None else os.path.join(tmp, "uninterrupted.pt")
             runs.append(run_ranks(
@@ -218,6 +236,149 @@ def check_resume(save_training_state, resume_training_state,
                 _judge_first_run(runs[0], ckpt)
         first, second, whole = runs
     _judge_resume(first, second, whole, cfg)
+    _judge_cuda(save_training_state, resume_training_state)
+    passed("resume after a crash: every rank continued with its own weights, momentum and "
+           "random state, trained only the last epoch and ended with the weights of an "
+           "uninterrupted run (run on CPUs; that CUDA's generators are saved and restored too "
+           "was read in your code, not run)")
+    if plan is not None:
+        _reveal_plan(plan, first, second, whole, cfg)
+
+
+def _reveal_plan(plan, first, second, whole, cfg) -> None:
+    """Compare the learner's recorded plan with the least the runs showed a resume needs."""
+    import torch
+
+    from dpcourse.checks import reveal
+
+    last = cfg.epochs - 1
+    moved = [not torch.equal(r["crashed"]["rng"], r["seeded"]) for r in first]
+    own = not torch.equal(first[0]["crashed"]["rng"], first[1]["crashed"]["rng"])
+    same_order = all(a["orders"].get(last) == b["orders"].get(last)
+                     for a, b in zip(second, whole))
+    needed = _W
+    if any(moved):
+        needed += ", each rank's random state" if own else ", rank 0's random state"
+    if not same_order:
+        needed += ", the data order"
+    reveal(plan, needed, close=plan.value == needed, explanation=(
+        f"The weights and the optimizer's momentum are the same on every rank, and the epoch "
+        f"says where to start. The check's model has dropout, and each rank was seeded "
+        f"{cfg.seed} + 1 + rank: at the crash the ranks' generators had moved from their seeded "
+        f"start ({', '.join('yes' if m else 'no' for m in moved)}) and differed from each other "
+        f"({'yes' if own else 'no'}), so each rank needs its own state back; rank 0's alone "
+        f"makes rank 1 draw rank 0's masks. The data order needs nothing saved: "
+        f"DistributedSampler shuffles with seed + epoch, and set_epoch({last}) dealt "
+        f"{'the same' if same_order else 'other'} indices in the resumed run as in the "
+        f"uninterrupted one. On GPUs, dropout on CUDA tensors draws from the GPU's own "
+        f"generator: that state is part of 'each rank's random state' there."))
+
+
+# torch.cuda's random-state functions: save must call a getter, resume a setter.
+_CUDA_GET = ("get_rng_state", "get_rng_state_all")
+_CUDA_SET = ("set_rng_state", "set_rng_state_all")
+
+
+def _touches(fn, functions, seen=None) -> bool:
+    """True if ``fn`` (or a function of the learner's own it calls by a global name) calls one
+    of torch.cuda's random-state ``functions``: an attribute reached through ``cuda``
+    (``torch.cuda.get_rng_state_all()``, ``cuda.random.set_rng_state(...)``), such a function
+    imported under any name, or ``torch.cuda.default_generators``. Read from the source; from
+    the bytecode's names where the source cannot be read."""
+    import ast
+    import inspect
+    import textwrap
+    import types
+
+    import torch.cuda.random as cuda_random
+
+    seen = set() if seen is None else seen
+    code = getattr(fn, "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    glob = getattr(fn, "__globals__", {})
+
+    def is_cuda_function(obj) -> bool:
+        return any(getattr(cuda_random, f, None) is obj for f in functions)
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        tree = None
+    names = set()
+    if tree is not None:
+        cuda_aliases = {"cuda"}  # names bound to torch.cuda (or its random module) here
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and "cuda" in (node.module or "").split("."):
+                if any(a.name in functions or a.name == "default_generators" for a in node.names):
+                    return True  # from torch.cuda import get_rng_state_all (as anything)
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for a in node.names:
+                    full = f"{getattr(node, 'module', None) or ''}.{a.name}".strip(".")
+                    bound = a.asname or (a.name if isinstance(node, ast.ImportFrom) else None)
+                    if bound and full.split(".")[-1] in ("cuda", "random") and "cuda" in full:
+                        cuda_aliases.add(bound)  # import torch.cuda as tc; from torch import cuda
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                chain, inner = [node.attr], node.value
+                while isinstance(inner, ast.Attribute):
+                    chain.append(inner.attr)
+                    inner = inner.value
+                if isinstance(inner, ast.Name):
+                    chain.append(inner.id)
+                if cuda_aliases & set(chain[1:]) and (node.attr in functions
+                                            or node.attr == "default_generators"):
+                    return True
+            elif isinstance(node, ast.Name):
+                names.add(node.id)
+    else:  # no source: the names the bytecode uses, nested functions included
+        stack, used = [code], set()
+        while stack:
+            c = stack.pop()
+            used.update(c.co_names)
+            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        if "cuda" in used and any(f in used for f in functions):
+            return True
+        names = used
+    for name in names:
+        obj = glob.get(name)
+        if is_cuda_function(obj):
+            return True
+        if (isinstance(obj, types.FunctionType)
+                and not (obj.__module__ or "").startswith(("torch", "dpcourse."))
+                and _touches(obj, functions, seen)):
+            return True
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner_fn = cell.cell_contents
+        except ValueError:
+            continue
+        if is_cuda_function(inner_fn) or (isinstance(inner_fn, types.FunctionType)
+                                          and _touches(inner_fn, functions, seen)):
+            return True
+    return False
+
+
+def _judge_cuda(save_fn, resume_fn) -> None:
+    """Fail if the code never saves or never restores CUDA's generator state: on GPUs, dropout
+    draws from each device's own generator, which torch.get_rng_state does not hold. Read from
+    the code (the check's ranks have no GPU)."""
+    __tracebackhide__ = True
+    missing = [what for fn, functions, what in
+               ((save_fn, _CUDA_GET, "save_training_state reads"),
+                (resume_fn, _CUDA_SET, "resume_training_state restores"))
+               if not _touches(fn, functions)]
+    if missing:
+        fail(f"On these CPU ranks your resume is exact. But {' and '.join(missing)} no state of "
+             f"CUDA's generators (torch.cuda's get_rng_state / set_rng_state or their _all "
+             f"forms; this was read in your code, a CPU run cannot show it): on GPUs, dropout on "
+             f"a CUDA tensor draws its masks from the generator of the GPU it runs on, one per "
+             f"device, not from the CPU generator that torch.get_rng_state holds, so a resumed "
+             f"GPU run would draw masks the uninterrupted run never drew.",
+             fix="save each rank's torch.cuda.get_rng_state_all() beside its CPU state (an "
+                 "empty list where there is no GPU) and give it back with "
+                 "torch.cuda.set_rng_state_all(...).")
 
 
 def _judge_first_run(first: list, ckpt: str) -> None:
@@ -295,6 +456,3 @@ def _judge_resume(first: list, second: list, whole: list, cfg: Lab04Config) -> N
         fail(f"the weights are right, but the resumed run trained epochs "
              f"{second[0]['epochs']}, where only epoch {cfg.epochs - 1} was left to do.",
              fix="start the loop at the epoch resume_training_state returns.")
-    passed("resume after a crash: every rank continued with its own weights, momentum and "
-           "random state, trained only the last epoch and ended with the weights of an "
-           "uninterrupted run")

@@ -9,8 +9,8 @@ script so that it equals one process.
    rank evaluates, its mode and whether autograd is on; each rank calls it a second time on a
    test set 4 times larger while the collectives it calls are recorded. Every rank must return
    one process's macro-F1 of the whole test set, each image evaluated exactly once over all
-   ranks, in eval mode without autograd, send no more for the larger set, pass at most 2
-   numbers per class (+2) into its collectives (which two is the learner's decision: true
+   ranks, in eval mode without autograd, send no more for the larger set, pass fewer than 3
+   numbers per class into its collectives (which two counts is the learner's decision: true
    positives and predicted + true, or true positives and errors ...), and pass only tensors
    that would live on ``device`` on a GPU (followed by ``_lab04_exchange``). When it does
    not, the sentence names the mistake: ranks that return their own shard's number, images
@@ -21,7 +21,8 @@ script so that it equals one process.
    averaged, the accuracy instead of F1, the labels or
    predictions themselves gathered (what is sent grows with the test set), the confusion
    matrix or three counts per class (over the budget), two counts that give only the
-   precision or only the recall, a tensor made on the host (NCCL would refuse it). Counts averaged with ``ReduceOp.AVG`` pass, and the ✔ says why.
+   precision or only the recall, a tensor made on the host (NCCL would refuse it), a tensor
+   returned instead of a float (the torchrun part names a tensor saved under 'f1' too). Counts averaged with ``ReduceOp.AVG`` pass, and the ✔ says why.
 2. It runs the whole script under torchrun (2 processes) and compares the weights it writes to
    ``--out`` with one process trained on the global batch, and the F1 it saved with one
    process's F1 of those weights. A script that fails under torchrun is reported with the
@@ -43,14 +44,17 @@ Saving on every rank is caught directly: the check records every ``torch.save`` 
 checkpoint saved from the DDP wrapper (``module.`` keys) is refused, since the plain model that
 evaluation and resuming build cannot load it.
 
-``check_prediction`` compares the learner's prediction of the mean of 2 ranks' macro-F1 (a model
-that is always right, the test set split by class) with the measured 0.5, and says why. ``check_resume`` (the stretch) trains a model
+``check_prediction`` compares the learner's prediction of the mean of 8 ranks' macro-F1 (a model
+that is always right, 101 images dealt round-robin, so each rank lacks some classes) with the
+measured mean, and says why. ``check_resume`` (the stretch) trains a model
 with dropout, each rank drawing from its own random stream, "crashes" it after epoch 1 and
 resumes it; it compares each rank's weights, momentum and generator state after the resume with
 what that rank had at the crash (so a mistake is named by its cause: the optimizer or the
 weights restored on rank 0 only, rank 0's generator state given to every rank ...), refuses a
-checkpoint holding the DDP wrapper's weights or a file written by another rank, and compares
-the final weights with an uninterrupted run.
+checkpoint holding the DDP wrapper's weights or a file written by another rank, compares
+the final weights with an uninterrupted run, and then reads the code for CUDA's generators (a
+CPU run cannot show that they are dropped); given the learner's recorded plan (what a resume
+must restore), it compares it with what the runs showed.
 Used in solutions/lab04_ddp_in_practice.py; tests in tests/test_lab04_checks.py. This module
 holds the macro-F1 check and ``check``; running the script and judging its training live in
 :mod:`dpcourse.checks._lab04_script`, the stretch in :mod:`dpcourse.checks._lab04_resume`, what
@@ -67,13 +71,14 @@ from pathlib import Path
 
 from dpcourse.checks import check_timeout, fail, passed, recorded, run_ranks
 from dpcourse.checks._lab04_resume import (RESUME_CFG, RESUME_FIXES, RESUME_MISTAKES,
-                                           check_resume)
+                                           RESUME_PLAN_QUESTION, RESUME_PLANS, check_resume)
 from dpcourse.checks._lab04_script import (CONFIGS, MISTAKE_FIXES, MISTAKES, Lab04Config,
                                            _last_error_line, _mistake, _spawn_worker, judge,
                                            reference_weights, run_script)
 
 __all__ = ["Lab04Config", "CONFIGS", "F1_RUNS", "reference_weights", "run_script", "judge",
            "check_f1", "f1_note", "check", "check_prediction", "check_resume", "MISTAKES",
+           "PREDICTION_QUESTION", "PREDICTION_RANKS", "RESUME_PLANS", "RESUME_PLAN_QUESTION",
            "F1_MISTAKES", "RESUME_MISTAKES", "F1_FIXES", "RESUME_FIXES", "MISTAKE_FIXES",
            "AVG_NOTE", "NUM_CLASSES", "RESUME_CFG"]
 
@@ -220,11 +225,22 @@ def _f1_worker(rank, world_size, source, n_test):
                             "averaged": spy.averaged}
                 seen["indices"] = None  # the larger set's images are not looked up
     value = first
-    if torch.is_tensor(value) and value.numel() == 1:
-        value = float(value.item())
+    if torch.is_tensor(value):
+        return {"error": _TENSOR_RETURNED.format(shape=tuple(value.shape), dtype=value.dtype),
+                "fix": _TENSOR_FIX}
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return {"error": f"evaluate_f1 returned {type(value).__name__}, not a number (a float)"}
     return {"value": float(value), **first_seen, "sent": sent, **exchange}
+
+
+# A tensor is not the float the contract asks for, even a 0-d one that prints like a number:
+# the script saves what evaluate_f1 returns, and on GPUs it is a CUDA tensor in the checkpoint.
+_TENSOR_RETURNED = ("evaluate_f1 returned a tensor (shape {shape}, {dtype}), not a Python float: "
+                    "the script puts what it returns into the checkpoint, and on GPUs that "
+                    "tensor lives on the GPU, so the file holds a CUDA tensor where a number "
+                    "belongs, one that a machine without a GPU cannot even load without "
+                    "map_location")
+_TENSOR_FIX = "turn the result into a Python number with float(...) (or .item()) before returning it."
 
 
 def _f1_variants(n_test: int, world_size: int) -> dict:
@@ -321,15 +337,15 @@ def _overcount(results: list, n_test: int, total: int) -> str:
 
 def judge_f1(results: list, n_test: int) -> str:
     """The ✔'s note ("" or :data:`AVG_NOTE`) if every rank returned one process's macro-F1,
-    each image evaluated once in eval mode without autograd, sending at most 2 numbers per
-    class (plus 2) whatever the test set's size, from tensors on ``device``; else fail with the
+    each image evaluated once in eval mode without autograd, sending fewer than 3 numbers per
+    class whatever the test set's size, from tensors on ``device``; else fail with the
     sentence that names the mistake."""
     __tracebackhide__ = True
     N = len(results)
     where = f"On {N} ranks with {n_test} test images: "
     for r in results:
         if "error" in r:
-            fail(where + r["error"] + ".")
+            fail(where + r["error"] + ".", fix=r.get("fix"))
     if any(r["training"] for r in results):
         fail(where + "the model ran in training mode, where dropout and BatchNorm behave "
                      "differently from test time.", fix="call model.eval() before evaluating.")
@@ -400,10 +416,10 @@ def judge_f1(results: list, n_test: int) -> str:
     return AVG_NOTE if any(r.get("averaged") for r in results) else ""
 
 
-# The contract: what a rank passes into its collectives is at most 2 numbers per class, plus
-# _SPARE (a count, the result broadcast from one rank).
-_PER_CLASS = 2
-_SPARE = 2
+# The contract: what a rank passes into its collectives is fewer numbers than _PER_CLASS_LIMIT
+# per class (under 30 for 10 classes): enough for two counts per class and a spare count or a
+# broadcast result, not for three counts per class nor a table.
+_PER_CLASS_LIMIT = 3
 AVG_NOTE = (" Your collective averaged the counts (ReduceOp.AVG) instead of adding them: that "
             "divides every count by world_size, and each class's F1 is a ratio of two counts, "
             "so it is unchanged (to rounding); an AVG of the ranks' F1 scores would have been a "
@@ -414,9 +430,9 @@ def _judge_budget(results: list, where: str) -> None:
     """Fail if a rank passed more numbers into its collectives than the contract allows."""
     __tracebackhide__ = True
     C = NUM_CLASSES
-    budget = _PER_CLASS * C + _SPARE
+    limit = _PER_CLASS_LIMIT * C
     over = [(rank, r.get("numbers", 0)) for rank, r in enumerate(results)
-            if r.get("numbers", 0) > budget]
+            if r.get("numbers", 0) >= limit]
     if not over:
         return
     rank, k = over[0]
@@ -429,7 +445,7 @@ def _judge_budget(results: list, where: str) -> None:
     else:
         what = f", {k / C:g} per class"
     fail(where + f"rank {rank} passed {k} numbers into its collectives{what}, where the contract "
-                 f"allows {_PER_CLASS} per class ({_PER_CLASS * C} here, plus {_SPARE}): "
+                 f"allows fewer than {_PER_CLASS_LIMIT} per class (under {limit} here): "
                  f"macro-F1 is determined by fewer.",
          fix="each class's F1 is the harmonic mean of its precision and recall, two fractions "
              "with the same numerator (its true positives): write 2·P·R/(P + R) as one fraction "
@@ -514,6 +530,12 @@ def check(path="train_lab.py", cfgs=CONFIGS[:1], launcher: str = "torchrun",
         judge(weights, saves, cfg)
         if f1_runs:
             where = "" if cfg == CONFIGS[0] else f"On {cfg.describe()}: "
+            if _is_tensor(f1):
+                fail(f"{where}the checkpoint your script wrote to --out holds a tensor under "
+                     f"'f1' (shape {tuple(f1.shape)}), not a number: on GPUs it would be a CUDA "
+                     f"tensor, which a machine without a GPU cannot load without map_location.",
+                     fix="save float(f1): evaluate_f1 returns a Python float, and the script "
+                         "saves that value as it is.")
             if not isinstance(f1, (int, float)) or isinstance(f1, bool):
                 fail(f"{where}the checkpoint your script wrote to --out holds no number under "
                      f"'f1'.", fix="save {'model': ..., 'f1': f1} on rank 0.")
@@ -530,27 +552,46 @@ def check(path="train_lab.py", cfgs=CONFIGS[:1], launcher: str = "torchrun",
            f"{ranks} ranks (DDP == one process on the global batch)." + note)
 
 
+def _is_tensor(value) -> bool:
+    import torch
+
+    return torch.is_tensor(value)
+
+
 def config_dict(cfg: Lab04Config = Lab04Config()) -> dict:
     return asdict(cfg)
 
 
-# --- the prediction: the ranks' macro-F1 averaged, on a test set split by class ------------
+# --- the prediction: the ranks' macro-F1 averaged, on a fair split over many ranks ---------
 
-def check_prediction(guess, measured: float, world_size: int = 2,
-                     num_classes: int = 10) -> None:
-    """Compare the learner's prediction of the mean of ``world_size`` ranks' macro-F1 (a model
-    that is always right, the test set split by class: each rank holds num_classes/world_size
-    classes) with what was measured; explain why it is not the whole set's 1.0."""
+PREDICTION_RANKS = 8  # the lab's 101 test images dealt round-robin to 8 ranks (12 or 13 each)
+PREDICTION_QUESTION = ("mean of 8 ranks' macro-F1, always right, 101 images dealt round-robin")
+
+
+def check_prediction(guess, labels, per_rank) -> None:
+    """Compare the learner's prediction of the mean of the ranks' macro-F1 (a model that is
+    always right; ``labels`` dealt round-robin, rank r holding ``labels[r::N]`` with N =
+    ``len(per_rank)``; ``per_rank`` each rank's measured macro-F1) with the measured mean, and
+    explain the gap: every rank scores the classes it holds 1 and the ones it lacks 0."""
     __tracebackhide__ = True
+    import torch
+
     from dpcourse.checks import reveal
 
-    held = num_classes // world_size
-    close = isinstance(guess.value, (int, float)) and abs(guess.value - measured) <= 0.05
-    reveal(guess, round(measured, 2), close=close,
-           explanation=(f"On each rank only {held} of the {num_classes} classes have an image, "
-                        f"and none is predicted there; macro_f1 gives such a class F1 0 (its "
-                        f"precision and recall are 0 by definition) and still averages over all "
-                        f"{num_classes}, so each rank reports {held}/{num_classes} = "
-                        f"{held / num_classes:.2f} though every prediction is right, and so does "
-                        f"their mean; the whole set's macro-F1 is 1.00. Counts added over the "
-                        f"ranks have no such problem: a class a rank lacks adds zeros."))
+    labels = torch.as_tensor(labels)
+    N = len(per_rank)
+    measured = sum(per_rank) / N
+    held = [len(set(labels[r::N].tolist())) for r in range(N)]
+    sizes = sorted({len(labels[r::N]) for r in range(N)})
+    classes = NUM_CLASSES
+    close = isinstance(guess.value, (int, float)) and abs(guess.value - measured) <= 0.1
+    reveal(guess, round(measured, 2), close=close, explanation=(
+        f"Every prediction is right, so on a rank each class it holds scores F1 1, and each "
+        f"class it holds no image of scores 0 (nothing is truly of it, nothing predicted as "
+        f"it), while macro_f1 still averages over all {classes}. With only "
+        f"{' or '.join(map(str, sizes))} images per rank, a fair deal still leaves classes out: "
+        f"the ranks held {', '.join(map(str, held))} of the {classes} classes, so they reported "
+        f"{', '.join(f'{v:.1f}' for v in per_rank)}, mean {measured:.2f}, where the whole set's "
+        f"macro-F1 is 1.00. Nothing was sorted by class: the shortcut loses more the more ranks "
+        f"share a small test set, and counts added over the ranks lose nothing (a class a rank "
+        f"lacks adds zeros)."))
