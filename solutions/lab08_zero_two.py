@@ -21,12 +21,13 @@
 #
 # The check runs your wrapper for 3 steps on 2 ranks with Adam and on 3 ranks with SGD +
 # momentum, next to DDP with the full optimizer, on a seven-layer MLP with a **frozen** bias
-# (`requires_grad=False`) and a weight **tied** between two layers (one `Parameter` used
-# twice). From inside each rank it watches every gradient arrive, every collective you launch
-# and every `wait()`; at each arrival, and during the backward before every line of your own
-# code that runs (your hook and what it calls), it weighs the gradient memory alive — by
-# *storage*: a view weighs the whole buffer it keeps alive, and a tensor held only by a local
-# variable of your hook weighs too. Its sentence names what went wrong: read it.
+# (`requires_grad=False`), a weight **tied** between two layers (one `Parameter` used twice)
+# and a learnable scalar **gain** on its input. From inside each rank it watches every
+# gradient arrive, every collective you launch and every `wait()`; at each arrival, and during
+# the backward before every line of your own code that runs (your hook and what it calls), it
+# weighs the gradient memory alive — by *storage*: a view weighs the whole buffer it keeps
+# alive, and a tensor held only by a local variable of your hook weighs too. Its sentence
+# names what went wrong: read it.
 #
 # **Collective names.** `dist.reduce_scatter_single` and `dist.all_gather_single` are the
 # names in torch 2.14, the version this course pins. Older torch calls them
@@ -124,9 +125,9 @@ lab08.check_shard_bounds(shard_bounds)
 # %% [markdown]
 # ## 2. Buckets
 #
-# Given: the backward produces gradients roughly from the last layer to the first, so the
-# buckets are filled in reverse registration order, and a bucket is closed once it holds
-# `cap` **bytes** or more (DDP's rule, lesson 07; bytes, not MB or MiB).
+# Given: the buckets are made in reverse registration order — roughly the order in which the
+# backward produces gradients, from the last layer to the first — and a bucket is closed once
+# it holds `cap` **bytes** or more (DDP's rule, lesson 07; bytes, not MB or MiB).
 
 # %%
 def make_buckets(params, cap):
@@ -151,6 +152,9 @@ def make_buckets(params, cap):
 #   once; it yields every parameter once, frozen ones (`requires_grad=False`) included; a
 #   tied weight is one `Parameter`, yielded once: its gradient sums both uses, and its
 #   post-accumulate-grad hook runs once per backward, when that sum is complete;
+# - what you may rely on in a backward: every trainable parameter's hook runs exactly once,
+#   after its gradient is complete. Not the order in which the hooks run — not even among the
+#   parameters of one bucket;
 # - `optimizer_cls(tensors, **kwargs)` builds the inner torch optimizer (`kwargs` are its
 #   hyper-parameters: `lr`, `momentum`, ...);
 # - `bucket_cap` is in bytes;
@@ -172,13 +176,16 @@ def make_buckets(params, cap):
 #    over the ranks of this step's gradient for that rank's slices;
 # 4. each bucket's gradients leave the rank **during** the backward, as soon as the bucket
 #    is full, without the backward waiting for the network;
-# 5. no more than about **two buckets** of gradient are alive at once on a rank — in `p.grad`,
-#    in buffers, or anywhere your object keeps them — and between steps nothing but
-#    `self.shard.grad`. Exactly, the check allows 2 × (`bucket_cap` / 4 + the largest
-#    trainable parameter's `numel` + 4 × `world_size`) fp32 numbers: a bucket closes at the
-#    parameter that takes it to the cap, so it can hold up to one parameter more than the cap,
-#    plus its padding. It weighs before every line of your code in the backward, so a moment
-#    between two of your lines counts as much as a launch or a `wait()`;
+# 5. the gradient alive at once on a rank — in `p.grad`, in buffers, or anywhere your object
+#    keeps them — never exceeds 2 × (`bucket_cap` / 4 + the largest trainable parameter's
+#    `numel` + 4 × `world_size`) fp32 numbers (one bucket can hold up to `bucket_cap` / 4 plus
+#    the parameter that takes it past the cap, plus padding: the allowance is two of those).
+#    A tensor counts wherever it is kept alive: a collective's input from its launch until its
+#    `wait()` returns (the `Work` holds it), and after that only if you still hold it. It is
+#    weighed before every line of your code in the backward, so a moment between two of your
+#    lines counts as much as a launch or a `wait()`. What was launched in the backward may
+#    stay in flight until `step()` waits for it; **between steps** — from the moment `step()`
+#    returns until the next backward — nothing but `self.shard.grad`;
 # 6. every tensor you make — the shard, its gradient, the buffers — has the parameters'
 #    device and dtype (on a GPU with NCCL, a buffer left on the CPU cannot be sent).
 #
@@ -191,10 +198,8 @@ def make_buckets(params, cap):
 # `_grad_ready` and `_finish` are one way to split the work; the check calls only the
 # constructor, `zero_grad()` and `step()`.
 #
-# **Your design decision:** what to keep in flight, and when to wait for it. The backward
-# must not stop for the network, yet no more than about two buckets of gradient may be alive
-# at once: decide how many reduce-scatters may be outstanding, at which moment you wait for
-# one, and what you must keep alive until you do.
+# **Your design decision:** what to keep in flight, and when to wait for it — contracts 4
+# and 5 together.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -211,7 +216,9 @@ def make_buckets(params, cap):
 # Keep one bucket in flight: when a bucket is full, first wait for the bucket launched before
 # it and forget its buffer, then flatten the full one into a padded buffer, drop its `p.grad`s
 # and launch it asynchronously, writing straight into its own slice of `self.shard.grad`. A
-# reduce-scatter sums: turn the sum into the mean once it has arrived. `step()` must wait for
+# reduce-scatter sums (its default `op`): turn the sum into the mean once it has arrived — or
+# ask it for the mean, `op=dist.ReduceOp.AVG`, which gloo takes in torch 2.14 (the check
+# accepts either). `step()` must wait for
 # the last bucket before the inner optimizer runs, and every rank then needs every updated
 # slice.
 
@@ -220,7 +227,8 @@ def make_buckets(params, cap):
 
 # %% [markdown] jupyter={"source_hidden": true}
 # In `__init__`: the trainable parameters as a list; the buckets; a dictionary from parameter
-# to bucket index and an arrival counter per bucket; per bucket its shard size and its offset
+# to bucket index and an arrival counter per bucket (a bucket is full when its count reaches
+# its length, whichever parameter came last); per bucket its shard size and its offset
 # in the shard; the shard built from copies of this rank's slices, its zero gradient, the
 # inner optimizer; one hook per trainable parameter. In the hook: count, and on the last
 # arrival finish the previous bucket, build the padded buffer, forget the `p.grad`s, launch,
@@ -366,14 +374,14 @@ lab08.check_peak_prediction(guess, measured)
 # %% [markdown]
 # ## 5. Predict, then measure: the order of launching and waiting
 #
-# Part 3's decision, measured. When a bucket is full, a ZeRO-2 that copies each bucket into a
-# padded buffer and lets go of its `p.grad` right after can order the rest three ways:
+# Part 3's decision, measured. The check's own ZeRO-2 copies each full bucket into a padded
+# buffer and lets go of its `p.grad` right after the copy; what it keeps in flight follows one
+# of three intents:
 #
-# - **wait-then-launch**: wait for the bucket launched before it and let go of that buffer,
-#   then copy this bucket, let go of its `p.grad`, launch it;
-# - **launch-then-wait**: copy this bucket, let go of its `p.grad`, launch it, then wait for
-#   the bucket launched before it;
-# - **launch-all**: copy, let go, launch — and wait for every bucket in `step()` only.
+# - **wait-then-launch**: never more than one reduce-scatter in flight;
+# - **launch-then-wait**: a full bucket leaves at once; the one before it is waited for just
+#   after;
+# - **launch-all**: nothing is waited for until `step()`.
 #
 # The check's own ZeRO-2 runs each order on part 4's model (the same buckets, 2 ranks) and is
 # weighed exactly as your `ZeroTwo` was. Before you measure: the peak of live gradient bytes

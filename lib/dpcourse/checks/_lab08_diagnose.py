@@ -138,12 +138,34 @@ _FROZEN = "4.bias"                    # requires_grad=False: it never gets a gra
 _TIED = ("8.weight", "4.weight")      # layer 8 computes with layer 4's weight
 
 
+_LATE = "1.weight"                    # registered after layer 0, applied before it
+
+
+class _GainTanh(nn.Tanh):
+    """Layer 0's activation, which also holds the model's input gain (a learnable scalar):
+    the gain is registered after layer 0's weight and bias but applied before layer 0, so its
+    gradient completes after theirs — gradients need not arrive in the reverse of the order
+    the parameters are listed."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+
+class _GainMLP(nn.Sequential):
+    """The seven layers, their input multiplied first by the gain that module 1 holds."""
+
+    def forward(self, x):
+        return super().forward(x * self[1].weight)
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
     layers = []
     for fan_in, fan_out in zip(_WIDTHS[:-1], _WIDTHS[1:]):
         layers += [nn.Linear(fan_in, fan_out), nn.Tanh()]
-    model = nn.Sequential(*layers[:-1])
+    layers[1] = _GainTanh()
+    model = _GainMLP(*layers[:-1])
     model[4].bias.requires_grad_(False)
     model[8].weight = model[4].weight
     return model
@@ -181,8 +203,14 @@ def _raised(rank: int, summary: str) -> None:
     if counted:
         start = summary.rfind("RuntimeError: ", 0, counted.start())
         summary = summary[:start if start >= 0 else counted.start()] + summary[counted.end():]
-        if "lab08-" not in summary:
+        if not re.search(r"lab08-(?!early)", summary):
             _counted(rank, counted, summary)
+    found = re.search(r"lab08-early (\d+) (\d+) (\S+) (\S+) (\S+) \| (.*)", summary)
+    if found:
+        step, k = int(found.group(1)), int(found.group(2))
+        _early(k, found.group(3), found.group(4), found.group(5).split(","),
+               f"your code raised on rank {rank} in step {step}'s backward "
+               f"({found.group(6).rstrip('.')}): ")
     found = re.search(r"lab08-reread (\d+) \| (.*)", summary)
     if found:
         fail(f"your code raised on rank {rank} ({found.group(2).rstrip('.')}) after it had "
@@ -256,6 +284,23 @@ def _raised(rank: int, summary: str) -> None:
                 "a multiple of the world size before a collective, and make the output of "
                 "all_gather_single world_size times a shard")
     fail(f"your code raised on rank {rank}: {summary}{hint}.")
+
+
+def _early(k: int, last: str, missing: str, members: list, prefix: str = "") -> None:
+    """Bucket ``k`` was launched at the arrival of the parameter listed last in it, while
+    ``missing``'s gradient had not arrived: the learner took "the last-listed parameter has
+    arrived" for "the bucket is full"."""
+    __tracebackhide__ = True
+    fail(f"{prefix}bucket {k} ({', '.join(members)}) was launched when its last-listed "
+         f"parameter, {last}, arrived, while {missing}'s gradient had not — its p.grad was "
+         f"still None. Gradients do not always arrive in the reverse of the order the "
+         f"parameters are listed: in the check's model {missing}"
+         f"{', an input gain,' if missing == _LATE else ''} is listed after {last} but "
+         f"applied before it in the forward, so its gradient completes after {last}'s. What you "
+         f"may rely on is that each trainable parameter's hook runs once per backward, when "
+         f"its gradient is complete — not in which order.",
+         fix="take a bucket as full when every one of its parameters' hooks has run in this "
+             "backward, whatever their order (count the arrivals per bucket).")
 
 
 def _swapped(rank: int, function: str, out_numel: int, in_numel: int, world_size: int) -> None:
@@ -499,8 +544,8 @@ def _diagnose_schedule(results: list, world_size: int) -> None:
     """Were the reduce-scatters launched during the backward, each as soon as its bucket was
     full, asynchronously, and waited for before the optimizer stepped?"""
     __tracebackhide__ = True
-    slack = BUCKET_CAP // 4           # a bucket closes once it reaches the cap: before its
-    for s in (s for r in results for s in r["steps"]):   # last gradient it holds less
+    for s, buckets, names in ((s, r["buckets"], r["trainable"]) for r in results
+                              for s in r["steps"]):
         log = s["log"]
         launches = [e for e in log if e[0] == "launch"]
         if not launches:
@@ -514,17 +559,7 @@ def _diagnose_schedule(results: list, world_size: int) -> None:
             fail("every reduce-scatter was launched at the end of the backward, after the last "
                  "gradient arrived: nothing overlapped — contract 4: a bucket leaves the rank as "
                  "soon as it is full, not when the backward is over.")
-        arrived = launched = 0
-        for e in log:
-            if e[0] == "grad":
-                if arrived - launched > slack:
-                    fail(f"{arrived - launched} gradient numbers had arrived and were not yet "
-                         f"reduce-scattered when the next gradient came (a bucket still filling "
-                         f"holds fewer than {slack}): a bucket was launched later than when it "
-                         f"was full (contract 4: as soon as it is full).")
-                arrived += e[1]
-            elif e[0] == "launch":
-                launched += e[2]
+        _diagnose_bucket_order(log, buckets, names)
         blocking = [e for e in launches if e[4] == "backward" and not e[3]]
         if blocking:
             fail("a reduce-scatter inside the backward was blocking (no async_op=True): the "
@@ -547,6 +582,37 @@ def _diagnose_schedule(results: list, world_size: int) -> None:
                 fail(f"{len(unwaited)} asynchronous reduce-scatter(s) had not been waited for "
                      f"when the inner optimizer stepped: until wait() returns, the shard's "
                      f"gradient need not hold the average yet (contract 3).")
+
+
+def _diagnose_bucket_order(log: list, buckets: list, names: list) -> None:
+    """Each bucket launched when, and only when, all of its gradients had arrived (in
+    whatever order they came): a launch at an arrival that left its bucket incomplete is an
+    early one; a complete bucket not launched before the next arrival is a late one."""
+    __tracebackhide__ = True
+    arrived, launches = [], 0
+    for e in log:
+        if e[0] == "grad":
+            full = sum(all(i in arrived for i in b) for b in buckets)
+            if full > launches:
+                fail(f"{full} bucket(s) had all their gradients but only {launches} "
+                     f"reduce-scatter(s) had been launched when the next gradient came: a "
+                     f"bucket was launched later than when it was full (contract 4: as soon "
+                     f"as it is full).")
+            arrived.append(e[2])
+        elif e[0] == "launch" and e[4] == "backward":
+            launches += 1
+            last = arrived[-1] if arrived else None
+            k = next((k for k, b in enumerate(buckets) if last in b), None)
+            if k is None:
+                continue
+            missing = [i for i in buckets[k] if i not in arrived]
+            if not missing or sum(all(i in arrived for i in b) for b in buckets) >= launches:
+                continue                  # this launch is a full bucket's
+            if buckets[k][-1] == last:
+                _early(k, names[last], names[missing[0]], [names[i] for i in buckets[k]])
+            fail(f"a reduce-scatter was launched at the arrival of {names[last]} while "
+                 f"bucket {k} still waited for {', '.join(names[i] for i in missing)}: "
+                 f"contract 4 launches a bucket once it is full, not before.")
 
 
 def _most_in_flight(log: list) -> int:

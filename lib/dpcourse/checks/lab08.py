@@ -18,10 +18,12 @@ pieces out of rank order, a first piece that does not start at 0, a return value
 two integers.
 
 ``check_zero_two`` runs the wrapper for 3 steps on 2 ranks with Adam and on 3 ranks with SGD +
-momentum, on an MLP of seven layers with a frozen bias and a weight tied between two layers,
-next to ``DistributedDataParallel`` with the full optimizer on the same shards of the same
-batches, and next to DDP runs that make one mistake on purpose (gradients summed, divided
-twice, earlier steps' gradients kept), so that weights equal to one of those name it.
+momentum, on an MLP of seven layers with a frozen bias, a weight tied between two layers and an
+input gain listed after layer 0's parameters but applied before layer 0 (so its gradient
+arrives after theirs, out of reverse registration order), next to ``DistributedDataParallel``
+with the full optimizer on the same shards of the same batches, and next to DDP runs that make
+one mistake on purpose (gradients summed, divided twice, earlier steps' gradients kept), so
+that weights equal to one of those name it.
 
 What it watches, from inside the rank: a hook registered on every parameter *before* the
 learner's sees each gradient arrive; spies on the collectives log each reduce-scatter's
@@ -42,7 +44,10 @@ copy and the old bucket's buffer alive beside the bucket's ``p.grad``, three buc
 whether the copy comes before the ``wait()``, or the launch too, with two reduce-scatters in
 flight at once), intermediate copies of a bucket held in local variables, buffers kept after
 their reduce-scatter or into the next step, gradients summed (also when the mean was written
-into a new tensor) or divided twice or accumulated over steps, a per-bucket count of arrived
+into a new tensor) or divided twice or accumulated over steps, a bucket taken as full when
+the parameter listed last in it arrived (the input gain's gradient had not: named whether
+the missing ``p.grad`` raised or was read as zeros), a bucket launched at an arrival that
+left it incomplete, a per-bucket count of arrived
 gradients never set back after a step (the check reads the wrapper's integer lists after
 construction and each step) or off by one arrival either way, no all-gather (the ranks drift
 apart), a shard boundary off by one, a bucket cut in pieces that do not start on 16 bytes, an
@@ -83,7 +88,8 @@ from . import check_timeout, fail, passed, recorded, require_answer, run_ranks
 from ._lab08_diagnose import (ALIGN_BYTES, BUCKET_CAP, CONFIGS, DEFAULT_TIMEOUT,
                               _GLOBAL_BATCH, _STEPS, _WIDTHS, _bounds_problem, _diagnose, _mlp,
                               _raised)
-from ._lab08_diagnose import _FROZEN, _live_limit, _trainable_numels  # noqa: F401 (tests read them)
+from ._lab08_diagnose import (_FROZEN, _LATE, _live_limit,  # noqa: F401 (tests read them)
+                              _trainable_numels)
 from ._lab08_memory import (_inner_tensors, _inputs, _live_gradients, _storages,  # noqa: F401
                             _Watched, prefer, weighing_lines)
 from ._lab08_peak import (PEAK_CAP, PEAK_WIDTHS, PEAK_WORLD_SIZE, SCHEDULES,  # noqa: F401
@@ -283,6 +289,7 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
         references[name] = (m, DDP(m), opt_cls(m.parameters(), **kw), {})
     opt_cls, kw = _optimizer(opt_name)
     names = [n for n, p in named.items() for _ in range(p.numel())]
+    names_of = [n for n, p in named.items() if p.requires_grad]     # trainable, in order
 
     log: list = []                                      # what happened, in order
     tracked: list = []                                  # weak references to each full gradient
@@ -304,8 +311,10 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
             memory["moment"] = moment
             memory["flying_bytes"] = sum(state["flying"].values())
 
+    index = {p: i for i, p in enumerate(trainable)}
+
     def seen(p):                                       # the check's hook: runs before yours
-        log.append(("grad", p.numel()))
+        log.append(("grad", p.numel(), index[p]))
         tracked.append(weakref.ref(p.grad))
         weigh()
 
@@ -374,6 +383,7 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                 skip |= {t.untyped_storage().data_ptr() for t in _inner_tensors(inner)}
             state.update(learner=opt, skip=skip)
             hooked = _learner_hooks(trainable)
+            buckets = _bucket_indices(opt, trainable)
             counters0 = _counters(opt)
             steps = []
             for step in range(_STEPS):
@@ -393,6 +403,7 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                         loss.backward()
                 except Exception as exc:
                     _raise_if_reread(exc, given)
+                    exc = _early_launch(exc, buckets, log, names_of, step)
                     _raise_with_counts(exc, opt, step, log, steps)
                 weigh()
                 end_total, end_where = live()
@@ -429,10 +440,53 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
             state_after = _state_of(inner)
         return {"initial": initial, "steps": steps, "state_after": state_after, "names": names,
                 "counters0": counters0, "reread": given.reread,
-                "views": None, "hooked": hooked, "frozen": [(n, p.numel()) for n, p in named.items()
+                "views": None, "hooked": hooked, "buckets": buckets, "trainable": names_of,
+                "frozen": [(n, p.numel()) for n, p in named.items()
                                           if not p.requires_grad]}
     finally:
         torch.set_default_dtype(_MODEL_DTYPE)
+
+
+def _bucket_indices(opt, trainable) -> list:
+    """The wrapper's buckets as lists of indices into ``trainable`` when ``self.buckets``
+    holds every trainable parameter once, else the contract's ``make_buckets`` (reverse
+    order, closed once a bucket reaches ``BUCKET_CAP`` bytes)."""
+    index = {p: i for i, p in enumerate(trainable)}
+    given = getattr(opt, "buckets", None)
+    try:
+        out = [[index[p] for p in b] for b in given]
+        if sorted(i for b in out for i in b) == list(range(len(trainable))):
+            return out
+    except (TypeError, KeyError):
+        pass
+    out, current, size = [], [], 0
+    for i in reversed(range(len(trainable))):
+        current.append(i)
+        size += trainable[i].numel() * trainable[i].element_size()
+        if size >= BUCKET_CAP:
+            out.append(current)
+            current, size = [], 0
+    return out + ([current] if current else [])
+
+
+def _early_launch(exc: Exception, buckets: list, log: list, names: list, step: int):
+    """The learner's hook raised at an arrival that was the last-LISTED parameter of its
+    bucket while another of that bucket's gradients had not arrived yet: tag it
+    (``lab08-early``, read by ``_diagnose._raised``) — the bucket was taken as full because
+    the parameter listed last had come, not because all of them had."""
+    arrived = [e[2] for e in log if e[0] == "grad"]
+    if not arrived:
+        return exc
+    last = arrived[-1]
+    k = next((k for k, b in enumerate(buckets) if last in b), None)
+    if k is None or buckets[k][-1] != last:
+        return exc
+    missing = [i for i in buckets[k] if i not in arrived]
+    if not missing:
+        return exc
+    return RuntimeError(f"lab08-early {step + 1} {k} {names[last]} {names[missing[0]]} "
+                        f"{','.join(names[i] for i in buckets[k])} | {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}")
 
 
 class _OnePass:
