@@ -40,8 +40,9 @@ from dpcourse.checks import lab06, predict
 #   step, so adding into a neighbour's chunk never changes what that neighbour sends. (A copy
 #   would matter only if a worker sent and received the same chunk in one step, and then the
 #   indices are what is wrong.);
-# * afterwards worker i holds the full sum (over all workers) of **chunk owner[i]**. What its
-#   other chunks hold does not matter.
+# * afterwards worker i holds the full sum (over all workers) of **chunk owner[i]**; its other
+#   chunks hold what the N − 1 steps left there (sums on their way to another worker), so they
+#   show that the steps ran.
 #
 # Lesson 06's simulator finishes one layout, chunk (i + 1) mod N on worker i; the check also
 # passes layouts that no shifted copy of its formula finishes. First, on paper, for N = 4
@@ -178,7 +179,9 @@ claim("after the all-gather, every worker holds the sum",
 # * it is a ring: each rank talks to its right neighbour `(rank + 1) % N` (sends) and left
 #   neighbour `(rank - 1) % N` (receives), in 2(N − 1) steps of one chunk each;
 # * any N ≥ 2, any number of elements (chunks may be uneven, or empty when there are fewer
-#   elements than ranks).
+#   elements than ranks). With at least N elements no chunk is empty, and every rank sends
+#   exactly 2(N − 1) messages; with fewer, a step whose chunk is empty may skip its send and its
+#   receive (both neighbours alike) or send the empty chunk.
 #
 # The chunk layout is yours: only the final tensor is compared.
 #
@@ -186,24 +189,36 @@ claim("after the all-gather, every worker holds the sum",
 # block until the other side is ready, so some orders leave every rank waiting for another that
 # waits too, and others finish but make a step's transfers wait for one another around the
 # ring. Decide, from the rank (and N if you need it), which ranks send first in a step and
-# which receive first, so that no step can stall and the ring's time per step stays about the
-# same whatever N, for every N ≥ 2. Count time in *transfer times*: the ring's time is when its
-# last transfer ends, and its time per step is that divided by its 2(N − 1) steps, an average
-# (a rank that has finished a step goes on to the next without waiting for the others, so
-# steps overlap, and one slow step can be hidden by the steps after it). A rank makes its two
-# calls one after the other, so no order takes less than 2 per step on average; on N = 3 no
-# order takes less than 3 (three ranks cannot hold two transfers at once), and 3 there keeps
-# the contract. Think it through for N = 3 (ranks 0 and 2 are neighbours), N = 4 and N = 8
-# before you run anything.
+# which receive first, so that no step can stall, for every N ≥ 2, and so that the ring's time
+# per step does not grow with N: it must stay under a bound that does not depend on N (the
+# naive all-reduce's grows like N). Count time in *transfer times*: the ring's time is when
+# its last transfer ends, and its time per step is that divided by its 2(N − 1) steps, an
+# average (a rank that has finished a step goes on to the next without waiting for the
+# others, so steps overlap, and one slow step can be hidden by the steps after it). A rank
+# makes its two calls one after the other, so no order takes less than 2 per step on average.
 #
 # The check runs your ring on 3, 2 and then 4 ranks, watches what it sends and the order of
 # its calls, and names a deadlock if one happens. It then counts the transfer times your whole
 # ring takes (each transfer one unit, a send going out once its receiver is in `dist.recv`) and
 # divides them by its steps, showing its slowest single step beside that average: on 3, 2 and 4
-# ranks from the calls your ranks made, and on 8 and 16 ranks from the order your code makes
-# its calls there (run with stand-ins that send nothing).
+# ranks from the calls your ranks made, and on 5, 7, 8 and 16 ranks from the order your code
+# makes its calls there (run with stand-ins that send nothing).
 #
-# First, a prediction. Once your ring works, the cell after the check will run it on N = 4 ranks
+# First, two predictions, once you have decided your order and before you write the ring.
+# Your order, whatever it is, meets odd rings too. How many transfer times per step, on
+# average, will it take on N = 3 ranks, and on N = 5? Write them as `my_step_times = {3: ...,
+# 5: ...}` (decimals welcome). The check models your order after your ring passes and says
+# where the time went.
+
+# %%
+### BEGIN SOLUTION: your predictions: your order's transfer times per step on N = 3 and N = 5
+my_step_times = {3: 3.0, 5: 2.5}
+### END SOLUTION
+step_guesses = {n: predict("lab06", lab06.STEP_QUESTION.format(n=n), my_step_times[n],
+                           unit="transfer times") for n in (3, 5)}
+
+# %% [markdown]
+# And one more. Once your ring works, the cell after the check will run it on N = 4 ranks
 # with a float32 tensor of K = 10 elements (40 bytes; 10 is not divisible by 4, so the chunks
 # hold 3, 3, 2 and 2 elements) and count the bytes each rank sends. Before you write the ring:
 # how many bytes does the rank that sends the most send?
@@ -283,6 +298,13 @@ def ring_allreduce(tensor, op="sum"):
 lab06.check_ring_allreduce(ring_allreduce, timeout=check_timeout)
 
 # %% [markdown]
+# Your predictions of the time per step on 3 and 5 ranks, next to the model run on the order
+# your code makes its calls in, and where the time went:
+
+# %%
+lab06.check_step_prediction(step_guesses, ring_allreduce)
+
+# %% [markdown]
 # Now the measurement for your prediction: your ring on 4 ranks, K = 10 float32, the bytes each
 # rank sends; the most of them is compared with your prediction.
 
@@ -326,32 +348,35 @@ except lab06.LabCheckError as err:
 # sends it on: the network waits for the addition and the addition waits for the network. NCCL
 # and gloo cut each chunk into pieces and pipeline them. Write
 # `ring_allreduce_segmented(tensor, op="sum", segments=4)`, with the contract of your
-# `ring_allreduce` and one more requirement:
+# `ring_allreduce`, non-blocking `dist.isend`/`dist.irecv` allowed, and this goal: **the
+# scatter-reduce's additions hide behind its transfers.** What must hold:
 #
-# * in the scatter-reduce, each chunk travels as `segments` pieces (cut as `tensor_split` cuts),
-#   and every addition overlaps a transfer: while piece j of a step is being added into the
-#   tensor, the next piece of that step is already on its way (its send and its receive
-#   started, not yet waited on), and piece j is added before that next piece is waited on;
+# * in the scatter-reduce, each chunk travels as `segments` pieces (cut as `tensor_split` cuts);
+# * overlap: whenever a piece of a step is being added into the tensor, the step's next piece
+#   (if there is one) is in flight, its send and its receive both started and not yet waited
+#   on, so that the network works while the rank adds;
+# * bounded memory: every receive in flight writes into a buffer of its own, one piece long,
+#   that nothing else writes into or reads from until that receive has been waited on;
 # * the all-gather may send whole chunks or pieces (nothing is added there).
 #
 # Receives posted from one neighbour are matched with its sends in the order both sides posted
 # them (the docstring of `dist.batch_isend_irecv` in `torch/distributed/distributed_c10d.py`
 # says so for a batch; with gloo it holds for separate `isend`/`irecv` too, whatever the order
-# of the waits: the lab's tests measure it), so piece j + 1's receive may be posted before
-# piece j has arrived.
+# of the waits: the lab's tests measure it), so a later piece's receive may be posted before
+# an earlier piece has arrived.
 #
-# **Your design decision:** how far ahead of the addition your ring runs. Every receive started
-# and not yet waited on needs a buffer of its own, one piece long; more of them in flight ask
-# more memory of every rank. Decide, **before you write the ring**, how many scatter-reduce
-# receives it will keep in flight at most with `segments=4`, and be ready to say what a larger
-# or a smaller number would buy or cost. Then write the ring so that it keeps that many. The
-# check measures the count on every rank and compares it with your decision; the first number
-# it compares is kept as your decision for this kernel, and another number afterwards is
-# refused (trying numbers until one passes is a search, not a decision): if the two disagree,
-# it is the ring you change.
+# **Your design decision:** how far ahead of the addition your ring runs. Every receive in
+# flight holds a buffer of its own; more of them ask more memory of every rank. Decide,
+# **before you write the ring**, how many scatter-reduce receives it will keep in flight at
+# most with `segments=4`, and be ready to say what a larger or a smaller number would buy or
+# cost. Then write the ring so that it keeps that many. The check measures the count on every
+# rank and compares it with your decision; the first number it compares is kept as your
+# decision for this kernel, and another number afterwards is refused (trying numbers until one
+# passes is a search, not a decision): if the two disagree, it is the ring you change.
 #
 # The check runs it on 3 and 2 ranks with 4 and 3 segments, compares the results, counts the
-# messages and watches the order in which your ring posts and waits.
+# messages, and watches your ring's posts, waits and additions: an order that leaves an
+# addition with nothing in flight is named by what it did.
 
 # %%
 ### BEGIN SOLUTION: your decision: scatter-reduce receives in flight at most (segments=4)
@@ -364,16 +389,18 @@ decision = predict("lab06", lab06.IN_FLIGHT_QUESTION, in_flight, unit="receive(s
 
 # %% [markdown] jupyter={"source_hidden": true}
 # When you wait for piece j and then add it, what is on its way at that moment? What must
-# already have happened for piece j + 1 to be on its way?
+# already have happened for piece j + 1 to be on its way then — and what must not have
+# happened yet?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # A transfer overlaps an addition only if it was started before the addition began and is
-# waited on after it ended. So the question is, at the moment you wait for piece j: which
-# pieces have you already started? Anything from "just the next one" to "all of the step's"
-# meets the requirement; they differ in the buffers they hold.
+# waited on after it ended. So piece j + 1's send and receive must be posted before you wait
+# for piece j, and piece j must be added before you wait for piece j + 1. At the moment you
+# wait for piece j, which later pieces have you already started? Anything from "just the next
+# one" to "all of the step's" meets the goal; they differ in the buffers they hold.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -381,8 +408,8 @@ decision = predict("lab06", lab06.IN_FLIGHT_QUESTION, in_flight, unit="receive(s
 # %% [markdown] jupyter={"source_hidden": true}
 # Per scatter-reduce step: the pieces of the chunk sent, the pieces of the chunk added into, a
 # receive buffer per piece, a helper that starts piece j's send and receive and returns the two
-# works, and a loop over j that, before it waits on piece j, has started the later pieces your
-# decision allows.
+# works, and a loop over j that starts the later pieces your decision allows, then waits for
+# piece j, then adds it.
 
 # %%
 def ring_allreduce_segmented(tensor, op="sum", segments=4):

@@ -113,7 +113,7 @@ def test_the_checked_layouts_include_one_that_is_not_a_rotation():
 
 
 @pytest.mark.parametrize("fn, phrase", [
-    (sr_off_by_one, "off-by-one chunk index in scatter_reduce"),
+    (sr_off_by_one, "off-by-one index into owner in scatter_reduce"),
     (sr_too_many_steps, "it takes exactly N-1"),
     (sr_lesson_layout, "that is lesson 06's layout, (i + 1 - t) mod N, copied"),
     (numpy_phase("identity"), "makes worker i finish chunk i whatever owner says (N=4, "
@@ -219,7 +219,7 @@ def test_all_gather_reference_passes():
 @pytest.mark.parametrize("fn, phrase", [
     (ag_missing, "nothing a worker received was written into its own array"),
     (ag_adds, "already the complete sum"),
-    (ag_off_by_one, "off-by-one chunk index in all_gather"),
+    (ag_off_by_one, "off-by-one index into owner in all_gather"),
     (ag_lesson_layout, "lesson 06's layout"),
     (numpy_phase("identity", gather=True), "start the all-gather from chunk i whatever owner "
                                            "says"),
@@ -230,6 +230,219 @@ def test_all_gather_mistakes(fn, phrase):
     with pytest.raises(LabCheckError) as err:
         lab06.check_all_gather(fn)
     assert phrase in str(err.value), str(err.value)
+
+
+# --- finding 1: an all-gather that is not a ring ------------------------------------------------
+
+
+def _ag_owner_to_everyone(buffers, owner=None):
+    """Every owner's finished chunk copied straight to every worker: the right numbers, no
+    ring (no N - 1 steps, no neighbours)."""
+    n = len(buffers)
+    owner = list(range(n)) if owner is None else list(owner)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for i, c in enumerate(owner):
+        for w in range(n):
+            if w != i:
+                buffers[w][slice(*b[c])] = buffers[i][slice(*b[c])]
+
+
+def _ag_ring_order_from_far(buffers, owner=None):
+    """The ring's order of arrivals, every worker j getting at step s the chunk of worker
+    j - s, but copied (np.copy) straight from there: not from the left neighbour."""
+    n = len(buffers)
+    owner = list(range(n)) if owner is None else list(owner)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for s in range(1, n):
+        for j in range(n):
+            c = owner[(j - s) % n]
+            buffers[j][slice(*b[c])] = np.copy(buffers[(j - s) % n][slice(*b[c])])
+
+
+def _ag_one_chunk_all_round(buffers, owner=None):
+    """Neighbour to neighbour, but one chunk carried all round the ring before the next."""
+    n = len(buffers)
+    owner = list(range(n)) if owner is None else list(owner)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for i, c in enumerate(owner):
+        for h in range(n - 1):
+            buffers[(i + h + 1) % n][slice(*b[c])] = buffers[(i + h) % n][slice(*b[c])]
+
+
+def _ag_whole_arrays(buffers, owner=None):
+    """Each worker's finished chunk put in place, then whole arrays passed right: more than
+    one chunk per write."""
+    n = len(buffers)
+    owner = list(range(n)) if owner is None else list(owner)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for _ in range(n - 1):
+        out = [buffers[i].copy() for i in range(n)]
+        for i in range(n):
+            keep = buffers[(i + 1) % n][slice(*b[owner[(i + 1) % n]])].copy()
+            buffers[(i + 1) % n][:] = out[i]
+            buffers[(i + 1) % n][slice(*b[owner[(i + 1) % n]])] = keep
+
+
+@pytest.mark.parametrize("fn, phrases", [
+    (_ag_owner_to_everyone, ["all_gather is not a ring (N=3): worker 2 got chunk 0 straight "
+                             "from worker 0, 2 places to its left, not from its left "
+                             "neighbour 1"]),
+    (_ag_ring_order_from_far, ["all_gather is not a ring (N=3)", "straight from worker",
+                               "not from its left neighbour"]),
+    (_ag_one_chunk_all_round, ["passes chunks neighbour to neighbour, but not in the ring's "
+                               "N - 1 steps (N=3): worker 1 sent chunks [0, 1] in that order, "
+                               "the ring's steps give [1, 0]"]),
+])
+def test_an_all_gather_that_is_not_a_ring_is_refused_by_its_cause(fn, phrases):
+    """Learner finding (round 6): every owner's chunk copied to every worker passed with ✔.
+    The check now watches which worker each written chunk was read from; the fix only on the
+    second meeting."""
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab06.check_all_gather(fn)
+        msg = str(err.value)
+        assert all(p in msg for p in phrases), msg
+        assert ("Run the check again" in msg) == (attempt == 1), msg
+        assert ("What to change" in msg) == (attempt == 2), msg
+
+
+def _ag_concatenated(buffers, owner=None):
+    """No ring: the finished chunks concatenated, then written whole into every worker."""
+    n = len(buffers)
+    owner = list(range(n)) if owner is None else list(owner)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    full = np.concatenate([buffers[owner.index(c)][slice(*b[c])] for c in range(n)])
+    for w in range(n):
+        buffers[w][:] = full
+
+
+@pytest.mark.parametrize("fn", [_ag_whole_arrays, _ag_concatenated])
+def test_an_all_gather_writing_whole_arrays_is_refused(fn):
+    with pytest.raises(LabCheckError) as err:
+        lab06.check_all_gather(fn)
+    msg = str(err.value)
+    assert "in one write" in msg and "a ring step carries one chunk per worker" in msg, msg
+
+
+def _ag_elementwise(buffers, owner=None):
+    """A right ring, element by element through Python scalars."""
+    n = len(buffers)
+    owner = list(range(n)) if owner is None else list(owner)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for s in range(n - 1):
+        out = []
+        for i in range(n):
+            c = owner[(i - s) % n]
+            out.append((c, [buffers[i][k] for k in range(*b[c])]))
+        for i, (c, values) in enumerate(out):
+            for k, v in zip(range(*b[c]), values):
+                buffers[(i + 1) % n][k] = v
+
+
+def _ag_np_copies(buffers, owner=None):
+    """A right ring whose copies are np.copy (plain arrays: the source is found from reads)."""
+    n = len(buffers)
+    owner = list(range(n)) if owner is None else list(owner)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for s in range(n - 1):
+        chunks = [owner[(i - s) % n] for i in range(n)]
+        out = [np.copy(buffers[i][slice(*b[c])]) for i, c in enumerate(chunks)]
+        for i, c in enumerate(chunks):
+            np.copyto(buffers[(i + 1) % n][slice(*b[c])], out[i])
+
+
+@pytest.mark.parametrize("fn", [numpy_phase("right", gather=True, copies=False), _ag_elementwise,
+                                _ag_np_copies, lab06.reference_all_gather])
+def test_right_all_gathers_written_any_way_pass(fn, capsys):
+    lab06.check_all_gather(fn)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+# --- finding 2: an off-by-one index into owner, and sums computed without a ring ----------------
+
+
+def _sr_owner_plus_one(buffers, owner=None):
+    """owner[(i + 1 - t) % N]: reads owner, one place off (lesson 06's formula on the identity
+    layout, so only a layout that is not a rotation tells the two apart)."""
+    n = len(buffers)
+    owner = list(range(n)) if owner is None else list(owner)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for t in range(1, n):
+        for i in range(n):
+            c = owner[(i + 1 - t) % n]
+            buffers[(i + 1) % n][slice(*b[c])] += buffers[i][slice(*b[c])]
+
+
+def _sr_np_sum(buffers, owner=None):
+    """No ring: np.sum over every worker's copy written straight into each owner's chunk."""
+    n = len(buffers)
+    owner = list(range(n)) if owner is None else list(owner)
+    b = ring.chunk_bounds(len(buffers[0]), n)
+    for i, c in enumerate(owner):
+        buffers[i][slice(*b[c])] = np.sum([x[slice(*b[c])] for x in buffers], axis=0)
+
+
+def test_an_off_by_one_index_into_owner_is_named_as_such():
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab06.check_scatter_reduce(_sr_owner_plus_one)
+        msg = str(err.value)
+        assert "off-by-one index into owner in scatter_reduce (N=4, owner=[2, 0, 3, 1])" in msg
+        assert "sends chunk owner[(i + 1 - t) mod N] at step t" in msg, msg
+        assert "1 place(s) before the worker owner gives it to" in msg, msg
+        assert "lesson 06's layout" not in msg, msg
+        assert ("follow one chunk" in msg) == (attempt == 2), msg
+
+
+def test_sums_computed_without_a_ring_are_named_by_their_cause():
+    """Every owner chunk right, by np.sum: was "wrong numbers on worker(s) [0, 1, 2]"."""
+    for attempt in (1, 2):
+        with pytest.raises(LabCheckError) as err:
+            lab06.check_scatter_reduce(_sr_np_sum)
+        msg = str(err.value)
+        assert "scatter_reduce leaves every worker i the full sum of chunk owner[i] (N=3, " \
+               "length 9), but not by a ring" in msg, msg
+        assert "worker 0's chunk 1 holds the sum of workers [0, 2]" in msg, msg
+        assert "yours holds its own values, untouched" in msg, msg
+        assert "wrong numbers" not in msg, msg
+        assert ("every worker sends one chunk to its right neighbour" in msg) == (attempt == 2)
+
+
+# --- finding 3: the prediction of the time per step on odd N ------------------------------------
+
+
+def _step_guesses(three, five):
+    from dpcourse.checks import predict
+    return {n: predict("lab06", lab06.STEP_QUESTION.format(n=n), v, unit="transfer times")
+            for n, v in ((3, three), (5, five))}
+
+
+def test_the_step_time_prediction_explains_the_odd_ring(capsys):
+    """Even/odd: 3 on 3 ranks, 2.5 on 5, 2.33 on 7 (4N in all: 4 more than 4(N - 1), paid
+    once at the seam where ranks N - 1 and 0 both send first), 2 on even N. A wrong
+    prediction is answered, never refused."""
+    lab06.check_step_prediction(_step_guesses(3, 2), ring_ok)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Your prediction: 3 transfer times; measured: 3 transfer times — right." in out, out
+    assert "Your prediction: 2 transfer times; measured: 2.5 transfer times — not what " \
+           "happened." in out, out
+    assert "12 on 3, 20 on 5, 28 on 7 ranks: 4, 4, 4 transfer times more than 4(N - 1)" in out
+    assert "a delay paid once, not in every step" in out, out
+    assert "your ranks 4 and 0, neighbours, both call dist.send first" in out, out
+    assert "3.00 on 3, 2.50 on 5, 2.33 on 7 ranks per step" in out, out
+    assert "(2.00 on 4, 2.00 on 8) there is no such delay" in out, out
+
+
+def test_the_step_time_prediction_follows_the_learners_own_order(capsys):
+    lab06.check_step_prediction(_step_guesses(3, 2.6), ring_first_half)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 2.62 transfer times — right." in out, out
+    assert "a start-up delay that grows with the longest chain" in out, out
+
+
+def test_the_step_time_prediction_needs_both_predictions():
+    with pytest.raises(LabCheckError, match=r"as a dict \{3: \.\.\., 5: \.\.\.\}"):
+        lab06.check_step_prediction(3.0, ring_ok)
 
 
 def test_an_unsolved_todo_stops_with_not_implemented():
@@ -475,11 +688,11 @@ def test_ring_reference_passes(capsys):
     # divided by its 2(N-1) steps — 3 on 3 ranks (no order does better), 2 on an even N,
     # modelled on 8 and 16 ranks by a dry run — and the slowest single step beside it
     assert "the whole ring took 12 on 3 ranks, 4 on 2 ranks, 12 on 4 ranks (and, modelled " \
-           "from the order of its calls on more ranks than this machine runs, 28 on 8 and 60 " \
-           "on 16) transfer times" in out, out
-    assert "divided by its 2(N-1) steps, that is 3.0, 2.0, 2.0, 2.0, 2.0 per step on average" \
-           in out, out
-    assert "its slowest single step took 3, 2, 2, 2, 2." in out, out
+           "from the order of its calls on more ranks than this machine runs, 20 on 5, 28 on " \
+           "7, 28 on 8 and 60 on 16) transfer times" in out, out
+    assert "divided by its 2(N-1) steps, that is 3.0, 2.0, 2.0, 2.5, 2.3, 2.0, 2.0 per step " \
+           "on average" in out, out
+    assert "its slowest single step took 3, 2, 2, 3, 3, 2, 2." in out, out
     assert "a step took about" not in out, out  # a mean is never called "a step"
     assert "built from blocking dist.send/dist.recv only" in out, out
     assert "on 3, 2, 4 ranks" in out, out
@@ -565,9 +778,10 @@ def ring_ranks_0_and_2_first(tensor, op="sum"):
     return learner_ring(tensor, op, rule="ranks 0 and 2")
 
 
-@pytest.mark.parametrize("fn, senders, on_8", [(ring_ranks_0_and_1_first, "(0, 1)", "4.1"),
-                                               (ring_ranks_0_and_2_first, "(0, 2)", "4.0")])
-def test_an_order_whose_step_time_grows_with_n_is_refused(fn, senders, on_8):
+@pytest.mark.parametrize("fn, senders, on_5_to_8", [
+    (ring_ranks_0_and_1_first, "(0, 1)", "2.6 on 5, 3.6 on 7, 4.1 on 8"),
+    (ring_ranks_0_and_2_first, "(0, 2)", "2.5 on 5, 3.5 on 7, 4.0 on 8")])
+def test_an_order_whose_step_time_grows_with_n_is_refused(fn, senders, on_5_to_8):
     """Right on 2, 3 and 4 ranks, and parallel on 4 (two ranks send first there, as with the
     even/odd rule), but a fixed number of ranks send first: on N ranks only 2 transfers run at
     once, so a step costs about N/2 transfer times. Its order of calls, found on 8 and 16 ranks
@@ -577,7 +791,7 @@ def test_an_order_whose_step_time_grows_with_n_is_refused(fn, senders, on_8):
             lab06.check_ring_allreduce(fn, world_size=4, timeout=60)
         msg = str(err.value)
         assert "your ring is right, but its time per step grows with N" in msg, msg
-        assert f"on 4 ranks, {on_8} on 8 and 8.0 on 16 transfer times per step on average " \
+        assert f"on 4 ranks, {on_5_to_8} and 8.0 on 16 transfer times per step on average " \
                "(the whole ring's time, until its last transfer ended, divided by its 2(N-1) " \
                "steps" in msg, msg
         assert f"On 16 ranks, 2 rank(s) {senders} call dist.send first in step 1 and 14 " \
@@ -602,13 +816,13 @@ def ring_by_step(tensor, op="sum"):
     return learner_ring(tensor, op, rule="by step")
 
 
-@pytest.mark.parametrize("fn, on_4, on_8, on_16", [
-    (ring_first_half, "2.2", "2.2", "2.2"),  # a start-up chain of N/2, then 2 per step
-    (ring_odd_first, "2.0", "2.0", "2.0"),
-    (ring_every_third, "2.2", "2.7", "2.7"),  # bounded: never more than 3 per step
-    (ring_by_step, "2.0", "2.0", "2.0"),
+@pytest.mark.parametrize("fn, on_4_to_16", [
+    (ring_first_half, "2.2, 2.6, 2.5, 2.2, 2.2"),  # a start-up chain of N/2, then 2 per step
+    (ring_odd_first, "2.0, 2.5, 2.3, 2.0, 2.0"),  # odd N: a seam, 4 transfer times once
+    (ring_every_third, "2.2, 2.5, 2.4, 2.7, 2.7"),  # bounded: never more than 3 per step
+    (ring_by_step, "2.0, 3.0, 3.0, 2.0, 2.0"),
 ])
-def test_orders_whose_step_time_stays_bounded_pass(fn, on_4, on_8, on_16, capsys):
+def test_orders_whose_step_time_stays_bounded_pass(fn, on_4_to_16, capsys):
     """Every order whose time per step does not grow with N keeps part 3's contract, the
     "first half of the ranks send first" rule included: gloo ranks do not wait for one another
     between steps, so its chain of N/2 + 1 transfers in step 1 is paid once (measured with gloo
@@ -616,9 +830,9 @@ def test_orders_whose_step_time_stays_bounded_pass(fn, on_4, on_8, on_16, capsys
     even/odd 2.24 and 2.19, rank 0 alone sending first 8.3 and 12.8)."""
     lab06.check_ring_allreduce(fn, world_size=4, timeout=60)
     out = capsys.readouterr().out
-    assert f"that is {on_4}, {on_8}, {on_16} per step on average" in out, out
+    assert f"that is {on_4_to_16} per step on average" in out, out
     if fn is ring_first_half:  # its start-up chain shows as the slowest step, paid once
-        assert "its slowest single step took 3, 5, 9." in out, out
+        assert "its slowest single step took 3, 4, 5, 5, 9." in out, out
 
 
 def test_the_step_time_model():
@@ -1209,7 +1423,9 @@ def test_segmented_ring_declared_in_flight_must_be_what_the_ring_did(capsys):
     ring that posts a whole step's pieces has 4 in flight with segments=4, not 2. The sentence
     gives no direction (no "more"/"fewer" to search by) and never the number."""
     lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=4)
-    assert "up to 4 receive(s) in flight" in capsys.readouterr().out
+    assert ("each rank had up to 4 scatter-reduce receive(s) in flight with segments=4, posted "
+            "and not yet waited on, as declared: 4 piece(s) on their way at once"
+            in capsys.readouterr().out)
 
 
 def test_a_wrong_in_flight_is_kept_and_the_ring_held_to_it():
@@ -1258,7 +1474,9 @@ def test_an_impossible_in_flight_is_refused_and_not_kept(number, phrase, capsys)
     with pytest.raises(LabCheckError, match=phrase):
         lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=number)
     lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=4)
-    assert "up to 4 receive(s) in flight" in capsys.readouterr().out
+    assert ("each rank had up to 4 scatter-reduce receive(s) in flight with segments=4, posted "
+            "and not yet waited on, as declared: 4 piece(s) on their way at once"
+            in capsys.readouterr().out)
 
 
 def test_a_repeated_mistake_gets_its_fix():
@@ -1277,7 +1495,7 @@ def test_every_all_gather_sentence_escalates_on_the_second_meeting():
     for fn, cause, fix in [
         (ag_missing, "left every worker's array as the scatter-reduce left it",
          "write the chunk that arrives into the receiving worker's own array"),
-        (ag_off_by_one, "off-by-one chunk index in all_gather",
+        (ag_off_by_one, "off-by-one index into owner in all_gather",
          "pass on the chunk it completed most recently"),
     ]:
         for attempt in (1, 2):

@@ -15,8 +15,16 @@ mistake as arguments) and matching the learner's numbers: the layout ignored (ev
 finishing chunk i, or lesson 06's layout), arithmetic on owner's chunk index ((owner[i] - t)
 mod N, right only for rotations), owner read the other way round (as the worker of a chunk), an
 index off by one, a wrong number of steps, a chunk rule other than ``ring.chunk_bounds``, an
-all-gather that adds or writes nowhere. The same two simulators give part 3's expected results
-(:mod:`._lab06_ring`, in lesson 06's layout).
+all-gather that adds or writes nowhere. A shifted index into owner (owner[(i + 1 - t) mod N]) is
+lesson 06's formula on the identity layout, so it is judged on the paper's layout first
+(:func:`_off_by_one_owner`). A scatter-reduce whose owner chunks are right but whose other chunks
+are not the partial sums a ring leaves (np.sum into each owner's chunk) is named as no ring
+(:func:`_refuse_shortcut_sums`). An all-gather's result says nothing of how it got there, so a
+right one runs again on tracked arrays (:class:`_Tracked`, :func:`_refuse_not_a_ring`): a chunk
+copied from a worker that is not the left neighbour (the owner's chunk straight to everyone),
+more than one chunk in one write, and chunks passed on in another order than the ring's steps
+are each named. The same two simulators give part 3's expected results (:mod:`._lab06_ring`, in
+lesson 06's layout).
 """
 
 from __future__ import annotations
@@ -252,12 +260,295 @@ def _wrong_steps_or_chunk(got, phase, start, owner, what: str, chunk_rule: str) 
                     f"the one meant for the worker {abs(d)} place{'s' if abs(d) > 1 else ''} "
                     f"{'further round the ring' if d > 0 else 'back'} from {base}")
 
-            sent = places(ds, "the right one", "the right worker")
-            landed = places(dr, "the one sent", "the worker of the chunk sent")
-            fail(f"off-by-one chunk index in {what} ({_case(n, owner)}): your result is what "
-                 f"the ring gives when the chunk a worker sends is {sent} and the chunk its "
-                 f"neighbour adds into (or overwrites) is {landed}, so a chunk ends on the "
-                 f"wrong worker or mixes two chunks.", fix=chunk_rule)
+            fail(_off_by_one_sentence(what, n, owner, ds, dr), fix=chunk_rule)
+
+
+# --- what moved where: the transfers of the learner's NumPy phases ------------------------------
+
+
+class _Log:
+    """The memory of each worker's array, and every write into it with where its value came
+    from: ``writes`` holds (dest worker, start, stop, source) with source (worker, start, stop)
+    or None when the value came from no one worker's chunk; ``reads`` holds (worker, start,
+    stop) for every view or element taken of a worker's array, in order."""
+
+    def __init__(self, arrays):
+        self.roots = arrays
+        self.writes: list = []
+        self.reads: list = []
+
+    def where(self, arr):
+        """(worker, start, stop) when ``arr`` is a view into a worker's array, else None."""
+        if not isinstance(arr, np.ndarray) or arr.size == 0:
+            return None
+        ptr = arr.__array_interface__["data"][0]
+        for w, root in enumerate(self.roots):
+            base = root.__array_interface__["data"][0]
+            if base <= ptr < base + root.nbytes:
+                start = (ptr - base) // root.itemsize
+                return w, start, min(start + arr.size, root.size)
+        return None
+
+    def guess(self, dest):
+        """The source of a value that carries none (np.copy, a scalar): the latest read of the
+        same elements on another worker's array before the write."""
+        w, a, b = dest
+        for rw, ra, rb in reversed(self.reads):
+            if rw != w and (ra, rb) == (a, b):
+                return rw, ra, rb
+        return None
+
+
+class _Tracked(np.ndarray):
+    """A worker's array (or a view or copy of one) that notes, in its :class:`_Log`, every
+    write into a worker's array and the worker the written value came from."""
+
+    def __array_finalize__(self, obj):
+        self._log = getattr(obj, "_log", None)
+        self._src = None
+        if self._log is None:
+            return
+        here = self._log.where(self)
+        if here is not None:
+            self._log.reads.append(here)
+        elif isinstance(obj, np.ndarray):  # a copy: remember where its values were taken
+            self._src = self._log.where(obj) or getattr(obj, "_src", None)
+
+    def __getitem__(self, key):
+        out = super().__getitem__(key)
+        log = getattr(self, "_log", None)
+        if log is not None and not isinstance(out, np.ndarray):
+            here = log.where(self)
+            if here is not None and isinstance(key, (int, np.integer)):
+                k = here[1] + int(key) % self.size
+                log.reads.append((here[0], k, k + 1))
+        return out
+
+    def __setitem__(self, key, value):
+        log = getattr(self, "_log", None)
+        if log is not None:
+            target = self.view(np.ndarray)[key]
+            here = log.where(self)
+            if isinstance(target, np.ndarray):
+                dest = log.where(target)
+            elif here is not None and isinstance(key, (int, np.integer)):
+                k = here[1] + int(key) % self.size
+                dest = (here[0], k, k + 1)
+            else:
+                dest = None
+            if dest is not None:
+                src = None
+                if isinstance(value, _Tracked):
+                    src = log.where(value) or value._src
+                if src is None:
+                    src = log.guess(dest)
+                if src != dest:
+                    log.writes.append((*dest, src))
+        super().__setitem__(key, value)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        log = next((x._log for x in (*inputs, *(out or ())) if isinstance(x, _Tracked)
+                    and x._log is not None), None)
+        plain = [x.view(np.ndarray) if isinstance(x, _Tracked) else x for x in inputs]
+        if out is not None:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, _Tracked) else o
+                                  for o in out)
+        result = getattr(ufunc, method)(*plain, **kwargs)
+        if log is not None and out is not None:
+            for o in out:
+                dest = log.where(o) if isinstance(o, np.ndarray) else None
+                if dest is None:
+                    continue
+                srcs = [log.where(x) or getattr(x, "_src", None) for x in inputs
+                        if isinstance(x, _Tracked)]
+                srcs = [s for s in srcs if s is not None and s[0] != dest[0]]
+                log.writes.append((*dest, srcs[0] if srcs else log.guess(dest)))
+            return out[0] if len(out) == 1 else out
+        return result
+
+
+def _transfers(fn, start, owner):
+    """Run ``fn`` on tracked copies of ``start``; return (the log, the tracked arrays), or None
+    when the run cannot be read (it raised, or left its result anywhere but in the arrays it
+    was given: then the transfers are not judged)."""
+    roots = [a.copy() for a in start]
+    log = _Log(roots)
+    arrays = [r.view(_Tracked) for r in roots]
+    for a in arrays:
+        a._log, a._src = log, None
+    try:
+        if owner is None and not _takes_owner(fn):
+            fn(list(arrays))
+        else:
+            fn(list(arrays), list(range(len(start))) if owner is None else list(owner))
+    except Exception:  # noqa: BLE001 - already judged on plain arrays; this run only watches
+        return None
+    return log, roots
+
+
+def _chunk_of(bounds, a: int, b: int):
+    """The chunk index whose elements [a, b) are, or None when they span or split chunks."""
+    for c, (lo, hi) in enumerate(bounds):
+        if lo <= a and b <= hi:
+            return c
+    return None
+
+
+def _refuse_not_a_ring(fn, start, owner, total, what: str) -> None:
+    """The all-gather's contract beyond its result: N - 1 steps in which every worker sends one
+    chunk to its right neighbour, the one it completed most recently. The learner's phase runs
+    again on tracked arrays (:class:`_Tracked`), which note every write into a worker's array
+    and the worker its value was read from; a value copied straight from a worker that is not
+    the left neighbour (every owner's chunk copied to every worker), a write of more than one
+    chunk at once, and chunks passed on in another order than the ring's steps are each named
+    by their cause. A run whose writes cannot be read (values put in place by means the
+    tracking does not see) is not judged."""
+    __tracebackhide__ = True
+    n = len(start)
+    length = len(start[0])
+    if length < n:
+        return
+    watched = _transfers(fn, start, owner)
+    if watched is None:
+        return
+    log, roots = watched
+    if not all(np.array_equal(r, t) for r, t in zip(roots, [total] * n)):
+        return
+    layout = _owner(n, owner)
+    bounds = chunk_bounds(length, n)
+    sent: list[list[int]] = [[] for _ in range(n)]
+    for dw, a, b, src in log.writes:
+        chunk = _chunk_of(bounds, a, b)
+        if src is None and chunk is not None:
+            continue  # a chunk from no one worker's array: a value the tracking cannot follow
+        if src is None:
+            covered = [c for c, (lo, hi) in enumerate(bounds) if a < hi and lo < b]
+            fail(f"{what} wrote elements {a}..{b - 1} of worker {dw}'s array in one write, "
+                 f"values taken from no single worker ({_case(n, owner)}): that is chunks "
+                 f"{covered} at once, gathered from everywhere, and a ring step carries one "
+                 f"chunk per worker, from its left neighbour.",
+                 fix="pass one chunk of ring.chunk_bounds per worker per step, from worker i "
+                     "to worker (i + 1) mod N.")
+        sw = src[0]
+        if sw != (dw - 1) % n:
+            hops = (dw - sw) % n
+            named = f"chunk {chunk}" if chunk is not None else f"elements {a}..{b - 1}"
+            fail(f"{what} is not a ring ({_case(n, owner)}): worker {dw} got {named} straight "
+                 f"from worker {sw}, {hops} places to its left, not from its left neighbour "
+                 f"{(dw - 1) % n}. In a ring a worker receives only what its left neighbour "
+                 f"sends, one chunk per step, so a chunk reaches the worker {hops} places on "
+                 f"after {hops} steps, passed on by every worker between; a copy from the "
+                 f"owner to everyone is the naive gather, whose owner sends N - 1 chunks "
+                 f"while the others send none.",
+                 fix="run N - 1 steps; in each, every worker i passes one chunk to worker "
+                     "(i + 1) mod N only: the finished chunk it received most recently (its "
+                     "own, owner[i], at the first step).")
+        if chunk is None:
+            covered = [c for c, (lo, hi) in enumerate(bounds) if a < hi and lo < b]
+            fail(f"{what} moved elements {a}..{b - 1} from worker {sw} to worker {dw} in one "
+                 f"write ({_case(n, owner)}): that is chunks {covered} at once, and a ring "
+                 f"step carries one chunk per worker.",
+                 fix="pass one chunk of ring.chunk_bounds per worker per step.")
+        if not sent[sw] or sent[sw][-1] != chunk:
+            sent[sw].append(chunk)
+    for i in range(n):
+        want = [layout[(i - s) % n] for s in range(n - 1)]
+        if sent[i] and sent[i] != want:
+            fail(f"{what} passes chunks neighbour to neighbour, but not in the ring's N - 1 "
+                 f"steps ({_case(n, owner)}): worker {i} sent chunks {sent[i]} in that order, "
+                 f"the ring's steps give {want}. In step s every worker passes on the chunk it "
+                 f"completed most recently (its own, chunk {layout[i]}, at the first step, then "
+                 f"the one that arrived in step s - 1), so each step moves N chunks at once; "
+                 f"one chunk carried all round the ring before the next keeps the other "
+                 f"workers idle.",
+                 fix="organise the loop by steps: in each of the N - 1 steps every worker "
+                     "passes on one chunk, the one that arrived in the step before.")
+
+
+def _index_text(d: int) -> str:
+    return "owner[(i - t) mod N]" if d == 0 else (
+        f"owner[(i {'+' if d > 0 else '-'} {abs(d)} - t) mod N]")
+
+
+def _off_by_one_sentence(what: str, n: int, owner, ds: int, dr: int) -> str:
+    """The cause of a result that is the ring's with the index into owner shifted: ``ds`` for
+    the chunk sent, ``ds + dr`` for the chunk the neighbour adds into (or overwrites)."""
+    adds = "adds it into" if what == "scatter_reduce" else "writes it over"
+    sent = _index_text(ds)
+    if dr:
+        return (f"off-by-one index into owner in {what} ({_case(n, owner)}): your result is "
+                f"what the ring gives when worker i sends chunk {sent} at step t but its "
+                f"neighbour {adds} chunk {_index_text(ds + dr)}: the chunk received is not the "
+                f"chunk sent, so two chunks' values mix.")
+    if what != "scatter_reduce":
+        return (f"off-by-one index into owner in {what} ({_case(n, owner)}): your result is "
+                f"what the ring gives when worker i passes on chunk {sent} at step t (t = N, "
+                f"..., 2N - 2, numbered on from the scatter-reduce): that is not the chunk it "
+                f"completed most recently, so what it passes on is a partial sum, or a chunk "
+                f"its neighbour already has.")
+    sign = "+" if ds > 0 else "-"
+    return (f"off-by-one index into owner in {what} ({_case(n, owner)}): your result is what "
+            f"the ring gives when worker i sends chunk {sent} at step t, the chunk owner gives "
+            f"to worker (i {sign} {abs(ds)} - t) mod N. But a chunk that worker i sends at step "
+            f"t ends on worker (i - t) mod N, N - 1 - t hops past worker i + 1, whichever chunk "
+            f"it is: {abs(ds)} place(s) {'before' if ds > 0 else 'after'} the worker owner "
+            f"gives it to, so every finished sum sits on the wrong worker.")
+
+
+def _off_by_one_owner(fn, phase, what: str) -> None:
+    """A shifted index into owner looks like lesson 06's layout on the identity layout
+    ((i + 1 - t) mod N is owner[(i + 1 - t) mod N] there): judge it on the paper's layout,
+    which is not a rotation, before a layout is blamed."""
+    __tracebackhide__ = True
+    n, length, owner = 4, 10, PAPER_OWNER
+    inputs = _inputs(n, length)
+    start = inputs if phase is _scatter_reduce else _scatter_reduce(
+        [a.copy() for a in inputs], owner=owner)
+    try:
+        got = _run_learner(fn, [a.copy() for a in start], owner, what)
+    except LabCheckError:
+        return
+    for ds, dr in itertools.product((-1, 1, 2), (-1, 0, 1)):
+        if _same(got, phase([a.copy() for a in start], ds, dr, owner=owner)):
+            fail(_off_by_one_sentence(what, n, owner, ds, dr),
+                 fix=_SR_RULE if phase is _scatter_reduce else _AG_RULE)
+
+
+def _refuse_shortcut_sums(got, want, inputs, owner) -> None:
+    """Every worker holds the full sum of its chunk owner[i], but its other chunks are not what
+    N - 1 ring steps leave there: the sums were computed some other way (np.sum over all the
+    workers' chunks, say). Name it with one chunk the ring would have left partly summed."""
+    __tracebackhide__ = True
+    n, length = len(inputs), len(inputs[0])
+    layout = _owner(n, owner)
+    bounds = chunk_bounds(length, n)
+    total = np.sum(inputs, axis=0)
+    if not all(np.array_equal(got[w][slice(*bounds[c])], total[slice(*bounds[c])])
+               for w, c in enumerate(layout)):
+        return
+    # which workers' values the ring leaves in each chunk: run it on worker w = 2 ** w
+    marks = _scatter_reduce([np.full(length, float(2 ** w)) for w in range(n)], owner=owner)
+    for w in range(n):
+        for c, (lo, hi) in enumerate(bounds):
+            if hi > lo and not np.array_equal(got[w][lo:hi], want[w][lo:hi]):
+                mask = int(marks[w][lo])
+                who = [v for v in range(n) if mask >> v & 1]
+                if np.array_equal(got[w][lo:hi], inputs[w][lo:hi]):
+                    yours = "its own values, untouched"
+                elif np.array_equal(got[w][lo:hi], total[lo:hi]):
+                    yours = "the full sum"
+                else:
+                    yours = f"{got[w][lo:hi][:3].tolist()}..."
+                fail(f"scatter_reduce leaves every worker i the full sum of chunk owner[i] "
+                     f"({_case(n, owner)}, length {length}), but not by a ring: after N - 1 "
+                     f"ring steps worker {w}'s chunk {c} holds the sum of workers {who} (a "
+                     f"chunk passing through on its way to worker {layout.index(c)}), and "
+                     f"yours holds {yours}. In a ring each worker receives one chunk per step "
+                     f"from its left neighbour and adds it, so every chunk is summed one "
+                     f"worker at a time along the ring; summing all the workers' copies at "
+                     f"once is a gather to one place, not a ring.",
+                     fix="run N - 1 steps; in each, every worker sends one chunk to its right "
+                         "neighbour, which adds it into its own copy of that chunk. " + _FOLLOW)
 
 
 # The paper question before part 1: worker 0's chunks at steps 1, 2 and 3 on a 4-ring whose
@@ -344,6 +635,7 @@ def check_scatter_reduce(fn) -> None:
                  f"change it).",
                  fix="in every step, add the chunk received from the left neighbour into the "
                      "worker's own copy of that chunk, in place.")
+        _off_by_one_owner(fn, _scatter_reduce, "scatter_reduce")
         _misread_layout(got, _scatter_reduce, inputs, owner, "scatter_reduce")
         if length % n:
             for rule in _OTHER_CHUNK_RULES:
@@ -352,6 +644,7 @@ def check_scatter_reduce(fn) -> None:
                     fail(_chunk_rule_sentence("scatter_reduce", n, length, rule),
                          fix=_CHUNK_RULE_FIX)
         _wrong_steps_or_chunk(got, _scatter_reduce, inputs, owner, "scatter_reduce", _SR_RULE)
+        _refuse_shortcut_sums(got, want, inputs, owner)
         layout = _owner(n, owner)
         bad = [w for w in range(n) if not np.array_equal(got[w], want[w])]
         fail(f"scatter_reduce gives wrong numbers on worker(s) {bad} for {_case(n, owner)}, "
@@ -372,6 +665,7 @@ def check_all_gather(fn) -> None:
         total = np.sum(inputs, axis=0)
         got = _run_learner(fn, [a.copy() for a in reduced], owner, "all_gather")
         if all(np.array_equal(g, total) for g in got):
+            _refuse_not_a_ring(fn, reduced, owner, total, "all_gather")
             continue
         if _same(got, reduced):
             fail(f"all_gather left every worker's array as the scatter-reduce left it "
@@ -385,6 +679,7 @@ def check_all_gather(fn) -> None:
             fail("all_gather adds the incoming chunk to the worker's own: the chunk that arrives "
                  "is already the complete sum, so adding it counts values twice.",
                  fix="overwrite the worker's copy of the chunk with the one that arrives.")
+        _off_by_one_owner(fn, _all_gather, "all_gather")
         _misread_layout(got, _all_gather, reduced, owner, "all_gather")
         if length % n:
             for rule in _OTHER_CHUNK_RULES:

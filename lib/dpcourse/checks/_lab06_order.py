@@ -14,7 +14,7 @@ first half of the ranks send first" took 2.36 transfer times per step on average
 step's *slowest* share (:func:`_slowest_step`) for the ✔ line.
 
 The order is found from the calls the ranks made (3, 2 and 4 ranks,
-:func:`_recorded_orders`) and, on 8 and 16 ranks, from a dry run of the learner's code with
+:func:`_recorded_orders`) and, on 5, 7, 8 and 16 ranks, from a dry run of the learner's code with
 stand-ins that only note the calls (:func:`_dry_orders`). An order that deadlocks on more
 ranks, one whose steps run around the ring one transfer after another
 (:func:`_refuse_serialised_steps`), and one whose time per step grows with N
@@ -201,17 +201,17 @@ def _refuse_serialised_steps(cases, traffic, n: int) -> None:
         return  # one case of length >= N shows the order of every step
 
 
-DRY_SIZES = (8, 16)  # part 3's order of calls is modelled on these group sizes too
+DRY_SIZES = (5, 7, 8, 16)  # part 3's order of calls is modelled on these group sizes too
 
 
 def _refuse_growing_steps(dry, per_step: dict) -> dict:
     """Part 3's contract: a step takes about the same time whatever N. ``dry`` is
     :func:`_dry_orders`'s answer for :data:`DRY_SIZES`; each size's order of calls is run
     through :func:`_rounds` (one time unit per transfer, a gloo send waiting for its receiver).
-    A rule that deadlocks on a larger group is named; so is one whose time per step grows from
-    8 to 16 ranks (by more than half a transfer: the rules that keep the contract stay within a
-    few hundredths, e.g. even/odd at 2.0 and "the first half of the ranks send first" at 2.2 on
-    both). Returns ``{N: transfer times per step}`` (empty when the order could not be found)."""
+    A rule that deadlocks on a larger group (odd ones too) is named; so is one whose time per
+    step grows from the smallest to the largest of them, 5 to 16 ranks, by more than half a
+    transfer (the rules that keep the contract do not grow: even/odd 2.5 on 5 and 2.0 on 16,
+    "the first half of the ranks send first" 2.6 and 2.2). Returns ``{N: transfer times per step}`` (empty when the order could not be found)."""
     __tracebackhide__ = True
     if not isinstance(dry, dict):
         return {}  # the ring needs more than send/recv/rank/size: its order is not judged
@@ -263,3 +263,88 @@ def _ranks_text(ranks) -> str:
     ranks = list(ranks)
     return ", ".join(map(str, ranks)) if len(ranks) <= 6 else (
         f"{', '.join(map(str, ranks[:4]))}, …, {ranks[-1]}")
+
+
+# --- part 3's prediction: the time per step of the learner's own order on odd N ----------------
+
+STEP_QUESTION = "your order's transfer times per step on average, N = {n}"
+STEP_SIZES = (3, 5)     # predicted
+STEP_SHOWN = (3, 5, 7, 4, 8)  # modelled for the explanation: odd, then even for contrast
+
+
+def _step_model(fn, sizes):
+    """``{N: (whole ring's transfer times, per step, first calls of step 1)}`` for the order
+    ``fn`` makes its calls in (a dry run, :func:`_dry_orders`), or a string saying why none."""
+    dry = _dry_orders(fn, sizes)
+    if not isinstance(dry, dict):
+        return dry
+    out = {}
+    for n, orders in dry.items():
+        units, _ = _rounds(orders)
+        first = [o[0][0] if o else None for o in orders]
+        out[n] = (units, None if units is None else units / (2 * (n - 1)), first)
+    return out
+
+
+def check_step_prediction(guesses, fn) -> None:
+    """Compare the learner's predictions of their own order's time per step (transfer times,
+    on average) on 3 and 5 ranks with the model run on the order their ``ring_allreduce`` makes
+    its calls in, and explain the gap: a rank makes its 4(N-1) calls one after another, so 2
+    per step is the floor; where two neighbouring ranks make the same first call (on odd N any
+    rule that alternates has such a seam) one waits for the other, and because ranks do not
+    wait for one another between steps that delay is paid once, a fixed number of transfer
+    times spread over 2(N-1) steps: even/odd costs 4N in all on odd N, 3 per step on 3 ranks,
+    2.5 on 5, 2.33 on 7 (and 2 on every even N). ``guesses`` is ``{N: Prediction}``, from
+    ``predict(..., STEP_QUESTION.format(n=N), ...)``; a wrong prediction never raises."""
+    from dpcourse.checks import Prediction, reveal
+
+    __tracebackhide__ = True
+    if not isinstance(guesses, dict) or not all(
+            isinstance(guesses.get(n), Prediction) for n in STEP_SIZES):
+        fail(f"check_step_prediction needs your predictions as a dict {{3: ..., 5: ...}} of "
+             f"what predict(...) returned, got {guesses!r}.")
+    model = _step_model(fn, STEP_SHOWN)
+    if not isinstance(model, dict):
+        fail(f"the order of your ring's calls could not be found by running it with stand-ins "
+             f"({model}): run check_ring_allreduce first.")
+    if any(model[n][0] is None for n in STEP_SHOWN):
+        stuck = [n for n in STEP_SHOWN if model[n][0] is None]
+        fail(f"your ring's order of calls deadlocks on {stuck} ranks: run check_ring_allreduce "
+             f"first, and make it pass.")
+    per = {n: model[n][1] for n in STEP_SHOWN}
+    extra = {n: model[n][0] - 4 * (n - 1) for n in STEP_SHOWN}
+    odd = [n for n in STEP_SHOWN if n % 2]
+    first5 = model[5][2]
+    seams = [(r, (r + 1) % 5) for r in range(5) if first5[r] == first5[(r + 1) % 5]]
+    seam = ""
+    if seams:
+        a, b = seams[0]
+        verb = "dist.send" if first5[a] == "send" else "dist.recv"
+        seam = (f" On 5 ranks your ranks {a} and {b}, neighbours, both call {verb} first in step "
+                f"1, so one of them waits for the other before its first transfer can start"
+                + (" (an odd ring cannot alternate all the way round: some two neighbours "
+                   "always match)." if len(seams) == 1 else
+                   f"; {len(seams)} such pairs of neighbours make chains, each rank waiting for "
+                   f"the next."))
+    paid = ("the same few transfer times on every odd N: a delay paid once, not in every "
+            "step, because a rank that has finished a step goes on without waiting for the "
+            "others, so the delay is carried along the ring and overlapped by later steps"
+            if len({extra[n] for n in odd}) == 1 else
+            "a start-up delay that grows with the longest chain of neighbours making the same "
+            "first call, paid once, not in every step")
+    even_free = all(extra[n] == 0 for n in STEP_SHOWN if not n % 2)
+    explanation = (
+        f"A rank makes its 4(N - 1) calls one after another, each at least one transfer time, "
+        f"so 2 per step on average is the floor. Your order's whole ring takes "
+        f"{', '.join(f'{model[n][0]} on {n}' for n in odd)} ranks: "
+        f"{', '.join(f'{extra[n]}' for n in odd)} "
+        f"transfer times more than 4(N - 1) — {paid}.{seam} Spread over 2(N - 1) steps that is "
+        f"{', '.join(f'{per[n]:.2f} on {n}' for n in odd)} ranks per step: more steps share the "
+        f"extra as N grows, so the average falls, and on even N "
+        f"({', '.join(f'{per[n]:.2f} on {n}' for n in STEP_SHOWN if not n % 2)}) there "
+        f"{'is no such delay' if even_free else 'is less of it'}.")
+    for n in STEP_SIZES:
+        guess = guesses[n]
+        close = abs(float(guess.value) - per[n]) <= 0.05
+        reveal(guess, round(per[n], 2), close=close,
+               explanation=explanation if n == STEP_SIZES[-1] else "")

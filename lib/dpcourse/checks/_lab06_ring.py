@@ -117,8 +117,10 @@ def _timing_sentence(timed: dict, modelled: dict) -> str:
     ran = [n for n in timed if n not in modelled]
     total = ", ".join(f"{timed[n][0]} on {n} ranks" for n in ran)
     if modelled:
+        shown = [f"{timed[n][0]} on {n}" for n in modelled]
         total += (" (and, modelled from the order of its calls on more ranks than this machine "
-                  "runs, " + " and ".join(f"{timed[n][0]} on {n}" for n in modelled) + ")")
+                  "runs, " + ", ".join(shown[:-1]) + " and " * (len(shown) > 1) + shown[-1]
+                  + ")")
     mean = ", ".join(f"{timed[n][0] / (2 * (n - 1)):.1f}" for n in timed)
     slow = ", ".join(f"{timed[n][1][1]}" if timed[n][1] else "?" for n in timed)
     return (f" Timed from the order of its calls (each transfer one time unit, a send going out "

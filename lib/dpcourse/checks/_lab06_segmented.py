@@ -115,8 +115,9 @@ def _declared_in_flight(in_flight, segments: int):
         fail(f"in_flight must be a whole number of receives, got {value!r}.")
     if value < 2:
         fail(f"you declared {value} scatter-reduce receive(s) in flight: the contract asks that "
-             f"piece j + 1 be on its way (its receive posted) while piece j is waited for and "
-             f"added, so at that moment two receives are posted and not yet waited on. No ring "
+             f"a step's next piece be in flight (its receive posted, not yet waited on) while "
+             f"the current piece is added, and the current piece's own receive is in flight "
+             f"until you wait for it, so just before that wait two receives are in flight. No ring "
              f"that keeps the contract has fewer; this number was not kept as your decision.")
     if value > segments:
         fail(f"you declared {value} scatter-reduce receives in flight with segments={segments}: "
@@ -250,8 +251,10 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                      f"measured; move the point where your code starts the next pieces' "
                      f"receives until it is {int(declared.value)}, the number you decided on.")
     # The count in flight is the learner's to work out: said only once they declared it.
-    counted = (f"up to {most} receive(s) in flight at once with segments={segments}, as "
-               f"declared, so {most} receive buffer(s) of a piece each" if declared is not None
+    counted = (f"at its busiest moment (just before a wait) each rank had up to {most} "
+               f"scatter-reduce receive(s) in flight with segments={segments}, posted and not "
+               f"yet waited on, as declared: {most} piece(s) on their way at once, each writing "
+               f"into a buffer of its own" if declared is not None
                else "declare in_flight to have your count of receives in flight compared")
     passed(f"segmented ring: right sums and averages on {' and '.join(map(str, world_sizes))} "
            f"ranks, each scatter-reduce chunk sent in {segments} (and {segments - 1}) segments, "
