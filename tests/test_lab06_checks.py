@@ -797,6 +797,8 @@ def test_an_order_whose_step_time_grows_with_n_is_refused(fn, senders, on_5_to_8
         assert f"On 16 ranks, 2 rank(s) {senders} call dist.send first in step 1 and 14 " \
                "call dist.recv first" in msg, msg
         assert "no more than 2 transfers can run at once" in msg, msg
+        assert "on 5, 7, 8 and 16 ranks found by running your code with stand-ins" in msg, msg
+        assert "does not grow with N: under a bound that does not depend on N" in msg, msg
         assert ("both grow with N (about half each)" in msg) == (attempt == 2), msg
 
 

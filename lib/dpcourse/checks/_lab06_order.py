@@ -248,11 +248,12 @@ def _refuse_growing_steps(dry, per_step: dict) -> dict:
              f"rule), the order of its calls costs about {costs[0]} ranks, "
              f"{', '.join(costs[1:-1])} and {costs[-1]} transfer times per step on average "
              f"(the whole ring's time, until its last transfer ended, divided by its 2(N-1) "
-             f"steps; on {small} and {large} ranks found by running your code with stand-ins "
-             f"that only note the calls). On {large} ranks, {len(senders)} rank(s) ({_ranks_text(senders)}) call "
-             f"dist.send first in step 1 and {len(receivers)} call dist.recv first.{cap} The "
-             f"contract asks for a time per step, on average, that stays about the same "
-             f"whatever N.",
+             f"steps; on {', '.join(map(str, list(modelled)[:-1]))} and {large} ranks found by "
+             f"running your code with stand-ins that only note the calls). On {large} ranks, "
+             f"{len(senders)} rank(s) ({_ranks_text(senders)}) call dist.send first in step 1 "
+             f"and {len(receivers)} call dist.recv first.{cap} The contract asks for a time "
+             f"per step, on average, that does not grow with N: under a bound that does not "
+             f"depend on N.",
              fix="choose the rule so that the number of ranks that send first, and the number "
                  "that receive first, both grow with N (about half each), spread around the "
                  "ring: then about N/2 transfers run at once, whatever N.")
