@@ -250,9 +250,11 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # that a stale gradient is safe only with a step small enough for its delay (roughly, lr must
 # shrink like 1/τ), and the staleness-aware step of Zhang et al. (2016) does exactly that:
 # lr/τ for a gradient τ updates stale. The other classic answer bounds the delay instead of
-# shrinking the step: Stale Synchronous Parallel (Ho et al., NIPS 2013) lets no worker run more
-# than s clocks ahead of the slowest, and the parameter server of Li et al. (OSDI 2014) names
-# it *bounded delay* consistency — lab 09's bounded server is this model.
+# shrinking the step: Stale Synchronous Parallel (Ho et al., NIPS 2013), called *bounded
+# delay* by Li et al. (OSDI 2014), makes a worker more than s clocks ahead of the slowest
+# *wait* before its next read, and applies every update. Lab 09's bounded server bounds
+# staleness differently: it *refuses* a gradient staler than s, and the worker pulls and
+# computes it again (drop and recompute), which SSP never does.
 
 # %%
 viz.show_code(async_sgd.SimulatedServer)

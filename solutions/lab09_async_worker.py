@@ -109,10 +109,12 @@ lab09.check_trace(my_trace)
 #   the server's versions no longer follow your loop's own pushes;
 # - `batches` may be any iterable read once — a stream whose length is unknown until it runs
 #   out;
-# - the server may bound staleness, as `async_sgd.BoundedServer(w, lr, max_staleness)` does:
-#   a push whose gradient is more than `max_staleness` updates stale raises
-#   `async_sgd.TooStale` and applies nothing. A refused batch still has to change the weights,
-#   under the same three rules.
+# - the server may bound staleness by drop and recompute, as
+#   `async_sgd.BoundedServer(w, lr, max_staleness)` does: a push whose gradient is more than
+#   `max_staleness` updates stale raises `async_sgd.TooStale` and applies nothing. (Stale
+#   Synchronous Parallel, lesson 09 §2, bounds it otherwise: it makes the fast worker wait and
+#   refuses nothing.) A refused batch still has to change the weights, under the same three
+#   rules.
 #
 # The check first runs your loop for τ = 2 and five batches and holds its calls to your trace
 # from part 1, call by call. Then it runs it for τ = 0, 3, 1 and 12 with a spy server and a
