@@ -514,6 +514,18 @@ class PieceInElements(GoodTwo):
         return in_bytes(numel, 0, self.world_size, element_size)[1]
 
 
+class FirstListedSkipsNone(GoodTwo):
+    # a bucket launched when its FIRST-listed parameter arrives, missing gradients read as
+    # zeros: launched before it is full, at an arrival that is not its last-listed one
+    def _grad_ready(self, p):
+        i = self.bucket_of[p]
+        if p is self.buckets[i][0]:
+            for q in self.buckets[i]:
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+            self.bucket_full(i)
+
+
 class EveryGradPresent(GoodTwo):
     # no counter: a bucket is full when none of its p.grad is None any more (zero_grad sets
     # them to None, and launching one drops them)
@@ -990,6 +1002,8 @@ WRONG_TWOS = [
     (LastListedSkipsNone, r"^bucket 5 \(1.weight, 0.bias, 0.weight\) was launched when its "
                           r"last-listed parameter, 0.weight, arrived, while 1.weight's gradient "
                           r"had not"),
+    (FirstListedSkipsNone, r"^a reduce-scatter was launched at the arrival of 12.bias while "
+                           r"bucket 0 still waited for 12.weight, 10.bias: contract 4"),
     (CountNeverReset, "after step 2 .* step 2 none, though all \\d+ gradients arrived — "
                       "self.arrived started at \\[0, .* and still held \\[.*your hooks' count "
                       "of arrived gradients carried over from step 1, so no bucket ever filled "
