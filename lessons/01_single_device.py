@@ -142,8 +142,8 @@ claim("after zero_grad(set_to_none=True) every .grad is None",
 #
 # Ten classes means a model that guesses is right 10% of the time, with a loss of
 # ln 10 ≈ 2.30. A few epochs on the CPU take us far past that. We use Adam here, whose
-# per-parameter step sizes need little tuning (the later lessons' equivalence proofs hold for
-# any optimizer, because they compare gradients).
+# per-parameter step sizes need little tuning (the later lessons' gradient comparisons hold for
+# any optimizer; lesson 09's weight averaging, for plain SGD only).
 
 # %%
 devices.seed_everything(seed)
@@ -206,13 +206,17 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same wor
 # machine hits both) and says "faster" or "slower" only when one won every round, or all but
 # one of five (one outlier round does not decide), and "no clear difference" otherwise
 # (`train.rate_verdict` is that rule; the printed paragraph picks its explanation from it).
-# `ThroughputMeter` synchronizes a GPU before reading the clock: CUDA runs asynchronously, and
-# without the sync you would time how fast Python *queues* work. What its samples/s counts:
+# `ThroughputMeter` (folded below, with `make_loaders` and `fit`) synchronizes a GPU before
+# reading the clock: CUDA runs asynchronously, and without the sync you would time how fast
+# Python *queues* work. What its samples/s counts:
 # `train_one_epoch` starts the meter after the batch has been fetched from the loader and moved to
 # the device, and stops it after the optimizer step, so every rate in this lesson (the epochs of
 # `fit` above too) is the rate of the training step alone — the loader's time is left out. Here
 # the data sits in memory and fetching costs little; the next section measures it separately, and
 # a loader that decodes images from disk would show up there, not in these rates.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(train.ThroughputMeter, train.make_loaders, train.fit)
 
 # %%
 batch_sizes = tuple(sorted({16, batch_size, 64, 256}))   # batch_size: the one `fit` used
@@ -276,7 +280,7 @@ print(f"The epochs of `fit` above ran at a median {fit_rate:.0f} samples/s at ba
       f"these runs at the same batch size at {cell_rate:.0f}: {apart:.1f}x apart. "
       + ("Close, as they should be for the same model and loop." if apart < 2 else
          "Far apart for the same model and loop: the machine was busier during one of them. "
-         "Both use torch's default of one intra-op thread per core, and an operation waits for "
+         "Both split each operation over a thread per core (torch's default), and it waits for "
          "its slowest thread, so another program taking a core can cut the rate several-fold; "
          "that is why the comparisons here interleave their runs."))
 fig = viz.new_figure(5.5, 3.2)
@@ -453,13 +457,13 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # (Continuing from trained weights, rather than training from scratch twice, keeps the run
 # short.)
 #
-# Is it faster? That depends on the hardware and the model. AMP pays off when big matrix
+# Is it faster? AMP pays off when big matrix
 # multiplications and convolutions dominate the step *and* the hardware has fast 16-bit units
 # (a GPU's tensor cores; some CPUs have bfloat16 units too). This model's layers are tiny, and
 # the casts autocast inserts cost time of their own, so it can go either way. The last cells
 # time both, interleaved, five rounds each, and say which was faster on this run, or that
-# there was no clear difference; try a ResNet (`models.resnet18_cifar`) with a big batch on a
-# GPU to see AMP win.
+# there was no clear difference. Try a ResNet (`models.resnet18_cifar`) with a big batch on a
+# GPU: there AMP can win.
 #
 # To measure the whole ladder on your device — naive float32, TF32, bf16/fp16 autocast,
 # channels_last, `torch.compile` and all of them together, on ResNet-18 — run
@@ -468,9 +472,8 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # a 10-bit mantissa (float32's range, less precision). Torch's defaults differ by kind: cuDNN
 # convolutions may use TF32 out of the box, float32 matmuls may not. The switches are
 # `torch.backends.cudnn.allow_tf32` and `torch.backends.cuda.matmul.allow_tf32`; torch 2.14 also
-# has the newer `fp32_precision` knobs, per backend and operation, which take three values:
-# "tf32", "ieee" (full float32), or "none" — no setting of its own: the knob then reads the
-# level above it (`torch.backends.fp32_precision`, itself "none" by default, which means full
+# has the newer `fp32_precision` knobs, per backend and operation; CUDA's take "tf32", "ieee"
+# (full float32) or "none" — no setting of its own: the knob then reads the level above it (`torch.backends.fp32_precision`, itself "none" by default, which means full
 # float32). The cell below prints them (they are flags, readable without a GPU) and shows the
 # inheritance by setting the top level for a moment.
 # *channels_last*
@@ -719,6 +722,9 @@ viz.quiz([
 #   above); `torch/backends/__init__.py` — `fp32_precision`, the generic level ("none" by
 #   default); `torch/backends/cudnn/__init__.py` —
 #   `CudnnModule.allow_tf32` for convolutions (on by default) and `fp32_precision`, `conv`.
+#   The values each knob takes are checked in C++ (`_set_fp32_precision_setter`); measured on
+#   torch 2.14.1: the CUDA knobs refuse "bf16" ("backend 'cuda' does not support precision
+#   'bf16'"), the generic level and `torch.backends.mkldnn.matmul` (CPUs) accept it.
 # - `torch/nn/modules/module.py` — `Module.to(memory_format=torch.channels_last)`.
 # - `torch/utils/data/dataloader.py` — `DataLoader(num_workers=...)`: "how many subprocesses to
 #   use for data loading".

@@ -60,8 +60,8 @@ device = torch.device(device or devices.choose_profile().device)
 # %% [markdown] jupyter={"source_hidden": true}
 # What does `p.grad` hold when `backward()` runs for the second batch, if nothing touched it
 # after the first? Is the epoch's mean loss per sample always the mean of the batches'
-# losses? And of the five moves of a step, which is the last one after which a NaN loss has
-# not yet touched a weight?
+# losses? And of a step's moves (`zero_grad` and the lesson's four), which is the last one
+# after which a NaN loss has not yet touched a weight?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
@@ -79,9 +79,10 @@ device = torch.device(device or devices.choose_profile().device)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Put the model in the mode training needs; two running totals (summed loss, samples seen);
-# a loop over `(X, y)` that moves both to `device` and does the five moves of a step, with a
-# test of the loss (`torch.isnan`) between the forward and the backward that raises; add the
-# batch's loss times its size to one total and its size to the other; return their quotient
+# a loop over `(X, y)` that moves both to `device` and does a step's moves (`zero_grad` and the
+# lesson's four), with a test of the loss (`torch.isnan`) between the forward and the backward
+# that raises; add the batch's loss times its size to one total and its size to the other;
+# return their quotient
 # as a float (`.item()`).
 
 # %%
@@ -136,7 +137,8 @@ lab01.check_step_prediction(step_guess, train_one_epoch)
 # The model as it predicts at test time, with the contract above.
 #
 # **Your design decision:** in which mode does `evaluate` leave the model? The library's
-# reference and the lesson do not settle it for you. Think of the code that will call
+# `evaluate` and the lesson's `predictions()` switch to eval mode and stay there, which suits
+# their own callers; that is one choice, not a rule for yours. Think of the code that will call
 # `evaluate`: a training loop that evaluates every few hundred steps, a script that only tests a
 # saved model, a fine-tuning run that keeps part of the network frozen while the rest trains.
 # Two answers hold together:
