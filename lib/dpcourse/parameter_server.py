@@ -64,7 +64,8 @@ class CountingLink:
 @dataclass
 class PSConfig:
     steps: int = 6            # updates per worker (async) or in all (sync)
-    batch: int = 64           # global batch of the synchronous mode (divides by the workers)
+    batch: int = 64           # global batch of the synchronous mode (each worker takes
+    #                           batch // workers of it: at 3 workers one sample is left out)
     lr: float = 0.1
     n_train: int = 1024
     seed: int = 0

@@ -71,8 +71,9 @@ def straggler_gantt_figure(spans: dict, applied: dict, budget: float):
 def staleness_figure(taus: Sequence[int], losses: dict, aware: dict | None = None,
                      start_loss: float | None = None, cap: float = 3.0):
     """Test loss after a fixed budget against the staleness τ, one line per learning rate
-    (``losses[lr] = [loss at each τ]``); a diverged run (loss above ``cap`` or inf) is drawn
-    as an ✕ at the cap. ``aware[lr]``: the same with staleness-aware steps, dashed; a ``None``
+    (``losses[lr] = [loss at each τ]``); a run off the scale (loss above ``cap``, inf or NaN)
+    is drawn as an ✕ at the cap; "diverged" (ended above the start) is the line above
+    ``start_loss``, not the ✕. ``aware[lr]``: the same with staleness-aware steps, dashed; a ``None``
     in it is a τ that was not run, left out of the line."""
     fig = new_figure(6.5, 3.8)
     ax = fig.add_subplot(1, 1, 1)
@@ -98,7 +99,7 @@ def staleness_figure(taus: Sequence[int], losses: dict, aware: dict | None = Non
     ax.set_xticks(list(taus))
     ax.set_xticklabels([str(t) for t in taus])
     return _finish(fig, ax, "staleness τ (updates between a gradient's pull and its push)",
-                   f"test loss after the budget\n(✕: diverged, drawn at {cap:g})",
+                   f"test loss after the budget\n(✕: above {cap:g} or blew up, drawn at {cap:g})",
                    dict(left=0.14, right=0.97, bottom=0.13, top=0.96), legend_size=7)
 
 
