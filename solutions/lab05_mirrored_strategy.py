@@ -7,13 +7,14 @@
 # showed the pieces (`strategy.run`, mirrored variables, how the strategy combines the replicas'
 # gradients); here you decide how they fit. Four parts, each with a check:
 #
-# 1. the loss one replica differentiates;
+# 1. the loss one replica differentiates, with a regularisation term (**a decision**: how a term
+#    that every replica holds whole enters a sum over replicas);
 # 2. the model and optimizer, where the strategy can mirror them;
 # 3. one training step and what it reports (**your design decision** is here);
 # 4. a prediction about the last step of an epoch, then the measurement.
 #
-# The stretch builds each replica's input pipeline yourself and trains through an epoch whose
-# last step is short.
+# The stretch builds each replica's input pipeline yourself (**a decision**: a global batch the
+# replicas do not divide) and trains through an epoch whose last step is short.
 #
 # Stuck? Run the check: its sentence names what is wrong. Each part also has hints, folded
 # (click a "▶ Hint" label to open the cell below it): a question first, then the idea, then the
@@ -50,23 +51,23 @@ from dpcourse.checks import lab05, predict
 # %% [markdown]
 # ## 1. The per-replica loss
 #
-# **Contract.** `per_replica_loss(labels, logits, global_batch, weights=None)` is called inside
+# **Contract.** `per_replica_loss(labels, logits, global_batch, penalty=None)` is called inside
 # `strategy.run`, once per replica, with that replica's slice of the step's samples.
 # `global_batch` is the number of samples the whole step holds, over all replicas — the slices
 # need not be the same size. It returns one number (a scalar tensor) per replica, such that
-# after the strategy combines the replicas' gradients, the result is the gradient of the
-# step's loss over all `global_batch` samples:
+# after the strategy combines the replicas' gradients, the result is the gradient of what one
+# device would minimise on the whole step:
 #
-# - without `weights`, the **mean** loss, Σ ℓᵢ / `global_batch`;
-# - with `weights` (this replica's slice of per-sample weights, one positive float32 each — a
-#   sample of weight 2 counts twice as much as one of weight 1), the **weighted mean**,
-#   Σ wᵢ ℓᵢ / Σ wᵢ, both sums over every sample of the step. The weights need not add up to
-#   `global_batch`, and the function is not told what they add up to.
+# - without `penalty`, the **mean** loss over the step's samples, Σ ℓᵢ / `global_batch`;
+# - with `penalty` — a scalar tensor, the step's regularisation term (say λ·Σw² over the
+#   model's weights), which every replica computes alike from its own copy of the mirrored
+#   weights — that mean **plus the penalty**, as one device adds it: once.
 #
-# `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies. Any
+# **Your decision** is the penalty's: it is not a sum over samples, and every replica holds all
+# of it. `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies. Any
 # TensorFlow function may help (`tf.nn`'s included); only the library's answer,
 # `mirrored.per_replica_loss` (what lesson 05 runs), is refused. The check runs steps split
-# evenly and unevenly, on 2 and 3 replicas, with and without weights.
+# evenly and unevenly, on 2 and 3 replicas, with and without a penalty.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -74,41 +75,38 @@ from dpcourse.checks import lab05, predict
 # %% [markdown] jupyter={"source_hidden": true}
 # After `strategy.run`, how does the optimizer combine the N replicas' gradients: does it add
 # them or average them? What must each replica's loss be so that this combination is the
-# gradient of one mean over the whole step? With weights: what is the denominator of a weighted
-# mean, and which replica knows it?
+# gradient of one mean over the whole step — also when one replica holds 3 samples and another
+# 2? And the penalty: if every replica returns it, how many times does the combination hold its
+# gradient?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # The gradients are added. The mean over the step is (sum over every sample) / (samples in the
-# step), and a sum over samples splits into one sum per replica. So each replica contributes its
-# own sum, divided by the count of the *whole* step — never by a number computed from its own
-# slice, which differs between replicas when the step does not split evenly. A weighted mean
-# divides by the total weight, not the count, and the step's total weight is split over the
-# replicas like its samples: each holds only its own part, and the replicas can add their parts
-# together inside `strategy.run` (lesson 05 §4). Read what `tf.nn.compute_average_loss` divides
-# by when you give it a `sample_weight`.
+# step), and a sum over samples splits into one sum per replica: each replica's part is divided
+# by a count that is the same on every replica, whatever its own slice holds. The penalty does
+# not split that way: it is one term, and each replica holds a copy with the same gradient. The
+# parts of it the replicas add must add up to one penalty — any split does, as long as it does.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Two cases. Without weights, one expression: the per-example losses, reduced to their sum,
-# divided by the `global_batch` argument (TensorFlow has a function in `tf.nn` made for exactly
-# this division — read what it does when you leave out its batch-size argument). With weights:
-# this replica's weighted sum, divided by the sum over the replicas (the replica context's
-# `all_reduce`) of each replica's own total weight.
+# The per-example losses, reduced to their sum, divided by the `global_batch` argument
+# (TensorFlow has a function in `tf.nn` made for exactly this division — read what it does when
+# you leave out its batch-size argument). With a penalty, add this replica's part of it: the
+# penalty over the number of replicas in sync (`tf.nn` has a function for that too, next to the
+# first; read what it divides by).
 
 # %%
-def per_replica_loss(labels, logits, global_batch, weights=None):
+def per_replica_loss(labels, logits, global_batch, penalty=None):
     losses = mirrored.per_example_loss(labels, logits)
-    ### BEGIN SOLUTION: this replica's share of the step's mean loss, or of its weighted mean
-    if weights is None:
-        return tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
-    replica = tf.distribute.get_replica_context()
-    total_weight = replica.all_reduce(tf.distribute.ReduceOp.SUM, tf.reduce_sum(weights))
-    return tf.reduce_sum(losses * weights) / total_weight
+    ### BEGIN SOLUTION: this replica's share of the step's mean loss, and of the penalty
+    loss = tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
+    if penalty is not None:
+        loss += tf.nn.scale_regularization_loss(penalty)
+    return loss
     ### END SOLUTION
 
 
@@ -315,15 +313,13 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # cut sample by sample or batch by batch, both keep that, and the check accepts both.
 #
 # **Your design decision:** what `make_dist_dataset` does with a global batch that does not
-# split evenly over the replicas (33 on 2, 32 on 3) — on a cluster, over all its replicas:
+# split evenly over the replicas (33 on 2, 37 on 3) — on a cluster, over all its replicas:
 # there `strategy.num_replicas_in_sync` counts every worker's replicas, as the input context's
-# does (TF 2.21, `distribute/collective_all_reduce_strategy.py`). The contract cannot be kept
-# then; whatever you choose must not leave a training loop with steps of a size it was not
-# told. A
-# bad argument gets a clear error — and the decision must be yours: if you refuse, raise your
-# own `ValueError` from `make_dist_dataset`, naming both numbers. (Some TensorFlow functions
-# refuse such a batch by themselves, from deep inside the strategy; the check does not count
-# TensorFlow's error as your decision.)
+# does (TF 2.21, `distribute/collective_all_reduce_strategy.py`). Refuse it, or adapt to it: both
+# are defensible. What must hold either way: no training loop is handed steps of a size it was
+# not told, and an argument you refuse is refused by `make_dist_dataset` itself, with an error
+# that says what did not fit. The check accepts each choice that keeps this, and names by its
+# cause each that does not.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -391,47 +387,47 @@ lab05.check_pipeline_prediction(
 #
 # **Contract.** `train_epoch(strategy, model, optimizer, dist_dataset)` runs one SGD step per
 # step of `dist_dataset` (made as in stretch A: 100 samples, global batches of 32 on 2
-# replicas, 36 on 3) and leaves the weights where one device leaves them after the same
-# batches (to a relative 1e-4) — the last, short one included, whatever each replica holds
-# in it. `train_epoch` is not told the global batch. Write the two TODOs in `step_fn`: the
-# number the step's loss is divided by, and the loss (the gradient lines after them are given).
-# Part 1's `per_replica_loss` is a starting point, not the answer: ask yourself what its
-# `global_batch` would be here.
+# replicas, 36 on 3), each step's loss the mean over that step's samples, and leaves the
+# weights where one device leaves them after the same batches (to a relative 1e-4) — the last,
+# short step included, whatever each replica holds in it. It is given no batch size. It must
+# hold both run as written and wrapped in `tf.function`, as a training loop is to run fast: the
+# check runs it both ways. Write the two solution blocks in `step_fn` (the gradient lines after
+# them are given).
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # In the last step, how many samples does each replica have, and how many does the whole step
-# have? Which of these numbers can one replica see on its own, and which only by asking the
-# others?
+# have? Which of these numbers can one replica see on its own? And when `tf.function` traces the
+# step once for every step of the epoch, what does the trace know about the size of a batch?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The divisor must be the step's real sample count, the same on every replica: each replica
-# counts its own samples and the replicas add their counts together (the replica context can
-# do that inside `strategy.run`). A count has to be a tensor for that, and a dimension read off a
-# static shape is not one.
+# The divisor must be the same on every replica and right for each step. No replica holds it,
+# but each holds a piece of it — lesson 05 §4 showed how replicas combine pieces while the step
+# is running. What kind of value can be combined that way, and what kind changes from one step
+# of a traced loop to the next?
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# First TODO: get the replica context; sum this replica's sample count (a tensor) over the
-# replicas with it. Second TODO: the per-example losses of `model(x, training=True)`, their sum,
-# divided by that count cast to float32.
+# First block: this replica's sample count as a tensor read from the batch, combined over the
+# replicas by the replica context. Second block: the per-example losses of
+# `model(x, training=True)`, their sum, divided by that combined count (cast to float32).
 
 # %%
 def train_epoch(strategy, model, optimizer, dist_dataset):
     def step_fn(x, y):
-        ### BEGIN SOLUTION: n_global, the number of samples in this whole step
+        ### BEGIN SOLUTION: what this step's summed loss is divided by
         ctx = tf.distribute.get_replica_context()
         n_global = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.shape(y)[0])
         ### END SOLUTION
         with tf.GradientTape() as tape:
-            ### BEGIN SOLUTION: loss, this replica's share of the step's mean loss
+            ### BEGIN SOLUTION: loss, what this replica differentiates
             losses = mirrored.per_example_loss(y, model(x, training=True))
             loss = tf.reduce_sum(losses) / tf.cast(n_global, tf.float32)
             ### END SOLUTION

@@ -24,12 +24,10 @@ def strategy():
     return mirrored.make_strategy(["/cpu:0", "/cpu:1"])
 
 
-def loss_right(labels, logits, global_batch, weights=None):
-    losses = mirrored.per_example_loss(labels, logits)
-    if weights is None:
-        return tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
-    total = tf.distribute.get_replica_context().all_reduce(SUM, tf.reduce_sum(weights))
-    return tf.reduce_sum(losses * weights) / total
+def loss_right(labels, logits, global_batch, penalty=None):
+    loss = tf.nn.compute_average_loss(mirrored.per_example_loss(labels, logits),
+                                      global_batch_size=global_batch)
+    return loss if penalty is None else loss + tf.nn.scale_regularization_loss(penalty)
 
 
 def loss_reduce_mean(labels, logits, global_batch):
@@ -154,13 +152,12 @@ def loss_implicit_global(labels, logits, global_batch):
     return tf.nn.compute_average_loss(mirrored.per_example_loss(labels, logits))
 
 
-def loss_sum_over_global(labels, logits, global_batch, weights=None):
+def loss_sum_over_global(labels, logits, global_batch, penalty=None):
+    # right too: the penalty split over the replicas in proportion to their slices
     losses = mirrored.per_example_loss(labels, logits)
-    if weights is None:
-        weights, total = tf.ones_like(losses), global_batch
-    else:
-        total = tf.distribute.get_replica_context().all_reduce("sum", tf.reduce_sum(weights))
-    return tf.tensordot(losses, weights, 1) / total
+    share = tf.cast(tf.size(losses), tf.float32) / global_batch
+    return (tf.reduce_sum(losses) + (0.0 if penalty is None else penalty * global_batch * share)
+            ) / global_batch
 
 
 def loss_mean_over_replicas(labels, logits, global_batch):
@@ -182,23 +179,25 @@ def loss_summed(labels, logits, global_batch):
     return tf.reduce_sum(mirrored.per_example_loss(labels, logits))
 
 
-def loss_sum_over_cast_global(labels, logits, global_batch, weights=None):
+def loss_sum_over_cast_global(labels, logits, global_batch, penalty=None):
+    # right too: the whole penalty on replica 0 alone
     losses = mirrored.per_example_loss(labels, logits)
-    if weights is not None:
-        ctx = tf.distribute.get_replica_context()
-        return tf.reduce_sum(losses * weights) * (
-            1.0 / ctx.all_reduce(SUM, tf.reduce_sum(weights)))
-    return tf.reduce_sum(losses) * (1.0 / tf.cast(global_batch, losses.dtype))
+    loss = tf.reduce_sum(losses) * (1.0 / tf.cast(global_batch, losses.dtype))
+    if penalty is None:
+        return loss
+    first = tf.distribute.get_replica_context().replica_id_in_sync_group == 0
+    return loss + tf.where(first, penalty, 0.0)
 
 
-# --- part 1's weighted step: the total weight is the whole step's, which no replica holds -----
+# --- part 1's regularised step: the penalty is the same on every replica, counted once -----
 
-def _weighted(share):
-    def loss(labels, logits, global_batch, weights=None):
+def _penalised(part):
+    def loss(labels, logits, global_batch, penalty=None):
         losses = mirrored.per_example_loss(labels, logits)
-        if weights is None:
-            return tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
-        return share(losses, weights, global_batch, tf.distribute.get_replica_context())
+        loss = tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
+        if penalty is None:
+            return loss
+        return loss + part(penalty, global_batch, tf.distribute.get_replica_context())
     return loss
 
 
@@ -207,44 +206,48 @@ def loss_three_arguments(labels, logits, global_batch):   # lesson 05's line, tr
                                       global_batch_size=global_batch)
 
 
-WEIGHTED_MISTAKES = [
-    (_weighted(lambda ls, w, gb, ctx: tf.nn.compute_average_loss(ls, global_batch_size=gb)),
-     "replica 0 returned its unweighted summed loss / 5 (a step of 5 samples as 3+2 on 2 "
-     "replicas, weights totalling 5.733): the weights were ignored"),
+PENALTY_MISTAKES = [
+    (_penalised(lambda p, gb, ctx: p),
+     "the 2 replicas' values add up to the step's mean loss plus 2 x the penalty (a step of 5 "
+     "samples as 3+2 on 2 replicas, penalty 0.75): every replica added the whole penalty"),
     (loss_three_arguments, "per_replica_loss takes 3 arguments (labels, logits, global_batch), "
-                           "but the contract's weighted step calls it with a fourth, weights="),
-    (_weighted(lambda ls, w, gb, ctx: tf.nn.compute_average_loss(ls, sample_weight=w,
-                                                                 global_batch_size=gb)),
-     "replica 0 returned its weighted sum / 5, the step's sample count (a step of 5 samples as "
-     "3+2 on 2 replicas, weights totalling 5.733) — as compute_average_loss does with "
-     "sample_weight — but the weighted mean divides the weighted sum by the total weight"),
-    (_weighted(lambda ls, w, gb, ctx: tf.reduce_sum(ls * w) / tf.reduce_sum(w)),
-     "replica 0 returned its own weighted mean (its weighted sum / its own total weight 3.707)"),
-    (_weighted(lambda ls, w, gb, ctx: tf.reduce_sum(ls * w) / tf.reduce_sum(w)
-               / ctx.num_replicas_in_sync),
-     "replica 0 divided its weighted sum by its own total weight × 2 replicas (3.707 × 2 = "
-     "7.415)"),
-    (_weighted(lambda ls, w, gb, ctx: ctx.all_reduce(SUM, tf.reduce_sum(ls * w))
-               / ctx.all_reduce(SUM, tf.reduce_sum(w))),
-     "every replica returned the whole step's weighted mean"),
+                           "but the contract's regularised step calls it with a fourth, "
+                           "penalty="),
+    (_penalised(lambda p, gb, ctx: 0.0 * p), "the penalty was left out"),
+    (_penalised(lambda p, gb, ctx: p / gb),
+     "every replica divided the penalty by the global batch (5), as the per-example losses are "
+     "divided"),
+    (_penalised(lambda p, gb, ctx: tf.nn.compute_average_loss(tf.reshape(p, [1]),
+                                                              global_batch_size=gb)),
+     "every replica divided the penalty by the global batch (5)"),
 ]
 
 
-@pytest.mark.parametrize("fn, phrase", WEIGHTED_MISTAKES,
-                         ids=["ignored", "no-weights-arg", "tf-sample-weight", "own-mean",
-                              "own-total-times-n", "whole-mean"])
-def test_weighted_step_mistakes_are_named(fn, phrase, strategy):
+@pytest.mark.parametrize("fn, phrase", PENALTY_MISTAKES,
+                         ids=["whole-on-every-replica", "no-penalty-arg", "left-out",
+                              "over-global-batch", "compute-average-loss"])
+def test_penalty_mistakes_are_named(fn, phrase, strategy):
     with pytest.raises(LabCheckError) as err:
         lab05.check_per_replica_loss(fn, strategy)
-    assert phrase in str(err.value), str(err.value)
+    assert phrase in " ".join(str(err.value).split()), str(err.value)
 
 
-def test_weighted_step_gives_the_cause_then_the_fix(strategy):
-    fn = WEIGHTED_MISTAKES[2][0]
+def test_a_fixed_replica_count_for_the_penalty_is_named(strategy):
+    # / 2 is right on the lab's 2 replicas: the spare third replica shows it
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_per_replica_loss(_penalised(lambda p, gb, ctx: p / 2), strategy)
+    msg = " ".join(str(err.value).split())
+    assert "the 3 replicas' values add up to the step's mean loss plus 1.5 x the penalty" in msg
+    assert "every replica added the penalty / 2, but this step runs on 3 replicas" in msg, msg
+
+
+def test_penalty_gives_the_cause_then_the_fix(strategy):
+    fn = PENALTY_MISTAKES[0][0]
     with pytest.raises(LabCheckError) as first:
         lab05.check_per_replica_loss(fn, strategy)
-    assert "Divide by the total weight" not in str(first.value), str(first.value)
-    with pytest.raises(LabCheckError, match="Divide by the total weight of the whole step"):
+    assert "Count the penalty once" not in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError, match="Count the penalty once per step, over all the "
+                                            "replicas together"):
         lab05.check_per_replica_loss(fn, strategy)
 
 
@@ -254,7 +257,7 @@ def test_right_losses_pass(fn, strategy, capsys):
     out = capsys.readouterr().out
     # the spare device was used, and uneven slices were tried
     assert out.count("✔") == 1 and "18 as 6+6+6" in out and "5 as 3+2" in out, out
-    assert "5 samples of total weight 5.73 on 2, 7 samples of total weight 7.42 on 3" in out, out
+    assert "a penalty once per step (5 as 3+2 on 2, 7 as 3+3+1 on 3)" in out, out
 
 
 @pytest.mark.parametrize("fn, phrase", [
@@ -489,8 +492,37 @@ def test_indivisible_global_batch_is_refused(size, steps, strategy):
     msg = str(err.value)
     assert "global_batch=33 on 2 replicas your steps held " + steps in msg, msg
     assert "33 is not a multiple of 2" in msg and "raise ValueError" not in msg, msg
-    with pytest.raises(LabCheckError, match="raise ValueError naming both numbers"):
+    with pytest.raises(LabCheckError, match="refuse such a global batch with your own "
+                                            "ValueError naming both numbers, or give"):
         lab05.check_dataset_fn(_dataset_maker(size=size), strategy)   # the fix, second time
+
+
+def make_adapting(strategy, x, y, global_batch):
+    # the other defensible decision: keep every step at the global batch, the replicas' shares
+    # differing by a sample (17 + 16 for 33 on 2)
+    n = strategy.num_replicas_in_sync
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines,
+                                                              ctx.input_pipeline_id)
+        if global_batch % n == 0:
+            return ds.batch(ctx.get_per_replica_batch_size(global_batch))
+
+        def pieces(xb, yb):
+            b = tf.shape(xb)[0]
+            return tf.data.Dataset.range(n).map(
+                lambda r: (xb[tf.cast(r, tf.int32) * b // n:(tf.cast(r, tf.int32) + 1) * b // n],
+                           yb[tf.cast(r, tf.int32) * b // n:(tf.cast(r, tf.int32) + 1) * b // n]))
+        return ds.batch(global_batch).flat_map(pieces)
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def test_an_adapted_indivisible_global_batch_passes(strategy, capsys):
+    # stretch A's decision is the learner's: refusing and adapting are both accepted
+    lab05.check_dataset_fn(make_adapting, strategy)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "33 on 2 adapted as 16+17, 37 on 3 adapted as 12+12+13" \
+        in out, out
 
 
 def test_stretch_global_batches():
@@ -544,6 +576,23 @@ def _epoch(divisor="all_reduce"):
                 elif divisor == "static_shape":
                     n = tf.distribute.get_replica_context().all_reduce(SUM, x.shape[0])
                     loss = tf.reduce_sum(losses) / tf.cast(n, tf.float32)
+                elif divisor == "static_float":
+                    n = tf.distribute.get_replica_context().all_reduce(SUM, float(y.shape[0]))
+                    loss = tf.reduce_sum(losses) / n
+                elif divisor == "static_constant":   # passes eagerly: only a trace shows it
+                    n = tf.distribute.get_replica_context().all_reduce(
+                        SUM, tf.constant(float(y.shape[0])))
+                    loss = tf.reduce_sum(losses) / n
+                elif divisor == "static_or_16":   # right eagerly; traced, None becomes 16
+                    k = y.shape[0] if y.shape[0] is not None else 16
+                    n = tf.distribute.get_replica_context().all_reduce(SUM, tf.constant(k))
+                    loss = tf.reduce_sum(losses) / tf.cast(n, tf.float32)
+                elif divisor == "len":   # a Python int, run as written (eagerly)
+                    n = tf.distribute.get_replica_context().all_reduce(SUM, len(y))
+                    loss = tf.reduce_sum(losses) / tf.cast(n, tf.float32)
+                elif divisor == "keras":   # default reduction: own slice mean x 1/N
+                    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+                        y, model(x, training=True))
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
         for batch in dist_dataset:
@@ -622,12 +671,54 @@ def test_the_local_mean_gives_the_fix_the_second_time(strategy):
     (_epoch("implicit"), "compute_average_loss without global_batch_size"),
     (_epoch("mean"), "its own reduce_mean divided by the replica count"),
     (epoch_skipping_partial, "changed nothing"),
-    (_epoch("static_shape"), "x.shape[0] is a Python int"),
+    (_epoch("static_shape"), "an int, a Python number, reached the replica context's "
+                             "all_reduce where it needs a tensor of this replica's count"),
+    (_epoch("len"), "an int, a Python number, reached the replica context's all_reduce"),
+    (_epoch("static_float"), "a float, a Python number, reached the replica context's "
+                             "all_reduce where it needs a tensor of this replica's count"),
 ])
 def test_partial_batch_mistakes_are_named(fn, phrase, strategy):
     with pytest.raises(LabCheckError) as err:
         lab05.check_partial_batch_epoch(fn, strategy)
     assert phrase in str(err.value), str(err.value)
+
+
+def test_a_static_shape_count_is_refused_under_tf_function(strategy):
+    # learner finding (false accept): tf.constant(float(y.shape[0])) trains right eagerly, but a
+    # traced loop sees a batch dimension of None
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_partial_batch_epoch(_epoch("static_constant"), strategy)
+    msg = " ".join(str(err.value).split())
+    assert "raised TypeError wrapped in tf.function" in msg and "'NoneType'" in msg, msg
+    assert "a count read off a static shape" in msg and "the batch dimension is None" in msg, msg
+    assert "in user code" not in msg and "Count the samples" not in msg, msg
+    with pytest.raises(LabCheckError, match="Count the samples with a tensor operation"):
+        lab05.check_partial_batch_epoch(_epoch("static_constant"), strategy)
+
+
+def test_a_count_fixed_when_traced_is_named(strategy):
+    # right eagerly; traced, the static shape's None falls back to a number fixed at trace time
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_partial_batch_epoch(_epoch("static_or_16"), strategy)
+    msg = " ".join(str(err.value).split())
+    assert "run eagerly, train_epoch matched one device" in msg, msg
+    assert "wrapped in tf.function (as a training loop is, to run fast) its weights differ" in msg
+
+
+@pytest.mark.parametrize("fixture", ["strategy", "strategy3"])
+def test_a_keras_loss_object_is_named_by_its_reduction(fixture, request):
+    # learner finding: named as the Keras loss object's SUM_OVER_BATCH_SIZE, without the
+    # reduce_mean NaN that does not apply to it (Keras divides with divide_no_nan)
+    strat = request.getfixturevalue(fixture)
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_partial_batch_epoch(_epoch("keras"), strat)
+    msg = " ".join(str(err.value).split())
+    assert "a Keras loss object with the reduction 'sum_over_batch_size'" in msg, msg
+    assert "SUM_OVER_BATCH_SIZE" in msg and "nan" not in msg.lower(), msg
+    assert "reduce_mean" not in msg and "compute_average_loss" not in msg, msg
+    n = strat.num_replicas_in_sync
+    assert (f"divided by 4 x 2 = 8, where the step holds 4" if n == 2 else
+            f"divided by 12 x 3 = 36, where the step holds 28") in msg, msg
 
 
 # --- predictions: compared and explained, never refused ------------------------------------
@@ -971,5 +1062,5 @@ def test_stretch_b_escalation_reads_as_two_sentences(strategy):
     for _ in range(2):
         with pytest.raises(LabCheckError) as err:
             lab05.check_partial_batch_epoch(_epoch("mean"), strategy)
-    assert "how many samples the step holds. Ask the other replicas" in str(err.value), \
+    assert "how many samples the step holds. What to change: Ask the other replicas" in str(err.value), \
         str(err.value)

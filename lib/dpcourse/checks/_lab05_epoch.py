@@ -1,8 +1,11 @@
 """Lab 05 stretch B: ``train_epoch(strategy, model, optimizer, dist_dataset)`` over 100 samples
 in global batches of 32 (36 on 3 replicas) must take the steps one device takes, the short last
 step included (4 + 0 on 2 replicas, 12 + 12 + 4 on 3). A wrong epoch is replayed on one device
-with each plausible divisor (the full global batch, a fixed 32, each replica's own slice x N,
-the last step skipped) and named by the one whose weights it reproduced.
+with each plausible divisor (the full global batch, a fixed 32, each replica's own slice x N —
+compute_average_loss left to count, a local mean / N, or a Keras loss object's
+SUM_OVER_BATCH_SIZE — the last step skipped) and named by the one whose weights it reproduced.
+A right epoch is run again wrapped in tf.function, where a count read off a static shape is None;
+a Python number handed to the replica context's all_reduce is named by its cause.
 
 Imported by :mod:`dpcourse.checks.lab05`, where the lab calls it.
 """
@@ -42,6 +45,10 @@ def _one_device(global_batch: int, divisors) -> list:
 
 _SPLITS: dict = {}
 
+# Keras 3.15, keras/src/losses/loss.py: reduce_values divides the summed losses by their count
+# for these reductions, then scale_loss_for_distribution multiplies by 1 / num_replicas_in_sync
+_KERAS_MEANS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
 
 class _LossSpy:
     """While active, notes the loss each replica differentiates (the target of
@@ -52,8 +59,15 @@ class _LossSpy:
 
     def __enter__(self):
         self.targets, self.implicit = [], False   # (replica id, loss) in call order
+        self.keras_mean = None   # the reduction of a Keras loss object called, if it scales
         self._gradient, self._average = tf.GradientTape.gradient, tf.nn.compute_average_loss
+        self._loss_call = keras.losses.Loss.__call__
         spy = self
+
+        def loss_call(loss_object, *args, **kwargs):
+            if getattr(loss_object, "reduction", None) in _KERAS_MEANS:
+                spy.keras_mean = loss_object.reduction
+            return spy._loss_call(loss_object, *args, **kwargs)
 
         def gradient(tape, target, *args, **kwargs):
             spy._note(target)
@@ -65,6 +79,7 @@ class _LossSpy:
             return spy._average(*args, **kwargs)
 
         tf.GradientTape.gradient, tf.nn.compute_average_loss = gradient, compute_average_loss
+        keras.losses.Loss.__call__ = loss_call
         return self
 
     def _note(self, target) -> None:
@@ -78,6 +93,7 @@ class _LossSpy:
 
     def __exit__(self, *exc):
         tf.GradientTape.gradient, tf.nn.compute_average_loss = self._gradient, self._average
+        keras.losses.Loss.__call__ = self._loss_call
         return False
 
     def last_step(self, n: int) -> list | None:
@@ -96,6 +112,19 @@ def _name_own_slice_divisor(spy: _LossSpy, last: list, n: int, at: str) -> None:
     fix = "Ask the other replicas: sum the replicas' counts inside the step."
     b, losses = sum(last), spy.last_step(n)
     empty = [r for r, k in enumerate(last) if k == 0]
+    if spy.keras_mean:
+        full = next(r for r, k in enumerate(last) if k)
+        fail(f"the last step was wrong {at}: each replica's loss came from a Keras loss object "
+             f"with the reduction {spy.keras_mean!r} (SUM_OVER_BATCH_SIZE is the default), "
+             f"which under a strategy divides a replica's summed loss by its own slice size and "
+             f"then by the {n} replicas (Keras' reduce_values and scale_loss_for_distribution): "
+             f"replica {full}'s {last[full]} samples were divided by {last[full]} x {n} = "
+             f"{last[full] * n}, where the step holds {b}. That is the step's count only when "
+             f"every replica holds as many samples as this one, and the last step's slices "
+             f"differ: a replica's own slice does not tell how many samples the whole step "
+             f"holds.", fix="Take the per-example losses (a loss object with reduction='none' "
+                            "gives them) and divide their sum by the step's count, summed over "
+                            "the replicas inside the step.")
     if spy.implicit:
         fail(f"the last step was wrong {at}: each replica's loss came from compute_average_loss "
              f"without global_batch_size, which then divides a replica's summed loss by its own "
@@ -135,6 +164,52 @@ def _stretch_model():
     return model
 
 
+def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool):
+    """Runs ``train_epoch`` on a fresh mirrored model over the stretch's epoch, as written or
+    wrapped in ``tf.function``; names a Python number where the step needs a tensor."""
+    __tracebackhide__ = True
+    import warnings
+
+    with strategy.scope():
+        model = _stretch_model()
+        optimizer = keras.optimizers.SGD(learning_rate=0.5)
+    dist = strategy.distribute_datasets_from_function(dataset_fn)
+    run = (tf.function(lambda: train_epoch(strategy, model, optimizer, dist)) if traced else
+           lambda: train_epoch(strategy, model, optimizer, dist))
+    how = "wrapped in tf.function" if traced else "run as written"
+    try:
+        with _LossSpy() as spy, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # tf.data's options note, traced
+            run()
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = lines[0] if lines else ""
+        if traced and first.startswith("in user code") and len(lines) > 1:
+            first = lines[-1]   # a traced error: its last line is the error itself
+        if isinstance(exc, (AttributeError, TypeError, ValueError)) and "NoneType" in first:
+            fail(f"train_epoch raised {type(exc).__name__} {how} {at}: {first} — a count read "
+                 f"off a static shape (x.shape[0], y.shape[0]). Traced, as tf.function traces "
+                 f"a training loop once for all its steps, the batch dimension is None: it is "
+                 f"unknown until the data arrives, and the last step is shorter than the "
+                 f"others. A count that has to differ from step to step must be a tensor "
+                 f"computed from the batch.",
+                 fix="Count the samples with a tensor operation on the batch itself.")
+        if isinstance(exc, (AttributeError, TypeError, ValueError)) and (
+                "'int' object" in first or "'float' object" in first):
+            kind = "an int" if "'int' object" in first else "a float"
+            fail(f"train_epoch raised {type(exc).__name__} {how} {at}: {first} — {kind}, a "
+                 f"Python number, reached the replica context's all_reduce where it needs a "
+                 f"tensor of this replica's count. all_reduce combines tensors, values the "
+                 f"replicas compute while the step runs; a number read off a static shape "
+                 f"(x.shape[0]) is fixed when the step is traced, once for every step, and is "
+                 f"None there, since the last step's size is known only when its data arrives.",
+                 fix="Count the samples with a tensor operation on the batch itself.")
+        fail(f"train_epoch raised {type(exc).__name__} {how} {at}: {first}")
+    return model, spy
+
+
 @recorded
 def check_partial_batch_epoch(train_epoch, strategy) -> None:
     """Stretch: ``train_epoch(strategy, model, optimizer, dist_dataset)`` over 100 samples in
@@ -148,7 +223,8 @@ def check_partial_batch_epoch(train_epoch, strategy) -> None:
         _check_epoch_once(train_epoch, strat, stretch_global(n))
         tried.append(f"{'+'.join(map(str, _expected_split(n, stretch_global(n))[-1]))} on {n}")
     passed("train_epoch: every step, the short last one too, equals one device on the same "
-           f"batch (last steps {', '.join(tried)} replicas)")
+           f"batch, run as written and wrapped in tf.function (last steps {', '.join(tried)} "
+           f"replicas)")
 
 
 def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
@@ -165,24 +241,7 @@ def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
         return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(
             ctx.get_per_replica_batch_size(gb))
 
-    with strategy.scope():
-        model = _stretch_model()
-        optimizer = keras.optimizers.SGD(learning_rate=0.5)
-    try:
-        with _LossSpy() as spy:
-            train_epoch(strategy, model, optimizer,
-                        strategy.distribute_datasets_from_function(dataset_fn))
-    except NotImplementedError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        if isinstance(exc, (AttributeError, TypeError, ValueError)) and (
-                "'int' object" in first or "NoneType" in first):
-            fail(f"train_epoch raised {type(exc).__name__} {at}: {first} — a Python number (or "
-                 f"None) reached a TensorFlow operation. A static shape such as x.shape[0] is a "
-                 f"Python int (None while the step is traced), and the replica context reduces "
-                 f"tensors only.", fix="Count the samples with a tensor operation.")
-        fail(f"train_epoch raised {type(exc).__name__} {at}: {first}")
+    model, spy = _run_epoch(train_epoch, strategy, dataset_fn, at, traced=False)
     got = model.get_weights()
     if not all(np.all(np.isfinite(w)) for w in got):
         fail(f"the weights became NaN {at}: in the last step a replica with no samples divided "
@@ -193,7 +252,14 @@ def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
         return all(_close(a, b, rtol=1e-4) for a, b in zip(got, _one_device(gb, divisors)))
 
     if same(lambda r, sizes: sum(sizes)):
-        return
+        traced, _ = _run_epoch(train_epoch, strategy, dataset_fn, at, traced=True)
+        if all(_close(a, b, rtol=1e-4) for a, b in zip(traced.get_weights(), got)):
+            return
+        fail(f"run eagerly, train_epoch matched one device {at}, but wrapped in tf.function "
+             f"(as a training loop is, to run fast) its weights differ: something in the step "
+             f"was computed once, when the step was traced, from a Python value — the "
+             f"trace is reused for every step, the short last one included.",
+             fix="Compute the step's count from the batch with tensor operations.")
     if same(lambda r, sizes: gb):
         fail(f"the last step was too small {at}: its {sum(last)} samples were divided by the "
              f"full global batch ({gb}), a number fixed before the epoch — but a short last "

@@ -2,7 +2,8 @@
 input pipeline with ``strategy.distribute_datasets_from_function``. Every step must hold the next
 ``global_batch`` samples in order, each replica taking whole per-replica batches (so on 2
 replicas the short last step's 4 samples all land on replica 0); a global batch the replicas do
-not divide must be refused by the learner's own ValueError naming both numbers; and the dataset
+not divide refused by the learner's own ValueError naming both numbers, or adapted with shares
+that differ by a sample (both accepted; rounding and TF's own error named); and the dataset
 function, called as on 2 workers, must cut the data by input pipeline. The stretch's data and
 global batches live here too: stretch B and the stretch's prediction use them.
 
@@ -56,22 +57,23 @@ def check_dataset_fn(make_dist_dataset, strategy) -> None:
     last step's 4 samples all land on replica 0, not split 2 + 2 as
     ``experimental_distribute_dataset`` splits a global batch. Tried on the lab's strategy and on
     one with a replica more (36 on 3: the last step 12 + 12 + 4); and a global batch the replicas
-    do not divide must be refused by the learner's own ValueError naming both numbers (rounding
-    the per-replica size changes every step's size; TF's ``get_per_replica_batch_size`` raising
-    by itself is TF's decision, not the learner's)."""
+    do not divide is the learner's decision: refused by their own ValueError naming both numbers,
+    or adapted with shares that differ by a sample so that every step still holds the global
+    batch (rounding the per-replica size changes every step's size; TF's
+    ``get_per_replica_batch_size`` raising by itself is TF's decision, not the learner's)."""
     __tracebackhide__ = True
-    tried = []
+    tried, odd = [], []
     for strat in strategies_for(strategy):
         n = strat.num_replicas_in_sync
         gb = stretch_global(n)
         _check_dataset_once(make_dist_dataset, strat, gb)
         tried.append(f"{gb} on {n}")
         if n > 1:
-            _check_indivisible(make_dist_dataset, strat, gb + 1)
+            odd.append(_check_indivisible(make_dist_dataset, strat, gb + 1))
     pipelines = _check_two_pipelines(make_dist_dataset, strategy)
     passed(f"make_dist_dataset: each step the next global batch in whole per-replica batches, "
            f"in order, the short last step kept ({', '.join(tried)} replicas), a global "
-           f"batch the replicas do not divide refused, and {pipelines}")
+           f"batch the replicas do not divide handled ({', '.join(odd)}), and {pipelines}")
 
 
 _FROM_FUNCTION = ("distribute_datasets_from_function",
@@ -171,29 +173,42 @@ def _check_two_pipelines(make_dist_dataset, strategy) -> str:
             f"{counts[0]} + {counts[1]}, in batches of {per}")
 
 
-def _check_indivisible(make_dist_dataset, strategy, global_batch: int) -> None:
+def _check_indivisible(make_dist_dataset, strategy, global_batch: int) -> str:
+    """A global batch the replicas do not divide: refused by the learner's own ValueError naming
+    both numbers, or adapted — steps of ``global_batch`` samples in the data's order, nothing
+    dropped, the replicas' shares differing by a sample. Rounding the per-replica size, and
+    TF's own error, are named."""
     __tracebackhide__ = True
     x, y = stretch_data()
     n = strategy.num_replicas_in_sync
+    where = {float(v): i for i, v in enumerate(x[:, 0])}
     try:
         dist = make_dist_dataset(strategy, x, y, global_batch)
-        steps = [[len(np.asarray(v)) for v in _local(strategy, b[0])] for b in dist]
+        arrays = [[np.asarray(v) for v in _local(strategy, b[0])] for b in dist]
+        steps = [[len(v) for v in step] for step in arrays]
     except NotImplementedError:
         raise
     except ValueError as exc:   # refused: is the refusal the learner's own, and clear?
         _check_refusal(exc, global_batch, n)
-        return
+        return f"{global_batch} on {n} refused"
     except Exception as exc:  # noqa: BLE001
         fail(f"with global_batch={global_batch} on {n} replicas make_dist_dataset raised "
-             f"{type(exc).__name__}: {str(exc).splitlines()[0]} — the contract refuses a global "
-             f"batch the replicas do not divide with a ValueError, not another error.",
+             f"{type(exc).__name__}: {str(exc).splitlines()[0]} — a refused argument is a "
+             f"ValueError, the error a caller expects for a bad value, not another error.",
              fix="Raise ValueError naming the global batch and the replica count.")
+    order = [where.get(float(row[0]), -1) for step in arrays for v in step for row in v]
+    want = [min(global_batch, _N_SAMPLES - i) for i in range(0, _N_SAMPLES, global_batch)]
+    if [sum(st) for st in steps] == want and order == list(range(_N_SAMPLES)):
+        return f"{global_batch} on {n} adapted as {'+'.join(map(str, steps[0]))}"
     sizes = [sum(st) for st in steps]
     fail(f"with global_batch={global_batch} on {n} replicas your steps held {sizes[:3]} samples "
          f"(per replica {steps[0] if steps else []}): {global_batch} is not a multiple of {n}, so "
-         f"no per-replica batch size makes a step of {global_batch} — rounding it makes every "
-         f"step the wrong size, and the loss of each step is divided by a count it does not hold.",
-         fix="Refuse such a global batch: raise ValueError naming both numbers.")
+         f"no single per-replica batch size makes a step of {global_batch} — rounding it makes "
+         f"every step the wrong size, and a loop told {global_batch} divides each step's loss by "
+         f"a count the step does not hold.",
+         fix="Either refuse such a global batch with your own ValueError naming both numbers, "
+             "or give the replicas shares that differ by a sample, so that every step still "
+             "holds the next global batch.")
 
 
 def _check_refusal(exc: ValueError, global_batch: int, n: int) -> None:
@@ -212,7 +227,8 @@ def _check_refusal(exc: ValueError, global_batch: int, n: int) -> None:
              f"called your dataset function. TF refused for you, from inside its own machinery: "
              f"the lab asks for your decision, made and explained by make_dist_dataset itself.",
              fix="Check the global batch in make_dist_dataset before building any pipeline, and "
-                 "raise your own ValueError naming both numbers.")
+                 "decide there: your own ValueError naming both numbers, or shares that keep "
+                 "every step at the global batch.")
     if not (re.search(rf"(?<!\d){global_batch}(?!\d)", said)
             and re.search(rf"(?<!\d){n}(?!\d)", said)):
         fail(f"with global_batch={global_batch} on {n} replicas your make_dist_dataset raised "

@@ -6,16 +6,16 @@ does not split evenly, two learning rates, and, when TensorFlow has a spare logi
 replica more than the lab's strategy (so a number tied to one batch size, one learning rate or 2
 replicas fails):
 
-* ``per_replica_loss(labels, logits, global_batch, weights=None)`` (part 1, this module) — the
-  loss one replica differentiates: its share of the step's mean, or with ``weights`` of the
-  step's weighted mean Σ wℓ / Σ w, whose total weight no replica is given. Checked inside
-  ``strategy.run`` on even steps, on 3 + 2 (+ ...), and weighted on 3 + 2 and 3 + 3 + 1. Named:
-  the per-replica ``reduce_mean`` (N times too big), slice size × replicas
-  (``compute_average_loss`` without ``global_batch_size``, or ``reduce_mean`` / N), the plain
-  sum, a fixed divisor (a captured notebook strategy named), the library's own answer, and on
-  the weighted step the weights ignored, the weighted sum over the sample count, a replica's own
-  weighted mean, its own total × N, the whole step's weighted mean on every replica, no
-  ``weights`` parameter.
+* ``per_replica_loss(labels, logits, global_batch, penalty=None)`` (part 1, this module) — the
+  loss one replica differentiates: its share of the step's mean, and with ``penalty`` (a
+  regularisation term, identical on every replica) the step's mean plus the penalty counted
+  once over the replicas. Checked inside ``strategy.run`` on even steps, on 3 + 2 (+ ...), and
+  with a penalty on 3 + 2 and 3 + 3 + 1. Named: the per-replica ``reduce_mean`` (N times too
+  big), slice size × replicas (``compute_average_loss`` without ``global_batch_size``, or
+  ``reduce_mean`` / N), the plain sum, a fixed divisor (a captured notebook strategy named),
+  the library's own answer, and with a penalty: added whole on every replica (N times), left
+  out, divided by the global batch, divided by a fixed replica count, no ``penalty``
+  parameter.
 * ``make_model_and_optimizer(strategy, lr, start=None)`` (part 2,
   :mod:`dpcourse.checks._lab05_model`) — variables created under the strategy given, plain SGD
   with the learning rate asked for, a mirrored model starting from ``start``'s current weights.
@@ -67,7 +67,7 @@ __all__ = ["check_per_replica_loss", "check_model_and_optimizer", "check_train_s
            "reference_batch", "strategies_for", "check_dataset_fn", "check_partial_batch_epoch",
            "last_step", "last_step_sizes", "check_last_step_prediction",
            "check_pipeline_prediction", "epoch_size", "LAST_STEP_QUESTION", "LAST_STEP_CHOICES",
-           "stretch_data", "stretch_global", "step_weights", "uneven_slices", "start_model",
+           "stretch_data", "stretch_global", "PENALTY", "uneven_slices", "start_model",
            "START_SEED", "PIPELINES", "keras", "tf", "_expected_split", "_HOW"]
 
 
@@ -76,8 +76,8 @@ def check_per_replica_loss(per_replica_loss, strategy) -> None:
     """Inside ``strategy.run``, each replica's loss must be its per-example losses summed and
     divided by the *global* batch size — the number of samples the whole step holds, given as
     ``global_batch`` — also when the slices differ in size (a global batch that does not split
-    evenly, as a partial last batch does); and with ``weights``, its weighted sum divided by the
-    whole step's total weight, which it is not given."""
+    evenly, as a partial last batch does); and with ``penalty`` (a regularisation term, the same
+    on every replica) the replicas' values must hold it once per step."""
     __tracebackhide__ = True
     _refuse_library(per_replica_loss, "per_replica_loss")
     tried = []
@@ -89,16 +89,14 @@ def check_per_replica_loss(per_replica_loss, strategy) -> None:
                 global_batch = 6 * n if even else 2 * n + 1
                 sizes = _check_loss_once(per_replica_loss, strat, global_batch)
                 tried.append(f"{global_batch} as {'+'.join(map(str, sizes))}")
-    weighted = []   # after the library's answer had its chance to show, unweighted
+    regularised = []   # after the library's answer had its chance to show, unregularised
     with _LibrarySpy("per_replica_loss"):
         for strat in strategies_for(strategy):
-            n = strat.num_replicas_in_sync
-            global_batch = 2 * n + 1
-            total = _check_weighted_loss_once(per_replica_loss, strat, global_batch)
-            weighted.append(f"{global_batch} samples of total weight {total:.3g} on {n}")
+            regularised.append(_check_penalty_once(per_replica_loss, strat,
+                                                   2 * strat.num_replicas_in_sync + 1))
     passed("per_replica_loss divides each replica's summed loss by the global batch (tried "
-           + ", ".join(tried) + "), and a weighted step's weighted sum by the whole step's "
-           "total weight, summed over the replicas (" + ", ".join(weighted) + ")")
+           + ", ".join(tried) + "), and the replicas' values hold a penalty once per step ("
+           + ", ".join(regularised) + ")")
 
 
 def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
@@ -164,100 +162,82 @@ def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
     return sizes
 
 
-def step_weights(global_batch: int) -> np.ndarray:
-    """The per-sample weights of the weighted check's step: fixed, between 0.2 and 2, whose total
-    is not the sample count (a weighted sum divided by the count shows)."""
-    return np.random.default_rng(100 + global_batch).uniform(
-        0.2, 2.0, size=global_batch).astype(np.float32)
+PENALTY = 0.75   # the regularisation term the penalty check hands every replica
 
 
-def _check_weighted_loss_once(per_replica_loss, strat, global_batch: int) -> float:
-    """With ``weights`` (this replica's samples' weights), each replica's value must be its
-    weighted sum of per-example losses divided by the total weight of the *whole* step, which no
-    replica is given: the replicas' own totals, added over the replicas."""
+def _check_penalty_once(per_replica_loss, strat, global_batch: int) -> str:
+    """With ``penalty`` (the step's regularisation term, the same scalar on every replica), the
+    replicas' values must add up to the step's mean loss plus the penalty counted once: each
+    replica's value minus its share of the mean (its summed loss / global batch, what it returns
+    without a penalty) is its part of the penalty, and those parts must add up to the penalty.
+    Any split of it does: every replica's copy of the penalty has the same gradient."""
     __tracebackhide__ = True
     import inspect
 
     n = strat.num_replicas_in_sync
     _, y = reference_batch(global_batch, seed=global_batch)
     logits = np.random.default_rng(global_batch).normal(size=(global_batch, 10)).astype(np.float32)
-    w = step_weights(global_batch)
-    total = float(w.sum())
     try:
         params = inspect.signature(getattr(per_replica_loss, "func", per_replica_loss)).parameters
     except (TypeError, ValueError):
         params = None
-    if params is not None and "weights" not in params and not any(
+    if params is not None and "penalty" not in params and not any(
             p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) and len(
             params) < 4:
         fail(f"per_replica_loss takes {len(params)} arguments ({', '.join(params)}), but the "
-             f"contract's weighted step calls it with a fourth, weights=: the check cannot ask "
-             f"it for a weighted step's share.",
-             fix="Add the parameter weights=None and use it when it is given.")
+             f"contract's regularised step calls it with a fourth, penalty=: the check cannot "
+             f"ask it for a regularised step's share.",
+             fix="Add the parameter penalty=None and use it when it is given.")
     batch = next(iter(strat.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((y, logits, w)).batch(global_batch))))
+        tf.data.Dataset.from_tensor_slices((y, logits)).batch(global_batch))))
     try:
-        out = strat.run(lambda labels, lg, wt: per_replica_loss(labels, lg, global_batch,
-                                                                weights=wt), args=batch)
+        out = strat.run(lambda labels, lg: per_replica_loss(
+            labels, lg, global_batch, penalty=tf.constant(PENALTY)), args=batch)
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001 - the learner's code, reported in one line
-        fail(f"per_replica_loss raised {type(exc).__name__} on {n} replicas with weights: "
+        fail(f"per_replica_loss raised {type(exc).__name__} on {n} replicas with a penalty: "
              f"{str(exc).splitlines()[0] if str(exc) else ''}"
              + _captured_note(per_replica_loss, strat))
     got = _local(strat, out)
-    labels, lgs, ws = (_local(strat, batch[i]) for i in range(3))
+    labels, lgs = _local(strat, batch[0]), _local(strat, batch[1])
     sizes = [len(lab) for lab in labels]
     split = "+".join(map(str, sizes))
-    at = (f"(a step of {global_batch} samples as {split} on {n} replicas, weights "
-          f"totalling {total:.3f})")
+    at = f"(a step of {global_batch} samples as {split} on {n} replicas, penalty {PENALTY})"
     for g in got:
         if g.shape != ():
-            fail(f"per_replica_loss returned a tensor of shape {g.shape} on a replica with "
-                 f"weights {at}, but a gradient tape needs one number to differentiate.",
-                 fix="Reduce the weighted losses to one number.")
-    losses = [mirrored.per_example_loss(lab, lg).numpy() for lab, lg in zip(labels, lgs)]
-    weighted = [float((wt * ls).sum()) for wt, ls in zip(ws, losses)]
-    own = [float(wt.sum()) for wt in ws]
-    whole = sum(weighted) / total
-    for r, g in enumerate(got):
-        right = weighted[r] / total
-        if _close(g, right):
-            continue
-        if _close(g, losses[r].sum() / global_batch):
-            fail(f"with weights, replica {r} returned its unweighted summed loss / "
-                 f"{global_batch} {at}: the weights were ignored, so a sample of weight 0.2 "
-                 f"pulled the step as hard as one of weight 2 — the loss of an unweighted step.",
-                 fix="Weigh each sample's loss by its weight, and divide by the step's total "
-                     "weight.")
-        if _close(g, weighted[r] / global_batch):
-            fail(f"with weights, replica {r} returned its weighted sum / {global_batch}, the "
-                 f"step's sample count {at} — as compute_average_loss does with sample_weight — "
-                 f"but the weighted mean divides the weighted sum by the total weight, "
-                 f"{total:.3f} here, not by the number of samples: the step came out "
-                 f"{total / global_batch:.3f} times the weighted mean's.",
-                 fix="Divide by the total weight of the whole step.")
-        if len(set(sizes)) > 1 and own[r] and _close(g, weighted[r] / own[r]):
-            fail(f"with weights, replica {r} returned its own weighted mean (its weighted sum "
-                 f"/ its own total weight {own[r]:.3f}) {at}: the strategy adds the {n} "
-                 f"replicas' gradients, so the step is {n} weighted means added, not the weighted "
-                 f"mean of the step.",
-                 fix="Divide by the total weight of the whole step, which the replicas hold "
-                     "between them.")
-        if own[r] and _close(g, weighted[r] / (own[r] * n)):
-            fail(f"with weights, replica {r} divided its weighted sum by its own total weight "
-                 f"× {n} replicas ({own[r]:.3f} × {n} = {own[r] * n:.3f}) {at}, but the step's "
-                 f"total weight is {total:.3f}: the replicas' slices do not carry the same "
-                 f"weight, so one replica's total × N is not the whole step's.",
-                 fix="Add the replicas' own totals together (inside strategy.run, the replica "
-                     "context can).")
-        if _close(g, whole):
-            fail(f"with weights, every replica returned the whole step's weighted mean "
-                 f"({whole:.5f}) {at}: the strategy adds the {n} replicas' gradients, so the "
-                 f"step is {n} times the weighted mean's.",
-                 fix="Return this replica's share: its own weighted sum over the step's total "
-                     "weight.")
-        fail(f"with weights, replica {r} returned {float(g):.5f} {at}, where its share of the "
-             f"step's weighted mean, its weighted sum {weighted[r]:.4f} / the step's total "
-             f"weight {total:.3f} = {right:.5f}, was expected.")
-    return total
+            fail(f"per_replica_loss returned a tensor of shape {g.shape} on a replica with a "
+                 f"penalty {at}, but a gradient tape needs one number to differentiate.",
+                 fix="Reduce the loss and the penalty to one number.")
+    shares = [float(mirrored.per_example_loss(lab, lg).numpy().sum()) / global_batch
+              for lab, lg in zip(labels, lgs)]
+    parts = [float(g) - share for g, share in zip(got, shares)]
+    counted = sum(parts) / PENALTY   # how many times the step's gradient holds the penalty's
+    if abs(counted - 1) < 1e-3:
+        return f"{global_batch} as {split} on {n}"
+    said = (f"the {n} replicas' values add up to the step's mean loss plus {counted:.3g} x the "
+            f"penalty {at}")
+    if abs(counted - n) < 1e-3:
+        fail(f"{said}: every replica added the whole penalty, and the strategy sums the {n} "
+             f"replicas' gradients, so the regularisation pulled the weights {n} times as hard "
+             f"as on one device. The penalty is the same on every replica: it is not split "
+             f"over them the way the samples are.",
+             fix="Count the penalty once per step, over all the replicas together.")
+    if abs(counted) < 1e-3:
+        fail(f"{said}: the penalty was left out, so the step is the unregularised one.",
+             fix="Add the penalty to the loss, counted once per step over all the replicas.")
+    if abs(counted - n / global_batch) < 1e-3:
+        fail(f"{said}: every replica divided the penalty by the global batch ({global_batch}), "
+             f"as the per-example losses are divided — but the penalty is one term of the "
+             f"step, not a sum over its samples, and the strategy sums the {n} replicas' "
+             f"gradients: {n}/{global_batch} of it reached the weights.",
+             fix="Count the penalty once per step, over all the replicas together.")
+    k = n / counted if counted else 0.0
+    if k > 1.5 and abs(k - round(k)) < 1e-3 and round(k) != n:
+        fail(f"{said}: every replica added the penalty / {round(k)}, but this step runs on {n} "
+             f"replicas — a number fixed before the call holds for one replica count only."
+             + _captured_note(per_replica_loss, strat),
+             fix="Divide by the number of replicas this step runs on.")
+    fail(f"{said}, where one device's step holds it once: the replicas added "
+         + ", ".join(f"{p / PENALTY:.3g}" for p in parts) + f" of it, which add up to "
+         f"{counted:.3g}, not 1.")
