@@ -601,8 +601,9 @@ viz.show_code(viz.sampler_slots)
 # of means again.
 #
 # Why does `evaluate` get `raw_model` and not the DDP wrapper? The wrapper's forward broadcasts
-# rank 0's buffers (section 9) when its flag `require_forward_param_sync` is on, and a forward
-# under `torch.no_grad()` turns the flag off for the next one (`_post_forward`). So only the
+# rank 0's buffers (BatchNorm's running statistics: section 9 has the details) when its flag
+# `require_forward_param_sync` is on, and a `torch.no_grad()` forward turns it off for the next
+# one (`_post_forward`). So only the
 # *first* evaluation forward broadcasts: shards of different lengths do not hang, but a rank
 # with **no** batch never makes that broadcast, and the others wait for it. Measured on 2 ranks,
 # after one training step, counting each rank's calls of the wrapper's `_sync_buffers`:
@@ -663,11 +664,11 @@ claim("after training each rank's running statistics are its own; the wrapper's 
 #
 # Every backward under DDP all-reduces the gradients, and an all-reduce waits for *every* rank.
 # If rank 0 has 3 batches and rank 1 has 4, rank 0 leaves the loop after 3 steps while rank 1
-# waits in its 4th all-reduce for a partner that never comes: it hangs until the process
-# group's timeout (30 minutes with gloo, 10 with NCCL). `DistributedSampler` avoids this by
-# padding (or dropping, with `drop_last=True`) so every rank has as many batches; data you shard
-# yourself (files per rank, filtered records, variable-length sequences packed into batches)
-# often does not.
+# waits in its 4th all-reduce for a partner that never comes. While rank 0's process lives on
+# (evaluating, saving), rank 1 hangs until the group's timeout (30 minutes with gloo, 10 with
+# NCCL); if rank 0 exits, gloo fails at once ("Connection reset by peer", as in section 3).
+# `DistributedSampler` avoids this by padding (or dropping, `drop_last=True`); data you shard
+# yourself (files per rank, filtered records, packed sequences) often does not.
 #
 # torch's fix is the `Join` context manager (`torch.distributed.algorithms.join`), and DDP is
 # *joinable*: inside `with Join([model]):`, a rank that has run out of batches does not leave;
@@ -678,16 +679,14 @@ claim("after training each rank's running statistics are its own; the wrapper's 
 # synchronised**. A rank that joined early skipped the last `opt.step()`s, so with momentum (or
 # Adam) its buffers differ from the others', and a second epoch after a `Join` makes the weights
 # drift apart again; checkpoint from the last rank to finish, or re-broadcast the optimizer
-# state. In the steps where a rank has joined, the gradients are still divided by the *initial*
-# world size (`divide_by_initial_world_size=True`, the default): the joined rank counts as a rank
-# with a zero gradient. What `Join` costs: in every iteration inside it, a rank that has not
-# joined runs extra collectives besides the gradients' all-reduce — `Join`'s own notification
-# all-reduce (`Join.notify_join_context`), DDP's all-reduce telling joined ranks whether to
-# synchronise in this backward (`_check_global_requires_backward_grad_sync`), and, when the model
-# has buffers to broadcast, an all-reduce that picks the rank to broadcast from
-# (`_find_common_rank`) before the broadcast.
+# state. Once a rank has joined, the gradients are still divided by the *initial* world size
+# (`divide_by_initial_world_size=True`): the joined rank counts as a zero gradient. What
+# `Join` costs: in every iteration inside it, each rank still training runs extra all-reduces
+# — `Join.notify_join_context`, `_check_global_requires_backward_grad_sync` and, with
+# buffers, `_find_common_rank` (which rank broadcasts them).
 #
-# First the hang, bounded: `launch.spawn`'s `timeout` kills every rank after 8 s and raises.
+# First the hang: `launch.spawn` keeps a returned rank alive, sockets open, and its `timeout`
+# kills every rank after 8 s.
 
 
 # %%
@@ -780,9 +779,11 @@ claim("but not with the same momentum buffers: Join synchronises the module, not
 # gradient. For plain SGD and for SGD with momentum, that is exactly the same step as averaging
 # with `lr × N`: the momentum buffer just holds N × the averaged one. With weight decay it is not:
 # summing multiplies the gradient by N but not the decay term `wd·w`, so it equals averaging at
-# `lr × N` *and* `wd / N`. With Adam, summing changes almost nothing: Adam divides by the running
-# root-mean-square of the gradient, so scaling the gradient by N cancels (except against `eps`),
-# and multiplying Adam's lr by N is the mistake. Five steps on 2 ranks, each case:
+# `lr × N` *and* `wd / N`. With Adam (no weight decay), summing changes almost nothing: Adam
+# divides by the gradient's running root-mean-square, so N cancels (except against `eps`), and
+# multiplying Adam's lr by N is the mistake. Adam's `weight_decay` is added to the gradient
+# before that division (`adam.py`), so there summing shrinks the decay N-fold. Five steps on 2
+# ranks:
 
 
 # %%
@@ -859,9 +860,9 @@ claim("Adam: summing is (almost) averaging at the same lr (to 1e-4), and lr × N
 # ## 7. Gradient accumulation with `no_sync`
 #
 # To reach a big global batch with little memory, run `accum` micro-batches per optimizer step.
-# Under DDP every `backward()` all-reduces — unless it runs inside `model.no_sync()`, where the
-# gradients just add up locally and the last backward all-reduces the sum. We count the
-# all_reduce calls with a comm hook (`dp.counting_allreduce_hook`: like DDP's default, it divides
+# Under DDP every `backward()` all-reduces — unless its *forward* ran inside `model.no_sync()`
+# (`_post_forward` decides), where the gradients add up locally and the last one all-reduces.
+# We count the all_reduce calls with a comm hook (`dp.counting_allreduce_hook`: like DDP's default, it divides
 # each bucket by the world size and all-reduces it, and it counts the calls and bytes), and
 # compare the gradients with one process on the whole global batch.
 
@@ -1003,9 +1004,9 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 # `running_var`) are *buffers*: not parameters, so no gradient and no all-reduce. DDP keeps them
 # equal another way: with `forward_sync_buffers=True` (the default; the older name
 # `broadcast_buffers` is deprecated since torch 2.13), a forward first **broadcasts rank 0's
-# buffers** to all ranks (`DistributedDataParallel._sync_buffers`, rank 0 being the
-# authoritative copy) when its flag `require_forward_param_sync` is on. The flag starts on, so
-# the first forward broadcasts; after that, each forward's `_post_forward` sets it for the
+# buffers** to all ranks (`DistributedDataParallel._sync_buffers`; inside §5's `Join`, the
+# highest rank still training instead) when its flag `require_forward_param_sync` is on. The
+# flag starts on, so the first forward broadcasts; after that, each forward's `_post_forward` sets it for the
 # *next* forward:
 # on when this forward ran with gradients enabled and outside `no_sync`, off otherwise. So in
 # an ordinary training loop every forward broadcasts; the forward after a `no_sync` forward
@@ -1271,10 +1272,12 @@ claim("NCCL without GPUs fails at init_process_group with a clear message",
 
 # %% [markdown]
 # **What `find_unused_parameters` is really for.** DDP waits for a gradient of *every*
-# parameter before it all-reduces the last bucket. If some parameters take no part in a forward
-# (a branch not taken), their gradients never come, and DDP raises at the next iteration.
+# parameter before it all-reduces the last bucket. If some take no part in a forward (a branch
+# not taken), their gradients never come: the first backward (one bucket) all-reduces nothing
+# and returns un-averaged gradients (lesson 10 §3 measures it), and DDP raises at the next
+# iteration.
 # `find_unused_parameters=True` makes DDP walk the graph after each forward to mark them ready.
-# It fixes exactly this, costs a graph traversal every step, and is not a cure for other errors.
+# It fixes this, costs a graph traversal per step, and cures nothing else.
 
 
 # %%
@@ -1461,9 +1464,9 @@ display(Code("\n".join(difflib.unified_diff(
 # over disjoint images add up, fractions over shards of different sizes do not.
 
 # %% [markdown]
-# **▶ The reference answer to the stretch — open after your lab passes** (click the folded cell
-# below): the lines of `train_ddp.py` that section 3's restart ran — what its checkpoint holds,
-# how every rank loads it, and rank 0's save.
+# **▶ Compare after your stretch passes** (click the folded cell below): `train_ddp.py`'s resume
+# and save, which section 3 ran. Its model has no dropout, so it saves no RNG state: not the
+# stretch's answer.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 script_lines = train_ddp.read_text().splitlines()
