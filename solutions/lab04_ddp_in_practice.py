@@ -48,9 +48,8 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # The check calls your function on test sets that do not split evenly, and when one of these
 # does not hold, its sentence says what it saw.
 #
-# **Your design decision:** what the ranks exchange. A 10 × 10 table of (true, predicted) pairs
-# would do, and so would three counts per class, but both are over the bound: find what is
-# enough.
+# **Your design decision:** what the ranks exchange — enough for the exact value, within the
+# wire's bound.
 #
 # Re-run the cell after each edit: it rewrites `train_lab.py`.
 
