@@ -568,7 +568,8 @@ print(f"at most {in_flight} all-reduces were in flight at the same moment")
 # run does it (the hooks' copies into the buckets included: they run inside it), **C** for
 # all the all-reduces and **C_last** for the last bucket's: overlap saves at most
 # **min(B, C − C_last)** — what fits under the backward, and never the last bucket, complete
-# only when the backward ends.
+# only when the backward ends. Below, C is the α-β model's; measured all-reduces can take
+# longer and save more.
 
 # %%
 viz.show_code(overlap.predict_step)
@@ -703,7 +704,7 @@ for r in model_rows:
     way = compare(run, control)[0]
     (paid if way < 0 else cost if way > 0 else []).append(cap_label(r["bucket_cap_mb"]))
     print(f"{cap_label(r['bucket_cap_mb']):>10}: overlap predicted to save "
-          f"{r['predicted_after_ms'] - r['predicted_ms']:5.1f} ms (at most {r['bound_ms']:.1f}); "
+          f"{r['predicted_after_ms'] - r['predicted_ms']:5.1f} ms (model's bound {r['bound_ms']:.1f}); "
           f"measured, overlapped against its control: {verdict(run, control)}")
 saving = [r["predicted_after_ms"] - r["predicted_ms"] for r in model_rows]
 typical_step = statistics.median(r["predicted_after_ms"] for r in model_rows)
@@ -720,8 +721,8 @@ print(f"With the 4 MiB buckets' all-reduces in flight beside it the backward too
 r4 = model_rows[sweep_caps.index(4)]
 print(f"Compute-to-communication ratio, 4 MiB buckets: B = backward {parts['backward']:.1f} ms + "
       f"the hooks' copies {r4['B_ms'] - parts['backward']:.1f} ms, C = {r4['C_ms']:.1f} ms "
-      f"(α-β model), B / C = {r4['B_ms'] / r4['C_ms']:.2f}: overlap could hide at most "
-      f"min(B, C − C_last) = {r4['bound_ms']:.1f} ms of them.")
+      f"(α-β model), B / C = {r4['B_ms'] / r4['C_ms']:.2f}: the model's bound "
+      f"min(B, C − C_last) = {r4['bound_ms']:.1f} ms.")
 viz.show(viz.overlap_model_figure(model_rows),
          "for each cap, the model's step (light) beside the measured one (dark), overlapped "
          "(blue) and with the same all-reduces launched after the backward (orange): whether "
@@ -895,9 +896,8 @@ viz.show(viz.bucket_sweep_figure(sweep),
 # a hundred of them cost more than their bytes; one bucket pays α once but cannot leave before
 # the backward has finished, so nothing overlaps. Where overlap pays, that makes a U, slow at
 # both ends: Li et al. (VLDB 2020, the DDP paper) measured the middle caps winning on GPUs
-# with NCCL. On this CPU only the first force can show: overlap has little to gain here, so
-# one bucket loses little to the middle caps. Expect no U, and read the printed verdicts for
-# whether your run shows the small caps' α. The runs here pass `bucket_cap_mb=25` explicitly;
+# with NCCL. The model gives overlap little to gain on this CPU; the verdicts above say
+# whether this run shows a U or the small caps' α. The runs here pass `bucket_cap_mb=25` explicitly;
 # DDP's default (`bucket_cap_mb=None`) would put a 1 MiB bucket first (section 3 measured it).
 #
 # ### The four versions and real DDP
@@ -1206,8 +1206,8 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 # - Overlap is a prediction you can test: the early buckets' all-reduces run under the
 #   backward, and save at most min(B, C − C_last) (B the backward with the hooks' work in it,
 #   C the all-reduces, C_last the last bucket's) — nothing with one bucket; it pays when B / C
-#   is about 1 or more. On a 2-core CPU gloo and the backward share the cores, so overlap has
-#   little to gain; with a simulated wire that takes no CPU, it clearly pays.
+#   is about 1 or more. On a 2-core CPU gloo and the backward share the cores, so the model
+#   expects little gain; with a simulated wire that takes no CPU, it clearly pays.
 # - Communication hooks change what is sent: 16-bit halves the bytes and, in these short runs,
 #   ends within 0.15 of the uncompressed loss (a loose bound: the loss falls only a few tenths
 #   in 120 steps); PowerSGD sends a few percent and still learns, its error feedback carrying
