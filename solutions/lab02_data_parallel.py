@@ -88,16 +88,17 @@ def scatter(X, n_devices):
 lab02.check_scatter(scatter, sizes=chunk_sizes)
 
 # %% [markdown]
-# **Predict what your decision does.** A batch of 10 samples on 8 devices: under *your*
-# `scatter`, how many of the 8 devices get no sample at all? Write a number; the next cell counts
-# it with your function and says what your choice costs or saves in a step.
+# **Predict what your decision does.** Lesson 02 showed single batches; take them all. On 8
+# devices, for how many of the batch sizes 1, 2, ..., 32 does *your* `scatter` leave at least
+# one device without a sample? Write a number; the next cell counts it with your function and
+# says what your choice costs or saves in a step.
 
 # %%
-### BEGIN SOLUTION: your prediction (a number of devices)
-my_idle_guess = 3
+### BEGIN SOLUTION: your prediction (a number of batch sizes)
+my_idle_guess = 22
 ### END SOLUTION
-idle_guess = predict("lab02", "devices left without a sample, batch 10 on 8 devices",
-                     my_idle_guess, unit="devices")
+idle_guess = predict("lab02", "batch sizes 1-32 on 8 devices that leave a device idle",
+                     my_idle_guess, unit="batch sizes")
 lab02.check_idle_prediction(idle_guess, scatter, sizes=chunk_sizes)
 
 # %% [markdown]
@@ -182,13 +183,28 @@ copy_guess = predict("lab02", "what a deep copy of a model carries", my_copy_gue
 lab02.check_copy_prediction(copy_guess)
 
 # %% [markdown]
+# Lesson 02 followed BatchNorm's buffers. Take a buffer it did not: `lab02.SampleCounter` is a
+# linear classifier whose training-mode forward runs `self.seen += x.shape[0]` on a buffer
+# `seen`. **Predict:** it holds `seen = 7`; after one forward of `nn.DataParallel` on 10 samples
+# over 4 devices, what does the module's `seen` hold? (Your step must leave the same.)
+
+# %%
+### BEGIN SOLUTION: your prediction (a count of samples)
+my_count_guess = 10
+### END SOLUTION
+count_guess = predict("lab02", "the counter's seen after one DataParallel forward, 10 on 4, from 7",
+                      my_count_guess, unit="samples")
+lab02.check_count_prediction(count_guess)
+
+# %% [markdown]
 # Now the step, with the contract at the top: every chunk through a copy of its own, and
 # afterwards `model` as `nn.DataParallel`'s forward and backward would leave it. Before you
 # write, list what that means for each thing `model` holds — its weights, its `p.grad`, its
 # buffers — given what it may hold when your function is called; your copies share none of
 # it. The check hands your function models in more than one state, batches that do and do
-# not divide by the number of devices, and a training-mode model with BatchNorm (whose outputs
-# then differ from the plain model's: for that one it looks at the buffers only). Every
+# not divide by the number of devices, a training-mode model with BatchNorm (whose outputs
+# then differ from the plain model's: for that one it looks at the buffers only), and a
+# `SampleCounter`. Every
 # parameter of the check's models takes part in the loss; a parameter that gets no gradient (a
 # layer the forward skips) is outside this contract.
 
@@ -199,8 +215,8 @@ lab02.check_copy_prediction(copy_guess)
 # After the backward, where are the gradients — on `model`, or on the copies? What did your
 # prediction in §3 say about how the copies' gradients relate to the whole batch's? What does a
 # fresh copy hold in `p.grad`, and what does `model`'s hold before your function adds anything?
-# And the BatchNorm updates of the forward: which module made them, and which of those modules
-# does `nn.DataParallel` keep?
+# And the buffers the forwards wrote: on which modules are they, and which buffers does your
+# counter prediction say `model` must end with?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**

@@ -565,15 +565,19 @@ def test_right_dp_step_written_another_way_passes(capsys):
 # --- predict, then measure: the scatter decision's consequence, what a deep copy carries --------
 
 @pytest.mark.parametrize("fn, value, verdict, phrase", [
-    (good_scatter, 3, "right", "3 get nothing"),
-    (good_scatter, 0, "not what happened", "busiest device holds 2 samples"),
-    (balanced, 0, "right", "Under DataParallel's rule ([2, 2, 2, 2, 2]) 3 would sit idle"),
+    (good_scatter, 22, "right", "22 of the 32 batch sizes (1-7, 9-14, 17-21, 25-28)"),
+    # the 10-on-8 count (3 idle devices), a number of devices rather than of batch sizes
+    (good_scatter, 3, "not what happened", "only B > 7c feeds all 8 devices"),
+    # only the batches smaller than the devices: the answer of a balanced split
+    (good_scatter, 7, "not what happened", "the idle stretch after each multiple of 8 shrinks"),
+    (balanced, 7, "right", "DataParallel's rule would idle one for 22 sizes"),
+    (balanced, 22, "not what happened", "feeds every device once B >= 8"),
 ])
 def test_idle_prediction_counts_the_learners_scatter(fn, value, verdict, phrase, capsys):
     from dpcourse.checks import predict
 
-    guess = predict("lab02", "devices left without a sample, batch 10 on 8 devices", value,
-                    unit="devices")
+    guess = predict("lab02", "batch sizes 1-32 on 8 devices that leave a device idle", value,
+                    unit="batch sizes")
     lab02.check_idle_prediction(guess, fn)
     out = " ".join(capsys.readouterr().out.split())
     assert f"— {verdict}." in out and phrase in out, out
@@ -642,6 +646,62 @@ def test_statistics_of_the_whole_batch_are_named():
     with pytest.raises(LabCheckError) as err:
         lab02.check_dp_forward_backward(whole_batch_statistics)
     assert "forward on the whole batch of 16" in str(err.value), str(err.value)
+
+
+def batchnorm_buffers_only(model, X, y, n):
+    # wrong: brings back BatchNorm's statistics alone, module by module; other buffers stay
+    chunks = good_scatter(X, n)
+    reps = [copy.deepcopy(model) for _ in chunks]
+    loss = F.cross_entropy(good_gather(dp.parallel_apply(reps, chunks)), y)
+    loss.backward()
+    for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
+        new = sum(c.grad for c in cs)
+        p.grad = new if p.grad is None else p.grad + new
+    for m, m0 in zip(model.modules(), reps[0].modules()):
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            for b, b0 in zip(m.buffers(), m0.buffers()):
+                b.copy_(b0)
+    return loss.item()
+
+
+def counter_sums_the_copies(model, X, y, n):
+    # wrong: the counter takes every copy's samples (whole batch), BatchNorm's replica 0's
+    loss = make_step()(model, X, y, n)
+    if isinstance(model, lab02.SampleCounter):
+        model.seen.fill_(lab02.COUNT_CASE[2] + X.shape[0])
+    return loss
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (batchnorm_buffers_only, "its forward's update stayed on a copy"),
+    (counter_sums_the_copies, "it counted the whole batch"),
+])
+def test_buffer_that_is_not_batchnorms_is_checked(fn, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_forward_backward(fn)
+    assert phrase in str(err.value), str(err.value)
+    assert "Run the check again" in str(err.value), str(err.value)
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_forward_backward(fn)
+    assert "copy that ran chunk 0" in str(err.value), str(err.value)
+
+
+def test_sample_counter_under_dataparallel_keeps_chunk_0():
+    # the fact the count prediction is built on: replica 0 shares the module's buffers
+    assert lab02.counted_after_dp() == (10, [3, 3, 3, 1])
+
+
+@pytest.mark.parametrize("value, verdict", [(10, "right"), (17, "not what happened"),
+                                            (8, "not what happened"),
+                                            (7, "not what happened")])
+def test_count_prediction_is_measured_and_explained(value, verdict, capsys):
+    from dpcourse.checks import predict
+
+    guess = predict("lab02", "the counter's seen after one DataParallel forward, 10 on 4, "
+                    "from 7", value, unit="samples")
+    lab02.check_count_prediction(guess)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"— {verdict}." in out and "7 + 3 = 10" in out and "not 17" in out, out
 
 
 def test_buffer_mistake_met_twice_says_what_to_change():

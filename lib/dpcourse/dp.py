@@ -237,8 +237,9 @@ class Broadcast(torch.autograd.Function):
 def replicate(module: nn.Module, devices) -> list[nn.Module]:
     """One copy of ``module`` per device, its parameters tied to the original by autograd.
 
-    Each replica's parameters are *outputs* of a broadcast (not leaf Parameters): a backward
-    through any replica adds into ``module``'s own ``.grad``. As in torch's own ``replicate``,
+    Each replica's parameters are *outputs* of a broadcast (not leaf Parameters): autograd
+    carries a backward through any replica back to ``module``'s own parameters (what arrives
+    there: ``Broadcast.backward``, lab 02). As in torch's own ``replicate``,
     replica 0 (on the module's device) **shares** the module's storage: its parameters are views
     of the originals and its buffers *are* the module's buffers, so in-place updates on replica 0
     (BatchNorm's running statistics) reach ``module``; the other replicas get copies of the

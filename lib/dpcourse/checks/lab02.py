@@ -22,8 +22,8 @@ from .lab01 import is_library_function, library_calls
 
 __all__ = ["check_scatter", "check_gather", "check_dp_forward_backward",
            "check_threaded_apply", "check_prediction", "copy_share", "CHUNK_SIZES",
-           "idle_devices", "check_idle_prediction", "COPY_CARRIES", "deepcopy_carries",
-           "check_copy_prediction"]
+           "idle_devices", "idle_batch_sizes", "check_idle_prediction", "COPY_CARRIES", "deepcopy_carries",
+           "check_copy_prediction", "SampleCounter", "counted_after_dp", "check_count_prediction"]
 
 # The two answers to lab02's design decision: how scatter sizes the chunks when N does not
 # divide B. "like DataParallel": ceil(B/N) per device until the batch runs out (torch.chunk's
@@ -254,10 +254,11 @@ def check_dp_forward_backward(dp_forward_backward) -> None:
     for n_devices, batch, held in ((4, 16, False), (3, 10, True), (4, 6, True)):
         _check_dp_once(dp_forward_backward, n_devices, batch, held)
     _check_dp_buffers(dp_forward_backward)
+    _check_dp_counter(dp_forward_backward)
     passed("DataParallel by hand on 4 and 3 devices (even and uneven chunks, and a batch of 6 "
            "on 4): each plain copy ran on its chunk, the loss is the whole batch's, the "
            "whole batch's gradient was added to what the model held, and the model's "
-           "BatchNorm buffers hold what nn.DataParallel leaves there")
+           "buffers (BatchNorm's, and a sample counter's) hold what nn.DataParallel leaves there")
 
 
 def _bn_net(seed: int = 0):
@@ -346,6 +347,86 @@ def _check_dp_buffers(dp_forward_backward) -> None:
          f"chunk 0, its first {c0} samples, alone) by up to "
          f"{(got[0] - want[0]).abs().max().item():.4f}.",
          fix="take the buffers from the copy that ran chunk 0.")
+
+
+class SampleCounter(torch.nn.Module):
+    """A linear classifier that counts, in a buffer, the samples its training-mode forwards
+    have seen (``seen``): a buffer that is not BatchNorm's, updated in place by the forward."""
+
+    def __init__(self, features: int = 12, classes: int = 10, seen: int = 0):
+        super().__init__()
+        self.linear = torch.nn.Linear(features, classes)
+        self.register_buffer("seen", torch.tensor(seen))
+
+    def forward(self, x):
+        if self.training:
+            self.seen += x.shape[0]
+        return self.linear(x.flatten(1))
+
+
+COUNT_CASE = (10, 4, 7)  # 10 samples on 4 devices, a counter that already holds 7
+
+
+def counted_after_dp(batch: int = COUNT_CASE[0], n: int = COUNT_CASE[1],
+                     start: int = COUNT_CASE[2]) -> tuple[int, list[int]]:
+    """One training-mode forward of ``dpcourse.dp.data_parallel`` (whose replica 0 shares the
+    module's buffers, as torch's ``replicate`` does) on a :class:`SampleCounter` that holds
+    ``start``: (the module's count afterwards, the chunk sizes)."""
+    torch.manual_seed(0)
+    model = SampleCounter(seen=start)
+    X = torch.randn(batch, 3, 2, 2)
+    devs = reference.devices_for(n, kind="cpu")
+    reference.data_parallel(model, X, devs)
+    return int(model.seen), [c.shape[0] for c in reference.scatter(X, devs)]
+
+
+def check_count_prediction(guess) -> None:
+    """Compare the learner's predicted count with :func:`counted_after_dp`; say why. Never
+    raises for a wrong prediction."""
+    __tracebackhide__ = True
+    from . import reveal
+
+    batch, n, start = COUNT_CASE
+    measured, sizes = counted_after_dp()
+    reveal(guess, measured, close=guess.value == measured, explanation=(
+        f"Each replica's forward ran `seen += len(x)` on its own chunk {sizes}. Replica 0's "
+        f"buffer is the module's own tensor, so its {sizes[0]} reached the module: {start} + "
+        f"{sizes[0]} = {start + sizes[0]}. The other replicas added to copies that were dropped "
+        f"with them: not {start + batch} (the whole batch; no module saw it), not {start + 1} "
+        f"(one update counted, as BatchNorm's num_batches_tracked is, but this buffer counts "
+        f"samples), not {start} (replica 0 is not a copy). Whatever a forward writes into a "
+        f"buffer, the module keeps device 0's chunk's writing."))
+
+
+def _check_dp_counter(dp_forward_backward) -> None:
+    """A buffer that is not BatchNorm's: :class:`SampleCounter` holding 7, 10 samples on 4
+    devices; afterwards ``seen`` must be 7 + chunk 0's size (3 under either decision)."""
+    __tracebackhide__ = True
+    batch, n, start = COUNT_CASE
+    want, sizes = counted_after_dp()
+    model = SampleCounter(seen=start)
+    torch.manual_seed(2)
+    X, y = torch.randn(batch, 3, 2, 2), torch.randint(0, 10, (batch,))
+    dp_forward_backward(model, X, y, n)
+    got = int(model.seen)
+    if got == want:
+        return
+    if got == start:
+        fail(f"a model whose forward counts its samples in a buffer (`seen`, a buffer that is not "
+             f"BatchNorm's) still holds {start} after your step on {batch} samples over {n} "
+             f"devices: its forward's update stayed on a copy. Under nn.DataParallel the module "
+             f"keeps replica 0's writes to every buffer, {start} + {sizes[0]} = {want} here.",
+             fix="bring back every buffer of the copy that ran chunk 0, whatever module holds "
+                 "it (model.buffers()), not only BatchNorm's.")
+    if got == start + batch:
+        fail(f"the sample counter holds {got} = {start} + {batch}: it counted the whole batch, "
+             f"but no module saw the whole batch. Under nn.DataParallel each replica counts its "
+             f"own chunk ({sizes}) and the module keeps replica 0's count, {want}.",
+             fix="take the buffers from the copy that ran chunk 0, not from a forward on all "
+                 "of X or a sum over the copies.")
+    fail(f"the sample counter holds {got} after your step on {batch} samples over {n} devices, "
+         f"where nn.DataParallel leaves {want} ({start} + chunk 0's {sizes[0]} samples).",
+         fix="take every buffer from the copy that ran chunk 0.")
 
 
 _PLAIN = ("the lab asks for plain copies (copy.deepcopy), whose gradients no autograd link "
@@ -737,10 +818,10 @@ def check_prediction(guess, n_devices: int = 4, batch: int = 10) -> None:
 
 # --- predict, then measure: the scatter decision's consequence -------------------------------
 
-IDLE_CASE = (10, 8)  # a batch of 10 samples on 8 devices
+IDLE_CASE = (32, 8)  # every batch size from 1 to 32, on 8 devices
 
 
-def idle_devices(scatter, b: int = IDLE_CASE[0], n: int = IDLE_CASE[1]) -> tuple[int, list]:
+def idle_devices(scatter, b: int, n: int = IDLE_CASE[1]) -> tuple[int, list]:
     """Run the learner's ``scatter`` on a batch of ``b`` on ``n`` devices: (devices given no
     sample, the chunk sizes)."""
     X = torch.arange(b, dtype=torch.float32).reshape(b, 1)
@@ -748,28 +829,49 @@ def idle_devices(scatter, b: int = IDLE_CASE[0], n: int = IDLE_CASE[1]) -> tuple
     return n - len(sizes), sizes
 
 
+def idle_batch_sizes(scatter, top: int = IDLE_CASE[0], n: int = IDLE_CASE[1]) -> list[int]:
+    """The batch sizes 1..``top`` for which the learner's ``scatter`` leaves at least one of
+    ``n`` devices without a sample."""
+    return [b for b in range(1, top + 1) if idle_devices(scatter, b, n)[0] > 0]
+
+
+def _runs(values: list[int]) -> str:
+    """[1, 2, 3, 9, 10] -> '1-3, 9-10'."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        start = v if start is None else start
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(f"{start}-{v}" if v > start else f"{v}")
+            start = None
+    return ", ".join(out) or "none"
+
+
 def check_idle_prediction(guess, scatter, sizes: str | None = None) -> None:
-    """Compare the predicted number of idle devices (a batch of 10 on 8 devices, under the
-    learner's own scatter) with the count; say what the decision bought. Never raises for a
-    wrong prediction."""
+    """Compare the predicted count of batch sizes 1..32 that leave a device idle on 8 devices,
+    under the learner's own scatter, with the count; say why, and what the decision bought.
+    Never raises for a wrong prediction."""
     __tracebackhide__ = True
     from . import reveal
 
-    b, n = IDLE_CASE
-    idle, got = idle_devices(scatter)
-    other = [len(c) for c in torch.chunk(torch.empty(b), n)]
-    busiest = max(got)
-    why = (f"Your scatter cut {b} samples into {got}: {len(got)} device(s) work and {idle} "
-           f"get nothing. ")
-    if idle:
-        why += (f"Filling each device with ceil({b}/{n}) = {busiest} samples in turn uses the "
-                f"batch up after {len(got)} devices. ")
+    top, n = IDLE_CASE
+    idle = idle_batch_sizes(scatter)
+    rule = [b for b in range(1, top + 1) if -(-b // -(-b // n)) < n]  # DataParallel's fill
+    why = (f"Your scatter leaves a device idle for {len(idle)} of the {top} batch sizes "
+           f"({_runs(idle)}). ")
+    if len(idle) > n - 1:
+        why += (f"Below {n} samples some device must idle whatever the rule; above it, filling "
+                f"each device with ceil(B/{n}) samples in turn uses the batch up early whenever "
+                f"the last chunk would be short by a whole chunk: once the chunk size is c, only "
+                f"B > {n - 1}c feeds all {n} devices, so the idle stretch after each multiple "
+                f"of {n} shrinks by one ({_runs(rule[n - 1:])}). ")
     else:
-        why += (f"Under DataParallel's rule ({other}) {n - len(other)} would sit idle. ")
-    why += (f"Either way the busiest device holds {busiest} samples and the step waits for "
-            f"it, so the step takes as long: the balanced rule spreads the same work over more "
-            f"devices, DataParallel's leaves the spare ones idle and copies the model to fewer.")
-    reveal(guess, idle, close=guess.value == idle, explanation=why)
+        why += (f"Only a batch smaller than the {n} devices starves one: a balanced split feeds "
+                f"every device once B >= {n}, where DataParallel's rule would idle one for "
+                f"{len(rule)} sizes ({_runs(rule)}). ")
+    why += ("Either way the busiest device holds ceil(B/8) samples and the step waits for it, so "
+            "the step takes as long: the balanced rule spreads the same work over more devices, "
+            "DataParallel's leaves the spare ones idle and copies the model to fewer.")
+    reveal(guess, len(idle), close=guess.value == len(idle), explanation=why)
 
 
 # --- predict, then measure: what copy.deepcopy carries along ---------------------------------
