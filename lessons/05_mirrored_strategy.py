@@ -298,10 +298,10 @@ claim("under MirroredStrategy a replica that skips all_reduce makes strategy.run
       error=skipped)
 
 # %% [markdown]
-# Because the gradients are *summed*, each replica's loss must be its share of the global mean.
-# TensorFlow has a function for it, `tf.nn.compute_average_loss`, which divides the summed
-# losses by a batch size. (Every proof in this lesson splits its batches evenly; lab 05 asks what
-# changes when they do not.) Here are the per-example loss, the gradient of one mirrored step as
+# Because the gradients are *summed*, what each replica's loss must be is not the mean a single
+# device would compute: what it must be instead is lab 05's first question (TensorFlow has a
+# function for it, `tf.nn.compute_average_loss`; the lab asks what to divide by, on splits this
+# lesson never runs). Here are the per-example loss, the gradient of one mirrored step as
 # the library computes them, and the one-device gradient every proof compares it with (the mean
 # loss over the whole global batch, no strategy) — the code the proofs below run, except the
 # per-replica loss, `mirrored.per_replica_loss`: lab 05's answer, folded after the lab pointer.
@@ -401,6 +401,11 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 viz.show_code(mirrored.keras_loss_per_replica)
 
 # %% [markdown]
+# **▶ Six pairings: per-replica loss × how the gradients are combined (the first row answers
+# lab 05 part 1 for equal slices) — open after your lab passes** (click the folded cell below:
+# the table; its measurement and claims follow, folded too).
+
+# %% [markdown] jupyter={"source_hidden": true}
 # With every replica's slice the same size, as everywhere in this lesson (what stays right when
 # they differ — a short last batch — is lab 05's question), each framework is right only with
 # its own pairing:
@@ -414,7 +419,11 @@ viz.show_code(mirrored.keras_loss_per_replica)
 # | Keras loss object, as is (local mean × 1/N) | SUM (TF's all-reduce) | correct |
 # | Keras loss object ÷ `num_replicas_in_sync` | SUM (TF's all-reduce) | 1/N too small |
 
-# %%
+# %% [markdown]
+# **▶ The six pairings' gradients, measured — open after your lab passes** (click the folded
+# cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # (why: the factors are N, the number of replicas, which depends on the profile.)
 def norm(grads):
@@ -438,7 +447,10 @@ for (loss_kind, reduce_kind), grads in cases.items():
     print(f"  {loss_kind:21s} + {reduce_kind.upper():4s}: |gradient| = {norm(grads):.4f} "
           f"= {ratios[loss_kind, reduce_kind]:.3f} x the right one")
 
-# %%
+# %% [markdown]
+# **▶ The claims on those ratios — open after your lab passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 n = n_replicas
 right = abs(ratios["compute_average_loss", "sum"] - 1) < 1e-4
 n_too_big = abs(ratios["reduce_mean", "sum"] - n) < 1e-4 * n
