@@ -159,7 +159,8 @@ claim("the module counted one BatchNorm update, not one per replica",
 # BatchNorm normalises each sample with the mean and variance of the batch it sees — here, of
 # its replica's chunk, not of the whole batch — so the outputs themselves differ. The equality
 # proven below holds only for models whose layers treat every sample on its own (SmallCNN has no
-# BatchNorm; DDP in lesson 03 has the same caveat, and by default broadcasts rank 0's buffers
+# BatchNorm; DDP in lesson 03 — one process per device, each called a *rank* — has the same
+# caveat, and by default broadcasts rank 0's buffers
 # before a forward when the forward before it ran with gradients enabled and outside `no_sync`,
 # whatever `train()` or `eval()` says — lesson 03 measures which forwards it skips):
 
@@ -220,7 +221,8 @@ claim("every parameter of the original model received a gradient",
 # The whole step in one call, `dp.data_parallel(model, X, devs)` (shown above), is what
 # `nn.DataParallel`'s `forward` does. The picture of that step as our `dp` does it, one copy at a
 # time, drawn from this run's chunk sizes and parameter count (the real class moves the same
-# tensors with collectives when NCCL is there: "Why it is slow" below):
+# tensors with collectives — operations that all the devices join at once, such as one
+# broadcast — when NCCL is there: "Why it is slow" below):
 
 # %%
 claim("dp.data_parallel(model, X, devs) equals the plain model (to 1e-5)",
@@ -269,10 +271,13 @@ viz.show(viz.dp_timeline_figure(step),
 # %%
 # NBVAL_IGNORE_OUTPUT
 # (why: timings depend on the machine and its load.)
+# A span is wall time from a piece's start to its end: a thread that waits for the GIL inside
+# its forward is still inside its span, so these sums are not compute time.
 total = max(s[3] for s in spans)
 for d in range(len(step["chunk_sizes"])):
-    busy = sum(s[3] - s[2] for s in spans if s[0] == d)
-    print(f"device {d}: busy {busy:6.1f} ms, idle {total - busy:6.1f} ms of {total:.1f} ms")
+    span = sum(s[3] - s[2] for s in spans if s[0] == d)
+    print(f"device {d}: in its spans {span:6.1f} ms (wall time, GIL waits included), "
+          f"outside them {total - span:6.1f} ms of {total:.1f} ms")
 
 # %% [markdown]
 # **▶ How the step is recorded** (click the folded cell below): `viz.record_dp_step`, its hooks
@@ -350,7 +355,9 @@ for n in (2, 4, 8):
           and tc.total == dp.parameter_server_traffic(n, K), counted=tc.total)
 
 # %% [markdown]
-# A ring all-reduce (lesson 06) has every rank send 2(N−1)K/N and receive as much: counted the
+# An all-reduce is the collective after which every rank holds the sum of all ranks' tensors
+# (lessons 03 and 06). A ring all-reduce (lesson 06) has every rank send 2(N−1)K/N and receive
+# as much: counted the
 # same way, sends plus receives, **4(N−1)K/N** — less than 4K however large N grows — and no
 # device is a bottleneck. (Per direction the comparison is (N−1)K against 2(N−1)K/N.)
 
@@ -495,7 +502,15 @@ elif g["speedup"] >= 0.9:
                "approach 2.00x)")
 else:
     verdict = (f"the threads were slower than one after the other: {1 / g['speedup']:.2f} times "
-               "the time, since they took turns with the GIL and paid for each hand-over")
+               "the time")
+if g["cpu_per_wall"] > 1.2:
+    verdict += "; the process used more than one core, which GIL-bound threads cannot"
+elif g["cpu_per_wall"] >= 0.7:
+    verdict += ("; the process got about one core's worth at most, as threads that take turns "
+                "with the GIL do")
+else:
+    verdict += (f"; but the process got only {g['cpu_per_wall']:.2f} of a core: the machine was "
+                "busy, so this run cannot tell the GIL's turns from the load's")
 print(f"On this run: {verdict}.")
 
 # %% [markdown]
@@ -522,7 +537,7 @@ print(f"On this run: {verdict}.")
 # above), whose gradients no autograd link brings back: getting them onto the original is up to
 # you, under the contract of `loss.backward()`. You also decide how `scatter` sizes its chunks,
 # and make predictions (what your decision does, one copy's share of the gradient, what a deep
-# copy carries) before they are measured. Its stretch asks for the threads of `parallel_apply`.
+# copy carries, what a buffer other than BatchNorm's ends with) before they are measured. Its stretch asks for the threads of `parallel_apply`.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below): the
@@ -621,7 +636,9 @@ viz.quiz([
                  "The backward of the broadcast that made the copies sums them onto device 0",
                  "Each replica steps its own optimizer and the weights are averaged after"],
      "answer": 1,
-     "why": ["There is no all-reduce in DataParallel: everything flows through device 0.",
+     "why": ["No: after an all-reduce every GPU holds the result; here the gradients go one "
+             "way, reduced onto device 0 (with NCCL's reduce when available), and only device "
+             "0 holds the sum.",
              "Right: broadcast forward, reduce-add backward — autograd does the summing.",
              "There is one optimizer, on the original parameters; replicas are rebuilt each step."]},
     {"q": "After one nn.DataParallel forward in training mode, where do the module's BatchNorm "
