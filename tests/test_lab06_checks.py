@@ -1406,6 +1406,7 @@ def test_prediction_is_compared_with_the_most_bytes_a_rank_sends(capsys):
     lab06.check_prediction(predict("lab06", "most bytes", 64, unit="bytes"), measured)
     out = capsys.readouterr().out
     assert "measured: 64 bytes — right" in out and "only the average" in out
+    assert "rank 0 skips chunks 1 and 2" in " ".join(out.split()), out
     lab06.check_prediction(predict("lab06", "most bytes", 60, unit="bytes"), measured)
     assert "not what happened" in capsys.readouterr().out
     # a real ring in another layout (owner = [2, 0, 3, 1], as on part 1's paper): every rank
@@ -1413,11 +1414,81 @@ def test_prediction_is_compared_with_the_most_bytes_a_rank_sends(capsys):
     # named, not a wrong message count
     lab06.check_prediction(predict("lab06", "most bytes", 64, unit="bytes"), [60, 60, 60, 60])
     out = " ".join(capsys.readouterr().out.split())  # the explanation is wrapped
-    assert "neighbouring ranks do not finish neighbouring chunks" in out, out
+    assert "your ranks left out 5, 5, 5, 5 elements" in out, out
     assert "does your ring send exactly one chunk per step" not in out, out
     lab06.check_prediction(predict("lab06", "most bytes", 64, unit="bytes"), [80, 80, 80, 80])
     assert "does your ring send exactly one chunk per step" in " ".join(
         capsys.readouterr().out.split())
+
+
+def ring_layout(tensor, op="sum", owner=(0, 2, 1, 3), copies=False):
+    """A right ring in which rank r finishes chunk owner[r] (even ranks send first); with
+    ``copies`` it sends clones, so which chunk a message held cannot be read from memory."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    owner = list(owner) if len(owner) == n else list(range(n))
+    flat = tensor.view(-1)
+    chunks = flat.tensor_split(n)
+    right, left = (rank + 1) % n, (rank - 1) % n
+
+    def exchange(send, recv):
+        send = send.clone() if copies else send
+        if rank % 2:
+            dist.recv(recv, left)
+            dist.send(send, right)
+        else:
+            dist.send(send, right)
+            dist.recv(recv, left)
+
+    for t in range(1, n):
+        into = chunks[owner[(rank - 1 - t) % n]]
+        buf = torch.empty_like(into)
+        exchange(chunks[owner[(rank - t) % n]], buf)
+        into += buf
+    for t in range(n, 2 * n - 1):
+        exchange(chunks[owner[(rank - t) % n]], chunks[owner[(rank - 1 - t) % n]])
+    if op == "average":
+        flat /= n
+    return tensor
+
+
+def ring_layout_copies(tensor, op="sum"):
+    return ring_layout(tensor, op, copies=True)
+
+
+def test_bytes_feedback_follows_the_learners_own_layout(capsys):
+    """Learner finding (s6): the feedback said every ring has a rank skipping two neighbouring
+    chunks (2K − 4 = 64 bytes); with owner = [0, 2, 1, 3] every rank sends 60. The feedback now
+    names the chunks each rank of the learner's ring skipped and the bytes that gives."""
+    from dpcourse.checks import predict
+
+    lab06.check_ring_allreduce(ring_layout, timeout=60)
+    capsys.readouterr()
+    measured = lab06.measure_bytes_sent(ring_layout)
+    assert list(measured) == [60, 60, 60, 60], measured
+    lab06.check_prediction(predict("lab06", "most bytes", 64, unit="bytes"), measured)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 60 bytes — not what happened" in out, out
+    for r, (a, b) in enumerate([(0, 2), (2, 1), (1, 3), (3, 0)]):
+        assert f"rank {r} skips chunks {a} and {b}" in out, out
+    assert "next to each other" not in out and "does your ring send exactly" not in out, out
+    assert "over all layouts the most one rank sends is 60 or 64 bytes" in out, out
+    # lesson 06's layout: 56, 60, 64, 60, each rank's two chunks named
+    measured = lab06.measure_bytes_sent(ring_ok)
+    lab06.check_prediction(predict("lab06", "most bytes", 64, unit="bytes"), measured)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "measured: 64 bytes — right" in out, out
+    r = list(measured).index(64)
+    assert f"rank {r} skips chunks 2 and 3 (2 + 2 elements), so sends 2K − 4 = 16 float32, 64 " \
+           f"bytes" in out, out
+    # a ring that sends copies: the chunks cannot be told, the skipped elements are still said
+    measured = lab06.measure_bytes_sent(ring_layout_copies)
+    lab06.check_prediction(predict("lab06", "most bytes", 64, unit="bytes"), measured)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "your ranks left out 5, 5, 5, 5 elements" in out, out
+    assert "does your ring send exactly" not in out, out
 
 
 def test_segmented_ring_declared_in_flight_must_be_what_the_ring_did(capsys):
@@ -1586,3 +1657,47 @@ def test_the_pipeline_timeline_model_of_lesson_06():
     for bad in ((1, 4), (4, 0), (4, 2.5)):
         with pytest.raises(ValueError):
             ring.pipeline_schedule(*bad)
+
+
+def _timing_cell() -> str:
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[1] / "solutions" /
+              "lab06_ring_allreduce.py").read_text()
+    cells = source.split("\n# %%")
+    return next(c for c in cells if "def time_rings" in c).split("\n", 1)[1]
+
+
+@pytest.mark.parametrize("timings, lines", [
+    # the learner's measurement (s6): most of the gain is isend/irecv moving both ways at once
+    ((0.236, 0.164, 0.138), ["both directions at once (segments=1 vs blocking): faster (1.44x)",
+                             "(8 segments vs segments=1): faster (1.19x)",
+                             "the larger part came from moving both directions at once"]),
+    ((0.200, 0.190, 0.100), ["(segments=1 vs blocking): no clear difference",
+                             "(8 segments vs segments=1): faster (1.90x)",
+                             "the larger part came from pipelining the additions"]),
+    ((0.103, 0.110, 0.116), ["no clear gain over the blocking ring here (0.89x)"]),
+])
+def test_stretch_timing_separates_nonblocking_from_pipelining(monkeypatch, capsys, timings,
+                                                              lines):
+    """Learner finding (s6): the stretch's timing credited pipelining with the gain of isend/irecv
+    over the blocking even/odd ring. The cell now times the segmented ring with segments=1 as a
+    control and judges the two effects apart, from the run."""
+    from dpcourse import launch
+
+    calls = {}
+
+    def fake_spawn(fn, world_size, rings, numel, **kwargs):
+        calls.update(rings=rings, world_size=world_size, numel=numel)
+        return [dict(zip(rings, timings))]
+
+    monkeypatch.setattr(launch, "spawn", fake_spawn)
+    cell = _timing_cell()
+    exec(compile(cell, "timing cell", "exec"),
+         {"ring_allreduce": ring_ok, "ring_allreduce_segmented": ring_ok})
+    assert [kw for _, kw in calls["rings"].values()] == [{}, {"segments": 1}, {"segments": 8}]
+    assert calls["world_size"] == 2 and calls["numel"] == 16 * 2**20
+    out = capsys.readouterr().out
+    for line in lines:
+        assert line in out, out
+    assert "range(repeats)" in cell.split("for name, (fn")[0], "rounds must be interleaved"

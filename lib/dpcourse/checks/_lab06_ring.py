@@ -11,6 +11,8 @@ fixed divisor, another chunk rule, a missing all-gather, a chunk index off by on
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from dpcourse.checks import check_timeout, fail, passed, recorded
@@ -246,17 +248,44 @@ def _check_ring_once(fn, world_size: int, timeout: float, dry_sizes=()) -> dict:
 # --- predict, then measure: the bytes one rank sends ----------------------------------------
 
 
+class BytesSent(list):
+    """The bytes each rank sent (a list of ints), with ``chunks``: per rank, the chunk indices
+    (of ``chunk_bounds``) of the messages it sent, in order, or None for a rank that sent
+    something other than a view of one whole chunk of its tensor (a copy, a piece)."""
+
+    chunks: list = []
+
+
 def measure_bytes_sent(fn, world_size: int = 4, numel: int = 10,
-                       timeout: float | None = None) -> list[int]:
+                       timeout: float | None = None) -> BytesSent:
     """Run the learner's ``fn(tensor, op="sum")`` on ``world_size`` gloo ranks with a float32
-    tensor of ``numel`` elements and return the bytes each rank sent (point-to-point only)."""
+    tensor of ``numel`` elements and return the bytes each rank sent (point-to-point only),
+    with the chunks each rank sent where they can be told (:class:`BytesSent`)."""
     __tracebackhide__ = True
     timeout = check_timeout(timeout, 20.0)
     if not callable(fn):
         fail(f"measure_bytes_sent needs your ring_allreduce function, got {type(fn).__name__}")
     _refuse_reference(fn)
     per_rank = _launch_ring(fn, world_size, timeout, [((numel,), "float32", "sum")])
-    return [int(per_rank[r]["traffic"][0]["elements"]) * 4 for r in range(world_size)]
+    starts = {(lo, hi - lo): c for c, (lo, hi) in enumerate(chunk_bounds(numel, world_size))}
+    out = BytesSent(int(per_rank[r]["traffic"][0]["elements"]) * 4 for r in range(world_size))
+    out.chunks = []
+    for r in range(world_size):
+        spans = per_rank[r]["traffic"][0].get("spans", [])
+        chunks = [starts.get(tuple(sp)) if sp is not None else None for sp in spans]
+        out.chunks.append(None if None in chunks else chunks)
+    return out
+
+
+def _skipped(chunks, n: int):
+    """The chunk a rank did not send in each phase, (scatter-reduce, all-gather), from the
+    chunks it sent in order (N - 1 per phase, none twice in a phase); None if not that shape."""
+    if chunks is None or len(chunks) != 2 * (n - 1):
+        return None
+    phases = (chunks[:n - 1], chunks[n - 1:])
+    if any(len(set(p)) != n - 1 for p in phases):
+        return None
+    return tuple((set(range(n)) - set(p)).pop() for p in phases)
 
 
 def check_prediction(guess, measured, world_size: int = 4, numel: int = 10) -> None:
@@ -266,43 +295,50 @@ def check_prediction(guess, measured, world_size: int = 4, numel: int = 10) -> N
 
     A rank sends every chunk but one in each phase: not, in the scatter-reduce, the chunk it
     finishes (its last contribution arrives; there is nothing to pass on), and not, in the
-    all-gather, the chunk it receives last (its right neighbour finished it). Where neighbouring
-    ranks finish neighbouring chunks (lesson 06's layout, or rank i chunk i) those two are
-    neighbours by index, so the most any rank sends is 2K minus the two smallest neighbouring
-    chunks; 2(N-1)K/N is only the average over ranks. A ring with another layout sends the same
-    total and another most, and is told so."""
+    all-gather, the chunk it receives last (its right neighbour finished it). Which two those
+    are depends on the layout, so the feedback reads the chunks each of the learner's ranks
+    sent (``measured.chunks``), names the two it skipped and computes its bytes from them:
+    2K minus the two skipped chunks (lesson 06's layout on N = 4, K = 10: 56, 60, 64, 60;
+    owner = [0, 2, 1, 3]: 60 on every rank). 2(N-1)K/N is only the average over ranks. Where
+    the chunks cannot be told (a ring that sends copies), the bytes are read back the same way
+    from the measurement."""
     from dpcourse.checks import reveal
 
     n, k = world_size, numel
     sizes = [hi - lo for lo, hi in chunk_bounds(k, n)]
-    pairs = [sizes[i] + sizes[(i + 1) % n] for i in range(n)]
-    most = (2 * k - min(pairs)) * 4
-    least = (2 * k - max(pairs)) * 4
     average = 2 * (n - 1) * k / n * 4
     worst = max(measured)
     close = abs(float(guess.value) - worst) < 0.5
+    ring_total = sum(measured) == round(average * n)
     explanation = (
         f"A rank sends every chunk but one in each phase: in the scatter-reduce not the chunk it "
         f"finishes (nothing is left to pass on), in the all-gather not the one it receives last "
-        f"(its right neighbour finished it) — two chunks next to each other in the ring. With "
-        f"chunks of {', '.join(map(str, sizes))} elements, the rank that skips two "
-        f"{min(sizes)}-element chunks sends 2K − {min(pairs)} = {2 * k - min(pairs)} float32 "
-        f"({most} bytes) and the one that skips two {max(sizes)}-element chunks "
-        f"{2 * k - max(pairs)} ({least} bytes): 2(N−1)K/N × 4 = {average:g} bytes is only the "
-        f"average over the ranks, exact when N divides K. Your ring's ranks sent "
-        f"{', '.join(map(str, measured))} bytes.")
-    if sum(measured) == round(average * n) and worst != most:
-        # Every layout sends 2(N-1)K in all; the most one rank sends depends on it: a rank
-        # skips the chunk it finishes and the one its right neighbour finishes, neighbours by
-        # index only when neighbouring ranks finish neighbouring chunks.
-        explanation += (f" Your ranks sent {round(average * n)} bytes in all, as every ring "
-                        f"does, but not {most} at most: in your ring neighbouring ranks do not "
-                        f"finish neighbouring chunks, so the two chunks a rank skips (the one "
-                        f"it finishes, the one its right neighbour finishes) are not neighbours "
-                        f"by index, and the most one rank sends is 2K minus the smallest pair "
-                        f"of chunks that neighbouring ranks finish.")
-    elif worst != most or sum(measured) != round(average * n):
-        explanation += (f" That is not {most} at most and {round(average * n)} in all: does "
-                        f"your ring send exactly one chunk per step, every chunk of "
+        f"(its right neighbour finished it). So it sends 2K minus those two chunks, and which "
+        f"two they are is set by the layout: with chunks of "
+        f"{', '.join(map(str, sizes))} elements (chunk 0 first), ")
+    chunks = getattr(measured, "chunks", None) or [None] * n
+    skips = [_skipped(c, n) for c in chunks]
+    if all(s is not None for s in skips):
+        per_rank = [(2 * k - sizes[a] - sizes[b]) * 4 for a, b in skips]
+        explanation += "in your ring's layout " + "; ".join(
+            f"rank {r} skips chunks {a} and {b} ({sizes[a]} + {sizes[b]} elements), so sends "
+            f"2K − {sizes[a] + sizes[b]} = {2 * k - sizes[a] - sizes[b]} float32, "
+            f"{per_rank[r]} bytes" for r, (a, b) in enumerate(skips)) + "."
+        agrees = per_rank == list(measured)
+    else:
+        explanation += (f"your ranks left out {', '.join(str(2 * k - b // 4) for b in measured)}"
+                        f" elements (rank 0 first): the two chunks each skipped (which ones is "
+                        f"not known here: your ring did not send views of its tensor's chunks).")
+        agrees = True
+    mosts = sorted({max((2 * k - sizes[o[r]] - sizes[o[(r + 1) % n]]) * 4 for r in range(n))
+                    for o in itertools.permutations(range(n))}) if n <= 7 else [worst]
+    explanation += (f" Your ring's ranks sent {', '.join(map(str, measured))} bytes, "
+                    f"{worst} at most; 2(N−1)K/N × 4 = {average:g} bytes is only the average "
+                    f"over the ranks, exact when N divides K"
+                    + (f", and over all layouts the most one rank sends is "
+                       f"{' or '.join(map(str, mosts))} bytes." if len(mosts) > 1 else "."))
+    if not ring_total or not agrees:
+        explanation += (f" That is not {round(average * n)} bytes in all, two chunks skipped per "
+                        f"rank: does your ring send exactly one chunk per step, every chunk of "
                         f"ring.chunk_bounds's size?")
     reveal(guess, worst, close=close, explanation=explanation)

@@ -103,7 +103,7 @@ def _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs=None):
     # explained afterwards; log every send and receive with its peer and size, so a crash can be
     # traced to the first message whose two ends disagree.
     traffic = {"messages": 0, "elements": 0, "sizes": [], "builtins": [], "events": [],
-               "nonblocking": []}
+               "nonblocking": [], "spans": []}
     counts = {"send": 0, "recv": 0}
     batch_seen: dict = {}
     p2p_log = open(os.path.join(marker_dir, f"p2p{rank}"), "a", buffering=1)
@@ -131,6 +131,7 @@ def _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs=None):
                 traffic["messages"] += 1
                 traffic["elements"] += call.numel
                 traffic["sizes"].append(call.numel)
+                traffic["spans"].append(_span_in(current["x"], call))
         elif call.op not in ("recv", "barrier"):
             traffic["builtins"].append(call.function)
 
@@ -163,7 +164,7 @@ def _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs=None):
             x = torch.tensor(_real_input(rank, shape), dtype=getattr(torch, dtype))
             current["x"] = x
             traffic.update(messages=0, elements=0, sizes=[], builtins=[], events=[],
-                           nonblocking=[])
+                           nonblocking=[], spans=[])
             counts.update(send=0, recv=0)
             live.clear()
             try:
@@ -175,9 +176,24 @@ def _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs=None):
             results.append((x.numpy().astype(np.float64), returned))
             per_case.append(dict(traffic, builtins=list(traffic["builtins"]),
                                  nonblocking=list(traffic["nonblocking"]),
-                                 sizes=list(traffic["sizes"]), events=list(traffic["events"])))
+                                 sizes=list(traffic["sizes"]), events=list(traffic["events"]),
+                                 spans=list(traffic["spans"])))
         p2p_log.close()
         return {"results": results, "traffic": per_case}
+
+
+def _span_in(x, call):
+    """Where in the case's tensor ``x`` a sent tensor lies, as (first element, elements), or
+    None when it is not a view of ``x`` (a copy, another buffer): which chunk a rank sent."""
+    t = (call.args or {}).get("tensor")
+    if x is None or t is None or not hasattr(t, "untyped_storage"):
+        return None
+    try:
+        if t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            return None
+    except RuntimeError:
+        return None
+    return (int(t.storage_offset() - x.storage_offset()), int(t.numel()))
 
 
 def _recv_span(call, live: list):
