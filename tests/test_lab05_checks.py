@@ -517,6 +517,37 @@ def make_adapting(strategy, x, y, global_batch):
     return strategy.distribute_datasets_from_function(dataset_fn)
 
 
+def make_adapting_always(strategy, x, y, global_batch):
+    # the adaptation applied to every global batch: the short last step's 4 samples as 2 + 2
+    n = strategy.num_replicas_in_sync
+
+    def dataset_fn(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines,
+                                                              ctx.input_pipeline_id)
+
+        def pieces(xb, yb):
+            b = tf.shape(xb)[0]
+            return tf.data.Dataset.range(n).map(
+                lambda r: (xb[tf.cast(r, tf.int32) * b // n:(tf.cast(r, tf.int32) + 1) * b // n],
+                           yb[tf.cast(r, tf.int32) * b // n:(tf.cast(r, tf.int32) + 1) * b // n]))
+        return ds.batch(global_batch // ctx.num_input_pipelines).flat_map(pieces)
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def test_an_adaptation_of_every_global_batch_passes(strategy, capsys):
+    # its own pipeline, its own split of the short last step (2 + 2): the contract holds
+    lab05.check_dataset_fn(make_adapting_always, strategy)
+    assert capsys.readouterr().out.count("✔") == 1
+    from dpcourse.checks import predict
+    x, y = lab05.stretch_data()
+    sizes = lab05.last_step_sizes(strategy, make_adapting_always(strategy, x, y, 32))
+    assert sizes == [2, 2], sizes
+    lab05.check_pipeline_prediction(predict("lab05", "adapted split", 4, unit="samples"), sizes)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "your pipeline shared the 4 samples left at the end out as 2+2" in out, out
+    assert "whole batches" not in out, out
+
+
 def test_an_adapted_indivisible_global_batch_passes(strategy, capsys):
     # stretch A's decision is the learner's: refusing and adapting are both accepted
     lab05.check_dataset_fn(make_adapting, strategy)

@@ -131,8 +131,13 @@ def check_pipeline_prediction(guess, sizes) -> None:
     n = len(sizes)
     gb = stretch_global(n)
     per, last = gb // n, _N_SAMPLES % gb or gb
+    whole = sizes == [max(0, min(per, last - r * per)) for r in range(n)]
     reveal(guess, sizes[0], close=guess.value == sizes[0],
-           explanation=f"Each replica takes whole batches of {per} from the pipeline in turn, so "
-                       f"the {last} samples left at the end fill replica 0's batch first: "
-                       f"{'+'.join(map(str, sizes))}. A replica with no samples still runs the "
-                       f"step, and the mean of no losses is 0/0.")
+           explanation=(f"Each replica takes whole batches of {per} from the pipeline in turn, "
+                        f"so the {last} samples left at the end fill replica 0's batch first: "
+                        f"{'+'.join(map(str, sizes))}. A replica with no samples still runs the "
+                        f"step, and the mean of no losses is 0/0.") if whole else
+                       (f"Each replica takes the next element of your pipeline in turn, and "
+                        f"your pipeline shared the {last} samples left at the end out as "
+                        f"{'+'.join(map(str, sizes))}: the split of the last step is whatever "
+                        f"the dataset function yields, not the strategy's."))
