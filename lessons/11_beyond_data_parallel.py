@@ -16,7 +16,7 @@
 #   grown past the **critical batch size**, which the gradient noise scale predicts — the
 #   noise scale measured here inside a DDP run (at one point of training: fixed weights);
 # - explain Megatron-LM's tensor-parallel MLP (a column-parallel then a row-parallel linear
-#   layer, two conjugate communication operations) and count its all-reduces per step;
+#   layer, two conjugate communication operations) and count its messages per step;
 #   check it against the plain MLP and against torch's `parallelize_module`;
 # - run a pipeline (GPipe, 1F1B) over send/recv, measure its bubble against (K−1)/(M+K−1) and
 #   count the activations 1F1B saves (micro-batches held, and their bytes);
@@ -264,7 +264,7 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 #
 # 1. **column-parallel** first layer: rank r keeps the r-th block of A's *columns*
 #    (d × h/t), and computes `H_r = GeLU(X·A_r)`: its own h/t hidden
-#    features. GeLU acts element by element, so it needs nothing from the other ranks;
+#    features (whether the GeLU needs anything from the other ranks is the lab's to say);
 # 2. **row-parallel** second layer: rank r keeps the r-th block of B's *rows* (h/t × d) and
 #    multiplies its own hidden features by it. What that product is next to the layer's
 #    output `Y = H·B`, and what it costs to get Y on every rank, is lab 11's first question.
@@ -413,20 +413,20 @@ claim(f"the input requires a gradient here, as it would after another layer: one
 
 # %% [markdown]
 # Against data parallelism: DDP all-reduces the MLP's *gradients*, Ψ = 2dh + h + d numbers,
-# once per step; each of tensor parallelism's all-reduces carries *activations*, tokens × d
+# once per step; each of tensor parallelism's messages is over *activations*, tokens × d
 # numbers, and they come back with every micro-batch (how many per pass is lab 11's). One
 # grows with the model, the other with the tokens:
 
 # %%
 dp_bytes = cfg.num_params * 4
 tp_one = cfg.tokens * cfg.d * 4
-print(f"this MLP: DP all-reduces {dp_bytes} bytes per step; one TP all-reduce carries "
+print(f"this MLP: DP all-reduces {dp_bytes} bytes per step; one TP message is over "
       f"{tp_one} ({tp_one / dp_bytes:.2f}×)")
 d_gpt, s_gpt = gpt3.hidden, gpt3.seq_len
 mlp_params = 8 * d_gpt * d_gpt
 tp_elems = s_gpt * d_gpt
 claim(f"GPT-3's MLP (d = {d_gpt}), one sequence of {s_gpt} tokens: one tensor-parallel "
-      f"all-reduce carries s·d = {tp_elems / 1e6:.0f} M numbers, data parallelism the "
+      f"message is over s·d = {tp_elems / 1e6:.0f} M numbers, data parallelism the "
       f"{mlp_params / 1e9:.2f} B weights' gradients once per step — "
       f"{mlp_params / tp_elems:.0f}× one sequence's", mlp_params / tp_elems > 20)
 
@@ -864,6 +864,18 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 viz.show_code(planner.Cluster, planner.within_nodes, planner.plan_row, planner.plan)
 
 # %% [markdown]
+# **▶ `planner.TP_MESSAGES_PER_LAYER`, the tensor-parallel messages `plan_row` counts, checked
+# against section 2's run — open after your lab passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+print("tensor-parallel collectives per layer and micro-batch:", planner.TP_MESSAGES_PER_LAYER)
+claim(f"a layer's attention and MLP each make what section 2's MLP made (forward "
+      f"{len(r0['forward'])}, backward {len(r0['backward'])}): "
+      f"{planner.TP_MESSAGES_PER_LAYER} per layer, and the forward's once more when recomputed",
+      planner.TP_MESSAGES_PER_LAYER == {"forward": 2 * len(r0["forward"]),
+                                        "backward": 2 * len(r0["backward"])})
+
+# %% [markdown]
 # The check: Narayanan et al. (*Efficient Large-Scale Language Model Training on GPU
 # Clusters Using Megatron-LM*, SC 2021) list in their Table 1 the configurations they ran on
 # DGX A100 nodes (8 A100 80-GB GPUs each). One row has GPT-3's width — 96 heads, hidden size
@@ -968,7 +980,7 @@ claim("every configuration computes the same flops in the same time; what the be
 viz.show(viz.planner_figure(shown, labels, cluster.gpu_bytes / 1e9, cluster),
          "Where the planner's ranking comes from: the compute (dark grey) is the same for "
          "every row; small t leaves the GPUs to pipeline stages, whose fill and drain (light "
-         "grey) dominates what differs, while t = 8's all-reduces (red) stay inside a node. "
+         "grey) dominates what differs, while t = 8's tensor-parallel traffic (red) stays inside a node. "
          "Left: each row's memory per GPU against the 80 GB.")
 
 # %% [markdown]
@@ -1000,8 +1012,8 @@ claim(f"Table 1's 148 teraFLOP/s per GPU means a step of {step_measured:.1f} s "
 
 # %% [markdown]
 # Where section 1 left off: data parallelism alone. The paper's Table 2 measured exactly
-# that, for GPT-3 175B on 1536 GPUs with batch 1536: PTD parallelism (model-parallel size
-# t·p = 96) reached **141** teraFLOP/s per GPU, ZeRO-3 without model parallelism **44**.
+# that, for GPT-3 175B on 1536 GPUs with batch 1536: PTD parallelism (the paper's name for
+# pipeline, tensor and data parallelism combined; model-parallel size t·p = 96) reached **141** teraFLOP/s per GPU, ZeRO-3 without model parallelism **44**.
 
 # %%
 table2 = planner.MEGATRON_TABLE2_175B
@@ -1039,7 +1051,7 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   cut the steps.
 # - **Tensor parallelism** (Megatron-LM): a column-parallel layer then a row-parallel one,
 #   with two conjugate operations *f* and *g* carrying the communication (which pass of
-#   each, and why, is lab 11). All-reduces of the activations in every MLP and attention
+#   each, and why, is lab 11). Collectives over the activations in every MLP and attention
 #   block, for every micro-batch, mostly on the critical path (how many, which ones Megatron
 #   hides and which torch's async TP can fuse is folded after lab 11's pointer): keep it
 #   inside a node. torch's

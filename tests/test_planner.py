@@ -174,3 +174,12 @@ def test_fp32_gradients_cost_18_bytes_and_twice_the_traffic():
     assert (rows[0]["tp"], rows[0]["pp"]) == (PUB["tp"], PUB["pp"])
     with pytest.raises(ValueError, match="grad_bytes must be 2"):
         planner.plan_row(model, A100, 8, 8, PUB["global_batch"], grad_bytes=3)
+
+
+def test_tp_messages_per_layer_are_two_each_way_and_the_recomputed_forward_repeats_its_two():
+    # the constant lesson 11 checks (folded) against section 2's run: attention and MLP each
+    # make one collective per pass
+    assert planner.TP_MESSAGES_PER_LAYER == {"forward": 2, "backward": 2}
+    kept = planner.plan_row(GPT3, A100, 8, 16, 1536, recompute=False)
+    assert kept["tp_messages"] == 6 * 128 * 4             # 6 layers, 128 micro-batches, 4 each
+    assert planner.plan_row(GPT3, A100, 1, 16, 1536)["tp_messages"] == 0   # no t, no messages

@@ -55,14 +55,20 @@ __all__ = [
     "MEGATRON_TABLE1_145B",
     "MEGATRON_TABLE2_175B",
     "megatron_flops_per_step",
+    "TP_MESSAGES_PER_LAYER",
 ]
+
+# Tensor parallelism's collectives per transformer layer and micro-batch, pass by pass
+# (attention and MLP each have an f and a g); a recomputed forward runs the forward's again.
+# Lab 11 counts them for one MLP; lesson 11 prints and checks these numbers after its pointer.
+TP_MESSAGES_PER_LAYER = {"forward": 2, "backward": 2}
 
 
 @dataclass(frozen=True)
 class Transformer:
     """A GPT-style transformer: ``layers`` blocks of width ``hidden`` with ``heads`` attention
     heads, trained on sequences of ``seq_len`` tokens over a vocabulary of ``vocab``.
-    Shown in lesson 11, §1.
+    ``hidden`` is the width d (the papers' h), not section 2's h = 4d. Shown in lesson 11, §1.
     """
 
     name: str
@@ -109,10 +115,9 @@ def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1
     floats (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
     Models", 2022, section 4; their h is the width, here d): ``s·b·d·(34 + 5·a·s/d)`` on one
     GPU; with tensor parallelism of size t ``s·b·d·(10 + 24/t + 5·a·s/(d·t))``: the 10·s·b·d
-    that is not divided is what every tensor-parallel rank holds whole — the two layer norms'
-    inputs (4·sbd), the two dropout masks after attention and MLP (2·sbd), and the inputs of
-    the QKV matmul and of the MLP's first matmul (2·sbd each), the replicated X that enters a
-    column-parallel layer; with sequence parallelism too, everything divided by t. With full
+    not divided by t: the two layer norms' inputs (4·sbd), the two dropout masks after
+    attention and MLP (2·sbd), and the inputs of the QKV matmul and of the MLP's first matmul
+    (2·sbd each); with sequence parallelism too, everything divided by t. With full
     recomputation only the layer's input is kept: ``2·s·b·d`` (divided by t with sequence
     parallelism).
 
@@ -190,7 +195,9 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     s, b, d = model.seq_len, micro_batch, model.hidden
     act_msg = 2 * s * b * d                           # one activation, 16-bit
     ring = (lambda k: 2 * (k - 1) / k)                # an all-reduce sends 2(k-1)/k of it
-    tp_msgs = layers_here * m * (6 if recompute else 4) if tp > 1 else 0
+    per_layer = TP_MESSAGES_PER_LAYER["forward"] * (2 if recompute else 1) \
+        + TP_MESSAGES_PER_LAYER["backward"]
+    tp_msgs = layers_here * m * per_layer if tp > 1 else 0
     tp_bytes = tp_msgs * act_msg * ring(tp) if tp > 1 else 0.0
     pp_msgs = 2 * m if pp > 1 else 0                  # a middle stage: one each way per micro-batch
     pp_bytes = pp_msgs * act_msg

@@ -104,7 +104,9 @@ def _draw_shards(ax, d: int, h: int, world_size: int, biases: bool):
     x_w, a_x, b_x = 0.5, 1.6, 6.2
     # X: tokens x d, the same on every rank
     ax.add_patch(Rectangle((0.0, top - d * unit), x_w, d * unit, fc="#dddddd", ec="k"))
-    ax.text(x_w / 2, top + 0.15, "X\n(every rank)", ha="center", va="bottom", fontsize=8)
+    # who holds X whole, and what the GeLU needs, are lab 11's: labelled only in the answer
+    ax.text(x_w / 2, top + 0.15, "X\n(every rank)" if biases else "X", ha="center",
+            va="bottom", fontsize=8)
     ax.annotate("", xy=(a_x - 0.1, top - d * unit / 2), xytext=(x_w + 0.1, top - d * unit / 2),
                 arrowprops=dict(arrowstyle="->"))
     ax.text((x_w + a_x) / 2, top - d * unit / 2 + 0.1, "f", ha="center", va="bottom",
@@ -116,8 +118,9 @@ def _draw_shards(ax, d: int, h: int, world_size: int, biases: bool):
     ax.text(a_x + h * unit / 2, top + 0.15, f"A ({d} × {h}): column-parallel\nrank r keeps "
             f"{h // world_size} columns" + (" (+ that slice of b₁)" if biases else ""),
             ha="center", va="bottom", fontsize=8)
-    ax.text(a_x + h * unit / 2, top - d * unit - 0.15, "→ GeLU on each rank's slice (no "
-            "communication)", ha="center", va="top", fontsize=8)
+    ax.text(a_x + h * unit / 2, top - d * unit - 0.15,
+            "→ GeLU on each rank's slice (no communication)" if biases else "→ GeLU",
+            ha="center", va="top", fontsize=8)
     for r in range(world_size):   # B: h x d, cut into row blocks
         ax.add_patch(Rectangle((b_x, top - (r + 1) * h * unit / world_size), d * unit,
                                h * unit / world_size, fc=_RANK_COLOURS[r % 8], ec="k",
