@@ -10,8 +10,8 @@
 #
 # **You will be able to:**
 # - say where a data-parallel rank's memory goes with mixed-precision Adam — 16 bytes per
-#   parameter, split 2 + 2 + 12 in the ZeRO paper and 4 + 4 + 8 in FSDP2 — and count it on a
-#   real run;
+#   parameter, split 2 + 2 + 12 in the ZeRO paper, 4 + 4 + 8 with fp32 weights (FSDP2 here)
+#   — and count it on a real run;
 # - build ZeRO stages 1, 2 and 3 from collectives you know, and prove each one trains like
 #   DDP (to float rounding), frozen and tied parameters included;
 # - count what each stage sends per step, and explain why ZeRO-1 and ZeRO-2 cost what DDP
@@ -23,10 +23,8 @@
 #
 # **Time:** about 65 minutes to read and run.
 #
-# **Lab:** [lab08_zero_two](../labs/lab08_zero_two.ipynb) — write ZeRO stage 2 the way it
-# saves memory: buckets reduce-scattered asynchronously *during* the backward; the check runs
-# it on 2 and 3 ranks next to DDP, on a model with a frozen and a tied parameter, and weighs
-# the gradient memory alive at once.
+# **Lab:** [lab08_zero_two](../labs/lab08_zero_two.ipynb) — ZeRO stage 2 that lowers the
+# peak, checked next to DDP on 2 and 3 ranks (its pointer is in section 3).
 #
 # Data parallelism copies *everything* to every rank: weights, gradients, optimizer state. When
 # the model stops fitting, the answer that keeps it *data* parallel is to stop copying: each
@@ -68,36 +66,37 @@ print(f"this lesson: {world_size} ranks over {backend}")
 #
 # | what | bytes |
 # |---|---|
-# | the weights the model computes with (fp16 in the paper; bf16 today, also 2 bytes) | 2 |
-# | their gradients (fp16 / bf16) | 2 |
+# | the weights the model computes with (fp16 in the paper, or bf16) | 2 |
+# | their gradients (fp16; bf16 ones are often reduced in fp32: below) | 2 |
 # | fp32 master copy of the weights, which the optimizer steps | 4 |
 # | Adam's momentum (fp32) | 4 |
 # | Adam's variance (fp32) | 4 |
 #
 # 16 bytes, of which K = 12 are optimizer state. Activations come on top but they belong to
-# the batch, not the model. ZeRO removes the copies one kind at a time: stage 1 shards the
-# optimizer state, stage 2 the gradients too, stage 3 the weights too.
+# the batch, not the model. In bf16, Megatron-LM's `--bf16` accumulates and all-reduces the
+# gradients in fp32 by default: 2 + 4 + 12 = 18 bytes (lesson 11 plans with both). ZeRO
+# removes the copies one kind at a time: stage 1 shards the optimizer state, stage 2 the
+# gradients too, stage 3 the weights too.
 #
-# That split is the ZeRO paper's: weights *stored* in fp16 beside an fp32 master copy. Two
-# common ways of training keep fp32 weights instead, with no master copy: `torch.autocast`
-# (the weights stay fp32; only the operations run in bf16) and FSDP2 as section 6 runs it
-# (fp32 shards, computed in bf16). Then a parameter costs 4 (weights) + 4 (gradients, fp32) +
-# 8 (momentum and variance): still 16, but split differently, so each stage saves a different
-# amount — ZeRO-2 keeps 4 + 12/N, not 2 + 14/N:
+# That split is the ZeRO paper's: fp16 weights beside an fp32 master copy. `torch.autocast`
+# (fp32 weights, bf16 operations) and FSDP2 as section 6 runs it (fp32 shards, computed in
+# bf16) keep no master copy: a parameter costs 4 (weights) + 4 (gradients) + 8 (momentum and
+# variance), still 16 but split differently, so each stage saves a different amount — ZeRO-2
+# keeps 4 + 12/N, not 2 + 14/N:
 
 # %%
 viz.show_code(zero.bytes_per_param)
 
 # %%
 n_table = 8
-print(f"bytes per parameter at N = {n_table}:   paper (2 + 2 + 12)   fp32 weights (4 + 4 + 8)")
+print(f"bytes per parameter at N = {n_table}:  paper (2+2+12)  fp32 weights (4+4+8)  bf16 (2+4+12)")
 for stage in zero.STAGES:
-    paper_bytes = zero.bytes_per_param(stage, n_table)
-    fp32_bytes = zero.bytes_per_param(stage, n_table, param_bytes=4, grad_bytes=4,
-                                      optimizer_bytes=8)
-    print(f"{stage:>6}: {paper_bytes:24.2f} {fp32_bytes:24.2f}")
-claim("with fp32 weights ZeRO-2 keeps 4 + 12/N bytes per parameter (5.5 at N = 8), not 2 + 14/N",
-      zero.bytes_per_param("zero2", 8, 4, 4, 8) == 4 + 12 / 8 == 5.5)
+    row = [zero.bytes_per_param(stage, n_table, *pgk) for pgk in [(), (4, 4, 8), (2, 4)]]
+    print(f"{stage:>6}:" + "".join(f"{b:16.2f}" for b in row))
+claim("with fp32 weights ZeRO-2 keeps 4 + 12/N bytes per parameter (5.5 at N = 8), not "
+      "2 + 14/N; bf16 weights with fp32 gradients cost DDP 2 + 4 + 12 = 18",
+      zero.bytes_per_param("zero2", 8, 4, 4, 8) == 5.5
+      and zero.bytes_per_param("ddp", 8, 2, 4) == 18)
 
 # %% [markdown]
 # The ZeRO paper's Figure 1 is this formula for a 7.5-billion-parameter model on 64 GPUs:
@@ -156,9 +155,10 @@ zero_calculator = viz.explorer(
 # the peak: the gradients, grouped in buckets (lesson 07), leave the rank *during* the
 # backward, which must not wait for them; what to keep in flight, and when to wait for it, is
 # yours to decide under the memory bound the lab states. The check weighs the gradient
-# memory alive at every arrival, and you predict the peak before you measure it. Try it before
-# you open the library's stages below: their code holds the pieces the lab asks you to find
-# (the shard's bounds, the reduce-scatter, the all-gather after the step), so it is folded.
+# memory alive at every arrival, and you predict the peak before you measure it. The tool it
+# needs, `Tensor.register_post_accumulate_grad_hook`, is taught in section 4's first
+# paragraph: read that far first. The library's stages below hold the lab's pieces, so they
+# are folded.
 #
 # ### The library's stages, checked
 # Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
@@ -693,7 +693,8 @@ claim("a 13-B model on 8 × 40 GB GPUs (6 GB for activations and ZeRO-3's workin
 # ## Summary
 # - With mixed-precision Adam a parameter costs 16 bytes: 2 + 2 + 12 in the ZeRO paper (fp16
 #   weights and gradients, fp32 master and Adam state), 4 + 4 + 8 with fp32 weights (autocast,
-#   FSDP2 as run here). DDP keeps all of it on every rank.
+#   FSDP2 as run here); 2 + 4 + 12 = 18 in bf16 with gradients reduced in fp32 (Megatron-LM's
+#   `--bf16`). DDP keeps all of it on every rank.
 # - ZeRO-1 shards the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too; each
 #   trained like DDP here (weights equal to 1e-5), with a frozen and a tied parameter too, and
 #   each held exactly the bytes the formula says. ZeRO-3's working set (a unit's full weights
@@ -854,3 +855,8 @@ viz.quiz([
 #
 # Papers: Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training Trillion Parameter
 # Models*, SC 2020 (Figure 1, the 2 + 2 + 12 split, fp16 with fp32 master weights); Zhao et al., *PyTorch FSDP*, VLDB 2023.
+#
+# Megatron-LM (github.com/NVIDIA/Megatron-LM, not installed here; lesson 11's Sources give the
+# commit): `megatron/training/arguments.py` — with `--bf16`, `accumulate_allreduce_grads_in_fp32`
+# is turned on unless told otherwise ("bfloat16 requires gradient accumulation and all-reduce
+# to be done in fp32"): section 1's 2 + 4 + 12 = 18.

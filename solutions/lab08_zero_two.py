@@ -69,10 +69,14 @@ for collective in (dist.reduce_scatter_single, dist.all_gather_single):
 # - both collectives can move these pieces, and every one of the `numel` numbers belongs to a
 #   rank;
 # - every piece starts on a **16-byte boundary** of the vector. Torch's allocator aligns where
-#   a tensor starts, but a piece inside a buffer starts where you cut it; code that moves 16
-#   bytes at a time wants it aligned, which is why FSDP pads to 16 bytes
-#   (`torch/distributed/fsdp/_flat_param.py`, `_get_aligned_numel`: "This alignment constraint
-#   comes from TorchInductor"). In `self.shard` (part 3) the buckets' pieces follow one
+#   a tensor starts, but a piece inside a buffer starts where you cut it, and code that moves
+#   16 bytes at a time (vectorised copies) wants its start aligned. This lab asks it of the
+#   rank pieces themselves, which FSDP does not: FSDP1 (with `use_orig_params=True`) pads so
+#   that each *parameter* starts on 16 bytes (`torch/distributed/fsdp/_flat_param.py`,
+#   `_get_aligned_numel`: "This alignment constraint comes from TorchInductor"), then pads
+#   the flat parameter only to a multiple of the world size; FSDP2 pads each parameter's dim
+#   0 to a multiple of the world size (`_fully_shard/_fsdp_param.py`,
+#   `padded_sharded_param_size`). In `self.shard` (part 3) the buckets' pieces follow one
 #   another, so where each one starts depends on the lengths of those before it;
 # - no piece carries padding that these rules do not force on it: every collective sends it,
 #   in every step.

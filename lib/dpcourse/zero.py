@@ -253,7 +253,8 @@ def reduce_scatter_mean(flat: torch.Tensor) -> torch.Tensor:
 
     Half of an all-reduce: a ring all-reduce *is* a reduce-scatter followed by an all-gather
     (lesson 06), and ZeRO stops after the first half because a rank only needs its own slice.
-    gloo has ReduceOp.SUM everywhere, so we sum and divide, as lesson 03 did.
+    gloo takes ``ReduceOp.AVG`` here too in torch 2.14 (lab 08 uses it); we sum and divide,
+    as lesson 03 did, so that the mean's division by N is a line you can see.
 
     Shown in lesson 08, §3.
     """
