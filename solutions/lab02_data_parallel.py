@@ -14,9 +14,11 @@
 # 2. `gather(outputs) -> tensor`: the devices' outputs as one batch, in device order.
 # 3. A prediction about one copy's gradient, then its measurement.
 # 4. `dp_forward_backward(model, X, y, n_devices) -> float`: one DataParallel step's forward
-#    and backward. Each chunk runs on a plain copy of `model` of its own (the copies run in
-#    threads through `dp.parallel_apply`, as the real class runs them); it returns the mean
-#    cross-entropy over the whole batch, as a float. Afterwards `model` — its weights, its
+#    and backward. Each chunk runs on a model of its own: a plain copy of `model`, except that
+#    chunk 0 may run on `model` itself — `nn.DataParallel`'s replica 0 is a module object of its
+#    own but works on the module's own tensors (lesson 02 §2), so either way is accepted. The
+#    models run in threads through `dp.parallel_apply`, as the real class runs them. It returns
+#    the mean cross-entropy over the whole batch, as a float. Afterwards `model` — its weights, its
 #    gradients, its buffers — is what it would be after the forward and `backward()` of
 #    `nn.DataParallel(model)` on `n_devices` devices, whatever state it arrived in.
 #
@@ -45,8 +47,8 @@ torch.set_num_threads(1)
 # chunks of 2). The other balances the sizes over every device the batch can feed (2, 2, 1, 1).
 # Before you choose, ask which device sets the pace of a step, whether the choice changes it,
 # and what an idle device costs or saves. Write your choice in `chunk_sizes`,
-# `"like DataParallel"` or `"balanced"`, with a comment saying why; the check holds your
-# `scatter` to it.
+# `"like DataParallel"` or `"balanced"`; the check holds your `scatter` to it, and the
+# prediction after it counts what your choice does over many batch sizes.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -72,7 +74,7 @@ torch.set_num_threads(1)
 # first `B % k`; then one call that splits `X` along dim 0 by sizes, turned into a list.
 
 # %%
-### BEGIN SOLUTION: your design decision: "like DataParallel" or "balanced", and why
+### BEGIN SOLUTION: your design decision: "like DataParallel" or "balanced"
 chunk_sizes = "like DataParallel"  # the step's time is set by the largest chunk either way;
 # filling in turn leaves a device free instead of giving it one sample's worth of work.
 ### END SOLUTION
@@ -168,66 +170,35 @@ lab02.check_prediction(guess)
 # %% [markdown]
 # ## 4. `dp_forward_backward`
 #
-# Your step makes its copies with `copy.deepcopy(model)`, and `model` may arrive holding
-# gradients from an earlier backward. **Predict first:** take a model whose parameters hold
-# gradients and whose BatchNorm layer holds running statistics (a training-mode forward and a
-# backward ran). Which of the two does `copy.deepcopy` of it carry into the copy? Choose one of
-# `lab02.COPY_CARRIES`: `"both"`, `"gradients only"`, `"running statistics only"`, `"neither"`.
-
-# %%
-### BEGIN SOLUTION: your prediction (one of lab02.COPY_CARRIES)
-my_copy_guess = "running statistics only"
-### END SOLUTION
-copy_guess = predict("lab02", "what a deep copy of a model carries", my_copy_guess,
-                     choices=lab02.COPY_CARRIES)
-lab02.check_copy_prediction(copy_guess)
-
-# %% [markdown]
-# Lesson 02 followed BatchNorm's buffers. Take a buffer it did not: `lab02.SampleCounter` is a
-# linear classifier whose training-mode forward runs `self.seen += x.shape[0]` on a buffer
-# `seen`. **Predict:** it holds `seen = 7`; after one forward of `nn.DataParallel` on 10 samples
-# over 4 devices, what does the module's `seen` hold? (Your step must leave the same.)
-
-# %%
-### BEGIN SOLUTION: your prediction (a count of samples)
-my_count_guess = 10
-### END SOLUTION
-count_guess = predict("lab02", "the counter's seen after one DataParallel forward, 10 on 4, from 7",
-                      my_count_guess, unit="samples")
-lab02.check_count_prediction(count_guess)
-
-# %% [markdown]
-# Now the step, with the contract at the top: every chunk through a copy of its own, and
-# afterwards `model` as `nn.DataParallel`'s forward and backward would leave it. Before you
-# write, list what that means for each thing `model` holds — its weights, its `p.grad`, its
-# buffers — given what it may hold when your function is called; your copies share none of
-# it. The check hands your function models in more than one state, batches that do and do
-# not divide by the number of devices, a training-mode model with BatchNorm (whose outputs
-# then differ from the plain model's: for that one it looks at the buffers only), and a
-# `SampleCounter`. Every
-# parameter of the check's models takes part in the loss; a parameter that gets no gradient (a
-# layer the forward skips) is outside this contract.
+# The step, with the contract at the top of the lab: every chunk through a model of its own,
+# and afterwards `model` as `nn.DataParallel`'s forward and backward would leave it, whatever
+# state it arrived in. The check hands your function models in more than one state, batches
+# that do and do not divide by the number of devices, a training-mode model with BatchNorm
+# (whose outputs then differ from the plain model's: for that one it looks at the buffers
+# only), and `lab02.SampleCounter`, a model with a buffer of its own. Every parameter of the
+# check's models takes part in the loss; a parameter that gets no gradient (a layer the
+# forward skips) is outside this contract.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # After the backward, where are the gradients — on `model`, or on the copies? What did your
-# prediction in §3 say about how the copies' gradients relate to the whole batch's? What does a
-# fresh copy hold in `p.grad`, and what does `model`'s hold before your function adds anything?
-# And the buffers the forwards wrote: on which modules are they, and which buffers does your
-# counter prediction say `model` must end with?
+# prediction in §3 say about how the copies' gradients relate to the whole batch's? What may
+# `model` hold in `p.grad` when your function is called, and what does a copy start with? And
+# the buffers the forwards wrote: on which modules are they, and which of those writes does
+# `nn.DataParallel` leave on the module?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# One copy per chunk your `scatter` returns (what a copy starts with in `p.grad`: your
-# prediction above); one loss on the gathered outputs and one backward; then, parameter by
+# One copy per chunk your `scatter` returns (print a fresh copy's `p.grad` if unsure what it
+# starts with); one loss on the gathered outputs and one backward; then, parameter by
 # parameter, combine what the copies received and add it to what `model` held, starting from
 # nothing where `p.grad` is `None`. For the buffers: in `nn.DataParallel` one replica is not a
-# copy at all — it shares the module's storage; yours share nothing, so what that replica's
-# forward wrote is yours to bring back.
+# copy at all — it shares the module's storage; plain copies share nothing, so what that
+# replica's forward wrote is yours to bring back.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -260,6 +231,38 @@ def dp_forward_backward(model, X, y, n_devices):
 
 
 lab02.check_dp_forward_backward(dp_forward_backward)
+
+# %% [markdown]
+# ### What your step did
+#
+# Explain two things your step met, each with a choice or a number; the cell after each
+# measures it. First: the check handed your step models whose parameters held gradients. Take
+# a model whose parameters hold gradients and whose BatchNorm layer holds running statistics
+# (a training-mode forward and a backward ran). Which of the two does `copy.deepcopy` of it
+# carry into the copy? Choose one of `lab02.COPY_CARRIES`: `"both"`, `"gradients only"`,
+# `"running statistics only"`, `"neither"`.
+
+# %%
+### BEGIN SOLUTION: your answer (one of lab02.COPY_CARRIES)
+my_copy_guess = "running statistics only"
+### END SOLUTION
+copy_guess = predict("lab02", "what a deep copy of a model carries", my_copy_guess,
+                     choices=lab02.COPY_CARRIES)
+lab02.check_copy_prediction(copy_guess)
+
+# %% [markdown]
+# Second: `lab02.SampleCounter` is a linear classifier whose training-mode forward runs
+# `self.seen += x.shape[0]` on its buffer `seen`. It holds `seen = 7`; after one forward of
+# `nn.DataParallel` — and so of your step — on 10 samples over 4 devices, what does the
+# module's `seen` hold?
+
+# %%
+### BEGIN SOLUTION: your answer (a count of samples)
+my_count_guess = 10
+### END SOLUTION
+count_guess = predict("lab02", "the counter's seen after one DataParallel forward, 10 on 4, from 7",
+                      my_count_guess, unit="samples")
+lab02.check_count_prediction(count_guess)
 
 # %% [markdown]
 # ## Use it

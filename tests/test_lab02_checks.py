@@ -123,6 +123,32 @@ def test_wrong_loss_value_is_named():
         lab02.check_dp_forward_backward(step)
 
 
+@pytest.mark.parametrize("detach, phrase", [
+    (True, "detached, it is still a tensor"),
+    (False, "it still carries its graph"),
+])
+def test_loss_returned_as_a_tensor_is_refused(detach, phrase):
+    # wrong: the contract says a float; a 0-d tensor (detached or not) is not one
+    def step(model, X, y, n):
+        chunks = good_scatter(X, n)
+        reps = [copy.deepcopy(model) for _ in chunks]
+        loss = F.cross_entropy(good_gather(dp.parallel_apply(reps, chunks)), y)
+        loss.backward()
+        for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
+            new = sum(c.grad for c in cs)
+            p.grad = new if p.grad is None else p.grad + new
+        _bring_back_buffers(model, reps)
+        return loss.detach() if detach else loss
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_forward_backward(step)
+    message = str(err.value)
+    assert "returned a 0-d tensor" in message and "as a float" in message, message
+    assert phrase in message, message
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_forward_backward(step)
+    assert "Tensor.item()" in str(err.value), str(err.value)
+
+
 def test_unfinished_lab_propagates_not_implemented():
     def todo(X, n):
         raise NotImplementedError("TODO")
@@ -233,7 +259,7 @@ def sequential_copies_accumulating(model, X, y, n):
             p.grad = c.grad.clone() if p.grad is None else p.grad + c.grad
     model.load_state_dict({k: v for k, v in reps[0].state_dict().items()
                            if k in dict(model.named_buffers())}, strict=False)
-    return loss
+    return loss.item()
 
 
 def original_as_replica_zero(model, X, y, n):
@@ -554,7 +580,7 @@ def step_with_autograd_grad(model, X, y, n):
             p.grad.add_(g)
     for name, buf in reps[0].named_buffers():  # replica 0's updates, as nn.DataParallel keeps
         model.get_buffer(name).copy_(buf)
-    return loss.detach()
+    return loss.item()
 
 
 def test_right_dp_step_written_another_way_passes(capsys):

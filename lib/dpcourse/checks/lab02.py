@@ -466,9 +466,12 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
         raise
     except TypeError as exc:
         if "NoneType" in str(exc):
-            fail(f"dp_forward_backward raised TypeError ({exc}): before its first backward a "
-                 f"parameter's p.grad is None, not zeros.",
-                 fix="treat None as nothing held yet.")
+            fail(f"dp_forward_backward raised TypeError ({exc}): a p.grad it used as a tensor "
+                 f"was None. A parameter's p.grad is None, not zeros, until a backward reaches "
+                 f"it: on `model` before its first backward, on a copy until this step's "
+                 f"backward has run.",
+                 fix="treat None as nothing held yet, and read the copies' gradients after the "
+                     "backward.")
         fail(f"dp_forward_backward raised TypeError: {exc}")
     except Exception as exc:  # noqa: BLE001
         if len(sizes) < n:
@@ -521,7 +524,16 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
         if loss.numel() != 1:
             fail(f"dp_forward_backward returned a tensor of shape {tuple(loss.shape)}, not the "
                  f"loss as one number.", fix="return loss.item().")
-        loss = loss.item()
+        held_graph = (f"it still carries its graph (grad_fn {type(loss.grad_fn).__name__}), so "
+                      f"a caller that keeps it, as a loop keeping each step's loss does, keeps "
+                      f"every copy's activations of that step alive with it"
+                      if loss.grad_fn is not None else
+                      "detached, it is still a tensor, not a number: a caller that keeps one "
+                      "per step keeps tensors (on a GPU, in device memory), and code that "
+                      "expects a float (isinstance checks, json.dumps) refuses it")
+        fail(f"dp_forward_backward returned a {loss.dim()}-d tensor ({loss.item():.5f}), but "
+             f"the contract says the loss as a float: {held_graph}.",
+             fix="return the tensor's value as a Python number (Tensor.item()).")
     if not isinstance(loss, (int, float)):
         fail(f"dp_forward_backward returned {type(loss).__name__}, not the loss (a number).",
              fix="return the loss as a float.")
