@@ -179,7 +179,8 @@ def make_buckets(params, cap):
 # 3. when the inner optimizer steps, `self.shard.grad` holds, on every rank, the **average**
 #    over the ranks of this step's gradient for that rank's slices;
 # 4. each bucket's gradients leave the rank **during** the backward, as soon as the bucket
-#    is full, without the backward waiting for the network;
+#    is full, and the backward never waits for the bucket it has just launched (waiting for
+#    an older one is allowed: contract 5 decides whether you must);
 # 5. the gradient alive at once on a rank — in `p.grad`, in buffers, or anywhere your object
 #    keeps them — never exceeds 2 × (`bucket_cap` / 4 + the largest trainable parameter's
 #    `numel` + 4 × `world_size`) fp32 numbers (one bucket can hold up to `bucket_cap` / 4 plus
@@ -382,7 +383,8 @@ lab08.check_peak_prediction(guess, measured)
 # buffer and lets go of its `p.grad` right after the copy; what it keeps in flight follows one
 # of three intents:
 #
-# - **wait-then-launch**: never more than one reduce-scatter in flight;
+# - **wait-then-launch**: never more than one reduce-scatter in flight — the one before is
+#   waited for before a full bucket is copied;
 # - **launch-then-wait**: a full bucket leaves at once; the one before it is waited for just
 #   after;
 # - **launch-all**: nothing is waited for until `step()`.
