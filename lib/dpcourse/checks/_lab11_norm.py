@@ -7,7 +7,9 @@ them: the learner decides what the ranks exchange for it, and what that exchange
 under a byte bound: no more bytes per rank and pass (``ring_bytes``) than the cheapest exact
 exchange, an all-reduce of two float32 numbers per row (``norm_budget``). Gathering the hidden
 blocks is exact but over the bound (it grows with h); the per-row sums all-reduced forward and
-backward are within it. The answer is not a table:
+backward are within it — the row's sum, then the squared deviations from its mean summed: a
+variance from the sums of x and x² (E[x²] − E[x]²) cancels in float32 when the mean is large,
+and the check runs such a case (the first layer's bias shifted by ``SHIFT``). The answer is not a table:
 whatever was gathered or summed in the forward, the backward must sum the parts of the
 gradient that every rank computed for this rank's features — rank s's block of the norm's
 output depends on rank r's features through the statistics. Megatron-LM's own
@@ -40,6 +42,11 @@ from ._lab11_diagnose import (D, H, ODD_H, ROWS, _STEPS, _close, _data, _error,
                               _find_slice)
 
 NORM_EPS = 1e-5
+# the large-mean case: the first layer's bias shifted by SHIFT, so every hidden activation is
+# about SHIFT with a spread of about 1; float32 holds numbers near 1000 to about 6e-5, so the
+# output is compared within LARGE_ATOL (a variance from E[x^2] - E[x]^2 misses it by ~0.1)
+SHIFT = 1000.0
+LARGE_ATOL = 1e-3
 # the most collectives the norm may add to a pass (besides g's forward all-reduce and f's
 # backward one): one gather, or the statistics as one stacked or two separate all-reduces
 _MAX_EXTRA = 2
@@ -56,8 +63,12 @@ def _plain_normed(hidden: int = H) -> nn.Sequential:
                              nn.Linear(hidden, D))
 
 
-def _normed_case(hidden: int = H) -> tuple:
-    return _plain_normed(hidden), _data(1, ROWS, D, seed=17)[0], _data(1, ROWS, D, seed=18)[0]
+def _normed_case(hidden: int = H, shift: float = 0.0) -> tuple:
+    plain = _plain_normed(hidden)
+    if shift:
+        with torch.no_grad():
+            plain[0].bias += shift
+    return plain, _data(1, ROWS, D, seed=17)[0], _data(1, ROWS, D, seed=18)[0]
 
 
 def ring_bytes(op: str, nbytes: int, n: int) -> float:
@@ -77,8 +88,9 @@ def ring_bytes(op: str, nbytes: int, n: int) -> float:
 
 def norm_budget(n: int, rows: int = ROWS) -> float:
     """The bytes per rank and pass of the cheapest correct exchange for the norm: an all-reduce
-    of two float32 numbers per row (each rank's sum and sum of squares over its block, or their
-    gradients). It does not grow with the hidden size."""
+    of two float32 numbers per row (each rank's sum over its block, then its sum of squared
+    deviations from the row's mean, or their gradients: two all-reduces of one number a row).
+    It does not grow with the hidden size."""
     return ring_bytes("all_reduce", rows * 2 * 4, n)
 
 
@@ -86,15 +98,17 @@ def _b(x: float) -> str:
     return f"{x:.0f} B" if abs(x - round(x)) < 1e-9 else f"{x:.1f} B"
 
 
-def normed_worker(rank: int, world_size: int, mlp_cls, hidden: int = H) -> dict:
+def normed_worker(rank: int, world_size: int, mlp_cls, hidden: int = H,
+                  shift: float = 0.0) -> dict:
     """Runs on each rank: the learner's module built from the plain normed MLP, one forward
     and one backward, every collective of each pass recorded (op, elements, bytes), then
-    ``_STEPS`` SGD steps of this rank's own parameters."""
+    ``_STEPS`` SGD steps of this rank's own parameters. With ``shift`` (the first layer's bias
+    shifted: hidden activations with a large mean) only the forward."""
     from ..collectives import record_collectives
     from .lab11 import _sgd_outputs
 
     torch.set_num_threads(1)
-    plain, x, upstream = _normed_case(hidden)
+    plain, x, upstream = _normed_case(hidden, shift)
     x = x.clone().requires_grad_(True)
     try:
         mlp = mlp_cls(copy.deepcopy(plain), rank, world_size)
@@ -118,6 +132,8 @@ def normed_worker(rank: int, world_size: int, mlp_cls, hidden: int = H) -> dict:
     if not isinstance(y, torch.Tensor):
         return {**out, "forward_error": f"forward returned {type(y).__name__}, not a tensor"}
     out["y"] = y.detach().clone()
+    if shift:
+        return out
     out["fwd"] = [(c.op, c.numel) for c in fwd if c.op != "barrier"]
     out["fwd_bytes"] = [(c.op, c.numel, c.nbytes) for c in fwd if c.op != "barrier"]
     if tuple(y.shape) != tuple(upstream.shape):
@@ -169,6 +185,22 @@ def simulate(n: int) -> dict:
         dz_own[:, block] = dz_r[:, block]
         y_own = y_own + (y_r - b2)
     a = F.gelu(z0)
+    # the same silence when the statistics are exchanged in two steps (the row's sum, then
+    # the squared deviations from its mean summed): rank r's graph sees the other ranks' sums
+    # as constants, so the paths through the mean into their deviations are missing too
+    dz_own2 = torch.zeros_like(z0)
+    for block in _blocks(n):
+        others = [b for b in _blocks(n) if b != block]
+        z = z0.clone().requires_grad_(True)
+        act = F.gelu(z)
+        mean = (act[:, block].sum(-1, keepdim=True)
+                + sum(a[:, b].sum(-1, keepdim=True) for b in others)) / H
+        var = ((act[:, block] - mean).square().sum(-1, keepdim=True)
+               + sum((a[:, b] - mean.detach()).square().sum(-1, keepdim=True)
+                     for b in others)) / H
+        normed = (act[:, block] - mean) / torch.sqrt(var + NORM_EPS)
+        (normed @ w2[:, block].T).backward(upstream)
+        dz_own2[:, block] = z.grad[:, block]
     local_y = b2 + sum(F.layer_norm(a[:, blk], (blk.stop - blk.start,), eps=NORM_EPS)
                        @ w2[:, blk].T for blk in _blocks(n))
     per = H // n
@@ -177,7 +209,7 @@ def simulate(n: int) -> dict:
                         for blk in _blocks(n))
     return {"plain": plain, "a": a, "y": y_right, "y_own": y_own, "local_y": local_y,
             "summed_y": summed_y,
-            "dz": dz_right, "dz_own": dz_own, "x_grad": dz_right @ w1,
+            "dz": dz_right, "dz_own": dz_own, "dz_own2": dz_own2, "x_grad": dz_right @ w1,
             "x_grad_own": dz_own @ w1, "x": x}
 
 
@@ -335,8 +367,9 @@ def _backward_failures(outs: list, n: int, name: str, sim: dict) -> None:
                  f"uses it detached (or through .data).")
         if _close(grad, want):
             continue
-        if _close(grad, own):
-            missing = want - own
+        own2 = sim["dz_own2"][:, rows].T @ x
+        if _close(grad, own) or _close(grad, own2):
+            missing = want - (own if _close(grad, own) else own2)
             fail(f"on rank {rank} the gradient of the first weight's rows [{start}, "
                  f"{start + k}) has norm {_norm(grad):.4f} where the plain MLP's has "
                  f"{_norm(want):.4f}: it counts only the paths through this rank's own block "
@@ -433,9 +466,25 @@ def _byte_failures(outs: list, n: int, name: str, hidden: int = H) -> None:
     1/n of) and the gather of the hidden blocks by their causes."""
     __tracebackhide__ = True
     budget = norm_budget(n)
-    fix = ("Exchange what the norm needs of the other ranks' features, not the features: each "
-           "rank's per-row sum and sum of squares over its block, all-reduced; and in the "
-           "backward, the gradients of those sums, all-reduced.")
+    fix = ("Exchange what the norm needs of the other ranks' features, not the features: "
+           "per-row sums over each rank's block (two numbers a row in all), all-reduced; and "
+           "in the backward, the gradients of those sums, all-reduced.")
+    for rank, o in enumerate(outs):
+        ops = o.get("fwd_bytes", [])
+        gathered = [(op, k, b) for op, k, b in norm_exchange(ops) if op == "all_gather"]
+        if not gathered:
+            continue
+        _, k, b = gathered[0]
+        alone = ring_bytes("all_gather", b, n)
+        if alone > budget + 1e-9:
+            fail(f"{name}'s forward on rank {rank} ({n} ranks) all-gathers the hidden blocks "
+                 f"for the norm: that all-gather alone sends {_b(alone)} per rank, already "
+                 f"{alone / budget:.0f}× the {_b(budget)} the cheapest correct exchange sends "
+                 f"in a whole pass — whatever the backward does, a reduce-scatter there "
+                 f"included. The all-gather brings every rank the other ranks' "
+                 f"{(n - 1) * k // ROWS} hidden features of each of the {ROWS} rows, and it "
+                 f"grows with h. LayerNorm needs less of the other ranks' features than the "
+                 f"features themselves.", fix=fix)
     for rank, o in enumerate(outs):
         for op, k, b in norm_exchange(o.get("bwd_bytes", [])):
             if op == "all_reduce" and k == ROWS * hidden:
@@ -453,19 +502,72 @@ def _byte_failures(outs: list, n: int, name: str, hidden: int = H) -> None:
             moved = norm_bytes(ops, n)
             if moved <= budget + 1e-9:
                 continue
-            gathered = [(op, k, b) for op, k, b in norm_exchange(ops) if op == "all_gather"]
-            if gathered:
-                _, k, b = gathered[0]
-                fail(f"{name}'s {where} on rank {rank} ({n} ranks) sends {_b(moved)} for the "
-                     f"norm ({_shown(ops, n)}): the all-gather brings every rank the other "
-                     f"ranks' {(n - 1) * k // ROWS} hidden features of each of the {ROWS} rows, "
-                     f"{moved / budget:.0f}× the {_b(budget)} the cheapest correct exchange "
-                     f"sends — and it grows with h. LayerNorm needs less of the other ranks' "
-                     f"features than the features themselves.", fix=fix)
             fail(f"{name}'s {where} on rank {rank} ({n} ranks) sends {_b(moved)} per rank for "
                  f"the norm ({_shown(ops, n)}, counted as a ring sends them), "
                  f"{moved / budget:.1f}× the {_b(budget)} the cheapest correct exchange "
                  f"sends in a pass.", fix=fix)
+
+
+def one_pass_cancellation(n: int, shift: float = SHIFT) -> dict:
+    """The large-mean case on one process, as ``n`` ranks would compute a one-pass variance
+    (each rank's per-row sum and sum of squares, all-reduced; var = E[x^2] - E[x]^2) in
+    float32: row 0's E[x^2], E[x]^2, their difference, the row's variance by torch, the
+    mean and spread of its features, and how far that arithmetic's output is from plain(x)."""
+    plain, x, _ = _normed_case(H, shift)
+    with torch.no_grad():
+        a = F.gelu(x @ plain[0].weight.T + plain[0].bias)
+        blocks = _blocks(n)
+        mean = sum(a[:, b].sum(-1) for b in blocks) / H
+        ex2 = sum(a[:, b].square().sum(-1) for b in blocks) / H
+        var = ex2 - mean.square()
+        normed = (a - mean[:, None]) * torch.rsqrt(var[:, None] + NORM_EPS)
+        w2, b2 = plain[3].weight, plain[3].bias
+        y_one = normed @ w2.T + b2
+        want = plain(x)
+    return {"ex2": float(ex2[0]), "m2": float(mean[0].square()), "var": float(var[0]),
+            "true_var": float(a[0].var(unbiased=False)), "mean": float(a[0].mean()),
+            "spread": float((a[0] - a[0].mean()).abs().max()), "y": want,
+            "one_pass_err": float((y_one - want).abs().max())}
+
+
+def _digits(a: float, b: float) -> int:
+    """How many leading significant digits two close numbers share."""
+    import math
+    if a == b:
+        return 8
+    return max(0, int(math.floor(-math.log10(abs(a - b) / max(abs(a), abs(b))))))
+
+
+def _large_mean_failures(outs: list, n: int, name: str) -> None:
+    """The first layer's bias shifted by SHIFT: the output must still be plain(x) within
+    LARGE_ATOL on every rank. A variance from the sums of x and x^2 cancels here."""
+    __tracebackhide__ = True
+    sim = one_pass_cancellation(n)
+    for rank, o in enumerate(outs):
+        for what in ("build_error", "forward_error"):
+            if what in o:
+                fail(f"{name} raised on rank {rank} ({n} ranks) with the first layer's bias "
+                     f"shifted by {SHIFT:g}: {o[what]}.")
+        y = o.get("y")
+        if isinstance(y, torch.Tensor) and y.shape == sim["y"].shape and torch.allclose(
+                y, sim["y"], rtol=0, atol=LARGE_ATOL):
+            continue
+        err = (float((y - sim["y"]).abs().nan_to_num(float("inf")).max())
+               if isinstance(y, torch.Tensor) and y.shape == sim["y"].shape else float("inf"))
+        fail(f"{name}'s output on rank {rank} ({n} ranks) is off torch's LayerNorm MLP by "
+             f"{'NaN or inf' if err == float('inf') else f'up to {err:.3g}'} when the hidden "
+             f"activations have a large mean — the first layer's bias shifted by {SHIFT:g}, so "
+             f"row 0's features lie within ±{sim['spread']:.2f} of {sim['mean']:.2f} — where "
+             f"float32 allows {LARGE_ATOL:g}; with a small mean it matched. The variance "
+             f"loses it to cancellation if it is E[x²] − E[x]²: in float32, row 0 has "
+             f"E[x²] = {sim['ex2']:.4f} and E[x]² = {sim['m2']:.4f}, which agree in their "
+             f"first {_digits(sim['ex2'], sim['m2'])} digits, so their difference "
+             f"{sim['var']:.4f} is mostly rounding, where the row's variance is "
+             f"{sim['true_var']:.4f} (that arithmetic's output is off by up to "
+             f"{sim['one_pass_err']:.2g} here).",
+             fix="Square deviations from a value every rank shares (the row's mean, once its "
+                 "sums are all-reduced) rather than the features themselves: the same bytes, "
+                 "one number a row in each of two all-reduces.")
 
 
 def _uneven_failures(outs: list, name: str) -> str:
@@ -493,9 +595,10 @@ def _uneven_failures(outs: list, name: str) -> str:
 
 
 def check_normed(outs_by_n: dict, name: str, prediction=None, uneven=None,
-                 bytes_prediction=None) -> None:
+                 bytes_prediction=None, large=None) -> None:
     """Diagnose the learner's runs ({world size: outs}; ``uneven``: the run with h = ODD_H on
-    3 ranks) and pass, revealing the predictions."""
+    3 ranks; ``large``: (world size, outs) of the forward with the first layer's bias shifted
+    by SHIFT) and pass, revealing the predictions."""
     __tracebackhide__ = True
     for n, outs in outs_by_n.items():
         for rank, o in enumerate(outs):
@@ -516,6 +619,10 @@ def check_normed(outs_by_n: dict, name: str, prediction=None, uneven=None,
         _exact_failures(outs, n, name, H)
         _collective_failures(outs, n, name)
         _byte_failures(outs, n, name)
+    if callable(large):
+        large = large()
+    if large is not None:
+        _large_mean_failures(large[1], large[0], name)
     if callable(uneven):
         uneven = uneven()
     how = "" if uneven is None else f"; h = {ODD_H} on 3 ranks {_uneven_failures(uneven, name)}"
@@ -525,7 +632,9 @@ def check_normed(outs_by_n: dict, name: str, prediction=None, uneven=None,
     passed(f"{name} equals the plain MLP with a LayerNorm({H}) between the layers — the output, "
            f"dL/dx, every rank's gradients of its blocks of both weights, and the output after "
            f"{_STEPS} SGD steps of each rank's own parameters (biases included) — on "
-           f"{' and '.join(map(str, outs_by_n))} ranks{how}; on {two} ranks the norm's "
+           f"{' and '.join(map(str, outs_by_n))} ranks{how}" + (
+               "" if large is None else f"; with the first layer's bias shifted by {SHIFT:g} "
+               f"(a large mean) the output within {LARGE_ATOL:g} on {large[0]} ranks") + f"; on {two} ranks the norm's "
            f"exchange sends {_b(fwd)} per rank in the forward and {_b(bwd)} in the backward "
            f"(the budget, the cheapest correct exchange: {_b(norm_budget(two))} per pass)")
     if bytes_prediction is not None:
@@ -542,13 +651,14 @@ def reveal_bytes_prediction(prediction, measured: float, n: int) -> None:
     gather = ring_bytes("all_gather", ROWS * (H // n) * 4, n)
     big_h = 4 * 4096
     reveal(prediction, round(measured, 1), close=close, explanation=(
-        f"LayerNorm needs of the other ranks' features only two numbers per row — their sum "
-        f"and their sum of squares (or what mean and variance are made of) — so {ROWS} rows "
-        f"× 2 float32 numbers = {ROWS * 8} B all-reduced; a ring sends 2(t − 1)/t of it per "
-        f"rank: {_b(measured)} on {n} ranks. Gathering the hidden blocks instead sends "
+        f"LayerNorm needs of the other ranks' features only two numbers per row — their sum, "
+        f"then their squared deviations from the row's mean summed (not the sum of squares: "
+        f"E[x²] − E[x]² cancels when the mean is large, as the check's shifted case shows) — "
+        f"so {ROWS} rows × 2 float32 numbers = {ROWS * 8} B all-reduced; a ring sends "
+        f"2(t − 1)/t of it per rank: {_b(measured)} on {n} ranks. Gathering the hidden blocks instead sends "
         f"{_b(gather)} here, and it grows with h: at h = {big_h} it is "
         f"{_b(ring_bytes('all_gather', ROWS * (big_h // n) * 4, n))} against the same "
-        f"{_b(measured)}. The backward is the same all-reduce, of the sums' gradients."))
+        f"{_b(measured)}. The backward is the same exchange, of the sums' gradients."))
 
 
 def reveal_norm_prediction(prediction, n: int) -> None:

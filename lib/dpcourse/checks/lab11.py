@@ -64,8 +64,11 @@ process. The values are chosen so that each classic mistake leaves its own trace
   bytes per rank and pass (counted as a ring sends them, ``ring_bytes``) than the cheapest
   correct one, an all-reduce of two float32 numbers per row (``norm_budget``): the whole hidden
   gradient all-reduced then sliced (2× a reduce-scatter's bytes, n× what a rank keeps) and the
-  hidden blocks gathered (grows with h) are named by their causes. Accepted: the per-row sums
-  (or mean, then centred squares) all-reduced forward and backward; with h = 16 on 3 ranks,
+  hidden blocks gathered (grows with h, named first: the forward's gather alone is over) are
+  named by their causes; a variance from the sums of x and x² (E[x²] − E[x]²) is refused by
+  its cancellation on hidden activations with a large mean (``SHIFT``). Accepted: the mean,
+  then the centred squares (or sums shifted by a value every rank shares), all-reduced forward
+  and backward; with h = 16 on 3 ranks,
   refused on every rank or the plain values. ``prediction`` (one of ``NORM_CHOICES``): what
   Megatron's gather would break here; ``bytes_prediction``: the fewest bytes the norm's
   forward exchange can send, measured and explained;
@@ -123,7 +126,8 @@ from ._lab11_diagnose import (D, H, ODD_H, ROWS, _DIM_NAMES, _LR, _NAMES, _STEPS
 from ._lab11_pipeline import (_BATCH, _BELOW_IDEAL, _CHECK_DELAY_S, _M, _STAGES, _WIDTH,
                               _check_bubble_fn, _computation_only, _diagnose_gpipe,
                               _gpipe_failed, _mse, _pending)
-from ._lab11_norm import NORM_CHOICES, check_normed, norm_budget, normed_worker, ring_bytes
+from ._lab11_norm import (NORM_CHOICES, SHIFT, check_normed, norm_budget, normed_worker,
+                          ring_bytes)
 
 __all__ = ["check_block_of", "check_diagnosis", "check_conjugates", "check_sequence_parallel",
            "check_split_decision", "SP_KEYS", "SP_VALUES",
@@ -621,7 +625,9 @@ def check_normed_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = N
     hidden size of 16 on 3 ranks: the plain network's output, dL/dx, both weights' block
     gradients and its output after ``_STEPS`` SGD steps, each rank holding only its blocks of
     the weights, and the norm's exchange sending no more bytes per rank and pass than the
-    cheapest correct one (``norm_budget``: an all-reduce of two float32 numbers per row). Each
+    cheapest correct one (``norm_budget``: an all-reduce of two float32 numbers per row); then,
+    on 2 ranks, the output with the first layer's bias shifted by ``SHIFT`` (hidden activations
+    with a large mean, where a variance from E[x²] − E[x]² cancels) within ``LARGE_ATOL``. Each
     wrong placement (none, a backward that sends nothing back, an average, the whole hidden
     gradient all-reduced then sliced, the hidden blocks gathered) is named by its cause
     (:mod:`dpcourse.checks._lab11_norm`); ``prediction`` (one of ``NORM_CHOICES``) and
@@ -637,7 +643,12 @@ def check_normed_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = N
     if 3 in ran:      # run once the even sizes have passed their diagnoses
         def uneven():
             return run_ranks(normed_worker, 3, mlp_cls, ODD_H, timeout=timeout, hang=_HANG)
-    check_normed(ran, mlp_cls.__name__, prediction, uneven, bytes_prediction)
+    two = min(ran)
+
+    def large():      # run once the small-mean runs have passed their diagnoses
+        return two, run_ranks(normed_worker, two, mlp_cls, H, SHIFT, timeout=timeout,
+                              hang=_HANG)
+    check_normed(ran, mlp_cls.__name__, prediction, uneven, bytes_prediction, large)
 
 
 def _stacked_worker(rank: int, world_size: int, mlp_cls) -> dict:
