@@ -13,8 +13,10 @@
 # * `train_one_epoch(model, loader, loss_fn, optimizer, device) -> float` — trains `model` on
 #   each batch of `loader` in turn, one optimizer step per batch on that batch's mean loss, and
 #   returns the **mean loss per sample** over the epoch, as a Python float. One case lesson 01
-#   never met: a batch whose loss is NaN. That loss never reaches the weights: the function
-#   raises `FloatingPointError`, and the caller holds the weights the batches before it gave.
+#   never met: a batch whose loss is not finite (NaN or inf). Nothing of that batch reaches
+#   the weights, the optimizer's state (Adam's running moments, say) or the gradients in
+#   `p.grad`: the function raises `FloatingPointError`, and the caller holds the model and the
+#   optimizer as the batches before it left them.
 # * `evaluate(model, loader, loss_fn, device) -> (mean_loss, accuracy)` — the model measured as
 #   it predicts at test time, recording no autograd graph: two Python floats, the mean loss per
 #   sample and the fraction of samples whose predicted class (the argmax of the logits) is the
@@ -50,9 +52,12 @@ device = torch.device(device or devices.choose_profile().device)
 # %% [markdown]
 # ## 1. `train_one_epoch`
 #
-# One epoch of training, with the contract above. Before you write it, decide where in a step
-# a NaN loss must be caught for the weights to stay as they were, and what your function could
-# look at to know: the check spoils one batch of its own loaders in two different ways.
+# One epoch of training, with the contract above. The loop itself is lesson 01's; the part to
+# decide is the guard. Before you write it, decide three things: **what** your function looks
+# at to know a batch is spoiled, **which values** count as spoiled, and **where** in the step
+# it looks — after which move has the batch already left a trace in the weights, in Adam's
+# state or in `p.grad`? The check trains with Adam and spoils one batch of its own loaders in
+# three different ways; each wrong choice meets at least one of them.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -60,8 +65,9 @@ device = torch.device(device or devices.choose_profile().device)
 # %% [markdown] jupyter={"source_hidden": true}
 # What does `p.grad` hold when `backward()` runs for the second batch, if nothing touched it
 # after the first? Is the epoch's mean loss per sample always the mean of the batches'
-# losses? And of a step's moves (`zero_grad` and the lesson's four), which is the last one
-# after which a NaN loss has not yet touched a weight?
+# losses? Of a step's moves (`zero_grad` and the lesson's four), which is the last one after
+# which a spoiled loss has left no trace — in a weight, in `p.grad`, in the optimizer's state?
+# And is NaN the only float32 value a loss can take that no step should ever use?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
@@ -72,18 +78,17 @@ device = torch.device(device or devices.choose_profile().device)
 # samples as the batch holds. The model may come to you in any state: training is your
 # function's job from its first line. A NaN can come from the images or from the labels alone
 # (a mean over no counted sample is 0/0), and it need not show in the gradients: the one
-# number that always shows it is the loss itself, known before `backward()`.
+# number that always shows it is the loss itself, known before `backward()`. A loss can also
+# overflow to inf while the gradients stay finite: Adam squares them into its state.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Put the model in the mode training needs; two running totals (summed loss, samples seen);
-# a loop over `(X, y)` that moves both to `device` and does a step's moves (`zero_grad` and the
-# lesson's four), with a test of the loss (`torch.isnan`) between the forward and the backward
-# that raises; add the batch's loss times its size to one total and its size to the other;
-# return their quotient
-# as a float (`.item()`).
+# Lesson 01's loop, counting samples for the return value, and one test that raises: on
+# the number that shows every spoiling, with a test that is true for every value that is not
+# an ordinary number, placed after the one move that computes that number and before the
+# first move that writes into `p.grad`.
 
 # %%
 def train_one_epoch(model, loader, loss_fn, optimizer, device):
@@ -94,8 +99,8 @@ def train_one_epoch(model, loader, loss_fn, optimizer, device):
         X, y = X.to(device), y.to(device)
         optimizer.zero_grad()
         loss = loss_fn(model(X), y)
-        if torch.isnan(loss):  # before backward and step: the weights are still untouched
-            raise FloatingPointError("a batch's loss is NaN: its step would make the weights NaN")
+        if not torch.isfinite(loss):  # before backward: weights, p.grad and state untouched
+            raise FloatingPointError(f"a batch's loss is {loss.item()}: not finite")
         loss.backward()
         optimizer.step()
         total_loss += loss.item() * len(y)
@@ -113,7 +118,9 @@ lab01.check_train_one_epoch(train_one_epoch)
 # 50 samples once. But what about the *training*: compared with the step a full batch of 16
 # moved the weights by, is the step on the 2-sample batch `"smaller"`, `"about the same"`
 # (within 50%), or `"larger"`? Write your choice; the next cell runs your `train_one_epoch`
-# with plain SGD, measures how far each step moved the weights, and says why.
+# with **plain SGD at learning rate 0.1** (no momentum: each step is exactly lr × the batch's
+# gradient; not the Adam of §1's check, whose steps are normalised), measures how far each
+# step moved the weights, and says why.
 
 # %% [markdown]
 # **▶ Hint — a question** (click the folded cell below)
@@ -172,11 +179,10 @@ lab01.check_step_prediction(step_guess, train_one_epoch)
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Remember the arriving modes, one per module (only for "as found"); set the test-time mode;
-# inside a no-grad block, loop over `(X, y)`: logits, the batch's loss times its size into one
-# total, the number of argmax hits into another, the batch size into a third; restore the
-# modes if that is your choice, in a block that runs whether the loop ends or raises; if no
-# sample came, raise the `ValueError`; return the two quotients.
+# Three parts: what happens before the loop (what "as found" needs to have read, and the
+# mode set), the loop inside a block that stops autograd recording (per-sample totals, as in
+# §1), and what happens after it — a restore that an exception cannot skip, and the empty
+# case checked before any division.
 
 # %%
 ### BEGIN SOLUTION: your design decision: "eval" or "as found"
@@ -306,10 +312,10 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Training mode; clear the gradients; the two running totals of §1 and a third, the samples of
-# the current group; per micro-batch a forward and a backward of its loss weighted by its size,
-# the unscaled loss into the totals; when a micro-batch closes a group, divide every
-# parameter's gradient by the group's count, step, clear, and reset that count; return the mean.
+# §1's loop with the step moved: backward on every micro-batch, but the step and the clearing
+# only where a group closes. The one new question is the scale: what must each micro-batch's
+# backward be weighted by (or the summed gradient divided by) when the group's micro-batches
+# are not all the same size?
 
 # %%
 def train_accumulated(model, loader, loss_fn, optimizer, k, device):

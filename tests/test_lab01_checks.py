@@ -15,8 +15,8 @@ def good_train(model, loader, loss_fn, optimizer, device):
     for X, y in loader:
         optimizer.zero_grad()
         loss = loss_fn(model(X), y)
-        if torch.isnan(loss):
-            raise FloatingPointError("NaN loss")
+        if not torch.isfinite(loss):
+            raise FloatingPointError("the loss is not finite")
         loss.backward()
         optimizer.step()
         total += loss.item() * len(y)
@@ -317,10 +317,12 @@ def test_an_error_re_raised_with_its_cause_passes(capsys):
 # --- answers only right for one data set, and right answers written differently -----------
 
 def _train(denominator="count", backward="mean", zero="before", loss_out=float,
-           guard="isnan"):
-    """train_one_epoch written in several ways, right and wrong. ``guard``: how a NaN loss is
-    caught before it reaches the weights: torch.isnan before backward ("isnan"), math.isfinite
-    of the float ("isfinite") or torch.isnan after backward, before the step ("after-backward")."""
+           guard="finite"):
+    """train_one_epoch written in several ways, right and wrong. ``guard``: how a loss that is
+    not finite is caught: torch.isfinite before backward ("finite"), math.isfinite of the float
+    ("isfinite"), torch.isnan alone before backward ("isnan": lets inf through), not finite
+    after backward, before the step ("after-backward": NaN left in p.grad), or isnan before
+    backward and not finite after the step ("nan-then-after-step": inf reaches Adam's state)."""
     def fn(model, loader, loss_fn, optimizer, device):
         model.train()
         total, n = 0.0, 0
@@ -330,21 +332,25 @@ def _train(denominator="count", backward="mean", zero="before", loss_out=float,
             out = model(X)
             if backward == "mean":
                 loss = loss_fn(out, y)
-                if guard == "isnan" and torch.isnan(loss):
+                if guard == "finite" and not torch.isfinite(loss):
+                    raise FloatingPointError("the loss is not finite")
+                if guard in ("isnan", "nan-then-after-step") and torch.isnan(loss):
                     raise FloatingPointError("NaN loss")
                 if guard == "isfinite" and not math.isfinite(loss.item()):
                     raise FloatingPointError(f"the loss is {loss.item()}")
                 loss.backward()
-                if guard == "after-backward" and torch.isnan(loss):
-                    raise FloatingPointError("NaN loss")
+                if guard == "after-backward" and not torch.isfinite(loss):
+                    raise FloatingPointError("the loss is not finite")
                 batch_total = loss.item() * len(y)
             else:  # reduction="sum" with the matching division: the same gradient
                 summed = torch.nn.functional.cross_entropy(out, y, reduction="sum")
-                if torch.isnan(summed):
-                    raise FloatingPointError("NaN loss")
+                if not torch.isfinite(summed):
+                    raise FloatingPointError("the loss is not finite")
                 (summed / len(y)).backward()
                 batch_total = summed.item()
             optimizer.step()
+            if guard == "nan-then-after-step" and not math.isfinite(batch_total):
+                raise FloatingPointError("the loss is not finite")
             if zero == "after":
                 optimizer.zero_grad(set_to_none=True)
             total += batch_total
@@ -366,9 +372,7 @@ def _train(denominator="count", backward="mean", zero="before", loss_out=float,
     _train(zero="after"),
     _train(denominator="dataset"),
     _train(guard="isfinite"),
-    _train(guard="after-backward"),
-], ids=["plain", "zero-after-step", "len-dataset", "isfinite-guard",
-        "guard-between-backward-and-step"])
+], ids=["plain", "zero-after-step", "len-dataset", "isfinite-guard"])
 def test_right_train_variants_pass(fn, capsys):
     lab01.check_train_one_epoch(fn)
     assert capsys.readouterr().out.count("✔") == 1
@@ -388,17 +392,21 @@ def test_a_0_dim_tensor_return_is_refused_with_its_cause():
         lab01.check_train_one_epoch(fn)
 
 
-def _nan(where="before", raises=FloatingPointError, looks_at="loss", rollback=False):
+def _nan(where="before", raises=FloatingPointError, looks_at="loss", rollback=False,
+         clear=False):
     """train_one_epoch with a NaN guard in several wrong places: ``where`` the loss is tested
     ("before" backward: right; "after-step"; "end": the epoch's mean, once; "never"; "skip":
     the batch is left out quietly); ``looks_at``: the "loss", the "images" or the "gradients";
-    ``rollback``: put back the weights from before the epoch when raising."""
+    ``rollback``: put back the weights from before the epoch when raising; ``clear``: clear
+    p.grad before raising."""
     def fn(model, loader, loss_fn, optimizer, device):
         model.train()
         start = [p.detach().clone() for p in model.parameters()]
         total, n = 0.0, 0
 
         def stop(message):
+            if clear:
+                optimizer.zero_grad()
             if rollback:
                 with torch.no_grad():
                     for p, s in zip(model.parameters(), start):
@@ -412,20 +420,20 @@ def _nan(where="before", raises=FloatingPointError, looks_at="loss", rollback=Fa
             if looks_at == "images" and torch.isnan(X).any():
                 stop("NaN in the images")
             loss = loss_fn(model(X), y)
-            if looks_at == "loss" and where == "before" and torch.isnan(loss):
+            if looks_at == "loss" and where == "before" and not torch.isfinite(loss):
                 stop("NaN loss")
-            if where == "skip" and torch.isnan(loss):
+            if where == "skip" and not torch.isfinite(loss):
                 continue
             loss.backward()
             if looks_at == "gradients" and any(torch.isnan(p.grad).any()
                                                for p in model.parameters()):
                 stop("NaN gradient")
             optimizer.step()
-            if where == "after-step" and torch.isnan(loss):
+            if where == "after-step" and not torch.isfinite(loss):
                 stop("NaN loss")
             total += loss.item() * len(y)
             n += len(y)
-        if where == "end" and math.isnan(total):
+        if where == "end" and not math.isfinite(total):
             stop("the epoch's loss is NaN")
         return total / n
     return fn
@@ -438,7 +446,22 @@ def _nan(where="before", raises=FloatingPointError, looks_at="loss", rollback=Fa
     (_nan(where="end"), "but after the optimizer step on that batch had run"),
     (_nan(where="skip"), "left out without a word"),
     (_nan(looks_at="images"), "labels was -100, CrossEntropyLoss's ignore_index"),
-    (_nan(looks_at="gradients"), "what it tests was clean here (the images, the gradients"),
+    # gradients tested after backward (and cleared before raising): a batch of padding has
+    # finite (zero) gradients
+    (_nan(looks_at="gradients", clear=True),
+     "what it tests was clean here (the images, the gradients"),
+    # the same test, the gradients left as they are: the NaN stays in p.grad
+    (_nan(looks_at="gradients"), "4 of the model's 4 gradients (p.grad) hold NaN or inf: "
+                                 "backward() on that batch had already run when it raised"),
+    # not finite, tested between backward and step: Adam's state is safe, p.grad is not
+    (_train(guard="after-backward"), "backward() on that batch had already run when it raised"),
+    # torch.isnan alone: the inf loss of the huge-input batch goes through
+    (_train(guard="isnan"), "that batch's loss was inf in float32, not NaN"),
+    (_train(guard="isnan"), "A test for NaN alone (isnan, x != x) lets inf through"),
+    (_train(guard="isnan"), "of Adam's 12 state tensors inf or NaN"),
+    # inf caught, but only after the step: the weights are finite, Adam's state is not
+    (_train(guard="nan-then-after-step"), "raised FloatingPointError with finite weights, but "
+                                          "after the optimizer step on that batch had run"),
     # its own summed loss divided by the batch size: 0, not NaN, on a batch of padding
     (_train(backward="sum"), "loss_fn's mean loss was NaN all the same"),
     (_nan(raises=ValueError), "raised ValueError (NaN loss). The contract's error is "
@@ -447,9 +470,11 @@ def _nan(where="before", raises=FloatingPointError, looks_at="loss", rollback=Fa
     (_nan(rollback=True), "those from before the epoch: the steps on batches 1 and 2"),
     # raised between backward and step, and zero_grad only after a step: the NaN gradient waits
     # in p.grad for the caller's next epoch
-    (_train(zero="after", guard="after-backward"), "reached the weights one epoch late"),
+    (_train(zero="after", guard="after-backward"), "hold NaN or inf: backward() on that batch"),
 ], ids=["no-guard", "after-step", "end-of-epoch", "skipped-quietly", "images-only",
-        "gradients-only", "own-summed-loss", "value-error", "assert", "rolled-back-the-epoch",
+        "gradients-only-cleared", "gradients-only", "guard-between-backward-and-step",
+        "isnan-only-cause", "isnan-only-rule", "isnan-only-adam-state", "inf-after-step",
+        "own-summed-loss", "value-error", "assert", "rolled-back-the-epoch",
         "nan-gradient-left-for-the-next-epoch"])
 def test_a_nan_loss_reaching_the_weights_or_the_caller_wrongly_is_named(fn, phrase):
     with pytest.raises(LabCheckError) as err:
@@ -460,6 +485,37 @@ def test_a_nan_loss_reaching_the_weights_or_the_caller_wrongly_is_named(fn, phra
 def test_a_nan_guard_before_backward_passes(capsys):
     lab01.check_train_one_epoch(_nan())
     assert "before it reaches the weights" in capsys.readouterr().out
+
+
+def test_the_huge_input_batch_gives_an_inf_loss_with_finite_logits_and_gradients():
+    """The check's third spoiling, verified by a run: in float32 the loss is inf (not NaN)
+    while the logits and the gradients stay finite, and Adam's state overflows."""
+    model, loader, X, y, loss_fn = lab01._spoiled(lab01._SETUPS[0], "huge")
+    torch.manual_seed(1)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=lab01._LR)
+    for i, (xb, yb) in enumerate(loader):
+        opt.zero_grad()
+        out = model(xb)
+        loss = loss_fn(out, yb)
+        if i == lab01._BAD:
+            assert math.isinf(loss.item()) and bool(torch.isfinite(out).all())
+            loss.backward()
+            assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+            opt.step()
+            assert lab01._not_finite(lab01._state(opt)) > 0
+            return
+        loss.backward()
+        opt.step()
+
+
+def test_an_isnan_only_guard_gets_isfinite_on_the_second_meeting():
+    fn = _train(guard="isnan")
+    with pytest.raises(LabCheckError) as err:
+        lab01.check_train_one_epoch(fn)
+    assert "torch.isfinite" not in str(err.value)
+    with pytest.raises(LabCheckError, match="test the loss with torch.isfinite"):
+        lab01.check_train_one_epoch(fn)
 
 
 def test_a_nan_guard_after_the_step_gets_the_fix_on_the_second_meeting():

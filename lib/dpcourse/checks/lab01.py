@@ -197,8 +197,9 @@ def check_train_one_epoch(train_one_epoch) -> None:
         _check_train_once(train_one_epoch, setup)
     _check_train_nan(train_one_epoch)
     passed("train_one_epoch matches the reference: same weights, same mean loss; and a batch "
-           "whose loss is NaN stops the epoch with a FloatingPointError before it reaches the "
-           "weights, whether its images were bad or only its labels.")
+           "whose loss is not finite (NaN from a bad image or from labels alone, inf from a "
+           "huge finite input) stops the epoch with a FloatingPointError before it reaches the "
+           "weights, the gradients or Adam's state.")
 
 
 def _check_train_once(train_one_epoch, setup) -> None:
@@ -281,65 +282,102 @@ def _check_train_once(train_one_epoch, setup) -> None:
          f"data set, such as a fixed sample count?)")
 
 
-# --- a batch whose loss is NaN: the case the lesson did not show ---------------------------
+# --- a batch whose loss is not finite: the case the lesson did not show ---------------------
 
 _BAD = 2  # the index of the batch the check spoils: the third of four
-# How the check spoils it: one image with a NaN pixel (a corrupt file), or finite images whose
+# How the check spoils it: one image with a NaN pixel (a corrupt file); finite images whose
 # every label is CrossEntropyLoss's ignore_index, -100 (a batch of padding): its mean loss is
 # 0/0 = NaN while its gradient is all zeros, so a guard on the images or on the gradients
-# misses it.
+# misses it; or one image whose every pixel is a huge but finite 1e38 (a bad normalisation),
+# trained with label smoothing 0.1: in float32 the loss is inf, not NaN, while the logits and
+# the gradients stay finite -- and Adam's running mean of squared gradients overflows to inf.
 _SPOILED = {
     "pixel": "batch 3 of 4 held one image with a NaN pixel (a corrupt file), so that batch's "
              "mean loss was NaN",
     "ignored": "batch 3 of 4 had finite images, but every one of its labels was -100, "
                "CrossEntropyLoss's ignore_index (a batch of padding), so its mean loss was "
                "0/0 = NaN while its gradient was all zeros",
+    "huge": "batch 3 of 4 held one image whose pixels were all 1e38, large but finite (a bad "
+            "normalisation), and the loss was CrossEntropyLoss(label_smoothing=0.1): that "
+            "batch's loss was inf in float32, not NaN, while its logits and gradients were "
+            "finite",
 }
+_HUGE = 1e38
+_LR = 0.01  # Adam's: the contract's optimizer state is Adam's running moments
 
 
 def _spoiled(setup, how: str):
-    """The set-up's model and a loader whose batch ``_BAD`` is spoiled ``how``."""
+    """The set-up's model and a loader whose batch ``_BAD`` is spoiled ``how``, and the loss
+    function the caller trains with."""
     n, batch, _ = setup
     model, loader = _setup(*setup)
     X, y = (t.clone() for t in loader.dataset.tensors)
     lo, hi = _BAD * batch, (_BAD + 1) * batch
+    loss_fn = nn.CrossEntropyLoss()
     if how == "pixel":
         X[lo + 5, 0, 0, 0] = float("nan")
-    else:
+    elif how == "ignored":
         y[lo:hi] = -100
-    return model, DataLoader(TensorDataset(X, y), batch_size=batch, shuffle=False), X, y
+    else:
+        X[lo + 5] = _HUGE
+        loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
+    return model, DataLoader(TensorDataset(X, y), batch_size=batch, shuffle=False), X, y, loss_fn
+
+
+def _state(optimizer) -> list:
+    """The optimizer's state tensors (Adam: step, exp_avg, exp_avg_sq per parameter)."""
+    return [v.detach().clone() for st in optimizer.state.values() for v in st.values()
+            if torch.is_tensor(v)]
+
+
+def _not_finite(tensors) -> int:
+    return sum(not bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _check_train_nan(train_one_epoch, setup=_SETUPS[0]) -> None:
-    """The contract's case the lesson did not show: a batch whose loss is NaN never reaches the
-    weights; the function raises FloatingPointError, and the caller holds the weights the
-    batches before it gave."""
+    """The contract's case the lesson did not show: a batch whose loss is not finite never
+    reaches the weights, the optimizer's state or p.grad; the function raises
+    FloatingPointError, and the caller holds what the batches before it gave."""
     __tracebackhide__ = True
     n, batch, _ = setup
-    stopped_on_pixel = False
+    stopped = []  # the spoilings the learner's function stopped on
     for how, what in _SPOILED.items():
-        model, loader, X, y = _spoiled(setup, how)
+        model, loader, X, y, loss_fn = _spoiled(setup, how)
         start = _params(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.Adam(model.parameters(), lr=_LR)
         torch.manual_seed(1)
         raised = None
         try:
-            got = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, "cpu")
+            got = train_one_epoch(model, loader, loss_fn, opt, "cpu")
         except Exception as exc:  # noqa: BLE001 - the learner's function may raise anything
             raised = exc
         weights = _params(model)
         broken = sum(bool(torch.isnan(p).any()) for p in weights)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        bad_grads = _not_finite(grads)
+        state = _state(opt)
+        bad_state = _not_finite(state)
         ref, _ = _setup(*setup)
         torch.manual_seed(1)
         head = DataLoader(TensorDataset(X[:_BAD * batch], y[:_BAD * batch]), batch_size=batch)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        _train_variant(ref, head, nn.CrossEntropyLoss(), ref_opt)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=_LR)
+        _train_variant(ref, head, loss_fn, ref_opt)
         harm = (f" The step on it made {broken} of the model's {len(weights)} parameter tensors "
                 f"NaN, so batch 4 trained a broken model." if broken else "")
+        if bad_state and not broken:
+            harm = (f" The weights stayed finite, but the step on it left {bad_state} of Adam's "
+                    f"{len(state)} state tensors inf or NaN (the running mean of squared "
+                    f"gradients overflows), so every later step of those weights is lost.")
         guard = "look at each batch's loss before it reaches backward and the step"
         if raised is None:
             shown = f"{got:.4f}" if isinstance(got, float) else repr(got)
-            if how == "ignored" and stopped_on_pixel:
+            if how == "huge" and stopped:
+                fail(f"{what}. Your function stopped on the check's NaN batches, but here it "
+                     f"trained on and returned {shown}.{harm} A test for NaN alone (isnan, "
+                     f"x != x) lets inf through; the contract's rule is a loss that is not "
+                     f"finite.", fix="test the loss with torch.isfinite (or math.isfinite of "
+                                     "its float), before backward.")
+            if how == "ignored" and "pixel" in stopped:
                 fail(f"{what}. Your function stopped on the NaN image of the check's first "
                      f"spoiled epoch, but here it trained on and returned {shown}: what it "
                      f"tests was clean here (the images, the gradients, or a loss of your own "
@@ -352,23 +390,42 @@ def _check_train_nan(train_one_epoch, setup=_SETUPS[0]) -> None:
                      f"FloatingPointError the caller can see.",
                      fix="raise FloatingPointError instead of skipping the batch quietly.")
             fail(f"{what}; your function trained on through it and returned {shown}.{harm} The "
-                 f"contract says a NaN loss never reaches the weights, and the caller hears of "
-                 f"it as a FloatingPointError.",
-                 fix=guard + ", and raise FloatingPointError when it is NaN.")
+                 f"contract says a loss that is not finite never reaches the weights, and the "
+                 f"caller hears of it as a FloatingPointError.",
+                 fix=guard + ", and raise FloatingPointError when it is not finite.")
         if not isinstance(raised, FloatingPointError):
             extra = (" (and an assert statement is removed when Python runs with -O, so there "
                      "it would not even raise)" if isinstance(raised, AssertionError) else "")
             fail(f"{what}; your function raised {type(raised).__name__} ({raised}){extra}. The "
                  f"contract's error is FloatingPointError, the one a caller catches for a "
                  f"numeric failure (to skip a spoiled shard and go on): yours would pass "
-                 f"through such a handler.", fix="raise FloatingPointError for a NaN loss.")
+                 f"through such a handler.",
+                 fix="raise FloatingPointError for a loss that is not finite.")
         if broken:
             fail(f"{what}; your function raised FloatingPointError, but after the optimizer step "
                  f"on that batch had run: {broken} of the model's {len(weights)} parameter "
                  f"tensors already hold NaN, so the caller who catches your error holds a "
                  f"broken model.", fix=guard + ".")
+        if bad_state:
+            fail(f"{what}; your function raised FloatingPointError with finite weights, but "
+                 f"after the optimizer step on that batch had run: {bad_state} of Adam's "
+                 f"{len(state)} state tensors hold inf or NaN, so every later step of the "
+                 f"caller's training inherits them.", fix=guard + ".")
+        if bad_grads:
+            fail(f"{what}; your function raised FloatingPointError with the weights and Adam's "
+                 f"state intact, but {bad_grads} of the model's {len(grads)} gradients (p.grad) "
+                 f"hold NaN or inf: backward() on that batch had already run when it raised. "
+                 f"The contract says nothing of the spoiled batch is left behind, and a caller "
+                 f"who steps, clips or logs gradient norms before your next zero_grad meets "
+                 f"it.", fix=guard + " (which number does the NaN show in before backward?).")
         if _same(weights, _params(ref)):
-            stopped_on_pixel = stopped_on_pixel or how == "pixel"
+            if not all(_same([a], [b]) for a, b in zip(state, _state(ref_opt))) \
+                    or len(state) != len(_state(ref_opt)):
+                fail(f"{what}; your function raised FloatingPointError with the weights of the "
+                     f"batches before it, but Adam's state is not the one those batches give "
+                     f"(its step counts or moments moved): the next step of the caller's "
+                     f"training would not be the one it would have been.", fix=guard + ".")
+            stopped.append(how)
             _check_caller_goes_on(train_one_epoch, model, opt, ref, ref_opt, head, what)
             continue
         if _same(weights, start):
@@ -384,7 +441,7 @@ def _check_train_nan(train_one_epoch, setup=_SETUPS[0]) -> None:
 def _check_caller_goes_on(train_one_epoch, model, opt, ref, ref_opt, clean, what) -> None:
     """After the FloatingPointError, the caller goes on: it trains another epoch, on clean
     batches, with the same model and optimizer. "That loss never reaches the weights" holds for
-    the later steps too: nothing of the spoiled batch (a NaN left in p.grad) may reach them."""
+    the later steps too: nothing of the spoiled batch may reach them."""
     __tracebackhide__ = True
     torch.manual_seed(3)
     try:
