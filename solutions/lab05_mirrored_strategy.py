@@ -64,10 +64,11 @@ from dpcourse.checks import lab05, predict
 #   weights — that mean **plus the penalty**, as one device adds it: once.
 #
 # **Your decision** is the penalty's: it is not a sum over samples, and every replica holds all
-# of it. `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies. Any
-# TensorFlow function may help (`tf.nn`'s included); only the library's answer,
-# `mirrored.per_replica_loss` (what lesson 05 runs), is refused. The check runs steps split
-# evenly and unevenly, on 2 and 3 replicas, with and without a penalty.
+# of it. `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies. Not
+# allowed: the library's answer `mirrored.per_replica_loss`, and `tf.nn.compute_average_loss` /
+# `tf.nn.scale_regularization_loss` — this part asks for the arithmetic they hide, and why it
+# is right on N replicas. The check runs steps split evenly and unevenly, on 2 and 3 replicas,
+# with and without a penalty.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -93,19 +94,18 @@ from dpcourse.checks import lab05, predict
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The per-example losses, reduced to their sum, divided by the `global_batch` argument
-# (TensorFlow has a function in `tf.nn` made for exactly this division — read what it does when
-# you leave out its batch-size argument). With a penalty, add this replica's part of it: the
-# penalty over the number of replicas in sync (`tf.nn` has a function for that too, next to the
-# first; read what it divides by).
+# The per-example losses, reduced to their sum, divided by the `global_batch` argument (a
+# Python number or an integer tensor: cast it to the losses' dtype). With a penalty, add this
+# replica's part of it: the penalty over the number of replicas in sync, which the replica
+# context that `strategy.run` sets up (`tf.distribute.get_replica_context()`) holds.
 
 # %%
 def per_replica_loss(labels, logits, global_batch, penalty=None):
     losses = mirrored.per_example_loss(labels, logits)
     ### BEGIN SOLUTION: this replica's share of the step's mean loss, and of the penalty
-    loss = tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
+    loss = tf.reduce_sum(losses) / tf.cast(global_batch, losses.dtype)
     if penalty is not None:
-        loss += tf.nn.scale_regularization_loss(penalty)
+        loss += penalty / tf.distribute.get_replica_context().num_replicas_in_sync
     return loss
     ### END SOLUTION
 

@@ -25,6 +25,16 @@ def strategy():
 
 
 def loss_right(labels, logits, global_batch, penalty=None):
+    # the arithmetic part 1 asks for (the solution's)
+    losses = mirrored.per_example_loss(labels, logits)
+    loss = tf.reduce_sum(losses) / tf.cast(global_batch, losses.dtype)
+    if penalty is None:
+        return loss
+    return loss + penalty / tf.distribute.get_replica_context().num_replicas_in_sync
+
+
+def loss_tf_nn(labels, logits, global_batch, penalty=None):
+    # right numbers, but through the two tf.nn functions that hide part 1's arithmetic
     loss = tf.nn.compute_average_loss(mirrored.per_example_loss(labels, logits),
                                       global_batch_size=global_batch)
     return loss if penalty is None else loss + tf.nn.scale_regularization_loss(penalty)
@@ -189,6 +199,72 @@ def loss_sum_over_cast_global(labels, logits, global_batch, penalty=None):
     return loss + tf.where(first, penalty, 0.0)
 
 
+def loss_mean_split_by_hand(labels, logits, global_batch, penalty=None):
+    # right too: the penalty split over the replicas with the replica count of the context
+    ctx = tf.distribute.get_replica_context()
+    losses = mirrored.per_example_loss(labels, logits)
+    extra = 0.0 if penalty is None else penalty * global_batch / ctx.num_replicas_in_sync
+    return (tf.reduce_sum(losses) + extra) / global_batch
+
+
+_cal, _srl = tf.nn.compute_average_loss, tf.nn.scale_regularization_loss   # aliases, bound early
+
+
+def loss_alias_average(labels, logits, global_batch, penalty=None):
+    loss = _cal(mirrored.per_example_loss(labels, logits), global_batch_size=global_batch)
+    return loss if penalty is None else loss + penalty / (
+        tf.distribute.get_replica_context().num_replicas_in_sync)
+
+
+def loss_alias_scale(labels, logits, global_batch, penalty=None):
+    losses = mirrored.per_example_loss(labels, logits)
+    loss = tf.reduce_sum(losses) / global_batch
+    return loss if penalty is None else loss + _srl(penalty)
+
+
+def _loss_with_default(labels, logits, global_batch, penalty=None, avg=tf.nn.compute_average_loss):
+    loss = avg(mirrored.per_example_loss(labels, logits), global_batch_size=global_batch)
+    return loss if penalty is None else loss + penalty / (
+        tf.distribute.get_replica_context().num_replicas_in_sync)
+
+
+def _loss_via_helper(labels, logits, global_batch, penalty=None):
+    return loss_tf_nn(labels, logits, global_batch, penalty)
+
+
+@pytest.mark.parametrize("fn, used", [
+    (loss_tf_nn, "tf.nn.compute_average_loss (it uses tf.nn.scale_regularization_loss as well)"),
+    (loss_alias_average, "tf.nn.compute_average_loss"),
+    (loss_alias_scale, "tf.nn.scale_regularization_loss"),
+    (_loss_with_default, "tf.nn.compute_average_loss"),
+    (_loss_via_helper, "tf.nn.compute_average_loss"),
+], ids=["called", "alias-average", "alias-scale", "default-arg", "helper"])
+def test_tf_nn_functions_that_hide_part_1_are_refused(fn, used, strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_per_replica_loss(fn, strategy)
+    msg = " ".join(str(err.value).split())
+    assert f"gives the right numbers, but it uses {used}" in msg, msg
+    assert "why that is right on N replicas" in msg, msg
+    assert "What to change" not in msg and "Divide the replica" not in msg, msg
+
+
+def test_tf_nn_refusals_carry_distinct_fixes(strategy):
+    fixes = []
+    for fn in (loss_alias_average, loss_alias_scale):
+        for _ in range(2):
+            with pytest.raises(LabCheckError) as err:
+                lab05.check_per_replica_loss(fn, strategy)
+        fixes.append(str(err.value))
+    assert "Divide the replica's summed per-example losses yourself" in fixes[0], fixes[0]
+    assert "Add this replica's share of the penalty yourself" in fixes[1], fixes[1]
+
+
+def test_solution_uses_the_arithmetic():
+    src = (ROOT / "solutions" / "lab05_mirrored_strategy.py").read_text()
+    body = src[src.index("def per_replica_loss"):src.index("lab05.check_per_replica_loss(")]
+    assert "compute_average_loss" not in body and "scale_regularization_loss" not in body, body
+
+
 # --- part 1's regularised step: the penalty is the same on every replica, counted once -----
 
 def _penalised(part):
@@ -232,6 +308,20 @@ def test_penalty_mistakes_are_named(fn, phrase, strategy):
     assert phrase in " ".join(str(err.value).split()), str(err.value)
 
 
+def test_penalty_mistakes_get_their_own_fix(strategy):
+    # the whole penalty on every replica first: the penalty over the global batch met next is
+    # a different idea, and its first meeting does not hand over a fix
+    for _ in range(2):
+        with pytest.raises(LabCheckError):
+            lab05.check_per_replica_loss(PENALTY_MISTAKES[0][0], strategy)
+    over_global = PENALTY_MISTAKES[3][0]
+    with pytest.raises(LabCheckError) as first:
+        lab05.check_per_replica_loss(over_global, strategy)
+    assert "What to change" not in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError, match="Keep the penalty out of the division"):
+        lab05.check_per_replica_loss(over_global, strategy)
+
+
 def test_a_fixed_replica_count_for_the_penalty_is_named(strategy):
     # / 2 is right on the lab's 2 replicas: the spare third replica shows it
     with pytest.raises(LabCheckError) as err:
@@ -251,7 +341,8 @@ def test_penalty_gives_the_cause_then_the_fix(strategy):
         lab05.check_per_replica_loss(fn, strategy)
 
 
-@pytest.mark.parametrize("fn", [loss_right, loss_sum_over_global, loss_sum_over_cast_global])
+@pytest.mark.parametrize("fn", [loss_right, loss_sum_over_global, loss_sum_over_cast_global,
+                                loss_mean_split_by_hand])
 def test_right_losses_pass(fn, strategy, capsys):
     lab05.check_per_replica_loss(fn, strategy)
     out = capsys.readouterr().out

@@ -127,3 +127,107 @@ def _captured_note(fn, strategy) -> str:
     return (f" Your function reads {', '.join(others)} from outside itself, while this call runs "
             f"on {strategy.num_replicas_in_sync} replicas: a value captured from outside the "
             f"function stays what it was, whatever the call is given.")
+
+
+# Part 1 asks for the arithmetic these two hide (what divides a replica's sum, and what share of
+# the penalty a replica adds): each, met in the learner's per_replica_loss, is refused with its
+# own cause and its own fix.
+_HIDDEN = {
+    "compute_average_loss": (
+        "tf.nn.compute_average_loss does the division part 1 asks you to work out: which number "
+        "each replica's summed loss is divided by so that the strategy's sum over N replicas is "
+        "one mean over the step — also when the slices differ",
+        "Divide the replica's summed per-example losses yourself, by a number every replica "
+        "shares; the contract's arguments hold it."),
+    "scale_regularization_loss": (
+        "tf.nn.scale_regularization_loss does the penalty's part that part 1 asks you to work "
+        "out: what share of a term every replica holds whole each replica adds, so that the "
+        "strategy's sum over N replicas holds it once",
+        "Add this replica's share of the penalty yourself; the replica context "
+        "(tf.distribute.get_replica_context()) knows how many replicas share it."),
+}
+
+
+def _hidden_originals() -> dict:
+    import inspect
+    out = {}
+    for name in _HIDDEN:
+        fn = getattr(tf.nn, name)
+        out[name] = {id(fn), id(inspect.unwrap(fn))}
+    return out
+
+
+def _hidden_referenced(fn) -> list:
+    """The names of ``_HIDDEN`` that ``fn`` (or a function nested in it, or a function of the
+    learner's module it calls by name) reaches by an alias: a global, a closure cell or a
+    default bound to the function itself (``cal = tf.nn.compute_average_loss`` earlier, or
+    ``from tensorflow.nn import compute_average_loss as cal``)."""
+    import inspect
+    originals = _hidden_originals()
+    found, seen, todo = set(), set(), [getattr(fn, "func", fn)]
+    while todo:
+        f = todo.pop()
+        code = getattr(f, "__code__", None)
+        if code is None or id(code) in seen:
+            continue
+        seen.add(id(code))
+        glob = getattr(f, "__globals__", {})
+        values = list(getattr(f, "__defaults__", None) or ())
+        values += list((getattr(f, "__kwdefaults__", None) or {}).values())
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:
+                pass
+        codes, names = [code], set()
+        while codes:
+            c = codes.pop()
+            names.update(c.co_names)
+            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        values += [glob[nm] for nm in names if nm in glob]
+        for v in values:
+            try:
+                inner = inspect.unwrap(v) if callable(v) else v
+            except Exception:  # noqa: BLE001 - an object whose __wrapped__ loops
+                inner = v
+            for name, ids in originals.items():
+                if id(v) in ids or id(inner) in ids:
+                    found.add(name)
+            if isinstance(v, types.FunctionType) and v.__globals__ is glob:
+                todo.append(v)   # a helper of the learner's own module
+    return sorted(found)
+
+
+class _HiddenSpy:
+    """While active, a call of ``tf.nn.compute_average_loss`` or ``tf.nn.scale_regularization_loss``
+    is noted; on a clean exit, that (or an alias of either bound in the learner's function) is
+    refused with its cause. Enter it outside ``_LibrarySpy`` so that the library's answer, which
+    calls them, is named as the library's."""
+
+    def __init__(self, fn, what: str):
+        self.fn, self.what, self.called = fn, what, set()
+
+    def __enter__(self):
+        self.originals = {name: getattr(tf.nn, name) for name in _HIDDEN}
+        for name, original in self.originals.items():
+            def spy(*args, _name=name, _original=original, **kwargs):
+                self.called.add(_name)
+                return _original(*args, **kwargs)
+            setattr(tf.nn, name, spy)
+        return self
+
+    def __exit__(self, *exc):
+        __tracebackhide__ = True
+        for name, original in self.originals.items():
+            setattr(tf.nn, name, original)
+        if exc[0] is not None:
+            return False
+        used = sorted(self.called | set(_hidden_referenced(self.fn)))
+        if used:
+            cause, fix = _HIDDEN[used[0]]
+            also = (f" (it uses tf.nn.{used[1]} as well)" if len(used) > 1 else "")
+            fail(f"your {self.what} gives the right numbers, but it uses tf.nn.{used[0]}{also}, "
+                 f"which this part does not allow: {cause}. The lab asks you what it computes "
+                 f"and why that is right on N replicas, and a call that hides it shows neither.",
+                 fix=fix)
+        return False

@@ -1,6 +1,6 @@
 """Lab 05 stretch B: ``train_epoch(strategy, model, optimizer, dist_dataset)`` over 100 samples
 in global batches of 32 (36 on 3 replicas) must take the steps one device takes, the short last
-step included (4 + 0 on 2 replicas, 12 + 12 + 4 on 3). A wrong epoch is replayed on one device
+step included (its split is stretch A's pipeline's). A wrong epoch is replayed on one device
 with each plausible divisor (the full global batch, a fixed 32, each replica's own slice x N —
 compute_average_loss left to count, a local mean / N, or a Keras loss object's
 SUM_OVER_BATCH_SIZE — the last step skipped) and named by the one whose weights it reproduced.
@@ -205,7 +205,8 @@ def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool):
                  f"replicas compute while the step runs; a number read off a static shape "
                  f"(x.shape[0]) is fixed when the step is traced, once for every step, and is "
                  f"None there, since the last step's size is known only when its data arrives.",
-                 fix="Count the samples with a tensor operation on the batch itself.")
+                 fix="Hand all_reduce a tensor computed from the batch in the step, not a "
+                     "Python number.")
         fail(f"train_epoch raised {type(exc).__name__} {how} {at}: {first}")
     return model, spy
 
@@ -214,8 +215,8 @@ def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool):
 def check_partial_batch_epoch(train_epoch, strategy) -> None:
     """Stretch: ``train_epoch(strategy, model, optimizer, dist_dataset)`` over 100 samples in
     global batches of ``stretch_global(replicas)`` must take the steps one device takes —
-    including the last step, where the replicas hold unequal slices (4 + 0 on 2 replicas,
-    12 + 12 + 4 on 3). Tried on the lab's strategy and on one with a replica more."""
+    including the short last step, whose split over the replicas is the pipeline's. Tried on
+    the lab's strategy and on one with a replica more."""
     __tracebackhide__ = True
     tried = []
     for strat in strategies_for(strategy):

@@ -1,10 +1,9 @@
 """Lab 05 stretch A: ``make_dist_dataset(strategy, x, y, global_batch)`` builds each replica's
 input pipeline with ``strategy.distribute_datasets_from_function``. Every step must hold the next
-``global_batch`` samples in order, each replica taking whole per-replica batches (so on 2
-replicas the short last step's 4 samples all land on replica 0, unless the learner's own dataset
-function shares them out: then its split is theirs); a global batch the replicas do
-not divide refused by the learner's own ValueError naming both numbers, or adapted with shares
-that differ by a sample (both accepted; rounding and TF's own error named); and the dataset
+``global_batch`` samples in order, each replica taking its batches from its own pipeline (the
+short last step's split compared with what the contract, or the learner's own dataset
+function, implies); a global batch the replicas do not divide handled by the learner's own
+decision (the accepted decisions and the named wrong ones are in the tests); and the dataset
 function, called as on 2 workers, must cut the data by input pipeline. The stretch's data and
 global batches live here too: stretch B and the stretch's prediction use them.
 
@@ -33,16 +32,14 @@ def stretch_data():
 
 
 def stretch_global(n: int) -> int:
-    """The global batch the stretch's checks use on ``n`` replicas: 32 where ``n`` divides it
-    (100 samples: the last step 4 + 0 on 2 replicas), else 12 per replica (36 on 3: the last
-    step's 28 samples as 12 + 12 + 4, uneven but on more than one replica)."""
+    """The global batch the stretch's checks use on ``n`` replicas (100 samples): 32 where ``n``
+    divides it, else 12 per replica (36 on 3), so that the last step is short."""
     return _GLOBAL if _GLOBAL % n == 0 else 12 * n
 
 
 def _expected_split(n: int, global_batch: int) -> list:
     """Per-replica sizes of each step when every replica takes whole per-replica batches of one
-    pipeline in turn (``distribute_datasets_from_function``): 32 samples as 16 + 16 on 2
-    replicas, and the last step's 4 samples as 4 + 0."""
+    pipeline in turn (``distribute_datasets_from_function``)."""
     per = global_batch // n
     steps = []
     for start in range(0, _N_SAMPLES, global_batch):
@@ -53,15 +50,12 @@ def _expected_split(n: int, global_batch: int) -> list:
 @recorded
 def check_dataset_fn(make_dist_dataset, strategy) -> None:
     """Stretch: ``make_dist_dataset(strategy, x, y, global_batch)`` must give, at every step, the
-    next ``global_batch`` samples in order, each replica taking whole per-replica batches from its
-    input pipeline (``strategy.distribute_datasets_from_function``) — so on 2 replicas the short
-    last step's 4 samples all land on replica 0, not split 2 + 2 as
-    ``experimental_distribute_dataset`` splits a global batch. Tried on the lab's strategy and on
-    one with a replica more (36 on 3: the last step 12 + 12 + 4); and a global batch the replicas
-    do not divide is the learner's decision: refused by their own ValueError naming both numbers,
-    or adapted with shares that differ by a sample so that every step still holds the global
-    batch (rounding the per-replica size changes every step's size; TF's
-    ``get_per_replica_batch_size`` raising by itself is TF's decision, not the learner's)."""
+    next ``global_batch`` samples in order, each replica taking its batches from its own input
+    pipeline (``strategy.distribute_datasets_from_function``); the check compares each step's
+    per-replica pieces, the short last step's included, with what that contract implies. Tried
+    on the lab's strategy and on one with a replica more, and with a global batch the replicas
+    do not divide, which is the learner's decision to make (the check accepts a decision that is
+    the learner's own and keeps every step's size, and names one that does not)."""
     __tracebackhide__ = True
     tried, odd = [], []
     for strat in strategies_for(strategy):

@@ -64,11 +64,9 @@ def last_step(strategy, dist_dataset, model, global_batch: int) -> dict:
 
 def pieces(b: int, n: int) -> list:
     """How ``experimental_distribute_dataset`` cuts a batch of ``b`` over ``n`` replicas, as
-    measured with TF 2.21 (tests/test_lab05_checks.py): ⌈b/n⌉ each in replica order, the last
-    replicas what is left — 64 on 3 as 22+22+20, 4 on 3 as 2+2+0, 1 on 2 as 1+0. It is the
-    example of ``_LegacyRebatchDataset``'s docstring (``data/experimental/ops/distribute.py``:
-    8 in batches of 4 on 3 replicas, ``[0, 1], [2, 3], []``); ``batch_sizes_for_worker`` in the
-    same file would give 22+21+21, which is not what the strategy hands the replicas."""
+    measured with TF 2.21 (tests/test_lab05_checks.py; ``_LegacyRebatchDataset`` in TF's
+    ``data/experimental/ops/distribute.py``, not ``batch_sizes_for_worker``); used only in the
+    explanation shown after part 4's prediction."""
     c = -(-b // n)
     return [max(0, min(c, b - r * c)) for r in range(n)]
 

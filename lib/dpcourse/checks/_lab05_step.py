@@ -165,7 +165,8 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
             if k != n and abs(step_ratio - n / k) < 0.02 * n / k:
                 fail(f"on {n} replicas the update is {n}/{k} of the right one: the loss was "
                      f"divided by a fixed {k} replicas, a number that holds on {k} replicas only.",
-                     fix="Divide by the global_batch argument.")
+                     fix="Drop the fixed replica count: divide each replica's sum by the "
+                         "global_batch argument alone.")
         k = global_batch / step_ratio
         if abs(k - round(k)) < 0.02 * k and round(k) not in (global_batch, 0):
             fail(f"with a global batch of {global_batch} on {n} replicas the update is "

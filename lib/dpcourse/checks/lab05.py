@@ -15,7 +15,9 @@ replicas fails):
   ``reduce_mean`` / N), the plain sum, a fixed divisor (a captured notebook strategy named),
   the library's own answer, and with a penalty: added whole on every replica (N times), left
   out, divided by the global batch, divided by a fixed replica count, no ``penalty``
-  parameter.
+  parameter. Refused once the numbers hold: ``tf.nn.compute_average_loss`` and
+  ``tf.nn.scale_regularization_loss``, called or bound to another name (the part asks for the
+  arithmetic they hide).
 * ``make_model_and_optimizer(strategy, lr, start=None)`` (part 2,
   :mod:`dpcourse.checks._lab05_model`) — variables created under the strategy given, plain SGD
   with the learning rate asked for, a mirrored model starting from ``start``'s current weights.
@@ -26,15 +28,14 @@ replicas fails):
   calculation that explains it on the split the step ran on).
 
 Part 4's prediction (:mod:`dpcourse.checks._lab05_predict`): what replica 1 does in the last
-step of an epoch of 15 global batches and one sample — measured (step_fn runs on an empty batch:
-its reduce_mean is nan, its compute_average_loss share 0) and explained, TF's ⌈b/N⌉ rule
-included, never stated before the prediction. The stretch: ``make_dist_dataset`` with
-``distribute_datasets_from_function`` (:mod:`dpcourse.checks._lab05_pipeline`: order, the short
-last step kept, an indivisible global batch refused by the learner's own ValueError, the
-dataset function called as on 2 workers), and ``train_epoch`` over an epoch whose last step is
-4 + 0 (12 + 12 + 4 on 3) (:mod:`dpcourse.checks._lab05_epoch`: a fixed divisor, the last step
-skipped, and a replica's own slice × N — ``compute_average_loss`` left to count the slice, or
-each replica's ``reduce_mean`` / N, told apart by the loss each replica differentiated).
+step of an epoch of 15 global batches and one sample — measured per replica (samples held,
+whether step_fn ran, the loss it would compute) and explained after the prediction, never
+before. The stretch: ``make_dist_dataset`` with ``distribute_datasets_from_function``
+(:mod:`dpcourse.checks._lab05_pipeline`: order, the short last step kept, a global batch the
+replicas do not divide handled by the learner's own decision, the dataset function called as on
+2 workers), and ``train_epoch`` over an epoch whose last step is short
+(:mod:`dpcourse.checks._lab05_epoch`: a fixed divisor, the last step skipped, and a divisor
+tied to a replica's own slice, told apart by the loss each replica differentiated).
 What every runner shares is in :mod:`dpcourse.checks._lab05_common`. Every name the lab and the
 tests use is importable from here.
 
@@ -48,7 +49,8 @@ import numpy as np
 
 from dpcourse import mirrored
 from dpcourse.checks import fail, passed, recorded
-from dpcourse.checks._lab05_common import (_LibrarySpy, _captured_note, _close, _local,
+from dpcourse.checks._lab05_common import (_HiddenSpy, _LibrarySpy, _captured_note, _close,
+                                           _local,
                                            _refuse_library, keras, reference_batch,
                                            strategies_for, tf)
 from dpcourse.checks._lab05_epoch import check_partial_batch_epoch
@@ -77,23 +79,27 @@ def check_per_replica_loss(per_replica_loss, strategy) -> None:
     divided by the *global* batch size — the number of samples the whole step holds, given as
     ``global_batch`` — also when the slices differ in size (a global batch that does not split
     evenly, as a partial last batch does); and with ``penalty`` (a regularisation term, the same
-    on every replica) the replicas' values must hold it once per step."""
+    on every replica) the replicas' values must hold it once per step. The library's answer
+    and ``tf.nn.compute_average_loss`` / ``tf.nn.scale_regularization_loss`` (called, or bound
+    to another name) are refused: the part asks for the arithmetic they hide."""
     __tracebackhide__ = True
     _refuse_library(per_replica_loss, "per_replica_loss")
-    tried = []
-    with _LibrarySpy("per_replica_loss"):
-        # even slices first on every replica count, then 3 + 2 (+ ...)
-        for even in (True, False):
+    # the calls that hide part 1's arithmetic are refused once everything else holds
+    with _HiddenSpy(per_replica_loss, "per_replica_loss"):
+        tried = []
+        with _LibrarySpy("per_replica_loss"):
+            # even slices first on every replica count, then 3 + 2 (+ ...)
+            for even in (True, False):
+                for strat in strategies_for(strategy):
+                    n = strat.num_replicas_in_sync
+                    global_batch = 6 * n if even else 2 * n + 1
+                    sizes = _check_loss_once(per_replica_loss, strat, global_batch)
+                    tried.append(f"{global_batch} as {'+'.join(map(str, sizes))}")
+        regularised = []   # after the library's answer had its chance to show, unregularised
+        with _LibrarySpy("per_replica_loss"):
             for strat in strategies_for(strategy):
-                n = strat.num_replicas_in_sync
-                global_batch = 6 * n if even else 2 * n + 1
-                sizes = _check_loss_once(per_replica_loss, strat, global_batch)
-                tried.append(f"{global_batch} as {'+'.join(map(str, sizes))}")
-    regularised = []   # after the library's answer had its chance to show, unregularised
-    with _LibrarySpy("per_replica_loss"):
-        for strat in strategies_for(strategy):
-            regularised.append(_check_penalty_once(per_replica_loss, strat,
-                                                   2 * strat.num_replicas_in_sync + 1))
+                regularised.append(_check_penalty_once(per_replica_loss, strat,
+                                                       2 * strat.num_replicas_in_sync + 1))
     passed("per_replica_loss divides each replica's summed loss by the global batch (tried "
            + ", ".join(tried) + "), and the replicas' values hold a penalty once per step ("
            + ", ".join(regularised) + ")")
@@ -231,7 +237,8 @@ def _check_penalty_once(per_replica_loss, strat, global_batch: int) -> str:
              f"as the per-example losses are divided — but the penalty is one term of the "
              f"step, not a sum over its samples, and the strategy sums the {n} replicas' "
              f"gradients: {n}/{global_batch} of it reached the weights.",
-             fix="Count the penalty once per step, over all the replicas together.")
+             fix="Keep the penalty out of the division by the global batch: only the sum over "
+                 "samples is divided by it.")
     k = n / counted if counted else 0.0
     if k > 1.5 and abs(k - round(k)) < 1e-3 and round(k) != n:
         fail(f"{said}: every replica added the penalty / {round(k)}, but this step runs on {n} "
