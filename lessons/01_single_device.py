@@ -215,6 +215,9 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same wor
 # the data sits in memory and fetching costs little; the next section measures it separately, and
 # a loader that decodes images from disk would show up there, not in these rates.
 
+# %% [markdown]
+# **▶ `ThroughputMeter`, `make_loaders` and `fit`** (click the folded cell below).
+
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(train.ThroughputMeter, train.make_loaders, train.fit)
 

@@ -94,7 +94,10 @@ def make_model(in_features: int = 192, hidden: int = 64, classes: int = 10,
 
 
 def loss_and_gradient(model: nn.Module, flat: torch.Tensor, x, y) -> tuple[float, torch.Tensor]:
-    """The loss of weights ``flat`` on a batch, and its gradient as one flat vector."""
+    """The loss of weights ``flat`` on a batch, and its gradient as one flat vector.
+
+    Shown in lesson 09, §2.
+    """
     set_flat_params(model, flat)
     model.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(x), y)
@@ -125,7 +128,10 @@ def worker_indices(indices: torch.Tensor, worker: int, workers: int) -> torch.Te
     """The indices worker ``worker`` (0-based) of ``workers`` takes from a global batch's:
     its equal, contiguous part, ``len // workers`` long (a remainder is left out: 64 over 3
     workers gives 21 each, one sample unused). Lesson 03's
-    ``ddp.shard_of`` slices the tensors themselves."""
+    ``ddp.shard_of`` slices the tensors themselves.
+
+    Shown in lesson 09, §1.
+    """
     size = len(indices) // workers
     return indices[worker * size:(worker + 1) * size]
 

@@ -63,6 +63,11 @@ class CountingLink:
 
 @dataclass
 class PSConfig:
+    """The parameter server's run: its fields are what lesson 09's runs change.
+
+    Shown in lesson 09, §1.
+    """
+
     steps: int = 6            # updates per worker (async) or in all (sync)
     batch: int = 64           # global batch of the synchronous mode (each worker takes
     #                           batch // workers of it: at 3 workers one sample is left out)
@@ -197,6 +202,11 @@ def parameter_server_worker(rank: int, world_size: int, cfg: PSConfig) -> dict:
 
 @dataclass
 class RaceConfig:
+    """The straggler race's settings: time budget, batch, learning rate, the slow worker's delay.
+
+    Shown in lesson 09, §1.
+    """
+
     budget: float = 0.6          # seconds each mode trains
     batch: int = 32              # per worker and gradient
     lr: float = 0.05

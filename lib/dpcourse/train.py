@@ -82,6 +82,8 @@ class ThroughputMeter:
 
     On CUDA, kernels run asynchronously: we synchronize before reading the clock, or we would
     time how fast Python *queues* work, not how fast the GPU does it.
+
+    Shown in lesson 01, §"Throughput, and where the time goes".
     """
 
     device: torch.device | str = "cpu"
@@ -163,7 +165,10 @@ def evaluate(model: nn.Module, loader, loss_fn, device="cpu", amp: bool = False)
 
 
 def make_loaders(ds, batch_size: int, seed: int = 0, num_workers: int = 0):
-    """Train loader (shuffled with its own seeded generator) and test loader for a Dataset."""
+    """Train loader (shuffled with its own seeded generator) and test loader for a Dataset.
+
+    Shown in lesson 01, §"Throughput, and where the time goes".
+    """
     from dpcourse.data import to_torch
 
     g = torch.Generator().manual_seed(seed)
@@ -175,7 +180,10 @@ def make_loaders(ds, batch_size: int, seed: int = 0, num_workers: int = 0):
 
 
 def fit(model: nn.Module, ds, cfg: TrainConfig) -> list[dict]:
-    """Train ``model`` on ``ds`` for ``cfg.epochs``; one dict of metrics per epoch."""
+    """Train ``model`` on ``ds`` for ``cfg.epochs``; one dict of metrics per epoch.
+
+    Shown in lesson 01, §"Throughput, and where the time goes".
+    """
     from dpcourse.devices import seed_everything
 
     seed_everything(cfg.seed)
