@@ -112,3 +112,68 @@ def test_section_names_are_read_as_the_docstrings_write_them():
     assert not section_named("Shown in lesson 02, §12.", "02", "1. Scatter")
     assert section_named("Shown in lesson 01, §1; lesson 04, §9.", "04", "9. BatchNorm")
     assert shown_line("Text.\n\nShown in lesson 09,\n    §1.") == "Shown in lesson 09, §1."
+
+
+
+def shown_objects() -> set[tuple[str, int]]:
+    """(lesson, id of the object) for everything a ``viz.show_code`` call in a lesson shows,
+    resolved through the lesson's imports; showing a class's method shows the class too."""
+    out = set()
+    for path in sorted(LESSONS.glob("[0-9][0-9]_*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = _aliases(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "show_code"):
+                continue
+            for arg in node.args:
+                chain = []
+                while isinstance(arg, ast.Attribute):
+                    chain.insert(0, arg.attr)
+                    arg = arg.value
+                if not (isinstance(arg, ast.Name) and chain):
+                    continue
+                obj = importlib.import_module(aliases.get(arg.id, f"dpcourse.{arg.id}"))
+                for attr in chain:
+                    obj = getattr(obj, attr, None)
+                    out.add((path.name[:2], id(obj)))
+    return out
+
+
+def claimed_targets() -> list[tuple[str, str, str]]:
+    """(lesson, module, name) for every function or class in the library whose docstring says
+    "Shown in lesson NN": what the converse test below holds to its word."""
+    import pkgutil
+
+    import dpcourse
+
+    out = []
+    for info in pkgutil.walk_packages(dpcourse.__path__, "dpcourse."):
+        if info.name.startswith(("dpcourse.checks", "dpcourse.scripts", "dpcourse.__main__")):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:      # an optional dependency (TensorFlow) this machine lacks
+            continue
+        for name, obj in vars(module).items():
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            if getattr(obj, "__module__", None) != info.name:
+                continue      # imported from elsewhere: checked where it is defined
+            for lesson in re.findall(r"lesson (\d\d)", shown_line(inspect.getdoc(obj) or "")):
+                out.append((lesson, info.name, name))
+    return sorted(set(out))
+
+
+CLAIMED = claimed_targets()
+
+
+def test_a_docstring_that_says_shown_is_shown():
+    """d2l's "Defined in" is only worth its line if it is true: every library object whose
+    docstring says "Shown in lesson NN" is shown (``viz.show_code``) in that lesson."""
+    assert len(CLAIMED) > 50
+    shown = shown_objects()
+    missing = [f"{m}.{n} says lesson {lesson}" for lesson, m, n in CLAIMED
+               if (lesson, id(getattr(importlib.import_module(m), n))) not in shown]
+    assert not missing, ("these docstrings say 'Shown in lesson NN', but no viz.show_code in "
+                         "that lesson shows them (show them, or drop the line): "
+                         + "; ".join(missing))

@@ -617,6 +617,18 @@ def check_worker0_sends(sends) -> None:
              "and which chunk does owner give that worker?")
 
 
+def _refuse_other_chunk_rules(got, reference, start, owner, name) -> None:
+    """Uneven lengths only: refuse a result that is the reference pass run with one of the other
+    plausible ways to cut a buffer into N chunks (``_OTHER_CHUNK_RULES``)."""
+    __tracebackhide__ = True
+    n, length = len(start), len(start[0])
+    if length % n == 0:
+        return
+    for rule in _OTHER_CHUNK_RULES:
+        if _same(got, reference([a.copy() for a in start], bounds=rule, owner=owner)):
+            fail(_chunk_rule_sentence(name, n, length, rule), fix=_CHUNK_RULE_FIX)
+
+
 @recorded
 def check_scatter_reduce(fn) -> None:
     """``fn(buffers, owner=None)``: N 1-D float arrays, changed in place; after it worker i must
@@ -637,12 +649,7 @@ def check_scatter_reduce(fn) -> None:
                      "worker's own copy of that chunk, in place.")
         _off_by_one_owner(fn, _scatter_reduce, "scatter_reduce")
         _misread_layout(got, _scatter_reduce, inputs, owner, "scatter_reduce")
-        if length % n:
-            for rule in _OTHER_CHUNK_RULES:
-                if _same(got, _scatter_reduce([a.copy() for a in inputs], bounds=rule,
-                                              owner=owner)):
-                    fail(_chunk_rule_sentence("scatter_reduce", n, length, rule),
-                         fix=_CHUNK_RULE_FIX)
+        _refuse_other_chunk_rules(got, _scatter_reduce, inputs, owner, "scatter_reduce")
         _wrong_steps_or_chunk(got, _scatter_reduce, inputs, owner, "scatter_reduce", _SR_RULE)
         _refuse_shortcut_sums(got, want, inputs, owner)
         layout = _owner(n, owner)
@@ -681,12 +688,7 @@ def check_all_gather(fn) -> None:
                  fix="overwrite the worker's copy of the chunk with the one that arrives.")
         _off_by_one_owner(fn, _all_gather, "all_gather")
         _misread_layout(got, _all_gather, reduced, owner, "all_gather")
-        if length % n:
-            for rule in _OTHER_CHUNK_RULES:
-                if _same(got, _all_gather([a.copy() for a in reduced], bounds=rule,
-                                          owner=owner)):
-                    fail(_chunk_rule_sentence("all_gather", n, length, rule),
-                         fix=_CHUNK_RULE_FIX)
+        _refuse_other_chunk_rules(got, _all_gather, reduced, owner, "all_gather")
         _wrong_steps_or_chunk(got, _all_gather, reduced, owner, "all_gather", _AG_RULE)
         bad = [w for w in range(n) if not np.array_equal(got[w], total)]
         fail(f"all_gather leaves wrong numbers on worker(s) {bad} for {_case(n, owner)}, length "

@@ -274,6 +274,41 @@ class _Deferred:
         return getattr(self._work, name)
 
 
+def _deferring_spy(calls, state, where=False):
+    """The ``before``/``after`` pair for ``record_collectives`` that both workers use: each
+    all_reduce the learner launches is appended to ``calls`` (its step, size, whether async,
+    when waited on; with ``where``, also when launched and which storage it reads), and an async
+    one runs on a copy that a ``_Deferred`` delivers on wait(), while the learner's tensor holds
+    NaN — so reading it before waiting gives wrong numbers, as on a GPU."""
+    pending = {}                            # a recorded call's index -> (its record, tensors)
+
+    def before(call):
+        if call.function != "all_reduce":
+            return
+        tensor = call.args["tensor"]
+        rec = {"step": state["step"], "numel": tensor.numel(), "async": call.async_op,
+               "t_wait": None, "future": False}
+        if where:
+            rec.update(t_launch=time.perf_counter(), storage=_storage(tensor),
+                       offset=tensor.storage_offset())
+        calls.append(rec)
+        if call.async_op:
+            call.args["tensor"] = tensor.detach().clone()
+        pending[call.index] = (rec, tensor, call.args["tensor"])
+
+    def after(call):
+        if call.index not in pending:
+            return None
+        rec, tensor, buf = pending.pop(call.index)
+        if not call.async_op:
+            rec["t_wait"] = time.perf_counter()
+            return None
+        tensor.detach().fill_(float("nan"))     # in flight: no defined value until wait()
+        return _Deferred(call.result, buf, tensor, rec, state)
+
+    return before, after
+
+
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -329,29 +364,7 @@ def _bucketed_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
     real = dist.all_reduce                  # the check's own all-reduces bypass the spy
     calls: list[dict] = []
     state = {"step": -1, "stale_waits": []}
-    pending = {}                            # a recorded call's index -> (its record, tensors)
-
-    def before(call):                       # the learner's all_reduce: note it; if async, run
-        if call.function != "all_reduce":   # the real one on a copy (see _Deferred)
-            return
-        tensor, asynchronous = call.args["tensor"], call.async_op
-        rec = {"step": state["step"], "numel": tensor.numel(), "async": asynchronous,
-               "t_launch": time.perf_counter(), "t_wait": None, "future": False,
-               "storage": _storage(tensor), "offset": tensor.storage_offset()}
-        calls.append(rec)
-        if asynchronous:
-            call.args["tensor"] = tensor.detach().clone()
-        pending[call.index] = (rec, tensor, call.args["tensor"])
-
-    def after(call):
-        if call.index not in pending:
-            return None
-        rec, tensor, buf = pending.pop(call.index)
-        if not call.async_op:
-            rec["t_wait"] = time.perf_counter()
-            return None
-        tensor.detach().fill_(float("nan"))     # in flight: no defined value until wait()
-        return _Deferred(call.result, buf, tensor, rec, state)
+    before, after = _deferring_spy(calls, state, where=True)
 
     steps = []
     with record_collectives(before=before, after=after):
@@ -600,28 +613,8 @@ def _unused_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
 
     dev = ddp.setup_rank()
     state = {"step": 0, "stale_waits": []}
-    calls, pending = [], {}
-
-    def before(call):                       # as in _bucketed_worker: the real all-reduce runs
-        if call.function != "all_reduce":   # on a copy, delivered on wait()
-            return
-        tensor = call.args["tensor"]
-        rec = {"step": state["step"], "numel": tensor.numel(), "async": call.async_op,
-               "t_wait": None, "future": False}
-        calls.append(rec)
-        if call.async_op:
-            call.args["tensor"] = tensor.detach().clone()
-        pending[call.index] = (rec, tensor, call.args["tensor"])
-
-    def after(call):
-        if call.index not in pending:
-            return None
-        rec, tensor, buf = pending.pop(call.index)
-        if not call.async_op:
-            rec["t_wait"] = time.perf_counter()
-            return None
-        tensor.detach().fill_(float("nan"))
-        return _Deferred(call.result, buf, tensor, rec, state)
+    calls = []
+    before, after = _deferring_spy(calls, state)
 
     out = {}
     with record_collectives(before=before, after=after):

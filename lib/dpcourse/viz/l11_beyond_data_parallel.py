@@ -23,7 +23,7 @@ _RANK_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b
 def memory_wall_figure(ns, state_gb, activation_gb, gpu_gb: float, title: str):
     """Side by side per N, on a linear axis: ZeRO-3's model state per GPU (falls as 1/N) and
     the activations of one sequence (flat), against the GPU's memory, each bar labelled with
-    its GB. Shown in lesson 11, §1."""
+    its GB. Drawn in lesson 11, §1."""
     fig = new_figure(6.8, 3.6)
     ax = fig.add_subplot(1, 1, 1)
     width = 0.38
@@ -49,7 +49,7 @@ def memory_wall_figure(ns, state_gb, activation_gb, gpu_gb: float, title: str):
 def noise_scale_figure(b_noise: float, per_rank: int, ranks):
     """Steps to a given loss, relative to the fewest possible, against the global batch B:
     S/S_min = 1 + B_noise/B (McCandlish et al. 2018), with the global batches of ``ranks``
-    data-parallel ranks of ``per_rank`` examples marked. Shown in lesson 11, §1."""
+    data-parallel ranks of ``per_rank`` examples marked. Drawn in lesson 11, §1."""
     import numpy as np
 
     fig = new_figure(6.8, 3.4)
@@ -84,7 +84,7 @@ def tp_shards_figure(d: int, h: int, world_size: int, answer: bool = False):
     columns, the second whole on every rank, added once after the all-reduce) and, below, one
     rank's forward (left to right) and backward (right to left) with every tensor marked R
     (replicated), S (this rank's slice) or P (partial: a term of a sum over the ranks), and
-    what f and g do on each pass. Shown in lesson 11, §2."""
+    what f and g do on each pass. Drawn in lesson 11, §2."""
     if not answer:
         fig = new_figure(8.0, 3.6)
         _draw_shards(fig.add_subplot(1, 1, 1), d, h, world_size, biases=False)
@@ -208,7 +208,7 @@ def pipeline_gantt_figure(measured, ideal, stages: int, m: int, measured_bubble:
                           ideal_bubble: float, schedule: str = "GPipe"):
     """Two Gantt charts of one pipeline step, one row per stage, F = forward, B = backward
     of micro-batch i (colour): on top as measured (milliseconds), below as played with fixed
-    times (forward 1, backward 2). Shown in lesson 11, §3."""
+    times (forward 1, backward 2). Drawn in lesson 11, §3."""
     fig = new_figure(8.0, 4.6)
     ax1 = fig.add_subplot(2, 1, 1)
     _gantt(ax1, [(s, k, i, a * 1e3, b * 1e3) for s, k, i, a, b in measured], stages,
@@ -225,7 +225,7 @@ def pipeline_gantt_figure(measured, ideal, stages: int, m: int, measured_bubble:
 def bubble_figure(stages: int = 4, micro_batches: int = 4, schedule: str = "gpipe"):
     """The ideal Gantt chart of one step for K stages and M micro-batches
     (``pipeline_parallel.simulate_timeline``), with the bubble (K−1)/(M+K−1) and the most
-    micro-batches a stage holds at once. Shown in lesson 11, §3."""
+    micro-batches a stage holds at once. Drawn in lesson 11, §3."""
     from dpcourse import pipeline_parallel as pp
 
     events = pp.simulate_timeline(stages, micro_batches, schedule)
@@ -263,7 +263,7 @@ def mesh_2d_figure(results, d: int, h: int):
     its forward and backward (its tensor-parallel slice, light) and the part FSDP2 keeps
     between steps (dark) — both placed from the run's own shapes and coordinates; between the
     panels, the group each collective runs in and the bytes it moved in the last step.
-    Shown in lesson 11, §4."""
+    Drawn in lesson 11, §4."""
     from matplotlib.patches import Rectangle
 
     fig = new_figure(8.0, 5.6)
@@ -316,7 +316,7 @@ def planner_figure(rows, labels, gpu_gb: float, cluster):
     name them), the memory per GPU it computed (model states, activations, ZeRO-3's gathered
     layers) beside the GPU's size, and its step estimate split into compute, the pipeline's
     fill and drain, and each dimension's transfers at its link's speed (the parts add up to
-    ``time_s``). Shown in lesson 11, §5."""
+    ``time_s``). Drawn in lesson 11, §5."""
     from ..planner import within_nodes
 
     fig = new_figure(8.4, 4.4)
