@@ -201,9 +201,15 @@ by_name, by_value = loads_in_fresh_process(pickle.dumps(hello)), \
 print("pickle:     ", by_name)
 print("cloudpickle:", by_value)
 claim("a fresh process cannot load a notebook function pickled by name, but loads it pickled "
-      "by value (cloudpickle, what spawn sends)",
+      "by value (cloudpickle)",
       "hello" in by_name and by_name != "ok" and by_value == "ok",
       by_name=by_name, by_value=by_value)
+import inspect
+
+claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwargs, backend) with "
+      "cloudpickle.dumps, and each rank's entry point loads them with cloudpickle.loads",
+      "cloudpickle.dumps((fn, args, kwargs, backend))" in inspect.getsource(launch.spawn)
+      and "cloudpickle.loads(payload)" in inspect.getsource(launch._worker_entry))
 
 # %% [markdown]
 # A group has one backend **per device type**, not necessarily one backend: torch's
@@ -412,9 +418,10 @@ viz.quiz([
 #   backend serving one device type in a group.
 # - `torch/multiprocessing/spawn.py` — `spawn`: its `fn` "must be defined at the top level of a
 #   module so it can be pickled and spawned", which a function in a notebook cell is not; hence
-#   `dpcourse.launch.spawn` ships it with cloudpickle (`lib/dpcourse/launch.py`: `cloudpickle.
-#   loads(payload)` in each rank; its processes start by `forkserver`; the claim above shows
-#   pickle by name failing where cloudpickle's by-value copy loads). `start_processes` also offers
+#   `dpcourse.launch.spawn` ships it with cloudpickle (`lib/dpcourse/launch.py`: `spawn`'s
+#   `cloudpickle.dumps`, `_worker_entry`'s `cloudpickle.loads(payload)` in each rank, both found
+#   by a claim above; its processes start by `forkserver`; the claim before them shows pickle by
+#   name failing where cloudpickle's by-value copy loads). `start_processes` also offers
 #   `start_method="fork"`, whose children inherit the parent's functions.
 # - `nvidia/nccl/lib/libnccl.so.2` (NCCL 2.30.7, the `nvidia-nccl-cu13` wheel torch depends on) —
 #   NCCL's refusal of two ranks on one GPU is a check inside the NCCL library, not in torch's

@@ -162,7 +162,7 @@ viz.show(viz.collectives_figure(before, after),
 # gradients by their average over all the ranks — the same numbers on every rank. That is the
 # whole idea of data parallelism; which of the collectives above produce that average, and
 # how, you will work out yourself in lab 03. `DistributedDataParallel` does it for you, hidden
-# in `backward()` (how its reducer orders the arithmetic comes after the lab).
+# in `backward()` (how DDP orders the arithmetic comes after the lab).
 #
 # The identity in one process, no ranks needed: the average of the gradients of two halves of
 # a batch, against the gradient of the whole batch, for the course's small CNN (no BatchNorm)
@@ -376,8 +376,9 @@ else:
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (25 MiB by default; the
 #    argument's name says MB, but DDP multiplies it by 1024 × 1024). As each gradient becomes
-#    ready, the reducer copies it into its bucket (with `gradient_as_bucket_view=True`, `p.grad`
-#    already is its view of the bucket). When every gradient in a bucket is there, the bucket
+#    ready, the reducer copies it into its bucket (with `gradient_as_bucket_view=True` the copy
+#    also makes `p.grad` a view of the bucket; when a later step can skip the copy, the folded
+#    cell below says). When every gradient in a bucket is there, the bucket
 #    goes to the wire in one collective call. The buckets are launched strictly in order:
 #    bucket 0, then 1, … on every rank.
 # 4. **Overlap.** Those calls start *while the backward is still computing* the gradients
@@ -561,15 +562,30 @@ print("iteration 1, first bucket: "
 # graph is computed. During the first iteration the reducer records the order in which the
 # gradients really became ready, and before the second forward it **rebuilds the buckets** in
 # that order, once and for all (`_pre_forward` calls the reducer's `_rebuild_buckets`).
-#
-# Read against the reducer, that guard has a gap (the comment has it too). A bucket holding
-# an unused parameter can only go out early if the reducer marks that parameter ready without
-# a gradient, and it does so only with `find_unused_parameters=True` (`Reducer::autograd_hook`
-# marks the parameters in `unused_parameters_`, which only that flag fills); without the flag
-# such a bucket never completes (lesson 10's bug 9). And `find_unused_parameters=True` without
-# `static_graph` is the one setting in which DDP buckets by size from the start — measured
-# below. So the one-bucket guard is off in the only setting where an early all-reduce happens.
-#
+# Two exceptions, in the limits DDP computes for iteration 0 (`ddp.initial_bucket_limits`
+# asks DDP's own `_BucketCapacityConfig`; `ddp.bucket_limits` gives the cap in bytes):
+# `find_unused_parameters=True` without `static_graph`, and explicit per-bucket limits
+# (`bucket_cap_mb_list`, a constructor argument), which bucket by size from the start whatever
+# the flags.
+
+# %%
+import sys
+
+viz.show_code(ddp.bucket_limits, ddp.initial_bucket_limits)
+one_bucket = [sys.maxsize]
+by_flags = {(static, unused): ddp.initial_bucket_limits(cap_mb, static_graph=static,
+                                                        find_unused_parameters=unused)
+            for static in (False, True) for unused in (False, True)}
+claim("iteration 0's limit is sys.maxsize (one bucket) for every flag setting but "
+      "find_unused_parameters=True without static_graph",
+      [flags for flags, limits in by_flags.items() if limits != one_bucket] == [(False, True)])
+claim(f"with bucket_cap_mb_list=[{cap_mb}], iteration 0 is bucketed by size under every flag "
+      "setting", all(ddp.initial_bucket_limits(None, [cap_mb], static_graph=static,
+                                                find_unused_parameters=unused)
+                     == [int(cap_mb * 2**20)] for static in (False, True)
+                     for unused in (False, True)))
+
+# %% [markdown]
 # `static_graph=True` is your promise that every iteration uses the same parameters in the same
 # way. It waits one iteration longer: in its first iteration the reducer only notes which
 # parameters received a gradient, and all-reduces everything at the end of the backward
@@ -620,6 +636,44 @@ claim("with find_unused_parameters=True the first iteration is already bucketed,
       len(unused_buckets[0]) > 1 and unused_buckets[0] == unused_buckets[1])
 
 # %% [markdown]
+# Read against the reducer, the one-bucket guard has a gap (the comment has it too). A bucket
+# holding an unused parameter can only go out early if the reducer marks that parameter ready
+# without its gradient; otherwise such a bucket never completes (lesson 10's bug 9).
+# `Reducer::autograd_hook` does mark, at the first gradient of a backward, every parameter in
+# its list `unused_parameters_`, and two settings fill that list: `find_unused_parameters=True`
+# (from the forward's outputs, every iteration) and `static_graph=True` (once, in its first
+# backward: every parameter whose gradient never came; the list is kept from then on). The
+# first buckets by size from iteration 0; the second marks from iteration 1, still in one
+# bucket, and from iteration 2 in the buckets of its rebuild. The same model with its unused
+# head, under `static_graph=True`:
+
+# %%
+static_unused = launch.spawn(bucket_worker, world_size, cap_mb, cnn_with_unused_head, False, 3,
+                             static_graph=True, backend="gloo", timeout=60)
+head = {"unused.weight", "unused.bias"}
+reduced_with_head = [[len(names) for names, *_ in seen["buckets"] if head <= set(names)]
+                     for seen in static_unused[0]]
+print(f"static_graph=True: buckets per iteration {[len(s['buckets']) for s in static_unused[0]]}"
+      f"; parameters in the bucket holding unused.*: {reduced_with_head}")
+claim("static_graph=True, unused head: no gradient of unused.* is ever computed, yet in every "
+      "iteration a bucket holding them is all-reduced — from iteration 1 on because the reducer "
+      "marked them ready (iteration 0 all-reduces everything at its end)",
+      not any(n in head for seen in static_unused[0] for n, _ in seen["grads"])
+      and all(len(r) == 1 for r in reduced_with_head))
+claim("static_graph=True, iteration 2: the buckets are by size while the marking goes on, "
+      "unused.* in the last bucket",
+      len(static_unused[0][2]["buckets"]) > 1
+      and head <= set(static_unused[0][2]["buckets"][-1][0]))
+
+# %% [markdown]
+# Here both ranks leave the same head unused and the rebuild appends the unused parameters
+# after the recorded order, so their bucket is the last one and goes out when the last gradient
+# arrives: nothing is early on one machine. The early all-reduce needs a parameter unused on
+# some ranks only: there a bucket holding it is complete sooner on those ranks (*read from
+# source*, not run here). So the one-bucket guard does not close the gap: in both settings that
+# mark unused parameters ready, the buckets are by size while the marking goes on.
+
+# %% [markdown]
 # ### The cap is not a ceiling
 # Look at the sizes printed for iterations 1 and 2: under a cap of 0.1 MiB (102.4 KiB; DDP
 # reads `bucket_cap_mb` as MiB, though its name says MB) the first rebuilt bucket holds
@@ -629,7 +683,7 @@ claim("with find_unused_parameters=True the first iteration is already bucketed,
 # when one closes, is lesson 07's section 3 and lab 07's part 1.
 
 # %%
-first_limit, limit = ddp.bucket_limits(cap_mb)   # DDP's own _BucketCapacityConfig
+first_limit, limit = ddp.bucket_limits(cap_mb)   # shown above: DDP's _BucketCapacityConfig
 claim(f"bucket_cap_mb={cap_mb} is in MiB: DDP's limit is int({cap_mb} * 1024 * 1024) = "
       f"{limit} bytes, for the first bucket too", first_limit == limit == int(cap_mb * 2**20))
 largest = max(nbytes for _, nbytes, *_ in second["buckets"])
@@ -854,10 +908,11 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 # - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
 #   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
 #   not known yet; with `static_graph=True` the first two iterations do), unless
-#   `find_unused_parameters=True` without `static_graph` — the one setting in which an
-#   all-reduce could go out early and meet another rank's other collective, so the guard is
-#   off where it would matter; afterwards the buckets follow the order the gradients arrived,
-#   rank 0's assignment on every rank, and they overlap the backward.
+#   `find_unused_parameters=True` without `static_graph`, or `bucket_cap_mb_list`; afterwards
+#   the buckets follow the order the gradients arrived, rank 0's assignment on every rank, and
+#   they overlap the backward. The one-bucket start guards against an all-reduce going out
+#   early, with a gap: `find_unused_parameters=True`, and `static_graph=True` from iteration 2,
+#   mark unused parameters ready without a gradient while the buckets are by size.
 # - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
 #   can end several times the cap (518 KiB under 0.1 MiB here); how DDP groups them is lesson
 #   07's.
@@ -902,8 +957,9 @@ viz.quiz([
                  "gloo cannot all-reduce several buckets at once"],
      "answer": 0,
      "why": ["Right: the initial size limit is sys.maxsize; the rebuild happens before the "
-             "second forward. (torch's reason, an all-reduce launched too early, can only "
-             "happen with find_unused_parameters=True, which buckets from the start.)",
+             "second forward. (torch's reason, an all-reduce launched too early, needs a "
+             "parameter marked ready without its gradient: find_unused_parameters=True, which "
+             "buckets from the start, or static_graph=True from its rebuilt buckets on.)",
              "This lesson's model was seven times the cap and still went in one bucket.",
              "From the second iteration on, gloo all-reduced several buckets."]},
     {"q": "After 10 steps, are DDP's weights bit-for-bit equal to one process on the global "
@@ -972,17 +1028,24 @@ viz.quiz([
 #   subset ranks", bucketing "could insert ALL-REDUCE comm op too early on the rank with unused
 #   parameter", matching another rank's other collective; so the first iteration is not
 #   bucketed. c10d's `reducer.cpp` (PyTorch repository, not installed) —
-#   `Reducer::autograd_hook`: unused parameters are marked ready (`mark_variable_ready`) only
-#   from `unused_parameters_`, which `Reducer::prepare_for_backward` fills from the forward's
-#   outputs, and `DistributedDataParallel._post_forward` passes them only when
-#   `find_unused_parameters and not static_graph` (`prepare_for_backward([])` otherwise).
+#   `Reducer::autograd_hook`: at the first hook of a backward it marks ready
+#   (`mark_variable_ready`) every parameter in `unused_parameters_`, which two functions fill:
+#   `Reducer::prepare_for_backward`, from the forward's outputs, which
+#   `DistributedDataParallel._post_forward` passes only when `find_unused_parameters and not
+#   static_graph` (`prepare_for_backward([])` otherwise; the list is cleared only when
+#   `dynamic_graph_find_unused()`), and `Reducer::delay_all_reduce`, a static graph's first
+#   backward, which records every parameter whose hook never fired; the callback queued by
+#   `Reducer::mark_variable_ready` appends them to the rebuilt order
+#   (`push_rebuilt_params`), which is why they end in the last bucket above.
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`: `bucket_cap_mb` is in
 #   MiB (`_MB_TO_BYTES = 1024 * 1024`), 25 MiB by default; the first bucket's limit is
 #   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when the cap is left at its default.
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.compute_bucket_size_limits`:
-#   the initial limit is `[sys.maxsize]` (one bucket) when `static_graph or not
-#   find_unused_parameters`, so size-bucketing from the start happens with
-#   `find_unused_parameters=True` only; `DistributedDataParallel._ddp_init_helper` passes it to
+#   "Case 1", a user's `bucket_cap_mb_list` (a `DistributedDataParallel.__init__` argument),
+#   gives its limits from iteration 0 whatever the flags; otherwise the initial limit is
+#   `[sys.maxsize]` (one bucket) when `static_graph or not find_unused_parameters`
+#   (`ddp.initial_bucket_limits` asks it, claimed above);
+#   `DistributedDataParallel._ddp_init_helper` passes it to
 #   `dist._compute_bucket_assignment_by_size` and hands the reversed buckets to `dist.Reducer`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._pre_forward`: calls
 #   `self.reducer._rebuild_buckets()` before the forward, then `_sync_buffers()` when

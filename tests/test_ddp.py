@@ -71,6 +71,21 @@ def test_bucket_limits_are_ddps_mib():
     assert ddp.bucket_limits(None) == (2**20, 25 * 2**20)      # default: 1 MiB first bucket
 
 
+def test_initial_bucket_limits_one_bucket_unless_find_unused_or_a_list():
+    import sys
+
+    one = [sys.maxsize]
+    assert ddp.initial_bucket_limits(0.1) == one                       # the default flags
+    assert ddp.initial_bucket_limits(0.1, static_graph=True) == one
+    assert ddp.initial_bucket_limits(0.1, static_graph=True, find_unused_parameters=True) == one
+    assert ddp.initial_bucket_limits(0.1, find_unused_parameters=True) == [104857]
+    assert ddp.initial_bucket_limits(None, find_unused_parameters=True) == [2**20, 25 * 2**20]
+    for static in (False, True):                  # an explicit list wins over every flag
+        for unused in (False, True):
+            assert ddp.initial_bucket_limits(None, [0.1], static_graph=static,
+                                             find_unused_parameters=unused) == [104857]
+
+
 def test_rank_zero_buffers_are_broadcast_before_every_forward():
     res = launch.spawn(ddp.buffer_sync_worker, 2, 2, backend="gloo", timeout=60,
                        show_output=False)

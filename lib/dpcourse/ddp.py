@@ -18,8 +18,9 @@ What lesson 03 proves with these workers:
   steps the weights are equal on every rank (:func:`manual_dp_worker` with many steps);
 * how DDP works: the rank-0 weights broadcast at construction, gradient buckets reduced by a
   comm hook during the backward (:func:`ddp_internals_worker`);
-* DDP's bucket cap in bytes, from its own ``_BucketCapacityConfig`` (:func:`bucket_limits`;
-  the buckets themselves are lesson 07's);
+* DDP's bucket cap in bytes and its first iteration's limits, from its own
+  ``_BucketCapacityConfig`` (:func:`bucket_limits`, :func:`initial_bucket_limits`; the buckets
+  themselves are lesson 07's);
 * DDP broadcasts rank 0's buffers (BatchNorm statistics) before every forward
   (:func:`buffer_sync_worker`);
 * DistributedSampler gives each rank a disjoint shard, and without ``set_epoch`` every epoch
@@ -60,6 +61,7 @@ __all__ = [
     "compare_three",
     "ddp_internals_worker",
     "bucket_limits",
+    "initial_bucket_limits",
     "BNNet",
     "buffer_sync_worker",
     "sampler_orders",
@@ -466,6 +468,25 @@ def bucket_limits(bucket_cap_mb: float | None) -> tuple[int, int]:
     cfg = _BucketCapacityConfig.create(bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=None,
                                        use_python_reducer=False)
     return cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap
+
+
+def initial_bucket_limits(bucket_cap_mb: float | None = None,
+                          bucket_cap_mb_list: list[float] | None = None, *,
+                          static_graph: bool = False,
+                          find_unused_parameters: bool = False) -> list[int]:
+    """The byte limits DDP builds its buckets of iteration 0 with, for these constructor
+    arguments: asks ``_BucketCapacityConfig.compute_bucket_size_limits``. ``[sys.maxsize]``
+    means one bucket for everything.
+
+    Shown in lesson 03, §"How DDP does it".
+    """
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+    cfg = _BucketCapacityConfig.create(bucket_cap_mb=bucket_cap_mb,
+                                       bucket_cap_mb_list=bucket_cap_mb_list,
+                                       use_python_reducer=False)
+    first_iteration, _ = cfg.compute_bucket_size_limits(static_graph, find_unused_parameters)
+    return first_iteration
 
 
 class BNNet(nn.Module):
