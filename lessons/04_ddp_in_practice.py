@@ -169,8 +169,13 @@ claim(f"{len(hook)} of the {len(added)} '+' lines are section 3's crash hook (--
 # <fingerprint>` (`dp.state_checksum`: a SHA-256 of every weight's bytes, which changes if a
 # single bit does). The two fingerprints below differ, because the two runs add the same numbers
 # in another order; the cell after prints the largest weight difference. Here both scripts' `main` runs in
-# ranks started by `launch.spawn`, which sets the same environment variables torchrun sets
-# (it starts faster: no agent, torch already imported); sections 2 and 3 run the script under
+# ranks started by `launch.spawn` (it starts faster: no agent, torch already imported), which
+# sets the six variables the script needs — `RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
+# `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` — and not the others torchrun's agent sets
+# (`TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_USE_AGENT_STORE`, `GROUP_RANK`, ...; torchrun also
+# sets `OMP_NUM_THREADS=1`): the script reads those two `TORCHELASTIC_` variables with a
+# fallback (attempt 0, and `init_process_group`'s own store instead of the agent's), which is
+# the path taken here (the claim after the run). Sections 2 and 3 run the script under
 # torchrun itself.
 
 
@@ -183,7 +188,14 @@ def run_main(rank, world_size, script, argv):
     import runpy
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything touches CUDA
+    seen = sorted(k for k in os.environ  # what launch.spawn set, before the script reads it
+                  if k in SPAWN_SETS or k.startswith("TORCHELASTIC_") or k == "GROUP_RANK")
     runpy.run_path(script)["main"](argv)
+    return seen
+
+
+SPAWN_SETS = ["LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK",
+              "WORLD_SIZE"]
 
 
 small = ["--model", "small_cnn", "--n-train", "256", "--epochs", "2", "--lr", "0.05"]
@@ -191,10 +203,14 @@ print("train_single.py, 1 process:")
 _ = launch.spawn(run_main, 1, str(train_single), small + [
     "--batch", str(per_rank_batch * world_size), "--out", str(work / "single.pt")], timeout=timeout)
 print(f"train_ddp.py, {world_size} ranks:")
-_ = launch.spawn(run_main, world_size, str(train_ddp), small + [
+env_seen = launch.spawn(run_main, world_size, str(train_ddp), small + [
     "--per-rank-batch", str(per_rank_batch), "--out", str(work / "ddp.pt")], timeout=timeout)
 
 # %%
+claim("launch.spawn gave every rank exactly the six variables RANK, LOCAL_RANK, WORLD_SIZE, "
+      "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and no TORCHELASTIC_* or GROUP_RANK: "
+      "train_ddp.py ran on its fallbacks", all(seen == SPAWN_SETS for seen in env_seen),
+      seen=env_seen[0])
 one, many = dp.load_checkpoint(work / "single.pt"), dp.load_checkpoint(work / "ddp.pt")
 gap = max(float((one["model"][k] - many["model"][k]).abs().max()) for k in one["model"])
 claim(f"{world_size} DDP ranks end with the weights of one process on the global batch "
@@ -600,8 +616,11 @@ viz.show_code(viz.sampler_slots)
 # same trap: `torch.distributed` has `ReduceOp.AVG`, but it averages the ranks' values, a mean
 # of means again.
 #
-# Why does `evaluate` get `raw_model` and not the DDP wrapper? The wrapper's forward broadcasts
-# rank 0's buffers (BatchNorm's running statistics: section 9 has the details) when its flag
+# Why does `evaluate` get `raw_model` and not the DDP wrapper? A module's **buffers** are the
+# tensors it keeps that are not parameters: they get no gradient, so no all-reduce keeps them
+# equal across ranks. BatchNorm's running mean and variance are the usual ones (section 9
+# follows them through training). The wrapper keeps them equal another way: its forward
+# broadcasts rank 0's buffers to the other ranks when its flag
 # `require_forward_param_sync` is on, and a `torch.no_grad()` forward turns it off for the next
 # one (`_post_forward`). So only the
 # *first* evaluation forward broadcasts: shards of different lengths do not hang, but a rank
@@ -770,7 +789,7 @@ claim("but not with the same momentum buffers: Join synchronises the module, not
 # rule** (Goyal et al., 2017, who trained ResNet-50 with batches up to 8192) says: when the
 # global batch is multiplied by k, multiply the learning rate by k — with a few epochs of
 # warm-up, because a large rate at the start diverges. It is an empirical rule for SGD with
-# momentum, and it breaks down past some batch size (lesson 09 measures where). With Adam,
+# momentum, and it breaks down past some batch size (the critical batch size, lesson 11). With Adam,
 # square-root scaling is the more common starting point.
 #
 # **What if the gradients are summed instead of averaged** (an all-reduce without the division
@@ -1005,7 +1024,8 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 # equal another way: with `forward_sync_buffers=True` (the default; the older name
 # `broadcast_buffers` is deprecated since torch 2.13), a forward first **broadcasts rank 0's
 # buffers** to all ranks (`DistributedDataParallel._sync_buffers`; inside §5's `Join`, the
-# highest rank still training instead) when its flag `require_forward_param_sync` is on. The
+# highest rank still training instead) when its flag `require_forward_param_sync` (section 4)
+# is on. The
 # flag starts on, so the first forward broadcasts; after that, each forward's `_post_forward` sets it for the
 # *next* forward:
 # on when this forward ran with gradients enabled and outside `no_sync`, off otherwise. So in
@@ -1465,8 +1485,7 @@ display(Code("\n".join(difflib.unified_diff(
 
 # %% [markdown]
 # **▶ Compare after your stretch passes** (click the folded cell below): `train_ddp.py`'s resume
-# and save, which section 3 ran. Its model has no dropout, so it saves no RNG state: not the
-# stretch's answer.
+# and save, which section 3 ran.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 script_lines = train_ddp.read_text().splitlines()
@@ -1546,12 +1565,14 @@ viz.quiz([
 # Checked in the installed packages (torch 2.14.1; paths relative to `site-packages`):
 #
 # - `torch/distributed/run.py` — torchrun: `--nproc-per-node`, `--nnodes`, `--rdzv-backend`,
-#   `--rdzv-endpoint`, `--max-restarts`; `torch/distributed/launch.py` — the deprecated launcher.
+#   `--rdzv-endpoint`, `--max-restarts`; `run` sets `OMP_NUM_THREADS=1` when it is unset and
+#   `--nproc-per-node` > 1; `torch/distributed/launch.py` — the deprecated launcher.
 # - `torch/distributed/elastic/agent/server/local_elastic_agent.py` —
 #   `LocalElasticAgent._start_workers`: the worker environment (`RANK`, `LOCAL_RANK`,
 #   `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`,
 #   `TORCHELASTIC_RESTART_COUNT` = `spec.max_restarts - self._remaining_restarts`, this
-#   agent's own count, `TORCHELASTIC_USE_AGENT_STORE`).
+#   agent's own count, `TORCHELASTIC_USE_AGENT_STORE`, and more that the script does not read:
+#   `GROUP_RANK`, `ROLE_RANK`, `TORCHELASTIC_RUN_ID`, `TORCHELASTIC_MAX_RESTARTS`, ...).
 # - `torch/distributed/elastic/agent/server/api.py` — `SimpleElasticAgent._rendezvous`: logs
 #   "Rendezvous complete for workers" with `restart_count`, `master_addr`, `master_port`,
 #   `group_rank`, and each worker's `local_ranks`, `global_ranks`, `global_world_sizes` (what
