@@ -160,9 +160,7 @@ claim("the module counted one BatchNorm update, not one per replica",
 # its replica's chunk, not of the whole batch — so the outputs themselves differ. The equality
 # proven below holds only for models whose layers treat every sample on its own (SmallCNN has no
 # BatchNorm; DDP in lesson 03 — one process per device, each called a *rank* — has the same
-# caveat, and by default broadcasts rank 0's buffers
-# before a forward when the forward before it ran with gradients enabled and outside `no_sync`,
-# whatever `train()` or `eval()` says — lesson 03 measures which forwards it skips):
+# caveat, and treats the buffers its own way, which lesson 03 measures):
 
 # %%
 twin_dp, twin_plain = copy.deepcopy(bn_net), copy.deepcopy(bn_net)
@@ -222,7 +220,8 @@ claim("every parameter of the original model received a gradient",
 # `nn.DataParallel`'s `forward` does. The picture of that step as our `dp` does it, one copy at a
 # time, drawn from this run's chunk sizes and parameter count (the real class moves the same
 # tensors with collectives — operations that all the devices join at once, such as one
-# broadcast — when NCCL is there: "Why it is slow" below):
+# broadcast — when NCCL, NVIDIA's library of collectives for its GPUs, is there: "Why it is
+# slow" below):
 
 # %%
 claim("dp.data_parallel(model, X, devs) equals the plain model (to 1e-5)",
@@ -238,7 +237,12 @@ viz.show(viz.dp_step_figure([c.shape[0] for c in chunks], K),
 # ran and for which device: a forward hook on each replica, a hook before and after every
 # autograd node of each replica's backward, the broadcast's backward node for the reduce onto
 # device 0, and a clock around each call device 0 makes alone. We run two steps and draw the
-# second (the first pays one-off costs):
+# second (the first pays one-off costs). One thing in it belongs to the CPU, not to
+# DataParallel: autograd's engine starts a worker thread, with a queue of its own, for each GPU
+# (`start_device_threads`, `device_ready_queues_`), and runs CPU work in the thread that called
+# `backward()`. On GPUs each replica's part of the backward runs on its own device's thread,
+# so those parts can overlap; here every "device" is the CPU, so they take turns in one thread.
+# This run can show only the CPU case:
 
 # %%
 clock_model = copy.deepcopy(model)
@@ -256,8 +260,8 @@ claim(f"devices 1-{n_devices - 1} ran their forward and their part of the backwa
 claim("while device 0 worked alone, no other device had anything to do: none of their spans "
       "overlaps one of device 0's pieces",
       not any(a[2] < b[3] and b[2] < a[3] for a in spans if a[0] > 0 for b in solo))
-claim(f"the {n_devices} forwards ran in {n_devices} threads, the backward in one: its "
-      "replicas took turns, no two devices' backward spans overlap",
+claim(f"the {n_devices} forwards ran in {n_devices} threads, the backward, all on the CPU, in "
+      "one: its replicas took turns, no two devices' backward spans overlap",
       step["threads"] == {"forward": n_devices, "backward": 1}
       and not any(a[0] != b[0] and a[2] < b[3] and b[2] < a[3]
                   for a in backward for b in backward), threads=step["threads"])
@@ -265,7 +269,8 @@ viz.show(viz.dp_timeline_figure(step),
          "one recorded step: the other devices wait (grey) while device 0 alone scatters and "
          "replicates, and again while it gathers, computes the loss, reduces the gradients and "
          "steps; the forwards run in threads side by side, but on this one CPU the backward's "
-         "nodes take turns in one thread, so each lane is mostly grey there. Right: each of "
+         "nodes take turns in one thread (on GPUs each device's would have a thread of its "
+         "own), so each lane is mostly grey there. Right: each of "
          "device 0's solo pieces, the time every other device waited.")
 
 # %%
@@ -293,8 +298,8 @@ viz.show_code(viz.record_dp_step)
 # `comm.broadcast_coalesced` (small tensors packed into 10 MiB buffers, handed to the C++
 # `torch._C._broadcast_coalesced`, which in PyTorch's C++ source, `torch/csrc/cuda/comm.cpp`,
 # broadcasts with NCCL when it can), and the backward of that broadcast brings the gradients
-# to device 0 with **an NCCL collective** when NCCL is available (NVIDIA's collective library,
-# which pipelines the bytes over the links between GPUs), and only otherwise copies every GPU's
+# to device 0 with **an NCCL collective** when NCCL is available (NCCL pipelines the bytes
+# over the links between GPUs), and only otherwise copies every GPU's
 # gradient to device 0 (the functions are named in the folded Sources at the end). With **one** GPU it moves the input to `cuda:0` and calls the module. With **no**
 # GPU it has no `device_ids` and *silently calls the module*: no error, no warning, no
 # parallelism. `dp.real_data_parallel` wraps a copy of our model, counts how often the wrapper
@@ -473,20 +478,23 @@ print("On this run: " + "; ".join(
 # %% [markdown]
 # **One process, one GIL.** The replicas run in threads of one Python process. Torch kernels
 # release the GIL, but all the Python around them (module calls, hooks, the autograd glue) takes
-# turns. Pure Python work shows it plainly: two units of it, run in two threads, take no less
-# time than running them one after the other, however many cores you have — often more, since
-# handing the lock from thread to thread costs time too. The demo below times both ways and
-# measures the CPU time the process burns per second of the threaded run (two truly parallel
-# threads would burn two):
+# turns. Pure Python work is where it shows: under the GIL, two units of it run in two threads
+# cannot take less time than one after the other, however many cores there are (handing the
+# lock from thread to thread can make them take more). The demo below times both ways and
+# measures the CPU time the process burns per second of the threaded run: two truly parallel
+# threads would burn two, threads that take turns at most about one. A busy machine lowers
+# both numbers whatever the GIL does, so the run's own verdict, printed last, says what this
+# run could tell:
 
 # %%
 viz.show_code(dp.python_work, dp.gil_threads_demo)
 
 # %% [markdown]
 # The wall-clock ratio is at the mercy of whatever else the machine is doing, and so is the CPU
-# time per wall second (a busy machine lowers it with or without a GIL), so this run's numbers
-# are printed and the verdict is computed from them, not asserted: under the GIL the process
-# burns at most about one core's worth.
+# time per wall second, so this run's numbers are printed and the verdict is computed from
+# them, not asserted. If it says the machine was busy, the run could not separate the GIL's
+# turns from the load's: the source of `python_work` above is what holds the GIL (pure Python,
+# no torch kernel to release it), and rerunning the cell on a quiet machine is the test.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -537,7 +545,7 @@ print(f"On this run: {verdict}.")
 # above), whose gradients no autograd link brings back: getting them onto the original is up to
 # you, under the contract of `loss.backward()`. You also decide how `scatter` sizes its chunks,
 # and make predictions (what your decision does, one copy's share of the gradient, what a deep
-# copy carries, what a buffer other than BatchNorm's ends with) before they are measured. Its stretch asks for the threads of `parallel_apply`.
+# copy carries, what of a replica survives the forward) before they are measured. Its stretch asks for the threads of `parallel_apply`.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below): the
@@ -654,9 +662,10 @@ viz.quiz([
     {"q": "In this lesson's DataParallel, which copies one device at a time (a naive parameter "
           "server), with 8 devices and a model of K parameters, how many numbers cross device "
           "0's link per step?",
-     "options": ["2K", "14K", "8K"],
+     "options": ["3.5K", "14K", "8K"],
      "answer": 1,
-     "why": ["That is (about) what one rank sends in a ring all-reduce, not DataParallel.",
+     "why": ["That is what one rank of a ring all-reduce sends plus receives, 4(N−1)K/N at "
+             "N = 8, counted the same way: not device 0 of this DataParallel.",
              "Right: 2(N−1)K = 14K — K out to each of 7 copies, K gradients back from each.",
              "Close, but the weights go out to 7 copies AND 7 gradients come back."]},
     {"q": "On a laptop with no GPU, what does nn.DataParallel(model)(X) do?",
@@ -701,6 +710,10 @@ viz.quiz([
 #   sources name the collective the backward then runs).
 # - `torch/nn/modules/batchnorm.py` — `_BatchNorm.forward`: in training mode the running mean
 #   and variance (buffers) are updated in place and `num_batches_tracked` is incremented.
+# - `torch/include/torch/csrc/autograd/engine.h` — `Engine::start_device_threads` ("start
+#   device threads (CUDA, XLA, etc.) in Engine, note that it does NOT start CPU thread") and
+#   `device_ready_queues_`: a worker thread and a ready queue per device, CPU work in the
+#   calling thread (why the recorded backward takes turns on the CPU).
 # - `torch/autograd/graph.py` — `Node.register_prehook` and `Node.register_hook`: called before
 #   and after an autograd node runs in the backward (how `viz.record_dp_step` times each
 #   replica's backward, node by node); `torch/nn/modules/module.py` —

@@ -14,18 +14,18 @@
 # 2. `gather(outputs) -> tensor`: the devices' outputs as one batch, in device order.
 # 3. A prediction about one copy's gradient, then its measurement.
 # 4. `dp_forward_backward(model, X, y, n_devices) -> float`: one DataParallel step's forward
-#    and backward. Each chunk runs on a model of its own: a plain copy of `model`, except that
-#    chunk 0 may run on `model` itself — `nn.DataParallel`'s replica 0 is a module object of its
-#    own but works on the module's own tensors (lesson 02 §2), so either way is accepted. The
-#    models run in threads through `dp.parallel_apply`, as the real class runs them. It returns
-#    the mean cross-entropy over the whole batch, as a float. Afterwards `model` — its weights, its
-#    gradients, its buffers — is what it would be after the forward and `backward()` of
-#    `nn.DataParallel(model)` on `n_devices` devices, whatever state it arrived in.
+#    and backward. Every chunk, chunk 0 included, runs on a plain copy of `model` of its own;
+#    `model` itself runs no forward. The copies run at the same time, one thread each, through
+#    `dp.parallel_apply`, as the real class runs them; the chunks come from your `scatter` and
+#    the outputs go through your `gather`. It returns the mean cross-entropy over the whole
+#    batch, as a float. Afterwards `model` — its weights, its gradients, its buffers — is what it
+#    would be after the forward and `backward()` of `nn.DataParallel(model)` on `n_devices`
+#    devices, whatever state it arrived in.
 #
 # Each part has a check cell that names your mistake, if there is one, and hints behind clicks.
 # The checks compare with the library's `dpcourse.dp`, whose `scatter`, `gather`, `replicate`
-# and `parallel_apply` your answers may not hand their work to (part 4 may run its copies with
-# `dp.parallel_apply`; the stretch then replaces it with yours).
+# and `parallel_apply` your answers may not hand their work to: the checks refuse them, with
+# one exception, `dp.parallel_apply` in part 4 (the stretch then replaces it with yours).
 
 # %%
 import copy
@@ -168,11 +168,29 @@ guess = predict("lab02", "the 1-sample copy's fraction of the whole batch's grad
 lab02.check_prediction(guess)
 
 # %% [markdown]
+# **One more prediction before you write the step.** Take a model whose parameters hold
+# gradients (a backward ran) and whose BatchNorm layer holds running statistics (a
+# training-mode forward ran). Which of the two does `copy.deepcopy` of it carry into the copy?
+# Choose one of `lab02.COPY_CARRIES`: `"both"`, `"gradients only"`, `"running statistics
+# only"`, `"neither"`.
+
+# %%
+### BEGIN SOLUTION: your answer (one of lab02.COPY_CARRIES)
+my_copy_guess = "running statistics only"
+### END SOLUTION
+copy_guess = predict("lab02", "what a deep copy of a model carries", my_copy_guess,
+                     choices=lab02.COPY_CARRIES)
+lab02.check_copy_prediction(copy_guess)
+
+# %% [markdown]
 # ## 4. `dp_forward_backward`
 #
-# The step, with the contract at the top of the lab: every chunk through a model of its own,
-# and afterwards `model` as `nn.DataParallel`'s forward and backward would leave it, whatever
-# state it arrived in. The check hands your function models in more than one state, batches
+# The step, with the contract at the top of the lab: every chunk through a plain copy of its
+# own (chunk 0's too: `model` itself runs no forward), the copies in threads, and afterwards
+# `model` as `nn.DataParallel`'s forward and backward would leave it, whatever state it arrived
+# in. Nothing ties a plain copy to `model`: what the real class gets by sharing the module's
+# tensors with replica 0 and by the broadcast's backward, your code does after the backward.
+# The check hands your function models in more than one state, batches
 # that do and do not divide by the number of devices, a training-mode model with BatchNorm
 # (whose outputs then differ from the plain model's: for that one it looks at the buffers
 # only), and `lab02.SampleCounter`, a model with a buffer of its own. Every parameter of the
@@ -233,36 +251,23 @@ def dp_forward_backward(model, X, y, n_devices):
 lab02.check_dp_forward_backward(dp_forward_backward)
 
 # %% [markdown]
-# ### What your step did
+# ### What survives a replica
 #
-# Explain two things your step met, each with a choice or a number; the cell after each
-# measures it. First: the check handed your step models whose parameters held gradients. Take
-# a model whose parameters hold gradients and whose BatchNorm layer holds running statistics
-# (a training-mode forward and a backward ran). Which of the two does `copy.deepcopy` of it
-# carry into the copy? Choose one of `lab02.COPY_CARRIES`: `"both"`, `"gradients only"`,
-# `"running statistics only"`, `"neither"`.
+# `lab02.SampleCounter` is a linear classifier with two counters, both bumped by each
+# training-mode forward: `seen`, a buffer (`self.seen += x.shape[0]`), and `calls`, a plain
+# Python int attribute (`self.calls += 1`). Its `calls` holds 5. After one forward of the real
+# `nn.DataParallel` on 4 GPUs with 10 samples, what does the module's `calls` hold? (Your step
+# uses deep copies; the real class builds its replicas otherwise, and lesson 02's paragraph
+# "Replicate every step" names how.) Write a number; the next cell runs torch's own
+# replica-building function and says why.
 
 # %%
-### BEGIN SOLUTION: your answer (one of lab02.COPY_CARRIES)
-my_copy_guess = "running statistics only"
+### BEGIN SOLUTION: your answer (a count of forwards)
+my_calls_guess = 5
 ### END SOLUTION
-copy_guess = predict("lab02", "what a deep copy of a model carries", my_copy_guess,
-                     choices=lab02.COPY_CARRIES)
-lab02.check_copy_prediction(copy_guess)
-
-# %% [markdown]
-# Second: `lab02.SampleCounter` is a linear classifier whose training-mode forward runs
-# `self.seen += x.shape[0]` on its buffer `seen`. It holds `seen = 7`; after one forward of
-# `nn.DataParallel` — and so of your step — on 10 samples over 4 devices, what does the
-# module's `seen` hold?
-
-# %%
-### BEGIN SOLUTION: your answer (a count of samples)
-my_count_guess = 10
-### END SOLUTION
-count_guess = predict("lab02", "the counter's seen after one DataParallel forward, 10 on 4, from 7",
-                      my_count_guess, unit="samples")
-lab02.check_count_prediction(count_guess)
+calls_guess = predict("lab02", "the module's calls after one DataParallel forward, 4 GPUs, from 5",
+                      my_calls_guess, unit="forwards")
+lab02.check_calls_prediction(calls_guess)
 
 # %% [markdown]
 # ## Use it

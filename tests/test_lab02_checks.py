@@ -249,7 +249,7 @@ def test_unknown_dp_gradient_mistake_gets_no_fix_it_cannot_support():
 
 
 def sequential_copies_accumulating(model, X, y, n):
-    # right: no threads (the copies run one after another) and gradients added in a loop
+    # wrong: right numbers, but no threads (the copies run one after another in a loop)
     chunks = torch.tensor_split(X, n)
     reps = [copy.deepcopy(model) for _ in chunks]
     loss = F.cross_entropy(torch.concat([r(c) for r, c in zip(reps, chunks)]), y)
@@ -263,8 +263,9 @@ def sequential_copies_accumulating(model, X, y, n):
 
 
 def original_as_replica_zero(model, X, y, n):
-    # right: device 0 uses the original model, the others copies; p.grad then already holds
-    # replica 0's share and the copies' are added to it
+    # wrong: device 0 uses the original model, the others copies; p.grad then already holds
+    # replica 0's share and the copies' are added to it, and the buffers need no bringing back:
+    # the two things the part asks for, skipped
     chunks = list(torch.chunk(X, n))
     reps = [model] + [copy.deepcopy(model) for _ in chunks[1:]]
     outs = dp.parallel_apply(reps, chunks)
@@ -298,9 +299,38 @@ def test_dp_steps_on_the_library_replicas_are_refused(step):
         lab02.check_dp_forward_backward(step)
 
 
-@pytest.mark.parametrize("step", [
-    make_step(), sequential_copies_accumulating, original_as_replica_zero,
-], ids=["reference", "sequential-accumulating", "original-as-replica-0"])
+def with_course_scatter_and_gather(model, X, y, n):
+    # wrong: plain copies, but the library's scatter and gather instead of the learner's
+    devs = dp.devices_for(n, "cpu")
+    chunks = dp.scatter(X, devs)
+    reps = [copy.deepcopy(model) for _ in chunks]
+    loss = F.cross_entropy(dp.gather(dp.parallel_apply(reps, chunks)), y)
+    loss.backward()
+    for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
+        s = sum(c.grad for c in cs)
+        p.grad = s if p.grad is None else p.grad + s
+    _bring_back_buffers(model, reps)
+    return loss.item()
+
+
+@pytest.mark.parametrize("step, cause, fix", [
+    (sequential_copies_accumulating, "ran one after another in your function's own thread",
+     "dp.parallel_apply"),
+    (original_as_replica_zero, "`model` itself ran a forward (on 4 sample(s))",
+     "run chunk 0 on a deep copy too"),
+    (with_course_scatter_and_gather, "called the library's dpcourse.dp.scatter: the lab asks "
+     "for your own scatter and gather", "do in your own code what dp.scatter did"),
+], ids=["sequential-loop", "original-as-replica-0", "library-scatter-gather"])
+def test_dp_steps_that_break_the_parts_contract_are_refused(step, cause, fix):
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_forward_backward(step)
+    assert cause in str(err.value) and fix not in str(err.value), str(err.value)
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_forward_backward(step)
+    assert fix in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("step", [make_step()], ids=["reference"])
 def test_right_dp_steps_pass(step, capsys):
     lab02.check_dp_forward_backward(step)
     assert capsys.readouterr().out.count("✔") == 1
@@ -361,6 +391,15 @@ def _threads(order="index", join="after", grad="caller", errors="raise", n_threa
         if n_threads == 1:
             for i in range(len(replicas)):
                 work(i)
+        elif join == "raise early":  # joins in order, raises at the first failed replica
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+            for t in threads:
+                t.start()
+            for i, t in enumerate(threads):
+                t.join()
+                failed = [e for j, e in errs if j == i]
+                if failed:
+                    raise failed[0]
         else:
             threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
             for t in threads:
@@ -437,6 +476,7 @@ def test_right_threaded_apply_passes(fn, capsys):
     (_threads(errors="last"), "replica 2's error, the last to fail"),
     (pool_of_two, "ran in 2 thread(s)"),
     (_threads(catch=Exception), "`except Exception` let it end replica 1's thread"),
+    (_threads(join="raise early"), "while replica 1's thread was still running"),
 ])
 def test_threaded_apply_mistakes_are_named(fn, phrase):
     with pytest.raises(LabCheckError) as err:
@@ -569,7 +609,7 @@ def step_with_autograd_grad(model, X, y, n):
     # added in place where a gradient is held
     chunks = balanced(X, n)
     reps = [copy.deepcopy(model) for _ in chunks]
-    loss = F.cross_entropy(torch.cat([r(c) for r, c in zip(reps, chunks)]), y)
+    loss = F.cross_entropy(torch.cat(dp.parallel_apply(reps, chunks)), y)
     per_copy = torch.autograd.grad(loss, [q for r in reps for q in r.parameters()])
     k = len(list(model.parameters()))
     for j, p in enumerate(model.parameters()):
@@ -713,21 +753,27 @@ def test_buffer_that_is_not_batchnorms_is_checked(fn, phrase):
 
 
 def test_sample_counter_under_dataparallel_keeps_chunk_0():
-    # the fact the count prediction is built on: replica 0 shares the module's buffers
+    # the fact part 4's counter case is built on: replica 0 shares the module's buffers
     assert lab02.counted_after_dp() == (10, [3, 3, 3, 1])
 
 
-@pytest.mark.parametrize("value, verdict", [(10, "right"), (17, "not what happened"),
-                                            (8, "not what happened"),
-                                            (7, "not what happened")])
-def test_count_prediction_is_measured_and_explained(value, verdict, capsys):
+def test_a_python_attribute_is_lost_on_every_replica_under_torchs_replicate():
+    # the fact the calls prediction is built on, with torch's own replica builder: each replica
+    # counted its forward in its own __dict__, and the module kept its 5
+    assert lab02.calls_after_dp() == (5, [6, 6, 6, 6])
+
+
+@pytest.mark.parametrize("value, verdict", [(5, "right"), (6, "not what happened"),
+                                            (9, "not what happened")])
+def test_calls_prediction_is_measured_and_explained(value, verdict, capsys):
     from dpcourse.checks import predict
 
-    guess = predict("lab02", "the counter's seen after one DataParallel forward, 10 on 4, "
-                    "from 7", value, unit="samples")
-    lab02.check_count_prediction(guess)
+    guess = predict("lab02", "the module's calls after one DataParallel forward, 4 GPUs, from 5",
+                    value, unit="forwards")
+    lab02.check_calls_prediction(guess)
     out = " ".join(capsys.readouterr().out.split())
-    assert f"— {verdict}." in out and "7 + 3 = 10" in out and "not 17" in out, out
+    assert f"— {verdict}." in out, out
+    assert "`replica.__dict__ = self.__dict__.copy()`" in out and "not 6 (replica 0's)" in out, out
 
 
 def test_buffer_mistake_met_twice_says_what_to_change():

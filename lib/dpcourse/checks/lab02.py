@@ -23,7 +23,8 @@ from .lab01 import is_library_function, library_calls
 __all__ = ["check_scatter", "check_gather", "check_dp_forward_backward",
            "check_threaded_apply", "check_prediction", "copy_share", "CHUNK_SIZES",
            "idle_devices", "idle_batch_sizes", "check_idle_prediction", "COPY_CARRIES", "deepcopy_carries",
-           "check_copy_prediction", "SampleCounter", "counted_after_dp", "check_count_prediction"]
+           "check_copy_prediction", "SampleCounter", "counted_after_dp", "CALLS_CASE",
+           "calls_after_dp", "check_calls_prediction"]
 
 # The two answers to lab02's design decision: how scatter sizes the chunks when N does not
 # divide B. "like DataParallel": ceil(B/N) per device until the batch runs out (torch.chunk's
@@ -219,20 +220,23 @@ def _close(a: list, b: list, rtol=1e-4, atol=1e-6) -> bool:
                and torch.allclose(x, y, rtol=rtol, atol=atol) for x, y in zip(a, b))
 
 
-def _forward_spy(model) -> list:
-    """Record (module id, batch size) at every forward of ``model`` and of its deep copies.
+def _forward_spy(model) -> tuple[list, list]:
+    """Record (module id, batch size), and the thread it ran in, at every forward of ``model``
+    and of its deep copies.
 
     A plain function (not a bound method) as the hook: ``copy.deepcopy`` copies a module's hook
-    table but keeps functions as they are, so every replica reports into this one list.
+    table but keeps functions as they are, so every replica reports into these lists.
     """
     calls: list = []
+    threads: list = []
 
     def hook(module, args):
         x = args[0] if args else None
         calls.append((id(module), x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else None))
+        threads.append(threading.get_ident())
 
     model.register_forward_pre_hook(hook)
-    return calls
+    return calls, threads
 
 
 @recorded
@@ -247,7 +251,9 @@ def check_dp_forward_backward(dp_forward_backward) -> None:
     devices), the last two on a model that already holds gradients, so an answer tied to one
     device count, to equal chunks, to one copy per device, or that overwrites ``p.grad``
     fails. Copies made by the library's ``dp.replicate`` (or ``dp.data_parallel``) are
-    refused: the lab asks for plain copies. Every parameter of these models takes part in the
+    refused: the lab asks for plain copies, one for every chunk, so a forward of ``model``
+    itself is refused too; so are the library's ``dp.scatter`` and ``dp.gather``, and copies
+    that all ran in one thread (a loop, not DataParallel's threads). Every parameter of these models takes part in the
     loss: a parameter that gets no gradient is outside the lab's contract (it says so).
     """
     __tracebackhide__ = True
@@ -351,16 +357,19 @@ def _check_dp_buffers(dp_forward_backward) -> None:
 
 class SampleCounter(torch.nn.Module):
     """A linear classifier that counts, in a buffer, the samples its training-mode forwards
-    have seen (``seen``): a buffer that is not BatchNorm's, updated in place by the forward."""
+    have seen (``seen``: a buffer that is not BatchNorm's, updated in place by the forward),
+    and in a plain Python int attribute, the forwards that ran (``calls``)."""
 
-    def __init__(self, features: int = 12, classes: int = 10, seen: int = 0):
+    def __init__(self, features: int = 12, classes: int = 10, seen: int = 0, calls: int = 0):
         super().__init__()
         self.linear = torch.nn.Linear(features, classes)
         self.register_buffer("seen", torch.tensor(seen))
+        self.calls = calls
 
     def forward(self, x):
         if self.training:
             self.seen += x.shape[0]
+            self.calls += 1
         return self.linear(x.flatten(1))
 
 
@@ -380,22 +389,44 @@ def counted_after_dp(batch: int = COUNT_CASE[0], n: int = COUNT_CASE[1],
     return int(model.seen), [c.shape[0] for c in reference.scatter(X, devs)]
 
 
-def check_count_prediction(guess) -> None:
-    """Compare the learner's predicted count with :func:`counted_after_dp`; say why. Never
+CALLS_CASE = (10, 4, 5)  # 10 samples on 4 devices, `calls` holding 5
+
+
+def calls_after_dp(batch: int = CALLS_CASE[0], n: int = CALLS_CASE[1],
+                   start: int = CALLS_CASE[2]) -> tuple[int, list[int]]:
+    """A :class:`SampleCounter` whose ``calls`` holds ``start``; one replica per chunk made by
+    torch's own ``Module._replicate_for_data_parallel`` (how ``torch.nn.parallel.replicate``
+    builds every replica, replica 0's included: a new module whose ``__dict__`` is a shallow
+    copy of the module's), each run in its thread on its chunk: (the module's ``calls``
+    afterwards, the replicas' ``calls``). The replicas' children are the module's own here
+    (no GPU to broadcast to); ``calls`` lives on the top module, which is what is measured."""
+    torch.manual_seed(0)
+    model = SampleCounter(calls=start)
+    chunks = list(torch.chunk(torch.randn(batch, 3, 2, 2), n))
+    replicas = [model._replicate_for_data_parallel() for _ in chunks]
+    reference.parallel_apply(replicas, chunks)
+    return model.calls, [r.calls for r in replicas]
+
+
+def check_calls_prediction(guess) -> None:
+    """Compare the learner's predicted ``calls`` with :func:`calls_after_dp`; say why. Never
     raises for a wrong prediction."""
     __tracebackhide__ = True
     from . import reveal
 
-    batch, n, start = COUNT_CASE
-    measured, sizes = counted_after_dp()
+    batch, n, start = CALLS_CASE
+    measured, on_replicas = calls_after_dp()
     reveal(guess, measured, close=guess.value == measured, explanation=(
-        f"Each replica's forward ran `seen += len(x)` on its own chunk {sizes}. Replica 0's "
-        f"buffer is the module's own tensor, so its {sizes[0]} reached the module: {start} + "
-        f"{sizes[0]} = {start + sizes[0]}. The other replicas added to copies that were dropped "
-        f"with them: not {start + batch} (the whole batch; no module saw it), not {start + 1} "
-        f"(one update counted, as BatchNorm's num_batches_tracked is, but this buffer counts "
-        f"samples), not {start} (replica 0 is not a copy). Whatever a forward writes into a "
-        f"buffer, the module keeps device 0's chunk's writing."))
+        f"torch's replicate builds each replica with Module._replicate_for_data_parallel "
+        f"(torch/nn/modules/module.py): `replica.__dict__ = self.__dict__.copy()`, a dict of "
+        f"its own. `self.calls += 1` cannot change an int in place: it reads {start} and binds "
+        f"{start + 1} in the replica's own dict (the replicas ended holding {on_replicas}). "
+        f"Replica 0 shares the module's tensors, so a buffer's in-place `+=` reaches the "
+        f"module (`seen` does), but not the module's __dict__: every replica's count was "
+        f"dropped with the replica, and the module still holds {start}, not {start + 1} "
+        f"(replica 0's) nor {start + n} (one per replica). State that must outlive a "
+        f"DataParallel forward has to live in a buffer, and even then only device 0's chunk's "
+        f"update stays."))
 
 
 def _check_dp_counter(dp_forward_backward) -> None:
@@ -433,6 +464,10 @@ _PLAIN = ("the lab asks for plain copies (copy.deepcopy), whose gradients no aut
           "brings back — getting them onto the model is the part to write.")
 
 
+_YOURS = ("the lab asks for your own scatter and gather in the step (the check holds the "
+          "step to the chunks your scatter makes, and dp's would hide a mistake in yours).")
+
+
 def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
     __tracebackhide__ = True
     from ..models import SmallCNN
@@ -458,9 +493,10 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
     learner = copy.deepcopy(model)  # (deepcopy leaves p.grad behind: hand it over)
     for p, b in zip(learner.parameters(), before):
         p.grad = None if b is None else b.clone()
-    calls = _forward_spy(learner)
+    calls, threads = _forward_spy(learner)
     try:
-        with library_calls(reference.replicate, reference.data_parallel) as called:
+        with library_calls(reference.replicate, reference.data_parallel, reference.scatter,
+                           reference.gather) as called:
             loss = dp_forward_backward(learner, X.clone(), y.clone(), n)
     except NotImplementedError:
         raise
@@ -480,7 +516,9 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
                  f"copies and the chunks were not paired one to one.",
                  fix="make one copy per chunk, not one per device.")
         fail(f"dp_forward_backward raised {type(exc).__name__}: {exc}")
-    _not_yours("dp_forward_backward", called, _PLAIN)
+    _not_yours("dp_forward_backward", [c for c in called if c in ("replicate", "data_parallel")],
+               _PLAIN)
+    _not_yours("dp_forward_backward", called, _YOURS)
 
     # Did it do data parallelism at all: one forward per chunk, on different copies, on chunks?
     seen = [b for _, b in calls]
@@ -495,6 +533,24 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
         fail(f"the {len(calls)} chunks ran through {len({m for m, _ in calls})} model object(s), "
              f"but each device holds its own replica, which is what DataParallel is.",
              fix="make one copy per chunk (copy.deepcopy) and run copy i on chunk i.")
+    own = [b for m, b in calls if m == id(learner)]
+    if own:
+        fail(f"`model` itself ran a forward (on {own[0]} sample(s)) besides its copies: the "
+             f"contract gives every chunk, chunk 0 included, a plain copy, so that what "
+             f"nn.DataParallel's replica 0 gets by sharing the module's tensors (its buffer "
+             f"updates kept, its gradient added to what p.grad held) is left for your code to "
+             f"do.",
+             fix="run chunk 0 on a deep copy too, then bring onto `model` what that copy's "
+                 "forward and backward left.")
+    if len(calls) > 1 and len(set(threads)) == 1:
+        where = "your function's own thread" if threads[0] == threading.get_ident() else \
+            "one thread"
+        fail(f"the {len(calls)} copies ran one after another in {where} (the check saw every "
+             f"forward there), so no replica ran beside another: that is a loop over the "
+             f"chunks, not DataParallel's step, whose replicas run at the same time, one thread "
+             f"each.",
+             fix="hand the copies and the chunks to dp.parallel_apply (or to your "
+                 "threaded_apply), which runs one thread per copy.")
 
     got = _grads(learner)
     if all(g is None for g in got):
@@ -710,10 +766,11 @@ def check_threaded_apply(threaded_apply) -> None:
              "nothing happened: an exception ends its thread, not the caller.",
              fix="keep the exception and raise it in the caller after join.")
     _check_several_errors(threaded_apply)
+    _check_no_thread_left(threaded_apply)
     _check_system_exit(threaded_apply)
     passed(f"threaded_apply ran {n} replicas at the same time in {n} threads, kept their order, "
-           f"the caller's grad mode, and their errors (the lowest replica's first, a SystemExit "
-           f"included)")
+           f"the caller's grad mode, and their errors (raised once every thread had ended, the "
+           f"lowest replica's first, a SystemExit included)")
 
 
 def _said(exc: BaseException) -> str:
@@ -755,6 +812,31 @@ def _check_system_exit(threaded_apply) -> None:
          f"results up in a dict, so its caller gets a KeyError there rather than a None.)",
          fix="catch BaseException in each worker (what ends a thread, not only Exception) and "
              "raise it in the caller after the join.")
+
+
+def _check_no_thread_left(threaded_apply) -> None:
+    """Replica 0 fails at once while replica 1 still sleeps 0.3 s: when the caller gets the
+    error, replica 1's thread must have finished (its log entry is written at its end)."""
+    __tracebackhide__ = True
+    delay, log = 0.3, []
+    broken = [_Timed(1, 0.0, [], fail_with="replica 0 broke"), _Timed(2, delay, log)]
+    try:
+        threaded_apply(broken, [torch.ones(2), torch.ones(2)])
+    except NotImplementedError:
+        raise
+    except Exception:  # noqa: BLE001 - which error came back is checked elsewhere
+        running = not log
+        time.sleep(delay + 0.1)  # let the straggler end before the next check starts threads
+        if running:
+            fail(f"replica 0 failed at once while replica 1 still had {delay} s of work, and "
+                 f"threaded_apply raised replica 0's error while replica 1's thread was still "
+                 f"running: the caller went on (to retry, or to the next step) with a thread "
+                 f"of the failed call still writing into replica 1's module and its output.",
+                 fix="wait for every thread (join them all) before raising the error kept.")
+    else:
+        fail("replica 0 raised an error in its thread and threaded_apply returned as if nothing "
+             "happened: an exception ends its thread, not the caller.",
+             fix="keep each thread's exception and raise it in the caller after join.")
 
 
 def _check_several_errors(threaded_apply) -> None:
