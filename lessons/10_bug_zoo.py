@@ -387,8 +387,9 @@ claim("the message is the installed libtorch_cpu.so's own (ProcessGroupGloo::mon
 #
 # ## 3. Bugs that finish — with the wrong answer
 # These are worse: nothing hangs, nothing crashes, the loss may even look fine. They need a
-# detector that compares the ranks. All seven run, broken and fixed, in **one** launch
-# (`bugzoo.zoo_worker`); each returns what its detector needs. They share one small model and
+# detector that compares the ranks. All seven (bugs 4 to 10) run, broken and fixed, in **one**
+# launch (`bugzoo.zoo_worker`), bug 9 twice (whole, and its first step alone); each returns
+# what its detector needs. They share one small model and
 # each rank's own batches (different per rank, the same on every run):
 
 # %%
@@ -407,6 +408,8 @@ zoo = launch.spawn(bugzoo.zoo_worker, world_size, str(workdir), backend="gloo", 
 pairs = [k for k, v in zoo[0].items() if isinstance(v, dict) and set(v) == {False, True}]
 print(f"ran {len(pairs)} programs × (broken, fixed), and {len(zoo[0]) - len(pairs)} single "
       f"runs, on {len(zoo)} ranks")
+claim("one program per bug 4 to 10, and bug 9's first step alone",
+      len(pairs) == 7 + 1 and "unused_first_grads" in pairs, pairs=pairs)
 
 # %% [markdown]
 # The detector for replicas: a **checksum** of every parameter and buffer, sent back by each
@@ -415,7 +418,14 @@ print(f"ran {len(pairs)} programs × (broken, fixed), and {len(zoo[0]) - len(pai
 # trusted is the question of lab 10's stretch).
 
 # %%
-viz.show_code(detectors.state_checksums, detectors.compare_checksums, bugzoo.average_gradients)
+viz.show_code(detectors.state_checksums, detectors.compare_checksums)
+
+# %% [markdown]
+# **▶ `average_gradients`, what the fixed programs call** (click the folded cell below): lesson
+# 03's hand-made averaging, its lab's part 1 done the simple way — open it after lab 03 passes.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(bugzoo.average_gradients)
 
 # %% [markdown]
 # ### Bug 4: a checkpoint resumed on one rank only
@@ -628,7 +638,8 @@ claim("and in every epoch the ranks together still see every sample",
 # then need not search the graph in every iteration).
 
 # %%
-viz.show_code(bugzoo.TwoHeads, bugzoo.unused_parameter, detectors.unused_parameters)
+viz.show_code(bugzoo.TwoHeads, bugzoo.unused_parameter, bugzoo.unused_first_step,
+              detectors.unused_parameters)
 
 # %%
 print("broken, DDP's whole message on rank 0:\n" + zoo[0]["unused"][False])
@@ -993,10 +1004,13 @@ viz.quiz([
 #   `find_unused_parameters`; `static_graph` (its docstring: the set of unused parameters is
 #   fixed, no per-iteration search).
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.compute_bucket_size_limits`:
-#   one initial bucket (`[sys.maxsize]`) unless `find_unused_parameters`; c10d's `reducer.cpp`
-#   (not installed) — `Reducer::autograd_hook` marks unused parameters ready only with
-#   `find_unused_parameters`; `Reducer::mark_variable_ready` finalizes only once every bucket
-#   is ready; `Reducer::ensure_prior_reduction_finished` raises at the next forward.
+#   one initial bucket (`[sys.maxsize]`) unless `find_unused_parameters` without `static_graph`,
+#   or a `bucket_cap_mb_list`; c10d's `reducer.cpp` (not installed) — `Reducer::autograd_hook`
+#   marks ready the parameters in `unused_parameters_`, filled with `find_unused_parameters`
+#   (`prepare_for_backward`) or, under `static_graph`, by the first backward's
+#   `Reducer::delay_all_reduce` (lesson 03 measures it); `Reducer::mark_variable_ready`
+#   finalizes only once every bucket is ready; `Reducer::ensure_prior_reduction_finished`
+#   raises at the next forward.
 # - `torch/lib/libtorch_cpu.so` — the reducer's unused-parameter error ("Parameter indices
 #   which did not receive grad for rank", and with `TORCH_DISTRIBUTED_DEBUG` INFO or DETAIL
 #   "Parameters which did not receive grad"): read with `strings`, and printed above.

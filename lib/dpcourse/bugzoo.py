@@ -338,11 +338,8 @@ def unused_parameter(rank, world_size, fixed=False, debug="OFF"):
 
 
 def unused_first_step(rank, world_size, fixed=False):
-    """One step of DDP around :class:`TwoHeads`, each rank on its own batch: the gradients'
-    checksums after the FIRST backward. Without ``find_unused_parameters`` head_b's gradient
-    never arrives, so the one bucket of iteration 0 is never complete: that backward returns
-    with no all-reduce at all, and each rank keeps its own gradients (the error waits for the
-    next forward). With it (``fixed``) the gradients are averaged.
+    """Bug 9's first step alone (``fixed``: with ``find_unused_parameters``): each rank's
+    gradient checksums after the FIRST backward, each rank on its own batch.
 
     Shown in lesson 10, §3.
     """
