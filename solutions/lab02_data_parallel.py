@@ -190,6 +190,12 @@ lab02.check_copy_prediction(copy_guess)
 # `model` as `nn.DataParallel`'s forward and backward would leave it, whatever state it arrived
 # in. Nothing ties a plain copy to `model`: what the real class gets by sharing the module's
 # tensors with replica 0 and by the broadcast's backward, your code does after the backward.
+#
+# **Your design decision here:** the rule that turns the copies' gradients into `model`'s —
+# their sum, their mean, or one copy's — and what becomes of what `p.grad` held before. Your
+# §3 prediction and the deep-copy one are your evidence; the check refuses a wrong rule with
+# the numbers it saw.
+#
 # The check hands your function models in more than one state, batches
 # that do and do not divide by the number of devices, a training-mode model with BatchNorm
 # (whose outputs then differ from the plain model's: for that one it looks at the buffers

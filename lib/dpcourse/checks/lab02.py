@@ -654,8 +654,9 @@ def _diagnose_dp_gradients(got, ref, before, model, X, y, n, batch, sizes, seen)
         only0.zero_grad(set_to_none=True)
         (F.cross_entropy(only0(X[:order]), y[:order], reduction="sum") / batch).backward()
         if _close(got, held(_grads(only0))):
-            fail("the gradients are replica 0's alone: the other replicas' shares never "
-                 "reached the original parameters.", fix="combine every replica's gradient, "
+            fail(f"the gradients are replica 0's alone, the share of its {order} of {batch} "
+                 f"samples: the other replicas' shares, {batch - order} samples' worth, never "
+                 f"reached the original parameters.", fix="combine every replica's gradient, "
                                                          "not just the first one's.")
     fail(f"the original model's gradients differ from the plain model's on the whole batch "
          f"({batch} samples, {n} devices){' plus what it held' if before else ''}, in none of "
