@@ -6,8 +6,9 @@
 # ZeRO-3 and FSDP2's `fully_shard`), and the shape of a transformer layer (attention, then
 # a two-layer MLP of width d with 4d hidden features, each behind a layer norm; sections 1
 # and 5 count its bytes and flops). New here, each explained where it first appears: a
-# custom `torch.autograd.Function` (a forward and a backward you write yourself), DTensor
-# and `DeviceMesh`, and the gradient noise scale.
+# custom `torch.autograd.Function` (a forward and a backward you write yourself), a
+# two-dimensional `DeviceMesh` (lesson 08 met DTensor on a one-dimensional one), and the
+# gradient noise scale.
 #
 # **You will be able to:**
 # - say, with numbers, the two places where data parallelism stops helping: a model whose
@@ -103,7 +104,9 @@ viz.show_code(planner.Transformer, planner.activation_bytes_per_layer)
 # %% [markdown]
 # GPT-3 175B (96 layers, width 12288, 96 heads, sequences of 2048 tokens) at the smallest
 # possible batch, one sequence per GPU, with lesson 08's calculator `zero.fits` given those
-# activations:
+# activations and ZeRO-3's working set (two layers' 16-bit weights, one computing and one
+# prefetched, and one layer's 16-bit gradient: 12d² parameters a layer). Units: GB is 10⁹
+# bytes; an "80-GB" A100 has 80 GiB = 81920 MiB (what `nvidia-smi` reports) = 85.9 GB.
 
 # %%
 viz.show_code(zero.fits)
@@ -119,28 +122,34 @@ print(f"{gpt3.name}: Ψ = {gpt3.num_params / 1e9:.1f} B parameters; activations 
       f"{act_batch1 / gb:.0f} GB per GPU with the attention matrix stored (5·a·s/d = "
       f"{matrix_share:.0f} of the {34 + matrix_share:.0f} units), {act_flash / gb:.0f} GB with "
       "flash attention")
+gpu = 80 * 2**30                                 # an "80-GB" A100: 85.9e9 bytes
+working = 12 * gpt3.hidden ** 2 * (2 + 2 + 2)    # ZeRO-3: two layers' weights, one's gradient
 ns = (8, 64, 512, 4096)
 for n in ns:
-    row = zero.fits(gpt3.num_params, 80 * gb, n, activation_bytes=act_flash)[-1]
+    row = zero.fits(gpt3.num_params, gpu, n, activation_bytes=act_flash + working)[-1]
     print(f"N = {n:5d}: ZeRO-3 model state {gpt3.num_params * row['bytes_per_param'] / gb:7.1f} GB"
-          f" + activations {act_flash / gb:.0f} GB (flash) = {row['bytes_per_rank'] / gb:7.1f} GB")
+          f" + activations {act_flash / gb:.1f} GB (flash) + working set {working / gb:.1f} GB"
+          f" = {row['bytes_per_rank'] / gb:7.1f} GB of {gpu / gb:.1f}")
 claim(f"at batch 1, with every layer's activations stored for the backward (no recomputation), "
-      f"no ZeRO stage fits GPT-3 175B on 80-GB GPUs, at any of these N, with or without flash "
-      f"attention: the activations alone exceed the GPU ({act_flash / gb:.0f} GB even without "
-      f"the attention matrix)",
-      act_flash > 80 * gb and act_batch1 > act_flash
+      f"no ZeRO stage fits GPT-3 175B on 80-GB GPUs ({gpu / gb:.1f} GB), at any of these N, "
+      f"with or without flash attention: with flash attention the activations alone "
+      f"({act_flash / gb:.1f} GB) leave {(gpu - act_flash) / gb:.1f} GB, less than ZeRO-3's "
+      f"working set ({working / gb:.1f} GB); the other stages' model state does not shrink "
+      f"below 2Ψ bytes",
+      act_flash < gpu < act_flash + working and act_batch1 > gpu
       and not any(r["fits"] for act in (act_batch1, act_flash) for n in ns
-                  for r in zero.fits(gpt3.num_params, 80 * gb, n, activation_bytes=act)))
+                  for r in zero.fits(gpt3.num_params, gpu, n, activation_bytes=act + working)))
 
 # %%
 state_gb = [gpt3.num_params * zero.bytes_per_param("zero3", n) / gb for n in ns]
 viz.show(viz.memory_wall_figure(
-    ns, state_gb, [act_flash / gb] * len(ns), 80,
-    f"{gpt3.name} at batch 1, flash attention: ZeRO-3 per GPU"),
+    ns, state_gb, [act_flash / gb] * len(ns), gpu / gb,
+    f"{gpt3.name} at batch 1, flash attention: ZeRO-3 per GPU", working_gb=working / gb),
     f"Linear axis, side by side: ZeRO-3's share of the model state falls with every GPU "
     f"added ({state_gb[0]:.0f} GB → {state_gb[-1]:.1f} GB); the activations of one sequence, "
     f"stored without recomputation, stay at {act_flash / gb:.0f} GB even with flash attention "
-    f"({act_batch1 / gb:.0f} GB with the attention matrix), above the GPU's 80 GB (dashed).")
+    f"({act_batch1 / gb:.0f} GB with the attention matrix); with ZeRO-3's working set on top "
+    f"they are above the GPU's {gpu / gb:.1f} GB (dashed).")
 
 # %% [markdown]
 # Measured, on a small scale: FSDP2 (lesson 08's ZeRO-3) on a stack of four
@@ -397,6 +406,24 @@ claim("the gradient of the input == the plain MLP's (to 1e-6)",
 claim("every rank's weight and bias gradients == the same slice of the plain MLP's (to 1e-6)",
       max(r["grad_diff"] for r in tp_runs) < 1e-6)
 
+
+def put_together(pieces, full_shape):
+    """The ranks' pieces joined along the one dimension where they are smaller than the full
+    tensor; a piece that is whole on every rank is returned as it is."""
+    cut = [d for d in range(len(full_shape)) if pieces[0].shape[d] != full_shape[d]]
+    return torch.cat(pieces, dim=cut[0]) if cut else pieces[0]
+
+
+joined = [put_together([r["grads"][i] for r in tp_runs], full.shape)
+          for i, full in enumerate(r0["plain_grads"])]
+claim("checked here, without the worker's slices: each parameter's gradients, joined across "
+      "the ranks where they are cut, == the plain MLP's whole gradient (to 1e-6), and a "
+      "gradient that is not cut is the same on every rank",
+      all(torch.allclose(j, full, atol=1e-6) for j, full in zip(joined, r0["plain_grads"]))
+      and all(torch.allclose(r["grads"][i], r0["grads"][i], atol=1e-6)
+              for i, full in enumerate(r0["plain_grads"])
+              if r0["grads"][i].shape == full.shape for r in tp_runs))
+
 # %% [markdown]
 # **▶ The collectives of each pass, counted — open after your lab passes** (click the folded
 # cell below): where they fall is part of lab 11's answer.
@@ -430,6 +457,12 @@ claim(f"GPT-3's MLP (d = {d_gpt}), one sequence of {s_gpt} tokens: one tensor-pa
       f"{mlp_params / 1e9:.2f} B weights' gradients once per step — "
       f"{mlp_params / tp_elems:.0f}× one sequence's", mlp_params / tp_elems > 20)
 
+# %% [markdown]
+# A real step holds many sequences. Section 5's published run splits its batch over D
+# data-parallel replicas, each of them a *pipeline* (the model cut into consecutive stages,
+# section 3) fed its share of the batch in *micro-batches*, slices that follow each other
+# through the stages:
+
 # %%
 pub1 = planner.MEGATRON_TABLE1_145B
 m_pub = pub1["global_batch"] // pub1["dp"]
@@ -438,11 +471,8 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
       "per replica and step")
 
 # %% [markdown]
-# (Each replica there is a *pipeline*: the model cut into consecutive stages, section 3, fed
-# the replica's share of the batch in *micro-batches*, slices that follow each other through
-# the stages; D counts the replicas, as N did in section 1.) A step holds many sequences,
-# though, and tensor parallelism pays for each, while data parallelism's bytes do not grow
-# with the batch. And *when* the bytes travel matters more:
+# Tensor parallelism pays for each of those micro-batches, while data parallelism's bytes do
+# not grow with the batch. And *when* the bytes travel matters more:
 # DDP's all-reduce overlaps the backward (lesson 07); tensor parallelism's mostly cannot, so
 # Megatron-LM keeps t ≤ the GPUs of one node, on NVLink.
 #
@@ -612,10 +642,10 @@ bubble_explorer = viz.explorer(
     description="pipeline bubble explorer (stages, micro-batches)")
 
 # %% [markdown]
-# Now for real, on 4 ranks. Each stage runs its schedule with `run_stage`, folded below with
-# `measured_bubble` (the idle share of a measured timeline): the lab's stretch asks you to
-# write one GPipe step and its bubble, and to work out what turns the micro-batches'
-# gradients into the batch's. Our CPU ranks would fight over the machine's
+# Now for real, on 4 ranks. Each stage runs its schedule with `run_stage`, folded below: the
+# lab's stretch asks you to write one GPipe step, and to work out what turns the
+# micro-batches' gradients into the batch's. A measured timeline's bubble is
+# `measured_bubble`'s idle share (shown below). Our CPU ranks would fight over the machine's
 # cores, so each forward also sleeps `delay_s` (each backward twice that): a stand-in for an
 # accelerator, which computes without taking a CPU core. Every (schedule, M) runs in one
 # launch and is compared with the unsplit model on the whole batch — the model, its cut into
@@ -624,15 +654,15 @@ bubble_explorer = viz.explorer(
 # %%
 viz.show_code(pipeline_parallel.make_mlp, pipeline_parallel.split_stages,
               pipeline_parallel.micro_batches, pipeline_parallel.sample_batch, pipeline_parallel.mse_loss,
-              pipeline_parallel.reference_step)
+              pipeline_parallel.reference_step, pipeline_parallel.measured_bubble)
 
 # %% [markdown]
-# **▶ One stage's loop, its launcher and the measured bubble (the lab's stretch) — open after
-# your lab passes** (click the folded cell below).
+# **▶ One stage's loop and its launcher (the lab's stretch) — open after your lab passes**
+# (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(pipeline_parallel.run_stage, pipeline_parallel.pipeline_worker,
-              pipeline_parallel.run_pipeline, pipeline_parallel.measured_bubble)
+              pipeline_parallel.run_pipeline)
 
 # %%
 pipe = pipeline_parallel.run_pipeline(stages, micro, ("gpipe", "1f1b"), delay_s=delay_s,
@@ -721,10 +751,18 @@ viz.show(viz.pipeline_gantt_figure(
 # `saved_tensors_hooks` with this pack hook — not section 1's: this one counts each saved
 # storage once (a Linear saves its input, which is the activation before it saved too) and
 # leaves the weights out, so it counts a micro-batch's activations and nothing else. The last
-# stage also keeps its loss's inputs, so it holds more per micro-batch:
+# stage also keeps its loss's inputs, so it holds more per micro-batch. Below it, the lines
+# of `run_stage` that count, read from its source: a forward adds micro-batch m to `held`
+# with its saved bytes, its backward pops it.
 
 # %%
+import inspect
+
 viz.show_code(pipeline_parallel.saved_bytes_counter)
+counting = [line[12:] for line in inspect.getsource(pipeline_parallel.run_stage).splitlines()
+            if any(key in line for key in ("held[m] = (", "record.peak", "sum(h[2]",
+                                           "= held.pop(m)"))]
+viz.show_code("\n".join(counting))
 
 # %%
 print(f"M = {m_show}: GPipe holds {gpipe[m_show].peak_in_flight}, "
@@ -849,8 +887,9 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # two nodes), pipeline size p (dividing the layers) and data-parallel flavour (DDP, ZeRO-1,
 # ZeRO-3), with D = GPUs / (t·p) data-parallel replicas (d stays the model's width), and for
 # each computes per GPU: model state (lesson 08's 16 bytes per parameter, over Ψ/(t·p)
-# parameters: 16-bit gradients, accumulated and all-reduced in 16 bits, as Megatron-LM does
-# with `--fp16`; its `--bf16` default is checked after the ranking), activations (section 1,
+# parameters: the ZeRO paper's accounting, 16-bit gradients accumulated and all-reduced in
+# 16 bits — Megatron-LM's own `--fp16` keeps an fp32 copy of them too, 20 bytes, not modelled
+# here; its `--bf16` default, 18, is checked after the ranking), activations (section 1,
 # 1F1B's first stage holding min(p, M) micro-batches, the layers recomputed), the messages and bytes per step of
 # each dimension (per GPU; data parallelism in DDP's 25 MiB buckets), and a step time —
 # compute at an assumed half of the GPU's peak, stretched by the pipeline's fill and drain,
@@ -858,7 +897,8 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # assumed efficiency, not a bound: a run that reaches more of the peak, or overlaps its
 # messages, is faster (the published row below ran at 47 % of peak). Good for ranking, not a
 # prediction. A dimension whose groups cross a node boundary anywhere is priced at the
-# network's speed.
+# network's speed. Memory is planned against 80 GB (10⁹ bytes): the A100's 85.9 GB less a
+# margin for what the planner does not count (CUDA context, NCCL buffers, fragmentation).
 
 # %%
 viz.show_code(planner.Cluster, planner.within_nodes, planner.plan_row, planner.plan)
@@ -932,7 +972,7 @@ claim(f"the best estimate falls as t grows, up to t = {cluster.gpus_per_node}, t
       "node (Megatron-LM's takeaway); the planner's best has t = 8, as the paper's row does",
       times == sorted(times, reverse=True) and max(best_per_t) == cluster.gpus_per_node
       and best["tp"] == published["tp"] == cluster.gpus_per_node)
-claim(f"the published t = 8 × p = 8 × D = 24 fits ({pub['total_bytes'] / gb:.0f} GB of 80) and "
+claim(f"the published t = 8 × p = 8 × D = 24 fits ({pub['total_bytes'] / gb:.0f} GB of the 80 planned) and "
       f"its estimated step is within 1 % of the planner's best (t = {best['tp']}, "
       f"p = {best['pp']}, {best['stage']}, {best['total_bytes'] / gb:.0f} GB)",
       pub["fits"] and pub["dp"] == published["dp"] and pub["time_s"] < 1.01 * best["time_s"])
@@ -944,7 +984,7 @@ claim(f"a tensor size that does not divide the node's {cluster.gpus_per_node} GP
       across["tp_link"] == cluster.inter_bw and across["time_s"] > 1.3 * pub["time_s"])
 
 # %% [markdown]
-# That ranking assumes 16-bit gradients. With `--bf16`, Megatron-LM accumulates and
+# That ranking assumes the ZeRO paper's 16-bit gradients. With `--bf16`, Megatron-LM accumulates and
 # all-reduces the gradients in fp32 unless told otherwise (`megatron/training/arguments.py`:
 # "bfloat16 requires gradient accumulation and all-reduce to be done in fp32"): 2 + 4 + 12 =
 # 18 bytes per parameter and twice the gradient bytes on the wire. The planner's
@@ -961,10 +1001,12 @@ print(f"fp32 gradients: {len(options32)} configurations fit; fastest t = {option
       f"GB, {options32[0]['time_s']:.1f} s")
 claim(f"with fp32 gradients the 16-bit ranking's fastest row (t = {best['tp']}, p = "
       f"{best['pp']}, {best['stage']}) needs {top16_32['state_bytes'] / gb:.1f} GB of model state "
-      f"alone ({model.num_params / 1e9:.1f} B / {best['tp'] * best['pp']} × 18 bytes): it no "
-      f"longer fits 80 GB. The published t = 8, p = 8 still does ({pub32['total_bytes'] / gb:.0f} GB), "
+      f"alone ({model.num_params / 1e9:.1f} B / {best['tp'] * best['pp']} × 18 bytes), "
+      f"{top16_32['total_bytes'] / gb:.1f} GB with its activations: above the 80 planned and "
+      f"the card's 85.9. The published t = 8, p = 8 still fits ({pub32['total_bytes'] / gb:.0f} GB), "
       f"and is now the fastest shape (t = {options32[0]['tp']}, p = {options32[0]['pp']})",
-      best["fits"] and not top16_32["fits"] and pub32["fits"]
+      best["fits"] and not top16_32["fits"] and top16_32["total_bytes"] > 80 * 2**30
+      and pub32["fits"]
       and (options32[0]["tp"], options32[0]["pp"]) == (published["tp"], published["pp"]))
 
 # %%
@@ -981,7 +1023,7 @@ viz.show(viz.planner_figure(shown, labels, cluster.gpu_bytes / 1e9, cluster),
          "Where the planner's ranking comes from: the compute (dark grey) is the same for "
          "every row; small t leaves the GPUs to pipeline stages, whose fill and drain (light "
          "grey) dominates what differs, while t = 8's tensor-parallel traffic (red) stays inside a node. "
-         "Left: each row's memory per GPU against the 80 GB.")
+         "Left: each row's memory per GPU against the 80 GB planned.")
 
 # %% [markdown]
 # Among the fastest, the estimates differ by fractions of a second: the compute is the same
@@ -1067,7 +1109,7 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   has t = 8 and the published t = 8, p = 8 is within 1 % of it (an estimate at 50 % of
 #   peak, about 9 % above the step time the paper measured at 47 %); for GPT-3, data
 #   parallelism alone fits only as ZeRO-3, estimated 2.7× slower per step (measured in the
-#   paper: 3.2×). All with 16-bit gradients; with the fp32 gradients of Megatron-LM's `--bf16`
+#   paper: 3.2×). All with the ZeRO paper's 16-bit gradients; with the fp32 gradients of Megatron-LM's `--bf16`
 #   (18 bytes per parameter) the planner's fastest 16-bit row no longer fits, and the
 #   published t = 8, p = 8 becomes its fastest shape.
 #
@@ -1087,7 +1129,8 @@ viz.quiz([
           "not train it at batch 1 without recomputation?",
      "options": ["The all-gathers need the whole model at once",
                  "Each GPU runs whole layers on a whole sequence: 275 GB of activations (82 GB "
-                 "with flash attention), which no number of data-parallel ranks divides",
+                 "with flash attention, over the 85.9 GB with ZeRO-3's working set), which no "
+                 "number of data-parallel ranks divides",
                  "Adam's state is not sharded by ZeRO-3"],
      "answer": 1,
      "why": ["Only one or two layers' weights at a time (its working set).",
@@ -1211,7 +1254,12 @@ viz.quiz([
 # it to the DDP config as `grad_reduce_in_fp32`, which
 # `megatron/core/distributed/param_and_grad_buffer.py` turns into the gradient buffer's dtype
 # (`torch.float`, else the parameter's): section 5's 18 bytes. With `--fp16` the flag stays
-# off (its default), and the gradients are 16-bit: section 5's 16.
+# off (its default) and the gradients are reduced in 16 bits, but
+# `megatron/core/optimizer/optimizer.py` (`_copy_model_grads_to_main_grads`:
+# `main_param.grad = model_param.main_grad.float()`) gives the fp32 main weights an fp32
+# gradient too: 20 bytes, as `docs/user-guide/features/dist_optimizer.md` tabulates
+# ("`fp16` parameters, `fp16` gradients | 20"), not section 5's 16, which is the ZeRO paper's
+# accounting (Rajbhandari et al., 2 + 2 + 12).
 #
 # Papers: Shoeybi et al., *Megatron-LM: Training Multi-Billion Parameter Language Models Using
 # Model Parallelism*, 2019 (section 3, the MLP, f and g); Narayanan et al., *Efficient

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from dpcourse import launch, viz
 from dpcourse import tensor_parallel as tp
@@ -90,6 +91,18 @@ def test_ours_equals_the_plain_mlp(tp_run):
         assert r["out_diff"] < 1e-6 and r["input_grad_diff"] < 1e-6 and r["grad_diff"] < 1e-6
         assert r["ours_shapes"] == {"up.weight": (48 // n, 12), "up.bias": (48 // n,),
                                     "down.weight": (12, 48 // n), "down.bias": (12,)}
+
+
+def test_the_ranks_gradients_join_into_the_plain_ones(tp_run):
+    # lesson 11 §2 joins them along the dimension where they are cut, naming none
+    n, cfg, runs = tp_run
+    plain = runs[0]["plain_grads"]
+    cut = {0: 0, 1: 0, 2: 1}                      # up.weight, up.bias rows; down.weight columns
+    for i, full in enumerate(plain):
+        pieces = [r["grads"][i] for r in runs]
+        joined = torch.cat(pieces, dim=cut[i]) if i in cut else pieces[0]
+        assert torch.allclose(joined, full, atol=1e-6), i
+    assert all(torch.allclose(r["grads"][3], plain[3], atol=1e-6) for r in runs)   # down.bias
 
 
 def test_two_all_reduces_of_the_activations_per_step(tp_run):

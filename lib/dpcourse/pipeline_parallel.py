@@ -127,9 +127,8 @@ def split_stages(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
 
 
 def micro_batches(batch: torch.Tensor, m: int) -> list[torch.Tensor]:
-    """``batch`` cut into ``m`` equal micro-batches along dimension 0. Equal sizes matter: the
-    mean of the micro-batches' mean losses is the batch's mean loss only when they are equal,
-    so a batch that ``m`` does not divide is refused.
+    """``batch`` cut into ``m`` equal micro-batches along dimension 0; a batch that ``m`` does
+    not divide is refused.
 
     Shown in lesson 11, §3.
     """
@@ -554,8 +553,8 @@ def torch_pipelining_worker(rank: int, world_size: int, schedule: str, m: int, w
                             blocks: int, batch: int, seed: int = 0) -> dict:
     """One rank of torch's own pipeline: ``PipelineStage`` around this rank's stage and
     ``ScheduleGPipe`` or ``Schedule1F1B`` (torch.distributed.pipelining) on the same model,
-    batch and loss as :func:`pipeline_worker`. torch divides each micro-batch's gradients by
-    M itself (``scale_grads=True``), so its loss function is the plain mean. Two steps: the
+    batch and loss as :func:`pipeline_worker` (how torch turns the micro-batches'
+    gradients into the batch's is the lab's stretch question). Two steps: the
     first also sets the stages up — a warm-up vote (one int32 each way per boundary,
     ``_warmup_forward_vote``) and the output metadata (``_send_meta``, ``send_object_list``),
     stage.py — so the messages of a step are counted on the second. Returns this stage's

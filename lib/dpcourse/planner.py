@@ -156,9 +156,11 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     p = ``pp``, D = GPUs / (t·p), the row's ``dp``), as described in the module's docstring.
     ``stage`` is the data-parallel flavour over the D ranks: "ddp", "zero1", "zero2" or
     "zero3". Model state uses lesson 08's mixed-precision Adam with gradients of
-    ``grad_bytes``: 2 + 2 + 12 = 16 bytes per parameter with 16-bit gradients (Megatron-LM's
-    ``--fp16``), 2 + 4 + 12 = 18 with ``grad_bytes=4`` (its ``--bf16`` default: gradients
-    accumulated and all-reduced in fp32, ``megatron/training/arguments.py``). Data-parallel
+    ``grad_bytes``: 2 + 2 + 12 = 16 bytes per parameter with 16-bit gradients (the ZeRO
+    paper's accounting; Megatron-LM's ``--fp16`` keeps an fp32 copy of them as well, 20 bytes
+    in its own table, which this planner does not model), 2 + 4 + 12 = 18 with
+    ``grad_bytes=4`` (its ``--bf16`` default: gradients accumulated and all-reduced in fp32,
+    ``megatron/training/arguments.py``). Data-parallel
     traffic: an all-reduce of the gradients (DDP), a reduce-scatter of the gradients and an
     all-gather of the 16-bit weights (ZeRO-1/2), the weights all-gathered twice and the
     gradients reduce-scattered (ZeRO-3); messages: one all-reduce per ``bucket_bytes`` of
@@ -271,6 +273,9 @@ GPT3_175B = Transformer("GPT-3 175B", layers=96, hidden=12288, heads=96, seq_len
                         vocab=51200)
 GPT_145B = Transformer("GPT 145.6B", layers=80, hidden=12288, heads=96, seq_len=2048,
                        vocab=51200)
+# gpu_bytes is a planning budget, 80e9 bytes: an "80-GB" A100 has 80 GiB = 85.9e9 bytes; the
+# 5.9e9 between them is left for what the planner does not count (the CUDA context, NCCL's
+# buffers, the allocator's fragmentation, temporaries).
 MEGATRON_A100_CLUSTER = Cluster(gpu_bytes=80e9, gpus_per_node=8, nodes=192,
                                 peak_flops=312e12,   # A100 dense fp16 or bf16
                                 intra_bw=300e9,      # NVLink 3: 600 GB/s both ways

@@ -281,7 +281,9 @@ def tensor_parallel_worker(rank: int, world_size: int, cfg: TPConfig) -> dict:
     (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``), from the same
     weights, one forward and backward on the same input (which requires grad, as it would if a
     layer came before the MLP). Returns the largest differences (outputs, input gradients, each
-    shard's weight and bias gradients against the same slice of the plain MLP's), our
+    shard's weight and bias gradients against the same slice of the plain MLP's), both
+    MLPs' gradients themselves (``grads``: this rank's, in the plain MLP's parameter order,
+    ``plain_grads``), our
     collectives as recorded (``collectives.record_collectives``) in the forward and in the backward,
     torch's as counted by its ``CommDebugMode``, and what each rank holds (shapes).
     Shown in lesson 11, §2.
@@ -333,6 +335,8 @@ def tensor_parallel_worker(rank: int, world_size: int, cfg: TPConfig) -> dict:
         "out_diff": float((y_ours - y_plain).abs().max()),
         "input_grad_diff": float((x_ours.grad - x_plain.grad).abs().max()),
         "grad_diff": grad_diff,
+        "grads": [ours_grad.detach().clone() for _, ours_grad in pairs],   # this rank's
+        "plain_grads": [p.grad.detach().clone() for p in plain.parameters()],  # in that order
         "forward": [(c.op, c.numel, c.nbytes) for c in forward_calls],
         "backward": [(c.op, c.numel, c.nbytes) for c in backward_calls],
         "ours_shapes": {name: tuple(p.shape) for name, p in ours.named_parameters()},
