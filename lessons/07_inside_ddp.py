@@ -47,6 +47,7 @@ hook_steps = 120      # training steps of the comm-hook comparison
 import math
 
 import torch
+from IPython.display import Markdown, display
 
 from dpcourse import collectives, devices, launch, overlap, viz
 from dpcourse import overlap_experiments as experiments
@@ -178,8 +179,8 @@ claim(f"find_unused_parameters=True, same model and cap: DDP's buckets, made at 
       and as_sets(found_unused["first"]) != as_sets(ours))
 mlp_first = len(overlap.assign_buckets(list(mlp_cfg.build().parameters()), 25, 1)[0])
 claim(f"the 64-layer MLP: with bucket_cap_mb left at None DDP's rebuilt first bucket holds "
-      f"{len(default_cap['after'][0])} parameters (1 MiB cap, as assign_buckets(..., 25, 1) "
-      f"says), with bucket_cap_mb=25 passed it rebuilds {len(cap_25['after'])} bucket(s)",
+      f"as many parameters as assign_buckets(..., 25, 1) puts in its 1 MiB first bucket, "
+      f"with bucket_cap_mb=25 passed it rebuilds {len(cap_25['after'])} bucket(s)",
       len(default_cap["after"][0]) == mlp_first < len(cap_25["after"][0]))
 
 # %% [markdown]
@@ -408,10 +409,10 @@ viz.show(viz.reducer_figure(),
 # applies.
 
 # %% [markdown]
-# ## 4. Measuring the overlap on a CPU, where it has little to gain — and predicting it
+# ## 4. Measuring the overlap on a CPU — and predicting it
 # What to expect first: gloo's all-reduce is work for the same 2 cores that run the
-# backward, so on this machine what overlap hides it mostly pays back in a slower backward
-# (why, after the measurements). Read the round-by-round verdicts for what your run shows; a
+# backward, so on this machine a slower backward may pay back what overlap hides, which the
+# model below leaves out (this run's numbers, and why, after the measurements). Read the round-by-round verdicts for what your run shows; a
 # simulated wire that takes no CPU then tests the model where its assumptions hold, and with
 # GPUs `python -m dpcourse.bench ddp --backend nccl` runs these versions and caps over NCCL.
 #
@@ -708,16 +709,6 @@ for r in model_rows:
           f"measured, overlapped against its control: {verdict(run, control)}")
 saving = [r["predicted_after_ms"] - r["predicted_ms"] for r in model_rows]
 typical_step = statistics.median(r["predicted_after_ms"] for r in model_rows)
-print(f"Overlap clearly saved time at {len(paid)} cap(s) {paid}, clearly cost time at "
-      f"{len(cost)} {cost}, and made no clear difference at the other "
-      f"{len(model_rows) - len(paid) - len(cost)}; the model predicted savings of "
-      f"{min(saving):.1f} to {max(saving):.1f} ms, {min(saving) / typical_step:.0%} to "
-      f"{max(saving) / typical_step:.0%} of a step.")
-slowed = by[("bucketed", 4)]["parts_s"]["backward"] * 1e3
-print(f"With the 4 MiB buckets' all-reduces in flight beside it the backward took {slowed:.1f} ms, "
-      f"against {parts['backward']:.1f} ms alone (medians): backward against backward, "
-      f"{verdict(by[('bucketed', 4)], local, 'backward')}; the model assumes overlap leaves it "
-      f"unchanged.")
 r4 = model_rows[sweep_caps.index(4)]
 print(f"Compute-to-communication ratio, 4 MiB buckets: B = backward {parts['backward']:.1f} ms + "
       f"the hooks' copies {r4['B_ms'] - parts['backward']:.1f} ms, C = {r4['C_ms']:.1f} ms "
@@ -728,6 +719,20 @@ viz.show(viz.overlap_model_figure(model_rows),
          "(blue) and with the same all-reduces launched after the backward (orange): whether "
          "the dark blue bar's lead over the dark orange one is real is what the round-by-round "
          "verdicts above say; the gap between light and dark is what the model leaves out.")
+slowed = by[("bucketed", 4)]["parts_s"]["backward"] * 1e3
+# The paragraph is written from this run's numbers, which change from run to run.
+display(Markdown(
+    f"**What this run says.** The model predicted that overlap would save {min(saving):.1f} to "
+    f"{max(saving):.1f} ms, up to {max(saving) / typical_step:.0%} of a step (at "
+    f"{cap_label(model_rows[saving.index(max(saving))]['bucket_cap_mb'])}). Measured against "
+    f"its control, overlap clearly saved time at {', '.join(paid) or 'no cap'}, clearly cost "
+    f"time at {', '.join(cost) or 'no cap'}, and made no clear difference at the other "
+    f"{len(model_rows) - len(paid) - len(cost)} caps. With the 4 MiB buckets' all-reduces in "
+    f"flight beside it the backward took {slowed:.1f} ms against {parts['backward']:.1f} ms "
+    f"alone (medians; {r4['B_ms'] - parts['backward']:.1f} ms of it the hooks' copies): backward "
+    f"against backward, {verdict(by[('bucketed', 4)], local, 'backward')}. The model assumes "
+    f"overlap leaves the backward unchanged, with no term for gloo and the backward sharing the "
+    f"cores (why that matters, after the next figure)."))
 
 # %% [markdown]
 # Where do the model and the run part ways? Here are both for the 4 MiB buckets, on one time
@@ -773,10 +778,11 @@ viz.show(fig, "the 4 MiB buckets, run against model: grey is the backward, each 
 # %% [markdown]
 # Where the model fails, and why. It treats compute and communication as independent: the
 # backward takes as long with all-reduces in flight as without, and an all-reduce as long
-# during the backward as alone. On this 2-core CPU neither holds: gloo's all-reduce is work
-# done *by the CPU* (copying, summing, the loopback TCP stack) on the cores the ranks'
-# backward runs on, so overlapping them mostly interleaves two jobs on the same cores: what
-# overlap hides, the slower backward pays back (the backward-against-backward line). The model
+# during the backward as alone. On this 2-core CPU neither need hold: gloo's all-reduce is
+# work done *by the CPU* (copying, summing, the loopback TCP stack) on the cores the ranks'
+# backward runs on, so overlapping them interleaves two jobs on the same cores, and what
+# overlap hides a slower backward can pay back ("What this run says" above: by how much here).
+# The model
 # also leaves out that each all-reduce waits for the slower rank, and takes its compute and
 # its all-reduces from other runs: hold a run's difference from its control against the
 # model, not the absolute step. On a
@@ -896,8 +902,8 @@ viz.show(viz.bucket_sweep_figure(sweep),
 # a hundred of them cost more than their bytes; one bucket pays α once but cannot leave before
 # the backward has finished, so nothing overlaps. Where overlap pays, that makes a U, slow at
 # both ends: Li et al. (VLDB 2020, the DDP paper) measured the middle caps winning on GPUs
-# with NCCL. The model gives overlap little to gain on this CPU; the verdicts above say
-# whether this run shows a U or the small caps' α. The runs here pass `bucket_cap_mb=25` explicitly;
+# with NCCL. On this CPU the verdicts above say which this run shows: a U, or only the small
+# caps' α. The runs here pass `bucket_cap_mb=25` explicitly;
 # DDP's default (`bucket_cap_mb=None`) would put a 1 MiB bucket first (section 3 measured it).
 #
 # ### The four versions and real DDP
@@ -1199,15 +1205,16 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 #   then pays one message per parameter.
 # - A post-accumulate-grad hook can launch an asynchronous all-reduce the moment a gradient is
 #   ready; waiting on the handles before `optimizer.step()` keeps it correct — equal to DDP.
-# - Buckets, filled in reverse registration order and closed once they reach the cap (DDP's
-#   rule when it rebuilds its buckets, proven equal to its own function and to real DDP's
-#   rebuilt buckets), send a few large messages instead of many small ones. DDP launches them strictly in bucket order, and can make the gradients views
+# - Buckets, filled in reverse registration order and closed by a size cap (DDP's rule when
+#   it rebuilds its buckets — exactly where it closes one is lab 07's part 1 — proven equal to
+#   its own function and to real DDP's rebuilt buckets), send a few large messages instead of many small ones. DDP launches them strictly in bucket order, and can make the gradients views
 #   of the buckets.
 # - Overlap is a prediction you can test: the early buckets' all-reduces run under the
 #   backward, and save at most min(B, C − C_last) (B the backward with the hooks' work in it,
 #   C the all-reduces, C_last the last bucket's) — nothing with one bucket; it pays when B / C
-#   is about 1 or more. On a 2-core CPU gloo and the backward share the cores, so the model
-#   expects little gain; with a simulated wire that takes no CPU, it clearly pays.
+#   is about 1 or more. The model has no term for gloo and the backward sharing a 2-core CPU:
+#   section 4 prints its prediction beside what the run measured, the backward's slowdown
+#   included; with a simulated wire that takes no CPU, overlap clearly pays.
 # - Communication hooks change what is sent: 16-bit halves the bytes and, in these short runs,
 #   ends within 0.15 of the uncompressed loss (a loose bound: the loss falls only a few tenths
 #   in 120 steps); PowerSGD sends a few percent and still learns, its error feedback carrying
