@@ -156,9 +156,8 @@ zero_calculator = viz.explorer(
 # backward, which must not wait for them; what to keep in flight, and when to wait for it, is
 # yours to decide under the memory bound the lab states. The check weighs the gradient
 # memory alive at every arrival, and you predict the peak before you measure it. The tool it
-# needs, `Tensor.register_post_accumulate_grad_hook`, is taught in section 4's first
-# paragraph: read that far first. The library's stages below hold the lab's pieces, so they
-# are folded.
+# needs, `Tensor.register_post_accumulate_grad_hook`, is lesson 07's (§2). The library's
+# stages below hold the lab's pieces: folded, but for three methods.
 #
 # ### The library's stages, checked
 # Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
@@ -178,7 +177,14 @@ viz.show_code(zero.shard_numel, zero.flatten_padded, zero.reduce_scatter_mean,
               zero.all_gather_flat, zero.copy_flat_into)
 
 # %% [markdown]
-# **▶ `Zero1` and `Zero2` — open after your lab passes** (click the folded cell below).
+# Where `Zero1` and `Zero2` send the gradients in `step()` (`flatten_padded`: one new padded
+# vector of them; `reduce_scatter_mean`: this rank's slice of their mean):
+
+# %%
+viz.show_code(zero.Zero1.gradient_slice, zero.Zero1.step, zero.Zero2.gradient_slice)
+
+# %% [markdown]
+# **▶ `Zero1` and `Zero2` whole — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(zero.Zero1, zero.Zero2)
@@ -187,8 +193,7 @@ viz.show_code(zero.Zero1, zero.Zero2)
 # Is it right? Every stage trains the same small MLP from the same start, on the same shards
 # of the same batches, next to torch's `DistributedDataParallel` with the full Adam — in fp32,
 # where the weights must agree to float rounding. The same launch also runs FSDP2 and
-# `ZeroRedundancyOptimizer`, met in section 6. The experiments live in `dpcourse.zero_experiments`
-# (imported as `experiments`); `prepare_run` builds each run; the "torch DDP"
+# `ZeroRedundancyOptimizer`, met in section 6. `prepare_run` builds each run; the "torch DDP"
 # reference is DDP with a *comm hook* (`allreduce_hook`), so that its all-reduce goes through
 # `torch.distributed` where section 5 can record it.
 
@@ -216,10 +221,16 @@ claim(f"ZeRO-2: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
       diff=max_diff("zero2"))
 claim("the losses fell", runs[0]["zero1"]["losses"][-1] < runs[0]["zero1"]["losses"][0])
 after_backward = {s: runs[0][s]["grads_after_backward"] for s in ("ddp", "zero1", "zero2")}
-print("gradient bytes alive when the backward returns (rank 0, fp32):", after_backward)
+at_collective = {s: runs[0][s]["grads_at_collective"] for s in ("ddp", "zero1", "zero2")}
+print("gradient bytes, backward done:", after_backward, "\nbefore step()'s collective:", at_collective)
 claim("when the backward returns, this ZeRO-2 holds every full gradient: the same bytes as "
       "ZeRO-1 and DDP (4Ψ in fp32), so its peak is no lower",
       set(after_backward.values()) == {4 * n_params})
+flat = 4 * zero.shard_numel(n_params, world_size) * world_size   # the padded copy, in bytes
+sharded = 4 * n_params + flat + flat // world_size
+claim("inside step() every p.grad is still alive beside the flat copy step() sends: DDP 2 × 4Ψ, "
+      "ZeRO-1 and ZeRO-2 4Ψ + the padded copy + the slice it receives",
+      at_collective == {"ddp": 8 * n_params, "zero1": sharded, "zero2": sharded})
 
 # %% [markdown]
 # ## 4. ZeRO-3: shard the weights too (what FSDP does)
@@ -232,12 +243,13 @@ claim("when the backward returns, this ZeRO-2 holds every full gradient: the sam
 # *after*. The parameters are views into one flat buffer per layer; freeing resizes that
 # buffer's storage to zero bytes (`untyped_storage().resize_(0)`), so the memory really goes.
 #
-# That order is FSDP2's. When a sharded module's backward is done, FSDP2's `post_backward`
-# first puts the gradients aside, then calls `reshard()` (free the full weights), and only
-# then `foreach_reduce` (the reduce-scatter). Its consequence for memory:
-# while a layer's gradients are being reduce-scattered, its full weights are already gone, so
-# the rank holds that layer's full gradient but not its full weights as well. The cell below
-# reads the order in the installed torch:
+# That order is FSDP2's (PyTorch's ZeRO-3, section 6), which gathers and frees a *parameter
+# group* at a time (here one layer). When a group's backward is done, its `post_backward`
+# puts the gradients aside, calls `reshard()` (free the full weights), then `foreach_reduce`
+# (the reduce-scatter) — by default: `set_reshard_after_backward(False)` (section 6) skips
+# the `reshard()`, `set_requires_gradient_sync(False)` the reduce-scatter. By default, then,
+# a layer's full weights are gone while its gradients are reduce-scattered. The cell below
+# reads both paths (source order, indentation kept) in the installed torch:
 
 # %%
 import inspect
@@ -245,19 +257,18 @@ import inspect
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 post_backward = inspect.getsource(FSDPParamGroup.post_backward)
-# the path that reduces: from where it collects the gradients to the reduce-scatter
-path = post_backward[post_backward.index("fsdp_params_with_grad: list"):
-                     post_backward.index("foreach_reduce(") + len("foreach_reduce(")]
-print("FSDPParamGroup.post_backward, in source order:")
-for line in path.splitlines():
-    if any(mark in line for mark in ("unsharded_grads.append(", "self.reshard()",
-                                     "foreach_reduce(")):
-        print("   ", line.strip())
-claim("FSDP2's post_backward saves the gradients, frees the full weights (reshard), then "
-      "reduce-scatters (foreach_reduce)",
-      path.count("self.reshard()") == 1
-      and path.rindex("unsharded_grads.append(") < path.index("self.reshard()")
-      < path.index("foreach_reduce("))
+marks = ("if not self.reduce_grads", "return", "unsharded_grads.append(",
+         "if self.reshard_after_backward", "self.reshard()", ") = foreach_reduce(")
+for line in post_backward[:post_backward.index("foreach_reduce(") + 15].splitlines():
+    if line.strip().startswith(marks):
+        print(line[12:].rstrip())
+before, path = post_backward.split("fsdp_params_with_grad: list")   # path: it reduces
+no_reduce = before[before.index("if not self.reduce_grads"):]
+claim("FSDP2's post_backward saves the gradients, frees the full weights (reshard, if "
+      "reshard_after_backward), then reduce-scatters (foreach_reduce); without reduce_grads "
+      "it returns first", "return" in no_reduce and "foreach_reduce" not in no_reduce
+      and path.rindex("unsharded_grads.append(") < path.index("if self.reshard_after_backward")
+      < path.index("self.reshard()") < path.index("foreach_reduce("))
 
 # %% [markdown]
 # `Zero3` maps each parameter to the first module that owns it (a tied parameter, used by two
@@ -281,9 +292,8 @@ claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
 # Real models have frozen parameters (fine-tuning) and tied ones (one `Parameter` used by two
 # layers, like an embedding shared with the output layer). `ZeroConfig(frozen_and_tied=True)`
 # adds both to the MLP: a frozen bias, and a square weight tied between two layers. FSDP2
-# gathers the parameters of one `fully_shard` call together, a *parameter group*, and refuses
-# a tied parameter split across two groups, so `fsdp2_shard` (section 6) puts the two layers
-# in one `fully_shard([a, b])` group.
+# refuses a tied parameter split across two parameter groups, so `fsdp2_shard` (section 6)
+# puts the two layers in one `fully_shard([a, b])` group.
 
 # %%
 awkward = experiments.ZeroConfig(steps=steps, frozen_and_tied=True)
@@ -473,7 +483,7 @@ viz.show(viz.zero_tradeoff_figure(
 # Note what does not shrink with N in ZeRO-3: a rank's *working set*. While a layer's backward
 # computes, its full weights and its full gradient are both alive (and, with prefetching, the
 # next layer's full weights). Once its gradients are complete the weights go before the
-# reduce-scatter (section 4, FSDP2's order and ours), so a layer being reduce-scattered costs
+# reduce-scatter (section 4), so a layer being reduce-scattered costs
 # only its full gradient: where the reduce-scatter overlaps the next layer's backward (FSDP2's
 # aim on a GPU), the working set is that gradient plus the next layer's weights and gradient,
 # not the reduce-scattered layer's weights on top. For a transformer that is one or two
@@ -500,7 +510,7 @@ viz.show_code(experiments.fsdp2_worker, experiments.fsdp2_shard, experiments.ran
 # %%
 tour = launch.spawn(experiments.fsdp2_worker, world_size, mp, backend=backend, timeout=120)
 for name, kind, full, local, placement in tour[0]["shards"]:
-    print(f"{name:>10}: {kind}, full {full}, {placement}")
+    print(f"{name:>10}: {kind}, {placement}")
 
 # %% [markdown]
 # What FSDP2 holds and sends here, against section 1's formula. It keeps the **fp32** shard
@@ -802,8 +812,10 @@ viz.quiz([
 #   `_register_post_backward_hook` and `RegisterPostBackwardFunction`: the post-backward is an autograd function applied to the
 #   module's inputs that require a gradient, whose backward runs `post_backward`; with no such
 #   input none is applied. `FSDPParamGroup.post_backward`: it saves the unsharded gradients,
-#   calls `reshard()` (frees the full weights), then `foreach_reduce` (in `_fsdp_collectives.py`:
-#   the reduce-scatter) — the weights go before the reduce-scatter.
+#   calls `reshard()` (frees the full weights) if `reshard_after_backward`, then
+#   `foreach_reduce` (in `_fsdp_collectives.py`: the reduce-scatter) — the weights go before
+#   the reduce-scatter; with `reduce_grads` False it returns before saving or reducing.
+#   `FSDPModule.set_requires_gradient_sync` sets `reduce_grads` (`_fully_shard.py`).
 # - `torch/distributed/tensor/_api.py` — `DTensor`, `DTensor.to_local`;
 #   `torch/distributed/tensor/placement_types.py` — `Shard`, `Replicate`;
 #   `torch/distributed/device_mesh.py` — `init_device_mesh`;

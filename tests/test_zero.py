@@ -250,6 +250,30 @@ def test_frozen_and_tied_parameters_train_like_torch_ddp(ranks):
                 assert torch.equal(start, end), kind      # a frozen weight never moves
 
 
+def test_the_gradient_peak_is_inside_step_beside_its_flat_copy(ranks):
+    # Lesson 08 §3: when the backward returns DDP, ZeRO-1 and the short ZeRO-2 hold 4Ψ of
+    # gradients, but step() flattens them while every p.grad is alive: just before its
+    # collective the flat copy (padded) and, for the stages, the received slice come on top.
+    # A weighing that forgot the copy would see 4Ψ there too.
+    n, out = ranks
+    flat = 4 * zero.shard_numel(PSI, n) * n
+    for r in out:
+        runs = r["fp32"]
+        assert {runs[s]["grads_after_backward"] for s in ("ddp", "zero1", "zero2")} == {4 * PSI}
+        assert {s: runs[s]["grads_at_collective"] for s in ("ddp", "zero1", "zero2")} == {
+            "ddp": 8 * PSI, "zero1": 4 * PSI + flat + flat // n,
+            "zero2": 4 * PSI + flat + flat // n}
+
+
+def test_flatten_padded_makes_one_new_padded_buffer():
+    a, b = torch.arange(5.0), torch.arange(6.0).reshape(2, 3)
+    flat = zero.flatten_padded([a, b], 4)
+    assert flat.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0]
+    assert flat.untyped_storage().nbytes() == 12 * 4       # exactly the padded size
+    flat[0] = 9
+    assert a[0] == 0                                        # a copy, not a view
+
+
 def test_bytes_held_equal_the_formula(ranks):
     n, out = ranks
     for r in out:

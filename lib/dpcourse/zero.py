@@ -47,7 +47,6 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
@@ -217,13 +216,16 @@ def count_bytes(held: dict) -> dict:
 
 def flatten_padded(tensors, world_size: int) -> torch.Tensor:
     """The tensors as one new flat vector, zero-padded to a multiple of ``world_size`` so it
-    cuts into N equal shards (collectives want equal pieces on every rank).
+    cuts into N equal shards (collectives want equal pieces on every rank). One new buffer:
+    the tensors are concatenated straight into it, so no unpadded copy exists beside it.
 
     Shown in lesson 08, §3.
     """
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    pad = shard_numel(flat.numel(), world_size) * world_size - flat.numel()
-    return F.pad(flat, (0, pad))
+    tensors = list(tensors)
+    numel = sum(t.numel() for t in tensors)
+    flat = tensors[0].new_zeros(shard_numel(numel, world_size) * world_size)
+    torch.cat([t.detach().reshape(-1) for t in tensors], out=flat[:numel])
+    return flat
 
 
 def grads_of(params) -> list[torch.Tensor]:
@@ -402,7 +404,8 @@ class Zero2(Zero1):
     (2 + 14/N bytes per parameter at rest).
 
     A caveat of this short version: the full gradient still exists for a moment, between the
-    backward and the reduce-scatter, so its peak is no lower than ZeRO-1's. Reduce-scattering
+    backward and the reduce-scatter — beside step()'s flat copy of it, which the
+    reduce-scatter sends — so its peak is no lower than ZeRO-1's. Reduce-scattering
     bucket by bucket *during* the backward (lesson 07's hooks) avoids that: lab 08 asks for
     it; :class:`Zero3` below uses the same hook, per layer.
 
@@ -493,8 +496,8 @@ class Zero3(Stage):
       hook);
     * backward: all-gather again when the gradient of its output arrives (a hook on the output
       tensor); once the layer's gradients are complete, free the weights, then reduce-scatter
-      the gradients — FSDP2's order (``FSDPParamGroup.post_backward`` calls ``reshard()``
-      before ``foreach_reduce``), so the full weights and the full gradient are not both
+      the gradients — FSDP2's order with its defaults (``FSDPParamGroup.post_backward``
+      calls ``reshard()``, when ``reshard_after_backward``, before ``foreach_reduce``), so the full weights and the full gradient are not both
       alive during the reduce-scatter.
 
     Three collectives over every weight per step — all-gather, all-gather, reduce-scatter —

@@ -238,9 +238,11 @@ def prepare_run(run: str, cfg: ZeroConfig, dev: torch.device):
 def train_run(run: str, cfg: ZeroConfig, rank: int, world_size: int) -> dict:
     """Train ``cfg.steps`` steps one way; return the final weights (flat fp32), this rank's
     losses, the bytes it holds after the last step (before zero_grad) by category, each
-    step's traffic (:func:`summarize_traffic`), the sizes it shards (``units``), and the bytes
-    of gradients alive when the first backward returns (``grads_after_backward``): for DDP,
-    ZeRO-1 and the short ZeRO-2 the gradients' peak, since step() only shrinks them.
+    step's traffic (:func:`summarize_traffic`), the sizes it shards (``units``), the bytes
+    of gradients alive when the first backward returns (``grads_after_backward``), and the
+    most alive just before one of the first step's collectives that sum gradients
+    (``grads_at_collective``): every ``p.grad`` and kept slice, and the tensors the
+    collective is handed (for the stages, step()'s flat copy and its output slice).
 
     Not counted, because they are not model state: activations and temporaries, and torch
     DDP's gradient buckets (a second copy of the gradients unless
@@ -252,9 +254,16 @@ def train_run(run: str, cfg: ZeroConfig, rank: int, world_size: int) -> dict:
 
     dev = ddp.setup_rank()
     model, opt, x_dtype = prepare_run(run, cfg, dev)
-    losses, traffic, grads_after_backward = [], [], None
+    losses, traffic, grads_after_backward, at_collective = [], [], None, [0]
+
+    def weigh(call):                    # just before each collective that sums gradients
+        if call.op in ("all_reduce", "reduce_scatter") and not traffic:   # first step only
+            handed = [v for v in call.args.values() if torch.is_tensor(v)]
+            grads = count_bytes({"g": opt.held_tensors()["grads"] + handed})["g"]
+            at_collective[0] = max(at_collective[0], grads)
+
     for X, y in cfg.batches(rank, world_size):
-        with record_collectives() as calls:
+        with record_collectives(before=weigh) as calls:
             opt.zero_grad()
             loss = F.cross_entropy(model(X.to(dev, x_dtype)).float(), y.to(dev))
             loss.backward()
@@ -266,7 +275,8 @@ def train_run(run: str, cfg: ZeroConfig, rank: int, world_size: int) -> dict:
         traffic.append(summarize_traffic(calls, world_size))
     held = count_bytes(opt.held_tensors())
     return {"params": opt.full_weights(), "losses": losses, "held": held, "traffic": traffic,
-            "units": list(opt.units), "grads_after_backward": grads_after_backward}
+            "units": list(opt.units), "grads_after_backward": grads_after_backward,
+            "grads_at_collective": at_collective[0]}
 
 
 def equality_worker(rank: int, world_size: int, cfg: ZeroConfig, runs=RUNS) -> dict:
