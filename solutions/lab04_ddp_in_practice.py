@@ -35,21 +35,22 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # class)` pairs). What must hold:
 #
 # - **the value:** it returns a Python float, the same on every rank, equal (to 1e-6) to what
-#   one process gets with `macro_f1` of the whole test set's labels and predictions, at test
-#   time;
+#   one process gets with `macro_f1` of the whole test set's labels and predictions, with the
+#   model in eval mode (as at test time);
 # - **the work:** the ranks share it — together they run the model as many times as that one
 #   process would;
-# - **the wire:** what a rank passes into its collectives is **fewer than 3 numbers per class**
-#   (under 30 here), whatever the size of the test set (a real one has 10⁵ images on hundreds
-#   of ranks), and lives on `device` (on GPUs the group is NCCL's, which only moves GPU
+# - **the wire:** what a rank passes into its collectives does not grow with the test set (a
+#   real one has 10⁵ images on hundreds of ranks), holds **no more numbers per class than the
+#   exact value needs** (a spare number or two beside them is fine; the check counts what each
+#   rank passes), and lives on `device` (on GPUs the group is NCCL's, which only moves GPU
 #   memory; here the ranks compute on the CPU, and the check follows where each tensor would
 #   live on a GPU).
 #
 # The check calls your function on test sets that do not split evenly, and when one of these
 # does not hold, its sentence says what it saw.
 #
-# **Your design decision:** what the ranks exchange — enough for the exact value, within the
-# wire's bound.
+# **Your design decision:** what the ranks exchange — the fewest numbers per class from which
+# the exact value follows.
 #
 # Re-run the cell after each edit: it rewrites `train_lab.py`.
 
@@ -76,11 +77,11 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Pieces, in order: this rank's indices of the test set (a `Subset`); a zero tensor of shape
-# (2, 10) on `device`; the model in its test-time mode and a loop, with autograd off, that adds
-# each batch's two counts per class into it (`torch.bincount(..., minlength=10)` counts per
-# class); one collective that sums it over the ranks; each class's F1 from the sums (0 where it
-# is undefined), and their mean as a float.
+# Pieces, in order: this rank's indices of the test set (a `Subset`, from
+# `torch.utils.data`); a zero tensor of shape (2, 10) on `device`; the model in its test-time
+# mode and a loop, with autograd off, that adds each batch's two counts per class into it
+# (`torch.bincount(..., minlength=10)` counts per class); one collective that sums it over the
+# ranks; each class's F1 from the sums (0 where it is undefined), and their mean as a float.
 
 # %%
 # %%writefile {work}/train_lab.py
@@ -93,7 +94,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler
 
 from dpcourse import data, devices, models
 from dpcourse.ddp_practice import save_checkpoint
@@ -119,9 +120,11 @@ def macro_f1(y_true, y_pred):
 
 def evaluate_f1(model, test_set, rank, world_size, device):
     """macro_f1 of the WHOLE ``test_set`` under ``model`` (the plain model), the same float on
-    every rank; the ranks share the work; a rank sends fewer than 3 numbers per class, from
-    tensors on ``device``."""
+    every rank; the ranks share the work; a rank sends no more numbers per class than the
+    value needs, from tensors on ``device``."""
     ### BEGIN SOLUTION: evaluate_f1: the whole test set's macro-F1, the same on every rank
+    from torch.utils.data import Subset
+
     mine = Subset(test_set, range(rank, len(test_set), world_size))
     # Per class c: its true positives, and (images predicted c) + (images truly c). Class c's
     # F1, 2PR/(P+R) with P = TP/predicted and R = TP/truly, is 2 TP / (predicted + truly).
@@ -257,8 +260,9 @@ lab04.check_prediction(guess, labels, per_rank)
 # * `save_training_state(path, model, optimizer, epoch, is_main)` — called on **every** rank at
 #   the end of every epoch (`model` is the DDP wrapper, `epoch` the epoch just finished,
 #   `is_main` true on rank 0). Afterwards there is one file at `path`, written by rank 0 alone;
-#   the weights in it are the **unwrapped** model's (a plain model must be able to load them).
-#   `save_checkpoint` from `dpcourse.ddp_practice` writes atomically.
+#   the weights in it are the **unwrapped** model's (a plain model must be able to load them),
+#   and a crash in the middle of a save leaves the previous checkpoint readable at `path` (the
+#   check stops one save halfway through to see).
 # * `resume_training_state(path, model, optimizer)` — called on every rank at the start, after
 #   the model is wrapped; **returns the first epoch still to do**, or 0 when there is no file
 #   (`load_checkpoint` returns None then).
@@ -320,7 +324,8 @@ plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUM
 # with every mask drawn. Rank 0 can only write what reaches it; on resume, each rank needs its
 # own back, and DDP copies nothing to the other ranks after it has wrapped the model. On a GPU,
 # dropout on a CUDA tensor draws from that GPU's generator, which `torch.get_rng_state` does
-# not hold.
+# not hold. And a save can itself be cut short: until the new file is complete, the old one
+# must stay whole where a restart looks (lesson 04, §3).
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -329,10 +334,11 @@ plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUM
 # Save: every rank contributes its generator states (the CPU's, and `torch.cuda`'s for every
 # device, an empty list without a GPU) to an object collective, which pickles any Python
 # object (`dist.all_gather_object` fills a list, one entry per rank; no lesson used it yet);
-# then rank 0 alone writes one dict: the plain model's weights, the optimizer's state dict, the
-# epoch, that list. Resume: no file, return 0; else on every rank load the weights into the
-# model inside the wrapper, the optimizer's state, this rank's entry of the list into the
-# generators; return the saved epoch plus one.
+# then rank 0 alone writes one dict (beside the old file first, then over it in one step):
+# the plain model's weights, the optimizer's state dict, the epoch, that list. Resume: no
+# file, return 0; else on every rank load the weights into the model inside the wrapper, the
+# optimizer's state, this rank's entry of the list into the generators; return the saved
+# epoch plus one.
 
 # %%
 import torch

@@ -200,7 +200,8 @@ def _body(new_body: str) -> str:
     text = _solution_script()
     start = text.index("    # (solution)")
     end = text.index("    #\n", start) + len("    #\n")
-    return text[:start] + new_body + text[end:]
+    # the given script no longer imports Subset (an unused import hinted at the answer)
+    return text[:start] + "    from torch.utils.data import Subset\n" + new_body + text[end:]
 
 
 # the whole confusion matrix (100 numbers: over the contract's bound, fewer than 3 per class)
@@ -246,7 +247,24 @@ F1_WRONG = {
         "    sampler = DistributedSampler(test_set)\n"
         "    share = Subset(test_set, list(sampler))\n" + _COUNT + REDUCE, "counted twice"),
     "no_reduction": (LOCAL + "    return macro_f1(y_true, y_pred)\n", "different numbers"),
-    "no_reduction_counts": (STRIDED + _COUNT + F1_OF_COUNTS, "different numbers"),
+    "no_reduction_counts": (STRIDED + _COUNT + F1_OF_COUNTS,
+                            "no rank called a collective, so each returned its own share's"),
+    # reduce to rank 0, then every rank computes F1 from its tensor: right on rank 0 only
+    "reduce_to_rank0": (STRIDED + _COUNT2 + "    dist.reduce(counts, dst=0)\n" + F1_OF_COUNTS2,
+                        "Rank 0 returned the whole test set's macro-F1 (0.0771): it is the "
+                        "destination of your dist.reduce(..., dst=0), the only rank that "
+                        "receives the sum. On rank 1 the tensor was left holding only part"),
+    # a collective on a copy: the ranks exchanged, but computed from their own counts
+    "all_reduce_of_a_copy": (STRIDED + _COUNT2 + "    dist.all_reduce(counts.clone())\n"
+                             + F1_OF_COUNTS2, "after your collectives the ranks did not hold "
+                                              "the same sums"),
+    # the ranks' F1 weighted by their number of images: still a mean of F1s
+    "weighted_mean_of_f1": (
+        LOCAL + "    f1 = torch.tensor([macro_f1(y_true, y_pred) * len(y_true), len(y_true)],\n"
+                "                      dtype=torch.float64, device=device)\n"
+                "    dist.all_reduce(f1)\n    return float(f1[0] / f1[1])\n",
+        "is the ranks' F1 scores (0.0489 on 51 images, 0.0744 on 50 images) averaged with each "
+        "rank weighted by its number of images, where one process's is 0.077118"),
     "mean_of_f1": (LOCAL + "    f1 = torch.tensor([macro_f1(y_true, y_pred)])\n"
                            "    dist.all_reduce(f1)\n    return float(f1) / world_size\n",
                    "F1 scores were averaged"),
@@ -393,6 +411,23 @@ def test_the_rng_cause_keeps_the_design_for_the_second_meeting():
     message = lab04.RESUME_MISTAKES["rng_rank0"]
     assert "stream of its own" not in message and "hold every" not in message, message
     assert "stream of its own" in lab04.RESUME_FIXES["rng_rank0"]
+
+
+@pytest.mark.parametrize("name, cause, fix", [
+    ("reduce_to_rank0", "'Only the process with rank dst is going to receive the final result'",
+     "use a collective that leaves its result on every rank, all_reduce"),
+    ("weighted_mean_of_f1", "no mean of the shards' F1, weighted or not, is the F1 of the whole",
+     "compute F1 once from the sums"),
+])
+def test_reduce_and_weighted_mean_get_their_fix_the_second_time(tmp_path, name, cause, fix):
+    path = _write(tmp_path, _body(F1_WRONG[name][0]))
+    for attempt in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab04.check_f1(path, runs=((3, 302),))
+        message = " ".join(str(err.value).split())
+        assert message.startswith("On 3 ranks with 302 test images: "), message
+        assert cause in message, message
+        assert (fix in message) == (attempt == 1), message
 
 
 def test_mean_of_precision_recall_is_named_on_three_ranks_too(tmp_path):
@@ -626,8 +661,8 @@ def resume_state(path, model, optimizer):
     return state["epoch"] + 1
 
 
-def save_gathered_to_rank0(path, model, optimizer, epoch, is_main):
-    # right: gather_object to rank 0 only, plain torch.save, the next epoch stored
+def _gathered_state(model, optimizer, epoch, is_main):
+    # gather_object to rank 0 only, the next epoch stored (None on the other ranks)
     import torch
     import torch.distributed as dist
 
@@ -635,9 +670,100 @@ def save_gathered_to_rank0(path, model, optimizer, epoch, is_main):
 
     rng = [None] * dist.get_world_size() if is_main else None
     dist.gather_object((torch.get_rng_state(), cuda_states()), rng, dst=0)
+    return {"weights": model.module.state_dict(), "opt": optimizer.state_dict(),
+            "next_epoch": epoch + 1, "generators": rng} if is_main else None
+
+
+def save_gathered_to_rank0(path, model, optimizer, epoch, is_main):
+    # right: torch.save to a file beside the checkpoint, then os.rename over it
+    import os
+
+    import torch
+
+    state = _gathered_state(model, optimizer, epoch, is_main)
     if is_main:
-        torch.save({"weights": model.module.state_dict(), "opt": optimizer.state_dict(),
-                    "next_epoch": epoch + 1, "generators": rng}, path)
+        torch.save(state, f"{path}.partial")
+        os.rename(f"{path}.partial", path)
+
+
+def save_named_temporary(path, model, optimizer, epoch, is_main):
+    # right: a NamedTemporaryFile in the checkpoint's folder, flushed, then os.replace
+    import os
+    import tempfile
+
+    import torch
+
+    state = _gathered_state(model, optimizer, epoch, is_main)
+    if is_main:
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), delete=False) as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(f.name, path)
+
+
+def save_bytes_then_replace(path, model, optimizer, epoch, is_main):
+    # right: serialized in memory, written to a temporary file, pathlib's replace over path
+    import io
+    from pathlib import Path
+
+    import torch
+
+    state = _gathered_state(model, optimizer, epoch, is_main)
+    if is_main:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_bytes(buffer.getvalue())
+        tmp.replace(path)
+
+
+def save_plain_torch_save(path, model, optimizer, epoch, is_main):
+    # wrong: torch.save straight to the checkpoint's path (truncates it, then writes)
+    import torch
+
+    state = _gathered_state(model, optimizer, epoch, is_main)
+    if is_main:
+        torch.save(state, path)
+
+
+def save_bytes_in_place(path, model, optimizer, epoch, is_main):
+    # wrong: serialized in memory first, then written over the checkpoint where it stands
+    import io
+
+    import torch
+
+    state = _gathered_state(model, optimizer, epoch, is_main)
+    if is_main:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        with open(path, "wb") as f:
+            f.write(buffer.getvalue())
+
+
+def save_remove_first(path, model, optimizer, epoch, is_main):
+    # wrong: the old checkpoint deleted, then the new one written under its name
+    import os
+
+    import torch
+
+    state = _gathered_state(model, optimizer, epoch, is_main)
+    if is_main:
+        if os.path.exists(path):
+            os.remove(path)
+        torch.save(state, path)
+
+
+def save_then_copy(path, model, optimizer, epoch, is_main):
+    # wrong: a complete temporary file, then copied over the checkpoint (not renamed)
+    import shutil
+
+    import torch
+
+    state = _gathered_state(model, optimizer, epoch, is_main)
+    if is_main:
+        torch.save(state, f"{path}.tmp")
+        shutil.copyfile(f"{path}.tmp", path)
 
 
 def resume_gathered(path, model, optimizer):
@@ -799,12 +925,16 @@ def resume_never(path, model, optimizer):
 @pytest.mark.parametrize("save, resume", [
     (save_state, resume_state),
     (save_gathered_to_rank0, resume_gathered),
+    (save_named_temporary, resume_gathered),
+    (save_bytes_then_replace, resume_gathered),
     (save_stacked_tensor, resume_stacked),
-], ids=["reference", "gather-to-rank0-torch-save-next-epoch", "all-gather-stacked"])
+], ids=["reference", "gather-to-rank0-rename-next-epoch", "named-temporary-file-replace",
+        "bytes-in-memory-path-replace", "all-gather-stacked"])
 def test_right_resumes_pass(save, resume, capsys):
     lab04.check_resume(save, resume)
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert out.count("✔") == 1 and "read in your code, not run" in out, out
+    assert "a save stopped halfway left the previous checkpoint readable" in out, out
 
 
 def test_a_resume_exact_on_cpus_only_is_refused_for_gpus():
@@ -879,6 +1009,37 @@ def test_resume_mistakes_are_named(save, resume, phrase):
     with pytest.raises(LabCheckError) as err:
         lab04.check_resume(save, resume)
     assert phrase in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("save, how", [
+    (save_plain_torch_save, "the old file was emptied and written again where it stood"),
+    (save_bytes_in_place, "the old file was emptied and written again where it stood"),
+    (save_remove_first, "the old file was deleted before the new one was complete"),
+], ids=["plain-torch-save", "bytes-written-in-place", "removed-then-saved"])
+def test_a_save_that_a_crash_can_split_is_refused(save, how):
+    # the resume is exact, but the save stopped halfway leaves no checkpoint: cause, then fix
+    for attempt in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab04.check_resume(save, resume_gathered)
+        message = " ".join(str(err.value).split())
+        assert "A crash while saving destroys your checkpoint" in message, message
+        assert re.search(r"a complete checkpoint \(([\d,]+) bytes, epoch 0\), then stopped its "
+                         r"next save halfway", message), message
+        assert re.search(r"refused writes past [\d,]+ bytes\)\. Afterwards the file at path "
+                         r"held [\d,]+ bytes that torch\.load cannot read", message), message
+        assert how in message, message
+        assert ("os.replace it over path" in message) == (attempt == 1), message
+
+
+def test_a_checkpoint_copied_over_in_place_is_refused():
+    # the temporary file is complete before the copy, so the stopped save leaves the old
+    # checkpoint; but the copy rewrites the checkpoint's own file: the inode shows it
+    with pytest.raises(LabCheckError) as err:
+        lab04.check_resume(save_then_copy, resume_gathered)
+    message = str(err.value)
+    assert re.search(r"Rank 0's save at the end of epoch 1 rewrote the checkpoint where it "
+                     r"stood: the file at path was the same file \(inode \d+\) before and "
+                     r"after", message), message
 
 
 def test_resume_refuses_an_unfilled_todo():

@@ -128,6 +128,7 @@ _RECEIVED = {"all_gather": "tensor_list", "all_gather_into_tensor": "output_tens
              "_reduce_scatter_base": "output", "all_to_all_single": "output",
              "all_to_all": "output_tensor_list", "recv": "tensor", "irecv": "tensor"}
 _FROM_SOURCE = {"broadcast", "broadcast_object_list", "scatter", "scatter_object_list"}
+_TO_ONE = {"reduce", "gather", "gather_object"}  # only the destination rank gets the result
 
 
 class ExchangeSpy:
@@ -140,6 +141,7 @@ class ExchangeSpy:
         self.numbers = 0
         self.off_device: str | None = None
         self.averaged = False
+        self.to_one: list = []  # (collective, destination) of those whose result one rank gets
 
     def before(self, call) -> None:
         import torch.distributed as dist
@@ -152,6 +154,9 @@ class ExchangeSpy:
             self.numbers += count_numbers(sent)
         if args.get("op") is not None and args["op"] == dist.ReduceOp.AVG:
             self.averaged = True
+        if name in _TO_ONE:
+            dst = args.get("dst", args.get("group_dst"))
+            self.to_one.append((name, 0 if dst is None else int(dst)))
         if name.endswith("_object") or name.endswith("_object_list"):
             return  # object collectives put their bytes on the right device themselves
         for value in (sent, args.get(_RECEIVED.get(name, ""))):

@@ -4,7 +4,10 @@ learner's ``save_training_state`` and ``resume_training_state``; it compares eac
 momentum and generator state after the resume with what that rank had at the crash, so a mistake
 is named by its cause (the optimizer or the weights restored on rank 0 only, rank 0's generator
 state given to every rank ...), refuses a checkpoint holding the DDP wrapper's weights or a file
-written by another rank, and compares the final weights with an uninterrupted run.
+written by another rank, and compares the final weights with an uninterrupted run. Then it
+stops one save halfway (a file-size limit, as a crash or a full disk stops a write) and refuses
+a save that leaves no readable checkpoint at the path, and one that rewrote the checkpoint in
+its own file (the same inode before and after): lesson 04 §3's non-atomic save.
 
 Imported by :mod:`dpcourse.checks.lab04`, where the lab calls it.
 """
@@ -90,20 +93,16 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
     from dpcourse import data, models
 
     torch.set_num_threads(1)
-    writes = []
-    real_save, real_replace = torch.save, os.replace
+    writes = _WriteLog(os.path.dirname(ckpt))
+    real_save = torch.save
 
     def logged_save(obj, f, *a, **k):
         # a path, or a file opened by name; not a buffer in memory (all_gather_object pickles
-        # into one) nor save_checkpoint's temporary file (its os.replace is logged instead)
+        # into one). torch.save to a path opens it in C++, where no audit event reports it.
         name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
         if isinstance(name, (str, os.PathLike)):
             writes.append(str(name))
         return real_save(obj, f, *a, **k)
-
-    def logged_replace(src, dst, *a, **k):
-        writes.append(str(dst))
-        return real_replace(src, dst, *a, **k)
 
     ds = data.load("shapes10", n_train=cfg.n_train, n_test=10, seed=cfg.seed)
     train_set = data.to_torch(ds.x_train, ds.y_train)
@@ -140,7 +139,8 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
                              f"epoch to start at (an int)"}
     resumed = _snapshot(model, opt)
     epochs_run, crashed, orders = [], None, {}
-    torch.save, os.replace = logged_save, logged_replace
+    in_place = []  # (epoch, inode): rank 0's save rewrote the file where it stood
+    torch.save = logged_save
     try:
         for epoch in range(start, cfg.epochs):
             sampler.set_epoch(epoch)
@@ -152,16 +152,161 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
                 opt.step()
             epochs_run.append(epoch)
             if save_fn is not None:
-                save_fn(ckpt, model, opt, epoch, rank == 0)
+                before = _identity(ckpt)
+                with writes:
+                    save_fn(ckpt, model, opt, epoch, rank == 0)
+                after = _identity(ckpt)
+                if rank == 0 and after is not None and after != before:
+                    writes.append(ckpt)  # the file changed, however rank 0 wrote it
+                    if before is not None and after[:2] == before[:2]:
+                        in_place.append((epoch, after[1]))
             dist.barrier()  # rank 0's file is complete before anyone "crashes"
             if epoch == stop_after:
                 crashed = _snapshot(model, opt)
                 break
     finally:
-        torch.save, os.replace = real_save, real_replace
-    return {"start": start, "epochs": epochs_run, "writes": writes, "resumed": resumed,
-            "crashed": crashed, "seeded": seeded, "orders": orders,
+        torch.save = real_save
+    return {"start": start, "epochs": epochs_run, "writes": list(writes), "resumed": resumed,
+            "crashed": crashed, "seeded": seeded, "orders": orders, "in_place": in_place,
             "weights": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+
+
+def _identity(path):
+    """(device, inode, size, mtime) of ``path``, or None where there is no file: a file
+    replaced by a rename gets another inode; one rewritten where it stands keeps its own."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class _WriteLog(list):
+    """The files a rank writes in ``folder`` while the block runs: opened for writing (by
+    Python: open, os.open, tempfile) or the target of a rename, read from Python's audit
+    events. The hook stays installed (audit hooks cannot be removed) but records only inside
+    the block; the rank's process ends with the run."""
+
+    _WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def __init__(self, folder: str):
+        import sys
+
+        super().__init__()
+        self.folder = os.path.realpath(folder)
+        self.armed = False
+        sys.addaudithook(self._hook)
+
+    def __enter__(self):
+        self.armed = True
+        return self
+
+    def __exit__(self, *exc):
+        self.armed = False
+
+    def _inside(self, path) -> str | None:
+        try:
+            path = os.fsdecode(path)
+        except TypeError:
+            return None  # a file descriptor
+        full = os.path.realpath(path)
+        return full if os.path.dirname(full) == self.folder else None
+
+    def _hook(self, event, args):
+        if not self.armed:
+            return
+        if event == "open":
+            path, mode, flags = (tuple(args) + (None, None))[:3]
+            writing = (any(c in mode for c in "wax+") if isinstance(mode, str)
+                       else isinstance(flags, int) and bool(flags & self._WRITE))
+            full = self._inside(path) if writing else None
+        elif event in ("os.rename", "os.replace", "shutil.copyfile", "shutil.move"):
+            full = self._inside(args[1]) if len(args) > 1 else None
+        else:
+            return
+        if full is not None:
+            self.armed = False  # list.append runs no audit event; this guards against re-entry
+            try:
+                self.append(full)
+            finally:
+                self.armed = True
+
+
+def _crash_worker(rank, world_size, save_fn, folder, cfg):
+    """A crash in the middle of a save, on one rank: the learner's ``save_training_state``
+    writes a complete checkpoint (epoch 0), then saves again (epoch 1) while the file system
+    refuses every write past half of that checkpoint's size (RLIMIT_FSIZE, with SIGXFSZ
+    ignored, so the write raises instead of killing the process), as a crash or a full disk
+    stops a write halfway. Returns what was at ``path`` afterwards."""
+    __tracebackhide__ = True
+    import signal
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dpcourse import data, models
+
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: the crash cannot be injected here
+        return {"skipped": True}
+    torch.set_num_threads(1)
+    ds = data.load("shapes10", n_train=cfg.global_batch, n_test=10, seed=cfg.seed)
+    X, y = data.to_torch(ds.x_train, ds.y_train).tensors
+    torch.manual_seed(cfg.seed)
+    model = DDP(models.SmallCNN(width=cfg.width, dropout=RESUME_DROPOUT))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    torch.nn.functional.cross_entropy(model(X), y).backward()
+    opt.step()  # momentum buffers exist, as in a real checkpoint
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "ckpt.pt")
+    save_fn(path, model, opt, 0, True)
+    if not os.path.exists(path):
+        return {"skipped": True}  # judged elsewhere: no file at path
+    with open(path, "rb") as f:
+        complete = f.read()
+    before = _identity(path)
+    removed = []  # os.remove / os.unlink of the checkpoint itself during the stopped save
+
+    def hook(event, args):
+        if event == "os.remove" and args and removed is not None:
+            try:
+                if os.path.realpath(os.fsdecode(args[0])) == os.path.realpath(path):
+                    removed.append(True)
+            except TypeError:
+                pass
+
+    import sys
+
+    sys.addaudithook(hook)
+    limit = max(1, len(complete) // 2)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    raised = None
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        save_fn(path, model, opt, 1, True)
+    except Exception as exc:  # the write that the "crash" stopped
+        raised = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    left = None
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            left = f.read()
+    readable = False
+    if left is not None:
+        try:
+            torch.load(path, map_location="cpu", weights_only=False)
+            readable = True
+        except Exception:
+            readable = False
+    after = _identity(path)
+    deleted, removed = bool(removed), None  # the hook records nothing more
+    return {"size": len(complete), "limit": limit, "left": None if left is None else len(left),
+            "same": left == complete, "readable": readable, "raised": raised,
+            "deleted": deleted, "same_file": after is not None and after[:2] == before[:2]}
 
 
 def _snapshot(model, opt) -> dict:
@@ -202,6 +347,8 @@ def check_resume(save_training_state, resume_training_state, plan=None,
     every rank must continue exactly where it stopped (its weights, its momentum, its random
     state), the second run must do only epoch 2 and end bit for bit (to 1e-5) with the weights
     of an uninterrupted run (``timeout``: 90 s per run, or ``DPCOURSE_CHECK_TIMEOUT`` if more).
+    A save stopped halfway (on one rank, by a file-size limit) must leave the previous
+    checkpoint readable, and no save may rewrite the checkpoint in its own file.
     Then the two functions' code must touch CUDA's generators (a CPU run cannot show that a GPU
     run would drop them). ``plan``: the learner's :func:`~dpcourse.checks.predict` of
     :data:`RESUME_PLAN_QUESTION`, compared once the code passes with what the runs showed."""
@@ -235,12 +382,21 @@ def check_resume(save_training_state, resume_training_state, plan=None,
             if len(runs) == 1:
                 _judge_first_run(runs[0], ckpt)
         first, second, whole = runs
-    _judge_resume(first, second, whole, cfg)
+        _judge_resume(first, second, whole, cfg)
+        crash = run_ranks(
+            _crash_worker, 1, save_training_state, os.path.join(tmp, "crash"), cfg,
+            timeout=timeout,
+            hang=lambda exc: f"save_training_state did not finish within {timeout:g} s on one "
+                             f"rank",
+            failed=lambda exc: fail(f"your code raised in a run on one rank, where the check "
+                                    f"stops a save halfway: {exc.summary}"))[0]
+        _judge_atomic(crash, first[0]["in_place"])
     _judge_cuda(save_training_state, resume_training_state)
     passed("resume after a crash: every rank continued with its own weights, momentum and "
            "random state, trained only the last epoch and ended with the weights of an "
-           "uninterrupted run (run on CPUs; that CUDA's generators are saved and restored too "
-           "was read in your code, not run)")
+           "uninterrupted run; a save stopped halfway left the previous checkpoint readable "
+           "(run on CPUs; that CUDA's generators are saved and restored too was read in your "
+           "code, not run)")
     if plan is not None:
         _reveal_plan(plan, first, second, whole, cfg)
 
@@ -379,6 +535,42 @@ def _judge_cuda(save_fn, resume_fn) -> None:
              fix="save each rank's torch.cuda.get_rng_state_all() beside its CPU state (an "
                  "empty list where there is no GPU) and give it back with "
                  "torch.cuda.set_rng_state_all(...).")
+
+
+_ATOMIC_FIX = ("write the checkpoint to a temporary file in the same folder and, once it is "
+               "complete, os.replace it over path (one step, which a crash cannot split): "
+               "dpcourse.ddp_practice.save_checkpoint does this.")
+
+
+def _judge_atomic(crash: dict, in_place: list) -> None:
+    """Fail if a save stopped halfway left no readable checkpoint at the path, or if rank 0
+    rewrote the checkpoint where it stood (the same inode before and after, new contents)."""
+    __tracebackhide__ = True
+    if not crash.get("skipped") and not crash["same"] and not crash["readable"]:
+        if crash["left"] is None:
+            after, how = ("there was no file at path at all",
+                          "the old file was deleted before the new one was complete")
+        else:
+            after = (f"the file at path held {crash['left']:,} bytes that torch.load cannot "
+                     f"read")
+            how = ("the old file was deleted before the new one was complete"
+                   if crash["deleted"] else
+                   "the old file was emptied and written again where it stood"
+                   if crash["same_file"] else
+                   "the old file was gone before the new one was complete")
+        fail(f"A crash while saving destroys your checkpoint: the check let "
+             f"save_training_state write a complete checkpoint ({crash['size']:,} bytes, epoch "
+             f"0), then stopped its next save halfway, as a crash or a full disk would (the "
+             f"file system refused writes past {crash['limit']:,} bytes). Afterwards "
+             f"{after}, and epoch 0's complete checkpoint was gone: {how}, so a job killed "
+             f"in that moment restarts from nothing (lesson 04, §3).", fix=_ATOMIC_FIX)
+    if in_place:
+        epoch, inode = in_place[0]
+        fail(f"Rank 0's save at the end of epoch {epoch} rewrote the checkpoint where it stood: "
+             f"the file at path was the same file (inode {inode}) before and after, with new "
+             f"contents, so while it was being written it held part of a checkpoint, and a "
+             f"crash in that moment leaves none to restart from (lesson 04, §3).",
+             fix=_ATOMIC_FIX)
 
 
 def _judge_first_run(first: list, ckpt: str) -> None:

@@ -10,14 +10,17 @@ script so that it equals one process.
    test set 4 times larger while the collectives it calls are recorded. Every rank must return
    one process's macro-F1 of the whole test set, each image evaluated exactly once over all
    ranks, in eval mode without autograd, send no more for the larger set, pass fewer than 3
-   numbers per class into its collectives (which two counts is the learner's decision: true
-   positives and predicted + true, or true positives and errors ...), and pass only tensors
+   numbers per class into its collectives (which counts is the learner's decision), and pass
+   only tensors
    that would live on ``device`` on a GPU (followed by ``_lab04_exchange``). When it does
-   not, the sentence names the mistake: ranks that return their own shard's number, images
+   not, the sentence names the mistake: ranks that return their own shard's number (no
+   collective), or the sum on one rank only (``dist.reduce``: the destination's F1 is right,
+   the others keep a partial sum), images
    counted twice (a second pass over one rank's share, or shares that overlap:
    DistributedSampler's padding is named only where one image is on two ranks), images
    skipped, a rank left idle while another evaluates everything, every rank evaluating
-   everything, the ranks' F1 scores averaged or summed, the ranks' per-class precisions and recalls
+   everything, the ranks' F1 scores averaged (plainly or weighted by their images) or summed,
+   the ranks' per-class precisions and recalls
    averaged, the accuracy instead of F1, the labels or
    predictions themselves gathered (what is sent grows with the test set), the confusion
    matrix or three counts per class (over the budget), two counts that give only the
@@ -52,7 +55,9 @@ resumes it; it compares each rank's weights, momentum and generator state after 
 what that rank had at the crash (so a mistake is named by its cause: the optimizer or the
 weights restored on rank 0 only, rank 0's generator state given to every rank ...), refuses a
 checkpoint holding the DDP wrapper's weights or a file written by another rank, compares
-the final weights with an uninterrupted run, and then reads the code for CUDA's generators (a
+the final weights with an uninterrupted run, refuses a save that a crash can split (it stops
+one save halfway with a file-size limit and reads what is left at the path; and a checkpoint
+rewritten in its own inode), and then reads the code for CUDA's generators (a
 CPU run cannot show that they are dropped); given the learner's recorded plan (what a resume
 must restore), it compares it with what the runs showed.
 Used in solutions/lab04_ddp_in_practice.py; tests in tests/test_lab04_checks.py. This module
@@ -222,7 +227,8 @@ def _f1_worker(rank, world_size, source, n_test):
             if n == n_test:
                 first, first_seen = value, dict(seen)
                 exchange = {"numbers": spy.numbers, "off_device": spy.off_device,
-                            "averaged": spy.averaged}
+                            "averaged": spy.averaged, "to_one": list(spy.to_one),
+                            "collectives": len(calls) - before}
                 seen["indices"] = None  # the larger set's images are not looked up
     value = first
     if torch.is_tensor(value):
@@ -278,10 +284,13 @@ def _f1_variants(n_test: int, world_size: int) -> dict:
            "accuracy": float((pred == y).double().mean()),
            "precision_only": float((tp / whole.sum(0).clamp(min=1)).mean()),
            "recall_only": float((tp / whole.sum(1).clamp(min=1)).mean()),
-           "mean_of_f1": [], "sum_of_f1": [], "mean_of_pr": []}
+           "mean_of_f1": [], "sum_of_f1": [], "mean_of_pr": [], "weighted_mean_of_f1": []}
     for shards in shardings.values():
         f1s = [_f1_of(confusion(s)) for s in shards]
         out["mean_of_f1"].append(sum(f1s) / N)
+        sizes = [len(s) for s in shards]
+        out["weighted_mean_of_f1"].append(sum(k * f for k, f in zip(sizes, f1s)) / sum(sizes))
+        out.setdefault("shards", []).append(list(zip(f1s, sizes)))
         out["sum_of_f1"].append(sum(f1s))
         out["mean_of_pr"].append(_f1_of_mean_pr([confusion(s) for s in shards]))
     return out
@@ -355,9 +364,7 @@ def judge_f1(results: list, n_test: int) -> str:
              fix="evaluate under torch.no_grad() (or torch.inference_mode()).")
     values = [r["value"] for r in results]
     if max(values) - min(values) > _F1_TOL:
-        fail(where + f"the ranks returned different numbers ({', '.join(f'{v:.4f}' for v in values)}"
-                     f"): each returned its own share's result, not the whole test set's.",
-             fix="make the ranks combine what they counted before the F1 is computed.")
+        _judge_different(results, values, n_test, where)
     images = [r["images"] for r in results]
     total = sum(images)
     if all(i == n_test for i in images) and N > 1:
@@ -397,6 +404,18 @@ def judge_f1(results: list, n_test: int) -> str:
         for name in ("mean_of_f1", "sum_of_f1", "mean_of_pr"):
             if any(abs(got - v) <= _F1_TOL for v in want[name]):
                 _mistake(F1_MISTAKES, F1_FIXES, name, where)
+        weighted = [i for i, v in enumerate(want["weighted_mean_of_f1"])
+                    if abs(got - v) <= _F1_TOL]
+        if weighted:
+            # no equal-weight mean matched: the same shards (unequal in size) weighted by size
+            ranks = ", ".join(f"{f:.4f} on {k} images" for f, k in want["shards"][weighted[0]])
+            fail(where + f"your macro-F1 {got:.6f} is the ranks' F1 scores ({ranks}) averaged "
+                         f"with each rank weighted by its number of images, where one "
+                         f"process's is {want['correct']:.6f}. Weighting by images makes a mean over images "
+                         f"exact (the accuracy), but F1 is no mean over images: each class's F1 "
+                         f"is a ratio of counts over the whole set, so no mean of the shards' "
+                         f"F1, weighted or not, is the F1 of the whole set.",
+                 fix=F1_FIXES["mean_of_f1"])
         for name in ("accuracy", "precision_only", "recall_only"):
             if abs(got - want[name]) <= _F1_TOL:
                 _mistake(F1_MISTAKES, F1_FIXES, name, where)
@@ -414,6 +433,42 @@ def judge_f1(results: list, n_test: int) -> str:
              fix="make the tensor you exchange on the device (torch.zeros(..., device=device)), "
                  "or move it there with .to(device) before the collective.")
     return AVG_NOTE if any(r.get("averaged") for r in results) else ""
+
+
+def _judge_different(results: list, values: list, n_test: int, where: str) -> None:
+    """The ranks returned different numbers: name why. A collective whose result only its
+    destination receives (``dist.reduce``, ``gather``) leaves the sum on one rank; no
+    collective at all leaves each rank its own share's F1."""
+    __tracebackhide__ = True
+    shown = ", ".join(f"{v:.4f}" for v in values)
+    head = where + f"the ranks returned different numbers ({shown})"
+    to_one = next((r["to_one"][0] for r in results if r.get("to_one")), None)
+    correct = _f1_variants(n_test, len(results))["correct"]
+    if to_one is not None:
+        name, dst = to_one
+        others = [rank for rank in range(len(results)) if rank != dst]
+        if 0 <= dst < len(values) and abs(values[dst] - correct) <= _F1_TOL:
+            who = " and ".join(f"rank {r}" for r in others)
+            got = " and ".join(f"{values[r]:.4f}" for r in others)
+            fail(head + f". Rank {dst} returned the whole test set's macro-F1 ({correct:.4f}): "
+                        f"it is the destination of your dist.{name}(..., dst={dst}), the only "
+                        f"rank that receives the sum. On {who} the tensor was left holding "
+                        f"only part of it (torch: 'Only the process with rank dst is going to "
+                        f"receive the final result'), so the F1 computed from it there, "
+                        f"{got}, is not the whole set's.",
+                 fix="every rank must end with the sums (or with the F1 computed from them): "
+                     "use a collective that leaves its result on every rank, all_reduce, or "
+                     "send the destination's F1 to the others afterwards (broadcast).")
+    if not any(r.get("collectives") for r in results):
+        fail(head + f", where one process's macro-F1 of the whole test set is {correct:.4f}: "
+                    f"no rank called a collective, so each returned its own share's result, "
+                    f"not the whole test set's.",
+             fix="make the ranks combine what they counted before the F1 is computed.")
+    fail(head + f", where one process's macro-F1 of the whole test set is {correct:.4f}: "
+                f"after your collectives the ranks did not hold the same sums, so each computed "
+                f"the F1 of something else.",
+         fix="make every rank end with the same sums, added over all the ranks (all_reduce), "
+             "before the F1 is computed.")
 
 
 # The contract: what a rank passes into its collectives is fewer numbers than _PER_CLASS_LIMIT
@@ -444,9 +499,10 @@ def _judge_budget(results: list, where: str) -> None:
                 "negatives that precision and recall are written with")
     else:
         what = f", {k / C:g} per class"
-    fail(where + f"rank {rank} passed {k} numbers into its collectives{what}, where the contract "
-                 f"allows fewer than {_PER_CLASS_LIMIT} per class (under {limit} here): "
-                 f"macro-F1 is determined by fewer.",
+    fail(where + f"rank {rank} passed {k} numbers into its collectives{what}: macro-F1 is "
+                 f"determined by fewer per class, and the contract allows no more than it "
+                 f"needs (with a spare number or two: fewer than {_PER_CLASS_LIMIT} per class, "
+                 f"under {limit} here).",
          fix="each class's F1 is the harmonic mean of its precision and recall, two fractions "
              "with the same numerator (its true positives): write 2·P·R/(P + R) as one fraction "
              "of counts, and exchange the two per-class counts it is made of.")
