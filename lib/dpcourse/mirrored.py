@@ -444,9 +444,8 @@ def make_train_step(strategy, model, optimizer, global_batch: int, loss_scaling:
     """:func:`train_step` compiled with ``tf.function`` (one graph for the whole step).
 
     The optimizer's own variables (momentum, Adam's moments) are created here, under the
-    strategy, before the step is traced: Keras would otherwise create them lazily inside the
-    traced function, and with the default ``CollectiveAllReduce`` on 2 CPU devices that failed
-    here (TF 2.21: "You must feed a value for placeholder tensor 'cond/.../Placeholder'").
+    strategy, before the step is traced, so that they are made once, mirrored, rather than
+    lazily during the traced function's first call.
 
     Shown in lesson 05, §"Lab 05: the custom loop".
     """
@@ -582,6 +581,8 @@ def save_checkpoint(directory: str | Path, model: keras.Model, optimizer=None, s
 
     Under a strategy this saves one copy of each mirrored variable (they are equal), so the
     checkpoint restores under any strategy or none: the number of replicas is not in it.
+
+    Shown in lesson 05, §7.
     """
     ckpt = tf.train.Checkpoint(model=model, step=tf.Variable(step, dtype=tf.int64),
                                **({"optimizer": optimizer} if optimizer is not None else {}))
@@ -590,7 +591,13 @@ def save_checkpoint(directory: str | Path, model: keras.Model, optimizer=None, s
 
 def restore_checkpoint(path: str, model: keras.Model, optimizer=None) -> int:
     """Restore what :func:`save_checkpoint` wrote into ``model`` (and ``optimizer``), which must
-    be built already (under the strategy that will train it, if any). Returns the saved step."""
+    be built already (under the strategy that will train it, if any). Returns the saved step.
+
+    ``expect_partial()`` silences TF's warnings about objects not matched (the optimizer's
+    slots when only a model is restored); it checks nothing, so compare weights after a restore.
+
+    Shown in lesson 05, §7.
+    """
     step = tf.Variable(0, dtype=tf.int64)
     ckpt = tf.train.Checkpoint(model=model, step=step,
                                **({"optimizer": optimizer} if optimizer is not None else {}))
@@ -658,6 +665,8 @@ def run_multiworker(config: MultiWorkerConfig | None = None, num_workers: int = 
     Every worker runs in its own process group and is killed — with anything it started — when
     one fails, on timeout, on KeyboardInterrupt, and after success: nothing is left running and
     no port stays bound. A failure raises :class:`MultiWorkerError` with the workers' last lines.
+
+    Shown in lesson 05, §8.
     """
     config = config or MultiWorkerConfig()
     if not isinstance(num_workers, int) or num_workers < 1:
