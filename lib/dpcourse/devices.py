@@ -199,6 +199,8 @@ def split_tf_devices(n: int = 2, device_type: str | None = None, gpu_memory_mb: 
     it uses them. Calling it again with the same or a smaller ``n`` is fine (re-running a cell:
     the first ``n`` devices); asking for more devices after TF has started raises a
     RuntimeError that says to restart.
+
+    Shown in lesson 05, §1.
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive number of devices, got {n!r}")
