@@ -46,3 +46,37 @@ def test_rate_verdict_is_the_rule_behind_the_sentence():
     assert rate_verdict([10] * 5, [8, 8, 30, 8, 8]) == ("slower", "in all but one of 5 rounds")
     assert rate_verdict([1, 2], [3, 4, 5]) == ("faster", "in every run")
     assert rate_verdict([1, 3], [2, 4]) == ("unclear", "")
+
+
+def test_an_empty_loader_is_a_clear_error_not_a_division_by_zero():
+    """train_one_epoch and evaluate given no sample raise ValueError saying so (they used to
+    divide by zero)."""
+    import torch
+    from torch import nn
+
+    from dpcourse import train
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="no samples"):
+        train.train_one_epoch(model, [], nn.CrossEntropyLoss(), opt)
+    with pytest.raises(ValueError, match="no samples"):
+        train.evaluate(model, [], nn.CrossEntropyLoss())
+
+
+def test_time_breakdown_times_the_step_phases_and_trains():
+    """The phases time_breakdown times are step_phases': the weights move, every part is > 0."""
+    import torch
+    from torch import nn
+
+    from dpcourse import train
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    before = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [(torch.randn(4, 3), torch.tensor([0, 1, 0, 1]))] * 3
+    parts = train.time_breakdown(model, batches, nn.CrossEntropyLoss(), opt, max_batches=5)
+    assert set(parts) == {"data", "forward", "backward+step"}
+    assert all(v > 0 for v in parts.values())
+    assert not torch.equal(before, model.weight) and model.training

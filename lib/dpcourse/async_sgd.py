@@ -72,7 +72,10 @@ class Problem:
 
 def make_problem(n_train: int = 2048, n_test: int = 1024, seed: int = 0,
                  dataset: str = "shapes10") -> Problem:
-    """The course's images, averaged over 4×4 blocks (32×32×3 -> 8×8×3 = 192 features)."""
+    """The course's images, averaged over 4×4 blocks (32×32×3 -> 8×8×3 = 192 features).
+
+    Shown in lesson 09, §1.
+    """
     from dpcourse import data
 
     ds = data.load(dataset, n_train=n_train, n_test=n_test, seed=seed)
@@ -88,7 +91,10 @@ def make_problem(n_train: int = 2048, n_test: int = 1024, seed: int = 0,
 
 def make_model(in_features: int = 192, hidden: int = 64, classes: int = 10,
                seed: int = 0) -> nn.Module:
-    """A two-layer MLP, the same weights for the same seed on every rank."""
+    """A two-layer MLP, the same weights for the same seed on every rank.
+
+    Shown in lesson 09, §1.
+    """
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 

@@ -179,7 +179,10 @@ def device_for_rank(local_rank: int, backend: str) -> torch.device:
 def seed_everything(seed: int, deterministic: bool = False) -> None:
     """Seed Python, NumPy and torch (all GPUs too). ``deterministic`` also asks torch for
     deterministic kernels, which costs speed on GPU; on CPU the course's models are already
-    bit-for-bit repeatable with the same seed and the same thread count."""
+    bit-for-bit repeatable with the same seed and the same thread count.
+
+    Shown in lesson 01, §"Seeds and reproducibility".
+    """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device as well

@@ -32,6 +32,7 @@ __all__ = [
     "make_loaders",
     "ThroughputMeter",
     "time_breakdown",
+    "step_phases",
     "autocast_for",
     "compare_rates",
     "rate_verdict",
@@ -142,6 +143,8 @@ def train_one_epoch(model: nn.Module, loader, loss_fn, optimizer, device="cpu", 
             meter.stop(len(y))
         total_loss += loss.item() * len(y)  # weight by batch size: the last batch may be short
         total += len(y)
+    if total == 0:
+        raise ValueError("train_one_epoch: the loader gave no samples (an empty loader?)")
     return total_loss / total
 
 
@@ -161,6 +164,8 @@ def evaluate(model: nn.Module, loader, loss_fn, device="cpu", amp: bool = False)
         total_loss += loss.float().item() * len(y)
         correct += (logits.argmax(dim=1) == y).sum().item()
         total += len(y)
+    if total == 0:
+        raise ValueError("evaluate: the loader gave no samples (an empty loader?)")
     return total_loss / total, correct / total
 
 
@@ -207,37 +212,56 @@ def fit(model: nn.Module, ds, cfg: TrainConfig) -> list[dict]:
     return history
 
 
+def step_phases(model: nn.Module, loss_fn, optimizer):
+    """The two phases of a training step that :func:`time_breakdown` times apart: ``forward(X,
+    y)`` (zero the gradients, forward, loss; returns the loss) and ``backward_step(loss)``.
+    Puts the model in training mode. It holds a training step, so lesson 01 folds it.
+
+    Shown in lesson 01, §"Lab 01: write the loop yourself".
+    """
+    model.train()
+
+    def forward(X, y):
+        optimizer.zero_grad(set_to_none=True)
+        return loss_fn(model(X), y)
+
+    def backward_step(loss):
+        loss.backward()
+        optimizer.step()
+
+    return forward, backward_step
+
+
 def time_breakdown(model: nn.Module, loader, loss_fn, optimizer, device="cpu",
                    max_batches: int = 20) -> dict:
     """Where one training step's time goes: waiting for data vs forward vs backward+step.
 
     Seconds summed over up to ``max_batches`` batches (the device is synchronized at each
-    boundary, so each phase is charged what it really cost).
+    boundary, so each phase is charged what it really cost). The phases are
+    :func:`step_phases`.
 
-    Shown in lesson 01, §"Lab 01: write the loop yourself" (folded: it holds a training step).
+    Shown in lesson 01, §"Throughput, and where the time goes".
     """
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     parts = {"data": 0.0, "forward": 0.0, "backward+step": 0.0}
-    model.train()
+    forward, backward_step = step_phases(model, loss_fn, optimizer)
     it = iter(loader)
     for _ in range(max_batches):
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()          # before asking the loader
         try:
             X, y = next(it)
         except StopIteration:
             break
         X, y = X.to(device), y.to(device)
         sync()
-        t1 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(X), y)
+        t1 = time.perf_counter()          # the batch is on the device
+        loss = forward(X, y)
         sync()
-        t2 = time.perf_counter()
-        loss.backward()
-        optimizer.step()
+        t2 = time.perf_counter()          # after the forward and the loss
+        backward_step(loss)
         sync()
-        t3 = time.perf_counter()
+        t3 = time.perf_counter()          # after the optimizer step
         parts["data"] += t1 - t0
         parts["forward"] += t2 - t1
         parts["backward+step"] += t3 - t2
