@@ -140,9 +140,12 @@ lab05.check_per_replica_loss(per_replica_loss, strategy)
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# A variable is mirrored when it is *created* while the strategy is the current one. Both
-# objects create variables when they are built (the optimizer holds at least its step counter
-# and learning rate), so both must be built there. `start`'s variables were created elsewhere
+# A variable is mirrored when it is *created* while the strategy is the current one. The
+# model creates its weights when it is built; the optimizer creates its step counter and its
+# learning rate already in its constructor (`keras/src/optimizers/base_optimizer.py`,
+# `BaseOptimizer.__init__`), and any per-weight state when it is built — so both objects must
+# be constructed there, not only built: an optimizer constructed outside the scope and built
+# inside it keeps an unmirrored step counter. `start`'s variables were created elsewhere
 # and stay what they are: what can move from `start` to a mirrored model is values, not
 # variables — and a copy of its architecture starts from its initialisers, not from where
 # `start` is now.
@@ -168,7 +171,10 @@ model, optimizer = lab05.check_model_and_optimizer(make_model_and_optimizer, str
 # takes one step of SGD on the global batch `dist_batch` (already split over the replicas) and
 # returns `(loss, accuracy)`: two plain numbers (scalar tensors on the host), the **global
 # batch's** mean loss and accuracy before the update — what one device would report for the
-# whole batch. Inside it, `step_fn` runs once per replica on the replica's slice; the slices
+# whole batch: the loss is the mean of the per-example losses over all `global_batch` samples,
+# and the accuracy is the **fraction of those samples** whose largest logit (computed before the
+# update) is at their label, a number in [0, 1] — what `mean(argmax(logits) == y)` gives on one
+# device over the whole batch. Inside it, `step_fn` runs once per replica on the replica's slice; the slices
 # need not be the same size (as in part 1), and `global_batch` is their total. The gradient
 # part is given.
 #

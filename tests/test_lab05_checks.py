@@ -142,6 +142,24 @@ def test_optimizer_outside_scope_is_named(strategy):
         lab05.check_model_and_optimizer(make_optimizer_outside, strategy)
 
 
+def make_optimizer_built_inside(strategy, lr):
+    """The optimizer constructed outside the scope, then built inside it (wrong: Keras creates
+    its step counter and learning rate in the constructor, base_optimizer.py __init__)."""
+    with strategy.scope():
+        model = mirrored.build_keras_cnn()
+    optimizer = keras.optimizers.SGD(learning_rate=lr)
+    with strategy.scope():
+        optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+def test_optimizer_constructed_outside_and_built_inside_is_named(strategy):
+    model, optimizer = make_optimizer_built_inside(strategy, 0.1)
+    assert not strategy.extended.variable_created_in_scope(optimizer.iterations.value)  # hint 2
+    with pytest.raises(LabCheckError, match="optimizer was created outside strategy.scope"):
+        lab05.check_model_and_optimizer(make_optimizer_built_inside, strategy)
+
+
 def test_no_update_is_named(strategy):
     def lazy_step(strategy, model, optimizer, dist_batch, global_batch):
         def step_fn(x, y):
