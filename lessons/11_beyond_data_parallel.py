@@ -645,7 +645,8 @@ bubble_explorer = viz.explorer(
 # Now for real, on 4 ranks. Each stage runs its schedule with `run_stage`, folded below: the
 # lab's stretch asks you to write one GPipe step, and to work out what turns the
 # micro-batches' gradients into the batch's. A measured timeline's bubble is
-# `measured_bubble`'s idle share (shown below). Our CPU ranks would fight over the machine's
+# `measured_bubble`'s idle share, shown below: it is the formula the stretch's contract
+# states for its `bubble`, so only the step itself stays folded. Our CPU ranks would fight over the machine's
 # cores, so each forward also sleeps `delay_s` (each backward twice that): a stand-in for an
 # accelerator, which computes without taking a CPU core. Every (schedule, M) runs in one
 # launch and is compared with the unsplit model on the whole batch — the model, its cut into

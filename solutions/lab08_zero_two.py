@@ -199,7 +199,7 @@ def make_buckets(params, cap):
 # in which every trainable parameter gets its gradient.
 #
 # A hook that runs as soon as `p.grad` holds this backward's gradient:
-# `p.register_post_accumulate_grad_hook(fn)` (lesson 08, §4) calls `fn(p)`. The skeleton's
+# `p.register_post_accumulate_grad_hook(fn)` (lesson 07, §2) calls `fn(p)`. The skeleton's
 # `_grad_ready` and `_finish` are one way to split the work; the check calls only the
 # constructor, `zero_grad()` and `step()`.
 #
