@@ -8,15 +8,17 @@
 # # Lab 01 · Write the training loop
 #
 # In lesson 01 you took a training step apart. Now write the two functions every later lesson
-# builds on. Their contract — what the checks hold them to:
+# builds on. Their contract — what the checks hold them to. Both take a `loss_fn` that
+# averages over its batch (`reduction="mean"`, as `nn.CrossEntropyLoss()` does), so the number
+# it returns for a batch is that batch's mean loss.
 #
 # * `train_one_epoch(model, loader, loss_fn, optimizer, device) -> float` — trains `model` on
 #   each batch of `loader` in turn, one optimizer step per batch on that batch's mean loss, and
 #   returns the **mean loss per sample** over the epoch, as a Python float. One case lesson 01
-#   never met: a batch whose loss is not finite (NaN or inf). Nothing of that batch reaches
-#   the weights, the optimizer's state (Adam's running moments, say) or the gradients in
-#   `p.grad`: the function raises `FloatingPointError`, and the caller holds the model and the
-#   optimizer as the batches before it left them.
+#   never met: a batch whose loss is not finite (NaN or inf). Then the function raises
+#   `FloatingPointError`, and the caller finds the weights, the optimizer's state (Adam's
+#   running moments, say) and every `p.grad` as the batches before it left them: **each
+#   `p.grad` still holds the gradient the last step used** (the evidence a caller inspects).
 # * `evaluate(model, loader, loss_fn, device) -> (mean_loss, accuracy)` — the model measured as
 #   it predicts at test time, recording no autograd graph: two Python floats, the mean loss per
 #   sample and the fraction of samples whose predicted class (the argmax of the logits) is the
@@ -52,12 +54,14 @@ device = torch.device(device or devices.choose_profile().device)
 # %% [markdown]
 # ## 1. `train_one_epoch`
 #
-# One epoch of training, with the contract above. The loop itself is lesson 01's; the part to
+# One epoch of training, with the contract above. The moves are lesson 01's; the part to
 # decide is the guard. Before you write it, decide three things: **what** your function looks
 # at to know a batch is spoiled, **which values** count as spoiled, and **where** in the step
-# it looks — after which move has the batch already left a trace in the weights, in Adam's
-# state or in `p.grad`? The check trains with Adam and spoils one batch of its own loaders in
-# three different ways; each wrong choice meets at least one of them.
+# it looks — of the step's five moves (`zero_grad`, forward, loss, backward, step), after
+# which one has something the contract says the caller finds (a weight, Adam's state, a
+# `p.grad`) already changed? The order of the moves is yours too. The check trains with Adam
+# and spoils one batch of its own loaders in three different ways; each wrong choice meets at
+# least one of them.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -65,16 +69,17 @@ device = torch.device(device or devices.choose_profile().device)
 # %% [markdown] jupyter={"source_hidden": true}
 # What does `p.grad` hold when `backward()` runs for the second batch, if nothing touched it
 # after the first? Is the epoch's mean loss per sample always the mean of the batches'
-# losses? Of a step's moves (`zero_grad` and the lesson's four), which is the last one after
-# which a spoiled loss has left no trace — in a weight, in `p.grad`, in the optimizer's state?
-# And is NaN the only float32 value a loss can take that no step should ever use?
+# losses? Between the end of one step and the next `backward()`, what does `p.grad` hold, and
+# which move is the first to change it? And is NaN the only float32 value a loss can take that
+# no step should ever use?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Per batch: clear what the last step left in the gradients, forward, the loss, backward, step.
-# For the return value, count samples, not batches: a batch's mean loss stands for as many
+# Per batch: forward, the loss, backward, step, and a clearing of the gradients somewhere
+# before the backward. The last step's gradient is part of what the caller must find, so the
+# clearing counts as a change the guard must come before. For the return value, count samples, not batches: a batch's mean loss stands for as many
 # samples as the batch holds. The model may come to you in any state: training is your
 # function's job from its first line. A NaN can come from the images or from the labels alone
 # (a mean over no counted sample is 0/0), and it need not show in the gradients: the one
@@ -85,10 +90,10 @@ device = torch.device(device or devices.choose_profile().device)
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Lesson 01's loop, counting samples for the return value, and one test that raises: on
-# the number that shows every spoiling, with a test that is true for every value that is not
-# an ordinary number, placed after the one move that computes that number and before the
-# first move that writes into `p.grad`.
+# Lesson 01's moves, in an order you choose, counting samples for the return value, and one
+# test that raises: on the number that shows every spoiling, with a test that is true for
+# every value that is not an ordinary number, placed after the one move that computes that
+# number and before every move that changes `p.grad`.
 
 # %%
 def train_one_epoch(model, loader, loss_fn, optimizer, device):
@@ -97,10 +102,10 @@ def train_one_epoch(model, loader, loss_fn, optimizer, device):
     total_loss, total = 0.0, 0
     for X, y in loader:
         X, y = X.to(device), y.to(device)
-        optimizer.zero_grad()
         loss = loss_fn(model(X), y)
-        if not torch.isfinite(loss):  # before backward: weights, p.grad and state untouched
+        if not torch.isfinite(loss):  # before zero_grad: weights, p.grad and state untouched
             raise FloatingPointError(f"a batch's loss is {loss.item()}: not finite")
+        optimizer.zero_grad()  # the last step's gradient stays until this batch needs p.grad
         loss.backward()
         optimizer.step()
         total_loss += loss.item() * len(y)
@@ -117,18 +122,20 @@ lab01.check_train_one_epoch(train_one_epoch)
 # three full batches and a last one of 2. Your function returns a loss that counts each of the
 # 50 samples once. But what about the *training*: compared with the step a full batch of 16
 # moved the weights by, is the step on the 2-sample batch `"smaller"`, `"about the same"`
-# (within 50%), or `"larger"`? Write your choice; the next cell runs your `train_one_epoch`
-# with **plain SGD at learning rate 0.1** (no momentum: each step is exactly lr × the batch's
-# gradient; not the Adam of §1's check, whose steps are normalised), measures how far each
-# step moved the weights, and says why.
+# (within 50%), or `"larger"`? The check's 50 samples are random images with **random
+# labels**: no pattern is shared between samples, so reason about gradients that have nothing
+# in common. Write your choice; the next cell runs your `train_one_epoch` with **plain SGD at
+# learning rate 0.1** (no momentum: each step is exactly lr × the batch's gradient; not the
+# Adam of §1's check, whose steps are normalised), measures how far each step moved the
+# weights, and says why.
 
 # %% [markdown]
 # **▶ Hint — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # The step is the learning rate times the gradient of the batch's loss. That loss is a mean:
-# over which samples, divided by what? And what happens to a mean of 2 samples' gradients that
-# does not happen to a mean of 16?
+# over which samples, divided by what? And when the samples share nothing, what happens to a
+# mean of 16 samples' gradients that does not happen to a mean of 2?
 
 # %%
 ### BEGIN SOLUTION: your prediction (one of lab01.STEP_CHOICES)

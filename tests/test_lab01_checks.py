@@ -13,10 +13,10 @@ def good_train(model, loader, loss_fn, optimizer, device):
     model.train()
     total, n = 0.0, 0
     for X, y in loader:
-        optimizer.zero_grad()
         loss = loss_fn(model(X), y)
         if not torch.isfinite(loss):
             raise FloatingPointError("the loss is not finite")
+        optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         total += loss.item() * len(y)
@@ -317,8 +317,12 @@ def test_an_error_re_raised_with_its_cause_passes(capsys):
 # --- answers only right for one data set, and right answers written differently -----------
 
 def _train(denominator="count", backward="mean", zero="before", loss_out=float,
-           guard="finite"):
-    """train_one_epoch written in several ways, right and wrong. ``guard``: how a loss that is
+           guard="finite", set_to_none=True):
+    """train_one_epoch written in several ways, right and wrong. ``zero``: where the gradients
+    are cleared, "before" backward and after the guard (right: the last step's gradient stays
+    in p.grad until the test has passed), "first" (before the forward, as lesson 01's loop:
+    the guard then finds p.grad already cleared) or "after" the step (the same, seen from the
+    other end); ``set_to_none``: zero_grad's argument. ``guard``: how a loss that is
     not finite is caught: torch.isfinite before backward ("finite"), math.isfinite of the float
     ("isfinite"), torch.isnan alone before backward ("isnan": lets inf through), not finite
     after backward, before the step ("after-backward": NaN left in p.grad), or isnan before
@@ -327,8 +331,8 @@ def _train(denominator="count", backward="mean", zero="before", loss_out=float,
         model.train()
         total, n = 0.0, 0
         for X, y in loader:
-            if zero == "before":
-                optimizer.zero_grad()
+            if zero == "first":
+                optimizer.zero_grad(set_to_none=set_to_none)
             out = model(X)
             if backward == "mean":
                 loss = loss_fn(out, y)
@@ -338,6 +342,8 @@ def _train(denominator="count", backward="mean", zero="before", loss_out=float,
                     raise FloatingPointError("NaN loss")
                 if guard == "isfinite" and not math.isfinite(loss.item()):
                     raise FloatingPointError(f"the loss is {loss.item()}")
+                if zero == "before":
+                    optimizer.zero_grad(set_to_none=set_to_none)
                 loss.backward()
                 if guard == "after-backward" and not torch.isfinite(loss):
                     raise FloatingPointError("the loss is not finite")
@@ -346,13 +352,15 @@ def _train(denominator="count", backward="mean", zero="before", loss_out=float,
                 summed = torch.nn.functional.cross_entropy(out, y, reduction="sum")
                 if not torch.isfinite(summed):
                     raise FloatingPointError("the loss is not finite")
+                if zero == "before":
+                    optimizer.zero_grad(set_to_none=set_to_none)
                 (summed / len(y)).backward()
                 batch_total = summed.item()
             optimizer.step()
             if guard == "nan-then-after-step" and not math.isfinite(batch_total):
                 raise FloatingPointError("the loss is not finite")
             if zero == "after":
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=set_to_none)
             total += batch_total
             n += len(y)
         if denominator == "count":
@@ -367,12 +375,34 @@ def _train(denominator="count", backward="mean", zero="before", loss_out=float,
     return fn
 
 
+def guard_then_zero_grad_in_place(model, loader, loss_fn, optimizer, device):
+    """A right answer the other way round: lesson 01's zero_grad first, with a copy of the
+    last step's gradients kept aside and put back if the loss is not finite."""
+    model.train()
+    total, n = 0.0, 0
+    for X, y in loader:
+        kept = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        loss = loss_fn(model(X), y)
+        if not math.isfinite(loss.item()):
+            for p, g in zip(model.parameters(), kept):
+                p.grad = g
+            raise FloatingPointError(f"the loss is {loss.item()}")
+        loss.backward()
+        optimizer.step()
+        total += loss.item() * len(y)
+        n += len(y)
+    return total / n
+
+
 @pytest.mark.parametrize("fn", [
     _train(),
-    _train(zero="after"),
+    _train(set_to_none=False),
     _train(denominator="dataset"),
     _train(guard="isfinite"),
-], ids=["plain", "zero-after-step", "len-dataset", "isfinite-guard"])
+    guard_then_zero_grad_in_place,
+], ids=["plain", "zeroed-in-place-after-the-guard", "len-dataset", "isfinite-guard",
+        "zero-grad-first-with-the-gradients-put-back"])
 def test_right_train_variants_pass(fn, capsys):
     lab01.check_train_one_epoch(fn)
     assert capsys.readouterr().out.count("✔") == 1
@@ -416,7 +446,6 @@ def _nan(where="before", raises=FloatingPointError, looks_at="loss", rollback=Fa
             raise raises(message)
 
         for X, y in loader:
-            optimizer.zero_grad()
             if looks_at == "images" and torch.isnan(X).any():
                 stop("NaN in the images")
             loss = loss_fn(model(X), y)
@@ -424,6 +453,7 @@ def _nan(where="before", raises=FloatingPointError, looks_at="loss", rollback=Fa
                 stop("NaN loss")
             if where == "skip" and not torch.isfinite(loss):
                 continue
+            optimizer.zero_grad()
             loss.backward()
             if looks_at == "gradients" and any(torch.isnan(p.grad).any()
                                                for p in model.parameters()):
@@ -449,7 +479,8 @@ def _nan(where="before", raises=FloatingPointError, looks_at="loss", rollback=Fa
     # gradients tested after backward (and cleared before raising): a batch of padding has
     # finite (zero) gradients
     (_nan(looks_at="gradients", clear=True),
-     "what it tests was clean here (the images, the gradients"),
+     "all 4 of the model's p.grad were None when it raised: between the step on batch 2 and "
+     "your test of batch 3's loss, backward() on the spoiled batch ran"),
     # the same test, the gradients left as they are: the NaN stays in p.grad
     (_nan(looks_at="gradients"), "4 of the model's 4 gradients (p.grad) hold NaN or inf: "
                                  "backward() on that batch had already run when it raised"),
@@ -484,7 +515,69 @@ def test_a_nan_loss_reaching_the_weights_or_the_caller_wrongly_is_named(fn, phra
 
 def test_a_nan_guard_before_backward_passes(capsys):
     lab01.check_train_one_epoch(_nan())
-    assert "before it reaches the weights" in capsys.readouterr().out
+    assert "p.grad, which still holds the last sound step's gradient" in capsys.readouterr().out
+
+
+# The contract's p.grad: the caller finds the gradient the last sound step used. Lesson 01's
+# loop (zero_grad first) with the guard after the loss passes every other test of the contract
+# and is refused by what its zero_grad left in p.grad; so is zero_grad at the end of each step.
+@pytest.mark.parametrize("fn, phrase", [
+    (_train(zero="first"),
+     "raised FloatingPointError with the weights and Adam's state of the batches before it, but "
+     "all 4 of the model's p.grad were None when it raised: between the step on batch 2 and "
+     "your test of batch 3's loss, a zero_grad() ran (its default, set_to_none=True, sets "
+     "p.grad to None)"),
+    (_train(zero="first", set_to_none=False),
+     "all 4 of the model's p.grad held only zeros when it raised: between the step on batch 2 "
+     "and your test of batch 3's loss, the gradients were zeroed in place "
+     "(zero_grad(set_to_none=False), or p.grad.zero_()), which clears them as surely as None"),
+    (_train(zero="after"),
+     "all 4 of the model's p.grad were None when it raised: between the step on batch 2 and "
+     "your test of batch 3's loss, a zero_grad() ran"),
+    (_train(zero="after", set_to_none=False), "held only zeros when it raised"),
+], ids=["zero-grad-before-the-guard", "zeroed-in-place-before-the-guard",
+        "zero-grad-after-each-step", "zeroed-in-place-after-each-step"])
+def test_a_guard_after_the_gradients_were_cleared_is_named(fn, phrase):
+    with pytest.raises(LabCheckError) as err:
+        lab01.check_train_one_epoch(fn)
+    first = str(err.value)
+    assert phrase in first, first
+    assert "each p.grad holding the last sound step's gradient" in first, first
+    assert "batch 3 of 4 held one image with a NaN pixel" in first, first
+    assert "just before backward" not in first, first
+
+
+def test_a_guard_after_zero_grad_gets_the_fix_on_the_second_meeting():
+    fn = _train(zero="first")
+    with pytest.raises(LabCheckError):
+        lab01.check_train_one_epoch(fn)
+    with pytest.raises(LabCheckError, match="test the loss before anything clears or writes "
+                                            "p.grad: clear the gradients after the test, just "
+                                            "before backward"):
+        lab01.check_train_one_epoch(fn)
+
+
+def test_gradients_written_over_by_something_else_are_named_with_the_difference():
+    """p.grad neither None nor zero, nor the last step's: the check says by how much."""
+    def fn(model, loader, loss_fn, optimizer, device):
+        model.train()
+        total, n = 0.0, 0
+        for X, y in loader:
+            loss = loss_fn(model(X), y)
+            if not torch.isfinite(loss):
+                for p in model.parameters():
+                    p.grad *= 2  # "rescaled for the log": no longer the step's gradient
+                raise FloatingPointError("the loss is not finite")
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * len(y)
+            n += len(y)
+        return total / n
+    with pytest.raises(LabCheckError) as err:
+        lab01.check_train_one_epoch(fn)
+    assert "p.grad was not the gradient the step on batch 2 used when it raised (largest " \
+           "difference" in str(err.value), str(err.value)
 
 
 def test_the_huge_input_batch_gives_an_inf_loss_with_finite_logits_and_gradients():

@@ -6,10 +6,11 @@ loader whose last batch is short (so "mean of batch means" differs from "mean pe
 two set-ups with different sizes and seeds (so a number that only fits one of them, such as a
 hard-coded sample count, is caught), then compares with the reference in ``dpcourse.train``.
 When the numbers differ, it replays the usual mistakes with the reference and tells you which
-one yours matches. ``check_train_one_epoch`` then spoils one batch of its loader twice over (an
-image with a NaN pixel; finite images whose labels are all ignore_index, a NaN loss with a zero
-gradient) and holds the function to its contract: a NaN loss raises FloatingPointError before it
-reaches the weights.
+one yours matches. ``check_train_one_epoch`` then spoils one batch of its loader in three ways
+(an image with a NaN pixel; finite images whose labels are all ignore_index, a NaN loss with a
+zero gradient; a huge finite image under label smoothing, an inf loss with finite gradients) and
+holds the function to its contract: a loss that is not finite raises FloatingPointError, and the
+caller finds the weights, Adam's state and every p.grad as the last sound step left them.
 """
 
 from __future__ import annotations
@@ -198,8 +199,8 @@ def check_train_one_epoch(train_one_epoch) -> None:
     _check_train_nan(train_one_epoch)
     passed("train_one_epoch matches the reference: same weights, same mean loss; and a batch "
            "whose loss is not finite (NaN from a bad image or from labels alone, inf from a "
-           "huge finite input) stops the epoch with a FloatingPointError before it reaches the "
-           "weights, the gradients or Adam's state.")
+           "huge finite input) stops the epoch with a FloatingPointError before it touches the "
+           "weights, Adam's state or p.grad, which still holds the last sound step's gradient.")
 
 
 def _check_train_once(train_one_epoch, setup) -> None:
@@ -337,7 +338,9 @@ def _not_finite(tensors) -> int:
 def _check_train_nan(train_one_epoch, setup=_SETUPS[0]) -> None:
     """The contract's case the lesson did not show: a batch whose loss is not finite never
     reaches the weights, the optimizer's state or p.grad; the function raises
-    FloatingPointError, and the caller holds what the batches before it gave."""
+    FloatingPointError, and the caller finds the weights, the optimizer's state and every
+    p.grad as the batches before it left them (p.grad: the gradient the last sound step
+    used)."""
     __tracebackhide__ = True
     n, batch, _ = setup
     stopped = []  # the spoilings the learner's function stopped on
@@ -346,11 +349,15 @@ def _check_train_nan(train_one_epoch, setup=_SETUPS[0]) -> None:
         start = _params(model)
         opt = torch.optim.Adam(model.parameters(), lr=_LR)
         torch.manual_seed(1)
+        backwards = []  # one entry per backward that reached the first layer's weight
+        hook = next(model.parameters()).register_hook(lambda g: backwards.append(1))
         raised = None
         try:
             got = train_one_epoch(model, loader, loss_fn, opt, "cpu")
         except Exception as exc:  # noqa: BLE001 - the learner's function may raise anything
             raised = exc
+        finally:
+            hook.remove()
         weights = _params(model)
         broken = sum(bool(torch.isnan(p).any()) for p in weights)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -425,6 +432,7 @@ def _check_train_nan(train_one_epoch, setup=_SETUPS[0]) -> None:
                      f"batches before it, but Adam's state is not the one those batches give "
                      f"(its step counts or moments moved): the next step of the caller's "
                      f"training would not be the one it would have been.", fix=guard + ".")
+            _check_grads_kept(model, ref, what, backward_ran=len(backwards) > _BAD)
             stopped.append(how)
             _check_caller_goes_on(train_one_epoch, model, opt, ref, ref_opt, head, what)
             continue
@@ -436,6 +444,45 @@ def _check_train_nan(train_one_epoch, setup=_SETUPS[0]) -> None:
         fail(f"{what}; your function raised FloatingPointError, but the weights it left differ "
              f"from those the steps on batches 1 and 2 give: the contract's weights are those "
              f"from before the spoiled batch.", fix=guard + ".")
+
+
+def _check_grads_kept(model, ref, what: str, backward_ran: bool) -> None:
+    """The contract's p.grad: when the function raises, every p.grad holds the gradient the
+    last sound step used (``ref``'s, after the batches before the spoiled one), as the batches
+    before it left them: a guard that a zero_grad or a backward has already run before is
+    refused by what it left there."""
+    __tracebackhide__ = True
+    got = [p.grad for p in model.parameters()]
+    want = [p.grad for p in ref.parameters()]
+    if all(g is not None for g in got) and _same(got, want):
+        return
+    n = len(got)
+    if all(g is None for g in got):
+        found = f"all {n} of the model's p.grad were None when it raised"
+        cause = ("a zero_grad() ran (its default, set_to_none=True, sets p.grad to None), "
+                 "whether you wrote it at the end of a step or at the start of the next")
+    elif all(g is not None and not bool(g.any()) for g in got):
+        found = f"all {n} of the model's p.grad held only zeros when it raised"
+        cause = ("the gradients were zeroed in place (zero_grad(set_to_none=False), or "
+                 "p.grad.zero_()), which clears them as surely as None does")
+    else:
+        diff = max(float((a - b).abs().max()) if a is not None and b is not None else math.inf
+                   for a, b in zip(got, want))
+        found = (f"p.grad was not the gradient the step on batch 2 used when it raised "
+                 f"(largest difference {diff:.3g})")
+        cause = "something wrote into p.grad"
+    if backward_ran:
+        cause = ("backward() on the spoiled batch ran (after a clearing, or adding into what "
+                 "was there)")
+    found = (f"{found}: between the step on batch 2 and your test of batch 3's loss, {cause}, "
+             f"so the gradient that step used was gone")
+    fail(f"{what}; your function raised FloatingPointError with the weights and Adam's state "
+         f"of the batches before it, but {found}. The contract says the caller finds the "
+         f"gradients as the batches before left them, each p.grad holding the last sound "
+         f"step's gradient: what a caller inspects (its norm, its largest entries) beside the "
+         f"spoiled batch to see what went wrong.",
+         fix="test the loss before anything clears or writes p.grad: clear the gradients after "
+             "the test, just before backward.")
 
 
 def _check_caller_goes_on(train_one_epoch, model, opt, ref, ref_opt, clean, what) -> None:
@@ -1059,7 +1106,8 @@ def check_step_prediction(guess, train_one_epoch) -> None:
         f"own mean, so the {short}-sample batch's gradient is an average like the others', "
         f"not {short}/{batch} of one, and its step has a full step's scale; and an average of "
         f"{short} samples' gradients cancels less of their disagreement than one of {batch} "
-        f"(this check's labels are random, so they disagree a lot). Each of those {short} "
+        f"(the check's labels are random, so they disagree a lot; the more a batch's samples "
+        f"agree, the less an average of many cancels, and the closer the two steps come). Each of those {short} "
         f"samples moved the weights about {ratio * batch / short:.0f} times as much as a "
         f"sample of a full batch. The number your function returns counts every sample "
         f"once; the steps do not. DataLoader(drop_last=True) skips such a batch; the stretch "
