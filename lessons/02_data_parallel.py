@@ -12,8 +12,8 @@
 # - say why replica 0 is special (it shares the module's weights and buffers, so BatchNorm's
 #   running statistics come from device 0's chunk alone);
 # - count the traffic through device 0 when the copies are made one by one — a naive parameter
-#   server, 2(N−1)K per step — say what the real class does instead, and name the costs DDP
-#   removes.
+#   server, 2(N−1)K weights and gradients per step — say what the real class does instead,
+#   and name the costs DDP removes.
 #
 # **Time:** about 40 minutes to read and run (plus about 30 for the lab).
 #
@@ -338,23 +338,32 @@ claim("the real nn.DataParallel behaves as described above for this machine's nu
 # gradients of K numbers back (in the backward). A *parameter server* is one
 # place that holds the weights, hands them out and collects the gradients (lesson 09 builds a
 # real one); done copy by copy, device 0 **sends (N−1)K and receives (N−1)K** numbers per step,
-# T = 2(N−1)K through its link — linear in N. This is the strawman, not the real class: on NCCL
-# its broadcast and its reduce are collectives that pipeline the bytes over the links between
+# T = 2(N−1)K weights and gradients through its link — linear in N. This is the strawman,
+# not the real class: on NCCL its broadcast and its reduce are collectives that pipeline the bytes over the links between
 # GPUs, so device 0 no longer carries every copy. We have no GPUs here to measure that; what
 # stays true of the real class is everything after this figure — a replication every step, one
 # process, device 0's extra work. Our `Broadcast` adds to a counter the size of each copy it
 # actually makes (in `forward`) and of each gradient it actually receives on device 0 (in
-# `backward`); the claim checks that those counts are what the formula says:
+# `backward`); the claim checks that those counts are what the formula says. T counts
+# weights and gradients only: `scatter` also sends each other device its chunk of the input,
+# and `gather` brings their outputs back to device 0 (whose gradients go out again in the
+# backward). Those numbers grow with the batch, not with K; the cell prints them beside the
+# count, taken from the chunks themselves:
 
 # %%
 counted = {}
 for n in (2, 4, 8):
     m = copy.deepcopy(model)
     with dp.TrafficCounter() as tc:
-        F.cross_entropy(dp.data_parallel(m, X, dp.devices_for(n, kind="cpu")), y).backward()
+        out = dp.data_parallel(m, X, dp.devices_for(n, kind="cpu"))
+        F.cross_entropy(out, y).backward()
     counted[n] = tc.total
+    # not counted: the other devices' input chunks out, their outputs in and those gradients out
+    batch_traffic = (sum(c.numel() for c in torch.chunk(X, n)[1:])
+                     + 2 * sum(c.numel() for c in torch.chunk(out, n)[1:]))
     print(f"N={n}: weights out {tc.params_out:>8,}  gradients in {tc.grads_in:>8,}  "
-          f"total {tc.total:>9,}")
+          f"total {tc.total:>9,}  (not counted: input chunks, outputs and their gradients "
+          f"{batch_traffic:>7,}, {batch_traffic / tc.total:.0%} more)")
     claim(f"N={n}: (N-1)K weights out, (N-1)K gradients in, 2(N-1)K in all",
           tc.params_out == (n - 1) * K and tc.grads_in == (n - 1) * K
           and tc.total == dp.parameter_server_traffic(n, K), counted=tc.total)
@@ -530,7 +539,7 @@ print(f"On this run: {verdict}.")
 #
 # | DataParallel's cost (this lesson) | DDP's answer |
 # |---|---|
-# | traffic through device 0: 2(N−1)K sent and received per step done copy by copy (the real class broadcasts and reduces with NCCL, but still sends every weight out every step) | an all-reduce among equals: under 4K sent and received per rank (lesson 06) |
+# | traffic through device 0: 2(N−1)K weights and gradients sent and received per step done copy by copy (the real class broadcasts and reduces with NCCL, but still sends every weight out every step) | an all-reduce among equals: under 4K sent and received per rank (lesson 06) |
 # | replicate every step | the weights are broadcast **once**, then stay equal because every rank applies the same averaged gradient |
 # | one process, one GIL | one **process** per device |
 # | device 0 computes the loss and holds all outputs | every rank computes the loss on its own chunk |
@@ -625,8 +634,8 @@ claim(f"averaging the shares makes the gradient {n_devices}x (the number of devi
 #   running statistics are device 0's chunk's alone; the other replicas' updates are lost.
 # - Its costs: a replication every step, threads sharing one GIL, device 0 doing the loss alone,
 #   and, when the copies go one by one (a naive parameter server, as in our `dp`), 2(N−1)K
-#   numbers through device 0 every step; the real class broadcasts and reduces with NCCL when
-#   it can.
+#   weights and gradients through device 0 every step, the batch's chunks and outputs on top;
+#   the real class broadcasts and reduces with NCCL when it can.
 # - DataParallel computes what the plain model computes only when no layer couples the samples
 #   of a batch: training-mode BatchNorm sees each replica's chunk alone.
 #
@@ -660,13 +669,14 @@ viz.quiz([
              "Nothing averages the replicas' buffers: the other replicas are dropped after the "
              "step."]},
     {"q": "In this lesson's DataParallel, which copies one device at a time (a naive parameter "
-          "server), with 8 devices and a model of K parameters, how many numbers cross device "
-          "0's link per step?",
+          "server), with 8 devices and a model of K parameters, how many numbers of weights and "
+          "gradients cross device 0's link per step?",
      "options": ["3.5K", "14K", "8K"],
      "answer": 1,
      "why": ["That is what one rank of a ring all-reduce sends plus receives, 4(N−1)K/N at "
              "N = 8, counted the same way: not device 0 of this DataParallel.",
-             "Right: 2(N−1)K = 14K — K out to each of 7 copies, K gradients back from each.",
+             "Right: 2(N−1)K = 14K — K out to each of 7 copies, K gradients back from each (the "
+             "batch's chunks and outputs cross it too, an amount that grows with the batch).",
              "Close, but the weights go out to 7 copies AND 7 gradients come back."]},
     {"q": "On a laptop with no GPU, what does nn.DataParallel(model)(X) do?",
      "options": ["Raises an error", "Splits the batch over CPU threads",

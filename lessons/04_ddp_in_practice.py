@@ -611,10 +611,12 @@ viz.show_code(viz.sampler_slots)
 # %% [markdown]
 # Rank 0's own number is simply another sample (see the table). The padding and the mean of
 # means are off by less than a point, which is exactly why they survive: nobody notices that a
-# reported accuracy is 0.2 points off, or that two runs on 2 and on 8 GPUs "disagree". With 8 ranks and a 10 001-image test set, the padding repeats 7 images; with small
-# validation sets and many ranks the gap grows. The training loss the script prints meets the
-# same trap: `torch.distributed` has `ReduceOp.AVG`, but it averages the ranks' values, a mean
-# of means again.
+# reported accuracy is 0.2 points off, or that two runs on 2 and on 8 GPUs "disagree". With 8
+# ranks and a 10 001-image test set, the padding repeats 7 images; with small validation sets
+# and many ranks the gap grows. For the training loss, `ReduceOp.AVG` of the ranks' mean
+# losses would be exact here: it averages the ranks' values, the global mean when every
+# rank's batch has the same size, as `DistributedSampler(drop_last=True)` and a
+# `drop_last=True` loader give (section 1's diff); with unequal shards it is a mean of means.
 #
 # Why does `evaluate` get `raw_model` and not the DDP wrapper? A module's **buffers** are the
 # tensors it keeps that are not parameters: they get no gradient, so no all-reduce keeps them

@@ -24,7 +24,7 @@
 # Lesson 03 proved *that* DDP equals one process on the global batch. This lesson shows *how it
 # gets fast*, in three versions that each change one thing (the PyTorch DDP paper, Li et al.,
 # "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020, tells
-# the same story — bucketing, overlap, skipping synchronisation — measured on up to 256 GPUs):
+# the same story, measured on up to 256 GPUs):
 #
 # 1. **after the backward**: one blocking all-reduce per parameter, once `backward()` returns;
 # 2. **hooks**: an asynchronous all-reduce per parameter, launched as soon as its gradient is
@@ -45,6 +45,7 @@ hook_steps = 120      # training steps of the comm-hook comparison
 
 # %%
 import math
+import os
 
 import torch
 from IPython.display import Markdown, display
@@ -60,9 +61,9 @@ backend = devices.backend_for(world_size)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-# Why: the profile depends on this machine's GPUs.
+# Why: the profile depends on this machine's GPUs and CPU.
 print(profile.describe())
-print(f"this lesson: {world_size} ranks over {backend}")
+print(f"this lesson: {world_size} ranks over {backend}; CPU cores (os.cpu_count()): {os.cpu_count()}")
 
 # %% [markdown]
 # ## 1. One all-reduce per parameter, after the backward
@@ -366,10 +367,9 @@ viz.show(viz.reducer_figure(),
 #   that is complete before the ones ahead of it is not launched before them (how it does that
 #   is lab07's part 2, folded below). Buckets fill out of order whenever the backward's order
 #   differs from the reversed registration order (a layer registered before one it follows;
-#   lesson 03 showed that DDP rebuilds its buckets after the first step for that reason, and the
-#   order can still differ later). Launching in bucket order makes the i-th all-reduce of every
-#   rank the same bucket; our class launches as buckets fill, which is safe here only because
-#   every rank runs the same backward in the same order.
+#   the order can differ even after DDP's rebuild). Launching in bucket order makes the i-th
+#   all-reduce of every rank the same bucket; our class launches as buckets fill, which is
+#   safe here only because every rank runs the same backward in the same order.
 # - **Gradients as views** (`gradient_as_bucket_view=True`): each `p.grad` is a view of its
 #   slice of the bucket, so autograd accumulates straight into the bucket and the all-reduced
 #   buffer *is* the averaged gradient: no copy in, no copy back, and one gradient's memory
@@ -410,15 +410,13 @@ viz.show(viz.reducer_figure(),
 
 # %% [markdown]
 # ## 4. Measuring the overlap on a CPU — and predicting it
-# What to expect first: gloo's all-reduce is work for the same 2 cores that run the
-# backward, so on this machine a slower backward may pay back what overlap hides, which the
-# model below leaves out (this run's numbers, and why, after the measurements). Read the round-by-round verdicts for what your run shows; a
-# simulated wire that takes no CPU then tests the model where its assumptions hold, and with
-# GPUs `python -m dpcourse.bench ddp --backend nccl` runs these versions and caps over NCCL.
+# Expect this first: gloo's all-reduce runs on the cores that run the backward (the setup cell
+# printed how many), which the model below leaves out; a simulated wire that takes no CPU then
+# tests the model where its assumptions hold.
 #
 # The small CNN is too small for buckets to matter, so for timing we take a model whose size
 # is in many matrices — 64 `Linear` layers of width 320 (the first, 3072 × 320, is the
-# largest at 3.75 MiB), 28 MiB of float32, quick on a CPU — and train it with all four
+# largest at 3.75 MiB), quick on a CPU — and train it with all four
 # versions and at each cap of `sweep_caps`. Three **controls** run beside them: `local` (no
 # communication: the compute alone), and the per-parameter and bucketed versions with
 # `overlap=False` — the same asynchronous all-reduces of the same buffers, launched only once
@@ -449,7 +447,7 @@ timing = launch.spawn(experiments.timing_worker, world_size, tcfg, runs, 1, back
                       timeout=300, show_output=False)[0]
 by = {(r["kind"], r["bucket_cap_mb"]): r for r in timing["runs"]}
 mlp_params = list(tcfg.build().parameters())
-print(f"model: {len(mlp_params)} parameter tensors, {timing['model_bytes'] / 2**20:.1f} MiB")
+print(f"model: {len(mlp_params)} parameter tensors")
 linears = [m for m in tcfg.build().modules() if isinstance(m, torch.nn.Linear)]
 claim(f"the timed model: {len(linears)} Linear layers, the first {linears[0].in_features} × "
       f"{linears[0].out_features} the largest, "
@@ -532,8 +530,9 @@ print(f"at most {in_flight} all-reduces were in flight at the same moment")
 #
 # - **gloo runs each process group's work on 2 worker threads** (`ProcessGroupGloo::Options`,
 #   `threads{2}`; each runs `runLoop`), so two all-reduces can be in flight together, and each
-#   rank has up to three busy threads — the backward and two gloo workers — on **2 cores**
-#   shared by both ranks: each all-reduce takes longer than alone, and so does the backward.
+#   rank has up to three busy threads — the backward and two gloo workers — on the cores
+#   both ranks share: with fewer cores than busy threads, each all-reduce takes longer than
+#   alone, and so does the backward.
 # - **The "done" stamp is Python**: `BucketedDataParallel._launch` chains
 #   `work.get_future().then(...)` with a Python callback that appends the time. It runs only
 #   once it holds the GIL, which the backward's Python hooks (and the main thread) also take,
@@ -720,6 +719,8 @@ viz.show(viz.overlap_model_figure(model_rows),
          "the dark blue bar's lead over the dark orange one is real is what the round-by-round "
          "verdicts above say; the gap between light and dark is what the model leaves out.")
 slowed = by[("bucketed", 4)]["parts_s"]["backward"] * 1e3
+yard = zip(*(by[("bucketed", c)]["steps_s"]["step"] for c in (25, math.inf)))  # identical work
+noise_ms = statistics.median(abs(a - b) * 1e3 for a, b in yard)                 # the noise floor
 # The paragraph is written from this run's numbers, which change from run to run.
 display(Markdown(
     f"**What this run says.** The model predicted that overlap would save {min(saving):.1f} to "
@@ -732,7 +733,11 @@ display(Markdown(
     f"alone (medians; {r4['B_ms'] - parts['backward']:.1f} ms of it the hooks' copies): backward "
     f"against backward, {verdict(by[('bucketed', 4)], local, 'backward')}. The model assumes "
     f"overlap leaves the backward unchanged, with no term for gloo and the backward sharing the "
-    f"cores (why that matters, after the next figure)."))
+    f"cores (why that matters, after the next figure). The noise floor: identical work (25 MiB, one "
+    f"bucket) differed by {noise_ms:.1f} ms in a typical round (median of |paired difference|), more "
+    f"than the predicted saving at {sum(0 < v < noise_ms for v in saving)} of the "
+    f"{sum(v > 0 for v in saving)} caps where the model predicts one. Where no run against its "
+    f"control has a clear verdict, this run cannot tell overlap's effect from noise."))
 
 # %% [markdown]
 # Where do the model and the run part ways? Here are both for the 4 MiB buckets, on one time
@@ -767,27 +772,24 @@ ax.set_yticklabels([label for label, *_ in reversed(rows)], fontsize=8)
 ax.set_xlabel("ms since backward() was called")
 ax.grid(True, axis="x", alpha=0.3)
 fig.subplots_adjust(left=0.19, right=0.97, bottom=0.16, top=0.95)
-viz.show(fig, "the 4 MiB buckets, run against model: grey is the backward, each coloured bar "
-              "one bucket's all-reduce (launch to end), the black mark the end of the step "
-              "(optimizer included); the run's rows are one step, which can stray from the "
-              "medians in the table. Where the run's bars are longer than the model's, run "
-              "side by side instead of one after the other, and its backward is longer, is "
-              "where the model's assumptions (one all-reduce at a time, compute undisturbed) "
-              "do not hold on this machine.")
+viz.show(fig, "the 4 MiB buckets, run against model: grey is the backward, each coloured bar one "
+              "bucket's all-reduce (launch to end), the black mark the step's end (optimizer "
+              "included); the run's rows are one step, which can stray from the medians. Bars "
+              "longer and side by side, and a longer backward, mark where the model's assumptions "
+              "(one all-reduce at a time, compute undisturbed) fail on this machine.")
 
 # %% [markdown]
 # Where the model fails, and why. It treats compute and communication as independent: the
 # backward takes as long with all-reduces in flight as without, and an all-reduce as long
-# during the backward as alone. On this 2-core CPU neither need hold: gloo's all-reduce is
-# work done *by the CPU* (copying, summing, the loopback TCP stack) on the cores the ranks'
-# backward runs on, so overlapping them interleaves two jobs on the same cores, and what
-# overlap hides a slower backward can pay back ("What this run says" above: by how much here).
-# The model
-# also leaves out that each all-reduce waits for the slower rank, and takes its compute and
-# its all-reduces from other runs: hold a run's difference from its control against the
-# model, not the absolute step. On a
-# GPU with NCCL the transfer runs on the interconnect and the reduction on a few of the GPU's
-# many cores beside the backward's kernels, which is what the model assumes.
+# during the backward as alone. On a CPU neither need hold: gloo's all-reduce is work done *by
+# the CPU* (copying, summing, the loopback TCP stack) on the cores the backward runs on, so
+# what overlap hides a slower backward can pay back; "What this run says" holds both against
+# the noise of two runs of identical work. The model also leaves out that each all-reduce
+# waits for the slower rank, and takes its compute and its all-reduces from other runs: hold
+# a run's difference from its control against the model, not the absolute step. On a GPU,
+# NCCL's kernels run as thread blocks on the streaming multiprocessors, one per channel
+# (`NCCL_MAX_CTAS` caps them), and share the memory bandwidth with the backward's kernels, so
+# the assumption holds only where the backward leaves those idle; no GPU run is stored here.
 #
 # ### When the wire takes no CPU
 # Is the model wrong, or only this machine's wire? Take the CPU out of the communication: one
@@ -861,8 +863,7 @@ claim("the bound is B here (C − C_last is larger), and the model's saving is b
 # Here overlap pays (the claims above): once the communication leaves the cores free, the
 # messages go on the wire under the backward. At B / C = ½ the backward is shorter than the
 # messages of every bucket but the last, so the bound is B, not C − C_last; and as the first
-# bucket is complete only some way into the backward, the model expects less than B. The
-# printed lines give both beside what this run saved (its median paired difference).
+# bucket is complete only some way into the backward, the model expects less than B.
 #
 # The bound also says **when** overlap can pay: it hides all but the last bucket once the
 # **compute-to-communication ratio B / C is about 1 or more**; far below 1 (a slow network)
@@ -892,19 +893,20 @@ print(f"The α term of the smallest cap's {many['collectives_per_step']} all-red
       f"{many['collectives_per_step']} × 2(N−1)α = {alpha_ms:.1f} ms, is what the model "
       f"charges them beyond their bytes; the smallest cap against one bucket, round by round: "
       f"{verdict(many, one)}.")
-viz.show(viz.bucket_sweep_figure(sweep),
-         "step time (median) against the bucket cap on this machine, each bar labelled with its "
-         "all-reduces per step; whether a difference between two bars is a result of this run "
-         "is what the round-by-round verdicts printed above say.")
+viz.show(viz.bucket_sweep_figure(sweep, noise_ms),
+         "step time (median) against the bucket cap, labelled with all-reduces per step, the black "
+         "line the rounds' middle half; the grey band, the noise floor (identical work's typical "
+         "difference in a round), rises from the fastest bar: a bar whose top lies in it is not "
+         "told apart from the fastest. The verdicts above say what is a result.")
 
 # %% [markdown]
 # Two forces meet here. Small buckets start early, but each all-reduce pays α (lesson 06), so
 # a hundred of them cost more than their bytes; one bucket pays α once but cannot leave before
 # the backward has finished, so nothing overlaps. Where overlap pays, that makes a U, slow at
 # both ends: Li et al. (VLDB 2020, the DDP paper) measured the middle caps winning on GPUs
-# with NCCL. On this CPU the verdicts above say which this run shows: a U, or only the small
-# caps' α. The runs here pass `bucket_cap_mb=25` explicitly;
-# DDP's default (`bucket_cap_mb=None`) would put a 1 MiB bucket first (section 3 measured it).
+# with NCCL. On this CPU the verdicts above say what this run shows: a U, only the small
+# caps' α, or nothing it can resolve. The runs here pass `bucket_cap_mb=25` (section 3: the
+# default would put a 1 MiB bucket first).
 #
 # ### The four versions and real DDP
 # The same 128 messages go after the backward, blocking one at a time ("after backward"), or
@@ -936,7 +938,7 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
          "reducer (same single bucket).")
 
 # %% [markdown]
-# At a 25 MiB cap this 28 MiB model makes **one** bucket, with our rule and in DDP alike (the
+# At a 25 MiB cap this model makes **one** bucket, with our rule and in DDP alike (the
 # claim above compared them parameter by parameter): the only all-reduce leaves when the
 # backward ends, so neither overlaps anything, and only the per-gradient work around it can
 # separate them — our Python hooks and copies against DDP's C++ reducer. `python -m
@@ -1141,19 +1143,18 @@ print(f"This run: error feedback ended {'lower' if gap > 0 else 'higher'} than P
 #
 # Compression trades bytes for accuracy and for compute (PowerSGD's matrix products). It pays
 # when the network is the bottleneck — many nodes over Ethernet — and rarely inside one NVLink
-# machine. A hook is an ordinary function: it gets `bucket.buffer()` (and the bucket's
-# parameters) and returns a `torch.futures.Future` of the averaged buffer — a top-k
-# compression with error feedback of your own fits in a dozen lines: lab07's stretch has you
-# write it, and its check replays the algorithm to prove each of your hook's results.
+# machine. A top-k compression with error feedback of your own is lab07's stretch; its check
+# replays the algorithm to prove each of your hook's results.
 #
 # ## 6. What DDP adds that we skipped
 # - **The first-iteration rebuild** (section 3, lesson 03): DDP rebuilds its buckets in the
 #   order the first backward's gradients really arrived (unless `find_unused_parameters`),
-#   the first capped at 1 MiB only when `bucket_cap_mb` is left at `None` (section 3's claim:
-#   passing 25 turns that bucket off).
-# - **Unused parameters.** A bucket with a parameter that gets no gradient is never complete.
-#   Ours says so instead of hanging; DDP needs `find_unused_parameters=True`, which walks the
-#   autograd graph after every forward to mark such parameters ready:
+#   the first capped at 1 MiB only when `bucket_cap_mb` is left at `None`.
+# - **Unused parameters.** A bucket with a parameter that gets no gradient is never complete
+#   unless something marks that parameter ready. Ours says so instead of hanging; DDP marks
+#   with `find_unused_parameters=True` (a graph walk after every forward: the unused set may
+#   change) or `static_graph=True` (those its first backward got no gradient for, in every
+#   later iteration; lesson 03 measured both):
 
 # %%
 def unused_worker(rank, world_size):
@@ -1210,11 +1211,10 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 #   its own function and to real DDP's rebuilt buckets), send a few large messages instead of many small ones. DDP launches them strictly in bucket order, and can make the gradients views
 #   of the buckets.
 # - Overlap is a prediction you can test: the early buckets' all-reduces run under the
-#   backward, and save at most min(B, C − C_last) (B the backward with the hooks' work in it,
-#   C the all-reduces, C_last the last bucket's) — nothing with one bucket; it pays when B / C
-#   is about 1 or more. The model has no term for gloo and the backward sharing a 2-core CPU:
-#   section 4 prints its prediction beside what the run measured, the backward's slowdown
-#   included; with a simulated wire that takes no CPU, overlap clearly pays.
+#   backward, and save at most min(B, C − C_last) — nothing with one bucket; it pays when
+#   B / C is about 1 or more. The model has no term for gloo and the backward sharing the CPU's
+#   cores: section 4 prints its prediction beside what the run measured, and its noise floor;
+#   with a simulated wire that takes no CPU, overlap clearly pays.
 # - Communication hooks change what is sent: 16-bit halves the bytes and, in these short runs,
 #   ends within 0.15 of the uncompressed loss (a loose bound: the loss falls only a few tenths
 #   in 120 steps); PowerSGD sends a few percent and still learns, its error feedback carrying
@@ -1300,7 +1300,8 @@ viz.quiz([
 #   holds the first-defined parameters); `DistributedDataParallel.__init__`:
 #   `gradient_as_bucket_view`, `static_graph`, `find_unused_parameters`;
 #   `DistributedDataParallel._get_ddp_logging_data`: `num_buckets_reduced`,
-#   `rebuilt_per_bucket_param_indices`.
+#   `rebuilt_per_bucket_param_indices`; `_DDPSink.backward`: with `static_graph`, queues
+#   `reducer._delay_all_reduce` in the first backward (section 6).
 # - `torch/_C/_distributed_c10d.pyi` — `Reducer._get_zeros_like_grad_buckets` (one
 #   `GradBucket` per bucket, its `parameters()`), how `ddp_buckets_worker` reads DDP's buckets
 #   (`distributed.py` calls it too).
@@ -1350,6 +1351,10 @@ viz.quiz([
 #   `Reducer::mark_variable_ready_dense`, "Note [DDP Communication Hook]",
 #   `Reducer::run_allreduce_hook`, `Reducer::rebuild_buckets`, and the in-order launch;
 #   what each says holds lab 07's answers, so it is in the folded cell below.
+# - NCCL's source (github.com/NVIDIA/nccl; not installed with torch's wheel, which ships
+#   `libnccl.so.2`): `src/init.cc`, the `MAX_CTAS` parameter (`NCCL_MAX_CTAS`), the cap on a
+#   collective kernel's thread blocks; `src/device/common.h`, where block n takes channel n
+#   (section 4).
 # - S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
 #   PVLDB 13(12), 2020 (arXiv:2006.15704).
 # - T. Vogels, S. P. Karimireddy, M. Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression

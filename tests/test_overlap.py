@@ -327,6 +327,36 @@ def test_a_second_backward_before_finishing_is_refused():
     assert collectives == 2                            # one bucket, two finished backwards
 
 
+def _unused_layer(rank, world_size):
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(3, 1)
+            self.unused = nn.Linear(3, 1)       # never called in forward
+
+        def forward(self, x):
+            return self.used(x)
+
+    model = overlap.BucketedDataParallel(Head(), bucket_cap_mb=1e-5)
+    model(torch.ones(4, 3)).sum().backward()
+    try:
+        model.finish_gradient_synchronization()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_unused_parameter_is_named_with_both_ddp_settings():
+    # a bucket holding a parameter with no gradient is never sent: the class names the
+    # parameter, and both DDP settings that mark such parameters ready (lesson 07, section 6:
+    # find_unused_parameters every iteration; static_graph for a set fixed from the first)
+    said = launch.spawn(_unused_layer, 1, backend="gloo", timeout=60)[0]
+    assert said is not None and "never filled" in said
+    assert "unused.weight" in said and "used.weight" not in said.replace("unused.weight", "")
+    assert "find_unused_parameters=True" in said
+    assert "static_graph=True when the same parameters are unused in every iteration" in said
+
+
 def test_predict_step_one_bucket_saves_nothing():
     # the last gradient is ready before backward() returns; the bucket holding it is complete
     # only when the backward ends, so with one bucket overlap and its control are the same step

@@ -272,7 +272,8 @@ class BucketedDataParallel(nn.Module):
             raise RuntimeError(
                 f"bucket(s) {unfinished} never filled: parameter(s) {lost[:5]} got no gradient in "
                 f"this backward, so their bucket was never sent. Every parameter must take part "
-                f"in the loss; DDP handles unused ones with find_unused_parameters=True.")
+                f"in the loss; DDP handles unused ones with find_unused_parameters=True, or with "
+                f"static_graph=True when the same parameters are unused in every iteration.")
         if not self.overlap:                # the control: launch every bucket only now
             for i in range(len(self.buckets)):
                 self._launch(i)

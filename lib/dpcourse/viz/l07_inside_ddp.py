@@ -114,21 +114,38 @@ def _cap_label(cap) -> str:
     return "one bucket" if cap == float("inf") else f"{cap:g} MiB"
 
 
-def bucket_sweep_figure(rows: Sequence[dict]):
-    """Step time (ms) for each bucket cap, each bar labelled with its all-reduces per step."""
+def bucket_sweep_figure(rows: Sequence[dict], noise_ms: float | None = None):
+    """Step time (ms) for each bucket cap, each bar labelled with its all-reduces per step.
+
+    Where a row has its rounds (``steps_s["step"]``, seconds), a black line spans their
+    quartiles. ``noise_ms``, if given, is drawn as a grey band from the fastest median up by
+    that much: the noise floor, the difference two runs of identical work show in a round.
+    """
     fig = new_figure(7.0, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     labels = [_cap_label(r["bucket_cap_mb"]) for r in rows]
     ms = [r["step_s"] * 1e3 for r in rows]
     bars = ax.bar(range(len(rows)), ms, color="#1f77b4")
-    for bar, r in zip(bars, rows):
-        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(),
+    top = list(ms)
+    for i, r in enumerate(rows):
+        rounds = sorted(t * 1e3 for t in r.get("steps_s", {}).get("step", []))
+        if len(rounds) >= 4:
+            q1, q3 = np.percentile(rounds, [25, 75])
+            ax.plot([i, i], [q1, q3], color="black", lw=1.5)
+            top[i] = max(top[i], q3)
+    if noise_ms is not None:
+        floor = min(ms)
+        ax.axhspan(floor, floor + abs(noise_ms), color="#7f7f7f", alpha=0.3,
+                   label=f"noise floor: identical work, {abs(noise_ms):.0f} ms apart in a typical round")
+        ax.legend(loc="upper left", fontsize=7.5)
+    for bar, r, y in zip(bars, rows, top):
+        ax.text(bar.get_x() + bar.get_width() / 2, y,
                 f"{r['collectives_per_step']} all-reduces", ha="center", va="bottom", fontsize=7.5)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_xlabel("bucket_cap_mb")
     ax.set_ylabel("step time (ms, median)")
-    ax.set_ylim(0, max(ms) * 1.2)
+    ax.set_ylim(0, max(top + [min(ms) + abs(noise_ms or 0)]) * 1.25)
     ax.grid(True, axis="y", alpha=0.3)
     fig.subplots_adjust(left=0.12, right=0.98, bottom=0.16, top=0.95)
     return fig
