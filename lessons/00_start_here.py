@@ -93,6 +93,10 @@ except LabCheckError as err:
 # %% [markdown]
 # ## Your machine: the three hardware profiles
 #
+# From lesson 03 on, one training program runs as several cooperating processes, called
+# *ranks* (numbered 0, 1, …), which exchange tensors through a *backend*: the library that moves
+# the tensors between them, **gloo** (CPU tensors, and GPU tensors slowly) or **NCCL** (NVIDIA's,
+# GPU tensors only). Which backend the ranks use, and on which devices, depends on the machine.
 # The lessons never ask you to edit a cell to match your hardware. `dpcourse.devices` looks at
 # the machine and picks one of three profiles:
 #
@@ -152,8 +156,7 @@ claim("NCCL is chosen only when every rank can own a GPU",
 # first taste — two processes each contribute a number and both receive the sum. The ranks talk
 # through a *process group*: the set of processes that take part in collective operations (such
 # as this `all_reduce`) together, created by `torch.distributed.init_process_group` (here
-# `spawn` calls it for us) with a *backend*, the library that moves the tensors: **gloo** (CPU
-# tensors, and GPU tensors slowly) or **NCCL** (NVIDIA's, GPU tensors only).
+# `spawn` calls it for us) with a backend (gloo or NCCL, as above).
 
 # %%
 from dpcourse import launch
@@ -212,6 +215,16 @@ claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwar
       and "cloudpickle.loads(payload)" in inspect.getsource(launch._worker_entry))
 
 # %% [markdown]
+# ### Optional aside: one group, two backends, and NCCL's one-GPU rule
+#
+# About 5 minutes, for readers who will run on GPUs; nothing later in the course depends on it
+# (lesson 03 uses one backend per group, and introduces torch's distributed core where it needs
+# it). It shows what lies behind the profile table's `one-gpu` row, in three runs: a group can
+# have one backend per device type; NCCL connects the GPUs only when it first needs to; and the
+# installed NCCL refuses two ranks on one GPU only by default.
+# **▶ The aside** is folded below (its text, then each run with its checks): open it to read it.
+
+# %% [markdown] jupyter={"source_hidden": true}
 # A group has one backend **per device type**, not necessarily one backend: torch's
 # `init_process_group` accepts `"cpu:gloo,cuda:nccl"`, and then collectives on CPU tensors go
 # through gloo and those on GPU tensors through NCCL, in the same group; every rank passes the
@@ -219,12 +232,14 @@ claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwar
 # to start, and the cell shows the error; with GPUs the group forms at once, because NCCL sets
 # up its *communicator* (the connections between the ranks' GPUs that its collectives run
 # over) only when the first collective on a GPU tensor needs it, unless `init_process_group`
-# is given a `device_id` (its docstring says so). The second cell runs the same
+# is given a `device_id` (its docstring says so). The third run uses the same
 # `device:backend` form with the CPU's entry alone. This is c10d at work —
 # torch.distributed's C++ core ("c10" is torch's core library, "d" for distributed), whose
 # process groups the lessons use from lesson 03 on.
+#
+# **▶ The first run:** ask for `"cpu:gloo,cuda:nccl"` on this machine.
 
-# %%
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # (why: what it prints depends on whether this machine has GPUs; the claim holds on each)
 def ask_for_nccl(rank, world_size):
@@ -250,14 +265,16 @@ else:
           all(r == "a group with NCCL for cuda tensors was formed" for r in nccl_here),
           nccl_here=nccl_here)
 
-# %% [markdown]
+# %% [markdown] jupyter={"source_hidden": true}
 # Two ranks on **one** GPU are another case: NCCL itself refuses them by default, which is why
 # the `one-gpu` profile runs its two ranks over gloo. It is a default, not a law — the message,
 # found below in the installed NCCL library, names the switch that lifts it — but two ranks
 # sharing one GPU's memory and compute teach nothing about scaling, so the course keeps one GPU
 # per NCCL rank.
+#
+# **▶ The second run:** look for that message in the installed NCCL library.
 
-# %%
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 import importlib.util
 import mmap
 from pathlib import Path
@@ -276,7 +293,10 @@ else:
           "to enable this configuration.\"", found, library=str(nccl_lib))
 
 
-# %%
+# %% [markdown] jupyter={"source_hidden": true}
+# **▶ The third run:** a group made with the `device:backend` form, the CPU's entry alone.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 def backend_per_device(rank, world_size):
     import torch
     import torch.distributed as dist

@@ -33,9 +33,14 @@
 #    during the backward; the buffers broadcast before (most) forwards;
 # 4. shard the data with `DistributedSampler`, and see what forgetting `set_epoch` does.
 #
-# Every multi-process cell goes through `dpcourse.launch.spawn`, with the backend that
-# `dpcourse.devices` picks: gloo with 2 ranks on the CPU here; nccl with one GPU per rank on a
-# multi-GPU machine. Nothing below changes between the two.
+# Every multi-process cell goes through `dpcourse.launch.spawn`. The hello cell, the four
+# collectives, the core comparison (DDP, one process, and the hand-averaged step) and DDP's
+# initial broadcast use the backend that `dpcourse.devices` picks: gloo with 2 ranks on the CPU
+# here; nccl with one GPU per rank on a multi-GPU machine, where they print and prove the same.
+# The internals sections — 3 ranks, the buckets and their timeline, `static_graph`, the buffers
+# — always run gloo on the CPU, whatever the machine, because they look at DDP's bookkeeping.
+# What NCCL does differently there (its all-reduce runs on the GPU, asynchronously) is read from
+# source, not measured, and marked so.
 
 # %% tags=["parameters"]
 world_size = None    # None: from the hardware profile (2 on the cpu profile)
@@ -562,7 +567,11 @@ print("iteration 1, first bucket: "
 # graph is computed. During the first iteration the reducer records the order in which the
 # gradients really became ready, and before the second forward it **rebuilds the buckets** in
 # that order, once and for all (`_pre_forward` calls the reducer's `_rebuild_buckets`).
-# Two exceptions, in the limits DDP computes for iteration 0 (`ddp.initial_bucket_limits`
+# Two of DDP's constructor flags bear on this, and the next cells run each:
+# `find_unused_parameters=True` says that some parameters may get no gradient in an iteration
+# (DDP then looks for them from the forward's outputs, every iteration), and
+# `static_graph=True` is your promise that every iteration uses the same parameters in the same
+# way. Two exceptions, in the limits DDP computes for iteration 0 (`ddp.initial_bucket_limits`
 # asks DDP's own `_BucketCapacityConfig`; `ddp.bucket_limits` gives the cap in bytes):
 # `find_unused_parameters=True` without `static_graph`, and explicit per-bucket limits
 # (`bucket_cap_mb_list`, a constructor argument), which bucket by size from the start whatever
@@ -586,12 +595,10 @@ claim(f"with bucket_cap_mb_list=[{cap_mb}], iteration 0 is bucketed by size unde
                      for unused in (False, True)))
 
 # %% [markdown]
-# `static_graph=True` is your promise that every iteration uses the same parameters in the same
-# way. It waits one iteration longer: in its first iteration the reducer only notes which
-# parameters received a gradient, and all-reduces everything at the end of the backward
-# (`_DDPSink.backward` queues the reducer's `_delay_all_reduce`); it records the order in the
-# second iteration and rebuilds before the third. The same model and cap, with
-# `static_graph=True`:
+# `static_graph=True` waits one iteration longer: in its first iteration the reducer only notes
+# which parameters received a gradient, and all-reduces everything at the end of the backward
+# (`_DDPSink.backward` queues the reducer's `_delay_all_reduce`); it records the order in the second
+# iteration and rebuilds before the third. The same model and cap, with `static_graph=True`:
 
 # %%
 static_runs = launch.spawn(bucket_worker, world_size, cap_mb, small_cnn, static_graph=True,
@@ -718,13 +725,26 @@ busy = sum(e - s for *_, s, e in third["buckets"])
 print(f"iteration 2 on rank 0: backward took {third['backward_end']:.1f} ms; its buckets were on "
       f"the wire for {busy:.1f} ms in all, {third['buckets'][0][2]:.1f} ms after backward() "
       f"began for the first one.")
+last_grad = {k: max(t for _, t in it["grads"]) for k, it in (("0", first), ("2", third))}
+print(f"last gradient computed {last_grad['0']:.1f} ms after backward() began in iteration 0, "
+      f"{last_grad['2']:.1f} ms in iteration 2 (compute alone, before any overlap could help).")
 
 # %% [markdown]
 # On a CPU with gloo, "on the wire" competes with the backward for the same two cores, so do not
-# expect the overlap to save time here. On GPUs, NCCL runs the all-reduce as GPU kernels that
-# can run at the same time as the backward's kernels (on the same GPU, sharing its cores and
-# memory bandwidth) — *read from source, not measured*: this machine has no GPU (Sources:
-# `ProcessGroupNCCL.hpp`). Lesson 07 measures what overlap buys.
+# expect the overlap to save time here. Nor read a shorter second row as "buckets shortened the
+# backward": the cell above prints when each iteration's last gradient was computed — compute alone,
+# before any overlap could help. Iteration 0 is also the run's first backward, which can pay
+# one-time costs (allocating its memory, for one); whatever gap that leaves shows in those two
+# times, not in the buckets. The rows show *when* things happened, not a saving. On GPUs the overlap
+# rests on one condition: the bucket's all-reduce is *asynchronous*. DDP's `allreduce_hook` (which
+# our hook above calls) runs `dist.all_reduce(..., async_op=True)`, and `AllreduceOptions::asyncOp`,
+# what a C++ caller gets unless it says otherwise, is `true`. So the CPU does not wait for NCCL's
+# work: the backward goes on queuing its own kernels, and the two can run at once on the GPU,
+# sharing its cores and memory bandwidth, when NCCL's work is on a CUDA stream of its own. *Read
+# from source, not measured*: this machine has no GPU, and which stream NCCL's asynchronous work
+# goes to is decided in `ProcessGroupNCCL.cpp`, which is not installed (`ProcessGroupNCCL.hpp`'s
+# comment says a separate one, but that comment predates `asyncOp`; Sources: `Types.hpp`,
+# `default_hooks.py`). Lesson 07 measures what overlap buys.
 #
 # ### Buffers: rank 0's BatchNorm statistics, before a forward
 # A BatchNorm layer keeps a running mean and variance: every forward in training mode updates
@@ -1012,7 +1032,9 @@ viz.quiz([
 # - `torch/distributed/distributed_c10d.py` — `all_reduce` (and the other collectives): `opts.asyncOp
 #   = async_op`; with `async_op=True` the `Work` is returned, otherwise `work.wait()` when the
 #   backend returned one, and none is needed when it did not ("the backend has sync'ed at CPP
-#   level"); `torch/include/torch/csrc/distributed/c10d/Types.hpp` — `AllreduceOptions::asyncOp`.
+#   level"); `torch/include/torch/csrc/distributed/c10d/Types.hpp` — `AllreduceOptions::asyncOp`
+#   (`= true` by default); `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` —
+#   `_allreduce_fut` calls `dist.all_reduce(tensor, group=..., async_op=True)`.
 #   Which CUDA stream NCCL's work runs on for each setting is decided in
 #   `ProcessGroupNCCL.cpp`, which is not installed and could not be read here (the PyTorch
 #   repository was too large to fetch), so the lesson says only what these files show.

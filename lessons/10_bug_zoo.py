@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from dpcourse import bugzoo, detectors, launch, script_checks, viz
+from dpcourse import bugzoo, collectives, detectors, launch, script_checks, viz
 from dpcourse.checks import claim
 
 torch.set_num_threads(1)
@@ -58,7 +58,11 @@ torch.set_num_threads(1)
 # on every rank, each `dist.<collective>` call as it starts and when it returns — written to a
 # file at once, so it survives a rank that hangs and gets killed — and compares the ranks. It
 # writes its lines from the `before` and `after` hooks of `collectives.record_collectives`, a
-# recorder that wraps each `dist.<collective>` function for the time of a `with` block:
+# recorder that wraps each `dist.<collective>` function for a `with` block (**▶ folded
+# below**; it sees only calls through those functions):
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(collectives.record_collectives)
 
 # %%
 viz.show_code(detectors.trace_collectives, detectors.compare_traces)
@@ -139,13 +143,13 @@ claim("with DETAIL, bug 1's all_reduce raises on rank 0, naming rank 1",
 # %% [markdown]
 # Those checks are collectives themselves, on every call. How much do they cost? The same
 # all-reduces on two groups of the same ranks, one created at the default debug level and one
-# under DETAIL, timed in turn (the fastest of 5 rounds of 100 calls: other work on the machine
-# only ever adds time), for a one-element tensor (the cost is all latency) and for 64 Ki
-# elements.
+# under DETAIL, timed in turn (the fastest of 15 short rounds of 40 calls: other work on the
+# machine only ever adds time, and with many short rounds some of them run undisturbed even on
+# a busy machine), for a one-element tensor (the cost is all latency) and for 64 Ki elements.
 
 
 # %%
-def detail_cost(rank, world_size, calls=100, rounds=5, sizes=(1, 1 << 16)):
+def detail_cost(rank, world_size, calls=40, rounds=15, sizes=(1, 1 << 16)):
     import time
 
     import torch.distributed as dist
@@ -444,7 +448,7 @@ viz.show_code(bugzoo.resume_on_one_rank)
 # %%
 resume = {f: [r["resume"][f] for r in zoo] for f in (False, True)}
 differ = [detectors.compare_checksums(step) for step in zip(*resume[False])]
-print("broken: tensors that differ across ranks at step 0:", differ[0])
+print("broken: tensors that differ across ranks at the start (0 steps taken):", differ[0])
 claim("broken: the replicas differ from the start and at every step", all(differ))
 claim("fixed (every rank loads it): the checksums agree at every step",
       not any(detectors.compare_checksums(step) for step in zip(*resume[True])))
@@ -487,7 +491,7 @@ bug5 = totals([r["weights"] for r in avg[False]])
 gaps = [max(step) - min(step) for step in zip(*bug5)]
 first = min(i for i, g in enumerate(gaps) if g > 0)
 parts = (first, gaps[first], gaps[first + 1])
-claim(f"bug 5's replicas first differ after step {first}, by {gaps[first]:.2f} in the checksum "
+claim(f"bug 5's replicas first differ after {first} step, by {gaps[first]:.2f} in the checksum "
       f"sum, {gaps[first + 1] / gaps[first]:.0f}× more one step later",
       first == 1 and gaps[first + 1] > 5 * gaps[first], gaps=gaps)
 
@@ -497,9 +501,10 @@ viz.show(viz.replica_checksums_figure({
                                                 "fixed": totals(resume[True])},
     "bug 5: loss averaged, not gradients": {"broken": totals([r["weights"] for r in avg[False]]),
                                             "fixed": totals([r["weights"] for r in avg[True]])},
-}), "Weight checksums per rank and step. Broken: one line per rank, apart from the start (bug "
-    f"4) or, for bug 5, from step {parts[0]} (by {parts[1]:.2f}, barely visible) and clearly from "
-    f"step {parts[0] + 1} (by {parts[2]:.2f}). Fixed (grey, dashed): the ranks draw one line.")
+}), "Weight checksums per rank against the steps taken (x = 0: the starting weights). Broken: "
+    f"one line per rank, apart from the start (bug 4) or, for bug 5, after {parts[0]} step (by "
+    f"{parts[1]:.2f}, barely visible) and clearly after {parts[0] + 1} (by {parts[2]:.2f}). Fixed "
+    "(grey, dashed): the ranks draw one line.")
 
 # %% [markdown]
 # ### Bug 6: BatchNorm statistics that differ per rank
@@ -568,14 +573,14 @@ claim("under DDP (forward_sync_buffers=True), after the last step the running st
 
 # %% [markdown]
 # ### Bug 7: a NaN on one rank spreads to all
-# One corrupted sample (an `inf`) reaches rank 1 at step 3. Its loss stays finite (tanh turns
-# the inf into ±1; printed below), but its gradient is NaN; the all-reduce sums it into every
-# rank's gradient, and from then on every rank's weights are NaN. Looking at any single rank
-# after the fact, you cannot tell where it started. The detector looks at each rank's *local*
-# values — here the gradient norm, before the reduction — and names the first. The fix skips
-# the step on every rank when any rank's gradient is non-finite: `all_ranks_finite` gives every
-# rank one verdict. How the ranks reach one verdict is part of lab 10's stretch, so its code is
-# folded after the lab pointer.
+# One corrupted sample (an `inf`) reaches rank 1 at step 3 (counted from 0: the fourth; bug 5
+# counted steps *taken*). Its loss stays finite (tanh turns the inf into ±1; printed below), but its
+# gradient is NaN; the all-reduce sums it into every rank's gradient, and from then on every rank's
+# weights are NaN. Looking at any single rank after the fact, you cannot tell where it started. The
+# detector looks at each rank's *local* values — here the gradient norm, before the reduction — and
+# names the first. The fix skips the step on every rank when any rank's gradient is non-finite:
+# `all_ranks_finite` gives every rank one verdict. That code, part of lab 10's stretch, is folded
+# after the lab pointer.
 
 # %%
 viz.show_code(bugzoo.nan_on_one_rank, detectors.first_nonfinite)

@@ -283,7 +283,7 @@ def record_collectives(before: Callable[[Call], None] | None = None,
     ``before(call)`` runs just before each call (it may raise to refuse it, or change
     ``call.args``, the bound arguments, to change what torch receives), ``after(call)`` just
     after it returns (``call.result``; what it returns, if not None, is handed back instead).
-    Restored on exit, error or not; blocks nest. Shown in lesson 07, §5.
+    Restored on exit, error or not; blocks nest. Shown in lesson 07, §5; lesson 10, §1.
     """
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol

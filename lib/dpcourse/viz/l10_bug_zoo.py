@@ -110,7 +110,8 @@ def collective_traces_figure(panels: dict):
 
 
 def replica_checksums_figure(panels: dict):
-    """``panels[title][variant]`` = per-rank lists of one number per step (a weight checksum).
+    """``panels[title][variant]`` = per-rank lists of one number per step (a weight checksum),
+    entry 0 the starting weights and entry k the weights after k steps (the x-axis says so).
     Broken runs drawn solid, fixed runs dashed; ranks that agree draw one line."""
     fig = new_figure(9.0, 3.3)
     colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
@@ -124,7 +125,7 @@ def replica_checksums_figure(panels: dict):
                         lw=1.5 if variant == "broken" else 2.5, alpha=0.9,
                         label=f"rank {r} ({variant})")
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
+        ax.set_xlabel("steps taken (0: the starting weights)")
         ax.set_ylabel("weight checksum")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
@@ -137,7 +138,8 @@ def nan_spread_figure(local: Sequence[Sequence[float]], evaluated: dict, bad: tu
     """Left: each rank's local value per step (``what``; a cross where it is NaN); right: the
     loss of the
     model after each step, broken and fixed (``evaluated[variant]`` per step). ``bad``: the
-    (step, ranks) where the first NaN appeared."""
+    (step, ranks) where the first NaN appeared. Steps are counted from 0 (0: the first step),
+    and the x-axes say so."""
     fig = new_figure(9.0, 3.3)
     ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
@@ -156,7 +158,7 @@ def nan_spread_figure(local: Sequence[Sequence[float]], evaluated: dict, bad: tu
                 color="#d62728")
     ax.set_title(f"{what} per rank, before all-reduce (x = NaN, one row per rank)",
                  fontsize=9)
-    ax.set_xlabel("step")
+    ax.set_xlabel("step index (0: the first step)")
     ax.legend(fontsize=7)
     for variant, vals in evaluated.items():
         steps = range(len(vals))
@@ -166,7 +168,7 @@ def nan_spread_figure(local: Sequence[Sequence[float]], evaluated: dict, bad: tu
         bx.plot(nan_steps, [0.04] * len(nan_steps), "x", ms=8, mew=2, color="#d62728",
                 transform=bx.get_xaxis_transform())  # along the bottom edge
     bx.set_title("held-out loss after each step (x = NaN)", fontsize=9)
-    bx.set_xlabel("step")
+    bx.set_xlabel("step index (0: after the first step)")
     bx.legend(fontsize=7)
     for a in (ax, bx):
         a.grid(True, alpha=0.3)
