@@ -102,6 +102,14 @@ claim("at every step t = 1 … 2(N−1), worker i sent chunk (i + 1 − t) mod N
           for i, tr in enumerate(trace.steps[t].transfers)))
 
 # %% [markdown]
+# **▶ The simulator's code — open after your lab passes** (the folded cell below:
+# `ring.simulate_ring`, which every trace, count and claim of §1 and §2 ran; its two phases
+# are lab 06's first part for the one layout §1 shows).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ring.simulate_ring)
+
+# %% [markdown]
 # Step through it. The colour of a chunk says how many workers' numbers it already sums (pale:
 # its own only; dark: all N); arrows are the messages of that step, labelled with their chunk.
 # With a live kernel, the slider and play button below redraw the ring; the static figure under
@@ -141,66 +149,66 @@ claim(f"bytes per worker == 2(N−1)K/N in all {checked} cases (N = 2..16)", che
 # ### Five ways to all-reduce, under the α-β model
 #
 # A **step** that moves b bytes over a link takes **α + bβ**: α is the fixed cost of a step
-# (software, synchronisation, the wire's latency), β the seconds per byte (1/bandwidth). In the
-# five algorithms below a step is one message per link, so α is also the cost of a message;
-# in §3, where α is fitted to gloo, it is not (gloo sends a ring step as two or more messages).
-# For K bytes on N workers (`ring.cost` has the details):
+# (software, synchronisation, the wire's latency), β the seconds per byte (1/bandwidth). Five
+# ways to all-reduce K bytes over N workers:
+#
+# * **naive**: every worker sends its whole array to worker 0, which adds them and sends the
+#   sum back to each worker, one message at a time;
+# * **parameter server**: a separate machine; all N workers push their K bytes to it at once,
+#   then pull the K-byte sum, all through the server's one link;
+# * **ring**: §1;
+# * **binomial tree**: a reduce in ⌈log₂N⌉ rounds (in each, half of the workers still holding
+#   a partial sum send all K bytes of it to a partner, which adds), then a broadcast of the sum
+#   back down the same rounds;
+# * **Rabenseifner's algorithm** (what MPICH, a widely used MPI library, runs for long
+#   messages), for N = p a power of two: a reduce-scatter (§1's scatter-reduce: each worker
+#   ends with the sum of one part) by *recursive halving* (in round 1 each worker swaps half its array with
+#   the partner p/2 away and adds the half it keeps; in round 2 half of that half with the
+#   partner p/4 away, …), then an all-gather by *recursive doubling*, the same rounds
+#   backwards. It sends K/2 + K/4 + … = (p−1)K/p each way, the ring's bytes, in 2log₂p steps,
+#   the tree's count. For other N, the N − p workers above the largest power of two p first
+#   hand their whole array to a partner and get the result back at the end: one more step of
+#   K bytes at each end.
+#
+# In all but the parameter server a step is one message per link, so α is also the cost of a
+# message. The server's link takes N messages in each of its two steps; the table prices them
+# as if they went at once, for one α — the most favourable case for the server (one by one,
+# its two steps would cost 2Nα). In §3, where α is fitted to gloo, a step is not one message
+# either (gloo sends a ring step as two or more). The costs (`ring.cost`; its code is folded
+# below):
 #
 # | algorithm | steps (α terms) | bytes the time pays for (critical path) | busiest link, one direction | time |
 # |---|---|---|---|---|
 # | naive: all to worker 0 and back, one by one | 2(N−1) | 2(N−1)K | (N−1)K | 2(N−1)(α + Kβ) |
-# | parameter server (separate server) | 2 | 2NK | NK | 2α + 2NKβ |
+# | parameter server (separate server), its link taking N messages at once | 2 | 2NK | NK | 2α + 2NKβ |
 # | ring | 2(N−1) | 2(N−1)K/N | 2(N−1)K/N | 2(N−1)α + 2(N−1)/N·Kβ |
 # | binomial tree: reduce, then broadcast | 2⌈log₂N⌉ | 2⌈log₂N⌉K | ⌈log₂N⌉K | 2⌈log₂N⌉(α + Kβ) |
 # | Rabenseifner, N = p a power of two | 2log₂p | 2(p−1)K/p | (p−1)K/p | 2log₂p·α + 2(p−1)/p·Kβ |
 # | Rabenseifner, other N (p < N the largest power of two) | 2log₂p + 2 | 2(p−1)K/p + 2K | (p−1)K/p + K | the line above + 2(α + Kβ) |
-#
-# **Rabenseifner's algorithm** (the one MPICH uses for long messages) is a reduce-scatter by
-# *recursive halving* — in round 1 each worker swaps half its array with the partner p/2 away
-# and adds the half it keeps, in round 2 half of that half with the partner p/4 away, … —
-# then an all-gather by *recursive doubling*, the same rounds backwards. It sends
-# K/2 + K/4 + … = (p−1)K/p each way, the ring's bytes, in 2log₂p steps, the tree's count.
-# When N is not a power of two, the N − p extra workers first hand their whole array to a
-# partner and get the result back at the end: one more step of K bytes at each end.
-#
-# How good can an all-reduce get? Chan, Heimlich, Purkayastha and van de Geijn (2007) prove,
-# for this model with a worker sending one message and receiving one at a time, that any
-# all-reduce needs at least **⌈log₂N⌉ steps** (a step can at most double the number of
-# workers' inputs a result depends on) and at least **2(N−1)/N·Kβ** of transfer time. The ring meets
-# the bandwidth bound exactly and misses the latency bound, 2(N−1) steps against ⌈log₂N⌉:
-# "bandwidth-optimal, latency-suboptimal" is a theorem, checked below for N up to 1024.
-#
-# Two ways of counting, on purpose: links are *full duplex* (each direction has its own
+
+# %% [markdown]
+# Two ways of counting bytes, on purpose: links are *full duplex* (each direction has its own
 # bandwidth). The naive way, the server and the tree receive everything and *then* send it, so
 # their time pays for both directions one after the other; in a ring every worker sends and
 # receives at the same time, so its time pays for one direction. Counted per direction, the
 # conclusion stands: the ring's link carries under 2K, the server's NK.
 #
-# The ring's bandwidth term is flat in N; its latency term grows with N. The tree in this table
-# is the simple one — a binomial tree that sends the *whole* message in each of its log N rounds
-# — so its latency term grows only as log N but its bandwidth term is K·log N. That is the
-# model drawn below, labelled "binomial tree (unpipelined)". NCCL's tree is not this one. It
-# cuts the message into small pieces and pipelines them, so its bandwidth term stays close to
-# the ring's; across servers it is a *double binary tree* over the servers, but inside a
-# server the GPUs form a **chain**. NCCL's own estimate of its depth is (GPUs per server − 1)
-# + log₂(servers): logarithmic in the servers, linear in the GPUs of one server — on a single
-# 8-GPU server, the machine of §3's predictions, a chain of 8. Per call, NCCL's tuner picks by
-# its own cost model of size and topology among the ring, this tree and, where the hardware
-# has them, algorithms that add inside the network: CollNet (switches that reduce, through a
-# network plugin), NVLS (NVLink SHARP: the NVSwitch of a server adds) and NVLS_TREE (NVLS
-# inside servers, a tree across them). So, in the model and among the first four: a ring for
-# big gradients, a tree for small messages — and Rabenseifner's at least as cheap as both when
-# N is a power of two (checked below). Why then do gloo and NCCL ring? The model gives every
-# pair of workers a link of its own at full speed. Where links are shared — GPUs on a PCIe
-# bus, GPUs on a ring of links, servers behind network switches — Rabenseifner's partners,
-# p/2, p/4, … apart, exchange across links other pairs are using at the same time, a cost the
-# model does not see; a ring only ever uses neighbours' links. Where every pair does have a
-# full-speed path, as between the GPUs of an NVSwitch server such as an 8-GPU H100 SXM, that
-# argument does not hold, and NCCL can leave the adding to the switch (NVLS).
-# The parameter server
-# has the fewest steps — if its one link can take N messages at once — but needs an extra
-# machine whose link carries NK bytes each way, growing with every worker you add. With an illustrative
-# α = 10 µs and 10 GB/s links, 100 MB on 8 workers:
+# How good can an all-reduce get? Chan, Heimlich, Purkayastha and van de Geijn (2007) prove,
+# for this model with a worker sending one message and receiving one at a time, that any
+# all-reduce needs at least **⌈log₂N⌉ steps** (a step can at most double the number of
+# workers' inputs a result depends on) and at least **2(N−1)/N·Kβ** of transfer time. The ring
+# meets the bandwidth bound exactly and misses the latency bound, 2(N−1) steps against
+# ⌈log₂N⌉: "bandwidth-optimal, latency-suboptimal" is a theorem, checked below for N up to
+# 1024.
+#
+# The ring's bandwidth term is flat in N; its latency term grows with N. The binomial tree's
+# latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
+# its bandwidth term is K·log N (the figure labels it "binomial tree (unpipelined)"). So, in
+# the model and among the first four: a ring for big gradients, a tree for small messages — and
+# Rabenseifner's at least as cheap as both when N is a power of two (checked below). The
+# parameter server has the fewest steps — if its one link can take N messages at once — but
+# needs an extra machine whose link carries NK bytes each way, growing with every worker you
+# add. With an illustrative α = 10 µs and 10 GB/s links, 100 MB on 8 workers:
 
 # %%
 alpha_demo, beta_demo = 10e-6, 1 / 10e9
@@ -208,6 +216,13 @@ print(f"{'algorithm':>16} {'steps':>6} {'critical-path MB':>16} {'ms':>8}")
 for alg in ring.COST_MODELS:
     c = ring.cost(alg, 8, 100e6, alpha_demo, beta_demo)
     print(f"{alg:>16} {c.steps:>6} {c.critical_path_bytes / 1e6:>16.1f} {c.seconds * 1e3:>8.2f}")
+
+# %% [markdown]
+# **▶ The cost model's code** (click the folded cell below: `ring.cost`, the table's formulas
+# as this section's numbers, claims and figure compute them).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ring.cost)
 
 # %%
 import math
@@ -267,10 +282,10 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 # *relative* error (a 1 KiB point counts as much as a 16 MiB one). The formula is a **model**
 # of gloo, not a description we checked: gloo's C++ is compiled into torch and not among the
 # installed Python files. Its public source (`gloo/allreduce.cc`, function `ring`) implements a
-# segmented ring — a reduce-scatter then an all-gather. Each chunk travels as **at least two segments** of at most 1 MiB
-# (`kMaxSegmentSize`; the segment count is rounded up to a multiple of N, and at least 2N), two
-# in flight: one is on the wire while the other is added. So one step of the model is two or
-# more of gloo's messages, pipelined, and the **α fitted here is a cost per ring step**, not
+# segmented ring — a reduce-scatter then an all-gather. Each chunk travels as **at least two
+# segments** of at most 1 MiB (`kMaxSegmentSize`; the segment count is rounded up to a multiple
+# of N, and at least 2N), pipelined. So one step of the model is two or more of gloo's
+# messages, and the **α fitted here is a cost per ring step**, not
 # per message; it is the number the model's 2(N−1)α needs. A cost per step and a cost per byte
 # are what we estimate, and the ring's formula is the bandwidth-optimal shape they take.
 #
@@ -328,6 +343,14 @@ claim("1/β is a sane bandwidth: between 1 MB/s and 1 TB/s", 1e6 < fit.bandwidth
 claim("with the contention term, half the measured points are within 50% of the model "
       "(median relative error < 50%)", np.median(fit.relative_errors) < 0.5,
       errors=fit.relative_errors)
+
+# %% [markdown]
+# **▶ The fit's code** (click the folded cell below: `ring.fit_alpha_beta`, least squares on
+# relative error — each row divided by its measured time — with the contention term
+# max(1, N/C) multiplying the whole formula).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ring.fit_alpha_beta)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -400,21 +423,38 @@ claim("at 1024 GPUs the ring's critical path (one direction of each link) still 
 # all-reduce's can be (the bound of §2), but its latency term 2(N−1)α grows linearly, faster
 # than the tree's 2⌈log₂N⌉α and far faster than the parameter server's two rounds. Compare
 # first the four of §2's first claim, Rabenseifner's set aside: where the ring is the cheapest
-# of those, it is the cheapest **up to** some N, and small messages push that N down. Then
-# put Rabenseifner's back.
+# of those, it is the cheapest **up to** some N, and small messages push that N down. A search
+# over N = 2 … 128 can only say "128 or more" when the ring still wins at 128, and
+# `ring.ring_cheapest_up_to` says so; a wider search finds where it stops. Then put
+# Rabenseifner's back.
 
 # %%
 four = ring.ALGORITHMS  # the naive way, the parameter server, the ring, the binomial tree
 upto_big = ring.ring_cheapest_up_to(k_resnet50, 10e-6, 1 / 32e9, n_max=128, algorithms=four)
 upto_small = ring.ring_cheapest_up_to(1e5, 10e-6, 1 / 32e9, n_max=128, algorithms=four)
-after = ring.cheapest((upto_small or 1) + 1, 1e5, 10e-6, 1 / 32e9, algorithms=four)
-print(f"α = 10 µs, PCIe, of the first four: the ring is the cheapest up to N = {upto_big} for "
-      f"K = 102 MB, up to N = {upto_small} for K = 100 kB (from N = {(upto_small or 1) + 1} "
-      f"{NAMES[after]} is cheaper)")
+upto_wide = ring.ring_cheapest_up_to(k_resnet50, 10e-6, 1 / 32e9, n_max=5000, algorithms=four)
+
+
+def beats_the_ring(upto, nbytes):
+    """Who is cheapest right after the ring stops, with the server's assumption if it is the server."""
+    alg = ring.cheapest(upto.n + 1, nbytes, 10e-6, 1 / 32e9, algorithms=four)
+    return NAMES[alg] + (" (if its one link takes N messages at once)"
+                         if alg == "parameter-server" else "")
+
+
+print(f"α = 10 µs, PCIe, of the first four: the ring is the cheapest for K = 100 kB up to "
+      f"N = {upto_small} (from N = {upto_small.n + 1} {beats_the_ring(upto_small, 1e5)} is "
+      f"cheaper); for K = 102 MB up to N = {upto_big}; searched up to N = {upto_wide.n_max}, "
+      f"up to N = {upto_wide} (from N = {upto_wide.n + 1} "
+      f"{beats_the_ring(upto_wide, k_resnet50)} is cheaper)")
+claim("searched up to 128, the answer for 102 MB is censored (the ring still wins at 128); "
+      "searched up to 5000 it is not",
+      upto_big.censored and upto_big.n == 128 and not upto_wide.censored and upto_wide.n > 128,
+      upto_big=upto_big, upto_wide=upto_wide)
 claim("of the first four, at a fixed α and β, a smaller K stops the ring being the cheapest at "
       "a smaller N",
-      upto_small is not None and upto_big is not None and upto_small < upto_big,
-      upto_small=upto_small, upto_big=upto_big)
+      upto_small.n is not None and not upto_small.censored and upto_small.n < upto_wide.n,
+      upto_small=upto_small, upto_wide=upto_wide)
 claim("from N = 4 to 128, the ring's latency term 2(N−1)α exceeds the tree's 2⌈log₂N⌉α",
       all(2 * (n - 1) > 2 * math.ceil(math.log2(n)) for n in range(4, 129)))
 
@@ -434,10 +474,41 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
       five.get("ring") == [n for n in range(2, 129) if n not in powers], ring=five.get("ring"))
 
 # %% [markdown]
-# So for big messages the model, which gives every pair of workers a link of its own, picks
-# Rabenseifner's at every power of two; §2 said why gloo and NCCL ring anyway. Try it yourself: drag K down to a few
-# kilobytes and raise α, and watch the ring lose N after N; then raise K again. The shading
-# and the title's second line say which algorithm is the cheapest at each N.
+# So for big messages the model picks Rabenseifner's at every power of two. Why then do gloo
+# and NCCL (NVIDIA's library of collectives for GPUs, DDP's backend there) ring? The model
+# gives every pair of workers a link of its own at full speed. Where links are shared — GPUs
+# on one PCIe bus, servers behind network switches — Rabenseifner's partners, p/2, p/4, …
+# apart, exchange across links that other pairs use at the same time, a cost the model does
+# not see; a ring only ever uses its neighbours' links.
+#
+# **▶ What NCCL actually chooses (optional, click the folded cell below)**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# NCCL does not only ring. For each call its *tuner* (its own cost model of the message size
+# and the machine's topology) picks one of several algorithms:
+#
+# * **ring**, as here;
+# * **tree**: not §2's binomial tree. It cuts the message into small pieces and pipelines them
+#   down the tree, so its bandwidth term stays close to the ring's. Across servers it is a
+#   *double binary tree* over the servers (two trees, each carrying half of the data, so every
+#   server sends and receives at full speed); inside a server the GPUs form a **chain**.
+#   NCCL's estimate of its depth is (GPUs per server − 1) + log₂(servers): on a single 8-GPU
+#   server, a chain of 8;
+# * where the hardware can add, algorithms that leave the addition to it: **NVLS** on servers
+#   whose GPUs are joined by an *NVSwitch* (a switch chip that links every GPU of the server to
+#   every other at full NVLink speed) that supports *SHARP* (NVIDIA's in-switch reduction: the
+#   switch adds what passes through it); **NVLS_TREE**, NVLS inside servers and a tree across
+#   them; and **CollNet**, where the network's own switches add, reached through a *network
+#   plugin* (a library NCCL loads to drive that network).
+#
+# On an NVSwitch server every pair of GPUs does have a full-speed path, so the shared-link
+# argument above does not hold there — and NCCL can leave the adding to the switch. The
+# sources (NCCL's tuner and topology code) are listed at the end.
+
+# %% [markdown]
+# Try it yourself: drag K down to a few kilobytes and raise α, and watch the ring lose N after
+# N; then raise K again. The shading and the title's second line say which algorithm is the
+# cheapest at each N.
 
 # %%
 # The sliders start at this machine's fitted α and β (§3); the curves come from ring.cost.
@@ -530,8 +601,21 @@ for n in (2, 4):
 # *before* summing (with no comm hook its C++ reducer multiplies each gradient by 1/N as it
 # copies it into the bucket; with a hook registered the reducer does not divide, and torch's
 # Python `allreduce_hook` does `div_` first itself); our ring sums
-# first and divides the sum by N at the end. With 2 ranks they still come out bit for bit
-# equal: a + b = b + a, and halving is exact in binary floating point, before or after.
+# first and divides the sum by N at the end. With 2 ranks they can still come out bit for bit
+# equal: a + b = b + a, and halving a *normal* floating-point number only lowers its exponent,
+# so a/2 + b/2 and (a + b)/2 round the same sum the same way. That holds while no value halves
+# into the *subnormal* range (in float32 below 2⁻¹²⁶ ≈ 1.2e-38, where the exponent cannot go
+# lower and halving drops a bit) and a + b does not overflow; the cell below shows both sides.
+# So "bit for bit" below is measured on this run's gradients, not guaranteed for every run.
+
+# %%
+rng_h = np.random.default_rng(1)
+a_h, b_h = (rng_h.standard_normal(100_000).astype(np.float32) * 1e-3 for _ in range(2))
+claim("float32, 100 000 normal pairs: a/2 + b/2 == (a + b)/2 bit for bit",
+      np.array_equal(a_h / 2 + b_h / 2, (a_h + b_h) / 2))
+tiny = np.float32(1.4e-45)  # the smallest positive float32, a subnormal
+claim("but for a = b = 1.4e-45 (subnormal): a/2 + b/2 = 0, while (a + b)/2 = 1.4e-45",
+      tiny / 2 + tiny / 2 == 0 and (tiny + tiny) / 2 == tiny)
 
 # %%
 def train_both_ways(rank, world_size, data_name, n_train, epochs, per_rank_batch, lr):
@@ -664,7 +748,9 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # while the next segments are still on their way. Adding one segment overlaps with receiving
 # the next, and step t+1 starts before step t has ended. The scatter-reduce receives into two
 # spare buffers used in turn (*double buffering*: step t+1's receives are posted while step t
-# is still being added); the all-gather receives straight into place.
+# is still being added); the all-gather receives straight into place. gloo's ring keeps two
+# segments in flight too, received into a two-segment scratch buffer: one on the wire while
+# the other is added (`gloo/allreduce.cc`, Sources).
 
 # %% [markdown]
 # **▶ The reference answer's code — open after your lab passes** (the folded cell below: `ring.chunk_bounds` and `ring.ring_allreduce`, source and output folded).
@@ -675,14 +761,24 @@ viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
 # %% [markdown]
 # ### The pipelined ring as a timeline
 #
+# **▶ Open after your lab passes** (the folded text below: a model of where the time goes when
+# each chunk travels in pieces — it draws the idea of the stretch; its code, claims and figure
+# follow, folded too).
+
+# %% [markdown] jupyter={"source_hidden": true}
 # Where does the time go when a chunk travels in pieces? `ring.pipeline_schedule` lays §1's
 # transfers (the chunks `ring.simulate_ring` sends, step by step) on a time axis, under a
 # model, not a measurement: a whole chunk takes one *transfer time* on a link and half of one
 # to add; a link carries one piece at a time; a rank adds one piece at a time while its link
 # goes on sending; and a rank forwards piece j of a chunk once that piece has arrived and, in
-# the scatter-reduce, been added. Four ranks, each chunk sent whole, then in 4 pieces:
+# the scatter-reduce, been added. Four ranks, each chunk sent whole, then in 4 pieces.
 
-# %%
+# %% [markdown]
+# **▶ The timeline — open after your lab passes** (the folded cell below:
+# `ring.pipeline_schedule`'s code, then the claims and the figure it draws).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ring.pipeline_schedule)
 N_PIPE, ADD = 4, 0.5  # ranks; time to add a whole chunk, in transfer times
 timelines = {S: ring.pipeline_schedule(N_PIPE, S, transfer=1.0, add=ADD) for S in (1, 4)}
 
@@ -790,6 +886,6 @@ viz.quiz([
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
 # - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/graph/tuning.cc` — the tuner's latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
-# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (at least 2N segments, rounded up to a multiple of N, of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; two in flight, received into a two-segment scratch buffer). `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
+# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (at least 2N segments, rounded up to a multiple of N, of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded reference answer after the lab pointer). `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
 # - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, the extra step for N not a power of two) and their α-β costs.
 # - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth.

@@ -220,15 +220,38 @@ def test_the_ring_is_cheapest_at_small_n_if_anywhere():
     alpha, beta = 10e-6, 1 / 32e9
     four = ring.ALGORITHMS
     for nbytes in (1e3, 1e5, 1e7, 1e8):
-        upto = ring.ring_cheapest_up_to(nbytes, alpha, beta, n_max=128, algorithms=four)
+        found = ring.ring_cheapest_up_to(nbytes, alpha, beta, n_max=128, algorithms=four)
+        upto = found.n
         best = [ring.cheapest(n, nbytes, alpha, beta, four) == "ring" for n in range(2, 129)]
         if upto is None:
-            assert not best[0]
+            assert not best[0] and not found.censored
         else:
             assert all(best[: upto - 1]) and (upto == 128 or not best[upto - 1])
-    ups = [ring.ring_cheapest_up_to(k, alpha, beta, n_max=128, algorithms=four) or 1
+            assert found.censored == (upto == 128 and best[-1])
+    ups = [ring.ring_cheapest_up_to(k, alpha, beta, n_max=128, algorithms=four).n or 1
            for k in (1e5, 1e7, 1e8)]
     assert ups == sorted(ups) and ups[0] < ups[-1]
+
+
+def test_ring_cheapest_up_to_says_when_the_answer_is_the_search_cap():
+    """Review s7 C3: 'the ring is the cheapest up to N = 128 for K = 102 MB' read the search's
+    cap as a crossover; searched further, the ring stays the cheapest of the first four up to
+    N = 3533. A censored answer must say so, an uncensored one must not."""
+    alpha, beta, k = 10e-6, 1 / 32e9, 25.6e6 * 4
+    four = ring.ALGORITHMS
+    capped = ring.ring_cheapest_up_to(k, alpha, beta, n_max=128, algorithms=four)
+    assert (capped.n, capped.censored) == (128, True)
+    assert str(capped) == "128 or more (the search stopped at 128)"
+    wide = ring.ring_cheapest_up_to(k, alpha, beta, n_max=5000, algorithms=four)
+    assert (wide.n, wide.censored) == (3533, False) and str(wide) == "3533"
+    assert ring.cheapest(3534, k, alpha, beta, four) != "ring"
+    # the cap exactly at the crossover is not censored: at n_max the ring already lost
+    assert ring.ring_cheapest_up_to(k, alpha, beta, n_max=3534, algorithms=four).censored is False
+    assert ring.ring_cheapest_up_to(k, alpha, beta, n_max=3533, algorithms=four).censored is True
+    nowhere = ring.ring_cheapest_up_to(k, alpha, beta, n_max=64, algorithms=("tree", "naive"))
+    assert (nowhere.n, nowhere.censored, str(nowhere)) == (None, False, "nowhere (not even at N = 2)")
+    with pytest.raises(ValueError, match="n_max must be at least 2"):
+        ring.ring_cheapest_up_to(k, alpha, beta, n_max=1)
 
 
 def test_cheapest_compares_all_five_by_default():
@@ -242,7 +265,7 @@ def test_cheapest_compares_all_five_by_default():
     # with Rabenseifner's in, the ring stops being the cheapest at N = 4 at the latest (α > 0)
     for nbytes in (1e3, 1e5, 1e8):
         upto = ring.ring_cheapest_up_to(nbytes, alpha, beta, n_max=64)
-        assert upto is None or upto <= 3
+        assert not upto.censored and (upto.n is None or upto.n <= 3)
     where = ring.cheapest_by_n(k, alpha, beta, n_max=128)
     assert where["rabenseifner"] == [4, 8, 16, 32, 64, 128]
     assert sorted(sum(where.values(), [])) == list(range(2, 129))  # every N exactly once

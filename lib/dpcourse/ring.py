@@ -46,6 +46,7 @@ __all__ = [
     "cheapest",
     "cheapest_by_n",
     "spans",
+    "RingUpTo",
     "ring_cheapest_up_to",
     "Transfer",
     "RingStep",
@@ -155,6 +156,8 @@ def simulate_ring(arrays: Sequence[np.ndarray]) -> RingTrace:
     The inputs are not modified. All workers send at once in a step; each worker's message is
     taken from its buffer *before* the step (in a ring a worker never sends the chunk it is
     receiving in the same step, so the order would not matter anyway — the trace checks it).
+
+    Shown in lesson 06, §1.
     """
     if isinstance(arrays, np.ndarray) and arrays.ndim == 2:
         arrays = list(arrays)
@@ -240,7 +243,9 @@ def pipeline_schedule(n: int, segments: int, transfer: float = 1.0,
     (step, piece); each rank adds one piece at a time, in that order, while its links go on
     sending; and a rank sends piece j of step t + 1 (the chunk it received at step t) once
     piece j of step t has arrived and, in the scatter-reduce, been added. With ``segments=1``
-    that is the unpipelined ring: a step's transfer, then its addition, then the next step."""
+    that is the unpipelined ring: a step's transfer, then its addition, then the next step.
+
+    Shown in lesson 06, §"Lab 06: the ring, simulated then real"."""
     if not isinstance(n, (int, np.integer)) or n < 2:
         raise ValueError(f"n must be at least 2 ranks, got {n!r}")
     if not isinstance(segments, (int, np.integer)) or segments < 1:
@@ -313,10 +318,12 @@ class Cost:
 
 def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Cost:
     """The alpha-beta cost of one all-reduce (alpha: seconds per step of the critical path,
-    beta: seconds per byte). Every algorithm here sends one message per step and link, so its
-    alpha is also a cost per message; gloo's ring (``gloo/allreduce.cc``, ``ring``) cuts each
-    chunk into at least two segments of at most 1 MiB and keeps two in flight, so a ring step
-    there is two or more pipelined messages, and an alpha fitted to it is a cost per step.
+    beta: seconds per byte). Every algorithm here but the parameter server sends one message
+    per step and link, so its alpha is also a cost per message; the server's link takes the N
+    messages of each of its two steps at once, for one alpha (the most favourable case for
+    it). gloo's ring (``gloo/allreduce.cc``, ``ring``) cuts each chunk into at least two
+    segments of at most 1 MiB, pipelined, so a ring step there is two or more messages, and
+    an alpha fitted to it is a cost per step.
 
     * naive: 2(N-1) messages of K, one after another, all through worker 0: 2(N-1)(a + Kb).
     * parameter-server: one push round and one pull round, but N*K bytes through the server's
@@ -334,6 +341,8 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
       other N: the r = N - p ranks above the largest power of two p < N first hand their K
       bytes to a partner and get the result back at the end, one step of K each way more:
       2 log2(p) a + 2(p-1)/p K b + 2(a + Kb).
+
+    Shown in lesson 06, §2.
     """
     if algorithm not in COST_MODELS:
         raise ValueError(f"unknown algorithm {algorithm!r}: choose one of "
@@ -399,20 +408,46 @@ def spans(ns: Sequence[int]) -> str:
     return ", ".join(out)
 
 
+@dataclass(frozen=True)
+class RingUpTo:
+    """What :func:`ring_cheapest_up_to` found. ``n``: the largest N of the searched range such
+    that the ring is the cheapest at every N from 2 up to it; None if it is not the cheapest at
+    N = 2. ``censored``: True when the ring was still the cheapest at ``n_max``, the last N
+    searched, so ``n`` is the search's cap, not where the ring stops (it stops later, if
+    anywhere). ``str()`` says so: ``"128 or more (the search stopped at 128)"``."""
+
+    n: int | None
+    censored: bool
+    n_max: int
+
+    def __str__(self) -> str:
+        if self.n is None:
+            return "nowhere (not even at N = 2)"
+        if self.censored:
+            return f"{self.n} or more (the search stopped at {self.n_max})"
+        return str(self.n)
+
+
 def ring_cheapest_up_to(nbytes: float, alpha: float, beta: float, n_max: int = 64,
-                        algorithms: Sequence[str] = COST_MODELS) -> int | None:
-    """The largest N (2..n_max) such that the ring is the :func:`cheapest` of ``algorithms``
-    for every N from 2 up to it; None if it is not the cheapest at N = 2. Among the first four
-    (:data:`ALGORITHMS`) the ring's latency term 2(N-1)·alpha grows faster than the tree's
-    2·ceil(log2 N)·alpha, so the ring wins at small N, if anywhere: this is where it stops.
-    With Rabenseifner's in (the default), it stops at N = 3 at the latest (alpha > 0): at N = 4
-    Rabenseifner's sends the ring's bytes in 4 steps instead of 6. Lesson 06, §3."""
+                        algorithms: Sequence[str] = COST_MODELS) -> RingUpTo:
+    """Up to which N the ring is the :func:`cheapest` of ``algorithms``, searched over
+    N = 2..n_max: a :class:`RingUpTo` whose ``n`` is the largest N such that the ring is the
+    cheapest for every N from 2 up to it (None if not at N = 2) and whose ``censored`` says
+    that the ring was still the cheapest at ``n_max``, so the true answer is n_max or more.
+    Among the first four (:data:`ALGORITHMS`) the ring's latency term 2(N-1)·alpha grows faster
+    than the tree's 2·ceil(log2 N)·alpha, so the ring wins at small N, if anywhere: this is
+    where it stops. With Rabenseifner's in (the default), it stops at N = 3 at the latest
+    (alpha > 0): at N = 4 Rabenseifner's sends the ring's bytes in 4 steps instead of 6.
+    Lesson 06, §3."""
+    n_max = int(n_max)
+    if n_max < 2:
+        raise ValueError(f"n_max must be at least 2, got {n_max}")
     upto = None
-    for n in range(2, int(n_max) + 1):
+    for n in range(2, n_max + 1):
         if cheapest(n, nbytes, alpha, beta, algorithms) != "ring":
-            break
+            return RingUpTo(upto, False, n_max)
         upto = n
-    return upto
+    return RingUpTo(upto, True, n_max)
 
 
 @dataclass
@@ -459,6 +494,8 @@ def fit_alpha_beta(world_sizes, nbytes, seconds, cores: float | None = None) -> 
     Each row is weighted by 1/t, so a 1 KiB point (microseconds) counts as much as a 64 MiB
     one (tenths of a second): we minimise relative, not absolute, error. Raises ValueError if
     the data cannot give positive alpha and beta (too few sizes, or all sizes alike).
+
+    Shown in lesson 06, §3.
     """
     n = np.asarray(world_sizes, dtype=float).ravel()
     k = np.asarray(nbytes, dtype=float).ravel()
