@@ -1458,8 +1458,8 @@ shutil.rmtree(work, ignore_errors=True)
 # Open [lab04_ddp_in_practice](../labs/lab04_ddp_in_practice.ipynb). It gives you a torchrun DDP
 # script built the way section 1 built `train_ddp.py`, and asks for what this lesson did not
 # show: the **macro-F1** of the trained model on a test set split over the ranks, equal to one
-# process's, with fewer than 3 numbers per class between the ranks, whatever the size of the
-# test set — which statistics the ranks exchange is your decision. The check runs your function
+# process's, with as few numbers per class between the ranks as the exact value needs, whatever
+# the size of the test set — which statistics the ranks exchange is your decision. The check runs your function
 # on 2 and 3 ranks, compares it with one process, and names the mistake if it differs (it also
 # follows whether what you exchange would live on the GPU); then it runs your script under
 # torchrun. A prediction asks what the ranks' own macro-F1, averaged, reports on a fair split
