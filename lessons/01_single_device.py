@@ -142,8 +142,10 @@ claim("after zero_grad(set_to_none=True) every .grad is None",
 #
 # Ten classes means a model that guesses is right 10% of the time, with a loss of
 # ln 10 ≈ 2.30. A few epochs on the CPU take us far past that. We use Adam here, whose
-# per-parameter step sizes need little tuning (the later lessons' gradient comparisons hold for
-# any optimizer; lesson 09's weight averaging, for plain SGD only).
+# per-parameter step sizes need little tuning. (The later lessons' gradient comparisons hold for
+# any optimizer. Lesson 09's *local SGD*, which averages the replicas' weights instead of their
+# gradients, matches DDP only for an optimizer whose update is linear in the gradient — SGD,
+# with momentum and weight decay too — and not for Adam; lesson 09 checks both.)
 
 # %%
 devices.seed_everything(seed)
@@ -288,16 +290,20 @@ print(f"The epochs of `fit` above ran at a median {fit_rate:.0f} samples/s at ba
          "that is why the comparisons here interleave their runs."))
 fig = viz.new_figure(5.5, 3.2)
 ax = fig.add_subplot(1, 1, 1)
-ax.errorbar([str(bs) for bs in batch_sizes], [rates[bs] for bs in batch_sizes],
+ax.errorbar(list(batch_sizes), [rates[bs] for bs in batch_sizes],
             yerr=[[rates[bs] - np.percentile(measured[bs], 25) for bs in batch_sizes],
                   [np.percentile(measured[bs], 75) - rates[bs] for bs in batch_sizes]],
             fmt="o-", capsize=4)
-ax.set_xlabel("batch size")
+ax.set_xscale("log", base=2)   # a doubling is one step: 64 -> 256 is two, with no run between
+ax.set_xticks(list(batch_sizes), [str(bs) for bs in batch_sizes])
+ax.minorticks_off()
+ax.set_xlabel("batch size (log scale; only the marked sizes were run)")
 ax.set_ylabel("samples / s (median, quartiles)")
 ax.set_ylim(0, None)
 ax.grid(True, alpha=0.3)
 fig.subplots_adjust(left=0.18, right=0.97, bottom=0.17, top=0.95)
-viz.show(fig, "training throughput per batch size on this machine; the bars span the middle "
+viz.show(fig, "training throughput per batch size on this machine (the lines only join the "
+              "sizes that were run); the bars span the middle "
               "half of five interleaved runs (one outlier run does not stretch them), so a gap "
               "smaller than the bars is noise.")
 
@@ -324,8 +330,12 @@ viz.show_code(train.rate_verdict, train.compare_rates)
 # Every share below depends on where `time_breakdown` reads its clocks: before asking the
 # loader for a batch, after the batch has reached the device, after the forward, and after the
 # optimizer step — synchronizing a GPU at each, so a phase is charged what it cost, not how
-# fast Python queued it. (Its code holds a training step, lab 01's answer: it is in the folded
-# reference answer at the end of the lesson.)
+# fast Python queued it. The clocks are in the cell below; the two phases it times between
+# them, `step_phases`, hold a training step (part of lab 01's answer) and wait, folded, at the
+# end of the lesson.
+
+# %%
+viz.show_code(train.time_breakdown)
 
 # %%
 class SlowAugment(torch.utils.data.Dataset):
@@ -360,10 +370,10 @@ m = models.SmallCNN().to(device)
 opt = torch.optim.Adam(m.parameters(), lr=lr)
 share, breakdown = {}, {}
 # One intra-op thread while we measure. With torch's default, a thread per core, a busy
-# neighbour (another notebook, a second test) made the convolutions 10-30x slower here as the
-# threads waited on each other, while the one-threaded transform barely slowed: the data's share
-# fell from 75% to 8% and measured the neighbour, not the pipeline. With one thread it stayed
-# at 57-66% beside the same neighbour.
+# neighbour (another notebook, a second test) slows the multi-threaded convolutions, whose
+# threads wait for each other, far more than the one-threaded Python transform: the data's
+# share would then measure the neighbour, not the pipeline. (A reason for the setting, not a
+# result: this lesson does not time the neighbour.)
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
 try:
@@ -402,7 +412,8 @@ viz.show(fig, "with batches sliced from memory the step is all compute; with a p
 claim("batches sliced from memory: under 20% of the step waits for data",
       share["in-memory tensors"] < 0.2, share=share)
 # Why not "over half": the share depends on how fast this machine computes (a fast GPU makes
-# it larger, a slow CPU smaller); 20% and 10x leave room on every machine we measured.
+# it larger, a slow CPU smaller), so the thresholds are loose; this run's shares are printed
+# above.
 claim("the per-sample Python transform: over 20% of the step waits for data, more than 10x "
       "the share with in-memory batches",
       share["per-sample Python transform"] > 0.2
@@ -422,7 +433,7 @@ claim("the per-sample Python transform: over 20% of the step waits for data, mor
 # bfloat16 has float32's range: no scaler needed. GPUs from NVIDIA's Ampere generation on
 # (A100, H100) compute in bfloat16 too, so there `autocast(dtype=torch.bfloat16)` without a
 # scaler is the simpler choice; the library's float16 + `GradScaler` also runs on older GPUs.
-# `train.fit(..., amp=True)` picks its pair for the device:
+# `train.fit(model, ds, train.TrainConfig(amp=True))` picks its pair for the device:
 
 # %%
 viz.show_code(train.autocast_for)
@@ -467,49 +478,19 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # time both, interleaved, five rounds each, and say which was faster on this run, or that
 # there was no clear difference. Try a ResNet (`models.resnet18_cifar`) with a big batch on a
 # GPU: there AMP can win.
-#
-# To measure the whole ladder on your device — naive float32, TF32, bf16/fp16 autocast,
-# channels_last, `torch.compile` and all of them together, on ResNet-18 — run
-# `python -m dpcourse.bench single` in a terminal. *TF32* (TensorFloat-32) is a mode of NVIDIA
-# GPUs since Ampere in which float32 matrix multiplies and convolutions run on tensor cores with
-# a 10-bit mantissa (float32's range, less precision). Torch's defaults differ by kind: cuDNN
-# convolutions may use TF32 out of the box, float32 matmuls may not. The switches are
-# `torch.backends.cudnn.allow_tf32` and `torch.backends.cuda.matmul.allow_tf32`; torch 2.14 also
-# has the newer `fp32_precision` knobs, per backend and operation; CUDA's take "tf32", "ieee"
-# (full float32) or "none" — no setting of its own: the knob then reads the level above it (`torch.backends.fp32_precision`, itself "none" by default, which means full
-# float32). The cell below prints them (they are flags, readable without a GPU) and shows the
-# inheritance by setting the top level for a moment.
-# *channels_last*
-# is a memory layout (`model.to(memory_format=torch.channels_last)`) that stores each pixel's
-# channels next to each other (NHWC instead of NCHW), the layout fast GPU convolution kernels
-# prefer. No GPU numbers are stored in this course: run the command there to get yours.
 
-# %%
-on_off = {True: "on", False: "off"}
-print("cudnn.allow_tf32:", on_off[torch.backends.cudnn.allow_tf32],
-      "| cuda.matmul.allow_tf32:", on_off[torch.backends.cuda.matmul.allow_tf32])
-print("cudnn.conv.fp32_precision:", torch.backends.cudnn.conv.fp32_precision,
-      "| cuda.matmul.fp32_precision:", torch.backends.cuda.matmul.fp32_precision)
-claim("by default cuDNN convolutions may use TF32 and float32 matmuls may not",
-      torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
-      and torch.backends.cudnn.conv.fp32_precision == "tf32")
-torch.backends.fp32_precision = "tf32"   # the top level, for a moment
-inherited = torch.backends.cuda.matmul.fp32_precision
-torch.backends.fp32_precision = "none"   # back to the default
-claim('the matmul knob\'s "none" inherits: it reads "tf32" while the top level is "tf32", and '
-      '"none" again once the top level is back to its default "none"',
-      inherited == "tf32" and torch.backends.cuda.matmul.fp32_precision == "none"
-      and not torch.backends.cuda.matmul.allow_tf32, inherited=inherited)
+# %% [markdown]
+# **▶ `predictions(model, amp)`: the class the model predicts for every test image** (folded:
+# it has the shape of lab 01's `evaluate`; open it after your lab passes).
 
-# %%
-import copy
-
-
+# %% jupyter={"source_hidden": true}
 def predictions(model, amp):
     model.eval()
     with torch.no_grad(), train.autocast_for(device, amp):
         return torch.cat([model(Xb.to(device)).argmax(1).cpu() for Xb, _ in test_loader])
 
+# %%
+import copy
 
 agree = (predictions(trained, False) == predictions(trained, True)).float().mean().item()
 claim("autocast changes at most 2% of the test predictions", agree >= 0.98, agree=agree)
@@ -557,6 +538,40 @@ print(f"On this {device.type}, this run: "
       + train.compare_rates("float32", amp_runs[False], "AMP", amp_runs[True]))
 
 # %% [markdown]
+# **Beyond this CPU.** To measure the whole ladder on your device — naive float32, TF32,
+# bf16/fp16 autocast, channels_last, `torch.compile` and all of them together, on ResNet-18 —
+# run `python -m dpcourse.bench single` in a terminal. *TF32* (TensorFloat-32) is a mode of
+# NVIDIA GPUs since Ampere in which float32 matrix multiplies and convolutions run on tensor
+# cores with a 10-bit mantissa (float32's range, less precision). Torch's defaults differ by
+# kind: cuDNN convolutions may use TF32 out of the box, float32 matmuls may not. The switches
+# are `torch.backends.cudnn.allow_tf32` and `torch.backends.cuda.matmul.allow_tf32`; torch 2.14
+# also has the newer `fp32_precision` knobs, per backend and operation; CUDA's take "tf32",
+# "ieee" (full float32) or "none" — no setting of its own: the knob then reads the level above
+# it (`torch.backends.fp32_precision`, itself "none" by default, which means full float32). The
+# cell below prints them (they are flags, readable without a GPU) and shows the inheritance by
+# setting the top level for a moment. *channels_last* is a memory layout
+# (`model.to(memory_format=torch.channels_last)`) that stores each pixel's channels next to each
+# other (NHWC instead of NCHW), the layout fast GPU convolution kernels prefer. No GPU numbers
+# are stored in this course: run the command there to get yours.
+
+# %%
+on_off = {True: "on", False: "off"}
+print("cudnn.allow_tf32:", on_off[torch.backends.cudnn.allow_tf32],
+      "| cuda.matmul.allow_tf32:", on_off[torch.backends.cuda.matmul.allow_tf32])
+print("cudnn.conv.fp32_precision:", torch.backends.cudnn.conv.fp32_precision,
+      "| cuda.matmul.fp32_precision:", torch.backends.cuda.matmul.fp32_precision)
+claim("by default cuDNN convolutions may use TF32 and float32 matmuls may not",
+      torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+      and torch.backends.cudnn.conv.fp32_precision == "tf32")
+torch.backends.fp32_precision = "tf32"   # the top level, for a moment
+inherited = torch.backends.cuda.matmul.fp32_precision
+torch.backends.fp32_precision = "none"   # back to the default
+claim('the matmul knob\'s "none" inherits: it reads "tf32" while the top level is "tf32", and '
+      '"none" again once the top level is back to its default "none"',
+      inherited == "tf32" and torch.backends.cuda.matmul.fp32_precision == "none"
+      and not torch.backends.cuda.matmul.allow_tf32, inherited=inherited)
+
+# %% [markdown]
 # ## Seeds and reproducibility
 #
 # Randomness enters training in the initial weights, the shuffling order, dropout and data
@@ -577,6 +592,12 @@ print(f"On this {device.type}, this run: "
 # starting Jupyter or Python. (Torch 2.14.1's own `use_deterministic_algorithms` docstring does
 # not name the variable.) Across *different* hardware bit-identity is not promised at all:
 # floating-point sums are done in different orders.
+
+# %% [markdown]
+# **▶ `devices.seed_everything`** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(devices.seed_everything)
 
 # %%
 needs_deterministic = device.type != "cpu"  # CPU kernels of this model are deterministic
@@ -633,14 +654,17 @@ claim("seed_everything(deterministic=True) turns deterministic mode on with warn
 #
 # Open [lab01_single_device](../labs/lab01_single_device.ipynb) and write `train_one_epoch` and
 # `evaluate`; its checks compare them with the library's and name your mistake. The library's
-# version, which every later lesson reuses, is folded below with `time_breakdown`: open it once
-# your lab passes, and compare it with yours.
+# loop, which every later lesson reuses, is folded below with the step phases `time_breakdown`
+# times: open it once your lab passes. It is **not** lab 01's answer: the later lessons call it
+# only at settings known to train, so it does not do everything lab 01's contract asks of your
+# loop (compare it with the contract, not only with your code).
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below).
+# **▶ The library's loop, not the lab's answer — open after your lab passes** (click the
+# folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(train.train_one_epoch, train.evaluate, train.time_breakdown)
+viz.show_code(train.train_one_epoch, train.evaluate, train.step_phases)
 
 # %% [markdown]
 # ## Summary
