@@ -30,8 +30,9 @@
 # the model stops fitting, the answer that keeps it *data* parallel is to stop copying: each
 # rank keeps 1/N of the state and fetches the rest when it needs it. That is ZeRO (Rajbhandari
 # et al., SC 2020), in three stages; PyTorch's FSDP is stage 3 by default (it can also keep
-# the weights gathered between forward and backward, close to stage 2). All of it lives in
-# `dpcourse.zero`, and every cell below shows the code it runs.
+# the weights gathered between forward and backward, close to stage 2). The code lives in
+# `dpcourse.zero` and `dpcourse.zero_experiments`; cells show what the claims run, folded
+# where it holds a lab's answer.
 
 # %% tags=["parameters"]
 world_size = None     # None: from the hardware profile (2 on the cpu profile)
@@ -117,7 +118,8 @@ viz.show(viz.zero_holdings_figure(4),
 
 # %% [markdown]
 # Try it yourself: set your own GPU's memory and a model size, and find the smallest number
-# of GPUs at which each stage fits (activations come on top of these bars).
+# of GPUs at which each stage fits (activations come on top of these bars). A GB here is 10⁹
+# bytes, the paper's unit; an "80-GB" A100 holds 80 GiB = 80 × 2³⁰ bytes ≈ 85.9 GB.
 
 # %%
 zero_calculator = viz.explorer(
@@ -222,10 +224,17 @@ claim(f"ZeRO-2: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
 claim("the losses fell", runs[0]["zero1"]["losses"][-1] < runs[0]["zero1"]["losses"][0])
 after_backward = {s: runs[0][s]["grads_after_backward"] for s in ("ddp", "zero1", "zero2")}
 at_collective = {s: runs[0][s]["grads_at_collective"] for s in ("ddp", "zero1", "zero2")}
-print("gradient bytes, backward done:", after_backward, "\nbefore step()'s collective:", at_collective)
+print("gradient bytes, backward done:", after_backward)
 claim("when the backward returns, this ZeRO-2 holds every full gradient: the same bytes as "
       "ZeRO-1 and DDP (4Ψ in fp32), so its peak is no lower",
       set(after_backward.values()) == {4 * n_params})
+
+# %% [markdown]
+# **▶ The gradient bytes inside `step()`, before its collective — open after your lab
+# passes** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+print("before step()'s collective:", at_collective)
 flat = 4 * zero.shard_numel(n_params, world_size) * world_size   # the padded copy, in bytes
 sharded = 4 * n_params + flat + flat // world_size
 claim("inside step() every p.grad is still alive beside the flat copy step() sends: DDP 2 × 4Ψ, "
@@ -560,8 +569,8 @@ claim("loaded back into a fresh sharded model, every rank's shards are equal",
       all(r["reloaded_shards_equal"] for r in tour))
 
 # %% [markdown]
-# **▶ The shape of rank 0's shard of each parameter — open after your lab passes** (click the
-# folded cell below).
+# **▶ The shape of rank 0's shard of each parameter — open after lab 11 passes** (it answers
+# lab 11's part 3; click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 for name, kind, full, local, placement in tour[0]["shards"]:

@@ -272,8 +272,8 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 # travels: the ranks exchange only activations and their gradients, at two points of the MLP:
 #
 # 1. **column-parallel** first layer: rank r keeps the r-th block of A's *columns*
-#    (d × h/t), and computes `H_r = GeLU(X·A_r)`: its own h/t hidden
-#    features (whether the GeLU needs anything from the other ranks is the lab's to say);
+#    (d × h/t), and computes `Z_r = X·A_r`: its own h/t of the hidden features before the
+#    activation (what the GeLU then needs, and from which ranks, is the lab's to say);
 # 2. **row-parallel** second layer: rank r keeps the r-th block of B's *rows* (h/t × d) and
 #    multiplies its own hidden features by it. What that product is next to the layer's
 #    output `Y = H·B`, and what it costs to get Y on every rank, is lab 11's first question.
@@ -393,6 +393,31 @@ viz.show_code(tensor_parallel.plain_mlp, tensor_parallel.TPConfig)
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(tensor_parallel.slice_of, tensor_parallel.tensor_parallel_worker)
+
+# %% [markdown]
+# Its first two claims below compare whole tensors, so their lines can be read here, taken
+# from its source: the plain MLP's and ours run on the same input, which asks for a
+# gradient, and the worker returns the largest differences of the outputs and of the
+# inputs' gradients:
+
+# %%
+import inspect
+import textwrap
+
+
+def excerpt(function, first, last):
+    """The lines of ``function``'s source from the first that contains ``first`` to the next
+    that contains ``last``, dedented."""
+    lines = inspect.getsource(function).splitlines()
+    start = next(i for i, line in enumerate(lines) if first in line)
+    stop = next(i for i in range(start, len(lines)) if last in lines[i])
+    return textwrap.dedent("\n".join(lines[start:stop + 1]))
+
+
+viz.show_code(excerpt(tensor_parallel.tensor_parallel_worker, "x_plain = cfg.inputs()",
+                      "cfg.loss(y_ours).backward()"),
+              excerpt(tensor_parallel.tensor_parallel_worker, '"out_diff":',
+                      '"input_grad_diff":'))
 
 # %%
 cfg = tensor_parallel.TPConfig()
@@ -610,9 +635,11 @@ claim(f"each pass makes an all-gather of the token shares ({share} elements in) 
 # (`send`/`recv`, lesson 06) and their gradients backward. With one batch only one stage
 # works at a time, so the batch is cut into M **micro-batches** that follow each other
 # through the stages (GPipe, Huang et al. 2019); each stage *accumulates* the M micro-batches'
-# gradients, which then equal the whole batch's. Stages still sit idle while the pipeline
-# fills and drains: with equal stage times a step lasts M + K − 1 slots of which each stage
-# works M, an idle share — the **bubble** — of (K − 1)/(M + K − 1).
+# gradients. Their sum is the gradient of the whole batch's mean loss once each micro-batch's
+# mean loss is divided by M, with micro-batches of equal size (or once the loss is a sum over
+# the examples): the division of gradient accumulation, lesson 04 §7's `/ accum`. Stages
+# still sit idle while the pipeline fills and drains: with equal stage times a step lasts
+# M + K − 1 slots of which each stage works M, an idle share — the **bubble** — of (K − 1)/(M + K − 1).
 #
 # The schedules in `dpcourse.pipeline_parallel` list each stage's actions, F i
 # (forward of micro-batch i) and B i (backward). **GPipe** runs every forward, then every
@@ -643,9 +670,8 @@ bubble_explorer = viz.explorer(
 
 # %% [markdown]
 # Now for real, on 4 ranks. Each stage runs its schedule with `run_stage`, folded below: the
-# lab's stretch asks you to write one GPipe step, and to work out what turns the
-# micro-batches' gradients into the batch's. A measured timeline's bubble is
-# `measured_bubble`'s idle share, shown below: it is the formula the stretch's contract
+# lab's stretch asks you to write one GPipe step and to measure its bubble. A measured
+# timeline's bubble is `measured_bubble`'s idle share, shown below: it is the formula the stretch's contract
 # states for its `bubble`, so only the step itself stays folded. Our CPU ranks would fight over the machine's
 # cores, so each forward also sleeps `delay_s` (each backward twice that): a stand-in for an
 # accelerator, which computes without taking a CPU core. Every (schedule, M) runs in one
@@ -664,6 +690,19 @@ viz.show_code(pipeline_parallel.make_mlp, pipeline_parallel.split_stages,
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(pipeline_parallel.run_stage, pipeline_parallel.pipeline_worker,
               pipeline_parallel.run_pipeline)
+
+# %% [markdown]
+# The two claims below rest on these lines, read from the source: `pipeline_worker` counts
+# its rank's sends during the step, and `run_pipeline` compares every stage's gradients and
+# the last stage's loss with `reference_step`'s on the whole batch:
+
+# %%
+viz.show_code(excerpt(pipeline_parallel.pipeline_worker, "with record_collectives() as calls",
+                      "loss_fn=mse_loss"),
+              excerpt(pipeline_parallel.pipeline_worker, '"messages": len(', '"messages"'),
+              excerpt(pipeline_parallel.run_pipeline, "ref_loss, ref_grads = reference_step",
+                      "and abs(loss - ref_loss)"),
+              excerpt(pipeline_parallel.run_pipeline, "messages=sum(", "messages=sum("))
 
 # %%
 pipe = pipeline_parallel.run_pipeline(stages, micro, ("gpipe", "1f1b"), delay_s=delay_s,
@@ -1100,7 +1139,8 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   inside a node. torch's
 #   `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
 #   sends the same.
-# - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated; idle share
+# - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated (each
+#   micro-batch's mean loss divided by M); idle share
 #   (K−1)/(M+K−1); 1F1B keeps K − k micro-batches in flight instead of M, and (K − k)/M of
 #   GPipe's activation bytes.
 # - **2-D**: tensor parallel along one mesh dimension, FSDP2 along the other, equal to one
@@ -1146,11 +1186,11 @@ viz.quiz([
      "why": ["DDP all-reduces gradients, whose size is the model's.",
              "Right: tensor parallelism sums activations (tokens × d), DDP gradients (Ψ).",
              "It is the other way round."]},
-    {"q": "Why can the GeLU between the two layers run on a rank's block of hidden features, "
-          "with no communication?",
-     "options": ["It acts on each feature alone, so the block is all it needs",
-                 "torch gathers the hidden features before it",
-                 "It is linear, so it commutes with the sum"],
+    {"q": "In the tensor-parallel MLP, what does the GeLU between the two layers need from "
+          "the other ranks?",
+     "options": ["Nothing: it acts on each feature alone, so the block is all it needs",
+                 "All of their hidden features: they are all-gathered before it",
+                 "Their partial sums: it is linear, so it commutes with the sum"],
      "answer": 0,
      "why": ["Right: an element-wise function of a block is the block of the function.",
              "Nothing is gathered between the two layers.",
@@ -1215,7 +1255,9 @@ viz.quiz([
 #   parameter already sharded on the tensor-parallel mesh along the same dimension gets
 #   `_StridedShard` on the data-parallel one; `_fsdp_state.py` — the root is not resharded
 #   after its forward (one all-gather per step).
-# - `torch/distributed/pipelining/stage.py` — `PipelineStage`;
+# - `torch/distributed/pipelining/stage.py` — `PipelineStage`; `perform_reduce_grad` calls
+#   `scale_grads`, which divides the accumulated gradients by M (`scale_grads=True`, the
+#   schedules' default, for a loss that is each micro-batch's mean);
 #   `torch/distributed/pipelining/schedules.py` — `ScheduleGPipe`, `Schedule1F1B` (refuses
 #   fewer micro-batches than stages).
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.register_comm_hook`;
@@ -1223,8 +1265,9 @@ viz.quiz([
 #   `GradBucket.buffer()` (`torch/distributed/__init__.py` exports it from C++): the flat
 #   bucket of this rank's gradients, before the all-reduce.
 # - `torch/nn/modules/linear.py` — `Linear.__init__` (the shape it gives `weight`: which
-#   dimension holds which features is lab 11's part 3, so it is stated only in the folded
-#   reference answer) and `Linear.forward` (`F.linear(input, self.weight, self.bias)`).
+#   dimension holds which features is lab 11's part 3, so this lesson states it only in
+#   folded cells, and lesson 08's FSDP2 shard shapes are folded until lab 11 passes) and
+#   `Linear.forward` (`F.linear(input, self.weight, self.bias)`).
 # - `torch/_meta_registrations.py` — `meta__scaled_dot_product_flash_attention`: the flash
 #   kernel's outputs, the attention and a logsumexp of shape (batch, heads, s) in fp32, which
 #   its backward uses instead of the attention matrix (section 1's claim counts what autograd

@@ -553,8 +553,10 @@ def torch_pipelining_worker(rank: int, world_size: int, schedule: str, m: int, w
                             blocks: int, batch: int, seed: int = 0) -> dict:
     """One rank of torch's own pipeline: ``PipelineStage`` around this rank's stage and
     ``ScheduleGPipe`` or ``Schedule1F1B`` (torch.distributed.pipelining) on the same model,
-    batch and loss as :func:`pipeline_worker` (how torch turns the micro-batches'
-    gradients into the batch's is the lab's stretch question). Two steps: the
+    batch and loss as :func:`pipeline_worker` (torch turns the micro-batches' summed gradients
+    into the batch's by dividing them by M once the step's backwards are done:
+    ``scale_grads=True`` by default, ``perform_reduce_grad`` calls ``scale_grads``, stage.py;
+    its loss stays each micro-batch's mean). Two steps: the
     first also sets the stages up — a warm-up vote (one int32 each way per boundary,
     ``_warmup_forward_vote``) and the output metadata (``_send_meta``, ``send_object_list``),
     stage.py — so the messages of a step are counted on the second. Returns this stage's
