@@ -241,8 +241,7 @@ def train_run(run: str, cfg: ZeroConfig, rank: int, world_size: int) -> dict:
     step's traffic (:func:`summarize_traffic`), the sizes it shards (``units``), the bytes
     of gradients alive when the first backward returns (``grads_after_backward``), and the
     most alive just before one of the first step's collectives that sum gradients
-    (``grads_at_collective``): every ``p.grad`` and kept slice, and the tensors the
-    collective is handed (for the stages, step()'s flat copy and its output slice).
+    (``grads_at_collective``, as ``weigh`` below counts them).
 
     Not counted, because they are not model state: activations and temporaries, and torch
     DDP's gradient buckets (a second copy of the gradients unless
