@@ -6,11 +6,12 @@
 # (`copy.deepcopy`): nothing links their gradients to the original, so what the backward of a
 # broadcast did for the lesson is yours to do. The pieces and their contracts:
 #
-# 1. `scatter(X, n_devices) -> list of tensors`: contiguous chunks of `X` along dim 0, in order
-#    (concatenated, they are `X`), each of whole samples; at most `n_devices` of them, none
-#    empty, none larger than `ceil(B/N)`. A batch that runs out before the devices do (2
-#    samples on 3 devices) gives fewer chunks, not an error. How the sizes are chosen when N
-#    does not divide B is **your design decision**.
+# 1. `scatter(X, n_devices) -> list (or tuple) of tensors`: contiguous chunks of `X` along dim
+#    0, in order (concatenated, they are `X`), each of whole samples; at most `n_devices` of
+#    them, none empty, none larger than `ceil(B/N)`. A batch that runs out before the devices
+#    do (2 samples on 3 devices) gives fewer chunks, not an error; an empty batch (B = 0) has no
+#    chunk to give and is refused with a `ValueError` that says so. How the sizes are chosen
+#    when N does not divide B is **your design decision**.
 # 2. `gather(outputs) -> tensor`: the devices' outputs as one batch, in device order.
 # 3. A prediction about one copy's gradient, then its measurement.
 # 4. `dp_forward_backward(model, X, y, n_devices) -> float`: one DataParallel step's forward
@@ -44,7 +45,8 @@ torch.set_num_threads(1)
 # **Your design decision:** when N does not divide B, how big is each chunk? One answer fills
 # the devices in turn with `ceil(B/N)` samples until the batch runs out — the real class's
 # choice, which lesson 02 §1 showed can leave a device idle (6 samples on 4 devices: three
-# chunks of 2). The other balances the sizes over every device the batch can feed (2, 2, 1, 1).
+# chunks of 2). The other balances the sizes over every device the batch can feed: `min(N, B)`
+# chunks whose sizes differ by at most one, the larger ones first (6 on 4: 2, 2, 1, 1).
 # Before you choose, ask which device sets the pace of a step, whether the choice changes it,
 # and what an idle device costs or saves. Write your choice in `chunk_sizes`,
 # `"like DataParallel"` or `"balanced"`; the check holds your `scatter` to it, and the
@@ -69,9 +71,9 @@ torch.set_num_threads(1)
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# `B = X.shape[0]`; for "like DataParallel", a piece size of `ceil(B/N)` and as many pieces as
-# that fills; for "balanced", `k = min(N, B)` pieces whose sizes are `B // k`, plus one for the
-# first `B % k`; then one call that splits `X` along dim 0 by sizes, turned into a list.
+# Three steps, in this order: turn away the batch the contract refuses; decide the list of
+# chunk sizes from B and N alone (how many entries, what they add up to, which ones are
+# larger); cut `X` once, along dim 0, at those sizes.
 
 # %%
 ### BEGIN SOLUTION: your design decision: "like DataParallel" or "balanced"
@@ -81,8 +83,10 @@ chunk_sizes = "like DataParallel"  # the step's time is set by the largest chunk
 
 
 def scatter(X, n_devices):
-    """A list of at most n_devices contiguous, non-empty chunks of X along dim 0, in order."""
+    """At most n_devices contiguous, non-empty chunks of X along dim 0, in order."""
     ### BEGIN SOLUTION: contiguous chunks of X along dim 0, sized as you decided
+    if X.shape[0] == 0:
+        raise ValueError("scatter: the batch is empty (0 samples); nothing to give a device")
     return list(torch.chunk(X, n_devices, dim=0))
     ### END SOLUTION
 
@@ -96,7 +100,7 @@ lab02.check_scatter(scatter, sizes=chunk_sizes)
 # says what your choice costs or saves in a step.
 
 # %%
-### BEGIN SOLUTION: your prediction (a number of batch sizes)
+### BEGIN SOLUTION: set my_idle_guess to your prediction (a number of batch sizes)
 my_idle_guess = 22
 ### END SOLUTION
 idle_guess = predict("lab02", "batch sizes 1-32 on 8 devices that leave a device idle",
@@ -156,10 +160,10 @@ lab02.check_gather(gather)
 # %% [markdown] jupyter={"source_hidden": true}
 # A copy's gradient is the gradient of its own chunk's terms of the one mean, divided by the
 # whole batch's size. With identical samples, every term has the same gradient: how many terms
-# does each copy hold?
+# does the last copy hold?
 
 # %%
-### BEGIN SOLUTION: your prediction (a number)
+### BEGIN SOLUTION: set my_guess to your prediction (a number)
 my_guess = 0.1
 ### END SOLUTION
 guess = predict("lab02", "the 1-sample copy's fraction of the whole batch's gradient", my_guess)
@@ -175,7 +179,7 @@ lab02.check_prediction(guess)
 # only"`, `"neither"`.
 
 # %%
-### BEGIN SOLUTION: your answer (one of lab02.COPY_CARRIES)
+### BEGIN SOLUTION: set my_copy_guess to your answer (one of lab02.COPY_CARRIES)
 my_copy_guess = "running statistics only"
 ### END SOLUTION
 copy_guess = predict("lab02", "what a deep copy of a model carries", my_copy_guess,
@@ -228,11 +232,11 @@ lab02.check_copy_prediction(copy_guess)
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Chunks from your `scatter`; a list of deep copies, one per chunk; outputs from
-# `dp.parallel_apply`; the loss on your `gather` of them and its backward; a loop over
-# `model.parameters()` zipped with each copy's parameters that computes the combination and
-# stores the new `p.grad`; a loop over `model.buffers()` zipped with one copy's, copying in
-# place; return the loss's value.
+# Four stages, in this order. Cut and copy: as many copies as chunks. Run and join: the copies
+# on their chunks at once, the outputs as one batch. One loss and one backward. Then bring back:
+# for each of `model`'s parameters, the matching parameter of every copy goes through your rule
+# into `p.grad`, together with what was there; for each of its buffers, the matching buffer of
+# the one copy whose writes `nn.DataParallel` keeps. The value returned is a plain number.
 
 # %%
 def dp_forward_backward(model, X, y, n_devices):
@@ -268,7 +272,7 @@ lab02.check_dp_forward_backward(dp_forward_backward)
 # replica-building function and says why.
 
 # %%
-### BEGIN SOLUTION: your answer (a count of forwards)
+### BEGIN SOLUTION: set my_calls_guess to your answer (a count of forwards)
 my_calls_guess = 5
 ### END SOLUTION
 calls_guess = predict("lab02", "the module's calls after one DataParallel forward, 4 GPUs, from 5",
@@ -309,7 +313,8 @@ claim("your DataParallel step trains: the loss fell", losses[-1] < losses[0], lo
 # * the outputs carry an autograd graph exactly when the same loop run by the caller would
 #   (mixed precision, `torch.autocast`, is outside this contract);
 # * when a replica raises — whatever it raises, `SystemExit` included — the caller gets that
-#   error, after no thread is left running; when several raise, the caller gets the
+#   error itself (its type and message, not another exception wrapping it), after no thread
+#   is left running; when several raise, the caller gets the
 #   lowest-numbered failing replica's error, however fast or slow each thread was.
 #
 # The check uses stand-in replicas that sleep (as a torch kernel does, they release the GIL),

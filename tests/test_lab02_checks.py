@@ -10,8 +10,16 @@ from dpcourse import dp
 from dpcourse.checks import LabCheckError, lab02
 
 
-def good_scatter(X, n):
-    return list(torch.chunk(X, n))
+def refusing_empty(split):
+    """A scatter built on ``split`` that refuses an empty batch, as the contract asks."""
+    def scatter(X, n):
+        if X.shape[0] == 0:
+            raise ValueError("the batch is empty")
+        return split(X, n)
+    return scatter
+
+
+good_scatter = refusing_empty(lambda X, n: list(torch.chunk(X, n)))
 
 
 def good_gather(outputs):
@@ -82,7 +90,7 @@ def test_reference_answers_pass(capsys):
     (lambda X, n: list(torch.split(X, X.shape[0] // n))[:n], "lost 2 of 10 samples"),
     (lambda X, n: list(torch.chunk(X, n))[:-1], "lost 4 of 8 samples"),
     (lambda X, n: list(torch.chunk(X, n))[::-1], "not the original batch"),
-    (lambda X, n: X, "list of tensors"),
+    (lambda X, n: X, "list or tuple of tensors"),
     (lambda X, n: [c.reshape(-1) for c in torch.chunk(X, n)], "changed the number of dimensions"),
 ])
 def test_wrong_scatter(wrong, phrase):
@@ -349,10 +357,13 @@ def test_dp_steps_that_skip_the_idea_or_fit_one_setup_fail(step, phrase):
 
 
 @pytest.mark.parametrize("wrong", [
-    lambda X, n: [c for c in torch.tensor_split(X, n) if len(c)],
-    lambda X, n: list(torch.split(X, -(-X.shape[0] // n))),
-    lambda X, n: [c for c in (X[i * len(X) // n:(i + 1) * len(X) // n] for i in range(n)) if len(c)],
-], ids=["tensor_split-nonempty", "split-ceil", "slices-nonempty"])
+    refusing_empty(lambda X, n: [c for c in torch.tensor_split(X, n) if len(c)]),
+    refusing_empty(lambda X, n: list(torch.split(X, -(-X.shape[0] // n)))),
+    refusing_empty(lambda X, n: [c for c in (X[i * len(X) // n:(i + 1) * len(X) // n]
+                                             for i in range(n)) if len(c)]),
+    refusing_empty(lambda X, n: torch.split(X, -(-X.shape[0] // n))),  # a tuple: a sequence
+    refusing_empty(lambda X, n: torch.chunk(X, n)),
+], ids=["tensor_split-nonempty", "split-ceil", "slices-nonempty", "split-tuple", "chunk-tuple"])
 def test_right_scatters_pass(wrong, capsys):
     lab02.check_scatter(wrong)
     assert capsys.readouterr().out.count("✔") == 1
@@ -454,7 +465,7 @@ def caller_runs_replica_zero(replicas, inputs):
         t.join()
     for exc in errors:
         if exc is not None:
-            raise RuntimeError("a replica failed") from exc
+            raise exc
     return results
 
 
@@ -522,6 +533,7 @@ def test_scatter_when_the_batch_runs_out_before_the_devices(wrong, phrase):
 
 
 def test_balanced_split_with_every_device_passes(capsys):
+    @refusing_empty
     def balanced(X, n):  # (6, 4) -> 2, 2, 1, 1: all four devices busy, none over ceil(B/N)
         return [c for c in torch.tensor_split(X, n) if len(c)]
     lab02.check_scatter(balanced)
@@ -537,8 +549,17 @@ def test_torch_chunk_gives_fewer_chunks_than_devices():
 
 # --- the design decision: chunk sizes ---------------------------------------------------------
 
+@refusing_empty
 def balanced(X, n):
     return [c for c in torch.tensor_split(X, n) if len(c)]
+
+
+@refusing_empty
+def balanced_larger_last(X, n):  # balanced sizes, the extra samples on the last chunks
+    b = X.shape[0]
+    k = min(n, b)
+    sizes = [b // k + (i >= k - b % k) for i in range(k)]
+    return list(torch.split(X, sizes))
 
 
 @pytest.mark.parametrize("fn, sizes", [(good_scatter, "like DataParallel"),
@@ -553,6 +574,8 @@ def test_scatter_keeping_its_decision_passes(fn, sizes, capsys):
     (balanced, "like DataParallel", "gave [3, 3, 2, 2], and 'like DataParallel' gives [3, 3, 3, 1]"),
     (good_scatter, "balanced", "gave [3, 3, 3, 1], and 'balanced' gives [3, 3, 2, 2]"),
     (good_scatter, "even", "design decision must be"),
+    (balanced_larger_last, "balanced", "gave [2, 2, 3, 3]: balanced, but the larger chunks come "
+                                       "after smaller ones"),
 ])
 def test_scatter_breaking_its_decision_is_refused(fn, sizes, phrase):
     with pytest.raises(LabCheckError) as err:
@@ -853,8 +876,8 @@ def test_an_error_that_hides_the_system_exit_is_named():
 
 
 def chained_base_exceptions(replicas, inputs):
-    # a right answer written another way: every thread's ending kept, re-raised as a
-    # RuntimeError whose cause is the lowest replica's (SystemExit included)
+    # wrong: every thread's ending kept, but re-raised as a RuntimeError whose cause is the
+    # lowest replica's: the caller gets another error than the replica's
     errors = {}
     results = [None] * len(replicas)
     mode = torch.is_grad_enabled()
@@ -877,8 +900,91 @@ def chained_base_exceptions(replicas, inputs):
     return results
 
 
-@pytest.mark.parametrize("fn", [_threads(), pool_apply, chained_base_exceptions],
-                         ids=["threads-base-exception", "thread-pool", "chained"])
+@pytest.mark.parametrize("fn", [_threads(), pool_apply, caller_runs_replica_zero],
+                         ids=["threads-base-exception", "thread-pool", "caller-takes-0"])
 def test_a_system_exit_reaching_the_caller_passes(fn, capsys):
     lab02.check_threaded_apply(fn)
     assert "a SystemExit included" in capsys.readouterr().out
+
+
+def wrapped_in_message(replicas, inputs):
+    # wrong: the lowest replica's error, but as a RuntimeError that quotes it
+    try:
+        return _threads()(replicas, inputs)
+    except BaseException as exc:  # noqa: BLE001
+        raise RuntimeError(f"replica failed: {exc}") from None
+
+
+def system_exit_wrapped(replicas, inputs):
+    # wrong only for SystemExit: an Exception comes back as it is, a SystemExit wrapped
+    try:
+        return _threads()(replicas, inputs)
+    except SystemExit as exc:
+        raise RuntimeError("a replica exited") from exc
+
+
+@pytest.mark.parametrize("fn, got, cls", [
+    (chained_base_exceptions, "RuntimeError (replica 1 failed)", "ValueError"),
+    (wrapped_in_message, "RuntimeError (replica failed: replica 1 broke)", "ValueError"),
+    (system_exit_wrapped, "RuntimeError (a replica exited)", "SystemExit"),
+], ids=["raised-from", "quoted", "system-exit-raised-from"])
+def test_an_error_wrapping_the_replicas_is_refused_by_its_types(fn, got, cls):
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_threaded_apply(fn)
+    message = " ".join(str(first.value).split())
+    assert f"a replica raised {cls}" in message and f"the caller got {got}, which carries " \
+        f"it but is not it" in message, message
+    assert f"code around the call that catches {cls}" in message, message
+    assert "not a new one around it" not in message, message
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_threaded_apply(fn)
+    assert "raise the exception object the replica raised" in str(second.value), str(second.value)
+
+
+# --- an empty batch: refused with a ValueError (a mean loss over 0 samples is nan) ------------
+
+def test_the_empty_batch_is_why_the_contract_refuses_it():
+    assert torch.isnan(F.cross_entropy(torch.empty(0, 10), torch.empty(0, dtype=torch.long)))
+
+
+def divmod_balanced(X, n):
+    # the learner's scatter: right for every batch with samples, ZeroDivisionError for none
+    q, r = divmod(X.shape[0], min(n, X.shape[0]))
+    return list(torch.split(X, [q + (i < r) for i in range(min(n, X.shape[0]))]))
+
+
+@pytest.mark.parametrize("wrong, cause, fix", [
+    (lambda X, n: list(torch.chunk(X, n)),
+     "on a batch of 0 samples returned [0, 0, 0, 0] instead of refusing it",
+     "raise ValueError, saying the batch is empty"),
+    (lambda X, n: [c for c in torch.tensor_split(X, n) if len(c)],
+     "on a batch of 0 samples returned [] instead of refusing it",
+     "raise ValueError, saying the batch is empty"),
+    (divmod_balanced,
+     "on a batch of 0 samples raised ZeroDivisionError",
+     "test for an empty batch before any arithmetic on B"),
+], ids=["chunk-empties", "no-chunks", "divides-by-zero"])
+def test_an_empty_batch_not_refused_is_named(wrong, cause, fix):
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_scatter(wrong)
+    message = " ".join(str(first.value).split())
+    assert cause in message and fix not in message, message
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_scatter(wrong)
+    assert fix in " ".join(str(second.value).split()), str(second.value)
+
+
+def test_a_scatter_returning_a_tuple_passes(capsys):
+    lab02.check_scatter(refusing_empty(lambda X, n: torch.chunk(X, n)), sizes="like DataParallel")
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_part_3s_feedback_stops_at_the_measured_share(capsys):
+    from dpcourse.checks import predict
+
+    lab02.check_prediction(predict("lab02", "the 1-sample copy's fraction", 0.25))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the last holds 1/10 of the whole batch's gradient" in out, out
+    # part 4's rule (how the copies' gradients combine) stays the learner's conclusion
+    for said in ("together", "make the whole", "equal shares", "sum", "mean over its own chunk"):
+        assert said not in out.split("measured:")[-1], (said, out)

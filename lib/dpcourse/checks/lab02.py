@@ -29,7 +29,7 @@ __all__ = ["check_scatter", "check_gather", "check_dp_forward_backward",
 # The two answers to lab02's design decision: how scatter sizes the chunks when N does not
 # divide B. "like DataParallel": ceil(B/N) per device until the batch runs out (torch.chunk's
 # sizes, which the real class uses; 6 on 4 -> 2, 2, 2); "balanced": sizes that differ by at most
-# one over min(N, B) devices (6 on 4 -> 2, 2, 1, 1).
+# one over min(N, B) devices, the B mod k extra samples on the first chunks (6 on 4 -> 2, 2, 1, 1).
 CHUNK_SIZES = ("like DataParallel", "balanced")
 
 
@@ -61,11 +61,12 @@ _OWN = ("the lab asks you to write it yourself, so the check would only be compa
 def _tensor_list(result, what: str) -> list[torch.Tensor]:
     __tracebackhide__ = True
     if isinstance(result, torch.Tensor) or not isinstance(result, (list, tuple)):
-        fail(f"{what} must return a list of tensors (one per device), got "
+        fail(f"{what} must return a list or tuple of tensors (one per device), got "
              f"{type(result).__name__}.")
     for r in result:
         if not isinstance(r, torch.Tensor):
-            fail(f"{what} must return a list of tensors, but one item is a {type(r).__name__}.")
+            fail(f"{what} must return a list or tuple of tensors, but one item is a "
+                 f"{type(r).__name__}.")
     return list(result)
 
 
@@ -75,7 +76,9 @@ def check_scatter(scatter, sizes: str | None = None) -> None:
     order, as ``nn.DataParallel`` does: at most n chunks, none larger than ceil(B/n), and at
     least as many as ``torch.chunk`` makes (which the real class uses: 6 samples on 4 devices
     are 3 chunks of 2, and the step then runs on 3 devices). A balanced split with n chunks when
-    the batch allows it (2, 2, 1, 1) is accepted too; an empty chunk or an error is not.
+    the batch allows it (2, 2, 1, 1: the extra samples on the first chunks) is accepted too;
+    an empty chunk or an error is not. A list or a tuple of chunks is accepted. An empty batch
+    (no samples) must be refused with a ValueError (a nan loss over 0 samples otherwise).
 
     ``sizes`` is the lab's design decision (one of :data:`CHUNK_SIZES`); when given, the
     chunks must have the sizes it names. The library's ``dp.scatter`` is refused."""
@@ -152,6 +155,13 @@ def check_scatter(scatter, sizes: str | None = None) -> None:
         joined = torch.cat(chunks)
         if torch.equal(joined, X):
             if policy is not None and sizes != _sizes_for(policy, b, n):
+                if policy == "balanced" and sorted(sizes) == sorted(_sizes_for(policy, b, n)):
+                    fail(f"you decided on 'balanced' chunk sizes and scatter(X, {n}) on a batch "
+                         f"of {b} gave {sizes}: balanced, but the larger chunks come after "
+                         f"smaller ones, where the lab's rule for 'balanced' puts the "
+                         f"{b % min(n, b)} extra sample(s) on the first chunks "
+                         f"({_sizes_for(policy, b, n)}).",
+                         fix="give the B mod k extra samples to the first chunks, one each.")
                 fail(f"you decided on {policy!r} chunk sizes, but scatter(X, {n}) on a batch of "
                      f"{b} gave {sizes}, and {policy!r} gives {_sizes_for(policy, b, n)}: your "
                      f"function and your decision disagree.",
@@ -165,10 +175,37 @@ def check_scatter(scatter, sizes: str | None = None) -> None:
                  "of y.", fix="give each device one contiguous slice.")
         fail("scatter's chunks, concatenated in device order, are not the original batch.",
              fix="split X along dim 0 into contiguous pieces without reordering them.")
+    _check_empty_batch(scatter)
     said = f", with {policy!r} sizes as you decided" if policy else ""
     return passed(f"scatter splits the batch along dim 0 into contiguous chunks, at most one per "
                   f"device and none empty, also when the batch runs out before the devices "
-                  f"do{said}")
+                  f"do{said}, and refuses an empty batch with a ValueError")
+
+
+def _check_empty_batch(scatter, n: int = 4) -> None:
+    """A batch of no samples: no chunk can be non-empty, and the step's mean loss over 0
+    samples would be nan (0/0), so the contract refuses it with a ValueError."""
+    __tracebackhide__ = True
+    X = torch.empty(0, 3)
+    try:
+        got = scatter(X, n)
+    except NotImplementedError:
+        raise
+    except ValueError:
+        return
+    except Exception as exc:  # noqa: BLE001 - reported as one sentence
+        fail(f"scatter(X, {n}) on a batch of 0 samples raised {type(exc).__name__} ({exc}): an "
+             f"accident of the arithmetic, not the refusal the contract asks for, so a caller "
+             f"that handles a bad batch (ValueError) does not catch it and the message does not "
+             f"say the batch is empty.",
+             fix="test for an empty batch before any arithmetic on B and raise ValueError "
+                 "saying the batch is empty.")
+    shown = [c.shape[0] for c in got] if isinstance(got, (list, tuple)) and all(
+        isinstance(c, torch.Tensor) for c in got) else type(got).__name__
+    fail(f"scatter(X, {n}) on a batch of 0 samples returned {shown} instead of refusing it: "
+         f"there is no non-empty chunk to give any device, and the step's mean loss over 0 "
+         f"samples would be nan (0/0), so the contract refuses an empty batch.",
+         fix="raise ValueError, saying the batch is empty, when X has no samples.")
 
 
 @recorded
@@ -233,7 +270,9 @@ def _forward_spy(model) -> tuple[list, list]:
     def hook(module, args):
         x = args[0] if args else None
         calls.append((id(module), x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else None))
-        threads.append(threading.get_ident())
+        # The Thread object, not its ident: a thread that ended before the next one started
+        # (a fast forward under load) may hand its ident on, and the two would look like one.
+        threads.append(threading.current_thread())
 
     model.register_forward_pre_hook(hook)
     return calls, threads
@@ -542,8 +581,8 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
              f"do.",
              fix="run chunk 0 on a deep copy too, then bring onto `model` what that copy's "
                  "forward and backward left.")
-    if len(calls) > 1 and len(set(threads)) == 1:
-        where = "your function's own thread" if threads[0] == threading.get_ident() else \
+    if len(calls) > 1 and len(set(map(id, threads))) == 1:
+        where = "your function's own thread" if threads[0] is threading.current_thread() else \
             "one thread"
         fail(f"the {len(calls)} copies ran one after another in {where} (the check saw every "
              f"forward there), so no replica ran beside another: that is a loop over the "
@@ -757,11 +796,10 @@ def check_threaded_apply(threaded_apply) -> None:
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001
-        if "replica 1 broke" not in str(exc) and "replica 1 broke" not in str(exc.__cause__):
-            fail(f"when a replica fails, the caller should see its error; got "
-                 f"{type(exc).__name__}: {exc}",
-                 fix="raise the replica's own exception (or one that carries it) in the "
-                     "caller.")
+        if not _is_that_error(exc, ValueError, "replica 1 broke"):
+            fail(f"when a replica fails, the caller should see its error (replica 1 raised "
+                 f"ValueError: replica 1 broke); got {type(exc).__name__}: {exc}",
+                 fix="raise the replica's own exception in the caller.")
     else:
         fail("a replica raised an error in its thread and threaded_apply returned as if "
              "nothing happened: an exception ends its thread, not the caller.",
@@ -772,6 +810,24 @@ def check_threaded_apply(threaded_apply) -> None:
     passed(f"threaded_apply ran {n} replicas at the same time in {n} threads, kept their order, "
            f"the caller's grad mode, and their errors (raised once every thread had ended, the "
            f"lowest replica's first, a SystemExit included)")
+
+
+def _is_that_error(exc: BaseException, cls: type, text: str) -> bool:
+    """Whether the caller got the replica's error itself: its type, its message. One that
+    only carries it (raised `from` it, or with it in its message) is refused by its cause."""
+    __tracebackhide__ = True
+    if type(exc) is cls and text in str(exc):
+        return True
+    if text in _said(exc):
+        fail(f"a replica raised {cls.__name__} ('{text}') and the caller got "
+             f"{type(exc).__name__} ({exc}), which carries it but is not it: the contract says "
+             f"the caller gets that error, as it would from the loop "
+             f"`[replicas[i](inputs[i]) for i in ...]`, so code around the call that catches "
+             f"{cls.__name__} (or lets a SystemExit end the program with its code) misses a "
+             f"{type(exc).__name__}.",
+             fix=f"raise the exception object the replica raised ({cls.__name__} here), not a "
+                 f"new one around it.")
+    return False
 
 
 def _said(exc: BaseException) -> str:
@@ -786,7 +842,7 @@ def _said(exc: BaseException) -> str:
 
 def _check_system_exit(threaded_apply) -> None:
     """Replica 1 ends with SystemExit (sys.exit() somewhere in its code), a BaseException that
-    is no Exception: the caller must get it (or an error carrying it), never a None in place of
+    is no Exception: the caller must get it (not an error carrying it), never a None in place of
     replica 1's output. A thread that SystemExit ends dies silently (threading.excepthook
     ignores it), so a worker that catches only Exception loses it."""
     __tracebackhide__ = True
@@ -797,12 +853,12 @@ def _check_system_exit(threaded_apply) -> None:
     except (NotImplementedError, KeyboardInterrupt):
         raise
     except BaseException as exc:  # noqa: BLE001 - SystemExit is what the check wants back
-        if "replica 1 called sys.exit()" in _said(exc):
+        if _is_that_error(exc, SystemExit, "replica 1 called sys.exit()"):
             return
         fail(f"replica 1 ended with SystemExit ('replica 1 called sys.exit()') and the caller "
              f"got {type(exc).__name__} ({exc}), which neither is that error nor carries it.",
              fix="keep what ended each thread, BaseException included, and raise that in the "
-                 "caller (or an error raised `from` it).")
+                 "caller.")
     shown = [None if o is None else type(o).__name__ for o in out] \
         if isinstance(out, (list, tuple)) else out
     fail(f"replica 1 ended with SystemExit, and threaded_apply returned {shown} as if nothing "
@@ -853,16 +909,17 @@ def _check_several_errors(threaded_apply) -> None:
         except NotImplementedError:
             raise
         except Exception as exc:  # noqa: BLE001
-            said = f"{exc} {exc.__cause__}"
-            if "replica 1 broke" in said:
+            if type(exc) is ValueError and "replica 1 broke" in str(exc):
                 continue
-            if "replica 2 broke" in said:
+            if "replica 2 broke" in _said(exc):
                 order = "the first to fail" if slow == 1 else "the last to fail"
                 fail(f"replicas 1 and 2 both raised and the caller got replica 2's error, "
                      f"{order}: which error the caller sees must not depend on which thread "
                      f"ran faster — the contract is the lowest-numbered failing replica's.",
                      fix="keep every thread's exception and, once all are joined, raise the "
                          "one of the lowest-numbered replica that failed.")
+            if _is_that_error(exc, ValueError, "replica 1 broke"):
+                continue
             fail(f"replicas 1 and 2 both raised, and the caller got neither error but "
                  f"{type(exc).__name__}: {exc}")
         else:
@@ -904,11 +961,10 @@ def check_prediction(guess, n_devices: int = 4, batch: int = 10) -> None:
     measured = round(copy_share(n_devices, batch), 2)
     reveal(guess, measured, close=abs(float(guess.value) - measured) <= 0.02, explanation=(
         f"The loss is one mean over all {batch} samples, so each sample's term is divided by "
-        f"{batch}, not by its chunk's size: a copy's backward gives the gradient of its own "
-        f"chunk's terms of that mean. With identical samples every term has the same gradient, "
-        f"so the copies' shares go as their chunks {sizes}: the last holds {sizes[-1]}/{batch} "
-        f"of the whole batch's gradient, not 1/{len(sizes)} (equal shares) nor all of it (a "
-        f"mean over its own chunk), and the shares together make the whole."))
+        f"{batch}, not by its chunk's size, and the last copy's backward differentiates the "
+        f"terms of its own chunk ({sizes[-1]} sample(s)) alone. With identical samples every "
+        f"term has the same gradient, so the last holds {sizes[-1]}/{batch} of the whole "
+        f"batch's gradient."))
 
 
 # --- predict, then measure: the scatter decision's consequence -------------------------------
