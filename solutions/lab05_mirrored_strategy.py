@@ -7,8 +7,8 @@
 # showed the pieces (`strategy.run`, mirrored variables, how the strategy combines the replicas'
 # gradients); here you decide how they fit. Four parts, each with a check:
 #
-# 1. the loss one replica differentiates, with a regularisation term (**a decision**: how a term
-#    that every replica holds whole enters a sum over replicas);
+# 1. the loss one replica differentiates, with a regularisation term (**a decision**: what each
+#    replica's number is made of, so that the strategy's sum is one device's gradient);
 # 2. the model and optimizer, where the strategy can mirror them;
 # 3. one training step and what it reports (**your design decision** is here);
 # 4. a prediction about the last step of an epoch, then the measurement.
@@ -54,17 +54,17 @@ from dpcourse.checks import lab05, predict
 # **Contract.** `per_replica_loss(labels, logits, global_batch, penalty=None)` is called inside
 # `strategy.run`, once per replica, with that replica's slice of the step's samples.
 # `global_batch` is the number of samples the whole step holds, over all replicas — the slices
-# need not be the same size. It returns one number (a scalar tensor) per replica, such that
-# after the strategy combines the replicas' gradients, the result is the gradient of what one
-# device would minimise on the whole step:
+# need not be the same size. `penalty`, when given, is a scalar tensor: the step's
+# regularisation term (say λ·Σw² over the model's weights), computed by each replica from its
+# own copy of the mirrored weights. It returns one number (a scalar tensor) per replica.
 #
-# - without `penalty`, the **mean** loss over the step's samples, Σ ℓᵢ / `global_batch`;
-# - with `penalty` — a scalar tensor, the step's regularisation term (say λ·Σw² over the
-#   model's weights), which every replica computes alike from its own copy of the mirrored
-#   weights — that mean **plus the penalty**, as one device adds it: once.
+# **What must hold:** the replicas' gradients of these numbers, summed by the strategy, equal
+# one device's gradient of the step's mean loss over all its samples — plus the penalty's
+# gradient when a penalty is given — on every split of the step, uneven ones included, and on
+# any number of replicas.
 #
-# **Your decision** is the penalty's: it is not a sum over samples, and every replica holds all
-# of it. `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies. Not
+# **Your decision** is what each replica's number is made of: its own samples' losses, and the
+# penalty. `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies. Not
 # allowed: the library's answer `mirrored.per_replica_loss`, and `tf.nn.compute_average_loss` /
 # `tf.nn.scale_regularization_loss` — this part asks for the arithmetic they hide, and why it
 # is right on N replicas. The check runs steps split evenly and unevenly, on 2 and 3 replicas,
@@ -74,11 +74,11 @@ from dpcourse.checks import lab05, predict
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# After `strategy.run`, how does the optimizer combine the N replicas' gradients: does it add
-# them or average them? What must each replica's loss be so that this combination is the
-# gradient of one mean over the whole step — also when one replica holds 3 samples and another
-# 2? And the penalty: if every replica returns it, how many times does the combination hold its
-# gradient?
+# The strategy adds the N replicas' gradients. If each replica returned the mean over its own
+# slice, what would that sum be — on an even split, and when one replica holds 3 samples and
+# another 2? What must each replica's number be so that the sum is the gradient of one mean over
+# the whole step? And the penalty: if every replica returns it, how many times does the sum hold
+# its gradient?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
@@ -249,7 +249,7 @@ lab05.check_train_step(distributed_train_step, make_model_and_optimizer, strateg
 # `"step_fn on an empty batch"`, `"sits the step out"` (`step_fn` is not called on it), or
 # `"no such step"` (the strategy drops a batch it cannot split). Write your choice, run the
 # cell, then the measurement below it: it runs the last step on every replica (no update) and
-# prints what each held, and what `tf.reduce_mean` and `compute_average_loss` made of it.
+# prints what happened on each.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -322,10 +322,11 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # split evenly over the replicas (33 on 2, 37 on 3) — on a cluster, over all its replicas:
 # there `strategy.num_replicas_in_sync` counts every worker's replicas, as the input context's
 # does (TF 2.21, `distribute/collective_all_reduce_strategy.py`). Refuse it, or adapt to it: both
-# are defensible. What must hold either way: no training loop is handed steps of a size it was
-# not told, and an argument you refuse is refused by `make_dist_dataset` itself, with an error
-# that says what did not fit. The check accepts each choice that keeps this, and names by its
-# cause each that does not.
+# are defensible. What must hold either way: every full step holds the `global_batch` samples the
+# training loop was told (only the epoch's last step may be short, with what is left), and an
+# argument you refuse is refused by `make_dist_dataset` itself, with an error that names both
+# numbers that did not fit: the global batch and the replica count. The check accepts each
+# choice that keeps this, and names by its cause each that does not.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -341,7 +342,11 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # %% [markdown] jupyter={"source_hidden": true}
 # The pipeline batches by the per-replica size, global batch / replicas. Cutting the data is per
 # pipeline: with one pipeline it keeps everything, and the replicas still see different samples
-# because they take different batches.
+# because they take different batches. Where to read (lesson 05 does not show it):
+# `tf.distribute.InputContext` (TF 2.21, `distribute/distribute_lib.py`) holds
+# `num_input_pipelines`, `input_pipeline_id`, `num_replicas_in_sync` and
+# `get_per_replica_batch_size(global_batch)`; `tf.data.Dataset.shard(num_shards, index)` keeps
+# every `num_shards`-th element, starting at `index`.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**

@@ -710,6 +710,9 @@ def _epoch(divisor="all_reduce"):
                     loss = tf.nn.compute_average_loss(losses)
                 elif divisor == "mean":
                     loss = tf.reduce_mean(losses) / 2
+                elif divisor == "sum_local_n":   # learner LR2_05's probe, as written
+                    n = tf.distribute.get_replica_context().num_replicas_in_sync
+                    loss = tf.reduce_sum(losses) / tf.cast(tf.shape(y)[0] * n, tf.float32)
                 elif divisor == "mean_n":
                     loss = tf.reduce_mean(losses) / tf.cast(
                         tf.distribute.get_replica_context().num_replicas_in_sync, tf.float32)
@@ -780,13 +783,17 @@ def test_a_local_mean_names_the_empty_replicas_nan(strategy):
         with pytest.raises(LabCheckError) as err:
             lab05.check_partial_batch_epoch(fn, strategy)
         msg = " ".join(str(err.value).split())
-        assert "each replica's loss was its own reduce_mean divided by the replica count — " \
-               "replica 0 differentiated" in msg, msg
+        # learner LR2_05: the sentence describes the code as a learner writes it (the sum over
+        # its own slice size x replicas), naming reduce_mean / N as the same number
+        assert "each replica's loss was its summed loss divided by its own slice size times " \
+               "the replica count (the same number as its own reduce_mean divided by the " \
+               "replica count) — replica 0 differentiated" in msg, msg
+        assert "its summed loss over its 4 samples / (4 x 2 = 8)" in msg, msg
         assert "its own mean over its 4 samples" in msg and "/ 2 replicas" in msg, msg
         assert "(its summed loss / the step's 4 samples), 2 times what it differentiated" \
             in msg, msg
-        assert "replica 1, holding none, differentiated nan: reduce_mean of no losses is 0/0" \
-            in msg, msg
+        assert "replica 1, holding none, differentiated nan: 0 losses / (0 x 2) is 0/0, as " \
+               "reduce_mean of no losses is" in msg, msg
         assert "compute_average_loss" not in msg, msg
 
 
@@ -794,7 +801,9 @@ def test_a_local_mean_is_named_on_three_replicas_too(strategy3):
     with pytest.raises(LabCheckError) as err:
         lab05.check_partial_batch_epoch(_epoch("mean_n"), strategy3)
     msg = " ".join(str(err.value).split())
-    assert "its own reduce_mean divided by the replica count" in msg and "12+12+4" in msg, msg
+    assert "its summed loss divided by its own slice size times the replica count" in msg \
+        and "12+12+4" in msg, msg
+    assert "its summed loss over its 12 samples / (12 x 3 = 36)" in msg, msg
     assert "its own mean over its 12 samples" in msg and "/ 3 replicas" in msg, msg
     assert "the step's 28 samples), 1.3 times what it differentiated" in msg, msg
 
@@ -809,7 +818,8 @@ def test_the_local_mean_gives_the_fix_the_second_time(strategy):
 @pytest.mark.parametrize("fn, phrase", [
     (_epoch("global"), "divided by the full global batch"),
     (_epoch("implicit"), "compute_average_loss without global_batch_size"),
-    (_epoch("mean"), "its own reduce_mean divided by the replica count"),
+    (_epoch("mean"), "its summed loss divided by its own slice size times the replica count"),
+    (_epoch("sum_local_n"), "its summed loss over its 4 samples / (4 x 2 = 8)"),
     (epoch_skipping_partial, "changed nothing"),
     (_epoch("static_shape"), "an int, a Python number, reached the replica context's "
                              "all_reduce where it needs a tensor of this replica's count"),
@@ -914,6 +924,7 @@ def test_each_wrong_last_step_prediction_is_explained(choice, phrase, last_step_
            f"happened." in out, out
     assert "into 2 pieces of ⌈b/2⌉ samples in replica order" in out and "1 as 1+0" in out, out
     assert "its reduce_mean is 0/0 = nan, its compute_average_loss share 0.0" in out, out
+    assert "stretch B" not in out and "must count" not in out, out   # learner LR2_05
     assert phrase in out, out
 
 
@@ -926,6 +937,20 @@ def test_the_right_last_step_prediction_is_told_so(last_step_measured, capsys):
     assert "samples [1, 0], step_fn called on replicas [0, 1]" in out, out
     assert "reduce_mean of its losses: [" in out and ", nan]" in out, out
     assert f"measured: {right} — right." in out and "DistributedSampler" not in out, out
+
+
+def test_the_lab_text_does_not_answer_its_parts():
+    # learner LR2_05: part 1's contract printed the formula and the penalty's share; part 4's
+    # setup named what reduce_mean would make of an empty batch
+    text = (ROOT / "solutions" / "lab05_mirrored_strategy.py").read_text()
+    part1 = text[text.index("## 1. The per-replica loss"):text.index("**▶ Hint 1")]
+    for said in ("Σ ℓ", "/ `global_batch`", ": once", "holds all"):
+        assert said not in part1, part1
+    assert "summed by the strategy" in part1 and "uneven ones included" in part1, part1
+    part4 = text[text.index("## 4. Predict"):text.index("my_guess = ")]
+    assert "reduce_mean" not in part4 and "compute_average_loss" not in part4, part4
+    stretch_a = text[text.index("## Stretch A"):text.index("def make_dist_dataset")]
+    assert "every full step holds" in stretch_a and "names both" in stretch_a, stretch_a
 
 
 def test_the_lab_does_not_state_the_rule_before_the_prediction():
@@ -969,6 +994,20 @@ def test_loss_messages_give_the_cause_then_the_fix(fn, cause, fix, strategy):
     with pytest.raises(LabCheckError) as second:
         lab05.check_per_replica_loss(fn, strategy)
     assert cause in str(second.value) and fix in str(second.value), str(second.value)
+
+
+def test_accuracy_counts_never_divided_are_named_as_counts(strategy):
+    # learner LR2_05: the parts beside "split 32+32" are counts of correct predictions
+    step = make_step(loss_right, SUM, SUM, acc="hits")
+    def undivided(strategy, model, optimizer, dist_batch, global_batch):
+        loss, acc = step(strategy, model, optimizer, dist_batch, global_batch)
+        return loss, acc * global_batch
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_train_step(undivided, make_right, strategy)
+    msg = " ".join(str(err.value).split())
+    assert "is the replicas' counts of correct predictions (" in msg, msg
+    assert " of slices of 32+32 samples) added up and never divided by the 64 samples" in msg, msg
+    assert ".0000," not in msg.split("counts of correct predictions")[1].split(")")[0], msg
 
 
 def test_step_messages_give_the_cause_then_the_fix(strategy):

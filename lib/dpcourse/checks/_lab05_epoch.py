@@ -135,17 +135,21 @@ def _name_own_slice_divisor(spy: _LossSpy, last: list, n: int, at: str) -> None:
         full = next(r for r, k in enumerate(last) if k)
         mean, k = losses[full] * n, last[full]
         right = mean * k / b
-        said = [f"replica {full} differentiated {losses[full]:.4f}: its own mean over its {k} "
+        said = [f"replica {full} differentiated {losses[full]:.4f}: its summed loss over its "
+                f"{k} samples / ({k} x {n} = {k * n}), that is its own mean over its {k} "
                 f"samples ({mean:.4f}) / {n} replicas, where its share of the step's mean is "
                 f"{right:.4f} (its summed loss / the step's {b} samples), "
                 f"{right / losses[full]:.2g} times what it differentiated"]
         if empty:
-            said.append(f"replica {empty[0]}, holding none, differentiated nan: reduce_mean of "
-                        f"no losses is 0/0 (its gradient, a sum over no sample, is zero)")
-        fail(f"the last step was wrong {at}: each replica's loss was its own reduce_mean divided "
-             f"by the replica count — " + "; ".join(said) + f". A mean / N is a replica's share "
-             f"only when every replica holds the step's samples / N; the last step's slices "
-             f"differ, and a replica's own mean does not know how many samples the step holds.",
+            said.append(f"replica {empty[0]}, holding none, differentiated nan: 0 losses / "
+                        f"(0 x {n}) is 0/0, as reduce_mean of no losses is (its gradient, a "
+                        f"sum over no sample, is zero)")
+        fail(f"the last step was wrong {at}: each replica's loss was its summed loss divided by "
+             f"its own slice size times the replica count (the same number as its own "
+             f"reduce_mean divided by the replica count) — " + "; ".join(said) + f". That "
+             f"divisor is the step's sample count only when every replica holds the step's "
+             f"samples / N; the last step's slices differ, and a replica's own slice does not "
+             f"tell how many samples the step holds.",
              fix=fix)
     nan = (f" (replica {empty[0]} holds none: its own mean is 0/0, NaN from reduce_mean — "
            f"compute_average_loss's div_no_nan reports 0 — while its gradient, a sum over "

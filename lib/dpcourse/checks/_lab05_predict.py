@@ -102,11 +102,7 @@ def check_last_step_prediction(guess, measured: dict) -> None:
            f"pads and never drops a batch the dataset kept, and no replica sits a step out: "
            f"apply_gradients all-reduces the gradients, and every replica must join an "
            f"all-reduce (lesson 05 §4). So a replica with no sample runs step_fn on a batch of "
-           f"0: its reduce_mean is 0/0 = nan, its compute_average_loss share 0.0. The step "
-           f"holds {b} sample{'s' if b != 1 else ''}, not {gb}: every share was divided by "
-           f"{gb} (replica 0's {measured['shares'][0]:.3f}, where the step's mean loss is "
-           f"{measured['step_mean']:.3f}) — whoever divides the last step's loss must count its "
-           f"samples (stretch B).")
+           f"0: its reduce_mean is 0/0 = nan, its compute_average_loss share 0.0.")
     value = getattr(guess, "value", None)
     if value == LAST_STEP_CHOICES[0] and happened != value:
         why += (" A copy is what DistributedSampler does (lessons 03-04: it repeats samples so "

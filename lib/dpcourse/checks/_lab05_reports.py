@@ -56,9 +56,9 @@ _HOW = {
         "batch ({gb}): averaging them divides by the {n} replicas a second time. Shares add up.",
         "Combine shares with the operation that adds them."),
     "count": (
-        "the replicas' sums added up, not divided",
-        "the replicas' sums ({parts}) added up and never divided by the {gb} samples of the "
-        "step.",
+        "the replicas' counts of correct predictions added up, not divided",
+        "the replicas' counts of correct predictions ({parts} of slices of {split} samples) "
+        "added up and never divided by the {gb} samples of the step.",
         "Divide the summed statistic once by the step's sample count."),
     "replica0": (
         "replica 0's value alone",
@@ -89,9 +89,10 @@ def _name_reduction(what, got, fmt, want_is, when, how, of, slices, gb):
     how = "replica0" if how == "replica0_share" else how
     parts = [float(of[s].mean()) for s in slices] if how in ("sum_of_means", "mean_of_means") \
         else [float(of[s].sum()) / (gb if how == "mean_of_shares" else 1) for s in slices]
+    pfmt = ".0f" if how == "count" else fmt   # a count of correct predictions is whole
     fields = dict(what=what, n=n, gb=gb, split="+".join(str(len(s)) for s in slices),
-                  parts=" + ".join(f"{p:{fmt}}" for p in parts) if how == "sum_of_means"
-                  else ", ".join(f"{p:{fmt}}" for p in parts),
+                  parts=" + ".join(f"{p:{pfmt}}" for p in parts) if how == "sum_of_means"
+                  else ", ".join(f"{p:{pfmt}}" for p in parts),
                   value=f"{got:{fmt}}")
     late = (f"computed from the weights after this step's update (the model run again after "
             f"apply_gradients), but the contract asks for the {what} before the update: "
