@@ -988,3 +988,27 @@ def test_part_3s_feedback_stops_at_the_measured_share(capsys):
     # part 4's rule (how the copies' gradients combine) stays the learner's conclusion
     for said in ("together", "make the whole", "equal shares", "sum", "mean over its own chunk"):
         assert said not in out.split("measured:")[-1], (said, out)
+
+
+def pool_that_cancels_the_queued(replicas, inputs):
+    # right: a pool of one thread, replica 0 first; its error cancels replica 1's task, still
+    # queued, so replica 1 never runs and no thread is left running when the caller gets it
+    # (what ThreadPoolExecutor.map does under load when a task has not started yet)
+    mode = torch.is_grad_enabled()
+
+    def run(pair):
+        with torch.set_grad_enabled(mode):
+            return pair[0](pair[1])
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        futures = [pool.submit(run, pair) for pair in zip(replicas, inputs)]
+        try:
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
+
+
+def test_a_replica_cancelled_before_it_ran_is_no_thread_left_running():
+    for _ in range(3):  # replica 1 cancelled, or run and joined: both leave no thread running
+        lab02._check_no_thread_left(pool_that_cancels_the_queued)  # raises LabCheckError if not

@@ -718,9 +718,11 @@ class _Timed(torch.nn.Module):
         super().__init__()
         self.factor, self.delay, self.log, self.fail_with = factor, delay, log, fail_with
         self.raises = raises
+        self.started = 0  # forwards begun (a task a pool cancelled before it ran never begins)
         self.w = torch.nn.Parameter(torch.ones(()))
 
     def forward(self, x):
+        self.started += 1
         t0 = time.perf_counter()
         time.sleep(self.delay)
         if self.fail_with:
@@ -873,7 +875,10 @@ def _check_system_exit(threaded_apply) -> None:
 
 def _check_no_thread_left(threaded_apply) -> None:
     """Replica 0 fails at once while replica 1 still sleeps 0.3 s: when the caller gets the
-    error, replica 1's thread must have finished (its log entry is written at its end)."""
+    error, replica 1's thread must have finished (its log entry is written at its end). A
+    replica that never ran (a thread pool cancels a task still queued when the caller gets an
+    error) leaves no thread behind: it is told apart by waiting, then looking whether replica 1
+    began at all."""
     __tracebackhide__ = True
     delay, log = 0.3, []
     broken = [_Timed(1, 0.0, [], fail_with="replica 0 broke"), _Timed(2, delay, log)]
@@ -882,9 +887,9 @@ def _check_no_thread_left(threaded_apply) -> None:
     except NotImplementedError:
         raise
     except Exception:  # noqa: BLE001 - which error came back is checked elsewhere
-        running = not log
+        unfinished = not log
         time.sleep(delay + 0.1)  # let the straggler end before the next check starts threads
-        if running:
+        if unfinished and broken[1].started:
             fail(f"replica 0 failed at once while replica 1 still had {delay} s of work, and "
                  f"threaded_apply raised replica 0's error while replica 1's thread was still "
                  f"running: the caller went on (to retry, or to the next step) with a thread "
