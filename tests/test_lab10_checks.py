@@ -6,6 +6,7 @@ must pass. The scripts run in dpcourse.launch.spawn ranks (same environment as t
 second to start); one test goes through torchrun itself, as the lab does.
 """
 
+import re
 import sys
 
 import cloudpickle
@@ -224,17 +225,61 @@ def test_no_cause_says_its_own_fix():
         assert fix.rstrip(".").lower() not in cause.lower(), name
 
 
-def test_still_broken_bug4_under_torchrun_is_bounded_and_named():
-    with pytest.raises(LabCheckError, match="Fix 4: it did not finish within 30 s: .*another "
-                                            "src"):
-        lab10.check_fixes({4: edit(4, ("src=rank", "src=(rank + 1) % world_size"))}, timeout=30)
+# The module's four hangs (three fixed scripts, one detector) each wait out their whole timeout
+# with every rank idle in a collective. They run at the same time, once per module, each in its
+# own thread through the same public check as before (with its own launch and timeout), and each
+# test asserts on the error its check raised: the module waits 30 s for them, not 30 + 8 + 8 + 5.
+# (The timeouts are unchanged: each still bounds what it waits for, the launch's start included.)
+
+def _recv_hang_fix1():
+    return edit(1, ("seed=args.seed + rank", "seed=args.seed"),
+                ("torch.manual_seed(args.seed)\n", "torch.manual_seed(args.seed)\n"
+                    "if rank == 0:  # waits for a message rank 1 never sends\n"
+                    "    dist.recv(torch.zeros(1), src=1)\n"))
 
 
-def test_a_src_that_differs_by_rank_is_named_in_the_hang():
-    with pytest.raises(LabCheckError, match="did not finish within 8 s: .*Here src = `1 - rank` "
-                                            "is 1 on rank 0 and 0 on rank 1: the ranks still "
-                                            "disagree about which one sends"):
-        lab10.check_fix(4, edit(4, ("src=rank", "src=1 - rank")), launcher="spawn", timeout=8)
+def _raised(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test says which exception it expected
+        return exc
+    return None
+
+
+@pytest.fixture(scope="module")
+def hangs():
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = {
+        "bug4-torchrun": lambda: lab10.check_fixes(
+            {4: edit(4, ("src=rank", "src=(rank + 1) % world_size"))}, timeout=30),
+        "bug4-src-by-rank": lambda: lab10.check_fix(
+            4, edit(4, ("src=rank", "src=1 - rank")), launcher="spawn", timeout=8),
+        "bug1-recv": lambda: lab10.check_fix(1, _recv_hang_fix1(), launcher="spawn", timeout=8),
+        "detector-rank0": lambda: lab10.check_replicas_in_sync(in_sync_rank0_collective,
+                                                               timeout=5),
+    }
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = {name: pool.submit(_raised, call) for name, call in calls.items()}
+    return {name: f.result() for name, f in futures.items()}
+
+
+def _assert_lab_check_error(exc, pattern):
+    """What ``pytest.raises(LabCheckError, match=pattern)`` asserts, on an error already raised."""
+    __tracebackhide__ = True
+    assert isinstance(exc, LabCheckError), f"expected LabCheckError, got {exc!r}"
+    assert re.search(pattern, str(exc)), f"{pattern!r} not found in {str(exc)!r}"
+
+
+def test_still_broken_bug4_under_torchrun_is_bounded_and_named(hangs):
+    _assert_lab_check_error(hangs["bug4-torchrun"],
+                            "Fix 4: it did not finish within 30 s: .*another src")
+
+
+def test_a_src_that_differs_by_rank_is_named_in_the_hang(hangs):
+    _assert_lab_check_error(hangs["bug4-src-by-rank"],
+                            "did not finish within 8 s: .*Here src = `1 - rank` is 1 on rank 0 "
+                            "and 0 on rank 1: the ranks still disagree about which one sends")
 
 
 def test_the_bug4_numbers_are_what_the_ranks_hold():
@@ -255,13 +300,8 @@ def test_the_bug4_numbers_are_what_the_ranks_hold():
     assert all(b < a / 3 for a, b in losses)
 
 
-def test_a_hanging_fix_is_stopped_and_named():
-    text = edit(1, ("seed=args.seed + rank", "seed=args.seed"),
-                ("torch.manual_seed(args.seed)\n", "torch.manual_seed(args.seed)\n"
-                    "if rank == 0:  # waits for a message rank 1 never sends\n"
-                    "    dist.recv(torch.zeros(1), src=1)\n"))
-    with pytest.raises(LabCheckError, match="did not finish within 8 s: a rank is waiting"):
-        lab10.check_fix(1, text, launcher="spawn", timeout=8)
+def test_a_hanging_fix_is_stopped_and_named(hangs):
+    _assert_lab_check_error(hangs["bug1-recv"], "did not finish within 8 s: a rank is waiting")
 
 
 def test_syntax_error_is_named_without_launching(monkeypatch):
@@ -786,9 +826,8 @@ def test_a_detector_that_receives_no_weights_is_not_called_a_verdict_combined_wr
         lab10.check_replicas_in_sync(in_sync_no_broadcast)
 
 
-def test_detector_calling_a_collective_on_rank0_only_is_bounded():
-    with pytest.raises(LabCheckError, match="did not return within 5 s"):
-        lab10.check_replicas_in_sync(in_sync_rank0_collective, timeout=5)
+def test_detector_calling_a_collective_on_rank0_only_is_bounded(hangs):
+    _assert_lab_check_error(hangs["detector-rank0"], "did not return within 5 s")
 
 
 def test_detector_todo_raises_not_implemented():
