@@ -655,13 +655,12 @@ claim("seed_everything(deterministic=True) turns deterministic mode on with warn
 # Open [lab01_single_device](../labs/lab01_single_device.ipynb) and write `train_one_epoch` and
 # `evaluate`; its checks compare them with the library's and name your mistake. The library's
 # loop, which every later lesson reuses, is folded below with the step phases `time_breakdown`
-# times: open it once your lab passes. It is **not** lab 01's answer: the later lessons call it
-# only at settings known to train, so it does not do everything lab 01's contract asks of your
-# loop (compare it with the contract, not only with your code).
+# times: open it once your lab passes. Its `train_one_epoch` meets §1's contract; its
+# `evaluate` takes one of §2's two choices (the one whose callers set the mode they need next),
+# so compare yours with the contract, not only with this code.
 
 # %% [markdown]
-# **▶ The library's loop, not the lab's answer — open after your lab passes** (click the
-# folded cell below).
+# **▶ The library's loop — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(train.train_one_epoch, train.evaluate, train.step_phases)

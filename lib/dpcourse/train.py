@@ -16,6 +16,7 @@ exponent range, so nothing underflows).
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -129,9 +130,17 @@ def train_one_epoch(model: nn.Module, loader, loss_fn, optimizer, device="cpu", 
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if meter is not None:
             meter.start()
-        optimizer.zero_grad(set_to_none=True)  # gradients accumulate otherwise
         with autocast_for(device, amp):
             loss = loss_fn(model(X), y)  # the mean over the batch
+        # The loss is read *before* anything changes: a NaN or inf loss (a spoiled batch, a
+        # learning rate that blew up) raises with the weights, the optimizer's state and every
+        # p.grad as the last good step left them. Reading it costs the one host sync per step
+        # that the running total below needs anyway; it only comes earlier.
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"train_one_epoch: a batch's loss is {loss_value}; nothing "
+                                     f"of it reached the model (weights, optimizer state, grads)")
+        optimizer.zero_grad(set_to_none=True)  # gradients accumulate otherwise
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -141,7 +150,7 @@ def train_one_epoch(model: nn.Module, loader, loss_fn, optimizer, device="cpu", 
             optimizer.step()
         if meter is not None:
             meter.stop(len(y))
-        total_loss += loss.item() * len(y)  # weight by batch size: the last batch may be short
+        total_loss += loss_value * len(y)  # weight by batch size: the last batch may be short
         total += len(y)
     if total == 0:
         raise ValueError("train_one_epoch: the loader gave no samples (an empty loader?)")
