@@ -1,6 +1,7 @@
 """dpcourse.launch: results back, one clear error, hangs ended, nothing left running."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -310,24 +311,51 @@ dist.destroy_process_group()
 """
 
 
-def test_torchrun_prefixes_output_by_rank(tmp_path):
-    script = tmp_path / "s.py"
-    script.write_text(TORCHRUN_SCRIPT)
-    res = launch.torchrun(script, nproc_per_node=2, timeout=120, echo=False)
+def _torchrun_timeout(tmp_path):
+    """The timeout's run, in a thread: what it raised (nothing is a failure) and its seconds."""
+    t0 = time.monotonic()
+    try:
+        # 25 s: torchrun takes ~7 s to start both workers alone, and CI once needed more than
+        # 8 s on a loaded 2-core machine, so the timeout fired before rank 1 had written its pid
+        launch.torchrun(tmp_path / "s.py", "600", nproc_per_node=2, timeout=25, echo=False)
+    except Exception as exc:  # noqa: BLE001 - the test says which exception it expected
+        return exc, time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory):
+    """Both torchrun tests' runs, the second inside the first's idle wait: the timeout's run
+    starts alone, and only once both its workers have written their pids (what its 25 s bound
+    waits for) does the run to completion start, while those workers sleep until the timeout.
+    Each run is the same as before, with its own script, folder, port and timeout."""
+    timeout_dir, done_dir = tmp_path_factory.mktemp("timeout"), tmp_path_factory.mktemp("done")
+    for d in (timeout_dir, done_dir):
+        (d / "s.py").write_text(TORCHRUN_SCRIPT)
+    with ThreadPoolExecutor(1) as pool:
+        timed_out = pool.submit(_torchrun_timeout, timeout_dir)
+        deadline = time.monotonic() + 60
+        while not timed_out.done() and not all((timeout_dir / f"pid.{r}").exists()
+                                               for r in range(2)):
+            assert time.monotonic() < deadline, "torchrun's workers never started"
+            time.sleep(0.1)
+        done = launch.torchrun(done_dir / "s.py", nproc_per_node=2, timeout=120, echo=False)
+        return {"done": done, "timeout": timed_out.result(), "timeout_dir": timeout_dir}
+
+
+def test_torchrun_prefixes_output_by_rank(torchrun_runs):
+    res = torchrun_runs["done"]
     assert res.returncode == 0
     lines = [l for l in res.output.splitlines() if "sum" in l]
     assert sorted(lines) == ["[rank 0] sum 3", "[rank 1] sum 3"]
 
 
-def test_torchrun_timeout_kills_the_whole_tree(tmp_path):
-    script = tmp_path / "s.py"
-    script.write_text(TORCHRUN_SCRIPT)
-    t0 = time.monotonic()
-    # 25 s: torchrun takes ~7 s to start both workers alone, and CI once needed more than 8 s
-    # on a loaded 2-core machine, so the timeout fired before rank 1 had written its pid
-    with pytest.raises(launch.LaunchTimeoutError, match="did not finish within 25 s"):
-        launch.torchrun(script, "600", nproc_per_node=2, timeout=25, echo=False)
-    assert time.monotonic() - t0 < 40
+def test_torchrun_timeout_kills_the_whole_tree(torchrun_runs):
+    err, elapsed = torchrun_runs["timeout"]
+    assert isinstance(err, launch.LaunchTimeoutError), repr(err)
+    assert re.search("did not finish within 25 s", str(err)), str(err)
+    assert elapsed < 40
+    tmp_path = torchrun_runs["timeout_dir"]
     pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(2)]
     time.sleep(0.2)
     # torchrun starts workers in sessions of their own: they must be found and killed too
