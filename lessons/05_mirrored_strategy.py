@@ -50,17 +50,24 @@ multiworker_timeout = 90
 # variable, a strategy, a dataset. After that, the split cannot change. So the split is the first
 # thing a TF notebook does — before any other TF code, in every fresh kernel. (Importing TF is
 # harmless.) Before importing TF, `dpcourse.mirrored` sets two environment variables (unless
-# you set them): `TF_CPP_MIN_LOG_LEVEL=2`, which keeps TF's C++ info and warning lines out of
-# this notebook, and `TF_ENABLE_ONEDNN_OPTS=0`, which **turns off oneDNN's custom operations**
-# — oneDNN is Intel's library of fast CPU kernels; TF replaces whole operations (convolutions,
-# matrix products fused with their bias and activation) by oneDNN versions by default, and its
-# start-up notice warns that they may give slightly different numbers because they compute in a
-# different order. With them off, TF runs its own (Eigen) operations: slower, 16-bit ones
-# especially. That does **not** make the arithmetic the same on every CPU: in this build the
-# float matrix products and convolutions that remain still go through TF's custom contraction
-# kernel, which calls oneDNN's `dnnl_sgemm` — and oneDNN picks its code by the CPU's instruction
-# set (AVX2, AVX-512, …). Within one machine a run repeats exactly; across machines the last
-# bits may differ, which is why the lesson's comparisons state a tolerance.
+# you set them), to keep TF's C++ log lines out of the notebook and to turn off oneDNN's custom
+# operations. Within one machine a run repeats exactly; across machines the last bits may
+# differ, which is why the lesson's comparisons state a tolerance.
+#
+# **▶ Aside, optional: the two variables, and why the bits may still differ** (the folded cell
+# below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# `TF_CPP_MIN_LOG_LEVEL=2` keeps TF's C++ info and warning lines out of this notebook.
+# `TF_ENABLE_ONEDNN_OPTS=0` **turns off oneDNN's custom operations** — oneDNN is Intel's
+# library of fast CPU kernels; TF replaces whole operations (convolutions, matrix products
+# fused with their bias and activation) by oneDNN versions by default, and its start-up notice
+# warns that they may give slightly different numbers because they compute in a different
+# order. With them off, TF runs its own (Eigen) operations: slower, 16-bit ones especially.
+# That does **not** make the arithmetic the same on every CPU: in this build the float matrix
+# products and convolutions that remain still go through TF's custom contraction kernel, which
+# calls oneDNN's `dnnl_sgemm` — and oneDNN picks its code by the CPU's instruction set (AVX2,
+# AVX-512, …).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -225,10 +232,12 @@ viz.show_code(mirrored.make_dataset)
 # both); and prefetch has nothing to overlap with here, because the loop does no work with the
 # batches — it pays off when a training step runs while the next batch is prepared. (A
 # `cache()` placed before the decoding `map` would keep the PNG bytes and save nothing of the
-# decoding.) Whether a gain shows at all depends on what decoding costs: our 32×32 PNGs are
-# cheap, and on a shared machine one timing can vary by more than the saving. So the cell times
-# the pipelines in turn, three rounds each, keeps each one's fastest run, and prints which case
-# this run fell in.
+# decoding.) That ceiling holds for a **fresh** pipeline only: an in-memory cache belongs to the
+# Dataset object and outlives its iterators, so timing the same `tuned` object again would
+# decode nothing at all. So each round builds both pipelines anew and times "decode once, then
+# read the cache". Our 32×32 PNGs are cheap to decode, and on a shared machine one timing can
+# vary by more than the saving: the cell times the two in turn, three rounds, keeps each one's
+# fastest, and prints which case this run fell in.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -241,12 +250,13 @@ def seconds_for_epochs(pipeline, epochs=2):
     return time.perf_counter() - t0
 
 some_x, some_y = ds.x_train[:1024], ds.y_train[:1024]
-plain = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
-                              cache=False, prefetch=False)
-tuned = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
-                              cache=True, prefetch=True)
 rounds = {"plain": [], "tuned": []}
 for _ in range(3):                      # interleaved: load that comes and goes hits both
+    # fresh pipelines each round: a cache kept from an earlier round would skip all decoding
+    plain = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
+                                  cache=False, prefetch=False)
+    tuned = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
+                                  cache=True, prefetch=True)
     rounds["plain"].append(seconds_for_epochs(plain))
     rounds["tuned"].append(seconds_for_epochs(tuned))
 t_plain, t_tuned = min(rounds["plain"]), min(rounds["tuned"])
@@ -259,8 +269,8 @@ if speedup < 1.05:
 elif speedup <= 2.05:
     print("This run: a gain, within the 2x ceiling that caching one of two decoded epochs allows.")
 else:
-    print("This run: above the 2x ceiling — more than caching can explain; even the fastest "
-          "rounds were disturbed by other work on this machine.")
+    print("This run: above the 2x ceiling — more than caching one of two epochs can explain; "
+          "even the fastest rounds were disturbed by other work on this machine.")
 
 # %% [markdown]
 # ## 4. The custom loop, and its proof
@@ -337,7 +347,10 @@ claim("under MirroredStrategy a replica that skips all_reduce makes strategy.run
 # step as the library computes them, and the one-device gradient every proof compares it with
 # (the mean loss over the whole global batch, no strategy) — the code the proofs below run,
 # except the per-replica loss, `mirrored.per_replica_loss` (lab 05 part 1's answer), folded
-# with the reference answer further down.
+# with the reference answer further down. `@tf.function` compiles the step into a TensorFlow
+# graph (what that means for the step is explained at the end of this section); the
+# `loss_scaling` and `grad_reduce` options select the wrong variants that the scaling bugs below
+# measure; the proofs use the defaults.
 
 # %%
 viz.show_code(mirrored.per_example_loss, mirrored.mirrored_gradients,
@@ -366,10 +379,16 @@ def mirrored_cnn(strat, start=None, **build):
     return model if start is None else mirrored.copy_torch_weights(start, model)
 
 
-def optimizer_in(strat, rate=lr):
-    """Plain SGD, its variables mirrored by strat."""
+def optimizer_in(strat, rate=lr, loss_scale=False, build_for=None):
+    """Plain SGD, its variables mirrored by strat; with loss_scale, wrapped in a
+    LossScaleOptimizer; with build_for (variables), built for them."""
     with strat.scope():   # the optimizer's variables must be created under the strategy too
-        return keras.optimizers.SGD(learning_rate=rate)
+        opt = keras.optimizers.SGD(learning_rate=rate)
+        if loss_scale:
+            opt = keras.optimizers.LossScaleOptimizer(opt)
+        if build_for is not None:
+            opt.build(build_for)
+        return opt
 
 # %%
 torch.manual_seed(0)
@@ -434,8 +453,13 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # `reduction="sum"` or `"none"` is not scaled (`reduce_values` in Keras' losses; claimed below).
 # So in a custom loop the default loss is already scaled, and code that divides it by the number
 # of replicas once more makes the step 1/N too small. One exception: a replica whose slice is
-# **empty** (the last step of an epoch can leave one so, lab 05 part 4) gets no scalar at all —
-# `reduce_values` returns an empty value untouched, a tensor of shape `(0,)` (claimed below).
+# **empty** (the last step of an epoch can leave one so, lab 05 part 4) is caught by a test on
+# the *static* shape: `reduce_values` returns a value whose shape is known to be `(0,)`
+# untouched. So eagerly an empty slice gives an empty tensor of shape `(0,)`. Inside a
+# `tf.function` (as in `fit` and in a compiled `strategy.run` step: the Python code runs once
+# to record a graph, with the batch dimension left unknown; more at the end of this section)
+# the test does not fire, and the empty sum, divided with `divide_no_nan`, gives a scalar 0.0
+# (both claimed below).
 # The library's function for these rows:
 
 # %% [markdown]
@@ -519,8 +543,21 @@ claim("under the strategy the default reduction is the mean × 1/N, reduction='s
       and np.isclose(by["sum"], total, rtol=1e-5), by=by, total=total)
 with strategy.scope():
     empty = sce(from_logits=True)(yb[:0], logits8[:0])
-claim("on an empty slice the default reduction returns the empty value unscaled: shape (0,)",
-      tuple(empty.shape) == (0,), shape=tuple(empty.shape))
+claim("eagerly, on an empty slice the default reduction returns the empty value unscaled: "
+      "shape (0,)", tuple(empty.shape) == (0,), shape=tuple(empty.shape))
+
+
+@tf.function(input_signature=[tf.TensorSpec([None], yb.dtype),
+                              tf.TensorSpec([None, logits8.shape[-1]], logits8.dtype)])
+def traced_keras_loss(y, logits):   # batch dimension unknown while tracing, as in fit
+    return sce(from_logits=True)(y, logits)
+
+
+with strategy.scope():
+    traced_empty = traced_keras_loss(yb[:0], logits8[:0])
+claim("in a tf.function with an unknown batch dimension, the same empty slice gives a scalar 0.0",
+      tuple(traced_empty.shape) == () and float(traced_empty) == 0.0,
+      shape=tuple(traced_empty.shape), value=float(traced_empty))
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below: the
@@ -650,9 +687,8 @@ viz.show_code(mirrored.build_keras_cnn)
 
 # %%
 for policy_name in ("mixed_float16", "mixed_bfloat16"):
+    probe, given = mirrored_cnn(strategy, dtype=policy_name), optimizer_in(strategy)  # folded above
     with strategy.scope():
-        probe = mirrored.build_keras_cnn(dtype=policy_name)
-        given = keras.optimizers.SGD(learning_rate=lr)
         probe.compile(optimizer=given, loss="sparse_categorical_crossentropy")
     print(f"{policy_name}: compile was given {type(given).__name__}, "
           f"the model now holds {type(probe.optimizer).__name__}")
@@ -681,10 +717,8 @@ probe_lr = 100.0
 def loss_scaled_step_size(scale_the_loss):
     """The size of one mirrored SGD step taken through a LossScaleOptimizer."""
     model = mirrored_cnn(strategy, torch_model)
-    with strategy.scope():
-        optimizer = keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.SGD(learning_rate=probe_lr))
-        optimizer.build(model.trainable_variables)
+    optimizer = optimizer_in(strategy, probe_lr, loss_scale=True,   # SGD in a LossScaleOptimizer
+                             build_for=model.trainable_variables)
     before = model.get_weights()
 
     @tf.function
@@ -967,7 +1001,8 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Scale each replica's loss with `compute_average_loss` (÷ global batch). `reduce_mean`
 #   makes the step N× too big; averaging again makes it 1/N.
 # * A Keras loss object (default reduction) is already scaled (its slice's mean × 1/N, right
-#   for equal slices; an empty slice gives a `(0,)` tensor): dividing it again makes the step 1/N.
+#   for equal slices; an empty slice gives a `(0,)` tensor eagerly, a scalar 0.0 traced):
+#   dividing it again makes the step 1/N.
 # * Regularisation losses, the same on every replica, go through `scale_regularization_loss`.
 
 # %% [markdown]
@@ -1029,7 +1064,7 @@ viz.quiz([
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
 # - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`; `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.build` adds variables only for EMA or gradient accumulation.
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
-# - `keras/src/losses/loss.py` — `reduce_values`: a value of shape `(0,)` or `()` is returned unreduced and unscaled. `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling.
+# - `keras/src/losses/loss.py` — `reduce_values`: a value whose static shape is `(0,)` or `()` is returned unreduced and unscaled (traced with an unknown batch dimension, an empty value is summed and divided with `divide_no_nan`: 0.0). `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling.
 # - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`); `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it; `dynamic_growth_steps=2000`: after that many finite steps in a row the scale doubles. `keras/src/optimizers/adam.py` — `Adam.update_step`: the step divides the first moment by the root of the second, so a constant factor on every gradient nearly cancels.
@@ -1038,7 +1073,6 @@ viz.quiz([
 # - `tensorflow/python/distribute/collective_all_reduce_strategy.py` — `CollectiveAllReduceExtended._initialize_multi_worker`: `TF_CONFIG`'s cluster, a gRPC server per worker (`protocol="grpc"`).
 # - `tensorflow/python/distribute/collective_util.py` — `Options`: the communication implementation defaults to `AUTO`; `dpcourse/tf_multiworker_worker.py` asks for `RING`.
 # - `tensorflow/python/distribute/multi_worker_util.py` — `is_chief`: without a "chief" task, worker 0 is the chief.
-# - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__`: the `iteration` counter and the `learning_rate` variable are created by the constructor, not by `build`.
 # - `tensorflow/python/checkpoint/checkpoint.py` — `CheckpointLoadStatus.expect_partial`: silences the warnings about saved or expected objects left unmatched (so a restore checks nothing by itself: the claims in §7 compare the weights).
 
 # %% [markdown]
@@ -1049,6 +1083,7 @@ viz.quiz([
 # %% [markdown] jupyter={"source_hidden": true}
 # #### Sources (lab 05's answers)
 #
+# - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__`: the `iteration` counter and the `learning_rate` variable are created by the constructor, not by `build`.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size`; `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.
 # - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.distribute_datasets_from_function`: the function's dataset is batched per replica (`InputContext.get_per_replica_batch_size`: the global batch divided by the context's `num_replicas_in_sync`, the replicas of every worker).

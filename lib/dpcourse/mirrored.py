@@ -468,7 +468,7 @@ def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global",
     which goes through the strategy's cross-device ops). Weights are not changed.
 
     ``grad_reduce="mean"`` averages the replicas' gradients instead — what DDP does, and what
-    TF does *not* do; with it, ``loss_scaling="reduce_mean"`` is the right pairing.
+    TF does *not* do.
     ``loss_scaling="keras"`` (``"keras_over_replicas"``) differentiates
     :func:`keras_loss_per_replica` (with ``divide_by_replicas=True``) instead of
     :func:`per_replica_loss`.

@@ -90,6 +90,8 @@ def measure_allreduce(rank: int, world_size: int, sizes: Sequence[int], reps: in
     rep by rep, so a burst of load from elsewhere on the machine hits both alike. Small sizes
     get more reps (:func:`reps_for`). One torch thread per rank: the ranks share the cores,
     and gloo's own reduction is single-threaded too, so both get the same compute.
+
+    Shown in lesson 06, §3.
     """
     import torch
     import torch.distributed as dist
@@ -165,7 +167,9 @@ def summarize_allreduce(per_rank: Sequence[dict], world_size: int,
                         sizes: Sequence[int]) -> list[AllreduceRow]:
     """Rows from :func:`measure_allreduce`'s per-rank results: each rep's time is the slowest
     rank's; medians and fastest reps of both, and the ring÷built-in busbw ratio pair by pair
-    (a pair = the two calls of one rep, which took turns and saw the same machine)."""
+    (a pair = the two calls of one rep, which took turns and saw the same machine).
+
+    Shown in lesson 06, §3."""
     rows = []
     for nbytes in sizes:
         med, slowest = {}, {}
