@@ -8,7 +8,7 @@
 # gradients); here you decide how they fit. Four parts, each with a check:
 #
 # 1. the loss one replica differentiates, with a regularisation term (**a decision**: what each
-#    replica's number is made of, so that the strategy's sum is one device's gradient);
+#    replica's number is made of);
 # 2. the model and optimizer, where the strategy can mirror them;
 # 3. one training step and what it reports (**your design decision** is here);
 # 4. a prediction about the last step of an epoch, then the measurement.
@@ -63,8 +63,8 @@ from dpcourse.checks import lab05, predict
 # gradient when a penalty is given — on every split of the step, uneven ones included, and on
 # any number of replicas.
 #
-# **Your decision** is what each replica's number is made of: its own samples' losses, and the
-# penalty. `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies. Not
+# **Your decision** is what each replica's number is made of.
+# `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies. Not
 # allowed: the library's answer `mirrored.per_replica_loss`, and `tf.nn.compute_average_loss` /
 # `tf.nn.scale_regularization_loss` — this part asks for the arithmetic they hide, and why it
 # is right on N replicas. The check runs steps split evenly and unevenly, on 2 and 3 replicas,
@@ -102,7 +102,7 @@ from dpcourse.checks import lab05, predict
 # %%
 def per_replica_loss(labels, logits, global_batch, penalty=None):
     losses = mirrored.per_example_loss(labels, logits)
-    ### BEGIN SOLUTION: this replica's share of the step's mean loss, and of the penalty
+    ### BEGIN SOLUTION: the number this replica differentiates
     loss = tf.reduce_sum(losses) / tf.cast(global_batch, losses.dtype)
     if penalty is not None:
         loss += penalty / tf.distribute.get_replica_context().num_replicas_in_sync
@@ -169,7 +169,7 @@ model, optimizer = lab05.check_model_and_optimizer(make_model_and_optimizer, str
 #
 # **Contract.** `distributed_train_step(strategy, model, optimizer, dist_batch, global_batch)`
 # takes one step of SGD on the global batch `dist_batch` (already split over the replicas) and
-# returns `(loss, accuracy)`: two plain numbers (scalar tensors on the host), the **global
+# returns `(loss, accuracy)`: two scalar tensors on the host, one number each: the **global
 # batch's** mean loss and accuracy before the update — what one device would report for the
 # whole batch: the loss is the mean of the per-example losses over all `global_batch` samples,
 # and the accuracy is the **fraction of those samples** whose largest logit (computed before the

@@ -126,7 +126,13 @@ def test_sum_where_mean_is_meant_is_named(strategy):
 
 
 def test_mean_where_sum_is_meant_is_named(strategy):
-    with pytest.raises(LabCheckError, match=r"mean \(MEAN\) of the replicas' shares.*Shares add up"):
+    # learner LR3_05: "Shares add up" in the first message handed over the fix
+    with pytest.raises(LabCheckError) as first:
+        lab05.check_train_step(make_step(loss_right, MEAN, MEAN), make_right, strategy)
+    msg = " ".join(str(first.value).split())
+    assert "mean (MEAN) of the replicas' shares" in msg and "a second time" in msg, msg
+    assert "Shares add up" not in msg, msg
+    with pytest.raises(LabCheckError, match="What to change: Shares add up to the mean"):
         lab05.check_train_step(make_step(loss_right, MEAN, MEAN), make_right, strategy)
 
 
@@ -353,9 +359,11 @@ def test_penalty_gives_the_cause_then_the_fix(strategy):
     fn = PENALTY_MISTAKES[0][0]
     with pytest.raises(LabCheckError) as first:
         lab05.check_per_replica_loss(fn, strategy)
-    assert "Count the penalty once" not in str(first.value), str(first.value)
-    with pytest.raises(LabCheckError, match="Count the penalty once per step, over all the "
-                                            "replicas together"):
+    # learner LR3_05: "it is not split over them the way the samples are" was the fix, first time
+    assert "count it once" not in str(first.value), str(first.value)
+    assert "not split" not in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError, match="not split over them the way the samples are: count "
+                                            "it once per step, over all the replicas together"):
         lab05.check_per_replica_loss(fn, strategy)
 
 
@@ -846,6 +854,34 @@ def test_a_static_shape_count_is_refused_under_tf_function(strategy):
         lab05.check_partial_batch_epoch(_epoch("static_constant"), strategy)
 
 
+def epoch_counting_in_python(strategy, model, optimizer, dist_dataset):
+    # learner LR3_05's probe: the step's count summed in Python from the local results
+    for batch in dist_dataset:
+        n = sum(int(t.shape[0]) for t in strategy.experimental_local_results(batch[1]))
+
+        def step_fn(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(mirrored.per_example_loss(y, model(x, training=True))) / n
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(step_fn, args=batch)
+
+
+def test_a_python_count_in_the_loop_is_named(strategy):
+    # learner LR3_05: AutoGraph's raw "'n' must be defined before the loop" was passed through
+    with pytest.raises(LabCheckError) as first:
+        lab05.check_partial_batch_epoch(epoch_counting_in_python, strategy)
+    msg = " ".join(str(first.value).split())
+    assert "'n' must be defined before the loop" in msg, msg
+    assert ("a Python number inside a traced step is fixed when tf.function traces it" in msg
+            and "the step's count must be a tensor, summed across the replicas inside the step"
+            in msg), msg
+    assert "all_reduce" not in msg, msg
+    with pytest.raises(LabCheckError, match="What to change: Count this replica's samples inside "
+                                            "step_fn with a tensor operation"):
+        lab05.check_partial_batch_epoch(epoch_counting_in_python, strategy)
+
+
 def test_a_count_fixed_when_traced_is_named(strategy):
     # right eagerly; traced, the static shape's None falls back to a number fixed at trace time
     with pytest.raises(LabCheckError) as err:
@@ -947,6 +983,11 @@ def test_the_lab_text_does_not_answer_its_parts():
     for said in ("Σ ℓ", "/ `global_batch`", ": once", "holds all"):
         assert said not in part1, part1
     assert "summed by the strategy" in part1 and "uneven ones included" in part1, part1
+    # learner LR3_05: the TODO names the piece to write, not its parts
+    todo = text[text.index("def per_replica_loss"):text.index("lab05.check_per_replica_loss(")]
+    assert "penalty" not in todo.split("BEGIN SOLUTION:")[1].splitlines()[0], todo
+    part3 = text[text.index("## 3. One step"):text.index("**▶ Hint 1", text.index("## 3. One"))]
+    assert "plain numbers" not in part3 and "two scalar tensors" in part3, part3
     part4 = text[text.index("## 4. Predict"):text.index("my_guess = ")]
     assert "reduce_mean" not in part4 and "compute_average_loss" not in part4, part4
     stretch_a = text[text.index("## Stretch A"):text.index("def make_dist_dataset")]

@@ -5,7 +5,8 @@ with each plausible divisor (the full global batch, a fixed 32, each replica's o
 compute_average_loss left to count, a local mean / N, or a Keras loss object's
 SUM_OVER_BATCH_SIZE — the last step skipped) and named by the one whose weights it reproduced.
 A right epoch is run again wrapped in tf.function, where a count read off a static shape is None;
-a Python number handed to the replica context's all_reduce is named by its cause.
+a Python number handed to the replica context's all_reduce, or one set in the loop over the
+batches for the step to read, is named by its cause.
 
 Imported by :mod:`dpcourse.checks.lab05`, where the lab calls it.
 """
@@ -172,6 +173,7 @@ def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool):
     """Runs ``train_epoch`` on a fresh mirrored model over the stretch's epoch, as written or
     wrapped in ``tf.function``; names a Python number where the step needs a tensor."""
     __tracebackhide__ = True
+    import re
     import warnings
 
     with strategy.scope():
@@ -200,6 +202,17 @@ def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool):
                  f"others. A count that has to differ from step to step must be a tensor "
                  f"computed from the batch.",
                  fix="Count the samples with a tensor operation on the batch itself.")
+        loop_var = re.search(r"'(\w+)' must be defined before the loop", first)
+        if traced and isinstance(exc, ValueError) and loop_var:
+            name = loop_var.group(1)
+            fail(f"train_epoch raised ValueError {how} {at}: \"{first}\" — `{name}` is a "
+                 f"Python number set in the loop over the batches for the step to read, and a "
+                 f"Python number inside a traced step is fixed when tf.function traces it, once "
+                 f"for every step, the short last one included: the step's count must be a "
+                 f"tensor, summed across the replicas inside the step.",
+                 fix="Count this replica's samples inside step_fn with a tensor operation on "
+                     "its batch, and sum that count over the replicas with the replica "
+                     "context's all_reduce.")
         if isinstance(exc, (AttributeError, TypeError, ValueError)) and (
                 "'int' object" in first or "'float' object" in first):
             kind = "an int" if "'int' object" in first else "a float"

@@ -53,8 +53,8 @@ _HOW = {
     "mean_of_shares": (
         "the mean of the replicas' shares",
         "the mean (MEAN) of the replicas' shares ({parts}), each already divided by the global "
-        "batch ({gb}): averaging them divides by the {n} replicas a second time. Shares add up.",
-        "Combine shares with the operation that adds them."),
+        "batch ({gb}): averaging them divides by the {n} replicas a second time.",
+        "Shares add up to the mean: combine them with the operation that adds them."),
     "count": (
         "the replicas' counts of correct predictions added up, not divided",
         "the replicas' counts of correct predictions ({parts} of slices of {split} samples) "

@@ -226,9 +226,9 @@ def _check_penalty_once(per_replica_loss, strat, global_batch: int) -> str:
     if abs(counted - n) < 1e-3:
         fail(f"{said}: every replica added the whole penalty, and the strategy sums the {n} "
              f"replicas' gradients, so the regularisation pulled the weights {n} times as hard "
-             f"as on one device. The penalty is the same on every replica: it is not split "
-             f"over them the way the samples are.",
-             fix="Count the penalty once per step, over all the replicas together.")
+             f"as on one device.",
+             fix="The penalty is the same on every replica, not split over them the way the "
+                 "samples are: count it once per step, over all the replicas together.")
     if abs(counted) < 1e-3:
         fail(f"{said}: the penalty was left out, so the step is the unregularised one.",
              fix="Add the penalty to the loss, counted once per step over all the replicas.")
