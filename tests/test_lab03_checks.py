@@ -229,26 +229,6 @@ def test_wrong_average_gradients(fn, phrase):
         lab03.check_average_gradients(fn)
 
 
-def test_all_reduce_on_rank0_only_is_a_deadlock_ended_by_timeout():
-    assert lab03.DEFAULT_TIMEOUT <= 20
-    # A short timeout keeps the test quick. Rank 1 returns at once and rank 0 waits: the check
-    # says it is a deadlock, and nothing about slowness (a longer timeout would not help). On a
-    # machine so busy that rank 1 had not even finished starting, both are named as waiting and
-    # the slowness clause is honest.
-    with pytest.raises(LabCheckError) as err:
-        lab03.check_average_gradients(rank0_only, timeout=8)
-    message = str(err.value)
-    # the 8 s timeout passed here is what ended the wait (the ranks' start-up is bounded by the
-    # launch itself; how long it takes depends on the machine's load, not on the check)
-    assert "after 8 s" in message or "within 8 s" in message, message
-    if "returned from" in message:
-        assert message.startswith("deadlock: rank(s) 1 returned from average_gradients while "
-                                  "rank(s) 0 still waited"), message
-        assert "slowness" not in message and "timeout=" not in message, message
-    else:
-        assert "rank(s) 0, 1 never finished" in message and "deadlock" in message, message
-
-
 class _FakeTimeout:
     def __init__(self, pending, finished):
         self.pending, self.finished = pending, finished
@@ -266,10 +246,50 @@ def test_a_diagnosed_deadlock_never_suggests_slowness():
     assert sentence.startswith("rank(s) 0, 1 never finished within 20 s — a deadlock")
 
 
+@pytest.mark.usefixtures("rank0_only_deadlock")  # (its idle wait overlaps this test's work)
 def test_reference_step_passes(capsys):
     lab03.check_data_parallel_step(good_step)
     out = capsys.readouterr().out
     assert "one process on the global batch" in out and out.count("✔") == 1
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test says which exception it expected
+        return exc
+    return None
+
+
+@pytest.fixture(scope="module")
+def rank0_only_deadlock():
+    """The deadlock's check, started in a thread: its ranks sit idle for the 8 s timeout, so
+    test_reference_step_passes, which starts it, does its own work in that wait. The call, its
+    launch and its timeout are the test's as before; the test asserts on what it raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_raised, lambda: lab03.check_average_gradients(rank0_only, timeout=8))
+
+
+def test_all_reduce_on_rank0_only_is_a_deadlock_ended_by_timeout(rank0_only_deadlock):
+    assert lab03.DEFAULT_TIMEOUT <= 20
+    # A short timeout keeps the test quick. Rank 1 returns at once and rank 0 waits: the check
+    # says it is a deadlock, and nothing about slowness (a longer timeout would not help). On a
+    # machine so busy that rank 1 had not even finished starting, both are named as waiting and
+    # the slowness clause is honest.
+    err = rank0_only_deadlock.result()
+    assert isinstance(err, LabCheckError), repr(err)
+    message = str(err)
+    # the 8 s timeout passed here is what ended the wait (the ranks' start-up is bounded by the
+    # launch itself; how long it takes depends on the machine's load, not on the check)
+    assert "after 8 s" in message or "within 8 s" in message, message
+    if "returned from" in message:
+        assert message.startswith("deadlock: rank(s) 1 returned from average_gradients while "
+                                  "rank(s) 0 still waited"), message
+        assert "slowness" not in message and "timeout=" not in message, message
+    else:
+        assert "rank(s) 0, 1 never finished" in message and "deadlock" in message, message
 
 
 def returns_nothing(model, optimizer, X, y):
