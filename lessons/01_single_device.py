@@ -61,8 +61,9 @@ devices.seed_everything(seed)
 # The default data set, `shapes10`, is made from a seed in well under a second: 32×32 colour
 # images in 10 classes (discs, rings, squares, stripes in four directions, ...), at random places,
 # sizes and colours, over noisy backgrounds. It has CIFAR-10's shape, so every line of this
-# course runs on CIFAR-10 too; unlike CIFAR-10 it needs no download and a small CNN learns it in
-# seconds on a CPU — which is what a course that re-runs every notebook on every change needs.
+# course runs on CIFAR-10 too; unlike CIFAR-10 it needs no download and a small CNN learns it
+# within minutes on a CPU — which is what a course that re-runs every notebook on every change
+# needs.
 
 # %%
 ds = data.load(dataset, n_train=n_train, n_test=n_test, seed=seed)
@@ -143,9 +144,10 @@ claim("after zero_grad(set_to_none=True) every .grad is None",
 # Ten classes means a model that guesses is right 10% of the time, with a loss of
 # ln 10 ≈ 2.30. A few epochs on the CPU take us far past that. We use Adam here, whose
 # per-parameter step sizes need little tuning. (The later lessons' gradient comparisons hold for
-# any optimizer. Lesson 09's *local SGD*, which averages the replicas' weights instead of their
-# gradients, matches DDP only for an optimizer whose update is linear in the gradient — SGD,
-# with momentum and weight decay too — and not for Adam; lesson 09 checks both.)
+# any optimizer. Lesson 09's *local SGD* lets each replica take H steps on its own and then
+# averages the replicas' weights instead of their gradients; it matches DDP only at H = 1, and
+# even then only for an optimizer whose update is linear in the gradient — SGD, with momentum
+# and weight decay too — and not for Adam; lesson 09 checks both.)
 
 # %%
 devices.seed_everything(seed)
@@ -185,9 +187,10 @@ for h in history:
     print(f"epoch {h['epoch']}: train loss {h['train_loss']:.3f}  test acc {h['test_acc']:.3f}  "
           f"{h['samples_per_s']:.0f} samples/s")
 rates_per_epoch = [h["samples_per_s"] for h in history]
+close = 1.25   # this lesson's one threshold: two rates of the same work within 1.25x are "close"
 spread = max(rates_per_epoch) / min(rates_per_epoch)
 print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same work per epoch: "
-      + ("steady on this run." if spread < 1.25 else "something else was using the machine, "
+      + (f"steady on this run (within {close}x)." if spread < close else "something else was using the machine, "
          "or (on a GPU) the first epoch paid for one-time warm-up (kernel selection, memory "
          "allocation)."))
 
@@ -215,7 +218,24 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same wor
 # the device, and stops it after the optimizer step, so every rate in this lesson (the epochs of
 # `fit` above too) is the rate of the training step alone — the loader's time is left out. Here
 # the data sits in memory and fetching costs little; the next section measures it separately, and
-# a loader that decodes images from disk would show up there, not in these rates.
+# a loader that decodes images from disk would show up there, not in these rates. The lines of
+# `train_one_epoch` that place the meter (the step between them stays folded until your lab
+# passes):
+
+# %%
+import inspect
+import textwrap
+
+loop_src = inspect.getsource(train.train_one_epoch).splitlines()
+def line_of(text):
+    return next(i for i, line in enumerate(loop_src) if text in line)
+start_at, stop_at = line_of("meter.start()"), line_of("meter.stop(")
+viz.show_code(textwrap.dedent("\n".join(
+    loop_src[line_of("for X, y in batches"):start_at + 1]
+    + ["        ...  # the training step (lab 01 §1 writes it)"]
+    + loop_src[stop_at - 1:stop_at + 1])))
+claim("the meter starts after the batch reached the device and stops after the optimizer step",
+      line_of(".to(device") < start_at < line_of("optimizer.step()") < stop_at)
 
 # %% [markdown]
 # **▶ `ThroughputMeter`, `make_loaders` and `fit`** (click the folded cell below).
@@ -282,9 +302,10 @@ fit_rate = float(np.median(rates_per_epoch))
 cell_rate = rates[batch_size]
 apart = max(fit_rate, cell_rate) / min(fit_rate, cell_rate)
 print(f"The epochs of `fit` above ran at a median {fit_rate:.0f} samples/s at batch {batch_size}, "
-      f"these runs at the same batch size at {cell_rate:.0f}: {apart:.1f}x apart. "
-      + ("Close, as they should be for the same model and loop." if apart < 2 else
-         "Far apart for the same model and loop: the machine was busier during one of them. "
+      f"these runs at the same batch size at {cell_rate:.0f}: {apart:.2f}x apart. "
+      + (f"Close (within {close}x), as they should be for the same model and loop."
+         if apart < close else
+         f"More than {close}x apart for the same model and loop: the machine was busier during one of them. "
          "Both split each operation over a thread per core (torch's default), and it waits for "
          "its slowest thread, so another program taking a core can cut the rate several-fold; "
          "that is why the comparisons here interleave their runs."))
