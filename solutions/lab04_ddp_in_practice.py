@@ -271,8 +271,10 @@ lab04.check_prediction(guess, labels, per_rank)
 # every rank** — on these CPU ranks and on GPUs. The check trains 3 epochs with this loop (2
 # ranks, one thread each), stops the job after epoch 1 as a crash would, starts it again, and
 # compares every rank's state and the final weights with a run that never stopped: they must
-# agree bit for bit (to 1e-5). Its ranks have no GPU, so what a GPU run would also need, it
-# reads in your code rather than runs.
+# agree bit for bit (to 1e-5). Its ranks have no GPU: while your two functions run, torch.cuda's
+# random-state functions (`get_rng_state`, `set_rng_state`, their `_all` forms, the seeding
+# ones) act on stand-in GPUs, 2 per rank, rank r running on GPU r, which each training step's
+# dropout moves as it would on a GPU; the check compares them like the rest.
 #
 # ```python
 # sampler = DistributedSampler(train_set, num_replicas=2, rank=rank, seed=0)

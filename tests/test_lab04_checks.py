@@ -933,7 +933,10 @@ def resume_never(path, model, optimizer):
 def test_right_resumes_pass(save, resume, capsys):
     lab04.check_resume(save, resume)
     out = " ".join(capsys.readouterr().out.split())
-    assert out.count("✔") == 1 and "read in your code, not run" in out, out
+    assert out.count("✔") == 1, out
+    assert ("with 2 stand-in GPUs on each rank behind torch.cuda's random-state functions: "
+            "each rank got back the CUDA generator states it had at the crash") in out, out
+    assert "read in your code" not in out, out
     assert "a save stopped halfway left the previous checkpoint readable" in out, out
 
 
@@ -945,28 +948,226 @@ def test_a_resume_exact_on_cpus_only_is_refused_for_gpus():
         message = str(err.value)
         assert ("save_training_state reads and resume_training_state restores no state of "
                 "CUDA's generators") in message, message
-        assert "a CPU run cannot show it" in message, message
+        assert "stood in 2 GPUs on each rank behind those functions" in message, message
+        assert "it never called them" in message, message
         assert ("torch.cuda.get_rng_state_all()" in message) == (attempt == 1), message
 
 
-def test_cuda_generators_are_found_in_helpers_and_under_other_names():
-    # read from the code: a helper of the learner's own, an import under another name, a
-    # torch.cuda call through a module alias; torch.cuda mentioned for something else is not it
-    from dpcourse.checks._lab04_resume import _CUDA_GET, _CUDA_SET, _touches
+def save_cuda_rank0_only(path, model, optimizer, epoch, is_main):
+    # wrong (learner LR2_04): the CPU states gathered, CUDA's read on rank 0 only
+    import torch
+    rng = _rng_states()
+    if is_main:
+        save_checkpoint(path, {"model": model.module.state_dict(),
+                               "optimizer": optimizer.state_dict(), "epoch": epoch, "rng": rng,
+                               "cuda": torch.cuda.get_rng_state_all()})
 
-    def cuda_only_checked(path, model, optimizer, epoch, is_main):
-        import torch
-        if torch.cuda.is_available():
-            pass
-        return torch.get_rng_state()
 
-    assert _touches(save_state, _CUDA_GET) and _touches(resume_state, _CUDA_SET)
-    assert _touches(save_gathered_to_rank0, _CUDA_GET)
-    assert _touches(resume_gathered, _CUDA_SET)
-    assert not _touches(cuda_only_checked, _CUDA_GET)
-    assert not _touches(save_cpu_rng_only, _CUDA_GET)
-    assert not _touches(resume_cpu_rng_only, _CUDA_SET)
-    assert not _touches(save_state, _CUDA_SET)  # a getter is not a setter
+def resume_cuda_everywhere(path, model, optimizer):
+    import torch
+    import torch.distributed as dist
+    state = load_checkpoint(path)
+    if state is None:
+        return 0
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"][dist.get_rank()])
+    torch.cuda.set_rng_state_all(state["cuda"])
+    return state["epoch"] + 1
+
+
+def save_cuda_device0(path, model, optimizer, epoch, is_main):
+    # wrong: every rank's GPU 0 gathered (rank 1 runs on GPU 1)
+    import torch
+    import torch.distributed as dist
+    rng = _rng_states()
+    cuda = [None] * dist.get_world_size()
+    dist.all_gather_object(cuda, torch.cuda.get_rng_state(0))
+    if is_main:
+        save_checkpoint(path, {"model": model.module.state_dict(),
+                               "optimizer": optimizer.state_dict(), "epoch": epoch, "rng": rng,
+                               "cuda": cuda})
+
+
+def resume_cuda_device0(path, model, optimizer):
+    import torch
+    import torch.distributed as dist
+    state = load_checkpoint(path)
+    if state is None:
+        return 0
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"][dist.get_rank()])
+    torch.cuda.set_rng_state(state["cuda"][dist.get_rank()], 0)
+    return state["epoch"] + 1
+
+
+def save_cuda_current(path, model, optimizer, epoch, is_main):
+    # right: each rank's current GPU (its own), gathered beside the CPU states
+    import torch
+    import torch.distributed as dist
+    mine = (torch.get_rng_state(), torch.cuda.get_rng_state())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if is_main:
+        save_checkpoint(path, {"model": model.module.state_dict(),
+                               "optimizer": optimizer.state_dict(), "epoch": epoch,
+                               "rng": everyone})
+
+
+def resume_cuda_current(path, model, optimizer):
+    import torch
+    import torch.distributed as dist
+    state = load_checkpoint(path)
+    if state is None:
+        return 0
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    cpu, cuda = state["rng"][dist.get_rank()]
+    torch.set_rng_state(cpu)
+    torch.cuda.set_rng_state(cuda)
+    return state["epoch"] + 1
+
+
+def save_cuda_if_available(path, model, optimizer, epoch, is_main):
+    # right: CUDA's states read only where there is a GPU (the stand-ins say there is)
+    import torch
+    import torch.distributed as dist
+    mine = {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if is_main:
+        save_checkpoint(path, {"model": model.module.state_dict(),
+                               "optimizer": optimizer.state_dict(), "epoch": epoch,
+                               "rng": everyone})
+
+
+def resume_cuda_if_available(path, model, optimizer):
+    import torch
+    import torch.distributed as dist
+    state = load_checkpoint(path)
+    if state is None:
+        return 0
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    mine = state["rng"][dist.get_rank()]
+    torch.set_rng_state(mine["cpu"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(mine["cuda"])
+    return state["epoch"] + 1
+
+
+def resume_cuda_not_restored(path, model, optimizer):
+    # wrong: CUDA's states saved, but only read back into a variable
+    import torch
+    import torch.distributed as dist
+    state = load_checkpoint(path)
+    if state is None:
+        return 0
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"][dist.get_rank()])
+    return state["epoch"] + 1
+
+
+@pytest.mark.parametrize("save, resume", [
+    (save_cuda_current, resume_cuda_current),
+    (save_cuda_if_available, resume_cuda_if_available),
+], ids=["current-gpu-gathered", "guarded-by-is-available"])
+def test_more_right_cuda_resumes_pass(save, resume, capsys):
+    lab04.check_resume(save, resume)
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("✔") == 1 and "each rank got back the CUDA generator states" in out, out
+
+
+def save_lr2_04(path, model, optimizer, epoch, is_main):
+    # learner LR2_04's code as written: CUDA's states read on rank 0 only, if there is a GPU
+    import torch
+    import torch.distributed as dist
+    rng = {"cpu": torch.get_rng_state()}
+    all_rng = [None] * dist.get_world_size()
+    dist.all_gather_object(all_rng, rng)
+    if is_main:
+        save_checkpoint(path, {"model": model.module.state_dict(),
+                               "optimizer": optimizer.state_dict(), "epoch": epoch,
+                               "rng": all_rng, "cuda_rng": torch.cuda.get_rng_state_all()
+                               if torch.cuda.is_available() else []})
+    dist.barrier()
+
+
+def resume_lr2_04(path, model, optimizer):
+    import torch
+    import torch.distributed as dist
+    ckpt = load_checkpoint(path)
+    if ckpt is None:
+        return 0
+    model.module.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    torch.set_rng_state(ckpt["rng"][dist.get_rank()]["cpu"])
+    if ckpt["cuda_rng"]:
+        torch.cuda.set_rng_state_all(ckpt["cuda_rng"])  # rank 0's GPU state, on every rank
+    return ckpt["epoch"] + 1
+
+
+@pytest.mark.parametrize("save, resume", [
+    (save_cuda_rank0_only, resume_cuda_everywhere),
+    (save_lr2_04, resume_lr2_04),
+], ids=["rank0-cuda-everywhere", "learner-lr2-04-guarded"])
+def test_rank0s_cuda_state_on_every_rank_is_refused_by_running_it(save, resume):
+    # learner LR2_04: get_rng_state_all() from rank 0 only, set_rng_state_all on every rank
+    for attempt in range(2):
+        with pytest.raises(LabCheckError) as err:
+            lab04.check_resume(save, resume)
+        message = " ".join(str(err.value).split())
+        assert re.search(r"After the resume rank 1's CUDA generators held rank 0's states at "
+                         r"the crash \(GPU 0: seed 1, offset \d+, GPU 1: seed 1, offset 0\), "
+                         r"not the ones rank 1 itself had \(GPU 0: seed 2, offset 0, GPU 1: "
+                         r"seed 2, offset \d+\)", message), message
+        assert "rank 1 would from then on draw the dropout masks rank 0 draws" in message
+        assert ("give each rank its own back" in message) == (attempt == 1), message
+
+
+@pytest.mark.parametrize("save, resume", [
+    (save_cuda_device0, resume_cuda_device0),
+    (save_state, resume_cuda_not_restored),
+], ids=["gpu0-on-every-rank", "saved-not-restored"])
+def test_a_cuda_state_not_given_back_is_refused_with_the_rank_named(save, resume):
+    with pytest.raises(LabCheckError) as err:
+        lab04.check_resume(save, resume)
+    message = " ".join(str(err.value).split())
+    if resume is resume_cuda_not_restored:
+        assert "resume_training_state restores no state of CUDA's generators" in message
+        return
+    assert re.search(r"After the resume rank 1's CUDA generators held GPU 0: seed 2, offset 0, "
+                     r"GPU 1: seed 2, offset 0, not the states they had at the crash \(GPU 0: "
+                     r"seed 2, offset 0, GPU 1: seed 2, offset \d+;", message), message
+
+
+def test_the_stand_in_gpus_replace_torch_cuda_only_while_the_code_runs():
+    import torch
+
+    from dpcourse.checks._lab04_fakecuda import FakeCuda
+
+    from torch.cuda import get_rng_state_all as imported
+
+    def save():
+        return imported(), torch.cuda.get_rng_state(1)
+
+    real = torch.cuda.get_rng_state_all
+    gpus = FakeCuda(2, 1, 7)
+    gpus.draw()
+    with gpus.installed(save):
+        states, one = save()
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 2
+        torch.cuda.manual_seed_all(3)
+        assert gpus.states() == [(3, 0), (3, 0)]
+        torch.cuda.set_rng_state_all(states)
+    assert gpus.got and gpus.set and gpus.states() == [(7, 0), (7, 4)]
+    assert torch.equal(one, states[1]) and one.dtype == torch.uint8 and one.numel() == 16
+    assert torch.cuda.get_rng_state_all is real and save.__closure__[0].cell_contents is real
+    with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):
+        gpus.set_rng_state(states)
 
 
 @pytest.mark.parametrize("choice, verdict", [

@@ -7,7 +7,9 @@ state given to every rank ...), refuses a checkpoint holding the DDP wrapper's w
 written by another rank, and compares the final weights with an uninterrupted run. Then it
 stops one save halfway (a file-size limit, as a crash or a full disk stops a write) and refuses
 a save that leaves no readable checkpoint at the path, and one that rewrote the checkpoint in
-its own file (the same inode before and after): lesson 04 §3's non-atomic save.
+its own file (the same inode before and after): lesson 04 §3's non-atomic save. The ranks have
+no GPU, so torch.cuda's random-state functions act on stand-in GPUs while the learner's code
+runs (:mod:`dpcourse.checks._lab04_fakecuda`), and each rank must get its own GPUs' states back.
 
 Imported by :mod:`dpcourse.checks.lab04`, where the lab calls it.
 """
@@ -18,6 +20,7 @@ import os
 import tempfile
 
 from dpcourse.checks import check_timeout, fail, passed, recorded, require_answer, run_ranks
+from dpcourse.checks._lab04_fakecuda import FakeCuda
 from dpcourse.checks._lab04_script import Lab04Config, _distance, _mistake
 
 __all__ = ["check_resume", "RESUME_MISTAKES", "RESUME_FIXES", "RESUME_CFG", "RESUME_PLANS",
@@ -114,7 +117,11 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     torch.manual_seed(cfg.seed + 1 + rank)  # each rank draws its own dropout masks
     seeded = torch.get_rng_state()
+    # stand-in GPUs (world_size per rank, this rank's own current), seeded as manual_seed would
+    gpus = FakeCuda(world_size, rank, cfg.seed + 1 + rank)
+    cuda_seeded = gpus.states()
     start = 0
+    resume_set = False
     if resume_fn is not None:
         real_set_rng = torch.random.set_rng_state
 
@@ -129,16 +136,19 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
 
         torch.set_rng_state = torch.random.set_rng_state = guarded_set_rng
         try:
-            start = resume_fn(ckpt, model, opt)
+            with gpus.installed(resume_fn):
+                start = resume_fn(ckpt, model, opt)
         finally:
             torch.set_rng_state = torch.random.set_rng_state = real_set_rng
+        resume_set = gpus.set
         if isinstance(start, torch.Tensor) and start.numel() == 1:
             start = int(start.item())
         if not isinstance(start, int) or isinstance(start, bool):
             return {"error": f"resume_training_state returned {type(start).__name__}, not the "
                              f"epoch to start at (an int)"}
-    resumed = _snapshot(model, opt)
+    resumed = _snapshot(model, opt, gpus)
     epochs_run, crashed, orders = [], None, {}
+    save_got = False
     in_place = []  # (epoch, inode): rank 0's save rewrote the file where it stood
     torch.save = logged_save
     try:
@@ -150,11 +160,14 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
+                gpus.draw()  # on a GPU, dropout's masks come from this rank's GPU's generator
             epochs_run.append(epoch)
             if save_fn is not None:
                 before = _identity(ckpt)
-                with writes:
+                gpus.got = False
+                with writes, gpus.installed(save_fn):
                     save_fn(ckpt, model, opt, epoch, rank == 0)
+                save_got = save_got or gpus.got
                 after = _identity(ckpt)
                 if rank == 0 and after is not None and after != before:
                     writes.append(ckpt)  # the file changed, however rank 0 wrote it
@@ -162,12 +175,13 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
                         in_place.append((epoch, after[1]))
             dist.barrier()  # rank 0's file is complete before anyone "crashes"
             if epoch == stop_after:
-                crashed = _snapshot(model, opt)
+                crashed = _snapshot(model, opt, gpus)
                 break
     finally:
         torch.save = real_save
     return {"start": start, "epochs": epochs_run, "writes": list(writes), "resumed": resumed,
             "crashed": crashed, "seeded": seeded, "orders": orders, "in_place": in_place,
+            "cuda_seeded": cuda_seeded, "save_got": save_got, "resume_set": resume_set,
             "weights": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
 
 
@@ -260,7 +274,9 @@ def _crash_worker(rank, world_size, save_fn, folder, cfg):
     opt.step()  # momentum buffers exist, as in a real checkpoint
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "ckpt.pt")
-    save_fn(path, model, opt, 0, True)
+    gpus = FakeCuda(world_size, rank, cfg.seed + 1 + rank)  # as in the runs: GPUs to read
+    with gpus.installed(save_fn):
+        save_fn(path, model, opt, 0, True)
     if not os.path.exists(path):
         return {"skipped": True}  # judged elsewhere: no file at path
     with open(path, "rb") as f:
@@ -285,7 +301,8 @@ def _crash_worker(rank, world_size, save_fn, folder, cfg):
     raised = None
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
     try:
-        save_fn(path, model, opt, 1, True)
+        with gpus.installed(save_fn):
+            save_fn(path, model, opt, 1, True)
     except Exception as exc:  # the write that the "crash" stopped
         raised = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     finally:
@@ -309,14 +326,15 @@ def _crash_worker(rank, world_size, save_fn, folder, cfg):
             "deleted": deleted, "same_file": after is not None and after[:2] == before[:2]}
 
 
-def _snapshot(model, opt) -> dict:
-    """What a resume must restore on a rank: its weights, its momentum, its random state."""
+def _snapshot(model, opt, gpus) -> dict:
+    """What a resume must restore on a rank: its weights, its momentum, its random state (the
+    CPU generator's, and its stand-in GPUs' as (seed, offset) pairs)."""
     import torch
 
     momentum = [opt.state.get(p, {}).get("momentum_buffer") for p in model.parameters()]
     return {"weights": [p.detach().clone() for p in model.parameters()],
             "momentum": [None if m is None else m.detach().clone() for m in momentum],
-            "rng": torch.get_rng_state()}
+            "rng": torch.get_rng_state(), "cuda": gpus.states()}
 
 
 def _same(a, b) -> bool:
@@ -349,9 +367,10 @@ def check_resume(save_training_state, resume_training_state, plan=None,
     of an uninterrupted run (``timeout``: 90 s per run, or ``DPCOURSE_CHECK_TIMEOUT`` if more).
     A save stopped halfway (on one rank, by a file-size limit) must leave the previous
     checkpoint readable, and no save may rewrite the checkpoint in its own file.
-    Then the two functions' code must touch CUDA's generators (a CPU run cannot show that a GPU
-    run would drop them). ``plan``: the learner's :func:`~dpcourse.checks.predict` of
-    :data:`RESUME_PLAN_QUESTION`, compared once the code passes with what the runs showed."""
+    Meanwhile torch.cuda's random-state functions act on stand-in GPUs on each rank
+    (:mod:`dpcourse.checks._lab04_fakecuda`), which each step's dropout moves on the rank's own
+    GPU: after the resume every rank must hold its own GPUs' states from the crash.
+    ``plan``: the learner's :func:`~dpcourse.checks.predict` of :data:`RESUME_PLAN_QUESTION`, compared once the code passes with what the runs showed."""
     __tracebackhide__ = True
     import torch
 
@@ -391,12 +410,12 @@ def check_resume(save_training_state, resume_training_state, plan=None,
             failed=lambda exc: fail(f"your code raised in a run on one rank, where the check "
                                     f"stops a save halfway: {exc.summary}"))[0]
         _judge_atomic(crash, first[0]["in_place"])
-    _judge_cuda(save_training_state, resume_training_state)
+        _judge_cuda(first, second)
     passed("resume after a crash: every rank continued with its own weights, momentum and "
            "random state, trained only the last epoch and ended with the weights of an "
-           "uninterrupted run; a save stopped halfway left the previous checkpoint readable "
-           "(run on CPUs; that CUDA's generators are saved and restored too was read in your "
-           "code, not run)")
+           "uninterrupted run; a save stopped halfway left the previous checkpoint readable. "
+           "Run on CPUs, with 2 stand-in GPUs on each rank behind torch.cuda's random-state "
+           "functions: each rank got back the CUDA generator states it had at the crash")
     if plan is not None:
         _reveal_plan(plan, first, second, whole, cfg)
 
@@ -430,111 +449,55 @@ def _reveal_plan(plan, first, second, whole, cfg) -> None:
         f"generator: that state is part of 'each rank's random state' there."))
 
 
-# torch.cuda's random-state functions: save must call a getter, resume a setter.
-_CUDA_GET = ("get_rng_state", "get_rng_state_all")
-_CUDA_SET = ("set_rng_state", "set_rng_state_all")
+def _gpu_states(states) -> str:
+    return ", ".join(f"GPU {i}: seed {seed}, offset {offset}"
+                     for i, (seed, offset) in enumerate(states))
 
 
-def _touches(fn, functions, seen=None) -> bool:
-    """True if ``fn`` (or a function of the learner's own it calls by a global name) calls one
-    of torch.cuda's random-state ``functions``: an attribute reached through ``cuda``
-    (``torch.cuda.get_rng_state_all()``, ``cuda.random.set_rng_state(...)``), such a function
-    imported under any name, or ``torch.cuda.default_generators``. Read from the source; from
-    the bytecode's names where the source cannot be read."""
-    import ast
-    import inspect
-    import textwrap
-    import types
-
-    import torch.cuda.random as cuda_random
-
-    seen = set() if seen is None else seen
-    code = getattr(fn, "__code__", None)
-    if code is None or code in seen:
-        return False
-    seen.add(code)
-    glob = getattr(fn, "__globals__", {})
-
-    def is_cuda_function(obj) -> bool:
-        return any(getattr(cuda_random, f, None) is obj for f in functions)
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        tree = None
-    names = set()
-    if tree is not None:
-        cuda_aliases = {"cuda"}  # names bound to torch.cuda (or its random module) here
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and "cuda" in (node.module or "").split("."):
-                if any(a.name in functions or a.name == "default_generators" for a in node.names):
-                    return True  # from torch.cuda import get_rng_state_all (as anything)
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for a in node.names:
-                    full = f"{getattr(node, 'module', None) or ''}.{a.name}".strip(".")
-                    bound = a.asname or (a.name if isinstance(node, ast.ImportFrom) else None)
-                    if bound and full.split(".")[-1] in ("cuda", "random") and "cuda" in full:
-                        cuda_aliases.add(bound)  # import torch.cuda as tc; from torch import cuda
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute):
-                chain, inner = [node.attr], node.value
-                while isinstance(inner, ast.Attribute):
-                    chain.append(inner.attr)
-                    inner = inner.value
-                if isinstance(inner, ast.Name):
-                    chain.append(inner.id)
-                if cuda_aliases & set(chain[1:]) and (node.attr in functions
-                                            or node.attr == "default_generators"):
-                    return True
-            elif isinstance(node, ast.Name):
-                names.add(node.id)
-    else:  # no source: the names the bytecode uses, nested functions included
-        stack, used = [code], set()
-        while stack:
-            c = stack.pop()
-            used.update(c.co_names)
-            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-        if "cuda" in used and any(f in used for f in functions):
-            return True
-        names = used
-    for name in names:
-        obj = glob.get(name)
-        if is_cuda_function(obj):
-            return True
-        if (isinstance(obj, types.FunctionType)
-                and not (obj.__module__ or "").startswith(("torch", "dpcourse."))
-                and _touches(obj, functions, seen)):
-            return True
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            inner_fn = cell.cell_contents
-        except ValueError:
-            continue
-        if is_cuda_function(inner_fn) or (isinstance(inner_fn, types.FunctionType)
-                                          and _touches(inner_fn, functions, seen)):
-            return True
-    return False
+_CUDA_FIX = ("save each rank's torch.cuda.get_rng_state_all() beside its CPU state (in the list "
+             "that reaches rank 0) and give each rank its own back with "
+             "torch.cuda.set_rng_state_all(...).")
 
 
-def _judge_cuda(save_fn, resume_fn) -> None:
-    """Fail if the code never saves or never restores CUDA's generator state: on GPUs, dropout
-    draws from each device's own generator, which torch.get_rng_state does not hold. Read from
-    the code (the check's ranks have no GPU)."""
+def _judge_cuda(first: list, second: list) -> None:
+    """Fail unless every rank's stand-in GPUs (:mod:`dpcourse.checks._lab04_fakecuda`) hold,
+    after the resume, the states that rank's GPUs had at the crash: on GPUs, dropout draws
+    from each device's own generator, which torch.get_rng_state does not hold. The check
+    stood them in behind torch.cuda's random-state functions while the learner's code ran."""
     __tracebackhide__ = True
-    missing = [what for fn, functions, what in
-               ((save_fn, _CUDA_GET, "save_training_state reads"),
-                (resume_fn, _CUDA_SET, "resume_training_state restores"))
-               if not _touches(fn, functions)]
+    missing = [what for called, what in
+               (((any(r["save_got"] for r in first) or any(r["save_got"] for r in second)),
+                 "save_training_state reads"),
+                (any(r["resume_set"] for r in second), "resume_training_state restores"))
+               if not called]
     if missing:
         fail(f"On these CPU ranks your resume is exact. But {' and '.join(missing)} no state of "
              f"CUDA's generators (torch.cuda's get_rng_state / set_rng_state or their _all "
-             f"forms; this was read in your code, a CPU run cannot show it): on GPUs, dropout on "
-             f"a CUDA tensor draws its masks from the generator of the GPU it runs on, one per "
-             f"device, not from the CPU generator that torch.get_rng_state holds, so a resumed "
-             f"GPU run would draw masks the uninterrupted run never drew.",
-             fix="save each rank's torch.cuda.get_rng_state_all() beside its CPU state (an "
-                 "empty list where there is no GPU) and give it back with "
-                 "torch.cuda.set_rng_state_all(...).")
+             f"forms; the check stood in {len(first)} GPUs on each rank behind those functions "
+             f"while your code ran, and it never called them): on GPUs, dropout on a CUDA "
+             f"tensor draws its masks from the generator of the GPU it runs on, one per device, "
+             f"not from the CPU generator that torch.get_rng_state holds, so a resumed GPU run "
+             f"would draw masks the uninterrupted run never drew.", fix=_CUDA_FIX)
+    crashed = [r["crashed"]["cuda"] for r in first]
+    wrong = [rank for rank, r in enumerate(second) if r["resumed"]["cuda"] != crashed[rank]]
+    if not wrong:
+        return
+    rank = wrong[0]
+    got = second[rank]["resumed"]["cuda"]
+    donors = [other for other in range(len(first)) if other != rank and got == crashed[other]]
+    if donors:
+        fail(f"After the resume rank {rank}'s CUDA generators held rank {donors[0]}'s states "
+             f"at the crash ({_gpu_states(got)}), not the ones rank {rank} itself had "
+             f"({_gpu_states(crashed[rank])}): the check stood in {len(first)} GPUs on each "
+             f"rank, seeded as torch.manual_seed seeds them and moved by each step's dropout on "
+             f"the rank's own GPU. On GPUs, rank {rank} would from then on draw the dropout "
+             f"masks rank {donors[0]} draws, which the uninterrupted run never did.",
+             fix=_CUDA_FIX)
+    fail(f"After the resume rank {rank}'s CUDA generators held {_gpu_states(got)}, not the "
+         f"states they had at the crash ({_gpu_states(crashed[rank])}; seeded: "
+         f"{_gpu_states(first[rank]['cuda_seeded'])}): the check stood in {len(first)} GPUs on "
+         f"each rank, moved by each step's dropout on the rank's own GPU. On GPUs, rank {rank} "
+         f"would draw dropout masks the uninterrupted run never drew.", fix=_CUDA_FIX)
 
 
 _ATOMIC_FIX = ("write the checkpoint to a temporary file in the same folder and, once it is "

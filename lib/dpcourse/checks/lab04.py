@@ -57,9 +57,9 @@ weights restored on rank 0 only, rank 0's generator state given to every rank ..
 checkpoint holding the DDP wrapper's weights or a file written by another rank, compares
 the final weights with an uninterrupted run, refuses a save that a crash can split (it stops
 one save halfway with a file-size limit and reads what is left at the path; and a checkpoint
-rewritten in its own inode), and then reads the code for CUDA's generators (a
-CPU run cannot show that they are dropped); given the learner's recorded plan (what a resume
-must restore), it compares it with what the runs showed.
+rewritten in its own inode), and, with stand-in GPUs behind torch.cuda's random-state
+functions, that each rank gets back its own CUDA generator states; given the learner's
+recorded plan (what a resume must restore), it compares it with what the runs showed.
 Used in solutions/lab04_ddp_in_practice.py; tests in tests/test_lab04_checks.py. This module
 holds the macro-F1 check and ``check``; running the script and judging its training live in
 :mod:`dpcourse.checks._lab04_script`, the stretch in :mod:`dpcourse.checks._lab04_resume`, what
