@@ -10,8 +10,9 @@
 #    0, in order (concatenated, they are `X`), each of whole samples; at most `n_devices` of
 #    them, none empty, none larger than `ceil(B/N)`. A batch that runs out before the devices
 #    do (2 samples on 3 devices) gives fewer chunks, not an error; an empty batch (B = 0) has no
-#    chunk to give and is refused with a `ValueError` that says so. How the sizes are chosen
-#    when N does not divide B is **your design decision**.
+#    chunk to give and zero devices (`n_devices = 0`) nothing to give it to: each is refused
+#    with a `ValueError` that says so. How the sizes are chosen when N does not divide B is
+#    **your choice**, between two that both pass; the prediction after it shows what yours does.
 # 2. `gather(outputs) -> tensor`: the devices' outputs as one batch, in device order.
 # 3. A prediction about one copy's gradient, then its measurement.
 # 4. `dp_forward_backward(model, X, y, n_devices) -> float`: one DataParallel step's forward
@@ -21,7 +22,8 @@
 #    the outputs go through your `gather`. It returns the mean cross-entropy over the whole
 #    batch, as a float. Afterwards `model` — its weights, its gradients, its buffers — is what it
 #    would be after the forward and `backward()` of `nn.DataParallel(model)` on `n_devices`
-#    devices, whatever state it arrived in.
+#    devices, whatever state it arrived in. Part 4 holds **the lab's design decision**: how the
+#    copies' gradients become `model`'s.
 #
 # Each part has a check cell that names your mistake, if there is one, and hints behind clicks.
 # The checks compare with the library's `dpcourse.dp`, whose `scatter`, `gather`, `replicate`
@@ -42,15 +44,15 @@ torch.set_num_threads(1)
 # %% [markdown]
 # ## 1. `scatter`
 #
-# **Your design decision:** when N does not divide B, how big is each chunk? One answer fills
+# **Your choice (both are accepted):** when N does not divide B, how big is each chunk? One fills
 # the devices in turn with `ceil(B/N)` samples until the batch runs out — the real class's
 # choice, which lesson 02 §1 showed can leave a device idle (6 samples on 4 devices: three
 # chunks of 2). The other balances the sizes over every device the batch can feed: `min(N, B)`
 # chunks whose sizes differ by at most one, the larger ones first (6 on 4: 2, 2, 1, 1).
-# Before you choose, ask which device sets the pace of a step, whether the choice changes it,
-# and what an idle device costs or saves. Write your choice in `chunk_sizes`,
-# `"like DataParallel"` or `"balanced"`; the check holds your `scatter` to it, and the
-# prediction after it counts what your choice does over many batch sizes.
+# Neither is wrong, and the check does not grade the choice; what this part asks you to work out
+# is the prediction after it: what your choice does to the devices over many batch sizes. Write
+# your choice in `chunk_sizes`, `"like DataParallel"` or `"balanced"`; the check holds your
+# `scatter` to it.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -71,12 +73,12 @@ torch.set_num_threads(1)
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Three steps, in this order: turn away the batch the contract refuses; decide the list of
+# Three steps, in this order: turn away the inputs the contract refuses; decide the list of
 # chunk sizes from B and N alone (how many entries, what they add up to, which ones are
 # larger); cut `X` once, along dim 0, at those sizes.
 
 # %%
-### BEGIN SOLUTION: your design decision: "like DataParallel" or "balanced"
+### BEGIN SOLUTION: your choice: "like DataParallel" or "balanced"
 chunk_sizes = "like DataParallel"  # the step's time is set by the largest chunk either way;
 # filling in turn leaves a device free instead of giving it one sample's worth of work.
 ### END SOLUTION
@@ -85,8 +87,8 @@ chunk_sizes = "like DataParallel"  # the step's time is set by the largest chunk
 def scatter(X, n_devices):
     """At most n_devices contiguous, non-empty chunks of X along dim 0, in order."""
     ### BEGIN SOLUTION: contiguous chunks of X along dim 0, sized as you decided
-    if X.shape[0] == 0:
-        raise ValueError("scatter: the batch is empty (0 samples); nothing to give a device")
+    if X.shape[0] == 0 or n_devices < 1:
+        raise ValueError(f"scatter: nothing to split ({X.shape[0]} samples, {n_devices} devices)")
     return list(torch.chunk(X, n_devices, dim=0))
     ### END SOLUTION
 
@@ -94,7 +96,7 @@ def scatter(X, n_devices):
 lab02.check_scatter(scatter, sizes=chunk_sizes)
 
 # %% [markdown]
-# **Predict what your decision does.** Lesson 02 showed single batches; take them all. On 8
+# **Predict what your choice does.** Lesson 02 showed single batches; take them all. On 8
 # devices, for how many of the batch sizes 1, 2, ..., 32 does *your* `scatter` leave at least
 # one device without a sample? Write a number; the next cell counts it with your function and
 # says what your choice costs or saves in a step.
@@ -195,10 +197,10 @@ lab02.check_copy_prediction(copy_guess)
 # in. Nothing ties a plain copy to `model`: what the real class gets by sharing the module's
 # tensors with replica 0 and by the broadcast's backward, your code does after the backward.
 #
-# **Your design decision here:** the rule that turns the copies' gradients into `model`'s —
-# their sum, their mean, or one copy's — and what becomes of what `p.grad` held before. Your
-# §3 prediction and the deep-copy one are your evidence; the check refuses a wrong rule with
-# the numbers it saw.
+# **Your design decision:** the rule that turns the copies' gradients into `model`'s, and what
+# happens to what `p.grad` already held. It is the lab's design decision, and the lesson did not
+# make it for you: your §3 prediction and the deep-copy one are your evidence, and the check
+# refuses a wrong rule with the numbers it saw.
 #
 # The check hands your function models in more than one state, batches
 # that do and do not divide by the number of devices, a training-mode model with BatchNorm

@@ -11,10 +11,13 @@ from dpcourse.checks import LabCheckError, lab02
 
 
 def refusing_empty(split):
-    """A scatter built on ``split`` that refuses an empty batch, as the contract asks."""
+    """A scatter built on ``split`` that refuses an empty batch and zero devices, as the
+    contract asks."""
     def scatter(X, n):
         if X.shape[0] == 0:
             raise ValueError("the batch is empty")
+        if n < 1:
+            raise ValueError("no devices")
         return split(X, n)
     return scatter
 
@@ -573,7 +576,7 @@ def test_scatter_keeping_its_decision_passes(fn, sizes, capsys):
 @pytest.mark.parametrize("fn, sizes, phrase", [
     (balanced, "like DataParallel", "gave [3, 3, 2, 2], and 'like DataParallel' gives [3, 3, 3, 1]"),
     (good_scatter, "balanced", "gave [3, 3, 3, 1], and 'balanced' gives [3, 3, 2, 2]"),
-    (good_scatter, "even", "design decision must be"),
+    (good_scatter, "even", "choice of chunk sizes must be"),
     (balanced_larger_last, "balanced", "gave [2, 2, 3, 3]: balanced, but the larger chunks come "
                                        "after smaller ones"),
 ])
@@ -683,6 +686,24 @@ def test_copy_prediction_is_measured_and_explained(value, verdict, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert f"measured: running statistics only — {verdict}." in out, out
     assert "Parameter.__deepcopy__" in out, out
+    # what deepcopy does to .grad, and no further: what part 4 must then do is the learner's
+    for said in ("whatever the model held", "p.grad is None", "fresh copy", "So "):
+        assert said not in out.split("measured:")[-1], (said, out)
+
+
+def test_the_lab_names_part_4_as_its_decision_and_lists_no_candidate_rule():
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "solutions" / "lab02_data_parallel.py").read_text()
+    part1, rest = text.split("# ## 1. `scatter`")[1].split("# ## 2. `gather`")
+    part4 = text.split("# ## 4. `dp_forward_backward`")[1].split("# **▶ Hint 1")[0]
+    # §1's choice passes both ways: it is not called a decision, and the lab says both pass
+    assert "decision" not in part1.split("# **▶ Hint 1")[0] and "both are accepted" in part1
+    # part 4 holds the decision, named without its candidate answers
+    assert "**Your design decision:** the rule that turns the copies' gradients" in part4, part4
+    assert "It is the lab's design decision" in part4, part4
+    for candidate in ("their sum", "their mean", "one copy's"):
+        assert candidate not in part4, (candidate, part4)
 
 
 def test_deepcopy_leaves_parameter_grads_behind():
@@ -972,6 +993,57 @@ def test_an_empty_batch_not_refused_is_named(wrong, cause, fix):
     with pytest.raises(LabCheckError) as second:
         lab02.check_scatter(wrong)
     assert fix in " ".join(str(second.value).split()), str(second.value)
+
+
+# --- zero devices: refused with a ValueError (no chunk has a device to run on) -------------------
+
+def refusing_only_empty(split):
+    def scatter(X, n):
+        if X.shape[0] == 0:
+            raise ValueError("the batch is empty")
+        return split(X, n)
+    return scatter
+
+
+def divmod_balanced_guarded(X, n):
+    # refuses the empty batch, then divides by min(n, B) = 0 on zero devices
+    if X.shape[0] == 0:
+        raise ValueError("the batch is empty")
+    return divmod_balanced(X, n)
+
+
+@pytest.mark.parametrize("wrong, cause, fix", [
+    (refusing_only_empty(lambda X, n: list(torch.chunk(X, n))),
+     "scatter(X, 0) on a batch of 4 samples raised RuntimeError",
+     "test for a device count below 1 before using it"),
+    (divmod_balanced_guarded,
+     "scatter(X, 0) on a batch of 4 samples raised ZeroDivisionError",
+     "test for a device count below 1 before using it"),
+    (refusing_only_empty(lambda X, n: [X] if n <= 1 else list(torch.chunk(X, n))),
+     "scatter(X, 0) on a batch of 4 samples returned [4] instead of refusing it",
+     "raise ValueError, saying there are no devices"),
+], ids=["chunk-runtime-error", "divides-by-zero", "one-chunk-anyway"])
+def test_zero_devices_not_refused_is_named(wrong, cause, fix):
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_scatter(wrong)
+    message = " ".join(str(first.value).split())
+    assert cause in message and fix not in message, message
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_scatter(wrong)
+    assert fix in " ".join(str(second.value).split()), str(second.value)
+
+
+def test_a_scatter_refusing_one_device_is_named():
+    # a guard written n_devices <= 1: one device holds the whole batch, a valid split
+    @refusing_only_empty
+    def wrong(X, n):
+        if n <= 1:
+            raise ValueError("no devices")
+        return list(torch.chunk(X, n))
+
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_scatter(wrong)
+    assert "scatter(X, 1) raised ValueError" in str(err.value), str(err.value)
 
 
 def test_a_scatter_returning_a_tuple_passes(capsys):

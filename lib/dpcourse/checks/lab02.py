@@ -26,10 +26,11 @@ __all__ = ["check_scatter", "check_gather", "check_dp_forward_backward",
            "check_copy_prediction", "SampleCounter", "counted_after_dp", "CALLS_CASE",
            "calls_after_dp", "check_calls_prediction"]
 
-# The two answers to lab02's design decision: how scatter sizes the chunks when N does not
-# divide B. "like DataParallel": ceil(B/N) per device until the batch runs out (torch.chunk's
-# sizes, which the real class uses; 6 on 4 -> 2, 2, 2); "balanced": sizes that differ by at most
-# one over min(N, B) devices, the B mod k extra samples on the first chunks (6 on 4 -> 2, 2, 1, 1).
+# The two answers (both accepted) to the choice lab02 §1 leaves to the learner: how scatter
+# sizes the chunks when N does not divide B. "like DataParallel": ceil(B/N) per device until the
+# batch runs out (torch.chunk's sizes, which the real class uses; 6 on 4 -> 2, 2, 2);
+# "balanced": sizes that differ by at most one over min(N, B) devices, the B mod k extra samples
+# on the first chunks (6 on 4 -> 2, 2, 1, 1).
 CHUNK_SIZES = ("like DataParallel", "balanced")
 
 
@@ -78,19 +79,22 @@ def check_scatter(scatter, sizes: str | None = None) -> None:
     are 3 chunks of 2, and the step then runs on 3 devices). A balanced split with n chunks when
     the batch allows it (2, 2, 1, 1: the extra samples on the first chunks) is accepted too;
     an empty chunk or an error is not. A list or a tuple of chunks is accepted. An empty batch
-    (no samples) must be refused with a ValueError (a nan loss over 0 samples otherwise).
+    (no samples) must be refused with a ValueError (a nan loss over 0 samples otherwise), and so
+    must zero devices (``n_devices = 0``: no chunk has a device to go to).
 
-    ``sizes`` is the lab's design decision (one of :data:`CHUNK_SIZES`); when given, the
-    chunks must have the sizes it names. The library's ``dp.scatter`` is refused."""
+    ``sizes`` is the learner's choice of chunk sizes (one of :data:`CHUNK_SIZES`; both are
+    accepted); when given, the chunks must have the sizes it names. The library's
+    ``dp.scatter`` is refused."""
     __tracebackhide__ = True
     policy = sizes  # (``sizes`` names each split's chunk sizes below)
     if policy is not None and policy not in CHUNK_SIZES:
-        fail(f"your design decision must be {CHUNK_SIZES[0]!r} or {CHUNK_SIZES[1]!r} (how "
+        fail(f"your choice of chunk sizes must be {CHUNK_SIZES[0]!r} or {CHUNK_SIZES[1]!r} (how "
              f"scatter sizes the chunks), got {policy!r}.")
     _refuse_library(scatter, reference.scatter, "scatter", _OWN)
     # Even and uneven splits, one sample per device, and batches that run out before the
     # devices do (torch.chunk gives fewer chunks than devices: (6, 4), (5, 4), (2, 3)).
-    for b, n in ((8, 2), (10, 4), (6, 3), (7, 2), (3, 3), (6, 4), (5, 4), (2, 3)):
+    # One device (4, 1): the whole batch is its one chunk.
+    for b, n in ((8, 2), (10, 4), (6, 3), (7, 2), (3, 3), (6, 4), (5, 4), (2, 3), (4, 1)):
         X = torch.arange(b * 3, dtype=torch.float32).reshape(b, 3)
         fewest = len(torch.chunk(X, n))   # what nn.DataParallel uses
         most = min(n, b)
@@ -164,8 +168,8 @@ def check_scatter(scatter, sizes: str | None = None) -> None:
                          fix="give the B mod k extra samples to the first chunks, one each.")
                 fail(f"you decided on {policy!r} chunk sizes, but scatter(X, {n}) on a batch of "
                      f"{b} gave {sizes}, and {policy!r} gives {_sizes_for(policy, b, n)}: your "
-                     f"function and your decision disagree.",
-                     fix="change the function or the decision, so that they say the same.")
+                     f"function and your choice disagree.",
+                     fix="change the function or the choice, so that they say the same.")
             continue
         k = len(chunks)
         strided = torch.cat([X[i::k] for i in range(k)])
@@ -176,10 +180,11 @@ def check_scatter(scatter, sizes: str | None = None) -> None:
         fail("scatter's chunks, concatenated in device order, are not the original batch.",
              fix="split X along dim 0 into contiguous pieces without reordering them.")
     _check_empty_batch(scatter)
+    _check_no_devices(scatter)
     said = f", with {policy!r} sizes as you decided" if policy else ""
     return passed(f"scatter splits the batch along dim 0 into contiguous chunks, at most one per "
                   f"device and none empty, also when the batch runs out before the devices "
-                  f"do{said}, and refuses an empty batch with a ValueError")
+                  f"do{said}, and refuses an empty batch and zero devices with a ValueError")
 
 
 def _check_empty_batch(scatter, n: int = 4) -> None:
@@ -206,6 +211,31 @@ def _check_empty_batch(scatter, n: int = 4) -> None:
          f"there is no non-empty chunk to give any device, and the step's mean loss over 0 "
          f"samples would be nan (0/0), so the contract refuses an empty batch.",
          fix="raise ValueError, saying the batch is empty, when X has no samples.")
+
+
+def _check_no_devices(scatter, b: int = 4) -> None:
+    """Zero devices (``n_devices = 0``): no chunk has a device to run on, so the contract
+    refuses it with a ValueError, as it refuses an empty batch."""
+    __tracebackhide__ = True
+    X = torch.arange(b * 3, dtype=torch.float32).reshape(b, 3)
+    try:
+        got = scatter(X, 0)
+    except NotImplementedError:
+        raise
+    except ValueError:
+        return
+    except Exception as exc:  # noqa: BLE001 - reported as one sentence
+        fail(f"scatter(X, 0) on a batch of {b} samples raised {type(exc).__name__} ({exc}): an "
+             f"accident of the arithmetic or of a torch call, not the refusal the contract asks "
+             f"for, so a caller that handles a bad argument (ValueError) does not catch it and "
+             f"the message does not say there are no devices.",
+             fix="test for a device count below 1 before using it and raise ValueError saying "
+                 "there are no devices.")
+    shown = [c.shape[0] for c in got] if isinstance(got, (list, tuple)) and all(
+        isinstance(c, torch.Tensor) for c in got) else type(got).__name__
+    fail(f"scatter(X, 0) on a batch of {b} samples returned {shown} instead of refusing it: with "
+         f"no devices no chunk has a device to run on, so the contract refuses n_devices = 0.",
+         fix="raise ValueError, saying there are no devices, when n_devices is below 1.")
 
 
 @recorded
@@ -320,7 +350,7 @@ def _bn_state(model) -> list:
 
 def _check_dp_buffers(dp_forward_backward) -> None:
     """A model with BatchNorm, in training mode, 10 samples on 3 devices (chunk 0 holds 4
-    samples under either chunk-size decision): afterwards the module's buffers must be what
+    samples under either chunk-size choice): afterwards the module's buffers must be what
     nn.DataParallel leaves, whose replica 0 shares them with the module -- one update, from
     chunk 0 alone (torch/nn/parallel/data_parallel.py's class docstring). Each other ending
     that a plausible answer leaves is named."""
@@ -470,7 +500,7 @@ def check_calls_prediction(guess) -> None:
 
 def _check_dp_counter(dp_forward_backward) -> None:
     """A buffer that is not BatchNorm's: :class:`SampleCounter` holding 7, 10 samples on 4
-    devices; afterwards ``seen`` must be 7 + chunk 0's size (3 under either decision)."""
+    devices; afterwards ``seen`` must be 7 + chunk 0's size (3 under either choice)."""
     __tracebackhide__ = True
     batch, n, start = COUNT_CASE
     want, sizes = counted_after_dp()
@@ -972,7 +1002,7 @@ def check_prediction(guess, n_devices: int = 4, batch: int = 10) -> None:
         f"batch's gradient."))
 
 
-# --- predict, then measure: the scatter decision's consequence -------------------------------
+# --- predict, then measure: the scatter choice's consequence -------------------------------
 
 IDLE_CASE = (32, 8)  # every batch size from 1 to 32, on 8 devices
 
@@ -1004,7 +1034,7 @@ def _runs(values: list[int]) -> str:
 
 def check_idle_prediction(guess, scatter, sizes: str | None = None) -> None:
     """Compare the predicted count of batch sizes 1..32 that leave a device idle on 8 devices,
-    under the learner's own scatter, with the count; say why, and what the decision bought.
+    under the learner's own scatter, with the count; say why, and what the choice bought.
     Never raises for a wrong prediction."""
     __tracebackhide__ = True
     from . import reveal
@@ -1059,6 +1089,6 @@ def check_copy_prediction(guess) -> None:
     reveal(guess, measured, close=guess.value == measured, explanation=(
         "A module's buffers (BatchNorm's running mean and variance) are tensors in its state "
         "and are copied with it. A parameter is copied by Parameter.__deepcopy__ "
-        "(torch/nn/parameter.py), which builds a new Parameter from the data alone: its .grad "
-        "stays behind (a plain tensor's deep copy would keep it). So a fresh copy's p.grad is "
-        "None, whatever the model held."))
+        "(torch/nn/parameter.py), which builds a new Parameter from a clone of the data and "
+        "the requires_grad flag alone: the original's .grad is not copied along (a plain "
+        "tensor's deep copy would keep it)."))
