@@ -73,7 +73,7 @@ print(f"{n_devices} devices, batch {batch}, model with K = {K} parameters")
 # ## 1. Scatter
 # The batch is cut along dim 0 into contiguous chunks, at most one per device, never an empty
 # one. Contiguous matters: gathering the outputs in device order must put the rows back in the
-# order of `y`. Writing `scatter` is part of lab 02 (with a decision about the chunks' sizes that
+# order of `y`. Writing `scatter` is part of lab 02 (with a choice of the chunks' sizes that
 # this lesson leaves to you), so the library's code for it waits, folded, below the lab's
 # pointer at the end of this lesson; here we check what it returns:
 
@@ -552,8 +552,8 @@ print(f"On this run: {verdict}.")
 # Open [lab02_data_parallel](../labs/lab02_data_parallel.ipynb): you write `scatter`, `gather`,
 # and a forward/backward with plain copies of the model (`copy.deepcopy`, not the broadcast
 # above), whose gradients no autograd link brings back: getting them onto the original is up to
-# you, under the contract of `loss.backward()`. You also decide how `scatter` sizes its chunks,
-# and make predictions (what your decision does, one copy's share of the gradient, what a deep
+# you, under the contract of `loss.backward()`. You also choose how `scatter` sizes its chunks,
+# and make predictions (what your choice does, one copy's share of the gradient, what a deep
 # copy carries, what of a replica survives the forward) before they are measured. Its stretch asks for the threads of `parallel_apply`.
 
 # %% [markdown]
