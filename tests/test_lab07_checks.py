@@ -1376,15 +1376,30 @@ def run_hooks(rank, world_size, hooks):
             for h in hooks]
 
 
-@pytest.fixture(scope="module", params=lab07.HOOK_WORLD_SIZES)
-def hook_results(request):
+HOOKS_RUN = RIGHT_HOOKS + [h for h, _ in WRONG_HOOKS]
+
+
+@pytest.fixture(scope="module")
+def hook_runs():
+    """Every hook on each world size, one launch per world size as before, the launches at the
+    same time: much of a launch is its ranks waiting (on each other's collectives, and on the
+    staggered ranks' pauses), so the second launch runs in the first one's waits."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from dpcourse import launch
 
+    with ThreadPoolExecutor(len(lab07.HOOK_WORLD_SIZES)) as pool:
+        futures = {ws: pool.submit(launch.spawn, run_hooks, ws, HOOKS_RUN, backend="gloo",
+                                   timeout=60, show_output=False)
+                   for ws in lab07.HOOK_WORLD_SIZES}
+        return {ws: f.result() for ws, f in futures.items()}
+
+
+@pytest.fixture(scope="module", params=lab07.HOOK_WORLD_SIZES)
+def hook_results(request, hook_runs):
     world_size = request.param
-    hooks = RIGHT_HOOKS + [h for h, _ in WRONG_HOOKS]
-    per_rank = launch.spawn(run_hooks, world_size, hooks, backend="gloo", timeout=60,
-                            show_output=False)
-    return world_size, {h.__name__: [r[i] for r in per_rank] for i, h in enumerate(hooks)}
+    per_rank = hook_runs[world_size]
+    return world_size, {h.__name__: [r[i] for r in per_rank] for i, h in enumerate(HOOKS_RUN)}
 
 
 def _diagnose(hook_results, hook):
