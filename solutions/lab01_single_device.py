@@ -57,9 +57,8 @@ device = torch.device(device or devices.choose_profile().device)
 # One epoch of training, with the contract above. The moves are lesson 01's; the part to
 # decide is the guard. Before you write it, decide three things: **what** your function looks
 # at to know a batch is spoiled, **which values** count as spoiled, and **where** in the step
-# it looks — of the step's five moves (`zero_grad`, forward, loss, backward, step), after
-# which one has something the contract says the caller finds (a weight, Adam's state, a
-# `p.grad`) already changed? The order of the moves is yours too. The check trains with Adam
+# it looks among the step's five moves (`zero_grad`, forward, loss, backward, step). The
+# order of the moves is yours too. The check trains with Adam
 # and spoils one batch of its own loaders in three different ways; each wrong choice meets at
 # least one of them.
 
@@ -244,8 +243,7 @@ lab01.check_evaluate(evaluate, leaves=evaluate_leaves_model_in)
 # %% [markdown] jupyter={"source_hidden": true}
 # Think of when each batch's loss was taken, and what the network was like at that moment;
 # then ask whether anything else that differs between the two functions matters for this
-# model (`print(models.SmallCNN())` lists its layers: which of them behave differently in
-# training mode, and with what setting here?).
+# model.
 
 # %%
 ### BEGIN SOLUTION: your prediction (one of the three choices)

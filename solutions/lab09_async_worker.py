@@ -205,10 +205,10 @@ lab09.check_async_worker(async_worker_loop, my_trace)   # held to your part-1 tr
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Lesson 09's table (the same batches and budget): at lr 0.1 no τ up to 16 ended above the
-# start, at lr 0.3 every τ from 4 on did. Lesson 09 §2 says a stale step is safe
-# roughly while lr shrinks like 1/τ: what τ would that rule give at lr 0.2, and is it a
-# boundary or a bound?
+# Lesson 09's second table (the same batches and budget) counts, over 5 seeds, the runs that
+# diverged at lr 0.1 and lr 0.3: from which τ on did most seeds diverge at each, and how many
+# seeds split at the τ in between? Your sweep is one seed at a step between those two rows:
+# where would its edge sit, and how far can one run land from it?
 
 # %%
 ### BEGIN SOLUTION: your prediction: set my_guess (a whole number, 1 to 17)

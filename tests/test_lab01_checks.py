@@ -1012,6 +1012,16 @@ def test_short_batch_step_is_measured_with_the_learners_function(value, verdict,
     out = " ".join(capsys.readouterr().out.split())
     assert f" — {verdict}." in out, out
     assert "counts every sample once; the steps do not" in out, out
+    # learner LR2_01: the printout must not point at the stretch's per-sample weighting
+    assert "stretch" not in out and "same weighting" not in out, out
+
+
+def test_lab_text_states_the_contract_without_pointing_at_the_move():
+    """Learner LR2_01: §1 keeps what must hold afterwards, not a question that names the move."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "solutions" / "lab01_single_device.py").read_text()
+    assert "still holds the gradient the last step used" in text
+    assert "already changed" not in text
 
 
 def test_the_short_batch_step_is_a_full_steps_scale_not_its_share():

@@ -1012,3 +1012,16 @@ def test_an_endless_loop_held_to_the_trace_ends():
     with pytest.raises(LabCheckError, match="a loop that never ends"):
         lab09.check_async_worker(endless, RIGHT_TRACE)
     assert time.monotonic() - t0 < 5
+
+
+def test_lab_text_cites_no_rule_the_lesson_withdrew():
+    """Review R2_01_09 P1: lesson 09 §2 calls 'lr must shrink like 1/τ' a law its few points
+    cannot tell from others, so part 3's hint must not send the learner to it; nor read one
+    seed's run as the boundary the lesson says a single run is not."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    lab = (root / "solutions" / "lab09_async_worker.py").read_text()
+    lesson = (root / "lessons" / "09_beyond_lockstep.py").read_text()
+    assert "shrink like 1/τ" in lesson  # the lesson's withdrawal still stands
+    assert "shrinks like 1/τ" not in lab and "every τ from 4 on did" not in lab
+    assert "over 5 seeds" in lab

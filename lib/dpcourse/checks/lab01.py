@@ -1110,5 +1110,4 @@ def check_step_prediction(guess, train_one_epoch) -> None:
         f"agree, the less an average of many cancels, and the closer the two steps come). Each of those {short} "
         f"samples moved the weights about {ratio * batch / short:.0f} times as much as a "
         f"sample of a full batch. The number your function returns counts every sample "
-        f"once; the steps do not. DataLoader(drop_last=True) skips such a batch; the stretch "
-        f"below meets the same weighting inside one step."))
+        f"once; the steps do not. DataLoader(drop_last=True) skips such a batch."))
