@@ -120,8 +120,9 @@ claim("after backward every parameter has a gradient",
 
 # %% [markdown]
 # The move people forget: **`.grad` accumulates**. `backward()` *adds* to whatever is already
-# there (handy for gradient accumulation, lesson 04), so each step must start with
-# `optimizer.zero_grad()`. Watch it: a second backward on the same batch doubles the gradient —
+# there (handy for gradient accumulation, lesson 04), so `optimizer.zero_grad()` must run
+# somewhere before this step's `backward()` (where, exactly, is lab 01's question). Watch it: a
+# second backward on the same batch doubles the gradient —
 # because the repeated forward (in train mode) computes the same function: `SmallCNN`'s dropout
 # defaults to p = 0 (`lib/dpcourse/models.py`); with dropout on, each forward drops other units.
 
@@ -217,9 +218,11 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same wor
 # `train_one_epoch` starts the meter after the batch has been fetched from the loader and moved to
 # the device, and stops it after the optimizer step, so every rate in this lesson (the epochs of
 # `fit` above too) is the rate of the training step alone — the loader's time is left out. Here
-# the data sits in memory and fetching costs little; the next section measures it separately, and
-# a loader that decodes images from disk would show up there, not in these rates. The lines of
-# `train_one_epoch` that place the meter (the step between them stays folded until your lab
+# the data sits in memory, and these rates do not say what fetching costs: the next section times
+# a step fed from batches sliced in advance against one fed through a slow per-sample transform,
+# but it does not time `make_loaders`' `DataLoader` itself (it gathers and collates one sample at a
+# time). A loader that decodes images from disk would cost time outside these rates too. The
+# lines of `train_one_epoch` that place the meter (the step between them stays folded until your lab
 # passes):
 
 # %%
@@ -384,7 +387,8 @@ class SlowAugment(torch.utils.data.Dataset):
 
 base = data.to_torch(ds.x_train, ds.y_train)
 X_all, y_all = base.tensors
-# batches sliced straight out of one tensor: no per-sample Python at all
+# batches sliced here, before any clock starts: no loader and no per-sample Python, so their data
+# share is near zero by construction (a floor, not a timing of make_loaders' DataLoader)
 fast = [(X_all[i:i + batch_size], y_all[i:i + batch_size]) for i in range(0, 10 * batch_size, batch_size)]
 slow = torch.utils.data.DataLoader(SlowAugment(base), batch_size=batch_size, shuffle=True)
 m = models.SmallCNN().to(device)
@@ -676,9 +680,9 @@ claim("seed_everything(deterministic=True) turns deterministic mode on with warn
 # Open [lab01_single_device](../labs/lab01_single_device.ipynb) and write `train_one_epoch` and
 # `evaluate`; its checks compare them with the library's and name your mistake. The library's
 # loop, which every later lesson reuses, is folded below with the step phases `time_breakdown`
-# times: open it once your lab passes. Its `train_one_epoch` meets §1's contract; its
-# `evaluate` takes one of §2's two choices (the one whose callers set the mode they need next),
-# so compare yours with the contract, not only with this code.
+# times: open it once your lab passes. Its `train_one_epoch` meets lab 01's §1 contract; its
+# `evaluate` takes one of lab 01 §2's two choices (the one whose callers set the mode they need
+# next), so compare yours with the contract, not only with this code.
 
 # %% [markdown]
 # **▶ The library's loop — open after your lab passes** (click the folded cell below).

@@ -121,7 +121,7 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 # full bisection bandwidth); counted one α per message, as lesson 06 does, it is 2(N−1)α like
 # the ring, which needs only links to its neighbours. BytePS (Jiang et al., OSDI 2020) goes further with servers beyond the workers (CPU
 # machines): with enough of them each worker sends K and receives K, less than the ring's
-# 2(N−1)K/N each way.
+# 2(N−1)K/N each way once N ≥ 3 (at N = 2 the ring's is K too).
 
 # %%
 viz.show_code(async_sgd.ring_elements_per_rank)
@@ -178,10 +178,12 @@ claim("and it trained: the test loss fell",
 # and each mode gets the same **1 second of wall-clock time**. Synchronous, every round waits
 # for the straggler; asynchronous, the fast worker pulls, computes and pushes on its own. Each
 # worker records when it computes and when it waits (for the server's next message).
+# `straggler_race`, last below, runs the two modes one after the other from the same weights
+# `w0`, each after a barrier that also sets its clock's origin, and evaluates each mode's test loss.
 
 # %%
 viz.show_code(parameter_server.race_server, parameter_server.race_worker,
-              parameter_server.RaceConfig)
+              parameter_server.RaceConfig, parameter_server.straggler_race)
 
 # %%
 race_cfg = parameter_server.RaceConfig(budget=1.0, straggler_delay=0.05)
@@ -265,8 +267,7 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # (OSDI 2014). Each worker counts its own iterations — SSP calls that count the worker's
 # *clock* — and a worker whose clock is more than s ahead of the slowest worker's must *wait*
 # before its next read; every update is applied. Lab 09's bounded server bounds
-# staleness differently: it *refuses* a gradient staler than s, and the worker pulls and
-# computes it again (drop and recompute), which SSP never does.
+# staleness differently.
 
 # %%
 viz.show_code(async_sgd.SimulatedServer)
@@ -453,8 +454,9 @@ claim(f"... but at τ = {taus[-1]} it ends worse than plain SGD at τ = 0, in ev
 # %% [markdown]
 # What did the server's *awareness* add? In this simulator every update after the first τ is
 # exactly τ updates stale (the claim before the sweep checks it at τ = 4), so dividing each step by its staleness
-# divides every later step by the same τ: the aware server is plain SGD at lr/τ, apart from its
-# first τ steps. Seed 0 once more, with plain SGD at lr/τ:
+# divides every update after the first τ by the same τ: from there on the aware server steps
+# as plain SGD at lr/τ would (its first τ updates, the less stale ones, are the stretch's
+# question). Seed 0 once more, with plain SGD at lr/τ:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -476,8 +478,8 @@ claim(f"with the same τ for every update, the staleness-aware step ends where p
 # %% [markdown]
 # So the runs above show that a smaller step rescues the large step, which the lr 0.1 row
 # already showed; they do not show what awareness adds. Zhang et al. built the rule for
-# staleness that *varies* from update to update, as §1's real server's did: there a fresh
-# gradient keeps its full step while a stale one is shrunk, which no single lr does. A
+# staleness that *varies* from update to update, as §1's real server's did: there each
+# gradient's step follows its own delay, which no single lr reproduces. A
 # simulator that delays every gradient by the same τ cannot test that.
 
 # %% [markdown]
@@ -736,7 +738,8 @@ viz.quiz([
              "parameter server can spread its bytes too, by sharding the weights over many "
              "servers: Li et al. 2014. Sharded over all N workers, it moves the ring's "
              "2(N−1)K/N per rank in 2 direct rounds instead of 2(N−1) steps; BytePS, with "
-             "servers beyond the workers, has each worker send and receive only K.)",
+             "servers beyond the workers, has each worker send and receive only K: less than "
+             "the ring's once N ≥ 3, the same at N = 2.)",
              "It is the very definition of lockstep."]},
     {"q": "In the straggler race, asynchronous, what did the fast worker still wait for?",
      "options": ["The straggler, as in synchronous mode",

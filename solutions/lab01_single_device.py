@@ -292,8 +292,10 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 #
 # The check trains a small model both ways, on loaders of its own that hold a whole number of
 # groups of k micro-batches, and compares the weights and the returned loss. Its model has no
-# dropout (whose masks would differ between the two ways). This is the same sum that DDP
-# computes across ranks in lesson 03, done across time instead of devices.
+# dropout (whose masks would differ between the two ways). Across time instead of devices, this
+# is the sum that DDP computes across ranks in lesson 03 only when every rank's batch has the same
+# size: DDP divides the summed gradient by the number of ranks, not by the number of samples, and
+# the check's micro-batches of a group need not be the same size.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)

@@ -291,7 +291,10 @@ def straggler_race(rank: int, world_size: int, cfg: RaceConfig) -> dict:
     """Rank 0 serves, ranks 1..N compute, the last of them ``cfg.straggler_delay`` slower per
     gradient. The same budget of wall-clock time, first synchronous, then asynchronous. Every
     rank returns its spans per mode (workers) or the gradients applied, the staleness and the
-    test loss per mode (the server); times are ``time.perf_counter()`` on this one machine."""
+    test loss per mode (the server); times are ``time.perf_counter()`` on this one machine.
+
+    Shown in lesson 09, §1.
+    """
     torch.set_num_threads(1)
     workers = world_size - 1
     problem = make_problem(cfg.n_train, 256, seed=cfg.seed)

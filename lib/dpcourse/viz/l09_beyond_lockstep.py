@@ -81,28 +81,38 @@ def staleness_figure(taus: Sequence[int], losses: dict, aware: dict | None = Non
     ax = fig.add_subplot(1, 1, 1)
     colours = ["#2ca02c", "#1f77b4", "#d62728", "#9467bd", "#8c564b"]
 
+    bad = []  # (τ, colour) of every run off the scale: drawn last, over every line
+
     def draw(values, colour, style, label):
         run = [(t, v) for t, v in zip(taus, values) if v is not None]
         ax.plot([t for t, _ in run], [min(v, cap) for _, v in run], style, color=colour,
                 label=label)
-        bad = [(t, cap) for t, v in run if not v <= cap]
-        if bad:
-            ax.plot(*zip(*bad), "x", color=colour, ms=9, mew=2)
+        bad.extend((t, colour) for t, v in run if not v <= cap)
 
     for i, (lr, values) in enumerate(losses.items()):
         draw(values, colours[i % len(colours)], "o-", f"lr {lr:g}")
     for i, (lr, values) in enumerate((aware or {}).items()):
         j = list(losses).index(lr) if lr in losses else i
         draw(values, colours[j % len(colours)], "s--", f"lr {lr:g}, staleness-aware (lr/τ)")
+    for t in dict.fromkeys(t for t, _ in bad):
+        here = [c for u, c in bad if u == t]
+        for k, colour in enumerate(here):      # several ✕ at one τ: side by side, not on top
+            shift = k - (len(here) - 1) / 2
+            x = t + 0.15 * shift if t < 1 else t * 1.12 ** shift
+            ax.plot([x], [cap], "x", color=colour, ms=9, mew=2, zorder=5)
     if start_loss is not None:
         ax.axhline(start_loss, color="grey", ls=":", lw=1)
         ax.text(taus[0], start_loss, " loss at the start", fontsize=7, va="bottom", color="grey")
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xticks(list(taus))
     ax.set_xticklabels([str(t) for t in taus])
-    return _finish(fig, ax, "staleness τ (updates between a gradient's pull and its push)",
-                   f"test loss after the budget\n(✕: above {cap:g} or blew up, drawn at {cap:g})",
-                   dict(left=0.14, right=0.97, bottom=0.13, top=0.96), legend_size=7)
+    if bad:  # room for the ✕ nudged right of the last τ
+        ax.set_xlim(right=max(ax.get_xlim()[1], max(taus) * 1.25 if max(taus) >= 1 else 1.3))
+    return _finish(fig, ax, "staleness τ (updates between a gradient's pull and its push)\n"
+                   "(symlog axis: linear up to 1, logarithmic beyond)",
+                   f"test loss after the budget\n(✕: above {cap:g} or blew up, drawn at {cap:g};"
+                   "\nseveral at one τ side by side)",
+                   dict(left=0.14, right=0.97, bottom=0.18, top=0.96), legend_size=7)
 
 
 def local_sgd_drift_figure(hs: Sequence[int], losses: Sequence[float], start_loss: float,
