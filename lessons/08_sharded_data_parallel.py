@@ -253,7 +253,11 @@ claim("inside step() every p.grad is still alive beside the flat copy step() sen
 # buffer's storage to zero bytes (`untyped_storage().resize_(0)`), so the memory really goes.
 #
 # That order is FSDP2's (PyTorch's ZeRO-3, section 6), which gathers and frees a *parameter
-# group* at a time (here one layer). When a group's backward is done, its `post_backward`
+# group* at a time (here one layer). Until section 6 introduces it, FSDP2 in one line:
+# `fully_shard(module)` (or `fully_shard([a, b])` for several modules) cuts those modules'
+# parameters into shards and makes them one parameter group (`FSDPParamGroup`), gathered
+# and freed around their forward and backward; the `set_*` methods below are the wrapped
+# module's switches. When a group's backward is done, its `post_backward`
 # puts the gradients aside, calls `reshard()` (free the full weights), then `foreach_reduce`
 # (the reduce-scatter) — by default: `set_reshard_after_backward(False)` (section 6) skips
 # the `reshard()`, `set_requires_gradient_sync(False)` the reduce-scatter. By default, then,
@@ -267,7 +271,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 post_backward = inspect.getsource(FSDPParamGroup.post_backward)
 marks = ("if not self.reduce_grads", "return", "unsharded_grads.append(",
-         "if self.reshard_after_backward", "self.reshard()", ") = foreach_reduce(")
+         "if self.reshard_after_backward", "self.reshard()",
+         "if len(fsdp_params_with_grad) == 0",   # the guard on the second return
+         "with record_function(self._with_fqn(\"FSDP::post_backward_reduce", ") = foreach_reduce(")
 for line in post_backward[:post_backward.index("foreach_reduce(") + 15].splitlines():
     if line.strip().startswith(marks):
         print(line[12:].rstrip())
@@ -492,11 +498,17 @@ viz.show(viz.zero_tradeoff_figure(
 # Note what does not shrink with N in ZeRO-3: a rank's *working set*. While a layer's backward
 # computes, its full weights and its full gradient are both alive (and, with prefetching, the
 # next layer's full weights). Once its gradients are complete the weights go before the
-# reduce-scatter (section 4), so a layer being reduce-scattered costs
-# only its full gradient: where the reduce-scatter overlaps the next layer's backward (FSDP2's
-# aim on a GPU), the working set is that gradient plus the next layer's weights and gradient,
-# not the reduce-scattered layer's weights on top. For a transformer that is one or two
-# blocks' weights and gradients, and it comes on top of 16Ψ/N.
+# reduce-scatter (section 4), so a layer being reduce-scattered no longer costs its weights.
+# Its gradient, though, counts twice for a moment in FSDP2: `foreach_reduce` first copies the
+# gradients into a second, padded full-size buffer, the reduce-scatter's input, and drops them
+# only after that copy (torch 2.14, `_fsdp_collectives.py` lines 597, 603 and 606: allocate,
+# copy in, clear) — the same kind of flat copy we counted for ZeRO-1/2 in section 3. That
+# buffer lives until its reduce-scatter is done, and by default one earlier layer's buffer
+# may still be in flight (`reduce_scatter_max_input_buffers = 1`, `_fsdp_param_group.py`
+# line 113). Where the reduce-scatter overlaps the next layer's backward (FSDP2's aim on a
+# GPU), the working set is that buffer plus the next layer's weights and gradient, not the
+# reduce-scattered layer's weights on top. For a transformer that is one or two blocks'
+# weights and gradients (plus that buffer), and it comes on top of 16Ψ/N.
 #
 # ## 6. FSDP2 for real
 # PyTorch's FSDP2 is ZeRO-3 with everything we skipped: prefetching, overlap, mixed-precision
@@ -686,7 +698,7 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # |---|---|---|---|---|
 # | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
-# | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP's default `gradient_as_bucket_view=False` (by DDP's design its buckets are a second copy of the gradients; not counted here), 8 + 8/N B with `gradient_as_bucket_view=True`; whole parameters per rank, so only roughly | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
+# | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP's default `gradient_as_bucket_view=False` (4 weights + 4 gradients + 4 for DDP's buckets, by DDP's design a second copy of the gradients, + Adam's 8/N; the run above weighs only the optimizer state), 8 + 8/N B with `gradient_as_bucket_view=True`; whole parameters per rank, so only roughly | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
 # | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ | more memory freed, still no extra traffic — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
 # | ZeRO-3 / FSDP | 16/N B + the working set | 16/N B + the working set | 3Ψ with one forward and one backward per step and nothing tied across units (less: FSDP2's root is gathered once; more: k accumulation micro-batches gather about 2k times, tied layers) | the weights themselves do not fit: model state falls with every GPU added, the working set (one or two units' full weights and gradient) does not |
 # | + tensor / pipeline parallel | | | | one layer's activations or weights exceed a GPU, or N is so large that communication dominates — a rank sends about 3Ψ per step whatever N, while its share of a fixed global batch, and so its compute, falls as 1/N: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |

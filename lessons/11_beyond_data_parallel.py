@@ -123,7 +123,9 @@ print(f"{gpt3.name}: Ψ = {gpt3.num_params / 1e9:.1f} B parameters; activations 
       f"{matrix_share:.0f} of the {34 + matrix_share:.0f} units), {act_flash / gb:.0f} GB with "
       "flash attention")
 gpu = 80 * 2**30                                 # an "80-GB" A100: 85.9e9 bytes
-working = 12 * gpt3.hidden ** 2 * (2 + 2 + 2)    # ZeRO-3: two layers' weights, one's gradient
+# ZeRO-3: two layers' weights, one's gradient (a lower bound: FSDP2 briefly copies that
+# gradient once more, zero.fits's docstring above)
+working = 12 * gpt3.hidden ** 2 * (2 + 2 + 2)
 ns = (8, 64, 512, 4096)
 for n in ns:
     row = zero.fits(gpt3.num_params, gpu, n, activation_bytes=act_flash + working)[-1]
@@ -145,11 +147,11 @@ state_gb = [gpt3.num_params * zero.bytes_per_param("zero3", n) / gb for n in ns]
 viz.show(viz.memory_wall_figure(
     ns, state_gb, [act_flash / gb] * len(ns), gpu / gb,
     f"{gpt3.name} at batch 1, flash attention: ZeRO-3 per GPU", working_gb=working / gb),
-    f"Linear axis, side by side: ZeRO-3's share of the model state falls with every GPU "
-    f"added ({state_gb[0]:.0f} GB → {state_gb[-1]:.1f} GB); the activations of one sequence, "
-    f"stored without recomputation, stay at {act_flash / gb:.0f} GB even with flash attention "
-    f"({act_batch1 / gb:.0f} GB with the attention matrix); with ZeRO-3's working set on top "
-    f"they are above the GPU's {gpu / gb:.1f} GB (dashed).")
+    f"Linear axis, stacked: what one GPU must hold. ZeRO-3's share of the model state falls "
+    f"with every GPU added ({state_gb[0]:.0f} GB → {state_gb[-1]:.1f} GB); the activations of "
+    f"one sequence, stored without recomputation, stay at {act_flash / gb:.0f} GB even with "
+    f"flash attention ({act_batch1 / gb:.0f} GB with the attention matrix); with ZeRO-3's "
+    f"working set on top every total is above the GPU's {gpu / gb:.1f} GB (dashed).")
 
 # %% [markdown]
 # Measured, on a small scale: FSDP2 (lesson 08's ZeRO-3) on a stack of four
@@ -431,7 +433,12 @@ claim("the gradient of the input == the plain MLP's (to 1e-6)",
 claim("every rank's weight and bias gradients == the same slice of the plain MLP's (to 1e-6)",
       max(r["grad_diff"] for r in tp_runs) < 1e-6)
 
+# %% [markdown]
+# **▶ The gradients joined across the ranks, checked without the worker's slices — open after
+# your lab passes** (click the folded cell below): how each parameter is held is part of
+# lab 11's answer.
 
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 def put_together(pieces, full_shape):
     """The ranks' pieces joined along the one dimension where they are smaller than the full
     tensor; a piece that is whole on every rank is returned as it is."""
@@ -1008,8 +1015,10 @@ for t, r in best_per_t.items():
           f"{r['stage']:>5}, M = {r['micro_batches']:3d} micro-batches per pipeline, "
           f"(p−1)/M = {r['bubble']:.2f}, {r['total_bytes'] / gb:.0f} GB")
 times = [r["time_s"] for r in best_per_t.values()]
-claim(f"the best estimate falls as t grows, up to t = {cluster.gpus_per_node}, the GPUs of one "
-      "node (Megatron-LM's takeaway); the planner's best has t = 8, as the paper's row does",
+claim(f"over the tensor sizes the planner tries (those dividing one node's "
+      f"{cluster.gpus_per_node} GPUs: Megatron-LM's takeaway is the planner's input here, not "
+      "a finding) the best estimate falls as t grows; the planner's best has the largest, "
+      "t = 8, as the paper's row does",
       times == sorted(times, reverse=True) and max(best_per_t) == cluster.gpus_per_node
       and best["tp"] == published["tp"] == cluster.gpus_per_node)
 claim(f"the published t = 8 × p = 8 × D = 24 fits ({pub['total_bytes'] / gb:.0f} GB of the 80 planned) and "
@@ -1145,7 +1154,8 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   GPipe's activation bytes.
 # - **2-D**: tensor parallel along one mesh dimension, FSDP2 along the other, equal to one
 #   device; each dimension's traffic counted by the group it used.
-# - **Planning**: tensor parallelism up to a node, pipeline across nodes, data parallelism
+# - **Planning**: tensor parallelism up to a node (Megatron-LM's rule, which our planner takes
+#   as an input: it tries no t beyond a node), pipeline across nodes, data parallelism
 #   over the rest. For Megatron-LM's 145.6-B model on 1536 A100s the planner's best estimate
 #   has t = 8 and the published t = 8, p = 8 is within 1 % of it (an estimate at 50 % of
 #   peak, about 9 % above the step time the paper measured at 47 %); for GPT-3, data

@@ -152,7 +152,12 @@ def fits(num_params: int, device_bytes: float, world_size: int, activation_bytes
     not shrink with N (each rank still runs its whole micro-batch), so leave room for them.
     With ZeRO-3 ``activation_bytes`` must also cover its working set, which does not shrink
     with N either: the full (unsharded) weights of the unit computing, of the unit being
-    prefetched, and the computing unit's full gradient before its reduce-scatter.
+    prefetched, and the computing unit's full gradient before its reduce-scatter. In FSDP2
+    that gradient counts twice for a moment: ``foreach_reduce`` copies it into a second,
+    padded full-size buffer (the reduce-scatter input) and only then drops the gradients
+    (torch 2.14, ``_fsdp_collectives.py`` lines 597, 603, 606); that buffer lives until its
+    reduce-scatter is done, and by default one earlier unit's buffer may still be in flight
+    (``reduce_scatter_max_input_buffers = 1``, ``_fsdp_param_group.py`` line 113).
 
     Shown in lesson 08, §7; lesson 11, §1.
     """
@@ -255,7 +260,8 @@ def reduce_scatter_mean(flat: torch.Tensor) -> torch.Tensor:
 
     Half of an all-reduce: a ring all-reduce *is* a reduce-scatter followed by an all-gather
     (lesson 06), and ZeRO stops after the first half because a rank only needs its own slice.
-    gloo takes ``ReduceOp.AVG`` here too in torch 2.14 (lab 08 uses it); we sum and divide,
+    gloo takes ``ReduceOp.AVG`` here too in torch 2.14 (one of lab 08's hints offers it as an
+    option); we sum and divide,
     as lesson 03 did, so that the mean's division by N is a line you can see.
 
     Shown in lesson 08, §3.

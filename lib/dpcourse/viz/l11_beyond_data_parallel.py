@@ -22,33 +22,30 @@ _RANK_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b
 
 def memory_wall_figure(ns, state_gb, activation_gb, gpu_gb: float, title: str,
                        working_gb: float = 0.0):
-    """Side by side per N, on a linear axis: ZeRO-3's model state per GPU (falls as 1/N) and
-    the activations of one sequence (flat), with ZeRO-3's working set (``working_gb``, flat)
-    stacked on them, against the GPU's memory, each bar labelled with its GB.
-    Drawn in lesson 11, §1."""
+    """One stacked bar per N, on a linear axis: ZeRO-3's model state per GPU (falls as 1/N),
+    the activations of one sequence (flat) and ZeRO-3's working set (``working_gb``, flat) on
+    top, each bar labelled with its total — the sum that has to fit — against the GPU's
+    memory (dashed). Drawn in lesson 11, §1."""
     fig = new_figure(6.8, 3.6)
     ax = fig.add_subplot(1, 1, 1)
-    width = 0.38
+    width = 0.55
     xs = list(range(len(ns)))
-    bars = [(-width / 2, state_gb, "#1f77b4", "model state (ZeRO-3: 16Ψ/N)"),
-            (width / 2, activation_gb, "#ff7f0e", "activations at batch 1 (do not shard)")]
-    for shift, values, colour, label in bars:
-        ax.bar([x + shift for x in xs], values, width, color=colour, label=label)
-        for x, v in zip(xs, values):
-            ax.text(x + shift, v, f"{v:.1f}" if v < 10 else f"{v:.0f}", ha="center",
-                    va="bottom", fontsize=7)
+    layers = [(state_gb, "#1f77b4", "model state (ZeRO-3: 16Ψ/N)"),
+              (activation_gb, "#ff7f0e", "activations at batch 1 (do not shard)")]
     if working_gb:
-        ax.bar([x + width / 2 for x in xs], [working_gb] * len(xs), width,
-               bottom=activation_gb, color="#d62728",
-               label="ZeRO-3's working set (one layer computing, one prefetched)")
-        for x, a in zip(xs, activation_gb):
-            ax.text(x + width / 2, a + working_gb, f"+{working_gb:.0f}", ha="center",
-                    va="bottom", fontsize=7)
+        layers.append(([working_gb] * len(xs), "#d62728",
+                       "ZeRO-3's working set (one layer computing, one prefetched)"))
+    bottom = [0.0] * len(xs)
+    for values, colour, label in layers:
+        ax.bar(xs, values, width, bottom=bottom, color=colour, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for x, total in zip(xs, bottom):
+        ax.text(x, total, f"{total:.0f} GB", ha="center", va="bottom", fontsize=8)
     ax.axhline(gpu_gb, color="k", ls="--", lw=1, label=f"the GPU's memory ({gpu_gb:.1f} GB)")
     ax.set_xticks(xs)
     ax.set_xticklabels([f"N={n}" for n in ns])
     ax.set_ylabel("GB per GPU")
-    ax.set_ylim(0, 1.25 * max(max(state_gb), max(activation_gb) + working_gb, gpu_gb))
+    ax.set_ylim(0, 1.25 * max(max(bottom), gpu_gb))
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="upper right")
     fig.subplots_adjust(left=0.11, right=0.97, bottom=0.1, top=0.9)
