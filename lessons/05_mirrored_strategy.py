@@ -64,10 +64,10 @@ multiworker_timeout = 90
 # fused with their bias and activation) by oneDNN versions by default, and its start-up notice
 # warns that they may give slightly different numbers because they compute in a different
 # order. With them off, TF runs its own (Eigen) operations: slower, 16-bit ones especially.
-# That does **not** make the arithmetic the same on every CPU: in this build the float matrix
-# products and convolutions that remain still go through TF's custom contraction kernel, which
-# calls oneDNN's `dnnl_sgemm` — and oneDNN picks its code by the CPU's instruction set (AVX2,
-# AVX-512, …).
+# That does **not** make the arithmetic the same on every CPU: this build ships a custom
+# contraction kernel for Eigen's float matrix products and convolutions that can call oneDNN's
+# `dnnl_sgemm` (its header chooses it at run time, by environment variables), and both Eigen and
+# oneDNN pick their code by the CPU's instruction set (AVX2, AVX-512, …).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -81,9 +81,10 @@ device_names = devices.split_tf_devices(n_replicas)
 print("mirroring over", len(device_names), profile.tf_device_type, "device(s)")
 
 # %% [markdown]
-# Now TF has started. Asking for a different split is refused with a clear message — the only
-# fix is to restart the kernel and run the split first. (Asking for the *same* split again is
-# fine, so re-running the cell above does no harm.) The split is one call,
+# Now TF has started. Asking for a **larger** split is refused with a clear message — the only
+# fix is to restart the kernel and run the split first. A smaller one is not refused: it returns
+# the first n devices of the existing split. (Asking for the *same* split again is fine, so
+# re-running the cell above does no harm.) The split is one call,
 # `tf.config.set_logical_device_configuration(device, [LogicalDeviceConfiguration()] * n)`, and
 # TF's own refusal once it has started is a `RuntimeError` ("Virtual devices cannot be modified
 # after being initialized") that `split_tf_devices` turns into one that says what to do.
@@ -113,6 +114,21 @@ claim("asking for the same split again is fine",
 # created **inside `strategy.scope()`** become `MirroredVariable`s; the strategy keeps the copies
 # equal by applying the same (all-reduced) update to each. A variable created outside the scope
 # is an ordinary variable on one device: the strategy neither mirrors nor syncs it.
+
+# %% [markdown]
+# The course builds every strategy with `mirrored.make_strategy(devices)`: that is
+# `tf.distribute.MirroredStrategy(devices, cross_device_ops=...)` with one addition. Two
+# strategies of different sizes in one process (section 4 builds a second one; lab 05's checks
+# build one with N + 1 replicas) would both number their collective groups from 1, so
+# `make_strategy` gives each its own range by setting the private class attribute
+# `MirroredStrategy._collective_key_base` for the constructor — an attribute TF's source marks
+# "Only set this in tests", and the one TF's own tests use. With one strategy per process, plain
+# `MirroredStrategy(devices)` is all you need.
+#
+# **▶ `mirrored.make_strategy`, the code** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(mirrored.make_strategy)
 
 # %%
 import time
@@ -156,24 +172,19 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 # You can also choose: `MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())`
 # or `tf.distribute.NcclAllReduce()` (GPUs only).
 #
-# Three terms the next paragraph needs. Code inside `strategy.run(fn)` runs once per replica, in
-# the **replica context** (`tf.distribute.get_replica_context()` there is this replica's, with
-# its `all_reduce`); code outside it, such as `strategy.reduce`, runs once for all replicas, in
-# the **cross-replica context**. A **merge call** (`replica_context.merge_call(fn)`) is how
-# replica-context code gets there: every replica pauses at the call, and `fn` runs once in the
-# cross-replica context with all replicas' values (Keras' `apply_gradients` and
-# `strategy.reduce`'s plumbing rely on it). **XLA** is TensorFlow's compiler
-# (`tf.function(jit_compile=True)`): it compiles a whole step into fused kernels, and inside it
-# Python cannot pause for a merge call, so TF then takes other paths.
+# Three terms the rest of the lesson needs. Code inside `strategy.run(fn)` runs once per
+# replica, in the **replica context** (`tf.distribute.get_replica_context()` there is this
+# replica's, with its `all_reduce`); code outside it, such as `strategy.reduce`, runs once for all
+# replicas, in the **cross-replica context**. A **merge call** (`replica_context.merge_call(fn)`)
+# is how replica-context code gets there: every replica pauses at the call, and `fn` runs once in
+# the cross-replica context with all replicas' values. The replica context's `all_reduce` is
+# built on it (`ReplicaContextBase.all_reduce`), and so is Keras' `apply_gradients`, which calls
+# that `all_reduce`; `strategy.reduce` needs none, since it already runs in the cross-replica
+# context. **XLA** is TensorFlow's compiler (`tf.function(jit_compile=True)`): it compiles a
+# whole step into fused kernels, and inside it Python cannot pause for a merge call, so TF then
+# takes other paths.
 #
-# One reduction takes another road on every
-# profile: `strategy.reduce(...)` puts its result on the current device (the host CPU, unless a
-# `with tf.device(...)` block names another: `StrategyExtendedV2._reduce`), and whenever the
-# strategy uses *merge calls* — always, except under XLA on all-GPU devices
-# (`MirroredExtended._use_merge_call`) — `MirroredExtended._reduce_to` sends a reduction to a
-# CPU, or to devices other than the value's, through `ReductionToOneDevice`: here, one number
-# per replica copied to the host, for the reported loss. TF has no public getter for the
-# gradients' choice, so
+# TF has no public getter for the gradients' cross-device ops, so
 # `mirrored.cross_device_ops_in_use` reads the strategy's private `extended._cross_device_ops`:
 
 # %%
@@ -230,7 +241,12 @@ viz.show_code(mirrored.make_dataset)
 # What to expect, then: over two epochs cache can save at most the second epoch's decoding, so
 # the two-epoch time falls by at most 2× (less, since batching and the loop cost the same in
 # both); and prefetch has nothing to overlap with here, because the loop does no work with the
-# batches — it pays off when a training step runs while the next batch is prepared. (A
+# batches — it pays off when a training step runs while the next batch is prepared. Nor is
+# "decode every time" (`prefetch=False`) an unprefetched, sequential pipeline: TF 2.21's default
+# tf.data optimizations inject a prefetch after the final `batch` (`inject_prefetch`) and run the
+# decoding `map` in parallel (`map_parallelization`), both on unless the dataset's options turn
+# them off (`tensorflow/python/data/ops/options.py`). Both pipelines below get them, so the ratio
+# measures the cache alone. (A
 # `cache()` placed before the decoding `map` would keep the PNG bytes and save nothing of the
 # decoding.) That ceiling holds for a **fresh** pipeline only: an in-memory cache belongs to the
 # Dataset object and outlives its iterators, so timing the same `tuned` object again would
@@ -452,14 +468,8 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # `"mean_with_sample_weight"` and weights, the slice's weight sum is the divisor);
 # `reduction="sum"` or `"none"` is not scaled (`reduce_values` in Keras' losses; claimed below).
 # So in a custom loop the default loss is already scaled, and code that divides it by the number
-# of replicas once more makes the step 1/N too small. One exception: a replica whose slice is
-# **empty** (the last step of an epoch can leave one so, lab 05 part 4) is caught by a test on
-# the *static* shape: `reduce_values` returns a value whose shape is known to be `(0,)`
-# untouched. So eagerly an empty slice gives an empty tensor of shape `(0,)`. Inside a
-# `tf.function` (as in `fit` and in a compiled `strategy.run` step: the Python code runs once
-# to record a graph, with the batch dimension left unknown; more at the end of this section)
-# the test does not fire, and the empty sum, divided with `divide_no_nan`, gives a scalar 0.0
-# (both claimed below).
+# of replicas once more makes the step 1/N too small. (What an *empty* slice gives is lab 05
+# part 4's prediction: its own fold, after the claims below.)
 # The library's function for these rows:
 
 # %% [markdown]
@@ -541,6 +551,20 @@ with strategy.scope():   # Keras asks tf.distribute.get_strategy() for num_repli
 claim("under the strategy the default reduction is the mean × 1/N, reduction='sum' the unscaled "
       "sum (to 1e-5 relative)", np.isclose(by["sum_over_batch_size"], total / 8 / n, rtol=1e-5)
       and np.isclose(by["sum"], total, rtol=1e-5), by=by, total=total)
+# %% [markdown]
+# **▶ An empty slice (lab 05 part 4's prediction, answered) — open after your lab passes**
+# (click the two folded cells below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# A replica whose slice is **empty** (the last step of an epoch can leave one so) is caught by a
+# test on the *static* shape: Keras' `reduce_values` returns a value whose shape is known to be
+# `(0,)` untouched. So eagerly an empty slice gives an empty tensor of shape `(0,)`. Inside a
+# `tf.function` (as in `fit` and in a compiled `strategy.run` step: the Python code runs once
+# to record a graph, with the batch dimension left unknown; more at the end of this section)
+# the test does not fire, and the empty sum, divided with `divide_no_nan`, gives a scalar 0.0
+# (both claimed below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 with strategy.scope():
     empty = sce(from_logits=True)(yb[:0], logits8[:0])
 claim("eagerly, on an empty slice the default reduction returns the empty value unscaled: "
@@ -599,6 +623,23 @@ sgd_probe.build(replicated.trainable_variables)
 claim("plain SGD's build creates no variable (momentum would add one per weight)",
       len(sgd_probe.variables) == n_before, before=n_before, after=len(sgd_probe.variables))
 
+# %% [markdown]
+# The next cell also counts what carries the reported loss. One reduction takes another road on
+# every profile: `strategy.reduce(...)` puts its result on the current device (the host CPU,
+# unless a `with tf.device(...)` block names another: `StrategyExtendedV2._reduce`), and whenever
+# the strategy uses merge calls — always, except under XLA on all-GPU devices
+# (`MirroredExtended._use_merge_call`, a flag that `_reduce_to` reads) —
+# `MirroredExtended._reduce_to` sends a reduction to a CPU, or to devices other than the value's,
+# through `ReductionToOneDevice`: here, one number per replica copied to the host.
+
+# %% [markdown]
+# From here on the lesson compares weights in torch's layout: `mirrored.keras_weights_as_torch`
+# undoes `copy_torch_weights` (transposes back, reorders the first dense layer's rows).
+# **▶ Its code** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(mirrored.keras_weights_as_torch)
+
 # %%
 sgd = lambda: keras.optimizers.SGD(learning_rate=lr)   # noqa: E731 - plain SGD, as in PyTorch
 opt_mirror = optimizer_in(strategy)
@@ -645,11 +686,14 @@ claim("and so do the losses of every step (to 1e-5)",
 # (`TensorFlowTrainer._aggregate_additional_loss`). (Our CNN has no regulariser.)
 
 # %% [markdown]
-# The course's `mirrored.fit` builds the model unless it is given one, and compiles it under the
-# strategy with the loss from logits; left to itself it would make SGD with momentum 0.9, so the
-# proof hands it a plain SGD built under the scope — the optimizer section 4's loop used:
+# The course's `mirrored.fit` builds the model unless it is given one, compiles it with the loss
+# from logits and calls Keras' `fit`; left to itself it would make SGD with momentum 0.9, so the
+# proof hands it the plain SGD of section 4's loop (`optimizer_in`).
+#
+# **▶ `mirrored.fit`, the code (lab 05 part 2's answer: where the model and the optimizer are
+# built) — open after your lab passes** (click the folded cell below).
 
-# %%
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(mirrored.fit)
 
 # %% [markdown]
@@ -1001,9 +1045,14 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Scale each replica's loss with `compute_average_loss` (÷ global batch). `reduce_mean`
 #   makes the step N× too big; averaging again makes it 1/N.
 # * A Keras loss object (default reduction) is already scaled (its slice's mean × 1/N, right
-#   for equal slices; an empty slice gives a `(0,)` tensor eagerly, a scalar 0.0 traced):
-#   dividing it again makes the step 1/N.
+#   for equal slices): dividing it again makes the step 1/N.
 # * Regularisation losses, the same on every replica, go through `scale_regularization_loss`.
+#
+# **▶ And an empty slice (lab 05 part 4's answer) — open after your lab passes** (click the
+# folded cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# * A Keras loss object on an empty slice gives a `(0,)` tensor eagerly, a scalar 0.0 traced.
 
 # %% [markdown]
 # ## Check yourself
@@ -1057,8 +1106,10 @@ viz.quiz([
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._use_merge_call`: true unless the step runs under XLA on all-GPU devices; only when it is true, `_reduce_to` takes `ReductionToOneDevice` for a destination that is a CPU or does not match the value's devices (`cross_device_ops._devices_match`).
 # - `tensorflow/python/distribute/distribute_lib.py` — `StrategyExtendedV2._reduce`: `strategy.reduce`'s destination is `device_util.current()` (a `tf.device` scope's device), else `"/device:CPU:0"`.
 # - `tensorflow/libtensorflow_framework.so.2` (compiled; its strings): the notice "oneDNN custom operations are on … To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`".
-# - `tensorflow/include/tensorflow/compiler/xla/tsl/framework/contraction/eigen_contraction_kernel.h` — with `TENSORFLOW_USE_CUSTOM_CONTRACTION_KERNEL`, Eigen's float contractions (matrix products, convolutions) call oneDNN's `dnnl_sgemm`; `tensorflow/libtensorflow_cc.so.2` contains that symbol.
+# - `tensorflow/include/tensorflow/compiler/xla/tsl/framework/contraction/eigen_contraction_kernel.h` — under `TENSORFLOW_USE_MKLDNN_CONTRACTION_KERNEL` Eigen's float contractions (matrix products, convolutions) can call oneDNN's `dnnl_sgemm`; `UseCustomContractionKernels()` decides at run time ("a runtime check, that uses environment variables"); `tensorflow/libtensorflow_cc.so.2` contains that symbol.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce`: called inside `strategy.run`, every replica passes a value of the same shape and gets back the combination of all of them; all replicas must make the call, in the same order.
+# - `tensorflow/python/data/ops/options.py` — `OptimizationOptions.inject_prefetch` and `map_parallelization` both "default to True": a prefetch after the final `batch`, and a parallel `map`.
+# - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.reduce` requires the cross-replica context (`_require_cross_replica_or_default_context_extended`) and calls `_reduce` → `reduce_to`, no merge call.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContext.merge_call`: replica-context code hands a function to the cross-replica context, which runs it once with all replicas' values.
 # - `tensorflow/python/distribute/cross_device_ops.py` — `ReductionToOneDevice.reduce_implementation` (copy to one device, `add_n`, broadcast back), `CollectiveAllReduce`, `NcclAllReduce`.
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.

@@ -206,7 +206,10 @@ def set_torch_layout_weights(keras_model: keras.Model, arrays) -> keras.Model:
 
 def keras_weights_as_torch(keras_model: keras.Model) -> list[np.ndarray]:
     """The Keras model's weights in torch's layout and order (the inverse of
-    :func:`copy_torch_weights`), to compare with ``[p for p in torch_model.parameters()]``."""
+    :func:`copy_torch_weights`), to compare with ``[p for p in torch_model.parameters()]``.
+
+    Shown in lesson 05, §4.
+    """
     convs, denses = _conv_and_dense(keras_model)
     out = []
     for layer in convs:
@@ -284,6 +287,8 @@ def make_strategy(devices: list[str] | None = None,
     are physical GPUs, and ``ReductionToOneDevice`` only when CPUs and GPUs are mixed. Pass
     ``tf.distribute.ReductionToOneDevice()`` to copy the gradients to one device, add them
     there and send the sum back (DataParallel's pattern, lesson 02) instead.
+
+    Shown in lesson 05, §2.
     """
     global _strategies_made
     devices = list(devices) if devices is not None else None
@@ -543,9 +548,12 @@ def fit(strategy, train_ds, epochs: int = 1, lr: float = 0.05, model: keras.Mode
         dtype=None, seed: int = 0, optimizer=None) -> keras.Model:
     """Build (unless given), compile and fit the Keras CNN under ``strategy``. Silent.
 
-    Everything that creates variables — the model, the optimizer (in ``compile``) — happens
-    inside ``strategy.scope()``; ``fit`` itself then splits each global batch over the replicas
-    and sums the gradients across them. With a ``mixed_float16`` policy it is ``compile``
+    Everything that creates variables happens inside ``strategy.scope()``: the model, and the
+    optimizer, whose constructor creates its ``iterations`` and ``learning_rate`` variables
+    (``keras/src/optimizers/base_optimizer.py``); its per-weight slots (momentum) are created
+    when ``fit`` first builds it (``keras/src/trainers/trainer.py``, ``_symbolic_build``), under
+    the scope the optimizer was made in — not by ``compile``. ``fit`` itself then splits each
+    global batch over the replicas and sums the gradients across them. With a ``mixed_float16`` policy it is ``compile``
     (``keras/src/trainers/trainer.py``, ``Trainer.compile``, ``auto_scale_loss=True``) that wraps
     the optimizer in a ``LossScaleOptimizer`` (float16 gradients underflow otherwise); bfloat16
     needs no scaling.
