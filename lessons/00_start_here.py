@@ -100,11 +100,15 @@ except LabCheckError as err:
 # The lessons never ask you to edit a cell to match your hardware. `dpcourse.devices` looks at
 # the machine and picks one of three profiles:
 #
-# | profile | when | single-device lessons | multi-rank lessons (03, 04, 06) | TensorFlow (05) |
+# | profile | when | single-device lessons | multi-rank cells that follow the profile (for example 03's core comparison, 04's torchrun scripts) | TensorFlow (05) |
 # |---|---|---|---|---|
 # | `cpu` | no GPU (laptop, Binder, CI) | CPU | 2 processes over **gloo** on the CPU | CPU split into 2 logical devices |
 # | `one-gpu` | one GPU | CUDA | ranks over gloo (NCCL, by default, refuses two ranks on one GPU) | GPU split into 2 logical GPUs |
 # | `multi-gpu` | 2+ GPUs | CUDA | **NCCL**, one GPU per rank | 2 of the real GPUs |
+#
+# Many multi-rank cells do not follow the profile: they run gloo on the CPU on every machine,
+# so that what they print is the same everywhere — lesson 03's internals sections, lesson 06,
+# the bug zoo (10) and lesson 11. Each lesson's opening says which of its cells are which.
 #
 # Every profile starts **2 ranks**, even with 8 GPUs, so that what a lesson prints and proves
 # is the same on every machine; a lesson's parameters cell (`world_size = 4`) asks for more.

@@ -160,9 +160,12 @@ viz.show(viz.collectives_figure(before, after),
 # ## Averaging gradients — and DDP, which does it for you
 # Each rank computes the gradient of the **mean loss over its own shard**. The gradient of the
 # mean loss over the whole global batch is the *average* of those, when the shards are equal in
-# size and each sample's loss depends on that sample alone. (Training-mode BatchNorm breaks the
-# second condition: it normalises each sample with the statistics of the batch it is in, so a
-# rank's shard gives a different gradient than the global batch. The next cell shows it.)
+# size, each sample's loss depends on that sample alone, and the forward draws no per-rank
+# randomness. (Training-mode BatchNorm breaks the second condition: it normalises each sample
+# with the statistics of the batch it is in, so a rank's shard gives a different gradient than
+# the global batch. The next cell shows it. Dropout would break the third: each rank draws its
+# own masks from its own random stream, so N ranks do not take one process's step; the course's
+# `SmallCNN` has `dropout=0.0` by default, and every model in this lesson uses that default.)
 # So after `backward()` and before the optimizer step, every rank must replace each of its
 # gradients by their average over all the ranks — the same numbers on every rank. That is the
 # whole idea of data parallelism; which of the collectives above produce that average, and
@@ -195,6 +198,13 @@ def max_diff(a, b):
     return float((a - b).abs().max())
 
 
+def same_bits(a, b):
+    # torch.equal compares values: -0.0 == 0.0 and a NaN is never equal. Equal int32 views of
+    # two float32 tensors are equal bits (lab 10's stretch makes the same distinction).
+    assert a.dtype == b.dtype == torch.float32
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
 torch.manual_seed(seed)
 X16, y16 = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
 no_bn = models.SmallCNN(width=8)
@@ -209,20 +219,24 @@ claim("training-mode BatchNorm: they differ by more than 1e-3",
 # So DDP on a BatchNorm network takes the step of N *smaller* batches averaged, not of the
 # global batch. A BatchNorm that computes its statistics over every rank's shard together
 # restores the identity: lesson 04 measures that with a CPU stand-in that combines the
-# ranks' statistics (`nn.SyncBatchNorm` itself refuses CPU tensors inside a process group, so
-# what it computes is not measured on this machine; on GPUs it aims at the same by another
-# route).
+# ranks' statistics (`nn.SyncBatchNorm` itself refuses CPU tensors in training mode inside a
+# process group, so what it computes is not measured on this machine; on GPUs it aims at the
+# same by another route).
 #
-# Here is a complete DDP training worker. Every rank builds the same model (same seed), wraps it
-# in `DDP`, and trains on its own contiguous shard of each global batch; after `loss.backward()`
-# the gradients are already averaged over the ranks. Next to it, the reference: one process on
-# the whole global batch. (`setup_rank()` prepares the process and returns the rank's device —
-# `cuda:<rank>` under nccl, the CPU under gloo, where it also limits the rank to its share of
-# the cores — and on a GPU turns TF32 off, whose ~1e-3 rounding would hide the 1e-5 agreement
-# checked below; `rank_device()` only names the device.)
+# Here is a complete DDP training worker. Every rank builds the same model (`make_model`: same
+# seed, `SmallCNN` with its default `dropout=0.0`, so the forward draws nothing at random), wraps
+# it in `DDP`, and trains on its own contiguous shard of each global batch
+# (`global_batch_for_step` hands every process the same consecutive samples; `shard_of` cuts
+# rank r's share); after `loss.backward()` the gradients are already averaged over the ranks.
+# Next to it, the reference: one process on the whole global batch. (`setup_rank()` prepares
+# the process and returns the rank's device — `cuda:<rank>` under nccl, the CPU under gloo,
+# where it also limits the rank to its share of the cores — and on a GPU turns TF32 off, whose
+# ~1e-3 rounding would hide the 1e-5 agreement checked below; `rank_device()` only names the
+# device.)
 
 # %%
-viz.show_code(ddp.ddp_worker, ddp.shard_of, ddp.single_process)
+viz.show_code(ddp.make_model, ddp.global_batch_for_step, ddp.ddp_worker, ddp.shard_of,
+              ddp.single_process)
 
 # %%
 cfg = ddp.StepConfig(global_batch=global_batch, steps=steps, lr=lr, width=width, seed=seed)
@@ -235,8 +249,8 @@ claim("first-step gradients: DDP == one process on the global batch (to 1e-5)",
       max(max_diff(r["grads"], single["grads"]) for r in wrapped) < tol)
 claim(f"weights after {steps} steps: DDP == one process (to 1e-5)",
       max(max_diff(r["params"], single["params"]) for r in wrapped) < tol)
-claim(f"weights after the {steps} steps are bit-for-bit equal across the ranks (torch.equal)",
-      all(torch.equal(wrapped[0]["params"], r["params"]) for r in wrapped))
+claim(f"weights after the {steps} steps are bit-for-bit equal across the ranks (same_bits)",
+      all(same_bits(wrapped[0]["params"], r["params"]) for r in wrapped))
 
 # %% [markdown]
 # ## Lab 03: average the gradients yourself
@@ -278,16 +292,16 @@ manual = launch.spawn(ddp.manual_dp_worker, world_size, cfg, backend=backend, ti
 claim("first-step gradients: hand-averaged == one process (to 1e-5)",
       max(max_diff(r["grads"], single["grads"]) for r in manual) < tol)
 if world_size == 2:   # why 2 ranks agree to the last bit: the folded cell in "How DDP does it"
-    claim("2 ranks: first-step gradients, hand-averaged == DDP bit for bit (torch.equal)",
-          all(torch.equal(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)))
+    claim("2 ranks: first-step gradients, hand-averaged == DDP bit for bit (same_bits)",
+          all(same_bits(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)))
 else:                 # with 3 or more ranks the two round differently in the last bits
     claim(f"{world_size} ranks: first-step gradients, hand-averaged == DDP to 1e-5, not bit for "
           f"bit: the two order their arithmetic differently",
           max(max_diff(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)) < tol)
 claim(f"weights after {steps} steps: hand-averaged == one process (to 1e-5)",
       max(max_diff(r["params"], single["params"]) for r in manual) < tol)
-claim("hand-averaged weights are bit-for-bit equal across the ranks",
-      all(torch.equal(manual[0]["params"], r["params"]) for r in manual))
+claim("hand-averaged weights are bit-for-bit equal across the ranks (same_bits)",
+      all(same_bits(manual[0]["params"], r["params"]) for r in manual))
 
 # %% [markdown]
 # Equal to 1e-5, not bit for bit, against the single process: summing the gradient
@@ -300,7 +314,8 @@ claim("hand-averaged weights are bit-for-bit equal across the ranks",
 # kernels on the same kind of device. It
 # does not make N ranks bit-for-bit equal to one process: on 3 ranks too, that agreement is to
 # a tolerance. The next cell checks both on 3 ranks (gloo, on the CPU, whatever this machine's
-# profile; a global batch of 24, since 32 does not split over 3). `compare_three` runs the
+# profile; a global batch of 24, since 32 does not split over 3; there the ranks' weights are
+# compared as values, with torch.equal). `compare_three` runs the
 # hand-averaged workers, the DDP workers and the single process, each in its own launch, and
 # returns the largest differences between them:
 
@@ -310,7 +325,8 @@ viz.show_code(ddp.compare_three)
 # %%
 cfg3 = ddp.StepConfig(global_batch=24, steps=steps, lr=lr, width=width, seed=seed)
 three = ddp.compare_three(cfg3, world_size=3, backend="gloo")
-claim("3 ranks: the weights are bit-for-bit equal across the ranks, hand-averaged and DDP",
+claim("3 ranks: the weights are equal as values across the ranks (torch.equal), hand-averaged "
+      "and DDP",
       three["ranks_bitwise_equal_manual"] and three["ranks_bitwise_equal_ddp"])
 gap3 = max(three["params_manual_vs_single"], three["params_ddp_vs_single"])
 claim(f"3 ranks: weights after {steps} steps == one process on the global batch to 1e-5, not "
@@ -460,7 +476,7 @@ internals = launch.spawn(ddp.ddp_internals_worker, world_size, 0.1, backend=back
 claim("DDP(model) left rank 0's weights unchanged", not internals[0]["changed_by_ddp"])
 claim("DDP(model) overwrote every other rank's weights",
       all(r["changed_by_ddp"] for r in internals[1:]))
-claim("after DDP(model) the weights are bit-for-bit equal on all ranks (torch.equal)",
+claim("after DDP(model) the weights are equal as values on all ranks (torch.equal)",
       all(r["equal_on_all_ranks"] for r in internals))
 
 # %% [markdown]
@@ -643,16 +659,11 @@ claim("with find_unused_parameters=True the first iteration is already bucketed,
       len(unused_buckets[0]) > 1 and unused_buckets[0] == unused_buckets[1])
 
 # %% [markdown]
-# Read against the reducer, the one-bucket guard has a gap (the comment has it too). A bucket
-# holding an unused parameter can only go out early if the reducer marks that parameter ready
-# without its gradient; otherwise such a bucket never completes (lesson 10's bug 9).
-# `Reducer::autograd_hook` does mark, at the first gradient of a backward, every parameter in
-# its list `unused_parameters_`, and two settings fill that list: `find_unused_parameters=True`
-# (from the forward's outputs, every iteration) and `static_graph=True` (once, in its first
-# backward: every parameter whose gradient never came; the list is kept from then on). The
-# first buckets by size from iteration 0; the second marks from iteration 1, still in one
-# bucket, and from iteration 2 in the buckets of its rebuild. The same model with its unused
-# head, under `static_graph=True`:
+# `static_graph=True` handles an unused parameter too, another way: after its first backward it
+# knows which parameters got no gradient and, from then on, has the reducer mark them ready
+# without one, so their bucket can complete. (How the reducer marks them, and what a bucket
+# waiting for a gradient that never comes does, is lesson 07's section 6.) The same model with
+# its unused head, under `static_graph=True`:
 
 # %%
 static_unused = launch.spawn(bucket_worker, world_size, cap_mb, cnn_with_unused_head, False, 3,
@@ -675,10 +686,8 @@ claim("static_graph=True, iteration 2: the buckets are by size while the marking
 # %% [markdown]
 # Here both ranks leave the same head unused and the rebuild appends the unused parameters
 # after the recorded order, so their bucket is the last one and goes out when the last gradient
-# arrives: nothing is early on one machine. The early all-reduce needs a parameter unused on
-# some ranks only: there a bucket holding it is complete sooner on those ranks (*read from
-# source*, not run here). So the one-bucket guard does not close the gap: in both settings that
-# mark unused parameters ready, the buckets are by size while the marking goes on.
+# arrives: nothing went out early in these runs. The case torch's comment guards against, a
+# parameter unused on some ranks only, is not run in this lesson.
 
 # %% [markdown]
 # ### The cap is not a ceiling
@@ -784,11 +793,12 @@ claim("forward_sync_buffers=False: from the second forward on, the other ranks s
           for r in off[1:] for k in range(1, forwards)))
 claim("forward_sync_buffers=False: in eval mode the ranks give different outputs for the same "
       "input", all(not torch.equal(r["eval_out"], off[0]["eval_out"]) for r in off[1:]))
-claim("either way the weights are bit-for-bit the same (training-mode BatchNorm normalises with "
-      "the batch's statistics, not the running ones)",
-      all(torch.equal(a["params"], b["params"]) for a, b in zip(on, off)))
-claim("either way rank 0's running mean is bit-for-bit the same: the broadcast never changes "
-      "rank 0's buffers", torch.equal(on[0]["final_running_mean"], off[0]["final_running_mean"]))
+claim("either way the weights are bit-for-bit the same, same_bits (training-mode BatchNorm "
+      "normalises with the batch's statistics, not the running ones)",
+      all(same_bits(a["params"], b["params"]) for a, b in zip(on, off)))
+claim("either way rank 0's running mean is bit-for-bit the same (same_bits): the broadcast never "
+      "changes rank 0's buffers",
+      same_bits(on[0]["final_running_mean"], off[0]["final_running_mean"]))
 # Then the five training-mode forwards after the evaluation, with forward_sync_buffers=True:
 synced = {}
 for k, (follows, _) in enumerate(on[0]["later"]):
@@ -924,15 +934,16 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 #   of computing it is folded in "How DDP does it") makes each rank's step the
 #   step of one process on the global batch — equal to 1e-5 here (on 2 and on 3 ranks), and
 #   bit-for-bit equal across the ranks (the all-reduce hands each the same bytes) — as long
-#   as no layer couples the samples of a batch (training-mode BatchNorm does).
+#   as no layer couples the samples of a batch (training-mode BatchNorm does) and the forward
+#   draws no per-rank randomness (dropout would; `SmallCNN`'s is 0 here).
 # - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
 #   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
 #   not known yet; with `static_graph=True` the first two iterations do), unless
 #   `find_unused_parameters=True` without `static_graph`, or `bucket_cap_mb_list`; afterwards
 #   the buckets follow the order the gradients arrived, rank 0's assignment on every rank, and
-#   they overlap the backward. The one-bucket start guards against an all-reduce going out
-#   early, with a gap: `find_unused_parameters=True`, and `static_graph=True` from iteration 2,
-#   mark unused parameters ready without a gradient while the buckets are by size.
+#   they overlap the backward. With `static_graph=True`, an unused parameter's bucket is
+#   all-reduced from iteration 1 on although its gradient never came (the reducer marks it
+#   ready: lesson 07, section 6).
 # - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
 #   can end several times the cap (518 KiB under 0.1 MiB here); how DDP groups them is lesson
 #   07's.
@@ -977,9 +988,7 @@ viz.quiz([
                  "gloo cannot all-reduce several buckets at once"],
      "answer": 0,
      "why": ["Right: the initial size limit is sys.maxsize; the rebuild happens before the "
-             "second forward. (torch's reason, an all-reduce launched too early, needs a "
-             "parameter marked ready without its gradient: find_unused_parameters=True, which "
-             "buckets from the start, or static_graph=True from its rebuilt buckets on.)",
+             "second forward.",
              "This lesson's model was seven times the cap and still went in one bucket.",
              "From the second iteration on, gloo all-reduced several buckets."]},
     {"q": "After 10 steps, are DDP's weights bit-for-bit equal to one process on the global "

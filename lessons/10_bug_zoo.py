@@ -51,12 +51,17 @@ from dpcourse.checks import claim
 torch.set_num_threads(1)
 
 # %% [markdown]
-# ## 1. What the course adds: the view across ranks
-# PyTorch's own tools (section 2 runs them) look at one rank, or one call. What the course adds,
-# in `dpcourse.detectors`, is the view *across* ranks. A rank's own
-# error says little when the bug is that the ranks disagree. **The collective trace** records,
-# on every rank, each `dist.<collective>` call as it starts and when it returns — written to a
-# file at once, so it survives a rank that hangs and gets killed — and compares the ranks. It
+# ## 1. What the course adds: which call returned, and your line, on every rank
+# A rank's own error says little when the bug is that the ranks disagree, and PyTorch has a
+# cross-rank tool for that: `torchfrtrace`, installed with torch, merges every rank's dump of
+# the flight recorder (each process's ring buffer of its last collectives, section 2), pairs
+# the ranks' collectives in order, and names the ranks missing from a collective and the
+# collectives whose type or sizes differ between ranks. NCCL writes those dumps on a timeout;
+# on gloo the recorder never marks a call completed (section 2 shows it). What the course adds,
+# in `dpcourse.detectors`, works on gloo too: **the collective trace** records, on every rank,
+# each `dist.<collective>` call as it starts, with the line of your code that made it, and when
+# it returns — written to a file at once, so it survives a rank that hangs and gets killed —
+# and compares the ranks; `diagnose` adds a dump of each rank's Python stack. It
 # writes its lines from the `before` and `after` hooks of `collectives.record_collectives`, a
 # recorder that wraps each `dist.<collective>` function for a `with` block (**▶ folded
 # below**; it sees only calls through those functions):
@@ -995,6 +1000,12 @@ viz.quiz([
 #   `ErrorHandlingMode` enum), the `Watchdog` class, `TORCH_NCCL_DUMP_ON_TIMEOUT` (its comment:
 #   it must be set with `TORCH_NCCL_ENABLE_MONITORING=1` and a trace buffer above 0),
 #   `kProcessGroupNCCLDefaultTimeout` (10 minutes).
+# - `torch-2.14.1.dist-info/entry_points.txt` — the `torchfrtrace` command,
+#   `torch.distributed.flight_recorder.fr_trace:main`;
+#   `torch/distributed/flight_recorder/components/builder.py` — `build_collectives` pairs the
+#   ranks' entries in order ("within a group, the first collective must be the same on all
+#   ranks"); `components/utils.py` — "Not all ranks joining collective" with `missing_ranks`;
+#   `components/types.py` — `MatchState`: `COLLECTIVE_TYPE_MISMATCH`, `SIZE_OR_SYNTAX_MISMATCH`.
 # - `torch/distributed/constants.py` — `default_pg_timeout` (30 minutes for gloo) and
 #   `default_pg_nccl_timeout`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__` broadcasts rank

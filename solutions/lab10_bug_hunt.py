@@ -149,8 +149,8 @@ fixed2 = broken2.replace("batch_size=4, shuffle=True)", "batch_size=4, sampler=s
 # ## Bug 3
 #
 # Gradient clipping, as on one device. `clip_grad_norm_(params, max_norm)` computes one 2-norm
-# over all the gradients it is given and, when that norm is above `max_norm`, scales every one
-# of them by `max_norm / norm`.
+# over all the gradients it is given and multiplies every one of them by
+# `max_norm / (norm + 1e-6)`, clamped to at most 1 (torch's formula, as in lesson 10).
 #
 # `effect3`: take rank 0's gradient `g₀ = (3, 0)`, rank 1's `g₁ = (0, 1)` and `max_norm = 1`
 # (instead of the script's 0.2). The first component of the gradient this script's

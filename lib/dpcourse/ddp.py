@@ -247,6 +247,10 @@ def average_gradients(model: nn.Module) -> None:
 
 
 def make_model(cfg: StepConfig) -> nn.Module:
+    """The same model in every process: reseeded, ``SmallCNN`` with its default ``dropout=0.0``.
+
+    Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you".
+    """
     torch.manual_seed(cfg.seed)
     return _models.SmallCNN(width=cfg.width)
 
@@ -264,7 +268,10 @@ def _train_tensors(cfg: StepConfig):
 
 
 def global_batch_for_step(cfg: StepConfig, step: int):
-    """The ``step``-th global batch (X, y): consecutive samples, wrapping around the data."""
+    """The ``step``-th global batch (X, y): consecutive samples, wrapping around the data.
+
+    Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you".
+    """
     X, y = _train_tensors(cfg)
     idx = (torch.arange(cfg.global_batch) + step * cfg.global_batch) % len(y)
     return X[idx], y[idx]
