@@ -294,13 +294,20 @@ claim(f"the model learns: the last epoch's mean loss is under 60% of ln 10 = {ma
 # #SBATCH --job-name=ddp --nodes=2 --ntasks-per-node=1 --gpus-per-node=4 --cpus-per-task=16
 # #SBATCH --time=01:00:00
 # head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # with --max-restarts on several nodes: see below
 # srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=4 \
 #     --rdzv-backend=c10d --rdzv-endpoint="$head:29500" --rdzv-id="$SLURM_JOB_ID" \
 #     --max-restarts=3 lib/dpcourse/scripts/train_ddp.py --ckpt "$SCRATCH/ckpt.pt" --out final.pt
 # ```
 #
 # One `srun` task per node runs one torchrun agent, which starts one process per GPU. Put
-# checkpoints on a file system every node sees.
+# checkpoints on a file system every node sees. **Keep the `export` line whenever you keep
+# `--max-restarts`:** each node's agent counts its own restarts, and a node restarted only
+# because another node's workers died does not count it, so without a fresh store for every
+# attempt the restarted ranks can look for each other under different attempt numbers and
+# hang instead of resuming (section 3, "Where the restarted ranks meet", says why; not run
+# here, read from torch's source). Without `--max-restarts`, a crash ends the job, and a
+# resubmitted job resumes from the checkpoint.
 
 # %% [markdown]
 # ## 3. Checkpoints and fault tolerance

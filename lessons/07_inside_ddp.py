@@ -432,8 +432,15 @@ viz.show(viz.reducer_figure(),
 # step under torch's profiler, from the process group's own records.
 
 # %%
-viz.show_code(experiments.wide_mlp, experiments.timing_worker,
-              experiments.count_ddp_collectives)
+viz.show_code(experiments.timing_worker, experiments.count_ddp_collectives)
+
+# %% [markdown]
+# **▶ The timed model's source — open after your lab passes** (click the folded cell below):
+# `wide_mlp`, the 64-layer MLP the runs below time. The line printed under it says all this
+# section needs of it: its layer count and its largest layer.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(experiments.wide_mlp)
 
 # %%
 tcfg = experiments.OverlapConfig(model="wide_mlp", width=320, depth=64, global_batch=64,
@@ -1148,7 +1155,8 @@ print(f"This run: error feedback ended {'lower' if gap > 0 else 'higher'} than P
 #
 # ## 6. What DDP adds that we skipped
 # - **The first-iteration rebuild** (section 3, lesson 03): DDP rebuilds its buckets in the
-#   order the first backward's gradients really arrived (unless `find_unused_parameters`),
+#   order the first backward's gradients really arrived (unless `find_unused_parameters`
+#   without `static_graph`),
 #   the first capped at 1 MiB only when `bucket_cap_mb` is left at `None`.
 # - **Unused parameters.** A bucket with a parameter that gets no gradient is never complete
 #   unless something marks that parameter ready. Ours says so instead of hanging; DDP marks
@@ -1211,8 +1219,9 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 #   its own function and to real DDP's rebuilt buckets), send a few large messages instead of many small ones. DDP launches them strictly in bucket order, and can make the gradients views
 #   of the buckets.
 # - Overlap is a prediction you can test: the early buckets' all-reduces run under the
-#   backward, and save at most min(B, C − C_last) — nothing with one bucket; it pays when
-#   B / C is about 1 or more. The model has no term for gloo and the backward sharing the CPU's
+#   backward, and save at most min(B, C − C_last) — nothing with one bucket. At B / C ≳ 1 it
+#   hides all but the last bucket; below that it still saves up to B (section 4's simulated
+#   wire, at B / C = ½, measures it). The model has no term for gloo and the backward sharing the CPU's
 #   cores: section 4 prints its prediction beside what the run measured, and its noise floor;
 #   with a simulated wire that takes no CPU, overlap clearly pays.
 # - Communication hooks change what is sent: 16-bit halves the bytes and, in these short runs,
@@ -1308,8 +1317,9 @@ viz.quiz([
 # - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer`:
 #   `gradient_as_bucket_view_`, `finalize_backward`,
 #   `copy_bucket_to_grad` (the copy back when gradients are not views), `kDefaultFirstBucketBytes`,
-#   `div_factor_`; `Reducer` never rebuilds its buckets when `find_unused_parameters` is set
-#   (`should_rebuild_buckets`);
+#   `div_factor_`; `Reducer` rebuilds its buckets once, unless `find_unused_parameters` is
+#   set without `static_graph` (`should_rebuild_buckets`: `(static_graph_ ||
+#   !find_unused_parameters_) && !has_rebuilt_bucket_`);
 #   `compute_bucket_assignment_by_size` (a list of size limits; what closes a bucket is lab
 #   07's part 1, in the folded cell at the end).
 # - `torch/distributed/__init__.py` — `_compute_bucket_assignment_by_size`,

@@ -111,6 +111,8 @@ class TrafficCounter:
         with TrafficCounter() as tc:
             loss = F.cross_entropy(data_parallel(model, X, 4), y); loss.backward()
         tc.params_out, tc.grads_in      # both (N-1)·K for K parameters
+
+    Shown in lesson 02, §"Why it is slow".
     """
 
     params_out: int = 0
@@ -150,6 +152,8 @@ def parameter_server_traffic(n_devices: int, n_params: int) -> int:
     The cost grows linearly with N, which is why a ring all-reduce (lesson 06) beats it. (The
     real ``nn.DataParallel`` reduces with ``comm.reduce_add``, an NCCL reduce when available,
     which need not route every gradient through device 0's link.)
+
+    Shown in lesson 02, §"Why it is slow".
     """
     if n_devices < 1 or n_params < 0:
         raise ValueError(f"need n_devices >= 1 and n_params >= 0, got {n_devices}, {n_params}")
