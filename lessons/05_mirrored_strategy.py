@@ -553,7 +553,7 @@ claim("under the strategy the default reduction is the mean × 1/N, reduction='s
       and np.isclose(by["sum"], total, rtol=1e-5), by=by, total=total)
 # %% [markdown]
 # **▶ An empty slice (lab 05 part 4's prediction, answered) — open after your lab passes**
-# (click the two folded cells below).
+# (click the folded cell below; its claims follow, folded too).
 
 # %% [markdown] jupyter={"source_hidden": true}
 # A replica whose slice is **empty** (the last step of an epoch can leave one so) is caught by a
@@ -563,6 +563,9 @@ claim("under the strategy the default reduction is the mean × 1/N, reduction='s
 # to record a graph, with the batch dimension left unknown; more at the end of this section)
 # the test does not fire, and the empty sum, divided with `divide_no_nan`, gives a scalar 0.0
 # (both claimed below).
+
+# %% [markdown]
+# **▶ The empty slice, claimed — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 with strategy.scope():

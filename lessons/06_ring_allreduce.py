@@ -208,8 +208,10 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # The ring's bandwidth term is flat in N; its latency term grows with N. The binomial tree's
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
 # its bandwidth term is K·log N (the figure labels it "binomial tree (unpipelined)"). So, in
-# the model and among the first four: a ring for big gradients, a tree for small messages — and
-# Rabenseifner's at least as cheap as both when N is a power of two (checked below). The
+# the model: a ring for big gradients; for small messages, a tree among the algorithms that need
+# no extra machine (the parameter server, with its fewest steps, can be cheaper still there:
+# checked below) — and Rabenseifner's at least as cheap as ring and tree when N is a power of
+# two (checked below). The
 # parameter server has the fewest steps — if its one link can take N messages at once — but
 # needs an extra machine whose link carries NK bytes each way, growing with every worker you
 # add. With an illustrative α = 10 µs and 10 GB/s links, 100 MB on 8 workers:
@@ -333,6 +335,13 @@ t_fastest = np.array([r.all_reduce_min_s for r in table])  # dist.all_reduce, fa
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(bench.measure_allreduce, bench.summarize_allreduce)
+
+# %% [markdown]
+# The fit, its errors, α and β:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: timings depend on the machine and its load; the claims are in the next cell.
 plain = ring.fit_alpha_beta(ns, ks, t_fastest)
 fit = ring.fit_alpha_beta(ns, ks, t_fastest, cores=cores)  # with the contention term
 per_n = ring.fit_alpha_beta_per_n(ns, ks, t_fastest)
@@ -569,8 +578,11 @@ claim("the explorer's figure is drawn with the α and β fitted and printed in �
 # can wait forever, and no step's transfers wait for one another, is lab 06's design decision;
 # the library's answer is folded after the lab pointer.
 #
-# The library's ring is also *pipelined*: it cuts each chunk into segments so that the wire
-# and the additions work at the same time. Which messages it keeps in flight, and when, is
+# The library's ring is also *pipelined* — when a chunk is larger than its segment size,
+# 4 MiB by default: then it cuts each chunk into segments so that the wire and the additions
+# work at the same time. This lesson's chunks are no larger, and travel whole, except the 16 MiB
+# tensor's on 2 ranks (two segments); gloo always cuts a chunk into at least two segments (§3).
+# So below, an unpipelined ring meets a pipelined one. Which messages the library's ring keeps in flight, and when, is
 # the question of lab 06's stretch; the answer is folded after the lab pointer.
 #
 # Is it right? Compare it with `dist.all_reduce` on random shapes and dtypes, on 2 and 4 ranks:
@@ -761,7 +773,8 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # grows: 2N/(N − 1) transfer times).
 #
 # The pipelining (lab 06's stretch): the chunk a rank sends at step t+1 is always the one it
-# received at step t. So each chunk travels in segments (4 MiB by default), and a segment is
+# received at step t. So each chunk larger than a segment (4 MiB by default; a smaller chunk
+# is one segment, and nothing overlaps) travels in segments, and a segment is
 # forwarded to the right as soon as it has arrived and, in the scatter-reduce, been added —
 # while the next segments are still on their way. Adding one segment overlaps with receiving
 # the next, and step t+1 starts before step t has ended. The scatter-reduce receives into two
@@ -790,6 +803,10 @@ viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
 # to add; a link carries one piece at a time; a rank adds one piece at a time while its link
 # goes on sending; and a rank forwards piece j of a chunk once that piece has arrived and, in
 # the scatter-reduce, been added. Four ranks, each chunk sent whole, then in 4 pieces.
+#
+# The model charges no per-message latency, so in it more pieces are never slower. On a real
+# link every piece pays §3's α, which bounds the number of pieces: gloo's 1 MiB and the
+# library's 4 MiB are two choices of that trade-off, not shown here.
 
 # %% [markdown]
 # **▶ The timeline — open after your lab passes** (the folded cell below:
@@ -829,7 +846,8 @@ viz.show(viz.pipeline_figure(
             f"transfer time per scatter-reduce step. Bottom: piece j is added while piece j + 1 "
             f"is on the wire, so no link ever idles. Piece 0.0 reaches rank 1, is added there "
             f"by {first.end:g} and leaves again at {onward.start:g}: what now decides the time "
-            f"is the link, not the addition (the dotted line: the all-gather starts).")
+            f"is the link, not the addition (the dotted line: the all-gather starts). The model "
+            f"charges no per-piece latency α, so more pieces never cost more here.")
 
 # %% [markdown]
 # ## Summary

@@ -244,6 +244,8 @@ def pipeline_schedule(n: int, segments: int, transfer: float = 1.0,
     sending; and a rank sends piece j of step t + 1 (the chunk it received at step t) once
     piece j of step t has arrived and, in the scatter-reduce, been added. With ``segments=1``
     that is the unpipelined ring: a step's transfer, then its addition, then the next step.
+    No per-message latency (α) is charged, so in this model more pieces are never slower; on a
+    real link each piece pays α, which is what bounds the segment count.
 
     Shown in lesson 06, §"Lab 06: the ring, simulated then real"."""
     if not isinstance(n, (int, np.integer)) or n < 2:
@@ -563,7 +565,9 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 <
     The 2(N-1) steps t = 1 .. 2(N-1) are those of :func:`simulate_ring` (scatter-reduce, then
     all-gather), and the chunk a rank sends at step t+1 is always the chunk it received at step
     t. So each chunk
-    travels as segments of about ``segment_bytes``, and a segment moves on as soon as it is
+    travels as segments of about ``segment_bytes`` — ``ceil(longest chunk's bytes /
+    segment_bytes)`` of them, so a chunk of at most ``segment_bytes`` (4 MiB by default) travels
+    whole, as one segment, and nothing overlaps — and a segment moves on as soon as it is
     ready: received, added (scatter-reduce) — and forwarded to the right at once, while the
     next segments are still arriving. Adding segment j overlaps with receiving segment j+1, and
     the next step starts before this one has ended (gloo's and NCCL's rings pipeline the same
