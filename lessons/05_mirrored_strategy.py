@@ -177,9 +177,9 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 # replica's, with its `all_reduce`); code outside it, such as `strategy.reduce`, runs once for all
 # replicas, in the **cross-replica context**. A **merge call** (`replica_context.merge_call(fn)`)
 # is how replica-context code gets there: every replica pauses at the call, and `fn` runs once in
-# the cross-replica context with all replicas' values. The replica context's `all_reduce` is
-# built on it (`ReplicaContextBase.all_reduce`), and so is Keras' `apply_gradients`, which calls
-# that `all_reduce`; `strategy.reduce` needs none, since it already runs in the cross-replica
+# the cross-replica context with all replicas' values. The replica context's `all_reduce` goes
+# through one whenever the strategy uses merge calls (`ReplicaContextBase.all_reduce`), and so
+# does Keras' `apply_gradients`, which calls that `all_reduce`; `strategy.reduce` needs none, since it already runs in the cross-replica
 # context. **XLA** is TensorFlow's compiler (`tf.function(jit_compile=True)`): it compiles a
 # whole step into fused kernels, and inside it Python cannot pause for a merge call, so TF then
 # takes other paths.
