@@ -209,8 +209,8 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
 # its bandwidth term is K·log N (the figure labels it "binomial tree (unpipelined)"). So, in
 # the model: a ring for big gradients; for small messages, a tree among the algorithms that need
-# no extra machine (the parameter server, with its fewest steps, can be cheaper still there:
-# checked below) — and Rabenseifner's at least as cheap as ring and tree when N is a power of
+# no extra machine (the parameter server, next, can be cheaper still there: checked below) —
+# and Rabenseifner's at least as cheap as ring and tree when N is a power of
 # two (checked below). The
 # parameter server has the fewest steps — if its one link can take N messages at once — but
 # needs an extra machine whose link carries NK bytes each way, growing with every worker you
@@ -582,8 +582,8 @@ claim("the explorer's figure is drawn with the α and β fitted and printed in �
 # 4 MiB by default: then it cuts each chunk into segments so that the wire and the additions
 # work at the same time. This lesson's chunks are no larger, and travel whole, except the 16 MiB
 # tensor's on 2 ranks (two segments); gloo always cuts a chunk into at least two segments (§3).
-# So below, an unpipelined ring meets a pipelined one. Which messages the library's ring keeps in flight, and when, is
-# the question of lab 06's stretch; the answer is folded after the lab pointer.
+# So below, an unpipelined ring meets a pipelined one. Which messages the library's ring keeps
+# in flight, and when, is the question of lab 06's stretch; the answer is folded after the lab pointer.
 #
 # Is it right? Compare it with `dist.all_reduce` on random shapes and dtypes, on 2 and 4 ranks:
 
@@ -773,8 +773,8 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # grows: 2N/(N − 1) transfer times).
 #
 # The pipelining (lab 06's stretch): the chunk a rank sends at step t+1 is always the one it
-# received at step t. So each chunk larger than a segment (4 MiB by default; a smaller chunk
-# is one segment, and nothing overlaps) travels in segments, and a segment is
+# received at step t. So each chunk larger than a segment (4 MiB by default; a chunk of at
+# most that is one segment, and nothing overlaps) travels in segments, and a segment is
 # forwarded to the right as soon as it has arrived and, in the scatter-reduce, been added —
 # while the next segments are still on their way. Adding one segment overlaps with receiving
 # the next, and step t+1 starts before step t has ended. The scatter-reduce receives into two
