@@ -348,8 +348,9 @@ claim("the real nn.DataParallel behaves as described above for this machine's nu
 # weights and gradients only: `scatter` also sends each other device its chunk of the input,
 # and `gather` brings their outputs back to device 0 (whose gradients go out again in the
 # backward). Those numbers grow with the batch, not with K; the cell prints them beside the
-# count, taken from the chunks themselves. The counter and the formula it is checked against
-# are in the folded cell below (click to open):
+# count, taken from the chunks themselves.
+#
+# **▶ The counter and the formula it is checked against** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true}
 viz.show_code(dp.TrafficCounter, dp.parameter_server_traffic)

@@ -21,7 +21,7 @@
 #   and reconcile what it holds and sends with the formula;
 # - pick the stage a model needs from its size, the GPU's memory and the number of GPUs.
 #
-# **Time:** about 65 minutes to read and run.
+# **Time:** about 70 minutes to read and run.
 #
 # **Lab:** [lab08_zero_two](../labs/lab08_zero_two.ipynb) — ZeRO stage 2 that lowers the
 # peak, checked next to DDP on 2 and 3 ranks (its pointer is in section 3).
@@ -253,11 +253,9 @@ claim("inside step() every p.grad is still alive beside the flat copy step() sen
 # buffer's storage to zero bytes (`untyped_storage().resize_(0)`), so the memory really goes.
 #
 # That order is FSDP2's (PyTorch's ZeRO-3, section 6), which gathers and frees a *parameter
-# group* at a time (here one layer). Until section 6 introduces it, FSDP2 in one line:
-# `fully_shard(module)` (or `fully_shard([a, b])` for several modules) cuts those modules'
-# parameters into shards and makes them one parameter group (`FSDPParamGroup`), gathered
-# and freed around their forward and backward; the `set_*` methods below are the wrapped
-# module's switches. When a group's backward is done, its `post_backward`
+# group* at a time (here one layer; `fully_shard(module)` makes a module's parameters one
+# `FSDPParamGroup`, and the `set_*` methods below are its switches — section 6 has the rest).
+# When a group's backward is done, its `post_backward`
 # puts the gradients aside, calls `reshard()` (free the full weights), then `foreach_reduce`
 # (the reduce-scatter) — by default: `set_reshard_after_backward(False)` (section 6) skips
 # the `reshard()`, `set_requires_gradient_sync(False)` the reduce-scatter. By default, then,
@@ -499,16 +497,13 @@ viz.show(viz.zero_tradeoff_figure(
 # computes, its full weights and its full gradient are both alive (and, with prefetching, the
 # next layer's full weights). Once its gradients are complete the weights go before the
 # reduce-scatter (section 4), so a layer being reduce-scattered no longer costs its weights.
-# Its gradient, though, counts twice for a moment in FSDP2: `foreach_reduce` first copies the
-# gradients into a second, padded full-size buffer, the reduce-scatter's input, and drops them
-# only after that copy (torch 2.14, `_fsdp_collectives.py` lines 597, 603 and 606: allocate,
-# copy in, clear) — the same kind of flat copy we counted for ZeRO-1/2 in section 3. That
-# buffer lives until its reduce-scatter is done, and by default one earlier layer's buffer
-# may still be in flight (`reduce_scatter_max_input_buffers = 1`, `_fsdp_param_group.py`
-# line 113). Where the reduce-scatter overlaps the next layer's backward (FSDP2's aim on a
-# GPU), the working set is that buffer plus the next layer's weights and gradient, not the
-# reduce-scattered layer's weights on top. For a transformer that is one or two blocks'
-# weights and gradients (plus that buffer), and it comes on top of 16Ψ/N.
+# Its gradient counts twice for a moment: `foreach_reduce` copies the gradients into a padded
+# full-size buffer, the reduce-scatter's input, before it drops them (`_fsdp_collectives.py`
+# lines 597-606; section 3 counted the same flat copy for ZeRO-1/2), and that buffer lives
+# until its reduce-scatter ends — by default one earlier layer's may still be in flight
+# (`_fsdp_param_group.py` line 113). So where the reduce-scatter overlaps the next layer's
+# backward (FSDP2's aim on a GPU), the working set is one or two blocks' weights and
+# gradients plus that buffer, on top of 16Ψ/N.
 #
 # ## 6. FSDP2 for real
 # PyTorch's FSDP2 is ZeRO-3 with everything we skipped: prefetching, overlap, mixed-precision
@@ -698,7 +693,7 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # |---|---|---|---|---|
 # | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
-# | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP's default `gradient_as_bucket_view=False` (4 weights + 4 gradients + 4 for DDP's buckets, by DDP's design a second copy of the gradients, + Adam's 8/N; the run above weighs only the optimizer state), 8 + 8/N B with `gradient_as_bucket_view=True`; whole parameters per rank, so only roughly | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
+# | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP's default `gradient_as_bucket_view=False` (4 weights + 4 gradients + 4 for DDP's buckets + Adam's 8/N; the run above weighs only the optimizer state), 8 + 8/N B with `gradient_as_bucket_view=True`; roughly, as whole parameters are per rank | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
 # | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ | more memory freed, still no extra traffic — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
 # | ZeRO-3 / FSDP | 16/N B + the working set | 16/N B + the working set | 3Ψ with one forward and one backward per step and nothing tied across units (less: FSDP2's root is gathered once; more: k accumulation micro-batches gather about 2k times, tied layers) | the weights themselves do not fit: model state falls with every GPU added, the working set (one or two units' full weights and gradient) does not |
 # | + tensor / pipeline parallel | | | | one layer's activations or weights exceed a GPU, or N is so large that communication dominates — a rank sends about 3Ψ per step whatever N, while its share of a fixed global batch, and so its compute, falls as 1/N: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |

@@ -26,7 +26,7 @@
 # - choose tensor × pipeline × data sizes for a model and a cluster, and check the choice
 #   against published ones (Megatron-LM's runs on 1536 A100 GPUs).
 #
-# **Time:** about 100 minutes to read and run — most of it reading the code shown (the lab
+# **Time:** about 95 minutes to read and run — most of it reading the code shown (the lab
 # is extra).
 #
 # **Lab:** [lab11_tensor_parallel](../labs/lab11_tensor_parallel.ipynb) — write the column-
