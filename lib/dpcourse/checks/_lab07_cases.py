@@ -1,0 +1,253 @@
+"""Lab 07 part 2's two extra models: one of two dtypes (part 1's buckets hold one dtype each, so
+the wrapper's flat buffers must too), and one whose second step leaves a trainable parameter
+out (its bucket is never complete: the wrapper must raise, name it, and leave nothing in
+flight). Run by :func:`dpcourse.checks.lab07.check_bucketed_ddp` after the main model passes."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import fail, run_ranks
+from ._lab07_bench import CONFIGS, _CheckNet, _close, _deferring_spy, _held_storages, _storage
+
+# A model of two dtypes: part 1's buckets hold one dtype each, so the float64 head gets a
+# bucket of its own, and its gradients can be views only of a float64 buffer.
+class _TwoDtypeNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(12, 16)
+        self.head = nn.Linear(16, 4).double()
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)).double())
+
+
+def _dtype_worker(rank: int, world_size: int, cls, cap_mb: float) -> list:
+    """One step of the two-dtype model: every parameter's dtype, its p.grad's dtype and values,
+    whether p.grad is a view of a buffer the wrapper keeps, and the right mean."""
+    __tracebackhide__ = True
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    module = _TwoDtypeNet()
+    named = list(module.named_parameters())
+    own = {}
+
+    def spy_ready(p):  # registered before the learner's hooks, so it runs first
+        own[id(p)] = p.grad.detach().clone()
+
+    for _, p in named:
+        p.register_post_accumulate_grad_hook(spy_ready)
+    model = cls(module, bucket_cap_mb=cap_mb)
+    torch.manual_seed(1 + rank)
+    x, y = torch.randn(6, 12), torch.arange(6) % 4
+    module.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    model.finish_gradient_synchronization()
+    held = _held_storages(model)
+    out = []
+    for name, p in named:
+        mean = own[id(p)].clone()
+        dist.all_reduce(mean)
+        out.append({"name": name, "dtype": str(p.dtype).removeprefix("torch."),
+                    "grad": None if p.grad is None else p.grad.detach().clone(),
+                    "view": p.grad is not None and _storage(p.grad) in held,
+                    "mean": mean / world_size})
+    return out
+
+
+def _check_dtypes(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
+    """On 2 ranks, one step of a model with a float64 layer beside float32 ones: the float64
+    gradients averaged, and views of a float64 bucket."""
+    __tracebackhide__ = True
+    what = ("a model whose head is float64 and its body float32 (part 1 gives each dtype "
+            "buckets of its own)")
+
+    def failed(exc) -> None:
+        if "different type" in exc.summary or "dtype" in exc.summary.lower() or (
+                "Double" in exc.summary and "Float" in exc.summary):
+            fail(f"your wrapper raised on rank {exc.rank} on {what}: {exc.summary[:240]} — a "
+                 f"float64 parameter's gradient can be no view of a float32 buffer, and "
+                 f"autograd refuses it as p.grad.",
+                 fix="make each bucket's flat buffer of its parameters' dtype (and device).")
+        fail(f"your wrapper raised on rank {exc.rank} on {what}: {exc.summary[:300]}")
+
+    results = run_ranks(_dtype_worker, 2, cls, cap_mb, timeout=timeout, failed=failed,
+                        hang="every rank must launch the same all-reduces in the same order, "
+                             "and every launched all-reduce must be waited on.")
+    for rank, per_param in enumerate(results):
+        for r in per_param:
+            if r["grad"] is None or not _close(r["grad"].double(), r["mean"].double()):
+                fail(f"on {what}, {r['name']}.grad ({r['dtype']}) is not the mean over the "
+                     f"ranks on rank {rank} after finish_gradient_synchronization(), though the "
+                     f"float32 model's were right.",
+                     fix="give every bucket its own buffer of its own dtype, and all-reduce "
+                         "each.")
+            if not r["view"]:
+                fail(f"on {what}, {r['name']}.grad ({r['dtype']}) holds the right mean on rank "
+                     f"{rank} but is not a view of any buffer your wrapper keeps: it was copied "
+                     f"back from a buffer of another dtype.",
+                     fix="make each bucket's flat buffer of its parameters' dtype, so that "
+                         "p.grad can be its view.")
+
+
+# A trainable parameter the second step's forward does not use: its bucket is never complete.
+class _UnusedNet(_CheckNet):
+    def __init__(self, width: int = 8):
+        super().__init__(width)
+        self.head = nn.Linear(10, 10)         # trainable, registered last: in bucket 0
+        self.use_head = True
+
+    def forward(self, x):
+        out = super().forward(x)
+        return self.head(out) if self.use_head else out
+
+
+class _ShiftNet(nn.Module):
+    """A trainable `shift` registered first, so in the LAST bucket, added to the input only
+    while ``use_shift``: when a backward leaves it out, every bucket before its own is complete
+    and launched, and still in flight when the step ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(3, 1, 1))
+        self.net = _CheckNet()
+        self.use_shift = True
+
+    def forward(self, x):
+        return self.net(x + self.shift if self.use_shift else x)
+
+
+# The models and how step 2 (the one that leaves a parameter out) starts. `head` (bucket 0):
+# gradients zeroed in place first — then `head.grad` still holds step 1's tensor, so "no
+# gradient" cannot be read from `p.grad is None` — and then, on a fresh model, set to None.
+# `shift` (the last bucket): the buckets before it were launched, and the error must not leave
+# them in flight.
+_UNUSED_CASES = (("head", False), ("head", True), ("shift", True))
+_UNUSED_NAMES = {"head": ("head.weight", "head.bias"), "shift": ("shift",)}
+_UNUSED_WHERE = {"head": "registered last, so in bucket 0",
+                 "shift": "registered first, so in the last bucket"}
+
+
+def _unused_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
+    """Per case of _UNUSED_CASES (a fresh model and wrapper each): step 1 uses every parameter,
+    step 2 leaves one out. Records what finish_gradient_synchronization() said after each step,
+    and which of step 2's launched all-reduces were never waited on when it ended."""
+    __tracebackhide__ = True
+    from .. import ddp
+    from ..collectives import record_collectives
+
+    dev = ddp.setup_rank()
+    state = {"step": 0, "stale_waits": []}
+    calls = []
+    before, after = _deferring_spy(calls, state)
+
+    out = {}
+    with record_collectives(before=before, after=after):
+        for which, set_to_none in _UNUSED_CASES:
+            torch.manual_seed(0)
+            module = (_UnusedNet() if which == "head" else _ShiftNet()).to(dev)
+            model = cls(module, bucket_cap_mb=cap_mb)
+            torch.manual_seed(1 + rank)
+            x, y = torch.randn(4, 3, 32, 32, device=dev), torch.arange(4, device=dev)
+            said, in_flight = {}, []
+            for step, use in ((1, True), (2, False)):
+                module.zero_grad(set_to_none=True if step == 1 else set_to_none)
+                setattr(module, f"use_{which}", use)
+                state["step"] = (which, set_to_none, step)
+                F.cross_entropy(model(x), y).backward()
+                try:
+                    model.finish_gradient_synchronization()
+                except NotImplementedError:
+                    raise
+                except Exception as exc:
+                    said[step] = f"{type(exc).__name__}: {exc}"
+                else:
+                    said[step] = None
+                in_flight = [n for n, c in enumerate(c for c in calls
+                                                     if c["step"] == state["step"])
+                             if c["async"] and c["t_wait"] is None and not c["future"]]
+                if step == 1 and said[1] is not None:
+                    break
+            used = [n for n, p in module.named_parameters()
+                    if p.requires_grad and n not in _UNUSED_NAMES[which]]
+            out[which, set_to_none] = {"said": said, "used": used, "in_flight": in_flight}
+    return out
+
+
+def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
+    """Models with a trainable parameter that the second step's forward leaves out (`head`,
+    registered last, so in bucket 0; `shift`, registered first, so in the last bucket):
+    finish_gradient_synchronization() must return after step 1 and raise after step 2, naming
+    that parameter and no other — whether step 2 began with the gradients zeroed in place
+    (``head.grad`` then still holds a tensor) or set to None — and leave none of the
+    all-reduces it launched in flight."""
+    __tracebackhide__ = True
+    from .. import devices
+
+    results = run_ranks(_unused_worker, 2, cls, cap_mb, backend=devices.backend_for(2),
+                        timeout=timeout,
+                        hang="with a parameter that got no gradient, every rank must still "
+                             "launch the same all-reduces (or none) and wait only on those.")
+    for which, set_to_none in _UNUSED_CASES:
+        names = _UNUSED_NAMES[which]
+        unused = " and ".join(names)
+        how = f"zero_grad(set_to_none={set_to_none})"
+        stale = "" if set_to_none else (
+            f" After {how}, a parameter the backward left out still has a .grad (step 1's "
+            f"tensor, zeroed in place), so whether it got a gradient in this backward cannot be "
+            f"read from p.grad; only this backward's hooks know which parameters arrived.")
+        for rank, per_case in enumerate(results):
+            r = per_case[which, set_to_none]
+            if r["said"][1] is not None:
+                fail(f"finish_gradient_synchronization() raised on rank {rank} after a backward "
+                     f"in which every parameter got a gradient ({r['said'][1][:200]}) — on a "
+                     f"model with a parameter `{which}` that the next step's forward leaves out.",
+                     fix="raise only when a bucket is still awaiting a gradient at the end of "
+                         "the step.")
+            said = r["said"][2]
+            if said is None:
+                fail(f"on a model whose {unused} got a gradient in step 1 but none in step 2 "
+                     f"(step 2 began with {how}), finish_gradient_synchronization() returned on "
+                     f"rank {rank} although their bucket never became complete: that bucket "
+                     f"(and every one after it) was never all-reduced, so the gradients left "
+                     f"there are stale or this rank's own.{stale}",
+                     fix="raise an error that names the parameter(s) that got no gradient in "
+                         "this backward.")
+            missing = [n for n in names if n not in said]
+            if missing:
+                fail(f"on a model whose {unused} got a gradient in step 1 but none in step 2 "
+                     f"(step 2 began with {how}), finish_gradient_synchronization() raised on "
+                     f"rank {rank} ({said[:200]}), but its message does not name "
+                     f"{' and '.join(missing)}, so whoever trains the model cannot find it."
+                     f"{stale}",
+                     fix="name every parameter that got no gradient in this backward, by its "
+                         "name in the module.")
+            wrongly = [n for n in r["used"]
+                       if re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", said)]
+            if wrongly:
+                fail(f"on a model whose {unused} got no gradient in step 2, "
+                     f"finish_gradient_synchronization() raised on rank {rank}, but its message "
+                     f"also names {', '.join(wrongly[:3])}, which did get a gradient in this "
+                     f"backward (a name kept from an earlier step, or every parameter of the "
+                     f"incomplete bucket, misleads).",
+                     fix="name only the parameters that got no gradient in this backward.")
+            flying = r["in_flight"]
+            if flying:
+                shown = (f"bucket {flying[0]}" if len(flying) == 1 else
+                         f"buckets {', '.join(map(str, flying[:-1]))} and {flying[-1]}")
+                fail(f"on a model whose {unused} ({_UNUSED_WHERE[which]}) got "
+                     f"no gradient in step 2, finish_gradient_synchronization() raised on rank "
+                     f"{rank} while the all-reduces it had launched for {shown} were still in "
+                     f"flight, never waited on: those buffers are the parameters' .grad, so a "
+                     f"collective may still be writing them after the error has reached the "
+                     f"caller, who may read them (to log them, to save a checkpoint) — and a "
+                     f"work never waited on is never known to have finished. The error ends "
+                     f"the run; it need not leave the gradients racing.",
+                     fix="wait on the all-reduces already launched before raising: every rank "
+                         "launched them (they are the buckets before the incomplete one), so "
+                         "waiting cannot hang.")
