@@ -100,7 +100,8 @@ for b, n in ((6, 4), (2, 3), (batch, n_devices)):
 
 # %% [markdown]
 # ## 2. Replicate
-# Each replica's parameters are *outputs of a broadcast*, not leaf tensors: autograd links them
+# A *broadcast* sends one device's tensor to every device, so that each holds a copy. Each
+# replica's parameters are *outputs of a broadcast*, not leaf tensors: autograd links them
 # back to the original parameters, so the backward of the broadcast receives every copy's
 # gradient and hands one gradient per original parameter back to device 0. That is how
 # gradients reach `model`. The whole trick is one small `autograd.Function` — copies going out
@@ -352,7 +353,7 @@ claim("the real nn.DataParallel behaves as described above for this machine's nu
 #
 # **▶ The counter and the formula it is checked against** (click the folded cell below).
 
-# %% jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(dp.TrafficCounter, dp.parameter_server_traffic)
 
 # %%
@@ -423,7 +424,13 @@ claim("three steps replicated the model three times", tc.replicate_calls == 3)
 # That second part is *our* `replicate`'s: it deep-copies the module tree (`copy.deepcopy`).
 # Torch's builds each replica module with `Module._replicate_for_data_parallel`, a shallow copy
 # of the module's `__dict__` with an empty `_parameters`, so its Python part is cheaper than what
-# is timed here; the weight copies are the same.
+# is timed here; the weight copies are the same. Each time printed below is the best of five
+# calls, and the forward is replica 0's on chunk 0.
+#
+# **▶ How the two are timed** (click the folded cell below): `dp.time_replicate_vs_forward`.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(dp.time_replicate_vs_forward)
 
 # %%
 # NBVAL_IGNORE_OUTPUT

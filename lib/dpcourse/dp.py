@@ -150,8 +150,8 @@ def parameter_server_traffic(n_devices: int, n_params: int) -> int:
     N-1 copies of the K weights go out (replicate), N-1 gradients of K numbers come back
     (the reduce onto device 0), each copied directly to or from device 0 as this module does.
     The cost grows linearly with N, which is why a ring all-reduce (lesson 06) beats it. (The
-    real ``nn.DataParallel`` reduces with ``comm.reduce_add``, an NCCL reduce when available,
-    which need not route every gradient through device 0's link.)
+    real ``nn.DataParallel`` brings the gradients back with an NCCL collective when NCCL is
+    available, which need not route every gradient through device 0's link.)
 
     Shown in lesson 02, §"Why it is slow".
     """
@@ -445,7 +445,11 @@ def time_replicate_vs_forward(module: nn.Module, X: torch.Tensor, devices,
     """Seconds (best of ``repeats``) for one :func:`replicate` and for one forward of a chunk.
 
     Replication is paid again every step; the lesson shows how it compares with the work it
-    serves. Timings depend on the machine, so show them but assert nothing about their size.
+    serves: the forward timed is the module's own on chunk 0 (replica 0's share), with no
+    autograd graph. Timings depend on the machine, so show them but assert nothing about their
+    size.
+
+    Shown in lesson 02, §"Why it is slow".
     """
     devs = _as_devices(devices)
     chunk = scatter(X, devs)[0]
