@@ -5,16 +5,21 @@
 # as one device would on the same global batch (to float rounding: the checks compare to a
 # relative 1e-3), and reports that batch's loss and accuracy — whatever the number of replicas, the batch size or the learning rate. Lesson 05
 # showed the pieces (`strategy.run`, mirrored variables, how the strategy combines the replicas'
-# gradients); here you decide how they fit. Four parts, each with a check:
+# gradients); here you decide how they fit. A prediction first, then four parts, each with a
+# check:
 #
-# 1. the loss one replica differentiates, with a regularisation term (**a decision**: what each
-#    replica's number is made of);
+# 0. a prediction about the last step of an epoch (measured in part 4);
+# 1. the loss one replica differentiates, with a regularisation term — **the lab's design
+#    decision is here**: lesson 05 divided by a global batch it knew in advance; your function
+#    is told no batch size;
 # 2. the model and optimizer, where the strategy can mirror them;
-# 3. one training step and what it reports (**your design decision** is here);
-# 4. a prediction about the last step of an epoch, then the measurement.
+# 3. one training step and what it reports (**a decision**: what each replica returns, and how
+#    the replicas' values are combined);
+# 4. the measurement of your prediction.
 #
 # The stretch builds each replica's input pipeline yourself (**a decision**: a global batch the
-# replicas do not divide) and trains through an epoch whose last step is short.
+# replicas do not divide) and trains through an epoch whose last batch is padded (**a
+# decision**: what a step's mean is over).
 #
 # Stuck? Run the check: its sentence names what is wrong. Each part also has hints, folded
 # (click a "▶ Hint" label to open the cell below it): a question first, then the idea, then the
@@ -49,63 +54,108 @@ import keras
 from dpcourse.checks import lab05, predict
 
 # %% [markdown]
-# ## 1. The per-replica loss
+# ## 0. Predict first: an epoch's last step
 #
-# **Contract.** `per_replica_loss(labels, logits, global_batch, penalty=None)` is called inside
-# `strategy.run`, once per replica, with that replica's slice of the step's samples.
-# `global_batch` is the number of samples the whole step holds, over all replicas — the slices
-# need not be the same size. `penalty`, when given, is a scalar tensor: the step's
-# regularisation term (say λ·Σw² over the model's weights), computed by each replica from its
-# own copy of the mirrored weights. It returns one number (a scalar tensor) per replica.
+# The checks below hand your code batches they split themselves. In training the split is
+# `strategy.experimental_distribute_dataset`'s, and an epoch is rarely a whole number of global
+# batches. Here the data set holds 15 global batches and **one sample more**
+# (`lab05.epoch_size(global_batch)` samples), batched by `global_batch` with the remainder kept
+# and distributed by that call: the epoch's last step has one sample for
+# `strategy.num_replicas_in_sync` replicas — a case lesson 05 never ran.
 #
-# **What must hold:** the replicas' gradients of these numbers, summed by the strategy, equal
-# one device's gradient of the step's mean loss over all its samples — plus the penalty's
-# gradient when a penalty is given — on every split of the step, uneven ones included, and on
-# any number of replicas.
-#
-# **Your decision** is what each replica's number is made of.
-# `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies. Not
-# allowed: the library's answer `mirrored.per_replica_loss`, and `tf.nn.compute_average_loss` /
-# `tf.nn.scale_regularization_loss` — this part asks for the arithmetic they hide, and why it
-# is right on N replicas. The check runs steps split evenly and unevenly, on 2 and 3 replicas,
-# with and without a penalty.
+# Before running anything, **predict**: in that last step, what happens on replica 1? One of
+# `lab05.LAST_STEP_CHOICES`: `"a copy of the sample"` (it trains on the sample too),
+# `"step_fn on an empty batch"`, `"sits the step out"` (`step_fn` is not called on it), or
+# `"no such step"` (the strategy drops a batch it cannot split). Write your choice and run the
+# cell: part 4 measures it, once you have a model.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The strategy adds the N replicas' gradients. If each replica returned the mean over its own
-# slice, what would that sum be — on an even split, and when one replica holds 3 samples and
-# another 2? What must each replica's number be so that the sum is the gradient of one mean over
-# the whole step? And the penalty: if every replica returns it, how many times does the sum hold
-# its gradient?
+# What does `apply_gradients` do with the replicas' gradients (lesson 05 §4), and what happened
+# in the lesson when one replica skipped that call? What does PyTorch's `DistributedSampler` do
+# when the data does not fill every rank — and is there anything in TensorFlow that would do the
+# same?
+
+# %% [markdown]
+# **▶ Hint 2 — where to read**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# TensorFlow describes this split in a docstring: `_LegacyRebatchDataset`, in
+# `tensorflow/python/data/experimental/ops/distribute.py` (under `site-packages`). Its example
+# cuts 8 samples, batched by 4, over 3 replicas. What does the third replica get in each step?
+
+# %%
+### BEGIN SOLUTION: my_guess = your prediction (one of lab05.LAST_STEP_CHOICES)
+my_guess = "step_fn on an empty batch"
+### END SOLUTION
+guess = predict("lab05", lab05.LAST_STEP_QUESTION, my_guess, choices=lab05.LAST_STEP_CHOICES)
+
+# %% [markdown]
+# ## 1. The per-replica loss — the lab's design decision
+#
+# **Contract.** `per_replica_loss(labels, logits, penalty=None)` is called inside
+# `strategy.run`, once per replica, with that replica's slice of the step's samples — and with
+# nothing else: no argument tells it how many samples the step holds, and the slices need not be
+# the same size. `penalty`, when given, is a scalar tensor: the step's regularisation term (say
+# λ·Σw² over the model's weights), computed by each replica from its own copy of the mirrored
+# weights. It returns one number (a scalar tensor) per replica.
+#
+# **What must hold:** the replicas' gradients of these numbers, summed by the strategy, equal
+# one device's gradient of the step's mean loss over all its samples — plus the penalty's
+# gradient when a penalty is given — on every split the strategy can make of a step, on any
+# number of replicas, run eagerly and inside a training loop that `tf.function` traces once for
+# a whole epoch, the epoch's short last step included. The check tries each: steps split evenly
+# and unevenly on 2 and 3 replicas, with and without a penalty, then an epoch of 100 samples in
+# a loop built on your function, as written and wrapped in `tf.function`.
+#
+# **Your design decision:** where the number each replica's summed loss is divided by comes from.
+# Lesson 05 divided by a global batch it knew before the step ran; here nothing tells your
+# function. `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies.
+# Not allowed: the library's answer `mirrored.per_replica_loss`, and `tf.nn.compute_average_loss`
+# / `tf.nn.scale_regularization_loss` — this part asks for the decision they hide.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The strategy adds the N replicas' gradients. For that sum to be the gradient of one mean over
+# the step, what must every replica divide its summed loss by? Which replica knows that number —
+# when one holds 3 samples and another 2, or in an epoch's last step? And when `tf.function`
+# traces the loop once for every step of the epoch, what does the trace know about the size of
+# a batch? The penalty: if every replica adds it, how many times does the sum hold its gradient?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The gradients are added. The mean over the step is (sum over every sample) / (samples in the
-# step), and a sum over samples splits into one sum per replica: each replica's part is divided
-# by a count that is the same on every replica, whatever its own slice holds. The penalty does
-# not split that way: it is one term, and each replica holds a copy with the same gradient. The
-# parts of it the replicas add must add up to one penalty — any split does, as long as it does.
+# No replica holds the step's count, but each holds a piece of it: the size of its own slice, a
+# value it can compute while the step runs. Lesson 05 §4 showed how replicas combine values
+# while the step is still running; a number computed in Python (a static shape, a variable of
+# the notebook) is fixed when the step is traced. The penalty does not split like the samples:
+# it is one term, and each replica holds a copy with the same gradient — the parts of it the
+# replicas add must add up to one penalty.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The per-example losses, reduced to their sum, divided by the `global_batch` argument (a
-# Python number or an integer tensor: cast it to the losses' dtype). With a penalty, add this
-# replica's part of it: the penalty over the number of replicas in sync, which the replica
-# context that `strategy.run` sets up (`tf.distribute.get_replica_context()`) holds.
+# This replica's sample count as a tensor read from `labels`; that count combined over the
+# replicas by the replica context that `strategy.run` sets up
+# (`tf.distribute.get_replica_context()`); the summed per-example losses divided by the result,
+# cast to their dtype. With a penalty, add this replica's part of it: the penalty over the
+# number of replicas in sync, which the same context holds.
 
 # %%
-def per_replica_loss(labels, logits, global_batch, penalty=None):
+def per_replica_loss(labels, logits, penalty=None):
     losses = mirrored.per_example_loss(labels, logits)
     ### BEGIN SOLUTION: the number this replica differentiates
-    loss = tf.reduce_sum(losses) / tf.cast(global_batch, losses.dtype)
+    replica = tf.distribute.get_replica_context()
+    n_step = replica.all_reduce(tf.distribute.ReduceOp.SUM, tf.shape(labels)[0])
+    loss = tf.reduce_sum(losses) / tf.cast(n_step, losses.dtype)
     if penalty is not None:
-        loss += penalty / tf.distribute.get_replica_context().num_replicas_in_sync
+        loss += penalty / replica.num_replicas_in_sync
     return loss
     ### END SOLUTION
 
@@ -176,9 +226,9 @@ model, optimizer = lab05.check_model_and_optimizer(make_model_and_optimizer, str
 # update) is at their label, a number in [0, 1] — what `mean(argmax(logits) == y)` gives on one
 # device over the whole batch. Inside it, `step_fn` runs once per replica on the replica's slice; the slices
 # need not be the same size (as in part 1), and `global_batch` is their total. The gradient
-# part is given.
+# part is given, with your part 1.
 #
-# **Your design decision:** what each replica's `step_fn` returns about its accuracy, and how
+# **A decision:** what each replica's `step_fn` returns about its accuracy, and how
 # the replicas' values — the loss as well as the accuracy — become one number each. Decide it
 # for any split of the batch, not only an even one: the check tries both.
 
@@ -215,7 +265,7 @@ def distributed_train_step(strategy, model, optimizer, dist_batch, global_batch)
     def step_fn(x, y):
         with tf.GradientTape() as tape:
             logits = model(x, training=True)
-            loss = per_replica_loss(y, logits, global_batch)
+            loss = per_replica_loss(y, logits)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         ### BEGIN SOLUTION: what this replica reports: its loss and an accuracy statistic
@@ -235,44 +285,10 @@ lab05.check_train_step(distributed_train_step, make_model_and_optimizer, strateg
                        global_batch=global_batch, lr=lr)
 
 # %% [markdown]
-# ## 4. Predict, then measure: an epoch's last step
+# ## 4. Measure: an epoch's last step
 #
-# Part 3's check handed your step batches it had split itself. In training the split is
-# `strategy.experimental_distribute_dataset`'s, and an epoch is rarely a whole number of global
-# batches. Here the data set holds 15 global batches and **one sample more**
-# (`lab05.epoch_size(global_batch)` samples), batched by `global_batch` with the remainder kept
-# and distributed as in part 3: the epoch's last step has one sample for
-# `strategy.num_replicas_in_sync` replicas — a case lesson 05 never ran.
-#
-# Before running anything, **predict**: in that last step, what happens on replica 1? One of
-# `lab05.LAST_STEP_CHOICES`: `"a copy of the sample"` (it trains on the sample too),
-# `"step_fn on an empty batch"`, `"sits the step out"` (`step_fn` is not called on it), or
-# `"no such step"` (the strategy drops a batch it cannot split). Write your choice, run the
-# cell, then the measurement below it: it runs the last step on every replica (no update) and
-# prints what happened on each.
-
-# %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
-# What does `apply_gradients` do with the replicas' gradients (lesson 05 §4), and what happened
-# in the lesson when one replica skipped that call? What does PyTorch's `DistributedSampler` do
-# when the data does not fill every rank — and is there anything in TensorFlow that would do the
-# same?
-
-# %% [markdown]
-# **▶ Hint 2 — where to read**
-
-# %% [markdown] jupyter={"source_hidden": true}
-# TensorFlow describes this split in a docstring: `_LegacyRebatchDataset`, in
-# `tensorflow/python/data/experimental/ops/distribute.py` (under `site-packages`). Its example
-# cuts 8 samples, batched by 4, over 3 replicas. What does the third replica get in each step?
-
-# %%
-### BEGIN SOLUTION: my_guess = your prediction (one of lab05.LAST_STEP_CHOICES)
-my_guess = "step_fn on an empty batch"
-### END SOLUTION
-guess = predict("lab05", lab05.LAST_STEP_QUESTION, my_guess, choices=lab05.LAST_STEP_CHOICES)
+# Your prediction (part 0) meets the measurement: the cell runs the epoch's last step on every
+# replica (no update) and prints what happened on each.
 
 # %%
 from dpcourse import data
@@ -394,53 +410,57 @@ lab05.check_pipeline_prediction(
     guess, lab05.last_step_sizes(strategy, make_dist_dataset(strategy, x_s, y_s, gb_s)))
 
 # %% [markdown]
-# ## Stretch B (optional): an epoch with a short last step
+# ## Stretch B (optional): an epoch with a padded last step
+#
+# Part 1's loop traced once for an epoch whose last step is short. Another way to end an epoch
+# keeps every step the same size — what a TPU's compiler, or one trace with static shapes,
+# wants: the last batch is **padded** up to the full global batch with dummy samples (zero
+# features, label 0), and every sample carries a weight `w`: 1 for a real sample, 0 for
+# padding. The data set's elements are `(x, y, w)`, distributed by
+# `strategy.experimental_distribute_dataset`.
 #
 # **Contract.** `train_epoch(strategy, model, optimizer, dist_dataset)` runs one SGD step per
-# step of `dist_dataset` (made as in stretch A: 100 samples, global batches of 32 on 2
-# replicas, 36 on 3), each step's loss the mean over that step's samples, and leaves the
-# weights where one device leaves them after the same batches (to a relative 1e-4) — the last,
-# short step included, whatever each replica holds in it. It is given no batch size. It must
-# hold both run as written and wrapped in `tf.function`, as a training loop is to run fast: the
-# check runs it both ways. Write the two solution blocks in `step_fn` (the gradient lines after
-# them are given).
+# step of `dist_dataset` (the stretch's 100 samples padded to whole global batches: 32 on 2
+# replicas, 36 on 3), each step's loss the mean over that step's **real** samples, and leaves
+# the weights where one device leaves them after the same batches without padding (to a
+# relative 1e-4), run as written and wrapped in `tf.function`. It is given no batch size.
+#
+# **Your decision:** what a replica's loss is made of when some samples are not samples. Your
+# part 1 function is right for the data it was written for; is it right here?
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
-# In the last step, how many samples does each replica have, and how many does the whole step
-# have? Which of these numbers can one replica see on its own? And when `tf.function` traces the
-# step once for every step of the epoch, what does the trace know about the size of a batch?
+# On 2 replicas the last step holds 4 real samples and 28 padding samples. What does part 1's
+# function divide that step's summed loss by, and what is in the sum? What should the step's
+# mean be over — and which number does each replica hold a piece of?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The divisor must be the same on every replica and right for each step. No replica holds it,
-# but each holds a piece of it — lesson 05 §4 showed how replicas combine pieces while the step
-# is running. What kind of value can be combined that way, and what kind changes from one step
-# of a traced loop to the next?
+# The weights say which samples count: a weighted sum leaves the padding out of the sum, and
+# the mean over the real samples divides it by the sum of the weights over the whole step —
+# which, like part 1's count, no replica holds alone (on 2 replicas one of them holds only
+# padding in the last step).
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# First block: this replica's sample count as a tensor read from the batch, combined over the
-# replicas by the replica context. Second block: the per-example losses of
-# `model(x, training=True)`, their sum, divided by that combined count (cast to float32).
+# The per-example losses of `model(x, training=True)`; their sum weighted by `w`; divided by the
+# sum of `w` combined over the replicas by the replica context, as part 1 combined the counts.
 
 # %%
 def train_epoch(strategy, model, optimizer, dist_dataset):
-    def step_fn(x, y):
-        ### BEGIN SOLUTION: what this step's summed loss is divided by
-        ctx = tf.distribute.get_replica_context()
-        n_global = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.shape(y)[0])
-        ### END SOLUTION
+    def step_fn(x, y, w):
         with tf.GradientTape() as tape:
             ### BEGIN SOLUTION: loss, what this replica differentiates
             losses = mirrored.per_example_loss(y, model(x, training=True))
-            loss = tf.reduce_sum(losses) / tf.cast(n_global, tf.float32)
+            replica = tf.distribute.get_replica_context()
+            n_real = replica.all_reduce(tf.distribute.ReduceOp.SUM, tf.reduce_sum(w))
+            loss = tf.reduce_sum(losses * w) / n_real
             ### END SOLUTION
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
@@ -449,4 +469,4 @@ def train_epoch(strategy, model, optimizer, dist_dataset):
         strategy.run(step_fn, args=batch)
 
 
-lab05.check_partial_batch_epoch(train_epoch, strategy)
+lab05.check_padded_epoch(train_epoch, strategy)

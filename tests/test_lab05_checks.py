@@ -24,8 +24,15 @@ def strategy():
     return mirrored.make_strategy(["/cpu:0", "/cpu:1"])
 
 
-def loss_right(labels, logits, global_batch, penalty=None):
+def _step_count(labels):
+    """The step's sample count, summed over the replicas while the step runs (the answer's
+    divisor: part 1's function is given no batch size)."""
+    return tf.distribute.get_replica_context().all_reduce(SUM, tf.shape(labels)[0])
+
+
+def loss_right(labels, logits, penalty=None):
     # the arithmetic part 1 asks for (the solution's)
+    global_batch = _step_count(labels)
     losses = mirrored.per_example_loss(labels, logits)
     loss = tf.reduce_sum(losses) / tf.cast(global_batch, losses.dtype)
     if penalty is None:
@@ -33,14 +40,15 @@ def loss_right(labels, logits, global_batch, penalty=None):
     return loss + penalty / tf.distribute.get_replica_context().num_replicas_in_sync
 
 
-def loss_tf_nn(labels, logits, global_batch, penalty=None):
+def loss_tf_nn(labels, logits, penalty=None):
     # right numbers, but through the two tf.nn functions that hide part 1's arithmetic
+    global_batch = _step_count(labels)
     loss = tf.nn.compute_average_loss(mirrored.per_example_loss(labels, logits),
                                       global_batch_size=global_batch)
     return loss if penalty is None else loss + tf.nn.scale_regularization_loss(penalty)
 
 
-def loss_reduce_mean(labels, logits, global_batch):
+def loss_reduce_mean(labels, logits):
     return tf.reduce_mean(mirrored.per_example_loss(labels, logits))
 
 
@@ -73,7 +81,7 @@ def make_step(loss_fn, loss_op=SUM, acc_op=SUM, acc="hits", report_mean_loss=Fal
         def step_fn(x, y):
             with tf.GradientTape() as tape:
                 logits = model(x, training=True)
-                loss = loss_fn(y, logits, global_batch)
+                loss = loss_fn(y, logits)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             right = tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32)
@@ -170,7 +178,7 @@ def test_no_update_is_named(strategy):
     def lazy_step(strategy, model, optimizer, dist_batch, global_batch):
         def step_fn(x, y):
             logits = model(x, training=True)
-            return (loss_right(y, logits, global_batch),
+            return (loss_right(y, logits),
                     tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32)))
         loss, acc = strategy.run(step_fn, args=dist_batch)
         return strategy.reduce(SUM, loss, axis=None), strategy.reduce(MEAN, acc, axis=None)
@@ -181,40 +189,42 @@ def test_no_update_is_named(strategy):
 
 # --- answers tied to one batch size or replica count, and right answers written differently --
 
-def loss_implicit_global(labels, logits, global_batch):
+def loss_implicit_global(labels, logits):
     # right inside strategy.run: the replica context tells compute_average_loss the replica count
     return tf.nn.compute_average_loss(mirrored.per_example_loss(labels, logits))
 
 
-def loss_sum_over_global(labels, logits, global_batch, penalty=None):
+def loss_sum_over_global(labels, logits, penalty=None):
     # right too: the penalty split over the replicas in proportion to their slices
+    global_batch = tf.cast(_step_count(labels), tf.float32)
     losses = mirrored.per_example_loss(labels, logits)
     share = tf.cast(tf.size(losses), tf.float32) / global_batch
     return (tf.reduce_sum(losses) + (0.0 if penalty is None else penalty * global_batch * share)
             ) / global_batch
 
 
-def loss_mean_over_replicas(labels, logits, global_batch):
+def loss_mean_over_replicas(labels, logits):
     # right for equal slices: the local mean divided by the number of replicas
     ctx = tf.distribute.get_replica_context()
     return tf.reduce_mean(mirrored.per_example_loss(labels, logits)) / ctx.num_replicas_in_sync
 
 
-def loss_fixed_64(labels, logits, global_batch):
+def loss_fixed_64(labels, logits):
     return tf.nn.compute_average_loss(mirrored.per_example_loss(labels, logits),
                                       global_batch_size=64)
 
 
-def loss_fixed_two_replicas(labels, logits, global_batch):
+def loss_fixed_two_replicas(labels, logits):
     return tf.reduce_mean(mirrored.per_example_loss(labels, logits)) / 2
 
 
-def loss_summed(labels, logits, global_batch):
+def loss_summed(labels, logits):
     return tf.reduce_sum(mirrored.per_example_loss(labels, logits))
 
 
-def loss_sum_over_cast_global(labels, logits, global_batch, penalty=None):
+def loss_sum_over_cast_global(labels, logits, penalty=None):
     # right too: the whole penalty on replica 0 alone
+    global_batch = _step_count(labels)
     losses = mirrored.per_example_loss(labels, logits)
     loss = tf.reduce_sum(losses) * (1.0 / tf.cast(global_batch, losses.dtype))
     if penalty is None:
@@ -223,8 +233,9 @@ def loss_sum_over_cast_global(labels, logits, global_batch, penalty=None):
     return loss + tf.where(first, penalty, 0.0)
 
 
-def loss_mean_split_by_hand(labels, logits, global_batch, penalty=None):
+def loss_mean_split_by_hand(labels, logits, penalty=None):
     # right too: the penalty split over the replicas with the replica count of the context
+    global_batch = tf.cast(_step_count(labels), tf.float32)
     ctx = tf.distribute.get_replica_context()
     losses = mirrored.per_example_loss(labels, logits)
     extra = 0.0 if penalty is None else penalty * global_batch / ctx.num_replicas_in_sync
@@ -234,26 +245,29 @@ def loss_mean_split_by_hand(labels, logits, global_batch, penalty=None):
 _cal, _srl = tf.nn.compute_average_loss, tf.nn.scale_regularization_loss   # aliases, bound early
 
 
-def loss_alias_average(labels, logits, global_batch, penalty=None):
+def loss_alias_average(labels, logits, penalty=None):
+    global_batch = _step_count(labels)
     loss = _cal(mirrored.per_example_loss(labels, logits), global_batch_size=global_batch)
     return loss if penalty is None else loss + penalty / (
         tf.distribute.get_replica_context().num_replicas_in_sync)
 
 
-def loss_alias_scale(labels, logits, global_batch, penalty=None):
+def loss_alias_scale(labels, logits, penalty=None):
+    global_batch = tf.cast(_step_count(labels), tf.float32)
     losses = mirrored.per_example_loss(labels, logits)
     loss = tf.reduce_sum(losses) / global_batch
     return loss if penalty is None else loss + _srl(penalty)
 
 
-def _loss_with_default(labels, logits, global_batch, penalty=None, avg=tf.nn.compute_average_loss):
+def _loss_with_default(labels, logits, penalty=None, avg=tf.nn.compute_average_loss):
+    global_batch = _step_count(labels)
     loss = avg(mirrored.per_example_loss(labels, logits), global_batch_size=global_batch)
     return loss if penalty is None else loss + penalty / (
         tf.distribute.get_replica_context().num_replicas_in_sync)
 
 
-def _loss_via_helper(labels, logits, global_batch, penalty=None):
-    return loss_tf_nn(labels, logits, global_batch, penalty)
+def _loss_via_helper(labels, logits, penalty=None):
+    return loss_tf_nn(labels, logits, penalty)
 
 
 @pytest.mark.parametrize("fn, used", [
@@ -292,16 +306,19 @@ def test_solution_uses_the_arithmetic():
 # --- part 1's regularised step: the penalty is the same on every replica, counted once -----
 
 def _penalised(part):
-    def loss(labels, logits, global_batch, penalty=None):
+    def loss(labels, logits, penalty=None):
+        global_batch = _step_count(labels)
         losses = mirrored.per_example_loss(labels, logits)
         loss = tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
         if penalty is None:
             return loss
-        return loss + part(penalty, global_batch, tf.distribute.get_replica_context())
+        return loss + part(penalty, tf.cast(global_batch, tf.float32),
+                           tf.distribute.get_replica_context())
     return loss
 
 
-def loss_three_arguments(labels, logits, global_batch):   # lesson 05's line, transcribed
+def loss_three_arguments(labels, logits):   # no penalty parameter
+    global_batch = _step_count(labels)
     return tf.nn.compute_average_loss(mirrored.per_example_loss(labels, logits),
                                       global_batch_size=global_batch)
 
@@ -310,16 +327,15 @@ PENALTY_MISTAKES = [
     (_penalised(lambda p, gb, ctx: p),
      "the 2 replicas' values add up to the step's mean loss plus 2 x the penalty (a step of 5 "
      "samples as 3+2 on 2 replicas, penalty 0.75): every replica added the whole penalty"),
-    (loss_three_arguments, "per_replica_loss takes 3 arguments (labels, logits, global_batch), "
-                           "but the contract's regularised step calls it with a fourth, "
-                           "penalty="),
+    (loss_three_arguments, "per_replica_loss takes 2 arguments (labels, logits), but the "
+                           "contract's regularised step calls it with penalty= as well"),
     (_penalised(lambda p, gb, ctx: 0.0 * p), "the penalty was left out"),
     (_penalised(lambda p, gb, ctx: p / gb),
-     "every replica divided the penalty by the global batch (5), as the per-example losses are "
-     "divided"),
-    (_penalised(lambda p, gb, ctx: tf.nn.compute_average_loss(tf.reshape(p, [1]),
-                                                              global_batch_size=gb)),
-     "every replica divided the penalty by the global batch (5)"),
+     "every replica divided the penalty by the step's sample count (5), as the per-example "
+     "losses are divided"),
+    (_penalised(lambda p, gb, ctx: tf.nn.compute_average_loss(
+        tf.reshape(p, [1]), global_batch_size=tf.cast(gb, tf.int32))),
+     "every replica divided the penalty by the step's sample count (5)"),
 ]
 
 
@@ -396,7 +412,7 @@ def step_counts_both(strategy, model, optimizer, dist_batch, global_batch):
     def step_fn(x, y):
         with tf.GradientTape() as tape:
             logits = model(x, training=True)
-            loss = loss_sum_over_global(y, logits, global_batch)
+            loss = loss_sum_over_global(y, logits)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         hits = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
@@ -452,12 +468,12 @@ def test_library_answers_are_refused(strategy):
     with pytest.raises(LabCheckError, match="mirrored.per_replica_loss, the library's answer"):
         lab05.check_per_replica_loss(mirrored.per_replica_loss, strategy)
     with pytest.raises(LabCheckError, match="calls dpcourse.mirrored.per_replica_loss"):
-        lab05.check_per_replica_loss(lambda y, lg, gb: mirrored.per_replica_loss(y, lg, gb),
+        lab05.check_per_replica_loss(lambda y, lg: mirrored.per_replica_loss(y, lg, _step_count(y)),
                                      strategy)
     with pytest.raises(LabCheckError, match="mirrored.train_step, the library's answer"):
         lab05.check_train_step(mirrored.train_step, make_right, strategy)
     with pytest.raises(LabCheckError, match="calls dpcourse.mirrored.per_replica_loss"):
-        lab05.check_train_step(make_step(lambda y, lg, gb: mirrored.per_replica_loss(y, lg, gb)),
+        lab05.check_train_step(make_step(lambda y, lg: mirrored.per_replica_loss(y, lg, _step_count(y))),
                                make_right, strategy)
 
 
@@ -486,7 +502,7 @@ def step_first_replica(strategy, model, optimizer, dist_batch, global_batch):
     def step_fn(x, y):
         with tf.GradientTape() as tape:
             logits = model(x, training=True)
-            loss = loss_right(y, logits, global_batch)
+            loss = loss_right(y, logits)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss, tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
@@ -979,16 +995,20 @@ def test_the_lab_text_does_not_answer_its_parts():
     # learner LR2_05: part 1's contract printed the formula and the penalty's share; part 4's
     # setup named what reduce_mean would make of an empty batch
     text = (ROOT / "solutions" / "lab05_mirrored_strategy.py").read_text()
-    part1 = text[text.index("## 1. The per-replica loss"):text.index("**▶ Hint 1")]
+    start = text.index("## 1. The per-replica loss")
+    part1 = text[start:text.index("**▶ Hint 1", start)]
     for said in ("Σ ℓ", "/ `global_batch`", ": once", "holds all"):
         assert said not in part1, part1
-    assert "summed by the strategy" in part1 and "uneven ones included" in part1, part1
+    assert "summed by the strategy" in part1 and "every split the strategy can make" in part1, part1
+    # the new contract: no step size is handed over, and the decision is named as the lab's
+    assert "per_replica_loss(labels, logits, penalty=None)" in part1, part1
+    assert "no argument tells it how many samples" in part1 and "Your design decision" in part1, part1
     # learner LR3_05: the TODO names the piece to write, not its parts
     todo = text[text.index("def per_replica_loss"):text.index("lab05.check_per_replica_loss(")]
     assert "penalty" not in todo.split("BEGIN SOLUTION:")[1].splitlines()[0], todo
     part3 = text[text.index("## 3. One step"):text.index("**▶ Hint 1", text.index("## 3. One"))]
     assert "plain numbers" not in part3 and "two scalar tensors" in part3, part3
-    part4 = text[text.index("## 4. Predict"):text.index("my_guess = ")]
+    part4 = text[text.index("## 0. Predict"):text.index("my_guess = ")]
     assert "reduce_mean" not in part4 and "compute_average_loss" not in part4, part4
     stretch_a = text[text.index("## Stretch A"):text.index("def make_dist_dataset")]
     assert "every full step holds" in stretch_a and "names both" in stretch_a, stretch_a
@@ -997,7 +1017,9 @@ def test_the_lab_text_does_not_answer_its_parts():
 def test_the_lab_does_not_state_the_rule_before_the_prediction():
     # finding: a rule stated right before the prediction made it arithmetic
     text = (ROOT / "solutions" / "lab05_mirrored_strategy.py").read_text()
-    before = text[text.index("## 4. Predict"):text.index("my_guess = ")]
+    before = text[text.index("## 0. Predict"):text.index("my_guess = ")]
+    # the prediction comes before part 1, whose check runs a step where a replica holds nothing
+    assert text.index("my_guess = ") < text.index("def per_replica_loss"), "prediction after part 1"
     assert "⌈" not in before and "ceil" not in before and "22 + 22" not in before, before
 
 
@@ -1023,9 +1045,9 @@ def test_experimental_distribute_dataset_cuts_each_batch_by_the_ceiling(strategy
 
 @pytest.mark.parametrize("fn, cause, fix", [
     (loss_implicit_global, "slice size times the replica count",
-     "Divide by the step's sample count, which the function is given"),
-    (loss_reduce_mean, "(reduce_mean), but the strategy sums",
-     "Divide the summed loss by the whole step's count"),
+     "Divide by the step's sample count: no replica holds it alone"),
+    (loss_reduce_mean, "the number of samples that replica holds itself (its own mean), but "
+                       "the strategy sums", "Divide the summed loss by the whole step's count"),
 ])
 def test_loss_messages_give_the_cause_then_the_fix(fn, cause, fix, strategy):
     with pytest.raises(LabCheckError) as first:
@@ -1213,7 +1235,7 @@ def make_optimizer_with_global(strat, lr):
         return model, keras.optimizers.SGD(learning_rate=lr)
 
 
-def loss_global_replicas(labels, logits, global_batch):
+def loss_global_replicas(labels, logits):
     return tf.reduce_mean(mirrored.per_example_loss(labels, logits)) / \
         LAB_STRATEGY.num_replicas_in_sync
 
@@ -1284,3 +1306,172 @@ def test_stretch_b_escalation_reads_as_two_sentences(strategy):
             lab05.check_partial_batch_epoch(_epoch("mean"), strategy)
     assert "how many samples the step holds. What to change: Ask the other replicas" in str(err.value), \
         str(err.value)
+
+
+# --- part 1 is told no step size: where the divisor comes from is the learner's decision -----
+
+def loss_given_the_step_size(labels, logits, global_batch, penalty=None):
+    # the contract of the last round: a step size handed in
+    return loss_right(labels, logits, penalty)
+
+
+def loss_static_shape_all_reduced(labels, logits, penalty=None):
+    # a Python int (the static shape) handed to all_reduce: fails at once
+    n = tf.distribute.get_replica_context().all_reduce(SUM, labels.shape[0])
+    return tf.reduce_sum(mirrored.per_example_loss(labels, logits)) / tf.cast(n, tf.float32)
+
+
+def loss_static_shape_as_tensor(labels, logits, penalty=None):
+    # right eagerly (the static shape is known there); None once a loop is traced for an epoch
+    n = tf.distribute.get_replica_context().all_reduce(SUM, tf.constant(labels.shape[0]))
+    loss = tf.reduce_sum(mirrored.per_example_loss(labels, logits)) / tf.cast(n, tf.float32)
+    return loss if penalty is None else loss + penalty / (
+        tf.distribute.get_replica_context().num_replicas_in_sync)
+
+
+def loss_mean_times_own_share(labels, logits, penalty=None):
+    # right wherever every replica holds a sample: its own mean x its share of the step
+    own = tf.cast(tf.shape(labels)[0], tf.float32)
+    return tf.reduce_mean(mirrored.per_example_loss(labels, logits)) * own / tf.cast(
+        _step_count(labels), tf.float32)
+
+
+def loss_own_size_times_replicas(labels, logits, penalty=None):
+    ctx = tf.distribute.get_replica_context()
+    return tf.reduce_sum(mirrored.per_example_loss(labels, logits)) / tf.cast(
+        tf.shape(labels)[0] * ctx.num_replicas_in_sync, tf.float32)
+
+
+NOTEBOOK_GLOBAL_BATCH = 64
+
+
+def loss_notebook_global(labels, logits, penalty=None):
+    # a Python int captured from the notebook: the size lesson 05 knew in advance
+    return tf.reduce_sum(mirrored.per_example_loss(labels, logits)) / NOTEBOOK_GLOBAL_BATCH
+
+
+@pytest.mark.parametrize("fn, phrase", [
+    (loss_given_the_step_size,
+     "per_replica_loss requires 3 arguments (labels, logits, global_batch), but the step calls "
+     "it with the labels and logits of this replica's slice only"),
+    (loss_reduce_mean, "divided replica 0's summed loss by 6, the number of samples that "
+                       "replica holds itself (its own mean), but the strategy sums the 2 "
+                       "replicas' gradients"),
+    (loss_own_size_times_replicas,
+     "divided replica 0's summed loss by its own slice size times the replica count (3 x 2 = "
+     "6), but a step of 5 samples as 3+2 on 2 replicas"),
+    (loss_implicit_global, "(compute_average_loss without global_batch_size, a Keras loss "
+                           "object's default reduction, and a local mean / N all assume it)"),
+    (loss_fixed_64, "divided the summed loss by 64, but a step of 12 samples as 6+6 on 2 "
+                    "replicas: a number fixed before the call — written into the function (a "
+                    "global_batch_size=)"),
+    (loss_notebook_global, "divided the summed loss by 64, but a step of 12 samples"),
+    (loss_static_shape_all_reduced,
+     "'int' object has no attribute 'dtype' — an int, a Python number, reached the replica "
+     "context's all_reduce"),
+    (loss_static_shape_as_tensor,
+     "per_replica_loss raised ValueError in a training loop over an epoch, wrapped in "
+     "tf.function (global batch 32 on 2 replicas; the last step's 4 samples as 4+0): ValueError: "
+     "None values not supported. — a count read off a static shape"),
+    (loss_mean_times_own_share,
+     "returned nan on replica 1, which holds 0 of the 1 samples (a step of 1 samples as 1+0 on "
+     "2 replicas): a replica with no sample divided by a count of its own, 0"),
+], ids=["step-size-argument", "own-slice", "own-slice-x-N", "cal-without-size", "cal-python-64",
+        "notebook-int", "static-shape-int", "static-shape-traced", "nan-on-empty-replica"])
+def test_part1_divisors_are_named_by_their_cause(fn, phrase, strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_per_replica_loss(fn, strategy)
+    msg = " ".join(str(err.value).split())
+    assert phrase in msg, msg
+    assert "What to change" not in msg, msg
+
+
+def test_part1_gives_the_fix_on_the_second_meeting_only(strategy):
+    for fn, fix in ((loss_own_size_times_replicas,
+                     "What to change: Divide by the step's sample count: no replica holds it "
+                     "alone, so it has to be put together from every replica's count while the "
+                     "step runs."),
+                    (loss_mean_times_own_share,
+                     "What to change: Divide every replica's summed loss by a number that is the "
+                     "same on every replica and never 0 while the step holds a sample."),
+                    (loss_given_the_step_size,
+                     "What to change: Take (labels, logits, penalty=None) and find the step's "
+                     "size inside the function.")):
+        with pytest.raises(LabCheckError) as first:
+            lab05.check_per_replica_loss(fn, strategy)
+        assert "What to change" not in str(first.value), str(first.value)
+        with pytest.raises(LabCheckError) as second:
+            lab05.check_per_replica_loss(fn, strategy)
+        assert fix in " ".join(str(second.value).split()), str(second.value)
+
+
+def test_part1_runs_a_traced_epoch_and_an_empty_replica(strategy, capsys):
+    lab05.check_per_replica_loss(loss_right, strategy)
+    out = capsys.readouterr().out
+    assert "1 as 1+0" in out and "2 as 1+1+0" in out, out
+    assert "in tf.function (last steps 4+0 on 2, 12+12+4 on 3 replicas)" in out, out
+
+
+def test_the_library_answer_with_a_counted_size_is_refused(strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_per_replica_loss(
+            lambda y, lg, penalty=None: mirrored.per_replica_loss(y, lg, _step_count(y)),
+            strategy)
+    assert "calls dpcourse.mirrored.per_replica_loss, the library's answer" in str(err.value)
+
+
+# --- stretch B: a padded last step ----------------------------------------------------------
+
+def _padded(kind="right"):
+    def train_epoch(strategy, model, optimizer, dist_dataset):
+        def step_fn(x, y, w):
+            with tf.GradientTape() as tape:
+                losses = mirrored.per_example_loss(y, model(x, training=True))
+                ctx = tf.distribute.get_replica_context()
+                count = tf.cast(ctx.all_reduce(SUM, tf.shape(y)[0]), tf.float32)
+                real = ctx.all_reduce(SUM, tf.reduce_sum(w))
+                loss = {"right": lambda: tf.reduce_sum(losses * w) / real,
+                        "part1": lambda: tf.reduce_sum(losses) / count,
+                        "weighted_count": lambda: tf.reduce_sum(losses * w) / count,
+                        "unweighted_real": lambda: tf.reduce_sum(losses) / real,
+                        "own_weights": lambda: tf.reduce_sum(losses * w) / (
+                            tf.reduce_sum(w) * ctx.num_replicas_in_sync)}[kind]()
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        for batch in dist_dataset:
+            strategy.run(step_fn, args=batch)
+    return train_epoch
+
+
+def test_a_right_padded_epoch_passes(strategy, capsys):
+    lab05.check_padded_epoch(_padded(), strategy)
+    out = capsys.readouterr().out
+    assert "(last steps 4 real + 28 padding on 2, 28 real + 8 padding on 3 replicas)" in out, out
+
+
+@pytest.mark.parametrize("kind, phrase", [
+    ("part1", "the last step trained on its padding (global batch 32 on 2 replicas; the last "
+              "step's 32 samples are 4 real and 28 padding, real per replica 4+0): each "
+              "replica's loss was the plain mean over every sample it was handed"),
+    ("weighted_count", "the padding was weighted out of the sum, but the sum was divided by the "
+                       "step's 32 samples, padding included"),
+    ("unweighted_real", "the sum was divided by the 4 real samples, but the per-example losses "
+                        "were not weighted"),
+    ("own_weights", "the weights became nan (global batch 32 on 2 replicas; the last step's 32 "
+                    "samples are 4 real and 28 padding, real per replica 4+0): replica 1 holds "
+                    "only padding in the last step"),
+])
+def test_padded_epoch_mistakes_are_named(kind, phrase, strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_padded_epoch(_padded(kind), strategy)
+    msg = " ".join(str(err.value).split())
+    assert phrase in msg and "What to change" not in msg, msg
+
+
+def test_padded_epoch_own_weights_on_three_replicas(strategy3):
+    # 12 + 12 + 4 real: no replica holds only padding, so no nan: named by its divisor
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_padded_epoch(_padded("own_weights"), strategy3)
+    assert "divided its weighted sum by its own real samples times the 3 replicas" in \
+        " ".join(str(err.value).split()), str(err.value)

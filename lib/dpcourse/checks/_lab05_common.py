@@ -137,8 +137,8 @@ _HIDDEN = {
         "tf.nn.compute_average_loss does the division part 1 asks you to work out: which number "
         "each replica's summed loss is divided by so that the strategy's sum over N replicas is "
         "one mean over the step — also when the slices differ",
-        "Divide the replica's summed per-example losses yourself, by a number every replica "
-        "shares; the contract's arguments hold it."),
+        "Divide the replica's summed per-example losses yourself, by the count the replicas "
+        "found together."),
     "scale_regularization_loss": (
         "tf.nn.scale_regularization_loss does the penalty's part that part 1 asks you to work "
         "out: what share of a term every replica holds whole each replica adds, so that the "

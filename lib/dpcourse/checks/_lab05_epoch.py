@@ -169,7 +169,8 @@ def _stretch_model():
     return model
 
 
-def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool):
+def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool,
+               who: str = "train_epoch"):
     """Runs ``train_epoch`` on a fresh mirrored model over the stretch's epoch, as written or
     wrapped in ``tf.function``; names a Python number where the step needs a tensor."""
     __tracebackhide__ = True
@@ -183,6 +184,8 @@ def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool):
     run = (tf.function(lambda: train_epoch(strategy, model, optimizer, dist)) if traced else
            lambda: train_epoch(strategy, model, optimizer, dist))
     how = "wrapped in tf.function" if traced else "run as written"
+    if who != "train_epoch":
+        how = f"in a training loop over an epoch, {how}"
     try:
         with _LossSpy() as spy, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)   # tf.data's options note, traced
@@ -194,8 +197,9 @@ def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool):
         first = lines[0] if lines else ""
         if traced and first.startswith("in user code") and len(lines) > 1:
             first = lines[-1]   # a traced error: its last line is the error itself
-        if isinstance(exc, (AttributeError, TypeError, ValueError)) and "NoneType" in first:
-            fail(f"train_epoch raised {type(exc).__name__} {how} {at}: {first} — a count read "
+        if isinstance(exc, (AttributeError, TypeError, ValueError)) and (
+                "NoneType" in first or "None values not supported" in first):
+            fail(f"{who} raised {type(exc).__name__} {how} {at}: {first} — a count read "
                  f"off a static shape (x.shape[0], y.shape[0]). Traced, as tf.function traces "
                  f"a training loop once for all its steps, the batch dimension is None: it is "
                  f"unknown until the data arrives, and the last step is shorter than the "
@@ -205,18 +209,18 @@ def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool):
         loop_var = re.search(r"'(\w+)' must be defined before the loop", first)
         if traced and isinstance(exc, ValueError) and loop_var:
             name = loop_var.group(1)
-            fail(f"train_epoch raised ValueError {how} {at}: \"{first}\" — `{name}` is a "
+            fail(f"{who} raised ValueError {how} {at}: \"{first}\" — `{name}` is a "
                  f"Python number set in the loop over the batches for the step to read, and a "
                  f"Python number inside a traced step is fixed when tf.function traces it, once "
                  f"for every step, the short last one included: the step's count must be a "
                  f"tensor, summed across the replicas inside the step.",
-                 fix="Count this replica's samples inside step_fn with a tensor operation on "
+                 fix="Count this replica's samples inside the step with a tensor operation on "
                      "its batch, and sum that count over the replicas with the replica "
                      "context's all_reduce.")
         if isinstance(exc, (AttributeError, TypeError, ValueError)) and (
                 "'int' object" in first or "'float' object" in first):
             kind = "an int" if "'int' object" in first else "a float"
-            fail(f"train_epoch raised {type(exc).__name__} {how} {at}: {first} — {kind}, a "
+            fail(f"{who} raised {type(exc).__name__} {how} {at}: {first} — {kind}, a "
                  f"Python number, reached the replica context's all_reduce where it needs a "
                  f"tensor of this replica's count. all_reduce combines tensors, values the "
                  f"replicas compute while the step runs; a number read off a static shape "
@@ -224,7 +228,7 @@ def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool):
                  f"None there, since the last step's size is known only when its data arrives.",
                  fix="Hand all_reduce a tensor computed from the batch in the step, not a "
                      "Python number.")
-        fail(f"train_epoch raised {type(exc).__name__} {how} {at}: {first}")
+        fail(f"{who} raised {type(exc).__name__} {how} {at}: {first}")
     return model, spy
 
 
@@ -245,7 +249,7 @@ def check_partial_batch_epoch(train_epoch, strategy) -> None:
            f"replicas)")
 
 
-def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
+def _check_epoch_once(train_epoch, strategy, gb: int, who: str = "train_epoch") -> None:
     __tracebackhide__ = True
     x, y = stretch_data()
     n = strategy.num_replicas_in_sync
@@ -259,7 +263,7 @@ def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
         return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(
             ctx.get_per_replica_batch_size(gb))
 
-    model, spy = _run_epoch(train_epoch, strategy, dataset_fn, at, traced=False)
+    model, spy = _run_epoch(train_epoch, strategy, dataset_fn, at, traced=False, who=who)
     got = model.get_weights()
     if not all(np.all(np.isfinite(w)) for w in got):
         fail(f"the weights became NaN {at}: in the last step a replica with no samples divided "
@@ -270,10 +274,11 @@ def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
         return all(_close(a, b, rtol=1e-4) for a, b in zip(got, _one_device(gb, divisors)))
 
     if same(lambda r, sizes: sum(sizes)):
-        traced, _ = _run_epoch(train_epoch, strategy, dataset_fn, at, traced=True)
+        traced, _ = _run_epoch(train_epoch, strategy, dataset_fn, at, traced=True, who=who)
         if all(_close(a, b, rtol=1e-4) for a, b in zip(traced.get_weights(), got)):
             return
-        fail(f"run eagerly, train_epoch matched one device {at}, but wrapped in tf.function "
+        loop = who if who == "train_epoch" else f"a training loop built on {who}"
+        fail(f"run eagerly, {loop} matched one device {at}, but wrapped in tf.function "
              f"(as a training loop is, to run fast) its weights differ: something in the step "
              f"was computed once, when the step was traced, from a Python value — the "
              f"trace is reused for every step, the short last one included.",
@@ -297,3 +302,158 @@ def _check_epoch_once(train_epoch, strategy, gb: int) -> None:
          f"scaling the check does not recognise.",
          fix="Divide each replica's summed loss by the step's global sample count, then apply "
              "the gradients.")
+
+
+# --- stretch B: an epoch whose last batch is padded with weight-0 samples --------------------
+
+def padded_epoch(n: int):
+    """The stretch's 100 samples padded with zero-feature, label-0 samples of weight 0 up to a
+    whole number of global batches of ``stretch_global(n)``: ``(x, y, w, global_batch)``."""
+    x, y = stretch_data()
+    gb = stretch_global(n)
+    pad = -len(x) % gb
+    x = np.concatenate([x, np.zeros((pad, x.shape[1]), np.float32)])
+    y = np.concatenate([y, np.zeros(pad, np.int64)])
+    w = np.concatenate([np.ones(len(x) - pad, np.float32), np.zeros(pad, np.float32)])
+    return x, y, w, gb
+
+
+def _padded_one_device(n: int, weighted: bool, divisor) -> list:
+    """SGD on one device over the padded epoch, replayed the way ``n`` replicas would split each
+    step (``gb / n`` samples each, in order): replica r's summed losses — each times its weight
+    if ``weighted`` — are divided by ``divisor(real, size, real_r)``: the step's real samples,
+    its size, replica r's real samples. None leaves the step out."""
+    x, y, w, gb = padded_epoch(n)
+    model = _stretch_model()
+    opt = keras.optimizers.SGD(learning_rate=0.5)
+    per = gb // n
+    for start in range(0, len(x), gb):
+        xs, ys, ws = x[start:start + gb], y[start:start + gb], w[start:start + gb]
+        with tf.GradientTape() as tape:
+            losses = mirrored.per_example_loss(ys, model(xs))
+            if weighted:
+                losses = losses * ws
+            loss = 0.0
+            for r in range(n):
+                d = divisor(float(ws.sum()), gb, float(ws[r * per:(r + 1) * per].sum()))
+                if d is None:
+                    continue
+                loss = loss + tf.reduce_sum(losses[r * per:(r + 1) * per]) / d
+        if isinstance(loss, float):
+            continue
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+    return model.get_weights()
+
+
+def _run_padded(train_epoch, strategy, traced: bool, at: str):
+    __tracebackhide__ = True
+    n = strategy.num_replicas_in_sync
+    x, y, w, gb = padded_epoch(n)
+    with strategy.scope():
+        model = _stretch_model()
+        optimizer = keras.optimizers.SGD(learning_rate=0.5)
+    dist = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y, w)).batch(gb))
+    run = (tf.function(lambda: train_epoch(strategy, model, optimizer, dist)) if traced else
+           lambda: train_epoch(strategy, model, optimizer, dist))
+    how = "wrapped in tf.function" if traced else "run as written"
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # tf.data's options note, traced
+            run()
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the learner's code, reported in one line
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = lines[-1] if traced and lines and lines[0].startswith("in user code") else (
+            lines[0] if lines else "")
+        fail(f"train_epoch raised {type(exc).__name__} {how} {at}: {first}")
+    return model.get_weights()
+
+
+@recorded
+def check_padded_epoch(train_epoch, strategy) -> None:
+    """Stretch B: ``train_epoch(strategy, model, optimizer, dist_dataset)`` over the stretch's
+    100 samples padded to whole global batches with weight-0 samples (elements ``(x, y, w)``)
+    must leave the weights where one device leaves them after the unpadded batches, each step's
+    loss the mean over its real samples — run as written and wrapped in ``tf.function``, on
+    the lab's strategy and one with a replica more. A wrong epoch is named by the divisor and
+    weighting whose one-device replay gives its weights."""
+    __tracebackhide__ = True
+    tried = []
+    for strat in strategies_for(strategy):
+        n = strat.num_replicas_in_sync
+        x, y, w, gb = padded_epoch(n)
+        last = w[-gb:]
+        per = gb // n
+        reals = [int(last[r * per:(r + 1) * per].sum()) for r in range(n)]
+        real, pad = int(last.sum()), gb - int(last.sum())
+        at = (f"(global batch {gb} on {n} replicas; the last step's {gb} samples are {real} real "
+              f"and {pad} padding, real per replica {'+'.join(map(str, reals))})")
+        got = _run_padded(train_epoch, strat, False, at)
+        _judge_padded(got, n, at, real, pad, gb, reals)
+        traced = _run_padded(train_epoch, strat, True, at)
+        if not all(_close(a, b, rtol=1e-4) for a, b in zip(traced, got)):
+            fail(f"run as written, train_epoch matched one device {at}, but wrapped in "
+                 f"tf.function its weights differ: something in the step was computed once, "
+                 f"when the step was traced, from a Python value — the trace is reused for "
+                 f"every step, the padded last one included.",
+                 fix="Compute what the step divides by from the batch, with tensor operations.")
+        tried.append(f"{real} real + {pad} padding on {n}")
+    passed("train_epoch: every step's loss is the mean over its real samples, the padded last "
+           f"step included, run as written and wrapped in tf.function (last steps "
+           f"{', '.join(tried)} replicas)")
+
+
+def _judge_padded(got, n, at, real, pad, gb, reals) -> None:
+    __tracebackhide__ = True
+    if not all(np.all(np.isfinite(v)) for v in got):
+        empty = [r for r, k in enumerate(reals) if k == 0]
+        fail(f"the weights became nan {at}: "
+             + (f"replica {empty[0]} holds only padding in the last step, so a divisor of its "
+                f"own (the sum of its weights, its real samples) is 0, and its loss 0/0."
+                if empty else "a loss was not a finite number."),
+             fix="Divide by a number the replicas share, which is not 0 while the step holds "
+                 "a real sample.")
+
+    def same(weighted, divisor):
+        return all(_close(a, b, rtol=1e-4) for a, b in
+                   zip(got, _padded_one_device(n, weighted, divisor)))
+
+    if same(True, lambda real_, size, mine: real_):
+        return
+    if same(False, lambda real_, size, mine: size):
+        fail(f"the last step trained on its padding {at}: each replica's loss was the plain "
+             f"mean over every sample it was handed, {real} real and {pad} padding divided by "
+             f"{gb} — the padding samples (zero features, label 0) pulled the weights toward "
+             f"predicting class 0 for nothing, and the {real} real samples got {real}/{gb} of "
+             f"their weight. The weights w say which samples are real.",
+             fix="Weight each example's loss by w, and divide by the number of real samples "
+                 "in the step.")
+    if same(True, lambda real_, size, mine: size):
+        fail(f"the last step was too small {at}: the padding was weighted out of the sum, but "
+             f"the sum was divided by the step's {gb} samples, padding included — its mean over "
+             f"{real} real samples is the sum / {real}, so the last step moved the weights "
+             f"{real}/{gb} as far as one device does.",
+             fix="Divide by the sum of the step's weights, combined over the replicas inside "
+                 "the step.")
+    if same(False, lambda real_, size, mine: real_):
+        fail(f"the last step trained on its padding {at}: the sum was divided by the {real} "
+             f"real samples, but the per-example losses were not weighted, so the {pad} "
+             f"padding samples' losses are in the sum.",
+             fix="Multiply each example's loss by its weight before summing.")
+    if same(True, lambda real_, size, mine: mine * n if mine else None):
+        fail(f"the last step was wrong {at}: each replica divided its weighted sum by its own "
+             f"real samples times the {n} replicas ({', '.join(f'{k} x {n}' for k in reals)}) "
+             f"— the step's real count only when every replica holds as many real samples, and "
+             f"padding sits at the end of the data, on the last replicas.",
+             fix="Divide by the step's real samples, summed over the replicas inside the step.")
+    if same(True, lambda real_, size, mine: None if real_ < size else real_):
+        fail(f"the padded last step changed nothing {at}: its {real} real samples were never "
+             f"trained on.", fix="Train on the padded last step too, weighting out its padding.")
+    fail(f"after one epoch the weights differ from one device on the unpadded batches {at}, "
+         f"by a weighting or divisor the check does not recognise.",
+         fix="Weight each example's loss by w and divide by the real samples of the step, "
+             "summed over the replicas inside it.")

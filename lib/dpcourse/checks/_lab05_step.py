@@ -156,7 +156,7 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
             fail(f"the update is {n}x too big ({n} replicas): each replica's loss was the "
                  f"reduce_mean over its own examples, and the strategy then summed the "
                  f"{n} replicas' gradients.",
-                 fix="Divide each replica's summed loss by the global batch (part 1).")
+                 fix="Divide each replica's summed loss by the step's sample count (part 1).")
         if abs(step_ratio - 1 / n) < 0.05 / n:
             fail(f"the update is {n}x too small: the loss was divided by the global batch and "
                  f"then once more by the {n} replicas, but the strategy sums the replicas' "
@@ -166,13 +166,13 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
                 fail(f"on {n} replicas the update is {n}/{k} of the right one: the loss was "
                      f"divided by a fixed {k} replicas, a number that holds on {k} replicas only.",
                      fix="Drop the fixed replica count: divide each replica's sum by the "
-                         "global_batch argument alone.")
+                         "step's sample count alone.")
         k = global_batch / step_ratio
         if abs(k - round(k)) < 0.02 * k and round(k) not in (global_batch, 0):
             fail(f"with a global batch of {global_batch} on {n} replicas the update is "
                  f"{step_ratio:.3g} times the right one: the loss was divided by a fixed "
                  f"{round(k)}, not by this step's global batch.",
-                 fix="Divide by the global_batch argument.")
+                 fix="Divide by this step's sample count (part 1).")
         if len({len(s) for s in slices}) > 1:
             # each replica dividing its summed loss by its own slice size x n (a local mean / n)
             local = [sum(g / n for g in gs) for gs in zip(*(
@@ -182,7 +182,7 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
                 fail(f"this step's {global_batch} samples arrived in slices of {split}, and each "
                      f"replica's loss was divided by its own slice size times the replica count: "
                      f"that is the global batch only when every slice is the same size.",
-                     fix="Divide by the global_batch argument (part 1).")
+                     fix="Divide by the step's sample count, the same on every replica (part 1).")
         fail(f"one step changed the weights by {step_ratio:.3g} times the single-device SGD "
              f"step (expected 1), not by a factor the check recognises.",
              fix="Compute each replica's loss on its slice (part 1), take its gradient and apply "

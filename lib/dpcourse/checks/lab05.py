@@ -6,18 +6,23 @@ does not split evenly, two learning rates, and, when TensorFlow has a spare logi
 replica more than the lab's strategy (so a number tied to one batch size, one learning rate or 2
 replicas fails):
 
-* ``per_replica_loss(labels, logits, global_batch, penalty=None)`` (part 1, this module) — the
-  loss one replica differentiates: its share of the step's mean, and with ``penalty`` (a
-  regularisation term, identical on every replica) the step's mean plus the penalty counted
-  once over the replicas. Checked inside ``strategy.run`` on even steps, on 3 + 2 (+ ...), and
-  with a penalty on 3 + 2 and 3 + 3 + 1. Named: the per-replica ``reduce_mean`` (N times too
-  big), slice size × replicas (``compute_average_loss`` without ``global_batch_size``, or
-  ``reduce_mean`` / N), the plain sum, a fixed divisor (a captured notebook strategy named),
-  the library's own answer, and with a penalty: added whole on every replica (N times), left
-  out, divided by the global batch, divided by a fixed replica count, no ``penalty``
-  parameter. Refused once the numbers hold: ``tf.nn.compute_average_loss`` and
-  ``tf.nn.scale_regularization_loss``, called or bound to another name (the part asks for the
-  arithmetic they hide).
+* ``per_replica_loss(labels, logits, penalty=None)`` (part 1, this module; the lab's design
+  decision) — the loss one replica differentiates, told no step size: its share of the step's
+  mean, the divisor found while the step runs, and with ``penalty`` (a regularisation term,
+  identical on every replica) the penalty counted once over the replicas. Checked inside
+  ``strategy.run`` on even steps, on 3 + 2 (+ ...), on a step where a replica holds nothing
+  (1 + 0, 1 + 1 + 0), with a penalty on 3 + 2 and 3 + 3 + 1, then in a loop built on it over
+  an epoch whose last step is short, as written and in ``tf.function``
+  (:func:`dpcourse.checks._lab05_epoch._check_epoch_once`). Named: a step-size parameter the
+  step cannot fill, the replica's own slice size (N times too big), slice size × replicas
+  (``compute_average_loss`` without ``global_batch_size``, or ``reduce_mean`` / N), the plain
+  sum, a fixed divisor (a ``global_batch_size=`` or a notebook variable; a captured notebook
+  strategy named), a Python number handed to ``all_reduce``, a static shape that is None once
+  traced, a nan on the empty replica, the library's own answer, and with a penalty: added
+  whole on every replica (N times), left out, divided by the step's count, divided by a fixed
+  replica count, no ``penalty`` parameter. Refused once the numbers hold:
+  ``tf.nn.compute_average_loss`` and ``tf.nn.scale_regularization_loss``, called or bound to
+  another name (the part asks for the decision they hide).
 * ``make_model_and_optimizer(strategy, lr, start=None)`` (part 2,
   :mod:`dpcourse.checks._lab05_model`) — variables created under the strategy given, plain SGD
   with the learning rate asked for, a mirrored model starting from ``start``'s current weights.
@@ -27,15 +32,17 @@ replicas fails):
   :mod:`dpcourse.checks._lab05_reports` names a wrong reported loss or accuracy by the one wrong
   calculation that explains it on the split the step ran on).
 
-Part 4's prediction (:mod:`dpcourse.checks._lab05_predict`): what replica 1 does in the last
-step of an epoch of 15 global batches and one sample — measured per replica (samples held,
-whether step_fn ran, the loss it would compute) and explained after the prediction, never
-before. The stretch: ``make_dist_dataset`` with ``distribute_datasets_from_function``
+Part 0's prediction, measured in part 4 (:mod:`dpcourse.checks._lab05_predict`): what replica
+1 does in the last step of an epoch of 15 global batches and one sample — measured per replica
+(samples held, whether step_fn ran, the loss it would compute) and explained after the
+prediction, never before. The stretch: ``make_dist_dataset`` with ``distribute_datasets_from_function``
 (:mod:`dpcourse.checks._lab05_pipeline`: order, the short last step kept, a global batch the
 replicas do not divide handled by the learner's own decision, the dataset function called as on
-2 workers), and ``train_epoch`` over an epoch whose last step is short
-(:mod:`dpcourse.checks._lab05_epoch`: a fixed divisor, the last step skipped, and a divisor
-tied to a replica's own slice, told apart by the loss each replica differentiated).
+2 workers), and ``train_epoch`` over an epoch whose last batch is padded with weight-0 samples
+(:func:`dpcourse.checks._lab05_epoch.check_padded_epoch`: the padding trained on, divided by
+the padded size, unweighted, a replica's own weights). ``check_partial_batch_epoch`` (an epoch
+whose last step is short, for a whole ``train_epoch``) stays for courses that ask for it; part
+1's check runs its epoch.
 What every runner shares is in :mod:`dpcourse.checks._lab05_common`. Every name the lab and the
 tests use is importable from here.
 
@@ -53,7 +60,8 @@ from dpcourse.checks._lab05_common import (_HiddenSpy, _LibrarySpy, _captured_no
                                            _local,
                                            _refuse_library, keras, reference_batch,
                                            strategies_for, tf)
-from dpcourse.checks._lab05_epoch import check_partial_batch_epoch
+from dpcourse.checks._lab05_epoch import (_check_epoch_once, check_padded_epoch,
+                                          check_partial_batch_epoch, padded_epoch)
 from dpcourse.checks._lab05_model import (START_SEED, check_model_and_optimizer,
                                           start_model)
 from dpcourse.checks._lab05_pipeline import (PIPELINES, _expected_split, check_dataset_fn,
@@ -67,6 +75,7 @@ from dpcourse.checks._lab05_step import check_train_step, uneven_slices
 
 __all__ = ["check_per_replica_loss", "check_model_and_optimizer", "check_train_step",
            "reference_batch", "strategies_for", "check_dataset_fn", "check_partial_batch_epoch",
+           "check_padded_epoch", "padded_epoch",
            "last_step", "last_step_sizes", "check_last_step_prediction",
            "check_pipeline_prediction", "epoch_size", "LAST_STEP_QUESTION", "LAST_STEP_CHOICES",
            "stretch_data", "stretch_global", "PENALTY", "uneven_slices", "start_model",
@@ -75,24 +84,28 @@ __all__ = ["check_per_replica_loss", "check_model_and_optimizer", "check_train_s
 
 @recorded
 def check_per_replica_loss(per_replica_loss, strategy) -> None:
-    """Inside ``strategy.run``, each replica's loss must be its per-example losses summed and
-    divided by the *global* batch size — the number of samples the whole step holds, given as
-    ``global_batch`` — also when the slices differ in size (a global batch that does not split
-    evenly, as a partial last batch does); and with ``penalty`` (a regularisation term, the same
-    on every replica) the replicas' values must hold it once per step. The library's answer
-    and ``tf.nn.compute_average_loss`` / ``tf.nn.scale_regularization_loss`` (called, or bound
-    to another name) are refused: the part asks for the arithmetic they hide."""
+    """``per_replica_loss(labels, logits, penalty=None)`` is given no step size: inside
+    ``strategy.run`` each replica's value must be its per-example losses summed and divided by
+    the number of samples the whole step holds, which no replica sees on its own — on even
+    steps, on uneven ones (3 + 2 (+ ...)), on a step where a replica holds no sample (1 + 0,
+    1 + 1 + 0), on 2 and 3 replicas; with ``penalty`` (the same scalar on every replica) the
+    replicas' values must hold it once per step. Then a training loop built on it runs an epoch
+    whose last step is short, as written and wrapped in ``tf.function``, and must move the
+    weights as one device does. The library's answer and ``tf.nn.compute_average_loss`` /
+    ``tf.nn.scale_regularization_loss`` (called, or bound to another name) are refused: the part
+    asks for the decision they hide."""
     __tracebackhide__ = True
     _refuse_library(per_replica_loss, "per_replica_loss")
+    _refuse_a_step_size_parameter(per_replica_loss)
     # the calls that hide part 1's arithmetic are refused once everything else holds
     with _HiddenSpy(per_replica_loss, "per_replica_loss"):
         tried = []
         with _LibrarySpy("per_replica_loss"):
-            # even slices first on every replica count, then 3 + 2 (+ ...)
-            for even in (True, False):
+            # even slices first on every replica count, then 3 + 2 (+ ...), then a replica empty
+            for split in ("even", "uneven", "empty"):
                 for strat in strategies_for(strategy):
                     n = strat.num_replicas_in_sync
-                    global_batch = 6 * n if even else 2 * n + 1
+                    global_batch = {"even": 6 * n, "uneven": 2 * n + 1, "empty": n - 1}[split]
                     sizes = _check_loss_once(per_replica_loss, strat, global_batch)
                     tried.append(f"{global_batch} as {'+'.join(map(str, sizes))}")
         regularised = []   # after the library's answer had its chance to show, unregularised
@@ -100,72 +113,154 @@ def check_per_replica_loss(per_replica_loss, strategy) -> None:
             for strat in strategies_for(strategy):
                 regularised.append(_check_penalty_once(per_replica_loss, strat,
                                                        2 * strat.num_replicas_in_sync + 1))
-    passed("per_replica_loss divides each replica's summed loss by the global batch (tried "
-           + ", ".join(tried) + "), and the replicas' values hold a penalty once per step ("
-           + ", ".join(regularised) + ")")
+        epochs = []
+        with _LibrarySpy("per_replica_loss"):
+            for strat in strategies_for(strategy):
+                epochs.append(_check_epoch_of_loss(per_replica_loss, strat))
+    passed("per_replica_loss: the replicas' values add up to the step's mean loss (tried "
+           + ", ".join(tried) + "), hold a penalty once per step (" + ", ".join(regularised)
+           + "), and an epoch built on it moves the weights as one device does, its short last "
+             "step included, run as written and in tf.function (last steps "
+           + ", ".join(epochs) + " replicas)")
+
+
+def _refuse_a_step_size_parameter(per_replica_loss) -> None:
+    """The contract hands no step size: a third parameter without a default (the old
+    ``global_batch``) cannot be filled, and is named before anything runs."""
+    __tracebackhide__ = True
+    import inspect
+    try:
+        params = inspect.signature(getattr(per_replica_loss, "func", per_replica_loss)).parameters
+    except (TypeError, ValueError):
+        return
+    required = [nm for nm, p in params.items()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) > 2:
+        fail(f"per_replica_loss requires {len(required)} arguments ({', '.join(required)}), but "
+             f"the step calls it with the labels and logits of this replica's slice only (and "
+             f"penalty= on a regularised step): nothing hands it `{required[2]}`. In a training "
+             f"loop traced once for an epoch, the step that is running is the only place that "
+             f"knows how many samples it holds.",
+             fix="Take (labels, logits, penalty=None) and find the step's size inside the "
+                 "function.")
 
 
 def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
     __tracebackhide__ = True
     n = strat.num_replicas_in_sync
-    _, y = reference_batch(global_batch, seed=global_batch)
-    logits = np.random.default_rng(global_batch).normal(size=(global_batch, 10)).astype(np.float32)
+    _, y = reference_batch(max(global_batch, 1), seed=max(global_batch, 1))
+    logits = np.random.default_rng(global_batch).normal(size=(len(y), 10)).astype(np.float32)
     batch = next(iter(strat.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((y, logits)).batch(global_batch))))
+    labels, lgs = _local(strat, batch[0]), _local(strat, batch[1])
+    sizes = [len(lab) for lab in labels]
+    split = "+".join(map(str, sizes))
     try:
-        out = strat.run(lambda labels, lg: per_replica_loss(labels, lg, global_batch),
-                        args=batch)
+        out = strat.run(lambda labels, lg: per_replica_loss(labels, lg), args=batch)
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001 - the learner's code, reported in one line
-        fail(f"per_replica_loss raised {type(exc).__name__} on {n} replicas: "
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        if isinstance(exc, (AttributeError, TypeError, ValueError)) and (
+                "'int' object" in first or "'float' object" in first):
+            kind = "an int" if "'int' object" in first else "a float"
+            fail(f"per_replica_loss raised {type(exc).__name__} on {n} replicas (a step of "
+                 f"{global_batch} samples as {split}): {first} — {kind}, a Python number, "
+                 f"reached the replica context's all_reduce, which combines tensors: values the "
+                 f"replicas compute while the step runs. A number read in Python (a static "
+                 f"shape, labels.shape[0]) is fixed when a step is traced, once for a whole "
+                 f"epoch, and is None there: the last step's size is known only when its data "
+                 f"arrives.",
+                 fix="Hand all_reduce a tensor computed from the batch, not a Python number.")
+        fail(f"per_replica_loss raised {type(exc).__name__} on {n} replicas (a step of "
+             f"{global_batch} samples as {split}): "
              f"{str(exc).splitlines()[0] if str(exc) else ''}"
              + _captured_note(per_replica_loss, strat))
     got = _local(strat, out)
-    labels, lgs = _local(strat, batch[0]), _local(strat, batch[1])
-    sizes = [len(lab) for lab in labels]
-    for g, lab, lg in zip(got, labels, lgs):
+    for g in got:
         if g.shape != ():
             fail(f"per_replica_loss returned a tensor of shape {g.shape} on a replica, but a "
                  f"gradient tape needs one number (a scalar tensor) to differentiate.",
                  fix="Reduce the per-example losses to one number.")
-    for g, lab, lg in zip(got, labels, lgs):
+    at = f"a step of {global_batch} samples as {split} on {n} replicas"
+    for r, (g, lab, lg) in enumerate(zip(got, labels, lgs)):
         losses = mirrored.per_example_loss(lab, lg).numpy()
         right = losses.sum() / global_batch
+        local = len(lab)
+        if not np.isfinite(g):
+            fail(f"per_replica_loss returned {float(g)} on replica {r}, which holds {local} of "
+                 f"the {global_batch} samples ({at}): "
+                 + (f"a replica with no sample divided by a count of its own, 0 — its own "
+                    f"mean over no sample is 0/0 — and one nan in a loss makes every weight "
+                    f"nan after apply_gradients, although that replica's gradient, a sum over "
+                    f"no sample, is zero." if local == 0 else
+                    "a loss that is not a finite number makes every weight nan."),
+                 fix="Divide every replica's summed loss by a number that is the same on "
+                     "every replica and never 0 while the step holds a sample.")
         if _close(g, right):
             continue
-        local = len(lab)
         if len(set(sizes)) > 1 and local and _close(g, losses.sum() / (local * n)):
-            fail(f"per_replica_loss divided a replica's summed loss by its own slice size times "
-                 f"the replica count ({local} x {n} = {local * n}), but this step's "
-                 f"{global_batch} samples arrived in slices of {'+'.join(map(str, sizes))}: "
-                 f"slice size x replicas is the global batch only when every slice is the same "
-                 f"size, which a partial last batch breaks (compute_average_loss without "
-                 f"global_batch_size, and a local mean / N, both assume it).",
-                 fix="Divide by the step's sample count, which the function is given.")
+            fail(f"per_replica_loss divided replica {r}'s summed loss by its own slice size "
+                 f"times the replica count ({local} x {n} = {local * n}), but {at}: slice size x "
+                 f"replicas is the step's sample count only when every slice is the same size, "
+                 f"which a short last step breaks (compute_average_loss without "
+                 f"global_batch_size, a Keras loss object's default reduction, and a local "
+                 f"mean / N all assume it).",
+                 fix="Divide by the step's sample count: no replica holds it alone, so it has "
+                     "to be put together from every replica's count while the step runs.")
         if local and _close(g, losses.mean()):
-            fail(f"per_replica_loss returned the mean over the replica's own {local} examples "
-                 f"(reduce_mean), but the strategy sums the {n} replicas' gradients: their sum "
-                 f"is then {n} means added, {n} times the gradient of the step's mean.",
-                 fix=f"Divide the summed loss by the whole step's count ({global_batch}).")
-        if _close(g, losses.sum()):
+            fail(f"per_replica_loss divided replica {r}'s summed loss by {local}, the number of "
+                 f"samples that replica holds itself (its own mean), but the strategy sums the "
+                 f"{n} replicas' gradients ({at}): their sum is then {n} means added, about {n} "
+                 f"times the gradient of the step's mean.",
+                 fix="Divide the summed loss by the whole step's count, the same number on "
+                     "every replica.")
+        if _close(g, losses.sum()) and local:
             fail(f"per_replica_loss returns the sum of the per-example losses, not divided by "
                  f"anything: the step's gradient is then {global_batch} times the gradient of "
-                 f"its mean loss.", fix="Divide the sum by the step's sample count.")
+                 f"its mean loss ({at}).", fix="Divide the sum by the step's sample count.")
         k = losses.sum() / float(g) if float(g) else 0.0
         if k > 0 and abs(k - round(k)) < 1e-3 and round(k) != global_batch:
             note = _captured_note(per_replica_loss, strat)
-            fail(f"per_replica_loss divided the summed loss by {round(k)}, but the global batch "
-                 f"here is {global_batch} on {n} replicas: "
-                 + (f"a divisor fixed before the call holds for one batch size and replica count "
+            fail(f"per_replica_loss divided the summed loss by {round(k)}, but {at}: "
+                 + (f"a divisor fixed before the call holds for one step size and replica count "
                     f"only.{note}" if note else
-                    "a number fixed before the call — written into the function, or a value "
-                    "captured from outside it (a variable of the notebook) — holds for one batch "
-                    "size and replica count only."),
-                 fix="Divide by the global_batch argument.")
-        fail(f"per_replica_loss returned {float(g):.5f} where {right:.5f} (sum of the replica's "
-             f"per-example cross-entropies / global batch {global_batch}) was expected.")
+                    "a number fixed before the call — written into the function (a "
+                    "global_batch_size=), or a value captured from outside it (a variable of "
+                    "the notebook, a size read when the loop was traced) — holds for one step "
+                    "size and replica count only, and a short last step has a size of its "
+                    "own."),
+                 fix="Find the step's sample count while the step runs, from the replicas' "
+                     "batches.")
+        if not local:
+            fail(f"per_replica_loss returned {float(g):.5f} on replica {r}, which holds no "
+                 f"sample ({at}): its share of the step's mean is 0 (a sum over no sample), "
+                 f"and any other constant there shifts every replica's loss.")
+        fail(f"per_replica_loss returned {float(g):.5f} on replica {r} where {right:.5f} (its "
+             f"summed per-example cross-entropies / the step's {global_batch} samples) was "
+             f"expected ({at}): its summed loss was divided by {k:.4g}.")
     return sizes
+
+
+def _check_epoch_of_loss(per_replica_loss, strat) -> str:
+    """A training loop built on the learner's loss (the check's, as lab 05's step is) runs the
+    stretch's epoch of 100 samples, whose last step is short, as written and wrapped in
+    ``tf.function``; its weights must be one device's. Returns the last step's split."""
+    __tracebackhide__ = True
+    n = strat.num_replicas_in_sync
+
+    def train_epoch(strategy, model, optimizer, dist_dataset):
+        def step_fn(x, y):
+            with tf.GradientTape() as tape:
+                loss = per_replica_loss(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        for batch in dist_dataset:
+            strategy.run(step_fn, args=batch)
+
+    _check_epoch_once(train_epoch, strat, stretch_global(n), who="per_replica_loss")
+    return f"{'+'.join(map(str, _expected_split(n, stretch_global(n))[-1]))} on {n}"
 
 
 PENALTY = 0.75   # the regularisation term the penalty check hands every replica
@@ -189,16 +284,16 @@ def _check_penalty_once(per_replica_loss, strat, global_batch: int) -> str:
         params = None
     if params is not None and "penalty" not in params and not any(
             p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()) and len(
-            params) < 4:
+            params) < 3:
         fail(f"per_replica_loss takes {len(params)} arguments ({', '.join(params)}), but the "
-             f"contract's regularised step calls it with a fourth, penalty=: the check cannot "
+             f"contract's regularised step calls it with penalty= as well: the check cannot "
              f"ask it for a regularised step's share.",
              fix="Add the parameter penalty=None and use it when it is given.")
     batch = next(iter(strat.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((y, logits)).batch(global_batch))))
     try:
         out = strat.run(lambda labels, lg: per_replica_loss(
-            labels, lg, global_batch, penalty=tf.constant(PENALTY)), args=batch)
+            labels, lg, penalty=tf.constant(PENALTY)), args=batch)
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001 - the learner's code, reported in one line
@@ -233,12 +328,13 @@ def _check_penalty_once(per_replica_loss, strat, global_batch: int) -> str:
         fail(f"{said}: the penalty was left out, so the step is the unregularised one.",
              fix="Add the penalty to the loss, counted once per step over all the replicas.")
     if abs(counted - n / global_batch) < 1e-3:
-        fail(f"{said}: every replica divided the penalty by the global batch ({global_batch}), "
-             f"as the per-example losses are divided — but the penalty is one term of the "
+        fail(f"{said}: every replica divided the penalty by the step's sample count "
+             f"({global_batch}), as the per-example losses are divided — but the penalty is one "
+             f"term of the "
              f"step, not a sum over its samples, and the strategy sums the {n} replicas' "
              f"gradients: {n}/{global_batch} of it reached the weights.",
-             fix="Keep the penalty out of the division by the global batch: only the sum over "
-                 "samples is divided by it.")
+             fix="Keep the penalty out of the division by the step's count: only the sum "
+                 "over samples is divided by it.")
     k = n / counted if counted else 0.0
     if k > 1.5 and abs(k - round(k)) < 1e-3 and round(k) != n:
         fail(f"{said}: every replica added the penalty / {round(k)}, but this step runs on {n} "
