@@ -181,8 +181,10 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 # through one whenever the strategy uses merge calls (`ReplicaContextBase.all_reduce`), and so
 # does Keras' `apply_gradients`, which calls that `all_reduce`; `strategy.reduce` needs none, since it already runs in the cross-replica
 # context. **XLA** is TensorFlow's compiler (`tf.function(jit_compile=True)`): it compiles a
-# whole step into fused kernels, and inside it Python cannot pause for a merge call, so TF then
-# takes other paths.
+# whole step into fused kernels. Merge calls happen while TF traces the step, and
+# MirroredStrategy skips them under XLA only when every one of its devices is a GPU
+# (`MirroredExtended._use_merge_call`, a policy flag); on CPUs it keeps them, XLA or not
+# (claimed below).
 #
 # TF has no public getter for the gradients' cross-device ops, so
 # `mirrored.cross_device_ops_in_use` reads the strategy's private `extended._cross_device_ops`:
@@ -204,6 +206,19 @@ expected_ops = ("CollectiveAllReduce", "RING" if ring_expected else "NCCL")
 claim("by default the strategy sums gradients with a collective all-reduce: RING on CPUs and "
       "logical GPUs, NCCL on one physical GPU per replica", (ops_name, ops_impl) == expected_ops,
       in_use=(ops_name, ops_impl), expected=expected_ops)
+merge_flags = []
+
+
+@tf.function(jit_compile=True)   # compiled with XLA
+def traced_with_xla(x):
+    merge_flags.append(strategy.extended._use_merge_call())   # read while TF traces
+    return x + 1
+
+
+traced_with_xla(tf.constant(0.0))
+all_gpu = all("GPU" in name.upper() for name in device_names)
+claim("inside an XLA-compiled function the strategy uses merge calls unless all its devices are "
+      "GPUs", merge_flags == [not all_gpu], merge_flags=merge_flags, all_gpu=all_gpu)
 
 # %% [markdown]
 # ## 3. Input: tf.data with the global batch
@@ -385,7 +400,8 @@ viz.show_code(mirrored.set_torch_layout_weights)
 
 # %% [markdown]
 # **▶ How this lesson builds a mirrored model and optimizer (lab 05 part 2's answer) — open
-# after your lab passes** (click the folded cell below: `mirrored_cnn`, `optimizer_in`).
+# after your lab passes** (click the folded cell below: `mirrored_cnn`, `optimizer_in`, and a
+# claim on what goes wrong otherwise).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 def mirrored_cnn(strat, start=None, **build):
@@ -405,6 +421,18 @@ def optimizer_in(strat, rate=lr, loss_scale=False, build_for=None):
         if build_for is not None:
             opt.build(build_for)
         return opt
+
+
+with strategy.scope():
+    w_probe = tf.Variable(1.0)
+    made_outside = keras.optimizers.SGD(learning_rate=lr)   # constructed outside the scope ...
+    made_outside.build([w_probe])                           # ... built inside it
+made_inside = optimizer_in(strategy, build_for=[w_probe])
+kinds = {name: type(o.iterations.value).__name__
+         for name, o in (("outside", made_outside), ("inside", made_inside))}
+claim("an SGD constructed outside the scope and built inside keeps an unmirrored step counter "
+      "(its constructor made it); optimizer_in's is mirrored",
+      kinds == {"outside": "ResourceVariable", "inside": "MirroredVariable"}, kinds=kinds)
 
 # %%
 torch.manual_seed(0)
@@ -552,8 +580,8 @@ claim("under the strategy the default reduction is the mean × 1/N, reduction='s
       "sum (to 1e-5 relative)", np.isclose(by["sum_over_batch_size"], total / 8 / n, rtol=1e-5)
       and np.isclose(by["sum"], total, rtol=1e-5), by=by, total=total)
 # %% [markdown]
-# **▶ An empty slice (lab 05 part 4's prediction, answered) — open after your lab passes**
-# (click the folded cell below; its claims follow, folded too).
+# **▶ After lab 05 part 4 (open once your prediction is checked)** (click the folded cell below;
+# its claims follow, folded too).
 
 # %% [markdown] jupyter={"source_hidden": true}
 # A replica whose slice is **empty** (the last step of an epoch can leave one so) is caught by a
@@ -565,7 +593,7 @@ claim("under the strategy the default reduction is the mean × 1/N, reduction='s
 # (both claimed below).
 
 # %% [markdown]
-# **▶ The empty slice, claimed — open after your lab passes** (click the folded cell below).
+# **▶ Its claims — open after lab 05 part 4** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 with strategy.scope():
@@ -614,7 +642,9 @@ viz.show_code(mirrored.count_cross_device_calls)
 # traces the step, `make_train_step` builds the optimizer's per-variable state (momentum, Adam's
 # moments) under the strategy, so that those variables are created once, mirrored, before the
 # trace, rather than lazily during the first call of the traced function. Plain SGD, which this
-# lesson and lab 05 use, keeps no such state: for it the build creates no variable.
+# lesson and lab 05 use, keeps no such state: for it the build creates no variable. Nor does
+# the build make all of an optimizer's variables (where the others come from is lab 05 part 2's
+# question; this lesson's optimizers come from `optimizer_in`, folded above with a claim).
 
 # %%
 viz.show_code(mirrored.make_train_step, mirrored.train_steps)
@@ -627,6 +657,14 @@ claim("plain SGD's build creates no variable (momentum would add one per weight)
       len(sgd_probe.variables) == n_before, before=n_before, after=len(sgd_probe.variables))
 
 # %% [markdown]
+# From here on the lesson compares weights in torch's layout: `mirrored.keras_weights_as_torch`
+# undoes `copy_torch_weights` (transposes back, reorders the first dense layer's rows).
+# **▶ Its code** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(mirrored.keras_weights_as_torch)
+
+# %% [markdown]
 # The next cell also counts what carries the reported loss. One reduction takes another road on
 # every profile: `strategy.reduce(...)` puts its result on the current device (the host CPU,
 # unless a `with tf.device(...)` block names another: `StrategyExtendedV2._reduce`), and whenever
@@ -634,14 +672,6 @@ claim("plain SGD's build creates no variable (momentum would add one per weight)
 # (`MirroredExtended._use_merge_call`, a flag that `_reduce_to` reads) —
 # `MirroredExtended._reduce_to` sends a reduction to a CPU, or to devices other than the value's,
 # through `ReductionToOneDevice`: here, one number per replica copied to the host.
-
-# %% [markdown]
-# From here on the lesson compares weights in torch's layout: `mirrored.keras_weights_as_torch`
-# undoes `copy_torch_weights` (transposes back, reorders the first dense layer's rows).
-# **▶ Its code** (click the folded cell below).
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.keras_weights_as_torch)
 
 # %%
 sgd = lambda: keras.optimizers.SGD(learning_rate=lr)   # noqa: E731 - plain SGD, as in PyTorch
@@ -1051,8 +1081,8 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 #   for equal slices): dividing it again makes the step 1/N.
 # * Regularisation losses, the same on every replica, go through `scale_regularization_loss`.
 #
-# **▶ And an empty slice (lab 05 part 4's answer) — open after your lab passes** (click the
-# folded cell below).
+# **▶ And lab 05 part 4's answer — open after your lab passes** (click the folded cell
+# below).
 
 # %% [markdown] jupyter={"source_hidden": true}
 # * A Keras loss object on an empty slice gives a `(0,)` tensor eagerly, a scalar 0.0 traced.
@@ -1118,7 +1148,7 @@ viz.quiz([
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
 # - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`; `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.build` adds variables only for EMA or gradient accumulation.
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
-# - `keras/src/losses/loss.py` — `reduce_values`: a value whose static shape is `(0,)` or `()` is returned unreduced and unscaled (traced with an unknown batch dimension, an empty value is summed and divided with `divide_no_nan`: 0.0). `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling.
+# - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling.
 # - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`); `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it; `dynamic_growth_steps=2000`: after that many finite steps in a row the scale doubles. `keras/src/optimizers/adam.py` — `Adam.update_step`: the step divides the first moment by the root of the second, so a constant factor on every gradient nearly cancels.
@@ -1137,6 +1167,7 @@ viz.quiz([
 # %% [markdown] jupyter={"source_hidden": true}
 # #### Sources (lab 05's answers)
 #
+# - `keras/src/losses/loss.py` — `reduce_values`: a value whose static shape is `(0,)` or `()` is returned unreduced and unscaled (traced with an unknown batch dimension, an empty value is summed and divided with `divide_no_nan`: 0.0).
 # - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__`: the `iteration` counter and the `learning_rate` variable are created by the constructor, not by `build`.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size`; `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.

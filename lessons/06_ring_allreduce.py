@@ -169,17 +169,17 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 #   ends with the sum of one part) by *recursive halving* (in round 1 each worker swaps half its array with
 #   the partner p/2 away and adds the half it keeps; in round 2 half of that half with the
 #   partner p/4 away, …), then an all-gather by *recursive doubling*, the same rounds
-#   backwards. It sends K/2 + K/4 + … = (p−1)K/p each way, the ring's bytes, in 2log₂p steps,
-#   the tree's count. For other N, the N − p workers above the largest power of two p first
-#   hand their whole array to a partner and get the result back at the end: one more step of
-#   K bytes at each end.
+#   backwards. A worker sends K/2 + K/4 + … = (p−1)K/p in each phase, 2(p−1)K/p in all — the
+#   ring's bytes — in 2log₂p steps, the tree's count. For other N, the N − p workers above
+#   the largest power of two p first hand their whole array to a partner and get the result
+#   back at the end: one more step of K bytes at each end.
 #
 # In all but the parameter server a step is one message per link, so α is also the cost of a
 # message. The server's link takes N messages in each of its two steps; the table prices them
 # as if they went at once, for one α — the most favourable case for the server (one by one,
-# its two steps would cost 2Nα). In §3, where α is fitted to gloo, a step is not one message
-# either (gloo sends a ring step as two or more). The costs (`ring.cost`; its code is folded
-# below):
+# its two steps would cost 2Nα). The *critical path* is the chain of steps that must follow
+# one another: the time pays α per step and β per byte on it. The costs (`ring.cost`; its code
+# is folded below):
 #
 # | algorithm | steps (α terms) | bytes the time pays for (critical path) | busiest link, one direction | time |
 # |---|---|---|---|---|
@@ -187,15 +187,16 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # | parameter server (separate server), its link taking N messages at once | 2 | 2NK | NK | 2α + 2NKβ |
 # | ring | 2(N−1) | 2(N−1)K/N | 2(N−1)K/N | 2(N−1)α + 2(N−1)/N·Kβ |
 # | binomial tree: reduce, then broadcast | 2⌈log₂N⌉ | 2⌈log₂N⌉K | ⌈log₂N⌉K | 2⌈log₂N⌉(α + Kβ) |
-# | Rabenseifner, N = p a power of two | 2log₂p | 2(p−1)K/p | (p−1)K/p | 2log₂p·α + 2(p−1)/p·Kβ |
-# | Rabenseifner, other N (p < N the largest power of two) | 2log₂p + 2 | 2(p−1)K/p + 2K | (p−1)K/p + K | the line above + 2(α + Kβ) |
+# | Rabenseifner, N = p a power of two | 2log₂p | 2(p−1)K/p | 2(p−1)K/p | 2log₂p·α + 2(p−1)/p·Kβ |
+# | Rabenseifner, other N (p < N the largest power of two) | 2log₂p + 2 | 2(p−1)K/p + 2K | 2(p−1)K/p + K | the line above + 2(α + Kβ) |
 
 # %% [markdown]
 # Two ways of counting bytes, on purpose: links are *full duplex* (each direction has its own
 # bandwidth). The naive way, the server and the tree receive everything and *then* send it, so
-# their time pays for both directions one after the other; in a ring every worker sends and
-# receives at the same time, so its time pays for one direction. Counted per direction, the
-# conclusion stands: the ring's link carries under 2K, the server's NK.
+# their time pays for both directions one after the other; in a ring, and in Rabenseifner's
+# exchanges, every worker sends and receives at the same time, so the time pays for one
+# direction. Counted per direction, the conclusion stands: the ring's link carries under 2K,
+# the server's NK.
 #
 # How good can an all-reduce get? Chan, Heimlich, Purkayastha and van de Geijn (2007) prove,
 # for this model with a worker sending one message and receiving one at a time, that any
@@ -225,10 +226,11 @@ for alg in ring.COST_MODELS:
 
 # %% [markdown]
 # **▶ The cost model's code** (click the folded cell below: `ring.cost`, the table's formulas
-# as this section's numbers, claims and figure compute them).
+# as this section's numbers, claims and figure compute them; `ring.ring_bytes_per_worker`, the
+# exact count checked above; `ring.simulate_rabenseifner`).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ring.cost)
+viz.show_code(ring.cost, ring.ring_bytes_per_worker, ring.simulate_rabenseifner)
 
 # %%
 import math
@@ -254,6 +256,13 @@ claim("N a power of two: Rabenseifner sends the ring's bytes in the tree's numbe
 claim("so, under the model, at those N it is never slower than either (1 kB … 100 MB)",
       all(c.seconds <= min(ring.cost(a, n, k, alpha_demo, beta_demo).seconds
                            for a in ("ring", "tree")) + 1e-15 for (n, k), c in rab.items()))
+sim = {n: ring.simulate_rabenseifner([np.full(64, w, np.float32) for w in range(n)])
+       for n in (4, 6, 8)}  # K = 256 bytes; worker w holds w. Below: p, and K more where N != p
+claim("Rabenseifner's, run on arrays: every worker ends with the sum; the busiest sends 2(p−1)K/p "
+      "at N = 4 and 8, 2(p−1)K/p + K at N = 6 (ring.cost's critical path less the K it took in)",
+      all(all((r == n * (n - 1) / 2).all() for r in res) and max(sent) == 2 * (p - 1) * 256 / p + x
+          == ring.cost("rabenseifner", n, 256, 0, 1).critical_path_bytes - x
+          for (n, (res, sent)), (p, x) in zip(sim.items(), [(4, 0), (4, 256), (8, 0)])))
 six = {a: ring.cost(a, 6, 100e6, alpha_demo, beta_demo) for a in ("ring", "rabenseifner")}
 claim("N = 6, 100 MB: the two extra K-byte steps make Rabenseifner slower than the ring "
       f"({six['rabenseifner'].seconds * 1e3:.1f} ms against {six['ring'].seconds * 1e3:.1f} ms)",
@@ -292,8 +301,7 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 # segments** of at most 1 MiB (`kMaxSegmentSize`; the segment count is rounded up to a multiple
 # of N, and at least 2N), pipelined. So one step of the model is two or more of gloo's
 # messages, and the **α fitted here is a cost per ring step**, not
-# per message; it is the number the model's 2(N−1)α needs. A cost per step and a cost per byte
-# are what we estimate, and the ring's formula is the bandwidth-optimal shape they take.
+# per message; it is the number the model's 2(N−1)α needs.
 #
 # Two things on a small shared machine are not in that formula, and we handle both:
 #
@@ -306,8 +314,7 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 #   still two parameters, α and β.
 #
 # We fit both models and also one (α, β) per N (which describes the measured N best, but cannot
-# predict another N), and print each one's relative error. The benchmark command measures the
-# same up to 64 MiB, for both rings: `python -m dpcourse.bench allreduce`.
+# predict another N), and print each one's relative error.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -391,11 +398,9 @@ else:
           f"{bench.format_size(int(ks[fit.relative_errors.argmax()]))}.")
 
 # %% [markdown]
-# Read the figure with the machine in mind. This run's medians are the ones printed above; they
-# move from run to run with the machine's load, so the claim asserts only a loose bound, 50%,
-# that a loaded 2-core machine can hold on every run.
-# What two parameters cannot capture is left: a few hundred KiB fit in the CPU's caches and megabytes
-# do not, so "seconds per byte" is not one number; and a busy neighbour can slow even the
+# The medians printed above move from run to run with the machine's load, so the claim asserts
+# only a loose bound, 50%, that a loaded 2-core machine holds on every run. Where the points
+# leave the lines is what two parameters cannot capture; a busy neighbour can slow even the
 # fastest repetition.
 #
 # ### Using the model on machines we do not have here
@@ -452,6 +457,12 @@ claim("at 1024 GPUs the ring's critical path (one direction of each link) still 
 # `ring.ring_cheapest_up_to` says so: "up to N = n" means the ring is the cheapest at *every*
 # N from 2 to n (the search stops at the first N where another is cheaper), and *censored*
 # means it never stopped. A wider search finds where it stops. Then put Rabenseifner's back.
+#
+# **▶ The search's code** (click the folded cell below: `ring.cheapest`, ties going to the ring,
+# and the searches over N).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ring.cheapest, ring.ring_cheapest_up_to, ring.cheapest_by_n)
 
 # %%
 four = ring.ALGORITHMS  # the naive way, the parameter server, the ring, the binomial tree
@@ -499,10 +510,11 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
       five.get("ring") == [n for n in range(2, 129) if n not in powers], ring=five.get("ring"))
 
 # %% [markdown]
-# So for big messages the model picks Rabenseifner's at every power of two. Why then does gloo
-# ring, and NCCL (NVIDIA's library of collectives for GPUs, DDP's backend there) ring among
-# its choices (trees and others too: the folded cell below)? The model gives every pair of
-# workers a link of its own at full speed. Where links are shared — GPUs on one PCIe bus,
+# So for big messages the model picks Rabenseifner's at every power of two. Why then does
+# torch's gloo backend ring (gloo has halving-doubling too, but `ProcessGroupGloo` takes gloo's
+# default, the ring), and NCCL (NVIDIA's library of collectives for GPUs, DDP's backend there)
+# ring among its choices (trees and others too: the folded cell below)? The model gives every
+# pair of workers a link of its own at full speed. Where links are shared — GPUs on one PCIe bus,
 # servers behind network switches — Rabenseifner's partners, p/2, p/4, … apart, exchange
 # across links that other pairs use at the same time, a cost the model does not see; a ring
 # only ever uses its neighbours' links, in an order that can follow the wiring, and its pieces
@@ -534,8 +546,7 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 
 # %% [markdown]
 # Try it yourself: drag K down to a few kilobytes and raise α, and watch the ring lose N after
-# N; then raise K again. The shading and the title's second line say which algorithm is the
-# cheapest at each N.
+# N; then raise K again.
 
 # %%
 # The sliders start at this machine's fitted α and β (§3); the curves come from ring.cost.
@@ -706,9 +717,8 @@ if world_size == 2:
 # (the middle half of the pairs) and its range. On a loaded machine single pairs swing widely,
 # so the sentences under the table call a difference only when three quarters of a size's
 # pairs agree — that row's q1 > 1 (the ring) or q3 < 1 (the built-in) — and "no clear
-# difference" otherwise. One verdict per size, read off that row's quartiles in the table,
-# never pooled over sizes (pooling 4 MiB with 16 MiB can hide that they disagree). They are
-# computed from this run.
+# difference" otherwise: one verdict per size, never pooled over sizes (pooling can hide that
+# they disagree), computed from this run.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -875,7 +885,7 @@ viz.quiz([
     {"q": "How many bytes does each worker send in a ring all-reduce of K bytes over N workers?",
      "options": ["K", "2(N−1)K/N", "2(N−1)K"],
      "answer": 1,
-     "why": ["Close for large N, but the exact count is 2(N−1)K/N: N−1 chunks of K/N, twice.",
+     "why": ["Exact only at N = 2; as N grows the count approaches 2K: N−1 chunks of K/N, twice.",
              "Right: N−1 chunks in the scatter-reduce and N−1 in the all-gather, each K/N.",
              "That is what device 0 moves in DataParallel (lesson 02), not a ring worker."]},
     {"q": "Going from 8 to 1024 workers, what happens to the ring's bandwidth term?",
@@ -914,6 +924,7 @@ viz.quiz([
 # - `torch/_torch_docs.py` — `tensor_split`: the first `size % sections` pieces are one element longer — the chunking of `ring.chunk_bounds` and NumPy's `array_split`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel`: gradients grouped in buckets (`bucket_cap_mb`), one all-reduce per bucket.
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`: "Apply the division first", `tensor.div_(group_to_use.size())` before the all-reduce (DDP's default behaviour in Python form).
+# - `torch/include/torch/csrc/distributed/c10d/gloo/ProcessGroupGlooDetail.hpp` — `AsyncAllreduceWork::allreduce`, torch's gloo all-reduce: it fills a `gloo::AllreduceOptions` without choosing an algorithm (no `setAlgorithm`) and calls `gloo::allreduce`, so gloo runs its default (`gloo/allreduce.cc` below).
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._batch_reduce_to` and `_make_collective_ops_with_fallbacks`: a step's gradients go to the cross-device ops in one batched call; by default `CollectiveAllReduce` with `RING` on CPUs.
 #
 # Public documents (not in the installed files):
@@ -922,6 +933,6 @@ viz.quiz([
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
 # - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/graph/tuning.cc` — the tuner's latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
-# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (at least 2N segments, rounded up to a multiple of N, of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded reference answer after the lab pointer). `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
+# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (at least 2N segments, rounded up to a multiple of N, of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded reference answer after the lab pointer); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
 # - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, the extra step for N not a power of two) and their α-β costs.
 # - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth.

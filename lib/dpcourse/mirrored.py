@@ -448,9 +448,10 @@ def train_step(strategy, model, optimizer, dist_batch, global_batch: int,
 def make_train_step(strategy, model, optimizer, global_batch: int, loss_scaling: str = "global"):
     """:func:`train_step` compiled with ``tf.function`` (one graph for the whole step).
 
-    The optimizer's own variables (momentum, Adam's moments) are created here, under the
-    strategy, before the step is traced, so that they are made once, mirrored, rather than
-    lazily during the traced function's first call.
+    The optimizer's per-weight state (momentum, Adam's moments) is built here, under the
+    strategy, before the step is traced, so that it is made once, mirrored, rather than
+    lazily during the traced function's first call. Its other variables are not made here:
+    ``optimizer`` must come with them already mirrored by ``strategy``.
 
     Shown in lesson 05, §"Lab 05: the custom loop".
     """

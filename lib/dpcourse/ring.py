@@ -53,6 +53,7 @@ __all__ = [
     "RingTrace",
     "simulate_ring",
     "ring_bytes_per_worker",
+    "simulate_rabenseifner",
     "Slot",
     "pipeline_schedule",
     "ALGORITHMS",
@@ -207,13 +208,66 @@ def ring_bytes_per_worker(length: int, n: int, itemsize: int = 4) -> list[int]:
     chunks included). For ``length`` divisible by ``n`` every entry is 2(n-1)length/n*itemsize.
 
     Worker i sends chunks (i - s) for s = 0..n-2 in the scatter-reduce and chunks (i + 1 - s)
-    in the all-gather: every chunk but (i + 1) once, then every chunk but (i + 2) once."""
+    in the all-gather: every chunk but (i + 1) once, then every chunk but (i + 2) once.
+
+    Shown in lesson 06, §2; lesson 09, §1."""
     bounds = chunk_bounds(length, n)
     sizes = [b - a for a, b in bounds]
     total = sum(sizes)
     if n == 1:
         return [0]
     return [(2 * total - sizes[(i + 1) % n] - sizes[(i + 2) % n]) * itemsize for i in range(n)]
+
+
+def simulate_rabenseifner(arrays: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[int]]:
+    """Rabenseifner's all-reduce run on real arrays: ``(results, sent)``, every worker's result
+    and the bytes each worker sent (one direction of its link, over the whole all-reduce).
+
+    With p the largest power of two <= N, the N - p workers above p first hand their whole
+    array to worker r - p. The first p then run a reduce-scatter by *recursive halving*
+    (partners p/2, p/4, ..., 1 apart: each keeps one half of the part it still reduces, sends
+    the other half to its partner and adds the partner's half of its own) and an all-gather by
+    *recursive doubling* (partners 1, 2, ..., p/2 apart: each sends the part it holds complete
+    and takes its partner's). Last, the extra workers get the result back. Exchanges within a
+    round use the buffers as they were at the round's start, as simultaneous messages would.
+
+    Shown in lesson 06, §2."""
+    n = len(arrays)
+    if n < 1 or len({np.shape(a) for a in arrays}) != 1 or np.ndim(arrays[0]) != 1:
+        raise ValueError("arrays must be one or more 1-D arrays of the same length")
+    p = 1 << (n.bit_length() - 1)  # the largest power of two <= n
+    buf = [np.array(a, copy=True) for a in arrays]
+    sent = [0] * n
+    for r in range(p, n):  # fold the extra workers in
+        buf[r - p] += buf[r]
+        sent[r] += buf[r].nbytes
+    lo, hi = [0] * p, [len(buf[0])] * p  # the part [lo, hi) each worker still reduces
+    d = p // 2
+    while d:  # recursive halving: give one half away, add the partner's copy of the other
+        mids = [(lo[i] + hi[i]) // 2 for i in range(p)]
+        keep = [(lo[i], mids[i]) if i & d == 0 else (mids[i], hi[i]) for i in range(p)]
+        give = [buf[i][mids[i]:hi[i]] if i & d == 0 else buf[i][lo[i]:mids[i]]
+                for i in range(p)]
+        give = [g.copy() for g in give]  # what is on the wire, taken before anyone adds
+        for i in range(p):
+            (a, b), partner = keep[i], i ^ d
+            buf[i][a:b] += give[partner]
+            sent[i] += give[i].nbytes
+            lo[i], hi[i] = a, b
+        d //= 2
+    d = 1
+    while d < p:  # recursive doubling: swap the complete parts, each part doubling
+        parts = [(lo[i], hi[i], buf[i][lo[i]:hi[i]].copy()) for i in range(p)]
+        for i in range(p):
+            a, b, data = parts[i ^ d]
+            buf[i][a:b] = data
+            sent[i] += parts[i][2].nbytes
+            lo[i], hi[i] = min(lo[i], a), max(hi[i], b)
+        d *= 2
+    for r in range(p, n):  # hand the result back to the extra workers
+        buf[r][:] = buf[r - p]
+        sent[r - p] += buf[r].nbytes
+    return buf, sent
 
 
 @dataclass(frozen=True)
@@ -306,7 +360,9 @@ class Cost:
     bytes the time pays for (beta each) on the critical path: for the ring one direction of a
     link, 2(N-1)K/N; for the naive way, the server and the tree, a link's bytes in *then* out
     (2(N-1)K, 2NK, 2 ceil(log2 N) K), which is twice what one direction of their busiest link
-    carries; for Rabenseifner's, 2(p-1)K/p (+ 2K when N is not a power of two p).
+    carries; for Rabenseifner's, 2(p-1)K/p (+ 2K when N is not a power of two p: the extra
+    K in, then the result out), where one direction of the busiest link carries 2(p-1)K/p
+    (+ K) — :func:`simulate_rabenseifner` counts it.
     ``seconds`` = steps*alpha + critical_path_bytes*beta.
     """
 
@@ -375,7 +431,9 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
 def cheapest(n: int, nbytes: float, alpha: float, beta: float,
              algorithms: Sequence[str] = COST_MODELS) -> str:
     """The algorithm with the smallest :func:`cost` at ``n`` workers, among ``algorithms``
-    (by default all five :func:`cost` prices, Rabenseifner's included; ties: the ring)."""
+    (by default all five :func:`cost` prices, Rabenseifner's included; ties: the ring).
+
+    Shown in lesson 06, §3."""
     unknown = [a for a in algorithms if a not in COST_MODELS]
     if unknown or not algorithms:
         raise ValueError(f"algorithms must be a non-empty choice of {', '.join(COST_MODELS)}, "
@@ -388,7 +446,9 @@ def cheapest_by_n(nbytes: float, alpha: float, beta: float, n_max: int = 64,
                   algorithms: Sequence[str] = COST_MODELS) -> dict:
     """``{algorithm: [N, ...]}``: at which N (2..n_max) each of ``algorithms`` is the
     :func:`cheapest` (only the algorithms that are, in the order of ``algorithms``). Lesson 06's
-    explorer shades and titles its figure with it; :func:`spans` writes a list as ranges."""
+    explorer shades and titles its figure with it; :func:`spans` writes a list as ranges.
+
+    Shown in lesson 06, §3."""
     where: dict = {}
     for n in range(2, int(n_max) + 1):
         where.setdefault(cheapest(n, nbytes, alpha, beta, algorithms), []).append(n)
@@ -440,7 +500,8 @@ def ring_cheapest_up_to(nbytes: float, alpha: float, beta: float, n_max: int = 6
     than the tree's 2·ceil(log2 N)·alpha, so the ring wins at small N, if anywhere: this is
     where it stops. With Rabenseifner's in (the default), it stops at N = 3 at the latest
     (alpha > 0): at N = 4 Rabenseifner's sends the ring's bytes in 4 steps instead of 6.
-    Lesson 06, §3."""
+
+    Shown in lesson 06, §3."""
     n_max = int(n_max)
     if n_max < 2:
         raise ValueError(f"n_max must be at least 2, got {n_max}")
