@@ -40,11 +40,13 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # - **the work:** the ranks share it — together they run the model as many times as that one
 #   process would;
 # - **the wire:** what a rank passes into its collectives does not grow with the test set (a
-#   real one has 10⁵ images on hundreds of ranks), holds **no more numbers per class than the
-#   exact value needs** (a spare number or two beside them is fine; the check counts what each
-#   rank passes), and lives on `device` (on GPUs the group is NCCL's, which only moves GPU
-#   memory; here the ranks compute on the CPU, and the check follows where each tensor would
-#   live on a GPU).
+#   real one has 10⁵ images on hundreds of ranks) and stays exact on such a set (whatever dtype
+#   it travels in holds each of its numbers exactly, at 10⁵ images too; the check reads the
+#   dtype you hand to each collective); it holds **no more numbers per class than the exact
+#   value needs** (the check counts everything each rank passes, all classes together: a few
+#   spare numbers in total are fine, not one more per class); and it lives on `device` (on
+#   GPUs the group is NCCL's, which only moves GPU memory; here the ranks compute on the CPU,
+#   and the check follows where each tensor would live on a GPU).
 #
 # The check calls your function on test sets that do not split evenly, and when one of these
 # does not hold, its sentence says what it saw.
@@ -273,8 +275,9 @@ lab04.check_prediction(guess, labels, per_rank)
 # compares every rank's state and the final weights with a run that never stopped: they must
 # agree bit for bit (to 1e-5). Its ranks have no GPU: while your two functions run, torch.cuda's
 # random-state functions (`get_rng_state`, `set_rng_state`, their `_all` forms, the seeding
-# ones) act on stand-in GPUs, 2 per rank, rank r running on GPU r, which each training step's
-# dropout moves as it would on a GPU; the check compares them like the rest.
+# ones) act on stand-in GPUs, 2 per rank as on a 2-GPU node: rank r runs on GPU r alone (its
+# current device, as after `torch.cuda.set_device(local_rank)`), whose generator each training
+# step's dropout moves as it would on a GPU; the check compares them like the rest.
 #
 # ```python
 # sampler = DistributedSampler(train_set, num_replicas=2, rank=rank, seed=0)
@@ -324,10 +327,13 @@ plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUM
 # copy stands for all. Dropout draws its masks from a generator, and after the model is built
 # each rank's generator is seeded differently: each rank's state is its own, and it moved
 # with every mask drawn. Rank 0 can only write what reaches it; on resume, each rank needs its
-# own back, and DDP copies nothing to the other ranks after it has wrapped the model. On a GPU,
-# dropout on a CUDA tensor draws from that GPU's generator, which `torch.get_rng_state` does
-# not hold. And a save can itself be cut short: until the new file is complete, the old one
-# must stay whole where a restart looks (lesson 04, §3).
+# own back, and DDP copies nothing to the other ranks after it has wrapped the model. So what
+# is each rank's alone must travel to rank 0 first, and it is no tensor: torch.distributed's
+# collectives are not only for tensors, some carry any Python object (they pickle it), though
+# no lesson has used them yet. On a GPU, dropout on a CUDA tensor draws from that GPU's
+# generator, which `torch.get_rng_state` does not hold. And a save can itself be cut short:
+# until the new file is complete, the old one must stay whole where a restart looks (lesson
+# 04, §3).
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -335,12 +341,12 @@ plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUM
 # %% [markdown] jupyter={"source_hidden": true}
 # Save: every rank contributes its generator states (the CPU's, and `torch.cuda`'s for every
 # device, an empty list without a GPU) to an object collective, which pickles any Python
-# object (`dist.all_gather_object` fills a list, one entry per rank; no lesson used it yet);
-# then rank 0 alone writes one dict (beside the old file first, then over it in one step):
-# the plain model's weights, the optimizer's state dict, the epoch, that list. Resume: no
-# file, return 0; else on every rank load the weights into the model inside the wrapper, the
-# optimizer's state, this rank's entry of the list into the generators; return the saved
-# epoch plus one.
+# object (`dist.all_gather_object` fills a list, one entry per rank, on every rank;
+# `dist.gather_object` fills it on its `dst` rank only); then rank 0 alone writes one dict
+# (beside the old file first, then over it in one step): the plain model's weights, the
+# optimizer's state dict, the epoch, that list. Resume: no file, return 0; else on every rank
+# load the weights into the model inside the wrapper, the optimizer's state, this rank's entry
+# of the list into the generators; return the saved epoch plus one.
 
 # %%
 import torch

@@ -338,6 +338,27 @@ F1_WRONG = {
         "    den = 2 * tp + fp + fn\n"
         "    return float(torch.where(den > 0, 2 * tp / den.clamp(min=1), 0.0).mean())\n",
         "rank 0 passed 30 numbers into its collectives, 3 per class"),
+    # right value and size here, but counted and exchanged in a dtype whose whole numbers stop
+    # far below the contract's 10^5 images (float16 at 2048, bfloat16 at 256, uint8 at 255)
+    "float16_counts": (
+        STRIDED + _COUNT2.replace("dtype=torch.int64", "dtype=torch.float16") + REDUCE2,
+        "the tensor of shape (2, 10) that rank 0 passed to all_reduce is torch.float16, which "
+        "holds whole numbers exactly only up to 2,048 (2,049 becomes 2,048). Every count of "
+        "these 101 images stays under that, so your macro-F1 came out right here; on the "
+        "contract's real test set of 100,000 images a class's counts go past 2,048"),
+    "bfloat16_counts": (
+        STRIDED + _COUNT2.replace("dtype=torch.int64", "dtype=torch.bfloat16") + REDUCE2,
+        "is torch.bfloat16, which holds whole numbers exactly only up to 256 (257 becomes 256)"),
+    # uint8 (gloo and NCCL reduce it; neither reduces int16): 255, then it wraps
+    "uint8_counts": (
+        STRIDED + _COUNT2.replace("dtype=torch.int64", "dtype=torch.uint8") + REDUCE2,
+        "is torch.uint8, which holds whole numbers exactly only up to 255 (256 becomes 0)"),
+    # counted in int64, but handed to the collective as float16 (inside an object collective)
+    "float16_gathered_objects": (
+        STRIDED + _COUNT2 + "    everyone = [None] * world_size\n"
+        "    dist.all_gather_object(everyone, counts.half())\n"
+        "    counts = sum(everyone)\n" + F1_OF_COUNTS2,
+        "that rank 0 passed to all_gather_object is torch.float16"),
     # right value and size, but made on the host: NCCL would refuse it on GPUs
     "counts_on_the_host": (
         STRIDED + _COUNT2.replace("dtype=torch.int64, device=device)", "dtype=torch.int64)")
@@ -495,6 +516,10 @@ F1_RIGHT = {
         STRIDED + _COUNT2 + "    everyone = [None] * world_size\n"
         "    dist.all_gather_object(everyone, counts.tolist())\n"
         "    counts = torch.tensor(everyone).sum(0)\n" + F1_OF_COUNTS2),
+    # float32 holds every whole number up to 2^24 = 16,777,216: exact for 10^5 images
+    "float32_counts": (
+        STRIDED + _COUNT2.replace("dtype=torch.int64", "dtype=torch.float32") + REDUCE2),
+    "int32_counts": (STRIDED + _COUNT2.replace("dtype=torch.int64", "dtype=torch.int32") + REDUCE2),
     # counted on the host, moved to the device for the collective
     "host_counts_moved": (
         STRIDED + _COUNT2.replace("dtype=torch.int64, device=device)", "dtype=torch.int64)")
@@ -520,6 +545,8 @@ def test_the_reference_f1_has_no_note(tmp_path):
     ("tp_fp_fn", "3 per class", "write 2·P·R/(P + R) as one fraction"),
     ("counts_on_the_host", "No backend type associated with device type cpu",
      "torch.zeros(..., device=device)"),
+    ("float16_counts", "is torch.float16, which holds whole numbers exactly only up to 2,048",
+     "float32 (exact up to 2^24 = 16,777,216)"),
 ])
 def test_budget_and_device_mistakes_get_their_fix_the_second_time(tmp_path, name, cause, fix):
     path = _write(tmp_path, _body(F1_WRONG[name][0]))

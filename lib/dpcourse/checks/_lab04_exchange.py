@@ -1,8 +1,11 @@
 """What lab 04's ``evaluate_f1`` exchanges: a spy for :mod:`dpcourse.checks.lab04`.
 
 For each rank it records how many numbers the rank passes into its collectives (its budget is
-2 per class), whether it averaged with ``ReduceOp.AVG``, and whether each tensor it passes lives
-on the ``device`` it was given.
+2 per class), whether it averaged with ``ReduceOp.AVG``, the first tensor it passes in a dtype
+that cannot hold every whole number up to :data:`REAL_TEST_IMAGES` exactly (``float16`` stops at
+2048, ``bfloat16`` at 256: the check's test sets of about 300 images never reach that, the
+contract's real one does), and whether each tensor it passes lives on the ``device`` it was
+given.
 
 The last one needs a trick. The check runs on CPU ranks (gloo), where every tensor is on the
 CPU, so a tensor made without ``device=`` is taken there; on GPUs under NCCL the same call
@@ -25,7 +28,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["WhereTensorsLive", "ExchangeSpy", "on_device", "mark", "count_numbers"]
+__all__ = ["WhereTensorsLive", "ExchangeSpy", "on_device", "mark", "count_numbers",
+           "exact_up_to", "REAL_TEST_IMAGES"]
+
+# The contract's real test set ("a real one has 10^5 images"): every count of it must travel
+# exactly, so a dtype whose whole numbers stop below it is refused.
+REAL_TEST_IMAGES = 10 ** 5
 
 _MARK = "_dpcourse_lab04_on_device"
 _IN_PLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
@@ -111,6 +119,30 @@ def count_numbers(value) -> int:
     return 0
 
 
+def exact_up_to(dtype) -> int:
+    """The largest n such that every whole number 0..n is exact in ``dtype``: 2^(mantissa bits
+    + 1) for a floating dtype (2 / eps: float16 2048, bfloat16 256, float32 16,777,216), the
+    largest value of an integer dtype (uint8 255), 1 for bool."""
+    if dtype == torch.bool:
+        return 1
+    if dtype.is_floating_point or dtype.is_complex:
+        return int(round(2 / torch.finfo(dtype).eps))
+    return int(torch.iinfo(dtype).max)
+
+
+def _after_the_limit(dtype, limit: int) -> str:
+    """What ``limit + 1`` becomes in ``dtype`` (float16: 2049 -> 2048; int16 wraps), as text."""
+    try:
+        value = torch.tensor(limit + 1).to(dtype).item()
+    except (RuntimeError, TypeError):
+        return ""
+    if isinstance(value, bool):
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"{limit + 1:,} becomes {value:,}"
+
+
 # The argument holding what a rank puts into each collective, and the one it receives into
 # (their tensors must be on the device too); a broadcast's sender is ``src``.
 _SENT = {"all_reduce": "tensor", "all_reduce_coalesced": "tensors", "reduce": "tensor",
@@ -141,6 +173,7 @@ class ExchangeSpy:
         self.numbers = 0
         self.off_device: str | None = None
         self.averaged = False
+        self.narrow: dict | None = None  # the first tensor in a dtype that stops below 10^5
         self.to_one: list = []  # (collective, destination) of those whose result one rank gets
 
     def before(self, call) -> None:
@@ -157,6 +190,14 @@ class ExchangeSpy:
         if name in _TO_ONE:
             dst = args.get("dst", args.get("group_dst"))
             self.to_one.append((name, 0 if dst is None else int(dst)))
+        if self.narrow is None:
+            for t in tree_leaves(sent):
+                if isinstance(t, torch.Tensor) and exact_up_to(t.dtype) < REAL_TEST_IMAGES:
+                    limit = exact_up_to(t.dtype)
+                    self.narrow = {"collective": name, "shape": tuple(t.shape),
+                                   "dtype": str(t.dtype), "limit": limit,
+                                   "after": _after_the_limit(t.dtype, limit)}
+                    break
         if name.endswith("_object") or name.endswith("_object_list"):
             return  # object collectives put their bytes on the right device themselves
         for value in (sent, args.get(_RECEIVED.get(name, ""))):

@@ -24,7 +24,10 @@ script so that it equals one process.
    averaged, the accuracy instead of F1, the labels or
    predictions themselves gathered (what is sent grows with the test set), the confusion
    matrix or three counts per class (over the budget), two counts that give only the
-   precision or only the recall, a tensor made on the host (NCCL would refuse it), a tensor
+   precision or only the recall, counts passed in a dtype that cannot hold every count of the
+   contract's 10^5-image test set exactly (float16, bfloat16, uint8: ``_lab04_exchange``
+   records the dtype handed to each collective; float32, exact up to 2^24, and the 32- and
+   64-bit integers pass), a tensor made on the host (NCCL would refuse it), a tensor
    returned instead of a float (the torchrun part names a tensor saved under 'f1' too). Counts averaged with ``ReduceOp.AVG`` pass, and the ✔ says why.
 2. It runs the whole script under torchrun (2 processes) and compares the weights it writes to
    ``--out`` with one process trained on the global batch, and the F1 it saved with one
@@ -228,6 +231,7 @@ def _f1_worker(rank, world_size, source, n_test):
                 first, first_seen = value, dict(seen)
                 exchange = {"numbers": spy.numbers, "off_device": spy.off_device,
                             "averaged": spy.averaged, "to_one": list(spy.to_one),
+                            "narrow": spy.narrow,
                             "collectives": len(calls) - before}
                 seen["indices"] = None  # the larger set's images are not looked up
     value = first
@@ -347,7 +351,8 @@ def _overcount(results: list, n_test: int, total: int) -> str:
 def judge_f1(results: list, n_test: int) -> str:
     """The ✔'s note ("" or :data:`AVG_NOTE`) if every rank returned one process's macro-F1,
     each image evaluated once in eval mode without autograd, sending fewer than 3 numbers per
-    class whatever the test set's size, from tensors on ``device``; else fail with the
+    class whatever the test set's size, in dtypes exact up to 10^5, from tensors on
+    ``device``; else fail with the
     sentence that names the mistake."""
     __tracebackhide__ = True
     N = len(results)
@@ -423,6 +428,7 @@ def judge_f1(results: list, n_test: int) -> str:
                      f"(macro_f1 of the whole test set's labels and predictions), and matches "
                      f"none of the usual mistakes.",
              fix="compute F1 once, from counts added up over every rank's images.")
+    _judge_dtype(results, n_test, where)
     off = next((r["off_device"] for r in results if r.get("off_device")), None)
     if off:
         fail(where + f"{off} is not on `device`: it was made without device= (or moved off "
@@ -433,6 +439,33 @@ def judge_f1(results: list, n_test: int) -> str:
              fix="make the tensor you exchange on the device (torch.zeros(..., device=device)), "
                  "or move it there with .to(device) before the collective.")
     return AVG_NOTE if any(r.get("averaged") for r in results) else ""
+
+
+_DTYPE_FIX = ("exchange the counts in a dtype that holds every count of 10⁵ images exactly, and "
+              "count in it too: an integer dtype (torch.int64, or int32), or float32 (exact up "
+              "to 2^24 = 16,777,216) or float64.")
+
+
+def _judge_dtype(results: list, n_test: int, where: str) -> None:
+    """Fail if a rank passed a tensor into its collectives in a dtype whose whole numbers stop
+    below the contract's real test set (float16: 2048; bfloat16: 256; int16: 32767): the
+    check's own test sets are too small to show the rounding, so the dtype is judged."""
+    __tracebackhide__ = True
+    from dpcourse.checks._lab04_exchange import REAL_TEST_IMAGES
+
+    rank, narrow = next(((rank, r["narrow"]) for rank, r in enumerate(results)
+                         if r.get("narrow")), (None, None))
+    if narrow is None:
+        return
+    after = f" ({narrow['after']})" if narrow["after"] else ""
+    fail(where + f"the tensor of shape {narrow['shape']} that rank {rank} passed to "
+                 f"{narrow['collective']} is {narrow['dtype']}, which holds whole numbers "
+                 f"exactly only up to {narrow['limit']:,}{after}. Every count of these "
+                 f"{n_test} images stays under that, so your macro-F1 came out right here; on "
+                 f"the contract's real test set of {REAL_TEST_IMAGES:,} images a class's counts "
+                 f"go past {narrow['limit']:,}, where {narrow['dtype']} no longer holds them "
+                 f"exactly, and the F1 computed from them is not the exact value.",
+         fix=_DTYPE_FIX)
 
 
 def _judge_different(results: list, values: list, n_test: int, where: str) -> None:
@@ -471,9 +504,10 @@ def _judge_different(results: list, values: list, n_test: int, where: str) -> No
              "before the F1 is computed.")
 
 
-# The contract: what a rank passes into its collectives is fewer numbers than _PER_CLASS_LIMIT
-# per class (under 30 for 10 classes): enough for two counts per class and a spare count or a
-# broadcast result, not for three counts per class nor a table.
+# The contract: what a rank passes into its collectives, all classes together, is fewer numbers
+# than _PER_CLASS_LIMIT per class (under 30 in total for 10 classes): enough for two counts per
+# class and a few spare numbers (a count, a broadcast result), not for three counts per class
+# nor a table.
 _PER_CLASS_LIMIT = 3
 AVG_NOTE = (" Your collective averaged the counts (ReduceOp.AVG) instead of adding them: that "
             "divides every count by world_size, and each class's F1 is a ratio of two counts, "
@@ -501,8 +535,8 @@ def _judge_budget(results: list, where: str) -> None:
         what = f", {k / C:g} per class"
     fail(where + f"rank {rank} passed {k} numbers into its collectives{what}: macro-F1 is "
                  f"determined by fewer per class, and the contract allows no more than it "
-                 f"needs (with a spare number or two: fewer than {_PER_CLASS_LIMIT} per class, "
-                 f"under {limit} here).",
+                 f"needs, with a few spare numbers in all (under {limit} here in total, "
+                 f"fewer than {_PER_CLASS_LIMIT} per class).",
          fix="each class's F1 is the harmonic mean of its precision and recall, two fractions "
              "with the same numerator (its true positives): write 2·P·R/(P + R) as one fraction "
              "of counts, and exchange the two per-class counts it is made of.")
