@@ -14,8 +14,9 @@
 #   — and count it on a real run;
 # - build ZeRO stages 1, 2 and 3 from collectives you know, and prove each one trains like
 #   DDP (to float rounding), frozen and tied parameters included;
-# - count what each stage sends per step, and explain why ZeRO-1 and ZeRO-2 cost what DDP
-#   costs while ZeRO-3 costs 1.5×;
+# - count what each stage sends per step, and explain why, with gradients and weights in one
+#   dtype, ZeRO-1 and ZeRO-2 cost what DDP costs while ZeRO-3 costs 1.5× — and what changes
+#   when the gradients travel in fp32 and the weights in bf16;
 # - read ZeRO-3's step layer by layer from its recorded calls;
 # - use PyTorch's FSDP2 (`fully_shard`): DTensor shards, mixed precision, a full checkpoint,
 #   and reconcile what it holds and sends with the formula;
@@ -143,7 +144,9 @@ zero_calculator = viz.explorer(
 # 4. **all-gather** the updated slices: every rank has every new weight again — the second
 #    half of the all-reduce.
 #
-# Reduce-scatter + all-gather = one all-reduce: ZeRO-1 sends what DDP sends.
+# Reduce-scatter + all-gather = one all-reduce: ZeRO-1 sends as many *elements* as DDP, and
+# as many bytes when the gradients travel in the weights' dtype (section 5 counts the case
+# where they do not).
 #
 # ## 3. ZeRO-2: shard the gradients too
 # After the reduce-scatter a rank needs only the averaged gradient of its own slice. Stage 2
@@ -252,36 +255,8 @@ claim("inside step() every p.grad is still alive beside the flat copy step() sen
 # *after*. The parameters are views into one flat buffer per layer; freeing resizes that
 # buffer's storage to zero bytes (`untyped_storage().resize_(0)`), so the memory really goes.
 #
-# That order is FSDP2's (PyTorch's ZeRO-3, section 6), which gathers and frees a *parameter
-# group* at a time (here one layer; `fully_shard(module)` makes a module's parameters one
-# `FSDPParamGroup`, and the `set_*` methods below are its switches — section 6 has the rest).
-# When a group's backward is done, its `post_backward`
-# puts the gradients aside, calls `reshard()` (free the full weights), then `foreach_reduce`
-# (the reduce-scatter) — by default: `set_reshard_after_backward(False)` (section 6) skips
-# the `reshard()`, `set_requires_gradient_sync(False)` the reduce-scatter. By default, then,
-# a layer's full weights are gone while its gradients are reduce-scattered. The cell below
-# reads both paths (source order, indentation kept) in the installed torch:
-
-# %%
-import inspect
-
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-post_backward = inspect.getsource(FSDPParamGroup.post_backward)
-marks = ("if not self.reduce_grads", "return", "unsharded_grads.append(",
-         "if self.reshard_after_backward", "self.reshard()",
-         "if len(fsdp_params_with_grad) == 0",   # the guard on the second return
-         "with record_function(self._with_fqn(\"FSDP::post_backward_reduce", ") = foreach_reduce(")
-for line in post_backward[:post_backward.index("foreach_reduce(") + 15].splitlines():
-    if line.strip().startswith(marks):
-        print(line[12:].rstrip())
-before, path = post_backward.split("fsdp_params_with_grad: list")   # path: it reduces
-no_reduce = before[before.index("if not self.reduce_grads"):]
-claim("FSDP2's post_backward saves the gradients, frees the full weights (reshard, if "
-      "reshard_after_backward), then reduce-scatters (foreach_reduce); without reduce_grads "
-      "it returns first", "return" in no_reduce and "foreach_reduce" not in no_reduce
-      and path.rindex("unsharded_grads.append(") < path.index("if self.reshard_after_backward")
-      < path.index("self.reshard()") < path.index("foreach_reduce("))
+# That order — the weights freed first, the gradients reduce-scattered after — is also
+# FSDP2's, PyTorch's ZeRO-3: section 6 reads it in torch's source.
 
 # %% [markdown]
 # `Zero3` maps each parameter to the first module that owns it (a tied parameter, used by two
@@ -335,12 +310,13 @@ claim("Zero3 sends more than 3Ψ here: the tied layer is all-gathered once more 
 # %% [markdown]
 # What that looks like in time: one step of `Zero3`, timed from the calls themselves. A
 # worker replaces each layer's `gather` and `free` by versions that note the time before and
-# after, and times each reduce-scatter with the `before` and `after` hooks of lesson 07's
+# after (`free` itself, shown below it, resizes the layer's flat buffer's storage to 0 bytes),
+# and times each reduce-scatter with the `before` and `after` hooks of lesson 07's
 # recorder, `collectives.record_collectives` (the second of two steps, so nothing is measured
 # for the first time).
 
 # %%
-viz.show_code(experiments.zero3_timeline_worker)
+viz.show_code(experiments.zero3_timeline_worker, zero.ShardedLayer.free)
 
 # %%
 events = launch.spawn(experiments.zero3_timeline_worker, world_size, cfg, backend=backend,
@@ -475,6 +451,25 @@ claim("ZeRO-3 sends 1.5× DDP (two all-gathers and a reduce-scatter per layer), 
 for n in sweep:
     print(f"N={n}: ZeRO-3 / DDP = {volume[n]['zero3'] / volume[n]['ddp']:.3f}")
 
+# %% [markdown]
+# Those ratios hold because every collective here moves bf16 — the gradients travel in the
+# weights' dtype. In section 1's bf16 setting (Megatron-LM's `--bf16`, FSDP2 as section 6
+# runs it) they do not: the gradients are reduced in fp32, 4 bytes, the weights gathered in
+# bf16, 2. `traffic_per_step`'s `grad_bytes` weighs the reductions apart from the gathers;
+# DDP then all-reduces fp32 gradients (section 6 measures the ZeRO-3 row with FSDP2):
+
+# %%
+n_mix = sweep[0]
+mixed = {s: zero.traffic_per_step(s, counted[n_mix][0][s]["units"], n_mix, element_size=2,
+                                  grad_bytes=4) for s in stages}
+for s in stages:
+    print(f"{s:>5}: {mixed[s] / n_params:5.2f} bytes per parameter, "
+          f"{mixed[s] / mixed['ddp']:.3f} × DDP")
+claim("bf16 weights, fp32 gradients: DDP sends 2 × 4 = 8 bytes per parameter, ZeRO-1 and "
+      "ZeRO-2 4 + 2 = 6, 0.75× DDP, and ZeRO-3 2 + 2 + 4 = 8, 1.0× DDP, not 1.5× (to 1 %)",
+      all(abs(mixed[s] / mixed["ddp"] - 0.75) < 0.01 for s in ("zero1", "zero2"))
+      and abs(mixed["zero3"] / mixed["ddp"] - 1.0) < 0.01 and mixed["ddp"] == 8 * n_params)
+
 # %%
 units = {s: counted[sweep[0]][0][s]["units"] for s in stages}
 line_ns = list(range(1, 9))
@@ -497,13 +492,22 @@ viz.show(viz.zero_tradeoff_figure(
 # computes, its full weights and its full gradient are both alive (and, with prefetching, the
 # next layer's full weights). Once its gradients are complete the weights go before the
 # reduce-scatter (section 4), so a layer being reduce-scattered no longer costs its weights.
-# Its gradient counts twice for a moment: `foreach_reduce` copies the gradients into a padded
-# full-size buffer, the reduce-scatter's input, before it drops them (`_fsdp_collectives.py`
-# lines 597-606; section 3 counted the same flat copy for ZeRO-1/2), and that buffer lives
+# Its gradient counts twice for a moment: like `flatten_padded` in section 3, FSDP2's
+# `foreach_reduce` reduce-scatters a padded flat copy of the gradients. So where the
+# reduce-scatter overlaps the next layer's backward (FSDP2's aim on a GPU), the working set
+# is one or two blocks' weights and gradients plus such copies, on top of 16Ψ/N.
+#
+# **▶ When FSDP2 makes that copy, how long it lives and how many it keeps in flight — open
+# after your lab passes** (it is lab 08's design decision, made by torch; click the folded
+# cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# `foreach_reduce` copies the gradients into a padded full-size buffer, the reduce-scatter's
+# input, before it drops them (`_fsdp_collectives.py` lines 597-606), and that buffer lives
 # until its reduce-scatter ends — by default one earlier layer's may still be in flight
-# (`_fsdp_param_group.py` line 113). So where the reduce-scatter overlaps the next layer's
-# backward (FSDP2's aim on a GPU), the working set is one or two blocks' weights and
-# gradients plus that buffer, on top of 16Ψ/N.
+# (`_fsdp_param_group.py` line 113, `reduce_scatter_max_input_buffers = 1`).
+
+# %% [markdown]
 #
 # ## 6. FSDP2 for real
 # PyTorch's FSDP2 is ZeRO-3 with everything we skipped: prefetching, overlap, mixed-precision
@@ -564,6 +568,15 @@ claim("its collectives' volume is 2 + 2 bytes of bf16 all-gathers and 4 bytes of
 ring_sent = tour[0]["traffic"][-1]["ring_bytes_per_rank"]
 claim(f"of that volume a rank sends (N − 1)/N on a ring: {ring_sent / padded:g} bytes per "
       f"parameter at N = {n}", ring_sent == 8 * padded * (n - 1) / n)
+fsdp2_mixed = tour[0]["traffic"][-1]["volume"]
+claim("that is traffic_per_step's ZeRO-3 with bf16 weights and fp32 gradients",
+      fsdp2_mixed == zero.traffic_per_step("zero3", units, n, element_size=2, grad_bytes=4))
+ddp_fp32 = runs[0]["torch_ddp"]["traffic"][-1]["volume"]   # section 3's run: fp32 gradients
+print(f"FSDP2 (bf16 gathers, fp32 reduce-scatter) {fsdp2_mixed} B for {padded} padded "
+      f"parameters; torch DDP in fp32 {ddp_fp32} B for {n_params}")
+claim("measured: per parameter this FSDP2 step sends what fp32 DDP's all-reduce sends, 8 "
+      "bytes (1.0×, FSDP2's padding aside), not 1.5×",
+      fsdp2_mixed == 8 * padded and ddp_fp32 == 8 * n_params)
 
 # %%
 claim("FSDP2's parameters are DTensors", all(s[1] == "DTensor" for s in tour[0]["shards"]))
@@ -629,12 +642,44 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
 # gathers a group the way our `Zero3` does, from a hook registered on the forward's output
 # tensors. After the backward it does not hook each parameter: it wraps the module's *inputs*
 # in an autograd function whose backward runs when the whole module's backward is done, and
-# calls the group's `post_backward` (free, then reduce-scatter, section 4) — where an input
+# calls the group's `post_backward` (free, then reduce-scatter, as section 4's `Zero3`) — where an input
 # requires a gradient. The first `Linear` here gets the data, which requires none: no such
 # function is applied, and its reduce-scatter runs from the root's final callback, a function
 # the root queues for the end of the whole backward (`_root_post_backward_final_callback` runs
 # `post_backward` for every group the backward did not reach).
 #
+# Inside a group's `post_backward` the order is our `Zero3`'s (section 4). FSDP2 gathers and
+# frees a *parameter group* at a time (here one layer; `fully_shard(module)` makes a module's
+# parameters one `FSDPParamGroup`, and the `set_*` methods below are its switches). When a
+# group's backward is done, its `post_backward`
+# puts the gradients aside, calls `reshard()` (free the full weights), then `foreach_reduce`
+# (the reduce-scatter) — by default: `set_reshard_after_backward(False)` (below) skips
+# the `reshard()`, `set_requires_gradient_sync(False)` the reduce-scatter. By default, then,
+# a layer's full weights are gone while its gradients are reduce-scattered. The cell below
+# reads both paths (source order, indentation kept) in the installed torch:
+
+# %%
+import inspect
+
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+post_backward = inspect.getsource(FSDPParamGroup.post_backward)
+marks = ("if not self.reduce_grads", "return", "unsharded_grads.append(",
+         "if self.reshard_after_backward", "self.reshard()",
+         "if len(fsdp_params_with_grad) == 0",   # the guard on the second return
+         "with record_function(self._with_fqn(\"FSDP::post_backward_reduce", ") = foreach_reduce(")
+for line in post_backward[:post_backward.index("foreach_reduce(") + 15].splitlines():
+    if line.strip().startswith(marks):
+        print(line[12:].rstrip())
+before, path = post_backward.split("fsdp_params_with_grad: list")   # path: it reduces
+no_reduce = before[before.index("if not self.reduce_grads"):]
+claim("FSDP2's post_backward saves the gradients, frees the full weights (reshard, if "
+      "reshard_after_backward), then reduce-scatters (foreach_reduce); without reduce_grads "
+      "it returns first", "return" in no_reduce and "foreach_reduce" not in no_reduce
+      and path.rindex("unsharded_grads.append(") < path.index("if self.reshard_after_backward")
+      < path.index("self.reshard()") < path.index("foreach_reduce("))
+
+# %% [markdown]
 # Its source also sets up three ways to overlap them with the compute on a GPU (Sources gives
 # the lines); no run here shows them. In the forward each group's all-gather goes on streams
 # of its own, so that the CPU can issue the next group's while this one's kernels run
@@ -689,7 +734,7 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 
 # %% [markdown]
 # ## 7. When to use what
-# | | memory per parameter: paper (fp16 + fp32 master) | fp32 weights (autocast, FSDP2 here) | traffic | use it when |
+# | | memory per parameter: paper (fp16 + fp32 master) | fp32 weights (autocast, FSDP2 here) | traffic (elements; bytes in one dtype) | use it when |
 # |---|---|---|---|---|
 # | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
@@ -697,6 +742,10 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ | more memory freed, still no extra traffic — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
 # | ZeRO-3 / FSDP | 16/N B + the working set | 16/N B + the working set | 3Ψ with one forward and one backward per step and nothing tied across units (less: FSDP2's root is gathered once; more: k accumulation micro-batches gather about 2k times, tied layers) | the weights themselves do not fit: model state falls with every GPU added, the working set (one or two units' full weights and gradient) does not |
 # | + tensor / pipeline parallel | | | | one layer's activations or weights exceed a GPU, or N is so large that communication dominates — a rank sends about 3Ψ per step whatever N, while its share of a fixed global batch, and so its compute, falls as 1/N: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
+#
+# Traffic in the table counts elements: in bytes, when gradients and weights travel in the same
+# dtype. With bf16 weights and fp32 gradients (section 5) DDP sends 8 bytes per parameter,
+# ZeRO-1 and ZeRO-2 6 (0.75×), ZeRO-3 8 (1.0×).
 #
 # The calculator: a model size, a GPU's memory, N and what you keep for activations; which
 # stages fit?
@@ -726,9 +775,11 @@ claim("a 13-B model on 8 × 40 GB GPUs (6 GB for activations and ZeRO-3's workin
 #   each held exactly the bytes the formula says. ZeRO-3's working set (a unit's full weights
 #   and gradient) comes on top and does not shrink with N.
 # - ZeRO-1 and 2 replace DDP's all-reduce by its two halves, reduce-scatter and all-gather: the
-#   same traffic. ZeRO-3 gathers the weights twice (forward and backward): 1.5× with one
-#   backward per step and nothing tied across units — more with a tied layer (measured) or
-#   gradient accumulation, less where FSDP2 keeps its root gathered.
+#   same traffic when gradients and weights travel in one dtype. ZeRO-3 gathers the weights
+#   twice (forward and backward): 1.5× then, with one backward per step and nothing tied
+#   across units — more with a tied layer (measured) or gradient accumulation, less where
+#   FSDP2 keeps its root gathered. With bf16 weights and fp32 gradients the ratios become
+#   0.75× and 1.0× (FSDP2 measured).
 # - A ZeRO-2 that reduce-scatters in `step()` saves memory at rest, not at its peak: the lab
 #   reduce-scatters during the backward.
 # - FSDP2's `fully_shard` is ZeRO-3 with DTensor parameters, mixed-precision policies and
@@ -751,7 +802,7 @@ viz.quiz([
      "answer": 2,
      "why": ["2 bytes.", "2 bytes.", "Right: 12 of the 16 bytes, which is why ZeRO shards it "
              "first."]},
-    {"q": "Why does ZeRO-1 send no more than DDP?",
+    {"q": "Gradients and weights in the same dtype: why does ZeRO-1 send no more than DDP?",
      "options": ["It compresses the gradients",
                  "DDP's all-reduce is a reduce-scatter plus an all-gather; ZeRO-1 does the same "
                  "two halves, just with the optimizer step in between",
@@ -759,7 +810,7 @@ viz.quiz([
      "answer": 1,
      "why": ["Nothing is compressed.", "Right: the same volume, for less memory.",
              "Without the all-gather the ranks' weights would drift apart."]},
-    {"q": "Why does ZeRO-3 send 1.5× DDP's bytes?",
+    {"q": "Everything in bf16: why does ZeRO-3 send 1.5× DDP's bytes?",
      "options": ["It all-gathers each layer's weights twice — for the forward and again for "
                  "the backward — and reduce-scatters the gradients: three halves",
                  "It all-reduces twice", "Because of padding"],

@@ -192,7 +192,8 @@ def summarize_traffic(calls, world_size: int) -> dict:
             "ring_bytes_per_rank": volume * (world_size - 1) / world_size}
 
 
-def traffic_per_step(stage: str, units, world_size: int, element_size: int = 4) -> int:
+def traffic_per_step(stage: str, units, world_size: int, element_size: int = 4, *,
+                     grad_bytes: int | None = None) -> int:
     """The volume a step should record (bytes; see the convention above).
 
     * ``ddp``: one all-reduce of the Ψ gradients: 2Ψ;
@@ -204,15 +205,21 @@ def traffic_per_step(stage: str, units, world_size: int, element_size: int = 4) 
     * ``zero_redundancy``: torch's ZeroRedundancyOptimizer under DDP: DDP's all-reduce, then
       each rank broadcasts the parameters it stepped: 2Ψ + Ψ = 3Ψ.
 
+    Those counts are elements; ``element_size`` is the bytes of each. With ``grad_bytes`` the
+    gradients travel in another dtype than the weights (bf16 weights, fp32 gradients: 2 and
+    4): the all-reduce and the reduce-scatters weigh ``grad_bytes`` per element, the
+    all-gathers and broadcasts ``element_size`` — and the ratios above change.
+
     Shown in lesson 08, §5.
     """
     _check(stage, world_size, STAGES + ("zero_redundancy",))
     units = [units] if isinstance(units, int) else list(units)
     psi = sum(units)
     padded = sum(world_size * shard_numel(u, world_size) for u in units)
-    elements = {"ddp": 2 * psi, "zero1": 2 * padded, "zero2": 2 * padded,
-                "zero3": 3 * padded, "zero_redundancy": 3 * psi}[stage]
-    return elements * element_size
+    w = element_size                                       # weights: all-gathers, broadcasts
+    g = element_size if grad_bytes is None else grad_bytes  # gradients: reductions
+    return {"ddp": 2 * psi * g, "zero1": padded * (g + w), "zero2": padded * (g + w),
+            "zero3": padded * (2 * w + g), "zero_redundancy": 2 * psi * g + psi * w}[stage]
 
 
 def fsdp2_padded_numel(shape, world_size: int) -> int:
