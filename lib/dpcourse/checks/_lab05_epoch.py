@@ -214,9 +214,10 @@ def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool,
                  f"Python number inside a traced step is fixed when tf.function traces it, once "
                  f"for every step, the short last one included: the step's count must be a "
                  f"tensor, summed across the replicas inside the step.",
-                 fix="Count this replica's samples inside the step with a tensor operation on "
-                     "its batch, and sum that count over the replicas with the replica "
-                     "context's all_reduce.")
+                 fix=f"Count this replica's samples inside "
+                    f"{'step_fn' if who == 'train_epoch' else 'the step'} with a tensor "
+                    f"operation on its batch, and sum that count over the replicas with the "
+                    f"replica context's all_reduce.")
         if isinstance(exc, (AttributeError, TypeError, ValueError)) and (
                 "'int' object" in first or "'float' object" in first):
             kind = "an int" if "'int' object" in first else "a float"
