@@ -71,11 +71,13 @@ torch.set_num_threads(1)
 # whatever N is. For a transformer layer Korthikanti et al. (2022) count them, in 16-bit
 # floats, for a sequence of s tokens, a micro-batch of b sequences, width d (their h; in this
 # lesson h is the MLP's hidden size, section 2) and a heads: `s·b·d·(34 + 5·a·s/d)` bytes.
-# Tensor parallelism of size t (section 2) divides all but `10·s·b·d` of it: what every
-# tensor-parallel rank holds whole — the two layer norms'
-# inputs, the two dropout masks after attention and MLP, and the inputs of the QKV matmul
-# and of the MLP's first matmul
-# (their section 4.2.2; their *sequence parallelism* splits those too, along the sequence).
+# *Tensor parallelism* of size t (t ranks each keep a slice of every layer's weight
+# matrices and compute that slice's share of the layer; section 2 builds it) divides all but
+# `10·s·b·d` of it by t; those are the tensors every tensor-parallel rank holds whole:
+# the two layer norms' inputs, the two dropout masks after attention and MLP, and the inputs
+# of the QKV matmul and of the MLP's first matmul (their section 4.2.2; section 2 shows the
+# MLP's input whole on every rank). Their *sequence parallelism* splits those too, each rank
+# keeping its share of the sequence's tokens there (section 2 runs it in torch).
 # Recomputing the layer in the backward (*activation checkpointing*) keeps only its input,
 # `2·s·b·d`. Most of it, though, for long sequences, is the `5·a·s/d` term: the attention
 # matrix (a heads × s × s per sequence) stored three times over — the softmax's output, the
@@ -363,10 +365,13 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
 # (`megatron/core/tensor_parallel/layers.py`) starts that all-reduce asynchronously and
 # computes the weight's gradient while it travels. `ColumnParallelLinear.__init__` turns it on
 # (`allreduce_dgrad = world_size > 1 and not sequence_parallel and not disable_grad_reduce`)
-# for every column layer, so in a transformer layer both *f*'s can overlap — the QKV layer's
-# and the MLP's first layer's; with sequence parallelism the input gradient is
-# reduce-scattered instead, asynchronously with the same weight gradient. *Can*: the overlap
-# holds only if the GPU starts the all-reduce before the weight-gradient matmul, and
+# for every column layer, so in a transformer layer built from these layers both *f*'s can
+# overlap — the QKV layer's and the MLP's first layer's. Built from these layers means
+# `--transformer-impl local`: Megatron-LM's default, `transformer_engine`
+# (`TransformerConfig.transformer_impl`), builds attention and MLP from Transformer Engine's
+# linear layers instead, whose overlap this lesson did not read. With sequence parallelism
+# the input gradient is reduce-scattered instead, asynchronously with the same weight
+# gradient. *Can*: the overlap holds only if the GPU starts the all-reduce before the weight-gradient matmul, and
 # Megatron-LM gets that order from the environment: `CUDA_DEVICE_MAX_CONNECTIONS=1`, which
 # "forces the kernels to be scheduled in the order they are called". Its code says "Here we
 # rely on CUDA_DEVICE_MAX_CONNECTIONS=1 to ensure that the all-reduce is scheduled before the
@@ -397,7 +402,7 @@ viz.show_code(tensor_parallel.plain_mlp, tensor_parallel.TPConfig)
 viz.show_code(tensor_parallel.slice_of, tensor_parallel.tensor_parallel_worker)
 
 # %% [markdown]
-# Its first two claims below compare whole tensors, so their lines can be read here, taken
+# The two claims below compare whole tensors, so their lines can be read here, taken
 # from its source: the plain MLP's and ours run on the same input, which asks for a
 # gradient, and the worker returns the largest differences of the outputs and of the
 # inputs' gradients:
@@ -430,15 +435,20 @@ claim(f"on {tp_ranks} ranks, our MLP's output == the plain MLP's (to 1e-6)",
       max(r["out_diff"] for r in tp_runs) < 1e-6)
 claim("the gradient of the input == the plain MLP's (to 1e-6)",
       max(r["input_grad_diff"] for r in tp_runs) < 1e-6)
-claim("every rank's weight and bias gradients == the same slice of the plain MLP's (to 1e-6)",
-      max(r["grad_diff"] for r in tp_runs) < 1e-6)
 
 # %% [markdown]
-# **▶ The gradients joined across the ranks, checked without the worker's slices — open after
-# your lab passes** (click the folded cell below): how each parameter is held is part of
-# lab 11's answer.
+# The parameters' gradients need the slices each rank holds, so they are checked in the
+# folded cell below.
+#
+# **▶ The gradients, checked with the worker's slices and joined across the ranks without
+# them — open after your lab passes** (click the folded cell below): how each parameter is
+# held is part of lab 11's answer.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
+claim("the worker's own check, with its slices: every rank's weight and bias gradients == the "
+      "same slice of the plain MLP's (to 1e-6)", max(r["grad_diff"] for r in tp_runs) < 1e-6)
+
+
 def put_together(pieces, full_shape):
     """The ranks' pieces joined along the one dimension where they are smaller than the full
     tensor; a piece that is whole on every rank is returned as it is."""
@@ -518,7 +528,9 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # which waits for the sum — four times per transformer layer and micro-batch (attention and
 # MLP each have an *f* and a *g*) — and
 # each rank's matmuls shrink by t. Not all of them, though: Megatron-LM hides two of a
-# layer's four, those of its two *f*'s — attention's QKV layer and the MLP's first layer are
+# layer's four, those of its two *f*'s, when it builds the layer from its own layers
+# (`--transformer-impl local`; its default, `transformer_engine`, uses Transformer Engine's
+# linear layers, not read here) — attention's QKV layer and the MLP's first layer are
 # both column-parallel, and every `ColumnParallelLinear` overlaps its all-reduce with a
 # matmul that does not need its result, when the run sets `CUDA_DEVICE_MAX_CONNECTIONS=1`
 # (which matmul, why it can, and why the variable, is in the reference answer folded after lab
@@ -654,7 +666,9 @@ claim(f"each pass makes an all-gather of the token shares ({share} elements in) 
 # synchronous, flushed form, *PipeDream-Flush*, Narayanan et al., ICML 2021, is the schedule
 # Megatron-LM runs) starts the backwards as early as possible: the same actions and — with
 # equal stage times and free messages — the same bubble, but stage k holds at most K − k
-# micro-batches' activations instead of M.
+# micro-batches' activations instead of M. Stages are numbered from 0 here, k = 0, …, K − 1,
+# as ranks are: the first stage holds K. The papers number them from 1 (stage i = k + 1),
+# so there the same bound reads K − i + 1.
 
 # %%
 viz.show_code(pipeline_parallel.gpipe_schedule, pipeline_parallel.one_f_one_b_schedule,
@@ -1349,7 +1363,12 @@ viz.quiz([
 #   `linear_with_grad_accumulation_and_async_allreduce` says the same overlap is made with
 #   sequence parallelism and that its use "requires that the environment variable
 #   CUDA_DEVICE_MAX_CONNECTIONS=1" ("necessary for a speedup but not for correctness"), and
-#   the function warns once when the variable is not 1.
+#   the function warns once when the variable is not 1. All of this is Megatron-LM's own
+#   `ColumnParallelLinear`, used with `--transformer-impl local`:
+#   `megatron/core/transformer/transformer_config.py` — `TransformerConfig.transformer_impl`
+#   defaults to `"transformer_engine"` ("Options are 'transformer_engine' for Transformer
+#   Engine and 'local' for MCore"), whose linear layers come from Transformer Engine, not
+#   read here.
 # - `torch/_inductor/fx_passes/micro_pipeline_tp.py` — `micro_pipeline_tp_pass` looks for
 #   all-gathers and reduce-scatters only (`find_all_gather_patterns`,
 #   `find_reduce_scatter_patterns`), fused by `fuse_all_gather_matmul` and
