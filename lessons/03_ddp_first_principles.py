@@ -198,13 +198,6 @@ def max_diff(a, b):
     return float((a - b).abs().max())
 
 
-def same_bits(a, b):
-    # torch.equal compares values: -0.0 == 0.0 and a NaN is never equal. Equal int32 views of
-    # two float32 tensors are equal bits (lab 10's stretch makes the same distinction).
-    assert a.dtype == b.dtype == torch.float32
-    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
-
-
 torch.manual_seed(seed)
 X16, y16 = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
 no_bn = models.SmallCNN(width=8)
@@ -238,7 +231,16 @@ claim("training-mode BatchNorm: they differ by more than 1e-3",
 viz.show_code(ddp.make_model, ddp.global_batch_for_step, ddp.ddp_worker, ddp.shard_of,
               ddp.single_process)
 
+# %% [markdown]
+# **▶ `ddp.same_bits(a, b)`, which the claims below use: whether two float32 tensors are equal
+# bit for bit. Its code is part of an answer to lab 10's stretch: open it after that lab**
+# (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ddp.same_bits)
+
 # %%
+same_bits = ddp.same_bits
 cfg = ddp.StepConfig(global_batch=global_batch, steps=steps, lr=lr, width=width, seed=seed)
 per_rank_batch = cfg.per_rank_batch(world_size)
 wrapped = launch.spawn(ddp.ddp_worker, world_size, cfg, backend=backend, timeout=120)
@@ -315,7 +317,7 @@ claim("hand-averaged weights are bit-for-bit equal across the ranks (same_bits)"
 # does not make N ranks bit-for-bit equal to one process: on 3 ranks too, that agreement is to
 # a tolerance. The next cell checks both on 3 ranks (gloo, on the CPU, whatever this machine's
 # profile; a global batch of 24, since 32 does not split over 3; there the ranks' weights are
-# compared as values, with torch.equal). `compare_three` runs the
+# compared bit for bit, with `same_bits`). `compare_three` runs the
 # hand-averaged workers, the DDP workers and the single process, each in its own launch, and
 # returns the largest differences between them:
 
@@ -325,7 +327,7 @@ viz.show_code(ddp.compare_three)
 # %%
 cfg3 = ddp.StepConfig(global_batch=24, steps=steps, lr=lr, width=width, seed=seed)
 three = ddp.compare_three(cfg3, world_size=3, backend="gloo")
-claim("3 ranks: the weights are equal as values across the ranks (torch.equal), hand-averaged "
+claim("3 ranks: the weights are bit-for-bit equal across the ranks (same_bits), hand-averaged "
       "and DDP",
       three["ranks_bitwise_equal_manual"] and three["ranks_bitwise_equal_ddp"])
 gap3 = max(three["params_manual_vs_single"], three["params_ddp_vs_single"])
@@ -336,8 +338,8 @@ claim("3 ranks: first-step gradients, hand-averaged == DDP to 1e-6, not bit for 
 
 # %% [markdown]
 # Against DDP, the hand-averaged gradients agree bit for bit on 2 ranks but not on 3: DDP orders
-# its arithmetic differently from the library's `average_gradients` — how, "How DDP does it"
-# says after your lab passes.
+# its arithmetic differently from the library's `average_gradients` — how, and in which two
+# ways, "How DDP does it" says and measures after your lab passes.
 #
 # **A question to try:** suppose each rank stepped with its own gradients and the ranks then
 # averaged their *weights*. With this lesson's plain SGD that gives the same weights as
@@ -392,8 +394,9 @@ else:
 #    accumulating gradients without averaging them), in `train()` or `eval()` mode alike
 #    (which forwards skip it, the buffers section measures). Before torch 2.13 the switch was
 #    `broadcast_buffers`, and it is not a plain rename: `broadcast_buffers=False` also skips the
-#    buffers' broadcast at construction, `forward_sync_buffers=False` only the one before each
-#    forward.
+#    buffers' broadcast at construction, `forward_sync_buffers=False` only those at run time:
+#    before each forward, and at the end of lesson 04's `Join` (where ranks that ran out of
+#    batches keep answering the others' collectives; claimed below).
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (25 MiB by default; the
 #    argument's name says MB, but DDP multiplies it by 1024 × 1024). As each gradient becomes
@@ -412,7 +415,8 @@ else:
 # The library's `average_gradients` sums, then divides; DDP **scales first, then sums**. Where
 # exactly, in c10d's `Reducer::mark_variable_ready_dense` (`reducer.cpp`), which runs for each
 # gradient as it becomes ready (*read from source*: `reducer.cpp` is not installed; the claim
-# below finds its compiled names, and the 3-rank claims measure the rounding it causes):
+# below finds its compiled names, and the 3-rank control run after it measures the rounding it
+# causes):
 #
 # - **without a comm hook**, the copy into the bucket *is* the scaling:
 #   `at::mul_out(bucket_view, grad, wrapped)` with `wrapped` the scalar `1. / div_factor_` — a
@@ -437,8 +441,12 @@ else:
 # training, if asked for with `divide_by_initial_world_size=False`.) With 2 ranks the
 # order cannot show: 1/2 is exact in binary, so multiplying by it, or dividing by 2 before or
 # after the sum, gives the same bits (barring underflow). With 3 ranks float32's 1/3 is not a
-# third, and DDP and the library's `average_gradients` part in the last bits, as the 3-rank
-# claims after the lab show.
+# third, and scaling first rounds differently from dividing after the sum. A second cause
+# adds to it: DDP all-reduces one flat bucket, the library each tensor on its own, and the
+# all-reduce need not add the ranks' values in the same order at every position of a tensor
+# (measured, not read: gloo's source is not installed). The 3-rank claim after the lab cannot
+# tell the two apart; the folded control run below can: a comm hook that sums the raw bucket,
+# then divides, keeps DDP's layout with the library's arithmetic.
 
 # %%
 import inspect
@@ -460,6 +468,29 @@ with open(libtorch_cpu, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_
     found = {mark: m.find(mark.encode()) >= 0 for mark in marks}
 claim(f"the installed {libtorch_cpu.name} (torch {torch.__version__.split('+')[0]}) holds the reducer's "
       f"'mul_out' copy and the batched_grad_copy path", all(found.values()), found=found)
+claim("forward_sync_buffers also decides the buffers' broadcast at the end of a Join: "
+      "_sync_final_model passes broadcast_buffers=self.forward_sync_buffers",
+      "broadcast_buffers=self.forward_sync_buffers"
+      in inspect.getsource(DistributedDataParallel._sync_final_model))
+
+# %% [markdown]
+# **▶ The control run that tells layout from scaling — open after your lab passes** (click the
+# folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ddp.sum_then_divide_hook)
+hooked = launch.spawn(ddp.ddp_worker, 3, cfg3, ddp.sum_then_divide_hook, backend="gloo",
+                      timeout=120)[0]["grads"]
+layout = int((hooked != three["grads_manual"]).sum())  # same arithmetic, other layout
+scaling = int((hooked != three["grads_ddp"]).sum())    # same layout, scale first or divide after
+print(f"3 ranks, first-step gradients ({hooked.numel()} elements): {layout} differ between the "
+      f"hooked DDP and average_gradients, {scaling} between the hooked DDP and DDP's own path")
+claim("layout alone: DDP summing then dividing in its one flat bucket differs from "
+      "average_gradients' per-tensor all-reduces in the last bits", layout > 0, layout=layout)
+claim("scaling alone: in the same bucket, DDP's scale-first path differs from sum-then-divide",
+      scaling > 0, scaling=scaling)
+claim("both are last-bit rounding: the gradients agree to 1e-6",
+      max(float((hooked - three[k]).abs().max()) for k in ("grads_manual", "grads_ddp")) < 1e-6)
 
 # %% [markdown]
 # First the broadcast: every rank builds its model from a *different* seed, and after
@@ -748,8 +779,11 @@ print(f"last gradient computed {last_grad['0']:.1f} ms after backward() began in
 # rests on one condition: the bucket's all-reduce is *asynchronous*. DDP's `allreduce_hook` (which
 # our hook above calls) runs `dist.all_reduce(..., async_op=True)`, and `AllreduceOptions::asyncOp`,
 # what a C++ caller gets unless it says otherwise, is `true`. So the CPU does not wait for NCCL's
-# work: the backward goes on queuing its own kernels, and the two can run at once on the GPU,
-# sharing its cores and memory bandwidth, when NCCL's work is on a CUDA stream of its own. *Read
+# work: the backward goes on queuing its own **kernels** (a kernel is one operation's program,
+# launched by the CPU to run on the GPU), and the two can run at once on the GPU, sharing its
+# cores and memory bandwidth, when NCCL's work is on a **CUDA stream** of its own (a stream is a
+# queue whose kernels the GPU runs one after another; kernels of different streams may run at
+# the same time). *Read
 # from source, not measured*: this machine has no GPU, and which stream NCCL's asynchronous work
 # goes to is decided in `ProcessGroupNCCL.cpp`, which is not installed (`ProcessGroupNCCL.hpp`'s
 # comment says a separate one, but that comment predates `asyncOp`; Sources: `Types.hpp`,
@@ -1052,7 +1086,12 @@ viz.quiz([
 #   in its favour, and its warning says that `broadcast_buffers=False` also skips the buffer
 #   sync at construction (`init_sync_buffers`) while `forward_sync_buffers=False` does not;
 #   construction calls `_sync_module_states(..., src=0, ...)`, defined in
-#   `torch/distributed/utils.py`, which broadcasts rank 0's parameters and buffers.
+#   `torch/distributed/utils.py`, which broadcasts rank 0's parameters and buffers. The
+#   docstring of `forward_sync_buffers`: "syncing (broadcasting) buffers of the module at
+#   runtime, including at the beginning of ``forward`` and after uneven-input joins";
+#   `_sync_final_model` (the end of a `Join`) passes `broadcast_buffers=self.forward_sync_buffers`
+#   (claimed above). `register_comm_hook`: the control run's hook replaces DDP's own averaging
+#   of each bucket.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._ddp_init_helper`, the
 #   comment before the bucket limits: parameters are not in execution order, and when a model
 #   has both "other collectives comm ops in its backward graph" and an "unused parameter in

@@ -390,10 +390,26 @@ claim("the message is the installed libtorch_cpu.so's own (ProcessGroupGloo::mon
 # | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; each other rank waits for rank 0's answer, up to the group's timeout (run above) | gloo only: bugs 1 and 3 above |
 # | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before the group is created) | wraps each process group in a `ProcessGroupWrapper` with a gloo helper group: before **every** collective the ranks pass a monitored barrier and compare the call's fingerprint (op, shapes, dtypes); a missing rank or a mismatch becomes an error naming them. It costs time on every call | works: bugs 1 and 2 above, with its cost measured |
 # | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**: the call returned at once; the watchdog tears the process down at the timeout (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, default 3); `wait()` raises only with `TORCH_NCCL_BLOCKING_WAIT=1` or `work.wait(timeout)` | gloo: bug 1 above; NCCL: the figure above |
-# | the flight recorder | **on by default**: each process's last 2000 collectives (`TORCH_FR_BUFFER_SIZE`; 0 turns it off). On NCCL dumped on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT` and `TORCH_NCCL_ENABLE_MONITORING` default to on in `ProcessGroupNCCL.cpp`) to `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` (default `/tmp/nccl_trace_rank_`), merged with `torchfrtrace` | records on gloo too (bug 2 above); the automatic dump on timeout is NCCL-only |
+# | the flight recorder | **on by default**: each process's last 2000 collectives (`TORCH_FR_BUFFER_SIZE`; 0 turns it off). On NCCL dumped on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`, `TORCH_NCCL_ENABLE_MONITORING`: on by default, `ProcessGroupNCCL.cpp`) to `TORCH_FR_DUMP_TEMP_FILE` (older name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) plus the rank, by default `~/.cache/torch/comm_lib_trace_rank_<rank>` (`$XDG_CACHE_HOME/torch/…` when set; checked below), merged with `torchfrtrace` | records on gloo too (bug 2 above); the automatic dump on timeout is NCCL-only |
 # | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=ALL` for more) | NCCL prints its set-up: interfaces, rings, transports, and its errors — the first thing to read when NCCL hangs at start-up on a cluster | GPU only: nothing to show here |
 # | `py-spy dump --pid PID` | the Python stack of a running process, from outside (it pauses the process while it reads, unless `--nonblocking`; it needs ptrace permission, which containers often withhold): the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (`diagnose`, section 1) |
-#
+
+# %% [markdown]
+# **▶ Those file names, searched in the library** (folded):
+
+# %% jupyter={"source_hidden": true}
+with open(so, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as library:
+    fr_names = {name: library.find(name.encode()) >= 0 for name in (
+        "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "XDG_CACHE_HOME",
+        "comm_lib_trace_r", "nccl_trace_rank_")}
+claim("libtorch_cpu.so (FlightRecorder.cpp's DebugInfoWriter) holds TORCH_FR_DUMP_TEMP_FILE, "
+      "its older name TORCH_NCCL_DEBUG_INFO_TEMP_FILE, XDG_CACHE_HOME and 'comm_lib_trace_r' "
+      "(the start of the default prefix 'comm_lib_trace_rank_'), and no 'nccl_trace_rank_'",
+      fr_names == {"TORCH_FR_DUMP_TEMP_FILE": True, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": True,
+                   "XDG_CACHE_HOME": True, "comm_lib_trace_r": True, "nccl_trace_rank_": False},
+      found=fr_names)
+
+# %% [markdown]
 # ## 3. Bugs that finish — with the wrong answer
 # These are worse: nothing hangs, nothing crashes, the loss may even look fine. They need a
 # detector that compares the ranks. All seven (bugs 4 to 10) run, broken and fixed, in **one**
@@ -985,6 +1001,11 @@ viz.quiz([
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp` — `ProcessGroupWrapper`,
 #   `runCollectiveChecks`: the helper group does the monitored barrier and the fingerprint
 #   comparison before the collective is dispatched to the wrapped backend.
+# - `torch/lib/libtorch_cpu.so` — the flight recorder's dump file (upstream
+#   `FlightRecorder.cpp`, `DebugInfoWriter::getWriter`, not in the wheel): the prefix comes
+#   from `TORCH_FR_DUMP_TEMP_FILE` or, failing that, `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`, by
+#   default `comm_lib_trace_rank_` in `$XDG_CACHE_HOME/torch` or `~/.cache/torch`, and the rank
+#   is appended; the library's strings were found above (`nccl_trace_rank_` is not among them).
 # - `torch/include/torch/csrc/distributed/c10d/FlightRecorder.hpp` — `FlightRecorder`'s
 #   constructor: `max_entries_` from `TORCH_FR_BUFFER_SIZE` or `TORCH_NCCL_TRACE_BUFFER_SIZE`,
 #   2000 by default; enabled when above 0; an entry's states `scheduled`, `started` and

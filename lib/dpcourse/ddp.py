@@ -58,6 +58,8 @@ __all__ = [
     "ddp_worker",
     "single_process",
     "compare_three",
+    "same_bits",
+    "sum_then_divide_hook",
     "ddp_internals_worker",
     "bucket_limits",
     "initial_bucket_limits",
@@ -212,8 +214,11 @@ def manual_dp_worker(rank: int, world_size: int, cfg: StepConfig, average_fn=Non
     return {"grads": first_grads, "params": flat_params(model)}
 
 
-def ddp_worker(rank: int, world_size: int, cfg: StepConfig) -> dict:
+def ddp_worker(rank: int, world_size: int, cfg: StepConfig, comm_hook=None) -> dict:
     """The same experiment with ``DistributedDataParallel`` doing the averaging.
+
+    ``comm_hook``, when given, replaces DDP's own averaging of each bucket (lesson 03's control
+    run, :func:`sum_then_divide_hook`).
 
     Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you".
     """
@@ -223,6 +228,8 @@ def ddp_worker(rank: int, world_size: int, cfg: StepConfig) -> dict:
     dev = setup_rank()
     model = make_model(cfg).to(dev)
     ddp_model = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    if comm_hook is not None:
+        ddp_model.register_comm_hook(None, comm_hook)
     opt = torch.optim.SGD(ddp_model.parameters(), lr=cfg.lr)
     first_grads = None
     for step in range(cfg.steps):
@@ -256,7 +263,9 @@ def single_process(cfg: StepConfig, device: str = "cpu") -> dict:
 
 def compare_three(cfg: StepConfig, world_size: int | None = None, backend: str | None = None,
                   timeout: float = 120.0) -> dict:
-    """Run hand-averaged DP, DDP and the single process; return the largest differences.
+    """Run hand-averaged DP, DDP and the single process; return the largest differences, whether
+    each way's ranks end with the same bits (:func:`same_bits`), and rank 0's first-step
+    gradients of the two distributed ways.
 
     ``world_size`` / ``backend`` default to the hardware profile's.
 
@@ -284,9 +293,44 @@ def compare_three(cfg: StepConfig, world_size: int | None = None, backend: str |
         "grad_manual_vs_ddp": max(diff(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)),
         "params_manual_vs_single": max(diff(r["params"], single["params"]) for r in manual),
         "params_ddp_vs_single": max(diff(r["params"], single["params"]) for r in wrapped),
-        "ranks_bitwise_equal_manual": all(torch.equal(manual[0]["params"], r["params"])
+        "ranks_bitwise_equal_manual": all(same_bits(manual[0]["params"], r["params"])
                                           for r in manual),
-        "ranks_bitwise_equal_ddp": all(torch.equal(wrapped[0]["params"], r["params"])
+        "ranks_bitwise_equal_ddp": all(same_bits(wrapped[0]["params"], r["params"])
                                        for r in wrapped),
+        "grads_manual": manual[0]["grads"],   # rank 0's first-step averaged gradients
+        "grads_ddp": wrapped[0]["grads"],
         "config": asdict(cfg),
     }
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two float32 tensors hold the very same bits, element by element.
+
+    ``torch.equal`` compares values: ``-0.0 == 0.0``, and a NaN is never equal, not even to
+    itself. The int32 views of two float32 tensors are equal exactly when their bits are.
+
+    Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you".
+    """
+    if a.dtype != torch.float32 or b.dtype != torch.float32:
+        raise TypeError(f"same_bits compares float32 tensors, got {a.dtype} and {b.dtype}")
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def sum_then_divide_hook(state, bucket):
+    """A DDP comm hook that averages a bucket the library's way: all_reduce the raw bucket
+    (SUM), then divide it by the group's size, where DDP's own path scales each gradient by
+    1/world_size as it copies it into the bucket and then sums.
+
+    Run with :func:`ddp_worker`, it keeps DDP's bucket layout and changes only the order of
+    the scaling, so lesson 03 can tell the two causes of a last-bit difference apart.
+
+    Shown in lesson 03, §"How DDP does it".
+    """
+    world_size = dist.get_world_size()
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+    def divide(done):
+        return done.value()[0].div_(world_size)
+
+    return fut.then(divide)
+
