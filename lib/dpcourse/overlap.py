@@ -172,8 +172,11 @@ def assign_buckets(params, bucket_cap_mb: float,
     the end are added last, in the order their pairs first appeared.
 
     These are the buckets DDP's reducer makes when it *rebuilds* them from the order the
-    gradients arrived (after the first backward): ``params`` reversed is that order for a model
-    whose layers run in registration order. They are not the buckets DDP makes at construction
+    gradients arrived (after the first backward), when ``params`` reversed is that order: for a
+    model of ``Linear`` layers run in registration order (each bias's gradient arrives before
+    its weight's). A convolution's weight gradient arrives before its bias's, so there DDP's
+    rebuilt buckets list the two the other way round (and can split them differently when a
+    cap falls between them). They are not the buckets DDP makes at construction
     with ``find_unused_parameters=True``: those walk the parameters in registration order and
     then reverse the list of buckets (lesson 07, §3, compares the two).
 

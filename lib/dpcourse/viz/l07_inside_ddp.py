@@ -114,8 +114,10 @@ def _cap_label(cap) -> str:
     return "one bucket" if cap == float("inf") else f"{cap:g} MiB"
 
 
-def bucket_sweep_figure(rows: Sequence[dict], noise_ms: float | None = None):
-    """Step time (ms) for each bucket cap, each bar labelled with its all-reduces per step.
+def bucket_sweep_figure(rows: Sequence[dict], noise_ms: float | None = None,
+                        counts: bool = True):
+    """Step time (ms) for each bucket cap, each bar labelled with its all-reduces per step
+    (``counts=False``: unlabelled, for a page where the counts would answer a lab).
 
     Where a row has its rounds (``steps_s["step"]``, seconds), a black line spans their
     quartiles. ``noise_ms``, if given, is drawn as a grey band from the fastest median up by
@@ -139,8 +141,10 @@ def bucket_sweep_figure(rows: Sequence[dict], noise_ms: float | None = None):
                    label=f"noise floor: identical work, {abs(noise_ms):.0f} ms apart in a typical round")
         ax.legend(loc="upper left", fontsize=7.5)
     for bar, r, y in zip(bars, rows, top):
-        ax.text(bar.get_x() + bar.get_width() / 2, y,
-                f"{r['collectives_per_step']} all-reduces", ha="center", va="bottom", fontsize=7.5)
+        if counts:
+            ax.text(bar.get_x() + bar.get_width() / 2, y,
+                    f"{r['collectives_per_step']} all-reduces", ha="center", va="bottom",
+                    fontsize=7.5)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_xlabel("bucket_cap_mb")
