@@ -2,9 +2,21 @@
 
 import collections
 import importlib.util
+import os
 
 import psutil
 import pytest
+
+# One OpenMP thread per process, for this process and everything it starts (nbval's kernels,
+# the ranks, torchrun: they inherit the environment), unless the caller set it. The suite runs
+# as two xdist workers on two cores, each with ranks of its own: torch's default of a thread per
+# core then puts several spinning threads on each core, and a parallel region waits for a thread
+# that is not running. Measured here at load 7-12 (2026-11-28): `train.fit` on 2,000 samples,
+# 35-65 s with torch's 2 threads against 7-16 s with 1; lesson 01 under nbval hit the 300 s cell
+# limit with 2, and passed in 122 s with 1 (36 s of CPU against 207 s). What the suite proves does
+# not depend on it: the stored outputs are the same (lessons set 1 thread themselves where they
+# time anything), and a learner's notebook keeps torch's default.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 if importlib.util.find_spec("triton"):
     # Some tests load TensorFlow into this process; torch's triton segfaults if it is loaded

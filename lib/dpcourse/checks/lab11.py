@@ -120,7 +120,7 @@ from ._lab11_gpipe import check_gpipe, measure_bubble
 from ._lab11_layers import BIAS_GRAD_CHOICES, check_column_parallel, check_row_parallel
 from ._lab11_mlp import (check_normed_mlp, check_parameters_prediction, check_prediction,
                          check_tp_mlp, count_all_reduces, count_parameters)
-from ._lab11_norm import NORM_CHOICES
+from ._lab11_norm import NORM_CHOICES, SHIFT, check_normed, norm_budget, normed_worker, ring_bytes
 
 __all__ = ["check_block_of", "check_diagnosis", "check_conjugates", "check_sequence_parallel",
            "check_split_decision", "SP_KEYS", "SP_VALUES",
