@@ -68,6 +68,22 @@ def test_traffic_formula():
     assert zero.fsdp2_padded_numel((10,), 3) == 12
 
 
+def test_traffic_with_gradients_in_another_dtype():
+    """bf16 weights, fp32 gradients (lesson 08 §5): reductions weigh 4 bytes an element,
+    all-gathers and broadcasts 2, so ZeRO-1/2 send 0.75x an fp32 DDP and ZeRO-3 1.0x, not 1.5x;
+    left out, grad_bytes changes nothing."""
+    ddp = zero.traffic_per_step("ddp", 606, 3, element_size=2, grad_bytes=4)
+    assert ddp == 606 * 8
+    assert zero.traffic_per_step("zero1", 606, 3, element_size=2, grad_bytes=4) == 606 * 6
+    assert zero.traffic_per_step("zero2", 2531, 3, element_size=2, grad_bytes=4) == 2532 * 6
+    assert zero.traffic_per_step("zero3", [600, 6], 3, element_size=2, grad_bytes=4) == ddp
+    assert zero.traffic_per_step("zero_redundancy", 606, 2, element_size=2, grad_bytes=4) \
+        == 606 * (8 + 2)
+    for stage in ("ddp", "zero1", "zero2", "zero3", "zero_redundancy"):
+        assert zero.traffic_per_step(stage, LAYERS, 3, element_size=2, grad_bytes=2) \
+            == zero.traffic_per_step(stage, LAYERS, 3, element_size=2)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: zero.bytes_per_param("zero4", 2), "stage must be one of"),
     (lambda: zero.memory_per_rank("fsdp", PSI, 2), "stage must be one of"),
