@@ -26,11 +26,10 @@
 # DDP is a lockstep: every rank computes a gradient, every rank waits in the all-reduce, every
 # rank steps. The slowest rank sets the pace, and every step pays for communication. This
 # lesson tries four ways out. The code lives in `dpcourse.parameter_server` (§1) and
-# `dpcourse.async_sgd` (the rest); the cells show the code their claims rest on (the run
-# settings, `PSConfig` and `RaceConfig`, are shown where they are used). The problem is small
+# `dpcourse.async_sgd` (the rest); the cells show the code their claims rest on. The problem is small
 # on purpose, so that sweeps take seconds: the course's shapes10 images averaged down to 8×8
 # pixels of 3 channels (192 numbers) and a two-layer MLP (`make_problem` and `make_model`,
-# shown in §1).
+# folded in §1).
 
 # %% tags=["parameters"]
 world_size = None          # None: from the hardware profile (2 on the cpu profile)
@@ -50,7 +49,7 @@ import math
 
 import torch
 
-from dpcourse import async_sgd, devices, launch, parameter_server, viz
+from dpcourse import async_sgd, devices, launch, parameter_server, ring, viz
 from dpcourse.checks import claim
 
 torch.set_num_threads(1)
@@ -91,7 +90,13 @@ viz.show_code(parameter_server.CountingLink, parameter_server.ps_sync_server, pa
 
 # %%
 viz.show_code(parameter_server.parameter_server_worker, parameter_server.PSConfig,
-              async_sgd.worker_indices, async_sgd.make_problem, async_sgd.make_model)
+              async_sgd.worker_indices)
+
+# %% [markdown]
+# **▶ The data and the model: `make_problem`, `make_model`** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(async_sgd.make_problem, async_sgd.make_model)
 
 # %%
 cfg = parameter_server.PSConfig()
@@ -136,9 +141,18 @@ claim("each worker moves 2K per step",
       all(sum(w["sync_bytes"]) == 2 * K * 4 * cfg.steps for r in ps.values() for w in r[1:]))
 ratios = {n: r[0]["sync_bytes"][0] / 4 / cfg.steps / async_sgd.ring_elements_per_rank(K, n)
           for n, r in ps.items()}
-claim("sent against sent, the server's load / a ring rank's == N²/(2(N−1)) (to 0.1 %; K/N is "
-      "rounded up): " + ", ".join(f"N={n}: {v:.2f}" for n, v in ratios.items()),
-      all(math.isclose(v, n * n / (2 * (n - 1)), rel_tol=1e-3) for n, v in ratios.items()))
+claim("sent against sent, the server's load / a ring rank's == N²/(2(N−1)) (to 0.1 %: the ring "
+      "count is chunk by chunk, 2(N−1)K/N when N divides K and within 2 elements of it "
+      "otherwise): " + ", ".join(f"N={n}: {v:.2f}" for n, v in ratios.items()),
+      all(math.isclose(v, n * n / (2 * (n - 1)), rel_tol=1e-3) for n, v in ratios.items())
+      and all(abs(async_sgd.ring_elements_per_rank(k_, n) - 2 * (n - 1) * k_ / n) < 2
+              for n in ps for k_ in range(K, K + n)))
+
+# %% [markdown]
+# **▶ `ring.ring_bytes_per_worker`**, the chunk-by-chunk count (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ring.ring_bytes_per_worker)
 
 # %%
 viz.show(viz.ps_traffic_figure(K, {n: sum(r[0]["sync_bytes"]) // 4 // cfg.steps
@@ -175,7 +189,8 @@ claim("and it trained: the test loss fell",
 # %% [markdown]
 # **What does not waiting buy?** The last run's straggler slept 2 ms: too little to see. Now a
 # real one: two workers, the second 50 ms slower per gradient (a slower or busier machine),
-# and each mode gets the same **1 second of wall-clock time**. Synchronous, every round waits
+# and each mode gets the same **1 second of wall-clock time** to start work in (what is in
+# flight then still lands: both end a little later, printed below). Synchronous, every round waits
 # for the straggler; asynchronous, the fast worker pulls, computes and pushes on its own. Each
 # worker records when it computes and when it waits (for the server's next message).
 # `straggler_race`, last below, runs the two modes one after the other from the same weights
@@ -211,6 +226,13 @@ print(f"asynchronous, the fast worker: {len(compute_ms)} gradients, {sum(compute
       f"each to compute, then {sum(wait_ms) / len(wait_ms):.1f} ms on average until the server's "
       "answer came back (the push, the server's step, the new weights)")
 sync_loss, async_loss = race[0]["sync"]["loss"], race[0]["async"]["loss"]
+ended = [max(b for w in (1, 2) for _, _, b in race[w][m]["spans"]) for m in ("sync", "async")]
+print("the workers' last spans ended at %.3f s (sync) and %.3f s (async): what was in flight landed" % tuple(ended))
+n_fast, n_slow = (sum(k == "compute" for k, _, _ in race[w]["async"]["spans"]) for w in (1, 2))
+print(f"What sets the gain: asynchronous, the fast worker computed {n_fast} gradients, the straggler "
+      f"{n_slow}: it cycles {n_fast / n_slow:.0f}× as often. Synchronous rounds take one of each, at the "
+      f"straggler's pace: a gain of about ({n_fast / n_slow:.0f} + 1)/2 = {(n_fast / n_slow + 1) / 2:.1f}× "
+      f"(measured {applied['async'] / applied['sync']:.1f}×); 1× without a straggler.")
 print(f"In the same {race_cfg.budget:g} s, asynchronous reached a test loss of {async_loss:.3f} "
       f"against synchronous {sync_loss:.3f}: the extra gradients "
       + ("bought a lower loss here." if async_loss < sync_loss else "did not buy a lower loss here."))
@@ -238,14 +260,16 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
       applied["async"] >= 1.3 * applied["sync"], applied=applied)
 
 # %% [markdown]
+# How many more is set by how much slower the straggler is (printed above: "what sets the
+# gain"): one twice as slow would give about (2 + 1)/2 = 1.5×.
+#
 # More gradients per second, but not free ones: the straggler's gradients arrive many updates
 # stale (the largest staleness above). Whether the extra gradients turned into a lower loss in
 # this run is the computed sentence above; at a larger step, staleness can make training
 # diverge — the question the rest of this section answers. And the fast worker still waits in
 # asynchronous mode: not for the straggler any more, but for the round trip of each gradient
 # to the server and back (2K numbers through gloo, K printed in §1, on cores shared with the server and
-# the straggler). The cell above prints its compute time beside that wait: how the two
-# compare depends on the machine and its load, so read them there.
+# the straggler), printed above beside its compute time.
 #
 # The staleness printed above changes from run to run: it is decided by which process the
 # operating system runs first. To study its effect we need it under control.
@@ -279,6 +303,13 @@ viz.show_code(async_sgd.SimulatedServer)
 # %%
 viz.show_code(async_sgd.run_stale, async_sgd.plain_sgd, async_sgd.loss_and_gradient)
 
+# %% [markdown]
+# **▶ `batch_schedule` and `evaluate`**, which the claims below rest on (click the folded cell
+# below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(async_sgd.batch_schedule, async_sgd.evaluate)
+
 # %%
 batches = async_sgd.batch_schedule(len(problem.x_train), 32, sim_steps, seed=seed)
 sgd = async_sgd.plain_sgd(async_sgd.make_model(seed=seed), problem, lrs[0], batches)
@@ -294,7 +325,9 @@ claim("with τ = 4 every update after the first 4 is exactly 4 updates stale (th
 # gradients. One run is one draw: the starting weights and the batch order come from a seed,
 # and a run near the edge of divergence can end on either side of it. So the sweep runs every
 # cell with several seeds (`sweep_seeds`; each seed its own weights and batch order) and
-# counts how many diverged; the first table prints the losses of one seed, the second the
+# counts how many diverged. **Diverged** here means *ended above the loss it started from*: it
+# counts a run that spiked late as well as one that grew without bound (the explorer below
+# lets you look for each). The first table prints the losses of one seed, the second the
 # count. (The staleness-aware step is lab 09's stretch: its runs come after the lab pointer.)
 
 # %%
@@ -316,7 +349,8 @@ sweeps = {s: {lr: [async_sgd.run_stale(problem, tau, lr, seed_batches[s], seed=s
                    for tau in taus] for lr in lrs} for s in seeds}
 start_loss, sweep = starts[seed], sweeps[seed]
 # "Diverged" below means what the claims mean: the run ended above the loss it started from
-# (marked *); "blew up" means the loss overflowed to inf or NaN.
+# (marked *); "inf" means the loss overflowed (evaluate reports NaN as inf); a loss of 1000 or
+# more prints in powers of ten.
 n_diverged = {lr: [sum(not sweeps[s][lr][i] < starts[s] for s in seeds) for i in range(len(taus))]
               for lr in lrs}
 print(f"seed {seed}: test loss after the budget; start {start_loss:.3f}; * = above the start "
@@ -327,7 +361,10 @@ print("        " + "".join(f"τ={t:<7}" for t in taus))
 def cell(v):
     if v is None:
         return f"{'—':<9}"
-    return f"{'blew up':<9}" if not v < 1e3 else f"{f'{v:.3f}' + ('*' if not v < start_loss else ''):<9}"
+    if not math.isfinite(v):
+        return f"{'inf':<9}"
+    text = f"{v:.1e}" if v >= 1e3 else f"{v:.3f}"
+    return f"{text + ('*' if not v < start_loss else ''):<9}"
 
 
 for lr, row in sweep.items():
@@ -365,7 +402,8 @@ def stale_curve(tau, lr, points=5):
     ax = fig.add_subplot(1, 1, 1)
     ax.plot([0] + ends, [start_loss] + losses, "o-", label=f"τ = {tau}, lr = {lr:g}")
     ax.axhline(start_loss, color="grey", ls=":", lw=1, label="loss at the start")
-    ax.set_yscale("log")
+    if max(losses + [start_loss]) > 10 * min(losses + [start_loss]):
+        ax.set_yscale("log")   # only when the losses span more than ten times
     ax.set_xlabel("updates applied")
     ax.set_ylabel("test loss (capped at 1000)")
     ax.grid(True, alpha=0.3)
@@ -420,7 +458,8 @@ claim("near that edge the seeds disagree — a single run's * is not the boundar
 # refuses is the lab's own question), and its staleness-aware server.
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below).
+# **▶ The library's loop (for a server that refuses no push: not all of lab 09 §2's answer)
+# and the aware server — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(async_sgd.async_worker_loop, async_sgd.StalenessAwareServer)
@@ -443,11 +482,11 @@ print("runs that ended below their start, of " + f"{S} seeds: "
       + ", ".join(f"τ = {t}: {c}/{S}" for t, c in zip(aware_taus, rescued)))
 
 # %%
-claim(f"at lr {big:g}, where every seed's plain run diverged at τ = {', '.join(map(str, aware_taus))}, "
+claim(f"at lr {big:g}, where every seed's unaware run diverged at τ = {', '.join(map(str, aware_taus))}, "
       "the staleness-aware step lowered the loss in most seeds at every one of them (counts "
       "above)", all(c > S / 2 for c in rescued)
       and all(n_diverged[big][taus.index(t)] == S for t in aware_taus), rescued=rescued)
-claim(f"... but at τ = {taus[-1]} it ends worse than plain SGD at τ = 0, in every seed: every "
+claim(f"... but at τ = {taus[-1]} it ends worse than fresh SGD (τ = 0), in every seed: every "
       "stale step is shrunk, good ones too",
       all(aware_runs[s][-1] > sweeps[s][big][0] for s in seeds))
 
@@ -455,8 +494,9 @@ claim(f"... but at τ = {taus[-1]} it ends worse than plain SGD at τ = 0, in ev
 # What did the server's *awareness* add? In this simulator every update after the first τ is
 # exactly τ updates stale (the claim before the sweep checks it at τ = 4), so dividing each step by its staleness
 # divides every update after the first τ by the same τ: from there on the aware server steps
-# as plain SGD at lr/τ would (its first τ updates, the less stale ones, are the stretch's
-# question). Seed 0 once more, with plain SGD at lr/τ:
+# as the *unaware* server would at lr/τ, on the same τ-stale gradients (its first τ updates,
+# the less stale ones, are the stretch's question). Not fresh SGD at lr/τ: both runs below use
+# stale gradients. Seed 0 once more:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -466,14 +506,15 @@ plain_scaled = [async_sgd.run_stale(problem, tau, big / tau, batches, seed=seed)
 aware_gap = max(abs(a - p) for a, p in zip(aware_runs[seed], plain_scaled))
 rows = {f"seed {seed}, test loss after the budget": [f"τ = {t}" for t in aware_taus],
         f"staleness-aware server, lr {big:g}": [f"{v:.3f}" for v in aware_runs[seed]],
-        f"plain SGD at lr {big:g}/τ": [f"{v:.3f}" for v in plain_scaled]}
+        f"unaware server, lr {big:g}/τ": [f"{v:.3f}" for v in plain_scaled]}
 for label, row in rows.items():
     print(f"{label:<38}" + "".join(f"{x:<10}" for x in row))
 print(f"largest gap: {aware_gap:.3f}")
 
 # %%
-claim(f"with the same τ for every update, the staleness-aware step ends where plain SGD at lr "
-      f"{big:g}/τ does (seed {seed}, every τ, within 0.05 of the test loss)", aware_gap < 0.05)
+claim(f"with the same τ for every update, the staleness-aware step ends where the unaware "
+      f"server at lr {big:g}/τ does, on the same τ-stale gradients (seed {seed}, every τ, "
+      "within 0.05 of the test loss)", aware_gap < 0.05)
 
 # %% [markdown]
 # So the runs above show that a smaller step rescues the large step, which the lr 0.1 row
@@ -645,9 +686,9 @@ for name, c in curves.items():
     print(f"{name:<42} test loss per epoch: " + " ".join(f"{v:.3f}" for v in c))
 
 # %%
-viz.show(viz.large_batch_figure(curves),
-         f"Batch ×{k}: without scaling the lr it barely learns in the same epochs; scaled, it "
-         "closes most of the gap to the small batch.")
+viz.show(viz.large_batch_figure(curves, start_loss=start_loss),
+         f"Batch ×{k}, from the same start (dotted): without scaling the lr it barely learns in "
+         "the same epochs; scaled, it closes most of the gap to the small batch.")
 
 # %%
 small_b, unscaled, scaled, warm = (c[-1] for c in curves.values())
@@ -695,13 +736,15 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #   (equal weights, to 1e-6, here) but it moves 2NK per step through one node (NK each way),
 #   N²/(2(N−1)) times what a ring rank sends and receives.
 # - Asynchronous, its workers stop waiting for the straggler (timed: more gradients in the
-#   same second; the fast worker then waits only for its own round trips to the server), and
+#   same second, by a factor set by how much slower the straggler is; the fast worker then
+#   waits only for its own round trips to the server), and
 #   its gradients are stale. In the simulator τ = 0 is SGD exactly; over the sweep's seeds, the
-#   delay at which most runs diverge shrank as the step grew, and near it the seeds split;
+#   delay at which most runs diverged (ended above their start) shrank as the step grew, and
+#   near it the seeds split;
 #   dividing the step by τ rescued most of the large step's runs (not every one: the lesson
-#   counts them), at the price of slower progress. With the simulator's constant τ that is
-#   plain SGD at lr/τ (checked): it shows the smaller step, not the staleness-aware rule, which
-#   matters where the staleness varies.
+#   counts them), at the price of slower progress. With the simulator's constant τ that is the
+#   unaware server at lr/τ on the same stale gradients (checked): it shows the smaller step,
+#   not the staleness-aware rule, which matters where the staleness varies.
 # - Local SGD keeps the lockstep and averages weights every H steps: H = 1 is DDP,
 #   communication falls as 1/H, the replicas drift further apart as H grows (measured), and on
 #   IID shards H = 32 still kept more than 70 % of H = 1's loss reduction here. Torch ships it
@@ -762,7 +805,8 @@ viz.quiz([
      "answer": 1,
      "why": ["The opposite: divergence comes from large steps on stale information.",
              "Right: counted over seeds, the delay a step tolerates shrank as the step grew; "
-             "at a constant τ the staleness-aware step is plain SGD at lr/τ.",
+             "at a constant τ the staleness-aware step is the unaware server at lr/τ, on "
+             "the same stale gradients.",
              "More workers make the gradients staler."]},
     {"q": "Local SGD with H = 8 compared with DDP:",
      "options": ["Sends 8× fewer all-reduces, and is exactly DDP",

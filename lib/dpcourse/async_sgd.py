@@ -112,7 +112,10 @@ def loss_and_gradient(model: nn.Module, flat: torch.Tensor, x, y) -> tuple[float
 
 
 def evaluate(model: nn.Module, flat: torch.Tensor, x, y) -> tuple[float, float]:
-    """(loss, accuracy) of weights ``flat``; a diverged run has loss ``inf``."""
+    """(loss, accuracy) of weights ``flat``; a diverged run has loss ``inf`` (NaN too).
+
+    Shown in lesson 09, §2.
+    """
     set_flat_params(model, flat)
     with torch.no_grad():
         logits = model(x)
@@ -123,7 +126,11 @@ def evaluate(model: nn.Module, flat: torch.Tensor, x, y) -> tuple[float, float]:
 
 def batch_schedule(n: int, batch: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
     """The indices of ``steps`` batches of ``batch`` examples: epoch after epoch of a seeded
-    shuffle, the same on every rank (each rank then takes its part: :func:`worker_indices`)."""
+    shuffle, the same on every rank (each rank then takes its part: :func:`worker_indices`).
+    The epochs are concatenated before the cut, so a batch can straddle two of them.
+
+    Shown in lesson 09, §2.
+    """
     g = torch.Generator().manual_seed(seed)
     order = torch.cat([torch.randperm(n, generator=g)
                        for _ in range(math.ceil(steps * batch / n))])
@@ -143,7 +150,9 @@ def worker_indices(indices: torch.Tensor, worker: int, workers: int) -> torch.Te
 
 
 def ring_elements_per_rank(numel: int, n: int) -> int:
-    """Elements one rank sends in a ring all-reduce (lesson 06): 2(N-1)K/N, exactly.
+    """Elements rank 0 sends in a ring all-reduce (lesson 06), counted chunk by chunk by
+    ``ring.ring_bytes_per_worker`` (folded below it): 2(N-1)K/N when N divides K; otherwise the
+    first K mod N chunks are one element longer, and the count is within 2 elements of it.
 
     Shown in lesson 09, §1.
     """

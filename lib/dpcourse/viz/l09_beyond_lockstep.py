@@ -176,11 +176,19 @@ def local_sgd_figure(hs: Sequence[int], losses: Sequence[float], averages: Seque
     return fig
 
 
-def large_batch_figure(curves: dict):
-    """Test loss after each epoch, one line per run (``curves[label] = [loss per epoch]``)."""
+def large_batch_figure(curves: dict, start_loss: float | None = None):
+    """Test loss after each epoch, one line per run (``curves[label] = [loss per epoch]``);
+    with ``start_loss``, every line starts from it at epoch 0 and a dotted line marks it."""
     fig = new_figure(6.5, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     for label, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, "o-", label=label)
+        xs, ys = list(range(1, len(losses) + 1)), list(losses)
+        if start_loss is not None:
+            xs, ys = [0] + xs, [start_loss] + ys
+        ax.plot(xs, ys, "o-", label=label)
+    if start_loss is not None:
+        ax.axhline(start_loss, color="grey", ls=":", lw=1, label="loss at the start")
+    epochs = max(len(losses) for losses in curves.values())
+    ax.set_xticks(list(range(0 if start_loss is not None else 1, epochs + 1)))
     return _finish(fig, ax, "epoch", "test loss",
                    dict(left=0.11, right=0.97, bottom=0.13, top=0.96))
