@@ -162,3 +162,17 @@ def test_setup_rank_caps_threads_on_cpu_and_turns_tf32_off_on_a_gpu(monkeypatch)
     finally:
         torch.set_num_threads(threads)
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def test_same_bits_compares_bits_not_values():
+    """lesson 03's same_bits: -0.0 and 0.0 are equal values with different bits; a NaN is the
+    same bits as itself though never an equal value; only float32 is compared."""
+    zero, neg = torch.tensor([0.0]), torch.tensor([-0.0])
+    assert torch.equal(zero, neg) and not ddp.same_bits(zero, neg)
+    nan = torch.tensor([float("nan"), 1.0])
+    assert not torch.equal(nan, nan.clone()) and ddp.same_bits(nan, nan.clone())
+    x = torch.randn(3, 4)
+    assert ddp.same_bits(x.t(), x.t().contiguous())          # a strided view compares too
+    assert not ddp.same_bits(x, torch.nextafter(x, x + 1))     # one ulp away
+    with pytest.raises(TypeError, match="float32"):
+        ddp.same_bits(x.double(), x.double())
