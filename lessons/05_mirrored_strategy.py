@@ -423,10 +423,10 @@ def optimizer_in(strat, rate=lr, loss_scale=False, build_for=None):
         return opt
 
 
+made_outside = keras.optimizers.SGD(learning_rate=lr)   # constructed outside the scope ...
 with strategy.scope():
     w_probe = tf.Variable(1.0)
-    made_outside = keras.optimizers.SGD(learning_rate=lr)   # constructed outside the scope ...
-    made_outside.build([w_probe])                           # ... built inside it
+    made_outside.build([w_probe])                       # ... built inside it
 made_inside = optimizer_in(strategy, build_for=[w_probe])
 kinds = {name: type(o.iterations.value).__name__
          for name, o in (("outside", made_outside), ("inside", made_inside))}
