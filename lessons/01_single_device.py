@@ -145,10 +145,7 @@ claim("after zero_grad(set_to_none=True) every .grad is None",
 # Ten classes means a model that guesses is right 10% of the time, with a loss of
 # ln 10 ≈ 2.30. A few epochs on the CPU take us far past that. We use Adam here, whose
 # per-parameter step sizes need little tuning. (The later lessons' gradient comparisons hold for
-# any optimizer. Lesson 09's *local SGD* lets each replica take H steps on its own and then
-# averages the replicas' weights instead of their gradients; it matches DDP only at H = 1, and
-# even then only for an optimizer whose update is linear in the gradient — SGD, with momentum
-# and weight decay too — and not for Adam; lesson 09 checks both.)
+# any optimizer.)
 
 # %%
 devices.seed_everything(seed)
@@ -199,30 +196,36 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same wor
 # ## Throughput, and where the time goes
 #
 # *Samples per second* is the number data parallelism is meant to multiply. It can depend on
-# the batch size: a bigger batch gives the hardware bigger matrices per step and fewer Python
-# round trips per sample, which pays off until the hardware is saturated — from there on the
-# rate stays flat. A GPU usually needs large batches to be saturated; a CPU with a couple of
-# cores may be saturated by small ones, so here the difference can be small or lost in the
-# noise of a busy machine. A bigger batch can also be *slower*: its intermediate tensors grow
-# with it, and once they no longer fit in the processor's caches every layer reads and writes
-# main memory. Which of these happens here is measured, not assumed — the same 512 samples per
-# setting, the batch sizes interleaved, five rounds, the median of each — and the sentences
-# under the figure are computed from these runs: `train.compare_rates` compares two batch
-# sizes round by round (runs of one round were measured back to back, so a slow moment of the
-# machine hits both) and says "faster" or "slower" only when one won every round, or all but
-# one of five (one outlier round does not decide), and "no clear difference" otherwise
-# (`train.rate_verdict` is that rule; the printed paragraph picks its explanation from it).
-# `ThroughputMeter` (folded below, with `make_loaders` and `fit`) synchronizes a GPU before
-# reading the clock: CUDA runs asynchronously, and without the sync you would time how fast
-# Python *queues* work. What its samples/s counts:
-# `train_one_epoch` starts the meter after the batch has been fetched from the loader and moved to
-# the device, and stops it after the optimizer step, so every rate in this lesson (the epochs of
-# `fit` above too) is the rate of the training step alone — the loader's time is left out. Here
-# the data sits in memory, and these rates do not say what fetching costs: the next section times
-# a step fed from batches sliced in advance against one fed through a slow per-sample transform,
-# but it does not time `make_loaders`' `DataLoader` itself (it gathers and collates one sample at a
-# time). A loader that decodes images from disk would cost time outside these rates too. The
-# lines of `train_one_epoch` that place the meter (the step between them stays folded until your lab
+# the batch size, three ways:
+#
+# 1. A bigger batch gives the hardware bigger matrices per step and fewer Python round trips
+#    per sample, which pays off until the hardware is saturated; from there the rate stays flat.
+# 2. A GPU usually needs large batches to be saturated; a CPU with a couple of cores may be
+#    saturated by small ones, so here the difference can be small or lost in the noise.
+# 3. A bigger batch can also be *slower*: its intermediate tensors grow with it, and once they
+#    no longer fit in the processor's caches every layer reads and writes main memory.
+#
+# Which of these happens here is measured, not assumed:
+#
+# - **The runs.** The same 512 samples per setting, the batch sizes interleaved, five rounds,
+#   the median of each. The runs of one round are back to back, so a slow moment of the machine
+#   hits both.
+# - **The verdict.** `train.compare_rates` compares two batch sizes round by round and says
+#   "faster" or "slower" only when one won every round, or all but one of five (one outlier
+#   round does not decide), and "no clear difference" otherwise (`train.rate_verdict` is that
+#   rule). The sentences under the figure are computed from it.
+# - **The clock.** `ThroughputMeter` (folded below, with `make_loaders` and `fit`) synchronizes
+#   a GPU before reading the clock: CUDA runs asynchronously, and without the sync you would
+#   time how fast Python *queues* work.
+# - **What it counts.** `train_one_epoch` starts the meter after the batch has been fetched and
+#   moved to the device, and stops it after the optimizer step: every rate in this lesson (the
+#   epochs of `fit` above too) is the rate of the training step alone, the loader's time left out.
+#
+# So these rates do not say what fetching costs. The next section times a step fed from batches
+# sliced in advance against one fed through a slow per-sample transform; it does not time
+# `make_loaders`' `DataLoader` itself (it gathers and collates one sample at a time), and a
+# loader that decodes images from disk would cost time outside these rates too. The lines of
+# `train_one_epoch` that place the meter (the step between them stays folded until your lab
 # passes):
 
 # %%
@@ -601,22 +604,25 @@ claim('the matmul knob\'s "none" inherits: it reads "tf32" while the top level i
 #
 # Randomness enters training in the initial weights, the shuffling order, dropout and data
 # augmentation. `devices.seed_everything(seed)` seeds Python, NumPy and torch; our loaders draw
-# their order from their own seeded generator. With the same seed, the same code, the same
-# hardware and the same number of threads, two runs on the CPU end with *bit-identical* weights
-# — the cell below proves it with deterministic mode **off**, the seed alone. Change the seed
-# and they differ. On a GPU some kernels (e.g. some convolution backwards, `index_add_`) are
-# nondeterministic; there the cell asks `seed_everything(..., deterministic=True)`, which calls
-# `torch.use_deterministic_algorithms(True, warn_only=True)`: deterministic kernels where torch
-# has them, and only a *warning* for an op that has none — so read the warnings. The flag is
-# global, so the cell switches it off again. `deterministic=True` also sets the environment
-# variable `CUBLAS_WORKSPACE_CONFIG` to `:4096:8`, only if it is unset: it sizes cuBLAS's
-# workspace (the GPU matrix-multiply library's scratch memory), and torch's own tests of
-# deterministic mode set it, with a note that CUDA reads it only when its runtime starts. So
-# it acts only when set before the process first uses the GPU — not here, where the GPU has
-# trained long before this cell: for a reproducible GPU run, set it in the shell before
-# starting Jupyter or Python. (Torch 2.14.1's own `use_deterministic_algorithms` docstring does
-# not name the variable.) Across *different* hardware bit-identity is not promised at all:
-# floating-point sums are done in different orders.
+# their order from their own seeded generator.
+#
+# - **On the CPU.** With the same seed, code, hardware and number of threads, two runs end with
+#   *bit-identical* weights: the cell below proves it with deterministic mode **off**, the seed
+#   alone. Change the seed and they differ.
+# - **On a GPU.** Some kernels (e.g. some convolution backwards, `index_add_`) are
+#   nondeterministic. There the cell asks `seed_everything(..., deterministic=True)`, which calls
+#   `torch.use_deterministic_algorithms(True, warn_only=True)`: deterministic kernels where
+#   torch has them, and only a *warning* for an op that has none, so read the warnings. The flag
+#   is global, so the cell switches it off again.
+# - **cuBLAS's workspace.** `deterministic=True` also sets `CUBLAS_WORKSPACE_CONFIG=:4096:8`,
+#   only if it is unset. It sizes the scratch memory of cuBLAS (the GPU's matrix-multiply
+#   library), and torch's own tests of deterministic mode set it, with a note that CUDA reads it
+#   only when its runtime starts. So it acts only when set before the process first uses the GPU
+#   — not here, where the GPU has trained long before this cell. For a reproducible GPU run, set
+#   it in the shell before starting Jupyter or Python. (Torch 2.14.1's own
+#   `use_deterministic_algorithms` docstring does not name the variable.)
+# - **Across machines.** On *different* hardware bit-identity is not promised at all:
+#   floating-point sums are done in different orders.
 
 # %% [markdown]
 # **▶ `devices.seed_everything`** (click the folded cell below).
@@ -670,10 +676,19 @@ claim("seed_everything(deterministic=True) turns deterministic mode on with warn
 # %% [markdown]
 # ## What carries over
 #
-# Everything in this loop survives into data parallelism unchanged except one line of thought:
-# *the gradient of a step*. With N devices, each computes the gradient on its own slice of the
-# batch, and the slices' gradients are combined before the step — lesson 02 does it inside one
-# process (`nn.DataParallel`), lesson 03 across processes (DDP).
+# The step itself (forward, loss, backward, step after `zero_grad`) survives into data
+# parallelism unchanged except one line of thought: *the gradient of a step*. With N devices,
+# each computes the gradient on its own slice of the batch, and the slices' gradients are
+# combined before the step — lesson 02 does it inside one process (`nn.DataParallel`), lesson 03
+# across processes (DDP). Around the step, a few things do change once there is one process per
+# device, each in the lesson that meets it:
+#
+# - **the data order:** each process must read its own part of the data, reshuffled every
+#   epoch (lesson 03: `DistributedSampler` and `set_epoch`);
+# - **evaluation:** each process measures its own part of the test set, and the numbers must
+#   be combined across processes (lesson 04);
+# - **the learning rate:** it goes with the global batch, which grows with the devices
+#   (lesson 09 §4: the linear scaling rule and warmup).
 #
 # ## Lab 01: write the loop yourself
 #
@@ -697,11 +712,13 @@ viz.show_code(train.train_one_epoch, train.evaluate, train.step_phases)
 #   `.grad` accumulates.
 # - Throughput is what data parallelism multiplies; measure it with repeats and medians, and
 #   look at where the step's time goes before buying more devices: a data-bound step needs a
-#   faster pipeline, not more GPUs.
+#   faster pipeline. More GPUs fed by the same loader would wait on it too; DDP (lesson 03)
+#   gives each GPU a process and a loader of its own.
 # - AMP runs matmuls and convolutions in 16 bits and keeps sensitive operations, like the loss
 #   computed inside the autocast block, in float32; here it kept the accuracy.
-# - The same seed, code, hardware and threads give bit-identical weights on the CPU; on a GPU
-#   only with deterministic kernels.
+# - The same seed, code, hardware and threads give bit-identical weights on the CPU. On a GPU
+#   only with deterministic kernels (`warn_only=True` lets an op without one through: read the
+#   warnings) and with `CUBLAS_WORKSPACE_CONFIG` set before the process first uses the GPU.
 #
 # Next: open `02_data_parallel.ipynb`, where one process drives several devices.
 #
@@ -779,6 +796,9 @@ viz.quiz([
 # - `torch/nn/modules/module.py` — `Module.to(memory_format=torch.channels_last)`.
 # - `torch/utils/data/dataloader.py` — `DataLoader(num_workers=...)`: "how many subprocesses to
 #   use for data loading".
+# - `torch/utils/data/distributed.py` — `DistributedSampler`: each process loads "a subset of
+#   the original dataset that is exclusive to it"; `set_epoch` changes the shuffle from epoch to
+#   epoch (lesson 03 runs both).
 # - `torch/__init__.py` — `use_deterministic_algorithms(mode, warn_only=...)`: with
 #   `warn_only=True` (what `seed_everything(..., deterministic=True)` passes) an operation
 #   without a deterministic implementation warns instead of raising; the flag is global
