@@ -136,9 +136,11 @@ def test_reference_train_passes(capsys):
     (no_zero_grad, "leaked into each step"),
     (no_train_mode, "ran the model in eval mode"),
     (no_step, "weights did not change"),
-    (summed_loss_backward, "summed over the batch"),
+    (summed_loss_backward, "your steps grow with the batch size: your weights match steps 16 "
+                           "times those of the batch's mean loss"),
     (_returning("sum"), "sum of the batch losses"),
-    (_returning("mean_of_means"), "averaged the per-batch means"),
+    (_returning("mean_of_means"), "the mean of the 4 batches' mean losses; the mean loss per "
+                                  "sample is"),
     (_returning("last"), "last batch's loss"),
     (_returning("tensor"), "autograd graph"),
 ])
@@ -472,36 +474,36 @@ def _nan(where="before", raises=FloatingPointError, looks_at="loss", rollback=Fa
 @pytest.mark.parametrize("fn, phrase", [
     (_nan(where="never"), "trained on through it and returned nan. The step on it made 4 of "
                           "the model's 4 parameter tensors NaN"),
-    (_nan(where="after-step"), "but after the optimizer step on that batch had run: 4 of"),
-    (_nan(where="end"), "but after the optimizer step on that batch had run"),
+    (_nan(where="after-step"), "raised FloatingPointError, but 4 of the model's 4 parameter "
+                               "tensors already held NaN when it did"),
+    (_nan(where="end"), "parameter tensors already held NaN when it did"),
     (_nan(where="skip"), "left out without a word"),
     (_nan(looks_at="images"), "labels was -100, CrossEntropyLoss's ignore_index"),
     # gradients tested after backward (and cleared before raising): a batch of padding has
     # finite (zero) gradients
     (_nan(looks_at="gradients", clear=True),
-     "all 4 of the model's p.grad were None when it raised: between the step on batch 2 and "
-     "your test of batch 3's loss, backward() on the spoiled batch ran"),
+     "all 4 of the model's p.grad were None when it raised. The contract says"),
     # the same test, the gradients left as they are: the NaN stays in p.grad
-    (_nan(looks_at="gradients"), "4 of the model's 4 gradients (p.grad) hold NaN or inf: "
-                                 "backward() on that batch had already run when it raised"),
+    (_nan(looks_at="gradients"), "4 of the model's 4 gradients (p.grad) held NaN or inf when "
+                                 "it did"),
     # not finite, tested between backward and step: Adam's state is safe, p.grad is not
-    (_train(guard="after-backward"), "backward() on that batch had already run when it raised"),
+    (_train(guard="after-backward"), "gradients (p.grad) held NaN or inf when it did"),
     # torch.isnan alone: the inf loss of the huge-input batch goes through
     (_train(guard="isnan"), "that batch's loss was inf in float32, not NaN"),
-    (_train(guard="isnan"), "A test for NaN alone (isnan, x != x) lets inf through"),
+    (_train(guard="isnan"), "The contract's rule is a loss that is not finite"),
     (_train(guard="isnan"), "of Adam's 12 state tensors inf or NaN"),
     # inf caught, but only after the step: the weights are finite, Adam's state is not
     (_train(guard="nan-then-after-step"), "raised FloatingPointError with finite weights, but "
-                                          "after the optimizer step on that batch had run"),
+                                          "2 of Adam's 12 state tensors already held inf"),
     # its own summed loss divided by the batch size: 0, not NaN, on a batch of padding
-    (_train(backward="sum"), "loss_fn's mean loss was NaN all the same"),
+    (_train(backward="sum"), "loss_fn's mean loss on that batch was NaN"),
     (_nan(raises=ValueError), "raised ValueError (NaN loss). The contract's error is "
                               "FloatingPointError"),
     (_nan(raises=AssertionError), "an assert statement is removed when Python runs with -O"),
     (_nan(rollback=True), "those from before the epoch: the steps on batches 1 and 2"),
     # raised between backward and step, and zero_grad only after a step: the NaN gradient waits
     # in p.grad for the caller's next epoch
-    (_train(zero="after", guard="after-backward"), "hold NaN or inf: backward() on that batch"),
+    (_train(zero="after", guard="after-backward"), "held NaN or inf when it did"),
 ], ids=["no-guard", "after-step", "end-of-epoch", "skipped-quietly", "images-only",
         "gradients-only-cleared", "gradients-only", "guard-between-backward-and-step",
         "isnan-only-cause", "isnan-only-rule", "isnan-only-adam-state", "inf-after-step",
@@ -521,40 +523,51 @@ def test_a_nan_guard_before_backward_passes(capsys):
 # The contract's p.grad: the caller finds the gradient the last sound step used. Lesson 01's
 # loop (zero_grad first) with the guard after the loss passes every other test of the contract
 # and is refused by what its zero_grad left in p.grad; so is zero_grad at the end of each step.
-@pytest.mark.parametrize("fn, phrase", [
+_CLEARED = [
     (_train(zero="first"),
      "raised FloatingPointError with the weights and Adam's state of the batches before it, but "
-     "all 4 of the model's p.grad were None when it raised: between the step on batch 2 and "
-     "your test of batch 3's loss, a zero_grad() ran (its default, set_to_none=True, sets "
-     "p.grad to None)"),
+     "all 4 of the model's p.grad were None when it raised",
+     "between the step on batch 2 and your test of batch 3's loss, a zero_grad() ran (its "
+     "default, set_to_none=True, sets p.grad to None)"),
     (_train(zero="first", set_to_none=False),
-     "all 4 of the model's p.grad held only zeros when it raised: between the step on batch 2 "
-     "and your test of batch 3's loss, the gradients were zeroed in place "
-     "(zero_grad(set_to_none=False), or p.grad.zero_()), which clears them as surely as None"),
-    (_train(zero="after"),
-     "all 4 of the model's p.grad were None when it raised: between the step on batch 2 and "
-     "your test of batch 3's loss, a zero_grad() ran"),
-    (_train(zero="after", set_to_none=False), "held only zeros when it raised"),
-], ids=["zero-grad-before-the-guard", "zeroed-in-place-before-the-guard",
-        "zero-grad-after-each-step", "zeroed-in-place-after-each-step"])
-def test_a_guard_after_the_gradients_were_cleared_is_named(fn, phrase):
+     "all 4 of the model's p.grad held only zeros when it raised",
+     "between the step on batch 2 and your test of batch 3's loss, the gradients were zeroed "
+     "in place (zero_grad(set_to_none=False), or p.grad.zero_()), which clears them as surely "
+     "as None"),
+    (_train(zero="after"), "all 4 of the model's p.grad were None when it raised",
+     "between the step on batch 2 and your test of batch 3's loss, a zero_grad() ran"),
+    (_train(zero="after", set_to_none=False), "held only zeros when it raised",
+     "the gradients were zeroed in place"),
+]
+_CLEARED_IDS = ["zero-grad-before-the-guard", "zeroed-in-place-before-the-guard",
+                "zero-grad-after-each-step", "zeroed-in-place-after-each-step"]
+
+
+@pytest.mark.parametrize("fn, phrase, mechanism", _CLEARED, ids=_CLEARED_IDS)
+def test_a_guard_after_the_gradients_were_cleared_is_named(fn, phrase, mechanism):
+    """Learner LR4_01: the first meeting says what the caller found against the contract (with
+    the numbers), never the mechanism or the move."""
     with pytest.raises(LabCheckError) as err:
         lab01.check_train_one_epoch(fn)
     first = str(err.value)
     assert phrase in first, first
-    assert "each p.grad holding the last sound step's gradient" in first, first
+    assert "each p.grad holding the last sound step's gradient (batch 2's)" in first, first
     assert "batch 3 of 4 held one image with a NaN pixel" in first, first
-    assert "just before backward" not in first, first
+    for told in ("just before backward", "zero_grad", "between the step", "zeroed in place"):
+        assert told not in first, (told, first)
 
 
-def test_a_guard_after_zero_grad_gets_the_fix_on_the_second_meeting():
-    fn = _train(zero="first")
+@pytest.mark.parametrize("fn, phrase, mechanism", _CLEARED, ids=_CLEARED_IDS)
+def test_a_guard_after_cleared_gradients_gets_mechanism_and_fix_on_the_second_meeting(
+        fn, phrase, mechanism):
     with pytest.raises(LabCheckError):
         lab01.check_train_one_epoch(fn)
-    with pytest.raises(LabCheckError, match="test the loss before anything clears or writes "
-                                            "p.grad: clear the gradients after the test, just "
-                                            "before backward"):
+    with pytest.raises(LabCheckError) as err:
         lab01.check_train_one_epoch(fn)
+    second = str(err.value)
+    assert phrase in second and mechanism in second, second
+    assert ("What to change: test the loss before anything clears or writes p.grad, and clear "
+            "the gradients after the test, just before backward") in second, second
 
 
 def test_gradients_written_over_by_something_else_are_named_with_the_difference():
@@ -606,9 +619,45 @@ def test_an_isnan_only_guard_gets_isfinite_on_the_second_meeting():
     fn = _train(guard="isnan")
     with pytest.raises(LabCheckError) as err:
         lab01.check_train_one_epoch(fn)
-    assert "torch.isfinite" not in str(err.value)
-    with pytest.raises(LabCheckError, match="test the loss with torch.isfinite"):
+    assert "torch.isfinite" not in str(err.value) and "lets inf through" not in str(err.value)
+    with pytest.raises(LabCheckError, match=r"test the loss with torch.isfinite .*a test for "
+                                            r"NaN alone \(isnan, x != x\) lets inf through"):
         lab01.check_train_one_epoch(fn)
+
+
+# Learner LR4_01: every code mistake's first meeting is the symptom against the contract; the
+# mechanism (and the move) joins only when the same mistake comes back.
+@pytest.mark.parametrize("check, fn, leaves, mechanism", [
+    ("train", no_zero_grad, None, "backward adds into p.grad"),
+    ("train", no_train_mode, None, "cannot rely on the mode its caller left"),
+    ("train", no_step, None, "the weights move when the optimizer steps"),
+    ("train", summed_loss_backward, None, "summed over the batch"),
+    ("train", _returning("mean_of_means"), None, "you averaged the per-batch means"),
+    ("train", _nan(where="after-step"), None, "the optimizer step on the spoiled batch had "
+                                              "already run"),
+    ("train", _train(guard="nan-then-after-step"), None, "the optimizer step on the spoiled "
+                                                         "batch had already run"),
+    ("train", _train(guard="after-backward"), None, "backward() on the spoiled batch had "
+                                                    "already run"),
+    ("train", _train(backward="sum"), None, "a loss of your own in place of loss_fn's"),
+    ("evaluate", _eval(restore="flag"), "as found", "model.train(flag) sets every submodule"),
+    ("evaluate", _eval(restore=True, finally_=False), "as found", "an exception skips it"),
+    ("evaluate", _eval(grad="switch"), "eval", "never ran"),
+], ids=["leaked-gradients", "eval-mode", "no-step", "summed-loss", "mean-of-means",
+        "guard-after-step", "inf-after-step", "guard-after-backward", "own-loss",
+        "one-flag-restore", "restore-without-finally", "grad-switched-back-after-loop"])
+def test_first_meeting_is_the_symptom_the_second_adds_the_mechanism(check, fn, leaves,
+                                                                    mechanism):
+    def run():
+        with pytest.raises(LabCheckError) as err:
+            if check == "train":
+                lab01.check_train_one_epoch(fn)
+            else:
+                lab01.check_evaluate(fn, leaves=leaves)
+        return str(err.value)
+    first, second = run(), run()
+    assert mechanism not in first and "Run the check again" in first, first
+    assert mechanism in second and "What to change:" in second, second
 
 
 def test_a_nan_guard_after_the_step_gets_the_fix_on_the_second_meeting():
@@ -759,27 +808,159 @@ def accum_sum_reduction(model, loader, loss_fn, optimizer, k, device):
     return (summed / count).item()  # summed as a tensor, returned as a float
 
 
-@pytest.mark.parametrize("fn", [_accum(), _accum(style="rescale"), accum_sum_reduction],
-                         ids=["buffered-groups", "rescale-at-step", "sum-reduction"])
+def _leftover(choice, count_rest=True):
+    """train_accumulated with the full groups right (each micro-batch weighted by its share of
+    its group's samples) and the micro-batches left over at the end handled ``choice``: "own"
+    (a step on their own samples' mean: right), "merge" (joined to the last full group's step:
+    right), "drop" (backward, then cleared unused), "skip" (never run), "left" (backward, no
+    step: left in p.grad), "k" (each weighted 1/k), "full" (divided by a full group's sample
+    count) or "raise" (ValueError); ``count_rest=False``: the returned loss leaves the
+    leftover's samples out."""
+    def fn(model, loader, loss_fn, optimizer, k, device):
+        model.train()
+        optimizer.zero_grad()
+        batches = list(loader)
+        whole = len(batches) // k * k
+        groups = [batches[g:g + k] for g in range(0, whole, k)]
+        rest = batches[whole:]
+        if choice == "raise" and rest:
+            raise ValueError(f"{len(batches)} micro-batches are not a whole number of groups")
+        if choice == "merge" and groups:
+            groups[-1], rest = groups[-1] + rest, []
+        total, count = 0.0, 0
+        for group in groups:
+            n = sum(len(y) for _, y in group)
+            for X, y in group:
+                loss = loss_fn(model(X), y)
+                (loss * len(y) / n).backward()
+                total, count = total + loss.item() * len(y), count + len(y)
+            optimizer.step()
+            optimizer.zero_grad()
+        if rest and choice != "skip":
+            n = sum(len(y) for _, y in rest)
+            full_n = k * len(batches[0][1])
+            for X, y in rest:
+                loss = loss_fn(model(X), y)
+                weight = {"k": 1 / k, "full": len(y) / full_n}.get(choice, len(y) / n)
+                (loss * weight).backward()
+                if count_rest:
+                    total, count = total + loss.item() * len(y), count + len(y)
+            if choice in ("own", "k", "full"):
+                optimizer.step()
+            if choice != "left":
+                optimizer.zero_grad()
+        return total / count
+    return fn
+
+
+def accum_rescale_with_leftover(divide=True):
+    """The solution's shape: summed per-sample gradients, divided where a group closes, and the
+    leftover stepped after the loop (``divide``: divided by its own count; False: never)."""
+    def fn(model, loader, loss_fn, optimizer, k, device):
+        model.train()
+        optimizer.zero_grad()
+        total, count, in_group = 0.0, 0, 0
+
+        def step(divisor):
+            for p in model.parameters():
+                p.grad /= divisor
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for i, (X, y) in enumerate(loader):
+            loss = loss_fn(model(X), y)
+            (loss * len(y)).backward()
+            in_group += len(y)
+            total, count = total + loss.item() * len(y), count + len(y)
+            if (i + 1) % k == 0:
+                step(in_group)
+                in_group = 0
+        if in_group:
+            step(in_group if divide else 1)
+        return total / count
+    return fn
+
+
+@pytest.mark.parametrize("fn", [_accum(), accum_sum_reduction, accum_rescale_with_leftover(),
+                                _leftover("own"), _leftover("merge")],
+                         ids=["buffered-groups", "sum-reduction", "rescale-at-step",
+                              "leftover-own-step", "leftover-merged"])
 def test_right_accumulation_passes(fn, capsys):
     lab01.check_train_accumulated(fn)
     assert capsys.readouterr().out.count("✔") == 1
 
 
+@pytest.mark.parametrize("fn, said", [
+    (_leftover("own"), "take a step of their own"),
+    (_leftover("merge"), "join the last full group's step"),
+])
+def test_the_leftover_decision_is_named_on_pass(fn, said, capsys):
+    lab01.check_train_accumulated(fn)
+    assert said in capsys.readouterr().out
+
+
+# The stretch's design decision (learner LR4_01: the contract was silent on a loader whose
+# length is not a multiple of k, and a right-looking answer left the leftover's unscaled
+# gradients in p.grad): each wrong choice is refused by what the check measured first, and by
+# its mechanism on the second meeting.
+@pytest.mark.parametrize("fn, first_phrase, mechanism", [
+    (_accum(style="rescale"),
+     "took 3 optimizer steps, and when it returned p.grad held a gradient (norm",
+     "the shorter last group never closes, so its backwards added into p.grad and stayed"),
+    (_leftover("left"), "p.grad held a gradient (norm", "never closes"),
+    (_leftover("drop"),
+     "its weights are those the 3 full group(s) alone give: the last 6 samples contributed "
+     "to no step", "their forward and backward ran, and the gradient was cleared unused"),
+    (_leftover("skip"), "the last 6 samples contributed to no step",
+     "your function ran 9 forwards for 11 micro-batches"),
+    (accum_rescale_with_leftover(divide=False),
+     "the last one on the leftover (6 samples), but the gradient that step used was 6.00 times "
+     "as long as the gradient of those samples' mean loss",
+     "its summed gradient was never divided"),
+    (_leftover("k"), "the gradient that step used was 0.72 times as long",
+     "you gave each 1/k = 1/3 of the weight, but the leftover holds 2 micro-batch(es), of "
+     "sizes [4, 2]"),
+    (_leftover("full"), "the gradient that step used was 0.50 times as long",
+     "you divided by a full group's (12)"),
+    (_leftover("raise"), "your function raised ValueError", "an error leaves the caller with "
+                                                           "no epoch at all"),
+], ids=["rescale-left-in-p.grad", "left-in-p.grad", "dropped", "never-run", "never-divided",
+        "one-over-k", "full-group-divisor", "raises"])
+def test_each_wrong_leftover_choice_is_refused_by_its_cause(fn, first_phrase, mechanism):
+    scene = ("one of the check's loaders held 11 micro-batches of sizes [4, 4, 4, 4, 4, 4, 4, "
+             "4, 4, 4, 2] with k = 3: 3 group(s) of 3, and 2 micro-batch(es) (6 samples) left "
+             "over at the end")
+    with pytest.raises(LabCheckError) as first:
+        lab01.check_train_accumulated(fn)
+    message = str(first.value)
+    assert scene in message and first_phrase in message, message
+    assert mechanism not in message and "Run the check again" in message, message
+    with pytest.raises(LabCheckError) as second:
+        lab01.check_train_accumulated(fn)
+    assert mechanism in str(second.value), str(second.value)
+
+
+def test_a_leftover_left_out_of_the_returned_loss_is_refused():
+    with pytest.raises(LabCheckError, match="over the epoch's 42 samples, the 6 left over at "
+                                            "the end included, is"):
+        lab01.check_train_accumulated(_leftover("own", count_rest=False))
+
+
 @pytest.mark.parametrize("fn, phrase", [
     (_accum(weight="k"), "micro-batches of a group differ in size"),
     (_accum(weight="none"), "times too big"),
-    (_accum(step_every=True), "stepped after every micro-batch"),
-    (_accum(step_every=True, weight="k"), "stepped after every micro-batch"),
-    (_accum(zero_every=True), "zeroed the gradients before every micro-batch"),
-    (_accum(zero_after=False), "never zeroed after a step"),
-    (_accum(zero_after=False, weight="k"), "never zeroed after a step"),
+    (_accum(step_every=True), "took 12 optimizer steps for 12 micro-batches in 4 groups of "
+                              "k = 3"),
+    (_accum(step_every=True, weight="k"), "optimizer steps for 12 micro-batches"),
+    (_accum(zero_every=True), "as if its group held only its last micro-batch"),
+    (_accum(zero_after=False), "carried the gradients of all earlier groups too"),
+    (_accum(zero_after=False, weight="k"), "carried the gradients of all earlier groups too"),
     (_accum(zero_first=False), "depend on what p.grad held"),
     (_accum(zero_first=False, weight="k"), "depend on what p.grad held"),
     (_accum(zero_first=False, style="rescale"), "depend on what p.grad held"),
     (_accum(big_forward=True), "never running more than one micro-batch at once"),
     (_accum(report="none"), "returned None"),
-    (_accum(report="scaled"), "scaled loss you backpropagated"),
+    (_accum(report="scaled"), "3 times less than the mean loss per sample"),
     (_accum(report="total"), "total loss over all samples"),
 ])
 def test_accumulation_mistakes_are_named(fn, phrase):
@@ -838,6 +1019,26 @@ def test_accumulation_by_one_over_k_names_the_cause_not_the_code():
         lab01.check_train_accumulated(_accum(weight="k"))
     message = str(err.value)
     assert "counted for more" in message and "len(y)" not in message, message
+    assert "1/3" not in message, message
+    with pytest.raises(LabCheckError) as second:
+        lab01.check_train_accumulated(_accum(weight="k"))
+    assert "you gave each micro-batch 1/3 of the group's weight" in str(second.value)
+
+
+@pytest.mark.parametrize("fn, mechanism", [
+    (_accum(step_every=True), "you stepped after every micro-batch"),
+    (_accum(zero_every=True), "you zeroed them before every micro-batch"),
+    (_accum(zero_after=False), "nothing cleared what the previous group left there"),
+    (_accum(weight="none"), "backward adds each micro-batch's gradient into p.grad"),
+    (_accum(report="scaled"), "you reported the scaled loss you backpropagated"),
+], ids=["step-every", "zero-every", "never-zeroed", "unweighted", "scaled-report"])
+def test_accumulation_mechanism_waits_for_the_second_meeting(fn, mechanism):
+    with pytest.raises(LabCheckError) as first:
+        lab01.check_train_accumulated(fn)
+    assert mechanism not in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError) as second:
+        lab01.check_train_accumulated(fn)
+    assert mechanism in str(second.value), str(second.value)
 
 
 # --- predict, then measure ---------------------------------------------------------------------
@@ -857,6 +1058,26 @@ def test_prediction_is_compared_and_explained(value, losses, verdict, capsys):
     out = " ".join(capsys.readouterr().out.split())  # reveal wraps its lines
     assert f" — {verdict}." in out, out
     assert "running summary of the epoch" in out, out
+    # learner LR4_01: the feedback prints the two numbers it compared
+    assert (f"train_one_epoch returned {losses[0]:.3f} and evaluate measured {losses[1]:.3f}"
+            in out), out
+
+
+def test_rerunning_an_unchanged_prediction_is_not_called_late(capsys):
+    """Learner LR4_01: re-running the step prediction's cell to re-read it kept the guess but
+    called it "made after the measurement"; an unchanged guess is the same prediction."""
+    from dpcourse.checks import predict
+
+    guess = predict("lab01", lab01.STEP_QUESTION, "larger", choices=lab01.STEP_CHOICES)
+    lab01.check_step_prediction(guess, good_train)
+    capsys.readouterr()
+    again = predict("lab01", lab01.STEP_QUESTION, "larger", choices=lab01.STEP_CHOICES)
+    lab01.check_step_prediction(again, good_train)
+    out = capsys.readouterr().out
+    assert not again.late and "made after the measurement" not in out, out
+    assert "Prediction unchanged" in out and "Now run the measurement" not in out, out
+    changed = predict("lab01", lab01.STEP_QUESTION, "smaller", choices=lab01.STEP_CHOICES)
+    assert changed.late  # a new guess after the measurement is still not a prediction
 
 
 def eval_restoring_every_module(model, loader, loss_fn, device):
@@ -914,11 +1135,13 @@ def test_one_flag_restored_to_every_layer_is_refused_with_its_cause():
         lab01.check_evaluate(wrong, leaves="as found")
     message = str(first.value)
     assert "frozen in eval mode" in message, message
-    assert "model.train(flag) sets every submodule" in message, message
+    assert "came back with that BatchNorm in training mode" in message, message
     assert "Run the check again" in message and "model.modules()" not in message, message
+    assert "model.train(flag)" not in message, message
     with pytest.raises(LabCheckError) as second:
         lab01.check_evaluate(wrong, leaves="as found")
     assert "remember each submodule's own .training" in str(second.value), str(second.value)
+    assert "model.train(flag) sets every submodule" in str(second.value), str(second.value)
 
 
 def eval_restoring_by_name(model, loader, loss_fn, device):
@@ -1022,6 +1245,16 @@ def test_lab_text_states_the_contract_without_pointing_at_the_move():
     text = (Path(__file__).resolve().parents[1] / "solutions" / "lab01_single_device.py").read_text()
     assert "still holds the gradient the last step used" in text
     assert "already changed" not in text
+    # learner LR4_01: the choices are listed where the guess is written; the measurement runs
+    # in its own cell (the prediction cell's "Now run the measurement." is then true); the
+    # stretch names its design decision and the contract's rule for the leftover
+    assert '### BEGIN SOLUTION: your prediction: "smaller", "about the same" or "larger"' in text
+    assert "step_guess = predict(" in text
+    cell = text.split("step_guess = predict(", 1)[1].split("# %%", 1)[0]
+    assert "check_step_prediction" not in cell, cell
+    stretch = text.split("## Stretch", 1)[1]
+    assert "**Your design decision:**" in stretch
+    assert "every sample of the epoch contributes to exactly one step" in stretch
 
 
 def test_the_short_batch_step_is_a_full_steps_scale_not_its_share():

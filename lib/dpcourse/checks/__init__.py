@@ -390,6 +390,10 @@ def predict(lab: str, question: str, value, *, unit: str = "", choices=None) -> 
     elif value != value or value in (float("inf"), float("-inf")):
         fail(f"your prediction for {question!r} must be a finite number, got {value!r}.")
     first = _revealed.get((learner(), lab, question))
+    if first is not None and first.value == value and first.unit == unit:  # a cell re-run
+        print(f"Prediction unchanged — {question}: {first.shown()}, the one this kernel has "
+              f"already compared with the measurement.")
+        return first
     if first is not None:  # the measurement is known: a new guess is no prediction
         guess = Prediction(lab, question, value, unit, late=True)
         print(f"Prediction noted — {question}: {guess.shown()}. This kernel has already shown "

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpcourse import train as reference
+from dpcourse.checks import _lab01_leftover as _leftover
 from dpcourse.checks import fail, passed, recorded
 
 __all__ = ["check_train_one_epoch", "check_evaluate", "check_train_accumulated",
@@ -221,10 +222,13 @@ def _check_train_once(train_one_epoch, setup) -> None:
         fail("train_one_epoch never called the model, so nothing was trained.",
              fix="loop over the loader and run model(X) on each batch.")
     if not all(spy.training):
-        fail("train_one_epoch ran the model in eval mode, so dropout was off while it trained: "
-             "the model arrived in eval mode (as it may straight after an evaluation), and a "
-             "training function cannot rely on the mode its caller left.",
-             fix="put the model in training mode at the start of the function.")
+        off = len(spy.training) - sum(spy.training)
+        fail(f"the check handed train_one_epoch a model in eval mode (as a caller's model is "
+             f"straight after an evaluation), and {off} of your epoch's {len(spy.training)} "
+             f"forward passes ran the model in eval mode, dropout off: the contract trains the "
+             f"model it is given, whatever mode it arrives in.",
+             fix="put the model in training mode at the start of the function: a training "
+                 "function cannot rely on the mode its caller left.")
     if len(spy.training) != math.ceil(n / batch):
         fail(f"train_one_epoch called the model {len(spy.training)} times for "
              f"{math.ceil(n / batch)} batches, so its steps and the batches do not match one "
@@ -237,17 +241,25 @@ def _check_train_once(train_one_epoch, setup) -> None:
     want = reference.train_one_epoch(ref_model, ref_loader, nn.CrossEntropyLoss(), ref_opt, "cpu")
     if not _same(got_params, _params(ref_model)):
         if _same(got_params, start):
-            fail("the weights did not change: no optimizer step ever used a gradient (backward "
-                 "only fills p.grad; the weights move when the optimizer steps with it).",
-                 fix="call optimizer.step() after each backward.")
+            fail(f"the weights did not change: after an epoch of {math.ceil(n / batch)} "
+                 f"batches they were exactly those the model started with, so no batch trained "
+                 f"it.",
+                 fix="call optimizer.step() after each backward: backward only fills p.grad; "
+                     "the weights move when the optimizer steps with it.")
         if _same(got_params, _run(_train_variant, setup, zero_grad=False)):
-            fail("gradients from earlier batches leaked into each step: backward adds into "
-                 "p.grad, and nothing cleared what the previous batch left there.",
-                 fix="clear the gradients (optimizer.zero_grad()) before each backward.")
+            fail(f"gradients from earlier batches leaked into each step: your weights match "
+                 f"steps that each used the gradients of every batch so far added up (the step "
+                 f"on batch {math.ceil(n / batch)}: batches 1 to {math.ceil(n / batch)}), where "
+                 f"the contract's step on a batch uses that batch's mean loss alone.",
+                 fix="clear the gradients (optimizer.zero_grad()) before each backward: "
+                     "backward adds into p.grad, and nothing cleared what the previous batch "
+                     "left there.")
         if _same(got_params, _run(_train_variant, setup, reduction="sum")):
-            fail("the loss you backpropagate is summed over the batch, so the step grows with "
-                 "the batch size.",
-                 fix="backpropagate the mean (CrossEntropyLoss's default reduction).")
+            fail(f"your steps grow with the batch size: your weights match steps {batch} times "
+                 f"those of the batch's mean loss on a batch of {batch}, and {n % batch or batch} "
+                 f"times on the last, where the contract's step is on the batch's mean loss.",
+                 fix="backpropagate the mean (CrossEntropyLoss's default reduction): the loss "
+                     "you backpropagate is summed over the batch.")
         fail("after one epoch your weights differ from the reference's, in none of the ways "
              "the check knows (a missing zero_grad or step, a summed loss).",
              fix="each batch's step must use the gradient of that batch's mean loss alone, one "
@@ -262,12 +274,16 @@ def _check_train_once(train_one_epoch, setup) -> None:
                                    torch.optim.SGD(ref_model.parameters(), lr=0.1))
     total = sum(l * s for l, s in zip(losses, sizes))
     if math.isclose(got, sum(losses), rel_tol=1e-5):
-        fail(f"you returned the sum of the batch losses ({got:.4f}), a number that grows with "
-             f"the number of batches.", fix="return the mean loss per sample.")
+        fail(f"you returned the sum of the batch losses ({got:.4f}; the mean loss per sample "
+             f"is {want:.4f}), a number that grows with the number of batches.",
+             fix="return the mean loss per sample.")
     if math.isclose(got, sum(losses) / len(losses), rel_tol=1e-5):
-        fail("you averaged the per-batch means, but the last batch is smaller, so each of its "
-             "samples counted for more than a sample of a full batch: a mean per sample counts "
-             "every sample once.", fix="weight each batch's loss by its number of samples.")
+        fail(f"you returned {got:.4f}, the mean of the {len(losses)} batches' mean losses; the "
+             f"mean loss per sample is {want:.4f}: the last batch holds {sizes[-1]} of the {n} "
+             f"samples but counted for 1/{len(losses)} of your number, and a mean per sample "
+             f"counts every sample once.",
+             fix="weight each batch's loss by its number of samples: you averaged the per-batch "
+                 "means.")
     if math.isclose(got, total, rel_tol=1e-5):
         fail("you returned the total loss over all samples, not the mean per sample.",
              fix="divide by the number of samples the epoch saw.")
@@ -380,16 +396,18 @@ def _check_train_nan(train_one_epoch, setup=_SETUPS[0]) -> None:
             shown = f"{got:.4f}" if isinstance(got, float) else repr(got)
             if how == "huge" and stopped:
                 fail(f"{what}. Your function stopped on the check's NaN batches, but here it "
-                     f"trained on and returned {shown}.{harm} A test for NaN alone (isnan, "
-                     f"x != x) lets inf through; the contract's rule is a loss that is not "
-                     f"finite.", fix="test the loss with torch.isfinite (or math.isfinite of "
-                                     "its float), before backward.")
+                     f"trained on and returned {shown}.{harm} The contract's rule is a loss "
+                     f"that is not finite.",
+                     fix="test the loss with torch.isfinite (or math.isfinite of its float), "
+                         "before backward: a test for NaN alone (isnan, x != x) lets inf "
+                         "through.")
             if how == "ignored" and "pixel" in stopped:
                 fail(f"{what}. Your function stopped on the NaN image of the check's first "
-                     f"spoiled epoch, but here it trained on and returned {shown}: what it "
-                     f"tests was clean here (the images, the gradients, or a loss of your own "
-                     f"in place of loss_fn's), and loss_fn's mean loss was NaN all the same. "
-                     f"The contract is about that loss.", fix=guard + ".")
+                     f"spoiled epoch, but here it trained on and returned {shown}, while "
+                     f"loss_fn's mean loss on that batch was NaN. The contract is about that "
+                     f"loss.",
+                     fix=guard + ": what your function tests was clean here (the images, the "
+                                 "gradients, or a loss of your own in place of loss_fn's).")
             if isinstance(got, float) and math.isfinite(got):
                 fail(f"{what}; your function returned {got:.4f} and no error: the batch was "
                      f"left out without a word, so the caller logs an ordinary epoch over a data "
@@ -408,23 +426,28 @@ def _check_train_nan(train_one_epoch, setup=_SETUPS[0]) -> None:
                  f"numeric failure (to skip a spoiled shard and go on): yours would pass "
                  f"through such a handler.",
                  fix="raise FloatingPointError for a loss that is not finite.")
+        stepped = ("; the optimizer step on the spoiled batch had already run when your test "
+                   "raised.")
         if broken:
-            fail(f"{what}; your function raised FloatingPointError, but after the optimizer step "
-                 f"on that batch had run: {broken} of the model's {len(weights)} parameter "
-                 f"tensors already hold NaN, so the caller who catches your error holds a "
-                 f"broken model.", fix=guard + ".")
+            fail(f"{what}; your function raised FloatingPointError, but {broken} of the model's "
+                 f"{len(weights)} parameter tensors already held NaN when it did, so the caller "
+                 f"who catches your error holds a broken model, where the contract promises the "
+                 f"weights as the batches before left them.", fix=guard + stepped)
         if bad_state:
             fail(f"{what}; your function raised FloatingPointError with finite weights, but "
-                 f"after the optimizer step on that batch had run: {bad_state} of Adam's "
-                 f"{len(state)} state tensors hold inf or NaN, so every later step of the "
-                 f"caller's training inherits them.", fix=guard + ".")
+                 f"{bad_state} of Adam's {len(state)} state tensors already held inf or NaN "
+                 f"when it did, so every later step of the caller's training inherits them, "
+                 f"where the contract promises the optimizer's state as the batches before left "
+                 f"it.", fix=guard + stepped)
         if bad_grads:
             fail(f"{what}; your function raised FloatingPointError with the weights and Adam's "
                  f"state intact, but {bad_grads} of the model's {len(grads)} gradients (p.grad) "
-                 f"hold NaN or inf: backward() on that batch had already run when it raised. "
-                 f"The contract says nothing of the spoiled batch is left behind, and a caller "
-                 f"who steps, clips or logs gradient norms before your next zero_grad meets "
-                 f"it.", fix=guard + " (which number does the NaN show in before backward?).")
+                 f"held NaN or inf when it did. The contract says each p.grad holds the last "
+                 f"sound step's gradient, and a caller who steps, clips or logs gradient norms "
+                 f"before your next zero_grad meets these.",
+                 fix=guard + " (which number does the NaN show in before backward?): "
+                             "backward() on the spoiled batch had already run when your test "
+                             "raised.")
         if _same(weights, _params(ref)):
             if not all(_same([a], [b]) for a, b in zip(state, _state(ref_opt))) \
                     or len(state) != len(_state(ref_opt)):
@@ -474,15 +497,14 @@ def _check_grads_kept(model, ref, what: str, backward_ran: bool) -> None:
     if backward_ran:
         cause = ("backward() on the spoiled batch ran (after a clearing, or adding into what "
                  "was there)")
-    found = (f"{found}: between the step on batch 2 and your test of batch 3's loss, {cause}, "
-             f"so the gradient that step used was gone")
     fail(f"{what}; your function raised FloatingPointError with the weights and Adam's state "
          f"of the batches before it, but {found}. The contract says the caller finds the "
          f"gradients as the batches before left them, each p.grad holding the last sound "
-         f"step's gradient: what a caller inspects (its norm, its largest entries) beside the "
-         f"spoiled batch to see what went wrong.",
-         fix="test the loss before anything clears or writes p.grad: clear the gradients after "
-             "the test, just before backward.")
+         f"step's gradient (batch 2's): what a caller inspects (its norm, its largest entries) "
+         f"beside the spoiled batch to see what went wrong.",
+         fix=f"test the loss before anything clears or writes p.grad, and clear the gradients "
+             f"after the test, just before backward: between the step on batch 2 and your test "
+             f"of batch 3's loss, {cause}, so the gradient that step used was gone.")
 
 
 def _check_caller_goes_on(train_one_epoch, model, opt, ref, ref_opt, clean, what) -> None:
@@ -504,11 +526,11 @@ def _check_caller_goes_on(train_one_epoch, model, opt, ref, ref_opt, clean, what
         fail(f"{what}; your function raised FloatingPointError with the weights intact, and the "
              f"check, as a caller would, caught it and trained the next epoch on clean batches "
              f"with the same model and optimizer: {ended} {broken} of the model's "
-             f"{len(weights)} parameter tensors were NaN. The spoiled batch's gradient was still "
-             f"in p.grad when your raise left the function, and the next epoch's first step "
-             f"added it in: the NaN loss reached the weights one epoch late.",
+             f"{len(weights)} parameter tensors were NaN: the NaN loss reached the weights one "
+             f"epoch late.",
              fix="raise before backward, or clear the gradients before each backward rather "
-                 "than after each step.")
+                 "than after each step: the spoiled batch's gradient was still in p.grad when "
+                 "your raise left the function, and the next epoch's first step added it in.")
 
 
 @recorded
@@ -604,18 +626,19 @@ def _check_evaluate_raising(evaluate, setup, leaves: str | None) -> None:
     torch.set_grad_enabled(grad_before)  # the rest of the learner's notebook is not ours to break
     if grad_after != grad_before:
         fail(f"when the loader failed on batch {good + 1}, evaluate left autograd switched off "
-             f"for its caller (torch.is_grad_enabled() was True before, False after): the line "
-             f"that switches it back on never ran, and the next training step would record "
-             f"no graph.", fix="turn autograd off with a block that restores it however the "
-                               "block ends: `with torch.no_grad():` (or the decorator).")
+             f"for its caller (torch.is_grad_enabled() was True before, False after): the next "
+             f"training step would record no graph.",
+             fix="turn autograd off with a block that restores it however the block ends: "
+                 "`with torch.no_grad():` (or the decorator); the line that switches it back on "
+                 "never ran.")
     after = _modes(model)
     if leaves == "as found" and after != {True}:
         fail(f"you decided that evaluate leaves the model in the mode it found, and it does when "
              f"the loop ends; but when the loader failed on batch {good + 1}, a model handed "
-             f"over in training mode reached the caller in eval mode: the line that restores "
-             f"the mode comes after the loop, and an exception skips it.",
+             f"over in training mode reached the caller in eval mode.",
              fix="restore the mode in a block that runs whether the loop ends or raises "
-                 "(try/finally).")
+                 "(try/finally): the line that restores the mode comes after the loop, and an "
+                 "exception skips it.")
     if leaves == "eval" and after != {False}:
         fail("you decided that evaluate leaves the model in eval mode, but when the loader "
              f"failed on batch {good + 1} a model handed over in training mode reached the "
@@ -660,9 +683,10 @@ def _check_evaluate_empty(evaluate, leaves: str | None) -> None:
     torch.set_grad_enabled(grad_before)
     if grad_after != grad_before:
         fail("given a loader with no sample, evaluate raised, and left autograd switched off "
-             "for its caller: the line that switches it back on never ran.",
+             "for its caller (torch.is_grad_enabled() was True before, False after).",
              fix="turn autograd off with a block that restores it however the block ends: "
-                 "`with torch.no_grad():` (or the decorator).")
+                 "`with torch.no_grad():` (or the decorator); the line that switches it back on "
+                 "never ran.")
     after = _modes(model)
     if leaves == "as found" and after != {True}:
         fail("given a loader with no sample, evaluate raised its ValueError, but a model "
@@ -705,15 +729,13 @@ def _check_mixed_return(model, arrived: dict, leaves: str | None) -> None:
         fail(f"you decided that evaluate leaves the model in the mode it found; the check "
              f"handed it a training model whose BatchNorm layer (model[2]) was frozen in eval "
              f"mode, as when fine-tuning (model.train(), then model[2].eval()), and it came "
-             f"back with that BatchNorm in training mode. One flag, model.training, cannot say "
-             f"the mode of every layer, and model.train(flag) sets every submodule to that "
-             f"flag: the frozen layer's running statistics would move at the caller's next "
-             f"training step.",
+             f"back with that BatchNorm in training mode: the frozen layer's running statistics "
+             f"would move at the caller's next training step.",
              fix="remember each submodule's own .training (model.modules()) before you switch, "
-                 "and put each one back.")
+                 "and put each one back: one flag, model.training, cannot say the mode of every "
+                 "layer, and model.train(flag) sets every submodule to that flag.")
     fail(f"you decided that evaluate leaves the model in the mode it found; a training model "
-         f"whose BatchNorm layer (model[2]) was frozen in eval mode came back with {said}: "
-         f"the mode each layer arrived in was lost on the way.",
+         f"whose BatchNorm layer (model[2]) was frozen in eval mode came back with {said}.",
          fix="remember each submodule's own .training before you switch, and put each one "
              "back.")
 
@@ -920,6 +942,8 @@ def check_train_accumulated(train_accumulated) -> None:
         model, opt = fresh()
         start = _params(model)
         spy = _Spy(model)
+        steps = []
+        opt.register_step_post_hook(lambda optimizer, args, kwargs: steps.append(1))
         model.eval()
         returned = train_accumulated(model, micro_loader(), nn.CrossEntropyLoss(), opt, k, "cpu")
         got = _params(model)
@@ -956,29 +980,41 @@ def check_train_accumulated(train_accumulated) -> None:
         def replays(**kw):  # the mistake, with either weighting of the micro-batches
             return any(_same(got, replay(weight=w, **kw), tol=1e-5) for w in ("share", "k"))
 
+        groups = len(group_sizes)
         if _same(got, replay(weight="k"), tol=1e-5):
-            fail(f"you gave each micro-batch 1/{k} of the group's weight, but the micro-batches "
-                 f"of a group differ in size (here {sizes}), so a sample in a short micro-batch "
-                 f"counted for more than one in a full micro-batch: the group's mean loss counts "
-                 f"each of its samples once.",
-                 fix="weight each micro-batch by its share of the group's samples.")
+            fail(f"your steps match plain training's on a group's samples only where its "
+                 f"micro-batches hold the same number of samples; where the micro-batches of a "
+                 f"group differ in size (here {sizes}), a sample in a short micro-batch counted "
+                 f"for more than one in a full micro-batch: the group's mean loss counts each of "
+                 f"its samples once.",
+                 fix=f"weight each micro-batch by its share of the group's samples: you gave "
+                     f"each micro-batch 1/{k} of the group's weight, whatever it held.")
         if _same(got, replay(weight="none"), tol=1e-5):
-            fail(f"each step was about {k} times too big: backward adds each micro-batch's "
-                 f"gradient into p.grad, so the group's gradient was the sum of {k} mean-loss "
-                 f"gradients, not the gradient of the group's mean loss.",
-                 fix="scale each micro-batch's loss by its share of the group's samples.")
+            fail(f"each step was about {k} times too big: your weights match steps on {k} times "
+                 f"the gradient of each group's mean loss.",
+                 fix=f"scale each micro-batch's loss by its share of the group's samples: "
+                     f"backward adds each micro-batch's gradient into p.grad, so the group's "
+                     f"gradient was the sum of {k} mean-loss gradients.")
         if replays(step_every=True) or _same(got, replay(step_every=True, weight="none"),
                                              tol=1e-5):
-            fail(f"you stepped after every micro-batch, so each step used one micro-batch's "
-                 f"gradient, not the whole group's of k = {k}.",
-                 fix="step once per group, after its last micro-batch.")
+            fail(f"your function took {len(steps)} optimizer steps for {len(sizes)} "
+                 f"micro-batches in {groups} groups of k = {k}, where the contract takes one "
+                 f"step per group, on the gradient of the whole group's samples.",
+                 fix="step once per group, after its last micro-batch: you stepped after every "
+                     "micro-batch, so each step used one micro-batch's gradient.")
         if replays(zero_every=True) or _same(got, replay(zero_every=True, weight="none"),
                                              tol=1e-5):
-            fail("you zeroed the gradients before every micro-batch, so each step saw only the "
-                 "last micro-batch of its group.", fix="clear the gradients only after a step.")
+            fail(f"your function took {len(steps)} steps for {groups} groups, but each step "
+                 f"moved the weights as if its group held only its last micro-batch: the other "
+                 f"samples of the group contributed to no step.",
+                 fix="clear the gradients only after a step: you zeroed them before every "
+                     "micro-batch, so each step saw only the last micro-batch of its group.")
         if replays(zero_after_step=False):
-            fail("the gradients were never zeroed after a step, so each group's gradient "
-                 "carried all earlier groups'.", fix="clear the gradients after every step.")
+            fail(f"your first step matches plain training's on its group, but each later step "
+                 f"carried the gradients of all earlier groups too (the step on group {groups}: "
+                 f"groups 1 to {groups}).",
+                 fix="clear the gradients after every step: backward adds into p.grad, and "
+                     "nothing cleared what the previous group left there.")
         # Run the learner's function again on the same model with p.grad empty: if the weights
         # change, what p.grad held before the call reached the steps.
         clean, clean_opt = fresh(stale=False)
@@ -990,10 +1026,10 @@ def check_train_accumulated(train_accumulated) -> None:
                  f"function twice on the same model and micro-batches of sizes {sizes}, once "
                  f"with p.grad holding an earlier backward's gradients (as after an unfinished "
                  f"group of a previous epoch) and once with p.grad empty, and the two runs "
-                 f"ended with different weights. Those leftover gradients were added into your "
-                 f"first group's gradient, but the contract says the result must not depend on "
-                 f"what p.grad held.{rest}",
-                 fix="clear the gradients once before the first micro-batch.")
+                 f"ended with different weights, but the contract says the result must not "
+                 f"depend on what p.grad held.{rest}",
+                 fix="clear the gradients once before the first micro-batch: the gradients "
+                     "p.grad held were added into your first group's gradient.")
         fail(f"with micro-batches of sizes {sizes} and k={k} your weights differ from plain "
              f"training on each group's samples (groups of {group_sizes}), in none of the ways "
              f"the check knows (each micro-batch weighted 1/k or not at all, a step per "
@@ -1001,12 +1037,21 @@ def check_train_accumulated(train_accumulated) -> None:
              fix="for one group, compare p.grad just before your step with the gradient of "
                  "one batch holding the group's samples (its mean loss, backward): the first "
                  "parameter where they differ shows which part of the group went wrong.")
-    passed("train_accumulated takes the same steps as plain training on each group's samples, "
-           "whatever the micro-batches' sizes, and returns the mean loss per sample.")
+    chosen = set()
+    for sizes, k, seed in _leftover.LEFTOVER_SETUPS:
+        choice, returned, want = _leftover.check_leftover(train_accumulated, sizes, k, seed)
+        chosen.add(choice)
+        _check_accumulated_loss(returned, want, k, sum(sizes),
+                                leftover=sum(sizes[len(sizes) // k * k:]))
+    said = " or ".join(_leftover.CHOSEN[c] for c in sorted(chosen))
+    passed(f"train_accumulated takes the same steps as plain training on each group's samples, "
+           f"whatever the micro-batches' sizes, and returns the mean loss per sample; the "
+           f"micro-batches left over at the end {said}, as you decided.")
 
 
-def _check_accumulated_loss(returned, want: float, k: int, n: int) -> None:
-    """The stretch's return value: the mean loss per sample of the epoch, unscaled."""
+def _check_accumulated_loss(returned, want: float, k: int, n: int, leftover: int = 0) -> None:
+    """The stretch's return value: the mean loss per sample of the epoch, unscaled; with
+    ``leftover`` samples at the end, they count too."""
     __tracebackhide__ = True
     if returned is None:
         fail("train_accumulated returned None; its contract is train_one_epoch's: the mean "
@@ -1016,14 +1061,15 @@ def _check_accumulated_loss(returned, want: float, k: int, n: int) -> None:
         return
     if math.isclose(got, want / k, rel_tol=1e-5):
         fail(f"train_accumulated returned {got:.4f}, {k} times less than the mean loss per "
-             f"sample ({want:.4f}): you reported the scaled loss you backpropagated; the loss "
-             f"to report is the model's loss on its samples, before that scaling.",
-             fix="add the unscaled loss (times the micro-batch's size) to your total.")
+             f"sample ({want:.4f}): the loss to report is the model's loss on its samples.",
+             fix="add the unscaled loss (times the micro-batch's size) to your total: you "
+                 "reported the scaled loss you backpropagated.")
     if math.isclose(got, want * n, rel_tol=1e-5):
         fail("train_accumulated returned the total loss over all samples, not the mean per "
              "sample.", fix="divide by the number of samples the epoch saw.")
+    also = (f", the {leftover} left over at the end included," if leftover else "")
     fail(f"train_accumulated returned {got:.4f}; the mean loss per sample over the epoch's {n} "
-         f"samples is {want:.4f}.")
+         f"samples{also} is {want:.4f}.")
 
 
 # --- predict, then measure: the epoch's returned loss against the trained model's ----------
@@ -1049,6 +1095,10 @@ def check_prediction(guess, epoch_loss: float, eval_loss: float) -> None:
     else:
         measured = PREDICTION_CHOICES[2]
     reveal(guess, measured, close=guess.value == measured, explanation=(
+        f"On the same training samples, train_one_epoch returned {epoch_loss:.3f} and evaluate "
+        f"measured {eval_loss:.3f} right after the epoch (the larger is "
+        f"{max(epoch_loss, eval_loss) / min(epoch_loss, eval_loss):.2f} times the smaller; "
+        f"within 10% counts as about the same). "
         "Same samples, two different models: train_one_epoch's mean adds up each batch's loss "
         "at the moment it was trained on, so its first batches are those of a network that "
         "still guesses; evaluate measures only the model the epoch ended with. The lab's "
