@@ -105,7 +105,7 @@ def normed_worker(rank: int, world_size: int, mlp_cls, hidden: int = H,
     ``_STEPS`` SGD steps of this rank's own parameters. With ``shift`` (the first layer's bias
     shifted: hidden activations with a large mean) only the forward."""
     from ..collectives import record_collectives
-    from .lab11 import _sgd_outputs
+    from ._lab11_layers import _sgd_outputs
 
     torch.set_num_threads(1)
     plain, x, upstream = _normed_case(hidden, shift)
