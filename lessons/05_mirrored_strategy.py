@@ -369,17 +369,18 @@ claim("under MirroredStrategy a replica that skips all_reduce makes strategy.run
 # `strategy.run`, and an optimizer that **sums** the replicas' gradients — so each replica's
 # loss is not the mean one device would compute. What it must be, for slices of any size and
 # with a penalty every replica holds whole, is the lab's first question. Open
-# [lab05_mirrored_strategy](../labs/lab05_mirrored_strategy.ipynb) now (its stretch handles a
-# partial last batch, which this lesson does not show). **Do it before reading on**: the rest
-# of this section proves the answer to its part 1.
+# [lab05_mirrored_strategy](../labs/lab05_mirrored_strategy.ipynb) now: its step is not told
+# its size, so a short last batch, which this lesson does not show, is part 1's case too. **Do
+# it before reading on**: the rest of this section proves what its part 1 builds on.
 
 # %% [markdown]
 # **After the lab: the proofs.** Here are the per-example loss, the gradient of one mirrored
 # step as the library computes them, and the one-device gradient every proof compares it with
 # (the mean loss over the whole global batch, no strategy) — the code the proofs below run,
-# except the per-replica loss, `mirrored.per_replica_loss` (lab 05 part 1's answer), folded
-# with the reference answer further down. `@tf.function` compiles the step into a TensorFlow
-# graph (what that means for the step is explained at the end of this section); the
+# except the per-replica loss, `mirrored.per_replica_loss` (lab 05 part 1 with the step's size
+# given), folded with the reference answer further down. `@tf.function` compiles the step
+# into a TensorFlow graph (what that means for the step is explained at the end of this
+# section); the
 # `loss_scaling` and `grad_reduce` options select the wrong variants that the scaling bugs below
 # measure; the proofs use the defaults.
 
@@ -701,7 +702,7 @@ claim("and so do the losses of every step (to 1e-5)",
 # `fit` does all of the above for you: build and compile inside `strategy.scope()`, pass a
 # dataset batched with the global batch, and Keras splits batches, scales the loss and
 # all-reduces the gradients. Its loss is a Keras loss object, so its scaling is the one
-# section 4's folded table measured — which is not lab 05 part 1's on every split (its stretch
+# section 4's folded table measured — which is not lab 05 part 1's on every split (its part 1
 # works on the case where they part).
 #
 # **▶ `fit` and regularisers (lab 05 part 1's penalty decision, answered) — open after your lab
@@ -1071,7 +1072,7 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Proven here: mirrored step == one device on the global batch == Keras `fit` == two
 #   multi-worker processes == PyTorch DDP, from the same weights on the same data.
 #
-# **▶ The loss-scaling rule in three lines (lab 05 part 1's answer) — open after your lab
+# **▶ The loss-scaling rule in three lines (what lab 05 part 1 builds on) — open after your lab
 # passes** (click the folded cell below).
 
 # %% [markdown] jupyter={"source_hidden": true}
@@ -1081,7 +1082,7 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 #   for equal slices): dividing it again makes the step 1/N.
 # * Regularisation losses, the same on every replica, go through `scale_regularization_loss`.
 #
-# **▶ And lab 05 part 4's answer — open after your lab passes** (click the folded cell
+# **▶ And lab 05's prediction, answered — open after your lab passes** (click the folded cell
 # below).
 
 # %% [markdown] jupyter={"source_hidden": true}
