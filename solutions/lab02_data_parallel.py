@@ -14,7 +14,8 @@
 #    with a `ValueError` that says so. How the sizes are chosen when N does not divide B is
 #    **your choice**, between two that both pass; the prediction after it shows what yours does.
 # 2. `gather(outputs) -> tensor`: the devices' outputs as one batch, in device order.
-# 3. A prediction about one copy's gradient, then its measurement.
+# 3. Two predictions about gradients, each then measured: what one copy's holds, and what
+#    `model`'s holds after a DataParallel step.
 # 4. `dp_forward_backward(model, X, y, n_devices) -> float`: one DataParallel step's forward
 #    and backward. Every chunk, chunk 0 included, runs on a plain copy of `model` of its own;
 #    `model` itself runs no forward. The copies run at the same time, one thread each, through
@@ -22,8 +23,12 @@
 #    the outputs go through your `gather`. It returns the mean cross-entropy over the whole
 #    batch, as a float. Afterwards `model` — its weights, its gradients, its buffers — is what it
 #    would be after the forward and `backward()` of `nn.DataParallel(model)` on `n_devices`
-#    devices, whatever state it arrived in. Part 4 holds **the lab's design decision**: how the
-#    copies' gradients become `model`'s.
+#    devices, whatever state it arrived in.
+# 5. The same step on a module with state of its own, `lab02.SampleCounter`: afterwards every
+#    buffer of `model` (persistent or not) and every plain attribute holds what
+#    `nn.DataParallel(model)` would leave there, as torch's own `replicate` builds the replicas.
+#    Part 5 holds **the lab's design decision**: what of the copies' state comes back to
+#    `model`, from which copy, and how your code tells. You change your part-4 step for it.
 #
 # Each part has a check cell that names your mistake, if there is one, and hints behind clicks.
 # The checks compare with the library's `dpcourse.dp`, whose `scatter`, `gather`, `replicate`
@@ -174,19 +179,22 @@ guess = predict("lab02", "the 1-sample copy's fraction of the whole batch's grad
 lab02.check_prediction(guess)
 
 # %% [markdown]
-# **One more prediction before you write the step.** Take a model whose parameters hold
-# gradients (a backward ran) and whose BatchNorm layer holds running statistics (a
-# training-mode forward ran). Which of the two does `copy.deepcopy` of it carry into the copy?
-# Choose one of `lab02.COPY_CARRIES`: `"both"`, `"gradients only"`, `"running statistics
-# only"`, `"neither"`.
+# **One more prediction before you write the step.** A model arrives holding gradients: every
+# `p.grad` holds some G, left by an earlier backward (a loop that accumulates gradients over
+# several batches before one optimizer step leaves exactly that). Call g the gradient the plain
+# model would get on this step's batch alone. After one forward and `backward()` of
+# `nn.DataParallel(model)` on 4 devices, what does `p.grad` hold? Choose one of
+# `lab02.HELD_CHOICES`: `"g"`, `"G + g"`, `"G + g/4"`, `"4G + g"`. The next cell runs the
+# lesson's `dp.data_parallel` (torch's broadcast and its backward, replica 0 sharing the
+# module's storage) and compares.
 
 # %%
-### BEGIN SOLUTION: set my_copy_guess to your answer (one of lab02.COPY_CARRIES)
-my_copy_guess = "running statistics only"
+### BEGIN SOLUTION: set my_held_guess to your answer (one of lab02.HELD_CHOICES)
+my_held_guess = "G + g"
 ### END SOLUTION
-copy_guess = predict("lab02", "what a deep copy of a model carries", my_copy_guess,
-                     choices=lab02.COPY_CARRIES)
-lab02.check_copy_prediction(copy_guess)
+held_guess = predict("lab02", "p.grad after a DataParallel step on a model that held G",
+                     my_held_guess, choices=lab02.HELD_CHOICES)
+lab02.check_held_prediction(held_guess)
 
 # %% [markdown]
 # ## 4. `dp_forward_backward`
@@ -197,17 +205,16 @@ lab02.check_copy_prediction(copy_guess)
 # in. Nothing ties a plain copy to `model`: what the real class gets by sharing the module's
 # tensors with replica 0 and by the broadcast's backward, your code does after the backward.
 #
-# **Your design decision:** the rule that turns the copies' gradients into `model`'s, and what
-# happens to what `p.grad` already held. It is the lab's design decision, and the lesson did not
-# make it for you: your §3 prediction and the deep-copy one are your evidence, and the check
+# The rule that turns the copies' gradients into `model`'s is yours to work out; your two §3
+# predictions are your evidence (and a fresh copy's `p.grad` is one print away), and the check
 # refuses a wrong rule with the numbers it saw.
 #
 # The check hands your function models in more than one state, batches
-# that do and do not divide by the number of devices, a training-mode model with BatchNorm
+# that do and do not divide by the number of devices, and a training-mode model with BatchNorm
 # (whose outputs then differ from the plain model's: for that one it looks at the buffers
-# only), and `lab02.SampleCounter`, a model with a buffer of its own. Every parameter of the
-# check's models takes part in the loss; a parameter that gets no gradient (a layer the
-# forward skips) is outside this contract.
+# only). Every parameter of the check's models takes part in the loss; a parameter that gets no
+# gradient (a layer the forward skips) is outside this contract. Part 5 then holds the same
+# function to a module with state of its own.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -248,14 +255,16 @@ def dp_forward_backward(model, X, y, n_devices):
     """
     ### BEGIN SOLUTION: the step on plain copies; model left as nn.DataParallel leaves it
     chunks = scatter(X, n_devices)
-    replicas = [copy.deepcopy(model) for _ in chunks]  # as many copies as chunks
+    # Copy 0 is handed model's own buffer tensors (the memo), as replica 0 is: what its forward
+    # writes into them is model's; a tensor it binds to a buffer's name stays on the copy.
+    own = {id(b): b for b in model.buffers()}
+    replicas = [copy.deepcopy(model, own if i == 0 else None)
+                for i in range(len(chunks))]  # as many copies as chunks
     loss = F.cross_entropy(gather(dp.parallel_apply(replicas, chunks)), y)
     loss.backward()
     for p, *copies in zip(model.parameters(), *(r.parameters() for r in replicas)):
         summed = sum(c.grad for c in copies)  # one mean over the batch: the shares add up
         p.grad = summed if p.grad is None else p.grad + summed
-    for b, b0 in zip(model.buffers(), replicas[0].buffers()):  # replica 0's updates are kept
-        b.copy_(b0)
     return loss.item()
     ### END SOLUTION
 
@@ -263,15 +272,22 @@ def dp_forward_backward(model, X, y, n_devices):
 lab02.check_dp_forward_backward(dp_forward_backward)
 
 # %% [markdown]
-# ### What survives a replica
+# ## 5. What survives a replica
 #
-# `lab02.SampleCounter` is a linear classifier with two counters, both bumped by each
-# training-mode forward: `seen`, a buffer (`self.seen += x.shape[0]`), and `calls`, a plain
-# Python int attribute (`self.calls += 1`). Its `calls` holds 5. After one forward of the real
-# `nn.DataParallel` on 4 GPUs with 10 samples, what does the module's `calls` hold? (Your step
-# uses deep copies; the real class builds its replicas otherwise, and lesson 02's paragraph
-# "Replicate every step" names how.) Write a number; the next cell runs torch's own
-# replica-building function and says why.
+# `lab02.SampleCounter` is a linear classifier that keeps three records of what its
+# training-mode forwards saw:
+#
+# ```python
+# self.seen += x.shape[0]                                  # a buffer, registered persistent=False
+# self.peak = torch.maximum(self.peak, x.detach().abs().max())       # a buffer
+# self.calls += 1                                          # a plain Python int attribute
+# ```
+#
+# First a prediction. Its `calls` holds 5. After one forward of the real `nn.DataParallel` on 4
+# GPUs with 10 samples, what does the module's `calls` hold? (Your step uses deep copies; the
+# real class builds its replicas otherwise, and lesson 02's paragraph "Replicate every step"
+# names how.) Write a number; the next cell runs torch's own replica-building function and says
+# why.
 
 # %%
 ### BEGIN SOLUTION: set my_calls_guess to your answer (a count of forwards)
@@ -280,6 +296,51 @@ my_calls_guess = 5
 calls_guess = predict("lab02", "the module's calls after one DataParallel forward, 4 GPUs, from 5",
                       my_calls_guess, unit="forwards")
 lab02.check_calls_prediction(calls_guess)
+
+# %% [markdown]
+# **The contract.** Your `dp_forward_backward` of part 4, run on a `SampleCounter` (10 samples
+# on 4 devices), must leave every buffer of `model` — `seen` and `peak` — and its `calls` as
+# `nn.DataParallel(model)` would leave them. The check builds the replicas with torch's own
+# `torch.nn.parallel.replicate` (only its device copy is stood in for on the CPU, by one that
+# hands the first device the tensors themselves, as torch's C++ `broadcast_coalesced` does),
+# runs them in threads and compares; then it tries a module with the same buffers whose
+# forward treats them the other way round.
+#
+# **Your design decision:** what of the copies' state comes back to `model`, from which copy,
+# and how your code tells which. The lesson showed one kind of buffer coming back (BatchNorm's);
+# it did not show these. Change your step in part 4's cell, run that cell again (its check must
+# still pass), then this one.
+
+# %% [markdown]
+# **▶ Hint 1 — a question** (click the folded cell below)
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Which objects does a replica share with the module, and which does it get of its own? Read
+# `Module._replicate_for_data_parallel` in `torch/nn/modules/module.py`: which dicts are new
+# for the replica? Then, for each of the three lines of the forward above, ask where the result
+# of the line is stored when replica 0 runs it.
+
+# %% [markdown]
+# **▶ Hint 2 — the idea**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Replica 0 is handed the module's own buffer tensors, but in dicts of its own: a write *into*
+# one of those tensors lands in the module; a new tensor (or int) bound to a name lands in the
+# replica's dict and goes when the replica goes. Your copy 0 can be built to hold `model`'s
+# buffer tensors the same way, or your code can tell afterwards, buffer by buffer, whether
+# copy 0 still holds the tensor it started with.
+
+# %% [markdown]
+# **▶ Hint 3 — the shape of the code**
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Either at the copying stage (`copy.deepcopy` takes a memo: a dict from `id(obj)` to the object
+# to use instead of a copy), or in two extra stages: before the forwards, note which tensor
+# copy 0 holds under each buffer name; after the backward, for each name, bring back its values
+# only if copy 0 still holds that same tensor. Plain attributes: nothing to do.
+
+# %%
+lab02.check_dp_state(dp_forward_backward)
 
 # %% [markdown]
 # ## Use it

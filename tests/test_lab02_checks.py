@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dpcourse import dp
-from dpcourse.checks import LabCheckError, lab02
+from dpcourse.checks import LabCheckError, _lab02_state, lab02
 
 
 def refusing_empty(split):
@@ -691,19 +691,24 @@ def test_copy_prediction_is_measured_and_explained(value, verdict, capsys):
         assert said not in out.split("measured:")[-1], (said, out)
 
 
-def test_the_lab_names_part_4_as_its_decision_and_lists_no_candidate_rule():
+def test_the_lab_names_part_5_as_its_decision_and_part_4_lists_no_candidate_rule():
     from pathlib import Path
 
     text = (Path(__file__).parent.parent / "solutions" / "lab02_data_parallel.py").read_text()
     part1, rest = text.split("# ## 1. `scatter`")[1].split("# ## 2. `gather`")
     part4 = text.split("# ## 4. `dp_forward_backward`")[1].split("# **▶ Hint 1")[0]
+    part5 = text.split("# ## 5. What survives a replica")[1].split("# **▶ Hint 1")[0]
     # §1's choice passes both ways: it is not called a decision, and the lab says both pass
     assert "decision" not in part1.split("# **▶ Hint 1")[0] and "both are accepted" in part1
-    # part 4 holds the decision, named without its candidate answers
-    assert "**Your design decision:** the rule that turns the copies' gradients" in part4, part4
-    assert "It is the lab's design decision" in part4, part4
+    # part 4 names no candidate combining rule; part 5 holds the decision, stated as what must
+    # hold (as nn.DataParallel(model) leaves it), not as a list of what to bring back
     for candidate in ("their sum", "their mean", "one copy's"):
         assert candidate not in part4, (candidate, part4)
+    assert "decision" not in part4, part4
+    assert "**Your design decision:** what of the copies' state comes back" in part5, part5
+    assert "as\n# `nn.DataParallel(model)` would leave them" in part5, part5
+    for told in ("in place", "in-place", "persistent=False, which", "dropped"):
+        assert told not in part5.split("**The contract.**")[1], (told, part5)
 
 
 def test_deepcopy_leaves_parameter_grads_behind():
@@ -775,25 +780,150 @@ def batchnorm_buffers_only(model, X, y, n):
 
 
 def counter_sums_the_copies(model, X, y, n):
-    # wrong: the counter takes every copy's samples (whole batch), BatchNorm's replica 0's
-    loss = make_step()(model, X, y, n)
+    # wrong: the counter takes every copy's samples (the whole batch), the rest as DP leaves it
+    loss = shared_copy_zero(model, X, y, n)
     if isinstance(model, lab02.SampleCounter):
-        model.seen.fill_(lab02.COUNT_CASE[2] + X.shape[0])
+        model.seen.fill_(lab02.STATE_CASE[2] + X.shape[0])
     return loss
 
 
 @pytest.mark.parametrize("fn, phrase", [
-    (batchnorm_buffers_only, "its forward's update stayed on a copy"),
-    (counter_sums_the_copies, "it counted the whole batch"),
+    (batchnorm_buffers_only, "seen holds 7, what the model held before the step, where "
+                             "nn.DataParallel(model) leaves 10"),
+    (counter_sums_the_copies, "seen holds 17, the value of one forward over the whole batch"),
 ])
 def test_buffer_that_is_not_batchnorms_is_checked(fn, phrase):
     with pytest.raises(LabCheckError) as err:
-        lab02.check_dp_forward_backward(fn)
+        lab02.check_dp_state(fn)
     assert phrase in str(err.value), str(err.value)
     assert "Run the check again" in str(err.value), str(err.value)
     with pytest.raises(LabCheckError) as err:
-        lab02.check_dp_forward_backward(fn)
-    assert "copy that ran chunk 0" in str(err.value), str(err.value)
+        lab02.check_dp_state(fn)
+    assert "What to change:" in str(err.value), str(err.value)
+
+
+# --- part 5: what of the copies' state comes back (torch's own replicate is the reference) ---
+
+def _step_on_copies(model, X, y, n, memo_for_copy_0=None):
+    chunks = good_scatter(X, n)
+    reps = [copy.deepcopy(model, memo_for_copy_0 if i == 0 else None)
+            for i in range(len(chunks))]
+    started = dict(reps[0].named_buffers())
+    loss = F.cross_entropy(good_gather(dp.parallel_apply(reps, chunks)), y)
+    loss.backward()
+    for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
+        new = sum(c.grad for c in cs)
+        p.grad = new if p.grad is None else p.grad + new
+    return loss.item(), reps, started
+
+
+def shared_copy_zero(model, X, y, n):
+    # right: copy 0 is handed model's own buffer tensors, as replica 0 is
+    return _step_on_copies(model, X, y, n, {id(b): b for b in model.buffers()})[0]
+
+
+def still_the_same_tensor(model, X, y, n):
+    # right: brings back a buffer of copy 0 only if copy 0 still holds the tensor it started with
+    loss, reps, started = _step_on_copies(model, X, y, n)
+    for name, b in model.named_buffers():
+        if reps[0].get_buffer(name) is started[name]:
+            b.copy_(started[name])
+    return loss
+
+
+def state_dict_of_copy_zero(model, X, y, n):
+    loss, reps, _ = _step_on_copies(model, X, y, n)
+    model.load_state_dict(reps[0].state_dict())
+    return loss
+
+
+def calls_brought_back(model, X, y, n):
+    loss = shared_copy_zero(model, X, y, n)
+    model.calls += 1  # as copy 0 counted
+    return loss
+
+
+def by_buffer_name(model, X, y, n):
+    # learned "peak does not come back" as a name, not as what the forward did
+    loss, reps, _ = _step_on_copies(model, X, y, n)
+    for name, b in model.named_buffers():
+        if name != "peak":
+            b.copy_(reps[0].get_buffer(name))
+    return loss
+
+
+@pytest.mark.parametrize("step", [shared_copy_zero, still_the_same_tensor])
+def test_right_state_steps_pass_both_checks(step, capsys):
+    lab02.check_dp_forward_backward(step)
+    lab02.check_dp_state(step)
+    out = capsys.readouterr().out
+    assert "seen 10, peak 0.50, calls 5" in out, out
+
+
+@pytest.mark.parametrize("step, cause, mechanism", [
+    (make_step(), "peak holds 3.09, chunk 0's copy's value, where nn.DataParallel(model) "
+                  "leaves 0.50 (what the model held before the step)",
+     "a _buffers dict of its own"),
+    (state_dict_of_copy_zero, "seen holds 7, what the model held before the step, where "
+                              "nn.DataParallel(model) leaves 10",
+     "persistent=False, which state_dict() leaves out"),
+    (calls_brought_back, "calls holds 6, chunk 0's copy's value, where nn.DataParallel(model) "
+                         "leaves 5", "binds a new int in that replica's own __dict__"),
+    (by_buffer_name, "a counter whose forward writes `peak` in place and binds a new tensor to "
+                     "`seen`", "same names and dtypes"),
+], ids=["every buffer of copy 0", "state_dict", "calls", "by name"])
+def test_state_brought_back_otherwise_than_dataparallel_is_named(step, cause, mechanism):
+    # the first meeting: what differs, with the numbers, and no mechanism or fix
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_dp_state(step)
+    assert cause in str(first.value), str(first.value)
+    assert "Run the check again" in str(first.value), str(first.value)
+    assert mechanism not in str(first.value), str(first.value)
+    # the second: the mechanism and what to change
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_dp_state(step)
+    assert mechanism in str(second.value) and "What to change:" in str(second.value), \
+        str(second.value)
+
+
+def test_every_buffer_of_copy_zero_passes_part_4_then_part_5_refuses_it():
+    # the lesson's rule (replica 0's buffers) is right for BatchNorm, not for every buffer
+    lab02.check_dp_forward_backward(make_step())
+    with pytest.raises(LabCheckError):
+        lab02.check_dp_state(make_step())
+
+
+def test_torchs_replicate_on_the_cpu_keeps_replica_zeros_in_place_writes_only():
+    # the facts part 5 is built on, from torch's own replicate: seen += 3 on the module's own
+    # tensor (chunk 0 of 10 on 4), peak rebound in replica 0's dict, calls in its __dict__
+    model, X, _ = _lab02_state._case(lab02.SampleCounter)
+    state = lab02.state_after_dp(copy.deepcopy(model), X, 4)
+    assert (int(state["seen"]), round(float(state["peak"]), 2), state["calls"]) == (10, 0.5, 5)
+    assert "seen" not in model.state_dict() and "peak" in model.state_dict()
+    # the lesson's dp.data_parallel (deep copies sharing replica 0's buffers) agrees
+    twin = copy.deepcopy(model)
+    dp.data_parallel(twin, X, dp.devices_for(4, kind="cpu"))
+    assert all(torch.equal(state[k], b) for k, b in twin.named_buffers())
+    # replica 0 really is handed the module's own buffer tensors, in a dict of its own
+    replicas = _lab02_state._torch_replicate(model, 2)
+    assert replicas[0].seen is model.seen and replicas[1].seen is not model.seen
+    assert replicas[0]._buffers is not model._buffers
+
+
+@pytest.mark.parametrize("value, verdict", [("G + g", "right"), ("g", "not what happened"),
+                                            ("4G + g", "not what happened")])
+def test_held_prediction_is_measured_and_explained(value, verdict, capsys):
+    from dpcourse.checks import predict
+
+    guess = predict("lab02", "p.grad after a DataParallel step on a model that held G", value,
+                    choices=lab02.HELD_CHOICES)
+    lab02.check_held_prediction(guess)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"measured: G + g — {verdict}." in out, out
+    assert "AccumulateGrad" in out, out
+    # what DataParallel leaves, not how plain copies get there
+    for said in ("deepcopy", "copy", "sum", "None"):
+        assert said not in out.split("measured:")[-1], (said, out)
 
 
 def test_sample_counter_under_dataparallel_keeps_chunk_0():

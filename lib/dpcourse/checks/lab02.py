@@ -19,12 +19,15 @@ import torch.nn.functional as F
 from .. import dp as reference
 from . import fail, passed, recorded
 from .lab01 import is_library_function, library_calls
+from ._lab02_state import (HELD_CHOICES, STATE_CASE, check_dp_state, check_held_prediction,
+                           held_grad_after_dp, state_after_dp)
 
 __all__ = ["check_scatter", "check_gather", "check_dp_forward_backward",
            "check_threaded_apply", "check_prediction", "copy_share", "CHUNK_SIZES",
            "idle_devices", "idle_batch_sizes", "check_idle_prediction", "COPY_CARRIES", "deepcopy_carries",
            "check_copy_prediction", "SampleCounter", "counted_after_dp", "CALLS_CASE",
-           "calls_after_dp", "check_calls_prediction"]
+           "calls_after_dp", "check_calls_prediction", "STATE_CASE", "state_after_dp",
+           "check_dp_state", "HELD_CHOICES", "held_grad_after_dp", "check_held_prediction"]
 
 # The two answers (both accepted) to the choice lab02 §1 leaves to the learner: how scatter
 # sizes the chunks when N does not divide B. "like DataParallel": ceil(B/N) per device until the
@@ -329,11 +332,10 @@ def check_dp_forward_backward(dp_forward_backward) -> None:
     for n_devices, batch, held in ((4, 16, False), (3, 10, True), (4, 6, True)):
         _check_dp_once(dp_forward_backward, n_devices, batch, held)
     _check_dp_buffers(dp_forward_backward)
-    _check_dp_counter(dp_forward_backward)
     passed("DataParallel by hand on 4 and 3 devices (even and uneven chunks, and a batch of 6 "
            "on 4): each plain copy ran on its chunk, the loss is the whole batch's, the "
-           "whole batch's gradient was added to what the model held, and the model's "
-           "buffers (BatchNorm's, and a sample counter's) hold what nn.DataParallel leaves there")
+           "whole batch's gradient was added to what the model held, and BatchNorm's buffers "
+           "hold what nn.DataParallel leaves there (part 5 tries a module with state of its own)")
 
 
 def _bn_net(seed: int = 0):
@@ -425,19 +427,25 @@ def _check_dp_buffers(dp_forward_backward) -> None:
 
 
 class SampleCounter(torch.nn.Module):
-    """A linear classifier that counts, in a buffer, the samples its training-mode forwards
-    have seen (``seen``: a buffer that is not BatchNorm's, updated in place by the forward),
-    and in a plain Python int attribute, the forwards that ran (``calls``)."""
+    """A linear classifier that keeps three records of what its training-mode forwards saw:
+    ``seen``, the samples, counted in place in a buffer registered with ``persistent=False``
+    (``self.seen += x.shape[0]``); ``peak``, the largest ``|x|``, a buffer given a new tensor by
+    each forward (``self.peak = torch.maximum(self.peak, ...)``); ``calls``, the forwards, a
+    plain Python int attribute (``self.calls += 1``). Lab 02's part 5 asks which of the three a
+    DataParallel step leaves on the module."""
 
-    def __init__(self, features: int = 12, classes: int = 10, seen: int = 0, calls: int = 0):
+    def __init__(self, features: int = 12, classes: int = 10, seen: int = 0, calls: int = 0,
+                 peak: float = 0.0):
         super().__init__()
         self.linear = torch.nn.Linear(features, classes)
-        self.register_buffer("seen", torch.tensor(seen))
+        self.register_buffer("seen", torch.tensor(seen), persistent=False)
+        self.register_buffer("peak", torch.tensor(float(peak)))
         self.calls = calls
 
     def forward(self, x):
         if self.training:
             self.seen += x.shape[0]
+            self.peak = torch.maximum(self.peak, x.detach().abs().max())
             self.calls += 1
         return self.linear(x.flatten(1))
 
@@ -490,43 +498,9 @@ def check_calls_prediction(guess) -> None:
         f"(torch/nn/modules/module.py): `replica.__dict__ = self.__dict__.copy()`, a dict of "
         f"its own. `self.calls += 1` cannot change an int in place: it reads {start} and binds "
         f"{start + 1} in the replica's own dict (the replicas ended holding {on_replicas}). "
-        f"Replica 0 shares the module's tensors, so a buffer's in-place `+=` reaches the "
-        f"module (`seen` does), but not the module's __dict__: every replica's count was "
-        f"dropped with the replica, and the module still holds {start}, not {start + 1} "
-        f"(replica 0's) nor {start + n} (one per replica). State that must outlive a "
-        f"DataParallel forward has to live in a buffer, and even then only device 0's chunk's "
-        f"update stays."))
-
-
-def _check_dp_counter(dp_forward_backward) -> None:
-    """A buffer that is not BatchNorm's: :class:`SampleCounter` holding 7, 10 samples on 4
-    devices; afterwards ``seen`` must be 7 + chunk 0's size (3 under either choice)."""
-    __tracebackhide__ = True
-    batch, n, start = COUNT_CASE
-    want, sizes = counted_after_dp()
-    model = SampleCounter(seen=start)
-    torch.manual_seed(2)
-    X, y = torch.randn(batch, 3, 2, 2), torch.randint(0, 10, (batch,))
-    dp_forward_backward(model, X, y, n)
-    got = int(model.seen)
-    if got == want:
-        return
-    if got == start:
-        fail(f"a model whose forward counts its samples in a buffer (`seen`, a buffer that is not "
-             f"BatchNorm's) still holds {start} after your step on {batch} samples over {n} "
-             f"devices: its forward's update stayed on a copy. Under nn.DataParallel the module "
-             f"keeps replica 0's writes to every buffer, {start} + {sizes[0]} = {want} here.",
-             fix="bring back every buffer of the copy that ran chunk 0, whatever module holds "
-                 "it (model.buffers()), not only BatchNorm's.")
-    if got == start + batch:
-        fail(f"the sample counter holds {got} = {start} + {batch}: it counted the whole batch, "
-             f"but no module saw the whole batch. Under nn.DataParallel each replica counts its "
-             f"own chunk ({sizes}) and the module keeps replica 0's count, {want}.",
-             fix="take the buffers from the copy that ran chunk 0, not from a forward on all "
-                 "of X or a sum over the copies.")
-    fail(f"the sample counter holds {got} after your step on {batch} samples over {n} devices, "
-         f"where nn.DataParallel leaves {want} ({start} + chunk 0's {sizes[0]} samples).",
-         fix="take every buffer from the copy that ran chunk 0.")
+        f"No replica writes into the module's __dict__: every replica's count was dropped "
+        f"with its replica, and the module still holds {start}, not {start + 1} "
+        f"(replica 0's) nor {start + n} (one per replica)."))
 
 
 _PLAIN = ("the lab asks for plain copies (copy.deepcopy), whose gradients no autograd link "

@@ -1,0 +1,262 @@
+"""Lab 02, part 5 (the lab's design decision): what of the copies' state comes back to the
+model, and from which copy — and §3's prediction of what ``p.grad`` holds after a
+DataParallel step on a model that arrived holding gradients.
+
+The reference for the state is torch's own ``torch.nn.parallel.replicate``
+(torch/nn/parallel/replicate.py) run on the CPU: only its device copy,
+``comm.broadcast_coalesced``, is stood in for, by one that gives the first device the input
+tensors themselves and the others clones — what torch's C++ ``broadcast_coalesced``
+(torch/csrc/cuda/comm.cpp: ``outputs[0] = tensors.vec()``) does, which is how replica 0 comes
+to share the module's tensors. Every replica module is then built by torch's
+``Module._replicate_for_data_parallel``, as on a GPU box. Re-exported by
+:mod:`dpcourse.checks.lab02`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from .. import dp as reference
+from . import fail, passed, recorded
+
+__all__ = ["STATE_CASE", "state_after_dp", "check_dp_state", "HELD_CHOICES",
+           "held_grad_after_dp", "check_held_prediction"]
+
+# 10 samples on 4 devices (chunk 0 holds 3 under either chunk-size choice of §1); the
+# counter's `seen` starts at 7, `calls` at 5, `peak` at 0.5.
+STATE_CASE = (10, 4, 7, 5, 0.5)
+
+
+def _first_device_keeps_its_tensors(tensors, devices, buffer_size=None):
+    """CPU stand-in for ``comm.broadcast_coalesced``: device 0's outputs are the inputs
+    themselves (as torch's C++ broadcast_coalesced returns them), every other device's a clone."""
+    return [list(tensors)] + [[t.detach().clone() for t in tensors] for _ in devices[1:]]
+
+
+def _torch_replicate(module, n: int) -> list:
+    """``n`` replicas of ``module`` made by torch's own ``replicate`` on the CPU."""
+    replicate_module = importlib.import_module("torch.nn.parallel.replicate")
+    comm = importlib.import_module("torch.nn.parallel.comm")
+    with mock.patch.object(comm, "broadcast_coalesced", _first_device_keeps_its_tensors):
+        # detach=True: parameters go through the same stand-in (torch's Broadcast refuses CPU
+        # tensors); buffers that need no gradient take this path under nn.DataParallel too.
+        return replicate_module.replicate(module, list(range(n)), detach=True)
+
+
+def _state(model) -> dict:
+    """Every buffer (persistent or not) and the plain ``calls`` attribute, by name."""
+    state = {name: b.detach().clone() for name, b in model.named_buffers()}
+    state["calls"] = getattr(model, "calls", None)
+    return state
+
+
+def state_after_dp(model, X: torch.Tensor, n: int) -> dict:
+    """One training-mode forward of ``model`` as nn.DataParallel runs it on ``n`` devices —
+    chunks as ``torch.chunk`` cuts them, replicas from torch's own ``replicate`` (see the module
+    docstring), one thread per replica — then the module's state (:func:`_state`). The
+    forward's outputs are dropped: the backward leaves the buffers as they are."""
+    chunks = list(torch.chunk(X, n))
+    replicas = _torch_replicate(model, len(chunks))
+    with torch.no_grad():
+        reference.parallel_apply(replicas, chunks)
+    return _state(model)
+
+
+class _Swapped(torch.nn.Module):
+    """The counter's two buffers with their roles swapped: ``peak`` written in place, ``seen``
+    given a new tensor each forward. A rule tied to the buffers' names fails here."""
+
+    def __init__(self, seen: int, calls: int, peak: float, features: int = 12,
+                 classes: int = 10):
+        super().__init__()
+        self.linear = torch.nn.Linear(features, classes)
+        self.register_buffer("seen", torch.tensor(seen), persistent=False)
+        self.register_buffer("peak", torch.tensor(peak))
+        self.calls = calls
+
+    def forward(self, x):
+        if self.training:
+            self.seen = self.seen + x.shape[0]
+            self.peak.copy_(torch.maximum(self.peak, x.detach().abs().max()))
+            self.calls += 1
+        return self.linear(x.flatten(1))
+
+
+def _case(cls):
+    from .lab02 import SampleCounter
+
+    batch, n, seen, calls, peak = STATE_CASE
+    torch.manual_seed(3)
+    if cls is SampleCounter:
+        model = SampleCounter(seen=seen, calls=calls, peak=peak)
+    else:
+        model = cls(seen=seen, calls=calls, peak=peak)
+    X = torch.randn(batch, 3, 2, 2)
+    X[7] *= 3.0  # the batch's largest |x| lies in chunk 2, not in chunk 0
+    y = torch.randint(0, 10, (batch,))
+    return model, X, y
+
+
+def _show(v) -> str:
+    if isinstance(v, torch.Tensor):
+        v = v.item() if v.numel() == 1 else v.tolist()
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=1e-6)
+    return a == b
+
+
+@recorded
+def check_dp_state(dp_forward_backward) -> None:
+    """After ``dp_forward_backward(model, X, y, 4)`` on a :class:`~dpcourse.checks.lab02.
+    SampleCounter` (10 samples, ``seen`` 7, ``calls`` 5, ``peak`` 0.5), every buffer and the
+    ``calls`` attribute must hold what nn.DataParallel leaves (:func:`state_after_dp`: torch's
+    own replicate): ``seen`` 10 (replica 0 adds its 3 into the module's own tensor), ``peak``
+    0.5 (replica 0 binds a new tensor in a ``_buffers`` dict of its own), ``calls`` 5. Then the
+    same on a module with the two buffers' roles swapped, so that a rule tied to the names
+    fails. The first meeting says what differs, with the numbers; the mechanism and the fix
+    come with the second."""
+    __tracebackhide__ = True
+    from .lab02 import SampleCounter
+
+    batch, n, *_ = STATE_CASE
+    shown = None
+    for cls in (SampleCounter, _Swapped):
+        model, X, y = _case(cls)
+        want = state_after_dp(copy.deepcopy(model), X.clone(), n)
+        before = _state(model)
+        chunk0 = copy.deepcopy(model)
+        chunk0(X[:-(-batch // n)])
+        r0 = _state(chunk0)
+        whole = copy.deepcopy(model)
+        whole(X)
+        learner = copy.deepcopy(model)
+        try:
+            dp_forward_backward(learner, X.clone(), y.clone(), n)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported as one sentence
+            fail(f"dp_forward_backward raised {type(exc).__name__} on lab02.{cls.__name__} "
+                 f"({batch} samples on {n} devices): {exc}")
+        got = _state(learner)
+        wrong = [k for k in want if not _same(got[k], want[k])]
+        shown = shown or want
+        if not wrong:
+            continue
+        _diagnose(cls is SampleCounter, wrong, got, want, before, r0, _state(whole), batch, n)
+    passed(f"your step leaves lab02.SampleCounter as nn.DataParallel does (torch's own "
+           f"replicate on {n} devices: seen {_show(shown['seen'])}, peak {_show(shown['peak'])}, "
+           f"calls {shown['calls']}), also with its buffers' roles swapped")
+
+
+def _whose(value, before, r0, whole, key) -> str:
+    if _same(value, r0[key]) and not _same(value, before[key]):
+        return "chunk 0's copy's value"
+    if _same(value, before[key]):
+        return "what the model held before the step"
+    if _same(value, whole[key]):
+        return "the value of one forward over the whole batch"
+    return "none of the replicas' values"
+
+
+def _diagnose(counter: bool, wrong, got, want, before, r0, whole, batch, n) -> None:
+    __tracebackhide__ = True
+    shown = "; ".join(
+        f"{k} holds {_show(got[k])}, {_whose(got[k], before, r0, whole, k)}, where "
+        f"nn.DataParallel(model) leaves {_show(want[k])} "
+        f"({_whose(want[k], before, r0, whole, k)})" for k in wrong)
+    module = "lab02.SampleCounter" if counter else (
+        "a counter whose forward writes `peak` in place and binds a new tensor to `seen` (the "
+        "roles of lab02.SampleCounter's two buffers swapped)")
+    message = f"After your step on {batch} samples over {n} devices, on {module}: {shown}."
+    if not counter:  # (reached only when the same rule passed lab02.SampleCounter)
+        fail(message, fix=(
+            "your rule passes lab02.SampleCounter but not this module, whose buffers have the "
+            "same names and dtypes: it decides by something other than what the forward did. "
+            "Under nn.DataParallel a buffer comes back when replica 0 wrote into the tensor it "
+            "was handed, and not when it bound a new tensor to the name: decide by that."))
+    rebound, in_place = "peak", "seen"
+    if "calls" in wrong and _same(got["calls"], r0["calls"]):
+        fail(message, fix=(
+            "calls is a plain attribute, not a tensor: each replica's `self.calls += 1` binds a "
+            "new int in that replica's own __dict__ (Module._replicate_for_data_parallel copies "
+            "the dict), so under nn.DataParallel no replica's count reaches the module. Leave "
+            "the model's plain attributes as they were."))
+    if rebound in wrong and _same(got[rebound], r0[rebound]):
+        dropped = (f" and {in_place} is not back at all: it is registered with "
+                   f"persistent=False, which state_dict() leaves out"
+                   if in_place in wrong and _same(got[in_place], before[in_place]) else "")
+        fail(message, fix=(
+            f"the forward binds a new tensor to {rebound} instead of writing into the one it "
+            f"has. torch's replicate hands replica 0 the module's own tensors but a _buffers "
+            f"dict of its own (Module._replicate_for_data_parallel), so the new tensor lands "
+            f"in replica 0's dict and is dropped with it, while a write into a tensor it was "
+            f"handed ({in_place}'s) lands in the module{dropped}. Bring back what copy 0 wrote "
+            f"into the buffers it started with, not the tensors its buffers hold at the end "
+            f"(or give copy 0 the model's own buffer tensors, as replica 0 has them)."))
+    if in_place in wrong and _same(got[in_place], before[in_place]):
+        fail(message, fix=(
+            f"replica 0 writes into the module's own {in_place} tensor, so nn.DataParallel "
+            f"keeps its update; a buffer registered with persistent=False is a buffer all the "
+            f"same (model.named_buffers() lists it; state_dict() does not). Bring back what "
+            f"copy 0 wrote into each buffer it started with."))
+    fail(message, fix=(
+        "under nn.DataParallel the module keeps exactly what replica 0 wrote into the tensors "
+        "it was handed (the module's own); the other replicas' writes, and any tensor or value "
+        "a replica binds to a name, are dropped with the replicas. Bring back that, from copy 0 "
+        "alone."))
+
+
+# --- §3's second prediction: what p.grad holds after a step on a model that held G ---------
+
+HELD_CHOICES = ("g", "G + g", "G + g/4", "4G + g")
+
+
+def held_grad_after_dp(n: int = 4, batch: int = 12, seed: int = 0) -> str:
+    """A model whose every ``p.grad`` holds G (random); g, the plain model's gradient on one
+    batch alone. After the forward and backward of the lesson's ``dp.data_parallel`` on ``n``
+    CPU devices (torch's broadcast/reduce-add pair, replica 0 sharing the module's storage),
+    which of :data:`HELD_CHOICES` does ``p.grad`` hold (every parameter, to 1e-5)?"""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 10))
+    X, y = torch.randn(batch, 12), torch.randint(0, 10, (batch,))
+    plain = copy.deepcopy(model)
+    F.cross_entropy(plain(X), y).backward()
+    g = [p.grad.clone() for p in plain.parameters()]
+    G = [torch.randn_like(p) for p in model.parameters()]
+    for p, held in zip(model.parameters(), G):
+        p.grad = held.clone()
+    F.cross_entropy(reference.data_parallel(model, X, reference.devices_for(n, kind="cpu")),
+                    y).backward()
+    candidates = {"g": g, "G + g": [a + b for a, b in zip(G, g)],
+                  "G + g/4": [a + b / n for a, b in zip(G, g)],
+                  "4G + g": [n * a + b for a, b in zip(G, g)]}
+    for label, want in candidates.items():
+        if all(torch.allclose(p.grad, w, atol=1e-5) for p, w in zip(model.parameters(), want)):
+            return label
+    raise RuntimeError("p.grad after the DataParallel step is none of the choices")
+
+
+def check_held_prediction(guess) -> None:
+    """Compare the learner's choice with :func:`held_grad_after_dp`; say why, without saying
+    how plain copies get there. Never raises for a wrong prediction."""
+    __tracebackhide__ = True
+    from . import reveal
+
+    measured = held_grad_after_dp()
+    reveal(guess, measured, close=guess.value == measured, explanation=(
+        "The step's backward is a backward like any other. The module's parameters are the "
+        "leaves it reaches (a replica's weights are not leaves: they are the broadcast's "
+        "outputs), and at a leaf autograd adds what arrives into what .grad already held "
+        "(AccumulateGrad), which is what lets a loop accumulate gradients over several batches "
+        "before one optimizer step. So what the model held stays, once, and this batch's "
+        "gradient joins it, once."))
