@@ -27,8 +27,9 @@
 # with `no_sync`, **mixed precision**, **SyncBatchNorm**, **debugging** — and the myths that the
 # usual tutorials repeat, each tested by a cell.
 #
-# Every claim below is printed with ✔ by a check that ran. The scripts live in
-# `lib/dpcourse/scripts/`; the helpers in `dpcourse.ddp_practice`.
+# Every claim below is printed with ✔ by a check that ran, unless marked *not run here* (or
+# *not replayed here*). The scripts live in `lib/dpcourse/scripts/`; the helpers in
+# `dpcourse.ddp_practice`.
 
 # %% tags=["parameters"]
 data_name = "shapes10"   # or "cifar10" if you have it
@@ -696,8 +697,20 @@ claim("after training each rank's running statistics are its own; the wrapper's 
 # (evaluating, saving), rank 1 hangs until the group's timeout (30 minutes with gloo, 10 with
 # NCCL); if rank 0 exits, gloo fails at once ("Connection reset by peer", as in section 3).
 # `DistributedSampler` avoids this by padding (or dropping, `drop_last=True`); data you shard
-# yourself (files per rank, filtered records, packed sequences) often does not.
-#
+# yourself (files per rank, filtered records, packed sequences) often does not. The two
+# timeouts are torch's defaults, read here from the installed torch:
+
+# %%
+from datetime import timedelta
+
+from torch.distributed import constants
+
+nccl_timeout = constants.default_pg_nccl_timeout     # None in a torch built without NCCL
+claim("a process group's default timeout: 30 minutes with gloo, " + ("10 with NCCL" if nccl_timeout
+      else "and this torch has no NCCL"), constants.default_pg_timeout == timedelta(minutes=30)
+      and nccl_timeout in (None, timedelta(minutes=10)), nccl=nccl_timeout)
+
+# %% [markdown]
 # torch's fix is the `Join` context manager (`torch.distributed.algorithms.join`), and DDP is
 # *joinable*: inside `with Join([model]):`, a rank that has run out of batches does not leave;
 # it keeps answering the others' all-reduces with zero gradients until every rank is done, and
@@ -799,7 +812,8 @@ claim("but not with the same momentum buffers: Join synchronises the module, not
 # global batch is multiplied by k, multiply the learning rate by k — with a few epochs of
 # warm-up, because a large rate at the start diverges. It is an empirical rule for SGD with
 # momentum, and it breaks down past some batch size (the critical batch size, lesson 11). With Adam,
-# square-root scaling is the more common starting point.
+# square-root scaling is the more common starting point (a rule of thumb, not run here: Malladi
+# et al., 2022, derive it for adaptive optimisers).
 #
 # **What if the gradients are summed instead of averaged** (an all-reduce without the division
 # by N, as a hand-written loop may do, or a comm hook — the function DDP calls with each bucket
@@ -890,9 +904,11 @@ claim("Adam: summing is (almost) averaging at the same lr (to 1e-4), and lr × N
 # To reach a big global batch with little memory, run `accum` micro-batches per optimizer step.
 # Under DDP every `backward()` all-reduces — unless its *forward* ran inside `model.no_sync()`
 # (`_post_forward` decides), where the gradients add up locally and the last one all-reduces.
-# We count the all_reduce calls with a comm hook (`dp.counting_allreduce_hook`: like DDP's default, it divides
-# each bucket by the world size and all-reduces it, and it counts the calls and bytes), and
-# compare the gradients with one process on the whole global batch.
+# We count the all_reduce calls with a comm hook, `dp.counting_allreduce_hook`: torch's
+# `allreduce_hook` plus a counter. It divides each bucket by the world size, then all-reduces
+# it: DDP's average without a hook, reached another way (there the reducer divides each
+# gradient as it copies it into the bucket, lesson 07 §3). Then we compare the gradients with
+# one process on the whole global batch.
 
 # %%
 viz.show_code(dp.CommCounter, dp.counting_allreduce_hook)
@@ -1630,7 +1646,15 @@ viz.quiz([
 # - `torch/distributed/algorithms/join.py` — `Join`, `Join.notify_join_context` (the
 #   notification all-reduce each iteration), `throw_on_early_termination`.
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `fp16_compress_hook`,
-#   `bf16_compress_hook`: the bucket is cast to 16 bits for the all-reduce.
+#   `bf16_compress_hook`: the bucket is cast to 16 bits for the all-reduce; `allreduce_hook`
+#   (`_allreduce_fut`: `tensor.div_(group_to_use.size())`, then `dist.all_reduce`), what
+#   `dp.counting_allreduce_hook` does. Without a hook the reducer divides by `div_factor_`
+#   (`torch/include/torch/csrc/distributed/c10d/reducer.hpp`) as it copies each gradient into
+#   its bucket (`Reducer::mark_variable_ready_dense`, in the reducer's C++ source
+#   `reducer.cpp`, which is not installed: lesson 07's Sources).
+# - `torch/distributed/constants.py` — `default_pg_timeout` (30 minutes) and
+#   `default_pg_nccl_timeout` (from the C++ core's `_DEFAULT_PG_NCCL_TIMEOUT`, 10 minutes; the
+#   claim in section 5 reads both).
 # - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward`: in training, inside an
 #   initialised process group, it first raises on a CPU tensor ("expected input tensor to be on
 #   GPU"), and only then sets `need_sync = world_size > 1`, falling back to `F.batch_norm` for
@@ -1649,5 +1673,7 @@ viz.quiz([
 #   GPU/Partition"; `torch/lib/libtorch_cuda.so` — "Guessing device ID based on global rank".
 #
 # Outside the installed packages: P. Goyal et al., *Accurate, Large Minibatch SGD: Training
-# ImageNet in 1 Hour* (2017), the linear scaling rule and warm-up; PyTorch's documentation of
+# ImageNet in 1 Hour* (2017), the linear scaling rule and warm-up; S. Malladi et al., *On the
+# SDEs and Scaling Rules for Adaptive Gradient Algorithms* (NeurIPS 2022), square-root scaling
+# for Adam; PyTorch's documentation of
 # torchrun and of `Join` (pytorch.org/docs).

@@ -140,11 +140,12 @@ class CommCounter:
 
 
 def counting_allreduce_hook(state: CommCounter, bucket):
-    """A DDP comm hook equal to DDP's default (average the bucket with one all_reduce), counting.
+    """torch's ``allreduce_hook`` with a counter: divide the bucket by N, all_reduce it, count.
 
-    Register with ``ddp_model.register_comm_hook(counter, counting_allreduce_hook)``. DDP calls
-    the hook once per gradient bucket whenever it synchronises, i.e. on every backward outside
-    ``no_sync()``; it returns a future holding the averaged bucket.
+    DDP's average without a hook, whose reducer divides each gradient by N as it copies it into
+    the bucket. Register with ``ddp_model.register_comm_hook(counter, counting_allreduce_hook)``;
+    DDP calls the hook once per bucket on every backward outside ``no_sync()``; it returns a
+    future holding the averaged bucket.
 
     Shown in lesson 04, §7.
     """
