@@ -278,3 +278,26 @@ def test_spans_writes_runs_of_n():
     assert ring.spans([]) == ""
     assert ring.spans([4]) == "4"
     assert ring.spans([2, 3, 5, 6, 7, 9, 16, 8]) == "2–3, 5–9, 16"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_rabenseifner_simulation_sums_and_sends_what_cost_says(n):
+    """Every worker ends with the sum, at every N (powers of two and the others, whose extra
+    workers fold in first), the inputs stay untouched, and the most any worker sends is one
+    direction of the busiest link: 2(p-1)K/p, plus K where N is not a power of two p (the
+    extra worker's whole array in, then the result back) -- cost()'s critical path less that K."""
+    rng = np.random.default_rng(n)
+    k = 48  # divisible by every power of two up to 8: the halves are exact
+    arrays = [rng.standard_normal(k) for _ in range(n)]
+    before = [a.copy() for a in arrays]
+    results, sent = ring.simulate_rabenseifner(arrays)
+    want = np.sum(before, axis=0)
+    assert len(results) == n and all(np.allclose(r, want) for r in results)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
+    nbytes = k * arrays[0].itemsize
+    p = 1 << (n.bit_length() - 1)
+    extra = 0 if p == n else nbytes
+    assert max(sent) == 2 * (p - 1) * nbytes / p + extra
+    assert max(sent) == ring.cost("rabenseifner", n, nbytes, 0, 1).critical_path_bytes - extra
+    with pytest.raises(ValueError, match="same length"):
+        ring.simulate_rabenseifner([np.zeros(3), np.zeros(4)])
