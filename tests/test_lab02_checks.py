@@ -113,12 +113,12 @@ def test_wrong_gather(wrong, phrase):
 
 
 @pytest.mark.parametrize("step, phrase", [
-    (make_step("mean"), "averaged the replicas' gradients"),
+    (make_step("mean"), "4 times too small: what your step added to p.grad is 1/4"),
     (make_step("first"), "replica 0's alone"),
     (make_step("none"), "no gradients"),
-    (make_step(loss_per_chunk=True), "counts the batch 4 times"),
+    (make_step(loss_per_chunk=True), "about 4 times too big"),
     (make_step(per_device=True), "copies and the chunks were not paired one to one"),
-    (make_step(held="replace"), "arrived holding gradients and dp_forward_backward replaced them"),
+    (make_step(held="replace"), "holds this batch.s gradient alone: what it held is gone"),
     (make_step(held="in-place"), "p.grad is None, not zeros"),
 ])
 def test_wrong_dp_step(step, phrase):
@@ -228,13 +228,15 @@ def test_mean_of_chunk_means_on_the_learners_own_chunks_is_named_with_a_fix_it_s
     with pytest.raises(LabCheckError) as first:
         lab02.check_dp_forward_backward(mean_of_balanced_chunk_means)
     message = str(first.value)
-    assert "mean of the chunks' mean losses" in message, message
+    assert "weigh the samples of your uneven chunks" in message, message
+    assert "mean of the chunks' mean losses" not in message, message
     assert "[4, 3, 3] samples of 10" in message and "none of the ways" not in message, message
     assert "Run the check again" in message, message
     with pytest.raises(LabCheckError) as second:
         lab02.check_dp_forward_backward(mean_of_balanced_chunk_means)
+    assert "mean of the chunks' mean losses" in str(second.value), str(second.value)
     assert "one mean loss on the gathered outputs" in str(second.value), str(second.value)
-    assert "order" not in str(second.value).split("chunks are uneven")[0]
+    assert "order" not in str(second.value).split("uneven chunks")[0]
 
 
 def doubled_last_copy(model, X, y, n):
@@ -351,7 +353,7 @@ def test_right_dp_steps_pass(step, capsys):
     (no_scatter, "ran a forward on the whole batch of 16"),
     (one_model_for_all_chunks, "through 1 model object"),
     (four_devices_always, "4 forward pass(es) for 3 devices"),
-    (mean_of_chunk_losses, "chunks are uneven ([4, 4, 2] samples of 10)"),
+    (mean_of_chunk_losses, "uneven chunks ([4, 4, 2] samples of 10)"),
 ])
 def test_dp_steps_that_skip_the_idea_or_fit_one_setup_fail(step, phrase):
     with pytest.raises(LabCheckError) as err:
@@ -731,6 +733,10 @@ def step_subtracting_what_copies_never_held(model, X, y, n):
 def test_step_that_thinks_copies_carry_gradients_is_named():
     with pytest.raises(LabCheckError) as err:
         lab02.check_dp_forward_backward(step_subtracting_what_copies_never_held)
+    assert "gradient minus 2 times what it held" in str(err.value), str(err.value)
+    assert "a deep copy of a parameter leaves its .grad behind" not in str(err.value)
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_forward_backward(step_subtracting_what_copies_never_held)
     assert "a deep copy of a parameter leaves its .grad behind" in str(err.value), str(err.value)
 
 
@@ -966,7 +972,7 @@ def test_cause_first_the_fix_on_the_second_meeting():
     assert "times too small" in str(first.value) and "sum the" not in str(first.value)
     with pytest.raises(LabCheckError) as second:
         lab02.check_dp_forward_backward(averaged)
-    assert "sum the replicas' gradients" in str(second.value), str(second.value)
+    assert "Sum the replicas' gradients" in str(second.value), str(second.value)
 
 
 # --- cause first, the fix on the second meeting (the sentences converted this round) ----------

@@ -611,11 +611,15 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
     if _close(got, plus_held(ref)):
         pass
     elif held and _close(got, ref):
-        fail("the model arrived holding gradients and dp_forward_backward replaced them, but "
-             "nn.DataParallel's backward is a backward like any other: the replicas' gradients "
-             "flow back through the broadcast into the module's parameters, and autograd adds "
-             "them to what p.grad held (so that the caller decides when to clear it, as "
-             "gradient accumulation needs).", fix="add to what p.grad held.")
+        gone = max(b.abs().max().item() for b in before if b is not None)
+        fail(f"the model arrived holding gradients (an earlier backward's, up to {gone:.4f}) "
+             f"and after your step p.grad holds this batch's gradient alone: what it held is "
+             f"gone, where nn.DataParallel(model) leaves what it held plus this batch's "
+             f"gradient.",
+             fix="nn.DataParallel's backward is a backward like any other: the replicas' "
+                 "gradients flow back through the broadcast into the module's parameters, and "
+                 "autograd adds them to what p.grad held (so that the caller decides when to "
+                 "clear it, as gradient accumulation needs). Add to what p.grad held.")
     else:
         _diagnose_dp_gradients(got, ref, before if held else None, model, X, y, n, batch, sizes,
                                seen)
@@ -653,14 +657,21 @@ def _diagnose_dp_gradients(got, ref, before, model, X, y, n, batch, sizes, seen)
 
     if before is not None and _close(got, [r - (len(sizes) - 1) * b
                                            for r, b in zip(ref, before)]):
-        fail(f"the model lost {len(sizes) - 1} times what it held: you took the held gradient "
-             f"out of the copies' sum as if every copy had carried it, but a deep copy of a "
-             f"parameter leaves its .grad behind (Parameter.__deepcopy__), so each copy's "
-             f"p.grad holds its share alone.", fix="add the copies' sum to what model held.")
+        fail(f"the model arrived holding gradients, and after your step on {len(sizes)} "
+             f"copies p.grad is this batch's gradient minus {len(sizes) - 1} times what it "
+             f"held, where nn.DataParallel(model) leaves this batch's gradient plus what it "
+             f"held, once.",
+             fix="you took the held gradient out of the copies' sum as if every copy had "
+                 "carried it, but a deep copy of a parameter leaves its .grad behind "
+                 "(Parameter.__deepcopy__), so each copy's p.grad holds its share alone. Add "
+                 "the copies' sum to what model held.")
     if _close(got, held([r / n for r in ref])):
-        fail(f"the gradients are {n} times too small: you averaged the replicas' gradients, "
-             f"but with one mean loss over the gathered batch each replica's gradient is "
-             f"already its share of the whole.", fix="sum the replicas' gradients.")
+        fail(f"the gradients are {n} times too small: what your step added to p.grad is "
+             f"1/{n} of the plain model's gradient on the whole batch of {batch}, where "
+             f"nn.DataParallel(model) adds all of it.",
+             fix=f"you averaged the replicas' gradients, but with one mean loss over the "
+                 f"gathered batch each replica's gradient is already its share of the whole. "
+                 f"Sum the replicas' gradients.")
 
     # The learner's chunks, in every order their sizes could have come in (at most 4! orders).
     orders = [list(o) for o in dict.fromkeys(itertools.permutations(
@@ -678,19 +689,23 @@ def _diagnose_dp_gradients(got, ref, before, model, X, y, n, batch, sizes, seen)
 
     for order in orders:
         if _close(got, held(per_chunk(sum, order))):
-            fail(f"the gradients are about {len(order)} times too big: a mean loss per chunk "
-                 f"(chunks of {order}), summed over the replicas, counts the batch "
-                 f"{len(order)} times.", fix="compute one loss on the gathered outputs.")
+            fail(f"the gradients are about {len(order)} times too big: what your step added "
+                 f"to p.grad, on chunks of {order}, is about {len(order)} times the plain "
+                 f"model's gradient on the whole batch of {batch}, where nn.DataParallel(model) "
+                 f"adds it once.",
+                 fix=f"a mean loss per chunk, summed over the replicas, counts the batch "
+                     f"{len(order)} times. Compute one loss on the gathered outputs.")
     for order in orders:
         if len(set(order)) > 1 and _close(got, held(per_chunk(lambda ls: sum(ls) / len(ls),
                                                               order))):
-            fail(f"your gradients are those of the mean of the chunks' mean losses, and your "
-                 f"chunks are uneven ({order} samples of {batch}): averaging the {len(order)} "
-                 f"means gives each chunk the same weight, so a sample of the "
-                 f"{min(order)}-sample chunk weighs {max(order) / min(order):g} times as much "
-                 f"as one of a {max(order)}-sample chunk, where the whole batch's mean loss "
-                 f"weighs every sample alike.",
-                 fix="compute one mean loss on the gathered outputs.")
+            fail(f"your gradients weigh the samples of your uneven chunks ({order} samples of "
+                 f"{batch}) unequally: a sample of the {min(order)}-sample chunk weighs "
+                 f"{max(order) / min(order):g} times as much as one of a {max(order)}-sample "
+                 f"chunk, where the whole batch's mean loss (what nn.DataParallel(model) "
+                 f"differentiates) weighs every sample alike.",
+                 fix=f"these are the gradients of the mean of the chunks' mean losses: "
+                     f"averaging the {len(order)} means gives each chunk the same weight. "
+                     f"Compute one mean loss on the gathered outputs.")
     # Only replica 0's share: the gradient of chunk 0's part of the global mean loss.
     for order in dict.fromkeys(o[0] for o in orders):
         only0 = copy.deepcopy(model)
