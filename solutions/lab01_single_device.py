@@ -24,7 +24,7 @@
 #   sample and the fraction of samples whose predicted class (the argmax of the logits) is the
 #   label. With no sample to measure it raises `ValueError`. However it ends, the caller finds
 #   the weights and autograd as they were, and the model in the mode that **this lab's design
-#   decision, in §2**, says.
+#   decision, in §2**, says. (The optional stretch holds a design decision of its own.)
 #
 # Both must hold for any model, loader and optimizer, not only the lesson's: each check runs
 # your function on small models and loaders of its own, compares with the library's reference
@@ -89,10 +89,18 @@ device = torch.device(device or devices.choose_profile().device)
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Lesson 01's moves, in an order you choose, counting samples for the return value, and one
-# test that raises: on the number that shows every spoiling, with a test that is true for
-# every value that is not an ordinary number, placed after the one move that computes that
-# number and before every move that changes `p.grad`.
+# ```
+# <the mode a training function needs>
+# <totals for a mean per sample>
+# for each batch:
+#     <to the device>
+#     <forward, then the number that shows every spoiling>
+#     if <that number is not an ordinary number>:
+#         raise FloatingPointError(<what was seen>)
+#     <the moves that change p.grad and the weights, in their order>
+#     <this batch's share of the totals>
+# return <the mean per sample>
+# ```
 
 # %%
 def train_one_epoch(model, loader, loss_fn, optimizer, device):
@@ -123,10 +131,10 @@ lab01.check_train_one_epoch(train_one_epoch)
 # moved the weights by, is the step on the 2-sample batch `"smaller"`, `"about the same"`
 # (within 50%), or `"larger"`? The check's 50 samples are random images with **random
 # labels**: no pattern is shared between samples, so reason about gradients that have nothing
-# in common. Write your choice; the next cell runs your `train_one_epoch` with **plain SGD at
-# learning rate 0.1** (no momentum: each step is exactly lr × the batch's gradient; not the
-# Adam of §1's check, whose steps are normalised), measures how far each step moved the
-# weights, and says why.
+# in common. Write your choice and run its cell; the cell after it runs your
+# `train_one_epoch` with **plain SGD at learning rate 0.1** (no momentum: each step is exactly
+# lr × the batch's gradient; not the Adam of §1's check, whose steps are normalised), measures
+# how far each step moved the weights, and says why.
 
 # %% [markdown]
 # **▶ Hint — a question** (click the folded cell below)
@@ -137,10 +145,12 @@ lab01.check_train_one_epoch(train_one_epoch)
 # mean of 16 samples' gradients that does not happen to a mean of 2?
 
 # %%
-### BEGIN SOLUTION: your prediction (one of lab01.STEP_CHOICES)
+### BEGIN SOLUTION: your prediction: "smaller", "about the same" or "larger"
 my_step_guess = "larger"
 ### END SOLUTION
 step_guess = predict("lab01", lab01.STEP_QUESTION, my_step_guess, choices=lab01.STEP_CHOICES)
+
+# %%
 lab01.check_step_prediction(step_guess, train_one_epoch)
 
 
@@ -185,10 +195,19 @@ lab01.check_step_prediction(step_guess, train_one_epoch)
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Three parts: what happens before the loop (what "as found" needs to have read, and the
-# mode set), the loop inside a block that stops autograd recording (per-sample totals, as in
-# §1), and what happens after it — a restore that an exception cannot skip, and the empty
-# case checked before any division.
+# ```
+# <what your decision needs to have read, before anything changes>
+# <the test-time mode>
+# try:
+#     with <a block that stops autograd recording>:
+#         for each batch:
+#             <forward; the batch's summed loss and its hits into the totals; its samples counted>
+# finally:
+#     <what must run however the loop ends>
+# if <no sample was seen>:
+#     raise ValueError(<what was wrong>)
+# return <mean loss per sample>, <accuracy>
+# ```
 
 # %%
 ### BEGIN SOLUTION: your design decision: "eval" or "as found"
@@ -246,7 +265,7 @@ lab01.check_evaluate(evaluate, leaves=evaluate_leaves_model_in)
 # model.
 
 # %%
-### BEGIN SOLUTION: your prediction (one of the three choices)
+### BEGIN SOLUTION: your prediction: "train_one_epoch's", "evaluate's" or "about the same"
 my_guess = "train_one_epoch's"
 ### END SOLUTION
 guess = predict("lab01", lab01.PREDICTION_QUESTION, my_guess, choices=lab01.PREDICTION_CHOICES)
@@ -276,7 +295,7 @@ claim("your loop trains: the loss fell", losses[-1] < losses[0], losses=losses)
 claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 
 # %% [markdown]
-# ## Stretch (optional): gradient accumulation
+# ## Stretch (optional): gradient accumulation, and its own design decision
 #
 # A workshop can stop here. For self-study: what if the batch you want does not fit in memory?
 # Run it as **groups of k micro-batches** — one forward and one backward per micro-batch, never
@@ -284,18 +303,23 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # `train_accumulated(model, loader, loss_fn, optimizer, k, device) -> float` with this contract:
 #
 # * `loss_fn` averages over its batch (`reduction="mean"`, as `nn.CrossEntropyLoss()` does);
-# * each group of k consecutive micro-batches of `loader` gets exactly the step that plain
-#   training takes on **the group's samples**: one batch holding them all, its mean loss,
-#   backward, step;
+# * the micro-batches of `loader` are taken in order, k consecutive ones to a step, and **each
+#   step is exactly the step plain training takes on the samples it used**: one batch holding
+#   them all, its mean loss, backward, step;
+# * **every sample of the epoch contributes to exactly one step**;
 # * it returns the **mean loss per sample** over the epoch, a float, as `train_one_epoch` does;
 # * the result does not depend on whatever `p.grad` held before the call.
 #
-# The check trains a small model both ways, on loaders of its own that hold a whole number of
-# groups of k micro-batches, and compares the weights and the returned loss. Its model has no
-# dropout (whose masks would differ between the two ways). Across time instead of devices, this
-# is the sum that DDP computes across ranks in lesson 03 only when every rank's batch has the same
-# size: DDP divides the summed gradient by the number of ranks, not by the number of samples, and
-# the check's micro-batches of a group need not be the same size.
+# **Your design decision:** a loader need not hold a whole number of groups — 11 micro-batches
+# with k = 3 leave 2 over at the end. What those leftover micro-batches get is yours to decide,
+# within the contract above; the check's pass line says which choice it saw.
+#
+# The check trains a small model both ways, on loaders of its own (some hold a whole number of
+# groups, some end with a leftover), and compares the weights, the steps and the returned loss.
+# Its model has no dropout (whose masks would differ between the two ways). Across time instead
+# of devices, this is the sum that DDP computes across ranks in lesson 03 only when every rank's
+# batch has the same size: DDP divides the summed gradient by the number of ranks, not by the
+# number of samples, and the check's micro-batches of a group need not be the same size.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -304,6 +328,8 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # `backward()` adds into `p.grad`. After the backwards of a group's micro-batches, what does
 # `p.grad` hold, compared with the gradient of one mean over all the group's samples? Write the
 # group's mean loss as a sum over its micro-batches: what does each micro-batch's mean stand for?
+# And when the loop over the loader ends, which samples has no step used yet, and where is their
+# gradient?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
@@ -314,15 +340,25 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # complete (either before the backwards, or by rescaling the summed gradient before the step).
 # Step and clear only at the end of a group, and clear once before the first group too. The
 # loss you report is the model's loss on the samples, not the scaled number you backpropagated.
+# A leftover is a group that never reaches k: whatever step its samples end up in, that step's
+# mean is over the samples it used, and no gradient may wait in `p.grad` unused.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# §1's loop with the step moved: backward on every micro-batch, but the step and the clearing
-# only where a group closes. The one new question is the scale: what must each micro-batch's
-# backward be weighted by (or the summed gradient divided by) when the group's micro-batches
-# are not all the same size?
+# ```
+# <the mode a training function needs>; <p.grad cleared once>
+# for each micro-batch, knowing its place in its group:
+#     <forward, its mean loss>
+#     <backward on that loss, weighted by ...>        # or unweighted, and rescaled before the step
+#     <its unweighted share of the epoch's totals>
+#     if <it closes a group>:
+#         <p.grad made the gradient of the group's mean loss, if the weighting did not>
+#         <step; clear>
+# <the micro-batches left over: your decision, within the contract>
+# return <the mean per sample>
+# ```
 
 # %%
 def train_accumulated(model, loader, loss_fn, optimizer, k, device):
@@ -330,6 +366,14 @@ def train_accumulated(model, loader, loss_fn, optimizer, k, device):
     model.train()
     optimizer.zero_grad()
     total_loss, total, in_group = 0.0, 0, 0
+
+    def step():  # p.grad holds the group's summed per-sample gradient: make it the mean's
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= in_group
+        optimizer.step()
+        optimizer.zero_grad()
+
     for i, (X, y) in enumerate(loader):
         X, y = X.to(device), y.to(device)
         loss = loss_fn(model(X), y)
@@ -338,12 +382,10 @@ def train_accumulated(model, loader, loss_fn, optimizer, k, device):
         total_loss += loss.item() * len(y)
         total += len(y)
         if (i + 1) % k == 0:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad /= in_group
-            optimizer.step()
-            optimizer.zero_grad()
+            step()
             in_group = 0
+    if in_group:  # the leftover micro-batches: a step of their own, over their own samples
+        step()
     return total_loss / total
     ### END SOLUTION
 
