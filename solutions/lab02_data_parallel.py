@@ -3,8 +3,8 @@
 #
 # Lesson 02 took `nn.DataParallel` apart, with replicas that autograd ties back to the module.
 # Now you write its step yourself, on simulated devices, with **plain copies** of the model
-# (`copy.deepcopy`): nothing links their gradients to the original, so what the backward of a
-# broadcast did for the lesson is yours to do. The pieces and their contracts:
+# (`copy.deepcopy`): nothing links their parameters to the original's, so what the backward of
+# a broadcast did for the lesson is yours to do. The pieces and their contracts:
 #
 # 1. `scatter(X, n_devices) -> list (or tuple) of tensors`: contiguous chunks of `X` along dim
 #    0, in order (concatenated, they are `X`), each of whole samples; at most `n_devices` of
@@ -17,8 +17,8 @@
 # 3. Two predictions about gradients, each then measured: what one copy's holds, and what
 #    `model`'s holds after a DataParallel step.
 # 4. `dp_forward_backward(model, X, y, n_devices) -> float`: one DataParallel step's forward
-#    and backward. Every chunk, chunk 0 included, runs on a plain copy of `model` of its own;
-#    `model` itself runs no forward. The copies run at the same time, one thread each, through
+#    and backward. Every chunk, chunk 0 included, runs on a copy of `model` of its own, made by
+#    `copy.deepcopy` (no parameter of it shared with `model`); `model` itself runs no forward. The copies run at the same time, one thread each, through
 #    `dp.parallel_apply`, as the real class runs them; the chunks come from your `scatter` and
 #    the outputs go through your `gather`. It returns the mean cross-entropy over the whole
 #    batch, as a float. Afterwards `model` — its weights, its gradients, its buffers — is what it
@@ -202,8 +202,8 @@ lab02.check_held_prediction(held_guess)
 # The step, with the contract at the top of the lab: every chunk through a plain copy of its
 # own (chunk 0's too: `model` itself runs no forward), the copies in threads, and afterwards
 # `model` as `nn.DataParallel`'s forward and backward would leave it, whatever state it arrived
-# in. Nothing ties a plain copy to `model`: what the real class gets by sharing the module's
-# tensors with replica 0 and by the broadcast's backward, your code does after the backward.
+# in. Nothing ties a plain copy's parameters to `model`'s: what the real class gets by sharing
+# the module's tensors with replica 0 and by the broadcast's backward, your code does.
 #
 # The rule that turns the copies' gradients into `model`'s is yours to work out; your two §3
 # predictions are your evidence (and a fresh copy's `p.grad` is one print away), and the check

@@ -858,6 +858,29 @@ def by_buffer_name(model, X, y, n):
     return loss
 
 
+def copy_zero_on_models_parameters(model, X, y, n):
+    # copy 0 holds model's own parameters (and buffers): autograd puts its share, added to what
+    # model held, into model's p.grad; the code then adds the other copies' shares alone
+    chunks = good_scatter(X, n)
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    reps = [copy.deepcopy(model, memo if i == 0 else None) for i in range(len(chunks))]
+    loss = F.cross_entropy(good_gather(dp.parallel_apply(reps, chunks)), y)
+    loss.backward()
+    for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps[1:])):
+        p.grad = p.grad + sum(c.grad for c in cs)
+    return loss.item()
+
+
+def test_a_copy_holding_models_own_parameters_is_refused():
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_dp_forward_backward(copy_zero_on_models_parameters)
+    assert "holds `model`'s own parameter tensors, not copies of them" in str(first.value)
+    assert "memo" not in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_dp_forward_backward(copy_zero_on_models_parameters)
+    assert "leave model's parameters out" in str(second.value), str(second.value)
+
+
 @pytest.mark.parametrize("step", [shared_copy_zero, still_the_same_tensor])
 def test_right_state_steps_pass_both_checks(step, capsys):
     lab02.check_dp_forward_backward(step)

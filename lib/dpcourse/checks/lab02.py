@@ -290,15 +290,18 @@ def _close(a: list, b: list, rtol=1e-4, atol=1e-6) -> bool:
                and torch.allclose(x, y, rtol=rtol, atol=atol) for x, y in zip(a, b))
 
 
-def _forward_spy(model) -> tuple[list, list]:
+def _forward_spy(model) -> tuple[list, list, list]:
     """Record (module id, batch size), and the thread it ran in, at every forward of ``model``
-    and of its deep copies.
+    and of its deep copies; and the batch size of every forward by a copy that holds
+    ``model``'s own parameter tensors (a deep copy given them through its memo).
 
     A plain function (not a bound method) as the hook: ``copy.deepcopy`` copies a module's hook
     table but keeps functions as they are, so every replica reports into these lists.
     """
     calls: list = []
     threads: list = []
+    shares: list = []
+    own = {id(p) for p in model.parameters()}
 
     def hook(module, args):
         x = args[0] if args else None
@@ -306,9 +309,11 @@ def _forward_spy(model) -> tuple[list, list]:
         # The Thread object, not its ident: a thread that ended before the next one started
         # (a fast forward under load) may hand its ident on, and the two would look like one.
         threads.append(threading.current_thread())
+        if module is not model and any(id(p) in own for p in module.parameters()):
+            shares.append(x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else None)
 
     model.register_forward_pre_hook(hook)
-    return calls, threads
+    return calls, threads, shares
 
 
 @recorded
@@ -536,7 +541,7 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
     learner = copy.deepcopy(model)  # (deepcopy leaves p.grad behind: hand it over)
     for p, b in zip(learner.parameters(), before):
         p.grad = None if b is None else b.clone()
-    calls, threads = _forward_spy(learner)
+    calls, threads, shared = _forward_spy(learner)
     try:
         with library_calls(reference.replicate, reference.data_parallel, reference.scatter,
                            reference.gather) as called:
@@ -585,6 +590,13 @@ def _check_dp_once(dp_forward_backward, n: int, batch: int, held: bool) -> None:
              f"do.",
              fix="run chunk 0 on a deep copy too, then bring onto `model` what that copy's "
                  "forward and backward left.")
+    if shared:
+        fail(f"a copy that ran a chunk (of {shared[0]} sample(s)) holds `model`'s own "
+             f"parameter tensors, not copies of them: the contract gives every chunk a copy "
+             f"with no parameter shared with `model`, so that what reaches model's p.grad is "
+             f"your code's doing, not autograd's.",
+             fix="leave model's parameters out of what the copy shares with it (a memo given "
+                 "to copy.deepcopy maps an object to what the copy holds instead).")
     if len(calls) > 1 and len(set(map(id, threads))) == 1:
         where = "your function's own thread" if threads[0] is threading.current_thread() else \
             "one thread"
