@@ -17,7 +17,7 @@
 #   of a hung rank;
 # - fix each bug, and prove the fix with the same detector staying quiet.
 #
-# **Time:** about 65 minutes to read and run.
+# **Time:** about 70 minutes to read and run.
 #
 # **Lab:** [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb) — five broken scripts with bugs this
 # lesson does not show: name each bug and fix it.
@@ -219,7 +219,14 @@ claim("on gloo, with timeout=2 s, rank 0 raises 'Timed out' itself, in the call"
       group_timeout.rank == 0 and "Timed out" in group_timeout.summary)
 
 # %% [markdown]
-# **On NCCL the same hang looks different.** An NCCL collective only queues work on the GPU's
+# **On NCCL the same hang looks different, and it depends on whether the group's NCCL
+# communicator already exists.** NCCL forms it lazily, at the first collective on a GPU tensor,
+# unless `init_process_group` was given a `device_id` (lesson 00). If bug 1's all-reduce *is*
+# that first collective, rank 0 blocks inside the call while the communicator is set up (in
+# blocking mode by default, `ProcessGroupNCCL::useNonblocking()` off), waiting for a rank that
+# never comes; no work is queued yet, so the watchdog below has nothing to time out. Once the
+# communicator exists (after DDP's constructor, whose broadcast is a collective, or with
+# `device_id`), an NCCL collective only queues work on the GPU's
 # stream and returns at once: Python goes on until something needs the result (a `.item()`,
 # a copy to the CPU) and blocks there, not in the collective. A watchdog thread in each
 # process checks the queued work; when it passes the timeout, the watchdog logs "Watchdog
@@ -228,13 +235,15 @@ claim("on gloo, with timeout=2 s, rank 0 raises 'Timed out' itself, in the call"
 # first aborting the NCCL communicators; 1, TearDown, aborts them first). Only with
 # `TORCH_NCCL_BLOCKING_WAIT=1`, or with a timeout passed to `work.wait(timeout)`, does `wait()`
 # block and raise in your code, as gloo does. This machine has no GPU, so this
-# is drawn from torch's source (`ProcessGroupNCCL.hpp`), not measured:
+# is drawn from torch's source (`ProcessGroupNCCL.hpp`, `NCCLUtils.hpp`), not measured:
 
 # %%
 viz.show(viz.timeout_behaviour_figure(),
          "Where the error surfaces when a partner never joins: gloo raises inside the call; "
-         "NCCL returns at once and the watchdog aborts the process at the timeout, wherever "
-         "Python then is; with TORCH_NCCL_BLOCKING_WAIT=1 (or work.wait(timeout)), wait() raises.")
+         "NCCL with its communicator formed returns at once and the watchdog aborts the process "
+         "at the timeout, wherever Python then is; NCCL's first collective blocks inside the "
+         "call while the communicator forms; with TORCH_NCCL_BLOCKING_WAIT=1 (or "
+         "work.wait(timeout)), wait() raises.")
 
 # %% [markdown]
 # ### Bug 2: collectives in different orders
@@ -389,7 +398,7 @@ claim("the message is the installed libtorch_cpu.so's own (ProcessGroupGloo::mon
 # |---|---|---|
 # | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; each other rank waits for rank 0's answer, up to the group's timeout (run above) | gloo only: bugs 1 and 3 above |
 # | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before the group is created) | wraps each process group in a `ProcessGroupWrapper` with a gloo helper group: before **every** collective the ranks pass a monitored barrier and compare the call's fingerprint (op, shapes, dtypes); a missing rank or a mismatch becomes an error naming them. It costs time on every call | works: bugs 1 and 2 above, with its cost measured |
-# | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**: the call returned at once; the watchdog tears the process down at the timeout (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, default 3); `wait()` raises only with `TORCH_NCCL_BLOCKING_WAIT=1` or `work.wait(timeout)` | gloo: bug 1 above; NCCL: the figure above |
+# | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**, communicator formed: the call returned at once; the watchdog tears the process down at the timeout (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, default 3); `wait()` raises only with `TORCH_NCCL_BLOCKING_WAIT=1` or `work.wait(timeout)` | gloo: bug 1 above; NCCL: the figure above |
 # | the flight recorder | **on by default** (above). On NCCL dumped on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`, `TORCH_NCCL_ENABLE_MONITORING`: on by default, `ProcessGroupNCCL.cpp`) to `TORCH_FR_DUMP_TEMP_FILE` (older name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) plus the rank, by default `~/.cache/torch/comm_lib_trace_rank_<rank>` (`$XDG_CACHE_HOME/torch/…` when set; checked below), merged with `torchfrtrace` | records on gloo too (bug 2 above); the automatic dump on timeout is NCCL-only |
 # | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=ALL` for more) | NCCL prints its set-up: interfaces, rings, transports, and its errors — the first thing to read when NCCL hangs at start-up on a cluster | GPU only: nothing to show here |
 # | `py-spy dump --pid PID` | the Python stack of a running process, from outside (it pauses the process while it reads, unless `--nonblocking`; it needs ptrace permission, which containers often withhold): the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (`diagnose`, section 1) |
@@ -632,8 +641,8 @@ viz.show(viz.nan_spread_figure(local, {"broken": zoo[0]["nan"][False]["eval_loss
 
 # %% [markdown]
 # ### Bug 8: a forgotten `set_epoch`
-# `DistributedSampler` shuffles with the seed *plus the epoch*, and learns the epoch only from
-# `sampler.set_epoch(epoch)`. Forget it and every epoch deals the same order: training runs,
+# `DistributedSampler` draws a new order each epoch only when told the epoch, by
+# `sampler.set_epoch(epoch)` (lesson 03). Forget it and every epoch deals the same order: training runs,
 # a bit worse, and nothing warns.
 
 # %%
@@ -964,8 +973,8 @@ viz.quiz([
      "why": ["After the all-reduce every rank is NaN alike.",
              "Right: that names the rank and the step (and then the batch).",
              "NCCL_DEBUG shows the transport, not the values."]},
-    {"q": "On NCCL (default settings), rank 1 never joins rank 0's all_reduce. Where does "
-          "rank 0's program stop?",
+    {"q": "On NCCL (default settings), after DDP's constructor has run on both ranks, rank 1 "
+          "never joins one of rank 0's all_reduce calls. Where does rank 0's program stop?",
      "options": ["Inside dist.all_reduce, which raises at the timeout",
                  "Nowhere in particular: all_reduce returned at once; Python runs on until it "
                  "needs the result, and at the timeout the watchdog aborts the whole process",
@@ -973,7 +982,10 @@ viz.quiz([
      "answer": 1,
      "why": ["That is gloo's behaviour (and NCCL's with TORCH_NCCL_BLOCKING_WAIT=1, or a "
              "timeout given to work.wait).",
-             "Right: NCCL only queues the work; the watchdog thread tears the process down.",
+             "Right: the communicator exists (DDP's constructor broadcast formed it), so NCCL "
+             "only queues the work; the watchdog thread tears the process down. (Had this been "
+             "the group's first NCCL collective, rank 0 would block inside the call, forming "
+             "the communicator.)",
              "NCCL's default timeout is 10 minutes; the watchdog enforces it."]},
     {"q": "Which of these does TORCH_DISTRIBUTED_DEBUG=DETAIL catch?",
      "options": ["Ranks calling different collectives, or with different shapes, or a rank "
@@ -1015,6 +1027,13 @@ viz.quiz([
 #   specified by the user, we block the CPU thread"; the `HeartbeatMonitor` constructor:
 #   `TORCH_NCCL_DUMP_ON_TIMEOUT` and `TORCH_NCCL_ENABLE_MONITORING` default to true; the
 #   constructor's `desyncDebug_` is on with `TORCH_NCCL_DESYNC_DEBUG` or the DETAIL debug level.
+# - `torch/include/torch/csrc/distributed/c10d/NCCLUtils.hpp` — `NCCLComm::waitReady`, "a
+#   blocking function": a collective needs its communicator ready; `ProcessGroupNCCL.hpp` —
+#   `useNonblocking()`, the switch of nonblocking communicator creation, read from
+#   `TORCH_NCCL_USE_COMM_NONBLOCKING` (the name is in `torch/lib/libtorch_cuda.so`; that it is
+#   off by default is read from upstream `NCCLUtils.cpp`'s `nccl_use_nonblocking()`, which is
+#   not installed); `torch/distributed/distributed_c10d.py` —
+#   `init_process_group`'s `device_id` (eager communicator; otherwise "the normal lazy call").
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — `TORCH_NCCL_BLOCKING_WAIT`
 #   (whether `wait()` blocks), `ErrorHandlingMode` and `TORCH_NCCL_ASYNC_ERROR_HANDLING` (tear
 #   the process down on an error; the default, 3, is SkipCleanUp: its comment and the

@@ -19,18 +19,25 @@ __all__ = ["timeout_behaviour_figure", "collective_trace_figure", "collective_tr
 def timeout_behaviour_figure(timeout: float = 2.0):
     """What a rank does when its partner never joins a collective, per backend, as torch 2.14's
     source describes it (a diagram, not a measurement): gloo blocks in the call and raises at
-    the timeout; NCCL enqueues the collective and returns at once, Python runs on until it
-    needs the result, and the watchdog thread aborts the whole process at the timeout; with
+    the timeout; NCCL, once the group's communicator exists, enqueues the collective and returns
+    at once, Python runs on until it needs the result, and the watchdog thread aborts the whole
+    process at the timeout; when the call is the group's first NCCL collective (communicator
+    formed lazily, in blocking mode by default) the rank blocks inside the call while the
+    communicator is set up, with no work queued for the watchdog to time out; with
     ``TORCH_NCCL_BLOCKING_WAIT=1`` NCCL's ``wait()`` blocks and raises instead."""
-    fig = new_figure(8.0, 3.2)
+    fig = new_figure(8.0, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     end = timeout * 1.6
     rows = [("gloo", [(0, timeout, "#d62728", "in all_reduce (blocked)")],
              "raises 'Timed out' in the call"),
-            ("NCCL (default)", [(0, 0.06 * end, "#1f77b4", ""),
-                                (0.06 * end, timeout, "#9edae5", "Python runs on (call returned)"),
-                                (timeout * 0.7, timeout, "#ff7f0e", "")],
+            ("NCCL, communicator formed", [(0, 0.06 * end, "#1f77b4", ""),
+                                           (0.06 * end, timeout, "#9edae5",
+                                            "Python runs on (call returned)"),
+                                           (timeout * 0.7, timeout, "#ff7f0e", "")],
              "watchdog aborts the process (SIGABRT)"),
+            ("NCCL, first collective", [(0, end, "#d62728",
+                                         "in all_reduce: forming the communicator (blocked)")],
+             "no work queued yet:\nno watchdog timeout"),
             ("NCCL + BLOCKING_WAIT", [(0, timeout, "#d62728", "in wait() (blocked)")],
              "wait() raises"), ]
     for y, (name, spans, outcome) in enumerate(reversed(rows)):
@@ -38,18 +45,21 @@ def timeout_behaviour_figure(timeout: float = 2.0):
             ax.barh(y, b - a, left=a, height=0.5, color=colour, edgecolor="black", lw=0.5)
             if label:
                 ax.text((a + b) / 2, y, label, ha="center", va="center", fontsize=7)
+        if spans[-1][1] > timeout:   # still blocked at the timeout: nothing happens there
+            ax.text(end + 0.03 * end, y, outcome, va="center", fontsize=7)
+            continue
         ax.plot([timeout], [y], "X", color="black", ms=9)
         ax.text(timeout + 0.03 * end, y, outcome, va="center", fontsize=7)
-    ax.text(timeout * 0.85, 1.33, "blocks at .item()", fontsize=7, ha="center", color="#ff7f0e")
+    ax.text(timeout * 0.85, 2.33, "blocks at .item()", fontsize=7, ha="center", color="#ff7f0e")
     ax.axvline(timeout, color="grey", ls=":", lw=1)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([r[0] for r in reversed(rows)], fontsize=8)
-    ax.set_xlim(0, end * 1.25)
+    ax.set_xlim(0, end * 1.4)
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xticks([0, timeout])
     ax.set_xticklabels(["collective called", "timeout"], fontsize=8)
     ax.set_title("rank 0 calls all_reduce; its partner never does", fontsize=9)
-    fig.subplots_adjust(left=0.2, right=0.98, bottom=0.12, top=0.9)
+    fig.subplots_adjust(left=0.22, right=0.98, bottom=0.1, top=0.92)
     return fig
 
 
