@@ -95,10 +95,11 @@ except LabCheckError as err:
 #
 # From lesson 03 on, one training program runs as several cooperating processes, called
 # *ranks* (numbered 0, 1, …), which exchange tensors through a *backend*: the library that moves
-# the tensors between them, **gloo** (CPU tensors, and GPU tensors slowly) or **NCCL** (NVIDIA's,
-# GPU tensors only). Which backend the ranks use, and on which devices, depends on the machine.
-# The lessons never ask you to edit a cell to match your hardware. `dpcourse.devices` looks at
-# the machine and picks one of three profiles:
+# the tensors between them, **gloo** (CPU tensors; GPU tensors only for some collectives, such
+# as all_reduce and broadcast, and slowly) or **NCCL** (NVIDIA's, GPU tensors only). Which
+# backend the ranks use, and on which devices, depends on the machine. The lessons never ask
+# you to edit a cell to match your hardware. `dpcourse.devices` looks at the machine and picks
+# one of three profiles:
 #
 # | profile | when | single-device lessons | multi-rank cells that follow the profile (for example 03's core comparison, 04's torchrun scripts) | TensorFlow (05) |
 # |---|---|---|---|---|
@@ -373,7 +374,9 @@ claim("two ranks that never finish were stopped at the 3 s timeout (well under t
 #   could only read in torch's source is marked so and cited; labs check your code and name
 #   your mistake in one sentence.
 # - `dpcourse.devices` picks one of three profiles (`cpu`, `one-gpu`, `multi-gpu`); the lessons
-#   give the same checked results on each, and NCCL is used only when every rank owns a GPU.
+#   are written to give the same checked results on each, and NCCL is used only when every
+#   rank owns a GPU. The stored outputs come from the `cpu` profile; the multi-GPU path's tests
+#   have not yet been run on a multi-GPU machine.
 # - `dpcourse.launch.spawn` runs ranks from a notebook: results come back in rank order, a
 #   crash or a hang becomes one clear error, and nothing is left running.
 # - Every lesson from 01 on has a *parameters* cell, so it can be re-run at a bigger scale with
@@ -391,7 +394,8 @@ claim("two ranks that never finish were stopped at the 3 s timeout (well under t
 from dpcourse import viz
 
 viz.quiz([
-    {"q": "Your machine has one GPU. Which backend do the two-rank lessons (03, 04, 06) use?",
+    {"q": "Your machine has one GPU. Which backend do the multi-rank cells that follow the "
+          "profile (lesson 03's core comparison, lesson 04's torchrun scripts) use?",
      "options": ["gloo", "nccl, with both ranks on the GPU", "nccl on the GPU for rank 0, gloo for rank 1"],
      "answer": 0,
      "why": ["Right: with fewer GPUs than ranks the profile falls back to gloo, which runs anywhere.",
@@ -432,7 +436,10 @@ viz.quiz([
 #   `BackendConfig`, which parses a single name (`"gloo"`: every device type it supports) or
 #   `"<device_type>:<backend>,..."` pairs (`"cpu:gloo,cuda:nccl"`) into one backend per device
 #   type; `Backend.default_device_backend_map` (`"cpu": gloo`, `"cuda": nccl`) and
-#   `Backend.backend_capability` (gloo: cpu and cuda; nccl: cuda only); `_create_nccl_process_group`
+#   `Backend.backend_capability` (gloo: cpu and cuda; nccl: cuda only: device types, not which
+#   collectives each serves; gloo's GPU support per collective — broadcast and all_reduce yes,
+#   send/recv, all_gather, gather and scatter no — is read from PyTorch's backend table,
+#   `docs/source/distributed.rst` § Backends, which is not installed); `_create_nccl_process_group`
 #   builds `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only supported with
 #   GPUs, no GPUs found!" on a machine without GPUs (shown above with `"cpu:gloo,cuda:nccl"`);
 #   its docstring's `device_id`: only with it is NCCL's communicator formed at once "rather than
