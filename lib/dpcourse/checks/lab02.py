@@ -390,12 +390,13 @@ def _check_dp_buffers(dp_forward_backward) -> None:
         return
     count = int(got[2])
     if same(got, before):
-        fail("the model's BatchNorm running mean and variance did not move (num_batches_tracked "
-             f"still {int(before[2])}) after a training-mode step: every update was made on a "
-             "copy and thrown away with it, where nn.DataParallel keeps one replica's "
-             "(lesson 02 §2).",
-             fix="after the step, the model's buffers must hold what the copy that ran chunk 0 "
-                 "holds in its own.")
+        fail(f"the model's BatchNorm running mean and variance did not move (num_batches_tracked "
+             f"still {int(before[2])}) after a training-mode step on {batch} samples over {n} "
+             f"devices, where nn.DataParallel(model) leaves them updated once, by chunk 0's "
+             f"{c0} samples.",
+             fix="every update was made on a copy and thrown away with it, where "
+                 "nn.DataParallel keeps one replica's (lesson 02 §2): after the step, the "
+                 "model's buffers must hold what the copy that ran chunk 0 holds in its own.")
     if same(got[:2], want[:2]):
         fail(f"the running mean and variance are chunk 0's, but num_batches_tracked is {count}, "
              f"not {int(want[2])}: the module counted a number of updates that nn.DataParallel "
@@ -404,9 +405,10 @@ def _check_dp_buffers(dp_forward_backward) -> None:
     sizes = [len(c) for c in torch.chunk(X, n)]
     last = after_forwards(X[batch - sizes[-1]:])
     if same(got[:2], last[:2]) or same(got[:2], after_forwards(X[-3:])[:2]):
-        fail("the model's running statistics are those of the last chunk's copy: "
-             "nn.DataParallel keeps the updates of replica 0, the one on the module's own "
-             "device, and loses the others'.", fix="take them from the copy that ran chunk 0.")
+        fail("the model's running statistics are those of the last chunk's copy, where "
+             f"nn.DataParallel(model) leaves those of chunk 0's (its first {c0} samples).",
+             fix="nn.DataParallel keeps the updates of replica 0, the one on the module's own "
+                 "device, and loses the others'. Take them from the copy that ran chunk 0.")
     if same(got[:2], after_forwards(X)[:2]):
         fail("the model's running statistics are those of the whole batch, but no device saw "
              "the whole batch: under nn.DataParallel each replica normalises and counts its "
@@ -416,9 +418,10 @@ def _check_dp_buffers(dp_forward_backward) -> None:
     per_copy = [after_forwards(part) for part in parts]
     mean_stats = [sum(st[i] for st in per_copy) / len(per_copy) for i in range(2)]
     if same(got[:2], mean_stats):
-        fail("the model's running statistics are the average of the copies': nn.DataParallel "
-             "averages nothing between replicas, it keeps replica 0's (the others' updates "
-             "are lost).", fix="take them from the copy that ran chunk 0 alone.")
+        fail("the model's running statistics are the average of the copies', where "
+             f"nn.DataParallel(model) leaves those of chunk 0's (its first {c0} samples).",
+             fix="nn.DataParallel averages nothing between replicas, it keeps replica 0's (the "
+                 "others' updates are lost). Take them from the copy that ran chunk 0 alone.")
     if same(got[:2], after_forwards(*parts)[:2]):
         fail("the model's running statistics took every chunk's update one after another, as "
              "if one module had run the chunks in turn; under nn.DataParallel only replica "
