@@ -278,9 +278,9 @@ lab02.check_dp_forward_backward(dp_forward_backward)
 # training-mode forwards saw:
 #
 # ```python
-# self.seen += x.shape[0]                                  # a buffer, registered persistent=False
-# self.peak = torch.maximum(self.peak, x.detach().abs().max())       # a buffer
-# self.calls += 1                                          # a plain Python int attribute
+# self.seen += x.shape[0]                                       # a buffer (persistent=False)
+# self.peak = torch.maximum(self.peak, x.detach().abs().max())  # a buffer
+# self.calls += 1                                               # a plain Python int
 # ```
 #
 # First a prediction. Its `calls` holds 5. After one forward of the real `nn.DataParallel` on 4
