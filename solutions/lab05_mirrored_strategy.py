@@ -13,8 +13,8 @@
 #    decision is here**: lesson 05 divided by a global batch it knew in advance; your function
 #    is told no batch size;
 # 2. the model and optimizer, where the strategy can mirror them;
-# 3. one training step and what it reports (**a decision**: what each replica returns, and how
-#    the replicas' values are combined);
+# 3. one training step and what it reports, told no batch size either (**a decision**: what
+#    each replica returns, and how the replicas' values are combined);
 # 4. the measurement of your prediction.
 #
 # The stretch builds each replica's input pipeline yourself (**a decision**: a global batch the
@@ -217,66 +217,69 @@ model, optimizer = lab05.check_model_and_optimizer(make_model_and_optimizer, str
 # %% [markdown]
 # ## 3. One step, and what it reports
 #
-# **Contract.** `distributed_train_step(strategy, model, optimizer, dist_batch, global_batch)`
-# takes one step of SGD on the global batch `dist_batch` (already split over the replicas) and
-# returns `(loss, accuracy)`: two scalar tensors on the host, one number each: the **global
-# batch's** mean loss and accuracy before the update — what one device would report for the
-# whole batch: the loss is the mean of the per-example losses over all `global_batch` samples,
-# and the accuracy is the **fraction of those samples** whose largest logit (computed before the
-# update) is at their label, a number in [0, 1] — what `mean(argmax(logits) == y)` gives on one
-# device over the whole batch. Inside it, `step_fn` runs once per replica on the replica's slice; the slices
-# need not be the same size (as in part 1), and `global_batch` is their total. The gradient
-# part is given, with your part 1.
+# **Contract.** `distributed_train_step(strategy, model, optimizer, dist_batch)` takes one step
+# of SGD on the step's samples `dist_batch` (already split over the replicas: any step of an
+# epoch, the short last one too) and returns `(loss, accuracy)`: two scalar tensors on the
+# host, one number each. **What must hold:** they are what one device would report for this
+# step's samples, computed from the same logits, before the update — their mean loss and their
+# accuracy — on any step the strategy can hand it. Like part 1's function, it is told no batch
+# size. Inside it, `step_fn` runs once per replica on the replica's slice; the gradient part is
+# given, with your part 1. The check compares it with one device on steps of its own choosing.
 #
-# **A decision:** what each replica's `step_fn` returns about its accuracy, and how
-# the replicas' values — the loss as well as the accuracy — become one number each. Decide it
-# for any split of the batch, not only an even one: the check tries both.
+# **A decision:** what each replica's `step_fn` returns for the accuracy, and how the replicas'
+# values — the loss as well as the accuracy — become one number each.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # `strategy.run` gives back one value per replica. What is each replica's loss a piece of — a
-# mean over its own samples, or a share of the mean over the whole batch? And its accuracy? To
-# get the whole batch's value, should the pieces be added or averaged — and does your answer
-# still hold when one replica holds 6 samples and another 2?
+# mean over its own samples, or a share of the mean over the whole step? And its accuracy? To
+# get the step's value, should the pieces be added or averaged — and does your answer still
+# hold when one replica holds 6 samples and another 2, or when the epoch's last step holds a
+# single sample for all the replicas? Which number does one device divide by, and who knows it
+# inside this function?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The loss from part 1 is already divided by the whole batch: the shares add up to the mean. An
-# accuracy computed as a mean over the replica's own slice is a mean of means — equal to the
-# batch's accuracy only when every slice has the same size; a count of correct predictions adds
-# up without that condition, and is divided once at the end. The strategy has one call that
-# combines a per-replica value with a chosen operation into one value on the host.
+# The loss from part 1 is already divided by the step's count: the shares add up to the mean.
+# An accuracy computed as a mean over the replica's own slice is a mean of means — equal to the
+# step's accuracy only when every slice has the same size, and 0/0 on a replica that holds
+# nothing; a count of correct predictions adds up without that condition, and is divided once
+# at the end — by the step's count, which, as in part 1, only the running step knows. The
+# strategy has one call that combines a per-replica value with a chosen operation into one
+# value on the host.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# In `step_fn`: one line computing this replica's accuracy statistic from `logits` and `y`
-# (argmax, compare, cast, then reduce), and the `return` of the loss and that statistic. After
-# `strategy.run`: one reduction per returned value, each with the `tf.distribute.ReduceOp` that
-# fits what it is, and `axis=None`; a statistic that adds up still needs its one division.
+# In `step_fn`: this replica's accuracy statistic from `logits` and `y` (argmax, compare, cast,
+# then reduce), and what the division at the end needs from this replica; `return` them with
+# the loss. After `strategy.run`: one reduction per returned value, each with the
+# `tf.distribute.ReduceOp` that fits what it is, and `axis=None`; then the one division.
 
 # %%
-def distributed_train_step(strategy, model, optimizer, dist_batch, global_batch):
+def distributed_train_step(strategy, model, optimizer, dist_batch):
     def step_fn(x, y):
         with tf.GradientTape() as tape:
             logits = model(x, training=True)
             loss = per_replica_loss(y, logits)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        ### BEGIN SOLUTION: what this replica reports: its loss and an accuracy statistic
+        ### BEGIN SOLUTION: what this replica reports: its loss and what its accuracy is made of
         hits = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
-        return loss, hits
+        count = tf.cast(tf.shape(y)[0], tf.float32)
+        return loss, hits, count
         ### END SOLUTION
 
-    loss, accuracy = strategy.run(step_fn, args=dist_batch)
-    ### BEGIN SOLUTION: the global batch's loss and accuracy, one number each
+    ### BEGIN SOLUTION: run step_fn on every replica; the step's loss and accuracy, one number each
+    loss, hits, count = strategy.run(step_fn, args=dist_batch)
     loss = strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
-    accuracy = strategy.reduce(tf.distribute.ReduceOp.SUM, accuracy, axis=None) / global_batch
+    accuracy = (strategy.reduce(tf.distribute.ReduceOp.SUM, hits, axis=None)
+                / strategy.reduce(tf.distribute.ReduceOp.SUM, count, axis=None))
     ### END SOLUTION
     return loss, accuracy
 
@@ -301,14 +304,14 @@ lab05.check_last_step_prediction(guess, measured)
 
 # %% [markdown]
 # With the pieces checked, run a few full steps on the course's data set: the loss printed is
-# the global batch's mean, as one device would print it.
+# each step's mean, as one device would print it.
 
 # %%
 train = mirrored.make_dataset(ds.x_train, ds.y_train, global_batch, shuffle=True, seed=0)
 step = tf.function(distributed_train_step)
 losses = []
 for batch in strategy.experimental_distribute_dataset(train.take(6)):
-    loss, acc = step(strategy, model, optimizer, batch, global_batch)
+    loss, acc = step(strategy, model, optimizer, batch)
     losses.append(float(loss))
 print("steps run:", len(losses))
 assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
@@ -420,13 +423,17 @@ lab05.check_pipeline_prediction(
 # `strategy.experimental_distribute_dataset`.
 #
 # **Contract.** `train_epoch(strategy, model, optimizer, dist_dataset)` runs one SGD step per
-# step of `dist_dataset` (the stretch's 100 samples padded to whole global batches: 32 on 2
-# replicas, 36 on 3), each step's loss the mean over that step's **real** samples, and leaves
-# the weights where one device leaves them after the same batches without padding (to a
-# relative 1e-4), run as written and wrapped in `tf.function`. It is given no batch size.
+# step of `dist_dataset` and is given no batch size. **What must hold:** after the epoch the
+# weights are where one device leaves them after the same data without its padding (to a
+# relative 1e-4), run as written and wrapped in `tf.function` — every step moves them as one
+# device's step on that step's real samples alone would. A step may also hold no real sample
+# at all (a loop that must run a fixed number of steps, as every worker of a cluster runs as
+# many as the others, pads whole steps): such a step must leave the weights where they are, and
+# finite. The check runs the stretch's 100 samples padded to whole global batches (32 on 2
+# replicas, 36 on 3), then a step of padding alone.
 #
-# **Your decision:** what a replica's loss is made of when some samples are not samples. Your
-# part 1 function is right for the data it was written for; is it right here?
+# **Your decision:** what a replica's loss is made of when some of its samples are not samples,
+# and what a step with none does.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -443,14 +450,16 @@ lab05.check_pipeline_prediction(
 # The weights say which samples count: a weighted sum leaves the padding out of the sum, and
 # the mean over the real samples divides it by the sum of the weights over the whole step —
 # which, like part 1's count, no replica holds alone (on 2 replicas one of them holds only
-# padding in the last step).
+# padding in the last step). A step of padding alone has a weighted sum of 0 and a real count of
+# 0: what must its loss, and its gradient, be?
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # The per-example losses of `model(x, training=True)`; their sum weighted by `w`; divided by the
-# sum of `w` combined over the replicas by the replica context, as part 1 combined the counts.
+# sum of `w` combined over the replicas by the replica context, as part 1 combined the counts —
+# with a division that gives 0, not 0/0, when that sum is 0.
 
 # %%
 def train_epoch(strategy, model, optimizer, dist_dataset):
@@ -460,7 +469,7 @@ def train_epoch(strategy, model, optimizer, dist_dataset):
             losses = mirrored.per_example_loss(y, model(x, training=True))
             replica = tf.distribute.get_replica_context()
             n_real = replica.all_reduce(tf.distribute.ReduceOp.SUM, tf.reduce_sum(w))
-            loss = tf.reduce_sum(losses * w) / n_real
+            loss = tf.math.divide_no_nan(tf.reduce_sum(losses * w), n_real)
             ### END SOLUTION
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))

@@ -72,12 +72,17 @@ def make_optimizer_outside(strategy, lr):
     return model, keras.optimizers.SGD(learning_rate=lr)
 
 
+NOMINAL = 64   # the notebook's global_batch, the size of a full step
+
+
 def make_step(loss_fn, loss_op=SUM, acc_op=SUM, acc="hits", report_mean_loss=False):
-    """acc="hits": each replica returns its count of right predictions, divided once at the end
-    (right); acc="fraction": its accuracy over its own slice, reduced with acc_op;
-    acc="weighted": that fraction times its slice size / global batch (right, with SUM).
+    """acc="hits": each replica returns its count of right predictions and its sample count,
+    both summed, divided once at the end (right); acc="fraction": its accuracy over its own
+    slice, reduced with acc_op; acc="weighted": that fraction times its slice size / the step's
+    count (right on every split where no replica is empty: nan times 0 on an empty one);
+    acc="nominal": the summed count divided by NOMINAL, a full step's size (the learner's bug).
     report_mean_loss: the loss reported is each replica's reduce_mean, reduced with loss_op."""
-    def distributed_train_step(strategy, model, optimizer, dist_batch, global_batch):
+    def distributed_train_step(strategy, model, optimizer, dist_batch):
         def step_fn(x, y):
             with tf.GradientTape() as tape:
                 logits = model(x, training=True)
@@ -85,21 +90,26 @@ def make_step(loss_fn, loss_op=SUM, acc_op=SUM, acc="hits", report_mean_loss=Fal
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             right = tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32)
-            if acc == "hits":
+            count = tf.cast(tf.shape(y)[0], tf.float32)
+            if acc in ("hits", "nominal"):
                 a = tf.reduce_sum(right)
             elif acc == "fraction":
                 a = tf.reduce_mean(right)
             else:
-                a = tf.reduce_mean(right) * tf.cast(tf.shape(y)[0], tf.float32) / global_batch
+                step = tf.distribute.get_replica_context().all_reduce(SUM, count)
+                a = tf.reduce_mean(right) * count / step
             if report_mean_loss:
                 loss = tf.reduce_mean(mirrored.per_example_loss(y, logits))
-            return loss, a
-        loss, a = strategy.run(step_fn, args=dist_batch)
+            return loss, a, count
+        loss, a, count = strategy.run(step_fn, args=dist_batch)
         if loss_op is None:
             return loss, a
         a = strategy.reduce(acc_op, a, axis=None)
-        return (strategy.reduce(loss_op, loss, axis=None),
-                a / global_batch if acc == "hits" else a)
+        if acc == "hits":
+            a = a / strategy.reduce(SUM, count, axis=None)
+        elif acc == "nominal":
+            a = a / NOMINAL
+        return strategy.reduce(loss_op, loss, axis=None), a
     return distributed_train_step
 
 
@@ -175,7 +185,7 @@ def test_optimizer_constructed_outside_and_built_inside_is_named(strategy):
 
 
 def test_no_update_is_named(strategy):
-    def lazy_step(strategy, model, optimizer, dist_batch, global_batch):
+    def lazy_step(strategy, model, optimizer, dist_batch):
         def step_fn(x, y):
             logits = model(x, training=True)
             return (loss_right(y, logits),
@@ -407,7 +417,7 @@ def test_losses_tied_to_one_setup_fail(fn, phrase, strategy):
     assert phrase in str(err.value), str(err.value)
 
 
-def step_counts_both(strategy, model, optimizer, dist_batch, global_batch):
+def step_counts_both(strategy, model, optimizer, dist_batch):
     # right: hits and sample counts both summed over the replicas, divided once
     def step_fn(x, y):
         with tf.GradientTape() as tape:
@@ -422,14 +432,91 @@ def step_counts_both(strategy, model, optimizer, dist_batch, global_batch):
             strategy.reduce(SUM, hits, axis=None) / strategy.reduce(SUM, count, axis=None))
 
 
-@pytest.mark.parametrize("step", [make_step(loss_right), step_counts_both,
-                                  make_step(loss_sum_over_global, acc="weighted")],
-                         ids=["hits-summed", "hits-and-counts-summed", "fractions-weighted"])
+def step_share_of_hits(strategy, model, optimizer, dist_batch):
+    # right: each replica's hits divided by the step's count found in the step, shares summed
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = loss_right(y, logits)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        hits = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
+        return loss, hits / tf.cast(_step_count(y), tf.float32)
+    loss, acc = strategy.run(step_fn, args=dist_batch)
+    return strategy.reduce(SUM, loss, axis=None), strategy.reduce(SUM, acc, axis=None)
+
+
+@pytest.mark.parametrize("step", [make_step(loss_right), step_counts_both, step_share_of_hits],
+                         ids=["hits-summed", "hits-and-counts-summed", "shares-of-hits"])
 def test_right_steps_pass(step, strategy, capsys):
     lab05.check_train_step(step, make_right, strategy)
     out = capsys.readouterr().out
     assert out.count("✔") == 1 and "48 on 2" in out and "63 on 3" in out, out
-    assert "6+2 on 2," in out and "6+2+2 on 3 replicas" in out, out  # the uneven step
+    assert "6+2 on 2," in out and "6+2+2 on 3," in out, out  # the uneven step
+    assert "1+0 on 2," in out and "1+0+0 on 3 replicas" in out, out  # the short last step
+
+
+def test_the_short_step_holds_one_right_sample():
+    x, y = lab05.reference_batch(64)
+    hit = mirrored.build_keras_cnn(seed=3)(x, training=False).numpy().argmax(-1) == y
+    for n in (2, 3):
+        slices = lab05.short_slices(n)
+        assert [len(s) for s in slices] == [1] + [0] * (n - 1) and hit[slices[0]].all()
+
+
+def test_a_step_given_the_batch_size_is_named(strategy):
+    # the contract before learner LR4_05: the loop handed the step its nominal size
+    def old_step(strategy, model, optimizer, dist_batch, global_batch):
+        return make_step(loss_right)(strategy, model, optimizer, dist_batch)
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_train_step(old_step, make_right, strategy)
+    msg = " ".join(str(err.value).split())
+    assert ("distributed_train_step requires 5 arguments (strategy, model, optimizer, "
+            "dist_batch, global_batch), but a training loop calls it with (strategy, model, "
+            "optimizer, dist_batch) only: nothing hands it `global_batch`") in msg, msg
+    assert "What to change" not in msg, msg
+
+
+def test_accuracy_over_the_nominal_batch_size_is_named(strategy):
+    # learner LR4_05: hits divided by the full step's size; one device divides by the step's own
+    # count. The first step that is not 64 (48 on 2) shows it, with both numbers
+    step = make_step(loss_right, acc="nominal")
+    with pytest.raises(LabCheckError) as first:
+        lab05.check_train_step(step, make_right, strategy)
+    msg = " ".join(str(first.value).split())
+    assert "correct predictions of this step divided by 64, but the step holds 48 samples" in msg, msg
+    assert "nominal batch size" in msg and "this one holds 48" in msg, msg
+    assert "short last step of 1 sample, classified right, would be reported as 1/64 = 0.0156" \
+        in msg, msg
+    assert "Count the step's samples while it runs" not in msg, msg
+    with pytest.raises(LabCheckError) as second:
+        lab05.check_train_step(step, make_right, strategy)
+    assert "Count the step's samples while it runs" in str(second.value), str(second.value)
+
+
+def test_accuracy_over_the_nominal_size_on_the_short_last_step(strategy):
+    # a step that divides by 64 only when the step is not full-sized by 64's multiples would
+    # pass every full step: the short last step alone (1 right sample on 2) reports 1/64
+    def short_only(strategy, model, optimizer, dist_batch):
+        loss, acc = make_step(loss_right)(strategy, model, optimizer, dist_batch)
+        count = sum(int(tf.size(v)) for v in strategy.experimental_local_results(dist_batch[1]))
+        return loss, acc * count / NOMINAL if count == 1 else acc
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_train_step(short_only, make_right, strategy)
+    msg = " ".join(str(err.value).split())
+    assert ("the accuracy returned (0.0156) is the 1 correct prediction of this step divided "
+            "by 64, but the step holds 1 sample (split 1+0 over 2 replicas): the batch's "
+            "accuracy before the update is 1.0000") in msg, msg
+
+
+def test_an_empty_replicas_own_mean_is_named_on_the_short_step(strategy):
+    # right on every split where each replica holds a sample; the short last step leaves one
+    # empty, whose own mean is 0/0
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_train_step(make_step(loss_right, acc="weighted"), make_right, strategy)
+    msg = " ".join(str(err.value).split())
+    assert "the reduced accuracy is nan" in msg and "split 1+0 over 2 replicas" in msg, msg
+    assert "replica 1 holds no sample of this step, and a mean over its own slice is 0/0" in msg, msg
 
 
 def test_uneven_step_tells_mean_of_means_apart():
@@ -497,7 +584,7 @@ def test_other_learning_rates_pass(strategy, capsys):
     assert capsys.readouterr().out.count("✔") == 2
 
 
-def step_first_replica(strategy, model, optimizer, dist_batch, global_batch):
+def step_first_replica(strategy, model, optimizer, dist_batch):
     # no reduction: replica 0's values returned
     def step_fn(x, y):
         with tf.GradientTape() as tape:
@@ -1008,6 +1095,16 @@ def test_the_lab_text_does_not_answer_its_parts():
     assert "penalty" not in todo.split("BEGIN SOLUTION:")[1].splitlines()[0], todo
     part3 = text[text.index("## 3. One step"):text.index("**▶ Hint 1", text.index("## 3. One"))]
     assert "plain numbers" not in part3 and "two scalar tensors" in part3, part3
+    # learner LR4_05: part 3 is told no batch size, and its contract states what must hold, not
+    # the answer (the fraction, the argmax formula, "any split, not only an even one")
+    assert "distributed_train_step(strategy, model, optimizer, dist_batch)`" in part3, part3
+    assert "global_batch" not in part3 and "what one device would report" in part3, part3
+    for said in ("fraction of", "argmax", "not only an even", "uneven", "count"):
+        assert said not in part3, (said, part3)
+    # stretch B states its goal and contract; it does not ask whether part 1's function fits
+    stretch_b = text[text.index("## Stretch B"):text.index("**▶ Hint 1", text.index("## Stretch B"))]
+    assert "is it right here" not in stretch_b and "part 1" not in stretch_b, stretch_b
+    assert "must leave the weights where they are" in stretch_b, stretch_b
     part4 = text[text.index("## 0. Predict"):text.index("my_guess = ")]
     assert "reduce_mean" not in part4 and "compute_average_loss" not in part4, part4
     stretch_a = text[text.index("## Stretch A"):text.index("def make_dist_dataset")]
@@ -1062,9 +1159,10 @@ def test_loss_messages_give_the_cause_then_the_fix(fn, cause, fix, strategy):
 def test_accuracy_counts_never_divided_are_named_as_counts(strategy):
     # learner LR2_05: the parts beside "split 32+32" are counts of correct predictions
     step = make_step(loss_right, SUM, SUM, acc="hits")
-    def undivided(strategy, model, optimizer, dist_batch, global_batch):
-        loss, acc = step(strategy, model, optimizer, dist_batch, global_batch)
-        return loss, acc * global_batch
+    def undivided(strategy, model, optimizer, dist_batch):
+        loss, acc = step(strategy, model, optimizer, dist_batch)
+        count = sum(int(tf.size(v)) for v in strategy.experimental_local_results(dist_batch[1]))
+        return loss, acc * count
     with pytest.raises(LabCheckError) as err:
         lab05.check_train_step(undivided, make_right, strategy)
     msg = " ".join(str(err.value).split())
@@ -1085,7 +1183,7 @@ def test_step_messages_give_the_cause_then_the_fix(strategy):
 
 # --- part 3: the accuracy after the update is told apart from means added up (learner, round 4)
 
-def step_reports_after_update(strategy, model, optimizer, dist_batch, global_batch):
+def step_reports_after_update(strategy, model, optimizer, dist_batch):
     # counts summed and divided once (right), but from the model run again after the update
     def step_fn(x, y):
         with tf.GradientTape() as tape:
@@ -1094,10 +1192,10 @@ def step_reports_after_update(strategy, model, optimizer, dist_batch, global_bat
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         hits = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(model(x, training=False), -1), y),
                                      tf.float32))
-        return loss, hits
-    loss, hits = strategy.run(step_fn, args=dist_batch)
+        return loss, hits, tf.cast(tf.shape(y)[0], tf.float32)
+    loss, hits, count = strategy.run(step_fn, args=dist_batch)
     return (strategy.reduce(SUM, loss, axis=None),
-            strategy.reduce(SUM, hits, axis=None) / global_batch)
+            strategy.reduce(SUM, hits, axis=None) / strategy.reduce(SUM, count, axis=None))
 
 
 def test_after_update_coincides_with_summed_means_on_the_first_split():
@@ -1263,8 +1361,8 @@ def test_part1_names_a_replica_count_captured_from_outside(lab_strategy):
     assert "captured from outside it" in str(err.value), str(err.value)
 
 
-def step_with_global(strat, model, optimizer, dist_batch, global_batch):
-    return make_step(loss_right)(LAB_STRATEGY, model, optimizer, dist_batch, global_batch)
+def step_with_global(strat, model, optimizer, dist_batch):
+    return make_step(loss_right)(LAB_STRATEGY, model, optimizer, dist_batch)
 
 
 def test_a_step_running_the_notebooks_strategy_is_named(lab_strategy):
@@ -1430,7 +1528,12 @@ def _padded(kind="right"):
                 ctx = tf.distribute.get_replica_context()
                 count = tf.cast(ctx.all_reduce(SUM, tf.shape(y)[0]), tf.float32)
                 real = ctx.all_reduce(SUM, tf.reduce_sum(w))
-                loss = {"right": lambda: tf.reduce_sum(losses * w) / real,
+                loss = {"right": lambda: tf.math.divide_no_nan(tf.reduce_sum(losses * w), real),
+                        "at_least_one": lambda: tf.reduce_sum(losses * w) / tf.maximum(real, 1.0),
+                        "unguarded": lambda: tf.reduce_sum(losses * w) / real,
+                        "plain_when_empty": lambda: tf.cond(
+                            real > 0, lambda: tf.reduce_sum(losses * w) / real,
+                            lambda: tf.reduce_sum(losses) / count),
                         "part1": lambda: tf.reduce_sum(losses) / count,
                         "weighted_count": lambda: tf.reduce_sum(losses * w) / count,
                         "unweighted_real": lambda: tf.reduce_sum(losses) / real,
@@ -1444,10 +1547,35 @@ def _padded(kind="right"):
     return train_epoch
 
 
-def test_a_right_padded_epoch_passes(strategy, capsys):
-    lab05.check_padded_epoch(_padded(), strategy)
+@pytest.mark.parametrize("kind", ["right", "at_least_one"])
+def test_a_right_padded_epoch_passes(kind, strategy, capsys):
+    lab05.check_padded_epoch(_padded(kind), strategy)
     out = capsys.readouterr().out
     assert "(last steps 4 real + 28 padding on 2, 28 real + 8 padding on 3 replicas)" in out, out
+    assert "a step of padding alone leaves the weights where they are" in out, out
+
+
+def test_a_step_of_padding_alone_is_nan_when_divided_by_its_real_count(strategy):
+    # learner LR4_05: the mean over the real samples, unguarded, divides a step of padding by 0
+    with pytest.raises(LabCheckError) as first:
+        lab05.check_padded_epoch(_padded("unguarded"), strategy)
+    msg = " ".join(str(first.value).split())
+    assert ("the weights became nan after a step of padding alone (one step of 32 samples on 2 "
+            "replicas, 16 each, all padding: every weight w is 0), run as written: the step's "
+            "real samples add up to 0, and its weighted sum of losses, 0, divided by that 0 is "
+            "0/0 = nan") in msg, msg
+    assert "divide_no_nan" not in msg, msg
+    with pytest.raises(LabCheckError) as second:
+        lab05.check_padded_epoch(_padded("unguarded"), strategy)
+    assert "a division that gives 0 when the count is 0" in str(second.value), str(second.value)
+
+
+def test_a_step_of_padding_alone_trained_on_is_named(strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_padded_epoch(_padded("plain_when_empty"), strategy)
+    msg = " ".join(str(err.value).split())
+    assert "the weights moved (by up to" in msg and "after a step of padding alone" in msg, msg
+    assert "the step trained on its padding (zero features, label 0)" in msg, msg
 
 
 @pytest.mark.parametrize("kind, phrase", [

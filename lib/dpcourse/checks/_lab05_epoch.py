@@ -347,10 +347,12 @@ def _padded_one_device(n: int, weighted: bool, divisor) -> list:
     return model.get_weights()
 
 
-def _run_padded(train_epoch, strategy, traced: bool, at: str):
+def _run_padded(train_epoch, strategy, traced: bool, at: str, data=None):
+    """``train_epoch`` on a fresh mirrored stretch model over ``data`` (``(x, y, w, gb)``; the
+    padded epoch when None), as written or wrapped in ``tf.function``: its weights after."""
     __tracebackhide__ = True
     n = strategy.num_replicas_in_sync
-    x, y, w, gb = padded_epoch(n)
+    x, y, w, gb = padded_epoch(n) if data is None else data
     with strategy.scope():
         model = _stretch_model()
         optimizer = keras.optimizers.SGD(learning_rate=0.5)
@@ -403,9 +405,44 @@ def check_padded_epoch(train_epoch, strategy) -> None:
                  f"every step, the padded last one included.",
                  fix="Compute what the step divides by from the batch, with tensor operations.")
         tried.append(f"{real} real + {pad} padding on {n}")
+        _check_all_padding(train_epoch, strat)
     passed("train_epoch: every step's loss is the mean over its real samples, the padded last "
            f"step included, run as written and wrapped in tf.function (last steps "
-           f"{', '.join(tried)} replicas)")
+           f"{', '.join(tried)} replicas), and a step of padding alone leaves the weights "
+           f"where they are")
+
+
+def _check_all_padding(train_epoch, strategy) -> None:
+    """A step that holds no real sample (every weight 0: a loop that runs a fixed number of steps
+    pads whole ones) must leave the weights where they are, and finite — as one device, with no
+    sample to train on, leaves them. Run as written and wrapped in ``tf.function``."""
+    __tracebackhide__ = True
+    n = strategy.num_replicas_in_sync
+    gb = stretch_global(n)
+    data = (np.zeros((gb, 8), np.float32), np.zeros(gb, np.int64), np.zeros(gb, np.float32), gb)
+    at = (f"(one step of {gb} samples on {n} replicas, {gb // n} each, all padding: every "
+          f"weight w is 0)")
+    start = _stretch_model().get_weights()
+    for traced in (False, True):
+        got = _run_padded(train_epoch, strategy, traced, at, data=data)
+        how = "wrapped in tf.function" if traced else "run as written"
+        if not all(np.all(np.isfinite(v)) for v in got):
+            fail(f"the weights became nan after a step of padding alone {at}, {how}: the step's "
+                 f"real samples add up to 0, and its weighted sum of losses, 0, divided by that "
+                 f"0 is 0/0 = nan — one nan in a loss makes every weight nan after "
+                 f"apply_gradients, where one device, with no real sample to train on, leaves "
+                 f"the weights as they are.",
+                 fix="Make a step with no real sample contribute a loss of 0: a division that "
+                     "gives 0 when the count is 0 (tf.math.divide_no_nan), or a divisor kept "
+                     "at least 1.")
+        if not all(_close(a, b, rtol=1e-6) for a, b in zip(got, start)):
+            moved = max(float(np.max(np.abs(a - b))) for a, b in zip(got, start))
+            fail(f"the weights moved (by up to {moved:.3g}) after a step of padding alone {at}, "
+                 f"{how}: no sample of that step is real, so one device has nothing to train "
+                 f"on and leaves the weights where they are — the step trained on its padding "
+                 f"(zero features, label 0), pulling the weights toward predicting class 0.",
+                 fix="Keep the padding out of every step, a step of padding alone included: "
+                     "its weighted loss is 0, and so is its gradient.")
 
 
 def _judge_padded(got, n, at, real, pad, gb, reals) -> None:

@@ -67,10 +67,16 @@ _HOW = {
 }
 
 
+def _mean(values) -> float:
+    """A slice's own mean; nan for an empty slice (0/0, as reduce_mean gives), without numpy's
+    warning."""
+    return float(values.sum()) / len(values) if len(values) else float("nan")
+
+
 def _wrong_reductions(of, slices, gb: int, what: str) -> dict:
     """The number each way of combining the per-replica statistic ``of`` (per-example losses or
     hits) over ``slices`` gives, the right way ("batch") included."""
-    means = [float(of[s].mean()) for s in slices]
+    means = [_mean(of[s]) for s in slices]
     shares = [float(of[s].sum()) / gb for s in slices]
     out = {"batch": float(of.mean()), "sum_of_means": sum(means),
            "mean_of_shares": float(np.mean(shares)), "replica0": means[0]}
@@ -87,7 +93,7 @@ def _name_reduction(what, got, fmt, want_is, when, how, of, slices, gb):
     """(cause, fix) for a reported value that one wrong calculation explains."""
     n = len(slices)
     how = "replica0" if how == "replica0_share" else how
-    parts = [float(of[s].mean()) for s in slices] if how in ("sum_of_means", "mean_of_means") \
+    parts = [_mean(of[s]) for s in slices] if how in ("sum_of_means", "mean_of_means") \
         else [float(of[s].sum()) / (gb if how == "mean_of_shares" else 1) for s in slices]
     pfmt = ".0f" if how == "count" else fmt   # a count of correct predictions is whole
     fields = dict(what=what, n=n, gb=gb, split="+".join(str(len(s)) for s in slices),
@@ -136,9 +142,51 @@ def judge_reports(loss: float, acc: float, ref_loss: float, ref_acc: float, when
                     found.append((when, how, of))
         if len(found) > 1:
             raise _Ambiguous(what, got, fmt, want_is, found, split)
+        if not found and not np.isfinite(got):
+            empty = [r for r, s in enumerate(slices) if len(s) == 0]
+            fail(f"the reduced {what} is {got}, but {want_is} (split {split} over {n} "
+                 f"replicas): "
+                 + (f"replica {empty[0]} holds no sample of this step, and a mean over its own "
+                    f"slice is 0/0 = nan there — multiplied by its share of the step (0) or "
+                    f"averaged with the others, it stays nan. An epoch's short last step leaves "
+                    f"replicas empty." if empty else "a value that is not a finite number "
+                                                     "was reported."),
+                 fix=f"Let each replica return a statistic that is 0 over no sample (a sum or a "
+                     f"count), combine with SUM, and divide once by the step's count.")
+        if not found and what == "accuracy":
+            _name_a_fixed_divisor(got, fmt, want_is, when_of, slices)
         if not found:
             fail(f"the reduced {what} is {got:{fmt}}, but {want_is} (split {split} over {n} "
                  f"replicas), and it matches no wrong calculation the check knows.")
         when, how, of = found[0]
         cause, fix = _name_reduction(what, got, fmt, want_is, when, how, of, slices, global_batch)
         fail(cause, fix=fix)
+
+
+def _name_a_fixed_divisor(got: float, fmt: str, want_is: str, when_of: dict, slices: list):
+    """An accuracy that is the step's count of correct predictions divided by a whole number
+    other than the step's sample count (a nominal batch size, a notebook's global_batch): named
+    with that number and the step's count."""
+    __tracebackhide__ = True
+    count = sum(len(s) for s in slices)
+    split = "+".join(str(len(s)) for s in slices)
+    for when, (_, hit) in when_of.items():
+        hits = float(hit.sum())
+        if not hits or not got:
+            continue
+        k = hits / got
+        if abs(k - round(k)) < 1e-3 * k and round(k) != count:
+            late = (" (counted from the weights after the update, where the contract asks "
+                    "before it)" if when == "after" else "")
+            k = round(k)
+            short = ("" if count == 1 else
+                     f" — an epoch's short last step of 1 sample, classified right, would be "
+                     f"reported as 1/{k} = {1 / k:.4f} where one device reports 1")
+            fail(f"the accuracy returned ({got:{fmt}}) is the {hits:.0f} correct "
+                 f"prediction{'s' if hits != 1 else ''} of this step{late} divided by {k}, but "
+                 f"the step holds {count} sample{'s' if count != 1 else ''} (split {split} over "
+                 f"{len(slices)} replicas): {want_is}. {k} is a number fixed before the step "
+                 f"ran — the nominal batch size, or a variable of the notebook — and steps are "
+                 f"not all that size: this one holds {count}{short}.",
+                 fix="Count the step's samples while it runs, over all the replicas (as part 1 "
+                     "found its divisor), and divide the step's correct predictions by that.")

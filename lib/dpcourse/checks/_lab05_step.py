@@ -1,7 +1,9 @@
-"""Lab 05 part 3: ``distributed_train_step``. One step of the learner's loop from fixed weights
-on a fixed global batch must give one device's result: the same updated weights, and the batch's
-mean loss and accuracy before the update. Tried on two batch sizes and two learning rates, on the
-lab's strategy and one with a replica more, then on a step split unevenly (6 + 2 (+ 2)). A wrong
+"""Lab 05 part 3: ``distributed_train_step(strategy, model, optimizer, dist_batch)``. One step of
+the learner's loop from fixed weights on a fixed step must give one device's result: the same
+updated weights, and the step's mean loss and accuracy before the update. The step is told no
+batch size: tried on two step sizes and two learning rates, on the lab's strategy and one with a
+replica more, then on a step split unevenly (6 + 2 (+ 2)), then on an epoch's short last step (1
+sample: 1 + 0 (+ 0)), where an accuracy divided by the nominal batch size reports 1 of 64. A wrong
 update is named here by its size (N times, 1/N, a fixed divisor, slice size x N); a wrong
 reported value is named by :mod:`dpcourse.checks._lab05_reports`.
 
@@ -29,9 +31,11 @@ def check_train_step(distributed_train_step, make_model_and_optimizer, strategy,
     strategy and (when TF has a spare device) on one with a replica more; the second batch with
     another learning rate; then a step split unevenly. A wrong reported value is named only
     when one wrong calculation explains it; where several coincide on one split, the next split
-    decides."""
+    decides. Then the epoch's short last step: 1 sample that the reference model classifies
+    right, on 1 + 0 (+ 0) replicas — one device reports accuracy 1 there."""
     __tracebackhide__ = True
     _refuse_library(distributed_train_step, "distributed_train_step")
+    _refuse_a_batch_size_parameter(distributed_train_step)
     tried, unsure = [], None
     with _LibrarySpy("per_replica_loss"):
         strategies = strategies_for(strategy)
@@ -48,6 +52,12 @@ def check_train_step(distributed_train_step, make_model_and_optimizer, strategy,
             slices = uneven_slices(strat.num_replicas_in_sync)
             runs.append((strat, sum(len(s) for s in slices), lr, slices,
                          "+".join(str(len(s)) for s in slices) + f" on {len(slices)}"))
+        # then an epoch's short last step: 1 sample, the other replicas empty (what
+        # experimental_distribute_dataset hands them); its accuracy is 1 on one device
+        for strat in strategies:
+            slices = short_slices(strat.num_replicas_in_sync)
+            runs.append((strat, 1, lr, slices,
+                         "+".join(str(len(s)) for s in slices) + f" on {len(slices)}"))
         for strat, gb, step_lr, slices, label in runs:
             try:
                 _check_step_once(distributed_train_step, make_model_and_optimizer, strat, gb,
@@ -57,8 +67,41 @@ def check_train_step(distributed_train_step, make_model_and_optimizer, strategy,
             tried.append(label)
     if unsure is not None:
         fail(unsure.sentence)
-    passed(f"one step == one device on the global batch (weights, loss, accuracy; tried "
+    passed(f"one step == one device on the step's samples (weights, loss, accuracy; tried "
            + ", ".join(tried) + f" replicas, lr {lr:g} and {_other_lr(lr):g})")
+
+
+def _refuse_a_batch_size_parameter(distributed_train_step) -> None:
+    """The contract hands no batch size: a fifth parameter without a default (the old
+    ``global_batch``) cannot be filled, and is named before anything runs."""
+    __tracebackhide__ = True
+    import inspect
+    try:
+        params = inspect.signature(getattr(distributed_train_step, "func",
+                                           distributed_train_step)).parameters
+    except (TypeError, ValueError):
+        return
+    required = [nm for nm, p in params.items()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) > 4:
+        fail(f"distributed_train_step requires {len(required)} arguments "
+             f"({', '.join(required)}), but a training loop calls it with (strategy, model, "
+             f"optimizer, dist_batch) only: nothing hands it `{required[4]}`. The loop hands it "
+             f"each step of an epoch, the short last one too, and only the step that is running "
+             f"holds its samples.",
+             fix="Take (strategy, model, optimizer, dist_batch) and find what the step holds "
+                 "inside it.")
+
+
+def short_slices(n: int, seed: int = 5) -> list:
+    """Indices into ``reference_batch(64, seed)`` for an epoch's short last step of 1 sample on
+    ``n`` replicas, split as ``experimental_distribute_dataset`` splits it (1 + 0 (+ 0)): a
+    sample the reference model (``build_keras_cnn(seed=3)``) classifies right, so that one device
+    reports accuracy 1 and a count divided by any other number is seen."""
+    x, y = reference_batch(64, seed)
+    logits = mirrored.build_keras_cnn(seed=3)(x, training=False).numpy()
+    hits = np.flatnonzero(np.argmax(logits, -1) == y)
+    return [hits[:1]] + [np.arange(0) for _ in range(n - 1)]
 
 
 def uneven_slices(n: int, seed: int = 5) -> list:
@@ -89,7 +132,7 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
         slices = [np.asarray(s) for s in np.array_split(np.arange(global_batch), n)]
     else:                # replica r holds the samples slices[r] of the reference batch
         x64, y64 = reference_batch(64)
-        x, y = x64[np.concatenate(slices)], y64[np.concatenate(slices)]
+        x, y = x64[np.concatenate(slices).astype(int)], y64[np.concatenate(slices).astype(int)]
         bounds = np.cumsum([0] + [len(s) for s in slices])
         slices = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
     # The reference: one device, mean loss over the whole global batch, plain SGD.
@@ -121,7 +164,7 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
             lambda ctx: (tf.constant(x[slices[ctx.replica_id_in_sync_group]]),
                          tf.constant(y[slices[ctx.replica_id_in_sync_group]])))
     try:
-        out = distributed_train_step(strategy, model, optimizer, dist_batch, global_batch)
+        out = distributed_train_step(strategy, model, optimizer, dist_batch)
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -145,6 +188,14 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
     delta = [w - s for w, s in zip(model.get_weights(), start)]
     size = sum(float(np.sum(d * d)) for d in delta) ** 0.5
     ref_size = sum(float(np.sum(d * d)) for d in ref_delta) ** 0.5
+    if not np.isfinite(size):
+        empty = [r for r, sl in enumerate(slices) if len(sl) == 0]
+        fail(f"the weights became nan after one step of {global_batch} sample"
+             f"{'s' if global_batch != 1 else ''} split {split} over {n} replicas: "
+             + (f"replica {empty[0]} holds no sample, and a loss it divided by a count of its "
+                f"own (0) is 0/0 — one nan in a replica's loss makes every weight nan after "
+                f"apply_gradients." if empty else "a loss was not a finite number."),
+             fix="Use your part 1 per_replica_loss, whose divisor is the step's count.")
     if size == 0:
         fail("the weights did not change after one step: no gradient was applied to the "
              "mirrored variables.",

@@ -26,8 +26,10 @@ replicas fails):
 * ``make_model_and_optimizer(strategy, lr, start=None)`` (part 2,
   :mod:`dpcourse.checks._lab05_model`) — variables created under the strategy given, plain SGD
   with the learning rate asked for, a mirrored model starting from ``start``'s current weights.
-* ``distributed_train_step(strategy, model, optimizer, dist_batch, global_batch)`` (part 3, the
-  design decision: what each replica reports and how it is combined;
+* ``distributed_train_step(strategy, model, optimizer, dist_batch)`` (part 3, told no batch
+  size; the design decision: what each replica reports and how it is combined, on even,
+  uneven and short last steps (1 + 0 (+ 0)); an accuracy divided by a nominal batch size, a
+  nan from an empty replica's own mean, and a batch-size parameter are named;
   :mod:`dpcourse.checks._lab05_step` runs it and names a wrong update,
   :mod:`dpcourse.checks._lab05_reports` names a wrong reported loss or accuracy by the one wrong
   calculation that explains it on the split the step ran on).
@@ -40,7 +42,8 @@ prediction, never before. The stretch: ``make_dist_dataset`` with ``distribute_d
 replicas do not divide handled by the learner's own decision, the dataset function called as on
 2 workers), and ``train_epoch`` over an epoch whose last batch is padded with weight-0 samples
 (:func:`dpcourse.checks._lab05_epoch.check_padded_epoch`: the padding trained on, divided by
-the padded size, unweighted, a replica's own weights). ``check_partial_batch_epoch`` (an epoch
+the padded size, unweighted, a replica's own weights; a step of padding alone must leave the
+weights unchanged: nan (0/0) and a step trained on its padding named). ``check_partial_batch_epoch`` (an epoch
 whose last step is short, for a whole ``train_epoch``) stays for courses that ask for it; part
 1's check runs its epoch.
 What every runner shares is in :mod:`dpcourse.checks._lab05_common`. Every name the lab and the
@@ -71,7 +74,7 @@ from dpcourse.checks._lab05_predict import (LAST_STEP_CHOICES, LAST_STEP_QUESTIO
                                             check_pipeline_prediction, epoch_size, last_step,
                                             last_step_sizes)
 from dpcourse.checks._lab05_reports import _HOW
-from dpcourse.checks._lab05_step import check_train_step, uneven_slices
+from dpcourse.checks._lab05_step import check_train_step, short_slices, uneven_slices
 
 __all__ = ["check_per_replica_loss", "check_model_and_optimizer", "check_train_step",
            "reference_batch", "strategies_for", "check_dataset_fn", "check_partial_batch_epoch",
@@ -79,7 +82,7 @@ __all__ = ["check_per_replica_loss", "check_model_and_optimizer", "check_train_s
            "last_step", "last_step_sizes", "check_last_step_prediction",
            "check_pipeline_prediction", "epoch_size", "LAST_STEP_QUESTION", "LAST_STEP_CHOICES",
            "stretch_data", "stretch_global", "PENALTY", "uneven_slices", "start_model",
-           "START_SEED", "PIPELINES", "keras", "tf", "_expected_split", "_HOW"]
+           "START_SEED", "PIPELINES", "short_slices", "keras", "tf", "_expected_split", "_HOW"]
 
 
 @recorded
