@@ -6,8 +6,8 @@
 # launches a bucket as soon as it is full and copies gradients in and out. Now you build what
 # DDP's reducer really does:
 #
-# 1. `assign_buckets(params, bucket_cap_mb)` — the buckets DDP's reducer makes, for parameters
-#    of several dtypes; before you write it, you predict how many it makes of seven of them;
+# 1. `assign_buckets(params, bucket_cap_mb)` — the buckets DDP's reducer's rule makes, for
+#    parameters of several dtypes; before you write it, you predict how many it makes of seven of them;
 # 2. `BucketedDDP`, a wrapper that keeps DDP's two promises: every gradient **is** a slice of
 #    its bucket's flat buffer, and buckets go on the wire **strictly in bucket order**, each as
 #    early as that order allows, while the backward is still running;
@@ -45,13 +45,17 @@ torch.set_num_threads(1)
 # of buckets, each a list of parameters, such that:
 #
 # - every parameter that requires a gradient is in exactly one bucket, and nothing else is;
-# - the grouping is the one DDP's reducer makes at this cap when it builds its buckets in the
-#   order the gradients arrive (`compute_bucket_assignment_by_size`, as DDP rebuilds them after
-#   its first backward, lesson 07 §3; for the check's models that order is the parameters
-#   reversed) — write it yourself, do not call torch's or the course library's. One cap
-#   applies to every bucket: the 1 MiB first bucket of lesson 07 §3 does not apply here;
+# - the grouping is the one DDP's reducer's rule (`compute_bucket_assignment_by_size`) makes at
+#   this cap when it walks the parameters you are given **reversed** — registration order
+#   reversed, the order a model's gradients roughly arrive in. Real DDP, when it rebuilds its
+#   buckets after the first backward (lesson 07 §3), walks the order the gradients *really*
+#   arrived, which differs within a layer (a `Conv2d`'s weight arrives before its bias) and
+#   can split the buckets differently where a cap falls between the two; the check grades the
+#   reversed walk, not a recorded arrival. Write it yourself, do not call torch's or the
+#   course library's. One cap applies to every bucket: the 1 MiB first bucket of lesson 07 §3
+#   does not apply here;
 # - a bucket is one flat buffer, so it holds **one dtype**; within it, the parameters are in
-#   the order their gradients arrive;
+#   the order of that walk;
 # - the buckets are in the order they become **complete** when the gradients arrive in that
 #   order (a bucket is complete once every one of its gradients has arrived): bucket 0 is the
 #   first that could go on the wire, so that a wrapper that sends the buckets in their order
@@ -73,12 +77,12 @@ torch.set_num_threads(1)
 # Decide from what the cap is for: it is the size at which DDP judges one message large enough
 # that its start-up cost (lesson 06's α) no longer matters. Each choice gives different buckets
 # of the check's three models of two and three dtypes; the check refuses the ones DDP's
-# reducer does not make and says what each costs.
+# rule does not make and says what each costs.
 #
 # ### Predict first: how many buckets?
 #
 # Before you write any code: the seven parameters below (two dtypes) and a 1 MiB cap. **How
-# many buckets does DDP's reducer make of them?** The number follows from the decision you
+# many buckets does DDP's rule make of them?** The number follows from the decision you
 # just made: write it in the cell, run it. Torch's own reducer function answers after part 1's
 # check, beside your `assign_buckets`.
 
@@ -218,8 +222,12 @@ lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 # ### Predict first: when does the bucket that fills first go?
 #
 # Before you write the wrapper: below is the check's model at its first cap, with the buckets
-# DDP's rule makes of it (your `assign_buckets` makes the same) and the order its forward uses
-# the layers. One backward hands your hooks its 8 gradients one at a time. **After how many
+# DDP's rule makes of its parameters walked reversed (your `assign_buckets` makes the same)
+# and the order its forward uses the layers. Real DDP would not keep these: after its first
+# backward it rebuilds its buckets in the order the gradients really arrived, which puts `out`
+# in bucket 0, so there no bucket fills out of order. Your wrapper's buckets are fixed before
+# any backward runs, as DDP's are when it never rebuilds (`find_unused_parameters=True`), so
+# it must cope with the order below. One backward hands your hooks its 8 gradients one at a time. **After how many
 # gradients have arrived will a wrapper that keeps this contract launch bucket 1's
 # all-reduce?** Write your number in the cell and run it; the measurement, on your own
 # `BucketedDDP`, comes after part 2's check.
