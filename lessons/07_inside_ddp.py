@@ -8,7 +8,7 @@
 # - turn lesson 03's "all-reduce after the backward" into hooks that launch an asynchronous
 #   all-reduce the moment each gradient is ready, and prove it equals DDP;
 # - group gradients into buckets, one flat buffer and one all-reduce each, and say why they
-#   are filled in reverse order;
+#   are filled in the order the gradients arrive;
 # - record and read a timeline of communication overlapping the backward, predict the step
 #   time from a model of overlap (forward, backward per layer, lesson 06's α-β cost) and test
 #   the prediction against a run with and without overlap, at every bucket size;
@@ -34,7 +34,8 @@
 #
 # All three live in `dpcourse.overlap`, the runs that test them in
 # `dpcourse.overlap_experiments`; every cell below shows the code it runs, or names the lesson
-# that showed it.
+# that showed it, except the figure builders of `dpcourse.viz`, which only draw the run's
+# numbers, and two small helpers of section 5's recorder, named there.
 
 # %% tags=["parameters"]
 world_size = None     # None: from the hardware profile (2 on the cpu profile)
@@ -121,14 +122,15 @@ for kind in ("after_backward", "per_parameter"):
 # whatever its size. DDP's answer is buckets.
 #
 # ## 3. Buckets: one flat buffer, one all-reduce per group of gradients
-# Buckets are filled in **reverse registration order**: the backward produces the last layer's
-# gradients first, so the first bucket is complete early and goes on the wire while the
-# backward is still busy. DDP's rule (its reducer's `compute_bucket_assignment_by_size`) walks
-# the parameters in the order their gradients arrive — for a model whose layers run in
-# registration order, the layers in reverse (within a layer, a `Linear`'s bias comes first, a
-# convolution's weight) — and closes a bucket by a size cap, `bucket_cap_mb`
-# MiB; what exactly closes one, parameters of several dtypes included, is lab 07's part 1, so
-# the rule is folded under the reference answer below.
+# Buckets are filled in the order the gradients **arrive**, roughly reverse registration
+# order: the backward produces the last layer's gradients first, so the first bucket is
+# complete early and goes on the wire while the backward is still busy. DDP's rule (its
+# reducer's `compute_bucket_assignment_by_size`) walks the parameters in the order their
+# gradients arrive — for a model whose layers run in registration order, the layers in
+# reverse (within a layer, a `Linear`'s bias comes first, a convolution's weight) — and
+# closes a bucket by a size cap, `bucket_cap_mb` MiB; what exactly closes one, parameters
+# of several dtypes included, is lab 07's part 1, so the rule is folded under the reference
+# answer below.
 #
 # **Lab 07, part 1 — now.** Before reading on, open
 # [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) and write `assign_buckets` by DDP's rule.
@@ -150,19 +152,20 @@ for kind in ("after_backward", "per_parameter"):
 # last. Walking from the other end groups the parameters differently. Our
 # `overlap.assign_buckets` makes the **rebuilt** buckets, walking the parameters reversed (so
 # a convolution's bias before its weight). Real DDP's own buckets, read from its reducer at
-# construction and after two steps, say where the two agree:
+# construction and after two steps, say where the two agree, and where they do not:
 
 # %%
 viz.show_code(experiments.ddp_buckets_worker)
 
 # %%
 mlp_cfg = experiments.OverlapConfig(model="wide_mlp", width=320, depth=64, global_batch=24)
+split_cap = 0.01    # MiB: a cap that falls between a Conv2d's weight and its bias
 settings = [(cfg, cap_mb, True), (cfg, cap_mb, False), (mlp_cfg, None, False),
-            (mlp_cfg, 25, False)]
+            (mlp_cfg, 25, False), (cfg, split_cap, False)]
 # show_output=False: DDP warns on the ranks' stderr that find_unused_parameters found nothing
 real = launch.spawn(experiments.ddp_buckets_worker, world_size, settings, backend="gloo",
                     timeout=120, show_output=False)[0]
-found_unused, rebuilt, default_cap, cap_25 = real
+found_unused, rebuilt, default_cap, cap_25, rebuilt_split = real
 cnn = cfg.build()
 cnn_names = {p: n for n, p in cnn.named_parameters()}
 ours = [[cnn_names[p] for p in b] for b in overlap.assign_buckets(list(cnn.parameters()), cap_mb)]
@@ -190,6 +193,14 @@ claim("in the same order layer by layer, but not within a layer: in DDP's rebuil
       and all(ddp_first[k] == ("weight" if kinds[k] == "Conv2d" else "bias") for k in ddp_first)
       and set(our_first.values()) == {"bias"} and "Conv2d" in {kinds[k] for k in ddp_first},
       ddp_first=ddp_first)
+ours_split = [[cnn_names[p] for p in b]
+              for b in overlap.assign_buckets(list(cnn.parameters()), split_cap)]
+claim(f"at {split_cap} MiB the two differ: DDP's rebuilt buckets do NOT hold the same parameters "
+      f"as assign_buckets', though both list the same layers in the same order (the split "
+      f"falls inside a Conv2d, whose weight and bias arrive in the other order)",
+      as_sets(rebuilt_split["after"]) != as_sets(ours_split)
+      and [n.rsplit(".", 1)[0] for n in sum(rebuilt_split["after"], [])]
+      == [n.rsplit(".", 1)[0] for n in sum(ours_split, [])])
 claim(f"find_unused_parameters=True, same model and cap: DDP's buckets, made at construction "
       f"from registration order and kept after two steps, are NOT assign_buckets'",
       found_unused["first"] == found_unused["after"]
@@ -1102,7 +1113,9 @@ viz.show_code(experiments.comm_hook_worker)
 # %% [markdown]
 # We count the bytes with the course's one recorder, `collectives.record_collectives` (lessons
 # 08, 10 and the lab checks use it too): inside the block each `torch.distributed` function is
-# a wrapper that notes the call and its bytes, then calls the real one, put back afterwards.
+# a wrapper that notes the call and its bytes, then calls the real one, put back afterwards
+# (not shown: `collectives._size`, which counts a tensor's bytes as `numel() *
+# element_size()`, and `Recorder.run`, which appends the call to the log before making it).
 # A comm hook calls `dist.all_reduce`, so it is seen; DDP's built-in all-reduce runs in C++ and
 # is not, hence torch's plain `allreduce_hook` in the "none" run. PowerSGD's count is
 # predicted from the shapes alone:
@@ -1245,10 +1258,12 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 #   then pays one message per parameter.
 # - A post-accumulate-grad hook can launch an asynchronous all-reduce the moment a gradient is
 #   ready; waiting on the handles before `optimizer.step()` keeps it correct — equal to DDP.
-# - Buckets, filled in reverse registration order and closed by a size cap (DDP's rule when
-#   it rebuilds its buckets — exactly where it closes one is lab 07's part 1 — proven equal to
-#   its own function and to real DDP's rebuilt buckets), send a few large messages instead of many small ones. DDP launches them strictly in bucket order, and can make the gradients views
-#   of the buckets.
+# - Buckets, filled in the order the gradients arrive (roughly reverse registration order)
+#   and closed by a size cap, send a few large messages instead of many small ones. Our walk
+#   of the parameters reversed is proven equal to DDP's own function (exactly where it closes
+#   a bucket is lab 07's part 1); real DDP's rebuilt buckets walk the true arrival order, so
+#   they held the same parameters as ours at the lesson's cap and not at 0.01 MiB. DDP
+#   launches them strictly in bucket order, and can make the gradients views of the buckets.
 # - Overlap is a prediction you can test: the early buckets' all-reduces run under the
 #   backward, and save at most min(B, C − C_last) — nothing with one bucket. At B / C ≳ 1 it
 #   hides all but the last bucket; below that it still saves up to B (section 4's simulated
@@ -1271,7 +1286,8 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 
 # %% jupyter={"source_hidden": true}
 viz.quiz([
-    {"q": "Why are buckets filled in reverse registration order?",
+    {"q": "Why does DDP fill its buckets in the order the gradients arrive (roughly reverse "
+          "registration order)?",
      "options": ["So the first layers are averaged first",
                  "The backward produces the last layers' gradients first, so the first bucket "
                  "is complete early and can be sent while the backward continues",
