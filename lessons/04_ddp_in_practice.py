@@ -173,8 +173,9 @@ claim(f"{len(hook)} of the {len(added)} '+' lines are section 3's crash hook (--
 # ranks started by `launch.spawn` (it starts faster: no agent, torch already imported), which
 # sets the six variables the script needs — `RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
 # `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` — and not the others torchrun's agent sets
-# (`TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_USE_AGENT_STORE`, `GROUP_RANK`, ...; torchrun also
-# sets `OMP_NUM_THREADS=1`): the script reads those two `TORCHELASTIC_` variables with a
+# (`TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_USE_AGENT_STORE`, `GROUP_RANK`, ...; torchrun
+# also sets `OMP_NUM_THREADS=1`, but only with `--nproc-per-node` above 1 and the variable
+# unset): the script reads those two `TORCHELASTIC_` variables with a
 # fallback (attempt 0, and `init_process_group`'s own store instead of the agent's), which is
 # the path taken here (the claim after the run). Sections 2 and 3 run the script under
 # torchrun itself.
@@ -313,9 +314,9 @@ claim(f"the model learns: the last epoch's mean loss is under 60% of ln 10 = {ma
 # %% [markdown]
 # ## 3. Checkpoints and fault tolerance
 #
-# The script saves `{model, optimizer, scaler, step}` every few steps — **on rank 0 only**
-# (every rank holds the same weights), **atomically** (`dp.save_checkpoint`: a temporary file,
-# then `os.replace`), and loads with `map_location` and `weights_only=True`. With
+# The script saves a checkpoint every few steps — **on rank 0 only** (every rank holds the
+# same weights), **atomically** (`dp.save_checkpoint`: a temporary file, then `os.replace`),
+# and loads with `map_location` and `weights_only=True`. With
 # `--max-restarts`, torchrun restarts *all* ranks when one dies; each finds the checkpoint and
 # resumes. Here rank 1 kills itself (SIGKILL) after step 11; the last checkpoint is step 8. The
 # run has the same arguments as the two-node run of section 2 (2 ranks, same seed), with the
@@ -385,10 +386,9 @@ viz.show(viz.torchrun_figure(agents, restart_log),
 viz.show_code(viz.torchrun_log)
 
 # %% [markdown]
-# The data order comes back unsaved: the loop starts at the saved step's epoch, `set_epoch`
-# gives the same permutation, and the batches already trained on are skipped
-# (`done_in_epoch`). What else the checkpoint holds, and how each rank gets it back, is close to
-# lab 04's stretch: those lines of `train_ddp.py` wait, folded, after the lab's pointer.
+# The checkpoint resumes the run at the saved step. What it holds, how the rest of the state
+# comes back, and how each rank gets it back are close to lab 04's stretch: those lines of
+# `train_ddp.py`, and what they restore, wait, folded, after the lab's pointer.
 #
 # **Where the restarted ranks meet.** The c10d rendezvous keeps one store for every round, and
 # the restarted workers join it again, so, by torch's source (Sources; not replayed here), the
@@ -1509,8 +1509,14 @@ display(Code("\n".join(difflib.unified_diff(
 # over disjoint images add up, fractions over shards of different sizes do not.
 
 # %% [markdown]
-# **▶ Compare after your stretch passes** (click the folded cell below): `train_ddp.py`'s resume
-# and save, which section 3 ran.
+# **▶ Compare after your stretch passes** (click the folded cells below): what section 3's
+# checkpoint holds, then `train_ddp.py`'s resume and save.
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The script saves `{model, optimizer, scaler, step}` and no random state: section 3's run
+# ended bit-identical without one. The data order comes back unsaved: the loop starts at the
+# saved step's epoch, `set_epoch` gives the same permutation, and the batches already trained
+# on are skipped (`done_in_epoch`).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 script_lines = train_ddp.read_text().splitlines()
