@@ -181,8 +181,10 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 # through one whenever the strategy uses merge calls (`ReplicaContextBase.all_reduce`), and so
 # does Keras' `apply_gradients`, which calls that `all_reduce`; `strategy.reduce` needs none, since it already runs in the cross-replica
 # context. **XLA** is TensorFlow's compiler (`tf.function(jit_compile=True)`): it compiles a
-# whole step into fused kernels. Merge calls happen while TF traces the step, and
-# MirroredStrategy skips them under XLA only when every one of its devices is a GPU
+# whole step into fused kernels. A merge call runs where the step runs: in a `tf.function`,
+# while TF *traces* it (its first call runs the Python code once, recording the TensorFlow
+# operations into a graph that later calls reuse); eagerly, at each call. MirroredStrategy
+# skips merge calls under XLA only when every one of its devices is a GPU
 # (`MirroredExtended._use_merge_call`, a policy flag); on CPUs it keeps them, XLA or not
 # (claimed below).
 #
@@ -347,7 +349,8 @@ claim("inside strategy.run, all_reduce(SUM) hands every replica the sum of all r
 def replica_0_skips_the_all_reduce():
     replica = tf.distribute.get_replica_context()
     mine = tf.cast(replica.replica_id_in_sync_group, tf.float32)
-    if replica.replica_id_in_sync_group == 0:   # a Python int: strategy.run is not compiled here
+    # the id is an eager int32 tensor here (in a tf.function, AutoGraph makes this if a tf.cond)
+    if replica.replica_id_in_sync_group == 0:
         return mine
     return replica.all_reduce(tf.distribute.ReduceOp.SUM, mine)
 
@@ -361,6 +364,9 @@ print("RuntimeError:", skipped)
 claim("under MirroredStrategy a replica that skips all_reduce makes strategy.run raise, not hang",
       n_replicas == 1 or "different number of replica_context().merge_call() calls" in skipped,
       error=skipped)
+id_dtypes = {t.dtype.name for t in strategy.experimental_local_results(strategy.run(
+    lambda: tf.distribute.get_replica_context().replica_id_in_sync_group))}
+claim("replica_id_in_sync_group is an int32 tensor", id_dtypes == {"int32"}, dtypes=id_dtypes)
 
 # %% [markdown]
 # ## Lab 05: the custom loop
@@ -497,8 +503,8 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # `"mean_with_sample_weight"` and weights, the slice's weight sum is the divisor);
 # `reduction="sum"` or `"none"` is not scaled (`reduce_values` in Keras' losses; claimed below).
 # So in a custom loop the default loss is already scaled, and code that divides it by the number
-# of replicas once more makes the step 1/N too small. (What an *empty* slice gives is lab 05
-# part 4's prediction: its own fold, after the claims below.)
+# of replicas once more makes the step 1/N too small. (What a Keras loss gives on an *empty*
+# slice has its own fold, after the claims below, with lab 05's prediction.)
 # The library's function for these rows:
 
 # %% [markdown]
@@ -581,22 +587,40 @@ claim("under the strategy the default reduction is the mean × 1/N, reduction='s
       "sum (to 1e-5 relative)", np.isclose(by["sum_over_batch_size"], total / 8 / n, rtol=1e-5)
       and np.isclose(by["sum"], total, rtol=1e-5), by=by, total=total)
 # %% [markdown]
-# **▶ After lab 05 part 4 (open once your prediction is checked)** (click the folded cell below;
-# its claims follow, folded too).
+# **▶ Lab 05's prediction (part 0), answered — open once part 4 has measured it** (click the
+# folded cell below; its claims follow, folded too).
 
 # %% [markdown] jupyter={"source_hidden": true}
-# A replica whose slice is **empty** (the last step of an epoch can leave one so) is caught by a
-# test on the *static* shape: Keras' `reduce_values` returns a value whose shape is known to be
-# `(0,)` untouched. So eagerly an empty slice gives an empty tensor of shape `(0,)`. Inside a
-# `tf.function` (as in `fit` and in a compiled `strategy.run` step: the Python code runs once
-# to record a graph, with the batch dimension left unknown; more at the end of this section)
-# the test does not fire, and the empty sum, divided with `divide_no_nan`, gives a scalar 0.0
-# (both claimed below).
+# An epoch's last step of **one** sample, distributed by `experimental_distribute_dataset`:
+# replica 0 gets the sample, every other replica an **empty** slice, and `strategy.run` calls
+# `step_fn` on each of them — none sits the step out (claimed below). A Keras loss on an empty
+# slice is caught by a test on the *static* shape: Keras' `reduce_values` returns a value
+# whose shape is known to be `(0,)` untouched. So eagerly an empty slice gives an empty tensor
+# of shape `(0,)`. Inside a `tf.function` (as in `fit` and in a compiled `strategy.run` step,
+# traced with the batch dimension left unknown) the test does not fire, and the empty sum,
+# divided with `divide_no_nan`, gives a scalar 0.0 (both claimed below).
 
 # %% [markdown]
-# **▶ Its claims — open after lab 05 part 4** (click the folded cell below).
+# **▶ Its claims — open once lab 05 part 4 has measured your prediction** (click the folded
+# cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
+one_sample = tf.data.Dataset.from_tensor_slices((xb[:1], yb[:1])).batch(global_batch)
+x_last, y_last = next(iter(strategy.experimental_distribute_dataset(one_sample)))
+sizes = [int(t.shape[0]) for t in strategy.experimental_local_results(x_last)]
+called_on = []   # the replica of every step_fn call
+
+
+def step_fn(x, y):
+    called_on.append(int(tf.distribute.get_replica_context().replica_id_in_sync_group))
+    return tf.shape(y)[0]
+
+
+strategy.run(step_fn, args=(x_last, y_last))
+claim("a last step of one sample: replica 0 holds it, every other replica an empty slice",
+      sizes == [1] + [0] * (n_replicas - 1), sizes=sizes)
+claim("strategy.run calls step_fn once on every replica, the empty ones included",
+      sorted(called_on) == list(range(n_replicas)), called_on=called_on)
 with strategy.scope():
     empty = sce(from_logits=True)(yb[:0], logits8[:0])
 claim("eagerly, on an empty slice the default reduction returns the empty value unscaled: "
@@ -627,8 +651,7 @@ viz.show_code(mirrored.per_replica_loss, mirrored.train_step)
 # **Proof, several steps:** `steps` SGD steps of the mirrored loop (its step: the folded
 # reference answer above) end with the same weights as one device on the same global batches.
 # (These weights are also the reference for the multi-worker run and for PyTorch below.) The
-# step is a `tf.function`: its first call *traces* it — runs the Python code once, recording the
-# TensorFlow operations into a graph that later calls reuse. While TF traces the step,
+# step is a `tf.function`, so its first call traces it (§2). While TF traces the step,
 # `mirrored.count_cross_device_calls` counts what reaches the two cross-device ops, so we also
 # see which one carried the gradients and which one the reported loss. It wraps the cross-device
 # ops' `reduce_implementation` and `batch_reduce_implementation` methods (the ones `reduce` and
@@ -702,8 +725,7 @@ claim("and so do the losses of every step (to 1e-5)",
 # `fit` does all of the above for you: build and compile inside `strategy.scope()`, pass a
 # dataset batched with the global batch, and Keras splits batches, scales the loss and
 # all-reduces the gradients. Its loss is a Keras loss object, so its scaling is the one
-# section 4's folded table measured — which is not lab 05 part 1's on every split (its part 1
-# works on the case where they part).
+# section 4's folded table measured.
 #
 # **▶ `fit` and regularisers (lab 05 part 1's penalty decision, answered) — open after your lab
 # passes** (click the folded cell below).
@@ -711,7 +733,8 @@ claim("and so do the losses of every step (to 1e-5)",
 # %% [markdown] jupyter={"source_hidden": true}
 # Each replica's Keras loss is its mean over its **own** slice, multiplied by
 # 1 / `num_replicas_in_sync`. That equals dividing by the global batch when every slice has the
-# same size, as here; on a partial last batch, where slices differ, the two differ.
+# same size, as here; on a partial last batch, where slices differ, the two differ — so it is
+# not lab 05 part 1's answer, which must hold on every split.
 #
 # Weight *regularisers* (e.g. `kernel_regularizer=`) add terms to `model.losses` that are
 # identical on every replica, so summed over N replicas they count N times. In a custom loop
@@ -972,7 +995,7 @@ print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF imp
 # | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split; `distribute_datasets_from_function`: each input pipeline feeds its replicas |
 # | batch size you set | per rank (`per_rank_batch`) | global for `experimental_distribute_dataset` and `fit`; for `distribute_datasets_from_function`: lab 05's stretch A |
 # | combining gradients | all-reduce **average**, in backward (buckets) | **sum** in `apply_gradients`: a collective all-reduce by default (`ReductionToOneDevice` if you ask) |
-# | so the loss must be | the rank's mean (`reduce_mean` semantics) | lab 05 part 1's answer (§4's folded table) |
+# | so the loss must be | the rank's mean (`reduce_mean` semantics) | the replica's summed losses ÷ the step's sample count (lab 05 part 1; when every step is full, that is `global_batch`: §4's folded table) |
 # | reporting the loss | `all_reduce` / rank 0 | `strategy.reduce(op, ...)`, the op chosen by what each replica returns (lab 05) |
 # | checkpoints | rank 0 saves `state_dict` | `tf.train.Checkpoint`: mirrored weights saved from their primary copy (multi-worker: every worker calls save; keep the chief's) |
 #
@@ -1037,12 +1060,14 @@ viz.show(fig, "from the same initial weights on the same batches, the two framew
 
 # %% [markdown]
 # The two training steps, as code. The differences are the table above in miniature: TF runs
-# the step through `strategy.run` and scales the loss as lab 05 part 1 does, because its
-# all-reduce sums; DDP hides its all-reduce in `backward()` and averages. The diff shows the
-# whole TF step — lab 05's answer — so it is folded.
+# the step through `strategy.run` and divides each replica's summed loss by a global batch
+# given in advance (`compute_average_loss`: right when every step is full; lab 05 part 1 is
+# told no batch size), because its all-reduce sums; DDP hides its all-reduce in `backward()`
+# and averages. The diff shows the whole TF step — most of lab 05 part 3's answer — so it is
+# folded.
 
 # %% [markdown]
-# **▶ The two steps as a diff (lab 05's answer) — open after your lab passes** (click the folded cell below).
+# **▶ The two steps as a diff (most of lab 05 part 3's answer) — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 import difflib
@@ -1082,11 +1107,13 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 #   for equal slices): dividing it again makes the step 1/N.
 # * Regularisation losses, the same on every replica, go through `scale_regularization_loss`.
 #
-# **▶ And lab 05's prediction, answered — open after your lab passes** (click the folded cell
-# below).
+# **▶ And lab 05's prediction (part 0), answered — open after your lab passes** (click the
+# folded cell below).
 
 # %% [markdown] jupyter={"source_hidden": true}
-# * A Keras loss object on an empty slice gives a `(0,)` tensor eagerly, a scalar 0.0 traced.
+# * In an epoch's last step of one sample, replica 0 holds it and every other replica runs
+#   `step_fn` on an empty slice (§4's fold measured it). A Keras loss object there gives a `(0,)`
+#   tensor eagerly, a scalar 0.0 traced.
 
 # %% [markdown]
 # ## Check yourself
@@ -1144,7 +1171,8 @@ viz.quiz([
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce`: called inside `strategy.run`, every replica passes a value of the same shape and gets back the combination of all of them; all replicas must make the call, in the same order.
 # - `tensorflow/python/data/ops/options.py` — `OptimizationOptions.inject_prefetch` and `map_parallelization` both "default to True": a prefetch after the final `batch`, and a parallel `map`.
 # - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.reduce` requires the cross-replica context (`_require_cross_replica_or_default_context_extended`) and calls `_reduce` → `reduce_to`, no merge call.
-# - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContext.merge_call`: replica-context code hands a function to the cross-replica context, which runs it once with all replicas' values.
+# - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContext.merge_call`: replica-context code hands a function to the cross-replica context, which runs it once with all replicas' values; `tensorflow/python/distribute/mirrored_run.py` — `_MirroredReplicaContext._merge_call` records whether it was entered eagerly (`merge_call_entered_in_eager`), and `_call_for_each_replica` runs the merge function eagerly when it was entered eagerly (at each call), in the graph being traced otherwise.
+# - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.replica_id_in_sync_group`: "Returns: a `Tensor`" (an int32 constant); `tensorflow/python/autograph/operators/control_flow.py` — `if_stmt`: in a `tf.function`, an `if` on a tensor is staged as a `tf.cond` (`_tf_if_stmt`).
 # - `tensorflow/python/distribute/cross_device_ops.py` — `ReductionToOneDevice.reduce_implementation` (copy to one device, `add_n`, broadcast back), `CollectiveAllReduce`, `NcclAllReduce`.
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
 # - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`; `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.build` adds variables only for EMA or gradient accumulation.
@@ -1168,6 +1196,7 @@ viz.quiz([
 # %% [markdown] jupyter={"source_hidden": true}
 # #### Sources (lab 05's answers)
 #
+# - `tensorflow/python/distribute/input_lib.py` — `DistributedDataset._make_rebatch_fn`: each global batch is cut into one batch per replica (`dataset.rebatch` with `batch_sizes_for_worker`, or `_LegacyRebatchDataset` in `tensorflow/python/data/experimental/ops/distribute.py`, whose docstring shows a replica getting `[]`); `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: one thread per replica, each calling the function.
 # - `keras/src/losses/loss.py` — `reduce_values`: a value whose static shape is `(0,)` or `()` is returned unreduced and unscaled (traced with an unknown batch dimension, an empty value is summed and divided with `divide_no_nan`: 0.0).
 # - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__`: the `iteration` counter and the `learning_rate` variable are created by the constructor, not by `build`.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size`; `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
