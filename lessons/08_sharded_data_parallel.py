@@ -198,13 +198,17 @@ viz.show_code(zero.Zero1, zero.Zero2)
 # Is it right? Every stage trains the same small MLP from the same start, on the same shards
 # of the same batches, next to torch's `DistributedDataParallel` with the full Adam — in fp32,
 # where the weights must agree to float rounding. The same launch also runs FSDP2 and
-# `ZeroRedundancyOptimizer`, met in section 6. `prepare_run` builds each run; the "torch DDP"
-# reference is DDP with a *comm hook* (`allreduce_hook`), so that its all-reduce goes through
-# `torch.distributed` where section 5 can record it.
+# `ZeroRedundancyOptimizer`, met in section 6, where `prepare_run` and `train_run` are shown
+# whole. Every run trains in `train_run`'s loop below (its byte counts are section 5's):
 
 # %%
-viz.show_code(experiments.ZeroConfig, experiments.prepare_run, experiments.TorchRun,
-              experiments.train_run, experiments.equality_worker)
+import inspect
+import textwrap
+
+viz.show_code(experiments.ZeroConfig, experiments.equality_worker)
+train_source = inspect.getsource(experiments.train_run)
+viz.show_code(textwrap.dedent(train_source[train_source.index("    for X, y in cfg.batches"):
+                                           train_source.index("    held = count_bytes")]))
 
 # %%
 cfg = experiments.ZeroConfig(steps=steps)
@@ -481,7 +485,9 @@ viz.show(viz.zero_tradeoff_figure(
     {s: {n: memory[n][s]["total"] for n in sweep} for s in stages},
     {s: {n: volume[n][s] * (n - 1) / n for n in sweep} for s in stages}),
     "The trade-off in one picture: each stage saves memory that grows with N; only ZeRO-3 pays "
-    "for it, with half as much traffic again.")
+    "for it, with half as much traffic again — in bytes, with weights and gradients in one "
+    "dtype (with bf16 weights and fp32 gradients, the cell above: ZeRO-3 1.0× DDP, ZeRO-1/2 "
+    "0.75×).")
 
 # %% [markdown]
 # What traffic means in time depends on the network (lesson 06's α-β model) and on whether
@@ -492,16 +498,16 @@ viz.show(viz.zero_tradeoff_figure(
 # computes, its full weights and its full gradient are both alive (and, with prefetching, the
 # next layer's full weights). Once its gradients are complete the weights go before the
 # reduce-scatter (section 4), so a layer being reduce-scattered no longer costs its weights.
-# Its gradient counts twice for a moment: like `flatten_padded` in section 3, FSDP2's
-# `foreach_reduce` reduce-scatters a padded flat copy of the gradients. So where the
-# reduce-scatter overlaps the next layer's backward (FSDP2's aim on a GPU), the working set
-# is one or two blocks' weights and gradients plus such copies, on top of 16Ψ/N.
+# So where the reduce-scatter overlaps the next layer's backward (FSDP2's aim on a GPU), the
+# working set is one or two blocks' weights and gradients plus whatever the reduce-scatters
+# in flight keep alive, on top of 16Ψ/N.
 #
-# **▶ When FSDP2 makes that copy, how long it lives and how many it keeps in flight — open
-# after your lab passes** (it is lab 08's design decision, made by torch; click the folded
-# cell below).
+# **▶ What FSDP2's reduce-scatter keeps alive, for how long, and how many it keeps in
+# flight — open after your lab passes** (it is lab 08's design decision, made by torch; click
+# the folded cell below).
 
 # %% [markdown] jupyter={"source_hidden": true}
+# A layer's gradient counts twice for a moment: like `flatten_padded` in section 3,
 # `foreach_reduce` copies the gradients into a padded full-size buffer, the reduce-scatter's
 # input, before it drops them (`_fsdp_collectives.py` lines 597-606), and that buffer lives
 # until its reduce-scatter ends — by default one earlier layer's may still be in flight
@@ -642,9 +648,10 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
 # gathers a group the way our `Zero3` does, from a hook registered on the forward's output
 # tensors. After the backward it does not hook each parameter: it wraps the module's *inputs*
 # in an autograd function whose backward runs when the whole module's backward is done, and
-# calls the group's `post_backward` (free, then reduce-scatter, as section 4's `Zero3`) — where an input
-# requires a gradient. The first `Linear` here gets the data, which requires none: no such
-# function is applied, and its reduce-scatter runs from the root's final callback, a function
+# calls the group's `post_backward` (free, then reduce-scatter, as section 4's `Zero3`). FSDP2
+# applies it only to inputs that require a gradient (`_register_post_backward_hook` returns
+# early when it finds none). The first `Linear` here gets the data, which requires none, so
+# FSDP2 applies no such function, and its reduce-scatter runs from the root's final callback, a function
 # the root queues for the end of the whole backward (`_root_post_backward_final_callback` runs
 # `post_backward` for every group the backward did not reach).
 #
@@ -711,6 +718,14 @@ claim(f"with {k} micro-batches per step every non-root unit is all-gathered 2k =
       counts == {"all_gather": 2 * k * units_count + k, "reduce_scatter": k * (units_count + 1)})
 claim(f"the volume per optimizer step is {k} × that of one forward and backward",
       accumulated["traffic"][-1]["by_op"] == {op: k * v for op, v in by_op.items()})
+
+# %% [markdown]
+# Section 3's launch, whole: `prepare_run` builds each run (the "torch DDP" reference has a
+# *comm hook*, `allreduce_hook`, so that section 5 could record its all-reduce), and
+# `train_run` trains and weighs it.
+
+# %%
+viz.show_code(experiments.prepare_run, experiments.TorchRun, experiments.train_run)
 
 # %% [markdown]
 # `torch.distributed.optim.ZeroRedundancyOptimizer` is torch's ready ZeRO-1 for DDP: wrap the

@@ -104,7 +104,7 @@ claim(f"written out, one attention over s = {seq_demo} tokens saves tensors of s
 viz.show_code(planner.Transformer, planner.activation_bytes_per_layer)
 
 # %% [markdown]
-# GPT-3 175B (96 layers, width 12288, 96 heads, sequences of 2048 tokens) at the smallest
+# GPT-3 175B (its shape printed below) at the smallest
 # possible batch, one sequence per GPU, with lesson 08's calculator `zero.fits` given those
 # activations and ZeRO-3's working set (two layers' 16-bit weights, one computing and one
 # prefetched, and one layer's 16-bit gradient: 12d² parameters a layer). Units: GB is 10⁹
@@ -120,13 +120,16 @@ act_batch1 = gpt3.layers * planner.activation_bytes_per_layer(gpt3, micro_batch=
 act_flash = gpt3.layers * planner.activation_bytes_per_layer(gpt3, micro_batch=1,
                                                              flash_attention=True)
 matrix_share = 5 * gpt3.heads * gpt3.seq_len / gpt3.hidden
+print(f"{gpt3.name}: {gpt3.layers} layers, width {gpt3.hidden}, {gpt3.heads} heads, "
+      f"sequences of {gpt3.seq_len} tokens, a vocabulary of V = {gpt3.vocab} (the "
+      "Megatron-LM paper's, section 5.1)")
 print(f"{gpt3.name}: Ψ = {gpt3.num_params / 1e9:.1f} B parameters; activations at batch 1: "
       f"{act_batch1 / gb:.0f} GB per GPU with the attention matrix stored (5·a·s/d = "
       f"{matrix_share:.0f} of the {34 + matrix_share:.0f} units), {act_flash / gb:.0f} GB with "
       "flash attention")
 gpu = 80 * 2**30                                 # an "80-GB" A100: 85.9e9 bytes
-# ZeRO-3: two layers' weights, one's gradient (a lower bound: FSDP2 briefly copies that
-# gradient once more, zero.fits's docstring above)
+# ZeRO-3: two layers' weights, one's gradient (a lower bound: what the reduce-scatters in
+# flight keep alive comes on top, zero.fits's docstring above)
 working = 12 * gpt3.hidden ** 2 * (2 + 2 + 2)
 ns = (8, 64, 512, 4096)
 for n in ns:
@@ -690,11 +693,10 @@ bubble_explorer = viz.explorer(
     description="pipeline bubble explorer (stages, micro-batches)")
 
 # %% [markdown]
-# Now for real, on 4 ranks. Each stage runs its schedule with `run_stage`, folded below: the
-# lab's stretch asks you to write one GPipe step and to measure its bubble. A measured
-# timeline's bubble is `measured_bubble`'s idle share, shown below: it is the formula the stretch's contract
-# states for its `bubble`, so only the step itself stays folded. Our CPU ranks would fight over the machine's
-# cores, so each forward also sleeps `delay_s` (each backward twice that): a stand-in for an
+# Now for real, on 4 ranks. Each stage runs its schedule with `run_stage`, and a measured
+# timeline's bubble is `measured_bubble`'s idle share of it: both folded below, since the
+# lab's stretch asks you to write one GPipe step and to measure its bubble. Our CPU ranks
+# would fight over the machine's cores, so each forward also sleeps `delay_s` (each backward twice that): a stand-in for an
 # accelerator, which computes without taking a CPU core. Every (schedule, M) runs in one
 # launch and is compared with the unsplit model on the whole batch — the model, its cut into
 # stages, the data and the reference:
@@ -702,15 +704,15 @@ bubble_explorer = viz.explorer(
 # %%
 viz.show_code(pipeline_parallel.make_mlp, pipeline_parallel.split_stages,
               pipeline_parallel.micro_batches, pipeline_parallel.sample_batch, pipeline_parallel.mse_loss,
-              pipeline_parallel.reference_step, pipeline_parallel.measured_bubble)
+              pipeline_parallel.reference_step)
 
 # %% [markdown]
-# **▶ One stage's loop and its launcher (the lab's stretch) — open after your lab passes**
-# (click the folded cell below).
+# **▶ One stage's loop, its launcher and the measured bubble (the lab's stretch) — open after
+# your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(pipeline_parallel.run_stage, pipeline_parallel.pipeline_worker,
-              pipeline_parallel.run_pipeline)
+              pipeline_parallel.run_pipeline, pipeline_parallel.measured_bubble)
 
 # %% [markdown]
 # The two claims below rest on these lines, read from the source: `pipeline_worker` counts
@@ -813,16 +815,16 @@ viz.show(viz.pipeline_gantt_figure(
 # storage once (a Linear saves its input, which is the activation before it saved too) and
 # leaves the weights out, so it counts a micro-batch's activations and nothing else. The last
 # stage also keeps its loss's inputs, so it holds more per micro-batch. Below it, the lines
-# of `run_stage` that count, read from its source: a forward adds micro-batch m to `held`
-# with its saved bytes, its backward pops it.
+# of `run_stage` that count, read from its source: `held` has one entry per micro-batch
+# between its forward and its backward, its saved bytes last (`h[2]`; the rest is in the
+# folded `run_stage` above), and after each forward the peaks are updated.
 
 # %%
 import inspect
 
 viz.show_code(pipeline_parallel.saved_bytes_counter)
 counting = [line[12:] for line in inspect.getsource(pipeline_parallel.run_stage).splitlines()
-            if any(key in line for key in ("held[m] = (", "record.peak", "sum(h[2]",
-                                           "= held.pop(m)"))]
+            if any(key in line for key in ("record.peak", "sum(h[2]"))]
 viz.show_code("\n".join(counting))
 
 # %%
@@ -1010,15 +1012,15 @@ for r in options[:6] + [pub]:
     print(f"{r['tp']:5d} {r['pp']:3d} {r['dp']:4d} {r['micro_batches']:4d}  {r['stage']:>10}"
           f"  {r['total_bytes'] / gb:6.1f}  {r['time_s']:6.1f}  {r['tp_messages']:7d}"
           f" {r['tp_bytes'] / gb:6.0f}  {r['pp_messages']:7d} {r['pp_bytes'] / gb:6.1f}"
-          f"  {r['dp_messages']:7d} {r['dp_bytes'] / gb:6.1f}  {r['bubble']:7.3f}")
+          f"  {r['dp_messages']:7d} {r['dp_bytes'] / gb:6.1f}  {r['idle_over_work']:7.3f}")
 print("(M: micro-batches per step per pipeline; messages and GB per GPU per step)")
 print("(last row: the published configuration)")
 claim(f"the last column is the pipeline's idle time over its working time, (p−1)/M: the step "
       f"lasts M + p − 1 slots for M of work, so the compute is stretched by 1 + (p−1)/M. "
       f"Section 3's bubble is the idle share of the step, (p−1)/(M+p−1): for the published "
-      f"row 7/{pub['micro_batches']} = {pub['bubble']:.3f} over work, "
+      f"row 7/{pub['micro_batches']} = {pub['idle_over_work']:.3f} over work, "
       f"7/{pub['micro_batches'] + 7} = {pub['idle_share']:.3f} of the step",
-      all(math.isclose(r["bubble"] / (1 + r["bubble"]), r["idle_share"])
+      all(math.isclose(r["idle_over_work"] / (1 + r["idle_over_work"]), r["idle_share"])
           and math.isclose(r["idle_share"], pipeline_parallel.ideal_bubble(r["pp"],
                                                                            r["micro_batches"]))
           for r in options))
@@ -1027,7 +1029,7 @@ best_per_t = {t: min((r for r in options if r["tp"] == t), key=lambda r: r["time
 for t, r in best_per_t.items():
     print(f"best for t = {t}: {r['time_s']:5.1f} s — p = {r['pp']:2d}, D = {r['dp']:4d}, "
           f"{r['stage']:>5}, M = {r['micro_batches']:3d} micro-batches per pipeline, "
-          f"(p−1)/M = {r['bubble']:.2f}, {r['total_bytes'] / gb:.0f} GB")
+          f"(p−1)/M = {r['idle_over_work']:.2f}, {r['total_bytes'] / gb:.0f} GB")
 times = [r["time_s"] for r in best_per_t.values()]
 claim(f"over the tensor sizes the planner tries (those dividing one node's "
       f"{cluster.gpus_per_node} GPUs: Megatron-LM's takeaway is the planner's input here, not "
@@ -1077,7 +1079,7 @@ shown = list(best_per_t.values()) + [pub]
 labels = [f"best t = {r['tp']}: p = {r['pp']}, D = {r['dp']}, {r['stage']}"
           for r in best_per_t.values()] + [f"published: t = {pub['tp']}, p = {pub['pp']}, "
                                            f"D = {pub['dp']}, {pub['stage']}"]
-fill = [r["compute_s"] * r["bubble"] for r in best_per_t.values()]
+fill = [r["compute_s"] * r["idle_over_work"] for r in best_per_t.values()]
 claim("every configuration computes the same flops in the same time; what the best row of "
       f"each t loses to the pipeline's fill and drain falls as t grows: "
       f"{', '.join(f'{s:.1f}' for s in fill)} s",

@@ -50,7 +50,7 @@ def test_a_row_by_hand():
     row = planner.plan_row(GPT3, A100, 8, 16, 1536)
     assert (row["dp"], row["micro_batches"]) == (12, 128)
     assert row["state_bytes"] == GPT3.num_params / 128 * 16
-    assert row["bubble"] == 15 / 128
+    assert row["idle_over_work"] == 15 / 128
     assert row["tp_messages"] == 6 * 128 * 6             # 6 layers, 128 micro-batches, 6 each
     assert row["pp_messages"] == 2 * 128
     assert row["dp_messages"] == math.ceil(GPT3.num_params / 128 * 2 / (25 * 2**20))   # buckets
@@ -141,12 +141,12 @@ def test_plan_keeps_tensor_groups_inside_a_node():
     assert {r["tp"] for r in rows} == {1, 2, 4, 8}
 
 
-def test_the_bubble_column_is_idle_over_work_and_its_idle_share_is_lesson_3s():
+def test_the_idle_over_work_column_is_p_minus_1_over_m_and_its_idle_share_is_lesson_3s():
     row = planner.plan_row(planner.GPT_145B, A100, 8, 8, PUB["global_batch"])
     m, p = row["micro_batches"], 8
-    assert m == 96 and row["bubble"] == (p - 1) / m
+    assert m == 96 and row["idle_over_work"] == (p - 1) / m
     assert math.isclose(row["idle_share"], (p - 1) / (m + p - 1))
-    assert math.isclose(row["bubble"] / (1 + row["bubble"]), row["idle_share"])
+    assert math.isclose(row["idle_over_work"] / (1 + row["idle_over_work"]), row["idle_share"])
 
 
 def test_table_1s_measured_rate_is_below_the_planners_upper_bound():

@@ -22,9 +22,9 @@ with t·p·D GPUs it computes, per GPU (d is the model's width throughout):
 * **an estimated step time**: compute (``6Ψ`` flops per token, ``8Ψ`` with recomputation, at a
   stated fraction of the GPU's peak) stretched by the pipeline's fill and drain: a step of m
   micro-batches on p stages lasts ``m + p − 1`` slots of which each stage works m, so the
-  compute is multiplied by ``1 + (p−1)/m`` (the row's ``bubble``: idle time over working
-  time; the idle share of the step, ``(p−1)/(m+p−1)``, is lesson 11 §3's bubble and the row's
-  ``idle_share``), plus every byte sent at its link's bandwidth (ring all-reduces: 2(n−1)/n
+  compute is multiplied by ``1 + (p−1)/m`` (the row's ``idle_over_work``: idle time over
+  working time; the idle share of the step, ``(p−1)/(m+p−1)``, is lesson 11 §3's bubble and
+  the row's ``idle_share``), plus every byte sent at its link's bandwidth (ring all-reduces: 2(n−1)/n
   of the buffer), with nothing overlapped — an estimate at that assumed efficiency (not a
   bound: a run that reaches more of the peak, or overlaps its messages, is faster), good for
   ranking, not a prediction. A dimension whose groups stay inside a node (ranks are laid out tensor first,
@@ -217,15 +217,15 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     dp_link = cluster.intra_bw if within_nodes(n, g) else cluster.inter_bw
     flops = (8 if recompute else 6) * psi * global_batch * model.seq_len
     compute_s = flops / (n * cluster.peak_flops * cluster.efficiency)
-    bubble = (pp - 1) / m                             # idle over working time
-    time_s = (compute_s * (1 + bubble) + tp_bytes / tp_link + pp_bytes / pp_link
+    idle_over_work = (pp - 1) / m                     # idle over working time
+    time_s = (compute_s * (1 + idle_over_work) + tp_bytes / tp_link + pp_bytes / pp_link
               + dp_bytes / dp_link)
     return {"tp": tp, "pp": pp, "dp": dp, "stage": stage, "micro_batches": m,
             "state_bytes": state, "activation_bytes": activations, "working_bytes": working,
             "total_bytes": total, "fits": total <= cluster.gpu_bytes,
             "tp_messages": tp_msgs, "tp_bytes": tp_bytes, "pp_messages": pp_msgs,
             "pp_bytes": pp_bytes, "dp_messages": dp_msgs, "dp_bytes": dp_bytes,
-            "bubble": bubble, "idle_share": (pp - 1) / (m + pp - 1), "tp_link": tp_link,
+            "idle_over_work": idle_over_work, "idle_share": (pp - 1) / (m + pp - 1), "tp_link": tp_link,
             "compute_s": compute_s, "time_s": time_s}
 
 

@@ -93,12 +93,9 @@ def fits(num_params: int, device_bytes: float, world_size: int, activation_bytes
     not shrink with N (each rank still runs its whole micro-batch), so leave room for them.
     With ZeRO-3 ``activation_bytes`` must also cover its working set, which does not shrink
     with N either: the full (unsharded) weights of the unit computing, of the unit being
-    prefetched, and the computing unit's full gradient before its reduce-scatter. In FSDP2
-    that gradient counts twice for a moment: ``foreach_reduce`` copies it into a second,
-    padded full-size buffer (the reduce-scatter input) and only then drops the gradients
-    (torch 2.14, ``_fsdp_collectives.py`` lines 597, 603, 606); that buffer lives until its
-    reduce-scatter is done, and by default one earlier unit's buffer may still be in flight
-    (``reduce_scatter_max_input_buffers = 1``, ``_fsdp_param_group.py`` line 113).
+    prefetched, and the computing unit's full gradient before its reduce-scatter, plus
+    whatever the reduce-scatters in flight keep alive (FSDP2's choice: lesson 08, §5, folded
+    until lab 08 passes).
 
     Shown in lesson 08, §7; lesson 11, §1.
     """

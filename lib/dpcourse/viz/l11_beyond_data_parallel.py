@@ -341,7 +341,7 @@ def planner_figure(rows, labels, gpu_gb: float, cluster):
         pp_link = cluster.intra_bw if within_nodes(r["tp"] * r["pp"], g) else cluster.inter_bw
         dp_link = cluster.intra_bw if within_nodes(n, g) else cluster.inter_bw
         parts = (("compute", r["compute_s"], "#7f7f7f"),
-                 ("pipeline fill and drain", r["compute_s"] * r["bubble"], "#c7c7c7"),
+                 ("pipeline fill and drain", r["compute_s"] * r["idle_over_work"], "#c7c7c7"),
                  ("tp transfers", r["tp_bytes"] / r["tp_link"], "#d62728"),
                  ("pp transfers", r["pp_bytes"] / pp_link, "#9467bd"),
                  ("dp transfers", r["dp_bytes"] / dp_link, "#8c564b"))
