@@ -1015,6 +1015,10 @@ for r in options[:6] + [pub]:
           f"  {r['dp_messages']:7d} {r['dp_bytes'] / gb:6.1f}  {r['idle_over_work']:7.3f}")
 print("(M: micro-batches per step per pipeline; messages and GB per GPU per step)")
 print("(last row: the published configuration)")
+claim("TP msgs = (layers / p) × M × 6: with recomputation (every row here) a layer makes 6 "
+      "tensor-parallel all-reduces per micro-batch (their split by pass is folded above)",
+      all(r["tp_messages"] == model.layers // r["pp"] * r["micro_batches"] * 6
+          for r in options if r["tp"] > 1) and any(r["tp"] > 1 for r in options))
 claim(f"the last column is the pipeline's idle time over its working time, (p−1)/M: the step "
       f"lasts M + p − 1 slots for M of work, so the compute is stretched by 1 + (p−1)/M. "
       f"Section 3's bubble is the idle share of the step, (p−1)/(M+p−1): for the published "
