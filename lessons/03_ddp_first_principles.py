@@ -14,7 +14,7 @@
 # - say which BatchNorm statistics each rank uses and rank 0 saves, and why;
 # - shard data with `DistributedSampler` and say what forgetting `set_epoch` does.
 #
-# **Time:** about 60 minutes to read and run, and about 30 more for the lab.
+# **Time:** about 65 minutes to read and run, and about 30 more for the lab.
 #
 # **Lab:** [lab03_ddp_first_principles](../labs/lab03_ddp_first_principles.ipynb) — write
 # `average_gradients`, a DDP-free data-parallel step, and the average over shards of unequal
@@ -36,7 +36,9 @@
 # Every multi-process cell goes through `dpcourse.launch.spawn`. The hello cell, the four
 # collectives, the core comparison (DDP, one process, and the hand-averaged step) and DDP's
 # initial broadcast use the backend that `dpcourse.devices` picks: gloo with 2 ranks on the CPU
-# here; nccl with one GPU per rank on a multi-GPU machine, where they print and prove the same.
+# here; nccl with one GPU per rank on a multi-GPU machine, where they are written to print and
+# prove the same (checked on the CPU profile only: the stored outputs are its, and the NCCL path
+# has not been run on a multi-GPU machine).
 # The internals sections — 3 ranks, the buckets and their timeline, `static_graph`, the buffers
 # — always run gloo on the CPU, whatever the machine, because they look at DDP's bookkeeping.
 # What NCCL does differently there (its all-reduce runs on the GPU, asynchronously) is read from
@@ -75,9 +77,11 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # ## Processes, ranks, rendezvous
 # Each process is a **rank** `0 … world_size−1`. To talk, they first meet at a **rendezvous**:
 # here a TCP **store** (a small key-value server through which the ranks swap the addresses
-# they need to connect) at `MASTER_ADDR:MASTER_PORT` that rank 0 hosts. The **backend** is the
-# library that moves the bytes: **gloo** (a collective communication library from Meta; it
-# takes CPU tensors, and CUDA ones too) or **nccl** (NVIDIA's Collective Communications
+# they need to connect) at `MASTER_ADDR:MASTER_PORT`, which rank 0 hosts under `spawn` (under
+# `torchrun`, by default, the launcher's agent hosts it and every rank connects as a client). The
+# **backend** is the library that moves the bytes: **gloo** (a collective communication library
+# from Meta; it takes CPU tensors, and CUDA ones for some collectives only, such as all_reduce
+# and broadcast) or **nccl** (NVIDIA's Collective Communications
 # Library: GPU tensors only, one GPU per rank, much faster on GPUs). In every rank `spawn` sets
 # `MASTER_ADDR`, `MASTER_PORT`, `RANK` and `WORLD_SIZE` in the environment, then runs
 #
@@ -221,26 +225,32 @@ claim("training-mode BatchNorm: they differ by more than 1e-3",
 # it in `DDP`, and trains on its own contiguous shard of each global batch
 # (`global_batch_for_step` hands every process the same consecutive samples; `shard_of` cuts
 # rank r's share); after `loss.backward()` the gradients are already averaged over the ranks.
-# Next to it, the reference: one process on the whole global batch. (`setup_rank()` prepares
-# the process and returns the rank's device — `cuda:<rank>` under nccl, the CPU under gloo,
-# where it also limits the rank to its share of the cores — and on a GPU turns TF32 off, whose
-# ~1e-3 rounding would hide the 1e-5 agreement checked below; `rank_device()` only names the
-# device.)
+# Next to it, the reference: one process on the whole global batch. `setup_rank()`, shown
+# last, prepares the process and returns the rank's device (`cuda:<rank>` under nccl, the CPU
+# under gloo); on a GPU it turns TF32 off, whose ~1e-3 rounding would hide the 1e-5 agreement
+# checked below.
 
 # %%
 viz.show_code(ddp.make_model, ddp.global_batch_for_step, ddp.ddp_worker, ddp.shard_of,
-              ddp.single_process)
+              ddp.single_process, ddp.setup_rank)
 
 # %% [markdown]
 # **▶ `ddp.same_bits(a, b)`, which the claims below use: whether two float32 tensors are equal
 # bit for bit. Its code is part of an answer to lab 10's stretch: open it after that lab**
-# (click the folded cell below).
+# (click the folded cell below). Until then, the cell after it tests it as a black box: it
+# must refuse two tensors that differ in one element by one float (`torch.nextafter`, the
+# smallest step a float32 can take) and accept a copy.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(ddp.same_bits)
 
 # %%
 same_bits = ddp.same_bits
+probe = torch.randn(1000)
+one_float_off = probe.clone()
+one_float_off[500] = torch.nextafter(probe[500], torch.tensor(float("inf")))
+claim("same_bits accepts a copy and refuses a tensor one float away in one element of 1000",
+      same_bits(probe, probe.clone()) and not same_bits(probe, one_float_off))
 cfg = ddp.StepConfig(global_batch=global_batch, steps=steps, lr=lr, width=width, seed=seed)
 per_rank_batch = cfg.per_rank_batch(world_size)
 wrapped = launch.spawn(ddp.ddp_worker, world_size, cfg, backend=backend, timeout=120)
@@ -304,9 +314,13 @@ claim(f"weights after {steps} steps: hand-averaged == one process (to 1e-5)",
       max(max_diff(r["params"], single["params"]) for r in manual) < tol)
 claim("hand-averaged weights are bit-for-bit equal across the ranks (same_bits)",
       all(same_bits(manual[0]["params"], r["params"]) for r in manual))
+gap = max(max_diff(r["params"], single["params"]) for r in wrapped + manual)
+claim(f"{world_size} ranks: weights after {steps} steps == one process to 1e-5, not bit for bit "
+      f"(DDP and hand-averaged alike)", 0 < gap < tol, gap=gap)
 
 # %% [markdown]
-# Equal to 1e-5, not bit for bit, against the single process: summing the gradient
+# Equal to 1e-5, not bit for bit (the last claim: the gap is above 0), against the single
+# process: summing the gradient
 # in two halves and then adding rounds differently from summing it in one go. *Between ranks*,
 # though, the weights after the last step are identical to the last bit: every rank receives
 # the very same all-reduced numbers and applies the same update. Nobody sends weights after the
@@ -378,6 +392,10 @@ else:
 
 # %% [markdown]
 # ## How DDP does it
+# This section reads DDP's internals closely, and a few of its asides point ahead to lesson 04
+# (`no_sync()`, `Join`): on a first reading, follow the four steps, the claims and the
+# figures, and come back to those asides after lesson 04.
+#
 # Inside `DistributedDataParallel` the work is done by its **reducer**: a C++ object that owns
 # the gradient buckets and launches their all-reduces. It belongs to **c10d**, torch's C++
 # library for distributed communication (process groups, the store, the reducer), whose Python
@@ -1062,9 +1080,17 @@ viz.quiz([
 # - `torch/distributed/rendezvous.py` — `_env_rendezvous_handler`, `_create_c10d_store`: the
 #   `env://` rendezvous reads `MASTER_ADDR` and `MASTER_PORT` from the environment, and `RANK`
 #   and `WORLD_SIZE` only when `init_process_group` was not given `rank`/`world_size`; rank 0
-#   hosts the TCP store (`start_daemon = rank == 0`).
+#   hosts the TCP store (`start_daemon = rank == 0`) unless `_agent_store_serves(hostname,
+#   port)`: under torchrun (`TORCHELASTIC_USE_AGENT_STORE`, set by
+#   `torch/distributed/elastic/agent/server/local_elastic_agent.py` from the rendezvous
+#   handler's `use_agent_store`: always in `elastic/rendezvous/static_tcp_rendezvous.py`, unless
+#   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in `elastic/rendezvous/dynamic_rendezvous.py`) every
+#   rank is a client (`is_master=False`) of the agent's store.
 # - `torch/distributed/distributed_c10d.py` — `Backend.backend_capability`: gloo takes `cpu`
-#   and `cuda` tensors, nccl `cuda` only.
+#   and `cuda` tensors, nccl `cuda` only; it lists device types, not collectives: gloo's CUDA
+#   support per collective (broadcast and all_reduce yes; send/recv, all_gather, gather,
+#   scatter no) is read from PyTorch's backend table (`docs/source/distributed.rst` §
+#   Backends), which is not installed.
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — the comment above
 #   `class ProcessGroupNCCL`: "All NCCL functions provided by this class are asynchronous
 #   functions", and calls must come in the same order on all processes ("`WorkNCCL::wait()` or

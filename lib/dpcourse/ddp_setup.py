@@ -106,6 +106,8 @@ def setup_rank(device: torch.device | None = None,
     * on a GPU, TF32 is switched off for convolutions and matmuls: TF32 (on by default for
       cuDNN) rounds to ~1e-3, which would hide the float-tolerance equality lesson 03 proves
       against the CPU reference.
+
+    Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you".
     """
     import os
 
