@@ -199,7 +199,8 @@ viz.show_code(zero.Zero1, zero.Zero2)
 # of the same batches, next to torch's `DistributedDataParallel` with the full Adam — in fp32,
 # where the weights must agree to float rounding. The same launch also runs FSDP2 and
 # `ZeroRedundancyOptimizer`, met in section 6, where `prepare_run` and `train_run` are shown
-# whole. Every run trains in `train_run`'s loop below (its byte counts are section 5's):
+# whole. Every run trains in `train_run`'s loop below (its byte counts are section 5's;
+# `weigh`, which counts before each collective, is in section 6's listing):
 
 # %%
 import inspect
