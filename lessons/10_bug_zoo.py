@@ -19,8 +19,9 @@
 #
 # **Time:** about 70 minutes to read and run.
 #
-# **Lab:** [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb) — five broken scripts with bugs this
-# lesson does not show: name each bug and fix it.
+# **Lab:** [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb) — five broken scripts whose bugs are
+# not among this lesson's (some put an earlier lesson's rule to a new case): name each bug and
+# fix it.
 #
 # Every program below really runs, on 2 gloo ranks, under a short time limit: a hang costs a
 # few seconds and leaves nothing running. The broken programs live in `dpcourse.bugzoo`, one
@@ -224,7 +225,7 @@ claim("on gloo, with timeout=2 s, rank 0 raises 'Timed out' itself, in the call"
 # unless `init_process_group` was given a `device_id` (lesson 00). If bug 1's all-reduce *is*
 # that first collective, rank 0 blocks inside the call while the communicator is set up (in
 # blocking mode by default, `ProcessGroupNCCL::useNonblocking()` off), waiting for a rank that
-# never comes; no work is queued yet, so the watchdog below has nothing to time out. Once the
+# never comes; no work is queued yet, so the group's timeout has nothing to fire on. Once the
 # communicator exists (after DDP's constructor, whose broadcast is a collective, or with
 # `device_id`), an NCCL collective only queues work on the GPU's
 # stream and returns at once: Python goes on until something needs the result (a `.item()`,
@@ -880,7 +881,7 @@ claim("diagnose names five mistakes at their lines: no set_epoch (16), a barrier
 # %% [markdown]
 # ## Lab 10
 # Open [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb): five broken torchrun scripts with five
-# bugs this lesson did not show. For each, find the line and work out, from the script's own
+# bugs that are not among this lesson's. For each, find the line and work out, from the script's own
 # lines, the number its question asks for (what the script does) before any option is shown,
 # then name it, fix it, and let the check run your fix under torchrun; the stretch
 # has you write a replicas-in-sync detector with no blind spot and one verdict on every rank.
