@@ -150,9 +150,9 @@ for kind in ("after_backward", "per_parameter"):
 # (`_ddp_init_helper`; the comment beside it says so), and keeps those buckets for good — so
 # with a 1 MiB first cap, that small bucket holds the first-defined layers and is reduced
 # last. Walking from the other end groups the parameters differently. Our
-# `overlap.assign_buckets` makes the **rebuilt** buckets, walking the parameters reversed (so
-# a convolution's bias before its weight). Real DDP's own buckets, read from its reducer at
-# construction and after two steps, say where the two agree, and where they do not:
+# `overlap.assign_buckets` stands in for the **rebuilt** buckets, walking the parameters
+# reversed (so a convolution's bias before its weight). Real DDP's own buckets, read from its
+# reducer at construction and after two steps, say where the two agree, and where they do not:
 
 # %%
 viz.show_code(experiments.ddp_buckets_worker)
@@ -1258,12 +1258,11 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 #   then pays one message per parameter.
 # - A post-accumulate-grad hook can launch an asynchronous all-reduce the moment a gradient is
 #   ready; waiting on the handles before `optimizer.step()` keeps it correct — equal to DDP.
-# - Buckets, filled in the order the gradients arrive (roughly reverse registration order)
-#   and closed by a size cap, send a few large messages instead of many small ones. Our walk
-#   of the parameters reversed is proven equal to DDP's own function (exactly where it closes
-#   a bucket is lab 07's part 1); real DDP's rebuilt buckets walk the true arrival order, so
-#   they held the same parameters as ours at the lesson's cap and not at 0.01 MiB. DDP
-#   launches them strictly in bucket order, and can make the gradients views of the buckets.
+# - Buckets, filled in the order the gradients arrive and closed by a size cap (where exactly
+#   is lab 07's part 1), send a few large messages instead of many small ones. Our walk of the
+#   parameters reversed equals DDP's own function, and holds the same parameters per bucket as
+#   real DDP's rebuilt buckets at the lesson's cap, not at 0.01 MiB. DDP launches them strictly
+#   in bucket order, and can make the gradients views of the buckets.
 # - Overlap is a prediction you can test: the early buckets' all-reduces run under the
 #   backward, and save at most min(B, C − C_last) — nothing with one bucket. At B / C ≳ 1 it
 #   hides all but the last bucket; below that it still saves up to B (section 4's simulated
