@@ -1083,8 +1083,10 @@ viz.quiz([
 #   hosts the TCP store (`start_daemon = rank == 0`) unless `_agent_store_serves(hostname,
 #   port)`: under torchrun (`TORCHELASTIC_USE_AGENT_STORE`, set by
 #   `torch/distributed/elastic/agent/server/local_elastic_agent.py` from the rendezvous
-#   handler's `use_agent_store`: always in `elastic/rendezvous/static_tcp_rendezvous.py`, unless
-#   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in `elastic/rendezvous/dynamic_rendezvous.py`) every
+#   handler's `use_agent_store`: True always in
+#   `torch/distributed/elastic/rendezvous/static_tcp_rendezvous.py`, and unless
+#   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in
+#   `torch/distributed/elastic/rendezvous/dynamic_rendezvous.py`) every
 #   rank is a client (`is_master=False`) of the agent's store.
 # - `torch/distributed/distributed_c10d.py` — `Backend.backend_capability`: gloo takes `cpu`
 #   and `cuda` tensors, nccl `cuda` only; it lists device types, not collectives: gloo's CUDA
