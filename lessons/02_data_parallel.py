@@ -108,10 +108,12 @@ for b, n in ((6, 4), (2, 3), (batch, n_devices)):
 # in its `forward` (below), the copies' gradients coming back in its `backward` — and
 # `replicate` points each copy of the module at its own copies of the weights. How the
 # `backward` combines what the copies received is what lab 02 asks you to work out for plain
-# copies, so its code waits, folded, below the lab's pointer at the end of this lesson:
+# copies, and what `replicate` gives each copy besides its weights (the module's buffers) is
+# its part 5, so the code of both waits, folded, below the lab's pointer at the end of this
+# lesson:
 
 # %%
-viz.show_code(dp.Broadcast.forward, dp.replicate)
+viz.show_code(dp.Broadcast.forward)
 
 # %%
 replicas = dp.replicate(model, devs)
@@ -124,14 +126,13 @@ claim("the original weight is a leaf; the replica's copy is not (autograd links 
 claim("the replica's copy holds the same numbers as the original", torch.equal(w0, w_rep))
 
 # %% [markdown]
-# **Replica 0 is not a copy.** It lives on the module's own device, and there it *shares* the
-# module's storage: its weights are views of the original tensors (still with the broadcast as
-# their `grad_fn`) and its buffers *are* the module's buffers. Torch's `replicate` does the same,
-# and `nn.DataParallel`'s documentation promises it: in-place updates made during the forward on
-# replica 0 are recorded in the module, those on the other replicas are lost with them. The
-# in-place update that matters is BatchNorm's: its *running* mean and variance (buffers, updated
-# by every training-mode forward) end up computed from **device 0's chunk alone**. A small
-# BatchNorm model shows it:
+# **Replica 0 is not a copy.** It lives on the module's own device, and there its weights are
+# views of the original tensors (still with the broadcast as their `grad_fn`); torch's
+# `replicate` does the same. What a replica's forward does to the module's *buffers*, and what
+# of it reaches the module, is lab 02's part 5, so torch's rule waits, folded, with the
+# sources at the end. One case is shown here, the one that matters most: BatchNorm's
+# *running* mean and variance (buffers, updated by every training-mode forward) end up
+# computed from **device 0's chunk alone**. A small BatchNorm model shows it:
 
 # %%
 w_rep0 = next(replicas[0].parameters())
@@ -611,10 +612,11 @@ claim("parallel_apply passes the caller's mode on: under no_grad no replica reco
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below): the
 # whole `Broadcast`, whose `backward` section 2 left out: what it does with the gradients the
-# copies received.
+# copies received; and `replicate`, which section 2 ran: what each copy gets of the module's
+# buffers.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(dp.Broadcast)
+viz.show_code(dp.Broadcast, dp.replicate)
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below): how
@@ -720,9 +722,8 @@ viz.quiz([
 #   `device_ids` → `self.module(*inputs)`; otherwise `self.scatter` first, then with one device
 #   the module on it (no `replicate`: what `real_data_parallel` observes); otherwise
 #   `replicate(self.module, self.device_ids[:len(inputs)])` (fewer devices when the batch gives
-#   fewer chunks), `parallel_apply`, `gather` on `output_device` (device 0 by default). The class
-#   docstring's warning: the replica on `device[0]` shares parameters and buffers with the module,
-#   so in-place updates there (BatchNorm's) are recorded and the others' are lost.
+#   fewer chunks), `parallel_apply`, `gather` on `output_device` (device 0 by default). (What
+#   the class docstring says of replica 0's buffers is lab 02's part 5: folded at the end.)
 # - `torch/nn/parallel/replicate.py` — `replicate`: parameters go through `Broadcast.apply`
 #   (differentiable), buffers that need no gradient through `comm.broadcast_coalesced`
 #   (detached); each replica module is made by `Module._replicate_for_data_parallel`
@@ -752,10 +753,14 @@ viz.quiz([
 #   `register_forward_pre_hook`, `register_forward_hook` (its forwards).
 
 # %% [markdown]
-# **▶ The sources of `parallel_apply`'s threads and of the broadcast's backward — open after
-# your lab passes** (click the folded cell below).
+# **▶ The sources of `parallel_apply`'s threads, of the broadcast's backward and of what
+# survives a replica — open after your lab passes** (click the folded cell below).
 
 # %% [markdown] jupyter={"source_hidden": true}
+# - `torch/nn/parallel/data_parallel.py` — the `DataParallel` class docstring's warning: the
+#   replica on `device[0]` shares parameters and buffers with the module, so in-place updates
+#   made there during the forward (BatchNorm's) are recorded in the module, and those on the
+#   other replicas are lost.
 # - `torch/nn/parallel/_functions.py` — `Broadcast.backward` is `ReduceAddCoalesced.apply`,
 #   which calls `comm.reduce_add_coalesced` (the gradients are summed onto the source device).
 # - `torch/nn/parallel/comm.py` — `reduce_add`: `nccl.reduce(...)` when

@@ -250,7 +250,7 @@ def replicate(module: nn.Module, devices) -> list[nn.Module]:
     buffers, and their updates are lost when the replicas are dropped. Called every step, as the
     real one is.
 
-    Shown in lesson 02, §2.
+    Shown in lesson 02, §"Lab 02: DataParallel's step by hand".
     """
     devs = _as_devices(devices)
     if not isinstance(module, nn.Module):
