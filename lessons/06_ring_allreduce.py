@@ -208,7 +208,8 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 #
 # The ring's bandwidth term is flat in N; its latency term grows with N. The binomial tree's
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
-# its bandwidth term is K·log N (the figure labels it "binomial tree (unpipelined)"). So, in
+# its bandwidth term is K·log N (the figure labels it "binomial tree (unpipelined)": its message
+# is not *pipelined*, cut into pieces that travel one behind another, §4). So, in
 # the model: a ring for big gradients; for small messages, a tree among the algorithms that need
 # no extra machine (the parameter server, next, can be cheaper still there: checked below) —
 # and Rabenseifner's at least as cheap as ring and tree when N is a power of
@@ -292,16 +293,16 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 # ## 3. α and β of this machine
 #
 # Now measure. We time `dist.all_reduce` on float32 tensors from 1 KiB to 16 MiB with 2 and 4
-# ranks (gloo over *loopback* TCP — the machine's internal network interface, 127.0.0.1 — on
-# this machine) and fit the ring model t = 2(N−1)α + 2(N−1)/N·Kβ by least squares on
+# ranks (gloo over *loopback* TCP, the machine's internal network interface 127.0.0.1) and
+# fit the ring model t = 2(N−1)α + 2(N−1)/N·Kβ by least squares on
 # *relative* error (a 1 KiB point counts as much as a 16 MiB one). The formula is a **model**
 # of gloo, not a description we checked: gloo's C++ is compiled into torch and not among the
 # installed Python files. Its public source (`gloo/allreduce.cc`, function `ring`) implements a
 # segmented ring — a reduce-scatter then an all-gather. Each chunk travels as **at least two
 # segments** of at most 1 MiB (`kMaxSegmentSize`; the segment count is rounded up to a multiple
 # of N, and at least 2N), pipelined. So one step of the model is two or more of gloo's
-# messages, and the **α fitted here is a cost per ring step**, not
-# per message; it is the number the model's 2(N−1)α needs.
+# messages: the **α fitted here is a cost per ring step**, not per message, the number the
+# model's 2(N−1)α needs.
 #
 # Two things on a small shared machine are not in that formula, and we handle both:
 #
@@ -580,21 +581,21 @@ claim("the explorer's figure is drawn with the α and β fitted and printed in �
 # step for step, on real processes: it flattens the tensor and cuts it with the same chunking.
 # Every message goes to rank+1 or comes from rank−1, and the order of the calls matters: if
 # every rank first called a blocking `dist.send` and only then `dist.recv`, each send waits for
-# a receive nobody has posted yet — a deadlock. With gloo, this course's backend, it hangs at **every** size: lab 06's check runs
-# exactly this mistake (measured from 1 element to 16 Mi elements) and stops it with a timeout.
-# On other transports it can be worse hidden: MPI libraries send small messages *eagerly* (the
+# a receive nobody has posted yet — a deadlock. With gloo, this course's backend, it hangs even
+# on a tiny tensor: lab 06 part 4 runs exactly this mistake (12 elements, 3 ranks) and stops it
+# with a timeout. On other transports it can be worse hidden: MPI libraries send small messages *eagerly* (the
 # *eager protocol*: the message is copied into a buffer at the receiver, so the blocking send
 # returns before any receive is posted), so there such a ring works on tiny tensors and hangs
 # on big ones. Correct code relies on neither. How to order a step's messages so that no rank
 # can wait forever, and no step's transfers wait for one another, is lab 06's design decision;
 # the library's answer is folded after the lab pointer.
 #
-# The library's ring is also *pipelined* — when a chunk is larger than its segment size,
-# 4 MiB by default: then it cuts each chunk into segments so that the wire and the additions
-# work at the same time. This lesson's chunks are no larger, and travel whole, except the 16 MiB
-# tensor's on 2 ranks (two segments); gloo always cuts a chunk into at least two segments (§3).
-# So below, an unpipelined ring meets a pipelined one. Which messages the library's ring keeps
-# in flight, and when, is the question of lab 06's stretch; the answer is folded after the lab pointer.
+# The library's ring is also pipelined: it cuts each chunk larger than its segment size (4 MiB
+# by default) into segments, so that the wire and the additions work at the same time. This
+# lesson's chunks are no larger, and travel whole, except the 16 MiB tensor's on 2 ranks (two
+# segments); gloo always cuts a chunk into at least two segments (§3). So below, an
+# unpipelined ring meets a pipelined one. Which messages the library's ring keeps in flight,
+# and when, is lab 06's stretch; its answer is in the same fold.
 #
 # Is it right? Compare it with `dist.all_reduce` on random shapes and dtypes, on 2 and 4 ranks:
 
@@ -709,21 +710,20 @@ if world_size == 2:
 #
 # The measurement above timed our ring too (same sizes, same ranks, taking turns rep by rep).
 # `dist.all_reduce` is gloo's compiled C++; ours is Python issuing 2(N−1) steps of messages.
-# Which is faster is measured here, not assumed. The table reports *bus bandwidth* as nccl-tests (NVIDIA's benchmark for collectives) defines it,
-# busbw = (K / t)·2(N−1)/N — the rate each link must sustain — so numbers for different N
-# compare; "ring÷built-in" is the ring's bus bandwidth divided by the built-in's (higher is
-# better for the ring). Because the two took turns, each repetition gives a *pair* that saw the
-# same machine; the last column is the ratio pair by pair: its median, its quartiles [q1–q3]
-# (the middle half of the pairs) and its range. On a loaded machine single pairs swing widely,
-# so the sentences under the table call a difference only when three quarters of a size's
-# pairs agree — that row's q1 > 1 (the ring) or q3 < 1 (the built-in) — and "no clear
-# difference" otherwise: one verdict per size, never pooled over sizes (pooling can hide that
-# they disagree), computed from this run.
+# Which is faster is measured here, not assumed. The table reports *bus bandwidth* in MB/s as
+# nccl-tests (NVIDIA's benchmark for collectives) defines it, busbw = (K / t)·2(N−1)/N — the
+# rate each link must sustain — so numbers for different N compare; "ring÷built-in" divides
+# the two busbw medians (higher is better for the ring). Each repetition timed both, a *pair*
+# that saw the same machine; the last column is the ratio pair by pair: median, quartiles
+# [q1–q3] and range. The two ratio columns can disagree on a row (a ratio of medians is not the
+# median of the ratios): the verdicts under the table read the last column only, calling a
+# difference when three quarters of a size's pairs agree — q1 > 1 (the ring) or q3 < 1 (the
+# built-in) — and "no clear difference" otherwise; one verdict per size, never pooled.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: timings depend on the machine and its load.
-print(bench.format_table(table))
+print(bench.format_table(table, busbw_unit="MB/s"))
 for n in fit_world_sizes:
     by_verdict = {}  # each size's verdict, from its own row's quartiles as the table shows them
     for r in (r for r in table if r.world_size == n):
@@ -898,14 +898,15 @@ viz.quiz([
     {"q": "Every rank calls a blocking dist.send to its right neighbour, then dist.recv from its "
           "left. What happens?",
      "options": ["It always works",
-                 "It depends on the transport: with gloo it hangs at every size; an MPI library "
+                 "It depends on the transport: with gloo it hangs even on tiny tensors; an MPI library "
                  "that sends small messages eagerly lets it work on tiny tensors and hang on big ones",
                  "It hangs only on big tensors, whatever the transport"],
      "answer": 1,
      "why": ["Only if every send were buffered; with gloo none is.",
-             "Right (lab 06 measured gloo); correct code must not rely on a send being buffered: "
+             "Right (lab 06 part 4 shows gloo hang on 12 elements); correct code must not rely on a "
+             "send being buffered: "
              "lab 06 has you decide how.",
-             "With gloo it hangs on a single element too: lab 06's check measured it."]},
+             "With gloo it hangs on 12 elements too: lab 06 part 4 runs it."]},
     {"q": "Your fitted α is 50 µs and 1/β is 2 GB/s. For 1 KB messages, what dominates a ring "
           "all-reduce over 8 ranks?",
      "options": ["the latency term 2(N−1)α", "the bandwidth term", "neither: they are equal"],

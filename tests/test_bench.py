@@ -66,6 +66,15 @@ def test_table_format():
     assert "per pair" not in text
 
 
+def test_table_prints_small_bus_bandwidths_in_mb_per_s():
+    row = bench.AllreduceRow(2, 1024, 1e-3, 2e-3, 1e6, 5e5)   # 1 MB/s and 0.5 MB/s
+    text = bench.format_table([row], busbw_unit="MB/s")
+    assert "busbw MB/s" in text and "GB/s" not in text and "1.0" in text and "0.5" in text
+    assert "0.001" in bench.format_table([row])   # the default stays GB/s
+    with pytest.raises(ValueError, match="busbw_unit"):
+        bench.format_table([row], busbw_unit="kB/s")
+
+
 def _per_rank(ring_times, builtin_times, nbytes=1024):
     return [{"ring": {nbytes: list(ring_times)}, "all_reduce": {nbytes: list(builtin_times)}}]
 

@@ -232,18 +232,26 @@ def run_allreduce_bench(sizes: Sequence[int] = DEFAULT_SIZES, world_sizes: Seque
     return rows
 
 
-def format_table(rows: Sequence[AllreduceRow]) -> str:
+_BUSBW_UNITS = {"GB/s": (1e9, 3), "MB/s": (1e6, 1)}   # unit: (bytes/s per unit, decimals)
+
+
+def format_table(rows: Sequence[AllreduceRow], busbw_unit: str = "GB/s") -> str:
     """The table; the per-pair column is printed only when every row has per-rep ratios (rows
-    from :func:`summarize_allreduce`), so it is never announced and left blank."""
+    from :func:`summarize_allreduce`), so it is never announced and left blank. ``busbw_unit``
+    is "GB/s" or "MB/s" (MB/s keeps small messages' bus bandwidth from printing as 0.000)."""
+    if busbw_unit not in _BUSBW_UNITS:
+        raise ValueError(f"busbw_unit must be one of {sorted(_BUSBW_UNITS)}, got {busbw_unit!r}")
+    scale, decimals = _BUSBW_UNITS[busbw_unit]
     per_pair = all(r.ratio_median is not None for r in rows)
-    head = (f"{'ranks':>5} {'size':>9} | {'ring ms':>9} {'busbw GB/s':>10} | "
-            f"{'all_reduce ms':>13} {'busbw GB/s':>10} | {'busbw ring÷built-in':>19}"
+    bw_head = f"busbw {busbw_unit}"
+    head = (f"{'ranks':>5} {'size':>9} | {'ring ms':>9} {bw_head:>10} | "
+            f"{'all_reduce ms':>13} {bw_head:>10} | {'busbw ring÷built-in':>19}"
             + (f" {'per pair: median [q1-q3] (min-max)':>36}" if per_pair else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
         line = (f"{r.world_size:>5} {format_size(r.nbytes):>9} | {r.ring_s * 1e3:>9.3f} "
-                f"{r.ring_busbw / 1e9:>10.3f} | {r.all_reduce_s * 1e3:>13.3f} "
-                f"{r.all_reduce_busbw / 1e9:>10.3f} | {r.ratio:>19.2f}")
+                f"{r.ring_busbw / scale:>10.{decimals}f} | {r.all_reduce_s * 1e3:>13.3f} "
+                f"{r.all_reduce_busbw / scale:>10.{decimals}f} | {r.ratio:>19.2f}")
         if per_pair:
             q1 = r.ratio_q1 if r.ratio_q1 is not None else r.ratio_min
             q3 = r.ratio_q3 if r.ratio_q3 is not None else r.ratio_max

@@ -7,10 +7,13 @@ posts and waits, the memory a non-blocking receive writes into) and any built-in
 When the ranks hang, the markers they leave say which blocking call each was in, and the
 deadlock is named by its cause (every rank in ``dist.send``, or every rank in ``dist.recv``);
 when a rank crashes, the first message whose two ends disagree on its size is named. Measured
-with gloo (torch 2.14, CPU): two ranks that both call a blocking ``dist.send`` first hang at
-*every* size tried, from 1 element to 16 Mi elements (gloo's send waits for the matching
-receive); a second ``wait()`` on the same ``Work`` never returns (:class:`_WatchedWork` names
-it instead). :func:`demo_ring` runs part 4's given code and explains how it ended.
+with gloo (torch 2.14.1, CPU) while writing this module, not by it: two ranks that both call a
+blocking ``dist.send`` first were both still blocked after 40 s with a float32 tensor of 1
+element and one of 16 Mi elements (gloo's send waits for the matching receive). The checks
+meet a deadlock on their first case only, 12 elements (``_REAL_CASES[0]``), and
+:func:`demo_ring` runs the blocking order there, on 3 ranks. A second
+``wait()`` on the same ``Work`` never returns (:class:`_WatchedWork` names it instead).
+:func:`demo_ring` runs part 4's given code and explains how it ended.
 """
 
 from __future__ import annotations
