@@ -995,7 +995,7 @@ print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF imp
 # | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split; `distribute_datasets_from_function`: each input pipeline feeds its replicas |
 # | batch size you set | per rank (`per_rank_batch`) | global for `experimental_distribute_dataset` and `fit`; for `distribute_datasets_from_function`: lab 05's stretch A |
 # | combining gradients | all-reduce **average**, in backward (buckets) | **sum** in `apply_gradients`: a collective all-reduce by default (`ReductionToOneDevice` if you ask) |
-# | so the loss must be | the rank's mean (`reduce_mean` semantics) | the replica's summed losses ÷ the step's sample count (lab 05 part 1; when every step is full, that is `global_batch`: §4's folded table) |
+# | so the loss must be | the rank's mean (`reduce_mean` semantics) | scaled so that the replicas' SUM is one device's gradient (lab 05 part 1; for full steps ÷ `global_batch`, §4's folded table) |
 # | reporting the loss | `all_reduce` / rank 0 | `strategy.reduce(op, ...)`, the op chosen by what each replica returns (lab 05) |
 # | checkpoints | rank 0 saves `state_dict` | `tf.train.Checkpoint`: mirrored weights saved from their primary copy (multi-worker: every worker calls save; keep the chief's) |
 #
