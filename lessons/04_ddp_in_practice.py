@@ -174,11 +174,10 @@ claim(f"{len(hook)} of the {len(added)} '+' lines are section 3's crash hook (--
 # sets the six variables the script needs — `RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
 # `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` — and not the others torchrun's agent sets
 # (`TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_USE_AGENT_STORE`, `GROUP_RANK`, ...; torchrun
-# also sets `OMP_NUM_THREADS=1`, but only with `--nproc-per-node` above 1 and the variable
-# unset): the script reads those two `TORCHELASTIC_` variables with a
-# fallback (attempt 0, and `init_process_group`'s own store instead of the agent's), which is
-# the path taken here (the claim after the run). Sections 2 and 3 run the script under
-# torchrun itself.
+# also sets `OMP_NUM_THREADS=1` if unset and `--nproc-per-node` > 1): the script reads those
+# two `TORCHELASTIC_` variables with a fallback (attempt 0, and `init_process_group`'s own
+# store instead of the agent's), which is the path taken here (the claim after the run).
+# Sections 2 and 3 run the script under torchrun itself.
 
 
 # %%
@@ -386,9 +385,8 @@ viz.show(viz.torchrun_figure(agents, restart_log),
 viz.show_code(viz.torchrun_log)
 
 # %% [markdown]
-# The checkpoint resumes the run at the saved step. What it holds, how the rest of the state
-# comes back, and how each rank gets it back are close to lab 04's stretch: those lines of
-# `train_ddp.py`, and what they restore, wait, folded, after the lab's pointer.
+# What the checkpoint holds, and how each rank gets the rest back, is close to lab 04's
+# stretch: those lines of `train_ddp.py` wait, folded, after the lab's pointer.
 #
 # **Where the restarted ranks meet.** The c10d rendezvous keeps one store for every round, and
 # the restarted workers join it again, so, by torch's source (Sources; not replayed here), the
@@ -1509,14 +1507,13 @@ display(Code("\n".join(difflib.unified_diff(
 # over disjoint images add up, fractions over shards of different sizes do not.
 
 # %% [markdown]
-# **▶ Compare after your stretch passes** (click the folded cells below): what section 3's
-# checkpoint holds, then `train_ddp.py`'s resume and save.
+# **▶ Compare after your stretch passes** (click the folded cells below): section 3's
+# checkpoint, then `train_ddp.py`'s resume and save.
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The script saves `{model, optimizer, scaler, step}` and no random state: section 3's run
-# ended bit-identical without one. The data order comes back unsaved: the loop starts at the
-# saved step's epoch, `set_epoch` gives the same permutation, and the batches already trained
-# on are skipped (`done_in_epoch`).
+# It holds `{model, optimizer, scaler, step}`, no random state (section 3's run ended
+# bit-identical without one). The data order is not saved: the loop restarts at the saved
+# step's epoch, `set_epoch` deals the same permutation, `done_in_epoch` skips what was done.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 script_lines = train_ddp.read_text().splitlines()

@@ -34,8 +34,8 @@
 #
 # All three live in `dpcourse.overlap`, the runs that test them in
 # `dpcourse.overlap_experiments`; every cell below shows the code it runs, or names the lesson
-# that showed it, except the figure builders of `dpcourse.viz`, which only draw the run's
-# numbers, and two small helpers of section 5's recorder, named there.
+# that showed it, except `dpcourse.viz`'s figure builders and two small helpers of section
+# 5's recorder, named there.
 
 # %% tags=["parameters"]
 world_size = None     # None: from the hardware profile (2 on the cpu profile)
@@ -1122,9 +1122,9 @@ viz.show_code(experiments.comm_hook_worker)
 # %% [markdown]
 # We count the bytes with the course's one recorder, `collectives.record_collectives` (lessons
 # 08, 10 and the lab checks use it too): inside the block each `torch.distributed` function is
-# a wrapper that notes the call and its bytes, then calls the real one, put back afterwards
-# (not shown: `collectives._size`, which counts a tensor's bytes as `numel() *
-# element_size()`, and `Recorder.run`, which appends the call to the log before making it).
+# a wrapper that notes the call and its bytes (`collectives._size`: `numel() *
+# element_size()`), then calls the real one (`Recorder.run`, which also logs it), put back
+# afterwards.
 # A comm hook calls `dist.all_reduce`, so it is seen; DDP's built-in all-reduce runs in C++ and
 # is not, hence torch's plain `allreduce_hook` in the "none" run. PowerSGD's count is
 # predicted from the shapes alone:
@@ -1208,9 +1208,8 @@ print(f"This run: error feedback ended {'lower' if gap > 0 else 'higher'} than P
 #
 # ## 6. What DDP adds that we skipped
 # - **The first-iteration rebuild** (section 3, lesson 03): DDP rebuilds its buckets in the
-#   order the first backward's gradients really arrived (unless `find_unused_parameters`
-#   without `static_graph`),
-#   the first capped at 1 MiB only when `bucket_cap_mb` is left at `None`.
+#   order the first backward's gradients really arrived, which our fixed buckets only
+#   approximate.
 # - **Unused parameters.** A bucket with a parameter that gets no gradient is never complete
 #   unless something marks that parameter ready. Ours says so instead of hanging; DDP marks
 #   with `find_unused_parameters=True` (a graph walk after every forward: the unused set may
