@@ -677,22 +677,6 @@ def test_idle_prediction_counts_the_learners_scatter(fn, value, verdict, phrase,
     assert f"— {verdict}." in out and phrase in out, out
 
 
-@pytest.mark.parametrize("value, verdict", [("running statistics only", "right"),
-                                            ("both", "not what happened")])
-def test_copy_prediction_is_measured_and_explained(value, verdict, capsys):
-    from dpcourse.checks import predict
-
-    guess = predict("lab02", "what a deep copy of a model carries", value,
-                    choices=lab02.COPY_CARRIES)
-    lab02.check_copy_prediction(guess)
-    out = " ".join(capsys.readouterr().out.split())
-    assert f"measured: running statistics only — {verdict}." in out, out
-    assert "Parameter.__deepcopy__" in out, out
-    # what deepcopy does to .grad, and no further: what part 4 must then do is the learner's
-    for said in ("whatever the model held", "p.grad is None", "fresh copy", "So "):
-        assert said not in out.split("measured:")[-1], (said, out)
-
-
 def test_the_lab_names_part_5_as_its_decision_and_part_4_lists_no_candidate_rule():
     from pathlib import Path
 
@@ -711,11 +695,6 @@ def test_the_lab_names_part_5_as_its_decision_and_part_4_lists_no_candidate_rule
     assert "as\n# `nn.DataParallel(model)` would leave them" in part5, part5
     for told in ("in place", "in-place", "persistent=False, which", "dropped"):
         assert told not in part5.split("**The contract.**")[1], (told, part5)
-
-
-def test_deepcopy_leaves_parameter_grads_behind():
-    # the fact the prediction is built on, in the installed torch
-    assert lab02.deepcopy_carries() == "running statistics only"
 
 
 def step_subtracting_what_copies_never_held(model, X, y, n):
