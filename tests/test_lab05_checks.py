@@ -509,6 +509,21 @@ def test_accuracy_over_the_nominal_size_on_the_short_last_step(strategy):
             "accuracy before the update is 1.0000") in msg, msg
 
 
+def step_counts_averaged(strategy, model, optimizer, dist_batch):
+    # hits summed, but the replicas' sample counts combined with MEAN
+    step = make_step(loss_right)
+    loss, acc = step(strategy, model, optimizer, dist_batch)
+    return loss, acc * strategy.num_replicas_in_sync   # hits / (counts summed / N)
+
+
+def test_sample_counts_averaged_are_named(strategy):
+    with pytest.raises(LabCheckError) as err:
+        lab05.check_train_step(step_counts_averaged, make_right, strategy)
+    msg = " ".join(str(err.value).split())
+    assert "added up and divided by the mean (MEAN) of their sample counts (slices of 6+2: " \
+           "8/2), where one device divides by their sum, the step's 8 samples" in msg, msg
+
+
 def test_an_empty_replicas_own_mean_is_named_on_the_short_step(strategy):
     # right on every split where each replica holds a sample; the short last step leaves one
     # empty, whose own mean is 0/0

@@ -60,6 +60,13 @@ _HOW = {
         "the replicas' counts of correct predictions ({parts} of slices of {split} samples) "
         "added up and never divided by the {gb} samples of the step.",
         "Divide the summed statistic once by the step's sample count."),
+    "counts_mean": (
+        "the replicas' correct predictions over the mean of their sample counts",
+        "the replicas' correct predictions ({parts}) added up and divided by the mean (MEAN) of "
+        "their sample counts (slices of {split}: {gb}/{n}), where one device divides by their "
+        "sum, the step's {gb} samples: counts add up over the replicas, and averaging them "
+        "divides by the {n} replicas once more.",
+        "Combine the replicas' sample counts with the operation that adds them."),
     "replica0": (
         "replica 0's value alone",
         "replica 0's value alone, not a reduction over the {n} replicas.",
@@ -84,6 +91,7 @@ def _wrong_reductions(of, slices, gb: int, what: str) -> dict:
         out["mean_of_means"] = float(np.mean(means))
     if what == "accuracy":
         out["count"] = float(of.sum())
+        out["counts_mean"] = float(of.sum()) / (gb / len(slices))
     else:
         out["replica0_share"] = shares[0]
     return out
@@ -95,7 +103,7 @@ def _name_reduction(what, got, fmt, want_is, when, how, of, slices, gb):
     how = "replica0" if how == "replica0_share" else how
     parts = [_mean(of[s]) for s in slices] if how in ("sum_of_means", "mean_of_means") \
         else [float(of[s].sum()) / (gb if how == "mean_of_shares" else 1) for s in slices]
-    pfmt = ".0f" if how == "count" else fmt   # a count of correct predictions is whole
+    pfmt = ".0f" if how in ("count", "counts_mean") else fmt   # a count of correct predictions is whole
     fields = dict(what=what, n=n, gb=gb, split="+".join(str(len(s)) for s in slices),
                   parts=" + ".join(f"{p:{pfmt}}" for p in parts) if how == "sum_of_means"
                   else ", ".join(f"{p:{pfmt}}" for p in parts),
