@@ -58,7 +58,7 @@ devices.seed_everything(seed)
 # %% [markdown]
 # ## The data
 #
-# The default data set, `shapes10`, is made from a seed in well under a second: 32×32 colour
+# The default data set, `shapes10`, is made from a seed when it is loaded: 32×32 colour
 # images in 10 classes (discs, rings, squares, stripes in four directions, ...), at random places,
 # sizes and colours, over noisy backgrounds. It has CIFAR-10's shape, so every line of this
 # course runs on CIFAR-10 too; unlike CIFAR-10 it needs no download and a small CNN learns it
@@ -117,6 +117,14 @@ print("X", tuple(X.shape), "-> logits", tuple(logits.shape))
 claim("the loss is a scalar (one number for the whole batch)", loss.dim() == 0)
 claim("after backward every parameter has a gradient",
       all(p.grad is not None for p in model.parameters()))
+
+# %% [markdown]
+# **▶ `models.SmallCNN`**, the model this lesson trains: three convolutions (padding 1, so each
+# keeps its input's height and width until the pooling after it), then two linear layers, with
+# a dropout between them (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(models.SmallCNN)
 
 # %% [markdown]
 # The move people forget: **`.grad` accumulates**. `backward()` *adds* to whatever is already
@@ -186,11 +194,16 @@ for h in history:
           f"{h['samples_per_s']:.0f} samples/s")
 rates_per_epoch = [h["samples_per_s"] for h in history]
 close = 1.25   # this lesson's one threshold: two rates of the same work within 1.25x are "close"
-spread = max(rates_per_epoch) / min(rates_per_epoch)
-print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same work per epoch: "
-      + (f"steady on this run (within {close}x)." if spread < close else "something else was using the machine, "
-         "or (on a GPU) the first epoch paid for one-time warm-up (kernel selection, memory "
-         "allocation)."))
+# On a GPU a slowest first epoch is one-time warm-up (kernel selection, memory allocation):
+# there the later epochs alone are compared.
+warm_up = device.type == "cuda" and int(np.argmin(rates_per_epoch)) == 0
+compared = rates_per_epoch[1:] if warm_up else rates_per_epoch
+spread = max(compared) / min(compared)
+print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
+      + (" after the first (GPU warm-up)" if warm_up else "") + ", for the same work per epoch: "
+      + (f"steady on this run (within {close}x)." if spread < close else
+         f"more than {close}x, so something else was using the machine: this run's timings are "
+         "contaminated, and the timing cells below give no verdict from it."))
 
 # %% [markdown]
 # ## Throughput, and where the time goes
@@ -213,7 +226,8 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x, for the same wor
 # - **The verdict.** `train.compare_rates` compares two batch sizes round by round and says
 #   "faster" or "slower" only when one won every round, or all but one of five (one outlier
 #   round does not decide), and "no clear difference" otherwise (`train.rate_verdict` is that
-#   rule). The sentences under the figure are computed from it.
+#   rule). The sentences under the figure are computed from it — or withheld, when the same
+#   work ran at rates more than 1.25x apart in this run (a busy machine, not a batch size).
 # - **The clock.** `ThroughputMeter` (folded below, with `make_loaders` and `fit`) synchronizes
 #   a GPU before reading the clock: CUDA runs asynchronously, and without the sync you would
 #   time how fast Python *queues* work.
@@ -271,39 +285,15 @@ claim("every batch size was measured five times", all(len(r) == 5 for r in measu
 for bs in batch_sizes:
     print(f"batch {bs:4d}: median {rates[bs]:7.0f} samples/s  (runs: "
           + ", ".join(f"{r:.0f}" for r in measured[bs]) + ")")
-slowest, fastest = min(rates, key=rates.get), max(rates, key=rates.get)  # by median
-print(f"On this {device.type}, this run: " + train.compare_rates(
-    f"batch {slowest}", measured[slowest], f"batch {fastest}", measured[fastest]))
 largest = max(batch_sizes)
 # the output of the first convolution: its channels at the image's full height and width
+# (its padding of 1 keeps them: SmallCNN, folded in "One step, taken apart")
 first_conv = models.SmallCNN().features[0]
 images = sample_batches[largest][0][0]
+claim("SmallCNN's first convolution keeps the image's height and width",
+      first_conv(images[:1]).shape[-2:] == images.shape[-2:])
 conv_mb = {bs: bs * first_conv.out_channels * images.shape[-2] * images.shape[-1]
            * images.element_size() / 1e6 for bs in batch_sizes}
-if fastest == largest:
-    verdict, how = train.rate_verdict(measured[slowest], measured[largest])
-    if verdict == "faster":
-        print(f"The biggest batch, {largest}, was the fastest, faster than batch {slowest} "
-              f"{how}: on this machine the bigger matrices paid off up to there.")
-    else:
-        print(f"The biggest batch, {largest}, was the fastest by median, but not clearly faster "
-              f"than batch {slowest}: the hardware was saturated by small batches already, or "
-              "the differences were lost in the noise of this machine.")
-else:
-    verdict, how = train.rate_verdict(measured[fastest], measured[largest])
-    if verdict == "slower":
-        print(f"The biggest batch, {largest}, was slower than batch {fastest} {how}: "
-              "saturation alone would give a plateau, not a drop. The intermediate tensors grow "
-              "with the batch — the first convolution's output alone is "
-              f"{conv_mb[largest]:.1f} MB at batch {largest}, against {conv_mb[fastest]:.1f} MB "
-              f"at batch {fastest} — and past the processor's caches (a few MB to a few tens of "
-              "MB) every layer streams its tensors through main memory; that is the likely "
-              "cause, which this cell does not measure. Bigger is not always faster.")
-    else:
-        print(f"Batch {largest} was neither clearly faster nor clearly slower than batch "
-              f"{fastest}, the fastest by median: past batch {fastest} the rate stayed about "
-              "flat — the hardware was saturated — or the differences were lost in the noise "
-              "of this machine.")
 fit_rate = float(np.median(rates_per_epoch))
 cell_rate = rates[batch_size]
 apart = max(fit_rate, cell_rate) / min(fit_rate, cell_rate)
@@ -315,6 +305,40 @@ print(f"The epochs of `fit` above ran at a median {fit_rate:.0f} samples/s at ba
          "Both split each operation over a thread per core (torch's default), and it waits for "
          "its slowest thread, so another program taking a core can cut the rate several-fold; "
          "that is why the comparisons here interleave their runs."))
+contaminated = spread >= close or apart >= close   # this run's own checks, above and here
+if contaminated:
+    print(f"No verdict on batch size from this run: the same work ran at rates more than {close}x "
+          f"apart (the epochs of `fit`: {spread:.2f}x; `fit` against these runs: {apart:.2f}x), "
+          "so something else was using the machine and its load, not the batch size, may set "
+          "the differences above. Rerun on an idle machine.")
+else:
+    slowest, fastest = min(rates, key=rates.get), max(rates, key=rates.get)  # by median
+    print(f"On this {device.type}, this run: " + train.compare_rates(
+        f"batch {slowest}", measured[slowest], f"batch {fastest}", measured[fastest]))
+    if fastest == largest:
+        verdict, how = train.rate_verdict(measured[slowest], measured[largest])
+        if verdict == "faster":
+            print(f"The biggest batch, {largest}, was the fastest, faster than batch {slowest} "
+                  f"{how}: on this machine the bigger matrices paid off up to there.")
+        else:
+            print(f"The biggest batch, {largest}, was the fastest by median, but not clearly faster "
+                  f"than batch {slowest}: the hardware was saturated by small batches already, or "
+                  "the differences were lost in the noise of this machine.")
+    else:
+        verdict, how = train.rate_verdict(measured[fastest], measured[largest])
+        if verdict == "slower":
+            print(f"The biggest batch, {largest}, was slower than batch {fastest} {how}: "
+                  "saturation alone would give a plateau, not a drop. The intermediate tensors grow "
+                  "with the batch — the first convolution's output alone is "
+                  f"{conv_mb[largest]:.1f} MB at batch {largest}, against {conv_mb[fastest]:.1f} MB "
+                  f"at batch {fastest} — and past the processor's caches (a few MB to a few tens of "
+                  "MB) every layer streams its tensors through main memory; that is the likely "
+                  "cause, which this cell does not measure. Bigger is not always faster.")
+        else:
+            print(f"Batch {largest} was neither clearly faster nor clearly slower than batch "
+                  f"{fastest}, the fastest by median: past batch {fastest} the rate stayed about "
+                  "flat — the hardware was saturated — or the differences were lost in the noise "
+                  "of this machine.")
 fig = viz.new_figure(5.5, 3.2)
 ax = fig.add_subplot(1, 1, 1)
 ax.errorbar(list(batch_sizes), [rates[bs] for bs in batch_sizes],
@@ -332,7 +356,9 @@ fig.subplots_adjust(left=0.18, right=0.97, bottom=0.17, top=0.95)
 viz.show(fig, "training throughput per batch size on this machine (the lines only join the "
               "sizes that were run); the bars span the middle "
               "half of five interleaved runs (one outlier run does not stretch them), so a gap "
-              "smaller than the bars is noise.")
+              "smaller than the bars is noise."
+              + (" This run failed its own spread check: read the shape as the machine's load, "
+                 "not the batch size." if contaminated else ""))
 
 # %%
 viz.show_code(train.rate_verdict, train.compare_rates)
@@ -504,7 +530,7 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # (a GPU's tensor cores; some CPUs have bfloat16 units too). This model's layers are tiny, and
 # the casts autocast inserts cost time of their own, so it can go either way. The last cells
 # time both, interleaved, five rounds each, and say which was faster on this run, or that
-# there was no clear difference. Try a ResNet (`models.resnet18_cifar`) with a big batch on a
+# there was no clear difference, or that this run's load allows no verdict. Try a ResNet (`models.resnet18_cifar`) with a big batch on a
 # GPU: there AMP can win.
 
 # %% [markdown]
@@ -562,8 +588,17 @@ claim("float32 and AMP were each timed five times", all(len(r) == 5 for r in amp
 for amp, name in ((False, "float32"), (True, "AMP    ")):
     print(f"{name}: acc {acc_after[amp]:.3f}, median {np.median(amp_runs[amp]):6.0f} samples/s "
           "(runs: " + ", ".join(f"{r:.0f}" for r in amp_runs[amp]) + ")")
-print(f"On this {device.type}, this run: "
-      + train.compare_rates("float32", amp_runs[False], "AMP", amp_runs[True]))
+f32_rate = float(np.median(amp_runs[False]))   # the same model, loop and batch size as ...
+amp_apart = max(f32_rate, cell_rate) / min(f32_rate, cell_rate)   # ... the batch-size runs
+if contaminated or amp_apart >= close:
+    print(f"No verdict on AMP's speed from this run: float32 ran here at a median {f32_rate:.0f} "
+          f"samples/s, at batch {batch_size} in the batch-size runs at {cell_rate:.0f} "
+          f"({amp_apart:.2f}x apart)" + (", and those runs already failed their spread check"
+                                         if contaminated else "")
+          + f"; beyond {close}x the machine's load, not the arithmetic, may set the difference.")
+else:
+    print(f"On this {device.type}, this run: "
+          + train.compare_rates("float32", amp_runs[False], "AMP", amp_runs[True]))
 
 # %% [markdown]
 # **Beyond this CPU.** To measure the whole ladder on your device — naive float32, TF32,
@@ -575,9 +610,13 @@ print(f"On this {device.type}, this run: "
 # are `torch.backends.cudnn.allow_tf32` and `torch.backends.cuda.matmul.allow_tf32`; torch 2.14
 # also has the newer `fp32_precision` knobs, per backend and operation; CUDA's take "tf32",
 # "ieee" (full float32) or "none" — no setting of its own: the knob then reads the level above
-# it (`torch.backends.fp32_precision`, itself "none" by default, which means full float32). The
-# cell below prints them (they are flags, readable without a GPU) and shows the inheritance by
-# setting the top level for a moment. *channels_last* is a memory layout
+# it. There are three levels: the operation's knob (`torch.backends.cuda.matmul`,
+# `torch.backends.cudnn.conv`), then the CUDA backend's "all" knob, then the generic
+# `torch.backends.fp32_precision` ("none" by default, which means full float32). The CUDA "all"
+# knob is spelled `torch.backends.cudnn.fp32_precision`: despite the name, setting it to "tf32"
+# also turns TF32 on for cuBLAS's matmuls. The cell below prints the knobs (they are flags,
+# readable without a GPU) and shows both inheritances by setting each upper level for a
+# moment. *channels_last* is a memory layout
 # (`model.to(memory_format=torch.channels_last)`) that stores each pixel's channels next to each
 # other (NHWC instead of NCHW), the layout fast GPU convolution kernels prefer. No GPU numbers
 # are stored in this course: run the command there to get yours.
@@ -594,10 +633,17 @@ claim("by default cuDNN convolutions may use TF32 and float32 matmuls may not",
 torch.backends.fp32_precision = "tf32"   # the top level, for a moment
 inherited = torch.backends.cuda.matmul.fp32_precision
 torch.backends.fp32_precision = "none"   # back to the default
+torch.backends.cudnn.fp32_precision = "tf32"   # the CUDA "all" level, for a moment
+from_cudnn = torch.backends.cuda.matmul.fp32_precision
+torch.backends.cudnn.fp32_precision = "none"   # back to the default
 claim('the matmul knob\'s "none" inherits: it reads "tf32" while the top level is "tf32", and '
       '"none" again once the top level is back to its default "none"',
       inherited == "tf32" and torch.backends.cuda.matmul.fp32_precision == "none"
       and not torch.backends.cuda.matmul.allow_tf32, inherited=inherited)
+claim('setting torch.backends.cudnn.fp32_precision (the CUDA "all" level) to "tf32" made the '
+      'cuBLAS matmul knob read "tf32" too; back to "none" after',
+      from_cudnn == "tf32" and torch.backends.cuda.matmul.fp32_precision == "none",
+      from_cudnn=from_cudnn)
 
 # %% [markdown]
 # ## Seeds and reproducibility
@@ -606,21 +652,29 @@ claim('the matmul knob\'s "none" inherits: it reads "tf32" while the top level i
 # augmentation. `devices.seed_everything(seed)` seeds Python, NumPy and torch; our loaders draw
 # their order from their own seeded generator.
 #
-# - **On the CPU.** With the same seed, code, hardware and number of threads, two runs end with
-#   *bit-identical* weights: the cell below proves it with deterministic mode **off**, the seed
-#   alone. Change the seed and they differ.
-# - **On a GPU.** Some kernels (e.g. some convolution backwards, `index_add_`) are
+# - **On the CPU, for this model.** With the same seed, code, hardware and number of threads,
+#   two runs of `SmallCNN` end with *bit-identical* weights: the cell below proves it with
+#   deterministic mode **off**, the seed alone. Change the seed and they differ. That is a fact
+#   about this model's ops, not a rule for every CPU model: torch's own list of ops that
+#   deterministic mode changes names CPU ones too — `index_put` and `put_` with
+#   `accumulate=True`, and the backward of indexing with a list of tensors (the cell checks the
+#   list).
+# - **On a GPU.** More kernels there (e.g. some convolution backwards, `index_add_`) are
 #   nondeterministic. There the cell asks `seed_everything(..., deterministic=True)`, which calls
 #   `torch.use_deterministic_algorithms(True, warn_only=True)`: deterministic kernels where
 #   torch has them, and only a *warning* for an op that has none, so read the warnings. The flag
 #   is global, so the cell switches it off again.
 # - **cuBLAS's workspace.** `deterministic=True` also sets `CUBLAS_WORKSPACE_CONFIG=:4096:8`,
 #   only if it is unset. It sizes the scratch memory of cuBLAS (the GPU's matrix-multiply
-#   library), and torch's own tests of deterministic mode set it, with a note that CUDA reads it
-#   only when its runtime starts. So it acts only when set before the process first uses the GPU
-#   — not here, where the GPU has trained long before this cell. For a reproducible GPU run, set
-#   it in the shell before starting Jupyter or Python. (Torch 2.14.1's own
-#   `use_deterministic_algorithms` docstring does not name the variable.)
+#   library). Torch's own C++, not the CUDA runtime, reads it, and keeps what it read first:
+#   the workspace size is parsed once, at the first cuBLAS workspace allocation
+#   (`getChosenWorkspaceSize`), and deterministic mode's cuBLAS check caches its reading at its
+#   first call (`Context::alertCuBLASConfigNotDeterministic`). So a value set after the process's
+#   first GPU matrix multiply changes neither — not here, where the GPU has trained long before
+#   this cell. For a reproducible GPU run, set it in the shell before starting Jupyter or Python.
+#   From Python, `torch.backends.cuda.cublas_workspace_size(n)` sets the size and beats the
+#   variable, but only for cuBLAS handles used after the call (its docstring; the cell checks
+#   it). (Torch 2.14.1's `use_deterministic_algorithms` docstring does not name the variable.)
 # - **Across machines.** On *different* hardware bit-identity is not promised at all:
 #   floating-point sums are done in different orders.
 
@@ -652,6 +706,11 @@ finally:
 claim("same seed, same device: bit-identical weights after an epoch", torch.equal(a, b))
 claim("deterministic mode is off again", not torch.are_deterministic_algorithms_enabled())
 claim("another seed: different weights", not torch.equal(a, c))
+det_doc = " ".join(torch.use_deterministic_algorithms.__doc__.split())
+claim("torch's docstring lists CPU ops that are deterministic only in deterministic mode "
+      "(index_put and put_ with accumulate=True)",
+      "index_put` with ``accumulate=True`` when called on a CPU tensor" in det_doc
+      and "put_` with ``accumulate=True`` when called on a CPU tensor" in det_doc)
 
 # What deterministic=True sets besides the flag, checked on any machine (and put back after).
 import os
@@ -672,6 +731,11 @@ finally:
 claim("seed_everything(deterministic=True) turns deterministic mode on with warn_only and sets "
       "CUBLAS_WORKSPACE_CONFIG=:4096:8 when it was unset, leaving a value already set alone",
       warn_only and set_to == ":4096:8" and kept == ":16:8", set_to=set_to, kept=kept)
+ws_doc = " ".join(torch.backends.cuda.cublas_workspace_size.__doc__.split())
+claim("torch.backends.cuda.cublas_workspace_size's docstring: it takes precedence over "
+      "CUBLAS_WORKSPACE_CONFIG, and only handles used after the change get new workspaces",
+      "take precedence over the CUBLAS_WORKSPACE_CONFIG" in ws_doc
+      and "only handles used after the change get new workspaces" in ws_doc)
 
 # %% [markdown]
 # ## What carries over
@@ -687,8 +751,9 @@ claim("seed_everything(deterministic=True) turns deterministic mode on with warn
 #   epoch (lesson 03: `DistributedSampler` and `set_epoch`);
 # - **evaluation:** each process measures its own part of the test set, and the numbers must
 #   be combined across processes (lesson 04);
-# - **the learning rate:** it goes with the global batch, which grows with the devices
-#   (lesson 09 §4: the linear scaling rule and warmup).
+# - **the learning rate:** it goes with the global batch, which grows with the devices:
+#   k× the batch, k× the lr *with SGD* (lesson 09 §4: the linear scaling rule and warmup);
+#   not with this lesson's Adam, whose step is not linear in the gradient (lesson 09 says why).
 #
 # ## Lab 01: write the loop yourself
 #
@@ -716,7 +781,8 @@ viz.show_code(train.train_one_epoch, train.evaluate, train.step_phases)
 #   gives each GPU a process and a loader of its own.
 # - AMP runs matmuls and convolutions in 16 bits and keeps sensitive operations, like the loss
 #   computed inside the autocast block, in float32; here it kept the accuracy.
-# - The same seed, code, hardware and threads give bit-identical weights on the CPU. On a GPU
+# - The same seed, code, hardware and threads gave this model bit-identical weights on the CPU
+#   (a model with an accumulating `index_put` would need deterministic mode there too). On a GPU
 #   only with deterministic kernels (`warn_only=True` lets an op without one through: read the
 #   warnings) and with `CUBLAS_WORKSPACE_CONFIG` set before the process first uses the GPU.
 #
@@ -789,7 +855,9 @@ viz.quiz([
 #   (off by default) and `matmul.fp32_precision` ("none" by default: read through to the level
 #   above); `torch/backends/__init__.py` — `fp32_precision`, the generic level ("none" by
 #   default); `torch/backends/cudnn/__init__.py` —
-#   `CudnnModule.allow_tf32` for convolutions (on by default) and `fp32_precision`, `conv`.
+#   `CudnnModule.allow_tf32` for convolutions (on by default), `conv` and `fp32_precision`,
+#   which is the ("cuda", "all") level (`_get_fp32_precision_getter("cuda", "all")`) that
+#   `matmul` falls back to before the generic level.
 #   The values each knob takes are checked in C++ (`_set_fp32_precision_setter`); measured on
 #   torch 2.14.1: the CUDA knobs refuse "bf16" ("backend 'cuda' does not support precision
 #   'bf16'"), the generic level and `torch.backends.mkldnn.matmul` (CPUs) accept it.
@@ -809,7 +877,15 @@ viz.quiz([
 #   checks the variable when the runtime initializes" (a test that needs a new value starts a
 #   subprocess). `torch/backends/cuda/__init__.py` — `cublas_workspace_size`: the workspace
 #   size set there "will take precedence over the CUBLAS_WORKSPACE_CONFIG environment
-#   variable". This course's `lib/dpcourse/devices.py` — `seed_everything`: `os.environ.setdefault(...)`, after
+#   variable" and "only handles used after the change get new workspaces". Not installed (C++,
+#   read in PyTorch's repository): `aten/src/ATen/cuda/CublasHandlePool.cpp` —
+#   `getChosenWorkspaceSize`, `static size_t pool_size = parseChosenWorkspaceSize()`, which
+#   reads `CUBLAS_WORKSPACE_CONFIG` once; `aten/src/ATen/Context.cpp` —
+#   `alertCuBLASConfigNotDeterministic`, a `static` reading of `checkCuBLASConfigDeterministic()`
+#   (":4096:8" or ":16:8"). So torch, not the CUDA runtime the test's comment names, reads it.
+#   `torch/__init__.py` — `use_deterministic_algorithms`' list of ops made deterministic
+#   includes CPU ones (`index_put`/`put_` with `accumulate=True` on a CPU tensor; the backward
+#   of `__getitem__` with a list of tensors). This course's `lib/dpcourse/devices.py` — `seed_everything`: `os.environ.setdefault(...)`, after
 #   `torch.use_deterministic_algorithms(True, warn_only=True)`.
 # - PyTorch's documentation, "CPU threading and TorchScript inference": intra-op parallelism
 #   (`torch.set_num_threads`) against the threads a program starts itself.

@@ -2,7 +2,7 @@
 # # 09 · Beyond lockstep: parameter servers, stale gradients, local SGD, large batches
 #
 # **Prerequisites:** lesson 03 (averaging gradients; DDP), lesson 06 (the ring all-reduce and
-# what it sends: 2(N−1)K/N per rank) and lesson 02 (a parameter server in disguise).
+# what it sends: 2(N−1)K/N per rank) and lesson 02 (`nn.DataParallel`).
 #
 # **You will be able to:**
 # - build a parameter server from `dist.send` / `dist.recv`, show that its synchronous mode
@@ -69,7 +69,10 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # Before all-reduce, data parallelism used a **parameter server** (DistBelief, Dean et al.
 # 2012; Li et al., OSDI 2014): one process holds the weights; each worker **pulls** them,
 # computes a gradient on its part of the batch and **pushes** it back; the server steps.
-# Lesson 02's `nn.DataParallel` is one, with device 0 as the server.
+# Lesson 02's `nn.DataParallel` is one in where the weights and the step live: device 0. Its
+# traffic need not funnel through device 0: its gradient sum (`comm.reduce_add`) calls NCCL's
+# reduce, which NCCL schedules across the GPUs, whenever NCCL is available; only without NCCL
+# does it copy every GPU's gradient to device 0 and add them there.
 #
 # We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers.
 # `torch.distributed.rpc` also runs on the pinned torch (with TensorPipe, on CPU; the tests
@@ -290,8 +293,9 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # step: Stale Synchronous Parallel (Ho et al., NIPS 2013), called *bounded delay* by Li et al.
 # (OSDI 2014). Each worker counts its own iterations — SSP calls that count the worker's
 # *clock* — and a worker whose clock is more than s ahead of the slowest worker's must *wait*
-# before its next read; every update is applied. Lab 09's bounded server bounds
-# staleness differently.
+# before its next read; every update is applied. Lab 09's bounded server bounds it at the
+# server instead: it refuses a push more than s updates stale (what the worker does then is the
+# lab's question).
 
 # %%
 viz.show_code(async_sgd.SimulatedServer)
@@ -304,11 +308,12 @@ viz.show_code(async_sgd.SimulatedServer)
 viz.show_code(async_sgd.run_stale, async_sgd.plain_sgd, async_sgd.loss_and_gradient)
 
 # %% [markdown]
-# **▶ `batch_schedule` and `evaluate`**, which the claims below rest on (click the folded cell
-# below).
+# **▶ `batch_schedule`, `evaluate`, and `set_flat_params` / `flat_params`** (how the weights
+# go into and out of the model), which the claims below rest on (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(async_sgd.batch_schedule, async_sgd.evaluate)
+viz.show_code(async_sgd.batch_schedule, async_sgd.evaluate, async_sgd.set_flat_params,
+              async_sgd.flat_params)
 
 # %%
 batches = async_sgd.batch_schedule(len(problem.x_train), 32, sim_steps, seed=seed)
@@ -848,6 +853,10 @@ viz.quiz([
 #   wrapped optimizer, then the averager, every step.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel` with `process_group=`:
 #   gradients averaged over that group only (the workers, without the server).
+# - `torch/nn/parallel/_functions.py` — `Broadcast.backward`: `nn.DataParallel`'s gradients
+#   are summed by `ReduceAddCoalesced`; `torch/nn/parallel/comm.py` — `reduce_add`:
+#   `nccl.reduce` when `nccl.is_available(inputs)`, otherwise a `.to(destination)` and an add
+#   per other GPU.
 # - `torch/distributed/rpc/__init__.py` and `torch/distributed/rpc/backend_registry.py` —
 #   `rpc.init_rpc` and its TensorPipe backend, which the course's tests start on CPU.
 # - `torch/optim/sgd.py` — `SGD` with `momentum`: the optimizer of the large-batch runs (its

@@ -19,7 +19,10 @@ __all__ = ["SmallCNN", "resnet18_cifar", "build_model", "count_parameters", "fla
 
 
 class SmallCNN(nn.Module):
-    """conv-relu-pool ×3, then a 2-layer classifier: 188,810 parameters at width 32."""
+    """conv-relu-pool ×3, then a 2-layer classifier: 188,810 parameters at width 32.
+
+    Shown in lesson 01, §"One step, taken apart".
+    """
 
     def __init__(self, num_classes: int = 10, width: int = 32, dropout: float = 0.0):
         super().__init__()
@@ -66,13 +69,19 @@ def count_parameters(model: nn.Module) -> int:
 
 def flat_params(model: nn.Module) -> torch.Tensor:
     """All the weights as one new flat CPU vector, in ``model.parameters()`` order: what two runs
-    are compared by, and what a parameter server stores and sends."""
+    are compared by, and what a parameter server stores and sends.
+
+    Shown in lesson 09, §2.
+    """
     return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
 
 def set_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
     """Copy consecutive pieces of ``flat`` into the model's weights (the inverse of
-    :func:`flat_params`); ``flat`` must hold exactly as many numbers as the model."""
+    :func:`flat_params`); ``flat`` must hold exactly as many numbers as the model.
+
+    Shown in lesson 09, §2.
+    """
     total = sum(p.numel() for p in model.parameters())
     if flat.numel() != total:
         raise ValueError(f"flat has {flat.numel()} numbers, the model {total} weights")
