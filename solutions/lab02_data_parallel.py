@@ -7,13 +7,11 @@
 # a broadcast did for the lesson is yours to do. The pieces and their contracts:
 #
 # 1. `scatter(X, n_devices) -> list (or tuple) of tensors`: contiguous chunks of `X` along dim
-#    0, in order (concatenated, they are `X`), each of whole samples; at most `n_devices` of
-#    them, none empty, none larger than `ceil(B/N)`. A batch that runs out before the devices
-#    do (2 samples on 3 devices) gives fewer chunks, not an error; an empty batch (B = 0) has no
-#    chunk to give and zero devices (`n_devices = 0`) nothing to give it to: each is refused
-#    with a `ValueError` that says so. How the sizes are chosen when N does not divide B is
-#    **your choice**, between two that both pass; the prediction after it shows what yours does.
-# 2. `gather(outputs) -> tensor`: the devices' outputs as one batch, in device order.
+#    0, in order (concatenated, they are `X`), at most one per device and none empty, sized as
+#    **your choice** of §1 says; an empty batch and zero devices are refused with a
+#    `ValueError` that says so. The prediction after it shows what your choice does.
+# 2. `gather(outputs) -> tensor`: the devices' outputs as the one tensor the loss compares
+#    with `y`, as `nn.DataParallel` hands it over.
 # 3. Two predictions about gradients, each then measured: what one copy's holds, and what
 #    `model`'s holds after a DataParallel step.
 # 4. `dp_forward_backward(model, X, y, n_devices) -> float`: one DataParallel step's forward
@@ -49,15 +47,12 @@ torch.set_num_threads(1)
 # %% [markdown]
 # ## 1. `scatter`
 #
-# **Your choice (both are accepted):** when N does not divide B, how big is each chunk? One fills
-# the devices in turn with `ceil(B/N)` samples until the batch runs out — the real class's
-# choice, which lesson 02 §1 showed can leave a device idle (6 samples on 4 devices: three
-# chunks of 2). The other balances the sizes over every device the batch can feed: `min(N, B)`
-# chunks whose sizes differ by at most one, the larger ones first (6 on 4: 2, 2, 1, 1).
-# Neither is wrong, and the check does not grade the choice; what this part asks you to work out
-# is the prediction after it: what your choice does to the devices over many batch sizes. Write
-# your choice in `chunk_sizes`, `"like DataParallel"` or `"balanced"`; the check holds your
-# `scatter` to it.
+# **Your choice (both are accepted):** when N does not divide B, how big is each chunk?
+# `"like DataParallel"`: the chunks `nn.DataParallel` itself cuts (lesson 02 §1). `"balanced"`:
+# sizes that differ by at most one, over every device the batch can feed, the larger ones
+# first. Neither is wrong, and the check does not grade the choice; what this part asks you to
+# work out is the prediction after it: what your choice does to the devices over many batch
+# sizes. Write your choice in `chunk_sizes`; the check holds your `scatter` to it.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -117,8 +112,7 @@ lab02.check_idle_prediction(idle_guess, scatter, sizes=chunk_sizes)
 # %% [markdown]
 # ## 2. `gather`
 #
-# The outputs of the devices, in device order, as one batch: row i of the result must be the
-# output for row i of `X`.
+# The one tensor the loss is computed on, from the devices' outputs (the contract at the top).
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -206,8 +200,8 @@ lab02.check_held_prediction(held_guess)
 # the module's tensors with replica 0 and by the broadcast's backward, your code does.
 #
 # The rule that turns the copies' gradients into `model`'s is yours to work out; your two §3
-# predictions are your evidence (and a fresh copy's `p.grad` is one print away), and the check
-# refuses a wrong rule with the numbers it saw.
+# measurements are your evidence (and a fresh copy's `p.grad` is one print away), and the check
+# refuses a wrong rule with the numbers it saw. Once it passes, it says why the rule is right.
 #
 # The check hands your function models in more than one state, batches
 # that do and do not divide by the number of devices, and a training-mode model with BatchNorm
@@ -303,8 +297,9 @@ lab02.check_calls_prediction(calls_guess)
 # `nn.DataParallel(model)` would leave them. The check builds the replicas with torch's own
 # `torch.nn.parallel.replicate` (only its device copy is stood in for on the CPU, by one that
 # hands the first device the tensors themselves, as torch's C++ `broadcast_coalesced` does),
-# runs them in threads and compares; then it tries a module with the same buffers whose
-# forward treats them the other way round.
+# runs them in threads and compares; then it tries two more modules with the same buffers,
+# whose forwards treat them otherwise. It checks the state, and first reruns part 4's check on
+# your step (what part 4 asks must still hold).
 #
 # **Your design decision:** what of the copies' state comes back to `model`, from which copy,
 # and how your code tells which. The lesson showed one kind of buffer coming back (BatchNorm's);
@@ -327,8 +322,8 @@ lab02.check_calls_prediction(calls_guess)
 # Replica 0 is handed the module's own buffer tensors, but in dicts of its own: a write *into*
 # one of those tensors lands in the module; a new tensor (or int) bound to a name lands in the
 # replica's dict and goes when the replica goes. Your copy 0 can be built to hold `model`'s
-# buffer tensors the same way, or your code can tell afterwards, buffer by buffer, whether
-# copy 0 still holds the tensor it started with.
+# buffer tensors the same way, or your code can keep, before the forward, the tensors copy 0
+# starts with, and afterwards bring back what was written into them.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
@@ -336,8 +331,9 @@ lab02.check_calls_prediction(calls_guess)
 # %% [markdown] jupyter={"source_hidden": true}
 # Either at the copying stage (`copy.deepcopy` takes a memo: a dict from `id(obj)` to the object
 # to use instead of a copy), or in two extra stages: before the forwards, note which tensor
-# copy 0 holds under each buffer name; after the backward, for each name, bring back its values
-# only if copy 0 still holds that same tensor. Plain attributes: nothing to do.
+# copy 0 holds under each buffer name; after the backward, for each name, bring back the values
+# of that noted tensor, whatever copy 0 holds under the name by then. Plain attributes: nothing
+# to do.
 
 # %%
 lab02.check_dp_state(dp_forward_backward)

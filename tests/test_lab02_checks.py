@@ -396,7 +396,8 @@ def _threads(order="index", join="after", grad="caller", errors="raise", n_threa
 
         def work(i):
             try:
-                ctx = torch.set_grad_enabled(mode) if grad == "caller" else torch.enable_grad()
+                ctx = (torch.set_grad_enabled(mode) if grad == "caller" else
+                       torch.enable_grad() if grad == "on" else torch.no_grad())
                 with ctx:
                     out = replicas[i](inputs[i])
                 results[i] = out
@@ -486,7 +487,7 @@ def test_right_threaded_apply_passes(fn, capsys):
     (_threads(join="never"), "before its threads finished"),
     (_threads(join="each"), "never ran at the same time"),
     (_threads(n_threads=1), "one after another in the caller's thread"),
-    (_threads(grad="on"), "under torch.no_grad()"),
+    (_threads(grad="on"), "under torch.no_grad(), the outputs of your threads carry"),
     (_threads(errors="swallow"), "as if nothing happened"),
     (_threads(errors="first"), "replica 2's error, the first to fail"),
     (_threads(errors="last"), "replica 2's error, the last to fail"),
@@ -629,7 +630,10 @@ def test_prediction_is_measured_and_explained(value, verdict, capsys):
     lab02.check_prediction(guess)
     out = " ".join(capsys.readouterr().out.split())
     assert f"measured: 0.1 — {verdict}." in out, out
-    assert "the last holds 1/10 of the whole batch's gradient" in out, out
+    # right or wrong and the measured value, then a question: the why waits for part 4's pass
+    assert "A question to take into part 4" in out and out.rstrip().endswith("?"), out
+    for said in ("divided by", "1/10 of", "AccumulateGrad"):
+        assert said not in out, (said, out)
 
 
 def step_with_autograd_grad(model, X, y, n):
@@ -654,6 +658,20 @@ def step_with_autograd_grad(model, X, y, n):
 def test_right_dp_step_written_another_way_passes(capsys):
     lab02.check_dp_forward_backward(step_with_autograd_grad)
     assert capsys.readouterr().out.count("✔") == 1
+
+
+def test_part_4s_pass_line_explains_part_3s_measurements(capsys):
+    # what part 3's feedback held back, once the rule has been worked out
+    lab02.check_dp_forward_backward(make_step())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "divided by the batch's size, not by its chunk's" in out, out
+    assert "at a leaf autograd adds what arrives into what .grad already held" in out, out
+
+
+def test_a_wrong_step_is_not_told_the_why(capsys):
+    with pytest.raises(LabCheckError):
+        lab02.check_dp_forward_backward(make_step(combine="mean"))
+    assert "AccumulateGrad" not in capsys.readouterr().out
 
 
 # --- predict, then measure: the scatter decision's consequence, what a deep copy carries --------
@@ -807,8 +825,18 @@ def shared_copy_zero(model, X, y, n):
     return _step_on_copies(model, X, y, n, {id(b): b for b in model.buffers()})[0]
 
 
+def the_tensors_copy_0_started_with(model, X, y, n):
+    # right: brings back what copy 0 wrote into the buffer tensors it started with (kept before
+    # the forward), whatever it holds under the names at the end
+    loss, reps, started = _step_on_copies(model, X, y, n)
+    for name, b in model.named_buffers():
+        b.copy_(started[name])
+    return loss
+
+
 def still_the_same_tensor(model, X, y, n):
-    # right: brings back a buffer of copy 0 only if copy 0 still holds the tensor it started with
+    # wrong (the learner's variant): brings back a buffer of copy 0 only if copy 0 still holds
+    # the tensor it started with, so a write in place followed by a rebinding is lost
     loss, reps, started = _step_on_copies(model, X, y, n)
     for name, b in model.named_buffers():
         if reps[0].get_buffer(name) is started[name]:
@@ -823,8 +851,11 @@ def state_dict_of_copy_zero(model, X, y, n):
 
 
 def calls_brought_back(model, X, y, n):
-    loss = shared_copy_zero(model, X, y, n)
-    model.calls += 1  # as copy 0 counted
+    # wrong: copy 0's plain attributes (its calls among them) brought back with its buffers
+    loss, reps, _ = _step_on_copies(model, X, y, n, {id(b): b for b in model.buffers()})
+    for k, v in vars(reps[0]).items():
+        if not k.startswith("_") and isinstance(v, int) and not isinstance(v, bool):
+            setattr(model, k, v)
     return loss
 
 
@@ -860,12 +891,60 @@ def test_a_copy_holding_models_own_parameters_is_refused():
     assert "leave model's parameters out" in str(second.value), str(second.value)
 
 
-@pytest.mark.parametrize("step", [shared_copy_zero, still_the_same_tensor])
+@pytest.mark.parametrize("step", [shared_copy_zero, the_tensors_copy_0_started_with])
 def test_right_state_steps_pass_both_checks(step, capsys):
     lab02.check_dp_forward_backward(step)
     lab02.check_dp_state(step)
     out = capsys.readouterr().out
     assert "seen 10, peak 0.50, calls 5" in out, out
+    assert "written in place then rebound" in out and "part 4's check still passes" in out, out
+    assert out.count("✔") == 2, out  # part 4's check, rerun by part 5, prints nothing
+
+
+def test_a_buffer_written_in_place_then_rebound_is_named_then_fixed():
+    # the learner's variant passes parts 4 and 5's first two modules; torch's replicate keeps
+    # the in-place write of a buffer the forward then rebinds
+    lab02.check_dp_forward_backward(still_the_same_tensor)
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_dp_state(still_the_same_tensor)
+    said = str(first.value)
+    assert "adds to `seen` in place and then binds a new tensor to `seen`" in said, said
+    assert ("seen holds 7, what the model held before the step, where nn.DataParallel(model) "
+            "leaves 10 (chunk 0's copy's value)") in said, said
+    assert "Run the check again" in said and "started with" not in said, said
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_dp_state(still_the_same_tensor)
+    assert "whatever it holds at the end" in str(second.value), str(second.value)
+
+
+def test_torchs_replicate_keeps_an_in_place_write_the_forward_then_rebinds():
+    model, X, _ = _lab02_state._case(_lab02_state._InPlaceThenRebound)
+    state = lab02.state_after_dp(copy.deepcopy(model), X, 4)
+    assert int(state["seen"]) == 10 and state["calls"] == 5, state
+
+
+def serial(model, X, y, n):
+    # right state (copy 0 shares model's buffers), but the copies run in a loop, not threads
+    chunks = good_scatter(X, n)
+    memo = {id(b): b for b in model.buffers()}
+    reps = [copy.deepcopy(model, memo if i == 0 else None) for i in range(len(chunks))]
+    loss = F.cross_entropy(good_gather([r(c) for r, c in zip(reps, chunks)]), y)
+    loss.backward()
+    for p, *cs in zip(model.parameters(), *(r.parameters() for r in reps)):
+        new = sum(c.grad for c in cs)
+        p.grad = new if p.grad is None else p.grad + new
+    return loss.item()
+
+
+@pytest.mark.parametrize("step, cause", [
+    (make_step(combine="mean"), "the gradients are 4 times too small"),
+    (serial, "one after another in your function's own thread"),
+], ids=["averaged", "serial"])
+def test_part_5_runs_part_4s_check_first(step, cause):
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_state(step)
+    assert "no longer passes part 4's check" in str(err.value) and cause in str(err.value), \
+        str(err.value)
 
 
 @pytest.mark.parametrize("step, cause, mechanism", [
@@ -928,7 +1007,9 @@ def test_held_prediction_is_measured_and_explained(value, verdict, capsys):
     lab02.check_held_prediction(guess)
     out = " ".join(capsys.readouterr().out.split())
     assert f"measured: G + g — {verdict}." in out, out
-    assert "AccumulateGrad" in out, out
+    assert "A question to take into part 4" in out and out.rstrip().endswith("?"), out
+    # the mechanism (autograd's accumulation at a leaf) waits for part 4's pass line
+    assert "AccumulateGrad" not in out and "adds what arrives" not in out, out
     # what DataParallel leaves, not how plain copies get there
     for said in ("deepcopy", "copy", "sum", "None"):
         assert said not in out.split("measured:")[-1], (said, out)
@@ -1194,7 +1275,7 @@ def test_part_3s_feedback_stops_at_the_measured_share(capsys):
 
     lab02.check_prediction(predict("lab02", "the 1-sample copy's fraction", 0.25))
     out = " ".join(capsys.readouterr().out.split())
-    assert "the last holds 1/10 of the whole batch's gradient" in out, out
+    assert "measured: 0.1 — not what happened." in out, out
     # part 4's rule (how the copies' gradients combine) stays the learner's conclusion
     for said in ("together", "make the whole", "equal shares", "sum", "mean over its own chunk"):
         assert said not in out.split("measured:")[-1], (said, out)
@@ -1222,3 +1303,20 @@ def pool_that_cancels_the_queued(replicas, inputs):
 def test_a_replica_cancelled_before_it_ran_is_no_thread_left_running():
     for _ in range(3):  # replica 1 cancelled, or run and joined: both leave no thread running
         lab02._check_no_thread_left(pool_that_cancels_the_queued)  # raises LabCheckError if not
+
+
+@pytest.mark.parametrize("fn, symptom", [
+    (_threads(grad="on"), "under torch.no_grad(), the outputs of your threads carry an autograd "
+                          "graph"),
+    (_threads(grad="off"), "the outputs of your threads carry no autograd graph"),
+], ids=["on under no_grad", "off under grad"])
+def test_grad_mode_in_threads_symptom_first_then_mechanism_and_fix(fn, symptom):
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_threaded_apply(fn)
+    said = str(first.value)
+    assert symptom in said and "Run the check again" in said, said
+    assert "per thread" not in said and "set_grad_enabled" not in said, said
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_threaded_apply(fn)
+    said = str(second.value)
+    assert "grad mode is per thread in torch" in said and "set_grad_enabled" in said, said

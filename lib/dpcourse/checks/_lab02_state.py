@@ -114,22 +114,68 @@ def _same(a, b) -> bool:
     return a == b
 
 
+class _InPlaceThenRebound(torch.nn.Module):
+    """The counter with ``seen`` written both ways in one forward: added to in place, then a
+    new tensor (a clamp that does not bind) bound to the name. Under nn.DataParallel the
+    in-place addition stays on the module although replica 0 ends holding another tensor: a
+    rule that brings a buffer back only while copy 0 still holds the tensor it started with
+    fails here."""
+
+    def __init__(self, seen: int, calls: int, peak: float, features: int = 12,
+                 classes: int = 10):
+        super().__init__()
+        self.linear = torch.nn.Linear(features, classes)
+        self.register_buffer("seen", torch.tensor(seen), persistent=False)
+        self.register_buffer("peak", torch.tensor(peak))
+        self.calls = calls
+
+    def forward(self, x):
+        if self.training:
+            self.seen += x.shape[0]
+            self.seen = torch.clamp(self.seen, max=10 ** 6)
+            self.peak = torch.maximum(self.peak, x.detach().abs().max())
+            self.calls += 1
+        return self.linear(x.flatten(1))
+
+
+def _still_part_4s(dp_forward_backward) -> None:
+    """Part 5 holds the step to part 4's contract too: part 4's check, run silently first (a
+    step changed for part 5 that now averages the gradients, or runs the copies one after
+    another, is refused here with part 4's sentence)."""
+    __tracebackhide__ = True
+    import contextlib
+    import io
+
+    from . import LabCheckError
+    from ._lab02_step import check_dp_forward_backward
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            check_dp_forward_backward(dp_forward_backward)
+    except LabCheckError as exc:
+        fail(f"your step no longer passes part 4's check, which part 5 runs first: "
+             f"{exc.message}")
+
+
 @recorded
 def check_dp_state(dp_forward_backward) -> None:
-    """After ``dp_forward_backward(model, X, y, 4)`` on a :class:`~dpcourse.checks.lab02.
+    """First part 4's check (:func:`_still_part_4s`: the gradients, the threads, BatchNorm).
+    Then, after ``dp_forward_backward(model, X, y, 4)`` on a :class:`~dpcourse.checks.lab02.
     SampleCounter` (10 samples, ``seen`` 7, ``calls`` 5, ``peak`` 0.5), every buffer and the
     ``calls`` attribute must hold what nn.DataParallel leaves (:func:`state_after_dp`: torch's
     own replicate): ``seen`` 10 (replica 0 adds its 3 into the module's own tensor), ``peak``
     0.5 (replica 0 binds a new tensor in a ``_buffers`` dict of its own), ``calls`` 5. Then the
     same on a module with the two buffers' roles swapped, so that a rule tied to the names
-    fails. The first meeting says what differs, with the numbers; the mechanism and the fix
-    come with the second."""
+    fails, and on one whose forward writes ``seen`` in place and then rebinds it, so that a
+    rule that asks whether copy 0 still holds its first tensor fails. The first meeting says
+    what differs, with the numbers; the mechanism and the fix come with the second."""
     __tracebackhide__ = True
     from .lab02 import SampleCounter
 
+    _still_part_4s(dp_forward_backward)
     batch, n, *_ = STATE_CASE
     shown = None
-    for cls in (SampleCounter, _Swapped):
+    for cls in (SampleCounter, _Swapped, _InPlaceThenRebound):
         model, X, y = _case(cls)
         want = state_after_dp(copy.deepcopy(model), X.clone(), n)
         before = _state(model)
@@ -151,10 +197,11 @@ def check_dp_state(dp_forward_backward) -> None:
         shown = shown or want
         if not wrong:
             continue
-        _diagnose(cls is SampleCounter, wrong, got, want, before, r0, _state(whole), batch, n)
+        _diagnose(cls, wrong, got, want, before, r0, _state(whole), batch, n)
     passed(f"your step leaves lab02.SampleCounter as nn.DataParallel does (torch's own "
            f"replicate on {n} devices: seen {_show(shown['seen'])}, peak {_show(shown['peak'])}, "
-           f"calls {shown['calls']}), also with its buffers' roles swapped")
+           f"calls {shown['calls']}), also with its buffers' roles swapped and with a buffer "
+           f"written in place then rebound in one forward; part 4's check still passes")
 
 
 def _whose(value, before, r0, whole, key) -> str:
@@ -167,22 +214,34 @@ def _whose(value, before, r0, whole, key) -> str:
     return "none of the replicas' values"
 
 
-def _diagnose(counter: bool, wrong, got, want, before, r0, whole, batch, n) -> None:
+def _diagnose(cls, wrong, got, want, before, r0, whole, batch, n) -> None:
     __tracebackhide__ = True
     shown = "; ".join(
         f"{k} holds {_show(got[k])}, {_whose(got[k], before, r0, whole, k)}, where "
         f"nn.DataParallel(model) leaves {_show(want[k])} "
         f"({_whose(want[k], before, r0, whole, k)})" for k in wrong)
-    module = "lab02.SampleCounter" if counter else (
-        "a counter whose forward writes `peak` in place and binds a new tensor to `seen` (the "
-        "roles of lab02.SampleCounter's two buffers swapped)")
+    module = {
+        _Swapped: "a counter whose forward writes `peak` in place and binds a new tensor to "
+                  "`seen` (the roles of lab02.SampleCounter's two buffers swapped)",
+        _InPlaceThenRebound: "a counter whose forward adds to `seen` in place and then binds "
+                             "a new tensor to `seen` (torch.clamp of it, which changes no "
+                             "value)",
+    }.get(cls, "lab02.SampleCounter")
     message = f"After your step on {batch} samples over {n} devices, on {module}: {shown}."
-    if not counter:  # (reached only when the same rule passed lab02.SampleCounter)
+    if cls is _Swapped:  # (reached only when the same rule passed lab02.SampleCounter)
         fail(message, fix=(
             "your rule passes lab02.SampleCounter but not this module, whose buffers have the "
             "same names and dtypes: it decides by something other than what the forward did. "
             "Under nn.DataParallel a buffer comes back when replica 0 wrote into the tensor it "
             "was handed, and not when it bound a new tensor to the name: decide by that."))
+    if cls is _InPlaceThenRebound:  # (reached only when the rule passed the other two)
+        fail(message, fix=(
+            "replica 0 wrote into the module's own `seen` tensor first, and that write stays on "
+            "the module, although replica 0 ends holding another tensor under the name: "
+            "whether copy 0 still holds the tensor it started with does not tell whether it "
+            "wrote into it. Bring back what was written into the tensors copy 0 started with "
+            "(keep them before the forward), whatever it holds at the end (or give copy 0 the "
+            "model's own buffer tensors, as replica 0 has them)."))
     rebound, in_place = "peak", "seen"
     if "calls" in wrong and _same(got["calls"], r0["calls"]):
         fail(message, fix=(
@@ -247,16 +306,14 @@ def held_grad_after_dp(n: int = 4, batch: int = 12, seed: int = 0) -> str:
 
 
 def check_held_prediction(guess) -> None:
-    """Compare the learner's choice with :func:`held_grad_after_dp`; say why, without saying
-    how plain copies get there. Never raises for a wrong prediction."""
+    """Compare the learner's choice with :func:`held_grad_after_dp`: right or wrong, the
+    measured choice and a question to take into part 4. Why (AccumulateGrad at the module's
+    parameters) waits for part 4's pass line (``_lab02_step.WHY_RULE``): how plain copies get
+    there is part 4's to work out. Never raises for a wrong prediction."""
     __tracebackhide__ = True
     from . import reveal
 
     measured = held_grad_after_dp()
     reveal(guess, measured, close=guess.value == measured, explanation=(
-        "The step's backward is a backward like any other. The module's parameters are the "
-        "leaves it reaches (a replica's weights are not leaves: they are the broadcast's "
-        "outputs), and at a leaf autograd adds what arrives into what .grad already held "
-        "(AccumulateGrad), which is what lets a loop accumulate gradients over several batches "
-        "before one optimizer step. So what the model held stays, once, and this batch's "
-        "gradient joins it, once."))
+        "A question to take into part 4: what in a backward kept G in p.grad, and does the "
+        "backward of your plain copies reach `model`'s p.grad at all?"))

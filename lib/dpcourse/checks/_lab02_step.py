@@ -78,7 +78,21 @@ def check_dp_forward_backward(dp_forward_backward) -> None:
     passed("DataParallel by hand on 4 and 3 devices (even and uneven chunks, and a batch of 6 "
            "on 4): each plain copy ran on its chunk, the loss is the whole batch's, the "
            "whole batch's gradient was added to what the model held, and BatchNorm's buffers "
-           "hold what nn.DataParallel leaves there (part 5 tries a module with state of its own)")
+           "hold what nn.DataParallel leaves there (part 5 tries a module with state of its "
+           f"own). {WHY_RULE}")
+
+
+# Why part 4's rule is what it is: the explanation of part 3's two measurements, held back
+# until the rule has been worked out from them (their feedback says only what was measured).
+WHY_RULE = (
+    "Why, from part 3's two measurements: the loss is one mean over the whole batch, so each "
+    "sample's term is divided by the batch's size, not by its chunk's; a copy's backward "
+    "differentiates its own chunk's terms alone, so its gradient is its chunk's share of the "
+    "whole batch's (the 1-sample copy held 1/10), and the copies' shares add up to it. And at a "
+    "leaf autograd adds what arrives into what .grad already held (AccumulateGrad): under "
+    "nn.DataParallel the module's parameters are the leaves the broadcast's backward reaches, "
+    "so what the model held stays, once, and the batch's gradient joins it, once. Your plain "
+    "copies are leaves of their own, which is why your code does that last step.")
 
 
 def _bn_net(seed: int = 0):

@@ -90,17 +90,27 @@ def check_threaded_apply(threaded_apply) -> None:
     if len(threads) < n:
         fail(f"the {n} replicas ran in {len(threads)} thread(s), so some waited for others.",
              fix="give each replica a thread of its own.")
+    # Grad mode: the first meeting says what the outputs carry (the symptom); why (grad mode
+    # is per thread, and a new thread starts with it on) and what to change come with the second.
     if not all(o.requires_grad for o in out):
-        fail("the outputs carry no autograd graph although the caller records one: grad mode "
-             "is per thread in torch, and your threads did not run with the caller's.",
-             fix="set the caller's grad mode inside each thread (torch.set_grad_enabled).")
+        fail("called with autograd on, the outputs of your threads carry no autograd graph "
+             "(requires_grad is False), where the loop `[replicas[i](inputs[i]) for i in ...]` "
+             "run by the same caller records one: a backward through them would reach no "
+             "replica's weights.",
+             fix="grad mode is per thread in torch: your threads did not run with the "
+                 "caller's. Read torch.is_grad_enabled() in the caller and apply it in each "
+                 "thread (torch.set_grad_enabled).")
     with torch.no_grad():
         quiet = threaded_apply([_Timed(1, 0.0, []) for _ in range(2)],
                                [torch.ones(2), torch.ones(2)])
     if any(o.requires_grad for o in quiet):
-        fail("called under torch.no_grad(), the threads still recorded a graph: grad mode is "
-             "per thread in torch, and a new thread starts with it on.",
-             fix="read torch.is_grad_enabled() in the caller and set it in each thread.")
+        fail("called under torch.no_grad(), the outputs of your threads carry an autograd "
+             "graph (requires_grad is True): the threads recorded a graph the caller had "
+             "turned off, where the same loop run by the caller records none (an evaluation "
+             "under no_grad would keep every replica's activations alive).",
+             fix="grad mode is per thread in torch, and a new thread starts with it on. Read "
+                 "torch.is_grad_enabled() in the caller and apply it in each thread "
+                 "(torch.set_grad_enabled).")
     broken = [_Timed(1, 0.0, []), _Timed(2, 0.0, [], fail_with="replica 1 broke")]
     try:
         threaded_apply(broken, [torch.ones(2), torch.ones(2)])

@@ -59,19 +59,21 @@ def copy_share(n_devices: int = 4, batch: int = 10, seed: int = 0) -> float:
 
 
 def check_prediction(guess, n_devices: int = 4, batch: int = 10) -> None:
-    """Measure :func:`copy_share` and compare it with the learner's prediction; say why it is
-    the last chunk's size over the batch's. Never raises for a wrong prediction."""
+    """Measure :func:`copy_share` and compare it with the learner's prediction: right or wrong,
+    the measured value, and a question to take into part 4. Why it is the last chunk's size
+    over the batch's waits for part 4's pass line (``_lab02_step.WHY_RULE``): the rule that combines
+    the copies' gradients is part 4's to work out from this measurement. Never raises for a
+    wrong prediction."""
     __tracebackhide__ = True
     from . import reveal
 
     sizes = [len(c) for c in torch.chunk(torch.empty(batch), n_devices)]
     measured = round(copy_share(n_devices, batch), 2)
     reveal(guess, measured, close=abs(float(guess.value) - measured) <= 0.02, explanation=(
-        f"The loss is one mean over all {batch} samples, so each sample's term is divided by "
-        f"{batch}, not by its chunk's size, and the last copy's backward differentiates the "
-        f"terms of its own chunk ({sizes[-1]} sample(s)) alone. With identical samples every "
-        f"term has the same gradient, so the last holds {sizes[-1]}/{batch} of the whole "
-        f"batch's gradient."))
+        f"A question to take into part 4: the last copy saw {sizes[-1]} of the {batch} "
+        f"samples, on one of {n_devices} devices. What in the one loss makes its gradient "
+        f"{measured:g} of the whole batch's, rather than 1 (all it saw) or 1/{n_devices} (one "
+        f"device of {n_devices})?"))
 
 
 # --- predict, then measure: the scatter choice's consequence -------------------------------
