@@ -16,8 +16,9 @@
 #    `model`'s holds after a DataParallel step.
 # 4. `dp_forward_backward(model, X, y, n_devices) -> float`: one DataParallel step's forward
 #    and backward. Every chunk, chunk 0 included, runs on a copy of `model` of its own, made by
-#    `copy.deepcopy` (no parameter of it shared with `model`); `model` itself runs no forward. The copies run at the same time, one thread each, through
-#    `dp.parallel_apply`, as the real class runs them; the chunks come from your `scatter` and
+#    `copy.deepcopy` (no parameter of it shared with `model`); `model` itself runs no forward.
+#    The copies run at the same time, one thread each, through `dp.parallel_apply`, as the
+#    real class runs them; the chunks come from your `scatter` and
 #    the outputs go through your `gather`. It returns the mean cross-entropy over the whole
 #    batch, as a float. Afterwards `model` — its weights, its gradients, its buffers — is what it
 #    would be after the forward and `backward()` of `nn.DataParallel(model)` on `n_devices`
@@ -26,12 +27,14 @@
 #    buffer of `model` (persistent or not) and every plain attribute holds what
 #    `nn.DataParallel(model)` would leave there, as torch's own `replicate` builds the replicas.
 #    Part 5 holds **the lab's design decision**: what of the copies' state comes back to
-#    `model`, from which copy, and how your code tells. You change your part-4 step for it.
+#    `model`, from which copy, and how your code tells. You change your part-4 step for it
+#    (part 5's check reruns part 4's first).
 #
 # Each part has a check cell that names your mistake, if there is one, and hints behind clicks.
 # The checks compare with the library's `dpcourse.dp`, whose `scatter`, `gather`, `replicate`
 # and `parallel_apply` your answers may not hand their work to: the checks refuse them, with
-# one exception, `dp.parallel_apply` in part 4 (the stretch then replaces it with yours).
+# one exception, `dp.parallel_apply` in part 4 (the stretch writes your own; putting it in your
+# step afterwards is optional).
 
 # %%
 import copy
