@@ -433,7 +433,7 @@ lab05.check_pipeline_prediction(
 # replicas, 36 on 3), then a step of padding alone.
 #
 # **Your decision:** what a replica's loss is made of when some of its samples are not samples,
-# and what a step with none does.
+# and how a step with none keeps the weights where they are.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
