@@ -16,7 +16,7 @@
 # - use mixed precision (AMP) and check that it keeps the accuracy;
 # - get bit-identical runs from a seed, and say when you cannot.
 #
-# **Time:** about 40 minutes to read and run (plus about 25 for the lab).
+# **Time:** about 45 minutes to read and run (plus about 25 for the lab).
 #
 # **Lab:** [lab01_single_device](../labs/lab01_single_device.ipynb) — write `train_one_epoch`
 # and `evaluate`.

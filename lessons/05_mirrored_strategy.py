@@ -1063,11 +1063,11 @@ viz.show(fig, "from the same initial weights on the same batches, the two framew
 # the step through `strategy.run` and divides each replica's summed loss by a global batch
 # given in advance (`compute_average_loss`: right when every step is full; lab 05 part 1 is
 # told no batch size), because its all-reduce sums; DDP hides its all-reduce in `backward()`
-# and averages. The diff shows the whole TF step — most of lab 05 part 3's answer — so it is
+# and averages. The diff shows the whole TF step — part of lab 05 part 3's answer — so it is
 # folded.
 
 # %% [markdown]
-# **▶ The two steps as a diff (most of lab 05 part 3's answer) — open after your lab passes** (click the folded cell below).
+# **▶ The two steps as a diff (part of lab 05 part 3's answer) — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 import difflib

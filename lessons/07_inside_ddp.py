@@ -15,7 +15,7 @@
 # - count the bytes DDP's communication hooks send (fp16, bf16, PowerSGD) and what they cost
 #   in accuracy.
 #
-# **Time:** about 80 minutes to read and run (the lab is extra).
+# **Time:** about 85 minutes to read and run (the lab is extra).
 #
 # **Lab:** [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) — write the wrapper as DDP's
 # reducer really runs it (buckets launched strictly in order, gradients as views of the
