@@ -49,6 +49,10 @@ from dpcourse import data, devices, models, train
 from dpcourse.checks import lab01, predict
 
 device = torch.device(device or devices.choose_profile().device)
+# One intra-op CPU thread (lesson 01, "Throughput"): on a shared or busy machine torch's
+# default of one thread per core can make §3's training minutes slower; and the printed losses
+# match the stored ones to the last digit (summation order follows the thread count).
+torch.set_num_threads(1)
 
 
 # %% [markdown]
@@ -145,7 +149,7 @@ lab01.check_train_one_epoch(train_one_epoch)
 # mean of 16 samples' gradients that does not happen to a mean of 2?
 
 # %%
-### BEGIN SOLUTION: your prediction: "smaller", "about the same" or "larger"
+### BEGIN SOLUTION: my_step_guess = "smaller", "about the same" or "larger"
 my_step_guess = "larger"
 ### END SOLUTION
 step_guess = predict("lab01", lab01.STEP_QUESTION, my_step_guess, choices=lab01.STEP_CHOICES)
@@ -163,15 +167,22 @@ lab01.check_step_prediction(step_guess, train_one_epoch)
 # `evaluate` and the lesson's `predictions()` switch to eval mode and stay there, which suits
 # their own callers; that is one choice, not a rule for yours. Think of the code that will call
 # `evaluate`: a training loop that evaluates every few hundred steps, a script that only tests a
-# saved model, a fine-tuning run that keeps part of the network frozen while the rest trains.
-# Two answers hold together:
+# saved model, a fine-tuning run that keeps part of the network frozen while the rest trains
+# (a frozen BatchNorm layer is one in evaluation mode, its running statistics fixed).
+# Two answers hold together, and each gives someone work:
 #
-# * `"eval"` — afterwards the whole model is in evaluation mode, whatever it arrived in;
+# * `"eval"` — afterwards the whole model is in evaluation mode, whatever it arrived in. Putting
+#   the modes back is then the caller's job, and the caller is yours too: write
+#   `back_to_training(model, frozen)`, the line a fine-tuning loop runs after each `evaluate`,
+#   so that the loop's next step finds every layer training except the modules listed in
+#   `frozen` (and everything inside them), which stay in evaluation mode.
 # * `"as found"` — afterwards the caller cannot tell from the model's modes that `evaluate`
-#   ran at all.
+#   ran at all, so it needs no `back_to_training` (leave that cell's TODO as it is).
 #
 # Write your choice in `evaluate_leaves_model_in`; the check hands your function models in
-# several states and holds it to what you chose.
+# several states, then runs a fine-tuning loop of its own that keeps part of a network frozen
+# while the rest trains and calls `evaluate` between steps, and holds your code to what you
+# chose.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -188,7 +199,9 @@ lab01.check_step_prediction(step_guess, train_one_epoch)
 # Switch to the test-time behaviour before the first forward, and turn autograd's recording off
 # for the whole loop. Count correct predictions and summed loss over samples, and divide once
 # at the end. If you chose "as found", each module's mode is in its own `.training`: read them
-# all before you change anything (what does `model.train(flag)` do to the submodules?). And an
+# all before you change anything (what does `model.train(flag)` do to the submodules?). If you
+# chose "eval", the same question faces `back_to_training`: which layers does switching the
+# whole model to training reach, and which call has the last word on a frozen one? And an
 # exception leaves a function at the line that raised: which of your lines still run then?
 
 # %% [markdown]
@@ -207,10 +220,14 @@ lab01.check_step_prediction(step_guess, train_one_epoch)
 # if <no sample was seen>:
 #     raise ValueError(<what was wrong>)
 # return <mean loss per sample>, <accuracy>
+#
+# back_to_training (only for "eval"):
+#     <the mode the loop trains in, for the whole model>
+#     <then the frozen modules' own mode, each with everything inside it>
 # ```
 
 # %%
-### BEGIN SOLUTION: your design decision: "eval" or "as found"
+### BEGIN SOLUTION: evaluate_leaves_model_in = "eval" or "as found"
 evaluate_leaves_model_in = "as found"
 ### END SOLUTION
 
@@ -237,8 +254,17 @@ def evaluate(model, loader, loss_fn, device):
     ### END SOLUTION
 
 
+def back_to_training(model, frozen):
+    ### BEGIN SOLUTION: only for "eval": the caller's way back to fine-tuning's modes
+    model.train()  # reaches every submodule, the frozen ones too
+    for module in frozen:
+        module.eval()  # after train(): the last call that reaches a layer sets its mode
+    ### END SOLUTION
+
+
 # %%
-lab01.check_evaluate(evaluate, leaves=evaluate_leaves_model_in)
+lab01.check_evaluate(evaluate, leaves=evaluate_leaves_model_in,
+                     back_to_training=back_to_training)
 
 # %% [markdown]
 # ## 3. Use them
@@ -265,12 +291,15 @@ lab01.check_evaluate(evaluate, leaves=evaluate_leaves_model_in)
 # model.
 
 # %%
-### BEGIN SOLUTION: your prediction: "train_one_epoch's", "evaluate's" or "about the same"
+### BEGIN SOLUTION: my_guess = "train_one_epoch's", "evaluate's" or "about the same"
 my_guess = "train_one_epoch's"
 ### END SOLUTION
 guess = predict("lab01", lab01.PREDICTION_QUESTION, my_guess, choices=lab01.PREDICTION_CHOICES)
 
 # %%
+# Two epochs of the lesson's CNN on 3,000 images: about 10 s on the course's 2-core test
+# machine with the one torch thread set above; on a loaded machine it can still take minutes
+# (a learner measured about 5 with torch's default threads).
 devices.seed_everything(seed)
 ds = data.load(dataset, n_train=n_train, n_test=n_test, seed=seed)
 train_loader, test_loader = train.make_loaders(ds, batch_size, seed=seed)
@@ -303,16 +332,27 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # `train_accumulated(model, loader, loss_fn, optimizer, k, device) -> float` with this contract:
 #
 # * `loss_fn` averages over its batch (`reduction="mean"`, as `nn.CrossEntropyLoss()` does);
-# * the micro-batches of `loader` are taken in order, k consecutive ones to a step, and **each
-#   step is exactly the step plain training takes on the samples it used**: one batch holding
-#   them all, its mean loss, backward, step;
+# * the micro-batches of `loader` are taken in order, and each step takes a run of consecutive
+#   ones: k of them for every step but possibly the last (see the decision below);
+# * **each step is exactly the step plain training takes on the samples it used**: one batch
+#   holding them all, its mean loss, backward, step;
 # * **every sample of the epoch contributes to exactly one step**;
 # * it returns the **mean loss per sample** over the epoch, a float, as `train_one_epoch` does;
 # * the result does not depend on whatever `p.grad` held before the call.
 #
 # **Your design decision:** a loader need not hold a whole number of groups — 11 micro-batches
-# with k = 3 leave 2 over at the end. What those leftover micro-batches get is yours to decide,
-# within the contract above; the check's pass line says which choice it saw.
+# with k = 3 leave 2 over at the end, and their samples must still reach exactly one step. Two
+# choices keep the contract, and each costs something:
+#
+# * **a step of their own** — the last step holds fewer than k micro-batches: fewer samples
+#   than the others, so a noisier step (think of §1's short batch);
+# * **a place in the last full group's step** — that step holds k + 2 micro-batches, and your
+#   loop must know the group it is in is the last one before that group's step is due (a
+#   loader's length, or holding the step back until the next micro-batch shows whether one
+#   comes).
+#
+# Dropping them, or anything else, breaks the contract. Pick one; the check's pass line says
+# which choice it saw.
 #
 # The check trains a small model both ways, on loaders of its own (some hold a whole number of
 # groups, some end with a leftover), and compares the weights, the steps and the returned loss.

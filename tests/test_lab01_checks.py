@@ -24,6 +24,14 @@ def good_train(model, loader, loss_fn, optimizer, device):
     return total / n
 
 
+def back_to_training(model, frozen):
+    """The caller's half of the "eval" decision, right: the whole model training, then the
+    frozen modules (and what they hold) back in eval mode."""
+    model.train()
+    for m in frozen:
+        m.eval()
+
+
 def wrapped_library_train(model, loader, loss_fn, optimizer, device):
     return train.train_one_epoch(model, loader, loss_fn, optimizer, device)
 
@@ -234,7 +242,7 @@ def test_reference_evaluate_passes(capsys):
                                         (_eval(restore=True), None)],
                          ids=["eval-eval", "restore-as-found", "restore-undecided"])
 def test_evaluate_keeps_its_design_decision(fn, leaves, capsys):
-    lab01.check_evaluate(fn, leaves=leaves)
+    lab01.check_evaluate(fn, leaves=leaves, back_to_training=back_to_training)
     out = capsys.readouterr().out
     assert out.count("✔") == 1 and (leaves is None or "as you decided" in out), out
 
@@ -1175,7 +1183,7 @@ def test_restoring_each_layers_own_mode_passes(fn, capsys):
 
 
 def test_a_frozen_batchnorm_under_the_eval_decision_passes(capsys):
-    lab01.check_evaluate(_eval(), leaves="eval")
+    lab01.check_evaluate(_eval(), leaves="eval", back_to_training=back_to_training)
     assert capsys.readouterr().out.count("✔") == 1
 
 
@@ -1218,7 +1226,7 @@ def test_an_empty_loader_without_a_clear_error_is_named(fn, leaves, phrase):
                                         (eval_validating_first, None),
                                         (_eval(restore=True), "as found")])
 def test_an_empty_loader_refused_with_value_error_passes(fn, leaves, capsys):
-    lab01.check_evaluate(fn, leaves=leaves)
+    lab01.check_evaluate(fn, leaves=leaves, back_to_training=back_to_training)
     assert capsys.readouterr().out.count("✔") == 1
 
 
@@ -1248,7 +1256,9 @@ def test_lab_text_states_the_contract_without_pointing_at_the_move():
     # learner LR4_01: the choices are listed where the guess is written; the measurement runs
     # in its own cell (the prediction cell's "Now run the measurement." is then true); the
     # stretch names its design decision and the contract's rule for the leftover
-    assert '### BEGIN SOLUTION: your prediction: "smaller", "about the same" or "larger"' in text
+    # learner LR5_01: each prediction's TODO names the variable to set
+    assert '### BEGIN SOLUTION: my_step_guess = "smaller", "about the same" or "larger"' in text
+    assert "### BEGIN SOLUTION: my_guess = " in text
     assert "step_guess = predict(" in text
     cell = text.split("step_guess = predict(", 1)[1].split("# %%", 1)[0]
     assert "check_step_prediction" not in cell, cell
@@ -1261,3 +1271,124 @@ def test_the_short_batch_step_is_a_full_steps_scale_not_its_share():
     ratio, norms = lab01.short_batch_step(good_train)
     assert len(norms) == 4  # 16, 16, 16 and 2 samples
     assert ratio > 1.5, (ratio, norms)  # not 2/16 of a full step: the loss is the batch's mean
+
+
+# --- learner LR5_01: the "eval" decision carries its own obligation (the caller's half) ---------
+
+def back_train_only(model, frozen):
+    model.train()
+
+
+def back_frozen_first(model, frozen):
+    for m in frozen:
+        m.eval()
+    model.train()
+
+
+def back_frozen_only(model, frozen):
+    for m in frozen:
+        m.eval()
+
+
+def back_flag_on_the_module(model, frozen):
+    model.train()
+    for m in frozen:
+        m.training = False  # the module alone, not what is inside it
+
+
+def back_hard_coded(model, frozen):
+    model.train()
+    model[2].eval()  # the lesson's BatchNorm index, whatever the caller froze
+
+
+def back_each_module_by_name(model, frozen):
+    # right, written another way: every module's flag set, the frozen ones' insides included
+    inside = {id(m) for f in frozen for m in f.modules()}
+    for m in model.modules():
+        m.training = id(m) not in inside
+
+
+@pytest.mark.parametrize("fn", [back_to_training, back_each_module_by_name],
+                         ids=["train-then-freeze", "each-flag"])
+def test_the_eval_decision_with_a_right_back_to_training_passes(fn, capsys):
+    lab01.check_evaluate(_eval(), leaves="eval", back_to_training=fn)
+    out = capsys.readouterr().out
+    assert out.count("✔") == 1 and "back_to_training giving a fine-tuning loop" in out, out
+
+
+@pytest.mark.parametrize("fn, first_phrase, mechanism", [
+    (back_train_only, "1 frozen layer(s) ran that step in training mode (model[2] "
+                      "(BatchNorm1d)): model[2] (BatchNorm1d)'s running mean moved by 0.",
+     "model.train() reaches every submodule, the frozen ones too"),
+    (back_frozen_first, "model[2] (BatchNorm1d)'s running mean moved by 0.",
+     "the last call that reaches a layer sets its mode"),
+    (back_frozen_only, "6 layer(s) the loop trains were in eval mode for that step",
+     "put the whole model in training mode first"),
+    (back_flag_on_the_module, "model.block (Sequential) itself was in eval mode, but the 3 "
+                              "layer(s) inside it ran that step in training mode",
+     "setting .training on a module changes that module alone"),
+    (back_hard_coded, "froze model.block (a Linear, a BatchNorm1d and a ReLU",
+     "model.train() reaches every submodule"),
+    (None, "the check got no back_to_training", "write back_to_training"),
+], ids=["train-only", "freeze-then-train", "freeze-only", "flag-on-container", "hard-coded",
+        "missing"])
+def test_each_wrong_back_to_training_is_refused_by_its_cause(fn, first_phrase, mechanism):
+    def run():
+        with pytest.raises(LabCheckError) as err:
+            lab01.check_evaluate(_eval(), leaves="eval", back_to_training=fn)
+        return str(err.value)
+    first, second = run(), run()
+    assert first_phrase in first and mechanism not in first, first
+    assert "Run the check again" in first, first
+    assert mechanism in second, second
+
+
+def test_as_found_needs_no_back_to_training(capsys):
+    # the caller's half is the eval decision's; under "as found" evaluate alone hands it back
+    lab01.check_evaluate(_eval(restore=True), leaves="as found", back_to_training=None)
+    assert capsys.readouterr().out.count("✔") == 1
+
+
+# --- learner LR5_01: a wrong group before the leftover is named by its step -----------------
+
+def accum_merge_overwriting_a_group(model, loader, loss_fn, optimizer, k, device):
+    """The learner's probe: `groups[-2] += groups.pop()` evaluates its target before the pop,
+    so the merged group lands in the place of the group before it."""
+    model.train()
+    optimizer.zero_grad()
+    batches = list(loader)
+    groups = [batches[g:g + k] for g in range(0, len(batches), k)]
+    if len(groups) > 1 and len(groups[-1]) < k:
+        groups[-2] += groups.pop()
+    total = count = 0
+    for group in groups:
+        n = sum(len(y) for _, y in group)
+        for X, y in group:
+            loss = loss_fn(model(X), y)
+            (loss * len(y) / n).backward()
+            total, count = total + loss.item() * len(y), count + len(y)
+        optimizer.step()
+        optimizer.zero_grad()
+    return total / count
+
+
+def test_a_group_overwritten_before_the_leftover_is_named_by_its_step():
+    with pytest.raises(LabCheckError) as first:
+        lab01.check_train_accumulated(accum_merge_overwriting_a_group)
+    message = str(first.value)
+    assert ("step 2 is the first whose samples are wrong: it should take micro-batches 4 to 6 "
+            "(samples 13 to 24)") in message, message
+    assert "it is the gradient of micro-batches 7 to 11 (samples 25 to 42) instead" in message
+    assert "1.00 times as long" not in message, message
+    with pytest.raises(LabCheckError) as second:
+        lab01.check_train_accumulated(accum_merge_overwriting_a_group)
+    assert "step 2's list is not [4, 5, 6]" in str(second.value), str(second.value)
+
+
+def test_the_stretch_contract_allows_both_leftover_choices_in_words():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "solutions" / "lab01_single_device.py").read_text()
+    stretch = text.split("## Stretch", 1)[1].split("# %%", 1)[0]
+    assert "k of them for every step but possibly the last" in stretch
+    assert "a step of their own" in stretch and "a place in the last full group's step" in stretch
+    assert "k consecutive ones to a step" not in stretch

@@ -14,18 +14,22 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpcourse import train as reference
 from dpcourse.checks import fail, passed, recorded
+from ._lab01_finetune import check_fine_tuning
 from ._lab01_common import (LEAVES, _FROZEN, _SETUPS, _Spy, _as_number, _library, _params,
                             _refuse_library, _same, _setup, library_calls)
 
 
 @recorded
-def check_evaluate(evaluate, leaves: str | None = None) -> None:
+def check_evaluate(evaluate, leaves: str | None = None, back_to_training=None) -> None:
     """Run your ``evaluate(model, loader, loss_fn, device) -> (loss, accuracy)`` and compare.
 
     ``leaves`` is the lab's design decision, the mode ``evaluate`` leaves the model in: "eval"
     (evaluation mode, whatever it arrived in) or "as found" (the mode it arrived in). The check
     hands the model over in training mode and in eval mode and holds your function to your
-    choice; None checks everything but the mode on return.
+    choice; None checks everything but the mode on return. Then it runs a fine-tuning loop
+    that keeps part of the network frozen in eval mode (:mod:`._lab01_finetune`): under "as
+    found" evaluate alone must hand the frozen part back; under "eval" your
+    ``back_to_training(model, frozen)``, the caller's half of the decision, must.
     """
     __tracebackhide__ = True
     if leaves is not None and leaves not in LEAVES:
@@ -38,7 +42,11 @@ def check_evaluate(evaluate, leaves: str | None = None) -> None:
     _check_evaluate_once(evaluate, _SETUPS[0], _FROZEN, leaves)
     _check_evaluate_raising(evaluate, _SETUPS[1], leaves)
     _check_evaluate_empty(evaluate, leaves)
-    said = {None: "", "eval": ", and it leaves the model in eval mode as you decided",
+    if leaves is not None:
+        check_fine_tuning(evaluate, leaves, back_to_training)
+    said = {None: "", "eval": ", and it leaves the model in eval mode as you decided, with "
+                              "your back_to_training giving a fine-tuning loop its frozen "
+                              "layers back",
             "as found": ", and it leaves each layer in the mode it found (a frozen BatchNorm "
                         "included), as you decided"}[leaves]
     passed(f"evaluate matches the reference: eval mode, no graph, per-sample mean loss "

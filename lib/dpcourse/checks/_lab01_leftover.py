@@ -109,6 +109,85 @@ def _right_gradient(seed, weights, X, y):
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
+def _compare(grad, right):
+    """(|grad| / |right|, the cosine between them), over all parameters."""
+    dot = sum(float((a.double() * b.double()).sum()) for a, b in zip(grad, right))
+    rr = sum(float((b.double() ** 2).sum()) for b in right)
+    gg = sum(float((a.double() ** 2).sum()) for a in grad)
+    return (gg / max(rr, 1e-300)) ** 0.5, dot / max((gg * rr) ** 0.5, 1e-30)
+
+
+def _matches(grad, right) -> bool:
+    if any(g is None for g in grad):
+        return False
+    ratio, cos = _compare(grad, right)
+    return abs(ratio - 1) < 1e-3 and cos > 1 - 1e-5
+
+
+def _step_ranges(sizes, k, merged):
+    """The micro-batch ranges [a, b) each step takes under the choice its step count shows."""
+    whole = len(sizes) // k * k
+    ranges = [(g, g + k) for g in range(0, whole, k)]
+    if merged and ranges:
+        ranges[-1] = (ranges[-1][0], len(sizes))
+    elif whole < len(sizes):
+        ranges.append((whole, len(sizes)))
+    return ranges
+
+
+def _first_wrong_step(seed, X, y, sizes, k, used, merged):
+    """The index of the first step before the last whose gradient is not the mean-loss gradient
+    of the micro-batches it should have taken (None if all of them are right)."""
+    ranges = _step_ranges(sizes, k, merged)
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    for i, ((a, b), (weights, grad)) in enumerate(zip(ranges[:-1], used[:-1])):
+        right = _right_gradient(seed, weights, X[bounds[a]:bounds[b]], y[bounds[a]:bounds[b]])
+        if not _matches(grad, right):
+            return i, (a, b)
+    return None
+
+
+def _fail_on_step(scene, seed, X, y, sizes, used, wrong):
+    """Name the step whose samples are wrong, and which consecutive micro-batches its gradient
+    does match, if any."""
+    __tracebackhide__ = True
+    i, (a, b) = wrong
+    bounds = [sum(sizes[:j]) for j in range(len(sizes) + 1)]
+    weights, grad = used[i]
+    right = _right_gradient(seed, weights, X[bounds[a]:bounds[b]], y[bounds[a]:bounds[b]])
+    found = None
+    if all(g is not None for g in grad):
+        ratio, cos = _compare(grad, right)
+        seen = f"{ratio:.2f} times as long as theirs, cosine {cos:.4f}"
+        for lo in range(len(sizes)):
+            for hi in range(lo + 1, len(sizes) + 1):
+                other = _right_gradient(seed, weights, X[bounds[lo]:bounds[hi]],
+                                        y[bounds[lo]:bounds[hi]])
+                if _matches(grad, other):
+                    found = (lo, hi)
+                    break
+            if found:
+                break
+    else:
+        seen = "missing for some parameters (p.grad None)"
+
+    def span(lo, hi):
+        return (f"micro-batches {lo + 1} to {hi} (samples {bounds[lo] + 1} to {bounds[hi]})"
+                if hi - lo > 1 else f"micro-batch {lo + 1} (samples {bounds[lo] + 1} to "
+                                    f"{bounds[hi]})")
+
+    instead = (f"; it is the gradient of {span(*found)} instead" if found else
+               "; it matches the mean-loss gradient of no run of consecutive micro-batches")
+    fail(f"{scene}; your function took {len(used)} optimizer steps, and step {i + 1} is the "
+         f"first whose samples are wrong: it should take {span(a, b)}, the group of k "
+         f"consecutive ones in order, but the gradient it used was {seen} (measured at the "
+         f"weights it stepped from){instead}. Every step before the leftover is a full "
+         f"group's, in order, whatever you decided for the leftover.",
+         fix=f"print, for each step, which micro-batches' backwards went into p.grad before "
+             f"it: step {i + 1}'s list is not [{', '.join(str(j + 1) for j in range(a, b))}] "
+             f"(counting micro-batches from 1).")
+
+
 def check_leftover(train_accumulated, sizes, k, seed):
     """Run the learner's function on a loader that ends with fewer than k micro-batches; return
     (its choice, "own" or "merge"; what it returned; the mean loss per sample of that epoch,
@@ -188,15 +267,16 @@ def check_leftover(train_accumulated, sizes, k, seed):
         lo = sum(sizes[:first])
         what = (f"the last full group and the leftover ({n - lo} samples)" if merged
                 else f"the leftover ({n_rest} samples)")
+        wrong = _first_wrong_step(seed, X, y, sizes, k, used, merged)
+        if wrong is not None:
+            _fail_on_step(scene, seed, X, y, sizes, used, wrong)
         weights, grad = used[-1]
         right = _right_gradient(seed, weights, X[lo:], y[lo:])
         if all(g is not None for g in grad):
-            dot = sum(float((a.double() * b.double()).sum()) for a, b in zip(grad, right))
-            rr = sum(float((b.double() ** 2).sum()) for b in right)
-            gg = sum(float((a.double() ** 2).sum()) for a in grad)
-            ratio, cos = (gg / rr) ** 0.5, dot / max((gg * rr) ** 0.5, 1e-30)
+            ratio, cos = _compare(grad, right)
             seen = (f"{ratio:.2f} times as long as the gradient of those samples' mean loss"
-                    + (f", and pointing elsewhere (cosine {cos:.3f})" if cos < 0.9999 else ""))
+                    + (f", and pointing elsewhere (cosine {cos:.4f})"
+                       if cos < 0.9999 or f"{ratio:.2f}" == "1.00" else ""))
         else:
             seen = "missing for some parameters (p.grad None)"
         fix = ("compare p.grad just before that step with the gradient of one batch holding "

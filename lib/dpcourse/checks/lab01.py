@@ -13,7 +13,9 @@ holds the function to its contract: a loss that is not finite raises FloatingPoi
 caller finds the weights, Adam's state and every p.grad as the last sound step left them.
 
 This module holds the two predictions and the names; each check has a module of its own:
-:mod:`~dpcourse.checks._lab01_train`, :mod:`~dpcourse.checks._lab01_evaluate`,
+:mod:`~dpcourse.checks._lab01_train`, :mod:`~dpcourse.checks._lab01_evaluate` (with
+:mod:`~dpcourse.checks._lab01_finetune`, the fine-tuning caller that holds either answer to §2's
+design decision to its cost: "as found" in evaluate, "eval" in the learner's back_to_training),
 :mod:`~dpcourse.checks._lab01_accumulate` (with :mod:`~dpcourse.checks._lab01_leftover`), and
 what they share in :mod:`~dpcourse.checks._lab01_common`.
 """
