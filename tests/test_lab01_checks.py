@@ -1144,6 +1144,7 @@ def test_one_flag_restored_to_every_layer_is_refused_with_its_cause():
     message = str(first.value)
     assert "frozen in eval mode" in message, message
     assert "came back with that BatchNorm in training mode" in message, message
+    assert "(the check took that step: its running mean moved by 0." in message, message
     assert "Run the check again" in message and "model.modules()" not in message, message
     assert "model.train(flag)" not in message, message
     with pytest.raises(LabCheckError) as second:

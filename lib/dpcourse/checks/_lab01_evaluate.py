@@ -202,7 +202,17 @@ def _mode_map(model) -> dict:
     return {name: m.training for name, m in model.named_modules()}
 
 
-def _check_mixed_return(model, arrived: dict, leaves: str | None) -> None:
+def _frozen_drift(model, loader) -> float:
+    """How far the caller's next training step, with the modes evaluate left, moves model[2]'s
+    running mean (0 when it stays frozen)."""
+    before = model[2].running_mean.clone()
+    X, y = next(iter(loader))
+    nn.functional.cross_entropy(model(X), y).backward()
+    model.zero_grad(set_to_none=True)
+    return float((model[2].running_mean - before).norm())
+
+
+def _check_mixed_return(model, arrived: dict, leaves: str | None, loader=None) -> None:
     """The mode on return for a model that arrived in training mode with its BatchNorm frozen
     in eval mode: "eval" leaves every submodule in eval mode; "as found" leaves each submodule
     in its own arriving mode."""
@@ -219,11 +229,14 @@ def _check_mixed_return(model, arrived: dict, leaves: str | None) -> None:
                      f"{'training' if after[name] else 'eval'} instead of "
                      f"{'training' if arrived[name] else 'eval'}" for name in wrong)
     if set(after.values()) == {True}:
+        drift = ("" if loader is None else
+                 f" (the check took that step: its running mean moved by "
+                 f"{_frozen_drift(model, loader):.3g})")
         fail(f"you decided that evaluate leaves the model in the mode it found; the check "
              f"handed it a training model whose BatchNorm layer (model[2]) was frozen in eval "
              f"mode, as when fine-tuning (model.train(), then model[2].eval()), and it came "
              f"back with that BatchNorm in training mode: the frozen layer's running statistics "
-             f"would move at the caller's next training step.",
+             f"would move at the caller's next training step{drift}.",
              fix="remember each submodule's own .training (model.modules()) before you switch, "
                  "and put each one back: one flag, model.training, cannot say the mode of every "
                  "layer, and model.train(flag) sets every submodule to that flag.")
@@ -287,7 +300,7 @@ def _check_evaluate_once(evaluate, setup, arrives_training: bool | str = True,
         fail("evaluate changed the weights, but a measurement must leave the model as it "
              "found it.", fix="no backward and no optimizer step in evaluate.")
     if mixed:
-        _check_mixed_return(model, arrived_modes, leaves)
+        _check_mixed_return(model, arrived_modes, leaves, loader)
     arrived = "training" if arrives_training else "eval"
     if not mixed and len(after) > 1:
         fail("evaluate left the model with some layers in training mode and others in eval "
