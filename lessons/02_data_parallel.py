@@ -574,8 +574,9 @@ print(f"On this run: {verdict}.")
 # and a forward/backward with plain copies of the model (`copy.deepcopy`, not the broadcast
 # above), whose gradients no autograd link brings back: getting them onto the original is up to
 # you, under the contract of `loss.backward()`. You also choose how `scatter` sizes its chunks,
-# and make predictions (what your choice does, one copy's share of the gradient, what a deep
-# copy carries, what of a replica survives the forward) before they are measured. Its stretch asks for the threads of `parallel_apply`.
+# decide what of the copies' state must come back to the model, and make predictions (what your
+# choice does, one copy's share of the gradient, what `p.grad` holds after a step) before they
+# are measured. Its stretch asks for the threads of `parallel_apply`.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below): the

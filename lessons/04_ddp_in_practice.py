@@ -15,7 +15,7 @@
 # - recognise the first failures a GPU user meets by their messages, and turn a hang into a clear
 #   error.
 #
-# **Time:** about 80 minutes to read and run (the lab aside).
+# **Time:** about 85 minutes to read and run (the lab aside).
 #
 # **Lab:** [lab04_ddp_in_practice](../labs/lab04_ddp_in_practice.ipynb) — inside a torchrun DDP
 # script, evaluate a metric that is not a mean (macro-F1) so that it equals one process.
@@ -1507,13 +1507,16 @@ display(Code("\n".join(difflib.unified_diff(
 # over disjoint images add up, fractions over shards of different sizes do not.
 
 # %% [markdown]
-# **▶ Compare after your stretch passes** (click the folded cells below): section 3's
-# checkpoint, then `train_ddp.py`'s resume and save.
+# **▶ Compare after your stretch passes** (click the folded cell below): what section 3's
+# checkpoint holds and how the data order comes back.
 
 # %% [markdown] jupyter={"source_hidden": true}
 # It holds `{model, optimizer, scaler, step}`, no random state (section 3's run ended
 # bit-identical without one). The data order is not saved: the loop restarts at the saved
 # step's epoch, `set_epoch` deals the same permutation, `done_in_epoch` skips what was done.
+
+# %% [markdown]
+# **▶ `train_ddp.py`'s resume and save** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 script_lines = train_ddp.read_text().splitlines()
