@@ -338,14 +338,15 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # cut sample by sample or batch by batch, both keep that, and the check accepts both.
 #
 # **Your design decision:** what `make_dist_dataset` does with a global batch that does not
-# split evenly over the replicas (33 on 2, 37 on 3) — on a cluster, over all its replicas:
-# there `strategy.num_replicas_in_sync` counts every worker's replicas, as the input context's
-# does (TF 2.21, `distribute/collective_all_reduce_strategy.py`). Refuse it, or adapt to it: both
-# are defensible. What must hold either way: every full step holds the `global_batch` samples the
-# training loop was told (only the epoch's last step may be short, with what is left), and an
-# argument you refuse is refused by `make_dist_dataset` itself, with an error that names both
-# numbers that did not fit: the global batch and the replica count. The check accepts each
-# choice that keeps this, and names by its cause each that does not.
+# split evenly over the replicas (33 on 2, 37 on 3) — on a cluster, over all its replicas: there
+# `strategy.num_replicas_in_sync` counts every worker's replicas, as the input context's does
+# (TF 2.21, `distribute/collective_all_reduce_strategy.py`). Refuse it, or adapt to it (a
+# pipeline's consecutive elements go to its replicas in turn, and nothing makes them all the
+# same size): both are defensible. What must hold either way: every full step holds the
+# `global_batch` samples the training loop was told (only the epoch's last step may be short,
+# with what is left), and an argument you refuse is refused by `make_dist_dataset` itself, with
+# an error that names both numbers that did not fit: the global batch and the replica count. The
+# check accepts each choice that keeps this, and names by its cause each that does not.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
