@@ -12,8 +12,10 @@
 # averages over its batch (`reduction="mean"`, as `nn.CrossEntropyLoss()` does), so the number
 # it returns for a batch is that batch's mean loss.
 #
-# * `train_one_epoch(model, loader, loss_fn, optimizer, device) -> float` — trains `model` on
-#   each batch of `loader` in turn, one optimizer step per batch on that batch's mean loss, and
+# * `train_one_epoch(model, loader, loss_fn, optimizer, device) -> float` — trains `model`, every
+#   layer in training mode whatever mode it arrives in (a loop that keeps some layers frozen
+#   freezes them again after the call), on each batch of `loader` in turn, one optimizer step
+#   per batch on that batch's mean loss, and
 #   returns the **mean loss per sample** over the epoch, as a Python float. One case lesson 01
 #   never met: a batch whose loss is not finite (NaN or inf). Then the function raises
 #   `FloatingPointError`, and the caller finds the weights, the optimizer's state (Adam's
