@@ -13,8 +13,14 @@ ROOT = authoring.ROOT
 LABS = sorted((ROOT / "labs").glob("*.ipynb"))
 
 
-def test_everything_is_in_sync():
-    assert authoring.check_sync() == []
+@pytest.fixture(scope="module")
+def sync_problems():
+    """check_sync reads and regenerates every notebook (seconds): once for the module."""
+    return authoring.check_sync()
+
+
+def test_everything_is_in_sync(sync_problems):
+    assert sync_problems == []
 
 
 def test_there_is_a_lab_for_every_solution_and_a_source_for_every_lesson():
@@ -154,20 +160,26 @@ def test_every_markdown_line_in_a_source_is_commented():
                 assert line.startswith("#"), f"{src.name}:{number}: markdown line without '#'"
 
 
-def test_python_m_dpcourse_build_check_times_are_the_build_commands(tmp_path):
+def test_python_m_dpcourse_build_check_times_are_the_build_commands(tmp_path, sync_problems,
+                                                                   capsys):
     """`python -m dpcourse check` is authoring's sync check (same verdict, same lines), and
     build, times and mutate answer under `python -m dpcourse` with their own options."""
     proc = subprocess.run([sys.executable, "-m", "dpcourse", "check"], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
-    problems = authoring.check_sync()
+    problems = sync_problems
     assert proc.returncode == (1 if problems else 0), proc.stderr[-2000:]
     assert proc.stdout.splitlines() == problems + [
         "in sync" if not problems else f"{len(problems)} problem(s)"]
+    # the subprocess above proved `python -m dpcourse` dispatches; the --help pages go through
+    # the same main() in this process (a subprocess each cost ~2 s of CPU importing jupytext)
+    from dpcourse.__main__ import main
+
     for sub, option in (("build", "--times"), ("times", "paths"), ("mutate", "--list")):
-        proc = subprocess.run([sys.executable, "-m", "dpcourse", sub, "--help"],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert proc.stdout.startswith(f"usage: python -m dpcourse {sub}") and option in proc.stdout
+        with pytest.raises(SystemExit) as done:
+            main([sub, "--help"])
+        assert done.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: python -m dpcourse {sub}") and option in out
 
 
 # ---- the install cell (issue 34): every notebook first runs the same one -------------------
