@@ -575,8 +575,8 @@ print(f"On this run: {verdict}.")
 # above), whose gradients no autograd link brings back: getting them onto the original is up to
 # you, under the contract of `loss.backward()`. You also choose how `scatter` sizes its chunks,
 # decide what of the copies' state must come back to the model, and make predictions (what your
-# choice does, one copy's share of the gradient, what `p.grad` holds after a step) before they
-# are measured. Its stretch asks for the threads of `parallel_apply`.
+# choice does, one copy's share of the gradient, what `p.grad` holds after a step, what a
+# replica's forward leaves on the module) before they are measured. Its stretch asks for the threads of `parallel_apply`.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below): the

@@ -10,8 +10,10 @@
 #    0, in order (concatenated, they are `X`), at most one per device and none empty, sized as
 #    **your choice** of §1 says; an empty batch and zero devices are refused with a
 #    `ValueError` that says so. The prediction after it shows what your choice does.
-# 2. `gather(outputs) -> tensor`: the devices' outputs as the one tensor the loss compares
-#    with `y`, as `nn.DataParallel` hands it over.
+# 2. `gather(outputs)`: the devices' outputs as `nn.DataParallel` hands them to its caller —
+#    the one tensor the loss compares with `y` when each device's output is a tensor, and, when
+#    the model returns a tuple of tensors (say `(logits, features)`), what the caller of
+#    `nn.DataParallel(model)` unpacks from it, a tuple (or a list).
 # 3. Two predictions about gradients, each then measured: what one copy's holds, and what
 #    `model`'s holds after a DataParallel step.
 # 4. `dp_forward_backward(model, X, y, n_devices) -> float`: one DataParallel step's forward
@@ -23,12 +25,12 @@
 #    batch, as a float. Afterwards `model` — its weights, its gradients, its buffers — is what it
 #    would be after the forward and `backward()` of `nn.DataParallel(model)` on `n_devices`
 #    devices, whatever state it arrived in.
-# 5. The same step on a module with state of its own, `lab02.SampleCounter`: afterwards every
-#    buffer of `model` (persistent or not) and every plain attribute holds what
-#    `nn.DataParallel(model)` would leave there, as torch's own `replicate` builds the replicas.
-#    Part 5 holds **the lab's design decision**: what of the copies' state comes back to
-#    `model`, from which copy, and how your code tells. You change your part-4 step for it
-#    (part 5's check reruns part 4's first).
+# 5. Three predictions, then the same step on a module with state of its own,
+#    `lab02.SampleCounter`: afterwards every buffer of `model` (persistent or not) and every
+#    plain attribute holds what `nn.DataParallel(model)` would leave there, as torch's own
+#    `replicate` builds the replicas. Part 5 holds **the lab's design decision**: what of the
+#    copies' state comes back to `model`, and from which copy. You change your part-4 step for
+#    it (part 5's check reruns part 4's first).
 #
 # Each part has a check cell that names your mistake, if there is one, and hints behind clicks.
 # The checks compare with the library's `dpcourse.dp`, whose `scatter`, `gather`, `replicate`
@@ -115,26 +117,35 @@ lab02.check_idle_prediction(idle_guess, scatter, sizes=chunk_sizes)
 # %% [markdown]
 # ## 2. `gather`
 #
-# The one tensor the loss is computed on, from the devices' outputs (the contract at the top).
+# The devices' outputs, joined as `nn.DataParallel` hands them to its caller (the contract at
+# the top). Lesson 02's models return one tensor; a model may also return several — a
+# classifier that hands back its features beside its logits, `return logits, features` — and
+# the caller of `nn.DataParallel(model)` writes `logits, features = dp_model(X)` for the whole
+# batch as it would for the plain model. The check tries both kinds of output.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Each output has shape (chunk size, classes). Along which dimension do the devices' outputs
-# differ, and along which do they agree?
+# differ, and along which do they agree? When each device returns `(logits, features)`, which
+# of the tensors in `outputs` belong together in the caller's `logits`?
 
 # %% [markdown]
 # **▶ Hint 2 — the idea**
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Join them end to end along the samples' dimension, keeping the list's order; no new dimension.
+# For tuples, do that once per position: every device's logits into one batch, every device's
+# features into another, and hand the results back in the tuple's order.
 
 # %%
 def gather(outputs):
     """One tensor: the outputs of the devices, in device order, as one batch."""
-    ### BEGIN SOLUTION: the outputs as one batch, in device order
-    return torch.cat(outputs, dim=0)
+    ### BEGIN SOLUTION: the outputs as one batch, in device order (a tuple: position by position)
+    if isinstance(outputs[0], torch.Tensor):
+        return torch.cat(outputs, dim=0)
+    return tuple(gather(list(same_position)) for same_position in zip(*outputs))
     ### END SOLUTION
 
 
@@ -280,19 +291,36 @@ lab02.check_dp_forward_backward(dp_forward_backward)
 # self.calls += 1                                               # a plain Python int
 # ```
 #
-# First a prediction. Its `calls` holds 5. After one forward of the real `nn.DataParallel` on 4
-# GPUs with 10 samples, what does the module's `calls` hold? (Your step uses deep copies; the
-# real class builds its replicas otherwise, and lesson 02's paragraph "Replicate every step"
-# names how.) Write a number; the next cell runs torch's own replica-building function and says
-# why.
+# Its `seen` holds 7, `peak` 0.5 and `calls` 5 when one training-mode forward of the real
+# `nn.DataParallel(model)` runs 10 samples on 4 GPUs (chunks of 3, 3, 3 and 1; every chunk's
+# largest `|x|` is above 0.5, and the batch's largest lies in chunk 2, not chunk 0). The
+# replicas come from torch's `replicate`, not from `copy.deepcopy`.
+#
+# **Predict, before the contract:**
+# 1. what the module's `seen` holds afterwards (a number);
+# 2. what its `peak` holds afterwards: one of `lab02.PEAK_CHOICES`, `"0.5, as before"`,
+#    `"chunk 0's largest |x|"` or `"the batch's largest |x|"`;
+# 3. the same forward on a counter whose forward writes `seen` twice, `self.seen +=
+#    x.shape[0]` and then `self.seen = torch.clamp(self.seen, max=10**6)` (a new tensor with
+#    the same value): what its module's `seen` holds afterwards (a number; it too starts at 7).
+#
+# The next cell runs torch's own replica-building code on the CPU and says what it measured;
+# why waits for part 5's check to pass.
 
 # %%
-### BEGIN SOLUTION: set my_calls_guess to your answer (a count of forwards)
-my_calls_guess = 5
+### BEGIN SOLUTION: set the three predictions
+my_seen_guess = 10
+my_peak_guess = "0.5, as before"
+my_rebound_seen_guess = 10
 ### END SOLUTION
-calls_guess = predict("lab02", "the module's calls after one DataParallel forward, 4 GPUs, from 5",
-                      my_calls_guess, unit="forwards")
-lab02.check_calls_prediction(calls_guess)
+state_guesses = (
+    predict("lab02", "SampleCounter's seen (7 before) after one DataParallel forward",
+            my_seen_guess, unit="samples"),
+    predict("lab02", "SampleCounter's peak (0.5 before) after that forward", my_peak_guess,
+            choices=lab02.PEAK_CHOICES),
+    predict("lab02", "seen (7 before) of the counter that adds in place, then rebinds",
+            my_rebound_seen_guess, unit="samples"))
+lab02.check_state_predictions(*state_guesses)
 
 # %% [markdown]
 # **The contract.** Your `dp_forward_backward` of part 4, run on a `SampleCounter` (10 samples
@@ -304,9 +332,11 @@ lab02.check_calls_prediction(calls_guess)
 # whose forwards treat them otherwise. It checks the state, and first reruns part 4's check on
 # your step (what part 4 asks must still hold).
 #
-# **Your design decision:** what of the copies' state comes back to `model`, from which copy,
-# and how your code tells which. The lesson showed one kind of buffer coming back (BatchNorm's);
-# it did not show these. Change your step in part 4's cell, run that cell again (its check must
+# **Your design decision:** what of the copies' state comes back to `model`, and from which
+# copy. The lesson showed one kind of buffer coming back (BatchNorm's); your three predictions
+# were about the others, and what was measured above is what your step must reproduce with
+# plain copies, for these modules and for ones whose forwards write the same buffers
+# otherwise. Change your step in part 4's cell, run that cell again (its check must
 # still pass), then this one.
 
 # %% [markdown]

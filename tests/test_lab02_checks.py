@@ -26,7 +26,18 @@ good_scatter = refusing_empty(lambda X, n: list(torch.chunk(X, n)))
 
 
 def good_gather(outputs):
-    return torch.cat(outputs)
+    if isinstance(outputs[0], torch.Tensor):
+        return torch.cat(outputs)
+    return tuple(good_gather(list(parts)) for parts in zip(*outputs))
+
+
+def by_position(join, container=tuple):
+    """A gather that joins single tensors with ``join`` and tuples position by position."""
+    def gather(outputs):
+        if isinstance(outputs[0], torch.Tensor):
+            return join(outputs)
+        return container(join(list(parts)) for parts in zip(*outputs))
+    return gather
 
 
 def make_step(combine="sum", loss_per_chunk=False, per_device=False, held="add",
@@ -99,6 +110,35 @@ def test_reference_answers_pass(capsys):
 def test_wrong_scatter(wrong, phrase):
     with pytest.raises(LabCheckError, match=phrase):
         lab02.check_scatter(wrong)
+
+
+# Part 2 also hands gather a model's tuple of outputs, (logits, features), on 3 devices: each
+# wrong way of handling it is named by its cause, and the fix comes on the second meeting.
+@pytest.mark.parametrize("wrong, cause, fix", [
+    (lambda o: torch.cat(o, dim=0), "raised TypeError",
+     "gather the tensors at each position of the tuples"),
+    (lambda o: torch.cat([x if isinstance(x, torch.Tensor) else x[0] for x in o]),
+     "returned the logits alone, shape (8, 10)", "return a tuple: one gathered tensor per"),
+    (lambda o: torch.cat(o) if isinstance(o[0], torch.Tensor) else tuple(t for x in o for t in x),
+     "returned 6 tensors", "join the tensors position by position"),
+    (lambda o: torch.cat(o) if isinstance(o[0], torch.Tensor) else tuple(o),
+     "returned 3 items, one per device", "join the tensors position by position"),
+    (lambda o: torch.cat(o) if isinstance(o[0], torch.Tensor) else tuple(
+        torch.cat(p[::-1]) for p in zip(*o)),
+     "gather's item 0 is (8, 10)", "join the tensors at position 0 of the tuples"),
+    (lambda o: torch.cat(o) if isinstance(o[0], torch.Tensor) else {
+        i: torch.cat(p) for i, p in enumerate(zip(*o))},
+     "gather returned a dict", "return a tuple: one gathered tensor per"),
+], ids=["cat-of-tuples", "logits-only", "flattened", "one-per-device", "reversed", "dict"])
+def test_wrong_gather_of_tuples_is_named_then_fixed(wrong, cause, fix):
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_gather(wrong)
+    message = " ".join(str(first.value).split())
+    assert cause in message and fix not in message, message
+    assert "(logits, features)" in message, message
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_gather(wrong)
+    assert fix in " ".join(str(second.value).split()), str(second.value)
 
 
 @pytest.mark.parametrize("wrong, phrase", [
@@ -375,8 +415,9 @@ def test_right_scatters_pass(wrong, capsys):
 
 
 @pytest.mark.parametrize("right", [
-    lambda o: torch.concat(o), lambda o: torch.vstack(o), lambda o: torch.cat(list(o), dim=-2),
-], ids=["concat", "vstack", "dim=-2"])
+    by_position(lambda o: torch.concat(o)), by_position(lambda o: torch.vstack(o)),
+    by_position(lambda o: torch.cat(list(o), dim=-2)), by_position(torch.cat, list), good_gather,
+], ids=["concat", "vstack", "dim=-2", "a-list-of-positions", "recursive"])
 def test_right_gathers_pass(right, capsys):
     lab02.check_gather(right)
     assert capsys.readouterr().out.count("✔") == 1
@@ -881,16 +922,6 @@ def copy_zero_on_models_parameters(model, X, y, n):
     return loss.item()
 
 
-def test_a_copy_holding_models_own_parameters_is_refused():
-    with pytest.raises(LabCheckError) as first:
-        lab02.check_dp_forward_backward(copy_zero_on_models_parameters)
-    assert "holds `model`'s own parameter tensors, not copies of them" in str(first.value)
-    assert "memo" not in str(first.value), str(first.value)
-    with pytest.raises(LabCheckError) as second:
-        lab02.check_dp_forward_backward(copy_zero_on_models_parameters)
-    assert "leave model's parameters out" in str(second.value), str(second.value)
-
-
 @pytest.mark.parametrize("step", [shared_copy_zero, the_tensors_copy_0_started_with])
 def test_right_state_steps_pass_both_checks(step, capsys):
     lab02.check_dp_forward_backward(step)
@@ -1021,22 +1052,58 @@ def test_sample_counter_under_dataparallel_keeps_chunk_0():
 
 
 def test_a_python_attribute_is_lost_on_every_replica_under_torchs_replicate():
-    # the fact the calls prediction is built on, with torch's own replica builder: each replica
+    # the fact part 5's calls is built on, with torch's own replica builder: each replica
     # counted its forward in its own __dict__, and the module kept its 5
     assert lab02.calls_after_dp() == (5, [6, 6, 6, 6])
 
 
-@pytest.mark.parametrize("value, verdict", [(5, "right"), (6, "not what happened"),
-                                            (9, "not what happened")])
-def test_calls_prediction_is_measured_and_explained(value, verdict, capsys):
+def _state_guesses(seen, peak, rebound):
     from dpcourse.checks import predict
 
-    guess = predict("lab02", "the module's calls after one DataParallel forward, 4 GPUs, from 5",
-                    value, unit="forwards")
-    lab02.check_calls_prediction(guess)
+    return (predict("lab02", "SampleCounter's seen after one DataParallel forward", seen,
+                    unit="samples"),
+            predict("lab02", "SampleCounter's peak after that forward", peak,
+                    choices=lab02.PEAK_CHOICES),
+            predict("lab02", "seen of the counter that adds in place then rebinds", rebound,
+                    unit="samples"))
+
+
+def test_the_state_predictions_are_torchs_replicate():
+    # seen: replica 0 added its chunk's 3 into the module's own tensor; peak: the new tensor
+    # replica 0 bound stayed in its own _buffers dict; the counter that adds then rebinds: the
+    # addition stays although replica 0 ends holding another tensor
+    assert lab02.state_predictions_measured() == (10, "0.5, as before", 10)
+
+
+@pytest.mark.parametrize("seen, peak, rebound, verdicts", [
+    (10, "0.5, as before", 10, ["right"] * 3),
+    (17, "the batch's largest |x|", 10, ["not what happened"] * 2 + ["right"]),
+    (10, "chunk 0's largest |x|", 7, ["right"] + ["not what happened"] * 2),
+], ids=["right", "whole-batch", "identity-rule"])
+def test_state_predictions_are_measured_and_the_why_waits_for_the_contract(
+        seen, peak, rebound, verdicts, capsys):
+    lab02.check_state_predictions(*_state_guesses(seen, peak, rebound))
     out = " ".join(capsys.readouterr().out.split())
-    assert f"— {verdict}." in out, out
-    assert "`replica.__dict__ = self.__dict__.copy()`" in out and "not 6 (replica 0's)" in out, out
+    import re
+
+    assert re.findall(r"— (right|not what happened)\.", out) == verdicts, out
+    assert "measured: 10 samples" in out and "measured: 0.5, as before" in out, out
+    assert "A question to take into the contract" in out, out
+    # the mechanism is the contract's answer: it waits for part 5's pass line
+    assert "_replicate_for_data_parallel" not in out and "nothing needs detecting" not in out, out
+
+
+def test_part_5s_pass_line_explains_the_predictions(capsys):
+    lab02.check_dp_state(shared_copy_zero)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Why, from your predictions" in out and "7 + 3 = 10" in out, out
+    assert "nothing needs detecting" in out, out
+
+
+def test_a_wrong_state_step_is_not_told_the_why():
+    with pytest.raises(LabCheckError) as err:
+        lab02.check_dp_state(make_step())
+    assert "Why, from your predictions" not in str(err.value), str(err.value)
 
 
 def test_buffer_mistake_met_twice_says_what_to_change():
@@ -1060,29 +1127,30 @@ def test_cause_first_the_fix_on_the_second_meeting():
 
 # --- cause first, the fix on the second meeting (the sentences converted this round) ----------
 
-def test_gather_out_of_order_names_the_cause_then_the_fix():
-    def shuffled(outputs):
-        joined = torch.cat(outputs)
-        return joined[torch.randperm(joined.shape[0], generator=torch.Generator().manual_seed(0))]
-
-    with pytest.raises(LabCheckError) as err:
-        lab02.check_gather(shuffled)
-    assert "not the outputs concatenated in device order" in str(err.value)
-    assert "device 0's first" not in str(err.value), str(err.value)
-    with pytest.raises(LabCheckError) as err:
-        lab02.check_gather(shuffled)
-    assert "join the outputs along dim 0, device 0's first" in str(err.value), str(err.value)
+def shuffled_gather(outputs):
+    joined = torch.cat(outputs)
+    return joined[torch.randperm(joined.shape[0], generator=torch.Generator().manual_seed(0))]
 
 
-def test_threads_that_swallow_errors_get_the_fix_on_the_second_meeting():
-    fn = _threads(errors="swallow")
-    with pytest.raises(LabCheckError) as err:
-        lab02.check_threaded_apply(fn)
-    assert "an exception ends its thread" in str(err.value)
-    assert "raise it in the caller after join" not in str(err.value), str(err.value)
-    with pytest.raises(LabCheckError) as err:
-        lab02.check_threaded_apply(fn)
-    assert "raise it in the caller after join" in str(err.value), str(err.value)
+# Each: the check, the answer, the cause the first meeting names, words of the fix it must not
+# say yet, and the fix the second meeting says.
+@pytest.mark.parametrize("check, fn, cause, not_yet, fix", [
+    (lab02.check_dp_forward_backward, copy_zero_on_models_parameters,
+     "holds `model`'s own parameter tensors, not copies of them", "memo",
+     "leave model's parameters out"),
+    (lab02.check_gather, shuffled_gather, "not the outputs concatenated in device order",
+     "device 0's first", "join the outputs along dim 0, device 0's first"),
+    (lab02.check_threaded_apply, _threads(errors="swallow"), "an exception ends its thread",
+     "raise it in the caller after join", "raise it in the caller after join"),
+], ids=["copy-0-on-models-parameters", "gather-out-of-order", "threads-swallow-errors"])
+def test_cause_first_then_the_fix_on_the_second_meeting(check, fn, cause, not_yet, fix):
+    with pytest.raises(LabCheckError) as first:
+        check(fn)
+    assert cause in str(first.value), str(first.value)
+    assert not_yet not in str(first.value), str(first.value)
+    with pytest.raises(LabCheckError) as second:
+        check(fn)
+    assert fix in str(second.value), str(second.value)
 
 
 # --- a replica that ends with SystemExit (a BaseException, not an Exception) -------------------

@@ -156,11 +156,13 @@ def check_scatter(scatter, sizes: str | None = None) -> None:
                   f"do{said}, and refuses an empty batch and zero devices with a ValueError")
 
 
-def _check_empty_batch(scatter, n: int = 4) -> None:
-    """A batch of no samples: no chunk can be non-empty, and the step's mean loss over 0
-    samples would be nan (0/0), so the contract refuses it with a ValueError."""
+def _check_refused(scatter, X, n: int, what: str, why: str, cause: str, fix: str) -> None:
+    """``scatter(X, n)`` on an input the contract refuses (an empty batch, zero devices): it
+    must raise ValueError. ``what`` names the input in the sentence, ``why`` says why the
+    contract refuses it, ``cause`` what else than the refusal an error raised there is, and
+    ``fix`` the two fixes' common end."""
     __tracebackhide__ = True
-    X = torch.empty(0, 3)
+    call = f"scatter(X, {n}) on a batch of {X.shape[0]} samples"
     try:
         got = scatter(X, n)
     except NotImplementedError:
@@ -168,43 +170,40 @@ def _check_empty_batch(scatter, n: int = 4) -> None:
     except ValueError:
         return
     except Exception as exc:  # noqa: BLE001 - reported as one sentence
-        fail(f"scatter(X, {n}) on a batch of 0 samples raised {type(exc).__name__} ({exc}): an "
-             f"accident of the arithmetic, not the refusal the contract asks for, so a caller "
-             f"that handles a bad batch (ValueError) does not catch it and the message does not "
-             f"say the batch is empty.",
-             fix="test for an empty batch before any arithmetic on B and raise ValueError "
-                 "saying the batch is empty.")
+        fail(f"{call} raised {type(exc).__name__} ({exc}): {cause}, not the refusal the "
+             f"contract asks for, so a caller that handles a bad {what} (ValueError) does not "
+             f"catch it and the message does not say {why[0]}.",
+             fix=f"test for {fix[0]} before {fix[1]} and raise ValueError saying {why[0]}.")
     shown = [c.shape[0] for c in got] if isinstance(got, (list, tuple)) and all(
         isinstance(c, torch.Tensor) for c in got) else type(got).__name__
-    fail(f"scatter(X, {n}) on a batch of 0 samples returned {shown} instead of refusing it: "
-         f"there is no non-empty chunk to give any device, and the step's mean loss over 0 "
-         f"samples would be nan (0/0), so the contract refuses an empty batch.",
-         fix="raise ValueError, saying the batch is empty, when X has no samples.")
+    fail(f"{call} returned {shown} instead of refusing it: {why[1]}",
+         fix=f"raise ValueError, saying {why[0]}, when {fix[2]}.")
+
+
+def _check_empty_batch(scatter, n: int = 4) -> None:
+    """A batch of no samples: no chunk can be non-empty, and the step's mean loss over 0
+    samples would be nan (0/0), so the contract refuses it with a ValueError."""
+    __tracebackhide__ = True
+    _check_refused(
+        scatter, torch.empty(0, 3), n, "batch",
+        why=("the batch is empty",
+             "there is no non-empty chunk to give any device, and the step's mean loss over 0 "
+             "samples would be nan (0/0), so the contract refuses an empty batch."),
+        cause="an accident of the arithmetic",
+        fix=("an empty batch", "any arithmetic on B", "X has no samples"))
 
 
 def _check_no_devices(scatter, b: int = 4) -> None:
     """Zero devices (``n_devices = 0``): no chunk has a device to run on, so the contract
     refuses it with a ValueError, as it refuses an empty batch."""
     __tracebackhide__ = True
-    X = torch.arange(b * 3, dtype=torch.float32).reshape(b, 3)
-    try:
-        got = scatter(X, 0)
-    except NotImplementedError:
-        raise
-    except ValueError:
-        return
-    except Exception as exc:  # noqa: BLE001 - reported as one sentence
-        fail(f"scatter(X, 0) on a batch of {b} samples raised {type(exc).__name__} ({exc}): an "
-             f"accident of the arithmetic or of a torch call, not the refusal the contract asks "
-             f"for, so a caller that handles a bad argument (ValueError) does not catch it and "
-             f"the message does not say there are no devices.",
-             fix="test for a device count below 1 before using it and raise ValueError saying "
-                 "there are no devices.")
-    shown = [c.shape[0] for c in got] if isinstance(got, (list, tuple)) and all(
-        isinstance(c, torch.Tensor) for c in got) else type(got).__name__
-    fail(f"scatter(X, 0) on a batch of {b} samples returned {shown} instead of refusing it: with "
-         f"no devices no chunk has a device to run on, so the contract refuses n_devices = 0.",
-         fix="raise ValueError, saying there are no devices, when n_devices is below 1.")
+    _check_refused(
+        scatter, torch.arange(b * 3, dtype=torch.float32).reshape(b, 3), 0, "argument",
+        why=("there are no devices",
+             "with no devices no chunk has a device to run on, so the contract refuses "
+             "n_devices = 0."),
+        cause="an accident of the arithmetic or of a torch call",
+        fix=("a device count below 1", "using it", "n_devices is below 1"))
 
 
 @recorded
@@ -244,4 +243,67 @@ def check_gather(gather) -> None:
         fail("gather returned the right shape but not the outputs concatenated in device order.",
              fix="join the outputs along dim 0, device 0's first, without changing their "
                  "values.")
-    return passed("gather concatenates the outputs along dim 0 in device order")
+    _check_gather_tuples(gather)
+    return passed("gather concatenates the outputs along dim 0 in device order, and outputs "
+                  "that are tuples position by position, as nn.DataParallel's gather does")
+
+
+def _check_gather_tuples(gather) -> None:
+    """Outputs that are tuples (a model returning ``(logits, features)``), on 3 devices with
+    chunks of 3, 3 and 2: nn.DataParallel's gather (torch/nn/parallel/scatter_gather.py,
+    ``gather_map``: ``type(out)(map(gather_map, zip(*outputs)))``) returns one tuple, each
+    position's tensors concatenated along dim 0. A list in its place is accepted (the caller
+    unpacks it the same way)."""
+    __tracebackhide__ = True
+    torch.manual_seed(1)
+    sizes = (3, 3, 2)
+    outputs = [(torch.randn(k, 10), torch.randn(k, 4)) for k in sizes]
+    want = [torch.cat([o[i] for o in outputs]) for i in range(2)]
+    seen = (f"the {len(sizes)} devices each returned a tuple (logits, features), shaped "
+            f"(k, 10) and (k, 4) for chunks of {', '.join(map(str, sizes))}")
+    try:
+        got = gather([tuple(t.clone() for t in o) for o in outputs])
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported as one sentence
+        fail(f"gather raised {type(exc).__name__} ({exc}) where {seen}: it treats each "
+             f"device's output as one tensor, but a model may return several, and "
+             f"nn.DataParallel hands the caller every one of them, each as one batch.",
+             fix="when the outputs are tuples, gather the tensors at each position of the "
+                 "tuples as you gather single tensors, and return those in a tuple.")
+    if isinstance(got, torch.Tensor):
+        if got.shape == want[0].shape and torch.equal(got, want[0]):
+            fail(f"gather returned the logits alone, shape {tuple(got.shape)}, where {seen}: "
+                 f"the features (position 1 of every tuple) were dropped, and the caller "
+                 f"that unpacks (logits, features) gets nothing to unpack.",
+                 fix="return a tuple: one gathered tensor per position of the devices' tuples.")
+        fail(f"gather returned one tensor of shape {tuple(got.shape)} where {seen}: the caller "
+             f"unpacks (logits, features) from the output of nn.DataParallel, one batch each.",
+             fix="return a tuple: one gathered tensor per position of the devices' tuples.")
+    if not isinstance(got, (tuple, list)):
+        fail(f"gather returned a {type(got).__name__} where {seen}: nn.DataParallel returns a "
+             f"tuple of the same length as each device's.",
+             fix="return a tuple: one gathered tensor per position of the devices' tuples.")
+    if len(got) == sum(len(o) for o in outputs):
+        fail(f"gather returned {len(got)} tensors where {seen}: the devices' tuples one after "
+             f"another, so the caller that unpacks two takes device 0's logits and features "
+             f"for the batch's (and more than two fails to unpack).",
+             fix="join the tensors position by position: all the logits into one batch, all "
+                 "the features into another.")
+    if len(got) == len(outputs):
+        fail(f"gather returned {len(got)} items, one per device, where {seen}: the caller gets "
+             f"the devices' outputs back, not the batch's logits and features.",
+             fix="join the tensors position by position: all the logits into one batch, all "
+                 "the features into another.")
+    if len(got) != 2:
+        fail(f"gather returned {len(got)} items where {seen}: nn.DataParallel returns a tuple "
+             f"of 2, one batch per position.",
+             fix="return one gathered tensor per position of the devices' tuples.")
+    for i, (g, w) in enumerate(zip(got, want)):
+        name = ("logits", "features")[i]
+        if not isinstance(g, torch.Tensor) or g.shape != w.shape or not torch.equal(g, w):
+            shown = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+            fail(f"gather's item {i} is {shown} where {seen}: not the devices' {name} joined "
+                 f"along dim 0 in device order, shape {tuple(w.shape)}.",
+                 fix=f"join the tensors at position {i} of the tuples as you join single "
+                     f"outputs.")

@@ -25,7 +25,8 @@ from .. import dp as reference
 from . import fail, passed, recorded
 
 __all__ = ["STATE_CASE", "state_after_dp", "check_dp_state", "HELD_CHOICES",
-           "held_grad_after_dp", "check_held_prediction"]
+           "held_grad_after_dp", "check_held_prediction", "PEAK_CHOICES",
+           "state_predictions_measured", "check_state_predictions"]
 
 # 10 samples on 4 devices (chunk 0 holds 3 under either chunk-size choice of §1); the
 # counter's `seen` starts at 7, `calls` at 5, `peak` at 0.5.
@@ -67,9 +68,10 @@ def state_after_dp(model, X: torch.Tensor, n: int) -> dict:
     return _state(model)
 
 
-class _Swapped(torch.nn.Module):
-    """The counter's two buffers with their roles swapped: ``peak`` written in place, ``seen``
-    given a new tensor each forward. A rule tied to the buffers' names fails here."""
+class _Counter(torch.nn.Module):
+    """The counter's state without its forward: ``seen`` (a buffer, persistent=False), ``peak``
+    (a buffer) and ``calls`` (a plain int), as :class:`~dpcourse.checks.lab02.SampleCounter`
+    holds them. The modules below differ from it only in how their forwards write them."""
 
     def __init__(self, seen: int, calls: int, peak: float, features: int = 12,
                  classes: int = 10):
@@ -78,6 +80,11 @@ class _Swapped(torch.nn.Module):
         self.register_buffer("seen", torch.tensor(seen), persistent=False)
         self.register_buffer("peak", torch.tensor(peak))
         self.calls = calls
+
+
+class _Swapped(_Counter):
+    """The counter's two buffers with their roles swapped: ``peak`` written in place, ``seen``
+    given a new tensor each forward. A rule tied to the buffers' names fails here."""
 
     def forward(self, x):
         if self.training:
@@ -114,20 +121,12 @@ def _same(a, b) -> bool:
     return a == b
 
 
-class _InPlaceThenRebound(torch.nn.Module):
+class _InPlaceThenRebound(_Counter):
     """The counter with ``seen`` written both ways in one forward: added to in place, then a
     new tensor (a clamp that does not bind) bound to the name. Under nn.DataParallel the
     in-place addition stays on the module although replica 0 ends holding another tensor: a
     rule that brings a buffer back only while copy 0 still holds the tensor it started with
     fails here."""
-
-    def __init__(self, seen: int, calls: int, peak: float, features: int = 12,
-                 classes: int = 10):
-        super().__init__()
-        self.linear = torch.nn.Linear(features, classes)
-        self.register_buffer("seen", torch.tensor(seen), persistent=False)
-        self.register_buffer("peak", torch.tensor(peak))
-        self.calls = calls
 
     def forward(self, x):
         if self.training:
@@ -136,6 +135,71 @@ class _InPlaceThenRebound(torch.nn.Module):
             self.peak = torch.maximum(self.peak, x.detach().abs().max())
             self.calls += 1
         return self.linear(x.flatten(1))
+
+
+# --- part 5's predictions, before its contract: what one DataParallel forward leaves --------
+
+PEAK_CHOICES = ("0.5, as before", "chunk 0's largest |x|", "the batch's largest |x|")
+def _peak_label(value, before, r0, whole) -> str:
+    for label, ref in zip(PEAK_CHOICES, (before, r0, whole)):
+        if _same(value, ref):
+            return label
+    raise RuntimeError(f"peak {value} is none of {PEAK_CHOICES}")
+
+
+def state_predictions_measured() -> tuple[int, str, int]:
+    """What nn.DataParallel (torch's own ``replicate``, :func:`state_after_dp`) leaves after one
+    training-mode forward of :data:`STATE_CASE`: the SampleCounter's ``seen``, which of
+    :data:`PEAK_CHOICES` its ``peak`` holds, and the ``seen`` of :class:`_InPlaceThenRebound`
+    (``self.seen += n`` then ``self.seen = torch.clamp(self.seen, ...)``)."""
+    from .lab02 import SampleCounter
+
+    batch, n, *_ = STATE_CASE
+    model, X, _ = _case(SampleCounter)
+    before = _state(model)["peak"]
+    chunk0, whole = copy.deepcopy(model), copy.deepcopy(model)
+    chunk0(X[:-(-batch // n)])
+    whole(X)
+    want = state_after_dp(copy.deepcopy(model), X.clone(), n)
+    rebound, X2, _ = _case(_InPlaceThenRebound)
+    other = state_after_dp(rebound, X2.clone(), n)
+    return (int(want["seen"]), _peak_label(want["peak"], before, chunk0.peak, whole.peak),
+            int(other["seen"]))
+
+
+def check_state_predictions(seen_guess, peak_guess, rebound_guess) -> None:
+    """Compare part 5's three predictions with :func:`state_predictions_measured`: right or
+    wrong and the measured value, then a question to take into the contract. Why they are what
+    they are waits for :func:`check_dp_state`'s pass line (:data:`WHY_STATE`): it is the
+    contract's answer. Never raises for a wrong prediction."""
+    __tracebackhide__ = True
+    from . import reveal
+
+    seen, peak, rebound = state_predictions_measured()
+    reveal(seen_guess, seen, close=seen_guess.value == seen, explanation="")
+    reveal(peak_guess, peak, close=peak_guess.value == peak, explanation="")
+    reveal(rebound_guess, rebound, close=rebound_guess.value == rebound, explanation=(
+        "A question to take into the contract: replica 0 ran `self.seen += 3` and "
+        "`self.peak = torch.maximum(...)` on chunk 0. What did each line do to the tensor "
+        "replica 0 was handed under that name, and where was its result kept? (The why comes "
+        "with part 5's pass line.)"))
+
+
+# Why part 5's state is what it is: the explanation of the predictions, held back until the
+# contract has been met (their feedback says only what was measured).
+_B, _N, _SEEN, _CALLS, _PEAK = STATE_CASE
+_C0 = -(-_B // _N)  # chunk 0's samples under either chunk-size choice of part 1
+WHY_STATE = (
+    f"Why, from your predictions: torch's replicate hands replica 0 the module's own tensors "
+    f"(the first device's broadcast returns its inputs themselves) but a _buffers dict and a "
+    f"__dict__ of its own (Module._replicate_for_data_parallel copies both). `self.seen += "
+    f"{_C0}` writes into the tensor it was handed, the module's: {_SEEN} + {_C0} = "
+    f"{_SEEN + _C0}, chunk 0's samples alone (the other replicas wrote into copies). "
+    f"`self.peak = torch.maximum(...)` and `self.calls += 1` bind new objects in replica 0's "
+    f"own dicts, dropped with it: peak stays {_PEAK}, calls {_CALLS}. Binding a new tensor "
+    f"after an in-place write does not undo the write: the counter that adds then rebinds ends "
+    f"at {_SEEN + _C0} too. So nothing needs detecting: what comes back is whatever replica 0 "
+    f"wrote into the tensors it started with.")
 
 
 def _still_part_4s(dp_forward_backward) -> None:
@@ -201,7 +265,8 @@ def check_dp_state(dp_forward_backward) -> None:
     passed(f"your step leaves lab02.SampleCounter as nn.DataParallel does (torch's own "
            f"replicate on {n} devices: seen {_show(shown['seen'])}, peak {_show(shown['peak'])}, "
            f"calls {shown['calls']}), also with its buffers' roles swapped and with a buffer "
-           f"written in place then rebound in one forward; part 4's check still passes")
+           f"written in place then rebound in one forward; part 4's check still passes. "
+           f"{WHY_STATE}")
 
 
 def _whose(value, before, r0, whole, key) -> str:
@@ -232,8 +297,10 @@ def _diagnose(cls, wrong, got, want, before, r0, whole, batch, n) -> None:
         fail(message, fix=(
             "your rule passes lab02.SampleCounter but not this module, whose buffers have the "
             "same names and dtypes: it decides by something other than what the forward did. "
-            "Under nn.DataParallel a buffer comes back when replica 0 wrote into the tensor it "
-            "was handed, and not when it bound a new tensor to the name: decide by that."))
+            "Under nn.DataParallel what comes back is what replica 0 wrote into the tensors it "
+            "was handed, and nothing it bound to a name: keep the tensors copy 0 starts with and "
+            "bring back their values afterwards, for every buffer alike; nothing needs telling "
+            "apart."))
     if cls is _InPlaceThenRebound:  # (reached only when the rule passed the other two)
         fail(message, fix=(
             "replica 0 wrote into the module's own `seen` tensor first, and that write stays on "

@@ -245,24 +245,6 @@ def calls_after_dp(batch: int = CALLS_CASE[0], n: int = CALLS_CASE[1],
     return model.calls, [r.calls for r in replicas]
 
 
-def check_calls_prediction(guess) -> None:
-    """Compare the learner's predicted ``calls`` with :func:`calls_after_dp`; say why. Never
-    raises for a wrong prediction."""
-    __tracebackhide__ = True
-    from . import reveal
-
-    batch, n, start = CALLS_CASE
-    measured, on_replicas = calls_after_dp()
-    reveal(guess, measured, close=guess.value == measured, explanation=(
-        f"torch's replicate builds each replica with Module._replicate_for_data_parallel "
-        f"(torch/nn/modules/module.py): `replica.__dict__ = self.__dict__.copy()`, a dict of "
-        f"its own. `self.calls += 1` cannot change an int in place: it reads {start} and binds "
-        f"{start + 1} in the replica's own dict (the replicas ended holding {on_replicas}). "
-        f"No replica writes into the module's __dict__: every replica's count was dropped "
-        f"with its replica, and the module still holds {start}, not {start + 1} "
-        f"(replica 0's) nor {start + n} (one per replica)."))
-
-
 _PLAIN = ("the lab asks for plain copies (copy.deepcopy), whose gradients no autograd link "
           "brings back — getting them onto the model is the part to write.")
 

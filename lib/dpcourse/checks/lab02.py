@@ -20,10 +20,11 @@ import torch.nn.functional as F
 
 from .. import dp as reference
 from ._lab02_scatter import CHUNK_SIZES, check_gather, check_scatter
-from ._lab02_state import (HELD_CHOICES, STATE_CASE, check_dp_state, check_held_prediction,
-                           held_grad_after_dp, state_after_dp)
+from ._lab02_state import (HELD_CHOICES, PEAK_CHOICES, STATE_CASE,
+                           check_dp_state, check_held_prediction, check_state_predictions,
+                           held_grad_after_dp, state_after_dp, state_predictions_measured)
 from ._lab02_step import (CALLS_CASE, COUNT_CASE, SampleCounter, calls_after_dp,
-                          check_calls_prediction, check_dp_forward_backward, counted_after_dp)
+                          check_dp_forward_backward, counted_after_dp)
 from ._lab02_threads import _check_no_thread_left, check_threaded_apply
 
 
@@ -31,8 +32,10 @@ __all__ = ["check_scatter", "check_gather", "check_dp_forward_backward",
            "check_threaded_apply", "check_prediction", "copy_share", "CHUNK_SIZES",
            "idle_devices", "idle_batch_sizes", "check_idle_prediction",
            "SampleCounter", "counted_after_dp", "CALLS_CASE",
-           "calls_after_dp", "check_calls_prediction", "STATE_CASE", "state_after_dp",
-           "check_dp_state", "HELD_CHOICES", "held_grad_after_dp", "check_held_prediction"]
+           "calls_after_dp", "STATE_CASE", "state_after_dp",
+           "check_dp_state", "HELD_CHOICES", "held_grad_after_dp", "check_held_prediction",
+           "PEAK_CHOICES", "state_predictions_measured",
+           "check_state_predictions"]
 
 
 # --- predict, then measure: one copy's share of the gradient --------------------------------
