@@ -23,18 +23,12 @@
 # counted it). How it is done decides whether adding workers makes training faster or just
 # busier.
 #
-# In this lesson you
+# The plan: **run** a ring in a simulator (§1); **count** what it sends against four other
+# algorithms (§2); **measure** α (latency) and β (seconds per byte) here (§3); **build** a real
+# ring from point-to-point messages and train with it to DDP's very weights (§4).
 #
-# 1. **run** a ring all-reduce step by step in a simulator and watch the chunks travel;
-# 2. **count** what it sends — 2(N−1)K/N bytes per worker, under 2K whatever N — and compare
-#    it with the naive way, a parameter server, a tree and Rabenseifner's algorithm under the
-#    α-β model;
-# 3. **measure** `dist.all_reduce` on this machine and fit α (latency) and β (seconds per byte);
-# 4. **build** a real ring over `torch.distributed` point-to-point messages, check it against
-#    `dist.all_reduce`, and train with it to the very same weights as DDP.
-#
-# Library: `dpcourse.ring` (simulator, cost models, real ring), `dpcourse.viz` (figures),
-# `dpcourse.bench` (`python -m dpcourse.bench allreduce` for the full benchmark).
+# Library: `dpcourse.ring`, `dpcourse.viz`, `dpcourse.bench` (`python -m dpcourse.bench
+# allreduce`: the full benchmark).
 
 # %% tags=["parameters"]
 # Knobs (papermill can override them). world_size=None: the profile's default.
@@ -158,8 +152,8 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 #
 # * **naive**: every worker sends its whole array to worker 0, which adds them and sends the
 #   sum back to each worker, one message at a time;
-# * **parameter server**: a separate machine; all N workers push their K bytes to it at once,
-#   then pull the K-byte sum, all through the server's one link;
+# * **parameter server**: one separate, unsharded machine; all N workers push their K bytes to
+#   it at once, then pull the K-byte sum, all through its one link;
 # * **ring**: §1;
 # * **binomial tree**: a reduce in ⌈log₂N⌉ rounds (in each, half of the workers still holding
 #   a partial sum send all K bytes of it to a partner, which adds), then a broadcast of the sum
@@ -198,25 +192,26 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # direction. Counted per direction, the conclusion stands: the ring's link carries under 2K,
 # the server's NK.
 #
-# How good can an all-reduce get? Chan, Heimlich, Purkayastha and van de Geijn (2007) prove,
+# How good can an all-reduce get? Chan et al. (2007, Sources) prove,
 # for this model with a worker sending one message and receiving one at a time, that any
 # all-reduce needs at least **⌈log₂N⌉ steps** (a step can at most double the number of
 # workers' inputs a result depends on) and at least **2(N−1)/N·Kβ** of transfer time. The ring
 # meets the bandwidth bound exactly and misses the latency bound, 2(N−1) steps against
-# ⌈log₂N⌉: "bandwidth-optimal, latency-suboptimal" is a theorem, checked below for N up to
-# 1024.
+# ⌈log₂N⌉: "bandwidth-optimal, latency-suboptimal" is their theorem, held below against the
+# simulators' counts up to N = 64 (at 1024, arithmetic only).
 #
 # The ring's bandwidth term is flat in N; its latency term grows with N. The binomial tree's
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
 # its bandwidth term is K·log N (the figure labels it "binomial tree (unpipelined)": its message
-# is not *pipelined*, cut into pieces that travel one behind another, §4). So, in
-# the model: a ring for big gradients; for small messages, a tree among the algorithms that need
-# no extra machine (the parameter server, next, can be cheaper still there: checked below) —
-# and Rabenseifner's at least as cheap as ring and tree when N is a power of
-# two (checked below). The
-# parameter server has the fewest steps — if its one link can take N messages at once — but
-# needs an extra machine whose link carries NK bytes each way, growing with every worker you
-# add. With an illustrative α = 10 µs and 10 GB/s links, 100 MB on 8 workers:
+# is not *pipelined*, cut into segments that travel one behind another, §4). So, in the
+# model: a ring for big gradients; for small messages a tree, if no extra machine is allowed
+# (the server, next, can be cheaper still); Rabenseifner's at least as cheap as both when N is
+# a power of two (all checked below). The parameter server has the fewest steps — if its one link can take N messages at once — but
+# one server's link carries NK bytes each way, growing with every worker. Real ones shard
+# (TF's `ParameterServerStrategy` spreads variables over its S servers round robin): about
+# NK/S per link (arithmetic); with a shard on every worker, each sends K/N to each of the
+# N − 1 others twice (gradient, then summed shard), 2(N−1)K/N: the ring's bytes. With an
+# illustrative α = 10 µs and 10 GB/s links, 100 MB on 8 workers:
 
 # %%
 alpha_demo, beta_demo = 10e-6, 1 / 10e9
@@ -268,14 +263,17 @@ six = {a: ring.cost(a, 6, 100e6, alpha_demo, beta_demo) for a in ("ring", "raben
 claim("N = 6, 100 MB: the two extra K-byte steps make Rabenseifner slower than the ring "
       f"({six['rabenseifner'].seconds * 1e3:.1f} ms against {six['ring'].seconds * 1e3:.1f} ms)",
       six["rabenseifner"].seconds > six["ring"].seconds)
-bound_ns = range(2, 1025)
-claim("the ring's bytes meet the lower bound 2(N−1)/N·K at every N = 2 … 1024",
-      all(math.isclose(ring.cost("ring", n, 100e6, 0, 1).critical_path_bytes, 2 * (n - 1) / n * 100e6,
-                       rel_tol=1e-12) for n in bound_ns))
-claim("its 2(N−1) steps exceed the lower bound ⌈log₂N⌉ at every N = 2 … 1024 (at 1024: 2046 "
-      "against 10)",
-      all(ring.cost("ring", n, 100e6, 1, 0).steps > math.ceil(math.log2(n)) for n in bound_ns)
-      and (ring.cost("ring", 1024, 1, 1, 0).steps, math.ceil(math.log2(1024))) == (2046, 10))
+runs = {n: ring.simulate_ring([np.ones(4 * n, np.float32)] * n) for n in range(2, 65)}
+claim("simulated, N = 2 … 64 (K = 16N bytes): each worker sent the bound 2(N−1)/N·K, in "
+      "2(N−1) steps, more than the bound ⌈log₂N⌉",
+      all(tr.bytes_sent() == [2 * (n - 1) * 16] * n and len(tr.steps) - 1 == 2 * (n - 1)
+          > math.ceil(math.log2(n)) for n, tr in runs.items()))
+raben = {p: ring.simulate_rabenseifner([np.ones(4 * p, np.float32)] * p)[1]
+         for p in (2, 4, 8, 16, 32, 64)}
+claim("Rabenseifner's, run at N = p = 2 … 64: each worker sent the same bound, 2(p−1)/p·K",
+      all(sent == [2 * (p - 1) * 16] * p for p, sent in raben.items()))
+claim("arithmetic on ring.cost's formula (nothing run): at N = 1024, 2046 steps against 10",
+      (ring.cost("ring", 1024, 1, 1, 0).steps, math.ceil(math.log2(1024))) == (2046, 10))
 tiny8 = {alg: ring.cost(alg, 8, 1e3, alpha_demo, beta_demo).seconds for alg in ring.COST_MODELS}
 tiny8_serverless = {a: t for a, t in tiny8.items() if a != "parameter-server"}
 best8, best8_serverless = min(tiny8, key=tiny8.get), min(tiny8_serverless, key=tiny8_serverless.get)
@@ -378,10 +376,11 @@ claim("with the contention term, half the measured points are within 50% of the 
 # %% [markdown]
 # **▶ The fit's code** (click the folded cell below: `ring.fit_alpha_beta`, least squares on
 # relative error — each row divided by its measured time — with the contention term
-# max(1, N/C) multiplying the whole formula).
+# max(1, N/C) multiplying the whole formula; `ring.fit_alpha_beta_per_n`; and
+# `ring.AlphaBetaFit`, whose `predict` every error and prediction here uses).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ring.fit_alpha_beta)
+viz.show_code(ring.fit_alpha_beta, ring.fit_alpha_beta_per_n, ring.AlphaBetaFit)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -399,10 +398,9 @@ else:
           f"{bench.format_size(int(ks[fit.relative_errors.argmax()]))}.")
 
 # %% [markdown]
-# The medians printed above move from run to run with the machine's load, so the claim asserts
-# only a loose bound, 50%, that a loaded 2-core machine holds on every run. Where the points
-# leave the lines is what two parameters cannot capture; a busy neighbour can slow even the
-# fastest repetition.
+# The medians above move with the machine's load, so the claim asserts only a loose bound,
+# 50%, that a loaded 2-core machine holds on every run. Where the points leave the lines is
+# what two parameters cannot capture.
 #
 # ### Using the model on machines we do not have here
 #
@@ -437,7 +435,8 @@ for name, bw in links.items():
 # Why: uses the fitted (hardware-dependent) numbers of this machine.
 t_here = float(fit.predict(8, k_resnet50))  # the contention term included: 8 ranks, `cores` cores
 print(f"the same all-reduce predicted for 8 ranks on this machine ({cores} cores): "
-      f"{t_here * 1e3:.0f} ms")
+      f"{t_here * 1e3:.0f} ms, an extrapolation: the fit saw N = {fit_world_sizes}; predict "
+      f"multiplies by max(1, 8 / {cores}) = {max(1, 8 / cores):g}")
 
 # %%
 p8 = ring.cost("ring", 8, k_resnet50, 10e-6, 1 / 450e9).seconds
@@ -518,7 +517,7 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 # pair of workers a link of its own at full speed. Where links are shared — GPUs on one PCIe bus,
 # servers behind network switches — Rabenseifner's partners, p/2, p/4, … apart, exchange
 # across links that other pairs use at the same time, a cost the model does not see; a ring
-# only ever uses its neighbours' links, in an order that can follow the wiring, and its pieces
+# only ever uses its neighbours' links, in an order that can follow the wiring, and its segments
 # pipeline (the timeline after lab 06).
 #
 # **▶ What NCCL actually chooses (optional, click the folded cell below)**
@@ -528,7 +527,7 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 # and the machine's topology) picks one of several algorithms:
 #
 # * **ring**, as here;
-# * **tree**: not §2's binomial tree. It cuts the message into small pieces and pipelines them
+# * **tree**: not §2's binomial tree. It cuts the message into small segments and pipelines them
 #   down the tree, so its bandwidth term stays close to the ring's. Across servers it is a
 #   *double binary tree* over the servers (two trees, each carrying half of the data, so every
 #   server sends and receives at full speed); inside a server the GPUs form a **chain**.
@@ -803,19 +802,19 @@ viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
 # ### The pipelined ring as a timeline
 #
 # **▶ Open after your lab passes** (the folded text below: a model of where the time goes when
-# each chunk travels in pieces — it draws the idea of the stretch; its code, claims and figure
+# each chunk travels in segments — it draws the idea of the stretch; its code, claims and figure
 # follow, folded too).
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Where does the time go when a chunk travels in pieces? `ring.pipeline_schedule` lays §1's
+# Where does the time go when a chunk travels in segments? `ring.pipeline_schedule` lays §1's
 # transfers (the chunks `ring.simulate_ring` sends, step by step) on a time axis, under a
 # model, not a measurement: a whole chunk takes one *transfer time* on a link and half of one
-# to add; a link carries one piece at a time; a rank adds one piece at a time while its link
-# goes on sending; and a rank forwards piece j of a chunk once that piece has arrived and, in
-# the scatter-reduce, been added. Four ranks, each chunk sent whole, then in 4 pieces.
+# to add; a link carries one segment at a time; a rank adds one segment at a time while its link
+# goes on sending; and a rank forwards segment j of a chunk once that segment has arrived and, in
+# the scatter-reduce, been added. Four ranks, each chunk sent whole, then in 4 segments.
 #
-# The model charges no per-message latency, so in it more pieces are never slower. On a real
-# link every piece pays §3's α, which bounds the number of pieces: gloo's 1 MiB and the
+# The model charges no per-message latency, so in it more segments are never slower. On a real
+# link every segment pays §3's α, which bounds the number of segments: gloo's 1 MiB and the
 # library's 4 MiB are two choices of that trade-off, not shown here.
 
 # %% [markdown]
@@ -828,8 +827,8 @@ N_PIPE, ADD = 4, 0.5  # ranks; time to add a whole chunk, in transfer times
 timelines = {S: ring.pipeline_schedule(N_PIPE, S, transfer=1.0, add=ADD) for S in (1, 4)}
 
 
-def waits_for_its_piece(slots):
-    """Every piece a rank sends after step 1 left only once it had arrived there (and, in the
+def waits_for_its_segment(slots):
+    """Every segment a rank sends after step 1 left only once it had arrived there (and, in the
     scatter-reduce, been added), and it is the chunk that rank received the step before."""
     got = {(s.rank if s.kind == "add" else (s.rank + 1) % N_PIPE, s.step, s.segment): s
            for s in slots if s.kind == "add" or s.step >= N_PIPE}
@@ -839,25 +838,25 @@ def waits_for_its_piece(slots):
 
 
 done = {S: max(s.end for s in slots) for S, slots in timelines.items()}
-claim("in both timelines a piece leaves a rank only after it arrived there (and was added, "
+claim("in both timelines a segment leaves a rank only after it arrived there (and was added, "
       "in the scatter-reduce), and it is the chunk that rank received the step before",
-      all(waits_for_its_piece(slots) for slots in timelines.values()))
+      all(waits_for_its_segment(slots) for slots in timelines.values()))
 claim(f"whole chunks: 2(N−1) transfers and N−1 additions one after another, done at "
-      f"{done[1]:g}; in 4 pieces every addition hides under the next piece's transfer, done at "
+      f"{done[1]:g}; in 4 segments every addition hides under the next segment's transfer, done at "
       f"2(N−1) = {done[4]:g}",
       done[1] == 2 * (N_PIPE - 1) + (N_PIPE - 1) * ADD and done[4] == 2 * (N_PIPE - 1))
 first = next(s for s in timelines[4] if (s.kind, s.rank, s.step, s.segment) == ("add", 1, 1, 0))
 onward = next(s for s in timelines[4] if (s.kind, s.rank, s.step, s.segment) == ("send", 1, 2, 0))
 viz.show(viz.pipeline_figure(
-    {"each chunk sent whole": timelines[1], "each chunk in 4 pieces": timelines[4]}),
-    caption=f"each row is one rank's link to its right neighbour; a box is a piece of a chunk "
-            f"on it (chunk.piece), a grey bar under it that rank adding a piece it received. "
+    {"each chunk sent whole": timelines[1], "each chunk in 4 segments": timelines[4]}),
+    caption=f"each row is one rank's link to its right neighbour; a box is a segment of a chunk "
+            f"on it (chunk.segment), a grey bar under it that rank adding a segment it received. "
             f"Top: every step waits for its addition, and the links idle {ADD:g} of a "
-            f"transfer time per scatter-reduce step. Bottom: piece j is added while piece j + 1 "
-            f"is on the wire, so no link ever idles. Piece 0.0 reaches rank 1, is added there "
+            f"transfer time per scatter-reduce step. Bottom: segment j is added while segment "
+            f"j + 1 is on the wire, so no link ever idles. Segment 0.0 reaches rank 1, is added there "
             f"by {first.end:g} and leaves again at {onward.start:g}: what now decides the time "
             f"is the link, not the addition (the dotted line: the all-gather starts). The model "
-            f"charges no per-piece latency α, so more pieces never cost more here.")
+            f"charges no per-segment latency α, so more segments never cost more here.")
 
 # %% [markdown]
 # ## Summary
@@ -892,7 +891,7 @@ viz.quiz([
      "options": ["It grows 128 times", "It barely changes: 2(N−1)/N tends to 2",
                  "It shrinks to zero"],
      "answer": 1,
-     "why": ["That is the parameter server's link.",
+     "why": ["That is a single, unsharded parameter server's link.",
              "Right: the latency term 2(N−1)α grows instead.",
              "Every worker still sends almost 2K bytes."]},
     {"q": "Every rank calls a blocking dist.send to its right neighbour, then dist.recv from its "
@@ -926,6 +925,7 @@ viz.quiz([
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel`: gradients grouped in buckets (`bucket_cap_mb`), one all-reduce per bucket.
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`: "Apply the division first", `tensor.div_(group_to_use.size())` before the all-reduce (DDP's default behaviour in Python form).
 # - `torch/include/torch/csrc/distributed/c10d/gloo/ProcessGroupGlooDetail.hpp` — `AsyncAllreduceWork::allreduce`, torch's gloo all-reduce: it fills a `gloo::AllreduceOptions` without choosing an algorithm (no `setAlgorithm`) and calls `gloo::allreduce`, so gloo runs its default (`gloo/allreduce.cc` below).
+# - `tensorflow/python/distribute/parameter_server_strategy_v2.py` — `ParameterServerStrategyV2` (its docstring: variables made in its scope are "placed on parameter servers in a round-robin manner", or sharded across them with a `variable_partitioner`); `ParameterServerStrategyV2Extended._create_variable_round_robin`.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._batch_reduce_to` and `_make_collective_ops_with_fallbacks`: a step's gradients go to the cross-device ops in one batched call; by default `CollectiveAllReduce` with `RING` on CPUs.
 #
 # Public documents (not in the installed files):

@@ -16,7 +16,7 @@ Three parts, from paper to wire:
   transfer and every worker's buffer after every step, so the lesson can print, draw and
   assert on it (bytes sent per worker = 2(N-1)L/N elements, rounded for uneven chunks).
   :func:`pipeline_schedule` lays those transfers on a time axis with each chunk sent as
-  segments (a model: a chunk's transfer and addition times, one piece per link at a time), for
+  segments (a model: a chunk's transfer and addition times, one segment per link at a time), for
   lesson 06's timeline of the pipelined ring.
 
 * **Cost models** (:func:`cost`, :data:`ALGORITHMS`, :data:`COST_MODELS`): naive (gather to
@@ -276,8 +276,8 @@ def simulate_rabenseifner(arrays: Sequence[np.ndarray]) -> tuple[list[np.ndarray
 
 @dataclass(frozen=True)
 class Slot:
-    """One interval of :func:`pipeline_schedule`: ``rank`` sends piece ``segment`` of chunk
-    ``chunk`` to rank + 1 at ``step`` (``kind="send"``), or adds that piece into its own copy
+    """One interval of :func:`pipeline_schedule`: ``rank`` sends segment ``segment`` of chunk
+    ``chunk`` to rank + 1 at ``step`` (``kind="send"``), or adds that segment into its own copy
     once it has arrived (``kind="add"``, scatter-reduce only), from ``start`` to ``end``."""
 
     rank: int
@@ -291,19 +291,19 @@ class Slot:
 
 def pipeline_schedule(n: int, segments: int, transfer: float = 1.0,
                       add: float = 0.5) -> list[Slot]:
-    """When each piece of each chunk is on each link, and when it is added, in a ring
-    all-reduce whose chunks travel as ``segments`` pieces (lesson 06's timeline figure).
+    """When each segment of each chunk is on each link, and when it is added, in a ring
+    all-reduce whose chunks travel as ``segments`` segments (lesson 06's timeline figure).
 
     The chunk each rank sends at each step is :func:`simulate_ring`'s (the same transfers the
     lesson's trace prints). The timing is a model, not a measurement: a whole chunk takes
-    ``transfer`` on a link and ``add`` to add, so a piece takes ``transfer / segments`` and
-    ``add / segments``; each link (rank -> rank + 1) carries one piece at a time, in the order
-    (step, piece); each rank adds one piece at a time, in that order, while its links go on
-    sending; and a rank sends piece j of step t + 1 (the chunk it received at step t) once
-    piece j of step t has arrived and, in the scatter-reduce, been added. With ``segments=1``
+    ``transfer`` on a link and ``add`` to add, so a segment takes ``transfer / segments`` and
+    ``add / segments``; each link (rank -> rank + 1) carries one segment at a time, in the order
+    (step, segment); each rank adds one segment at a time, in that order, while its links go on
+    sending; and a rank sends segment j of step t + 1 (the chunk it received at step t) once
+    segment j of step t has arrived and, in the scatter-reduce, been added. With ``segments=1``
     that is the unpipelined ring: a step's transfer, then its addition, then the next step.
-    No per-message latency (α) is charged, so in this model more pieces are never slower; on a
-    real link each piece pays α, which is what bounds the segment count.
+    No per-message latency (α) is charged, so in this model more segments are never slower; on a
+    real link each segment pays α, which is what bounds the segment count.
 
     Shown in lesson 06, §"Lab 06: the ring, simulated then real"."""
     if not isinstance(n, (int, np.integer)) or n < 2:
@@ -316,7 +316,7 @@ def pipeline_schedule(n: int, segments: int, transfer: float = 1.0,
     piece, piece_add = transfer / segments, add / segments
     link_free = [0.0] * n  # when rank i's link to rank i + 1 is next free
     adder_free = [0.0] * n  # when rank i can start its next addition
-    ready = [[0.0] * segments for _ in range(n)]  # ready[i][j]: piece j of i's next send
+    ready = [[0.0] * segments for _ in range(n)]  # ready[i][j]: segment j of i's next send
     slots: list[Slot] = []
     for step in trace.steps[1:]:
         reduce = step.phase == "scatter-reduce"

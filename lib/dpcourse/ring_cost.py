@@ -68,9 +68,9 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
     an alpha fitted to it is a cost per step.
 
     * naive: 2(N-1) messages of K, one after another, all through worker 0: 2(N-1)(a + Kb).
-    * parameter-server: one push round and one pull round, but N*K bytes through the server's
-      link each way: 2a + 2NKb (the server's link carries NK in and NK out; we count the
-      critical path, in then out).
+    * parameter-server: one unsharded server; one push round and one pull round, but N*K bytes
+      through its link each way: 2a + 2NKb (the link carries NK in and NK out; we count the
+      critical path, in then out). S servers, each holding K/S, would carry NK/S each.
     * ring: 2(N-1) steps of K/N bytes: 2(N-1)a + 2(N-1)/N K b. Each link carries 2(N-1)K/N
       each way, which grows with N (K at N = 2, 1.75K at N = 8) but stays under 2K, a bound
       independent of N — the reason rings scale.
@@ -203,7 +203,10 @@ class AlphaBetaFit:
 
     ``cores``: None for the plain model; a number C for the model with a *contention* term —
     with more ranks than cores, ranks take turns on them, so every term is slowed by
-    max(1, N / C) (see :func:`fit_alpha_beta`)."""
+    max(1, N / C) (see :func:`fit_alpha_beta`). :meth:`predict` applies that term at any N,
+    also one the fit never measured.
+
+    Shown in lesson 06, §3."""
 
     alpha: float
     beta: float
@@ -266,7 +269,9 @@ def fit_alpha_beta(world_sizes, nbytes, seconds, cores: float | None = None) -> 
 
 def fit_alpha_beta_per_n(world_sizes, nbytes, seconds) -> dict:
     """One plain :func:`fit_alpha_beta` per world size: ``{N: AlphaBetaFit}``. It describes the
-    measured N best, but predicts nothing for an N it has not seen."""
+    measured N best, but predicts nothing for an N it has not seen.
+
+    Shown in lesson 06, §3."""
     n = np.asarray(world_sizes, dtype=float).ravel()
     k = np.asarray(nbytes, dtype=float).ravel()
     t = np.asarray(seconds, dtype=float).ravel()
