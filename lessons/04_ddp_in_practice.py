@@ -243,6 +243,12 @@ print(f"largest difference between the two runs' weights: {gap:.1e}")
 # to each agent and kills both, with their workers, past `timeout`: the end of `run_nodes` and
 # the `launch.kill_tree` it calls, below. The cell after prints the two command lines (folders
 # cut), then rank 0's output.
+#
+# From here on the scripts train `small_bn`, the small CNN with BatchNorm (`--model small_bn`
+# in the setup's `common` arguments): with SGD at lr 0.1 it learns within these few epochs,
+# which the plain one does not; no run from here on is compared with one process, so
+# BatchNorm's per-rank statistics (section 1) do no harm; and its running statistics are the
+# buffers whose evaluation section 4 follows.
 
 # %%
 import inspect
@@ -721,8 +727,10 @@ claim("a process group's default timeout: 30 minutes with gloo, " + ("10 with NC
 # state. Once a rank has joined, the gradients are still divided by the *initial* world size
 # (`divide_by_initial_world_size=True`): the joined rank counts as a zero gradient. What
 # `Join` costs: in every iteration inside it, each rank still training runs extra all-reduces
-# — `Join.notify_join_context`, `_check_global_requires_backward_grad_sync` and, with
-# buffers, `_find_common_rank` (which rank broadcasts them).
+# from Python beside DDP's own — `Join.notify_join_context` and
+# `_check_global_requires_backward_grad_sync` (counted below with `collectives.
+# record_collectives`, lesson 07 §5) and, for a module with buffers, `_find_common_rank`
+# (which rank broadcasts them; not run here: this model has none).
 #
 # First the hang: `launch.spawn` keeps a returned rank alive, sockets open, and its `timeout`
 # kills every rank after 8 s.
@@ -737,6 +745,8 @@ def uneven_steps(rank, world_size, use_join, folder):
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from dpcourse import collectives
+
     with open(os.path.join(folder, f"uneven_pid_{use_join}_{rank}"), "w") as f:
         f.write(str(os.getpid()))  # so the notebook can check that nothing is left running
     torch.manual_seed(0)
@@ -744,14 +754,18 @@ def uneven_steps(rank, world_size, use_join, folder):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randn(4, 8, generator=g) for _ in range(3 + rank)]  # rank r: 3 + r batches
+    extra = []  # per iteration, the all-reduces called from Python (DDP's own run in C++)
     with Join([model]) if use_join else nullcontext():
         for X in batches:
-            loss = model(X).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            with collectives.record_collectives() as calls:
+                loss = model(X).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            extra.append(len(calls.of("all_reduce")))
     return {"steps": len(batches), "weights": [p.detach().clone() for p in model.parameters()],
-            "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]}
+            "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
+            "extra": extra}
 
 
 try:
@@ -790,6 +804,9 @@ claim("and every rank ends with the same weights, bit for bit",
 claim("but not with the same momentum buffers: Join synchronises the module, not the optimizer",
       all(not torch.equal(a, b) for r in joined[1:]
           for a, b in zip(r["momentum"], joined[0]["momentum"])))
+claim("Join's cost: in every training iteration each rank made 2 all-reduces from Python, "
+      "beside DDP's gradient all-reduce", all(r["extra"] == [2] * r["steps"] for r in joined),
+      extra=[r["extra"] for r in joined])
 
 # %% [markdown]
 # `Join` keeps the extra batches. The other cure is to drop them: have every rank agree on the
@@ -798,7 +815,8 @@ claim("but not with the same momentum buffers: Join synchronises the module, not
 # without communicating: every rank computes the same shard length from `len(dataset)` and
 # truncates the list to a multiple of the world size before dealing it out. And `Join(...,
 # throw_on_early_termination=True)` makes every rank raise as soon as one runs out, for loops
-# that must stop together.
+# that must stop together (not run here; `Join.__exit__` and `notify_join_context` in
+# `join.py`).
 #
 # ## 6. The learning rate against the world size
 #
@@ -1072,7 +1090,10 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 #   weighting by the counts (`batch_norm_gather_stats_with_counts`), which is also numerically
 #   stabler than combining raw sums.
 # - **backward:** each rank sums `dy` and `dy·(x − mean)` per channel, and one **all_reduce**
-#   adds them up (2C numbers); every rank then finishes the gradient with the global sums.
+#   adds them up (2C numbers); every rank then finishes the input's gradient with the global
+#   sums. Only when the layer's input needs a gradient (`needs_input_grad[0]`): a BatchNorm on
+#   the raw input, or after frozen layers, sends only the forward's all_gather (read in the
+#   source, not run here: `nn.SyncBatchNorm` needs a GPU, below).
 #
 # In `eval()` mode it uses the running statistics and sends nothing. What does
 # `nn.SyncBatchNorm` do on a CPU? Its `forward` (`torch/nn/modules/batchnorm.py`) wants to
@@ -1185,9 +1206,10 @@ viz.show(fig, "plain BatchNorm's gradient error falls as the per-rank batch grow
 # global batch to 1e-5 (relative norm; the sums are taken in another order, so not bit for
 # bit); `nn.SyncBatchNorm` was not measured here. Without it the error is large
 # when per-rank batches are tiny (detection, segmentation, big 3-D inputs: 1-4 images per GPU)
-# and shrinks as they grow. It costs two extra collectives per BatchNorm layer per training
-# step — an all_gather in the forward, an all_reduce in the backward, each blocking in the
-# middle of the computation — so use it when per-rank batches are small.
+# and shrinks as they grow. It costs up to two extra collectives per BatchNorm layer per
+# training step — an all_gather in the forward, an all_reduce in the backward when the input
+# needs a gradient, each blocking in the middle of the computation — so use it when per-rank
+# batches are small.
 #
 # ## 10. Debugging: mismatches, hangs, timeouts, and the first GPU failures
 #
@@ -1320,7 +1342,11 @@ claim("NCCL without GPUs fails at init_process_group with a clear message",
 # and returns un-averaged gradients (lesson 10 §3 measures it), and DDP raises at the next
 # iteration.
 # `find_unused_parameters=True` makes DDP walk the graph after each forward to mark them ready.
-# It fixes this, costs a graph traversal per step, and cures nothing else.
+# It fixes this and cures nothing else. It costs, in every step, that graph traversal and one
+# more all-reduce, of the bitmap of parameters each rank used (`local_used_map_` in
+# `reducer.hpp`; counted below with torch's profiler); and DDP then never rebuilds its buckets
+# in the order the gradients arrive, keeping those made at construction
+# (`should_rebuild_buckets`; lesson 07 §3 shows it).
 
 
 # %%
@@ -1330,6 +1356,7 @@ def unused_branch(rank, world_size):
 
 def _unused_branch(find_unused):
     import torch
+    import torch.profiler as tp
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -1344,18 +1371,24 @@ def _unused_branch(find_unused):
     model = DDP(TwoHeads(), find_unused_parameters=find_unused)
     try:
         for _ in range(2):
-            model(torch.randn(3, 4)).sum().backward()
-        return "ok"
+            with tp.profile(activities=[tp.ProfilerActivity.CPU]) as prof:
+                model(torch.randn(3, 4)).sum().backward()
+        return {"ran": "ok", "buckets": len(model.reducer._get_zeros_like_grad_buckets()),
+                "all_reduces": sum(e.name == "gloo:all_reduce" for e in prof.events())}
     except RuntimeError as e:
-        return str(e).split(".")[0]
+        return {"ran": str(e).split(".")[0]}
 
 
-unused = launch.spawn(unused_branch, 2, backend="gloo", timeout=timeout)[0]
-print("default:                    ", unused[False])
-print("find_unused_parameters=True:", unused[True])
+# show_output=False: the profiler's lines on the ranks' stderr are not lesson output
+unused = launch.spawn(unused_branch, 2, backend="gloo", timeout=timeout, show_output=False)[0]
+print("default:                    ", unused[False]["ran"])
+print("find_unused_parameters=True:", unused[True]["ran"])
 claim("by default, an unused branch makes the next iteration fail",
-      "Expected to have finished reduction" in unused[False])
-claim("with find_unused_parameters=True it runs", unused[True] == "ok")
+      "Expected to have finished reduction" in unused[False]["ran"])
+claim("with find_unused_parameters=True it runs", unused[True]["ran"] == "ok")
+claim(f"and its second step made one all-reduce more than its {unused[True].get('buckets')} "
+      f"bucket(s): the used-parameter bitmap's",
+      unused[True]["all_reduces"] == unused[True]["buckets"] + 1, seen=unused[True])
 
 # %% [markdown]
 # ## 11. More myths, tested
@@ -1561,11 +1594,13 @@ viz.quiz([
     {"q": "What does SyncBatchNorm send per BatchNorm layer in a training step?",
      "options": ["Nothing: it only changes the maths",
                  "An all_gather of each rank's mean, invstd and count in the forward, and an "
-                 "all_reduce of two per-channel sums in the backward",
+                 "all_reduce of two per-channel sums in the backward when its input needs a "
+                 "gradient",
                  "The whole activation tensor to rank 0"],
      "answer": 1,
      "why": ["It must combine statistics across ranks, so it communicates.",
-             "Right: 2C + 1 numbers per rank gathered forward, 2C summed backward.",
+             "Right: 2C + 1 numbers per rank gathered forward, 2C summed backward (none on "
+             "the raw input or after frozen layers).",
              "Only per-channel statistics travel, never activations."]},
     {"q": "Your 4 ranks each compute the accuracy of their DistributedSampler shard of a 1001-image "
           "test set and you print the mean of the 4 accuracies. What is wrong?",
@@ -1650,7 +1685,13 @@ viz.quiz([
 #   ranks, `divide_by_initial_world_size`), `_sync_final_model` (broadcasts `self.module` only:
 #   its buffers only with `broadcast_buffers=self.forward_sync_buffers`), `register_comm_hook`.
 # - `torch/distributed/algorithms/join.py` — `Join`, `Join.notify_join_context` (the
-#   notification all-reduce each iteration), `throw_on_early_termination`.
+#   notification all-reduce each iteration), `throw_on_early_termination` (`Join.__exit__`).
+# - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `local_used_map_`,
+#   `all_reduce_local_used_map` (the used-parameter bitmap, all-reduced every iteration with
+#   `find_unused_parameters=True`), `should_rebuild_buckets` (`(static_graph_ ||
+#   !find_unused_parameters_) && !has_rebuilt_bucket_`).
+# - `torch/profiler/profiler.py` — `profile`: the process group's `gloo:all_reduce` records
+#   counted in section 10.
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `fp16_compress_hook`,
 #   `bf16_compress_hook`: the bucket is cast to 16 bits for the all-reduce; `allreduce_hook`
 #   (`_allreduce_fut`: `tensor.div_(group_to_use.size())`, then `dist.all_reduce`), what
@@ -1666,7 +1707,8 @@ viz.quiz([
 #   GPU"), and only then sets `need_sync = world_size > 1`, falling back to `F.batch_norm` for
 #   one rank (and outside a group, or in eval mode). `torch/nn/modules/_functions.py` — `SyncBatchNorm.forward` /
 #   `backward`: all_gather of `[mean, invstd, count]` combined by
-#   `batch_norm_gather_stats_with_counts`, all_reduce of two per-channel sums.
+#   `batch_norm_gather_stats_with_counts`, all_reduce of two per-channel sums only `if
+#   self.needs_input_grad[0]`.
 # - `torch/optim/sgd.py`, `torch/optim/adam.py` — where weight decay is added to the gradient
 #   and Adam divides by the root of its second moment.
 # - `torch/distributed/flight_recorder/fr_trace.py` — the flight recorder's trace analyzer

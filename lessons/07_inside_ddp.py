@@ -42,7 +42,7 @@ world_size = None     # None: from the hardware profile (2 on the cpu profile)
 steps = 3             # steps of the equality runs
 cap_mb = 0.05         # bucket cap in MiB for the small CNN (section 3 counts its buckets)
 sweep_caps = (0.1, 1, 4, 25, float("inf"))   # MiB; inf = one bucket
-timed_steps = 9       # timed steps per version (median), after one warm-up step
+timed_steps = 9       # timed steps per version (median), after two warm-up steps
 hook_steps = 120      # training steps of the comm-hook comparison
 
 # %%
@@ -142,9 +142,10 @@ for kind in ("after_backward", "per_parameter"):
 # `bucket_cap_mb` is left at its default — `None`, which means 25 MiB — the first bucket's cap
 # is 1 MiB; passing any number, 25 included, turns that small first bucket off
 # (`_BucketCapacityConfig.create`: the 1 MiB cap only if `bucket_cap_mb is None`). With
-# `find_unused_parameters=False` (the default) DDP starts with **one** bucket and, after the
-# first backward, rebuilds its buckets in the order the gradients really arrived: the last
-# layers' gradients then leave early. With `find_unused_parameters=True` (and no
+# `find_unused_parameters=False` (the default) DDP starts with **one** bucket; its first
+# backward records the order the gradients really arrive in, and at the start of the second
+# forward (`_pre_forward` calls `reducer._rebuild_buckets()`) it rebuilds its buckets in that
+# order: the last layers' gradients then leave early. With `find_unused_parameters=True` (and no
 # `static_graph`) DDP never rebuilds: at construction it walks the parameters in
 # *registration* order, closing buckets by the same rule, then reverses the list of buckets
 # (`_ddp_init_helper`; the comment beside it says so), and keeps those buckets for good — so
@@ -152,7 +153,8 @@ for kind in ("after_backward", "per_parameter"):
 # last. Walking from the other end groups the parameters differently. Our
 # `overlap.assign_buckets` stands in for the **rebuilt** buckets, walking the parameters
 # reversed (so a convolution's bias before its weight). Real DDP's own buckets, read from its
-# reducer at construction and after two steps, say where the two agree, and where they do not:
+# reducer at construction, after the first backward, after the second forward and after two
+# steps, say when it rebuilds, where the two agree, and where they do not:
 
 # %%
 viz.show_code(experiments.ddp_buckets_worker)
@@ -182,9 +184,11 @@ def first_of_each_layer(buckets):   # {layer: "weight" or "bias", whichever come
 kinds = {n: type(m).__name__ for n, m in cnn.named_modules()}
 ddp_first, our_first = first_of_each_layer(rebuilt["after"]), first_of_each_layer(ours)
 claim(f"find_unused_parameters=False, SmallCNN at {cap_mb} MiB: DDP starts with one bucket, "
-      f"and after the first backward its buckets hold the same parameters as "
-      f"assign_buckets', bucket for bucket",
-      len(rebuilt["first"]) == 1 and as_sets(rebuilt["after"]) == as_sets(ours))
+      f"still has one after the first backward, and has rebuilt them once the second forward "
+      f"has run: from then on its buckets hold the same parameters as assign_buckets', bucket "
+      f"for bucket", len(rebuilt["first"]) == len(rebuilt["first_backward"]) == 1
+      and rebuilt["second_forward"] == rebuilt["after"]
+      and as_sets(rebuilt["after"]) == as_sets(ours))
 claim("in the same order layer by layer, but not within a layer: in DDP's rebuilt buckets (the "
       "arrival order) each Linear's bias comes before its weight and each Conv2d's weight "
       "before its bias; assign_buckets puts every bias first (registration order reversed)",
@@ -394,57 +398,35 @@ claim(f"bucketed: one all-reduce per bucket per step ({len(buckets)} buckets, no
 viz.show(viz.reducer_figure(),
          "one gradient's way through DDP's reducer (no comm hook), left to right: the hook "
          "puts it into its bucket, divided by N (how, when p.grad may already be its view, "
-         "is folded below); a complete bucket goes on the wire only in bucket order (the "
+         "is folded in section 6); a complete bucket goes on the wire only in bucket order (the "
          "orange box: how the reducer keeps that order is lab 07's part 2); at the end of the "
          "backward the reducer waits and copies back, which views make unnecessary.")
 
 # %% [markdown]
 # - **In-order launch.** The reducer launches its buckets **strictly in bucket order**: a bucket
 #   that is complete before the ones ahead of it is not launched before them (how it does that
-#   is lab07's part 2, folded below). Buckets made from the registration order (ours; DDP's
-#   with `find_unused_parameters=True`, never rebuilt) fill out of order whenever a layer is
-#   registered before one it follows; DDP's default buckets, rebuilt once from the first
-#   backward's order, only when a later backward's order differs (a forward that takes another
-#   branch). Launching in bucket order makes the i-th
+#   is lab07's part 2, folded after its pointer in section 6). Buckets made from the
+#   registration order (ours; DDP's with `find_unused_parameters=True`, never rebuilt) fill
+#   out of order whenever a layer is registered before one it follows; DDP's default buckets,
+#   rebuilt once from the first backward's order, only when a later backward's order differs
+#   (a forward that takes another branch). Launching in bucket order makes the i-th
 #   all-reduce of every rank the same bucket; our class launches as buckets fill, which is
 #   safe here only because every rank runs the same backward in the same order.
-# - **Gradients as views** (`gradient_as_bucket_view=True`): each `p.grad` is a view of its
-#   slice of the bucket, so autograd accumulates straight into the bucket and the all-reduced
-#   buffer *is* the averaged gradient: no copy in, no copy back, and one gradient's memory
-#   less. Without it (the default), the reducer copies each gradient into the bucket and
-#   copies the average back after the wait. How the reducer knows which case a gradient is in
-#   is lab07's part 2, folded below with the rest of the reference answer.
+# - **Gradients as views** (`gradient_as_bucket_view=True`): the reducer makes each `p.grad` a
+#   view of its slice of the bucket, so the all-reduced buffer *is* the averaged gradient: no
+#   copy back. If `p.grad` is zeroed in place (`zero_grad(set_to_none=False)`), autograd then
+#   accumulates straight into the bucket: no copy in either, and one gradient's memory less.
+#   With `set_to_none=True` — `zero_grad`'s default, and what this lesson's loops call — the
+#   view is dropped every step: autograd writes a fresh tensor, which the reducer copies in
+#   before pointing `p.grad` at the view again (DDP's docstring: "`gradient_as_bucket_view`
+#   alone cannot avoid copies because the bucket view alias is destroyed every iteration";
+#   both cases measured at the end of section 6). Without views (the default), the reducer
+#   copies each gradient in, and the average back after the wait. How the reducer knows which
+#   case a gradient is in is lab07's part 2, folded with the rest of its reference answer.
 #
 # Lab07's part 2 asks you for both (after section 6). Its check runs a model whose buckets
 # fill out of order and one of whose parameters is frozen (`requires_grad=False`, no gradient:
 # it belongs in no bucket).
-
-# %% [markdown]
-# **▶ The reference answer — open after your lab passes** (how the reducer keeps bucket
-# order, and how it puts a gradient into its bucket; click the folded cell below).
-
-# %% [markdown] jupyter={"source_hidden": true}
-# The reducer keeps `next_bucket_`, the next bucket to launch. When a bucket becomes complete
-# (`Reducer::mark_bucket_ready`), it is launched only if it is that one, and then every
-# following bucket that is already complete, `next_bucket_` moving past each; the loop stops at
-# the first bucket still awaiting a gradient, and that bucket's last gradient resumes it.
-#
-# Into the bucket (`Reducer::mark_variable_ready_dense`): the reducer asks
-# `grad.is_alias_of(bucket_view)` — same storage or not. Where it divides depends on whether a
-# communication hook is registered (`comm_hook_ == nullptr` or not):
-#
-# | `p.grad` | no comm hook (the default) | a comm hook registered |
-# |---|---|---|
-# | not the bucket's view (a copy is needed) | `at::mul_out(bucket_view, grad, 1/div_factor_)`: copies and divides by N in one pass | `bucket_view.copy_(grad)`: copies, no division |
-# | already the view | `bucket_view.div_(div_factor_)`: divides in place | nothing |
-#
-# So without a hook the reducer divides and its own hook, `_AllReduceBySumCommHook`, only
-# sums; with a hook registered the reducer never divides (its "Note [DDP Communication Hook]":
-# the hook has complete control over the gradients), and the hook must: torch's
-# `allreduce_hook` calls `div_` before its all-reduce, the 16-bit hooks divide after the cast,
-# PowerSGD divides its results. With `gradient_as_bucket_view=True`, after the copy the
-# reducer points `p.grad` at the view (`grad = bucket_view`), so from then on the second row
-# applies.
 
 # %% [markdown]
 # ## 4. Measuring the overlap on a CPU — and predicting it
@@ -488,7 +470,7 @@ runs = ([(kind, 25) for kind in experiments.KINDS]
         + [("local", 25), ("per_parameter_after", 25)]
         + [("bucketed_after", c) for c in sweep_caps])
 # show_output=False: the profiler's start/stop lines on the ranks' stderr are not lesson output
-timing = launch.spawn(experiments.timing_worker, world_size, tcfg, runs, 1, backend=backend,
+timing = launch.spawn(experiments.timing_worker, world_size, tcfg, runs, 2, backend=backend,
                       timeout=300, show_output=False)[0]
 by = {(r["kind"], r["bucket_cap_mb"]): r for r in timing["runs"]}
 mlp_params = list(tcfg.build().parameters())
@@ -1259,7 +1241,80 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 # section 3's picture, buckets launched strictly in bucket order and every gradient a view of
 # its bucket, which names a parameter without a gradient as this section's class does; the
 # stretch is a communication hook of your own (section 5), top-k with error feedback.
+
+# %% [markdown]
+# **▶ The reference answer — open after your lab passes** (how the reducer keeps bucket
+# order, and how it puts a gradient into its bucket; click the folded cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The reducer keeps `next_bucket_`, the next bucket to launch. When a bucket becomes complete
+# (`Reducer::mark_bucket_ready`), it is launched only if it is that one, and then every
+# following bucket that is already complete, `next_bucket_` moving past each; the loop stops at
+# the first bucket still awaiting a gradient, and that bucket's last gradient resumes it.
 #
+# Into the bucket (`Reducer::mark_variable_ready_dense`): the reducer asks
+# `grad.is_alias_of(bucket_view)` — same storage or not. Where it divides depends on whether a
+# communication hook is registered (`comm_hook_ == nullptr` or not):
+#
+# | `p.grad` | no comm hook (the default) | a comm hook registered |
+# |---|---|---|
+# | not the bucket's view (a copy is needed) | `at::mul_out(bucket_view, grad, 1/div_factor_)`: copies and divides by N in one pass | `bucket_view.copy_(grad)`: copies, no division |
+# | already the view | `bucket_view.div_(div_factor_)`: divides in place | nothing |
+#
+# So without a hook the reducer divides and its own hook, `_AllReduceBySumCommHook`, only
+# sums; with a hook registered the reducer never divides (its "Note [DDP Communication Hook]":
+# the hook has complete control over the gradients), and the hook must: torch's
+# `allreduce_hook` calls `div_` before its all-reduce, the 16-bit hooks divide after the cast,
+# PowerSGD divides its results. With `gradient_as_bucket_view=True`, after the copy the
+# reducer points `p.grad` at the view (`grad = bucket_view`), so from then on the second row
+# applies — as long as `p.grad` is zeroed in place, not set to `None` (measured below).
+
+# %% [markdown]
+# **Views and `zero_grad`, measured.** Section 3 said that with `gradient_as_bucket_view=True`
+# autograd writes into the bucket only when the gradients are zeroed in place. Real DDP, three
+# steps on 2 ranks, once with `set_to_none=False` and once with `True`: a post-accumulate-grad
+# hook notes where the weight's gradient is when autograd has written it (before DDP's reducer
+# takes it: the step-1 claim shows it), and the loop notes where `p.grad` is after `backward()`.
+#
+# **▶ The measurement's code — open after your lab passes** (it compares addresses; click the
+# folded cell below; its verdicts are printed under it).
+
+# %% jupyter={"source_hidden": true}
+def views_worker(rank, world_size):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    for set_to_none in (False, True):
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(8, 4), gradient_as_bucket_view=True)
+        w = model.module.weight
+        written, after = [], []   # w.grad.data_ptr(): as autograd wrote it; after backward()
+        w.register_post_accumulate_grad_hook(lambda p: written.append(p.grad.data_ptr()))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=set_to_none)
+            model(torch.randn(4, 8)).sum().backward()
+            after.append(w.grad.data_ptr())
+            opt.step()
+        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+        out[set_to_none] = {"written": written, "after": after, "one_buffer": len(storages) == 1}
+    return out
+
+
+in_place, to_none = (launch.spawn(views_worker, 2, backend="gloo", timeout=60)[0][k]
+                     for k in (False, True))
+claim("after the backward, with either zero_grad, the weight's and the bias's gradients lie in "
+      "one storage: the bucket's flat buffer", in_place["one_buffer"] and to_none["one_buffer"])
+claim("set_to_none=False: in step 1 (no gradient yet) autograd wrote a fresh tensor, which the "
+      "reducer copied in; in steps 2 and 3 it wrote where p.grad then stayed: straight into "
+      "the bucket, no copy in", in_place["written"][0] != in_place["after"][0]
+      and in_place["written"][1:] == in_place["after"][1:], in_place=in_place)
+claim("set_to_none=True: in every step autograd wrote a fresh tensor, elsewhere than p.grad "
+      "after the backward: a copy into the bucket every step",
+      all(a != b for a, b in zip(to_none["written"], to_none["after"])), to_none=to_none)
+
+# %% [markdown]
 # ## Summary
 #
 # - Averaging after the backward works but leaves the network idle during the backward and
@@ -1361,7 +1416,11 @@ viz.quiz([
 #   over registration order); `DistributedDataParallel._ddp_init_helper`: buckets from
 #   `dist._compute_bucket_assignment_by_size`, then the list reversed (so the 1 MiB bucket
 #   holds the first-defined parameters); `DistributedDataParallel.__init__`:
-#   `gradient_as_bucket_view`, `static_graph`, `find_unused_parameters`;
+#   `gradient_as_bucket_view`, `static_graph`, `find_unused_parameters`; the class docstring
+#   on `batched_grad_copy`: with `zero_grad(set_to_none=True)` "`gradient_as_bucket_view`
+#   alone cannot avoid copies because the bucket view alias is destroyed every iteration";
+#   `DistributedDataParallel._pre_forward`: `self.reducer._rebuild_buckets()` ("Calling
+#   _rebuild_buckets before forward computation"), so the rebuild comes at the second forward;
 #   `DistributedDataParallel._get_ddp_logging_data`: `num_buckets_reduced`,
 #   `rebuilt_per_bucket_param_indices`; `_DDPSink.backward`: with `static_graph`, queues
 #   `reducer._delay_all_reduce` in the first backward (section 6).
@@ -1404,6 +1463,8 @@ viz.quiz([
 #   runs in Python, so it needs the GIL.
 # - `torch/distributed/distributed_c10d.py` — `all_reduce` (`async_op=True` returns a `Work`
 #   whose `get_future()` the hooks chain).
+# - `torch/optim/optimizer.py` — `Optimizer.zero_grad(set_to_none=True)`: the default drops
+#   every `.grad`, and with it a gradient's view of its bucket (section 6 measures it).
 # - `torch/_tensor.py` — `Tensor.register_post_accumulate_grad_hook`:
 #   the hook runs once `p.grad` holds this backward's gradient.
 # - `torch/profiler/profiler.py` — `profile`: the process group's `gloo:all_reduce` records

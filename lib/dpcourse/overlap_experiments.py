@@ -222,9 +222,11 @@ def equality_worker(rank: int, world_size: int, cfg: OverlapConfig,
 def ddp_buckets_worker(rank: int, world_size: int, settings) -> list[dict]:
     """Real DDP's buckets, read from its reducer, for each ``(cfg, bucket_cap_mb,
     find_unused_parameters)`` in ``settings`` (``bucket_cap_mb=None``: DDP's default): the
-    parameters' names per bucket as DDP made them at construction (``"first"``), and after two
-    training steps on ``cfg``'s data (``"after"``: rebuilt in the order the gradients arrived,
-    unless this DDP never rebuilds). Bucket 0 is the one DDP reduces first.
+    parameters' names per bucket as DDP made them at construction (``"first"``), after the
+    first backward (``"first_backward"``), after the second forward (``"second_forward"``: the
+    reducer rebuilds its buckets, in the order the first backward's gradients arrived, at the
+    start of the second forward, unless this DDP never rebuilds) and after two training steps
+    on ``cfg``'s data (``"after"``). Bucket 0 is the one DDP reduces first.
 
     Shown in lesson 07, §3.
     """
@@ -246,21 +248,29 @@ def ddp_buckets_worker(rank: int, world_size: int, settings) -> list[dict]:
 
         first = buckets()
         cfg2 = OverlapConfig(**{**cfg.__dict__, "steps": 2})
-        for X, y in rank_batches(cfg2, rank, world_size):   # DDP rebuilds after its 1st backward
-            F.cross_entropy(model(X.to(dev)), y.to(dev)).backward()
+        for step, (X, y) in enumerate(rank_batches(cfg2, rank, world_size)):
+            loss = F.cross_entropy(model(X.to(dev)), y.to(dev))
+            if step == 1:
+                second_forward = buckets()   # the rebuild, if any, is done by now
+            loss.backward()
+            if step == 0:
+                first_backward = buckets()   # the 1st backward records the arrival order
         out.append({"bucket_cap_mb": cap, "find_unused_parameters": find_unused,
-                    "first": first, "after": buckets()})
+                    "first": first, "first_backward": first_backward,
+                    "second_forward": second_forward, "after": buckets()})
     return out
 
 
-def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: int = 1) -> dict:
+def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: int = 2) -> dict:
     """Time the training step for each ``(kind, bucket_cap_mb)`` in ``runs``.
 
     All the models are built first and then take their steps in rounds (step 1 of every run,
     then step 2 of every run, ..., in a shuffled order each round, the same on every rank), so
     that a slow moment of the machine hits every run alike.
     A step's time is the median over ``cfg.steps`` steps after ``warmup`` untimed ones (DDP
-    rebuilds its buckets in its first step), and so are its parts: the forward, the backward
+    records the gradients' order in its first backward and rebuilds its buckets, allocating
+    new ones, at the start of its second forward: two warm-up steps keep that out of the
+    timed ones), and so are its parts: the forward, the backward
     (until ``backward()`` returns), the synchronisation after it and the optimizer step. Each
     run also returns its last step's timeline on this rank, in ms since the backward began:
     when each gradient was ready, when each all-reduce was launched and done, and when the
