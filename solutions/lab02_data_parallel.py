@@ -141,8 +141,8 @@ lab02.check_idle_prediction(idle_guess, scatter, sizes=chunk_sizes)
 
 # %%
 def gather(outputs):
-    """One tensor: the outputs of the devices, in device order, as one batch."""
-    ### BEGIN SOLUTION: the outputs as one batch, in device order (a tuple: position by position)
+    """The devices' outputs, in device order, as nn.DataParallel hands them to its caller."""
+    ### BEGIN SOLUTION: the devices' outputs joined as nn.DataParallel hands them over
     if isinstance(outputs[0], torch.Tensor):
         return torch.cat(outputs, dim=0)
     return tuple(gather(list(same_position)) for same_position in zip(*outputs))
@@ -308,7 +308,7 @@ lab02.check_dp_forward_backward(dp_forward_backward)
 # why waits for part 5's check to pass.
 
 # %%
-### BEGIN SOLUTION: set the three predictions
+### BEGIN SOLUTION: set my_seen_guess, my_peak_guess, my_rebound_seen_guess (your predictions)
 my_seen_guess = 10
 my_peak_guess = "0.5, as before"
 my_rebound_seen_guess = 10
