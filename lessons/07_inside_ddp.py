@@ -1276,8 +1276,8 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 # hook notes where the weight's gradient is when autograd has written it (before DDP's reducer
 # takes it: the step-1 claim shows it), and the loop notes where `p.grad` is after `backward()`.
 #
-# **▶ The measurement's code — open after your lab passes** (it compares addresses; click the
-# folded cell below; its verdicts are printed under it).
+# **▶ The measurement's code — open after your lab passes** (click the folded cell below;
+# its verdicts are printed under it).
 
 # %% jupyter={"source_hidden": true}
 def views_worker(rank, world_size):
