@@ -80,8 +80,9 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # they need to connect) at `MASTER_ADDR:MASTER_PORT`, which rank 0 hosts under `spawn` (under
 # `torchrun`, by default, the launcher's agent hosts it and every rank connects as a client). The
 # **backend** is the library that moves the bytes: **gloo** (a collective communication library
-# from Meta; it takes CPU tensors, and CUDA ones for some collectives only, such as all_reduce
-# and broadcast) or **nccl** (NVIDIA's Collective Communications
+# from Meta, made for CPU tensors; it takes CUDA ones too, for nearly every operation, but
+# slowly, through the CPU's memory: the next section finds which) or **nccl** (NVIDIA's
+# Collective Communications
 # Library: GPU tensors only, one GPU per rank, much faster on GPUs). In every rank `spawn` sets
 # `MASTER_ADDR`, `MASTER_PORT`, `RANK` and `WORLD_SIZE` in the environment, then runs
 #
@@ -159,6 +160,41 @@ after = {name: [res[name] for res in results] for name in before}
 viz.show(viz.collectives_figure(before, after),
          "broadcast copies rank 0's tensor; all_reduce leaves the sum on every rank; all_gather "
          "leaves everyone's pieces on every rank; reduce_scatter leaves rank r the sum of piece r.")
+
+# %% [markdown]
+# **Which collectives gloo runs on GPU tensors.** gloo's code for a collective on CUDA tensors
+# is a class of its own, `Async<Collective>CUDA…Work`, compiled into torch's libraries; their
+# names, searched in the installed ones, say which collectives have it (**▶ folded**; it
+# matters only on a GPU machine that runs gloo, such as the `one-gpu` profile).
+
+# %% jupyter={"source_hidden": true}
+import mmap
+import re
+from pathlib import Path
+
+torch_lib = Path(torch.__file__).parent / "lib"
+gloo_cuda = {}
+for so in ("libtorch_cpu.so", "libtorch_cuda.so"):
+    if (torch_lib / so).exists():   # libtorch_cuda.so: only in a torch built for CUDA
+        with open(torch_lib / so, "rb") as f, \
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
+            gloo_cuda[so] = sorted({name.decode() for name in
+                                    re.findall(rb"Async(\w+?)CUDA(?:Device|Host)?Work", lib)})
+print("gloo's CUDA work classes, Async<name>CUDA…Work, by library:", gloo_cuda)
+with_cuda = set().union(*gloo_cuda.values())
+claim("gloo has CUDA code for broadcast and all_gather (libtorch_cpu.so) and, in a torch built "
+      "for CUDA, all_reduce (libtorch_cuda.so); also for reduce, gather, scatter and all_to_all; "
+      "none for send or recv",
+      {"Broadcast", "Allgather", "Reduce", "Gather", "Scatter", "Alltoall"} <= with_cuda
+      and ("Allreduce" in with_cuda or "libtorch_cuda.so" not in gloo_cuda)
+      and not any(name.startswith(("Send", "Recv")) for name in with_cuda), found=gloo_cuda)
+
+# %% [markdown]
+# So gloo takes GPU tensors for nearly every collective, not only the all_reduce and broadcast
+# that PyTorch's backend table in its documentation marks. (`reduce_scatter` has no class of
+# its own, so the names say nothing about it.) It is slow with them: gloo sends and receives
+# from the CPU's memory, so these classes copy the GPU tensor there and the result back
+# (*read from source, not measured*: PyTorch's `ProcessGroupGloo.cpp`, which is not installed).
 
 # %% [markdown]
 # ## Averaging gradients — and DDP, which does it for you
@@ -303,7 +339,7 @@ viz.show_code(ddp.manual_dp_worker)
 manual = launch.spawn(ddp.manual_dp_worker, world_size, cfg, backend=backend, timeout=120)
 claim("first-step gradients: hand-averaged == one process (to 1e-5)",
       max(max_diff(r["grads"], single["grads"]) for r in manual) < tol)
-if world_size == 2:   # why 2 ranks agree to the last bit: the folded cell in "How DDP does it"
+if world_size == 2:   # why 2 ranks agree to the last bit: the lesson's last section
     claim("2 ranks: first-step gradients, hand-averaged == DDP bit for bit (same_bits)",
           all(same_bits(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)))
 else:                 # with 3 or more ranks the two round differently in the last bits
@@ -353,7 +389,7 @@ claim("3 ranks: first-step gradients, hand-averaged == DDP to 1e-6, not bit for 
 # %% [markdown]
 # Against DDP, the hand-averaged gradients agree bit for bit on 2 ranks but not on 3: DDP orders
 # its arithmetic differently from the library's `average_gradients` — how, and in which two
-# ways, "How DDP does it" says and measures after your lab passes.
+# ways, the lesson's last section says and measures, for after your lab passes.
 #
 # **A question to try:** suppose each rank stepped with its own gradients and the ranks then
 # averaged their *weights*. With this lesson's plain SGD that gives the same weights as
@@ -392,9 +428,9 @@ else:
 
 # %% [markdown]
 # ## How DDP does it
-# This section reads DDP's internals closely, and a few of its asides point ahead to lesson 04
-# (`no_sync()`, `Join`): on a first reading, follow the four steps, the claims and the
-# figures, and come back to those asides after lesson 04.
+# This section reads DDP's internals from what they record. How the reducer does its
+# arithmetic, and what two of lesson 04's tools change in it, is reference for later: the last
+# section, "The reducer's arithmetic, after lesson 04".
 #
 # Inside `DistributedDataParallel` the work is done by its **reducer**: a C++ object that owns
 # the gradient buckets and launches their all-reduces. It belongs to **c10d**, torch's C++
@@ -408,107 +444,20 @@ else:
 #    parameter, such as BatchNorm's running statistics: no gradient reaches them, so no
 #    all-reduce averages them. By default (`forward_sync_buffers=True`) DDP copies rank 0's
 #    buffers to every rank at the start of the first forward and of each forward whose previous
-#    forward ran with gradients enabled and outside `no_sync()` (lesson 04's context for
-#    accumulating gradients without averaging them), in `train()` or `eval()` mode alike
-#    (which forwards skip it, the buffers section measures). Before torch 2.13 the switch was
-#    `broadcast_buffers`, and it is not a plain rename: `broadcast_buffers=False` also skips the
-#    buffers' broadcast at construction, `forward_sync_buffers=False` only those at run time:
-#    before each forward, and at the end of lesson 04's `Join` (where ranks that ran out of
-#    batches keep answering the others' collectives; claimed below).
+#    forward ran with gradients enabled and outside `no_sync()` (a context in which a backward
+#    does not average the gradients, for accumulating them over several batches: lesson 04),
+#    in `train()` or `eval()` mode alike (which forwards skip it, the buffers section
+#    measures). (Before torch 2.13 the switch was `broadcast_buffers`: the last section.)
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (25 MiB by default; the
 #    argument's name says MB, but DDP multiplies it by 1024 × 1024). As each gradient becomes
 #    ready, the reducer copies it into its bucket (with `gradient_as_bucket_view=True` the copy
-#    also makes `p.grad` a view of the bucket; when a later step can skip the copy, the folded
-#    cell below says). When every gradient in a bucket is there, the bucket
+#    also makes `p.grad` a view of the bucket; when a later step can skip the copy, the last
+#    section says). When every gradient in a bucket is there, the bucket
 #    goes to the wire in one collective call. The buckets are launched strictly in order:
 #    bucket 0, then 1, … on every rank.
 # 4. **Overlap.** Those calls start *while the backward is still computing* the gradients
 #    of earlier layers, so communication can hide behind computation.
-#
-# **▶ How the reducer turns the ranks' gradients into their average — open after your lab
-# passes** (click the folded cell below; it is lab 03's part 1, done DDP's way).
-
-# %% [markdown] jupyter={"source_hidden": true}
-# The library's `average_gradients` sums, then divides; DDP **scales first, then sums**. Where
-# exactly, in c10d's `Reducer::mark_variable_ready_dense` (`reducer.cpp`), which runs for each
-# gradient as it becomes ready (*read from source*: `reducer.cpp` is not installed; the claim
-# below finds its compiled names, and the 3-rank control run after it measures the rounding it
-# causes):
-#
-# - **without a comm hook**, the copy into the bucket *is* the scaling:
-#   `at::mul_out(bucket_view, grad, wrapped)` with `wrapped` the scalar `1. / div_factor_` — a
-#   multiplication by the reciprocal of the world size, not a division ("Divides while copying
-#   into the bucket view to save one scan over all the input parameters", its comment says);
-#   only where `p.grad` already *is* its bucket view is there nothing to copy, and there it
-#   divides in place, `bucket_view.div_(div_factor_)`. That takes
-#   `gradient_as_bucket_view=True` *and* gradients that survive from one step to the next:
-#   `zero_grad(set_to_none=True)` — the default, and what `ddp_worker` calls — drops the alias
-#   every step, so the next backward makes a new `p.grad` and the reducer copies with
-#   `mul_out` every time ("the bucket view alias is destroyed every iteration", says DDP's
-#   docstring of `batched_grad_copy`). With `batched_grad_copy=True` (default `False`, the claim
-#   below) both wait: the bucket's copies are batched and the flat bucket divided once when it
-#   is full. Then the bucket goes to one all-reduce with SUM.
-# - **with a comm hook** (a function of yours that DDP calls per bucket in place of its own
-#   all-reduce; the next section registers one), the reducer only copies
-#   (`bucket_view.copy_(grad)`, no scaling), and averaging is the hook's job: the default
-#   `allreduce_hook` divides the whole bucket by the group's size, then all-reduces it — first, "to
-#   avoid overflow, especially for FP16", as the comment in `_allreduce_fut`, which it calls, says.
-# (`div_factor_` is the process group's size; under lesson 04's `Join`, which keeps ranks that
-# ran out of batches answering the others' all-reduces, it can be the count of ranks still
-# training, if asked for with `divide_by_initial_world_size=False`.) With 2 ranks the
-# order cannot show: 1/2 is exact in binary, so multiplying by it, or dividing by 2 before or
-# after the sum, gives the same bits (barring underflow). With 3 ranks float32's 1/3 is not a
-# third, and scaling first rounds differently from dividing after the sum. A second cause
-# adds to it: DDP all-reduces one flat bucket, the library each tensor on its own, and the
-# all-reduce need not add the ranks' values in the same order at every position of a tensor
-# (measured, not read: gloo's source is not installed). The 3-rank claim after the lab cannot
-# tell the two apart; the folded control run below can: a comm hook that sums the raw bucket,
-# then divides, keeps DDP's layout with the library's arithmetic.
-
-# %%
-import inspect
-
-from torch.nn.parallel import DistributedDataParallel
-
-ddp_defaults = inspect.signature(DistributedDataParallel.__init__).parameters
-claim("DDP's batched_grad_copy defaults to False: deferring a bucket's gradient copies is opt-in",
-      ddp_defaults["batched_grad_copy"].default is False)
-
-# reducer.cpp is not installed, but its compiled code is: the installed libtorch_cpu holds the
-# name mark_variable_ready_dense records for its scaled copy, and the batched path's message.
-import mmap
-from pathlib import Path
-
-libtorch_cpu = next((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
-marks = ["torch::distributed::reducer::mul_out", "batched_grad_copy is incompatible with"]
-with open(libtorch_cpu, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-    found = {mark: m.find(mark.encode()) >= 0 for mark in marks}
-claim(f"the installed {libtorch_cpu.name} (torch {torch.__version__.split('+')[0]}) holds the reducer's "
-      f"'mul_out' copy and the batched_grad_copy path", all(found.values()), found=found)
-claim("forward_sync_buffers also decides the buffers' broadcast at the end of a Join: "
-      "_sync_final_model passes broadcast_buffers=self.forward_sync_buffers",
-      "broadcast_buffers=self.forward_sync_buffers"
-      in inspect.getsource(DistributedDataParallel._sync_final_model))
-
-# %% [markdown]
-# **▶ The control run that tells layout from scaling — open after your lab passes** (click the
-# folded cell below).
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ddp.sum_then_divide_hook)
-hooked = launch.spawn(ddp.ddp_worker, 3, cfg3, ddp.sum_then_divide_hook, backend="gloo",
-                      timeout=120)[0]["grads"]
-layout = int((hooked != three["grads_manual"]).sum())  # same arithmetic, other layout
-scaling = int((hooked != three["grads_ddp"]).sum())    # same layout, scale first or divide after
-print(f"3 ranks, first-step gradients ({hooked.numel()} elements): {layout} differ between the "
-      f"hooked DDP and average_gradients, {scaling} between the hooked DDP and DDP's own path")
-claim("layout alone: DDP summing then dividing in its one flat bucket differs from "
-      "average_gradients' per-tensor all-reduces in the last bits", layout > 0, layout=layout)
-claim("scaling alone: in the same bucket, DDP's scale-first path differs from sum-then-divide",
-      scaling > 0, scaling=scaling)
-claim("both are last-bit rounding: the gradients agree to 1e-6",
-      max(float((hooked - three[k]).abs().max()) for k in ("grads_manual", "grads_ddp")) < 1e-6)
 
 # %% [markdown]
 # First the broadcast: every rank builds its model from a *different* seed, and after
@@ -886,7 +835,7 @@ claim("forward_sync_buffers=True: a forward that follows a no-grad forward, or a
 # method calls, read from the installed torch):
 
 # %%
-import re
+import inspect
 
 from torch.nn.modules import _functions as bn_functions
 
@@ -983,7 +932,7 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 # - DDP runs one process per device; the processes meet at a rendezvous and talk through
 #   collectives (broadcast, all_reduce, all_gather, reduce_scatter) that every rank must call.
 # - Every rank ending each backward with the average of the ranks' gradients (lab 03; DDP's way
-#   of computing it is folded in "How DDP does it") makes each rank's step the
+#   of computing it is in the last section) makes each rank's step the
 #   step of one process on the global batch — equal to 1e-5 here (on 2 and on 3 ranks), and
 #   bit-for-bit equal across the ranks (the all-reduce hands each the same bytes) — as long
 #   as no layer couples the samples of a batch (training-mode BatchNorm does) and the forward
@@ -1067,10 +1016,108 @@ viz.quiz([
                  "training forwards"],
      "answer": 2,
      "why": ["Buffers get no gradient, so the all-reduce never touches them.",
-             "The broadcast always comes from rank 0 (outside Join).",
+             "The broadcast comes from rank 0, in every case this lesson shows.",
              "Right: forward_sync_buffers broadcasts from rank 0; rank 0's are never "
              "overwritten. SyncBatchNorm (lesson 04) gives whole-batch statistics."]},
 ])
+
+# %% [markdown]
+# ## The reducer's arithmetic, after lesson 04
+#
+# Reference, for after lab 03 and lesson 04: it uses lesson 04's `no_sync()` (a backward that
+# does not average the gradients) and `Join` (ranks that ran out of batches keep answering the
+# others' collectives). What it adds to "How DDP does it": how the reducer turns the ranks'
+# gradients into their average — which is why DDP and `average_gradients` agree bit for bit on
+# 2 ranks and not on 3 — and what `Join` and the old `broadcast_buffers` switch change.
+#
+# **The buffers' switch before torch 2.13** was `broadcast_buffers`, and it is not a plain
+# rename of `forward_sync_buffers`: `broadcast_buffers=False` also skips the buffers' broadcast
+# at construction, `forward_sync_buffers=False` only those at run time: before each forward,
+# and at the end of a `Join` (the claim below).
+#
+# **▶ How the reducer turns the ranks' gradients into their average — open after your lab
+# passes** (click the folded cell below; it is lab 03's part 1, done DDP's way).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The library's `average_gradients` sums, then divides; DDP **scales first, then sums**. Where
+# exactly, in c10d's `Reducer::mark_variable_ready_dense` (`reducer.cpp`), which runs for each
+# gradient as it becomes ready (*read from source*: `reducer.cpp` is not installed; the claim
+# below finds its compiled names, and the 3-rank control run after it measures the rounding it
+# causes):
+#
+# - **without a comm hook**, the copy into the bucket *is* the scaling:
+#   `at::mul_out(bucket_view, grad, wrapped)` with `wrapped` the scalar `1. / div_factor_` — a
+#   multiplication by the reciprocal of the world size, not a division ("Divides while copying
+#   into the bucket view to save one scan over all the input parameters", its comment says);
+#   only where `p.grad` already *is* its bucket view is there nothing to copy, and there it
+#   divides in place, `bucket_view.div_(div_factor_)`. That takes
+#   `gradient_as_bucket_view=True` *and* gradients that survive from one step to the next:
+#   `zero_grad(set_to_none=True)` — the default, and what `ddp_worker` calls — drops the alias
+#   every step, so the next backward makes a new `p.grad` and the reducer copies with
+#   `mul_out` every time ("the bucket view alias is destroyed every iteration", says DDP's
+#   docstring of `batched_grad_copy`). With `batched_grad_copy=True` (default `False`, the claim
+#   below) both wait: the bucket's copies are batched and the flat bucket divided once when it
+#   is full. Then the bucket goes to one all-reduce with SUM.
+# - **with a comm hook** (the function DDP calls per bucket in place of its own all-reduce, as
+#   in "How DDP does it"), the reducer only copies
+#   (`bucket_view.copy_(grad)`, no scaling), and averaging is the hook's job: the default
+#   `allreduce_hook` divides the whole bucket by the group's size, then all-reduces it — first, "to
+#   avoid overflow, especially for FP16", as the comment in `_allreduce_fut`, which it calls, says.
+# (`div_factor_` is the process group's size; under lesson 04's `Join`, which keeps ranks that
+# ran out of batches answering the others' all-reduces, it can be the count of ranks still
+# training, if asked for with `divide_by_initial_world_size=False`.) With 2 ranks the
+# order cannot show: 1/2 is exact in binary, so multiplying by it, or dividing by 2 before or
+# after the sum, gives the same bits (barring underflow). With 3 ranks float32's 1/3 is not a
+# third, and scaling first rounds differently from dividing after the sum. A second cause
+# adds to it: DDP all-reduces one flat bucket, the library each tensor on its own, and the
+# all-reduce need not add the ranks' values in the same order at every position of a tensor
+# (measured, not read: gloo's source is not installed). The 3-rank claim after the lab cannot
+# tell the two apart; the folded control run below can: a comm hook that sums the raw bucket,
+# then divides, keeps DDP's layout with the library's arithmetic.
+
+# %%
+import inspect
+
+from torch.nn.parallel import DistributedDataParallel
+
+ddp_defaults = inspect.signature(DistributedDataParallel.__init__).parameters
+claim("DDP's batched_grad_copy defaults to False: deferring a bucket's gradient copies is opt-in",
+      ddp_defaults["batched_grad_copy"].default is False)
+
+# reducer.cpp is not installed, but its compiled code is: the installed libtorch_cpu holds the
+# name mark_variable_ready_dense records for its scaled copy, and the batched path's message.
+import mmap
+from pathlib import Path
+
+libtorch_cpu = next((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
+marks = ["torch::distributed::reducer::mul_out", "batched_grad_copy is incompatible with"]
+with open(libtorch_cpu, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    found = {mark: m.find(mark.encode()) >= 0 for mark in marks}
+claim(f"the installed {libtorch_cpu.name} (torch {torch.__version__.split('+')[0]}) holds the reducer's "
+      f"'mul_out' copy and the batched_grad_copy path", all(found.values()), found=found)
+claim("forward_sync_buffers also decides the buffers' broadcast at the end of a Join: "
+      "_sync_final_model passes broadcast_buffers=self.forward_sync_buffers",
+      "broadcast_buffers=self.forward_sync_buffers"
+      in inspect.getsource(DistributedDataParallel._sync_final_model))
+
+# %% [markdown]
+# **▶ The control run that tells layout from scaling — open after your lab passes** (click the
+# folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ddp.sum_then_divide_hook)
+hooked = launch.spawn(ddp.ddp_worker, 3, cfg3, ddp.sum_then_divide_hook, backend="gloo",
+                      timeout=120)[0]["grads"]
+layout = int((hooked != three["grads_manual"]).sum())  # same arithmetic, other layout
+scaling = int((hooked != three["grads_ddp"]).sum())    # same layout, scale first or divide after
+print(f"3 ranks, first-step gradients ({hooked.numel()} elements): {layout} differ between the "
+      f"hooked DDP and average_gradients, {scaling} between the hooked DDP and DDP's own path")
+claim("layout alone: DDP summing then dividing in its one flat bucket differs from "
+      "average_gradients' per-tensor all-reduces in the last bits", layout > 0, layout=layout)
+claim("scaling alone: in the same bucket, DDP's scale-first path differs from sum-then-divide",
+      scaling > 0, scaling=scaling)
+claim("both are last-bit rounding: the gradients agree to 1e-6",
+      max(float((hooked - three[k]).abs().max()) for k in ("grads_manual", "grads_ddp")) < 1e-6)
 
 # %% [markdown]
 # ## Sources
@@ -1089,10 +1136,17 @@ viz.quiz([
 #   `torch/distributed/elastic/rendezvous/dynamic_rendezvous.py`) every
 #   rank is a client (`is_master=False`) of the agent's store.
 # - `torch/distributed/distributed_c10d.py` — `Backend.backend_capability`: gloo takes `cpu`
-#   and `cuda` tensors, nccl `cuda` only; it lists device types, not collectives: gloo's CUDA
-#   support per collective (broadcast and all_reduce yes; send/recv, all_gather, gather,
-#   scatter no) is read from PyTorch's backend table (`docs/source/distributed.rst` §
-#   Backends), which is not installed.
+#   and `cuda` tensors, nccl `cuda` only; it lists device types, not collectives.
+# - `torch/lib/libtorch_cpu.so` and `torch/lib/libtorch_cuda.so` — gloo's CUDA work classes,
+#   found by the claim in "The four collectives": `AsyncBroadcastCUDAWork`,
+#   `AsyncAllgatherCUDAWork`, `AsyncReduceCUDAWork`, `AsyncGatherCUDAWork`,
+#   `AsyncScatterCUDAWork`, `AsyncAlltoallCUDAWork`, `AsyncAlltoallListCUDAWork` (libtorch_cpu)
+#   and `AsyncAllreduceCUDADeviceWork`, `AsyncAllreduceCUDAHostWork` (libtorch_cuda); none for
+#   send or recv. PyTorch's backend table (`docs/source/distributed.rst` § Backends, not
+#   installed) marks only broadcast and all_reduce, which the binaries contradict. That these
+#   classes copy through host memory is read from upstream `ProcessGroupGloo.cpp` (not
+#   installed), e.g. `AsyncAllgatherCUDAWork`: a pinned CPU copy, the CPU allgather, the copy
+#   back.
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — the comment above
 #   `class ProcessGroupNCCL`: "All NCCL functions provided by this class are asynchronous
 #   functions", and calls must come in the same order on all processes ("`WorkNCCL::wait()` or

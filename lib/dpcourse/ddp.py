@@ -324,7 +324,7 @@ def sum_then_divide_hook(state, bucket):
     Run with :func:`ddp_worker`, it keeps DDP's bucket layout and changes only the order of
     the scaling, so lesson 03 can tell the two causes of a last-bit difference apart.
 
-    Shown in lesson 03, §"How DDP does it".
+    Shown in lesson 03, §"The reducer's arithmetic".
     """
     world_size = dist.get_world_size()
     fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
