@@ -183,3 +183,41 @@ def test_tp_messages_per_layer_are_two_each_way_and_the_recomputed_forward_repea
     kept = planner.plan_row(GPT3, A100, 8, 16, 1536, recompute=False)
     assert kept["tp_messages"] == 6 * 128 * 4             # 6 layers, 128 micro-batches, 4 each
     assert planner.plan_row(GPT3, A100, 1, 16, 1536)["tp_messages"] == 0   # no t, no messages
+
+
+def test_equal_estimates_tie_and_the_tie_is_broken_by_messages_then_memory():
+    rows = planner.plan(planner.GPT_145B, A100, PUB["global_batch"])
+    first, second = rows[0], rows[1]
+    # 16-bit gradients: ZeRO-1's reduce-scatter + all-gather weighs what DDP's all-reduce does
+    assert (first["tp"], first["pp"]) == (second["tp"], second["pp"])
+    assert {first["stage"], second["stage"]} == {"ddp", "zero1"}
+    assert first["time_s"] == second["time_s"] and first["tied_with"] == 1
+    assert first["stage"] == "ddp" and first["messages"] < second["messages"]   # not list order
+    for a, b in zip(rows, rows[1:]):
+        assert (a["time_s"], a["messages"], a["total_bytes"]) <= \
+            (b["time_s"], b["messages"], b["total_bytes"])
+    # the order of the stages asked for no longer decides
+    swapped = planner.plan(planner.GPT_145B, A100, PUB["global_batch"],
+                           stages=("zero1", "ddp", "zero3"))
+    assert [(r["tp"], r["pp"], r["stage"]) for r in swapped] == \
+        [(r["tp"], r["pp"], r["stage"]) for r in rows]
+    assert sum(r["tied_with"] == 0 for r in rows) > 0
+
+
+def test_megatron_rank_order_puts_pipeline_neighbours_on_other_nodes():
+    model, b = planner.GPT_145B, PUB["global_batch"]
+    ours = planner.plan_row(model, A100, 2, 4, b)                      # a pipeline: 8 ranks
+    megatron = planner.plan_row(model, A100, 2, 4, b, order="tp-dp-pp")  # neighbours t·D apart
+    assert ours["pp_link"] == A100.intra_bw and megatron["pp_link"] == A100.inter_bw
+    assert megatron["time_s"] > ours["time_s"]
+    assert ours["dp_link"] == megatron["dp_link"] == A100.inter_bw
+    small = planner.Cluster(gpu_bytes=80e9, gpus_per_node=8, nodes=2, peak_flops=312e12,
+                            intra_bw=300e9, inter_bw=25e9)            # t·D = 2·4 = 8: one node
+    row = planner.plan_row(model, small, 2, 2, 64, order="tp-dp-pp")
+    assert row["dp_link"] == small.intra_bw and row["pp_link"] == small.inter_bw
+    for pp in (1, 2, 4, 8, 16):                    # t = 8: both layouts price every link alike
+        a = planner.plan_row(model, A100, 8, pp, b)
+        m = planner.plan_row(model, A100, 8, pp, b, order="tp-dp-pp")
+        assert a["time_s"] == m["time_s"]
+    with pytest.raises(ValueError, match="order"):
+        planner.plan_row(model, A100, 8, 8, b, order="pp-dp-tp")

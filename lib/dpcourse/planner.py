@@ -27,10 +27,20 @@ with t·p·D GPUs it computes, per GPU (d is the model's width throughout):
   the row's ``idle_share``), plus every byte sent at its link's bandwidth (ring all-reduces: 2(n−1)/n
   of the buffer), with nothing overlapped — an estimate at that assumed efficiency (not a
   bound: a run that reaches more of the peak, or overlaps its messages, is faster), good for
-  ranking, not a prediction. A dimension whose groups stay inside a node (ranks are laid out tensor first,
-  then pipeline, then data) is priced at ``intra_bw``; one whose groups cross a node boundary
-  anywhere — a tensor size that does not divide the GPUs of a node, say t = 3 or 6 on 8-GPU
-  nodes — at ``inter_bw``: its slowest group sets the pace.
+  ranking, not a prediction. A dimension whose groups stay inside a node is priced at
+  ``intra_bw``; one whose groups cross a node boundary anywhere — a tensor size that does not
+  divide the GPUs of a node, say t = 3 or 6 on 8-GPU nodes — at ``inter_bw``: its slowest group
+  sets the pace. Which groups stay inside a node depends on how the ranks are laid out:
+  ``order="tp-pp-dp"`` (the default here) numbers them tensor first, then pipeline, then data
+  (a pipeline spans t·p consecutive ranks); ``"tp-dp-pp"`` is Megatron-LM's default
+  (``megatron/core/parallel_state.py``, ``initialize_model_parallel(order="tp-cp-ep-dp-pp")``),
+  where data parallelism comes before pipeline (a data-parallel group spans t·D consecutive
+  ranks, and pipeline neighbours are t·D ranks apart).
+
+The estimate has no per-message (latency) term, so configurations that send the same bytes tie
+exactly — with 16-bit gradients, DDP and ZeRO-1 (a reduce-scatter plus an all-gather is an
+all-reduce). :func:`plan` breaks such ties by the fewer messages per GPU and step (the latency
+the estimate leaves out), then by the less memory, and says so in each row's ``tied_with``.
 
 Everything here is arithmetic on the formulas; nothing runs on a GPU.
 """
@@ -56,12 +66,16 @@ __all__ = [
     "MEGATRON_TABLE2_175B",
     "megatron_flops_per_step",
     "TP_MESSAGES_PER_LAYER",
+    "ORDERS",
 ]
 
 # Tensor parallelism's collectives per transformer layer and micro-batch, pass by pass
 # (attention and MLP each have an f and a g); a recomputed forward runs the forward's again.
 # Lab 11 counts them for one MLP; lesson 11 prints and checks these numbers after its pointer.
 TP_MESSAGES_PER_LAYER = {"forward": 2, "backward": 2}
+
+# The rank layouts plan_row prices (the module's docstring): ours, and Megatron-LM's default.
+ORDERS = ("tp-pp-dp", "tp-dp-pp")
 
 
 @dataclass(frozen=True)
@@ -151,7 +165,7 @@ def within_nodes(span: int, gpus_per_node: int) -> bool:
 def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batch: int,
              micro_batch: int = 1, stage: str = "ddp", recompute: bool = True,
              sequence_parallel: bool = False, bucket_bytes: float = 25 * 2**20,
-             grad_bytes: float = 2) -> dict:
+             grad_bytes: float = 2, order: str = "tp-pp-dp") -> dict:
     """Memory, traffic and an estimated step time for one configuration (t = ``tp``,
     p = ``pp``, D = GPUs / (t·p), the row's ``dp``), as described in the module's docstring.
     ``stage`` is the data-parallel flavour over the D ranks: "ddp", "zero1", "zero2" or
@@ -166,8 +180,12 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     gradients reduce-scattered (ZeRO-3); messages: one all-reduce per ``bucket_bytes`` of
     gradients (DDP's default bucket, 25 MiB), a reduce-scatter and an all-gather per bucket for
     ZeRO-1/2, three collectives per layer for ZeRO-3. Returns a dict with every number the
-    lesson prints, and ``fits``. Shown in lesson 11, §5.
+    lesson prints, and ``fits``. ``order`` is the rank layout that decides which links a
+    dimension's groups use (the module's docstring): "tp-pp-dp" or Megatron-LM's "tp-dp-pp".
+    Shown in lesson 11, §5.
     """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     n = cluster.gpus
     if tp < 1 or pp < 1 or n % (tp * pp):
         raise ValueError(f"t·p = {tp}·{pp} must divide the {n} GPUs")
@@ -213,8 +231,9 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
 
     g = cluster.gpus_per_node
     tp_link = cluster.intra_bw if within_nodes(tp, g) else cluster.inter_bw
-    pp_link = cluster.intra_bw if within_nodes(tp * pp, g) else cluster.inter_bw
-    dp_link = cluster.intra_bw if within_nodes(n, g) else cluster.inter_bw
+    pp_span, dp_span = (tp * pp, n) if order == "tp-pp-dp" else (n, tp * dp)  # consecutive ranks
+    pp_link = cluster.intra_bw if within_nodes(pp_span, g) else cluster.inter_bw
+    dp_link = cluster.intra_bw if within_nodes(dp_span, g) else cluster.inter_bw
     flops = (8 if recompute else 6) * psi * global_batch * model.seq_len
     compute_s = flops / (n * cluster.peak_flops * cluster.efficiency)
     idle_over_work = (pp - 1) / m                     # idle over working time
@@ -226,18 +245,22 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
             "tp_messages": tp_msgs, "tp_bytes": tp_bytes, "pp_messages": pp_msgs,
             "pp_bytes": pp_bytes, "dp_messages": dp_msgs, "dp_bytes": dp_bytes,
             "idle_over_work": idle_over_work, "idle_share": (pp - 1) / (m + pp - 1), "tp_link": tp_link,
+            "pp_link": pp_link, "dp_link": dp_link, "order": order,
             "compute_s": compute_s, "time_s": time_s}
 
 
 def plan(model: Transformer, cluster: Cluster, global_batch: int, micro_batch: int = 1,
          stages=("ddp", "zero1", "zero3"), recompute: bool = True,
-         grad_bytes: float = 2) -> list[dict]:
+         grad_bytes: float = 2, order: str = "tp-pp-dp") -> list[dict]:
     """Every configuration that fits, fastest estimate first: each tensor size t dividing the
     heads and the GPUs of a node (:func:`within_nodes`: tensor parallelism all-reduces in every
     layer, so its groups stay on the node's fast links), each pipeline size p dividing the
     layers, each data-parallel flavour
-    in ``stages``, where the GPUs and the global batch split evenly; ``grad_bytes`` as in
-    :func:`plan_row`. Shown in lesson 11, §5.
+    in ``stages``, where the GPUs and the global batch split evenly; ``grad_bytes`` and
+    ``order`` as in :func:`plan_row`. Rows whose estimates are equal are ordered by their
+    messages per step (fewer first: the latency the estimate leaves out), then by their memory
+    (less first); each row's ``tied_with`` counts the other rows with its exact estimate.
+    Shown in lesson 11, §5.
     """
     rows = []
     n = cluster.gpus
@@ -252,10 +275,13 @@ def plan(model: Transformer, cluster: Cluster, global_batch: int, micro_batch: i
                 continue
             for stage in stages:
                 row = plan_row(model, cluster, tp, pp, global_batch, micro_batch, stage,
-                               recompute, grad_bytes=grad_bytes)
+                               recompute, grad_bytes=grad_bytes, order=order)
                 if row["fits"]:
                     rows.append(row)
-    return sorted(rows, key=lambda r: r["time_s"])
+    for r in rows:
+        r["messages"] = r["tp_messages"] + r["pp_messages"] + r["dp_messages"]
+        r["tied_with"] = sum(o["time_s"] == r["time_s"] for o in rows) - 1
+    return sorted(rows, key=lambda r: (r["time_s"], r["messages"], r["total_bytes"]))
 
 
 # The published configurations the lesson checks the planner against, from Narayanan et al.,
