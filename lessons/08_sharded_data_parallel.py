@@ -162,7 +162,7 @@ zero_calculator = viz.explorer(
 # yours to decide under the memory bound the lab states. The check weighs the gradient
 # memory alive at every arrival, and you predict the peak before you measure it. The tool it
 # needs, `Tensor.register_post_accumulate_grad_hook`, is lesson 07's (§2). The library's
-# stages below hold the lab's pieces: folded, but for three methods.
+# stages below hold the lab's pieces: folded, but for one method.
 #
 # ### The library's stages, checked
 # Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
@@ -182,11 +182,11 @@ viz.show_code(zero.shard_numel, zero.flatten_padded, zero.reduce_scatter_mean,
               zero.all_gather_flat, zero.copy_flat_into)
 
 # %% [markdown]
-# Where `Zero1` and `Zero2` send the gradients in `step()` (`flatten_padded`: one new padded
-# vector of them; `reduce_scatter_mean`: this rank's slice of their mean):
+# Where `Zero1` and `Zero2` send the gradients, called by `step()` (`flatten_padded`: one new
+# padded vector of them; `reduce_scatter_mean`: this rank's slice of their mean):
 
 # %%
-viz.show_code(zero.Zero1.gradient_slice, zero.Zero1.step, zero.Zero2.gradient_slice)
+viz.show_code(zero.Zero1.gradient_slice)
 
 # %% [markdown]
 # **▶ `Zero1` and `Zero2` whole — open after your lab passes** (click the folded cell below).
@@ -394,7 +394,9 @@ viz.show(viz.zero3_timeline_figure(events, layer_names),
 # setting of the formula — at N = 2, 3 and 4. After the last step each rank counts the bytes
 # behind every tensor it holds, by *storage*: a view counts once, a freed buffer counts zero.
 # And every collective is recorded with the size of the buffer it acts on, so that a step's
-# traffic can be compared with a formula too.
+# traffic can be compared with a formula too. `count_bytes`'s `to_local` line is for section
+# 6's FSDP2, whose parameters are *DTensors*: one logical tensor cut across the ranks, of
+# which `to_local()` returns the piece this rank holds.
 
 # %%
 viz.show_code(zero.count_bytes, zero.memory_per_rank)
@@ -505,14 +507,34 @@ viz.show(viz.zero_tradeoff_figure(
 #
 # **▶ What FSDP2's reduce-scatter keeps alive, for how long, and how many it keeps in
 # flight — open after your lab passes** (it is lab 08's design decision, made by torch; click
-# the folded cell below).
+# the folded cells below).
 
 # %% [markdown] jupyter={"source_hidden": true}
 # A layer's gradient counts twice for a moment: like `flatten_padded` in section 3,
 # `foreach_reduce` copies the gradients into a padded full-size buffer, the reduce-scatter's
-# input, before it drops them (`_fsdp_collectives.py` lines 597-606), and that buffer lives
-# until its reduce-scatter ends — by default one earlier layer's may still be in flight
-# (`_fsdp_param_group.py` line 113, `reduce_scatter_max_input_buffers = 1`).
+# input, before it drops them (`_fsdp_collectives.py` lines 597-606). That buffer does not go
+# when its reduce-scatter ends: `post_backward` keeps it in `comm_ctx.reduce_scatter_states`
+# (`_fsdp_param_group.py` 741-743) until the *next* group's `post_backward`, which makes the
+# compute stream wait for that reduce-scatter, then drops it before reducing its own (661-682;
+# `reduce_scatter_max_input_buffers`, 1 by default, line 113, is how many may stay), or, for
+# the last group, until the root's end-of-backward callback (`_fsdp_state.py` 428-437). The
+# next layer's backward sets its lifetime, whatever the collective's progress.
+#
+# **▶ That order, read in the installed torch** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPCommContext, FSDPParamGroup
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+group_src = inspect.getsource(FSDPParamGroup.post_backward)
+final_src = inspect.getsource(FSDPState._root_post_backward_final_callback)
+claim("FSDP2's post_backward drops the earlier groups' reduce-scatter inputs (after a wait on "
+      "their event) before its own foreach_reduce, then keeps its own; the root's final "
+      "callback drops the rest; the default cap is 1",
+      group_src.index("wait_event(oldest.event)") < group_src.index("del oldest")
+      < group_src.index(") = foreach_reduce(") < group_src.index("reduce_scatter_states.append(")
+      and "self._comm_ctx.reduce_scatter_states.clear()" in final_src
+      and "self.reduce_scatter_max_input_buffers: int = 1" in inspect.getsource(FSDPCommContext))
 
 # %% [markdown]
 #
@@ -907,7 +929,13 @@ viz.quiz([
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` —
 #   `FSDPState._root_post_backward_final_callback`: at the end of the backward it runs
 #   `post_backward` for every group whose autograd function never ran (inputs that required
-#   no gradient, like the first layer's data).
+#   no gradient, like the first layer's data), and (lines 428–437) waits on and drops the
+#   reduce-scatter inputs still kept.
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` — `FSDPParamGroup.post_backward`
+#   (661–682): before its own `foreach_reduce`, waits on and drops the reduce-scatter inputs
+#   kept by earlier groups until fewer than `reduce_scatter_max_input_buffers` remain (1 by
+#   default, `FSDPCommContext.lazy_init`, line 113); (741–743) keeps its own in
+#   `comm_ctx.reduce_scatter_states`.
 # - `torch/distributed/fsdp/_fully_shard/_fully_shard.py` —
 #   `FSDPModule.set_requires_gradient_sync` (gradient accumulation without reduce-scatters)
 #   and `FSDPModule.set_reshard_after_backward` (keep the weights gathered between

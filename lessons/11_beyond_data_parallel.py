@@ -772,8 +772,8 @@ claim(f"played with fixed times and free messages, GPipe and 1F1B have the same 
 # Why: measured idle shares, which vary from run to run.
 for m in micro:
     g, o = gpipe[m], next(r for r in pipe if r.schedule == "1f1b" and r.m == m)
-    print(f"M={m}: excess over the ideal {g.ideal:.2f}: GPipe {g.bubble - g.ideal:+.2f}, "
-          f"1F1B {o.bubble - o.ideal:+.2f}")
+    print(f"M={m}: ideal {g.ideal:.2f}; measured excess over it: GPipe "
+          f"{g.bubble - g.ideal:+.2f}, 1F1B {o.bubble - o.ideal:+.2f}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -865,6 +865,37 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
       versus["torch_messages"] == versus["our_messages"]
       and versus["torch_message_bytes"] == versus["our_message_bytes"]
       and versus["torch_setup_messages"] > 0)
+
+# %% [markdown]
+# How torch's sends are counted: its schedules hand each batch of sends and receives to
+# `_batch_p2p` (`pipelining/schedules.py`), which calls each op itself when all of a batch's
+# ops are `dist.isend` (or all `dist.irecv`), and `dist.batch_isend_irecv` otherwise. Inside
+# `record_collectives` (lesson 07), `dist.isend` is the recorder's, while a `dist.P2POp` keeps
+# torch's real `isend` (torch accepts no other), so that test never holds: every batch reaches
+# the recorder's `batch_isend_irecv`, which records one send or receive per `P2POp`, the
+# count the op-by-op path makes. Both halves, read and run here (a `P2POp` needs a process
+# group: one of a single rank):
+
+# %%
+import torch.distributed as dist
+from torch.distributed.pipelining import schedules
+
+from dpcourse import collectives
+
+batch_p2p = inspect.getsource(schedules._batch_p2p)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+try:
+    with collectives.record_collectives():
+        op = dist.P2POp(dist.isend, torch.zeros(1), 0)
+        holds_real = op.op is not dist.isend and op.op is dist.isend._recording_of
+finally:
+    dist.destroy_process_group()
+claim("torch's _batch_p2p calls the ops itself only when every one is dist.isend (or every "
+      "one dist.irecv), else dist.batch_isend_irecv; inside record_collectives a P2POp holds "
+      "torch's real isend, not the recorder's dist.isend, so each batch is recorded op by op "
+      "by the recorder's batch_isend_irecv",
+      "op_types == {dist.isend}" in batch_p2p and "op_types == {dist.irecv}" in batch_p2p
+      and "return dist.batch_isend_irecv(p2p_ops)" in batch_p2p and holds_real)
 
 # %% [markdown]
 # ## 4. Composing them: a 2-D mesh
@@ -959,8 +990,12 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # plus every byte at its link's speed with nothing overlapped. That is an estimate at the
 # assumed efficiency, not a bound: a run that reaches more of the peak, or overlaps its
 # messages, is faster (the published row below ran at 47 % of peak). Good for ranking, not a
-# prediction. A dimension whose groups cross a node boundary anywhere is priced at the
-# network's speed. Memory is planned against 80 GB (10⁹ bytes): the A100's 85.9 GB less a
+# prediction. Which links a dimension uses depends on how the ranks are numbered: the planner
+# numbers them tensor first, then pipeline, then data (`order="tp-pp-dp"`), so a pipeline
+# spans t·p consecutive ranks; a dimension whose groups cross a node boundary anywhere is
+# priced at the network's speed (Megatron-LM numbers data before pipeline: checked after the
+# ranking). When two rows' estimates are equal, the one with fewer messages goes first (a
+# latency the estimate leaves out), then the one with less memory. Memory is planned against 80 GB (10⁹ bytes): the A100's 85.9 GB less a
 # margin for what the planner does not count (CUDA context, NCCL buffers, fragmentation).
 
 # %%
@@ -1097,15 +1132,42 @@ viz.show(viz.planner_figure(shown, labels, cluster.gpu_bytes / 1e9, cluster),
 # %% [markdown]
 # Among the fastest, the estimates differ by fractions of a second: the compute is the same
 # for all, and more pipeline stages trade a slightly larger bubble for less data-parallel
-# traffic and memory per GPU. This model cannot split hairs that fine (the paper chose by
-# measuring; the planner's favourite is the one that fills the most memory, printed above).
-# What it separates cleanly is the tensor size. Small t is slow not for want of memory (even
+# traffic and memory per GPU. This model cannot split hairs that fine, and at the very top
+# it cannot split them at all: its two fastest rows tie exactly (below), so which comes first
+# is the tie-break's choice, not the model's; the paper chose by measuring. What it separates cleanly is the tensor size. Small t is slow not for want of memory (even
 # t = p = 1 fits GPT-3 as ZeRO-3, below) but because t·p·D = 1536: the GPUs that t does not
 # take go to pipeline stages or data-parallel ranks. More data-parallel ranks leave fewer
 # micro-batches per pipeline (M = 2304/D), so with p stages a larger (p−1)/M; fewer stages
 # leave more parameters per GPU, which fit only with ZeRO, and its traffic. The best row of
 # each t, printed above, shows the trade: the smaller t, the smaller M or the larger p.
-#
+
+# %%
+first, second = options[0], options[1]
+claim(f"the two fastest rows tie: t = {first['tp']}, p = {first['pp']} with {first['stage']} "
+      f"and with {second['stage']}, {first['time_s']:.2f} s each (with 16-bit gradients a "
+      f"reduce-scatter and an all-gather weigh what an all-reduce does); {first['stage']} is "
+      f"first for its fewer messages ({first['messages']} against {second['messages']}), "
+      f"though it holds {first['total_bytes'] / gb:.0f} GB to {second['total_bytes'] / gb:.0f}",
+      first["time_s"] == second["time_s"] and first["tied_with"] == 1
+      and {first["stage"], second["stage"]} == {"ddp", "zero1"}
+      and first["messages"] < second["messages"])
+megatron = planner.plan(model, cluster, published["global_batch"], order="tp-dp-pp")
+ours = {(r["tp"], r["pp"], r["stage"]): r for r in options}
+moved = [r for r in megatron if r["time_s"] != ours[r["tp"], r["pp"], r["stage"]]["time_s"]]
+claim(f"numbered as Megatron-LM numbers its ranks by default (tp-cp-ep-dp-pp: data before "
+      f"pipeline, so pipeline neighbours are t·D ranks apart), {len(moved)} of the "
+      f"{len(megatron)} rows cost more, all with t·p ≤ {cluster.gpus_per_node} (a pipeline "
+      "inside one node in our numbering, e.g. t = 2, p = 4); the six fastest rows and every "
+      "t's best are unchanged",
+      len(megatron) == len(options) and 0 < len(moved)
+      and all(1 < r["tp"] * r["pp"] <= cluster.gpus_per_node and r["pp"] > 1 for r in moved)
+      and all((a["tp"], a["pp"], a["stage"], a["time_s"]) == (b["tp"], b["pp"], b["stage"],
+                                                               b["time_s"])
+              for a, b in zip(options[:6], megatron[:6]))
+      and all(next((r["pp"], r["stage"]) for r in megatron if r["tp"] == t)
+              == (best_per_t[t]["pp"], best_per_t[t]["stage"]) for t in best_per_t))
+
+# %% [markdown]
 # Is the estimate anywhere near a measurement? Table 1 reports, for the published row,
 # **148** teraFLOP/s per GPU, counting the flops of a step with their equation 3:
 
@@ -1289,7 +1351,10 @@ viz.quiz([
 #   `scale_grads`, which divides the accumulated gradients by M (`scale_grads=True`, the
 #   schedules' default, for a loss that is each micro-batch's mean);
 #   `torch/distributed/pipelining/schedules.py` — `ScheduleGPipe`, `Schedule1F1B` (refuses
-#   fewer micro-batches than stages).
+#   fewer micro-batches than stages); `_batch_p2p` (lines 768–814): a batch of sends only, or
+#   of receives only, is issued op by op (`op_types == {dist.isend}`), any other through
+#   `dist.batch_isend_irecv`; `torch/distributed/distributed_c10d.py` — `P2POp.__init__`
+#   (takes the default group when none is given).
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.register_comm_hook`;
 #   `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`;
 #   `GradBucket.buffer()` (`torch/distributed/__init__.py` exports it from C++): the flat
@@ -1318,7 +1383,11 @@ viz.quiz([
 #   `functional_call` (per-example gradients).
 #
 # Megatron-LM's own code (github.com/NVIDIA/Megatron-LM, not installed here; read at commit
-# d98e8a6 of the main branch): `megatron/core/tensor_parallel/layers.py` —
+# d98e8a6 of the main branch, `parallel_state.py` at 00caa53):
+# `megatron/core/parallel_state.py` — `initialize_model_parallel(..., order="tp-cp-ep-dp-pp")`
+# numbers tensor ranks first, then data, then pipeline (its docstring's 16 GPUs with t = 2,
+# p = 4: pipeline groups `[g0, g4, g8, g12]`, ...), the layout section 5 checks with
+# `order="tp-dp-pp"`; `megatron/core/tensor_parallel/layers.py` —
 # `LinearWithGradAccumulationAndAsyncCommunication`, `ColumnParallelLinear.__init__` and
 # `linear_with_grad_accumulation_and_async_allreduce` (what they do, and under which
 # environment: the folded part of these sources); `megatron/training/arguments.py` — with
