@@ -95,8 +95,9 @@ except LabCheckError as err:
 #
 # From lesson 03 on, one training program runs as several cooperating processes, called
 # *ranks* (numbered 0, 1, …), which exchange tensors through a *backend*: the library that moves
-# the tensors between them, **gloo** (CPU tensors; GPU tensors only for some collectives, such
-# as all_reduce and broadcast, and slowly) or **NCCL** (NVIDIA's, GPU tensors only). Which
+# the tensors between them, **gloo** (made for CPU tensors; it takes GPU tensors too, for
+# nearly every operation — lesson 03 finds which in the installed library — but slowly, through
+# the CPU's memory) or **NCCL** (NVIDIA's, GPU tensors only). Which
 # backend the ranks use, and on which devices, depends on the machine. The lessons never ask
 # you to edit a cell to match your hardware. `dpcourse.devices` looks at the machine and picks
 # one of three profiles:
@@ -248,14 +249,27 @@ claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwar
 # NBVAL_IGNORE_OUTPUT
 # (why: what it prints depends on whether this machine has GPUs; the claim holds on each)
 def ask_for_nccl(rank, world_size):
+    import os
+
     import torch.distributed as dist
 
+    # The rendezvous store, made here (rank 0 hosts it) so that it outlives a failed
+    # init_process_group: rank 0 failing first must not close it under a rank still using it.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, rank == 0)
     try:
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world_size)
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=rank,
+                                world_size=world_size)
+        outcome = "a group with NCCL for cuda tensors was formed"
+        dist.destroy_process_group()
     except ValueError as err:
-        return f"ValueError: {err}"
-    dist.destroy_process_group()
-    return "a group with NCCL for cuda tensors was formed"
+        outcome = f"ValueError: {err}"
+    store.set(f"tried {rank}", "")                  # every rank has finished trying ...
+    store.wait([f"tried {r}" for r in range(world_size)])
+    store.set(f"left {rank}", "")                   # ... and has stopped waiting for the others
+    if rank == 0:
+        store.wait([f"left {r}" for r in range(world_size)])
+    return outcome
 
 
 nccl_here = launch.spawn(ask_for_nccl, 2, timeout=60)
@@ -326,7 +340,11 @@ claim("a group made with the device:backend string 'cpu:gloo' sends CPU tensors 
 # and the notebook gets one `RankFailedError` whose first line names the failed rank and its
 # error (the rest of the message is that rank's traceback). A rank that never finishes — as when
 # it waits in a collective another rank never calls — is stopped at the timeout with a
-# `LaunchTimeoutError`.
+# `LaunchTimeoutError`. One difference from a script: under `spawn` a rank whose function has
+# returned does not exit; it keeps its process and connections until every rank has finished,
+# so a rank still waiting on it hangs until that timeout, which then names it. (In a script,
+# the finished rank's process would exit, and a peer waiting on it over gloo fails at once:
+# lesson 10 runs both.)
 
 # %%
 import time
@@ -366,6 +384,11 @@ hang_s = time.perf_counter() - t0
 print(hang_message.split(". ")[0] + ".")
 claim("two ranks that never finish were stopped at the 3 s timeout (well under their 600 s)",
       "never finished within 3 s" in hang_message and hang_s < 30, hang_s=hang_s)
+entry = inspect.getsource(launch._worker_entry)
+claim("a rank that returned stays alive: after sending its result (result_conn.send_bytes), "
+      "_worker_entry waits for the parent's word that every rank is done "
+      "(release_conn.recv_bytes())",
+      0 < entry.find("result_conn.send_bytes(message)") < entry.find("release_conn.recv_bytes()"))
 
 # %% [markdown]
 # ## Summary
@@ -437,9 +460,10 @@ viz.quiz([
 #   `"<device_type>:<backend>,..."` pairs (`"cpu:gloo,cuda:nccl"`) into one backend per device
 #   type; `Backend.default_device_backend_map` (`"cpu": gloo`, `"cuda": nccl`) and
 #   `Backend.backend_capability` (gloo: cpu and cuda; nccl: cuda only: device types, not which
-#   collectives each serves; gloo's GPU support per collective — broadcast and all_reduce yes,
-#   send/recv, all_gather, gather and scatter no — is read from PyTorch's backend table,
-#   `docs/source/distributed.rst` § Backends, which is not installed); `_create_nccl_process_group`
+#   collectives each serves; which collectives gloo runs on GPU tensors is read from the
+#   installed `torch/lib/libtorch_cpu.so` and `libtorch_cuda.so`, by a claim in lesson 03 —
+#   nearly all of them, not the two that PyTorch's older backend table, `docs/source/
+#   distributed.rst` § Backends, marks); `_create_nccl_process_group`
 #   builds `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only supported with
 #   GPUs, no GPUs found!" on a machine without GPUs (shown above with `"cpu:gloo,cuda:nccl"`);
 #   its docstring's `device_id`: only with it is NCCL's communicator formed at once "rather than
