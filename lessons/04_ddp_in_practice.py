@@ -1346,7 +1346,7 @@ claim("NCCL without GPUs fails at init_process_group with a clear message",
 # more all-reduce, of the bitmap of parameters each rank used (`local_used_map_` in
 # `reducer.hpp`; counted below with torch's profiler); and DDP then never rebuilds its buckets
 # in the order the gradients arrive, keeping those made at construction
-# (`should_rebuild_buckets`; lesson 07 §3 shows it).
+# (`should_rebuild_buckets`; not run here: lesson 07 §3 shows it).
 
 
 # %%
