@@ -51,8 +51,9 @@ multiworker_timeout = 90
 # thing a TF notebook does — before any other TF code, in every fresh kernel. (Importing TF is
 # harmless.) Before importing TF, `dpcourse.mirrored` sets two environment variables (unless
 # you set them), to keep TF's C++ log lines out of the notebook and to turn off oneDNN's custom
-# operations. Within one machine a run repeats exactly; across machines the last bits may
-# differ, which is why the lesson's comparisons state a tolerance.
+# operations. Across machines the last bits may still differ (the aside says why), and two
+# ways of computing one number may add in different orders: the lesson's comparisons state a
+# tolerance.
 #
 # **▶ Aside, optional: the two variables, and why the bits may still differ** (the folded cell
 # below).
@@ -116,19 +117,9 @@ claim("asking for the same split again is fine",
 # is an ordinary variable on one device: the strategy neither mirrors nor syncs it.
 
 # %% [markdown]
-# The course builds every strategy with `mirrored.make_strategy(devices)`: that is
-# `tf.distribute.MirroredStrategy(devices, cross_device_ops=...)` with one addition. Two
-# strategies of different sizes in one process (section 4 builds a second one; lab 05's checks
-# build one with N + 1 replicas) would both number their collective groups from 1, so
-# `make_strategy` gives each its own range by setting the private class attribute
-# `MirroredStrategy._collective_key_base` for the constructor — an attribute TF's source marks
-# "Only set this in tests", and the one TF's own tests use. With one strategy per process, plain
-# `MirroredStrategy(devices)` is all you need.
-#
-# **▶ `mirrored.make_strategy`, the code** (click the folded cell below).
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.make_strategy)
+# The course builds every strategy with `mirrored.make_strategy(devices)`: plain
+# `tf.distribute.MirroredStrategy(devices)` with one addition, explained at the end of this
+# section once its terms are defined.
 
 # %%
 import time
@@ -188,6 +179,21 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 # (`MirroredExtended._use_merge_call`, a policy flag); on CPUs it keeps them, XLA or not
 # (claimed below).
 #
+# Now `make_strategy`'s addition. A `CollectiveAllReduce` numbers its *collective groups* (the
+# sets of devices that all-reduce together) from 1 in every strategy. Two strategies of
+# different sizes in one process (section 4 builds a second one; lab 05's checks build one with
+# N + 1 replicas) would reuse a number for groups of different sizes, and TF aborts. So
+# `make_strategy` gives each strategy its own range by setting the private class attribute
+# `MirroredStrategy._collective_key_base` for the constructor — an attribute TF's source marks
+# "Only set this in tests", and the one TF's own tests use. With one strategy per process, plain
+# `MirroredStrategy(devices)` is all you need.
+#
+# **▶ `mirrored.make_strategy`, the code** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(mirrored.make_strategy)
+
+# %% [markdown]
 # TF has no public getter for the gradients' cross-device ops, so
 # `mirrored.cross_device_ops_in_use` reads the strategy's private `extended._cross_device_ops`:
 
@@ -380,18 +386,19 @@ claim("replica_id_in_sync_group is an int32 tensor", id_dtypes == {"int32"}, dty
 # it before reading on**: the rest of this section proves what its part 1 builds on.
 
 # %% [markdown]
-# **After the lab: the proofs.** Here are the per-example loss, the gradient of one mirrored
-# step as the library computes them, and the one-device gradient every proof compares it with
-# (the mean loss over the whole global batch, no strategy) — the code the proofs below run,
-# except the per-replica loss, `mirrored.per_replica_loss` (lab 05 part 1 with the step's size
-# given), folded with the reference answer further down. `@tf.function` compiles the step
-# into a TensorFlow graph (what that means for the step is explained at the end of this
-# section); the
-# `loss_scaling` and `grad_reduce` options select the wrong variants that the scaling bugs below
-# measure; the proofs use the defaults.
+# **After the lab: the proofs.** The rule they rest on, for steps whose global batch is known
+# in advance (lab 05 part 1 is told no batch size): since the strategy **sums** the replicas'
+# gradients, each replica divides its summed per-example losses by the **global** batch
+# (`tf.nn.compute_average_loss`), and the sum of the N gradients is one device's gradient of
+# the mean over the whole global batch. Here are the per-example loss, that per-replica loss,
+# the gradient of one mirrored step as the library computes them, and the one-device gradient
+# every proof compares it with (no strategy). `@tf.function` compiles the step into a
+# TensorFlow graph (explained at the end of this section); the `loss_scaling` and
+# `grad_reduce` options select the wrong variants that the scaling bugs below measure; the
+# proofs use the defaults.
 
 # %%
-viz.show_code(mirrored.per_example_loss, mirrored.mirrored_gradients,
+viz.show_code(mirrored.per_example_loss, mirrored.per_replica_loss, mirrored.mirrored_gradients,
               mirrored.single_replica_gradients)
 
 # %% [markdown]
@@ -404,6 +411,12 @@ viz.show_code(mirrored.per_example_loss, mirrored.mirrored_gradients,
 
 # %%
 viz.show_code(mirrored.set_torch_layout_weights)
+
+# %% [markdown]
+# **▶ `mirrored.copy_torch_weights` itself** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(mirrored.copy_torch_weights)
 
 # %% [markdown]
 # **▶ How this lesson builds a mirrored model and optimizer (lab 05 part 2's answer) — open
@@ -458,8 +471,7 @@ claim("PyTorch and Keras give the same logits (to 1e-5)",
 
 # %% [markdown]
 # **Proof, one step:** the gradient the mirrored step applies equals one device's gradient of
-# the mean loss over the whole global batch (its per-replica loss: folded with the reference answer
-# below).
+# the mean loss over the whole global batch.
 
 # %%
 g_single = mirrored.single_replica_gradients(single, xb, yb)
@@ -483,10 +495,6 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # %% [markdown]
 # ### The scaling bugs, in numbers
 #
-# **▶ What goes wrong with the wrong per-replica loss (lab 05 part 1's answer, read it after
-# your lab passes)** (click the folded cell below).
-
-# %% [markdown] jupyter={"source_hidden": true}
 # The classic mistake is `tf.reduce_mean` per replica: each replica divides by *its own*
 # batch (global / N), and the strategy then **sums** N such gradients — the gradient is **N times
 # too big**; with SGD (momentum too) so is the step, like multiplying the learning rate by N, while
@@ -514,11 +522,9 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 viz.show_code(mirrored.keras_loss_per_replica)
 
 # %% [markdown]
-# **▶ Six pairings: per-replica loss × how the gradients are combined (the first row answers
-# lab 05 part 1 for equal slices) — open after your lab passes** (click the folded cell below:
-# the table; its measurement and claims follow, folded too).
-
-# %% [markdown] jupyter={"source_hidden": true}
+# **Six pairings: per-replica loss × how the gradients are combined** (measured and claimed
+# below the table).
+#
 # With every replica's slice the same size, as everywhere in this lesson (what stays right when
 # they differ — a short last batch — is lab 05's question), each framework is right only with
 # its own pairing:
@@ -533,10 +539,9 @@ viz.show_code(mirrored.keras_loss_per_replica)
 # | Keras loss object ÷ `num_replicas_in_sync` | SUM (TF's all-reduce) | 1/N too small |
 
 # %% [markdown]
-# **▶ The six pairings' gradients, measured — open after your lab passes** (click the folded
-# cell below).
+# **▶ The six pairings' gradients, measured** (the code is folded below; its output shows).
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # (why: the factors are N, the number of replicas, which depends on the profile.)
 def norm(grads):
@@ -561,9 +566,9 @@ for (loss_kind, reduce_kind), grads in cases.items():
           f"= {ratios[loss_kind, reduce_kind]:.3f} x the right one")
 
 # %% [markdown]
-# **▶ The claims on those ratios — open after your lab passes** (click the folded cell below).
+# **▶ The claims on those ratios** (the code is folded below; its claims show).
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %% jupyter={"source_hidden": true}
 n = n_replicas
 right = abs(ratios["compute_average_loss", "sum"] - 1) < 1e-4
 n_too_big = abs(ratios["reduce_mean", "sum"] - n) < 1e-4 * n
@@ -641,11 +646,10 @@ claim("in a tf.function with an unknown batch dimension, the same empty slice gi
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below: the
-# library's per-replica loss and step, which the rest of this lesson runs; they answer the
-# lab's core for evenly split batches only).
+# library's step, which the rest of this lesson runs; it answers part of lab 05 part 3).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.per_replica_loss, mirrored.train_step)
+viz.show_code(mirrored.train_step)
 
 # %% [markdown]
 # **Proof, several steps:** `steps` SGD steps of the mirrored loop (its step: the folded
@@ -666,9 +670,9 @@ viz.show_code(mirrored.count_cross_device_calls)
 # traces the step, `make_train_step` builds the optimizer's per-variable state (momentum, Adam's
 # moments) under the strategy, so that those variables are created once, mirrored, before the
 # trace, rather than lazily during the first call of the traced function. Plain SGD, which this
-# lesson and lab 05 use, keeps no such state: for it the build creates no variable. Nor does
-# the build make all of an optimizer's variables (where the others come from is lab 05 part 2's
-# question; this lesson's optimizers come from `optimizer_in`, folded above with a claim).
+# lesson and lab 05 use, keeps no such state: for it the build creates no variable. How the
+# optimizer itself must be made is lab 05 part 2's question (this lesson's: `optimizer_in`,
+# folded above with a claim).
 
 # %%
 viz.show_code(mirrored.make_train_step, mirrored.train_steps)
@@ -995,7 +999,7 @@ print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF imp
 # | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split; `distribute_datasets_from_function`: each input pipeline feeds its replicas |
 # | batch size you set | per rank (`per_rank_batch`) | global for `experimental_distribute_dataset` and `fit`; for `distribute_datasets_from_function`: lab 05's stretch A |
 # | combining gradients | all-reduce **average**, in backward (buckets) | **sum** in `apply_gradients`: a collective all-reduce by default (`ReductionToOneDevice` if you ask) |
-# | so the loss must be | the rank's mean (`reduce_mean` semantics) | scaled so that the replicas' SUM is one device's gradient (lab 05 part 1; for full steps ÷ `global_batch`, §4's folded table) |
+# | so the loss must be | the rank's mean (`reduce_mean` semantics) | scaled so that the replicas' SUM is one device's gradient (for full steps ÷ `global_batch`, §4's table; any step: lab 05 part 1) |
 # | reporting the loss | `all_reduce` / rank 0 | `strategy.reduce(op, ...)`, the op chosen by what each replica returns (lab 05) |
 # | checkpoints | rank 0 saves `state_dict` | `tf.train.Checkpoint`: mirrored weights saved from their primary copy (multi-worker: every worker calls save; keep the chief's) |
 #
@@ -1084,9 +1088,10 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 #
 # * Split the devices **first**; TF fixes them on first use.
 # * Create variables under `strategy.scope()`; batch with the **global** batch.
-# * TF **sums** replicas' gradients, DDP averages them: each replica's loss must be scaled for
-#   the sum (lab 05 part 1; the rule, its bugs and the Keras loss object's own scaling are in
-#   the folded cell below).
+# * TF **sums** replicas' gradients, DDP averages them: for full steps each replica divides its
+#   summed loss by the **global** batch (`compute_average_loss`); `reduce_mean` makes the step
+#   N× too big, averaging again 1/N. A Keras loss object (default reduction) is already scaled
+#   (its slice's mean × 1/N, right for equal slices): dividing it again makes the step 1/N.
 # * By default the sum is a collective all-reduce (`CollectiveAllReduce`: RING on CPUs and
 #   logical GPUs, NCCL on real GPUs); `ReductionToOneDevice` — copy to one device, add, send
 #   back — is what you get with mixed devices or ask for, and what `strategy.reduce` uses to
@@ -1097,14 +1102,10 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Proven here: mirrored step == one device on the global batch == Keras `fit` == two
 #   multi-worker processes == PyTorch DDP, from the same weights on the same data.
 #
-# **▶ The loss-scaling rule in three lines (what lab 05 part 1 builds on) — open after your lab
-# passes** (click the folded cell below).
+# **▶ The penalty's rule (lab 05 part 1 asks it too) — open after your lab passes** (click the
+# folded cell below).
 
 # %% [markdown] jupyter={"source_hidden": true}
-# * Scale each replica's loss with `compute_average_loss` (÷ global batch). `reduce_mean`
-#   makes the step N× too big; averaging again makes it 1/N.
-# * A Keras loss object (default reduction) is already scaled (its slice's mean × 1/N, right
-#   for equal slices): dividing it again makes the step 1/N.
 # * Regularisation losses, the same on every replica, go through `scale_regularization_loss`.
 #
 # **▶ And lab 05's prediction (part 0), answered — open after your lab passes** (click the
@@ -1175,7 +1176,8 @@ viz.quiz([
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.replica_id_in_sync_group`: "Returns: a `Tensor`" (an int32 constant); `tensorflow/python/autograph/operators/control_flow.py` — `if_stmt`: in a `tf.function`, an `if` on a tensor is staged as a `tf.cond` (`_tf_if_stmt`).
 # - `tensorflow/python/distribute/cross_device_ops.py` — `ReductionToOneDevice.reduce_implementation` (copy to one device, `add_n`, broadcast back), `CollectiveAllReduce`, `NcclAllReduce`.
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
-# - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`; `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.build` adds variables only for EMA or gradient accumulation.
+# - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`.
+# - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size`.
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
 # - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling.
 # - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`); `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
@@ -1198,7 +1200,7 @@ viz.quiz([
 #
 # - `tensorflow/python/distribute/input_lib.py` — `DistributedDataset._make_rebatch_fn`: each global batch is cut into one batch per replica (`dataset.rebatch` with `batch_sizes_for_worker`, or `_LegacyRebatchDataset` in `tensorflow/python/data/experimental/ops/distribute.py`, whose docstring shows a replica getting `[]`); `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: one thread per replica, each calling the function.
 # - `keras/src/losses/loss.py` — `reduce_values`: a value whose static shape is `(0,)` or `()` is returned unreduced and unscaled (traced with an unknown batch dimension, an empty value is summed and divided with `divide_no_nan`: 0.0).
-# - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__`: the `iteration` counter and the `learning_rate` variable are created by the constructor, not by `build`.
-# - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size`; `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
+# - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__`: the `iteration` counter and the `learning_rate` variable are created by the constructor, not by `build`; `BaseOptimizer.build` adds variables only for EMA or gradient accumulation.
+# - `tensorflow/python/ops/nn_impl_distribute.py` — `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.
 # - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.distribute_datasets_from_function`: the function's dataset is batched per replica (`InputContext.get_per_replica_batch_size`: the global batch divided by the context's `num_replicas_in_sync`, the replicas of every worker).

@@ -168,6 +168,8 @@ def copy_torch_weights(torch_model, keras_model: keras.Model) -> keras.Model:
     map, Keras a (H, W, C) one, so the same input neuron has a different index. Its rows are
     reordered from C-major to channels-last, or the two models compute different functions.
     Works under a strategy (assigning to a mirrored variable sets every replica's copy).
+
+    Shown in lesson 05, §4.
     """
     sd = {k: v.detach().cpu().numpy() for k, v in torch_model.state_dict().items()}
     if [v.ndim for v in sd.values()] != [4, 1, 4, 1, 4, 1, 2, 1, 2, 1]:
@@ -446,8 +448,8 @@ def make_train_step(strategy, model, optimizer, global_batch: int, loss_scaling:
 
     The optimizer's per-weight state (momentum, Adam's moments) is built here, under the
     strategy, before the step is traced, so that it is made once, mirrored, rather than
-    lazily during the traced function's first call. Its other variables are not made here:
-    ``optimizer`` must come with them already mirrored by ``strategy``.
+    lazily during the traced function's first call. How ``optimizer`` itself is made is the
+    caller's (lab 05 part 2).
 
     Shown in lesson 05, §"Lab 05: the custom loop".
     """
