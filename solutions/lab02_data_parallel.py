@@ -325,7 +325,8 @@ lab02.check_state_predictions(*state_guesses)
 # %% [markdown]
 # **The contract.** Your `dp_forward_backward` of part 4, run on a `SampleCounter` (10 samples
 # on 4 devices), must leave every buffer of `model` — `seen` and `peak` — and its `calls` as
-# `nn.DataParallel(model)` would leave them. The check builds the replicas with torch's own
+# `nn.DataParallel(model)` would leave them, the buffers still the tensor objects `model` held
+# before the step (as under `nn.DataParallel`, which never binds new ones to the module). The check builds the replicas with torch's own
 # `torch.nn.parallel.replicate` (only its device copy is stood in for on the CPU, by one that
 # hands the first device the tensors themselves, as torch's C++ `broadcast_coalesced` does),
 # runs them in threads and compares; then it tries two more modules with the same buffers,

@@ -875,6 +875,28 @@ def the_tensors_copy_0_started_with(model, X, y, n):
     return loss
 
 
+def rebinding_models_buffers(model, X, y, n):
+    # wrong: the right values, but model's buffers rebound to copy 0's starting tensors instead
+    # of written into the tensors model holds
+    loss, reps, started = _step_on_copies(model, X, y, n)
+    for name in dict(model.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, leaf, started[name])
+    return loss
+
+
+def test_buffers_rebound_to_new_tensors_are_named_then_fixed():
+    with pytest.raises(LabCheckError) as first:
+        lab02.check_dp_state(rebinding_models_buffers)
+    message = " ".join(str(first.value).split())
+    assert "the values are right, but model's seen and peak are other tensors" in message, message
+    assert "copy_" not in message, message
+    with pytest.raises(LabCheckError) as second:
+        lab02.check_dp_state(rebinding_models_buffers)
+    assert "write the values into the buffer tensors model already holds" in " ".join(
+        str(second.value).split()), str(second.value)
+
+
 def still_the_same_tensor(model, X, y, n):
     # wrong (the learner's variant): brings back a buffer of copy 0 only if copy 0 still holds
     # the tensor it started with, so a write in place followed by a rebinding is lost

@@ -249,6 +249,7 @@ def check_dp_state(dp_forward_backward) -> None:
         whole = copy.deepcopy(model)
         whole(X)
         learner = copy.deepcopy(model)
+        held = dict(learner.named_buffers())  # the tensor objects, to see if any is replaced
         try:
             dp_forward_backward(learner, X.clone(), y.clone(), n)
         except NotImplementedError:
@@ -259,14 +260,33 @@ def check_dp_state(dp_forward_backward) -> None:
         got = _state(learner)
         wrong = [k for k in want if not _same(got[k], want[k])]
         shown = shown or want
-        if not wrong:
-            continue
-        _diagnose(cls, wrong, got, want, before, r0, _state(whole), batch, n)
+        if wrong:
+            _diagnose(cls, wrong, got, want, before, r0, _state(whole), batch, n)
+        _check_same_tensors(held, learner, cls, batch, n)
     passed(f"your step leaves lab02.SampleCounter as nn.DataParallel does (torch's own "
            f"replicate on {n} devices: seen {_show(shown['seen'])}, peak {_show(shown['peak'])}, "
            f"calls {shown['calls']}), also with its buffers' roles swapped and with a buffer "
            f"written in place then rebound in one forward; part 4's check still passes. "
            f"{WHY_STATE}")
+
+
+def _check_same_tensors(held: dict, learner, cls, batch: int, n: int) -> None:
+    """The values are right; the module must also still hold its own buffer tensors. Under
+    nn.DataParallel nothing binds a new tensor in the module's ``_buffers`` (every replica,
+    replica 0's included, gets a dict of its own), so whatever holds a reference to a buffer (a
+    hook, an EMA, a second module sharing it) sees the step's update."""
+    __tracebackhide__ = True
+    replaced = [name for name, b in learner.named_buffers() if b is not held.get(name)]
+    if replaced:
+        fail(f"After your step on {batch} samples over {n} devices, on lab02.{cls.__name__}: "
+             f"the values are right, but model's {' and '.join(replaced)} "
+             f"{'is another tensor' if len(replaced) == 1 else 'are other tensors'} than the "
+             f"one{'s' if len(replaced) > 1 else ''} model held before the step. "
+             f"nn.DataParallel never binds a new tensor in the module's buffers (each replica "
+             f"binds names in a dict of its own), so anything that holds the module's buffer "
+             f"(a hook, a running average, another module sharing it) would keep the old value.",
+             fix="write the values into the buffer tensors model already holds (Tensor.copy_) "
+                 "instead of binding new tensors to their names.")
 
 
 def _whose(value, before, r0, whole, key) -> str:
