@@ -2,7 +2,8 @@
 # # 09 · Beyond lockstep: parameter servers, stale gradients, local SGD, large batches
 #
 # **Prerequisites:** lesson 03 (averaging gradients; DDP), lesson 06 (the ring all-reduce and
-# what it sends: 2(N−1)K/N per rank) and lesson 02 (`nn.DataParallel`).
+# what it sends: 2(N−1)K/N per rank, K the model's number of weights) and lesson 02
+# (`nn.DataParallel`).
 #
 # **You will be able to:**
 # - build a parameter server from `dist.send` / `dist.recv`, show that its synchronous mode
@@ -76,7 +77,10 @@ print(f"this lesson: {world_size} ranks over {backend}")
 #
 # We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers.
 # `torch.distributed.rpc` also runs on the pinned torch (with TensorPipe, on CPU; the tests
-# start it), and a production server would use it or a framework on top. We use
+# start it), and a production server would use it or a framework on top, such as TensorFlow's
+# `ParameterServerStrategy` with a `ClusterCoordinator`: asynchronous by default, variables
+# sharded over the servers by a `variable_partitioner`, and a preempted worker's function put
+# back in the queue for another. We use
 # `dist.send` / `dist.recv` because each message is one flat tensor between two known ranks,
 # which they say in one line, and a thin wrapper counts every byte where it is sent; rpc's
 # futures and serialisation would hide exactly what we want to count.
@@ -96,10 +100,15 @@ viz.show_code(parameter_server.parameter_server_worker, parameter_server.PSConfi
               async_sgd.worker_indices)
 
 # %% [markdown]
-# **▶ The data and the model: `make_problem`, `make_model`** (click the folded cell below).
+# **▶ The data, the model, and the helpers the workers call above: `make_problem`,
+# `make_model`, `loss_and_gradient` (a batch's loss and flat gradient at given weights),
+# `batch_schedule` (the seeded batch order), `evaluate`, `set_flat_params` / `flat_params`**
+# (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(async_sgd.make_problem, async_sgd.make_model)
+viz.show_code(async_sgd.make_problem, async_sgd.make_model, async_sgd.loss_and_gradient,
+              async_sgd.batch_schedule, async_sgd.evaluate, async_sgd.set_flat_params,
+              async_sgd.flat_params)
 
 # %%
 cfg = parameter_server.PSConfig()
@@ -152,10 +161,13 @@ claim("sent against sent, the server's load / a ring rank's == N²/(2(N−1)) (t
               for n in ps for k_ in range(K, K + n)))
 
 # %% [markdown]
-# **▶ `ring.ring_bytes_per_worker`**, the chunk-by-chunk count (click the folded cell below).
+# **▶ `ring.ring_bytes_per_worker`**, the chunk-by-chunk count, and `ring.chunk_bounds`, the
+# uneven split it counts (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ring.ring_bytes_per_worker)
+import inspect  # chunk_bounds as a snippet: its docstring names lesson 06, where it is taught
+
+viz.show_code(ring.ring_bytes_per_worker, inspect.getsource(ring.chunk_bounds))
 
 # %%
 viz.show(viz.ps_traffic_figure(K, {n: sum(r[0]["sync_bytes"]) // 4 // cfg.steps
@@ -233,12 +245,15 @@ ended = [max(b for w in (1, 2) for _, _, b in race[w][m]["spans"]) for m in ("sy
 print("the workers' last spans ended at %.3f s (sync) and %.3f s (async): what was in flight landed" % tuple(ended))
 n_fast, n_slow = (sum(k == "compute" for k, _, _ in race[w]["async"]["spans"]) for w in (1, 2))
 print(f"What sets the gain: asynchronous, the fast worker computed {n_fast} gradients, the straggler "
-      f"{n_slow}: it cycles {n_fast / n_slow:.0f}× as often. Synchronous rounds take one of each, at the "
-      f"straggler's pace: a gain of about ({n_fast / n_slow:.0f} + 1)/2 = {(n_fast / n_slow + 1) / 2:.1f}× "
-      f"(measured {applied['async'] / applied['sync']:.1f}×); 1× without a straggler.")
+      f"{n_slow}: it cycles {n_fast}/{n_slow} = {n_fast / n_slow:.2f}× as often. Synchronous rounds take "
+      f"one of each, at the straggler's pace: a gain of about ({n_fast}/{n_slow} + 1)/2 = "
+      f"{(n_fast / n_slow + 1) / 2:.2f}× (measured {applied['async'] / applied['sync']:.2f}×); 1× without a straggler.")
+updates = {"sync": applied["sync"] // (len(race) - 1), "async": applied["async"]}  # sync: a step a round
 print(f"In the same {race_cfg.budget:g} s, asynchronous reached a test loss of {async_loss:.3f} "
-      f"against synchronous {sync_loss:.3f}: the extra gradients "
-      + ("bought a lower loss here." if async_loss < sync_loss else "did not buy a lower loss here."))
+      f"against synchronous {sync_loss:.3f}" + (", lower" if async_loss < sync_loss else ", not lower")
+      + f". Not from the gradients alone: synchronous stepped once per round with their mean "
+      f"({updates['sync']} updates), asynchronous once per gradient at the same lr "
+      f"({updates['async']} updates, {updates['async'] / updates['sync']:.1f}× as many).")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -267,8 +282,9 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # gain"): one twice as slow would give about (2 + 1)/2 = 1.5×.
 #
 # More gradients per second, but not free ones: the straggler's gradients arrive many updates
-# stale (the largest staleness above). Whether the extra gradients turned into a lower loss in
-# this run is the computed sentence above; at a larger step, staleness can make training
+# stale (the largest staleness above). The losses above compare more gradients *and* more
+# steps of the same lr, not gradients alone (like for like would scale the lr; not run here);
+# at a larger step, staleness can make training
 # diverge — the question the rest of this section answers. And the fast worker still waits in
 # asynchronous mode: not for the straggler any more, but for the round trip of each gradient
 # to the server and back (2K numbers through gloo, K printed in §1, on cores shared with the server and
@@ -302,18 +318,11 @@ viz.show_code(async_sgd.SimulatedServer)
 
 # %% [markdown]
 # The runs below drive the simulator through `run_stale`, with the library's worker loop (its
-# source waits, folded, after this section's lab pointer), against `plain_sgd`, torch's own SGD:
+# source waits, folded, after this section's lab pointer), against `plain_sgd`, torch's own SGD
+# (the helpers they call are folded in §1):
 
 # %%
-viz.show_code(async_sgd.run_stale, async_sgd.plain_sgd, async_sgd.loss_and_gradient)
-
-# %% [markdown]
-# **▶ `batch_schedule`, `evaluate`, and `set_flat_params` / `flat_params`** (how the weights
-# go into and out of the model), which the claims below rest on (click the folded cell below).
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(async_sgd.batch_schedule, async_sgd.evaluate, async_sgd.set_flat_params,
-              async_sgd.flat_params)
+viz.show_code(async_sgd.run_stale, async_sgd.plain_sgd)
 
 # %%
 batches = async_sgd.batch_schedule(len(problem.x_train), 32, sim_steps, seed=seed)
@@ -773,40 +782,40 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 viz.quiz([
     {"q": "A synchronous parameter server and a ring all-reduce train the same weights. Why "
           "did all-reduce win?",
-     "options": ["It sends fewer bytes in total",
-                 "It spreads the bytes evenly: each rank sends 2(N−1)K/N (and receives as "
-                 "much) instead of the server's NK each way, N²/(2(N−1)) times more",
-                 "It needs no synchronisation"],
-     "answer": 1,
+     "options": ["It sends fewer bytes in total, over the whole cluster",
+                 "It needs no synchronisation, so no rank waits",
+                 "No node is a hot spot: each rank sends 2(N−1)K/N"],
+     "answer": 2,
      "why": ["In total the two are about equal (2(N−1)K against 2NK elements sent).",
-             "Right: no node is a hot spot: each rank's bytes, 2(N−1)K/N, stay under 2K as N "
-             "grows, so the bandwidth part of a step stays bounded, while the server's NK grow "
-             "with N. (The latency part is not bounded: a ring's 2(N−1) steps in a row "
+             "It is the very definition of lockstep.",
+             "Right: each rank's bytes, 2(N−1)K/N, stay under 2K as N grows, so the bandwidth "
+             "part of a step stays bounded, while the server's NK each way (N²/(2(N−1)) times "
+             "a ring rank's) grow with N. (The latency part is not bounded: a ring's 2(N−1) steps in a row "
              "grow with N, lesson 06.) (A "
              "parameter server can spread its bytes too, by sharding the weights over many "
              "servers: Li et al. 2014. Sharded over all N workers, it moves the ring's "
              "2(N−1)K/N per rank in 2 direct rounds instead of 2(N−1) steps; BytePS, with "
              "servers beyond the workers, has each worker send and receive only K: less than "
-             "the ring's once N ≥ 3, the same at N = 2.)",
-             "It is the very definition of lockstep."]},
+             "the ring's once N ≥ 3, the same at N = 2.)"]},
     {"q": "In the straggler race, asynchronous, what did the fast worker still wait for?",
-     "options": ["The straggler, as in synchronous mode",
-                 "The round trip of each gradient: the push, the server's step, the new weights",
-                 "Nothing: it never waits"],
-     "answer": 1,
-     "why": ["Asynchronous, the server answers each worker alone, without the straggler.",
-             "Right: the lesson prints the fast worker's compute time beside that wait.",
+     "options": ["Its round trips: push, step, new weights",
+                 "The straggler, as in synchronous mode",
+                 "Nothing: an asynchronous worker never waits"],
+     "answer": 0,
+     "why": ["Right: the lesson prints the fast worker's compute time beside that wait.",
+             "Asynchronous, the server answers each worker alone, without the straggler.",
              "The Gantt chart shows grey gaps between its computations."]},
     {"q": "In the simulator, what does τ = 0 reduce to?",
-     "options": ["Plain SGD, bit for bit", "Local SGD with H = 1", "Hogwild!"],
-     "answer": 0,
-     "why": ["Right: each gradient is pushed right after it is computed.",
+     "options": ["Hogwild!, lock-free updates", "Local SGD with H = 1",
+                 "Plain SGD, bit for bit"],
+     "answer": 2,
+     "why": ["Hogwild! is lock-free and stale by nature.",
              "That has the same update, but it is a different program.",
-             "Hogwild! is lock-free and stale by nature."]},
+             "Right: each gradient is pushed right after it is computed."]},
     {"q": "Stale gradients made training diverge. What fixes it?",
      "options": ["A larger learning rate, to catch up",
-                 "A smaller step (with the simulator's constant τ, lr/τ is one)",
-                 "More workers"],
+                 "A smaller step, e.g. lr/τ at constant τ",
+                 "More workers, to average the staleness out"],
      "answer": 1,
      "why": ["The opposite: divergence comes from large steps on stale information.",
              "Right: counted over seeds, the delay a step tolerates shrank as the step grew; "
@@ -814,25 +823,24 @@ viz.quiz([
              "the same stale gradients.",
              "More workers make the gradients staler."]},
     {"q": "Local SGD with H = 8 compared with DDP:",
-     "options": ["Sends 8× fewer all-reduces, and is exactly DDP",
-                 "Sends 8× fewer all-reduces, and its ranks drift apart between averages",
-                 "Sends the same bytes, later"],
-     "answer": 1,
-     "why": ["Only H = 1 computes DDP's update (here equal to 1e-6: averaging weights and "
+     "options": ["8× fewer all-reduces, with drift between them",
+                 "8× fewer all-reduces, and exactly DDP's weights",
+                 "The same bytes as DDP, only sent 8 steps later"],
+     "answer": 0,
+     "why": ["Right: how much that costs depends on the data (IID or not) and the step.",
+             "Only H = 1 computes DDP's update (here equal to 1e-6: averaging weights and "
              "averaging gradients round differently).",
-             "Right: how much that costs depends on the data (IID or not) and the step.",
              "It averages once every 8 steps: 8× less."]},
     {"q": "The global batch grows 8× and the lr stays. What did this lesson's run show?",
-     "options": ["The same progress per epoch: the lr does not depend on the batch",
-                 "Far less progress per epoch (8× fewer steps); lr × 8, the linear scaling "
-                 "rule, recovered most of it",
-                 "Divergence: a larger batch needs a smaller lr"],
+     "options": ["Divergence: a larger batch needs a smaller lr",
+                 "Less progress per epoch; lr × 8 won most back",
+                 "The same progress per epoch as the small batch"],
      "answer": 1,
-     "why": ["With 8× fewer steps per epoch at the same lr, it barely learned.",
-             "Right: it closed most of the gap (the claim computes how much); warmup did not "
-             "help on this problem (the lesson computes what it cost, epoch by epoch).",
-             "The opposite: the larger batch's averaged gradient is less noisy, so it can take a "
-             "larger step safely."]},
+     "why": ["The opposite: the larger batch's averaged gradient is less noisy, so it can take a "
+             "larger step safely.",
+             "Right: 8× fewer steps per epoch; lr × 8, the linear scaling rule, closed most of "
+             "the gap (the claim computes how much); warmup did not help on this problem (the lesson computes what it cost, epoch by epoch).",
+             "With 8× fewer steps per epoch at the same lr, it barely learned."]},
 ])
 
 # %% [markdown]
@@ -859,6 +867,16 @@ viz.quiz([
 #   per other GPU.
 # - `torch/distributed/rpc/__init__.py` and `torch/distributed/rpc/backend_registry.py` —
 #   `rpc.init_rpc` and its TensorPipe backend, which the course's tests start on CPU.
+# - TensorFlow 2.21: `tensorflow/python/distribute/parameter_server_strategy_v2.py` —
+#   `ParameterServerStrategyV2`: "By default, workers read and update these variables
+#   independently without synchronizing with each other" (asynchronous training), the
+#   `variable_partitioner` argument that shards variables over the parameter servers;
+#   `tensorflow/python/distribute/coordinator/cluster_coordinator.py` — `ClusterCoordinator`
+#   (`schedule` dispatches a function to a worker), `Worker._process_closure`, which on a
+#   worker's failure calls `_CoordinatedClosureQueue.put_back` ("Put
+#   the closure back into the queue as it was not properly executed"), and
+#   `CoordinationServicePreemptionHandler`: a preempted worker is waited for; a failed
+#   parameter server stops the job.
 # - `torch/optim/sgd.py` — `SGD` with `momentum`: the optimizer of the large-batch runs (its
 #   `lr` is read from the param group at every step, which is how the schedule sets it);
 #   `_single_tensor_sgd`: `grad = grad.add(param, alpha=weight_decay)` and

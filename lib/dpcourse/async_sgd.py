@@ -102,7 +102,7 @@ def make_model(in_features: int = 192, hidden: int = 64, classes: int = 10,
 def loss_and_gradient(model: nn.Module, flat: torch.Tensor, x, y) -> tuple[float, torch.Tensor]:
     """The loss of weights ``flat`` on a batch, and its gradient as one flat vector.
 
-    Shown in lesson 09, §2.
+    Shown in lesson 09, §1.
     """
     set_flat_params(model, flat)
     model.zero_grad(set_to_none=True)
@@ -114,7 +114,7 @@ def loss_and_gradient(model: nn.Module, flat: torch.Tensor, x, y) -> tuple[float
 def evaluate(model: nn.Module, flat: torch.Tensor, x, y) -> tuple[float, float]:
     """(loss, accuracy) of weights ``flat``; a diverged run has loss ``inf`` (NaN too).
 
-    Shown in lesson 09, §2.
+    Shown in lesson 09, §1.
     """
     set_flat_params(model, flat)
     with torch.no_grad():
@@ -129,7 +129,7 @@ def batch_schedule(n: int, batch: int, steps: int, seed: int = 0) -> list[torch.
     shuffle, the same on every rank (each rank then takes its part: :func:`worker_indices`).
     The epochs are concatenated before the cut, so a batch can straddle two of them.
 
-    Shown in lesson 09, §2.
+    Shown in lesson 09, §1.
     """
     g = torch.Generator().manual_seed(seed)
     order = torch.cat([torch.randperm(n, generator=g)

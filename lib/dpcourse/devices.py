@@ -179,7 +179,9 @@ def device_for_rank(local_rank: int, backend: str) -> torch.device:
 def seed_everything(seed: int, deterministic: bool = False) -> None:
     """Seed Python, NumPy and torch (all GPUs too). ``deterministic`` also asks torch for
     deterministic kernels, which costs speed on GPU; on CPU the course's models are already
-    bit-for-bit repeatable with the same seed and the same thread count.
+    bit-for-bit repeatable with the same seed and the same thread count. It also sets
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` if unset: on torch 2.14.1 only a workspace size, which
+    older torch required for deterministic cuBLAS.
 
     Shown in lesson 01, §"Seeds and reproducibility".
     """
@@ -188,6 +190,8 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
     torch.manual_seed(seed)  # seeds every CUDA device as well
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # Not a requirement on torch 2.14.1: it only sizes cuBLAS's workspace, one per handle
+        # and stream. Older torch refused a GPU matmul in deterministic mode without it.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 

@@ -71,7 +71,7 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     """All the weights as one new flat CPU vector, in ``model.parameters()`` order: what two runs
     are compared by, and what a parameter server stores and sends.
 
-    Shown in lesson 09, §2.
+    Shown in lesson 09, §1.
     """
     return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
@@ -80,7 +80,7 @@ def set_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
     """Copy consecutive pieces of ``flat`` into the model's weights (the inverse of
     :func:`flat_params`); ``flat`` must hold exactly as many numbers as the model.
 
-    Shown in lesson 09, §2.
+    Shown in lesson 09, §1.
     """
     total = sum(p.numel() for p in model.parameters())
     if flat.numel() != total:
