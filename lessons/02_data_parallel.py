@@ -423,9 +423,11 @@ claim("three steps replicated the model three times", tc.replicate_calls == 3)
 # How long does a replication take compared with the forward it serves? On a GPU box the copies
 # cross PCIe or NVLink; here they are memory copies plus building N module objects in Python.
 # That second part is *our* `replicate`'s: it deep-copies the module tree (`copy.deepcopy`).
-# Torch's builds each replica module with `Module._replicate_for_data_parallel`, a shallow copy
-# of the module's `__dict__` with an empty `_parameters`, so its Python part is cheaper than what
-# is timed here; the weight copies are the same. Each time printed below is the best of five
+# Torch's builds each replica module with `Module._replicate_for_data_parallel`: a shallow copy
+# of the module's `__dict__` in which some of the module's own dicts are replaced (which ones,
+# and what that means for a forward that writes a buffer, is lab 02's part 5: folded at the
+# end). No tensor is copied there, so its Python part is cheaper than what is timed here; the
+# weight copies are the same. Each time printed below is the best of five
 # calls, and the forward is replica 0's on chunk 0.
 #
 # **▶ How the two are timed** (click the folded cell below): `dp.time_replicate_vs_forward`.
@@ -762,6 +764,11 @@ viz.quiz([
 #   replica on `device[0]` shares parameters and buffers with the module, so in-place updates
 #   made there during the forward (BatchNorm's) are recorded in the module, and those on the
 #   other replicas are lost.
+# - `torch/nn/modules/module.py` — `_replicate_for_data_parallel`: the replica's `__dict__` is a
+#   shallow copy of the module's, then gets an empty `_parameters` and its own copies of the
+#   `_buffers` and `_modules` dicts (the same tensors and submodules in new dicts): a buffer
+#   written in place on replica 0 is the module's own tensor changed; a buffer rebound on it
+#   changes only the replica's dict.
 # - `torch/nn/parallel/_functions.py` — `Broadcast.backward` is `ReduceAddCoalesced.apply`,
 #   which calls `comm.reduce_add_coalesced` (the gradients are summed onto the source device).
 # - `torch/nn/parallel/comm.py` — `reduce_add`: `nccl.reduce(...)` when
