@@ -165,7 +165,10 @@ viz.show(viz.collectives_figure(before, after),
 # **Which collectives gloo runs on GPU tensors.** gloo's code for a collective on CUDA tensors
 # is a class of its own, `Async<Collective>CUDA…Work`, compiled into torch's libraries; their
 # names, searched in the installed ones, say which collectives have it (**▶ folded**; it
-# matters only on a GPU machine that runs gloo, such as the `one-gpu` profile).
+# matters only on a GPU machine that runs gloo, such as the `one-gpu` profile). Besides the
+# four above, the claim names operations this lesson does not use: `reduce` and `gather` (the
+# result on one rank only), `scatter` (one rank's pieces, one to each rank), `all_to_all`
+# (every rank sends a piece to every rank), and `send`/`recv` (one rank to one other).
 
 # %% jupyter={"source_hidden": true}
 import mmap
