@@ -853,7 +853,11 @@ viz.quiz([
 #   takes `torch.get_autocast_dtype(device_type)` when no dtype is given); "The autocast state is
 #   thread-local". Which ops run in which dtype is autocast's op list (the Autocast Op Reference
 #   in PyTorch's documentation); this lesson checks the one it relies on, cross-entropy, on this
-#   machine.
+#   machine. Not installed (C++, read in PyTorch's repository): `aten/src/ATen/autocast_mode.cpp`
+#   — the CPU list has `KERNEL_CPU(cross_entropy_loss, fp32)`; the CUDA list has `nll_loss` and
+#   `log_softmax` in float32 and no `cross_entropy_loss`. Installed:
+#   `torch/testing/_internal/autocast_test_lists.py` — `AutocastTestLists` (CUDA) tests
+#   `log_softmax` and `nll_loss` among the float32 ops.
 # - `torch/amp/grad_scaler.py` — `GradScaler`: `scale(loss)` multiplies the loss before
 #   backward, `step(optimizer)` unscales the gradients (and skips the step on inf/NaN),
 #   `update()` adjusts the scale.
