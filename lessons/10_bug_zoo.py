@@ -24,8 +24,10 @@
 # fix it.
 #
 # Every program below really runs, on 2 gloo ranks, under a short time limit: a hang costs a
-# few seconds and leaves nothing running. The broken programs live in `dpcourse.bugzoo`, one
-# small function each, with the bug marked `# BUG` and its fix behind `fixed=True`.
+# few seconds and leaves nothing running. (Under `spawn` a rank that has returned stays alive
+# until every rank has: section 2 shows why that matters for a hang.) The broken programs live
+# in `dpcourse.bugzoo`, one small function each, with the bug marked `# BUG` and its fix behind
+# `fixed=True`.
 
 # %% tags=["parameters"]
 world_size = 2        # ranks of every run (the zoo's bugs need 2 or more)
@@ -126,9 +128,10 @@ viz.show_code(detectors.caller_line, detectors.read_traces, detectors.user_frame
 partial_mon = detectors.diagnose(bugzoo.partial_collective, world_size, False,
                                  timeout=3 * hang_timeout, monitor=2)
 print(partial_mon.error.split(": ", 1)[1])
-claim("with a monitored barrier, rank 0 raises after 2 s naming rank 1, which never came",
-      partial_mon.status == "failed" and "Ranks 1 failed to pass monitoredBarrier in 2000 ms"
-      in partial_mon.error)
+absent = ", ".join(str(r) for r in range(1, world_size))   # every rank but 0 skips the call
+claim(f"with a monitored barrier, rank 0 raises after 2 s naming rank(s) {absent}, which never "
+      "came", partial_mon.status == "failed"
+      and f"Ranks {absent} failed to pass monitoredBarrier in 2000 ms" in partial_mon.error)
 
 # %% [markdown]
 # **`TORCH_DISTRIBUTED_DEBUG=DETAIL` does that before every collective, for you.** With the
@@ -142,8 +145,8 @@ claim("with a monitored barrier, rank 0 raises after 2 s naming rank 1, which ne
 partial_detail = detectors.diagnose(bugzoo.partial_collective, world_size, False,
                                     timeout=3 * hang_timeout, debug_detail=True, group_timeout=2)
 print(partial_detail.error.split(": ", 1)[1])
-claim("with DETAIL, bug 1's all_reduce raises on rank 0, naming rank 1",
-      partial_detail.status == "failed" and "Ranks 1 failed to pass monitoredBarrier"
+claim(f"with DETAIL, bug 1's all_reduce raises on rank 0, naming rank(s) {absent}",
+      partial_detail.status == "failed" and f"Ranks {absent} failed to pass monitoredBarrier"
       in partial_detail.error)
 
 # %% [markdown]
@@ -316,7 +319,8 @@ claim("but marks none of them completed", {e[2] for r in recorded for e in r} ==
 # %% [markdown]
 # ### Bug 3: rank-dependent control flow
 # Early stopping decided by each rank on *its own* loss: rank 1 leaves the loop at step 2, rank 0
-# goes on and waits, forever, for rank 1 in the next all-reduce. The same happens with a
+# goes on and waits for rank 1 in the next all-reduce — for as long as rank 1's process stays
+# alive (what changes when it exits comes after the tools' table). The same happens with a
 # `break` on a rank's own data, a rank that has fewer batches (uneven shards), or an
 # `if loss.item() > x: continue` before a collective.
 
@@ -390,8 +394,9 @@ claim("the message is the installed libtorch_cpu.so's own (ProcessGroupGloo::mon
       all(found), library=so.name)
 
 # %% [markdown]
-# With the default group timeout (30 minutes on gloo), rank 1 waits that long: the names come
-# sooner from rank 0's side, or from the course's trace and stack dump.
+# Rank 0 had returned, but its process was alive (under `spawn`, below). With the default group
+# timeout (30 minutes on gloo), rank 1 would wait that long: the names come sooner from rank 0's
+# side, or from the course's trace and stack dump.
 #
 # **The tools PyTorch gives you, and where each works** (the ones that run on gloo ran above):
 #
@@ -418,6 +423,55 @@ claim("libtorch_cpu.so (FlightRecorder.cpp's DebugInfoWriter) holds TORCH_FR_DUM
       fr_names == {"TORCH_FR_DUMP_TEMP_FILE": True, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": True,
                    "XDG_CACHE_HOME": True, "comm_lib_trace_r": True, "nccl_trace_rank_": False},
       found=fr_names)
+
+# %% [markdown]
+# **A hang needs a peer that is alive.** Every hang in this section waited on a rank that had
+# returned but whose process still ran: `spawn` keeps a finished rank alive, its connections
+# open, until every rank has finished (lesson 00: after handing back its result, each rank
+# waits on `release_conn.recv_bytes()` in `launch._worker_entry`), so that it is the time
+# limit that names the stuck ranks. A peer that is alive but elsewhere — busy, in another
+# collective (bug 2), in a loop that went on to evaluation — leaves a gloo rank waiting until
+# the group's timeout. But a script's rank that leaves the loop usually reaches the end of the
+# program and **exits**: its connections close, and a gloo rank waiting on it fails at once
+# with gloo's "Connection closed by peer". Bug 3 once more, as two plain Python processes
+# (no `spawn`), each running `init_process_group` (timeout 60 s), `bugzoo.early_stop` and then
+# the end of its program:
+
+# %%
+exit_script = """
+import datetime, time
+import torch.distributed as dist
+from dpcourse import bugzoo
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank, start = dist.get_rank(), time.perf_counter()
+try:
+    print(f"rank {rank}: left the loop at step", bugzoo.early_stop(rank, dist.get_world_size()))
+except RuntimeError as err:
+    print(f"rank {rank}: after {time.perf_counter() - start:.1f} s,", str(err).splitlines()[0])
+"""    # ...and then each process reaches the end of its program and exits
+exit_port = str(launch.free_port())
+exit_runs = [subprocess.Popen([sys.executable, "-c", exit_script], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=exit_port,
+                                       RANK=str(r), WORLD_SIZE="2"))
+             for r in range(2)]
+exit_out = [run.communicate(timeout=120)[0] for run in exit_runs]
+exit_lines = [next(line for line in out.splitlines() if line.startswith(f"rank {r}:"))
+              for r, out in enumerate(exit_out)]
+for line in exit_lines:   # (the seconds and the peer's port change from run to run)
+    print(re.sub(r"after [\d.]+ s", "after … s", re.sub(r"\]:\d+", "]:<port>", line)))
+exit_after = float(re.search(r"after ([\d.]+) s", exit_lines[0]).group(1))
+claim("rank 1 left the loop and its program ended; rank 0, waiting in the next all_reduce, "
+      "failed at once with gloo's 'Connection closed by peer' (well before the 60 s timeout)",
+      exit_lines[1].startswith("rank 1: left the loop") and "Connection closed by peer"
+      in exit_lines[0] and exit_after < 30, seconds=exit_after)
+
+# %% [markdown]
+# So on gloo a hang means that every rank's process is still running; a rank whose process is
+# gone makes its peers fail fast, each with an error that says only that the peer left (the
+# bug is still to be found in the rank that left: it made fewer calls). This machine has no
+# GPU, so what NCCL does when a peer's process exits is not measured here; the bound the
+# course can state for NCCL is the watchdog's timeout (the figure above).
 
 # %% [markdown]
 # ## 3. Bugs that finish — with the wrong answer
@@ -928,7 +982,7 @@ viz.show_code(bugzoo.all_ranks_finite)
 # | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (GPU/XPU/HPU in training); averaged buffers agree, but their variance is not the global batch's; DDP's buffer sync leaves them apart after the last step |
 # | NaN on one rank | NaN everywhere | first non-finite *local* value | check finiteness together, skip together |
 # | forgotten `set_epoch` | same order every epoch | repeated epoch orders | `sampler.set_epoch(epoch)` |
-# | unused parameter | DDP fails at step 2 | `unused_parameters` | remove it, or `find_unused_parameters=True` |
+# | unused parameter | DDP fails at step 2 | `unused_parameters` | remove it; `static_graph=True` if the same parameters are unused at every step; else `find_unused_parameters=True` (a graph walk every step) |
 # | every rank saves the checkpoint | racing writers | `record_saves` + `duplicate_writers` | rank 0 saves, barrier |
 # | port already in use | EADDRINUSE at start | `port_owner` | a free port per launch |
 #
@@ -953,7 +1007,9 @@ viz.quiz([
                  "A forgotten set_epoch"],
      "answer": 1,
      "why": ["A NaN does not block a collective: it travels through it.",
-             "Right: rank 0 waits for a partner that will never come.",
+             "Right: rank 0 waits for a partner that will never come. (Rank 1's process is "
+             "still running: had it exited, gloo would have failed rank 0 at once with "
+             "'Connection closed by peer'.)",
              "That changes the data order, not which collectives run."]},
     {"q": "Every rank logs exactly the same loss, yet the weight checksums differ across "
           "ranks after step 1. What happened?",
@@ -1078,6 +1134,13 @@ viz.quiz([
 #   whose send/recv with rank 0 fails raises "… successfully reached monitoredBarrier, but
 #   received errors while waiting for send/recv from rank 0. Please check rank 0 logs for faulty
 #   rank."; run above, it came at the group's timeout, not the barrier's.
+# - `torch/lib/libtorch_cpu.so` — gloo's TCP transport (`third_party/gloo/gloo/transport/tcp/
+#   pair.cc`, compiled in; its source is not in the wheel): a read from a peer whose connection
+#   closed raises "Connection closed by peer … This is typically caused by a remote worker
+#   crashing." (both strings are in the library); run above, with rank 1's process exited.
+#   `lib/dpcourse/launch.py` — `_worker_entry`: under `spawn` a rank that returned waits on
+#   `release_conn.recv_bytes()` until every rank is done, which is why the other hangs above
+#   last until the time limit.
 # - `torch/nn/modules/_functions.py` — `SyncBatchNorm.forward`: every rank's mean, inverse std
 #   and count are gathered, and `torch.batch_norm_gather_stats_with_counts` computes the global
 #   mean and inverse std and updates `running_mean` and `running_var` from them.
