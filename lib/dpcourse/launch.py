@@ -25,7 +25,11 @@ wrong there, each measured on the course's machines (ARCHITECTURE.md § Design r
   ranks as soon as one fails and raise one :class:`RankFailedError` that names the rank and
   carries its traceback;
 * a collective that not every rank calls hangs forever; ``timeout`` ends it with a
-  :class:`LaunchTimeoutError` that names the ranks that never finished;
+  :class:`LaunchTimeoutError` that names the ranks that never finished. A rank whose function
+  returned stays alive, its connections open, until every rank is done, so a rank waiting on it
+  hangs until that timeout, as it would on a peer that is alive but elsewhere. (In a script, a
+  gloo rank whose peer's process really *exits* fails at once instead, with "Connection closed
+  by peer": lesson 10, section 2, runs both.)
 * the notebook's stop button (KeyboardInterrupt) used to leave workers running and their
   port bound; every exit path here kills each rank's whole process group;
 * gloo + DDP workers abort with SIGABRT in about 3% of exits, *after* their work is done;
@@ -189,9 +193,12 @@ def _worker_entry(rank: int, world_size: int, port: int, payload: bytes, env: di
         result_conn.send_bytes(message)
         result_conn.close()
         # Stay alive, sockets open, until the parent says every rank is done (or dies). A rank
-        # that returned early must not tear down the group under a rank still inside a
-        # collective: on a real cluster that rank would simply wait, and so it waits here, until
-        # the parent's timeout names it. This is also why we never need destroy_process_group.
+        # that returned early does not tear down the group under a rank still inside a
+        # collective: that rank waits, as it would on a peer that is alive but elsewhere, until
+        # the parent's timeout names it. (Had this process exited, a gloo peer waiting on it
+        # would fail at once with "Connection closed by peer", as a script's rank does: lesson
+        # 10, section 2, shows it.) Staying alive is also why we never need
+        # destroy_process_group.
         release_conn.recv_bytes()
     except (EOFError, OSError):
         pass
