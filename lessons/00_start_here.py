@@ -476,7 +476,8 @@ viz.quiz([
 #   `dpcourse.launch.spawn` ships it with cloudpickle (`lib/dpcourse/launch.py`: `spawn`'s
 #   `cloudpickle.dumps`, `_worker_entry`'s `cloudpickle.loads(payload)` in each rank, both found
 #   by a claim above; its processes start by `forkserver`; the claim before them shows pickle by
-#   name failing where cloudpickle's by-value copy loads). `start_processes` also offers
+#   name failing where cloudpickle's by-value copy loads; `_worker_entry` sends a rank's result,
+#   then waits on `release_conn.recv_bytes()` until every rank is done, also found by a claim). `start_processes` also offers
 #   `start_method="fork"`, whose children inherit the parent's functions.
 # - `nvidia/nccl/lib/libnccl.so.2` (NCCL 2.30.7, the `nvidia-nccl-cu13` wheel torch depends on) —
 #   NCCL's refusal of two ranks on one GPU is a check inside the NCCL library, not in torch's
