@@ -346,7 +346,8 @@ except lab06.LabCheckError as err:
 #
 # A workshop can stop here. In your ring, a rank receives a whole chunk, *then* adds it, *then*
 # sends it on: the network waits for the addition and the addition waits for the network. NCCL
-# and gloo cut each chunk into pieces and pipeline them. Write
+# and gloo cut each chunk into segments (lesson 06's word; this lab calls one a *piece*) and
+# pipeline them. Write
 # `ring_allreduce_segmented(tensor, op="sum", segments=4)`, with the contract of your
 # `ring_allreduce`, non-blocking `dist.isend`/`dist.irecv` allowed, and this goal: **the
 # scatter-reduce's additions hide behind its transfers.** What must hold:
