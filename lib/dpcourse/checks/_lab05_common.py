@@ -9,6 +9,7 @@ Imported by the other ``_lab05_*`` modules and by :mod:`dpcourse.checks.lab05`.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import numpy as np
@@ -24,9 +25,56 @@ _RTOL = 1e-3
 
 
 def reference_batch(global_batch: int = 64, seed: int = 5):
-    """A fixed global batch (normalised NHWC float32 images, int64 labels)."""
+    """A fixed global batch (normalised NHWC float32 images, int64 labels): copies of arrays
+    made once per (size, seed) in a process, since every check of the lab feeds the same few."""
+    x, y = _reference_batch(global_batch, seed)
+    return x.copy(), y.copy()
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_batch(global_batch: int, seed: int):
     ds = _data.load("shapes10", n_train=global_batch, n_test=1, seed=seed)
     return _data.normalize(ds.x_train), ds.y_train
+
+
+def pieces(b: int, n: int) -> list:
+    """How ``experimental_distribute_dataset`` cuts a batch of ``b`` over ``n`` replicas, as
+    measured with TF 2.21 (tests/test_lab05_checks.py; ``_LegacyRebatchDataset`` in TF's
+    ``data/experimental/ops/distribute.py``, not ``batch_sizes_for_worker``): pieces of
+    ``ceil(b / n)`` in replica order, the last replicas the rest. Part 4's explanation states it,
+    and the checks of parts 1 and 3 feed their steps split by it."""
+    c = -(-b // n)
+    return [max(0, min(c, b - r * c)) for r in range(n)]
+
+
+def distribute_slices(strategy, arrays, sizes) -> tuple:
+    """One step's batch as the strategy's replicas receive it: replica r holds the next
+    ``sizes[r]`` rows of each of ``arrays`` (in order), as a tensor on its own device.
+
+    With ``sizes = pieces(len(a), n)`` this is the element ``experimental_distribute_dataset``
+    yields for one batch of ``arrays`` (the test of the ceiling rule compares the two on every
+    split the checks use), made without the dataset's iterator, whose setup costs far more than
+    the step the check runs on it."""
+    bounds = np.cumsum([0, *sizes])
+    devices = strategy.extended.worker_devices
+
+    def value_fn(ctx):
+        r = ctx.replica_id_in_sync_group
+        with tf.device(devices[r]):
+            return tuple(tf.constant(a[bounds[r]:bounds[r + 1]]) for a in arrays)
+    return strategy.experimental_distribute_values_from_function(value_fn)
+
+
+def required_positional(fn) -> list | None:
+    """The names of ``fn``'s positional parameters that have no default (a partial's inner
+    function's), or None when Python cannot say."""
+    import inspect
+    try:
+        params = inspect.signature(getattr(fn, "func", fn)).parameters
+    except (TypeError, ValueError):
+        return None
+    return [nm for nm, p in params.items()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _close(a, b, rtol=_RTOL) -> bool:

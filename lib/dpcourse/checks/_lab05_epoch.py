@@ -13,38 +13,67 @@ Imported by :mod:`dpcourse.checks.lab05`, where the lab calls it.
 
 from __future__ import annotations
 
+import collections
+import functools
+
 import numpy as np
 
 from dpcourse import mirrored
 from dpcourse.checks import fail, passed, recorded
-from dpcourse.checks._lab05_common import _close, keras, strategies_for, tf
+from dpcourse.checks._lab05_common import _close, distribute_slices, keras, strategies_for, tf
 from dpcourse.checks._lab05_pipeline import _GLOBAL, _expected_split, stretch_data, stretch_global
 
 
-def _one_device(global_batch: int, divisors) -> list:
+# How a replica's summed loss can be divided in an epoch's step, as one device replays it:
+# (r, sizes, gb) -> the divisor of replica r's sum, ``sizes`` being the step's per-replica sizes.
+# "step" is the right one; the others are the wrong answers the epoch check names.
+_DIVISORS = {
+    "step": lambda r, sizes, gb: sum(sizes),
+    "global": lambda r, sizes, gb: gb,
+    "fixed": lambda r, sizes, gb: _GLOBAL,
+    "own": lambda r, sizes, gb: sizes[r] * len(sizes),
+    "short_skipped": lambda r, sizes, gb: float("inf") if sum(sizes) < gb else sum(sizes),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device(n: int, global_batch: int, divisor: str) -> tuple:
     """SGD on one device over the stretch's batches of ``global_batch``: in each step, the
-    samples replica r would hold (whole per-replica batches in turn) have their summed loss
-    divided by ``divisors(r, sizes)``, ``sizes`` being that step's per-replica sizes; dividing
-    every replica's sum by ``sum(sizes)`` is the right step."""
+    samples replica r of ``n`` would hold (whole per-replica batches in turn) have their summed
+    loss divided by ``_DIVISORS[divisor]``. Replayed once per process: the same for every
+    answer it is compared with."""
     x, y = stretch_data()
+    divisors = _DIVISORS[divisor]
+    return _replay([(x[start:start + sum(sizes)], y[start:start + sum(sizes)], None,
+                     [float(divisors(r, sizes, global_batch)) if k else None
+                      for r, k in enumerate(sizes)], sizes)
+                    for start, sizes in zip(range(0, len(x), global_batch),
+                                            _expected_split(n, global_batch))])
+
+
+def _replay(steps) -> tuple:
+    """The stretch model's weights after plain SGD (lr 0.5) on one device over ``steps``, each
+    ``(x, y, w, divisors, sizes)``: replica r's rows (``sizes[r]`` of them, in turn) have their
+    per-example losses — times ``w`` unless w is None — summed and divided by ``divisors[r]``;
+    None leaves replica r out, and a step with every replica left out changes nothing."""
     model = _stretch_model()
     opt = keras.optimizers.SGD(learning_rate=0.5)
-    for step, sizes in enumerate(_SPLITS[global_batch]):
-        start = step * global_batch
+    for xs, ys, ws, divisors, sizes in steps:
+        if all(d is None for d in divisors):
+            continue
         with tf.GradientTape() as tape:
-            losses = mirrored.per_example_loss(y[start:start + sum(sizes)],
-                                               model(x[start:start + sum(sizes)]))
+            losses = mirrored.per_example_loss(ys, model(xs))
+            if ws is not None:
+                losses = losses * ws
             loss, at = 0.0, 0
-            for r, k in enumerate(sizes):
-                if k:
-                    loss = loss + tf.reduce_sum(losses[at:at + k]) / float(divisors(r, sizes))
+            for k, d in zip(sizes, divisors):
+                if d is not None:
+                    loss = loss + tf.reduce_sum(losses[at:at + k]) / d
                 at += k
         opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                 model.trainable_variables))
-    return model.get_weights()
+    return tuple(model.get_weights())
 
-
-_SPLITS: dict = {}
 
 # Keras 3.15, keras/src/losses/loss.py: reduce_values divides the summed losses by their count
 # for these reductions, then scale_loss_for_distribution multiplies by 1 / num_replicas_in_sync
@@ -162,6 +191,11 @@ def _name_own_slice_divisor(spy: _LossSpy, last: list, n: int, at: str) -> None:
          f"slice does not tell how many samples the whole step holds.", fix=fix)
 
 
+def _same(weights, others, rtol=1e-4) -> bool:
+    """Whether two lists of weight arrays are equal to ``rtol``."""
+    return all(_close(a, b, rtol=rtol) for a, b in zip(weights, others))
+
+
 def _stretch_model():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(10)])
     model.set_weights([np.full((8, 10), 0.01, np.float32) * np.arange(10, dtype=np.float32),
@@ -169,20 +203,16 @@ def _stretch_model():
     return model
 
 
-def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool,
+def _run_epoch(train_epoch, strategy, dist, at: str, *, traced: bool,
                who: str = "train_epoch"):
-    """Runs ``train_epoch`` on a fresh mirrored model over the stretch's epoch, as written or
-    wrapped in ``tf.function``; names a Python number where the step needs a tensor."""
+    """Runs ``train_epoch`` on a fresh mirrored model over the stretch's epoch ``dist``, as
+    written or wrapped in ``tf.function``; names a Python number where the step needs a
+    tensor."""
     __tracebackhide__ = True
     import re
     import warnings
 
-    with strategy.scope():
-        model = _stretch_model()
-        optimizer = keras.optimizers.SGD(learning_rate=0.5)
-    dist = strategy.distribute_datasets_from_function(dataset_fn)
-    run = (tf.function(lambda: train_epoch(strategy, model, optimizer, dist)) if traced else
-           lambda: train_epoch(strategy, model, optimizer, dist))
+    model, run = _fresh_run(train_epoch, strategy, dist, traced)
     how = "wrapped in tf.function" if traced else "run as written"
     if who != "train_epoch":
         how = f"in a training loop over an epoch, {how}"
@@ -193,10 +223,7 @@ def _run_epoch(train_epoch, strategy, dataset_fn, at: str, *, traced: bool,
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        first = lines[0] if lines else ""
-        if traced and first.startswith("in user code") and len(lines) > 1:
-            first = lines[-1]   # a traced error: its last line is the error itself
+        first = _first_line(exc, traced)
         if isinstance(exc, (AttributeError, TypeError, ValueError)) and (
                 "NoneType" in first or "None values not supported" in first):
             fail(f"{who} raised {type(exc).__name__} {how} {at}: {first} — a count read "
@@ -250,33 +277,61 @@ def check_partial_batch_epoch(train_epoch, strategy) -> None:
            f"replicas)")
 
 
-def _check_epoch_once(train_epoch, strategy, gb: int, who: str = "train_epoch") -> None:
-    __tracebackhide__ = True
+def _epoch_dataset_fn(gb: int):
+    """The dataset function of the stretch's epoch in global batches of ``gb``: each input
+    pipeline's share of the data, in per-replica batches."""
     x, y = stretch_data()
-    n = strategy.num_replicas_in_sync
-    last = _expected_split(n, gb)[-1]
-    _SPLITS[gb] = _expected_split(n, gb)
-    at = f"(global batch {gb} on {n} replicas; the last step's {sum(last)} samples as " \
-         f"{'+'.join(map(str, last))})"
 
     def dataset_fn(ctx):
         ds = tf.data.Dataset.from_tensor_slices((x, y))
         return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(
             ctx.get_per_replica_batch_size(gb))
+    return dataset_fn
 
-    model, spy = _run_epoch(train_epoch, strategy, dataset_fn, at, traced=False, who=who)
+
+def _epoch_steps(strategy, gb: int) -> list:
+    """The steps ``distribute_datasets_from_function(_epoch_dataset_fn(gb))`` yields on one
+    worker (replicas take whole per-replica batches in turn: ``_expected_split``), made without
+    its iterator (tests/test_lab05_checks.py compares the two)."""
+    x, y = stretch_data()
+    steps = []
+    for start, sizes in zip(range(0, len(x), gb), _expected_split(
+            strategy.num_replicas_in_sync, gb)):
+        rows = slice(start, start + sum(sizes))
+        steps.append(distribute_slices(strategy, (x[rows], y[rows]), sizes))
+    return steps
+
+
+def _check_epoch_once(train_epoch, strategy, gb: int, who: str = "train_epoch") -> None:
+    """``train_epoch`` over the stretch's epoch in global batches of ``gb`` must move the weights
+    as one device does, run as written and wrapped in ``tf.function`` (a fresh distributed
+    dataset each time). A loop that is the check's own (``who`` is the learner's loss, not a
+    train_epoch) is handed the eager run's steps ready-made (:func:`_epoch_steps`): it iterates
+    whatever it is given, and the per-replica batches are the dataset's."""
+    __tracebackhide__ = True
+    n = strategy.num_replicas_in_sync
+    last = _expected_split(n, gb)[-1]
+    at = f"(global batch {gb} on {n} replicas; the last step's {sum(last)} samples as " \
+         f"{'+'.join(map(str, last))})"
+
+    def dataset():
+        return strategy.distribute_datasets_from_function(_epoch_dataset_fn(gb))
+
+    model, spy = _run_epoch(train_epoch, strategy,
+                            dataset() if who == "train_epoch" else _epoch_steps(strategy, gb),
+                            at, traced=False, who=who)
     got = model.get_weights()
     if not all(np.all(np.isfinite(w)) for w in got):
         fail(f"the weights became NaN {at}: in the last step a replica with no samples divided "
              f"its loss by its own count, and the mean of nothing is 0/0.",
              fix="Divide the summed loss by the step's global sample count instead.")
 
-    def same(divisors):
-        return all(_close(a, b, rtol=1e-4) for a, b in zip(got, _one_device(gb, divisors)))
+    def same(divisor):
+        return _same(got, _one_device(n, gb, divisor))
 
-    if same(lambda r, sizes: sum(sizes)):
-        traced, _ = _run_epoch(train_epoch, strategy, dataset_fn, at, traced=True, who=who)
-        if all(_close(a, b, rtol=1e-4) for a, b in zip(traced.get_weights(), got)):
+    if same("step"):
+        traced, _ = _run_epoch(train_epoch, strategy, dataset(), at, traced=True, who=who)
+        if _same(traced.get_weights(), got):
             return
         loop = who if who == "train_epoch" else f"a training loop built on {who}"
         fail(f"run eagerly, {loop} matched one device {at}, but wrapped in tf.function "
@@ -284,19 +339,19 @@ def _check_epoch_once(train_epoch, strategy, gb: int, who: str = "train_epoch") 
              f"was computed once, when the step was traced, from a Python value — the "
              f"trace is reused for every step, the short last one included.",
              fix="Compute the step's count from the batch with tensor operations.")
-    if same(lambda r, sizes: gb):
+    if same("global"):
         fail(f"the last step was too small {at}: its {sum(last)} samples were divided by the "
              f"full global batch ({gb}), a number fixed before the epoch — but a short last "
              f"step holds fewer samples, and only the step itself can tell how many.",
              fix="Divide by this step's sample count, summed over the replicas inside the step.")
-    if gb != _GLOBAL and same(lambda r, sizes: _GLOBAL):
+    if gb != _GLOBAL and same("fixed"):
         fail(f"every step's loss was divided by a fixed {_GLOBAL} {at}: the global batch here is "
              f"{gb}, and the last step holds {sum(last)} — a number written into the function "
              f"holds for one dataset only.",
              fix="Count the step's samples inside the step, summed over the replicas.")
-    if same(lambda r, sizes: sizes[r] * n):
+    if same("own"):
         _name_own_slice_divisor(spy, last, n, at)
-    if same(lambda r, sizes: float("inf") if sum(sizes) < gb else sum(sizes)):
+    if same("short_skipped"):
         fail(f"the last, partial step changed nothing {at}: its {sum(last)} samples were never "
              f"trained on.", fix="Train on the short last step too.")
     fail(f"after one epoch the weights differ from one device on the same batches {at}, by a "
@@ -319,32 +374,56 @@ def padded_epoch(n: int):
     return x, y, w, gb
 
 
-def _padded_one_device(n: int, weighted: bool, divisor) -> list:
+# A wrong padded epoch the check names: replayed on one device with the weighting and divisor
+# that reproduce it (weighted, divisor: a key of _PADDED_DIVISORS), and its cause and fix.
+_Mistake = collections.namedtuple("_Mistake", "weighted divisor cause fix")
+
+# How a padded step's weighted (or unweighted) sum can be divided, as one device replays it:
+# (real, size, mine) -> replica r's divisor, from the step's real samples, its size and replica
+# r's real samples; None leaves the replica out. ("real", weighted) is the right one.
+_PADDED_DIVISORS = {
+    "real": lambda real, size, mine, n: real,
+    "size": lambda real, size, mine, n: size,
+    "own": lambda real, size, mine, n: mine * n if mine else None,
+    "padded_skipped": lambda real, size, mine, n: None if real < size else real,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _padded_one_device(n: int, weighted: bool, divisor: str) -> tuple:
     """SGD on one device over the padded epoch, replayed the way ``n`` replicas would split each
     step (``gb / n`` samples each, in order): replica r's summed losses — each times its weight
-    if ``weighted`` — are divided by ``divisor(real, size, real_r)``: the step's real samples,
-    its size, replica r's real samples. None leaves the step out."""
+    if ``weighted`` — are divided by ``_PADDED_DIVISORS[divisor]``. Replayed once per process."""
     x, y, w, gb = padded_epoch(n)
-    model = _stretch_model()
-    opt = keras.optimizers.SGD(learning_rate=0.5)
     per = gb // n
+    how = _PADDED_DIVISORS[divisor]
+    steps = []
     for start in range(0, len(x), gb):
-        xs, ys, ws = x[start:start + gb], y[start:start + gb], w[start:start + gb]
-        with tf.GradientTape() as tape:
-            losses = mirrored.per_example_loss(ys, model(xs))
-            if weighted:
-                losses = losses * ws
-            loss = 0.0
-            for r in range(n):
-                d = divisor(float(ws.sum()), gb, float(ws[r * per:(r + 1) * per].sum()))
-                if d is None:
-                    continue
-                loss = loss + tf.reduce_sum(losses[r * per:(r + 1) * per]) / d
-        if isinstance(loss, float):
-            continue
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                model.trainable_variables))
-    return model.get_weights()
+        ws = w[start:start + gb]
+        steps.append((x[start:start + gb], y[start:start + gb], ws if weighted else None,
+                      [how(float(ws.sum()), gb, float(ws[r * per:(r + 1) * per].sum()), n)
+                       for r in range(n)], [per] * n))
+    return _replay(steps)
+
+
+def _fresh_run(train_epoch, strategy, dist, traced: bool):
+    """A fresh mirrored stretch model and SGD (lr 0.5) under ``strategy``, and the call that
+    runs ``train_epoch`` on them over ``dist``, as written or wrapped in ``tf.function``."""
+    with strategy.scope():
+        model = _stretch_model()
+        optimizer = keras.optimizers.SGD(learning_rate=0.5)
+    run = (tf.function(lambda: train_epoch(strategy, model, optimizer, dist)) if traced else
+           lambda: train_epoch(strategy, model, optimizer, dist))
+    return model, run
+
+
+def _first_line(exc, traced: bool) -> str:
+    """The line of an exception that says what went wrong: a traced error's last (its first is
+    "in user code")."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if traced and len(lines) > 1 and lines[0].startswith("in user code"):
+        return lines[-1]
+    return lines[0] if lines else ""
 
 
 def _run_padded(train_epoch, strategy, traced: bool, at: str, data=None):
@@ -353,13 +432,8 @@ def _run_padded(train_epoch, strategy, traced: bool, at: str, data=None):
     __tracebackhide__ = True
     n = strategy.num_replicas_in_sync
     x, y, w, gb = padded_epoch(n) if data is None else data
-    with strategy.scope():
-        model = _stretch_model()
-        optimizer = keras.optimizers.SGD(learning_rate=0.5)
-    dist = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y, w)).batch(gb))
-    run = (tf.function(lambda: train_epoch(strategy, model, optimizer, dist)) if traced else
-           lambda: train_epoch(strategy, model, optimizer, dist))
+    model, run = _fresh_run(train_epoch, strategy, strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y, w)).batch(gb)), traced)
     how = "wrapped in tf.function" if traced else "run as written"
     import warnings
     try:
@@ -369,10 +443,7 @@ def _run_padded(train_epoch, strategy, traced: bool, at: str, data=None):
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001 - the learner's code, reported in one line
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        first = lines[-1] if traced and lines and lines[0].startswith("in user code") else (
-            lines[0] if lines else "")
-        fail(f"train_epoch raised {type(exc).__name__} {how} {at}: {first}")
+        fail(f"train_epoch raised {type(exc).__name__} {how} {at}: {_first_line(exc, traced)}")
     return model.get_weights()
 
 
@@ -398,7 +469,7 @@ def check_padded_epoch(train_epoch, strategy) -> None:
         got = _run_padded(train_epoch, strat, False, at)
         _judge_padded(got, n, at, real, pad, gb, reals)
         traced = _run_padded(train_epoch, strat, True, at)
-        if not all(_close(a, b, rtol=1e-4) for a, b in zip(traced, got)):
+        if not _same(traced, got):
             fail(f"run as written, train_epoch matched one device {at}, but wrapped in "
                  f"tf.function its weights differ: something in the step was computed once, "
                  f"when the step was traced, from a Python value — the trace is reused for "
@@ -435,7 +506,7 @@ def _check_all_padding(train_epoch, strategy) -> None:
                  fix="Make a step with no real sample contribute a loss of 0: a division that "
                      "gives 0 when the count is 0 (tf.math.divide_no_nan), or a divisor kept "
                      "at least 1.")
-        if not all(_close(a, b, rtol=1e-6) for a, b in zip(got, start)):
+        if not _same(got, start, rtol=1e-6):
             moved = max(float(np.max(np.abs(a - b))) for a, b in zip(got, start))
             fail(f"the weights moved (by up to {moved:.3g}) after a step of padding alone {at}, "
                  f"{how}: no sample of that step is real, so one device has nothing to train "
@@ -456,41 +527,43 @@ def _judge_padded(got, n, at, real, pad, gb, reals) -> None:
              fix="Divide by a number the replicas share, which is not 0 while the step holds "
                  "a real sample.")
 
-    def same(weighted, divisor):
-        return all(_close(a, b, rtol=1e-4) for a, b in
-                   zip(got, _padded_one_device(n, weighted, divisor)))
-
-    if same(True, lambda real_, size, mine: real_):
+    if _same(got, _padded_one_device(n, True, "real")):
         return
-    if same(False, lambda real_, size, mine: size):
-        fail(f"the last step trained on its padding {at}: each replica's loss was the plain "
-             f"mean over every sample it was handed, {real} real and {pad} padding divided by "
-             f"{gb} — the padding samples (zero features, label 0) pulled the weights toward "
-             f"predicting class 0 for nothing, and the {real} real samples got {real}/{gb} of "
-             f"their weight. The weights w say which samples are real.",
-             fix="Weight each example's loss by w, and divide by the number of real samples "
-                 "in the step.")
-    if same(True, lambda real_, size, mine: size):
-        fail(f"the last step was too small {at}: the padding was weighted out of the sum, but "
-             f"the sum was divided by the step's {gb} samples, padding included — its mean over "
-             f"{real} real samples is the sum / {real}, so the last step moved the weights "
-             f"{real}/{gb} as far as one device does.",
-             fix="Divide by the sum of the step's weights, combined over the replicas inside "
-                 "the step.")
-    if same(False, lambda real_, size, mine: real_):
-        fail(f"the last step trained on its padding {at}: the sum was divided by the {real} "
-             f"real samples, but the per-example losses were not weighted, so the {pad} "
-             f"padding samples' losses are in the sum.",
-             fix="Multiply each example's loss by its weight before summing.")
-    if same(True, lambda real_, size, mine: mine * n if mine else None):
-        fail(f"the last step was wrong {at}: each replica divided its weighted sum by its own "
-             f"real samples times the {n} replicas ({', '.join(f'{k} x {n}' for k in reals)}) "
-             f"— the step's real count only when every replica holds as many real samples, and "
-             f"padding sits at the end of the data, on the last replicas.",
-             fix="Divide by the step's real samples, summed over the replicas inside the step.")
-    if same(True, lambda real_, size, mine: None if real_ < size else real_):
-        fail(f"the padded last step changed nothing {at}: its {real} real samples were never "
-             f"trained on.", fix="Train on the padded last step too, weighting out its padding.")
+    # each wrong weighting and divisor the check knows, in order
+    wrong = [
+        _Mistake(False, "size",
+            f"the last step trained on its padding {at}: each replica's loss was the plain "
+            f"mean over every sample it was handed, {real} real and {pad} padding divided by "
+            f"{gb} — the padding samples (zero features, label 0) pulled the weights toward "
+            f"predicting class 0 for nothing, and the {real} real samples got {real}/{gb} of "
+            f"their weight. The weights w say which samples are real.",
+            fix="Weight each example's loss by w, and divide by the number of real samples "
+                "in the step."),
+        _Mistake(True, "size",
+            f"the last step was too small {at}: the padding was weighted out of the sum, but "
+            f"the sum was divided by the step's {gb} samples, padding included — its mean over "
+            f"{real} real samples is the sum / {real}, so the last step moved the weights "
+            f"{real}/{gb} as far as one device does.",
+            fix="Divide by the sum of the step's weights, combined over the replicas inside "
+                "the step."),
+        _Mistake(False, "real",
+            f"the last step trained on its padding {at}: the sum was divided by the {real} "
+            f"real samples, but the per-example losses were not weighted, so the {pad} "
+            f"padding samples' losses are in the sum.",
+            fix="Multiply each example's loss by its weight before summing."),
+        _Mistake(True, "own",
+            f"the last step was wrong {at}: each replica divided its weighted sum by its own "
+            f"real samples times the {n} replicas ({', '.join(f'{k} x {n}' for k in reals)}) "
+            f"— the step's real count only when every replica holds as many real samples, and "
+            f"padding sits at the end of the data, on the last replicas.",
+            fix="Divide by the step's real samples, summed over the replicas inside the step."),
+        _Mistake(True, "padded_skipped",
+            f"the padded last step changed nothing {at}: its {real} real samples were never "
+            f"trained on.", fix="Train on the padded last step too, weighting out its padding."),
+    ]
+    for mistake in wrong:
+        if _same(got, _padded_one_device(n, mistake.weighted, mistake.divisor)):
+            fail(mistake.cause, fix=mistake.fix)
     fail(f"after one epoch the weights differ from one device on the unpadded batches {at}, "
          f"by a weighting or divisor the check does not recognise.",
          fix="Weight each example's loss by w and divide by the real samples of the step, "

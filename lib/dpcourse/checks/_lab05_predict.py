@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from dpcourse.checks import reveal
+from dpcourse.checks._lab05_common import pieces
 from dpcourse.checks._lab05_pipeline import _N_SAMPLES, stretch_global
 
 
@@ -60,15 +61,6 @@ def last_step(strategy, dist_dataset, model, global_batch: int) -> dict:
     return {"steps": steps, "sizes": sizes, "called": sorted(called), "means": means,
             "shares": shares, "step_mean": sum(sums) / max(1, sum(sizes)),
             "global_batch": global_batch}
-
-
-def pieces(b: int, n: int) -> list:
-    """How ``experimental_distribute_dataset`` cuts a batch of ``b`` over ``n`` replicas, as
-    measured with TF 2.21 (tests/test_lab05_checks.py; ``_LegacyRebatchDataset`` in TF's
-    ``data/experimental/ops/distribute.py``, not ``batch_sizes_for_worker``); used only in the
-    explanation shown after part 4's prediction."""
-    c = -(-b // n)
-    return [max(0, min(c, b - r * c)) for r in range(n)]
 
 
 def _fmt(values) -> str:

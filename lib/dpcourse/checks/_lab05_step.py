@@ -12,12 +12,15 @@ Imported by :mod:`dpcourse.checks.lab05`, where the lab calls it.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from dpcourse import mirrored
 from dpcourse.checks import fail, passed, recorded
 from dpcourse.checks._lab05_common import (_LibrarySpy, _captured_note, _close, _refuse_library,
-                                           keras, reference_batch, strategies_for, tf)
+                                           distribute_slices, keras, reference_batch,
+                                           required_positional, strategies_for)
 from dpcourse.checks._lab05_model import _check_lr, _check_sgd, _other_lr, _outside_scope
 from dpcourse.checks._lab05_reports import _Ambiguous, judge_reports
 
@@ -75,14 +78,7 @@ def _refuse_a_batch_size_parameter(distributed_train_step) -> None:
     """The contract hands no batch size: a fifth parameter without a default (the old
     ``global_batch``) cannot be filled, and is named before anything runs."""
     __tracebackhide__ = True
-    import inspect
-    try:
-        params = inspect.signature(getattr(distributed_train_step, "func",
-                                           distributed_train_step)).parameters
-    except (TypeError, ValueError):
-        return
-    required = [nm for nm, p in params.items()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = required_positional(distributed_train_step) or []
     if len(required) > 4:
         fail(f"distributed_train_step requires {len(required)} arguments "
              f"({', '.join(required)}), but a training loop calls it with (strategy, model, "
@@ -98,9 +94,7 @@ def short_slices(n: int, seed: int = 5) -> list:
     ``n`` replicas, split as ``experimental_distribute_dataset`` splits it (1 + 0 (+ 0)): a
     sample the reference model (``build_keras_cnn(seed=3)``) classifies right, so that one device
     reports accuracy 1 and a count divided by any other number is seen."""
-    x, y = reference_batch(64, seed)
-    logits = mirrored.build_keras_cnn(seed=3)(x, training=False).numpy()
-    hits = np.flatnonzero(np.argmax(logits, -1) == y)
+    hits = np.flatnonzero(_reference_hits(seed))
     return [hits[:1]] + [np.arange(0) for _ in range(n - 1)]
 
 
@@ -109,9 +103,7 @@ def uneven_slices(n: int, seed: int = 5) -> list:
     replica 0 holds 6 samples, each other replica 2, and every replica's slice holds exactly one
     sample the reference model (``build_keras_cnn(seed=3)``) classifies right — so that neither
     the mean of the replicas' loss means nor the mean of their accuracies is the batch's."""
-    x, y = reference_batch(64, seed)
-    logits = mirrored.build_keras_cnn(seed=3)(x, training=False).numpy()
-    hit, loss = np.argmax(logits, -1) == y, mirrored.per_example_loss(y, logits).numpy()
+    hit, loss = _reference_hits(seed), _reference_losses(seed)
     hits = list(np.flatnonzero(hit))
     misses = sorted(np.flatnonzero(~hit), key=lambda i: -loss[i])  # dearest first
     if len(hits) < n or len(misses) < 5 + (n - 1):  # not with the fixed batch: a plain split
@@ -123,25 +115,82 @@ def uneven_slices(n: int, seed: int = 5) -> list:
     return out
 
 
+# The one-device reference every step is compared with: the lesson's CNN (seed 3) at its initial
+# weights. Built once per process, with what it gives on each step the check feeds (logits,
+# gradient), since every call of the check and every test asks the same questions of it.
+
+@functools.lru_cache(maxsize=None)
+def _reference_model():
+    ref = mirrored.build_keras_cnn(seed=3)
+    return ref, tuple(w.copy() for w in ref.get_weights())
+
+
+def _reference_logits_of(weights, x) -> np.ndarray:
+    """The reference CNN's logits on ``x`` with ``weights`` (its own start weights when None)."""
+    ref, start = _reference_model()
+    ref.set_weights(list(start) if weights is None else weights)
+    return ref(x, training=False).numpy()
+
+
+def _reference_gradients(x, y) -> list:
+    """One device's gradient of the mean loss over (``x``, ``y``) at the start weights."""
+    ref, start = _reference_model()
+    ref.set_weights(list(start))
+    return mirrored.single_replica_gradients(ref, x, y)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_logits(seed: int) -> np.ndarray:
+    logits = _reference_logits_of(None, reference_batch(64, seed)[0])
+    logits.setflags(write=False)
+    return logits
+
+
+def _reference_hits(seed: int) -> np.ndarray:
+    return np.argmax(_reference_logits(seed), -1) == reference_batch(64, seed)[1]
+
+
+def _reference_losses(seed: int) -> np.ndarray:
+    return mirrored.per_example_loss(reference_batch(64, seed)[1], _reference_logits(seed)).numpy()
+
+
+_STEPS: dict = {}
+
+
+def _reference_step(global_batch: int, n: int, slices: list | None) -> tuple:
+    """A step the check feeds and one device's view of it, made once per step in a process:
+    ``(x, y, rows, logits, grads)`` — the step's samples in replica order, replica r's rows of
+    them, the reference's logits and its mean loss's gradient at the start weights. ``slices``
+    None: one global batch of ``reference_batch(global_batch)`` cut over ``n`` replicas as
+    evenly as it goes (array_split); else replica r holds the samples ``slices[r]`` of
+    ``reference_batch(64)``."""
+    key = (global_batch, n, None if slices is None else
+           tuple(tuple(int(i) for i in s) for s in slices))
+    if key not in _STEPS:
+        if slices is None:   # the check splits one global batch as evenly as it can
+            x, y = reference_batch(global_batch)
+            rows = [np.asarray(s) for s in np.array_split(np.arange(global_batch), n)]
+        else:                # replica r holds the samples slices[r] of the reference batch
+            x64, y64 = reference_batch(64)
+            x, y = x64[np.concatenate(slices).astype(int)], y64[np.concatenate(slices).astype(int)]
+            bounds = np.cumsum([0] + [len(s) for s in slices])
+            rows = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        logits, grads = _reference_logits_of(None, x), _reference_gradients(x, y)
+        for arr in (x, y, logits, *grads):   # shared by every call: nobody may change them
+            arr.setflags(write=False)
+        _STEPS[key] = (x, y, rows, logits, grads)
+    return _STEPS[key]
+
+
 def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
                      global_batch: int, lr: float, slices: list | None = None):
     __tracebackhide__ = True
     n = strategy.num_replicas_in_sync
-    if slices is None:   # the check splits one global batch as evenly as it can (array_split)
-        x, y = reference_batch(global_batch)
-        slices = [np.asarray(s) for s in np.array_split(np.arange(global_batch), n)]
-    else:                # replica r holds the samples slices[r] of the reference batch
-        x64, y64 = reference_batch(64)
-        x, y = x64[np.concatenate(slices).astype(int)], y64[np.concatenate(slices).astype(int)]
-        bounds = np.cumsum([0] + [len(s) for s in slices])
-        slices = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
     # The reference: one device, mean loss over the whole global batch, plain SGD.
-    ref = mirrored.build_keras_cnn(seed=3)
-    start = [w.copy() for w in ref.get_weights()]
-    logits = ref(x, training=False).numpy()
+    x, y, slices, logits, grads = _reference_step(global_batch, n, slices)
+    start = list(_reference_model()[1])
     ref_loss = float(mirrored.per_example_loss(y, logits).numpy().mean())
     ref_acc = float(np.mean(np.argmax(logits, -1) == y))
-    grads = mirrored.single_replica_gradients(ref, x, y)
     ref_delta = [-lr * g for g in grads]  # the step SGD must take (trainable vars == all vars)
 
     model, optimizer = make_model_and_optimizer(strategy, lr)
@@ -156,13 +205,9 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
     _check_lr(optimizer, lr)
     _check_sgd(optimizer, lr)
     model.set_weights(start)
-    if len({len(s) for s in slices}) == 1:
-        dist_batch = next(iter(strategy.experimental_distribute_dataset(
-            tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))))
-    else:
-        dist_batch = strategy.experimental_distribute_values_from_function(
-            lambda ctx: (tf.constant(x[slices[ctx.replica_id_in_sync_group]]),
-                         tf.constant(y[slices[ctx.replica_id_in_sync_group]])))
+    # replica r holds rows slices[r]: on an even step, the element experimental_distribute_dataset
+    # makes of one batch of (x, y) (the split the ceiling rule gives, tested)
+    dist_batch = distribute_slices(strategy, (x, y), [len(s) for s in slices])
     try:
         out = distributed_train_step(strategy, model, optimizer, dist_batch)
     except NotImplementedError:
@@ -227,8 +272,7 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
         if len({len(s) for s in slices}) > 1:
             # each replica dividing its summed loss by its own slice size x n (a local mean / n)
             local = [sum(g / n for g in gs) for gs in zip(*(
-                mirrored.single_replica_gradients(ref, x[s], y[s])
-                for s in slices))]
+                _reference_gradients(x[s], y[s]) for s in slices))]
             if all(_close(d, -lr * g, rtol=1e-2) for d, g in zip(delta, local)):
                 fail(f"this step's {global_batch} samples arrived in slices of {split}, and each "
                      f"replica's loss was divided by its own slice size times the replica count: "
@@ -241,8 +285,7 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
 
     # The weights are right: what the step reported is judged against the wrong calculations
     # the check knows, on this very split, from the logits before and after the update.
-    ref.set_weights(model.get_weights())
-    after = ref(x, training=False).numpy()
+    after = _reference_logits_of(model.get_weights(), x)
     when_of = {"before": (per_ex, hit),
                "after": (mirrored.per_example_loss(y, after).numpy(), np.argmax(after, -1) == y)}
     judge_reports(loss, acc, ref_loss, ref_acc, when_of, slices, global_batch)

@@ -60,8 +60,8 @@ import numpy as np
 from dpcourse import mirrored
 from dpcourse.checks import fail, passed, recorded
 from dpcourse.checks._lab05_common import (_HiddenSpy, _LibrarySpy, _captured_note, _close,
-                                           _local,
-                                           _refuse_library, keras, reference_batch,
+                                           _local, _refuse_library, distribute_slices, keras,
+                                           pieces, reference_batch, required_positional,
                                            strategies_for, tf)
 from dpcourse.checks._lab05_epoch import (_check_epoch_once, check_padded_epoch,
                                           check_partial_batch_epoch, padded_epoch)
@@ -131,13 +131,7 @@ def _refuse_a_step_size_parameter(per_replica_loss) -> None:
     """The contract hands no step size: a third parameter without a default (the old
     ``global_batch``) cannot be filled, and is named before anything runs."""
     __tracebackhide__ = True
-    import inspect
-    try:
-        params = inspect.signature(getattr(per_replica_loss, "func", per_replica_loss)).parameters
-    except (TypeError, ValueError):
-        return
-    required = [nm for nm, p in params.items()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = required_positional(per_replica_loss) or []
     if len(required) > 2:
         fail(f"per_replica_loss requires {len(required)} arguments ({', '.join(required)}), but "
              f"the step calls it with the labels and logits of this replica's slice only (and "
@@ -153,8 +147,8 @@ def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
     n = strat.num_replicas_in_sync
     _, y = reference_batch(max(global_batch, 1), seed=max(global_batch, 1))
     logits = np.random.default_rng(global_batch).normal(size=(len(y), 10)).astype(np.float32)
-    batch = next(iter(strat.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((y, logits)).batch(global_batch))))
+    # the step experimental_distribute_dataset makes of one batch of (y, logits)
+    batch = distribute_slices(strat, (y, logits), pieces(global_batch, n))
     labels, lgs = _local(strat, batch[0]), _local(strat, batch[1])
     sizes = [len(lab) for lab in labels]
     split = "+".join(map(str, sizes))
@@ -292,8 +286,7 @@ def _check_penalty_once(per_replica_loss, strat, global_batch: int) -> str:
              f"contract's regularised step calls it with penalty= as well: the check cannot "
              f"ask it for a regularised step's share.",
              fix="Add the parameter penalty=None and use it when it is given.")
-    batch = next(iter(strat.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((y, logits)).batch(global_batch))))
+    batch = distribute_slices(strat, (y, logits), pieces(global_batch, n))
     try:
         out = strat.run(lambda labels, lg: per_replica_loss(
             labels, lg, penalty=tf.constant(PENALTY)), args=batch)
