@@ -375,6 +375,11 @@ def _given(value, default):
 
 
 def main(args: argparse.Namespace) -> int:
+    # Bad input is refused before torch is imported (seconds on a loaded machine): the flags
+    # whose default depends on a GPU are checked as given (a default is never refused).
+    ScalingConfig(max_ranks=args.max_ranks, per_rank_batch=_given(args.per_device_batch, 1),
+                  steps=_given(args.steps, 1), repeats=args.repeats, model=args.model,
+                  alpha=args.alpha, beta=args.beta).validate()
     import torch
 
     gpu = torch.cuda.is_available()

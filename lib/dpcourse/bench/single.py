@@ -192,6 +192,10 @@ def _given(value, default):
 
 
 def main(args: argparse.Namespace) -> int:
+    # Bad input is refused before torch is imported (seconds on a loaded machine): the flags
+    # whose default depends on a GPU are checked as given (a default is never refused).
+    SingleConfig(model=args.model, batch=_given(args.batch, 1), steps=_given(args.steps, 1),
+                 repeats=args.repeats, compile=args.compile).validate()
     import torch
 
     gpu = torch.cuda.is_available()
