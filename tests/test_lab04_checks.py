@@ -1,13 +1,19 @@
 """The lab 04 check: the reference answer passes, each plausible wrong answer fails with a
 sentence that names it. Wrong answers are real scripts (the solution with one mistake put back)
 run on real ranks; most through dpcourse.launch.spawn (same environment variables as torchrun,
-one second to start), a few through torchrun itself, as the lab does.
+one second to start), a few through torchrun itself, as the lab does. The answers to
+evaluate_f1 and to the stretch are judged from batches: each answer's code runs in turn in one
+launch per run (lab04.f1_results, lab04.resume_runs), judged as the check judges it; each
+check also runs end to end here.
 
 The lab's answer is ``evaluate_f1`` (macro-F1 over a test set split across the ranks): its
 mistakes are tested with ``check_f1``. The training part of the lab's script is given, but a
 learner can still break it, so the conversion mistakes stay tested too (with ``f1_runs=()``)."""
 
+import functools
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -54,8 +60,12 @@ WRONG = {
 }
 
 
-def test_reference_answer_passes_under_torchrun(tmp_path, capsys):
-    lab04.check(_write(tmp_path, _solution_script()), timeout=120)
+def test_reference_answer_ending_without_os_exit_passes_under_torchrun(tmp_path, capsys):
+    # the reference's evaluate_f1 and training, ending without its os._exit(0): the runner's
+    # own os._exit ends it (one torchrun launch for both cases; the reference script as
+    # written passes under torchrun in solutions/lab04's notebook, which nbval runs)
+    text = _variant("    sys.stdout.flush()\n    os._exit(0)", "")
+    lab04.check(_write(tmp_path, text), timeout=120)
     out = capsys.readouterr().out
     assert "✔" in out and out.count("✔") == 1 and "evaluate_f1 equals" in out
 
@@ -93,12 +103,6 @@ RIGHT = {
 @pytest.mark.parametrize("name", sorted(RIGHT))
 def test_right_conversion_variants_pass(tmp_path, name, capsys):
     lab04.check(_write(tmp_path, _variant(*RIGHT[name])), cfgs=lab04.CONFIGS, **NO_F1)
-    assert capsys.readouterr().out.count("✔") == 1
-
-
-def test_ending_without_os_exit_passes_under_torchrun(tmp_path, capsys):
-    text = _variant("    sys.stdout.flush()\n    os._exit(0)", "")
-    lab04.check(_write(tmp_path, text), f1_runs=(), timeout=120)
     assert capsys.readouterr().out.count("✔") == 1
 
 
@@ -403,26 +407,52 @@ F1_WRONG = {
 # only, and averaging fractions then equals averaging F1: the lab's own test sets tell them apart
 F1_RUNS_OF = {"mean_of_precision_recall": lab04.F1_RUNS[:1]}
 
+# Every right and wrong body below is judged from ONE launch per (world size, test images) it
+# runs on: lab04.f1_results runs each script's evaluate_f1 in turn in one process group, as
+# check_f1 runs it alone (a fresh counting model and spy each), and lab04.judge_f1 is
+# check_f1's judgement of the ranks' results. A launch costs more than an evaluation (about 60
+# launches became 3). check_f1 itself runs end to end further down: the reference on the
+# lab's runs and on 1 and 4 ranks, a TODO, a deadlock, a mistake met twice, 3 ranks and 100
+# images.
+F1_BATCHES = {
+    (2, 101): [name for name in sorted(F1_WRONG) if name not in F1_RUNS_OF],
+    (2, 301): ["mean_of_precision_recall", "F1_RIGHT"],
+    (3, 302): ["mean_of_precision_recall", "reduce_to_rank0", "weighted_mean_of_f1", "F1_RIGHT"],
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _f1_batch(run) -> dict:
+    names = [n for name in F1_BATCHES[run] for n in (sorted(F1_RIGHT) if name == "F1_RIGHT"
+                                                      else [name])]
+    bodies = {**{name: body for name, (body, _) in F1_WRONG.items()}, **F1_RIGHT}
+    results = lab04.f1_results([_body(bodies[name]) for name in names], *run, timeout=90)
+    return dict(zip(names, results))
+
+
+def _judge_f1(name, run=(2, 101)) -> str:
+    """check_f1's verdict on body ``name`` on ``run`` (world size, test images): the ✔'s note,
+    or the LabCheckError it raises."""
+    return lab04.judge_f1(_f1_batch(run)[name], run[1])
+
 
 @pytest.mark.parametrize("name", sorted(F1_WRONG))
-def test_wrong_f1_is_named(tmp_path, name):
+def test_wrong_f1_is_named(name):
     body, phrase = F1_WRONG[name]
     with pytest.raises(LabCheckError) as err:
-        lab04.check_f1(_write(tmp_path, _body(body)), runs=F1_RUNS_OF.get(name, ((2, 101),)))
+        _judge_f1(name, F1_RUNS_OF.get(name, ((2, 101),))[0])
     assert phrase in str(err.value), str(err.value)
 
 
-def test_padding_is_named_only_where_the_images_show_it(tmp_path):
+def test_padding_is_named_only_where_the_images_show_it():
     # the sampler's padding: one image on two ranks, every share equally long
-    body, _ = F1_WRONG["padded_sampler"]
     with pytest.raises(LabCheckError) as err:
-        lab04.check_f1(_write(tmp_path, _body(body)), runs=((2, 101),))
+        _judge_f1("padded_sampler")
     assert "image 0 on ranks 0 and 1" in str(err.value), str(err.value)
     assert "DistributedSampler pads" in str(err.value), str(err.value)
     # a second forward over each rank's own share is no padding: the sentence does not say so
-    body, _ = F1_WRONG["forward_twice"]
     with pytest.raises(LabCheckError) as err:
-        lab04.check_f1(_write(tmp_path, _body(body)), runs=((2, 101),))
+        _judge_f1("forward_twice")
     message = str(err.value)
     assert "ran the model on 202 images for 101" in message, message
     assert "DistributedSampler" not in message and "pad" not in message, message
@@ -440,21 +470,19 @@ def test_the_rng_cause_keeps_the_design_for_the_second_meeting():
     ("weighted_mean_of_f1", "no mean of the shards' F1, weighted or not, is the F1 of the whole",
      "compute F1 once from the sums"),
 ])
-def test_reduce_and_weighted_mean_get_their_fix_the_second_time(tmp_path, name, cause, fix):
-    path = _write(tmp_path, _body(F1_WRONG[name][0]))
+def test_reduce_and_weighted_mean_get_their_fix_the_second_time(name, cause, fix):
     for attempt in range(2):
         with pytest.raises(LabCheckError) as err:
-            lab04.check_f1(path, runs=((3, 302),))
+            _judge_f1(name, (3, 302))
         message = " ".join(str(err.value).split())
         assert message.startswith("On 3 ranks with 302 test images: "), message
         assert cause in message, message
         assert (fix in message) == (attempt == 1), message
 
 
-def test_mean_of_precision_recall_is_named_on_three_ranks_too(tmp_path):
-    body, phrase = F1_WRONG["mean_of_precision_recall"]
+def test_mean_of_precision_recall_is_named_on_three_ranks_too():
     with pytest.raises(LabCheckError, match="On 3 ranks with 302 test images: .*recalls"):
-        lab04.check_f1(_write(tmp_path, _body(body)), runs=(lab04.F1_RUNS[1],))
+        _judge_f1("mean_of_precision_recall", lab04.F1_RUNS[1])
 
 
 def test_mean_of_f1_is_named_on_three_ranks_too(tmp_path):
@@ -531,8 +559,10 @@ F1_RIGHT = {
 
 
 @pytest.mark.parametrize("name", sorted(F1_RIGHT))
-def test_right_f1_variants_pass(tmp_path, name):
-    note = lab04.f1_note(_write(tmp_path, _body(F1_RIGHT[name])))
+def test_right_f1_variants_pass(name):
+    note = ""
+    for run in lab04.F1_RUNS:  # as f1_note: the note of any run
+        note = _judge_f1(name, run) or note
     assert (note == lab04.AVG_NOTE) == (name == "avg_of_float_counts"), note
 
 
@@ -548,11 +578,10 @@ def test_the_reference_f1_has_no_note(tmp_path):
     ("float16_counts", "is torch.float16, which holds whole numbers exactly only up to 2,048",
      "float32 (exact up to 2^24 = 16,777,216)"),
 ])
-def test_budget_and_device_mistakes_get_their_fix_the_second_time(tmp_path, name, cause, fix):
-    path = _write(tmp_path, _body(F1_WRONG[name][0]))
+def test_budget_and_device_mistakes_get_their_fix_the_second_time(name, cause, fix):
     for attempt in range(2):
         with pytest.raises(LabCheckError) as err:
-            lab04.check_f1(path, runs=((2, 101),))
+            _judge_f1(name)
         message = str(err.value)
         assert cause in message, message
         assert (fix in message) == (attempt == 1), message
@@ -586,11 +615,10 @@ def test_saved_f1_must_be_the_evaluated_one(tmp_path):
         lab04.check(_write(tmp_path, text), launcher="spawn", timeout=90, f1_runs=((2, 101),))
 
 
-def test_tensor_return_gets_its_fix_the_second_time(tmp_path):
-    path = _write(tmp_path, _body(F1_WRONG["returns_a_0d_tensor"][0]))
+def test_tensor_return_gets_its_fix_the_second_time():
     for attempt in range(2):
         with pytest.raises(LabCheckError) as err:
-            lab04.check_f1(path, runs=((2, 101),))
+            _judge_f1("returns_a_0d_tensor")
         message = str(err.value)
         assert "a CUDA tensor where a number belongs" in message, message
         assert ("float(...)" in message) == (attempt == 1), message
@@ -949,16 +977,77 @@ def resume_never(path, model, optimizer):
     return 0
 
 
-@pytest.mark.parametrize("save, resume", [
-    (save_state, resume_state),
-    (save_gathered_to_rank0, resume_gathered),
-    (save_named_temporary, resume_gathered),
-    (save_bytes_then_replace, resume_gathered),
-    (save_stacked_tensor, resume_stacked),
-], ids=["reference", "gather-to-rank0-rename-next-epoch", "named-temporary-file-replace",
-        "bytes-in-memory-path-replace", "all-gather-stacked"])
-def test_right_resumes_pass(save, resume, capsys):
-    lab04.check_resume(save, resume)
+def _resume_pairs() -> dict:
+    """Every (save, resume) the tests judge whose first run passes and whose code raises
+    nowhere, by the test id that judges it."""
+    return {
+        "reference": (save_state, resume_state),
+        "gather-to-rank0-rename-next-epoch": (save_gathered_to_rank0, resume_gathered),
+        "named-temporary-file-replace": (save_named_temporary, resume_gathered),
+        "bytes-in-memory-path-replace": (save_bytes_then_replace, resume_gathered),
+        "all-gather-stacked": (save_stacked_tensor, resume_stacked),
+        "current-gpu-gathered": (save_cuda_current, resume_cuda_current),
+        "guarded-by-is-available": (save_cuda_if_available, resume_cuda_if_available),
+        "cpu-rng-only": (save_cpu_rng_only, resume_cpu_rng_only),
+        "rank0-cuda-everywhere": (save_cuda_rank0_only, resume_cuda_everywhere),
+        "learner-lr2-04-guarded": (save_lr2_04, resume_lr2_04),
+        "gpu0-on-every-rank": (save_cuda_device0, resume_cuda_device0),
+        "saved-not-restored": (save_state, resume_cuda_not_restored),
+        "no-optimizer": (save_weights_only, resume_weights_only),
+        "optimizer-rank0-only": (save_state, _resume_variant(optimizer_on="rank0")),
+        "weights-rank0-only": (save_state, _resume_variant(weights="rank0")),
+        "no-weights": (save_state, _resume_variant(weights=False)),
+        "repeat-epoch": (save_state, _resume_variant(offset=0)),
+        "from-zero": (save_state, lambda p, m, o: _resume_variant()(p, m, o) and 0),
+        "never": (save_state, resume_never),
+        "no-rng": (save_no_rng, resume_no_rng),
+        "rng-not-loaded": (save_state, _resume_variant(rng=False)),
+        "rank0-rng-everywhere": (save_rank0_rng, resume_rank0_rng),
+        "plain-torch-save": (save_plain_torch_save, resume_gathered),
+        "bytes-written-in-place": (save_bytes_in_place, resume_gathered),
+        "removed-then-saved": (save_remove_first, resume_gathered),
+        "copied-over": (save_then_copy, resume_gathered),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def _resume_batch() -> dict:
+    """check_resume's runs of every pair of _resume_pairs, from four launches in all
+    (lab04.resume_runs: the first runs, the runs after the crash, the uninterrupted runs, the
+    stopped saves), each pair's functions run in turn in one process group, as check_resume
+    runs them alone; about 100 launches before."""
+    pairs = _resume_pairs()
+    folder = tempfile.mkdtemp(prefix="dpcourse-test-lab04-resume-")
+    try:
+        runs = lab04.resume_runs(list(pairs.values()), folder, timeout=90)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return dict(zip(pairs, runs))
+
+
+def _judge_resume(name, plan=None) -> None:
+    """check_resume's verdict on pair ``name`` (judge_resume_runs: what check_resume judges
+    once the first run passed), from the batch: its ✔ or the LabCheckError it raises."""
+    r = _resume_batch()[name]
+    lab04.judge_resume_runs(r["first"], r["second"], r["whole"], r["crash"], plan)
+
+
+def test_the_reference_resume_passes_end_to_end(capsys):
+    # check_resume itself, its launches one after another; the tests below judge the same
+    # runs of many answers from one batch (_judge_resume)
+    lab04.check_resume(save_state, resume_state)
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("✔") == 1, out
+    assert ("with 2 stand-in GPUs on each rank behind torch.cuda's random-state functions: "
+            "each rank got back the CUDA generator states it had at the crash") in out, out
+    assert "a save stopped halfway left the previous checkpoint readable" in out, out
+
+
+@pytest.mark.parametrize("name", ["reference", "gather-to-rank0-rename-next-epoch",
+                                  "named-temporary-file-replace", "bytes-in-memory-path-replace",
+                                  "all-gather-stacked"])
+def test_right_resumes_pass(name, capsys):
+    _judge_resume(name)
     out = " ".join(capsys.readouterr().out.split())
     assert out.count("✔") == 1, out
     assert ("with 2 stand-in GPUs on each rank behind torch.cuda's random-state functions: "
@@ -971,7 +1060,7 @@ def test_a_resume_exact_on_cpus_only_is_refused_for_gpus():
     # the CPU runs pass; the code never touches CUDA's generators: cause, then the fix
     for attempt in range(2):
         with pytest.raises(LabCheckError) as err:
-            lab04.check_resume(save_cpu_rng_only, resume_cpu_rng_only)
+            _judge_resume("cpu-rng-only")
         message = str(err.value)
         assert ("save_training_state reads and resume_training_state restores no state of "
                 "CUDA's generators") in message, message
@@ -1098,12 +1187,9 @@ def resume_cuda_not_restored(path, model, optimizer):
     return state["epoch"] + 1
 
 
-@pytest.mark.parametrize("save, resume", [
-    (save_cuda_current, resume_cuda_current),
-    (save_cuda_if_available, resume_cuda_if_available),
-], ids=["current-gpu-gathered", "guarded-by-is-available"])
-def test_more_right_cuda_resumes_pass(save, resume, capsys):
-    lab04.check_resume(save, resume)
+@pytest.mark.parametrize("name", ["current-gpu-gathered", "guarded-by-is-available"])
+def test_more_right_cuda_resumes_pass(name, capsys):
+    _judge_resume(name)
     out = " ".join(capsys.readouterr().out.split())
     assert out.count("✔") == 1 and "each rank got back the CUDA generator states" in out, out
 
@@ -1137,15 +1223,12 @@ def resume_lr2_04(path, model, optimizer):
     return ckpt["epoch"] + 1
 
 
-@pytest.mark.parametrize("save, resume", [
-    (save_cuda_rank0_only, resume_cuda_everywhere),
-    (save_lr2_04, resume_lr2_04),
-], ids=["rank0-cuda-everywhere", "learner-lr2-04-guarded"])
-def test_rank0s_cuda_state_on_every_rank_is_refused_by_running_it(save, resume):
+@pytest.mark.parametrize("name", ["rank0-cuda-everywhere", "learner-lr2-04-guarded"])
+def test_rank0s_cuda_state_on_every_rank_is_refused_by_running_it(name):
     # learner LR2_04: get_rng_state_all() from rank 0 only, set_rng_state_all on every rank
     for attempt in range(2):
         with pytest.raises(LabCheckError) as err:
-            lab04.check_resume(save, resume)
+            _judge_resume(name)
         message = " ".join(str(err.value).split())
         assert re.search(r"After the resume rank 1's CUDA generators held rank 0's states at "
                          r"the crash \(GPU 0: seed 1, offset \d+, GPU 1: seed 1, offset 0\), "
@@ -1155,15 +1238,12 @@ def test_rank0s_cuda_state_on_every_rank_is_refused_by_running_it(save, resume):
         assert ("give each rank its own back" in message) == (attempt == 1), message
 
 
-@pytest.mark.parametrize("save, resume", [
-    (save_cuda_device0, resume_cuda_device0),
-    (save_state, resume_cuda_not_restored),
-], ids=["gpu0-on-every-rank", "saved-not-restored"])
-def test_a_cuda_state_not_given_back_is_refused_with_the_rank_named(save, resume):
+@pytest.mark.parametrize("name", ["gpu0-on-every-rank", "saved-not-restored"])
+def test_a_cuda_state_not_given_back_is_refused_with_the_rank_named(name):
     with pytest.raises(LabCheckError) as err:
-        lab04.check_resume(save, resume)
+        _judge_resume(name)
     message = " ".join(str(err.value).split())
-    if resume is resume_cuda_not_restored:
+    if name == "saved-not-restored":
         assert "resume_training_state restores no state of CUDA's generators" in message
         return
     assert re.search(r"After the resume rank 1's CUDA generators held GPU 0: seed 2, offset 0, "
@@ -1206,7 +1286,7 @@ def test_the_resume_plan_is_compared_with_what_the_runs_showed(choice, verdict, 
     from dpcourse.checks import predict
 
     plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, choice, choices=lab04.RESUME_PLANS)
-    lab04.check_resume(save_state, resume_state, plan)
+    _judge_resume("reference", plan)
     out = " ".join(capsys.readouterr().out.split())
     assert ("measured: weights, optimizer state, epoch, each rank's random state "
             + verdict) in out, out
@@ -1214,41 +1294,50 @@ def test_the_resume_plan_is_compared_with_what_the_runs_showed(choice, verdict, 
     assert "differed from each other (yes)" in out, out
 
 
+RESUME_MISTAKE_PHRASES = {
+    "no-optimizer": "optimizer's state was not restored",
+    "optimizer-rank0-only": "restored on rank 0 only: the other ranks' momentum",
+    "weights-rank0-only": "weights were restored on rank 0 only",
+    "no-weights": "continued from fresh weights",
+    "repeat-epoch": "repeated the epoch",
+    "from-zero": "started again at epoch 0",
+    "never": "started from scratch",
+    "no-rng": "random state was not restored",
+    "rng-not-loaded": "random state was not restored",
+    "rank0-rng-everywhere": "rank 1's random generator held rank 0's state",
+}
+
+
+@pytest.mark.parametrize("name", list(RESUME_MISTAKE_PHRASES))
+def test_resume_mistakes_are_named(name):
+    with pytest.raises(LabCheckError) as err:
+        _judge_resume(name)
+    assert RESUME_MISTAKE_PHRASES[name] in str(err.value), str(err.value)
+
+
+# named by check_resume itself: its first run (one launch) or the resumed run's raise
 @pytest.mark.parametrize("save, resume, phrase", [
-    (save_weights_only, resume_weights_only, "optimizer's state was not restored"),
-    (save_state, _resume_variant(optimizer_on="rank0"), "restored on rank 0 only: the other "
-                                                        "ranks' momentum"),
-    (save_state, _resume_variant(weights="rank0"), "weights were restored on rank 0 only"),
-    (save_state, _resume_variant(weights=False), "continued from fresh weights"),
-    (save_state, _resume_variant(offset=0), "repeated the epoch"),
-    (save_state, lambda p, m, o: _resume_variant()(p, m, o) and 0, "started again at epoch 0"),
-    (save_state, resume_never, "started from scratch"),
-    (save_no_rng, resume_no_rng, "random state was not restored"),
-    (save_state, _resume_variant(rng=False), "random state was not restored"),
-    (save_rank0_rng, resume_rank0_rng, "rank 1's random generator held rank 0's state"),
     (save_everywhere, resume_state, "rank 1 wrote a file"),
     (save_own_rng_file, resume_no_rng, "rank 1 wrote a file"),
     (save_wrapper_state, resume_wrapper_state, "keys start with 'module.'"),
     (save_stacked_tensor, resume_state, "storage offset"),
-], ids=["no-optimizer", "optimizer-rank0-only", "weights-rank0-only", "no-weights",
-        "repeat-epoch", "from-zero", "never", "no-rng", "rng-not-loaded", "rank0-rng-everywhere",
-        "save-everywhere", "rng-file-per-rank", "wrapper-keys", "rng-row-view"])
-def test_resume_mistakes_are_named(save, resume, phrase):
+], ids=["save-everywhere", "rng-file-per-rank", "wrapper-keys", "rng-row-view"])
+def test_resume_mistakes_of_the_first_run_are_named(save, resume, phrase):
     with pytest.raises(LabCheckError) as err:
         lab04.check_resume(save, resume)
     assert phrase in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("save, how", [
-    (save_plain_torch_save, "the old file was emptied and written again where it stood"),
-    (save_bytes_in_place, "the old file was emptied and written again where it stood"),
-    (save_remove_first, "the old file was deleted before the new one was complete"),
-], ids=["plain-torch-save", "bytes-written-in-place", "removed-then-saved"])
-def test_a_save_that_a_crash_can_split_is_refused(save, how):
+@pytest.mark.parametrize("name, how", [
+    ("plain-torch-save", "the old file was emptied and written again where it stood"),
+    ("bytes-written-in-place", "the old file was emptied and written again where it stood"),
+    ("removed-then-saved", "the old file was deleted before the new one was complete"),
+])
+def test_a_save_that_a_crash_can_split_is_refused(name, how):
     # the resume is exact, but the save stopped halfway leaves no checkpoint: cause, then fix
     for attempt in range(2):
         with pytest.raises(LabCheckError) as err:
-            lab04.check_resume(save, resume_gathered)
+            _judge_resume(name)
         message = " ".join(str(err.value).split())
         assert "A crash while saving destroys your checkpoint" in message, message
         assert re.search(r"a complete checkpoint \(([\d,]+) bytes, epoch 0\), then stopped its "
@@ -1263,7 +1352,7 @@ def test_a_checkpoint_copied_over_in_place_is_refused():
     # the temporary file is complete before the copy, so the stopped save leaves the old
     # checkpoint; but the copy rewrites the checkpoint's own file: the inode shows it
     with pytest.raises(LabCheckError) as err:
-        lab04.check_resume(save_then_copy, resume_gathered)
+        _judge_resume("copied-over")
     message = str(err.value)
     assert re.search(r"Rank 0's save at the end of epoch 1 rewrote the checkpoint where it "
                      r"stood: the file at path was the same file \(inode \d+\) before and "

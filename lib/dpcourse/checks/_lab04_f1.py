@@ -106,7 +106,14 @@ def _namespace(source: str, filename: str = "train_lab.py") -> dict:
     return ns
 
 
-def _f1_worker(rank, world_size, source, n_test):
+def _f1_sets(n_test: int) -> dict:
+    """The test sets a rank evaluates (``n_test`` images, and ``_GROWTH`` times as many), made
+    once in the check's process and handed to the ranks: each rank making them again cost more
+    than the evaluation (1,500 images on each of 3 ranks)."""
+    return {n: _f1_data(n) for n in (n_test, _GROWTH * n_test)}
+
+
+def _f1_worker(rank, world_size, source, n_test, sets=None):
     """One rank: the learner's evaluate_f1 on its share, with a model that counts its inputs and
     sees whether it runs in training mode or under autograd; then once more on a test set
     _GROWTH times larger, to measure whether what the rank sends grows with the test set."""
@@ -119,7 +126,8 @@ def _f1_worker(rank, world_size, source, n_test):
     torch.set_num_threads(1)
     model = _f1_model()
     seen = {"images": 0, "training": False, "grad": False, "indices": []}
-    X0, _ = _f1_data(n_test)
+    sets = sets or _f1_sets(n_test)
+    X0, _ = sets[n_test]
     index_of = {x.numpy().tobytes(): i for i, x in enumerate(X0)}  # which image the model saw
 
     def count(module, inputs, output):
@@ -146,7 +154,7 @@ def _f1_worker(rank, world_size, source, n_test):
     with record_collectives(before=spy.before) as calls:
         ns = _namespace(source)
         for n in (n_test, _GROWTH * n_test):
-            X, y = _f1_data(n)
+            X, y = sets[n]
             before = len(calls)
             with WhereTensorsLive(device):
                 value = ns["evaluate_f1"](model, TensorDataset(X, y), rank, world_size, device)
@@ -165,6 +173,30 @@ def _f1_worker(rank, world_size, source, n_test):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return {"error": f"evaluate_f1 returned {type(value).__name__}, not a number (a float)"}
     return {"value": float(value), **first_seen, "sent": sent, **exchange}
+
+
+def _f1_batch_worker(rank, world_size, sources, n_test, sets=None):
+    """:func:`_f1_worker` for each of ``sources`` in turn, in one process group: each script's
+    ``evaluate_f1`` gets a fresh counting model and spy, and the ranks' collectives pair up
+    script by script, as in a launch of its own."""
+    return [_f1_worker(rank, world_size, source, n_test, sets) for source in sources]
+
+
+def f1_results(sources, world_size: int, n_test: int, timeout: float = 90.0) -> list:
+    """What :func:`check_f1` judges for each script text in ``sources`` on ``world_size`` ranks
+    and ``n_test`` test images, from ONE launch (the tests' batch of right and wrong answers:
+    a launch costs more than the evaluation it runs): a list per script of the ranks' results,
+    for :func:`judge_f1`. For scripts that finish on every rank; one that raises or deadlocks
+    stops the batch (give it to :func:`check_f1`). ``timeout`` is per script."""
+    __tracebackhide__ = True
+    sources = list(sources)
+    per_rank = run_ranks(
+        _f1_batch_worker, world_size, sources, n_test, _f1_sets(n_test),
+        timeout=timeout * max(1, len(sources)),
+        hang=f"evaluate_f1 of one of {len(sources)} scripts did not finish on {world_size} ranks",
+        failed=lambda exc: fail(f"evaluate_f1 of one of {len(sources)} scripts raised on rank "
+                                f"{exc.rank} of {world_size}: {exc.summary}"))
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(sources))]
 
 
 # A tensor is not the float the contract asks for, even a 0-d one that prints like a number:
@@ -493,7 +525,7 @@ def f1_note(path="train_lab.py", runs=F1_RUNS, timeout: float | None = None) -> 
     note = ""
     for world_size, n_test in runs:
         results = run_ranks(
-            _f1_worker, world_size, source, n_test, timeout=timeout,
+            _f1_worker, world_size, source, n_test, _f1_sets(n_test), timeout=timeout,
             hang=lambda exc: f"evaluate_f1 did not finish within {timeout:g} s on {world_size} "
                              f"ranks: does one rank call a collective (all_reduce) that another "
                              f"never calls, e.g. inside its loop over batches, when the ranks "

@@ -16,6 +16,7 @@ Imported by :mod:`dpcourse.checks.lab04`, where the lab calls it.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 
@@ -24,12 +25,14 @@ from dpcourse.checks._lab04_fakecuda import FakeCuda
 from dpcourse.checks._lab04_script import Lab04Config, _distance, _mistake
 
 __all__ = ["check_resume", "RESUME_MISTAKES", "RESUME_FIXES", "RESUME_CFG", "RESUME_PLANS",
-           "RESUME_PLAN_QUESTION"]
+           "RESUME_PLAN_QUESTION", "resume_runs", "judge_resume_runs"]
 
 
 # --- stretch: resume after a crash ---------------------------------------------------------
 
-RESUME_CFG = Lab04Config(epochs=3)
+# 128 images: 2 steps per epoch; every mistake shows at the first step (the states compared at
+# the crash, and the final weights), and each step of each run costs the learner's check time
+RESUME_CFG = Lab04Config(epochs=3, n_train=128)
 RESUME_DROPOUT = 0.3  # the stretch's model draws dropout masks: each rank from its own stream
 # The resumed run and the uninterrupted one are the same 2-rank DDP computation (one thread per
 # rank), so a right resume ends with bit-identical weights; the bound only absorbs a kernel
@@ -93,7 +96,7 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from dpcourse import data, models
+    from dpcourse import models
 
     torch.set_num_threads(1)
     writes = _WriteLog(os.path.dirname(ckpt))
@@ -107,8 +110,7 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
             writes.append(str(name))
         return real_save(obj, f, *a, **k)
 
-    ds = data.load("shapes10", n_train=cfg.n_train, n_test=10, seed=cfg.seed)
-    train_set = data.to_torch(ds.x_train, ds.y_train)
+    train_set = _train_set(cfg.n_train, cfg.seed)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=cfg.seed)
     loader = DataLoader(train_set, batch_size=cfg.global_batch // world_size, sampler=sampler,
                         drop_last=True)
@@ -185,6 +187,16 @@ def _resume_worker(rank, world_size, save_fn, resume_fn, ckpt, stop_after, cfg):
             "weights": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
 
 
+@functools.lru_cache(maxsize=4)
+def _train_set(n_train: int, seed: int):
+    """The runs' training images (the same in every run: made once per process, which a batch
+    of runs shares; nothing writes into them)."""
+    from dpcourse import data
+
+    ds = data.load("shapes10", n_train=n_train, n_test=10, seed=seed)
+    return data.to_torch(ds.x_train, ds.y_train)
+
+
 def _identity(path):
     """(device, inode, size, mtime) of ``path``, or None where there is no file: a file
     replaced by a rename gets another inode; one rewritten where it stands keeps its own."""
@@ -258,15 +270,14 @@ def _crash_worker(rank, world_size, save_fn, folder, cfg):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from dpcourse import data, models
+    from dpcourse import models
 
     try:
         import resource
     except ImportError:  # not a POSIX system: the crash cannot be injected here
         return {"skipped": True}
     torch.set_num_threads(1)
-    ds = data.load("shapes10", n_train=cfg.global_batch, n_test=10, seed=cfg.seed)
-    X, y = data.to_torch(ds.x_train, ds.y_train).tensors
+    X, y = _train_set(cfg.global_batch, cfg.seed).tensors
     torch.manual_seed(cfg.seed)
     model = DDP(models.SmallCNN(width=cfg.width, dropout=RESUME_DROPOUT))
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
@@ -370,47 +381,104 @@ def check_resume(save_training_state, resume_training_state, plan=None,
     Meanwhile torch.cuda's random-state functions act on stand-in GPUs on each rank
     (:mod:`dpcourse.checks._lab04_fakecuda`), which each step's dropout moves on the rank's own
     GPU: after the resume every rank must hold its own GPUs' states from the crash.
-    ``plan``: the learner's :func:`~dpcourse.checks.predict` of :data:`RESUME_PLAN_QUESTION`, compared once the code passes with what the runs showed."""
+    ``plan``: the learner's :func:`~dpcourse.checks.predict` of :data:`RESUME_PLAN_QUESTION`, compared once the code passes with what the runs showed.
+    Each run is launched only when the judgement reaches it: a mistake the resumed run's own
+    state names needs neither the uninterrupted run nor the stopped save."""
     __tracebackhide__ = True
-    import torch
-
     timeout = check_timeout(timeout, 90.0)
-    cfg = RESUME_CFG
     for fn, name in ((save_training_state, "save_training_state"),
                      (resume_training_state, "resume_training_state")):
         require_answer(fn, name)
     with tempfile.TemporaryDirectory(prefix="dpcourse-lab04-resume-") as tmp:
-        ckpt = os.path.join(tmp, "ckpt.pt")
-        runs = []
-        schedule = ((save_training_state, resume_training_state, _CRASH_AFTER, "first run"),
-                (save_training_state, resume_training_state, None, "run after the crash"),
-                (save_training_state, None, None, "uninterrupted run"))
-        for save_fn, resume_fn, stop_after, when in schedule:
-            # the uninterrupted run saves too (elsewhere), so whatever saving does, both do
-            path = ckpt if resume_fn is not None else os.path.join(tmp, "uninterrupted.pt")
-            runs.append(run_ranks(
-                _resume_worker, cfg.world_size, save_fn, resume_fn, path, stop_after, cfg,
-                timeout=timeout,
-                hang=lambda exc: f"a run did not finish within {timeout:g} s: does a function "
-                                 f"call a collective (e.g. dist.barrier) on some ranks only?",
-                failed=lambda exc: fail(f"your code raised on rank {exc.rank} in the {when}: "
-                                        f"{exc.summary}")))
-            for r in runs[-1]:
-                if "error" in r:
-                    fail(r["error"] + ".")
-            if len(runs) == 1:
-                _judge_first_run(runs[0], ckpt)
-        first, second, whole = runs
-        _judge_resume(first, second, whole, cfg)
-        crash = run_ranks(
-            _crash_worker, 1, save_training_state, os.path.join(tmp, "crash"), cfg,
-            timeout=timeout,
+        pair = [(save_training_state, resume_training_state, tmp)]
+        first = _launch_runs("first", pair, timeout)[0]
+        _no_error(first)
+        _judge_first_run(first, os.path.join(tmp, "ckpt.pt"))
+        # every later run is launched only when the judgement reaches it: a mistake named by
+        # the resumed run's own state needs no uninterrupted run, nor a stopped save
+        judge_resume_runs(first, lambda: _launch_runs("second", pair, timeout)[0],
+                          lambda: _launch_runs("whole", pair, timeout)[0],
+                          lambda: _launch_runs("crash", pair, timeout)[0], plan)
+
+
+# each run of the stretch, as its sentences name it
+_RUNS = {"first": "first run", "second": "run after the crash", "whole": "uninterrupted run",
+         "crash": "stopped save"}
+
+
+def _run_args(kind: str, save_fn, resume_fn, folder: str) -> tuple:
+    """The ``_resume_worker`` (or ``_crash_worker``) arguments of run ``kind`` for one pair."""
+    cfg = RESUME_CFG
+    ckpt = os.path.join(folder, "ckpt.pt")
+    if kind == "first":
+        return save_fn, resume_fn, ckpt, _CRASH_AFTER, cfg
+    if kind == "second":
+        return save_fn, resume_fn, ckpt, None, cfg
+    if kind == "whole":  # it saves too (elsewhere), so whatever saving does, both runs do
+        return save_fn, None, os.path.join(folder, "uninterrupted.pt"), None, cfg
+    return save_fn, os.path.join(folder, "crash"), cfg
+
+
+def _resume_jobs(rank, world_size, jobs):
+    """:func:`_resume_worker` for each job in turn, in one process group."""
+    return [_resume_worker(rank, world_size, *job) for job in jobs]
+
+
+def _crash_jobs(rank, world_size, jobs):
+    """:func:`_crash_worker` for each job in turn, in one process."""
+    return [_crash_worker(rank, world_size, *job) for job in jobs]
+
+
+def _launch_runs(kind: str, pairs, timeout: float) -> list:
+    """Run ``kind`` (first, second, whole or crash) for every (save, resume, folder) of
+    ``pairs``, one after another in ONE launch; a list per pair of the ranks' results (the
+    crash run's one result). The check passes one pair; the tests pass many (a launch costs
+    more than the training it runs). A pair whose code raises or deadlocks stops the launch."""
+    __tracebackhide__ = True
+    jobs = [_run_args(kind, *pair) for pair in pairs]
+    if not jobs:
+        return []
+    when = _RUNS[kind]
+    if kind == "crash":
+        per_rank = run_ranks(
+            _crash_jobs, 1, jobs, timeout=timeout * len(jobs),
             hang=lambda exc: f"save_training_state did not finish within {timeout:g} s on one "
                              f"rank",
             failed=lambda exc: fail(f"your code raised in a run on one rank, where the check "
-                                    f"stops a save halfway: {exc.summary}"))[0]
-        _judge_atomic(crash, first[0]["in_place"])
-        _judge_cuda(first, second)
+                                    f"stops a save halfway: {exc.summary}"))
+        return list(per_rank[0])
+    world_size = RESUME_CFG.world_size
+    per_rank = run_ranks(
+        _resume_jobs, world_size, jobs, timeout=timeout * len(jobs),
+        hang=lambda exc: f"a run did not finish within {timeout:g} s: does a function "
+                         f"call a collective (e.g. dist.barrier) on some ranks only?",
+        failed=lambda exc: fail(f"your code raised on rank {exc.rank} in the {when}: "
+                                f"{exc.summary}"))
+    return [[per_rank[r][j] for r in range(world_size)] for j in range(len(jobs))]
+
+
+def _no_error(run: list) -> None:
+    __tracebackhide__ = True
+    for r in run:
+        if "error" in r:
+            fail(r["error"] + ".")
+
+
+def judge_resume_runs(first: list, second, whole, crash, plan=None) -> None:
+    """Everything :func:`check_resume` judges once the first run passed: ``second``, ``whole``
+    and ``crash`` are the other runs' results, or functions that launch them when the
+    judgement needs them (the check launches each only then; the tests hand in a batch's)."""
+    __tracebackhide__ = True
+    cfg = RESUME_CFG
+    second = second() if callable(second) else second
+    _no_error(second)
+    _judge_resume(first, second, cfg)
+    whole = whole() if callable(whole) else whole
+    _no_error(whole)
+    _judge_uninterrupted(second, whole, cfg)
+    crash = crash() if callable(crash) else crash
+    _judge_atomic(crash, first[0]["in_place"])
+    _judge_cuda(first, second)
     passed("resume after a crash: every rank continued with its own weights, momentum and "
            "random state, trained only the last epoch and ended with the weights of an "
            "uninterrupted run; a save stopped halfway left the previous checkpoint readable. "
@@ -418,6 +486,36 @@ def check_resume(save_training_state, resume_training_state, plan=None,
            "functions: each rank got back the CUDA generator states it had at the crash")
     if plan is not None:
         _reveal_plan(plan, first, second, whole, cfg)
+
+
+def resume_runs(pairs, folder: str, timeout: float = 90.0) -> list:
+    """The tests' batch: every run of :func:`check_resume` for each (save, resume) of ``pairs``,
+    in four launches in all (first runs, runs after the crash, uninterrupted runs, stopped
+    saves), each pair in its own subfolder of ``folder``. For pairs whose first run passes
+    and whose code raises nowhere; returns per pair a dict of ``first``, ``second``, ``whole``,
+    ``crash`` for :func:`judge_resume_runs`."""
+    __tracebackhide__ = True
+    triples = []
+    for i, (save_fn, resume_fn) in enumerate(pairs):
+        sub = os.path.join(folder, f"pair{i}")
+        os.makedirs(sub, exist_ok=True)
+        triples.append((save_fn, resume_fn, sub))
+    runs = {"first": _launch_runs("first", triples, timeout)}
+    for run, (_, _, sub) in zip(runs["first"], triples):
+        _no_error(run)
+        _judge_first_run(run, os.path.join(sub, "ckpt.pt"))
+    runs["second"] = _launch_runs("second", triples, timeout)
+    # as in check_resume, a pair whose resumed run names its mistake needs no more runs; an
+    # uninterrupted run depends on the save alone (no resume): one per save function
+    later = [i for i, (first, second) in enumerate(zip(runs["first"], runs["second"]))
+             if not any("error" in r for r in second) and _resume_cause(first, second) is None]
+    saves = list({id(triples[i][0]): i for i in reversed(later)}.values())
+    whole = dict(zip(saves, _launch_runs("whole", [triples[i] for i in saves], timeout)))
+    crash = dict(zip(later, _launch_runs("crash", [triples[i] for i in later], timeout)))
+    by_save = {id(triples[i][0]): whole[i] for i in saves}
+    return [{"first": runs["first"][i], "second": runs["second"][i],
+             "whole": by_save.get(id(triples[i][0])) if i in later else None,
+             "crash": crash.get(i)} for i in range(len(triples))]
 
 
 def _reveal_plan(plan, first, second, whole, cfg) -> None:
@@ -563,34 +661,48 @@ def _judge_first_run(first: list, ckpt: str) -> None:
         _mistake(RESUME_MISTAKES, RESUME_FIXES, "wrapper_keys")
 
 
-def _judge_resume(first: list, second: list, whole: list, cfg: Lab04Config) -> None:
+def _judge_resume(first: list, second: list, cfg: Lab04Config) -> None:
+    """The resumed run's own state against the crash: where it started, its weights, its
+    momentum, its random state."""
     __tracebackhide__ = True
+    cause = _resume_cause(first, second)
+    if cause is not None:
+        fail(cause[0], fix=cause[1])
+
+
+def _mistaken(key: str) -> tuple:
+    return RESUME_MISTAKES[key], RESUME_FIXES[key]
+
+
+def _resume_cause(first: list, second: list):
+    """(sentence, fix) of the first mistake the resumed run's own state shows, or None: what
+    :func:`_judge_resume` refuses, without raising (the batch skips the runs it needs no more)."""
     starts = {r["start"] for r in second}
     if len(starts) != 1:
-        fail(f"after the crash the ranks would resume at different epochs {sorted(starts)}, "
-             f"so their collectives would no longer pair up.",
-             fix="make every rank read the same checkpoint.")
+        return (f"after the crash the ranks would resume at different epochs {sorted(starts)}, "
+                f"so their collectives would no longer pair up.",
+                "make every rank read the same checkpoint.")
     start = starts.pop()
     if start == _CRASH_AFTER:
-        _mistake(RESUME_MISTAKES, RESUME_FIXES, "repeat_epoch")
+        return _mistaken("repeat_epoch")
     if start == 0:
         if not _same(second[0]["resumed"]["weights"], first[0]["crashed"]["weights"]):
-            fail("After the crash the run started from scratch (epoch 0, fresh weights), "
-                 "though the checkpoint file existed.",
-                 fix="when the file exists, load it in resume_training_state and return the "
-                     "first epoch still to do.")
-        _mistake(RESUME_MISTAKES, RESUME_FIXES, "from_zero")
+            return ("After the crash the run started from scratch (epoch 0, fresh weights), "
+                    "though the checkpoint file existed.",
+                    "when the file exists, load it in resume_training_state and return the "
+                    "first epoch still to do.")
+        return _mistaken("from_zero")
     if start != _CRASH_AFTER + 1:
-        fail(f"after a crash at the end of epoch {_CRASH_AFTER}, resume_training_state returned "
-             f"{start}, which is not the first epoch still to do.",
-             fix=f"return the first epoch still to do, {_CRASH_AFTER + 1}.")
+        return (f"after a crash at the end of epoch {_CRASH_AFTER}, resume_training_state "
+                f"returned {start}, which is not the first epoch still to do.",
+                f"return the first epoch still to do, {_CRASH_AFTER + 1}.")
     crashed = [r["crashed"] for r in first]
     for what, everywhere, rank0 in (("weights", "no_weights", "weights_rank0"),
                                     ("momentum", "no_optimizer", "optimizer_rank0")):
         wrong = [rank for rank, r in enumerate(second)
                  if not _same(r["resumed"][what], crashed[rank][what])]
         if wrong:
-            _mistake(RESUME_MISTAKES, RESUME_FIXES, rank0 if 0 not in wrong else everywhere)
+            return _mistaken(rank0 if 0 not in wrong else everywhere)
     import torch
 
     rng_wrong = [rank for rank, r in enumerate(second)
@@ -598,8 +710,14 @@ def _judge_resume(first: list, second: list, whole: list, cfg: Lab04Config) -> N
     if rng_wrong:
         if 0 not in rng_wrong and all(torch.equal(second[r]["resumed"]["rng"], crashed[0]["rng"])
                                       for r in rng_wrong):
-            _mistake(RESUME_MISTAKES, RESUME_FIXES, "rng_rank0")
-        _mistake(RESUME_MISTAKES, RESUME_FIXES, "no_rng")
+            return _mistaken("rng_rank0")
+        return _mistaken("no_rng")
+    return None
+
+
+def _judge_uninterrupted(second: list, whole: list, cfg: Lab04Config) -> None:
+    """The resumed run's end against the uninterrupted run's."""
+    __tracebackhide__ = True
     got, want = second[0]["weights"], whole[0]["weights"]
     d = _distance(got, want)
     if d > RESUME_TOL:

@@ -63,6 +63,10 @@ one save halfway with a file-size limit and reads what is left at the path; and 
 rewritten in its own inode), and, with stand-in GPUs behind torch.cuda's random-state
 functions, that each rank gets back its own CUDA generator states; given the learner's
 recorded plan (what a resume must restore), it compares it with what the runs showed.
+For the tests, :func:`f1_results` and :func:`resume_runs` run many answers in one launch per
+run (each answer's code in turn in one process group, as a launch of its own would run it: a
+launch costs more than the work it runs), judged by :func:`judge_f1` and
+:func:`judge_resume_runs`, the judgements the checks make.
 Used in solutions/lab04_ddp_in_practice.py; tests in tests/test_lab04_checks.py. This module
 holds ``check``, the prediction and the names; the macro-F1 check is in
 :mod:`dpcourse.checks._lab04_f1`, running the script and judging its training live in
@@ -77,15 +81,18 @@ from dataclasses import asdict
 
 from dpcourse.checks import check_timeout, fail, passed, recorded
 from dpcourse.checks._lab04_f1 import (AVG_NOTE, F1_FIXES, F1_MISTAKES, F1_RUNS, NUM_CLASSES,
-                                       _f1_of, _namespace, check_f1, f1_note, judge_f1)
+                                       _f1_of, _namespace, check_f1, f1_note, f1_results,
+                                       judge_f1)
 from dpcourse.checks._lab04_resume import (RESUME_CFG, RESUME_FIXES, RESUME_MISTAKES, RESUME_PLANS,
-                                           RESUME_PLAN_QUESTION, check_resume)
+                                           RESUME_PLAN_QUESTION, check_resume, judge_resume_runs,
+                                           resume_runs)
 from dpcourse.checks._lab04_script import (CONFIGS, MISTAKE_FIXES, MISTAKES, Lab04Config,
                                            _last_error_line, _mistake, _spawn_worker, judge,
                                            reference_weights, run_script)
 
 __all__ = ["Lab04Config", "CONFIGS", "F1_RUNS", "reference_weights", "run_script", "judge",
-           "check_f1", "f1_note", "check", "check_prediction", "check_resume", "MISTAKES",
+           "check_f1", "f1_note", "f1_results", "judge_f1", "check", "resume_runs",
+           "judge_resume_runs", "check_prediction", "check_resume", "MISTAKES",
            "PREDICTION_QUESTION", "PREDICTION_RANKS", "RESUME_PLANS", "RESUME_PLAN_QUESTION",
            "F1_MISTAKES", "RESUME_MISTAKES", "F1_FIXES", "RESUME_FIXES", "MISTAKE_FIXES",
            "AVG_NOTE", "NUM_CLASSES", "RESUME_CFG"]
