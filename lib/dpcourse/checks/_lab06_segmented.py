@@ -1,6 +1,8 @@
 """Lab 06's stretch: a ring whose scatter-reduce sends each chunk in segments, pipelined.
 
-:func:`check_segmented_ring` runs it on 3 and 2 ranks with two segment counts and judges it by
+:func:`check_segmented_ring` runs it on 3 and 2 ranks with two segment counts (both counts in one
+launch per number of ranks, :func:`._lab06_spawn._run_real_cases` taking each case's keyword
+arguments) and judges it by
 the order of its posts and waits (recorded by :mod:`._lab06_spawn`): piece j + 1 must be on its
 way while piece j is waited for and added (:func:`_first_unpipelined`), and piece j added before
 piece j + 1 is waited on (:func:`_first_added_late`); one receive buffer shared by receives in
@@ -162,17 +164,21 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
     declared = _declared_in_flight(in_flight, segments)
     _refuse_reference(fn)
     most = 0
+    counts = (segments, segments - 1)  # two segment counts: none may be hard-coded
     for n in world_sizes:
-        for S in (segments, segments - 1):  # two segment counts: none may be hard-coded
-            per_rank = _launch_ring(fn, n, timeout, _SEGMENT_CASES, {"segments": S})
-            correct = _simulate_real(n, _SEGMENT_CASES)
+        # Both counts in one launch (one process group): every case with S pieces, then every
+        # case with S - 1; judged in that order.
+        per_rank = _launch_ring(fn, n, timeout, _SEGMENT_CASES * len(counts),
+                                [{"segments": S} for S in counts for _ in _SEGMENT_CASES])
+        correct = _simulate_real(n, _SEGMENT_CASES)
+        for launched, S in enumerate(counts):
             for i, (shape, _, op) in enumerate(_SEGMENT_CASES):
                 k = int(np.prod(shape))
                 chunk = -(-k // n)
                 piece = -(-chunk // S)
                 for r in range(n):
-                    got = per_rank[r]["results"][i][0]
-                    t = per_rank[r]["traffic"][i]
+                    got = per_rank[r]["results"][launched * len(_SEGMENT_CASES) + i][0]
+                    t = per_rank[r]["traffic"][launched * len(_SEGMENT_CASES) + i]
                     if t["builtins"]:
                         fail(f"the segmented ring called dist.{t['builtins'][0]}: build it from "
                              f"dist.isend / dist.irecv only.")

@@ -5,7 +5,11 @@ notebook cell) on N ranks through :func:`dpcourse.checks.run_ranks`. In each ran
 :func:`_run_real_cases` records every point-to-point call (messages, elements, the order of
 posts and waits, the memory a non-blocking receive writes into) and any built-in collective.
 When the ranks hang, the markers they leave say which blocking call each was in, and the
-deadlock is named by its cause (every rank in ``dist.send``, or every rank in ``dist.recv``);
+deadlock is named by its cause (every rank in ``dist.send``, or every rank in ``dist.recv``).
+A check does not wait for its timeout to see that: each rank's watchdog
+(:func:`_watch_for_deadlock`) ends the ranks once every one has sat in the same blocking call,
+no marker changing, for ``_STILL_S`` seconds; :func:`demo_ring` alone waits for its timeout, as
+part 4 says;
 when a rank crashes, the first message whose two ends disagree on its size is named. Measured
 with gloo (torch 2.14.1, CPU) while writing this module, not by it: two ranks that both call a
 blocking ``dist.send`` first were both still blocked after 40 s with a float32 tensor of 1
@@ -46,6 +50,57 @@ def _mark(marker_dir: str, rank: int, text: str) -> None:
         f.write(text)
 
 
+def _markers(marker_dir: str, world_size: int) -> dict:
+    """Which blocking call each rank is in: ``{rank: (call, its number)}``, ``("", None)`` for
+    a rank between calls (or whose marker is being rewritten this instant)."""
+    where = {}
+    for r in range(world_size):
+        try:
+            with open(os.path.join(marker_dir, f"rank{r}")) as f:
+                text = f.read().split()
+        except OSError:
+            text = []
+        where[r] = (text[0], text[1] if len(text) > 1 else None) if text else ("", None)
+    return where
+
+
+# A rank's blocking call is marked before it starts ("send 7": its 7th blocking call) and
+# cleared as it returns. When EVERY rank sits in dist.send (or every rank in dist.recv), each
+# waits for a call that only another, equally stuck, rank could make: gloo's send does not
+# return before the matching receive is posted (measured, see the module docstring). That
+# state, with no marker changing for _STILL_S seconds (a rank that has just returned but not
+# yet cleared its marker would have done so long before), is a deadlock whatever the timeout:
+# the ranks' watchdog stops them there, instead of at the timeout.
+_STILL_S = 2.0
+_DEADLOCK_FILE = "deadlock"
+
+
+def _watch_for_deadlock(marker_dir: str, rank: int, world_size: int) -> None:
+    """Start this rank's watchdog (a daemon thread): once every rank has sat in the same
+    blocking call, no marker changing, for ``_STILL_S`` s, note which call and end the rank.
+    Every rank watches the same files, so all of them end within a moment of each other."""
+    import threading
+    import time
+
+    def watch() -> None:
+        seen, since = None, 0.0
+        while True:
+            time.sleep(0.1)
+            now = _markers(marker_dir, world_size)
+            calls = {call for call, _ in now.values()}
+            if len(calls) != 1 or not calls <= {"send", "recv"}:
+                seen = None
+                continue
+            if now != seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since >= _STILL_S:
+                with open(os.path.join(marker_dir, f"{_DEADLOCK_FILE}{rank}"), "w") as f:
+                    f.write(calls.pop())
+                os._exit(3)
+
+    threading.Thread(target=watch, name="dpcourse-lab06-watchdog", daemon=True).start()
+
+
 class _WatchedWork:
     """A ``Work`` that notes in ``events`` when it is waited on (the segmented stretch is judged
     by the order of posts and waits, not only by its messages)."""
@@ -79,8 +134,11 @@ def _refuse_library_ring(*args, **kwargs):
     raise _LibraryRingUsed("dpcourse.ring.ring_allreduce")
 
 
-def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None, dry_sizes=()):
+def _real_worker(rank, world_size, fn, cases, marker_dir, kwargs=None, dry_sizes=(),
+                 watch=False):
     __tracebackhide__ = True
+    if watch:
+        _watch_for_deadlock(marker_dir, rank, world_size)
     out = _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs)
     # The order of calls on more ranks than this machine can run: on rank 0 only, once the real
     # cases have run (and only for a ring that used nothing but blocking send / recv).
@@ -108,6 +166,7 @@ def _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs=None):
     traffic = {"messages": 0, "elements": 0, "sizes": [], "builtins": [], "events": [],
                "nonblocking": [], "spans": []}
     counts = {"send": 0, "recv": 0}
+    blocking = [0]  # blocking calls started, numbered in the markers
     batch_seen: dict = {}
     p2p_log = open(os.path.join(marker_dir, f"p2p{rank}"), "a", buffering=1)
     current = {"x": None}  # the tensor of the case being run: has a piece been added yet?
@@ -118,7 +177,8 @@ def _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs=None):
 
     def before(call):
         if call.function in ("send", "recv"):
-            _mark(marker_dir, rank, call.function)
+            blocking[0] += 1
+            _mark(marker_dir, rank, f"{call.function} {blocking[0]}")
         elif call.op in ("send", "recv") and call.function not in traffic["nonblocking"]:
             traffic["nonblocking"].append(call.function)  # isend, irecv, batch_isend_irecv
         if call.op in ("send", "recv"):
@@ -163,7 +223,8 @@ def _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs=None):
     with record_collectives(before=before, after=after):
         torch.set_num_threads(1)
         results, per_case = [], []
-        for shape, dtype, op in cases:
+        for i, (shape, dtype, op) in enumerate(cases):
+            case_kwargs = kwargs[i] if isinstance(kwargs, list) else kwargs
             x = torch.tensor(_real_input(rank, shape), dtype=getattr(torch, dtype))
             current["x"] = x
             traffic.update(messages=0, elements=0, sizes=[], builtins=[], events=[],
@@ -171,7 +232,7 @@ def _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs=None):
             counts.update(send=0, recv=0)
             live.clear()
             try:
-                ret = fn(x, op=op, **(kwargs or {}))
+                ret = fn(x, op=op, **(case_kwargs or {}))
             except _LibraryRingUsed:
                 return {"library": True}
             returned = ret.detach().cpu().numpy().astype(np.float64) if isinstance(
@@ -270,33 +331,33 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None,
     __tracebackhide__ = True
     marker_dir = tempfile.mkdtemp(prefix="dpcourse-lab06-")
 
+    demo_or = (lambda text: None if demo else text)  # a demo is given code: no fix
+
+    def deadlock(call: str, stopped: str) -> None:
+        # Diagnosed: not slowness, so no "try a longer timeout" (fail here, not via return).
+        if call == "send":
+            fail(f"deadlock on {world_size} ranks: every rank called a blocking dist.send "
+                 f"before its dist.recv, so all {world_size} waited for a receive nobody had "
+                 f"posted (gloo's send waits for the matching receive); {stopped}. A longer "
+                 f"timeout would not help.",
+                 fix=demo_or(_DEADLOCK_FIX_ALL_SEND))
+        fail(f"deadlock on {world_size} ranks: every rank called a blocking dist.recv "
+             f"before its dist.send, so all {world_size} waited for a message their left "
+             f"neighbour would only send after its own receive; {stopped}. A longer timeout "
+             f"would not help.",
+             fix=demo_or(_DEADLOCK_FIX_ALL_RECV))
+
     def hang(exc) -> str:
-        where = {}
-        for r in range(world_size):
-            try:
-                with open(os.path.join(marker_dir, f"rank{r}")) as f:
-                    where[r] = f.read()
-            except OSError:
-                where[r] = ""
+        where = {r: call for r, (call, _) in _markers(marker_dir, world_size).items()}
         # A blocked rank sits in dist.send with nobody in dist.recv; a rank whose small send
         # the OS buffered may be between calls (marker empty) when it is stopped, so "every
         # marked rank in send, none in recv" is the deadlock's signature.
         in_send = [r for r, v in where.items() if v == "send"]
         in_recv = [r for r, v in where.items() if v == "recv"]
-        demo_or = (lambda text: None if demo else text)  # a demo is given code: no fix
         if in_send and not in_recv:
-            # Diagnosed: not slowness, so no "try a longer timeout" (fail here, not via return).
-            fail(f"deadlock on {world_size} ranks: every rank called a blocking dist.send "
-                 f"before its dist.recv, so all {world_size} waited for a receive nobody had "
-                 f"posted (gloo's send waits for the matching receive); they were stopped after "
-                 f"{timeout:g} s. A longer timeout would not help.",
-                 fix=demo_or(_DEADLOCK_FIX_ALL_SEND))
+            deadlock("send", f"they were stopped after {timeout:g} s")
         if len(in_recv) == world_size:
-            fail(f"deadlock on {world_size} ranks: every rank called a blocking dist.recv "
-                 f"before its dist.send, so all {world_size} waited for a message their left "
-                 f"neighbour would only send after its own receive; they were stopped after "
-                 f"{timeout:g} s. A longer timeout would not help.",
-                 fix=demo_or(_DEADLOCK_FIX_ALL_RECV))
+            deadlock("recv", f"they were stopped after {timeout:g} s")
         stuck = ", ".join(f"rank {r} in dist.{v}" for r, v in where.items() if v) or \
             "no rank inside dist.send/recv"
         return (f"your ring did not finish within {timeout:g} s on {world_size} ranks and was "
@@ -304,6 +365,14 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None,
                 f"rank does the same number of steps and sends to rank+1, receives from rank-1")
 
     def failed(exc) -> None:
+        for r in range(world_size):  # the ranks' watchdog saw every rank stuck in one call
+            try:
+                with open(os.path.join(marker_dir, f"{_DEADLOCK_FILE}{r}")) as f:
+                    call = f.read()
+            except OSError:
+                continue
+            deadlock(call, f"they were stopped once all {world_size} had waited there "
+                           f"{_STILL_S:g} s with no call returning")
         if _DOUBLE_WAIT in str(exc.summary):
             kind, index = str(exc.summary).split(_DOUBLE_WAIT, 1)[1].split()[:2]
             what = "dist.isend" if kind == "send" else "dist.irecv"
@@ -326,7 +395,7 @@ def _launch_ring(fn, world_size: int, timeout: float, cases, kwargs=None,
 
     try:
         per_rank = run_ranks(_real_worker, world_size, fn, cases, marker_dir, kwargs, dry_sizes,
-                             timeout=timeout, hang=hang, failed=failed,
+                             not demo, timeout=timeout, hang=hang, failed=failed,
                              todo="ring_allreduce is not written yet ({summary}): replace the "
                                   "`raise NotImplementedError` under the TODO.")
         if any(r.get("library") for r in per_rank):

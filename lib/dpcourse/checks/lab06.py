@@ -40,7 +40,9 @@ all-gather, an all-gather that adds, summing where the average is asked. A ring 
 blocking ``dist.send`` before its ``dist.recv`` deadlocks: measured with gloo (torch 2.14, CPU),
 two ranks doing that hang at *every* size we tried, from 1 element to 16 Mi elements — gloo's
 send does not return before the peer has posted the matching receive. The check notices which
-call each rank is stuck in, stops the ranks after ``timeout`` seconds and says so; every rank
+call each rank is stuck in, stops the ranks once every one has sat in the same blocking call for
+2 s with none returning (within ``timeout`` seconds in any case; the demo waits for its
+timeout) and says so; every rank
 calling ``dist.recv`` first deadlocks the same way. A second ``wait()`` on the same ``Work``
 never returns either (measured, torch 2.14 gloo): the spy on the stretch's works names it.
 The spy also notes the memory each non-blocking receive writes into, so that one buffer shared
