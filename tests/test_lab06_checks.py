@@ -64,6 +64,7 @@ def _launch_each_run_once():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(launch, "spawn", spawn)
         yield
+    _LAUNCHED.clear()
 
 
 # --- the simulator phases ---------------------------------------------------------------------
