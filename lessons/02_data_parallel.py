@@ -655,8 +655,9 @@ claim(f"averaging the shares makes the gradient {n_devices}x (the number of devi
 #   broadcast; how they combine, and how plain copies' gradients must be combined, is lab 02's
 #   question (its answer is folded above, after the lab's pointer).
 # - Without GPUs the real `nn.DataParallel` silently just calls the module.
-# - Replica 0 shares the module's weights and buffers (as in torch's `replicate`), so BatchNorm's
-#   running statistics are device 0's chunk's alone; the other replicas' updates are lost.
+# - Replica 0 shares the module's weight and buffer tensors (as in torch's `replicate`), so
+#   BatchNorm's running statistics are device 0's chunk's alone; the other replicas' updates
+#   are lost.
 # - Its costs: a replication every step, threads sharing one GIL, device 0 doing the loss alone,
 #   and, when the copies go one by one (a naive parameter server, as in our `dp`), 2(N−1)K
 #   weights and gradients through device 0 every step, the batch's chunks and outputs on top;
