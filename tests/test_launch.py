@@ -366,3 +366,20 @@ def test_torchrun_timeout_kills_the_whole_tree(torchrun_runs):
     time.sleep(0.2)
     # torchrun starts workers in sessions of their own: they must be found and killed too
     assert not any(_alive(p) for p in pids)
+
+
+def test_free_port_is_below_the_ephemeral_range_and_leaves_random_alone():
+    """Outgoing connections (gloo opens many) take ports from the ephemeral range, so a port
+    chosen there can be taken between free_port() and rank 0's bind; below it, only listeners
+    compete. And choosing must not move the global generator the lessons seed."""
+    import random
+
+    floor = launch._ephemeral_floor()
+    random.seed(7)
+    expected = random.random()
+    random.seed(7)
+    ports = {launch.free_port() for _ in range(20)}
+    assert random.random() == expected
+    if floor > 21000:
+        assert all(20000 <= p < floor for p in ports), ports
+    assert len(ports) > 1

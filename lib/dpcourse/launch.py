@@ -44,6 +44,7 @@ with a time limit, rank-prefixed output and the same clean-up.
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -136,8 +137,37 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
         )
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the OS hands to outgoing connections (Linux's default is 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on right now (the OS picks it, so launches don't clash)."""
+    """A TCP port that nothing listens on right now, chosen at random *below* the OS's
+    ephemeral range.
+
+    Why not let the OS pick (bind to port 0)? It picks from the ephemeral range, the same ports
+    it gives every outgoing connection, and gloo opens many of those between ranks: in the
+    moment between this function closing its socket and rank 0's store binding the port,
+    another launch's connection could take it (EADDRINUSE, seen once in a few thousand launches
+    on a loaded machine). A port below that range is only ever taken by a listener; two
+    launches choosing the same one of ~12,000 at the same moment is the remaining, much smaller
+    risk. The OS's pick is the fallback when no such range exists.
+    """
+    floor = _ephemeral_floor()
+    chooser = random.SystemRandom()  # never the global generator: lessons seed it
+    if floor > 21000:
+        for _ in range(64):
+            port = chooser.randrange(20000, floor)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -47,7 +47,7 @@ def run_ddp_bench(world_size: int = 2, caps: Sequence[float] = (0.1, 1, 4, 25, f
     reps: dict = {run: [] for run in runs}
     ratios = []
     for _ in range(repeats):
-        out = launch.spawn(experiments.timing_worker, world_size, cfg, runs, 1, backend=backend,
+        out = launch.spawn(experiments.timing_worker, world_size, cfg, runs, 2, backend=backend,
                            timeout=timeout, show_output=False)[0]
         by = {(r["kind"], r["bucket_cap_mb"]): r["step_s"] for r in out["runs"]}
         for run in runs:
