@@ -352,8 +352,9 @@ ax.grid(True, alpha=0.3)
 fig.subplots_adjust(left=0.18, right=0.97, bottom=0.17, top=0.95)
 viz.show(fig, "training throughput per batch size on this machine (the lines only join the "
               "sizes that were run); the bars span the middle "
-              f"half of {rounds} interleaved runs (one outlier run does not stretch them), so a "
-              "gap smaller than the bars is noise.")
+              f"half of {rounds} interleaved runs (one outlier run does not stretch them): each "
+              "size's spread on its own. The verdict above compares sizes round by round, in "
+              "pairs, so it can call a gap consistent where the bars overlap.")
 
 # %%
 viz.show_code(train.rate_verdict, train.compare_rates)

@@ -759,7 +759,8 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #   counts them), at the price of slower progress. With the simulator's constant τ that is the
 #   unaware server at lr/τ on the same stale gradients (checked): it shows the smaller step,
 #   not the staleness-aware rule, which matters where the staleness varies.
-# - Local SGD keeps the lockstep and averages weights every H steps: H = 1 is DDP,
+# - Local SGD keeps the lockstep and averages weights every H steps: H = 1 is DDP for SGD
+#   (with momentum and weight decay too), not for Adam (measured),
 #   communication falls as 1/H, the replicas drift further apart as H grows (measured), and on
 #   IID shards H = 32 still kept more than 70 % of H = 1's loss reduction here. Torch ships it
 #   (`PeriodicModelAverager`, post-local SGD); DiLoCo adds an outer Nesterov step on the
