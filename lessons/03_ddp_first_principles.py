@@ -53,6 +53,7 @@ lr = 0.05
 seed = 0
 
 # %%
+import inspect
 import os
 
 import torch
@@ -83,7 +84,8 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # from Meta, made for CPU tensors; it takes CUDA ones too, for nearly every operation, but
 # slowly, through the CPU's memory: the next section finds which) or **nccl** (NVIDIA's
 # Collective Communications
-# Library: GPU tensors only, one GPU per rank, much faster on GPUs). In every rank `spawn` sets
+# Library: GPU tensors only, one GPU per rank by default (lesson 00 finds the switch), much
+# faster on GPUs). In every rank `spawn` sets
 # `MASTER_ADDR`, `MASTER_PORT`, `RANK` and `WORLD_SIZE` in the environment, then runs
 #
 # ```python
@@ -266,21 +268,23 @@ claim("training-mode BatchNorm: they differ by more than 1e-3",
 # rank r's share); after `loss.backward()` the gradients are already averaged over the ranks.
 # Next to it, the reference: one process on the whole global batch. `setup_rank()`, shown
 # last, prepares the process and returns the rank's device (`cuda:<rank>` under nccl, the CPU
-# under gloo); on a GPU it turns TF32 off, whose ~1e-3 rounding would hide the 1e-5 agreement
-# checked below.
+# under gloo); on a GPU it turns off TF32 (TensorFloat-32: float32 matrix products and
+# convolutions computed with 10 mantissa bits, not 23), whose ~1e-3 rounding would hide the
+# 1e-5 agreement below.
 
 # %%
 viz.show_code(ddp.make_model, ddp.global_batch_for_step, ddp.ddp_worker, ddp.shard_of,
               ddp.single_process, ddp.setup_rank)
 
 # %% [markdown]
-# **▶ `ddp.same_bits(a, b)`, which the claims below use: whether two float32 tensors are equal
-# bit for bit. Its code is part of an answer to lab 10's stretch: open it after that lab**
-# (click the folded cell below). Until then, the cell after it tests it as a black box: it
-# must refuse two tensors that differ in one element by one float (`torch.nextafter`, the
-# smallest step a float32 can take) and accept a copy.
+# `ddp.same_bits(a, b)`, which the claims below use, asks whether two float32 tensors are equal
+# bit for bit. Not `torch.equal` on the floats, which compares values (−0.0 equals 0.0, a NaN
+# equals nothing): it compares their int32 views, the same 4 bytes read as integers, equal
+# exactly when the bits are. The cell after it tests it: it must refuse two tensors that
+# differ in one element by one float (`torch.nextafter`, the smallest step a float32 can
+# take) and accept a copy.
 
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# %%
 viz.show_code(ddp.same_bits)
 
 # %%
@@ -432,15 +436,15 @@ else:
 # %% [markdown]
 # ## How DDP does it
 # This section reads DDP's internals from what they record. How the reducer does its
-# arithmetic, and what two of lesson 04's tools change in it, is reference for later: the last
-# section, "The reducer's arithmetic, after lesson 04".
+# arithmetic is reference for after your lab: the last section, "The reducer's arithmetic".
 #
 # Inside `DistributedDataParallel` the work is done by its **reducer**: a C++ object that owns
 # the gradient buckets and launches their all-reduces. It belongs to **c10d**, torch's C++
 # library for distributed communication (process groups, the store, the reducer), whose Python
 # face is `torch.distributed`. `DDP(model)` does four things:
 #
-# 1. **Broadcast at construction.** It copies rank 0's weights and buffers to every rank, so
+# 1. **Broadcast at construction.** With `init_sync=True` (the default; `False` skips it and
+#    leaves equal weights to you) it copies rank 0's weights and buffers to every rank, so
 #    the ranks start equal even if they were initialised differently (`manual_dp_worker` did
 #    the same for the weights by hand).
 # 2. **Buffers broadcast before a forward.** Buffers are a module's state that is not a
@@ -479,6 +483,8 @@ claim("DDP(model) overwrote every other rank's weights",
       all(r["changed_by_ddp"] for r in internals[1:]))
 claim("after DDP(model) the weights are equal as values on all ranks (torch.equal)",
       all(r["equal_on_all_ranks"] for r in internals))
+claim("that broadcast is init_sync's, on by default", inspect.signature(
+    torch.nn.parallel.DistributedDataParallel).parameters["init_sync"].default is True)
 
 # %% [markdown]
 # ### Buckets, and why the first iteration has only one
@@ -838,8 +844,6 @@ claim("forward_sync_buffers=True: a forward that follows a no-grad forward, or a
 # method calls, read from the installed torch):
 
 # %%
-import inspect
-
 from torch.nn.modules import _functions as bn_functions
 
 calls = {name: re.findall(r"(?:dist|torch\.distributed)\.(\w+)\(",
@@ -1025,62 +1029,41 @@ viz.quiz([
 ])
 
 # %% [markdown]
-# ## The reducer's arithmetic, after lesson 04
+# ## The reducer's arithmetic
 #
-# Reference, for after lab 03 and lesson 04: it uses lesson 04's `no_sync()` (a backward that
-# does not average the gradients) and `Join` (ranks that ran out of batches keep answering the
-# others' collectives). What it adds to "How DDP does it": how the reducer turns the ranks'
-# gradients into their average — which is why DDP and `average_gradients` agree bit for bit on
-# 2 ranks and not on 3 — and what `Join` and the old `broadcast_buffers` switch change.
+# Reference, for after lab 03: how the reducer turns the ranks' gradients into their average —
+# which is why DDP and `average_gradients` agree bit for bit on 2 ranks and not on 3 — and what
+# the old `broadcast_buffers` switch changes.
 #
 # **The buffers' switch before torch 2.13** was `broadcast_buffers`, and it is not a plain
 # rename of `forward_sync_buffers`: `broadcast_buffers=False` also skips the buffers' broadcast
 # at construction, `forward_sync_buffers=False` only those at run time: before each forward,
-# and at the end of a `Join` (the claim below).
+# and at the end of lesson 04's `Join` (the claim below).
 #
 # **▶ How the reducer turns the ranks' gradients into their average — open after your lab
 # passes** (click the folded cell below; it is lab 03's part 1, done DDP's way).
 
 # %% [markdown] jupyter={"source_hidden": true}
-# The library's `average_gradients` sums, then divides; DDP **scales first, then sums**. Where
-# exactly, in c10d's `Reducer::mark_variable_ready_dense` (`reducer.cpp`), which runs for each
-# gradient as it becomes ready (*read from source*: `reducer.cpp` is not installed; the claim
-# below finds its compiled names, and the 3-rank control run after it measures the rounding it
-# causes):
+# The library's `average_gradients` sums, then divides; DDP **scales first, then sums**. Without
+# a comm hook, c10d's `Reducer::mark_variable_ready_dense` (`reducer.cpp`, not installed: the
+# claim below finds its compiled names) copies each gradient into its bucket as it becomes
+# ready and scales it in the same pass, `at::mul_out(bucket_view, grad, 1. / div_factor_)`: a
+# multiplication by the reciprocal of the world size; then the bucket goes to one all-reduce
+# with SUM. Lesson 07's reference answer to its lab 07 tables every case (a gradient that
+# already is its bucket's view, a comm hook, `zero_grad`'s part) and measures the views. One
+# case only this lesson claims: with `batched_grad_copy=True` (default `False`) the bucket's
+# copies are batched and the flat bucket divided once when it is full.
 #
-# - **without a comm hook**, the copy into the bucket *is* the scaling:
-#   `at::mul_out(bucket_view, grad, wrapped)` with `wrapped` the scalar `1. / div_factor_` — a
-#   multiplication by the reciprocal of the world size, not a division ("Divides while copying
-#   into the bucket view to save one scan over all the input parameters", its comment says);
-#   only where `p.grad` already *is* its bucket view is there nothing to copy, and there it
-#   divides in place, `bucket_view.div_(div_factor_)`. That takes
-#   `gradient_as_bucket_view=True` *and* gradients that survive from one step to the next:
-#   `zero_grad(set_to_none=True)` — the default, and what `ddp_worker` calls — drops the alias
-#   every step, so the next backward makes a new `p.grad` and the reducer copies with
-#   `mul_out` every time ("the bucket view alias is destroyed every iteration", says DDP's
-#   docstring of `batched_grad_copy`). With `batched_grad_copy=True` (default `False`, the claim
-#   below) both wait: the bucket's copies are batched and the flat bucket divided once when it
-#   is full. Then the bucket goes to one all-reduce with SUM.
-# - **with a comm hook** (the function DDP calls per bucket in place of its own all-reduce, as
-#   in "How DDP does it"), the reducer only copies
-#   (`bucket_view.copy_(grad)`, no scaling), and averaging is the hook's job: the default
-#   `allreduce_hook` divides the whole bucket by the group's size, then all-reduces it — first, "to
-#   avoid overflow, especially for FP16", as the comment in `_allreduce_fut`, which it calls, says.
-# (`div_factor_` is the process group's size; under lesson 04's `Join`, which keeps ranks that
-# ran out of batches answering the others' all-reduces, it can be the count of ranks still
-# training, if asked for with `divide_by_initial_world_size=False`.) With 2 ranks the
-# order cannot show: 1/2 is exact in binary, so multiplying by it, or dividing by 2 before or
-# after the sum, gives the same bits (barring underflow). With 3 ranks float32's 1/3 is not a
-# third, and scaling first rounds differently from dividing after the sum. A second cause
-# adds to it: DDP all-reduces one flat bucket, the library each tensor on its own, and the
-# all-reduce need not add the ranks' values in the same order at every position of a tensor
-# (measured, not read: gloo's source is not installed). The 3-rank claim after the lab cannot
-# tell the two apart; the folded control run below can: a comm hook that sums the raw bucket,
-# then divides, keeps DDP's layout with the library's arithmetic.
+# With 2 ranks the order cannot show: 1/2 is exact in binary, so multiplying by it, or dividing
+# by 2 before or after the sum, gives the same bits (barring underflow). With 3 ranks float32's
+# 1/3 is not a third, and scaling first rounds differently from dividing after the sum. A
+# second cause adds to it: DDP all-reduces one flat bucket, the library each tensor on its own,
+# and the all-reduce need not add the ranks' values in the same order at every position of a
+# tensor (measured, not read: gloo's source is not installed). The 3-rank claim after the lab
+# cannot tell the two apart; the folded control run below can: a comm hook that sums the raw
+# bucket, then divides, keeps DDP's layout with the library's arithmetic.
 
 # %%
-import inspect
-
 from torch.nn.parallel import DistributedDataParallel
 
 ddp_defaults = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -1166,11 +1149,16 @@ claim("both are last-bit rounding: the gradients agree to 1e-6",
 #   Which CUDA stream NCCL's work runs on for each setting is decided in
 #   `ProcessGroupNCCL.cpp`, which is not installed and could not be read here (the PyTorch
 #   repository was too large to fetch), so the lesson says only what these files show.
+# - `torch/__init__.py` — `set_float32_matmul_precision`'s docstring: "highest" keeps float32's
+#   23 stored mantissa bits, "high" may use "the TensorFloat32 datatype (10 mantissa bits
+#   explicitly stored)" (TF32; `setup_rank` turns it off for matmuls and cuDNN).
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`:
 #   `forward_sync_buffers` defaults to `True`; `broadcast_buffers` is deprecated (since 2.13)
 #   in its favour, and its warning says that `broadcast_buffers=False` also skips the buffer
 #   sync at construction (`init_sync_buffers`) while `forward_sync_buffers=False` does not;
-#   construction calls `_sync_module_states(..., src=0, ...)`, defined in
+#   construction calls `_sync_module_states(..., src=0, ...)` under `if init_sync:` (default
+#   `True`; the docstring: with `False` "the user is required to ensure themselves that the
+#   weights are the same on all ranks"), defined in
 #   `torch/distributed/utils.py`, which broadcasts rank 0's parameters and buffers. The
 #   docstring of `forward_sync_buffers`: "syncing (broadcasting) buffers of the module at
 #   runtime, including at the beginning of ``forward`` and after uneven-input joins";

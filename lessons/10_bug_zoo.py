@@ -520,9 +520,10 @@ viz.show_code(bugzoo.average_gradients)
 # ### Bug 4: a checkpoint resumed on one rank only
 # Resuming an earlier run: rank 0 loads the checkpoint ("it is the rank that saved it"), once
 # the model is wrapped in DDP. DDP makes the replicas equal once, in its constructor
-# (`_sync_module_states`, from rank 0), and never compares the parameters again (it copies them
-# again only at the end of a `Join` context, `_sync_final_model`). The load comes after it:
-# rank 0 trains from the checkpoint, the other ranks from fresh weights. Averaging the
+# (`_sync_module_states`, from rank 0; skipped with `init_sync=False`, lesson 03), and never
+# compares the parameters again (it copies them again only at the end of a `Join` context,
+# `_sync_final_model`). The load comes after it: rank 0 trains from the checkpoint, the other
+# ranks from fresh weights. Averaging the
 # gradients applies the *same* update to *different* weights, so they stay different forever,
 # and DDP never complains. Any change of the weights on some ranks after the wrapper is built
 # does the same.
@@ -541,9 +542,12 @@ claim("fixed (every rank loads it): the checksums agree at every step",
 # %% [markdown]
 # ### Bug 5: the loss averaged instead of the gradients
 # All-reduce the loss, divide by N, backward: the *logged* loss is the global mean, so the
-# curve looks right. But `all_reduce` has no autograd rule: backward passes straight through
-# it, so no rank's gradient holds anything of the others', and the replicas drift apart. Torch does warn, once, at the backward (printed below); a warning in a
-# log of thousands of lines is easy to miss.
+# curve looks right. But the other ranks' losses were computed with *their* replicas: this
+# rank's weights enter the mean only through its own term, so backward yields its own gradient
+# / N, nothing of the others', and the replicas drift apart. `dist.all_reduce` has no autograd
+# rule (torch warns once, printed below), but a differentiable one would not help: its
+# backward sums the ranks' 1/N into 1, and each rank steps with its own gradient (run below).
+# Average the gradients, not the loss.
 
 # %%
 viz.show_code(bugzoo.averaged_loss)
@@ -564,6 +568,21 @@ claim("but the gradients differ across ranks, and so do the weights after the fi
 claim("fixed (average the gradients): gradients and weights agree at every step",
       not any(detectors.compare_checksums(s) for s in zip(*[r["weights"] for r in avg[True]]))
       and not any(detectors.compare_checksums(s) for s in zip(*[r["grads"] for r in avg[True]])))
+
+
+# %% [markdown]
+# **▶ Bug 5 with `torch.distributed.nn.functional.all_reduce`, differentiable** (its code:
+# click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(bugzoo.averaged_loss_differentiable)
+
+# %%
+diff_ar = launch.spawn(bugzoo.averaged_loss_differentiable, world_size, backend="gloo")
+claim("differentiable all_reduce: the gradient is exactly the rank's own (N times bug 5's), "
+      "and the weights still differ across ranks after one step",
+      max(max(r["grad_minus_own"]) for r in diff_ar) == 0.0
+      and detectors.compare_checksums([r["weights"][1] for r in diff_ar]))
 
 
 # %%
@@ -601,10 +620,10 @@ viz.show(viz.replica_checksums_figure({
 # PrivateUse1 device and raises for CPU input. On CPU the fix here averages the running
 # statistics after each step: the ranks then agree and the detector goes quiet, but that is not
 # what one process with the global batch would hold (run below). The ranks' running means
-# average to the global mean (equal batches); not so the variances. `running_var` holds a
-# batch's *unbiased* variance, and for N ranks of n samples the global one is (the mean of the
-# ranks' biased variances + the variance of their means) · Nn/(Nn − 1): the plain average
-# misses the means' spread and divides by n − 1, not Nn − 1, so it can land above the global
+# average to the global mean (equal batches); not so the variances. `running_var` moves by
+# `momentum` (0.1 by default; 1 in the comparison below, which makes it the batch's) toward
+# each batch's *unbiased* variance, and for N ranks of n samples the global one is (the mean of the ranks' biased variances + the variance of their
+# means) · Nn/(Nn − 1): the plain average misses the means' spread and divides by n − 1, not Nn − 1, so it can land above the global
 # value or below. SyncBatchNorm gathers every rank's mean, inverse std
 # and count, normalizes with the global statistics, and updates the running ones from them
 # (`torch.batch_norm_gather_stats_with_counts` in `SyncBatchNorm.forward`).
@@ -636,6 +655,10 @@ avg_mean = sum(bn.running_mean for bn in bns[:-1]) / world_size
 avg_var = sum(bn.running_var for bn in bns[:-1]) / world_size
 print("averaged running_var:", [round(v, 3) for v in avg_var.tolist()])
 print("global   running_var:", [round(v, 3) for v in bns[-1].running_var.tolist()])
+bn = torch.nn.BatchNorm1d(4)  # momentum 0.1; running_var starts at 1
+bn(per_rank[0])
+claim("default momentum: running_var = 0.9 · 1 + 0.1 · the batch's unbiased variance",
+      torch.allclose(bn.running_var, 0.9 + 0.1 * per_rank[0].var(0), atol=1e-6))
 claim("averaged running means equal the global batch's mean (to float rounding)",
       torch.allclose(avg_mean, bns[-1].running_mean, atol=1e-6))
 claim("but averaged running variances are not the global batch's variance: here above it in "
@@ -1018,7 +1041,8 @@ viz.quiz([
                  "The sampler gave the ranks overlapping samples",
                  "The collective order differs"],
      "answer": 0,
-     "why": ["Right: all_reduce has no autograd rule; each rank steps its own gradient / N.",
+     "why": ["Right: a rank's weights enter the averaged loss only through its own term, so "
+             "each rank steps its own gradient / N.",
              "Overlapping samples change what is learned, not whether the replicas agree.",
              "That would hang or fail, not run on quietly."]},
     {"q": "All ranks' losses are NaN. How do you find where it started?",
@@ -1106,7 +1130,9 @@ viz.quiz([
 # - `torch/distributed/constants.py` — `default_pg_timeout` (30 minutes for gloo) and
 #   `default_pg_nccl_timeout`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__` broadcasts rank
-#   0's parameters and buffers (`_sync_module_states`); `forward_sync_buffers` (default True)
+#   0's parameters and buffers (`_sync_module_states`) under `if init_sync:` (default True; its
+#   docstring: with False "the user is required to ensure themselves that the weights are the
+#   same on all ranks"); `forward_sync_buffers` (default True)
 #   replaces `broadcast_buffers`, deprecated since 2.13 (docstring and the `FutureWarning` in
 #   `__init__`); `_sync_final_model`: the only other place parameters are copied between
 #   ranks, at the end of a `Join` context (`_DDPJoinHook.post_hook`);
@@ -1149,6 +1175,8 @@ viz.quiz([
 # - `torch/lib/libtorch_cpu.so` — the warning printed under bug 5 (from
 #   `autograd_not_implemented_fallback`): `c10d::allreduce_` has no autograd kernel; the
 #   gradient passing straight through it is measured above.
+# - `torch/distributed/nn/functional.py` — `all_reduce` and `_AllReduce`: the differentiable
+#   all-reduce, whose `backward` all-reduces `grad_output` with the same op and group.
 # - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__` seeds its shuffle with
 #   `seed + epoch`; `set_epoch`.
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — the comments on
@@ -1163,7 +1191,8 @@ viz.quiz([
 #   each by `max_norm / (total_norm + 1e-6)`, clamped to at most 1.
 # - `torch/nn/modules/batchnorm.py` — `BatchNorm1d`'s docstring: a batch is normalized with
 #   its biased variance, but `running_var` is updated with the unbiased one
-#   (`torch.var(input, correction=1)`).
+#   (`torch.var(input, correction=1)`), as a moving average: `(1 − momentum) × x̂ + momentum ×
+#   x_t`, `momentum` 0.1 by default; `_NormBase.reset_running_stats` starts `running_var` at 1.
 # - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward`: it syncs only in training mode
 #   with an initialised process group (`need_sync`), and then raises unless the input is on
 #   CUDA, HPU, XPU or the PrivateUse1 backend.

@@ -142,6 +142,17 @@ def test_averaged_loss_gradient_is_own_over_n_and_torch_warns(zoo):
         assert "autograd kernel was not registered" in broken["warnings"][0]
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_differentiable_all_reduce_of_the_loss_gives_each_rank_its_own_gradient(world_size):
+    """Bug 5 with torch.distributed.nn.functional.all_reduce: the backward sums the ranks' 1/N
+    into 1, so each rank's gradient is exactly its own and the replicas still drift."""
+    runs = launch.spawn(bugzoo.averaged_loss_differentiable, world_size, backend="gloo",
+                        timeout=60, show_output=False)
+    assert all(r["grad_minus_own"] == [0.0, 0.0] for r in runs)
+    assert detectors.compare_checksums([r["weights"][0] for r in runs]) == []
+    assert detectors.compare_checksums([r["weights"][1] for r in runs]) != []
+
+
 def test_ddp_buffer_sync_leaves_batchnorm_statistics_apart_after_the_last_step(zoo):
     _, runs = zoo
     a, b = (r["batchnorm_ddp"] for r in runs)

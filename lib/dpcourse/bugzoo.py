@@ -22,7 +22,7 @@ from dpcourse import detectors
 
 __all__ = [
     "partial_collective", "collective_order", "early_stop", "resume_on_one_rank",
-    "averaged_loss", "batchnorm_stats", "batchnorm_ddp", "nan_on_one_rank", "forgotten_set_epoch",
+    "averaged_loss", "averaged_loss_differentiable", "batchnorm_stats", "batchnorm_ddp", "nan_on_one_rank", "forgotten_set_epoch",
     "same_checkpoint", "unused_parameter", "port_in_use", "zoo_worker", "TwoHeads",
     "average_gradients", "small_batches", "mlp",
 ]
@@ -142,8 +142,8 @@ def resume_on_one_rank(rank, world_size, fixed=False, directory=".", steps=6):
 
 
 def averaged_loss(rank, world_size, fixed=False, steps=6):
-    """All-reduces the *loss* and backpropagates it, believing that averages the gradients. The
-    all_reduce has no autograd rule: each rank's gradient is just its own, divided by N.
+    """All-reduces the *loss* and backpropagates it, believing that averages the gradients. A
+    rank's weights enter the mean only through its own loss: its gradient is its own / N.
     Broken, it also returns torch's warning and, per step, the largest difference between the
     gradient backward produced and this rank's own gradient / N (computed beforehand).
 
@@ -178,6 +178,35 @@ def averaged_loss(rank, world_size, fixed=False, steps=6):
         sums.append(detectors.state_checksums(model))
     return {"weights": sums, "grads": grads, "logged_loss": logged,
             "grad_minus_own_over_n": own_over_n, "warnings": warned[:1]}
+
+
+def averaged_loss_differentiable(rank, world_size, steps=2):
+    """Bug 5 with torch's differentiable all-reduce (``torch.distributed.nn.functional``), whose
+    backward all-reduces each rank's incoming 1/N into 1: the gradient is the rank's own, N
+    times :func:`averaged_loss`'s, and still nothing of the others'. Returns, per step, the
+    largest difference from this rank's own gradient (computed beforehand), and the weights'
+    checksums at the start and after each step.
+
+    Shown in lesson 10, §3.
+    """
+    import warnings
+
+    from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
+
+    model = mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gaps, sums = [], [detectors.state_checksums(model)]
+    for x, y in small_batches(rank, steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        own = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        with warnings.catch_warnings():  # torch deprecates it for _functional_collectives
+            warnings.simplefilter("ignore", FutureWarning)
+            (differentiable_all_reduce(loss) / world_size).backward()  # BUG: still the loss
+        gaps.append(max(float((p.grad - o).abs().max()) for p, o in zip(model.parameters(), own)))
+        opt.step()
+        sums.append(detectors.state_checksums(model))
+    return {"grad_minus_own": gaps, "weights": sums}
 
 
 def batchnorm_ddp(rank, world_size, steps=6):
