@@ -285,8 +285,9 @@ claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
 # Real models have frozen parameters (fine-tuning) and tied ones (one `Parameter` used by two
 # layers, like an embedding shared with the output layer). `ZeroConfig(frozen_and_tied=True)`
 # adds both to the MLP: a frozen bias, and a square weight tied between two layers. FSDP2
-# refuses a tied parameter split across two parameter groups, so `fsdp2_shard` (section 6)
-# puts the two layers in one `fully_shard([a, b])` group.
+# (torch's ZeRO-3, section 6) shards a model by calls of `fully_shard(...)`, each making one
+# *parameter group* that it gathers and frees as a unit; it refuses a tied parameter split
+# across two of them, so `fsdp2_shard` puts the two layers in one `fully_shard([a, b])` group.
 
 # %%
 awkward = experiments.ZeroConfig(steps=steps, frozen_and_tied=True)
@@ -498,8 +499,9 @@ viz.show(viz.zero_tradeoff_figure(
 # 6). This lesson counts bytes, not seconds.
 #
 # Note what does not shrink with N in ZeRO-3: a rank's *working set*. While a layer's backward
-# computes, its full weights and its full gradient are both alive (and, with prefetching, the
-# next layer's full weights). Once its gradients are complete the weights go before the
+# computes, its full weights and its full gradient are both alive (and, with prefetching —
+# gathering the next layer's weights while this one computes, section 6 — the next layer's
+# full weights). Once its gradients are complete the weights go before the
 # reduce-scatter (section 4), so a layer being reduce-scattered no longer costs its weights.
 # So where the reduce-scatter overlaps the next layer's backward (FSDP2's aim on a GPU), the
 # working set is one or two blocks' weights and gradients plus whatever the reduce-scatters
@@ -517,8 +519,12 @@ viz.show(viz.zero_tradeoff_figure(
 # (`_fsdp_param_group.py` 741-743) until the *next* group's `post_backward`, which makes the
 # compute stream wait for that reduce-scatter, then drops it before reducing its own (661-682;
 # `reduce_scatter_max_input_buffers`, 1 by default, line 113, is how many may stay), or, for
-# the last group, until the root's end-of-backward callback (`_fsdp_state.py` 428-437). The
-# next layer's backward sets its lifetime, whatever the collective's progress.
+# the last group, until the root's end-of-backward callback (`_fsdp_state.py` 427-437), which
+# does so only on the last backward of a step (`is_last_backward`, True unless
+# `set_is_last_backward(False)` says more micro-batches follow, as in section 6's
+# accumulation: then the last group's buffer waits for the next backward's first
+# `post_backward`). The next layer's backward sets its lifetime, whatever the collective's
+# progress.
 #
 # **▶ That order, read in the installed torch** (click the folded cell below).
 
@@ -530,10 +536,12 @@ group_src = inspect.getsource(FSDPParamGroup.post_backward)
 final_src = inspect.getsource(FSDPState._root_post_backward_final_callback)
 claim("FSDP2's post_backward drops the earlier groups' reduce-scatter inputs (after a wait on "
       "their event) before its own foreach_reduce, then keeps its own; the root's final "
-      "callback drops the rest; the default cap is 1",
+      "callback drops the rest, on the last backward only; the default cap is 1",
       group_src.index("wait_event(oldest.event)") < group_src.index("del oldest")
       < group_src.index(") = foreach_reduce(") < group_src.index("reduce_scatter_states.append(")
       and "self._comm_ctx.reduce_scatter_states.clear()" in final_src
+      and final_src.rindex("if self._state_ctx.is_last_backward:")
+      < final_src.index("self._comm_ctx.reduce_scatter_states.clear()")
       and "self.reduce_scatter_max_input_buffers: int = 1" in inspect.getsource(FSDPCommContext))
 
 # %% [markdown]
