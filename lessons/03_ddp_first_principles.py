@@ -294,6 +294,10 @@ one_float_off = probe.clone()
 one_float_off[500] = torch.nextafter(probe[500], torch.tensor(float("inf")))
 claim("same_bits accepts a copy and refuses a tensor one float away in one element of 1000",
       same_bits(probe, probe.clone()) and not same_bits(probe, one_float_off))
+zero, nan = torch.tensor([0.0]), torch.tensor([float("nan")])
+claim("torch.equal holds -0.0 equal to 0.0 and a NaN unequal to itself; same_bits the reverse",
+      torch.equal(-zero, zero) and not torch.equal(nan, nan)
+      and not same_bits(-zero, zero) and same_bits(nan, nan.clone()))
 cfg = ddp.StepConfig(global_batch=global_batch, steps=steps, lr=lr, width=width, seed=seed)
 per_rank_batch = cfg.per_rank_batch(world_size)
 wrapped = launch.spawn(ddp.ddp_worker, world_size, cfg, backend=backend, timeout=120)
@@ -444,7 +448,8 @@ else:
 # face is `torch.distributed`. `DDP(model)` does four things:
 #
 # 1. **Broadcast at construction.** With `init_sync=True` (the default; `False` skips it and
-#    leaves equal weights to you) it copies rank 0's weights and buffers to every rank, so
+#    leaves equal weights to you) it copies rank 0's weights and buffers (not the buffers
+#    under the deprecated `broadcast_buffers=False`: the last section) to every rank, so
 #    the ranks start equal even if they were initialised differently (`manual_dp_worker` did
 #    the same for the weights by hand).
 # 2. **Buffers broadcast before a forward.** Buffers are a module's state that is not a
@@ -1060,8 +1065,9 @@ viz.quiz([
 # second cause adds to it: DDP all-reduces one flat bucket, the library each tensor on its own,
 # and the all-reduce need not add the ranks' values in the same order at every position of a
 # tensor (measured, not read: gloo's source is not installed). The 3-rank claim after the lab
-# cannot tell the two apart; the folded control run below can: a comm hook that sums the raw
-# bucket, then divides, keeps DDP's layout with the library's arithmetic.
+# cannot tell the two apart; the folded control run below can. With a comm hook the reducer
+# copies without scaling and leaves the averaging to the hook: one that sums the raw bucket,
+# then divides, keeps DDP's layout with the library's arithmetic.
 
 # %%
 from torch.nn.parallel import DistributedDataParallel
