@@ -183,42 +183,45 @@ def _detector_worker(rank, world_size, fn):
     from ..collectives import RECORDED, RECORDED_FUNCOL, record_collectives
 
     results = {}
+    small = []  # this case's (the collective as written, the one number this rank passed in)
 
-    for case, spec in _cases(world_size).items():
-        model = _case_model(case, spec, rank)
-        params = list(model.parameters())
-        before = [p.detach().clone() for p in params]
-        small = []  # (the collective as written, the one number this rank passed in)
+    def spy(call):
+        table = RECORDED_FUNCOL if call.function.startswith("funcol.") else RECORDED
+        read = table.get(call.function.removeprefix("funcol."), (None, None, None))[1]
+        number = _one_number((call.args or {}).get(read)) if read else None
+        if number is not None:
+            small.append((_said(call), number))
 
-        def spy(call):
-            table = RECORDED_FUNCOL if call.function.startswith("funcol.") else RECORDED
-            read = table.get(call.function.removeprefix("funcol."), (None, None, None))[1]
-            number = _one_number((call.args or {}).get(read)) if read else None
-            if number is not None:
-                small.append((_said(call), number))
-
-        try:
-            with record_collectives(before=spy) as calls:
+    # One recording for the whole grid, each case reading the calls it made: setting one up
+    # wraps every collective (about a millisecond), and a grid has 20 cases on every rank.
+    with record_collectives(before=spy) as log:
+        for case, spec in _cases(world_size).items():
+            model = _case_model(case, spec, rank)
+            params = list(model.parameters())
+            before = [p.detach().clone() for p in params]
+            small, first = [], len(log)
+            try:
                 verdict = fn(model)
-        except NotImplementedError:
-            raise
-        except Exception as exc:  # the same model on every rank: every rank raises here
-            results[case] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-                                      if str(exc) else type(exc).__name__}
-            return results
-        # the most numbers any one collective carried in or out: a rank that never received
-        # more than a verdict per rank compared its weights with nothing but its own
-        carried = max((max(c.numel, c.out_numel) if c.dtype is not None else
-                       max(c.nbytes, c.out_nbytes) // 8 for c in calls), default=0)
-        # bit for bit: a NaN kept in place is not a change, a +0.0 made -0.0 is
-        changed = any(not torch.equal(b.reshape(-1).view(torch.uint8),
-                                      p.detach().reshape(-1).view(torch.uint8))
-                      for b, p in zip(before, params))
-        results[case] = {"verdict": verdict if isinstance(verdict, bool) else None,
-                         "returned": None if isinstance(verdict, bool) else
-                         f"{type(verdict).__module__}.{type(verdict).__qualname__}"
-                         .removeprefix("builtins.") + f" ({verdict!r:.40})",
-                         "changed": changed, "small": small, "carried": carried}
+            except NotImplementedError:
+                raise
+            except Exception as exc:  # the same model on every rank: every rank raises here
+                results[case] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                                          if str(exc) else type(exc).__name__}
+                return results
+            calls = log[first:]
+            # the most numbers any one collective carried in or out: a rank that never received
+            # more than a verdict per rank compared its weights with nothing but its own
+            carried = max((max(c.numel, c.out_numel) if c.dtype is not None else
+                           max(c.nbytes, c.out_nbytes) // 8 for c in calls), default=0)
+            # bit for bit: a NaN kept in place is not a change, a +0.0 made -0.0 is
+            changed = any(not torch.equal(b.reshape(-1).view(torch.uint8),
+                                          p.detach().reshape(-1).view(torch.uint8))
+                          for b, p in zip(before, params))
+            results[case] = {"verdict": verdict if isinstance(verdict, bool) else None,
+                             "returned": None if isinstance(verdict, bool) else
+                             f"{type(verdict).__module__}.{type(verdict).__qualname__}"
+                             .removeprefix("builtins.") + f" ({verdict!r:.40})",
+                             "changed": changed, "small": small, "carried": carried}
     return results
 
 
