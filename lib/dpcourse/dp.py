@@ -474,10 +474,14 @@ def python_work(n: int) -> int:
 
 def gil_threads_demo(n: int = 300_000, threads: int = 2, rounds: int = 7) -> dict:
     """Time ``threads`` units of pure-Python work done one after another vs in ``threads``
-    threads (``rounds`` interleaved rounds, the best of each way). With the GIL the threaded
-    run is no faster (often slower): ``speedup`` ≈ 1 or less, however many cores the machine
-    has, and ``cpu_per_wall`` (CPU seconds the process used per second of the threaded run)
-    stays at or below 1: one core at a time.
+    threads (``rounds`` interleaved rounds, the best of each way), and measure the CPU time the
+    process used per second of each way's wall time (all rounds pooled).
+
+    ``cpu_per_wall`` (threaded) is the load-proof sign of the GIL: threads that take turns use at
+    most about one core's worth of CPU per wall second, truly parallel ones up to ``threads``.
+    ``seq_cpu_per_wall`` is how much of a core the one-after-another runs got: a busy machine
+    lowers both, and when the two differ the wall-clock ``speedup`` shows the load, not
+    parallelism.
 
     Shown in lesson 02, §"Why it is slow".
     """
@@ -498,18 +502,15 @@ def gil_threads_demo(n: int = 300_000, threads: int = 2, rounds: int = 7) -> dic
 
     # Interleaved rounds, best of each: a slow moment of a loaded machine hits both ways alike
     # (timing all the sequential runs first once let a busy spell fake a 1.9x "speed-up").
-    seq, thr = [], []
+    wall = {sequential: [], threaded: []}
+    cpu = {sequential: 0.0, threaded: 0.0}
     for _ in range(rounds):
-        for run, times in ((sequential, seq), (threaded, thr)):
-            t0 = time.perf_counter()
+        for run in (sequential, threaded):
+            c0, t0 = time.process_time(), time.perf_counter()
             run()
-            times.append(time.perf_counter() - t0)
-    t_seq, t_thr = min(seq), min(thr)
-    # The load-proof sign of the GIL: while the threads run, the process uses at most one core's
-    # worth of CPU time per second of wall time (two truly parallel threads would use two). A
-    # busy machine slows both timings above, but cannot push this ratio above 1.
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    threaded()
-    cpu_per_wall = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+            wall[run].append(time.perf_counter() - t0)
+            cpu[run] += time.process_time() - c0  # every thread of the process counts
+    t_seq, t_thr = min(wall[sequential]), min(wall[threaded])
     return {"sequential_s": t_seq, "threaded_s": t_thr, "speedup": t_seq / t_thr,
-            "cpu_per_wall": cpu_per_wall, "threads": threads}
+            "cpu_per_wall": cpu[threaded] / sum(wall[threaded]),
+            "seq_cpu_per_wall": cpu[sequential] / sum(wall[sequential]), "threads": threads}
