@@ -199,6 +199,42 @@ def _reference_step(kind: str, m, wrapped, ref_opt, kept: dict, X, y, world_size
 
 
 
+# The references' weights after each step, per (world size, optimizer, rank), kept for the
+# life of the rank's process: they depend only on the check's model, batches and optimizer, not
+# on the learner's code, so a process that runs several wrappers in turn (the tests) makes them
+# once. Checked against the model's initial weights before each reuse.
+_REFERENCE_RUNS: dict = {}
+
+
+def _reference_runs(model, initial, rank: int, world_size: int, opt_name: str) -> list:
+    """Every reference of ``_REFERENCES`` (DDP from a copy of ``model``, with the full optimizer)
+    run for ``_STEPS`` steps on this rank's shards: their flat weights after each step, as
+    [{name: weights}]. Run before the learner's code, with every rank of the group (DDP's
+    collectives)."""
+    __tracebackhide__ = True
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    key = (world_size, opt_name, rank)
+    kept_run = _REFERENCE_RUNS.get(key)
+    if kept_run is not None and torch.equal(kept_run[0], initial):
+        return kept_run[1]
+    references = {}
+    for name in _REFERENCES:
+        m = copy.deepcopy(model)
+        opt_cls, kw = _optimizer(opt_name)
+        references[name] = (m, DDP(m), opt_cls(m.parameters(), **kw), {})
+    steps = []
+    for step in range(_STEPS):
+        X, y = _batch(step, rank, world_size)
+        rec = {}
+        for name, (m, wrapped, ref_opt, kept) in references.items():
+            _reference_step(name, m, wrapped, ref_opt, kept, X, y, world_size)
+            rec[name] = _flat(m)
+        steps.append(rec)
+    _REFERENCE_RUNS[key] = (initial.clone(), steps)
+    return steps
+
+
 def _learner_hooks(trainable, ours: int = 1) -> int:
     """How many gradient hooks the learner registered on the trainable parameters (``ours``
     per parameter are the check's own)."""
@@ -268,13 +304,11 @@ def _refuse_misaligned(call, world_size: int, grad_ptr) -> None:
 
 
 def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
-    """One rank: the learner's wrapper for ``_STEPS`` steps, and after each step the same step
-    of every reference. Returns the weights after every step, what happened in order during
+    """One rank: the learner's wrapper for ``_STEPS`` steps, beside the same steps of every
+    reference (run first, and once per process: :func:`_reference_runs`). Returns the weights after every step, what happened in order during
     each backward (gradients arriving, reduce-scatters launched and waited), the gradient
     memory alive at each arrival, the optimizer's state."""
     __tracebackhide__ = True
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from ..collectives import record_collectives
 
     model = _mlp()
@@ -282,11 +316,7 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
     params = list(named.values())
     trainable = [p for p in params if p.requires_grad]
     initial = _flat(model)
-    references = {}
-    for name in _REFERENCES:
-        m = copy.deepcopy(model)
-        opt_cls, kw = _optimizer(opt_name)
-        references[name] = (m, DDP(m), opt_cls(m.parameters(), **kw), {})
+    reference_steps = _reference_runs(model, initial, rank, world_size, opt_name)
     opt_cls, kw = _optimizer(opt_name)
     names = [n for n, p in named.items() for _ in range(p.numel())]
     names_of = [n for n, p in named.items() if p.requires_grad]     # trainable, in order
@@ -431,11 +461,7 @@ def _zero_worker(rank: int, world_size: int, cls, opt_name: str) -> dict:
                        "where": memory["where"], "end": end_total, "end_where": end_where,
                        "after_step": after_step, "after_where": after_where,
                        "zero_grad_at_step": state["zero_grad_at_step"], "shard_moved": shard_moved}
-                torch.set_default_dtype(_MODEL_DTYPE)
-                for name, (m, wrapped, ref_opt, kept) in references.items():
-                    _reference_step(name, m, wrapped, ref_opt, kept, X, y, world_size)
-                    rec[name] = _flat(m)
-                torch.set_default_dtype(_LEARNER_DEFAULT)
+                rec.update(reference_steps[step])
                 steps.append(rec)
             state_after = _state_of(inner)
         return {"initial": initial, "steps": steps, "state_after": state_after, "names": names,
