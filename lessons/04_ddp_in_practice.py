@@ -90,7 +90,8 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # Below is the diff of the course's single-device script and its DDP script (`-` lines only in
 # `train_single.py`, `+` only in `train_ddp.py`), whole but for `evaluate`, which stands as one
 # comment line: it is close to lab 04's question, so its diff is folded after the lab pointer at
-# the end (the claims below check the whole diff). Every changed line is one data parallelism needs,
+# the end (the claims below check the whole diff). The lines that resume from and save the
+# checkpoint, the same in both scripts, stand as comment lines too, for lab 04's stretch. Every changed line is one data parallelism needs,
 # except a test hook: `--fail-at-step`, `--fail-rank` and the `os.kill(..., SIGKILL)` that uses
 # them play a crash for section 3 and have no place in a real script (the cell after the diff
 # counts them):
@@ -127,8 +128,32 @@ def without_function(path, name):
             + lines[fn.end_lineno:])
 
 
-shown = list(difflib.unified_diff(without_function(train_single, "evaluate"),
-                                  without_function(train_ddp, "evaluate"),
+# The lines that resume from and save the checkpoint (lab 04's stretch) are the same in both
+# scripts; each block stands as one comment line here, folded after the lab pointer.
+RESUME_AND_SAVE = [("state = load_checkpoint(", 'print(f"resumed from step', "# (resume"),
+                   ("for epoch in range(step", "for epoch in range(step",
+                    "for epoch in ...:  # (its range"),
+                   ("done_in_epoch = ", "done_in_epoch = ", "# (what a resume skips"),
+                   ("if i // args.accum < done_in_epoch", "continue  # already", "# (skip"),
+                   ("if args.ckpt and is_main", '"scaler": scaler.state_dict()', "# (save")]
+
+
+def without_resume_and_save(lines):
+    """`lines` with each block of RESUME_AND_SAVE cut to one comment line; and the cut lines."""
+    kept, cut = [], []
+    for start, end, what in RESUME_AND_SAVE:
+        i = next(k for k, line in enumerate(lines) if start in line)
+        j = next(k for k in range(i, len(lines)) if end in lines[k])
+        indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+        cut += lines[i:j + 1]
+        lines = (lines[:i] + [f"{indent}{what}: folded after the lab pointer)"]
+                 + lines[j + 1:])
+    return lines, cut
+
+
+single_shown, single_cut = without_resume_and_save(without_function(train_single, "evaluate"))
+ddp_shown, ddp_cut = without_resume_and_save(without_function(train_ddp, "evaluate"))
+shown = list(difflib.unified_diff(single_shown, ddp_shown,
                                   "train_single.py", "train_ddp.py", lineterm="", n=1))
 display(Code("\n".join(shown), language="diff"))  # highlighted: + lines added for DDP
 diff = list(difflib.unified_diff(train_single.read_text().splitlines(),   # the whole diff,
@@ -136,6 +161,8 @@ diff = list(difflib.unified_diff(train_single.read_text().splitlines(),   # the 
                                  "train_single.py", "train_ddp.py", lineterm="", n=1))
 
 # %%
+claim(f"the {len(ddp_cut)} resume and save lines cut from the diff above are the same in both "
+      "scripts: no changed line is hidden", single_cut == ddp_cut)
 removed = [line for line in diff[2:] if line.startswith("-")]
 added = [line for line in diff[2:] if line.startswith("+")]
 n_lines = len(train_ddp.read_text().splitlines())
@@ -1568,7 +1595,7 @@ viz.quiz([
     {"q": "torchrun restarts your job after rank 1 dies at step 11; the last checkpoint is from "
           "step 8. What must the restarted ranks do to end with the uninterrupted run's weights?",
      "options": ["Continue from step 11 with fresh weights",
-                 "Load the step-8 checkpoint (model, optimizer, step) and redo steps 9-11",
+                 "Load the step-8 checkpoint and redo steps 9-11",
                  "Only rank 1 reloads; rank 0 keeps its weights in memory"],
      "answer": 1,
      "why": ["Fresh weights throw away all the training so far.",
