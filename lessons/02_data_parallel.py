@@ -9,7 +9,7 @@
 #   and how autograd brings the replicas' gradients back to the original parameters;
 # - read a from-scratch implementation of each move and check it against the plain model;
 # - predict what the real `nn.DataParallel` does on a machine with 0, 1 or several GPUs;
-# - say why replica 0 is special (it shares the module's weights and buffers, so BatchNorm's
+# - say why replica 0 is special (its weights are the module's own tensors, and BatchNorm's
 #   running statistics come from device 0's chunk alone);
 # - count the traffic through device 0 when it hands the weights out and collects the
 #   gradients copy by copy — 2(N−1)K weights and gradients per step — say what the real class
@@ -663,9 +663,10 @@ claim(f"averaging the shares makes the gradient {n_devices}x (the number of devi
 #   broadcast; how they combine, and how plain copies' gradients must be combined, is lab 02's
 #   question (its answer is folded above, after the lab's pointer).
 # - Without GPUs the real `nn.DataParallel` silently just calls the module.
-# - Replica 0 shares the module's weight and buffer tensors (as in torch's `replicate`), so
-#   BatchNorm's running statistics are device 0's chunk's alone; the other replicas' updates
-#   are lost.
+# - Replica 0's weights are the module's own tensors (as in torch's `replicate`), and after a
+#   training-mode forward the module's BatchNorm running statistics equal those of a copy that
+#   saw device 0's chunk alone (section 2's claim); what a replica's forward does to other
+#   buffers is lab 02's part 5 (its sources are folded after the lab's pointer).
 # - Its costs: a replication every step, threads sharing one GIL, device 0 doing the loss alone,
 #   and, when the copies go one by one (a naive parameter server, as in our `dp`), 2(N−1)K
 #   weights and gradients through device 0 every step, the batch's chunks and outputs on top;
@@ -700,10 +701,10 @@ viz.quiz([
                  "From the average of every replica's chunk"],
      "answer": 1,
      "why": ["Each replica sees only its chunk; none sees the whole batch.",
-             "Right: replica 0 shares the module's buffers; the others' updates are lost with "
-             "them.",
-             "Nothing averages the replicas' buffers: the other replicas are dropped after the "
-             "step."]},
+             "Right: section 2 measured them bit-identical to those of a copy that saw chunk 0 "
+             "alone.",
+             "Section 2 measured them bit-identical to those of a copy that saw chunk 0 alone: "
+             "no average of the chunks."]},
     {"q": "In this lesson's DataParallel, which copies one device at a time (a naive parameter "
           "server), with 8 devices and a model of K parameters, how many numbers of weights and "
           "gradients cross device 0's link per step?",
