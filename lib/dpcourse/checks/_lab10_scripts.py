@@ -98,8 +98,9 @@ CHOICES = {
               "after the all-reduce.", None),
         ("D", "The loss must be all-reduced before backward, so that every rank backpropagates "
               "from the global mean.",
-         "all_reduce has no autograd rule, so the backward would not see it: each rank's "
-         "gradient would still be its own.")],
+         "a rank's weights enter the all-reduced loss only through its own term (the other "
+         "ranks' losses were computed with their replicas), so even a differentiable "
+         "all_reduce leaves each rank's gradient its own.")],
 }
 ANSWERS = {n: next(o for o, _, why in opts if why is None) for n, opts in CHOICES.items()}
 

@@ -122,8 +122,10 @@ def _src_per_rank(text: str, call) -> tuple[str, list] | None:
                  "dist": types.SimpleNamespace(get_rank=lambda r=r: r,
                                                get_world_size=lambda: ws)}
         try:
-            value = eval(compile(ast.Expression(node), "<src>", "eval"), {"__builtins__": {}},
-                         space)
+            # compiled from its text, not from the node: turning Python AST objects back into
+            # C ones uses CPython 3.11's per-process recursion counter, which the checks run
+            # in threads by test_lab10 would share ("AST ... recursion depth mismatch")
+            value = eval(compile(expr, "<src>", "eval"), {"__builtins__": {}}, space)
         except Exception:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
