@@ -894,9 +894,11 @@ claim("the bound is B here (C − C_last is larger), and the model's saving is b
 # messages of every bucket but the last, so the bound is B, not C − C_last; and as the first
 # bucket is complete only some way into the backward, the model expects less than B.
 #
-# The bound also says **when** overlap can pay: it hides all but the last bucket once the
-# **compute-to-communication ratio B / C is about 1 or more**; far below 1 (a slow network)
-# the step is communication plus a little, far above 1 communication is nearly free, and in
+# The bound also says **when** overlap can pay: once the **compute-to-communication ratio
+# B / C is about 1 or more**, it *can* hide at most all but the last bucket. How much it does
+# hide depends on when each bucket becomes ready: a bucket ready late in the backward finishes
+# after it, and the model's saving printed above stays below its bound because the wire waits
+# for the first bucket. Far below 1 (a slow network) the step is communication plus a little, far above 1 communication is nearly free, and in
 # between the bucket cap decides how much of it the backward covers. The ratio printed above
 # is this machine's; the DDP paper measured the same trade-off on GPUs with NCCL and gloo (Li
 # et al., 2020, §5).
@@ -996,8 +998,10 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 #   sum of N ranks' values inside fp16's range (its largest value is 65504), at the price of
 #   small values losing digits sooner.
 # - `powerSGD_hook` (Vogels et al., 2019): see each gradient as a matrix M (n × m) and send a
-#   rank-r approximation instead. Per bucket, torch runs **three all-reduces, one after the
-#   other**, each paying α: (1) the tensors too small to gain (biases; those with
+#   rank-r approximation instead. Only from step `PowerSGDState(start_powerSGD_iter=...)` on:
+#   the default is **1 000**, and before it the hook sends a plain all-reduce (both checked in
+#   the installed source below; this lesson's runs pass 2). From then on, per bucket, torch
+#   runs **three all-reduces, one after the other**, each paying α: (1) the tensors too small to gain (biases; those with
 #   (n + m) r · `min_compression_rate` ≥ n m), uncompressed, in one flat buffer; (2) every
 #   P = M Q (n × r); then each rank **orthogonalises the summed P** (the same on every rank)
 #   and computes Q = Mᵀ P (m × r); (3) the Q's. The orthogonalisation, `_orthogonalize`,
@@ -1080,6 +1084,14 @@ claim("the installed powerSGD_hook makes a fresh Q from torch.randn, seeded insi
       all(text in hook_source for text in ("torch.random.fork_rng(",
                                            "torch.manual_seed(state.rng.randint(",
                                            "torch.randn(")))
+
+start_default = inspect.signature(powerSGD_hook.PowerSGDState).parameters[
+    "start_powerSGD_iter"].default
+claim(f"PowerSGDState's start_powerSGD_iter defaults to {start_default}, and before that step "
+      "the installed hook sends a plain all-reduce (default._allreduce_fut)",
+      start_default == 1000
+      and "if state.iter < state.start_powerSGD_iter:" in hook_source
+      and "return default._allreduce_fut(group_to_use, input_tensor)" in hook_source)
 
 
 def first_q(state):
@@ -1328,7 +1340,8 @@ claim("set_to_none=True: in every step autograd wrote a fresh tensor, elsewhere 
 #   in bucket order, and can make the gradients views of the buckets.
 # - Overlap is a prediction you can test: the early buckets' all-reduces run under the
 #   backward, and save at most min(B, C − C_last) — nothing with one bucket. At B / C ≳ 1 it
-#   hides all but the last bucket; below that it still saves up to B (section 4's simulated
+#   can hide at most all but the last bucket, how much depending on when each bucket becomes
+#   ready; below that it still saves up to B (section 4's simulated
 #   wire, at B / C = ½, measures it). The model has no term for gloo and the backward sharing the CPU's
 #   cores: section 4 prints its prediction beside what the run measured, and its noise floor;
 #   with a simulated wire that takes no CPU, overlap clearly pays.
@@ -1445,7 +1458,7 @@ viz.quiz([
 #   `_allreduce_fut`: the hooks call `dist.all_reduce` through the module attribute, which is
 #   what `collectives.record_collectives` replaces (`powerSGD_hook.py` does the same).
 # - `torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py` — `PowerSGDState`
-#   (`matrix_approximation_rank`, `start_powerSGD_iter`, `min_compression_rate`,
+#   (`matrix_approximation_rank`, `start_powerSGD_iter` (1_000 by default), `min_compression_rate`,
 #   `use_error_feedback`, `warm_start`), `powerSGD_hook`: plain all-reduce before
 #   `start_powerSGD_iter`; then the uncompressed tensors' all-reduce, the P all-reduce,
 #   `_orthogonalize` of P (Gram-Schmidt when the rank is at most 2 or the dtype is
