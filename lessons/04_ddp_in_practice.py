@@ -101,13 +101,14 @@ print("ranks:", world_size, "| backend:", profile.backend)
 #   from the environment;
 # - **one GPU per rank:** `torch.cuda.set_device(local_rank)` *before* anything touches CUDA, or
 #   every process's `.cuda()` and NCCL use GPU 0; `DDP(..., device_ids=[local_rank])`;
-# - **the restart store:** a `PrefixStore` per attempt (`store_for_this_attempt`), for the
-#   restarts of section 3, which says why;
+# - **the restart store:** a `PrefixStore` (the same store, every key prefixed) per attempt
+#   (`store_for_this_attempt`), for the restarts of section 3, which says why;
 # - **the data:** `DistributedSampler` gives each rank its shard, `set_epoch` reshuffles it each
 #   epoch the same way on every rank; the evaluation takes each test image exactly once;
 # - **the model:** `DDP(...)`, and `raw_model = model.module`, the plain model, which is what we
-#   save, load and evaluate (after a broadcast of rank 0's buffers, which section 4 explains);
-#   `no_sync` for accumulation (section 7);
+#   save, load and evaluate (after a broadcast of rank 0's buffers, tensors such as BatchNorm's
+#   running statistics that no all-reduce keeps equal: section 4); `no_sync`, a context whose
+#   backwards skip the all-reduce, for accumulation (section 7);
 # - **the numbers we print:** the logged training loss goes through `dist.all_reduce`, so it
 #   is the whole job's, not rank 0's; so is the test accuracy (section 4 says what that takes);
 # - **the end:** rank 0 saves; a barrier; `destroy_process_group`; and, once `main` has
@@ -1519,9 +1520,11 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 #   lr × k for a k× batch, with warm-up). Summed gradients equal averaged ones at lr × N for SGD
 #   (with or without momentum), not with weight decay, and not for Adam.
 # * `no_sync` accumulation equals the big batch and all-reduces `accum` times less. AMP leaves
-#   DDP's gradients in float32 (a 16-bit compress hook or `mixed_precision=` changes that). DDP
-#   broadcasts rank 0's buffers before a forward when the forward before it ran with gradients
-#   enabled and outside `no_sync`. With small per-rank batches, synchronised batch statistics
+#   DDP's gradients in float32 (a 16-bit compress hook or `mixed_precision=` changes that). If
+#   the module has buffers and `forward_sync_buffers` is on (the default), DDP broadcasts rank
+#   0's buffers (under `Join`, the highest rank still training's) before the first forward and
+#   before every forward that follows one run with gradients enabled and outside `no_sync`
+#   (section 9). With small per-rank batches, synchronised batch statistics
 #   (measured with the CPU stand-in `dp.CPUSyncBatchNorm`) make BatchNorm's gradients one
 #   process's (to 1e-5).
 # * `TORCH_DISTRIBUTED_DEBUG=DETAIL` turns a mismatched collective into a clear error; a

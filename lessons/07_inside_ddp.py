@@ -895,10 +895,9 @@ claim("the bound is B here (C − C_last is larger), and the model's saving is b
 # bucket is complete only some way into the backward, the model expects less than B.
 #
 # The bound also says **when** overlap can pay: once the **compute-to-communication ratio
-# B / C is about 1 or more**, it *can* hide at most all but the last bucket. How much it does
-# hide depends on when each bucket becomes ready: a bucket ready late in the backward finishes
-# after it, and the model's saving printed above stays below its bound because the wire waits
-# for the first bucket. Far below 1 (a slow network) the step is communication plus a little, far above 1 communication is nearly free, and in
+# B / C is about 1 or more**, it *can* hide all but the last bucket; how much it does depends
+# on when each bucket becomes ready (above, the saving stays below its bound). Far below 1 (a
+# slow network) the step is communication plus a little, far above 1 communication is nearly free, and in
 # between the bucket cap decides how much of it the backward covers. The ratio printed above
 # is this machine's; the DDP paper measured the same trade-off on GPUs with NCCL and gloo (Li
 # et al., 2020, §5).
@@ -998,10 +997,8 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 #   sum of N ranks' values inside fp16's range (its largest value is 65504), at the price of
 #   small values losing digits sooner.
 # - `powerSGD_hook` (Vogels et al., 2019): see each gradient as a matrix M (n × m) and send a
-#   rank-r approximation instead. Only from step `PowerSGDState(start_powerSGD_iter=...)` on:
-#   the default is **1 000**, and before it the hook sends a plain all-reduce (both checked in
-#   the installed source below; this lesson's runs pass 2). From then on, per bucket, torch
-#   runs **three all-reduces, one after the other**, each paying α: (1) the tensors too small to gain (biases; those with
+#   rank-r approximation instead. From step `start_powerSGD_iter` on (**1 000** by default;
+#   before it, plain all-reduces; checked below), per bucket torch runs **three all-reduces, one after the other**, each paying α: (1) the tensors too small to gain (biases; those with
 #   (n + m) r · `min_compression_rate` ≥ n m), uncompressed, in one flat buffer; (2) every
 #   P = M Q (n × r); then each rank **orthogonalises the summed P** (the same on every rank)
 #   and computes Q = Mᵀ P (m × r); (3) the Q's. The orthogonalisation, `_orthogonalize`,
@@ -1340,8 +1337,7 @@ claim("set_to_none=True: in every step autograd wrote a fresh tensor, elsewhere 
 #   in bucket order, and can make the gradients views of the buckets.
 # - Overlap is a prediction you can test: the early buckets' all-reduces run under the
 #   backward, and save at most min(B, C − C_last) — nothing with one bucket. At B / C ≳ 1 it
-#   can hide at most all but the last bucket, how much depending on when each bucket becomes
-#   ready; below that it still saves up to B (section 4's simulated
+#   can hide all but the last bucket at most, as the buckets' ready times allow; below that it still saves up to B (section 4's simulated
 #   wire, at B / C = ½, measures it). The model has no term for gloo and the backward sharing the CPU's
 #   cores: section 4 prints its prediction beside what the run measured, and its noise floor;
 #   with a simulated wire that takes no CPU, overlap clearly pays.
