@@ -8,9 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import fail, has_todo
-# lab 11's launches are remembered the same way: one helper for both labs
-from ._lab11_common import remembered_run_ranks, run_together
+from . import fail, has_todo, run_ranks
 
 DEFAULT_TIMEOUT = 20.0  # seconds; a correct answer takes 1-8 s, a deadlock is cut off here
 
@@ -100,22 +98,8 @@ def _launch(worker, world_size: int, timeout: float, *args, name: str = "your fu
             raise NotImplementedError(f"{getattr(fn, '__name__', 'your function')} still raises "
                                       f"NotImplementedError: replace the TODO with your answer.")
 
-    return remembered_run_ranks(worker, world_size, *args,
-                                backend=devices.backend_for(world_size), timeout=timeout,
-                                hang=_hang(name, timeout))
-
-
-def _launch_together(runs, timeout: float) -> None:
-    """Start the runs ``(worker, world_size, args)`` a check is about to launch one by one in
-    one launch (:func:`dpcourse.checks._lab11_common.run_together`): each :func:`_launch` then
-    finds its run's results. Nothing is started for a TODO still there or a backend other
-    than gloo: ``_launch`` says or does what it always did."""
-    from .. import devices
-
-    for _, n, args in runs:
-        if devices.backend_for(n) != "gloo" or any(callable(a) and has_todo(a) for a in args):
-            return
-    run_together(runs, timeout)
+    return run_ranks(worker, world_size, *args, backend=devices.backend_for(world_size),
+                     timeout=timeout, hang=_hang(name, timeout))
 
 
 def _none_guard(results: list, name: str) -> None:

@@ -9,8 +9,7 @@ import torch.nn.functional as F
 
 from . import check_timeout, fail, passed, recorded
 from ._lab03_common import (DEFAULT_TIMEOUT, ROUTED_HEADS, WORLD_SIZES, _all_close, _close,
-                            _launch, _launch_together, _none_guard,
-                            _part1_model_after_backward,
+                            _launch, _none_guard, _part1_model_after_backward,
                             _refuse_frozen_grad, _refuse_never_grad)
 from ._lab03_placement import _DeviceWatch, _refuse_unplaced
 
@@ -77,8 +76,6 @@ def check_average_gradients_weighted(average_gradients_weighted, world_sizes=WOR
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     if not callable(average_gradients_weighted):
         fail(f"the check needs your function, got {type(average_gradients_weighted).__name__}.")
-    _launch_together([(_weighted_worker, n, (average_gradients_weighted, tuple(sizes[:n])))
-                      for n in world_sizes], timeout)
     for world_size in world_sizes:
         results = _launch(_weighted_worker, world_size, timeout, average_gradients_weighted,
                           tuple(sizes[:world_size]), name="average_gradients_weighted")

@@ -10,9 +10,8 @@ import copy
 import torch
 from torch import nn
 
-from . import check_timeout, fail, passed, recorded, refuse_reference, reveal
-from ._lab11_common import (DEFAULT_TIMEOUT, WORLD_SIZES, _HANG, _OWN, _communicating, _todo,
-                             remembered_run_ranks, run_together)
+from . import check_timeout, fail, passed, recorded, refuse_reference, reveal, run_ranks
+from ._lab11_common import DEFAULT_TIMEOUT, WORLD_SIZES, _HANG, _OWN, _communicating, _todo
 from ._lab11_decisions import _RIGHT_DIM
 from ._lab11_diagnose import (D, H, ROWS, _DIM_NAMES, _LR, _STEPS, _against_dim, _block_failures,
                               _common_layer_failures, _data, _diagnose_column, _diagnose_row,
@@ -155,10 +154,8 @@ def _launch_layer(layer_cls, kind: str, weight_dim, world_sizes, timeout) -> dic
     _todo(layer_cls)
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     ran = {}
-    run_together([(_layer_worker, n, (layer_cls, kind)) for n in world_sizes], timeout)
     for n in world_sizes:
-        outs = remembered_run_ranks(_layer_worker, n, layer_cls, kind, timeout=timeout,
-                                    hang=_HANG)
+        outs = run_ranks(_layer_worker, n, layer_cls, kind, timeout=timeout, hang=_HANG)
         full, x, upstream, y = _reference(kind)
         if weight_dim is not None:
             _against_dim(outs, n, layer_cls.__name__, full, kind, weight_dim % 2)

@@ -9,9 +9,8 @@ import copy
 import torch
 from torch import nn
 
-from . import check_timeout, fail, passed, recorded, refuse_reference, reveal
-from ._lab11_common import (DEFAULT_TIMEOUT, WORLD_SIZES, _HANG, _OWN, _todo,
-                             remembered_run_ranks, run_together)
+from . import check_timeout, fail, passed, recorded, refuse_reference, reveal, run_ranks
+from ._lab11_common import DEFAULT_TIMEOUT, WORLD_SIZES, _HANG, _OWN, _todo
 from ._lab11_diagnose import (D, H, ODD_H, ROWS, _STEPS, _data, _diagnose_mlp, _error,
                               _match_param, _plain_mlp)
 from ._lab11_layers import _sgd_outputs
@@ -61,12 +60,10 @@ def check_tp_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None)
     refuse_reference(mlp_cls, "TPMLP", tp.TensorParallelMLP, why=_OWN)
     _todo(mlp_cls)
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    run_together([(_mlp_worker, n, (mlp_cls, H)) for n in world_sizes]
-                 + [(_mlp_worker, 3, (mlp_cls, ODD_H))], timeout)
     for n in world_sizes:
-        outs = remembered_run_ranks(_mlp_worker, n, mlp_cls, H, timeout=timeout, hang=_HANG)
+        outs = run_ranks(_mlp_worker, n, mlp_cls, H, timeout=timeout, hang=_HANG)
         _diagnose_mlp(outs, n, H, mlp_cls.__name__)
-    outs = remembered_run_ranks(_mlp_worker, 3, mlp_cls, ODD_H, timeout=timeout, hang=_HANG)
+    outs = run_ranks(_mlp_worker, 3, mlp_cls, ODD_H, timeout=timeout, hang=_HANG)
     errors = [o.get("build_error") for o in outs]
     if all(errors):
         if not all(str(ODD_H) in e and "3" in e.replace(str(ODD_H), "") for e in errors):
@@ -112,20 +109,16 @@ def check_normed_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = N
         fail(f"the check needs your class itself, got {type(mlp_cls).__name__}.")
     _todo(mlp_cls)
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    run_together([(normed_worker, n, (mlp_cls,)) for n in world_sizes]
-                 + ([(normed_worker, 3, (mlp_cls, ODD_H))] if 3 in world_sizes else [])
-                 + [(normed_worker, min(world_sizes), (mlp_cls, H, SHIFT))], timeout)
-    ran = {n: remembered_run_ranks(normed_worker, n, mlp_cls, timeout=timeout, hang=_HANG)
+    ran = {n: run_ranks(normed_worker, n, mlp_cls, timeout=timeout, hang=_HANG)
            for n in world_sizes}
     uneven = None
     if 3 in ran:      # run once the even sizes have passed their diagnoses
         def uneven():
-            return remembered_run_ranks(normed_worker, 3, mlp_cls, ODD_H, timeout=timeout,
-                                        hang=_HANG)
+            return run_ranks(normed_worker, 3, mlp_cls, ODD_H, timeout=timeout, hang=_HANG)
     two = min(ran)
 
     def large():      # run once the small-mean runs have passed their diagnoses
-        return two, remembered_run_ranks(normed_worker, two, mlp_cls, H, SHIFT, timeout=timeout,
+        return two, run_ranks(normed_worker, two, mlp_cls, H, SHIFT, timeout=timeout,
                               hang=_HANG)
     check_normed(ran, mlp_cls.__name__, prediction, uneven, bytes_prediction, large)
 
@@ -159,8 +152,7 @@ def count_all_reduces(mlp_cls, world_size: int = 2, timeout: float | None = None
         fail(f"the measurement needs your class itself, got {type(mlp_cls).__name__}.")
     _todo(mlp_cls)
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    outs = remembered_run_ranks(_stacked_worker, world_size, mlp_cls, timeout=timeout,
-                                hang=_HANG)
+    outs = run_ranks(_stacked_worker, world_size, mlp_cls, timeout=timeout, hang=_HANG)
     return tuple(sum(op == "all_reduce" for op in outs[0][case])
                  for case in ("data", "requires_grad"))
 

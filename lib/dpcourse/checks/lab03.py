@@ -3,8 +3,7 @@
 ``average_gradients_flat(model)`` (one all_reduce for the whole model).
 
 They run the learner's functions (defined in notebook cells; ``dpcourse.launch`` ships them to
-the ranks with cloudpickle) on 2 and then 3 gloo ranks (one launch of 3 processes, a process
-group for each run: ``_lab03_common._launch_together``), and compare with ``dpcourse.ddp``'s
+the ranks with cloudpickle) on 2 and then 3 gloo ranks, and compare with ``dpcourse.ddp``'s
 reference. A wrong answer is matched against simulations of the plausible mistakes:
 
 * summing without dividing (gradients ``world_size`` times too big);
@@ -74,8 +73,7 @@ import torch.nn.functional as F
 from . import check_timeout, fail, passed, recorded, refuse_reference
 # The checks of the other parts live in modules of their own; their names are this module's too.
 from ._lab03_common import (DEFAULT_TIMEOUT, ROUTED_HEADS, WORLD_SIZES, _all_close, _close,
-                            _hang, _launch, _launch_together, _none_guard,
-                            _part1_model_after_backward,
+                            _hang, _launch, _none_guard, _part1_model_after_backward,
                             _refuse_frozen_grad, _refuse_never_grad, part1_model)
 from ._lab03_placement import _DeviceWatch, _refuse_unplaced
 from ._lab03_predict import (BYTES_CHOICES, check_bytes_prediction, check_prediction,
@@ -178,9 +176,6 @@ def check_average_gradients(average_gradients, world_sizes=WORLD_SIZES,
                      why="define it in the cell above, under the same name, and pass that")
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     in_place, every, runs = True, [], []
-    if callable(average_gradients):
-        _launch_together([(_avg_worker, n, (average_gradients, True, True))
-                          for n in world_sizes], timeout)
     for world_size in world_sizes:
         results = _check_average(average_gradients, world_size, timeout, "average_gradients",
                                  routed=True)
@@ -208,9 +203,6 @@ def check_average_gradients_flat(average_gradients_flat, world_sizes=WORLD_SIZES
     __tracebackhide__ = True
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
     every, runs = [], []
-    if callable(average_gradients_flat):
-        _launch_together([(_avg_worker, n, (average_gradients_flat, True, True))
-                          for n in world_sizes], timeout)
     for world_size in world_sizes:
         results = _check_average(average_gradients_flat, world_size, timeout,
                                  "average_gradients_flat", flat=True, routed=True)

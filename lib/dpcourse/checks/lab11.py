@@ -4,11 +4,7 @@ stage with its bubble measured.
 Every check runs the learner's code on 2 and then 3 gloo ranks (``dpcourse.launch.spawn``, so
 classes defined in notebook cells work), records every collective it makes with
 ``dpcourse.collectives.record_collectives``, and compares values with the plain layer on one
-process. The runs of one check share one launch of the largest world size, each in a process
-group of its own (``_lab11_common.run_together``: 3 processes, not 2 + 3), and a run already made
-on the same answer is not made again (``remembered_run_ranks``); when the shared launch fails,
-each run is launched alone, as before. The values are chosen so that each classic mistake leaves
-its own trace:
+process. The values are chosen so that each classic mistake leaves its own trace:
 
 * ``check_block_of``: the slice rank r keeps of a size (in process): not offset by rank, one
   feature short, the remainder dropped, a size that does not divide neither refused with a
@@ -114,9 +110,8 @@ from __future__ import annotations
 
 import torch
 
-from . import check_timeout, fail, passed, recorded, refuse_reference
-from ._lab11_common import (DEFAULT_TIMEOUT, WORLD_SIZES, _HANG, _OWN, _communicating, _todo,
-                             remembered_run_ranks, run_together)
+from . import check_timeout, fail, passed, recorded, refuse_reference, run_ranks
+from ._lab11_common import DEFAULT_TIMEOUT, WORLD_SIZES, _HANG, _OWN, _communicating, _todo
 from ._lab11_decisions import (SP_KEYS, SP_VALUES, _declaration, _wrong_passes, check_diagnosis,
                                check_sequence_parallel, check_split_decision)
 from ._lab11_diagnose import (D, ODD_H, ROWS, _against_declaration, _data, _diagnose_conjugates,
@@ -268,10 +263,9 @@ def check_conjugates(copy_cls, reduce_cls, f_communicates_in=None, g_communicate
         fail("your diagnosis (f_communicates_in, g_communicates_in) is not right yet: run "
              "lab11.check_diagnosis and read its sentence before checking the code.")
     _todo(copy_cls, reduce_cls)
-    run_together([(_conjugates_worker, n, (copy_cls, reduce_cls)) for n in world_sizes], timeout)
     for n in world_sizes:
-        outs = remembered_run_ranks(_conjugates_worker, n, copy_cls, reduce_cls,
-                                    timeout=timeout, hang=_HANG)
+        outs = run_ranks(_conjugates_worker, n, copy_cls, reduce_cls, timeout=timeout,
+                         hang=_HANG)
         _against_declaration(outs, copy_cls.__name__, reduce_cls.__name__, declared)
         _diagnose_conjugates(outs, n, copy_cls.__name__, reduce_cls.__name__)
     shown = " and ".join(map(str, world_sizes))
