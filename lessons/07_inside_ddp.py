@@ -138,20 +138,19 @@ for kind in ("after_backward", "per_parameter"):
 # gradient a view of its bucket) and its stretch (a communication hook of your own) wait until
 # the end of section 6.
 #
-# *When* DDP makes its buckets decides which gradients share one. The caps are a list: when
-# `bucket_cap_mb` is left at its default — `None`, which means 25 MiB — the first bucket's cap
-# is 1 MiB; passing any number, 25 included, turns that small first bucket off
-# (`_BucketCapacityConfig.create`: the 1 MiB cap only if `bucket_cap_mb is None`). With
-# `find_unused_parameters=False` (the default) DDP starts with **one** bucket; its first
-# backward records the order the gradients really arrive in, and at the start of the second
-# forward (`_pre_forward` calls `reducer._rebuild_buckets()`) it rebuilds its buckets in that
-# order: the last layers' gradients then leave early. With `find_unused_parameters=True` (and no
-# `static_graph`) DDP never rebuilds: at construction it walks the parameters in
-# *registration* order, closing buckets by the same rule, then reverses the list of buckets
-# (`_ddp_init_helper`; the comment beside it says so), and keeps those buckets for good — so
-# with a 1 MiB first cap, that small bucket holds the first-defined layers and is reduced
-# last. Walking from the other end groups the parameters differently. Our
-# `overlap.assign_buckets` stands in for the **rebuilt** buckets, walking the parameters
+# *When* DDP makes its buckets decides which gradients share one. Left at its default, `None`
+# (25 MiB), `bucket_cap_mb` gives the first bucket a 1 MiB cap; any number passed, 25 included,
+# turns it off (`_BucketCapacityConfig.create`). Two flags of the constructor decide the rest;
+# `static_graph=True` promises that every step uses the same parameters in the same order
+# (section 6):
+#
+# | flags | buckets at construction | rebuilt? |
+# |---|---|---|
+# | default (`find_unused_parameters=False`) | **one** | once, at the second forward (`_pre_forward` calls `reducer._rebuild_buckets()`), in the order the first backward's gradients arrived: the last layers' leave early |
+# | `find_unused_parameters=True` | by the caps over *registration* order, then the list reversed (`_ddp_init_helper`) | never: a 1 MiB first bucket holds the first-defined layers and is reduced last |
+# | both flags `True` | one, as the default | once (`should_rebuild_buckets`) |
+#
+# Our `overlap.assign_buckets` stands in for the **rebuilt** buckets, walking the parameters
 # reversed (so a convolution's bias before its weight). Real DDP's own buckets, read from its
 # reducer at construction, after the first backward, after the second forward and after two
 # steps, say when it rebuilds, where the two agree, and where they do not:
