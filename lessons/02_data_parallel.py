@@ -388,8 +388,9 @@ viz.show(viz.traffic_both_ways_figure(K, counted),
          "linearly with N (the points are this run's counted copies); a ring rank stays under 4K.")
 
 # %% [markdown]
-# Try it yourself: raise N and watch device 0's line climb while the ring's stays under 4K;
-# change the model size and see that it only rescales both lines.
+# Try it yourself: the explorer starts at N up to 64, four times the range above, where the
+# ring's rank has come close to 4K without passing it; change N, and change the model size to
+# see that it only rescales both lines.
 
 # %%
 def traffic_up_to(n_max, millions_of_params):
@@ -398,7 +399,7 @@ def traffic_up_to(n_max, millions_of_params):
 
 
 traffic_explorer = viz.explorer(
-    traffic_up_to, {"n_max": (16, 3, 64), "millions_of_params": (25.0, 1.0, 1000.0, 1.0)},
+    traffic_up_to, {"n_max": (64, 3, 256), "millions_of_params": (25.0, 1.0, 1000.0, 1.0)},
     caption="numbers sent plus received per step: device 0 of the copy-by-copy parameter "
             "server, 2(N−1)K, grows with N; a ring's rank, 4(N−1)K/N, stays under 4K.",
     description="traffic explorer (N, model size)")
