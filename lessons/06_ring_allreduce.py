@@ -206,12 +206,12 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # is not *pipelined*, cut into segments that travel one behind another, §4). So, in the
 # model: a ring for big gradients; for small messages a tree, if no extra machine is allowed
 # (the server, next, can be cheaper still); Rabenseifner's at least as cheap as both when N is
-# a power of two (all checked below). The parameter server has the fewest steps — if its one link can take N messages at once — but
-# one server's link carries NK bytes each way, growing with every worker. Real ones shard
-# (TF's `ParameterServerStrategy` places whole variables on its S servers round robin, and
-# splits a large one only when given a `variable_partitioner`): about NK/S per link when the
-# pieces are many and alike (one large unsplit kernel can put most of NK on one server); with a shard on every worker, each sends K/N to each of the N − 1 others
-# twice (gradient, then summed shard), 2(N−1)K/N, the ring's bytes (arithmetic). With an
+# a power of two (all checked below). The parameter server has the fewest steps (if its link
+# takes N messages at once), but one server's link carries NK bytes each way, growing with
+# every worker. Real ones shard: TF's `ParameterServerStrategy` puts whole variables on its S
+# servers round robin (splitting one only with a `variable_partitioner`), so about NK/S per
+# link when the variables are many and alike; with a shard on every worker, each sends K/N to
+# each of the N − 1 others twice: 2(N−1)K/N, the ring's bytes (arithmetic). With an
 # illustrative α = 10 µs and 10 GB/s links, 100 MB on 8 workers:
 
 # %%
