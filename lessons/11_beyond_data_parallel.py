@@ -183,7 +183,7 @@ claim("from 2 to 4 ranks each rank's parameter shard halves, while the activatio
 # %% [markdown]
 # Recomputation rescues the memory (section 5's planner counts it: about 20 GB per GPU on
 # 1536 GPUs), but not the traffic: a ZeRO-3 rank sends about 3Ψ per step *whatever N*
-# (lesson 08), while — at a fixed global batch, the examples split over more ranks — its
+# (lesson 08, one micro-batch per step; k accumulated micro-batches send k times that), while — at a fixed global batch, the examples split over more ranks — its
 # share of the compute falls as 1/N. (With a fixed batch per rank the compute per rank stays,
 # and the global batch grows with N instead: the next subsection's limit.) Section 5 puts
 # numbers on that.
@@ -985,7 +985,11 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # 16 bits — Megatron-LM's own `--fp16` keeps an fp32 copy of them too, 20 bytes, not modelled
 # here; its `--bf16` default, 18, is checked after the ranking), activations (section 1,
 # 1F1B's first stage holding min(p, M) micro-batches, the layers recomputed), the messages and bytes per step of
-# each dimension (per GPU; data parallelism in DDP's 25 MiB buckets), and a step time —
+# each dimension (per GPU; data parallelism in DDP's 25 MiB buckets; ZeRO-3 gathers and
+# reduce-scatters once per micro-batch, M times a step, for it reshards between micro-batches
+# as FSDP2 does at its defaults — lesson 08 counted 2k all-gathers at k micro-batches; torch's
+# pipeline stages instead skip the resharding after backward and the gradient sync until the
+# last micro-batch, `stage.py`, a memory this planner does not price), and a step time —
 # compute at an assumed half of the GPU's peak, stretched by the pipeline's fill and drain,
 # plus every byte at its link's speed with nothing overlapped. That is an estimate at the
 # assumed efficiency, not a bound: a run that reaches more of the peak, or overlaps its
@@ -1050,6 +1054,13 @@ for r in options[:6] + [pub]:
           f"  {r['dp_messages']:7d} {r['dp_bytes'] / gb:6.1f}  {r['idle_over_work']:7.3f}")
 print("(M: micro-batches per step per pipeline; messages and GB per GPU per step)")
 print("(last row: the published configuration)")
+zero3_rows = [r for r in options if r["stage"] == "zero3" and r["dp"] > 1]
+claim(f"ZeRO-3's DP msgs = 3 × (layers / p) × M: it gathers twice and reduce-scatters once per "
+      f"layer and micro-batch (lesson 08's 2k all-gathers at k micro-batches), and none of its "
+      f"{len(zero3_rows)} rows that fit is among the six fastest",
+      all(r["dp_messages"] == 3 * model.layers // r["pp"] * r["micro_batches"]
+          for r in zero3_rows) and len(zero3_rows) > 0
+      and all(r["stage"] != "zero3" for r in options[:6]))
 claim("TP msgs = (layers / p) × M × 6: with recomputation (every row here) a layer makes 6 "
       "tensor-parallel all-reduces per micro-batch (their split by pass is folded above)",
       all(r["tp_messages"] == model.layers // r["pp"] * r["micro_batches"] * 6

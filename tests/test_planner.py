@@ -169,7 +169,8 @@ def test_fp32_gradients_cost_18_bytes_and_twice_the_traffic():
     assert math.isclose(b32["dp_bytes"], 2 * b16["dp_bytes"])
     assert b16["fits"] and not b32["fits"]
     z3 = planner.plan_row(model, A100, 8, 8, PUB["global_batch"], stage="zero3", grad_bytes=4)
-    assert math.isclose(z3["dp_bytes"], (2 * 2 + 4) * model.num_params / 64 * 23 / 24)
+    assert math.isclose(z3["dp_bytes"],
+                        z3["micro_batches"] * (2 * 2 + 4) * model.num_params / 64 * 23 / 24)
     rows = planner.plan(model, A100, PUB["global_batch"], grad_bytes=4)
     assert (rows[0]["tp"], rows[0]["pp"]) == (PUB["tp"], PUB["pp"])
     with pytest.raises(ValueError, match="grad_bytes must be 2"):
@@ -221,3 +222,18 @@ def test_megatron_rank_order_puts_pipeline_neighbours_on_other_nodes():
         assert a["time_s"] == m["time_s"]
     with pytest.raises(ValueError, match="order"):
         planner.plan_row(model, A100, 8, 8, b, order="pp-dp-tp")
+
+
+def test_zero3_gathers_and_scatters_once_per_micro_batch():
+    """ZeRO-3 reshards between micro-batches (FSDP2's defaults: lesson 08 measures 2k
+    all-gathers at k micro-batches), so its traffic and messages are M times one pass's; the
+    old pricing (one gather/scatter round per step whatever M) fails here."""
+    model = planner.GPT_145B
+    one = planner.plan_row(model, A100, 8, 8, 192, stage="zero3")    # D = 24, M = 8
+    many = planner.plan_row(model, A100, 8, 8, PUB["global_batch"], stage="zero3")  # M = 96
+    assert (one["micro_batches"], many["micro_batches"]) == (8, 96)
+    assert many["dp_messages"] == 3 * 10 * 96                # 10 layers, 3 collectives each
+    assert math.isclose(many["dp_bytes"], 12 * one["dp_bytes"])
+    assert math.isclose(many["dp_bytes"], 96 * (2 * 2 + 2) * model.num_params / 64 * 23 / 24)
+    ddp = planner.plan_row(model, A100, 8, 8, PUB["global_batch"], stage="ddp")
+    assert ddp["dp_bytes"] == planner.plan_row(model, A100, 8, 8, 192, stage="ddp")["dp_bytes"]

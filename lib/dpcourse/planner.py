@@ -177,9 +177,12 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     ``megatron/training/arguments.py``). Data-parallel
     traffic: an all-reduce of the gradients (DDP), a reduce-scatter of the gradients and an
     all-gather of the 16-bit weights (ZeRO-1/2), the weights all-gathered twice and the
-    gradients reduce-scattered (ZeRO-3); messages: one all-reduce per ``bucket_bytes`` of
+    gradients reduce-scattered (ZeRO-3), once per micro-batch for ZeRO-3: it reshards
+    between micro-batches, as FSDP2 does at its defaults (lesson 08 measures 2k all-gathers at
+    k micro-batches), so its traffic and messages grow with the micro-batches per step;
+    messages: one all-reduce per ``bucket_bytes`` of
     gradients (DDP's default bucket, 25 MiB), a reduce-scatter and an all-gather per bucket for
-    ZeRO-1/2, three collectives per layer for ZeRO-3. Returns a dict with every number the
+    ZeRO-1/2, three collectives per layer and micro-batch for ZeRO-3. Returns a dict with every number the
     lesson prints, and ``fits``. ``order`` is the rank layout that decides which links a
     dimension's groups use (the module's docstring): "tp-pp-dp" or Megatron-LM's "tp-dp-pp".
     Shown in lesson 11, §5.
@@ -223,10 +226,10 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     pp_bytes = pp_msgs * act_msg
     dp_volume = per_gpu * {"ddp": 2 * grad_bytes,                 # all-reduce of the gradients
                            "zero1": grad_bytes + 2, "zero2": grad_bytes + 2,  # RS grads, AG weights
-                           "zero3": 2 * 2 + grad_bytes}[stage]    # AG weights twice, RS grads
+                           "zero3": m * (2 * 2 + grad_bytes)}[stage]  # per micro-batch: AG twice, RS
     buckets = math.ceil(per_gpu * grad_bytes / bucket_bytes)   # DDP's gradient buckets (lesson 07)
     dp_msgs = ({"ddp": buckets, "zero1": 2 * buckets, "zero2": 2 * buckets,
-                "zero3": 3 * layers_here}[stage] if dp > 1 else 0)
+                "zero3": 3 * layers_here * m}[stage] if dp > 1 else 0)
     dp_bytes = dp_volume * (dp - 1) / dp if dp > 1 else 0.0
 
     g = cluster.gpus_per_node
