@@ -1103,8 +1103,9 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 #   (its slice's mean × 1/N, right for equal slices): dividing it again makes the step 1/N.
 # * By default the sum is a collective all-reduce (`CollectiveAllReduce`: RING on CPUs and
 #   logical GPUs, NCCL on real GPUs); `ReductionToOneDevice` — copy to one device, add, send
-#   back — is what you get with mixed devices or ask for, and what `strategy.reduce` uses to
-#   bring a result to the host.
+#   back — is what you get with mixed devices or ask for, and, whenever merge calls are on
+#   (always, except under XLA on all-GPU devices), what `strategy.reduce` uses to bring a
+#   per-replica result to the host.
 # * `compile`, not `fit`, wraps the optimizer in a `LossScaleOptimizer` under `mixed_float16`; a
 #   custom loop that wraps it must also call `optimizer.scale_loss(loss)` in the tape, or every
 #   gradient is 1/32768 (and more, as the scale grows) of what it should be.

@@ -305,7 +305,7 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 #
 # Two things on a small shared machine are not in that formula, and we handle both:
 #
-# * **Other programs.** Each size is timed several times (the two implementations taking turns),
+# * **Other programs.** Each size is timed several times (gloo's and §4's rings taking turns),
 #   and a repetition can be slowed by anything else the machine runs. We fit the **fastest**
 #   repetition of each size: the one least disturbed, the closest to what the hardware costs.
 # * **Ranks sharing cores.** With more ranks than cores, ranks take turns on the cores, so every
@@ -400,8 +400,7 @@ else:
 
 # %% [markdown]
 # The medians above move with the machine's load, so the claim asserts only a loose bound,
-# 50%, that a loaded 2-core machine holds on every run. Where the points leave the lines is
-# what two parameters cannot capture.
+# 50%. Where the points leave the lines is what two parameters cannot capture.
 #
 # ### Using the model on machines we do not have here
 #
@@ -529,9 +528,10 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 #
 # * **ring**, as here;
 # * **tree**: not §2's binomial tree. It cuts the message into small segments and pipelines them
-#   down the tree, so its bandwidth term stays close to the ring's. Across servers it is a
-#   *double binary tree* over the servers (two trees, each carrying half of the data, so every
-#   server sends and receives at full speed); inside a server the GPUs form a **chain**.
+#   up the tree (adding), then down, so its bandwidth term stays close to the ring's. Across
+#   servers it is a *double binary tree* over the servers (two trees, each carrying half of the
+#   data, so every server sends and receives at full speed); inside a server the GPUs form a
+#   **chain**.
 #   NCCL's estimate of its depth is (GPUs per server − 1) + log₂(servers): on a single 8-GPU
 #   server, a chain of 8;
 # * where the hardware can add, algorithms that leave the addition to it: **NVLS** on servers
@@ -708,11 +708,11 @@ if world_size == 2:
 # %% [markdown]
 # ### How fast is it?
 #
-# The measurement above timed our ring too (same sizes, same ranks, taking turns rep by rep).
-# `dist.all_reduce` is gloo's compiled C++; ours is Python issuing 2(N−1) steps of messages.
-# Which is faster is measured here, not assumed. The table reports *bus bandwidth* in MB/s as
-# nccl-tests (NVIDIA's benchmark for collectives) defines it, busbw = (K / t)·2(N−1)/N — the
-# rate each link must sustain — so numbers for different N compare; "ring÷built-in" divides
+# The measurement above timed our ring too (same sizes, same ranks). `dist.all_reduce` is
+# gloo's compiled C++; ours is Python issuing 2(N−1) steps of messages. The table reports *bus
+# bandwidth* in MB/s as nccl-tests (NVIDIA's benchmark for collectives) defines it,
+# busbw = (K / t)·2(N−1)/N — the rate each link must sustain — so numbers for different N
+# compare; "ring÷built-in" divides
 # the two busbw medians (higher is better for the ring). Each repetition timed both, a *pair*
 # that saw the same machine; the last column is the ratio pair by pair: median, quartiles
 # [q1–q3] and range. The two ratio columns can disagree on a row (a ratio of medians is not the
@@ -745,6 +745,9 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
           f"than about either algorithm.")
 
 # %% [markdown]
+# Where ours wins at 256 KiB or more, a likely cause (not isolated here): it sends fewer
+# messages (§4), and each waits for a core when ranks outnumber cores.
+#
 # For the full sweep (up to 64 MiB), run in a terminal:
 #
 # ```
@@ -934,7 +937,7 @@ viz.quiz([
 # - `reducer.cpp`, the DDP reducer's C++ source (c10d, github.com/pytorch/pytorch at ad78a7b, the revision stored here; compiled into torch, not installed as source) — `Reducer::mark_variable_ready_dense`: without a comm hook the gradient is copied into its bucket multiplied by 1/N (`at::mul_out`); with a hook, copied without division ("Note [DDP Communication Hook]").
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
-# - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/graph/tuning.cc` — the tuner's latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
+# - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/device/all_reduce.h` — `runTreeUpDown` and `runTreeSplit` (the tree all-reduce: a reduce pass up the tree, `FanAsymmetric<NCCL_MAX_TREE_ARITY, 1>`, then a broadcast pass down, `FanAsymmetric<1, NCCL_MAX_TREE_ARITY>`); `src/graph/tuning.cc` — the tuner's latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
 # - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (at least 2N segments, rounded up to a multiple of N, of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded reference answer after the lab pointer); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
 # - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, the extra step for N not a power of two) and their α-β costs.
 # - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth.
