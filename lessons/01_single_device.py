@@ -222,8 +222,9 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 # Which of these happens here is measured, not assumed:
 #
 # - **The runs.** The same 512 samples per setting, the batch sizes interleaved, seven rounds,
-#   the median of each. The runs of one round are back to back, so a slow moment of the machine
-#   hits them all.
+#   the median of each. The runs of one round are back to back, in an order shuffled anew each
+#   round by a seeded generator of its own, so a slow moment that lasts a round hits them all,
+#   and a shorter one does not always fall on the same batch sizes.
 # - **One thread.** The runs use one *intra-op* thread: the threads torch starts to split
 #   **one** operation (a convolution, a matrix multiply) over the cores, one per core by
 #   default (`torch.get_num_threads()`), as opposed to the Python threads *you* start. Split
@@ -279,12 +280,15 @@ sample_batches = {bs: [b for _, b in zip(range(512 // bs), train.make_loaders(ds
                   for bs in batch_sizes}
 rounds = 7
 measured = {bs: [] for bs in batch_sizes}
+order_rng = np.random.default_rng(seed)  # its own generator: the global seeds are untouched
+orders = []
 threads = torch.get_num_threads()
 torch.set_num_threads(1)                 # one intra-op thread while we measure
 try:
     train.train_one_epoch(m, sample_batches[64][:2], loss_fn, opt, device)  # warm-up
-    for _ in range(rounds):              # rounds, interleaved so that a slow moment hits all
-        for bs in batch_sizes:
+    for _ in range(rounds):              # rounds, interleaved so that a slow round hits all
+        orders.append(tuple(batch_sizes[i] for i in order_rng.permutation(len(batch_sizes))))
+        for bs in orders[-1]:            # this round's shuffled order
             meter = train.ThroughputMeter(device)
             train.train_one_epoch(m, sample_batches[bs], loss_fn, opt, device, meter=meter)
             measured[bs].append(meter.rate)
@@ -293,6 +297,8 @@ finally:
 rates = {bs: float(np.median(r)) for bs, r in measured.items()}
 claim(f"every batch size was measured {rounds} times, on one intra-op thread",
       all(len(r) == rounds for r in measured.values()) and torch.get_num_threads() == threads)
+claim("each round ran the batch sizes in a shuffled order, not always the same one",
+      all(sorted(o) == sorted(batch_sizes) for o in orders) and len(set(orders)) > 1)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -650,8 +656,8 @@ claim('setting torch.backends.cudnn.fp32_precision (the CUDA "all" level) to "tf
 #   deterministic mode **off**, the seed alone. Change the seed and they differ. That is a fact
 #   about this model's ops, not a rule for every CPU model: torch's own list of ops that
 #   deterministic mode changes names CPU ones too — `index_put` and `put_` with
-#   `accumulate=True`, and the backward of indexing with a list of tensors (the cell checks the
-#   list).
+#   `accumulate=True`, the backward of indexing with a list of tensors, and `index_put` with
+#   `accumulate=False` on any device (the cell checks all four entries).
 # - **On a GPU.** More kernels there (e.g. some convolution backwards, `index_add_`) are
 #   nondeterministic. There the cell asks `seed_everything(..., deterministic=True)`, which calls
 #   `torch.use_deterministic_algorithms(True, warn_only=True)`: deterministic kernels where
@@ -703,9 +709,13 @@ claim("deterministic mode is off again", not torch.are_deterministic_algorithms_
 claim("another seed: different weights", not torch.equal(a, c))
 det_doc = " ".join(torch.use_deterministic_algorithms.__doc__.split())
 claim("torch's docstring lists CPU ops that are deterministic only in deterministic mode "
-      "(index_put and put_ with accumulate=True)",
+      "(index_put and put_ with accumulate=True, the backward of indexing with a list of "
+      "tensors, index_put with accumulate=False on any device)",
       "index_put` with ``accumulate=True`` when called on a CPU tensor" in det_doc
-      and "put_` with ``accumulate=True`` when called on a CPU tensor" in det_doc)
+      and "put_` with ``accumulate=True`` when called on a CPU tensor" in det_doc
+      and "__getitem__` when attempting to differentiate a CPU tensor and the index is a list "
+          "of tensors" in det_doc
+      and "index_put` with ``accumulate=False``" in det_doc)
 
 # What deterministic=True sets besides the flag, checked on any machine (and put back after).
 import os
@@ -788,7 +798,7 @@ viz.show_code(train.train_one_epoch, train.evaluate, train.step_phases)
 # - AMP runs matmuls and convolutions in 16 bits and keeps sensitive operations, like the loss
 #   computed inside the autocast block, in float32; here it kept the accuracy.
 # - The same seed, code, hardware and threads gave this model bit-identical weights on the CPU
-#   (a model with an accumulating `index_put` would need deterministic mode there too). On a GPU
+#   (a model with e.g. `index_put` would need deterministic mode there too). On a GPU
 #   only with deterministic kernels (`warn_only=True` lets an op without one through: read the
 #   warnings); torch 2.14.1 no longer asks for `CUBLAS_WORKSPACE_CONFIG` (older versions did).
 #
@@ -901,7 +911,8 @@ viz.quiz([
 #   read once.
 #   `torch/__init__.py` — `use_deterministic_algorithms`' list of ops made deterministic
 #   includes CPU ones (`index_put`/`put_` with `accumulate=True` on a CPU tensor; the backward
-#   of `__getitem__` with a list of tensors). This course's `lib/dpcourse/devices.py` — `seed_everything`: `os.environ.setdefault(...)`, after
+#   of `__getitem__` with a list of tensors; `index_put` with `accumulate=False`, no device
+#   named). This course's `lib/dpcourse/devices.py` — `seed_everything`: `os.environ.setdefault(...)`, after
 #   `torch.use_deterministic_algorithms(True, warn_only=True)`.
 # - PyTorch's documentation, "CPU threading and TorchScript inference": intra-op parallelism
 #   (`torch.set_num_threads`) against the threads a program starts itself.

@@ -76,10 +76,11 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # does it copy every GPU's gradient to device 0 and add them there.
 #
 # We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers.
-# `torch.distributed.rpc` also runs on the pinned torch (with TensorPipe, on CPU; the tests
-# start it), and a production server would use it or a framework on top, such as TensorFlow's
+# A production server would use `torch.distributed.rpc` (remote calls between processes) or a
+# framework on top, such as TensorFlow's
 # `ParameterServerStrategy` with a `ClusterCoordinator`: asynchronous by default, variables
-# sharded over the servers by a `variable_partitioner`, and a preempted worker's function put
+# spread round-robin over the servers, a large one split into shards by a
+# `variable_partitioner`, and a preempted worker's function put
 # back in the queue for another. We use
 # `dist.send` / `dist.recv` because each message is one flat tensor between two known ranks,
 # which they say in one line, and a thin wrapper counts every byte where it is sent; rpc's
@@ -330,9 +331,6 @@ sgd = async_sgd.plain_sgd(async_sgd.make_model(seed=seed), problem, lrs[0], batc
 fresh = async_sgd.run_stale(problem, 0, lrs[0], batches, seed=seed)
 claim(f"τ = 0 is synchronous SGD exactly: the same weights after {sim_steps} steps, bit for bit",
       torch.equal(fresh["w"], sgd), diff=float((fresh["w"] - sgd).abs().max()))
-stale = async_sgd.run_stale(problem, 4, lrs[0], batches, seed=seed)
-claim("with τ = 4 every update after the first 4 is exactly 4 updates stale (the first 4 "
-      "are lab 09's question)", stale["staleness"][4:] == [4] * (sim_steps - 4))
 
 # %% [markdown]
 # Now the sweep: every τ at every learning rate, the same batches, the same budget of
@@ -505,12 +503,22 @@ claim(f"... but at τ = {taus[-1]} it ends worse than fresh SGD (τ = 0), in eve
       all(aware_runs[s][-1] > sweeps[s][big][0] for s in seeds))
 
 # %% [markdown]
-# What did the server's *awareness* add? In this simulator every update after the first τ is
-# exactly τ updates stale (the claim before the sweep checks it at τ = 4), so dividing each step by its staleness
-# divides every update after the first τ by the same τ: from there on the aware server steps
-# as the *unaware* server would at lr/τ, on the same τ-stale gradients (its first τ updates,
-# the less stale ones, are the stretch's question). Not fresh SGD at lr/τ: both runs below use
-# stale gradients. Seed 0 once more:
+# What did the server's *awareness* add? In this simulator every gradient is delayed by the
+# same τ, so after the first τ updates the staleness no longer changes, and neither does the
+# aware server's step: from there on it steps as the *unaware* server would at one fixed
+# smaller lr, on the same stale gradients. The stretch asks for each update's step; the folded
+# cell below (open after your lab passes) checks the staleness at τ = 4. The runs after it
+# compare the two servers; not fresh SGD at a smaller lr: both runs use stale gradients. Seed
+# 0 once more.
+
+# %% [markdown]
+# **▶ The staleness of each update at τ = 4 — open after your lab passes** (click the folded
+# cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+stale = async_sgd.run_stale(problem, 4, lrs[0], batches, seed=seed)
+claim("with τ = 4 every update after the first 4 is exactly 4 updates stale",
+      stale["staleness"][4:] == [4] * (sim_steps - 4))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -829,8 +837,9 @@ viz.quiz([
                  "The same bytes as DDP, only sent 8 steps later"],
      "answer": 0,
      "why": ["Right: how much that costs depends on the data (IID or not) and the step.",
-             "Only H = 1 computes DDP's update (here equal to 1e-6: averaging weights and "
-             "averaging gradients round differently).",
+             "Only H = 1 with SGD (momentum and weight decay included) computes DDP's update "
+             "(here equal to 1e-6: averaging weights and averaging gradients round "
+             "differently); with Adam not even H = 1 does.",
              "It averages once every 8 steps: 8× less."]},
     {"q": "The global batch grows 8× and the lr stays. What did this lesson's run show?",
      "options": ["Divergence: a larger batch needs a smaller lr",
@@ -866,12 +875,14 @@ viz.quiz([
 #   are summed by `ReduceAddCoalesced`; `torch/nn/parallel/comm.py` — `reduce_add`:
 #   `nccl.reduce` when `nccl.is_available(inputs)`, otherwise a `.to(destination)` and an add
 #   per other GPU.
-# - `torch/distributed/rpc/__init__.py` and `torch/distributed/rpc/backend_registry.py` —
-#   `rpc.init_rpc` and its TensorPipe backend, which the course's tests start on CPU.
+# - `torch/distributed/rpc/__init__.py` — `init_rpc`; `torch/distributed/rpc/api.py` —
+#   `rpc_sync`: remote calls between processes.
 # - TensorFlow 2.21: `tensorflow/python/distribute/parameter_server_strategy_v2.py` —
 #   `ParameterServerStrategyV2`: "By default, workers read and update these variables
 #   independently without synchronizing with each other" (asynchronous training), the
-#   `variable_partitioner` argument that shards variables over the parameter servers;
+#   "placed on parameter servers in a round-robin manner" ("Default placement is
+#   round-robin"), and the `variable_partitioner` argument that additionally shards one
+#   variable across the parameter servers;
 #   `tensorflow/python/distribute/coordinator/cluster_coordinator.py` — `ClusterCoordinator`
 #   (`schedule` dispatches a function to a worker), `Worker._process_closure`, which on a
 #   worker's failure calls `_CoordinatedClosureQueue.put_back` ("Put
