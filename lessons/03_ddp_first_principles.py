@@ -403,18 +403,19 @@ claim("3 ranks: first-step gradients, hand-averaged == DDP to 1e-6, not bit for 
 # ways, the lesson's last section says and measures, for after your lab passes.
 #
 # **A question to try:** suppose each rank stepped with its own gradients and the ranks then
-# averaged their *weights*. With this lesson's plain SGD that gives the same weights as
-# averaging the gradients; with Adam it does not (lab 03's check runs both). Why?
+# averaged their *weights*. Would that give the same weights as averaging the gradients, with
+# this lesson's plain SGD? With Adam? Why?
 #
 # **▶ An answer — open after you have tried** (click the folded cell below).
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Plain SGD's update is linear in the gradient: the mean over the ranks of w − lr·g_r is
-# w − lr·(mean of the g_r), the step on the averaged gradient. Adam divides each gradient's
-# running mean by the square root of its running square, which is not linear: the mean of the
-# ranks' Adam updates is not the Adam update of the mean gradient, and each rank's optimizer
-# state follows its own shard. Averaging the gradients before the step keeps every rank's
-# optimizer fed with the same numbers, whatever it computes from them.
+# With SGD yes, with Adam no (lab 03's check runs both). Plain SGD's update is linear in the
+# gradient: the mean over the ranks of w − lr·g_r is w − lr·(mean of the g_r), the step on
+# the averaged gradient. Adam divides each gradient's running mean by the square root of its
+# running square, which is not linear: the mean of the ranks' Adam updates is not the Adam
+# update of the mean gradient, and each rank's optimizer state follows its own shard.
+# Averaging the gradients before the step keeps every rank's optimizer fed with the same
+# numbers, whatever it computes from them.
 #
 # Bad input gets one sentence, not a hang deep in a rank:
 
@@ -461,13 +462,14 @@ else:
 #    in `train()` or `eval()` mode alike (which forwards skip it, the buffers section
 #    measures). (Before torch 2.13 the switch was `broadcast_buffers`: the last section.)
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
-#    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (25 MiB by default; the
-#    argument's name says MB, but DDP multiplies it by 1024 × 1024). As each gradient becomes
-#    ready, the reducer copies it into its bucket (with `gradient_as_bucket_view=True` the copy
-#    also makes `p.grad` a view of the bucket; when a later step can skip the copy, the last
-#    section says). When every gradient in a bucket is there, the bucket
-#    goes to the wire in one collective call. The buckets are launched strictly in order:
-#    bucket 0, then 1, … on every rank.
+#    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (by default 25 MiB, and
+#    1 MiB for the first bucket, kept small "to reduce latency"; an explicit `bucket_cap_mb`
+#    gives every bucket the same cap; the argument's name says MB, but DDP multiplies it by
+#    1024 × 1024). As each gradient becomes ready, the reducer copies it into its bucket (with
+#    `gradient_as_bucket_view=True` the copy also makes `p.grad` a view of the bucket; when a
+#    later step can skip the copy, the last section says). When every gradient in a bucket is
+#    there, the bucket goes to the wire in one collective call. The buckets are launched
+#    strictly in order: bucket 0, then 1, … on every rank.
 # 4. **Overlap.** Those calls start *while the backward is still computing* the gradients
 #    of earlier layers, so communication can hide behind computation.
 
@@ -586,15 +588,20 @@ print("iteration 1, first bucket: "
 # constructor DDP does not yet know in which order the backward will produce the gradients;
 # registration order is only a guess. The ranks cannot disagree about the buckets (the reducer
 # launches them strictly in index order, and the rebuilt assignment is broadcast from rank 0 to
-# the others). The comment in `_ddp_init_helper` gives the reason for one bucket: when the
+# the others). The comment in `_ddp_init_helper` states the intent of one bucket: when the
 # backward also runs other collectives (say, those of `nn.SyncBatchNorm`, the BatchNorm that
 # pools every rank's statistics) **and** a parameter is unused on some ranks only, a bucket
 # could be all-reduced too early on the rank with the unused parameter, to be matched with a
-# *different* collective on another rank — a hang or garbage. So DDP builds its initial
-# buckets with a size limit of `sys.maxsize`: one all-reduce, after every gradient of the
-# graph is computed. During the first iteration the reducer records the order in which the
-# gradients really became ready, and before the second forward it **rebuilds the buckets** in
-# that order, once and for all (`_pre_forward` calls the reducer's `_rebuild_buckets`).
+# *different* collective on another rank — a hang or garbage. Hence a size limit of
+# `sys.maxsize`: one all-reduce, after every gradient of the graph is computed. The code's
+# condition does not match that hazard, though. A parameter unused on some ranks runs only
+# with `find_unused_parameters=True` or `static_graph=True` (with neither it is an error:
+# lesson 10, bug 9), yet `find_unused_parameters=True` without `static_graph` is the setting
+# that buckets by size from the start, and every setting with `find_unused_parameters` off gets
+# the one bucket. The comment says why; the claims below check when. During the first
+# iteration the reducer records the order in which the gradients really became ready, and
+# before the second forward it **rebuilds the buckets** in that order, once and for all
+# (`_pre_forward` calls the reducer's `_rebuild_buckets`).
 # Two of DDP's constructor flags bear on this, and the next cells run each:
 # `find_unused_parameters=True` says that some parameters may get no gradient in an iteration
 # (DDP then looks for them from the forward's outputs, every iteration), and
@@ -616,6 +623,8 @@ by_flags = {(static, unused): ddp.initial_bucket_limits(cap_mb, static_graph=sta
 claim("iteration 0's limit is sys.maxsize (one bucket) for every flag setting but "
       "find_unused_parameters=True without static_graph",
       [flags for flags, limits in by_flags.items() if limits != one_bucket] == [(False, True)])
+claim("bucket_cap_mb left at None: the first bucket's limit is 1 MiB, the others' 25 MiB",
+      ddp.bucket_limits(None) == (2**20, 25 * 2**20))
 claim(f"with bucket_cap_mb_list=[{cap_mb}], iteration 0 is bucketed by size under every flag "
       "setting", all(ddp.initial_bucket_limits(None, [cap_mb], static_graph=static,
                                                 find_unused_parameters=unused)
@@ -756,19 +765,10 @@ print(f"last gradient computed {last_grad['0']:.1f} ms after backward() began in
 # backward": the cell above prints when each iteration's last gradient was computed — compute alone,
 # before any overlap could help. Iteration 0 is also the run's first backward, which can pay
 # one-time costs (allocating its memory, for one); whatever gap that leaves shows in those two
-# times, not in the buckets. The rows show *when* things happened, not a saving. On GPUs the overlap
-# rests on one condition: the bucket's all-reduce is *asynchronous*. DDP's `allreduce_hook` (which
-# our hook above calls) runs `dist.all_reduce(..., async_op=True)`, and `AllreduceOptions::asyncOp`,
-# what a C++ caller gets unless it says otherwise, is `true`. So the CPU does not wait for NCCL's
-# work: the backward goes on queuing its own **kernels** (a kernel is one operation's program,
-# launched by the CPU to run on the GPU), and the two can run at once on the GPU, sharing its
-# cores and memory bandwidth, when NCCL's work is on a **CUDA stream** of its own (a stream is a
-# queue whose kernels the GPU runs one after another; kernels of different streams may run at
-# the same time). *Read
-# from source, not measured*: this machine has no GPU, and which stream NCCL's asynchronous work
-# goes to is decided in `ProcessGroupNCCL.cpp`, which is not installed (`ProcessGroupNCCL.hpp`'s
-# comment says a separate one, but that comment predates `asyncOp`; Sources: `Types.hpp`,
-# `default_hooks.py`). Lesson 07 measures what overlap buys.
+# times, not in the buckets. The rows show *when* things happened, not a saving. The overlap
+# rests on the bucket's all-reduce being *asynchronous*: DDP's `allreduce_hook` (which our hook
+# above calls) runs `dist.all_reduce(..., async_op=True)`, so the backward goes on while a bucket
+# is on the wire. Lesson 07 measures what overlap buys.
 #
 # ### Buffers: rank 0's BatchNorm statistics, before a forward
 # A BatchNorm layer keeps a running mean and variance: every forward in training mode updates
@@ -1143,18 +1143,13 @@ claim("both are last-bit rounding: the gradients agree to 1e-6",
 #   `class ProcessGroupNCCL`: "All NCCL functions provided by this class are asynchronous
 #   functions", and calls must come in the same order on all processes ("`WorkNCCL::wait()` or
 #   `WorkNCCL::synchronize()`, both achieves the same functionality"; `synchronize`: "Let
-#   current stream wait on the completion of the NCCL work"). The same comment's
-#   "scheduled on a separate CUDA stream" predates `asyncOp`: the `collective` templates
-#   declared below it now take `bool asyncOp`.
+#   current stream wait on the completion of the NCCL work").
 # - `torch/distributed/distributed_c10d.py` — `all_reduce` (and the other collectives): `opts.asyncOp
 #   = async_op`; with `async_op=True` the `Work` is returned, otherwise `work.wait()` when the
 #   backend returned one, and none is needed when it did not ("the backend has sync'ed at CPP
 #   level"); `torch/include/torch/csrc/distributed/c10d/Types.hpp` — `AllreduceOptions::asyncOp`
 #   (`= true` by default); `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` —
 #   `_allreduce_fut` calls `dist.all_reduce(tensor, group=..., async_op=True)`.
-#   Which CUDA stream NCCL's work runs on for each setting is decided in
-#   `ProcessGroupNCCL.cpp`, which is not installed and could not be read here (the PyTorch
-#   repository was too large to fetch), so the lesson says only what these files show.
 # - `torch/__init__.py` — `set_float32_matmul_precision`'s docstring: "highest" keeps float32's
 #   23 stored mantissa bits, "high" may use "the TensorFloat32 datatype (10 mantissa bits
 #   explicitly stored)" (TF32; `setup_rank` turns it off for matmuls and cuDNN).
@@ -1188,7 +1183,9 @@ claim("both are last-bit rounding: the gradients agree to 1e-6",
 #   (`push_rebuilt_params`), which is why they end in the last bucket above.
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`: `bucket_cap_mb` is in
 #   MiB (`_MB_TO_BYTES = 1024 * 1024`), 25 MiB by default; the first bucket's limit is
-#   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when the cap is left at its default.
+#   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when the cap is left at its default; the
+#   `_BucketCapacityConfig` docstring: the first bucket is smaller "to reduce latency"; the
+#   limit reaches `dist.Reducer` as `first_bucket_bytes_cap` (`_ddp_init_helper`).
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.compute_bucket_size_limits`:
 #   "Case 1", a user's `bucket_cap_mb_list` (a `DistributedDataParallel.__init__` argument),
 #   gives its limits from iteration 0 whatever the flags; otherwise the initial limit is

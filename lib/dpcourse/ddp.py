@@ -217,8 +217,8 @@ def manual_dp_worker(rank: int, world_size: int, cfg: StepConfig, average_fn=Non
 def ddp_worker(rank: int, world_size: int, cfg: StepConfig, comm_hook=None) -> dict:
     """The same experiment with ``DistributedDataParallel`` doing the averaging.
 
-    ``comm_hook``, when given, replaces DDP's own averaging of each bucket (lesson 03's control
-    run, :func:`sum_then_divide_hook`).
+    Called here without ``comm_hook``; lesson 03's last section passes one and says there
+    what it does.
 
     Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you".
     """

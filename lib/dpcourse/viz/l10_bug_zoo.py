@@ -30,14 +30,15 @@ def timeout_behaviour_figure(timeout: float = 2.0):
     end = timeout * 1.6
     rows = [("gloo", [(0, timeout, "#d62728", "in all_reduce (blocked)")],
              "raises 'Timed out' in the call"),
-            ("NCCL, communicator formed", [(0, 0.06 * end, "#1f77b4", ""),
-                                           (0.06 * end, timeout, "#9edae5",
-                                            "Python runs on (call returned)"),
-                                           (timeout * 0.7, timeout, "#ff7f0e", "")],
+            ("NCCL,\ncommunicator formed", [(0, 0.06 * end, "#1f77b4", ""),
+                                             (0.06 * end, timeout * 0.6, "#9edae5",
+                                              "Python runs on\n(call returned)"),
+                                             (timeout * 0.6, timeout, "#ff7f0e",
+                                              "blocks at\n.item()")],
              "watchdog aborts the process (SIGABRT)"),
             ("NCCL, first collective", [(0, end, "#d62728",
                                          "in all_reduce: forming the communicator (blocked)")],
-             "no work queued yet:\nno watchdog timeout"),
+             "never returns: no work\nqueued, no watchdog timeout"),
             ("NCCL + BLOCKING_WAIT", [(0, timeout, "#d62728", "in wait() (blocked)")],
              "wait() raises"), ]
     for y, (name, spans, outcome) in enumerate(reversed(rows)):
@@ -46,20 +47,21 @@ def timeout_behaviour_figure(timeout: float = 2.0):
             if label:
                 ax.text((a + b) / 2, y, label, ha="center", va="center", fontsize=7)
         if spans[-1][1] > timeout:   # still blocked at the timeout: nothing happens there
-            ax.text(end + 0.03 * end, y, outcome, va="center", fontsize=7)
+            ax.annotate("", xy=(end * 1.12, y), xytext=(end, y),   # open end: it goes on
+                        arrowprops=dict(arrowstyle="-|>", color=spans[-1][2], lw=2))
+            ax.text(end * 1.14, y, outcome, va="center", fontsize=7)
             continue
         ax.plot([timeout], [y], "X", color="black", ms=9)
         ax.text(timeout + 0.03 * end, y, outcome, va="center", fontsize=7)
-    ax.text(timeout * 0.85, 2.33, "blocks at .item()", fontsize=7, ha="center", color="#ff7f0e")
     ax.axvline(timeout, color="grey", ls=":", lw=1)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([r[0] for r in reversed(rows)], fontsize=8)
-    ax.set_xlim(0, end * 1.4)
+    ax.set_xlim(0, end * 1.55)
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xticks([0, timeout])
     ax.set_xticklabels(["collective called", "timeout"], fontsize=8)
     ax.set_title("rank 0 calls all_reduce; its partner never does", fontsize=9)
-    fig.subplots_adjust(left=0.22, right=0.98, bottom=0.1, top=0.92)
+    fig.subplots_adjust(left=0.2, right=0.98, bottom=0.1, top=0.92)
     return fig
 
 
