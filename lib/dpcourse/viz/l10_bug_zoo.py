@@ -38,7 +38,7 @@ def timeout_behaviour_figure(timeout: float = 2.0):
              "watchdog aborts the process (SIGABRT)"),
             ("NCCL, first collective", [(0, end, "#d62728",
                                          "in all_reduce: forming the communicator (blocked)")],
-             "never returns: no work\nqueued, no watchdog timeout"),
+             "still blocked: no work\nqueued, no watchdog timeout"),
             ("NCCL + BLOCKING_WAIT", [(0, timeout, "#d62728", "in wait() (blocked)")],
              "wait() raises"), ]
     for y, (name, spans, outcome) in enumerate(reversed(rows)):
