@@ -1374,15 +1374,19 @@ claim("NCCL without GPUs fails at init_process_group with a clear message",
 # more all-reduce, of the bitmap of parameters each rank used (`local_used_map_` in
 # `reducer.hpp`; counted below with torch's profiler); and DDP then never rebuilds its buckets
 # in the order the gradients arrive, keeping those made at construction
-# (`should_rebuild_buckets`; not run here: lesson 07 §3 shows it).
+# (`should_rebuild_buckets`; not run here: lesson 07 §3 shows it). All three costs hold only
+# without `static_graph=True`, a promise that every step uses the same parameters in the same
+# order (lesson 07 §3): with it, DDP skips the walk, all-reduces the bitmap in the first step
+# only (counted below), and rebuilds its buckets once (both conditions read below in the source).
 
 
 # %%
 def unused_branch(rank, world_size):
-    return {flag: _unused_branch(flag) for flag in (False, True)}
+    runs = {flag: _unused_branch(flag) for flag in (False, True)}
+    return runs | {"static": _unused_branch(True, static_graph=True)}
 
 
-def _unused_branch(find_unused):
+def _unused_branch(find_unused, static_graph=False):
     import torch
     import torch.profiler as tp
     from torch import nn
@@ -1396,7 +1400,7 @@ def _unused_branch(find_unused):
         def forward(self, x):
             return self.head_a(self.body(x))  # head_b is never used
 
-    model = DDP(TwoHeads(), find_unused_parameters=find_unused)
+    model = DDP(TwoHeads(), find_unused_parameters=find_unused, static_graph=static_graph)
     try:
         for _ in range(2):
             with tp.profile(activities=[tp.ProfilerActivity.CPU]) as prof:
@@ -1417,6 +1421,15 @@ claim("with find_unused_parameters=True it runs", unused[True]["ran"] == "ok")
 claim(f"and its second step made one all-reduce more than its {unused[True].get('buckets')} "
       f"bucket(s): the used-parameter bitmap's",
       unused[True]["all_reduces"] == unused[True]["buckets"] + 1, seen=unused[True])
+claim("with static_graph=True as well, its second step made no bitmap all-reduce",
+      unused["static"]["all_reduces"] == unused["static"]["buckets"], seen=unused["static"])
+post_forward = inspect.getsource(torch.nn.parallel.DistributedDataParallel._post_forward)
+claim("the walk runs only `if self.find_unused_parameters and not self.static_graph`",
+      "if self.find_unused_parameters and not self.static_graph:" in post_forward)
+reducer_hpp = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/reducer.hpp"
+claim("the rebuild test is `(static_graph_ || !find_unused_parameters_) && !has_rebuilt_bucket_`",
+      "return (static_graph_ || !find_unused_parameters_) && !has_rebuilt_bucket_;"
+      in reducer_hpp.read_text())
 
 # %% [markdown]
 # ## 11. More myths, tested
@@ -1709,7 +1722,8 @@ viz.quiz([
 #   `_pre_forward` (`_check_sync_bufs_pre_fwd` → `_sync_buffers`; with `Join`,
 #   `_check_global_requires_backward_grad_sync`), `_post_forward` (sets
 #   `require_forward_param_sync` from `torch.is_grad_enabled() and
-#   require_backward_grad_sync`), `will_sync_module_buffers`, `_sync_buffers` (rank 0 is the
+#   require_backward_grad_sync`; walks the graph only `if self.find_unused_parameters and not
+#   self.static_graph`), `will_sync_module_buffers`, `_sync_buffers` (rank 0 is the
 #   authoritative copy; under `Join`, `_find_common_rank` picks it), `no_sync`
 #   (`require_backward_grad_sync`), `join` and `_DDPJoinHook` (zero all-reduces for joined
 #   ranks, `divide_by_initial_world_size`), `_sync_final_model` (broadcasts `self.module` only:
