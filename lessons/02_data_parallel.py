@@ -9,8 +9,9 @@
 #   and how autograd brings the replicas' gradients back to the original parameters;
 # - read a from-scratch implementation of each move and check it against the plain model;
 # - predict what the real `nn.DataParallel` does on a machine with 0, 1 or several GPUs;
-# - say why replica 0 is special (its weights are the module's own tensors, and BatchNorm's
-#   running statistics come from device 0's chunk alone);
+# - say why replica 0 is special (its weights are the module's own tensors), and show that
+#   BatchNorm's running statistics after a DataParallel forward are not the whole batch's (why:
+#   lab 02's part 5);
 # - count the traffic through device 0 when it hands the weights out and collects the
 #   gradients copy by copy — 2(N−1)K weights and gradients per step — say what the real class
 #   does instead, and name the costs DDP removes.
@@ -130,9 +131,9 @@ claim("the replica's copy holds the same numbers as the original", torch.equal(w
 # views of the original tensors (still with the broadcast as their `grad_fn`); torch's
 # `replicate` does the same. What a replica's forward does to the module's *buffers*, and what
 # of it reaches the module, is lab 02's part 5, so torch's rule waits, folded, with the
-# sources at the end. One case is shown here, the one that matters most: BatchNorm's
-# *running* mean and variance (buffers, updated by every training-mode forward) end up
-# computed from **device 0's chunk alone**. A small BatchNorm model shows it:
+# sources at the end. One consequence is shown here, the one that matters most for training:
+# BatchNorm's *running* mean and variance (buffers, updated by every training-mode forward) are
+# **not the whole batch's** after a DataParallel forward. A small BatchNorm model shows it:
 
 # %%
 w_rep0 = next(replicas[0].parameters())
@@ -141,20 +142,14 @@ claim("replica 0's weight shares the original's memory; replica 1's is a copy",
 
 bn_net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
-only_chunk0, whole = copy.deepcopy(bn_net), copy.deepcopy(bn_net)
+whole = copy.deepcopy(bn_net)
 dp.data_parallel(bn_net, X, devs)   # one DataParallel forward, in training mode
-only_chunk0(chunks[0])              # a plain copy that sees device 0's chunk only
 whole(X)                            # a plain copy that sees the whole batch
-bn, bn_chunk0, bn_whole = bn_net[1], only_chunk0[1], whole[1]
-claim("after one DataParallel forward, the module's BatchNorm running mean and variance are "
-      "bit-identical (torch.equal) to those of a copy that saw chunk 0 alone",
-      torch.equal(bn.running_mean, bn_chunk0.running_mean)
-      and torch.equal(bn.running_var, bn_chunk0.running_var))
+bn, bn_whole = bn_net[1], whole[1]
 gap = (bn.running_mean - bn_whole.running_mean).abs().max().item()
 print(f"largest difference from the whole batch's running mean: {gap:.4f}")
-claim("they differ from the statistics of the whole batch", gap > 1e-4, gap=gap)
-claim("the module counted one BatchNorm update, not one per replica",
-      bn.num_batches_tracked.item() == 1)
+claim("after one DataParallel forward, the module's BatchNorm running mean differs from the "
+      "whole batch's", gap > 1e-4, gap=gap)
 
 # %% [markdown]
 # The same layer breaks "DataParallel computes what the plain model computes". In training mode
@@ -631,6 +626,24 @@ claim("parallel_apply passes the caller's mode on: under no_grad no replica reco
 viz.show_code(dp.Broadcast, dp.replicate)
 
 # %% [markdown]
+# **▶ The reference answer — open after your lab passes** (click the folded cell below): where
+# section 2's BatchNorm running statistics came from, measured.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# Replica 0 shares the module's buffers, and BatchNorm updates them in place: its update is the
+# module's. The other replicas update their own copies, which are dropped with them.
+only_chunk0 = copy.deepcopy(bn_net)
+only_chunk0[1].reset_running_stats()  # back to its state before section 2's forward
+only_chunk0(chunks[0])                # a plain copy that sees device 0's chunk only
+bn_chunk0 = only_chunk0[1]
+claim("after one DataParallel forward, the module's BatchNorm running mean and variance are "
+      "bit-identical (torch.equal) to those of a copy that saw chunk 0 alone",
+      torch.equal(bn.running_mean, bn_chunk0.running_mean)
+      and torch.equal(bn.running_var, bn_chunk0.running_var))
+claim("the module counted one BatchNorm update, not one per replica",
+      bn.num_batches_tracked.item() == 1)
+
+# %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below): how
 # the replicas' gradients combine into the whole batch's, measured.
 
@@ -665,9 +678,9 @@ claim(f"averaging the shares makes the gradient {n_devices}x (the number of devi
 #   question (its answer is folded above, after the lab's pointer).
 # - Without GPUs the real `nn.DataParallel` silently just calls the module.
 # - Replica 0's weights are the module's own tensors (as in torch's `replicate`), and after a
-#   training-mode forward the module's BatchNorm running statistics equal those of a copy that
-#   saw device 0's chunk alone (section 2's claim); what a replica's forward does to other
-#   buffers is lab 02's part 5 (its sources are folded after the lab's pointer).
+#   training-mode forward the module's BatchNorm running statistics are not the whole batch's
+#   (section 2's claim); why, and what a replica's forward does to the module's buffers, is
+#   lab 02's part 5 (its answer is folded after the lab's pointer).
 # - Its costs: a replication every step, threads sharing one GIL, device 0 doing the loss alone,
 #   and, when the copies go one by one (a naive parameter server, as in our `dp`), 2(N−1)K
 #   weights and gradients through device 0 every step, the batch's chunks and outputs on top;
@@ -702,10 +715,10 @@ viz.quiz([
                  "From the average of every replica's chunk"],
      "answer": 1,
      "why": ["Each replica sees only its chunk; none sees the whole batch.",
-             "Right: section 2 measured them bit-identical to those of a copy that saw chunk 0 "
-             "alone.",
-             "Section 2 measured them bit-identical to those of a copy that saw chunk 0 alone: "
-             "no average of the chunks."]},
+             "Right: the folded answer after the lab's pointer measured them bit-identical to "
+             "those of a copy that saw chunk 0 alone.",
+             "The folded answer after the lab's pointer measured them bit-identical to those of "
+             "a copy that saw chunk 0 alone: no average of the chunks."]},
     {"q": "In this lesson's DataParallel, which copies one device at a time (a naive parameter "
           "server), with 8 devices and a model of K parameters, how many numbers of weights and "
           "gradients cross device 0's link per step?",
