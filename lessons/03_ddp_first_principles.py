@@ -939,6 +939,84 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 # samples count twice per epoch — unless `drop_last=True`.)
 
 # %% [markdown]
+# ## The reducer's arithmetic
+#
+# Reference, for after lab 03: how the reducer turns the ranks' gradients into their average —
+# which is why DDP and `average_gradients` agree bit for bit on 2 ranks and not on 3 — and what
+# the old `broadcast_buffers` switch changes.
+#
+# **The buffers' switch before torch 2.13** was `broadcast_buffers`, and it is not a plain
+# rename of `forward_sync_buffers`: `broadcast_buffers=False` also skips the buffers' broadcast
+# at construction, `forward_sync_buffers=False` only those at run time: before each forward,
+# and at the end of lesson 04's `Join` (the claim below).
+#
+# **▶ How the reducer turns the ranks' gradients into their average — open after your lab
+# passes** (click the folded cell below; it is lab 03's part 1, done DDP's way).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# The library's `average_gradients` sums, then divides; DDP **scales first, then sums**. Without
+# a comm hook, c10d's `Reducer::mark_variable_ready_dense` (`reducer.cpp`, not installed: the
+# claim below finds its compiled names) copies each gradient into its bucket as it becomes
+# ready and scales it in the same pass, `at::mul_out(bucket_view, grad, 1. / div_factor_)`: a
+# multiplication by the reciprocal of the world size; then the bucket goes to one all-reduce
+# with SUM. Lesson 07's reference answer to its lab 07 tables every case (a gradient that
+# already is its bucket's view, a comm hook, `zero_grad`'s part) and measures the views. One
+# case only this lesson claims: with `batched_grad_copy=True` (default `False`) the bucket's
+# copies are batched and the flat bucket divided once when it is full.
+#
+# With 2 ranks the order cannot show: 1/2 is exact in binary, so multiplying by it, or dividing
+# by 2 before or after the sum, gives the same bits (barring underflow). With 3 ranks float32's
+# 1/3 is not a third, and scaling first rounds differently from dividing after the sum. A
+# second cause adds to it: DDP all-reduces one flat bucket, the library each tensor on its own,
+# and the all-reduce need not add the ranks' values in the same order at every position of a
+# tensor (measured, not read: gloo's source is not installed). The 3-rank claim after the lab
+# cannot tell the two apart; the folded control run below can. With a comm hook the reducer
+# copies without scaling and leaves the averaging to the hook: one that sums the raw bucket,
+# then divides, keeps DDP's layout with the library's arithmetic.
+
+# %%
+from torch.nn.parallel import DistributedDataParallel
+
+ddp_defaults = inspect.signature(DistributedDataParallel.__init__).parameters
+claim("DDP's batched_grad_copy defaults to False: deferring a bucket's gradient copies is opt-in",
+      ddp_defaults["batched_grad_copy"].default is False)
+
+# reducer.cpp is not installed, but its compiled code is: the installed libtorch_cpu holds the
+# name mark_variable_ready_dense records for its scaled copy, and the batched path's message.
+import mmap
+from pathlib import Path
+
+libtorch_cpu = next((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
+marks = ["torch::distributed::reducer::mul_out", "batched_grad_copy is incompatible with"]
+with open(libtorch_cpu, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    found = {mark: m.find(mark.encode()) >= 0 for mark in marks}
+claim(f"the installed {libtorch_cpu.name} (torch {torch.__version__.split('+')[0]}) holds the reducer's "
+      f"'mul_out' copy and the batched_grad_copy path", all(found.values()), found=found)
+claim("forward_sync_buffers also decides the buffers' broadcast at the end of a Join: "
+      "_sync_final_model passes broadcast_buffers=self.forward_sync_buffers",
+      "broadcast_buffers=self.forward_sync_buffers"
+      in inspect.getsource(DistributedDataParallel._sync_final_model))
+
+# %% [markdown]
+# **▶ The control run that tells layout from scaling — open after your lab passes** (click the
+# folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ddp.sum_then_divide_hook)
+hooked = launch.spawn(ddp.ddp_worker, 3, cfg3, ddp.sum_then_divide_hook, backend="gloo",
+                      timeout=120)[0]["grads"]
+layout = int((hooked != three["grads_manual"]).sum())  # same arithmetic, other layout
+scaling = int((hooked != three["grads_ddp"]).sum())    # same layout, scale first or divide after
+print(f"3 ranks, first-step gradients ({hooked.numel()} elements): {layout} differ between the "
+      f"hooked DDP and average_gradients, {scaling} between the hooked DDP and DDP's own path")
+claim("layout alone: DDP summing then dividing in its one flat bucket differs from "
+      "average_gradients' per-tensor all-reduces in the last bits", layout > 0, layout=layout)
+claim("scaling alone: in the same bucket, DDP's scale-first path differs from sum-then-divide",
+      scaling > 0, scaling=scaling)
+claim("both are last-bit rounding: the gradients agree to 1e-6",
+      max(float((hooked - three[k]).abs().max()) for k in ("grads_manual", "grads_ddp")) < 1e-6)
+
+# %% [markdown]
 # ## Summary
 #
 # - DDP runs one process per device; the processes meet at a rendezvous and talk through
@@ -1032,84 +1110,6 @@ viz.quiz([
              "Right: forward_sync_buffers broadcasts from rank 0; rank 0's are never "
              "overwritten. SyncBatchNorm (lesson 04) gives whole-batch statistics."]},
 ])
-
-# %% [markdown]
-# ## The reducer's arithmetic
-#
-# Reference, for after lab 03: how the reducer turns the ranks' gradients into their average —
-# which is why DDP and `average_gradients` agree bit for bit on 2 ranks and not on 3 — and what
-# the old `broadcast_buffers` switch changes.
-#
-# **The buffers' switch before torch 2.13** was `broadcast_buffers`, and it is not a plain
-# rename of `forward_sync_buffers`: `broadcast_buffers=False` also skips the buffers' broadcast
-# at construction, `forward_sync_buffers=False` only those at run time: before each forward,
-# and at the end of lesson 04's `Join` (the claim below).
-#
-# **▶ How the reducer turns the ranks' gradients into their average — open after your lab
-# passes** (click the folded cell below; it is lab 03's part 1, done DDP's way).
-
-# %% [markdown] jupyter={"source_hidden": true}
-# The library's `average_gradients` sums, then divides; DDP **scales first, then sums**. Without
-# a comm hook, c10d's `Reducer::mark_variable_ready_dense` (`reducer.cpp`, not installed: the
-# claim below finds its compiled names) copies each gradient into its bucket as it becomes
-# ready and scales it in the same pass, `at::mul_out(bucket_view, grad, 1. / div_factor_)`: a
-# multiplication by the reciprocal of the world size; then the bucket goes to one all-reduce
-# with SUM. Lesson 07's reference answer to its lab 07 tables every case (a gradient that
-# already is its bucket's view, a comm hook, `zero_grad`'s part) and measures the views. One
-# case only this lesson claims: with `batched_grad_copy=True` (default `False`) the bucket's
-# copies are batched and the flat bucket divided once when it is full.
-#
-# With 2 ranks the order cannot show: 1/2 is exact in binary, so multiplying by it, or dividing
-# by 2 before or after the sum, gives the same bits (barring underflow). With 3 ranks float32's
-# 1/3 is not a third, and scaling first rounds differently from dividing after the sum. A
-# second cause adds to it: DDP all-reduces one flat bucket, the library each tensor on its own,
-# and the all-reduce need not add the ranks' values in the same order at every position of a
-# tensor (measured, not read: gloo's source is not installed). The 3-rank claim after the lab
-# cannot tell the two apart; the folded control run below can. With a comm hook the reducer
-# copies without scaling and leaves the averaging to the hook: one that sums the raw bucket,
-# then divides, keeps DDP's layout with the library's arithmetic.
-
-# %%
-from torch.nn.parallel import DistributedDataParallel
-
-ddp_defaults = inspect.signature(DistributedDataParallel.__init__).parameters
-claim("DDP's batched_grad_copy defaults to False: deferring a bucket's gradient copies is opt-in",
-      ddp_defaults["batched_grad_copy"].default is False)
-
-# reducer.cpp is not installed, but its compiled code is: the installed libtorch_cpu holds the
-# name mark_variable_ready_dense records for its scaled copy, and the batched path's message.
-import mmap
-from pathlib import Path
-
-libtorch_cpu = next((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
-marks = ["torch::distributed::reducer::mul_out", "batched_grad_copy is incompatible with"]
-with open(libtorch_cpu, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-    found = {mark: m.find(mark.encode()) >= 0 for mark in marks}
-claim(f"the installed {libtorch_cpu.name} (torch {torch.__version__.split('+')[0]}) holds the reducer's "
-      f"'mul_out' copy and the batched_grad_copy path", all(found.values()), found=found)
-claim("forward_sync_buffers also decides the buffers' broadcast at the end of a Join: "
-      "_sync_final_model passes broadcast_buffers=self.forward_sync_buffers",
-      "broadcast_buffers=self.forward_sync_buffers"
-      in inspect.getsource(DistributedDataParallel._sync_final_model))
-
-# %% [markdown]
-# **▶ The control run that tells layout from scaling — open after your lab passes** (click the
-# folded cell below).
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ddp.sum_then_divide_hook)
-hooked = launch.spawn(ddp.ddp_worker, 3, cfg3, ddp.sum_then_divide_hook, backend="gloo",
-                      timeout=120)[0]["grads"]
-layout = int((hooked != three["grads_manual"]).sum())  # same arithmetic, other layout
-scaling = int((hooked != three["grads_ddp"]).sum())    # same layout, scale first or divide after
-print(f"3 ranks, first-step gradients ({hooked.numel()} elements): {layout} differ between the "
-      f"hooked DDP and average_gradients, {scaling} between the hooked DDP and DDP's own path")
-claim("layout alone: DDP summing then dividing in its one flat bucket differs from "
-      "average_gradients' per-tensor all-reduces in the last bits", layout > 0, layout=layout)
-claim("scaling alone: in the same bucket, DDP's scale-first path differs from sum-then-divide",
-      scaling > 0, scaling=scaling)
-claim("both are last-bit rounding: the gradients agree to 1e-6",
-      max(float((hooked - three[k]).abs().max()) for k in ("grads_manual", "grads_ddp")) < 1e-6)
 
 # %% [markdown]
 # ## Sources
