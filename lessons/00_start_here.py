@@ -23,10 +23,13 @@
 # on many devices — `nn.DataParallel`, DistributedDataParallel (DDP), TensorFlow's
 # `MirroredStrategy` — and down to the ring AllReduce that moves the gradients; the last lesson
 # shows where data parallelism ends and what comes after it. Every lesson runs on a CPU-only
-# machine: that is where its stored outputs were made and where the tests run them. The same code picks GPUs and NCCL when it finds them. Lessons 01 and 07–09 have also run
-# on a one-GPU NVIDIA H100 machine during development; the multi-GPU path (NCCL, one GPU per
-# rank) is written and has its own tests (`tests/test_gpu.py`, `python -m dpcourse doctor
-# --run`), but they have not yet been run on a multi-GPU machine.
+# machine: that is where its stored outputs were made and where the tests run them. The same
+# code picks GPUs and NCCL when it finds them. On one NVIDIA H100, but under that machine's
+# older torch 2.11, `python -m dpcourse doctor --run` ran every lesson and solution: most
+# matched their stored outputs, and lesson 03 and lab 08 failed on names newer than 2.11 (the
+# README's "What has run where" has the full record; `dpcourse.versions.TRIED` keeps it too).
+# The multi-GPU path (NCCL, one GPU per rank) is written and has its own tests
+# (`tests/test_gpu.py`, `doctor --run`), but they have not yet been run on a multi-GPU machine.
 #
 # **What is checked, and what is read.** Each line that starts with ✔ is a claim this run
 # checked: a cell asserted it (and says "to within 1e-5" when floating-point sums in another
@@ -135,8 +138,9 @@ _ = doctor()  # (keep its return code out of the output)
 # %%
 import os
 
-from dpcourse import devices
+from dpcourse import devices, viz
 
+viz.show_code(devices.backend_for)               # the rule the third claim tests
 report = devices.hardware_report()
 profile = devices.choose_profile(report)
 expected = {0: "cpu", 1: "one-gpu"}.get(report.gpu_count, "multi-gpu")
@@ -223,9 +227,11 @@ claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwar
 # %% [markdown]
 # ### Optional aside: one group, two backends, and NCCL's one-GPU rule
 #
-# About 5 minutes, for readers who will run on GPUs; nothing later in the course depends on it
-# (lesson 03 uses one backend per group, and introduces torch's distributed core where it needs
-# it). It shows what lies behind the profile table's `one-gpu` row, in three runs: a group can
+# About 5 minutes, for readers who will run on GPUs. The CPU path of the later lessons does not
+# need it (lesson 03 uses one backend per group, and introduces torch's distributed core where
+# it needs it), but two later asides about GPUs point back here: lesson 03 for the switch that
+# lets two ranks share a GPU, and lesson 10 for NCCL's lazy connection and `device_id`. It
+# shows what lies behind the profile table's `one-gpu` row, in three runs: a group can
 # have one backend per device type; NCCL connects the GPUs only when it first needs to; and the
 # installed NCCL refuses two ranks on one GPU only by default.
 # **▶ The aside** is folded below (its text, then each run with its checks): open it to read it.

@@ -529,7 +529,8 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 #
 # Is it faster? AMP pays off when big matrix
 # multiplications and convolutions dominate the step *and* the hardware has fast 16-bit units
-# (a GPU's tensor cores; some CPUs have bfloat16 units too). This model's layers are tiny, and
+# (a GPU's *tensor cores*, NVIDIA's units built for small matrix multiplies in reduced
+# precision; some CPUs have bfloat16 units too). This model's layers are tiny, and
 # the casts autocast inserts cost time of their own, so it can go either way. The last cells
 # time both on one intra-op thread, interleaved, seven rounds each, and say which was faster
 # on this run by the batch sizes' rule, or that there was no clear difference. Try a ResNet (`models.resnet18_cifar`) with a big batch on a
@@ -604,18 +605,23 @@ print(f"On this {device.type}, one intra-op thread, this run: "
 # bf16/fp16 autocast, channels_last, `torch.compile` and all of them together, on ResNet-18 —
 # run `python -m dpcourse.bench single` in a terminal. *TF32* (TensorFloat-32) is a mode of
 # NVIDIA GPUs since Ampere in which float32 matrix multiplies and convolutions run on tensor
-# cores with a 10-bit mantissa (float32's range, less precision). Torch's defaults differ by
-# kind: cuDNN convolutions may use TF32 out of the box, float32 matmuls may not. The switches
-# are `torch.backends.cudnn.allow_tf32` and `torch.backends.cuda.matmul.allow_tf32`; torch 2.14
-# also has the newer `fp32_precision` knobs, per backend and operation; CUDA's take "tf32",
-# "ieee" (full float32) or "none" — no setting of its own: the knob then reads the level above
-# it. There are three levels: the operation's knob (`torch.backends.cuda.matmul`,
-# `torch.backends.cudnn.conv`), then the CUDA backend's "all" knob, then the generic
-# `torch.backends.fp32_precision` ("none" by default, which means full float32). The CUDA "all"
-# knob is spelled `torch.backends.cudnn.fp32_precision`: despite the name, setting it to "tf32"
-# also turns TF32 on for cuBLAS's matmuls. The cell below prints the knobs (they are flags,
-# readable without a GPU) and shows both inheritances by setting each upper level for a
-# moment. *channels_last* is a memory layout
+# cores with a 10-bit mantissa (float32's range, less precision). On a GPU, torch hands
+# convolutions to *cuDNN* and matrix multiplies to *cuBLAS*, NVIDIA's libraries of
+# deep-learning kernels and of linear algebra, and each has its own TF32 switch. Torch's
+# defaults differ by kind: cuDNN convolutions may use TF32 out of the box, float32 matmuls may
+# not. The switches this course uses (the benchmark sets them; lesson 03's `ddp.setup_rank`
+# turns both off on a GPU) are `torch.backends.cudnn.allow_tf32` and
+# `torch.backends.cuda.matmul.allow_tf32`. Torch 2.14 also has a newer family, the
+# `fp32_precision` knobs ("tf32", "ieee" for full float32, or "none": read the level above,
+# per backend and operation). Pick one family and keep to it. Setting an old switch writes
+# the new knob too (the cell shows it for matmuls), but the new knobs do not update the old
+# switches, and once they disagree, reading an old one raises a `RuntimeError` ("mix of the
+# legacy and new APIs"). That read is not only yours:
+# `torch.compile`'s Inductor calls `torch.get_float32_matmul_precision()` when it caches its
+# choice of matmul kernels. A cuDNN-named knob is enough to get there:
+# `torch.backends.cudnn.fp32_precision` is the level the matmul knob reads through to. The
+# cell below shows each step on this CPU (the switches are flags, readable without a GPU) and
+# puts every flag back. *channels_last* is a memory layout
 # (`model.to(memory_format=torch.channels_last)`) that stores each pixel's channels next to each
 # other (NHWC instead of NCHW), the layout fast GPU convolution kernels prefer. No GPU numbers
 # are stored in this course: run the command there to get yours.
@@ -629,20 +635,38 @@ print("cudnn.conv.fp32_precision:", torch.backends.cudnn.conv.fp32_precision,
 claim("by default cuDNN convolutions may use TF32 and float32 matmuls may not",
       torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
       and torch.backends.cudnn.conv.fp32_precision == "tf32")
-torch.backends.fp32_precision = "tf32"   # the top level, for a moment
-inherited = torch.backends.cuda.matmul.fp32_precision
-torch.backends.fp32_precision = "none"   # back to the default
-torch.backends.cudnn.fp32_precision = "tf32"   # the CUDA "all" level, for a moment
+# 1. The old switch writes the new knob.
+torch.backends.cuda.matmul.allow_tf32 = True
+knob_on = torch.backends.cuda.matmul.fp32_precision
+torch.backends.cuda.matmul.allow_tf32 = False
+knob_off = torch.backends.cuda.matmul.fp32_precision
+torch.backends.cuda.matmul.fp32_precision = "none"   # back to the default
+claim('setting matmul.allow_tf32 writes the new knob: True makes matmul.fp32_precision read '
+      '"tf32", False "ieee"', (knob_on, knob_off) == ("tf32", "ieee"),
+      knob_on=knob_on, knob_off=knob_off)
+# 2. A new knob does not write the old switch: read the old one while they disagree.
+legacy_reads = {"torch.backends.cuda.matmul.allow_tf32":
+                lambda: torch.backends.cuda.matmul.allow_tf32,
+                "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision}
+errors = {}
+torch.backends.cudnn.fp32_precision = "tf32"   # the level the matmul knob reads through to
 from_cudnn = torch.backends.cuda.matmul.fp32_precision
+for name, read in legacy_reads.items():
+    try:
+        read()
+    except RuntimeError as e:
+        errors[name] = str(e)
 torch.backends.cudnn.fp32_precision = "none"   # back to the default
-claim('the matmul knob\'s "none" inherits: it reads "tf32" while the top level is "tf32", and '
-      '"none" again once the top level is back to its default "none"',
-      inherited == "tf32" and torch.backends.cuda.matmul.fp32_precision == "none"
-      and not torch.backends.cuda.matmul.allow_tf32, inherited=inherited)
-claim('setting torch.backends.cudnn.fp32_precision (the CUDA "all" level) to "tf32" made the '
-      'cuBLAS matmul knob read "tf32" too; back to "none" after',
-      from_cudnn == "tf32" and torch.backends.cuda.matmul.fp32_precision == "none",
-      from_cudnn=from_cudnn)
+claim('with torch.backends.cudnn.fp32_precision = "tf32", the matmul knob reads "tf32" too',
+      from_cudnn == "tf32", from_cudnn=from_cudnn)
+claim("... and reading either old matmul switch raises RuntimeError (\"mix of the legacy and "
+      "new APIs\"): " + ", ".join(legacy_reads),
+      set(errors) == set(legacy_reads)
+      and all("mix of the legacy and new APIs" in m for m in errors.values()), errors=errors)
+claim('with the knob back at "none", the old switches read again: matmul TF32 off, precision '
+      '"highest"', torch.backends.cuda.matmul.fp32_precision == "none"
+      and not torch.backends.cuda.matmul.allow_tf32
+      and torch.get_float32_matmul_precision() == "highest")
 
 # %% [markdown]
 # ## Seeds and reproducibility
@@ -655,9 +679,9 @@ claim('setting torch.backends.cudnn.fp32_precision (the CUDA "all" level) to "tf
 #   two runs of `SmallCNN` end with *bit-identical* weights: the cell below proves it with
 #   deterministic mode **off**, the seed alone. Change the seed and they differ. That is a fact
 #   about this model's ops, not a rule for every CPU model: torch's own list of ops that
-#   deterministic mode changes names CPU ones too — `index_put` and `put_` with
-#   `accumulate=True`, the backward of indexing with a list of tensors, and `index_put` with
-#   `accumulate=False` on any device (the cell checks all four entries).
+#   deterministic mode makes deterministic names CPU ones too, such as `index_put` with
+#   `accumulate=True` and `index_copy` (the cell prints every entry of that list that is not
+#   CUDA-only, read from the installed docstring).
 # - **On a GPU.** More kernels there (e.g. some convolution backwards, `index_add_`) are
 #   nondeterministic. There the cell asks `seed_everything(..., deterministic=True)`, which calls
 #   `torch.use_deterministic_algorithms(True, warn_only=True)`: deterministic kernels where
@@ -707,15 +731,21 @@ finally:
 claim("same seed, same device: bit-identical weights after an epoch", torch.equal(a, b))
 claim("deterministic mode is off again", not torch.are_deterministic_algorithms_enabled())
 claim("another seed: different weights", not torch.equal(a, c))
+import re
+
 det_doc = " ".join(torch.use_deterministic_algorithms.__doc__.split())
-claim("torch's docstring lists CPU ops that are deterministic only in deterministic mode "
-      "(index_put and put_ with accumulate=True, the backward of indexing with a list of "
-      "tensors, index_put with accumulate=False on any device)",
-      "index_put` with ``accumulate=True`` when called on a CPU tensor" in det_doc
-      and "put_` with ``accumulate=True`` when called on a CPU tensor" in det_doc
-      and "__getitem__` when attempting to differentiate a CPU tensor and the index is a list "
-          "of tensors" in det_doc
-      and "index_put` with ``accumulate=False``" in det_doc)
+det_list = det_doc[det_doc.index("will act deterministically"):   # the ops made deterministic
+                   det_doc.index("The following normally-nondeterministic operations will "
+                                 "throw")]                        # (the next list: ops that raise)
+entries = det_list.split(" * ")[1:]
+cpu_entries = [re.sub(r":\w+:`|`", "", e) for e in entries if "CPU" in e or "CUDA" not in e]
+print("torch's list, entries that are not CUDA-only:", *cpu_entries, sep="\n  ")
+claim(f"torch's docstring lists {len(cpu_entries)} ops (of {len(entries)}) that deterministic "
+      "mode makes deterministic on a CPU too, index_put with accumulate=True and index_copy "
+      "among them",
+      any(e.startswith("torch.Tensor.index_put with accumulate=True") for e in cpu_entries)
+      and any(e.startswith("torch.Tensor.index_copy") for e in cpu_entries),
+      cpu_entries=cpu_entries)
 
 # What deterministic=True sets besides the flag, checked on any machine (and put back after).
 import os
@@ -874,16 +904,28 @@ viz.quiz([
 #   `update()` adjusts the scale.
 # - `torch/cuda/__init__.py` — `synchronize`: waits for the GPU's queued kernels, which is what
 #   `ThroughputMeter` calls before reading the clock on CUDA.
-# - `torch/backends/cuda/__init__.py` — `cuBLASModule`: `torch.backends.cuda.matmul.allow_tf32`
-#   (off by default) and `matmul.fp32_precision` ("none" by default: read through to the level
-#   above); `torch/backends/__init__.py` — `fp32_precision`, the generic level ("none" by
-#   default); `torch/backends/cudnn/__init__.py` —
-#   `CudnnModule.allow_tf32` for convolutions (on by default), `conv` and `fp32_precision`,
-#   which is the ("cuda", "all") level (`_get_fp32_precision_getter("cuda", "all")`) that
-#   `matmul` falls back to before the generic level.
-#   The values each knob takes are checked in C++ (`_set_fp32_precision_setter`); measured on
-#   torch 2.14.1: the CUDA knobs refuse "bf16" ("backend 'cuda' does not support precision
-#   'bf16'"), the generic level and `torch.backends.mkldnn.matmul` (CPUs) accept it.
+# - `torch/backends/cuda/__init__.py` — `cuBLASModule.__getattr__`/`__setattr__`:
+#   `torch.backends.cuda.matmul.allow_tf32` reads `torch._C._get_cublas_allow_tf32()` and sets
+#   `_set_cublas_allow_tf32` (off by default); `matmul.fp32_precision` reads
+#   `_get_fp32_precision_getter("cuda", "matmul")` ("none" by default: read through to the level
+#   above); `torch/backends/cudnn/__init__.py` — `CudnnModule.allow_tf32` for convolutions (on
+#   by default), `conv` and `fp32_precision`, which is the ("cuda", "all") level
+#   (`_get_fp32_precision_getter("cuda", "all")`) that `matmul` reads through to;
+#   `torch/backends/__init__.py` — `fp32_precision`, the generic level.
+#   `torch/include/ATen/Context.h` — `Context` keeps both: `float32_matmul_precision` (the old
+#   switch's state) and the `fp32_precision` map, with the getters `allowTF32CuBLAS` and
+#   `float32MatmulPrecision`. The error when they disagree is raised in C++ (not installed as
+#   source): the installed `libtorch_cpu.so` holds its text ("you have used mix of the legacy
+#   and new APIs to set the TF32 status for cublas matmul", and the same "to set the matmul
+#   precision"; read with `strings`); measured on torch 2.14.1 by the cell: after a new knob
+#   says "tf32", both old reads raise; setting `allow_tf32` writes the new knob ("tf32" or
+#   "ieee"). `torch/__init__.py` — `get_float32_matmul_precision` returns
+#   `_C._get_float32_matmul_precision()`; `torch/_inductor/codecache.py` —
+#   `PersistentCache.lookup` (line 431) and `torch/_inductor/select_algorithm.py` —
+#   `create_precompile_key` call it when Inductor caches and precompiles its choice of matmul
+#   kernels. The values each knob takes are checked in C++ (`_set_fp32_precision_setter`);
+#   measured on torch 2.14.1: the CUDA knobs refuse "bf16" ("backend 'cuda' does not support
+#   precision 'bf16'"), the generic level and `torch.backends.mkldnn.matmul` (CPUs) accept it.
 # - `torch/nn/modules/module.py` — `Module.to(memory_format=torch.channels_last)`.
 # - `torch/utils/data/dataloader.py` — `DataLoader(num_workers=...)`: "how many subprocesses to
 #   use for data loading".
@@ -909,10 +951,12 @@ viz.quiz([
 #   (C++, read in PyTorch's repository): `aten/src/ATen/cuda/CublasHandlePool.cpp` —
 #   `getChosenWorkspaceSize`, a `static` reading of `parseChosenWorkspaceSize()`: the size is
 #   read once.
-#   `torch/__init__.py` — `use_deterministic_algorithms`' list of ops made deterministic
-#   includes CPU ones (`index_put`/`put_` with `accumulate=True` on a CPU tensor; the backward
-#   of `__getitem__` with a list of tensors; `index_put` with `accumulate=False`, no device
-#   named). This course's `lib/dpcourse/devices.py` — `seed_everything`: `os.environ.setdefault(...)`, after
+#   `torch/__init__.py` — `use_deterministic_algorithms`' docstring list of
+#   "normally-nondeterministic operations" that "will act deterministically" includes CPU ones;
+#   five entries are not CUDA-only in 2.14.1 (the cell prints them): `index_put`/`put_` with
+#   `accumulate=True` on a CPU tensor; the backward of `__getitem__` with a list of tensors;
+#   `index_put` with `accumulate=False`, no device named; `index_copy` "when called on a CPU
+#   or CUDA tensor". This course's `lib/dpcourse/devices.py` — `seed_everything`: `os.environ.setdefault(...)`, after
 #   `torch.use_deterministic_algorithms(True, warn_only=True)`.
 # - PyTorch's documentation, "CPU threading and TorchScript inference": intra-op parallelism
 #   (`torch.set_num_threads`) against the threads a program starts itself.

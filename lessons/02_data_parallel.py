@@ -215,10 +215,13 @@ claim("every parameter of the original model received a gradient",
 # %% [markdown]
 # The whole step in one call, `dp.data_parallel(model, X, devs)` (shown above), is what
 # `nn.DataParallel`'s `forward` does. The picture of that step as our `dp` does it, one copy at a
-# time, drawn from this run's chunk sizes and parameter count (the real class moves the same
-# tensors with collectives — operations that all the devices join at once, such as one
-# broadcast — when NCCL, NVIDIA's library of collectives for its GPUs, is there: "Why it is
-# slow" below):
+# time, drawn from this run's chunk sizes and parameter count. Two words in it name how
+# tensors move between devices: a **broadcast** copies one device's tensor to every device, and
+# a **reduce** brings a tensor from every device onto one device, combining them there with one
+# operation into a single tensor (which operation the gradients need is lab 02's to work out).
+# The real class moves the same tensors with collectives — operations that all the devices join
+# at once, such as one broadcast — when NCCL, NVIDIA's library of collectives for its GPUs, is
+# there ("Why it is slow" below):
 
 # %%
 claim("dp.data_parallel(model, X, devs) equals the plain model (to 1e-5)",
@@ -585,8 +588,11 @@ print(f"On this run: {verdict}.")
 # replica's forward leaves on the module) before they are measured. Its stretch asks for the threads of `parallel_apply`.
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below): the
-# library's `scatter`, `gather` and `parallel_apply`, which sections 1, 3 and 4 ran.
+# **▶ The library's versions — open after your lab passes** (click the folded cell below): the
+# `scatter`, `gather` and `parallel_apply` that sections 1, 3 and 4 ran. Not the lab's answer:
+# the lab asks for more than they do — its `gather` also joins models that return several
+# tensors (this one takes tensors only), and its `threaded_apply` hands the caller a failing
+# replica's own error (this one raises a `RuntimeError` that carries it).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(dp.scatter, dp.gather, dp.parallel_apply)
@@ -755,7 +761,9 @@ viz.quiz([
 #   (differentiable), buffers that need no gradient through `comm.broadcast_coalesced`
 #   (detached); each replica module is made by `Module._replicate_for_data_parallel`
 #   (`torch/nn/modules/module.py`), and its parameters are set as plain attributes, not leaves.
-# - `torch/nn/parallel/_functions.py` — `Broadcast.forward` calls `comm.broadcast_coalesced`;
+# - `torch/nn/parallel/_functions.py` — `Broadcast.forward` refuses CPU tensors (lines 13-14:
+#   "Broadcast function not implemented for CPU tensors": why the course runs its own
+#   `dp.Broadcast` on CPU devices) and calls `comm.broadcast_coalesced`;
 #   `Scatter.forward` calls `comm.scatter`. (What `Broadcast.backward` calls is lab 02's
 #   answer: it is folded at the end.)
 # - `torch/nn/parallel/comm.py` — `broadcast_coalesced` (`buffer_size=10485760`, done in C++ by

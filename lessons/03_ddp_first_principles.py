@@ -490,16 +490,21 @@ claim("DDP(model) overwrote every other rank's weights",
       all(r["changed_by_ddp"] for r in internals[1:]))
 claim("after DDP(model) the weights are equal as values on all ranks (torch.equal)",
       all(r["equal_on_all_ranks"] for r in internals))
-claim("that broadcast is init_sync's, on by default", inspect.signature(
+# that broadcast is gated by init_sync (read in DDP's __init__: Sources); this checks its default
+claim("DDP's init_sync flag defaults to True", inspect.signature(
     torch.nn.parallel.DistributedDataParallel).parameters["init_sync"].default is True)
 
 # %% [markdown]
 # ### Buckets, and why the first iteration has only one
 # To see the buckets we replace DDP's all-reduce with our own **comm hook**: DDP calls it once
 # per bucket, when every gradient in the bucket is ready, and our hook stamps the time, launches
-# the same asynchronous all-reduce DDP would, and stamps the time again when it has finished. A
-# tensor hook on every parameter stamps when its gradient is computed. The model is 0.72 MiB of
-# float32, and we ask for buckets of 0.1 MiB (102.4 KiB), so it cannot fit in one bucket.
+# an asynchronous all-reduce of the bucket through torch's Python `allreduce_hook` (divide the
+# bucket, then all-reduce it), and stamps the time again when it has finished. That is not
+# DDP's own path: without a hook the reducer scales each gradient as it copies it into the
+# bucket and runs an internal C++ hook, `_AllReduceBySumCommHook`, that only sums (Sources).
+# The bucket and the collective are the same; the division happens elsewhere. A tensor hook on
+# every parameter stamps when its gradient is computed. We ask for buckets of 0.1 MiB
+# (102.4 KiB); the claims below measure the model against that cap.
 #
 # (This worker always runs on the CPU with gloo: what we look at is DDP's bookkeeping, which is
 # the same with NCCL.)
@@ -593,20 +598,24 @@ print("iteration 1, first bucket: "
 # pools every rank's statistics) **and** a parameter is unused on some ranks only, a bucket
 # could be all-reduced too early on the rank with the unused parameter, to be matched with a
 # *different* collective on another rank — a hang or garbage. Hence a size limit of
-# `sys.maxsize`: one all-reduce, after every gradient of the graph is computed. The code's
-# condition does not match that hazard, though. A parameter unused on some ranks runs only
-# with `find_unused_parameters=True` or `static_graph=True` (with neither it is an error:
-# lesson 10, bug 9), yet `find_unused_parameters=True` without `static_graph` is the setting
-# that buckets by size from the start, and every setting with `find_unused_parameters` off gets
-# the one bucket. The comment says why; the claims below check when. During the first
-# iteration the reducer records the order in which the gradients really became ready, and
-# before the second forward it **rebuilds the buckets** in that order, once and for all
-# (`_pre_forward` calls the reducer's `_rebuild_buckets`).
+# `sys.maxsize`: one all-reduce, after every gradient of the graph is computed.
+#
 # Two of DDP's constructor flags bear on this, and the next cells run each:
 # `find_unused_parameters=True` says that some parameters may get no gradient in an iteration
 # (DDP then looks for them from the forward's outputs, every iteration), and
 # `static_graph=True` is your promise that every iteration uses the same parameters in the same
-# way. Two exceptions, in the limits DDP computes for iteration 0 (`ddp.initial_bucket_limits`
+# way, with no control flow that changes from one iteration to the next (its docstring). The
+# code's condition for the one bucket does not match the comment's hazard, though. Without
+# either flag a parameter without a gradient is not supported at all (unused on every rank, it
+# is an error: lesson 10, bug 9; unused on some ranks only, the ranks no longer agree on when
+# a bucket is ready, so one can wait in an all-reduce that the other never launches). Yet
+# `find_unused_parameters=True` without `static_graph` is the setting that buckets by size
+# from the start, and every setting with `find_unused_parameters` off gets the one bucket. The
+# comment says why; the claims below check when. During the first iteration the reducer
+# records the order in which the gradients really became ready, and before the second forward
+# it **rebuilds the buckets** in that order, once and for all (`_pre_forward` calls the
+# reducer's `_rebuild_buckets`).
+# Two exceptions, in the limits DDP computes for iteration 0 (`ddp.initial_bucket_limits`
 # asks DDP's own `_BucketCapacityConfig`; `ddp.bucket_limits` gives the cap in bytes):
 # `find_unused_parameters=True` without `static_graph`, and explicit per-bucket limits
 # (`bucket_cap_mb_list`, a constructor argument), which bucket by size from the start whatever
@@ -766,9 +775,11 @@ print(f"last gradient computed {last_grad['0']:.1f} ms after backward() began in
 # before any overlap could help. Iteration 0 is also the run's first backward, which can pay
 # one-time costs (allocating its memory, for one); whatever gap that leaves shows in those two
 # times, not in the buckets. The rows show *when* things happened, not a saving. The overlap
-# rests on the bucket's all-reduce being *asynchronous*: DDP's `allreduce_hook` (which our hook
-# above calls) runs `dist.all_reduce(..., async_op=True)`, so the backward goes on while a bucket
-# is on the wire. Lesson 07 measures what overlap buys.
+# rests on the bucket's all-reduce being *asynchronous*: torch's `allreduce_hook` (which our
+# hook above calls) runs `dist.all_reduce(..., async_op=True)`, and DDP's internal
+# `_AllReduceBySumCommHook` (its path without a hook) likewise returns a future from its
+# `runHook`, so the backward goes on while a bucket is on the wire. Lesson 07 measures what
+# overlap buys.
 #
 # ### Buffers: rank 0's BatchNorm statistics, before a forward
 # A BatchNorm layer keeps a running mean and variance: every forward in training mode updates
@@ -1262,3 +1273,15 @@ viz.quiz([
 #   `Reducer::flush_deferred_copies`. `Reducer::set_divide_factor` sets `div_factor_` to
 #   `process_group_->getSize()` (or, under `Join` with `divide_by_initial_world_size=False`,
 #   the count of ranks that have not joined yet).
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`: the broadcast at
+#   construction (`_verify_param_shape_across_processes`, then `_sync_module_states(...,
+#   src=0)`) runs only under `if init_sync:` ("All collectives during initialization are gated
+#   by this flag"), lines 1061-1073; the docstring for `static_graph`: the set of used and
+#   unused parameters does not change, **and** "How the graph is trained will not change during
+#   the whole training loop (meaning there is no control flow depending on iterations)",
+#   lines 743-749.
+# - `torch/include/torch/csrc/distributed/c10d/default_comm_hooks.hpp` — `_AllReduceBySumCommHook`
+#   ("Almost same as AllReduceCommHook, but without division inside the hook ... when no
+#   communication hook is provided by the user"), lines 35-50, whose `runHook` returns a
+#   `c10::ivalue::Future`; `torch/include/torch/csrc/distributed/c10d/reducer.hpp` —
+#   `Reducer::comm_hook_` (the hook the reducer runs, line 554).

@@ -15,7 +15,7 @@
 # - recognise the first failures a GPU user meets by their messages, and turn a hang into a clear
 #   error.
 #
-# **Time:** about 85 minutes to read and run (the lab aside).
+# **Time:** about 90 minutes to read and run (the lab aside).
 #
 # **Lab:** [lab04_ddp_in_practice](../labs/lab04_ddp_in_practice.ipynb) — inside a torchrun DDP
 # script, evaluate a metric that is not a mean (macro-F1) so that it equals one process.
@@ -404,13 +404,21 @@ claim("§3: the agent met the rendezvous twice; attempt 1 (restart_count 1) gave
       and rounds[0]["global_ranks"] == rounds[1]["global_ranks"]
       and rounds[0]["local_ranks"] == rounds[1]["local_ranks"]
       and rounds[0]["master_port"] == rounds[1]["master_port"], rounds=rounds)
-viz.show(viz.torchrun_figure(agents, restart_log),
+# Which worker died is read from the workers' own output: the agent logs one failure per
+# attempt, the earliest by a clock in whole seconds (Sources), so the one it names is arbitrary.
+killed = {int(r): int(step) for r, step in
+          re.findall(r"^\[rank (\d+)\] rank \d+: simulated fault at step (\d+)",
+                     fault.output, re.M)}
+claim("the workers' own output names one worker that killed itself", len(killed) == 1,
+      killed=killed)
+(dead, dead_step), = killed.items()
+viz.show(viz.torchrun_figure(agents, restart_log, killed=killed),
          "left, section 2: one torchrun agent per node; the agents meet at the rendezvous "
          "endpoint, number the nodes, and give each worker its RANK (in the job), LOCAL_RANK (on "
          "its node) and WORLD_SIZE; node 0's agent hosts the store the workers meet in. Right, "
-         "section 3: rank 1 was killed (SIGKILL); the agent ended the whole group and started "
-         "both workers again with the same ranks, a restart count of 1 and the same store; the "
-         "checkpoint does the rest.")
+         f"section 3: rank {dead} killed itself (SIGKILL) after step {dead_step}, by its own "
+         "output; the agent ended the whole group and started both workers again with the same "
+         "ranks, a restart count of 1 and the same store; the checkpoint does the rest.")
 
 # %% [markdown]
 # **▶ How the agents' log is read** (click the folded cell below): `viz.torchrun_log`.
@@ -756,10 +764,25 @@ claim("a process group's default timeout: 30 minutes with gloo, " + ("10 with NC
 # (`divide_by_initial_world_size=True`): the joined rank counts as a zero gradient. What
 # `Join` costs: in every iteration inside it, each rank still training runs extra all-reduces
 # from Python beside DDP's own — `Join.notify_join_context` and
-# `_check_global_requires_backward_grad_sync` (counted below with `collectives.
-# record_collectives`, lesson 07 §5) and, for a module with buffers, `_find_common_rank`
-# (which rank broadcasts them; not run here: this model has none).
+# `_check_global_requires_backward_grad_sync` (counted below) and, for a module with buffers,
+# `_find_common_rank` (which rank broadcasts them; not run here: this model has none).
 #
+# The count comes from `collectives.record_collectives()`, the course's one recorder of
+# `torch.distributed` calls: inside its block, each collective function of `torch.distributed`
+# is replaced by a wrapper that notes the call and its bytes, then calls the real one, and is
+# put back afterwards. So it sees what Python code calls — `Join`'s all-reduces — and not DDP's
+# gradient all-reduce, which DDP's reducer starts in C++.
+
+# %% [markdown]
+# **▶ How the all-reduces are counted** (click the folded cell below):
+# `collectives.record_collectives` and the wrapper it puts in place of each function.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+from dpcourse import collectives
+
+viz.show_code(collectives.record_collectives, collectives.Recorder.wrap)
+
+# %% [markdown]
 # First the hang: `launch.spawn` keeps a returned rank alive, sockets open, and its `timeout`
 # kills every rank after 8 s.
 
@@ -950,8 +973,9 @@ claim("Adam: summing is (almost) averaging at the same lr (to 1e-4), and lr × N
 # (`_post_forward` decides), where the gradients add up locally and the last one all-reduces.
 # We count the all_reduce calls with a comm hook, `dp.counting_allreduce_hook`: torch's
 # `allreduce_hook` plus a counter. It divides each bucket by the world size, then all-reduces
-# it: DDP's average without a hook, reached another way (there the reducer divides each
-# gradient as it copies it into the bucket, lesson 07 §3). Then we compare the gradients with
+# it: DDP's average without a hook, reached another way (without a hook the reducer, in C++,
+# divides by its `div_factor_`, "equal to the process group size" in `reducer.hpp`; lesson 07
+# shows where). Then we compare the gradients with
 # one process on the whole global batch.
 
 # %%
@@ -1090,8 +1114,7 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 #
 # BatchNorm keeps two kinds of state. Its **running statistics** (`running_mean`,
 # `running_var`) are *buffers*: not parameters, so no gradient and no all-reduce. DDP keeps them
-# equal another way: with `forward_sync_buffers=True` (the default; the older name
-# `broadcast_buffers` is deprecated since torch 2.13), a forward first **broadcasts rank 0's
+# equal another way: with `forward_sync_buffers=True` (the default), a forward first **broadcasts rank 0's
 # buffers** to all ranks (`DistributedDataParallel._sync_buffers`; inside §5's `Join`, the
 # highest rank still training instead) when its flag `require_forward_param_sync` (section 4)
 # is on. The
@@ -1103,6 +1126,14 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 # not; a forward in `eval()` mode with gradients enabled does. The running statistics that rank
 # 0 checkpoints are therefore rank 0's: an average over *rank 0's* batches only; the other
 # ranks' updates are overwritten at the next broadcast. (Lesson 03 shows it step by step.)
+#
+# `forward_sync_buffers` is not just a new name for the older `broadcast_buffers`, deprecated
+# since torch 2.13. Both turn off the broadcast before each forward, but
+# `broadcast_buffers=False` also leaves the buffers out of the broadcast from rank 0 when DDP
+# wraps the model, and `forward_sync_buffers=False` does not: with `init_sync` on (the
+# default) the buffers are still made rank 0's there (torch's deprecation warning says so; `DistributedDataParallel.__init__`
+# hands `_sync_module_states` `broadcast_buffers=init_sync_buffers`, which only the old flag
+# turns off). A model that keeps rank-local buffers on purpose still needs the old flag.
 #
 # And its **batch statistics**: in training, BatchNorm normalises with the mean and variance of
 # *the batch it sees* — under DDP, the per-rank batch. So DDP with BatchNorm is **not** one
@@ -1374,9 +1405,10 @@ claim("NCCL without GPUs fails at init_process_group with a clear message",
 # more all-reduce, of the bitmap of parameters each rank used (`local_used_map_` in
 # `reducer.hpp`; counted below with torch's profiler); and DDP then never rebuilds its buckets
 # in the order the gradients arrive, keeping those made at construction
-# (`should_rebuild_buckets`; not run here: lesson 07 §3 shows it). All three costs hold only
+# (`should_rebuild_buckets`, read below in the source; what a rebuild changes is lesson 07's).
+# All three costs hold only
 # without `static_graph=True`, a promise that every step uses the same parameters in the same
-# order (lesson 07 §3): with it, DDP skips the walk, all-reduces the bitmap in the first step
+# order: with it, DDP skips the walk, all-reduces the bitmap in the first step
 # only (counted below), and rebuilds its buckets once (both conditions read below in the source).
 
 
@@ -1686,8 +1718,13 @@ viz.quiz([
 #   "Rendezvous complete for workers" with `restart_count`, `master_addr`, `master_port`,
 #   `group_rank`, and each worker's `local_ranks`, `global_ranks`, `global_world_sizes` (what
 #   section 3's picture reads, with `LOGLEVEL=INFO`: `torch/distributed/elastic/utils/logging.py`);
-#   `torch/distributed/elastic/multiprocessing/api.py` — the "failed (exitcode: ...) local_rank:"
-#   line for a dead worker. `SimpleElasticAgent._invoke_run`: an
+#   `torch/distributed/elastic/multiprocessing/api.py` — `SubprocessContext._poll`: the
+#   "failed (exitcode: ...) local_rank:" line, logged once, for
+#   `min(result.failures.values(), key=lambda f: f.timestamp)` (lines 1000-1008);
+#   `torch/distributed/elastic/multiprocessing/errors/__init__.py` —
+#   `ProcessFailure._set_no_reply_file`: a worker with no error file gets
+#   `timestamp = int(time.time())`, whole seconds (why section 3's figure reads the dead worker
+#   from the workers' own output). `SimpleElasticAgent._invoke_run`: an
 #   `UNHEALTHY`/`FAILED` worker group decrements `_remaining_restarts` and restarts; a
 #   `HEALTHY` one restarts without decrementing when `num_nodes_waiting() > 0` ("membership
 #   changes do not count as retries").
@@ -1716,7 +1753,11 @@ viz.quiz([
 # - `torch/utils/data/sampler.py` — `RandomSampler.__iter__`: `torch.randperm(n,
 #   generator=generator)`, the same permutation as `DistributedSampler` for the same seed.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`
-#   (`forward_sync_buffers`, the deprecated `broadcast_buffers`, `require_forward_param_sync`
+#   (`forward_sync_buffers`, the deprecated `broadcast_buffers`; lines 960-990: the
+#   deprecation's `FutureWarning`, and `init_sync_buffers` is `True` whenever
+#   `forward_sync_buffers` is given, else the old flag's value; lines 1062-1073:
+#   `_sync_module_states(..., broadcast_buffers=init_sync_buffers)` when `init_sync`;
+#   `require_forward_param_sync`
 #   starting on, `mixed_precision` / `_MixedPrecision.reduce_dtype`, and the
 #   `batched_grad_copy` doc on `gradient_as_bucket_view` with `zero_grad(set_to_none=True)`),
 #   `_pre_forward` (`_check_sync_bufs_pre_fwd` → `_sync_buffers`; with `Join`,
@@ -1733,7 +1774,11 @@ viz.quiz([
 # - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `local_used_map_`,
 #   `all_reduce_local_used_map` (the used-parameter bitmap, all-reduced every iteration with
 #   `find_unused_parameters=True`), `should_rebuild_buckets` (`(static_graph_ ||
-#   !find_unused_parameters_) && !has_rebuilt_bucket_`).
+#   !find_unused_parameters_) && !has_rebuilt_bucket_`), `div_factor_` ("Division factor for
+#   reduction of gradients. Equal to the process group size, with an exception of handling
+#   uneven input."), `all_reduce_bucket` ("kick off all reduce for the ready bucket": the
+#   reducer starts DDP's gradient all-reduce in C++, no Python `dist.all_reduce` call, so
+#   section 5's recorder does not see it).
 # - `torch/profiler/profiler.py` — `profile`: the process group's `gloo:all_reduce` records
 #   counted in section 10.
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `fp16_compress_hook`,

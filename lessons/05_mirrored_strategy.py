@@ -113,9 +113,13 @@ claim("a smaller split is not refused: it is the first n devices of the existing
 # %% [markdown]
 # ## 2. MirroredStrategy and mirrored variables
 #
-# `MirroredStrategy(devices)` keeps one copy of every variable on each replica. Variables
-# created **inside `strategy.scope()`** become `MirroredVariable`s; the strategy keeps the copies
-# equal by applying the same (all-reduced) update to each. A variable created outside the scope
+# `MirroredStrategy(devices)` keeps one copy of every variable on each replica. A variable
+# created **inside `strategy.scope()`** with the default synchronization becomes a
+# `MirroredVariable`; the strategy keeps the copies equal by applying the same (all-reduced)
+# update to each. A variable created with `synchronization=ON_READ` — as every Keras metric's
+# state is (`Metric.add_variable`) — becomes a `SyncOnReadVariable` instead: each replica updates
+# its own copy, and they are combined only when the value is read in the cross-replica context
+# (§7's checkpoint relies on that kind; both claimed below). A variable created outside the scope
 # is an ordinary variable on one device: the strategy neither mirrors nor syncs it.
 
 # %% [markdown]
@@ -143,6 +147,11 @@ print("inside the scope: ", type(v).__name__, "| outside the scope:", type(outsi
 claim("a variable made inside the scope has one copy per replica", len(v.values) == n_replicas)
 claim("a variable made outside the scope is not the strategy's",
       not strategy.extended.variable_created_in_scope(outside))
+with strategy.scope():
+    accuracy = keras.metrics.SparseCategoricalAccuracy()
+metric_kinds = {w.name: type(w.value).__name__ for w in accuracy.variables}
+claim("a Keras metric made inside the scope keeps its state in SyncOnReadVariables, not mirrored "
+      "ones", set(metric_kinds.values()) == {"SyncOnReadVariable"}, kinds=metric_kinds)
 viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
          "MirroredStrategy: one process, one Python program, N replicas it drives; DDP: N processes, "
          "each with its own copy; both end each step by combining the gradients of all copies — "
@@ -165,21 +174,8 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 # You can also choose: `MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())`
 # or `tf.distribute.NcclAllReduce()` (GPUs only).
 #
-# Three terms the rest of the lesson needs. Code inside `strategy.run(fn)` runs once per
-# replica, in the **replica context** (`tf.distribute.get_replica_context()` there is this
-# replica's, with its `all_reduce`); code outside it, such as `strategy.reduce`, runs once for all
-# replicas, in the **cross-replica context**. A **merge call** (`replica_context.merge_call(fn)`)
-# is how replica-context code gets there: every replica pauses at the call, and `fn` runs once in
-# the cross-replica context with all replicas' values. The replica context's `all_reduce` goes
-# through one whenever the strategy uses merge calls (`ReplicaContextBase.all_reduce`), and so
-# does Keras' `apply_gradients`, which calls that `all_reduce`; `strategy.reduce` needs none, since it already runs in the cross-replica
-# context. **XLA** is TensorFlow's compiler (`tf.function(jit_compile=True)`): it compiles a
-# whole step into fused kernels. A merge call runs where the step runs: in a `tf.function`,
-# while TF *traces* it (its first call runs the Python code once, recording the TensorFlow
-# operations into a graph that later calls reuse); eagerly, at each call. MirroredStrategy
-# skips merge calls under XLA only when every one of its devices is a GPU
-# (`MirroredExtended._use_merge_call`, a policy flag); on CPUs it keeps them, XLA or not
-# (claimed below).
+# The row of the profile this notebook runs on is measured below (the claim names the profile);
+# the other rows are read in TF's source (Sources), not run here.
 #
 # Now `make_strategy`'s addition. A `CollectiveAllReduce` numbers its *collective groups* (the
 # sets of devices that all-reduce together) from 1 in every strategy. Two strategies of
@@ -209,26 +205,16 @@ ops_name, ops_impl = mirrored.cross_device_ops_in_use(strategy)
 print(f"this strategy sums gradients with {ops_name}, implementation {ops_impl}")
 
 # %%
+# NBVAL_IGNORE_OUTPUT
+# (why: the claim names this machine's profile and GPU counts.)
 n_physical_gpus = len(tf.config.list_physical_devices("GPU"))
 n_logical_gpus = len(tf.config.list_logical_devices("GPU"))
 ring_expected = profile.tf_device_type == "CPU" or n_physical_gpus < n_logical_gpus
 expected_ops = ("CollectiveAllReduce", "RING" if ring_expected else "NCCL")
-claim("by default the strategy sums gradients with a collective all-reduce: RING on CPUs and "
-      "logical GPUs, NCCL on one physical GPU per replica", (ops_name, ops_impl) == expected_ops,
+claim(f"by default this strategy ({profile.tf_device_type} profile, {n_physical_gpus} physical / "
+      f"{n_logical_gpus} logical GPUs) sums gradients with {expected_ops[0]}, implementation "
+      f"{expected_ops[1]}", (ops_name, ops_impl) == expected_ops,
       in_use=(ops_name, ops_impl), expected=expected_ops)
-merge_flags = []
-
-
-@tf.function(jit_compile=True)   # compiled with XLA
-def traced_with_xla(x):
-    merge_flags.append(strategy.extended._use_merge_call())   # read while TF traces
-    return x + 1
-
-
-traced_with_xla(tf.constant(0.0))
-all_gpu = all("GPU" in name.upper() for name in device_names)
-claim("inside an XLA-compiled function the strategy uses merge calls unless all its devices are "
-      "GPUs", merge_flags == [not all_gpu], merge_flags=merge_flags, all_gpu=all_gpu)
 
 # %% [markdown]
 # ## 3. Input: tf.data with the global batch
@@ -327,6 +313,11 @@ else:
 # cross-device ops above) and updates every copy; `strategy.reduce` turns the per-replica
 # losses into one number. (Writing that step is lab 05.)
 #
+# Two contexts. Code inside `strategy.run(fn)` runs once per replica, in the **replica context**
+# (`tf.distribute.get_replica_context()` there is this replica's, with its `all_reduce`); code
+# outside it, such as `strategy.reduce`, runs once for all replicas, in the **cross-replica
+# context**.
+#
 # The replica context's `all_reduce` is also yours to call inside `strategy.run`: every replica
 # passes a value of the same shape, and every replica gets back the same combination of all of
 # them, while the step is still running on each replica (`strategy.reduce`, by contrast, gives
@@ -351,20 +342,38 @@ claim("inside strategy.run, all_reduce(SUM) hands every replica the sum of all r
 
 # %% [markdown]
 # What if one replica skips the call? TF's docstring of `all_reduce` says the operation then
-# "hangs". Under `MirroredStrategy` it does not: there `all_reduce` goes through a merge call,
-# and `strategy.run` counts each replica's merge calls — when some replicas finish while others
-# still wait in one, it raises a `RuntimeError`. A hang is what you get where no merge call
-# counts them: a step compiled with XLA on all-GPU devices; and across the processes of
+# "hangs". Two more terms explain why, under `MirroredStrategy` on this profile, it does not.
+# A **merge call** (`replica_context.merge_call(fn)`) is how replica-context code reaches the
+# cross-replica context: every replica pauses at the call, and `fn` runs once in the
+# cross-replica context with all replicas' values. The replica context's `all_reduce` goes
+# through one whenever the strategy uses merge calls (`ReplicaContextBase.all_reduce`), and so
+# does Keras' `apply_gradients`, which calls that `all_reduce`; `strategy.reduce` needs none,
+# since it already runs in the cross-replica context. And **tracing**: a `tf.function`'s first
+# call runs its Python code once, recording the TensorFlow operations into a graph that later
+# calls reuse — so in a `tf.function` a merge call runs while TF traces; eagerly, at each call.
+#
+# A merge call is checked in two ways, depending on how the step runs (read in
+# `mirrored_run.py`, Sources). **Eagerly**, `strategy.run` counts each replica's merge calls —
+# when some replicas finish while others still wait in one, it raises a `RuntimeError`
+# ("different number of … merge_call() calls"). **In a `tf.function`** — as every training step
+# of this lesson runs — the `if` on the replica id becomes a `tf.cond` whose branches are traced
+# as graphs of their own, and a merge call made inside such a branch raises a different
+# `RuntimeError` while TF traces ("`merge_call` called while defining a new graph … control flow
+# statement which contains a synchronization point"): the step is refused before it ever runs.
+# The two cells below run both. By the source alone (no cell of this lesson runs it): a hang is
+# what you get where no merge call checks the replicas — a step compiled with XLA on all-GPU
+# devices, where `_use_merge_call` is false; and across the processes of
 # `MultiWorkerMirroredStrategy` (section 8): it makes merge calls by the same rule, but each
 # process counts only its own replicas, so a replica missing in *another* process leaves this
 # one's collective waiting.
-# Here replica 0 returns before the call:
+# Here replica 0 returns before the call, eagerly first:
 
 # %%
 def replica_0_skips_the_all_reduce():
     replica = tf.distribute.get_replica_context()
     mine = tf.cast(replica.replica_id_in_sync_group, tf.float32)
-    # the id is an eager int32 tensor here (in a tf.function, AutoGraph makes this if a tf.cond)
+    # the id is an int32 tensor: eagerly a plain Python if; in a tf.function, AutoGraph makes
+    # this if a tf.cond (its branches traced as graphs of their own)
     if replica.replica_id_in_sync_group == 0:
         return mine
     return replica.all_reduce(tf.distribute.ReduceOp.SUM, mine)
@@ -376,12 +385,57 @@ try:
 except RuntimeError as err:
     skipped = str(err)
 print("RuntimeError:", skipped)
-claim("under MirroredStrategy a replica that skips all_reduce makes strategy.run raise, not hang",
+claim("eagerly, a replica that skips all_reduce makes strategy.run raise the merge-call count "
+      "error, not hang",
       n_replicas == 1 or "different number of replica_context().merge_call() calls" in skipped,
       error=skipped)
+
+
+@tf.function
+def traced_skip():   # the same replica function, now traced as a training step is
+    return strategy.run(replica_0_skips_the_all_reduce)
+
+
+try:
+    traced_skip()
+    skipped_traced = "no error"
+except RuntimeError as err:
+    skipped_traced = str(err)
+at = skipped_traced.find("`merge_call` called")     # the message, past the traceback lines
+print("traced, RuntimeError:", skipped_traced[at:at + 160] if at >= 0 else skipped_traced[:160])
+claim("in a tf.function the same skip raises while TF traces: a merge call inside a control-flow "
+      "branch (TF's message: \"`merge_call` called while defining a new graph\")",
+      n_replicas == 1 or "merge_call` called while defining a new graph" in skipped_traced,
+      error=skipped_traced[-300:])
 id_dtypes = {t.dtype.name for t in strategy.experimental_local_results(strategy.run(
     lambda: tf.distribute.get_replica_context().replica_id_in_sync_group))}
 claim("replica_id_in_sync_group is an int32 tensor", id_dtypes == {"int32"}, dtypes=id_dtypes)
+
+# %% [markdown]
+# When does the strategy use merge calls at all? **XLA** is TensorFlow's compiler
+# (`tf.function(jit_compile=True)`): it compiles a whole step into fused kernels. By TF's source
+# (`MirroredExtended._use_merge_call`, a policy flag; Sources), MirroredStrategy skips merge calls
+# only in a function compiled with XLA whose strategy's devices are all GPUs; otherwise it keeps
+# them, XLA or not. The cell reads the flag while TF traces an XLA-compiled function on this
+# profile's devices, which tests the one case this profile has:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (why: the claim names the case of this profile's devices, all GPUs or not.)
+merge_flags = []
+
+
+@tf.function(jit_compile=True)   # compiled with XLA
+def traced_with_xla(x):
+    merge_flags.append(strategy.extended._use_merge_call())   # read while TF traces
+    return x + 1
+
+
+traced_with_xla(tf.constant(0.0))
+all_gpu = all("GPU" in name.upper() for name in device_names)
+claim(f"inside an XLA-compiled function this strategy, whose devices are "
+      f"{'all GPUs' if all_gpu else 'not all GPUs'}, {'skips' if all_gpu else 'uses'} merge calls",
+      merge_flags == [not all_gpu], merge_flags=merge_flags, all_gpu=all_gpu)
 
 # %% [markdown]
 # ## Lab 05: the custom loop
@@ -402,7 +456,7 @@ claim("replica_id_in_sync_group is an int32 tensor", id_dtypes == {"int32"}, dty
 # the mean over the whole global batch. Here are the per-example loss, that per-replica loss,
 # the gradient of one mirrored step as the library computes them, and the one-device gradient
 # every proof compares it with (no strategy). `@tf.function` compiles the step into a
-# TensorFlow graph (tracing: §2); the `loss_scaling` and
+# TensorFlow graph (tracing: §4, before lab 05); the `loss_scaling` and
 # `grad_reduce` options select the wrong variants that the scaling bugs below measure; the
 # proofs use the defaults.
 
@@ -520,8 +574,7 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # `"mean_with_sample_weight"` and weights, the slice's weight sum is the divisor);
 # `reduction="sum"` or `"none"` is not scaled (`reduce_values` in Keras' losses; claimed below).
 # So in a custom loop the default loss is already scaled, and code that divides it by the number
-# of replicas once more makes the step 1/N too small. (What a Keras loss gives on an *empty*
-# slice has its own fold, after the claims below, with lab 05's prediction.)
+# of replicas once more makes the step 1/N too small.
 # The library's function for these rows:
 
 # %% [markdown]
@@ -664,7 +717,7 @@ viz.show_code(mirrored.train_step)
 # **Proof, several steps:** `steps` SGD steps of the mirrored loop (its step: the folded
 # reference answer above) end with the same weights as one device on the same global batches.
 # (These weights are also the reference for the multi-worker run and for PyTorch below.) The
-# step is a `tf.function`, so its first call traces it (§2). While TF traces the step,
+# step is a `tf.function`, so its first call traces it (tracing: before lab 05). While TF traces the step,
 # `mirrored.count_cross_device_calls` counts what reaches the two cross-device ops, so we also
 # see which one carried the gradients and which one the reported loss. It wraps the cross-device
 # ops' `reduce_implementation` and `batch_reduce_implementation` methods (the ones `reduce` and
@@ -1190,7 +1243,8 @@ viz.quiz([
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size`.
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
 # - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling.
-# - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`); `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
+# - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`, the eager check, lines 234-237); `_MirroredReplicaContext._merge_call`: a merge call made in a graph other than the one being traced — inside a control-flow branch of a `tf.function` — raises "`merge_call` called while defining a new graph or a tf.function … control flow statement which contains a synchronization point" (lines 490-503); `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
+# - `keras/src/metrics/metric.py` — `Metric.add_variable`: a metric's state variables are created with `synchronization="on_read"` (line 204); `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._create_variable` calls `distribute_utils.create_mirrored_variable` with `VARIABLE_CLASS_MAPPING` (`tensorflow/python/distribute/distribute_utils.py`, lines 480-484): `ON_WRITE` (the default) → `MirroredVariable`, `ON_READ` → `SyncOnReadVariable`.
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it; `dynamic_growth_steps=2000`: after that many finite steps in a row the scale doubles. `keras/src/optimizers/adam.py` — `Adam.update_step`: the step divides the first moment by the root of the second, so a constant factor on every gradient nearly cancels.
 # - `keras/src/trainers/trainer.py` — `Trainer.compile`: with the model's dtype policy `mixed_float16` and `auto_scale_loss=True`, the optimizer is wrapped in a `LossScaleOptimizer`.

@@ -129,8 +129,8 @@ for kind in ("after_backward", "per_parameter"):
 # gradients arrive — for a model whose layers run in registration order, the layers in
 # reverse (within a layer, a `Linear`'s bias comes first, a convolution's weight) — and
 # closes a bucket by a size cap, `bucket_cap_mb` MiB; what exactly closes one, parameters
-# of several dtypes included, is lab 07's part 1, so the rule is folded under the reference
-# answer below.
+# of several dtypes included, is lab 07's part 1, so the rule is folded below, after the
+# lab's pointer.
 #
 # **Lab 07, part 1 — now.** Before reading on, open
 # [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) and write `assign_buckets` by DDP's rule.
@@ -236,8 +236,11 @@ for label, buckets in (("assign_buckets (rebuilt order)", ours),
         print(f"   bucket {i}: {b}")
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cells below: the
-# closing rule, then the code).
+# **▶ DDP's closing rule and the library's `assign_buckets` — open after your lab passes**
+# (click the folded cells below: the rule, then the code). Not the lab's answer: the lab asks
+# for more. With parameters of several dtypes it wants the buckets in the order they complete;
+# `assign_buckets` adds the buckets still open at the end last, in the order their dtypes
+# first appeared (this lesson's models are float32 throughout).
 
 # %% [markdown] jupyter={"source_hidden": true}
 # The rule: add the next parameter to the open bucket of its dtype and device, and close the
@@ -245,7 +248,7 @@ for label, buckets in (("assign_buckets (rebuilt order)", ours),
 # parameter, and a parameter bigger than the cap closes the bucket it joins.
 
 # %% [markdown]
-# **▶ The reference code** (click the folded cell below).
+# **▶ The library's `assign_buckets`** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(overlap.assign_buckets)
@@ -306,8 +309,10 @@ viz.show_code("class BucketedDataParallel(nn.Module):   # the rest: folded below
               overlap.BucketedDataParallel._launch)
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (`BucketedDataParallel`'s
-# `__init__`, its hook and `finish_gradient_synchronization`; click the folded cell below).
+# **▶ The library's `BucketedDataParallel` — open after your lab passes** (its `__init__`, its
+# hook and `finish_gradient_synchronization`; click the folded cell below). Not the lab's
+# answer: lab 07's part 2 also launches strictly in bucket order and makes every gradient a
+# view of its bucket, which this class does not.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(overlap.BucketedDataParallel.__init__, overlap.BucketedDataParallel._grad_ready,
@@ -416,12 +421,13 @@ viz.show(viz.reducer_figure(),
 #   copy back. If `p.grad` is zeroed in place (`zero_grad(set_to_none=False)`), autograd then
 #   accumulates straight into the bucket: no copy in either, and one gradient's memory less.
 #   With `set_to_none=True` — `zero_grad`'s default, and what this lesson's loops call — the
-#   view is dropped every step: autograd writes a fresh tensor, which the reducer copies in
-#   before pointing `p.grad` at the view again (DDP's docstring: "`gradient_as_bucket_view`
+#   view is dropped every step: autograd writes a fresh tensor outside the bucket, so every
+#   step pays a copy into the bucket again (DDP's docstring: "`gradient_as_bucket_view`
 #   alone cannot avoid copies because the bucket view alias is destroyed every iteration";
 #   both cases measured at the end of section 6). Without views (the default), the reducer
 #   copies each gradient in, and the average back after the wait. How the reducer knows which
-#   case a gradient is in is lab07's part 2, folded with the rest of its reference answer.
+#   case a gradient is in, and what it does in each, is lab07's part 2, folded with the rest of
+#   its reference answer.
 #
 # Lab07's part 2 asks you for both (after section 6). Its check runs a model whose buckets
 # fill out of order and one of whose parameters is frozen (`requires_grad=False`, no gradient:

@@ -198,18 +198,17 @@ viz.show_code(zero.Zero1, zero.Zero2)
 # Is it right? Every stage trains the same small MLP from the same start, on the same shards
 # of the same batches, next to torch's `DistributedDataParallel` with the full Adam — in fp32,
 # where the weights must agree to float rounding. The same launch also runs FSDP2 and
-# `ZeroRedundancyOptimizer`, met in section 6, where `prepare_run` and `train_run` are shown
-# whole. Every run trains in `train_run`'s loop below (its byte counts are section 5's;
-# `weigh`, which counts before each collective, is in section 6's listing):
+# `ZeroRedundancyOptimizer`, met in section 6. `prepare_run` builds each run (torch DDP gets
+# a *comm hook*, `allreduce_hook`, so that section 5 can record its all-reduce; `TorchRun`
+# gives torch's runs the stages' interface), and every run trains in `train_run`, which
+# weighs its gradients when the backward returns and, in `weigh`, before each collective
+# that sums them:
 
 # %%
 import inspect
-import textwrap
 
-viz.show_code(experiments.ZeroConfig, experiments.equality_worker)
-train_source = inspect.getsource(experiments.train_run)
-viz.show_code(textwrap.dedent(train_source[train_source.index("    for X, y in cfg.batches"):
-                                           train_source.index("    held = count_bytes")]))
+viz.show_code(experiments.ZeroConfig, experiments.equality_worker, experiments.prepare_run,
+              experiments.TorchRun, experiments.train_run)
 
 # %%
 cfg = experiments.ZeroConfig(steps=steps)
@@ -351,18 +350,23 @@ claim("the backward gathers the layers in reverse: last layer first",
 # any collective (where it computed).
 #
 # Read the ratio for what it measures: a tiny MLP (Ψ = 2,531, about Ψ multiply-adds per
-# example) on the backend printed below — on the cpu profile, gloo between processes, whose
-# fixed cost per call dwarfs moving a few kilobytes. It is not what ZeRO-3 costs on a real
-# model: there a layer's compute (its parameters times the micro-batch's tokens) is set
-# against the bytes gathered for it (its parameters) at the link's speed, and with enough
-# tokens the compute is the larger. FSDP2's source is written to hide the gathers behind it,
-# issuing the next layer's early (section 6), which no run here shows; this blocking `Zero3`
-# does not try.
+# example) on the backend printed below — on the cpu profile, gloo between processes, each
+# call moving a few kilobytes. Below, too: a call's median time, their range, and the
+# slowest two calls' share of the sum (one stalled call moves the ratio). It is not what
+# ZeRO-3 costs on a real model: there a layer's compute (its parameters times the
+# micro-batch's tokens) is set against the bytes gathered for it (its parameters) at the
+# link's speed, and with enough tokens the compute is the larger. FSDP2's source is written
+# to hide the gathers behind it, issuing the next layer's early (section 6), which no run
+# here shows; this blocking `Zero3` does not try.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: times measured on this machine, in this run; they vary from run to run.
-collective_ms = sum(end - begin for _, kind, begin, end in events if kind != "free")
+import statistics
+
+per_call = sorted(end - begin for _, kind, begin, end in events if kind != "free")
+collective_ms = sum(per_call)
+median_ms = statistics.median(per_call)
 held_ms = 0.0
 for i in range(len(layer_names)):
     since = None
@@ -377,6 +381,10 @@ for i in range(len(layer_names)):
 ratio = collective_ms / held_ms
 print(f"collectives {collective_ms:.2f} ms, weights held outside a collective {held_ms:.2f} ms: "
       f"{ratio:.1f}×  (Ψ = {n_params} parameters, backend {backend}, {world_size} ranks)")
+print(f"{len(per_call)} collectives: median {median_ms:.2f} ms per call, from {per_call[0]:.2f} "
+      f"to {per_call[-1]:.2f} ms; the slowest two make {sum(per_call[-2:]) / collective_ms:.0%} "
+      f"of the sum; at the median every call, the ratio would be "
+      f"{len(per_call) * median_ms / held_ms:.1f}×")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -386,8 +394,9 @@ viz.show(viz.zero3_timeline_figure(events, layer_names),
          "only in its green band — gathered before its forward, freed after it, gathered "
          "again in the backward (last layer first), and freed before the reduce-scatter of "
          f"its gradients, as FSDP2 does. In this run (Ψ = {n_params}, {backend}) the "
-         f"collectives took {ratio:.1f}× the time the layers held their weights outside one, "
-         "and nothing overlaps: every collective here is blocking, so the layer waits for it.")
+         f"collectives took {ratio:.1f}× the time the layers held their weights outside one "
+         f"(a call's median {median_ms:.2f} ms, its longest {per_call[-1]:.2f} ms), and "
+         "nothing overlaps: every collective here is blocking, so the layer waits for it.")
 
 # %% [markdown]
 # ## 5. Counted: memory and traffic
@@ -425,6 +434,21 @@ claim("DDP holds 16 bytes per parameter on every rank",
 claim("ZeRO-3 holds 16/N bytes per parameter, but for the padding (< 1 %)",
       all(abs(r["zero3"]["held"]["total"] * n / (16 * n_params) - 1) < 0.01
           for n in sweep for r in counted[n]))
+
+# %% [markdown]
+# Those bytes are at rest. During the step a layer's whole gradient lives until its
+# reduce-scatter: `weigh` (section 3) weighed the gradients just before each one; beyond the
+# rank's shards, what is left at each N:
+
+# %%
+largest = 2 * max(counted[sweep[0]][0]["zero3"]["units"])   # bf16 bytes of the largest layer
+beyond = sorted(r["zero3"]["grads_at_collective"] - r["zero3"]["held"]["grads"]
+                for n in sweep for r in counted[n])
+print(f"N = {sweep}: {beyond[0]} to {beyond[-1]} B beyond the shards; largest layer {largest} B")
+claim("ZeRO-3's working set does not shrink with N: just before a reduce-scatter every rank "
+      "holds, beyond its gradient shards, at least the largest layer's whole bf16 gradient, "
+      "the same at every N to 1 %",
+      beyond[0] >= largest and beyond[-1] - beyond[0] < 0.01 * largest)
 
 # %%
 memory = {n: {s: counted[n][0][s]["held"] for s in stages} for n in sweep}
@@ -499,7 +523,8 @@ viz.show(viz.zero_tradeoff_figure(
 # 6). This lesson counts bytes, not seconds.
 #
 # Note what does not shrink with N in ZeRO-3: a rank's *working set*. While a layer's backward
-# computes, its full weights and its full gradient are both alive (and, with prefetching —
+# computes, its full weights (gathered whole, section 4) and its full gradient (weighed in
+# section 5 at every N) are both alive (and, with prefetching —
 # gathering the next layer's weights while this one computes, section 6 — the next layer's
 # full weights). Once its gradients are complete the weights go before the
 # reduce-scatter (section 4), so a layer being reduce-scattered no longer costs its weights.
@@ -577,7 +602,7 @@ for name, kind, full, local, placement in tour[0]["shards"]:
 # twice per step) and reduce-scatters the gradients in fp32 (`reduce_dtype=torch.float32`,
 # which `experiments.fsdp2_policy` sets; left at None it would follow `param_dtype`): a
 # collective volume (§5's convention) of 2 + 2 + 4 = 8 bytes per parameter per step, where the
-# paper's bf16 ZeRO-3 has 3 × 2 = 6. On a ring a rank *sends* (N − 1)/N of the volume: 4 bytes
+# paper's fp16 ZeRO-3 has 3 × 2 = 6. On a ring a rank *sends* (N − 1)/N of the volume: 4 bytes
 # per parameter at N = 2. Measured on rank 0 after the tour's last step (FSDP2 pads each
 # parameter's first dimension):
 
@@ -751,14 +776,6 @@ claim(f"the volume per optimizer step is {k} × that of one forward and backward
       accumulated["traffic"][-1]["by_op"] == {op: k * v for op, v in by_op.items()})
 
 # %% [markdown]
-# Section 3's launch, whole: `prepare_run` builds each run (the "torch DDP" reference has a
-# *comm hook*, `allreduce_hook`, so that section 5 could record its all-reduce), and
-# `train_run` trains and weighs it.
-
-# %%
-viz.show_code(experiments.prepare_run, experiments.TorchRun, experiments.train_run)
-
-# %% [markdown]
 # `torch.distributed.optim.ZeroRedundancyOptimizer` is torch's ready ZeRO-1 for DDP: wrap the
 # optimizer class, keep DDP. It assigns *whole parameters* to ranks, not equal slices, and
 # after its step each rank broadcasts the parameters it owns (so 3Ψ, not 2Ψ, in our
@@ -819,7 +836,8 @@ claim("a 13-B model on 8 × 40 GB GPUs (6 GB for activations and ZeRO-3's workin
 # - ZeRO-1 shards the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too; each
 #   trained like DDP here (weights equal to 1e-5), with a frozen and a tied parameter too, and
 #   each held exactly the bytes the formula says. ZeRO-3's working set (a unit's full weights
-#   and gradient) comes on top and does not shrink with N.
+#   and gradient) comes on top and does not shrink with N: a layer's whole gradient, weighed
+#   just before its reduce-scatter, was the same at N = 2, 3 and 4.
 # - ZeRO-1 and 2 replace DDP's all-reduce by its two halves, reduce-scatter and all-gather: the
 #   same traffic when gradients and weights travel in one dtype. ZeRO-3 gathers the weights
 #   twice (forward and backward): 1.5× then, with one backward per step and nothing tied
@@ -877,7 +895,7 @@ viz.quiz([
              "The all-gather after the step sends the other half: the same traffic as DDP."]},
     {"q": "FSDP2 with param_dtype=bf16 and reduce_dtype=fp32: what collective volume does a "
           "step have per parameter (section 5's convention, the root aside)?",
-     "options": ["6 bytes: three bf16 collectives, as in the ZeRO paper",
+     "options": ["6 bytes: three 2-byte collectives, as in the ZeRO paper (fp16)",
                  "8 bytes: two bf16 all-gathers and an fp32 reduce-scatter",
                  "12 bytes: everything in fp32"],
      "answer": 1,
@@ -937,13 +955,7 @@ viz.quiz([
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` —
 #   `FSDPState._root_post_backward_final_callback`: at the end of the backward it runs
 #   `post_backward` for every group whose autograd function never ran (inputs that required
-#   no gradient, like the first layer's data), and (lines 428–437) waits on and drops the
-#   reduce-scatter inputs still kept.
-# - `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` — `FSDPParamGroup.post_backward`
-#   (661–682): before its own `foreach_reduce`, waits on and drops the reduce-scatter inputs
-#   kept by earlier groups until fewer than `reduce_scatter_max_input_buffers` remain (1 by
-#   default, `FSDPCommContext.lazy_init`, line 113); (741–743) keeps its own in
-#   `comm_ctx.reduce_scatter_states`.
+#   no gradient, like the first layer's data).
 # - `torch/distributed/fsdp/_fully_shard/_fully_shard.py` —
 #   `FSDPModule.set_requires_gradient_sync` (gradient accumulation without reduce-scatters)
 #   and `FSDPModule.set_reshard_after_backward` (keep the weights gathered between
@@ -991,3 +1003,21 @@ viz.quiz([
 # commit): `megatron/training/arguments.py` — with `--bf16`, `accumulate_allreduce_grads_in_fp32`
 # is turned on unless told otherwise ("bfloat16 requires gradient accumulation and all-reduce
 # to be done in fp32"): section 1's 2 + 4 + 12 = 18.
+#
+# **▶ The sources of what FSDP2's reduce-scatter keeps alive, and how many it keeps in flight
+# — open after your lab passes** (it is lab 08's design decision; click the folded cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# ### Sources, continued
+#
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` — `FSDPParamGroup.post_backward`
+#   (661–682): before its own `foreach_reduce`, waits on and drops the reduce-scatter inputs
+#   kept by earlier groups until fewer than `reduce_scatter_max_input_buffers` remain (1 by
+#   default, `FSDPCommContext.lazy_init`, line 113); (741–743) keeps its own in
+#   `comm_ctx.reduce_scatter_states`.
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` —
+#   `FSDPState._root_post_backward_final_callback` (lines 428–437): waits on and drops the
+#   reduce-scatter inputs still kept, on the last backward of a step only.
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` — `foreach_reduce` (lines
+#   597–606): the gradients copied into the padded reduce-scatter input before they are
+#   dropped.

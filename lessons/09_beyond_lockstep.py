@@ -70,10 +70,12 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # Before all-reduce, data parallelism used a **parameter server** (DistBelief, Dean et al.
 # 2012; Li et al., OSDI 2014): one process holds the weights; each worker **pulls** them,
 # computes a gradient on its part of the batch and **pushes** it back; the server steps.
-# Lesson 02's `nn.DataParallel` is one in where the weights and the step live: device 0. Its
-# traffic need not funnel through device 0: its gradient sum (`comm.reduce_add`) calls NCCL's
-# reduce, which NCCL schedules across the GPUs, whenever NCCL is available; only without NCCL
-# does it copy every GPU's gradient to device 0 and add them there.
+# Lesson 02's `nn.DataParallel` is one in where the weights and the step live: device 0. Each
+# step it scatters the batch to the GPUs, broadcasts the weights from device 0, gathers the
+# outputs there (`output_device` defaults to `device_ids[0]`) and sums the gradients there for
+# the one optimizer step. NCCL changes only the route of that sum: `comm.reduce_add` calls
+# NCCL's reduce when NCCL is available, otherwise it copies every GPU's gradient to device 0
+# and adds them; either way the sum lands on device 0.
 #
 # We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers.
 # A production server would use `torch.distributed.rpc` (remote calls between processes) or a
@@ -361,22 +363,20 @@ sweeps = {s: {lr: [async_sgd.run_stale(problem, tau, lr, seed_batches[s], seed=s
                    for tau in taus] for lr in lrs} for s in seeds}
 start_loss, sweep = starts[seed], sweeps[seed]
 # "Diverged" below means what the claims mean: the run ended above the loss it started from
-# (marked *); "inf" means the loss overflowed (evaluate reports NaN as inf); a loss of 1000 or
-# more prints in powers of ten.
+# (marked *); "inf" means the loss overflowed (evaluate reports NaN as inf), so it is marked
+# too ("inf*"); a loss of 1000 or more prints in powers of ten.
 n_diverged = {lr: [sum(not sweeps[s][lr][i] < starts[s] for s in seeds) for i in range(len(taus))]
               for lr in lrs}
 print(f"seed {seed}: test loss after the budget; start {start_loss:.3f}; * = above the start "
-      "(diverged)")
+      "(diverged); inf = overflowed")
 print("        " + "".join(f"τ={t:<7}" for t in taus))
 
 
 def cell(v):
     if v is None:
         return f"{'—':<9}"
-    if not math.isfinite(v):
-        return f"{'inf':<9}"
-    text = f"{v:.1e}" if v >= 1e3 else f"{v:.3f}"
-    return f"{text + ('*' if not v < start_loss else ''):<9}"
+    text = "inf" if not math.isfinite(v) else f"{v:.1e}" if v >= 1e3 else f"{v:.3f}"
+    return f"{text + ('*' if not v < start_loss else ''):<9}"   # inf: above the start too
 
 
 for lr, row in sweep.items():
@@ -400,8 +400,8 @@ viz.show(viz.staleness_figure(taus, sweep, start_loss=start_loss),
 # %% [markdown]
 # Try it yourself: pick a staleness τ and a learning rate (from 0.3 up, where the table's runs
 # diverge; lab 09 measures the rows in between) and watch the test loss during training. Does
-# a diverging run climb from its first updates, or fall first and then turn? At lr 0.3, which
-# is the last τ between 2 and 4 that still ends below the starting loss?
+# a diverging run climb from its first updates, or fall first and then turn? At lr 0.3, pick
+# a τ where the second table's seeds split: how close to the starting line does this seed end?
 
 # %%
 def stale_curve(tau, lr, points=5):
@@ -465,7 +465,8 @@ claim("near that edge the seeds disagree — a single run's * is not the boundar
 # Before reading on, open [lab09_async_worker](../labs/lab09_async_worker.ipynb): you first
 # write by hand the server calls that make gradient k update k, computed on version
 # max(0, k − τ), then the loop that makes them, and predict a row the table above does not
-# have; its stretch is the staleness-aware step. The folded cell below holds the library's
+# have; its optional stretch (not needed below) is the staleness-aware step. The folded cell
+# below holds the library's
 # loop, for a server that takes every push (what to do with a push that a bounded server
 # refuses is the lab's own question), and its staleness-aware server.
 
@@ -477,8 +478,8 @@ claim("near that edge the seeds disagree — a single run's * is not the boundar
 viz.show_code(async_sgd.async_worker_loop, async_sgd.StalenessAwareServer)
 
 # %% [markdown]
-# With the stretch done, the largest step again, now with the library's staleness-aware server
-# (folded above), for every τ ≥ 2 and every seed of the sweep:
+# Stretch or not, read on: the largest step again, now with the library's staleness-aware
+# server (lr/s for a gradient s updates stale, §2; folded above), for every τ ≥ 2 and seed:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -503,19 +504,18 @@ claim(f"... but at τ = {taus[-1]} it ends worse than fresh SGD (τ = 0), in eve
       all(aware_runs[s][-1] > sweeps[s][big][0] for s in seeds))
 
 # %% [markdown]
-# What did the server's *awareness* add? In this simulator every gradient is delayed by the
-# same τ, so after the first τ updates the staleness no longer changes, and neither does the
-# aware server's step: from there on it steps as the *unaware* server would at one fixed
-# smaller lr, on the same stale gradients. The stretch asks for each update's step; the folded
-# cell below (open after your lab passes) checks the staleness at τ = 4. The runs after it
-# compare the two servers; not fresh SGD at a smaller lr: both runs use stale gradients. Seed
-# 0 once more.
+# What did the server's *awareness* add? Below, seed 0 again: the aware server against the
+# *unaware* one at lr/τ, both on the same stale gradients (why that pairing: folded below).
 
 # %% [markdown]
-# **▶ The staleness of each update at τ = 4 — open after your lab passes** (click the folded
-# cell below).
+# **▶ Why lr/τ, and each update's staleness at τ = 4 — open after your lab passes, stretch
+# included** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# In this simulator every gradient is delayed by the same τ, so after the first τ updates the
+# staleness no longer changes, and neither does the aware server's step: from there on it
+# steps as the unaware server would at one fixed smaller lr, lr/τ, on the same stale
+# gradients. Checked here at τ = 4:
 stale = async_sgd.run_stale(problem, 4, lrs[0], batches, seed=seed)
 claim("with τ = 4 every update after the first 4 is exactly 4 updates stale",
       stale["staleness"][4:] == [4] * (sim_steps - 4))
@@ -534,9 +534,9 @@ for label, row in rows.items():
 print(f"largest gap: {aware_gap:.3f}")
 
 # %%
-claim(f"with the same τ for every update, the staleness-aware step ends where the unaware "
-      f"server at lr {big:g}/τ does, on the same τ-stale gradients (seed {seed}, every τ, "
-      "within 0.05 of the test loss)", aware_gap < 0.05)
+claim(f"the staleness-aware server at lr {big:g} ends where the unaware server at lr "
+      f"{big:g}/τ does, on the same τ-stale gradients (seed {seed}, every τ, within 0.05 of "
+      "the test loss)", aware_gap < 0.05)
 
 # %% [markdown]
 # So the runs above show that a smaller step rescues the large step, which the lr 0.1 row
@@ -764,9 +764,9 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #   delay at which most runs diverged (ended above their start) shrank as the step grew, and
 #   near it the seeds split;
 #   dividing the step by τ rescued most of the large step's runs (not every one: the lesson
-#   counts them), at the price of slower progress. With the simulator's constant τ that is the
-#   unaware server at lr/τ on the same stale gradients (checked): it shows the smaller step,
-#   not the staleness-aware rule, which matters where the staleness varies.
+#   counts them), at the price of slower progress. Here it ended where the unaware server at
+#   lr/τ does, on the same stale gradients (measured): these runs show the smaller step, not
+#   the staleness-aware rule, which matters where the staleness varies.
 # - Local SGD keeps the lockstep and averages weights every H steps: H = 1 is DDP for SGD
 #   (with momentum and weight decay too), not for Adam (measured),
 #   communication falls as 1/H, the replicas drift further apart as H grows (measured), and on
@@ -871,10 +871,18 @@ viz.quiz([
 #   wrapped optimizer, then the averager, every step.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel` with `process_group=`:
 #   gradients averaged over that group only (the workers, without the server).
-# - `torch/nn/parallel/_functions.py` — `Broadcast.backward`: `nn.DataParallel`'s gradients
-#   are summed by `ReduceAddCoalesced`; `torch/nn/parallel/comm.py` — `reduce_add`:
-#   `nccl.reduce` when `nccl.is_available(inputs)`, otherwise a `.to(destination)` and an add
-#   per other GPU.
+# - `torch/nn/parallel/data_parallel.py` — `DataParallel.__init__`: `output_device` defaults to
+#   `device_ids[0]`, the module lives on `src_device_obj` (`device_ids[0]`); `forward`: the
+#   module's parameters and buffers must be on `device_ids[0]`, then `scatter` (the inputs),
+#   `replicate` (the weights), `parallel_apply`, `gather` onto `output_device`.
+#   `torch/nn/parallel/replicate.py` — `replicate` copies the parameters with
+#   `_broadcast_coalesced_reshape`, i.e. `Broadcast.apply`; `torch/nn/parallel/_functions.py` —
+#   `Scatter.forward` calls `comm.scatter` (from the input's device, or host memory);
+#   `Broadcast.forward` calls `comm.broadcast_coalesced` from the module's device, and
+#   `Broadcast.backward` sums the gradients with `ReduceAddCoalesced` into that device
+#   (`ctx.input_device`); `torch/nn/parallel/comm.py` — `reduce_add`: `nccl.reduce` with
+#   `root=root_index`, the input already on `destination`, when `nccl.is_available(inputs)`,
+#   otherwise a `.to(destination)` and an add per other GPU; `scatter`, `gather`.
 # - `torch/distributed/rpc/__init__.py` — `init_rpc`; `torch/distributed/rpc/api.py` —
 #   `rpc_sync`: remote calls between processes.
 # - TensorFlow 2.21: `tensorflow/python/distribute/parameter_server_strategy_v2.py` —

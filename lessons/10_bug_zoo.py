@@ -64,7 +64,11 @@ torch.set_num_threads(1)
 # in `dpcourse.detectors`, works on gloo too: **the collective trace** records, on every rank,
 # each `dist.<collective>` call as it starts, with the line of your code that made it, and when
 # it returns — written to a file at once, so it survives a rank that hangs and gets killed —
-# and compares the ranks; `diagnose` adds a dump of each rank's Python stack. It
+# and compares the ranks. "Returned" is all it knows of a call, so a rank counts as *stuck* in
+# a call only when the call blocks until its partners arrive: gloo's blocking calls do. A call
+# with `async_op=True`, and an NCCL call once its communicator exists (section 2), returns at
+# once; the trace still shows what each rank called and from which line, but not which one
+# waits. `diagnose` adds a dump of each rank's Python stack. The trace
 # writes its lines from the `before` and `after` hooks of `collectives.record_collectives`, a
 # recorder that wraps each `dist.<collective>` function for a `with` block (**▶ folded
 # below**; it sees only calls through those functions):
@@ -72,12 +76,10 @@ torch.set_num_threads(1)
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(collectives.record_collectives)
 
-# %%
-viz.show_code(detectors.trace_collectives, detectors.compare_traces)
-
 # %% [markdown]
 # `detectors.diagnose(fn, world_size, *args, timeout=...)` runs a worker (or a script) on N
-# ranks under that trace, with `faulthandler.dump_traceback_later` armed to write each rank's
+# ranks under that trace (`detectors.trace_collectives`, shown after bug 1), with
+# `faulthandler.dump_traceback_later` armed to write each rank's
 # Python stack just before the time limit, and reports: finished, hung (which ranks, in which
 # call, at which line) or failed. Bug 1 shows a report, then the code behind each part of it.
 #
@@ -109,13 +111,15 @@ print(partial_fixed.report())
 claim("fixed (every rank calls it): it finishes, and the detector stays quiet", partial_fixed.ok)
 
 # %% [markdown]
-# Where that report comes from: as each collective starts, the trace writes the line that
-# called it (`caller_line`); `read_traces` marks a call done only if its end line was written,
-# and `compare_traces` calls a rank whose last call is not done *stuck*; `user_frames` keeps
-# your frames of the `faulthandler` stack dump:
+# Where that report comes from: as each collective starts, `trace_collectives` writes the line
+# that called it (`caller_line`), and another line when the call returns; `read_traces` marks a
+# call done only if its end line was written, `compare_traces` finds the first call where the
+# ranks differ and calls a rank whose last call is not done *stuck*; `user_frames` keeps your
+# frames of the `faulthandler` stack dump:
 
 # %%
-viz.show_code(detectors.caller_line, detectors.read_traces, detectors.user_frames)
+viz.show_code(detectors.trace_collectives, detectors.compare_traces, detectors.caller_line,
+              detectors.read_traces, detectors.user_frames)
 
 # %% [markdown]
 # **`dist.monitored_barrier` names the rank that never came.** Put one before the collective
@@ -244,8 +248,8 @@ claim("on gloo, with timeout=2 s, rank 0 raises 'Timed out' itself, in the call"
 # %%
 viz.show(viz.timeout_behaviour_figure(),
          "Where the error surfaces when a partner never joins: gloo raises inside the call; "
-         "NCCL with its communicator formed returns at once and the watchdog aborts the process "
-         "at the timeout, wherever Python then is; NCCL's first collective blocks inside the "
+         "NCCL with its communicator formed returns at once and the watchdog tears the process "
+         "down at the timeout, wherever Python then is; NCCL's first collective blocks inside the "
          "call while the communicator forms; with TORCH_NCCL_BLOCKING_WAIT=1 (or "
          "work.wait(timeout)), wait() raises.")
 
@@ -503,8 +507,9 @@ claim("one program per bug 4 to 10, and bug 9's first step alone",
 # %% [markdown]
 # The detector for replicas: a **checksum** of every parameter and buffer, sent back by each
 # rank, compared across ranks. Weighted by position, so two tensors with the same sum but
-# values in other places still differ. It is a cheap alarm, not a proof (how far it can be
-# trusted is the question of lab 10's stretch).
+# values in other places still differ. It is summed on the tensor's own device, a chunk of
+# elements at a time, so a GPU model needs no copy to the CPU. It is a cheap alarm, not a
+# proof (how far it can be trusted is the question of lab 10's stretch).
 
 # %%
 viz.show_code(detectors.state_checksums, detectors.compare_checksums)
@@ -747,8 +752,9 @@ claim("and in every epoch the ranks together still see every sample",
 # gradient; with `TORCH_DISTRIBUTED_DEBUG=INFO` (or DETAIL) it also names them. The course's
 # detector runs one forward/backward in one process, no DDP needed, and lists the same names.
 # Fix: remove the parameter, or `find_unused_parameters=True` (a graph walk every step), or,
-# when the same parameters are unused at every step, `static_graph=True` (its docstring: DDP
-# then need not search the graph in every iteration).
+# when the same parameters are unused at every step **and** the graph is trained the same way
+# every step (no control flow that depends on the iteration), `static_graph=True` (its
+# docstring's two conditions; DDP then need not search the graph in every iteration).
 
 # %%
 viz.show_code(bugzoo.TwoHeads, bugzoo.unused_parameter, bugzoo.unused_first_step,
@@ -834,7 +840,8 @@ claim("once the squatter is gone, the port is free", detectors.port_owner(port) 
 
 # %% [markdown]
 # ## 5. On your own scripts: `python -m dpcourse diagnose`
-# Everything in section 2 works on a torchrun-style script, unchanged: `diagnose` starts it on N
+# Everything in section 2 works on a torchrun-style script, unchanged (on gloo; the stuck-call
+# report needs blocking calls, section 1): `diagnose` starts it on N
 # local ranks with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT set, traces
 # its collectives, bounds it with `--timeout`, and dumps the stuck ranks' stacks. Options go
 # before the script; `--detail` adds `TORCH_DISTRIBUTED_DEBUG=DETAIL`, `--json` prints the
@@ -874,7 +881,8 @@ claim("naming rank 1, its all_reduce and the script's line 9",
 # line, the first optimizer step, and whether the group was destroyed. After the run it
 # reads all ranks' records together (`script_checks.analyze`). `Watch.installed` sets each
 # wrapper in place of the torch function and puts the original back in its `finally`. Below:
-# one wrapper (`set_epoch`'s) and the part of `analyze` that makes the `set_epoch` finding.
+# one wrapper (`set_epoch`'s) and the part of `analyze` that makes the `set_epoch` finding;
+# after the `rank0_loss` rule below, the three other rules the script further down fires.
 #
 # One finding reads **text** instead: `Watch._reported` (called by the `print` and `logging`
 # wrappers) counts a line as a printed loss when a regular expression finds the word `loss`,
@@ -902,6 +910,15 @@ viz.show_code(script_checks.Watch._set_epoch,
               "# init_process_group; unused: all_reduce lines whose result nothing reads)\n"
               + excerpt("printers = sorted(", "for e in events.get(0, [])") + "\n"
               + excerpt("printers == [0] and not reduced", "[0])"))
+# the three other rules the run below fires, as analyze writes them
+viz.show_code("# script_checks.analyze, the module_prefix finding (per rank; a 'save' event's\n"
+              "# prefixed: the saved state_dict's keys start with 'module.')\n"
+              + excerpt('e["kind"] == "save" and e.get("prefixed")',
+                        '"lesson 04, §3 Checkpoints and fault tolerance", rank)'),
+              "# script_checks.analyze, the save_race finding (across ranks)\n"
+              + excerpt("saves: dict[str,", "f.ranks = ranks"),
+              "# script_checks.analyze, the barrier finding (steps: optimizer steps taken)\n"
+              + excerpt("steps = max((e", "sorted(barriers))"))
 probe = script_checks.Watch(os.devnull, 0, 1)       # one rank's recorder, writing nowhere
 heard = []
 probe.event = lambda kind, **where: heard.append(kind)
@@ -913,8 +930,9 @@ claim("a heuristic on text: 'epoch 1 loss 0.512' counts as a printed loss, 'trai
       "does not", heard == ["epoch 1 loss 0.512", "print", "train_loss=0.3"], heard=heard)
 
 # %% [markdown]
-# Here is a script a learner could have written from a blog post, ported to the CPU — it runs,
-# the loss falls, and it has five of the mistakes this course teaches:
+# Here is a script a learner could have written from a blog post, ported to the CPU — it runs to
+# the end on every rank (the report's first line), and it has five of the mistakes this course
+# teaches:
 
 # %%
 script = Path(tempfile.mkdtemp(prefix="diagnose-")) / "train_blog.py"
@@ -954,6 +972,8 @@ claim("diagnose names five mistakes at their lines: no set_epoch (16), a barrier
       found == sorted([("set_epoch", "16"), ("barrier", "21"), ("rank0_loss", "23"),
                        ("save_race", "24"), ("module_prefix", "24")]) and cli.returncode == 1,
       found=found)
+claim("and the script itself ran to the end on both ranks",
+      "finished: all 2 ranks returned" in cli.stdout)
 
 # %% [markdown]
 # ## Lab 10
@@ -1005,7 +1025,7 @@ viz.show_code(bugzoo.all_ranks_finite)
 # | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (GPU/XPU/HPU in training); averaged buffers agree, but their variance is not the global batch's; DDP's buffer sync leaves them apart after the last step |
 # | NaN on one rank | NaN everywhere | first non-finite *local* value | check finiteness together, skip together |
 # | forgotten `set_epoch` | same order every epoch | repeated epoch orders | `sampler.set_epoch(epoch)` |
-# | unused parameter | DDP fails at step 2 | `unused_parameters` | remove it; `static_graph=True` if the same parameters are unused at every step; else `find_unused_parameters=True` (a graph walk every step) |
+# | unused parameter | DDP fails at step 2 | `unused_parameters` | remove it; `static_graph=True` if the same parameters are unused at every step and no control flow depends on the iteration; else `find_unused_parameters=True` (a graph walk every step) |
 # | every rank saves the checkpoint | racing writers | `record_saves` + `duplicate_writers` | rank 0 saves, barrier |
 # | port already in use | EADDRINUSE at start | `port_owner` | a free port per launch |
 #
@@ -1140,8 +1160,10 @@ viz.quiz([
 #   of `forward`, before the module (and its BatchNorm) runs, when `will_sync_module_buffers`
 #   (it needs `require_forward_param_sync`, which `_post_forward` sets to False after a
 #   forward under `no_grad` or `no_sync()`);
-#   `find_unused_parameters`; `static_graph` (its docstring: the set of unused parameters is
-#   fixed, no per-iteration search).
+#   `find_unused_parameters`; `static_graph` (its docstring, lines 743-749: the set of used and
+#   unused parameters does not change, and "How the graph is trained will not change during the
+#   whole training loop (meaning there is no control flow depending on iterations)"; no
+#   per-iteration search).
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.compute_bucket_size_limits`:
 #   one initial bucket (`[sys.maxsize]`) unless `find_unused_parameters` without `static_graph`,
 #   or a `bucket_cap_mb_list`; c10d's `reducer.cpp` (not installed) — `Reducer::autograd_hook`
@@ -1196,3 +1218,11 @@ viz.quiz([
 # - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward`: it syncs only in training mode
 #   with an initialised process group (`need_sync`), and then raises unless the input is on
 #   CUDA, HPU, XPU or the PrivateUse1 backend.
+# - `torch/distributed/distributed_c10d.py` — `all_reduce` (lines 3812-3915): with
+#   `async_op=True` it returns the `Work` as soon as the backend has it (`if async_op: return
+#   work`), otherwise it calls `work.wait()`; so a blocking gloo call returns only when the
+#   collective has completed, and an `async_op=True` call returns at once (what the collective
+#   trace's "returned" means, section 1). The other collectives follow the same pattern.
+# - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — `ErrorHandlingMode`
+#   (lines 160-177): `TearDown` and `SkipCleanUp` "tear down process" on an error (the NCCL row
+#   of the timeout figure).

@@ -17,7 +17,8 @@
 #   grown past the **critical batch size**, which the gradient noise scale predicts — the
 #   noise scale measured here inside a DDP run (at one point of training: fixed weights);
 # - explain Megatron-LM's tensor-parallel MLP (a column-parallel then a row-parallel linear
-#   layer, two conjugate communication operations) and count its messages per step;
+#   layer, and the two operations *f* and *g* that carry its communication) and count its
+#   messages per step;
 #   check it against the plain MLP and against torch's `parallelize_module`;
 # - run a pipeline (GPipe, 1F1B) over send/recv, measure its bubble against (K−1)/(M+K−1) and
 #   count the activations 1F1B saves (micro-batches held, and their bytes);
@@ -163,7 +164,8 @@ viz.show(viz.memory_wall_figure(
 # `Linear(48, 48)` + GeLU layers, every rank with a micro-batch of 8, on 2 and then 4 ranks.
 # `torch.autograd.graph.saved_tensors_hooks(pack, unpack)` calls `pack` on every tensor
 # autograd keeps for the backward; the worker adds up those whose first dimension is the
-# micro-batch (the activations), and the bytes of the rank's parameter shards.
+# micro-batch (the activations) and the rest apart (`other_saved`: the gathered weights the
+# layers' backward needs), and the bytes of the rank's parameter shards.
 
 # %%
 viz.show_code(tensor_parallel.activation_memory_worker)
@@ -179,6 +181,11 @@ claim("from 2 to 4 ranks each rank's parameter shard halves, while the activatio
       all(r["shard_bytes"] * n == r["full_bytes"] and
           r["activations"] == r["one_device_activations"] == held[2][0]["activations"]
           for n, rs in held.items() for r in rs))
+print("saved besides the activations:", {n: rs[0]["other_saved"] for n, rs in held.items()},
+      "bytes")
+claim("what autograd saves besides them does not shrink either: whole weights, not shards — "
+      "three 48 × 48 fp32 weights, the same bytes at N = 2 and 4 (lesson 08's working set)",
+      all(r["other_saved"] == 3 * 48 * 48 * 4 for rs in held.values() for r in rs))
 
 # %% [markdown]
 # Recomputation rescues the memory (section 5's planner counts it: about 20 GB per GPU on
@@ -283,7 +290,7 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 #    activation (what the GeLU then needs, and from which ranks, is the lab's to say);
 # 2. **row-parallel** second layer: rank r keeps the r-th block of B's *rows* (h/t × d) and
 #    multiplies its own hidden features by it. What that product is next to the layer's
-#    output `Y = H·B`, and what it costs to get Y on every rank, is lab 11's first question.
+#    output `Y = H·B`, and what it costs to get Y on every rank, is lab 11's part 2.
 #    (And the biases, `+ b₁` and `+ b₂`? That is for you to decide in the lab too.)
 #
 # A and B are the paper's matrices, in its `X·A` convention. Whether torch's `nn.Linear`
@@ -297,9 +304,11 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 
 # %% [markdown]
 # Now the backward. Megatron puts the communication of both passes — which pass needs it,
-# and what each rank holds whole or only in part on either side, is the lab's first
-# question — into two conjugate operations, *f* (at the column layer's input) and *g* (at the row layer's
-# output), each with a forward and a backward.
+# and what each rank holds whole or only in part on either side, is lab 11's part 2
+# — into two operations, *f* (at the column layer's input) and *g* (at the row layer's
+# output), each with a forward and a backward. (The paper calls them *conjugate*; what that
+# word says about them is part of the lab's answer, so the folded reference answer below
+# defines it.)
 #
 # Each is a `torch.autograd.Function`: a class with a static `forward(ctx, ...)` and a static
 # `backward(ctx, grad)` that autograd calls with the gradient of the output and that returns
@@ -351,6 +360,10 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
               tensor_parallel.RowParallelLinear, tensor_parallel.TensorParallelMLP)
 
 # %% [markdown] jupyter={"source_hidden": true}
+# **Why Megatron calls *f* and *g* conjugate.** Each one's forward is the other's backward:
+# *f* is the identity forward and an all-reduce backward, *g* an all-reduce forward and the
+# identity backward (Shoeybi et al. 2019, §3, the caption of its Figure 3).
+#
 # **Why *g*'s backward may be the identity.** In general, the backward of a sum all-reduce
 # is itself an all-reduce: if rank i's output Y feeds rank i's own loss term, the gradient
 # of each Y_r is the sum over the ranks of theirs. Here everything after *g* runs identically
@@ -392,7 +405,7 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
 # the second, on a one-dimensional `DeviceMesh` (the ranks arranged as a named grid; here a line). Every
 # collective is recorded with `dpcourse.collectives.record_collectives`; torch's also by
 # its own counter, `CommDebugMode`. The worker's code names the dimension of every slice it
-# compares — the lab's second question — so it is folded:
+# compares — lab 11's part 3 — so it is folded:
 
 # %%
 viz.show_code(tensor_parallel.plain_mlp, tensor_parallel.TPConfig)
@@ -870,11 +883,15 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
 # How torch's sends are counted: its schedules hand each batch of sends and receives to
 # `_batch_p2p` (`pipelining/schedules.py`), which calls each op itself when all of a batch's
 # ops are `dist.isend` (or all `dist.irecv`), and `dist.batch_isend_irecv` otherwise. Inside
-# `record_collectives` (lesson 07), `dist.isend` is the recorder's, while a `dist.P2POp` keeps
-# torch's real `isend` (torch accepts no other), so that test never holds: every batch reaches
-# the recorder's `batch_isend_irecv`, which records one send or receive per `P2POp`, the
-# count the op-by-op path makes. Both halves, read and run here (a `P2POp` needs a process
-# group: one of a single rank):
+# `record_collectives` (lesson 07), `dist.isend` and `dist.irecv` are the recorder's
+# wrappers, which torch's own `P2POp` refuses (its `__new__` accepts torch's `isend` and
+# `irecv` only). So the recorder also puts `p2pop_unwrapping`'s subclass in the place of
+# `dist.P2POp`: handed the recorder's `dist.isend`, it stores the real one. That is why the
+# test in `_batch_p2p` never holds inside the block: every batch reaches the recorder's
+# `batch_isend_irecv`, `Recorder.wrap_batch`'s function, which records one send or receive
+# per `P2POp`, the count the op-by-op path makes. Both, read and run here (a `P2POp` needs a
+# process group: one of a single rank; a `before` hook refuses the batch once both of its
+# ops are recorded, so nothing is sent):
 
 # %%
 import torch.distributed as dist
@@ -882,20 +899,40 @@ from torch.distributed.pipelining import schedules
 
 from dpcourse import collectives
 
+viz.show_code(collectives.p2pop_unwrapping, collectives.Recorder.wrap_batch)
+
+
+class Refused(Exception):
+    """Raised by the hook below, so that the batch is recorded but never sent."""
+
+
+def refuse_the_receive(call):
+    if call.op == "recv":
+        raise Refused
+
+
 batch_p2p = inspect.getsource(schedules._batch_p2p)
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 try:
-    with collectives.record_collectives():
-        op = dist.P2POp(dist.isend, torch.zeros(1), 0)
-        holds_real = op.op is not dist.isend and op.op is dist.isend._recording_of
+    with collectives.record_collectives(before=refuse_the_receive) as batch:
+        ops = [dist.P2POp(dist.isend, torch.zeros(3), 0), dist.P2POp(dist.irecv, torch.zeros(3), 0)]
+        holds_real = all(op.op is not wrapped and op.op is wrapped._recording_of
+                         for op, wrapped in zip(ops, (dist.isend, dist.irecv)))
+        try:
+            dist.batch_isend_irecv(ops)
+        except Refused:
+            pass
 finally:
     dist.destroy_process_group()
+print("recorded:", [(c.function, c.op, c.nbytes, c.out_nbytes) for c in batch])
 claim("torch's _batch_p2p calls the ops itself only when every one is dist.isend (or every "
       "one dist.irecv), else dist.batch_isend_irecv; inside record_collectives a P2POp holds "
-      "torch's real isend, not the recorder's dist.isend, so each batch is recorded op by op "
-      "by the recorder's batch_isend_irecv",
+      "torch's real isend and irecv, not the recorder's dist.isend and dist.irecv, and the "
+      "recorder's batch_isend_irecv records a batch of two P2POps as one send and one receive",
       "op_types == {dist.isend}" in batch_p2p and "op_types == {dist.irecv}" in batch_p2p
-      and "return dist.batch_isend_irecv(p2p_ops)" in batch_p2p and holds_real)
+      and "return dist.batch_isend_irecv(p2p_ops)" in batch_p2p and holds_real
+      and [(c.function, c.op) for c in batch] == [("batch_isend_irecv", "send"),
+                                                  ("batch_isend_irecv", "recv")])
 
 # %% [markdown]
 # ## 4. Composing them: a 2-D mesh
@@ -956,7 +993,7 @@ claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2}
 # %% [markdown] jupyter={"source_hidden": true}
 # Two counts differ from section 2's and lesson 08's, and both are right. Only **one**
 # tensor-parallel all-reduce: the MLP is the first layer here and its input is data, which
-# needs no gradient, so autograd never runs *f*'s backward (lab 11's part 5). Only
+# needs no gradient, so autograd never runs *f*'s backward (lab 11's part 6). Only
 # **one** all-gather: the MLP is FSDP2's *root*, which keeps its weights gathered between
 # forward and backward (lesson 08, section 6). torch's DTensors carry both dimensions at once.
 
@@ -1234,12 +1271,12 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   inside DDP from two gradient norms, within 15 % of the direct value), more ranks barely
 #   cut the steps.
 # - **Tensor parallelism** (Megatron-LM): a column-parallel layer then a row-parallel one,
-#   with two conjugate operations *f* and *g* carrying the communication (which pass of
-#   each, and why, is lab 11). Collectives over the activations in every MLP and attention
-#   block, for every micro-batch, mostly on the critical path (how many, which ones Megatron
-#   hides and which torch's async TP can fuse is folded after lab 11's pointer): keep it
-#   inside a node. torch's
-#   `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
+#   with two operations *f* and *g* carrying the communication (which pass of each, and
+#   why they are called *conjugate*, is lab 11; the folded reference answer in section 2).
+#   Collectives over the activations in every MLP and attention block, for every
+#   micro-batch, mostly on the critical path (how many, which ones Megatron hides and which
+#   torch's async TP can fuse is folded after lab 11's pointer): keep it inside a node.
+#   torch's `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
 #   sends the same.
 # - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated (each
 #   micro-batch's mean loss divided by M); idle share
@@ -1298,10 +1335,14 @@ viz.quiz([
      "why": ["Right: an element-wise function of a block is the block of the function.",
              "Nothing is gathered between the two layers.",
              "GeLU is not linear; that is why it must come before the sum, not after."]},
-    {"q": "A pipeline of 8 stages. How many micro-batches keep the bubble under 10 %?",
+    {"q": "A GPipe pipeline of 8 stages. How many micro-batches keep the bubble — the idle "
+          "share of the step, (K−1)/(M+K−1), as section 3 measures it — under 10 %?",
      "options": ["8", "32", "64"],
      "answer": 2,
-     "why": ["7/15 ≈ 47 %.", "7/39 ≈ 18 %.", "Right: 7/71 ≈ 9.9 %."]},
+     "why": ["7/15 ≈ 47 %.", "7/39 ≈ 18 %.",
+             "Right: 7/71 ≈ 9.9 %. By Narayanan et al.'s bubble fraction, (p−1)/m, idle time "
+             "over compute time (the planner's idle_over_work column), 64 give 7/64 ≈ 10.9 %: "
+             "under 10 % takes 71 there."]},
     {"q": "Why does Megatron-LM keep tensor parallelism inside a node?",
      "options": ["It needs more memory than pipeline parallelism",
                  "Its all-reduces happen in every layer, mostly on the critical path, so they "
@@ -1365,7 +1406,9 @@ viz.quiz([
 #   fewer micro-batches than stages); `_batch_p2p` (lines 768–814): a batch of sends only, or
 #   of receives only, is issued op by op (`op_types == {dist.isend}`), any other through
 #   `dist.batch_isend_irecv`; `torch/distributed/distributed_c10d.py` — `P2POp.__init__`
-#   (takes the default group when none is given).
+#   (takes the default group when none is given), `P2POp.__new__` (calls `_check_op`, lines
+#   1860–1867: an op other than this module's `isend` or `irecv` is refused with a
+#   `ValueError`, so a recorder's wrapper is).
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.register_comm_hook`;
 #   `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`;
 #   `GradBucket.buffer()` (`torch/distributed/__init__.py` exports it from C++): the flat

@@ -193,8 +193,9 @@ lab02.check_prediction(guess)
 # model would get on this step's batch alone. After one forward and `backward()` of
 # `nn.DataParallel(model)` on 4 devices, what does `p.grad` hold? Choose one of
 # `lab02.HELD_CHOICES`: `"g"`, `"G + g"`, `"G + g/4"`, `"4G + g"`. The next cell runs the
-# lesson's `dp.data_parallel` (torch's broadcast and its backward, replica 0 sharing the
-# module's storage) and compares.
+# lesson's `dp.data_parallel` on 4 CPU devices and compares: the course's own `dp.Broadcast`,
+# not torch's (torch's `Broadcast.forward` refuses CPU tensors), with replica 0 sharing the
+# module's storage as torch's does.
 
 # %%
 ### BEGIN SOLUTION: set my_held_guess to your answer (one of lab02.HELD_CHOICES)

@@ -327,7 +327,8 @@ plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUM
 # copy stands for all. Dropout draws its masks from a generator, and after the model is built
 # each rank's generator is seeded differently: each rank's state is its own, and it moved
 # with every mask drawn. Rank 0 can only write what reaches it; on resume, each rank needs its
-# own back, and DDP copies nothing to the other ranks after it has wrapped the model. So what
+# own back, and after wrapping the model DDP moves only gradients (all-reduced) and, for a
+# model with buffers, rank 0's buffers before a synced forward (SmallCNN has none). So what
 # is each rank's alone must travel to rank 0 first, and it is no tensor: torch.distributed's
 # collectives are not only for tensors, some carry any Python object (they pickle it), though
 # no lesson has used them yet. On a GPU, dropout on a CUDA tensor draws from that GPU's

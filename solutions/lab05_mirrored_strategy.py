@@ -61,7 +61,8 @@ from dpcourse.checks import lab05, predict
 # batches. Here the data set holds 15 global batches and **one sample more**
 # (`lab05.epoch_size(global_batch)` samples), batched by `global_batch` with the remainder kept
 # and distributed by that call: the epoch's last step has one sample for
-# `strategy.num_replicas_in_sync` replicas — a case lesson 05 never ran.
+# `strategy.num_replicas_in_sync` replicas — a case lesson 05 runs only in a folded cell after
+# its lab pointer, to open once this lab is done.
 #
 # Before running anything, **predict**: in that last step, what happens on replica 1? One of
 # `lab05.LAST_STEP_CHOICES`: `"a copy of the sample"` (it trains on the sample too),

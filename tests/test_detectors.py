@@ -168,6 +168,19 @@ def test_state_checksums_see_a_swap_and_nan():
     assert detectors.compare_checksums([{"w": math.nan}, {"w": math.nan}]) == ["w"]
 
 
+def test_state_checksums_in_chunks_match_one_pass_and_stay_on_the_device():
+    m = torch.nn.Linear(300, 7)
+    whole = detectors.state_checksums(m)
+    chunked = detectors.state_checksums(m, chunk=64)
+    assert detectors.compare_checksums([whole, chunked], rtol=1e-12) == []
+    flat = m.weight.detach().double().flatten()
+    expected = float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum())
+    assert whole["weight"] == expected
+    if torch.cuda.is_available():            # a CUDA model: summed on its device, no mixing
+        on_gpu = detectors.state_checksums(m.cuda(), chunk=64)
+        assert detectors.compare_checksums([whole, on_gpu], rtol=1e-9) == []
+
+
 # ---- NaN, set_epoch, unused parameters, checkpoints, ports ----------------------------------
 
 def test_first_nonfinite_names_the_origin(zoo):

@@ -508,6 +508,22 @@ def test_torchrun_figure_writes_what_each_agent_gave_its_workers():
     assert "the group finished" in texts
 
 
+def test_torchrun_figure_reads_the_dead_worker_from_the_workers_output():
+    """The agent logs one failure, the earliest by a whole-second clock: here rank 0's
+    follow-on crash. Given ``killed`` (from the workers' own output), the figure marks rank 1."""
+    restart = viz.torchrun_log(_AGENT_LOG.replace("{n}", "0")
+                               + _FAILED.replace("exitcode: -9", "exitcode: 1")
+                               .replace("local_rank: 1", "local_rank: 0")
+                               + _AGENT_LOG.replace("{n}", "1") + _FINISHED)
+    fig = viz.torchrun_figure([restart], restart, killed={1: 11})
+    texts = [t.get_text() for t in fig.axes[1].texts]
+    assert "RANK=1\nLOCAL_RANK=1\nWORLD_SIZE=2\nkilled itself after step 11\n(its own output)" \
+        in texts
+    assert "RANK=0\nLOCAL_RANK=0\nWORLD_SIZE=2\nended with the group" in texts
+    assert any("local_rank 0,\nexit code 1" in t for t in texts)
+    assert not any("died" in t for t in texts)
+
+
 def test_sampler_slots_mark_the_padding_the_real_sampler_appends():
     from torch.utils.data import DistributedSampler
 

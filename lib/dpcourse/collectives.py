@@ -53,7 +53,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["Call", "CollectiveLog", "record_collectives", "Recorder", "describe", "RECORDED",
-           "RECORDED_FUNCOL"]
+           "RECORDED_FUNCOL", "p2pop_unwrapping"]
 
 # Each recorded function: (the op it performs, the argument it reads, the argument it writes).
 RECORDED = {
@@ -222,7 +222,8 @@ class Recorder:
                 call.args = call.result = None
 
     def wrap(self, real, function: str, spec):
-        """``real`` as a function that records each call, then makes it. Shown in lesson 07, §5."""
+        """``real`` as a function that records each call, then makes it. Shown in lesson 04, §5;
+        lesson 07, §5."""
         signature = inspect.signature(real)
 
         @functools.wraps(real)
@@ -241,6 +242,10 @@ class Recorder:
         return recording
 
     def wrap_batch(self, real):
+        """``real``, ``dist.batch_isend_irecv``, as a function that records one send or receive
+        per ``P2POp`` in the list it is given (the real ``isend`` or ``irecv`` that op holds
+        says which), then makes the real call. Shown in lesson 11, §3."""
+
         @functools.wraps(real)
         def batch_isend_irecv(p2p_op_list):
             if getattr(self.busy, "on", False) or not isinstance(p2p_op_list, list):
@@ -260,8 +265,11 @@ class Recorder:
         return batch_isend_irecv
 
 
-def _p2pop_unwrapping(real_cls):
-    """``dist.P2POp`` inside the block: stores the real isend/irecv, which torch requires."""
+def p2pop_unwrapping(real_cls):
+    """``dist.P2POp`` inside the block: handed the recorder's ``dist.isend`` (or ``irecv``), it
+    stores the real one, which torch requires (``P2POp.__new__`` refuses any other op).
+    Shown in lesson 11, §3.
+    """
 
     class P2POp(real_cls):
         def __new__(cls, op, *args, **kwargs):
@@ -283,7 +291,8 @@ def record_collectives(before: Callable[[Call], None] | None = None,
     ``before(call)`` runs just before each call (it may raise to refuse it, or change
     ``call.args``, the bound arguments, to change what torch receives), ``after(call)`` just
     after it returns (``call.result``; what it returns, if not None, is handed back instead).
-    Restored on exit, error or not; blocks nest. Shown in lesson 07, §5; lesson 10, §1.
+    Restored on exit, error or not; blocks nest. Shown in lesson 04, §5; lesson 07, §5;
+    lesson 10, §1.
     """
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -301,7 +310,7 @@ def record_collectives(before: Callable[[Call], None] | None = None,
                 if hasattr(module, name):
                     replace(module, name, recorder.wrap(getattr(module, name), prefix + name, spec))
         replace(dist, "batch_isend_irecv", recorder.wrap_batch(dist.batch_isend_irecv))
-        replace(dist, "P2POp", _p2pop_unwrapping(dist.P2POp))
+        replace(dist, "P2POp", p2pop_unwrapping(dist.P2POp))
         yield recorder.log
     finally:
         for module, name, real in reversed(replaced):

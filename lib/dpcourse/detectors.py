@@ -109,7 +109,7 @@ def trace_collectives(path: str | os.PathLike, monitor: float | None = None):
     ``monitor`` (seconds, gloo only): every rank first calls ``dist.monitored_barrier(timeout=
     monitor, wait_all_ranks=True)``; rank 0 then raises naming the ranks that did not arrive.
 
-    Shown in lesson 10, §1.
+    Shown in lesson 10, §2.
     """
     import datetime
 
@@ -188,7 +188,7 @@ def compare_traces(traces: dict[int, list[dict]]) -> TraceReport:
     """The first call at which the ranks' collective traces disagree in kind, shape or root
     (the src or dst rank a broadcast, reduce, scatter or gather names).
 
-    Shown in lesson 10, §1.
+    Shown in lesson 10, §2.
     """
     stuck = {r: t[-1] for r, t in traces.items() if t and not t[-1]["done"]}
     longest = max((len(t) for t in traces.values()), default=0)
@@ -400,11 +400,14 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
 # --------------------------------------------------------------------------------------------
 
 
-def state_checksums(model, grads: bool = False) -> dict[str, float]:
+def state_checksums(model, grads: bool = False, chunk: int = 1 << 20) -> dict[str, float]:
     """{name: checksum} of every parameter and buffer (or, with ``grads``, every gradient).
     A checksum is the float64 sum of the tensor's values weighted by 1, 2, 3 ... so that two
-    tensors with the same sum but values in other places differ too. Cheap enough for every
-    step; send the dict back from each rank and give the list to :func:`compare_checksums`.
+    tensors with the same sum but values in other places differ too. It is computed on the
+    tensor's own device (the CPU for MPS, which has no float64), ``chunk`` elements at a time,
+    so its float64 temporaries stay below about 24 bytes x ``chunk`` however large the tensor;
+    one ``.item()`` per tensor brings the sum back. Send the dict back from each rank and give
+    the list to :func:`compare_checksums`.
 
     Shown in lesson 10, §3.
     """
@@ -414,8 +417,15 @@ def state_checksums(model, grads: bool = False) -> dict[str, float]:
     items = ([(n, p.grad) for n, p in model.named_parameters() if p.grad is not None] if grads
              else list(model.named_parameters()) + list(model.named_buffers()))
     for name, t in items:
-        flat = t.detach().double().flatten()
-        out[name] = float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum())
+        flat = t.detach().flatten()
+        device = torch.device("cpu") if flat.device.type == "mps" else flat.device
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start:start + chunk].to(device=device, dtype=torch.float64)
+            weights = torch.arange(start + 1, start + part.numel() + 1, dtype=torch.float64,
+                                   device=device)
+            total += (part * weights).sum()
+        out[name] = float(total)
     return out
 
 

@@ -157,6 +157,8 @@ def backend_for(world_size: int, gpu_count: int | None = None, nccl: bool | None
 
     NCCL does not run on CPU tensors ("ProcessGroupNCCL is only supported with GPUs") and
     refuses two ranks on one GPU, so anything short of a GPU per rank means gloo.
+
+    Shown in lesson 00, §"Your machine: the three hardware profiles".
     """
     if gpu_count is None:
         gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0

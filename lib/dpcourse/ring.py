@@ -136,7 +136,9 @@ class RingTrace:
         return self.steps[-1].buffers
 
     def elements_sent(self) -> list[int]:
-        """Elements each worker sent over the whole run."""
+        """Elements each worker sent over the whole run.
+
+        Shown in lesson 06, §2."""
         sent = [0] * self.n
         for step in self.steps:
             for t in step.transfers:
@@ -144,6 +146,9 @@ class RingTrace:
         return sent
 
     def bytes_sent(self) -> list[int]:
+        """Bytes each worker sent over the whole run: :meth:`elements_sent` × the item size.
+
+        Shown in lesson 06, §2."""
         return [e * self.itemsize for e in self.elements_sent()]
 
     def describe(self, step: int) -> str:
@@ -223,7 +228,8 @@ def ring_bytes_per_worker(length: int, n: int, itemsize: int = 4) -> list[int]:
     return [(2 * total - sizes[(i + 1) % n] - sizes[(i + 2) % n]) * itemsize for i in range(n)]
 
 
-def simulate_rabenseifner(arrays: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[int]]:
+def simulate_rabenseifner(arrays: Sequence[np.ndarray], rounds: list | None = None
+                          ) -> tuple[list[np.ndarray], list[int]]:
     """Rabenseifner's all-reduce run on real arrays: ``(results, sent)``, every worker's result
     and the bytes each worker sent (one direction of its link, over the whole all-reduce).
 
@@ -234,6 +240,11 @@ def simulate_rabenseifner(arrays: Sequence[np.ndarray]) -> tuple[list[np.ndarray
     *recursive doubling* (partners 1, 2, ..., p/2 apart: each sends the part it holds complete
     and takes its partner's). Last, the extra workers get the result back. Exchanges within a
     round use the buffers as they were at the round's start, as simultaneous messages would.
+
+    With ``rounds`` (a list), one dict per halving or doubling round is appended to it:
+    ``phase``, ``distance`` (partners are ``distance`` apart), ``parts`` (each of the first p
+    workers' part ``(lo, hi)`` after the round: the one it still reduces, or the one it holds
+    complete) and ``sent`` (elements each of them sent in the round).
 
     Shown in lesson 06, §2."""
     n = len(arrays)
@@ -258,6 +269,9 @@ def simulate_rabenseifner(arrays: Sequence[np.ndarray]) -> tuple[list[np.ndarray
             buf[i][a:b] += give[partner]
             sent[i] += give[i].nbytes
             lo[i], hi[i] = a, b
+        if rounds is not None:
+            rounds.append({"phase": "halving", "distance": d, "parts": list(zip(lo, hi)),
+                           "sent": [len(g) for g in give]})
         d //= 2
     d = 1
     while d < p:  # recursive doubling: swap the complete parts, each part doubling
@@ -267,6 +281,9 @@ def simulate_rabenseifner(arrays: Sequence[np.ndarray]) -> tuple[list[np.ndarray
             buf[i][a:b] = data
             sent[i] += parts[i][2].nbytes
             lo[i], hi[i] = min(lo[i], a), max(hi[i], b)
+        if rounds is not None:
+            rounds.append({"phase": "doubling", "distance": d, "parts": list(zip(lo, hi)),
+                           "sent": [len(part[2]) for part in parts]})
         d *= 2
     for r in range(p, n):  # hand the result back to the extra workers
         buf[r][:] = buf[r - p]

@@ -174,7 +174,7 @@ def fsdp2_shard(model: nn.Module, cfg: ZeroConfig, dev: torch.device,
 class TorchRun:
     """torch's own ways (DDP, FSDP2, ZeroRedundancyOptimizer) behind the stages' interface.
 
-    Shown in lesson 08, §6.
+    Shown in lesson 08, §3.
     """
 
     def __init__(self, model, optimizer, params, units, state_optimizer=None):
@@ -203,7 +203,7 @@ RUNS = ("torch_ddp", "ddp", "zero1", "zero2", "zero3", "fsdp2", "zero_redundancy
 def prepare_run(run: str, cfg: ZeroConfig, dev: torch.device):
     """(the model to call, the optimizer-like object, the dtype of the inputs) for one run.
 
-    Shown in lesson 08, §6.
+    Shown in lesson 08, §3.
     """
     model = cfg.build().to(dev)
     psi = sum(p.numel() for p in model.parameters())
@@ -247,7 +247,7 @@ def train_run(run: str, cfg: ZeroConfig, rank: int, world_size: int) -> dict:
     DDP's gradient buckets (a second copy of the gradients unless
     ``gradient_as_bucket_view=True``).
 
-    Shown in lesson 08, §6.
+    Shown in lesson 08, §3.
     """
     from . import ddp
 

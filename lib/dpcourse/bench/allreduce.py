@@ -75,7 +75,9 @@ def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> float:
 def reps_for(nbytes: int, reps: int, max_reps: int = 50) -> int:
     """How many timed repetitions a size gets: at least ``reps``, more for small sizes (up to
     ``max_reps``, about 16 MiB moved in all), whose times are short and noisy. Every rank
-    computes the same number from the size alone — ranks that disagreed would hang."""
+    computes the same number from the size alone — ranks that disagreed would hang.
+
+    Shown in lesson 06, §4."""
     return max(reps, min(max_reps, (16 * MiB) // max(nbytes, 1)))
 
 
@@ -156,7 +158,10 @@ class AllreduceRow:
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float]:
-    """(q1, q3) of ``values`` (inclusive method: with 3 values they are the 2nd's neighbours)."""
+    """(q1, q3) of ``values`` (inclusive method: with 3 values, q1 is halfway between the 1st
+    and 2nd of them sorted, q3 halfway between the 2nd and 3rd).
+
+    Shown in lesson 06, §4."""
     if len(values) < 2:
         return values[0], values[0]
     q = statistics.quantiles(values, n=4, method="inclusive")

@@ -369,7 +369,8 @@ HELD_CHOICES = ("g", "G + g", "G + g/4", "4G + g")
 def held_grad_after_dp(n: int = 4, batch: int = 12, seed: int = 0) -> str:
     """A model whose every ``p.grad`` holds G (random); g, the plain model's gradient on one
     batch alone. After the forward and backward of the lesson's ``dp.data_parallel`` on ``n``
-    CPU devices (torch's broadcast/reduce-add pair, replica 0 sharing the module's storage),
+    CPU devices (the course's own ``dp.Broadcast``, not torch's, which refuses CPU tensors;
+    replica 0 sharing the module's storage as in torch's),
     which of :data:`HELD_CHOICES` does ``p.grad`` hold (every parameter, to 1e-5)?"""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(),

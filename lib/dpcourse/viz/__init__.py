@@ -42,7 +42,8 @@ from .l04_ddp_in_practice import (restart_timeline_figure, sampler_index_map_fig
                                   sampler_slots, torchrun_figure, torchrun_log)
 from .l05_mirrored_strategy import mirrored_vs_ddp_figure
 from .l06_ring_allreduce import (cost_figure, cost_vs_n_figure, draw_ring_step, fit_figure,
-                                 pipeline_figure, ring_frames, ring_stepper, ring_steps_figure)
+                                 pipeline_figure, rabenseifner_figure, ring_frames, ring_stepper,
+                                 ring_steps_figure)
 from .l07_inside_ddp import (bucket_sweep_figure, comm_hooks_figure, overlap_model_figure,
                              overlap_timeline_figure, reducer_figure, step_time_bars_figure)
 from .l08_sharded_data_parallel import (zero3_timeline_figure, zero_calculator_figure,

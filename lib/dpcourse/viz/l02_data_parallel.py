@@ -25,14 +25,14 @@ _PHASE_COLOURS = {"scatter": "#9fc5e8", "replicate": "#f6b26b", "forward": "#93c
 def dp_step_figure(chunk_sizes: Sequence[int], n_params: int):
     """Who holds what in one step of lesson 02's copy-by-copy DataParallel (``dp.data_parallel``;
     the real class on NCCL broadcasts and reduces with collectives): one column per device, one row per move
-    (scatter, replicate, parallel_apply, gather + loss, backward's reduce-add), arrows for what
+    (scatter, replicate, parallel_apply, gather + loss, backward's reduce onto device 0), arrows for what
     crosses between devices. ``chunk_sizes`` and ``n_params`` come from the run being drawn."""
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
     n = len(chunk_sizes)
     batch = sum(chunk_sizes)
     rows = ["1. scatter X", "2. replicate W", "3. parallel_apply", "4. gather + loss",
-            "5. backward: reduce-add"]
+            "5. backward: reduce"]
     fig = new_figure(1.9 * n + 2.4, 4.6)
     ax = fig.add_axes([0.0, 0.0, 1.0, 0.92])
     ax.set_xlim(-2.2, 1.9 * n)
@@ -66,7 +66,7 @@ def dp_step_figure(chunk_sizes: Sequence[int], n_params: int):
                                          connectionstyle="arc3,rad=-0.18", arrowstyle="-|>",
                                          mutation_scale=9, color="#e69138", lw=0.9))
     box(0, 3, f"logits of all {batch}\nmean loss", colours["dev0"])
-    box(0, 4, f"grad W = sum of\n{n} replicas' grads", colours["dev0"])
+    box(0, 4, f"grad W from the\n{n} replicas' grads", colours["dev0"])
     for c in range(1, n):
         box(c, 4, f"grad of copy {c}\n-> device 0", colours["weights"])
         ax.add_patch(FancyArrowPatch((1.9 * c + 0.9, -4 - 0.33), (0.9, -4 - 0.33),

@@ -124,12 +124,19 @@ def _workers_text(rdzv: dict, k: int) -> str:
             f"WORLD_SIZE={rdzv['global_world_sizes'][k]}")
 
 
-def torchrun_figure(nodes: list, restarted: list):
+def torchrun_figure(nodes: list, restarted: list, killed: dict[int, int] | None = None):
     """Left: a job of several agents (``nodes``: one :func:`torchrun_log` per agent) — the
     rendezvous store the agents meet at, each agent (one per node) with the workers it started
     and the variables it gave them, and the workers' store (``MASTER_ADDR:MASTER_PORT``) that
     node 0's agent hosts. Right: one agent's log with a restart (``restarted``) — each attempt's
-    workers, the one that died, and what the agent did. Every number is read from the logs."""
+    workers, which ended, and what the agent did. Every number is read from the logs.
+
+    An agent logs only one failure per attempt, the one with the earliest timestamp; a worker
+    that wrote no error file gets ``int(time.time())``, whole seconds, so when a kill and the
+    other worker's crash land in the same second the logged one is arbitrary. ``killed``
+    (global rank -> step, read from the workers' own output) says which worker killed itself:
+    given, the figure marks that worker from it, the others of that attempt as ended with the
+    group, and writes the agent's one logged failure beside them."""
     fig = new_figure(10.5, 4.4)
     left = fig.add_axes([0.0, 0.0, 0.5, 0.9])
     right = fig.add_axes([0.52, 0.0, 0.48, 0.9])
@@ -185,8 +192,14 @@ def torchrun_figure(nodes: list, restarted: list):
         died = {e["local_rank"]: e["exitcode"] for e in after[:stop] if e["event"] == "failed"}
         ww = 9.6 / len(rdzv["global_ranks"])
         for k in range(len(rdzv["global_ranks"])):
-            local = rdzv["local_ranks"][k]
-            if local in died:
+            local, rank = rdzv["local_ranks"][k], rdzv["global_ranks"][k]
+            if killed is not None and died:
+                if rank in killed:
+                    note, fc = (f"\nkilled itself after step {killed[rank]}\n(its own output)",
+                                "#f4cccc")
+                else:
+                    note, fc = "\nended with the group", "#eeeeee"
+            elif local in died:
                 how = " (SIGKILL)" if died[local] == -9 else ""
                 note, fc = f"\ndied: exit code {died[local]}{how}", "#f4cccc"
             elif died:
@@ -195,6 +208,11 @@ def torchrun_figure(nodes: list, restarted: list):
                 note, fc = "", "#d9ead3"
             _box(right, 0.2 + k * ww, y - 1.7, ww - 0.3, 2.4, _workers_text(rdzv, k) + note, fc,
                  fontsize=7)
+        if killed is not None and died:
+            logged = next(e for e in after[:stop] if e["event"] == "failed")
+            right.text(0.1, y - 2.2, "the agent logged one failure: local_rank "
+                       f"{logged['local_rank']},\nexit code {logged['exitcode']} (the earliest, "
+                       "timed to the second)", fontsize=6.5, va="center")
         restart = next((e for e in after[:stop] if e["event"] == "restart"), None)
         if restart is not None:
             right.annotate("", (5.0, y - 2.55), (5.0, y - 1.75),

@@ -15,7 +15,7 @@ from .common import figure_to_png, new_figure, show
 from .interactive import widget_with_fallback
 
 __all__ = ["draw_ring_step", "ring_steps_figure", "ring_frames", "ring_stepper", "cost_figure",
-           "fit_figure", "cost_vs_n_figure", "pipeline_figure"]
+           "fit_figure", "cost_vs_n_figure", "pipeline_figure", "rabenseifner_figure"]
 
 
 _PHASE_COLOURS = {"start": "#555555", "scatter-reduce": "#1f77b4", "all-gather": "#2ca02c"}
@@ -168,6 +168,38 @@ def ring_stepper(trace, static: bool = True,
         build, every_state,
         placeholder=f"[interactive stepper over {n_states} ring states: run the notebook live "
                     f"to use it; all states are drawn below]")
+
+
+def rabenseifner_figure(rounds: Sequence[dict], length: int):
+    """Rabenseifner's rounds, as :func:`dpcourse.ring.simulate_rabenseifner` recorded them
+    (its ``rounds`` list): one panel per round, each worker a row of ``length`` cells, the part
+    it still reduces (halving) or holds complete (doubling) after that round shaded, the
+    partners of the round named on the left."""
+    n = len(rounds[0]["parts"])
+    panels = [{"phase": "start", "distance": 0, "parts": [(0, length)] * n}] + list(rounds)
+    fig = new_figure(2.0 * len(panels), 0.45 * n + 0.9)
+    colours = {"start": "#bbbbbb", "halving": "#1f77b4", "doubling": "#2ca02c"}
+    for k, rd in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), k + 1)
+        for w, (lo, hi) in enumerate(rd["parts"]):
+            y = n - 1 - w
+            ax.add_patch(_rect(0, y + 0.1, length, 0.8, "white", "#999999"))
+            ax.add_patch(_rect(lo, y + 0.1, hi - lo, 0.8, colours[rd["phase"]], "black"))
+            label = f"w{w}" if not rd["distance"] else f"w{w}↔w{w ^ rd['distance']}"
+            ax.text(-0.3, y + 0.5, label, ha="right", va="center", fontsize=7)
+        ax.set_xlim(-3.2, length + 0.2)
+        ax.set_ylim(0, n)
+        ax.axis("off")
+        title = "start" if k == 0 else f"round {k}: {rd['phase']}\n(partners {rd['distance']} apart)"
+        ax.set_title(title, fontsize=8)
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.02, top=0.78, wspace=0.05)
+    return fig
+
+
+def _rect(x, y, w, h, face, edge):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x, y), w, h, facecolor=face, edgecolor=edge, linewidth=0.6)
 
 
 def cost_figure(alpha: float, beta: float, n_fixed: int = 8, nbytes_fixed: float = 100e6,

@@ -17,9 +17,9 @@ __all__ = ["reducer_figure", "overlap_timeline_figure", "overlap_model_figure",
 
 def reducer_figure():
     """Lesson 07: what DDP's reducer does with one gradient, left to right — the autograd hook,
-    the gradient's place in its bucket (a copy, or the gradient *is* a view of it), the launch
-    in bucket order, the wait and the copy back (none with views). How the reducer keeps the
-    order is lab 07's part 2, so the figure does not draw it."""
+    the gradient's values into its bucket, the launch in bucket order, the wait and the copy
+    back (none with views). How the reducer keeps the order, and how it handles a gradient
+    that may already be its view, are lab 07's part 2, so the figure draws neither."""
     from matplotlib.patches import FancyBboxPatch
 
     fig = new_figure(9.0, 2.4)
@@ -30,7 +30,7 @@ def reducer_figure():
     steps = [
         ("1. hook", "autograd has accumulated\np.grad: the reducer's\nhook on p runs"),
         ("2. into the bucket",
-         "copy p.grad into its slice\n(÷N on the way), or\np.grad IS the slice (view)"),
+         "p.grad's values end up\nin its slice of the\nbucket (÷N on the way)"),
         ("3. launch in order",
          "a complete bucket goes\non the wire in bucket\norder, never before one\nahead of it"),
         ("4. wait", "end of backward: wait on\nevery bucket's all-reduce"),

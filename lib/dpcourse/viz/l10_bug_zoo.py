@@ -20,11 +20,12 @@ def timeout_behaviour_figure(timeout: float = 2.0):
     """What a rank does when its partner never joins a collective, per backend, as torch 2.14's
     source describes it (a diagram, not a measurement): gloo blocks in the call and raises at
     the timeout; NCCL, once the group's communicator exists, enqueues the collective and returns
-    at once, Python runs on until it needs the result, and the watchdog thread aborts the whole
-    process at the timeout; when the call is the group's first NCCL collective (communicator
-    formed lazily, in blocking mode by default) the rank blocks inside the call while the
-    communicator is set up, with no work queued for the watchdog to time out; with
-    ``TORCH_NCCL_BLOCKING_WAIT=1`` NCCL's ``wait()`` blocks and raises instead."""
+    at once, Python runs on until it needs the result, and the watchdog thread tears the whole
+    process down at the timeout (``ErrorHandlingMode``, ``ProcessGroupNCCL.hpp``); when the call
+    is the group's first NCCL collective (communicator formed lazily, in blocking mode by
+    default) the rank blocks inside the call while the communicator is set up, with no work
+    queued for the watchdog to time out; with ``TORCH_NCCL_BLOCKING_WAIT=1`` NCCL's ``wait()``
+    blocks and raises instead."""
     fig = new_figure(8.0, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     end = timeout * 1.6
@@ -35,7 +36,7 @@ def timeout_behaviour_figure(timeout: float = 2.0):
                                               "Python runs on\n(call returned)"),
                                              (timeout * 0.6, timeout, "#ff7f0e",
                                               "blocks at\n.item()")],
-             "watchdog aborts the process (SIGABRT)"),
+             "the watchdog tears the\nprocess down"),
             ("NCCL, first collective", [(0, end, "#d62728",
                                          "in all_reduce: forming the communicator (blocked)")],
              "still blocked: no work\nqueued, no watchdog timeout"),
