@@ -13,6 +13,7 @@ and what to fix when something is missing. Lesson 00 runs it.
     python -m dpcourse times           # each lesson's honest time against its header
     python -m dpcourse mutate [labNN]  # how good are the lab checks? (dpcourse.tools.mutate)
     python -m dpcourse progress PATH   # the class table from DPCOURSE_PROGRESS (tools.progress)
+    python -m dpcourse translate status|update NAME|build   # the Chinese edition (tools.translate)
 
 ``build``, ``check`` and ``times`` are :mod:`dpcourse.tools.authoring`'s commands.
 """
@@ -169,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         from dpcourse.tools import progress
 
         return progress.main(argv[1:])
+    if argv[:1] == ["translate"]:  # its own parser, in dpcourse.tools.translate
+        from dpcourse.tools import translate
+
+        return translate.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m dpcourse")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="check this machine for the course")
@@ -205,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("progress", add_help=False, help="the class table from the file the lab "
                    "checks append to (DPCOURSE_PROGRESS): who passed which check, and the most "
                    "common mistake (progress PATH [--lab labNN] [--json])")
+    sub.add_parser("translate", add_help=False, help="the Chinese edition: which translations "
+                   "are missing or stale (status), add blocks for new English cells (update "
+                   "NAME), write zh/ (build)")
     args = parser.parse_args(argv)
     if args.cmd == "diagnose":
         return diagnose_script(args.script, args.script_args, args.nproc, args.timeout,

@@ -6,6 +6,8 @@
   answers a lab check lets through (``python -m dpcourse mutate``);
 * :mod:`dpcourse.tools.doctor_run` — every lesson and solution under strict nbval on this machine
   (``python -m dpcourse doctor --run``);
+* :mod:`dpcourse.tools.translate` — the Chinese edition: translations keyed by cell id and the
+  English text's hash, and the Chinese notebooks built from them (``python -m dpcourse translate``);
 * :mod:`dpcourse.tools.workshop` — N pretend learners launching at once, and their settings
   (``python -m dpcourse workshop-check``).
 

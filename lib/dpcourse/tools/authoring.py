@@ -17,6 +17,11 @@ and ``### END SOLUTION`` becomes a TODO that raises NotImplementedError, outputs
 cells tagged ``solution-only`` are dropped, and a first cell says where the lab came from.
 A hint for the TODO may follow the marker: ``### BEGIN SOLUTION: average the gradients``.
 
+Cell ids are stable across builds (``keep_ids``): a rebuilt notebook's cells take the ids of
+the cells they replace, so the Chinese edition's translations (``dpcourse.tools.translate``),
+keyed by cell id, survive a rebuild; only a genuinely new cell gets a fresh id. A lab's cells
+carry the ids of their solution's cells.
+
 Never edit an .ipynb by hand: tests/test_authoring.py fails when a notebook and its source, or
 a lab and its solution, are out of sync.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import json
 import re
 import sys
@@ -36,7 +42,7 @@ import jupytext
 import nbformat
 
 __all__ = ["build", "make_lab", "check_sync", "sources", "main", "ROOT", "TimeEstimate",
-           "estimate_time", "header_minutes", "folded"]
+           "estimate_time", "header_minutes", "folded", "keep_ids", "write_keeping_ids"]
 
 ROOT = Path(__file__).resolve().parents[3]   # lib/dpcourse/tools/ -> the clone
 SOURCE_DIRS = ("lessons", "solutions")
@@ -167,6 +173,64 @@ def make_lab(solution_nb: nbformat.NotebookNode, source_name: str) -> nbformat.N
     return lab
 
 
+# ---- stable cell ids ----------------------------------------------------------------------
+# jupytext gives every cell a random id each time a source is read, so before this every build
+# renamed every cell (git log -p of any notebook showed each "id" line changed). The Chinese
+# edition keys each translation by its English cell's id, so a rebuild must keep them.
+# The cells the build names itself keep their names and are never paired with others.
+FIXED_IDS = frozenset({INSTALL_TAG, "generated-header"})
+
+
+def keep_ids(new: nbformat.NotebookNode, old: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Give ``new``'s cells the ids of the ``old`` cells they stand for, in place, and return it.
+
+    The two cell lists are aligned with difflib over (cell type, source): a cell in an equal run
+    keeps its old id; in a replaced run (edited cells) the cells paired one to one by position
+    keep the old ids, so an edited cell keeps its id and its translation turns stale rather
+    than missing; cells left over (inserted) keep the fresh ids they came with. A moved cell is
+    a delete plus an insert to difflib, so it is matched afterwards by its exact content."""
+    def key(c):
+        return (c.cell_type, c.source)
+
+    old_cells = [c for c in old.cells if c.get("id") not in FIXED_IDS]
+    new_cells = [c for c in new.cells if c.get("id") not in FIXED_IDS]
+    taken: dict[int, str] = {}   # index in new_cells -> the old id it inherits
+    used: set[int] = set()       # indices in old_cells whose id is given away
+    matcher = difflib.SequenceMatcher(None, [key(c) for c in old_cells],
+                                      [key(c) for c in new_cells], autojunk=False)
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op in ("equal", "replace"):
+            for i, j in zip(range(i1, i2), range(j1, j2)):
+                if op == "equal" or old_cells[i].cell_type == new_cells[j].cell_type:
+                    taken[j] = old_cells[i].id
+                    used.add(i)
+    # moved cells: an unmatched new cell equal to an unmatched old one takes its id
+    spare = {}
+    for i, c in enumerate(old_cells):
+        if i not in used:
+            spare.setdefault(key(c), []).append(i)
+    for j, c in enumerate(new_cells):
+        if j not in taken and spare.get(key(c)):
+            taken[j] = old_cells[spare[key(c)].pop(0)].id
+    for j, old_id in taken.items():
+        new_cells[j].id = old_id
+    # a fresh id that happens to equal an inherited one would make two cells one
+    seen = set(FIXED_IDS) | set(taken.values())
+    for j, c in enumerate(new_cells):
+        if j not in taken:
+            while c.id in seen:
+                c.id = nbformat.v4.new_markdown_cell().id
+            seen.add(c.id)
+    return new
+
+
+def write_keeping_ids(nb: nbformat.NotebookNode, path: Path) -> None:
+    """``nbformat.write``, after ``keep_ids`` against the notebook already at ``path``."""
+    if path.exists():
+        keep_ids(nb, nbformat.read(path, as_version=4))
+    nbformat.write(nb, path)
+
+
 @dataclass
 class BuildResult:
     path: Path
@@ -186,6 +250,9 @@ def _write_lab(solution: Path, nb: nbformat.NotebookNode) -> Path:
     lab = make_lab(nb, f"{solution.parent.name}/{solution.name}")
     out = lab_path_for(solution)
     out.parent.mkdir(exist_ok=True)
+    # No keep_ids against the old lab: make_lab copied the solution's cells, ids included, and
+    # the solution kept its ids, so the lab's ids are already the ones it had (and its prose is
+    # translated once, under the solution's ids).
     nbformat.write(lab, out)
     return out
 
@@ -203,7 +270,7 @@ def build(names: list[str] | None = None, root: Path = ROOT, run: bool = True) -
             print(f"executing {src.relative_to(root)} ...", flush=True)
             execute(nb, src.parent)
         seconds = time.perf_counter() - t0
-        nbformat.write(nb, src.with_suffix(".ipynb"))
+        write_keeping_ids(nb, src.with_suffix(".ipynb"))
         results.append(BuildResult(src, seconds))
         if src.parent.name == "solutions":
             _write_lab(src, nb)

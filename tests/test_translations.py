@@ -1,0 +1,293 @@
+"""The Chinese edition's promises (dpcourse.tools.translate): every translation file is current
+with its English notebook, the Chinese notebooks are what ``translate build`` writes now, their
+code and outputs are the English ones, and the glossary's renderings are used. Also the stable
+cell ids the translations are keyed by (authoring.keep_ids). Executes nothing; a few seconds."""
+
+import copy
+import shutil
+
+import nbformat
+import pytest
+
+from dpcourse.tools import authoring, translate
+
+ROOT = authoring.ROOT
+ENGLISH = [p for d in translate.EDITIONS for p in sorted((ROOT / d).glob("*.ipynb"))]
+TRANSLATED = [p for p in ENGLISH if translate.text_path(p).exists()]
+BUILT = sorted((ROOT / "zh").glob("*/*.ipynb"))
+
+
+def test_there_is_something_to_check():
+    """Lesson 00 is the pilot: without it every test below would pass on nothing."""
+    assert ROOT / "lessons" / "00_start_here.ipynb" in TRANSLATED
+    assert ROOT / "zh" / "lessons" / "00_start_here.ipynb" in BUILT
+
+
+@pytest.mark.parametrize("notebook", TRANSLATED, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_translation_is_complete_and_current(notebook):
+    report = translate.status(notebook)
+    assert report.ok, "\n".join(report.problems())
+
+
+def test_the_chinese_notebooks_are_what_translate_build_writes():
+    assert translate.out_of_date() == []
+
+
+@pytest.mark.parametrize("built", BUILT, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_code_outputs_and_metadata_are_the_english_notebooks(built):
+    zh = nbformat.read(built, as_version=4)
+    en = nbformat.read(ROOT / built.parent.name / built.name, as_version=4)
+    assert zh.cells[0].id == "zh-generated-header" and "请勿" in zh.cells[0].source
+    assert zh.metadata == en.metadata
+    assert len(zh.cells) == len(en.cells) + 1
+    for z, e in zip(zh.cells[1:], en.cells):
+        assert (z.id, z.cell_type, z.metadata) == (e.id, e.cell_type, e.metadata), e.id
+        if e.cell_type == "code":
+            assert z == e, f"{built.name} code cell {e.id} differs from the English one"
+
+
+def test_the_glossary_is_followed():
+    glossary = translate.read_glossary()
+    assert 40 <= len(glossary.terms) <= 60, len(glossary.terms)
+    problems = [p for nb in TRANSLATED for p in translate.glossary_problems(nb, glossary)]
+    assert problems == []
+
+
+# ---- the checks notice what they are for (temporary copies) --------------------------------
+
+def _copy_lesson_00(root):
+    """A repository of one translated lesson, to break on purpose."""
+    for rel in ("lessons/00_start_here.ipynb", "zh/text/lessons/00_start_here.md",
+                "zh/lessons/00_start_here.ipynb"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, root / rel)
+    (root / "solutions").mkdir()
+    (root / "labs").mkdir()
+    return root / "lessons" / "00_start_here.ipynb"
+
+
+def test_an_english_edit_is_named_with_its_cell(tmp_path):
+    path = _copy_lesson_00(tmp_path)
+    assert translate.status(path, tmp_path).ok and translate.out_of_date(tmp_path) == []
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "markdown" and "process group" in c.source)
+    cell.source = cell.source.replace("process group", "group of processes")
+    nbformat.write(nb, path)
+    problems = translate.status(path, tmp_path).problems()
+    assert len(problems) == 1
+    assert f"cell {cell.id}" in problems[0] and "'## Running many processes from a" in problems[0]
+    assert "changed in English" in problems[0]
+    stale = translate.out_of_date(tmp_path)
+    assert len(stale) == 1 and cell.id in stale[0] and "stale" in stale[0]
+
+
+def test_rewrapping_the_english_is_not_an_edit(tmp_path):
+    path = _copy_lesson_00(tmp_path)
+    nb = nbformat.read(path, as_version=4)
+    md = next(c for c in nb.cells if c.cell_type == "markdown")
+    md.source = md.source.replace("\n", "\n\n").replace(" ", "  ") + "\n"
+    nbformat.write(nb, path)
+    assert translate.status(path, tmp_path).ok
+
+
+def test_a_new_cell_is_missing_and_update_marks_it_untranslated(tmp_path):
+    path = _copy_lesson_00(tmp_path)
+    nb = nbformat.read(path, as_version=4)
+    new = nbformat.v4.new_markdown_cell("A brand new paragraph about buckets.")
+    nb.cells.insert(3, new)
+    nbformat.write(nb, path)
+    report = translate.status(path, tmp_path)
+    assert report.missing == [(new.id, "A brand new paragraph about buckets.")]
+    translate.update(path, tmp_path)
+    blocks = translate.read_blocks(translate.text_path(path, tmp_path))
+    added = next(b for b in blocks if b.cell_id == new.id)
+    assert added.untranslated and added.text == new.source
+    assert translate.status(path, tmp_path).missing == report.missing   # still to translate
+    # the file follows the notebook's order, so the new block sits where its cell does
+    assert [b.cell_id for b in blocks] == [c.id for c in nb.cells if c.cell_type == "markdown"]
+    with pytest.raises(ValueError, match=f"{new.id}.*untranslated"):
+        translate.translated_notebook(path, tmp_path)
+
+
+def test_accept_clears_a_stale_block(tmp_path):
+    path = _copy_lesson_00(tmp_path)
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "markdown")
+    cell.source += "\nOne more sentence."
+    nbformat.write(nb, path)
+    assert [cid for cid, _ in translate.status(path, tmp_path).stale] == [cell.id]
+    translate.update(path, tmp_path, accept=(cell.id,))
+    assert translate.status(path, tmp_path).ok
+
+
+def test_update_rekeys_blocks_of_a_notebook_rebuilt_with_new_ids(tmp_path):
+    """A notebook built before ids were stable: every id changed, the text did not."""
+    path = _copy_lesson_00(tmp_path)
+    nb = nbformat.read(path, as_version=4)
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "markdown":
+            c.id = f"new{i:05d}"
+    nbformat.write(nb, path)
+    report = translate.status(path, tmp_path)
+    assert len(report.orphaned) == len(report.missing) == report.cells
+    before = translate.read_blocks(translate.text_path(path, tmp_path))
+    translate.update(path, tmp_path)
+    after = translate.read_blocks(translate.text_path(path, tmp_path))
+    assert translate.status(path, tmp_path).ok
+    assert [b.text for b in after] == [b.text for b in before]
+    assert [b.cell_id for b in after] == [c.id for c in nb.cells if c.cell_type == "markdown"]
+
+
+def test_update_does_not_guess_between_two_cells_with_one_text(tmp_path):
+    path = tmp_path / "lessons" / "99_x.ipynb"
+    path.parent.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("Same."),
+                                         nbformat.v4.new_markdown_cell("Same.")])
+    nbformat.write(nb, path)
+    text = translate.text_path(path, tmp_path)
+    text.parent.mkdir(parents=True)
+    text.write_text(translate.render(
+        [translate.Block("gone1234", translate.english_hash("Same."), "一样。")], "x"))
+    translate.update(path, tmp_path)
+    report = translate.status(path, tmp_path)
+    assert [cid for cid, _ in report.orphaned] == ["gone1234"]
+    assert len(report.missing) == 2
+
+
+def test_structure_and_glossary_checks_catch_a_careless_block(tmp_path):
+    path = tmp_path / "lessons" / "99_x.ipynb"
+    path.parent.mkdir()
+    english = "## Ranks\n\nEach rank joins the process group.\n<details>\n\nmore\n</details>"
+    cell = nbformat.v4.new_markdown_cell(english)
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), path)
+    text = translate.text_path(path, tmp_path)
+    text.parent.mkdir(parents=True)
+    blocks = [translate.Block(cell.id, translate.english_hash(english),
+                              "## 秩\n\n每个秩都加入进程组。\n\n更多")]   # no <details>, rank translated
+    text.write_text(translate.render(blocks, "x"))
+    report = translate.status(path, tmp_path)
+    assert report.structure and "<details>" in report.problems()[0]
+    glossary = translate.Glossary({"rank": translate.KEPT, "process group": "进程组",
+                                   "bucket": "桶"})
+    problems = translate.glossary_problems(path, glossary, tmp_path)
+    assert len(problems) == 1 and "keeps 'rank' in English" in problems[0]
+
+
+def test_a_lab_is_translated_from_its_solutions_file(tmp_path):
+    solution = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("## Part 1\n\nWrite the step; see [lesson 03](../lessons/03_x.ipynb)."),
+        nbformat.v4.new_code_cell("def f():\n    ### BEGIN SOLUTION: the step\n    return 1\n"
+                                  "    ### END SOLUTION\n"),
+        nbformat.v4.new_markdown_cell("Only in the solution.", metadata={"tags": ["solution-only"]}),
+    ])
+    for folder in ("solutions", "labs", "lessons"):
+        (tmp_path / folder).mkdir()
+    nbformat.write(solution, tmp_path / "solutions" / "lab99_x.ipynb")
+    nbformat.write(authoring.make_lab(solution, "solutions/lab99_x.py"),
+                   tmp_path / "labs" / "lab99_x.ipynb")
+    text = translate.text_path(tmp_path / "solutions" / "lab99_x.ipynb", tmp_path)
+    text.parent.mkdir(parents=True)
+    text.write_text(translate.render([
+        translate.Block(solution.cells[0].id, translate.english_hash(solution.cells[0].source),
+                        "## 第 1 部分\n\n写出这一步；见[第 03 课](../lessons/03_x.ipynb)。"),
+        translate.Block(solution.cells[2].id, translate.english_hash(solution.cells[2].source),
+                        "只在参考答案中。")], "x"))
+    written = translate.build(tmp_path)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in written) == [
+        "zh/labs/lab99_x.ipynb", "zh/solutions/lab99_x.ipynb"]
+    lab = nbformat.read(tmp_path / "zh" / "labs" / "lab99_x.ipynb", as_version=4)
+    assert [c.id for c in lab.cells[:2]] == ["zh-generated-header", "generated-header"]
+    assert "自动生成的实验" in lab.cells[1].source and "solutions/lab99_x.py" in lab.cells[1].source
+    # lesson 03 has no Chinese edition: the link goes from zh/labs/ to the English lesson
+    assert lab.cells[2].source.endswith("见[第 03 课](../../lessons/03_x.ipynb)。")
+    assert "raise NotImplementedError" in lab.cells[3].source
+    assert translate.out_of_date(tmp_path) == []
+
+
+def test_hash_and_file_format_round_trip():
+    assert translate.english_hash("a  b\n\nc\n") == translate.english_hash("a b c")
+    assert translate.english_hash("a b c") != translate.english_hash("a b d")
+    blocks = [translate.Block("abc12345", "0" * 12, "# 标题\n\n正文。"),
+              translate.Block("def67890", "1" * 12, "English still", untranslated=True)]
+    assert translate.parse(translate.render(blocks, "lessons/x.ipynb")) == blocks
+    with pytest.raises(ValueError, match="two blocks"):
+        translate.parse(translate.render(blocks + blocks[:1], "x"))
+
+
+# ---- stable cell ids (authoring.keep_ids) --------------------------------------------------
+
+def _nb(*cells):
+    """A notebook of (type, source) pairs; "m" markdown, "c" code."""
+    make = {"m": nbformat.v4.new_markdown_cell, "c": nbformat.v4.new_code_cell}
+    return nbformat.v4.new_notebook(cells=[make[t](s) for t, s in cells])
+
+
+OLD = (("m", "# Title"), ("c", "x = 1"), ("m", "Some prose."), ("c", "print(x)"), ("m", "End."))
+
+
+def _rebuilt(old, *cells):
+    """What a rebuild produces: the same kind of notebook with fresh random ids."""
+    new = _nb(*cells)
+    assert not {c.id for c in new.cells} & {c.id for c in old.cells}
+    return authoring.keep_ids(new, old)
+
+
+def test_a_rebuild_that_changes_nothing_keeps_every_id():
+    old = _nb(*OLD)
+    assert [c.id for c in _rebuilt(old, *OLD).cells] == [c.id for c in old.cells]
+
+
+def test_an_edited_cell_keeps_its_id():
+    old = _nb(*OLD)
+    new = _rebuilt(old, *OLD[:2], ("m", "Some prose, edited."), *OLD[3:])
+    assert [c.id for c in new.cells] == [c.id for c in old.cells]
+
+
+def test_an_inserted_cell_gets_a_fresh_id_and_the_others_keep_theirs():
+    old = _nb(*OLD)
+    new = _rebuilt(old, *OLD[:3], ("m", "New."), *OLD[3:])
+    ids = [c.id for c in new.cells]
+    assert ids[:3] + ids[4:] == [c.id for c in old.cells]
+    assert ids[3] not in {c.id for c in old.cells} and len(set(ids)) == len(ids)
+
+
+def test_a_deleted_cell_takes_its_id_away():
+    old = _nb(*OLD)
+    new = _rebuilt(old, *OLD[:2], *OLD[3:])
+    assert [c.id for c in new.cells] == [c.id for i, c in enumerate(old.cells) if i != 2]
+
+
+def test_a_moved_cell_keeps_its_id():
+    old = _nb(*OLD)
+    new = _rebuilt(old, OLD[2], *OLD[:2], *OLD[3:])
+    by_source = {c.source: c.id for c in old.cells}
+    assert [c.id for c in new.cells] == [by_source[c.source] for c in new.cells]
+
+
+def test_an_edit_never_gives_a_markdown_id_to_a_code_cell():
+    old = _nb(("m", "A"), ("m", "B"))
+    new = _rebuilt(old, ("m", "A"), ("c", "b = 2"))
+    assert new.cells[0].id == old.cells[0].id and new.cells[1].id != old.cells[1].id
+
+
+def test_the_builds_own_cells_keep_their_names():
+    old = _nb(("m", "Title"), ("c", "install, version 1"), ("c", "x = 1"))
+    old.cells[1].id = authoring.INSTALL_TAG
+    new = _nb(("m", "Title"), ("c", "install, version 2"), ("c", "x = 1"))
+    new.cells[1].id = authoring.INSTALL_TAG
+    authoring.keep_ids(new, old)
+    assert [c.id for c in new.cells] == [c.id for c in old.cells]
+
+
+def test_write_keeping_ids_and_the_lab_inherit_the_solutions_ids(tmp_path):
+    path = tmp_path / "lab99.ipynb"
+    old = _nb(("m", "Goal."), ("c", "### BEGIN SOLUTION\nx = 1\n### END SOLUTION"))
+    nbformat.write(old, path)
+    new = copy.deepcopy(old)
+    for c in new.cells:
+        c.id = nbformat.v4.new_code_cell().id
+    new.cells[0].source = "Goal, reworded."
+    authoring.write_keeping_ids(new, path)
+    assert [c.id for c in nbformat.read(path, as_version=4).cells] == [c.id for c in old.cells]
+    lab = authoring.make_lab(new, "solutions/lab99.py")
+    assert [c.id for c in lab.cells] == ["generated-header"] + [c.id for c in old.cells]
