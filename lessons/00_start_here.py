@@ -53,7 +53,7 @@
 # | [05 MirroredStrategy](05_mirrored_strategy.ipynb) | TensorFlow's data parallelism, Keras `fit`, a custom loop, multi-worker | mirrored step == one replica on the global batch | loss scaling in a custom loop |
 # | [06 ring AllReduce](06_ring_allreduce.ipynb) | the algorithm, its cost model fitted to your machine, a real ring | ring == sum; bytes per rank == 2(N−1)K/N | the ring, simulated then real |
 # | [07 inside DDP](07_inside_ddp.ipynb) | hooks that all-reduce as gradients are ready, buckets, the overlap timeline, comm hooks (fp16, bf16, PowerSGD) | hooked and bucketed == DDP; one all-reduce per bucket | the bucketed, hook-driven wrapper |
-# | [08 sharded data parallel](08_sharded_data_parallel.ipynb) | where the memory goes, ZeRO-1/2/3 from scratch, FSDP2, which stage fits | every stage and FSDP2 == DDP; bytes held == the formula | ZeRO-1 |
+# | [08 sharded data parallel](08_sharded_data_parallel.ipynb) | where the memory goes, ZeRO-1/2/3 from scratch, FSDP2, which stage fits | every stage and FSDP2 == DDP; bytes held == the formula | ZeRO-2, overlapped with the backward |
 # | [09 beyond lockstep](09_beyond_lockstep.ipynb) | a parameter server, staleness, local SGD, large batches | sync PS == DDP; τ = 0 == SGD; H = 1 == DDP | the asynchronous worker loop |
 # | [10 bug zoo](10_bug_zoo.ipynb) | eleven broken distributed programs, each run safely with its detector and fix | every detector fires on its bug and stays quiet on the fix | name and fix five bugs |
 # | [11 beyond data parallel](11_beyond_data_parallel.ipynb) | why data parallelism ends (memory at batch 1, the critical batch size); tensor parallel (Megatron's MLP) from scratch and with `parallelize_module`; pipeline parallel (GPipe, the bubble, 1F1B); a 2-D mesh DP × TP; a planner | TP MLP == plain MLP; 2-D mesh == one device; the bubble measured against (K−1)/(M+K−1) | column/row-parallel layers |
@@ -488,6 +488,6 @@ viz.quiz([
 # - `nvidia/nccl/lib/libnccl.so.2` (NCCL 2.30.7, the `nvidia-nccl-cu13` wheel torch depends on) —
 #   NCCL's refusal of two ranks on one GPU is a check inside the NCCL library, not in torch's
 #   Python; its error reads "Multiple Ranks are using the same GPU/Partition. Set
-#   NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration." (the cell after the backends'
-#   table finds it in the installed library): a default that the environment variable lifts, not
+#   NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration." (the aside's folded "second run"
+#   finds it in the installed library): a default that the environment variable lifts, not
 #   an absolute rule. (Older NCCL releases said "Duplicate GPU detected".)

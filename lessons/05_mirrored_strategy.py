@@ -11,7 +11,7 @@
 # - train with Keras `fit`, mixed precision, checkpoints and two multi-worker processes;
 # - map every piece of MirroredStrategy to its PyTorch DDP counterpart.
 #
-# **Time:** about 55 minutes to read and run.
+# **Time:** about 60 minutes to read and run.
 #
 # **Lab:** [lab05_mirrored_strategy](../labs/lab05_mirrored_strategy.ipynb) — the custom loop
 # with correct loss scaling.

@@ -11,7 +11,7 @@
 # - build a ring from point-to-point messages, and say when a naive send-then-receive ring
 #   deadlocks.
 #
-# **Time:** about 40 minutes to read and run (the cost-model explorer invites longer).
+# **Time:** about 45 minutes to read and run (the cost-model explorer invites longer).
 #
 # **Lab:** [lab06_ring_allreduce](../labs/lab06_ring_allreduce.ipynb) — the ring, simulated then
 # real.

@@ -17,7 +17,7 @@
 #   of a hung rank;
 # - fix each bug, and prove the fix with the same detector staying quiet.
 #
-# **Time:** about 70 minutes to read and run.
+# **Time:** about 75 minutes to read and run.
 #
 # **Lab:** [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb) — five broken scripts whose bugs are
 # not among this lesson's (some put an earlier lesson's rule to a new case): name each bug and
