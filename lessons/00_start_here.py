@@ -100,7 +100,8 @@ except LabCheckError as err:
 # *ranks* (numbered 0, 1, …), which exchange tensors through a *backend*: the library that moves
 # the tensors between them, **gloo** (made for CPU tensors; it takes GPU tensors too, for
 # nearly every operation — lesson 03 finds which in the installed library — but slowly, through
-# the CPU's memory) or **NCCL** (NVIDIA's, GPU tensors only). Which
+# the CPU's memory, unless built with InfiniBand support) or **NCCL** (NVIDIA's, GPU tensors
+# only). Which
 # backend the ranks use, and on which devices, depends on the machine. The lessons never ask
 # you to edit a cell to match your hardware. `dpcourse.devices` looks at the machine and picks
 # one of three profiles:
@@ -160,7 +161,8 @@ claim("NCCL is chosen only when every rank can own a GPU",
 # From lesson 03 on, cells start several processes ("ranks") that work together. Doing that from
 # a notebook has traps — a function defined in a cell cannot normally be sent to another process
 # (below: why, and how `spawn` gets round it), ranks print on top of each other, and a rank that
-# crashes can leave the others waiting forever. `dpcourse.launch.spawn` deals with all of them:
+# crashes can leave the others waiting: up to the group's timeout (30 minutes by default on
+# gloo), unless the crashed rank's process exits and closes its connections. `dpcourse.launch.spawn` deals with all of them:
 # it returns each rank's result, prints each rank's output after the run with a `[rank k]`
 # prefix, turns a crash in any rank into one error naming it, and stops a hang at a timeout. A
 # first taste — two processes each contribute a number and both receive the sum. The ranks talk
@@ -222,7 +224,7 @@ import inspect
 claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwargs, backend) with "
       "cloudpickle.dumps, and each rank's entry point loads them with cloudpickle.loads",
       "cloudpickle.dumps((fn, args, kwargs, backend))" in inspect.getsource(launch.spawn)
-      and "cloudpickle.loads(payload)" in inspect.getsource(launch._worker_entry))
+      and "cloudpickle.loads(payload)" in inspect.getsource(launch.worker_entry))
 
 # %% [markdown]
 # ### Optional aside: one group, two backends, and NCCL's one-GPU rule
@@ -353,6 +355,7 @@ claim("a group made with the device:backend string 'cpu:gloo' sends CPU tensors 
 # lesson 10 runs both.)
 
 # %%
+import datetime
 import time
 
 
@@ -390,11 +393,23 @@ hang_s = time.perf_counter() - t0
 print(hang_message.split(". ")[0] + ".")
 claim("two ranks that never finish were stopped at the 3 s timeout (well under their 600 s)",
       "never finished within 3 s" in hang_message and hang_s < 30, hang_s=hang_s)
-entry = inspect.getsource(launch._worker_entry)
+entry = inspect.getsource(launch.worker_entry)
 claim("a rank that returned stays alive: after sending its result (result_conn.send_bytes), "
-      "_worker_entry waits for the parent's word that every rank is done "
+      "worker_entry waits for the parent's word that every rank is done "
       "(release_conn.recv_bytes())",
       0 < entry.find("result_conn.send_bytes(message)") < entry.find("release_conn.recv_bytes()"))
+from torch.distributed import constants
+
+claim("torch.distributed.constants.default_pg_timeout is 30 minutes",
+      constants.default_pg_timeout == datetime.timedelta(minutes=30),
+      timeout=str(constants.default_pg_timeout))
+
+# %% [markdown]
+# **▶ `launch.worker_entry`, what each rank runs** (the code the last claim but one reads:
+# click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(launch.worker_entry)  # the source the claim above reads
 
 # %% [markdown]
 # ## Summary
@@ -469,7 +484,9 @@ viz.quiz([
 #   collectives each serves; which collectives gloo runs on GPU tensors is read from the
 #   installed `torch/lib/libtorch_cpu.so` and `libtorch_cuda.so`, by a claim in lesson 03 —
 #   nearly all of them, not the two that PyTorch's older backend table, `docs/source/
-#   distributed.rst` § Backends, marks); `_create_nccl_process_group`
+#   distributed.rst` § Backends, marks; they copy through the CPU's memory except gloo's
+#   all_reduce over a GPUDirect (ibverbs) transport, which this torch lacks: lesson 03's
+#   Sources); `_create_nccl_process_group`
 #   builds `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only supported with
 #   GPUs, no GPUs found!" on a machine without GPUs (shown above with `"cpu:gloo,cuda:nccl"`);
 #   its docstring's `device_id`: only with it is NCCL's communicator formed at once "rather than
@@ -480,11 +497,19 @@ viz.quiz([
 # - `torch/multiprocessing/spawn.py` — `spawn`: its `fn` "must be defined at the top level of a
 #   module so it can be pickled and spawned", which a function in a notebook cell is not; hence
 #   `dpcourse.launch.spawn` ships it with cloudpickle (`lib/dpcourse/launch.py`: `spawn`'s
-#   `cloudpickle.dumps`, `_worker_entry`'s `cloudpickle.loads(payload)` in each rank, both found
+#   `cloudpickle.dumps`, `worker_entry`'s `cloudpickle.loads(payload)` in each rank, both found
 #   by a claim above; its processes start by `forkserver`; the claim before them shows pickle by
-#   name failing where cloudpickle's by-value copy loads; `_worker_entry` sends a rank's result,
-#   then waits on `release_conn.recv_bytes()` until every rank is done, also found by a claim). `start_processes` also offers
+#   name failing where cloudpickle's by-value copy loads; `worker_entry` sends a rank's result,
+#   then waits on `release_conn.recv_bytes()` until every rank is done, also found by a claim
+#   and shown folded). `start_processes` also offers
 #   `start_method="fork"`, whose children inherit the parent's functions.
+# - `torch/distributed/constants.py` — `default_pg_timeout` (`_DEFAULT_PG_TIMEOUT`, 30
+#   minutes, claimed) and `default_pg_nccl_timeout` (10 minutes);
+#   `torch/distributed/distributed_c10d.py` — `_get_default_timeout(backend)`: the NCCL one for
+#   NCCL, `default_pg_timeout` for every other backend (gloo), when `init_process_group` is
+#   given no `timeout` (its docstring: the timeout "for operations executed against the process
+#   group"). gloo's TCP transport: a peer whose process exits closes its
+#   sockets, and the waiting rank fails at once ("Connection closed by peer", run in lesson 10).
 # - `nvidia/nccl/lib/libnccl.so.2` (NCCL 2.30.7, the `nvidia-nccl-cu13` wheel torch depends on) —
 #   NCCL's refusal of two ranks on one GPU is a check inside the NCCL library, not in torch's
 #   Python; its error reads "Multiple Ranks are using the same GPU/Partition. Set

@@ -234,9 +234,11 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 #   setting, not a result: this lesson does not time the neighbour.)
 # - **The verdict.** `train.compare_rates` compares two batch sizes round by round and says
 #   "faster" or "slower" only when one won every round, or all but one (one outlier round does
-#   not decide), and "no clear difference" otherwise (`train.rate_verdict` is that rule). The
-#   sentences under the figure are computed from it: on a loaded machine, where the rounds
-#   disagree, the verdict is "no clear difference", not a guess.
+#   not decide), and "no clear difference" otherwise (`train.rate_verdict` is that rule). It
+#   prints a sign test's p: how often two equally fast settings would split the rounds so
+#   lopsidedly (all but one of seven: p = 0.125, one noise call in eight). The pair, smallest
+#   and largest batch, is chosen before the run: testing the slowest and fastest after it
+#   would call noise a difference far more often.
 # - **The clock.** `ThroughputMeter` (folded below, with `make_loaders` and `fit`) synchronizes
 #   a GPU before reading the clock: CUDA runs asynchronously, and without the sync you would
 #   time how fast Python *queues* work.
@@ -244,10 +246,10 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 #   moved to the device, and stops it after the optimizer step: every rate in this lesson (the
 #   epochs of `fit` above too) is the rate of the training step alone, the loader's time left out.
 #
-# So these rates do not say what fetching costs. The next section times a step fed from batches
-# sliced in advance against one fed through a slow per-sample transform; it does not time
-# `make_loaders`' `DataLoader` itself (it gathers and collates one sample at a time), and a
-# loader that decodes images from disk would cost time outside these rates too. The lines of
+# So these rates do not say what fetching costs. The next section times it: batches sliced in
+# advance (a floor: no loader runs inside the clock), `make_loaders`' `DataLoader` (it gathers
+# and collates one sample at a time), and a slow per-sample transform; a loader that decodes
+# images from disk would cost time outside these rates too. The lines of
 # `train_one_epoch` that place the meter (the step between them stays folded until your lab
 # passes):
 
@@ -267,10 +269,10 @@ claim("the meter starts after the batch reached the device and stops after the o
       line_of(".to(device") < start_at < line_of("optimizer.step()") < stop_at)
 
 # %% [markdown]
-# **▶ `ThroughputMeter`, `make_loaders` and `fit`** (click the folded cell below).
+# **▶ `ThroughputMeter`, `make_loaders`, `TrainConfig` and `fit`** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(train.ThroughputMeter, train.make_loaders, train.fit)
+viz.show_code(train.ThroughputMeter, train.make_loaders, train.TrainConfig, train.fit)
 
 # %%
 batch_sizes = tuple(sorted({16, batch_size, 64, 256}))   # batch_size: the one `fit` used
@@ -315,33 +317,24 @@ claim("SmallCNN's first convolution keeps the image's height and width",
       first_conv(images[:1]).shape[-2:] == images.shape[-2:])
 conv_mb = {bs: bs * first_conv.out_channels * images.shape[-2] * images.shape[-1]
            * images.element_size() / 1e6 for bs in batch_sizes}
-slowest, fastest = min(rates, key=rates.get), max(rates, key=rates.get)  # by median
+smallest = min(batch_sizes)   # the pair compared was chosen before the run: smallest, largest
+verdict, how = train.rate_verdict(measured[smallest], measured[largest])
 print(f"On this {device.type}, one intra-op thread, this run: " + train.compare_rates(
-    f"batch {slowest}", measured[slowest], f"batch {fastest}", measured[fastest]))
-if fastest == largest:
-    verdict, how = train.rate_verdict(measured[slowest], measured[largest])
-    if verdict == "faster":
-        print(f"The biggest batch, {largest}, was the fastest, faster than batch {slowest} "
-              f"{how}: on this machine the bigger matrices paid off up to there.")
-    else:
-        print(f"The biggest batch, {largest}, was the fastest by median, but not clearly faster "
-              f"than batch {slowest}: the hardware was saturated by small batches already, or "
-              "the differences were lost in the noise of this machine.")
+    f"batch {smallest}", measured[smallest], f"batch {largest}", measured[largest]))
+if verdict == "faster":
+    print(f"The biggest batch, {largest}, beat the smallest {how}: on this machine the bigger "
+          "matrices paid off (the medians above show where the rate flattened, if it did).")
+elif verdict == "slower":
+    print(f"The biggest batch, {largest}, was slower than batch {smallest} {how}: saturation "
+          "alone would give a plateau, not a drop. The intermediate tensors grow with the batch "
+          f"— the first convolution's output alone is {conv_mb[largest]:.1f} MB at batch "
+          f"{largest}, against {conv_mb[smallest]:.1f} MB at batch {smallest} — and past the "
+          "processor's caches (a few MB to a few tens of MB) every layer streams its tensors "
+          "through main memory; that is the likely cause, which this cell does not measure.")
 else:
-    verdict, how = train.rate_verdict(measured[fastest], measured[largest])
-    if verdict == "slower":
-        print(f"The biggest batch, {largest}, was slower than batch {fastest} {how}: "
-              "saturation alone would give a plateau, not a drop. The intermediate tensors grow "
-              "with the batch — the first convolution's output alone is "
-              f"{conv_mb[largest]:.1f} MB at batch {largest}, against {conv_mb[fastest]:.1f} MB "
-              f"at batch {fastest} — and past the processor's caches (a few MB to a few tens of "
-              "MB) every layer streams its tensors through main memory; that is the likely "
-              "cause, which this cell does not measure. Bigger is not always faster.")
-    else:
-        print(f"Batch {largest} was neither clearly faster nor clearly slower than batch "
-              f"{fastest}, the fastest by median: past batch {fastest} the rate stayed about "
-              "flat — the hardware was saturated — or the differences were lost in the noise "
-              "of this machine.")
+    print(f"Batch {largest} was neither clearly faster nor clearly slower than batch {smallest}: "
+          "the hardware was saturated by small batches already, or the differences were lost "
+          "in the noise of this machine.")
 fig = viz.new_figure(5.5, 3.2)
 ax = fig.add_subplot(1, 1, 1)
 ax.errorbar(list(batch_sizes), [rates[bs] for bs in batch_sizes],
@@ -363,7 +356,7 @@ viz.show(fig, "training throughput per batch size on this machine (the lines onl
               "pairs, so it can call a gap consistent where the bars overlap.")
 
 # %%
-viz.show_code(train.rate_verdict, train.compare_rates)
+viz.show_code(train.rate_verdict, train.sign_test_p, train.compare_rates)
 
 # %% [markdown]
 # Where does one step's time go? `time_breakdown` charges each phase — waiting for the next
@@ -417,7 +410,7 @@ class SlowAugment(torch.utils.data.Dataset):
 base = data.to_torch(ds.x_train, ds.y_train)
 X_all, y_all = base.tensors
 # batches sliced here, before any clock starts: no loader and no per-sample Python, so their data
-# share is near zero by construction (a floor, not a timing of make_loaders' DataLoader)
+# share is near zero by construction (a floor); make_loaders' DataLoader is timed beside it
 fast = [(X_all[i:i + batch_size], y_all[i:i + batch_size]) for i in range(0, 10 * batch_size, batch_size)]
 slow = torch.utils.data.DataLoader(SlowAugment(base), batch_size=batch_size, shuffle=True)
 m = models.SmallCNN().to(device)
@@ -431,7 +424,9 @@ share, breakdown = {}, {}
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
 try:
-    for name, loader in (("in-memory tensors", fast), ("per-sample Python transform", slow)):
+    for name, loader in (("pre-sliced (a floor)", fast),
+                         ("make_loaders' DataLoader", train.make_loaders(ds, batch_size, seed=seed)[0]),
+                         ("per-sample Python transform", slow)):
         parts = train.time_breakdown(m, loader, loss_fn, opt, device, max_batches=10)
         breakdown[name] = parts
         share[name] = parts["data"] / sum(parts.values())
@@ -458,20 +453,23 @@ ax.set_xlabel("% of the step's time")
 ax.set_xlim(0, 100)
 ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, 1.3))
 fig.subplots_adjust(left=0.3, right=0.97, bottom=0.2, top=0.8)
-viz.show(fig, "with batches sliced from memory the step is all compute; with a per-sample Python "
-              f"transform, {100 * share['per-sample Python transform']:.0f}% of it is spent "
-              "waiting for the next batch.")
+loader_share = share["make_loaders' DataLoader"]
+viz.show(fig, "batches sliced in advance wait for nothing, by construction (a floor); "
+              f"make_loaders' DataLoader: {100 * loader_share:.0f}% of the step "
+              f"waits for data; a per-sample Python transform: "
+              f"{100 * share['per-sample Python transform']:.0f}%.")
 
 # %%
-claim("batches sliced from memory: under 20% of the step waits for data",
-      share["in-memory tensors"] < 0.2, share=share)
+claim("make_loaders' DataLoader (the one fit and lab 01 use): under 20% of the step waits "
+      "for data", share["make_loaders' DataLoader"] < 0.2, share=share)
 # Why not "over half": the share depends on how fast this machine computes (a fast GPU makes
 # it larger, a slow CPU smaller), so the thresholds are loose; this run's shares are printed
 # above.
-claim("the per-sample Python transform: over 20% of the step waits for data, more than 10x "
-      "the share with in-memory batches",
+claim("the per-sample Python transform: over 20% of the step waits for data, more than 3x "
+      "the share with make_loaders' DataLoader",
       share["per-sample Python transform"] > 0.2
-      and share["per-sample Python transform"] > 10 * share["in-memory tensors"], share=share)
+      and share["per-sample Python transform"] > 3 * share["make_loaders' DataLoader"],
+      share=share)
 
 
 # %% [markdown]
@@ -487,7 +485,8 @@ claim("the per-sample Python transform: over 20% of the step waits for data, mor
 # bfloat16 has float32's range: no scaler needed. GPUs from NVIDIA's Ampere generation on
 # (A100, H100) compute in bfloat16 too, so there `autocast(dtype=torch.bfloat16)` without a
 # scaler is the simpler choice; the library's float16 + `GradScaler` also runs on older GPUs.
-# `train.fit(model, ds, train.TrainConfig(amp=True))` picks its pair for the device:
+# `train.fit(model, ds, train.TrainConfig(amp=True, device=...))` picks its pair for the
+# config's device (default "cpu", whatever the machine has: `TrainConfig`, folded above):
 
 # %%
 viz.show_code(train.autocast_for)
@@ -605,28 +604,36 @@ print(f"On this {device.type}, one intra-op thread, this run: "
 # bf16/fp16 autocast, channels_last, `torch.compile` and all of them together, on ResNet-18 —
 # run `python -m dpcourse.bench single` in a terminal. *TF32* (TensorFloat-32) is a mode of
 # NVIDIA GPUs since Ampere in which float32 matrix multiplies and convolutions run on tensor
-# cores with a 10-bit mantissa (float32's range, less precision). On a GPU, torch hands
-# convolutions to *cuDNN* and matrix multiplies to *cuBLAS*, NVIDIA's libraries of
-# deep-learning kernels and of linear algebra, and each has its own TF32 switch. Torch's
-# defaults differ by kind: cuDNN convolutions may use TF32 out of the box, float32 matmuls may
-# not. The switches this course uses (the benchmark sets them; lesson 03's `ddp.setup_rank`
-# turns both off on a GPU) are `torch.backends.cudnn.allow_tf32` and
+# cores with a 10-bit mantissa (float32's range, less precision). *channels_last*
+# (`model.to(memory_format=torch.channels_last)`) stores each pixel's channels next to each
+# other (NHWC instead of NCHW), the layout fast GPU convolution kernels prefer. No GPU numbers
+# are stored in this course: run the command there to get yours. The one practical rule for
+# TF32: torch has two families of switches, the `allow_tf32` flags and the newer
+# `fp32_precision` knobs; pick one family and keep to it (mixing them makes reads of the old
+# ones raise, `torch.compile`'s included). The folded cells below show why, on this CPU.
+
+# %% [markdown]
+# **▶ For GPU users: the details** (click the folded cells below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# On a GPU, torch hands convolutions to *cuDNN* and matrix multiplies to *cuBLAS*, NVIDIA's
+# libraries of deep-learning kernels and of linear algebra, and each has its own TF32 switch.
+# Torch's defaults differ by kind: cuDNN convolutions may use TF32 out of the box, float32
+# matmuls may not. The switches this course uses (the benchmark sets them; lesson 03's
+# `ddp.setup_rank` turns both off on a GPU) are `torch.backends.cudnn.allow_tf32` and
 # `torch.backends.cuda.matmul.allow_tf32`. Torch 2.14 also has a newer family, the
 # `fp32_precision` knobs ("tf32", "ieee" for full float32, or "none": read the level above,
-# per backend and operation). Pick one family and keep to it. Setting an old switch writes
-# the new knob too (the cell shows it for matmuls), but the new knobs do not update the old
-# switches, and once they disagree, reading an old one raises a `RuntimeError` ("mix of the
-# legacy and new APIs"). That read is not only yours:
-# `torch.compile`'s Inductor calls `torch.get_float32_matmul_precision()` when it caches its
-# choice of matmul kernels. A cuDNN-named knob is enough to get there:
+# per backend and operation). Setting an old switch writes the new knob too (the cell shows it
+# for matmuls), but the new knobs do not update the old switches, and once they disagree,
+# reading an old one raises a `RuntimeError` ("mix of the legacy and new APIs"). That read is
+# not only yours: `torch.compile`'s Inductor calls `torch.get_float32_matmul_precision()` when
+# it caches its choice of matmul kernels. A cuDNN-named knob is enough to get there:
 # `torch.backends.cudnn.fp32_precision` is the level the matmul knob reads through to. The
-# cell below shows each step on this CPU (the switches are flags, readable without a GPU) and
-# puts every flag back. *channels_last* is a memory layout
-# (`model.to(memory_format=torch.channels_last)`) that stores each pixel's channels next to each
-# other (NHWC instead of NCHW), the layout fast GPU convolution kernels prefer. No GPU numbers
-# are stored in this course: run the command there to get yours.
+# CUDA knobs also refuse "bf16", which the generic level and the CPU's
+# `torch.backends.mkldnn.matmul` take. **▶ The folded cell below** shows each step on this CPU (the
+# switches are flags, readable without a GPU) and puts every flag back.
 
-# %%
+# %% jupyter={"source_hidden": true}
 on_off = {True: "on", False: "off"}
 print("cudnn.allow_tf32:", on_off[torch.backends.cudnn.allow_tf32],
       "| cuda.matmul.allow_tf32:", on_off[torch.backends.cuda.matmul.allow_tf32])
@@ -667,6 +674,24 @@ claim('with the knob back at "none", the old switches read again: matmul TF32 of
       '"highest"', torch.backends.cuda.matmul.fp32_precision == "none"
       and not torch.backends.cuda.matmul.allow_tf32
       and torch.get_float32_matmul_precision() == "highest")
+# 3. "bf16": which knobs take it (each set, read back, and put back).
+bf16_knobs = {"torch.backends": torch.backends, "mkldnn.matmul": torch.backends.mkldnn.matmul,
+              "cuda.matmul": torch.backends.cuda.matmul, "cudnn.conv": torch.backends.cudnn.conv}
+bf16_takes = {}
+for name, knob in bf16_knobs.items():
+    before = knob.fp32_precision
+    try:
+        knob.fp32_precision = "bf16"
+        bf16_takes[name] = knob.fp32_precision == "bf16"
+    except RuntimeError as e:
+        bf16_takes[name] = str(e)
+    finally:
+        knob.fp32_precision = before
+claim('the CUDA knobs refuse "bf16" ("does not support precision"); the generic level and '
+      'mkldnn.matmul take it', bf16_takes["torch.backends"] is True
+      and bf16_takes["mkldnn.matmul"] is True
+      and all("does not support precision 'bf16'" in str(bf16_takes[k])
+              for k in ("cuda.matmul", "cudnn.conv")), bf16_takes=bf16_takes)
 
 # %% [markdown]
 # ## Seeds and reproducibility
@@ -687,21 +712,28 @@ claim('with the knob back at "none", the old switches read again: matmul TF32 of
 #   `torch.use_deterministic_algorithms(True, warn_only=True)`: deterministic kernels where
 #   torch has them, and only a *warning* for an op that has none, so read the warnings. The flag
 #   is global, so the cell switches it off again.
-# - **cuBLAS's workspace.** Many scripts and answers say deterministic mode *needs*
-#   `CUBLAS_WORKSPACE_CONFIG=:4096:8` (or `:16:8`): torch used to raise an error without it on
-#   a GPU matrix multiply. Torch 2.14.1 no longer checks it. It gives each cuBLAS handle (the
-#   GPU's matrix-multiply library) and stream a workspace of its own, which NVIDIA's cuBLAS
-#   documentation ("Results reproducibility") counts as enough, and the check was removed
-#   (pytorch/pytorch#161749). The cell checks the installed C++ headers: `Context` declares
-#   `alertNotDeterministic` and no cuBLAS alert; a per-handle-and-stream workspace map is
-#   declared. The variable now only *sizes* that scratch memory, read once, at the first cuBLAS
-#   workspace allocation, so set it in the shell if you want another size.
-#   `torch.backends.cuda.cublas_workspace_size(n)` sets the size from Python and beats the
-#   variable, but only for handles used after the call (its docstring; the cell checks it).
-#   `seed_everything(..., deterministic=True)` still sets `:4096:8` when it is unset: harmless
-#   here, and what an older torch needs.
+# - **cuBLAS's workspace.** Torch 2.14.1 no longer needs `CUBLAS_WORKSPACE_CONFIG=:4096:8`
+#   for deterministic mode (the folded details below; the cell checks the installed headers).
 # - **Across machines.** On *different* hardware bit-identity is not promised at all:
 #   floating-point sums are done in different orders.
+
+# %% [markdown]
+# **▶ For GPU users: cuBLAS's workspace, the details** (click the folded cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Many scripts and answers say deterministic mode *needs*
+# `CUBLAS_WORKSPACE_CONFIG=:4096:8` (or `:16:8`): torch used to raise an error without it on
+# a GPU matrix multiply. Torch 2.14.1 no longer checks it. It gives each cuBLAS handle (the
+# GPU's matrix-multiply library) and stream a workspace of its own, which NVIDIA's cuBLAS
+# documentation ("Results reproducibility") counts as enough, and the check was removed
+# (pytorch/pytorch#161749). The cell checks the installed C++ headers: `Context` declares
+# `alertNotDeterministic` and no cuBLAS alert; a per-handle-and-stream workspace map is
+# declared. The variable now only *sizes* that scratch memory, read once, at the first cuBLAS
+# workspace allocation, so set it in the shell if you want another size.
+# `torch.backends.cuda.cublas_workspace_size(n)` sets the size from Python and beats the
+# variable, but only for handles used after the call (its docstring; the cell checks it).
+# `seed_everything(..., deterministic=True)` still sets `:4096:8` when it is unset: harmless
+# here, and what an older torch needs.
 
 # %% [markdown]
 # **▶ `devices.seed_everything`** (click the folded cell below).
@@ -799,7 +831,8 @@ claim("torch 2.14.1's headers: Context declares alertNotDeterministic and no cuB
 #   be combined across processes (lesson 04);
 # - **the learning rate:** it goes with the global batch, which grows with the devices:
 #   k× the batch, k× the lr *with SGD* (lesson 09 §4: the linear scaling rule and warmup);
-#   not with this lesson's Adam, whose step is not linear in the gradient (lesson 09 says why).
+#   not with this lesson's Adam, which divides each step by the square root of a running mean
+#   of squared gradients, so its step is not linear in the gradient.
 #
 # ## Lab 01: write the loop yourself
 #
@@ -887,6 +920,8 @@ viz.quiz([
 #   (hence `zero_grad`).
 # - `torch/nn/modules/dropout.py` — `Dropout`: "During training, randomly zeroes some of the
 #   elements ... with probability p" (none when p = 0).
+# - `torch/optim/adam.py` — `_single_tensor_adam`: `exp_avg_sq.mul_(beta2).addcmul_(grad, grad,
+#   ...)` and a step divided by its square root: not linear in the gradient.
 # - `torch/optim/optimizer.py` — `Optimizer.zero_grad(set_to_none=True)`: the gradients become
 #   `None` (`set_to_none` defaults to `True`).
 # - `torch/amp/autocast_mode.py` — `autocast`: "ops run in an op-specific dtype chosen by
@@ -924,8 +959,9 @@ viz.quiz([
 #   `PersistentCache.lookup` (line 431) and `torch/_inductor/select_algorithm.py` —
 #   `create_precompile_key` call it when Inductor caches and precompiles its choice of matmul
 #   kernels. The values each knob takes are checked in C++ (`_set_fp32_precision_setter`);
-#   measured on torch 2.14.1: the CUDA knobs refuse "bf16" ("backend 'cuda' does not support
-#   precision 'bf16'"), the generic level and `torch.backends.mkldnn.matmul` (CPUs) accept it.
+#   on torch 2.14.1 the CUDA knobs refuse "bf16" ("backend 'cuda' does not support precision
+#   'bf16'"), the generic level and `torch.backends.mkldnn.matmul` (CPUs) accept it (claimed
+#   in the TF32 cell; `torch/backends/mkldnn/__init__.py` — `matmul`'s `fp32_precision`).
 # - `torch/nn/modules/module.py` — `Module.to(memory_format=torch.channels_last)`.
 # - `torch/utils/data/dataloader.py` — `DataLoader(num_workers=...)`: "how many subprocesses to
 #   use for data loading".

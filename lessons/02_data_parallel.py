@@ -101,16 +101,18 @@ for b, n in ((6, 4), (2, 3), (batch, n_devices)):
 
 # %% [markdown]
 # ## 2. Replicate
-# A *broadcast* sends one device's tensor to every device, so that each holds a copy. Each
-# replica's parameters are *outputs of a broadcast*, not leaf tensors: autograd links them
-# back to the original parameters, so the backward of the broadcast receives every copy's
+# A *broadcast* sends one device's tensor to every device, so that each holds a copy. With
+# grad mode on (a training step), each replica's parameters are *outputs of a broadcast*, not
+# leaf tensors (under `torch.no_grad()` torch's `DataParallel.replicate` asks for detached
+# copies instead: *not run here*, Sources): autograd links them back to the original parameters, so the backward of the broadcast receives every copy's
 # gradient and hands one gradient per original parameter back to device 0. That is how
 # gradients reach `model`. The whole trick is one small `autograd.Function` — copies going out
 # in its `forward` (below), the copies' gradients coming back in its `backward` — and
 # `replicate` points each copy of the module at its own copies of the weights. How the
 # `backward` combines what the copies received is what lab 02 asks you to work out for plain
-# copies, and what `replicate` gives each copy besides its weights (the module's buffers) is
-# its part 5, so the code of both waits, folded, below the lab's pointer at the end of this
+# copies, and what `replicate` gives each copy besides its weights — the module's *buffers*,
+# tensors it keeps in its state that are not parameters (no gradient, no optimizer; printed
+# below for a BatchNorm) — is its part 5, so the code of both waits, folded, below the lab's pointer at the end of this
 # lesson:
 
 # %%
@@ -125,6 +127,10 @@ print("replica's copy comes from:", type(w_rep.grad_fn).__name__)
 claim("the original weight is a leaf; the replica's copy is not (autograd links it back)",
       w0.is_leaf and not w_rep.is_leaf)
 claim("the replica's copy holds the same numbers as the original", torch.equal(w0, w_rep))
+bn_probe = nn.BatchNorm2d(8)
+print("a BatchNorm2d's buffers:", [name for name, _ in bn_probe.named_buffers()])
+claim("none of its buffers is among its parameters",
+      not {id(b) for b in bn_probe.buffers()} & {id(q) for q in bn_probe.parameters()})
 
 # %% [markdown]
 # **Replica 0 is not a copy.** It lives on the module's own device, and there its weights are
@@ -268,9 +274,9 @@ claim(f"the {n_devices} forwards ran in {n_devices} threads, the backward, all o
 viz.show(viz.dp_timeline_figure(step),
          "one recorded step: the other devices wait (grey) while device 0 alone scatters and "
          "replicates, and again while it gathers, computes the loss, reduces the gradients and "
-         "steps; the forwards run in threads side by side, but on this one CPU the backward's "
-         "nodes take turns in one thread (on GPUs each device's would have a thread of its "
-         "own), so each lane is mostly grey there. Right: each of "
+         "steps; the forwards run in threads (whether they overlapped is printed below), and on "
+         "this one CPU the backward's nodes take turns in one thread (on GPUs each device's "
+         "would have a thread of its own), so each lane is mostly grey there. Right: each of "
          "device 0's solo pieces, the time every other device waited.")
 
 # %%
@@ -278,11 +284,31 @@ viz.show(viz.dp_timeline_figure(step),
 # (why: timings depend on the machine and its load.)
 # A span is wall time from a piece's start to its end: a thread that waits for the GIL inside
 # its forward is still inside its span, so these sums are not compute time.
+import time
+
 total = max(s[3] for s in spans)
 for d in range(len(step["chunk_sizes"])):
     span = sum(s[3] - s[2] for s in spans if s[0] == d)
     print(f"device {d}: in its spans {span:6.1f} ms (wall time, GIL waits included), "
           f"outside them {total - span:6.1f} ms of {total:.1f} ms")
+fwd = [s for s in spans if s[1] == "forward"]
+fwd_wall = max(s[3] for s in fwd) - min(s[2] for s in fwd)   # first start to last end
+
+
+def chunk_forward_ms():
+    """One chunk's forward alone, with autograd, in this thread."""
+    t0 = time.perf_counter()
+    clock_model(chunks[0])
+    return (time.perf_counter() - t0) * 1e3
+
+
+one_chunk = min(chunk_forward_ms() for _ in range(5))   # best of 5
+in_turn = len(fwd) * one_chunk          # the forwards one after the other, each alone
+print(f"the {len(fwd)} forwards took {fwd_wall:.1f} ms, first start to last end; one chunk's "
+      f"forward alone takes {one_chunk:.2f} ms, so {in_turn:.1f} ms in turn: on this run they "
+      + ("overlapped (shorter than in turn)" if fwd_wall < 0.8 * in_turn else
+         "took longer than in turn: no gain from the threads" if fwd_wall > 1.2 * in_turn else
+         "took about as long as in turn: no measurable overlap") + ".")
 
 # %% [markdown]
 # **▶ How the step is recorded** (click the folded cell below): `viz.record_dp_step`, its hooks
@@ -445,10 +471,10 @@ assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0
 # %% [markdown]
 # And the whole step? Below, one forward + backward of the plain model on the batch against
 # `dp.data_parallel` on 1, 2 and 4 simulated devices, interleaved over five rounds. Every
-# "device" here is the same CPU, and each op runs on one intra-op thread. That does not make
-# the replicas take turns: their forwards run in threads, and torch kernels release the GIL
-# (see below), so on a machine with two or more cores they can use a second core while the
-# plain model's step uses one. The backward on a CPU runs in one thread either way. Against
+# "device" here is the same CPU, and each op runs on one intra-op thread. Their forwards run
+# in threads, and torch kernels release the GIL (see below), so on two or more cores they
+# *can* use a second core while the plain model's step uses one (whether §4's recorded step
+# did is printed under its figure). The backward on a CPU runs in one thread either way. Against
 # that possible gain, DataParallel adds overhead per step — replication, threads, scatter and
 # gather — and the measurement decides which wins. Whether DataParallel's step stands out of
 # this run's noise, and from how many devices on, the last line printed says, computed from
@@ -757,8 +783,12 @@ viz.quiz([
 #   `replicate(self.module, self.device_ids[:len(inputs)])` (fewer devices when the batch gives
 #   fewer chunks), `parallel_apply`, `gather` on `output_device` (device 0 by default). (What
 #   the class docstring says of replica 0's buffers is lab 02's part 5: folded at the end.)
+# - `torch/nn/parallel/data_parallel.py` — `DataParallel.replicate` passes
+#   `detach=not torch.is_grad_enabled()` (lines 199-200).
 # - `torch/nn/parallel/replicate.py` — `replicate`: parameters go through `Broadcast.apply`
-#   (differentiable), buffers that need no gradient through `comm.broadcast_coalesced`
+#   (differentiable) when `detach` is false; under `torch.no_grad()`
+#   `_broadcast_coalesced_reshape` copies them with `comm.broadcast_coalesced`, detached
+#   (lines 93-106), buffers that need no gradient through `comm.broadcast_coalesced`
 #   (detached); each replica module is made by `Module._replicate_for_data_parallel`
 #   (`torch/nn/modules/module.py`), and its parameters are set as plain attributes, not leaves.
 # - `torch/nn/parallel/_functions.py` — `Broadcast.forward` refuses CPU tensors (lines 13-14:

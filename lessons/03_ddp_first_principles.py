@@ -198,8 +198,21 @@ claim("gloo has CUDA code for broadcast and all_gather (libtorch_cpu.so) and, in
 # So gloo takes GPU tensors for nearly every collective, not only the all_reduce and broadcast
 # that PyTorch's backend table in its documentation marks. (`reduce_scatter` has no class of
 # its own, so the names say nothing about it.) It is slow with them: gloo sends and receives
-# from the CPU's memory, so these classes copy the GPU tensor there and the result back
-# (*read from source, not measured*: PyTorch's `ProcessGroupGloo.cpp`, which is not installed).
+# from the CPU's memory, so these classes copy the GPU tensor there and the result back. The
+# exception, `AsyncAllreduceCUDADeviceWork`, runs on GPU memory, chosen only when gloo's
+# transport reads GPU memory directly (GPUDirect, over InfiniBand's ibverbs); this torch's gloo
+# has only its TCP transport (*read from source, not measured*: PyTorch's
+# `ProcessGroupGloo*.cpp`, not installed; the transport's names in the library, ▶ folded below).
+
+# %% jupyter={"source_hidden": true}
+with open(next(torch_lib.glob("libtorch_cpu.*")), "rb") as f, \
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
+    transports = {name: lib.find(name.encode()) >= 0
+                  for name in ("makeTCPDevice", "makeIBVerbsDevice", "TORCH_GLOO_IBV_NAME")}
+claim("this torch's gloo can make its TCP transport and has no ibverbs one (libtorch_cpu.so "
+      "names makeTCPDevice, neither makeIBVerbsDevice nor TORCH_GLOO_IBV_NAME)",
+      transports == {"makeTCPDevice": True, "makeIBVerbsDevice": False,
+                     "TORCH_GLOO_IBV_NAME": False}, found=transports)
 
 # %% [markdown]
 # ## Averaging gradients — and DDP, which does it for you
@@ -959,7 +972,8 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 # **The buffers' switch before torch 2.13** was `broadcast_buffers`, and it is not a plain
 # rename of `forward_sync_buffers`: `broadcast_buffers=False` also skips the buffers' broadcast
 # at construction, `forward_sync_buffers=False` only those at run time: before each forward,
-# and at the end of lesson 04's `Join` (the claim below).
+# and at the end of a `Join` (lesson 04's context manager for ranks with unequal numbers of
+# batches; the claim below).
 #
 # **▶ How the reducer turns the ranks' gradients into their average — open after your lab
 # passes** (click the folded cell below; it is lab 03's part 1, done DDP's way).
@@ -1149,7 +1163,14 @@ viz.quiz([
 #   installed) marks only broadcast and all_reduce, which the binaries contradict. That these
 #   classes copy through host memory is read from upstream `ProcessGroupGloo.cpp` (not
 #   installed), e.g. `AsyncAllgatherCUDAWork`: a pinned CPU copy, the CPU allgather, the copy
-#   back.
+#   back; upstream `ProcessGroupGlooCuda.cpp`, `makeAllreduceCUDAWork`:
+#   `AsyncAllreduceCUDADeviceWork` (gloo's `CudaAllreduceRingChunked` on the GPU pointers)
+#   only when `context->getDevice()->hasGPUDirect()`, else `AsyncAllreduceCUDAHostWork` (the
+#   copy); gloo's `transport/device.h` returns `false` from `hasGPUDirect()` unless a transport
+#   overrides it (its ibverbs one does); upstream `GlooDeviceFactory.cpp` — `makeTCPDevice`,
+#   and `makeIBVerbsDevice` (`TORCH_GLOO_IBV_NAME`) only in builds with gloo's ibverbs
+#   transport: the installed `libtorch_cpu.so` names the first and neither of the others
+#   (claimed).
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — the comment above
 #   `class ProcessGroupNCCL`: "All NCCL functions provided by this class are asynchronous
 #   functions", and calls must come in the same order on all processes ("`WorkNCCL::wait()` or
@@ -1175,7 +1196,9 @@ viz.quiz([
 #   docstring of `forward_sync_buffers`: "syncing (broadcasting) buffers of the module at
 #   runtime, including at the beginning of ``forward`` and after uneven-input joins";
 #   `_sync_final_model` (the end of a `Join`) passes `broadcast_buffers=self.forward_sync_buffers`
-#   (claimed above). `register_comm_hook`: the control run's hook replaces DDP's own averaging
+#   (claimed above); `torch/distributed/algorithms/join.py` — `Join`: the context manager whose
+#   hooks "shadow the collective communications of non-joined processes" (ranks that ran out
+#   of inputs). `register_comm_hook`: the control run's hook replaces DDP's own averaging
 #   of each bucket.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._ddp_init_helper`, the
 #   comment before the bucket limits: parameters are not in execution order, and when a model

@@ -662,7 +662,8 @@ viz.show_code(viz.sampler_slots)
 # reported accuracy is 0.2 points off, or that two runs on 2 and on 8 GPUs "disagree". With 8
 # ranks and a 10 001-image test set, the padding repeats 7 images; with small validation sets
 # and many ranks the gap grows. For the training loss, `ReduceOp.AVG` of the ranks' mean
-# losses would be exact here: it averages the ranks' values, the global mean when every
+# losses would give the global mean here (up to rounding; *not run here*: gloo sums, then
+# divides by the group's size): it averages the ranks' values, the global mean when every
 # rank's batch has the same size, as `DistributedSampler(drop_last=True)` and a
 # `drop_last=True` loader give (section 1's diff); with unequal shards it is a mean of means.
 #
@@ -761,7 +762,8 @@ claim("a process group's default timeout: 30 minutes with gloo, " + ("10 with NC
 # Adam) its buffers differ from the others', and a second epoch after a `Join` makes the weights
 # drift apart again; checkpoint from the last rank to finish, or re-broadcast the optimizer
 # state. Once a rank has joined, the gradients are still divided by the *initial* world size
-# (`divide_by_initial_world_size=True`): the joined rank counts as a zero gradient. What
+# (`divide_by_initial_world_size=True`, read in the source, *not run here*): the joined rank
+# counts as a zero gradient. What
 # `Join` costs: in every iteration inside it, each rank still training runs extra all-reduces
 # from Python beside DDP's own — `Join.notify_join_context` and
 # `_check_global_requires_backward_grad_sync` (counted below) and, for a module with buffers,
@@ -784,7 +786,17 @@ viz.show_code(collectives.record_collectives, collectives.Recorder.wrap)
 
 # %% [markdown]
 # First the hang: `launch.spawn` keeps a returned rank alive, sockets open, and its `timeout`
-# kills every rank after 8 s.
+# kills every rank after 8 s. So the hang below is this harness's, like a rank 0 still busy
+# evaluating or saving: a torchrun rank 0 would exit, and rank 1 fail at once.
+#
+# **▶ Where a returned rank waits** (click the folded cell below): the end of
+# `launch.spawn`'s worker.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+worker_src = inspect.getsource(launch.worker_entry).splitlines()
+stay = next(i for i, line in enumerate(worker_src) if "result_conn.send_bytes" in line) - 1
+viz.show_code("\n".join(line[4:] for line in worker_src[stay:]),
+              title="launch.spawn's worker, after the function returned (launch.worker_entry)")
 
 
 # %%
@@ -1046,7 +1058,7 @@ claim("with or without no_sync, the gradients equal one process on the global ba
 # casts each bucket to 16 bits for the all-reduce and back, halving the bytes; and DDP's
 # experimental `mixed_precision=` argument (a private `_MixedPrecision` config), which runs
 # forward and backward on low-precision copies of the parameters and reduces the gradients in
-# its `reduce_dtype`.)
+# its `reduce_dtype`: read in the source, *not run here*.)
 # On CUDA use float16 with a `GradScaler`: in the float16 backward, small *activation*
 # gradients fall out of float16's range. Below about 6e-5 (its smallest normal number) a value
 # becomes *subnormal* and keeps fewer significant bits the smaller it is; only below about 3e-8
@@ -1131,7 +1143,8 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 # since torch 2.13. Both turn off the broadcast before each forward, but
 # `broadcast_buffers=False` also leaves the buffers out of the broadcast from rank 0 when DDP
 # wraps the model, and `forward_sync_buffers=False` does not: with `init_sync` on (the
-# default) the buffers are still made rank 0's there (torch's deprecation warning says so; `DistributedDataParallel.__init__`
+# default) the buffers are still made rank 0's there (read in the source, *not run here*:
+# torch's deprecation warning says so; `DistributedDataParallel.__init__`
 # hands `_sync_module_states` `broadcast_buffers=init_sync_buffers`, which only the old flag
 # turns off). A model that keeps rank-local buffers on purpose still needs the old flag.
 #
@@ -1193,8 +1206,8 @@ claim("and inside a 1-rank group too: the device is checked before the group's s
       "expected input tensor to be on GPU" in in_group["1-rank group"])
 
 # %% [markdown]
-# So on CPU we use `dp.CPUSyncBatchNorm`, a stand-in (`dp.convert_sync_batchnorm` picks the real
-# one on CUDA). It aims at the same result by another route: one differentiable all_reduce of
+# So on CPU we use `dp.CPUSyncBatchNorm`, a stand-in (`dp.convert_sync_batchnorm`, folded
+# below with the model `dp.SmallBNNet`, picks the real one on CUDA). It aims at the same result by another route: one differentiable all_reduce of
 # the per-channel sums of x and x² and the count (sums *can* be added across ranks of any size),
 # the variance as E[x²] − mean² — simpler, but it loses precision when a channel's mean is
 # large against its spread — and an all_reduce of the gradients of those sums in the backward.
@@ -1202,6 +1215,13 @@ claim("and inside a 1-rank group too: the device is checked before the group's s
 
 # %%
 viz.show_code(dp.CPUSyncBatchNorm, dp.AllReduceSum)
+
+# %% [markdown]
+# **▶ Which BatchNorm it picks, and the model measured below** (click the folded cell below):
+# `dp.convert_sync_batchnorm` (also `train_ddp.py --sync-bn`'s) and `dp.SmallBNNet`.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(dp.convert_sync_batchnorm, dp.SmallBNNet)
 
 # %% [markdown]
 # Compare plain BatchNorm and the stand-in against one process on the global batch, for small
@@ -1769,8 +1789,17 @@ viz.quiz([
 #   (`require_backward_grad_sync`), `join` and `_DDPJoinHook` (zero all-reduces for joined
 #   ranks, `divide_by_initial_world_size`), `_sync_final_model` (broadcasts `self.module` only:
 #   its buffers only with `broadcast_buffers=self.forward_sync_buffers`), `register_comm_hook`.
+#   `join_hook` passes `divide_by_initial_world_size` (default `True`) to `_DDPJoinHook`
+#   (section 5).
 # - `torch/distributed/algorithms/join.py` — `Join`, `Join.notify_join_context` (the
 #   notification all-reduce each iteration), `throw_on_early_termination` (`Join.__exit__`).
+# - `torch/include/torch/csrc/distributed/c10d/gloo/ProcessGroupGlooDetail.hpp` — the gloo
+#   all-reduce work: `ReduceOp::AVG` is run as a sum, then `tensors[0] /= context_->size`
+#   ("Gloo doesn't support AVG so we use SUM + division"; section 4).
+# - `torch/distributed/algorithms/ddp_comm_hooks/mixed_precision_hooks.py` —
+#   `_reducer_allreduce_and_upcast_hook`: with DDP's `mixed_precision`, the bucket is cast to
+#   `reduce_dtype` before the all-reduce, divided by the group's size, and the parameters and
+#   gradients cast back (section 8).
 # - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `local_used_map_`,
 #   `all_reduce_local_used_map` (the used-parameter bitmap, all-reduced every iteration with
 #   `find_unused_parameters=True`), `should_rebuild_buckets` (`(static_graph_ ||

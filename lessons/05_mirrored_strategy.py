@@ -118,9 +118,10 @@ claim("a smaller split is not refused: it is the first n devices of the existing
 # `MirroredVariable`; the strategy keeps the copies equal by applying the same (all-reduced)
 # update to each. A variable created with `synchronization=ON_READ` — as every Keras metric's
 # state is (`Metric.add_variable`) — becomes a `SyncOnReadVariable` instead: each replica updates
-# its own copy, and they are combined only when the value is read in the cross-replica context
-# (§7's checkpoint relies on that kind; both claimed below). A variable created outside the scope
-# is an ordinary variable on one device: the strategy neither mirrors nor syncs it.
+# its own copy, and they are combined only when the value is read by code that runs once for
+# all replicas (the *cross-replica context*, §4). Both kinds are claimed below. A variable
+# created outside the scope is an ordinary variable on one device: the strategy neither mirrors
+# nor syncs it.
 
 # %% [markdown]
 # The course builds every strategy with `mirrored.make_strategy(devices)`: plain
@@ -361,8 +362,9 @@ claim("inside strategy.run, all_reduce(SUM) hands every replica the sum of all r
 # `RuntimeError` while TF traces ("`merge_call` called while defining a new graph … control flow
 # statement which contains a synchronization point"): the step is refused before it ever runs.
 # The two cells below run both. By the source alone (no cell of this lesson runs it): a hang is
-# what you get where no merge call checks the replicas — a step compiled with XLA on all-GPU
-# devices, where `_use_merge_call` is false; and across the processes of
+# what you get where no merge call checks the replicas — a step compiled with **XLA**
+# (TensorFlow's compiler, `tf.function(jit_compile=True)`: it compiles a whole step into fused
+# kernels) on all-GPU devices, where `_use_merge_call` is false; and across the processes of
 # `MultiWorkerMirroredStrategy` (section 8): it makes merge calls by the same rule, but each
 # process counts only its own replicas, so a replica missing in *another* process leaves this
 # one's collective waiting.
@@ -412,8 +414,7 @@ id_dtypes = {t.dtype.name for t in strategy.experimental_local_results(strategy.
 claim("replica_id_in_sync_group is an int32 tensor", id_dtypes == {"int32"}, dtypes=id_dtypes)
 
 # %% [markdown]
-# When does the strategy use merge calls at all? **XLA** is TensorFlow's compiler
-# (`tf.function(jit_compile=True)`): it compiles a whole step into fused kernels. By TF's source
+# When does the strategy use merge calls at all? By TF's source
 # (`MirroredExtended._use_merge_call`, a policy flag; Sources), MirroredStrategy skips merge calls
 # only in a function compiled with XLA whose strategy's devices are all GPUs; otherwise it keeps
 # them, XLA or not. The cell reads the flag while TF traces an XLA-compiled function on this
@@ -1026,11 +1027,17 @@ from dpcourse import tf_multiworker_worker
 viz.show_code(tf_multiworker_worker.main)
 
 # %% [markdown]
-# **▶ `mirrored.run_multiworker`: ports, `TF_CONFIG`, and how the workers are ended** (click the
-# folded cell below).
+# **▶ `mirrored.run_multiworker`: ports, `TF_CONFIG`, and how the workers are ended**
+# (`mirrored.kill_worker`, `launch.kill_tree`, `launch.free_port`; click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.run_multiworker)
+import inspect
+
+from dpcourse import launch
+
+viz.show_code(mirrored.run_multiworker, mirrored.kill_worker)
+viz.show_code(inspect.getsource(launch.kill_tree), inspect.getsource(launch.free_port),
+              title="launch.kill_tree and launch.free_port (dpcourse/launch.py)")
 
 # %%
 import os
@@ -1245,7 +1252,7 @@ viz.quiz([
 # - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling.
 # - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`, the eager check, lines 234-237); `_MirroredReplicaContext._merge_call`: a merge call made in a graph other than the one being traced — inside a control-flow branch of a `tf.function` — raises "`merge_call` called while defining a new graph or a tf.function … control flow statement which contains a synchronization point" (lines 490-503); `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
 # - `keras/src/metrics/metric.py` — `Metric.add_variable`: a metric's state variables are created with `synchronization="on_read"` (line 204); `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._create_variable` calls `distribute_utils.create_mirrored_variable` with `VARIABLE_CLASS_MAPPING` (`tensorflow/python/distribute/distribute_utils.py`, lines 480-484): `ON_WRITE` (the default) → `MirroredVariable`, `ON_READ` → `SyncOnReadVariable`.
-# - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value).
+# - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value); `SyncOnReadVariable._get_cross_replica`: read in the cross-replica context, the copies are combined by `strategy.reduce` with the variable's aggregation (the first replica's copy for `ONLY_FIRST_REPLICA`).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it; `dynamic_growth_steps=2000`: after that many finite steps in a row the scale doubles. `keras/src/optimizers/adam.py` — `Adam.update_step`: the step divides the first moment by the root of the second, so a constant factor on every gradient nearly cancels.
 # - `keras/src/trainers/trainer.py` — `Trainer.compile`: with the model's dtype policy `mixed_float16` and `auto_scale_loss=True`, the optimizer is wrapped in a `LossScaleOptimizer`.
 # - `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer`: dynamic loss scaling, `inner_optimizer`.

@@ -7,7 +7,8 @@
 # - run a ring all-reduce step by step and say what each worker holds after each step;
 # - count its traffic, 2(N−1)K/N bytes per worker, and compare it with a parameter server, a
 #   tree and Rabenseifner's halving-doubling under the α-β cost model;
-# - measure α and β on your own machine and predict all-reduce times elsewhere;
+# - measure α and β here, test them on a held-out world size, and predict GPU clusters'
+#   all-reduce times from published link speeds;
 # - build a ring from point-to-point messages, and say when a naive send-then-receive ring
 #   deadlocks.
 #
@@ -320,8 +321,9 @@ best8, best8_serverless = min(tiny8, key=tiny8.get), min(tiny8_serverless, key=t
 NAMES = {"naive": "the naive way", "parameter-server": "the parameter server", "ring": "the ring",
          "tree": "the binomial tree", "rabenseifner": "Rabenseifner's algorithm"}
 viz.show(viz.cost_figure(alpha_demo, beta_demo),
-         f"under the α-β model with α = 10 µs and 10 GB/s links, all five algorithms: the ring's "
-         f"time is flat in N for big messages, while the naive way and the server grow. In the "
+         f"under the α-β model with α = 10 µs and 10 GB/s links, all five algorithms (time on a "
+         f"log scale): for big messages the ring's time levels off in N (its bandwidth term "
+         f"stays under 2Kβ), while the naive way and the server grow. In the "
          f"right panel, for 1 KB at N = 8 {NAMES[best8]} is the cheapest "
          f"({ring.cost(best8, 8, 1e3, 0, 0).steps} steps, if its one link takes N messages at "
          f"once); without a server, {NAMES[best8_serverless]} "
@@ -336,11 +338,11 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 # *relative* error (a 1 KiB point counts as much as a 16 MiB one). The formula is a **model**
 # of gloo, not a description we checked: gloo's C++ is compiled into torch and not among the
 # installed Python files. Its public source (`gloo/allreduce.cc`, function `ring`) implements a
-# segmented ring — a reduce-scatter then an all-gather. Each chunk travels as **at least two
-# segments** of at most 1 MiB (`kMaxSegmentSize`; the segment count is rounded up to a multiple
-# of N, and at least 2N), pipelined. So one step of the model is two or more of gloo's
-# messages: the **α fitted here is a cost per ring step**, not per message, the number the
-# model's 2(N−1)α needs.
+# segmented ring — a reduce-scatter then an all-gather. It cuts K into max(⌈K / 1 MiB⌉, 2N)
+# segments (`kMaxSegmentSize`), rounded up to a multiple of N, pipelined; a step sends 1/N of
+# them. Up to K = 2N MiB a step is two of gloo's messages, and the **α fitted here is a cost
+# per ring step**, what the model's 2(N−1)α needs; above that a step is more messages (8 at
+# 16 MiB on 2 ranks), whose extra cost lands in β.
 #
 # Two things on a small shared machine are not in that formula, and we handle both:
 #
@@ -451,7 +453,8 @@ else:
 # * NVLink 4 (H100 SXM) — NVIDIA's direct GPU-to-GPU link inside one server: 900 GB/s per GPU
 #   in both directions together, so 450 GB/s each way;
 # * PCIe 4.0 x16 — the ordinary expansion bus a GPU sits on: about 32 GB/s each way;
-# * InfiniBand NDR — a network between servers: 400 Gb/s = 50 GB/s per port, one port per GPU.
+# * InfiniBand NDR — a network between servers: 400 Gb/s = 50 GB/s per port (NIC); a server
+#   has one, or one per GPU.
 
 # %%
 k_resnet50 = 25.6e6 * 4
@@ -462,22 +465,29 @@ for name, bw in links.items():
     print(f"predicted ring all-reduce of 102 MB on 8 GPUs over {name}: {c.seconds * 1e3:.2f} ms")
 
 # %% [markdown]
-# NVLink's prediction is well under a millisecond; over PCIe or a network it is several
-# milliseconds. What that costs a step depends on how much of it overlaps the backward pass,
-# which this lesson does not time: DDP all-reduces gradient buckets during it (lesson 07, where
-# the last bucket cannot overlap at all), and gradient compression shrinks what is left.
-# Also note: *if one link speed covers the whole ring*, the bandwidth term 2(N−1)/N·K/B barely
-# changes from 8 to 1024 GPUs — it tends to 2K/B — while the latency term 2(N−1)α grows
-# linearly. That condition is the model's: `ring.cost` prices every step of the ring with one β
-# (its code: the folded cell of §2), and in a real ring every step waits for its slowest link, so that link's speed is
-# the B to use. 1024 GPUs are at least 128 eight-GPU servers, so the ring crosses the network
-# between servers: its B is then InfiniBand's 50 GB/s, not NVLink's 450 GB/s (9× slower), and
-# the bandwidth term is about ten times the one-server NVLink figure (computed below). Within one link speed, at large
-# N latency is what rings pay.
+# NVLink's prediction is well under a millisecond; over PCIe or a network, several milliseconds.
+# What that costs a step depends on how much of it overlaps the backward pass (lesson 07: DDP
+# all-reduces buckets during it, all but the last). Also note: *if one link speed covers the
+# whole ring*, the bandwidth term 2(N−1)/N·K/B barely changes from 8 to 1024 GPUs — it tends to
+# 2K/B — while the latency term 2(N−1)α grows linearly. That condition is the model's:
+# `ring.cost` prices every step with one β (its code: the folded cell of §2), while a real
+# ring's step waits for its slowest link. 1024 GPUs are at least 128 eight-GPU servers, so the
+# ring crosses the network, and what sets B there is each server's **network bandwidth** (its
+# NICs × their speed) against a GPU's NVLink: NCCL runs several rings at once (*channels*), each
+# new one starting at the next NIC, and prices them at channels × per-channel network bandwidth
+# (Sources). With one 50 GB/s NIC per server, B is 9× below NVLink and the bandwidth term about
+# ten times the one-server NVLink figure; with a NIC per GPU (400 GB/s a server), about 1.3
+# times (computed below). Within one link speed, at large N latency is what rings pay.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: uses the fitted (hardware-dependent) numbers of this machine.
+n0 = min(fit_world_sizes)  # held out: fit on the smallest N alone, predict the others' points
+held = ring.fit_alpha_beta(ns[ns == n0], ks[ns == n0], t_fastest[ns == n0], cores=cores)
+miss = np.abs(held.predict(ns[ns > n0], ks[ns > n0]) / t_fastest[ns > n0] - 1)
+if miss.size:
+    print(f"fitted on N = {n0} alone, the model predicts this run's larger N with a median error "
+          f"of {np.median(miss):.0%} (max {miss.max():.0%})")
 t_here = float(fit.predict(8, k_resnet50))  # the contention term included: 8 ranks, `cores` cores
 print(f"the same all-reduce predicted for 8 ranks on this machine ({cores} cores): "
       f"{t_here * 1e3:.0f} ms, an extrapolation: the fit saw N = {fit_world_sizes}; predict "
@@ -491,16 +501,19 @@ claim("predicted: PCIe takes several times longer",
       ring.cost("ring", 8, k_resnet50, 10e-6, 1 / 32e9).seconds > 5 * p8)
 claim("at 1024 GPUs the ring's critical path (one direction of each link) still carries under 2K",
       p1024.critical_path_bytes < 2 * k_resnet50)
+nvlink, nic = 450e9, 50e9  # across servers B is the slower of NVLink and the server's NICs
 bw_term = {name: ring.cost("ring", n, k_resnet50, 0, 1 / bw).seconds   # α = 0: bandwidth term only
-           for name, n, bw in (("8, NVLink", 8, 450e9), ("1024, NVLink", 1024, 450e9),
-                               ("1024, InfiniBand", 1024, 50e9))}
+           for name, n, bw in (("8, NVLink", 8, nvlink), ("1024, NVLink", 1024, nvlink),
+                               ("1024, 1 NIC a server", 1024, min(nvlink, 1 * nic)),
+                               ("1024, 8 NICs a server", 1024, min(nvlink, 8 * nic)))}
+times_8 = {name: t / bw_term["8, NVLink"] for name, t in bw_term.items()}
 print("the ring's bandwidth term, 102 MB: " + "; ".join(
-    f"N = {name}: {t * 1e3:.2f} ms" for name, t in bw_term.items()))
+    f"N = {name}: {t * 1e3:.2f} ms ({times_8[name]:.2f}×)" for name, t in bw_term.items()))
 claim("arithmetic on ring.cost (one β for every step): with one link speed, 8 → 1024 GPUs raises "
-      "the bandwidth term by under 15 %; with the network's 50 GB/s as the slowest link at 1024, "
-      "it is 9 to 11 × the 8-GPU NVLink term",
-      bw_term["1024, NVLink"] < 1.15 * bw_term["8, NVLink"]
-      and 9 < bw_term["1024, InfiniBand"] / bw_term["8, NVLink"] < 11, bw_term=bw_term)
+      "the bandwidth term by under 15 %; across servers with one 50 GB/s NIC each it is 9 to "
+      "11 × the 8-GPU NVLink term, with one per GPU (8 × 50 GB/s) 1.2 to 1.4 ×",
+      times_8["1024, NVLink"] < 1.15 and 9 < times_8["1024, 1 NIC a server"] < 11
+      and 1.2 < times_8["1024, 8 NICs a server"] < 1.4, bw_term=bw_term)
 
 # %% [markdown]
 # Under this model the ring does not win everywhere. Its bandwidth term is as small as any
@@ -951,7 +964,7 @@ viz.show(viz.pipeline_figure(
 #
 # - A ring all-reduce sends 2(N−1)K/N bytes per worker in 2(N−1) steps — bandwidth optimal,
 #   flat in N — at the price of a latency term that grows with N.
-# - The α-β model, fitted to this machine in a few seconds (with a contention term for ranks
+# - The α-β model, fitted to this machine (with a contention term for ranks
 #   that share cores), describes it within the error it prints — a median under 50% on a
 #   loaded 2-core machine; published link bandwidths turn it into predictions for GPU clusters.
 # - A few dozen lines of point-to-point messages give a ring that equals `dist.all_reduce` and
@@ -982,9 +995,10 @@ viz.quiz([
      "answer": 1,
      "why": ["That is a single, unsharded parameter server's link.",
              "Right: the latency term 2(N−1)α grows instead. But the condition matters: 1024 "
-             "GPUs span many servers, and a ring's step waits for its slowest link — the "
-             "network (50 GB/s InfiniBand against 450 GB/s NVLink), so there β is the "
-             "network's and the term is about ten times the one-server NVLink one.",
+             "GPUs span many servers, and a ring's step waits for its slowest link. With one "
+             "50 GB/s NIC per server (against 450 GB/s NVLink) β is the network's and the "
+             "term is about ten times the one-server NVLink one; with a NIC per GPU, NCCL's "
+             "parallel rings share the server's 400 GB/s and it is about 1.3 times.",
              "Every worker still sends almost 2K bytes."]},
     {"q": "Every rank calls a blocking dist.send to its right neighbour, then dist.recv from its "
           "left. What happens?",
@@ -1025,7 +1039,7 @@ viz.quiz([
 # - `reducer.cpp`, the DDP reducer's C++ source (c10d, github.com/pytorch/pytorch at ad78a7b, the revision stored here; compiled into torch, not installed as source) — `Reducer::mark_variable_ready_dense`: without a comm hook the gradient is copied into its bucket multiplied by 1/N (`at::mul_out`); with a hook, copied without division ("Note [DDP Communication Hook]").
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
-# - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/device/all_reduce.h` — `runTreeUpDown` and `runTreeSplit` (the tree all-reduce: a reduce pass up the tree, `FanAsymmetric<NCCL_MAX_TREE_ARITY, 1>`, then a broadcast pass down, `FanAsymmetric<1, NCCL_MAX_TREE_ARITY>`); `src/graph/tuning.cc` — the tuner's latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
-# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (at least 2N segments, rounded up to a multiple of N, of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded reference answer after the lab pointer); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
+# - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/device/all_reduce.h` — `runTreeUpDown` and `runTreeSplit` (the tree all-reduce: a reduce pass up the tree, `FanAsymmetric<NCCL_MAX_TREE_ARITY, 1>`, then a broadcast pass down, `FanAsymmetric<1, NCCL_MAX_TREE_ARITY>`); `src/graph/search.cc` — `ncclTopoSearchRecNet` (line 736: the search for a new channel tries the NICs from `nets[(graph->nChannels + i) % netCount]`, the next NIC for each new ring; a NIC is skipped when less than a channel's bandwidth is left on it, line 739, and each channel placed on it takes that much, lines 747-751); `src/graph/tuning.cc` — the tuner's bandwidth for a ring over more than two servers (line 306: `bw = bwInter`, the per-channel network bandwidth; line 324: `busBw = nChannels * bw`) and its latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
+# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (lines 209-218: `numSegments = roundUp(max(⌈K / maxSegmentBytes⌉, 2N), N)`, `numSegmentsPerRank = numSegments / N` a step, segments of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded reference answer after the lab pointer); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
 # - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, the extra step for N not a power of two) and their α-β costs.
 # - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth.

@@ -84,7 +84,9 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # (fp32 weights, bf16 operations) and FSDP2 as section 6 runs it (fp32 shards, computed in
 # bf16) keep no master copy: a parameter costs 4 (weights) + 4 (gradients) + 8 (momentum and
 # variance), still 16 but split differently, so each stage saves a different amount — ZeRO-2
-# keeps 4 + 12/N, not 2 + 14/N:
+# keeps 4 + 12/N, not 2 + 14/N. (16 is what persists between steps: autocast also keeps a bf16
+# cast of each weight that the backward needs, about 2 more from forward to backward under
+# DDP, checked below; FSDP2 casts one unit at a time.)
 
 # %%
 viz.show_code(zero.bytes_per_param)
@@ -99,6 +101,18 @@ claim("with fp32 weights ZeRO-2 keeps 4 + 12/N bytes per parameter (5.5 at N = 8
       "2 + 14/N; bf16 weights with fp32 gradients cost DDP 2 + 4 + 12 = 18",
       zero.bytes_per_param("zero2", 8, 4, 4, 8) == 5.5
       and zero.bytes_per_param("ddp", 8, 2, 4) == 18)
+
+# %%
+mlp = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+kept = []   # every tensor autograd saves for the backward
+with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(
+        lambda t: kept.append(t) or t, lambda t: t):
+    mlp(torch.randn(4, 64))
+casts = [t for t in kept if t.shape == (64, 64)]
+claim("under autocast autograd keeps a bf16 copy of a Linear's weight until the backward "
+      "(2 bytes per weight) when the Linear's input needs a gradient: here the second's only",
+      len(casts) == 1 and casts[0].dtype == torch.bfloat16
+      and casts[0].data_ptr() != mlp[2].weight.data_ptr())
 
 # %% [markdown]
 # The ZeRO paper's Figure 1 is this formula for a 7.5-billion-parameter model on 64 GPUs:
@@ -198,17 +212,22 @@ viz.show_code(zero.Zero1, zero.Zero2)
 # Is it right? Every stage trains the same small MLP from the same start, on the same shards
 # of the same batches, next to torch's `DistributedDataParallel` with the full Adam — in fp32,
 # where the weights must agree to float rounding. The same launch also runs FSDP2 and
-# `ZeroRedundancyOptimizer`, met in section 6. `prepare_run` builds each run (torch DDP gets
-# a *comm hook*, `allreduce_hook`, so that section 5 can record its all-reduce; `TorchRun`
-# gives torch's runs the stages' interface), and every run trains in `train_run`, which
-# weighs its gradients when the backward returns and, in `weigh`, before each collective
-# that sums them:
+# `ZeroRedundancyOptimizer`, met in section 6. Every run trains in `train_run`, which weighs
+# its gradients when the backward returns and, in `weigh`, before each collective that sums
+# them:
 
 # %%
 import inspect
 
-viz.show_code(experiments.ZeroConfig, experiments.equality_worker, experiments.prepare_run,
-              experiments.TorchRun, experiments.train_run)
+viz.show_code(experiments.equality_worker, experiments.train_run)
+
+# %% [markdown]
+# **▶ How each run is built: `ZeroConfig`, `prepare_run` (torch DDP gets a comm hook, so that
+# section 5 can record its all-reduce), `TorchRun` (torch's runs behind the stages' interface;
+# `p.full_tensor()` gathers an FSDP2 parameter whole, section 6)** — click the folded cell below.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(experiments.ZeroConfig, experiments.prepare_run, experiments.TorchRun)
 
 # %%
 cfg = experiments.ZeroConfig(steps=steps)
@@ -390,8 +409,9 @@ print(f"{len(per_call)} collectives: median {median_ms:.2f} ms per call, from {p
 # NBVAL_IGNORE_OUTPUT
 # Why: the caption states this run's measured ratio.
 viz.show(viz.zero3_timeline_figure(events, layer_names),
-         "One ZeRO-3 step on rank 0, from the recorded calls: each layer's full weights exist "
-         "only in its green band — gathered before its forward, freed after it, gathered "
+         "One ZeRO-3 step on rank 0, from the recorded calls: each layer's full weights are used "
+         "in its green band and held from the start of the all-gather before it (the memory "
+         "is allocated before the gather fills it) — gathered before its forward, freed after it, gathered "
          "again in the backward (last layer first), and freed before the reduce-scatter of "
          f"its gradients, as FSDP2 does. In this run (Ψ = {n_params}, {backend}) the "
          f"collectives took {ratio:.1f}× the time the layers held their weights outside one "
@@ -634,8 +654,8 @@ fsdp2_mixed = tour[0]["traffic"][-1]["volume"]
 claim("that is traffic_per_step's ZeRO-3 with bf16 weights and fp32 gradients",
       fsdp2_mixed == zero.traffic_per_step("zero3", units, n, element_size=2, grad_bytes=4))
 ddp_fp32 = runs[0]["torch_ddp"]["traffic"][-1]["volume"]   # section 3's run: fp32 gradients
-print(f"FSDP2 (bf16 gathers, fp32 reduce-scatter) {fsdp2_mixed} B for {padded} padded "
-      f"parameters; torch DDP in fp32 {ddp_fp32} B for {n_params}")
+print(f"FSDP2 (bf16 gathers, fp32 reduce-scatter) {fsdp2_mixed / padded:g} B per padded "
+      f"parameter; torch DDP in fp32 {ddp_fp32 / n_params:g} B per parameter")
 claim("measured: per parameter this FSDP2 step sends what fp32 DDP's all-reduce sends, 8 "
       "bytes (1.0×, FSDP2's padding aside), not 1.5×",
       fsdp2_mixed == 8 * padded and ddp_fp32 == 8 * n_params)
@@ -691,8 +711,9 @@ viz.show_code(experiments.fsdp2_root_worker)
 rooted = launch.spawn(experiments.fsdp2_root_worker, world_size, cfg, backend=backend, timeout=120)[0]
 root_units, other_units = sum(rooted["root_units"]), sum(rooted["other_units"])
 by_op = rooted["traffic"][-1]["by_op"]
-print(f"root's parameters {root_units}, the other units' {other_units} (padded); "
-      f"all-gathered {by_op['all_gather'] // 4}, reduce-scattered {by_op['reduce_scatter'] // 4}")
+all_units = root_units + other_units
+print(f"per padded parameter of all units: all-gathered {by_op['all_gather'] / 4 / all_units:.2f}×, "
+      f"reduce-scattered {by_op['reduce_scatter'] / 4 / all_units:.2f}×")
 claim("FSDP2 all-gathers the root's parameters once and the others twice: "
       "volume == 3 × others + 2 × root, below 3Ψ",
       by_op == {"all_gather": 4 * (2 * other_units + root_units),
@@ -799,7 +820,7 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # ## 7. When to use what
 # | | memory per parameter: paper (fp16 + fp32 master) | fp32 weights (autocast, FSDP2 here) | traffic (elements; bytes in one dtype) | use it when |
 # |---|---|---|---|---|
-# | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
+# | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same; autocast's weight casts add ~2 B from forward to backward) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
 # | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP's default `gradient_as_bucket_view=False` (4 weights + 4 gradients + 4 for DDP's buckets + Adam's 8/N; the run above weighs only the optimizer state), 8 + 8/N B with `gradient_as_bucket_view=True`; roughly, as whole parameters are per rank | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
 # | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ | more memory freed, still no extra traffic — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
@@ -986,7 +1007,9 @@ viz.quiz([
 #   `dist.all_gather_single` and `dist.reduce_scatter_single` (module attributes, so
 #   `collectives.record_collectives` sees them).
 # - `torch/amp/autocast_mode.py` — `autocast`: operations run in the lower precision on casts
-#   of their inputs; the module's parameters stay in their own dtype (fp32).
+#   of their inputs; the module's parameters stay in their own dtype (fp32); `cache_enabled`
+#   (docstring, line 218, default True): the weight casts are cached inside the autocast
+#   region (section 1 measures the one autograd saves for the backward).
 # - `torch/distributed/checkpoint/state_dict.py` — `get_model_state_dict`,
 #   `set_model_state_dict` (`full_state_dict`, `cpu_offload`, `broadcast_from_rank0`).
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`:

@@ -10,7 +10,7 @@
 #   trains like DDP (the same weights, to 1e-6), and count the traffic it concentrates on one
 #   node;
 # - explain what asynchronous training buys (no waiting for stragglers: timed here against
-#   the synchronous server, with a real straggler) and what it costs (stale gradients), and
+#   the synchronous server, with a simulated straggler) and what it costs (stale gradients), and
 #   measure when staleness makes training diverge and how a smaller or staleness-aware step
 #   rescues it;
 # - use local SGD to divide communication by H, measure how far the replicas drift between
@@ -81,12 +81,12 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # A production server would use `torch.distributed.rpc` (remote calls between processes) or a
 # framework on top, such as TensorFlow's
 # `ParameterServerStrategy` with a `ClusterCoordinator`: asynchronous by default, variables
-# spread round-robin over the servers, a large one split into shards by a
-# `variable_partitioner`, and a preempted worker's function put
-# back in the queue for another. We use
-# `dist.send` / `dist.recv` because each message is one flat tensor between two known ranks,
-# which they say in one line, and a thin wrapper counts every byte where it is sent; rpc's
-# futures and serialisation would hide exactly what we want to count.
+# round-robin over the servers, a large one sharded by a `variable_partitioner`, a preempted
+# worker's function requeued. We use
+# `dist.send` / `dist.recv`: each message is one flat tensor between two ranks, and a thin
+# wrapper counts every byte sent; rpc's futures and serialisation would hide it. The
+# asynchronous server receives from whichever worker is done first (`recv` with no source),
+# which NCCL lists as unsupported: so these launches use gloo, GPUs or not.
 
 # %%
 viz.show_code(parameter_server.CountingLink, parameter_server.ps_sync_server, parameter_server.ps_sync_worker)
@@ -206,13 +206,14 @@ claim("and it trained: the test loss fell",
 
 # %% [markdown]
 # **What does not waiting buy?** The last run's straggler slept 2 ms: too little to see. Now a
-# real one: two workers, the second 50 ms slower per gradient (a slower or busier machine),
-# and each mode gets the same **1 second of wall-clock time** to start work in (what is in
+# bigger one: two workers, the second sleeping 50 ms per gradient (`time.sleep`). A sleeping
+# process frees its core; a busy straggler would share the 2 cores with the others, and the
+# gain could be smaller. Each mode gets the same **1 second of wall-clock time** to start work in (what is in
 # flight then still lands: both end a little later, printed below). Synchronous, every round waits
 # for the straggler; asynchronous, the fast worker pulls, computes and pushes on its own. Each
 # worker records when it computes and when it waits (for the server's next message).
-# `straggler_race`, last below, runs the two modes one after the other from the same weights
-# `w0`, each after a barrier that also sets its clock's origin, and evaluates each mode's test loss.
+# `straggler_race` (last below) runs both modes from the same weights `w0`, each after a
+# barrier that sets its clock's origin, and evaluates each mode's test loss.
 
 # %%
 viz.show_code(parameter_server.race_server, parameter_server.race_worker,
@@ -289,9 +290,8 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # steps of the same lr, not gradients alone (like for like would scale the lr; not run here);
 # at a larger step, staleness can make training
 # diverge — the question the rest of this section answers. And the fast worker still waits in
-# asynchronous mode: not for the straggler any more, but for the round trip of each gradient
-# to the server and back (2K numbers through gloo, K printed in §1, on cores shared with the server and
-# the straggler), printed above beside its compute time.
+# asynchronous mode: not for the straggler, but for each gradient's round trip to the server
+# (2K numbers through gloo, on shared cores), printed above beside its compute time.
 #
 # The staleness printed above changes from run to run: it is decided by which process the
 # operating system runs first. To study its effect we need it under control.
@@ -346,7 +346,7 @@ claim(f"τ = 0 is synchronous SGD exactly: the same weights after {sim_steps} st
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-# Why: near divergence (large lr, stale steps) the last digits differ between CPUs and torch builds (measured: an H100 host); the claims below hold on both.
+# Why: near divergence (large lr, stale steps) the last digits differ between CPUs and torch builds (seen on an H100 host with torch 2.11, README's "What has run where"); the claims below passed there too.
 seeds = [seed + i for i in range(sweep_seeds)]
 seed_batches = {s: async_sgd.batch_schedule(len(problem.x_train), 32, sim_steps, seed=s)
                 for s in seeds}   # seed_batches[seed] == batches
@@ -859,7 +859,10 @@ viz.quiz([
 #
 # - `torch/distributed/distributed_c10d.py` — `send`, `recv`: one tensor between two ranks;
 #   `recv` with `src=None` takes the message of whichever rank sends first and returns the
-#   sender's rank (the asynchronous server relies on it); `new_group`: by default every rank
+#   sender's rank (the asynchronous server relies on it): `recv` calls `irecv`, which with
+#   `src=None` calls the group's `recv_anysource`;
+#   `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` lists `recvAnysource` under
+#   "Unsupported Ops" (so the servers run on gloo); `new_group`: by default every rank
 #   must call it, members or not (with `use_local_synchronization=True` only the members do,
 #   its docstring says); `all_reduce` sums by default.
 # - `torch/distributed/algorithms/model_averaging/averagers.py` — `PeriodicModelAverager`:

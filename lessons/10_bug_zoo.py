@@ -66,7 +66,8 @@ torch.set_num_threads(1)
 # it returns — written to a file at once, so it survives a rank that hangs and gets killed —
 # and compares the ranks. "Returned" is all it knows of a call, so a rank counts as *stuck* in
 # a call only when the call blocks until its partners arrive: gloo's blocking calls do. A call
-# with `async_op=True`, and an NCCL call once its communicator exists (section 2), returns at
+# with `async_op=True`, and an NCCL call once its *communicator* (the connections between the
+# ranks' GPUs that its collectives run over) exists (section 2), returns at
 # once; the trace still shows what each rank called and from which line, but not which one
 # waits. `diagnose` adds a dump of each rank's Python stack. The trace
 # writes its lines from the `before` and `after` hooks of `collectives.record_collectives`, a
@@ -429,10 +430,10 @@ claim("libtorch_cpu.so (FlightRecorder.cpp's DebugInfoWriter) holds TORCH_FR_DUM
       found=fr_names)
 
 # %% [markdown]
-# **A hang needs a peer that is alive.** Every hang in this section waited on a rank that had
-# returned but whose process still ran: `spawn` keeps a finished rank alive, its connections
+# **A hang needs a peer that is alive.** Every hang in this section in which a rank had
+# returned (bugs 1 and 3) waited on its process, which still ran: `spawn` keeps a finished rank alive, its connections
 # open, until every rank has finished (lesson 00: after handing back its result, each rank
-# waits on `release_conn.recv_bytes()` in `launch._worker_entry`), so that it is the time
+# waits on `release_conn.recv_bytes()` in `launch.worker_entry`), so that it is the time
 # limit that names the stuck ranks. A peer that is alive but elsewhere — busy, in another
 # collective (bug 2), in a loop that went on to evaluation — leaves a gloo rank waiting until
 # the group's timeout. But a script's rank that leaves the loop usually reaches the end of the
@@ -506,13 +507,21 @@ claim("one program per bug 4 to 10, and bug 9's first step alone",
 
 # %% [markdown]
 # The detector for replicas: a **checksum** of every parameter and buffer, sent back by each
-# rank, compared across ranks. Weighted by position, so two tensors with the same sum but
-# values in other places still differ. It is summed on the tensor's own device, a chunk of
-# elements at a time, so a GPU model needs no copy to the CPU. It is a cheap alarm, not a
-# proof (how far it can be trusted is the question of lab 10's stretch).
+# rank, compared across ranks with no tolerance: replicas in sync are bit-identical (lesson
+# 03), and so are their checksums when every rank sums the same way. Weighted by position, so
+# two tensors with the same sum but values in other places still differ. It is summed on the
+# tensor's own device, a chunk of elements at a time, so a GPU model needs no copy to the CPU.
+# It is a cheap alarm, not a proof (its docstring names what it misses; lab 10's stretch asks
+# how far it can be trusted).
 
 # %%
 viz.show_code(detectors.state_checksums, detectors.compare_checksums)
+layer = torch.nn.Linear(64, 64)
+before = detectors.state_checksums(layer)
+with torch.no_grad():
+    layer.weight[0, 0] += 1e-3          # the first position: weight 1 in the checksum
+claim("a change of 1e-3 in one weight of a 64×64 layer, at its first position, is caught",
+      detectors.compare_checksums([before, detectors.state_checksums(layer)]) == ["weight"])
 
 # %% [markdown]
 # **▶ `average_gradients`, what the fixed programs call** (click the folded cell below): lesson
@@ -1186,7 +1195,7 @@ viz.quiz([
 #   pair.cc`, compiled in; its source is not in the wheel): a read from a peer whose connection
 #   closed raises "Connection closed by peer … This is typically caused by a remote worker
 #   crashing." (both strings are in the library); run above, with rank 1's process exited.
-#   `lib/dpcourse/launch.py` — `_worker_entry`: under `spawn` a rank that returned waits on
+#   `lib/dpcourse/launch.py` — `worker_entry`: under `spawn` a rank that returned waits on
 #   `release_conn.recv_bytes()` until every rank is done, which is why the other hangs above
 #   last until the time limit.
 # - `torch/nn/modules/_functions.py` — `SyncBatchNorm.forward`: every rank's mean, inverse std

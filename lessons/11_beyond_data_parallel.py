@@ -18,7 +18,7 @@
 #   noise scale measured here inside a DDP run (at one point of training: fixed weights);
 # - explain Megatron-LM's tensor-parallel MLP (a column-parallel then a row-parallel linear
 #   layer, and the two operations *f* and *g* that carry its communication) and count its
-#   messages per step;
+#   messages per step — reached through the lab, or its folded answers if you skip it;
 #   check it against the plain MLP and against torch's `parallelize_module`;
 # - run a pipeline (GPipe, 1F1B) over send/recv, measure its bubble against (K−1)/(M+K−1) and
 #   count the activations 1F1B saves (micro-batches held, and their bytes);
@@ -165,7 +165,8 @@ viz.show(viz.memory_wall_figure(
 # `torch.autograd.graph.saved_tensors_hooks(pack, unpack)` calls `pack` on every tensor
 # autograd keeps for the backward; the worker adds up those whose first dimension is the
 # micro-batch (the activations) and the rest apart (`other_saved`: the gathered weights the
-# layers' backward needs), and the bytes of the rank's parameter shards.
+# layers' backward needs; `other_resident`: the bytes their storage still holds after the
+# forward), and the bytes of the rank's parameter shards.
 
 # %%
 viz.show_code(tensor_parallel.activation_memory_worker)
@@ -182,10 +183,15 @@ claim("from 2 to 4 ranks each rank's parameter shard halves, while the activatio
           r["activations"] == r["one_device_activations"] == held[2][0]["activations"]
           for n, rs in held.items() for r in rs))
 print("saved besides the activations:", {n: rs[0]["other_saved"] for n, rs in held.items()},
-      "bytes")
-claim("what autograd saves besides them does not shrink either: whole weights, not shards — "
-      "three 48 × 48 fp32 weights, the same bytes at N = 2 and 4 (lesson 08's working set)",
-      all(r["other_saved"] == 3 * 48 * 48 * 4 for rs in held.values() for r in rs))
+      "bytes referenced;", {n: rs[0]["other_resident"] for n, rs in held.items()},
+      "bytes still held once the forward returns")
+claim("autograd also references whole weights, not shards — three 48 × 48 fp32 weights "
+      "(the first layer's input needs no gradient, so its weight is not saved), the same at "
+      "N = 2 and 4 — but holds none of their bytes after the forward: FSDP2 frees each "
+      "unit's gathered storage at its reshard and gathers it again in the backward "
+      "(lesson 08's working set, one unit at a time)",
+      all(r["other_saved"] == 3 * 48 * 48 * 4 and r["other_resident"] == 0
+          for rs in held.values() for r in rs))
 
 # %% [markdown]
 # Recomputation rescues the memory (section 5's planner counts it: about 20 GB per GPU on
@@ -498,7 +504,8 @@ claim(f"the input requires a gradient here, as it would after another layer: one
 
 # %% [markdown]
 # Against data parallelism: DDP all-reduces the MLP's *gradients*, Ψ = 2dh + h + d numbers,
-# once per step; each of tensor parallelism's messages is over *activations*, tokens × d
+# once per step (with `no_sync()` over the micro-batches; by default torch DDP all-reduces
+# after every backward); each of tensor parallelism's messages is over *activations*, tokens × d
 # numbers, and they come back with every micro-batch (how many per pass is lab 11's). One
 # grows with the model, the other with the tokens:
 
@@ -529,8 +536,8 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
       "per replica and step")
 
 # %% [markdown]
-# Tensor parallelism pays for each of those micro-batches, while data parallelism's bytes do
-# not grow with the batch. And *when* the bytes travel matters more:
+# Tensor parallelism pays for each of those micro-batches, while data parallelism's bytes (with
+# `no_sync()`) do not grow with the batch. And *when* the bytes travel matters more:
 # DDP's all-reduce overlaps the backward (lesson 07); tensor parallelism's mostly cannot, so
 # Megatron-LM keeps t ≤ the GPUs of one node, on NVLink.
 #
@@ -675,6 +682,8 @@ claim(f"each pass makes an all-gather of the token shares ({share} elements in) 
 # the examples): the division of gradient accumulation, lesson 04 §7's `/ accum`. Stages
 # still sit idle while the pipeline fills and drains: with equal stage times a step lasts
 # M + K − 1 slots of which each stage works M, an idle share — the **bubble** — of (K − 1)/(M + K − 1).
+# (Megatron-LM and the Ultra-Scale Playbook quote the idle time over the work instead,
+# (p − 1)/m with p = K stages and m = M micro-batches; section 5 uses both.)
 #
 # The schedules in `dpcourse.pipeline_parallel` list each stage's actions, F i
 # (forward of micro-batch i) and B i (backward). **GPipe** runs every forward, then every
@@ -880,6 +889,14 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
       and versus["torch_setup_messages"] > 0)
 
 # %% [markdown]
+# One consequence matters for the counts above: inside `record_collectives`, torch's
+# pipelining sends every batch through `dist.batch_isend_irecv`, which the recorder counts
+# as one send or receive per op — the count torch's op-by-op path makes.
+#
+# **▶ How the recorder gets there (its `P2POp` stand-in and `Recorder.wrap_batch`), read and
+# run** (click the folded cells below).
+
+# %% [markdown] jupyter={"source_hidden": true}
 # How torch's sends are counted: its schedules hand each batch of sends and receives to
 # `_batch_p2p` (`pipelining/schedules.py`), which calls each op itself when all of a batch's
 # ops are `dist.isend` (or all `dist.irecv`), and `dist.batch_isend_irecv` otherwise. Inside
@@ -889,11 +906,13 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
 # `dist.P2POp`: handed the recorder's `dist.isend`, it stores the real one. That is why the
 # test in `_batch_p2p` never holds inside the block: every batch reaches the recorder's
 # `batch_isend_irecv`, `Recorder.wrap_batch`'s function, which records one send or receive
-# per `P2POp`, the count the op-by-op path makes. Both, read and run here (a `P2POp` needs a
-# process group: one of a single rank; a `before` hook refuses the batch once both of its
-# ops are recorded, so nothing is sent):
+# per `P2POp`, the count the op-by-op path makes.
+#
+# **▶ Both, read and run here** (a `P2POp` needs a process group: one of a single rank; a
+# `before` hook refuses the batch once both of its ops are recorded, so nothing is sent;
+# click the folded cell below):
 
-# %%
+# %% jupyter={"source_hidden": true}
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules
 
@@ -1038,6 +1057,9 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # ranking). When two rows' estimates are equal, the one with fewer messages goes first (a
 # latency the estimate leaves out), then the one with less memory. Memory is planned against 80 GB (10⁹ bytes): the A100's 85.9 GB less a
 # margin for what the planner does not count (CUDA context, NCCL buffers, fragmentation).
+# Two assumptions tilt the ranking: DDP all-reduces once per step (`no_sync()` over the
+# micro-batches) but ZeRO-3 every micro-batch (above), which favours DDP by construction; and
+# a pipeline message carries a full activation per GPU (the paper's scatter-gather sends 1/t).
 
 # %%
 viz.show_code(planner.Cluster, planner.within_nodes, planner.plan_row, planner.plan)
@@ -1091,6 +1113,12 @@ for r in options[:6] + [pub]:
           f"  {r['dp_messages']:7d} {r['dp_bytes'] / gb:6.1f}  {r['idle_over_work']:7.3f}")
 print("(M: micro-batches per step per pipeline; messages and GB per GPU per step)")
 print("(last row: the published configuration)")
+spread = options[5]["time_s"] / best["time_s"] - 1
+sg = min(options, key=lambda r: r["time_s"] - r["pp_bytes"] / r["pp_link"] * (1 - 1 / r["tp"]))
+sg_s = sg["time_s"] - sg["pp_bytes"] / sg["pp_link"] * (1 - 1 / sg["tp"])
+print(f"the six fastest are within {spread:.1%} of each other; with PP GB divided by t "
+      f"(scatter-gather) the fastest would be t = {sg['tp']}, p = {sg['pp']} at {sg_s:.2f} s, "
+      f"{1 - sg_s / best['time_s']:.1%} below this ranking's best")
 zero3_rows = [r for r in options if r["stage"] == "zero3" and r["dp"] > 1]
 claim(f"ZeRO-3's DP msgs = 3 × (layers / p) × M: it gathers twice and reduce-scatters once per "
       f"layer and micro-batch (lesson 08's 2k all-gathers at k micro-batches), and none of its "
@@ -1398,7 +1426,9 @@ viz.quiz([
 #   `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` — `FSDPParam._init_sharded_param`: a
 #   parameter already sharded on the tensor-parallel mesh along the same dimension gets
 #   `_StridedShard` on the data-parallel one; `_fsdp_state.py` — the root is not resharded
-#   after its forward (one all-gather per step).
+#   after its forward (one all-gather per step); `_fsdp_param.py` — `free_storage` (line
+#   1306): at a unit's reshard the gathered weight's storage is resized to 0 bytes, so what
+#   autograd saved references it without holding its bytes (section 1's `other_resident`).
 # - `torch/distributed/pipelining/stage.py` — `PipelineStage`; `perform_reduce_grad` calls
 #   `scale_grads`, which divides the accumulated gradients by M (`scale_grads=True`, the
 #   schedules' default, for a loss that is each micro-batch's mean);
@@ -1409,6 +1439,12 @@ viz.quiz([
 #   (takes the default group when none is given), `P2POp.__new__` (calls `_check_op`, lines
 #   1860–1867: an op other than this module's `isend` or `irecv` is refused with a
 #   `ValueError`, so a recorder's wrapper is).
+# - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.no_sync` (line 1660):
+#   gradients accumulate without an all-reduce inside it; outside, every backward all-reduces
+#   (the planner prices DDP as if `no_sync()` covered all micro-batches but the last);
+#   `torch/distributed/pipelining/stage.py` — `backward_maybe_with_nosync` (lines 873–940):
+#   DDP stages run `no_sync()`, FSDP2 stages `set_reshard_after_backward(False)` and
+#   `set_requires_gradient_sync(False)` until the last micro-batch.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.register_comm_hook`;
 #   `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`;
 #   `GradBucket.buffer()` (`torch/distributed/__init__.py` exports it from C++): the flat
@@ -1463,7 +1499,8 @@ viz.quiz([
 # Large-Scale Language Model Training on GPU Clusters Using Megatron-LM*, SC 2021 (Table 1:
 # the 145.6-B row, t = 8, p = 8, 1536 GPUs, batch 2304, 148 teraFLOP/s per GPU; equation 3,
 # the flops of a step; Table 2, GPT-3 with PTD against ZeRO-3; the takeaways of section 3;
-# their schedule is PipeDream-Flush); Narayanan et al., *PipeDream: Generalized Pipeline
+# their schedule is PipeDream-Flush; section 4.1, the scatter/gather optimisation: each of a
+# stage's t GPUs sends 1/t of the activation to the next stage); Narayanan et al., *PipeDream: Generalized Pipeline
 # Parallelism for DNN Training*, SOSP 2019 (1F1B); Narayanan et al., *Memory-Efficient
 # Pipeline-Parallel DNN Training*, ICML 2021 (PipeDream-Flush, PipeDream-2BW); Korthikanti
 # et al., *Reducing Activation Recomputation in Large Transformer Models*, 2022 (activation

@@ -109,7 +109,7 @@ lab09.check_trace(my_trace)
 #   the server's versions no longer follow your loop's own pushes;
 # - `batches` may be any iterable read once — a stream whose length is unknown until it runs
 #   out;
-# - the server may bound staleness by drop and recompute, as
+# - the server may bound staleness, as
 #   `async_sgd.BoundedServer(w, lr, max_staleness)` does: a push whose gradient is more than
 #   `max_staleness` updates stale raises `async_sgd.TooStale` and applies nothing. (Stale
 #   Synchronous Parallel, lesson 09 §2, bounds it otherwise: it makes the fast worker wait and
@@ -219,7 +219,7 @@ guess = predict("lab09", "τ from which every run ends above the starting loss a
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-# Why: the runs at the largest τ end near divergence, whose last digits differ between CPUs and torch builds (lesson 09's sweep, measured on an H100 host); the check below prints two decimals.
+# Why: the runs at the largest τ end near divergence, whose last digits differ between CPUs and torch builds (lesson 09's sweep; seen on an H100 host with torch 2.11, README's "What has run where"); the check below prints two decimals.
 problem = async_sgd.make_problem()
 # run_stale for every τ with your loop; the test loss after 300 updates and after `steps`
 start_loss, losses = lab09.measure_sweep(problem, async_worker_loop, steps)

@@ -353,19 +353,19 @@ lab10.check_fixes({1: fixed1, 2: fixed2, 3: fixed3, 4: fixed4, 5: fixed5}, timeo
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Any single number that summarizes the weights (a sum, a norm, a weighted checksum) maps
-# different weights to the same number somewhere, and a comparison of values is not one of
-# bits: think of a NaN (never equal to itself as a value), of −0.0 beside +0.0 (equal as
-# values), of a weight one float away (`torch.nextafter`). Compare the bits themselves with
-# one reference copy, then combine the verdicts so that one rank's "no" wins.
+# different weights to the same number somewhere, so no summary will do. Lesson 03 compared
+# two local tensors bit for bit (`same_bits`): what changes when the two tensors live on
+# different ranks, and when the parameters may be of any dtype? Then combine the ranks'
+# verdicts so that one rank's "no" wins.
 
 # %% [markdown]
 # **▶ Hint 3 — the shape of the code**
 
 # %% [markdown] jupyter={"source_hidden": true}
-# Three pieces: all parameters as one flat tensor of their bits (a tensor can be viewed as
-# integers of its element size, or as bytes, whatever its dtype); a copy of one rank's flat
-# tensor on every rank (a rooted collective into a clone, never into the parameters); a 0/1
-# number per rank, reduced with the operation under which any 0 wins.
+# Three pieces: all parameters as one flat tensor of their bits, in one form that fits every
+# dtype; a copy of one rank's flat tensor on every rank (a rooted collective into a clone,
+# never into the parameters); a 0/1 number per rank, reduced with the operation under which
+# any 0 wins.
 
 # %%
 def replicas_in_sync(model):

@@ -64,8 +64,10 @@ def test_reference_answer_ending_without_os_exit_passes_under_torchrun(tmp_path,
     # the reference's evaluate_f1 and training, ending without its os._exit(0): the runner's
     # own os._exit ends it (one torchrun launch for both cases; the reference script as
     # written passes under torchrun in solutions/lab04's notebook, which nbval runs)
+    # (evaluate_f1 on the lab's F1_RUNS, 2 and 3 ranks: the same function in the notebook's
+    # run; here one F1 run keeps the check's F1 part and its saved-F1 comparison)
     text = _variant("    sys.stdout.flush()\n    os._exit(0)", "")
-    lab04.check(_write(tmp_path, text), timeout=120)
+    lab04.check(_write(tmp_path, text), timeout=120, f1_runs=((2, 101),))
     out = capsys.readouterr().out
     assert "✔" in out and out.count("✔") == 1 and "evaluate_f1 equals" in out
 
@@ -1032,15 +1034,12 @@ def _judge_resume(name, plan=None) -> None:
     lab04.judge_resume_runs(r["first"], r["second"], r["whole"], r["crash"], plan)
 
 
-def test_the_reference_resume_passes_end_to_end(capsys):
-    # check_resume itself, its launches one after another; the tests below judge the same
-    # runs of many answers from one batch (_judge_resume)
-    lab04.check_resume(save_state, resume_state)
-    out = " ".join(capsys.readouterr().out.split())
-    assert out.count("✔") == 1, out
-    assert ("with 2 stand-in GPUs on each rank behind torch.cuda's random-state functions: "
-            "each rank got back the CUDA generator states it had at the crash") in out, out
-    assert "a save stopped halfway left the previous checkpoint readable" in out, out
+# check_resume end to end on the reference (its launches one after another, the ✔ with "2
+# stand-in GPUs ... each rank got back the CUDA generator states it had at the crash" and "a
+# save stopped halfway left the previous checkpoint readable"): solutions/lab04's nbval run
+# (its save_training_state and resume_training_state are save_state and resume_state, one
+# gather instead of two); the tests below judge the same runs of many answers from one batch
+# (_judge_resume), and test_resume_mistakes_of_the_first_run_are_named runs check_resume itself.
 
 
 @pytest.mark.parametrize("name", ["reference", "gather-to-rank0-rename-next-epoch",

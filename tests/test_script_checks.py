@@ -40,8 +40,16 @@ EXPECTED = {
 }
 
 
+_RUNS: dict = {}
+
+
 def run(name: str, *args, cpu: bool = False):
-    return detectors.diagnose(str(CORPUS / name), 2, *args, timeout=60, cpu=cpu)
+    """One diagnose run per script and setting for the module: several tests read the same
+    script's result (blog_cpu_port, unused_reduce, gpu_tutorial), and a run is deterministic."""
+    key = (name, args, cpu)
+    if key not in _RUNS:
+        _RUNS[key] = detectors.diagnose(str(CORPUS / name), 2, *args, timeout=60, cpu=cpu)
+    return _RUNS[key]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -154,23 +162,37 @@ def _cli(*args, timeout=120):
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def test_the_command_line_bad_input_and_json(tmp_path):
-    missing = _cli(str(tmp_path / "nope.py"))
-    assert missing.returncode == 2 and "is not a file" in missing.stdout
-    broken = tmp_path / "broken.py"
-    broken.write_text("for x in range(3)\n    pass\n")
-    bad = _cli(str(broken))
-    assert bad.returncode == 2 and "is not valid Python (line 1" in bad.stdout
-    args = _cli("--timeout", "60", str(CORPUS / "needs_args.py"))
-    assert args.returncode == 1 and "pass them after the script's name" in args.stdout
+def _main(capsys, *args):
+    """`python -m dpcourse diagnose ARGS` through the same main() in this process: (exit code,
+    what it printed). The one subprocess below proves the command line reaches main()."""
+    from dpcourse.__main__ import main
+
+    capsys.readouterr()
+    code = main(["diagnose", *args])
+    return code, capsys.readouterr().out
+
+
+def test_the_command_line_bad_input_and_json(tmp_path, capsys):
+    # the command itself, once: exit code 1 and the JSON report on stdout
     out = _cli("--json", "--timeout", "60", str(CORPUS / "no_sampler.py"))
     report = json.loads(out.stdout)
     assert out.returncode == 1 and report["status"] == "ok" and not report["ok"]
     assert [f["check"] for f in report["findings"]] == ["no_sampler"]
+    # the rest through the same main() in this process (a subprocess each cost an interpreter,
+    # torch's import and a cold fork server)
+    code, text = _main(capsys, str(tmp_path / "nope.py"))
+    assert code == 2 and "is not a file" in text
+    broken = tmp_path / "broken.py"
+    broken.write_text("for x in range(3)\n    pass\n")
+    code, text = _main(capsys, str(broken))
+    assert code == 2 and "is not valid Python (line 1" in text
+    code, text = _main(capsys, "--timeout", "60", str(CORPUS / "needs_args.py"))
+    assert code == 1 and "pass them after the script's name" in text
     if torch.cuda.is_available():  # the script fails only where no GPU is
         return
-    failed = json.loads(_cli("--json", "--timeout", "60", str(CORPUS / "gpu_tutorial.py")).stdout)
-    assert failed["status"] == "failed" and failed["error_where"] == "gpu_tutorial.py:11"
+    code, text = _main(capsys, "--json", "--timeout", "60", str(CORPUS / "gpu_tutorial.py"))
+    failed = json.loads(text)
+    assert code == 1 and failed["status"] == "failed" and failed["error_where"] == "gpu_tutorial.py:11"
 
 
 def test_every_lesson_a_finding_names_has_that_section():

@@ -80,3 +80,12 @@ def test_time_breakdown_times_the_step_phases_and_trains():
     assert set(parts) == {"data", "forward", "backward+step"}
     assert all(v > 0 for v in parts.values())
     assert not torch.equal(before, model.weight) and model.training
+
+
+def test_sign_test_p_is_the_binomial_tail():
+    from dpcourse.train import sign_test_p
+    assert sign_test_p([1] * 7, [2] * 7) == 2 / 2 ** 7
+    assert sign_test_p([1] * 7, [2] * 6 + [0]) == 2 * 8 / 2 ** 7
+    assert sign_test_p([1] * 5, [2] * 4 + [0]) == 2 * 6 / 2 ** 5
+    assert sign_test_p([1, 1], [1, 1]) == 1.0   # ties only
+    assert "sign test p = 0.0156" in compare_rates("a", [1] * 7, "b", [2] * 7)

@@ -209,10 +209,9 @@ class TooStale(Exception):
 
 
 class BoundedServer(SimulatedServer):
-    """A server that bounds staleness by drop and recompute: a push whose gradient is more
-    than ``max_staleness`` updates stale raises :class:`TooStale` and applies nothing
-    (``refused`` counts those pushes); the worker must pull and compute it again. Lab 09's
-    loop must cope with it. This is not Stale Synchronous Parallel (Ho et al. 2013) or bounded
+    """A server that bounds staleness by refusing: a push whose gradient is more than
+    ``max_staleness`` updates stale raises :class:`TooStale` and applies nothing (``refused``
+    counts those pushes). Lab 09's loop must cope with it. This is not Stale Synchronous Parallel (Ho et al. 2013) or bounded
     delay (Li et al. 2014): those never refuse an update, they make the fast worker wait
     before its next read until the slowest is within the bound."""
 

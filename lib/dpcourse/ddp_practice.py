@@ -236,7 +236,10 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 def convert_sync_batchnorm(module: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
     """Every BatchNorm in ``module`` made global-batch: ``nn.SyncBatchNorm`` on CUDA, the
-    course's :class:`CPUSyncBatchNorm` on CPU (where the real one refuses to run)."""
+    course's :class:`CPUSyncBatchNorm` on CPU (where the real one refuses to run).
+
+    Shown in lesson 04, §9.
+    """
     if torch.device(device).type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
@@ -259,7 +262,10 @@ def convert_sync_batchnorm(module: nn.Module, device: str | torch.device = "cpu"
 
 
 class SmallBNNet(nn.Module):
-    """conv-BN-relu-pool ×2 and a linear layer: small enough for CPU, with BatchNorm in it."""
+    """conv-BN-relu-pool ×2 and a linear layer: small enough for CPU, with BatchNorm in it.
+
+    Shown in lesson 04, §9.
+    """
 
     def __init__(self, num_classes: int = 10, width: int = 16):
         super().__init__()

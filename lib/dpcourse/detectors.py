@@ -407,7 +407,9 @@ def state_checksums(model, grads: bool = False, chunk: int = 1 << 20) -> dict[st
     tensor's own device (the CPU for MPS, which has no float64), ``chunk`` elements at a time,
     so its float64 temporaries stay below about 24 bytes x ``chunk`` however large the tensor;
     one ``.item()`` per tensor brings the sum back. Send the dict back from each rank and give
-    the list to :func:`compare_checksums`.
+    the list to :func:`compare_checksums`. Equal bits give equal checksums when every rank sums
+    the same way (the same device type and thread count); a change below the float64 sum's
+    rounding (about 1e-16 of the checksum), or changes that cancel, leave it unchanged.
 
     Shown in lesson 10, §3.
     """
@@ -429,9 +431,12 @@ def state_checksums(model, grads: bool = False, chunk: int = 1 << 20) -> dict[st
     return out
 
 
-def compare_checksums(per_rank: Sequence[dict[str, float]], rtol: float = 1e-6) -> list[str]:
+def compare_checksums(per_rank: Sequence[dict[str, float]], rtol: float = 0.0) -> list[str]:
     """Names of the tensors whose checksums differ between ranks (empty: the replicas agree).
-    A non-finite checksum on any rank counts as a difference.
+    A non-finite checksum on any rank counts as a difference. By default (``rtol=0``) any
+    difference counts: replicas kept in sync are bit-identical (lesson 03), so their checksums
+    are equal; ``rtol`` > 0 tolerates a difference up to ``rtol`` x max(1, |checksum|), for
+    checksums summed in different orders (on different devices, in other chunks).
 
     Shown in lesson 10, §3.
     """

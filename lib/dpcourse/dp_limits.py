@@ -68,8 +68,11 @@ def activation_memory_worker(rank: int, world_size: int, micro_batch: int = 8, w
     on this rank, the bytes of its parameter shards and the bytes autograd saves for the
     backward during one forward (``torch.autograd.graph.saved_tensors_hooks``), split into
     activations (tensors whose first dimension is the micro-batch) and the rest (the
-    all-gathered weights a layer keeps for its backward). The same forward without any
-    sharding, in this process, gives the activations of one device.
+    all-gathered weights a layer keeps for its backward), and, once the forward has returned,
+    the bytes those other tensors' storages still hold (``other_resident``: FSDP2 resizes a
+    unit's gathered storage to 0 at its reshard, so autograd keeps a reference, not the bytes).
+    The same forward without any sharding, in this process, gives the activations of one
+    device.
     Shown in lesson 11, §1.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -85,14 +88,19 @@ def activation_memory_worker(rank: int, world_size: int, micro_batch: int = 8, w
 
     def saved_bytes(model, x):
         kinds = {"activations": 0, "other": 0}
+        others = []
 
         def pack(t):
             kind = "activations" if t.dim() and t.shape[0] == micro_batch else "other"
             kinds[kind] += t.numel() * t.element_size()
+            if kind == "other":
+                others.append(t)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(x).pow(2).mean()
+        kinds["other_resident"] = sum(t.untyped_storage().nbytes() for t in others)
+        others.clear()
         loss.backward()
         return kinds
 
@@ -109,6 +117,7 @@ def activation_memory_worker(rank: int, world_size: int, micro_batch: int = 8, w
     full_bytes = sum(p.numel() * p.element_size() for p in build().parameters())
     return {"shard_bytes": shard_bytes, "full_bytes": full_bytes,
             "activations": sharded["activations"], "other_saved": sharded["other"],
+            "other_resident": sharded["other_resident"],
             "one_device_activations": one_device["activations"]}
 
 

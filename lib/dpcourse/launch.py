@@ -67,6 +67,7 @@ __all__ = [
     "torchrun_env",
     "free_port",
     "kill_tree",
+    "worker_entry",
     "LaunchError",
     "RankFailedError",
     "LaunchTimeoutError",
@@ -178,8 +179,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _worker_entry(rank: int, world_size: int, port: int, payload: bytes, env: dict,
-                  log_path: str, result_conn, release_conn) -> None:
+def worker_entry(rank: int, world_size: int, port: int, payload: bytes, env: dict,
+                 log_path: str, result_conn, release_conn) -> None:
+    """What each rank of :func:`spawn` runs: its own session and log file, the parent's
+    environment and the rendezvous variables, then the cloudpickled ``(fn, args, kwargs,
+    backend)`` from ``payload``; it sends the result (or the exception with its traceback) back
+    on ``result_conn``, then waits on ``release_conn`` until the parent says every rank is done,
+    and ends with ``os._exit`` (no atexit handlers: DDP's gloo threads can abort a normal exit).
+    A rank that returned early therefore stays alive with its sockets open while the others
+    work, which is why a collective its peer still waits in hangs instead of failing at once
+    (lesson 04's section on uneven inputs quotes that end).
+
+    Shown in lesson 00, §"Running many processes from a notebook".
+    """
     # Own process group: the parent can then kill this rank *and* anything it started
     # (DataLoader workers, a subprocess) with one killpg.
     os.setsid()
@@ -386,7 +398,7 @@ def _start_ranks(ctx, ranks: list, world_size: int, port: int, payload: bytes, e
         release_r, release_w = ctx.Pipe(duplex=False)
         log_path = os.path.join(logdir, f"rank{r}.log")
         p = ctx.Process(
-            target=_worker_entry,
+            target=worker_entry,
             args=(r, world_size, port, payload, env, log_path, result_w, release_r),
             name=f"dpcourse-rank{r}",
             daemon=True,

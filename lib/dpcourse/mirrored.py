@@ -70,7 +70,7 @@ import tensorflow as tf  # noqa: E402
 
 from dpcourse import data as _data  # noqa: E402
 from dpcourse.mirrored_multiworker import (MultiWorkerConfig, MultiWorkerError,  # noqa: E402
-                                           MultiWorkerResult, run_multiworker)
+                                           MultiWorkerResult, kill_worker, run_multiworker)
 
 tf.get_logger().setLevel("ERROR")
 
@@ -98,6 +98,7 @@ __all__ = [
     "MultiWorkerResult",
     "MultiWorkerError",
     "run_multiworker",
+    "kill_worker",
     "LOSS_SCALINGS",
     "KERAS_LOSS_SCALINGS",
     "keras_loss_per_replica",

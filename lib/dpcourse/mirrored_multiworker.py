@@ -65,7 +65,13 @@ def _tail(path: Path, n: int = 25) -> str:
     return "\n".join(lines[-n:]) or "(no output)"
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_worker(proc: subprocess.Popen) -> None:
+    """SIGKILL a worker of :func:`run_multiworker` with everything it started
+    (:func:`dpcourse.launch.kill_tree`: its process group and every descendant), then reap it.
+    A worker that is gone holds no port: the OS closes a dead process's sockets.
+
+    Shown in lesson 05, §8.
+    """
     from dpcourse.launch import kill_tree
 
     kill_tree(proc.pid)  # the worker's group and anything that left it
@@ -147,5 +153,5 @@ def run_multiworker(config: MultiWorkerConfig | None = None, num_workers: int = 
         return MultiWorkerResult(weights, losses, seconds, wsec)
     finally:
         for p in procs:
-            _kill_group(p)
+            kill_worker(p)
         shutil.rmtree(workdir, ignore_errors=True)

@@ -55,7 +55,10 @@ CONTROLS = ("local", "per_parameter_after", "bucketed_after")
 
 class LocalOnly(nn.Module):
     """No synchronisation at all (each rank keeps its own gradient): the compute alone, which
-    the overlap model of lesson 07 starts from. Not data parallel; for timing only."""
+    the overlap model of lesson 07 starts from. Not data parallel; for timing only.
+
+    Shown in lesson 07, §4.
+    """
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -144,7 +147,11 @@ def wide_mlp(width: int = 1024, depth: int = 8, num_classes: int = 10) -> nn.Mod
 
 @dataclass
 class OverlapConfig:
-    """One experiment: the model, the data and the steps, the same on every rank."""
+    """One experiment: the model, the data and the steps, the same on every rank; ``build``
+    makes the model from ``seed``, so every run of one config starts from the same weights.
+
+    Shown in lesson 07, §4.
+    """
 
     model: str = "small_cnn"       # "small_cnn" (lessons 01-04) or "wide_mlp" (for timing)
     width: int = 8                 # SmallCNN's width, or the MLP's
@@ -430,8 +437,8 @@ def off_cpu_wire(cfg: OverlapConfig, bucket_cap_mb: float, wire_ms, rounds: int 
     (enough where gradients arrive in reverse registration order, as the MLP's do; a bucket sent
     with a gradient missing raises); in the control, every bucket goes once ``backward()`` ends.
     The two take their steps in rounds (shuffled order each round, one untimed warm-up round);
-    returns each one's step times (forward, backward, wire; no optimizer) and backward times,
-    round by round, in ms, and the buckets' bytes.
+    returns each one's step times (forward, backward, wire; no optimizer), forward times and
+    backward times (each alone), round by round, in ms, and the buckets' bytes.
 
     Shown in lesson 07, §4.
     """
@@ -457,8 +464,8 @@ def off_cpu_wire(cfg: OverlapConfig, bucket_cap_mb: float, wire_ms, rounds: int 
 
     for p in closes:
         p.register_post_accumulate_grad_hook(grad_ready)
-    out = {"overlap": {"step": [], "backward": []}, "control": {"step": [], "backward": []},
-           "bucket_bytes": [bucket_nbytes(b) for b in buckets]}
+    out = {k: {"step": [], "forward": [], "backward": []} for k in ("overlap", "control")}
+    out["bucket_bytes"] = [bucket_nbytes(b) for b in buckets]
     order = random.Random(seed)
     try:
         for r in range(rounds + 1):
@@ -466,7 +473,9 @@ def off_cpu_wire(cfg: OverlapConfig, bucket_cap_mb: float, wire_ms, rounds: int 
                 state.update(overlap=kind == "overlap")
                 model.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
-                F.cross_entropy(model(X), y).backward()
+                loss = F.cross_entropy(model(X), y)
+                t_forward = time.perf_counter()
+                loss.backward()
                 t_backward = time.perf_counter()
                 if kind == "control":
                     for i in range(len(buckets)):
@@ -476,7 +485,8 @@ def off_cpu_wire(cfg: OverlapConfig, bucket_cap_mb: float, wire_ms, rounds: int 
                 state["sent"] = []
                 if r:                                    # round 0 is the warm-up
                     out[kind]["step"].append((time.perf_counter() - t0) * 1e3)
-                    out[kind]["backward"].append((t_backward - t0) * 1e3)
+                    out[kind]["forward"].append((t_forward - t0) * 1e3)
+                    out[kind]["backward"].append((t_backward - t_forward) * 1e3)
     finally:
         wire.shutdown()
     return out

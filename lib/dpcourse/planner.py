@@ -177,12 +177,14 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     ``megatron/training/arguments.py``). Data-parallel
     traffic: an all-reduce of the gradients (DDP), a reduce-scatter of the gradients and an
     all-gather of the 16-bit weights (ZeRO-1/2), the weights all-gathered twice and the
-    gradients reduce-scattered (ZeRO-3), once per micro-batch for ZeRO-3: it reshards
+    gradients reduce-scattered (ZeRO-3); once per step for DDP and ZeRO-1/2 (as with DDP's
+    ``no_sync()`` over every micro-batch but the last), once per micro-batch for ZeRO-3: it reshards
     between micro-batches, as FSDP2 does at its defaults (lesson 08 measures 2k all-gathers at
     k micro-batches), so its traffic and messages grow with the micro-batches per step;
     messages: one all-reduce per ``bucket_bytes`` of
     gradients (DDP's default bucket, 25 MiB), a reduce-scatter and an all-gather per bucket for
-    ZeRO-1/2, three collectives per layer and micro-batch for ZeRO-3. Returns a dict with every number the
+    ZeRO-1/2, three collectives per layer and micro-batch for ZeRO-3. A pipeline message is a
+    full activation per GPU (no scatter-gather over the t ranks). Returns a dict with every number the
     lesson prints, and ``fits``. ``order`` is the rank layout that decides which links a
     dimension's groups use (the module's docstring): "tp-pp-dp" or Megatron-LM's "tp-dp-pp".
     Shown in lesson 11, §5.

@@ -25,7 +25,8 @@ Three parts, from paper to wire:
   the alpha-beta model: a step of the critical path that moves b bytes over a link takes
   ``alpha + b * beta``. alpha is a cost per *step*: in these textbook algorithms one message per
   step, while gloo's ring sends each step's chunk as at least two pipelined segments (see
-  :func:`cost`), so an alpha fitted to gloo is its cost per ring step. :func:`fit_alpha_beta`
+  :func:`cost`), so an alpha fitted to gloo is its cost per ring step, while K <= 2N MiB (above
+  that, a step is more segments and their extra costs land in beta). :func:`fit_alpha_beta`
   fits alpha and beta to measured all-reduce times. They live in :mod:`dpcourse.ring_cost`
   (importable from here too).
 

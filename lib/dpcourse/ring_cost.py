@@ -63,9 +63,10 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
     beta: seconds per byte). Every algorithm here but the parameter server sends one message
     per step and link, so its alpha is also a cost per message; the server's link takes the N
     messages of each of its two steps at once, for one alpha (the most favourable case for
-    it). gloo's ring (``gloo/allreduce.cc``, ``ring``) cuts each chunk into at least two
-    segments of at most 1 MiB, pipelined, so a ring step there is two or more messages, and
-    an alpha fitted to it is a cost per step.
+    it). gloo's ring (``gloo/allreduce.cc``, ``ring``) cuts K into max(ceil(K / 1 MiB), 2N)
+    segments, rounded up to a multiple of N, pipelined: a ring step there is two messages
+    while K <= 2N MiB, so an alpha fitted to it is a cost per step; above that a step is more
+    messages (8 at 16 MiB on 2 ranks), and what each extra one costs lands in beta.
 
     * naive: 2(N-1) messages of K, one after another, all through worker 0: 2(N-1)(a + Kb).
     * parameter-server: one unsharded server; one push round and one pull round, but N*K bytes

@@ -37,11 +37,18 @@ __all__ = [
     "autocast_for",
     "compare_rates",
     "rate_verdict",
+    "sign_test_p",
 ]
 
 
 @dataclass
 class TrainConfig:
+    """What :func:`fit` trains with. ``device`` defaults to "cpu", whatever the machine has:
+    pass the device to train on (lesson 01 passes its profile's, ``device=str(device)``).
+
+    Shown in lesson 01, §"Throughput, and where the time goes".
+    """
+
     epochs: int = 2
     batch_size: int = 64
     optimizer: str = "sgd"  # "sgd" (with momentum) or "adam"
@@ -223,7 +230,8 @@ def fit(model: nn.Module, ds, cfg: TrainConfig) -> list[dict]:
 
 def step_phases(model: nn.Module, loss_fn, optimizer):
     """The two phases of a training step that :func:`time_breakdown` times apart: ``forward(X,
-    y)`` (zero the gradients, forward, loss; returns the loss) and ``backward_step(loss)``.
+    y)`` (forward, loss; returns the loss) and ``backward_step(loss)`` (zero the gradients,
+    backward, step: the order of :func:`train_one_epoch`, which lab 01's check asks for).
     Puts the model in training mode. It holds a training step, so lesson 01 folds it.
 
     Shown in lesson 01, §"Lab 01: write the loop yourself".
@@ -231,10 +239,10 @@ def step_phases(model: nn.Module, loss_fn, optimizer):
     model.train()
 
     def forward(X, y):
-        optimizer.zero_grad(set_to_none=True)
         return loss_fn(model(X), y)
 
     def backward_step(loss):
+        optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
 
@@ -303,6 +311,19 @@ def rate_verdict(runs_a, runs_b) -> tuple[str, str]:
     return "unclear", ""
 
 
+def sign_test_p(runs_a, runs_b) -> float:
+    """Two-sided sign test over interleaved rounds: the chance that two equally fast settings,
+    each round won by either with probability 1/2, split the rounds at least as lopsidedly as
+    ``runs_a`` and ``runs_b`` did (tied rounds left out).
+
+    Shown in lesson 01, §"Throughput, and where the time goes".
+    """
+    wins = sum(b > a for a, b in zip(runs_a, runs_b))
+    losses = sum(b < a for a, b in zip(runs_a, runs_b))
+    n, k = wins + losses, max(wins, losses)
+    return min(1.0, 2 * sum(math.comb(n, j) for j in range(k, n + 1)) / 2 ** n) if n else 1.0
+
+
 def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
     """One sentence comparing two sets of repeated throughputs (higher is faster), computed
     from the runs.
@@ -312,14 +333,19 @@ def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
     a pair. "faster in every run" needs at least 3 rounds, all won; "in all but one" needs at
     least 5 rounds and tolerates one outlier round. Unequal counts fall back to comparing the
     ranges: "in every run" only when they do not overlap. Anything else is "no clear
-    difference" (:func:`rate_verdict` decides). The ratio printed is median(b) / median(a).
+    difference" (:func:`rate_verdict` decides). The ratio printed is median(b) / median(a);
+    for interleaved rounds, so is the sign test's p (:func:`sign_test_p`): at 7 rounds "all
+    but one" has p = 0.125, at 5 rounds 0.375 — one outlier tolerated costs that much.
 
     Shown in lesson 01, §"Throughput, and where the time goes".
     """
+    runs_a, runs_b = list(runs_a), list(runs_b)
     word, how = rate_verdict(runs_a, runs_b)
     ratio = statistics.median(runs_b) / statistics.median(runs_a)
+    paired = len(runs_a) == len(runs_b)
+    p = f"; sign test p = {sign_test_p(runs_a, runs_b):.3g}" if paired else ""
     if word != "unclear":
         return (f"{name_b} was {word} than {name_a} {how} "
-                f"(medians: {ratio:.2f}x {name_a}'s speed).")
+                f"(medians: {ratio:.2f}x {name_a}'s speed{p}).")
     return (f"no clear difference between {name_a} and {name_b}: their runs overlap "
             f"(medians: {name_b} at {ratio:.2f}x {name_a}'s speed, within the spread).")

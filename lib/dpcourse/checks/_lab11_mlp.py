@@ -5,6 +5,7 @@ how many parameters one rank holds. Re-exported by :mod:`dpcourse.checks.lab11`.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -89,6 +90,30 @@ def check_tp_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None)
            f"{ODD_H} on 3 ranks {how}")
 
 
+class _Launched(Mapping):
+    """{world size: the ranks' results}, each world size launched on its first reading, in
+    the order given."""
+
+    def __init__(self, sizes, launch):
+        self._sizes, self._launch, self._outs = tuple(dict.fromkeys(sizes)), launch, {}
+
+    def __getitem__(self, n):
+        if n not in self._sizes:
+            raise KeyError(n)
+        if n not in self._outs:
+            self._outs[n] = self._launch(n)
+        return self._outs[n]
+
+    def __contains__(self, n):          # without launching
+        return n in self._sizes
+
+    def __iter__(self):
+        return iter(self._sizes)
+
+    def __len__(self):
+        return len(self._sizes)
+
+
 @recorded
 def check_normed_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = None,
                      prediction=None, bytes_prediction=None) -> None:
@@ -109,8 +134,10 @@ def check_normed_mlp(mlp_cls, world_sizes=WORLD_SIZES, timeout: float | None = N
         fail(f"the check needs your class itself, got {type(mlp_cls).__name__}.")
     _todo(mlp_cls)
     timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
-    ran = {n: run_ranks(normed_worker, n, mlp_cls, timeout=timeout, hang=_HANG)
-           for n in world_sizes}
+    # each world size launched when the diagnosis reaches it: a mistake named on 2 ranks
+    # needs no launch on 3
+    ran = _Launched(world_sizes, lambda n: run_ranks(normed_worker, n, mlp_cls,
+                                                     timeout=timeout, hang=_HANG))
     uneven = None
     if 3 in ran:      # run once the even sizes have passed their diagnoses
         def uneven():

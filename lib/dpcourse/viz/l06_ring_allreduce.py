@@ -208,7 +208,9 @@ def cost_figure(alpha: float, beta: float, n_fixed: int = 8, nbytes_fixed: float
                 algorithms: Sequence[str] | None = None):
     """Two panels: all-reduce time against N (at ``nbytes_fixed``) and against K (at
     ``n_fixed``), for each algorithm under the alpha-beta model (all five of
-    ``ring.COST_MODELS`` unless ``algorithms`` names fewer)."""
+    ``ring.COST_MODELS`` unless ``algorithms`` names fewer). Both time axes are logarithmic, so
+    a millisecond curve stays readable beside one of a second; Rabenseifner's is dashed, as it
+    lies on the ring's wherever N is a power of two."""
     from dpcourse.ring import COST_MODELS, cost
 
     algorithms = algorithms or COST_MODELS
@@ -219,8 +221,11 @@ def cost_figure(alpha: float, beta: float, n_fixed: int = 8, nbytes_fixed: float
     labels = {"tree": "binomial tree (unpipelined)"}
     for alg in algorithms:
         label = labels.get(alg, alg)
-        ax1.plot(ns, [cost(alg, n, nbytes_fixed, alpha, beta).seconds for n in ns], label=label)
-        ax2.loglog(sizes, [cost(alg, n_fixed, k, alpha, beta).seconds for k in sizes], label=label)
+        style = "--" if alg == "rabenseifner" else "-"
+        ax1.semilogy(ns, [cost(alg, n, nbytes_fixed, alpha, beta).seconds for n in ns], style,
+                     label=label)
+        ax2.loglog(sizes, [cost(alg, n_fixed, k, alpha, beta).seconds for k in sizes], style,
+                   label=label)
     ax1.set_xlabel("workers N")
     ax1.set_ylabel("seconds per all-reduce")
     ax1.set_title(f"K = {nbytes_fixed / 1e6:g} MB", fontsize=10)
@@ -229,10 +234,11 @@ def cost_figure(alpha: float, beta: float, n_fixed: int = 8, nbytes_fixed: float
     ax2.set_title(f"N = {n_fixed}", fontsize=10)
     for ax in (ax1, ax2):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+    fig.legend(*ax1.get_legend_handles_labels(), loc="lower center", ncol=len(algorithms),
+               fontsize=8, frameon=False)  # one legend for both panels, below them
     fig.suptitle(f"alpha-beta model: alpha = {alpha * 1e6:g} us, 1/beta = {1 / beta / 1e9:g} GB/s",
                  fontsize=10)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.14, top=0.85, wspace=0.25)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.22, top=0.85, wspace=0.25)
     return fig
 
 
