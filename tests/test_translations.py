@@ -61,6 +61,13 @@ def _copy_lesson_00(root):
                 "zh/lessons/00_start_here.ipynb"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, root / rel)
+    # lesson 00's links go to the Chinese notebook of every lesson that has a translation file,
+    # so the copy needs those files too (only their presence is read) to build the same links
+    for text in (ROOT / "zh" / "text").glob("*/*.md"):
+        rel = text.relative_to(ROOT)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        if not (root / rel).exists():
+            shutil.copy(text, root / rel)
     (root / "solutions").mkdir()
     (root / "labs").mkdir()
     return root / "lessons" / "00_start_here.ipynb"
