@@ -61,6 +61,14 @@ def _copy_lesson_00(root):
                 "zh/lessons/00_start_here.ipynb"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, root / rel)
+    # The other notebooks' translation files too (without their notebooks): lesson 00's links
+    # point into zh/ exactly where a translation file exists, so the copy must have the same
+    # ones for its lesson 00 to build as the repository's does.
+    for text in (ROOT / "zh" / "text").rglob("*.md"):
+        rel = text.relative_to(ROOT)
+        if not (root / rel).exists():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(text, root / rel)
     (root / "solutions").mkdir()
     (root / "labs").mkdir()
     return root / "lessons" / "00_start_here.ipynb"
