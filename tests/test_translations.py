@@ -61,6 +61,13 @@ def _copy_lesson_00(root):
                 "zh/lessons/00_start_here.ipynb"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, root / rel)
+    # the other lessons' translation files too: lesson 00 links to them, and its Chinese
+    # notebook points each link at the Chinese twin where a translation file exists
+    for other in (ROOT / "zh" / "text").glob("*/*.md"):
+        rel = other.relative_to(ROOT)
+        if not (root / rel).exists():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(other, root / rel)
     (root / "solutions").mkdir()
     (root / "labs").mkdir()
     return root / "lessons" / "00_start_here.ipynb"
