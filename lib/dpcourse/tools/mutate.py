@@ -249,8 +249,10 @@ def fingerprint(solution: Path, *extra) -> str:
     """A hash of everything a mutation run of ``solution`` depends on: the solution's source,
     the library (a lab's checks import it, and its ranks import more of it in processes of
     their own, so all of it is hashed rather than a guess at what is used) — except the check
-    modules of other labs, which its own checks do not import — the versions of Python and
-    torch, and ``extra`` (e.g. how the sample is drawn).
+    modules of other labs, which its own checks do not import, and the course tooling in
+    ``dpcourse.tools`` (the build, translations, the workshop: no check or rank imports it)
+    other than this module, which makes the mutants — the versions of Python and torch, and
+    ``extra`` (e.g. how the sample is drawn).
 
     The suite records it beside a sample that every check caught, and runs that sample again
     only when the fingerprint has changed: the same files give the same mutants and the same
@@ -269,7 +271,8 @@ def fingerprint(solution: Path, *extra) -> str:
     files = [(Path(solution).name, Path(solution))] + sorted(
         (str(f.relative_to(lib)), f) for f in lib.rglob("*")
         if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"
-        and not (f.parent == checks and _CHECK_FILE.match(f.name) and f not in own))
+        and not (f.parent == checks and _CHECK_FILE.match(f.name) and f not in own)
+        and not (f.parent == lib / "tools" and f.name != Path(__file__).name))
     for name, path in files:
         digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()

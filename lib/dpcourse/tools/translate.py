@@ -394,6 +394,9 @@ def _prose(text: str) -> str:
     """Markdown without code, links' targets, HTML tags and comments: what a term check reads."""
     text = re.sub(r"```.*?```|`[^`]*`", " ", text, flags=re.S)   # inline code may wrap
     text = re.sub(r"<!--.*?-->|<[^>]+>", " ", text, flags=re.S)
+    # torch's class name, written in prose without backticks, is not the term "data-parallel"
+    # (which the glossary matches with nothing between its words, as "AllReduce" must match).
+    text = re.sub(r"\bDataParallel\b", " ", text)
     return re.sub(r"\]\([^)]*\)", "]", text)
 
 
