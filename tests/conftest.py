@@ -1,8 +1,10 @@
 """Shared fixtures: every test that launches processes must leave none behind."""
 
 import collections
+import contextlib
 import importlib.util
 import os
+from pathlib import Path
 
 import psutil
 import pytest
@@ -57,6 +59,61 @@ def no_leftovers():
         time.sleep(0.1)
     assert stray_processes() == [], "processes left running"
 
+
+
+@contextlib.contextmanager
+def launches_replayed(key_of, also_replay=(), files_in=None):
+    """``launch.spawn`` launching each distinct run for real once, replaying it after: for test
+    files that repeat a run (a mistake met twice, the same answer checked again). Everything
+    after the launch (the check's judgement, its memory of mistakes, its sentence) runs again.
+
+    ``key_of(worker, world_size, args, kwargs, timeout)`` names the run, or is None for one to
+    launch every time. A repeat gets a copy of what the ranks returned, or the same
+    RankFailedError (and the exceptions in ``also_replay``); any other exception (a timeout,
+    unless listed) is never recorded. ``files_in(args)``: a folder the run leaves files in,
+    saved after the real run and written back on each replay."""
+    import copy
+
+    from dpcourse import launch
+
+    real_spawn, runs = launch.spawn, {}
+
+    def spawn(worker, world_size, *args, timeout, **kwargs):
+        key = key_of(worker, world_size, args, kwargs, timeout)
+        if key is None:
+            return real_spawn(worker, world_size, *args, timeout=timeout, **kwargs)
+        folder = Path(files_in(args)) if files_in else None
+        if key not in runs:
+            try:
+                outcome = ("returned", real_spawn(worker, world_size, *args, timeout=timeout,
+                                                  **kwargs))
+            except (launch.RankFailedError, *also_replay) as exc:
+                outcome = ("raised", exc)
+            runs[key] = (outcome, {name: (folder / name).read_text()
+                                   for name in os.listdir(folder)} if folder else {})
+        (how, value), files = runs[key]
+        for name, text in files.items():
+            (folder / name).write_text(text)
+        if how == "raised":
+            raise value
+        return copy.deepcopy(value)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "spawn", spawn)
+        yield
+
+
+def distinct_run(worker, world_size, args, kwargs, timeout):
+    """A run's key for :func:`launches_replayed`: the worker, world size and arguments (the
+    learner's function or class itself, the backend), or None when they cannot be hashed (an
+    answer built inside a test: new objects each time, so it always launches)."""
+    key = (worker, world_size, args, tuple(sorted((k, v) for k, v in kwargs.items()
+                                                  if k != "show_output")))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from dpcourse import ddp
 from dpcourse.checks import LabCheckError, lab03
 
+from conftest import distinct_run, launches_replayed
+
 # The ranks cannot import this test module, so its functions travel by value — as a notebook
 # cell's functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -26,40 +28,12 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 # first time, and a repeat gets what the ranks returned then (a copy), or the same
 # RankFailedError. Everything after the launch — the check's judgement, its memory of the
 # learner's mistakes, its sentence — runs again each time. A launch that timed out is never
-# replayed, and answers built inside a test (new objects each time) always launch.
-_LAUNCHED: dict = {}
-
-
+# replayed, and answers built inside a test (new objects each time) always launch
+# (conftest.launches_replayed, conftest.distinct_run).
 @pytest.fixture(autouse=True, scope="module")
 def _launch_each_run_once():
-    import copy
-
-    from dpcourse import launch
-
-    real_spawn = launch.spawn
-
-    def spawn(worker, world_size, *args, timeout, **kwargs):
-        key = (worker, world_size, args, tuple(sorted((k, v) for k, v in kwargs.items()
-                                                      if k != "show_output")))
-        try:
-            hash(key)
-        except TypeError:
-            return real_spawn(worker, world_size, *args, timeout=timeout, **kwargs)
-        if key not in _LAUNCHED:
-            try:
-                _LAUNCHED[key] = ("returned", real_spawn(worker, world_size, *args,
-                                                         timeout=timeout, **kwargs))
-            except launch.RankFailedError as exc:
-                _LAUNCHED[key] = ("raised", exc)
-        how, value = _LAUNCHED[key]
-        if how == "raised":
-            raise value
-        return copy.deepcopy(value)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "spawn", spawn)
+    with launches_replayed(distinct_run):
         yield
-    _LAUNCHED.clear()
 
 
 def sum_only(model):

@@ -11,6 +11,8 @@ import pytest
 from dpcourse import ring
 from dpcourse.checks import LabCheckError, lab06
 
+from conftest import launches_replayed
+
 # The wrong rings below run in spawned ranks; ship them by value, as a notebook cell would be.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -24,47 +26,23 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 # message-log files they left (a hang and a crash are diagnosed from those). Everything after
 # the launch, the check's judgement and its sentence, runs again each time. Rings defined
 # inside a test (lambdas) are new objects each time and always launch.
-_LAUNCHED: dict = {}
+def _ring_run(worker, world_size, args, kwargs, timeout):
+    """The key of a run of the real ring (conftest.launches_replayed); None for other workers."""
+    from dpcourse.checks import _lab06_spawn
+
+    if worker is not _lab06_spawn._real_worker:
+        return None
+    fn, cases, marker_dir, ring_kwargs, dry_sizes, watch = args
+    return (fn, world_size, repr(cases), repr(ring_kwargs), tuple(dry_sizes), watch, timeout)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _launch_each_run_once():
-    import copy
-    import os
-
     from dpcourse import launch
-    from dpcourse.checks import _lab06_spawn
 
-    real_spawn = launch.spawn
-
-    def spawn(worker, world_size, *args, timeout, **kwargs):
-        if worker is not _lab06_spawn._real_worker:
-            return real_spawn(worker, world_size, *args, timeout=timeout, **kwargs)
-        fn, cases, marker_dir, ring_kwargs, dry_sizes, watch = args
-        key = (fn, world_size, repr(cases), repr(ring_kwargs), tuple(dry_sizes), watch, timeout)
-        if key not in _LAUNCHED:
-            try:
-                outcome = ("returned", real_spawn(worker, world_size, *args, timeout=timeout,
-                                                  **kwargs))
-            except (launch.LaunchTimeoutError, launch.RankFailedError) as exc:
-                outcome = ("raised", exc)
-            files = {}
-            for name in os.listdir(marker_dir):
-                with open(os.path.join(marker_dir, name)) as f:
-                    files[name] = f.read()
-            _LAUNCHED[key] = (outcome, files)
-        (how, value), files = _LAUNCHED[key]
-        for name, text in files.items():
-            with open(os.path.join(marker_dir, name), "w") as f:
-                f.write(text)
-        if how == "raised":
-            raise value
-        return copy.deepcopy(value)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "spawn", spawn)
+    with launches_replayed(_ring_run, also_replay=(launch.LaunchTimeoutError,),
+                           files_in=lambda args: args[2]):   # the marker and message-log folder
         yield
-    _LAUNCHED.clear()
 
 
 # --- the simulator phases ---------------------------------------------------------------------

@@ -20,6 +20,8 @@ from torch import nn
 from dpcourse import pipeline_parallel, tensor_parallel
 from dpcourse.checks import LabCheckError, lab11, predict
 
+from conftest import distinct_run, launches_replayed
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 T = 60  # generous: a loaded 2-core machine
@@ -33,40 +35,12 @@ T = 60  # generous: a loaded 2-core machine
 # first time, and a repeat gets what the ranks returned then (a copy), or the same
 # RankFailedError. Everything after the launch — the check's judgement, its memory of the
 # learner's mistakes, its sentence — runs again each time. A launch that timed out is never
-# replayed, and answers built inside a test (new objects each time) always launch.
-_LAUNCHED: dict = {}
-
-
+# replayed, and answers built inside a test (new objects each time) always launch
+# (conftest.launches_replayed, conftest.distinct_run).
 @pytest.fixture(autouse=True, scope="module")
 def _launch_each_run_once():
-    import copy
-
-    from dpcourse import launch
-
-    real_spawn = launch.spawn
-
-    def spawn(worker, world_size, *args, timeout, **kwargs):
-        key = (worker, world_size, args, tuple(sorted((k, v) for k, v in kwargs.items()
-                                                      if k != "show_output")))
-        try:
-            hash(key)
-        except TypeError:
-            return real_spawn(worker, world_size, *args, timeout=timeout, **kwargs)
-        if key not in _LAUNCHED:
-            try:
-                _LAUNCHED[key] = ("returned", real_spawn(worker, world_size, *args,
-                                                         timeout=timeout, **kwargs))
-            except launch.RankFailedError as exc:
-                _LAUNCHED[key] = ("raised", exc)
-        how, value = _LAUNCHED[key]
-        if how == "raised":
-            raise value
-        return copy.deepcopy(value)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "spawn", spawn)
+    with launches_replayed(distinct_run):
         yield
-    _LAUNCHED.clear()
 
 
 def fails(check, *args, match, **kwargs):
