@@ -12,9 +12,12 @@ Each learner's server gets, from ``dpcourse.tools.workshop`` (the same plan
   the seat's cores (taskset), and ``DPCOURSE_PROGRESS`` naming the class's progress file
   (``python -m dpcourse progress classroom/state/progress.jsonl`` prints the table);
 * this Python environment (the course's venv) for the server and so for its kernel;
-* their own copy of the course in ``~/dpcourse``, made at their first start, never overwriting
-  a file they have (a file they delete comes back fresh at their next start);
-* lesson 00 as the page that opens.
+* their own copy of the course in ``~/dpcourse`` (with ``zh/``, the Chinese edition), made at
+  their first start, never overwriting a file they have (a file they delete comes back fresh at
+  their next start);
+* their edition, ``en`` or ``zh``: ``DPCOURSE_EDITION`` in the server's environment, and that
+  edition's lesson 00 as the page that opens (``lessons/00_start_here.ipynb`` or
+  ``zh/lessons/00_start_here.ipynb``).
 
 Settings from the environment:
 
@@ -25,7 +28,13 @@ Settings from the environment:
 * ``DPCOURSE_HUB_SPAWNER`` — ``simple`` (default, for a rehearsal: every learner runs as the
   user who started the hub, homes under the state folder), ``local`` (real Unix accounts: the
   hub runs as root) or ``systemd`` (real accounts with enforced limits: pip install
-  jupyterhub-systemdspawner).
+  jupyterhub-systemdspawner);
+* ``DPCOURSE_EDITION`` — the class's edition, ``en`` (default) or ``zh`` (Chinese). A learner
+  whose edition differs is listed in ``editions.json`` in the state folder, which an instructor
+  writes, e.g. ``{"learner03": "zh", "learner07": "en"}``; it is read at each server start, so an
+  edit applies at that learner's next start (Hub Control Panel: stop their server). A bad value
+  in either stops the hub at its start, or that learner's spawn, with one line naming the
+  variable or the file and the allowed values.
 
 The GPUs, cores and memory of the plan are this machine's. Anything here can be overridden on
 the command line, e.g. ``--JupyterHub.bind_url=http://0.0.0.0:8000`` for the room (behind
@@ -77,8 +86,9 @@ c.Authenticator.allowed_users = set(workshop.learner_names(LEARNERS))
 #     c.Authenticator.admin_users = {"instructor"}
 
 # --- how each learner's server starts ---------------------------------------------------------
-# The seats, the learner's copy of the course, lesson 00, this environment as the kernel.
-workshop.configure_hub(c, learners=LEARNERS, state=STATE)
+# The seats, the learner's copy of the course, their edition's lesson 00, this environment as
+# the kernel.
+workshop.configure_hub(c, learners=LEARNERS, state=STATE, edition=workshop.class_edition())
 
 if SPAWNER == "simple":
     # Every learner runs as the user who started the hub, in a home of their own; no isolation

@@ -23,21 +23,16 @@
 # on many devices — `nn.DataParallel`, DistributedDataParallel (DDP), TensorFlow's
 # `MirroredStrategy` — and down to the ring AllReduce that moves the gradients; the last lesson
 # shows where data parallelism ends and what comes after it. Every lesson runs on a CPU-only
-# machine: that is where its stored outputs were made and where the tests run them. The same
-# code picks GPUs and NCCL when it finds them. On one NVIDIA H100, but under that machine's
-# older torch 2.11, `python -m dpcourse doctor --run` ran every lesson and solution: most
-# matched their stored outputs, and lesson 03 and lab 08 failed on names newer than 2.11 (the
-# README's "What has run where" has the full record; `dpcourse.versions.TRIED` keeps it too).
-# The multi-GPU path (NCCL, one GPU per rank) is written and has its own tests
-# (`tests/test_gpu.py`, `doctor --run`), but they have not yet been run on a multi-GPU machine.
+# machine: that is where its stored outputs were made. The same code picks GPUs and NCCL when
+# it finds them; the multi-GPU path is written but not yet run on a multi-GPU machine (where
+# the course has run is in a folded note at the end of this lesson).
 #
 # **What is checked, and what is read.** Each line that starts with ✔ is a claim this run
 # checked: a cell asserted it (and says "to within 1e-5" when floating-point sums in another
-# order make the numbers differ in their last bits), and the continuous integration re-runs
-# every notebook and compares every output except those marked `# NBVAL_IGNORE_OUTPUT` (timings
-# and hardware, each with its reason). If a ✔ claim stopped being true, the course would fail
-# to build. Some statements cannot be measured on a CPU-only machine — what NCCL does on GPUs,
-# what C++ code that is not installed does: the lesson then says it read them from the source
+# order make the numbers differ in their last bits). If a ✔ claim stopped being true, the
+# course would fail to build. Some statements cannot be measured on a CPU-only machine — what
+# NCCL does on GPUs, what C++ code that is not installed does: the lesson then says it read
+# them from the source
 # (*read from source, not measured*) and names the file in its **Sources** section. Those are
 # as good as the reading, not as a run.
 #
@@ -99,9 +94,10 @@ except LabCheckError as err:
 # From lesson 03 on, one training program runs as several cooperating processes, called
 # *ranks* (numbered 0, 1, …), which exchange tensors through a *backend*: the library that moves
 # the tensors between them, **gloo** (made for CPU tensors; it takes GPU tensors too, for
-# nearly every operation — lesson 03 finds which in the installed library — but slowly, through
-# the CPU's memory, unless built with InfiniBand support) or **NCCL** (NVIDIA's, GPU tensors
-# only). Which
+# nearly every operation — lesson 03 finds which in the installed library — but slowly: it
+# copies them through the CPU's memory; only its all_reduce can work on GPU memory directly,
+# and only over gloo's InfiniBand transport with GPUDirect enabled, which this torch's gloo
+# lacks) or **NCCL** (NVIDIA's, GPU tensors only). Which
 # backend the ranks use, and on which devices, depends on the machine. The lessons never ask
 # you to edit a cell to match your hardware. `dpcourse.devices` looks at the machine and picks
 # one of three profiles:
@@ -405,11 +401,15 @@ claim("torch.distributed.constants.default_pg_timeout is 30 minutes",
       timeout=str(constants.default_pg_timeout))
 
 # %% [markdown]
-# **▶ `launch.worker_entry`, what each rank runs** (the code the last claim but one reads:
-# click the folded cell below).
+# **▶ The launch code these claims rest on** (click the folded cell below): `launch.spawn`,
+# whose `finally` kills every rank's process tree, finished or not (that is what stopped rank 0
+# long before its 30 s); `launch.wait_for_ranks`, which polls the ranks' result pipes, stops
+# 1.5 s after the first error or at the timeout, and raises `RankFailedError` or
+# `LaunchTimeoutError`; and `launch.worker_entry`, what each rank runs (the last claim but one
+# reads it).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(launch.worker_entry)  # the source the claim above reads
+viz.show_code(launch.spawn, launch.wait_for_ranks, launch.worker_entry)
 
 # %% [markdown]
 # ## Summary
@@ -471,6 +471,21 @@ viz.quiz([
              "Only the function (and what it refers to) travels."]},
 ])
 # %% [markdown]
+# **▶ For maintainers and the curious: where the course has run, and how its outputs are
+# tested** (a folded note: click to open).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Every lesson runs on a CPU-only machine: that is where its stored outputs were made and where
+# the tests run them. On one NVIDIA H100, but under that machine's older torch 2.11,
+# `python -m dpcourse doctor --run` ran every lesson and solution: most matched their stored
+# outputs, and lesson 03 and lab 08 failed on names newer than 2.11 (the README's "What has run
+# where" has the full record; `dpcourse.versions.TRIED` keeps it too). The multi-GPU path
+# (NCCL, one GPU per rank) is written and has its own tests (`tests/test_gpu.py`,
+# `doctor --run`), but they have not yet been run on a multi-GPU machine. The continuous
+# integration re-runs every notebook and compares every output except those marked
+# `# NBVAL_IGNORE_OUTPUT` (timings and hardware, each with its reason).
+
+# %% [markdown]
 # ## Sources
 #
 # Statements about PyTorch in this lesson, checked in the installed torch 2.14.1 (paths
@@ -485,8 +500,11 @@ viz.quiz([
 #   installed `torch/lib/libtorch_cpu.so` and `libtorch_cuda.so`, by a claim in lesson 03 —
 #   nearly all of them, not the two that PyTorch's older backend table, `docs/source/
 #   distributed.rst` § Backends, marks; they copy through the CPU's memory except gloo's
-#   all_reduce over a GPUDirect (ibverbs) transport, which this torch lacks: lesson 03's
-#   Sources); `_create_nccl_process_group`
+#   all_reduce, and it only when the transport reports GPUDirect: upstream
+#   `ProcessGroupGlooCuda.cpp`'s `makeAllreduceCUDAWork` asks `hasGPUDirect()`, which gloo's
+#   ibverbs transport (`gloo/transport/ibverbs/device.cc`, not installed) answers true only when
+#   the `nv_peer_mem` kernel module is loaded, and which this torch's TCP-only gloo lacks:
+#   lesson 03's Sources); `_create_nccl_process_group`
 #   builds `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only supported with
 #   GPUs, no GPUs found!" on a machine without GPUs (shown above with `"cpu:gloo,cuda:nccl"`);
 #   its docstring's `device_id`: only with it is NCCL's communicator formed at once "rather than

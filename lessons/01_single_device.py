@@ -219,7 +219,8 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 # 3. A bigger batch can also be *slower*: its intermediate tensors grow with it, and once they
 #    no longer fit in the processor's caches every layer reads and writes main memory.
 #
-# Which of these happens here is measured, not assumed:
+# Which of these shapes the rates take here is measured, not assumed; which cause is behind
+# them, these runs do not measure:
 #
 # - **The runs.** The same 512 samples per setting, the batch sizes interleaved, seven rounds,
 #   the median of each. The runs of one round are back to back, in an order shuffled anew each
@@ -309,14 +310,7 @@ for bs in batch_sizes:
     print(f"batch {bs:4d}: median {rates[bs]:7.0f} samples/s  (runs: "
           + ", ".join(f"{r:.0f}" for r in measured[bs]) + ")")
 largest = max(batch_sizes)
-# the output of the first convolution: its channels at the image's full height and width
-# (its padding of 1 keeps them: SmallCNN, folded in "One step, taken apart")
-first_conv = models.SmallCNN().features[0]
-images = sample_batches[largest][0][0]
-claim("SmallCNN's first convolution keeps the image's height and width",
-      first_conv(images[:1]).shape[-2:] == images.shape[-2:])
-conv_mb = {bs: bs * first_conv.out_channels * images.shape[-2] * images.shape[-1]
-           * images.element_size() / 1e6 for bs in batch_sizes}
+best = max(batch_sizes, key=rates.get)   # the batch size with the highest median rate
 smallest = min(batch_sizes)   # the pair compared was chosen before the run: smallest, largest
 verdict, how = train.rate_verdict(measured[smallest], measured[largest])
 print(f"On this {device.type}, one intra-op thread, this run: " + train.compare_rates(
@@ -326,11 +320,10 @@ if verdict == "faster":
           "matrices paid off (the medians above show where the rate flattened, if it did).")
 elif verdict == "slower":
     print(f"The biggest batch, {largest}, was slower than batch {smallest} {how}: saturation "
-          "alone would give a plateau, not a drop. The intermediate tensors grow with the batch "
-          f"— the first convolution's output alone is {conv_mb[largest]:.1f} MB at batch "
-          f"{largest}, against {conv_mb[smallest]:.1f} MB at batch {smallest} — and past the "
-          "processor's caches (a few MB to a few tens of MB) every layer streams its tensors "
-          "through main memory; that is the likely cause, which this cell does not measure.")
+          f"alone would give a plateau, not a drop. The highest median was batch {best}'s "
+          f"({rates[best]:.0f} samples/s). What made the larger batch slower, this run does not "
+          "say: it times whole steps, not what happens inside them (memory traffic, the "
+          "kernels chosen for each shape).")
 else:
     print(f"Batch {largest} was neither clearly faster nor clearly slower than batch {smallest}: "
           "the hardware was saturated by small batches already, or the differences were lost "
@@ -531,8 +524,9 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # (a GPU's *tensor cores*, NVIDIA's units built for small matrix multiplies in reduced
 # precision; some CPUs have bfloat16 units too). This model's layers are tiny, and
 # the casts autocast inserts cost time of their own, so it can go either way. The last cells
-# time both on one intra-op thread, interleaved, seven rounds each, and say which was faster
-# on this run by the batch sizes' rule, or that there was no clear difference. Try a ResNet (`models.resnet18_cifar`) with a big batch on a
+# time both on one intra-op thread, seven rounds, in an order drawn anew each round (each
+# goes first in about half of them), and say which was faster on this run by the batch sizes'
+# rule, or that there was no clear difference. Try a ResNet (`models.resnet18_cifar`) with a big batch on a
 # GPU: there AMP can win.
 
 # %% [markdown]
@@ -573,12 +567,17 @@ claim("AMP ends within 3 points of float32", abs(acc_after[True] - acc_after[Fal
 m = copy.deepcopy(trained)
 opt = torch.optim.Adam(m.parameters(), lr=lr / 4)
 amp_runs = {False: [], True: []}
+amp_rng = np.random.default_rng(seed)    # its own generator, as for the batch sizes' order
+# which of the two runs first in each round: shuffled, and balanced so that each goes first
+# in about half the rounds (in a fixed order, whatever slows a round's first run would always
+# fall on the same side)
+amp_first = [bool(f) for f in amp_rng.permutation([r % 2 == 1 for r in range(rounds)])]
 torch.set_num_threads(1)
 try:
     for amp in (False, True):  # warm-up, one batch each
         train.train_one_epoch(m, fast[:1], loss_fn, opt, device, amp=amp, scaler=None)
-    for _ in range(rounds):
-        for amp in (False, True):
+    for first in amp_first:
+        for amp in (first, not first):   # this round's order
             scaler = torch.amp.GradScaler("cuda") if amp and device.type == "cuda" else None
             meter = train.ThroughputMeter(device)
             train.train_one_epoch(m, fast, loss_fn, opt, device, amp=amp, scaler=scaler,
@@ -588,6 +587,8 @@ finally:
     torch.set_num_threads(threads)
 claim(f"float32 and AMP were each timed {rounds} times",
       all(len(r) == rounds for r in amp_runs.values()))
+claim(f"each went first in some rounds: AMP in {sum(amp_first)}, float32 in "
+      f"{rounds - sum(amp_first)} of {rounds}", 0 < sum(amp_first) < rounds)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -702,18 +703,22 @@ claim('the CUDA knobs refuse "bf16" ("does not support precision"); the generic 
 #
 # - **On the CPU, for this model.** With the same seed, code, hardware and number of threads,
 #   two runs of `SmallCNN` end with *bit-identical* weights: the cell below proves it with
-#   deterministic mode **off**, the seed alone. Change the seed and they differ. That is a fact
-#   about this model's ops, not a rule for every CPU model: torch's own list of ops that
-#   deterministic mode makes deterministic names CPU ones too, such as `index_put` with
-#   `accumulate=True` and `index_copy` (the cell prints every entry of that list that is not
-#   CUDA-only, read from the installed docstring).
+#   *deterministic mode* (torch made to pick deterministic kernels,
+#   `torch.use_deterministic_algorithms`: next bullet) **off**, the seed alone. Change the
+#   seed and they differ. That is a fact about this model's ops, not a rule for every CPU
+#   model: torch's own list of ops that deterministic mode makes deterministic names CPU ones
+#   too, such as `index_put` with `accumulate=True` and `index_copy` (the cell prints every
+#   entry of that list that is not CUDA-only, read from the installed docstring).
 # - **On a GPU.** More kernels there (e.g. some convolution backwards, `index_add_`) are
-#   nondeterministic. There the cell asks `seed_everything(..., deterministic=True)`, which calls
+#   nondeterministic. There the cell turns deterministic mode on:
+#   `seed_everything(..., deterministic=True)` calls
 #   `torch.use_deterministic_algorithms(True, warn_only=True)`: deterministic kernels where
 #   torch has them, and only a *warning* for an op that has none, so read the warnings. The flag
 #   is global, so the cell switches it off again.
-# - **cuBLAS's workspace.** Torch 2.14.1 no longer needs `CUBLAS_WORKSPACE_CONFIG=:4096:8`
-#   for deterministic mode (the folded details below; the cell checks the installed headers).
+# - **cuBLAS's workspace.** cuBLAS, NVIDIA's matrix-multiply library for the GPU, works in
+#   scratch memory of its own, a workspace. Torch 2.14.1 no longer needs
+#   `CUBLAS_WORKSPACE_CONFIG=:4096:8` for deterministic mode (the folded details below; the
+#   cell checks the installed headers).
 # - **Across machines.** On *different* hardware bit-identity is not promised at all:
 #   floating-point sums are done in different orders.
 
@@ -723,8 +728,9 @@ claim('the CUDA knobs refuse "bf16" ("does not support precision"); the generic 
 # %% [markdown] jupyter={"source_hidden": true}
 # Many scripts and answers say deterministic mode *needs*
 # `CUBLAS_WORKSPACE_CONFIG=:4096:8` (or `:16:8`): torch used to raise an error without it on
-# a GPU matrix multiply. Torch 2.14.1 no longer checks it. It gives each cuBLAS handle (the
-# GPU's matrix-multiply library) and stream a workspace of its own, which NVIDIA's cuBLAS
+# a GPU matrix multiply. Torch 2.14.1 no longer checks it. It gives cuBLAS (the GPU's
+# matrix-multiply library) a workspace of its own for each handle (the context cuBLAS calls
+# run in) and stream, which NVIDIA's cuBLAS
 # documentation ("Results reproducibility") counts as enough, and the check was removed
 # (pytorch/pytorch#161749). The cell checks the installed C++ headers: `Context` declares
 # `alertNotDeterministic` and no cuBLAS alert; a per-handle-and-stream workspace map is

@@ -8,9 +8,9 @@
 # - read a complete DDP training worker (process group, `DistributedDataParallel`, sharded
 #   data, the loop) and write its averaging step yourself;
 # - prove that averaging gradients by hand, DDP, and one process on the global batch agree;
-# - explain DDP's buckets — why the first iteration reduces a single bucket (with
-#   `static_graph=True`, the first two iterations do), why a bucket can be far larger than its
-#   cap, and how later buckets overlap the backward — from what you record;
+# - explain DDP's buckets — why the first iteration reduces a single bucket (the first two,
+#   when you promise DDP that every iteration uses the same parameters), why a bucket can be
+#   far larger than its cap, and how later buckets overlap the backward — from what you record;
 # - say which BatchNorm statistics each rank uses and rank 0 saves, and why;
 # - shard data with `DistributedSampler` and say what forgetting `set_epoch` does.
 #
@@ -39,10 +39,10 @@
 # here; nccl with one GPU per rank on a multi-GPU machine, where they are written to print and
 # prove the same (checked on the CPU profile only: the stored outputs are its, and the NCCL path
 # has not been run on a multi-GPU machine).
-# The internals sections — 3 ranks, the buckets and their timeline, `static_graph`, the buffers
-# — always run gloo on the CPU, whatever the machine, because they look at DDP's bookkeeping.
-# What NCCL does differently there (its all-reduce runs on the GPU, asynchronously) is read from
-# source, not measured, and marked so.
+# The internals sections — 3 ranks, the buckets and their timeline, the flag for a model that
+# uses the same parameters every iteration, the buffers — always run gloo on the CPU, whatever
+# the machine, because they look at DDP's bookkeeping. What NCCL does differently there (its
+# all-reduce runs on the GPU, asynchronously) is read from source, not measured, and marked so.
 
 # %% tags=["parameters"]
 world_size = None    # None: from the hardware profile (2 on the cpu profile)
@@ -329,9 +329,9 @@ claim(f"weights after the {steps} steps are bit-for-bit equal across the ranks (
 #
 # Before reading on, open [lab03_ddp_first_principles](../labs/lab03_ddp_first_principles.ipynb)
 # and write what DDP just did for you: `average_gradients(model)` (also for ranks that did not
-# all use the same parameters, which no cell here shows) and a DDP-free training step
-# that also reports the global batch's loss; then the average when the ranks' shards differ in
-# size, which no cell here shows.
+# all use the same parameters) and a DDP-free training step that also reports the global
+# batch's loss; then the average when the ranks' shards differ in size. No cell here shows
+# either of those two cases.
 # The library's own `average_gradients` is in the folded cell below: open it once your lab
 # passes.
 
@@ -491,7 +491,9 @@ else:
 # `DDP(model)` they are equal. (The worker also registers a **comm hook**: a function of
 # yours that DDP calls in place of its own all-reduce, once per bucket of gradients, and that
 # must return a future of the reduced bucket. This one notes which parameters each bucket
-# holds and then does what DDP would; the next section times the buckets with another.)
+# holds, then averages as DDP does, but divides the whole bucket before the sum (torch's
+# `allreduce_hook`); the next section says where DDP's own path divides, and times the buckets
+# with another hook.)
 
 # %%
 viz.show_code(ddp.ddp_internals_worker)
@@ -606,33 +608,42 @@ print("iteration 1, first bucket: "
 # constructor DDP does not yet know in which order the backward will produce the gradients;
 # registration order is only a guess. The ranks cannot disagree about the buckets (the reducer
 # launches them strictly in index order, and the rebuilt assignment is broadcast from rank 0 to
-# the others). The comment in `_ddp_init_helper` states the intent of one bucket: when the
-# backward also runs other collectives (say, those of `nn.SyncBatchNorm`, the BatchNorm that
-# pools every rank's statistics) **and** a parameter is unused on some ranks only, a bucket
-# could be all-reduced too early on the rank with the unused parameter, to be matched with a
+# the others).
+#
+# The comment in `_ddp_init_helper` states the intent of one bucket. When the backward also
+# runs other collectives (say, those of `nn.SyncBatchNorm`, the BatchNorm that pools every
+# rank's statistics) **and** a parameter is unused on some ranks only, a bucket could be
+# all-reduced too early on the rank with the unused parameter, to be matched with a
 # *different* collective on another rank — a hang or garbage. Hence a size limit of
 # `sys.maxsize`: one all-reduce, after every gradient of the graph is computed.
 #
 # Two of DDP's constructor flags bear on this, and the next cells run each:
-# `find_unused_parameters=True` says that some parameters may get no gradient in an iteration
-# (DDP then looks for them from the forward's outputs, every iteration), and
-# `static_graph=True` is your promise that every iteration uses the same parameters in the same
-# way, with no control flow that changes from one iteration to the next (its docstring). The
-# code's condition for the one bucket does not match the comment's hazard, though. Without
-# either flag a parameter without a gradient is not supported at all (unused on every rank, it
-# is an error: lesson 10, bug 9; unused on some ranks only, the ranks no longer agree on when
-# a bucket is ready, so one can wait in an all-reduce that the other never launches). Yet
-# `find_unused_parameters=True` without `static_graph` is the setting that buckets by size
-# from the start, and every setting with `find_unused_parameters` off gets the one bucket. The
-# comment says why; the claims below check when. During the first iteration the reducer
-# records the order in which the gradients really became ready, and before the second forward
-# it **rebuilds the buckets** in that order, once and for all (`_pre_forward` calls the
-# reducer's `_rebuild_buckets`).
-# Two exceptions, in the limits DDP computes for iteration 0 (`ddp.initial_bucket_limits`
-# asks DDP's own `_BucketCapacityConfig`; `ddp.bucket_limits` gives the cap in bytes):
-# `find_unused_parameters=True` without `static_graph`, and explicit per-bucket limits
-# (`bucket_cap_mb_list`, a constructor argument), which bucket by size from the start whatever
-# the flags.
+#
+# - `find_unused_parameters=True` says that some parameters may get no gradient in an
+#   iteration; DDP then looks for them from the forward's outputs, every iteration.
+# - `static_graph=True` is your promise that every iteration uses the same parameters in the
+#   same way, with no control flow that changes from one iteration to the next (its docstring).
+# - With neither flag, a parameter without a gradient is not supported at all. Unused on every
+#   rank, it is an error (lesson 10, bug 9). Unused on some ranks only, the ranks no longer
+#   agree on when a bucket is ready, so one can wait in an all-reduce that the other never
+#   launches.
+#
+# The code's condition for the one bucket does not match the comment's hazard, though: every
+# setting with `find_unused_parameters` off gets the one bucket, yet
+# `find_unused_parameters=True` without `static_graph` buckets by size from the start. The
+# comment says why; the claims below check when.
+#
+# During the first iteration the reducer records the order in which the gradients really
+# became ready, and before the second forward it **rebuilds the buckets** in that order, once
+# and for all (`_pre_forward` calls the reducer's `_rebuild_buckets`).
+#
+# Two settings bucket by size from the start, in the limits DDP computes for iteration 0
+# (`ddp.initial_bucket_limits` asks DDP's own `_BucketCapacityConfig`; `ddp.bucket_limits`
+# gives the cap in bytes):
+#
+# - `find_unused_parameters=True` without `static_graph`;
+# - explicit per-bucket limits (`bucket_cap_mb_list`, a constructor argument), whatever the
+#   flags.
 
 # %%
 import sys

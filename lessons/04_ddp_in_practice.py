@@ -329,7 +329,7 @@ claim(f"the model learns: the last epoch's mean loss is under 60% of ln 10 = {ma
 # #SBATCH --job-name=ddp --nodes=2 --ntasks-per-node=1 --gpus-per-node=4 --cpus-per-task=16
 # #SBATCH --time=01:00:00
 # head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-# export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # with --max-restarts on several nodes: see below
+# export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # a fresh store per restart: nodes count restarts apart
 # srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=4 \
 #     --rdzv-backend=c10d --rdzv-endpoint="$head:29500" --rdzv-id="$SLURM_JOB_ID" \
 #     --max-restarts=3 lib/dpcourse/scripts/train_ddp.py --ckpt "$SCRATCH/ckpt.pt" --out final.pt
@@ -337,11 +337,10 @@ claim(f"the model learns: the last epoch's mean loss is under 60% of ln 10 = {ma
 #
 # One `srun` task per node runs one torchrun agent, which starts one process per GPU. Put
 # checkpoints on a file system every node sees. **Keep the `export` line whenever you keep
-# `--max-restarts`:** each node's agent counts its own restarts, and a node restarted only
-# because another node's workers died does not count it, so without a fresh store for every
-# attempt the restarted ranks can look for each other under different attempt numbers and
-# hang instead of resuming (section 3, "Where the restarted ranks meet", says why; not run
-# here, read from torch's source). Without `--max-restarts`, a crash ends the job, and a
+# `--max-restarts`:** it gives every restart a fresh store, without which nodes that count
+# their restarts apart look for each other under different attempt numbers and hang (the
+# keys: section 3, "Where the restarted ranks meet"; read from torch's source, not run
+# here). Without `--max-restarts`, a crash ends the job, and a
 # resubmitted job resumes from the checkpoint.
 
 # %% [markdown]
@@ -657,7 +656,8 @@ viz.show(viz.sampler_index_map_figure(dealt, n_small),
 viz.show_code(viz.sampler_slots)
 
 # %% [markdown]
-# Rank 0's own number is simply another sample (see the table). The padding and the mean of
+# Rank 0's own number is simply an estimate from a different part of the test set (see the
+# table). The padding and the mean of
 # means are off by less than a point, which is exactly why they survive: nobody notices that a
 # reported accuracy is 0.2 points off, or that two runs on 2 and on 8 GPUs "disagree". With 8
 # ranks and a 10 001-image test set, the padding repeats 7 images; with small validation sets
@@ -670,10 +670,15 @@ viz.show_code(viz.sampler_slots)
 # Why does `evaluate` get `raw_model` and not the DDP wrapper? A module's **buffers** are the
 # tensors it keeps that are not parameters: they get no gradient, so no all-reduce keeps them
 # equal across ranks. BatchNorm's running mean and variance are the usual ones (section 9
-# follows them through training). The wrapper keeps them equal another way: its forward
-# broadcasts rank 0's buffers to the other ranks when its flag
-# `require_forward_param_sync` is on, and a `torch.no_grad()` forward turns it off for the next
-# one (`_post_forward`). So only the
+# follows them through training). The wrapper keeps them equal another way, by this rule
+# (the one place the lesson states it): with `forward_sync_buffers=True` (the default) a forward
+# first **broadcasts rank 0's buffers** to the other ranks (`_sync_buffers`; under section 5's
+# `Join`, the highest rank still training's) when its flag `require_forward_param_sync` is on.
+# The flag starts on; each forward's `_post_forward` sets it for the *next* forward: on when
+# this forward ran with gradients enabled and outside `no_sync`, off otherwise. So in a
+# training loop every forward broadcasts; the forward after a `no_sync` forward does not; the
+# first `torch.no_grad()` forward after training does, and the ones after it do not; a forward
+# in `eval()` mode with gradients enabled does. So only the
 # *first* evaluation forward broadcasts: shards of different lengths do not hang, but a rank
 # with **no** batch never makes that broadcast, and the others wait for it. Measured on 2 ranks,
 # after one training step, counting each rank's calls of the wrapper's `_sync_buffers`:
@@ -897,8 +902,13 @@ claim("Join's cost: in every training iteration each rank made 2 all-reduces fro
 # **What if the gradients are summed instead of averaged** (an all-reduce without the division
 # by N, as a hand-written loop may do, or a comm hook — the function DDP calls with each bucket
 # of gradients, lesson 03 — that forgets to divide)? Then each step uses N × the mean
-# gradient. For plain SGD and for SGD with momentum, that is exactly the same step as averaging
-# with `lr × N`: the momentum buffer just holds N × the averaged one. With weight decay it is not:
+# gradient. For plain SGD and for SGD with momentum, that is the same step as averaging
+# with `lr × N`: the momentum buffer just holds N × the averaged one. Bit for bit only when N is
+# a power of two, as here (N = 2: halving and doubling are exact in floating point); for other
+# N, up to rounding. And not under gradient clipping: `clip_grad_norm_` rescales gradients
+# longer than `max_norm` by `max_norm / (total_norm + 1e-6)` (`clip_grad.py`), and summed
+# gradients are N × as long, so a clipped step has the same length either way: then summing
+# equals averaging at the *same* lr, and `lr × N` takes N × the step. With weight decay it is not:
 # summing multiplies the gradient by N but not the decay term `wd·w`, so it equals averaging at
 # `lr × N` *and* `wd / N`. With Adam (no weight decay), summing changes almost nothing: Adam
 # divides by the gradient's running root-mean-square, so N cancels (except against `eps`), and
@@ -919,7 +929,7 @@ def sum_or_average(rank, world_size, cases):
         return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(
             lambda fut: fut.value()[0])
 
-    def train(summed, make_opt):
+    def train(summed, make_opt, clip=None):
         torch.manual_seed(0)
         model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(),
                                         torch.nn.Linear(16, 1)))
@@ -932,6 +942,8 @@ def sum_or_average(rank, world_size, cases):
             loss = (model(X) - X[:, :1]).pow(2).mean()
             opt.zero_grad()
             loss.backward()
+            if clip is not None:  # rescale the gradients to norm `clip` when they are longer
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
@@ -945,23 +957,26 @@ def sum_or_average(rank, world_size, cases):
                                lambda p: SGD(p, lr=lr * N, weight_decay=0.1)),
         "SGD + weight decay / N": (lambda p: SGD(p, lr=lr, weight_decay=0.1),
                                    lambda p: SGD(p, lr=lr * N, weight_decay=0.1 / N)),
+        "SGD, clipped at 0.01": (lambda p: SGD(p, lr=lr), lambda p: SGD(p, lr=lr * N)),
+        "SGD, clipped, same lr": (lambda p: SGD(p, lr=lr), lambda p: SGD(p, lr=lr)),
         "Adam, same lr": (lambda p: Adam(p, lr=lr), lambda p: Adam(p, lr=lr)),
         "Adam": (lambda p: Adam(p, lr=lr), lambda p: Adam(p, lr=lr * N)),
     }
     out = {}
     for name in cases:
         summed_opt, averaged_opt = recipes[name]
-        a, b = train(True, summed_opt), train(False, averaged_opt)
+        clip = 0.01 if "clipped" in name else None
+        a, b = train(True, summed_opt, clip), train(False, averaged_opt, clip)
         out[name] = float((a - b).abs().max() / b.abs().max())
     return out
 
 
 cases = ["SGD", "SGD + momentum", "SGD + weight decay", "SGD + weight decay / N",
-         "Adam, same lr", "Adam"]
+         "SGD, clipped at 0.01", "SGD, clipped, same lr", "Adam, same lr", "Adam"]
 gaps_lr = launch.spawn(sum_or_average, world_size, cases, backend="gloo", timeout=timeout)[0]
 print("summed gradients at lr  vs  averaged gradients at:")
-for name, (versus) in zip(cases, ["lr × N", "lr × N", "lr × N", "lr × N, wd / N", "lr",
-                                  "lr × N"]):
+for name, (versus) in zip(cases, ["lr × N", "lr × N", "lr × N", "lr × N, wd / N", "lr × N",
+                                  "lr", "lr", "lr × N"]):
     print(f"  {name:24s} ({versus:14s}) largest weight difference {gaps_lr[name]:.1e} "
           f"of the largest weight")
 
@@ -969,6 +984,13 @@ for name, (versus) in zip(cases, ["lr × N", "lr × N", "lr × N", "lr × N, wd 
 claim("plain SGD: summing == averaging at lr × N (to 1e-6 of the weights)",
       gaps_lr["SGD"] < 1e-6, gaps=gaps_lr)
 claim("SGD with momentum: the same (to 1e-6)", gaps_lr["SGD + momentum"] < 1e-6, gaps=gaps_lr)
+if world_size & (world_size - 1) == 0:   # N a power of two: scaling by N is exact
+    claim(f"N = {world_size}, a power of two: plain SGD and SGD with momentum bit for bit",
+          gaps_lr["SGD"] == 0.0 and gaps_lr["SGD + momentum"] == 0.0, gaps=gaps_lr)
+claim("clipped at 0.01: summing equals averaging at the same lr (to 1e-6), not at lr × N "
+      "(more than 1e-4)",
+      gaps_lr["SGD, clipped, same lr"] < 1e-6 and gaps_lr["SGD, clipped at 0.01"] > 1e-4,
+      gaps=gaps_lr)
 claim("with weight decay it differs (more than 1e-4) unless the decay is divided by N too "
       "(then to 1e-6)",
       gaps_lr["SGD + weight decay"] > 1e-4 and gaps_lr["SGD + weight decay / N"] < 1e-6,
@@ -1043,7 +1065,7 @@ claim("with or without no_sync, the gradients equal one process on the global ba
       with_no_sync["max_grad_diff"] < 1e-6 and without["max_grad_diff"] < 1e-6)
 
 # %% [markdown]
-# **Myth: "the global batch is the per-rank batch divided by the number of GPUs."** No: each
+# **Myth: "the loader's batch is the global batch, which DDP splits over the GPUs."** No: each
 # rank loads `per_rank_batch` images, so one optimizer step sees
 # `per_rank_batch × world_size × accum` images — above, 8 per micro-batch on each rank, and the
 # single process that the gradients matched took all of them in one batch.
@@ -1059,15 +1081,18 @@ claim("with or without no_sync, the gradients equal one process on the global ba
 # experimental `mixed_precision=` argument (a private `_MixedPrecision` config), which runs
 # forward and backward on low-precision copies of the parameters and reduces the gradients in
 # its `reduce_dtype`: read in the source, *not run here*.)
-# On CUDA use float16 with a `GradScaler`: in the float16 backward, small *activation*
+# Which 16-bit type? bfloat16 has float32's range, so it needs no scaler: use it on a CPU and on
+# GPUs that compute in it natively (compute capability 8.0 on, Ampere and later:
+# `torch.cuda.is_bf16_supported(including_emulation=False)`). On older GPUs use float16 with a
+# `GradScaler`: in the float16 backward, small *activation*
 # gradients fall out of float16's range. Below about 6e-5 (its smallest normal number) a value
 # becomes *subnormal* and keeps fewer significant bits the smaller it is; only below about 3e-8
 # (half its smallest subnormal, 2⁻²⁴ ≈ 6e-8) is it nearer 0 than any float16, and rounding to
 # nearest makes it zero (underflow; not flush-to-zero, a hardware mode that drops subnormals
 # too; the first cell below shows both). The
 # scaler multiplies the loss before `backward`, which lifts those gradients back into the normal
-# range, and divides the float32 parameter gradients after. On CPU use bfloat16 (float32's
-# range, no scaler needed). `train_ddp.py --amp` does both. Then: 10 steps with and without
+# range, and divides the float32 parameter gradients after. `train_ddp.py --amp` chooses by
+# that test (its `fp16` line). Then: 10 steps with and without
 # bf16 autocast on 2 ranks.
 
 # %%
@@ -1080,6 +1105,9 @@ claim(f"float16 keeps 1e-6, below its smallest normal number ({half.tiny:.1e}), 
 claim(f"its smallest subnormal is 2⁻²⁴ ({smallest:.1e}); 2e-8, below half of it "
       f"({smallest / 2:.1e}), rounds to zero", smallest == 2.0 ** -24
       and 2e-8 < smallest / 2 and float(lost) == 0.0, smallest=smallest, lost=float(lost))
+chosen = [line.strip() for line in train_ddp.read_text().splitlines()
+          if line.lstrip().startswith(("fp16 =", "amp_dtype =", "scaler ="))]
+print("train_ddp.py --amp chooses:", *chosen, sep="\n  ")
 
 
 # %%
@@ -1125,17 +1153,8 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 # ## 9. BatchNorm under DDP: buffers and SyncBatchNorm
 #
 # BatchNorm keeps two kinds of state. Its **running statistics** (`running_mean`,
-# `running_var`) are *buffers*: not parameters, so no gradient and no all-reduce. DDP keeps them
-# equal another way: with `forward_sync_buffers=True` (the default), a forward first **broadcasts rank 0's
-# buffers** to all ranks (`DistributedDataParallel._sync_buffers`; inside §5's `Join`, the
-# highest rank still training instead) when its flag `require_forward_param_sync` (section 4)
-# is on. The
-# flag starts on, so the first forward broadcasts; after that, each forward's `_post_forward` sets it for the
-# *next* forward:
-# on when this forward ran with gradients enabled and outside `no_sync`, off otherwise. So in
-# an ordinary training loop every forward broadcasts; the forward after a `no_sync` forward
-# does not; the first `torch.no_grad()` forward after training does, and the ones after it do
-# not; a forward in `eval()` mode with gradients enabled does. The running statistics that rank
+# `running_var`) are *buffers*, which DDP makes rank 0's before a forward by section 4's rule
+# (`require_forward_param_sync`). The running statistics that rank
 # 0 checkpoints are therefore rank 0's: an average over *rank 0's* batches only; the other
 # ranks' updates are overwritten at the next broadcast. (Lesson 03 shows it step by step.)
 #
@@ -1583,13 +1602,11 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 #   it answering until all are done, then makes the modules equal (not the optimizer states).
 # * DDP averages: at a fixed per-rank batch the global batch grows with N (linear scaling rule:
 #   lr × k for a k× batch, with warm-up). Summed gradients equal averaged ones at lr × N for SGD
-#   (with or without momentum), not with weight decay, and not for Adam.
+#   (with or without momentum; bit for bit when N is a power of two), not with weight decay,
+#   not under gradient clipping, and not for Adam.
 # * `no_sync` accumulation equals the big batch and all-reduces `accum` times less. AMP leaves
-#   DDP's gradients in float32 (a 16-bit compress hook or `mixed_precision=` changes that). If
-#   the module has buffers and `forward_sync_buffers` is on (the default), DDP broadcasts rank
-#   0's buffers (under `Join`, the highest rank still training's) before the first forward and
-#   before every forward that follows one run with gradients enabled and outside `no_sync`
-#   (section 9). With small per-rank batches, synchronised batch statistics
+#   DDP's gradients in float32 (a 16-bit compress hook or `mixed_precision=` changes that).
+#   Buffers get rank 0's before a forward by section 4's rule. With small per-rank batches, synchronised batch statistics
 #   (measured with the CPU stand-in `dp.CPUSyncBatchNorm`) make BatchNorm's gradients one
 #   process's (to 1e-5).
 # * `TORCH_DISTRIBUTED_DEBUG=DETAIL` turns a mismatched collective into a clear error; a
@@ -1714,9 +1731,11 @@ viz.quiz([
                  "lr × 8, on the global batch",
                  "lr / 8, on one rank's batch"],
      "answer": 1,
-     "why": ["Summing makes each step 8 × the averaged gradient.",
+     "why": ["Summing makes each step 8 × the averaged gradient (unless clipping cuts it).",
              "Right: for SGD, with or without momentum, a summed gradient at lr is an averaged "
-             "one at 8·lr. Not with weight decay (the decay is not multiplied), not for Adam.",
+             "one at 8·lr (bit for bit here, 8 being a power of two; up to rounding for other "
+             "N). Not with weight decay (the decay is not multiplied), not under gradient "
+             "clipping (the clipped step has the same length either way), not for Adam.",
              "Each step still uses the gradients of all 8 ranks' batches."]},
 ])
 
@@ -1829,6 +1848,10 @@ viz.quiz([
 #   self.needs_input_grad[0]`.
 # - `torch/optim/sgd.py`, `torch/optim/adam.py` — where weight decay is added to the gradient
 #   and Adam divides by the root of its second moment.
+# - `torch/cuda/__init__.py` — `is_bf16_supported(including_emulation=False)`: true on ROCm
+#   and on CUDA devices of compute capability 8.0 or more (`get_device_properties(...).major >= 8`).
+# - `torch/nn/utils/clip_grad.py` — `clip_grad_norm_` → `_clip_grads_with_norm_`:
+#   `clip_coef = max_norm / (total_norm + 1e-6)`, clamped to 1, multiplies every gradient.
 # - `torch/distributed/flight_recorder/fr_trace.py` — the flight recorder's trace analyzer
 #   (merges the ranks' dumps, finds the first mismatch); `torch/lib/libtorch_cuda.so` and
 #   `torch/lib/libtorch_cpu.so` — the variables `TORCH_NCCL_TRACE_BUFFER_SIZE`,

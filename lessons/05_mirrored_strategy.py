@@ -180,8 +180,8 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 #
 # Now `make_strategy`'s addition. A `CollectiveAllReduce` numbers its *collective groups* (the
 # sets of devices that all-reduce together) from 1 in every strategy. Two strategies of
-# different sizes in one process (section 4 builds a second one; lab 05's checks build one with
-# N + 1 replicas) would reuse a number for groups of different sizes, and TF aborts. So
+# different sizes in one process (lab 05's checks build one with N + 1 replicas beside this
+# one) would reuse a number for groups of different sizes, and TF aborts. So
 # `make_strategy` gives each strategy its own range by setting the private class attribute
 # `MirroredStrategy._collective_key_base` for the constructor — an attribute TF's source marks
 # "Only set this in tests", and the one TF's own tests use. With one strategy per process, plain
@@ -264,9 +264,12 @@ viz.show_code(mirrored.make_dataset)
 # Dataset object and outlives its iterators, so timing the same `tuned` object again would
 # decode nothing at all. So each round builds both pipelines anew and times "decode once, then
 # read the cache". Our 32×32 PNGs are cheap to decode, and on a shared machine one timing can
-# vary by more than the saving: the cell times the two in turn, three rounds, and calls a gain
-# only when every round's pair agrees (the cache faster by 5 % or more in each); otherwise it
-# says no clear gain.
+# vary by more than the saving. So the cell first runs a small pipeline of each kind once,
+# untimed (one-time costs — tracing the `map` function, loading the decoder — would otherwise
+# fall on whichever runs first), then times three rounds, the two pipelines taking turns to go
+# first. It calls a gain only when every round's ratio shows one (the cache faster by 5 % or
+# more), and holds every round against the 2× ceiling with a 5 % tolerance for timing noise
+# (a ratio up to 2.1); a round above it is named as disturbed, not explained by the cache.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -278,32 +281,38 @@ def seconds_for_epochs(pipeline, epochs=2):
             pass
     return time.perf_counter() - t0
 
+
+def pipeline(kind, x, y):   # fresh each time: a cache kept from an earlier round skips decoding
+    return mirrored.make_dataset(x, y, global_batch, decode_png=True,
+                                 cache=kind == "tuned", prefetch=kind == "tuned")
+
+
 some_x, some_y = ds.x_train[:1024], ds.y_train[:1024]
+for kind in ("plain", "tuned"):         # warm-up, untimed: one-time costs fall on neither
+    seconds_for_epochs(pipeline(kind, some_x[:global_batch], some_y[:global_batch]), epochs=1)
 rounds = {"plain": [], "tuned": []}
-for _ in range(3):                      # interleaved: load that comes and goes hits both
-    # fresh pipelines each round: a cache kept from an earlier round would skip all decoding
-    plain = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
-                                  cache=False, prefetch=False)
-    tuned = mirrored.make_dataset(some_x, some_y, global_batch, decode_png=True,
-                                  cache=True, prefetch=True)
-    rounds["plain"].append(seconds_for_epochs(plain))
-    rounds["tuned"].append(seconds_for_epochs(tuned))
-t_plain, t_tuned = min(rounds["plain"]), min(rounds["tuned"])
-speedup = t_plain / t_tuned
+for r in range(3):                      # the two take turns to go first
+    order = ("plain", "tuned") if r % 2 == 0 else ("tuned", "plain")
+    built = {kind: pipeline(kind, some_x, some_y) for kind in order}
+    for kind in order:
+        rounds[kind].append(seconds_for_epochs(built[kind]))
 paired = [p / t for p, t in zip(rounds["plain"], rounds["tuned"])]  # round by round
-print(f"2 epochs, fastest of 3 interleaved rounds: decode every time {t_plain:.2f} s, "
-      f"cache+prefetch {t_tuned:.2f} s -> ratio {speedup:.2f}; per round "
-      + ", ".join(f"{r:.2f}" for r in paired))
+ceiling, tolerance = 2.0, 0.05
+above = [r + 1 for r, ratio in enumerate(paired) if ratio > ceiling * (1 + tolerance)]
+print("2 epochs, 3 rounds (decode every time / cache+prefetch): "
+      + ", ".join(f"{p:.2f} s / {t:.2f} s = {p / t:.2f}"
+                  for p, t in zip(rounds["plain"], rounds["tuned"])))
 if min(paired) < 1.05:
     print("This run: no clear gain from caching: in at least one round the cache was not 5 % "
           "faster; decoding these small PNGs costs little next to the rest of the loop and the "
           "machine's noise.")
-elif speedup <= 2.05:
-    print("This run: a gain in every round, within the 2x ceiling that caching one of two "
-          "decoded epochs allows.")
+elif not above:
+    print(f"This run: a gain in every round, and every round within the {ceiling:.0f}x ceiling "
+          f"(+{tolerance:.0%} for noise) that caching one of two decoded epochs allows.")
 else:
-    print("This run: above the 2x ceiling — more than caching one of two epochs can explain; "
-          "even the fastest rounds were disturbed by other work on this machine.")
+    print(f"This run: a gain in every round, but round(s) {above} above the {ceiling:.0f}x "
+          f"ceiling (+{tolerance:.0%}) — more than caching one of two epochs can explain: those "
+          f"rounds were disturbed by other work on this machine.")
 
 # %% [markdown]
 # ## 4. The custom loop, and its proof
@@ -323,23 +332,23 @@ else:
 # passes a value of the same shape, and every replica gets back the same combination of all of
 # them, while the step is still running on each replica (`strategy.reduce`, by contrast, gives
 # one value on the host after `strategy.run` has returned). Every replica must make the call, in
-# the same order. Here each replica passes its own replica id, and the SUM comes back on every
-# replica:
+# the same order. Here each replica passes its own replica id, and their mean, (N − 1) / 2,
+# comes back on every replica (`tf.distribute.ReduceOp` has two members, `SUM` and `MEAN`):
 
 # %%
-def replica_ids_summed():
+def mean_replica_id():
     replica = tf.distribute.get_replica_context()          # this replica's context
     mine = tf.cast(replica.replica_id_in_sync_group, tf.float32)
-    return mine, replica.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+    return mine, replica.all_reduce(tf.distribute.ReduceOp.MEAN, mine)
 
 
-mine, total = strategy.run(replica_ids_summed)
+mine, mean_id = strategy.run(mean_replica_id)
 ids = [float(v) for v in strategy.experimental_local_results(mine)]
-totals = [float(v) for v in strategy.experimental_local_results(total)]
-claim("inside strategy.run, all_reduce(SUM) hands every replica the sum of all replicas' values "
-      "(here their ids, 0 + 1 + ... + N-1)",
-      ids == list(range(n_replicas)) and totals == [n_replicas * (n_replicas - 1) / 2] * n_replicas,
-      ids=ids, totals=totals)
+means = [float(v) for v in strategy.experimental_local_results(mean_id)]
+claim("inside strategy.run, all_reduce(MEAN) hands every replica the mean of all replicas' "
+      "values (here their ids 0 … N-1: (N-1)/2 on every replica)",
+      ids == list(range(n_replicas)) and means == [(n_replicas - 1) / 2] * n_replicas,
+      ids=ids, means=means)
 
 # %% [markdown]
 # What if one replica skips the call? TF's docstring of `all_reduce` says the operation then
@@ -378,7 +387,7 @@ def replica_0_skips_the_all_reduce():
     # this if a tf.cond (its branches traced as graphs of their own)
     if replica.replica_id_in_sync_group == 0:
         return mine
-    return replica.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+    return replica.all_reduce(tf.distribute.ReduceOp.MEAN, mine)
 
 
 try:
@@ -517,6 +526,13 @@ kinds = {name: type(o.iterations.value).__name__
 claim("an SGD constructed outside the scope and built inside keeps an unmirrored step counter "
       "(its constructor made it); optimizer_in's is mirrored",
       kinds == {"outside": "ResourceVariable", "inside": "MirroredVariable"}, kinds=kinds)
+
+# %% [markdown]
+# Every proof from here on runs the course's Keras CNN, `mirrored.build_keras_cnn` (the twin of
+# `SmallCNN`; §6 comes back to two of its lines). **▶ Its code** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(mirrored.build_keras_cnn)
 
 # %%
 torch.manual_seed(0)
@@ -659,14 +675,20 @@ claim("under the strategy the default reduction is the mean × 1/N, reduction='s
 # folded cell below; its claims follow, folded too).
 
 # %% [markdown] jupyter={"source_hidden": true}
-# An epoch's last step of **one** sample, distributed by `experimental_distribute_dataset`:
-# replica 0 gets the sample, every other replica an **empty** slice, and `strategy.run` calls
-# `step_fn` on each of them — none sits the step out (claimed below). A Keras loss on an empty
-# slice is caught by a test on the *static* shape: Keras' `reduce_values` returns a value
-# whose shape is known to be `(0,)` untouched. So eagerly an empty slice gives an empty tensor
-# of shape `(0,)`. Inside a `tf.function` (as in `fit` and in a compiled `strategy.run` step,
-# traced with the batch dimension left unknown) the test does not fire, and the empty sum,
-# divided with `divide_no_nan`, gives a scalar 0.0 (both claimed below).
+# An epoch's last step of **one** sample, distributed by `experimental_distribute_dataset`: replica
+# 0 gets the sample, every other replica an **empty** slice, and `strategy.run` calls `step_fn` on
+# each of them — none sits the step out (claimed below). A Keras loss on an empty slice is caught
+# by a test on the *static* shape: Keras' `reduce_values` returns a value whose shape is known to
+# be `(0,)` untouched. So eagerly an empty slice gives an empty tensor of shape `(0,)`. Inside a
+# `tf.function` it depends on the shapes TF traces with. A plain `@tf.function` called on the
+# distributed batch, as `mirrored.make_train_step`'s is, is traced with that batch's concrete
+# shapes — `(1, …)` on replica 0, `(0, …)` on the others — so the test fires there too: shape
+# `(0,)` again. Only where the trace leaves the batch dimension unknown does the test not fire, and
+# the empty sum, divided with `divide_no_nan`, gives a scalar 0.0: a `tf.function` with an
+# `input_signature` of `None` batch size; one that reads an iterator *inside* the function, as
+# `fit` does (its shapes come from the dataset's `element_spec`, whose last batch may be short:
+# batch size `None`); or a retrace relaxed to unknown shapes (`reduce_retracing=True`, which `fit`
+# also sets). All but the last are claimed below; `fit`'s ways are read in its source (Sources).
 
 # %% [markdown]
 # **▶ Its claims — open once lab 05 part 4 has measured your prediction** (click the folded
@@ -706,6 +728,43 @@ with strategy.scope():
 claim("in a tf.function with an unknown batch dimension, the same empty slice gives a scalar 0.0",
       tuple(traced_empty.shape) == () and float(traced_empty) == 0.0,
       shape=tuple(traced_empty.shape), value=float(traced_empty))
+traced_shapes = []   # the x shape each replica's loss_fn was traced with
+
+
+@tf.function          # plain: traced with the shapes of the batch it is called on
+def plain_traced_step(x, y):
+    def loss_fn(x, y):
+        traced_shapes.append(tuple(x.shape))
+        return sce(from_logits=True)(y, replicated(x))
+    return strategy.run(loss_fn, args=(x, y))
+
+
+per_replica_shapes = [tuple(t.shape) for t in
+                      strategy.experimental_local_results(plain_traced_step(x_last, y_last))]
+claim("a plain @tf.function over strategy.run traces each replica with its slice's concrete "
+      "shape, so the empty replicas' Keras loss has shape (0,) there too, as eagerly",
+      sorted(s[0] for s in traced_shapes) == [0] * (n_replicas - 1) + [1]
+      and per_replica_shapes == [()] + [(0,)] * (n_replicas - 1),
+      traced_shapes=traced_shapes, per_replica_shapes=per_replica_shapes)
+iterator_shapes = []
+
+
+@tf.function
+def step_on_iterator(iterator):   # reads its batch inside the function, as fit does
+    def loss_fn(x, y):
+        iterator_shapes.append(tuple(x.shape))
+        return sce(from_logits=True)(y, replicated(x))
+    return strategy.run(loss_fn, args=next(iterator))
+
+
+from_iterator = strategy.experimental_local_results(
+    step_on_iterator(iter(strategy.experimental_distribute_dataset(one_sample))))
+claim("with the batch read from an iterator inside the tf.function, the trace has batch size "
+      "None and every replica's loss is a scalar: 0.0 on the empty ones",
+      all(s[0] is None for s in iterator_shapes)
+      and [tuple(t.shape) for t in from_iterator] == [()] * n_replicas
+      and [float(t) for t in from_iterator[1:]] == [0.0] * (n_replicas - 1),
+      iterator_shapes=iterator_shapes, losses=[float(t) for t in from_iterator])
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below: the
@@ -916,16 +975,19 @@ claim(f"wrapping the optimizer without scale_loss makes the step 1/{scale:.0f} o
       abs(unscaled / sgd_step * scale - 1) < 1e-3, ratio_times_scale=unscaled / sgd_step * scale)
 
 # %% [markdown]
-# The output layer returns float32 logits. Same starting weights, same data: on 256 test
-# images the 16-bit model's logits are within 0.01 of float32's (the cell also prints the
-# typical gap between an image's top two logits, what a prediction change would take; an
-# accuracy of this untrained net would say nothing), and after `steps` steps of `mirrored.fit`
-# the weights are within 1e-2 of the float32 loop's of section 4. What is *trained* below is the profile's policy: `mixed_bfloat16` on a CPU,
-# `mixed_float16` on a GPU, where `fit`'s `compile` (shown in section 5) wraps the optimizer in
-# a `LossScaleOptimizer`. So on this course's CPU profile no float16 layer is ever trained:
+# The output layer returns float32 logits. Same starting weights, same data: on 256 test images the
+# 16-bit model's logits are within 0.01 of float32's (the cell also prints the typical gap between
+# an image's top two logits, what a prediction change would take; an accuracy of this untrained net
+# would say nothing), and after `steps` steps of `mirrored.fit` the weights differ from the float32
+# loop's of section 4 by less than 5 % of how far the float32 training moved them (largest element
+# each). A fixed tolerance would prove nothing once it exceeds the training's own movement, which
+# is small in a few steps (printed below): a model that never trained would pass it. This one
+# scales with that movement. What is *trained* below is the profile's policy: `mixed_bfloat16` on a
+# CPU, `mixed_float16` on a GPU, where `fit`'s `compile` (shown in section 5) wraps the optimizer
+# in a `LossScaleOptimizer`. So on this course's CPU profile no float16 layer is ever trained:
 # `mixed_float16` was only compiled above, and the `LossScaleOptimizer` step above ran float32
-# layers. What is tested is that 16-bit arithmetic moves the logits and the weights by less than
-# those tolerances. Lesson 01 shows the same with torch AMP.
+# layers. What is tested is that 16-bit arithmetic changes the logits and the trained weights by
+# less than those tolerances. Lesson 01 shows the same with torch AMP.
 
 # %%
 policy = "mixed_float16" if profile.tf_device_type == "GPU" else "mixed_bfloat16"
@@ -942,15 +1004,18 @@ claim(f"{policy}: the logits are within 0.01 of float32's", logit_gap < 0.01,
 
 low = mirrored.fit(strategy, train.take(steps), model=low, optimizer=optimizer_in(strategy))
 gap = max(float(np.abs(a - b).max()) for a, b in zip(mirrored.keras_weights_as_torch(low), w_mirror))
-claim(f"after {steps} steps the {policy} weights are within 1e-2 of float32's", gap < 1e-2,
-      gap=gap)
+moved = max(float(np.abs(a - b).max()) for a, b in zip(w_mirror, init))  # float32's own training
+claim(f"after {steps} steps the {policy} weights differ from float32's by under 5 % of how far "
+      f"float32's training moved them (largest element each)", gap < 0.05 * moved,
+      gap=gap, moved=moved)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # (why: 16-bit rounding errors depend on the kernels this machine's TF runs.)
 print(f"{policy} vs float32 before training: largest logit difference {logit_gap:.1e}, median "
       f"gap between an image's top two logits {margin:.3f}, same prediction on {same_pred:.1%}; "
-      f"largest weight difference after {steps} steps of training {gap:.1e}")
+      f"largest weight difference after {steps} steps of training {gap:.1e}, against a largest "
+      f"float32 weight change of {moved:.1e} ({gap / moved:.1%})")
 
 # %% [markdown]
 # ## 7. Checkpoints under a strategy
@@ -1008,8 +1073,9 @@ claim("it restores the step counter too", restored_step == steps)
 # half of each global batch; the strategy all-reduces gradients between the processes with
 # `CollectiveAllReduce`, implementation RING — **our worker asks for it**
 # (`CommunicationOptions(implementation=RING)`); MultiWorkerMirroredStrategy's default is
-# `AUTO`, which lets TF choose — over gRPC — Google's remote-procedure-call library, the
-# TCP transport TensorFlow's workers talk through (`ServerDef(protocol="grpc")` in
+# `AUTO`, which lets TF choose. Either way the all-reduce's messages between the workers travel
+# over gRPC, Google's remote-procedure-call library: the TCP transport TensorFlow's workers
+# talk through (`ServerDef(protocol="grpc")` in
 # `CollectiveAllReduceExtended._initialize_multi_worker`). No `"chief"` task is listed, so
 # worker 0 is the chief (`multi_worker_util.is_chief`). Starting from the same weights, both
 # workers end with the same weights as each other (bit for bit: `np.array_equal`) and as one
@@ -1168,7 +1234,7 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 #   per-replica result to the host.
 # * `compile`, not `fit`, wraps the optimizer in a `LossScaleOptimizer` under `mixed_float16`; a
 #   custom loop that wraps it must also call `optimizer.scale_loss(loss)` in the tape, or every
-#   gradient is 1/32768 (and more, as the scale grows) of what it should be.
+#   gradient is 1/32768 (and smaller still as the scale grows) of what it should be.
 # * Proven here: mirrored step == one device on the global batch == Keras `fit` == two
 #   multi-worker processes == PyTorch DDP, from the same weights on the same data.
 #
@@ -1184,7 +1250,9 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # %% [markdown] jupyter={"source_hidden": true}
 # * In an epoch's last step of one sample, replica 0 holds it and every other replica runs
 #   `step_fn` on an empty slice (§4's fold measured it). A Keras loss object there gives a `(0,)`
-#   tensor eagerly, a scalar 0.0 traced.
+#   tensor eagerly and in a plain `@tf.function` (traced with the slice's concrete shape), a
+#   scalar 0.0 only where the trace leaves the batch dimension unknown (an `input_signature`,
+#   an iterator read inside the function as in `fit`, a relaxed retrace).
 
 # %% [markdown]
 # ## Check yourself
@@ -1194,12 +1262,15 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 
 # %% jupyter={"source_hidden": true}
 viz.quiz([
-    {"q": "You call devices.split_tf_devices(2) after creating a tf.Variable. What happens?",
+    {"q": "On the CPU profile (or the one-GPU profile), in a fresh kernel, you create a "
+          "tf.Variable and only then call devices.split_tf_devices(2). What happens?",
      "options": ["The split applies from now on", "A clear error: restart the kernel and split first",
                  "TF silently ignores it"],
      "answer": 1,
      "why": ["TF fixes its devices on first use; they cannot change afterwards.",
-             "Right: the split must be the first thing a TF program does.",
+             "Right: the split must be the first thing a TF program does. (No error where none is "
+             "needed: with 2 or more real GPUs the helper splits nothing and returns /gpu:0 and "
+             "/gpu:1; after an earlier split into 2 or more devices it returns the first 2.)",
              "The course's helper refuses it with a message rather than ignoring it."]},
     {"q": "Each of 4 replicas computes tf.reduce_mean of its per-example losses. With "
           "MirroredStrategy's optimizer, the step is:",
@@ -1270,7 +1341,8 @@ viz.quiz([
 # #### Sources (lab 05's answers)
 #
 # - `tensorflow/python/distribute/input_lib.py` — `DistributedDataset._make_rebatch_fn`: each global batch is cut into one batch per replica (`dataset.rebatch` with `batch_sizes_for_worker`, or `_LegacyRebatchDataset` in `tensorflow/python/data/experimental/ops/distribute.py`, whose docstring shows a replica getting `[]`); `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: one thread per replica, each calling the function.
-# - `keras/src/losses/loss.py` — `reduce_values`: a value whose static shape is `(0,)` or `()` is returned unreduced and unscaled (traced with an unknown batch dimension, an empty value is summed and divided with `divide_no_nan`: 0.0).
+# - `keras/src/losses/loss.py` — `reduce_values` (lines 140-161): a value whose static shape is `(0,)` or `()` is returned unreduced and unscaled (traced with an unknown batch dimension, an empty value is summed and divided with `divide_no_nan`: 0.0).
+# - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._make_function`: `fit`'s `multi_step_on_iterator` calls `iterator.get_next()` inside a `tf.function(..., reduce_retracing=True)`, so the step is traced with the dataset's element spec (a batch dimension of `None` where the last batch may be short), and `one_step_on_data` is a `tf.function` with `reduce_retracing=True` too.
 # - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__`: the `iteration` counter and the `learning_rate` variable are created by the constructor, not by `build`; `BaseOptimizer.build` adds variables only for EMA or gradient accumulation.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.

@@ -206,8 +206,8 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # all-reduce needs at least **⌈log₂N⌉ steps** (a step can at most double the number of
 # workers' inputs a result depends on) and at least **2(N−1)/N·Kβ** of transfer time. The ring
 # meets the bandwidth bound exactly and misses the latency bound, 2(N−1) steps against
-# ⌈log₂N⌉: "bandwidth-optimal, latency-suboptimal" is their theorem, held below against the
-# simulators' counts up to N = 64 (at 1024, arithmetic only).
+# ⌈log₂N⌉. So the ring is "bandwidth-optimal, latency-suboptimal": a consequence of their
+# bounds, held below against the simulators' counts up to N = 64 (at 1024, arithmetic only).
 #
 # The ring's bandwidth term is flat in N; its latency term grows with N. The binomial tree's
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
@@ -346,9 +346,10 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 #
 # Two things on a small shared machine are not in that formula, and we handle both:
 #
-# * **Other programs.** Each size is timed several times (gloo's and §4's rings taking turns),
-#   and a repetition can be slowed by anything else the machine runs. We fit the **fastest**
-#   repetition of each size: the one least disturbed, the closest to what the hardware costs.
+# * **Other programs.** Each size is timed several times, and a repetition can be slowed by
+#   anything else the machine runs. We fit the **fastest** repetition of each size: the one
+#   least disturbed, the closest to what the hardware costs. (The run also times the course's
+#   own ring, §4's, taking turns with gloo's; the fit uses gloo's.)
 # * **Ranks sharing cores.** With more ranks than cores, ranks take turns on the cores, so every
 #   message and every copy takes longer by about N / cores. The model with a *contention term*
 #   multiplies the whole formula by max(1, N / C), with C the cores this process may use —
@@ -601,7 +602,7 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 #   data, so every server sends and receives at full speed); inside a server the GPUs form a
 #   **chain**.
 #   NCCL's estimate of its depth is (GPUs per server − 1) + log₂(servers): on a single 8-GPU
-#   server, a chain of 8;
+#   server, a chain of 8 GPUs, depth 7;
 # * where the hardware can add, algorithms that leave the addition to it: **NVLS** on servers
 #   whose GPUs are joined by an *NVSwitch* (a switch chip that links every GPU of the server to
 #   every other at full NVLink speed) that supports *SHARP* (NVIDIA's in-switch reduction: the
@@ -636,6 +637,12 @@ cost_explorer = viz.explorer(
             "and the title's second line say which is the cheapest at each N.",
     description="cost-model explorer (N, K, α, β)")
 
+# %% [markdown]
+# **▶ `viz.explorer`: where `drawn_with` comes from** (folded below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(viz.explorer)
+
 # %%
 drawn = cost_explorer.drawn_with  # the values its static figure above was drawn with
 claim("the explorer's figure is drawn with the α and β fitted and printed in §3",
@@ -651,11 +658,12 @@ claim("the explorer's figure is drawn with the α and β fitted and printed in �
 # every rank first called a blocking `dist.send` and only then `dist.recv`, each send waits for
 # a receive nobody has posted yet — a deadlock. With gloo, this course's backend, it hangs even
 # on a tiny tensor: lab 06 part 4 runs exactly this mistake (12 elements, 3 ranks) and stops it
-# with a timeout. On other transports it can be worse hidden: MPI libraries send small messages *eagerly* (the
-# *eager protocol*: the message is copied into a buffer at the receiver, so the blocking send
-# returns before any receive is posted), so there such a ring works on tiny tensors and hangs
-# on big ones. Correct code relies on neither. How to order a step's messages so that no rank
-# can wait forever, and no step's transfers wait for one another, is lab 06's design decision;
+# with a timeout. On other transports the mistake is harder to notice: MPI libraries send
+# small messages *eagerly* (the *eager protocol*: the message is copied into a buffer at the
+# receiver, so the blocking send returns before any receive is posted), so there such a ring
+# works on tiny tensors and hangs on big ones. Correct code relies on neither. How to order a
+# step's messages so that no rank can wait forever, and no step's transfers wait for one
+# another, is lab 06's design decision;
 # the library's answer is folded after the lab pointer.
 #
 # The library's ring is also pipelined: it cuts each chunk larger than its segment size (4 MiB
@@ -882,22 +890,24 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # three on N = 3; on a larger odd ring the steps overlap, and the average falls toward two as N
 # grows: 2N/(N − 1) transfer times).
 #
-# The pipelining (lab 06's stretch): the chunk a rank sends at step t+1 is always the one it
-# received at step t. So each chunk larger than a segment (4 MiB by default; a chunk of at
-# most that is one segment, and nothing overlaps) travels in segments, and a segment is
-# forwarded to the right as soon as it has arrived and, in the scatter-reduce, been added —
-# while the next segments are still on their way. Adding one segment overlaps with receiving
-# the next, and step t+1 starts before step t has ended. The scatter-reduce receives into two
-# spare buffers used in turn (*double buffering*: step t+1's receives are posted while step t
-# is still being added); the all-gather receives straight into place. gloo's ring keeps two
-# segments in flight too, received into a two-segment scratch buffer: one on the wire while
-# the other is added (`gloo/allreduce.cc`, Sources).
+# The pipelining (lab 06's stretch): the chunk a rank sends at step t+1 is the one it received
+# at step t, so a chunk larger than a segment (4 MiB by default) travels in segments, each
+# forwarded once it has arrived (and, in the scatter-reduce, been added) while the next are on
+# their way. How far ahead to run is the stretch's decision, and the library and gloo differ.
+# The library posts a step's segment receives all at once and re-posts each for the next step
+# once its segment is handled: **as many receives in flight as a chunk has segments**, into two
+# chunk-sized buffers used in turn (*double buffering*); the all-gather receives in place. The
+# buffers come from `ring.receive_buffer` (folded below): one per dtype and device, shared by
+# every call and only grown, so their 2K/N bytes stay allocated after the call returns. gloo
+# keeps **two** segments in flight: a two-segment scratch buffer, each receive waited on two
+# iterations after it was posted (`gloo/allreduce.cc`, Sources). More in flight keeps the wire
+# busier; fewer holds less memory.
 
 # %% [markdown]
-# **▶ The reference answer's code — open after your lab passes** (the folded cell below: `ring.chunk_bounds` and `ring.ring_allreduce`, source and output folded).
+# **▶ The reference answer's code — open after your lab passes** (the folded cell below: `ring.chunk_bounds`, `ring.receive_buffer` and `ring.ring_allreduce`, source and output folded).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ring.chunk_bounds, ring.ring_allreduce)
+viz.show_code(ring.chunk_bounds, ring.receive_buffer, ring.ring_allreduce)
 
 # %% [markdown]
 # ### The pipelined ring as a timeline
@@ -1040,6 +1050,6 @@ viz.quiz([
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
 # - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/device/all_reduce.h` — `runTreeUpDown` and `runTreeSplit` (the tree all-reduce: a reduce pass up the tree, `FanAsymmetric<NCCL_MAX_TREE_ARITY, 1>`, then a broadcast pass down, `FanAsymmetric<1, NCCL_MAX_TREE_ARITY>`); `src/graph/search.cc` — `ncclTopoSearchRecNet` (line 736: the search for a new channel tries the NICs from `nets[(graph->nChannels + i) % netCount]`, the next NIC for each new ring; a NIC is skipped when less than a channel's bandwidth is left on it, line 739, and each channel placed on it takes that much, lines 747-751); `src/graph/tuning.cc` — the tuner's bandwidth for a ring over more than two servers (line 306: `bw = bwInter`, the per-channel network bandwidth; line 324: `busBw = nChannels * bw`) and its latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
-# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (lines 209-218: `numSegments = roundUp(max(⌈K / maxSegmentBytes⌉, 2N), N)`, `numSegmentsPerRank = numSegments / N` a step, segments of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded reference answer after the lab pointer); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
+# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (lines 209-218: `numSegments = roundUp(max(⌈K / maxSegmentBytes⌉, 2N), N)`, `numSegmentsPerRank = numSegments / N` a step, segments of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; lines 220-231: a scratch buffer of `segmentBytes * 2`, "With two operations in flight we need two offsets"; lines 268-320: the reduce-scatter loop waits at iteration i for the receive posted at i − 2, so two segments are in flight); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
 # - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, the extra step for N not a power of two) and their α-β costs.
 # - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth.

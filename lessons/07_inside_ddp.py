@@ -124,10 +124,11 @@ for kind in ("after_backward", "per_parameter"):
 # ## 3. Buckets: one flat buffer, one all-reduce per group of gradients
 # Buckets are filled in the order the gradients **arrive**, roughly reverse registration
 # order: the backward produces the last layer's gradients first, so the first bucket is
-# complete early and goes on the wire while the backward is still busy. DDP's rule (its
-# reducer's `compute_bucket_assignment_by_size`) walks the parameters in the order their
+# complete early and goes on the wire while the backward is still busy. DDP's rule (a function
+# of its C++ reducer) walks the parameters in the order their
 # gradients arrive — for a model whose layers run in registration order, the layers in
-# reverse (within a layer, a `Linear`'s bias comes first, a convolution's weight) — and
+# reverse (within a layer, a `Linear`'s bias arrives before its weight, a convolution's weight
+# before its bias) — and
 # closes a bucket by a size cap, `bucket_cap_mb` MiB; what exactly closes one, parameters
 # of several dtypes included, is lab 07's part 1, so the rule is folded below, after the
 # lab's pointer.
@@ -289,7 +290,7 @@ cap_lists = [(c,) for c in (0.001, 0.01, 0.05, 0.1, 1, 4, 25, math.inf)] + [(1, 
 same = {name: all(our_buckets(ps, c) == torch_buckets(ps, c) for c in cap_lists)
         for name, ps in [("SmallCNN", list(cfg.build().parameters())),
                          ("64-layer MLP", list(experiments.wide_mlp(320, 64).parameters()))]}
-claim(f"overlap.assign_buckets == DDP's compute_bucket_assignment_by_size of the parameters "
+claim(f"overlap.assign_buckets == the reducer's own bucket assignment of the parameters "
       f"reversed, bucket for bucket, for {' and '.join(same)} at "
       f"{len(cap_lists)} caps (one with a 1 MiB first bucket)",
       all(same.values()))
@@ -396,7 +397,7 @@ claim(f"bucketed: one all-reduce per bucket per step ({len(buckets)} buckets, no
 # %% [markdown]
 # ### What DDP's reducer does that this class does not
 # DDP registers a hook on every parameter's gradient accumulator, as we do, and from there its
-# C++ reducer takes each gradient through five steps:
+# C++ reducer takes each gradient through the five steps the figure below draws:
 
 # %%
 viz.show(viz.reducer_figure(),
@@ -441,8 +442,8 @@ viz.show(viz.reducer_figure(),
 #
 # The small CNN is too small for buckets to matter, so for timing we take a model whose size
 # is in many matrices — 64 `Linear` layers of width 320 (the first, 3072 × 320, is the
-# largest at 3.75 MiB), quick on a CPU — and train it with all four
-# versions and at each cap of `sweep_caps`. Three **controls** run beside them: `local` (no
+# largest at 3.75 MiB), quick on a CPU — and train it with the three versions and real DDP,
+# at each cap of `sweep_caps`. Three **controls** run beside them: `local` (no
 # communication: the compute alone), and the per-parameter and bucketed versions with
 # `overlap=False` — the same asynchronous all-reduces of the same buffers, launched only once
 # `backward()` has returned. The runs are short (`timed_steps` steps) on a shared machine, so
@@ -535,14 +536,21 @@ claim("4 MiB buckets: the first all-reduce was launched before the backward ende
 claim("4 MiB buckets: every bucket was launched (none waited for finish_gradient_"
       "synchronization)", len(launch_times) == by[("bucketed", 4)]["n_buckets"]
       and max(launch_times) <= tl["backward_end"])
+# A gradient's tick is stamped first (the timing hooks were registered before our class's);
+# then our hook copies it into its bucket and, for the bucket's last one, divides and launches.
+lag = [t - max(r for r in tl["ready"] if r <= t) for t in launch_times]   # launch - tick before
+claim("4 MiB buckets: every launch came after a gradient's tick (stamped in that order)",
+      all(any(r <= t for r in tl["ready"]) for t in launch_times))
 viz.show(viz.overlap_timeline_figure(tl, "bucketed, 4 MiB buckets: rank 0, last step"),
-         "read the bucket rows against the grey backward: each bar starts just before the tick "
-         "of its bucket's last gradient (our hook launches the all-reduce, then the timing "
-         "hook, registered after it, stamps the tick), while the backward is still computing "
-         "earlier layers; the last bucket can only start when the backward ends, and whatever "
-         "of the bars is still running after the red line is what communication adds to the "
-         "step. A bar ends when a Python callback stamped it, which can be later than the "
-         "all-reduce itself finished (see below).")
+         f"read the bucket rows against the grey backward: each bar starts {min(lag):.1f} to "
+         f"{max(lag):.1f} ms after the tick just before it (the tick is stamped first, then our "
+         f"hook copies the gradient, divides the bucket and launches; a long lag can include "
+         f"waits for the GIL), while the backward is still computing earlier layers; the last "
+         f"bucket started {tl['backward_end'] - max(launch_times):.1f} ms before backward() "
+         f"returned, once the last gradient was ready, and whatever of the bars is still "
+         f"running after the red line is what communication adds to the step. A bar ends when "
+         f"a Python callback stamped it, which can be later than the all-reduce itself "
+         f"finished (see below).")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -574,7 +582,10 @@ print(f"at most {in_flight} all-reduces were in flight at the same moment")
 # - **The "done" stamp is Python**: `BucketedDataParallel._launch` chains
 #   `work.get_future().then(...)` with a Python callback that appends the time. It runs only
 #   once it holds the GIL, which the backward's Python hooks (and the main thread) also take,
-#   so a bar includes the wait for the GIL after the all-reduce had finished.
+#   so a bar includes the wait for the GIL after the all-reduce had finished. The launch stamp
+#   is Python as well, taken in our hook after the bucket's copy and divide: a bar starts
+#   later than its gradient's tick by those and by any wait for the GIL (a waiting "done"
+#   callback gets it when the main thread's switch interval, 5 ms by default, runs out).
 # - A queued all-reduce's bar starts at its launch, not when a worker thread picks it up, so
 #   a bar behind another includes its wait.
 #
@@ -683,11 +694,12 @@ claim("at every cap the predicted saving is at least 0 and at most min(B, C − 
           -1e-9 <= saving[r["bucket_cap_mb"]] <= r["bound_ms"] + 1e-9 for r in model_rows),
       saving=saving)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
-# Why: every number here is a measurement of this machine under its current load.
-import statistics
+# %% [markdown]
+# **▶ The sign test behind every verdict below** (click the folded cell): `needed`, the
+# wins a run needs for a clear verdict; `compare` and `verdict`, round by round.
 
+# %% jupyter={"source_hidden": true}
+import statistics
 
 def needed(n):
     """Rounds one run must win for a clear verdict: a two-sided sign test at 5%."""
@@ -715,6 +727,9 @@ def verdict(a, b, part="step"):
     return compare(a, b, part)[1]
 
 
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: every number here is a measurement of this machine under its current load.
 same = [(by[(k, 25)], by[(k, math.inf)]) for k in ("bucketed", "bucketed_after")]
 print(f"Yardstick check, identical work (25 MiB and one bucket): {verdict(*same[0])}; their "
       f"controls: {verdict(*same[1])} — " + ("as it should." if not any(
@@ -972,7 +987,7 @@ viz.show(viz.bucket_sweep_figure(sweep, noise_ms),
          "the same bars, labelled with all-reduces per step.")
 
 # %% [markdown]
-# ### The four versions and real DDP
+# ### The three versions and real DDP
 # The same 128 messages go after the backward, blocking one at a time ("after backward"), or
 # from hooks as the gradients arrive ("per-parameter hooks") — and the control launches those
 # same asynchronous messages after the backward, so that the comparison isolates overlap from
@@ -1449,8 +1464,8 @@ viz.quiz([
 #   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when `bucket_cap_mb` is left at its
 #   default; `_BucketCapacityConfig.compute_bucket_size_limits`: one bucket before the first
 #   rebuild unless `find_unused_parameters` (then `[first_bucket_bytes_cap, bucket_bytes_cap]`
-#   over registration order); `DistributedDataParallel._ddp_init_helper`: buckets from
-#   `dist._compute_bucket_assignment_by_size`, then the list reversed (so the 1 MiB bucket
+#   over registration order); `DistributedDataParallel._ddp_init_helper`: buckets from the
+#   reducer's assignment function (named in the folded sources at the end), then the list reversed (so the 1 MiB bucket
 #   holds the first-defined parameters); `DistributedDataParallel.__init__`:
 #   `gradient_as_bucket_view`, `static_graph`, `find_unused_parameters`; the class docstring
 #   on `batched_grad_copy`: with `zero_grad(set_to_none=True)` "`gradient_as_bucket_view`
@@ -1470,11 +1485,10 @@ viz.quiz([
 #   ready in the first backward, which the rebuild walks (why a convolution's weight comes
 #   before its bias there, section 3); `Reducer` rebuilds its buckets once, unless
 #   `find_unused_parameters` is set without `static_graph` (`should_rebuild_buckets`: `(static_graph_ ||
-#   !find_unused_parameters_) && !has_rebuilt_bucket_`);
-#   `compute_bucket_assignment_by_size` (a list of size limits; what closes a bucket is lab
-#   07's part 1, in the folded cell at the end).
-# - `torch/distributed/__init__.py` — `_compute_bucket_assignment_by_size`,
-#   `_DEFAULT_FIRST_BUCKET_BYTES`: the reducer's C++ functions as torch exposes them.
+#   !find_unused_parameters_) && !has_rebuilt_bucket_`); the bucket assignment (its name and
+#   what closes a bucket are lab 07's part 1, in the folded cell at the end).
+# - `torch/distributed/__init__.py` — `_DEFAULT_FIRST_BUCKET_BYTES`: the reducer's constant as
+#   torch exposes it (and the assignment function: folded at the end).
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`,
 #   `_compress_hook` (`fp16_compress_hook`, `bf16_compress_hook`): the buffer is cast and
 #   divided by the world size before the all-reduce, then copied back into the bucket;
@@ -1516,7 +1530,7 @@ viz.quiz([
 #
 # - `reducer.cpp`, the reducer's C++ source (c10d, in github.com/pytorch/pytorch; not
 #   installed), read at commit ad78a7b, the revision stored here (the torch 2.14.1 build's
-#   commit, 5c48869, could not be fetched) — `compute_bucket_assignment_by_size`,
+#   commit, 5c48869, could not be fetched) — the bucket assignment,
 #   `Reducer::mark_variable_ready_dense`, "Note [DDP Communication Hook]",
 #   `Reducer::run_allreduce_hook`, `Reducer::rebuild_buckets`, and the in-order launch;
 #   what each says holds lab 07's answers, so it is in the folded cell below.
@@ -1537,7 +1551,11 @@ viz.quiz([
 # cell below).
 
 # %% [markdown] jupyter={"source_hidden": true}
-# - `compute_bucket_assignment_by_size`: a bucket is closed once `bucket.size >= limit`.
+# - `torch/distributed/__init__.py` — `_compute_bucket_assignment_by_size`: the reducer's C++
+#   bucket assignment as torch exposes it (`dist._compute_bucket_assignment_by_size`, given a
+#   list of size limits; what `_ddp_init_helper` calls, and section 3's folded cell).
+# - `compute_bucket_assignment_by_size` (`reducer.cpp`): a bucket is closed once
+#   `bucket.size >= limit`.
 #   Still-open buckets follow the closed ones, unsorted, unless no `tensor_indices` are given
 #   (DDP's first-iteration call: sorted by smallest index); so with several dtypes the rebuild
 #   can list a complete bucket behind a waiting one (lab 07's part 1 orders by completion).

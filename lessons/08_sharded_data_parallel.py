@@ -169,14 +169,14 @@ zero_calculator = viz.explorer(
 # every full gradient still exists at once, as in ZeRO-1, so it saves memory *at rest* (between
 # steps), not at the rank's fullest moment, its **peak**.
 #
-# ## Lab 08: ZeRO-2 that earns its memory
+# ### Lab 08: ZeRO-2 that earns its memory
 # Open [lab08_zero_two](../labs/lab08_zero_two.ipynb) and write stage 2 the way that lowers
 # the peak: the gradients, grouped in buckets (lesson 07), leave the rank *during* the
 # backward, which must not wait for them; what to keep in flight, and when to wait for it, is
 # yours to decide under the memory bound the lab states. The check weighs the gradient
 # memory alive at every arrival, and you predict the peak before you measure it. The tool it
 # needs, `Tensor.register_post_accumulate_grad_hook`, is lesson 07's (§2). The library's
-# stages below hold the lab's pieces: folded, but for one method.
+# stages below hold the lab's pieces: every one of them folded, behind a ▶ label.
 #
 # ### The library's stages, checked
 # Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
@@ -196,14 +196,8 @@ viz.show_code(zero.shard_numel, zero.flatten_padded, zero.reduce_scatter_mean,
               zero.all_gather_flat, zero.copy_flat_into)
 
 # %% [markdown]
-# Where `Zero1` and `Zero2` send the gradients, called by `step()` (`flatten_padded`: one new
-# padded vector of them; `reduce_scatter_mean`: this rank's slice of their mean):
-
-# %%
-viz.show_code(zero.Zero1.gradient_slice)
-
-# %% [markdown]
-# **▶ `Zero1` and `Zero2` whole — open after your lab passes** (click the folded cell below).
+# **▶ `Zero1` and `Zero2` whole, with `gradient_slice`, where `step()` sends the gradients —
+# open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(zero.Zero1, zero.Zero2)
@@ -306,6 +300,11 @@ claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
 # (torch's ZeRO-3, section 6) shards a model by calls of `fully_shard(...)`, each making one
 # *parameter group* that it gathers and frees as a unit; it refuses a tied parameter split
 # across two of them, so `fsdp2_shard` puts the two layers in one `fully_shard([a, b])` group.
+# The cell also weighs ZeRO-3's traffic, by the convention section 5 defines (and where it
+# shows `zero.traffic_per_step`): a collective's *volume* is the whole buffer it acts on (an
+# all-gather's full output, the input of the others), an all-reduce counted twice; ZeRO-3's
+# formula is 3Ψ elements, each layer's weights all-gathered twice and its gradients
+# reduce-scattered once, Ψ padded to a multiple of N.
 
 # %%
 awkward = experiments.ZeroConfig(steps=steps, frozen_and_tied=True)
@@ -319,9 +318,12 @@ claim(f"with a frozen and a tied parameter, every stage, FSDP2 and ZeroRedundanc
       and all(max_diff(run, tied_runs) < 1e-5 for run in compared))
 frozen = [p for p in awkward.build().parameters() if not p.requires_grad]
 start = torch.cat([p.detach().reshape(-1) for p in awkward.build().parameters()])
-claim("the frozen bias never moved (bit for bit)",
-      all(torch.equal(r["zero3"]["params"][30 * 43:30 * 43 + 43], start[30 * 43:30 * 43 + 43])
-          for r in tied_runs) and len(frozen) == 1 and frozen[0].numel() == 43)
+bias = slice(30 * 43, 30 * 43 + 43)                    # the first layer's bias, after its weight
+claim("in every run (torch DDP, the four stages, FSDP2, ZeroRedundancyOptimizer), on every "
+      "rank, the frozen bias never moved (bit for bit)",
+      all(torch.equal(r[run]["params"][bias], start[bias])
+          for r in tied_runs for run in experiments.RUNS)
+      and len(frozen) == 1 and frozen[0].numel() == 43)
 tied_units = tied_runs[0]["zero3"]["units"]
 extra = tied_runs[0]["zero3"]["traffic"][-1]["volume"] - zero.traffic_per_step(
     "zero3", tied_units, world_size)
@@ -456,9 +458,11 @@ claim("ZeRO-3 holds 16/N bytes per parameter, but for the padding (< 1 %)",
           for n in sweep for r in counted[n]))
 
 # %% [markdown]
-# Those bytes are at rest. During the step a layer's whole gradient lives until its
-# reduce-scatter: `weigh` (section 3) weighed the gradients just before each one; beyond the
-# rank's shards, what is left at each N:
+# Those bytes are at rest. During the step a rank also holds its *working set*: the
+# full-size tensors of the layers it is computing with, beyond its shards — a layer's gathered
+# weights, its whole gradient. A layer's whole gradient lives until its reduce-scatter:
+# `weigh` (section 3) weighed the gradients just before each one; beyond the rank's shards,
+# what is left at each N:
 
 # %%
 largest = 2 * max(counted[sweep[0]][0]["zero3"]["units"])   # bf16 bytes of the largest layer
@@ -542,7 +546,7 @@ viz.show(viz.zero_tradeoff_figure(
 # the collectives overlap the compute. Ours never do, and no run here shows FSDP2's (section
 # 6). This lesson counts bytes, not seconds.
 #
-# Note what does not shrink with N in ZeRO-3: a rank's *working set*. While a layer's backward
+# Note what does not shrink with N in ZeRO-3: a rank's working set. While a layer's backward
 # computes, its full weights (gathered whole, section 4) and its full gradient (weighed in
 # section 5 at every N) are both alive (and, with prefetching —
 # gathering the next layer's weights while this one computes, section 6 — the next layer's
@@ -557,7 +561,7 @@ viz.show(viz.zero_tradeoff_figure(
 # the folded cells below).
 
 # %% [markdown] jupyter={"source_hidden": true}
-# A layer's gradient counts twice for a moment: like `flatten_padded` in section 3,
+# A layer's gradient is held twice in memory for a moment: like `flatten_padded` in section 3,
 # `foreach_reduce` copies the gradients into a padded full-size buffer, the reduce-scatter's
 # input, before it drops them (`_fsdp_collectives.py` lines 597-606). That buffer does not go
 # when its reduce-scatter ends: `post_backward` keeps it in `comm_ctx.reduce_scatter_states`
@@ -599,7 +603,12 @@ claim("FSDP2's post_backward drops the earlier groups' reduce-scatter inputs (af
 # spread over a mesh: each rank holds a local tensor (`to_local()`), and the DTensor's
 # *placements*, one per mesh dimension, say how the pieces make the whole — `Shard(dim=0)`: cut
 # along dimension 0, rank r holding chunk r; `Replicate()`: a full copy on every rank.
-# `fully_shard` places every parameter as `Shard(dim=0)`. Applied to each layer and then to
+# `fully_shard` places each parameter here as `Shard(dim=0)`: it does so when its
+# `shard_placement_fn` is left at None (a function given there may pick another dimension) and
+# the parameter is a plain tensor, as here; one that tensor parallelism has already cut along
+# dimension 0 (a DTensor, lesson 11, §4) gets `_StridedShard(dim=0, …)` on the data-parallel
+# dimension instead (`_fsdp_param.py`, `FSDPParam._init_sharded_param` and
+# `_init_sharding_spec_tp`). Applied to each layer and then to
 # the *root* (the outermost module, here the whole MLP), it makes each layer a parameter group
 # of its own (a unit, gathered on its own), as in our `Zero3`. The worker below shards the
 # MLP, trains it in bf16 (`MixedPrecisionPolicy`), gathers a full state dict, saves it from
@@ -613,6 +622,9 @@ viz.show_code(experiments.fsdp2_worker, experiments.fsdp2_shard, experiments.ran
 tour = launch.spawn(experiments.fsdp2_worker, world_size, mp, backend=backend, timeout=120)
 for name, kind, full, local, placement in tour[0]["shards"]:
     print(f"{name:>10}: {kind}, {placement}")
+claim("with the default shard_placement_fn and plain-tensor parameters, every parameter is "
+      "placed as Shard(dim=0) on the one-dimensional mesh",
+      all(placement == "(Shard(dim=0),)" for *_, placement in tour[0]["shards"]))
 
 # %% [markdown]
 # What FSDP2 holds and sends here, against section 1's formula. It keeps the **fp32** shard
@@ -972,7 +984,10 @@ viz.quiz([
 #   `torch/distributed/tensor/placement_types.py` — `Shard`, `Replicate`;
 #   `torch/distributed/device_mesh.py` — `init_device_mesh`;
 #   `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` — `FSDPParam._init_sharded_param`:
-#   the placement is `Shard(0)` unless a shard-placement function says otherwise.
+#   the placement is `Shard(0)` unless a shard-placement function says otherwise;
+#   `FSDPParam._init_sharding_spec_tp`: a DTensor parameter already cut along the shard
+#   dimension gets `_StridedShard(shard_dim, split_factor)` on the data-parallel dimension,
+#   `_init_sharding_spec_plain`: a plain tensor gets the placement itself.
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` —
 #   `FSDPState._root_post_backward_final_callback`: at the end of the backward it runs
 #   `post_backward` for every group whose autograd function never ran (inputs that required
@@ -1039,7 +1054,7 @@ viz.quiz([
 #   default, `FSDPCommContext.lazy_init`, line 113); (741–743) keeps its own in
 #   `comm_ctx.reduce_scatter_states`.
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` —
-#   `FSDPState._root_post_backward_final_callback` (lines 428–437): waits on and drops the
+#   `FSDPState._root_post_backward_final_callback` (lines 427–437): waits on and drops the
 #   reduce-scatter inputs still kept, on the last backward of a step only.
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` — `foreach_reduce` (lines
 #   597–606): the gradients copied into the padded reduce-scatter input before they are

@@ -56,26 +56,26 @@ from dpcourse.checks import claim
 torch.set_num_threads(1)
 profile = devices.choose_profile(world_size=world_size)
 world_size = profile.world_size
-backend = devices.backend_for(world_size)
+backend = "gloo"           # every worker here keeps its tensors on the CPU, which NCCL refuses
 problem = async_sgd.make_problem(seed=seed)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: the profile depends on this machine's GPUs.
 print(profile.describe())
-print(f"this lesson: {world_size} ranks over {backend}")
+print(f"this lesson: {world_size} ranks over {backend}, GPUs or not")
 
 # %% [markdown]
 # ## 1. A parameter server, for real
 # Before all-reduce, data parallelism used a **parameter server** (DistBelief, Dean et al.
 # 2012; Li et al., OSDI 2014): one process holds the weights; each worker **pulls** them,
 # computes a gradient on its part of the batch and **pushes** it back; the server steps.
-# Lesson 02's `nn.DataParallel` is one in where the weights and the step live: device 0. Each
-# step it scatters the batch to the GPUs, broadcasts the weights from device 0, gathers the
-# outputs there (`output_device` defaults to `device_ids[0]`) and sums the gradients there for
-# the one optimizer step. NCCL changes only the route of that sum: `comm.reduce_add` calls
-# NCCL's reduce when NCCL is available, otherwise it copies every GPU's gradient to device 0
-# and adds them; either way the sum lands on device 0.
+# Lesson 02's `nn.DataParallel` is a parameter server inside one machine: the weights and the
+# optimizer step live on device 0. Each step it scatters the batch to the GPUs, broadcasts the
+# weights from device 0, gathers the outputs there (`output_device` defaults to
+# `device_ids[0]`) and sums the gradients there for the one optimizer step: with NCCL's reduce
+# when NCCL is available (`comm.reduce_add`), else by copying each GPU's gradient to device 0
+# and adding.
 #
 # We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers.
 # A production server would use `torch.distributed.rpc` (remote calls between processes) or a
@@ -126,22 +126,23 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 
 # %% [markdown]
 # Traffic. Every step the server sends the K weights to each worker and receives K gradient
-# numbers from each: NK out and NK in, **2NK through the server**. A ring all-reduce (lesson 06)
-# has each rank send 2(N−1)K/N and receive as much: 4(N−1)K/N through a rank, and every rank
-# carries the same share. Like for like (sent + received against sent + received, or sent
-# against sent), the server carries **N²/(2(N−1))** times a ring rank's load: 2× at N = 2, 2.7×
-# at N = 4, about N/2 for large N. Over the whole cluster the two are about equal (2NK
-# against 2(N−1)K elements sent); the difference is *where*: the parameter server funnels it
-# all through one network card, which becomes the bottleneck as N grows. Or you shard the
-# server, as Li et al. do. At the limit every worker also serves a 1/N shard: it pushes each
-# other rank that rank's shard of its gradient and sends its own shard's new weights to each
-# other rank, (N−1)K/N each way — the ring's 2(N−1)K/N per rank, but in **2 direct rounds**
-# (push, pull) instead of the ring's 2(N−1) steps. That means fewer latency terms only if a
-# rank's N−1 messages of a round travel at once (ports that send in parallel, a switch with
-# full bisection bandwidth); counted one α per message, as lesson 06 does, it is 2(N−1)α like
-# the ring, which needs only links to its neighbours. BytePS (Jiang et al., OSDI 2020) goes further with servers beyond the workers (CPU
-# machines): with enough of them each worker sends K and receives K, less than the ring's
-# 2(N−1)K/N each way once N ≥ 3 (at N = 2 the ring's is K too).
+# numbers from each: NK sent and NK received, **2NK through the server**. A ring rank (lesson
+# 06) sends 2(N−1)K/N and receives as much, every rank the same share. In bytes (sent against
+# sent), the server moves **N²/(2(N−1))** times a ring rank's: 2× at N = 2, about N/2 for large
+# N. In time it is twice that: in lesson 06's α-β model a ring rank sends while it receives,
+# 2(N−1)K/N·β; the server sends new weights only once every gradient is in: NK in, *then* NK
+# out, 2NKβ, **N²/(N−1)** times the ring's (4× at N = 2; computed below). Over the whole
+# cluster the two are about equal (2NK against 2(N−1)K elements sent); the difference is
+# *where*: the server funnels it all through one network card, the bottleneck as N grows. Or
+# you shard the server, as Li et al. do. At the limit every worker also serves a 1/N shard: it
+# sends each other rank that rank's shard of its gradient, then its own shard's new weights:
+# the ring's 2(N−1)K/N sent per rank, and as much received, but in **2 direct rounds** (push,
+# pull) instead of the ring's 2(N−1) steps: fewer latency terms only if a rank's N−1 messages
+# of a round travel at once (a switch with full bisection bandwidth); counted one α per
+# message, as in lesson 06, it is 2(N−1)α, like the ring, which needs only links to its
+# neighbours. BytePS (Jiang et al., OSDI 2020) goes further with servers beyond the workers
+# (CPU machines): with enough of them each worker sends K and receives K, less than the ring's
+# 2(N−1)K/N sent once N ≥ 3 (at N = 2 the ring's is K too).
 
 # %%
 viz.show_code(async_sgd.ring_elements_per_rank)
@@ -150,27 +151,34 @@ for n, r in ps.items():
     print(f"N={n}: in {cfg.steps} steps the server sent {sent // 4:,} and received "
           f"{received // 4:,} elements; a ring rank would send "
           f"{async_sgd.ring_elements_per_rank(K, n) * cfg.steps:,} and receive as many")
-claim("the server moves 2NK elements per step, NK each way (fp32: 4 bytes each), at every N",
+claim("the server moves 2NK elements per step, NK sent and NK received (4 bytes each), at every N",
       all(r[0]["sync_bytes"] == (n * K * 4 * cfg.steps,) * 2 for n, r in ps.items()))
 claim("each worker moves 2K per step",
       all(sum(w["sync_bytes"]) == 2 * K * 4 * cfg.steps for r in ps.values() for w in r[1:]))
 ratios = {n: r[0]["sync_bytes"][0] / 4 / cfg.steps / async_sgd.ring_elements_per_rank(K, n)
           for n, r in ps.items()}
-claim("sent against sent, the server's load / a ring rank's == N²/(2(N−1)) (to 0.1 %: the ring "
-      "count is chunk by chunk, 2(N−1)K/N when N divides K and within 2 elements of it "
-      "otherwise): " + ", ".join(f"N={n}: {v:.2f}" for n, v in ratios.items()),
+claim("in bytes, sent against sent, the server's / a ring rank's == N²/(2(N−1)) (to 0.1 %: "
+      "the ring count is chunk by chunk, 2(N−1)K/N when N divides K and within 2 elements of "
+      "it otherwise): " + ", ".join(f"N={n}: {v:.2f}" for n, v in ratios.items()),
       all(math.isclose(v, n * n / (2 * (n - 1)), rel_tol=1e-3) for n, v in ratios.items())
       and all(abs(async_sgd.ring_elements_per_rank(k_, n) - 2 * (n - 1) * k_ / n) < 2
               for n in ps for k_ in range(K, K + n)))
+times = {n: ring.cost("parameter-server", n, 4 * K, 0, 1).seconds   # lesson 06's prices,
+         / ring.cost("ring", n, 4 * K, 0, 1).seconds for n in ps}   # alpha 0: bandwidth only
+claim(f"in time (α-β), the server's 2NKβ / a ring rank's 2(N−1)K/N·β == N²/(N−1), twice the "
+      f"byte ratio, per N: {times}", all(math.isclose(v, n * n / (n - 1))
+                                         and abs(v / ratios[n] - 2) < 2e-3 for n, v in times.items()))
 
 # %% [markdown]
-# **▶ `ring.ring_bytes_per_worker`**, the chunk-by-chunk count, and `ring.chunk_bounds`, the
-# uneven split it counts (click the folded cell below).
+# **▶ `ring.ring_bytes_per_worker`**, the chunk-by-chunk count, `ring.chunk_bounds`, the
+# uneven split it counts, and `ring.cost`, lesson 06's α-β prices (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-import inspect  # chunk_bounds as a snippet: its docstring names lesson 06, where it is taught
+import inspect  # chunk_bounds and cost as snippets: their docstrings name lesson 06, where
+                # they are taught
 
-viz.show_code(ring.ring_bytes_per_worker, inspect.getsource(ring.chunk_bounds))
+viz.show_code(ring.ring_bytes_per_worker, inspect.getsource(ring.chunk_bounds),
+              inspect.getsource(ring.cost))
 
 # %%
 viz.show(viz.ps_traffic_figure(K, {n: sum(r[0]["sync_bytes"]) // 4 // cfg.steps
@@ -479,7 +487,7 @@ viz.show_code(async_sgd.async_worker_loop, async_sgd.StalenessAwareServer)
 
 # %% [markdown]
 # Stretch or not, read on: the largest step again, now with the library's staleness-aware
-# server (lr/s for a gradient s updates stale, §2; folded above), for every τ ≥ 2 and seed:
+# server (lr/τ for a gradient τ updates stale, §2; folded above), for every τ ≥ 2 and seed:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -560,7 +568,8 @@ claim(f"the staleness-aware server at lr {big:g} ends where the unaware server a
 # mean of the ranks' steps is not the step of the mean gradient. A small check after the run
 # compares both in float64. Communication per step
 # is divided by H. Between two averages the replicas **drift** apart; each rank measures how
-# far, just before averaging: ‖w<sub>r</sub> − w̄‖ / ‖w̄‖.
+# far, just before averaging: ‖w<sub>r</sub> − w̄‖ / ‖w̄‖. The ranks keep their tensors on the
+# CPU, which NCCL refuses: gloo again.
 #
 # Lin et al.'s actual proposal is **post-local SGD**: train synchronously (DDP) for the first
 # steps, then switch to local SGD. Torch ships it: `PeriodicModelAverager(period=H,
@@ -755,8 +764,9 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #
 # ## Summary
 # - A parameter server pulls and pushes over point-to-point messages; synchronous, it is DDP
-#   (equal weights, to 1e-6, here) but it moves 2NK per step through one node (NK each way),
-#   N²/(2(N−1)) times what a ring rank sends and receives.
+#   (equal weights, to 1e-6, here) but it moves 2NK per step through one node (NK sent, NK
+#   received): N²/(2(N−1)) times a ring rank's bytes, and in lesson 06's α-β model (in, then
+#   out) N²/(N−1) times its time.
 # - Asynchronous, its workers stop waiting for the straggler (timed: more gradients in the
 #   same second, by a factor set by how much slower the straggler is; the fast worker then
 #   waits only for its own round trips to the server), and
@@ -798,8 +808,9 @@ viz.quiz([
      "why": ["In total the two are about equal (2(N−1)K against 2NK elements sent).",
              "It is the very definition of lockstep.",
              "Right: each rank's bytes, 2(N−1)K/N, stay under 2K as N grows, so the bandwidth "
-             "part of a step stays bounded, while the server's NK each way (N²/(2(N−1)) times "
-             "a ring rank's) grow with N. (The latency part is not bounded: a ring's 2(N−1) steps in a row "
+             "part of a step stays bounded, while the server's grows with N: NK in, then NK "
+             "out, 2NKβ in lesson 06's α-β model, N²/(N−1) times a ring rank's 2(N−1)K/N·β. "
+             "(The latency part is not bounded: a ring's 2(N−1) steps in a row "
              "grow with N, lesson 06.) (A "
              "parameter server can spread its bytes too, by sharding the weights over many "
              "servers: Li et al. 2014. Sharded over all N workers, it moves the ring's "
@@ -862,7 +873,9 @@ viz.quiz([
 #   sender's rank (the asynchronous server relies on it): `recv` calls `irecv`, which with
 #   `src=None` calls the group's `recv_anysource`;
 #   `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` lists `recvAnysource` under
-#   "Unsupported Ops" (so the servers run on gloo); `new_group`: by default every rank
+#   "Unsupported Ops" (so the servers run on gloo); `Backend.backend_capability`: nccl
+#   serves `"cuda"` tensors only, gloo `"cpu"` and `"cuda"` (so §3's CPU ranks use gloo too);
+#   `new_group`: by default every rank
 #   must call it, members or not (with `use_local_synchronization=True` only the members do,
 #   its docstring says); `all_reduce` sums by default.
 # - `torch/distributed/algorithms/model_averaging/averagers.py` — `PeriodicModelAverager`:

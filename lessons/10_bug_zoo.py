@@ -55,22 +55,37 @@ torch.set_num_threads(1)
 
 # %% [markdown]
 # ## 1. What the course adds: which call returned, and your line, on every rank
-# A rank's own error says little when the bug is that the ranks disagree, and PyTorch has a
+# First the symptom. The classic bug (bug 1, section 2 shows its code): rank 0 logs the global
+# loss, and the all-reduce sits inside its `if rank == 0`. Run as it is, under `hang_timeout`:
+
+# %%
+try:
+    launch.spawn(bugzoo.partial_collective, world_size, False, backend="gloo",
+                 timeout=hang_timeout, show_output=False)
+except launch.LaunchTimeoutError as err:
+    symptom = err
+print(str(symptom).split(". ")[0] + ".")
+claim("run plainly, bug 1 only times out, naming the rank that never finished, not its call "
+      "or line",
+      symptom.pending == [0] and "all_reduce" not in str(symptom) and ".py" not in str(symptom))
+
+# %% [markdown]
+# A rank's own error says little when the bug is that the ranks disagree. PyTorch has a
 # cross-rank tool for that: `torchfrtrace`, installed with torch, merges every rank's dump of
-# the flight recorder (each process's ring buffer of its last collectives, section 2), pairs
-# the ranks' collectives in order, and names the ranks missing from a collective and the
-# collectives whose type or sizes differ between ranks. NCCL writes those dumps on a timeout;
-# on gloo the recorder never marks a call completed (section 2 shows it). What the course adds,
-# in `dpcourse.detectors`, works on gloo too: **the collective trace** records, on every rank,
-# each `dist.<collective>` call as it starts, with the line of your code that made it, and when
-# it returns — written to a file at once, so it survives a rank that hangs and gets killed —
-# and compares the ranks. "Returned" is all it knows of a call, so a rank counts as *stuck* in
-# a call only when the call blocks until its partners arrive: gloo's blocking calls do. A call
+# the flight recorder (each process's ring buffer of its last collectives), pairs the ranks'
+# collectives in order, and names the ranks missing from a collective and the collectives whose
+# type or sizes differ between ranks. NCCL writes those dumps on a timeout; on gloo the recorder
+# never marks a call completed (section 2 runs it). What the course adds, in
+# `dpcourse.detectors`, works on gloo too: **the collective trace** records, on every rank, each
+# `dist.<collective>` call as it starts, with the line of your code that made it, and when it
+# returns — written to a file at once, so it survives a rank that hangs and gets killed — and
+# compares the ranks. "Returned" is all it knows of a call, so a rank counts as *stuck* in a
+# call only when the call blocks until its partners arrive: gloo's blocking calls do. A call
 # with `async_op=True`, and an NCCL call once its *communicator* (the connections between the
-# ranks' GPUs that its collectives run over) exists (section 2), returns at
-# once; the trace still shows what each rank called and from which line, but not which one
-# waits. `diagnose` adds a dump of each rank's Python stack. The trace
-# writes its lines from the `before` and `after` hooks of `collectives.record_collectives`, a
+# ranks' GPUs that its collectives run over) exists, returns at once; the trace still shows what
+# each rank called and from which line, but not which one waits. `diagnose` adds a dump of each
+# rank's Python stack. The trace writes its lines from the `before` and `after` hooks of
+# `collectives.record_collectives`, a
 # recorder that wraps each `dist.<collective>` function for a `with` block (**▶ folded
 # below**; it sees only calls through those functions):
 
@@ -127,7 +142,8 @@ viz.show_code(detectors.trace_collectives, detectors.compare_traces, detectors.c
 # you suspect: rank 0 waits there for every other rank and, at the barrier's timeout, raises
 # with the list of ranks that did not arrive (with `wait_all_ranks=True`, all of them, not
 # just the first). `diagnose(..., monitor=2)` puts a 2-second one before every collective
-# (`trace_collectives` above shows the two lines). It is gloo's: it needs a CPU group.
+# (`trace_collectives` above shows the two lines). It needs a CPU backend in the group: gloo,
+# or in an NCCL job the gloo of a `"cpu:gloo,cuda:nccl"` group (lesson 00; Sources).
 
 # %%
 partial_mon = detectors.diagnose(bugzoo.partial_collective, world_size, False,
@@ -407,7 +423,7 @@ claim("the message is the installed libtorch_cpu.so's own (ProcessGroupGloo::mon
 #
 # | tool | what it does | here (CPU, gloo) |
 # |---|---|---|
-# | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; each other rank waits for rank 0's answer, up to the group's timeout (run above) | gloo only: bugs 1 and 3 above |
+# | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; each other rank waits for rank 0's answer, up to the group's timeout (run above) | a group with a CPU backend: gloo, or `"cpu:gloo,cuda:nccl"` in an NCCL job; bugs 1 and 3 above |
 # | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before the group is created) | wraps each process group in a `ProcessGroupWrapper` with a gloo helper group: before **every** collective the ranks pass a monitored barrier and compare the call's fingerprint (op, shapes, dtypes); a missing rank or a mismatch becomes an error naming them. It costs time on every call | works: bugs 1 and 2 above, with its cost measured |
 # | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**, communicator formed: the call returned at once; the watchdog tears the process down at the timeout (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, default 3); `wait()` raises only with `TORCH_NCCL_BLOCKING_WAIT=1` or `work.wait(timeout)` | gloo: bug 1 above; NCCL: the figure above |
 # | the flight recorder | **on by default** (above). On NCCL dumped on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`, `TORCH_NCCL_ENABLE_MONITORING`: on by default, `ProcessGroupNCCL.cpp`) to `TORCH_FR_DUMP_TEMP_FILE` (older name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) plus the rank, by default `~/.cache/torch/comm_lib_trace_rank_<rank>` (`$XDG_CACHE_HOME/torch/…` when set; checked below), merged with `torchfrtrace` | records on gloo too (bug 2 above); the automatic dump on timeout is NCCL-only |
@@ -511,8 +527,7 @@ claim("one program per bug 4 to 10, and bug 9's first step alone",
 # 03), and so are their checksums when every rank sums the same way. Weighted by position, so
 # two tensors with the same sum but values in other places still differ. It is summed on the
 # tensor's own device, a chunk of elements at a time, so a GPU model needs no copy to the CPU.
-# It is a cheap alarm, not a proof (its docstring names what it misses; lab 10's stretch asks
-# how far it can be trusted).
+# It is a cheap alarm, not a proof: lab 10's stretch asks how far it can be trusted.
 
 # %%
 viz.show_code(detectors.state_checksums, detectors.compare_checksums)
@@ -897,8 +912,9 @@ claim("naming rank 1, its all_reduce and the script's line 9",
 # wrappers) counts a line as a printed loss when a regular expression finds the word `loss`,
 # `acc` or `accuracy` and, within 20 non-digits, a digit; `rank0_loss` fires when only rank 0
 # printed one and rank 0 made no small all-reduce (≤ 4 elements) that it reads. A heuristic:
-# `train_loss=0.3` escapes it (run below), and a small all-reduce of something else silences
-# it.
+# `train_loss=0.3` escapes it (run below: the pattern wants a word boundary, `\b`, before
+# `loss`, and `_` is a word character, so there is none between `train_` and `loss`), and a
+# small all-reduce of something else silences it.
 
 # %%
 analyze_lines = inspect.getsource(script_checks.analyze).splitlines()
@@ -931,12 +947,25 @@ viz.show_code("# script_checks.analyze, the module_prefix finding (per rank; a '
 probe = script_checks.Watch(os.devnull, 0, 1)       # one rank's recorder, writing nowhere
 heard = []
 probe.event = lambda kind, **where: heard.append(kind)
-for text in ("epoch 1 loss 0.512", "train_loss=0.3"):
+for text in ("epoch 1 loss 0.512", "train_loss=0.3", "train loss=0.3"):
     heard.append(text)
     probe._reported(text)
 probe._file.close()
-claim("a heuristic on text: 'epoch 1 loss 0.512' counts as a printed loss, 'train_loss=0.3' "
-      "does not", heard == ["epoch 1 loss 0.512", "print", "train_loss=0.3"], heard=heard)
+claim("a heuristic on text: 'epoch 1 loss 0.512' and 'train loss=0.3' count as a printed loss, "
+      "'train_loss=0.3' (no word boundary before 'loss') does not",
+      heard == ["epoch 1 loss 0.512", "print", "train_loss=0.3", "train loss=0.3", "print"],
+      heard=heard)
+
+# %% [markdown]
+# **▶ The wrappers behind these rules** (folded below): `Watch._collective` notes a
+# `small_reduce` for an all-reduce of 1 to 4 elements; `Watch._save` notes `prefixed`, which
+# `module_prefix` reads.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+from dpcourse import script_watch
+
+viz.show_code(script_checks.Watch._collective, script_checks.Watch._save,
+              inspect.getsource(script_watch._module_prefixed))
 
 # %% [markdown]
 # Here is a script a learner could have written from a blog post, ported to the CPU — it runs to
@@ -1001,6 +1030,8 @@ claim("and the script itself ran to the end on both ranks",
 # checksum can be fooled, run on two weight vectors.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# What a checksum misses: changes that cancel in its weighted sum (run here), and a change
+# below the float64 sum's rounding (about 1e-16 of the checksum).
 # Two weight vectors that differ, with the same checksum: +2δ at position 1, −δ at position 2
 # (δ a power of two, so every sum below is exact in floating point).
 a = torch.nn.Linear(4, 1, bias=False)
@@ -1031,7 +1062,7 @@ viz.show_code(bugzoo.all_ranks_finite)
 # | rank-dependent control flow | hang after some steps | trace: one rank made more calls; `monitored_barrier`: the rank that left | decide together (all-reduce the decision) |
 # | a checkpoint loaded on one rank after DDP's constructor | replicas never agree | weight checksums across ranks | every rank loads it (or load before wrapping) |
 # | loss averaged, not gradients | log looks fine, replicas drift | gradient / weight checksums | average the gradients |
-# | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (GPU/XPU/HPU in training); averaged buffers agree, but their variance is not the global batch's; DDP's buffer sync leaves them apart after the last step |
+# | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (CUDA, HPU, XPU or PrivateUse1 input, in training); averaged buffers agree, but their variance is not the global batch's; DDP's buffer sync leaves them apart after the last step |
 # | NaN on one rank | NaN everywhere | first non-finite *local* value | check finiteness together, skip together |
 # | forgotten `set_epoch` | same order every epoch | repeated epoch orders | `sampler.set_epoch(epoch)` |
 # | unused parameter | DDP fails at step 2 | `unused_parameters` | remove it; `static_graph=True` if the same parameters are unused at every step and no control flow depends on the iteration; else `find_unused_parameters=True` (a graph walk every step) |
@@ -1111,10 +1142,17 @@ viz.quiz([
 
 # %% [markdown]
 # ## Sources
-# Every statement above about torch's internals was checked in the installed torch 2.14.1:
+# Every statement above about torch's internals was checked in the installed torch 2.14.1, or,
+# where marked, in its upstream C++ source:
 #
-# - `torch/distributed/distributed_c10d.py` — `monitored_barrier`: gloo (a CPU group) only;
-#   rank 0 reports the ranks that did not arrive, the others block until rank 0 answers;
+# - `torch/distributed/distributed_c10d.py` — `monitored_barrier`: it raises "monitored_barrier
+#   requires a group with a CPU-capable backend (e.g. GLOO)" unless `torch.device("cpu")` is in
+#   the group's `_device_types`, so a device-qualified group such as `"cpu:gloo,cuda:nccl"` is
+#   accepted for its CPU backend (its comment says so), an NCCL-only group is not;
+#   `torch/include/torch/csrc/distributed/c10d/ProcessGroup.hpp` —
+#   `ProcessGroup::monitoredBarrier` calls the `c10d::monitored_barrier_` op on an empty CPU
+#   tensor ("Default to using cpu implementation"), so the CPU backend serves it; rank 0
+#   reports the ranks that did not arrive, the others block until rank 0 answers;
 #   `wait_all_ranks` collects every missing rank.
 # - `torch/distributed/distributed_c10d.py` — `_new_process_group_helper` and
 #   `_create_process_group_wrapper`: with the debug level DETAIL, a gloo, NCCL, XCCL or UCC

@@ -207,7 +207,11 @@ claim("autograd also references whole weights, not shards — three 48 × 48 fp3
 # point. McCandlish et al. ("An Empirical Model of Large-Batch Training", 2018) model the
 # steps S needed at batch B as `S = S_min·(1 + B_noise/B)`: far below B_noise, doubling B
 # halves the steps (perfect scaling); far above it, doubling B saves almost nothing, and the
-# extra GPUs are wasted. B_noise = tr(HΣ)/(GᵀHG) needs the Hessian H; its cheap stand-in,
+# extra GPUs are wasted. The **critical batch size** is the knee between the two: the batch at
+# which training takes twice the fewest steps and twice the fewest examples (S = 2·S_min,
+# E = 2·E_min, the examples E = B·S); in this model it is B_noise itself, and in their
+# experiments the critical batch found by training at many batch sizes tracks the noise
+# scale. B_noise = tr(HΣ)/(GᵀHG) needs the Hessian H; its cheap stand-in,
 # which they measure and find predictive, is the **simple noise scale**
 # `B_simple = tr(Σ)/|G|²` (equal to B_noise when H is a multiple of the identity): the
 # per-example gradient's variance Σ, summed over parameters, against the true gradient G's
@@ -327,7 +331,7 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 # y = tp_mlp(x)                                           # == plain(x), on every rank
 # ```
 #
-# ## Lab 11: write the column and row layers
+# ### Lab 11: write the column and row layers
 # Open [lab11_tensor_parallel](../labs/lab11_tensor_parallel.ipynb) and write the two
 # autograd operations and the two layers, then the MLP, on 2 and 3 ranks. Decide for each
 # operation which pass communicates, and with which collective once the activations around
@@ -546,10 +550,9 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # where each sits is lab 11's answer again.
 
 # %% [markdown] jupyter={"source_hidden": true}
-# DDP's all-reduce overlaps the backward (lesson 07); most of tensor parallelism's sit **on
-# the critical path**: the tensor-parallel all-reduces sit between one matmul and the next,
-# which waits for the sum — four times per transformer layer and micro-batch (attention and
-# MLP each have an *f* and a *g*) — and
+# Most of tensor parallelism's collectives sit **on the critical path**: the tensor-parallel
+# all-reduces sit between one matmul and the next, which waits for the sum — four times per
+# transformer layer and micro-batch (attention and MLP each have an *f* and a *g*) — and
 # each rank's matmuls shrink by t. Not all of them, though: Megatron-LM hides two of a
 # layer's four, those of its two *f*'s, when it builds the layer from its own layers
 # (`--transformer-impl local`; its default, `transformer_engine`, uses Transformer Engine's
@@ -569,7 +572,7 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # where each of the all-reduces here becomes an all-gather and a reduce-scatter around the
 # layer norms and dropouts; the plain all-reduces of this MLP are not matched. Even so, the
 # sums that a matmul waits for stay in the way, and they pay only on very fast links: NVLink
-# inside a node, not the network between nodes. Megatron-LM keeps t ≤ the GPUs of one node.
+# inside a node, not the network between nodes.
 
 # %% [markdown]
 # ### torch's version: `parallelize_module` and DTensor
@@ -677,23 +680,33 @@ claim(f"each pass makes an all-gather of the token shares ({share} elements in) 
 # (`send`/`recv`, lesson 06) and their gradients backward. With one batch only one stage
 # works at a time, so the batch is cut into M **micro-batches** that follow each other
 # through the stages (GPipe, Huang et al. 2019); each stage *accumulates* the M micro-batches'
-# gradients. Their sum is the gradient of the whole batch's mean loss once each micro-batch's
-# mean loss is divided by M, with micro-batches of equal size (or once the loss is a sum over
-# the examples): the division of gradient accumulation, lesson 04 §7's `/ accum`. Stages
+# gradients, which must come out as the whole batch's. Stages
 # still sit idle while the pipeline fills and drains: with equal stage times a step lasts
 # M + K − 1 slots of which each stage works M, an idle share — the **bubble** — of (K − 1)/(M + K − 1).
 # (Megatron-LM and the Ultra-Scale Playbook quote the idle time over the work instead,
 # (p − 1)/m with p = K stages and m = M micro-batches; section 5 uses both.)
 #
+# **▶ How the M micro-batches' gradients become the whole batch's — open after lab 11's
+# stretch passes** (click the folded cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# Their sum is the gradient of the whole batch's mean loss once each micro-batch's mean loss
+# is divided by M, with micro-batches of equal size (or once the loss is a sum over the
+# examples): the division of gradient accumulation, lesson 04 §7's `/ accum`. torch's
+# schedules divide the summed gradients by M instead, once the step's backwards are done
+# (`scale_grads=True`, their default: `perform_reduce_grad` calls `scale_grads`,
+# `pipelining/stage.py`), for a loss that is each micro-batch's mean.
+
+# %% [markdown]
 # The schedules in `dpcourse.pipeline_parallel` list each stage's actions, F i
 # (forward of micro-batch i) and B i (backward). **GPipe** runs every forward, then every
 # backward. **1F1B** (one forward, one backward: PipeDream, Narayanan et al., SOSP 2019; its
 # synchronous, flushed form, *PipeDream-Flush*, Narayanan et al., ICML 2021, is the schedule
 # Megatron-LM runs) starts the backwards as early as possible: the same actions and — with
-# equal stage times and free messages — the same bubble, but stage k holds at most K − k
-# micro-batches' activations instead of M. Stages are numbered from 0 here, k = 0, …, K − 1,
-# as ranks are: the first stage holds K. The papers number them from 1 (stage i = k + 1),
-# so there the same bound reads K − i + 1.
+# equal stage times and free messages — the same bubble, but stage k holds at most
+# min(K − k, M) micro-batches' activations instead of M. Stages are numbered from 0 here,
+# k = 0, …, K − 1, as ranks are: the first stage holds min(K, M). The papers number them from
+# 1 (stage i = k + 1), so there the same bound reads min(K − i + 1, M).
 
 # %%
 viz.show_code(pipeline_parallel.gpipe_schedule, pipeline_parallel.one_f_one_b_schedule,
@@ -702,7 +715,7 @@ viz.show_code(pipeline_parallel.gpipe_schedule, pipeline_parallel.one_f_one_b_sc
 # %% [markdown]
 # Try it: stages × micro-batches → the bubble, from the schedule played with fixed times
 # (forward 1, backward 2, no communication) by `simulate_timeline`, which also draws the
-# "ideal" halves of section 3's Gantt charts:
+# "ideal" halves of the Gantt charts below:
 
 # %%
 viz.show_code(pipeline_parallel.simulate_timeline)
@@ -854,15 +867,17 @@ print(f"M = {m_show}: GPipe holds {gpipe[m_show].peak_in_flight}, "
       f"1F1B {ofob[m_show].peak_in_flight} micro-batches per stage")
 print(f"bytes saved at the peak: GPipe {gpipe[m_show].peak_activation_bytes}, "
       f"1F1B {ofob[m_show].peak_activation_bytes}")
-claim(f"with M = {m_show}, GPipe holds all M micro-batches on every stage; 1F1B holds K − k on "
-      "stage k",
-      gpipe[m_show].peak_in_flight == [m_show] * stages
-      and ofob[m_show].peak_in_flight == [stages - k for k in range(stages)])
-claim(f"and the bytes follow: on stage k 1F1B keeps (K − k)/M of GPipe's activation bytes "
-      f"(stage 0: {ofob[m_show].peak_activation_bytes[0]} against "
+claim(f"for every M in {micro}, GPipe holds all M micro-batches on every stage; 1F1B holds "
+      f"min(K − k, M) on stage k (K − k at M = {m_show})",
+      all(gpipe[m].peak_in_flight == [m] * stages
+          and ofob[m].peak_in_flight == [min(stages - k, m) for k in range(stages)]
+          for m in micro))
+claim(f"and the bytes follow: on stage k 1F1B keeps min(K − k, M)/M of GPipe's activation bytes "
+      f"(M = {m_show}, stage 0: {ofob[m_show].peak_activation_bytes[0]} against "
       f"{gpipe[m_show].peak_activation_bytes[0]})",
-      all(ofob[m_show].peak_activation_bytes[k] * m_show
-          == gpipe[m_show].peak_activation_bytes[k] * (stages - k) for k in range(stages)))
+      all(ofob[m].peak_activation_bytes[k] * m
+          == gpipe[m].peak_activation_bytes[k] * min(stages - k, m)
+          for m in micro for k in range(stages)))
 
 # %% [markdown]
 # torch has the same thing, `torch.distributed.pipelining`: a `PipelineStage` around each
@@ -1039,7 +1054,8 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # each computes per GPU: model state (lesson 08's 16 bytes per parameter, over Ψ/(t·p)
 # parameters: the ZeRO paper's accounting, 16-bit gradients accumulated and all-reduced in
 # 16 bits — Megatron-LM's own `--fp16` keeps an fp32 copy of them too, 20 bytes, not modelled
-# here; its `--bf16` default, 18, is checked after the ranking), activations (section 1,
+# here; with `--bf16`, its default fp32 gradients (18 bytes) are checked after the ranking),
+# activations (section 1,
 # 1F1B's first stage holding min(p, M) micro-batches, the layers recomputed), the messages and bytes per step of
 # each dimension (per GPU; data parallelism in DDP's 25 MiB buckets; ZeRO-3 gathers and
 # reduce-scatters once per micro-batch, M times a step, for it reshards between micro-batches
@@ -1306,10 +1322,10 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   torch's async TP can fuse is folded after lab 11's pointer): keep it inside a node.
 #   torch's `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
 #   sends the same.
-# - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated (each
-#   micro-batch's mean loss divided by M); idle share
-#   (K−1)/(M+K−1); 1F1B keeps K − k micro-batches in flight instead of M, and (K − k)/M of
-#   GPipe's activation bytes.
+# - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated into the whole
+#   batch's; idle share
+#   (K−1)/(M+K−1); 1F1B keeps min(K − k, M) micro-batches in flight instead of M, and
+#   min(K − k, M)/M of GPipe's activation bytes.
 # - **2-D**: tensor parallel along one mesh dimension, FSDP2 along the other, equal to one
 #   device; each dimension's traffic counted by the group it used.
 # - **Planning**: tensor parallelism up to a node (Megatron-LM's rule, which our planner takes
@@ -1430,8 +1446,8 @@ viz.quiz([
 #   1306): at a unit's reshard the gathered weight's storage is resized to 0 bytes, so what
 #   autograd saved references it without holding its bytes (section 1's `other_resident`).
 # - `torch/distributed/pipelining/stage.py` — `PipelineStage`; `perform_reduce_grad` calls
-#   `scale_grads`, which divides the accumulated gradients by M (`scale_grads=True`, the
-#   schedules' default, for a loss that is each micro-batch's mean);
+#   `scale_grads` (`scale_grads=True`, the schedules' default; what it does: section 3's
+#   folded cell);
 #   `torch/distributed/pipelining/schedules.py` — `ScheduleGPipe`, `Schedule1F1B` (refuses
 #   fewer micro-batches than stages); `_batch_p2p` (lines 768–814): a batch of sends only, or
 #   of receives only, is issued op by op (`op_types == {dist.isend}`), any other through

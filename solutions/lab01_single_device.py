@@ -8,7 +8,7 @@
 # # Lab 01 · Write the training loop
 #
 # In lesson 01 you took a training step apart. Now write the two functions every later lesson
-# builds on. Their contract — what the checks hold them to. Both take a `loss_fn` that
+# builds on. Below is their contract, what the checks hold them to. Both take a `loss_fn` that
 # averages over its batch (`reduction="mean"`, as `nn.CrossEntropyLoss()` does), so the number
 # it returns for a batch is that batch's mean loss.
 #
@@ -364,9 +364,10 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # The check trains a small model both ways, on loaders of its own (some hold a whole number of
 # groups, some end with a leftover), and compares the weights, the steps and the returned loss.
 # Its model has no dropout (whose masks would differ between the two ways). Across time instead
-# of devices, this is the sum that DDP computes across ranks in lesson 03 only when every rank's
-# batch has the same size: DDP divides the summed gradient by the number of ranks, not by the
-# number of samples, and the check's micro-batches of a group need not be the same size.
+# of devices, this accumulation equals the result DDP computes across ranks in lesson 03 only
+# when every rank's batch has the same size: DDP divides the summed gradient by the number of
+# ranks, not by the number of samples, and the check's micro-batches of a group need not be the
+# same size.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)

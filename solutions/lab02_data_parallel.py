@@ -292,7 +292,7 @@ lab02.check_dp_forward_backward(dp_forward_backward)
 # self.calls += 1                                               # a plain Python int
 # ```
 #
-# Its `seen` holds 7, `peak` 0.5 and `calls` 5 when one training-mode forward of the real
+# Its `seen` holds 7, `peak` 0.5 and `calls` 5; then one training-mode forward of the real
 # `nn.DataParallel(model)` runs 10 samples on 4 GPUs (chunks of 3, 3, 3 and 1; every chunk's
 # largest `|x|` is above 0.5, and the batch's largest lies in chunk 2, not chunk 0). The
 # replicas come from torch's `replicate`, not from `copy.deepcopy`.

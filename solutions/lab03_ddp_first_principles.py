@@ -69,9 +69,9 @@ torch.set_num_threads(1)
 
 # %% [markdown] jupyter={"source_hidden": true}
 # A sum-reduction pairs the ranks' calls by their order only. If rank 0 skips `head_b` and
-# rank 1 skips `head_a`, rank 0's call on `head_a` meets rank 1's call on `head_b`. A rank that
-# did not use a parameter has a gradient of zero for it, and that zero still counts in the mean
-# over the ranks, whose size the process group knows. Whether a parameter got a gradient on
+# rank 1 skips `head_a`, rank 0's call on `head_a` meets rank 1's call on `head_b`. On a rank
+# that did not use a parameter, its gradient counts as zero (`p.grad` is None there), and that
+# zero still counts in the mean over the ranks, whose size the process group knows. Whether a parameter got a gradient on
 # *some* rank is knowledge spread over the ranks, like the gradients themselves: a reduction
 # can gather it too, before any gradient is sent.
 
@@ -82,8 +82,8 @@ torch.set_num_threads(1)
 # One small tensor on the gradients' device, one entry per parameter that requires a gradient
 # (the same list on every rank): does this rank hold a gradient for it? One collective on it.
 # Then loop over those parameters: where no rank had one, leave it; where this rank has none,
-# zeros of the parameter's shape; then one collective on `p.grad` and one division by the
-# number of ranks that stays in it.
+# zeros of the parameter's shape; then one collective on `p.grad`, in place, and one division
+# of `p.grad` by the number of ranks, all of them, those without a gradient included.
 
 # %%
 def average_gradients(model):

@@ -80,10 +80,11 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Pieces, in order: this rank's indices of the test set (a `Subset`, from
-# `torch.utils.data`); a zero tensor of shape (2, 10) on `device`; the model in its test-time
-# mode and a loop, with autograd off, that adds each batch's two counts per class into it
-# (`torch.bincount(..., minlength=10)` counts per class); one collective that sums it over the
-# ranks; each class's F1 from the sums (0 where it is undefined), and their mean as a float.
+# `torch.utils.data`); a zero tensor on `device`, one row per count that Hint 2 left you and
+# one column per class; the model in its test-time mode and a loop, with autograd off, that
+# adds each batch's counts per class into it (`torch.bincount(..., minlength=10)` counts per
+# class); one collective that sums it over the ranks; each class's F1 from the sums (0 where
+# it is undefined), and their mean as a float.
 
 # %%
 # %%writefile {work}/train_lab.py
@@ -272,8 +273,10 @@ lab04.check_prediction(guess, labels, per_rank)
 # The contract: **a resumed run continues exactly as the uninterrupted run would have, on
 # every rank** — on these CPU ranks and on GPUs. The check trains 3 epochs with this loop (2
 # ranks, one thread each), stops the job after epoch 1 as a crash would, starts it again, and
-# compares every rank's state and the final weights with a run that never stopped: they must
-# agree bit for bit (to 1e-5). Its ranks have no GPU: while your two functions run, torch.cuda's
+# compares every rank's resumed state (weights, momentum, random state) with its state at the
+# crash, bit for bit, and the final weights with a run that never stopped, to 1e-5 (a right
+# resume matches them bit for bit too; the bound only absorbs a kernel that is not
+# deterministic). Its ranks have no GPU: while your two functions run, torch.cuda's
 # random-state functions (`get_rng_state`, `set_rng_state`, their `_all` forms, the seeding
 # ones) act on stand-in GPUs, 2 per rank as on a 2-GPU node: rank r runs on GPU r alone (its
 # current device, as after `torch.cuda.set_device(local_rank)`), whose generator each training

@@ -372,8 +372,9 @@ except lab06.LabCheckError as err:
 # most with `segments=4`, and be ready to say what a larger or a smaller number would buy or
 # cost. Then write the ring so that it keeps that many. The check measures the count on every
 # rank and compares it with your decision; the first number it compares is kept as your
-# decision for this kernel, and another number afterwards is refused (trying numbers until one
-# passes is a search, not a decision): if the two disagree, it is the ring you change.
+# decision for this Jupyter kernel (session), and another number afterwards is refused (trying
+# numbers until one passes is a search, not a decision): if the two disagree, it is the ring
+# you change.
 #
 # The check runs it on 3 and 2 ranks with 4 and 3 segments, compares the results, counts the
 # messages, and watches your ring's posts, waits and additions: an order that leaves an

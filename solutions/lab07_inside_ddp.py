@@ -45,7 +45,7 @@ torch.set_num_threads(1)
 # of buckets, each a list of parameters, such that:
 #
 # - every parameter that requires a gradient is in exactly one bucket, and nothing else is;
-# - the grouping is the one DDP's reducer's rule (`compute_bucket_assignment_by_size`) makes at
+# - the grouping is the one DDP's rule (a function of its C++ reducer) makes at
 #   this cap when it walks the parameters you are given **reversed** — registration order
 #   reversed, the order a model's gradients roughly arrive in. Real DDP, when it rebuilds its
 #   buckets after the first backward (lesson 07 §3), walks the order the gradients *really*

@@ -21,7 +21,7 @@
 # - alone on a server that takes every push, gradient k is computed on the weights of version
 #   max(0, k − τ) and applied as update k:
 #
-#   w<sub>k+1</sub> = w<sub>k</sub> − lr · g(w<sub>k−τ</sub>),
+#   w<sub>k+1</sub> = w<sub>k</sub> − lr · g(w<sub>max(0, k−τ)</sub>),
 #
 #   so with τ = 0 the loop is plain SGD.
 #

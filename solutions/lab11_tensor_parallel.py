@@ -221,11 +221,11 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 # **A second diagnosis: the same MLP with sequence parallelism** (no code). Outside the MLP —
 # the layer norms, the dropouts — a transformer keeps the tokens × d activations whole on
 # every tensor-parallel rank, which wastes memory. Korthikanti et al. (2022) cut them along the
-# tokens instead: X now **enters** the MLP on rank r as its share of the tokens (rows
-# r·s/t … (r+1)·s/t − 1 of X, all d features), and the MLP's output must **leave** it the
-# same way, each rank keeping Y for its own tokens only. The weights, their cuts and the two
-# matmuls stay as before; `f` and `g` keep their places. What each pass of them must make is
-# yours to work out again. `sp_collectives` is a dict with the keys
+# tokens instead: X, s tokens × d features, now **enters** the MLP on rank r as its share of
+# the tokens (with t dividing s: rows r·s/t … (r+1)·s/t − 1 of X, all d features), and the
+# MLP's output must **leave** it the same way, each rank keeping Y for its own tokens only.
+# The weights, their cuts and the two matmuls stay as before; `f` and `g` keep their places.
+# What each pass of them must make is yours to work out again. `sp_collectives` is a dict with the keys
 # `"f forward"`, `"f backward"`, `"g forward"` and `"g backward"`, each one of
 # `lab11.SP_VALUES`: `"nothing"`, `"all-reduce"`, `"all-gather"` (every rank gets every rank's
 # tensor, stacked in rank order) or `"reduce-scatter"` (the ranks' tensors summed, and rank r
@@ -255,7 +255,7 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Two different collectives, each used twice; no "nothing" and no "all-reduce". Each
-# operation's backward uses the other one of the two than its forward.
+# operation's backward uses the one of the two that its forward does not.
 
 # %%
 for value in lab11.SP_VALUES:
@@ -677,8 +677,9 @@ lab11.check_prediction(guess, measured, guess_grad)
 # were not computing.
 #
 # The check runs your step on 2 and 3 stages with M = 4, each forward lasting a few
-# milliseconds more, compares the gradients with the unsplit model's on the whole batch, and
-# names a schedule that is not GPipe's.
+# milliseconds longer than its computation alone (a sleep; each backward's, twice as long),
+# compares the gradients with the unsplit model's on the whole batch, and names a schedule
+# that is not GPipe's.
 
 # %% [markdown]
 # **▶ Hint 1 — a question** (click the folded cell below)
@@ -760,9 +761,10 @@ lab11.check_gpipe(gpipe_step, bubble, timeout=check_timeout)
 # Now measure it. Each forward below sleeps 10 ms and each backward 20 ms beside the
 # computation — a stand-in for an accelerator, which computes without taking one of this
 # machine's CPU cores — and your `bubble` measures the step for M = 1, 2, 4, 8 on 2 stages.
-# The formula (K−1)/(M+K−1) counts no time for messages; in your measurement, waiting for a
-# message is idle time. One run is noisy, so read what it can show: does the measured bubble
-# fall as M grows, as the formula's does?
+# The formula (K−1)/(M+K−1), with K the number of stages (`world_size`, 2 here), counts no
+# time for messages; in your measurement, waiting for a message is idle time. One run is
+# noisy, so read what it can show: does the measured bubble fall as M grows, as the formula's
+# does?
 
 # %%
 # NBVAL_IGNORE_OUTPUT

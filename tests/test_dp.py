@@ -101,7 +101,8 @@ def test_real_data_parallel_report(setup):
     else:
         assert rep.mode == "passthrough" and rep.replicate_calls == 0
         assert rep.scatter_calls == (1 if rep.gpu_count == 1 else 0)
-        assert "calls" in rep.explain()
+        assert rep.parallel_apply_calls == 0
+        assert "calls" in rep.explain() and "no threads" in rep.explain()
 
 
 def test_real_data_parallel_mode_is_observed_not_assumed(setup, monkeypatch):

@@ -3,7 +3,8 @@
 
 Each test checks a promise the lessons make about the GPU profiles (dpcourse.devices):
 NCCL is chosen exactly when every rank can own a GPU; each rank then sits on its own GPU;
-AMP on CUDA means float16 with a GradScaler and still learns; the real nn.DataParallel
+AMP with float16 and a GradScaler (what train_ddp.py --amp uses on GPUs without native bf16)
+still learns; the real nn.DataParallel
 scatters over two GPUs and matches the module; TensorFlow, split into logical GPUs, leaves
 torch room on the same GPU in the same process (a memory limit per logical GPU, memory
 growth on real ones).

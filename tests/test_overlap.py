@@ -246,8 +246,15 @@ def test_controls_launch_only_after_the_backward():
     cfg = ox.OverlapConfig(model="wide_mlp", width=64, depth=4, global_batch=8, steps=1)
     out = launch.spawn(ox.timing_worker, 2, cfg,
                        [("bucketed_after", 0.01), ("per_parameter_after", 25), ("local", None),
-                        ("ddp", 0.01)], 1, backend="gloo", timeout=120, show_output=False)[0]
+                        ("ddp", 0.01), ("bucketed", 0.01)], 1, backend="gloo", timeout=120,
+                       show_output=False)[0]
     by = {r["kind"]: r for r in out["runs"]}
+    # a gradient's tick is stamped before the class's hook launches: the last gradient's tick
+    # comes before the last launch, and every launch has a tick before it
+    tl = by["bucketed"]["timeline"]
+    launches = [t for what, _, t in tl["events"] if what == "launch"]
+    assert len(launches) >= 2 and max(launches) >= max(tl["ready"])
+    assert all(any(r <= t for r in tl["ready"]) for t in launches)
     for kind in ("bucketed_after", "per_parameter_after"):
         tl = by[kind]["timeline"]
         launches = [t for what, _, t in tl["events"] if what == "launch"]

@@ -308,3 +308,34 @@ def test_write_keeping_ids_and_the_lab_inherit_the_solutions_ids(tmp_path):
     assert [c.id for c in nbformat.read(path, as_version=4).cells] == [c.id for c in old.cells]
     lab = authoring.make_lab(new, "solutions/lab99.py")
     assert [c.id for c in lab.cells] == ["generated-header"] + [c.id for c in old.cells]
+
+
+def test_quoted_english_and_heading_only_terms_are_not_required(tmp_path):
+    # A quoted message or title may stay English; "summary" is a term only as the section's name.
+    path = tmp_path / "lessons" / "99_x.ipynb"
+    path.parent.mkdir()
+    english = ('## Summary\n\nNCCL says "the collective timed out", and the run keeps a summary '
+               'of each step.')
+    cell = nbformat.v4.new_markdown_cell(english)
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), path)
+    text = translate.text_path(path, tmp_path)
+    text.parent.mkdir(parents=True)
+    glossary = translate.Glossary({"collective": "集合通信", "summary": "小结"},
+                                  frozenset({"summary"}))
+    good = "## 小结\n\nNCCL 报告 \"the collective timed out\"，运行时为每一步保留一份概要。"
+    text.write_text(translate.render([translate.Block(cell.id, translate.english_hash(english),
+                                                      good)], "x"))
+    assert translate.glossary_problems(path, glossary, tmp_path) == []
+    bad = "## 总结\n\nNCCL 报告 \"the collective timed out\"，运行时为每一步保留一份概要。"
+    text.write_text(translate.render([translate.Block(cell.id, translate.english_hash(english),
+                                                      bad)], "x"))
+    problems = translate.glossary_problems(path, glossary, tmp_path)
+    assert len(problems) == 1 and "renders 'summary' as 小结" in problems[0]
+
+
+def test_relinking_leaves_code_alone(tmp_path):
+    # `replicas[i](inputs[i])` looks like a markdown link; inside a code span it is code.
+    text = "See [lesson 03](../lessons/03_x.ipynb) and `out = replicas[i](inputs[i])`."
+    out = translate._relink(text, tmp_path / "solutions", tmp_path / "zh" / "solutions", tmp_path)
+    assert "`out = replicas[i](inputs[i])`" in out
+    assert "[lesson 03](../../lessons/03_x.ipynb)" in out

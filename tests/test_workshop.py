@@ -2,7 +2,8 @@
 server one is not on), its three printed forms (the JupyterHub one loaded as a hub config), the
 hub's side (seats kept across restarts, a learner's copy never overwritten), the rehearsal with
 3 learners running what lessons 03, 04, 06 and lab03 run, and each of its alarms (clash, orphan,
-bound port, failed launch, oversubscription) made to go off."""
+bound port, failed launch, oversubscription) made to go off; each learner's edition (English or
+Chinese: the class's, or their own from editions.json) and a bad one refused in one line."""
 
 from __future__ import annotations
 
@@ -104,6 +105,7 @@ class FakeSpawner(SimpleNamespace):
 
 
 def test_the_jupyterhub_form_loads_in_a_hub_config(tmp_path, monkeypatch):
+    monkeypatch.delenv("DPCOURSE_EDITION", raising=False)  # the class's edition: English
     text = workshop.format_jupyterhub(8, 64, 20, 512)
     assert "#   seat 0: CUDA_VISIBLE_DEVICES=0,1 DPCOURSE_PROFILE=multi-gpu" in text
     path = tmp_path / "jupyterhub_config.py"
@@ -119,8 +121,9 @@ def test_the_jupyterhub_form_loads_in_a_hub_config(tmp_path, monkeypatch):
     hook(bob)
     assert alice.environment == {"KEEP": "1", "CUDA_VISIBLE_DEVICES": "0,1",
                                  "DPCOURSE_PROFILE": "multi-gpu", "OMP_NUM_THREADS": "1",
-                                 "DPCOURSE_SEAT": "0",
+                                 "DPCOURSE_SEAT": "0", "DPCOURSE_EDITION": "en",
                                  "DPCOURSE_PROGRESS": str(tmp_path / "progress.jsonl")}
+    assert alice.default_url == "/lab/tree/lessons/00_start_here.ipynb"
     assert bob.environment["CUDA_VISIBLE_DEVICES"] == "2,3" and bob.environment["DPCOURSE_SEAT"] == "1"
     if alice.cmd[0].endswith("taskset"):  # pinned to the seat's cores where taskset exists
         assert alice.cmd[1:3] == ["-c", "0-2"] and bob.cmd[1:3] == ["-c", "3-5"]
@@ -150,6 +153,7 @@ def test_seats_are_kept_and_a_learners_copy_never_overwritten(tmp_path):
 
 
 def test_the_classroom_config_loads(tmp_path, monkeypatch):
+    monkeypatch.delenv("DPCOURSE_EDITION", raising=False)
     monkeypatch.setenv("DPCOURSE_LEARNERS", "3")
     monkeypatch.setenv("DPCOURSE_CLASSROOM_STATE", str(tmp_path / "state"))
     monkeypatch.setenv("DPCOURSE_HUB_SPAWNER", "simple")
@@ -160,9 +164,108 @@ def test_the_classroom_config_loads(tmp_path, monkeypatch):
     assert c.SimpleLocalProcessSpawner.home_dir_template == str(tmp_path / "state" / "home"
                                                                 / "{username}")
     assert callable(c.Spawner.pre_spawn_hook) and c.JupyterHub.cleanup_servers is True
+    assert c.Spawner.default_url == "/lab/tree/lessons/00_start_here.ipynb"  # English by default
     monkeypatch.setenv("DPCOURSE_HUB_SPAWNER", "kubernetes")
     with pytest.raises(ValueError, match="use simple, local or systemd"):
         _load_hub_config(ROOT / "classroom" / "jupyterhub_config.py")
+
+
+def test_the_class_edition_and_a_learners_own(tmp_path, monkeypatch):
+    # the class's edition: DPCOURSE_EDITION, English where unset or empty
+    assert workshop.class_edition({}) == "en" and workshop.class_edition({"DPCOURSE_EDITION": ""}) == "en"
+    assert workshop.class_edition({"DPCOURSE_EDITION": "zh"}) == "zh"
+    with pytest.raises(ValueError, match=r"^DPCOURSE_EDITION is 'cn': use en or zh$"):
+        workshop.class_edition({"DPCOURSE_EDITION": "cn"})
+    # a learner's own, from the file an instructor writes; read again at every start
+    path = tmp_path / "editions.json"
+    book = workshop.EditionBook(path, "en")
+    assert book.edition_for("learner01") == "en"  # no file: the class's
+    path.write_text('{"learner02": "zh"}')
+    assert [book.edition_for(n) for n in ("learner01", "learner02")] == ["en", "zh"]
+    assert workshop.EditionBook(path, "zh").edition_for("learner01") == "zh"
+    path.write_text('{"learner02": "en"}')  # edited while the hub runs
+    assert book.edition_for("learner02") == "en"
+    # a bad file: one line, naming the file (and the learner) and the allowed values
+    for text, message in [('{"learner02": "Chinese"}', f"{path}: learner02's edition is "
+                           "'Chinese': use en or zh"),
+                          ('{"learner02": ["zh"]}', f"{path}: learner02's edition is ['zh']"),
+                          ('["learner02"]', f'{path} should hold {{learner: "en" or "zh"}}, '
+                           "got list"),
+                          ('{"learner02": zh}', f"{path} is not JSON (Expecting value: line 1 "
+                           "column 15 (char 14))")]:
+        path.write_text(text)
+        with pytest.raises(ValueError) as err:
+            book.edition_for("learner01")
+        assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match=r"^the class's edition is 'fr': use en or zh$"):
+        workshop.EditionBook(path, "fr")
+    assert workshop.edition_url("zh") == "/lab/tree/zh/lessons/00_start_here.ipynb"
+    assert workshop.edition_url("en") == workshop.DEFAULT_URL
+
+
+def test_a_zh_learner_opens_the_chinese_lesson_00_with_zh_copied(tmp_path, monkeypatch):
+    # the classroom's config, an English class with one Chinese learner (bob), as the hub runs
+    # the hook at each server start
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "editions.json").write_text('{"bob": "zh"}')
+    monkeypatch.delenv("DPCOURSE_EDITION", raising=False)
+    monkeypatch.setenv("DPCOURSE_LEARNERS", "3")
+    monkeypatch.setenv("DPCOURSE_CLASSROOM_STATE", str(state))
+    monkeypatch.setenv("DPCOURSE_HUB_SPAWNER", "simple")
+    c = _load_hub_config(ROOT / "classroom" / "jupyterhub_config.py")
+    alice, bob = FakeSpawner("alice", tmp_path / "alice"), FakeSpawner("bob", tmp_path / "bob")
+    c.Spawner.pre_spawn_hook(alice)
+    c.Spawner.pre_spawn_hook(bob)
+    assert (alice.environment["DPCOURSE_EDITION"], alice.default_url) == (
+        "en", "/lab/tree/lessons/00_start_here.ipynb")
+    assert (bob.environment["DPCOURSE_EDITION"], bob.default_url) == (
+        "zh", "/lab/tree/zh/lessons/00_start_here.ipynb")
+    assert bob.environment["DPCOURSE_SEAT"] == "1" and bob.environment["KEEP"] == "1"
+    # both editions in every learner's copy: the page a zh learner opens is there, as are the
+    # Chinese labs beside the English ones, and the English course is still whole
+    for name in ("alice", "bob"):
+        copy = tmp_path / name / "dpcourse"
+        for part in ("zh/lessons/00_start_here.ipynb", "zh/labs/lab03_ddp_first_principles.ipynb",
+                     "zh/solutions/lab03_ddp_first_principles.ipynb",
+                     "lessons/00_start_here.ipynb", "labs/lab03_ddp_first_principles.ipynb"):
+            assert (copy / part).is_file(), (name, part)
+        assert len(list((copy / "zh" / "labs").glob("*.ipynb"))) == len(
+            list((ROOT / "zh" / "labs").glob("*.ipynb")))
+    assert "zh" in workshop.COURSE_PARTS
+    # a Chinese class: the default page is the Chinese lesson 00
+    monkeypatch.setenv("DPCOURSE_EDITION", "zh")
+    (state / "editions.json").unlink()
+    c = _load_hub_config(ROOT / "classroom" / "jupyterhub_config.py")
+    assert c.Spawner.default_url == "/lab/tree/zh/lessons/00_start_here.ipynb"
+    carol = FakeSpawner("carol", tmp_path / "carol")
+    c.Spawner.pre_spawn_hook(carol)
+    assert carol.environment["DPCOURSE_EDITION"] == "zh"
+    assert carol.default_url == "/lab/tree/zh/lessons/00_start_here.ipynb"
+
+
+def test_a_bad_edition_stops_the_hub_in_one_line(tmp_path, monkeypatch):
+    state = tmp_path / "state"
+    monkeypatch.setenv("DPCOURSE_LEARNERS", "3")
+    monkeypatch.setenv("DPCOURSE_CLASSROOM_STATE", str(state))
+    monkeypatch.setenv("DPCOURSE_HUB_SPAWNER", "simple")
+    monkeypatch.setenv("DPCOURSE_EDITION", "chinese")
+    with pytest.raises(ValueError, match=r"^DPCOURSE_EDITION is 'chinese': use en or zh$"):
+        _load_hub_config(ROOT / "classroom" / "jupyterhub_config.py")
+    monkeypatch.setenv("DPCOURSE_EDITION", "en")
+    state.mkdir(exist_ok=True)  # the config made it before it refused the variable
+    (state / "editions.json").write_text('{"learner02": "ZH"}')
+    message = f"{state / 'editions.json'}: learner02's edition is 'ZH': use en or zh"
+    with pytest.raises(ValueError) as err:  # at the hub's start, before anyone logs in
+        _load_hub_config(ROOT / "classroom" / "jupyterhub_config.py")
+    assert str(err.value) == message
+    # written while the hub runs: that learner's spawn fails with the same line
+    (state / "editions.json").write_text("{}")
+    c = _load_hub_config(ROOT / "classroom" / "jupyterhub_config.py")
+    (state / "editions.json").write_text('{"learner02": "ZH"}')
+    with pytest.raises(ValueError) as err:
+        c.Spawner.pre_spawn_hook(FakeSpawner("learner02", tmp_path / "learner02"))
+    assert str(err.value) == message
 
 
 def test_three_learners_at_once_on_this_cpu(no_leftovers):

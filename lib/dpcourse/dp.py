@@ -377,21 +377,32 @@ class RealDataParallelReport:
     matches_module: bool
     max_abs_diff: float
     scatter_calls: int = 0
+    parallel_apply_calls: int = 0
 
     def explain(self) -> str:
+        """One sentence written from the counted calls (``parallel_apply`` is where the real
+        class starts its threads, one per replica).
+
+        Shown in lesson 02, §"The real `nn.DataParallel` on this machine".
+        """
+        counts = (f"scatter {self.scatter_calls}, replicate {self.replicate_calls}, "
+                  f"parallel_apply {self.parallel_apply_calls}")
         if self.mode == "parallel":
-            return (f"nn.DataParallel ran for real: the batch was scattered over GPUs "
-                    f"{self.device_ids} and the module replicated {self.replicate_calls} time(s).")
-        if self.gpu_count == 1:
-            return ("With one GPU, nn.DataParallel's scatter moves the input to cuda:0 and it "
-                    "calls the module: no split, no replicas, no threads.")
-        return ("Without a GPU, nn.DataParallel has no device_ids and silently calls the wrapped "
-                "module: no scatter, no replicas, no threads, no error.")
+            return (f"nn.DataParallel ran for real over GPUs {self.device_ids}: its calls were "
+                    f"{counts}.")
+        threads = ("no parallel_apply, so no threads" if not self.parallel_apply_calls
+                   else f"parallel_apply called {self.parallel_apply_calls} time(s)")
+        where = ("Without a GPU, nn.DataParallel has no device_ids" if self.gpu_count == 0
+                 else f"With {self.gpu_count} GPU(s), nn.DataParallel")
+        return (f"{where}; its calls were {counts}: it called the wrapped module itself, "
+                f"{'no replicas' if not self.replicate_calls else 'with replicas'}, {threads}, "
+                f"and raised no error.")
 
 
 def real_data_parallel(module: nn.Module, X: torch.Tensor) -> RealDataParallelReport:
     """Wrap ``module`` in the real ``nn.DataParallel``, run ``X`` through it, and report what it
-    did: the calls of its ``scatter`` and ``replicate`` methods are counted (the mode is read
+    did: the calls of its ``scatter``, ``replicate`` and ``parallel_apply`` methods (the last
+    is where its threads start) are counted (the mode is read
     from them, not from the number of GPUs), and the output is compared with the module's own
     on the whole batch. With GPUs, ``module`` is moved to cuda:0 (a copy is made; the argument
     is left where it was).
@@ -404,7 +415,7 @@ def real_data_parallel(module: nn.Module, X: torch.Tensor) -> RealDataParallelRe
         model = model.to("cuda:0")
         X = X.to("cuda:0")
     wrapped = nn.DataParallel(model)
-    calls = {"scatter": 0, "replicate": 0}
+    calls = {"scatter": 0, "replicate": 0, "parallel_apply": 0}
 
     def counting(name):
         original = getattr(wrapped, name)
@@ -423,7 +434,7 @@ def real_data_parallel(module: nn.Module, X: torch.Tensor) -> RealDataParallelRe
     mode = "parallel" if calls["replicate"] else "passthrough"
     return RealDataParallelReport(gpus, list(wrapped.device_ids), mode, calls["replicate"],
                                   bool(torch.allclose(out, ref, atol=1e-5, rtol=1e-4)), diff,
-                                  calls["scatter"])
+                                  calls["scatter"], calls["parallel_apply"])
 
 
 # --------------------------------------------------------------------------------------------

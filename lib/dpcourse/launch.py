@@ -68,6 +68,7 @@ __all__ = [
     "free_port",
     "kill_tree",
     "worker_entry",
+    "wait_for_ranks",
     "LaunchError",
     "RankFailedError",
     "LaunchTimeoutError",
@@ -331,6 +332,8 @@ def spawn(
     Raises :class:`RankFailedError` if a rank raises, :class:`LaunchTimeoutError` if some rank
     is not done after ``timeout`` seconds, and re-raises KeyboardInterrupt; in every case all
     ranks (and their children) are killed before this returns.
+
+    Shown in lesson 00, §"Running many processes from a notebook".
     """
     if not callable(fn):
         raise TypeError(f"spawn() needs a function to run on every rank, got {type(fn).__name__}")
@@ -361,7 +364,7 @@ def spawn(
         # until every started rank is registered (a fraction of a second), then takes effect.
         with _SigintAfterStart():
             _start_ranks(ctx, ranks, world_size, port, payload, env, logdir)
-        _wait(ranks, timeout, world_size)
+        wait_for_ranks(ranks, timeout, world_size)
     finally:
         for rk in ranks:
             rk.release.close()  # finished ranks exit on their own now
@@ -434,7 +437,16 @@ class _SigintAfterStart:
                 signal.raise_signal(signal.SIGINT)  # now, with every started rank registered
         return False
 
-def _wait(ranks: list[_Rank], timeout: float, world_size: int) -> None:
+def wait_for_ranks(ranks: list[_Rank], timeout: float, world_size: int) -> None:
+    """How :func:`spawn` waits: it polls every unfinished rank's result pipe (half a second at
+    most per poll) until each rank has sent its result, or ``_GRACE_AFTER_FAILURE_S`` (1.5 s)
+    after the first rank reported an error, or until ``timeout`` seconds from the start; then it
+    raises :class:`RankFailedError` if any rank failed, else :class:`LaunchTimeoutError` naming
+    the ranks still pending. It kills nothing: ``spawn``'s ``finally`` kills every rank's
+    process tree afterwards, which is what stops a rank still busy.
+
+    Shown in lesson 00, §"Running many processes from a notebook".
+    """
     from multiprocessing.connection import wait
 
     deadline = time.monotonic() + timeout

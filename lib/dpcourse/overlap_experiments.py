@@ -280,7 +280,8 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
     timed ones), and so are its parts: the forward, the backward
     (until ``backward()`` returns), the synchronisation after it and the optimizer step. Each
     run also returns its last step's timeline on this rank, in ms since the backward began:
-    when each gradient was ready, when each all-reduce was launched and done, and when the
+    when each gradient was ready (stamped before the class's own hook of that gradient runs),
+    when each all-reduce was launched and done, and when the
     backward and the step ended; ``steps_s``, every timed step's parts, round by round;
     ``copy_ms``, a bucketed run's copies per bucket (in, back; medians). Real DDP (``"ddp"``) runs with nothing of ours in its path
     (no comm hook, no gradient stamps); its all-reduces are counted afterwards, in one more
@@ -295,12 +296,14 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
     batches = [(X.to(dev), y.to(dev)) for X, y in rank_batches(cfg_all, rank, world_size)]
     setups = []
     for kind, cap in runs:
-        model = wrap(kind, cfg.build().to(dev), cap)
-        ready = []
+        module, ready = cfg.build().to(dev), []
         if kind != "ddp":
-            for p in model.module.parameters():      # stamps when each gradient is ready
+            # Stamps when each gradient is ready, registered *before* the class's own hooks, so
+            # a gradient's tick comes first and the launch its hook may make comes after it.
+            for p in module.parameters():
                 p.register_post_accumulate_grad_hook(lambda _, ready=ready: ready.append(
                     time.perf_counter()))
+        model = wrap(kind, module, cap)
         setups.append({"kind": kind, "cap": cap, "model": model, "ready": ready,
                        "parts": {k: [] for k in ("step", "forward", "backward", "sync", "opt")},
                        "opt": torch.optim.SGD(model.parameters(), lr=cfg.lr)})

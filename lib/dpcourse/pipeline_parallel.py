@@ -23,7 +23,7 @@ This module holds what lesson 11 shows, in this order:
 4. what to compare the run with: :func:`reference_step` (the unsplit model on the whole batch),
    :func:`ideal_bubble` ((K−1)/(M+K−1)), :func:`simulate_timeline` (the schedule played with
    fixed forward and backward times: the ideal Gantt chart), :func:`measured_bubble` (idle
-   share of the measured timeline), :func:`peak_in_flight` (K−k for 1F1B, M for GPipe);
+   share of the measured timeline), :func:`peak_in_flight` (min(K−k, M) for 1F1B, M for GPipe);
 5. launchers: :func:`run_pipeline` (several schedules and micro-batch counts in one launch,
    every message counted) and :func:`compare_with_torch_pipelining`, which runs torch's own
    ``ScheduleGPipe`` / ``Schedule1F1B`` with ``PipelineStage`` on the same model and batch.
@@ -390,8 +390,8 @@ def measured_bubble(events: list) -> float:
 
 def peak_in_flight(schedule: list) -> int:
     """The most micro-batches whose activations a stage holds at once under ``schedule``
-    (forward done, backward not yet): M for GPipe on every stage, K−k for 1F1B on stage k.
-    :func:`run_stage` counts the same while it runs."""
+    (forward done, backward not yet): M for GPipe on every stage, min(K−k, M) for 1F1B on
+    stage k. :func:`run_stage` counts the same while it runs."""
     held = peak = 0
     for kind, _ in schedule:
         held += 1 if kind == "F" else -1
@@ -553,10 +553,10 @@ def torch_pipelining_worker(rank: int, world_size: int, schedule: str, m: int, w
                             blocks: int, batch: int, seed: int = 0) -> dict:
     """One rank of torch's own pipeline: ``PipelineStage`` around this rank's stage and
     ``ScheduleGPipe`` or ``Schedule1F1B`` (torch.distributed.pipelining) on the same model,
-    batch and loss as :func:`pipeline_worker` (torch turns the micro-batches' summed gradients
-    into the batch's by dividing them by M once the step's backwards are done:
-    ``scale_grads=True`` by default, ``perform_reduce_grad`` calls ``scale_grads``, stage.py;
-    its loss stays each micro-batch's mean). Two steps: the
+    batch and loss as :func:`pipeline_worker` (torch makes the micro-batches' accumulated
+    gradients the batch's itself, once the step's backwards are done: ``scale_grads=True`` by
+    default, ``perform_reduce_grad`` calls ``scale_grads``, stage.py; its loss stays each
+    micro-batch's mean). Two steps: the
     first also sets the stages up — a warm-up vote (one int32 each way per boundary,
     ``_warmup_forward_vote``) and the output metadata (``_send_meta``, ``send_object_list``),
     stage.py — so the messages of a step are counted on the second. Returns this stage's

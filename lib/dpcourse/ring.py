@@ -367,7 +367,17 @@ def pipeline_schedule(n: int, segments: int, transfer: float = 1.0,
 _RECV_BUFFERS: dict = {}
 
 
-def _receive_buffer(numel: int, dtype, device):
+def receive_buffer(numel: int, dtype, device):
+    """The first ``numel`` elements of this process's receive buffer for ``dtype`` on
+    ``device``: one buffer per (dtype, device), kept in a module-level dict for the life of the
+    process, shared by every :func:`ring_allreduce` call in it, and only ever grown (replaced
+    by a larger one when a call needs more). So the ring's two chunk-sized receive buffers are
+    allocated once, not per call, and stay allocated — the size of the largest all-reduce so
+    far, 2K/N — until the process exits; two calls running at once in one process (threads)
+    would write into the same memory.
+
+    Shown in lesson 06, §"Lab 06: the ring, simulated then real".
+    """
     import torch
 
     key = (dtype, str(device))
@@ -398,9 +408,12 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 <
     ready: received, added (scatter-reduce) — and forwarded to the right at once, while the
     next segments are still arriving. Adding segment j overlaps with receiving segment j+1, and
     the next step starts before this one has ended (gloo's and NCCL's rings pipeline the same
-    way). Scatter-reduce segments arrive in two temporary buffers used in turn, step by step
-    (double buffering: the receives of step t+1 are posted while step t is still being
-    added); all-gather segments arrive straight in place.
+    way). Scatter-reduce segments arrive in two chunk-sized receive buffers used in turn, step
+    by step (double buffering: the receives of step t+1 are posted while step t is still being
+    added; :func:`receive_buffer` keeps them between calls); all-gather segments arrive
+    straight in place. All of a step's segment receives are posted at once, and each is
+    re-posted for the next step as soon as its segment has been handled: as many receives in
+    flight as a chunk has segments (gloo's ring keeps two segments in flight).
 
     Shown in lesson 06, §"Lab 06: the ring, simulated then real".
     """
@@ -435,7 +448,7 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 <
     # messages between two ranks in the order they were posted: sends and receives below are
     # posted in (step, segment) order on both sides.
     segs = [[chunk[a:b] for a, b in chunk_bounds(chunk.numel(), n_seg)] for chunk in chunks]
-    spare = _receive_buffer(2 * longest, flat.dtype, flat.device)
+    spare = receive_buffer(2 * longest, flat.dtype, flat.device)  # two chunks, kept between calls
     temp = [[spare[k * longest:][a:b] for a, b in chunk_bounds(longest, n_seg)]
             for k in (0, 1)]
     steps = 2 * (n - 1)

@@ -15,6 +15,10 @@ What it proves, in the order a class meets it:
    ``python -m dpcourse progress`` prints the class table from it;
 5. stopping the hub leaves no process (hub, proxy, servers, kernels, ranks) and no bound port.
 
+And, on a hub of its own: a learner whom the instructor set to the Chinese edition
+(``editions.json``, written while the hub runs) lands on the Chinese lesson 00, with
+``DPCOURSE_EDITION=zh`` in their server's environment and zh/ in their copy.
+
 Needs JupyterHub (classroom/requirements.txt) and configurable-http-proxy (npm ci --prefix
 classroom), both in README's browser block; without one of them the test is skipped with that
 reason, and fails on CI. Every wait is bounded by what it waits for.
@@ -56,7 +60,7 @@ ENV_CELL = """\
 import json, os, sys
 import torch
 keys = ["JUPYTERHUB_USER", "DPCOURSE_SEAT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
-        "DPCOURSE_PROFILE", "DPCOURSE_PROGRESS"]
+        "DPCOURSE_PROFILE", "DPCOURSE_PROGRESS", "DPCOURSE_EDITION"]
 seen = {k: os.environ.get(k) for k in keys}
 seen.update(cwd=os.getcwd(), python=sys.executable, threads=torch.get_num_threads())
 print("ENV " + json.dumps(seen))
@@ -205,7 +209,8 @@ def hub(tmp_path):
     url = f"http://127.0.0.1:{ports[0]}"
     env = dict(os.environ, DPCOURSE_LEARNERS=str(LEARNERS), DPCOURSE_CLASSROOM_STATE=str(state),
                DPCOURSE_HUB_SPAWNER="simple")
-    for name in ("DPCOURSE_PROGRESS", "DPCOURSE_PROFILE", "OMP_NUM_THREADS", "MASTER_PORT"):
+    for name in ("DPCOURSE_PROGRESS", "DPCOURSE_PROFILE", "OMP_NUM_THREADS", "MASTER_PORT",
+                 "DPCOURSE_EDITION"):
         env.pop(name, None)  # only the hub gives these out
     if not (ROOT / "classroom" / "node_modules").exists():
         env["PATH"] = os.pathsep.join([str(Path(_proxy()).parent), env.get("PATH", "")])
@@ -323,6 +328,7 @@ def test_two_learners_on_the_classroom_hub(hub, browser):
                 assert seen[key] == seat.env[key], (name, key, seen[key], seat.env[key])
             assert seen["threads"] == int(seat.env["OMP_NUM_THREADS"])
             assert seen["DPCOURSE_PROGRESS"] == str(hub.state / "progress.jsonl")
+            assert seen["DPCOURSE_EDITION"] == "en"  # the class's edition, by default
             assert Path(seen["cwd"]).resolve() == copy.resolve()  # its own copy, as its root
             assert Path(seen["python"]).resolve().parent == Path(sys.executable).resolve().parent
             assert "✔ weights after 10 steps: DDP == one process (to 1e-5)" in out
@@ -365,3 +371,43 @@ def test_two_learners_on_the_classroom_hub(hub, browser):
     assert not alive, [before[p] for p in alive]
     assert not bound, bound
     assert _ours(hub.state) == []
+
+
+def test_a_learner_set_to_zh_lands_on_the_chinese_lesson_00(hub, browser):
+    # The instructor sets learner03 to the Chinese edition while the hub runs (the file is read
+    # at each server start); the class stays English.
+    name = workshop.learner_names(LEARNERS)[2]
+    (hub.state / "editions.json").write_text(json.dumps({name: "zh"}))
+    _write_settings(hub.home(name))
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        _login(page, hub, name)
+        page.wait_for_url(f"**/user/{name}/lab/**", timeout=120_000)  # spawn + redirect
+        assert page.url.split("?")[0].endswith("/lab/tree/zh/lessons/00_start_here.ipynb"), page.url
+        heading = page.locator(".jp-NotebookPanel .jp-MarkdownCell h1").first
+        heading.wait_for(timeout=90_000)
+        assert "从这里开始" in heading.inner_text()
+        page.screenshot(path=str(ARTIFACTS / f"hub-{name}-zh.png"))
+    finally:
+        context.close()
+    copy = hub.home(name) / "dpcourse"
+    for part in ("zh/lessons/00_start_here.ipynb", "zh/labs/lab03_ddp_first_principles.ipynb",
+                 "lessons/00_start_here.ipynb"):
+        assert (copy / part).is_file(), part
+    # the learner's server (and so each kernel it starts) has the edition in its environment
+    import psutil
+
+    servers = []
+    for pid in _descendants(hub.proc.pid):
+        try:
+            env = psutil.Process(pid).environ()
+        except psutil.Error:
+            continue
+        if env.get("JUPYTERHUB_USER") == name and "DPCOURSE_SEAT" in env:
+            servers.append(env)
+    assert servers, "no server process for " + name
+    assert {env["DPCOURSE_EDITION"] for env in servers} == {"zh"}
+    assert {env["JUPYTERHUB_DEFAULT_URL"] for env in servers} == {
+        "/lab/tree/zh/lessons/00_start_here.ipynb"}

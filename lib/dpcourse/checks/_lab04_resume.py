@@ -374,8 +374,9 @@ def check_resume(save_training_state, resume_training_state, plan=None,
     """Stretch: train 3 epochs on 2 ranks (dropout, each rank its own random stream), "crash"
     after epoch 1, run again: with your ``save_training_state`` and ``resume_training_state``
     every rank must continue exactly where it stopped (its weights, its momentum, its random
-    state), the second run must do only epoch 2 and end bit for bit (to 1e-5) with the weights
-    of an uninterrupted run (``timeout``: 90 s per run, or ``DPCOURSE_CHECK_TIMEOUT`` if more).
+    state), the second run must do only epoch 2 and end within 1e-5 of the weights of an
+    uninterrupted run; a right resume ends bit for bit with them (``timeout``: 90 s per run, or
+    ``DPCOURSE_CHECK_TIMEOUT`` if more).
     A save stopped halfway (on one rank, by a file-size limit) must leave the previous
     checkpoint readable, and no save may rewrite the checkpoint in its own file.
     Meanwhile torch.cuda's random-state functions act on stand-in GPUs on each rank

@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--amp", action="store_true", help="bf16 autocast on CPU, fp16 + GradScaler on CUDA")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast on CPU and bf16 GPUs, fp16 + GradScaler on older GPUs")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over the global batch")
     p.add_argument("--ckpt", default=None, help="checkpoint file: resume from it, save to it")
     p.add_argument("--ckpt-every", type=int, default=0, help="optimizer steps (0: each epoch)")
@@ -131,8 +131,11 @@ def main(argv=None) -> None:
     model = DDP(model, device_ids=[local_rank] if backend == "nccl" else None)
     raw_model = model.module  # the plain model inside: what we save, load and evaluate
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    scaler = torch.amp.GradScaler("cuda", enabled=args.amp and device.type == "cuda")
-    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    # --amp: bfloat16 (float32's range, no scaler) on CPU and on GPUs with native bf16 (compute
+    # capability 8.0 on); float16, whose gradients need a GradScaler, on older GPUs.
+    fp16 = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
+    amp_dtype = torch.float16 if fp16 else torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda", enabled=args.amp and fp16)
 
     if is_main:
         print(f"{world_size} ranks over {backend}, global batch "

@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--amp", action="store_true", help="bf16 autocast on CPU, fp16 + GradScaler on CUDA")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast on CPU and bf16 GPUs, fp16 + GradScaler on older GPUs")
     p.add_argument("--ckpt", default=None, help="checkpoint file: resume from it, save to it")
     p.add_argument("--ckpt-every", type=int, default=0, help="optimizer steps (0: each epoch)")
     p.add_argument("--out", default=None, help="where to write the final weights")
@@ -81,8 +81,11 @@ def main(argv=None) -> None:
     model = build_model(args.model, ds.num_classes, width=args.width).to(device)
     raw_model = model  # (in train_ddp.py: the plain model inside DDP)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    scaler = torch.amp.GradScaler("cuda", enabled=args.amp and device.type == "cuda")
-    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    # --amp: bfloat16 (float32's range, no scaler) on CPU and on GPUs with native bf16 (compute
+    # capability 8.0 on); float16, whose gradients need a GradScaler, on older GPUs.
+    fp16 = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
+    amp_dtype = torch.float16 if fp16 else torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda", enabled=args.amp and fp16)
 
     step = 0
     state = load_checkpoint(args.ckpt, map_location=device) if args.ckpt else None

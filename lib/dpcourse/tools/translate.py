@@ -275,7 +275,9 @@ def _relink(text: str, english_dir: Path, zh_dir: Path, root: Path) -> str:
         english = Path(os.path.normpath(english_dir / target))
         goal = _zh_twin(english, root) or english
         return f"{m.group(1)}{Path(os.path.relpath(goal, zh_dir)).as_posix()}{m.group(3)}"
-    return _LINK.sub(fix, text)
+    # brackets inside code (`replicas[i](inputs[i])`) are code, not a link: leave them alone
+    parts = re.split(r"(```.*?```|`[^`]*`)", text, flags=re.S)
+    return "".join(p if i % 2 else _LINK.sub(fix, p) for i, p in enumerate(parts))
 
 
 def translated_notebook(notebook: Path, root: Path = ROOT) -> nbformat.NotebookNode:
@@ -368,6 +370,7 @@ class Glossary:
     """Term -> the course's Chinese rendering (``KEPT``: the English term stays)."""
 
     terms: dict[str, str]
+    headings_only: frozenset = frozenset()   # terms whose note says "heading:" (e.g. Summary)
 
     def pattern(self, term: str) -> re.Pattern:
         """The term in English prose: a plural s/es, hyphen or space or nothing between its
@@ -381,13 +384,15 @@ class Glossary:
 def read_glossary(path: Path | None = None) -> Glossary:
     """The table rows of ``zh/glossary.md``: ``| term | rendering | note |``."""
     path = path or ROOT / ZH / "glossary.md"
-    terms = {}
+    terms, headings_only = {}, set()
     for line in path.read_text(encoding="utf-8").splitlines():
         cols = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("|") and len(cols) >= 2 and cols[0] and not set(cols[0]) <= set("-: ") \
                 and cols[0].lower() != "english":
             terms[cols[0].strip("`")] = cols[1]
-    return Glossary(terms)
+            if len(cols) >= 3 and cols[2].startswith("heading:"):
+                headings_only.add(cols[0].strip("`"))
+    return Glossary(terms, frozenset(headings_only))
 
 
 def _prose(text: str) -> str:
@@ -397,7 +402,14 @@ def _prose(text: str) -> str:
     # torch's class name, written in prose without backticks, is not the term "data-parallel"
     # (which the glossary matches with nothing between its words, as "AllReduce" must match).
     text = re.sub(r"\bDataParallel\b", " ", text)
+    # Quoted English — an error message, a paper's title, a phrase under discussion — is
+    # rendered as the translator sees fit (often kept, with a gloss): no term is required there.
+    text = re.sub(r'"[^"\n]{1,300}"|“[^”\n]{1,300}”', " ", text)
     return re.sub(r"\]\([^)]*\)", "]", text)
+
+
+def _headings(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
 
 
 def _squash(text: str) -> str:
@@ -416,7 +428,8 @@ def glossary_problems(notebook: Path, glossary: Glossary, root: Path = ROOT) -> 
             continue
         english, chinese = _prose(cell.source), _prose(b.text)
         for term, zh in glossary.terms.items():
-            if not glossary.pattern(term).search(english):
+            where = _headings(english) if term in glossary.headings_only else english
+            if not glossary.pattern(term).search(where):
                 continue
             if zh == KEPT:
                 ok = _squash(term) in _squash(chinese)

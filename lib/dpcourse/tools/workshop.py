@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
 # work. Looked up on first use (PEP 562), because both modules build on the plan above.
 _ELSEWHERE = {
     "workshop_hub": ("COURSE_PARTS", "DEFAULT_URL", "SeatBook", "copy_course", "learner_home",
-                     "learner_names", "pre_spawn_hook", "configure_hub"),
+                     "learner_names", "pre_spawn_hook", "configure_hub", "EDITIONS",
+                     "EditionBook", "class_edition", "edition_url"),
     "workshop_rehearsal": ("TAG", "TRAIN_DDP", "STEPS", "measured", "run_learner",
                            "WorkshopReport", "oversubscription", "tagged_processes",
                            "port_is_bound", "workshop_check", "duplicate_ports",

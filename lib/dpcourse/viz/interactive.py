@@ -64,6 +64,8 @@ def explorer(draw, controls: dict, caption: str, description: str = "interactive
     tuple ``(value, min, max)`` / ``(value, min, max, step)``, made an IntSlider when all are
     ints, a FloatSlider otherwise. The figure always comes from the library's own drawing
     functions: the widget only chooses their arguments.
+
+    Shown in lesson 06, §3.
     """
     start = {name: spec[0] if isinstance(spec, tuple) else spec.value
              for name, spec in controls.items()}

@@ -203,14 +203,16 @@ def _rect(x, y, w, h, face, edge):
 
 
 def cost_figure(alpha: float, beta: float, n_fixed: int = 8, nbytes_fixed: float = 100e6,
-                ns: Sequence[int] = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+                ns: Sequence[int] = tuple(range(2, 65)),
                 sizes: Sequence[float] = tuple(np.logspace(3, 9, 13)),
                 algorithms: Sequence[str] | None = None):
     """Two panels: all-reduce time against N (at ``nbytes_fixed``) and against K (at
     ``n_fixed``), for each algorithm under the alpha-beta model (all five of
     ``ring.COST_MODELS`` unless ``algorithms`` names fewer). Both time axes are logarithmic, so
     a millisecond curve stays readable beside one of a second; Rabenseifner's is dashed, as it
-    lies on the ring's wherever N is a power of two."""
+    lies on the ring's wherever N is a power of two. Every integer N in ``ns`` is drawn (by
+    default 2 … 64): Rabenseifner's cost is a step function of N, flat between powers of two
+    and dipping at each, which a sparser sample joined by lines would turn into a sawtooth."""
     from dpcourse.ring import COST_MODELS, cost
 
     algorithms = algorithms or COST_MODELS

@@ -52,27 +52,29 @@ def memory_wall_figure(ns, state_gb, activation_gb, gpu_gb: float, title: str,
     return fig
 
 
-def noise_scale_figure(b_noise: float, per_rank: int, ranks):
+def noise_scale_figure(b_simple: float, per_rank: int, ranks):
     """Steps to a given loss, relative to the fewest possible, against the global batch B:
-    S/S_min = 1 + B_noise/B (McCandlish et al. 2018), with the global batches of ``ranks``
-    data-parallel ranks of ``per_rank`` examples marked. Drawn in lesson 11, §1."""
+    S/S_min = 1 + B_noise/B (McCandlish et al. 2018) evaluated with the measured simple noise
+    scale ``b_simple`` standing in for B_noise (labelled as such), with the global batches of
+    ``ranks`` data-parallel ranks of ``per_rank`` examples marked. Drawn in lesson 11, §1."""
     import numpy as np
 
     fig = new_figure(6.8, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     bs = np.logspace(0, np.log10(max(ranks) * per_rank * 4), 200)
-    ax.plot(bs, 1 + b_noise / bs, color="#1f77b4", label="steps / fewest steps = 1 + B_noise/B")
-    perfect = bs[0] * (1 + b_noise / bs[0]) / bs
+    ax.plot(bs, 1 + b_simple / bs, color="#1f77b4",
+            label="steps / fewest steps = 1 + B_simple/B\n(B_simple standing in for B_noise)")
+    perfect = bs[0] * (1 + b_simple / bs[0]) / bs
     keep = perfect >= 0.9
     ax.plot(bs[keep], perfect[keep], color="#7f7f7f", ls=":",
             label="perfect scaling (steps ∝ 1/B)")
     for n in ranks:
         b = n * per_rank
-        ax.plot([b], [1 + b_noise / b], "o", color="#d62728")
-        ax.annotate(f"N={n}", (b, 1 + b_noise / b), textcoords="offset points", xytext=(4, 6),
+        ax.plot([b], [1 + b_simple / b], "o", color="#d62728")
+        ax.annotate(f"N={n}", (b, 1 + b_simple / b), textcoords="offset points", xytext=(4, 6),
                     fontsize=8)
-    ax.axvline(b_noise, color="#2ca02c", ls="--", lw=1)
-    ax.text(b_noise, 1 + b_noise / 4, f" B_noise ≈ {b_noise:.0f}", color="#2ca02c",
+    ax.axvline(b_simple, color="#2ca02c", ls="--", lw=1)
+    ax.text(b_simple, 1 + b_simple / 4, f" B_simple ≈ {b_simple:.0f}", color="#2ca02c",
             fontsize=8, va="center")
     ax.set_xscale("log")
     ax.set_yscale("log")
