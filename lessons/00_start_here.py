@@ -93,12 +93,9 @@ except LabCheckError as err:
 #
 # From lesson 03 on, one training program runs as several cooperating processes, called
 # *ranks* (numbered 0, 1, …), which exchange tensors through a *backend*: the library that moves
-# the tensors between them, **gloo** (made for CPU tensors; it takes GPU tensors too, for
-# nearly every operation — lesson 03 finds which in the installed library — but slowly: it
-# copies them through the CPU's memory; only its all_reduce can work on GPU memory directly,
-# and only over gloo's InfiniBand transport with GPUDirect enabled, which this torch's gloo
-# lacks) or **NCCL** (NVIDIA's, GPU tensors only). Which
-# backend the ranks use, and on which devices, depends on the machine. The lessons never ask
+# the tensors between them, **gloo** (made for CPU tensors; it takes GPU tensors too, but
+# copies them through the CPU's memory: lesson 03) or **NCCL** (NVIDIA's, GPU tensors only).
+# Which backend the ranks use, and on which devices, depends on the machine. The lessons never ask
 # you to edit a cell to match your hardware. `dpcourse.devices` looks at the machine and picks
 # one of three profiles:
 #

@@ -203,8 +203,9 @@ spread = max(compared) / min(compared)
 print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
       + (" after the first (GPU warm-up)" if warm_up else "") + ", for the same work per epoch: "
       + (f"steady on this run (within {close}x)." if spread < close else
-         f"more than {close}x, so something else was using the machine: these epoch timings "
-         "are contaminated (the comparisons below are built to survive that)."))
+         f"more than the {close}x this lesson treats as steady: something changed between "
+         "epochs (another program, warm-up or the CPU's clock; this run cannot tell which), so "
+         "these epoch rates are no benchmark (the comparisons below are built to survive that)."))
 
 # %% [markdown]
 # ## Throughput, and where the time goes

@@ -290,6 +290,17 @@ viz.show_code(ddp.make_model, ddp.global_batch_for_step, ddp.ddp_worker, ddp.sha
               ddp.single_process, ddp.setup_rank)
 
 # %% [markdown]
+# **▶ The helpers behind every claim of this lesson's runs** (click the folded cell below):
+# `StepConfig`, the experiment's numbers; `_train_tensors`, its data (lesson 01's
+# `make_shapes10`, made once per process); and `flat_params` and `_flat_grads`, which copy a
+# model's weights and gradients into one flat CPU vector each, in `model.parameters()` order:
+# the tensors the claims compare.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(ddp.StepConfig, inspect.getsource(ddp._train_tensors), ddp.flat_params,
+              inspect.getsource(ddp._flat_grads))
+
+# %% [markdown]
 # `ddp.same_bits(a, b)`, which the claims below use, asks whether two float32 tensors are equal
 # bit for bit. Not `torch.equal` on the floats, which compares values (−0.0 equals 0.0, a NaN
 # equals nothing): it compares their int32 views, the same 4 bytes read as integers, equal
@@ -478,11 +489,10 @@ else:
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (by default 25 MiB, and
 #    1 MiB for the first bucket, kept small "to reduce latency"; an explicit `bucket_cap_mb`
 #    gives every bucket the same cap; the argument's name says MB, but DDP multiplies it by
-#    1024 × 1024). As each gradient becomes ready, the reducer copies it into its bucket (with
-#    `gradient_as_bucket_view=True` the copy also makes `p.grad` a view of the bucket; when a
-#    later step can skip the copy, the last section says). When every gradient in a bucket is
-#    there, the bucket goes to the wire in one collective call. The buckets are launched
-#    strictly in order: bucket 0, then 1, … on every rank.
+#    1024 × 1024). As each gradient becomes ready, the reducer copies it into its bucket
+#    (`gradient_as_bucket_view=True`, which makes `p.grad` a view of the bucket, is lesson
+#    07's). When every gradient in a bucket is there, the bucket goes to the wire in one
+#    collective call, in bucket order on every rank (how, lesson 07).
 # 4. **Overlap.** Those calls start *while the backward is still computing* the gradients
 #    of earlier layers, so communication can hide behind computation.
 

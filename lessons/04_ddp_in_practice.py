@@ -108,12 +108,17 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # - **the model:** `DDP(...)`, and `raw_model = model.module`, the plain model, which is what we
 #   save, load and evaluate (after a broadcast of rank 0's buffers, tensors such as BatchNorm's
 #   running statistics that no all-reduce keeps equal: section 4); `no_sync`, a context whose
-#   backwards skip the all-reduce, for accumulation (section 7);
+#   forwards make the next backward skip the all-reduce, for accumulation (section 7);
 # - **the numbers we print:** the logged training loss goes through `dist.all_reduce`, so it
 #   is the whole job's, not rank 0's; so is the test accuracy (section 4 says what that takes);
 # - **the end:** rank 0 saves; a barrier; `destroy_process_group`; and, once `main` has
 #   returned, `os._exit`, which skips the interpreter's shutdown (the script's comment says
 #   why; this lesson does not reproduce it).
+#
+# **How to read the diff now:** read the lines of the first, second, fourth, fifth and sixth
+# bullets — they are DDP itself. Skim the rest: the restart store (`store_for_this_attempt`,
+# `PrefixStore`, `TORCHELASTIC_USE_AGENT_STORE`) makes sense only after section 3's restarts,
+# the crash hook only serves section 3, and the exit code after `main` is shutdown plumbing.
 
 # %%
 import ast
@@ -352,7 +357,11 @@ claim(f"the model learns: the last epoch's mean loss is under 60% of ln 10 = {ma
 # `--max-restarts`, torchrun restarts *all* ranks when one dies; each finds the checkpoint and
 # resumes. Here rank 1 kills itself (SIGKILL) after step 11; the last checkpoint is step 8. The
 # run has the same arguments as the two-node run of section 2 (2 ranks, same seed), with the
-# checkpoint and the fault added, so that uninterrupted run is what it must end equal to.
+# checkpoint and the fault added, so that uninterrupted run is what it must end equal to. It
+# can only because nothing in this training step draws random numbers (no dropout, no random
+# augmentation); what a checkpoint must hold when a step does is lab 04's stretch question. The cell
+# prints the torchrun command it ran (folders cut) and the variables the launcher sets
+# (`launch.torchrun_env`: unbuffered output, a `[rank k]` prefix, one thread per worker).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -361,6 +370,11 @@ fault = launch.torchrun(train_ddp, *common, "--ckpt", str(work / "ckpt.pt"), "--
                         "--fail-at-step", "11", "--out", str(work / "restarted.pt"),
                         nproc_per_node=2, max_restarts=1, timeout=timeout, echo=False,
                         env=script_env)
+print("torchrun", " ".join(Path(w).name if os.sep in w else w for w in fault.command[3:]))
+run_env = launch.torchrun_env(script_env)  # this process's environment, then these on top
+print(" ".join(f"{k}={run_env[k]!r}" for k in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED",
+                                                "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+                                                *script_env)))
 print("\n".join(line for line in fault.output.splitlines()
                 if line.startswith("[rank") and "Traceback" not in line and "  " not in line))
 
@@ -1593,7 +1607,8 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 #   process's weights (to 1e-5).
 # * The same command runs on one machine or many (c10d rendezvous; bound `join_timeout`).
 #   Rank 0 saves, atomically; every rank loads with `map_location` and `weights_only=True`;
-#   with `--max-restarts` a killed run resumes and ends with **the same weights**.
+#   with `--max-restarts` a killed run resumes and ends with **the same weights** (here, where
+#   no step draws random numbers; with dropout or random augmentation: lab 04's stretch).
 # * Evaluate each image once, with the plain module (through the wrapper, a rank with no batch
 #   hangs the others), and combine the ranks so that the result equals one process exactly
 #   (how: lab 04, then the folded `evaluate`). Rank 0's number, a mean of means and
@@ -1802,7 +1817,8 @@ viz.quiz([
 #   `_pre_forward` (`_check_sync_bufs_pre_fwd` → `_sync_buffers`; with `Join`,
 #   `_check_global_requires_backward_grad_sync`), `_post_forward` (sets
 #   `require_forward_param_sync` from `torch.is_grad_enabled() and
-#   require_backward_grad_sync`; walks the graph only `if self.find_unused_parameters and not
+#   require_backward_grad_sync`, and only then calls `reducer.prepare_for_backward`, so the
+#   forward decides whether the next backward all-reduces; walks the graph only `if self.find_unused_parameters and not
 #   self.static_graph`), `will_sync_module_buffers`, `_sync_buffers` (rank 0 is the
 #   authoritative copy; under `Join`, `_find_common_rank` picks it), `no_sync`
 #   (`require_backward_grad_sync`), `join` and `_DDPJoinHook` (zero all-reduces for joined

@@ -868,43 +868,69 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # contract, and in its stretch a segmented, pipelined scatter-reduce. Do it before reading on.
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cells below: how
-# the library's ring avoids the deadlock, then its real, pipelined code, the code this lesson's
-# claims ran).
+# **▶ The reference answer — open after your lab passes** (click the folded cells below: why
+# it cannot deadlock, then its code, which this lesson's claims ran).
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Every message is a `dist.isend` to rank+1 or a `dist.irecv` from rank−1; both return at once,
-# and a rank waits on them only after both are posted, so no rank ever blocks in a send whose
-# receive its neighbour has not posted.
+# and a rank waits on them only once both are posted: no rank blocks in a send.
 #
-# Blocking calls can do it too, if the ranks do not all call them in the same order — and the
-# order decides the speed as well. With gloo a send goes out only once its receiver has posted
+# Blocking calls can do it too, if the ranks do not all call them in the same order; the order
+# decides the speed. With gloo a send goes out only once its receiver has posted
 # the receive (`Pair::send` in gloo's TCP transport, Sources). Let a single rank receive first
 # and all the others send first: nothing deadlocks, but each step becomes a chain. Only the
 # send into that one rank can complete; its sender then receives, which lets its own left
 # neighbour's send go, and so on around the ring: N transfers one after another, about
-# N(α + Kβ/N) per step instead of α + Kβ/N — the naive way's bandwidth term, and §2's
-# optimality gone. Alternate instead: even ranks send first, odd ranks receive first. Every
+# N(α + Kβ/N) per step instead of α + Kβ/N — the naive way's bandwidth term. Alternate instead: even ranks send first, odd ranks receive first. Every
 # even rank's send meets a waiting receiver, then every odd rank's send does: two transfer
-# times per step, whatever N (at most three when N is odd, where ranks N − 1 and 0 are both even:
-# three on N = 3; on a larger odd ring the steps overlap, and the average falls toward two as N
-# grows: 2N/(N − 1) transfer times).
+# times per step on even N; on odd N, where ranks N − 1 and 0 are both even, 2N/(N − 1) on
+# average (three on N = 3, falling toward two as N grows; computed below).
 #
-# The pipelining (lab 06's stretch): the chunk a rank sends at step t+1 is the one it received
-# at step t, so a chunk larger than a segment (4 MiB by default) travels in segments, each
-# forwarded once it has arrived (and, in the scatter-reduce, been added) while the next are on
-# their way. How far ahead to run is the stretch's decision, and the library and gloo differ.
+# The pipelining (lab 06's stretch): a rank sends at step t+1 the chunk it received at step t,
+# so a chunk larger than a segment (4 MiB by default) travels in segments, each forwarded once
+# it has arrived (and been added, in the scatter-reduce) while the next are on their way. How
+# far ahead to run is the stretch's decision; the library and gloo differ.
 # The library posts a step's segment receives all at once and re-posts each for the next step
 # once its segment is handled: **as many receives in flight as a chunk has segments**, into two
 # chunk-sized buffers used in turn (*double buffering*); the all-gather receives in place. The
-# buffers come from `ring.receive_buffer` (folded below): one per dtype and device, shared by
-# every call and only grown, so their 2K/N bytes stay allocated after the call returns. gloo
-# keeps **two** segments in flight: a two-segment scratch buffer, each receive waited on two
-# iterations after it was posted (`gloo/allreduce.cc`, Sources). More in flight keeps the wire
+# buffers (`ring.receive_buffer`, folded below) are one per dtype and device, shared by every
+# call and only grown: their 2K/N bytes stay allocated after a call. gloo keeps **two**
+# segments in flight, each receive waited on two iterations after it was posted
+# (`gloo/allreduce.cc`, Sources). More in flight keeps the wire
 # busier; fewer holds less memory.
 
 # %% [markdown]
-# **▶ The reference answer's code — open after your lab passes** (the folded cell below: `ring.chunk_bounds`, `ring.receive_buffer` and `ring.ring_allreduce`, source and output folded).
+# **▶ That count, computed — open after your lab passes** (folded below).
+
+# %% jupyter={"source_hidden": true}
+from functools import cache
+
+
+def alternating_ring_time(n):
+    """Transfer times of a blocking ring all-reduce, even ranks sending first: each transfer
+    takes one and starts once its sender and its receiver have both reached it."""
+    sends_first = [r % 2 == 0 for r in range(n)]
+
+    @cache
+    def done(r, t):   # when rank r's step-t send (rank r+1's step-t receive) completes
+        if t < 0:
+            return 0
+        right = (r + 1) % n
+        sender_ready = done((r - 1) % n, t - 1 if sends_first[r] else t)   # after its receive
+        receiver_ready = done(right, t) if sends_first[right] else done(right, t - 1)
+        return 1 + max(sender_ready, receiver_ready)
+    return max(done(r, 2 * (n - 1) - 1) for r in range(n))
+
+
+times = {n: alternating_ring_time(n) for n in (3, 4, 5, 16, 17)}
+per_step = {n: t / (2 * (n - 1)) for n, t in times.items()}
+claim("alternating send/receive order, N = 3, 4, 5, 16, 17: two transfer times a step on even "
+      "N, 2N/(N − 1) on odd N (3 on N = 3, 2.5 on N = 5)",
+      all(per_step[n] == (2 if n % 2 == 0 else 2 * n / (n - 1)) for n in times),
+      times=times)
+
+# %% [markdown]
+# **▶ The reference answer's code — open after your lab passes** (the folded cell below: `ring.chunk_bounds`, `ring.receive_buffer` and `ring.ring_allreduce`).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(ring.chunk_bounds, ring.receive_buffer, ring.ring_allreduce)
@@ -1032,6 +1058,16 @@ viz.quiz([
 ])
 
 # %% [markdown]
+# ## Sources that answer lab 06's stretch
+#
+# **▶ Open after lab 06's stretch passes** (click the folded cell below).
+
+# %% [markdown] jupyter={"source_hidden": true}
+# #### Sources (lab 06's stretch)
+#
+# - gloo, `gloo/allreduce.cc` (in the Sources below), `ring`: lines 220-231, a scratch buffer of `segmentBytes * 2`, "With two operations in flight we need two offsets"; lines 268-320, the reduce-scatter loop waits at iteration i for the receive posted at i − 2, so two segments are in flight.
+
+# %% [markdown]
 # ## Sources
 #
 # Checked in the installed packages (paths relative to `site-packages`):
@@ -1050,6 +1086,6 @@ viz.quiz([
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
 # - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/device/all_reduce.h` — `runTreeUpDown` and `runTreeSplit` (the tree all-reduce: a reduce pass up the tree, `FanAsymmetric<NCCL_MAX_TREE_ARITY, 1>`, then a broadcast pass down, `FanAsymmetric<1, NCCL_MAX_TREE_ARITY>`); `src/graph/search.cc` — `ncclTopoSearchRecNet` (line 736: the search for a new channel tries the NICs from `nets[(graph->nChannels + i) % netCount]`, the next NIC for each new ring; a NIC is skipped when less than a channel's bandwidth is left on it, line 739, and each channel placed on it takes that much, lines 747-751); `src/graph/tuning.cc` — the tuner's bandwidth for a ring over more than two servers (line 306: `bw = bwInter`, the per-channel network bandwidth; line 324: `busBw = nChannels * bw`) and its latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
-# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (lines 209-218: `numSegments = roundUp(max(⌈K / maxSegmentBytes⌉, 2N), N)`, `numSegmentsPerRank = numSegments / N` a step, segments of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; lines 220-231: a scratch buffer of `segmentBytes * 2`, "With two operations in flight we need two offsets"; lines 268-320: the reduce-scatter loop waits at iteration i for the receive posted at i − 2, so two segments are in flight); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
+# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (lines 209-218: `numSegments = roundUp(max(⌈K / maxSegmentBytes⌉, 2N), N)`, `numSegmentsPerRank = numSegments / N` a step, segments of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded bullet above this list); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
 # - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, the extra step for N not a power of two) and their α-β costs.
 # - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth.

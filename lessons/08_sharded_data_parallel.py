@@ -134,12 +134,13 @@ viz.show(viz.zero_holdings_figure(4),
 # %% [markdown]
 # Try it yourself: set your own GPU's memory and a model size, and find the smallest number
 # of GPUs at which each stage fits (activations come on top of these bars). A GB here is 10⁹
-# bytes, the paper's unit; an "80-GB" A100 holds 80 GiB = 80 × 2³⁰ bytes ≈ 85.9 GB.
+# bytes, the paper's unit; an "80-GB" A100 holds 80 GiB = 80 × 2³⁰ bytes ≈ 85.9 GB, the
+# calculator's default.
 
 # %%
 zero_calculator = viz.explorer(
     viz.zero_calculator_figure,
-    {"billions": (7.5, 0.5, 200.0, 0.5), "gpu_gb": (80.0, 8.0, 192.0, 8.0), "n_gpus": (64, 1, 1024)},
+    {"billions": (7.5, 0.5, 200.0, 0.5), "gpu_gb": (85.9, 8.0, 192.0, 0.1), "n_gpus": (64, 1, 1024)},
     caption="model state per GPU for each stage (zero.bytes_per_param) against the GPU's memory; "
             "green bars fit.",
     description="ZeRO memory calculator (model size, GPU memory, N)")
@@ -283,8 +284,16 @@ claim("inside step() every p.grad is still alive beside the flat copy step() sen
 viz.show_code(zero.Zero3)
 
 # %% [markdown]
-# **▶ `ShardedLayer`, one layer's gather, free and gradient hook — open after your lab passes**
-# (click the folded cell below).
+# Each layer is a `ShardedLayer`: its gather (the storage given its bytes back, then the
+# all-gather into it), its free (the storage resized to 0 bytes), and the forward hook that
+# frees the weights and asks for them again just before the layer's backward:
+
+# %%
+viz.show_code(zero.ShardedLayer.gather, zero.ShardedLayer.free, zero.ShardedLayer._after_forward)
+
+# %% [markdown]
+# **▶ `ShardedLayer` whole, with its set-up and its gradient hook (close to lab 08's answer)
+# — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(zero.ShardedLayer)
@@ -300,11 +309,12 @@ claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
 # (torch's ZeRO-3, section 6) shards a model by calls of `fully_shard(...)`, each making one
 # *parameter group* that it gathers and frees as a unit; it refuses a tied parameter split
 # across two of them, so `fsdp2_shard` puts the two layers in one `fully_shard([a, b])` group.
-# The cell also weighs ZeRO-3's traffic, by the convention section 5 defines (and where it
-# shows `zero.traffic_per_step`): a collective's *volume* is the whole buffer it acts on (an
-# all-gather's full output, the input of the others), an all-reduce counted twice; ZeRO-3's
-# formula is 3Ψ elements, each layer's weights all-gathered twice and its gradients
-# reduce-scattered once, Ψ padded to a multiple of N.
+# The cell also weighs ZeRO-3's traffic, by this convention: a collective's *volume* is the
+# whole buffer it acts on (an all-gather's full output, the input of the others), an
+# all-reduce counted twice; ZeRO-3's formula is 3Ψ elements, each layer's weights
+# all-gathered twice and its gradients reduce-scattered once, Ψ padded to a multiple of N.
+# `zero.traffic_per_step` computes that formula; its code is shown in section 5, where it is
+# checked against every stage's recorded calls.
 
 # %%
 awkward = experiments.ZeroConfig(steps=steps, frozen_and_tied=True)
@@ -412,7 +422,8 @@ print(f"{len(per_call)} collectives: median {median_ms:.2f} ms per call, from {p
 # Why: the caption states this run's measured ratio.
 viz.show(viz.zero3_timeline_figure(events, layer_names),
          "One ZeRO-3 step on rank 0, from the recorded calls: each layer's full weights are used "
-         "in its green band and held from the start of the all-gather before it (the memory "
+         "in its green band (a green ▼ marks each, however narrow beside the collectives) and "
+         "held from the start of the all-gather before it (the memory "
          "is allocated before the gather fills it) — gathered before its forward, freed after it, gathered "
          "again in the backward (last layer first), and freed before the reduce-scatter of "
          f"its gradients, as FSDP2 does. In this run (Ψ = {n_params}, {backend}) the "

@@ -47,6 +47,8 @@ k = 8                      # section 4: the global batch grows k-fold
 
 # %%
 import math
+import os
+import statistics
 
 import torch
 
@@ -129,23 +131,30 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 # numbers from each: NK sent and NK received, **2NK through the server**. A ring rank (lesson
 # 06) sends 2(N−1)K/N and receives as much, every rank the same share. In bytes (sent against
 # sent), the server moves **N²/(2(N−1))** times a ring rank's: 2× at N = 2, about N/2 for large
-# N. In time it is twice that: in lesson 06's α-β model a ring rank sends while it receives,
-# 2(N−1)K/N·β; the server sends new weights only once every gradient is in: NK in, *then* NK
-# out, 2NKβ, **N²/(N−1)** times the ring's (4× at N = 2; computed below). Over the whole
-# cluster the two are about equal (2NK against 2(N−1)K elements sent); the difference is
-# *where*: the server funnels it all through one network card, the bottleneck as N grows. Or
-# you shard the server, as Li et al. do. At the limit every worker also serves a 1/N shard: it
+# N. In time it is twice that *for a server like ours, which treats the whole model as one
+# message*: in lesson 06's α-β model a ring rank sends while it receives, 2(N−1)K/N·β; our
+# server sends new weights only once every gradient is in: NK in, *then* NK out, 2NKβ,
+# **N²/(N−1)** times the ring's (4× at N = 2; computed below). A key-value server (Li et al.;
+# BytePS) pushes and pulls key by key: key i's new weights leave while key i+1's gradients
+# arrive, and the time ratio tends to the byte ratio. Over the whole cluster the two move
+# about the same (2NK against 2(N−1)K elements sent); the difference is *where*: the server
+# funnels it all through one network card. Or you shard the server, as Li et al. do. At the limit every worker also serves a 1/N shard: it
 # sends each other rank that rank's shard of its gradient, then its own shard's new weights:
 # the ring's 2(N−1)K/N sent per rank, and as much received, but in **2 direct rounds** (push,
 # pull) instead of the ring's 2(N−1) steps: fewer latency terms only if a rank's N−1 messages
-# of a round travel at once (a switch with full bisection bandwidth); counted one α per
+# of a round travel at once (a switch with full bisection bandwidth: any half of the machines
+# can talk to the other half at full link speed, all at once); counted one α per
 # message, as in lesson 06, it is 2(N−1)α, like the ring, which needs only links to its
 # neighbours. BytePS (Jiang et al., OSDI 2020) goes further with servers beyond the workers
 # (CPU machines): with enough of them each worker sends K and receives K, less than the ring's
 # 2(N−1)K/N sent once N ≥ 3 (at N = 2 the ring's is K too).
+#
+# **▶ `async_sgd.ring_elements_per_rank`**, the ring's count below (click the folded cell).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(async_sgd.ring_elements_per_rank)
 
 # %%
-viz.show_code(async_sgd.ring_elements_per_rank)
 for n, r in ps.items():
     sent, received = r[0]["sync_bytes"]
     print(f"N={n}: in {cfg.steps} steps the server sent {sent // 4:,} and received "
@@ -165,9 +174,10 @@ claim("in bytes, sent against sent, the server's / a ring rank's == N²/(2(N−1
               for n in ps for k_ in range(K, K + n)))
 times = {n: ring.cost("parameter-server", n, 4 * K, 0, 1).seconds   # lesson 06's prices,
          / ring.cost("ring", n, 4 * K, 0, 1).seconds for n in ps}   # alpha 0: bandwidth only
-claim(f"in time (α-β), the server's 2NKβ / a ring rank's 2(N−1)K/N·β == N²/(N−1), twice the "
-      f"byte ratio, per N: {times}", all(math.isclose(v, n * n / (n - 1))
-                                         and abs(v / ratios[n] - 2) < 2e-3 for n, v in times.items()))
+claim(f"in time (α-β, the model one message: in, then out), the server's 2NKβ / a ring rank's "
+      f"2(N−1)K/N·β == N²/(N−1), twice the byte ratio, per N: {times}",
+      all(math.isclose(v, n * n / (n - 1)) and abs(v / ratios[n] - 2) < 2e-3
+          for n, v in times.items()))
 
 # %% [markdown]
 # **▶ `ring.ring_bytes_per_worker`**, the chunk-by-chunk count, `ring.chunk_bounds`, the
@@ -236,7 +246,11 @@ waited = {m: {w: sum(b - a for kind, a, b in race[w][m]["spans"] if kind == "wai
               / sum(b - a for _, a, b in race[w][m]["spans"]) for w in (1, 2)}
           for m in ("sync", "async")}
 
-# %%
+# %% [markdown]
+# **▶ The code that reads the counts, shares and waits printed below from the workers' spans**
+# (click the folded cell below).
+
+# %% jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # Why: how many gradients fit in the budget depends on this machine's speed and load.
 for m in ("sync", "async"):
@@ -248,18 +262,29 @@ stale = race[0]["async"]["staleness"]
 print(f"async staleness: mean {sum(stale) / len(stale):.1f}, largest {max(stale)}")
 fast = race[1]["async"]["spans"]
 compute_ms = [1e3 * (b - a) for kind, a, b in fast if kind == "compute"]
-wait_ms = [1e3 * (b - a) for kind, a, b in fast if kind == "wait"]
-print(f"asynchronous, the fast worker: {len(compute_ms)} gradients, {sum(compute_ms) / len(compute_ms):.1f} ms "
-      f"each to compute, then {sum(wait_ms) / len(wait_ms):.1f} ms on average until the server's "
-      "answer came back (the push, the server's step, the new weights)")
+wait_ms = [1e3 * (b - a) for kind, a, b in fast if kind == "wait"][1:]  # after each push
+wait_med, wait_mean = statistics.median(wait_ms), statistics.mean(wait_ms)
+long_ms = [x for x in wait_ms if x > 10 * wait_med]                      # the stalls
+print(f"asynchronous, the fast worker: {len(compute_ms)} gradients, "
+      f"{statistics.median(compute_ms):.1f} ms each to compute (median); from each push to the "
+      f"server's answer (the push, the server's step, the new weights) it waited {wait_med:.2f} ms "
+      f"(median), {wait_mean:.1f} ms on average, {max(wait_ms):.0f} ms at most; the "
+      f"{len(long_ms)} waits over 10× the median hold {sum(long_ms) / sum(wait_ms):.0%} of its waiting, on {os.cpu_count()} cores shared by the "
+      "server, 2 workers and this notebook")
 sync_loss, async_loss = race[0]["sync"]["loss"], race[0]["async"]["loss"]
 ended = [max(b for w in (1, 2) for _, _, b in race[w][m]["spans"]) for m in ("sync", "async")]
 print("the workers' last spans ended at %.3f s (sync) and %.3f s (async): what was in flight landed" % tuple(ended))
 n_fast, n_slow = (sum(k == "compute" for k, _, _ in race[w]["async"]["spans"]) for w in (1, 2))
-print(f"What sets the gain: asynchronous, the fast worker computed {n_fast} gradients, the straggler "
-      f"{n_slow}: it cycles {n_fast}/{n_slow} = {n_fast / n_slow:.2f}× as often. Synchronous rounds take "
-      f"one of each, at the straggler's pace: a gain of about ({n_fast}/{n_slow} + 1)/2 = "
-      f"{(n_fast / n_slow + 1) / 2:.2f}× (measured {applied['async'] / applied['sync']:.2f}×); 1× without a straggler.")
+rounds = sum(k == "compute" for k, _, _ in race[2]["sync"]["spans"])  # a round waits for the straggler
+print(f"Where the gain comes from (accounting, not a prediction): asynchronous, the server applied "
+      f"the fast worker's {n_fast} gradients and the straggler's {n_slow}; synchronous, 2 per round, "
+      f"and a round ends with the straggler's gradient: {rounds} rounds. So the gain is "
+      f"({n_fast} + {n_slow})/(2·{rounds}) = {(n_fast + n_slow) / (2 * rounds):.2f}×, the measured "
+      f"{applied['async'] / applied['sync']:.2f}×. The straggler, paced by its own "
+      f"{1e3 * race_cfg.straggler_delay:g} ms sleep in both modes, finished about as many gradients "
+      f"in each ({n_slow} and {rounds}), so the gain is about (n_fast/n_slow + 1)/2 = "
+      f"{(n_fast / n_slow + 1) / 2:.2f}×: set by how many times the fast worker cycles per straggler "
+      "gradient; 1× without a straggler.")
 updates = {"sync": applied["sync"] // (len(race) - 1), "async": applied["async"]}  # sync: a step a round
 print(f"In the same {race_cfg.budget:g} s, asynchronous reached a test loss of {async_loss:.3f} "
       f"against synchronous {sync_loss:.3f}" + (", lower" if async_loss < sync_loss else ", not lower")
@@ -275,9 +300,10 @@ viz.show(viz.straggler_gantt_figure(
     race_cfg.budget),
     f"The same {race_cfg.budget:g} s, with one slow worker (red). Synchronous: the fast worker "
     f"waits (grey) {waited['sync'][1]:.0%} of the time, for the straggler. Asynchronous: it "
-    f"still waits {waited['async'][1]:.0%}, now between short computations, for the round trip "
-    f"to the server; the server applied {applied['async'] / applied['sync']:.1f}× as many "
-    "gradients.")
+    f"still waits {waited['async'][1]:.0%}, for the server's answers: {wait_med:.2f} ms for the "
+    f"median one, {wait_mean:.1f} ms on average ({sum(long_ms) / sum(wait_ms):.0%} of its "
+    f"waiting in stalls over 10× the median); the server applied "
+    f"{applied['async'] / applied['sync']:.1f}× as many gradients.")
 
 # %%
 # (this run's shares and counts are printed above; the claims keep margins a loaded 2-core
@@ -286,20 +312,30 @@ claim("synchronous, the fast worker spends most of its time (more than half) wai
       "straggler", waited["sync"][1] > 0.5, waited=waited)
 claim("asynchronous, it waits less", waited["async"][1] < waited["sync"][1],
       waited=waited)
+claim("asynchronous, the fast worker's median wait is below its mean: its longest waits, not "
+      "the typical round trip, pull the mean up", wait_med < wait_mean, median=wait_med, mean=wait_mean)
+claim("the gain is the accounting above: async applied = fast + straggler gradients, sync "
+      "applied = 2 × the straggler's rounds", applied["async"] == n_fast + n_slow
+      and applied["sync"] == 2 * rounds, applied=applied, n_fast=n_fast, n_slow=n_slow, rounds=rounds)
 claim("so in the same budget the asynchronous server applies more gradients (at least 1.3×)",
       applied["async"] >= 1.3 * applied["sync"], applied=applied)
 
 # %% [markdown]
-# How many more is set by how much slower the straggler is (printed above: "what sets the
-# gain"): one twice as slow would give about (2 + 1)/2 = 1.5×.
+# How many more is set by how much slower the straggler is (printed above: "where the gain
+# comes from"): one twice as slow would give about (2 + 1)/2 = 1.5×.
 #
 # More gradients per second, but not free ones: the straggler's gradients arrive many updates
 # stale (the largest staleness above). The losses above compare more gradients *and* more
 # steps of the same lr, not gradients alone (like for like would scale the lr; not run here);
 # at a larger step, staleness can make training
 # diverge — the question the rest of this section answers. And the fast worker still waits in
-# asynchronous mode: not for the straggler, but for each gradient's round trip to the server
-# (2K numbers through gloo, on shared cores), printed above beside its compute time.
+# asynchronous mode: not for the straggler, but from each push to the server's answer. The
+# typical wait (the median, printed above) is an upper bound on the round trip itself (2K
+# numbers through gloo and the server's step); the mean is pulled up by the longest waits,
+# stalls (the long grey stretches in the chart; printed above: how much of the waiting they
+# hold), while the server, two workers and this notebook share the machine's few cores. The
+# spans record when the worker waited, not why: the run cannot tell a descheduled server from
+# a descheduled worker or another program.
 #
 # The staleness printed above changes from run to run: it is decided by which process the
 # operating system runs first. To study its effect we need it under control.
@@ -765,11 +801,13 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 # ## Summary
 # - A parameter server pulls and pushes over point-to-point messages; synchronous, it is DDP
 #   (equal weights, to 1e-6, here) but it moves 2NK per step through one node (NK sent, NK
-#   received): N²/(2(N−1)) times a ring rank's bytes, and in lesson 06's α-β model (in, then
-#   out) N²/(N−1) times its time.
+#   received): N²/(2(N−1)) times a ring rank's bytes, and in lesson 06's α-β model N²/(N−1)
+#   times its time when the model is one message (in, then out, as here); a key-value server
+#   that pushes and pulls key by key overlaps the two, towards the byte ratio.
 # - Asynchronous, its workers stop waiting for the straggler (timed: more gradients in the
 #   same second, by a factor set by how much slower the straggler is; the fast worker then
-#   waits only for its own round trips to the server), and
+#   waits only for the server's answers to its own pushes, the mean wait pulled above the
+#   median by the longest ones, on shared cores), and
 #   its gradients are stale. In the simulator τ = 0 is SGD exactly; over the sweep's seeds, the
 #   delay at which most runs diverged (ended above their start) shrank as the step grew, and
 #   near it the seeds split;
@@ -809,7 +847,9 @@ viz.quiz([
              "It is the very definition of lockstep.",
              "Right: each rank's bytes, 2(N−1)K/N, stay under 2K as N grows, so the bandwidth "
              "part of a step stays bounded, while the server's grows with N: NK in, then NK "
-             "out, 2NKβ in lesson 06's α-β model, N²/(N−1) times a ring rank's 2(N−1)K/N·β. "
+             "out, 2NKβ in lesson 06's α-β model, N²/(N−1) times a ring rank's 2(N−1)K/N·β, "
+             "for a server that, like this lesson's, sends the model as one message (one that "
+             "pushes and pulls key by key overlaps in and out: towards N²/(2(N−1))). "
              "(The latency part is not bounded: a ring's 2(N−1) steps in a row "
              "grow with N, lesson 06.) (A "
              "parameter server can spread its bytes too, by sharding the weights over many "
@@ -822,7 +862,9 @@ viz.quiz([
                  "The straggler, as in synchronous mode",
                  "Nothing: an asynchronous worker never waits"],
      "answer": 0,
-     "why": ["Right: the lesson prints the fast worker's compute time beside that wait.",
+     "why": ["Right: from each push to the server's answer. The mean wait sat above the "
+             "median, pulled up by the longest waits while the processes shared the "
+             "machine's cores (the run records when it waited, not why).",
              "Asynchronous, the server answers each worker alone, without the straggler.",
              "The Gantt chart shows grey gaps between its computations."]},
     {"q": "In the simulator, what does τ = 0 reduce to?",

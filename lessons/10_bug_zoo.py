@@ -54,7 +54,7 @@ from dpcourse.checks import claim
 torch.set_num_threads(1)
 
 # %% [markdown]
-# ## 1. What the course adds: which call returned, and your line, on every rank
+# ## 1. What the course adds: a trace that outlives a hung rank, compared across ranks
 # First the symptom. The classic bug (bug 1, section 2 shows its code): rank 0 logs the global
 # loss, and the all-reduce sits inside its `if rank == 0`. Run as it is, under `hang_timeout`:
 
@@ -72,22 +72,21 @@ claim("run plainly, bug 1 only times out, naming the rank that never finished, n
 # %% [markdown]
 # A rank's own error says little when the bug is that the ranks disagree. PyTorch has a
 # cross-rank tool for that: `torchfrtrace`, installed with torch, merges every rank's dump of
-# the flight recorder (each process's ring buffer of its last collectives), pairs the ranks'
-# collectives in order, and names the ranks missing from a collective and the collectives whose
-# type or sizes differ between ranks. NCCL writes those dumps on a timeout; on gloo the recorder
-# never marks a call completed (section 2 runs it). What the course adds, in
-# `dpcourse.detectors`, works on gloo too: **the collective trace** records, on every rank, each
-# `dist.<collective>` call as it starts, with the line of your code that made it, and when it
-# returns — written to a file at once, so it survives a rank that hangs and gets killed — and
-# compares the ranks. "Returned" is all it knows of a call, so a rank counts as *stuck* in a
-# call only when the call blocks until its partners arrive: gloo's blocking calls do. A call
-# with `async_op=True`, and an NCCL call once its *communicator* (the connections between the
-# ranks' GPUs that its collectives run over) exists, returns at once; the trace still shows what
-# each rank called and from which line, but not which one waits. `diagnose` adds a dump of each
-# rank's Python stack. The trace writes its lines from the `before` and `after` hooks of
-# `collectives.record_collectives`, a
-# recorder that wraps each `dist.<collective>` function for a `with` block (**▶ folded
-# below**; it sees only calls through those functions):
+# the flight recorder (each process's ring buffer of its last collectives, with the stack that
+# called each one and whether it has finished), pairs them across ranks, and names the ranks
+# missing from a collective and the collectives that differ. The recorder runs on gloo too and knows where a rank stopped (section 2), but it lives
+# in the process's memory: only NCCL writes it to a file, on a timeout. What the course adds, in
+# `dpcourse.detectors`, is **the collective trace**: on every rank, each `dist.<collective>`
+# call as it starts, with the line of your code that made it, and when it returns, written to a
+# file at once, so it survives a rank that hangs and gets killed; and a comparison of the ranks.
+# "Returned" is all it knows of a call, so a rank counts as *stuck* in a call only when the call
+# blocks until its partners arrive: gloo's blocking calls do. A call with `async_op=True`, and
+# an NCCL call once its *communicator* (the connections between the ranks' GPUs that its
+# collectives run over) exists, returns at once; the trace still shows what each rank called and
+# from which line, but not which one waits (the recorder's "retired" does). `diagnose` adds a
+# dump of each rank's Python stack. The trace writes its lines from the `before` and `after`
+# hooks of `collectives.record_collectives`, a recorder that wraps each `dist.<collective>`
+# function for a `with` block (**▶ folded below**; it sees only calls through those functions):
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(collectives.record_collectives)
@@ -306,36 +305,67 @@ claim("and it names the two operations", ops == ["ALLREDUCE", "BROADCAST"])
 # **The flight recorder** is on by default in this torch: every process keeps its last 2000
 # collectives (`TORCH_FR_BUFFER_SIZE` changes the size, 0 turns it off) in a ring buffer,
 # which `_dump_fr_trace` returns (a private API: `torchfrtrace` reads the files NCCL dumps).
-# Below, nothing is set in the environment. On gloo it records every call but never marks one
-# completed: the states say "scheduled", so it tells you *what* was called, not *where* a rank
-# stopped — for that, the course's trace or a stack dump. (On NCCL, the watchdog marks an
+# Below, nothing is set in the environment. Each entry has a `state` and a `retired` flag
+# (set when its work finishes, a moment after the call returns), and the dump a `pg_status`:
+# the last collective enqueued and the last completed (which can lag: here it once said 1 with
+# call 2 retired). After the fixed bug 2's two calls, rank 0 reads its recorder while it waits
+# alone in a third all-reduce. On gloo the states stay "scheduled", but "retired" tells you
+# where a rank stopped. (On NCCL, the watchdog marks an
 # entry completed when the GPU work's end event has fired. It can mark one started only where a
 # start event was recorded, and ProcessGroupNCCL records start events only with
 # `TORCH_NCCL_ENABLE_TIMING=1`, `TORCH_NCCL_DESYNC_DEBUG`, or `TORCH_DISTRIBUTED_DEBUG=DETAIL`
 # (which turns desync debugging on): otherwise an NCCL entry goes
 # from scheduled to completed, and a collective that never finishes stays "scheduled".)
+#
+# **▶ The run** (folded): `flight_recorder`, the worker that reads rank 0's recorder.
 
 
-# %%
+# %% jupyter={"source_hidden": true}
 def flight_recorder(rank, world_size):
     import pickle
+    import time
 
+    import torch
     import torch._C._distributed_c10d as c10d
+    import torch.distributed as dist
 
-    bugzoo.collective_order(rank, world_size, fixed=True)
-    dump = pickle.loads(c10d._dump_fr_trace(True, True, False))
-    return [(e["profiling_name"], e["collective_seq_id"], e["state"]) for e in dump["entries"]]
+    bugzoo.collective_order(rank, world_size, fixed=True)   # calls 1 and 2, on every rank
+    store = dist.distributed_c10d._get_default_store()
+    if rank != 0:
+        store.wait(["dumped"])            # join call 3 only once rank 0 has read its recorder
+        dist.all_reduce(torch.ones(1))
+        return None
+    work = dist.all_reduce(torch.ones(1), async_op=True)     # call 3: rank 0 waits in it alone
+    for _ in range(200):                  # (a call is retired a moment after it returns)
+        dump = pickle.loads(c10d._dump_fr_trace(True, True, False))
+        if all(e["retired"] for e in dump["entries"][:2]):
+            break
+        time.sleep(0.05)
+    store.set("dumped", "1")
+    work.wait()
+    return ([(e["profiling_name"], e["collective_seq_id"], e["state"], e["retired"])
+             for e in dump["entries"]], dump["pg_status"]["0"])
 
 
+entries, pg_status = launch.spawn(flight_recorder, world_size, backend="gloo", timeout=30)[0]
+
+# %%
 claim("no flight-recorder variable is set here: what follows is the default",
       not any(v in os.environ for v in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")))
-recorded = launch.spawn(flight_recorder, world_size, backend="gloo", timeout=30)
-for rank, entries in enumerate(recorded):
-    print(f"rank {rank}:", entries)
-claim("by default, on gloo, the flight recorder holds both collectives, in order, on every "
-      "rank",
-      all([e[0] for e in entries] == ["gloo:all_reduce", "gloo:broadcast"] for entries in recorded))
-claim("but marks none of them completed", {e[2] for r in recorded for e in r} == {"scheduled"})
+print("rank 0's entries (name, seq, state, retired or not):",
+      *[f"{n} {q} {st} {'retired' if r else 'NOT retired'}" for n, q, st, r in entries],
+      sep="\n  ")
+print("pg_status: last_enqueued_collective", pg_status["last_enqueued_collective"],
+      "(last_completed_collective, which varies, is in the claim below)")
+claim("by default, on gloo, the flight recorder holds the three collectives, in order",
+      [e[:2] for e in entries] == [("gloo:all_reduce", 1), ("gloo:broadcast", 2),
+                                   ("gloo:all_reduce", 3)])
+claim("their states all stay \"scheduled\"", {e[2] for e in entries} == {"scheduled"})
+claim("but the call rank 0 is waiting in is the one entry not retired, and pg_status agrees: "
+      "call 3 is the last enqueued, not completed",
+      [e[3] for e in entries] == [True, True, False]
+      and pg_status["last_enqueued_collective"] == 3 > pg_status["last_completed_collective"],
+      pg_status=pg_status)
 
 # %% [markdown]
 # ### Bug 3: rank-dependent control flow
@@ -426,7 +456,7 @@ claim("the message is the installed libtorch_cpu.so's own (ProcessGroupGloo::mon
 # | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; each other rank waits for rank 0's answer, up to the group's timeout (run above) | a group with a CPU backend: gloo, or `"cpu:gloo,cuda:nccl"` in an NCCL job; bugs 1 and 3 above |
 # | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before the group is created) | wraps each process group in a `ProcessGroupWrapper` with a gloo helper group: before **every** collective the ranks pass a monitored barrier and compare the call's fingerprint (op, shapes, dtypes); a missing rank or a mismatch becomes an error naming them. It costs time on every call | works: bugs 1 and 2 above, with its cost measured |
 # | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**, communicator formed: the call returned at once; the watchdog tears the process down at the timeout (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, default 3); `wait()` raises only with `TORCH_NCCL_BLOCKING_WAIT=1` or `work.wait(timeout)` | gloo: bug 1 above; NCCL: the figure above |
-# | the flight recorder | **on by default** (above). On NCCL dumped on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`, `TORCH_NCCL_ENABLE_MONITORING`: on by default, `ProcessGroupNCCL.cpp`) to `TORCH_FR_DUMP_TEMP_FILE` (older name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) plus the rank, by default `~/.cache/torch/comm_lib_trace_rank_<rank>` (`$XDG_CACHE_HOME/torch/…` when set; checked below), merged with `torchfrtrace` | records on gloo too (bug 2 above); the automatic dump on timeout is NCCL-only |
+# | the flight recorder | **on by default** (above). On NCCL dumped on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`, `TORCH_NCCL_ENABLE_MONITORING`: on by default, `ProcessGroupNCCL.cpp`) to `TORCH_FR_DUMP_TEMP_FILE` (older name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) plus the rank, by default `~/.cache/torch/comm_lib_trace_rank_<rank>` (`$XDG_CACHE_HOME/torch/…` when set; checked below), merged with `torchfrtrace` | records on gloo too, with which calls finished (bug 2 above); the automatic dump on timeout is NCCL-only |
 # | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=ALL` for more) | NCCL prints its set-up: interfaces, rings, transports, and its errors — the first thing to read when NCCL hangs at start-up on a cluster | GPU only: nothing to show here |
 # | `py-spy dump --pid PID` | the Python stack of a running process, from outside (it pauses the process while it reads, unless `--nonblocking`; it needs ptrace permission, which containers often withhold): the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (`diagnose`, section 1) |
 
@@ -446,19 +476,20 @@ claim("libtorch_cpu.so (FlightRecorder.cpp's DebugInfoWriter) holds TORCH_FR_DUM
       found=fr_names)
 
 # %% [markdown]
-# **A hang needs a peer that is alive.** Every hang in this section in which a rank had
-# returned (bugs 1 and 3) waited on its process, which still ran: `spawn` keeps a finished rank alive, its connections
-# open, until every rank has finished (lesson 00: after handing back its result, each rank
-# waits on `release_conn.recv_bytes()` in `launch.worker_entry`), so that it is the time
-# limit that names the stuck ranks. A peer that is alive but elsewhere — busy, in another
-# collective (bug 2), in a loop that went on to evaluation — leaves a gloo rank waiting until
-# the group's timeout. But a script's rank that leaves the loop usually reaches the end of the
-# program and **exits**: its connections close, and a gloo rank waiting on it fails at once
-# with gloo's "Connection closed by peer". Bug 3 once more, as two plain Python processes
-# (no `spawn`), each running `init_process_group` (timeout 60 s), `bugzoo.early_stop` and then
-# the end of its program:
+# **A hang needs a peer whose connections stay open.** Every hang in this section in which a
+# rank had returned (bugs 1 and 3) waited on its process, which still ran: `spawn` keeps a
+# finished rank alive, its connections open, until every rank has finished (lesson 00: after
+# handing back its result, each rank waits on `release_conn.recv_bytes()` in
+# `launch.worker_entry`), so that it is the time limit that names the stuck ranks. A peer that
+# is alive but elsewhere — busy, in another collective (bug 2), in a loop that went on to
+# evaluation — leaves a gloo rank waiting until the group's timeout. But a script's rank that
+# leaves the loop usually reaches the end of the program and **exits**: its connections close,
+# and a gloo rank waiting on it fails as soon as that process is gone, with gloo's "Connection
+# closed by peer". Bug 3 once more, as two plain Python processes (no `spawn`), each running
+# `init_process_group` (timeout 60 s), `bugzoo.early_stop` and then the end of its program
+# (**▶ folded**: the script and the two processes):
 
-# %%
+# %% jupyter={"source_hidden": true}
 exit_script = """
 import datetime, time
 import torch.distributed as dist
@@ -477,22 +508,28 @@ exit_runs = [subprocess.Popen([sys.executable, "-c", exit_script], text=True,
                                        RANK=str(r), WORLD_SIZE="2"))
              for r in range(2)]
 exit_out = [run.communicate(timeout=120)[0] for run in exit_runs]
+
+# %%
 exit_lines = [next(line for line in out.splitlines() if line.startswith(f"rank {r}:"))
               for r, out in enumerate(exit_out)]
 for line in exit_lines:   # (the seconds and the peer's port change from run to run)
     print(re.sub(r"after [\d.]+ s", "after … s", re.sub(r"\]:\d+", "]:<port>", line)))
 exit_after = float(re.search(r"after ([\d.]+) s", exit_lines[0]).group(1))
 claim("rank 1 left the loop and its program ended; rank 0, waiting in the next all_reduce, "
-      "failed at once with gloo's 'Connection closed by peer' (well before the 60 s timeout)",
+      "failed with gloo's 'Connection closed by peer' within 20 s (the time rank 1's process "
+      "takes to exit), far before the 60 s timeout",
       exit_lines[1].startswith("rank 1: left the loop") and "Connection closed by peer"
-      in exit_lines[0] and exit_after < 30, seconds=exit_after)
+      in exit_lines[0] and exit_after < 20, seconds=exit_after)
 
 # %% [markdown]
-# So on gloo a hang means that every rank's process is still running; a rank whose process is
-# gone makes its peers fail fast, each with an error that says only that the peer left (the
-# bug is still to be found in the rank that left: it made fewer calls). This machine has no
-# GPU, so what NCCL does when a peer's process exits is not measured here; the bound the
-# course can state for NCCL is the watchdog's timeout (the figure above).
+# So on gloo, on one machine, a hang means that every rank's process is still running: a rank
+# whose process exits makes its peers fail fast, each with an error that says only that the peer
+# left (the bug is still to be found in the rank that left: it made fewer calls). That takes the
+# exited rank's operating system closing its connections: gloo raises "Connection closed by
+# peer" when a read finds the end of the stream. A node that loses power or its network (lesson
+# 04 runs several nodes) closes nothing: its peers wait out the timeout. This machine has no
+# GPU, so what NCCL does when a peer's process exits is not measured here; the bound the course
+# can state for NCCL is the watchdog's timeout (the figure above).
 
 # %% [markdown]
 # ## 3. Bugs that finish — with the wrong answer
@@ -527,7 +564,7 @@ claim("one program per bug 4 to 10, and bug 9's first step alone",
 # 03), and so are their checksums when every rank sums the same way. Weighted by position, so
 # two tensors with the same sum but values in other places still differ. It is summed on the
 # tensor's own device, a chunk of elements at a time, so a GPU model needs no copy to the CPU.
-# It is a cheap alarm, not a proof: lab 10's stretch asks how far it can be trusted.
+# Lab 10's stretch asks you for a detector of your own, `replicas_in_sync(model)`.
 
 # %%
 viz.show_code(detectors.state_checksums, detectors.compare_checksums)
@@ -872,7 +909,15 @@ claim("once the squatter is gone, the port is free", detectors.port_owner(port) 
 # report for tools, and `--cpu` runs a script written for GPUs (NCCL, `.cuda()`, `device_ids`)
 # on a machine without them, NCCL as gloo and CUDA moves kept on the CPU — it can then tell
 # whether the rest of the script is right, not whether it runs on GPUs. The exit code is 0 only
-# for a clean, consistent run with nothing found, so it fits in a CI job.
+# for a clean, consistent run with nothing found (`return 0 if result.ok else 1`, with
+# `Diagnosis.ok` from section 1), so it fits in a CI job.
+#
+# **▶ The command** (folded): `diagnose_script`, what `python -m dpcourse diagnose` runs.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+import dpcourse.__main__ as dpcourse_cli
+
+viz.show_code(dpcourse_cli.diagnose_script)
 
 # %%
 script = Path(tempfile.mkdtemp(prefix="diagnose-")) / "train_hang.py"
@@ -1019,15 +1064,16 @@ claim("and the script itself ran to the end on both ranks",
 # bugs that are not among this lesson's. For each, find the line and work out, from the script's own
 # lines, the number its question asks for (what the script does) before any option is shown,
 # then name it, fix it, and let the check run your fix under torchrun; the stretch
-# has you write a replicas-in-sync detector with no blind spot and one verdict on every rank.
+# has you write a replicas-in-sync detector, True exactly for bit-identical replicas, with one
+# verdict on every rank.
 #
 # One tool from single-device training that the lab meets: **gradient clipping**.
 # `torch.nn.utils.clip_grad_norm_(params, max_norm)` computes one 2-norm over all the
 # gradients it is given (as if they were one vector), then multiplies every one of them in
 # place by `max_norm / (norm + 1e-6)` clamped to at most 1; it returns the norm it measured.
 #
-# **▶ The reference answer — open after your lab passes** (click the folded cell below): why a
-# checksum can be fooled, run on two weight vectors.
+# **▶ The reference answer — open after your lab passes** (click the folded cell below): the
+# stretch's idea, run on two weight vectors.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 # What a checksum misses: changes that cancel in its weighted sum (run here), and a change
@@ -1091,7 +1137,7 @@ viz.quiz([
      "answer": 1,
      "why": ["A NaN does not block a collective: it travels through it.",
              "Right: rank 0 waits for a partner that will never come. (Rank 1's process is "
-             "still running: had it exited, gloo would have failed rank 0 at once with "
+             "still running: had it exited, gloo would have failed rank 0 within seconds with "
              "'Connection closed by peer'.)",
              "That changes the data order, not which collectives run."]},
     {"q": "Every rank logs exactly the same loss, yet the weight checksums differ across "
@@ -1169,7 +1215,13 @@ viz.quiz([
 # - `torch/include/torch/csrc/distributed/c10d/FlightRecorder.hpp` — `FlightRecorder`'s
 #   constructor: `max_entries_` from `TORCH_FR_BUFFER_SIZE` or `TORCH_NCCL_TRACE_BUFFER_SIZE`,
 #   2000 by default; enabled when above 0; an entry's states `scheduled`, `started` and
-#   `completed`, the last two set when a CPU thread discovers the GPU work started or ended.
+#   `completed`, the last two set when a CPU thread discovers the GPU work started or ended;
+#   `retired_` ("is this work entry no longer in the workMetaList_?"), the `retired` key and
+#   `pg_status_key`; `FlightRecorderDetail.hpp` — `FlightRecorder::retire_id` sets
+#   `retired_ = true` when the backend retires the work, the dump writes it as `retired`,
+#   `getPgStatus` writes `last_enqueued_collective`, `last_started_collective` and
+#   `last_completed_collective`; each entry's `frames` (the calling stack) with
+#   `includeStackTraces`.
 # - `ProcessGroupNCCL.cpp` (pytorch/pytorch, the source of the installed `libtorch_cuda.so`;
 #   not shipped in the wheel) — `WorkNCCL::wait`: "In case of blockingWait or a timeout value is
 #   specified by the user, we block the CPU thread"; the `HeartbeatMonitor` constructor:
@@ -1232,7 +1284,10 @@ viz.quiz([
 # - `torch/lib/libtorch_cpu.so` — gloo's TCP transport (`third_party/gloo/gloo/transport/tcp/
 #   pair.cc`, compiled in; its source is not in the wheel): a read from a peer whose connection
 #   closed raises "Connection closed by peer … This is typically caused by a remote worker
-#   crashing." (both strings are in the library); run above, with rank 1's process exited.
+#   crashing." (both strings are in the library); upstream `Pair::read` raises it only when
+#   `recv` returns 0 (end of stream: "Transition to CLOSED on EOF"); run above, with rank 1's
+#   process exited. Without that end (a peer's machine gone), a receive waits as it does for a
+#   live peer that never sends: until the group's timeout (bug 2 above).
 #   `lib/dpcourse/launch.py` — `worker_entry`: under `spawn` a rank that returned waits on
 #   `release_conn.recv_bytes()` until every rank is done, which is why the other hangs above
 #   last until the time limit.

@@ -76,9 +76,12 @@ torch.set_num_threads(1)
 # matrices and compute that slice's share of the layer; section 2 builds it) divides all but
 # `10·s·b·d` of it by t; those are the tensors every tensor-parallel rank holds whole:
 # the two layer norms' inputs, the two dropout masks after attention and MLP, and the inputs
-# of the QKV matmul and of the MLP's first matmul (their section 4.2.2; section 2 shows the
-# MLP's input whole on every rank). Their *sequence parallelism* splits those too, each rank
-# keeping its share of the sequence's tokens there (section 2 runs it in torch).
+# of the QKV matmul and of the MLP's first matmul (their section 4.2.2). Their *sequence
+# parallelism* splits those too, each rank keeping its share of the sequence's tokens there.
+# That /t is Megatron-LM's implementation, whose layers keep only a rank's share even of the
+# matmuls' inputs, at the price of more communication in the backward; it is what the
+# planner below prices. torch's layout, which section 2 runs, does not divide the first
+# matmul's saved input by t: its folded run measures what each rank saves.
 # Recomputing the layer in the backward (*activation checkpointing*) keeps only its input,
 # `2·s·b·d`. Most of it, though, for long sequences, is the `5·a·s/d` term: the attention
 # matrix (a heads × s × s per sequence) stored three times over — the softmax's output, the
@@ -293,7 +296,7 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 # ## 2. Tensor parallelism: Megatron-LM's MLP
 # A transformer's MLP is `Y = GeLU(X·A)·B`: X is tokens × d, A is d × h, B is h × d, with
 # h = 4d. Shoeybi et al. (*Megatron-LM*, 2019) cut it over t ranks so that no weight ever
-# travels: the ranks exchange only activations and their gradients, at two points of the MLP:
+# travels: the ranks exchange only activations and their gradients:
 #
 # 1. **column-parallel** first layer: rank r keeps the r-th block of A's *columns*
 #    (d × h/t), and computes `Z_r = X·A_r`: its own h/t of the hidden features before the
@@ -467,8 +470,9 @@ claim("the gradient of the input == the plain MLP's (to 1e-6)",
 # folded cell below.
 #
 # **▶ The gradients, checked with the worker's slices and joined across the ranks without
-# them — open after your lab passes** (click the folded cell below): how each parameter is
-# held is part of lab 11's answer.
+# them — open after your lab passes** (click the folded cell below). It proves that every
+# parameter's gradient, on every rank, equals its part of the plain MLP's (to 1e-6); how each
+# parameter is held is part of lab 11's answer.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 claim("the worker's own check, with its slices: every rank's weight and bias gradients == the "
@@ -494,7 +498,9 @@ claim("checked here, without the worker's slices: each parameter's gradients, jo
 
 # %% [markdown]
 # **▶ The collectives of each pass, counted — open after your lab passes** (click the folded
-# cell below): where they fall is part of lab 11's answer.
+# cell below). It proves, from the recorded calls, which collective each pass makes and that
+# each is over the activations' size, tokens × d; where they fall is part of lab 11's
+# answer.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 act_bytes = cfg.tokens * cfg.d * 4
@@ -592,7 +598,10 @@ model = parallelize_module(plain_mlp(), mesh, {"0": ColwiseParallel(), "2": Roww
 
 # %% [markdown]
 # **▶ torch's results and collectives beside ours — open after your lab passes** (click the
-# folded cell below): its counts, pass by pass, are lab 11's answer again.
+# folded cell below). It proves that torch's output, input gradient and every shard's
+# gradient equal ours (to 1e-6) and that torch sends the same collectives as ours, with the
+# same sizes (its own `CommDebugMode` and our recorder agree); its counts, pass by pass, are
+# lab 11's answer again.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 claim("torch's output, input gradient and every shard's gradients == ours (to 1e-6)",
@@ -609,7 +618,8 @@ claim("torch sends what we send: one all-reduce of the activations in the forwar
 
 # %% [markdown]
 # **▶ What each rank holds, torch's placements, and where torch puts *f* and *g* (the lab's
-# answer again) — open after your lab passes** (click the folded cells below).
+# answer again) — open after your lab passes** (click the folded cells below). It proves
+# which dimension torch cuts each weight and bias along, from its own placements.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 import inspect
@@ -646,7 +656,11 @@ viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
 
 # %% [markdown]
 # **▶ Sequence parallelism run, checked and its collectives counted — open after your lab
-# passes** (click the folded cell below).
+# passes** (click the folded cell below). It proves that torch's sequence-parallel MLP equals
+# the plain MLP on each rank's tokens (output, dL/dx and every gradient, to 1e-6), that its
+# collectives send the bytes section 2's do, and that the column layer still saves all the
+# tokens of its input (the fold says what that means for section 1's /t); which collectives
+# they are is lab 11's answer.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(tensor_parallel.sequence_parallel_worker)
@@ -665,13 +679,25 @@ claim(f"each pass makes an all-gather of the token shares ({share} elements in) 
       all(r["forward"] == r["backward"] == [("all_gather", share, share * 4),
                                             ("reduce_scatter", cfg.tokens * cfg.d,
                                              cfg.tokens * cfg.d * 4)] for r in sp_runs))
+print("saved for the backward, local shapes:", sp_runs[0]["saved_shapes"])
+claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tokens, yet "
+      f"autograd saves the column layer's input all-gathered, {cfg.tokens} × {cfg.d} — "
+      "torch's layout does not divide that input by t",
+      all((cfg.tokens, cfg.d) in r["saved_shapes"]
+          and (cfg.tokens // tp_ranks, cfg.d) not in r["saved_shapes"] for r in sp_runs))
 
 # %% [markdown] jupyter={"source_hidden": true}
 # Entering the MLP the token shares are all-gathered (*f*'s forward, which now has something
 # to do: X is no longer whole on every rank), and leaving it the partial outputs are
 # reduce-scattered back to the shares (*g*'s forward); the backward mirrors both. The
 # all-gather and the reduce-scatter are the two halves of one ring all-reduce, so the bytes
-# are section 2's.
+# torch's layout sends are section 2's. Its memory is not Megatron-LM's: the claim above
+# shows the column layer saving the all-gathered input, all the tokens, so that input is not
+# divided by t. Megatron-LM's column layer (`LinearWithGradAccumulationAndAsyncCommunication`)
+# saves only the rank's share (`ctx.save_for_backward(input, weight)` before its all-gather)
+# and all-gathers it once more in the backward for the weight gradient: a third collective
+# per column layer and backward, traded for the /t that section 1's and the planner's
+# 34·s·b·d/t assume.
 
 # %% [markdown]
 # ## 3. Pipeline parallelism: stages, micro-batches, the bubble
@@ -847,8 +873,9 @@ viz.show(viz.pipeline_gantt_figure(
 # Counted while running, the most micro-batches whose activations each stage held at once,
 # and the bytes autograd saved for them at that moment. `run_stage` wraps each forward in
 # `saved_tensors_hooks` with this pack hook — not section 1's: this one counts each saved
-# storage once (a Linear saves its input, which is the activation before it saved too) and
-# leaves the weights out, so it counts a micro-batch's activations and nothing else. The last
+# tensor once by its start address, its own elements (a Linear saves its input, which is the
+# activation before it saved too: one address; two views starting at different places in one
+# storage would each count their own elements) and leaves the weights' storages out, so it counts a micro-batch's activations and nothing else. The last
 # stage also keeps its loss's inputs, so it holds more per micro-batch. Below it, the lines
 # of `run_stage` that count, read from its source: `held` has one entry per micro-batch
 # between its forward and its backward, its saved bytes last (`h[2]`; the rest is in the
@@ -1143,7 +1170,8 @@ claim(f"ZeRO-3's DP msgs = 3 × (layers / p) × M: it gathers twice and reduce-s
           for r in zero3_rows) and len(zero3_rows) > 0
       and all(r["stage"] != "zero3" for r in options[:6]))
 claim("TP msgs = (layers / p) × M × 6: with recomputation (every row here) a layer makes 6 "
-      "tensor-parallel all-reduces per micro-batch (their split by pass is folded above)",
+      "tensor-parallel collectives per micro-batch (which collective, and their split by pass, "
+      "are folded above)",
       all(r["tp_messages"] == model.layers // r["pp"] * r["micro_batches"] * 6
           for r in options if r["tp"] > 1) and any(r["tp"] > 1 for r in options))
 claim(f"the last column is the pipeline's idle time over its working time, (p−1)/M: the step "
@@ -1479,8 +1507,8 @@ viz.quiz([
 #   `backward(ctx, grad)`).
 # - `torch/autograd/graph.py` — `saved_tensors_hooks`: `pack` sees every tensor saved for the
 #   backward, the weights included, a tensor saved twice seen twice (section 1 counts what
-#   `pack` sees; section 3's `saved_bytes_counter` dedups storages and leaves the weights
-#   out).
+#   `pack` sees; section 3's `saved_bytes_counter` counts a tensor saved twice once, by its
+#   start address, and leaves the weights' storages out).
 # - `torch/distributed/tensor/placement_types.py` — `Partial._reduce_value`: a Partial DTensor
 #   becomes Replicate through `funcol.all_reduce`, a functional collective
 #   (`torch/distributed/_functional_collectives.py`), which our recorder sees as
@@ -1532,6 +1560,16 @@ viz.quiz([
 # %% [markdown] jupyter={"source_hidden": true}
 # ### Sources, continued
 #
+# - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel.__init__` sets
+#   `desired_input_layouts = (Replicate(),)` and `_prepare_input_fn` redistributes a
+#   `Shard(0)` input to it before the matmul, so autograd saves the gathered input (section
+#   2's folded sequence-parallelism claim measures its shape).
+# - Megatron-LM, `megatron/core/tensor_parallel/layers.py` (commit d98e8a6):
+#   `LinearWithGradAccumulationAndAsyncCommunication.forward` calls
+#   `ctx.save_for_backward(input, weight)` before it all-gathers the input under
+#   `sequence_parallel`, and its `backward` all-gathers the saved share again
+#   (`dist_all_gather_func(all_gather_buffer, input, ..., async_op=True)`) for the weight
+#   gradient.
 # - Megatron-LM, `megatron/core/tensor_parallel/layers.py` (commit d98e8a6):
 #   `ColumnParallelLinear.__init__` sets `allreduce_dgrad = world_size > 1 and not
 #   sequence_parallel and not disable_grad_reduce` for every column-parallel layer — both of a

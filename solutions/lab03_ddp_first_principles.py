@@ -109,13 +109,14 @@ lab03.check_average_gradients(average_gradients)
 # %% [markdown]
 # ## 2. Predict, then measure: collective calls in one step
 #
-# Every collective call pays a fixed start-up cost (lesson 06's α) on top of its bytes, so the
-# **number** of calls a step makes matters as much as what they carry. The measurement runs
-# your `average_gradients` once, on 2 ranks, on part 1's model — its parameters are listed
-# below — right after each rank's backward: rank 0's batch went through `head_a`, rank 1's
-# through `head_b`, no rank's through `never`. **Before you run the measurement**, predict: how
-# many collective calls (`all_reduce` or any other) does that **one** call of *your*
-# `average_gradients` make **on rank 0**? Write a whole number.
+# Every collective call pays a fixed start-up cost, called α (what a call costs even when it
+# carries almost nothing: launching it, and each message's latency; lesson 06 measures it), on
+# top of its bytes, so the **number** of calls a step makes matters as much as what they carry.
+# The measurement runs your `average_gradients` once, on 2 ranks, on part 1's model — its
+# parameters are listed below — right after each rank's backward: rank 0's batch went through
+# `head_a`, rank 1's through `head_b`, no rank's through `never`. **Before you run the
+# measurement**, predict: how many collective calls (`all_reduce` or any other) does that
+# **one** call of *your* `average_gradients` make **on rank 0**? Write a whole number.
 
 # %%
 for name, p in lab03.part1_model().named_parameters():
@@ -281,8 +282,9 @@ lab03.check_average_gradients_weighted(average_gradients_weighted)
 #
 # A workshop can stop here. Part 2 measured how many calls `average_gradients` makes; for a real
 # network that number is in the hundreds, and each call pays the start-up cost α again. DDP
-# pays it once per *bucket* of about 25 MiB (lesson 03; lesson 07 times them); the extreme is a
-# single bucket. Write `average_gradients_flat(model)`. Contract:
+# pays it once per *bucket*: a group of gradients, about 25 MiB by default, all-reduced in one
+# call (lesson 03 shows them after this lab; lesson 07 times them); the extreme is a single
+# bucket. Write `average_gradients_flat(model)`. Contract:
 #
 # - afterwards every `p.grad` holds what part 1's contract asks for, in its parameter's shape —
 #   and the check runs part 1's model too, whose even and odd ranks used different heads;

@@ -10,8 +10,9 @@
 #
 # 0. a prediction about the last step of an epoch (measured in part 4);
 # 1. the loss one replica differentiates, with a regularisation term — **the lab's design
-#    decision is here**: lesson 05 divided by a global batch it knew in advance; your function
-#    is told no batch size;
+#    decision is here**: the strategy sums the replicas' gradients (lesson 05, at its lab
+#    pointer), so a replica's own mean is not the loss to differentiate; your function is told
+#    no batch size;
 # 2. the model and optimizer, where the strategy can mirror them;
 # 3. one training step and what it reports, told no batch size either (**a decision**: what
 #    each replica returns, and how the replicas' values are combined);
@@ -112,8 +113,8 @@ guess = predict("lab05", lab05.LAST_STEP_QUESTION, my_guess, choices=lab05.LAST_
 # a loop built on your function, as written and wrapped in `tf.function`.
 #
 # **Your design decision:** where the number each replica's summed loss is divided by comes from.
-# Lesson 05 divided by a global batch it knew before the step ran; here nothing tells your
-# function. `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies.
+# Lesson 05 showed that the strategy sums the replicas' gradients, so a replica's own mean is
+# not it; and nothing tells your function the step's size. `mirrored.per_example_loss(labels, logits)` gives the per-example cross-entropies.
 # Not allowed: the library's answer `mirrored.per_replica_loss`, and `tf.nn.compute_average_loss`
 # / `tf.nn.scale_regularization_loss` — this part asks for the decision they hide.
 

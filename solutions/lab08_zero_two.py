@@ -188,7 +188,8 @@ def make_buckets(params, cap):
 #    A tensor counts wherever it is kept alive: a collective's input from its launch until its
 #    `wait()` returns (the `Work` holds it), and after that only if you still hold it. It is
 #    weighed before every line of your code in the backward, so a moment between two of your
-#    lines counts as much as a launch or a `wait()`. What was launched in the backward may
+#    lines counts as much as a launch or a `wait()` (a temporary made and dropped inside one
+#    line is not seen: the weighing is between lines). What was launched in the backward may
 #    stay in flight until `step()` waits for it; **between steps** — from the moment `step()`
 #    returns until the next backward — nothing but `self.shard.grad`;
 # 6. every tensor you make — the shard, its gradient, the buffers — has the parameters'
@@ -284,8 +285,8 @@ class ZeroTwo:
         self._finish()                             # one bucket in flight at a time
         size, offset = self.layout[i]
         numel = sum(q.numel() for q in self.buckets[i])
-        buffer = F.pad(torch.cat([q.grad.reshape(-1) for q in self.buckets[i]]),
-                       (0, size * self.world_size - numel))
+        buffer = self.shard.new_zeros(size * self.world_size)   # padded: zeros past numel
+        torch.cat([q.grad.reshape(-1) for q in self.buckets[i]], out=buffer[:numel])  # no copy beside it
         for q in self.buckets[i]:
             q.grad = None                          # the full gradients are not needed again
         out = self.shard.grad[offset:offset + size]

@@ -453,8 +453,8 @@ def test_the_step_time_prediction_explains_the_odd_ring(capsys):
     prediction is answered, never refused."""
     lab06.check_step_prediction(_step_guesses(3, 2), ring_ok)
     out = " ".join(capsys.readouterr().out.split())
-    assert "Your prediction: 3 transfer times; measured: 3 transfer times — right." in out, out
-    assert "Your prediction: 2 transfer times; measured: 2.5 transfer times — not what " \
+    assert "Your prediction: 3 transfer times; modelled: 3 transfer times — right." in out, out
+    assert "Your prediction: 2 transfer times; modelled: 2.5 transfer times — not what " \
            "happened." in out, out
     assert "12 on 3, 20 on 5, 28 on 7 ranks: 4, 4, 4 transfer times more than 4(N - 1)" in out
     assert "a delay paid once, not in every step" in out, out
@@ -466,7 +466,7 @@ def test_the_step_time_prediction_explains_the_odd_ring(capsys):
 def test_the_step_time_prediction_follows_the_learners_own_order(capsys):
     lab06.check_step_prediction(_step_guesses(3, 2.6), ring_first_half)
     out = " ".join(capsys.readouterr().out.split())
-    assert "measured: 2.62 transfer times — right." in out, out
+    assert "modelled: 2.62 transfer times — right." in out, out
     assert "a start-up delay that grows with the longest chain" in out, out
 
 

@@ -4,6 +4,7 @@ code and outputs are the English ones, and the glossary's renderings are used. A
 cell ids the translations are keyed by (authoring.keep_ids). Executes nothing; a few seconds."""
 
 import copy
+import re
 import shutil
 
 import nbformat
@@ -339,3 +340,148 @@ def test_relinking_leaves_code_alone(tmp_path):
     out = translate._relink(text, tmp_path / "solutions", tmp_path / "zh" / "solutions", tmp_path)
     assert "`out = replicas[i](inputs[i])`" in out
     assert "[lesson 03](../../lessons/03_x.ipynb)" in out
+
+
+# ---- the documents: README, the handout, the instructor guide (a block per ## section) -----
+
+DOCUMENTS = [ROOT / d for d in translate.DOCUMENTS]
+
+
+def test_every_document_has_a_translation_file():
+    assert [translate.text_path(d).exists() for d in DOCUMENTS] == [True] * len(DOCUMENTS)
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+def test_document_translation_is_complete_and_current(document):
+    report = translate.status(document)
+    assert report.ok, "\n".join(report.problems())
+    assert report.cells == len(translate.sections(document.read_text(encoding="utf-8")))
+
+
+def test_the_documents_follow_the_glossary():
+    glossary = translate.read_glossary()
+    assert [p for d in DOCUMENTS for p in translate.glossary_problems(d, glossary)] == []
+
+
+def test_the_chinese_documents_are_what_translate_build_writes():
+    docs = {ROOT / "zh" / d.name for d in DOCUMENTS}
+    problems = [p for p in translate.out_of_date() if any(p.startswith(f"zh/{d.name} ")
+                                                          for d in docs)]
+    assert problems == []
+    for d in DOCUMENTS:
+        built = (ROOT / "zh" / d.name).read_text(encoding="utf-8")
+        assert built == translate.translated_document(d)
+        assert built.startswith("> **中文版（自动生成）**") and "请勿" in built.splitlines()[0]
+        assert d.relative_to(ROOT).as_posix() in built.splitlines()[0]
+
+
+def _github_anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation (ASCII and full-width) dropped,
+    spaces to hyphens; letters of any script, digits, _ and - kept."""
+    text = re.sub(r"`", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path):
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    return {_github_anchor(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*$", text, re.M)}
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+def test_the_chinese_documents_links_resolve(document):
+    """Every relative link of zh/<name>.md reaches a file from zh/, and every #anchor (in the
+    page or in another Markdown file) is one of that file's headings."""
+    built = ROOT / "zh" / document.name
+    text = built.read_text(encoding="utf-8")
+    prose = "".join(p for i, p in enumerate(re.split(r"(```.*?```|`[^`]*`)", text, flags=re.S))
+                    if i % 2 == 0)
+    bad, seen = [], 0
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+        if re.match(r"^[a-z][a-z+.-]*:", target):
+            continue
+        seen += 1
+        file, _, anchor = target.partition("#")
+        path = (built.parent / file).resolve() if file else built
+        if not path.exists():
+            bad.append(f"{target}: no file {path}")
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            bad.append(f"{target}: no heading #{anchor} in {path.name}")
+    assert seen and bad == []
+
+
+def test_a_changed_english_section_is_named(tmp_path):
+    (tmp_path / "lessons").mkdir()
+    for rel in ("lessons/HANDOUT.md", "zh/text/docs/HANDOUT.md"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    handout = tmp_path / "lessons" / "HANDOUT.md"
+    assert [p.name for p in translate.build(tmp_path)] == ["HANDOUT.md"]
+    assert translate.status(handout, tmp_path).ok and translate.out_of_date(tmp_path) == []
+    # re-wrapping is not an edit; a changed word is
+    handout.write_text(handout.read_text().replace(" in the same order", "\nin  the same order"))
+    assert translate.status(handout, tmp_path).ok
+    handout.write_text(handout.read_text().replace("one page to keep open", "one page to keep"))
+    problems = translate.status(handout, tmp_path).problems()
+    assert len(problems) == 1 and "section top" in problems[0]
+    assert "changed in English" in problems[0]
+    stale = translate.out_of_date(tmp_path)
+    assert len(stale) == 1 and "zh/HANDOUT.md cannot be built" in stale[0] and "stale" in stale[0]
+    translate.update(handout, tmp_path, accept=("top",))
+    assert translate.status(handout, tmp_path).ok
+    # a new section is missing, and update adds it untranslated, in the document's order
+    handout.write_text(handout.read_text() + "\n## A new section\n\nMore.\n")
+    assert [cid for cid, _ in translate.status(handout, tmp_path).missing] == ["new-section"]
+    translate.update(handout, tmp_path)
+    blocks = translate.read_blocks(translate.text_path(handout, tmp_path))
+    assert blocks[-1].cell_id == "new-section" and blocks[-1].untranslated
+
+
+def test_a_document_is_cut_at_its_level_2_headings_outside_code():
+    md = ("# Title\n\nIntro.\n\n## Quick start\n\n```bash\n## not a heading\n```\n\n"
+          "### Sub\n\ntext\n\n## The Quick Start\n\nagain\n")
+    secs = translate.sections(md)
+    assert [s.id for s in secs] == ["top", "quick-start", "quick-start-2"]
+    assert "## not a heading" in secs[1].source and "### Sub" in secs[1].source
+    assert translate.sections("## 中文版 / Chinese edition\n\nx")[0].id == "chinese-edition"
+
+
+def test_document_links_point_at_the_chinese_edition_where_there_is_one():
+    guide = (ROOT / "zh" / "INSTRUCTOR_GUIDE.md").read_text(encoding="utf-8")
+    assert "](HANDOUT.md)" in guide and "](README.md)" in guide       # the Chinese ones, in zh/
+    readme = (ROOT / "zh" / "README.md").read_text(encoding="utf-8")
+    assert "](lessons/00_start_here.ipynb)" in readme                # zh/lessons/, translated
+    assert "](../ARCHITECTURE.md)" in readme                          # English only
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+def test_the_chinese_documents_code_is_the_english_code(document):
+    """Commands and code run as written: a Chinese document's ```python and ```bash blocks are
+    the English ones, in order (a ```text block, e.g. the message to learners, is prose)."""
+    def code(text):
+        return re.findall(r"^```(?:python|bash)\n.*?^```", text, flags=re.S | re.M)
+    english = code(document.read_text(encoding="utf-8"))
+    assert english and code((ROOT / "zh" / document.name).read_text(encoding="utf-8")) == english
+
+
+def test_the_chinese_guides_stops_are_headings_of_the_chinese_notebooks():
+    """The guide's `## …` stops and cuts name the Chinese notebooks' headings (as
+    test_instructor_guide does for the English): the row's linked notebook, else lesson 00, 03,
+    06 or lab 03, 06 (the cuts table links none)."""
+    guide = (ROOT / "zh" / "INSTRUCTOR_GUIDE.md").read_text(encoding="utf-8")
+    default = ["lessons/00_start_here.ipynb", "lessons/03_ddp_first_principles.ipynb",
+               "lessons/06_ring_allreduce.ipynb", "labs/lab03_ddp_first_principles.ipynb",
+               "labs/lab06_ring_allreduce.ipynb"]
+    headings = {}
+    missing, seen = [], 0
+    for row in (line for line in guide.splitlines() if line.startswith("| ")):
+        linked = re.findall(r"\]\(((?:lessons|labs)/[^)#]+\.ipynb)\)", row) or default
+        for stop in re.findall(r"`(#{2,3} [^`]+)`", row):
+            seen += 1
+            for nb in linked:
+                if nb not in headings:
+                    cells = nbformat.read(ROOT / "zh" / nb, as_version=4).cells
+                    headings[nb] = {line.strip() for c in cells if c.cell_type == "markdown"
+                                    for line in c.source.splitlines() if line.startswith("#")}
+            if not any(stop in headings[nb] for nb in linked):
+                missing.append(f"{stop!r} (row: {row[:60]}…)")
+    assert seen >= 10 and missing == []

@@ -101,7 +101,10 @@ def diagnose_script(script: str, script_args: list[str], nproc: int = 2, timeout
     failed (which rank, why, and for the common mistakes what to change), the first collective
     where the ranks disagree, and the run-time checks' findings (dpcourse.script_checks), each
     with the script's file:line, the fix and the lesson. Exit code 0 only for a clean,
-    consistent run with nothing found; 2 for input that is not a script to run."""
+    consistent run with nothing found; 2 for input that is not a script to run.
+
+    Shown in lesson 10, §5.
+    """
     import os
     from pathlib import Path
 

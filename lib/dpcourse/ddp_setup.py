@@ -25,6 +25,8 @@ class StepConfig:
 
     ``global_batch`` samples per step in total; each of the ``world_size`` ranks takes a
     contiguous ``global_batch // world_size`` of them (``per_rank_batch``).
+
+    Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you".
     """
 
     global_batch: int = 32

@@ -408,8 +408,8 @@ def state_checksums(model, grads: bool = False, chunk: int = 1 << 20) -> dict[st
     so its float64 temporaries stay below about 24 bytes x ``chunk`` however large the tensor;
     one ``.item()`` per tensor brings the sum back. Send the dict back from each rank and give
     the list to :func:`compare_checksums`. Equal bits give equal checksums when every rank sums
-    the same way (the same device type and thread count). Equal checksums do not prove equal
-    bits: what a checksum misses is lab 10's stretch, answered (folded) at the end of lesson 10.
+    the same way (the same device type and thread count). Lab 10's stretch asks for a detector
+    of your own, ``replicas_in_sync(model)``.
 
     Shown in lesson 10, §3.
     """

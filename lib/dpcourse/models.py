@@ -71,7 +71,7 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     """All the weights as one new flat CPU vector, in ``model.parameters()`` order: what two runs
     are compared by, and what a parameter server stores and sends.
 
-    Shown in lesson 09, §1.
+    Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you"; lesson 09, §1.
     """
     return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 

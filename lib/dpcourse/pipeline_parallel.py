@@ -284,10 +284,12 @@ def _device_time(seconds: float) -> None:
 
 def saved_bytes_counter(saved: dict, weights: set):
     """An autograd pack hook (for ``torch.autograd.graph.saved_tensors_hooks``) that notes in
-    ``saved`` the bytes of every tensor autograd keeps for the backward, by address: a tensor
-    saved twice (a Linear saves its input, which is the Tanh before it's saved output: one
-    storage) is counted once, and tensors in ``weights`` (the stage's parameters' storages) are
-    left out — they are saved too, but held whatever the schedule. So it counts a micro-batch's
+    ``saved`` the bytes of every tensor autograd keeps for the backward, keyed by its start
+    address and counting its own elements (``numel × element_size``, not its storage's): a
+    tensor saved twice (a Linear saves its input, which is the Tanh before it's saved output:
+    one address) is counted once — two views that start at different places in one storage
+    would each count their own elements — and tensors in ``weights`` (the stage's parameters'
+    storages) are left out — they are saved too, but held whatever the schedule. So it counts a micro-batch's
     activations, and only them: unlike ``tensor_parallel.activation_memory_worker`` (lesson 11,
     §1), which adds up every saved tensor whose first dimension is the micro-batch, one saved
     twice counted twice.

@@ -131,7 +131,12 @@ def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1
     GPU; with tensor parallelism of size t ``s·b·d·(10 + 24/t + 5·a·s/(d·t))``: the 10·s·b·d
     not divided by t: the two layer norms' inputs (4·sbd), the two dropout masks after
     attention and MLP (2·sbd), and the inputs of the QKV matmul and of the MLP's first matmul
-    (2·sbd each); with sequence parallelism too, everything divided by t. With full
+    (2·sbd each); with sequence parallelism too, everything divided by t — Megatron-LM's
+    implementation, whose column-parallel layers save only the rank's share of their input and
+    all-gather it once more in the backward for the weight gradient
+    (``LinearWithGradAccumulationAndAsyncCommunication``, ``megatron/core/tensor_parallel/
+    layers.py``); torch's ``ColwiseParallel(input_layouts=Shard(0))`` saves the gathered input
+    whole (lesson 11, §2, measures it), so there those two 2·sbd stay undivided. With full
     recomputation only the layer's input is kept: ``2·s·b·d`` (divided by t with sequence
     parallelism).
 
@@ -219,7 +224,7 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
 
     s, b, d = model.seq_len, micro_batch, model.hidden
     act_msg = 2 * s * b * d                           # one activation, 16-bit
-    ring = (lambda k: 2 * (k - 1) / k)                # an all-reduce sends 2(k-1)/k of it
+    ring = (lambda k: 2 * (k - 1) / k)                # each TP collective's share sent, k ranks
     per_layer = TP_MESSAGES_PER_LAYER["forward"] * (2 if recompute else 1) \
         + TP_MESSAGES_PER_LAYER["backward"]
     tp_msgs = layers_here * m * per_layer if tp > 1 else 0

@@ -96,21 +96,22 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
         raise ValueError("nbytes, alpha and beta must be non-negative")
     if n == 1:
         return Cost(algorithm, 1, nbytes, 0, 0.0, 0.0)
+    # critical: the bytes the time pays for on the critical path (Cost.critical_path_bytes)
     if algorithm == "naive":
-        steps, busiest = 2 * (n - 1), 2 * (n - 1) * nbytes
+        steps, critical = 2 * (n - 1), 2 * (n - 1) * nbytes
     elif algorithm == "parameter-server":
-        steps, busiest = 2, 2 * n * nbytes
+        steps, critical = 2, 2 * n * nbytes
     elif algorithm == "ring":
-        steps, busiest = 2 * (n - 1), 2 * (n - 1) * nbytes / n
+        steps, critical = 2 * (n - 1), 2 * (n - 1) * nbytes / n
     elif algorithm == "rabenseifner":
         p = 1 << (int(n).bit_length() - 1)  # the largest power of two <= n
-        steps, busiest = 2 * (p.bit_length() - 1), 2 * (p - 1) * nbytes / p
+        steps, critical = 2 * (p.bit_length() - 1), 2 * (p - 1) * nbytes / p
         if p != n:  # the extra ranks fold into partners first and get the result last
-            steps, busiest = steps + 2, busiest + 2 * nbytes
+            steps, critical = steps + 2, critical + 2 * nbytes
     else:
         rounds = math.ceil(math.log2(n))
-        steps, busiest = 2 * rounds, 2 * rounds * nbytes
-    return Cost(algorithm, int(n), nbytes, steps, busiest, steps * alpha + busiest * beta)
+        steps, critical = 2 * rounds, 2 * rounds * nbytes
+    return Cost(algorithm, int(n), nbytes, steps, critical, steps * alpha + critical * beta)
 
 
 def cheapest(n: int, nbytes: float, alpha: float, beta: float,

@@ -352,8 +352,11 @@ def sequence_parallel_worker(rank: int, world_size: int, cfg: TPConfig) -> dict:
     can fuse with their matmuls. Each rank's loss is its tokens' share of the plain MLP's
     (their squares summed, divided by all tokens × d), so the sum over ranks is the plain loss.
     Returns the largest differences with the plain MLP (this rank's output rows, its rows of
-    dL/dx, the parameters' gradients gathered whole) and the collectives recorded in each
-    pass (the gathering afterwards is not recorded).
+    dL/dx, the parameters' gradients gathered whole), the collectives recorded in each
+    pass (the gathering afterwards is not recorded) and the local shape of every tensor
+    autograd saved in the forward (``saved_tensors_hooks``): the column layer keeps its input
+    as ``ColwiseParallel``'s input hook redistributed it, all tokens × d, not this rank's
+    share — Megatron-LM saves only the share and all-gathers it again in the backward.
     Shown in lesson 11, §2.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -376,7 +379,14 @@ def sequence_parallel_worker(rank: int, world_size: int, cfg: TPConfig) -> dict:
     share = cfg.tokens // world_size
     rows = slice(rank * share, (rank + 1) * share)
     mine = cfg.inputs()[rows].clone().requires_grad_(True)
-    with record_collectives() as forward_calls:
+    saved_shapes = []                    # what autograd keeps for the backward, local shapes
+
+    def pack(t):
+        saved_shapes.append(tuple((t.to_local() if hasattr(t, "to_local") else t).shape))
+        return t
+
+    with record_collectives() as forward_calls, \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = sp(mine)
     with record_collectives() as backward_calls:
         (y.pow(2).sum() / (cfg.tokens * cfg.d)).backward()
@@ -387,7 +397,8 @@ def sequence_parallel_worker(rank: int, world_size: int, cfg: TPConfig) -> dict:
             "input_grad_diff": float((mine.grad - x_plain.grad[rows]).abs().max()),
             "grad_diff": grads,
             "forward": [(c.op, c.numel, c.nbytes) for c in forward_calls],
-            "backward": [(c.op, c.numel, c.nbytes) for c in backward_calls]}
+            "backward": [(c.op, c.numel, c.nbytes) for c in backward_calls],
+            "saved_shapes": saved_shapes}
 
 
 def mesh_2d_worker(rank: int, world_size: int, cfg: TPConfig, dp: int = 2, tp: int = 2) -> dict:

@@ -290,7 +290,7 @@ def rate_verdict(runs_a, runs_b) -> tuple[str, str]:
     :func:`compare_rates`' rule: ``(word, how)`` with ``word`` "faster", "slower" or "unclear"
     and ``how`` "in every run of n rounds", "in all but one of n rounds", "in every run" or "".
 
-    Shown in lesson 01, §"Throughput, and where the time goes".
+    Shown in lesson 01, §"Throughput, and where the time goes"; lesson 02, §"Why it is slow".
     """
     runs_a, runs_b = list(runs_a), list(runs_b)
     if not runs_a or not runs_b:
@@ -337,7 +337,7 @@ def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
     for interleaved rounds, so is the sign test's p (:func:`sign_test_p`): at 7 rounds "all
     but one" has p = 0.125, at 5 rounds 0.375 — one outlier tolerated costs that much.
 
-    Shown in lesson 01, §"Throughput, and where the time goes".
+    Shown in lesson 01, §"Throughput, and where the time goes"; lesson 02, §"Why it is slow".
     """
     runs_a, runs_b = list(runs_a), list(runs_b)
     word, how = rate_verdict(runs_a, runs_b)

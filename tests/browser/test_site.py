@@ -3,6 +3,8 @@ website"):
 
     python -m pytest tests/browser -p no:xdist
 
+Both editions: the English site and the Chinese one in ``zh/`` (the page checks run on each,
+parametrised by ``edition``), the language switch between them, and the Chinese search.
 The site is built here, from the stored notebooks, with the network cut off (a new network
 namespace, ``unshare -n``), into a temporary folder, and served on 127.0.0.1 (a free port) by a
 server thread of this process, shut down whatever happens. Every request the pages make to any
@@ -28,9 +30,11 @@ import pytest
 
 from helpers import ARTIFACTS, ROOT
 
-BUILD_LIMIT_S = 300  # measured: about 10 s on the 2-core CI machine
+BUILD_LIMIT_S = 300  # measured: about 10 s on the 2-core CI machine; both editions: 45-85 s here
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}  # an iPhone 12-14's CSS viewport
+EDITIONS = ["en", "zh"]
+ROOTS = {"en": "", "zh": "zh/"}  # where each edition lies in the site
 
 
 def _network_cutter() -> list[str] | None:
@@ -144,19 +148,38 @@ def shot(page, name: str, full_page: bool = False) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=full_page)
 
 
-def _notebook(path: str) -> dict:
-    return json.loads((ROOT / path).read_text())
+def _notebook(path: str, edition: str = "en") -> dict:
+    """A page's notebook: the English one, or the Chinese one (zh/ + the same path)."""
+    return json.loads((ROOT / ROOTS[edition] / path).read_text())
 
 
-def _lesson(number: str) -> str:
-    """lessons/NN_*.ipynb, relative to the root."""
+def _lesson(number: str, edition: str = "en") -> str:
+    """lessons/NN_*.ipynb, relative to the root (the page's path in either edition); a test of
+    the Chinese edition is skipped while that lesson has no Chinese notebook yet."""
     found = sorted((ROOT / "lessons").glob(f"{number}_*.ipynb"))
     assert found, f"no lesson {number}"
-    return found[0].relative_to(ROOT).as_posix()
+    path = found[0].relative_to(ROOT).as_posix()
+    if not (ROOT / ROOTS[edition] / path).exists():
+        pytest.skip(f"no Chinese notebook for {path} yet")
+    return path
 
 
-def _html(notebook: str) -> str:
-    return notebook.removesuffix(".ipynb") + ".html"
+def _html(notebook: str, edition: str = "en") -> str:
+    """The page of a notebook in the built site, relative to the site's root."""
+    return ROOTS[edition] + notebook.removesuffix(".ipynb") + ".html"
+
+
+def _pages(out: Path, edition: str) -> list[str]:
+    """The pages of one edition, relative to the site's root (not the theme's template
+    fragments copied into _static/, nor the other edition)."""
+    root = out / ROOTS[edition]
+    pages = []
+    for p in root.rglob("*.html"):
+        rel = p.relative_to(root)
+        if any(part.startswith("_") for part in rel.parts) or (edition == "en" and rel.parts[0] == "zh"):
+            continue
+        pages.append(ROOTS[edition] + rel.as_posix())
+    return sorted(pages)
 
 
 def _folded(cell: dict) -> bool:
@@ -208,11 +231,16 @@ def test_the_site_builds_with_the_network_cut_off(built_site):
         pytest.skip("cannot cut the network here (neither `unshare -n` nor `unshare -rn` "
                     "works): the site was built with the network on")
     assert (built_site.out / "index.html").exists()
+    assert (built_site.out / "zh" / "index.html").exists()  # the Chinese edition
+    assert '<html lang="zh-CN"' in (built_site.out / "zh" / "index.html").read_text()
     # nothing is written beside the output folder (in README's build: the repository's root)
     assert sorted(p.name for p in built_site.out.parent.iterdir()) == ["_site", "work"]
     assert "site:" in built_site.log, built_site.log[-2000:]
-    html = "\n".join(p.read_text() for p in built_site.out.rglob("*.html")
-                     if not p.relative_to(built_site.out).parts[0].startswith("_"))
+    assert "jieba" not in built_site.log, built_site.log[-2000:]  # installed, and quiet
+    html = "\n".join((built_site.out / page).read_text()
+                     for edition in EDITIONS for page in _pages(built_site.out, edition))
+    # every link between the editions was made relative (build.py's relink)
+    assert "dpcourse.invalid" not in html
     # nothing a page loads comes from elsewhere, and no placeholder is left for the address
     assert not re.search(r"""<(?:script|img|link)[^>]+(?:src|href)=["'](?:https?:)?//""",
                          html.replace('rel="canonical"', "")), "a page loads a remote file"
@@ -220,12 +248,11 @@ def test_the_site_builds_with_the_network_cut_off(built_site):
     print(f"built offline in {built_site.seconds:.1f} s")
 
 
+@pytest.mark.parametrize("edition", EDITIONS)
 def test_every_page_loads_without_an_error_a_broken_link_or_an_undecoded_image(built_site,
-                                                                                reader):
+                                                                                reader, edition):
     # the pages, not the theme's template fragments copied into _static/
-    pages = sorted(p.relative_to(built_site.out).as_posix()
-                   for p in built_site.out.rglob("*.html") if not p.name.startswith("_")
-                   and not p.relative_to(built_site.out).parts[0].startswith("_"))
+    pages = _pages(built_site.out, edition)
     assert len(pages) >= 30, pages
     ids_of: dict[str, set[str]] = {}
 
@@ -256,10 +283,11 @@ def test_every_page_loads_without_an_error_a_broken_link_or_an_undecoded_image(b
     assert not undecoded, "\n".join(undecoded[:30])
 
 
-def test_lesson_06_shows_the_ring_stepper_figure_and_the_claims(reader):
-    notebook = _lesson("06")
-    nb = _notebook(notebook)
-    reader.open(_html(notebook))
+@pytest.mark.parametrize("edition", EDITIONS)
+def test_lesson_06_shows_the_ring_stepper_figure_and_the_claims(reader, edition):
+    notebook = _lesson("06", edition)
+    nb = _notebook(notebook, edition)
+    reader.open(_html(notebook, edition))
     text = reader.page.inner_text("main")
     # every ✔ claim line the lesson printed is on the page
     claims = _claims(nb)
@@ -278,22 +306,23 @@ def test_lesson_06_shows_the_ring_stepper_figure_and_the_claims(reader):
     assert image.evaluate("i => i.complete && i.naturalWidth > 0")
     for caption in _captions(nb, cell):
         assert caption[:60] in output.inner_text(), caption
-    shot(reader.page, "site-lesson06-stepper-figure")
+    shot(reader.page, f"site-{edition}-lesson06-stepper-figure")
     # the check-yourself questions are readable, their answers folded until clicked
-    answers = reader.page.locator("details", has=reader.page.locator("summary",
-                                                                      has_text="Answers")).last
+    answers = reader.page.locator("details", has=reader.page.locator(
+        "summary", has_text=re.compile("Answers|答案"))).last
     assert not answers.evaluate("d => d.open")
     answers.locator("summary").first.click()
     assert answers.evaluate("d => d.open")
-    reader.open(_html(notebook))
-    shot(reader.page, "site-lesson06")
+    reader.open(_html(notebook, edition))
+    shot(reader.page, f"site-{edition}-lesson06")
     assert not reader.problems, "\n".join(reader.problems)
 
 
-def test_lesson_08_shows_its_zero_memory_figures(reader):
-    notebook = _lesson("08")
-    nb = _notebook(notebook)
-    reader.open(_html(notebook))
+@pytest.mark.parametrize("edition", EDITIONS)
+def test_lesson_08_shows_its_zero_memory_figures(reader, edition):
+    notebook = _lesson("08", edition)
+    nb = _notebook(notebook, edition)
+    reader.open(_html(notebook, edition))
     pngs = sum("image/png" in out.get("data", {}) for cell in nb["cells"]
                for out in cell.get("outputs", []))
     images = reader.page.locator("div.cell_output img")
@@ -306,23 +335,25 @@ def test_lesson_08_shows_its_zero_memory_figures(reader):
         assert caption[:60] in text, caption
     figure = reader.page.locator("div.cell_output", has_text="ZeRO").locator("img").first
     figure.scroll_into_view_if_needed()
-    shot(reader.page, "site-lesson08-zero-figure")
+    shot(reader.page, f"site-{edition}-lesson08-zero-figure")
     assert not reader.problems, "\n".join(reader.problems)
 
 
-def test_a_folded_reference_answer_opens_on_click(reader):
-    folded = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "lessons").glob("*.ipynb"))
+@pytest.mark.parametrize("edition", EDITIONS)
+def test_a_folded_reference_answer_opens_on_click(reader, edition):
+    lessons = sorted((ROOT / ROOTS[edition] / "lessons").glob("*.ipynb"))
+    folded = [p.relative_to(p.parents[1]).as_posix() for p in lessons
               if any(c.get("metadata", {}).get("jupyter", {}).get("source_hidden")
-                     for c in _notebook(p.relative_to(ROOT).as_posix())["cells"])]
+                     for c in json.loads(p.read_text())["cells"])]
     assert folded, "no lesson has a folded cell"
-    reader.open(_html(folded[0]))
+    reader.open(_html(folded[0], edition))
     block = reader.page.locator("details.hide").first
     code = block.locator("div.cell_input").first
     assert not block.evaluate("d => d.open") and not code.is_visible()
     block.locator("summary").first.click()
     code.wait_for(state="visible", timeout=10_000)
     assert block.evaluate("d => d.open")
-    shot(reader.page, "site-folded-answer-opened")
+    shot(reader.page, f"site-{edition}-folded-answer-opened")
     assert not reader.problems, "\n".join(reader.problems)
 
 
@@ -346,11 +377,13 @@ def test_search_for_set_epoch_lists_the_lessons_that_use_it(reader):
     assert not reader.problems, "\n".join(reader.problems)
 
 
-def test_next_walks_the_course_in_order_from_lesson_00_to_lesson_10(reader):
-    lessons = [_html(p.relative_to(ROOT).as_posix())
-               for p in sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))]
-    labs = {p.name[3:5]: _html(p.relative_to(ROOT).as_posix())
-            for p in sorted((ROOT / "labs").glob("lab[0-9][0-9]_*.ipynb"))}
+@pytest.mark.parametrize("edition", EDITIONS)
+def test_next_walks_the_course_in_order_from_lesson_00_to_lesson_10(reader, edition):
+    base = ROOT / ROOTS[edition]  # the Chinese walk: the pages with a Chinese notebook
+    lessons = [_html(p.relative_to(base).as_posix(), edition)
+               for p in sorted((base / "lessons").glob("[0-9][0-9]_*.ipynb"))]
+    labs = {p.name[3:5]: _html(p.relative_to(base).as_posix(), edition)
+            for p in sorted((base / "labs").glob("lab[0-9][0-9]_*.ipynb"))}
     reader.open(lessons[0])
     walked = [reader.path()]
     for _ in range(len(lessons) + len(labs) + 5):  # bounded: the course's pages and a margin
@@ -363,11 +396,12 @@ def test_next_walks_the_course_in_order_from_lesson_00_to_lesson_10(reader):
         walked.append(reader.path())
         # and previous leads back
     assert walked[-1] == lessons[-1], walked
-    assert [p for p in walked if p.startswith("lessons/")] == lessons, walked
+    root = ROOTS[edition]
+    assert [p for p in walked if p.startswith(f"{root}lessons/")] == lessons, walked
     for page in walked:  # each lab right after its lesson
-        if page.startswith("labs/"):
-            number = page[8:10]
-            assert walked[walked.index(page) - 1].startswith(f"lessons/{number}_"), walked
+        if page.startswith(f"{root}labs/"):
+            number = page[len(root) + 8:len(root) + 10]
+            assert walked[walked.index(page) - 1].startswith(f"{root}lessons/{number}_"), walked
     # previous goes back one page at a time
     reader.page.locator("a.left-prev").first.click()
     reader.page.wait_for_url(lambda url: urlsplit(url).path.lstrip("/") == walked[-2],
@@ -375,11 +409,12 @@ def test_next_walks_the_course_in_order_from_lesson_00_to_lesson_10(reader):
     assert not reader.problems, "\n".join(reader.problems)
 
 
-def test_pages_read_on_a_phone_without_horizontal_scrolling(browser, site_url):
+@pytest.mark.parametrize("edition", EDITIONS)
+def test_pages_read_on_a_phone_without_horizontal_scrolling(browser, site_url, edition):
     phone = Reader(browser, site_url, PHONE)
     try:
-        for path in ["index.html", _html(_lesson("03")), _html(_lesson("06")),
-                     _html(_lesson("08"))]:
+        for path in [ROOTS[edition] + "index.html", _html(_lesson("03", edition), edition),
+                     _html(_lesson("06", edition), edition), _html(_lesson("08", edition), edition)]:
             phone.open(path)
             wide = phone.page.evaluate(
                 "() => ({page: document.documentElement.scrollWidth, view: window.innerWidth,"
@@ -390,30 +425,126 @@ def test_pages_read_on_a_phone_without_horizontal_scrolling(browser, site_url):
                 "   p.getBoundingClientRect().right > window.innerWidth + 1)"
                 "   .map(p => p.textContent.slice(0, 60))})")
             assert wide["page"] <= wide["view"] + 1 and wide["prose"] == [], (path, wide)
-            if path == "index.html":
-                shot(phone.page, "site-home-phone")
+            # the language switch is there on a phone too, near the top
+            switch = phone.page.locator("a.dpcourse-language").first
+            assert switch.is_visible() and switch.bounding_box()["y"] < 120, path
+            if path.endswith("index.html"):
+                shot(phone.page, f"site-{edition}-home-phone")
         assert not phone.problems, "\n".join(phone.problems)
     finally:
         phone.close()
 
 
-def test_home_page_screenshots_and_the_run_links(reader, built_site):
+@pytest.mark.parametrize("edition", EDITIONS)
+def test_home_page_screenshots_and_the_run_links(reader, built_site, edition):
     import tomllib
     repo = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
-    reader.open("index.html")
+    reader.open(ROOTS[edition] + "index.html")
     assert reader.page.locator("nav.bd-docs-nav a", has_text="Lesson 03").count() \
         or reader.page.locator("nav.bd-docs-nav a").count() >= 30
-    shot(reader.page, "site-home")
-    notebook = _lesson("03")
-    reader.open(_html(notebook))
+    shot(reader.page, f"site-{edition}-home")
+    notebook = _lesson("03", edition)
+    reader.open(_html(notebook, edition))
     box = reader.page.locator(".dpcourse-run").first
+    assert ("运行本页" if edition == "zh" else "Run this page") in box.inner_text()
     owner_repo = repo.removeprefix("https://github.com/")
+    opened = ROOTS[edition] + notebook  # a Chinese page opens the Chinese notebook
     hrefs = box.locator("a").evaluate_all("as => as.map(a => a.href)")
-    assert any(h.startswith(f"https://mybinder.org/v2/gh/{owner_repo}/") and notebook in h
+    assert any(h.startswith(f"https://mybinder.org/v2/gh/{owner_repo}/") and h.endswith(opened)
                for h in hrefs), hrefs
-    assert any(h == f"https://colab.research.google.com/github/{owner_repo}/blob/main/{notebook}"
+    assert any(h == f"https://colab.research.google.com/github/{owner_repo}/blob/main/{opened}"
                for h in hrefs), hrefs
-    shot(reader.page, "site-lesson03")
+    shot(reader.page, f"site-{edition}-lesson03")
     box.scroll_into_view_if_needed()
-    shot(reader.page, "site-lesson03-run-box")
+    shot(reader.page, f"site-{edition}-lesson03-run-box")
     assert not reader.problems, "\n".join(reader.problems)
+
+
+def _switch(reader) -> None:
+    """Click the language switch at the top of the page and wait for the other page."""
+    before = reader.page.url
+    switch = reader.page.locator("a.dpcourse-language").first
+    assert switch.is_visible() and switch.bounding_box()["y"] < 150, "no switch near the top"
+    switch.click()
+    reader.page.wait_for_url(lambda url: url != before, timeout=15_000)
+    reader.page.wait_for_load_state("load")
+
+
+def test_the_language_switch_goes_to_the_same_page_and_back(reader):
+    lesson = _lesson("03", "zh")
+    pages = [_html(lesson), "index.html"]
+    lab = sorted((ROOT / "zh" / "labs").glob("lab*.ipynb"))
+    if lab:
+        pages.append(_html(lab[0].relative_to(ROOT / "zh").as_posix()))
+    for page in pages:
+        reader.open(page)
+        assert reader.page.locator("a.dpcourse-language").inner_text().strip() == "中文"
+        _switch(reader)
+        assert reader.path() == "zh/" + page, (page, reader.path())
+        assert reader.page.evaluate("document.documentElement.lang") == "zh-CN"
+        assert re.search(r"[\u4e00-\u9fff]", reader.page.locator("main h1").first.inner_text())
+        if page == pages[0]:
+            shot(reader.page, "site-switched-to-zh")
+        assert reader.page.locator("a.dpcourse-language").inner_text().strip() == "English"
+        _switch(reader)
+        assert reader.path() == page, (page, reader.path())
+        assert reader.page.evaluate("document.documentElement.lang") == "en"
+    # a page the Chinese edition does not have: its switch leads to the Chinese home page
+    reader.open("ARCHITECTURE.html")
+    _switch(reader)
+    assert reader.path() == "zh/index.html"
+    assert not reader.problems, "\n".join(reader.problems)
+
+
+def _search(reader, path: str) -> set[str]:
+    """The pages a search page lists, once it says it is done."""
+    reader.open(path)
+    reader.page.wait_for_function(
+        "() => { const p = document.querySelector('#search-results p.search-summary');"
+        " return p && /found|did not match|搜索完成|没有任何文档/i.test(p.textContent); }",
+        timeout=30_000)
+    results = reader.page.locator("#search-results ul.search li a")
+    return {urlsplit(h).path.lstrip("/") for h in
+            results.evaluate_all("as => as.map(a => a.href)")}
+
+
+def _article_texts(out: Path) -> dict[str, str]:
+    """Each Chinese page's own text (its article, not the sidebar that lists every title)."""
+    texts = {}
+    for page in _pages(out, "zh"):
+        html = (out / page).read_text()
+        match = re.search(r"<article[^>]*>(.*?)</article>", html, re.S)
+        if match:
+            texts[page] = re.sub(r"<[^>]+>", " ", match.group(1))
+    return texts
+
+
+def test_search_on_the_chinese_site_finds_a_chinese_word(reader, built_site):
+    texts = _article_texts(built_site.out)
+    for word in ("梯度", "数据并行"):
+        holding = {page for page, text in texts.items() if word in text}
+        assert holding, word
+        found = _search(reader, f"zh/search.html?q={word}")
+        assert found, f"the Chinese search found no page for {word}"
+        assert found <= holding, (word, sorted(found - holding))  # Chinese pages that hold it
+        assert len(found) >= 0.8 * len(holding), (word, sorted(holding - found))
+        if word == "梯度":
+            shot(reader.page, "site-zh-search")
+    assert not reader.problems, "\n".join(reader.problems)
+
+
+def test_the_chinese_search_index_maps_chinese_words_to_their_pages(built_site):
+    """No browser: the Chinese searchindex.js holds Chinese words (jieba cut them), each mapped
+    to the pages whose text holds it."""
+    js = (built_site.out / "zh" / "searchindex.js").read_text()
+    index = json.loads(js[js.index("(") + 1:js.rindex(")")])
+    texts = _article_texts(built_site.out)
+    for word in ("梯度", "数据并行", "集合通信"):
+        found = set()
+        for key in ("terms", "titleterms"):
+            ids = index[key].get(word, [])
+            found |= {"zh/" + index["docnames"][i] + ".html"
+                      for i in ([ids] if isinstance(ids, int) else ids)}
+        holding = {page for page, text in texts.items() if word in text}
+        assert found and found <= holding, (word, sorted(found - holding))
+        assert len(found) >= 0.8 * len(holding), (word, sorted(holding - found))

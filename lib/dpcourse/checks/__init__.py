@@ -407,25 +407,28 @@ def predict(lab: str, question: str, value, *, unit: str = "", choices=None) -> 
     return guess
 
 
-def reveal(prediction: Prediction, measured, *, close: bool, explanation: str) -> None:
+def reveal(prediction: Prediction, measured, *, close: bool, explanation: str,
+           how: str = "measured") -> None:
     """Compare a :class:`Prediction` with what was measured, for a lab's check: print whether it
     was right and ``explanation`` (why the measured value is what it is, in a sentence or two)
-    and record both. A prediction is not graded: a wrong one never raises."""
+    and record both. A prediction is not graded: a wrong one never raises. ``how`` names where
+    the value came from in the printed line and the record: ``"modelled"`` for a value a model
+    computed rather than a run measured (lab 06's time per step)."""
     __tracebackhide__ = True
     if not isinstance(prediction, Prediction):
         fail(f"the check needs the Prediction that predict(...) returned, got "
              f"{type(prediction).__name__}: pass the value of the predict(...) cell.")
     verdict = "right" if close else "not what happened"
     late = " (made after the measurement was shown)" if prediction.late else ""
-    print(f"Your prediction{late}: {prediction.shown()}; measured: "
+    print(f"Your prediction{late}: {prediction.shown()}; {how}: "
           f"{prediction.shown(measured)} — {verdict}.")
     if explanation:
         print(textwrap.fill(" ".join(explanation.split()), width=100))
     if not prediction.late:
-        keep(prediction, measured, close=close)
+        keep(prediction, measured, close=close, how=how)
 
 
-def keep(prediction: Prediction, measured, *, close: bool) -> None:
+def keep(prediction: Prediction, measured, *, close: bool, how: str = "measured") -> None:
     """Keep ``prediction`` as the learner's answer to its question and record it beside
     ``measured`` — what :func:`reveal` does, without printing, for a check that words its own
     sentence (lab 06's declared in-flight count). Only the first one compared is kept: a later
@@ -435,9 +438,9 @@ def keep(prediction: Prediction, measured, *, close: bool) -> None:
         return
     _revealed[key] = prediction
     _record(prediction.lab, f"predict {prediction.question}", "compared",
-            f"predicted {prediction.shown()}, measured {prediction.shown(measured)}",
+            f"predicted {prediction.shown()}, {how} {prediction.shown(measured)}",
             {"predicted": _jsonable(prediction.value), "measured": _jsonable(measured),
-             "close": bool(close)})
+             "close": bool(close), **({} if how == "measured" else {"how": how})})
 
 
 def kept_prediction(lab: str, question: str) -> Prediction | None:

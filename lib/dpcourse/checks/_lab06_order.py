@@ -347,5 +347,5 @@ def check_step_prediction(guesses, fn) -> None:
     for n in STEP_SIZES:
         guess = guesses[n]
         close = abs(float(guess.value) - per[n]) <= 0.05
-        reveal(guess, round(per[n], 2), close=close,
+        reveal(guess, round(per[n], 2), close=close, how="modelled",
                explanation=explanation if n == STEP_SIZES[-1] else "")

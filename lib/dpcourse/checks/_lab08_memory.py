@@ -10,7 +10,10 @@ reduce-scatter the learner launches and each ``wait()`` on its Work (:class:`_Wa
 during the backward, before every line of the learner's own functions (:func:`weighing_lines`,
 a ``sys.settrace`` tracer limited to frames outside torch, dpcourse and the standard library).
 Per line, because the costly instant is between two calls: right after a bucket is copied
-into its buffer and before its ``p.grad`` is let go, the bucket exists twice.
+into its buffer and before its ``p.grad`` is let go, the bucket exists twice. Only between
+lines: a temporary made and dropped inside one line (the unpadded result of ``torch.cat``
+under ``F.pad``) is not seen; the references fill a zeroed buffer in place
+(``torch.cat(..., out=)``), so they make none.
 
 Used by :mod:`dpcourse.checks.lab08` (``check_zero_two``) and
 :mod:`dpcourse.checks._lab08_peak` (the predictions), so that both weigh alike.

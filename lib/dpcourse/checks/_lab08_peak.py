@@ -141,8 +141,8 @@ class _Schedule:
             self._finish(keep=0)
         n, offset = self.layout[i]
         numel = sum(q.numel() for q in self.buckets[i])
-        buffer = F.pad(torch.cat([q.grad.reshape(-1) for q in self.buckets[i]]),
-                       (0, n * self.world_size - numel))
+        buffer = self.shard.new_zeros(n * self.world_size)          # padded: zeros past numel
+        torch.cat([q.grad.reshape(-1) for q in self.buckets[i]], out=buffer[:numel])
         for q in self.buckets[i]:
             q.grad = None
         out = self.shard.grad[offset:offset + n]
@@ -295,7 +295,11 @@ def check_peak_prediction(guess, measured: int) -> None:
            f"gradients twice — at most at bucket {k}: ({b[k]} + {P[k]}) × 4 = {copy} B. The "
            f"peak is the larger, {expected} B, {round(100 * expected / total)} % of the {total} "
            f"B of all the gradients, which DDP, or a ZeRO-2 that reduce-scatters in step(), "
-           f"holds at once — two buckets, not two caps ({2 * PEAK_CAP} B).")
+           f"holds at once — two buckets, not two caps ({2 * PEAK_CAP} B). What is weighed is "
+           f"the gradient storage alive between two lines of your code: a temporary made and "
+           f"dropped inside one line is not seen — F.pad(torch.cat(...)) holds the unpadded "
+           f"cat and its padded copy at once, one bucket more than the {expected} B; a zeroed "
+           f"buffer filled by torch.cat(..., out=buffer[:numel]) holds no copy beside it.")
     if measured != expected:
         why += (f" Your ZeroTwo's peak, {measured} B, is not that of one bucket in flight "
                 f"({expected} B): it keeps {'more' if measured > expected else 'less'} alive.")

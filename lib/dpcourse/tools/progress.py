@@ -200,6 +200,8 @@ def predictions(cells: dict) -> list[dict]:
             q["compared"] += 1
             q["close"] += bool(record.get("close"))
             q["measured"] = record.get("measured")
+            if "how" in record:   # a value a model computed, not a run (lab 06's time per step)
+                q["how"] = record["how"]
     return [questions[k] for k in sorted(questions)]
 
 
@@ -207,7 +209,8 @@ def prediction_lines(cells: dict) -> list[str]:
     lines = []
     for q in predictions(cells):
         values = ", ".join(f"{v} ×{n}" for v, n in q["values"].most_common())
-        measured = f" (measured {q['measured']}; {q['close']} of {q['compared']} right)" \
+        measured = f" ({q.get('how', 'measured')} {q['measured']}; {q['close']} of " \
+                   f"{q['compared']} right)" \
             if q["compared"] else ""
         lines.append(f"The room predicted, {q['check']}: {values}{measured}.")
     return lines + ([""] if lines else [])

@@ -17,12 +17,20 @@ English edit shows up as a stale block, never as a lost one. Labs need no file: 
 is its solution's, under the same cell ids (``authoring.make_lab`` copies them), and the lab's
 generated header is translated once, here (``LAB_HEADER_ZH``).
 
+The course's documents (``DOCUMENTS``: README.md, lessons/HANDOUT.md,
+lessons/INSTRUCTOR_GUIDE.md) are translated the same way, a block per *section*: a document is
+split at its ``## `` headings (outside code fences), the text before the first one being the
+section ``top``; a section's id is a slug of its English heading (``quick-start``), its hash the
+same ``english_hash`` of its text. Their files are ``zh/text/docs/<name>.md``; ``build`` writes
+``zh/<name>.md``.
+
 Run from the repository root::
 
     python -m dpcourse translate status                  # every notebook: missing, stale, orphaned
     python -m dpcourse translate update lessons/00_start_here   # add blocks for new cells, re-key
     python -m dpcourse translate update solutions/lab01_single_device --accept 4729d2b3
-    python -m dpcourse translate build                   # write zh/lessons, zh/labs, zh/solutions
+    python -m dpcourse translate update README.md --accept quick-start   # a document's section
+    python -m dpcourse translate build                   # zh/lessons, labs, solutions, zh/*.md
 
 ``--accept ID`` says "I brought this block's Chinese up to date with the English": it writes the
 English cell's current hash into the marker (and drops ``untranslated``). ``build`` executes
@@ -37,6 +45,7 @@ import argparse
 import copy
 import hashlib
 import re
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,10 +56,13 @@ from dpcourse.tools.authoring import ROOT
 
 __all__ = ["Block", "Report", "english_hash", "shape", "parse", "render", "read_blocks", "status",
            "update", "translated_notebook", "build", "out_of_date", "text_path", "main",
-           "EDITIONS", "Glossary", "read_glossary", "glossary_problems"]
+           "EDITIONS", "Glossary", "read_glossary", "glossary_problems", "DOCUMENTS", "Section",
+           "sections", "translated_document"]
 
 EDITIONS = ("lessons", "solutions")   # the folders with a translation file per notebook
 ZH = "zh"                             # the edition's own folder at the root
+# the documents translated a block per `## ` section, written to zh/<name>.md
+DOCUMENTS = ("README.md", "lessons/HANDOUT.md", "lessons/INSTRUCTOR_GUIDE.md")
 _MARKER = re.compile(r"^<!-- cell (?P<id>[\w-]+) en:(?P<hash>[0-9a-f]{12})"
                      r"(?P<untranslated> untranslated)? -->\s*$")
 
@@ -112,7 +124,10 @@ def parse(text: str) -> list[Block]:
 def render(blocks: list[Block], english: str) -> str:
     """The file for ``blocks``: a preamble, then each marker and its text, a blank line apart,
     so a translator's edit is a diff of its own lines and nothing else."""
-    out = [_PREAMBLE.format(english=english)]
+    preamble = _PREAMBLE.format(english=english)
+    if english.endswith(".md"):     # a document: a block per ## section, keyed by its heading
+        preamble = preamble.replace("英文单元格的 id 和", "英文小节的 id（由它的 `## ` 标题而来）和")
+    out = [preamble]
     for b in blocks:
         flag = " untranslated" if b.untranslated else ""
         out.append(f"<!-- cell {b.cell_id} en:{b.en_hash}{flag} -->\n{b.text}\n")
@@ -120,7 +135,10 @@ def render(blocks: list[Block], english: str) -> str:
 
 
 def text_path(notebook: Path, root: Path = ROOT) -> Path:
-    """``lessons/00_start_here.ipynb`` -> ``zh/text/lessons/00_start_here.md``."""
+    """``lessons/00_start_here.ipynb`` -> ``zh/text/lessons/00_start_here.md``; a document,
+    ``lessons/HANDOUT.md`` -> ``zh/text/docs/HANDOUT.md``."""
+    if notebook.suffix == ".md":
+        return root / ZH / "text" / "docs" / notebook.name
     return root / ZH / "text" / notebook.parent.name / (notebook.stem + ".md")
 
 
@@ -132,17 +150,79 @@ def _markdown(nb) -> list:
     return [c for c in nb.cells if c.cell_type == "markdown"]
 
 
+@dataclass
+class Section:
+    """One ``## `` section of a document: what a notebook's markdown cell is to a notebook."""
+
+    id: str
+    source: str
+
+
+def _slug(heading: str) -> str:
+    """A short, stable id for a heading: its first few ASCII words, lower case, hyphenated
+    ("For instructors: a workshop on a shared server" -> "for-instructors-workshop-on")."""
+    words = [w for w in re.findall(r"[a-z0-9]+", heading.lower()) if w not in ("a", "an", "the")]
+    return "-".join(words[:4]) or "section"
+
+
+def sections(markdown: str) -> list[Section]:
+    """A document cut at its ``## `` headings (not at a ``## `` line inside a code fence): the
+    text before the first heading is ``top``; ids are unique within the document (``-2`` …)."""
+    parts: list[tuple[str, list[str]]] = [("top", [])]
+    fence = None
+    for line in markdown.splitlines():
+        m = re.match(r"^\s*(`{3,}|~{3,})", line)
+        if m and fence is None:
+            fence = m.group(1)
+        elif m and line.strip().startswith(fence):
+            fence = None
+        if fence is None and line.startswith("## "):
+            parts.append((_slug(line[3:]), [line]))
+        else:
+            parts[-1][1].append(line)
+    out, seen = [], {}
+    for i, (slug, lines) in enumerate(parts):
+        text = "\n".join(lines).strip("\n")
+        if i == 0 and not text:
+            continue
+        seen[slug] = seen.get(slug, 0) + 1
+        out.append(Section(slug if seen[slug] == 1 else f"{slug}-{seen[slug]}", text))
+    return out
+
+
+def _is_document(path: Path) -> bool:
+    return path.suffix == ".md"
+
+
+def _units(path: Path) -> list:
+    """What is translated a block each: a notebook's markdown cells, or a document's sections
+    (both with ``.id`` and ``.source``)."""
+    if _is_document(path):
+        return sections(path.read_text(encoding="utf-8"))
+    return _markdown(nbformat.read(path, as_version=4))
+
+
+def _documents(root: Path) -> list[Path]:
+    return [root / d for d in DOCUMENTS if (root / d).exists()]
+
+
 def _notebooks(root: Path) -> list[Path]:
     return [p for d in EDITIONS for p in sorted((root / d).glob("*.ipynb"))]
 
 
 def _resolve(name: str, root: Path) -> Path:
-    """``lessons/00_start_here``, ``00_start_here`` or a path to the .ipynb -> the notebook."""
+    """``lessons/00_start_here``, ``00_start_here`` or a path to the .ipynb -> the notebook;
+    ``README.md``, ``lessons/HANDOUT.md``, ``HANDOUT.md`` or ``HANDOUT`` -> the document."""
+    docs = [p for p in _documents(root)
+            if name.strip("/") in (p.relative_to(root).as_posix(), p.name, p.stem)]
+    if len(docs) == 1:
+        return docs[0]
     wanted = [p for p in _notebooks(root)
               if name.removesuffix(".ipynb").strip("/") in (f"{p.parent.name}/{p.stem}", p.stem)]
     if len(wanted) != 1:
         raise SystemExit(f"{name!r} names {len(wanted)} notebooks in {EDITIONS}: give "
-                         f"folder/stem, e.g. lessons/00_start_here")
+                         f"folder/stem, e.g. lessons/00_start_here, or a document of "
+                         f"{DOCUMENTS}")
     return wanted[0]
 
 
@@ -159,7 +239,8 @@ class Report:
     stale: list = field(default_factory=list)
     orphaned: list = field(default_factory=list)
     structure: list = field(default_factory=list)
-    cells: int = 0                 # markdown cells in the English notebook
+    cells: int = 0                 # markdown cells in the English notebook (a document: sections)
+    unit: str = "cell"             # what a block translates: "cell", or a document's "section"
 
     @property
     def ok(self) -> bool:
@@ -173,7 +254,7 @@ class Report:
                "orphaned": "is no longer in the English notebook (delete the block)",
                "structure": "is shaped differently in Chinese: keep the English cell's headings "
                             "and its <details>/<summary> tags, in the same order"}
-        return [f"{self.notebook} cell {cid} ({words!r}) {say[kind]} [{self.translation}]"
+        return [f"{self.notebook} {self.unit} {cid} ({words!r}) {say[kind]} [{self.translation}]"
                 for kind in say for cid, words in getattr(self, kind)]
 
 
@@ -187,12 +268,13 @@ def shape(markdown: str) -> list[str]:
 
 
 def status(notebook: Path, root: Path = ROOT) -> Report:
-    nb = nbformat.read(notebook, as_version=4)
+    """A notebook's (or a document's) translation state."""
+    units = _units(notebook)
     path = text_path(notebook, root)
     rep = Report(str(notebook.relative_to(root)), str(path.relative_to(root)), path.exists(),
-                 cells=len(_markdown(nb)))
+                 cells=len(units), unit="section" if _is_document(notebook) else "cell")
     blocks = {b.cell_id: b for b in read_blocks(path)}
-    cells = {c.id: c for c in _markdown(nb)}
+    cells = {c.id: c for c in units}
     for cid, cell in cells.items():
         b = blocks.get(cid)
         if b is None or b.untranslated:
@@ -213,11 +295,11 @@ def update(notebook: Path, root: Path = ROOT, accept: tuple[str, ...] = ()) -> P
     re-keyed to the cell whose English hash it matches, when exactly one cell without a block
     has that hash (notebooks built before ids were stable renamed every cell); ``accept``ed
     ids take the current English hash. Orphans that match nothing stay, at the end, for a
-    person to delete. Returns the file's path."""
-    nb = nbformat.read(notebook, as_version=4)
+    person to delete. A document's sections are its cells (a renamed heading is a new id).
+    Returns the file's path."""
     path = text_path(notebook, root)
     blocks = {b.cell_id: b for b in read_blocks(path)}
-    cells = _markdown(nb)
+    cells = _units(notebook)
     unclaimed = [c for c in cells if c.id not in blocks]
     for b in [b for cid, b in blocks.items() if cid not in {c.id for c in cells}]:
         same = [c for c in unclaimed if english_hash(c.source) == b.en_hash]
@@ -229,7 +311,8 @@ def update(notebook: Path, root: Path = ROOT, accept: tuple[str, ...] = ()) -> P
     for cid in accept:
         cell = next((c for c in cells if c.id == cid), None)
         if cell is None or cid not in blocks:
-            raise SystemExit(f"--accept {cid}: no such markdown cell with a block in {notebook}")
+            raise SystemExit(f"--accept {cid}: no such markdown cell or section with a block in "
+                             f"{notebook}")
         blocks[cid].en_hash, blocks[cid].untranslated = english_hash(cell.source), False
     ordered = []
     for c in cells:
@@ -249,12 +332,18 @@ HEADER_ZH = ("> **中文版（自动生成）** — 由 `python -m dpcourse tran
 LAB_HEADER_ZH = ("> **自动生成的实验** — 由 `python -m dpcourse build` 从 `{source}` 生成。"
                  "请勿在仓库中编辑此文件：修改参考答案的源文件后重新构建。（学员：这份副本归你填写 —— "
                  "把每个 `# TODO` 下的 `raise NotImplementedError` 换成你的代码，然后运行它下面的检查单元格。）")
+DOC_HEADER_ZH = ("> **中文版（自动生成）** — 由 `python -m dpcourse translate build` 根据英文文档 "
+                 "`{english}` 与译文 `{translation}` 生成。请勿直接编辑此文件：修改译文后重新运行 "
+                 "build。")
 _LINK = re.compile(r"(\]\()([^)\s#]+)([^)]*\))")
 
 
 def _zh_twin(english: Path, root: Path) -> Path | None:
     """Where ``english``'s Chinese edition is written, when it has one (labs follow their
-    solution's translation file)."""
+    solution's translation file; a document, its translation file)."""
+    rel = english.relative_to(root).as_posix() if english.is_relative_to(root) else None
+    if rel in DOCUMENTS:
+        return root / ZH / english.name if text_path(english, root).exists() else None
     if english.suffix != ".ipynb" or english.parent.name not in ("lessons", "labs", "solutions"):
         return None
     source = root / "solutions" / english.name if english.parent.name == "labs" else english
@@ -266,8 +355,6 @@ def _relink(text: str, english_dir: Path, zh_dir: Path, root: Path) -> str:
     """Relative links, resolved against the English notebook's folder, re-pointed from the
     Chinese folder: to the Chinese notebook where one is built, else to the English file (a
     lesson not translated yet, a file of the repository), so no link in the edition breaks."""
-    import os
-
     def fix(m):
         target = m.group(2)
         if re.match(r"^[a-z][a-z+.-]*:", target) or target.startswith("/"):
@@ -311,6 +398,31 @@ def translated_notebook(notebook: Path, root: Path = ROOT) -> nbformat.NotebookN
     return nb
 
 
+def translated_document(document: Path, root: Path = ROOT) -> str:
+    """The Chinese edition of a document: a do-not-edit header, then every section's block, its
+    relative links re-pointed from ``zh/``. Raises ValueError naming the section when a block is
+    missing, untranslated or stale."""
+    translation = text_path(document, root)
+    blocks = {b.cell_id: b for b in read_blocks(translation)}
+    out = [DOC_HEADER_ZH.format(english=document.relative_to(root).as_posix(),
+                                translation=translation.relative_to(root).as_posix())]
+    for sec in sections(document.read_text(encoding="utf-8")):
+        b = blocks.get(sec.id)
+        if b is None or b.untranslated or b.en_hash != english_hash(sec.source):
+            why = "no block" if b is None else "untranslated" if b.untranslated else "stale"
+            raise ValueError(f"{document.relative_to(root)} section {sec.id} "
+                             f"({first_words(sec.source)!r}): {why} in "
+                             f"{translation.relative_to(root)}")
+        out.append(_relink(b.text, document.parent, root / ZH, root))
+    return "\n\n".join(out) + "\n"
+
+
+def _doc_targets(root: Path) -> list[tuple[Path, Path]]:
+    """(English document, Chinese document) for every document whose translation file exists."""
+    return [(doc, root / ZH / doc.name) for doc in _documents(root)
+            if text_path(doc, root).exists()]
+
+
 def _targets(root: Path) -> list[tuple[Path, Path]]:
     """(English notebook, Chinese notebook) for every notebook whose translation file exists;
     a lab follows its solution's file."""
@@ -323,23 +435,43 @@ def _targets(root: Path) -> list[tuple[Path, Path]]:
 
 
 def build(root: Path = ROOT) -> list[Path]:
-    """Write every Chinese notebook whose translation file exists; returns their paths. A
-    Chinese notebook whose translation file is gone is deleted."""
-    written = []
-    for english, out in _targets(root):
+    """Write every Chinese notebook and document whose translation file exists; returns their
+    paths. A Chinese notebook or document whose translation file is gone is deleted. One that
+    cannot be built (a block missing, untranslated or stale) is left as it is while the others
+    are written, then a ValueError names each of them."""
+    written, kept, errors = [], [], []
+    for english, out in _targets(root) + _doc_targets(root):
+        try:
+            made = translated_document(english, root) if _is_document(english) \
+                else translated_notebook(english, root)
+        except ValueError as err:
+            errors.append(str(err))
+            kept.append(out)
+            continue
         out.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(translated_notebook(english, root), out)
+        if _is_document(english):
+            out.write_text(made, encoding="utf-8")
+        else:
+            nbformat.write(made, out)
         written.append(out)
-    for folder in ("lessons", "labs", "solutions"):
-        for stray in sorted((root / ZH / folder).glob("*.ipynb")):
-            if stray not in written:
-                stray.unlink()
+    for stray in _strays(root, written + kept):
+        stray.unlink()
+    if errors:
+        raise ValueError("\n".join(errors))
     return written
 
 
+def _strays(root: Path, expected) -> list[Path]:
+    """Chinese notebooks and documents (never zh/glossary.md) not in ``expected``."""
+    found = [p for folder in ("lessons", "labs", "solutions")
+             for p in sorted((root / ZH / folder).glob("*.ipynb"))]
+    found += [root / ZH / Path(d).name for d in DOCUMENTS if (root / ZH / Path(d).name).exists()]
+    return [p for p in found if p not in expected]
+
+
 def out_of_date(root: Path = ROOT) -> list[str]:
-    """The Chinese notebooks that differ from what ``build`` would write now (or are missing,
-    or have no translation file any more), each with what to do."""
+    """The Chinese notebooks and documents that differ from what ``build`` would write now (or
+    are missing, or have no translation file any more), each with what to do."""
     problems = []
     expected = set()
     for english, out in _targets(root):
@@ -353,10 +485,19 @@ def out_of_date(root: Path = ROOT) -> list[str]:
             problems.append(f"{out.relative_to(root)} is out of step with "
                             f"{english.relative_to(root)} and its translation: run "
                             f"python -m dpcourse translate build")
-    for folder in ("lessons", "labs", "solutions"):
-        for stray in sorted((root / ZH / folder).glob("*.ipynb")):
-            if stray not in expected:
-                problems.append(f"{stray.relative_to(root)} has no translation file: delete it")
+    for english, out in _doc_targets(root):
+        expected.add(out)
+        try:
+            want = translated_document(english, root)
+        except ValueError as err:
+            problems.append(f"{out.relative_to(root)} cannot be built: {err}")
+            continue
+        if not out.exists() or out.read_text(encoding="utf-8") != want:
+            problems.append(f"{out.relative_to(root)} is out of step with "
+                            f"{english.relative_to(root)} and its translation: run "
+                            f"python -m dpcourse translate build")
+    for stray in _strays(root, expected):
+        problems.append(f"{stray.relative_to(root)} has no translation file: delete it")
     return problems
 
 
@@ -418,11 +559,12 @@ def _squash(text: str) -> str:
 
 def glossary_problems(notebook: Path, glossary: Glossary, root: Path = ROOT) -> list[str]:
     """Each translated block whose English cell uses a glossary term that its Chinese does not
-    render as the glossary says: the rendering absent, or a kept-in-English term missing."""
-    nb = nbformat.read(notebook, as_version=4)
+    render as the glossary says: the rendering absent, or a kept-in-English term missing. A
+    document's sections are checked like cells."""
+    unit = "section" if _is_document(notebook) else "cell"
     blocks = {b.cell_id: b for b in read_blocks(text_path(notebook, root))}
     problems = []
-    for cell in _markdown(nb):
+    for cell in _units(notebook):
         b = blocks.get(cell.id)
         if b is None or b.untranslated:
             continue
@@ -437,7 +579,7 @@ def glossary_problems(notebook: Path, glossary: Glossary, root: Path = ROOT) -> 
                 ok = any(r.strip() in chinese for r in zh.split("/"))
             if not ok:
                 want = f"keeps {term!r} in English" if zh == KEPT else f"renders {term!r} as {zh}"
-                problems.append(f"{notebook.relative_to(root)} cell {cell.id} "
+                problems.append(f"{notebook.relative_to(root)} {unit} {cell.id} "
                                 f"({first_words(cell.source)!r}): the glossary {want}")
     return problems
 
@@ -448,15 +590,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m dpcourse translat
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("status", help="per notebook: missing, stale and orphaned blocks; the "
-                   "notebooks with no translation file yet are listed, not failed")
+    sub.add_parser("status", help="per notebook and document: missing, stale and orphaned "
+                   "blocks; those with no translation file yet are listed, not failed")
     u = sub.add_parser("update", help="add a block for every markdown cell without one and "
                        "re-key blocks whose cell id changed")
-    u.add_argument("names", nargs="+", help="notebooks: lessons/00_start_here, solutions/lab01_…")
+    u.add_argument("names", nargs="+", help="notebooks: lessons/00_start_here, solutions/lab01_…; "
+                   "documents: README.md, lessons/HANDOUT.md, lessons/INSTRUCTOR_GUIDE.md")
     u.add_argument("--accept", action="append", default=[], metavar="ID",
-                   help="mark this cell's block as translated from the current English")
+                   help="mark this cell's (or section's) block as translated from the current "
+                   "English")
     sub.add_parser("build", help="write zh/lessons, zh/labs and zh/solutions from the stored "
-                   "English notebooks and the translations (executes nothing)")
+                   "English notebooks and the translations, and zh/README.md, zh/HANDOUT.md, "
+                   "zh/INSTRUCTOR_GUIDE.md from the documents (executes nothing)")
     args = parser.parse_args(argv)
     if args.cmd == "update":
         for name in args.names:
@@ -468,18 +613,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m dpcourse translat
             for path in build(ROOT):
                 print(f"wrote {path.relative_to(ROOT)}")
         except ValueError as err:
-            print(f"cannot build: {err}")
+            print("the rest was written; cannot build:\n" + "\n".join(
+                f"  {line}" for line in str(err).splitlines()))
             return 1
         return 0
     glossary = read_glossary()
     bad, without = 0, []
-    for nbpath in _notebooks(ROOT):
+    for nbpath in _notebooks(ROOT) + _documents(ROOT):
         rep = status(nbpath, ROOT)
         if not rep.exists:
             without.append(rep.notebook)
             continue
         done = rep.cells - len(rep.missing) - len(rep.stale)
-        print(f"{rep.notebook}: {done}/{rep.cells} markdown cells translated and current")
+        what = "sections" if rep.unit == "section" else "markdown cells"
+        print(f"{rep.notebook}: {done}/{rep.cells} {what} translated and current")
         for line in rep.problems() + glossary_problems(nbpath, glossary, ROOT):
             print(f"  {line}")
             bad += 1

@@ -87,9 +87,11 @@ def zero3_timeline_figure(events, layer_names: Sequence[str] | None = None):
     [(layer, kind, start_ms, end_ms)] with kind "all-gather (forward)", "all-gather
     (backward)", "reduce-scatter" or "free"
     (:func:`dpcourse.zero_experiments.zero3_timeline_worker`).
-    Bars for the collectives; a pale band where the layer's full weights exist (from a gather's
-    end to the layer's next free: the layer computes in it; in the backward the weights are
-    freed before the reduce-scatter, as FSDP2 does); a black tick where they are freed."""
+    Bars for the collectives; a green band where the layer's full weights exist outside a
+    collective (from a gather's end to the layer's next free: the layer computes in it; in the
+    backward the weights are freed before the reduce-scatter, as FSDP2 does), with a green
+    marker above it, since a band can be narrower than a tick; a black tick where they are
+    freed."""
     colours = {"all-gather (forward)": "#4c72b0", "all-gather (backward)": "#8172b2",
                "reduce-scatter": "#dd8452"}
     layers = sorted({e[0] for e in events if e[0] >= 0})
@@ -105,8 +107,14 @@ def zero3_timeline_figure(events, layer_names: Sequence[str] | None = None):
             if held_from is not None and kind == "free":
                 label = "full weights held" if "held" not in labelled else None
                 labelled.add("held")
-                ax.barh(y, start - held_from, left=held_from, height=0.5, color="#55a868",
-                        alpha=0.45, label=label, zorder=0.5)
+                ax.barh(y, start - held_from, left=held_from, height=0.5, color="#2ca02c",
+                        label=label, zorder=2)
+                # a band can be a few pixels wide beside collectives of milliseconds: a
+                # green marker above it says where it is, whatever its width
+                ax.plot([(held_from + start) / 2], [y + 0.38], marker="v", color="#2ca02c",
+                        markersize=6, zorder=3, linestyle="none",
+                        label="a band's place" if "mark" not in labelled else None)
+                labelled.add("mark")
                 held_from = None
             if kind in colours:
                 label = kind if kind not in labelled else None
@@ -115,14 +123,15 @@ def zero3_timeline_figure(events, layer_names: Sequence[str] | None = None):
                 if kind.startswith("all-gather"):
                     held_from = end
             elif kind == "free":
-                ax.plot([start, start], [y - 0.3, y + 0.3], color="black", lw=1.2,
+                ax.plot([start, start], [y - 0.3, y + 0.3], color="black", lw=0.8, zorder=2.5,
                         label="freed" if "free" not in labelled else None)
                 labelled.add("free")
     ax.set_yticks(range(len(layers)))
     ax.set_yticklabels(list(reversed(names)))
     ax.set_xlabel("milliseconds into the step (rank 0)")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=5,
+    ax.set_ylim(-0.6, len(layers) - 0.4 + 0.25)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3,
               frameon=False)
     fig.subplots_adjust(left=0.16, right=0.98, bottom=0.38 if len(layers) < 4 else 0.28,
                         top=0.95)
