@@ -543,6 +543,10 @@ claim("4 MiB buckets: every bucket was launched (none waited for finish_gradient
 lag = [t - max(r for r in tl["ready"] if r <= t) for t in launch_times]   # launch - tick before
 claim("4 MiB buckets: every launch came after a gradient's tick (stamped in that order)",
       all(any(r <= t for r in tl["ready"]) for t in launch_times))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: the caption quotes this run's lags and times, in ms.
 viz.show(viz.overlap_timeline_figure(tl, "bucketed, 4 MiB buckets: rank 0, last step"),
          f"read the bucket rows against the grey backward: each bar starts {min(lag):.1f} to "
          f"{max(lag):.1f} ms after the tick just before it (the tick is stamped first, then our "
