@@ -367,6 +367,18 @@ def _relink(text: str, english_dir: Path, zh_dir: Path, root: Path) -> str:
     return "".join(p if i % 2 else _LINK.sub(fix, p) for i, p in enumerate(parts))
 
 
+def _current_block(blocks: dict, block_id: str, english: str, where: str, translation: Path,
+                   root: Path):
+    """The translation block of one cell or section, if it is translated and current; else a
+    ValueError naming the place (``where``) and why: no block, untranslated or stale."""
+    b = blocks.get(block_id)
+    if b is None or b.untranslated or b.en_hash != english_hash(english):
+        why = "no block" if b is None else "untranslated" if b.untranslated else "stale"
+        raise ValueError(f"{where} ({first_words(english)!r}): {why} in "
+                         f"{translation.relative_to(root)}")
+    return b
+
+
 def translated_notebook(notebook: Path, root: Path = ROOT) -> nbformat.NotebookNode:
     """The Chinese notebook for an English lesson, solution or lab: a copy of the English one
     whose markdown cells hold their translation, with a header cell first. Raises ValueError
@@ -382,12 +394,8 @@ def translated_notebook(notebook: Path, root: Path = ROOT) -> nbformat.NotebookN
             src = re.search(r"made from `([^`]+)`", cell.source)
             cell.source = LAB_HEADER_ZH.format(source=src.group(1) if src else english.name)
             continue
-        b = blocks.get(cell.id)
-        if b is None or b.untranslated or b.en_hash != english_hash(cell.source):
-            why = "no block" if b is None else "untranslated" if b.untranslated else "stale"
-            raise ValueError(f"{notebook.relative_to(root)} cell {cell.id} "
-                             f"({first_words(cell.source)!r}): {why} in "
-                             f"{translation.relative_to(root)}")
+        b = _current_block(blocks, cell.id, cell.source,
+                           f"{notebook.relative_to(root)} cell {cell.id}", translation, root)
         cell.source = _relink(b.text, notebook.parent, zh_dir, root)
     header = nbformat.v4.new_markdown_cell(HEADER_ZH.format(
         english=notebook.relative_to(root).as_posix(),
@@ -407,12 +415,8 @@ def translated_document(document: Path, root: Path = ROOT) -> str:
     out = [DOC_HEADER_ZH.format(english=document.relative_to(root).as_posix(),
                                 translation=translation.relative_to(root).as_posix())]
     for sec in sections(document.read_text(encoding="utf-8")):
-        b = blocks.get(sec.id)
-        if b is None or b.untranslated or b.en_hash != english_hash(sec.source):
-            why = "no block" if b is None else "untranslated" if b.untranslated else "stale"
-            raise ValueError(f"{document.relative_to(root)} section {sec.id} "
-                             f"({first_words(sec.source)!r}): {why} in "
-                             f"{translation.relative_to(root)}")
+        b = _current_block(blocks, sec.id, sec.source,
+                           f"{document.relative_to(root)} section {sec.id}", translation, root)
         out.append(_relink(b.text, document.parent, root / ZH, root))
     return "\n\n".join(out) + "\n"
 
