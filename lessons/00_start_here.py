@@ -102,7 +102,7 @@ except LabCheckError as err:
 # | profile | when | single-device lessons | multi-rank cells that follow the profile (for example 03's core comparison, 04's torchrun scripts) | TensorFlow (05) |
 # |---|---|---|---|---|
 # | `cpu` | no GPU (laptop, Binder, CI) | CPU | 2 processes over **gloo** on the CPU | CPU split into 2 logical devices |
-# | `one-gpu` | one GPU | CUDA | ranks over gloo (NCCL, by default, refuses two ranks on one GPU) | GPU split into 2 logical GPUs |
+# | `one-gpu` | one GPU | CUDA | 2 processes over gloo **on the CPU**; the GPU serves the single-device lessons (NCCL, by default, refuses two ranks on one GPU) | GPU split into 2 logical GPUs |
 # | `multi-gpu` | 2+ GPUs | CUDA | **NCCL**, one GPU per rank | 2 of the real GPUs |
 #
 # Many multi-rank cells do not follow the profile: they run gloo on the CPU on every machine,
@@ -125,21 +125,40 @@ from dpcourse.__main__ import doctor
 _ = doctor()  # (keep its return code out of the output)
 
 # %% [markdown]
-# What the lessons rely on is not the exact report but a few rules, checked here on this
-# machine: the profile follows the number of GPUs, NCCL is chosen only when every rank can own
-# a GPU, and everything needed for the CPU path (gloo) is present.
+# What the lessons rely on is not the exact report but a few rules, checked here: the profile
+# follows the number of GPUs (`choose_profile`, asked about this machine's report with 0, 1, 2
+# and 8 GPUs), NCCL is chosen only when every rank can own a GPU (`backend_for`), and
+# everything needed for the CPU path (gloo) is present.
 
 # %%
+import dataclasses
 import os
+from unittest import mock
 
 from dpcourse import devices, viz
 
-viz.show_code(devices.backend_for)               # the rule the third claim tests
+viz.show_code(devices.choose_profile, devices.backend_for,
+              folded="▶ devices.choose_profile and backend_for: the rules these claims test")
 report = devices.hardware_report()
 profile = devices.choose_profile(report)
-expected = {0: "cpu", 1: "one-gpu"}.get(report.gpu_count, "multi-gpu")
-claim("the profile follows the GPU count (or DPCOURSE_PROFILE)",
-      profile.name == expected or "DPCOURSE_PROFILE" in os.environ,
+
+
+def profile_for(gpus):
+    """The profile this machine would get with ``gpus`` GPUs and DPCOURSE_PROFILE unset."""
+    with_gpus = dataclasses.replace(report, gpus=["a GPU"] * gpus, nccl=gpus > 0)
+    with mock.patch.dict(os.environ):
+        os.environ.pop("DPCOURSE_PROFILE", None)
+        return devices.choose_profile(with_gpus)
+
+
+by_gpus = {n: profile_for(n) for n in (0, 1, 2, 8)}
+claim("the profile follows the GPU count: 0 → cpu, 1 → one-gpu, 2 and 8 → multi-gpu",
+      [p.name for p in by_gpus.values()] == ["cpu", "one-gpu", "multi-gpu", "multi-gpu"])
+claim("one-gpu: its 2 ranks run over gloo on the CPU, the GPU serves single-device code",
+      (by_gpus[1].world_size, by_gpus[1].backend, by_gpus[1].rank_device, by_gpus[1].device)
+      == (2, "gloo", "cpu", "cuda"), one_gpu=by_gpus[1])
+claim("this machine got the profile its GPU count gives, or the one DPCOURSE_PROFILE names",
+      profile.name == (os.environ.get("DPCOURSE_PROFILE") or profile_for(report.gpu_count).name),
       profile=profile.name, gpus=report.gpu_count)
 claim("gloo is available, so the CPU path of every lesson can run", report.gloo)
 claim("NCCL is chosen only when every rank can own a GPU",
@@ -222,16 +241,16 @@ claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwar
 # %% [markdown]
 # ### Optional aside: one group, two backends, and NCCL's one-GPU rule
 #
-# About 5 minutes, for readers who will run on GPUs. The CPU path of the later lessons does not
-# need it (lesson 03 uses one backend per group, and introduces torch's distributed core where
-# it needs it), but two later asides about GPUs point back here: lesson 03 for the switch that
-# lets two ranks share a GPU, and lesson 10 for NCCL's lazy connection and `device_id`. It
-# shows what lies behind the profile table's `one-gpu` row, in three runs: a group can
-# have one backend per device type; NCCL connects the GPUs only when it first needs to; and the
-# installed NCCL refuses two ranks on one GPU only by default.
+# About 5 minutes, for readers who will run on GPUs; the CPU path of the later lessons does
+# not need it. Lesson 03 (two ranks sharing a GPU) and lesson 10 (NCCL's lazy connection,
+# `device_id`) point back here. Three folded runs show what lies behind the profile table's
+# `one-gpu` row: a group can have one backend per device type; NCCL connects the GPUs only when
+# it first needs to; and the installed NCCL refuses two ranks on one GPU only by default.
 # **▶ The aside** is folded below (its text, then each run with its checks): open it to read it.
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # A group has one backend **per device type**, not necessarily one backend: torch's
 # `init_process_group` accepts `"cpu:gloo,cuda:nccl"`, and then collectives on CPU tensors go
 # through gloo and those on GPU tensors through NCCL, in the same group; every rank passes the
@@ -243,6 +262,8 @@ claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwar
 # `device:backend` form with the CPU's entry alone. This is c10d at work —
 # torch.distributed's C++ core ("c10" is torch's core library, "d" for distributed), whose
 # process groups the lessons use from lesson 03 on.
+#
+# </details>
 #
 # **▶ The first run:** ask for `"cpu:gloo,cuda:nccl"` on this machine.
 
@@ -285,12 +306,16 @@ else:
           all(r == "a group with NCCL for cuda tensors was formed" for r in nccl_here),
           nccl_here=nccl_here)
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # Two ranks on **one** GPU are another case: NCCL itself refuses them by default, which is why
 # the `one-gpu` profile runs its two ranks over gloo. It is a default, not a law — the message,
 # found below in the installed NCCL library, names the switch that lifts it — but two ranks
 # sharing one GPU's memory and compute teach nothing about scaling, so the course keeps one GPU
 # per NCCL rank.
+#
+# </details>
 #
 # **▶ The second run:** look for that message in the installed NCCL library.
 
@@ -313,7 +338,7 @@ else:
           "to enable this configuration.\"", found, library=str(nccl_lib))
 
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
 # **▶ The third run:** a group made with the `device:backend` form, the CPU's entry alone.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
@@ -373,9 +398,10 @@ except launch.RankFailedError as err:
     crash_lines = str(err).splitlines()
 crash_s = time.perf_counter() - t0
 print("\n".join(crash_lines[:2]))
-claim("rank 1's error came back as one RankFailedError naming rank 1 and its ValueError, well "
-      "before rank 0's 30 s were up", crash_lines[0].startswith("rank 1 of 2 failed: ValueError")
-      and crash_s < 25, crash_s=crash_s)
+claim("rank 1's error came back as one RankFailedError naming rank 1 and its ValueError, in "
+      "under 25 s: rank 0's 30 s sleep was cut short",
+      crash_lines[0].startswith("rank 1 of 2 failed: ValueError") and crash_s < 25,
+      crash_s=crash_s)
 
 t0 = time.perf_counter()
 try:
@@ -384,8 +410,9 @@ except launch.LaunchTimeoutError as err:
     hang_message = str(err)
 hang_s = time.perf_counter() - t0
 print(hang_message.split(". ")[0] + ".")
-claim("two ranks that never finish were stopped at the 3 s timeout (well under their 600 s)",
-      "never finished within 3 s" in hang_message and hang_s < 30, hang_s=hang_s)
+claim("two ranks that never finish were stopped by the 3 s timeout: spawn raised after 3 s or "
+      "more and in under 30 s, not after their 600 s",
+      "never finished within 3 s" in hang_message and 3 <= hang_s < 30, hang_s=hang_s)
 entry = inspect.getsource(launch.worker_entry)
 claim("a rank that returned stays alive: after sending its result (result_conn.send_bytes), "
       "worker_entry waits for the parent's word that every rank is done "
@@ -471,7 +498,9 @@ viz.quiz([
 # **▶ For maintainers and the curious: where the course has run, and how its outputs are
 # tested** (a folded note: click to open).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # Every lesson runs on a CPU-only machine: that is where its stored outputs were made and where
 # the tests run them. On one NVIDIA H100, but under that machine's older torch 2.11,
 # `python -m dpcourse doctor --run` ran every lesson and solution: most matched their stored
@@ -481,6 +510,8 @@ viz.quiz([
 # `doctor --run`), but they have not yet been run on a multi-GPU machine. The continuous
 # integration re-runs every notebook and compares every output except those marked
 # `# NBVAL_IGNORE_OUTPUT` (timings and hardware, each with its reason).
+#
+# </details>
 
 # %% [markdown]
 # ## Sources
@@ -491,24 +522,20 @@ viz.quiz([
 # - `torch/distributed/distributed_c10d.py` — `init_process_group`: the backend argument, and
 #   `BackendConfig`, which parses a single name (`"gloo"`: every device type it supports) or
 #   `"<device_type>:<backend>,..."` pairs (`"cpu:gloo,cuda:nccl"`) into one backend per device
-#   type; `Backend.default_device_backend_map` (`"cpu": gloo`, `"cuda": nccl`) and
-#   `Backend.backend_capability` (gloo: cpu and cuda; nccl: cuda only: device types, not which
-#   collectives each serves; which collectives gloo runs on GPU tensors is read from the
-#   installed `torch/lib/libtorch_cpu.so` and `libtorch_cuda.so`, by a claim in lesson 03 —
-#   nearly all of them, not the two that PyTorch's older backend table, `docs/source/
-#   distributed.rst` § Backends, marks; they copy through the CPU's memory except gloo's
-#   all_reduce, and it only when the transport reports GPUDirect: upstream
-#   `ProcessGroupGlooCuda.cpp`'s `makeAllreduceCUDAWork` asks `hasGPUDirect()`, which gloo's
-#   ibverbs transport (`gloo/transport/ibverbs/device.cc`, not installed) answers true only when
-#   the `nv_peer_mem` kernel module is loaded, and which this torch's TCP-only gloo lacks:
-#   lesson 03's Sources); `_create_nccl_process_group`
-#   builds `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only supported with
-#   GPUs, no GPUs found!" on a machine without GPUs (shown above with `"cpu:gloo,cuda:nccl"`);
-#   its docstring's `device_id`: only with it is NCCL's communicator formed at once "rather than
-#   the normal lazy call" (the `eager_connect_single_device` call near the end of
-#   `_new_process_group_helper`).
-#   `ProcessGroup._get_backend(device)` (used there, e.g. in `_get_process_group_uid`): the
-#   backend serving one device type in a group.
+#   type.
+# - `torch/distributed/distributed_c10d.py` — `Backend.default_device_backend_map` (`"cpu":
+#   gloo`, `"cuda": nccl`) and `Backend.backend_capability` (gloo: cpu and cuda; nccl: cuda
+#   only). Both list device types, not collectives: which collectives gloo runs on GPU tensors,
+#   and how it moves them through the CPU's memory, is lesson 03's (a claim there, and its
+#   Sources).
+# - `torch/distributed/distributed_c10d.py` — `_create_nccl_process_group` builds
+#   `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only supported with
+#   GPUs, no GPUs found!" on a machine without GPUs (shown above with `"cpu:gloo,cuda:nccl"`).
+#   `init_process_group`'s docstring, `device_id`: only with it is NCCL's communicator formed
+#   at once "rather than the normal lazy call" (the `eager_connect_single_device` call near the
+#   end of `_new_process_group_helper`). `ProcessGroup._get_backend(device)` (used in the same
+#   file, e.g. in `_get_process_group_uid`; the aside's third run calls it): the backend
+#   serving one device type in a group.
 # - `torch/multiprocessing/spawn.py` — `spawn`: its `fn` "must be defined at the top level of a
 #   module so it can be pickled and spawned", which a function in a notebook cell is not; hence
 #   `dpcourse.launch.spawn` ships it with cloudpickle (`lib/dpcourse/launch.py`: `spawn`'s

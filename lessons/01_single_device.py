@@ -240,7 +240,9 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 #   prints a sign test's p: how often two equally fast settings would split the rounds so
 #   lopsidedly (all but one of seven: p = 0.125, one noise call in eight). The pair, smallest
 #   and largest batch, is chosen before the run: testing the slowest and fastest after it
-#   would call noise a difference far more often.
+#   would call noise a difference far more often. The same rule judges each step from one
+#   size to the next, and `train.rate_shape` names the shape the steps make (rising, a
+#   plateau, a peak then slower): more tests, so more chances for noise (simulated below).
 # - **The clock.** `ThroughputMeter` (folded below, with `make_loaders` and `fit`) synchronizes
 #   a GPU before reading the clock: CUDA runs asynchronously, and without the sync you would
 #   time how fast Python *queues* work.
@@ -310,25 +312,19 @@ claim("each round ran the batch sizes in a shuffled order, not always the same o
 for bs in batch_sizes:
     print(f"batch {bs:4d}: median {rates[bs]:7.0f} samples/s  (runs: "
           + ", ".join(f"{r:.0f}" for r in measured[bs]) + ")")
-largest = max(batch_sizes)
-best = max(batch_sizes, key=rates.get)   # the batch size with the highest median rate
-smallest = min(batch_sizes)   # the pair compared was chosen before the run: smallest, largest
-verdict, how = train.rate_verdict(measured[smallest], measured[largest])
+smallest, largest = min(batch_sizes), max(batch_sizes)   # the pair chosen before the run
 print(f"On this {device.type}, one intra-op thread, this run: " + train.compare_rates(
     f"batch {smallest}", measured[smallest], f"batch {largest}", measured[largest]))
-if verdict == "faster":
-    print(f"The biggest batch, {largest}, beat the smallest {how}: on this machine the bigger "
-          "matrices paid off (the medians above show where the rate flattened, if it did).")
-elif verdict == "slower":
-    print(f"The biggest batch, {largest}, was slower than batch {smallest} {how}: saturation "
-          f"alone would give a plateau, not a drop. The highest median was batch {best}'s "
-          f"({rates[best]:.0f} samples/s). What made the larger batch slower, this run does not "
-          "say: it times whole steps, not what happens inside them (memory traffic, the "
-          "kernels chosen for each shape).")
-else:
-    print(f"Batch {largest} was neither clearly faster nor clearly slower than batch {smallest}: "
-          "the hardware was saturated by small batches already, or the differences were lost "
-          "in the noise of this machine.")
+shape, steps = train.rate_shape(measured)   # each size against the next larger one
+reading = {"rising": "case 1 above: the bigger matrices still paid off",
+           "plateau": "case 1, then case 2: it paid off, then flattened (saturated, or a gain "
+                      "too small for these rounds to show)",
+           "flat": "case 2 (saturated by the smallest batch already), or differences lost in "
+                   "this machine's noise"}
+print(f"Step by step, round by round, the rate {steps}. That is " + reading.get(
+    shape, "case 3 above: saturation alone would give a plateau, not a drop. What made a "
+    "larger batch slower, this run does not say: it times whole steps, not what happens "
+    "inside them (memory traffic, the kernels chosen for each shape)") + ".")
 fig = viz.new_figure(5.5, 3.2)
 ax = fig.add_subplot(1, 1, 1)
 ax.errorbar(list(batch_sizes), [rates[bs] for bs in batch_sizes],
@@ -346,11 +342,26 @@ fig.subplots_adjust(left=0.18, right=0.97, bottom=0.17, top=0.95)
 viz.show(fig, "training throughput per batch size on this machine (the lines only join the "
               "sizes that were run); the bars span the middle "
               f"half of {rounds} interleaved runs (one outlier run does not stretch them): each "
-              "size's spread on its own. The verdict above compares sizes round by round, in "
-              "pairs, so it can call a gap consistent where the bars overlap.")
+              "size's spread on its own. The verdicts above compare sizes round by round, in "
+              "pairs, not these bars: a gap can be consistent where bars overlap, and "
+              "unclear where they do not.")
 
 # %%
-viz.show_code(train.rate_verdict, train.sign_test_p, train.compare_rates)
+# How often does noise alone name a shape? Sizes equally fast: every run a random draw.
+null_rng = np.random.default_rng(seed)
+null_shapes = [train.rate_shape({bs: null_rng.random(rounds) for bs in batch_sizes})[0]
+               for _ in range(2000)]
+noise_named = 1 - null_shapes.count("flat") / len(null_shapes)
+claim(f"with {len(batch_sizes)} equally fast batch sizes and {rounds} rounds, noise alone "
+      f"named a shape other than flat in {noise_named:.0%} of 2000 simulated runs: one 'rose' "
+      "or 'fell' alone is weak evidence", 0.15 < noise_named < 0.5, noise_named=noise_named)
+
+# %% [markdown]
+# **▶ The rules behind these sentences: `rate_verdict`, `sign_test_p`, `compare_rates`,
+# `rate_shape`** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(train.rate_verdict, train.sign_test_p, train.compare_rates, train.rate_shape)
 
 # %% [markdown]
 # Where does one step's time go? `time_breakdown` charges each phase — waiting for the next
@@ -535,10 +546,11 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # it has the shape of lab 01's `evaluate`; open it after your lab passes).
 
 # %% jupyter={"source_hidden": true}
-def predictions(model, amp):
-    model.eval()
-    with torch.no_grad(), train.autocast_for(device, amp):
-        return torch.cat([model(Xb.to(device)).argmax(1).cpu() for Xb, _ in test_loader])
+viz.show_code(train.predictions, folded="▶ train.predictions — open after your lab passes")
+
+
+def predictions(model, amp):  # on this lesson's test images and device
+    return train.predictions(model, test_loader, device, amp)
 
 # %%
 import copy
@@ -617,7 +629,9 @@ print(f"On this {device.type}, one intra-op thread, this run: "
 # %% [markdown]
 # **▶ For GPU users: the details** (click the folded cells below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # On a GPU, torch hands convolutions to *cuDNN* and matrix multiplies to *cuBLAS*, NVIDIA's
 # libraries of deep-learning kernels and of linear algebra, and each has its own TF32 switch.
 # Torch's defaults differ by kind: cuDNN convolutions may use TF32 out of the box, float32
@@ -628,12 +642,15 @@ print(f"On this {device.type}, one intra-op thread, this run: "
 # per backend and operation). Setting an old switch writes the new knob too (the cell shows it
 # for matmuls), but the new knobs do not update the old switches, and once they disagree,
 # reading an old one raises a `RuntimeError` ("mix of the legacy and new APIs"). That read is
-# not only yours: `torch.compile`'s Inductor calls `torch.get_float32_matmul_precision()` when
-# it caches its choice of matmul kernels. A cuDNN-named knob is enough to get there:
+# not only yours: Inductor, `torch.compile`'s default backend (the compiler that generates the
+# compiled model's kernels), calls `torch.get_float32_matmul_precision()` when it caches its
+# choice of matmul kernels. A cuDNN-named knob is enough to get there:
 # `torch.backends.cudnn.fp32_precision` is the level the matmul knob reads through to. The
 # CUDA knobs also refuse "bf16", which the generic level and the CPU's
 # `torch.backends.mkldnn.matmul` take. **▶ The folded cell below** shows each step on this CPU (the
 # switches are flags, readable without a GPU) and puts every flag back.
+#
+# </details>
 
 # %% jupyter={"source_hidden": true}
 on_off = {True: "on", False: "off"}
@@ -726,7 +743,9 @@ claim('the CUDA knobs refuse "bf16" ("does not support precision"); the generic 
 # %% [markdown]
 # **▶ For GPU users: cuBLAS's workspace, the details** (click the folded cell below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # Many scripts and answers say deterministic mode *needs*
 # `CUBLAS_WORKSPACE_CONFIG=:4096:8` (or `:16:8`): torch used to raise an error without it on
 # a GPU matrix multiply. Torch 2.14.1 no longer checks it. It gives cuBLAS (the GPU's
@@ -736,11 +755,14 @@ claim('the CUDA knobs refuse "bf16" ("does not support precision"); the generic 
 # (pytorch/pytorch#161749). The cell checks the installed C++ headers: `Context` declares
 # `alertNotDeterministic` and no cuBLAS alert; a per-handle-and-stream workspace map is
 # declared. The variable now only *sizes* that scratch memory, read once, at the first cuBLAS
-# workspace allocation, so set it in the shell if you want another size.
+# workspace allocation: for another size, set it before the process's first GPU matrix
+# multiply, in the shell or from Python with `os.environ` (as `seed_everything` does).
 # `torch.backends.cuda.cublas_workspace_size(n)` sets the size from Python and beats the
 # variable, but only for handles used after the call (its docstring; the cell checks it).
 # `seed_everything(..., deterministic=True)` still sets `:4096:8` when it is unset: harmless
 # here, and what an older torch needs.
+#
+# </details>
 
 # %% [markdown]
 # **▶ `devices.seed_everything`** (click the folded cell below).
@@ -854,7 +876,8 @@ claim("torch 2.14.1's headers: Context declares alertNotDeterministic and no cuB
 # **▶ The library's loop — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(train.train_one_epoch, train.evaluate, train.step_phases)
+viz.show_code(train.train_one_epoch, train.evaluate, train.step_phases,
+              folded="▶ The library's loop — open after your lab passes")
 
 # %% [markdown]
 # ## Summary
@@ -962,7 +985,9 @@ viz.quiz([
 #   precision"; read with `strings`); measured on torch 2.14.1 by the cell: after a new knob
 #   says "tf32", both old reads raise; setting `allow_tf32` writes the new knob ("tf32" or
 #   "ieee"). `torch/__init__.py` — `get_float32_matmul_precision` returns
-#   `_C._get_float32_matmul_precision()`; `torch/_inductor/codecache.py` —
+#   `_C._get_float32_matmul_precision()`; `torch/__init__.py` — `compile`: "inductor" is the
+#   default backend (`torch/_dynamo/backends/registry.py` — `_default_backend`);
+#   `torch/_inductor/codecache.py` —
 #   `PersistentCache.lookup` (line 431) and `torch/_inductor/select_algorithm.py` —
 #   `create_precompile_key` call it when Inductor caches and precompiles its choice of matmul
 #   kernels. The values each knob takes are checked in C++ (`_set_fp32_precision_setter`);
@@ -993,7 +1018,8 @@ viz.quiz([
 #   variable" and "only handles used after the change get new workspaces". Not installed
 #   (C++, read in PyTorch's repository): `aten/src/ATen/cuda/CublasHandlePool.cpp` —
 #   `getChosenWorkspaceSize`, a `static` reading of `parseChosenWorkspaceSize()`: the size is
-#   read once.
+#   read once, from the process's environment (`c10::utils::get_env`), which Python's
+#   `os.environ` writes too.
 #   `torch/__init__.py` — `use_deterministic_algorithms`' docstring list of
 #   "normally-nondeterministic operations" that "will act deterministically" includes CPU ones;
 #   five entries are not CUDA-only in 2.14.1 (the cell prints them): `index_put`/`put_` with

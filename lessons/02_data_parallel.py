@@ -106,7 +106,12 @@ for b, n in ((6, 4), (2, 3), (batch, n_devices)):
 
 # %% [markdown]
 # ## 2. Replicate
-# A *broadcast* sends one device's tensor to every device, so that each holds a copy. With
+# A *broadcast* sends one device's tensor to every device, so that each holds a copy. Three
+# autograd words first: a tensor made directly, like a model's parameter, is a *leaf*, and
+# `backward()` leaves its gradient in its `.grad`; a tensor computed from others keeps in its
+# `grad_fn` the operation that made it, which the backward follows back to the leaves; and a
+# `torch.autograd.Function` is an operation you write yourself, a `forward` plus the `backward`
+# that turns the gradient of its output into the gradients of its inputs. With
 # grad mode on (a training step), each replica's parameters are *outputs of a broadcast*, not
 # leaf tensors (under `torch.no_grad()` torch's `DataParallel.replicate` asks for detached
 # copies instead: *not run here*, Sources): autograd links them back to the original parameters, so the backward of the broadcast receives every copy's
@@ -332,8 +337,11 @@ viz.show_code(viz.record_dp_step)
 # to device 0 with **an NCCL collective** when NCCL is available (NCCL pipelines the bytes
 # over the links between GPUs), and only otherwise copies every GPU's
 # gradient to device 0 (the functions are named in the folded Sources at the end). With **one** GPU it moves the input to `cuda:0` and calls the module. With **no**
-# GPU it has no `device_ids` and *silently calls the module*: no error, no warning, no
-# parallelism. `dp.real_data_parallel` wraps a copy of our model, counts how often the wrapper
+# accelerator it can use it has no `device_ids` and *silently calls the module*: no error, no
+# warning, no parallelism. "No accelerator" is torch's test, not "no CUDA": it looks for CUDA,
+# then Apple's MPS, then Intel's XPU and other backends, and treats an Apple-silicon Mac's MPS
+# GPU as none (passthrough there too), while a machine with XPUs and no CUDA gets a real
+# multi-device DataParallel (Sources). `dp.real_data_parallel` wraps a copy of our model, counts how often the wrapper
 # calls its `scatter`, its `replicate` and its `parallel_apply` (where its threads start), reads
 # the mode from those counts (not from the number of GPUs), compares with the module's own
 # output, and `explain` writes its sentence from the counts:
@@ -382,7 +390,7 @@ claim("the real nn.DataParallel behaves as described above for this machine's nu
 # backward). Those numbers grow with the batch, not with K; the cell prints them beside the
 # count, taken from the chunks themselves.
 #
-# **▶ The counter and the formula it is checked against** (click the folded cell below).
+# **▶ The counter and the formula it is checked against** (click below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(dp.TrafficCounter, dp.parameter_server_traffic)
@@ -460,11 +468,13 @@ claim("three steps replicated the model three times", tc.replicate_calls == 3)
 # Torch's builds each replica module with `Module._replicate_for_data_parallel`: a shallow copy
 # of the module's `__dict__` in which some of the module's own dicts are replaced (which ones,
 # and what that means for a forward that writes a buffer, is lab 02's part 5: folded at the
-# end). No tensor is copied there, so its Python part is cheaper than what is timed here; the
-# weight copies are the same. Each time printed below is the best of five
+# end). No tensor is copied there, so its Python part is cheaper than ours. So torch's own
+# `replicate` is timed too, the real class's cost every step whatever carries the bytes: on
+# the CPU its GPU-only broadcast is replaced, for the timing, by one clone of the weights per
+# extra device, the copies ours makes. Each time printed below is the best of five
 # calls, and the forward is replica 0's on chunk 0.
 #
-# **▶ How the two are timed** (click the folded cell below): `dp.time_replicate_vs_forward`.
+# **▶ How the two are timed** (click below): `dp.time_replicate_vs_forward`.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(dp.time_replicate_vs_forward)
@@ -475,7 +485,10 @@ viz.show_code(dp.time_replicate_vs_forward)
 t = dp.time_replicate_vs_forward(model, X, devs)
 print(f"replicate onto {n_devices} devices: {t['replicate_s'] * 1e3:.2f} ms; "
       f"forward of one chunk: {t['forward_chunk_s'] * 1e3:.2f} ms; ratio {t['ratio']:.2f}")
-assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0
+print(f"torch's own replicate onto {n_devices} devices: {t['torch_replicate_s'] * 1e3:.2f} ms, "
+      f"{t['torch_replicate_s'] / t['forward_chunk_s']:.2f} times one chunk's forward, "
+      f"every step")
+assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0 and t["torch_replicate_s"] > 0
 
 # %% [markdown]
 # And the whole step? Below, one forward + backward of the plain model on the batch against
@@ -492,7 +505,7 @@ assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0
 # either way, is what a coin gives 3.9% of the time; anything less is no clear difference. On GPUs the forwards really
 # run side by side, and this overhead is what eats into the gain.
 #
-# **▶ `compare_rates` and its rule** (click the folded cell below); the next cell tests it.
+# **▶ `compare_rates` and its rule** (click below); the next cell tests it.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 from dpcourse import train
@@ -583,8 +596,11 @@ viz.show_code(dp.python_work, dp.gil_threads_demo)
 # asserted. If it says the machine was busy, this run could not tell the GIL's turns from the
 # load's (`python_work` above holds the GIL: pure Python, no torch kernel to release it);
 # rerunning the cell on a quiet machine is the test.
+#
+# **▶ The measurement and the rule that words its verdict** (click the folded cell below; its
+# numbers and verdict are printed under it).
 
-# %%
+# %% jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # (why: timings depend on the machine and its load.)
 import sysconfig
@@ -623,16 +639,17 @@ print(f"On this run: {verdict}.")
 
 # %% [markdown]
 # **Device 0 does extra work.** It holds the gathered outputs, computes the loss alone, and
-# receives every gradient — so it runs out of memory first and the other GPUs wait for it (the
-# recorded timeline in §4 shows the waits).
+# receives every gradient, so the other devices wait for it (the recorded timeline in §4 shows
+# the waits). On GPUs it also holds those outputs and gradients in its own memory, on top of
+# what every device holds (not measured here: our devices all share the CPU's one memory).
 #
 # So `nn.DataParallel` has four costs, and DDP (lesson 03) answers each one (which setup a
 # traffic number is for is said in its row):
 #
 # | DataParallel's cost (this lesson) | DDP's answer |
 # |---|---|
-# | replicate every step: the whole model goes out again each step | the weights are broadcast **once**, then stay equal because every rank applies the same averaged gradient |
-# | how the weights and gradients travel — *our copy-by-copy `dp`*: 2(N−1)K through device 0 per step, linear in N (counted above); *the real class*: NCCL's broadcast and reduce, which pipeline the bytes between GPUs, so device 0 does not carry every copy (not measured here) | only the gradients move each step, in an all-reduce among equals: under 4K sent plus received per rank (lesson 06). Against the real class, what goes is the weights' trip out every step (the row above), not a bottleneck link |
+# | replicate every step: the whole model goes out again each step, and torch's `replicate` rebuilds the replicas in Python (timed above against one chunk's forward) | the weights are broadcast **once**, then stay equal because every rank applies the same averaged gradient (a model's *buffers* still travel: next row) |
+# | how the weights and gradients travel — *our copy-by-copy `dp`*: 2(N−1)K through device 0 per step, linear in N (counted above); *the real class*: NCCL's broadcast and reduce, which pipeline the bytes between GPUs, so device 0 does not carry every copy (not measured here) | the gradients move each step, in an all-reduce among equals: under 4K sent plus received per rank (lesson 06); plus, for a model with buffers (the BatchNorm of §2), rank 0's buffers, broadcast before each training forward (`forward_sync_buffers`, on by default: lesson 04 §4). Against the real class, what goes is the weights' trip out every step (the row above), not a bottleneck link |
 # | device 0 gathers all outputs, computes the loss alone and receives the gradients | every rank computes the loss on its own chunk |
 # | one process, one GIL, shared by every replica's Python — read from CPython's design; the demo above measures it only on a quiet machine (its verdict says if this run did) | one **process** per device |
 #
@@ -650,27 +667,22 @@ print(f"On this run: {verdict}.")
 # replica's forward leaves on the module) before they are measured. Its stretch asks for the threads of `parallel_apply`.
 
 # %% [markdown]
-# **▶ The library's versions — open after your lab passes** (click the folded cell below): the
+# **▶ The library's versions — open after your lab passes** (click below): the
 # `scatter`, `gather` and `parallel_apply` that sections 1, 3 and 4 ran. Not the lab's answer:
 # the lab asks for more than they do — its `gather` also joins models that return several
 # tensors (this one takes tensors only), and its `threaded_apply` hands the caller a failing
 # replica's own error (this one raises a `RuntimeError` that carries it).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(dp.scatter, dp.gather, dp.parallel_apply)
+viz.show_code(dp.scatter, dp.gather, dp.parallel_apply,
+              folded="▶ The library's versions — open after your lab passes")
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below): what
-# each thread of `parallel_apply` takes care of besides the call, measured.
+# **▶ The reference answer — open after your lab passes** (click below): what
+# each thread of `parallel_apply` takes care of besides the call, measured (why:
+# `dp.parallel_apply`'s docstring above and the sources below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-# Grad mode (whether autograd records a graph) is thread-local in PyTorch, and a new thread
-# starts with it ON whatever its caller has: so each thread switches it to the caller's setting
-# — forget it and a caller inside torch.no_grad() (an evaluation loop) gets replicas that record
-# graphs and hold activations for a backward that never comes. An error in a thread must be
-# kept and raised again in the caller, or it would vanish with the thread; torch raises the
-# first failing replica's in device order. The real one also carries the caller's autocast
-# setting into each thread and sets each thread's current GPU.
 import threading
 
 seen_in_thread = []
@@ -691,15 +703,14 @@ claim("parallel_apply passes the caller's mode on: under no_grad no replica reco
 # buffers.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(dp.Broadcast, dp.replicate)
+viz.show_code(dp.Broadcast, dp.replicate,
+              folded="▶ The reference answer — open after your lab passes")
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below): where
-# section 2's BatchNorm running statistics came from, measured.
+# **▶ The reference answer — open after your lab passes** (click below): where
+# section 2's BatchNorm running statistics came from, measured (why: the first source below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-# Replica 0 shares the module's buffers, and BatchNorm updates them in place: its update is the
-# module's. The other replicas update their own copies, which are dropped with them.
 only_chunk0 = copy.deepcopy(bn_net)
 only_chunk0[1].reset_running_stats()  # back to its state before section 2's forward
 only_chunk0(chunks[0])                # a plain copy that sees device 0's chunk only
@@ -712,15 +723,18 @@ claim("the module counted one BatchNorm update, not one per replica",
       bn.num_batches_tracked.item() == 1)
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below): how
+# **▶ The reference answer — open after your lab passes** (click below): how
 # the replicas' gradients combine into the whole batch's, measured.
+#
+# <details><summary>▶ open</summary>
+#
+# Sum, not average: the loss is the whole gathered batch's *mean*, so each replica's gradient
+# is already its chunk's share (scaled by 1/B, not 1/chunk); averaging makes it N times too
+# small. DDP (next lesson) averages: each rank's loss is its *own* chunk's mean.
+#
+# </details>
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-# Sum, not average. The loss is a *mean over the whole gathered batch*, so each replica's
-# gradient is already its chunk's share (scaled by 1/B, not by 1/chunk). Summing them gives the
-# full-batch gradient; averaging would make it N times too small. (DDP, next lesson, is the
-# other way round: each rank's loss is a mean over its *own* chunk, so there the gradients are
-# averaged.)
 avg_grad = [torch.zeros_like(p) for p in model.parameters()]
 # Recompute each replica's share by hand and average them, to see the difference:
 for Xc, yc in zip(dp.scatter(X, devs), dp.scatter(y, devs)):
@@ -813,13 +827,24 @@ viz.quiz([
 # Every statement this lesson makes about PyTorch's own `nn.DataParallel` was checked in the
 # installed torch 2.14.1 (paths relative to `site-packages`):
 #
-# - `torch/nn/parallel/data_parallel.py` — `DataParallel.__init__`: with no CUDA device,
-#   `device_ids = []`; with one, the module is moved to it. `DataParallel.forward`: no
+# - `torch/nn/parallel/data_parallel.py` — `DataParallel.__init__` (lines 145-149): when
+#   `_get_available_device_type()` returns `None` or `"mps"`, `device_ids = []`; otherwise the
+#   device type's indices; with one device, the module is moved to it. `DataParallel.forward`: no
 #   `device_ids` → `self.module(*inputs)`; otherwise `self.scatter` first, then with one device
 #   the module on it (no `replicate`: what `real_data_parallel` observes); otherwise
 #   `replicate(self.module, self.device_ids[:len(inputs)])` (fewer devices when the batch gives
 #   fewer chunks), `self.parallel_apply` (the method `real_data_parallel` counts), `gather` on `output_device` (device 0 by default). (What
 #   the class docstring says of replica 0's buffers is lab 02's part 5: folded at the end.)
+# - `torch/_utils.py` — `_get_available_device_type` (lines 819-833): `"cuda"` if
+#   `torch.cuda.is_available()`, else `"mps"`, else `"xpu"`, `"mtia"` or the PrivateUse1
+#   backend's name when available, else `None`.
+# - `torch/nn/parallel/distributed.py` — DDP's buffers (the table's DDP column):
+#   `DistributedDataParallel.__init__` (lines 982-990: `forward_sync_buffers` defaults to the
+#   old `broadcast_buffers`, True); `_pre_forward` calls `_sync_buffers()` when
+#   `_check_sync_bufs_pre_fwd()` (lines 1782-1783), that is when `will_sync_module_buffers()`
+#   (lines 2383-2388: `require_forward_param_sync`, set by a grad-enabled forward in
+#   `_post_forward`, lines 1829-1842, and `forward_sync_buffers`, and the module has buffers);
+#   `_sync_buffers` broadcasts from rank 0 (line 2419) when no `Join` is active.
 # - `torch/nn/parallel/data_parallel.py` — `DataParallel.replicate` passes
 #   `detach=not torch.is_grad_enabled()` (lines 199-200).
 # - `torch/nn/parallel/replicate.py` — `replicate`: parameters go through `Broadcast.apply`
@@ -834,7 +859,8 @@ viz.quiz([
 #   `Scatter.forward` calls `comm.scatter`. (What `Broadcast.backward` calls is lab 02's
 #   answer: it is folded at the end.)
 # - `torch/nn/parallel/comm.py` — `broadcast_coalesced` (`buffer_size=10485760`, done in C++ by
-#   `torch._C._broadcast_coalesced`).
+#   `torch._C._broadcast_coalesced`; its `_get_device_index` refuses a CPU device, "Expected a
+#   non cpu device": why `dp.time_replicate_vs_forward` stands clones in for it).
 # - `torch/nn/parallel/scatter_gather.py` — `scatter`, `scatter_kwargs` (tensors split along
 #   `dim` by `Scatter.apply`), `gather`.
 # - `torch/nn/parallel/parallel_apply.py` — `parallel_apply`: when `len(modules) > 1`, one
@@ -856,9 +882,11 @@ viz.quiz([
 
 # %% [markdown]
 # **▶ The sources of `parallel_apply`'s threads, of the broadcast's backward and of what
-# survives a replica — open after your lab passes** (click the folded cell below).
+# survives a replica — open after your lab passes** (click below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # - `torch/nn/parallel/data_parallel.py` — the `DataParallel` class docstring's warning: the
 #   replica on `device[0]` shares parameters and buffers with the module, so in-place updates
 #   made there during the forward (BatchNorm's) are recorded in the module, and those on the
@@ -878,3 +906,5 @@ viz.quiz([
 #   caller's grad mode (`torch.set_grad_enabled`) and autocast state and the replica's device;
 #   an exception is wrapped (`ExceptionWrapper`) and re-raised in the caller, the first failing
 #   replica's in device order (the loop over `results`).
+#
+# </details>

@@ -167,7 +167,8 @@ viz.show(viz.collectives_figure(before, after),
 # **Which collectives gloo runs on GPU tensors.** gloo's code for a collective on CUDA tensors
 # is a class of its own, `Async<Collective>CUDA…Work`, compiled into torch's libraries; their
 # names, searched in the installed ones, say which collectives have it (**▶ folded**; it
-# matters only on a GPU machine that runs gloo, such as the `one-gpu` profile). Besides the
+# matters only where gloo is handed GPU tensors, which no profile of this course does: under
+# gloo, `one-gpu` included, each rank's tensors sit on the CPU). Besides the
 # four above, the claim names operations this lesson does not use: `reduce` and `gather` (the
 # result on one rank only), `scatter` (one rank's pieces, one to each rank), `all_to_all`
 # (every rank sends a piece to every rank), and `send`/`recv` (one rank to one other).
@@ -347,17 +348,23 @@ claim(f"weights after the {steps} steps are bit-for-bit equal across the ranks (
 # passes.
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below).
+# **▶ The reference answer — open after your lab passes** (click the folded cells below).
+#
+# <details><summary>▶ open</summary>
+#
+# This is the reference for THIS lesson's model, where every rank used every parameter: a
+# `p.grad` that is `None` is then `None` on every rank (a frozen parameter), and skipping it
+# skips the same tensors everywhere. It is NOT an answer to lab 03 part 1, whose ranks use
+# different heads: there the ranks would skip different tensors and their `all_reduce` calls
+# would pair the wrong tensors or hang (the case DDP's `find_unused_parameters=True` is for).
+# Part 1's contract, every parameter that got a gradient on any rank ends with the mean on
+# every rank, is one this function does not meet.
+#
+# </details>
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-# This is the reference for THIS lesson's model, where every rank used every parameter: a
-# p.grad that is None is then None on every rank (a frozen parameter), and skipping it skips
-# the same tensors everywhere. It is NOT an answer to lab 03 part 1, whose ranks use different
-# heads: there the ranks would skip different tensors and their all_reduce calls would pair
-# the wrong tensors or hang (the case DDP's find_unused_parameters=True is for). Part 1's
-# contract, every parameter that got a gradient on any rank ends with the mean on every rank,
-# is one this function does not meet.
-viz.show_code(ddp.average_gradients)
+viz.show_code(ddp.average_gradients,
+              folded="▶ The reference answer — open after your lab passes")
 
 # %% [markdown]
 # The worker that uses it in place of DDP, `manual_dp_worker`, has the same model, data and
@@ -368,7 +375,8 @@ viz.show_code(ddp.average_gradients)
 # **▶ The reference answer — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ddp.manual_dp_worker)
+viz.show_code(ddp.manual_dp_worker,
+              folded="▶ The reference answer — open after your lab passes")
 
 # %%
 manual = launch.spawn(ddp.manual_dp_worker, world_size, cfg, backend=backend, timeout=120)
@@ -432,7 +440,9 @@ claim("3 ranks: first-step gradients, hand-averaged == DDP to 1e-6, not bit for 
 #
 # **▶ An answer — open after you have tried** (click the folded cell below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # With SGD yes, with Adam no (lab 03's check runs both). Plain SGD's update is linear in the
 # gradient: the mean over the ranks of w − lr·g_r is w − lr·(mean of the g_r), the step on
 # the averaged gradient. Adam divides each gradient's running mean by the square root of its
@@ -440,6 +450,8 @@ claim("3 ranks: first-step gradients, hand-averaged == DDP to 1e-6, not bit for 
 # update of the mean gradient, and each rank's optimizer state follows its own shard.
 # Averaging the gradients before the step keeps every rank's optimizer fed with the same
 # numbers, whatever it computes from them.
+#
+# </details>
 #
 # Bad input gets one sentence, not a hang deep in a rank:
 
@@ -500,7 +512,10 @@ else:
 # First the broadcast: every rank builds its model from a *different* seed, and after
 # `DDP(model)` they are equal. (The worker also registers a **comm hook**: a function of
 # yours that DDP calls in place of its own all-reduce, once per bucket of gradients, and that
-# must return a future of the reduced bucket. This one notes which parameters each bucket
+# must return a future of the reduced bucket. A **future** (`torch.futures.Future`) holds a
+# result that may not exist yet: `dist.all_reduce(t, async_op=True)` returns a work handle whose
+# `get_future()` is one; `fut.then(f)` returns a new future that runs `f(fut)` once `fut` has
+# completed, and inside `f`, `fut.value()` is the result. This one notes which parameters each bucket
 # holds, then averages as DDP does, but divides the whole bucket before the sum (torch's
 # `allreduce_hook`); the next section says where DDP's own path divides, and times the buckets
 # with another hook.)
@@ -746,12 +761,17 @@ claim("static_graph=True, iteration 2: the buckets are by size while the marking
       "unused.* in the last bucket",
       len(static_unused[0][2]["buckets"]) > 1
       and head <= set(static_unused[0][2]["buckets"][-1][0]))
+claim("static_graph=True, unused head: in every iteration the bucket holding unused.* started "
+      "after the last gradient was computed (the hook's start stamp against the tensor hooks')",
+      all(start >= max(t for _, t in seen["grads"])
+          for seen in static_unused[0] for names, _, start, _ in seen["buckets"]
+          if head <= set(names)))
 
 # %% [markdown]
 # Here both ranks leave the same head unused and the rebuild appends the unused parameters
 # after the recorded order, so their bucket is the last one and goes out when the last gradient
-# arrives: nothing went out early in these runs. The case torch's comment guards against, a
-# parameter unused on some ranks only, is not run in this lesson.
+# arrives: nothing went out early in these runs (the last claim above). The case torch's
+# comment guards against, a parameter unused on some ranks only, is not run in this lesson.
 
 # %% [markdown]
 # ### The cap is not a ceiling
@@ -999,7 +1019,9 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 # **▶ How the reducer turns the ranks' gradients into their average — open after your lab
 # passes** (click the folded cell below; it is lab 03's part 1, done DDP's way).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # The library's `average_gradients` sums, then divides; DDP **scales first, then sums**. Without
 # a comm hook, c10d's `Reducer::mark_variable_ready_dense` (`reducer.cpp`, not installed: the
 # claim below finds its compiled names) copies each gradient into its bucket as it becomes
@@ -1019,6 +1041,8 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 # cannot tell the two apart; the folded control run below can. With a comm hook the reducer
 # copies without scaling and leaves the averaging to the hook: one that sums the raw bucket,
 # then divides, keeps DDP's layout with the library's arithmetic.
+#
+# </details>
 
 # %%
 from torch.nn.parallel import DistributedDataParallel
@@ -1048,7 +1072,8 @@ claim("forward_sync_buffers also decides the buffers' broadcast at the end of a 
 # folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ddp.sum_then_divide_hook)
+viz.show_code(ddp.sum_then_divide_hook,
+              folded="▶ The control run's hook — open after your lab passes")
 hooked = launch.spawn(ddp.ddp_worker, 3, cfg3, ddp.sum_then_divide_hook, backend="gloo",
                       timeout=120)[0]["grads"]
 layout = int((hooked != three["grads_manual"]).sum())  # same arithmetic, other layout
@@ -1280,7 +1305,9 @@ viz.quiz([
 # **▶ The sources of DDP's averaging — open after your lab passes** (click the folded cell
 # below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # ### Sources, continued
 #
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`'s docstring for
@@ -1302,6 +1329,11 @@ viz.quiz([
 #   calls `_allreduce_fut`, which does `tensor.div_(group size)` and then `all_reduce` ("Apply
 #   the division first to avoid overflow, especially for FP16") on the whole bucket. Without a
 #   hook the reducer divides too, but per gradient, as it copies each into the bucket (below).
+# - `torch/futures/__init__.py` — `Future.then` ("Append the given callback function to this
+#   `Future`, which will be run when the `Future` is completed"; returns "A new `Future`" holding
+#   the callback's return value) and `Future.value` (the value of a completed future, to call
+#   after `wait` or inside a `then` callback); `torch/_C/_distributed_c10d.pyi` — `Work.get_future`;
+#   `_allreduce_fut` chains `dist.all_reduce(..., async_op=True).get_future().then(...)`.
 # - `torch/include/torch/csrc/distributed/c10d/reducer.hpp` — `Reducer::div_factor_` (the
 #   division factor for the gradients: the process group's size).
 # - c10d's `reducer.cpp` (in the PyTorch repository, under `torch/csrc/distributed/c10d/`; not
@@ -1329,3 +1361,5 @@ viz.quiz([
 #   communication hook is provided by the user"), lines 35-50, whose `runHook` returns a
 #   `c10::ivalue::Future`; `torch/include/torch/csrc/distributed/c10d/reducer.hpp` —
 #   `Reducer::comm_hook_` (the hook the reducer runs, line 554).
+#
+# </details>

@@ -686,16 +686,32 @@ viz.show_code(viz.sampler_slots)
 # equal across ranks. BatchNorm's running mean and variance are the usual ones (section 9
 # follows them through training). The wrapper keeps them equal another way, by this rule
 # (the one place the lesson states it): with `forward_sync_buffers=True` (the default) a forward
-# first **broadcasts rank 0's buffers** to the other ranks (`_sync_buffers`; under section 5's
-# `Join`, the highest rank still training's) when its flag `require_forward_param_sync` is on.
-# The flag starts on; each forward's `_post_forward` sets it for the *next* forward: on when
-# this forward ran with gradients enabled and outside `no_sync`, off otherwise. So in a
+# first **broadcasts rank 0's buffers** to the other ranks when the forward before it (if any)
+# ran with gradients enabled and outside `no_sync`. So in a
 # training loop every forward broadcasts; the forward after a `no_sync` forward does not; the
 # first `torch.no_grad()` forward after training does, and the ones after it do not; a forward
 # in `eval()` mode with gradients enabled does. So only the
 # *first* evaluation forward broadcasts: shards of different lengths do not hang, but a rank
-# with **no** batch never makes that broadcast, and the others wait for it. Measured on 2 ranks,
-# after one training step, counting each rank's calls of the wrapper's `_sync_buffers`:
+# with **no** batch never makes that broadcast, and the others wait for it.
+#
+# **▶ Inside DDP: where the rule lives** (click the folded cell below; the rest of the lesson
+# does not need it).
+
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
+# `_pre_forward` calls `_sync_buffers`, the broadcast, when the wrapper's flag
+# `require_forward_param_sync` is on (and `forward_sync_buffers`, and the module has buffers).
+# The flag starts on; each forward's `_post_forward` sets it for the *next* forward: on when
+# this forward ran with gradients enabled and outside `no_sync`, off otherwise. The source rank
+# is rank 0, except under `Join` (section 5), where `_find_common_rank` picks the highest rank
+# still training.
+#
+# </details>
+
+# %% [markdown]
+# Measured on 2 ranks, after one training step, counting each rank's calls of the wrapper's
+# buffer broadcast (`_sync_buffers`):
 
 
 # %%
@@ -774,7 +790,7 @@ claim("a process group's default timeout: 30 minutes with gloo, " + ("10 with NC
 # torch's fix is the `Join` context manager (`torch.distributed.algorithms.join`), and DDP is
 # *joinable*: inside `with Join([model]):`, a rank that has run out of batches does not leave;
 # it keeps answering the others' all-reduces with zero gradients until every rank is done, and
-# at the end `_sync_final_model` broadcasts the module's parameters — and its buffers, when
+# at the end it broadcasts the module's parameters — and its buffers, when
 # `forward_sync_buffers` is on (the default) — from the last rank to finish, so all ranks hold
 # the same model. The module only: the **optimizer state is not
 # synchronised**. A rank that joined early skipped the last `opt.step()`s, so with momentum (or
@@ -784,9 +800,10 @@ claim("a process group's default timeout: 30 minutes with gloo, " + ("10 with NC
 # (`divide_by_initial_world_size=True`, read in the source, *not run here*): the joined rank
 # counts as a zero gradient. What
 # `Join` costs: in every iteration inside it, each rank still training runs extra all-reduces
-# from Python beside DDP's own — `Join.notify_join_context` and
-# `_check_global_requires_backward_grad_sync` (counted below) and, for a module with buffers,
-# `_find_common_rank` (which rank broadcasts them; not run here: this model has none).
+# from Python beside DDP's own — one that tells the `Join` context who is still training and
+# one that agrees whether this backward syncs gradients (counted below) and, for a module with
+# buffers, one that picks the rank that broadcasts them (not run here: this model has none;
+# the Sources name the functions).
 #
 # The count comes from `collectives.record_collectives()`, the course's one recorder of
 # `torch.distributed` calls: inside its block, each collective function of `torch.distributed`
@@ -1017,8 +1034,8 @@ claim("Adam: summing is (almost) averaging at the same lr (to 1e-4), and lr × N
 # ## 7. Gradient accumulation with `no_sync`
 #
 # To reach a big global batch with little memory, run `accum` micro-batches per optimizer step.
-# Under DDP every `backward()` all-reduces — unless its *forward* ran inside `model.no_sync()`
-# (`_post_forward` decides), where the gradients add up locally and the last one all-reduces.
+# Under DDP every `backward()` all-reduces — unless its *forward* ran inside `model.no_sync()`,
+# where the gradients add up locally and the last one all-reduces.
 # We count the all_reduce calls with a comm hook, `dp.counting_allreduce_hook`: torch's
 # `allreduce_hook` plus a counter. It divides each bucket by the world size, then all-reduces
 # it: DDP's average without a hook, reached another way (without a hook the reducer, in C++,
@@ -1167,8 +1184,8 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 # ## 9. BatchNorm under DDP: buffers and SyncBatchNorm
 #
 # BatchNorm keeps two kinds of state. Its **running statistics** (`running_mean`,
-# `running_var`) are *buffers*, which DDP makes rank 0's before a forward by section 4's rule
-# (`require_forward_param_sync`). The running statistics that rank
+# `running_var`) are *buffers*, which DDP makes rank 0's before a forward by section 4's rule.
+# The running statistics that rank
 # 0 checkpoints are therefore rank 0's: an average over *rank 0's* batches only; the other
 # ranks' updates are overwritten at the next broadcast. (Lesson 03 shows it step by step.)
 #
@@ -1670,10 +1687,14 @@ display(Code("\n".join(difflib.unified_diff(
 # **▶ Compare after your stretch passes** (click the folded cell below): what section 3's
 # checkpoint holds and how the data order comes back.
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # It holds `{model, optimizer, scaler, step}`, no random state (section 3's run ended
 # bit-identical without one). The data order is not saved: the loop restarts at the saved
 # step's epoch, `set_epoch` deals the same permutation, `done_in_epoch` skips what was done.
+#
+# </details>
 
 # %% [markdown]
 # **▶ `train_ddp.py`'s resume and save** (click the folded cell below).

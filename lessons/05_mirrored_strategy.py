@@ -55,10 +55,12 @@ multiworker_timeout = 90
 # ways of computing one number may add in different orders: the lesson's comparisons state a
 # tolerance.
 #
-# **▶ Aside, optional: the two variables, and why the bits may still differ** (the folded cell
+# **▶ Aside, optional: the two variables, and why the bits may still differ** (folded
 # below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # `TF_CPP_MIN_LOG_LEVEL=2` keeps TF's C++ info and warning lines out of this notebook.
 # `TF_ENABLE_ONEDNN_OPTS=0` **turns off oneDNN's custom operations** — oneDNN is Intel's
 # library of fast CPU kernels; TF replaces whole operations (convolutions, matrix products
@@ -70,6 +72,8 @@ multiworker_timeout = 90
 # contraction kernel for Eigen's float matrix products and convolutions that can call oneDNN's
 # `dnnl_sgemm` (its header chooses it at run time, by environment variables), and both Eigen and
 # oneDNN pick their code by the CPU's instruction set (AVX2, AVX-512, …).
+#
+# </details>
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -328,7 +332,11 @@ else:
 # Two contexts. Code inside `strategy.run(fn)` runs once per replica, in the **replica context**
 # (`tf.distribute.get_replica_context()` there is this replica's, with its `all_reduce`); code
 # outside it, such as `strategy.reduce`, runs once for all replicas, in the **cross-replica
-# context**.
+# context**. A **merge call** (`replica_context.merge_call(fn)`) is how replica-context code
+# reaches the cross-replica context: every replica pauses at the call, and `fn` runs once in the
+# cross-replica context with all replicas' values. **Tracing**: a `tf.function`'s first call
+# runs its Python code once, recording the TensorFlow operations into a graph that later calls
+# reuse. (**XLA**: TensorFlow's compiler, `tf.function(jit_compile=True)`.)
 #
 # The replica context's `all_reduce` is also yours to call inside `strategy.run`: every replica
 # passes a value of the same shape, and every replica gets back the same combination of all of
@@ -353,19 +361,15 @@ claim("inside strategy.run, all_reduce(MEAN) hands every replica the mean of all
       ids=ids, means=means)
 
 # %% [markdown]
-# *Optional on a first pass: lab 05 does not build on this part (merge calls, tracing, XLA);
-# you may skip to "Lab 05" and come back.*
+# *Optional on a first pass: lab 05 does not build on this part; you may skip to "Lab 05" and
+# come back.*
 #
 # What if one replica skips the call? TF's docstring of `all_reduce` says the operation then
-# "hangs". Two more terms explain why, under `MirroredStrategy` on this profile, it does not.
-# A **merge call** (`replica_context.merge_call(fn)`) is how replica-context code reaches the
-# cross-replica context: every replica pauses at the call, and `fn` runs once in the
-# cross-replica context with all replicas' values. The replica context's `all_reduce` goes
-# through one whenever the strategy uses merge calls (`ReplicaContextBase.all_reduce`), and so
-# does Keras' `apply_gradients`, which calls that `all_reduce`; `strategy.reduce` needs none,
-# since it already runs in the cross-replica context. And **tracing**: a `tf.function`'s first
-# call runs its Python code once, recording the TensorFlow operations into a graph that later
-# calls reuse — so in a `tf.function` a merge call runs while TF traces; eagerly, at each call.
+# "hangs". Merge calls explain why, under `MirroredStrategy` on this profile, it does not. The
+# replica context's `all_reduce` goes through one whenever the strategy uses merge calls
+# (`ReplicaContextBase.all_reduce`), and so does Keras' `apply_gradients`, which calls that
+# `all_reduce`; `strategy.reduce` needs none, since it already runs in the cross-replica
+# context. In a `tf.function` a merge call runs while TF traces; eagerly, at each call.
 #
 # A merge call is checked in two ways, depending on how the step runs (read in
 # `mirrored_run.py`, Sources). **Eagerly**, `strategy.run` counts each replica's merge calls —
@@ -376,9 +380,8 @@ claim("inside strategy.run, all_reduce(MEAN) hands every replica the mean of all
 # `RuntimeError` while TF traces ("`merge_call` called while defining a new graph … control flow
 # statement which contains a synchronization point"): the step is refused before it ever runs.
 # The two cells below run both. By the source alone (no cell of this lesson runs it): a hang is
-# what you get where no merge call checks the replicas — a step compiled with **XLA**
-# (TensorFlow's compiler, `tf.function(jit_compile=True)`: it compiles a whole step into fused
-# kernels) on all-GPU devices, where `_use_merge_call` is false; and across the processes of
+# what you get where no merge call checks the replicas — a step compiled with XLA on all-GPU
+# devices, where `_use_merge_call` is false; and across the processes of
 # `MultiWorkerMirroredStrategy` (section 8): it makes merge calls by the same rule, but each
 # process counts only its own replicas, so a replica missing in *another* process leaves this
 # one's collective waiting.
@@ -504,23 +507,13 @@ viz.show_code(mirrored.copy_torch_weights)
 # claim on what goes wrong otherwise).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-def mirrored_cnn(strat, start=None, **build):
-    """The course's Keras CNN, mirrored by strat; with start (a torch SmallCNN), its weights."""
-    with strat.scope():
-        model = mirrored.build_keras_cnn(**build)
-    return model if start is None else mirrored.copy_torch_weights(start, model)
+viz.show_code(mirrored.mirrored_cnn, mirrored.optimizer_in,
+              folded="▶ mirrored_cnn and optimizer_in — open after your lab passes")
+mirrored_cnn = mirrored.mirrored_cnn
 
 
-def optimizer_in(strat, rate=lr, loss_scale=False, build_for=None):
-    """Plain SGD, its variables mirrored by strat; with loss_scale, wrapped in a
-    LossScaleOptimizer; with build_for (variables), built for them."""
-    with strat.scope():   # the optimizer's variables must be created under the strategy too
-        opt = keras.optimizers.SGD(learning_rate=rate)
-        if loss_scale:
-            opt = keras.optimizers.LossScaleOptimizer(opt)
-        if build_for is not None:
-            opt.build(build_for)
-        return opt
+def optimizer_in(strat, rate=lr, **options):  # this lesson's learning rate unless told
+    return mirrored.optimizer_in(strat, rate, **options)
 
 
 made_outside = keras.optimizers.SGD(learning_rate=lr)   # constructed outside the scope ...
@@ -588,7 +581,7 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # Adam, which divides by the gradient's own running size, barely notices — which is why the bug can
 # go unseen. The mirror image hits programmers coming from
 # DDP, which *averages* gradients: divide by the global batch *and* average over replicas, and
-# the step is **1/N too small**.
+# the gradient is **1/N too small**.
 #
 # The loss most Keras 3 code writes is neither: a Keras loss object,
 # `keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)`. Under a strategy,
@@ -598,7 +591,7 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # `"mean_with_sample_weight"` and weights, the slice's weight sum is the divisor);
 # `reduction="sum"` or `"none"` is not scaled (`reduce_values` in Keras' losses; claimed below).
 # So in a custom loop the default loss is already scaled, and code that divides it by the number
-# of replicas once more makes the step 1/N too small.
+# of replicas once more makes the gradient 1/N too small.
 # The library's function for these rows:
 
 # %% [markdown]
@@ -697,7 +690,9 @@ claim("with equal slices, compute_average_loss without global_batch_size (÷ its
 # **▶ Lab 05's prediction (part 0), answered — open once part 4 has measured it** (click the
 # folded cell below; its claims follow, folded too).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # An epoch's last step of **one** sample, distributed by `experimental_distribute_dataset`: replica
 # 0 gets the sample, every other replica an **empty** slice, and `strategy.run` calls `step_fn` on
 # each of them — none sits the step out (claimed below). A Keras loss on an empty slice is caught
@@ -712,6 +707,8 @@ claim("with equal slices, compute_average_loss without global_batch_size (÷ its
 # `fit` does (its shapes come from the dataset's `element_spec`, whose last batch may be short:
 # batch size `None`); or a retrace relaxed to unknown shapes (`reduce_retracing=True`, which `fit`
 # also sets). All but the last are claimed below; `fit`'s ways are read in its source (Sources).
+#
+# </details>
 
 # %% [markdown]
 # **▶ Its claims — open once lab 05 part 4 has measured your prediction** (click the folded
@@ -794,7 +791,8 @@ claim("with the batch read from an iterator inside the tf.function, the trace ha
 # library's step, which the rest of this lesson runs; it answers part of lab 05 part 3).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.train_step)
+viz.show_code(mirrored.train_step,
+              folded="▶ The reference answer — open after your lab passes")
 
 # %% [markdown]
 # **Proof, several steps:** `steps` SGD steps of the mirrored loop (its step: the folded
@@ -877,9 +875,11 @@ claim("and so do the losses of every step (to 1e-5)",
 # section 4's folded table measured.
 #
 # **▶ `fit` and regularisers (lab 05 part 1's penalty decision, answered) — open after your lab
-# passes** (click the folded cell below).
+# passes** (click below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # Each replica's Keras loss is its mean over its **own** slice, multiplied by
 # 1 / `num_replicas_in_sync`. That equals dividing by the global batch when every slice has the
 # same size, as here; on a partial last batch, where slices differ, the two differ — so it is
@@ -890,6 +890,8 @@ claim("and so do the losses of every step (to 1e-5)",
 # add them as `tf.nn.scale_regularization_loss(tf.add_n(model.losses))`, which divides by the
 # number of replicas; `fit` scales them the same way for you
 # (`TensorFlowTrainer._aggregate_additional_loss`). (Our CNN has no regulariser.)
+#
+# </details>
 
 # %% [markdown]
 # The course's `mirrored.fit` builds the model unless it is given one, compiles it with the loss
@@ -900,7 +902,8 @@ claim("and so do the losses of every step (to 1e-5)",
 # built) — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.fit)
+viz.show_code(mirrored.fit,
+              folded="▶ mirrored.fit (lab 05 part 2's answer) — open after your lab passes")
 
 # %% [markdown]
 # Proof: the same `steps` batches through `fit` under the strategy end with the weights one
@@ -1113,7 +1116,8 @@ claim("it restores the step counter too", restored_step == steps)
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 from dpcourse import tf_multiworker_worker
 
-viz.show_code(tf_multiworker_worker.main)
+viz.show_code(tf_multiworker_worker.main,
+              folded="▶ The worker (lab 05 part 2 and stretch A) — open after your lab passes")
 
 # %% [markdown]
 # **▶ `mirrored.run_multiworker`: ports, `TF_CONFIG`, and how the workers are ended**
@@ -1156,7 +1160,7 @@ print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF imp
 # | where the model is copied | each rank builds it; DDP broadcasts rank 0's weights | `MirroredVariable`s created under `strategy.scope()` |
 # | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split; `distribute_datasets_from_function`: each input pipeline feeds its replicas |
 # | batch size you set | per rank (`per_rank_batch`) | global for `experimental_distribute_dataset` and `fit`; for `distribute_datasets_from_function`: lab 05's stretch A |
-# | combining gradients | all-reduce **average**, in backward (buckets) | **sum** in `apply_gradients`: a collective all-reduce by default (`ReductionToOneDevice` if you ask) |
+# | combining gradients | all-reduce **average**, in backward (buckets) | **sum** in `apply_gradients`, after the backward: by default, in a `tf.function`, all gradients packed into one collective all-reduce (`CommunicationOptions(bytes_per_pack=...)` splits it into packs; `ReductionToOneDevice` if you ask) |
 # | so the loss must be | the rank's mean (`reduce_mean` semantics) | scaled so that the replicas' SUM is one device's gradient (for full steps ÷ `global_batch`, §4's table; any step: lab 05 part 1) |
 # | reporting the loss | `all_reduce` / rank 0 | `strategy.reduce(op, ...)`, the op chosen by what each replica returns (lab 05) |
 # | checkpoints | rank 0 saves `state_dict` | `tf.train.Checkpoint`: mirrored weights saved from their primary copy (multi-worker: every worker calls save; keep the chief's) |
@@ -1248,9 +1252,9 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Create variables under `strategy.scope()`; batch with the **global** batch.
 # * TF **sums** replicas' gradients, DDP averages them: for full steps each replica divides its
 #   summed loss by the **global** batch (`compute_average_loss` with `global_batch_size=`; without
-#   it, by its slice × N); `reduce_mean` makes the step N× too big, averaging again 1/N. A Keras
-#   loss object (default reduction) is already scaled (its slice's mean × 1/N, right for equal
-#   slices): dividing it again makes the step 1/N.
+#   it, by its slice × N); `reduce_mean` makes the gradient N× too big, averaging again 1/N. A
+#   Keras loss object (default reduction) is already scaled (its slice's mean × 1/N, right for
+#   equal slices): dividing it again makes the gradient 1/N.
 # * By default the sum is a collective all-reduce (`CollectiveAllReduce`: RING on CPUs and
 #   logical GPUs, NCCL on real GPUs); `ReductionToOneDevice` — copy to one device, add, send
 #   back — is what you get with mixed devices or ask for, and, whenever merge calls are on
@@ -1262,21 +1266,29 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Proven here: mirrored step == one device on the global batch == Keras `fit` == two
 #   multi-worker processes == PyTorch DDP, from the same weights on the same data.
 #
-# **▶ The penalty's rule (lab 05 part 1 asks it too) — open after your lab passes** (click the
-# folded cell below).
+# **▶ The penalty's rule (lab 05 part 1 asks it too) — open after your lab passes** (click
+# below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # * Regularisation losses, the same on every replica, go through `scale_regularization_loss`.
 #
-# **▶ And lab 05's prediction (part 0), answered — open after your lab passes** (click the
-# folded cell below).
+# </details>
+#
+# **▶ And lab 05's prediction (part 0), answered — open after your lab passes** (click
+# below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # * In an epoch's last step of one sample, replica 0 holds it and every other replica runs
 #   `step_fn` on an empty slice (§4's fold measured it). A Keras loss object there gives a `(0,)`
 #   tensor eagerly and in a plain `@tf.function` (traced with the slice's concrete shape), a
 #   scalar 0.0 only where the trace leaves the batch dimension unknown (an `input_signature`,
 #   an iterator read inside the function as in `fit`, a relaxed retrace).
+#
+# </details>
 
 # %% [markdown]
 # ## Check yourself
@@ -1297,11 +1309,13 @@ viz.quiz([
              "/gpu:1; after an earlier split into 2 or more devices it returns the first 2.)",
              "The course's helper refuses it with a message rather than ignoring it."]},
     {"q": "Each of 4 replicas computes tf.reduce_mean of its per-example losses. With "
-          "MirroredStrategy's optimizer, the step is:",
+          "MirroredStrategy and plain SGD, the step is:",
      "options": ["right", "4 times too big", "4 times too small"],
      "answer": 1,
      "why": ["It would be right under DDP, which averages; TF sums.",
-             "Right: the strategy SUMS the replicas' gradients of per-replica means.",
+             "Right: the strategy SUMS the replicas' gradients of per-replica means, so the "
+             "gradient is 4 times too big, and so is SGD's step (Adam's would barely change: it "
+             "divides by the gradient's own running size).",
              "That is compute_average_loss combined with averaging the gradients."]},
     {"q": "Which batch size do you give a tf.data pipeline that you pass to "
           "strategy.experimental_distribute_dataset?",
@@ -1342,6 +1356,7 @@ viz.quiz([
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.replica_id_in_sync_group`: "Returns: a `Tensor`" (an int32 constant); `tensorflow/python/autograph/operators/control_flow.py` — `if_stmt`: in a `tf.function`, an `if` on a tensor is staged as a `tf.cond` (`_tf_if_stmt`).
 # - `tensorflow/python/distribute/cross_device_ops.py` — `ReductionToOneDevice.reduce_implementation` (copy to one device, `add_n`, broadcast back), `CollectiveAllReduce`, `NcclAllReduce`.
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
+# - `tensorflow/python/distribute/cross_device_ops.py` — `CollectiveAllReduce._all_reduce`: the dense gradients go through `cross_device_utils.group_by_size(dense_values, options.bytes_per_pack)` and then `CollectiveReplicaLauncher.batch_all_reduce` (`tensorflow/python/distribute/cross_device_utils.py`), which in a `tf.function` concatenates each pack into one all-reduce (eagerly: one per tensor); `group_by_size`: `bytes_per_pack == 0` gives a single pack; `tensorflow/python/distribute/collective_util.py` — `Options.__init__`: `bytes_per_pack=0` by default (MirroredStrategy's options set only `implementation`: `MirroredExtended._make_collective_ops_with_fallbacks`).
 # - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size` when it is given; without it (`global_batch_size is None`, lines 116-128), by the replica's own batch (`shape(per_example_loss)[0]`) × `num_replicas_in_sync` (the docstring's "Defaults to", lines 98-99).
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
@@ -1360,9 +1375,11 @@ viz.quiz([
 # %% [markdown]
 # ### Sources that answer lab 05
 #
-# **▶ Open after your lab passes** (click the folded cell below).
+# **▶ Open after your lab passes** (click below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # #### Sources (lab 05's answers)
 #
 # - `tensorflow/python/distribute/input_lib.py` — `DistributedDataset._make_rebatch_fn`: each global batch is cut into one batch per replica (`dataset.rebatch` with `batch_sizes_for_worker`, or `_LegacyRebatchDataset` in `tensorflow/python/data/experimental/ops/distribute.py`, whose docstring shows a replica getting `[]`); `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: one thread per replica, each calling the function.
@@ -1372,3 +1389,5 @@ viz.quiz([
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.
 # - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.distribute_datasets_from_function`: the function's dataset is batched per replica (`InputContext.get_per_replica_batch_size`: the global batch divided by the context's `num_replicas_in_sync`, the replicas of every worker).
+#
+# </details>

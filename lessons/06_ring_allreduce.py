@@ -102,7 +102,8 @@ claim("at every step t = 1 … 2(N−1), worker i sent chunk (i + 1 − t) mod N
 # are lab 06's first part for the one layout §1 shows).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ring.simulate_ring)
+viz.show_code(ring.simulate_ring,
+              folded="▶ The simulator's code — open after your lab passes")
 
 # %% [markdown]
 # Step through it. The colour of a chunk says how many workers' numbers it already sums (pale:
@@ -591,7 +592,9 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 #
 # **▶ What NCCL actually chooses (optional, click the folded cell below)**
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # NCCL does not only ring. For each call its *tuner* (its own cost model of the message size
 # and the machine's topology) picks one of several algorithms:
 #
@@ -613,6 +616,8 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 # On an NVSwitch server every pair of GPUs does have a full-speed path, so the shared-link
 # argument above does not hold there — and NCCL can leave the adding to the switch. The
 # sources (NCCL's tuner and topology code) are listed at the end.
+#
+# </details>
 
 # %% [markdown]
 # Try it yourself: drag K down to a few kilobytes and raise α, and watch the ring lose N after
@@ -662,8 +667,8 @@ claim("the explorer's figure is drawn with the α and β fitted and printed in �
 # small messages *eagerly* (the *eager protocol*: the message is copied into a buffer at the
 # receiver, so the blocking send returns before any receive is posted), so there such a ring
 # works on tiny tensors and hangs on big ones. Correct code relies on neither. How to order a
-# step's messages so that no rank can wait forever, and no step's transfers wait for one
-# another, is lab 06's design decision;
+# step's messages so that no rank can wait forever, and a step's transfers do not go one after
+# another around the ring, is lab 06's design decision;
 # the library's answer is folded after the lab pointer.
 #
 # The library's ring is also pipelined: it cuts each chunk larger than its segment size (4 MiB
@@ -801,11 +806,14 @@ if world_size == 2:
 # count from `bench.quartiles` itself and prints it with each verdict — a verdict resting on
 # 2 of 3 pairs is weak evidence.
 #
-# **▶ The verdicts' helpers** (click the folded cell below: `bench.reps_for`, how many
-# repetitions a size gets; `bench.quartiles`, the q1 and q3 of a size's ratios).
+# **▶ The table's and the verdicts' helpers** (click the folded cell below:
+# `bench.bus_bandwidth`, `bench.AllreduceRow` and `bench.format_table`, the busbw columns and
+# their ratio; `bench.reps_for`, how many repetitions a size gets; `bench.quartiles`, the q1 and
+# q3 of a size's ratios).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(bench.reps_for, bench.quartiles)
+viz.show_code(bench.bus_bandwidth, bench.AllreduceRow, bench.format_table, bench.reps_for,
+              bench.quartiles)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -871,7 +879,9 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # **▶ The reference answer — open after your lab passes** (click the folded cells below: why
 # it cannot deadlock, then its code, which this lesson's claims ran).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # Every message is a `dist.isend` to rank+1 or a `dist.irecv` from rank−1; both return at once,
 # and a rank waits on them only once both are posted: no rank blocks in a send.
 #
@@ -880,7 +890,7 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # the receive (`Pair::send` in gloo's TCP transport, Sources). Let a single rank receive first
 # and all the others send first: nothing deadlocks, but each step becomes a chain. Only the
 # send into that one rank can complete; its sender then receives, which lets its own left
-# neighbour's send go, and so on around the ring: N transfers one after another, about
+# neighbour's send go, and so on around the ring: N transfers one after another (computed below), about
 # N(α + Kβ/N) per step instead of α + Kβ/N — the naive way's bandwidth term. Alternate instead: even ranks send first, odd ranks receive first. Every
 # even rank's send meets a waiting receiver, then every odd rank's send does: two transfer
 # times per step on even N; on odd N, where ranks N − 1 and 0 are both even, 2N/(N − 1) on
@@ -898,18 +908,20 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # segments in flight, each receive waited on two iterations after it was posted
 # (`gloo/allreduce.cc`, Sources). More in flight keeps the wire
 # busier; fewer holds less memory.
+#
+# </details>
 
 # %% [markdown]
-# **▶ That count, computed — open after your lab passes** (folded below).
+# **▶ Those counts, computed — open after your lab passes** (folded below).
 
-# %% jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 from functools import cache
 
 
-def alternating_ring_time(n):
-    """Transfer times of a blocking ring all-reduce, even ranks sending first: each transfer
-    takes one and starts once its sender and its receiver have both reached it."""
-    sends_first = [r % 2 == 0 for r in range(n)]
+def blocking_ring_time(sends_first):
+    """Transfer times of a blocking ring all-reduce, rank r sending first if sends_first[r]:
+    each transfer takes one and starts once its sender and its receiver have both reached it."""
+    n = len(sends_first)
 
     @cache
     def done(r, t):   # when rank r's step-t send (rank r+1's step-t receive) completes
@@ -922,18 +934,22 @@ def alternating_ring_time(n):
     return max(done(r, 2 * (n - 1) - 1) for r in range(n))
 
 
-times = {n: alternating_ring_time(n) for n in (3, 4, 5, 16, 17)}
+times = {n: blocking_ring_time([r % 2 == 0 for r in range(n)]) for n in (3, 4, 5, 16, 17)}
 per_step = {n: t / (2 * (n - 1)) for n, t in times.items()}
 claim("alternating send/receive order, N = 3, 4, 5, 16, 17: two transfer times a step on even "
-      "N, 2N/(N − 1) on odd N (3 on N = 3, 2.5 on N = 5)",
+      "N, and on odd N the average the folded text above derives",
       all(per_step[n] == (2 if n % 2 == 0 else 2 * n / (n - 1)) for n in times),
       times=times)
+chain = {n: blocking_ring_time([r != 0 for r in range(n)]) / (2 * (n - 1)) for n in times}
+claim("only rank 0 receiving first, N = 3, 4, 5, 16, 17: a chain, N transfer times a step",
+      all(chain[n] == n for n in chain), per_step=chain)
 
 # %% [markdown]
 # **▶ The reference answer's code — open after your lab passes** (the folded cell below: `ring.chunk_bounds`, `ring.receive_buffer` and `ring.ring_allreduce`).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ring.chunk_bounds, ring.receive_buffer, ring.ring_allreduce)
+viz.show_code(ring.chunk_bounds, ring.receive_buffer, ring.ring_allreduce,
+              folded="▶ The reference answer's code — open after your lab passes")
 
 # %% [markdown]
 # ### The pipelined ring as a timeline
@@ -942,7 +958,9 @@ viz.show_code(ring.chunk_bounds, ring.receive_buffer, ring.ring_allreduce)
 # each chunk travels in segments — it draws the idea of the stretch; its code, claims and figure
 # follow, folded too).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # Where does the time go when a chunk travels in segments? `ring.pipeline_schedule` lays §1's
 # transfers (the chunks `ring.simulate_ring` sends, step by step) on a time axis, under a
 # model, not a measurement: a whole chunk takes one *transfer time* on a link and half of one
@@ -953,13 +971,16 @@ viz.show_code(ring.chunk_bounds, ring.receive_buffer, ring.ring_allreduce)
 # The model charges no per-message latency, so in it more segments are never slower. On a real
 # link every segment pays §3's α, which bounds the number of segments: gloo's 1 MiB and the
 # library's 4 MiB are two choices of that trade-off, not shown here.
+#
+# </details>
 
 # %% [markdown]
 # **▶ The timeline — open after your lab passes** (the folded cell below:
 # `ring.pipeline_schedule`'s code, then the claims and the figure it draws).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ring.pipeline_schedule)
+viz.show_code(ring.pipeline_schedule,
+              folded="▶ The timeline's code — open after your lab passes")
 N_PIPE, ADD = 4, 0.5  # ranks; time to add a whole chunk, in transfer times
 timelines = {S: ring.pipeline_schedule(N_PIPE, S, transfer=1.0, add=ADD) for S in (1, 4)}
 
@@ -1062,10 +1083,14 @@ viz.quiz([
 #
 # **▶ Open after lab 06's stretch passes** (click the folded cell below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # #### Sources (lab 06's stretch)
 #
 # - gloo, `gloo/allreduce.cc` (in the Sources below), `ring`: lines 220-231, a scratch buffer of `segmentBytes * 2`, "With two operations in flight we need two offsets"; lines 268-320, the reduce-scatter loop waits at iteration i for the receive posted at i − 2, so two segments are in flight.
+#
+# </details>
 
 # %% [markdown]
 # ## Sources

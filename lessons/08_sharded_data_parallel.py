@@ -194,14 +194,16 @@ viz.show_code(zero.Stage, zero.Replicated, zero.grads_of, zero.optimizer_tensors
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(zero.shard_numel, zero.flatten_padded, zero.reduce_scatter_mean,
-              zero.all_gather_flat, zero.copy_flat_into)
+              zero.all_gather_flat, zero.copy_flat_into,
+              folded="▶ The flat-shard helpers — open after your lab passes")
 
 # %% [markdown]
 # **▶ `Zero1` and `Zero2` whole, with `gradient_slice`, where `step()` sends the gradients —
 # open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(zero.Zero1, zero.Zero2)
+viz.show_code(zero.Zero1, zero.Zero2,
+              folded="▶ Zero1 and Zero2 whole — open after your lab passes")
 
 # %% [markdown]
 # Is it right? Every stage trains the same small MLP from the same start, on the same shards
@@ -209,7 +211,9 @@ viz.show_code(zero.Zero1, zero.Zero2)
 # where the weights must agree to float rounding. The same launch also runs FSDP2 and
 # `ZeroRedundancyOptimizer`, met in section 6. Every run trains in `train_run`, which weighs
 # its gradients when the backward returns and, in `weigh`, before each collective that sums
-# them:
+# them. The two helpers it calls for that are shown in section 5, where their numbers are
+# checked against the formulas: `zero.count_bytes` (the bytes behind a set of tensors) and
+# `zero.summarize_traffic` (one step's recorded collectives, totalled):
 
 # %%
 import inspect
@@ -296,7 +300,8 @@ viz.show_code(zero.ShardedLayer.gather, zero.ShardedLayer.free, zero.ShardedLaye
 # — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(zero.ShardedLayer)
+viz.show_code(zero.ShardedLayer,
+              folded="▶ ShardedLayer whole — open after your lab passes")
 
 # %%
 claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff("zero3") < 1e-5,
@@ -313,8 +318,9 @@ claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
 # whole buffer it acts on (an all-gather's full output, the input of the others), an
 # all-reduce counted twice; ZeRO-3's formula is 3Ψ elements, each layer's weights
 # all-gathered twice and its gradients reduce-scattered once, Ψ padded to a multiple of N.
-# `zero.traffic_per_step` computes that formula; its code is shown in section 5, where it is
-# checked against every stage's recorded calls.
+# `zero.traffic_per_step` computes that formula and `zero.summarize_traffic` the recorded
+# volume; both are shown in section 5, where the one is checked against the other for every
+# stage.
 
 # %%
 awkward = experiments.ZeroConfig(steps=steps, frozen_and_tied=True)
@@ -555,7 +561,27 @@ viz.show(viz.zero_tradeoff_figure(
 # %% [markdown]
 # What traffic means in time depends on the network (lesson 06's α-β model) and on whether
 # the collectives overlap the compute. Ours never do, and no run here shows FSDP2's (section
-# 6). This lesson counts bytes, not seconds.
+# 6). This lesson counts bytes, not seconds. One bound needs no run, though: when *could*
+# ZeRO-3's collectives hide behind the compute? A layer of P parameters costs 2·P flops per
+# token in the forward and 4·P in the backward, against 2·P bytes of bf16 weights gathered
+# before the forward, and 2·P gathered plus 2·P of bf16 gradients reduce-scattered in the
+# backward (a ring rank sends (N−1)/N of that, about all of it). At F flop/s and BW bytes/s
+# per GPU, T tokens per GPU compute no faster than the bytes travel only when T ≥ F/BW:
+
+# %%
+f_gpu, ib_bw, nvlink_bw = 0.5 * 312e12, 25e9, 300e9   # half an A100's bf16 peak; bytes/s per GPU
+for name, bw in (("InfiniBand, 200 Gb/s per GPU", ib_bw), ("NVLink 3", nvlink_bw)):
+    t_min = f_gpu / bw
+    claim(f"across {name}: at T = F/BW = {t_min:.0f} tokens per GPU a layer's forward and "
+          "backward compute last as long as their collectives, whatever P (1 M to 1 B checked)",
+          all(abs((2 * p * t_min / f_gpu) / (2 * p / bw) - 1) < 1e-9
+              and abs((4 * p * t_min / f_gpu) / ((2 + 2) * p / bw) - 1) < 1e-9
+              for p in (1e6, 1e7, 1e8, 1e9)))
+
+# %% [markdown]
+# With fewer tokens per GPU per micro-batch, part of ZeRO-3's traffic stays on the critical
+# path however well it is scheduled (a bound from bandwidth alone: latency only raises it);
+# with fp32 gradients (FSDP2 here) the backward needs 1.5× as many tokens.
 #
 # Note what does not shrink with N in ZeRO-3: a rank's working set. While a layer's backward
 # computes, its full weights (gathered whole, section 4) and its full gradient (weighed in
@@ -571,7 +597,9 @@ viz.show(viz.zero_tradeoff_figure(
 # flight — open after your lab passes** (it is lab 08's design decision, made by torch; click
 # the folded cells below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # A layer's gradient is held twice in memory for a moment: like `flatten_padded` in section 3,
 # `foreach_reduce` copies the gradients into a padded full-size buffer, the reduce-scatter's
 # input, before it drops them (`_fsdp_collectives.py` lines 597-606). That buffer does not go
@@ -585,6 +613,8 @@ viz.show(viz.zero_tradeoff_figure(
 # accumulation: then the last group's buffer waits for the next backward's first
 # `post_backward`). The next layer's backward sets its lifetime, whatever the collective's
 # progress.
+#
+# </details>
 #
 # **▶ That order, read in the installed torch** (click the folded cell below).
 
@@ -694,16 +724,28 @@ claim("loaded back into a fresh sharded model, every rank's shards are equal",
       all(r["reloaded_shards_equal"] for r in tour))
 
 # %% [markdown]
-# **▶ The shape of rank 0's shard of each parameter — open after lab 11 passes** (it answers
-# lab 11's part 3; click the folded cell below).
+# What `Shard(dim=0)` leaves on rank 0: the first of N chunks along dimension 0 (the last
+# padded to the same size), every other dimension whole. The biases' shapes are printed;
+# the weights' are only checked here, since which features each dimension of an
+# `nn.Linear` weight holds is lab 11's part 3.
+
+# %%
+for name, kind, full, local, placement in tour[0]["shards"]:
+    if len(full) == 1:                             # the biases (the weights: folded below)
+        print(f"{name:>10}: full {full}, rank 0 holds {local}")
+claim(f"for every parameter, rank 0's shard has the shape of a dim-0 chunk: ceil(size of "
+      f"dim 0 / {world_size}) along dimension 0, the other dimensions whole",
+      all(local[0] == zero.shard_numel(full[0], world_size) and local[1:] == full[1:]
+          for name, kind, full, local, placement in tour[0]["shards"]))
+
+# %% [markdown]
+# **▶ The weights' shapes, full and rank 0's — open after lab 11 passes** (they answer lab
+# 11's part 3; click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 for name, kind, full, local, placement in tour[0]["shards"]:
-    print(f"{name:>10}: full {full}, rank 0 holds {local}")
-name, kind, full, local, placement = tour[0]["shards"][0]
-claim(f"rank 0 holds the first of FSDP2's dim-0 chunks of {name} (its {full[0]} rows cut "
-      f"into {world_size}), the other dimensions whole",
-      local[0] == zero.shard_numel(full[0], world_size) and local[1:] == full[1:])
+    if len(full) > 1:
+        print(f"{name:>10}: full {full}, rank 0 holds {local}")
 
 # %% [markdown]
 # And in fp32, FSDP2 from the first launch against torch DDP, and its traffic against the
@@ -861,14 +903,14 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 viz.show_code(zero.fits)
 
 # %%
-gb = 1e9
-table = zero.fits(num_params=13e9, device_bytes=40 * gb, world_size=8, activation_bytes=6 * gb)
+gb, gib = 1e9, 2**30
+table = zero.fits(num_params=13e9, device_bytes=40 * gib, world_size=8, activation_bytes=6 * gb)
 for row in table:
     print(f"{row['stage']:>6}: {row['bytes_per_rank'] / gb:6.1f} GB per GPU "
           f"{'fits' if row['fits'] else 'does not fit'}; at most "
           f"{row['max_params'] / 1e9:5.1f} B parameters")
-claim("a 13-B model on 8 × 40 GB GPUs (6 GB for activations and ZeRO-3's working set) "
-      "fits only with ZeRO-3",
+claim(f"a 13-B model on 8 \"40-GB\" A100s (40 GiB = {40 * gib / gb:.1f} GB each; 6 GB for "
+      "activations and ZeRO-3's working set) fits only with ZeRO-3",
       [r["stage"] for r in table if r["fits"]] == ["zero3"])
 
 # %% [markdown]
@@ -947,7 +989,7 @@ viz.quiz([
              "Right: 2 + 2 + 4, what section 6 measured; on a ring a rank sends (N − 1)/N of "
              "it, 4 bytes at N = 2.",
              "The all-gathers run in param_dtype, bf16."]},
-    {"q": "A 13-B model, 8 GPUs of 40 GB: DDP does not fit. What does?",
+    {"q": "A 13-B model, 8 \"40-GB\" A100s (40 GiB = 42.9 GB each): DDP does not fit. What does?",
      "options": ["ZeRO-1", "ZeRO-2", "ZeRO-3"],
      "answer": 2,
      "why": ["4 + 12/8 = 5.5 bytes per parameter: 71.5 GB before any activation.",
@@ -1056,7 +1098,9 @@ viz.quiz([
 # **▶ The sources of what FSDP2's reduce-scatter keeps alive, and how many it keeps in flight
 # — open after your lab passes** (it is lab 08's design decision; click the folded cell below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # ### Sources, continued
 #
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` — `FSDPParamGroup.post_backward`
@@ -1070,3 +1114,5 @@ viz.quiz([
 # - `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` — `foreach_reduce` (lines
 #   597–606): the gradients copied into the padded reduce-scatter input before they are
 #   dropped.
+#
+# </details>

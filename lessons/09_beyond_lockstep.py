@@ -69,8 +69,10 @@ print(f"this lesson: {world_size} ranks over {backend}, GPUs or not")
 
 # %% [markdown]
 # ## 1. A parameter server, for real
-# Before all-reduce, data parallelism used a **parameter server** (DistBelief, Dean et al.
-# 2012; Li et al., OSDI 2014): one process holds the weights; each worker **pulls** them,
+# Around 2012–2016, large deep networks were trained data-parallel with a **parameter server**
+# (DistBelief, Dean et al. 2012; Li et al., OSDI 2014), though all-reduce is older
+# (`MPI_Allreduce`; Agarwal et al. 2011 trained linear models with one): one process holds
+# the weights; each worker **pulls** them,
 # computes a gradient on its part of the batch and **pushes** it back; the server steps.
 # Lesson 02's `nn.DataParallel` is a parameter server inside one machine: the weights and the
 # optimizer step live on device 0. Each step it scatters the batch to the GPUs, broadcasts the
@@ -134,8 +136,10 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 # N. In time it is twice that *for a server like ours, which treats the whole model as one
 # message*: in lesson 06's α-β model a ring rank sends while it receives, 2(N−1)K/N·β; our
 # server sends new weights only once every gradient is in: NK in, *then* NK out, 2NKβ,
-# **N²/(N−1)** times the ring's (4× at N = 2; computed below). A key-value server (Li et al.;
-# BytePS) pushes and pulls key by key: key i's new weights leave while key i+1's gradients
+# **N²/(N−1)** times the ring's (4× at N = 2; computed below from lesson 06's model, not timed).
+# A key-value server (Li et al.; BytePS) stores the weights under *keys* (a key: a parameter
+# tensor, or a slice of a large one) and pushes and pulls key by key:
+# key i's new weights leave while key i+1's gradients
 # arrive, and the time ratio tends to the byte ratio. Over the whole cluster the two move
 # about the same (2NK against 2(N−1)K elements sent); the difference is *where*: the server
 # funnels it all through one network card. Or you shard the server, as Li et al. do. At the limit every worker also serves a 1/N shard: it
@@ -298,8 +302,8 @@ print(f"In the same {race_cfg.budget:g} s, asynchronous reached a test loss of {
 viz.show(viz.straggler_gantt_figure(
     {m: {w: race[w][m]["spans"] for w in (1, 2)} for m in ("sync", "async")}, applied,
     race_cfg.budget),
-    f"The same {race_cfg.budget:g} s, with one slow worker (red). Synchronous: the fast worker "
-    f"waits (grey) {waited['sync'][1]:.0%} of the time, for the straggler. Asynchronous: it "
+    f"The race's timeline: the same {race_cfg.budget:g} s, with one slow worker (red). Synchronous: "
+    f"the fast worker waits (grey) {waited['sync'][1]:.0%} of the time, for the straggler. Asynchronous: it "
     f"still waits {waited['async'][1]:.0%}, for the server's answers: {wait_med:.2f} ms for the "
     f"median one, {wait_mean:.1f} ms on average ({sum(long_ms) / sum(wait_ms):.0%} of its "
     f"waiting in stalls over 10× the median); the server applied "
@@ -332,7 +336,7 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # asynchronous mode: not for the straggler, but from each push to the server's answer. The
 # typical wait (the median, printed above) is an upper bound on the round trip itself (2K
 # numbers through gloo and the server's step); the mean is pulled up by the longest waits,
-# stalls (the long grey stretches in the chart; printed above: how much of the waiting they
+# stalls (the long grey stretches in the timeline; printed above: how much of the waiting they
 # hold), while the server, two workers and this notebook share the machine's few cores. The
 # spans record when the worker waited, not why: the run cannot tell a descheduled server from
 # a descheduled worker or another program.
@@ -519,7 +523,8 @@ claim("near that edge the seeds disagree — a single run's * is not the boundar
 # and the aware server — open after your lab passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(async_sgd.async_worker_loop, async_sgd.StalenessAwareServer)
+viz.show_code(async_sgd.async_worker_loop, async_sgd.StalenessAwareServer,
+              folded="▶ The library's loop — open after your lab passes")
 
 # %% [markdown]
 # Stretch or not, read on: the largest step again, now with the library's staleness-aware
@@ -553,13 +558,18 @@ claim(f"... but at τ = {taus[-1]} it ends worse than fresh SGD (τ = 0), in eve
 
 # %% [markdown]
 # **▶ Why lr/τ, and each update's staleness at τ = 4 — open after your lab passes, stretch
-# included** (click the folded cell below).
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+# included** (click below).
+#
+# <details><summary>▶ open</summary>
+#
 # In this simulator every gradient is delayed by the same τ, so after the first τ updates the
 # staleness no longer changes, and neither does the aware server's step: from there on it
 # steps as the unaware server would at one fixed smaller lr, lr/τ, on the same stale
-# gradients. Checked here at τ = 4:
+# gradients. The folded cell below checks it at τ = 4.
+#
+# </details>
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 stale = async_sgd.run_stale(problem, 4, lrs[0], batches, seed=seed)
 claim("with τ = 4 every update after the first 4 is exactly 4 updates stale",
       stale["staleness"][4:] == [4] * (sim_steps - 4))
@@ -730,6 +740,8 @@ claim(f"with {local_hs[-1]}× fewer averages, H = {local_hs[-1]} kept {kept:.0%}
 # two rules: **scale the learning rate by k** (k small steps ≈ one step with the sum of their
 # gradients), and **warm up**: start from the small lr and climb linearly to k × lr over the
 # first epochs, because early on the weights change fast and the k-step approximation fails.
+# Both are rules for SGD; for Adam the rule usually quoted is lr × √k (Malladi et al. 2022,
+# who also adjust its β's and ε), not run here.
 # We try it on this problem: SGD with momentum 0.9, batch 32 and lr 0.05, against batch
 # 32·k with the lr unchanged, scaled by k, and scaled with one epoch of warmup — the same
 # number of epochs for each.
@@ -787,9 +799,9 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
       f"{lag[worst]:+.3f} at most (after epoch {worst + 1}), {tail}.")
 
 # %% [markdown]
-# The honest reading is the sentence above, computed from this run. Warmup is for a scaled lr
-# that is stable once training is under way but blows up in the first steps, while the
-# weights still change fast (Goyal et al. needed it at k = 32 on ImageNet with a ResNet-50,
+# Warmup is for a scaled lr that is stable once training is under way but blows up in the
+# first steps, while the weights still change fast (Goyal et al. needed it at k = 32 on
+# ImageNet with a ResNet-50,
 # and trained to the small batch's accuracy up to a batch of 8192). At k = 8 this small
 # problem showed no such early regime: the scaled lr trained from the first epoch without
 # warmup, and warmup only cost progress — how much, and whether it caught up, is the last
@@ -802,17 +814,16 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 # - A parameter server pulls and pushes over point-to-point messages; synchronous, it is DDP
 #   (equal weights, to 1e-6, here) but it moves 2NK per step through one node (NK sent, NK
 #   received): N²/(2(N−1)) times a ring rank's bytes, and in lesson 06's α-β model N²/(N−1)
-#   times its time when the model is one message (in, then out, as here); a key-value server
-#   that pushes and pulls key by key overlaps the two, towards the byte ratio.
+#   times its time when the model is one message (in, then out, as here); a key-value server,
+#   key by key, overlaps the two, towards the byte ratio.
 # - Asynchronous, its workers stop waiting for the straggler (timed: more gradients in the
-#   same second, by a factor set by how much slower the straggler is; the fast worker then
-#   waits only for the server's answers to its own pushes, the mean wait pulled above the
-#   median by the longest ones, on shared cores), and
-#   its gradients are stale. In the simulator τ = 0 is SGD exactly; over the sweep's seeds, the
+#   same second; the fast worker then waits only for the server's answers to its own
+#   pushes), and its gradients are stale. In the simulator τ = 0 is SGD exactly; over the
+#   sweep's seeds, the
 #   delay at which most runs diverged (ended above their start) shrank as the step grew, and
 #   near it the seeds split;
-#   dividing the step by τ rescued most of the large step's runs (not every one: the lesson
-#   counts them), at the price of slower progress. Here it ended where the unaware server at
+#   dividing the step by τ rescued most of the large step's runs, at the price of slower
+#   progress. Here it ended where the unaware server at
 #   lr/τ does, on the same stale gradients (measured): these runs show the smaller step, not
 #   the staleness-aware rule, which matters where the staleness varies.
 # - Local SGD keeps the lockstep and averages weights every H steps: H = 1 is DDP for SGD
@@ -822,8 +833,7 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #   (`PeriodicModelAverager`, post-local SGD); DiLoCo adds an outer Nesterov step on the
 #   averaged change, with AdamW inside.
 # - With SGD (here with momentum) and below the critical batch size, a k× larger batch takes a
-#   k× larger lr (the linear scaling rule); it is a rule for SGD: for Adam the rule usually
-#   quoted is about √k (Malladi et al. 2022), not run here. Warmup is meant for an lr
+#   k× larger lr (the linear scaling rule; for Adam, √k: §4). Warmup is meant for an lr
 #   that only the first steps cannot take; this problem has no such phase, and the run shows
 #   warmup's cost (measured per epoch above), not its benefit.
 #
@@ -866,7 +876,7 @@ viz.quiz([
              "median, pulled up by the longest waits while the processes shared the "
              "machine's cores (the run records when it waited, not why).",
              "Asynchronous, the server answers each worker alone, without the straggler.",
-             "The Gantt chart shows grey gaps between its computations."]},
+             "The race's timeline (§1) shows grey gaps between its computations."]},
     {"q": "In the simulator, what does τ = 0 reduce to?",
      "options": ["Hogwild!, lock-free updates", "Local SGD with H = 1",
                  "Plain SGD, bit for bit"],
@@ -963,7 +973,9 @@ viz.quiz([
 # - `torch/optim/adam.py` — `_single_tensor_adam`: `exp_avg_sq.mul_(beta2).addcmul_(grad, grad,
 #   ...)` and a step divided by its square root: not linear in the gradient.
 #
-# Papers: Dean et al. 2012 (DistBelief, Downpour SGD); Li et al., OSDI 2014 (parameter server);
+# Papers: Agarwal et al. 2011 ("A reliable effective terascale linear learning system":
+# all-reduce on Hadoop); Dean et al. 2012 (DistBelief, Downpour SGD); Li et al., OSDI 2014
+# (parameter server);
 # Jiang et al., OSDI 2020 (BytePS: extra CPU servers, K sent and received per worker);
 # Ho et al., NIPS 2013 (Stale Synchronous Parallel: bounded staleness); Li et al., OSDI 2014
 # also for bounded delay consistency; Niu et al. 2011 (Hogwild!);

@@ -83,7 +83,8 @@ claim("run plainly, bug 1 only times out, naming the rank that never finished, n
 # blocks until its partners arrive: gloo's blocking calls do. A call with `async_op=True`, and
 # an NCCL call once its *communicator* (the connections between the ranks' GPUs that its
 # collectives run over) exists, returns at once; the trace still shows what each rank called and
-# from which line, but not which one waits (the recorder's "retired" does). `diagnose` adds a
+# from which line, but not which one waits (the flight recorder's *retired* flag does, after
+# bug 2). `diagnose` adds a
 # dump of each rank's Python stack. The trace writes its lines from the `before` and `after`
 # hooks of `collectives.record_collectives`, a recorder that wraps each `dist.<collective>`
 # function for a `with` block (**▶ folded below**; it sees only calls through those functions):
@@ -98,7 +99,7 @@ viz.show_code(collectives.record_collectives)
 # Python stack just before the time limit, and reports: finished, hung (which ranks, in which
 # call, at which line) or failed. Bug 1 shows a report, then the code behind each part of it.
 #
-# **▶ `diagnose`'s plumbing** (click the folded cell below): the launch, the time limit, the
+# **▶ `diagnose`'s plumbing** (click below): the launch, the time limit, the
 # report's wording, and section 5's checks on scripts.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
@@ -263,10 +264,10 @@ claim("on gloo, with timeout=2 s, rank 0 raises 'Timed out' itself, in the call"
 
 # %%
 viz.show(viz.timeout_behaviour_figure(),
-         "Where the error surfaces when a partner never joins: gloo raises inside the call; "
-         "NCCL with its communicator formed returns at once and the watchdog tears the process "
-         "down at the timeout, wherever Python then is; NCCL's first collective blocks inside the "
-         "call while the communicator forms; with TORCH_NCCL_BLOCKING_WAIT=1 (or "
+         "A diagram, not a measurement: where the error surfaces when a partner never joins. "
+         "gloo raises inside the call; NCCL with its communicator formed returns at once and the "
+         "watchdog tears the process down at the timeout; NCCL's first collective blocks inside "
+         "the call while the communicator forms; with TORCH_NCCL_BLOCKING_WAIT=1 (or "
          "work.wait(timeout)), wait() raises.")
 
 # %% [markdown]
@@ -307,11 +308,10 @@ claim("and it names the two operations", ops == ["ALLREDUCE", "BROADCAST"])
 # which `_dump_fr_trace` returns (a private API: `torchfrtrace` reads the files NCCL dumps).
 # Below, nothing is set in the environment. Each entry has a `state` and a `retired` flag
 # (set when its work finishes, a moment after the call returns), and the dump a `pg_status`:
-# the last collective enqueued and the last completed (which can lag: here it once said 1 with
-# call 2 retired). After the fixed bug 2's two calls, rank 0 reads its recorder while it waits
-# alone in a third all-reduce. On gloo the states stay "scheduled", but "retired" tells you
-# where a rank stopped. (On NCCL, the watchdog marks an
-# entry completed when the GPU work's end event has fired. It can mark one started only where a
+# the last collective enqueued and the last completed. After the fixed bug 2's two calls,
+# rank 0 reads its recorder while it waits alone in a third all-reduce. On gloo the states
+# stay "scheduled", but "retired" tells you where a rank stopped. (On NCCL, the watchdog marks
+# an entry completed when the GPU work's end event has fired. It can mark one started only where a
 # start event was recorded, and ProcessGroupNCCL records start events only with
 # `TORCH_NCCL_ENABLE_TIMING=1`, `TORCH_NCCL_DESYNC_DEBUG`, or `TORCH_DISTRIBUTED_DEBUG=DETAIL`
 # (which turns desync debugging on): otherwise an NCCL entry goes
@@ -543,7 +543,7 @@ claim("rank 1 left the loop and its program ended; rank 0, waiting in the next a
 viz.show_code(bugzoo.mlp, bugzoo.small_batches)
 
 # %% [markdown]
-# **▶ `zoo_worker`, the one launch** (click the folded cell below): plumbing that runs each
+# **▶ `zoo_worker`, the one launch** (click below): plumbing that runs each
 # program broken and fixed and returns the results by name.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
@@ -576,7 +576,7 @@ claim("a change of 1e-3 in one weight of a 64×64 layer, at its first position, 
       detectors.compare_checksums([before, detectors.state_checksums(layer)]) == ["weight"])
 
 # %% [markdown]
-# **▶ `average_gradients`, what the fixed programs call** (click the folded cell below): lesson
+# **▶ `average_gradients`, what the fixed programs call** (click below): lesson
 # 03's hand-made averaging, its lab's part 1 done the simple way — open it after lab 03 passes.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
@@ -638,7 +638,7 @@ claim("fixed (average the gradients): gradients and weights agree at every step"
 
 # %% [markdown]
 # **▶ Bug 5 with `torch.distributed.nn.functional.all_reduce`, differentiable** (its code:
-# click the folded cell below).
+# folded below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(bugzoo.averaged_loss_differentiable)
@@ -680,7 +680,8 @@ viz.show(viz.replica_checksums_figure({
 # ### Bug 6: BatchNorm statistics that differ per rank
 # The gradients are averaged, so the weights agree; but BatchNorm's running mean and variance
 # are *buffers*, updated from each rank's own batches. They differ per rank, and so do the
-# rank's evaluations and checkpoints. The detector names exactly which tensors differ.
+# checkpoints and, unless DDP copies the buffers first (below), the evaluations. The detector
+# names exactly which tensors differ.
 # `nn.SyncBatchNorm` computes the statistics over the global batch; when it syncs (in
 # training mode, with an initialised process group) it accepts only CUDA, HPU, XPU or a
 # PrivateUse1 device and raises for CPU input. On CPU the fix here averages the running
@@ -909,8 +910,8 @@ claim("once the squatter is gone, the port is free", detectors.port_owner(port) 
 # report for tools, and `--cpu` runs a script written for GPUs (NCCL, `.cuda()`, `device_ids`)
 # on a machine without them, NCCL as gloo and CUDA moves kept on the CPU — it can then tell
 # whether the rest of the script is right, not whether it runs on GPUs. The exit code is 0 only
-# for a clean, consistent run with nothing found (`return 0 if result.ok else 1`, with
-# `Diagnosis.ok` from section 1), so it fits in a CI job.
+# for a clean, consistent run with nothing found (`ok = result.ok`, `Diagnosis.ok` from
+# section 1), so it fits in a CI job. On lab 10's scripts it withholds its findings (`lab`).
 #
 # **▶ The command** (folded): `diagnose_script`, what `python -m dpcourse diagnose` runs.
 
@@ -1072,12 +1073,17 @@ claim("and the script itself ran to the end on both ranks",
 # gradients it is given (as if they were one vector), then multiplies every one of them in
 # place by `max_norm / (norm + 1e-6)` clamped to at most 1; it returns the norm it measured.
 #
-# **▶ The reference answer — open after your lab passes** (click the folded cell below): the
+# **▶ The reference answer — open after your lab passes** (click below): the
 # stretch's idea, run on two weight vectors.
+#
+# <details><summary>▶ open</summary>
+#
+# What a checksum misses: changes that cancel in its weighted sum (run below), and a change
+# below the float64 sum's rounding (about 1e-16 of the checksum).
+#
+# </details>
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-# What a checksum misses: changes that cancel in its weighted sum (run here), and a change
-# below the float64 sum's rounding (about 1e-16 of the checksum).
 # Two weight vectors that differ, with the same checksum: +2δ at position 1, −δ at position 2
 # (δ a power of two, so every sum below is exact in floating point).
 a = torch.nn.Linear(4, 1, bias=False)
@@ -1093,11 +1099,12 @@ claim("the weights differ, yet the checksums are equal: a checksum can miss a di
                                        detectors.state_checksums(b)]) == [])
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cell below): bug 7's
+# **▶ The reference answer — open after your lab passes** (click below): bug 7's
 # `all_ranks_finite`, one verdict on every rank.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(bugzoo.all_ranks_finite)
+viz.show_code(bugzoo.all_ranks_finite,
+              folded="▶ The reference answer — open after your lab passes")
 
 # %% [markdown]
 # ## Summary
@@ -1108,7 +1115,7 @@ viz.show_code(bugzoo.all_ranks_finite)
 # | rank-dependent control flow | hang after some steps | trace: one rank made more calls; `monitored_barrier`: the rank that left | decide together (all-reduce the decision) |
 # | a checkpoint loaded on one rank after DDP's constructor | replicas never agree | weight checksums across ranks | every rank loads it (or load before wrapping) |
 # | loss averaged, not gradients | log looks fine, replicas drift | gradient / weight checksums | average the gradients |
-# | BatchNorm statistics per rank | evaluations differ per rank | buffer checksums | SyncBatchNorm (CUDA, HPU, XPU or PrivateUse1 input, in training); averaged buffers agree, but their variance is not the global batch's; DDP's buffer sync leaves them apart after the last step |
+# | BatchNorm statistics per rank | checkpoints and, without DDP's buffer sync, evaluations differ | buffer checksums | SyncBatchNorm (CUDA, HPU, XPU or PrivateUse1 input, in training); averaged buffers agree, but their variance is not the global batch's; DDP's buffer sync leaves them apart after the last step |
 # | NaN on one rank | NaN everywhere | first non-finite *local* value | check finiteness together, skip together |
 # | forgotten `set_epoch` | same order every epoch | repeated epoch orders | `sampler.set_epoch(epoch)` |
 # | unused parameter | DDP fails at step 2 | `unused_parameters` | remove it; `static_graph=True` if the same parameters are unused at every step and no control flow depends on the iteration; else `find_unused_parameters=True` (a graph walk every step) |

@@ -77,11 +77,8 @@ torch.set_num_threads(1)
 # `10·s·b·d` of it by t; those are the tensors every tensor-parallel rank holds whole:
 # the two layer norms' inputs, the two dropout masks after attention and MLP, and the inputs
 # of the QKV matmul and of the MLP's first matmul (their section 4.2.2). Their *sequence
-# parallelism* splits those too, each rank keeping its share of the sequence's tokens there.
-# That /t is Megatron-LM's implementation, whose layers keep only a rank's share even of the
-# matmuls' inputs, at the price of more communication in the backward; it is what the
-# planner below prices. torch's layout, which section 2 runs, does not divide the first
-# matmul's saved input by t: its folded run measures what each rank saves.
+# parallelism* (the end of section 2) splits those too, each rank keeping its share of the
+# sequence's tokens there.
 # Recomputing the layer in the backward (*activation checkpointing*) keeps only its input,
 # `2·s·b·d`. Most of it, though, for long sequences, is the `5·a·s/d` term: the attention
 # matrix (a heads × s × s per sequence) stored three times over — the softmax's output, the
@@ -346,33 +343,36 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cells below): f
-# and g pass by pass, where the biases go, one rank's forward and backward with every tensor
-# marked replicated, sliced or partial, the library's code, and why one of the four methods
+# and g pass by pass, where the biases go, the library's code, and why one of the four methods
 # may pass its gradient on untouched.
+#
+# <details><summary>▶ open</summary>
+#
+# - *f*, before the column layer: forward identity (every rank uses the same X); backward
+#   all-reduce (∂L/∂X = Σ_r ∂L/∂Z_r·A_rᵀ).
+# - *g*, after the row layer: forward all-reduce (Y = Σ_r Y_r); backward identity (the
+#   gradient of Y arrives replicated).
+# - torch weights: `nn.Linear(d, h)` stores A transposed, as an h × d weight (and B as a
+#   d × h one); the first is cut along dim 0 (its rows are A's columns), with the same slice
+#   of b₁; the second along dim 1 (its columns are B's rows).
+# - b₂: whole on every rank, added once, after *g* (added before the sum it would count t
+#   times).
+# - The count, per MLP and micro-batch: one all-reduce in the forward (*g*'s); one in the
+#   backward (*f*'s) only when the MLP's input needs a gradient — otherwise autograd never
+#   runs *f*'s backward; and *g*'s once more if the forward is recomputed.
+#
+# </details>
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-print("f, before the column layer: forward identity (every rank uses the same X); backward "
-      "all-reduce (∂L/∂X = Σ_r ∂L/∂Z_r·A_rᵀ)")
-print("g, after the row layer:     forward all-reduce (Y = Σ_r Y_r); backward identity (the "
-      "gradient of Y arrives replicated)")
-print("torch weights: nn.Linear(d, h) stores A transposed, as an h × d weight (and B as a "
-      "d × h one); the first is cut along dim 0 (its rows are A's columns), with the same "
-      "slice of b₁; the second along dim 1 (its columns are B's rows)")
-print("b₂: whole on every rank, added once, after g (added before the sum it would count t "
-      "times)")
-print("count, per MLP and micro-batch: one all-reduce in the forward (g's); one in the "
-      "backward (f's) only when the MLP's input needs a gradient — otherwise autograd never "
-      "runs f's backward; and g's once more if the forward is recomputed")
-viz.show(viz.tp_shards_figure(16, 64, tp_ranks, answer=True),
-         "Top: who holds what, biases included. Below: one rank's forward (left to right) and "
-         "backward (right to left); R = replicated, S = this rank's slice, P = partial. f and "
-         "g (red) each communicate on one pass only.")
 viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTensorParallel,
               tensor_parallel.copy_to_tensor_parallel, tensor_parallel.reduce_from_tensor_parallel,
               tensor_parallel.shard_bounds, tensor_parallel.ColumnParallelLinear,
-              tensor_parallel.RowParallelLinear, tensor_parallel.TensorParallelMLP)
+              tensor_parallel.RowParallelLinear, tensor_parallel.TensorParallelMLP,
+              folded="▶ The reference answer's code — open after your lab passes")
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # **Why Megatron calls *f* and *g* conjugate.** Each one's forward is the other's backward:
 # *f* is the identity forward and an all-reduce backward, *g* an all-reduce forward and the
 # identity backward (Shoeybi et al. 2019, §3, the caption of its Figure 3).
@@ -409,6 +409,8 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
 # ("necessary for a speedup but not for correctness"), and the function warns when it is not
 # 1. Without it the result is the same, and the overlap is not guaranteed. *g*'s all-reduce,
 # in the forward, has no such companion: the next layer needs its sum.
+#
+# </details>
 
 # %% [markdown]
 # ### Checked, and counted
@@ -428,7 +430,8 @@ viz.show_code(tensor_parallel.plain_mlp, tensor_parallel.TPConfig)
 # (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(tensor_parallel.slice_of, tensor_parallel.tensor_parallel_worker)
+viz.show_code(tensor_parallel.slice_of, tensor_parallel.tensor_parallel_worker,
+              folded="▶ The worker that checks it — open after your lab passes")
 
 # %% [markdown]
 # The two claims below compare whole tensors, so their lines can be read here, taken
@@ -548,15 +551,22 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # %% [markdown]
 # Tensor parallelism pays for each of those micro-batches, while data parallelism's bytes (with
 # `no_sync()`) do not grow with the batch. And *when* the bytes travel matters more:
-# DDP's all-reduce overlaps the backward (lesson 07); tensor parallelism's mostly cannot, so
-# Megatron-LM keeps t ≤ the GPUs of one node, on NVLink.
+# DDP's all-reduce overlaps the backward (lesson 07); tensor parallelism's collectives sit
+# between one matmul and the next. Some can hide behind a matmul that does not need their
+# result (the fold says which); the rest only with communication–matmul overlap, which
+# pipelines a collective with the matmul that uses it, piece by piece: Megatron-Core's
+# `tp_comm_overlap` and torch's async tensor parallelism, both off by default and both only
+# in sequence parallelism's layout (the end of this section). So Megatron-LM keeps t ≤ the
+# GPUs of one node, on NVLink.
 #
 # **▶ Which of them sit on the critical path, which Megatron-LM hides, and what torch's async
 # tensor parallelism fuses — open after your lab passes** (click the folded cell below):
 # where each sits is lab 11's answer again.
 
-# %% [markdown] jupyter={"source_hidden": true}
-# Most of tensor parallelism's collectives sit **on the critical path**: the tensor-parallel
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
+# Tensor parallelism's collectives sit **on the critical path**: the tensor-parallel
 # all-reduces sit between one matmul and the next, which waits for the sum — four times per
 # transformer layer and micro-batch (attention and MLP each have an *f* and a *g*) — and
 # each rank's matmuls shrink by t. Not all of them, though: Megatron-LM hides two of a
@@ -576,9 +586,14 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # and a matmul feeding a reduce-scatter (`fused_all_gather_matmul`,
 # `fused_matmul_reduce_scatter`): the layout of *sequence parallelism* (Korthikanti et al.),
 # where each of the all-reduces here becomes an all-gather and a reduce-scatter around the
-# layer norms and dropouts; the plain all-reduces of this MLP are not matched. Even so, the
-# sums that a matmul waits for stay in the way, and they pay only on very fast links: NVLink
-# inside a node, not the network between nodes.
+# layer norms and dropouts; the plain all-reduces of this MLP are not matched. Megatron-Core's
+# `tp_comm_overlap` does the same for that layout, in Transformer Engine's layers
+# (`megatron/core/extensions/transformer_engine.py`): it pipelines each all-gather with the
+# matmul that uses it and each reduce-scatter with the matmul that feeds it. Without either,
+# the sums that a matmul waits for stay in the way, and they pay only on very fast links:
+# NVLink inside a node, not the network between nodes.
+#
+# </details>
 
 # %% [markdown]
 # ### torch's version: `parallelize_module` and DTensor
@@ -634,15 +649,20 @@ claim("ColwiseParallel cuts the first weight and bias along dim 0 (Shard(0)); Ro
       "the second weight along dim 1 (Shard(1)) and replicates its bias (R)",
       [p[4] for p in r0["torch_params"]] == ["S(0)", "S(0)", "S(1)", "R"])
 viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
-              + inspect.getsource(RowwiseParallel._prepare_output_fn))
+              + inspect.getsource(RowwiseParallel._prepare_output_fn),
+              folded="▶ Where torch puts f and g — open after your lab passes")
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # Where torch does it. Its *f* is `ColwiseParallel`'s input hook: the plain input becomes a
 # DTensor with `DTensor.from_local(..., Replicate())`, and `from_local`'s backward
 # (`_FromTorchTensor.backward`, `torch/distributed/tensor/_api.py`) redistributes the
 # gradient to the input's placement, Replicate — the gradient of X comes out of the sharded
 # matmul as Partial, so that redistribution is the all-reduce. Its *g* is `RowwiseParallel`'s
 # output hook, Partial → Replicate, in the forward (both hooks shown above).
+#
+# </details>
 
 # %% [markdown]
 # ### Sequence parallelism: the activations outside the MLP, cut along the tokens
@@ -653,17 +673,23 @@ viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
 # tokens, `Shard(0)`; each rank's loss is its tokens' share of the plain MLP's, so that the
 # ranks' losses add up to it. Which collective each pass then makes follows from lab 11's
 # first answer, so the run and its count are folded.
+#
+# Section 1's sequence-parallel count, everything divided by t, is Megatron-LM's: its layers
+# keep only a rank's share even of the matmuls' inputs, at the price of more communication
+# in the backward. torch's layout saves more (the folded run measures it); section 5's
+# planner prices neither, running without sequence parallelism.
 
 # %% [markdown]
 # **▶ Sequence parallelism run, checked and its collectives counted — open after your lab
 # passes** (click the folded cell below). It proves that torch's sequence-parallel MLP equals
 # the plain MLP on each rank's tokens (output, dL/dx and every gradient, to 1e-6), that its
-# collectives send the bytes section 2's do, and that the column layer still saves all the
-# tokens of its input (the fold says what that means for section 1's /t); which collectives
-# they are is lab 11's answer.
+# collectives send the bytes section 2's do, and what the column layer saves of its input
+# (the fold says what that means for section 1's /t); which collectives they are is lab
+# 11's answer.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(tensor_parallel.sequence_parallel_worker)
+viz.show_code(tensor_parallel.sequence_parallel_worker,
+              folded="▶ The sequence-parallel worker — open after your lab passes")
 sp_runs = launch.spawn(tensor_parallel.sequence_parallel_worker, tp_ranks, cfg, backend="gloo",
                        timeout=120)
 print("forward:", sp_runs[0]["forward"], " backward:", sp_runs[0]["backward"],
@@ -686,7 +712,9 @@ claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tok
       all((cfg.tokens, cfg.d) in r["saved_shapes"]
           and (cfg.tokens // tp_ranks, cfg.d) not in r["saved_shapes"] for r in sp_runs))
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # Entering the MLP the token shares are all-gathered (*f*'s forward, which now has something
 # to do: X is no longer whole on every rank), and leaving it the partial outputs are
 # reduce-scattered back to the shares (*g*'s forward); the backward mirrors both. The
@@ -696,8 +724,9 @@ claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tok
 # divided by t. Megatron-LM's column layer (`LinearWithGradAccumulationAndAsyncCommunication`)
 # saves only the rank's share (`ctx.save_for_backward(input, weight)` before its all-gather)
 # and all-gathers it once more in the backward for the weight gradient: a third collective
-# per column layer and backward, traded for the /t that section 1's and the planner's
-# 34·s·b·d/t assume.
+# per column layer and backward, traded for the /t that section 1's 34·s·b·d/t assumes.
+#
+# </details>
 
 # %% [markdown]
 # ## 3. Pipeline parallelism: stages, micro-batches, the bubble
@@ -715,13 +744,17 @@ claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tok
 # **▶ How the M micro-batches' gradients become the whole batch's — open after lab 11's
 # stretch passes** (click the folded cell below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # Their sum is the gradient of the whole batch's mean loss once each micro-batch's mean loss
 # is divided by M, with micro-batches of equal size (or once the loss is a sum over the
 # examples): the division of gradient accumulation, lesson 04 §7's `/ accum`. torch's
 # schedules divide the summed gradients by M instead, once the step's backwards are done
 # (`scale_grads=True`, their default: `perform_reduce_grad` calls `scale_grads`,
 # `pipelining/stage.py`), for a loss that is each micro-batch's mean.
+#
+# </details>
 
 # %% [markdown]
 # The schedules in `dpcourse.pipeline_parallel` list each stage's actions, F i
@@ -773,7 +806,8 @@ viz.show_code(pipeline_parallel.make_mlp, pipeline_parallel.split_stages,
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(pipeline_parallel.run_stage, pipeline_parallel.pipeline_worker,
-              pipeline_parallel.run_pipeline, pipeline_parallel.measured_bubble)
+              pipeline_parallel.run_pipeline, pipeline_parallel.measured_bubble,
+              folded="▶ One stage's loop and its launcher — open after your lab passes")
 
 # %% [markdown]
 # The two claims below rest on these lines, read from the source: `pipeline_worker` counts
@@ -938,7 +972,9 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
 # **▶ How the recorder gets there (its `P2POp` stand-in and `Recorder.wrap_batch`), read and
 # run** (click the folded cells below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # How torch's sends are counted: its schedules hand each batch of sends and receives to
 # `_batch_p2p` (`pipelining/schedules.py`), which calls each op itself when all of a batch's
 # ops are `dist.isend` (or all `dist.irecv`), and `dist.batch_isend_irecv` otherwise. Inside
@@ -949,6 +985,8 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
 # test in `_batch_p2p` never holds inside the block: every batch reaches the recorder's
 # `batch_isend_irecv`, `Recorder.wrap_batch`'s function, which records one send or receive
 # per `P2POp`, the count the op-by-op path makes.
+#
+# </details>
 #
 # **▶ Both, read and run here** (a `P2POp` needs a process group: one of a single rank; a
 # `before` hook refuses the batch once both of its ops are recorded, so nothing is sent;
@@ -1051,12 +1089,16 @@ claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2}
                                ("dp", "reduce_scatter", local, local * 4, local * 2)]
           for r in mesh_runs))
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # Two counts differ from section 2's and lesson 08's, and both are right. Only **one**
 # tensor-parallel all-reduce: the MLP is the first layer here and its input is data, which
 # needs no gradient, so autograd never runs *f*'s backward (lab 11's part 6). Only
 # **one** all-gather: the MLP is FSDP2's *root*, which keeps its weights gathered between
 # forward and backward (lesson 08, section 6). torch's DTensors carry both dimensions at once.
+#
+# </details>
 
 # %% [markdown]
 # **▶ torch's placements on the mesh (they show section 2's answer) — open after your lab
@@ -1066,11 +1108,15 @@ claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2}
 for name, placement in mesh_runs[0]["torch_placements"].items():
     print(f"{name:>9}: {placement}")
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # `Shard(dim=1)` on `tp` for the second weight, as in section 2; on `dp`, FSDP2 cuts dim 0
 # once more. For the first weight both dimensions cut dim 0: `_StridedShard(dim=0, sf=2)`
 # records that the `dp` cut applies to each `tp` slice (interleaved rows), not to the
 # whole.
+#
+# </details>
 
 # %% [markdown]
 # ## 5. A planner
@@ -1083,7 +1129,8 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # 16 bits — Megatron-LM's own `--fp16` keeps an fp32 copy of them too, 20 bytes, not modelled
 # here; with `--bf16`, its default fp32 gradients (18 bytes) are checked after the ranking),
 # activations (section 1,
-# 1F1B's first stage holding min(p, M) micro-batches, the layers recomputed), the messages and bytes per step of
+# 1F1B's first stage holding min(p, M) micro-batches, the layers recomputed, without
+# sequence parallelism, which came after the 2021 runs it is checked against), the messages and bytes per step of
 # each dimension (per GPU; data parallelism in DDP's 25 MiB buckets; ZeRO-3 gathers and
 # reduce-scatters once per micro-batch, M times a step, for it reshards between micro-batches
 # as FSDP2 does at its defaults — lesson 08 counted 2k all-gathers at k micro-batches; torch's
@@ -1170,10 +1217,18 @@ claim(f"ZeRO-3's DP msgs = 3 × (layers / p) × M: it gathers twice and reduce-s
           for r in zero3_rows) and len(zero3_rows) > 0
       and all(r["stage"] != "zero3" for r in options[:6]))
 claim("TP msgs = (layers / p) × M × 6: with recomputation (every row here) a layer makes 6 "
-      "tensor-parallel collectives per micro-batch (which collective, and their split by pass, "
-      "are folded above)",
+      "tensor-parallel collectives per micro-batch — the count lab 11 derives; the folded cell "
+      "above shows it (planner.TP_MESSAGES_PER_LAYER, checked against section 2's run), with "
+      "which collectives they are and their split by pass",
       all(r["tp_messages"] == model.layers // r["pp"] * r["micro_batches"] * 6
           for r in options if r["tp"] > 1) and any(r["tp"] > 1 for r in options))
+claim(f"no sequence parallelism in any row: a recomputed layer keeps its input, 2·s·b·d = "
+      f"{2 * model.seq_len * model.hidden / 1e6:.0f} MB at b = 1, whole on each of the t ranks",
+      all(math.isclose(r["activation_bytes"],
+                       model.layers // r["pp"] * min(r["pp"], r["micro_batches"])
+                       * 2 * model.seq_len * model.hidden
+                       + planner.activation_bytes_per_layer(model, 1, r["tp"]))
+          for r in options))
 claim(f"the last column is the pipeline's idle time over its working time, (p−1)/M: the step "
       f"lasts M + p − 1 slots for M of work, so the compute is stretched by 1 + (p−1)/M. "
       f"Section 3's bubble is the idle share of the step, (p−1)/(M+p−1): for the published "
@@ -1346,8 +1401,10 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   with two operations *f* and *g* carrying the communication (which pass of each, and
 #   why they are called *conjugate*, is lab 11; the folded reference answer in section 2).
 #   Collectives over the activations in every MLP and attention block, for every
-#   micro-batch, mostly on the critical path (how many, which ones Megatron hides and which
-#   torch's async TP can fuse is folded after lab 11's pointer): keep it inside a node.
+#   micro-batch, on the critical path unless hidden behind a matmul (how many, which ones
+#   Megatron hides, and which communication–matmul overlap — Megatron-Core's
+#   `tp_comm_overlap`, torch's async TP — can pipeline is folded after lab 11's pointer):
+#   keep it inside a node.
 #   torch's `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
 #   sends the same.
 # - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated into the whole
@@ -1495,7 +1552,7 @@ viz.quiz([
 #   bucket of this rank's gradients, before the all-reduce.
 # - `torch/nn/modules/linear.py` — `Linear.__init__` (the shape it gives `weight`: which
 #   dimension holds which features is lab 11's part 3, so this lesson states it only in
-#   folded cells, and lesson 08's FSDP2 shard shapes are folded until lab 11 passes) and
+#   folded cells, and lesson 08's FSDP2 weight shapes are folded until lab 11 passes) and
 #   `Linear.forward` (`F.linear(input, self.weight, self.bias)`).
 # - `torch/_meta_registrations.py` — `meta__scaled_dot_product_flash_attention`: the flash
 #   kernel's outputs, the attention and a logsumexp of shape (batch, heads, s) in fp32, which
@@ -1524,7 +1581,13 @@ viz.quiz([
 # `order="tp-dp-pp"`; `megatron/core/tensor_parallel/layers.py` —
 # `LinearWithGradAccumulationAndAsyncCommunication`, `ColumnParallelLinear.__init__` and
 # `linear_with_grad_accumulation_and_async_allreduce` (what they do, and under which
-# environment: the folded part of these sources); `megatron/training/arguments.py` — with
+# environment: the folded part of these sources);
+# `megatron/core/model_parallel_config.py` — `ModelParallelConfig.tp_comm_overlap` (default
+# `False`; "allows overlapping of Linear layer execution with tensor parallel communication
+# collectives"), and `megatron/training/arguments.py` — `validate_args` refuses it without
+# sequence parallelism ("Tensor parallel communication/GEMM overlap can happen only when
+# sequence parallelism is enabled"): section 2's communication–matmul overlap;
+# `megatron/training/arguments.py` — with
 # `--bf16`, `accumulate_allreduce_grads_in_fp32` is turned on unless `--grad-reduce-in-bf16`
 # or `--main-grads-dtype bf16` is given (the comment: "bfloat16 requires gradient
 # accumulation and all-reduce to be done in fp32"), and `megatron/training/training.py` passes
@@ -1557,7 +1620,9 @@ viz.quiz([
 # after your lab passes** (they say which collective each pass makes; click the folded cell
 # below).
 
-# %% [markdown] jupyter={"source_hidden": true}
+# %% [markdown]
+# <details><summary>▶ open</summary>
+#
 # ### Sources, continued
 #
 # - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel.__init__` sets
@@ -1595,3 +1660,10 @@ viz.quiz([
 #   `fuse_matmul_reduce_scatter` into `torch/distributed/_symmetric_memory/__init__.py`'s
 #   `fused_all_gather_matmul` and `fused_matmul_reduce_scatter`: torch's async tensor
 #   parallelism overlaps only sequence parallelism's collectives, in compiled models.
+# - Megatron-LM, `megatron/core/extensions/transformer_engine.py` (commit d98e8a6): with
+#   `config.tp_comm_overlap` its Transformer Engine linear layers are built with
+#   `ub_overlap_ag` and `ub_overlap_rs` (`tp_comm_overlap_ag`, `tp_comm_overlap_rs` in
+#   `megatron/core/model_parallel_config.py`: "All-Gather overlap with GEMM by pipelining the
+#   GEMM and All-Gather", the same for the Reduce-Scatter).
+#
+# </details>

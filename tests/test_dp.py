@@ -124,7 +124,7 @@ def test_real_data_parallel_mode_is_observed_not_assumed(setup, monkeypatch):
 def test_measurements_have_the_right_form(setup):
     model, X, _ = setup
     t = dp.time_replicate_vs_forward(model, X, 2, repeats=2)
-    assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0
+    assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0 and t["torch_replicate_s"] > 0
     g = dp.gil_threads_demo(n=50_000)
     assert g["sequential_s"] > 0 and g["threaded_s"] > 0
     assert g["cpu_per_wall"] < 1.3  # the GIL: one core at a time for pure Python

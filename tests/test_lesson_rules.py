@@ -5,6 +5,11 @@ notebooks.
   ``solutions/labNN_*.py``) is readable without a click in its own lesson or any earlier one: the
   unfolded cell sources and the unfolded outputs (``viz.show_code`` included) are searched. A
   folded cell (``metadata.jupyter.source_hidden``) has a visible one-line label right before it.
+  And in every viewer: GitHub's static view ignores the fold flags, so no lab answer is in any
+  cell's source or any output's plain text, and in HTML only inside ``<details>``
+  (``viz.show_code(..., folded="▶ label")``). A folded text cell (a hint, a reference answer's
+  prose) is folded in its markdown, as one ``<details><summary>▶ label</summary>`` …
+  ``</details>`` block, never by the ``source_hidden`` flag alone, which GitHub ignores.
 * **Sources.** Every lesson ends with a ``## Sources`` list naming, for each statement about a
   framework's internals, the installed file it was checked in; every file named exists in the
   installed torch / tensorflow / keras.
@@ -82,11 +87,42 @@ def readable_lines(nb) -> set[str]:
     return {_significant(line) for text in texts for line in text.splitlines()}
 
 
-def find_leaks(lessons: list[Path], solutions: list[Path]) -> list[str]:
+DETAILS = re.compile(r"<details\b.*?</details>", re.S | re.I)
+
+
+def readable_lines_in_every_viewer(nb) -> set[str]:
+    """Every significant line a learner reads without a click in SOME viewer the course sends
+    them to. GitHub's static view (and the classic Notebook) ignore ``metadata.jupyter``'s fold
+    flags: they show every cell's source, every stream and ``text/plain`` (or ``text/markdown``)
+    output, and every HTML output, where only a ``<details>`` block waits for a click
+    (``viz.show_code(..., folded=...)`` puts a lab's answer in one and leaves its ``text/plain``
+    without code)."""
+    texts = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            texts.append(DETAILS.sub("", cell.source))  # a <details> block waits for a click
+            continue
+        texts.append(cell.source)
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                texts.append(out.get("text", ""))
+            if out.get("output_type") == "error":
+                texts.extend(out.get("traceback", []))
+            for key, value in out.get("data", {}).items():
+                if key.startswith("text/"):
+                    value = "".join(value) if isinstance(value, list) else value
+                    if key == "text/html":
+                        value = html.unescape(re.sub(r"<[^>]+>", "", DETAILS.sub("", value)))
+                    texts.append(value)
+    return {_significant(line) for text in texts for line in text.splitlines()}
+
+
+def find_leaks(lessons: list[Path], solutions: list[Path], read=readable_lines) -> list[str]:
     """'labNN region k: m/n lines readable in LESSON' for each region half (or more) readable in
-    its own lesson or an earlier one. Lines of an earlier lab's answer (a training loop the
-    learner wrote in lab01, met again in lab03) are not counted: they are not new to the lab."""
-    readable = {p.stem[:2]: readable_lines(nbformat.read(p, as_version=4)) for p in lessons}
+    its own lesson or an earlier one (``read``: what a viewer shows without a click). Lines of an
+    earlier lab's answer (a training loop the learner wrote in lab01, met again in lab03) are not
+    counted: they are not new to the lab."""
+    readable = {p.stem[:2]: read(nbformat.read(p, as_version=4)) for p in lessons}
     names = {p.stem[:2]: p.name for p in lessons}
     leaks = []
     earlier: set[str] = set()  # lines of earlier labs' answers: the learner wrote them already
@@ -112,6 +148,51 @@ def test_no_lab_answer_readable_without_a_click():
                        "pointer (ARCHITECTURE.md § Design rules)\n" + "\n".join(leaks))
 
 
+def test_no_lab_answer_readable_in_any_viewer():
+    """GitHub's static view, which the README sends learners to, shows a folded cell's source
+    and its stored outputs: a lab's answer is kept out of the lesson's cell sources and out of
+    every output's plain text, and its HTML keeps it inside ``<details>``."""
+    leaks = find_leaks(LESSONS, SOLUTION_SOURCES, read=readable_lines_in_every_viewer)
+    assert not leaks, ("a lab's answer is readable in a lesson where the fold metadata is "
+                       "ignored (GitHub's static view): show it with viz.show_code(..., "
+                       "folded='▶ label') and keep it out of cell sources\n" + "\n".join(leaks))
+
+
+def test_the_every_viewer_finder_ignores_the_fold_flags(tmp_path):
+    """The test above can fail: an answer in a folded cell's source, or in its stored plain-text
+    output, or in HTML outside ``<details>``, is found; the same answer shown by
+    ``viz.show_code(..., folded=...)`` (HTML inside ``<details>``, plain text without code) is
+    not."""
+    from dpcourse import viz
+
+    sol = tmp_path / "lab03_x.py"
+    sol.write_text("# %%\n### BEGIN SOLUTION\nfor p in model.parameters():\n"
+                   "    dist.all_reduce(p.grad)   # sum\n    p.grad /= world_size\n"
+                   "### END SOLUTION\n")
+    code = "for p in model.parameters():\n    dist.all_reduce(p.grad)\n"
+    code_html = "<pre>" + html.escape(code) + "</pre>"
+
+    def lesson(name, source="viz.show_code(answer)", data=None):
+        cell = nbformat.v4.new_code_cell(source)
+        cell.metadata["jupyter"] = {"source_hidden": True, "outputs_hidden": True}
+        if data:
+            cell.outputs = [nbformat.v4.new_output("display_data", data=data)]
+        path = tmp_path / f"{name}.ipynb"
+        nbformat.write(nbformat.v4.new_notebook(cells=[cell]), path)
+        return path
+
+    def leaks(path):
+        return find_leaks([path], [sol], read=readable_lines_in_every_viewer)
+
+    in_source = lesson("03_a", source=code)
+    in_plain = lesson("03_b", data={"text/plain": code, "text/html": "<details>x</details>"})
+    in_html = lesson("03_c", data={"text/plain": "folded", "text/html": code_html})
+    folded = lesson("03_d", data=viz.folded_code_bundle(code_html, "▶ the answer"))
+    for path in (in_source, in_plain, in_html):
+        assert leaks(path) and not find_leaks([path], [sol]), path.name
+    assert not leaks(folded)
+
+
 def test_the_leak_finder_finds_a_leak(tmp_path):
     """The test above can fail: a region shown in a lesson, unfolded, is found; folded, it is not;
     a later lab's answer in an earlier lesson is found; an earlier lab's in a later one is not."""
@@ -135,12 +216,59 @@ def test_the_leak_finder_finds_a_leak(tmp_path):
     assert not find_leaks([lesson("04_x", folded=False)], [sol])
 
 
+def metadata_only_folds(nb) -> list[int]:
+    """The markdown cells folded by ``metadata.jupyter.source_hidden`` but not as one
+    ``<details>`` block: GitHub's static view ignores the flag and shows their text."""
+    return [i for i, cell in enumerate(nb.cells) if cell.cell_type == "markdown"
+            and cell.get("metadata", {}).get("jupyter", {}).get("source_hidden")
+            and authoring.details_label(cell) is None]
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_folded_text_is_folded_in_every_viewer(path):
+    """A lesson's folded text (a lab's hint, answer or design decision, an aside) is one
+    ``<details><summary>▶ label</summary>`` … ``</details>`` markdown block, folded in
+    JupyterLab, on GitHub and on the website alike; a markdown cell folded by ``source_hidden`` alone is
+    refused."""
+    bad = metadata_only_folds(nbformat.read(path, as_version=4))
+    assert not bad, (f"{path.name} cells {bad}: folded by jupyter.source_hidden alone, which "
+                     f"GitHub ignores: write the text as <details><summary>▶ label</summary> "
+                     f"(blank line) … (blank line) </details> and drop the flag")
+
+
+def test_a_markdown_cell_folded_by_metadata_alone_is_found(tmp_path):
+    """The test above can fail: a flag-only fold is found; the same text in a <details> block
+    is not, counts as folded with its summary as label, and hides its text from the
+    every-viewer leak finder."""
+    sol = tmp_path / "lab03_x.py"
+    sol.write_text("# %%\n### BEGIN SOLUTION\nfor p in model.parameters():\n"
+                   "    dist.all_reduce(p.grad)   # sum\n### END SOLUTION\n")
+    text = "```python\nfor p in model.parameters():\n    dist.all_reduce(p.grad)\n```"
+    flag = nbformat.v4.new_markdown_cell(text)
+    flag.metadata["jupyter"] = {"source_hidden": True}
+    details = nbformat.v4.new_markdown_cell(
+        f"<details><summary>▶ the answer</summary>\n\n{text}\n\n</details>")
+    assert metadata_only_folds(nbformat.v4.new_notebook(cells=[flag])) == [0]
+    assert metadata_only_folds(nbformat.v4.new_notebook(cells=[details])) == []
+    assert authoring.folded(details, "source_hidden")
+    assert not authoring.folded(nbformat.v4.new_markdown_cell(text), "source_hidden")
+    assert authoring.details_label(details) == "▶ the answer"
+    for name, cell in (("03_a", flag), ("03_b", details)):
+        nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / f"{name}.ipynb")
+    assert find_leaks([tmp_path / "03_a.ipynb"], [sol], read=readable_lines_in_every_viewer)
+    assert not find_leaks([tmp_path / "03_b.ipynb"], [sol], read=readable_lines_in_every_viewer)
+
+
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
 def test_every_folded_cell_has_a_visible_label(path):
     """A folded cell shows only '…' in JupyterLab: the markdown cell right before it says what it
-    holds and when to open it ("▶ The reference answer — open after your lab passes")."""
+    holds and when to open it ("▶ The reference answer — open after your lab passes"). A
+    ``<details>`` text cell carries its label itself, in its summary."""
     nb = nbformat.read(path, as_version=4)
     for i, cell in enumerate(nb.cells):
+        label = authoring.details_label(cell)
+        if label is not None:
+            assert LABEL in label, f"{path.name} cell {i}: a <details> summary without '{LABEL}'"
         if cell.cell_type == "code" and authoring.folded(cell, "source_hidden"):
             before = nb.cells[i - 1] if i else None
             assert before is not None and before.cell_type == "markdown" \

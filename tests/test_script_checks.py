@@ -178,6 +178,12 @@ def test_the_command_line_bad_input_and_json(tmp_path, capsys):
     report = json.loads(out.stdout)
     assert out.returncode == 1 and report["status"] == "ok" and not report["ok"]
     assert [f["check"] for f in report["findings"]] == ["no_sampler"]
+    # the same mistake in lab 10's own bug 2: the findings are withheld (the lab's check judges)
+    lab_script = ROOT / "lib" / "dpcourse" / "scripts" / "lab10" / "bug2_loader.py"
+    code, text = _main(capsys, "--json", "--timeout", "60", str(lab_script), "--out",
+                       str(tmp_path / "final.pt"))
+    withheld = json.loads(text)
+    assert code == 1 and withheld["findings_withheld"] and withheld["findings"] == []
     # the rest through the same main() in this process (a subprocess each cost an interpreter,
     # torch's import and a cold fork server)
     code, text = _main(capsys, str(tmp_path / "nope.py"))

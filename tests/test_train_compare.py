@@ -89,3 +89,29 @@ def test_sign_test_p_is_the_binomial_tail():
     assert sign_test_p([1] * 5, [2] * 4 + [0]) == 2 * 6 / 2 ** 5
     assert sign_test_p([1, 1], [1, 1]) == 1.0   # ties only
     assert "sign test p = 0.0156" in compare_rates("a", [1] * 7, "b", [2] * 7)
+
+
+def test_rate_shape_names_the_steps_it_sees():
+    """rate_shape: each size against the next by rate_verdict; never "flat" when a step fell."""
+    from dpcourse.train import rate_shape
+
+    up, same, down = [2] * 7, [1] * 7, [0] * 7
+    # lesson 01's stored run: rose 16 -> 32 (6 of 7), unclear 32 -> 64, fell 64 -> 256 (6 of 7)
+    stored = {16: [610, 802, 828, 682, 730, 713, 797], 32: [734, 826, 927, 685, 805, 640, 925],
+              64: [888, 865, 825, 887, 759, 848, 672], 256: [610, 579, 640, 674, 629, 651, 855]}
+    shape, sentence = rate_shape(stored)
+    assert shape == "peak" and sentence.endswith("a peak at batches 32 to 64, then slower"), sentence
+    assert rate_shape({16: same, 32: up, 64: [3] * 7})[0] == "rising"
+    assert rate_shape({16: same, 32: up, 64: up})[0] == "plateau"
+    assert rate_shape({16: same, 32: up, 64: same})[1].endswith("a peak at batch 32, then slower")
+    assert rate_shape({16: up, 32: up, 64: same})[0] == "falling"
+    assert rate_shape({16: up, 32: same, 64: up})[0] == "up and down"
+    assert rate_shape({16: same, 32: same}) == (
+        "flat", "showed no clear change from batch 16 to 32; batch 32 against batch 16: no clear "
+        "change either, flat within the noise")
+    # no single step clear, but the ends are: a slow rise, as compare_rates would say
+    shape, sentence = rate_shape({16: [0] * 7, 32: [1, 1, 1, 1, -1, -1, -1],
+                                  64: [0.5, 0.5, 0.5, 0.5, 1, 1, 1]})
+    assert shape == "rising" and sentence.startswith("showed no clear change from batch 16 to 64;"), sentence
+    with pytest.raises(ValueError, match="two batch sizes"):
+        rate_shape({16: same})

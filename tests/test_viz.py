@@ -553,3 +553,30 @@ def test_sampler_slots_mark_the_padding_the_real_sampler_appends():
         assert len(red) == 2
     with pytest.raises(ValueError, match="different lengths"):
         viz.sampler_slots({0: [[0, 1], [2]]}, 3)
+
+
+def test_show_code_folded_keeps_the_code_behind_a_click(monkeypatch):
+    """``show_code(obj, folded="▶ label")`` (a lab's answer in a lesson): the HTML holds the
+    highlighted code inside ``<details>`` under the label, which JupyterLab, the website and
+    GitHub's static view all open only on a click; the plain text, what a viewer without HTML
+    shows, holds no line of the code."""
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display",
+                        lambda *objs, **kw: shown.extend((o, kw) for o in objs))
+    snippet = "def secret_answer(x):\n    return x * 42 + 7\n"
+    viz.show_code(snippet, folded="▶ The reference answer — open after your lab passes")
+    (bundle, kw), = shown
+    assert kw.get("raw") is True and set(bundle) == {"text/html", "text/plain"}
+    page = bundle["text/html"]
+    assert page.startswith('<details class="dpcourse-folded-code"><summary>▶ The reference '
+                           "answer — open after your lab passes</summary>")
+    assert page.rstrip().endswith("</details>") and 'class="highlight' in page
+    assert "secret_answer" in page and "42" in page
+    plain = bundle["text/plain"]
+    assert "folded" in plain and "secret_answer" not in plain and "42" not in plain
+    shown.clear()
+    viz.show_code(snippet)  # unfolded, as before: the highlighted code itself
+    (code, kw), = shown
+    assert isinstance(code, IPython.display.Code) and "secret_answer" in code._repr_html_()

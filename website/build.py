@@ -262,9 +262,11 @@ def stage_notebook(path: Path, dest: Path, pages: set[Path] | dict[Path, Path], 
     for cell in nb["cells"]:
         if cell["cell_type"] == "markdown":
             cell["source"] = rewrite_links(_source(cell), path, pages, repo, elsewhere, at)
-            if cell.get("metadata", {}).get("jupyter", {}).get("source_hidden"):
+            if (cell.get("metadata", {}).get("jupyter", {}).get("source_hidden")
+                    and not cell["source"].lstrip().startswith("<details")):
                 # A folded text cell (a lab's hint): a click-to-open block on the page too. The
-                # visible label before it says what it holds.
+                # visible label before it says what it holds. (A lesson's folded text is its
+                # own <details> block already: never folded twice.)
                 counts["folded"] += 1
                 cell["source"] = (f'<details class="dpcourse-folded">\n<summary>open</summary>'
                                   f'\n\n{cell["source"]}\n\n</details>')

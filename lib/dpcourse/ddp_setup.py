@@ -101,10 +101,11 @@ def setup_rank(device: torch.device | None = None,
 
     * on the CPU, the intra-op thread count becomes this rank's share of the cores
       (:func:`cpu_threads_per_rank`; torchrun does the same with OMP_NUM_THREADS=1): two ranks
-      each running two intra-op threads on two cores fight over them, and measured here that
-      made a step about ten times slower. A thread count the environment sets
-      (``OMP_NUM_THREADS``, as an instructor does per learner on a shared server) is a ceiling
-      this never raises;
+      each running two intra-op threads on two cores fight over them (measured when the
+      course was built, not in a lesson: ARCHITECTURE.md, "Known traps": on 2 cores at load
+      7-12, ``train.fit`` took 35-65 s with two threads, 7-16 s with one). A thread count the
+      environment sets (``OMP_NUM_THREADS``, as an instructor does per learner on a shared
+      server) is a ceiling this never raises;
     * on a GPU, TF32 is switched off for convolutions and matmuls: TF32 (on by default for
       cuDNN) rounds to ~1e-3, which would hide the float-tolerance equality lesson 03 proves
       against the CPU reference.

@@ -130,7 +130,10 @@ class Profile:
 
 
 def choose_profile(report: HardwareReport | None = None, world_size: int | None = None) -> Profile:
-    """The profile for this machine (or for ``report``), honouring ``DPCOURSE_PROFILE``."""
+    """The profile for this machine (or for ``report``), honouring ``DPCOURSE_PROFILE``.
+
+    Shown in lesson 00, §"Your machine: the three hardware profiles".
+    """
     report = report or hardware_report()
     forced = os.environ.get("DPCOURSE_PROFILE")
     if forced is not None and forced not in PROFILES:

@@ -392,7 +392,7 @@ class RealDataParallelReport:
                     f"{counts}.")
         threads = ("no parallel_apply, so no threads" if not self.parallel_apply_calls
                    else f"parallel_apply called {self.parallel_apply_calls} time(s)")
-        where = ("Without a GPU, nn.DataParallel has no device_ids" if self.gpu_count == 0
+        where = ("Without a CUDA GPU, nn.DataParallel has no device_ids" if self.gpu_count == 0
                  else f"With {self.gpu_count} GPU(s), nn.DataParallel")
         return (f"{where}; its calls were {counts}: it called the wrapped module itself, "
                 f"{'no replicas' if not self.replicate_calls else 'with replicas'}, {threads}, "
@@ -453,22 +453,40 @@ def _best_of(fn, repeats: int) -> float:
 
 def time_replicate_vs_forward(module: nn.Module, X: torch.Tensor, devices,
                               repeats: int = 5) -> dict:
-    """Seconds (best of ``repeats``) for one :func:`replicate` and for one forward of a chunk.
+    """Seconds (best of ``repeats``) for one :func:`replicate`, for one call of torch's own
+    ``torch.nn.parallel.replicate`` onto as many devices, and for one forward of a chunk.
 
     Replication is paid again every step; the lesson shows how it compares with the work it
     serves: the forward timed is the module's own on chunk 0 (replica 0's share), with no
-    autograd graph. Timings depend on the machine, so show them but assert nothing about their
-    size.
+    autograd graph. Torch's ``replicate`` hands its tensors to ``comm.broadcast_coalesced``,
+    which takes GPU tensors only; here that call is replaced, for the timing, by one clone of
+    the weights per device after the first (device 0 keeps the module's own tensors, as the real
+    one does), so what is timed is torch's Python replication plus the same copies ours makes.
+    Timings depend on the machine, so show them but assert nothing about their size.
 
     Shown in lesson 02, §"Why it is slow".
     """
+    import importlib
+    from unittest import mock
+
+    from torch.nn.parallel import comm
+    # the module (torch.nn.parallel's own name `replicate` is the function)
+    torch_replicate_module = importlib.import_module("torch.nn.parallel.replicate")
+
+    def broadcast_by_clones(tensors, devices, buffer_size=None):   # CPU stand-in
+        return [list(tensors)] + [[t.detach().clone() for t in tensors] for _ in devices[1:]]
+
     devs = _as_devices(devices)
     chunk = scatter(X, devs)[0]
     with torch.no_grad():
         module(chunk)  # warm-up
         t_fwd = _best_of(lambda: module(chunk), repeats)
     t_rep = _best_of(lambda: replicate(module, devs), repeats)
-    return {"replicate_s": t_rep, "forward_chunk_s": t_fwd, "ratio": t_rep / t_fwd}
+    with mock.patch.object(comm, "broadcast_coalesced", broadcast_by_clones):
+        t_torch = _best_of(lambda: torch_replicate_module.replicate(
+            module, list(range(len(devs))), detach=True), repeats)
+    return {"replicate_s": t_rep, "torch_replicate_s": t_torch, "forward_chunk_s": t_fwd,
+            "ratio": t_rep / t_fwd}
 
 
 def python_work(n: int) -> int:

@@ -326,7 +326,8 @@ def spawn(
     process releases it (every rank has returned, or the launch ends on a failure, a timeout or
     a stop), so that no rank leaves a collective that a slower rank is still in; then it leaves
     with ``os._exit(0)``, skipping the interpreter's shutdown (DDP keeps gloo's threads alive,
-    and a normal shutdown aborted about 3% of runs). This process then kills every rank's
+    and a normal shutdown aborted about 3% of runs: measured when the course was built, not in
+    a lesson; ARCHITECTURE.md, "Launches"). This process then kills every rank's
     process group, finished or not.
 
     Raises :class:`RankFailedError` if a rank raises, :class:`LaunchTimeoutError` if some rank

@@ -77,6 +77,8 @@ tf.get_logger().setLevel("ERROR")
 __all__ = [
     "build_keras_cnn",
     "copy_torch_weights",
+    "mirrored_cnn",
+    "optimizer_in",
     "keras_weights_as_torch",
     "set_torch_layout_weights",
     "make_dataset",
@@ -177,6 +179,36 @@ def copy_torch_weights(torch_model, keras_model: keras.Model) -> keras.Model:
         raise ValueError("copy_torch_weights expects a dpcourse.models.SmallCNN (3 convolutions, "
                          "2 linear layers, each with a bias)")
     return set_torch_layout_weights(keras_model, list(sd.values()))
+
+
+def mirrored_cnn(strat, start=None, **build) -> keras.Model:
+    """The course's Keras CNN (:func:`build_keras_cnn`, ``build`` its options), its variables
+    created under ``strat``'s scope so that they are mirrored; with ``start`` (a torch
+    ``SmallCNN``), that model's weights (:func:`copy_torch_weights`).
+
+    Lab 05 part 2's answer (where the model must be built). Shown in lesson 05, §"Lab 05: the
+    custom loop".
+    """
+    with strat.scope():
+        model = build_keras_cnn(**build)
+    return model if start is None else copy_torch_weights(start, model)
+
+
+def optimizer_in(strat, rate: float, loss_scale: bool = False, build_for=None):
+    """Plain SGD at learning rate ``rate``, constructed under ``strat``'s scope so that its
+    variables (its step counter too) are mirrored; with ``loss_scale``, wrapped in a
+    ``LossScaleOptimizer``; with ``build_for`` (variables), built for them.
+
+    Lab 05 part 2's answer (where the optimizer must be made). Shown in lesson 05, §"Lab 05: the
+    custom loop".
+    """
+    with strat.scope():   # the optimizer's variables must be created under the strategy too
+        opt = keras.optimizers.SGD(learning_rate=rate)
+        if loss_scale:
+            opt = keras.optimizers.LossScaleOptimizer(opt)
+        if build_for is not None:
+            opt.build(build_for)
+        return opt
 
 
 def set_torch_layout_weights(keras_model: keras.Model, arrays) -> keras.Model:

@@ -131,14 +131,10 @@ def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1
     GPU; with tensor parallelism of size t ``s·b·d·(10 + 24/t + 5·a·s/(d·t))``: the 10·s·b·d
     not divided by t: the two layer norms' inputs (4·sbd), the two dropout masks after
     attention and MLP (2·sbd), and the inputs of the QKV matmul and of the MLP's first matmul
-    (2·sbd each); with sequence parallelism too, everything divided by t — Megatron-LM's
-    implementation, whose column-parallel layers save only the rank's share of their input and
-    all-gather it once more in the backward for the weight gradient
-    (``LinearWithGradAccumulationAndAsyncCommunication``, ``megatron/core/tensor_parallel/
-    layers.py``); torch's ``ColwiseParallel(input_layouts=Shard(0))`` saves the gathered input
-    whole (lesson 11, §2, measures it), so there those two 2·sbd stay undivided. With full
-    recomputation only the layer's input is kept: ``2·s·b·d`` (divided by t with sequence
-    parallelism).
+    (2·sbd each); with sequence parallelism too, everything divided by t (Korthikanti et al.'s
+    count, for Megatron-LM's implementation; lesson 11, §2, says what torch's layout saves).
+    With full recomputation only the layer's input is kept: ``2·s·b·d`` (divided by t with
+    sequence parallelism).
 
     The ``5·a·s/d`` term (``5·a·s²·b`` bytes) is the attention matrix, a × s × s per sequence,
     stored three times over: the softmax's output (2 bytes an entry), the dropout mask (1) and

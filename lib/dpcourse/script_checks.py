@@ -212,7 +212,7 @@ def analyze(events: dict[int, list[dict]], world_size: int,
                     f"this DataLoader trains without a DistributedSampler ({e['sampler']}): every "
                     f"rank reads every example, so the ranks repeat each other's work — pass "
                     f"sampler=DistributedSampler(dataset) and drop shuffle=True",
-                    "lesson 03, DistributedSampler and set_epoch; lesson 10 (lab), bug 2", rank)
+                    "lesson 03, DistributedSampler and set_epoch", rank)
             if e["kind"] == "save" and e.get("prefixed"):
                 add("module_prefix", 1, e["where"],
                     "the saved state_dict's keys start with 'module.' (the DDP wrapper's): a "

@@ -29,6 +29,7 @@ __all__ = [
     "TrainConfig",
     "train_one_epoch",
     "evaluate",
+    "predictions",
     "fit",
     "make_loaders",
     "ThroughputMeter",
@@ -37,6 +38,7 @@ __all__ = [
     "autocast_for",
     "compare_rates",
     "rate_verdict",
+    "rate_shape",
     "sign_test_p",
 ]
 
@@ -183,6 +185,17 @@ def evaluate(model: nn.Module, loader, loss_fn, device="cpu", amp: bool = False)
     if total == 0:
         raise ValueError("evaluate: the loader gave no samples (an empty loader?)")
     return total_loss / total, correct / total
+
+
+def predictions(model: nn.Module, loader, device="cpu", amp: bool = False) -> torch.Tensor:
+    """The class ``model`` predicts for every sample of ``loader``, in eval mode, on the CPU:
+    the shape of lab 01's ``evaluate`` (lesson 01 compares AMP's predictions with fp32's).
+
+    Shown in lesson 01, §"Mixed precision (AMP)".
+    """
+    model.eval()
+    with torch.no_grad(), autocast_for(device, amp):
+        return torch.cat([model(X.to(device)).argmax(1).cpu() for X, _ in loader])
 
 
 def make_loaders(ds, batch_size: int, seed: int = 0, num_workers: int = 0):
@@ -349,3 +362,50 @@ def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
                 f"(medians: {ratio:.2f}x {name_a}'s speed{p}).")
     return (f"no clear difference between {name_a} and {name_b}: their runs overlap "
             f"(medians: {name_b} at {ratio:.2f}x {name_a}'s speed, within the spread).")
+
+
+def rate_shape(runs_by_size: dict) -> tuple[str, str]:
+    """The shape of throughput against batch size, named from its steps: each size against the
+    next larger one by :func:`rate_verdict` (a step "rose" or "fell" only where that rule says
+    "faster" or "slower"; "no clear change" otherwise). When no step is clear, the smallest
+    size against the largest decides between "rising", "falling" and "flat".
+
+    Returns ``(shape, sentence)``: ``shape`` is "rising" (no step fell and the last one rose,
+    or no step is clear and the largest size beat the smallest), "plateau" (rose, then no
+    clear change), "peak" (rose, then fell), "falling" (fell and none rose, or no step is
+    clear and the largest lost to the smallest), "up and down" (fell, then rose) or "flat";
+    ``sentence`` lists the steps and names the shape.
+
+    Shown in lesson 01, §"Throughput, and where the time goes".
+    """
+    sizes = sorted(runs_by_size)
+    if len(sizes) < 2:
+        raise ValueError("rate_shape needs at least two batch sizes")
+    verb = {"faster": "rose", "slower": "fell", "unclear": "showed no clear change"}
+    steps = []                                     # [from size, to size, word]: one per run
+    for a, b in zip(sizes, sizes[1:]):             # of equal words, consecutive steps merged
+        word = rate_verdict(runs_by_size[a], runs_by_size[b])[0]
+        if steps and steps[-1][2] == word:
+            steps[-1][1] = b
+        else:
+            steps.append([a, b, word])
+    told = ", ".join(f"{verb[w]} from batch {a} to {b}" for a, b, w in steps)
+    words = [w for _, _, w in steps]
+    if "slower" not in words and "faster" not in words:
+        ends = rate_verdict(runs_by_size[sizes[0]], runs_by_size[sizes[-1]])[0]
+        shape = {"faster": "rising", "slower": "falling", "unclear": "flat"}[ends]
+        return shape, (f"{told}; batch {sizes[-1]} against batch {sizes[0]}: "
+                       + {"rising": "faster, a slow rise", "falling": "slower, a slow fall",
+                          "flat": "no clear change either, flat within the noise"}[shape])
+    if "slower" not in words:
+        if words[-1] == "faster":
+            return "rising", f"{told}: still rising at the largest batch, {sizes[-1]}"
+        return "plateau", f"{told}: rising, then flat from batch {steps[-1][0]} on"
+    fall = words.index("slower")
+    if "faster" in words[fall:]:
+        return "up and down", f"{told}: up and down, no single peak"
+    if "faster" not in words:
+        return "falling", f"{told}: slower beyond batch {steps[fall][0]}"
+    top, first = steps[fall][0], steps[fall - 1][0] if words[fall - 1] == "unclear" else None
+    peak = f"batch {top}" if first is None else f"batches {first} to {top}"
+    return "peak", f"{told}: a peak at {peak}, then slower"

@@ -68,7 +68,9 @@ def format_size(nbytes: int) -> str:
 
 
 def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> float:
-    """nccl-tests' bus bandwidth of an all-reduce, bytes/s: algbw * 2(n-1)/n."""
+    """nccl-tests' bus bandwidth of an all-reduce, bytes/s: algbw * 2(n-1)/n.
+
+    Shown in lesson 06, §4."""
     return nbytes / seconds * 2 * (world_size - 1) / world_size
 
 
@@ -131,7 +133,9 @@ def measure_allreduce(rank: int, world_size: int, sizes: Sequence[int], reps: in
 
 @dataclass
 class AllreduceRow:
-    """One size and world size: median seconds and bus bandwidth (bytes/s) of both."""
+    """One size and world size: median seconds and bus bandwidth (bytes/s) of both.
+
+    Shown in lesson 06, §4."""
 
     world_size: int
     nbytes: int
@@ -243,7 +247,9 @@ _BUSBW_UNITS = {"GB/s": (1e9, 3), "MB/s": (1e6, 1)}   # unit: (bytes/s per unit,
 def format_table(rows: Sequence[AllreduceRow], busbw_unit: str = "GB/s") -> str:
     """The table; the per-pair column is printed only when every row has per-rep ratios (rows
     from :func:`summarize_allreduce`), so it is never announced and left blank. ``busbw_unit``
-    is "GB/s" or "MB/s" (MB/s keeps small messages' bus bandwidth from printing as 0.000)."""
+    is "GB/s" or "MB/s" (MB/s keeps small messages' bus bandwidth from printing as 0.000).
+
+    Shown in lesson 06, §4."""
     if busbw_unit not in _BUSBW_UNITS:
         raise ValueError(f"busbw_unit must be one of {sorted(_BUSBW_UNITS)}, got {busbw_unit!r}")
     scale, decimals = _BUSBW_UNITS[busbw_unit]

@@ -343,9 +343,27 @@ class TimeEstimate:
                          + self.run_seconds / 60)
 
 
+_DETAILS = re.compile(r"\A\s*<details>\s*<summary>(.*?)</summary>(.*)</details>\s*\Z", re.S)
+
+
+_FOLD_TAGS = re.compile(r"</?(?:details|summary)\b[^>]*>", re.I)
+
+
+def details_label(cell) -> str | None:
+    """The summary of a markdown cell that is one ``<details>`` block (folded in every viewer:
+    JupyterLab, GitHub's static view, the website), e.g. "▶ open"; None for any other cell."""
+    if cell.get("cell_type") != "markdown":
+        return None
+    m = _DETAILS.match(cell.get("source", ""))
+    return m.group(1).strip() if m else None
+
+
 def folded(cell, what: str) -> bool:
-    """Whether JupyterLab shows ``cell`` folded: ``what`` is "source_hidden" (its code) or
-    "outputs_hidden" (its outputs), as ``metadata.jupyter`` holds them."""
+    """Whether JupyterLab shows ``cell`` folded: ``what`` is "source_hidden" (its code, or a
+    markdown cell's text: by the flag or as one ``<details>`` block) or "outputs_hidden" (its
+    outputs), as ``metadata.jupyter`` holds them."""
+    if what == "source_hidden" and details_label(cell) is not None:
+        return True
     return bool(cell.get("metadata", {}).get("jupyter", {}).get(what, False))
 
 
@@ -369,9 +387,12 @@ def estimate_time(nb: nbformat.NotebookNode) -> TimeEstimate:
         if INSTALL_TAG in cell.get("metadata", {}).get("tags", []):
             continue  # the build's install cell: silent where the course runs, not the lesson
         if cell.cell_type == "markdown":
-            if re.match(r"#+\s*Sources\b", cell.source.strip()):
+            text = cell.source.strip()
+            if details_label(cell) is not None:  # a folded Sources list counts as one too
+                text = _DETAILS.match(cell.source).group(2).strip()
+            if re.match(r"#+\s*Sources\b", text):
                 continue
-            words += len(cell.source.split())
+            words += len(_FOLD_TAGS.sub(" ", cell.source).split())  # tags are not read
         elif cell.cell_type == "code":
             seconds += _cell_seconds(cell)
             if not folded(cell, "source_hidden"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 
-__all__ = ["new_figure", "figure_to_png", "show", "show_code"]
+__all__ = ["new_figure", "figure_to_png", "show", "show_code", "folded_code_bundle"]
 
 
 def new_figure(width: float = 6.0, height: float = 4.0, dpi: int = 80):
@@ -51,11 +51,18 @@ def show(fig, caption: str | None = None) -> None:
         plt.close(fig)
 
 
-def show_code(*objects, title: str | None = None) -> None:
+def show_code(*objects, title: str | None = None, folded: str | None = None) -> None:
     """Display the source of functions or classes, syntax-highlighted, right where a lesson uses
     them: the code a lesson's claims depend on is read in the notebook, not hidden in the library.
 
     Strings are shown as they are (a snippet); anything else through ``inspect.getsource``.
+
+    ``folded="▶ label"`` is for a lab's answer: the code goes into an HTML
+    ``<details><summary>▶ label</summary>…</details>`` block, so it is one click away in
+    JupyterLab, on the course website and in GitHub's static view alike (GitHub ignores the
+    cell's fold metadata but honours ``<details>``), and the plain-text form of the output (what
+    a viewer without HTML shows) says only that the code is folded, never the code
+    (:func:`folded_code_bundle`).
     """
     import inspect
 
@@ -64,4 +71,24 @@ def show_code(*objects, title: str | None = None) -> None:
     if title:
         display(Markdown(f"**{title}**"))
     parts = [obj if isinstance(obj, str) else inspect.getsource(obj) for obj in objects]
-    display(Code("\n\n".join(p.rstrip("\n") for p in parts) + "\n", language="python"))
+    code = Code("\n\n".join(p.rstrip("\n") for p in parts) + "\n", language="python")
+    if folded is None:
+        display(code)
+    else:
+        display(folded_code_bundle(code._repr_html_(), folded), raw=True)
+
+
+def folded_code_bundle(code_html: str, label: str) -> dict[str, str]:
+    """The mimebundle of ``show_code(..., folded=label)``: ``text/html`` holds the highlighted
+    code inside ``<details>`` under ``label``; ``text/plain`` holds no code, only where to open
+    it."""
+    import html
+
+    summary = html.escape(label)
+    return {
+        "text/html": (f'<details class="dpcourse-folded-code"><summary>{summary}</summary>\n'
+                      f"{code_html}\n</details>"),
+        "text/plain": (f"{label} [folded: the code is not shown as plain text; open "
+                       "this output in JupyterLab, on the course website or on GitHub and "
+                       "click the label]"),
+    }

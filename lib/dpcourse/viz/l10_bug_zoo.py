@@ -31,7 +31,8 @@ def timeout_behaviour_figure(timeout: float = 2.0):
     end = timeout * 1.6
     rows = [("gloo", [(0, timeout, "#d62728", "in all_reduce (blocked)")],
              "raises 'Timed out' in the call"),
-            ("NCCL,\ncommunicator formed", [(0, 0.06 * end, "#1f77b4", ""),
+            ("NCCL,\ncommunicator formed", [(0, 0.06 * end, "#1f77b4",
+                                              "in all_reduce: enqueues the work, returns"),
                                              (0.06 * end, timeout * 0.6, "#9edae5",
                                               "Python runs on\n(call returned)"),
                                              (timeout * 0.6, timeout, "#ff7f0e",
@@ -45,7 +46,9 @@ def timeout_behaviour_figure(timeout: float = 2.0):
     for y, (name, spans, outcome) in enumerate(reversed(rows)):
         for a, b, colour, label in spans:
             ax.barh(y, b - a, left=a, height=0.5, color=colour, edgecolor="black", lw=0.5)
-            if label:
+            if label and b - a < 0.1 * end:   # too narrow to hold its label: put it above
+                ax.text(a + 0.01 * end, y + 0.28, label, ha="left", va="bottom", fontsize=7)
+            elif label:
                 ax.text((a + b) / 2, y, label, ha="center", va="center", fontsize=7)
         if spans[-1][1] > timeout:   # still blocked at the timeout: nothing happens there
             ax.annotate("", xy=(end * 1.12, y), xytext=(end, y),   # open end: it goes on
@@ -61,7 +64,8 @@ def timeout_behaviour_figure(timeout: float = 2.0):
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xticks([0, timeout])
     ax.set_xticklabels(["collective called", "timeout"], fontsize=8)
-    ax.set_title("rank 0 calls all_reduce; its partner never does", fontsize=9)
+    ax.set_title("A diagram from torch's source, not a measurement: rank 0 calls all_reduce; "
+                 "its partner never does", fontsize=9)
     fig.subplots_adjust(left=0.2, right=0.98, bottom=0.1, top=0.92)
     return fig
 

@@ -87,12 +87,13 @@ def noise_scale_figure(b_simple: float, per_rank: int, ranks):
 
 def tp_shards_figure(d: int, h: int, world_size: int, answer: bool = False):
     """The MLP's two weight matrices in Megatron's layout (Y = GeLU(X·A)·B, A is d × h, B is
-    h × d) and each rank's slice: A cut by columns, B by rows. With ``answer`` (lab 11's
-    answer, drawn after its pointer), also where the biases go (the first one's slice with A's
-    columns, the second whole on every rank, added once after the all-reduce) and, below, one
-    rank's forward (left to right) and backward (right to left) with every tensor marked R
-    (replicated), S (this rank's slice) or P (partial: a term of a sum over the ranks), and
-    what f and g do on each pass. Drawn in lesson 11, §2."""
+    h × d) and each rank's slice: A cut by columns, B by rows. With ``answer`` (lab 11's answer:
+    a PNG cannot wait behind a click in every viewer, so the lesson draws it without), also
+    where the biases go (the first one's slice with A's columns, the second whole on every rank,
+    added once after the all-reduce) and, below, one rank's forward (left to right) and backward
+    (right to left) with every tensor marked R (replicated), S (this rank's slice) or P
+    (partial: a term of a sum over the ranks), and what f and g do on each pass.
+    Drawn in lesson 11, §2."""
     if not answer:
         fig = new_figure(8.0, 3.6)
         _draw_shards(fig.add_subplot(1, 1, 1), d, h, world_size, biases=False)
