@@ -1,8 +1,10 @@
 """The build's promises: notebooks match their sources, labs match their solutions, and each
 lab runs up to its first TODO and stops there with a clear message."""
 
+import copy
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -11,6 +13,25 @@ from dpcourse.tools import authoring
 
 ROOT = authoring.ROOT
 LABS = sorted((ROOT / "labs").glob("*.ipynb"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _each_source_parsed_once():
+    """jupytext parses the 23 sources in about 2 s of CPU, and check_sync (here, and again
+    through `python -m dpcourse check`) and the rules below each read every one: each file's
+    text is parsed once for the module, keyed by its bytes (a file a test rewrites is parsed
+    again), and every caller gets its own copy (the build writes outputs into its notebook)."""
+    real, parsed = authoring.read_source, {}
+
+    def read_source(path):
+        key = (Path(path).resolve(), Path(path).read_bytes())
+        if key not in parsed:
+            parsed[key] = real(path)
+        return copy.deepcopy(parsed[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(authoring, "read_source", read_source)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +75,9 @@ def test_lab_stops_at_its_first_todo(lab):
     nb = nbformat.read(lab, as_version=4)
     first_todo = next(i for i, c in enumerate(nb.cells)
                       if c.cell_type == "code" and "raise NotImplementedError" in c.source)
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
+    # shutdown "immediate": the kernel is killed (its process group with it) once the run has
+    # stopped, not asked to exit and waited for (about 1 s a lab, more for TensorFlow's)
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", shutdown_kernel="immediate",
                             resources={"metadata": {"path": str(lab.parent)}})
     with pytest.raises(CellExecutionError) as err:
         client.execute()
@@ -139,7 +162,10 @@ def test_papermill_reruns_a_lesson_with_other_parameters(tmp_path):
     out = tmp_path / "02_three_devices.ipynb"
     papermill.execute_notebook(str(ROOT / "lessons" / "02_data_parallel.ipynb"), str(out),
                                parameters={"n_devices": 3, "seed": 1}, kernel_name="python3",
-                               cwd=str(ROOT / "lessons"), progress_bar=False)
+                               cwd=str(ROOT / "lessons"), progress_bar=False,
+                               # the notebook written once, at the end, not after every cell;
+                               # the kernel killed once done (nbclient's options)
+                               request_save_on_cell_execute=False, shutdown_kernel="immediate")
     nb = nbformat.read(out, as_version=4)
     injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
     assert injected and "n_devices = 3" in injected[0].source
