@@ -12,6 +12,7 @@ Imported by :mod:`dpcourse.checks.lab05`, where the lab calls it.
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 
 import numpy as np
@@ -230,7 +231,8 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
     per_ex = mirrored.per_example_loss(y, logits).numpy()
     hit = np.argmax(logits, -1) == y
 
-    delta = [w - s for w, s in zip(model.get_weights(), start)]
+    updated = model.get_weights()
+    delta = [w - s for w, s in zip(updated, start)]
     size = sum(float(np.sum(d * d)) for d in delta) ** 0.5
     ref_size = sum(float(np.sum(d * d)) for d in ref_delta) ** 0.5
     if not np.isfinite(size):
@@ -285,8 +287,34 @@ def _check_step_once(distributed_train_step, make_model_and_optimizer, strategy,
 
     # The weights are right: what the step reported is judged against the wrong calculations
     # the check knows, on this very split, from the logits before and after the update.
-    after = _reference_logits_of(model.get_weights(), x)
-    when_of = {"before": (per_ex, hit),
-               "after": (mirrored.per_example_loss(y, after).numpy(), np.argmax(after, -1) == y)}
-    judge_reports(loss, acc, ref_loss, ref_acc, when_of, slices, global_batch)
+    def after_update():
+        after = _reference_logits_of(updated, x)
+        return mirrored.per_example_loss(y, after).numpy(), np.argmax(after, -1) == y
+    judge_reports(loss, acc, ref_loss, ref_acc, _BeforeAfter((per_ex, hit), after_update),
+                  slices, global_batch)
     return ref_loss, ref_acc
+
+
+class _BeforeAfter(collections.abc.Mapping):
+    """``{"before": ..., "after": ...}`` for :func:`judge_reports`: the per-example losses and
+    hits before the update, and after it — the reference CNN run again at the updated weights,
+    only when a reported value is judged wrong and the wrong calculations are tried (a right
+    report never reads it: a forward pass saved on almost every step the check runs)."""
+
+    def __init__(self, before: tuple, after_update):
+        self._before, self._after_update, self._after = before, after_update, None
+
+    def __getitem__(self, when: str) -> tuple:
+        if when == "before":
+            return self._before
+        if when == "after":
+            if self._after is None:
+                self._after = self._after_update()
+            return self._after
+        raise KeyError(when)
+
+    def __iter__(self):
+        return iter(("before", "after"))
+
+    def __len__(self) -> int:
+        return 2
