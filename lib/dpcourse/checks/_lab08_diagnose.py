@@ -1,118 +1,26 @@
-"""How lab08's checks tell one wrong ZeroTwo from another: the cases they run (the model, its
-frozen and tied parameters, the configurations, the memory limit), and the diagnosis that turns
-what the learner's code did on the ranks — its shard bounds, an exception, its weights after
-each step, its schedule of reduce-scatters, the gradient memory alive at each arrival — into
-the one sentence that names its mistake.
+"""How lab08's ZeroTwo check tells one wrong ZeroTwo from another: the cases it runs (the model,
+its frozen and tied parameters, the configurations, the memory limit), and the diagnosis that
+turns what the learner's code did on the ranks that finished — its weights after each step,
+its schedule of reduce-scatters, the gradient memory alive at each arrival — into the one
+sentence that names its mistake.
 
 :mod:`dpcourse.checks.lab08` holds the public checks and the workers that run the learner's
 code; it calls these after each launch. Kept apart so that each file holds one idea: running
-the learner's code, and reading what it did.
+the learner's code, and reading what it did. An exception a rank raised is read in
+:mod:`dpcourse.checks._lab08_raised` (which borrows two sentences from here, ``_DTYPE_WHY`` and
+``_early``); part 1's ``shard_bounds`` (check and diagnosis) is
+:mod:`dpcourse.checks._lab08_bounds`.
 """
 
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 from torch import nn
 
 from . import fail
-
-ALIGN_BYTES = 16     # every rank's piece starts on a 16-byte boundary of its bucket's vector
-
-
-def _piece_numel(numel: int, world_size: int, element_size: int) -> int:
-    """The length of every rank's piece of a bucket of ``numel`` numbers: equal pieces that
-    cover it, each a whole number of ``ALIGN_BYTES`` units, as short as those allow."""
-    unit = max(1, ALIGN_BYTES // element_size)
-    return -(-numel // (world_size * unit)) * unit
-
-
-def _bounds_problem(got, numel, world_size, element_size, sixteen: bool = False) -> None:
-    """Name what is wrong with every rank's (start, end) for one (numel, world size, element
-    size): the rule it breaks, with the numbers, never the formula. ``sixteen``: on every case
-    the pieces were the smallest equal ones rounded up to 16 *numbers*."""
-    __tracebackhide__ = True
-    size = _piece_numel(numel, world_size, element_size)
-    unit = max(1, ALIGN_BYTES // element_size)
-    where = (f"for numel={numel} numbers of {element_size} B on {world_size} ranks you gave "
-             f"{got}")
-    expected = [(r * size, (r + 1) * size) for r in range(world_size)]
-    if got == expected:
-        return
-    first = got[0][1] - got[0][0]
-    if world_size > 1 and all(s == r * got[0][1] and e == got[0][1]
-                              for r, (s, e) in enumerate(got)):
-        fail(f"{where}: that is (start, length), so every rank's second number is the same "
-             f"{got[0][1]}.", fix="return (start, end), end exclusive.")
-    if sorted(got) != got and all(e - s == first for s, e in got) and \
-            sorted(got) == [(r * first, (r + 1) * first) for r in range(world_size)]:
-        fail(f"{where}: rank r must own the r-th piece — all_gather_single puts rank r's "
-             f"piece at position r.")
-    if world_size > 1 and got[:-1] == [(r * first, (r + 1) * first)
-                                       for r in range(world_size - 1)] and \
-            got[-1] == ((world_size - 1) * first, numel) and numel < world_size * first:
-        fail(f"{where}: the last piece is clipped at numel, so it is shorter than the others — "
-             f"a reduce-scatter and an all-gather move pieces of one size, one per rank (the "
-             f"padding is what a piece may run into).")
-    floor = numel // world_size
-    if numel % world_size and got == [(r * floor, (r + 1) * floor) for r in range(world_size)]:
-        fail(f"{where}: the pieces are equal but too short — together they cover "
-             f"{floor * world_size} of the {numel} numbers, and the last {numel % world_size} "
-             f"belong to no rank: every number must have an owner.")
-    for r in range(world_size - 1):
-        if got[r][1] < got[r + 1][0]:
-            fail(f"{where}: numbers {got[r][1]}..{got[r + 1][0] - 1} between rank {r} and rank "
-                 f"{r + 1} belong to no rank — end is exclusive, and rank {r}'s end stops short "
-                 f"of rank {r + 1}'s start.", fix="rank r ends where rank r + 1 starts.")
-        if got[r][1] > got[r + 1][0]:
-            fail(f"{where}: rank {r} and rank {r + 1} both own numbers {got[r + 1][0]}.."
-                 f"{got[r][1] - 1} — pieces must not overlap.")
-    if got[0][0] != 0:
-        fail(f"{where}: numbers 0..{got[0][0] - 1} belong to no rank (the first piece starts at "
-             f"{got[0][0]}).", fix="rank 0 starts at 0.")
-    sizes = sorted({e - s for s, e in got})
-    if len(sizes) > 1:
-        fail(f"{where}: piece sizes {sizes} — a reduce-scatter and an all-gather move pieces of "
-             f"one size, one per rank.")
-    n = sizes[0]
-    if n * world_size < numel:
-        fail(f"{where}: pieces of {n} cover {n * world_size} of the {numel} numbers — the last "
-             f"belong to no rank: every number must have an owner.")
-    if n % unit:
-        at = f"rank 1's piece starts at number {n}, byte {n * element_size}" if world_size > 1 \
-            else f"the next bucket's piece in self.shard would start at byte {n * element_size}"
-        if n == -(-numel // world_size) and world_size > 1:
-            fail(f"{where}: the pieces are equal, touch and own every number, but {at} of the "
-                 f"vector, which is not on a {ALIGN_BYTES}-byte boundary — the smallest equal "
-                 f"pieces are not yet pieces that all start on one.",
-                 fix=f"make each piece's length a whole number of {ALIGN_BYTES}-byte units.")
-        vector = -(-numel // unit) * unit
-        if n == -(-vector // world_size):
-            fail(f"{where}: you padded the vector to {vector} numbers ({vector * element_size} B, "
-                 f"a whole number of {ALIGN_BYTES}-byte units), but cut in {world_size} its "
-                 f"pieces are {n} numbers ({n * element_size} B) each, so rank 1's piece "
-                 f"starts at byte {n * element_size} — not on a {ALIGN_BYTES}-byte boundary: it "
-                 f"is where each piece starts that must be on one, not where the vector ends.",
-                 fix=f"make each piece's length a whole number of {ALIGN_BYTES}-byte units.")
-        fail(f"{where}: pieces of {n} numbers of {element_size} B: {at}, which is not on a "
-             f"{ALIGN_BYTES}-byte boundary — every piece must start on one.",
-             fix=f"make each piece's length a whole number of {ALIGN_BYTES}-byte units.")
-    if n > size:
-        shorter, smallest = n - unit, -(-numel // world_size)
-        if sixteen and element_size > 1 and n == -(-smallest // ALIGN_BYTES) * ALIGN_BYTES:
-            fail(f"{where}: every piece starts on a {ALIGN_BYTES}-byte boundary and every number "
-                 f"is owned, but each piece is a multiple of {ALIGN_BYTES} *numbers* "
-                 f"({ALIGN_BYTES * element_size} B) — the boundary is in bytes, and pieces "
-                 f"{n - size} numbers shorter would start on it too: that padding is sent by "
-                 f"every collective, in every step.")
-        fail(f"{where}: every piece starts on a {ALIGN_BYTES}-byte boundary and every number is "
-             f"owned, but pieces {unit} numbers shorter ({shorter}) would be too — each extra "
-             f"number per piece is padding sent by every collective, in every step.")
-    fail(f"{where}: rank r's piece must be the r-th of {world_size} equal pieces that start at "
-         f"0, touch, cover all {numel} numbers and each start on a {ALIGN_BYTES}-byte boundary.")
-
+from ._lab08_bounds import ALIGN_BYTES
 
 CONFIGS = ((2, "adam"), (3, "sgd"))
 
@@ -183,107 +91,11 @@ def _live_limit(world_size: int) -> int:
     return 2 * (BUCKET_CAP // 4 + biggest + world_size * ALIGN_BYTES // 4)
 
 
-_GLOO_PREFIX = re.compile(r"\[rank\d+\]:\[\w+ [\d:.]+ [\w.]+:\d+\]\s*")
-
-
 _DTYPE_WHY = ("a tensor made with torch.zeros/torch.empty/torch.tensor without dtype= takes "
               "torch's default dtype, which this check sets to float64, not the parameters' "
               "(and without device=, on a GPU it would sit on the CPU, where NCCL cannot send "
               "it): contract 6, every tensor you make follows the parameters' device and "
               "dtype.")
-
-
-def _raised(rank: int, summary: str) -> None:
-    """The learner's code raised on ``rank``: say so, with a hint where the error says which
-    mistake it was."""
-    __tracebackhide__ = True
-    summary = _GLOO_PREFIX.sub("", summary.strip().splitlines()[0]).rstrip(".")
-    counted = re.search(r"lab08-count (\d+) (\d+) (\d+) ([\d,]+) ([\d,]+) ([\d,]+|-) \| ",
-                        summary)
-    if counted:
-        start = summary.rfind("RuntimeError: ", 0, counted.start())
-        summary = summary[:start if start >= 0 else counted.start()] + summary[counted.end():]
-        if not re.search(r"lab08-(?!early)", summary):
-            _counted(rank, counted, summary)
-    found = re.search(r"lab08-early (\d+) (\d+) (\S+) (\S+) (\S+) \| (.*)", summary)
-    if found:
-        step, k = int(found.group(1)), int(found.group(2))
-        _early(k, found.group(3), found.group(4), found.group(5).split(","),
-               f"your code raised on rank {rank} in step {step}'s backward "
-               f"({found.group(6).rstrip('.')}): ")
-    found = re.search(r"lab08-reread (\d+) \| (.*)", summary)
-    if found:
-        fail(f"your code raised on rank {rank} ({found.group(2).rstrip('.')}) after it had "
-             f"looped over params again once it was used up: params is model.parameters(), a "
-             f"generator, which yields the parameters once — every later pass over it finds "
-             f"no parameter, so what you built from that pass was empty.",
-             fix="turn params into a list once (list(params)) and loop over the list.")
-    found = re.search(r"lab08-misaligned (piece|offset) (\d+) (\d+) (\d+)", summary)
-    if found:
-        kind, n, size, world_size = found.group(1), *(int(found.group(i)) for i in (2, 3, 4))
-        if kind == "piece":
-            fail(f"your code raised on rank {rank}: a reduce-scatter's input cut in {world_size} "
-                 f"gives pieces of {n} numbers ({n * size} B), so rank 1's piece starts at byte "
-                 f"{n * size} of the bucket's buffer — not on a {ALIGN_BYTES}-byte boundary: "
-                 f"contract 2, a bucket is cut into shard_bounds' pieces.",
-                 fix="cut each bucket with your shard_bounds, given the parameters' element "
-                     "size, and pad the buffer to world_size of those pieces.")
-        fail(f"your code raised on rank {rank}: a reduce-scatter's output is the slice of "
-             f"self.shard.grad that starts at number {n}, byte {n * size} — not on a "
-             f"{ALIGN_BYTES}-byte boundary, though every bucket's piece so far was a whole "
-             f"number of {ALIGN_BYTES}-byte units: this slice does not start where the earlier "
-             f"buckets' pieces end in self.shard (contract 2).",
-             fix="check where each bucket's slice starts in self.shard (its offset): right "
-                 "after the earlier buckets' pieces.")
-    found = re.search(r"lab08-swapped (\w+) (\d+) (\d+) (\d+)", summary)
-    if found:
-        _swapped(rank, found.group(1), *(int(found.group(i)) for i in (2, 3, 4)))
-    found = re.search(r"lab08-(unpadded|out|gather) (\d+) (\d+)(?: (\d+))?", summary)
-    if found:
-        kind, a, b, c = found.group(1), int(found.group(2)), int(found.group(3)), found.group(4)
-        if kind == "unpadded":
-            fail(f"your code raised on rank {rank}: a reduce-scatter's input has {a} numbers, "
-                 f"which do not split into {b} equal pieces.",
-                 fix="pad each bucket's flat vector with zeros to world_size × its shard size before "
-                     "the reduce-scatter.")
-        if kind == "out":
-            fail(f"your code raised on rank {rank}: a reduce-scatter's output has {a} numbers "
-                 f"but its input of {b} gives each of the {c} ranks {b // int(c)}: the output slice of "
-                 f"self.shard.grad is the wrong size.",
-                 fix="check where each bucket's slice starts in self.shard (its offset) and that it is "
-                     "one shard long.")
-        fail(f"your code raised on rank {rank}: an all-gather of {a} numbers per rank writes "
-             f"into {b}, not {a * int(c)}.",
-             fix="make its output world_size times the piece each rank sends (and send one "
-                 "bucket's whole shard slice).")
-    found = re.search(r"lab08-dtype (\w+) torch\.(\w+) torch\.(\w+)", summary)
-    if found or ("assign a gradient" in summary and "dtype" in summary):
-        if found:
-            op = found.group(1).replace("_", "-")
-            what = f"{'an' if op[0] in 'aeiou' else 'a'} {op} got a {found.group(2)} tensor"
-        else:
-            what = "self.shard.grad was given another dtype than self.shard"
-        fail(f"your code raised on rank {rank}: {what} while the parameters are float32 — "
-             f"{_DTYPE_WHY}")
-    hint = ""
-    if "doesn't require gradient" in summary or "does not require grad" in summary:
-        hint = (" — the model has a frozen parameter (requires_grad=False): it never gets a "
-                "gradient, so give it no hook and no place in a bucket")
-    elif "non-leaf" in summary:
-        hint = (" — build self.shard from detached values (p.detach()), then copy it: a new "
-                "leaf tensor, not a result of the model's autograd graph")
-    elif "assign a gradient" in summary:
-        hint = (" — self.shard.grad must be exactly the size of self.shard: this rank's slice "
-                "of every bucket, one after the other")
-    elif "'NoneType'" in summary:
-        hint = (" — a p.grad was None where you read it: a frozen parameter "
-                "(requires_grad=False) never gets a gradient, so leave it out of the buckets, "
-                "and a gradient you already dropped is gone")
-    elif "size" in summary.lower() or "shape" in summary.lower():
-        hint = (" — every rank's piece must be the same size: pad each bucket's flat vector to "
-                "a multiple of the world size before a collective, and make the output of "
-                "all_gather_single world_size times a shard")
-    fail(f"your code raised on rank {rank}: {summary}{hint}.")
 
 
 def _early(k: int, last: str, missing: str, members: list, prefix: str = "") -> None:
@@ -301,62 +113,6 @@ def _early(k: int, last: str, missing: str, members: list, prefix: str = "") -> 
          f"its gradient is complete — not in which order.",
          fix="take a bucket as full when every one of its parameters' hooks has run in this "
              "backward, whatever their order (count the arrivals per bucket).")
-
-
-def _swapped(rank: int, function: str, out_numel: int, in_numel: int, world_size: int) -> None:
-    """A reduce-scatter whose output is world_size times its input, or an all-gather whose
-    input is world_size times its output: the two arguments the wrong way round."""
-    __tracebackhide__ = True
-    if out_numel > in_numel:                          # a reduce-scatter
-        fail(f"your code raised on rank {rank}: {function}(output, input) takes the output "
-             f"first, and yours got an output of {out_numel} numbers and an input of "
-             f"{in_numel} — an output {world_size} × its input ({world_size} ranks) is the "
-             f"padded bucket and its slice of self.shard.grad passed the wrong way round: the "
-             f"input is the whole padded bucket, the output this rank's piece of it.",
-             fix=f"call {function}(this bucket's slice of self.shard.grad, the padded bucket, "
-                 f"async_op=True).")
-    fail(f"your code raised on rank {rank}: {function}(output, input) takes the output first, "
-         f"and yours got an output of {out_numel} numbers and an input of {in_numel} — an input "
-         f"{world_size} × its output ({world_size} ranks) is the gathered vector and this rank's "
-         f"piece passed the wrong way round: the input is this rank's piece, the output the "
-         f"vector of all {world_size} pieces.",
-         fix=f"call {function}(the padded vector of world_size pieces, this rank's slice of "
-             f"self.shard).")
-
-
-def _counted(rank: int, found: re.Match, summary: str) -> None:
-    """The learner's hook raised in a backward, and its wrapper keeps one count of arrived
-    gradients per bucket (``lab08._raise_with_counts``): name a full-bucket test that is off by
-    one arrival, either way."""
-    __tracebackhide__ = True
-    step, arrived, launched_before = (int(found.group(i)) for i in (1, 2, 3))
-    sizes, counts = ([int(x) for x in found.group(i).split(",")] for i in (4, 5))
-    before = None if found.group(6) == "-" else [int(x) for x in found.group(6).split(",")]
-    past = [i for i, (c, n) in enumerate(zip(counts, sizes)) if c > n]
-    if step > 1 and launched_before == 0 and before == sizes:
-        moved = [i for i, (c, b) in enumerate(zip(counts, before)) if c != b]
-        i = moved[0] if moved else 0
-        fail(f"your code raised on rank {rank} in step {step}'s backward ({summary}). In step "
-             f"{step - 1} every gradient arrived and your count reached each bucket's size — "
-             f"self.arrived held {before} for buckets of {sizes} parameters — yet no bucket was "
-             f"reduce-scattered: your test of a full bucket took a count equal to the size for "
-             f"'not yet', so the last arrival, the one that completes the bucket, never "
-             f"launched it. In step {step} the first arrival in bucket {i} took its count "
-             f"past the size ({sizes[i] + 1} of {sizes[i]}), and that launched the bucket "
-             f"while its other p.grad were still None.",
-             fix="a bucket is full at the arrival that makes its count equal its number of "
-                 "parameters: that arrival must launch it (and set the count back).")
-    early = [i for i, (c, n) in enumerate(zip(counts, sizes)) if 0 < c < n]
-    if not past and early and not any(c == n for c, n in zip(counts, sizes)):
-        i = early[0]
-        fail(f"your code raised on rank {rank} in step {step}'s backward, after {arrived} "
-             f"gradient{'s' * (arrived != 1)} had arrived ({summary}): no bucket was full yet — "
-             f"self.arrived held {counts} for buckets of {sizes} parameters — but a bucket was "
-             f"launched, and its gradients read, at bucket {i}'s arrival {counts[i]} of "
-             f"{sizes[i]}: your test of a full bucket lets a bucket through before its last "
-             f"gradient has come.",
-             fix="launch a bucket only at the arrival that makes its count equal its number of "
-                 "parameters.")
 
 
 def _close(a, b) -> bool:

@@ -49,9 +49,10 @@ part 2's model, whose bucket 1 fills before bucket 0, how many gradients have ar
 learner's own wrapper launches bucket 1 (its in-order launch: after bucket 0, not when full).
 
 This module holds the public checks of part 1 and the stretch and names every other one; each
-idea has a module of its own: part 1's rules, cases and puzzle in
-:mod:`~dpcourse.checks._lab07_buckets`; part 2's test bench (model, collective spy, storage
-census) in :mod:`~dpcourse.checks._lab07_bench`, its runs on 2 and 3 ranks in
+idea has a module of its own: part 1's rules and cases in
+:mod:`~dpcourse.checks._lab07_buckets` and its puzzle in :mod:`~dpcourse.checks._lab07_puzzle`;
+part 2's test bench (model, collective spy, storage census) in
+:mod:`~dpcourse.checks._lab07_bench`, its runs on 2 and 3 ranks in
 :mod:`~dpcourse.checks._lab07_bucketed`, its two extra models (two dtypes, an unused
 parameter) in :mod:`~dpcourse.checks._lab07_cases` and the diagnosis of a step in
 :mod:`~dpcourse.checks._lab07_diagnose`; the prediction in :mod:`~dpcourse.checks._lab07_predict`;
@@ -64,12 +65,12 @@ from . import check_timeout, fail, passed, recorded, require_answer
 from ._lab07_bench import CONFIGS, DEFAULT_TIMEOUT
 from ._lab07_bucketed import check_bucketed_ddp
 from ._lab07_buckets import (_DDP_CLOSING_FIX, _LIBRARY_ASSIGNMENT, _OTHER_RULES,
-                             _TORCH_ASSIGNMENT, BUCKET_QUESTION, PUZZLE, PUZZLE_CAP_MB, MiB,
-                             _bucket_cases, _calls_torch_assignment, _frozen_problem, _greedy,
-                             _is_library_assignment, _no_library_assignment,
-                             _no_torch_assignment, _puzzle_params, bucket_problem,
-                             explain_puzzle, mixed_problem, order_rule_of,
-                             show_bucket_puzzle)
+                             _TORCH_ASSIGNMENT, MiB, _bucket_cases, _calls_torch_assignment,
+                             _frozen_problem, _greedy, _is_library_assignment,
+                             _no_library_assignment, _no_torch_assignment, bucket_problem,
+                             mixed_problem, order_rule_of)
+from ._lab07_puzzle import (BUCKET_QUESTION, PUZZLE, PUZZLE_CAP_MB, _puzzle_params,
+                            explain_puzzle, show_bucket_puzzle)
 from ._lab07_predict import (PREDICTION_BUCKET, PREDICTION_CAP_MB, PREDICTION_QUESTION,
                              check_prediction, measure_launches, show_prediction_model)
 from ._lab07_topk import (_HOOK_STEPS, _SENT_PER_ENTRY, HOOK_FRACTION, HOOK_WORLD_SIZES,

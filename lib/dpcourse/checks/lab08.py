@@ -3,19 +3,8 @@ ZeRO stage 2 wrapper, ``ZeroTwo(params, optimizer_cls, bucket_cap=..., **kwargs)
 ``step()``, ``zero_grad()``, its flat shard in ``self.shard`` and its inner optimizer in
 ``self.optimizer``, which reduce-scatters the gradients bucket by bucket *during* the backward.
 
-``check_shard_bounds`` runs in this process on nine (numel, world size, element size) cases,
-from an even split to more ranks than numbers, with numbers of 1, 2, 4 and 8 bytes. Every
-rank's piece must be equally long (the collectives move equal pieces), in rank order,
-touching, together cover the numbers, start on an ``ALIGN_BYTES`` (16-byte) boundary of the
-vector, and be as short as those allow — the part's design decision: what to round, and to
-what. Its sentences name the rule broken, with the numbers, never the formula. It names: the
-smallest equal pieces left unaligned (lesson 08's rounding), the whole vector padded to 16
-bytes and then cut (its end aligned, its pieces not), pieces rounded to 16 *numbers* rather
-than 16 bytes, any other misaligned or longer-than-needed piece, the size rounded down (the
-last numbers belong to nobody), an exclusive end taken as inclusive (gaps), overlapping
-pieces, a last piece clipped at ``numel``, (start, length) returned instead of (start, end),
-pieces out of rank order, a first piece that does not start at 0, a return value that is not
-two integers.
+``check_shard_bounds`` (part 1) runs in this process; it, the rule it checks and the
+diagnosis of its wrong answers live in :mod:`dpcourse.checks._lab08_bounds`.
 
 ``check_zero_two`` runs the wrapper for 3 steps on 2 ranks with Adam and on 3 ranks with SGD +
 momentum, on an MLP of seven layers with a frozen bias, a weight tied between two layers and an
@@ -66,7 +55,9 @@ made without ``device=``, which NCCL would refuse on a GPU). The messages name t
 the contract rule broken; what to change joins a sentence only when the same mistake comes
 back (``fix=``), and where the fix is the lab's design decision (what to keep in flight, when
 to wait) they do not dictate it. Those readings, and the cases the checks run, live in
-:mod:`dpcourse.checks._lab08_diagnose`; this module runs the learner's code and calls them.
+:mod:`dpcourse.checks._lab08_diagnose` (what the ranks that finished did) and
+:mod:`dpcourse.checks._lab08_raised` (what an exception a rank raised says); this module runs
+the learner's code and calls them.
 
 The predict-then-measure parts live in :mod:`dpcourse.checks._lab08_peak`: ``measure_peak``
 and ``check_peak_prediction`` (the learner's own wrapper on a five-layer MLP), and
@@ -85,11 +76,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import check_timeout, fail, passed, recorded, require_answer, run_ranks
-from ._lab08_diagnose import (ALIGN_BYTES, BUCKET_CAP, CONFIGS, DEFAULT_TIMEOUT,
-                              _GLOBAL_BATCH, _STEPS, _WIDTHS, _bounds_problem, _diagnose, _mlp,
-                              _raised)
+from ._lab08_bounds import (ALIGN_BYTES, _BOUNDS_CASES, _bounds_problem,  # noqa: F401
+                            check_shard_bounds)
+from ._lab08_diagnose import (BUCKET_CAP, CONFIGS, DEFAULT_TIMEOUT, _GLOBAL_BATCH, _STEPS, _WIDTHS,
+                              _diagnose, _mlp)
 from ._lab08_diagnose import (_FROZEN, _LATE, _live_limit,  # noqa: F401 (tests read them)
                               _trainable_numels)
+from ._lab08_raised import _raised
 from ._lab08_memory import (_inner_tensors, _inputs, _live_gradients, _storages,  # noqa: F401
                             _Watched, prefer, weighing_lines)
 from ._lab08_peak import (PEAK_CAP, PEAK_WIDTHS, PEAK_WORLD_SIZE, SCHEDULES,  # noqa: F401
@@ -101,45 +94,6 @@ __all__ = ["check_shard_bounds", "check_zero_two", "measure_peak", "check_peak_p
            "measure_schedules", "check_schedule_predictions", "schedule_peaks", "SCHEDULES",
            "peak_buckets", "expected_peak", "CONFIGS", "BUCKET_CAP", "ALIGN_BYTES",
            "PEAK_WIDTHS", "PEAK_CAP", "PEAK_WORLD_SIZE", "DEFAULT_TIMEOUT"]
-
-# --------------------------------------------------------------------------------------------
-# shard_bounds
-# --------------------------------------------------------------------------------------------
-
-# (numel, world size, element size): sizes that divide and sizes that do not, more ranks than
-# numbers, and fp32, bf16, fp64 and one-byte numbers
-_BOUNDS_CASES = ((53, 2, 4), (53, 3, 4), (12, 3, 4), (10, 4, 4), (3, 4, 4), (1_000_003, 8, 4),
-                 (53, 3, 2), (41, 2, 8), (7, 3, 1))
-
-
-@recorded
-def check_shard_bounds(shard_bounds) -> None:
-    """Every rank's [start, end) on nine (numel, world size, element size) cases."""
-    __tracebackhide__ = True
-    require_answer(shard_bounds, "shard_bounds")
-    answers = []
-    for numel, world_size, element_size in _BOUNDS_CASES:
-        got = []
-        for rank in range(world_size):
-            out = shard_bounds(numel, rank, world_size, element_size)
-            try:
-                start, end = (int(v) for v in out)
-            except (TypeError, ValueError):
-                fail(f"shard_bounds({numel}, {rank}, {world_size}, {element_size}) returned "
-                     f"{out!r}, which is not two integers.",
-                     fix="return (start, end), two integers.")
-            got.append((start, end))
-        answers.append(got)
-    # pieces rounded up to 16 numbers rather than 16 bytes, on every case: named as such
-    sixteen = all(got[0] == (0, -(-(-(-numel // world_size)) // 16) * 16)
-                  for got, (numel, world_size, _) in zip(answers, _BOUNDS_CASES))
-    for got, (numel, world_size, element_size) in zip(answers, _BOUNDS_CASES):
-        _bounds_problem(got, numel, world_size, element_size, sixteen)
-    passed(f"shard_bounds: on {len(_BOUNDS_CASES)} cases, from an even split to more ranks than "
-           f"numbers, numbers of 1 to 8 bytes, every rank's piece is as long as every other's, "
-           f"starts on a {ALIGN_BYTES}-byte boundary and is no longer than that requires, in "
-           f"rank order, touching, every number owned")
-
 
 # --------------------------------------------------------------------------------------------
 # ZeroTwo, on 2 and 3 ranks
