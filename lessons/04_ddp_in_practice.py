@@ -686,8 +686,8 @@ viz.show_code(viz.sampler_slots)
 # equal across ranks. BatchNorm's running mean and variance are the usual ones (section 9
 # follows them through training). The wrapper keeps them equal another way, by this rule
 # (the one place the lesson states it): with `forward_sync_buffers=True` (the default) a forward
-# first **broadcasts rank 0's buffers** to the other ranks when the forward before it (if any)
-# ran with gradients enabled and outside `no_sync`. So in a
+# first **broadcasts rank 0's buffers** to the other ranks when it is the first forward, or the
+# forward before it ran with gradients enabled and outside `no_sync`. So in a
 # training loop every forward broadcasts; the forward after a `no_sync` forward does not; the
 # first `torch.no_grad()` forward after training does, and the ones after it do not; a forward
 # in `eval()` mode with gradients enabled does. So only the

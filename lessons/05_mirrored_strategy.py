@@ -581,7 +581,7 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # Adam, which divides by the gradient's own running size, barely notices — which is why the bug can
 # go unseen. The mirror image hits programmers coming from
 # DDP, which *averages* gradients: divide by the global batch *and* average over replicas, and
-# the gradient is **1/N too small**.
+# the gradient is **N× too small**.
 #
 # The loss most Keras 3 code writes is neither: a Keras loss object,
 # `keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)`. Under a strategy,
@@ -591,7 +591,7 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # `"mean_with_sample_weight"` and weights, the slice's weight sum is the divisor);
 # `reduction="sum"` or `"none"` is not scaled (`reduce_values` in Keras' losses; claimed below).
 # So in a custom loop the default loss is already scaled, and code that divides it by the number
-# of replicas once more makes the gradient 1/N too small.
+# of replicas once more makes the gradient N× too small.
 # The library's function for these rows:
 
 # %% [markdown]
@@ -613,10 +613,10 @@ viz.show_code(mirrored.keras_loss_per_replica)
 # | `compute_average_loss` with `global_batch_size=` (÷ global batch) | SUM (TF's all-reduce) | correct |
 # | `compute_average_loss` without it (÷ local batch × N) | SUM (TF's all-reduce) | correct (here local batch × N = global batch) |
 # | `reduce_mean` (÷ local batch) | SUM (TF's all-reduce) | N × too big |
-# | `compute_average_loss` with `global_batch_size=` (÷ global batch) | MEAN | 1/N too small |
+# | `compute_average_loss` with `global_batch_size=` (÷ global batch) | MEAN | N× too small |
 # | `reduce_mean` (÷ local batch) | MEAN (DDP's all-reduce) | correct |
 # | Keras loss object, as is (local mean × 1/N) | SUM (TF's all-reduce) | correct |
-# | Keras loss object ÷ `num_replicas_in_sync` | SUM (TF's all-reduce) | 1/N too small |
+# | Keras loss object ÷ `num_replicas_in_sync` | SUM (TF's all-reduce) | N× too small |
 
 # %% [markdown]
 # **▶ The six pairings' gradients, measured** (the code is folded below; its output shows).
@@ -656,12 +656,12 @@ n_too_small = abs(ratios["compute_average_loss", "mean"] - 1 / n) < 1e-4
 claim("these slices are equal: the global batch splits evenly", global_batch % n == 0)
 claim("compute_average_loss + SUM is right (ratio 1, to 1e-4)", right, ratios=ratios)
 claim("reduce_mean + SUM is N times too big (to 1e-4 relative)", n_too_big, ratios=ratios)
-claim("compute_average_loss + MEAN is 1/N too small (to 1e-4)", n_too_small, ratios=ratios)
+claim("compute_average_loss + MEAN is N× too small (to 1e-4)", n_too_small, ratios=ratios)
 claim("reduce_mean + MEAN (DDP's pairing) is right too (to 1e-4)",
       abs(ratios["reduce_mean", "mean"] - 1) < 1e-4, ratios=ratios)
 claim("a Keras loss object as is + SUM is right (to 1e-4): Keras scaled it",
       abs(ratios["keras", "sum"] - 1) < 1e-4, ratios=ratios)
-claim("a Keras loss object divided by num_replicas_in_sync + SUM is 1/N too small (to 1e-4)",
+claim("a Keras loss object divided by num_replicas_in_sync + SUM is N× too small (to 1e-4)",
       abs(ratios["keras_over_replicas", "sum"] - 1 / n) < 1e-4, ratios=ratios)
 logits8, sce = single(xb[:8]), keras.losses.SparseCategoricalCrossentropy
 total = float(tf.reduce_sum(mirrored.per_example_loss(yb[:8], logits8)))
@@ -1252,9 +1252,9 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # * Create variables under `strategy.scope()`; batch with the **global** batch.
 # * TF **sums** replicas' gradients, DDP averages them: for full steps each replica divides its
 #   summed loss by the **global** batch (`compute_average_loss` with `global_batch_size=`; without
-#   it, by its slice × N); `reduce_mean` makes the gradient N× too big, averaging again 1/N. A
+#   it, by its slice × N); `reduce_mean` makes the gradient N× too big, averaging again N× too small. A
 #   Keras loss object (default reduction) is already scaled (its slice's mean × 1/N, right for
-#   equal slices): dividing it again makes the gradient 1/N.
+#   equal slices): dividing it again makes the gradient N× too small.
 # * By default the sum is a collective all-reduce (`CollectiveAllReduce`: RING on CPUs and
 #   logical GPUs, NCCL on real GPUs); `ReductionToOneDevice` — copy to one device, add, send
 #   back — is what you get with mixed devices or ask for, and, whenever merge calls are on

@@ -226,7 +226,7 @@ claim(f"the 64-layer MLP: with bucket_cap_mb left at None DDP's rebuilt first bu
 
 # %% [markdown]
 # **▶ Both groupings side by side — open after your lab passes** (they show where DDP's rule
-# closes a bucket; click the folded cell below).
+# closes a bucket).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 for label, buckets in (("assign_buckets (rebuilt order)", ours),
@@ -238,7 +238,7 @@ for label, buckets in (("assign_buckets (rebuilt order)", ours),
 
 # %% [markdown]
 # **▶ DDP's closing rule and the library's `assign_buckets` — open after your lab passes**
-# (click the folded cells below: the rule, then the code). Not the lab's answer: the lab asks
+# (folded below: the rule, then the code). Not the lab's answer: the lab asks
 # for more.
 
 # %% [markdown]
@@ -254,7 +254,7 @@ for label, buckets in (("assign_buckets (rebuilt order)", ours),
 # </details>
 
 # %% [markdown]
-# **▶ The library's `assign_buckets`** (click the folded cell below).
+# **▶ The library's `assign_buckets`**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(overlap.assign_buckets,
@@ -268,7 +268,7 @@ viz.show_code(overlap.assign_buckets,
 # refuses that call), so they are folded; the verdict is printed below.
 
 # %% [markdown]
-# **▶ The comparison with torch's function — open after your lab passes** (click the folded cell below).
+# **▶ The comparison with torch's function — open after your lab passes**.
 
 # %% jupyter={"source_hidden": true}
 import sys
@@ -316,7 +316,7 @@ viz.show_code("class BucketedDataParallel(nn.Module):   # the rest: folded below
 
 # %% [markdown]
 # **▶ The library's `BucketedDataParallel` — open after your lab passes** (its `__init__`, its
-# hook and `finish_gradient_synchronization`; click the folded cell below). Not the lab's
+# hook and `finish_gradient_synchronization`). Not the lab's
 # answer: lab 07's part 2 also launches strictly in bucket order and makes every gradient a
 # view of its bucket, which this class does not.
 
@@ -333,7 +333,7 @@ print(f"cap {cap_mb} MiB: {len(buckets)} buckets for {len(names)} parameter tens
 
 # %% [markdown]
 # **▶ Each bucket's bytes and parameters — open after your lab passes** (they show where the
-# rule closes a bucket; click the folded cell below).
+# rule closes a bucket).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 for i, b in enumerate(buckets):
@@ -347,8 +347,8 @@ claim("the first bucket holds the last layer; the last bucket holds the first la
 # single one (a cap above the model's size). The staircase is computed at every cap where a
 # bucket boundary moves, so it shows where DDP's rule closes buckets: it is folded.
 #
-# **▶ The bucket-size explorer — open after your lab passes** (click the folded cell below;
-# run it to see the staircase).
+# **▶ The bucket-size explorer — open after your lab passes** (run it
+# to see the staircase).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 import ipywidgets as widgets
@@ -467,14 +467,14 @@ viz.show(viz.reducer_figure(),
 viz.show_code(experiments.timing_worker, experiments.count_ddp_collectives)
 
 # %% [markdown]
-# **▶ The `local` control and the config** (click the folded cell below): `LocalOnly`, whose
+# **▶ The `local` control and the config**: `LocalOnly`, whose
 # times the model takes, and `OverlapConfig`, whose `build` makes every run's model.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(experiments.LocalOnly, experiments.OverlapConfig)
 
 # %% [markdown]
-# **▶ The timed model's source** (click the folded cell below): `wide_mlp`, the 64-layer MLP
+# **▶ The timed model's source**: `wide_mlp`, the 64-layer MLP
 # the runs below time. The line printed under it says all this section needs of it: its layer
 # count and its largest layer.
 
@@ -636,7 +636,7 @@ claim("at every cap the predicted saving is at least 0 and at most min(B, C − 
       saving=saving)
 
 # %% [markdown]
-# **▶ The sign test behind every verdict below** (click the folded cell): `needed`, the
+# **▶ The sign test behind every verdict below**: `needed`, the
 # wins a run needs for a clear verdict; `compare` and `verdict`, round by round.
 
 # %% jupyter={"source_hidden": true}
@@ -933,7 +933,7 @@ print(f"at most {in_flight} all-reduces were in flight at the same moment")
 # axis: the run's last step on rank 0 (overlapped, and its control), and `predict_step`'s own
 # `spans` — when the model starts and ends each bucket's all-reduce — for the same two cases.
 #
-# **▶ How the figure is drawn** (click the folded cell; the figure is below it).
+# **▶ How the figure is drawn** (the figure is below it).
 
 # %% jupyter={"source_hidden": true}
 rows = []
@@ -1013,8 +1013,7 @@ viz.show(viz.bucket_sweep_figure(sweep, noise_ms, counts=False),
 # caps' α, or nothing it can resolve. The runs here pass `bucket_cap_mb=25` (section 3: the
 # default would put a 1 MiB bucket first).
 #
-# **▶ The all-reduces per step at each cap — open after your lab's part 1 passes** (click the
-# folded cell below).
+# **▶ The all-reduces per step at each cap — open after your lab's part 1 passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 # NBVAL_IGNORE_OUTPUT
@@ -1108,8 +1107,7 @@ viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
 # folded below.)
 
 # %% [markdown]
-# **▶ Top-k and linearity — open after your lab's stretch passes** (click the folded cell
-# below).
+# **▶ Top-k and linearity — open after your lab's stretch passes**.
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -1195,8 +1193,8 @@ claim("two ranks' states with the same random_seed draw the same Q, and the next
 viz.show_code(experiments.comm_hook_worker)
 
 # %% [markdown]
-# We count the bytes with the course's one recorder, `collectives.record_collectives` (lessons
-# 08, 10 and the lab checks use it too): inside the block each `torch.distributed` function is
+# We count the bytes with the course's one recorder, `collectives.record_collectives`: inside
+# the block each `torch.distributed` function is
 # a wrapper that notes the call and its bytes (`collectives._size`: `numel() *
 # element_size()`), then calls the real one (`Recorder.run`, which also logs it), put back
 # afterwards.
@@ -1337,7 +1335,7 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (how the reducer keeps bucket
-# order, and how it puts a gradient into its bucket; click the folded cell below).
+# order, and how it puts a gradient into its bucket).
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -1377,8 +1375,8 @@ claim("a parameter without a gradient gets a sentence naming it, not a hang",
 # hook notes where the weight's gradient is when autograd has written it (before DDP's reducer
 # takes it: the step-1 claim shows it), and the loop notes where `p.grad` is after `backward()`.
 #
-# **▶ The measurement's code — open after your lab passes** (click the folded cell below;
-# its verdicts are printed under it).
+# **▶ The measurement's code — open after your lab passes** (its verdicts are printed
+# under it).
 
 # %% jupyter={"source_hidden": true}
 def views_worker(rank, world_size):
@@ -1429,8 +1427,8 @@ claim("set_to_none=True: in every step autograd wrote a fresh tensor, elsewhere 
 #   in bucket order, and can make the gradients views of the buckets.
 # - Overlap is a prediction you can test: the early buckets' all-reduces run under the
 #   backward, and save at most min(B, C − C_last) — nothing with one bucket. At B / C ≳ 1 it
-#   can hide all but the last bucket at most, as the buckets' ready times allow; below that it still saves up to B (section 4's simulated
-#   wire, at B / C = ½, holds its saving against that bound from its own times). The model has no term for gloo and the backward sharing the CPU's
+#   can hide all but the last bucket at most, as the buckets' ready times allow; below that it
+#   still saves up to B. The model has no term for gloo and the backward sharing the CPU's
 #   cores: section 4 prints its prediction beside what the run measured, and its noise floor;
 #   with a simulated wire that takes no CPU, the messages go on the wire under the backward,
 #   and section 4's sign test says whether that run's step was clearly faster.

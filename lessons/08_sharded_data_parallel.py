@@ -581,7 +581,8 @@ for name, bw in (("InfiniBand, 200 Gb/s per GPU", ib_bw), ("NVLink 3", nvlink_bw
 # %% [markdown]
 # With fewer tokens per GPU per micro-batch, part of ZeRO-3's traffic stays on the critical
 # path however well it is scheduled (a bound from bandwidth alone: latency only raises it);
-# with fp32 gradients (FSDP2 here) the backward needs 1.5× as many tokens.
+# with bf16 weights gathered but fp32 gradients reduced, the backward needs 1.5× as many
+# tokens; all in fp32, as FSDP2 runs here, twice as many.
 #
 # Note what does not shrink with N in ZeRO-3: a rank's working set. While a layer's backward
 # computes, its full weights (gathered whole, section 4) and its full gradient (weighed in
@@ -724,8 +725,8 @@ claim("loaded back into a fresh sharded model, every rank's shards are equal",
       all(r["reloaded_shards_equal"] for r in tour))
 
 # %% [markdown]
-# What `Shard(dim=0)` leaves on rank 0: the first of N chunks along dimension 0 (the last
-# padded to the same size), every other dimension whole. The biases' shapes are printed;
+# What `Shard(dim=0)` leaves on rank 0: the first of N chunks along dimension 0 (FSDP2 pads
+# only its storage: a last rank's tensor is shorter), every other dimension whole. The biases' shapes are printed;
 # the weights' are only checked here, since which features each dimension of an
 # `nn.Linear` weight holds is lab 11's part 3.
 

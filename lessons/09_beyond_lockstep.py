@@ -146,8 +146,8 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 # sends each other rank that rank's shard of its gradient, then its own shard's new weights:
 # the ring's 2(N−1)K/N sent per rank, and as much received, but in **2 direct rounds** (push,
 # pull) instead of the ring's 2(N−1) steps: fewer latency terms only if a rank's N−1 messages
-# of a round travel at once (a switch with full bisection bandwidth: any half of the machines
-# can talk to the other half at full link speed, all at once); counted one α per
+# of a round travel at once (full bisection bandwidth: any half of the machines
+# can talk to the other half at full link speed); counted one α per
 # message, as in lesson 06, it is 2(N−1)α, like the ring, which needs only links to its
 # neighbours. BytePS (Jiang et al., OSDI 2020) goes further with servers beyond the workers
 # (CPU machines): with enough of them each worker sends K and receives K, less than the ring's
@@ -185,7 +185,7 @@ claim(f"in time (α-β, the model one message: in, then out), the server's 2NKβ
 
 # %% [markdown]
 # **▶ `ring.ring_bytes_per_worker`**, the chunk-by-chunk count, `ring.chunk_bounds`, the
-# uneven split it counts, and `ring.cost`, lesson 06's α-β prices (click the folded cell below).
+# uneven split it counts, and `ring.cost`, lesson 06's α-β prices.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 import inspect  # chunk_bounds and cost as snippets: their docstrings name lesson 06, where
@@ -252,7 +252,6 @@ waited = {m: {w: sum(b - a for kind, a, b in race[w][m]["spans"] if kind == "wai
 
 # %% [markdown]
 # **▶ The code that reads the counts, shares and waits printed below from the workers' spans**
-# (click the folded cell below).
 
 # %% jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
@@ -513,10 +512,7 @@ claim("near that edge the seeds disagree — a single run's * is not the boundar
 # Before reading on, open [lab09_async_worker](../labs/lab09_async_worker.ipynb): you first
 # write by hand the server calls that make gradient k update k, computed on version
 # max(0, k − τ), then the loop that makes them, and predict a row the table above does not
-# have; its optional stretch (not needed below) is the staleness-aware step. The folded cell
-# below holds the library's
-# loop, for a server that takes every push (what to do with a push that a bounded server
-# refuses is the lab's own question), and its staleness-aware server.
+# have; its optional stretch (not needed below) is the staleness-aware step.
 
 # %% [markdown]
 # **▶ The library's loop (for a server that refuses no push: not all of lab 09 §2's answer)
@@ -804,8 +800,8 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 # ImageNet with a ResNet-50,
 # and trained to the small batch's accuracy up to a batch of 8192). At k = 8 this small
 # problem showed no such early regime: the scaled lr trained from the first epoch without
-# warmup, and warmup only cost progress — how much, and whether it caught up, is the last
-# sentence above, computed from this run's table. Warmup also cannot rescue
+# warmup, and warmup only cost progress (how much: the last sentence above). Warmup also
+# cannot rescue
 # an lr that is too large for the whole run, only one the first steps cannot take. Past some
 # batch size (the *critical batch size*, McCandlish et al. 2018) no lr recovers the small
 # batch's progress per epoch: more data per step stops helping.
@@ -835,7 +831,7 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 # - With SGD (here with momentum) and below the critical batch size, a k× larger batch takes a
 #   k× larger lr (the linear scaling rule; for Adam, √k: §4). Warmup is meant for an lr
 #   that only the first steps cannot take; this problem has no such phase, and the run shows
-#   warmup's cost (measured per epoch above), not its benefit.
+#   warmup's cost, not its benefit.
 #
 # **Next:** [lesson 10](10_bug_zoo.ipynb) breaks distributed programs on purpose — hangs,
 # silent divergence, "DDP gives different results" — and gives each failure its detector.

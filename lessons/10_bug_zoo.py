@@ -24,8 +24,7 @@
 # fix it.
 #
 # Every program below really runs, on 2 gloo ranks, under a short time limit: a hang costs a
-# few seconds and leaves nothing running. (Under `spawn` a rank that has returned stays alive
-# until every rank has: section 2 shows why that matters for a hang.) The broken programs live
+# few seconds and leaves nothing running. The broken programs live
 # in `dpcourse.bugzoo`, one small function each, with the bug marked `# BUG` and its fix behind
 # `fixed=True`.
 
@@ -83,8 +82,7 @@ claim("run plainly, bug 1 only times out, naming the rank that never finished, n
 # blocks until its partners arrive: gloo's blocking calls do. A call with `async_op=True`, and
 # an NCCL call once its *communicator* (the connections between the ranks' GPUs that its
 # collectives run over) exists, returns at once; the trace still shows what each rank called and
-# from which line, but not which one waits (the flight recorder's *retired* flag does, after
-# bug 2). `diagnose` adds a
+# from which line, but not which one waits. `diagnose` adds a
 # dump of each rank's Python stack. The trace writes its lines from the `before` and `after`
 # hooks of `collectives.record_collectives`, a recorder that wraps each `dist.<collective>`
 # function for a `with` block (**▶ folded below**; it sees only calls through those functions):
@@ -97,9 +95,9 @@ viz.show_code(collectives.record_collectives)
 # ranks under that trace (`detectors.trace_collectives`, shown after bug 1), with
 # `faulthandler.dump_traceback_later` armed to write each rank's
 # Python stack just before the time limit, and reports: finished, hung (which ranks, in which
-# call, at which line) or failed. Bug 1 shows a report, then the code behind each part of it.
+# call, at which line) or failed.
 #
-# **▶ `diagnose`'s plumbing** (click below): the launch, the time limit, the
+# **▶ `diagnose`'s plumbing**: the launch, the time limit, the
 # report's wording, and section 5's checks on scripts.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
@@ -141,8 +139,8 @@ viz.show_code(detectors.trace_collectives, detectors.compare_traces, detectors.c
 # **`dist.monitored_barrier` names the rank that never came.** Put one before the collective
 # you suspect: rank 0 waits there for every other rank and, at the barrier's timeout, raises
 # with the list of ranks that did not arrive (with `wait_all_ranks=True`, all of them, not
-# just the first). `diagnose(..., monitor=2)` puts a 2-second one before every collective
-# (`trace_collectives` above shows the two lines). It needs a CPU backend in the group: gloo,
+# just the first). `diagnose(..., monitor=2)` puts a 2-second one before every collective.
+# It needs a CPU backend in the group: gloo,
 # or in an NCCL job the gloo of a `"cpu:gloo,cuda:nccl"` group (lesson 00; Sources).
 
 # %%
@@ -446,7 +444,7 @@ claim("the message is the installed libtorch_cpu.so's own (ProcessGroupGloo::mon
 
 # %% [markdown]
 # Rank 0 had returned, but its process was alive (under `spawn`, below). With the default group
-# timeout (30 minutes on gloo), rank 1 would wait that long: the names come sooner from rank 0's
+# timeout, rank 1 would wait that long: the names come sooner from rank 0's
 # side, or from the course's trace and stack dump.
 #
 # **The tools PyTorch gives you, and where each works** (the ones that run on gloo ran above):
@@ -543,7 +541,7 @@ claim("rank 1 left the loop and its program ended; rank 0, waiting in the next a
 viz.show_code(bugzoo.mlp, bugzoo.small_batches)
 
 # %% [markdown]
-# **▶ `zoo_worker`, the one launch** (click below): plumbing that runs each
+# **▶ `zoo_worker`, the one launch**: plumbing that runs each
 # program broken and fixed and returns the results by name.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
@@ -576,7 +574,7 @@ claim("a change of 1e-3 in one weight of a 64×64 layer, at its first position, 
       detectors.compare_checksums([before, detectors.state_checksums(layer)]) == ["weight"])
 
 # %% [markdown]
-# **▶ `average_gradients`, what the fixed programs call** (click below): lesson
+# **▶ `average_gradients`, what the fixed programs call**: lesson
 # 03's hand-made averaging, its lab's part 1 done the simple way — open it after lab 03 passes.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
@@ -637,8 +635,8 @@ claim("fixed (average the gradients): gradients and weights agree at every step"
 
 
 # %% [markdown]
-# **▶ Bug 5 with `torch.distributed.nn.functional.all_reduce`, differentiable** (its code:
-# folded below).
+# **▶ Bug 5 with `torch.distributed.nn.functional.all_reduce`, differentiable** (folded
+# below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(bugzoo.averaged_loss_differentiable)
@@ -1073,7 +1071,7 @@ claim("and the script itself ran to the end on both ranks",
 # gradients it is given (as if they were one vector), then multiplies every one of them in
 # place by `max_norm / (norm + 1e-6)` clamped to at most 1; it returns the norm it measured.
 #
-# **▶ The reference answer — open after your lab passes** (click below): the
+# **▶ The reference answer — open after your lab passes**: the
 # stretch's idea, run on two weight vectors.
 #
 # <details><summary>▶ open</summary>
@@ -1099,7 +1097,7 @@ claim("the weights differ, yet the checksums are equal: a checksum can miss a di
                                        detectors.state_checksums(b)]) == [])
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click below): bug 7's
+# **▶ The reference answer — open after your lab passes**: bug 7's
 # `all_ranks_finite`, one verdict on every rank.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}

@@ -342,7 +342,7 @@ viz.show(viz.tp_shards_figure(16, 64, tp_ranks),
 # pass, torch's placements, where torch puts f and g, sequence parallelism's collectives).
 
 # %% [markdown]
-# **▶ The reference answer — open after your lab passes** (click the folded cells below): f
+# **▶ The reference answer — open after your lab passes**: f
 # and g pass by pass, where the biases go, the library's code, and why one of the four methods
 # may pass its gradient on untouched.
 #
@@ -426,8 +426,7 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
 viz.show_code(tensor_parallel.plain_mlp, tensor_parallel.TPConfig)
 
 # %% [markdown]
-# **▶ The worker that checks it, and what each rank holds — open after your lab passes**
-# (click the folded cell below).
+# **▶ The worker that checks it, and what each rank holds — open after your lab passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(tensor_parallel.slice_of, tensor_parallel.tensor_parallel_worker,
@@ -469,11 +468,8 @@ claim("the gradient of the input == the plain MLP's (to 1e-6)",
       max(r["input_grad_diff"] for r in tp_runs) < 1e-6)
 
 # %% [markdown]
-# The parameters' gradients need the slices each rank holds, so they are checked in the
-# folded cell below.
-#
 # **▶ The gradients, checked with the worker's slices and joined across the ranks without
-# them — open after your lab passes** (click the folded cell below). It proves that every
+# them — open after your lab passes**. It proves that every
 # parameter's gradient, on every rank, equals its part of the plain MLP's (to 1e-6); how each
 # parameter is held is part of lab 11's answer.
 
@@ -500,8 +496,8 @@ claim("checked here, without the worker's slices: each parameter's gradients, jo
               if r0["grads"][i].shape == full.shape for r in tp_runs))
 
 # %% [markdown]
-# **▶ The collectives of each pass, counted — open after your lab passes** (click the folded
-# cell below). It proves, from the recorded calls, which collective each pass makes and that
+# **▶ The collectives of each pass, counted — open after your lab passes**. It proves, from
+# the recorded calls, which collective each pass makes and that
 # each is over the activations' size, tokens × d; where they fall is part of lab 11's
 # answer.
 
@@ -560,8 +556,8 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # GPUs of one node, on NVLink.
 #
 # **▶ Which of them sit on the critical path, which Megatron-LM hides, and what torch's async
-# tensor parallelism fuses — open after your lab passes** (click the folded cell below):
-# where each sits is lab 11's answer again.
+# tensor parallelism fuses — open after your lab passes**: where
+# each sits is lab 11's answer again.
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -612,8 +608,8 @@ model = parallelize_module(plain_mlp(), mesh, {"0": ColwiseParallel(), "2": Roww
 """)
 
 # %% [markdown]
-# **▶ torch's results and collectives beside ours — open after your lab passes** (click the
-# folded cell below). It proves that torch's output, input gradient and every shard's
+# **▶ torch's results and collectives beside ours — open after your lab passes**. It proves
+# that torch's output, input gradient and every shard's
 # gradient equal ours (to 1e-6) and that torch sends the same collectives as ours, with the
 # same sizes (its own `CommDebugMode` and our recorder agree); its counts, pass by pass, are
 # lab 11's answer again.
@@ -633,7 +629,7 @@ claim("torch sends what we send: one all-reduce of the activations in the forwar
 
 # %% [markdown]
 # **▶ What each rank holds, torch's placements, and where torch puts *f* and *g* (the lab's
-# answer again) — open after your lab passes** (click the folded cells below). It proves
+# answer again) — open after your lab passes**. It proves
 # which dimension torch cuts each weight and bias along, from its own placements.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
@@ -681,7 +677,7 @@ viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
 
 # %% [markdown]
 # **▶ Sequence parallelism run, checked and its collectives counted — open after your lab
-# passes** (click the folded cell below). It proves that torch's sequence-parallel MLP equals
+# passes**. It proves that torch's sequence-parallel MLP equals
 # the plain MLP on each rank's tokens (output, dL/dx and every gradient, to 1e-6), that its
 # collectives send the bytes section 2's do, and what the column layer saves of its input
 # (the fold says what that means for section 1's /t); which collectives they are is lab
@@ -742,7 +738,7 @@ claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tok
 # (p − 1)/m with p = K stages and m = M micro-batches; section 5 uses both.)
 #
 # **▶ How the M micro-batches' gradients become the whole batch's — open after lab 11's
-# stretch passes** (click the folded cell below).
+# stretch passes**.
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -802,7 +798,7 @@ viz.show_code(pipeline_parallel.make_mlp, pipeline_parallel.split_stages,
 
 # %% [markdown]
 # **▶ One stage's loop, its launcher and the measured bubble (the lab's stretch) — open after
-# your lab passes** (click the folded cell below).
+# your lab passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(pipeline_parallel.run_stage, pipeline_parallel.pipeline_worker,
@@ -970,7 +966,7 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
 # as one send or receive per op — the count torch's op-by-op path makes.
 #
 # **▶ How the recorder gets there (its `P2POp` stand-in and `Recorder.wrap_batch`), read and
-# run** (click the folded cells below).
+# run**.
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -989,8 +985,7 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
 # </details>
 #
 # **▶ Both, read and run here** (a `P2POp` needs a process group: one of a single rank; a
-# `before` hook refuses the batch once both of its ops are recorded, so nothing is sent;
-# click the folded cell below):
+# `before` hook refuses the batch once both of its ops are recorded, so nothing is sent):
 
 # %% jupyter={"source_hidden": true}
 import torch.distributed as dist
@@ -1061,7 +1056,7 @@ claim(f"torch's (parallelize_module + fully_shard) == one device after {cfg.step
 
 # %% [markdown]
 # **▶ What each rank holds on the mesh (its shapes show section 2's answer) — open after your
-# lab passes** (click the folded cell below).
+# lab passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show(viz.mesh_2d_figure(mesh_runs, cfg.d, cfg.h),
@@ -1073,7 +1068,7 @@ viz.show(viz.mesh_2d_figure(mesh_runs, cfg.d, cfg.h),
 
 # %% [markdown]
 # **▶ One step's traffic on the mesh, each collective counted and explained — open after your
-# lab passes** (click the folded cells below).
+# lab passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 local = cfg.num_params // 2 + cfg.d // 2          # what one tp rank of the library's MLP holds
@@ -1102,7 +1097,7 @@ claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2}
 
 # %% [markdown]
 # **▶ torch's placements on the mesh (they show section 2's answer) — open after your lab
-# passes** (click the folded cells below).
+# passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 for name, placement in mesh_runs[0]["torch_placements"].items():
@@ -1156,7 +1151,7 @@ viz.show_code(planner.Cluster, planner.within_nodes, planner.plan_row, planner.p
 
 # %% [markdown]
 # **▶ `planner.TP_MESSAGES_PER_LAYER`, the tensor-parallel messages `plan_row` counts, checked
-# against section 2's run — open after your lab passes** (click the folded cell below).
+# against section 2's run — open after your lab passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 print("tensor-parallel collectives per layer and micro-batch:", planner.TP_MESSAGES_PER_LAYER)
@@ -1401,10 +1396,8 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   with two operations *f* and *g* carrying the communication (which pass of each, and
 #   why they are called *conjugate*, is lab 11; the folded reference answer in section 2).
 #   Collectives over the activations in every MLP and attention block, for every
-#   micro-batch, on the critical path unless hidden behind a matmul (how many, which ones
-#   Megatron hides, and which communication–matmul overlap — Megatron-Core's
-#   `tp_comm_overlap`, torch's async TP — can pipeline is folded after lab 11's pointer):
-#   keep it inside a node.
+#   micro-batch, on the critical path unless hidden behind a matmul (which ones, and how:
+#   folded in section 2): keep it inside a node.
 #   torch's `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
 #   sends the same.
 # - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated into the whole
