@@ -649,7 +649,7 @@ print(f"On this run: {verdict}.")
 # | DataParallel's cost (this lesson) | DDP's answer |
 # |---|---|
 # | replicate every step: the whole model goes out again each step, and torch's `replicate` rebuilds the replicas in Python (timed above against one chunk's forward) | the weights are broadcast **once**, then stay equal because every rank applies the same averaged gradient (a model's *buffers* still travel: next row) |
-# | how the weights and gradients travel — *our copy-by-copy `dp`*: 2(N−1)K through device 0 per step, linear in N (counted above); *the real class*: NCCL's broadcast and reduce, which pipeline the bytes between GPUs, so device 0 does not carry every copy (not measured here) | the gradients move each step, in an all-reduce among equals: under 4K sent plus received per rank (lesson 06); plus, for a model with buffers (the BatchNorm of §2), rank 0's buffers, broadcast before a forward that follows a training forward outside `no_sync` (`forward_sync_buffers`, on by default: lesson 04 §4). Against the real class, what goes is the weights' trip out every step (the row above), not a bottleneck link |
+# | how the weights and gradients travel — *our copy-by-copy `dp`*: 2(N−1)K through device 0 per step, linear in N (counted above); *the real class*: NCCL's broadcast and reduce, which pipeline the bytes between GPUs, so device 0 does not carry every copy (not measured here) | the gradients move each step, in an all-reduce among equals: under 4K sent plus received per rank (lesson 06); plus, for a model with buffers (the BatchNorm of §2), rank 0's buffers, broadcast before the first forward and before each forward after a grad-enabled one outside `no_sync` (`forward_sync_buffers`, on by default: lesson 04 §4). Against the real class, what goes is the weights' trip out every step (the row above), not a bottleneck link |
 # | device 0 gathers all outputs, computes the loss alone and receives the gradients | every rank computes the loss on its own chunk |
 # | one process, one GIL, shared by every replica's Python — read from CPython's design; the demo above measures it only on a quiet machine (its verdict says if this run did) | one **process** per device |
 #
@@ -842,8 +842,8 @@ viz.quiz([
 #   `DistributedDataParallel.__init__` (lines 982-990: `forward_sync_buffers` defaults to the
 #   old `broadcast_buffers`, True); `_pre_forward` calls `_sync_buffers()` when
 #   `_check_sync_bufs_pre_fwd()` (lines 1782-1783), that is when `will_sync_module_buffers()`
-#   (lines 2383-2388: `require_forward_param_sync`, set by a grad-enabled forward outside
-#   `no_sync` in `_post_forward`, lines 1829-1842, and `forward_sync_buffers`, and the module has buffers);
+#   (lines 2383-2388: `require_forward_param_sync`, True from `__init__`, line 993, then set
+#   by a grad-enabled forward outside `no_sync` in `_post_forward`, lines 1829-1842, and `forward_sync_buffers`, and the module has buffers);
 #   `_sync_buffers` broadcasts from rank 0 (line 2419) when no `Join` is active.
 # - `torch/nn/parallel/data_parallel.py` — `DataParallel.replicate` passes
 #   `detach=not torch.is_grad_enabled()` (lines 199-200).

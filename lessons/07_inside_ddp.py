@@ -442,8 +442,8 @@ viz.show(viz.reducer_figure(),
 # %% [markdown]
 # ## 4. Measuring the overlap on a CPU — and predicting it
 # **What to expect.** The runs come first, because the model takes its compute times from
-# their `local` control; then the model; then its clean test, "When the wire takes no CPU" (a
-# simulated network using no core), the experiment that shows overlap; and last the messy
+# their `local` control; then the model; then its clean test, "When the wire takes (almost) no CPU" (a
+# simulated network using almost no CPU), the experiment that shows overlap; and last the messy
 # case, the real gloo all-reduces held against the model. Those break its assumptions: they
 # run on the cores that run the backward (the setup cell printed how many), so they may show
 # no clear gain and times off the prediction — this machine's wire, not overlap failing.
@@ -669,7 +669,7 @@ def verdict(a, b, part="step"):
 
 
 # %% [markdown]
-# ### When the wire takes no CPU
+# ### When the wire takes (almost) no CPU
 # First the model's clean test: take the CPU out of the communication, which the real gloo
 # all-reduces share with the backward (the last part of this section): one
 # process, the same MLP, the same 4 MiB buckets, and for each bucket's all-reduce a thread
@@ -769,7 +769,7 @@ claim("the bound is B here (C − C_last is larger), and the model's saving is b
 # (the first claim above); the verdict above says whether the whole step was clearly faster,
 # and the backward's paired difference says whether the compute stayed undisturbed, which the
 # model assumes and a CPU need not give even with the wire off it.
-# At B / C = ½ the backward is shorter than the messages of every bucket but the last, so the bound is B, not C − C_last; and as the first
+# At B / C = ½ the backward is shorter than the messages of all buckets but the last together, so the bound is B, not C − C_last; and as the first
 # bucket is complete only some way into the backward, the model expects less than B. (The
 # measured saving is held against the bound from the rounds' own times, printed above: on a
 # loaded machine their backward can outlast the calibration's.)

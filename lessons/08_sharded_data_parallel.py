@@ -726,7 +726,7 @@ claim("loaded back into a fresh sharded model, every rank's shards are equal",
 
 # %% [markdown]
 # What `Shard(dim=0)` leaves on rank 0: the first of N chunks along dimension 0 (FSDP2 pads
-# only its storage: a last rank's tensor is shorter), every other dimension whole. The biases' shapes are printed;
+# only its storage: the last ranks' tensors are shorter, or empty), every other dimension whole. The biases' shapes are printed;
 # the weights' are only checked here, since which features each dimension of an
 # `nn.Linear` weight holds is lab 11's part 3.
 

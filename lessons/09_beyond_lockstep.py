@@ -730,8 +730,8 @@ claim(f"with {local_hs[-1]}× fewer averages, H = {local_hs[-1]} kept {kept:.0%}
 # is a knob, like τ above.
 #
 # ## 4. Large batches: the linear scaling rule and warmup
-# The last way to talk less per example: make the global batch k times larger (k times the
-# ranks, or k times the batch per rank) and take k times fewer steps per epoch. Goyal et al.
+# The last way to talk less per example: a k times larger global batch (more ranks, or more
+# per rank), so k times fewer steps per epoch. Goyal et al.
 # (2017, "Accurate, large minibatch SGD: training ImageNet in 1 hour") made this work with
 # two rules: **scale the learning rate by k** (k small steps ≈ one step with the sum of their
 # gradients), and **warm up**: start from the small lr and climb linearly to k × lr over the
@@ -829,7 +829,7 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #   (`PeriodicModelAverager`, post-local SGD); DiLoCo adds an outer Nesterov step on the
 #   averaged change, with AdamW inside.
 # - With SGD (here with momentum) and below the critical batch size, a k× larger batch takes a
-#   k× larger lr (the linear scaling rule; for Adam, √k: §4). Warmup is meant for an lr
+#   k× larger lr (the linear scaling rule; for Adam a √k rule is quoted, not run: §4). Warmup is meant for an lr
 #   that only the first steps cannot take; this problem has no such phase, and the run shows
 #   warmup's cost, not its benefit.
 #

@@ -444,7 +444,7 @@ claim("the message is the installed libtorch_cpu.so's own (ProcessGroupGloo::mon
 
 # %% [markdown]
 # Rank 0 had returned, but its process was alive (under `spawn`, below). With the default group
-# timeout, rank 1 would wait that long: the names come sooner from rank 0's
+# timeout, rank 1 would wait 30 minutes (gloo): the names come sooner from rank 0's
 # side, or from the course's trace and stack dump.
 #
 # **The tools PyTorch gives you, and where each works** (the ones that run on gloo ran above):
@@ -909,7 +909,7 @@ claim("once the squatter is gone, the port is free", detectors.port_owner(port) 
 # on a machine without them, NCCL as gloo and CUDA moves kept on the CPU — it can then tell
 # whether the rest of the script is right, not whether it runs on GPUs. The exit code is 0 only
 # for a clean, consistent run with nothing found (`ok = result.ok`, `Diagnosis.ok` from
-# section 1), so it fits in a CI job. On lab 10's scripts it withholds its findings (`lab`).
+# section 1), so it fits in a CI job. On lab 10's own scripts (their docstring starts "Lab 10, bug N") it withholds its findings.
 #
 # **▶ The command** (folded): `diagnose_script`, what `python -m dpcourse diagnose` runs.
 

@@ -398,7 +398,7 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
 # overlap — the QKV layer's and the MLP's first layer's. Built from these layers means
 # `--transformer-impl local`: Megatron-LM's default, `transformer_engine`
 # (`TransformerConfig.transformer_impl`), builds attention and MLP from Transformer Engine's
-# linear layers instead, whose overlap this lesson did not read. With sequence parallelism
+# linear layers instead, whose own overlap of these all-reduces this lesson did not read. With sequence parallelism
 # the input gradient is reduce-scattered instead, asynchronously with the same weight
 # gradient. *Can*: the overlap holds only if the GPU starts the all-reduce before the weight-gradient matmul, and
 # Megatron-LM gets that order from the environment: `CUDA_DEVICE_MAX_CONNECTIONS=1`, which
@@ -568,7 +568,7 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # each rank's matmuls shrink by t. Not all of them, though: Megatron-LM hides two of a
 # layer's four, those of its two *f*'s, when it builds the layer from its own layers
 # (`--transformer-impl local`; its default, `transformer_engine`, uses Transformer Engine's
-# linear layers, not read here) — attention's QKV layer and the MLP's first layer are
+# linear layers, whose overlap of these all-reduces is not read here) — attention's QKV layer and the MLP's first layer are
 # both column-parallel, and every `ColumnParallelLinear` overlaps its all-reduce with a
 # matmul that does not need its result, when the run sets `CUDA_DEVICE_MAX_CONNECTIONS=1`
 # (which matmul, why it can, and why the variable, is in the reference answer folded after lab
