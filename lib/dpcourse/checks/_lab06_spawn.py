@@ -184,12 +184,14 @@ def _run_real_cases(rank, world_size, fn, cases, marker_dir, kwargs=None):
         if call.op in ("send", "recv"):
             numel = call.numel if call.op == "send" else call.out_numel
             p2p_log.write(f"{call.op} {call.peer} {numel}\n")
-        if call.op == "send":
             if isinstance(call.peer, int) and not 0 <= call.peer < world_size:
-                # gloo would wait forever for a rank that does not exist
-                raise ValueError(f"dist.{call.function} to rank {call.peer}, but there are "
+                # gloo would wait forever for a rank that does not exist, or crash the process
+                # on a receive from one (a SIGSEGV seen in CI before this check covered receives)
+                way = "to" if call.op == "send" else "from"
+                raise ValueError(f"dist.{call.function} {way} rank {call.peer}, but there are "
                                  f"only {world_size} ranks (0..{world_size - 1}): compute the "
                                  f"neighbours from dist.get_world_size(), not a fixed number")
+        if call.op == "send":
             if call.numel > 0:
                 traffic["messages"] += 1
                 traffic["elements"] += call.numel
