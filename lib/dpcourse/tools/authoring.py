@@ -387,9 +387,9 @@ def estimate_time(nb: nbformat.NotebookNode) -> TimeEstimate:
         if INSTALL_TAG in cell.get("metadata", {}).get("tags", []):
             continue  # the build's install cell: silent where the course runs, not the lesson
         if cell.cell_type == "markdown":
-            text = cell.source.strip()
-            if details_label(cell) is not None:  # a folded Sources list counts as one too
-                text = _DETAILS.match(cell.source).group(2).strip()
+            folded_block = _DETAILS.match(cell.source)
+            # A folded Sources list counts as Sources too: read what the fold holds.
+            text = (folded_block.group(2) if folded_block else cell.source).strip()
             if re.match(r"#+\s*Sources\b", text):
                 continue
             words += len(_FOLD_TAGS.sub(" ", cell.source).split())  # tags are not read
